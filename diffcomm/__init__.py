@@ -1,0 +1,38 @@
+"""diffcomm: differentiable collectives for PyTorch.
+
+Every communication op is an autograd op whose backward is its exact adjoint under the
+convention that the objective is the **sum of the per-rank objectives**.
+"""
+
+from __future__ import annotations
+
+from ._config import debug, settings, timeout
+from ._errors import (
+    CollectiveTimeoutError,
+    CrossRankMismatchError,
+    DiffcommError,
+    RankDiedError,
+    RankError,
+    WorldTimeoutError,
+)
+from .world import LocalWorld, get_rank, get_world_size, init, is_initialized, launch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "CrossRankMismatchError",
+    "DiffcommError",
+    "LocalWorld",
+    "RankDiedError",
+    "RankError",
+    "WorldTimeoutError",
+    "debug",
+    "get_rank",
+    "get_world_size",
+    "init",
+    "is_initialized",
+    "launch",
+    "settings",
+    "timeout",
+]

@@ -1,0 +1,180 @@
+"""Argument normalisation and validation, shared by every op.
+
+Every check here runs before any communication and raises a ``ValueError`` or
+``TypeError`` whose message names the op, the argument, what was expected and what was
+given, and this rank. Group resolution (``None | ProcessGroup | (DeviceMesh, axis)``)
+lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+
+GroupLike = Union[None, "dist.ProcessGroup", tuple[Any, int | str]]
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+LINEAR_OPS = ("sum", "avg")
+
+_REDUCE_OP_NAMES = {
+    "sum": "sum",
+    "avg": "avg",
+    "mean": "avg",
+    "max": "max",
+    "min": "min",
+    "product": "product",
+    "prod": "product",
+}
+
+
+def _where() -> str:
+    if dist.is_available() and dist.is_initialized():
+        return f" (rank {dist.get_rank()})"
+    return ""
+
+
+def arg_error(op: str, arg: str, expected: str, got: Any, cls: type[Exception] = ValueError):
+    """Build the standard error: ``op(): argument expected ..., got ... (rank r)``."""
+    return cls(f"diffcomm.{op}(): `{arg}` must be {expected}, got {got}{_where()}")
+
+
+def resolve_group(group: GroupLike, op: str = "op") -> dist.ProcessGroup | None:
+    """Turn ``None``, a ``ProcessGroup`` or ``(DeviceMesh, axis)`` into a ProcessGroup.
+
+    ``None`` stays ``None`` (torch's default group). Raises ``TypeError`` for anything else
+    and ``RuntimeError`` when no process group is initialised.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"diffcomm.{op}(): torch.distributed is not initialised; call diffcomm.init() "
+            "(inside torchrun) or run the code through diffcomm.launch / diffcomm.LocalWorld"
+        )
+    if group is None:
+        return None
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    if isinstance(group, tuple) and len(group) == 2:
+        mesh, axis = group
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(mesh, DeviceMesh):
+            raise arg_error(
+                op, "group", "a (DeviceMesh, axis) pair", f"({type(mesh).__name__}, ...)", TypeError
+            )
+        names = mesh.mesh_dim_names or ()
+        if isinstance(axis, str):
+            if axis not in names:
+                raise arg_error(op, "group", f"a mesh axis name in {tuple(names)}", repr(axis))
+        elif isinstance(axis, int) and not isinstance(axis, bool):
+            if not -mesh.ndim <= axis < mesh.ndim:
+                raise arg_error(op, "group", f"a mesh axis index in [0, {mesh.ndim})", axis)
+            axis = axis % mesh.ndim
+        else:
+            raise arg_error(op, "group", "a mesh axis name or index", type(axis).__name__, TypeError)
+        return mesh.get_group(axis)
+    raise arg_error(
+        op, "group", "None, a ProcessGroup or a (DeviceMesh, axis) pair", type(group).__name__, TypeError
+    )
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank inside ``group`` (resolved)."""
+    return dist.get_rank(group)
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Number of ranks in ``group`` (resolved)."""
+    return dist.get_world_size(group)
+
+
+def check_tensor(x: Any, op: str, arg: str = "x") -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise arg_error(op, arg, "a torch.Tensor", type(x).__name__, TypeError)
+    if x.is_sparse:
+        raise arg_error(op, arg, "a dense (strided) tensor", "a sparse tensor", TypeError)
+    return x
+
+
+def check_int(v: Any, op: str, arg: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point():
+            return int(v.item())
+        raise arg_error(op, arg, "an int", f"{type(v).__name__} {v!r}", TypeError)
+    return v
+
+
+def check_rank(r: Any, op: str, arg: str, world: int) -> int:
+    """A group-local rank in ``[0, world)``."""
+    r = check_int(r, op, arg)
+    if not 0 <= r < world:
+        raise arg_error(op, arg, f"a group-local rank in [0, {world})", r)
+    return r
+
+
+def check_dim(x: torch.Tensor, dim: Any, op: str, arg: str = "dim") -> int:
+    """Normalise ``dim`` against ``x.ndim`` (negative dims allowed)."""
+    dim = check_int(dim, op, arg)
+    nd = x.ndim
+    if nd == 0:
+        raise arg_error(op, "x", "a tensor with at least one dimension", "a 0-dim tensor")
+    if not -nd <= dim < nd:
+        raise arg_error(op, arg, f"a dimension in [{-nd}, {nd}) for a {nd}-dim tensor", dim)
+    return dim % nd
+
+
+def normalize_op(op_arg: Any, opname: str, x: torch.Tensor | None = None) -> str:
+    """Reduce op as one of ``sum, avg, max, min, product``; checks it suits ``x.dtype``."""
+    name: str | None = None
+    if isinstance(op_arg, str):
+        name = _REDUCE_OP_NAMES.get(op_arg.strip().lower())
+    elif isinstance(op_arg, dist.ReduceOp) or type(op_arg).__name__ == "RedOpType":
+        text = str(op_arg).split(".")[-1].lower()
+        name = _REDUCE_OP_NAMES.get(text)
+    if name is None:
+        raise arg_error(
+            opname, "op", f"one of {REDUCE_OPS} (any case) or a torch.distributed.ReduceOp", repr(op_arg)
+        )
+    if x is not None:
+        if name in ("max", "min") and x.is_complex():
+            raise arg_error(opname, "op", "sum/avg/product for a complex tensor (no order on C)", repr(name))
+        if name == "avg" and not (x.is_floating_point() or x.is_complex()):
+            raise arg_error(opname, "op", "sum/max/min/product for an integer or bool tensor", "'avg'")
+    return name
+
+
+def check_split_sizes(
+    split_sizes: Any, total: int, world: int, op: str, arg: str = "split_sizes"
+) -> list[int]:
+    """Per-rank split sizes along a dim of size ``total``; ``None`` means an even split."""
+    if split_sizes is None:
+        if total % world != 0:
+            raise arg_error(
+                op,
+                "x",
+                f"of a size along the split dim divisible by the group size {world} (or pass `{arg}`)",
+                f"size {total}",
+            )
+        return [total // world] * world
+    if isinstance(split_sizes, torch.Tensor):
+        split_sizes = split_sizes.tolist()
+    if not isinstance(split_sizes, Sequence) or isinstance(split_sizes, str):
+        raise arg_error(op, arg, f"a list of {world} ints", type(split_sizes).__name__, TypeError)
+    sizes = [check_int(s, op, arg) for s in split_sizes]
+    if len(sizes) != world:
+        raise arg_error(op, arg, f"a list of {world} ints (one per rank)", f"{len(sizes)} entries")
+    if any(s < 0 for s in sizes):
+        raise arg_error(op, arg, "non-negative sizes", sizes)
+    if sum(sizes) != total:
+        raise arg_error(
+            op, arg, f"sizes summing to {total} (the size along the split dim)", f"{sizes} (sum {sum(sizes)})"
+        )
+    return sizes
+
+
+def check_grad_dtype(x: torch.Tensor, op: str, arg: str = "x") -> None:
+    """Only floating and complex tensors can carry gradients (torch enforces it too)."""
+    if x.requires_grad and not (x.is_floating_point() or x.is_complex()):
+        raise arg_error(op, arg, "a floating or complex tensor to require grad", str(x.dtype), TypeError)

@@ -1,0 +1,154 @@
+"""Settings, read once from the environment, each also usable as a ``with`` block.
+
+=========================  =====================  ==========================================
+setting                    environment variable   meaning
+=========================  =====================  ==========================================
+``debug``                  ``DIFFCOMM_DEBUG``     cross-rank argument checks before each op
+``timeout``                ``DIFFCOMM_TIMEOUT``   seconds a collective may wait (float > 0)
+``accelerator``            ``DIFFCOMM_ACCELERATOR``  ``cpu``/``cuda``/``mps``/``xpu`` or unset
+=========================  =====================  ==========================================
+
+Usage::
+
+    diffcomm.debug(True)            # switch on for the rest of the program
+    with diffcomm.debug(True):      # or only inside the block; the old value comes back
+        ...
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off")
+
+
+def _parse_timeout(name: str, raw: str) -> float | None:
+    value = raw.strip().lower()
+    if value in ("", "none"):
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds (e.g. 30 or 2.5)") from None
+    if not seconds > 0:
+        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
+    return seconds
+
+
+_ACCELERATORS = ("cpu", "cuda", "mps", "xpu")
+
+
+def _parse_accelerator(name: str, raw: str) -> str | None:
+    value = raw.strip().lower()
+    if value == "":
+        return None
+    if value not in _ACCELERATORS:
+        raise ValueError(f"{name}={raw!r} is not a known accelerator; legal values: {_ACCELERATORS}")
+    return value
+
+
+class _Restore:
+    """Returned by a setting's setter: already applied; as a ``with`` block, restores."""
+
+    def __init__(self, setting: Setting[Any], old: Any) -> None:
+        self._setting = setting
+        self._old = old
+
+    def __enter__(self) -> _Restore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._setting._value = self._old
+
+    def __repr__(self) -> str:
+        return f"<{self._setting.name}={self._setting.get()!r}>"
+
+
+class Setting(Generic[T]):
+    """One named setting: read once from the environment, validated, overridable."""
+
+    def __init__(self, name: str, env: str, parse: Callable[[str, str], T], default: T) -> None:
+        self.name = name
+        self.env = env
+        self._parse = parse
+        self._default = default
+        self._loaded = False
+        self._value: T = default
+
+    def get(self) -> T:
+        if not self._loaded:
+            raw = os.environ.get(self.env)
+            self._value = self._default if raw is None else self._parse(self.env, raw)
+            self._loaded = True
+        return self._value
+
+    def set(self, value: T) -> _Restore:
+        old = self.get()
+        if isinstance(value, str):
+            value = self._parse(self.name, value)
+        self._value = self.validate(value)
+        return _Restore(self, old)
+
+    def validate(self, value: Any) -> T:
+        if self._parse is _parse_bool:
+            if not isinstance(value, bool):
+                raise TypeError(f"{self.name} must be a bool, got {type(value).__name__}")
+        elif self._parse is _parse_timeout:
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                    raise ValueError(
+                        f"{self.name} must be a positive number of seconds or None, got {value!r}"
+                    )
+                value = float(value)
+        elif self._parse is _parse_accelerator:
+            if value is not None:
+                value = _parse_accelerator(self.name, str(value))
+        return value
+
+    def reload(self) -> None:
+        """Forget the cached value; the next :meth:`get` reads the environment again."""
+        self._loaded = False
+
+
+DEBUG: Setting[bool] = Setting("debug", "DIFFCOMM_DEBUG", _parse_bool, False)
+TIMEOUT: Setting[float | None] = Setting("timeout", "DIFFCOMM_TIMEOUT", _parse_timeout, None)
+ACCELERATOR: Setting[str | None] = Setting("accelerator", "DIFFCOMM_ACCELERATOR", _parse_accelerator, None)
+
+
+def debug(enabled: bool | None = None) -> Any:
+    """Read (no argument) or set cross-rank debug checks; a ``with`` block restores.
+
+    In debug mode every collective first exchanges a small fingerprint (op, shape, dtype,
+    root, ...) between the ranks and raises :class:`~diffcomm.CrossRankMismatchError`
+    naming the ranks that differ, instead of hanging or returning garbage; every
+    ``diffcomm.parallel`` mapping checks the assumption it rests on.
+    """
+    if enabled is None:
+        return DEBUG.get()
+    return DEBUG.set(enabled)
+
+
+def timeout(seconds: float | None | str = "__get__") -> Any:
+    """Read (no argument) or set the collective timeout in seconds; a ``with`` block restores."""
+    if seconds == "__get__":
+        return TIMEOUT.get()
+    return TIMEOUT.set(seconds)  # type: ignore[arg-type]
+
+
+def settings() -> dict[str, Any]:
+    """All current settings as a dict (for ``python -m diffcomm info``)."""
+    return {s.name: s.get() for s in (DEBUG, TIMEOUT, ACCELERATOR)}

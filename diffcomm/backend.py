@@ -1,0 +1,847 @@
+"""The adapter the collectives call: raw, non-differentiable ops over ``torch.distributed``.
+
+Everything here is out-of-place (returns new tensors, never writes into its inputs) and
+works along **dim 0 of a contiguous tensor**; the collectives move dims and make
+contiguous before calling in. Ranks are **group-local**. Backend gaps are filled here and
+only here (an uneven all_gather on gloo, a reduce_scatter a backend lacks, ``avg`` on a
+backend without it...), so the autograd layer never branches on "nccl" or "gloo".
+
+Also here, because every raw op funnels through one entry point (:func:`_dispatch`):
+
+* the **comms logger** — :func:`log_comms` records op, count, bytes, time and
+  algorithmic/bus bandwidth, and prints a summary table;
+* the **comm-off switches** — :func:`comm_off` skips named collectives while still
+  returning correctly shaped results (for ablation timing, never for correctness);
+* the translation of a backend timeout into :class:`~diffcomm.CollectiveTimeoutError`
+  naming the op and how to fix it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from . import _config
+from ._errors import CollectiveTimeoutError, CrossRankMismatchError
+
+ProcessGroup = Any  # dist.ProcessGroup | None (None = the default group)
+
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+#: Every op name the backend dispatches (the names :func:`comm_off` accepts).
+OP_NAMES = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "reduce_scatter",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "send",
+    "recv",
+    "batch_p2p",
+    "barrier",
+)
+
+# Bus-bandwidth factor per op for n ranks (the nccl-tests convention).
+_BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "gather": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
+}
+
+
+# --------------------------------------------------------------------------------------
+# labels: which diffcomm op (and which direction) the raw call serves, for messages/logs
+# --------------------------------------------------------------------------------------
+
+_LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("diffcomm_label", default=None)
+
+
+@contextlib.contextmanager
+def label(text: str) -> Iterator[None]:
+    """Name the diffcomm op being run (e.g. ``"all_gather backward"``) for errors and logs."""
+    token = _LABEL.set(text)
+    try:
+        yield
+    finally:
+        _LABEL.reset(token)
+
+
+# --------------------------------------------------------------------------------------
+# comms logger
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class CommRecord:
+    """One raw communication call."""
+
+    op: str
+    label: str | None
+    nbytes: int
+    seconds: float
+    world: int
+    skipped: bool = False
+
+
+@dataclass
+class CommsLog:
+    """Records of every raw op run inside :func:`log_comms`; ``print(log)`` shows a table."""
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    def by_op(self) -> dict[str, dict[str, float]]:
+        """Per op name: count, bytes, seconds, algbw and busbw (GB/s, 1e9 bytes)."""
+        out: dict[str, dict[str, float]] = {}
+        for r in self.records:
+            row = out.setdefault(
+                r.op, {"count": 0, "bytes": 0, "seconds": 0.0, "busbytes": 0.0, "skipped": 0}
+            )
+            row["count"] += 1
+            row["bytes"] += r.nbytes
+            row["seconds"] += r.seconds
+            row["busbytes"] += r.nbytes * _BUS_FACTOR.get(r.op, lambda n: 1.0)(max(r.world, 1))
+            row["skipped"] += int(r.skipped)
+        for row in out.values():
+            s = row["seconds"]
+            row["algbw_GBps"] = row["bytes"] / s / 1e9 if s > 0 else 0.0
+            row["busbw_GBps"] = row.pop("busbytes") / s / 1e9 if s > 0 else 0.0
+        return out
+
+    def count(self, op: str | None = None) -> int:
+        """Number of raw calls (of ``op`` if given)."""
+        return sum(1 for r in self.records if op is None or r.op == op)
+
+    def total_bytes(self, op: str | None = None) -> int:
+        return sum(r.nbytes for r in self.records if op is None or r.op == op)
+
+    def summary(self) -> str:
+        """A plain-text table: op, count, bytes, time, algbw, busbw."""
+        rows = self.by_op()
+        head = f"{'op':<16}{'count':>7}{'bytes':>14}{'time ms':>11}{'algbw GB/s':>12}{'busbw GB/s':>12}"
+        lines = [head, "-" * len(head)]
+        for op, r in sorted(rows.items()):
+            lines.append(
+                f"{op:<16}{int(r['count']):>7}{int(r['bytes']):>14}{r['seconds'] * 1e3:>11.3f}"
+                f"{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}"
+            )
+        return "\n".join(lines)
+
+    def rich_table(self) -> Any:
+        """The summary as a ``rich.table.Table``."""
+        from rich.table import Table
+
+        table = Table(title="diffcomm comms log")
+        for col in ("op", "count", "bytes", "time ms", "algbw GB/s", "busbw GB/s"):
+            table.add_column(col, justify="left" if col == "op" else "right")
+        for op, r in sorted(self.by_op().items()):
+            table.add_row(
+                op,
+                str(int(r["count"])),
+                f"{int(r['bytes']):,}",
+                f"{r['seconds'] * 1e3:.3f}",
+                f"{r['algbw_GBps']:.3f}",
+                f"{r['busbw_GBps']:.3f}",
+            )
+        return table
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+_local = threading.local()
+
+
+def _logs() -> list[CommsLog]:
+    if not hasattr(_local, "logs"):
+        _local.logs = []
+    return _local.logs
+
+
+@contextlib.contextmanager
+def log_comms() -> Iterator[CommsLog]:
+    """Record every raw communication inside the block.
+
+    Example::
+
+        with diffcomm.backend.log_comms() as log:
+            y = dc.all_gather(x)
+            y.sum().backward()
+        print(log)           # table: all_gather 1 ..., reduce_scatter 1 ...
+    """
+    log = CommsLog()
+    _logs().append(log)
+    try:
+        yield log
+    finally:
+        _logs().remove(log)
+
+
+# --------------------------------------------------------------------------------------
+# comm-off switches
+# --------------------------------------------------------------------------------------
+
+
+def _off() -> set[str]:
+    if not hasattr(_local, "off"):
+        _local.off = set()
+    return _local.off
+
+
+class comm_off:  # noqa: N801 - used like a function
+    """Skip the named raw collectives (ablation timing); results keep their shapes.
+
+    A skipped op returns what a one-rank world would compute from local data (its own
+    input reduced with itself, its own chunk repeated ...). The values are wrong on
+    purpose; use it only to measure what communication costs. Usable as a call (stays on
+    until :meth:`restore`) or as a ``with`` block (restored on exit)::
+
+        with diffcomm.backend.comm_off("all_gather", "reduce_scatter"):
+            bench(step)
+    """
+
+    def __init__(self, *ops: str) -> None:
+        bad = [o for o in ops if o not in OP_NAMES]
+        if bad:
+            raise ValueError(f"diffcomm.backend.comm_off(): unknown op(s) {bad}; legal: {OP_NAMES}")
+        self._old = set(_off())
+        _off().update(ops)
+
+    def restore(self) -> None:
+        _local.off = set(self._old)
+
+    def __enter__(self) -> comm_off:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def is_off(op: str) -> bool:
+    """Whether ``op`` is currently switched off by :class:`comm_off`."""
+    return op in _off()
+
+
+# --------------------------------------------------------------------------------------
+# the one entry point
+# --------------------------------------------------------------------------------------
+
+_TIMEOUT_MARKERS = ("timed out", "timeout", "time out", "deadline")
+
+
+def _timeout_message(op: str, group: ProcessGroup, err: BaseException) -> str:
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    what = _LABEL.get() or op
+    return (
+        f"diffcomm: `{what}` (raw {op}) timed out on global rank {rank} waiting for the other "
+        f"ranks of its group. Under autograd the usual cause is that one rank's loss does "
+        f"not use an output of a collective, so PyTorch skips that collective's backward on "
+        f"that rank while the others wait for it. Fix: make every rank's loss touch every "
+        f"collective output (e.g. add `0 * out.sum()`), and make every rank run the same "
+        f"sequence of collectives. Backend error: {err}"
+    )
+
+
+def _sync_if_needed(t: torch.Tensor | None) -> None:
+    if t is not None and t.device.type not in ("cpu", "meta"):
+        torch.accelerator.synchronize(t.device) if hasattr(torch, "accelerator") else None
+
+
+def _dispatch(
+    op: str,
+    group: ProcessGroup,
+    nbytes: int,
+    run: Callable[[], Any],
+    skip: Callable[[], Any],
+    sample: torch.Tensor | None = None,
+) -> Any:
+    """Run one raw op: comm-off switch, logging, timeout translation — for every op."""
+    logs = _logs()
+    if op in _off():
+        out = skip()
+        for log in logs:
+            log.records.append(CommRecord(op, _LABEL.get(), nbytes, 0.0, _world(group), True))
+        return out
+    start = time.perf_counter() if logs else 0.0
+    try:
+        out = run()
+    except (RuntimeError, dist.DistError) as err:  # DistBackendError is a RuntimeError
+        text = str(err).lower()
+        if any(m in text for m in _TIMEOUT_MARKERS):
+            raise CollectiveTimeoutError(_timeout_message(op, group, err)) from err
+        raise
+    if logs:
+        _sync_if_needed(sample)
+        elapsed = time.perf_counter() - start
+        for log in logs:
+            log.records.append(CommRecord(op, _LABEL.get(), nbytes, elapsed, _world(group)))
+    return out
+
+
+def _world(group: ProcessGroup) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --------------------------------------------------------------------------------------
+# the protocol and the torch.distributed implementation
+# --------------------------------------------------------------------------------------
+
+
+class Backend(Protocol):
+    """The raw ops the collectives need. All out-of-place, dim 0, group-local ranks."""
+
+    def rank(self, group: ProcessGroup) -> int: ...
+    def world_size(self, group: ProcessGroup) -> int: ...
+    def global_rank(self, group: ProcessGroup, rank: int) -> int: ...
+    def all_reduce(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor: ...
+    def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor: ...
+    def reduce(self, x: torch.Tensor, dst: int, op: str, group: ProcessGroup) -> torch.Tensor: ...
+    def all_gather(
+        self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor: ...
+    def reduce_scatter(
+        self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
+    ) -> torch.Tensor: ...
+    def gather(
+        self, x: torch.Tensor, dst: int, group: ProcessGroup, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor: ...
+    def scatter(
+        self, x: torch.Tensor, src: int, group: ProcessGroup, split_sizes: Sequence[int] | None = None
+    ) -> torch.Tensor: ...
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        group: ProcessGroup,
+        input_split_sizes: Sequence[int] | None = None,
+        output_split_sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor: ...
+    def send(self, x: torch.Tensor, dst: int, group: ProcessGroup, tag: int = 0) -> None: ...
+    def recv(self, out: torch.Tensor, src: int, group: ProcessGroup, tag: int = 0) -> torch.Tensor: ...
+    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]], group: ProcessGroup) -> None: ...
+    def barrier(self, group: ProcessGroup) -> None: ...
+    def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]: ...
+
+
+@dataclass
+class Capabilities:
+    """What the group's c10d backend can do natively (probed once per backend name)."""
+
+    backend: str
+    avg: bool
+    reduce_scatter: bool
+    all_gather_into_tensor: bool
+    uneven_all_gather: bool
+    uneven_all_to_all: bool
+    complex_reduce: bool
+    gather_scatter: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _static_capabilities(name: str) -> Capabilities:
+    """Known capabilities of c10d backends in the torch versions diffcomm supports.
+
+    ``gloo`` in torch < 2.6 lacks ``reduce_scatter_tensor`` and ``ReduceOp.AVG``;
+    ``nccl`` lacks gather/scatter before 2.x builds that emulate them (torch does).
+    Uneven all_gather/gather never work with a single tensor output: diffcomm pads.
+    """
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if name == "gloo":
+        new = version >= (2, 6)
+        return Capabilities(name, new, new, True, False, True, True, True)
+    if name == "nccl":
+        return Capabilities(name, True, True, True, False, True, True, True)
+    return Capabilities(name, False, False, False, False, True, False, True)
+
+
+class TorchDistributedBackend:
+    """The default :class:`Backend`: ``torch.distributed`` (gloo, nccl, mpi, ucc, xccl)."""
+
+    def __init__(self) -> None:
+        self._caps: dict[str, Capabilities] = {}
+        self.overrides: dict[str, bool] = {}  # force a capability off/on (tests of fallbacks)
+
+    # ---- group helpers -------------------------------------------------------------
+    def rank(self, group: ProcessGroup) -> int:
+        return dist.get_rank(group)
+
+    def world_size(self, group: ProcessGroup) -> int:
+        return dist.get_world_size(group)
+
+    def global_rank(self, group: ProcessGroup, rank: int) -> int:
+        if group is None:
+            return rank
+        return dist.get_global_rank(group, rank)
+
+    def backend_name(self, group: ProcessGroup) -> str:
+        return str(dist.get_backend(group)).lower()
+
+    def capabilities(self, group: ProcessGroup = None) -> Capabilities:
+        name = self.backend_name(group)
+        caps = self._caps.get(name)
+        if caps is None:
+            caps = self._caps[name] = _static_capabilities(name)
+        if self.overrides:
+            caps = Capabilities(**{**caps.as_dict(), **self.overrides})
+        return caps
+
+    # ---- reductions ----------------------------------------------------------------
+    def _reduce_op(self, op: str, x: torch.Tensor, group: ProcessGroup) -> tuple[Any, bool]:
+        """torch ReduceOp to use, and whether to divide by the world size afterwards."""
+        if op == "avg" and not (self.capabilities(group).avg and x.is_floating_point()):
+            return dist.ReduceOp.SUM, True
+        return _TORCH_OPS[op], False
+
+    def _as_wire(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
+        # complex sum/avg travel as real pairs where the backend has no complex reduction
+        if x.is_complex() and op in ("sum", "avg") and not self.capabilities(group).complex_reduce:
+            return torch.view_as_real(x)
+        return x
+
+    def all_reduce(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
+        out = x.clone(memory_format=torch.contiguous_format)
+        if x.is_complex() and op == "product":
+            return self._complex_product(out, group)
+        torch_op, divide = self._reduce_op(op, x, group)
+        wire = self._as_wire(out, op, group)
+        _dispatch(
+            "all_reduce",
+            group,
+            _nbytes(x),
+            lambda: dist.all_reduce(wire, torch_op, group=group),
+            lambda: None,
+            out,
+        )
+        if divide:
+            out.div_(self.world_size(group))
+        return out
+
+    def _complex_product(self, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        parts = self.all_gather(x.reshape(1, *x.shape), group)
+        return torch.prod(parts, dim=0)
+
+    def reduce(self, x: torch.Tensor, dst: int, op: str, group: ProcessGroup) -> torch.Tensor:
+        out = x.clone(memory_format=torch.contiguous_format)
+        torch_op, divide = self._reduce_op(op, x, group)
+        wire = self._as_wire(out, op, group)
+        _dispatch(
+            "reduce",
+            group,
+            _nbytes(x),
+            lambda: dist.reduce(wire, group_dst=dst, op=torch_op, group=group),
+            lambda: None,
+            out,
+        )
+        if self.rank(group) != dst:
+            out.zero_()
+        elif divide:
+            out.div_(self.world_size(group))
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
+        out = x.clone(memory_format=torch.contiguous_format)
+        wire = torch.view_as_real(out) if out.is_complex() else out
+        _dispatch(
+            "broadcast",
+            group,
+            _nbytes(x),
+            lambda: dist.broadcast(wire, group_src=src, group=group),
+            lambda: None,
+            out,
+        )
+        return out
+
+    # ---- gather family (dim 0) -----------------------------------------------------
+    def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
+        """Every rank's ``n`` (a small all_gather); used for uneven sizes."""
+        world = self.world_size(group)
+        if world == 1:
+            return [n]
+        mine = torch.tensor([n], dtype=torch.int64, device=_comm_device(group))
+        out = torch.empty(world, dtype=torch.int64, device=mine.device)
+        _dispatch(
+            "all_gather",
+            group,
+            8,
+            lambda: _all_gather_single(out, mine, group=group),
+            lambda: out.fill_(n),
+            None,
+        )
+        return [int(v) for v in out.tolist()]
+
+    def all_gather(
+        self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along dim 0. ``sizes``: every rank's ``x.shape[0]``."""
+        world = self.world_size(group)
+        x = x.contiguous()
+        rest = tuple(x.shape[1:])
+        if sizes is None:
+            sizes = [x.shape[0]] * world
+        total = sum(sizes)
+        even = all(s == sizes[0] for s in sizes)
+        if even and self.capabilities(group).all_gather_into_tensor:
+            out = torch.empty((total, *rest), dtype=x.dtype, device=x.device)
+            _dispatch(
+                "all_gather",
+                group,
+                _nbytes(out),
+                lambda: _all_gather_single(_wire(out), _wire(x), group=group),
+                lambda: out.copy_(x.repeat(world, *([1] * len(rest)))),
+                out,
+            )
+            return out
+        # uneven (or no into-tensor op): pad every rank to the largest size, gather, unpad
+        m = max(sizes) if sizes else 0
+        padded = x if x.shape[0] == m else torch.cat([x, x.new_zeros((m - x.shape[0], *rest))])
+        buf = torch.empty((world * m, *rest), dtype=x.dtype, device=x.device)
+        chunks = list(buf.split(m)) if m > 0 else [buf[:0]] * world
+
+        def run() -> None:
+            if self.capabilities(group).all_gather_into_tensor:
+                _all_gather_single(_wire(buf), _wire(padded), group=group)
+            else:
+                dist.all_gather([_wire(c) for c in chunks], _wire(padded), group=group)
+
+        _dispatch(
+            "all_gather",
+            group,
+            _nbytes(buf),
+            run,
+            lambda: buf.copy_(padded.repeat(world, *([1] * len(rest)))),
+            buf,
+        )
+        if even:
+            return buf
+        return torch.cat([c[:s] for c, s in zip(chunks, sizes)])
+
+    def reduce_scatter(
+        self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Chunk ``rank`` (along dim 0) of the reduction over ranks of ``x``."""
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        rest = tuple(x.shape[1:])
+        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        even = all(s == sizes[0] for s in sizes)
+        caps = self.capabilities(group)
+        if not caps.reduce_scatter or op not in ("sum", "avg"):
+            # gap filled: reduce everything, keep own chunk (2x traffic, documented)
+            full = self.all_reduce(x, op, group)
+            start = sum(sizes[:rank])
+            return full[start : start + sizes[rank]].clone()
+        torch_op, divide = self._reduce_op(op, x, group)
+        if even:
+            inp = x
+        else:  # pad each chunk to the largest, so one reduce_scatter_tensor does it
+            m = max(sizes)
+            parts = []
+            for c, s in zip(x.split(sizes), sizes):
+                parts.append(c if s == m else torch.cat([c, c.new_zeros((m - s, *rest))]))
+            inp = torch.cat(parts)
+        chunk = inp.shape[0] // world if world else 0
+        out = torch.empty((chunk, *rest), dtype=x.dtype, device=x.device)
+        wire_in, wire_out = self._as_wire(inp, op, group), self._as_wire(out, op, group)
+        _dispatch(
+            "reduce_scatter",
+            group,
+            _nbytes(inp),
+            lambda: _reduce_scatter_single(wire_out, wire_in, op=torch_op, group=group),
+            lambda: out.copy_(inp[rank * chunk : (rank + 1) * chunk]),
+            out,
+        )
+        if divide:
+            out.div_(world)
+        return out if even else out[: sizes[rank]].clone()
+
+    def gather(
+        self, x: torch.Tensor, dst: int, group: ProcessGroup, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Concatenation along dim 0 on ``dst``; zeros of the same shape elsewhere."""
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        rest = tuple(x.shape[1:])
+        if sizes is None:
+            sizes = [x.shape[0]] * world
+        m = max(sizes)
+        padded = x if x.shape[0] == m else torch.cat([x, x.new_zeros((m - x.shape[0], *rest))])
+        buf = torch.zeros((world * m, *rest), dtype=x.dtype, device=x.device)
+        chunks = list(buf.split(m)) if m > 0 else [buf[:0]] * world
+        _dispatch(
+            "gather",
+            group,
+            _nbytes(buf),
+            lambda: dist.gather(
+                _wire(padded),
+                [_wire(c) for c in chunks] if rank == dst else None,
+                group_dst=dst,
+                group=group,
+            ),
+            lambda: buf.copy_(padded.repeat(world, *([1] * len(rest)))),
+            buf,
+        )
+        if all(s == m for s in sizes):
+            return buf
+        return torch.cat([c[:s] for c, s in zip(chunks, sizes)])
+
+    def scatter(
+        self, x: torch.Tensor, src: int, group: ProcessGroup, split_sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Chunk ``rank`` (along dim 0) of ``src``'s ``x``."""
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        rest = tuple(x.shape[1:])
+        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        m = max(sizes)
+        out = torch.empty((m, *rest), dtype=x.dtype, device=x.device)
+        if rank == src:
+            parts = [
+                c if s == m else torch.cat([c, c.new_zeros((m - s, *rest))])
+                for c, s in zip(x.split(sizes), sizes)
+            ]
+            parts = [_wire(p.contiguous()) for p in parts]
+        else:
+            parts = None
+        start = sum(sizes[:rank])
+        _dispatch(
+            "scatter",
+            group,
+            _nbytes(x),
+            lambda: dist.scatter(_wire(out), parts, group_src=src, group=group),
+            lambda: out[: sizes[rank]].copy_(x[start : start + sizes[rank]]),
+            out,
+        )
+        return out if sizes[rank] == m else out[: sizes[rank]].clone()
+
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        group: ProcessGroup,
+        input_split_sizes: Sequence[int] | None = None,
+        output_split_sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Send chunk ``j`` of ``x`` (dim 0) to rank ``j``; concatenate what arrives."""
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        rest = tuple(x.shape[1:])
+        ins = list(input_split_sizes) if input_split_sizes is not None else None
+        outs = list(output_split_sizes) if output_split_sizes is not None else None
+        if outs is None:
+            outs = [x.shape[0] // world] * world if ins is None else None
+        if outs is None:  # infer: what rank j sends me is its ins[me]; exchange the matrix
+            outs = self.all_to_all(
+                torch.tensor(ins, dtype=torch.int64, device=_comm_device(group)), group
+            ).tolist()
+        out = torch.empty((sum(outs), *rest), dtype=x.dtype, device=x.device)
+
+        def skip() -> None:
+            me_in = ins if ins is not None else [x.shape[0] // world] * world
+            own = x[sum(me_in[:rank]) : sum(me_in[: rank + 1])]
+            n = min(own.shape[0], out.shape[0])
+            out.zero_()
+            out[:n].copy_(own[:n])
+
+        _dispatch(
+            "all_to_all",
+            group,
+            max(_nbytes(x), _nbytes(out)),
+            lambda: dist.all_to_all_single(_wire(out), _wire(x), outs, ins, group=group),
+            skip,
+            out,
+        )
+        return out
+
+    # ---- point to point ------------------------------------------------------------
+    def send(self, x: torch.Tensor, dst: int, group: ProcessGroup, tag: int = 0) -> None:
+        x = x.contiguous()
+        _dispatch(
+            "send",
+            group,
+            _nbytes(x),
+            lambda: dist.send(_wire(x), group_dst=dst, group=group, tag=tag),
+            lambda: None,
+            x,
+        )
+
+    def recv(self, out: torch.Tensor, src: int, group: ProcessGroup, tag: int = 0) -> torch.Tensor:
+        """Receive into ``out`` (a fresh buffer the caller owns) and return it."""
+        _dispatch(
+            "recv",
+            group,
+            _nbytes(out),
+            lambda: dist.recv(_wire(out), group_src=src, group=group, tag=tag),
+            lambda: out.zero_(),
+            out,
+        )
+        return out
+
+    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]], group: ProcessGroup) -> None:
+        """Run ``[("send"|"recv", tensor, peer, tag), ...]`` together (deadlock-free)."""
+        if not ops:
+            return
+        p2p = [
+            dist.P2POp(
+                dist.isend if kind == "send" else dist.irecv,
+                _wire(t),
+                group=group,
+                tag=tag,
+                group_peer=peer,
+            )
+            for kind, t, peer, tag in ops
+        ]
+
+        def run() -> None:
+            for work in dist.batch_isend_irecv(p2p):
+                work.wait()
+
+        def skip() -> None:
+            for kind, t, _, _ in ops:
+                if kind == "recv":
+                    t.zero_()
+
+        nbytes = sum(_nbytes(t) for _, t, _, _ in ops)
+        _dispatch("batch_p2p", group, nbytes, run, skip, ops[0][1])
+
+    def barrier(self, group: ProcessGroup) -> None:
+        _dispatch("barrier", group, 0, lambda: dist.barrier(group=group), lambda: None)
+
+    # ---- debug-mode consistency check ----------------------------------------------
+    def check_consistent(self, op: str, fields: dict[str, Any], group: ProcessGroup) -> None:
+        """Compare ``fields`` across the ranks of ``group``; raise naming who differs.
+
+        The fields are encoded as a fixed-length int64 vector (so it is one small
+        all_gather whatever they hold); ranks whose vector differs from the majority are
+        named with their values.
+        """
+        world = self.world_size(group)
+        if world == 1:
+            return
+        names = list(fields)
+        encoded = [_encode_field(fields[k]) for k in names]
+        width = 1 + sum(len(e) for e in encoded)
+        width_t = torch.tensor([width], dtype=torch.int64, device=_comm_device(group))
+        widths = self.all_gather(width_t, group).tolist()
+        m = max(widths)
+        vec = torch.full((m,), -7, dtype=torch.int64, device=width_t.device)
+        flat = [len(names)] + [v for e in encoded for v in e]
+        vec[: len(flat)] = torch.tensor(flat, dtype=torch.int64)
+        table = self.all_gather(vec.reshape(1, m), group).cpu().tolist()
+        if all(row == table[0] for row in table):
+            return
+        decoded = [_decode_fields(names, row) for row in table]
+        diffs = []
+        for k in names:
+            values = [d.get(k) for d in decoded]
+            if any(v != values[0] for v in values):
+                per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                diffs.append(f"{k} differs ({per_rank})")
+        if not diffs:
+            diffs.append("argument layout differs between ranks")
+        raise CrossRankMismatchError(
+            f"diffcomm.{op}(): ranks called it with inconsistent arguments (group ranks "
+            f"{list(range(world))}): " + "; ".join(diffs)
+        )
+
+
+def _encode_field(value: Any) -> list[int]:
+    """Field value -> ints: ``[kind, len, payload...]`` (kinds: int, tuple of ints, str)."""
+    if isinstance(value, bool) or isinstance(value, int):
+        return [0, 1, int(value)]
+    if isinstance(value, torch.dtype):
+        value = str(value)
+    if isinstance(value, torch.Size | tuple | list):
+        vals = [int(v) for v in value]
+        return [1, len(vals), *vals]
+    text = str(value).encode()[:64]
+    return [2, len(text), *text]
+
+
+def _decode_fields(names: list[str], row: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    i = 1
+    for k in names:
+        if i + 1 >= len(row):
+            break
+        kind, n = row[i], row[i + 1]
+        payload = row[i + 2 : i + 2 + n]
+        i += 2 + n
+        if kind == 0:
+            out[k] = payload[0] if payload else None
+        elif kind == 1:
+            out[k] = tuple(payload)
+        else:
+            out[k] = bytes(v % 256 for v in payload).decode(errors="replace")
+    return out
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """Complex tensors travel as real views for ops c10d cannot take complex in."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _comm_device(group: ProcessGroup) -> torch.device:
+    """The device small metadata tensors must live on for ``group``'s backend."""
+    name = str(dist.get_backend(group)).lower()
+    if name == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if name == "xccl" and hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
+
+
+# torch >= 2.12 renamed the single-tensor forms; use whichever this torch has (version gap
+# hidden here, so no deprecation warning reaches users).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_BACKEND: Backend = TorchDistributedBackend()
+
+
+def get_backend() -> Backend:
+    """The backend adapter every collective calls."""
+    return _BACKEND
+
+
+def set_backend(backend: Backend) -> Any:
+    """Swap the adapter (e.g. a wrapper that records calls); a ``with`` block restores."""
+    global _BACKEND
+    old = _BACKEND
+    _BACKEND = backend
+
+    class _Restore:
+        def __enter__(self) -> Backend:
+            return backend
+
+        def __exit__(self, *exc: object) -> None:
+            global _BACKEND
+            _BACKEND = old
+
+    return _Restore()
+
+
+def debug_enabled() -> bool:
+    return _config.DEBUG.get()

@@ -1,0 +1,326 @@
+"""Named RNG streams for model parallelism, built on the accelerator's RNG.
+
+Tensor parallelism needs two kinds of randomness at once:
+
+- **replicated** randomness (dropout on activations every TP rank holds in full, weight
+  init of replicated parameters): the *default* generator, seeded the same on every TP
+  rank;
+- **sharded** randomness (dropout on a TP-sharded activation, init of a weight shard):
+  a *named stream* seeded differently on each TP rank, so the shards get independent
+  masks, yet the same on every data-parallel replica.
+
+:class:`RNGStatesTracker` keeps the named streams. ``with tracker.fork(name):`` swaps the
+stream's state into the accelerator's default generator for the block, so ordinary ops
+(``torch.nn.functional.dropout``, ``torch.rand``, ``init.normal_``) draw from it, and
+then restores the default generator untouched. :func:`model_parallel_seed` sets both up
+the way Megatron-LM's ``model_parallel_cuda_manual_seed`` does, and :func:`checkpoint`
+makes activation recomputation replay the named streams too.
+
+Example (inside one rank of a TP x DP job)::
+
+    from diffcomm import rng
+
+    rng.model_parallel_seed(1234, tp_rank=tp_rank, dp_rank=dp_rank)
+    y = F.dropout(x_full, 0.1)                 # same mask on every TP rank
+    with rng.get_tracker().fork():             # "model-parallel" stream
+        y_shard = F.dropout(x_shard, 0.1)      # different mask on every TP rank
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+from .accelerator import Accelerator, get_accelerator
+
+__all__ = [
+    "MODEL_PARALLEL_RNG",
+    "TP_SEED_OFFSET",
+    "PP_SEED_STRIDE",
+    "RNGStatesTracker",
+    "get_tracker",
+    "model_parallel_seed",
+    "checkpoint",
+]
+
+MODEL_PARALLEL_RNG = "model-parallel"
+"""Name of the stream :func:`model_parallel_seed` creates (different on every TP rank)."""
+
+TP_SEED_OFFSET = 2718
+"""Added to the seed of the model-parallel stream (Megatron-LM's constant)."""
+
+PP_SEED_STRIDE = 100
+"""Each pipeline stage's seeds are shifted by ``PP_SEED_STRIDE * pp_rank`` (as Megatron)."""
+
+
+def _check_int(name: str, value: Any, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class RNGStatesTracker:
+    """Named RNG streams that can be swapped into the accelerator's default generator.
+
+    Each stream is a saved generator state. :meth:`fork` makes one current for a block;
+    the stream advances as the block draws numbers, and the default generator is left as
+    if the block never ran.
+
+    Args:
+        accelerator: the accelerator whose default generator the streams replace
+            (default: :func:`~diffcomm.accelerator.get_accelerator`, looked up at each use).
+
+    Example::
+
+        tracker = RNGStatesTracker()
+        tracker.add("experts", seed=42 + ep_rank)
+        with tracker.fork("experts"):
+            torch.nn.init.normal_(expert_weight)
+    """
+
+    def __init__(self, accelerator: Accelerator | None = None) -> None:
+        self._accelerator = accelerator
+        self._states: dict[str, torch.Tensor] = {}
+        self._seeds: dict[int, str] = {}
+        self._active: set[str] = set()
+
+    @property
+    def accelerator(self) -> Accelerator:
+        """The accelerator whose default generator the streams are swapped into."""
+        return self._accelerator if self._accelerator is not None else get_accelerator()
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the streams, in the order they were added."""
+        return list(self._states)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._states
+
+    def __repr__(self) -> str:
+        return f"<RNGStatesTracker streams={self.names}>"
+
+    def add(self, name: str, seed: int) -> None:
+        """Create a stream seeded with ``seed``.
+
+        The default generator is not changed.
+
+        Args:
+            name: the stream's name.
+            seed: its seed. Two streams never share a seed (they would produce the same
+                numbers).
+
+        Raises:
+            ValueError: ``name`` or ``seed`` is already used by a stream of this tracker.
+            TypeError: ``name`` is not a str or ``seed`` not an int.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
+        _check_int("seed", seed)
+        if name in self._states:
+            raise ValueError(f"RNG stream name={name!r} is already added to this tracker")
+        if seed in self._seeds:
+            raise ValueError(
+                f"seed={seed} is already used by RNG stream {self._seeds[seed]!r}; "
+                "streams with the same seed would produce the same numbers"
+            )
+        acc = self.accelerator
+        with acc.fork_rng():
+            acc.manual_seed(seed)
+            self._states[name] = acc.get_rng_state()
+        self._seeds[seed] = name
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Context manager: draw from stream ``name`` inside the block.
+
+        On entry the default generator's state is saved and replaced by the stream's; on
+        exit the advanced state is saved back into the stream and the default generator
+        is restored, also when the block raises.
+
+        Args:
+            name: the stream (default: :data:`MODEL_PARALLEL_RNG`).
+
+        Returns:
+            A context manager yielding ``None``.
+
+        Raises:
+            KeyError: no stream has that name.
+            RuntimeError: the block is already inside ``fork(name)`` (re-entering the same
+                stream would lose the outer block's draws).
+        """
+        if name not in self._states:
+            raise KeyError(f"no RNG stream named {name!r}; known streams: {self.names}")
+        if name in self._active:
+            raise RuntimeError(f"RNG stream {name!r} is already forked in an enclosing block")
+        acc = self.accelerator
+        outer = acc.get_rng_state()
+        acc.set_rng_state(self._states[name])
+        self._active.add(name)
+        try:
+            yield
+        finally:
+            self._active.discard(name)
+            self._states[name] = acc.get_rng_state()
+            acc.set_rng_state(outer)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """Copies of every stream's current state (for checkpointing, recomputation).
+
+        Returns:
+            ``{name: uint8 state tensor}``; changing it does not change the tracker.
+        """
+        return {name: state.clone() for name, state in self._states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        """Replace the streams' states with ``states`` (from :meth:`get_states`).
+
+        Args:
+            states: ``{name: uint8 state tensor}``; the tracker takes copies. Streams
+                not in ``states`` are dropped. Seeds recorded by :meth:`add` stay reserved.
+
+        Raises:
+            TypeError: a name is not a str or a state not a tensor.
+        """
+        new: dict[str, torch.Tensor] = {}
+        for name, state in states.items():
+            if not isinstance(name, str) or not isinstance(state, torch.Tensor):
+                raise TypeError("states must map str names to state tensors")
+            new[name] = state.clone()
+        self._states = new
+
+    def _swap(
+        self, states: dict[str, torch.Tensor], active: set[str]
+    ) -> tuple[dict[str, torch.Tensor], set[str]]:
+        """Install ``states`` / ``active`` as they are (no copy); return the old ones."""
+        old = (self._states, self._active)
+        self._states, self._active = states, active
+        return old
+
+    def reset(self) -> None:
+        """Remove every stream (names and seeds can be added again)."""
+        self._states.clear()
+        self._seeds.clear()
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_tracker() -> RNGStatesTracker:
+    """The process-wide default :class:`RNGStatesTracker`.
+
+    Returns:
+        The tracker that :func:`model_parallel_seed` and :func:`checkpoint` use by default.
+    """
+    return _TRACKER
+
+
+def model_parallel_seed(
+    seed: int,
+    tp_rank: int,
+    dp_rank: int = 0,
+    pp_rank: int = 0,
+    tracker: RNGStatesTracker | None = None,
+) -> RNGStatesTracker:
+    """Seed the default generator and the model-parallel stream for one rank.
+
+    The formula (Megatron-LM's ``_set_random_seed`` + ``model_parallel_cuda_manual_seed``)::
+
+        base                  = seed + 100 * pp_rank            # PP_SEED_STRIDE
+        default generator     = base                            # all devices of the accelerator
+        "model-parallel"      = base + 2718 + tp_rank           # TP_SEED_OFFSET
+
+    So the default generator agrees across TP and DP ranks (replicated dropout, init of
+    replicated weights) and differs across pipeline stages; the ``"model-parallel"``
+    stream differs across TP ranks (independent masks on each shard) and agrees across
+    DP replicas. ``dp_rank`` enters neither seed; it is validated and documents the
+    call. On a non-CPU accelerator the CPU generator is seeded with ``base`` too (weights
+    are often initialised on the host).
+
+    Args:
+        seed: the job's seed (same on every rank), >= 0.
+        tp_rank: this rank's tensor-parallel rank, >= 0.
+        dp_rank: this rank's data-parallel rank, >= 0 (does not change any seed).
+        pp_rank: this rank's pipeline stage, >= 0.
+        tracker: the tracker to (re)fill (default: :func:`get_tracker`). It is reset
+            first, so calling this again re-seeds cleanly.
+
+    Returns:
+        The tracker, now holding the :data:`MODEL_PARALLEL_RNG` stream.
+
+    Raises:
+        TypeError / ValueError: an argument is not a non-negative int.
+    """
+    _check_int("seed", seed, 0)
+    _check_int("tp_rank", tp_rank, 0)
+    _check_int("dp_rank", dp_rank, 0)
+    _check_int("pp_rank", pp_rank, 0)
+    tracker = _TRACKER if tracker is None else tracker
+    base = seed + PP_SEED_STRIDE * pp_rank
+    acc = tracker.accelerator
+    acc.manual_seed_all(base)
+    if acc.name != "cpu":
+        torch.default_generator.manual_seed(base)
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, base + TP_SEED_OFFSET + tp_rank)
+    return tracker
+
+
+def checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    tracker: RNGStatesTracker | None = None,
+    use_reentrant: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Activation checkpointing that also replays the tracker's named RNG streams.
+
+    ``torch.utils.checkpoint.checkpoint`` restores the default generator(s) before
+    recomputing ``fn`` in backward, but not the streams of an :class:`RNGStatesTracker`:
+    by then later layers have advanced them, so a dropout inside ``tracker.fork(...)``
+    would draw a different mask during recomputation and the gradient would be wrong.
+    This wrapper captures the tracker's states before the forward call of ``fn``; when
+    torch re-runs ``fn`` it swaps those states in for the re-run and puts the tracker's
+    then-current states back afterwards, so later layers are unaffected.
+
+    Args:
+        fn: the function to checkpoint.
+        *args: its positional arguments.
+        tracker: the tracker whose streams to replay (default: :func:`get_tracker`).
+        use_reentrant: passed to torch (default ``False``, the recommended variant).
+        **kwargs: passed to ``torch.utils.checkpoint.checkpoint`` (e.g.
+            ``preserve_rng_state``, ``context_fn``) and, for the non-reentrant variant,
+            unknown ones on to ``fn``.
+
+    Returns:
+        What ``fn(*args, **kwargs)`` returns.
+
+    Gradient:
+        The gradient of ``fn`` itself: the recomputation draws the same random numbers
+        as the forward call, from the default generator and from every named stream.
+    """
+    tracker = _TRACKER if tracker is None else tracker
+    states_at_forward = tracker.get_states()
+    calls = 0
+
+    def replaying_fn(*fn_args: Any, **fn_kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # the forward call itself
+            return fn(*fn_args, **fn_kwargs)
+        # A recomputation (there may be several, e.g. backward with retain_graph): run on
+        # fresh copies of the forward-time states, then put back the current ones.
+        replay = {name: state.clone() for name, state in states_at_forward.items()}
+        saved = tracker._swap(replay, set())
+        try:
+            return fn(*fn_args, **fn_kwargs)
+        finally:
+            tracker._swap(*saved)
+
+    return torch.utils.checkpoint.checkpoint(replaying_fn, *args, use_reentrant=use_reentrant, **kwargs)

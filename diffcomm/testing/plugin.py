@@ -1,0 +1,68 @@
+"""pytest plugin (auto-loaded via the ``pytest11`` entry point): shared local worlds.
+
+Fixtures:
+
+``local_worlds`` (session)
+    ``local_worlds(n, backend="gloo")`` returns a :class:`~diffcomm.LocalWorld` of ``n``
+    ranks, started on first use and shared by every test of the session, so multi-rank
+    tests cost one ``run()`` each, not a process start-up each.
+``world1`` .. ``world4``
+    Shorthands for ``local_worlds(1)`` ... ``local_worlds(4)``.
+
+Options: ``--diffcomm-timeout SECONDS`` (the ranks' collective timeout, default 30).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from diffcomm.world import LocalWorld
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("diffcomm")
+    group.addoption(
+        "--diffcomm-timeout",
+        type=float,
+        default=30.0,
+        help="collective timeout (seconds) of the shared LocalWorld ranks",
+    )
+
+
+@pytest.fixture(scope="session")
+def local_worlds(request: pytest.FixtureRequest) -> Iterator[Callable[..., LocalWorld]]:
+    """Factory of session-scoped LocalWorlds, one per (world size, backend)."""
+    worlds: dict[tuple[int, str], LocalWorld] = {}
+    timeout = request.config.getoption("--diffcomm-timeout")
+
+    def get(n: int, backend: str = "gloo") -> LocalWorld:
+        key = (n, backend)
+        if key not in worlds:
+            worlds[key] = LocalWorld(n, backend=backend, collective_timeout=timeout, timeout=300)
+        return worlds[key]
+
+    yield get
+    for w in worlds.values():
+        w.close()
+
+
+@pytest.fixture
+def world1(local_worlds: Callable[..., LocalWorld]) -> LocalWorld:
+    return local_worlds(1)
+
+
+@pytest.fixture
+def world2(local_worlds: Callable[..., LocalWorld]) -> LocalWorld:
+    return local_worlds(2)
+
+
+@pytest.fixture
+def world3(local_worlds: Callable[..., LocalWorld]) -> LocalWorld:
+    return local_worlds(3)
+
+
+@pytest.fixture
+def world4(local_worlds: Callable[..., LocalWorld]) -> LocalWorld:
+    return local_worlds(4)
