@@ -15,11 +15,35 @@ from ._errors import (
     RankError,
     WorldTimeoutError,
 )
+from .collectives import (
+    DUALS,
+    OPS,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    dual,
+    gather,
+    reduce,
+    reduce_scatter,
+    scatter,
+)
 from .world import LocalWorld, get_rank, get_world_size, init, is_initialized, launch
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DUALS",
+    "OPS",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "dual",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
     "CollectiveTimeoutError",
     "CrossRankMismatchError",
     "DiffcommError",

@@ -94,7 +94,8 @@ _CANDIDATE_DTYPES: tuple[torch.dtype, ...] = tuple(
 class Accelerator(abc.ABC):
     """One kind of device (``cpu``, ``cuda``, ``mps``, ``xpu``) behind one small interface.
 
-    Subclasses set :attr:`name` and implement the abstract methods; everything else
+    Subclasses set :attr:`name` and ``_communication_backend``, call
+    ``super().__init__()`` and implement the abstract methods; everything else
     (:meth:`device`, :meth:`fork_rng`, :meth:`generator`, :meth:`supported_dtypes`, the
     profiler ranges) is shared. Obtain the machine's accelerator with
     :func:`get_accelerator`; instances hold a little state (peak-memory baseline, range

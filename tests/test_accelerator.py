@@ -275,8 +275,7 @@ def test_memory_numbers_are_consistent(acc: Accelerator) -> None:
     total, available = acc.total_memory(), acc.available_memory()
     assert total > 0 and 0 <= available <= total
     stats = acc.memory_stats()
-    for key in ("allocated_bytes.all.current", "allocated_bytes.all.peak",
-                "reserved_bytes.all.current"):
+    for key in ("allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.current"):
         assert isinstance(stats[key], int), key
 
 

@@ -1,0 +1,310 @@
+"""Tests for diffcomm.rng: named RNG streams, model-parallel seeding, checkpoint replay.
+
+Ranks are simulated in one process: seeding "as tp_rank r" and drawing a dropout mask
+is a pure function of (seed, ranks), which is all the cross-rank properties depend on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from diffcomm import rng
+from diffcomm.accelerator import Accelerator, get_accelerator
+from diffcomm.rng import MODEL_PARALLEL_RNG, RNGStatesTracker
+
+
+@pytest.fixture(autouse=True)
+def _keep_rng_state():
+    """Leave the default generators and the default tracker as they were."""
+    acc = get_accelerator()
+    saved_tracker = rng.get_tracker().get_states()
+    with torch.random.fork_rng(devices=[]), acc.fork_rng():
+        yield
+    rng.get_tracker().set_states(saved_tracker)
+
+
+@pytest.fixture
+def acc() -> Accelerator:
+    return get_accelerator()
+
+
+@pytest.fixture
+def tracker(acc: Accelerator) -> RNGStatesTracker:
+    return RNGStatesTracker(acc)
+
+
+def _rand(acc: Accelerator, n: int = 16) -> torch.Tensor:
+    return torch.rand(n, device=acc.device())
+
+
+# ------------------------------------------------------------------------------ tracker
+
+
+def test_add_rejects_a_used_name_or_seed(tracker: RNGStatesTracker) -> None:
+    tracker.add("a", 1)
+    with pytest.raises(ValueError, match="name='a' is already added"):
+        tracker.add("a", 2)
+    with pytest.raises(ValueError, match="seed=1 is already used by RNG stream 'a'"):
+        tracker.add("b", 1)
+    assert tracker.names == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("name", "seed", "match"),
+    [(3, 1, "name must be a str"), ("a", 1.0, "seed must be an int"), ("a", True, "seed")],
+)
+def test_add_checks_types(tracker: RNGStatesTracker, name: object, seed: object, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        tracker.add(name, seed)  # type: ignore[arg-type]
+
+
+def test_add_leaves_default_generator_alone(acc: Accelerator, tracker: RNGStatesTracker) -> None:
+    state = acc.get_rng_state()
+    tracker.add("a", 5)
+    assert torch.equal(acc.get_rng_state(), state)
+
+
+def test_fork_of_unknown_stream_names_the_known_ones(tracker: RNGStatesTracker) -> None:
+    tracker.add("a", 1)
+    with pytest.raises(KeyError, match=r"no RNG stream named 'b'; known streams: \['a'\]"):
+        with tracker.fork("b"):
+            pass
+
+
+def test_fork_draws_from_the_stream_and_advances_it(acc: Accelerator, tracker: RNGStatesTracker) -> None:
+    tracker.add("s", 11)
+    with tracker.fork("s"):
+        first = _rand(acc)
+    with tracker.fork("s"):
+        second = _rand(acc)
+    g = acc.generator(11)
+    assert torch.equal(first, torch.rand(16, generator=g, device=acc.device()))
+    assert torch.equal(second, torch.rand(16, generator=g, device=acc.device()))
+
+
+def test_fork_restores_the_default_stream(acc: Accelerator, tracker: RNGStatesTracker) -> None:
+    tracker.add("s", 11)
+    acc.manual_seed(0)
+    expected = [_rand(acc), _rand(acc)]
+    acc.manual_seed(0)
+    got = [_rand(acc)]
+    with tracker.fork("s"):
+        _rand(acc, 1000)
+    got.append(_rand(acc))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_fork_restores_when_the_block_raises(acc: Accelerator, tracker: RNGStatesTracker) -> None:
+    tracker.add("s", 11)
+    default_state, stream_state = acc.get_rng_state(), tracker.get_states()["s"]
+    with pytest.raises(ZeroDivisionError), tracker.fork("s"):
+        _rand(acc)
+        raise ZeroDivisionError
+    assert torch.equal(acc.get_rng_state(), default_state)
+    assert not torch.equal(tracker.get_states()["s"], stream_state)  # the draw counted
+    with tracker.fork("s"):  # and the stream is usable again
+        pass
+
+
+def test_forks_nest_across_streams_but_not_within_one(acc: Accelerator, tracker: RNGStatesTracker) -> None:
+    tracker.add("a", 1)
+    tracker.add("b", 2)
+    with tracker.fork("a"):
+        with tracker.fork("b"):
+            inner = _rand(acc)
+        with pytest.raises(RuntimeError, match="already forked"), tracker.fork("a"):
+            pass
+    assert torch.equal(inner, torch.rand(16, generator=acc.generator(2), device=acc.device()))
+
+
+def test_get_and_set_states_replay_a_stream(acc: Accelerator, tracker: RNGStatesTracker) -> None:
+    tracker.add("s", 3)
+    states = tracker.get_states()
+    with tracker.fork("s"):
+        first = _rand(acc)
+    tracker.get_states()["s"].zero_()  # get_states returns copies...
+    assert tracker.get_states()["s"].any()
+    tracker.set_states(states)
+    states["s"].zero_()  # ...and set_states takes copies
+    with tracker.fork("s"):
+        assert torch.equal(_rand(acc), first)
+
+
+def _seeded(acc: Accelerator, seed: int) -> torch.Tensor:
+    return acc.generator(seed).get_state()
+
+
+def test_set_states_checks_types(tracker: RNGStatesTracker) -> None:
+    with pytest.raises(TypeError, match="states must map"):
+        tracker.set_states({"a": [1, 2]})  # type: ignore[dict-item]
+
+
+def test_reset_forgets_names_and_seeds(tracker: RNGStatesTracker) -> None:
+    tracker.add("a", 1)
+    tracker.reset()
+    assert tracker.names == [] and "a" not in tracker
+    tracker.add("a", 1)
+    assert "a" in tracker
+
+
+def test_get_tracker_is_one_shared_tracker() -> None:
+    assert rng.get_tracker() is rng.get_tracker()
+    assert isinstance(rng.get_tracker(), RNGStatesTracker)
+
+
+# ------------------------------------------------------------------- model parallel seed
+
+
+def _masks(tp_rank: int, dp_rank: int = 0, pp_rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(replicated mask, model-parallel mask) that rank (tp, dp, pp) would draw."""
+    acc = get_accelerator()
+    tracker = rng.model_parallel_seed(
+        1234, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank, tracker=RNGStatesTracker(acc)
+    )
+    ones = torch.ones(4096, device=acc.device())
+    replicated = F.dropout(ones, 0.5) != 0
+    with tracker.fork():
+        sharded = F.dropout(ones, 0.5) != 0
+    return replicated, sharded
+
+
+def test_model_parallel_masks_differ_across_tp_ranks() -> None:
+    (rep0, tp0), (rep1, tp1) = _masks(tp_rank=0), _masks(tp_rank=1)
+    assert not torch.equal(tp0, tp1)
+    assert torch.equal(rep0, rep1)  # the default generator agrees across TP ranks
+
+
+def test_model_parallel_masks_agree_across_dp_ranks() -> None:
+    for tp_rank in (0, 1):
+        rep_a, tp_a = _masks(tp_rank, dp_rank=0)
+        rep_b, tp_b = _masks(tp_rank, dp_rank=3)
+        assert torch.equal(tp_a, tp_b)
+        assert torch.equal(rep_a, rep_b)
+
+
+def test_model_parallel_masks_differ_across_pipeline_stages() -> None:
+    (rep0, tp0), (rep1, tp1) = _masks(0, pp_rank=0), _masks(0, pp_rank=1)
+    assert not torch.equal(rep0, rep1)
+    assert not torch.equal(tp0, tp1)
+
+
+@pytest.mark.parametrize(("tp_rank", "pp_rank"), [(0, 0), (3, 0), (1, 2)])
+def test_model_parallel_seed_formula(acc: Accelerator, tp_rank: int, pp_rank: int) -> None:
+    tracker = rng.model_parallel_seed(42, tp_rank, pp_rank=pp_rank, tracker=RNGStatesTracker(acc))
+    base = 42 + 100 * pp_rank
+    assert acc.initial_seed() == base
+    assert torch.equal(tracker.get_states()[MODEL_PARALLEL_RNG], _seeded(acc, base + 2718 + tp_rank))
+
+
+def test_model_parallel_seed_can_be_called_again(tracker: RNGStatesTracker) -> None:
+    rng.model_parallel_seed(1, tp_rank=0, tracker=tracker)
+    rng.model_parallel_seed(2, tp_rank=1, tracker=tracker)  # resets, no duplicate error
+    assert tracker.names == [MODEL_PARALLEL_RNG]
+
+
+def test_model_parallel_seed_uses_the_default_tracker() -> None:
+    returned = rng.model_parallel_seed(5, tp_rank=0)
+    assert returned is rng.get_tracker()
+    assert MODEL_PARALLEL_RNG in rng.get_tracker()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"seed": -1, "tp_rank": 0}, ValueError, "seed must be >= 0"),
+        ({"seed": 1, "tp_rank": -1}, ValueError, "tp_rank must be >= 0"),
+        ({"seed": 1, "tp_rank": 0, "dp_rank": -2}, ValueError, "dp_rank"),
+        ({"seed": 1, "tp_rank": 0, "pp_rank": 0.5}, TypeError, "pp_rank must be an int"),
+        ({"seed": 1.5, "tp_rank": 0}, TypeError, "seed must be an int"),
+    ],
+)
+def test_model_parallel_seed_validates(
+    tracker: RNGStatesTracker, kwargs: dict, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        rng.model_parallel_seed(**kwargs, tracker=tracker)
+
+
+# ---------------------------------------------------------------------------- checkpoint
+
+
+def _train_step(mode: str, tracker: RNGStatesTracker) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three layers, each with a replicated and a model-parallel dropout.
+
+    Returns the weight gradient and the model-parallel stream state after backward.
+    """
+    acc = tracker.accelerator
+    dev = acc.device()
+    rng.model_parallel_seed(7, tp_rank=1, tracker=tracker)
+    w = torch.randn(32, 32, device=dev, requires_grad=True)
+    x = torch.randn(4, 32, device=dev)
+
+    def layer(h: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        h = F.dropout(h @ w, 0.5)
+        with tracker.fork():
+            h = F.dropout(torch.tanh(h), 0.5)
+        return h * scale
+
+    h = x
+    for _ in range(3):
+        if mode == "plain":
+            h = layer(h, scale=0.5)
+        elif mode == "diffcomm":
+            h = rng.checkpoint(layer, h, scale=0.5, tracker=tracker)
+        else:
+            h = torch.utils.checkpoint.checkpoint(layer, h, scale=0.5, use_reentrant=False)
+    h.sum().backward()
+    return w.grad, tracker.get_states()[MODEL_PARALLEL_RNG]
+
+
+def test_checkpoint_replays_named_streams(tracker: RNGStatesTracker) -> None:
+    grad_plain, state_plain = _train_step("plain", tracker)
+    grad_ckpt, state_ckpt = _train_step("diffcomm", tracker)
+    assert torch.equal(grad_ckpt, grad_plain)
+    assert torch.equal(state_ckpt, state_plain)  # recomputation did not disturb the stream
+
+
+def test_torch_checkpoint_alone_would_not(tracker: RNGStatesTracker) -> None:
+    """Why rng.checkpoint exists: torch's recomputation draws a different stream mask."""
+    grad_plain, state_plain = _train_step("plain", tracker)
+    grad_torch, state_torch = _train_step("torch", tracker)
+    assert not torch.equal(grad_torch, grad_plain)
+    assert not torch.equal(state_torch, state_plain)
+
+
+def test_checkpoint_replays_on_every_recomputation(acc: Accelerator, tracker: RNGStatesTracker) -> None:
+    tracker.add("s", 9)
+    w = torch.randn(8, device=acc.device(), requires_grad=True)
+
+    def fn(v: torch.Tensor) -> torch.Tensor:
+        with tracker.fork("s"):
+            return F.dropout(v * w, 0.5)
+
+    x = torch.ones(8, device=acc.device())
+    out = rng.checkpoint(fn, x, tracker=tracker)
+    mask = out.detach() != 0
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()  # recomputes again; the mask must be the same both times
+    assert torch.equal(w.grad, 2 * 2.0 * x * mask)
+
+
+def test_checkpoint_with_reentrant_variant(tracker: RNGStatesTracker) -> None:
+    acc = tracker.accelerator
+    tracker.add("s", 9)
+    x = torch.randn(6, 6, device=acc.device(), requires_grad=True)
+
+    def fn(v: torch.Tensor) -> torch.Tensor:
+        with tracker.fork("s"):
+            return F.dropout(v.exp(), 0.5)
+
+    with acc.fork_rng():
+        saved = tracker.get_states()
+        fn(x).sum().backward()
+        expected = x.grad.clone()
+        tracker.set_states(saved)
+    x.grad = None
+    rng.checkpoint(fn, x, tracker=tracker, use_reentrant=True).sum().backward()
+    assert torch.equal(x.grad, expected)
