@@ -1,0 +1,424 @@
+"""Single-process references of every collective and a checker that runs on each rank.
+
+A :class:`Case` describes one call of one collective (op, world size, shapes, dtype,
+arguments, seed). :func:`run_case` runs it inside every rank of a world and checks, on
+that rank:
+
+* **forward** — the output equals :func:`reference_outputs`, a plain-torch computation of
+  the *whole SPMD program* from every rank's input (each rank regenerates all ranks'
+  inputs from the seed, so no data needs gathering);
+* **gradient** — the gradient of ``sum_r <out_r, cot_r>`` equals the reference gradient
+  (autograd through the reference);
+* **adjoint** — the dot-product test ``sum_r <A x_r, y_r> == sum_r <x_r, A^T y_r>`` with
+  ``A^T`` the *dual op from the table*, called directly (linear ops);
+* **double backward** — gradients of ``<grad_x, w>`` w.r.t. input and cotangent equal
+  the reference's;
+* the input is unchanged and the output does not alias it.
+
+Used by the test-suite and by ``python -m diffcomm check``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import diffcomm as dc
+from diffcomm import backend as B
+
+LINEAR = ("sum", "avg")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One collective call to check.
+
+    Attributes:
+        op: collective name (a key of ``diffcomm.DUALS``).
+        world: world size the case is for.
+        shape: the input shape (per rank; see ``sizes``/``a2a`` for uneven cases).
+        dtype: dtype name, e.g. ``"float64"``.
+        kwargs: extra arguments (``dim``, ``src``, ``dst``, ``op``, ``split_sizes``,
+            ``split_dim``, ``concat_dim``).
+        sizes: per-rank sizes along ``dim`` (uneven all_gather / gather).
+        a2a: per-rank input split sizes (a world x world matrix) for uneven all_to_all.
+        seed: data seed.
+        ints: draw small integer values (exact arithmetic, ties and zeros likely).
+    """
+
+    op: str
+    world: int
+    shape: tuple[int, ...]
+    dtype: str = "float64"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    sizes: tuple[int, ...] | None = None
+    a2a: tuple[tuple[int, ...], ...] | None = None
+    seed: int = 0
+    ints: bool = False
+
+    def label(self) -> str:
+        bits = [f"{k}={v}" for k, v in self.kwargs.items()]
+        if self.sizes:
+            bits.append(f"sizes={list(self.sizes)}")
+        if self.a2a:
+            bits.append(f"splits={[list(r) for r in self.a2a]}")
+        return f"{self.dtype} {list(self.shape)} " + " ".join(bits)
+
+
+@dataclass
+class CaseResult:
+    """What :func:`run_case` measured on one rank (errors are max abs / scale)."""
+
+    forward_err: float = 0.0
+    grad_err: float = 0.0
+    adjoint_err: float | None = None
+    double_err: float | None = None
+    input_unchanged: bool = True
+    no_alias: bool = True
+    seconds: float = 0.0
+    tol: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        errs = [self.forward_err, self.grad_err, self.adjoint_err or 0.0, self.double_err or 0.0]
+        return self.input_unchanged and self.no_alias and all(e <= self.tol for e in errs)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def tolerance(dtype: str) -> float:
+    """Relative tolerance for comparing a dtype's result against a float64 reference."""
+    return {
+        "float64": 1e-10,
+        "complex128": 1e-10,
+        "float32": 2e-5,
+        "complex64": 2e-5,
+        "float16": 4e-3,
+        "bfloat16": 3e-2,
+    }.get(dtype, 0.0)
+
+
+# --------------------------------------------------------------------------------------
+# inputs
+# --------------------------------------------------------------------------------------
+
+
+def input_shape(case: Case, rank: int) -> tuple[int, ...]:
+    """Rank ``rank``'s input shape (differs from ``case.shape`` for uneven cases)."""
+    shape = list(case.shape)
+    dim = case.kwargs.get("dim", 0)
+    if case.op in ("all_gather", "gather") and case.sizes is not None:
+        shape[dim] = case.sizes[rank]
+    if case.op == "all_to_all" and case.a2a is not None:
+        shape[case.kwargs.get("split_dim", 0)] = sum(case.a2a[rank])
+    return tuple(shape)
+
+
+def output_shape(case: Case, rank: int) -> tuple[int, ...]:
+    return tuple(reference_outputs(case, make_inputs(case, "x", torch.float64))[rank].shape)
+
+
+def _values(case: Case, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> Tensor:
+    if case.ints:
+        v = torch.randint(-2, 4, shape, generator=gen, dtype=torch.int64).to(torch.float64)
+    else:
+        v = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if dtype.is_complex:
+        im = (
+            torch.randint(-2, 3, shape, generator=gen).double()
+            if case.ints
+            else torch.randn(shape, generator=gen, dtype=torch.float64)
+        )
+        return torch.complex(v, im).to(dtype)
+    return v.to(dtype)
+
+
+def make_inputs(case: Case, role: str, dtype: torch.dtype | None = None) -> list[Tensor]:
+    """Every rank's tensor for ``role`` (``"x"`` inputs, ``"cot"`` cotangents, ``"w"``)."""
+    dtype = dtype or _dtype(case.dtype)
+    salt = {"x": 0, "cot": 1, "w": 2}[role]
+    out = []
+    for r in range(case.world):
+        gen = torch.Generator().manual_seed(case.seed * 1000 + r * 10 + salt)
+        if role == "x":
+            shape = input_shape(case, r)
+        else:
+            shape = _out_shape_of(case, r)
+        out.append(_values(case, shape, gen, dtype))
+    return out
+
+
+def _out_shape_of(case: Case, rank: int) -> tuple[int, ...]:
+    xs = [torch.zeros(input_shape(case, r), dtype=torch.float64) for r in range(case.world)]
+    return tuple(reference_outputs(case, xs)[rank].shape)
+
+
+# --------------------------------------------------------------------------------------
+# the single-process reference of the whole SPMD program
+# --------------------------------------------------------------------------------------
+
+
+def _reduce(xs: list[Tensor], op: str) -> Tensor:
+    st = torch.stack(xs)
+    if op == "sum":
+        return st.sum(0)
+    if op == "avg":
+        return st.sum(0) / len(xs)
+    if op == "max":
+        return st.amax(0)
+    if op == "min":
+        return st.amin(0)
+    if op == "product":
+        return st.prod(0)
+    raise ValueError(op)
+
+
+def reference_outputs(case: Case, xs: list[Tensor]) -> list[Tensor]:
+    """Every rank's output of ``case.op`` computed in one process with plain torch ops."""
+    w, kw = case.world, case.kwargs
+    op = case.op
+    if op == "all_reduce":
+        red = _reduce(xs, kw.get("op", "sum"))
+        return [red for _ in range(w)]
+    if op == "broadcast":
+        return [xs[kw.get("src", 0)] for _ in range(w)]
+    if op == "reduce":
+        red = _reduce(xs, kw.get("op", "sum"))
+        dst = kw.get("dst", 0)
+        return [red if r == dst else torch.zeros_like(red) for r in range(w)]
+    if op == "all_gather":
+        full = torch.cat(xs, dim=kw.get("dim", 0))
+        return [full for _ in range(w)]
+    if op == "gather":
+        full = torch.cat(xs, dim=kw.get("dim", 0))
+        dst = kw.get("dst", 0)
+        return [full if r == dst else torch.zeros_like(full) for r in range(w)]
+    if op == "reduce_scatter":
+        red = _reduce(xs, kw.get("op", "sum"))
+        dim = kw.get("dim", 0)
+        sizes = kw.get("split_sizes") or [red.shape[dim] // w] * w
+        return list(red.split(list(sizes), dim=dim))
+    if op == "scatter":
+        dim = kw.get("dim", 0)
+        src = kw.get("src", 0)
+        sizes = kw.get("split_sizes") or [xs[src].shape[dim] // w] * w
+        return list(xs[src].split(list(sizes), dim=dim))
+    if op == "all_to_all":
+        sd, cd = kw.get("split_dim", 0), kw.get("concat_dim", 0)
+        splits = case.a2a or tuple(tuple([xs[r].shape[sd] // w] * w) for r in range(w))
+        chunks = [xs[j].split(list(splits[j]), dim=sd) for j in range(w)]
+        return [torch.cat([chunks[j][r] for j in range(w)], dim=cd) for r in range(w)]
+    raise ValueError(f"unknown op {op!r}")
+
+
+def call(case: Case, x: Tensor) -> Tensor:
+    """Call the diffcomm op of ``case`` on this rank's ``x``."""
+    kw = dict(case.kwargs)
+    if case.op == "all_to_all" and case.a2a is not None:
+        rank = dc.get_rank()
+        kw["input_split_sizes"] = list(case.a2a[rank])
+        if kw.pop("infer_outputs", False) is False:
+            kw["output_split_sizes"] = [case.a2a[j][rank] for j in range(case.world)]
+    kw.pop("infer_outputs", None)
+    return getattr(dc, case.op)(x, **kw)
+
+
+def call_dual(case: Case, y: Tensor) -> Tensor | None:
+    """Apply the adjoint named by the dual table to ``y`` directly (linear cases only)."""
+    kw, w, rank = case.kwargs, case.world, dc.get_rank()
+    rop = kw.get("op", "sum")
+    if rop not in LINEAR:
+        return None
+    dual = dc.dual(case.op)
+    scale = 1.0 / w if rop == "avg" else 1.0
+    if case.op == "all_reduce":
+        return dc.all_reduce(y, rop)
+    if case.op == "broadcast":
+        return dc.reduce(y, dst=kw.get("src", 0))
+    if case.op == "reduce":
+        return dc.broadcast(y, src=kw.get("dst", 0)) * scale
+    dim = kw.get("dim", 0)
+    if case.op == "all_gather":
+        sizes = list(case.sizes) if case.sizes else None
+        return getattr(dc, dual)(y, dim=dim, split_sizes=sizes)
+    if case.op == "reduce_scatter":
+        sizes = kw.get("split_sizes")
+        return dc.all_gather(y, dim=dim, sizes=sizes) * scale
+    if case.op == "gather":
+        sizes = list(case.sizes) if case.sizes else None
+        return dc.scatter(y, src=kw.get("dst", 0), dim=dim, split_sizes=sizes)
+    if case.op == "scatter":
+        return dc.gather(y, dst=kw.get("src", 0), dim=dim, sizes=kw.get("split_sizes"))
+    if case.op == "all_to_all":
+        sd, cd = kw.get("split_dim", 0), kw.get("concat_dim", 0)
+        if case.a2a is not None:
+            ins = list(case.a2a[rank])
+            outs = [case.a2a[j][rank] for j in range(w)]
+            return dc.all_to_all(
+                y, split_dim=cd, concat_dim=sd, input_split_sizes=outs, output_split_sizes=ins
+            )
+        return dc.all_to_all(y, split_dim=cd, concat_dim=sd)
+    raise ValueError(case.op)
+
+
+# --------------------------------------------------------------------------------------
+# the checker (runs on every rank)
+# --------------------------------------------------------------------------------------
+
+
+def _inner(a: Tensor, b: Tensor) -> Tensor:
+    a, b = a.to(torch.complex128 if a.is_complex() or b.is_complex() else torch.float64), b
+    b = b.to(a.dtype)
+    return (a * b.conj()).real.sum()
+
+
+def _rel(a: Tensor | None, b: Tensor | None) -> float:
+    if a is None and b is None:
+        return 0.0
+    if a is None:
+        a = torch.zeros_like(b)  # type: ignore[arg-type]
+    if b is None:
+        b = torch.zeros_like(a)
+    a64 = a.detach().to(torch.complex128 if a.is_complex() else torch.float64)
+    b64 = b.detach().to(a64.dtype)
+    if a64.shape != b64.shape:
+        return float("inf")
+    if a64.numel() == 0:
+        return 0.0
+    scale = max(1.0, float(b64.abs().max()))
+    return float((a64 - b64).abs().max()) / scale
+
+
+def _sum_over_ranks(v: float) -> float:
+    t = torch.tensor([v], dtype=torch.float64)
+    return float(B.get_backend().all_reduce(t, "sum", None)[0])
+
+
+def _differentiable(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def run_case(case: Case, double: bool = True) -> CaseResult:
+    """Check ``case`` on this rank (call on every rank of a ``case.world``-rank world)."""
+    start = time.perf_counter()
+    rank, w = dc.get_rank(), dc.get_world_size()
+    if w != case.world:
+        raise ValueError(f"run_case: case is for world {case.world}, this world has {w} ranks")
+    dtype = _dtype(case.dtype)
+    res = CaseResult(tol=tolerance(case.dtype))
+    xs = make_inputs(case, "x")
+    grad_ok = _differentiable(dtype)
+    x = xs[rank].clone().requires_grad_(grad_ok)
+    x_before = x.detach().clone()
+    out = call(case, x)
+    # reference in float64/complex128 (exact for the small-int cases)
+    hi = torch.complex128 if dtype.is_complex else torch.float64
+    xs_ref = [t.detach().to(hi).requires_grad_(True) for t in xs] if grad_ok else [t.to(hi) for t in xs]
+    ref = reference_outputs(case, xs_ref)
+    res.forward_err = _rel(out, ref[rank].to(out.dtype) if not grad_ok else ref[rank])
+    res.input_unchanged = bool(torch.equal(x.detach(), x_before))
+    res.no_alias = out.numel() == 0 or out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    if not grad_ok:
+        res.seconds = time.perf_counter() - start
+        return res
+    cots = make_inputs(case, "cot")
+    cot = cots[rank].clone().requires_grad_(True)
+    loss = _inner(out, cot)
+    (gx,) = torch.autograd.grad(loss, x, create_graph=double)
+    ref_loss = sum(_inner(o, c.to(hi)) for o, c in zip(ref, cots))
+    ref_g = torch.autograd.grad(ref_loss, xs_ref, create_graph=double, allow_unused=True)
+    ref_gx = ref_g[rank] if ref_g[rank] is not None else torch.zeros_like(xs_ref[rank])
+    res.grad_err = _rel(gx, ref_gx)
+    # dot-product test with the dual op from the table (linear ops)
+    with torch.no_grad():
+        y = cots[rank]
+        aty = call_dual(case, y)
+    if aty is not None:
+        lhs = _sum_over_ranks(float(_inner(out.detach(), y)))
+        rhs = _sum_over_ranks(float(_inner(x.detach(), aty)))
+        res.adjoint_err = abs(lhs - rhs) / max(1.0, abs(lhs), abs(rhs))
+    if double:
+        ws = make_inputs(case, "x")  # w lives in input space
+        wv = ws[(rank + 1) % w].to(dtype)
+        if wv.shape != gx.shape:
+            wv = torch.ones_like(gx)
+        second = _inner(gx, wv)
+        h = torch.autograd.grad(second, [x, cot], allow_unused=True)
+        wref = []
+        for r in range(w):
+            cand = ws[(r + 1) % w].to(hi)
+            wref.append(cand if cand.shape == xs_ref[r].shape else torch.ones_like(xs_ref[r]))
+        ref_second = sum(_inner(g, wr) for g, wr in zip(ref_g, wref) if g is not None)
+        ref_hx: Tensor | None = None
+        if isinstance(ref_second, Tensor) and ref_second.requires_grad:
+            ref_hx = torch.autograd.grad(ref_second, xs_ref, allow_unused=True)[rank]
+        # d/dcot of the second-order term is A w (the VJP is linear in the cotangent)
+        ref_hc = _cot_grad_reference(case, wref, [c.to(hi) for c in cots])
+        res.double_err = max(_rel(h[0], ref_hx), _rel(h[1], ref_hc[rank]))
+    res.seconds = time.perf_counter() - start
+    return res
+
+
+def _cot_grad_reference(case: Case, wref: list[Tensor], cots: list[Tensor]) -> list[Tensor]:
+    """d/dcot_r of sum_r <g_r(cot), w_r> where g is the reference VJP (linear in cot)."""
+    xs = [t.detach().to(wref[0].dtype) for t in make_inputs(case, "x")]
+    xs = [t.requires_grad_(True) for t in xs]
+    cs = [c.detach().clone().requires_grad_(True) for c in cots]
+    ref = reference_outputs(case, xs)
+    loss = sum(_inner(o, c) for o, c in zip(ref, cs))
+    gs = torch.autograd.grad(loss, xs, create_graph=True, allow_unused=True)
+    second = sum(_inner(g, wr) for g, wr in zip(gs, wref) if g is not None)
+    if not (isinstance(second, Tensor) and second.requires_grad):
+        return [torch.zeros_like(c) for c in cs]
+    out = torch.autograd.grad(second, cs, allow_unused=True)
+    return [o if o is not None else torch.zeros_like(c) for o, c in zip(out, cs)]
+
+
+# --------------------------------------------------------------------------------------
+# the standard case list (python -m diffcomm check)
+# --------------------------------------------------------------------------------------
+
+
+def standard_cases(world: int) -> Iterator[Case]:
+    """Every op, every reduce op, several dtypes, uneven splits — for ``world`` ranks."""
+    w = world
+    for rop in ("sum", "avg", "max", "min", "product"):
+        yield Case("all_reduce", w, (3, 4), kwargs={"op": rop}, ints=rop in ("max", "min", "product"))
+    for dt in ("float32", "float16", "bfloat16", "complex128"):
+        yield Case("all_reduce", w, (5,), dt, kwargs={"op": "sum"}, ints=dt in ("float16", "bfloat16"))
+    yield Case("all_reduce", w, (5,), "complex64", kwargs={"op": "product"}, ints=True)
+    yield Case("all_reduce", w, (4,), "int64", kwargs={"op": "sum"}, ints=True)
+    yield Case("broadcast", w, (2, 3), kwargs={"src": w - 1})
+    for rop in ("sum", "avg", "max", "product"):
+        yield Case("reduce", w, (2, 3), kwargs={"dst": w // 2, "op": rop}, ints=rop != "sum")
+    yield Case("all_gather", w, (2, 3), kwargs={"dim": 1})
+    yield Case("all_gather", w, (4, 2), kwargs={"dim": 0}, sizes=tuple(r % 3 + 1 for r in range(w)))
+    yield Case("reduce_scatter", w, (2 * w, 3), kwargs={"dim": 0})
+    uneven = [r + 1 for r in range(w)]
+    yield Case("reduce_scatter", w, (3, sum(uneven)), kwargs={"dim": 1, "split_sizes": uneven})
+    yield Case("reduce_scatter", w, (w, 2), kwargs={"dim": 0, "op": "max"}, ints=True)
+    yield Case("gather", w, (2, 2), kwargs={"dst": w - 1, "dim": 1})
+    yield Case("gather", w, (3, 2), kwargs={"dst": 0, "dim": 0}, sizes=tuple(r + 1 for r in range(w)))
+    yield Case("scatter", w, (w, 3), kwargs={"src": 0, "dim": 0})
+    yield Case("scatter", w, (2, sum(uneven)), kwargs={"src": w - 1, "dim": 1, "split_sizes": uneven})
+    yield Case("all_to_all", w, (2 * w, 3), kwargs={"split_dim": 0, "concat_dim": 0})
+    yield Case("all_to_all", w, (2, 2 * w, 3), kwargs={"split_dim": 1, "concat_dim": 2})
+    a2a = tuple(tuple((r + j) % 3 for j in range(w)) for r in range(w))
+    yield Case("all_to_all", w, (0, 2), kwargs={"split_dim": 0, "concat_dim": 0}, a2a=a2a)
+    yield Case(
+        "all_to_all", w, (0, 2), kwargs={"split_dim": 0, "concat_dim": 0, "infer_outputs": True}, a2a=a2a
+    )
+
+
+def with_seed(case: Case, seed: int) -> Case:
+    return replace(case, seed=seed)

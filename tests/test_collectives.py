@@ -1,0 +1,491 @@
+"""Property tests of the eight collectives on real gloo ranks.
+
+Every example runs :func:`diffcomm.testing.cases.run_case` on every rank of a shared
+``LocalWorld``: forward equals a single-process reference of the whole SPMD program, the
+gradient equals the reference gradient, the dot-product test with the dual op from the
+table holds, double backward equals the reference's, the input is unchanged and the
+output does not alias it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import diffcomm as dc
+from diffcomm import backend as B
+from diffcomm.testing.cases import Case, run_case, standard_cases
+
+WORLDS = [1, 2, 3, 4]
+FLOATS = ["float64", "float32", "float16", "bfloat16"]
+PROP = settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    derandomize=True,
+)
+
+
+def _check_all(cases: list[Case]) -> list[tuple[str, dict]]:
+    out = []
+    for c in cases:
+        r = run_case(c)
+        out.append((c.op + " " + c.label(), r.as_dict()))
+    return out
+
+
+def _assert_ok(world: dc.LocalWorld, cases: list[Case]) -> None:
+    per_rank = world.run(_check_all, cases)
+    bad = [(rank, name, res) for rank, rr in enumerate(per_rank) for name, res in rr if not res["ok"]]
+    assert not bad, "\n".join(f"rank {r}: {n}: {res}" for r, n, res in bad[:8])
+
+
+# --------------------------------------------------------------------------------------
+# strategies: one composite per op, for a given world size
+# --------------------------------------------------------------------------------------
+
+
+def _dtype_and_op(draw: st.DrawFn, ops: tuple[str, ...]) -> tuple[str, str, bool]:
+    dtype = draw(st.sampled_from(FLOATS + ["complex128"]))
+    allowed = [o for o in ops if not (dtype.startswith("complex") and o in ("max", "min"))]
+    rop = draw(st.sampled_from(allowed))
+    ints = rop in ("max", "min", "product") or dtype in ("float16", "bfloat16") or draw(st.booleans())
+    return dtype, rop, ints
+
+
+def _shape(draw: st.DrawFn, min_dims: int = 1, max_dims: int = 3) -> list[int]:
+    return draw(st.lists(st.integers(1, 4), min_size=min_dims, max_size=max_dims))
+
+
+def _splits(draw: st.DrawFn, world: int) -> list[int]:
+    return draw(st.lists(st.integers(0, 3), min_size=world, max_size=world))
+
+
+@st.composite
+def cases(draw: st.DrawFn, op: str, world: int) -> Case:
+    seed = draw(st.integers(0, 10_000))
+    all_ops = ("sum", "avg", "max", "min", "product")
+    if op in ("all_reduce", "reduce"):
+        dtype, rop, ints = _dtype_and_op(draw, all_ops)
+        kw: dict = {"op": rop}
+        if op == "reduce":
+            kw["dst"] = draw(st.integers(0, world - 1))
+        return Case(op, world, tuple(_shape(draw)), dtype, kw, seed=seed, ints=ints)
+    if op == "broadcast":
+        dtype, _, ints = _dtype_and_op(draw, ("sum",))
+        src = draw(st.integers(0, world - 1))
+        return Case(op, world, tuple(_shape(draw)), dtype, {"src": src}, seed=seed, ints=ints)
+    if op in ("all_gather", "gather"):
+        dtype, _, ints = _dtype_and_op(draw, ("sum",))
+        shape = _shape(draw)
+        dim = draw(st.integers(-len(shape), len(shape) - 1))
+        uneven = draw(st.booleans())
+        sizes = tuple(_splits(draw, world)) if uneven else None
+        kw = {"dim": dim}
+        if op == "gather":
+            kw["dst"] = draw(st.integers(0, world - 1))
+        case = Case(op, world, tuple(shape), dtype, kw, sizes=sizes, seed=seed, ints=ints)
+        if dim < 0:  # the reference indexes sizes by the normalised dim
+            case = Case(
+                op, world, tuple(shape), dtype, {**kw, "dim": dim % len(shape)}, sizes, None, seed, ints
+            )
+        return case
+    if op in ("reduce_scatter", "scatter"):
+        ops = all_ops if op == "reduce_scatter" else ("sum",)
+        dtype, rop, ints = _dtype_and_op(draw, ops)
+        shape = _shape(draw)
+        dim = draw(st.integers(0, len(shape) - 1))
+        kw = {"dim": dim}
+        if draw(st.booleans()):
+            split = _splits(draw, world)
+            shape[dim] = sum(split)
+            kw["split_sizes"] = split
+        else:
+            shape[dim] = world * draw(st.integers(1, 3))
+        if op == "reduce_scatter":
+            kw["op"] = rop
+        else:
+            kw["src"] = draw(st.integers(0, world - 1))
+        return Case(op, world, tuple(shape), dtype, kw, seed=seed, ints=ints)
+    if op == "all_to_all":
+        dtype, _, ints = _dtype_and_op(draw, ("sum",))
+        shape = _shape(draw, 1, 3)
+        sd = draw(st.integers(0, len(shape) - 1))
+        cd = draw(st.integers(0, len(shape) - 1))
+        kw = {"split_dim": sd, "concat_dim": cd}
+        a2a = None
+        if sd == cd and draw(st.booleans()):
+            a2a = tuple(tuple(_splits(draw, world)) for _ in range(world))
+            kw["infer_outputs"] = draw(st.booleans())
+        else:
+            shape[sd] = world * draw(st.integers(1, 2))
+        return Case(op, world, tuple(shape), dtype, kw, a2a=a2a, seed=seed, ints=ints)
+    raise ValueError(op)
+
+
+# --------------------------------------------------------------------------------------
+# the property tests: every op x every world size
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("op", list(dc.DUALS))
+def test_op_matches_reference(local_worlds, op: str, world_size: int) -> None:
+    world = local_worlds(world_size)
+
+    @PROP
+    @given(st.lists(cases(op, world_size), min_size=3, max_size=3))
+    def check(batch: list[Case]) -> None:
+        _assert_ok(world, batch)
+
+    check()
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_standard_cases(local_worlds, world_size: int) -> None:
+    """The fixed case list `python -m diffcomm check` runs (every op, op, dtype, uneven)."""
+    _assert_ok(local_worlds(world_size), list(standard_cases(world_size)))
+
+
+# --------------------------------------------------------------------------------------
+# the dual table
+# --------------------------------------------------------------------------------------
+
+
+def test_dual_table_is_an_involution() -> None:
+    assert set(dc.DUALS) == {
+        "all_reduce",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "reduce_scatter",
+        "gather",
+        "scatter",
+        "all_to_all",
+    }
+    for op in dc.DUALS:
+        assert dc.dual(dc.dual(op)) == op
+        assert callable(dc.OPS[op].fn) and dc.OPS[op].fn is getattr(dc, op)
+    with pytest.raises(ValueError, match="unknown op 'psum'"):
+        dc.dual("psum")
+
+
+def test_docs_table_is_generated_from_the_code() -> None:
+    from diffcomm.collectives import duals_markdown
+
+    table = duals_markdown()
+    for op, d in dc.DUALS.items():
+        assert f"| `{op}` |" in table and f"`{d}`" in table
+
+
+# --------------------------------------------------------------------------------------
+# pitfalls pinned down explicitly
+# --------------------------------------------------------------------------------------
+
+
+def _ties_and_zeros() -> dict:
+    r, w = dc.get_rank(), dc.get_world_size()
+    out = {}
+    # every rank holds the same max: the summed gradient is split evenly
+    x = torch.full((3,), 5.0, dtype=torch.float64, requires_grad=True)
+    dc.all_reduce(x, "max").sum().backward()
+    out["max_tie"] = x.grad.clone()
+    # min held by ranks 0 and 1 only
+    x = torch.tensor([1.0 if r < 2 else 3.0], dtype=torch.float64, requires_grad=True)
+    (dc.all_reduce(x, "MIN") * (r + 1)).sum().backward()
+    out["min_two"] = x.grad.clone()
+    # product with one zero (rank 0) and with two zeros (ranks 0, 1)
+    for name, zeros in (("prod_one_zero", 1), ("prod_two_zeros", 2)):
+        x = torch.tensor([0.0 if r < zeros else 2.0 + r], dtype=torch.float64, requires_grad=True)
+        dc.all_reduce(x, torch.distributed.ReduceOp.PRODUCT).sum().backward()
+        out[name] = x.grad.clone()
+    # avg scales by 1/world
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    dc.all_reduce(x, "avg").sum().backward()
+    out["avg"] = x.grad.clone()
+    # broadcast: non-source ranks get exact zeros
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    dc.broadcast(x, src=w - 1).pow(2).sum().backward()
+    out["bcast_zero"] = bool((x.grad == 0).all()) if r != w - 1 else True
+    return out
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_max_min_ties_product_zeros_avg(local_worlds, world_size: int) -> None:
+    w = world_size
+    res = local_worlds(w).run(_ties_and_zeros)
+    total_weight = sum(range(1, w + 1))
+    for r, o in enumerate(res):
+        assert torch.equal(o["max_tie"], torch.full((3,), w / w, dtype=torch.float64))  # W grads / W ties
+        expect_min = total_weight / 2 if r < 2 else 0.0
+        assert o["min_two"].item() == pytest.approx(expect_min)
+        others = [0.0 if k < 1 else 2.0 + k for k in range(w) if k != r]
+        expect = w * torch.tensor(others).prod().item()
+        assert o["prod_one_zero"].item() == pytest.approx(expect)
+        assert o["prod_two_zeros"].item() == 0.0
+        assert torch.allclose(o["avg"], torch.ones(2, dtype=torch.float64))
+        assert o["bcast_zero"]
+
+
+def _noncontiguous() -> list[float]:
+    r = dc.get_rank()
+    base = torch.arange(12.0, dtype=torch.float64).reshape(3, 4) + r
+    x = base.t().requires_grad_(True)  # non-contiguous input
+    y = dc.all_gather(x, dim=1)
+    c = torch.arange(float(y.numel()), dtype=torch.float64).reshape(y.shape[1], y.shape[0]).t()
+    (y * c).sum().backward()  # gradient arriving as a transposed (non-contiguous) view
+    # reference: each rank's grad = sum over ranks of its block of c = W * block
+    w = dc.get_world_size()
+    block = c[:, r * 3 : (r + 1) * 3]
+    return [float((x.grad - w * block).abs().max()), float((x.detach() - base.t()).abs().max())]
+
+
+def test_noncontiguous_inputs_and_gradients(world3) -> None:
+    for err, changed in world3.run(_noncontiguous):
+        assert err == 0.0 and changed == 0.0
+
+
+def _integer_forward() -> list:
+    r = dc.get_rank()
+    x = torch.tensor([r, 2 * r], dtype=torch.int64)
+    b = torch.tensor([r % 2 == 0, True])
+    return [
+        dc.all_reduce(x, "sum").tolist(),
+        dc.all_reduce(x, "max").tolist(),
+        dc.all_reduce(b, "min").tolist(),
+        dc.all_gather(x).tolist(),
+        dc.all_to_all(torch.arange(3, dtype=torch.int32) + 3 * r).tolist(),
+        dc.all_reduce(torch.tensor([1.0 + r], dtype=torch.complex64), "product").tolist(),
+    ]
+
+
+def test_integer_bool_complex_forward(world3) -> None:
+    res = world3.run(_integer_forward)
+    for r, (s, m, b, g, a, p) in enumerate(res):
+        assert s == [3, 6] and m == [2, 4] and b == [False, True]
+        assert g == [0, 0, 1, 2, 2, 4]
+        assert a == [r, 3 + r, 6 + r]
+        assert p == [complex(6.0)]
+
+
+def _subgroups() -> list:
+    import torch.distributed as dist
+
+    r = dc.get_rank()
+    g01 = dist.new_group([0, 1])
+    g23 = dist.new_group([2, 3])
+    mine = g01 if r < 2 else g23
+    x = torch.tensor([float(r)], dtype=torch.float64, requires_grad=True)
+    y = dc.all_gather(x, group=mine)
+    b = dc.broadcast(x, src=1, group=mine)  # group-local src: global 1 or 3
+    (y.sum() + 10 * b.sum()).backward()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    z = dc.all_reduce(torch.tensor([float(r)]), group=(mesh, "tp"))
+    z2 = dc.all_reduce(torch.tensor([float(r)]), group=(mesh, 0))
+    return [y.tolist(), b.tolist(), x.grad.tolist(), z.tolist(), z2.tolist()]
+
+
+def test_subgroups_and_device_mesh(world4) -> None:
+    res = world4.run(_subgroups)
+    for r, (y, b, g, z, z2) in enumerate(res):
+        base = 0 if r < 2 else 2
+        assert y == [float(base), float(base + 1)]
+        assert b == [float(base + 1)]
+        # all_gather grad: 2 ranks each sum -> 2; broadcast grad: 10*2 on the local src only
+        assert g == [2.0 + (20.0 if r % 2 == 1 else 0.0)]
+        assert z == [float(2 * base + 1)]  # tp pairs: (0,1) and (2,3)
+        assert z2 == [float(r % 2 + (r % 2 + 2))]  # dp pairs: (0,2) and (1,3)
+
+
+# --------------------------------------------------------------------------------------
+# bad input: a clear ValueError / TypeError naming the argument, before any communication
+# --------------------------------------------------------------------------------------
+
+T = torch.ones(4, 3)
+BAD_INPUTS = [
+    ("all_reduce", lambda: dc.all_reduce([1.0, 2.0]), TypeError, r"`x` must be a torch.Tensor, got list"),
+    ("all_reduce", lambda: dc.all_reduce(T, "mean2"), ValueError, r"`op` must be one of"),
+    ("all_reduce", lambda: dc.all_reduce(T, 3), ValueError, r"`op` must be one of .* got 3"),
+    ("all_reduce", lambda: dc.all_reduce(T, torch.distributed.ReduceOp.BAND), ValueError, r"`op` must be"),
+    (
+        "all_reduce",
+        lambda: dc.all_reduce(torch.ones(2, dtype=torch.complex64), "max"),
+        ValueError,
+        r"sum/avg/product for a complex tensor",
+    ),
+    (
+        "all_reduce",
+        lambda: dc.all_reduce(torch.ones(2, dtype=torch.int64), "avg"),
+        ValueError,
+        r"integer or bool tensor",
+    ),
+    ("all_reduce", lambda: dc.all_reduce(T.to_sparse()), TypeError, r"dense"),
+    (
+        "all_reduce",
+        lambda: dc.all_reduce(T, group="world"),
+        TypeError,
+        r"`group` must be None, a ProcessGroup",
+    ),
+    ("all_reduce", lambda: dc.all_reduce(T, group=(object(), 0)), TypeError, r"\(DeviceMesh, axis\)"),
+    (
+        "broadcast",
+        lambda: dc.broadcast(T, src=5),
+        ValueError,
+        r"`src` must be a group-local rank in \[0, 2\), got 5",
+    ),
+    ("broadcast", lambda: dc.broadcast(T, src=-1), ValueError, r"`src` must be a group-local rank"),
+    ("broadcast", lambda: dc.broadcast(T, src="0"), TypeError, r"`src` must be an int"),
+    ("reduce", lambda: dc.reduce(T, dst=2), ValueError, r"`dst` must be a group-local rank in \[0, 2\)"),
+    ("reduce", lambda: dc.reduce(T, dst=True), TypeError, r"`dst` must be an int"),
+    ("all_gather", lambda: dc.all_gather(T, dim=2), ValueError, r"`dim` must be a dimension in \[-2, 2\)"),
+    ("all_gather", lambda: dc.all_gather(T, dim=1.0), TypeError, r"`dim` must be an int"),
+    ("all_gather", lambda: dc.all_gather(torch.tensor(1.0)), ValueError, r"at least one dimension"),
+    ("all_gather", lambda: dc.all_gather(T, sizes=[4]), ValueError, r"`sizes` must be a list of 2 ints"),
+    (
+        "all_gather",
+        lambda: dc.all_gather(T, sizes=[5, 5]),
+        ValueError,
+        r"`sizes` must be to list x.shape\[0\]=4",
+    ),
+    (
+        "reduce_scatter",
+        lambda: dc.reduce_scatter(torch.ones(3, 2)),
+        ValueError,
+        r"divisible by the group size 2",
+    ),
+    ("reduce_scatter", lambda: dc.reduce_scatter(T, split_sizes=[1, 2]), ValueError, r"sizes summing to 4"),
+    ("reduce_scatter", lambda: dc.reduce_scatter(T, split_sizes=[5, -1]), ValueError, r"non-negative"),
+    ("reduce_scatter", lambda: dc.reduce_scatter(T, split_sizes=[1, 1, 2]), ValueError, r"a list of 2 ints"),
+    ("reduce_scatter", lambda: dc.reduce_scatter(T, op="xor"), ValueError, r"`op` must be one of"),
+    (
+        "scatter",
+        lambda: dc.scatter(T, split_sizes="22"),
+        TypeError,
+        r"`split_sizes` must be a list of 2 ints",
+    ),
+    ("scatter", lambda: dc.scatter(T, src=9), ValueError, r"`src` must be a group-local rank"),
+    ("scatter", lambda: dc.scatter(T, dim=-3), ValueError, r"`dim` must be a dimension"),
+    ("gather", lambda: dc.gather(T, dst=0.0), TypeError, r"`dst` must be an int"),
+    ("gather", lambda: dc.gather(T, sizes=[1, 1, 1]), ValueError, r"`sizes` must be a list of 2 ints"),
+    ("all_to_all", lambda: dc.all_to_all(T, split_dim=4), ValueError, r"`split_dim` must be a dimension"),
+    ("all_to_all", lambda: dc.all_to_all(T, concat_dim=-5), ValueError, r"`concat_dim` must be a dimension"),
+    ("all_to_all", lambda: dc.all_to_all(T, input_split_sizes=[1, 1]), ValueError, r"sizes summing to 4"),
+    (
+        "all_to_all",
+        lambda: dc.all_to_all(T, split_dim=0, concat_dim=1, input_split_sizes=[1, 3]),
+        ValueError,
+        r"equal sizes when split_dim != concat_dim",
+    ),
+    (
+        "all_to_all",
+        lambda: dc.all_to_all(T, output_split_sizes=[4]),
+        ValueError,
+        r"`output_split_sizes` must be a list of 2 ints",
+    ),
+    ("all_to_all", lambda: dc.all_to_all(torch.ones(3, 2)), ValueError, r"divisible by the group size 2"),
+]
+
+
+def _try_bad(index: int) -> tuple[str, str, int]:
+    fn = BAD_INPUTS[index][1]
+    with B.log_comms() as log:
+        try:
+            fn()
+        except (ValueError, TypeError) as exc:
+            return type(exc).__name__, str(exc), log.count()
+    return "none", "", log.count()
+
+
+@pytest.mark.parametrize(
+    "index", range(len(BAD_INPUTS)), ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_INPUTS)]
+)
+def test_bad_input_is_rejected_before_communication(world2, index: int) -> None:
+    op, _, exc_type, pattern = BAD_INPUTS[index]
+    for rank, (kind, message, comms) in enumerate(world2.run(_try_bad, index)):
+        assert kind == exc_type.__name__, f"rank {rank}: expected {exc_type.__name__}, got {kind}: {message}"
+        assert re.search(pattern, message), message
+        assert f"diffcomm.{op}()" in message and f"(rank {rank})" in message
+        assert comms == 0, "validation must happen before any communication"
+
+
+def test_distinct_bad_inputs_count() -> None:
+    assert len({pattern for *_, pattern in BAD_INPUTS}) >= 25
+
+
+def test_not_initialised_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match=r"torch.distributed is not initialised; call diffcomm.init\(\)"):
+        dc.all_reduce(torch.ones(2))
+
+
+# --------------------------------------------------------------------------------------
+# debug mode: cross-rank mismatches are named, never a hang or garbage
+# --------------------------------------------------------------------------------------
+
+
+def _mismatch(kind: str) -> tuple[str, str]:
+    r = dc.get_rank()
+    with dc.debug(True):
+        try:
+            if kind == "shape":
+                dc.all_reduce(torch.ones(2 + r))
+            elif kind == "dtype":
+                dc.all_gather(torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64))
+            elif kind == "root":
+                dc.broadcast(torch.ones(2), src=r)
+            elif kind == "op":
+                dc.all_reduce(torch.ones(2), "sum" if r else "max")
+            elif kind == "grad":
+                dc.all_reduce(torch.ones(2, requires_grad=r == 0))
+            elif kind == "ok":
+                dc.all_gather(torch.ones(1 + r, 2))  # uneven along dim is legal
+                return "ok", ""
+        except dc.CrossRankMismatchError as exc:
+            return type(exc).__name__, str(exc)
+    return "none", ""
+
+
+@pytest.mark.parametrize(
+    "kind, field",
+    [
+        ("shape", "shape differs"),
+        ("dtype", "dtype differs"),
+        ("root", "src differs"),
+        ("op", "op differs"),
+        ("grad", "grad differs"),
+    ],
+)
+def test_debug_mode_names_mismatched_ranks(world3, kind: str, field: str) -> None:
+    for name, msg in world3.run(_mismatch, kind):
+        assert name == "CrossRankMismatchError"
+        assert field in msg and "rank 0:" in msg and "rank 2:" in msg
+
+
+def test_debug_mode_accepts_legal_uneven(world3) -> None:
+    assert world3.run(_mismatch, "ok") == [("ok", "")] * 3
+
+
+# --------------------------------------------------------------------------------------
+# a rank whose loss ignores a collective's output: an error naming the op, not a hang
+# --------------------------------------------------------------------------------------
+
+
+def _skip_backward() -> None:
+    x = torch.ones(2, requires_grad=True)
+    y = dc.all_gather(x)
+    loss = y.sum() if dc.get_rank() == 0 else x.sum()  # rank 1 ignores y
+    loss.backward()
+
+
+def test_rank_ignoring_an_output_times_out_with_a_message() -> None:
+    with dc.LocalWorld(2, collective_timeout=2.0, timeout=60) as world:
+        with pytest.raises(dc.RankError) as info:
+            world.run(_skip_backward)
+        text = str(info.value)
+        assert "all_gather backward" in text
+        assert "make every rank's loss touch every collective output" in text
