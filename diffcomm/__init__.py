@@ -28,6 +28,7 @@ from .collectives import (
     reduce_scatter,
     scatter,
 )
+from . import backend, compat
 from .world import LocalWorld, get_rank, get_world_size, init, is_initialized, launch
 
 __version__ = "0.1.0"
