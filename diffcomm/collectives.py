@@ -93,12 +93,40 @@ def _batched(x: Tensor, bdim: int | None) -> Tensor:
     return x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
 
 
+def _fn(fn_cls: Any) -> Any:
+    """The autograd Function a public op applies: ``fn_cls``, or while ``torch.compile``
+    traces, its twin without the custom ``jvp`` (see :func:`_jvp_free_twin`)."""
+    return fn_cls._compiled() if torch.compiler.is_compiling() else fn_cls
+
+
+class _Collective(torch.autograd.Function):
+    """Base of the collectives' autograd Functions: a cheaper ``apply`` in plain eager mode.
+
+    ``torch.autograd.Function.apply`` binds default arguments with ``inspect.signature``
+    on every call (tens of microseconds). Our ``forward``s are always called with every
+    argument positionally, so in eager mode without torch.func transforms we go straight
+    to the C++ ``apply``; under transforms or torch.compile the full path is used.
+    """
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*_unwrap_dead(args))
+
+
+def _unwrap_dead(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    from torch._functorch.utils import unwrap_dead_wrappers
+
+    return unwrap_dead_wrappers(args)
+
+
 # ======================================================================================
 # all_reduce
 # ======================================================================================
 
 
-class _AllReduce(torch.autograd.Function):
+class _AllReduce(_Collective):
     @staticmethod
     def forward(x: Tensor, op: str, pg: PG) -> Tensor:
         with B.label(f"all_reduce({op})"):
@@ -181,7 +209,7 @@ def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None) -> Tensor:
     op_name = A.normalize_op(op, "all_reduce", x)
     pg = A.resolve_group(group, "all_reduce")
     _debug_check("all_reduce", pg, op=op_name, shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
-    return _AllReduce.apply(x, op_name, pg)
+    return _fn(_AllReduce).apply(x, op_name, pg)
 
 
 # ======================================================================================
@@ -189,7 +217,7 @@ def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None) -> Tensor:
 # ======================================================================================
 
 
-class _Broadcast(torch.autograd.Function):
+class _Broadcast(_Collective):
     @staticmethod
     def forward(x: Tensor, src: int, pg: PG) -> Tensor:
         with B.label("broadcast"):
@@ -238,10 +266,10 @@ def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None) -> Tensor:
     pg = A.resolve_group(group, "broadcast")
     src = A.check_rank(src, "broadcast", "src", _world(pg))
     _debug_check("broadcast", pg, src=src, shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
-    return _Broadcast.apply(x, src, pg)
+    return _fn(_Broadcast).apply(x, src, pg)
 
 
-class _Reduce(torch.autograd.Function):
+class _Reduce(_Collective):
     """Linear reduce (sum/avg) to ``dst``; max/min/product are composed in :func:`reduce`."""
 
     @staticmethod
@@ -307,9 +335,9 @@ def reduce(x: Tensor, dst: int = 0, op: Any = "sum", group: A.GroupLike = None) 
     dst = A.check_rank(dst, "reduce", "dst", _world(pg))
     _debug_check("reduce", pg, op=op_name, dst=dst, shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
     if op_name in A.LINEAR_OPS:
-        return _Reduce.apply(x, dst, op_name, pg)
+        return _fn(_Reduce).apply(x, dst, op_name, pg)
     # max/min/product: every rank needs the extreme/product for its gradient anyway
-    return _only_on(_AllReduce.apply(x, op_name, pg), _rank(pg) == dst)
+    return _only_on(_fn(_AllReduce).apply(x, op_name, pg), _rank(pg) == dst)
 
 
 # ======================================================================================
@@ -317,7 +345,7 @@ def reduce(x: Tensor, dst: int = 0, op: Any = "sum", group: A.GroupLike = None) 
 # ======================================================================================
 
 
-class _AllGather(torch.autograd.Function):
+class _AllGather(_Collective):
     @staticmethod
     def forward(x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
         with B.label("all_gather"):
@@ -385,10 +413,10 @@ def all_gather(
     if sizes is None:
         with B.label("all_gather (size exchange)"):
             sizes = _b().exchange_sizes(x.shape[dim], pg)
-    return _AllGather.apply(x, dim, pg, tuple(sizes))
+    return _fn(_AllGather).apply(x, dim, pg, tuple(sizes))
 
 
-class _ReduceScatter(torch.autograd.Function):
+class _ReduceScatter(_Collective):
     """Linear reduce_scatter (sum/avg); max/min/product are composed in :func:`reduce_scatter`."""
 
     @staticmethod
@@ -467,8 +495,8 @@ def reduce_scatter(
         grad=x.requires_grad,
     )
     if op_name in A.LINEAR_OPS:
-        return _ReduceScatter.apply(x, dim, op_name, pg, tuple(sizes))
-    full = _AllReduce.apply(x, op_name, pg)
+        return _fn(_ReduceScatter).apply(x, dim, op_name, pg, tuple(sizes))
+    full = _fn(_AllReduce).apply(x, op_name, pg)
     return full.narrow(dim, sum(sizes[:rank]), sizes[rank])
 
 
@@ -477,7 +505,7 @@ def reduce_scatter(
 # ======================================================================================
 
 
-class _Gather(torch.autograd.Function):
+class _Gather(_Collective):
     @staticmethod
     def forward(x: Tensor, dst: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
         with B.label("gather"):
@@ -550,10 +578,10 @@ def gather(
     if sizes is None:
         with B.label("gather (size exchange)"):
             sizes = _b().exchange_sizes(x.shape[dim], pg)
-    return _Gather.apply(x, dst, dim, pg, tuple(sizes))
+    return _fn(_Gather).apply(x, dst, dim, pg, tuple(sizes))
 
 
-class _Scatter(torch.autograd.Function):
+class _Scatter(_Collective):
     @staticmethod
     def forward(x: Tensor, src: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
         with B.label("scatter"):
@@ -626,7 +654,7 @@ def scatter(
         split_sizes=tuple(sizes),
         grad=x.requires_grad,
     )
-    return _Scatter.apply(x, src, dim, pg, tuple(sizes))
+    return _fn(_Scatter).apply(x, src, dim, pg, tuple(sizes))
 
 
 # ======================================================================================
@@ -634,7 +662,7 @@ def scatter(
 # ======================================================================================
 
 
-class _AllToAll(torch.autograd.Function):
+class _AllToAll(_Collective):
     @staticmethod
     def forward(
         x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
@@ -787,10 +815,42 @@ def all_to_all(
         grad=x.requires_grad,
     )
     if outs is None:
+        if torch.compiler.is_compiling():
+            raise A.arg_error(
+                op,
+                "output_split_sizes",
+                "given under torch.compile when `input_split_sizes` is and split_dim == concat_dim "
+                "(the received sizes would be exchanged with a host read, which dynamo cannot trace)",
+                None,
+            )
         with B.label("all_to_all (size exchange)"):
             sent = torch.tensor(ins, dtype=torch.int64, device=B._comm_device(pg))
             outs = _b().all_to_all(sent, pg, [1] * world, [1] * world).tolist()
-    return _AllToAll.apply(x, split_dim, concat_dim, pg, tuple(ins), tuple(int(o) for o in outs))
+    return _fn(_AllToAll).apply(x, split_dim, concat_dim, pg, tuple(ins), tuple(int(o) for o in outs))
+
+
+# ======================================================================================
+# torch.compile: jvp-free twins
+# ======================================================================================
+
+
+def _jvp_free_twin(fn_cls: Any) -> Any:
+    """``fn_cls`` with ``jvp`` reset to torch's default, reachable as ``fn_cls._compiled()``.
+
+    Dynamo refuses to trace an autograd.Function that defines a custom ``jvp``
+    ("Unsupported custom jvp"). A compiled graph needs only forward and backward, so while
+    compiling, the public ops apply this twin (same forward / setup_context / backward /
+    vmap). Backward rules keep applying the originals: dynamo traces them without grad,
+    where the check does not apply. (A staticmethod, because dynamo can call one on an
+    autograd.Function class but cannot look a class up in a dict or compare it.)
+    """
+    twin = type(f"{fn_cls.__name__}Traced", (fn_cls,), {"jvp": staticmethod(torch.autograd.Function.jvp)})
+    fn_cls._compiled = staticmethod(lambda: twin)
+    return twin
+
+
+for _cls in (_AllReduce, _Broadcast, _Reduce, _AllGather, _ReduceScatter, _Gather, _Scatter, _AllToAll):
+    _jvp_free_twin(_cls)
 
 
 # ======================================================================================
