@@ -28,7 +28,8 @@ from .collectives import (
     reduce_scatter,
     scatter,
 )
-from . import backend, compat
+from . import accelerator, backend, compat, rng
+from .p2p import ppermute, recv, send, sendrecv, shift, wait_sends
 from .world import LocalWorld, get_rank, get_world_size, init, is_initialized, launch
 
 __version__ = "0.1.0"
@@ -37,6 +38,12 @@ __all__ = [
     "DUALS",
     "OPS",
     "all_gather",
+    "ppermute",
+    "recv",
+    "send",
+    "sendrecv",
+    "shift",
+    "wait_sends",
     "all_reduce",
     "all_to_all",
     "broadcast",
