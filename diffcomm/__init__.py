@@ -6,6 +6,7 @@ convention that the objective is the **sum of the per-rank objectives**.
 
 from __future__ import annotations
 
+from . import accelerator, backend, compat, parallel, pipeline, rng
 from ._config import debug, settings, timeout
 from ._errors import (
     CollectiveTimeoutError,
@@ -28,13 +29,18 @@ from .collectives import (
     reduce_scatter,
     scatter,
 )
-from . import accelerator, backend, compat, rng
 from .p2p import ppermute, recv, send, sendrecv, shift, wait_sends
 from .world import LocalWorld, get_rank, get_world_size, init, is_initialized, launch
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "accelerator",
+    "backend",
+    "compat",
+    "parallel",
+    "pipeline",
+    "rng",
     "DUALS",
     "OPS",
     "all_gather",

@@ -29,20 +29,32 @@ class RankError(DiffcommError):
 
     Attributes:
         failures: ``{rank: remote traceback text}`` for every rank that failed.
+        exceptions: ``{rank: exception object}`` for every rank that raised one that
+            could be sent back (pickled) to the caller.
     """
 
-    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        failures: dict[int, str] | None = None,
+        exceptions: dict[int, BaseException] | None = None,
+    ) -> None:
         super().__init__(message)
         self.failures: dict[int, str] = dict(failures or {})
+        self.exceptions: dict[int, BaseException] = dict(exceptions or {})
 
 
 class RankDiedError(RankError):
     """A rank's process exited while it was running a function."""
 
     def __init__(
-        self, message: str, exitcodes: dict[int, int | None], failures: dict[int, str] | None = None
+        self,
+        message: str,
+        exitcodes: dict[int, int | None],
+        failures: dict[int, str] | None = None,
+        exceptions: dict[int, BaseException] | None = None,
     ) -> None:
-        super().__init__(message, failures)
+        super().__init__(message, failures, exceptions)
         self.exitcodes = dict(exitcodes)
 
 

@@ -76,10 +76,21 @@ _BUS_FACTOR: dict[str, Callable[[int], float]] = {
 _LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("diffcomm_label", default=None)
 
 
+def label(text: str) -> contextlib.AbstractContextManager[None]:
+    """Name the diffcomm op being run (e.g. ``"all_gather backward"``) for errors and logs.
+
+    A no-op while ``torch.compile`` traces (dynamo cannot trace ``ContextVar.set``; the
+    compiled graph has no Python-side logging anyway).
+    """
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _set_label(text)
+
+
 @contextlib.contextmanager
-def label(text: str) -> Iterator[None]:
-    """Name the diffcomm op being run (e.g. ``"all_gather backward"``) for errors and logs."""
-    token = _LABEL.set(text)
+def _set_label(text: str) -> Iterator[None]:
+    outer = _LABEL.get()
+    token = _LABEL.set(f"{outer} -> {text}" if outer else text)
     try:
         yield
     finally:
@@ -103,7 +114,7 @@ class CommRecord:
     skipped: bool = False
 
 
-@dataclass
+@dataclass(eq=False)  # identity: nested logs with equal records must stay distinct
 class CommsLog:
     """Records of every raw op run inside :func:`log_comms`; ``print(log)`` shows a table."""
 
@@ -412,6 +423,11 @@ class TorchDistributedBackend:
     # ---- reductions ----------------------------------------------------------------
     def _reduce_op(self, op: str, x: torch.Tensor, group: ProcessGroup) -> tuple[Any, bool]:
         """torch ReduceOp to use, and whether to divide by the world size afterwards."""
+        if op not in _TORCH_OPS:
+            raise ValueError(
+                f"diffcomm.backend: unknown reduce op {op!r}; legal: {tuple(_TORCH_OPS)} "
+                "(normalise user input with diffcomm._args.normalize_op first)"
+            )
         if op == "avg" and not (self.capabilities(group).avg and x.is_floating_point()):
             return dist.ReduceOp.SUM, True
         return _TORCH_OPS[op], False
@@ -818,11 +834,194 @@ def _comm_device(group: ProcessGroup) -> torch.device:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+
+# --------------------------------------------------------------------------------------
+# the traceable path (torch.compile)
+# --------------------------------------------------------------------------------------
+
+
+class TraceableBackend:
+    """The raw ops as PyTorch's functional collectives, for code ``torch.compile`` traces.
+
+    Dynamo cannot trace c10d's in-place ``broadcast``/``reduce``/``gather``/``scatter``
+    nor the logger and switches of :func:`_dispatch` (context variables, thread locals,
+    timers), so :func:`get_backend` returns this adapter while
+    ``torch.compiler.is_compiling()``. It also works eagerly (``set_backend``), which is
+    how its semantics are tested against :class:`TorchDistributedBackend`: dim 0,
+    out-of-place, group-local ranks, zeros off the root, uneven sizes padded. Differences:
+
+    * nothing is exchanged at trace time: :meth:`exchange_sizes` raises (pass ``sizes=``
+      to ``all_gather``/``gather``, ``output_split_sizes=`` to an uneven ``all_to_all``);
+    * ``reduce`` is an all_reduce kept on ``dst`` only; ``gather`` and ``scatter`` are one
+      ``all_to_all_single`` with rank-dependent splits (no functional gather/scatter);
+      ``avg`` is a sum divided by the group size;
+    * :func:`log_comms`, :func:`comm_off`, the timeout message and the debug-mode
+      cross-rank check (:meth:`check_consistent`) do not apply inside compiled code.
+    """
+
+    # ---- group helpers -------------------------------------------------------------
+    def rank(self, group: ProcessGroup) -> int:
+        return dist.get_rank(group)
+
+    def world_size(self, group: ProcessGroup) -> int:
+        return dist.get_world_size(group)
+
+    def global_rank(self, group: ProcessGroup, rank: int) -> int:
+        return rank if group is None else dist.get_global_rank(group, rank)
+
+    @staticmethod
+    def _pg(group: ProcessGroup) -> Any:
+        return group if group is not None else dist.group.WORLD
+
+    @staticmethod
+    def _done(t: torch.Tensor) -> torch.Tensor:
+        # eager functional collectives return an AsyncCollectiveTensor; traced ones are waited
+        return t.wait() if isinstance(t, _funcol().AsyncCollectiveTensor) else t
+
+    # ---- reductions ----------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
+        x = x.contiguous()
+        if x.is_complex() and op == "product":
+            return torch.prod(self.all_gather(x.unsqueeze(0), group), dim=0)
+        wire_op = "sum" if op == "avg" else op
+        out = self._done(_funcol().all_reduce(_wire(x), wire_op, self._pg(group)))
+        out = torch.view_as_complex(out) if x.is_complex() else out
+        return out / self.world_size(group) if op == "avg" else out
+
+    def reduce(self, x: torch.Tensor, dst: int, op: str, group: ProcessGroup) -> torch.Tensor:
+        out = self.all_reduce(x, op, group)  # every rank takes part; only dst keeps it
+        return out if self.rank(group) == dst else torch.zeros_like(out)
+
+    def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
+        x = x.contiguous()
+        out = self._done(_funcol().broadcast(_wire(x), src, self._pg(group)))
+        return torch.view_as_complex(out) if x.is_complex() else out
+
+    # ---- gather family (dim 0) -----------------------------------------------------
+    def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
+        if not torch.compiler.is_compiling():  # eager use (tests): a host read is fine
+            mine = torch.tensor([n], dtype=torch.int64, device=_comm_device(group))
+            return [int(v) for v in self.all_gather(mine, group).tolist()]
+        raise ValueError(
+            "diffcomm: under torch.compile the per-rank sizes of an all_gather/gather cannot "
+            "be exchanged (that needs a host read, `.tolist()`, which dynamo cannot trace); "
+            "pass `sizes=` (every rank's size along `dim`, e.g. `sizes=[n] * world` when even)"
+        )
+
+    def all_gather(
+        self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        world = self.world_size(group)
+        x = x.contiguous()
+        rest = tuple(x.shape[1:])
+        sizes = list(sizes) if sizes is not None else [x.shape[0]] * world
+        m = max(sizes)
+        padded = x if x.shape[0] == m else torch.cat([x, x.new_zeros((m - x.shape[0], *rest))])
+        buf = self._done(_funcol_all_gather(_wire(padded), 0, self._pg(group)))
+        buf = torch.view_as_complex(buf) if x.is_complex() else buf
+        if all(s == m for s in sizes):
+            return buf
+        return torch.cat([c[:s] for c, s in zip(buf.split(m), sizes)])
+
+    def reduce_scatter(
+        self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        rest = tuple(x.shape[1:])
+        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        if op not in ("sum", "avg"):
+            start = sum(sizes[:rank])
+            return self.all_reduce(x, op, group)[start : start + sizes[rank]]
+        m = max(sizes)
+        if all(s == m for s in sizes):
+            inp = x
+        else:  # pad each chunk to the largest, so one reduce_scatter does it
+            pad = [
+                c if s == m else torch.cat([c, c.new_zeros((m - s, *rest))])
+                for c, s in zip(x.split(sizes), sizes)
+            ]
+            inp = torch.cat(pad)
+        out = self._done(_funcol_reduce_scatter(_wire(inp), "sum", 0, self._pg(group)))
+        out = torch.view_as_complex(out) if x.is_complex() else out
+        out = out if sizes[rank] == m else out[: sizes[rank]]
+        return out / world if op == "avg" else out
+
+    def gather(
+        self, x: torch.Tensor, dst: int, group: ProcessGroup, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        sizes = list(sizes) if sizes is not None else [x.shape[0]] * world
+        ins = [x.shape[0] if j == dst else 0 for j in range(world)]
+        outs = list(sizes) if rank == dst else [0] * world
+        out = self.all_to_all(x, group, ins, outs)
+        return out if rank == dst else x.new_zeros((sum(sizes), *x.shape[1:]))
+
+    def scatter(
+        self, x: torch.Tensor, src: int, group: ProcessGroup, split_sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        ins = list(sizes) if rank == src else [0] * world
+        outs = [sizes[rank] if j == src else 0 for j in range(world)]
+        return self.all_to_all(x if rank == src else x[:0], group, ins, outs)
+
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        group: ProcessGroup,
+        input_split_sizes: Sequence[int] | None = None,
+        output_split_sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        world = self.world_size(group)
+        x = x.contiguous()
+        ins = list(input_split_sizes) if input_split_sizes is not None else [x.shape[0] // world] * world
+        if output_split_sizes is None:
+            if input_split_sizes is not None:
+                raise ValueError(
+                    "diffcomm.all_to_all(): under torch.compile the received split sizes cannot be "
+                    "exchanged (a host read dynamo cannot trace); pass `output_split_sizes=`"
+                )
+            output_split_sizes = ins
+        out = self._done(
+            _funcol().all_to_all_single(_wire(x), list(output_split_sizes), ins, self._pg(group))
+        )
+        return torch.view_as_complex(out) if x.is_complex() else out
+
+    def barrier(self, group: ProcessGroup) -> None:
+        raise RuntimeError("diffcomm: barrier() cannot run inside torch.compile'd code")
+
+    def check_consistent(self, op: str, fields: dict[str, Any], group: ProcessGroup) -> None:
+        """Skipped inside compiled code: the cross-rank check needs a host read."""
+
+
+def _funcol() -> Any:
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def _funcol_all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    f = _funcol()
+    return (getattr(f, "all_gather_single", None) or f.all_gather_tensor)(x, dim, group)
+
+
+def _funcol_reduce_scatter(x: torch.Tensor, op: str, dim: int, group: Any) -> torch.Tensor:
+    f = _funcol()
+    return (getattr(f, "reduce_scatter_single", None) or f.reduce_scatter_tensor)(x, op, dim, group)
+
+
 _BACKEND: Backend = TorchDistributedBackend()
+_TRACEABLE = TraceableBackend()
 
 
 def get_backend() -> Backend:
-    """The backend adapter every collective calls."""
+    """The backend adapter every collective calls (:class:`TraceableBackend` while
+    ``torch.compile`` traces, whatever :func:`set_backend` installed)."""
+    if torch.compiler.is_compiling():
+        return _TRACEABLE  # type: ignore[return-value]
     return _BACKEND
 
 

@@ -96,7 +96,33 @@ def _batched(x: Tensor, bdim: int | None) -> Tensor:
 def _fn(fn_cls: Any) -> Any:
     """The autograd Function a public op applies: ``fn_cls``, or while ``torch.compile``
     traces, its twin without the custom ``jvp`` (see :func:`_jvp_free_twin`)."""
-    return fn_cls._compiled() if torch.compiler.is_compiling() else fn_cls
+    if not torch.compiler.is_compiling():
+        return fn_cls
+    if not _only_grad_transforms():
+        raise RuntimeError(
+            "diffcomm: torch.func.jvp / jvp-based transforms (jacfwd, forward_ad) and vmap "
+            "cannot run inside a torch.compile'd function: dynamo ignores a custom "
+            "autograd.Function's jvp and vmap rules and traces its forward instead, which "
+            "would give wrong tangents and unbatched collectives. Apply the transform outside "
+            "the compiled function, or leave that function uncompiled "
+            "(torch.func.grad / vjp inside torch.compile are fine)."
+        )
+    return fn_cls._compiled()
+
+
+def _only_grad_transforms() -> bool:
+    """No functorch transform, or a single ``grad``/``vjp`` level, is active (traceable).
+
+    Levels count from 1 at the outermost transform, so a grad at level 1 is alone.
+    (Dynamo can read the top level's kind and number, not walk the stack below it.)
+    """
+    if not torch._C._are_functorch_transforms_active():
+        return True
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import coerce_cinterpreter
+
+    level = coerce_cinterpreter(torch._C._functorch.peek_interpreter_stack())
+    return level.key() == TransformType.Grad and level.level() == 1
 
 
 class _Collective(torch.autograd.Function):

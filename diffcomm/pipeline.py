@@ -308,12 +308,12 @@ class PipelineRunner:
             otherwise non-last stages return ``None``.
         tag: p2p tag of this pipeline's messages (two pipelines on one group need two).
 
-    Attributes (after a step):
-        timeline: list of :class:`TimelineEntry`, one per executed step.
-        peak_activation_bytes: most bytes of saved-for-backward tensors (activations,
-            parameters excluded) alive at once on this stage during the step.
-        input_grad: on stage 0 with ``step(..., input_grad=True)``: gradient of the loss
-            with respect to ``inputs``; else ``None``.
+    Attributes:
+        timeline: after a step, a list of :class:`TimelineEntry`, one per executed step.
+        peak_activation_bytes: after a step, the most bytes of saved-for-backward tensors
+            (activations, parameters excluded) alive at once on this stage during it.
+        input_grad: after a step, on stage 0 with ``step(..., input_grad=True)``: gradient
+            of the loss with respect to ``inputs``; else ``None``.
 
     Example::
 

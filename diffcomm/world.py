@@ -28,6 +28,7 @@ import datetime
 import multiprocessing.connection as mpc
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -50,6 +51,7 @@ __all__ = ["LocalWorld", "launch", "init", "get_rank", "get_world_size", "is_ini
 
 DEFAULT_COLLECTIVE_TIMEOUT = 30.0  # seconds; LocalWorld's default for DIFFCOMM_TIMEOUT
 DEFAULT_RUN_TIMEOUT = 300.0
+_STARTUP_TIMEOUT = 120.0  # seconds for every rank to start (import torch) and rendezvous
 _GRACE = 1.0  # seconds to wait for the other ranks' reports once one rank failed
 
 
@@ -139,13 +141,22 @@ def _worker_main(
     parent_pid: int,
 ) -> None:
     conn = mpc.Connection(conn_fd)
+    # The caller owns the ranks' lifetime: a Ctrl-C typed in the caller's terminal reaches
+    # the whole process group, and must not kill idle ranks (the caller tears them down).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["DIFFCOMM_TIMEOUT"] = str(collective_timeout)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     torch.set_num_threads(1)
     try:
         timeout = datetime.timedelta(seconds=collective_timeout)
-        store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, False, timeout=timeout)
+        # Ranks reach this point seconds apart on a loaded machine (importing torch), so
+        # the rendezvous must not run under a short collective timeout: first wait, under
+        # a start-up timeout, until every rank has arrived; then join the group.
+        startup = datetime.timedelta(seconds=max(collective_timeout, _STARTUP_TIMEOUT))
+        store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, False, timeout=startup)
+        store.set(f"diffcomm/arrived/{rank}", "1")
+        store.wait([f"diffcomm/arrived/{r}" for r in range(world_size)], startup)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         if backend == "nccl" and torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -287,6 +298,10 @@ class LocalWorld:
         self.world_size = world_size
         self.backend = backend
         self.timeout = float(timeout)
+        if collective_timeout is not None and not collective_timeout > 0:
+            raise ValueError(
+                f"LocalWorld(): `collective_timeout` must be > 0 seconds or None, got {collective_timeout!r}"
+            )
         ct = collective_timeout if collective_timeout is not None else _config.TIMEOUT.get()
         self.collective_timeout = float(ct if ct is not None else DEFAULT_COLLECTIVE_TIMEOUT)
         self.restarts = 0
@@ -344,7 +359,8 @@ class LocalWorld:
             st.conns.append(mpc.Connection(parent_sock.detach()))
         self._started = True
         try:
-            replies = self._collect(set(range(self.world_size)), max(60.0, self.timeout), "start-up")
+            limit = max(_STARTUP_TIMEOUT, self.timeout)
+            replies = self._collect(set(range(self.world_size)), limit, "start-up")
         except BaseException:
             self._teardown()
             raise
@@ -414,7 +430,6 @@ class LocalWorld:
             self._teardown()
             raise
         failures: dict[int, str] = {}
-        exceptions: dict[int, BaseException] = {}
         fatal = False
         results: list[Any] = [None] * self.world_size
         for r in range(self.world_size):
@@ -422,20 +437,12 @@ class LocalWorld:
             if kind == "ok":
                 results[r] = cloudpickle.loads(value)
             else:
-                tb, exc_bytes, is_fatal = value
-                failures[r] = tb
-                fatal = fatal or is_fatal
-                if exc_bytes is not None:
-                    try:
-                        exceptions[r] = cloudpickle.loads(exc_bytes)
-                    except Exception:  # noqa: BLE001
-                        pass
+                failures[r] = value[0]
+                fatal = fatal or value[2]
         if failures:
             if fatal:
                 self._teardown()
-            err = RankError(_failure_message(failures, fatal), failures)
-            err.exceptions = exceptions  # type: ignore[attr-defined]
-            raise err
+            raise RankError(_failure_message(failures, fatal), failures, _exceptions(replies))
         return results
 
     def _collect(self, pending: set[int], timeout: float, what: str) -> dict[int, tuple[str, Any]]:
@@ -472,6 +479,7 @@ class LocalWorld:
                 if replies[r][0] == "err" and grace_deadline is None:
                     grace_deadline = time.monotonic() + _GRACE
         failures = {r: v[1][0] for r, v in replies.items() if v[0] == "err"}
+        exceptions = _exceptions(replies)
         if died:
             self._teardown()
             codes = ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(died.items()))
@@ -480,6 +488,7 @@ class LocalWorld:
                 f"(it restarts at the next run)." + _tracebacks(failures),
                 died,
                 failures,
+                exceptions,
             )
         if pending:
             busy = sorted(pending)
@@ -490,6 +499,7 @@ class LocalWorld:
                     f"{busy} were still busy (most likely waiting in a collective for the failed "
                     f"rank); the world was torn down (it restarts at the next run)." + _tracebacks(failures),
                     failures,
+                    exceptions,
                 )
             raise WorldTimeoutError(
                 f"LocalWorld: `{what}` did not finish within {timeout:g} s; rank(s) {busy} still "
@@ -497,6 +507,18 @@ class LocalWorld:
                 busy,
             )
         return replies
+
+
+def _exceptions(replies: dict[int, tuple[str, Any]]) -> dict[int, BaseException]:
+    """The exception objects the failed ranks sent back (those that unpickle here)."""
+    out: dict[int, BaseException] = {}
+    for r, (kind, value) in replies.items():
+        if kind == "err" and value[1] is not None:
+            try:
+                out[r] = cloudpickle.loads(value[1])
+            except Exception:  # noqa: BLE001 - the traceback text is still reported
+                pass
+    return out
 
 
 def _tracebacks(failures: dict[int, str]) -> str:

@@ -1,0 +1,247 @@
+"""``python -m diffcomm check`` and ``python -m diffcomm bench`` (registered in ``cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+# ---------------------------------------------------------------------------------- check
+
+
+def _run_one(case: Any) -> dict[str, Any]:
+    from diffcomm.testing.cases import run_case
+
+    return run_case(case).as_dict()
+
+
+def check_configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-n",
+        "--world",
+        type=int,
+        nargs="+",
+        default=[2, 3],
+        metavar="WORLD",
+        help="world size(s) to check on (default: 2 3; 3 catches even-split assumptions)",
+    )
+    parser.add_argument("--backend", default="gloo", help="c10d backend of the local ranks (default gloo)")
+    parser.add_argument("--ops", nargs="+", default=None, help="only these collectives")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def check_run(args: argparse.Namespace, console: Console) -> int:
+    """Adjoint + reference-gradient check of every op on local ranks; non-zero on failure."""
+    from diffcomm.testing.cases import standard_cases
+    from diffcomm.world import LocalWorld
+
+    for w in args.world:
+        if w < 1:
+            console.print(f"[red]error:[/red] world size must be >= 1, got {w}")
+            return 2
+    rows: list[dict[str, Any]] = []
+    failures = 0
+    for w in args.world:
+        cases = [c for c in standard_cases(w) if args.ops is None or c.op in args.ops]
+        if not cases:
+            console.print(f"[red]error:[/red] no cases for ops {args.ops}")
+            return 2
+        with LocalWorld(w, backend=args.backend, timeout=300) as world:
+            with Progress(
+                TextColumn(f"world {w}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+                disable=args.json,
+            ) as bar:
+                task = bar.add_task("", total=len(cases))
+                for case in cases:
+                    bar.update(task, description=f"{case.op} {case.label()}")
+                    t0 = time.perf_counter()
+                    try:
+                        per_rank = world.run(_run_one, case)
+                        err = None
+                    except Exception as exc:  # noqa: BLE001 - a failing case is a row, not a crash
+                        per_rank, err = [], f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                    row = _merge(case, w, per_rank, err, time.perf_counter() - t0)
+                    failures += not row["ok"]
+                    rows.append(row)
+                    bar.advance(task)
+    if args.json:
+        console.print_json(json.dumps({"ok": failures == 0, "failures": failures, "cases": rows}))
+    else:
+        console.print(_table(rows))
+        verdict = (
+            "[green]all checks passed[/green]" if failures == 0 else f"[red]{failures} case(s) failed[/red]"
+        )
+        console.print(f"{len(rows)} cases on world(s) {args.world}: {verdict}")
+    return 0 if failures == 0 else 1
+
+
+def _merge(
+    case: Any, world: int, per_rank: list[dict[str, Any]], err: str | None, seconds: float
+) -> dict[str, Any]:
+    def worst(key: str) -> float | None:
+        vals = [r[key] for r in per_rank if r.get(key) is not None]
+        return max(vals) if vals else None
+
+    ok = err is None and bool(per_rank) and all(r["ok"] for r in per_rank)
+    return {
+        "world": world,
+        "op": case.op,
+        "case": case.label(),
+        "forward_ok": err is None
+        and all(r["forward_err"] <= r["tol"] and r["input_unchanged"] and r["no_alias"] for r in per_rank),
+        "forward_err": worst("forward_err"),
+        "adjoint_err": worst("adjoint_err"),
+        "grad_err": worst("grad_err"),
+        "double_err": worst("double_err"),
+        "seconds": round(seconds, 4),
+        "ok": ok,
+        "error": err,
+    }
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1e}"
+
+
+def _table(rows: list[dict[str, Any]]) -> Table:
+    t = Table(title="diffcomm check: every op against a single-process reference")
+    for col, just in (
+        ("world", "right"),
+        ("op", "left"),
+        ("case", "left"),
+        ("forward", "center"),
+        ("adjoint err", "right"),
+        ("grad err", "right"),
+        ("2nd-order err", "right"),
+        ("time ms", "right"),
+        ("", "center"),
+    ):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for r in rows:
+        t.add_row(
+            str(r["world"]),
+            r["op"],
+            r["case"] if not r["error"] else f"{r['case']}\n[red]{r['error']}[/red]",
+            "[green]ok[/green]" if r["forward_ok"] else "[red]FAIL[/red]",
+            _fmt(r["adjoint_err"]),
+            _fmt(r["grad_err"]),
+            _fmt(r["double_err"]),
+            f"{r['seconds'] * 1e3:.0f}",
+            "[green]✓[/green]" if r["ok"] else "[red]✗[/red]",
+        )
+    return t
+
+
+# ---------------------------------------------------------------------------------- bench
+
+
+def bench_configure(parser: argparse.ArgumentParser) -> None:
+    from diffcomm.bench import BENCH_OPS
+
+    parser.add_argument(
+        "-n", "--world", type=int, nargs="+", default=[2], metavar="WORLD", help="world size(s) (default 2)"
+    )
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument(
+        "--ops",
+        nargs="+",
+        default=["all_reduce", "all_gather", "reduce_scatter", "all_to_all"],
+        choices=BENCH_OPS,
+        metavar="OP",
+        help=f"ops to time (from {', '.join(BENCH_OPS)})",
+    )
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        default=["16KiB", "1MiB"],
+        metavar="SIZE",
+        help="bytes per rank, e.g. 16KiB 1MiB 4194304 (default 16KiB 1MiB)",
+    )
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds per (op, size) (default 20)")
+    parser.add_argument("--plot", default=None, metavar="OUT.png", help="write a bandwidth-vs-size plot")
+    parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+
+
+def parse_size(text: str) -> int:
+    """``"16KiB"`` -> 16384; plain integers are bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "b": 1}
+    s = text.strip().lower()
+    for u, f in units.items():
+        if s.endswith(u) and s[: -len(u)].strip().isdigit():
+            return int(s[: -len(u)]) * f
+    if s.isdigit():
+        return int(s)
+    raise ValueError(f"bad size {text!r}; use e.g. 16KiB, 1MiB or a number of bytes")
+
+
+def bench_run(args: argparse.Namespace, console: Console) -> int:
+    """diffcomm vs raw torch.distributed (and torch.distributed.nn) forward+backward."""
+    from diffcomm.bench import plot_rows, run_benchmark
+    from diffcomm.world import LocalWorld
+
+    try:
+        sizes = [parse_size(s) for s in args.sizes]
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    if args.rounds < 3:
+        console.print("[red]error:[/red] --rounds must be >= 3")
+        return 2
+    rows = []
+    for w in args.world:
+        with LocalWorld(w, backend=args.backend, timeout=600) as world:
+            with Progress(
+                TextColumn(f"world {w}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.description}"),
+                console=console,
+                transient=True,
+                disable=args.json,
+            ) as bar:
+                task = bar.add_task("", total=len(args.ops) * len(sizes))
+
+                def progress(what: str, bar: Progress = bar, task: Any = task) -> None:
+                    bar.update(task, description=what)
+                    bar.advance(task)
+
+                rows += run_benchmark(world, args.ops, sizes, args.rounds, progress=progress)
+    if args.json:
+        console.print_json(json.dumps([r.as_dict() for r in rows]))
+    else:
+        t = Table(title="diffcomm bench: forward+backward, slowest rank per round")
+        for col in ("world", "op", "size", "impl", "median ms", "IQR ms", "ratio vs raw", "busbw GB/s"):
+            t.add_column(col, justify="left" if col in ("op", "impl") else "right")
+        from diffcomm.bench import _size
+
+        for r in rows:
+            ratio = f"{r.ratio_vs_raw:.2f}"
+            if r.impl.startswith("diffcomm"):
+                ratio = f"[bold]{ratio}[/bold]"
+            t.add_row(
+                str(r.world),
+                r.op,
+                _size(r.nbytes),
+                r.impl,
+                f"{r.median_ms:.3f}",
+                f"{r.q1_ms:.3f}-{r.q3_ms:.3f}",
+                ratio,
+                f"{r.busbw_GBps:.3f}",
+            )
+        console.print(t)
+    if args.plot:
+        plot_rows(rows, args.plot)
+        if not args.json:
+            console.print(f"plot written to {args.plot}")
+    return 0

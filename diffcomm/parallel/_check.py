@@ -1,0 +1,138 @@
+"""Debug-mode check that a tensor holds the same values on every rank of a group.
+
+The replicated-objective mappings rest on one of two assumptions: a *copy forward*
+(``copy_to_region``, ``scatter_to_region``) assumes its input is replicated, and an
+*identity backward* (``reduce_from_region``, ``gather_from_region``, the vocab-parallel
+cross entropy) assumes the incoming gradient is replicated. In debug mode each one calls
+:func:`check_replicated` on that tensor.
+
+The check is SPMD (every rank runs the same collectives and takes the same branch,
+because every branch depends only on data all ranks received):
+
+1. a fixed-length float64 **fingerprint** per rank — shape, number of elements, sum,
+   sum of squares and a sum weighted by a fixed pseudo-random sequence — goes through
+   one raw all_gather; if every rank's fingerprint is bitwise equal, the check passes;
+2. otherwise (or when shapes differ) the **exact fallback** gathers the full tensors and
+   groups the ranks into classes whose values agree up to ``sqrt(eps)`` of the dtype,
+   relative to the largest magnitude (so reduction-order noise passes, a 2x or a partial
+   sum does not). More than one class raises
+   :class:`~diffcomm.CrossRankMismatchError` naming the ranks of each class.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import backend as B
+from .._errors import CrossRankMismatchError
+
+_MAX_DIMS = 8
+_GOLDEN = 0.6180339887498949
+
+
+def plain(t: Tensor) -> Tensor:
+    """``t`` without functorch wrappers (vmap/grad/jvp levels), detached."""
+    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+
+    while is_functorch_wrapped_tensor(t):
+        t = get_unwrapped(t)
+    return t.detach()
+
+
+def _as_real64(t: Tensor) -> Tensor:
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.to(torch.float64)
+
+
+def fingerprint(t: Tensor) -> Tensor:
+    """A float64 vector summarising ``t``: shape, numel, sum, sum of squares, weighted sum."""
+    x = _as_real64(t).reshape(-1)
+    shape = list(t.shape)
+    if len(shape) > _MAX_DIMS:
+        shape = shape[: _MAX_DIMS - 1] + [math.prod(shape[_MAX_DIMS - 1 :])]
+    dims = [float(s) for s in shape] + [-1.0] * (_MAX_DIMS - len(shape))
+    weights = torch.cos(torch.arange(x.numel(), dtype=torch.float64, device=x.device) * _GOLDEN)
+    sums = torch.stack([x.sum(), (x * x).sum(), (x * weights).sum()]) if x.numel() else torch.zeros(3)
+    head = torch.tensor([float(t.dim()), float(t.numel()), *dims], dtype=torch.float64)
+    return torch.cat([head, sums.to(device="cpu", dtype=torch.float64)])
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    if dtype.is_floating_point or dtype.is_complex:
+        real = torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
+        return math.sqrt(torch.finfo(real).eps)
+    return 0.0
+
+
+def check_replicated(t: Tensor, where: str, subject: str, hint: str, group: Any) -> None:
+    """Raise :class:`~diffcomm.CrossRankMismatchError` unless ``t`` is equal on every rank.
+
+    Must be called on every rank of ``group`` (it communicates).
+
+    Args:
+        t: the tensor that should be replicated.
+        where: the op, for the message (e.g. ``"parallel.reduce_from_region backward"``).
+        subject: what ``t`` is (e.g. ``"the incoming gradient"``).
+        hint: why it must be replicated and what to do instead.
+        group: the resolved process group (``None``: the default group).
+    """
+    backend = B.get_backend()
+    world = backend.world_size(group)
+    if world == 1:
+        return
+    x = plain(t)
+    with torch.no_grad(), B.label(f"{where} (debug check)"):
+        mine = fingerprint(x).to(B._comm_device(group))
+        table = backend.all_gather(mine.reshape(1, -1), group).cpu()
+        bits = table.view(torch.int64)
+        if bool((bits == bits[0]).all()):
+            return
+        shapes = [tuple(int(v) for v in row[2 : 2 + min(int(row[0]), _MAX_DIMS)].tolist()) for row in table]
+        if any(s != shapes[0] or row[1] != table[0, 1] for s, row in zip(shapes, table)):
+            per_rank = ", ".join(f"rank {r}: {tuple(s)}" for r, s in enumerate(shapes))
+            raise CrossRankMismatchError(
+                f"diffcomm.{where}: {subject} should be the same on every rank, but its shape "
+                f"differs ({per_rank}). {hint}"
+            )
+        flat = _as_real64(x).reshape(1, -1).to(B._comm_device(group))
+        full = backend.all_gather(flat, group).cpu()
+    classes = _classes(full, _tolerance(x.dtype))
+    if len(classes) == 1:
+        return
+    ref = full[classes[0][0]]
+    groups = []
+    for members in classes[1:]:
+        d = (full[members[0]] - ref).abs().nan_to_num(nan=math.inf).max().item()
+        groups.append(f"ranks {members} (max abs diff {d:.3g})")
+    scale = full.abs().nan_to_num(nan=0.0).max().item()
+    raise CrossRankMismatchError(
+        f"diffcomm.{where}: {subject} should be the same on every rank, but ranks "
+        f"{[m for c in classes[1:] for m in c]} differ from ranks {classes[0]}: "
+        + ", ".join(groups)
+        + f" hold other values than ranks {classes[0]} (largest magnitude {scale:.3g}). {hint}"
+    )
+
+
+def _classes(full: Tensor, rtol: float) -> list[list[int]]:
+    """Group the rows of ``full`` (one per rank) into classes of (nearly) equal rows."""
+    scale = full.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).max().item() if full.numel() else 0.0
+    atol = rtol * scale
+    reps: list[int] = []
+    classes: list[list[int]] = []
+    for r in range(full.shape[0]):
+        for i, rep in enumerate(reps):
+            a, b = full[r], full[rep]
+            same_nan = torch.isnan(a) == torch.isnan(b)
+            close = torch.isclose(a, b, rtol=0.0, atol=atol, equal_nan=True)
+            if bool(same_nan.all()) and bool(close.all()):
+                classes[i].append(r)
+                break
+        else:
+            reps.append(r)
+            classes.append([r])
+    return classes

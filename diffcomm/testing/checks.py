@@ -1,0 +1,359 @@
+"""Gradient checks for SPMD code: the dot-product (adjoint) test and a distributed gradcheck.
+
+Both are SPMD: call them on every rank of the group, with the same arguments' shapes,
+exactly as you call a collective. They communicate through raw (non-differentiable)
+backend ops only, so they add nothing to the graphs they check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import _args as A
+from .. import backend as B
+from .._errors import CrossRankMismatchError
+from ..parallel._check import check_replicated
+
+__all__ = ["check_adjoint", "gradcheck"]
+
+_OBJECTIVES = ("sum", "replicated")
+
+
+def _default_rtol(dtype: torch.dtype) -> float:
+    real = torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
+    if real == torch.float64:
+        return 1e-10
+    if real == torch.float32:
+        return 1e-4
+    return 1e-2
+
+
+def _inner(a: Tensor, b: Tensor) -> Tensor:
+    """Real inner product ``Re <a, b>`` in float64 (complex: ``Re sum(conj(a) * b)``)."""
+    if a.is_complex() or b.is_complex():
+        return torch.vdot(a.reshape(-1).to(torch.complex128), b.reshape(-1).to(torch.complex128)).real
+    return (a.to(torch.float64) * b.to(torch.float64)).sum()
+
+
+def _sum_over_ranks(values: Sequence[float] | Tensor, pg: Any) -> Tensor:
+    t = torch.as_tensor(values, dtype=torch.float64).reshape(-1).to(B._comm_device(pg))
+    with B.label("diffcomm.testing (sum over ranks)"):
+        return B.get_backend().all_reduce(t, "sum", pg).cpu()
+
+
+def _gather_rows(row: Tensor, pg: Any) -> Tensor:
+    t = row.to(torch.float64).reshape(1, -1).to(B._comm_device(pg))
+    with B.label("diffcomm.testing (exchange)"):
+        return B.get_backend().all_gather(t, pg).cpu()
+
+
+def check_adjoint(
+    op: Callable[[Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    dual_op: Callable[[Tensor], Tensor] | None = None,
+    group: A.GroupLike = None,
+    *,
+    rtol: float | None = None,
+    atol: float = 0.0,
+) -> float:
+    """The dot-product test of a linear SPMD op: ``sum_r <A x_r, y_r> == sum_r <x_r, A^T y_r>``.
+
+    ``A`` is the linear map ``op`` makes on the concatenation of all ranks' tensors; its
+    transpose is what autograd computes (the vjp of ``op`` at ``x`` with cotangent ``y``,
+    i.e. the sum-of-per-rank-objectives convention of the core collectives), or
+    ``dual_op(y)`` when given. Both sums over ranks go through one raw all_reduce of two
+    float64 scalars. Call on every rank.
+
+    Args:
+        op: the (linear) op, ``x -> A x``; run on every rank.
+        x: this rank's input (random, float64 recommended).
+        y: this rank's cotangent, shape of ``op(x)`` (random).
+        dual_op: the claimed adjoint ``y -> A^T y``; ``None``: autograd's vjp.
+        group: the group the inner products are summed over.
+        rtol: relative tolerance (default: 1e-10 for float64, 1e-4 for float32, 1e-2
+            otherwise).
+        atol: absolute tolerance.
+
+    Returns:
+        The relative error ``|lhs - rhs| / max(|lhs|, |rhs|)`` (0 when both are 0).
+
+    Raises:
+        AssertionError: with both numbers, when ``|lhs - rhs| > atol + rtol * max(|lhs|, |rhs|)``.
+        ValueError: ``y``'s shape differs from ``op(x)``'s.
+
+    Example::
+
+        def test_all_gather_adjoint(world2):
+            def f():
+                x, y = torch.randn(3, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+                return check_adjoint(dc.all_gather, x, y)
+            assert max(world2.run(f)) < 1e-12
+    """
+    x = A.check_tensor(x, "testing.check_adjoint", "x")
+    y = A.check_tensor(y, "testing.check_adjoint", "y")
+    pg = A.resolve_group(group, "testing.check_adjoint")
+    if dual_op is None:
+        xg = x.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            ax = op(xg)
+            if tuple(ax.shape) != tuple(y.shape):
+                raise A.arg_error(
+                    "testing.check_adjoint", "y", f"of op(x)'s shape {tuple(ax.shape)}", tuple(y.shape)
+                )
+            if ax.requires_grad:
+                (aty,) = torch.autograd.grad(ax, xg, grad_outputs=y.to(ax.dtype), allow_unused=True)
+            else:
+                aty = None
+        ax = ax.detach()
+        aty = torch.zeros_like(x) if aty is None else aty
+    else:
+        with torch.no_grad():
+            ax = op(x)
+            if tuple(ax.shape) != tuple(y.shape):
+                raise A.arg_error(
+                    "testing.check_adjoint", "y", f"of op(x)'s shape {tuple(ax.shape)}", tuple(y.shape)
+                )
+            aty = dual_op(y)
+        if tuple(aty.shape) != tuple(x.shape):
+            raise A.arg_error(
+                "testing.check_adjoint", "dual_op", f"to return x's shape {tuple(x.shape)}", tuple(aty.shape)
+            )
+    lhs, rhs = _sum_over_ranks([_inner(ax, y).item(), _inner(x.detach(), aty.detach()).item()], pg).tolist()
+    scale = max(abs(lhs), abs(rhs))
+    err = abs(lhs - rhs) / scale if scale > 0 else 0.0
+    rtol = _default_rtol(x.dtype) if rtol is None else rtol
+    if not abs(lhs - rhs) <= atol + rtol * scale:
+        raise AssertionError(
+            f"diffcomm.testing.check_adjoint: sum_r <A x_r, y_r> = {lhs!r} but "
+            f"sum_r <x_r, A^T y_r> = {rhs!r} (relative error {err:.3g}, rtol {rtol:g}, atol {atol:g}); "
+            f"A^T from {'dual_op' if dual_op is not None else 'autograd (vjp of op)'}"
+        )
+    return err
+
+
+def _flatten_outputs(out: Any) -> tuple[Tensor, ...]:
+    outs = out if isinstance(out, tuple | list) else (out,)
+    for o in outs:
+        if not isinstance(o, Tensor):
+            raise TypeError(f"diffcomm.testing.gradcheck(): `fn` must return tensors, got {type(o).__name__}")
+    return tuple(outs)
+
+
+def _weights(outs: Sequence[Tensor], seed: int) -> list[Tensor]:
+    """Fixed random cotangents (1 for a scalar), so a non-scalar output checks its Jacobian."""
+    ws = []
+    for k, o in enumerate(outs):
+        if o.dim() == 0:
+            ws.append(torch.ones((), dtype=torch.float64))
+        else:
+            g = torch.Generator().manual_seed(seed + 7919 * k)
+            ws.append(torch.randn(o.shape, generator=g, dtype=torch.float64))
+    return ws
+
+
+def gradcheck(
+    fn: Callable[..., Any],
+    inputs: Tensor | Sequence[Any],
+    *,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-3,
+    group: A.GroupLike = None,
+    objective: str = "sum",
+    replicated: Sequence[int] = (),
+    seed: int = 0,
+) -> bool:
+    """Finite differences across ranks in lockstep vs. the gradients autograd computes.
+
+    The global objective is ``J = sum_k <out_k, w_k>`` over ``fn``'s outputs with fixed
+    random weights ``w_k`` (1 for a scalar output), combined over ranks per ``objective``:
+
+    * ``"sum"`` (the core collectives' convention): ``J = sum_r J_r``; ``w`` differs
+      between ranks.
+    * ``"replicated"`` (tensor parallelism, :mod:`diffcomm.parallel`): ``fn``'s outputs
+      must be equal on every rank, ``J`` is their common value; ``w`` is the same on
+      every rank.
+
+    Every rank loops over the same sequence of probes (sizes are exchanged first): one
+    element of one differentiable input of **one rank** is moved by ``+-eps`` (all other
+    ranks evaluate unperturbed), ``J`` is evaluated on every rank and summed by a raw
+    all_reduce, and the central difference is compared with that rank's analytic
+    gradient. Inputs listed in ``replicated`` are one variable held by every rank: they
+    are perturbed on all ranks at once and compared with ``sum_r grad_r`` (``"sum"``) or
+    with every rank's gradient (``"replicated"``). Cost: two evaluations per element of
+    every rank's differentiable inputs — keep them small.
+
+    Args:
+        fn: ``fn(*inputs)`` -> tensor or tuple of tensors; SPMD (run on every rank).
+        inputs: a tensor or a sequence; the tensors with ``requires_grad=True`` are
+            checked, and must be float64. Non-tensors and other tensors are passed as is.
+        eps: finite-difference step.
+        atol, rtol: a probe fails when ``|analytic - numeric| > atol + rtol * |numeric|``.
+        group: the group the objective is summed over.
+        objective: ``"sum"`` or ``"replicated"`` (see above).
+        replicated: indices into ``inputs`` of the tensors that are the same on every rank
+            and stand for one variable.
+        seed: seed of the weights ``w``.
+
+    Returns:
+        ``True`` (like ``torch.autograd.gradcheck``).
+
+    Raises:
+        AssertionError: on every rank, naming the rank(s), input and index of the first
+            mismatches with the analytic and numerical values.
+        ValueError / TypeError: bad arguments (non-float64 input, unknown objective, the
+            ranks disagreeing on the inputs).
+
+    Example::
+
+        def test_my_op_gradient(world2):
+            def f():
+                x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+                return gradcheck(lambda t: dc.all_gather(t, dim=1).sin(), (x,))
+            assert world2.run(f) == [True, True]
+    """
+    op = "testing.gradcheck"
+    inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    if objective not in _OBJECTIVES:
+        raise A.arg_error(op, "objective", f"one of {_OBJECTIVES}", repr(objective))
+    diff = [i for i, t in enumerate(inputs) if isinstance(t, Tensor) and t.requires_grad]
+    for i in diff:
+        if inputs[i].dtype != torch.float64:
+            raise A.arg_error(
+                op,
+                f"inputs[{i}]",
+                "float64 (finite differences need it; use .double())",
+                str(inputs[i].dtype),
+            )
+    rep = {A.check_int(i, op, "replicated") % max(len(inputs), 1) for i in replicated}
+    for i in rep:
+        if i not in diff:
+            raise A.arg_error(op, "replicated", "indices of inputs that require grad", sorted(rep))
+    pg = A.resolve_group(group, op)
+    backend = B.get_backend()
+    world, rank = backend.world_size(pg), backend.rank(pg)
+
+    # ---- sizes: every rank's number of elements per differentiable input ------------
+    for row in ([len(inputs), len(diff), len(rep)], [*diff, *sorted(rep)]):
+        layout = _gather_rows(torch.tensor(row, dtype=torch.float64), pg)
+        if not bool((layout == layout[0]).all()):
+            raise A.arg_error(
+                op,
+                "inputs",
+                "the same arguments on every rank (count, which require grad, which are replicated)",
+                f"{layout.tolist()} (one row per rank)",
+            )
+    numels = _gather_rows(torch.tensor([inputs[i].numel() for i in diff], dtype=torch.float64), pg)
+    numels = numels.to(torch.int64).tolist()
+    for i_pos, i in enumerate(diff):
+        if i in rep and any(numels[q][i_pos] != numels[0][i_pos] for q in range(world)):
+            raise A.arg_error(
+                op,
+                f"inputs[{i}]",
+                "the same size on every rank (it is replicated)",
+                [n[i_pos] for n in numels],
+            )
+
+    base = [
+        t.detach().clone(memory_format=torch.contiguous_format) if isinstance(t, Tensor) else t
+        for t in inputs
+    ]
+
+    def objective_value(args: list[Any]) -> float:
+        outs = _flatten_outputs(fn(*args))
+        local = sum(
+            (_inner(o.detach(), w) for o, w in zip(outs, weights)), torch.zeros((), dtype=torch.float64)
+        )
+        total = _sum_over_ranks([local.item()], pg).item()
+        return total if objective == "sum" else total / world
+
+    # ---- analytic gradients at the base point -----------------------------------------
+    xs = [t.clone().requires_grad_(True) if i in diff else t for i, t in enumerate(base)]
+    with torch.enable_grad():
+        outs = _flatten_outputs(fn(*xs))
+        weights = _weights(outs, seed + (1_000_003 * rank if objective == "sum" else 0))
+        if objective == "replicated":
+            for k, o in enumerate(outs):
+                hint = "With objective='replicated', fn must return the replicated loss."
+                try:
+                    check_replicated(o, f"{op}(objective='replicated')", f"output {k} of fn", hint, pg)
+                except CrossRankMismatchError as exc:
+                    raise AssertionError(str(exc)) from None
+        j_local = sum((_inner(o, w) for o, w in zip(outs, weights)), torch.zeros((), dtype=torch.float64))
+        leaves = [xs[i] for i in diff]
+        grads = (
+            torch.autograd.grad(j_local, leaves, allow_unused=True)
+            if j_local.requires_grad
+            else [None] * len(leaves)
+        )
+    analytic = [torch.zeros_like(leaf) if g is None else g.detach() for leaf, g in zip(leaves, grads)]
+    for i_pos, i in enumerate(diff):
+        if i in rep and objective == "sum":
+            summed = _sum_over_ranks(analytic[i_pos].reshape(-1), pg)
+            analytic[i_pos] = summed.reshape(analytic[i_pos].shape).to(analytic[i_pos].dtype)
+
+    # ---- numerical gradients, one probe at a time, in lockstep --------------------------
+    numeric = [torch.zeros(a.shape, dtype=a.dtype) for a in analytic]
+    probe_args = [
+        t.clone(memory_format=torch.contiguous_format) if isinstance(t, Tensor) else t for t in base
+    ]
+    with torch.no_grad():
+        for i_pos, i in enumerate(diff):
+            owners = [None] if i in rep else list(range(world))
+            for q in owners:
+                n = numels[0 if q is None else q][i_pos]
+                mine = q is None or q == rank
+                flat = probe_args[i].view(-1)
+                for k in range(n):
+                    orig = flat[k].item() if mine else 0.0
+                    values = []
+                    for step in (eps, -eps):
+                        if mine:
+                            flat[k] = orig + step
+                        values.append(objective_value(probe_args))
+                        if mine:
+                            flat[k] = orig
+                    if mine:
+                        numeric[i_pos].view(-1)[k] = (values[0] - values[1]) / (2 * eps)
+
+    # ---- compare on each rank, then agree on one verdict ------------------------------
+    count, worst, first = 0, 0.0, None
+    for i_pos, i in enumerate(diff):
+        a, n = analytic[i_pos].reshape(-1), numeric[i_pos].reshape(-1)
+        bad = ~((a - n).abs() <= atol + rtol * n.abs())  # NaN fails
+        if bool(bad.any()):
+            count += int(bad.sum())
+            worst = max(worst, float((a - n).abs().max()))
+            if first is None:
+                k = int(bad.nonzero()[0, 0])
+                idx = torch.unravel_index(torch.tensor(k), inputs[i].shape) if inputs[i].dim() else ()
+                first = (i, k, float(a[k]), float(n[k]), [int(v) for v in idx])
+    row = torch.full((13,), -1.0, dtype=torch.float64)
+    row[0], row[1] = count, worst
+    if first is not None:
+        row[2], row[3], row[4], row[5] = first[0], first[1], first[2], first[3]
+        row[6] = len(first[4])
+        row[7 : 7 + min(6, len(first[4]))] = torch.tensor(first[4][:6], dtype=torch.float64)
+    table = _gather_rows(row, pg)
+    failed = [q for q in range(world) if table[q, 0] > 0]
+    if failed:
+        lines = []
+        for q in failed:
+            r = table[q].tolist()
+            index = tuple(int(v) for v in r[7 : 7 + int(r[6])])
+            lines.append(
+                f"rank {q}: {int(r[0])} element(s) differ (max abs error {r[1]:.3g}); first: "
+                f"inputs[{int(r[2])}]{list(index)} (flat {int(r[3])}): analytic {r[4]!r}, numerical {r[5]!r}"
+            )
+        where = "replicated inputs are compared on every rank; " if rep else ""
+        raise AssertionError(
+            f"diffcomm.testing.gradcheck(objective={objective!r}): analytic and numerical gradients "
+            f"differ on rank(s) {failed} ({where}eps={eps:g}, atol={atol:g}, rtol={rtol:g}):\n  "
+            + "\n  ".join(lines)
+        )
+    return True

@@ -1,0 +1,640 @@
+"""The raw backend ops on real gloo ranks (world sizes 1-4), the logger and the switches.
+
+Every rank function builds its input from its rank (:func:`_data`), runs one raw op
+through :func:`_checked` (which asserts that the input is untouched and the output
+shares no memory with it) and returns the result; the expected values are computed
+here, in the caller, from the same inputs.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import diffcomm as dc
+from diffcomm import CrossRankMismatchError, LocalWorld
+from diffcomm._args import normalize_op, resolve_group
+from diffcomm.backend import OP_NAMES, comm_off, get_backend, is_off, log_comms
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int32,
+    torch.int64,
+    torch.complex64,
+    torch.complex128,
+)
+
+# ------------------------------------------------------------------- shared helpers
+
+
+def _data(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Small exact values that differ per rank (so sums/products stay exact-ish)."""
+    n = 1
+    for s in shape:
+        n *= s
+    base = (torch.arange(n, dtype=torch.float64) % 5 + 1 + rank).reshape(shape)
+    if dtype.is_complex:
+        imag = (base * 2 - rank) % 3 - 1
+        return torch.complex(base, imag).to(dtype)
+    return base.to(dtype)
+
+
+def _checked(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Run ``op(x)`` on a rank; assert ``x`` is unchanged and the output does not alias it."""
+    before = x.clone()
+    out = op(x)
+    assert torch.equal(x, before), "the raw op modified its input"
+    if out.numel() and x.numel():
+        assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr(), "output aliases input"
+    return out
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    low = expected.dtype in (torch.bfloat16, torch.float16)
+    torch.testing.assert_close(
+        actual, expected, rtol=1e-2 if low else None, atol=1e-2 if low else None, equal_nan=False
+    )
+
+
+def _reference(op: str, xs: list[torch.Tensor]) -> torch.Tensor:
+    """Reduce the ranks' tensors in high precision, cast back."""
+    wide = torch.complex128 if xs[0].is_complex() else torch.float64
+    stack = torch.stack([x.to(wide) for x in xs])
+    out = {
+        "sum": lambda: stack.sum(0),
+        "avg": lambda: stack.mean(0),
+        "max": lambda: stack.amax(0),
+        "min": lambda: stack.amin(0),
+        "product": lambda: stack.prod(0),
+    }[op]()
+    return out.to(xs[0].dtype)
+
+
+def _error(fn: Callable[[], Any]) -> tuple[str, str] | None:
+    """``(type name, message)`` of what ``fn()`` raises on a rank, None if it returns."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to the caller, who checks the type
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.fixture(params=[1, 2, 3, 4], ids=lambda n: f"world{n}")
+def world(request: pytest.FixtureRequest, local_worlds: Callable[..., LocalWorld]) -> LocalWorld:
+    return local_worlds(request.param)
+
+
+@pytest.fixture(params=[2, 3, 4], ids=lambda n: f"world{n}")
+def multi_world(request: pytest.FixtureRequest, local_worlds: Callable[..., LocalWorld]) -> LocalWorld:
+    return local_worlds(request.param)
+
+
+# --------------------------------------------------------------------- rank functions
+
+
+def _rank_all_reduce(op: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    x = _data(dc.get_rank(), shape, dtype)
+    return _checked(lambda t: get_backend().all_reduce(t, op, None), x)
+
+
+def _rank_all_reduce_noncontiguous() -> tuple[torch.Tensor, bool]:
+    x = _data(dc.get_rank(), (3, 4)).t()
+    out = _checked(lambda t: get_backend().all_reduce(t, "sum", None), x)
+    return out, out.is_contiguous()
+
+
+def _rank_broadcast(src: int, dtype: torch.dtype) -> torch.Tensor:
+    x = _data(dc.get_rank(), (2, 3), dtype)
+    return _checked(lambda t: get_backend().broadcast(t, src, None), x)
+
+
+def _rank_reduce(dst: int, op: str) -> torch.Tensor:
+    x = _data(dc.get_rank(), (2, 3))
+    return _checked(lambda t: get_backend().reduce(t, dst, op, None), x)
+
+
+def _rank_all_gather(sizes: list[int] | None, dtype: torch.dtype, exchange: bool) -> torch.Tensor:
+    rank = dc.get_rank()
+    rows = sizes[rank] if sizes is not None else 2
+    x = _data(rank, (rows, 3), dtype)
+    if exchange:
+        sizes = get_backend().exchange_sizes(rows, None)
+    return _checked(lambda t: get_backend().all_gather(t, None, sizes), x)
+
+
+def _rank_reduce_scatter(
+    op: str, split_sizes: list[int] | None, fallback: bool
+) -> tuple[torch.Tensor, dict[str, int]]:
+    be = get_backend()
+    world = dc.get_world_size()
+    total = sum(split_sizes) if split_sizes is not None else 2 * world
+    x = _data(dc.get_rank(), (total, 3))
+    old = be.overrides
+    be.overrides = {"reduce_scatter": False} if fallback else {}
+    try:
+        with log_comms() as log:
+            out = _checked(lambda t: be.reduce_scatter(t, op, None, split_sizes), x)
+    finally:
+        be.overrides = old
+    return out, {op_name: int(row["count"]) for op_name, row in log.by_op().items()}
+
+
+def _rank_gather(dst: int, sizes: list[int] | None) -> torch.Tensor:
+    rank = dc.get_rank()
+    rows = sizes[rank] if sizes is not None else 2
+    x = _data(rank, (rows, 3))
+    return _checked(lambda t: get_backend().gather(t, dst, None, sizes), x)
+
+
+def _rank_scatter(src: int, split_sizes: list[int] | None) -> torch.Tensor:
+    world = dc.get_world_size()
+    total = sum(split_sizes) if split_sizes is not None else 2 * world
+    x = _data(dc.get_rank(), (total, 3))  # only src's values matter
+    return _checked(lambda t: get_backend().scatter(t, src, None, split_sizes), x)
+
+
+def _a2a_rows(src: int, dst: int, count: int) -> torch.Tensor:
+    """The rows rank ``src`` sends to rank ``dst``: each row says where it came from."""
+    k = torch.arange(count, dtype=torch.float64)
+    return (100.0 * src + 10.0 * dst + k).reshape(count, 1).expand(count, 2).clone()
+
+
+def _a2a_matrix(world: int) -> list[list[int]]:
+    """``m[src][dst]`` rows go from ``src`` to ``dst`` (uneven, some zero)."""
+    return [[(src + 2 * dst) % 3 for dst in range(world)] for src in range(world)]
+
+
+def _rank_all_to_all(mode: str, dtype: torch.dtype) -> torch.Tensor:
+    rank, world = dc.get_rank(), dc.get_world_size()
+    if mode == "even":
+        m = [[2] * world for _ in range(world)]
+    else:
+        m = _a2a_matrix(world)
+    x = torch.cat([_a2a_rows(rank, dst, m[rank][dst]) for dst in range(world)]).to(dtype)
+    ins = None if mode == "even" else m[rank]
+    outs = [m[src][rank] for src in range(world)] if mode == "given" else None
+    return _checked(lambda t: get_backend().all_to_all(t, None, ins, outs), x)
+
+
+def _rank_ring() -> tuple[torch.Tensor, torch.Tensor]:
+    rank, world = dc.get_rank(), dc.get_world_size()
+    x = _data(rank, (4,))
+    before = x.clone()
+    got = torch.empty(4)
+    ops = [("send", x, (rank + 1) % world, 0), ("recv", got, (rank - 1) % world, 0)]
+    get_backend().batch_p2p(ops, None)
+    return got, before
+
+
+def _rank_exchange_sizes() -> list[int]:
+    return get_backend().exchange_sizes(10 * dc.get_rank() + 1, None)
+
+
+# ------------------------------------------------------------------- the raw ops
+
+
+def _valid(op: str, dtype: torch.dtype) -> bool:
+    if op in ("max", "min") and dtype.is_complex:
+        return False  # no order on C
+    return not (op == "avg" and not (dtype.is_floating_point or dtype.is_complex))
+
+
+# max/min of complex and avg of integers are rejected by diffcomm._args before the backend
+@pytest.mark.parametrize(
+    ("op", "dtype"), [(op, dt) for op in REDUCE_OPS for dt in DTYPES if _valid(op, dt)], ids=str
+)
+def test_all_reduce(world: LocalWorld, op: str, dtype: torch.dtype) -> None:
+    shape = (2, 3)
+    out = world.run(_rank_all_reduce, op, dtype, shape)
+    expected = _reference(op, [_data(r, shape, dtype) for r in range(world.world_size)])
+    for r, o in enumerate(out):
+        assert o.dtype == dtype and o.shape == shape, f"rank {r}"
+        _close(o, expected)
+
+
+def test_all_reduce_of_noncontiguous_input(world: LocalWorld) -> None:
+    expected = sum(_data(r, (3, 4)).t() for r in range(world.world_size))
+    for out, contiguous in world.run(_rank_all_reduce_noncontiguous):
+        assert contiguous
+        torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.complex64], ids=str)
+def test_broadcast(world: LocalWorld, dtype: torch.dtype) -> None:
+    for src in range(world.world_size):
+        for o in world.run(_rank_broadcast, src, dtype):
+            assert torch.equal(o, _data(src, (2, 3), dtype))
+
+
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_reduce_gives_result_on_dst_and_exact_zeros_elsewhere(world: LocalWorld, op: str) -> None:
+    n = world.world_size
+    expected = _reference(op, [_data(r, (2, 3)) for r in range(n)])
+    for dst in range(n):
+        out = world.run(_rank_reduce, dst, op)
+        for r, o in enumerate(out):
+            if r == dst:
+                _close(o, expected)
+            else:
+                assert torch.equal(o, torch.zeros(2, 3)) and not torch.signbit(o).any()
+
+
+def _uneven_sizes(n: int) -> list[int]:
+    return [(2 * r + 1) % 3 for r in range(n)]  # [1, 0, 2, 1]: one rank has no rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex128], ids=str)
+@pytest.mark.parametrize("layout", ["even", "uneven", "uneven-exchanged"])
+def test_all_gather(world: LocalWorld, layout: str, dtype: torch.dtype) -> None:
+    n = world.world_size
+    sizes = None if layout == "even" else _uneven_sizes(n)
+    out = world.run(_rank_all_gather, sizes, dtype, layout == "uneven-exchanged")
+    rows = sizes if sizes is not None else [2] * n
+    expected = torch.cat([_data(r, (rows[r], 3), dtype) for r in range(n)])
+    for o in out:
+        assert torch.equal(o, expected)
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["native", "fallback"])
+@pytest.mark.parametrize("layout", ["even", "uneven"])
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_reduce_scatter(world: LocalWorld, op: str, layout: str, fallback: bool) -> None:
+    n = world.world_size
+    split = None if layout == "even" else _uneven_sizes(n)
+    sizes = split if split is not None else [2] * n
+    full = _reference(op, [_data(r, (sum(sizes), 3)) for r in range(n)])
+    expected = full.split(sizes)
+    out = world.run(_rank_reduce_scatter, op, split, fallback)
+    for r, (o, counts) in enumerate(out):
+        _close(o, expected[r])
+        # the gap filler (all_reduce, keep own chunk) runs when the capability is off and
+        # for ops reduce_scatter cannot do natively; otherwise one reduce_scatter
+        native = not fallback and op in ("sum", "avg")
+        assert counts == ({"reduce_scatter": 1} if native else {"all_reduce": 1}), f"rank {r}"
+
+
+@pytest.mark.parametrize("layout", ["even", "uneven"])
+def test_gather(world: LocalWorld, layout: str) -> None:
+    n = world.world_size
+    sizes = None if layout == "even" else _uneven_sizes(n)
+    rows = sizes if sizes is not None else [2] * n
+    expected = torch.cat([_data(r, (rows[r], 3)) for r in range(n)])
+    for dst in range(n):
+        for r, o in enumerate(world.run(_rank_gather, dst, sizes)):
+            assert o.shape == expected.shape, "gather has the same shape on every rank"
+            assert torch.equal(o, expected if r == dst else torch.zeros_like(expected))
+
+
+@pytest.mark.parametrize("layout", ["even", "uneven"])
+def test_scatter(world: LocalWorld, layout: str) -> None:
+    n = world.world_size
+    split = None if layout == "even" else _uneven_sizes(n)
+    sizes = split if split is not None else [2] * n
+    for src in range(n):
+        chunks = _data(src, (sum(sizes), 3)).split(sizes)
+        for r, o in enumerate(world.run(_rank_scatter, src, split)):
+            assert torch.equal(o, chunks[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64], ids=str)
+@pytest.mark.parametrize("mode", ["even", "given", "inferred"])
+def test_all_to_all(world: LocalWorld, mode: str, dtype: torch.dtype) -> None:
+    n = world.world_size
+    m = [[2] * n for _ in range(n)] if mode == "even" else _a2a_matrix(n)
+    for dst, o in enumerate(world.run(_rank_all_to_all, mode, dtype)):
+        expected = torch.cat([_a2a_rows(src, dst, m[src][dst]) for src in range(n)]).to(dtype)
+        assert torch.equal(o, expected), f"rank {dst}"
+
+
+def test_batch_p2p_ring(multi_world: LocalWorld) -> None:
+    n = multi_world.world_size
+    for r, (got, sent) in enumerate(multi_world.run(_rank_ring)):
+        assert torch.equal(got, _data((r - 1) % n, (4,)))
+        assert torch.equal(sent, _data(r, (4,)))
+
+
+def test_exchange_sizes(world: LocalWorld) -> None:
+    expected = [10 * r + 1 for r in range(world.world_size)]
+    assert world.run(_rank_exchange_sizes) == [expected] * world.world_size
+
+
+def test_unknown_reduce_op_is_rejected(world1: LocalWorld) -> None:
+    err = world1.run(_error, lambda: get_backend().all_reduce(torch.ones(2), "mean-ish", None))[0]
+    assert err is not None and err[0] == "ValueError"
+    assert "unknown reduce op 'mean-ish'; legal: ('sum', 'avg', 'max', 'min', 'product')" in err[1]
+    with pytest.raises(ValueError, match=r"`op` must be one of \('sum', 'avg', 'max', 'min', 'product'\)"):
+        normalize_op("mean-ish", "all_reduce")
+    assert normalize_op("PROD", "all_reduce") == "product"
+    assert normalize_op(dist.ReduceOp.MAX, "all_reduce") == "max"
+    with pytest.raises(ValueError, match="`op` must be sum/avg/product for a complex tensor"):
+        normalize_op("max", "all_reduce", torch.ones(1, dtype=torch.complex64))
+
+
+# ------------------------------------------------------------------- comms logger
+
+
+def _rank_logged() -> dict[str, Any]:
+    from rich.console import Console
+
+    be = get_backend()
+    x = torch.ones(4)  # 16 bytes
+    with log_comms() as outer:
+        with log_comms() as log:
+            be.all_reduce(x, "sum", None)
+            be.all_reduce(x, "max", None)
+            be.all_gather(x, None)
+        be.broadcast(x, 0, None)
+    console = Console(record=True, width=120, file=io.StringIO())
+    console.print(log.rich_table())
+    return {
+        "count": log.count(),
+        "count_all_reduce": log.count("all_reduce"),
+        "bytes_all_reduce": log.total_bytes("all_reduce"),
+        "bytes_all_gather": log.total_bytes("all_gather"),
+        "by_op": log.by_op(),
+        "outer_count": outer.count(),
+        "summary": str(log),
+        "rich": console.export_text(),
+        "labels": [r.label for r in log.records],
+    }
+
+
+def test_comms_logger_records_count_bytes_time(world: LocalWorld) -> None:
+    n = world.world_size
+    for rec in world.run(_rank_logged):
+        assert rec["count"] == 3 and rec["count_all_reduce"] == 2 and rec["outer_count"] == 4
+        assert rec["bytes_all_reduce"] == 32 and rec["bytes_all_gather"] == 16 * n
+        row = rec["by_op"]["all_reduce"]
+        assert row["count"] == 2 and row["bytes"] == 32 and row["skipped"] == 0
+        assert row["seconds"] > 0 and row["algbw_GBps"] > 0
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * (n - 1) / n)
+        assert set(rec["by_op"]) == {"all_reduce", "all_gather"}
+        lines = rec["summary"].splitlines()
+        assert lines[0].split() == ["op", "count", "bytes", "time", "ms", "algbw", "GB/s", "busbw", "GB/s"]
+        assert lines[2].split()[:3] == ["all_gather", "1", str(16 * n)]
+        assert lines[3].split()[:3] == ["all_reduce", "2", "32"]
+        assert "diffcomm comms log" in rec["rich"] and "all_reduce" in rec["rich"]
+        assert "busbw GB/s" in rec["rich"]
+        assert rec["labels"] == [None, None, None]
+
+
+# ------------------------------------------------------------------- comm-off switches
+
+
+def _rank_comm_off_on_rank0_only() -> dict[str, Any]:
+    be = get_backend()
+    x = torch.full((3,), float(dc.get_rank() + 1))
+    with log_comms() as log:
+        if dc.get_rank() == 0:
+            with comm_off("all_reduce"):
+                skipped = be.all_reduce(x, "sum", None)
+        else:
+            skipped = None
+        # the group must still be in step: had rank 0 really communicated above, this
+        # all_reduce would pair with it and the ranks would disagree or hang
+        real = be.all_reduce(torch.ones(2), "sum", None)
+    return {"skipped": skipped, "real": real, "by_op": log.by_op(), "flags": [r.skipped for r in log.records]}
+
+
+def test_comm_off_on_one_rank_does_not_communicate(multi_world: LocalWorld) -> None:
+    n = multi_world.world_size
+    out = multi_world.run(_rank_comm_off_on_rank0_only)
+    assert torch.equal(out[0]["skipped"], torch.ones(3)), "a skipped all_reduce returns the local data"
+    for r, rec in enumerate(out):
+        assert torch.equal(rec["real"], torch.full((2,), float(n)))
+        if r == 0:
+            assert rec["flags"] == [True, False]
+            assert rec["by_op"]["all_reduce"]["count"] == 2 and rec["by_op"]["all_reduce"]["skipped"] == 1
+        else:
+            assert rec["flags"] == [False]
+
+
+def _rank_every_op_off() -> dict[str, Any]:
+    be = get_backend()
+    rank, world = dc.get_rank(), dc.get_world_size()
+    x = _data(rank, (2 * world, 3))
+    row = _data(rank, (2, 3))
+    with comm_off(*OP_NAMES), log_comms() as log:
+        got = torch.empty(4)
+        ops = [("send", torch.ones(4), (rank + 1) % world, 0), ("recv", got, (rank - 1) % world, 0)]
+        if world > 1:
+            be.batch_p2p(ops, None)
+        shapes = {
+            "all_reduce": be.all_reduce(x, "sum", None).shape,
+            "broadcast": be.broadcast(x, 0, None).shape,
+            "reduce": be.reduce(x, 0, "sum", None).shape,
+            "all_gather": be.all_gather(row, None).shape,
+            "all_gather uneven": be.all_gather(
+                row[: rank % 2 + 1], None, [r % 2 + 1 for r in range(world)]
+            ).shape,
+            "reduce_scatter": be.reduce_scatter(x, "sum", None).shape,
+            "gather": be.gather(row, 0, None).shape,
+            "scatter": be.scatter(x, 0, None).shape,
+            "all_to_all": be.all_to_all(x, None).shape,
+        }
+        be.barrier(None)
+    return {
+        "shapes": {k: tuple(v) for k, v in shapes.items()},
+        "all_skipped": all(r.skipped for r in log.records),
+        "ops": sorted({r.op for r in log.records}),
+        "recv_zeroed": world == 1 or bool((got == 0).all()),
+        "off_after": [o for o in OP_NAMES if is_off(o)],
+    }
+
+
+def test_comm_off_every_op_keeps_shapes_and_skips(world: LocalWorld) -> None:
+    n = world.world_size
+    uneven_total = sum(r % 2 + 1 for r in range(n))
+    for rec in world.run(_rank_every_op_off):
+        assert rec["shapes"] == {
+            "all_reduce": (2 * n, 3),
+            "broadcast": (2 * n, 3),
+            "reduce": (2 * n, 3),
+            "all_gather": (2 * n, 3),
+            "all_gather uneven": (uneven_total, 3),
+            "reduce_scatter": (2, 3),
+            "gather": (2 * n, 3),
+            "scatter": (2, 3),
+            "all_to_all": (2 * n, 3),
+        }
+        assert rec["all_skipped"] and rec["recv_zeroed"]
+        expected_ops = {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"}
+        expected_ops |= {"gather", "scatter", "all_to_all", "barrier"} | ({"batch_p2p"} if n > 1 else set())
+        assert set(rec["ops"]) == expected_ops
+        assert rec["off_after"] == [], "the with block restores the switches"
+
+
+def test_comm_off_as_call_then_restore() -> None:
+    switch = comm_off("all_gather", "reduce_scatter")
+    assert is_off("all_gather") and is_off("reduce_scatter") and not is_off("all_reduce")
+    with comm_off("all_reduce"):
+        assert is_off("all_reduce") and is_off("all_gather")
+    assert not is_off("all_reduce") and is_off("all_gather")
+    switch.restore()
+    assert not any(is_off(o) for o in OP_NAMES)
+
+
+def test_comm_off_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match=r"unknown op\(s\) \['allreduce'\]; legal: \('all_reduce',"):
+        comm_off("all_reduce", "allreduce")
+    assert not is_off("all_reduce"), "a rejected call switches nothing off"
+
+
+# ------------------------------------------------------------------- debug-mode check
+
+
+def _rank_check_consistent(case: str) -> tuple[str, str] | None:
+    rank = dc.get_rank()
+    fields: dict[str, Any] = {"shape": (2, 3), "dtype": torch.float32, "src": 0}
+    if case == "shape" and rank == 1:
+        fields["shape"] = (2, 3, 4)
+    if case == "dtype" and rank == dc.get_world_size() - 1:
+        fields["dtype"] = torch.float64
+    if case == "src":
+        fields["src"] = rank
+    return _error(lambda: get_backend().check_consistent("all_gather", fields, None))
+
+
+def test_check_consistent_passes_when_ranks_agree(world: LocalWorld) -> None:
+    assert world.run(_rank_check_consistent, "same") == [None] * world.world_size
+
+
+@pytest.mark.parametrize(
+    ("case", "detail"),
+    [
+        ("shape", r"shape differs \(rank 0: \(2, 3\), rank 1: \(2, 3, 4\), rank 2: \(2, 3\)\)"),
+        ("dtype", r"dtype differs \(rank 0: torch.float32, rank 1: torch.float32, rank 2: torch.float64\)"),
+        ("src", r"src differs \(rank 0: 0, rank 1: 1, rank 2: 2\)"),
+    ],
+)
+def test_check_consistent_names_ranks_and_field(world3: LocalWorld, case: str, detail: str) -> None:
+    for err in world3.run(_rank_check_consistent, case):
+        assert err is not None and err[0] == CrossRankMismatchError.__name__
+        assert "diffcomm.all_gather(): ranks called it with inconsistent arguments" in err[1]
+        assert re.search(detail, err[1]), err[1]
+
+
+# ------------------------------------------------------------------- groups
+
+
+_GROUPS: dict[Any, Any] = {}  # per rank process: new_group must run once, in the same order
+
+
+def _mesh() -> Any:
+    if "mesh" not in _GROUPS:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _GROUPS["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return _GROUPS["mesh"]
+
+
+def _subgroup(ranks: tuple[int, ...]) -> Any:
+    if ranks not in _GROUPS:
+        _GROUPS[ranks] = dist.new_group(list(ranks))
+    return _GROUPS[ranks]
+
+
+def _rank_mesh_groups() -> dict[str, Any]:
+    be = get_backend()
+    mesh = _mesh()
+    x = torch.tensor([float(dc.get_rank() + 1)])
+    out: dict[str, Any] = {}
+    for axis in ("tp", 1, -1, "dp", 0):
+        group = resolve_group((mesh, axis), "all_reduce")
+        out[f"sum {axis}"] = be.all_reduce(x, "sum", group).item()
+        out[f"rank {axis}"] = be.rank(group)
+    tp = resolve_group((mesh, "tp"), "broadcast")
+    out["broadcast tp src 1"] = be.broadcast(x, 1, tp).item()
+    out["global of tp 1"] = be.global_rank(tp, 1)
+    out["world_size tp"] = dc.get_world_size((mesh, "tp"))
+    out["errors"] = [
+        _error(lambda: resolve_group((mesh, "pp"), "all_reduce")),
+        _error(lambda: resolve_group((mesh, 2), "all_reduce")),
+        _error(lambda: resolve_group((mesh, 1.5), "all_reduce")),
+        _error(lambda: resolve_group(("not a mesh", 0), "all_reduce")),
+        _error(lambda: resolve_group(42, "all_reduce")),
+    ]
+    return out
+
+
+def test_device_mesh_axis_resolves_to_its_group(world4: LocalWorld) -> None:
+    for r, out in enumerate(world4.run(_rank_mesh_groups)):
+        dp, tp = divmod(r, 2)  # mesh [[0, 1], [2, 3]]: rows are dp, columns tp
+        tp_sum = float(2 * dp + 1 + 2 * dp + 2)
+        dp_sum = float(tp + 1 + tp + 3)
+        assert out["sum tp"] == out["sum 1"] == out["sum -1"] == tp_sum
+        assert out["sum dp"] == out["sum 0"] == dp_sum
+        assert out["rank tp"] == out["rank 1"] == tp and out["rank dp"] == dp
+        assert out["broadcast tp src 1"] == float(2 * dp + 2), "src is group-local"
+        assert out["global of tp 1"] == 2 * dp + 1 and out["world_size tp"] == 2
+        errors = out["errors"]
+        assert errors[0][0] == "ValueError" and "a mesh axis name in ('dp', 'tp'), got 'pp'" in errors[0][1]
+        assert errors[1][0] == "ValueError" and "a mesh axis index in [0, 2), got 2" in errors[1][1]
+        assert errors[2][0] == "TypeError" and "a mesh axis name or index, got float" in errors[2][1]
+        assert errors[3][0] == "TypeError" and "a (DeviceMesh, axis) pair, got (str, ...)" in errors[3][1]
+        assert (
+            errors[4][0] == "TypeError"
+            and "None, a ProcessGroup or a (DeviceMesh, axis) pair" in errors[4][1]
+        )
+        assert f"(rank {r})" in errors[0][1], "errors name the rank"
+
+
+def _rank_subgroup(members: tuple[int, ...]) -> dict[str, Any] | None:
+    group = _subgroup(members)
+    if dc.get_rank() not in members:
+        return None  # non-members take no part in the subgroup's collectives
+    be = get_backend()
+    x = _data(dc.get_rank(), (2 * len(members), 3))  # two rows per member: even splits
+    return {
+        "rank": be.rank(group),
+        "world": be.world_size(group),
+        "global of 1": be.global_rank(group, 1),
+        "all_reduce": be.all_reduce(x, "sum", group),
+        "broadcast": be.broadcast(x, 1, group),
+        "reduce": be.reduce(x, 1, "max", group),
+        "all_gather": be.all_gather(x, group),
+        "reduce_scatter": be.reduce_scatter(x, "sum", group),
+        "gather": be.gather(x, 1, group),
+        "scatter": be.scatter(x, 1, group),
+        "all_to_all": be.all_to_all(x, group),
+    }
+
+
+@pytest.mark.parametrize(("n", "members"), [(3, (0, 2)), (4, (1, 3)), (4, (0, 1, 3))])
+def test_subgroup_from_new_group(
+    local_worlds: Callable[..., LocalWorld], n: int, members: tuple[int, ...]
+) -> None:
+    out = local_worlds(n).run(_rank_subgroup, members)
+    k = len(members)
+    xs = [_data(g, (2 * k, 3)) for g in members]  # by group-local rank
+    for r, rec in enumerate(out):
+        if r not in members:
+            assert rec is None
+            continue
+        me = members.index(r)
+        assert rec["rank"] == me and rec["world"] == k and rec["global of 1"] == members[1]
+        assert torch.equal(rec["all_reduce"], sum(xs))
+        assert torch.equal(rec["broadcast"], xs[1]), "src=1 is group-local"
+        assert torch.equal(rec["reduce"], torch.stack(xs).amax(0) if me == 1 else torch.zeros(2 * k, 3))
+        assert torch.equal(rec["all_gather"], torch.cat(xs))
+        assert torch.equal(rec["reduce_scatter"], sum(xs).split(2)[me])
+        assert torch.equal(rec["gather"], torch.cat(xs) if me == 1 else torch.zeros(2 * k * k, 3))
+        assert torch.equal(rec["scatter"], xs[1].split(2)[me]), "src=1 is group-local"
+        assert torch.equal(rec["all_to_all"], torch.cat([x.split(2)[me] for x in xs]))
+
+
+def test_resolve_group_needs_an_initialised_process_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("this test process itself is in a process group")
+    with pytest.raises(RuntimeError, match=r"diffcomm.all_gather\(\): torch.distributed is not initialised"):
+        resolve_group(None, "all_gather")

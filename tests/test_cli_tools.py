@@ -1,0 +1,93 @@
+"""`python -m diffcomm check` and `bench`: real runs on local ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from diffcomm import cli
+from diffcomm._cli_tools import _merge, parse_size
+from diffcomm.testing.cases import Case
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "diffcomm", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_check_passes_and_prints_the_table() -> None:
+    p = _run("check", "-n", "3", "--ops", "all_gather", "all_to_all")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "all checks passed" in p.stdout
+    assert "all_gather" in p.stdout and "adjoint err" in p.stdout
+
+
+def test_check_json_lists_every_case() -> None:
+    p = _run("check", "-n", "2", "--ops", "reduce", "--json")
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout)
+    assert data["ok"] and data["failures"] == 0
+    assert {c["op"] for c in data["cases"]} == {"reduce"} and len(data["cases"]) == 4
+    assert all(c["grad_err"] <= 1e-10 for c in data["cases"])
+
+
+def test_a_failing_case_fails_the_row() -> None:
+    case = Case("all_reduce", 2, (2,))
+    good = {
+        "forward_err": 0.0,
+        "grad_err": 0.0,
+        "adjoint_err": 0.0,
+        "double_err": 0.0,
+        "tol": 1e-10,
+        "input_unchanged": True,
+        "no_alias": True,
+        "ok": True,
+    }
+    bad = {**good, "grad_err": 0.5, "ok": False}
+    assert _merge(case, 2, [good, good], None, 0.1)["ok"]
+    row = _merge(case, 2, [good, bad], None, 0.1)
+    assert not row["ok"] and row["grad_err"] == 0.5 and row["forward_ok"]
+    crashed = _merge(case, 2, [], "RankError: boom", 0.1)
+    assert not crashed["ok"] and not crashed["forward_ok"]
+
+
+def test_usage_errors_exit_2() -> None:
+    assert cli.main(["check", "-n", "0"]) == 2
+    assert cli.main(["bench", "--sizes", "lots"]) == 2
+    assert cli.main(["bench", "--rounds", "1"]) == 2
+
+
+def test_parse_size() -> None:
+    assert parse_size("16KiB") == 16384 and parse_size("1MiB") == 1 << 20 and parse_size("512") == 512
+
+
+def test_bench_runs_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "bench.png"
+    p = _run(
+        "bench",
+        "-n",
+        "2",
+        "--ops",
+        "all_gather",
+        "--sizes",
+        "4KiB",
+        "--rounds",
+        "3",
+        "--json",
+        "--plot",
+        str(out),
+    )
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout[: p.stdout.rindex("]") + 1])
+    impls = {r["impl"] for r in rows}
+    assert {"diffcomm", "raw", "torch.distributed.nn"} <= impls
+    assert all(r["median_ms"] > 0 for r in rows)
+    assert [r["ratio_vs_raw"] for r in rows if r["impl"] == "raw"] == [1.0]
+    assert out.exists() and out.stat().st_size > 1000

@@ -1,0 +1,410 @@
+"""diffcomm.parallel: the region mappings against their definitions, their debug checks,
+vocab-parallel cross entropy and embedding.
+
+Every rank can build every other rank's data (``_data(tag, rank)`` is seeded), so the
+definitions are evaluated locally and compared with what the mappings communicate.
+Gradients follow the replicated objective: a replicated output gets the same cotangent on
+every rank, a sharded / per-rank output its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import diffcomm as dc
+from diffcomm import parallel as P
+from diffcomm.backend import log_comms
+from diffcomm.parallel import MAPPINGS
+from diffcomm.testing import Shard, assert_matches_serial, build
+
+F64 = torch.float64
+
+
+def _data(tag: int, rank: int, *shape: int) -> torch.Tensor:
+    """Seeded data; ``rank=-1`` for a tensor that is the same on every rank."""
+    g = torch.Generator().manual_seed(1000 * tag + rank + 1)
+    return torch.randn(tuple(shape), generator=g, dtype=F64)
+
+
+@pytest.fixture(params=[2, 3, 4], ids=lambda n: f"world{n}")
+def world(request: pytest.FixtureRequest, local_worlds: Callable[..., dc.LocalWorld]) -> dc.LocalWorld:
+    return local_worlds(request.param)
+
+
+# ======================================================================================
+# each mapping against its definition (forward value and replicated-objective backward)
+# ======================================================================================
+
+
+def _case(name: str) -> tuple:
+    """(fn, x, cotangent, expected y, expected grad) on this rank, from the definitions."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    own = [_data(1, q, 2, 3 * w) for q in range(w)]  # every rank's per-rank input
+    rep = _data(1, -1, 2, 3 * w)  # a replicated input
+    if name == "copy_to_region":  # identity; grad = sum of every rank's (partial) cotangent
+        cots = [_data(2, q, 2, 3 * w) for q in range(w)]
+        return P.copy_to_region, rep, cots[r], rep, sum(cots)
+    if name == "reduce_from_region":  # sum; replicated cotangent passes through
+        cot = _data(2, -1, 2, 3 * w)
+        return P.reduce_from_region, own[r], cot, sum(own), cot
+    if name == "scatter_to_region":  # own chunk of the last dim; grad = all chunks' cotangents
+        cots = [_data(2, q, 2, 3) for q in range(w)]
+        return P.scatter_to_region, rep, cots[r], rep.chunk(w, -1)[r], torch.cat(cots, -1)
+    if name == "gather_from_region":  # concat along the last dim; grad = own chunk
+        cot = _data(2, -1, 2, 3 * w * w)
+        return P.gather_from_region, own[r], cot, torch.cat(own, -1), cot.chunk(w, -1)[r]
+    if name == "reduce_scatter_to_sequence":  # own dim-0 chunk of the sum; grad = all chunks
+        x = [_data(1, q, 2 * w, 3) for q in range(w)]
+        cots = [_data(2, q, 2, 3) for q in range(w)]
+        return P.reduce_scatter_to_sequence, x[r], cots[r], sum(x).chunk(w, 0)[r], torch.cat(cots, 0)
+    if name == "all_gather_from_sequence":  # concat along dim 0; grad = own chunk of the sum
+        x = [_data(1, q, 2, 3) for q in range(w)]
+        cots = [_data(2, q, 2 * w, 3) for q in range(w)]
+        return P.all_gather_from_sequence, x[r], cots[r], torch.cat(x, 0), sum(cots).chunk(w, 0)[r]
+    if name == "all_to_all_region":  # split dim 0, concat dim 1 (heads <-> sequence)
+        x = [_data(1, q, 2 * w, 3) for q in range(w)]
+        cots = [_data(2, q, 2, 3 * w) for q in range(w)]
+        y = torch.cat([x[j].chunk(w, 0)[r] for j in range(w)], 1)
+        g = torch.cat([cots[j].chunk(w, 1)[r] for j in range(w)], 0)
+        return lambda t: P.all_to_all_region(t, 0, 1), x[r], cots[r], y, g
+    raise AssertionError(name)
+
+
+def _check_definition(name: str) -> bool:
+    fn, x, cot, y_expected, g_expected = _case(name)
+    x = x.clone().requires_grad_()
+    y = fn(x)
+    (g,) = torch.autograd.grad(y, x, cot)
+    assert_close(y, y_expected, rtol=1e-12, atol=1e-12)
+    assert_close(g, g_expected, rtol=1e-12, atol=1e-12)
+    return True
+
+
+@pytest.mark.parametrize("name", list(MAPPINGS))
+def test_mapping_matches_its_definition(world, name: str) -> None:
+    assert world.run(_check_definition, name) == [True] * world.world_size
+
+
+def _check_transforms(name: str) -> dict[str, int]:
+    """jvp = the forward map on the tangent; vmap = per-sample results with one collective."""
+    fn, x, cot, _, _ = _case(name)
+    t = _data(3, dc.get_rank(), *x.shape)
+    y, ty = torch.func.jvp(fn, (x,), (t,))
+    assert_close(ty, fn(t), rtol=1e-12, atol=1e-12)
+    batch = torch.stack([x, t, 2 * x])
+    with log_comms() as one:
+        fn(x)
+    with log_comms() as batched:
+        out = torch.func.vmap(fn)(batch)
+    assert_close(out, torch.stack([fn(b) for b in batch]), rtol=1e-12, atol=1e-12)
+    # vjp under vmap (jacrev-style): every cotangent in the batch at once
+    _, vjp = torch.func.vjp(fn, x)
+    (gs,) = torch.func.vmap(vjp)(torch.stack([cot, 3 * cot]))
+    (g1,) = vjp(cot)
+    assert_close(gs[1], 3 * g1, rtol=1e-12, atol=1e-12)
+    return {"one": one.count(), "batched": batched.count()}
+
+
+@pytest.mark.parametrize("name", list(MAPPINGS))
+def test_mapping_jvp_and_vmap(world2, name: str) -> None:
+    counts = world2.run(_check_transforms, name)
+    assert counts[0]["batched"] == counts[0]["one"], counts  # one collective for the whole batch
+
+
+# ======================================================================================
+# double backward: a gradient penalty through the mappings equals the serial one
+# ======================================================================================
+
+
+def _penalty(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    w = _data(9, -1, *x.shape[:-1], 4)
+    (gx,) = torch.autograd.grad((module(x) * w).sum(), x, create_graph=True)
+    return gx.pow(2).sum()
+
+
+class _Penalty(P.ParallelModule):
+    """``||d<module(x), w>/dx||^2`` — differentiating it runs double backward."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = _data(9, -1, *x.shape[:-1], 4)
+        (gx,) = torch.autograd.grad((self.module(x) * w).sum(), x, create_graph=True)
+        return gx.pow(2).sum()
+
+
+class _SPPenalty(_Penalty):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x is this rank's sequence chunk: so are w and the input gradient; the penalty
+        # sums the chunks' squares over ranks (a replicated scalar)
+        r, n = dc.get_rank(), x.shape[0]
+        w = _data(9, -1, n * dc.get_world_size(), *x.shape[1:-1], 4)[r * n : (r + 1) * n]
+        (gx,) = torch.autograd.grad((self.module(x) * w).sum(), x, create_graph=True)
+        return P.reduce_from_region(gx.pow(2).sum())
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_double_backward_gradient_penalty_matches_serial(world2, sequence_parallel: bool) -> None:
+    torch.manual_seed(0)
+    serial = _Penalty(P.MLP(4, 8, activation="tanh", dtype=F64))
+    x = torch.randn(4, 2, 4, dtype=F64)
+    wrap = _SPPenalty if sequence_parallel else _Penalty
+    parallel = build(lambda s: wrap(P.ParallelMLP.from_serial(s.module, sequence_parallel=sequence_parallel)))
+    specs = [Shard(0)] if sequence_parallel else None
+    assert_matches_serial(parallel, serial, x, world=world2, input_specs=specs)
+
+
+# ======================================================================================
+# debug mode: every mapping checks the assumption it rests on
+# ======================================================================================
+
+
+def _expect_mismatch(fn: Callable[[], object]) -> str:
+    try:
+        with dc.debug(True):
+            fn()
+    except dc.CrossRankMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _debug_cases(kind: str) -> dict[str, str]:
+    r = dc.get_rank()
+    differs = torch.full((2, 6), float(r == 1))  # rank 1 differs from the others
+    same = torch.ones(2, 6)
+    out: dict[str, str] = {}
+    if kind == "forward":
+        out["copy"] = _expect_mismatch(lambda: P.copy_to_region(differs))
+        out["scatter"] = _expect_mismatch(lambda: P.scatter_to_region(differs))
+        with dc.debug(True):  # replicated inputs pass
+            P.copy_to_region(same)
+            P.scatter_to_region(same)
+    else:
+
+        def reduce_backward(grad: torch.Tensor) -> None:
+            P.reduce_from_region(torch.ones(2, 6, requires_grad=True)).backward(grad)
+
+        def gather_backward(grad: torch.Tensor) -> None:
+            P.gather_from_region(torch.ones(2, 2, requires_grad=True)).backward(grad)
+
+        w = dc.get_world_size()
+        out["reduce"] = _expect_mismatch(lambda: reduce_backward(differs))
+        out["gather"] = _expect_mismatch(lambda: gather_backward(torch.full((2, 2 * w), float(r == 1))))
+        with dc.debug(True):  # replicated gradients pass
+            reduce_backward(same)
+            gather_backward(torch.ones(2, 2 * w))
+    return out
+
+
+def test_debug_copy_forwards_check_the_input_is_replicated(world3) -> None:
+    out = world3.run(_debug_cases, "forward")[0]
+    assert "parallel.copy_to_region" in out["copy"] and "ranks [1] differ from ranks [0, 2]" in out["copy"]
+    assert "parallel.scatter_to_region" in out["scatter"] and "ranks [1]" in out["scatter"]
+
+
+def test_debug_identity_backwards_check_the_gradient_is_replicated(world3) -> None:
+    out = world3.run(_debug_cases, "backward")[0]
+    assert "reduce_from_region backward" in out["reduce"] and "ranks [1] differ" in out["reduce"]
+    assert "incoming gradient" in out["reduce"] and "use diffcomm.all_reduce" in out["reduce"]
+    assert "gather_from_region backward" in out["gather"] and "ranks [1] differ" in out["gather"]
+
+
+def _debug_shape_mismatch() -> str:
+    x = torch.ones(2, 1 + dc.get_rank())
+    return _expect_mismatch(lambda: P.reduce_from_region(x))
+
+
+def test_debug_names_ranks_with_different_shapes(world2) -> None:
+    msg = world2.run(_debug_shape_mismatch)[0]
+    assert "rank 0: (2, 1)" in msg and "rank 1: (2, 2)" in msg
+
+
+def _debug_rounding_noise_passes() -> bool:
+    x = torch.ones(4, dtype=torch.float32) + dc.get_rank() * 1e-7  # reduction-order noise
+    with dc.debug(True):
+        P.copy_to_region(x)
+    return True
+
+
+def test_debug_tolerates_rounding_noise(world2) -> None:
+    assert world2.run(_debug_rounding_noise_passes) == [True, True]
+
+
+# A TP MLP with a planted wrong mapping: debug mode turns the silent error into a raise.
+
+
+class _HandTPMLP(torch.nn.Module):
+    """fc1 column-parallel, fc2 row-parallel, with configurable entry/exit mappings."""
+
+    def __init__(
+        self, serial: P.MLP, enter: Callable[..., torch.Tensor], leave: Callable[..., torch.Tensor]
+    ) -> None:
+        super().__init__()
+        self.fc1 = P.ColumnParallelLinear.from_serial(serial.fc1)
+        self.fc2 = P.RowParallelLinear.from_serial(serial.fc2, input_is_parallel=True)
+        self.enter, self.leave = enter, leave
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(F.linear(self.enter(x), self.fc1.weight, self.fc1.bias))
+        return self.leave(F.linear(h, self.fc2.weight)) + self.fc2.bias
+
+
+def _planted(which: str) -> dict:
+    torch.manual_seed(0)
+    serial = P.MLP(4, 8, activation="tanh", dtype=F64)
+    x = torch.randn(3, 4, dtype=F64, requires_grad=True)
+    if which == "reduce_at_entry":  # partial backward treated as replicated
+        model = _HandTPMLP(serial, P.reduce_from_region, P.reduce_from_region)
+    else:  # "copy_at_exit": partial sums treated as replicated
+        model = _HandTPMLP(serial, P.copy_to_region, P.copy_to_region)
+    silent = model(x).sum()  # without debug: no error, wrong value
+    silent.backward()
+    ref = serial(x).sum()
+    result = {"silently_wrong": not torch.allclose(silent, ref)}
+    x.grad = None
+    result["debug"] = _expect_mismatch(lambda: model(x).sum().backward())
+    return result
+
+
+@pytest.mark.parametrize("which", ["reduce_at_entry", "copy_at_exit"])
+def test_planted_wrong_mapping_in_tp_mlp_raises_in_debug_mode(world2, which: str) -> None:
+    out = world2.run(_planted, which)
+    assert all(o["silently_wrong"] for o in out)
+    where = "reduce_from_region backward" if which == "reduce_at_entry" else "copy_to_region:"
+    assert all(where in o["debug"] and "ranks [1] differ from ranks [0]" in o["debug"] for o in out), out
+
+
+def _uneven_split_error() -> str:
+    try:
+        P.scatter_to_region(torch.ones(2, 5))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_uneven_split_is_a_value_error_before_communicating(world2) -> None:
+    msg = world2.run(_uneven_split_error)[0]
+    assert "parallel.scatter_to_region" in msg and "divisible by the group size 2" in msg and "(2, 5)" in msg
+
+
+# ======================================================================================
+# vocab-parallel cross entropy
+# ======================================================================================
+
+
+def _ce_case(reduction: str, smoothing: float, ignore: bool) -> bool:
+    r, w = dc.get_rank(), dc.get_world_size()
+    vocab = 12
+    logits = _data(5, -1, 4, 3, vocab) * 3
+    target = torch.randint(0, vocab, (4, 3), generator=torch.Generator().manual_seed(5))
+    if ignore:
+        target[0, :2] = -100
+        target[3, 1] = -100
+    full = logits.clone().requires_grad_()
+    ref = F.cross_entropy(
+        full.reshape(-1, vocab), target.reshape(-1), label_smoothing=smoothing, reduction=reduction
+    )
+    ref = ref.reshape(4, 3) if reduction == "none" else ref
+    v = vocab // w
+    shard = logits[..., r * v : (r + 1) * v].clone().requires_grad_()
+    loss = P.vocab_parallel_cross_entropy(shard, target, label_smoothing=smoothing, reduction=reduction)
+    assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+    cot = _data(6, -1, *ref.shape)
+    (g_ref,) = torch.autograd.grad(ref, full, cot)
+    (g,) = torch.autograd.grad(loss, shard, cot)
+    assert_close(g, g_ref[..., r * v : (r + 1) * v], rtol=1e-12, atol=1e-12)
+    # forward mode agrees with reverse mode
+    t = _data(7, r, *shard.shape)
+    _, t_loss = torch.func.jvp(
+        lambda z: P.vocab_parallel_cross_entropy(z, target, label_smoothing=smoothing, reduction=reduction),
+        (shard.detach(),),
+        (t,),
+    )
+    t_full = torch.cat([_data(7, q, *shard.shape) for q in range(w)], -1)
+    _, t_ref = torch.func.jvp(
+        lambda z: F.cross_entropy(
+            z.reshape(-1, vocab), target.reshape(-1), label_smoothing=smoothing, reduction=reduction
+        ),
+        (logits,),
+        (t_full,),
+    )
+    assert_close(t_loss, t_ref.reshape(t_loss.shape), rtol=1e-10, atol=1e-12)
+    return True
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("ignore", [False, True], ids=["all", "ignore_index"])
+def test_vocab_parallel_cross_entropy_equals_f_cross_entropy(world, reduction, smoothing, ignore) -> None:
+    assert world.run(_ce_case, reduction, smoothing, ignore) == [True] * world.world_size
+
+
+def _ce_stable_and_errors() -> dict:
+    r = dc.get_rank()
+    big = torch.tensor([[1000.0, -1000.0], [0.0, 0.0]]) + 500.0 * r  # would overflow exp()
+    loss = P.vocab_parallel_cross_entropy(big, torch.tensor([0, 3]))
+    full = torch.cat([big - 500.0 * r, big - 500.0 * r + 500.0], -1)
+    out = {
+        "stable": torch.isfinite(loss).item(),
+        "value": loss.item(),
+        "ref": F.cross_entropy(full, torch.tensor([0, 3])).item(),
+    }
+    for key, call in {
+        "range": lambda: P.vocab_parallel_cross_entropy(torch.zeros(2, 2), torch.tensor([0, 4])),
+        "shape": lambda: P.vocab_parallel_cross_entropy(torch.zeros(2, 2), torch.tensor([0, 1, 2])),
+        "reduction": lambda: P.vocab_parallel_cross_entropy(
+            torch.zeros(2, 2), torch.tensor([0, 1]), reduction="avg"
+        ),
+    }.items():
+        try:
+            call()
+            out[key] = "no error"
+        except ValueError as exc:
+            out[key] = str(exc)
+    out["target_debug"] = _expect_mismatch(
+        lambda: P.vocab_parallel_cross_entropy(torch.zeros(2, 2), torch.tensor([0, r]))
+    )
+    z = torch.zeros(2, 2, requires_grad=True)
+    (g,) = torch.autograd.grad(P.vocab_parallel_cross_entropy(z, torch.tensor([0, 1])), z, create_graph=True)
+    try:
+        g.sum().backward()
+        out["double"] = "no error"
+    except RuntimeError as exc:
+        out["double"] = str(exc)
+    return out
+
+
+def test_vocab_parallel_cross_entropy_is_stable_and_validates(world2) -> None:
+    out = world2.run(_ce_stable_and_errors)[0]
+    assert out["stable"] and out["value"] == pytest.approx(out["ref"], rel=1e-6)
+    assert "class ids in [0, 4)" in out["range"] and "id 4" in out["range"]
+    assert "logits.shape[:-1] = (2,)" in out["shape"]
+    assert "`reduction` must be one of" in out["reduction"]
+    assert "the target" in out["target_debug"] and "ranks [1] differ" in out["target_debug"]
+    assert "once_differentiable" in out["double"] or "does not require grad" in out["double"]
+
+
+# ======================================================================================
+# vocab-parallel embedding
+# ======================================================================================
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_vocab_parallel_embedding_matches_nn_embedding(world, sequence_parallel: bool) -> None:
+    torch.manual_seed(0)
+    serial = torch.nn.Embedding(12, 5, dtype=F64)
+    ids = torch.randint(0, 12, (12, 2))
+    assert_matches_serial(
+        build(lambda s: P.VocabParallelEmbedding.from_serial(s, sequence_parallel=sequence_parallel)),
+        serial,
+        ids,
+        world=world,
+        output_specs=[Shard(0)] if sequence_parallel else None,
+    )

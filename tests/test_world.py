@@ -1,0 +1,407 @@
+"""LocalWorld / launch: results, functions that travel, and every failure path.
+
+Everything here runs real rank processes joined in a real gloo group. Destructive tests
+(a rank that dies, hangs or times out in a collective) use small dedicated worlds; the
+rest share the session's worlds from the ``local_worlds`` fixture. Process clean-up is
+checked with psutil against the pids the ranks really had.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import diffcomm as dc
+from diffcomm import (
+    CollectiveTimeoutError,
+    LocalWorld,
+    RankDiedError,
+    RankError,
+    WorldTimeoutError,
+)
+from diffcomm.backend import _TIMEOUT_MARKERS, get_backend, label
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting to be reaped counts as gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _still_alive(pids: list[int], within: float = 5.0) -> list[int]:
+    """The pids among ``pids`` still alive after waiting up to ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        alive = [p for p in pids if _alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # ignore TIME_WAIT, not LISTEN
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+# Rank functions defined at module level: they travel by reference (the ranks import
+# this module from the tests folder, which the caller's sys.path carries).
+
+
+def _rank_info(base: int, *, scale: int = 1) -> tuple[int, int, int, int]:
+    return dc.get_rank(), dc.get_world_size(), (base + dc.get_rank()) * scale, os.getpid()
+
+
+def _raise_on(rank: int, message: str) -> int:
+    if dc.get_rank() == rank:
+        raise ValueError(message)
+    return dc.get_rank()
+
+
+class _Boom(ValueError):
+    """An exception type of this module, with an attribute, sent back from the ranks."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank)  # args must rebuild it: exceptions pickle as cls(*args)
+        self.rank = rank
+
+    def __str__(self) -> str:
+        return f"boom on rank {self.rank}"
+
+
+def _boom_on(ranks: tuple[int, ...]) -> int:
+    if dc.get_rank() in ranks:
+        raise _Boom(dc.get_rank())
+    return dc.get_rank()
+
+
+def _exit_on(rank: int, code: int) -> int:
+    if dc.get_rank() == rank:
+        os._exit(code)
+    return dc.get_rank()
+
+
+def _sleep_on(rank: int, seconds: float) -> int:
+    if dc.get_rank() == rank:
+        time.sleep(seconds)
+    return dc.get_rank()
+
+
+def _raise_while_others_reduce(rank: int) -> torch.Tensor:
+    if dc.get_rank() == rank:
+        raise ValueError(f"rank {rank} gives up before the all_reduce")
+    return get_backend().all_reduce(torch.ones(3), "sum", None)
+
+
+def _skip_all_reduce_on(rank: int) -> torch.Tensor | None:
+    if dc.get_rank() == rank:
+        return None  # the peer waits for this rank's all_reduce until its timeout
+    with label("all_reduce backward"):
+        return get_backend().all_reduce(torch.ones(3), "sum", None)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def fragile() -> Iterator[LocalWorld]:
+    """A dedicated 2-rank world for tests that kill, hang or break it.
+
+    A run longer than 3 s is a hang; a collective gives up after 2 s.
+    """
+    world = LocalWorld(2, timeout=3, collective_timeout=2)
+    yield world
+    world.close()
+
+
+# ------------------------------------------------------------------- results, functions
+
+
+def test_run_returns_results_by_rank(world3: LocalWorld) -> None:
+    results = world3.run(_rank_info, 10, scale=2)
+    assert [r[:3] for r in results] == [(0, 3, 20), (1, 3, 22), (2, 3, 24)]
+    assert [r[3] for r in results] == world3.pids
+
+
+def test_closures_lambdas_and_local_functions_travel(world2: LocalWorld) -> None:
+    offset = torch.tensor([10.0, 20.0])
+
+    def local(scale: float) -> torch.Tensor:  # a closure over `offset`
+        return offset * scale + dc.get_rank()
+
+    assert world2.run(lambda: dc.get_rank() * 7) == [0, 7]
+    out = world2.run(local, 2.0)
+    torch.testing.assert_close(out[0], torch.tensor([20.0, 40.0]))
+    torch.testing.assert_close(out[1], torch.tensor([21.0, 41.0]))
+    # a tensor argument arrives as a copy on every rank, the result comes back
+    out = world2.run(lambda t: t.add(dc.get_rank()), torch.zeros(2))
+    assert [o.tolist() for o in out] == [[0.0, 0.0], [1.0, 1.0]]
+
+
+def test_launch_returns_per_rank_results_and_leaves_no_process() -> None:
+    results = dc.launch(_rank_info, 2, 5, scale=3)
+    assert [r[:3] for r in results] == [(0, 2, 15), (1, 2, 18)]
+    assert _still_alive([r[3] for r in results]) == []
+
+
+# ---------------------------------------------------------------- a rank that raises
+
+
+def test_rank_exception_names_rank_and_traceback_and_world_stays(world2: LocalWorld) -> None:
+    pids, restarts = world2.pids, world2.restarts
+    with pytest.raises(RankError, match=r"rank\(s\) \[1\] raised: ValueError: no luck on 1") as info:
+        world2.run(_raise_on, 1, "no luck on 1")
+    err = info.value
+    assert type(err) is RankError
+    assert list(err.failures) == [1]
+    assert "--- rank 1 traceback ---" in str(err)
+    # the remote traceback points into this module's function
+    assert 'test_world.py", line' in err.failures[1] and "in _raise_on" in err.failures[1]
+    # every rank reported back: the same processes serve the next run
+    assert world2.run(_raise_on, 5, "unused") == [0, 1]
+    assert world2.pids == pids and world2.restarts == restarts and world2.alive
+
+
+def test_rank_error_carries_remote_exception_objects(world2: LocalWorld) -> None:
+    with pytest.raises(RankError, match=r"rank\(s\) \[0, 1\] raised") as info:
+        world2.run(_boom_on, (0, 1))
+    exceptions = info.value.exceptions
+    assert sorted(exceptions) == [0, 1]
+    for r in (0, 1):
+        assert isinstance(exceptions[r], _Boom)
+        assert exceptions[r].rank == r and str(exceptions[r]) == f"boom on rank {r}"
+    assert world2.run(_boom_on, ()) == [0, 1]
+
+
+def test_unpicklable_argument_or_result_is_a_clear_error(world2: LocalWorld) -> None:
+    with pytest.raises(TypeError, match="cannot pickle the function or its arguments"):
+        world2.run(_rank_info, threading.Lock())
+    with pytest.raises(RankError, match=r"rank\(s\) \[0, 1\] raised: TypeError: cannot pickle"):
+        world2.run(threading.Lock)
+    assert world2.run(lambda: 1) == [1, 1]
+
+
+# ------------------------------------------------------------- death, hang, time-outs
+
+
+def test_rank_death_is_reported_fast_and_world_restarts(fragile: LocalWorld) -> None:
+    fragile.run(_sleep_on, 0, 0)  # make sure the world is up, so the timing is the run's
+    pids, restarts = fragile.pids, fragile.restarts
+    start = time.monotonic()
+    with pytest.raises(RankDiedError, match=r"rank 1 \(exit code 3\) died during `_exit_on`") as info:
+        fragile.run(_exit_on, 1, 3)
+    assert time.monotonic() - start < 3.0
+    assert info.value.exitcodes == {1: 3}
+    # torn down: no process left, not even the healthy rank
+    assert _still_alive(pids, within=2.0) == []
+    assert fragile.pids == [] and not fragile.alive
+    # the next run starts fresh processes
+    assert fragile.run(_sleep_on, 0, 0) == [0, 1]
+    assert fragile.restarts == restarts + 1
+    assert not set(fragile.pids) & set(pids)
+
+
+def test_hanging_rank_is_a_timeout_naming_busy_ranks(fragile: LocalWorld) -> None:
+    fragile.run(_sleep_on, 0, 0)
+    pids, restarts = fragile.pids, fragile.restarts
+    start = time.monotonic()
+    with pytest.raises(WorldTimeoutError, match=r"within 3 s; rank\(s\) \[0\] still busy") as info:
+        fragile.run(_sleep_on, 0, 60)
+    elapsed = time.monotonic() - start
+    assert 2.9 < elapsed < 8.0
+    assert info.value.busy_ranks == [0]
+    assert _still_alive(pids, within=2.0) == []
+    assert fragile.run(_sleep_on, 1, 0) == [0, 1] and fragile.restarts == restarts + 1
+
+
+def test_raise_while_others_wait_in_collective_is_fast(fragile: LocalWorld) -> None:
+    fragile.run(_sleep_on, 0, 0)
+    pids = fragile.pids
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank\(s\) \[0\] raised .* rank\(s\) \[1\] were still busy") as info:
+        fragile.run(_raise_while_others_reduce, 0)
+    # not a WorldTimeoutError after 3 s, and rank 1 was not released by its own
+    # collective timeout (2 s), which would report it as a failed rank, not a busy one
+    assert time.monotonic() - start < 3.0
+    assert type(info.value) is RankError and list(info.value.failures) == [0]
+    assert isinstance(info.value.exceptions[0], ValueError)
+    assert "gives up before the all_reduce" in info.value.failures[0]
+    assert _still_alive(pids, within=2.0) == []
+    assert fragile.run(_sleep_on, 0, 0) == [0, 1]
+
+
+def test_collective_timeout_names_raw_op_and_fix(fragile: LocalWorld) -> None:
+    world = fragile
+    world.run(_sleep_on, 0, 0)
+    pids, restarts = world.pids, world.restarts
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"`all_reduce backward` \(raw all_reduce\) timed out") as info:
+        world.run(_skip_all_reduce_on, 0)
+    assert 1.9 < time.monotonic() - start < 3.0
+    err = info.value
+    assert sorted(err.failures) == [1]
+    remote = err.exceptions[1]
+    assert isinstance(remote, CollectiveTimeoutError)
+    text = str(remote)
+    assert "make every rank's loss touch every collective output" in text
+    # what gloo itself printed is in the message, and it is what the markers recognise
+    gloo_text = text.split("Backend error: ", 1)[1].lower()
+    assert any(marker in gloo_text for marker in _TIMEOUT_MARKERS), gloo_text
+    # a timed-out group is unusable: the world is torn down and restarts
+    assert "torn down" in str(err)
+    assert _still_alive(pids, within=2.0) == []
+    assert world.run(_sleep_on, 0, 0) == [0, 1] and world.restarts == restarts + 1
+
+
+def test_ctrl_c_reaching_idle_ranks_is_ignored(fragile: LocalWorld) -> None:
+    """A Ctrl-C typed in a terminal reaches the ranks too; idle ranks must survive it."""
+    fragile.run(_sleep_on, 0, 0)
+    pids, restarts = fragile.pids, fragile.restarts
+    for pid in pids:
+        os.kill(pid, signal.SIGINT)
+    time.sleep(0.2)
+    assert fragile.run(_raise_while_others_reduce, -1)[0].tolist() == [2.0, 2.0, 2.0]
+    assert fragile.pids == pids and fragile.restarts == restarts
+
+
+# ----------------------------------------------------------------- lifecycle, arguments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"world_size": 0}, "`world_size` must be an int >= 1, got 0"),
+        ({"world_size": -2}, "`world_size` must be an int >= 1"),
+        ({"world_size": 2.0}, "`world_size` must be an int >= 1, got 2.0"),
+        ({"world_size": True}, "`world_size` must be an int >= 1, got True"),
+        ({"world_size": 2, "backend": "carrier-pigeon"}, "`backend` 'carrier-pigeon' is not available"),
+        ({"world_size": 2, "timeout": 0}, "`timeout` must be > 0 seconds, got 0"),
+        ({"world_size": 2, "timeout": float("nan")}, "`timeout` must be > 0 seconds"),
+        ({"world_size": 2, "collective_timeout": -1}, "`collective_timeout` must be > 0 seconds"),
+    ],
+)
+def test_bad_arguments_are_value_errors(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LocalWorld(**kwargs)  # type: ignore[arg-type]
+
+
+def test_run_rejects_a_non_callable(world1: LocalWorld) -> None:
+    with pytest.raises(TypeError, match="`fn` must be callable, got int"):
+        world1.run(3)  # type: ignore[arg-type]
+
+
+def test_close_stops_ranks_releases_port_and_refuses_runs() -> None:
+    world = LocalWorld(1)
+    pids, port = world.pids, world._state.store.port
+    assert not _port_is_free(port)
+    world.close()
+    assert _still_alive(pids, within=2.0) == []
+    assert _port_is_free(port)
+    world.close()  # idempotent
+    with pytest.raises(RuntimeError, match="this world is closed"):
+        world.run(_sleep_on, 0, 0)
+
+
+def test_garbage_collected_world_kills_its_ranks() -> None:
+    world = LocalWorld(1)
+    pids = world.pids
+    del world
+    gc.collect()
+    assert _still_alive(pids, within=5.0) == []
+
+
+# ------------------------------------------------- Ctrl-C, SIGKILL and exit of the caller
+
+_CALLER = textwrap.dedent(
+    """
+    import sys, time
+    import diffcomm as dc
+
+    world = dc.LocalWorld(2 if sys.argv[1] == "sigint" else 1)
+    world.run(time.sleep, 0)
+    print("PIDS", *world.pids, flush=True)
+    if sys.argv[1] == "exit":
+        sys.exit(0)             # no close(): interpreter exit must clean up
+    if sys.argv[1] == "sigkill":
+        time.sleep(60)          # killed while idle: the ranks notice their parent died
+    world.run(time.sleep, 60)   # interrupted while a run is in progress
+    """
+)
+
+
+def _start_caller(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], list[int]]:
+    script = tmp_path / "caller.py"
+    script.write_text(_CALLER)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,  # its own process group, like a shell job
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("PIDS"):
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+        pytest.fail(f"caller script did not start its world: {line!r}\n{err}")
+    pids = [int(p) for p in line.split()[1:]]
+    assert pids and all(_alive(p) for p in pids)
+    return proc, pids
+
+
+def test_ctrl_c_in_caller_during_run_kills_ranks(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal: SIGINT to the caller's whole process group, ranks included."""
+    proc, pids = _start_caller(tmp_path, "sigint")
+    time.sleep(0.5)  # let the run reach the ranks
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode != 0
+    assert "KeyboardInterrupt" in err
+    assert _still_alive(pids) == []
+
+
+def test_sigkill_of_caller_kills_ranks(tmp_path: Path) -> None:
+    proc, pids = _start_caller(tmp_path, "sigkill")
+    proc.kill()
+    proc.communicate(timeout=10)
+    assert _still_alive(pids, within=5.0) == []
+
+
+def test_interpreter_exit_without_close_kills_ranks(tmp_path: Path) -> None:
+    proc, pids = _start_caller(tmp_path, "exit")
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert _still_alive(pids) == []
+
+
+# ----------------------------------------------------------- contract of the fixtures
+
+
+def test_local_worlds_fixture_shares_one_world_per_size(
+    local_worlds: Callable[..., LocalWorld], world2: LocalWorld
+) -> None:
+    assert local_worlds(2) is world2
+    assert world2.world_size == 2 and world2.backend == "gloo"
