@@ -39,7 +39,7 @@ class Case:
     """One collective call to check.
 
     Attributes:
-        op: collective name (a key of ``diffcomm.DUALS``).
+        op: collective name (a key of ``diffcomm.DUALS``, or ``"shift"``/``"ppermute"``).
         world: world size the case is for.
         shape: the input shape (per rank; see ``sizes``/``a2a`` for uneven cases).
         dtype: dtype name, e.g. ``"float64"``.
@@ -218,6 +218,14 @@ def reference_outputs(case: Case, xs: list[Tensor]) -> list[Tensor]:
         splits = case.a2a or tuple(tuple([xs[r].shape[sd] // w] * w) for r in range(w))
         chunks = [xs[j].split(list(splits[j]), dim=sd) for j in range(w)]
         return [torch.cat([chunks[j][r] for j in range(w)], dim=cd) for r in range(w)]
+    if op == "shift":
+        k = kw.get("offset", 1)
+        return [xs[(r - k) % w] for r in range(w)]
+    if op == "ppermute":
+        outs = [torch.zeros_like(xs[r]) for r in range(w)]
+        for src, dst in kw["perm"]:
+            outs[dst] = xs[src]
+        return outs
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -239,6 +247,10 @@ def call_dual(case: Case, y: Tensor) -> Tensor | None:
     rop = kw.get("op", "sum")
     if rop not in LINEAR:
         return None
+    if case.op == "shift":
+        return dc.shift(y, offset=-kw.get("offset", 1))
+    if case.op == "ppermute":
+        return dc.ppermute(y, [(d, s) for s, d in kw["perm"]])
     dual = dc.dual(case.op)
     scale = 1.0 / w if rop == "avg" else 1.0
     if case.op == "all_reduce":
