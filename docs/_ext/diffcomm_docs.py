@@ -1,0 +1,86 @@
+"""Local Sphinx extension: pages generated from the code at build time.
+
+On ``builder-inited`` (before Sphinx looks for source files) it writes, under
+``docs/_generated/`` (git-ignored):
+
+* ``duals.md`` — the op -> adjoint table, from :func:`diffcomm.collectives.duals_markdown`
+  (the same ``OPS`` table the tests walk), included by ``convention.md``;
+* ``mappings.md`` — the replicated-objective mappings, from
+  :data:`diffcomm.parallel.mappings.MAPPINGS`;
+* ``notebooks/*.ipynb`` — copies of ``notebooks/*.ipynb`` (Sphinx only reads sources
+  inside ``docs/``). If ``tests/test_notebooks.py`` has left an executed copy newer than
+  the source in ``docs/_build/executed/``, that copy is used, so the rendered pages show
+  real outputs; otherwise the committed (output-free) notebook is rendered as is.
+
+Files are rewritten only when their content changes, so incremental builds stay fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+DOCS = Path(__file__).resolve().parent.parent
+ROOT = DOCS.parent
+GENERATED = DOCS / "_generated"
+EXECUTED = DOCS / "_build" / "executed"  # written by tests/test_notebooks.py
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_bytes() != data:
+        path.write_bytes(data)
+
+
+def duals_page() -> str:
+    from diffcomm.collectives import duals_markdown
+
+    return (
+        "<!-- generated from diffcomm.collectives.OPS by docs/_ext/diffcomm_docs.py; do not edit -->\n\n"
+        + duals_markdown()
+        + "\n"
+    )
+
+
+def mappings_page() -> str:
+    try:
+        from diffcomm.parallel.mappings import MAPPINGS
+    except ImportError:  # pragma: no cover - the parallel package is part of diffcomm
+        return "*(diffcomm.parallel is not available in this build)*\n"
+    lines = [
+        "<!-- generated from diffcomm.parallel.mappings.MAPPINGS by docs/_ext/diffcomm_docs.py -->",
+        "",
+        "| mapping | forward | backward |",
+        "|---|---|---|",
+    ]
+    for name, (_fn, fwd, bwd) in MAPPINGS.items():
+        lines.append(f"| `{name}` | {fwd} | {bwd} |")
+    return "\n".join(lines) + "\n"
+
+
+def notebooks() -> dict[str, Path]:
+    """Notebook name -> the file to render (an executed copy when a fresh one exists)."""
+    out: dict[str, Path] = {}
+    for src in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        ran = EXECUTED / src.name
+        fresh = ran.exists() and ran.stat().st_mtime >= src.stat().st_mtime
+        out[src.name] = ran if fresh else src
+    return out
+
+
+def generate(app: Any = None) -> None:
+    _write(GENERATED / "duals.md", duals_page().encode())
+    _write(GENERATED / "mappings.md", mappings_page().encode())
+    wanted = notebooks()
+    nb_dir = GENERATED / "notebooks"
+    for name, path in wanted.items():
+        _write(nb_dir / name, path.read_bytes())
+    if nb_dir.exists():
+        for stale in nb_dir.glob("*.ipynb"):
+            if stale.name not in wanted:
+                stale.unlink()
+
+
+def setup(app: Any) -> dict[str, Any]:
+    app.connect("builder-inited", generate)
+    return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
