@@ -899,6 +899,7 @@ class TraceableBackend:
 
     # ---- gather family (dim 0) -----------------------------------------------------
     def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
+        """Every rank's ``n``; raises ``ValueError`` while compiling (pass ``sizes=``)."""
         if not torch.compiler.is_compiling():  # eager use (tests): a host read is fine
             mine = torch.tensor([n], dtype=torch.int64, device=_comm_device(group))
             return [int(v) for v in self.all_gather(mine, group).tolist()]

@@ -111,11 +111,14 @@ def _fn(fn_cls: Any) -> Any:
 
 
 def _only_grad_transforms() -> bool:
-    """No functorch transform, or a single ``grad``/``vjp`` level, is active (traceable).
+    """No forward-AD level and no functorch transform, or a single ``grad``/``vjp`` level,
+    is active (traceable).
 
     Levels count from 1 at the outermost transform, so a grad at level 1 is alone.
     (Dynamo can read the top level's kind and number, not walk the stack below it.)
     """
+    if torch.autograd.forward_ad._current_level >= 0:  # inside fwAD.dual_level()
+        return False
     if not torch._C._are_functorch_transforms_active():
         return True
     from torch._C._functorch import TransformType
@@ -135,7 +138,12 @@ class _Collective(torch.autograd.Function):
     """
 
     @classmethod
+    @torch.compiler.disable  # dynamo must never trace this frame (see below)
     def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+        # Inside a traced frame dynamo handles ``X.apply(...)`` itself and never runs this
+        # method. It only enters it as a frame of its own when eager code runs under an
+        # active torch.compile (after a graph break), and it cannot trace ``super().apply``
+        # ("AutogradFunctionVariable() is not a constant"): so run it eagerly (~1 us).
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
             return super().apply(*args)
         return super(torch.autograd.Function, cls).apply(*_unwrap_dead(args))
