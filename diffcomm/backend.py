@@ -533,7 +533,7 @@ class TorchDistributedBackend:
             return out
         # uneven (or no into-tensor op): pad every rank to the largest size, gather, unpad
         m = max(sizes) if sizes else 0
-        padded = x if x.shape[0] == m else torch.cat([x, x.new_zeros((m - x.shape[0], *rest))])
+        padded = _pad_rows(x, m)
         buf = torch.empty((world * m, *rest), dtype=x.dtype, device=x.device)
         chunks = list(buf.split(m)) if m > 0 else [buf[:0]] * world
 
@@ -553,7 +553,7 @@ class TorchDistributedBackend:
         )
         if even:
             return buf
-        return torch.cat([c[:s] for c, s in zip(chunks, sizes)])
+        return _unpad_rows(chunks, sizes)
 
     def reduce_scatter(
         self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
@@ -575,10 +575,7 @@ class TorchDistributedBackend:
             inp = x
         else:  # pad each chunk to the largest, so one reduce_scatter_tensor does it
             m = max(sizes)
-            parts = []
-            for c, s in zip(x.split(sizes), sizes):
-                parts.append(c if s == m else torch.cat([c, c.new_zeros((m - s, *rest))]))
-            inp = torch.cat(parts)
+            inp = torch.cat([_pad_rows(c, m) for c in x.split(sizes)])
         chunk = inp.shape[0] // world if world else 0
         out = torch.empty((chunk, *rest), dtype=x.dtype, device=x.device)
         wire_in, wire_out = self._as_wire(inp, op, group), self._as_wire(out, op, group)
@@ -604,7 +601,7 @@ class TorchDistributedBackend:
         if sizes is None:
             sizes = [x.shape[0]] * world
         m = max(sizes)
-        padded = x if x.shape[0] == m else torch.cat([x, x.new_zeros((m - x.shape[0], *rest))])
+        padded = _pad_rows(x, m)
         buf = torch.zeros((world * m, *rest), dtype=x.dtype, device=x.device)
         chunks = list(buf.split(m)) if m > 0 else [buf[:0]] * world
         _dispatch(
@@ -622,7 +619,7 @@ class TorchDistributedBackend:
         )
         if all(s == m for s in sizes):
             return buf
-        return torch.cat([c[:s] for c, s in zip(chunks, sizes)])
+        return _unpad_rows(chunks, sizes)
 
     def scatter(
         self, x: torch.Tensor, src: int, group: ProcessGroup, split_sizes: Sequence[int] | None = None
@@ -635,10 +632,7 @@ class TorchDistributedBackend:
         m = max(sizes)
         out = torch.empty((m, *rest), dtype=x.dtype, device=x.device)
         if rank == src:
-            parts = [
-                c if s == m else torch.cat([c, c.new_zeros((m - s, *rest))])
-                for c, s in zip(x.split(sizes), sizes)
-            ]
+            parts = [_pad_rows(c, m) for c, s in zip(x.split(sizes), sizes)]
             parts = [_wire(p.contiguous()) for p in parts]
         else:
             parts = None
@@ -814,6 +808,18 @@ def _decode_fields(names: list[str], row: list[int]) -> dict[str, Any]:
     return out
 
 
+def _pad_rows(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``x`` with zero rows appended along dim 0 up to ``m`` rows (uneven sizes travel padded)."""
+    if x.shape[0] == m:
+        return x
+    return torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
+
+
+def _unpad_rows(chunks: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
+    """Concatenate the first ``sizes[r]`` rows of each padded per-rank chunk."""
+    return torch.cat([c[:s] for c, s in zip(chunks, sizes)])
+
+
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """Complex tensors travel as real views for ops c10d cannot take complex in."""
     return torch.view_as_real(t) if t.is_complex() else t
@@ -914,22 +920,20 @@ class TraceableBackend:
     ) -> torch.Tensor:
         world = self.world_size(group)
         x = x.contiguous()
-        rest = tuple(x.shape[1:])
         sizes = list(sizes) if sizes is not None else [x.shape[0]] * world
         m = max(sizes)
-        padded = x if x.shape[0] == m else torch.cat([x, x.new_zeros((m - x.shape[0], *rest))])
+        padded = _pad_rows(x, m)
         buf = self._done(_funcol_all_gather(_wire(padded), 0, self._pg(group)))
         buf = torch.view_as_complex(buf) if x.is_complex() else buf
         if all(s == m for s in sizes):
             return buf
-        return torch.cat([c[:s] for c, s in zip(buf.split(m), sizes)])
+        return _unpad_rows(list(buf.split(m)), sizes)
 
     def reduce_scatter(
         self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
         world, rank = self.world_size(group), self.rank(group)
         x = x.contiguous()
-        rest = tuple(x.shape[1:])
         sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
         if op not in ("sum", "avg"):
             start = sum(sizes[:rank])
@@ -938,10 +942,7 @@ class TraceableBackend:
         if all(s == m for s in sizes):
             inp = x
         else:  # pad each chunk to the largest, so one reduce_scatter does it
-            pad = [
-                c if s == m else torch.cat([c, c.new_zeros((m - s, *rest))])
-                for c, s in zip(x.split(sizes), sizes)
-            ]
+            pad = [_pad_rows(c, m) for c, s in zip(x.split(sizes), sizes)]
             inp = torch.cat(pad)
         out = self._done(_funcol_reduce_scatter(_wire(inp), "sum", 0, self._pg(group)))
         out = torch.view_as_complex(out) if x.is_complex() else out

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .backend import _BUS_FACTOR
+
 BENCH_OPS = (
     "all_reduce",
     "all_gather",
@@ -37,14 +39,7 @@ BENCH_OPS = (
     "all_to_all",
 )
 DEFAULT_SIZES = (16 * 1024, 1024 * 1024, 8 * 1024 * 1024)
-_BUS = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "gather": lambda n: (n - 1) / n,
-    "scatter": lambda n: (n - 1) / n,
-}
+_BUS = _BUS_FACTOR  # bus-bandwidth factor per op (nccl-tests convention)
 
 
 @dataclass

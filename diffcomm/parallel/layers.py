@@ -263,6 +263,22 @@ class ParallelModule(nn.Module):
 # ======================================================================================
 
 
+def _linear_from_serial(cls: Any, linear: nn.Linear, group: A.GroupLike, kwargs: dict[str, Any]) -> Any:
+    """Shared body of the parallel linears' ``from_serial``: build uninitialised, load shards."""
+    layer = cls(
+        linear.in_features,
+        linear.out_features,
+        linear.bias is not None,
+        group=group,
+        dtype=linear.weight.dtype,
+        device=linear.weight.device,
+        _init=False,
+        **kwargs,
+    )
+    layer.load_serial_state_dict(linear.state_dict())
+    return layer
+
+
 class ColumnParallelLinear(ParallelModule):
     """``y = x A^T + b`` with ``A`` split by rows (output features) across the group.
 
@@ -361,18 +377,7 @@ class ColumnParallelLinear(ParallelModule):
             group: the tensor-parallel group.
             **kwargs: ``gather_output``, ``sequence_parallel``, ``sequence_dim``.
         """
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            group=group,
-            dtype=linear.weight.dtype,
-            device=linear.weight.device,
-            _init=False,
-            **kwargs,
-        )
-        layer.load_serial_state_dict(linear.state_dict())
-        return layer
+        return _linear_from_serial(cls, linear, group, kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.sequence_parallel:
@@ -492,18 +497,7 @@ class RowParallelLinear(ParallelModule):
             group: the tensor-parallel group.
             **kwargs: ``input_is_parallel``, ``sequence_parallel``, ``sequence_dim``.
         """
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            group=group,
-            dtype=linear.weight.dtype,
-            device=linear.weight.device,
-            _init=False,
-            **kwargs,
-        )
-        layer.load_serial_state_dict(linear.state_dict())
-        return layer
+        return _linear_from_serial(cls, linear, group, kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
