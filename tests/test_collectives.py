@@ -489,3 +489,58 @@ def test_rank_ignoring_an_output_times_out_with_a_message() -> None:
         text = str(info.value)
         assert "all_gather backward" in text
         assert "make every rank's loss touch every collective output" in text
+
+
+# --------------------------------------------------------------------------------------
+# backward is ONE call of the dual collective (no per-rank loops, no hidden extras)
+# --------------------------------------------------------------------------------------
+
+EXPECTED_CALLS = {
+    # op: (call, forward raw ops, backward raw ops)
+    "all_reduce": (lambda x, w: dc.all_reduce(x), {"all_reduce": 1}, {"all_reduce": 1}),
+    "broadcast": (lambda x, w: dc.broadcast(x, src=w - 1), {"broadcast": 1}, {"reduce": 1}),
+    "reduce": (lambda x, w: dc.reduce(x, dst=0), {"reduce": 1}, {"broadcast": 1}),
+    "all_gather": (
+        lambda x, w: dc.all_gather(x, sizes=[x.shape[0]] * w),
+        {"all_gather": 1},
+        {"reduce_scatter": 1},
+    ),
+    "reduce_scatter": (lambda x, w: dc.reduce_scatter(x), {"reduce_scatter": 1}, {"all_gather": 1}),
+    "gather": (lambda x, w: dc.gather(x, sizes=[x.shape[0]] * w), {"gather": 1}, {"scatter": 1}),
+    "scatter": (lambda x, w: dc.scatter(x, src=0), {"scatter": 1}, {"gather": 1}),
+    "all_to_all": (lambda x, w: dc.all_to_all(x), {"all_to_all": 1}, {"all_to_all": 1}),
+}
+
+
+def _counts(op: str) -> tuple[dict, dict]:
+    w = dc.get_world_size()
+    x = torch.randn(2 * w, 3, dtype=torch.float64, requires_grad=True)
+    with B.log_comms() as fwd:
+        y = EXPECTED_CALLS[op][0](x, w)
+    with B.log_comms() as bwd:
+        y.backward(torch.ones_like(y))
+    return (
+        {k: int(v["count"]) for k, v in fwd.by_op().items()},
+        {k: int(v["count"]) for k, v in bwd.by_op().items()},
+    )
+
+
+@pytest.mark.parametrize("op", list(EXPECTED_CALLS))
+def test_backward_is_one_call_of_the_dual(world3, op: str) -> None:
+    _, want_fwd, want_bwd = EXPECTED_CALLS[op]
+    assert dc.dual(op) in want_bwd or op == "all_reduce"
+    for fwd, bwd in world3.run(_counts, op):
+        assert fwd == want_fwd and bwd == want_bwd
+
+
+def _size_exchange_counts() -> dict:
+    x = torch.ones(1 + dc.get_rank(), 2, requires_grad=True)
+    with B.log_comms() as log:
+        dc.all_gather(x).sum().backward()
+    return {k: int(v["count"]) for k, v in log.by_op().items()}
+
+
+def test_uneven_all_gather_costs_one_tiny_size_exchange(world3) -> None:
+    # sizes unknown -> one 8-byte all_gather of sizes, then the data; backward knows them
+    for counts in world3.run(_size_exchange_counts):
+        assert counts == {"all_gather": 2, "reduce_scatter": 1}
