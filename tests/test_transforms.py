@@ -44,7 +44,6 @@ WORLDS = [1, 2, 3, 4]
 PROP = settings(
     max_examples=6,
     deadline=None,
-    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 F64 = torch.float64

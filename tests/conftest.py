@@ -1,0 +1,16 @@
+"""Shared test configuration.
+
+Hypothesis: under CI (``CI`` set) examples are derandomized, so a CI run is reproducible;
+locally they are random, so every developer run explores new examples. The shared
+``LocalWorld`` fixtures come from the ``diffcomm.testing.plugin`` pytest plugin.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None, print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
