@@ -83,18 +83,30 @@ def label(text: str) -> contextlib.AbstractContextManager[None]:
     compiled graph has no Python-side logging anyway).
     """
     if torch.compiler.is_compiling():
-        return contextlib.nullcontext()
-    return _set_label(text)
+        return _NO_LABEL
+    return _Label(text)
 
 
-@contextlib.contextmanager
-def _set_label(text: str) -> Iterator[None]:
-    outer = _LABEL.get()
-    token = _LABEL.set(f"{outer} -> {text}" if outer else text)
-    try:
-        yield
-    finally:
-        _LABEL.reset(token)
+class _Label:
+    """Sets the label for a block; nested labels read ``outer -> inner``. (A class, not a
+    generator-based context manager: it is on every op's hot path.)"""
+
+    __slots__ = ("text", "token")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.token: contextvars.Token[str | None] | None = None
+
+    def __enter__(self) -> None:
+        outer = _LABEL.get()
+        self.token = _LABEL.set(f"{outer} -> {self.text}" if outer else self.text)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.token is not None:
+            _LABEL.reset(self.token)
+
+
+_NO_LABEL = contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------------

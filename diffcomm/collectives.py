@@ -150,9 +150,19 @@ class _Collective(torch.autograd.Function):
 
 
 def _unwrap_dead(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    from torch._functorch.utils import unwrap_dead_wrappers
+    """What ``Function.apply`` does for tensors that escaped a torch.func transform; every
+    collective's only tensor argument is its first."""
+    return (_unwrap_if_dead(args[0]), *args[1:])
 
-    return unwrap_dead_wrappers(args)
+
+try:
+    from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
+except ImportError:  # pragma: no cover - older torch
+
+    def _unwrap_if_dead(t: Any) -> Any:
+        from torch._functorch.utils import unwrap_dead_wrappers
+
+        return unwrap_dead_wrappers((t,))[0]
 
 
 # ======================================================================================
