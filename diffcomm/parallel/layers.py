@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -263,23 +263,60 @@ class ParallelModule(nn.Module):
 # ======================================================================================
 
 
-def _linear_from_serial(cls: Any, linear: nn.Linear, group: A.GroupLike, kwargs: dict[str, Any]) -> Any:
-    """Shared body of the parallel linears' ``from_serial``: build uninitialised, load shards."""
-    layer = cls(
-        linear.in_features,
-        linear.out_features,
-        linear.bias is not None,
-        group=group,
-        dtype=linear.weight.dtype,
-        device=linear.weight.device,
-        _init=False,
-        **kwargs,
-    )
-    layer.load_serial_state_dict(linear.state_dict())
-    return layer
+class _ParallelLinear(ParallelModule):
+    """What the column- and row-parallel linears share: parameter creation, the serial
+    ``nn.Linear`` init cut to this rank's shard, and ``from_serial``. The shard layout
+    itself is ``_shard_dims``, read through :meth:`ParallelModule.load_serial_state_dict`."""
+
+    in_features: int
+    out_features: int
+
+    def _make_params(
+        self, weight_shape: tuple[int, int], bias_shape: tuple[int], bias: bool, dtype: Any, device: Any
+    ) -> None:
+        dtype = dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(weight_shape, dtype=dtype, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(bias_shape, dtype=dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Draw the full ``nn.Linear`` init on the CPU from ``generator``; keep this shard."""
+        w, b = _full_linear_init(
+            self.out_features, self.in_features, self.bias is not None, self.weight.dtype, generator
+        )
+        self.load_serial_state_dict({"weight": w} if b is None else {"weight": w, "bias": b})
+
+    @classmethod
+    def from_serial(cls: type[_L], linear: nn.Linear, group: A.GroupLike = None, **kwargs: Any) -> _L:
+        """This rank's shard of the serial ``linear`` (no communication).
+
+        Args:
+            linear: the serial layer (same on every rank).
+            group: the tensor-parallel group.
+            **kwargs: the layer's own options (``gather_output`` / ``input_is_parallel``,
+                ``sequence_parallel``, ``sequence_dim``).
+        """
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            group=group,
+            dtype=linear.weight.dtype,
+            device=linear.weight.device,
+            _init=False,
+            **kwargs,
+        )
+        layer.load_serial_state_dict(linear.state_dict())
+        return layer
 
 
-class ColumnParallelLinear(ParallelModule):
+_L = TypeVar("_L", bound=_ParallelLinear)
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """``y = x A^T + b`` with ``A`` split by rows (output features) across the group.
 
     Rank ``r`` holds rows ``[r*o, (r+1)*o)`` of the serial ``nn.Linear(in, out)`` weight
@@ -346,38 +383,11 @@ class ColumnParallelLinear(ParallelModule):
         self.gather_output = bool(gather_output)
         self.sequence_parallel = bool(sequence_parallel)
         self.sequence_dim = A.check_int(sequence_dim, op, "sequence_dim")
-        dtype = dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype, device=device))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(self.out_per_rank, dtype=dtype, device=device))
-        else:
-            self.register_parameter("bias", None)
+        self._make_params((self.out_per_rank, in_features), (self.out_per_rank,), bias, dtype, device)
         self._shard_dims = {"weight": 0, "bias": 0}
         gen = _generator(op, seed, generator)
         if _init:
             self.reset_parameters(gen)
-
-    @torch.no_grad()
-    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Draw the full ``nn.Linear`` init on the CPU from ``generator``; keep this shard."""
-        w, b = _full_linear_init(
-            self.out_features, self.in_features, self.bias is not None, self.weight.dtype, generator
-        )
-        rows = slice(self.rank * self.out_per_rank, (self.rank + 1) * self.out_per_rank)
-        self.weight.copy_(w[rows])
-        if self.bias is not None and b is not None:
-            self.bias.copy_(b[rows])
-
-    @classmethod
-    def from_serial(cls, linear: nn.Linear, group: A.GroupLike = None, **kwargs: Any) -> ColumnParallelLinear:
-        """This rank's column-parallel shard of ``linear`` (no communication).
-
-        Args:
-            linear: the serial layer (same on every rank).
-            group: the tensor-parallel group.
-            **kwargs: ``gather_output``, ``sequence_parallel``, ``sequence_dim``.
-        """
-        return _linear_from_serial(cls, linear, group, kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.sequence_parallel:
@@ -397,7 +407,7 @@ class ColumnParallelLinear(ParallelModule):
         )
 
 
-class RowParallelLinear(ParallelModule):
+class RowParallelLinear(_ParallelLinear):
     """``y = x A^T + b`` with ``A`` split by columns (input features) across the group.
 
     Rank ``r`` holds columns ``[r*i, (r+1)*i)`` of the serial ``nn.Linear(in, out)``
@@ -466,38 +476,11 @@ class RowParallelLinear(ParallelModule):
         self.input_is_parallel = bool(input_is_parallel)
         self.sequence_parallel = bool(sequence_parallel)
         self.sequence_dim = A.check_int(sequence_dim, op, "sequence_dim")
-        dtype = dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype, device=device))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
-        else:
-            self.register_parameter("bias", None)
+        self._make_params((out_features, self.in_per_rank), (out_features,), bias, dtype, device)
         self._shard_dims = {"weight": 1, "bias": None}
         gen = _generator(op, seed, generator)
         if _init:
             self.reset_parameters(gen)
-
-    @torch.no_grad()
-    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Draw the full ``nn.Linear`` init on the CPU from ``generator``; keep this shard."""
-        w, b = _full_linear_init(
-            self.out_features, self.in_features, self.bias is not None, self.weight.dtype, generator
-        )
-        cols = slice(self.rank * self.in_per_rank, (self.rank + 1) * self.in_per_rank)
-        self.weight.copy_(w[:, cols])
-        if self.bias is not None and b is not None:
-            self.bias.copy_(b)
-
-    @classmethod
-    def from_serial(cls, linear: nn.Linear, group: A.GroupLike = None, **kwargs: Any) -> RowParallelLinear:
-        """This rank's row-parallel shard of ``linear`` (no communication).
-
-        Args:
-            linear: the serial layer (same on every rank).
-            group: the tensor-parallel group.
-            **kwargs: ``input_is_parallel``, ``sequence_parallel``, ``sequence_dim``.
-        """
-        return _linear_from_serial(cls, linear, group, kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
