@@ -17,7 +17,7 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCS / "_ext"))
-sys.path.insert(0, str(DOCS.parent))  # the package itself (also works without `pip install -e`)
+sys.path.insert(0, str(DOCS.parent / "src"))  # the package itself (also works without `pip install -e`)
 
 import diffcomm  # noqa: E402
 

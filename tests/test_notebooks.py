@@ -43,7 +43,8 @@ def test_notebook_runs(path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
     env = dict(os.environ)
     env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"  # plots land in the outputs
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    paths = (str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     client = nbclient.NotebookClient(
         nb,
         timeout=CELL_TIMEOUT,
