@@ -16,6 +16,12 @@ from ._errors import (
     RankError,
     WorldTimeoutError,
 )
+from .coalesced import (
+    all_gather_coalesced,
+    all_reduce_coalesced,
+    broadcast_coalesced,
+    reduce_scatter_coalesced,
+)
 from .collectives import (
     DUALS,
     OPS,
@@ -44,6 +50,10 @@ __all__ = [
     "DUALS",
     "OPS",
     "all_gather",
+    "all_gather_coalesced",
+    "all_reduce_coalesced",
+    "broadcast_coalesced",
+    "reduce_scatter_coalesced",
     "ppermute",
     "recv",
     "send",

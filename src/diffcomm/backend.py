@@ -56,6 +56,11 @@ OP_NAMES = (
     "recv",
     "batch_p2p",
     "barrier",
+    "all_reduce_coalesced",
+    "broadcast_coalesced",
+    "reduce_coalesced",
+    "all_gather_coalesced",
+    "reduce_scatter_coalesced",
 )
 
 # Bus-bandwidth factor per op for n ranks (the nccl-tests convention).
@@ -67,6 +72,8 @@ _BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "gather": lambda n: (n - 1) / n,
     "scatter": lambda n: (n - 1) / n,
 }
+for _name in ("all_reduce", "all_gather", "reduce_scatter"):
+    _BUS_FACTOR[f"{_name}_coalesced"] = _BUS_FACTOR[_name]
 
 
 # --------------------------------------------------------------------------------------
@@ -124,6 +131,7 @@ class CommRecord:
     seconds: float
     world: int
     skipped: bool = False
+    parts: int = 1  # raw c10d calls it was made of (a coalesced op: one per dtype)
 
 
 @dataclass(eq=False)  # identity: nested logs with equal records must stay distinct
@@ -297,7 +305,20 @@ def _dispatch(
     skip: Callable[[], Any],
     sample: torch.Tensor | None = None,
 ) -> Any:
-    """Run one raw op: comm-off switch, logging, timeout translation — for every op."""
+    """Run one raw op: comm-off switch, logging, timeout translation — for every op.
+
+    Inside :meth:`TorchDistributedBackend.coalesced` the call is one *part* of a coalesced
+    op: it is not logged on its own (the coalesced op is logged once, with the parts'
+    total bytes) and is skipped when either its own name or the coalesced op's is off.
+    """
+    part_of = getattr(_local, "coalescing", None)
+    if part_of is not None:
+        part_of.parts += 1
+        part_of.nbytes += nbytes
+        if op in _off() or part_of.op in _off():
+            part_of.skipped = True
+            return skip()
+        return _run(op, group, run)
     logs = _logs()
     if op in _off():
         out = skip()
@@ -305,19 +326,33 @@ def _dispatch(
             log.records.append(CommRecord(op, _LABEL.get(), nbytes, 0.0, _world(group), True))
         return out
     start = time.perf_counter() if logs else 0.0
-    try:
-        out = run()
-    except (RuntimeError, dist.DistError) as err:  # DistBackendError is a RuntimeError
-        text = str(err).lower()
-        if any(m in text for m in _TIMEOUT_MARKERS):
-            raise CollectiveTimeoutError(_timeout_message(op, group, err)) from err
-        raise
+    out = _run(op, group, run)
     if logs:
         _sync_if_needed(sample)
         elapsed = time.perf_counter() - start
         for log in logs:
             log.records.append(CommRecord(op, _LABEL.get(), nbytes, elapsed, _world(group)))
     return out
+
+
+def _run(op: str, group: ProcessGroup, run: Callable[[], Any]) -> Any:
+    try:
+        return run()
+    except (RuntimeError, dist.DistError) as err:  # DistBackendError is a RuntimeError
+        text = str(err).lower()
+        if any(m in text for m in _TIMEOUT_MARKERS):
+            raise CollectiveTimeoutError(_timeout_message(op, group, err)) from err
+        raise
+
+
+@dataclass
+class _Coalescing:
+    """The record of a coalesced op being run (see :meth:`TorchDistributedBackend.coalesced`)."""
+
+    op: str
+    parts: int = 0
+    nbytes: int = 0
+    skipped: bool = False
 
 
 def _world(group: ProcessGroup) -> int:
@@ -366,6 +401,19 @@ class Backend(Protocol):
     def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]], group: ProcessGroup) -> None: ...
     def barrier(self, group: ProcessGroup) -> None: ...
     def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]: ...
+    def all_reduce_coalesced(
+        self, xs: Sequence[torch.Tensor], op: str, group: ProcessGroup
+    ) -> list[torch.Tensor]: ...
+    def broadcast_coalesced(
+        self, xs: Sequence[torch.Tensor], src: int, group: ProcessGroup
+    ) -> list[torch.Tensor]: ...
+    def reduce_coalesced(
+        self, xs: Sequence[torch.Tensor], dst: int, op: str, group: ProcessGroup
+    ) -> list[torch.Tensor]: ...
+    def all_gather_coalesced(self, xs: Sequence[torch.Tensor], group: ProcessGroup) -> list[torch.Tensor]: ...
+    def reduce_scatter_coalesced(
+        self, xs: Sequence[torch.Tensor], op: str, group: ProcessGroup
+    ) -> list[torch.Tensor]: ...
 
 
 @dataclass
@@ -401,7 +449,43 @@ def _static_capabilities(name: str) -> Capabilities:
     return Capabilities(name, False, False, False, False, True, False, True)
 
 
-class TorchDistributedBackend:
+class _CoalescedOps:
+    """The coalesced raw ops: a list of flat buffers (one per dtype, packed by the caller),
+    one raw call each, logged as **one** op (``<op>_coalesced``, total bytes, ``parts`` =
+    the raw calls). Each buffer follows the single op's rules (dim 0, out-of-place)."""
+
+    def coalesced(
+        self, op: str, group: ProcessGroup, xs: Sequence[torch.Tensor], fn: Callable[[torch.Tensor], Any]
+    ) -> list[torch.Tensor]:
+        return [fn(x) for x in xs]
+
+    def all_reduce_coalesced(
+        self, xs: Sequence[torch.Tensor], op: str, group: ProcessGroup
+    ) -> list[torch.Tensor]:
+        return self.coalesced("all_reduce", group, xs, lambda x: self.all_reduce(x, op, group))  # type: ignore[attr-defined]
+
+    def broadcast_coalesced(
+        self, xs: Sequence[torch.Tensor], src: int, group: ProcessGroup
+    ) -> list[torch.Tensor]:
+        return self.coalesced("broadcast", group, xs, lambda x: self.broadcast(x, src, group))  # type: ignore[attr-defined]
+
+    def reduce_coalesced(
+        self, xs: Sequence[torch.Tensor], dst: int, op: str, group: ProcessGroup
+    ) -> list[torch.Tensor]:
+        return self.coalesced("reduce", group, xs, lambda x: self.reduce(x, dst, op, group))  # type: ignore[attr-defined]
+
+    def all_gather_coalesced(self, xs: Sequence[torch.Tensor], group: ProcessGroup) -> list[torch.Tensor]:
+        """Even all_gather along dim 0 of each buffer."""
+        return self.coalesced("all_gather", group, xs, lambda x: self.all_gather(x, group))  # type: ignore[attr-defined]
+
+    def reduce_scatter_coalesced(
+        self, xs: Sequence[torch.Tensor], op: str, group: ProcessGroup
+    ) -> list[torch.Tensor]:
+        """Even reduce_scatter along dim 0 of each buffer."""
+        return self.coalesced("reduce_scatter", group, xs, lambda x: self.reduce_scatter(x, op, group))  # type: ignore[attr-defined]
+
+
+class TorchDistributedBackend(_CoalescedOps):
     """The default :class:`Backend`: ``torch.distributed`` (gloo, nccl, mpi, ucc, xccl)."""
 
     def __init__(self) -> None:
@@ -431,6 +515,37 @@ class TorchDistributedBackend:
         if self.overrides:
             caps = Capabilities(**{**caps.as_dict(), **self.overrides})
         return caps
+
+    def coalesced(
+        self, op: str, group: ProcessGroup, xs: Sequence[torch.Tensor], fn: Callable[[torch.Tensor], Any]
+    ) -> list[torch.Tensor]:
+        """Run ``fn`` (a raw single op) on each buffer; log them as one ``<op>_coalesced``."""
+        if getattr(_local, "coalescing", None) is not None:  # nested: parts of the outer op
+            return [fn(x) for x in xs]
+        record = _Coalescing(f"{op}_coalesced")
+        logs = _logs()
+        start = time.perf_counter() if logs else 0.0
+        _local.coalescing = record
+        try:
+            outs = [fn(x) for x in xs]
+        finally:
+            _local.coalescing = None
+        if logs:
+            _sync_if_needed(outs[-1] if outs else None)
+            elapsed = time.perf_counter() - start
+            for log in logs:
+                log.records.append(
+                    CommRecord(
+                        record.op,
+                        _LABEL.get(),
+                        record.nbytes,
+                        elapsed,
+                        _world(group),
+                        record.skipped,
+                        record.parts,
+                    )
+                )
+        return outs
 
     # ---- reductions ----------------------------------------------------------------
     def _reduce_op(self, op: str, x: torch.Tensor, group: ProcessGroup) -> tuple[Any, bool]:
@@ -858,7 +973,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # --------------------------------------------------------------------------------------
 
 
-class TraceableBackend:
+class TraceableBackend(_CoalescedOps):
     """The raw ops as PyTorch's functional collectives, for code ``torch.compile`` traces.
 
     Dynamo cannot trace c10d's in-place ``broadcast``/``reduce``/``gather``/``scatter``

@@ -1,0 +1,657 @@
+"""Coalesced collectives: one communication per dtype for a whole list of tensors.
+
+``all_reduce_coalesced``, ``broadcast_coalesced``, ``all_gather_coalesced`` and
+``reduce_scatter_coalesced`` take a list (or tuple) of tensors of any shapes and mixed
+dtypes and return a list in the same order; element ``i`` equals the single-tensor op
+applied to ``tensors[i]``, with the same gradient. Real models move many small tensors
+(biases, layer-norm weights, statistics); one collective each pays the per-collective
+latency many times over.
+
+How: the tensors are grouped by dtype (in order of first appearance); each group is
+**packed** into one flat buffer (``torch.cat`` of the flattened tensors, laid out so the
+op becomes a plain dim-0 op on the buffer), **one** raw collective runs per buffer, and
+the result is **split back with views** (``split`` + ``view`` / ``movedim``; only
+``all_gather_coalesced`` copies, because the gathered buffer is rank-major and each
+result must be tensor-major).
+
+Gradient convention as for every collective (the objective is the sum of the per-rank
+objectives): the backward of a coalesced op is its **dual coalesced op**, again one
+communication per dtype:
+
+==========================  =========================================================
+op                          backward (adjoint)
+==========================  =========================================================
+all_reduce_coalesced        all_reduce_coalesced of the gradients (sum/avg); max/min:
+                            the summed gradient goes to the arg-extreme ranks, ties split
+                            (the tie counts travel in the same buffer: still one call per
+                            dtype); product: zero-safe product of the others (one more
+                            all_gather per dtype, as the single op)
+broadcast_coalesced         reduce_coalesced(sum) to ``src``; other ranks exact zeros
+reduce_coalesced            broadcast_coalesced from ``dst`` (internal; dual of broadcast)
+all_gather_coalesced        reduce_scatter_coalesced(sum)
+reduce_scatter_coalesced    all_gather_coalesced (divided by the world size for avg)
+==========================  =========================================================
+
+The packing (``cat`` / ``split`` / ``view``) is ordinary differentiable torch, so the
+autograd Functions below only ever see flat buffers, one per dtype. Every rank runs the
+same backward collectives: the gradient of a buffer covers every tensor packed into it,
+with zeros where an output got no gradient or its input does not require grad.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _args as A
+from . import _config
+from . import backend as B
+from ._errors import CrossRankMismatchError
+from .collectives import _Collective, _fn, _jvp_free_twin, _unwrap_if_dead
+
+__all__ = [
+    "all_reduce_coalesced",
+    "broadcast_coalesced",
+    "all_gather_coalesced",
+    "reduce_scatter_coalesced",
+]
+
+PG = Any
+
+
+def _b() -> B.Backend:
+    return B.get_backend()
+
+
+def _world(pg: PG) -> int:
+    return _b().world_size(pg)
+
+
+def _rank(pg: PG) -> int:
+    return _b().rank(pg)
+
+
+class _CoalescedFn(_Collective):
+    """Base of the flat-buffer Functions: ``apply(*meta, *buffers)`` (``_NMETA`` leading
+    non-tensor arguments); the cheap eager path unwraps every buffer."""
+
+    _NMETA = 0
+
+    @classmethod
+    @torch.compiler.disable
+    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+            return super(_Collective, cls).apply(*args)
+        n = cls._NMETA
+        return super(torch.autograd.Function, cls).apply(*args[:n], *(_unwrap_if_dead(a) for a in args[n:]))
+
+
+def _zeros_for(ctx: Any, ts: tuple[Tensor | None, ...]) -> list[Tensor]:
+    """Tangents: ``None`` (no tangent) becomes zeros shaped like the buffer."""
+    return [torch.zeros(s, dtype=d, device=v) if t is None else t for t, (s, d, v) in zip(ts, ctx.meta)]
+
+
+def _differentiable(t: Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _grads(gs: Sequence[Tensor | None], xs_like: Sequence[Tensor]) -> list[Tensor]:
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(gs, xs_like)]
+
+
+def _on_differentiable(ctx: Any, gs: Sequence[Tensor], rule: Any) -> list[Any]:
+    """Input gradients: ``rule(idx, gs[idx])`` for the floating/complex buffers ``idx``
+    only, ``None`` for integer/bool ones (a dtype fact, equal on every rank, so every rank
+    still runs the same backward collectives; integer buffers are not communicated)."""
+    idx = [i for i, (_, d, _) in enumerate(ctx.meta) if d.is_floating_point or d.is_complex]
+    res: list[Any] = [None] * len(gs)
+    for i, g in zip(idx, rule(idx, [gs[i] for i in idx])):
+        res[i] = g
+    return res
+
+
+def _batch_all(info: Any, in_dims: Sequence[Any], xs: Sequence[Tensor]) -> list[Tensor]:
+    """Every buffer with its batch dim at 0 (unbatched ones expanded): one call per dtype."""
+    out = []
+    for x, d in zip(xs, in_dims):
+        if d is None:
+            out.append(x.unsqueeze(0).expand(info.batch_size, *x.shape))
+        else:
+            out.append(x if d == 0 else x.movedim(d, 0))
+    return out
+
+
+def _meta(xs: Sequence[Tensor]) -> list[tuple[torch.Size, torch.dtype, torch.device]]:
+    return [(x.shape, x.dtype, x.device) for x in xs]
+
+
+# ======================================================================================
+# flat-buffer Functions (one raw call per buffer, logged as one coalesced op)
+# ======================================================================================
+
+
+class _AllReduceCo(_CoalescedFn):
+    _NMETA = 2
+
+    @staticmethod
+    def forward(op: str, pg: PG, *xs: Tensor) -> tuple[Tensor, ...]:
+        with B.label(f"all_reduce_coalesced({op})"):
+            return tuple(_b().all_reduce_coalesced(list(xs), op, pg))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.op, ctx.pg = inputs[0], inputs[1]
+        xs = inputs[2:]
+        ctx.meta = _meta(xs)
+        if ctx.op in ("max", "min", "product"):
+            ctx.save_for_backward(*xs, *output)
+            ctx.save_for_forward(*xs, *output)
+
+    @staticmethod
+    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
+        op, pg = ctx.op, ctx.pg
+        n = len(gs)
+        saved = ctx.saved_tensors
+
+        def rule(idx: list[int], gs: list[Tensor]) -> list[Tensor]:
+            if op in ("sum", "avg"):
+                return list(_AllReduceCo.apply(op, pg, *gs))
+            xs = [saved[i] for i in idx]
+            if op == "product":
+                g_total = _AllReduceCo.apply("sum", pg, *gs)
+                return [g * w.conj() for g, w in zip(g_total, _product_of_others(xs, pg))]
+            # max/min: the gradient and the tie mask travel in one buffer per dtype
+            ys = [saved[n + i] for i in idx]
+            masks = [(x.detach() == y.detach()).to(x.dtype) for x, y in zip(xs, ys)]
+            both = _AllReduceCo.apply("sum", pg, *(torch.cat([g, m]) for g, m in zip(gs, masks)))
+            out = []
+            for b, g, m in zip(both, gs, masks):
+                g_total, count = b[: g.numel()].view_as(g), b[g.numel() :].view_as(g)
+                out.append(g_total * (m / count).conj())
+            return out
+
+        with B.label(f"all_reduce_coalesced({op}) backward"):
+            return (None, None, *_on_differentiable(ctx, gs, rule))
+
+    @staticmethod
+    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
+        op, pg = ctx.op, ctx.pg
+        ts = _zeros_for(ctx, ts[2:])
+        if op in ("sum", "avg"):
+            return _AllReduceCo.apply(op, pg, *ts)
+        n = len(ts)
+        saved = ctx.saved_tensors
+        xs, ys = saved[:n], saved[n:]
+        if op == "product":
+            ws = _product_of_others(xs, pg)
+        else:
+            masks = [(x == y).to(x.dtype) for x, y in zip(xs, ys)]
+            ws = [m / c for m, c in zip(masks, _AllReduceCo.apply("sum", pg, *masks))]
+        return _AllReduceCo.apply("sum", pg, *(t * w for t, w in zip(ts, ws)))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], op: str, pg: PG, *xs: Tensor) -> tuple[Any, Any]:
+        # elementwise over ranks: batch dims are just more elements, one call per dtype
+        return _AllReduceCo.apply(op, pg, *xs), tuple(in_dims[2:])
+
+
+def _product_of_others(xs: Sequence[Tensor], pg: PG) -> list[Tensor]:
+    """``prod_{j != r} x_j`` per buffer, from one coalesced all_gather (zero-safe)."""
+    rank = _rank(pg)
+    gathered = _AllGatherCo.apply(0, pg, *(x.unsqueeze(0) for x in xs))
+    return [g[:rank].prod(0) * g[rank + 1 :].prod(0) for g in gathered]
+
+
+class _BroadcastCo(_CoalescedFn):
+    _NMETA = 2
+
+    @staticmethod
+    def forward(src: int, pg: PG, *xs: Tensor) -> tuple[Tensor, ...]:
+        with B.label("broadcast_coalesced"):
+            return tuple(_b().broadcast_coalesced(list(xs), src, pg))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.src, ctx.pg = inputs[0], inputs[1]
+        ctx.meta = _meta(inputs[2:])
+
+    @staticmethod
+    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
+        with B.label("broadcast_coalesced backward"):
+            rule = lambda _, gs: _ReduceCo.apply(ctx.src, "sum", ctx.pg, *gs)
+            return (None, None, *_on_differentiable(ctx, gs, rule))
+
+    @staticmethod
+    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
+        return _BroadcastCo.apply(ctx.src, ctx.pg, *_zeros_for(ctx, ts[2:]))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], src: int, pg: PG, *xs: Tensor) -> tuple[Any, Any]:
+        return _BroadcastCo.apply(src, pg, *xs), tuple(in_dims[2:])
+
+
+class _ReduceCo(_CoalescedFn):
+    """Linear (sum/avg) reduce to ``dst``, zeros elsewhere: the dual of broadcast."""
+
+    _NMETA = 3
+
+    @staticmethod
+    def forward(dst: int, op: str, pg: PG, *xs: Tensor) -> tuple[Tensor, ...]:
+        with B.label(f"reduce_coalesced({op})"):
+            return tuple(_b().reduce_coalesced(list(xs), dst, op, pg))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.dst, ctx.op, ctx.pg = inputs[0], inputs[1], inputs[2]
+        ctx.meta = _meta(inputs[3:])
+
+    @staticmethod
+    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
+        world = _world(ctx.pg) if ctx.op == "avg" else None
+
+        def rule(_: list[int], gs: list[Tensor]) -> list[Tensor]:
+            out = _BroadcastCo.apply(ctx.dst, ctx.pg, *gs)
+            return [o / world for o in out] if world is not None else list(out)
+
+        with B.label(f"reduce_coalesced({ctx.op}) backward"):
+            return (None, None, None, *_on_differentiable(ctx, gs, rule))
+
+    @staticmethod
+    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
+        return _ReduceCo.apply(ctx.dst, ctx.op, ctx.pg, *_zeros_for(ctx, ts[3:]))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], dst: int, op: str, pg: PG, *xs: Tensor) -> tuple[Any, Any]:
+        return _ReduceCo.apply(dst, op, pg, *xs), tuple(in_dims[3:])
+
+
+def _along(fn: Any, dim: int, xs: Sequence[Tensor]) -> list[Tensor]:
+    """Run a dim-0 backend op on every buffer along ``dim`` (the vmap rules move it)."""
+    if dim == 0:
+        return list(fn(list(xs)))
+    outs = fn([x.movedim(dim, 0) for x in xs])
+    return [o.movedim(0, dim) for o in outs]
+
+
+class _AllGatherCo(_CoalescedFn):
+    """Even all_gather of every buffer along ``dim`` (rank-major)."""
+
+    _NMETA = 2
+
+    @staticmethod
+    def forward(dim: int, pg: PG, *xs: Tensor) -> tuple[Tensor, ...]:
+        with B.label("all_gather_coalesced"):
+            return tuple(_along(lambda bs: _b().all_gather_coalesced(bs, pg), dim, xs))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.dim, ctx.pg = inputs[0], inputs[1]
+        ctx.meta = _meta(inputs[2:])
+
+    @staticmethod
+    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
+        with B.label("all_gather_coalesced backward"):
+            rule = lambda _, gs: _ReduceScatterCo.apply(ctx.dim, "sum", ctx.pg, *gs)
+            return (None, None, *_on_differentiable(ctx, gs, rule))
+
+    @staticmethod
+    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
+        return _AllGatherCo.apply(ctx.dim, ctx.pg, *_zeros_for(ctx, ts[2:]))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], dim: int, pg: PG, *xs: Tensor) -> tuple[Any, Any]:
+        xb = _batch_all(info, in_dims[2:], xs)
+        return _AllGatherCo.apply(dim + 1, pg, *xb), (0,) * len(xs)
+
+
+class _ReduceScatterCo(_CoalescedFn):
+    """Even linear (sum/avg) reduce_scatter of every buffer along ``dim``."""
+
+    _NMETA = 3
+
+    @staticmethod
+    def forward(dim: int, op: str, pg: PG, *xs: Tensor) -> tuple[Tensor, ...]:
+        with B.label(f"reduce_scatter_coalesced({op})"):
+            return tuple(_along(lambda bs: _b().reduce_scatter_coalesced(bs, op, pg), dim, xs))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        ctx.dim, ctx.op, ctx.pg = inputs[0], inputs[1], inputs[2]
+        ctx.meta = _meta(inputs[3:])
+
+    @staticmethod
+    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
+        world = _world(ctx.pg) if ctx.op == "avg" else None
+
+        def rule(_: list[int], gs: list[Tensor]) -> list[Tensor]:
+            out = _AllGatherCo.apply(ctx.dim, ctx.pg, *gs)
+            return [o / world for o in out] if world is not None else list(out)
+
+        with B.label(f"reduce_scatter_coalesced({ctx.op}) backward"):
+            return (None, None, None, *_on_differentiable(ctx, gs, rule))
+
+    @staticmethod
+    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
+        return _ReduceScatterCo.apply(ctx.dim, ctx.op, ctx.pg, *_zeros_for(ctx, ts[3:]))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], dim: int, op: str, pg: PG, *xs: Tensor) -> tuple[Any, Any]:
+        xb = _batch_all(info, in_dims[3:], xs)
+        return _ReduceScatterCo.apply(dim + 1, op, pg, *xb), (0,) * len(xs)
+
+
+for _cls in (_AllReduceCo, _BroadcastCo, _ReduceCo, _AllGatherCo, _ReduceScatterCo):
+    _jvp_free_twin(_cls)
+
+
+# ======================================================================================
+# validation (before any communication) and the debug-mode cross-rank check
+# ======================================================================================
+
+
+def _check_list(tensors: Any, op: str) -> list[Tensor]:
+    if isinstance(tensors, Tensor) or not isinstance(tensors, list | tuple):
+        raise A.arg_error(op, "tensors", "a list or tuple of tensors", type(tensors).__name__, TypeError)
+    if len(tensors) == 0:
+        raise A.arg_error(op, "tensors", "a non-empty list of tensors", "an empty list")
+    ts = []
+    for i, t in enumerate(tensors):
+        t = A.check_tensor(t, op, f"tensors[{i}]")
+        A.check_grad_dtype(t, op, f"tensors[{i}]")
+        ts.append(t)
+    devices = {t.device for t in ts}
+    if len(devices) > 1:
+        first = ts[0].device
+        j = next(i for i, t in enumerate(ts) if t.device != first)
+        raise A.arg_error(
+            op,
+            "tensors",
+            "tensors on one device (one buffer per dtype is communicated)",
+            f"tensors[0] on {first} and tensors[{j}] on {ts[j].device}",
+        )
+    return ts
+
+
+def _check_op(op_arg: Any, ts: Sequence[Tensor], opname: str) -> str:
+    name = A.normalize_op(op_arg, opname)
+    for i, t in enumerate(ts):
+        try:
+            A.normalize_op(name, opname, t)
+        except ValueError as err:
+            raise ValueError(f"{err} (for tensors[{i}], dtype {t.dtype})") from None
+    return name
+
+
+_DTYPE_CODES: dict[torch.dtype, int] = {}
+
+
+def _dtype_code(d: torch.dtype) -> int:
+    return _DTYPE_CODES.setdefault(d, sum(str(d).encode()) * 131 + len(str(d)))
+
+
+def _debug_check(opname: str, pg: PG, ts: Sequence[Tensor], /, **fields: Any) -> None:
+    """Debug mode: the arguments, and the list's length, shapes and dtypes, must agree on
+    every rank; else an error naming the ranks and the first differing position."""
+    if not _config.DEBUG.get() or torch.compiler.is_compiling():
+        return
+    b = _b()
+    b.check_consistent(opname, {**fields, "length": len(ts)}, pg)  # type: ignore[attr-defined]
+    world = _world(pg)
+    if world == 1:
+        return
+    row: list[int] = []
+    for t in ts:
+        row += [_dtype_code(t.dtype), int(t.requires_grad), t.ndim, *t.shape]
+    device = B._comm_device(pg)
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    width = int(b.all_gather(torch.tensor([mine.numel()], dtype=torch.int64, device=device), pg).max())
+    padded = torch.full((1, width), -1, dtype=torch.int64, device=device)
+    padded[0, : mine.numel()] = mine
+    table = b.all_gather(padded, pg).cpu().tolist()
+    if all(r == table[0] for r in table):
+        return
+    descs = [_decode(r, len(ts)) for r in table]
+    for i in range(len(ts)):
+        per_rank = [d[i] for d in descs]
+        if any(p != per_rank[0] for p in per_rank):
+            by_value: dict[str, list[int]] = {}
+            for r, p in enumerate(per_rank):
+                by_value.setdefault(p, []).append(r)
+            listing = "; ".join(f"ranks {rs}: {v}" for v, rs in by_value.items())
+            raise CrossRankMismatchError(
+                f"diffcomm.{opname}(): the tensor lists differ between ranks, first at position {i} "
+                f"(tensors[{i}]): {listing}. Every rank must pass the same number of tensors "
+                "with the same shapes, dtypes and requires_grad, in the same order"
+            )
+
+
+def _decode(row: list[int], n: int) -> list[str]:
+    names = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
+    out, i = [], 0
+    for _ in range(n):
+        code, grad, nd = row[i], row[i + 1], row[i + 2]
+        shape = tuple(row[i + 3 : i + 3 + nd])
+        i += 3 + nd
+        out.append(f"shape {list(shape)} dtype {names.get(code, code)} requires_grad={bool(grad)}")
+    return out
+
+
+# ======================================================================================
+# packing: group by dtype, one flat buffer each, split back with views
+# ======================================================================================
+
+
+def _by_dtype(ts: Sequence[Tensor]) -> list[list[int]]:
+    """Positions of ``ts`` grouped by dtype, groups in order of first appearance."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(ts):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
+
+def _pack(ts: Sequence[Tensor], groups: list[list[int]]) -> list[Tensor]:
+    return [torch.cat([ts[i].reshape(-1) for i in g]) for g in groups]
+
+
+def _unpack(ts: Sequence[Tensor], groups: list[list[int]], bufs: Sequence[Tensor]) -> list[Tensor]:
+    out: list[Any] = [None] * len(ts)
+    for g, buf in zip(groups, bufs):
+        for i, piece in zip(g, buf.split([ts[i].numel() for i in g])):
+            out[i] = piece.view(ts[i].shape)
+    return out
+
+
+# ======================================================================================
+# the public ops
+# ======================================================================================
+
+
+def all_reduce_coalesced(
+    tensors: Sequence[Tensor], op: Any = "sum", group: A.GroupLike = None
+) -> list[Tensor]:
+    """Reduce every tensor of ``tensors`` over the ranks: one communication per dtype.
+
+    Args:
+        tensors: a non-empty list or tuple of tensors (any shapes, mixed dtypes, one
+            device); the same list (length, shapes, dtypes) on every rank.
+        op: reduce op as for :func:`diffcomm.all_reduce` (checked against every dtype).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+
+    Returns:
+        A list of new tensors, ``out[i]`` of ``tensors[i].shape`` equal to
+        ``dc.all_reduce(tensors[i], op)``. Outputs of one dtype are views of one buffer.
+
+    Gradient:
+        ``all_reduce_coalesced`` of the output gradients (sum/avg), one communication
+        per dtype. ``max``/``min``: the summed gradient to the arg-extreme ranks, ties
+        split evenly (still one communication per dtype); ``product``: zero-safe
+        product of the others (one more all_gather per dtype, like
+        :func:`diffcomm.all_reduce`).
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: dc.all_reduce_coalesced([torch.ones(2), torch.arange(3)]))
+            # [[tensor([2., 2.]), tensor([0, 2, 4])], ...] on both ranks
+    """
+    name = "all_reduce_coalesced"
+    ts = _check_list(tensors, name)
+    op_name = _check_op(op, ts, name)
+    pg = A.resolve_group(group, name)
+    _debug_check(name, pg, ts, op=op_name)
+    groups = _by_dtype(ts)
+    bufs = _fn(_AllReduceCo).apply(op_name, pg, *_pack(ts, groups))
+    return _unpack(ts, groups, bufs)
+
+
+def broadcast_coalesced(tensors: Sequence[Tensor], src: int = 0, group: A.GroupLike = None) -> list[Tensor]:
+    """Every rank gets rank ``src``'s tensors: one communication per dtype.
+
+    Args:
+        tensors: a non-empty list or tuple of tensors (any shapes, mixed dtypes, one
+            device), same shapes and dtypes on every rank (only ``src``'s values matter).
+        src: group-local rank whose tensors are sent.
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+
+    Returns:
+        A list of new tensors, ``out[i]`` of ``tensors[i].shape`` holding ``src``'s
+        values (``dc.broadcast(tensors[i], src)``).
+
+    Gradient:
+        a coalesced ``reduce(sum)`` to ``src`` (one communication per dtype): ``src``
+        gets the sum of every rank's output gradients, the other ranks exact zeros.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: dc.broadcast_coalesced([torch.tensor([1.0 * dc.get_rank()])], src=1))
+            # [[tensor([1.])], [tensor([1.])]]
+    """
+    name = "broadcast_coalesced"
+    ts = _check_list(tensors, name)
+    pg = A.resolve_group(group, name)
+    src = A.check_rank(src, name, "src", _world(pg))
+    _debug_check(name, pg, ts, src=src)
+    groups = _by_dtype(ts)
+    bufs = _fn(_BroadcastCo).apply(src, pg, *_pack(ts, groups))
+    return _unpack(ts, groups, bufs)
+
+
+def _check_dims(ts: Sequence[Tensor], dim: Any, op: str) -> list[int]:
+    dims = []
+    for i, t in enumerate(ts):
+        if t.ndim == 0:
+            raise A.arg_error(op, f"tensors[{i}]", "a tensor with at least one dimension", "a 0-dim tensor")
+        dims.append(A.check_dim(t, dim, op))
+    return dims
+
+
+def all_gather_coalesced(tensors: Sequence[Tensor], dim: int = 0, group: A.GroupLike = None) -> list[Tensor]:
+    """Concatenate every rank's ``tensors[i]`` along ``dim``: one communication per dtype.
+
+    Args:
+        tensors: a non-empty list or tuple of tensors with at least one dimension (any
+            shapes, mixed dtypes, one device); the **same shapes on every rank** (for
+            sizes along ``dim`` that differ between ranks use :func:`diffcomm.all_gather`).
+        dim: the dimension to concatenate along (negative counts from each tensor's end).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+
+    Returns:
+        A list of new tensors: ``out[i]`` is ``tensors[i].shape`` with ``dim`` of size
+        ``world * tensors[i].shape[dim]``, rank ``r``'s block at ``r * shape[dim]``.
+
+    Gradient:
+        ``reduce_scatter_coalesced(grad, dim, op="sum")`` (one communication per dtype):
+        each rank gets the sum over ranks of the gradient of its own block.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: dc.all_gather_coalesced([torch.tensor([1.0 * dc.get_rank()])]))
+            # [[tensor([0., 1.])], [tensor([0., 1.])]]
+    """
+    name = "all_gather_coalesced"
+    ts = _check_list(tensors, name)
+    dims = _check_dims(ts, dim, name)
+    pg = A.resolve_group(group, name)
+    _debug_check(name, pg, ts, dim=dim)
+    world = _world(pg)
+    groups = _by_dtype(ts)
+    moved = [t.movedim(d, 0) for t, d in zip(ts, dims)]
+    bufs = _fn(_AllGatherCo).apply(0, pg, *_pack(moved, groups))
+    out: list[Any] = [None] * len(ts)
+    for g, buf in zip(groups, bufs):
+        rows = buf.view(world, buf.numel() // world).split([moved[i].numel() for i in g], dim=1)
+        for i, block in zip(g, rows):  # block: (world, numel_i), rank-major -> tensor-major
+            m = moved[i]
+            full = block.reshape(world * m.shape[0], *m.shape[1:])
+            out[i] = full.movedim(0, dims[i])
+    return out
+
+
+def reduce_scatter_coalesced(
+    tensors: Sequence[Tensor], dim: int = 0, op: Any = "sum", group: A.GroupLike = None
+) -> list[Tensor]:
+    """Reduce every tensor over ranks and give rank ``r`` chunk ``r`` of each along ``dim``.
+
+    Args:
+        tensors: a non-empty list or tuple of tensors with at least one dimension (any
+            shapes, mixed dtypes, one device), same shapes on every rank; each
+            ``shape[dim]`` divisible by the group size (even split).
+        dim: the dimension to split (negative counts from each tensor's end).
+        op: reduce op as for :func:`diffcomm.all_reduce`.
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+
+    Returns:
+        A list of new tensors: ``out[i]`` is ``tensors[i].shape`` with ``dim`` of size
+        ``shape[dim] // world`` (``dc.reduce_scatter(tensors[i], dim, op)``).
+
+    Gradient:
+        ``all_gather_coalesced(grad, dim)`` (one communication per dtype; divided by the
+        world size for avg). ``max``/``min``/``product`` reduce the whole buffers
+        (:func:`all_reduce_coalesced` and its rule) and keep the own chunk, like
+        :func:`diffcomm.reduce_scatter`.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: dc.reduce_scatter_coalesced([torch.arange(4.0)]))
+            # [[tensor([0., 2.])], [tensor([4., 6.])]]
+    """
+    name = "reduce_scatter_coalesced"
+    ts = _check_list(tensors, name)
+    dims = _check_dims(ts, dim, name)
+    op_name = _check_op(op, ts, name)
+    pg = A.resolve_group(group, name)
+    world, rank = _world(pg), _rank(pg)
+    for i, (t, d) in enumerate(zip(ts, dims)):
+        if t.shape[d] % world:
+            raise A.arg_error(
+                name,
+                f"tensors[{i}]",
+                f"of a size along dim {d} divisible by the group size {world}",
+                f"shape {list(t.shape)}",
+            )
+    _debug_check(name, pg, ts, op=op_name, dim=dim)
+    groups = _by_dtype(ts)
+    moved = [t.movedim(d, 0) for t, d in zip(ts, dims)]
+    out: list[Any] = [None] * len(ts)
+    if op_name not in A.LINEAR_OPS:  # like reduce_scatter: reduce everything, keep own chunk
+        full = _fn(_AllReduceCo).apply(op_name, pg, *_pack(moved, groups))
+        for i, m in enumerate(_unpack(moved, groups, full)):
+            c = m.shape[0] // world
+            out[i] = m.narrow(0, rank * c, c).movedim(0, dims[i])
+        return out
+    # rank-major layout: row r of each buffer holds chunk r of every tensor of the dtype
+    bufs = [
+        torch.cat([moved[i].reshape(world, moved[i].numel() // world) for i in g], 1).view(-1) for g in groups
+    ]
+    parts = _fn(_ReduceScatterCo).apply(0, op_name, pg, *bufs)
+    for g, part in zip(groups, parts):
+        for i, piece in zip(g, part.split([moved[i].numel() // world for i in g])):
+            m = moved[i]
+            out[i] = piece.view(m.shape[0] // world, *m.shape[1:]).movedim(0, dims[i])
+    return out
