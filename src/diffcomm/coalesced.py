@@ -75,8 +75,16 @@ def _rank(pg: PG) -> int:
 
 
 class _CoalescedFn(_Collective):
-    """Base of the flat-buffer Functions: ``apply(*meta, *buffers)`` (``_NMETA`` leading
-    non-tensor arguments); the cheap eager path unwraps every buffer."""
+    """Base of the flat-buffer Functions.
+
+    Call them as ``_call(Cls, n, *meta, *buffers)`` (``n`` non-tensor arguments, then one
+    buffer per dtype). The autograd Function itself takes ``(buffers[0], *meta,
+    *buffers[1:])`` (a tensor first, like every collective's Function);
+    :func:`_logical` / :func:`_physical` convert between the two orders. Dynamo, tracing
+    a nested ``apply`` without grad (inside a backward rule), passes a ctx first to a
+    ``forward`` with ``*args`` (it counts parameters to tell old-style from new-style
+    Functions), so ``forward`` drops one (:func:`_logical`).
+    """
 
     _NMETA = 0
 
@@ -86,7 +94,28 @@ class _CoalescedFn(_Collective):
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
             return super(_Collective, cls).apply(*args)
         n = cls._NMETA
-        return super(torch.autograd.Function, cls).apply(*args[:n], *(_unwrap_if_dead(a) for a in args[n:]))
+        return super(torch.autograd.Function, cls).apply(
+            _unwrap_if_dead(args[0]), *args[1 : n + 1], *(_unwrap_if_dead(a) for a in args[n + 1 :])
+        )
+
+
+def _call(fn_cls: Any, n: int, *args: Any) -> Any:
+    """``fn_cls.apply`` with arguments in the logical order ``(*meta, *buffers)``
+    (``n`` = number of meta arguments; passed, as dynamo cannot read a Function's class
+    attributes)."""
+    return fn_cls.apply(args[n], *args[:n], *args[n + 1 :])
+
+
+def _logical(n: int, args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``(buffers[0], *meta, *buffers[1:])`` -> ``(meta, buffers)`` (a leading ctx dropped)."""
+    if isinstance(args[0], torch.autograd.function.FunctionCtx):
+        args = args[1:]
+    return tuple(args[1 : n + 1]), (args[0], *args[n + 1 :])
+
+
+def _physical(n: int, per_buffer: Sequence[Any]) -> tuple[Any, ...]:
+    """Per-buffer values (gradients, in_dims) -> the Function's argument order."""
+    return (per_buffer[0], *([None] * n), *per_buffer[1:])
 
 
 def _zeros_for(ctx: Any, ts: tuple[Tensor | None, ...]) -> list[Tensor]:
@@ -98,16 +127,16 @@ def _differentiable(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-def _grads(gs: Sequence[Tensor | None], xs_like: Sequence[Tensor]) -> list[Tensor]:
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(gs, xs_like)]
-
-
 def _on_differentiable(ctx: Any, gs: Sequence[Tensor], rule: Any) -> list[Any]:
     """Input gradients: ``rule(idx, gs[idx])`` for the floating/complex buffers ``idx``
     only, ``None`` for integer/bool ones (a dtype fact, equal on every rank, so every rank
     still runs the same backward collectives; integer buffers are not communicated)."""
     idx = [i for i, (_, d, _) in enumerate(ctx.meta) if d.is_floating_point or d.is_complex]
+    # zeros for outputs without a gradient (autograd materialises them; dynamo may not)
+    gs = [torch.zeros(s, dtype=d, device=v) if g is None else g for g, (s, d, v) in zip(gs, ctx.out_meta)]
     res: list[Any] = [None] * len(gs)
+    if not idx:
+        return res
     for i, g in zip(idx, rule(idx, [gs[i] for i in idx])):
         res[i] = g
     return res
@@ -134,18 +163,18 @@ def _meta(xs: Sequence[Tensor]) -> list[tuple[torch.Size, torch.dtype, torch.dev
 
 
 class _AllReduceCo(_CoalescedFn):
-    _NMETA = 2
+    _NMETA = 2  # op, pg
 
     @staticmethod
-    def forward(op: str, pg: PG, *xs: Tensor) -> tuple[Tensor, ...]:
+    def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
+        (op, pg), xs = _logical(2, (x0, *args))
         with B.label(f"all_reduce_coalesced({op})"):
             return tuple(_b().all_reduce_coalesced(list(xs), op, pg))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.op, ctx.pg = inputs[0], inputs[1]
-        xs = inputs[2:]
-        ctx.meta = _meta(xs)
+        (ctx.op, ctx.pg), xs = _logical(2, inputs)
+        ctx.meta, ctx.out_meta = _meta(xs), _meta(output)
         if ctx.op in ("max", "min", "product"):
             ctx.save_for_backward(*xs, *output)
             ctx.save_for_forward(*xs, *output)
@@ -158,15 +187,15 @@ class _AllReduceCo(_CoalescedFn):
 
         def rule(idx: list[int], gs: list[Tensor]) -> list[Tensor]:
             if op in ("sum", "avg"):
-                return list(_AllReduceCo.apply(op, pg, *gs))
+                return list(_call(_AllReduceCo, 2, op, pg, *gs))
             xs = [saved[i] for i in idx]
             if op == "product":
-                g_total = _AllReduceCo.apply("sum", pg, *gs)
+                g_total = _call(_AllReduceCo, 2, "sum", pg, *gs)
                 return [g * w.conj() for g, w in zip(g_total, _product_of_others(xs, pg))]
             # max/min: the gradient and the tie mask travel in one buffer per dtype
             ys = [saved[n + i] for i in idx]
             masks = [(x.detach() == y.detach()).to(x.dtype) for x, y in zip(xs, ys)]
-            both = _AllReduceCo.apply("sum", pg, *(torch.cat([g, m]) for g, m in zip(gs, masks)))
+            both = _call(_AllReduceCo, 2, "sum", pg, *(torch.cat([g, m]) for g, m in zip(gs, masks)))
             out = []
             for b, g, m in zip(both, gs, masks):
                 g_total, count = b[: g.numel()].view_as(g), b[g.numel() :].view_as(g)
@@ -174,14 +203,14 @@ class _AllReduceCo(_CoalescedFn):
             return out
 
         with B.label(f"all_reduce_coalesced({op}) backward"):
-            return (None, None, *_on_differentiable(ctx, gs, rule))
+            return _physical(2, _on_differentiable(ctx, gs, rule))
 
     @staticmethod
     def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
         op, pg = ctx.op, ctx.pg
-        ts = _zeros_for(ctx, ts[2:])
+        ts = _zeros_for(ctx, _logical(2, ts)[1])
         if op in ("sum", "avg"):
-            return _AllReduceCo.apply(op, pg, *ts)
+            return _call(_AllReduceCo, 2, op, pg, *ts)
         n = len(ts)
         saved = ctx.saved_tensors
         xs, ys = saved[:n], saved[n:]
@@ -189,83 +218,88 @@ class _AllReduceCo(_CoalescedFn):
             ws = _product_of_others(xs, pg)
         else:
             masks = [(x == y).to(x.dtype) for x, y in zip(xs, ys)]
-            ws = [m / c for m, c in zip(masks, _AllReduceCo.apply("sum", pg, *masks))]
-        return _AllReduceCo.apply("sum", pg, *(t * w for t, w in zip(ts, ws)))
+            ws = [m / c for m, c in zip(masks, _call(_AllReduceCo, 2, "sum", pg, *masks))]
+        return _call(_AllReduceCo, 2, "sum", pg, *(t * w for t, w in zip(ts, ws)))
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], op: str, pg: PG, *xs: Tensor) -> tuple[Any, Any]:
+    def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
         # elementwise over ranks: batch dims are just more elements, one call per dtype
-        return _AllReduceCo.apply(op, pg, *xs), tuple(in_dims[2:])
+        (op, pg), xs = _logical(2, (x0, *args))
+        return _call(_AllReduceCo, 2, op, pg, *xs), _logical(2, in_dims)[1]
 
 
 def _product_of_others(xs: Sequence[Tensor], pg: PG) -> list[Tensor]:
     """``prod_{j != r} x_j`` per buffer, from one coalesced all_gather (zero-safe)."""
     rank = _rank(pg)
-    gathered = _AllGatherCo.apply(0, pg, *(x.unsqueeze(0) for x in xs))
+    gathered = _call(_AllGatherCo, 2, 0, pg, *(x.unsqueeze(0) for x in xs))
     return [g[:rank].prod(0) * g[rank + 1 :].prod(0) for g in gathered]
 
 
 class _BroadcastCo(_CoalescedFn):
-    _NMETA = 2
+    _NMETA = 2  # src, pg
 
     @staticmethod
-    def forward(src: int, pg: PG, *xs: Tensor) -> tuple[Tensor, ...]:
+    def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
+        (src, pg), xs = _logical(2, (x0, *args))
         with B.label("broadcast_coalesced"):
             return tuple(_b().broadcast_coalesced(list(xs), src, pg))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.src, ctx.pg = inputs[0], inputs[1]
-        ctx.meta = _meta(inputs[2:])
+        (ctx.src, ctx.pg), xs = _logical(2, inputs)
+        ctx.meta, ctx.out_meta = _meta(xs), _meta(output)
 
     @staticmethod
     def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
         with B.label("broadcast_coalesced backward"):
-            rule = lambda _, gs: _ReduceCo.apply(ctx.src, "sum", ctx.pg, *gs)
-            return (None, None, *_on_differentiable(ctx, gs, rule))
+            rule = lambda _, gs: _call(_ReduceCo, 3, ctx.src, "sum", ctx.pg, *gs)
+            return _physical(2, _on_differentiable(ctx, gs, rule))
 
     @staticmethod
     def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        return _BroadcastCo.apply(ctx.src, ctx.pg, *_zeros_for(ctx, ts[2:]))
+        return _call(_BroadcastCo, 2, ctx.src, ctx.pg, *_zeros_for(ctx, _logical(2, ts)[1]))
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], src: int, pg: PG, *xs: Tensor) -> tuple[Any, Any]:
-        return _BroadcastCo.apply(src, pg, *xs), tuple(in_dims[2:])
+    def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
+        (src, pg), xs = _logical(2, (x0, *args))
+        return _call(_BroadcastCo, 2, src, pg, *xs), _logical(2, in_dims)[1]
 
 
 class _ReduceCo(_CoalescedFn):
     """Linear (sum/avg) reduce to ``dst``, zeros elsewhere: the dual of broadcast."""
 
-    _NMETA = 3
+    _NMETA = 3  # dst, op, pg
 
     @staticmethod
-    def forward(dst: int, op: str, pg: PG, *xs: Tensor) -> tuple[Tensor, ...]:
+    def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
+        (dst, op, pg), xs = _logical(3, (x0, *args))
         with B.label(f"reduce_coalesced({op})"):
             return tuple(_b().reduce_coalesced(list(xs), dst, op, pg))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.dst, ctx.op, ctx.pg = inputs[0], inputs[1], inputs[2]
-        ctx.meta = _meta(inputs[3:])
+        (ctx.dst, ctx.op, ctx.pg), xs = _logical(3, inputs)
+        ctx.meta, ctx.out_meta = _meta(xs), _meta(output)
 
     @staticmethod
     def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
         world = _world(ctx.pg) if ctx.op == "avg" else None
 
         def rule(_: list[int], gs: list[Tensor]) -> list[Tensor]:
-            out = _BroadcastCo.apply(ctx.dst, ctx.pg, *gs)
+            out = _call(_BroadcastCo, 2, ctx.dst, ctx.pg, *gs)
             return [o / world for o in out] if world is not None else list(out)
 
         with B.label(f"reduce_coalesced({ctx.op}) backward"):
-            return (None, None, None, *_on_differentiable(ctx, gs, rule))
+            return _physical(3, _on_differentiable(ctx, gs, rule))
 
     @staticmethod
     def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        return _ReduceCo.apply(ctx.dst, ctx.op, ctx.pg, *_zeros_for(ctx, ts[3:]))
+        return _call(_ReduceCo, 3, ctx.dst, ctx.op, ctx.pg, *_zeros_for(ctx, _logical(3, ts)[1]))
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], dst: int, op: str, pg: PG, *xs: Tensor) -> tuple[Any, Any]:
-        return _ReduceCo.apply(dst, op, pg, *xs), tuple(in_dims[3:])
+    def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
+        (dst, op, pg), xs = _logical(3, (x0, *args))
+        return _call(_ReduceCo, 3, dst, op, pg, *xs), _logical(3, in_dims)[1]
 
 
 def _along(fn: Any, dim: int, xs: Sequence[Tensor]) -> list[Tensor]:
@@ -279,68 +313,72 @@ def _along(fn: Any, dim: int, xs: Sequence[Tensor]) -> list[Tensor]:
 class _AllGatherCo(_CoalescedFn):
     """Even all_gather of every buffer along ``dim`` (rank-major)."""
 
-    _NMETA = 2
+    _NMETA = 2  # dim, pg
 
     @staticmethod
-    def forward(dim: int, pg: PG, *xs: Tensor) -> tuple[Tensor, ...]:
+    def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
+        (dim, pg), xs = _logical(2, (x0, *args))
         with B.label("all_gather_coalesced"):
             return tuple(_along(lambda bs: _b().all_gather_coalesced(bs, pg), dim, xs))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.dim, ctx.pg = inputs[0], inputs[1]
-        ctx.meta = _meta(inputs[2:])
+        (ctx.dim, ctx.pg), xs = _logical(2, inputs)
+        ctx.meta, ctx.out_meta = _meta(xs), _meta(output)
 
     @staticmethod
     def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
         with B.label("all_gather_coalesced backward"):
-            rule = lambda _, gs: _ReduceScatterCo.apply(ctx.dim, "sum", ctx.pg, *gs)
-            return (None, None, *_on_differentiable(ctx, gs, rule))
+            rule = lambda _, gs: _call(_ReduceScatterCo, 3, ctx.dim, "sum", ctx.pg, *gs)
+            return _physical(2, _on_differentiable(ctx, gs, rule))
 
     @staticmethod
     def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        return _AllGatherCo.apply(ctx.dim, ctx.pg, *_zeros_for(ctx, ts[2:]))
+        return _call(_AllGatherCo, 2, ctx.dim, ctx.pg, *_zeros_for(ctx, _logical(2, ts)[1]))
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], dim: int, pg: PG, *xs: Tensor) -> tuple[Any, Any]:
-        xb = _batch_all(info, in_dims[2:], xs)
-        return _AllGatherCo.apply(dim + 1, pg, *xb), (0,) * len(xs)
+    def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
+        (dim, pg), xs = _logical(2, (x0, *args))
+        xb = _batch_all(info, _logical(2, in_dims)[1], xs)
+        return _call(_AllGatherCo, 2, dim + 1, pg, *xb), (0,) * len(xs)
 
 
 class _ReduceScatterCo(_CoalescedFn):
     """Even linear (sum/avg) reduce_scatter of every buffer along ``dim``."""
 
-    _NMETA = 3
+    _NMETA = 3  # dim, op, pg
 
     @staticmethod
-    def forward(dim: int, op: str, pg: PG, *xs: Tensor) -> tuple[Tensor, ...]:
+    def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
+        (dim, op, pg), xs = _logical(3, (x0, *args))
         with B.label(f"reduce_scatter_coalesced({op})"):
             return tuple(_along(lambda bs: _b().reduce_scatter_coalesced(bs, op, pg), dim, xs))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.dim, ctx.op, ctx.pg = inputs[0], inputs[1], inputs[2]
-        ctx.meta = _meta(inputs[3:])
+        (ctx.dim, ctx.op, ctx.pg), xs = _logical(3, inputs)
+        ctx.meta, ctx.out_meta = _meta(xs), _meta(output)
 
     @staticmethod
     def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
         world = _world(ctx.pg) if ctx.op == "avg" else None
 
         def rule(_: list[int], gs: list[Tensor]) -> list[Tensor]:
-            out = _AllGatherCo.apply(ctx.dim, ctx.pg, *gs)
+            out = _call(_AllGatherCo, 2, ctx.dim, ctx.pg, *gs)
             return [o / world for o in out] if world is not None else list(out)
 
         with B.label(f"reduce_scatter_coalesced({ctx.op}) backward"):
-            return (None, None, None, *_on_differentiable(ctx, gs, rule))
+            return _physical(3, _on_differentiable(ctx, gs, rule))
 
     @staticmethod
     def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        return _ReduceScatterCo.apply(ctx.dim, ctx.op, ctx.pg, *_zeros_for(ctx, ts[3:]))
+        return _call(_ReduceScatterCo, 3, ctx.dim, ctx.op, ctx.pg, *_zeros_for(ctx, _logical(3, ts)[1]))
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], dim: int, op: str, pg: PG, *xs: Tensor) -> tuple[Any, Any]:
-        xb = _batch_all(info, in_dims[3:], xs)
-        return _ReduceScatterCo.apply(dim + 1, op, pg, *xb), (0,) * len(xs)
+    def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
+        (dim, op, pg), xs = _logical(3, (x0, *args))
+        xb = _batch_all(info, _logical(3, in_dims)[1], xs)
+        return _call(_ReduceScatterCo, 3, dim + 1, op, pg, *xb), (0,) * len(xs)
 
 
 for _cls in (_AllReduceCo, _BroadcastCo, _ReduceCo, _AllGatherCo, _ReduceScatterCo):
@@ -503,7 +541,7 @@ def all_reduce_coalesced(
     pg = A.resolve_group(group, name)
     _debug_check(name, pg, ts, op=op_name)
     groups = _by_dtype(ts)
-    bufs = _fn(_AllReduceCo).apply(op_name, pg, *_pack(ts, groups))
+    bufs = _call(_fn(_AllReduceCo), 2, op_name, pg, *_pack(ts, groups))
     return _unpack(ts, groups, bufs)
 
 
@@ -536,7 +574,7 @@ def broadcast_coalesced(tensors: Sequence[Tensor], src: int = 0, group: A.GroupL
     src = A.check_rank(src, name, "src", _world(pg))
     _debug_check(name, pg, ts, src=src)
     groups = _by_dtype(ts)
-    bufs = _fn(_BroadcastCo).apply(src, pg, *_pack(ts, groups))
+    bufs = _call(_fn(_BroadcastCo), 2, src, pg, *_pack(ts, groups))
     return _unpack(ts, groups, bufs)
 
 
@@ -581,7 +619,7 @@ def all_gather_coalesced(tensors: Sequence[Tensor], dim: int = 0, group: A.Group
     world = _world(pg)
     groups = _by_dtype(ts)
     moved = [t.movedim(d, 0) for t, d in zip(ts, dims)]
-    bufs = _fn(_AllGatherCo).apply(0, pg, *_pack(moved, groups))
+    bufs = _call(_fn(_AllGatherCo), 2, 0, pg, *_pack(moved, groups))
     out: list[Any] = [None] * len(ts)
     for g, buf in zip(groups, bufs):
         rows = buf.view(world, buf.numel() // world).split([moved[i].numel() for i in g], dim=1)
@@ -640,7 +678,7 @@ def reduce_scatter_coalesced(
     moved = [t.movedim(d, 0) for t, d in zip(ts, dims)]
     out: list[Any] = [None] * len(ts)
     if op_name not in A.LINEAR_OPS:  # like reduce_scatter: reduce everything, keep own chunk
-        full = _fn(_AllReduceCo).apply(op_name, pg, *_pack(moved, groups))
+        full = _call(_fn(_AllReduceCo), 2, op_name, pg, *_pack(moved, groups))
         for i, m in enumerate(_unpack(moved, groups, full)):
             c = m.shape[0] // world
             out[i] = m.narrow(0, rank * c, c).movedim(0, dims[i])
@@ -649,7 +687,7 @@ def reduce_scatter_coalesced(
     bufs = [
         torch.cat([moved[i].reshape(world, moved[i].numel() // world) for i in g], 1).view(-1) for g in groups
     ]
-    parts = _fn(_ReduceScatterCo).apply(0, op_name, pg, *bufs)
+    parts = _call(_fn(_ReduceScatterCo), 3, 0, op_name, pg, *bufs)
     for g, part in zip(groups, parts):
         for i, piece in zip(g, part.split([moved[i].numel() // world for i in g])):
             m = moved[i]
