@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 
 import diffcomm as dc
 from diffcomm import backend as B
+from diffcomm.coalesced import COALESCED_OPS, coalesced_markdown
+from diffcomm.testing.coalesced import CoalescedCase, run_coalesced_case, standard_coalesced_cases
 
 WORLDS = [1, 2, 3, 4]
 DTYPES = ["float64", "float32", "float16", "bfloat16", "complex128", "int64"]
@@ -37,6 +39,7 @@ PROP = settings(
 )
 COALESCED = {
     "all_reduce": dc.all_reduce_coalesced,
+    "reduce": dc.reduce_coalesced,
     "broadcast": dc.broadcast_coalesced,
     "all_gather": dc.all_gather_coalesced,
     "reduce_scatter": dc.reduce_scatter_coalesced,
@@ -44,132 +47,37 @@ COALESCED = {
 
 
 # --------------------------------------------------------------------------------------
-# the per-rank checker: coalesced vs the single ops one by one
+# coalesced == the single ops one by one (diffcomm.testing.coalesced.run_coalesced_case)
 # --------------------------------------------------------------------------------------
 
 
-def _values(
-    shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, lo: int, hi: int
-) -> torch.Tensor:
-    v = torch.randint(lo, hi + 1, shape, generator=gen).to(torch.float64)
-    if dtype.is_complex:
-        v = torch.complex(v, torch.randint(lo, hi + 1, shape, generator=gen).to(torch.float64))
-    return v.to(dtype)
-
-
-def _single(op: str, kw: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-    return getattr(dc, op)(x, **kw)
-
-
-def _same(what: str, a: Any, b: Any, fails: list[str], exact: bool = True) -> None:
-    if a is None or b is None:
-        if not (a is None and b is None):
-            fails.append(f"{what}: one is None ({a is None}, {b is None})")
-        return
-    if a.shape != b.shape or a.dtype != b.dtype:
-        fails.append(f"{what}: {a} != {b}")
-    elif exact and not torch.equal(a, b):
-        fails.append(f"{what}: {a} != {b} (exactly)")
-    elif not exact:
-        try:  # gradients through max/min tie weights are not integers: ulps may differ
-            torch.testing.assert_close(a, b)
-        except AssertionError as err:
-            fails.append(f"{what}: {err}")
-
-
-def run_coalesced_case(case: dict[str, Any]) -> list[str]:
-    """On this rank: coalesced op == single ops one by one (values, grads, 2nd order)."""
-    rank = dc.get_rank()
-    op, kw = case["op"], case["kwargs"]
-    gen = torch.Generator().manual_seed(case["seed"] * 101 + rank)
-    lo, hi = (-2, 2) if kw.get("op") == "product" else (-3, 3)
-    xs, cots = [], []
-    for shape, dtype_name, grad, _ in case["specs"]:
-        dtype = getattr(torch, dtype_name)
-        xs.append(_values(shape, dtype, gen, lo, hi).requires_grad_(grad))
-        cots.append(None)
-    before = [x.detach().clone() for x in xs]
-    fails: list[str] = []
-    out = COALESCED[op](xs, **kw)
-    xs1 = [x.detach().clone().requires_grad_(x.requires_grad) for x in xs]
-    ref = [_single(op, kw, x) for x in xs1]
-    if not isinstance(out, list) or len(out) != len(xs):
-        return [f"output is not a list of {len(xs)}"]
-    for i, (a, b) in enumerate(zip(out, ref)):
-        _same(f"forward [{i}]", a, b, fails)
-        if a.numel() and a.data_ptr() in {x.data_ptr() for x in xs}:
-            fails.append(f"output [{i}] aliases an input")
-    for i, (x, b) in enumerate(zip(xs, before)):
-        _same(f"input [{i}] unchanged", x.detach(), b, fails)
-    # gradients: loss = sum over used outputs of <out_i, cot_i>
-    used = [i for i, s in enumerate(case["specs"]) if s[3]]
-    for i in used:
-        cots[i] = _values(tuple(out[i].shape), out[i].dtype, gen, -3, 3)
-        if out[i].dtype.is_floating_point or out[i].dtype.is_complex:
-            cots[i].requires_grad_(True)
-    wanted = [i for i, x in enumerate(xs) if x.requires_grad]
-    if not wanted or not any(out[i].requires_grad for i in used):
-        return fails
-
-    def grads(outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> tuple[Any, ...]:
-        terms = [(outs[i] * cots[i].conj()).real.sum() for i in used if outs[i].requires_grad]
-        if not terms:  # the single ops' outputs here are constants: no backward at all
-            return (None,) * len(wanted)
-        loss = sum(terms)
-        return torch.autograd.grad(loss, [inputs[i] for i in wanted], create_graph=True, allow_unused=True)
-
-    g_co = grads(out, xs)
-    g_ref = grads(ref, xs1)
-    for i, a, b in zip(wanted, g_co, g_ref):
-        a = torch.zeros_like(xs[i]) if a is None else a
-        b = torch.zeros_like(xs[i]) if b is None else b
-        _same(f"grad [{i}]", a.detach(), b.detach(), fails, exact=False)
-    # double backward: d <grad, w> / d (inputs, cotangents)
-    if case.get("double"):
-        ws = [_values(tuple(xs[i].shape), xs[i].dtype, gen, -2, 2) for i in wanted]
-        leaves_co = [xs[i] for i in wanted] + [cots[i] for i in used if cots[i].requires_grad]
-        leaves_ref = [xs1[i] for i in wanted] + [cots[i] for i in used if cots[i].requires_grad]
-
-        def second(gs: tuple[Any, ...], leaves: list[torch.Tensor]) -> tuple[Any, ...]:
-            terms = [(g * w.conj()).real.sum() for g, w in zip(gs, ws) if g is not None and g.requires_grad]
-            if not terms:
-                return (None,) * len(leaves)
-            return torch.autograd.grad(sum(terms), leaves, allow_unused=True)
-
-        for k, (a, b) in enumerate(zip(second(g_co, leaves_co), second(g_ref, leaves_ref))):
-            if (a is None) != (b is None):  # None and zeros are the same derivative
-                a = torch.zeros_like(leaves_co[k]) if a is None else a
-                b = torch.zeros_like(leaves_ref[k]) if b is None else b
-            _same(f"double backward [{k}]", a, b, fails, exact=False)
-    return fails
-
-
-def _run_cases(cases: list[dict[str, Any]]) -> list[str]:
+def _run_cases(cases: list[CoalescedCase]) -> list[str]:
     out = []
     for c in cases:
-        out += [f"{c['op']} {c['kwargs']} {c['specs']}: {f}" for f in run_coalesced_case(c)]
+        r = run_coalesced_case(c)
+        # integer-valued data: outputs must match the single ops bit for bit
+        if not r.ok or r.forward_err != 0.0:
+            out.append(f"{c.op} {c.kwargs} {c.specs}: {r.as_dict()}")
     return out
 
 
-def _assert_cases(world: dc.LocalWorld, cases: list[dict[str, Any]]) -> None:
+def _assert_cases(world: dc.LocalWorld, cases: list[CoalescedCase]) -> None:
     per_rank = world.run(_run_cases, cases)
     bad = [(r, f) for r, fs in enumerate(per_rank) for f in fs]
     assert not bad, "\n".join(f"rank {r}: {f}" for r, f in bad[:6])
 
 
-# --------------------------------------------------------------------------------------
-# strategies
-# --------------------------------------------------------------------------------------
-
-
 @st.composite
-def coalesced_cases(draw: st.DrawFn, op: str, world: int) -> dict[str, Any]:
+def coalesced_cases(draw: st.DrawFn, op: str, world: int) -> CoalescedCase:
     kw: dict[str, Any] = {}
-    rop = draw(st.sampled_from(OPS)) if op in ("all_reduce", "reduce_scatter") else "sum"
-    if op in ("all_reduce", "reduce_scatter"):
+    reducing = op in ("all_reduce", "reduce", "reduce_scatter")
+    rop = draw(st.sampled_from(OPS)) if reducing else "sum"
+    if reducing:
         kw["op"] = rop
     if op == "broadcast":
         kw["src"] = draw(st.integers(0, world - 1))
+    if op == "reduce":
+        kw["dst"] = draw(st.integers(0, world - 1))
     dtypes = [d for d in DTYPES if not (d == "complex128" and rop in ("max", "min"))]
     dtypes = [d for d in dtypes if not (d == "int64" and rop == "avg")]
     n = draw(st.integers(1, 16))
@@ -187,47 +95,43 @@ def coalesced_cases(draw: st.DrawFn, op: str, world: int) -> dict[str, Any]:
             shape[dim % nd] = world * draw(st.integers(0, 2))
         dtype = draw(st.sampled_from(dtypes))
         grad = dtype != "int64" and draw(st.booleans())
-        used = draw(st.booleans())
-        specs.append((tuple(shape), dtype, grad, used))
-    return {"op": op, "kwargs": kw, "specs": specs, "seed": draw(st.integers(0, 10_000)), "double": True}
+        specs.append((tuple(shape), dtype, grad, draw(st.booleans())))
+    return CoalescedCase(f"{op}_coalesced", world, tuple(specs), kw, seed=draw(st.integers(0, 10_000)))
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-@pytest.mark.parametrize("op", list(COALESCED))
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"])
 def test_coalesced_equals_single_ops_one_by_one(local_worlds, op: str, world_size: int) -> None:
     world = local_worlds(world_size)
 
     @PROP
     @given(st.lists(coalesced_cases(op, world_size), min_size=3, max_size=3))
-    def check(batch: list[dict[str, Any]]) -> None:
+    def check(batch: list[CoalescedCase]) -> None:
         _assert_cases(world, batch)
 
     check()
 
 
-def test_fixed_mixed_case_every_op(world3) -> None:
-    """One hand-written list per op: float64 + float32 + int64 + empty + 0-dim + a tensor
-    that does not require grad + an unused output."""
-    specs_any = [
-        ((2, 3), "float64", True, True),
-        ((), "float32", True, True),
-        ((0, 3), "float64", True, True),
-        ((3,), "int64", False, True),
-        ((3, 1), "float32", False, True),
-        ((3, 2), "float64", True, False),
-    ]
-    specs_dim = [s if len(s[0]) else ((3,), *s[1:]) for s in specs_any]
-    cases = []
-    for rop in OPS:
-        specs = [s for s in specs_any if not (rop == "avg" and s[1] == "int64")]
-        cases.append({"op": "all_reduce", "kwargs": {"op": rop}, "specs": specs, "seed": 1, "double": True})
-    cases.append({"op": "broadcast", "kwargs": {"src": 2}, "specs": specs_any, "seed": 2, "double": True})
-    cases.append({"op": "all_gather", "kwargs": {"dim": -1}, "specs": specs_dim, "seed": 3, "double": True})
-    for rop in ("sum", "avg", "max"):
-        kw = {"dim": 0, "op": rop}
-        specs = [((3, *s[0][1:]), *s[1:]) for s in specs_dim if not (rop == "avg" and s[1] == "int64")]
-        cases.append({"op": "reduce_scatter", "kwargs": kw, "specs": specs, "seed": 4, "double": True})
-    _assert_cases(world3, cases)
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_standard_coalesced_cases(local_worlds, world_size: int) -> None:
+    """The fixed list `python -m diffcomm check` runs: mixed float64/float32/int64, empty,
+    0-dim, no-grad and unused tensors, every op and reduce op."""
+    _assert_cases(local_worlds(world_size), list(standard_coalesced_cases(world_size)))
+
+
+def test_coalesced_dual_table_is_an_involution() -> None:
+    assert set(COALESCED_OPS) == {f"{n}_coalesced" for n in ("all_reduce", "broadcast", "reduce")} | {
+        "all_gather_coalesced",
+        "reduce_scatter_coalesced",
+    }
+    for name, spec in COALESCED_OPS.items():
+        assert spec.fn is getattr(dc, name)
+        assert COALESCED_OPS[spec.dual].dual == name
+        single = name.removesuffix("_coalesced")
+        assert spec.dual.removesuffix("_coalesced") == dc.dual(single), "same duals as the single ops"
+    table = coalesced_markdown()
+    for name, spec in COALESCED_OPS.items():
+        assert f"| `{name}` |" in table and f"`{spec.dual}`" in table
 
 
 # --------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from .coalesced import (
     all_gather_coalesced,
     all_reduce_coalesced,
     broadcast_coalesced,
+    reduce_coalesced,
     reduce_scatter_coalesced,
 )
 from .collectives import (
@@ -53,6 +54,7 @@ __all__ = [
     "all_gather_coalesced",
     "all_reduce_coalesced",
     "broadcast_coalesced",
+    "reduce_coalesced",
     "reduce_scatter_coalesced",
     "ppermute",
     "recv",

@@ -27,7 +27,7 @@ all_reduce_coalesced        all_reduce_coalesced of the gradients (sum/avg); max
                             dtype); product: zero-safe product of the others (one more
                             all_gather per dtype, as the single op)
 broadcast_coalesced         reduce_coalesced(sum) to ``src``; other ranks exact zeros
-reduce_coalesced            broadcast_coalesced from ``dst`` (internal; dual of broadcast)
+reduce_coalesced            broadcast_coalesced from ``dst`` (divided by the world for avg)
 all_gather_coalesced        reduce_scatter_coalesced(sum)
 reduce_scatter_coalesced    all_gather_coalesced (divided by the world size for avg)
 ==========================  =========================================================
@@ -50,13 +50,16 @@ from . import _args as A
 from . import _config
 from . import backend as B
 from ._errors import CrossRankMismatchError
-from .collectives import _Collective, _fn, _jvp_free_twin, _unwrap_if_dead
+from .collectives import OpSpec, _Collective, _fn, _jvp_free_twin, _only_on, _unwrap_if_dead
 
 __all__ = [
     "all_reduce_coalesced",
     "broadcast_coalesced",
+    "reduce_coalesced",
     "all_gather_coalesced",
     "reduce_scatter_coalesced",
+    "COALESCED_OPS",
+    "coalesced_markdown",
 ]
 
 PG = Any
@@ -578,6 +581,49 @@ def broadcast_coalesced(tensors: Sequence[Tensor], src: int = 0, group: A.GroupL
     return _unpack(ts, groups, bufs)
 
 
+def reduce_coalesced(
+    tensors: Sequence[Tensor], dst: int = 0, op: Any = "sum", group: A.GroupLike = None
+) -> list[Tensor]:
+    """Reduce every tensor over the ranks onto ``dst``; zeros elsewhere. One communication
+    per dtype (the dual of :func:`broadcast_coalesced`).
+
+    Args:
+        tensors: a non-empty list or tuple of tensors (any shapes, mixed dtypes, one
+            device), same shapes and dtypes on every rank.
+        dst: group-local rank that receives the reductions.
+        op: reduce op as for :func:`diffcomm.all_reduce`.
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+
+    Returns:
+        A list of new tensors, ``out[i]`` of ``tensors[i].shape``: ``dc.reduce(tensors[i],
+        dst, op)`` (the reduction on ``dst``, zeros of that shape elsewhere).
+
+    Gradient:
+        ``broadcast_coalesced(grad, src=dst)`` (divided by the world size for avg);
+        ``max``/``min``/``product`` reduce on every rank (:func:`all_reduce_coalesced`
+        and its rule) and keep the result on ``dst``, like :func:`diffcomm.reduce`.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: dc.reduce_coalesced([torch.ones(2)], dst=1))
+            # [[tensor([0., 0.])], [tensor([2., 2.])]]
+    """
+    name = "reduce_coalesced"
+    ts = _check_list(tensors, name)
+    op_name = _check_op(op, ts, name)
+    pg = A.resolve_group(group, name)
+    dst = A.check_rank(dst, name, "dst", _world(pg))
+    _debug_check(name, pg, ts, op=op_name, dst=dst)
+    groups = _by_dtype(ts)
+    if op_name in A.LINEAR_OPS:
+        bufs = _call(_fn(_ReduceCo), 3, dst, op_name, pg, *_pack(ts, groups))
+    else:
+        full = _call(_fn(_AllReduceCo), 2, op_name, pg, *_pack(ts, groups))
+        bufs = [_only_on(b, _rank(pg) == dst) for b in full]
+    return _unpack(ts, groups, bufs)
+
+
 def _check_dims(ts: Sequence[Tensor], dim: Any, op: str) -> list[int]:
     dims = []
     for i, t in enumerate(ts):
@@ -693,3 +739,61 @@ def reduce_scatter_coalesced(
             m = moved[i]
             out[i] = piece.view(m.shape[0] // world, *m.shape[1:]).movedim(0, dims[i])
     return out
+
+
+# ======================================================================================
+# the coalesced op -> adjoint table (tests walk it; the docs' table is generated from it)
+# ======================================================================================
+
+COALESCED_OPS: dict[str, OpSpec] = {
+    s.name: s
+    for s in (
+        OpSpec(
+            "all_reduce_coalesced",
+            all_reduce_coalesced,
+            "all_reduce_coalesced",
+            "op over ranks of each tensor, on every rank",
+            "all_reduce_coalesced of grads (max/min: to arg-extreme ranks, ties split; product: "
+            "zero-safe, plus one all_gather per dtype)",
+        ),
+        OpSpec(
+            "broadcast_coalesced",
+            broadcast_coalesced,
+            "reduce_coalesced",
+            "src's tensors on every rank",
+            "reduce_coalesced(sum) to src; other ranks exact zeros",
+        ),
+        OpSpec(
+            "reduce_coalesced",
+            reduce_coalesced,
+            "broadcast_coalesced",
+            "op over ranks on dst, zeros elsewhere",
+            "broadcast_coalesced from dst",
+        ),
+        OpSpec(
+            "all_gather_coalesced",
+            all_gather_coalesced,
+            "reduce_scatter_coalesced",
+            "each tensor concatenated over ranks along dim",
+            "reduce_scatter_coalesced(sum)",
+        ),
+        OpSpec(
+            "reduce_scatter_coalesced",
+            reduce_scatter_coalesced,
+            "all_gather_coalesced",
+            "chunk r of each tensor's reduction along dim",
+            "all_gather_coalesced",
+        ),
+    )
+}
+
+
+def coalesced_markdown() -> str:
+    """The coalesced op -> adjoint table as Markdown (the docs include this)."""
+    lines = [
+        "| op | forward (rank r, each tensor) | adjoint | backward rule (one call per dtype) |",
+        "|---|---|---|---|",
+    ]
+    for s in COALESCED_OPS.values():
+        lines.append(f"| `{s.name}` | {s.forward} | `{s.dual}` | {s.backward} |")
+    return "\n".join(lines)

@@ -1,0 +1,190 @@
+"""Checks of the coalesced collectives against the single-tensor ops, on every rank.
+
+A :class:`CoalescedCase` is one call of a coalesced op on a list of tensors (shapes,
+dtypes, which require grad, which outputs the loss uses). :func:`run_coalesced_case`
+runs it on this rank and measures, like :func:`diffcomm.testing.cases.run_case`:
+
+* **forward** — each output against the single-tensor op applied to that tensor alone
+  (integer-valued data, so the comparison is exact whatever the reduction order);
+* **gradient** and **double backward** — of ``sum_i <out_i, cot_i>`` (used outputs only)
+  against the same objective through the single ops;
+* **adjoint** — the dot-product test ``sum_r sum_i <A x_i, y_i> == sum_r sum_i <x_i,
+  A^T y_i>`` with ``A^T`` the **dual coalesced op** from
+  :data:`diffcomm.coalesced.COALESCED_OPS`, called directly (linear cases);
+* the inputs are unchanged and no output aliases an input.
+
+Used by the test-suite and by ``python -m diffcomm check``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import diffcomm as dc
+from diffcomm.coalesced import COALESCED_OPS
+
+from .cases import CaseResult, _inner, _rel, _sum_over_ranks, tolerance
+
+Spec = tuple[tuple[int, ...], str, bool, bool]  # shape, dtype, requires_grad, output used
+
+
+@dataclass(frozen=True)
+class CoalescedCase:
+    """One coalesced call to check.
+
+    Attributes:
+        op: ``"all_reduce_coalesced"``, ``"broadcast_coalesced"``, ``"reduce_coalesced"``,
+            ``"all_gather_coalesced"`` or ``"reduce_scatter_coalesced"``.
+        world: world size the case is for.
+        specs: per tensor ``(shape, dtype name, requires_grad, output used by the loss)``.
+        kwargs: the op's arguments (``op``, ``src``, ``dst``, ``dim``).
+        seed: data seed.
+    """
+
+    op: str
+    world: int
+    specs: tuple[Spec, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    def label(self) -> str:
+        kinds = sorted({s[1] for s in self.specs})
+        bits = [f"{k}={v}" for k, v in self.kwargs.items()]
+        return f"{len(self.specs)} tensors {','.join(kinds)} " + " ".join(bits)
+
+
+def _values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, lo: int, hi: int) -> Tensor:
+    v = torch.randint(lo, hi + 1, shape, generator=gen).to(torch.float64)
+    if dtype.is_complex:
+        v = torch.complex(v, torch.randint(lo, hi + 1, shape, generator=gen).to(torch.float64))
+    return v.to(dtype)
+
+
+def _single_op(case: CoalescedCase) -> Any:
+    name = case.op.removesuffix("_coalesced")
+    return lambda x: getattr(dc, name)(x, **case.kwargs)
+
+
+def _dual_call(case: CoalescedCase, ys: list[Tensor]) -> list[Tensor] | None:
+    """``A^T y`` through the dual coalesced op named by the table (linear cases only)."""
+    kw, w = case.kwargs, case.world
+    rop = kw.get("op", "sum")
+    if rop not in ("sum", "avg"):
+        return None
+    dual = COALESCED_OPS[case.op].dual
+    fn = COALESCED_OPS[dual].fn
+    if case.op == "all_reduce_coalesced":
+        return fn(ys, rop)
+    if case.op == "broadcast_coalesced":
+        return fn(ys, dst=kw.get("src", 0))
+    if case.op == "reduce_coalesced":
+        out = fn(ys, src=kw.get("dst", 0))
+    elif case.op == "all_gather_coalesced":
+        return fn(ys, dim=kw.get("dim", 0))
+    elif case.op == "reduce_scatter_coalesced":
+        out = fn(ys, dim=kw.get("dim", 0))
+    else:
+        raise ValueError(case.op)
+    return [o / w for o in out] if rop == "avg" else out
+
+
+def run_coalesced_case(case: CoalescedCase, double: bool = True) -> CaseResult:
+    """Check ``case`` on this rank (call on every rank of a ``case.world``-rank world)."""
+    start = time.perf_counter()
+    rank = dc.get_rank()
+    if dc.get_world_size() != case.world:
+        raise ValueError(f"run_coalesced_case: case is for world {case.world}, not {dc.get_world_size()}")
+    kw = case.kwargs
+    gen = torch.Generator().manual_seed(case.seed * 101 + rank)
+    lo, hi = (-2, 2) if kw.get("op") == "product" else (-3, 3)
+    xs = [_values(s, getattr(torch, d), gen, lo, hi).requires_grad_(g) for s, d, g, _ in case.specs]
+    res = CaseResult(tol=max(tolerance(d) for _, d, _, _ in case.specs))
+    before = [x.detach().clone() for x in xs]
+    fn = COALESCED_OPS[case.op].fn
+    single = _single_op(case)
+    out = fn(xs, **kw)
+    xs1 = [x.detach().clone().requires_grad_(x.requires_grad) for x in xs]
+    ref = [single(x) for x in xs1]
+    res.forward_err = max(_rel(a, b) if a.shape == b.shape else float("inf") for a, b in zip(out, ref))
+    res.input_unchanged = all(torch.equal(x.detach(), b) for x, b in zip(xs, before))
+    ptrs = {x.data_ptr() for x in xs if x.numel()}
+    res.no_alias = not any(o.numel() and o.data_ptr() in ptrs for o in out)
+    used = [i for i, s in enumerate(case.specs) if s[3]]
+    cots: list[Any] = [None] * len(xs)
+    for i in used:
+        cots[i] = _values(tuple(out[i].shape), out[i].dtype, gen, -3, 3)
+        cots[i].requires_grad_(out[i].dtype.is_floating_point or out[i].dtype.is_complex)
+    # adjoint: dot-product test with the dual coalesced op, called directly
+    ys = [c.detach() if c is not None else torch.zeros_like(o.detach()) for c, o in zip(cots, out)]
+    with torch.no_grad():
+        aty = _dual_call(case, ys)
+    if aty is not None:
+        lhs = sum(float(_inner(o.detach(), y)) for o, y in zip(out, ys))
+        rhs = sum(float(_inner(x.detach(), a)) for x, a in zip(xs, aty))
+        lhs, rhs = _sum_over_ranks(lhs), _sum_over_ranks(rhs)
+        scale = max(abs(lhs), abs(rhs), 1.0)
+        res.adjoint_err = abs(lhs - rhs) / scale
+    wanted = [i for i, x in enumerate(xs) if x.requires_grad]
+
+    def grads(outs: list[Tensor], inputs: list[Tensor]) -> tuple[Any, ...]:
+        terms = [(outs[i] * cots[i].conj()).real.sum() for i in used if outs[i].requires_grad]
+        if not terms:  # the single ops' outputs are constants here: no backward at all
+            return (None,) * len(wanted)
+        leaves = [inputs[i] for i in wanted]
+        return torch.autograd.grad(sum(terms), leaves, create_graph=double, allow_unused=True)
+
+    if not wanted:
+        res.seconds = time.perf_counter() - start
+        return res
+    g_co, g_ref = grads(out, xs), grads(ref, xs1)
+    res.grad_err = max(_rel(a, b) for a, b in zip(g_co, g_ref))
+    if double:
+        ws = [_values(tuple(xs[i].shape), xs[i].dtype, gen, -2, 2) for i in wanted]
+        extra = [i for i in used if cots[i].requires_grad]
+
+        def second(gs: tuple[Any, ...], inputs: list[Tensor]) -> tuple[Any, ...]:
+            leaves = [inputs[i] for i in wanted] + [cots[i] for i in extra]
+            terms = [(g * w.conj()).real.sum() for g, w in zip(gs, ws) if g is not None and g.requires_grad]
+            if not terms:
+                return (None,) * len(leaves)
+            return torch.autograd.grad(sum(terms), leaves, allow_unused=True)
+
+        res.double_err = max(_rel(a, b) for a, b in zip(second(g_co, xs), second(g_ref, xs1)))
+    res.seconds = time.perf_counter() - start
+    return res
+
+
+def standard_coalesced_cases(world: int) -> Iterator[CoalescedCase]:
+    """Every coalesced op and reduce op on a mixed list: float64, float32, int64, an empty
+    tensor, a 0-dim one, one not requiring grad, one unused output."""
+    w = world
+    mixed: tuple[Spec, ...] = (
+        ((2, 3), "float64", True, True),
+        ((), "float32", True, True),
+        ((0, 3), "float64", True, True),
+        ((3,), "int64", False, True),
+        ((3, 1), "float32", False, True),
+        ((3, 2), "float64", True, False),
+    )
+    no_int = tuple(s for s in mixed if s[1] != "int64")
+    with_dim = tuple(((w, *s[0][1:]) if s[0] else (w,), *s[1:]) for s in mixed)
+    for rop in ("sum", "avg", "max", "min", "product"):
+        yield CoalescedCase("all_reduce_coalesced", w, no_int if rop == "avg" else mixed, {"op": rop})
+    yield CoalescedCase(
+        "all_reduce_coalesced", w, (((4,), "complex128", True, True), *mixed[:2]), {"op": "sum"}
+    )
+    yield CoalescedCase("broadcast_coalesced", w, mixed, {"src": w - 1})
+    yield CoalescedCase("reduce_coalesced", w, no_int, {"dst": w // 2, "op": "sum"})
+    yield CoalescedCase("reduce_coalesced", w, mixed, {"dst": 0, "op": "max"})
+    yield CoalescedCase("all_gather_coalesced", w, with_dim, {"dim": -1})
+    yield CoalescedCase("all_gather_coalesced", w, with_dim, {"dim": 0})
+    no_int_dim = tuple(s for s in with_dim if s[1] != "int64")
+    for rop in ("sum", "avg", "min"):
+        specs = no_int_dim if rop == "avg" else with_dim
+        yield CoalescedCase("reduce_scatter_coalesced", w, specs, {"dim": 0, "op": rop})
