@@ -38,6 +38,18 @@ def test_check_json_lists_every_case() -> None:
     assert all(c["grad_err"] <= 1e-10 for c in data["cases"])
 
 
+def test_check_covers_the_coalesced_ops() -> None:
+    ops = ["all_reduce_coalesced", "broadcast_coalesced", "reduce_coalesced"]
+    ops += ["all_gather_coalesced", "reduce_scatter_coalesced"]
+    p = _run("check", "-n", "3", "--ops", *ops, "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads(p.stdout)
+    assert data["ok"] and {c["op"] for c in data["cases"]} == set(ops)
+    linear = [c for c in data["cases"] if "max" not in c["case"] and "min" not in c["case"]]
+    linear = [c for c in linear if "product" not in c["case"]]
+    assert all(c["adjoint_err"] is not None and c["adjoint_err"] <= 2e-5 for c in linear)  # float32 tol
+
+
 def test_a_failing_case_fails_the_row() -> None:
     case = Case("all_reduce", 2, (2,))
     good = {

@@ -16,7 +16,10 @@ from rich.table import Table
 
 def _run_one(case: Any) -> dict[str, Any]:
     from diffcomm.testing.cases import run_case
+    from diffcomm.testing.coalesced import CoalescedCase, run_coalesced_case
 
+    if isinstance(case, CoalescedCase):
+        return run_coalesced_case(case).as_dict()
     return run_case(case).as_dict()
 
 
@@ -31,13 +34,16 @@ def check_configure(parser: argparse.ArgumentParser) -> None:
         help="world size(s) to check on (default: 2 3; 3 catches even-split assumptions)",
     )
     parser.add_argument("--backend", default="gloo", help="c10d backend of the local ranks (default gloo)")
-    parser.add_argument("--ops", nargs="+", default=None, help="only these collectives")
+    parser.add_argument(
+        "--ops", nargs="+", default=None, help="only these collectives (e.g. all_gather all_reduce_coalesced)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def check_run(args: argparse.Namespace, console: Console) -> int:
     """Adjoint + reference-gradient check of every op on local ranks; non-zero on failure."""
     from diffcomm.testing.cases import standard_cases
+    from diffcomm.testing.coalesced import standard_coalesced_cases
     from diffcomm.world import LocalWorld
 
     for w in args.world:
@@ -47,7 +53,8 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
     rows: list[dict[str, Any]] = []
     failures = 0
     for w in args.world:
-        cases = [c for c in standard_cases(w) if args.ops is None or c.op in args.ops]
+        every = [*standard_cases(w), *standard_coalesced_cases(w)]
+        cases = [c for c in every if args.ops is None or c.op in args.ops]
         if not cases:
             console.print(f"[red]error:[/red] no cases for ops {args.ops}")
             return 2
