@@ -5,7 +5,8 @@
   ``reduce_scatter_to_sequence`` / ``all_gather_from_sequence``, ``all_to_all_region``),
   each checking the assumption it rests on in debug mode;
 * :mod:`~diffcomm.parallel.layers` — ``ColumnParallelLinear``, ``RowParallelLinear``,
-  ``VocabParallelEmbedding``, ``ParallelMLP``, ``ParallelSelfAttention`` and their serial
+  ``VocabParallelEmbedding``, ``SequenceParallelLayerNorm``, ``ParallelMLP``,
+  ``ParallelSelfAttention`` and their serial
   references ``MLP`` / ``SelfAttention``, initialised and loadable as shards of the
   serial modules;
 * :mod:`~diffcomm.parallel.loss` — ``vocab_parallel_cross_entropy``.
@@ -23,6 +24,7 @@ from .layers import (
     ParallelSelfAttention,
     RowParallelLinear,
     SelfAttention,
+    SequenceParallelLayerNorm,
     VocabParallelEmbedding,
 )
 from .loss import vocab_parallel_cross_entropy
@@ -31,8 +33,10 @@ from .mappings import (
     all_gather_from_sequence,
     all_to_all_region,
     copy_to_region,
+    copy_to_region_coalesced,
     gather_from_region,
     reduce_from_region,
+    reduce_from_region_coalesced,
     reduce_scatter_to_sequence,
     scatter_to_region,
 )
@@ -46,10 +50,13 @@ __all__ = [
     "reduce_scatter_to_sequence",
     "all_gather_from_sequence",
     "all_to_all_region",
+    "copy_to_region_coalesced",
+    "reduce_from_region_coalesced",
     "ParallelModule",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "SequenceParallelLayerNorm",
     "ParallelMLP",
     "ParallelSelfAttention",
     "MLP",

@@ -43,6 +43,7 @@ from ._check import check_replicated
 from .mappings import (
     all_gather_from_sequence,
     copy_to_region,
+    copy_to_region_coalesced,
     gather_from_region,
     reduce_from_region,
     reduce_scatter_to_sequence,
@@ -54,6 +55,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "SequenceParallelLayerNorm",
     "ParallelMLP",
     "ParallelSelfAttention",
     "MLP",
@@ -162,6 +164,43 @@ def _resolve(op: str, group: A.GroupLike) -> tuple[Any, int, int]:
 # ======================================================================================
 
 
+def _enter_region(module: ParallelModule, args: Any) -> None:
+    """Forward pre-hook of every ParallelModule; acts in the outermost one only: copies
+    every partial-gradient replica of the module tree into the region at once (one
+    coalesced reduction in backward per group; a lone tensor uses ``copy_to_region``)."""
+    if module.__dict__.get("_region_copies") is not None:
+        return  # inside an outer ParallelModule's forward: it made the copies
+    members = [m for m in module.modules() if isinstance(m, ParallelModule)]
+    groups: list[tuple[Any, list[Tensor]]] = []
+    seen: set[int] = set()
+    for m in members:
+        for name in m._partial_grad_params():
+            p = getattr(m, name, None)
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            for pg, ps in groups:
+                if pg is m._pg:
+                    ps.append(p)
+                    break
+            else:
+                groups.append((m._pg, [p]))
+    copies: dict[int, Tensor] = {}
+    for pg, ps in groups:
+        outs = [copy_to_region(ps[0], pg)] if len(ps) == 1 else copy_to_region_coalesced(ps, pg)
+        copies.update(zip((id(p) for p in ps), outs))
+    for m in members:
+        m.__dict__["_region_copies"] = copies
+    module.__dict__["_region_root"] = True
+
+
+def _leave_region(module: ParallelModule, args: Any, output: Any) -> None:
+    """Forward hook (always called): the outermost module drops the copies again."""
+    if module.__dict__.pop("_region_root", False):
+        for m in module.modules():
+            m.__dict__.pop("_region_copies", None)
+
+
 class ParallelModule(nn.Module):
     """A module whose parameters are shards or replicas of a serial module's.
 
@@ -172,6 +211,34 @@ class ParallelModule(nn.Module):
 
     _shard_dims: dict[str, int | None] = {}
     _pg: Any = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        # one coalesced reduction per step for the partial-gradient replicas (see below)
+        self.register_forward_pre_hook(_enter_region)
+        self.register_forward_hook(_leave_region, always_call=True)
+
+    def _partial_grad_params(self) -> tuple[str, ...]:
+        """Names of this module's own parameters that are replicated but receive a
+        **per-rank partial gradient** (they meet a rank-local sequence chunk): a
+        sequence-parallel ``RowParallelLinear``'s bias, a sequence-parallel layer norm's
+        weight and bias. Their gradients must be summed over the group."""
+        return ()
+
+    def _region_param(self, name: str) -> Tensor:
+        """Parameter ``name`` as the forward must use it (one of :meth:`_partial_grad_params`).
+
+        Inside the forward of the outermost :class:`ParallelModule` it is that module's
+        copy of the parameter into the tensor-parallel region, made for **all** such
+        parameters of the module tree at once (``copy_to_region_coalesced``), so a step
+        sums all their gradients in one coalesced all_reduce (one communication per
+        dtype) instead of one all_reduce each. Outside one it is ``copy_to_region(p)``.
+        """
+        p = getattr(self, name)
+        copies = self.__dict__.get("_region_copies")
+        if copies is not None and id(p) in copies:
+            return copies[id(p)]
+        return copy_to_region(p, self._pg)
 
     def _param_specs(self) -> dict[str, tuple[int | None, Any]]:
         """``{full param name: (shard dim or None, group)}`` over the whole module tree."""
@@ -489,12 +556,15 @@ class RowParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.sequence_dim, self._pg)
             if self.bias is not None:
-                y = y + copy_to_region(self.bias, self._pg)
+                y = y + self._region_param("bias")
         else:
             y = reduce_from_region(y, self._pg)
             if self.bias is not None:
                 y = y + self.bias
         return y
+
+    def _partial_grad_params(self) -> tuple[str, ...]:
+        return ("bias",) if self.sequence_parallel and self.bias is not None else ()
 
     def extra_repr(self) -> str:
         return (
@@ -636,6 +706,97 @@ class VocabParallelEmbedding(ParallelModule):
 # ======================================================================================
 # worked examples: MLP and self-attention (serial references and parallel versions)
 # ======================================================================================
+
+
+class SequenceParallelLayerNorm(ParallelModule):
+    """``nn.LayerNorm`` over the last dim of a sequence chunk (sequence parallelism).
+
+    The weight and bias are replicated (each rank holds the whole serial parameters), but
+    each rank normalises only its own chunk of the sequence, so each rank's gradient of
+    them is a **partial** sum: they enter through the tensor-parallel region copy
+    (:meth:`ParallelModule._region_param`), and their gradients are summed over the group
+    in the step's one coalesced all_reduce — together with every other such parameter of
+    the outermost :class:`ParallelModule` (e.g. the row-parallel biases of a block).
+
+    Args:
+        normalized_shape: the hidden size (an int; the last dimension).
+        eps: as ``nn.LayerNorm``.
+        elementwise_affine: learn a weight (and a bias, see ``bias``).
+        bias: learn a bias (with ``elementwise_affine``).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        dtype, device: of the parameters.
+
+    Shapes:
+        input and output ``(*, normalized_shape)``: this rank's sequence chunk.
+
+    Gradient:
+        replicated objective: the input gradient is this rank's chunk of the serial one;
+        the weight and bias gradients are the serial ones (summed over the group).
+
+    Example::
+
+        def f():
+            ln = SequenceParallelLayerNorm(4)
+            return ln(torch.randn(3, 2, 4)).shape
+        with dc.LocalWorld(2) as world:
+            world.run(f)   # [torch.Size([3, 2, 4]), torch.Size([3, 2, 4])]
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        *,
+        group: A.GroupLike = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        op = "parallel.SequenceParallelLayerNorm"
+        self._pg, self.world_size, self.rank = _resolve(op, group)
+        self.normalized_shape = (_positive(op, "normalized_shape", normalized_shape),)
+        self.eps = float(eps)
+        self.elementwise_affine = bool(elementwise_affine)
+        kw = {"dtype": dtype, "device": device}
+        if self.elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, **kw))
+            self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **kw)) if bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.bias = None
+        if self.bias is None:
+            self.register_parameter("bias", None)
+        self._shard_dims = {"weight": None, "bias": None}
+
+    @classmethod
+    def from_serial(cls, layer_norm: nn.LayerNorm, group: A.GroupLike = None) -> SequenceParallelLayerNorm:
+        """The same layer norm (its parameters copied) for sequence chunks."""
+        (h,) = layer_norm.normalized_shape
+        weight = layer_norm.weight
+        layer = cls(
+            h,
+            layer_norm.eps,
+            layer_norm.elementwise_affine,
+            layer_norm.bias is not None,
+            group=group,
+            dtype=weight.dtype if weight is not None else None,
+            device=weight.device if weight is not None else None,
+        )
+        layer.load_serial_state_dict(layer_norm.state_dict())
+        return layer
+
+    def _partial_grad_params(self) -> tuple[str, ...]:
+        return tuple(n for n in ("weight", "bias") if getattr(self, n) is not None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self._region_param("weight") if self.weight is not None else None
+        b = self._region_param("bias") if self.bias is not None else None
+        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
 class MLP(nn.Module):

@@ -55,6 +55,7 @@ naming the argument otherwise, before any communication).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -64,6 +65,7 @@ from .. import _args as A
 from .. import _config
 from .. import backend as B
 from .. import collectives as C
+from ..coalesced import all_reduce_coalesced
 from ._check import check_replicated
 
 __all__ = [
@@ -74,6 +76,8 @@ __all__ = [
     "reduce_scatter_to_sequence",
     "all_gather_from_sequence",
     "all_to_all_region",
+    "copy_to_region_coalesced",
+    "reduce_from_region_coalesced",
     "MAPPINGS",
 ]
 
@@ -568,6 +572,149 @@ def all_to_all_region(x: Tensor, split_dim: int, concat_dim: int, group: A.Group
     split_dim, _ = _even_dim("all_to_all_region", x, split_dim, world, "split_dim")
     concat_dim = A.check_dim(x, concat_dim, "parallel.all_to_all_region", "concat_dim")
     return _AllToAllRegion.apply(x, split_dim, concat_dim, pg)
+
+
+# ======================================================================================
+# copy_to_region / reduce_from_region for a list of tensors: one communication per dtype
+# ======================================================================================
+
+
+def _strip_ctx(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    # dynamo passes a ctx first to a nested no-grad apply of a ``*args`` forward
+    return args[1:] if isinstance(args[0], torch.autograd.function.FunctionCtx) else args
+
+
+class _CopyToRegionCoalesced(torch.autograd.Function):
+    """Arguments ``(x0, pg, debug, *xs)``: identity forward of every tensor."""
+
+    @staticmethod
+    def forward(*args: Any) -> tuple[Tensor, ...]:
+        x0, pg, debug, *rest = _strip_ctx(args)
+        xs = (x0, *rest)
+        if debug:
+            for x in xs:
+                check_replicated(x, "parallel.copy_to_region_coalesced", "an input", _COPY_HINT, pg)
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.pg, ctx.debug = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
+        with B.label("parallel.copy_to_region_coalesced backward"):
+            out = _ReduceFromRegionCoalesced.apply(gs[0], ctx.pg, ctx.debug, *gs[1:])
+        return (out[0], None, None, *out[1:])
+
+    @staticmethod
+    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
+        return tuple(t.view_as(t) for t in (ts[0], *ts[3:]))
+
+
+class _ReduceFromRegionCoalesced(torch.autograd.Function):
+    """Arguments ``(x0, pg, debug, *xs)``: one coalesced all_reduce(sum) forward,
+    identity backward (checked replicated in debug mode)."""
+
+    @staticmethod
+    def forward(*args: Any) -> tuple[Tensor, ...]:
+        x0, pg, _, *rest = _strip_ctx(args)
+        with B.label("parallel.reduce_from_region_coalesced"):
+            return tuple(all_reduce_coalesced([x0, *rest], "sum", pg))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.pg, ctx.debug = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
+        if ctx.debug or _debug():
+            hint = _IDENTITY_HINT.format(
+                name="reduce_from_region_coalesced", instead="diffcomm.all_reduce_coalesced"
+            )
+            for g in gs:
+                check_replicated(
+                    g, "parallel.reduce_from_region_coalesced backward", "an incoming gradient", hint, ctx.pg
+                )
+        out = _CopyToRegionCoalesced.apply(gs[0], ctx.pg, False, *gs[1:])
+        return (out[0], None, None, *out[1:])
+
+    @staticmethod
+    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
+        return tuple(all_reduce_coalesced([ts[0], *ts[3:]], "sum", ctx.pg))
+
+
+def _prepare_list(name: str, tensors: Any, group: A.GroupLike) -> tuple[list[Tensor], PG]:
+    op = f"parallel.{name}"
+    if isinstance(tensors, Tensor) or not isinstance(tensors, list | tuple) or not tensors:
+        raise A.arg_error(
+            op, "tensors", "a non-empty list or tuple of tensors", type(tensors).__name__, TypeError
+        )
+    ts = [A.check_tensor(t, op, f"tensors[{i}]") for i, t in enumerate(tensors)]
+    for i, t in enumerate(ts):
+        A.check_grad_dtype(t, op, f"tensors[{i}]")
+    return ts, A.resolve_group(group, op)
+
+
+def copy_to_region_coalesced(tensors: Sequence[Tensor], group: A.GroupLike = None) -> list[Tensor]:
+    """:func:`copy_to_region` for a list of tensors: the backward is **one** coalesced
+    all_reduce (one communication per dtype) instead of one per tensor.
+
+    The tensor- and sequence-parallel layers use it for the replicated parameters whose
+    gradients are per-rank partial sums (a sequence-parallel ``RowParallelLinear``'s
+    bias, a :class:`~diffcomm.parallel.SequenceParallelLayerNorm`'s weight and bias): the
+    outermost :class:`~diffcomm.parallel.ParallelModule` copies all of them into the
+    region at the start of its forward, so a whole model step reduces them at once.
+
+    Args:
+        tensors: non-empty list or tuple of tensors, each equal on every rank.
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+
+    Returns:
+        A list of views of the inputs (no copy), same shapes.
+
+    Gradient:
+        ``all_reduce_coalesced(grads, "sum")`` (through
+        ``reduce_from_region_coalesced``, so double backward keeps the replicated
+        objective). Debug mode checks that every input is equal on every rank.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            def f():
+                a, b = torch.ones(2, requires_grad=True), torch.ones((), requires_grad=True)
+                a2, b2 = parallel.copy_to_region_coalesced([a, b])
+                ((a2 + b2) * (dc.get_rank() + 1)).sum().backward()
+                return a.grad, b.grad
+            world.run(f)   # [(tensor([3., 3.]), tensor(6.)), ...]
+    """
+    ts, pg = _prepare_list("copy_to_region_coalesced", tensors, group)
+    return list(_CopyToRegionCoalesced.apply(ts[0], pg, _debug(), *ts[1:]))
+
+
+def reduce_from_region_coalesced(tensors: Sequence[Tensor], group: A.GroupLike = None) -> list[Tensor]:
+    """:func:`reduce_from_region` for a list of tensors: one coalesced all_reduce(sum)
+    forward (one communication per dtype), identity backward.
+
+    Args:
+        tensors: non-empty list or tuple of per-rank partial sums (same shapes and dtypes
+            on every rank).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+
+    Returns:
+        A list of new tensors: the sums over ranks, same shapes.
+
+    Gradient:
+        identity (replicated objective); debug mode checks that every incoming gradient is
+        equal on every rank.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: parallel.reduce_from_region_coalesced([torch.ones(2)]))
+            # [[tensor([2., 2.])], [tensor([2., 2.])]]
+    """
+    ts, pg = _prepare_list("reduce_from_region_coalesced", tensors, group)
+    return list(_ReduceFromRegionCoalesced.apply(ts[0], pg, _debug(), *ts[1:]))
 
 
 #: mapping name -> (function, forward in words, backward in words); the docs' table.
