@@ -11,11 +11,15 @@ from ._config import debug, settings, timeout
 from ._errors import (
     CollectiveTimeoutError,
     CrossRankMismatchError,
+    DesyncError,
     DiffcommError,
+    RankDesyncError,
     RankDiedError,
     RankError,
     WorldTimeoutError,
+    WorldTooLargeError,
 )
+from ._flight import FlightRecorder, flight_recorder
 from .coalesced import (
     all_gather_coalesced,
     all_reduce_coalesced,
@@ -72,6 +76,11 @@ __all__ = [
     "scatter",
     "CollectiveTimeoutError",
     "CrossRankMismatchError",
+    "DesyncError",
+    "FlightRecorder",
+    "RankDesyncError",
+    "WorldTooLargeError",
+    "flight_recorder",
     "DiffcommError",
     "LocalWorld",
     "RankDiedError",

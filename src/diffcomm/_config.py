@@ -6,6 +6,9 @@ setting                    environment variable   meaning
 ``debug``                  ``DIFFCOMM_DEBUG``     cross-rank argument checks before each op
 ``timeout``                ``DIFFCOMM_TIMEOUT``   seconds a collective may wait (float > 0)
 ``accelerator``            ``DIFFCOMM_ACCELERATOR``  ``cpu``/``cuda``/``mps``/``xpu`` or unset
+``flight``                 ``DIFFCOMM_FLIGHT``    flight recorder on (default) or off
+``flight_size``            ``DIFFCOMM_FLIGHT_SIZE``  entries the flight recorder keeps (1024)
+``allow_oversubscribe``    ``DIFFCOMM_ALLOW_OVERSUBSCRIBE``  start a LocalWorld the machine cannot hold
 =========================  =====================  ==========================================
 
 Usage::
@@ -58,6 +61,16 @@ def _parse_accelerator(name: str, raw: str) -> str | None:
         return None
     if value not in _ACCELERATORS:
         raise ValueError(f"{name}={raw!r} is not a known accelerator; legal values: {_ACCELERATORS}")
+    return value
+
+
+def _parse_size(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer (e.g. 1024)") from None
+    if value < 1:
+        raise ValueError(f"{name}={raw!r} must be >= 1")
     return value
 
 
@@ -114,6 +127,9 @@ class Setting(Generic[T]):
                         f"{self.name} must be a positive number of seconds or None, got {value!r}"
                     )
                 value = float(value)
+        elif self._parse is _parse_size:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{self.name} must be an int >= 1, got {value!r}")
         elif self._parse is _parse_accelerator:
             if value is not None:
                 value = _parse_accelerator(self.name, str(value))
@@ -127,6 +143,11 @@ class Setting(Generic[T]):
 DEBUG: Setting[bool] = Setting("debug", "DIFFCOMM_DEBUG", _parse_bool, False)
 TIMEOUT: Setting[float | None] = Setting("timeout", "DIFFCOMM_TIMEOUT", _parse_timeout, None)
 ACCELERATOR: Setting[str | None] = Setting("accelerator", "DIFFCOMM_ACCELERATOR", _parse_accelerator, None)
+FLIGHT: Setting[bool] = Setting("flight", "DIFFCOMM_FLIGHT", _parse_bool, True)
+FLIGHT_SIZE: Setting[int] = Setting("flight_size", "DIFFCOMM_FLIGHT_SIZE", _parse_size, 1024)
+ALLOW_OVERSUBSCRIBE: Setting[bool] = Setting(
+    "allow_oversubscribe", "DIFFCOMM_ALLOW_OVERSUBSCRIBE", _parse_bool, False
+)
 
 
 def debug(enabled: bool | None = None) -> Any:
@@ -151,4 +172,6 @@ def timeout(seconds: float | None | str = "__get__") -> Any:
 
 def settings() -> dict[str, Any]:
     """All current settings as a dict (for ``python -m diffcomm info``)."""
-    return {s.name: s.get() for s in (DEBUG, TIMEOUT, ACCELERATOR)}
+    return {
+        s.name: s.get() for s in (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIBE)
+    }

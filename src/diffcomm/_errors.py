@@ -20,6 +20,37 @@ class CollectiveTimeoutError(DiffcommError, TimeoutError):
     """
 
 
+class DesyncError(CollectiveTimeoutError):
+    """A communication could not complete because the ranks are out of step (a desync).
+
+    Raised on a rank whose collective timed out (``DIFFCOMM_TIMEOUT``) or lost its peer.
+    The message carries the cross-rank diagnosis from the flight recorder: the first
+    sequence number where the ranks diverge, which ranks are inside which op from which
+    call site, and which ranks are missing (with their last completed op, or that they
+    returned or are busy in user code).
+
+    Attributes:
+        facts: ``{"group": [global ranks], "seq": first diverging sequence number,
+            "culprits": [ranks], "op": the diffcomm op, "direction": forward/backward}``.
+    """
+
+    def __init__(self, message: str, facts: dict | None = None) -> None:
+        super().__init__(message)
+        self.facts: dict = dict(facts or {})
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (str(self), self.facts))
+
+
+class WorldTooLargeError(DiffcommError, ValueError):
+    """A :class:`~diffcomm.LocalWorld` asked for more ranks than this machine can hold.
+
+    Refused before any process starts, with the numbers (ranks per core, estimated memory
+    against what is available) and the override (``allow_oversubscribe=True`` or
+    ``DIFFCOMM_ALLOW_OVERSUBSCRIBE=1``).
+    """
+
+
 class CrossRankMismatchError(DiffcommError, ValueError):
     """Debug mode found that ranks called a collective with inconsistent arguments."""
 
@@ -64,3 +95,26 @@ class WorldTimeoutError(RankError, TimeoutError):
     def __init__(self, message: str, busy_ranks: list[int], failures: dict[int, str] | None = None):
         super().__init__(message, failures)
         self.busy_ranks = list(busy_ranks)
+
+
+class RankDesyncError(RankError):
+    """The ranks of a :class:`~diffcomm.LocalWorld` went out of step (a desync).
+
+    Raised by :meth:`~diffcomm.LocalWorld.run` when a rank returned from the function
+    while others wait for it in a collective (detected within about a second), or when a
+    rank raised :class:`DesyncError`. The message leads with the diagnosis; ``facts``
+    holds it as data (see :class:`DesyncError`).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        facts: dict | None = None,
+        failures: dict[int, str] | None = None,
+        exceptions: dict[int, BaseException] | None = None,
+    ) -> None:
+        super().__init__(message, failures, exceptions)
+        self.facts: dict = dict(facts or {})
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (str(self), self.facts, self.failures, self.exceptions))

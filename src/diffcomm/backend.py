@@ -29,8 +29,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from . import _config
-from ._errors import CollectiveTimeoutError, CrossRankMismatchError
+from . import _config, _flight
+from ._errors import CrossRankMismatchError
 
 ProcessGroup = Any  # dist.ProcessGroup | None (None = the default group)
 
@@ -276,22 +276,6 @@ def is_off(op: str) -> bool:
 # the one entry point
 # --------------------------------------------------------------------------------------
 
-_TIMEOUT_MARKERS = ("timed out", "timeout", "time out", "deadline")
-
-
-def _timeout_message(op: str, group: ProcessGroup, err: BaseException) -> str:
-    rank = dist.get_rank() if dist.is_initialized() else -1
-    what = _LABEL.get() or op
-    return (
-        f"diffcomm: `{what}` (raw {op}) timed out on global rank {rank} waiting for the other "
-        f"ranks of its group. Under autograd the usual cause is that one rank's loss does "
-        f"not use an output of a collective, so PyTorch skips that collective's backward on "
-        f"that rank while the others wait for it. Fix: make every rank's loss touch every "
-        f"collective output (e.g. add `0 * out.sum()`), and make every rank run the same "
-        f"sequence of collectives. Backend error: {err}"
-    )
-
-
 def _sync_if_needed(t: torch.Tensor | None) -> None:
     if t is not None and t.device.type not in ("cpu", "meta"):
         torch.accelerator.synchronize(t.device) if hasattr(torch, "accelerator") else None
@@ -305,7 +289,8 @@ def _dispatch(
     skip: Callable[[], Any],
     sample: torch.Tensor | None = None,
 ) -> Any:
-    """Run one raw op: comm-off switch, logging, timeout translation — for every op.
+    """Run one raw op: comm-off switch, logging, flight recorder, timeout diagnosis — for
+    every op (a timeout becomes :class:`~diffcomm.DesyncError` with the cross-rank story).
 
     Inside :meth:`TorchDistributedBackend.coalesced` the call is one *part* of a coalesced
     op: it is not logged on its own (the coalesced op is logged once, with the parts'
@@ -318,7 +303,7 @@ def _dispatch(
         if op in _off() or part_of.op in _off():
             part_of.skipped = True
             return skip()
-        return _run(op, group, run)
+        return _run(op, group, run, nbytes, sample)
     logs = _logs()
     if op in _off():
         out = skip()
@@ -326,7 +311,7 @@ def _dispatch(
             log.records.append(CommRecord(op, _LABEL.get(), nbytes, 0.0, _world(group), True))
         return out
     start = time.perf_counter() if logs else 0.0
-    out = _run(op, group, run)
+    out = _run(op, group, run, nbytes, sample)
     if logs:
         _sync_if_needed(sample)
         elapsed = time.perf_counter() - start
@@ -335,14 +320,22 @@ def _dispatch(
     return out
 
 
-def _run(op: str, group: ProcessGroup, run: Callable[[], Any]) -> Any:
+def _run(
+    op: str, group: ProcessGroup, run: Callable[[], Any], nbytes: int = 0, sample: torch.Tensor | None = None
+) -> Any:
+    """``run()`` recorded by the flight recorder; a timeout (or a peer gone mid-op) becomes
+    :class:`~diffcomm.DesyncError` carrying the cross-rank diagnosis."""
+    label = _LABEL.get()
+    rec = _flight.begin(op, group, nbytes, sample, label)
     try:
-        return run()
+        out = run()
     except (RuntimeError, dist.DistError) as err:  # DistBackendError is a RuntimeError
-        text = str(err).lower()
-        if any(m in text for m in _TIMEOUT_MARKERS):
-            raise CollectiveTimeoutError(_timeout_message(op, group, err)) from err
+        mapped = _flight.failed(rec, op, group, err, label)
+        if mapped is not None:
+            raise mapped from err
         raise
+    _flight.end(rec)
+    return out
 
 
 @dataclass

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _args as A
-from . import _config
+from . import _config, _flight
 from . import backend as B
 from ._errors import CollectiveTimeoutError, CrossRankMismatchError, DiffcommError
 from .collectives import OpSpec
@@ -159,7 +159,7 @@ class _SendQueue:
     """
 
     def __init__(self) -> None:
-        self._q: queue.Queue[tuple[Any, Any, str]] = queue.Queue()
+        self._q: queue.Queue[tuple[Any, Any, str, Any]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -167,22 +167,25 @@ class _SendQueue:
     def post(self, work: Any, keep: Any, what: str) -> None:
         if work is None:  # comm-off switch: nothing was posted
             return
+        rec = _flight.take_last("send")  # the flight record: queued until the peer has it
+        _flight.queued(rec)
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="diffcomm-sends", daemon=True)
                 self._thread.start()
-        self._q.put((work, keep, what))
+        self._q.put((work, keep, what, rec))
 
     def _run(self) -> None:
         while True:
-            work, keep, what = self._q.get()
+            work, keep, what, rec = self._q.get()
             try:
                 work.wait()
+                _flight.end(rec)
             except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
                 if self._error is None:
                     self._error = _send_error(what, err)
             finally:
-                del work, keep
+                del work, keep, rec
                 self._q.task_done()
 
     def check(self) -> None:

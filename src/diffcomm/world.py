@@ -14,7 +14,16 @@ Failure semantics (each is tested):
   rank and its exit code within about a second; the world is torn down;
 * a run exceeds ``timeout`` -> :class:`~diffcomm.WorldTimeoutError` naming the ranks still
   busy; the world is torn down;
-* Ctrl-C in the caller, garbage collection and interpreter exit -> children killed.
+* a rank returns while others wait for it in a collective (a desync) ->
+  :class:`~diffcomm.RankDesyncError` within about a second, leading with the flight
+  recorder's diagnosis (which op, which sequence number, who returned); torn down;
+* a rank raises :class:`~diffcomm.DesyncError` (its collective timed out) ->
+  :class:`~diffcomm.RankDesyncError` leading with that rank's diagnosis; torn down;
+* Ctrl-C in the caller, garbage collection and interpreter exit -> children killed
+  (the ranks ignore SIGINT from their first instruction, so a Ctrl-C prints nothing
+  per rank);
+* a world the machine cannot hold (too many ranks per core, or more estimated memory
+  than is available) -> :class:`~diffcomm.WorldTooLargeError` before any process starts.
 
 A torn-down world starts fresh processes at its next ``run`` (``world.restarts`` counts
 them), so one failing property test does not poison the rest of a session; after
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import faulthandler
 import multiprocessing.connection as mpc
 import os
 import pickle
@@ -32,6 +42,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -44,8 +55,16 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from . import _config
-from ._errors import CollectiveTimeoutError, RankDiedError, RankError, WorldTimeoutError
+from . import _config, _flight
+from ._errors import (
+    CollectiveTimeoutError,
+    DesyncError,
+    RankDesyncError,
+    RankDiedError,
+    RankError,
+    WorldTimeoutError,
+    WorldTooLargeError,
+)
 
 __all__ = ["LocalWorld", "launch", "init", "get_rank", "get_world_size", "is_initialized"]
 
@@ -53,6 +72,11 @@ DEFAULT_COLLECTIVE_TIMEOUT = 30.0  # seconds; LocalWorld's default for DIFFCOMM_
 DEFAULT_RUN_TIMEOUT = 300.0
 _STARTUP_TIMEOUT = 120.0  # seconds for every rank to start (import torch) and rendezvous
 _GRACE = 1.0  # seconds to wait for the other ranks' reports once one rank failed
+_MAX_RANKS_PER_CORE = 8  # above this, start-up alone takes minutes (each rank imports torch)
+_RANK_MEMORY = 350 * 2**20  # bytes one idle gloo rank holds (torch imported), measured ~300 MB
+_FIRST_CHECK = 0.15  # seconds after a rank returned before asking the busy ranks what they do
+_RECHECK = 0.3
+_PROGRESS_AFTER = 2.0  # seconds of start-up before progress is printed
 
 
 def get_rank(group: Any = None) -> int:
@@ -144,6 +168,9 @@ def _worker_main(
     # The caller owns the ranks' lifetime: a Ctrl-C typed in the caller's terminal reaches
     # the whole process group, and must not kill idle ranks (the caller tears them down).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fault_dir = os.environ.get("DIFFCOMM_FAULT_DIR")
+    if fault_dir:  # a rank the backend aborts (gloo on a size mismatch) leaves its stack here
+        faulthandler.enable(open(os.path.join(fault_dir, f"rank{rank}.txt"), "w"), all_threads=True)  # noqa: SIM115
     os.environ["DIFFCOMM_TIMEOUT"] = str(collective_timeout)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -158,6 +185,8 @@ def _worker_main(
         store.set(f"diffcomm/arrived/{rank}", "1")
         store.wait([f"diffcomm/arrived/{r}" for r in range(world_size)], startup)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        _flight.start_responder(store, rank)
+        _flight.set_status("returned")
         if backend == "nccl" and torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
         conn.send_bytes(pickle.dumps(("ready", None)))
@@ -177,7 +206,11 @@ def _worker_main(
             for p in paths:
                 if p not in sys.path:
                     sys.path.append(p)
-            result = fn(*args, **kwargs)
+            _flight.set_status("running")
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                _flight.set_status("returned")
             reply = pickle.dumps(("ok", cloudpickle.dumps(result)))
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
             fatal = isinstance(exc, CollectiveTimeoutError | dist.DistBackendError)
@@ -226,6 +259,7 @@ class _Procs:
         self.procs: list[Any] = []
         self.conns: list[mpc.Connection] = []
         self.store: Any = None
+        self.fault_dir: tempfile.TemporaryDirectory[str] | None = None
 
     def shutdown(self, graceful: bool) -> None:
         if graceful:
@@ -253,6 +287,19 @@ class _Procs:
                 pass
         self.procs, self.conns = [], []
         self.store = None
+        if self.fault_dir is not None:
+            self.fault_dir.cleanup()
+            self.fault_dir = None
+
+    def fault_text(self, rank: int) -> str:
+        """What faulthandler wrote for ``rank`` (its stacks if the backend aborted it)."""
+        if self.fault_dir is None:
+            return ""
+        try:
+            with open(os.path.join(self.fault_dir.name, f"rank{rank}.txt")) as f:
+                return f.read()
+        except OSError:
+            return ""
 
 
 _LIVE: weakref.WeakSet[LocalWorld] = weakref.WeakSet()
@@ -275,6 +322,10 @@ class LocalWorld:
         collective_timeout: seconds a single collective may wait for its peers before it
             raises :class:`~diffcomm.CollectiveTimeoutError` on that rank (the ranks'
             ``DIFFCOMM_TIMEOUT``); default ``DIFFCOMM_TIMEOUT`` if set, else 30.
+        allow_oversubscribe: start even if the machine cannot hold the world (more than
+            8 ranks per core, or more estimated memory than available); default
+            ``DIFFCOMM_ALLOW_OVERSUBSCRIBE``. Otherwise such a world is refused with
+            :class:`~diffcomm.WorldTooLargeError` before any process starts.
 
     Example::
 
@@ -288,9 +339,13 @@ class LocalWorld:
         backend: str = "gloo",
         timeout: float = DEFAULT_RUN_TIMEOUT,
         collective_timeout: float | None = None,
+        allow_oversubscribe: bool | None = None,
     ) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"LocalWorld(): `world_size` must be an int >= 1, got {world_size!r}")
+        allow = _config.ALLOW_OVERSUBSCRIBE.get() if allow_oversubscribe is None else allow_oversubscribe
+        if not allow:
+            check_world_fits(world_size)
         if not isinstance(backend, str) or not dist.is_backend_available(backend):
             raise ValueError(f"LocalWorld(): `backend` {backend!r} is not available in this torch build")
         if not timeout > 0:
@@ -324,6 +379,7 @@ class LocalWorld:
 
     def _start(self) -> None:
         st = self._state
+        st.fault_dir = tempfile.TemporaryDirectory(prefix="diffcomm-faults-")
         st.store = dist.TCPStore(
             "127.0.0.1",
             0,
@@ -338,13 +394,14 @@ class LocalWorld:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env.setdefault("OMP_NUM_THREADS", "1")
+        env["DIFFCOMM_FAULT_DIR"] = st.fault_dir.name
         for rank in range(self.world_size):
             parent_sock, child_sock = socket.socketpair()
             fd = child_sock.fileno()
             cmd = [
                 sys.executable,
-                "-m",
-                "diffcomm._worker",
+                "-c",
+                _WORKER_BOOT,
                 str(rank),
                 str(self.world_size),
                 self.backend,
@@ -442,18 +499,36 @@ class LocalWorld:
         if failures:
             if fatal:
                 self._teardown()
-            raise RankError(_failure_message(failures, fatal), failures, _exceptions(replies))
+            exceptions = _exceptions(replies)
+            desync = _desync_story(exceptions)
+            if desync is not None:
+                raise RankDesyncError(
+                    f"LocalWorld: the ranks went out of step during `{getattr(fn, '__name__', 'fn')}` "
+                    f"(the world was torn down; it restarts at the next run).\n{desync[0]}"
+                    + _tracebacks(failures),
+                    desync[1],
+                    failures,
+                    exceptions,
+                )
+            raise RankError(_failure_message(failures, fatal), failures, exceptions)
         return results
 
     def _collect(self, pending: set[int], timeout: float, what: str) -> dict[int, tuple[str, Any]]:
-        """Wait for one reply per pending rank, watching for deaths, errors and time.
+        """Wait for one reply per pending rank, watching for deaths, errors, desyncs and time.
 
         A rank's death shows up as end-of-file on its socket (only it holds the other end).
+        Once a rank returned while others are still busy, the busy ranks are asked (through
+        the store, by their flight-recorder threads) what they are doing; one blocked in a
+        collective that a returned rank never reached is a desync, reported at once.
         """
         st = self._state
         replies: dict[int, tuple[str, Any]] = {}
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         grace_deadline: float | None = None
+        check_at: float | None = None
+        progress_at = start + _PROGRESS_AFTER if what == "start-up" else None
+        printed = False
         by_conn = {st.conns[r]: r for r in pending}
         died: dict[int, int | None] = {}
         while pending:
@@ -461,7 +536,8 @@ class LocalWorld:
             limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
             if now >= limit:
                 break
-            ready = mpc.wait([st.conns[r] for r in pending], timeout=limit - now)
+            wake = min(t for t in (limit, check_at, progress_at) if t is not None)
+            ready = mpc.wait([st.conns[r] for r in pending], timeout=max(0.0, wake - now))
             for obj in ready:
                 r = by_conn[obj]  # type: ignore[index]
                 try:
@@ -478,14 +554,53 @@ class LocalWorld:
                 pending.discard(r)
                 if replies[r][0] == "err" and grace_deadline is None:
                     grace_deadline = time.monotonic() + _GRACE
+            now = time.monotonic()
+            if progress_at is not None and now >= progress_at and pending:
+                done = self.world_size - len(pending)
+                print(
+                    f"diffcomm: LocalWorld({self.world_size}) starting: {done}/{self.world_size} ranks "
+                    f"ready after {now - start:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                printed = True
+                progress_at = now + _PROGRESS_AFTER
+            if what == "start-up" or grace_deadline is not None or not pending:
+                continue
+            returned = sorted(r for r, v in replies.items() if v[0] == "ok")
+            if not returned:
+                continue
+            if check_at is None:
+                check_at = now + _FIRST_CHECK
+            elif now >= check_at:
+                stuck = self._desync_check(returned, sorted(pending), what)
+                if stuck is not None:
+                    self._teardown()
+                    raise stuck
+                check_at = time.monotonic() + _RECHECK
+        if printed and not pending:
+            print(
+                f"diffcomm: LocalWorld({self.world_size}) ready after {time.monotonic() - start:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         failures = {r: v[1][0] for r, v in replies.items() if v[0] == "err"}
         exceptions = _exceptions(replies)
+        desync = _desync_story(exceptions)
         if died:
-            self._teardown()
             codes = ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(died.items()))
+            faults = "".join(
+                f"\n\n--- rank {r}: the backend aborted it; its Python stacks ---\n{text.strip()}"
+                for r in sorted(died)
+                if (text := st.fault_text(r)).strip()
+            )
+            lead = self._abort_story(died, what) if any(c == -signal.SIGABRT for c in died.values()) else ""
+            self._teardown()
             raise RankDiedError(
-                f"LocalWorld: {codes} died during `{what}`; the world was torn down "
-                f"(it restarts at the next run)." + _tracebacks(failures),
+                lead
+                + f"LocalWorld: {codes} died during `{what}`; the world was torn down "
+                f"(it restarts at the next run)." + (f"\n{desync[0]}" if desync else "") + faults
+                + _tracebacks(failures),
                 died,
                 failures,
                 exceptions,
@@ -493,6 +608,15 @@ class LocalWorld:
         if pending:
             busy = sorted(pending)
             self._teardown()
+            if desync:
+                raise RankDesyncError(
+                    f"LocalWorld: the ranks went out of step during `{what}` (rank(s) {busy} still "
+                    f"busy were torn down; the world restarts at the next run).\n{desync[0]}"
+                    + _tracebacks(failures),
+                    desync[1],
+                    failures,
+                    exceptions,
+                )
             if failures:
                 raise RankError(
                     f"LocalWorld: rank(s) {sorted(failures)} raised during `{what}` while rank(s) "
@@ -507,6 +631,147 @@ class LocalWorld:
                 busy,
             )
         return replies
+
+    def _abort_story(self, died: dict[int, int | None], what: str) -> str:
+        """Why a rank was aborted (SIGABRT) mid-collective, from its faulthandler stacks and
+        the survivors' flight records; leads the :class:`RankDiedError` message."""
+        lines = []
+        for r in sorted(died):
+            if died[r] != -signal.SIGABRT:
+                continue
+            raw, site = _aborted_in(self._state.fault_text(r))
+            if raw is None:
+                continue
+            lines.append(
+                f"rank {r} was aborted by the backend inside raw `{raw}`"
+                + (f" called from {site}" if site else "")
+            )
+        if not lines:
+            return ""
+        others: list[str] = []
+        store = self._state.store
+        alive = [r for r in range(self.world_size) if r not in died]
+        try:
+            states = _flight.request_states(store, alive, wait=0.3) if store is not None and alive else {}
+        except Exception:  # noqa: BLE001
+            states = {}
+        for r in alive:
+            for e in (states.get(r) or {}).get("inflight", []):
+                shape = f", shape {tuple(e['shape'])} {e['dtype']}" if e.get("shape") is not None else ""
+                site = f", from {e['site']}" if e.get("site") else ""
+                others.append(f"rank {r} was in `{e['op']}` #{e['seq']} on group {e['group']}{shape}{site}")
+        return (
+            "; ".join(lines + others) + ". gloo aborts a rank whose collective receives more bytes than "
+            "it expects: the ranks called this collective with different shapes (or different ops). "
+            "DIFFCOMM_DEBUG=1 compares shapes before any data moves and names the ranks.\n"
+        )
+
+    def _desync_check(self, returned: list[int], busy: list[int], what: str) -> RankDesyncError | None:
+        """A :class:`RankDesyncError` if a busy rank waits in a communication that a rank
+        which already returned never reached; else None (the busy ranks are just slower)."""
+        store = self._state.store
+        if store is None:
+            return None
+        try:
+            states = _flight.request_states(store, list(range(self.world_size)), wait=0.5)
+        except Exception:  # noqa: BLE001 - no answers, no early diagnosis (the timeout still applies)
+            return None
+        for p in busy:
+            s = states.get(p)
+            for e in (s or {}).get("inflight", []):
+                key = ",".join(map(str, e["group"])) + ("/p2p" if e["raw_op"] in _flight._P2P else "")
+                gone = [
+                    q
+                    for q in returned
+                    if q in e["group"]
+                    and states.get(q)
+                    and states[q]["counts"].get(key, 0) <= e["seq"]
+                ]
+                if not gone:
+                    continue
+                text, facts = _flight.diagnose(states, e)
+                facts["returned"] = gone
+                waiting = [
+                    r
+                    for r in busy
+                    if any(x["seq"] == e["seq"] for x in (states.get(r) or {}).get("inflight", []))
+                ]
+                return RankDesyncError(
+                    f"LocalWorld: rank(s) {gone} returned from `{what}` while rank(s) {waiting or [p]} "
+                    f"wait for them in `{e['op']}` (sequence number #{e['seq']} on group {e['group']}"
+                    f"{', from ' + e['site'] if e.get('site') else ''}) — a desync; the world was torn "
+                    f"down (it restarts at the next run).\n{text}",
+                    facts,
+                )
+        return None
+
+
+def _aborted_in(fault_text: str) -> tuple[str | None, str | None]:
+    """(raw backend op, user call site) of the main thread in a faulthandler dump."""
+    blocks = fault_text.split("\n\n")
+    for block in blocks:
+        frames = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("File ")]
+        raw = site = None
+        for ln in frames:  # most recent call first
+            try:
+                path = ln.split('"')[1]
+                lineno, func = ln.rsplit(" line ", 1)[1].split(" in ", 1)
+            except (IndexError, ValueError):
+                continue
+            if raw is None and path.endswith(os.path.join("diffcomm", "backend.py")) and func != "<lambda>":
+                if func != "_dispatch":
+                    raw = func
+            elif raw is not None and site is None and not _flight._internal(path) and path[:1] != "<":
+                site = _flight._fmt_site((path, int(lineno)))
+        if raw is not None:
+            return raw, site
+    return None, None
+
+
+def _desync_story(exceptions: dict[int, BaseException]) -> tuple[str, dict[str, Any]] | None:
+    """The first rank's :class:`DesyncError` text and facts, if any rank raised one."""
+    for r in sorted(exceptions):
+        exc = exceptions[r]
+        if isinstance(exc, DesyncError):
+            return f"rank {r}: {exc}", dict(exc.facts)
+    return None
+
+
+# Ignore SIGINT before anything else (importing diffcomm imports torch: seconds), so a
+# Ctrl-C in the caller's terminal never prints a traceback per rank.
+_WORKER_BOOT = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "import runpy; runpy.run_module('diffcomm._worker', run_name='__main__', alter_sys=True)"
+)
+
+
+def check_world_fits(world_size: int) -> None:
+    """Raise :class:`~diffcomm.WorldTooLargeError` if this machine cannot hold the world.
+
+    Bounds: at most 8 ranks per CPU core (each rank imports torch and runs its own
+    threads), and the per-rank memory estimate (about 350 MB for an idle gloo rank) times
+    ``world_size`` within 90% of the memory available now.
+    """
+    cores = psutil.cpu_count(logical=True) or os.cpu_count() or 1
+    avail = psutil.virtual_memory().available
+    need = world_size * _RANK_MEMORY
+    problems = []
+    if world_size > _MAX_RANKS_PER_CORE * cores:
+        problems.append(
+            f"{world_size} ranks on {cores} CPU core(s) is {world_size / cores:.1f} ranks per core "
+            f"(bound: {_MAX_RANKS_PER_CORE})"
+        )
+    if need > 0.9 * avail:
+        problems.append(
+            f"{world_size} ranks x ~{_RANK_MEMORY / 2**20:.0f} MB = {need / 2**30:.1f} GB estimated, "
+            f"{avail / 2**30:.1f} GB available"
+        )
+    if problems:
+        raise WorldTooLargeError(
+            f"LocalWorld({world_size}): this machine cannot hold the world: " + "; ".join(problems) + ". "
+            "Use fewer ranks, or override with LocalWorld(..., allow_oversubscribe=True) or "
+            "DIFFCOMM_ALLOW_OVERSUBSCRIBE=1."
+        )
 
 
 def _exceptions(replies: dict[int, tuple[str, Any]]) -> dict[int, BaseException]:

@@ -1,0 +1,679 @@
+"""The flight recorder and the desync diagnosis.
+
+**Recorder.** Every raw communication that goes through the backend's one entry point
+(:func:`diffcomm.backend._dispatch`) is recorded in a per-rank ring buffer (the last
+``DIFFCOMM_FLIGHT_SIZE`` entries, 1024 by default): the raw op, the diffcomm op it serves
+(its label, e.g. ``"all_gather backward -> reduce_scatter(sum)"``), the group's global
+ranks, a **per-group sequence number**, shape and dtype, forward or backward, the state
+(``started`` -> ``completed``/``failed``; a send posted asynchronously is ``queued``
+until its peer received it), the duration, and the user's call site (``file:line``, the
+first frame outside diffcomm and torch). ``diffcomm.flight_recorder()`` returns a snapshot;
+``.dump(path)`` writes JSON. ``DIFFCOMM_FLIGHT=0`` switches recording off.
+
+**Diagnosis.** When a communication fails (a ``DIFFCOMM_TIMEOUT`` timeout, or a peer
+that vanished), the failing rank asks every rank for its recent entries through the
+**rendezvous store** — a TCP key-value store that still works while the process group is
+stuck. Each rank answers from a small daemon thread (so a rank blocked in a collective,
+or busy in user code, answers too; a rank that exited leaves its last entries behind at
+exit). From the answers, :func:`diagnose` finds the first sequence number where the
+ranks diverge (a different op, a different shape, a rank that never got there) and says
+what every rank is doing. The failing rank raises :class:`~diffcomm.DesyncError` with that
+text. :class:`~diffcomm.LocalWorld` uses the same answers to notice at once (not after the
+timeout) that a rank returned from the function while others wait for it.
+
+The hot path (:func:`begin` / :func:`end`) costs about a microsecond or two per op; see
+``benchmarks/bench_flight.py``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _config
+from ._errors import DesyncError
+
+__all__ = ["FlightRecorder", "Entry", "flight_recorder", "diagnose"]
+
+_PREFIX = "diffcomm/flight/"
+_P2P = frozenset(("send", "recv", "batch_p2p"))
+_SHAPE_FREE = frozenset(("all_to_all", "send", "recv", "batch_p2p", "barrier"))
+#: seconds a diagnosing rank waits for the other ranks' answers
+ANSWER_WAIT = 1.5
+
+
+# --------------------------------------------------------------------------------------
+# entries and the ring buffer
+# --------------------------------------------------------------------------------------
+
+
+class Entry:
+    """One recorded communication (mutable while in flight)."""
+
+    __slots__ = ("op", "label", "group", "seq", "shape", "dtype", "nbytes", "site", "state", "t0", "t1")
+
+    def __init__(
+        self,
+        op: str,
+        label: str | None,
+        group: tuple[int, ...],
+        seq: int,
+        shape: Any,
+        dtype: Any,
+        nbytes: int,
+        site: tuple[str, int] | None,
+        t0: float,
+    ) -> None:
+        self.op = op
+        self.label = label
+        self.group = group
+        self.seq = seq
+        self.shape = shape
+        self.dtype = dtype
+        self.nbytes = nbytes
+        self.site = site
+        self.state = "started"
+        self.t0 = t0
+        self.t1 = 0.0
+
+    @property
+    def direction(self) -> str:
+        return "backward" if self.label is not None and "backward" in self.label else "forward"
+
+    def as_dict(self, now: float | None = None) -> dict[str, Any]:
+        now = time.perf_counter() if now is None else now
+        end = self.t1 if self.t1 else now
+        return {
+            "op": self.label or self.op,
+            "raw_op": self.op,
+            "seq": self.seq,
+            "group": list(self.group),
+            "shape": None if self.shape is None else list(self.shape),
+            "dtype": None if self.dtype is None else str(self.dtype).replace("torch.", ""),
+            "nbytes": self.nbytes,
+            "direction": self.direction,
+            "state": self.state,
+            "duration_s": round(end - self.t0, 6),
+            "site": _fmt_site(self.site),
+        }
+
+
+def _fmt_site(site: tuple[str, int] | None) -> str | None:
+    if site is None:
+        return None
+    path, line = site
+    try:
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    except ValueError:
+        pass
+    return f"{path}:{line}"
+
+
+class _Group:
+    __slots__ = ("ranks", "next", "timeout")
+
+    def __init__(self, ranks: tuple[int, ...]) -> None:
+        self.ranks = ranks
+        self.next = 0
+        self.timeout: float | None = None
+
+
+_RING: deque[Entry] = deque(maxlen=1024)
+_GROUPS: dict[Any, _Group] = {}
+_LAST: list[Entry | None] = [None]
+_WORLD_PG: list[Any] = [None]
+_INTERNAL: dict[str, bool] = {}
+_PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_STATUS = ["running"]  # running | returned | exited (what the process does outside diffcomm)
+_responder: list[Any] = [None]
+
+
+def configure() -> None:
+    """Resize the ring buffer to ``DIFFCOMM_FLIGHT_SIZE`` (keeping the newest entries)."""
+    global _RING
+    size = int(_config.FLIGHT_SIZE.get())
+    if _RING.maxlen != size:
+        _RING = deque(_RING, maxlen=size)
+
+
+def _internal(path: str) -> bool:
+    hit = _INTERNAL.get(path)
+    if hit is None:
+        hit = _INTERNAL[path] = (
+            path.startswith(_PKG) and not path.startswith(_PKG + "testing" + os.sep)
+        ) or path.startswith(_TORCH) or path.startswith("<frozen") or path.endswith(
+            ("contextlib.py", "threading.py")
+        )
+    return hit
+
+
+def _site() -> tuple[str, int] | None:
+    f: Any = sys._getframe(2)
+    while f is not None:
+        code = f.f_code
+        if not _internal(code.co_filename):
+            return (code.co_filename, f.f_lineno)
+        f = f.f_back
+    return None
+
+
+def _group(group: Any) -> _Group:
+    key = group
+    if group is None:
+        pg = dist.distributed_c10d._world.default_pg
+        if pg is not _WORLD_PG[0]:  # a new default group: forget the old one's counters
+            _WORLD_PG[0] = pg
+            _GROUPS.pop(None, None)
+    g = _GROUPS.get(key)
+    if g is None:
+        if dist.is_initialized():
+            ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        else:
+            ranks = (0,)
+        g = _GROUPS[key] = _Group(ranks)
+        configure()
+        _ensure_responder()
+    return g
+
+
+def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: str | None) -> Entry | None:
+    """Record the start of a raw op (and apply ``DIFFCOMM_TIMEOUT`` to its group)."""
+    g = _group(group)
+    timeout = _config.TIMEOUT._value if _config.TIMEOUT._loaded else _config.TIMEOUT.get()
+    if timeout != g.timeout:
+        _apply_timeout(group, g, timeout)
+    flight = _config.FLIGHT
+    if not (flight._value if flight._loaded else flight.get()):
+        return None
+    if op in _P2P:
+        g = _p2p_group(group, g)
+    seq = g.next
+    g.next = seq + 1
+    e = Entry(
+        op,
+        label,
+        g.ranks,
+        seq,
+        None if sample is None else sample.shape,
+        None if sample is None else sample.dtype,
+        nbytes,
+        _site(),
+        time.perf_counter(),
+    )
+    _RING.append(e)
+    _LAST[0] = e
+    return e
+
+
+def _p2p_group(group: Any, g: _Group) -> _Group:
+    # point-to-point messages have their own counter: they pair up two ranks, not a group
+    key = ("p2p", group)
+    p = _GROUPS.get(key)
+    if p is None:
+        p = _GROUPS[key] = _Group(g.ranks)
+    return p
+
+
+def end(e: Entry | None) -> None:
+    if e is not None:
+        e.t1 = time.perf_counter()
+        e.state = "completed"
+
+
+def queued(e: Entry | None) -> None:
+    """Mark a posted asynchronous send: not completed until its peer received it."""
+    if e is not None:
+        e.state = "queued"
+        e.t1 = 0.0
+
+
+def take_last(op: str) -> Entry | None:
+    """The entry :func:`begin` made last if it is an ``op`` (for the send queue to track)."""
+    e, _LAST[0] = _LAST[0], None
+    return e if e is not None and e.op == op else None
+
+
+def _apply_timeout(group: Any, g: _Group, timeout: float | None) -> None:
+    """``DIFFCOMM_TIMEOUT`` bounds every group diffcomm talks on, also the user's own."""
+    g.timeout = timeout
+    if timeout is None or not dist.is_initialized():
+        return
+    try:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout), group)
+    except Exception:  # noqa: BLE001 - a backend without settable timeouts keeps its own
+        pass
+
+
+def set_status(status: str) -> None:
+    """What this process does outside diffcomm: ``running`` (user code) or ``returned``."""
+    _STATUS[0] = status
+
+
+def reset() -> None:
+    """Forget every entry and counter (a fresh process group)."""
+    _RING.clear()
+    _GROUPS.clear()
+    _WORLD_PG[0] = None
+
+
+# --------------------------------------------------------------------------------------
+# the public snapshot
+# --------------------------------------------------------------------------------------
+
+
+class FlightRecorder:
+    """A snapshot of this rank's most recent diffcomm communications, oldest first.
+
+    Each entry is a dict: ``op`` (the diffcomm op, e.g. ``"all_reduce(sum)"`` or
+    ``"all_gather backward -> reduce_scatter(sum)"``), ``raw_op``, ``seq`` (per-group
+    sequence number, the same on every rank for the same call), ``group`` (global ranks),
+    ``shape``, ``dtype``, ``nbytes``, ``direction`` (``forward``/``backward``), ``state``
+    (``started``/``queued``/``completed``/``failed``), ``duration_s`` and ``site`` (the
+    user's ``file:line``).
+    """
+
+    def __init__(self, entries: list[dict[str, Any]], rank: int, enabled: bool) -> None:
+        self.entries = entries
+        self.rank = rank
+        self.enabled = enabled
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.entries)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.entries[i]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "enabled": self.enabled, "entries": self.entries}
+
+    def dump(self, path: str | os.PathLike[str]) -> Path:
+        """Write the snapshot as JSON to ``path`` (``{rank}`` in the name is filled in)."""
+        p = Path(str(path).replace("{rank}", str(self.rank)))
+        p.write_text(json.dumps(self.as_dict(), indent=1))
+        return p
+
+    def __str__(self) -> str:
+        lines = [f"diffcomm flight recorder, rank {self.rank}: {len(self.entries)} entries"]
+        for e in self.entries:
+            lines.append(
+                f"  #{e['seq']:<5} {e['op']:<40} {e['state']:<9} {str(e['shape']):<14} "
+                f"{e['dtype'] or '':<9} {e['duration_s'] * 1e3:8.3f} ms  {e['site'] or ''}"
+            )
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def flight_recorder() -> FlightRecorder:
+    """This rank's most recent diffcomm communications (``DIFFCOMM_FLIGHT_SIZE`` of them).
+
+    Returns:
+        A :class:`FlightRecorder` snapshot: iterate it for one dict per communication,
+        ``.dump(path)`` for JSON, ``print()`` for a table.
+
+    Example::
+
+        y = dc.all_reduce(x)
+        rec = dc.flight_recorder()
+        rec[-1]["op"], rec[-1]["seq"], rec[-1]["site"]   # 'all_reduce(sum)', 0, 'train.py:12'
+        rec.dump("flight_{rank}.json")
+    """
+    configure()
+    now = time.perf_counter()
+    entries = [e.as_dict(now) for e in list(_RING)]
+    return FlightRecorder(entries, _global_rank(), bool(_config.FLIGHT.get()))
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+# --------------------------------------------------------------------------------------
+# answering through the store
+# --------------------------------------------------------------------------------------
+
+
+def _state(recent: int = 64) -> dict[str, Any]:
+    now = time.perf_counter()
+    entries = list(_RING)
+    busy = [e for e in entries if e.state == "started"]
+    if not busy and entries and entries[-1].state == "failed":
+        busy = [entries[-1]]  # it just gave up on this one (its own timeout)
+    counts = {",".join(map(str, g.ranks)) + ("/p2p" if isinstance(k, tuple) else ""): g.next
+              for k, g in list(_GROUPS.items())}
+    return {
+        "rank": _global_rank(),
+        "pid": os.getpid(),
+        "status": _STATUS[0],
+        "inflight": [e.as_dict(now) for e in busy],
+        "recent": [e.as_dict(now) for e in entries[-recent:]],
+        "counts": counts,
+    }
+
+
+def _base_store(store: Any) -> Any:
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def _client(store: Any) -> Any:
+    """A private client connection to the TCP store behind ``store`` (None if not TCP)."""
+    base = _base_store(store)
+    if not isinstance(base, dist.TCPStore):
+        return None
+    return dist.TCPStore(
+        base.host, base.port, None, False, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
+    )
+
+
+def start_responder(store: Any = None, rank: int | None = None) -> None:
+    """Start (once per process) the thread that answers diagnosis requests."""
+    if _responder[0] is not None:
+        return
+    try:
+        if store is None:
+            if not dist.is_initialized():
+                return
+            store = dist.distributed_c10d._get_default_store()
+        client = _client(store)
+        asker = _client(store)
+    except Exception:  # noqa: BLE001 - no store, no cross-rank diagnosis (own view only)
+        _responder[0] = False
+        return
+    if client is None:
+        _responder[0] = False
+        return
+    me = _global_rank() if rank is None else rank
+    _responder[0] = (asker, me)
+    threading.Thread(target=_answer_loop, args=(client, me), name="diffcomm-flight", daemon=True).start()
+    atexit.register(_publish_final, asker, me)
+
+
+def _ensure_responder() -> None:
+    if _responder[0] is None and dist.is_initialized():
+        start_responder()
+
+
+def _answer_loop(store: Any, rank: int) -> None:
+    gen = 1
+    while True:
+        try:
+            store.wait([f"{_PREFIX}req/{gen}"], datetime.timedelta(days=7))
+            store.set(f"{_PREFIX}state/{gen}/{rank}", json.dumps(_state()))
+        except Exception:  # noqa: BLE001 - the store is gone: the world is over
+            return
+        gen += 1
+
+
+def _publish_final(store: Any, rank: int) -> None:
+    try:
+        _STATUS[0] = "exited"
+        store.set(f"{_PREFIX}final/{rank}", json.dumps(_state()))
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def request_states(
+    store: Any, ranks: list[int], wait: float = ANSWER_WAIT
+) -> dict[int, dict[str, Any] | None]:
+    """Ask every rank in ``ranks`` for its state through ``store``; None for the silent."""
+    gen = int(store.add(f"{_PREFIX}gen", 1))
+    store.set(f"{_PREFIX}req/{gen}", "1")
+    keys = {r: f"{_PREFIX}state/{gen}/{r}" for r in ranks}
+    deadline = time.monotonic() + wait
+    out: dict[int, dict[str, Any] | None] = {}
+    pending = dict(keys)
+    while pending and time.monotonic() < deadline:
+        for r, k in list(pending.items()):
+            if store.check([k]):
+                out[r] = json.loads(store.get(k))
+                del pending[r]
+        if pending:
+            time.sleep(0.02)
+    for r in pending:
+        final = f"{_PREFIX}final/{r}"
+        out[r] = json.loads(store.get(final)) if store.check([final]) else None
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# the diagnosis
+# --------------------------------------------------------------------------------------
+
+
+def _sig(e: dict[str, Any]) -> tuple[Any, ...]:
+    if e["raw_op"] in _SHAPE_FREE:
+        return (e["op"], e["raw_op"])
+    return (e["op"], e["raw_op"], tuple(e["shape"] or ()), e["dtype"])
+
+
+def _desc(e: dict[str, Any], with_shape: bool = True) -> str:
+    shape = f", shape {tuple(e['shape'])} {e['dtype']}" if with_shape and e.get("shape") is not None else ""
+    site = f" from {e['site']}" if e.get("site") else ""
+    return f"`{e['op']}` #{e['seq']}{shape}{site}"
+
+
+def _group_entries(state: dict[str, Any], group: list[int], p2p: bool) -> dict[int, dict[str, Any]]:
+    return {
+        e["seq"]: e
+        for e in state.get("recent", [])
+        if e["group"] == group and (e["raw_op"] in _P2P) == p2p
+    }
+
+
+def diagnose(
+    states: dict[int, dict[str, Any] | None], focus: dict[str, Any] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """Explain a stuck or failed communication from every rank's recorded state.
+
+    Args:
+        states: ``{global rank: state or None}`` as :func:`request_states` returns.
+        focus: the entry (dict) that failed on the diagnosing rank, if any; else the
+            oldest in-flight entry found on any rank.
+
+    Returns:
+        ``(text, facts)``: the message, and a dict with ``group``, ``seq`` (the first
+        diverging sequence number), ``culprits`` (ranks), ``op`` and ``direction``.
+    """
+    if focus is None:
+        inflight = [e for s in states.values() if s for e in s.get("inflight", [])]
+        inflight.sort(key=lambda e: -e["duration_s"])
+        focus = inflight[0] if inflight else None
+    if focus is None:
+        return "no rank is inside a diffcomm communication", {"culprits": [], "seq": None}
+    group = list(focus["group"])
+    p2p = focus["raw_op"] in _P2P
+    hist = {r: _group_entries(states[r], group, p2p) for r in group if states.get(r)}
+    counts_key = ",".join(map(str, group)) + ("/p2p" if p2p else "")
+    reached = {r: states[r].get("counts", {}).get(counts_key, 0) for r in group if states.get(r)}
+    # first sequence number where the ranks differ: a different op/shape or a rank missing
+    lo = min((min(h) for h in hist.values() if h), default=focus["seq"])
+    hi = max((max(h) for h in hist.values() if h), default=focus["seq"])
+    diverge: int | None = None
+    kinds: dict[tuple[Any, ...], list[int]] = {}
+    missing: list[int] = []
+    for seq in range(lo, hi + 1):
+        kinds, missing = {}, []
+        for r in group:
+            if not states.get(r):
+                missing.append(r)
+                continue
+            e = hist[r].get(seq)
+            if e is None:
+                if reached.get(r, 0) <= seq:
+                    missing.append(r)
+                continue  # fell out of the ring buffer: no evidence either way
+            kinds.setdefault(_sig(e), []).append(r)
+        if len(kinds) > 1 or (kinds and missing) or (p2p and False):
+            diverge = seq
+            break
+    if diverge is None:
+        diverge = focus["seq"]
+        kinds = {}
+        missing = []
+    # the same op from different lines before that point: a skipped or added call
+    moved = None
+    for seq in range(lo, diverge):
+        sites: dict[str, list[int]] = {}
+        for r in group:
+            e = hist.get(r, {}).get(seq)
+            if e is not None and e.get("site"):
+                sites.setdefault(e["site"], []).append(r)
+        if len(sites) > 1:
+            moved = (seq, sites)
+            break
+    lines: list[str] = []
+    culprits: set[int] = set()
+    what = focus["op"]
+    backward = focus["direction"] == "backward"
+    if len(kinds) > 1:
+        classes = sorted(kinds.values(), key=len, reverse=True)
+        parts = []
+        for members in classes:
+            e = hist[members[0]][diverge]
+            parts.append(f"rank(s) {members} called {_desc(e)}")
+        lead = f"ranks called different communications at sequence number #{diverge} on group {group}: " + (
+            "; ".join(parts)
+        )
+        culprits.update(r for members in classes[1:] for r in members)
+    elif missing:
+        present = sorted(r for members in kinds.values() for r in members)
+        e = hist[present[0]][diverge] if present else focus
+        lead = (
+            f"rank(s) {missing} never reached {_desc(e, False)} (sequence number #{diverge} on group "
+            f"{group}), which rank(s) {present} called"
+        )
+        culprits.update(missing)
+        what = e["op"]
+        backward = e["direction"] == "backward"
+    else:
+        lead = (
+            f"`{focus['op']}` #{focus['seq']} on group {group} did not complete, though every rank's "
+            f"record agrees up to it"
+        )
+    lines.append(lead + ".")
+    if moved is not None:
+        seq, sites = moved
+        ordered = sorted(sites.items(), key=lambda x: -len(x[1]))
+        where = "; ".join(f"rank(s) {rs} from {site}" for site, rs in ordered)
+        lines.append(
+            f"Earlier, at #{seq}, the ranks ran it from different lines ({where}): a collective skipped "
+            f"on some ranks (or added on others) shows up like this."
+        )
+    lines.append("What every rank is doing:")
+    for r in sorted(set(group) | set(k for k, v in states.items() if v is not None)):
+        s = states.get(r)
+        if s is None:
+            lines.append(f"  rank {r}: did not answer (its process is gone, or stuck outside Python)")
+            culprits.add(r) if r in group else None
+            continue
+        if s.get("inflight"):
+            e = s["inflight"][-1]
+            lines.append(f"  rank {r}: inside {_desc(e)} on group {e['group']}, for {e['duration_s']:.1f} s")
+            continue
+        done = [e for e in s.get("recent", []) if e["state"] == "completed"]
+        last_done = f"; last completed {_desc(done[-1], False)}" if done else "; no communication yet"
+        status = {
+            "returned": "returned from the function",
+            "exited": "exited (its process finished)",
+        }.get(s.get("status", ""), "busy in user code (in no diffcomm communication)")
+        lines.append(f"  rank {r}: {status}{last_done}")
+    if backward:
+        lines.append(
+            "The blocked op is a backward: under autograd the usual cause is that one rank's loss "
+            "does not use an output of a collective, so PyTorch skips that collective's backward on "
+            "that rank while the others wait for it. Fix: make every rank's loss touch every "
+            "collective output (e.g. add `0 * out.sum()`)."
+        )
+    else:
+        lines.append(
+            "Every rank must run the same sequence of collectives on a group, with the same shapes "
+            "(DIFFCOMM_DEBUG=1 checks shapes before each op)."
+        )
+    facts = {
+        "group": group,
+        "seq": diverge,
+        "culprits": sorted(culprits),
+        "op": what,
+        "direction": "backward" if backward else "forward",
+    }
+    return "\n".join(lines), facts
+
+
+# --------------------------------------------------------------------------------------
+# the failure path of a raw op
+# --------------------------------------------------------------------------------------
+
+_TIMEOUT_MARKERS = ("timed out", "timeout", "time out", "deadline")
+_PEER_MARKERS = ("connection reset", "connection closed", "read error", "broken pipe", "doesn't match")
+
+
+def failed(
+    e: Entry | None, op: str, group: Any, err: BaseException, label: str | None
+) -> BaseException | None:
+    """The error to raise for a failed raw op (None: re-raise ``err`` unchanged).
+
+    A timeout, or a peer that vanished mid-op, becomes :class:`~diffcomm.DesyncError`
+    carrying the cross-rank diagnosis (when the store answers) — on every rank.
+    """
+    text = str(err).lower()
+    timeout = any(m in text for m in _TIMEOUT_MARKERS)
+    if not timeout and not any(m in text for m in _PEER_MARKERS):
+        return None
+    if e is not None:
+        e.state = "failed"
+        e.t1 = time.perf_counter()
+    rank = _global_rank()
+    what = label or op
+    focus = e.as_dict() if e is not None else None
+    if focus is not None:
+        focus["state"] = "started"
+    diagnosis, facts = "", {"culprits": [], "seq": None}
+    asker = _responder[0][0] if _responder[0] else None
+    if asker is not None and focus is not None:
+        try:
+            states = request_states(asker, list(range(dist.get_world_size())))
+            states[rank] = {**(states.get(rank) or _state()), "inflight": [focus]}
+            diagnosis, facts = diagnose(states, focus)
+        except Exception as exc:  # noqa: BLE001 - the plain message still goes out
+            diagnosis = f"(the cross-rank diagnosis failed: {exc})"
+    backward = (label or "").find("backward") >= 0
+    how = "timed out" if timeout else "failed (a peer left mid-op)"
+    head = f"diffcomm: `{what}` (raw {op}"
+    head += f", sequence number #{e.seq} on group {list(e.group)}" if e is not None else ""
+    head += f") {how} on global rank {rank}"
+    if diagnosis:
+        msg = f"{head}: {diagnosis}\nBackend error: {err}"
+    elif backward:
+        msg = (
+            f"{head} waiting for the other ranks of its group. The op is a backward: under autograd "
+            f"the usual cause is that one rank's loss does not use an output of a collective, so "
+            f"PyTorch skips that collective's backward on that rank while the others wait for it. "
+            f"Fix: make every rank's loss touch every collective output (e.g. add `0 * out.sum()`), "
+            f"and make every rank run the same sequence of collectives. Backend error: {err}"
+        )
+    else:
+        msg = (
+            f"{head} waiting for the other ranks of its group: a rank did not call it, called "
+            f"another op, or called it with another shape. Make every rank run the same sequence "
+            f"of collectives (DIFFCOMM_DEBUG=1 checks shapes). Backend error: {err}"
+        )
+    return DesyncError(msg, facts)
