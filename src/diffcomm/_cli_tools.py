@@ -38,6 +38,23 @@ def check_configure(parser: argparse.ArgumentParser) -> None:
         "--ops", nargs="+", default=None, help="only these collectives (e.g. all_gather all_reduce_coalesced)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--flight",
+        action="store_true",
+        help="with --json: include every rank's flight recorder (its last communications) per world",
+    )
+    parser.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="start a world larger than this machine can hold (more than 8 ranks per core or "
+        "more estimated memory than available) instead of refusing it",
+    )
+
+
+def _flight_snapshot() -> dict[str, Any]:
+    import diffcomm
+
+    return diffcomm.flight_recorder().as_dict()
 
 
 def check_run(args: argparse.Namespace, console: Console) -> int:
@@ -51,6 +68,7 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
             console.print(f"[red]error:[/red] world size must be >= 1, got {w}")
             return 2
     rows: list[dict[str, Any]] = []
+    flights: dict[str, Any] = {}
     failures = 0
     for w in args.world:
         every = [*standard_cases(w), *standard_coalesced_cases(w)]
@@ -58,7 +76,11 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
         if not cases:
             console.print(f"[red]error:[/red] no cases for ops {args.ops}")
             return 2
-        with LocalWorld(w, backend=args.backend, timeout=300) as world:
+        if not args.json:
+            console.print(f"starting {w} local ranks ...")
+        with LocalWorld(
+            w, backend=args.backend, timeout=300, allow_oversubscribe=args.allow_oversubscribe or None
+        ) as world:
             with Progress(
                 TextColumn(f"world {w}"),
                 BarColumn(),
@@ -82,8 +104,16 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
                     failures += not row["ok"]
                     rows.append(row)
                     bar.advance(task)
+            if args.flight:
+                try:
+                    flights[str(w)] = world.run(_flight_snapshot)
+                except Exception as exc:  # noqa: BLE001 - the world may be torn down by a failure
+                    flights[str(w)] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     if args.json:
-        console.print_json(json.dumps({"ok": failures == 0, "failures": failures, "cases": rows}))
+        out: dict[str, Any] = {"ok": failures == 0, "failures": failures, "cases": rows}
+        if args.flight:
+            out["flight"] = flights
+        console.print_json(json.dumps(out))
     else:
         console.print(_table(rows))
         verdict = (

@@ -550,9 +550,10 @@ def diagnose(
         for members in classes:
             e = hist[members[0]][diverge]
             parts.append(f"rank(s) {members} called {_desc(e)}")
-        lead = f"ranks called different communications at sequence number #{diverge} on group {group}: " + (
-            "; ".join(parts)
-        )
+        ops = {sig[:2] for sig in kinds}
+        first = hist[classes[0][0]][diverge]["op"]
+        how = f"`{first}` with different shapes" if len(ops) == 1 else "different communications"
+        lead = f"ranks called {how} at sequence number #{diverge} on group {group}: " + "; ".join(parts)
         culprits.update(r for members in classes[1:] for r in members)
     elif missing:
         present = sorted(r for members in kinds.values() for r in members)

@@ -276,6 +276,9 @@ def is_off(op: str) -> bool:
 # the one entry point
 # --------------------------------------------------------------------------------------
 
+_TIMEOUT_MARKERS = _flight._TIMEOUT_MARKERS  # what the backends' timeout errors say
+
+
 def _sync_if_needed(t: torch.Tensor | None) -> None:
     if t is not None and t.device.type not in ("cpu", "meta"):
         torch.accelerator.synchronize(t.device) if hasattr(torch, "accelerator") else None

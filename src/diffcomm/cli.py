@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__, _cli_tools, _config
+from ._errors import WorldTooLargeError
 
 C10D_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
@@ -227,4 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # piped output (CI logs, files) gets a wide table instead of rich's 80-column default
     console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)
-    return _SUBCOMMANDS[args.command].run(args, console)
+    try:
+        return _SUBCOMMANDS[args.command].run(args, console)
+    except KeyboardInterrupt:
+        # the ranks ignore SIGINT and LocalWorld tore them down on the way out: one line
+        print("diffcomm: interrupted (Ctrl-C); every rank was stopped.", file=sys.stderr)
+        return 130
+    except WorldTooLargeError as exc:
+        print(f"diffcomm: {exc}", file=sys.stderr)
+        return 2

@@ -13,9 +13,13 @@ because every branch depends only on data all ranks received):
    sum of squares and a sum weighted by a fixed pseudo-random sequence — goes through
    one raw all_gather; if every rank's fingerprint is bitwise equal, the check passes;
 2. otherwise (or when shapes differ) the **exact fallback** gathers the full tensors and
-   groups the ranks into classes whose values agree up to ``sqrt(eps)`` of the dtype,
-   relative to the largest magnitude (so reduction-order noise passes, a 2x or a partial
-   sum does not). More than one class raises
+   groups the ranks into classes whose values agree **element by element**: elements
+   ``a`` and ``b`` agree when ``|a - b| <= sqrt(eps) * (max(|a|, |b|) + m)``, with ``eps``
+   of the tensor's dtype and ``m`` the median magnitude of the tensor (a floor for
+   elements that cancel to about zero). Each element is judged at its own scale, so
+   reduction-order noise passes while a 2x or a partial sum does not — also next to one
+   huge channel in bfloat16, which a tolerance relative to the largest value would hide.
+   More than one class raises
    :class:`~diffcomm.CrossRankMismatchError` naming the ranks of each class.
 """
 
@@ -119,16 +123,20 @@ def check_replicated(t: Tensor, where: str, subject: str, hint: str, group: Any)
 
 
 def _classes(full: Tensor, rtol: float) -> list[list[int]]:
-    """Group the rows of ``full`` (one per rank) into classes of (nearly) equal rows."""
-    scale = full.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).max().item() if full.numel() else 0.0
-    atol = rtol * scale
+    """Group the rows of ``full`` (one per rank) into classes of (nearly) equal rows.
+
+    Element-wise: ``|a - b| <= rtol * (max(|a|, |b|) + median |full|)``.
+    """
+    mag = full.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    floor = mag.median().item() if full.numel() else 0.0
     reps: list[int] = []
     classes: list[list[int]] = []
     for r in range(full.shape[0]):
         for i, rep in enumerate(reps):
             a, b = full[r], full[rep]
             same_nan = torch.isnan(a) == torch.isnan(b)
-            close = torch.isclose(a, b, rtol=0.0, atol=atol, equal_nan=True)
+            tol = rtol * (torch.maximum(mag[r], mag[rep]) + floor)
+            close = ((a - b).abs() <= tol) | (a == b) | (torch.isnan(a) & torch.isnan(b))
             if bool(same_nan.all()) and bool(close.all()):
                 classes[i].append(r)
                 break

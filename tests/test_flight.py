@@ -1,0 +1,438 @@
+"""The flight recorder and the desync diagnosis, on real gloo ranks in real processes.
+
+Every desync scenario of the issue runs on worlds 2 and 4 (a dedicated world per size with
+a short collective timeout, since each scenario tears its world down) and must end in
+one error that names the culprit rank(s), the op and the sequence number — within the
+timeout + 2 s, or within 1 s when a rank returned early — with no rank process left
+(checked with psutil).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import diffcomm as dc
+from diffcomm import DesyncError, LocalWorld, RankDesyncError, RankDiedError, WorldTooLargeError, _config
+from diffcomm.world import check_world_fits
+
+T = 2.0  # the ranks' collective timeout (DIFFCOMM_TIMEOUT) in the desync worlds
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _still_alive(pids: list[int], within: float = 3.0) -> list[int]:
+    deadline = time.monotonic() + within
+    while True:
+        alive = [p for p in pids if _alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ the recorder itself
+
+
+def _record_some_ops(path: str) -> dict:
+    x = torch.arange(4.0, requires_grad=True)
+    y = dc.all_gather(x)  # size exchange + all_gather, forward
+    y.sum().backward()  # reduce_scatter, backward
+    z = dc.all_reduce(x.detach(), op="max")
+    del z
+    rec = dc.flight_recorder()
+    written = rec.dump(path)
+    return {"entries": list(rec), "file": json.loads(Path(written).read_text()), "text": str(rec)}
+
+
+def test_recorder_entries_have_op_seq_group_shape_direction_state_site(world2, tmp_path) -> None:
+    outs = world2.run(_record_some_ops, str(tmp_path / "flight_{rank}.json"))
+    for rank, out in enumerate(outs):
+        entries = out["entries"][-4:]
+        assert [e["op"] for e in entries] == [
+            "all_gather (size exchange)",
+            "all_gather",
+            "all_gather backward -> reduce_scatter(sum)",
+            "all_reduce(max)",
+        ]
+        seqs = [e["seq"] for e in entries]
+        assert seqs == list(range(seqs[0], seqs[0] + 4)), "per-group sequence numbers count up"
+        assert all(e["group"] == [0, 1] and e["state"] == "completed" for e in entries)
+        assert [e["direction"] for e in entries] == ["forward", "forward", "backward", "forward"]
+        assert entries[1]["shape"] == [8] and entries[1]["dtype"] == "float32"
+        assert entries[2]["raw_op"] == "reduce_scatter" and entries[2]["shape"] == [4]
+        assert all(e["duration_s"] >= 0 for e in entries)
+        # the user's call site: this file, the lines of _record_some_ops
+        sites = [e["site"] for e in entries]
+        assert all(s is not None and s.split(":")[0].endswith("test_flight.py") for s in sites), sites
+        assert len({int(s.split(":")[1]) for s in sites}) == 3  # gather, backward, all_reduce lines
+        assert out["file"]["rank"] == rank and out["file"]["entries"][-4:] == entries
+        assert (tmp_path / f"flight_{rank}.json").exists()
+        assert "all_reduce(max)" in out["text"]
+    # the same call has the same sequence number on every rank
+    assert [e["seq"] for e in outs[0]["entries"][-4:]] == [e["seq"] for e in outs[1]["entries"][-4:]]
+
+
+def _recorder_off_then_ring_size() -> tuple[int, int, int]:
+    before = len(dc.flight_recorder())
+    with _config.FLIGHT.set(False):
+        dc.all_reduce(torch.ones(2))
+    off = len(dc.flight_recorder())
+    with _config.FLIGHT_SIZE.set(3):
+        for _ in range(5):
+            dc.all_reduce(torch.ones(2))
+        small = len(dc.flight_recorder())
+    return before, off, small
+
+
+def test_recorder_can_be_switched_off_and_keeps_only_the_last_n(world2) -> None:
+    for before, off, small in world2.run(_recorder_off_then_ring_size):
+        assert off == before, "nothing is recorded while DIFFCOMM_FLIGHT is off"
+        assert small == 3
+
+
+def _p2p_states() -> list[tuple[str, str]]:
+    if dc.get_rank() == 0:
+        dc.send(torch.ones(3), dst=1)
+        dc.wait_sends()
+    else:
+        dc.recv(src=0)
+    return [(e["raw_op"], e["state"]) for e in dc.flight_recorder()][-2:]
+
+
+def test_async_sends_are_queued_until_received(world2) -> None:
+    sent, received = world2.run(_p2p_states)
+    assert sent == [("send", "completed"), ("send", "completed")]  # header + payload, waited
+    assert received == [("recv", "completed"), ("recv", "completed")]
+
+
+def test_settings_show_the_flight_recorder() -> None:
+    s = dc.settings()
+    assert s["flight"] is True and s["flight_size"] == 1024 and s["allow_oversubscribe"] is False
+
+
+# ---------------------------------------------------------------- the desync scenarios
+
+
+def _skip_one(victim: int) -> bool:
+    x = torch.ones(4)
+    dc.all_reduce(x)
+    if dc.get_rank() != victim:
+        dc.all_reduce(x)  # the victim skips this one
+    dc.all_reduce(x)
+    return True
+
+
+def _different_op(victim: int) -> None:
+    x = torch.ones(4)
+    if dc.get_rank() == victim:
+        dc.broadcast(x, src=0)
+    else:
+        dc.all_reduce(x)
+
+
+def _different_shape(victim: int) -> None:
+    x = torch.ones(8 if dc.get_rank() == victim else 4)
+    dc.all_reduce(x)
+
+
+def _returns_early(victim: int) -> None:
+    x = torch.ones(4)
+    dc.all_reduce(x)
+    if dc.get_rank() == victim:
+        return
+    dc.all_gather(x)
+
+
+def _hangs_in_user_code(victim: int) -> None:
+    x = torch.ones(4)
+    dc.all_reduce(x)
+    if dc.get_rank() == victim:
+        time.sleep(60)
+    dc.all_reduce(x)
+
+
+def _skips_backward(victim: int) -> None:
+    x = torch.ones(4, requires_grad=True)
+    y = dc.all_gather(x)
+    loss = x.sum() if dc.get_rank() == victim else y.sum()  # the victim's loss ignores y
+    loss.backward()
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def desync_world(request: pytest.FixtureRequest) -> Iterator[LocalWorld]:
+    world = LocalWorld(request.param, timeout=60, collective_timeout=T)
+    yield world
+    world.close()
+
+
+def _provoke(world: LocalWorld, fn, victim: int) -> tuple[BaseException, float, list[int]]:  # noqa: ANN001
+    world.run(time.sleep, 0)  # a live world (restarted after the previous scenario)
+    pids = world.pids
+    start = time.monotonic()
+    with pytest.raises(dc.RankError) as info:
+        world.run(fn, victim)
+    elapsed = time.monotonic() - start
+    assert _still_alive(pids) == [], "every rank process is gone"
+    return info.value, elapsed, pids
+
+
+def _victim(world: LocalWorld) -> int:
+    return world.world_size - 1 if world.world_size == 2 else 2
+
+
+def test_rank_skips_a_collective(desync_world: LocalWorld) -> None:
+    v = _victim(desync_world)
+    err, elapsed, _ = _provoke(desync_world, _skip_one, v)
+    assert type(err) is RankDesyncError and elapsed < 1.0, (elapsed, err)
+    assert err.facts["culprits"] == [v] and err.facts["seq"] == 2 and err.facts["returned"] == [v]
+    text = str(err)
+    assert text.startswith(f"LocalWorld: rank(s) [{v}] returned from `_skip_one` while rank(s)")
+    assert "`all_reduce(sum)` #2" in text
+    assert f"rank(s) [{v}] never reached `all_reduce(sum)` #2" in text
+    # the skipped call itself: #1 came from different lines
+    assert "Earlier, at #1, the ranks ran it from different lines" in text
+    assert "Under autograd" not in text and "is a backward" not in text
+
+
+def test_rank_calls_a_different_op(desync_world: LocalWorld) -> None:
+    v = _victim(desync_world)
+    err, elapsed, _ = _provoke(desync_world, _different_op, v)
+    assert type(err) is RankDesyncError and elapsed < T + 2, (elapsed, err)
+    assert err.facts["culprits"] == [v] and err.facts["seq"] == 0
+    text = str(err)
+    assert "ranks called different communications at sequence number #0" in text
+    assert f"rank(s) [{v}] called `broadcast` #0" in text and "`all_reduce(sum)` #0" in text
+    remote = [e for e in err.exceptions.values() if isinstance(e, DesyncError)]
+    assert remote and all(e.facts["seq"] == 0 and e.facts["culprits"] == [v] for e in remote)
+
+
+def test_rank_calls_with_a_different_shape(desync_world: LocalWorld) -> None:
+    v = _victim(desync_world)
+    err, elapsed, _ = _provoke(desync_world, _different_shape, v)
+    assert elapsed < T + 2, (elapsed, err)
+    text = str(err)
+    if isinstance(err, RankDiedError):
+        # gloo aborts a rank that receives more bytes than it expects (world 2): the rank's
+        # own stacks and the survivors' records tell what happened
+        assert text.startswith("rank ") and "aborted by the backend inside raw `all_reduce`" in text
+        assert "test_flight.py:" in text and "`all_reduce(sum)` #0" in text
+        assert "different shapes" in text
+        assert "shape (8,)" in text or v in err.exitcodes
+    else:
+        assert type(err) is RankDesyncError
+        assert err.facts["culprits"] == [v] and err.facts["seq"] == 0
+        assert "called `all_reduce(sum)` with different shapes at sequence number #0" in text
+        assert f"rank(s) [{v}] called `all_reduce(sum)` #0, shape (8,)" in text
+
+
+def test_rank_returns_early(desync_world: LocalWorld) -> None:
+    v = _victim(desync_world)
+    err, elapsed, _ = _provoke(desync_world, _returns_early, v)
+    assert type(err) is RankDesyncError and elapsed < 1.0, (elapsed, err)
+    assert err.facts["culprits"] == [v] and err.facts["seq"] == 1
+    text = str(err)
+    assert text.startswith(f"LocalWorld: rank(s) [{v}] returned from `_returns_early`")
+    assert "`all_gather (size exchange)` #1" in text
+    assert f"rank {v}: returned from the function; last completed `all_reduce(sum)` #0" in text
+    assert "Under autograd" not in text and "is a backward" not in text
+
+
+def test_rank_hangs_in_user_code(desync_world: LocalWorld) -> None:
+    v = _victim(desync_world)
+    err, elapsed, _ = _provoke(desync_world, _hangs_in_user_code, v)
+    assert type(err) is RankDesyncError and elapsed < T + 2, (elapsed, err)
+    assert err.facts["culprits"] == [v] and err.facts["seq"] == 1
+    text = str(err)
+    assert f"rank(s) [{v}] never reached `all_reduce(sum)` #1" in text
+    assert f"rank {v}: busy in user code (in no diffcomm communication); last completed `all_reduce(sum)` #0" in text
+
+
+def test_rank_skips_a_backward(desync_world: LocalWorld) -> None:
+    v = _victim(desync_world)
+    err, elapsed, _ = _provoke(desync_world, _skips_backward, v)
+    assert type(err) is RankDesyncError and elapsed < 1.0, (elapsed, err)
+    assert err.facts["culprits"] == [v] and err.facts["direction"] == "backward"
+    text = str(err)
+    assert "`all_gather backward -> reduce_scatter(sum)` #2" in text
+    assert "The blocked op is a backward: under autograd" in text
+
+
+# ------------------------------------------- timeouts on the user's own process group
+
+
+_OWN_GROUP = """
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+os.environ["DIFFCOMM_TIMEOUT"] = "1.5"
+import diffcomm as dc
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)  # torch's 30 min default
+t0 = time.monotonic()
+try:
+    dc.all_reduce(torch.ones(2))
+    if rank == 0:
+        dc.all_gather(torch.ones(2))
+        print("NO ERROR", flush=True)
+    else:
+        time.sleep(6)
+except dc.DesyncError as exc:
+    print(f"DESYNC {time.monotonic() - t0:.2f} {exc.facts['culprits']} {exc.facts['seq']}", flush=True)
+    print(str(exc).splitlines()[0], flush=True)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_diffcomm_timeout_bounds_the_users_own_default_group(tmp_path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "own.py"
+    script.write_text(_OWN_GROUP)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    head = outs[0].splitlines()
+    assert head and head[0].startswith("DESYNC"), outs
+    _, seconds, *rest = head[0].split(" ", 2)
+    assert float(seconds) < 1.5 + 2, head
+    assert rest[0] == "[1] 1", head  # culprit rank 1, sequence number 1
+    assert "`all_gather (size exchange)` (raw all_gather, sequence number #1 on group [0, 1])" in head[1]
+
+
+# ------------------------------------------------------- start-up and interrupt hygiene
+
+
+def test_oversized_world_is_refused_up_front_with_numbers() -> None:
+    cores = psutil.cpu_count() or 1
+    n = 8 * cores + 1
+    with pytest.raises(WorldTooLargeError, match=rf"{n} ranks on {cores} CPU core\(s\)") as info:
+        LocalWorld(n)
+    text = str(info.value)
+    assert "ranks per core (bound: 8)" in text and "allow_oversubscribe=True" in text
+    assert "DIFFCOMM_ALLOW_OVERSUBSCRIBE=1" in text
+    huge = int(psutil.virtual_memory().available / (350 * 2**20)) + 1
+    with pytest.raises(WorldTooLargeError, match=r"GB estimated, [0-9.]+ GB available"):
+        check_world_fits(huge)
+    check_world_fits(2)  # an ordinary world passes
+
+
+def test_cli_check_refuses_an_oversized_world(capsys) -> None:
+    from diffcomm.cli import main
+
+    cores = psutil.cpu_count() or 1
+    assert main(["check", "-n", str(8 * cores + 1)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot hold the world" in err and "ranks per core" in err
+
+
+_CTRL_C = """
+import sys, time
+import diffcomm as dc
+from diffcomm.cli import main
+if sys.argv[1] == "run":
+    world = dc.LocalWorld(2)
+    print("PIDS", *world.pids, flush=True)
+    try:
+        world.run(time.sleep, 60)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        raise SystemExit(130)
+else:
+    sys.exit(main(["check", "-n", "2", "3"]))
+"""
+
+
+def _ranks_of(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.mark.parametrize("moment", ["start-up", "run"])
+def test_ctrl_c_gives_one_short_message_and_no_rank_left(tmp_path, moment: str) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(_CTRL_C)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "cli" if moment == "start-up" else "run"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,  # its own process group: a terminal's Ctrl-C reaches all of it
+    )
+    ranks: list[int] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(ranks) < 2:  # ranks exist (maybe still importing)
+        time.sleep(0.05)
+        ranks = _ranks_of(proc.pid)
+    assert len(ranks) >= 2, "the ranks never started"
+    if moment == "run":
+        assert proc.stdout is not None and proc.stdout.readline().startswith("PIDS")
+        time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    if moment == "start-up":
+        assert "diffcomm: interrupted (Ctrl-C); every rank was stopped." in err
+        lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("diffcomm: LocalWorld")]
+        assert len(lines) <= 2, err
+    else:
+        assert "interrupted" in out
+    assert _still_alive(ranks) == []
+
+
+def test_start_up_shows_progress(capfd) -> None:
+    import diffcomm.world as W
+
+    old = W._PROGRESS_AFTER
+    W._PROGRESS_AFTER = 0.05  # print from the first tick (starting 2 ranks takes > 0.05 s)
+    try:
+        with LocalWorld(2, collective_timeout=T):
+            pass
+    finally:
+        W._PROGRESS_AFTER = old
+    err = capfd.readouterr().err
+    assert "diffcomm: LocalWorld(2) starting: " in err and "ranks ready after" in err
+    assert "diffcomm: LocalWorld(2) ready after" in err
+
+
+# ---------------------------------------------------------------- the check --json
+
+
+def test_cli_check_json_includes_the_flight_recorder(capsys) -> None:
+    from diffcomm.cli import main
+
+    assert main(["check", "-n", "2", "--ops", "all_reduce", "--json", "--flight"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    per_rank = out["flight"]["2"]
+    assert [r["rank"] for r in per_rank] == [0, 1]
+    last = per_rank[0]["entries"][-1]
+    assert last["raw_op"] == "all_reduce" and last["state"] == "completed" and last["site"]
