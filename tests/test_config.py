@@ -10,9 +10,17 @@ import pytest
 
 import diffcomm as dc
 from diffcomm import _config
-from diffcomm._config import ACCELERATOR, DEBUG, TIMEOUT, Setting
+from diffcomm._config import (
+    ACCELERATOR,
+    ALLOW_OVERSUBSCRIBE,
+    DEBUG,
+    FLIGHT,
+    FLIGHT_SIZE,
+    TIMEOUT,
+    Setting,
+)
 
-SETTINGS = (DEBUG, TIMEOUT, ACCELERATOR)
+SETTINGS = (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIBE)
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +42,14 @@ def _from_env(monkeypatch: pytest.MonkeyPatch, setting: Setting[Any], raw: str) 
 
 
 def test_defaults_without_environment() -> None:
-    assert dc.settings() == {"debug": False, "timeout": None, "accelerator": None}
+    assert dc.settings() == {
+        "debug": False,
+        "timeout": None,
+        "accelerator": None,
+        "flight": True,
+        "flight_size": 1024,
+        "allow_oversubscribe": False,
+    }
     assert dc.debug() is False and dc.timeout() is None
 
 
@@ -166,3 +181,28 @@ def test_module_docstring_lists_every_setting() -> None:
     doc = _config.__doc__ or ""
     for s in SETTINGS:
         assert f"``{s.name}``" in doc and f"``{s.env}``" in doc
+
+
+@pytest.mark.parametrize(("raw", "value"), [("1024", 1024), (" 8 ", 8), ("1", 1)])
+def test_flight_size_parses_counts(monkeypatch: pytest.MonkeyPatch, raw: str, value: int) -> None:
+    assert _from_env(monkeypatch, FLIGHT_SIZE, raw) == value
+
+
+@pytest.mark.parametrize(("raw", "match"), [("0", "must be >= 1"), ("many", "is not an integer")])
+def test_flight_size_rejects_bad_values(monkeypatch: pytest.MonkeyPatch, raw: str, match: str) -> None:
+    with pytest.raises(ValueError, match=rf"DIFFCOMM_FLIGHT_SIZE={raw!r} {match}"):
+        _from_env(monkeypatch, FLIGHT_SIZE, raw)
+
+
+def test_flight_switch_parses_booleans_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _from_env(monkeypatch, FLIGHT, "off") is False
+    assert _from_env(monkeypatch, ALLOW_OVERSUBSCRIBE, "yes") is True
+    monkeypatch.delenv("DIFFCOMM_FLIGHT")
+    monkeypatch.delenv("DIFFCOMM_ALLOW_OVERSUBSCRIBE")
+    FLIGHT.reload()
+    ALLOW_OVERSUBSCRIBE.reload()
+    with FLIGHT.set(False):
+        assert dc.settings()["flight"] is False
+    assert dc.settings()["flight"] is True
+    with pytest.raises(ValueError, match="flight_size must be an int >= 1"):
+        FLIGHT_SIZE.set(0)

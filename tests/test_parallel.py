@@ -408,3 +408,24 @@ def test_vocab_parallel_embedding_matches_nn_embedding(world, sequence_parallel:
         world=world,
         output_specs=[Shard(0)] if sequence_parallel else None,
     )
+
+
+def _debug_per_element(case: str) -> str:
+    """bfloat16: one huge channel beside ordinary values; rank 1 doubles the ordinary ones."""
+    x = torch.ones(64, dtype=torch.bfloat16)
+    x[0] = 1e4  # the large channel, the same on every rank
+    if case == "2x" and dc.get_rank() == 1:
+        x[1:] *= 2
+    if case == "noise":  # one bfloat16 ulp of difference on every element
+        x = x if dc.get_rank() == 0 else torch.nextafter(x, torch.full_like(x, 1e9))
+    if case == "2x":
+        return _expect_mismatch(lambda: P.copy_to_region(x))
+    with dc.debug(True):
+        P.copy_to_region(x)
+    return "passed"
+
+
+def test_debug_equality_is_per_element_in_bfloat16(world2) -> None:
+    msg = world2.run(_debug_per_element, "2x")[0]
+    assert "ranks [1] differ from ranks [0]" in msg, msg
+    assert world2.run(_debug_per_element, "noise") == ["passed", "passed"]

@@ -260,7 +260,8 @@ def test_collective_timeout_names_raw_op_and_fix(fragile: LocalWorld) -> None:
     pids, restarts = world.pids, world.restarts
     start = time.monotonic()
     with pytest.raises(
-        RankError, match=r"`all_reduce backward` \(raw all_reduce, sequence number #0 on group \[0, 1\]\) timed out"
+        RankError,
+        match=r"`all_reduce backward` \(raw all_reduce, sequence number #0 on group \[0, 1\]\) timed out",
     ) as info:
         world.run(_skip_all_reduce_on, 0)
     assert 1.9 < time.monotonic() - start < 3.0

@@ -410,6 +410,8 @@ class LocalWorld:
                 repr(self.collective_timeout),
                 str(os.getpid()),
             ]
+            if os.name == "posix":  # ignore SIGINT from exec on: even Python's own start-up
+                cmd = ["/bin/sh", "-c", 'trap "" INT; exec "$0" "$@"', *cmd]
             p = subprocess.Popen(cmd, pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL)
             child_sock.close()
             st.procs.append(p)
