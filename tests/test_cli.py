@@ -49,7 +49,14 @@ def test_info_json_without_probe() -> None:
     assert info["c10d_backends"]["gloo"] is True
     assert set(info["c10d_backends"]) == set(cli.C10D_BACKENDS)
     assert info["accelerator"]["name"] == "cpu"
-    assert info["settings"] == {"debug": False, "timeout": None, "accelerator": None}
+    assert info["settings"] == {
+        "debug": False,
+        "timeout": None,
+        "accelerator": None,
+        "flight": True,
+        "flight_size": 1024,
+        "allow_oversubscribe": False,
+    }
     assert "probe" not in info
 
 

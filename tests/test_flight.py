@@ -437,3 +437,70 @@ def test_cli_check_json_includes_the_flight_recorder(capsys) -> None:
     assert [r["rank"] for r in per_rank] == [0, 1]
     last = per_rank[0]["entries"][-1]
     assert last["raw_op"] == "all_reduce" and last["state"] == "completed" and last["site"]
+
+
+# ---------------------------------------------------------------------- under torchrun
+
+
+_TORCHRUN_JOB = """
+import os, sys, time
+import torch
+import diffcomm as dc
+
+dc.init()
+rank, scenario = dc.get_rank(), sys.argv[1]
+x = torch.ones(4)
+t0 = time.monotonic()
+try:
+    dc.all_reduce(x)
+    if scenario == "skip":  # rank 1 skips the last collective and finishes its script
+        if rank != 1:
+            dc.all_reduce(x)
+    else:  # "different_op": rank 1 broadcasts while rank 0 all_reduces
+        dc.broadcast(x, src=0) if rank == 1 else dc.all_reduce(x)
+    print(f"RANK {rank} DONE", flush=True)
+except dc.DesyncError as exc:
+    f = exc.facts
+    took = time.monotonic() - t0
+    print(f"RANK {rank} DESYNC {took:.2f} seq={f['seq']} culprits={f['culprits']}", flush=True)
+    print(f"RANK {rank} TEXT " + str(exc).replace(chr(10), " | "), flush=True)
+    sys.exit(1)
+"""
+
+
+@pytest.mark.skipif(__import__("shutil").which("torchrun") is None, reason="`torchrun` is not on PATH")
+@pytest.mark.parametrize("scenario", ["skip", "different_op"])
+def test_desync_under_torchrun(tmp_path, scenario: str) -> None:
+    import os
+    import re
+    import subprocess
+
+    script = tmp_path / "job.py"
+    script.write_text(_TORCHRUN_JOB)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFCOMM_TIMEOUT": str(T)}
+    env.pop("DIFFCOMM_ACCELERATOR", None)
+    proc = subprocess.run(
+        ["torchrun", "--standalone", "--nproc-per-node=2", str(script), scenario],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+    out = proc.stdout
+    assert proc.returncode != 0, out
+    found = dict(re.findall(r"RANK (\d) DESYNC ([0-9.]+) seq=1 culprits=\[1\]", out))
+    texts = dict(re.findall(r"RANK (\d) TEXT (.*)", out))
+    if scenario == "skip":
+        # rank 1 finished its script; rank 0 raises and says so
+        assert "RANK 1 DONE" in out and list(found) == ["0"], out + proc.stderr
+        assert float(found["0"]) < T + 2
+        assert "rank(s) [1] never reached `all_reduce(sum)` #1" in texts["0"]
+        assert "rank 1: exited (its process finished); last completed `all_reduce(sum)` #0" in texts["0"]
+    else:
+        # both ranks are inside an op: both raise, with the same diagnosis
+        assert sorted(found) == ["0", "1"], out + proc.stderr
+        assert all(float(s) < T + 2 for s in found.values())
+        for r in "01":
+            assert "ranks called different communications at sequence number #1" in texts[r]
+            assert "rank(s) [1] called `broadcast` #1" in texts[r]

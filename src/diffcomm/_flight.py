@@ -443,14 +443,17 @@ def request_states(
     pending = dict(keys)
     while pending and time.monotonic() < deadline:
         for r, k in list(pending.items()):
+            final = f"{_PREFIX}final/{r}"  # what a rank left behind when its process exited
             if store.check([k]):
                 out[r] = json.loads(store.get(k))
+                del pending[r]
+            elif store.check([final]):
+                out[r] = json.loads(store.get(final))
                 del pending[r]
         if pending:
             time.sleep(0.02)
     for r in pending:
-        final = f"{_PREFIX}final/{r}"
-        out[r] = json.loads(store.get(final)) if store.check([final]) else None
+        out[r] = None
     return out
 
 
