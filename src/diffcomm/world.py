@@ -689,10 +689,31 @@ class LocalWorld:
                     and states.get(q)
                     and states[q]["counts"].get(key, 0) <= e["seq"]
                 ]
-                if not gone:
+                sig = _flight._sig(e)
+                # a returned rank that did complete this sequence number, but as another
+                # op or with another shape (gloo may let it through with wrong values)
+                other = [
+                    q
+                    for q in returned
+                    if q in e["group"]
+                    and q not in gone
+                    and any(
+                        x["group"] == e["group"] and x["seq"] == e["seq"] and _flight._sig(x) != sig
+                        for x in (states.get(q) or {}).get("recent", [])
+                    )
+                ]
+                if not gone and not other:
                     continue
                 text, facts = _flight.diagnose(states, e)
-                facts["returned"] = gone
+                facts["returned"] = gone or other
+                if not gone:
+                    return RankDesyncError(
+                        f"LocalWorld: rank(s) {other} finished `{e['op']}` #{e['seq']} (group "
+                        f"{e['group']}) as another op or with another shape and returned from `{what}`, "
+                        f"while rank {p} waits in it — a desync; the world was torn down (it restarts "
+                        f"at the next run).\n{text}",
+                        facts,
+                    )
                 waiting = [
                     r
                     for r in busy
