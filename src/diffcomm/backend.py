@@ -398,10 +398,10 @@ class Backend(Protocol):
     def barrier(self, group: ProcessGroup) -> None: ...
     def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]: ...
     def all_reduce_coalesced(
-        self, xs: Sequence[torch.Tensor], op: str, group: ProcessGroup
+        self, xs: Sequence[torch.Tensor], op: str, group: ProcessGroup, owned: bool = False
     ) -> list[torch.Tensor]: ...
     def broadcast_coalesced(
-        self, xs: Sequence[torch.Tensor], src: int, group: ProcessGroup
+        self, xs: Sequence[torch.Tensor], src: int, group: ProcessGroup, owned: bool = False
     ) -> list[torch.Tensor]: ...
     def reduce_coalesced(
         self, xs: Sequence[torch.Tensor], dst: int, op: str, group: ProcessGroup
@@ -456,14 +456,18 @@ class _CoalescedOps:
         return [fn(x) for x in xs]
 
     def all_reduce_coalesced(
-        self, xs: Sequence[torch.Tensor], op: str, group: ProcessGroup
+        self, xs: Sequence[torch.Tensor], op: str, group: ProcessGroup, owned: bool = False
     ) -> list[torch.Tensor]:
-        return self.coalesced("all_reduce", group, xs, lambda x: self.all_reduce(x, op, group))  # type: ignore[attr-defined]
+        """``owned``: the buffers are the caller's fresh contiguous packing, free to be
+        reduced in place (saves a copy of the payload)."""
+        fn = self._all_reduce_into if owned else self.all_reduce  # type: ignore[attr-defined]
+        return self.coalesced("all_reduce", group, xs, lambda x: fn(x, op, group))
 
     def broadcast_coalesced(
-        self, xs: Sequence[torch.Tensor], src: int, group: ProcessGroup
+        self, xs: Sequence[torch.Tensor], src: int, group: ProcessGroup, owned: bool = False
     ) -> list[torch.Tensor]:
-        return self.coalesced("broadcast", group, xs, lambda x: self.broadcast(x, src, group))  # type: ignore[attr-defined]
+        fn = self._broadcast_into if owned else self.broadcast  # type: ignore[attr-defined]
+        return self.coalesced("broadcast", group, xs, lambda x: fn(x, src, group))
 
     def reduce_coalesced(
         self, xs: Sequence[torch.Tensor], dst: int, op: str, group: ProcessGroup
@@ -562,7 +566,11 @@ class TorchDistributedBackend(_CoalescedOps):
         return x
 
     def all_reduce(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
-        out = x.clone(memory_format=torch.contiguous_format)
+        return self._all_reduce_into(x.clone(memory_format=torch.contiguous_format), op, group)
+
+    def _all_reduce_into(self, out: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
+        """all_reduce of ``out`` (contiguous, owned by the caller) in place; returns it."""
+        x = out
         if x.is_complex() and op == "product":
             return self._complex_product(out, group)
         torch_op, divide = self._reduce_op(op, x, group)
@@ -602,7 +610,11 @@ class TorchDistributedBackend(_CoalescedOps):
         return out
 
     def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
-        out = x.clone(memory_format=torch.contiguous_format)
+        return self._broadcast_into(x.clone(memory_format=torch.contiguous_format), src, group)
+
+    def _broadcast_into(self, out: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
+        """broadcast into ``out`` (contiguous, owned by the caller) in place; returns it."""
+        x = out
         wire = torch.view_as_real(out) if out.is_complex() else out
         _dispatch(
             "broadcast",
@@ -1016,6 +1028,12 @@ class TraceableBackend(_CoalescedOps):
         out = self._done(_funcol().all_reduce(_wire(x), wire_op, self._pg(group)))
         out = torch.view_as_complex(out) if x.is_complex() else out
         return out / self.world_size(group) if op == "avg" else out
+
+    def _all_reduce_into(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
+        return self.all_reduce(x, op, group)  # functional collectives are out of place
+
+    def _broadcast_into(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
+        return self.broadcast(x, src, group)
 
     def reduce(self, x: torch.Tensor, dst: int, op: str, group: ProcessGroup) -> torch.Tensor:
         out = self.all_reduce(x, op, group)  # every rank takes part; only dst keeps it

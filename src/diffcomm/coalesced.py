@@ -40,6 +40,7 @@ with zeros where an output got no gradient or its input does not require grad.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -121,32 +122,28 @@ def _physical(n: int, per_buffer: Sequence[Any]) -> tuple[Any, ...]:
     return (per_buffer[0], *([None] * n), *per_buffer[1:])
 
 
-def _zeros_for(ctx: Any, ts: tuple[Tensor | None, ...]) -> list[Tensor]:
-    """Tangents: ``None`` (no tangent) becomes zeros shaped like the buffer."""
-    return [torch.zeros(s, dtype=d, device=v) if t is None else t for t, (s, d, v) in zip(ts, ctx.meta)]
+def _zeros_for(meta: Sequence[tuple[Any, torch.dtype, Any]], ts: Sequence[Tensor | None]) -> list[Tensor]:
+    """``None`` (no gradient / tangent) becomes zeros shaped like ``meta``."""
+    return [torch.zeros(s, dtype=d, device=v) if t is None else t for t, (s, d, v) in zip(ts, meta)]
 
 
-def _differentiable(t: Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
-
-
-def _on_differentiable(ctx: Any, gs: Sequence[Tensor], rule: Any) -> list[Any]:
-    """Input gradients: ``rule(idx, gs[idx])`` for the floating/complex buffers ``idx``
+def _on_differentiable(ctx: Any, gs: Sequence[Tensor | None], rule: Any) -> list[Any]:
+    """Input gradients: ``rule(idx, gs[idx])`` for the floating/complex tensors ``idx``
     only, ``None`` for integer/bool ones (a dtype fact, equal on every rank, so every rank
-    still runs the same backward collectives; integer buffers are not communicated)."""
+    runs the same backward collectives; integer tensors are not communicated). Outputs
+    without a gradient take part with zeros."""
     idx = [i for i, (_, d, _) in enumerate(ctx.meta) if d.is_floating_point or d.is_complex]
-    # zeros for outputs without a gradient (autograd materialises them; dynamo may not)
-    gs = [torch.zeros(s, dtype=d, device=v) if g is None else g for g, (s, d, v) in zip(gs, ctx.out_meta)]
     res: list[Any] = [None] * len(gs)
     if not idx:
         return res
-    for i, g in zip(idx, rule(idx, [gs[i] for i in idx])):
+    out_meta = [ctx.out_meta[i] for i in idx]
+    for i, g in zip(idx, rule(idx, _zeros_for(out_meta, [gs[i] for i in idx]))):
         res[i] = g
     return res
 
 
 def _batch_all(info: Any, in_dims: Sequence[Any], xs: Sequence[Tensor]) -> list[Tensor]:
-    """Every buffer with its batch dim at 0 (unbatched ones expanded): one call per dtype."""
+    """Every tensor with its batch dim at 0 (unbatched ones expanded): one call per dtype."""
     out = []
     for x, d in zip(xs, in_dims):
         if d is None:
@@ -160,25 +157,71 @@ def _meta(xs: Sequence[Tensor]) -> list[tuple[torch.Size, torch.dtype, torch.dev
     return [(x.shape, x.dtype, x.device) for x in xs]
 
 
+def _setup(ctx: Any, n: int, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> tuple[Any, ...]:
+    meta, xs = _logical(n, inputs)
+    ctx.meta, ctx.out_meta = _meta(xs), _meta(output)
+    return meta
+
+
+# --------------------------------------------------------------------------------------
+# packing (inside the Functions' forward: no autograd nodes per tensor)
+# --------------------------------------------------------------------------------------
+
+
+def _by_dtype(ts: Sequence[Tensor]) -> list[list[int]]:
+    """Positions of ``ts`` grouped by dtype, groups in order of first appearance."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(ts):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
+
+def _pack(ts: Sequence[Tensor], groups: list[list[int]]) -> list[Tensor]:
+    """One new contiguous buffer per dtype group (the caller owns it)."""
+    return [torch.cat([ts[i].reshape(-1) for i in g]) for g in groups]
+
+
+def _unpack(shapes: Sequence[Sequence[int]], groups: list[list[int]], bufs: Sequence[Tensor]) -> list[Tensor]:
+    """Split each buffer back into tensors of ``shapes``: views of the buffer, detached so
+    autograd sees independent outputs (each may be modified in place)."""
+    out: list[Any] = [None] * len(shapes)
+    for g, buf in zip(groups, bufs):
+        sizes = [math.prod(shapes[i]) for i in g]
+        for i, piece in zip(g, buf.split(sizes)):
+            shape = shapes[i]
+            out[i] = (piece if len(shape) == 1 else piece.view(shape)).detach()
+    return out
+
+
+def _moved(xs: Sequence[Tensor], dims: Sequence[int]) -> list[Tensor]:
+    return [x if d == 0 else x.movedim(d, 0) for x, d in zip(xs, dims)]
+
+
+def _back(ys: Sequence[Tensor], dims: Sequence[int]) -> list[Tensor]:
+    return [(y if d == 0 else y.movedim(0, d)).detach() for y, d in zip(ys, dims)]
+
+
 # ======================================================================================
-# flat-buffer Functions (one raw call per buffer, logged as one coalesced op)
+# the autograd Functions over a whole list (one node; one raw call per dtype)
 # ======================================================================================
 
 
-class _AllReduceCo(_CoalescedFn):
+class _AllReduceList(_CoalescedFn):
     _NMETA = 2  # op, pg
 
     @staticmethod
     def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
         (op, pg), xs = _logical(2, (x0, *args))
+        groups = _by_dtype(xs)
         with B.label(f"all_reduce_coalesced({op})"):
-            return tuple(_b().all_reduce_coalesced(list(xs), op, pg))
+            bufs = _b().all_reduce_coalesced(_pack(xs, groups), op, pg, owned=True)
+        return tuple(_unpack([x.shape for x in xs], groups, bufs))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        (ctx.op, ctx.pg), xs = _logical(2, inputs)
-        ctx.meta, ctx.out_meta = _meta(xs), _meta(output)
+        ctx.op, ctx.pg = _setup(ctx, 2, inputs, output)
         if ctx.op in ("max", "min", "product"):
+            xs = _logical(2, inputs)[1]
             ctx.save_for_backward(*xs, *output)
             ctx.save_for_forward(*xs, *output)
 
@@ -190,20 +233,18 @@ class _AllReduceCo(_CoalescedFn):
 
         def rule(idx: list[int], gs: list[Tensor]) -> list[Tensor]:
             if op in ("sum", "avg"):
-                return list(_call(_AllReduceCo, 2, op, pg, *gs))
+                return list(_call(_AllReduceList, 2, op, pg, *gs))
             xs = [saved[i] for i in idx]
             if op == "product":
-                g_total = _call(_AllReduceCo, 2, "sum", pg, *gs)
+                g_total = _call(_AllReduceList, 2, "sum", pg, *gs)
                 return [g * w.conj() for g, w in zip(g_total, _product_of_others(xs, pg))]
-            # max/min: the gradient and the tie mask travel in one buffer per dtype
+            # max/min: the gradients and the tie masks share the buffers (same dtypes): one
+            # call per dtype
             ys = [saved[n + i] for i in idx]
             masks = [(x.detach() == y.detach()).to(x.dtype) for x, y in zip(xs, ys)]
-            both = _call(_AllReduceCo, 2, "sum", pg, *(torch.cat([g, m]) for g, m in zip(gs, masks)))
-            out = []
-            for b, g, m in zip(both, gs, masks):
-                g_total, count = b[: g.numel()].view_as(g), b[g.numel() :].view_as(g)
-                out.append(g_total * (m / count).conj())
-            return out
+            both = _call(_AllReduceList, 2, "sum", pg, *gs, *masks)
+            k = len(gs)
+            return [g * (m / c).conj() for g, m, c in zip(both[:k], masks, both[k:])]
 
         with B.label(f"all_reduce_coalesced({op}) backward"):
             return _physical(2, _on_differentiable(ctx, gs, rule))
@@ -211,9 +252,9 @@ class _AllReduceCo(_CoalescedFn):
     @staticmethod
     def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
         op, pg = ctx.op, ctx.pg
-        ts = _zeros_for(ctx, _logical(2, ts)[1])
+        ts = _zeros_for(ctx.meta, _logical(2, ts)[1])
         if op in ("sum", "avg"):
-            return _call(_AllReduceCo, 2, op, pg, *ts)
+            return _call(_AllReduceList, 2, op, pg, *ts)
         n = len(ts)
         saved = ctx.saved_tensors
         xs, ys = saved[:n], saved[n:]
@@ -221,54 +262,55 @@ class _AllReduceCo(_CoalescedFn):
             ws = _product_of_others(xs, pg)
         else:
             masks = [(x == y).to(x.dtype) for x, y in zip(xs, ys)]
-            ws = [m / c for m, c in zip(masks, _call(_AllReduceCo, 2, "sum", pg, *masks))]
-        return _call(_AllReduceCo, 2, "sum", pg, *(t * w for t, w in zip(ts, ws)))
+            ws = [m / c for m, c in zip(masks, _call(_AllReduceList, 2, "sum", pg, *masks))]
+        return _call(_AllReduceList, 2, "sum", pg, *(t * w for t, w in zip(ts, ws)))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
         # elementwise over ranks: batch dims are just more elements, one call per dtype
         (op, pg), xs = _logical(2, (x0, *args))
-        return _call(_AllReduceCo, 2, op, pg, *xs), _logical(2, in_dims)[1]
+        return _call(_AllReduceList, 2, op, pg, *xs), _logical(2, in_dims)[1]
 
 
 def _product_of_others(xs: Sequence[Tensor], pg: PG) -> list[Tensor]:
-    """``prod_{j != r} x_j`` per buffer, from one coalesced all_gather (zero-safe)."""
+    """``prod_{j != r} x_j`` per tensor, from one coalesced all_gather (zero-safe)."""
     rank = _rank(pg)
-    gathered = _call(_AllGatherCo, 2, 0, pg, *(x.unsqueeze(0) for x in xs))
+    gathered = _call(_AllGatherList, 2, (0,) * len(xs), pg, *(x.unsqueeze(0) for x in xs))
     return [g[:rank].prod(0) * g[rank + 1 :].prod(0) for g in gathered]
 
 
-class _BroadcastCo(_CoalescedFn):
+class _BroadcastList(_CoalescedFn):
     _NMETA = 2  # src, pg
 
     @staticmethod
     def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
         (src, pg), xs = _logical(2, (x0, *args))
+        groups = _by_dtype(xs)
         with B.label("broadcast_coalesced"):
-            return tuple(_b().broadcast_coalesced(list(xs), src, pg))
+            bufs = _b().broadcast_coalesced(_pack(xs, groups), src, pg, owned=True)
+        return tuple(_unpack([x.shape for x in xs], groups, bufs))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        (ctx.src, ctx.pg), xs = _logical(2, inputs)
-        ctx.meta, ctx.out_meta = _meta(xs), _meta(output)
+        ctx.src, ctx.pg = _setup(ctx, 2, inputs, output)
 
     @staticmethod
     def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
         with B.label("broadcast_coalesced backward"):
-            rule = lambda _, gs: _call(_ReduceCo, 3, ctx.src, "sum", ctx.pg, *gs)
+            rule = lambda _, gs: _call(_ReduceList, 3, ctx.src, "sum", ctx.pg, *gs)
             return _physical(2, _on_differentiable(ctx, gs, rule))
 
     @staticmethod
     def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        return _call(_BroadcastCo, 2, ctx.src, ctx.pg, *_zeros_for(ctx, _logical(2, ts)[1]))
+        return _call(_BroadcastList, 2, ctx.src, ctx.pg, *_zeros_for(ctx.meta, _logical(2, ts)[1]))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
         (src, pg), xs = _logical(2, (x0, *args))
-        return _call(_BroadcastCo, 2, src, pg, *xs), _logical(2, in_dims)[1]
+        return _call(_BroadcastList, 2, src, pg, *xs), _logical(2, in_dims)[1]
 
 
-class _ReduceCo(_CoalescedFn):
+class _ReduceList(_CoalescedFn):
     """Linear (sum/avg) reduce to ``dst``, zeros elsewhere: the dual of broadcast."""
 
     _NMETA = 3  # dst, op, pg
@@ -276,20 +318,21 @@ class _ReduceCo(_CoalescedFn):
     @staticmethod
     def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
         (dst, op, pg), xs = _logical(3, (x0, *args))
+        groups = _by_dtype(xs)
         with B.label(f"reduce_coalesced({op})"):
-            return tuple(_b().reduce_coalesced(list(xs), dst, op, pg))
+            bufs = _b().reduce_coalesced(_pack(xs, groups), dst, op, pg)
+        return tuple(_unpack([x.shape for x in xs], groups, bufs))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        (ctx.dst, ctx.op, ctx.pg), xs = _logical(3, inputs)
-        ctx.meta, ctx.out_meta = _meta(xs), _meta(output)
+        ctx.dst, ctx.op, ctx.pg = _setup(ctx, 3, inputs, output)
 
     @staticmethod
     def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
         world = _world(ctx.pg) if ctx.op == "avg" else None
 
         def rule(_: list[int], gs: list[Tensor]) -> list[Tensor]:
-            out = _call(_BroadcastCo, 2, ctx.dst, ctx.pg, *gs)
+            out = _call(_BroadcastList, 2, ctx.dst, ctx.pg, *gs)
             return [o / world for o in out] if world is not None else list(out)
 
         with B.label(f"reduce_coalesced({ctx.op}) backward"):
@@ -297,77 +340,88 @@ class _ReduceCo(_CoalescedFn):
 
     @staticmethod
     def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        return _call(_ReduceCo, 3, ctx.dst, ctx.op, ctx.pg, *_zeros_for(ctx, _logical(3, ts)[1]))
+        return _call(_ReduceList, 3, ctx.dst, ctx.op, ctx.pg, *_zeros_for(ctx.meta, _logical(3, ts)[1]))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
         (dst, op, pg), xs = _logical(3, (x0, *args))
-        return _call(_ReduceCo, 3, dst, op, pg, *xs), _logical(3, in_dims)[1]
+        return _call(_ReduceList, 3, dst, op, pg, *xs), _logical(3, in_dims)[1]
 
 
-def _along(fn: Any, dim: int, xs: Sequence[Tensor]) -> list[Tensor]:
-    """Run a dim-0 backend op on every buffer along ``dim`` (the vmap rules move it)."""
-    if dim == 0:
-        return list(fn(list(xs)))
-    outs = fn([x.movedim(dim, 0) for x in xs])
-    return [o.movedim(0, dim) for o in outs]
+class _AllGatherList(_CoalescedFn):
+    """Even all_gather of every tensor ``i`` along ``dims[i]``."""
 
-
-class _AllGatherCo(_CoalescedFn):
-    """Even all_gather of every buffer along ``dim`` (rank-major)."""
-
-    _NMETA = 2  # dim, pg
+    _NMETA = 2  # dims, pg
 
     @staticmethod
     def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
-        (dim, pg), xs = _logical(2, (x0, *args))
+        (dims, pg), xs = _logical(2, (x0, *args))
+        world = _world(pg)
+        moved = _moved(xs, dims)
+        groups = _by_dtype(moved)
         with B.label("all_gather_coalesced"):
-            return tuple(_along(lambda bs: _b().all_gather_coalesced(bs, pg), dim, xs))
+            bufs = _b().all_gather_coalesced(_pack(moved, groups), pg)
+        out: list[Any] = [None] * len(xs)
+        for g, buf in zip(groups, bufs):  # rank-major -> tensor-major (one copy each)
+            rows = buf.view(world, buf.numel() // world).split([moved[i].numel() for i in g], dim=1)
+            for i, block in zip(g, rows):
+                m = moved[i]
+                out[i] = block.reshape(world * m.shape[0], *m.shape[1:])
+        return tuple(_back(out, dims))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        (ctx.dim, ctx.pg), xs = _logical(2, inputs)
-        ctx.meta, ctx.out_meta = _meta(xs), _meta(output)
+        ctx.dims, ctx.pg = _setup(ctx, 2, inputs, output)
 
     @staticmethod
     def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
+        def rule(idx: list[int], gs: list[Tensor]) -> Any:
+            dims = tuple(ctx.dims[i] for i in idx)
+            return _call(_ReduceScatterList, 3, dims, "sum", ctx.pg, *gs)
+
         with B.label("all_gather_coalesced backward"):
-            rule = lambda _, gs: _call(_ReduceScatterCo, 3, ctx.dim, "sum", ctx.pg, *gs)
             return _physical(2, _on_differentiable(ctx, gs, rule))
 
     @staticmethod
     def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        return _call(_AllGatherCo, 2, ctx.dim, ctx.pg, *_zeros_for(ctx, _logical(2, ts)[1]))
+        return _call(_AllGatherList, 2, ctx.dims, ctx.pg, *_zeros_for(ctx.meta, _logical(2, ts)[1]))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
-        (dim, pg), xs = _logical(2, (x0, *args))
+        (dims, pg), xs = _logical(2, (x0, *args))
         xb = _batch_all(info, _logical(2, in_dims)[1], xs)
-        return _call(_AllGatherCo, 2, dim + 1, pg, *xb), (0,) * len(xs)
+        return _call(_AllGatherList, 2, tuple(d + 1 for d in dims), pg, *xb), (0,) * len(xs)
 
 
-class _ReduceScatterCo(_CoalescedFn):
-    """Even linear (sum/avg) reduce_scatter of every buffer along ``dim``."""
+class _ReduceScatterList(_CoalescedFn):
+    """Even linear (sum/avg) reduce_scatter of every tensor ``i`` along ``dims[i]``."""
 
-    _NMETA = 3  # dim, op, pg
+    _NMETA = 3  # dims, op, pg
 
     @staticmethod
     def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
-        (dim, op, pg), xs = _logical(3, (x0, *args))
+        (dims, op, pg), xs = _logical(3, (x0, *args))
+        world = _world(pg)
+        moved = _moved(xs, dims)
+        groups = _by_dtype(moved)
+        # rank-major layout: row r of each buffer holds chunk r of every tensor of the dtype
+        bufs = [torch.cat([moved[i].reshape(world, moved[i].numel() // world) for i in g], 1) for g in groups]
         with B.label(f"reduce_scatter_coalesced({op})"):
-            return tuple(_along(lambda bs: _b().reduce_scatter_coalesced(bs, op, pg), dim, xs))
+            parts = _b().reduce_scatter_coalesced([b.view(-1) for b in bufs], op, pg)
+        shapes = [(m.shape[0] // world, *m.shape[1:]) for m in moved]
+        return tuple(_back(_unpack(shapes, groups, parts), dims))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        (ctx.dim, ctx.op, ctx.pg), xs = _logical(3, inputs)
-        ctx.meta, ctx.out_meta = _meta(xs), _meta(output)
+        ctx.dims, ctx.op, ctx.pg = _setup(ctx, 3, inputs, output)
 
     @staticmethod
     def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
         world = _world(ctx.pg) if ctx.op == "avg" else None
 
-        def rule(_: list[int], gs: list[Tensor]) -> list[Tensor]:
-            out = _call(_AllGatherCo, 2, ctx.dim, ctx.pg, *gs)
+        def rule(idx: list[int], gs: list[Tensor]) -> list[Tensor]:
+            dims = tuple(ctx.dims[i] for i in idx)
+            out = _call(_AllGatherList, 2, dims, ctx.pg, *gs)
             return [o / world for o in out] if world is not None else list(out)
 
         with B.label(f"reduce_scatter_coalesced({ctx.op}) backward"):
@@ -375,16 +429,17 @@ class _ReduceScatterCo(_CoalescedFn):
 
     @staticmethod
     def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        return _call(_ReduceScatterCo, 3, ctx.dim, ctx.op, ctx.pg, *_zeros_for(ctx, _logical(3, ts)[1]))
+        ts = _zeros_for(ctx.meta, _logical(3, ts)[1])
+        return _call(_ReduceScatterList, 3, ctx.dims, ctx.op, ctx.pg, *ts)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
-        (dim, op, pg), xs = _logical(3, (x0, *args))
+        (dims, op, pg), xs = _logical(3, (x0, *args))
         xb = _batch_all(info, _logical(3, in_dims)[1], xs)
-        return _call(_ReduceScatterCo, 3, dim + 1, op, pg, *xb), (0,) * len(xs)
+        return _call(_ReduceScatterList, 3, tuple(d + 1 for d in dims), op, pg, *xb), (0,) * len(xs)
 
 
-for _cls in (_AllReduceCo, _BroadcastCo, _ReduceCo, _AllGatherCo, _ReduceScatterCo):
+for _cls in (_AllReduceList, _BroadcastList, _ReduceList, _AllGatherList, _ReduceScatterList):
     _jvp_free_twin(_cls)
 
 
@@ -394,31 +449,38 @@ for _cls in (_AllReduceCo, _BroadcastCo, _ReduceCo, _AllGatherCo, _ReduceScatter
 
 
 def _check_list(tensors: Any, op: str) -> list[Tensor]:
+    """The list, validated: non-empty, dense tensors, one device, no integer tensor
+    asked for grad. (One cheap pass: this runs on every call, for hundreds of tensors.)"""
     if isinstance(tensors, Tensor) or not isinstance(tensors, list | tuple):
         raise A.arg_error(op, "tensors", "a list or tuple of tensors", type(tensors).__name__, TypeError)
     if len(tensors) == 0:
         raise A.arg_error(op, "tensors", "a non-empty list of tensors", "an empty list")
-    ts = []
+    first = tensors[0].device if isinstance(tensors[0], Tensor) else None
     for i, t in enumerate(tensors):
-        t = A.check_tensor(t, op, f"tensors[{i}]")
-        A.check_grad_dtype(t, op, f"tensors[{i}]")
-        ts.append(t)
-    devices = {t.device for t in ts}
-    if len(devices) > 1:
-        first = ts[0].device
-        j = next(i for i, t in enumerate(ts) if t.device != first)
-        raise A.arg_error(
-            op,
-            "tensors",
-            "tensors on one device (one buffer per dtype is communicated)",
-            f"tensors[0] on {first} and tensors[{j}] on {ts[j].device}",
-        )
-    return ts
+        if type(t) is not Tensor and not isinstance(t, Tensor) or t.is_sparse:
+            A.check_tensor(t, op, f"tensors[{i}]")  # raises the standard message
+        if t.requires_grad and not (t.is_floating_point() or t.is_complex()):
+            A.check_grad_dtype(t, op, f"tensors[{i}]")
+        if t.device != first:
+            raise A.arg_error(
+                op,
+                "tensors",
+                "tensors on one device (one buffer per dtype is communicated)",
+                f"tensors[0] on {first} and tensors[{i}] on {t.device}",
+            )
+    return list(tensors)
 
 
 def _check_op(op_arg: Any, ts: Sequence[Tensor], opname: str) -> str:
+    """The reduce op, checked against every dtype present (once per dtype)."""
     name = A.normalize_op(op_arg, opname)
+    if name in ("sum", "product"):
+        return name  # legal for every dtype
+    seen: set[torch.dtype] = set()
     for i, t in enumerate(ts):
+        if t.dtype in seen:
+            continue
+        seen.add(t.dtype)
         try:
             A.normalize_op(name, opname, t)
         except ValueError as err:
@@ -481,31 +543,6 @@ def _decode(row: list[int], n: int) -> list[str]:
 
 
 # ======================================================================================
-# packing: group by dtype, one flat buffer each, split back with views
-# ======================================================================================
-
-
-def _by_dtype(ts: Sequence[Tensor]) -> list[list[int]]:
-    """Positions of ``ts`` grouped by dtype, groups in order of first appearance."""
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(ts):
-        groups.setdefault(t.dtype, []).append(i)
-    return list(groups.values())
-
-
-def _pack(ts: Sequence[Tensor], groups: list[list[int]]) -> list[Tensor]:
-    return [torch.cat([ts[i].reshape(-1) for i in g]) for g in groups]
-
-
-def _unpack(ts: Sequence[Tensor], groups: list[list[int]], bufs: Sequence[Tensor]) -> list[Tensor]:
-    out: list[Any] = [None] * len(ts)
-    for g, buf in zip(groups, bufs):
-        for i, piece in zip(g, buf.split([ts[i].numel() for i in g])):
-            out[i] = piece.view(ts[i].shape)
-    return out
-
-
-# ======================================================================================
 # the public ops
 # ======================================================================================
 
@@ -543,9 +580,7 @@ def all_reduce_coalesced(
     op_name = _check_op(op, ts, name)
     pg = A.resolve_group(group, name)
     _debug_check(name, pg, ts, op=op_name)
-    groups = _by_dtype(ts)
-    bufs = _call(_fn(_AllReduceCo), 2, op_name, pg, *_pack(ts, groups))
-    return _unpack(ts, groups, bufs)
+    return list(_call(_fn(_AllReduceList), 2, op_name, pg, *ts))
 
 
 def broadcast_coalesced(tensors: Sequence[Tensor], src: int = 0, group: A.GroupLike = None) -> list[Tensor]:
@@ -576,9 +611,7 @@ def broadcast_coalesced(tensors: Sequence[Tensor], src: int = 0, group: A.GroupL
     pg = A.resolve_group(group, name)
     src = A.check_rank(src, name, "src", _world(pg))
     _debug_check(name, pg, ts, src=src)
-    groups = _by_dtype(ts)
-    bufs = _call(_fn(_BroadcastCo), 2, src, pg, *_pack(ts, groups))
-    return _unpack(ts, groups, bufs)
+    return list(_call(_fn(_BroadcastList), 2, src, pg, *ts))
 
 
 def reduce_coalesced(
@@ -615,13 +648,11 @@ def reduce_coalesced(
     pg = A.resolve_group(group, name)
     dst = A.check_rank(dst, name, "dst", _world(pg))
     _debug_check(name, pg, ts, op=op_name, dst=dst)
-    groups = _by_dtype(ts)
     if op_name in A.LINEAR_OPS:
-        bufs = _call(_fn(_ReduceCo), 3, dst, op_name, pg, *_pack(ts, groups))
-    else:
-        full = _call(_fn(_AllReduceCo), 2, op_name, pg, *_pack(ts, groups))
-        bufs = [_only_on(b, _rank(pg) == dst) for b in full]
-    return _unpack(ts, groups, bufs)
+        return list(_call(_fn(_ReduceList), 3, dst, op_name, pg, *ts))
+    # max/min/product: every rank needs the result for its gradient anyway (as dc.reduce)
+    full = _call(_fn(_AllReduceList), 2, op_name, pg, *ts)
+    return [_only_on(y, _rank(pg) == dst) for y in full]
 
 
 def _check_dims(ts: Sequence[Tensor], dim: Any, op: str) -> list[int]:
@@ -662,18 +693,7 @@ def all_gather_coalesced(tensors: Sequence[Tensor], dim: int = 0, group: A.Group
     dims = _check_dims(ts, dim, name)
     pg = A.resolve_group(group, name)
     _debug_check(name, pg, ts, dim=dim)
-    world = _world(pg)
-    groups = _by_dtype(ts)
-    moved = [t.movedim(d, 0) for t, d in zip(ts, dims)]
-    bufs = _call(_fn(_AllGatherCo), 2, 0, pg, *_pack(moved, groups))
-    out: list[Any] = [None] * len(ts)
-    for g, buf in zip(groups, bufs):
-        rows = buf.view(world, buf.numel() // world).split([moved[i].numel() for i in g], dim=1)
-        for i, block in zip(g, rows):  # block: (world, numel_i), rank-major -> tensor-major
-            m = moved[i]
-            full = block.reshape(world * m.shape[0], *m.shape[1:])
-            out[i] = full.movedim(0, dims[i])
-    return out
+    return list(_call(_fn(_AllGatherList), 2, tuple(dims), pg, *ts))
 
 
 def reduce_scatter_coalesced(
@@ -720,24 +740,14 @@ def reduce_scatter_coalesced(
                 f"shape {list(t.shape)}",
             )
     _debug_check(name, pg, ts, op=op_name, dim=dim)
-    groups = _by_dtype(ts)
-    moved = [t.movedim(d, 0) for t, d in zip(ts, dims)]
-    out: list[Any] = [None] * len(ts)
-    if op_name not in A.LINEAR_OPS:  # like reduce_scatter: reduce everything, keep own chunk
-        full = _call(_fn(_AllReduceCo), 2, op_name, pg, *_pack(moved, groups))
-        for i, m in enumerate(_unpack(moved, groups, full)):
-            c = m.shape[0] // world
-            out[i] = m.narrow(0, rank * c, c).movedim(0, dims[i])
-        return out
-    # rank-major layout: row r of each buffer holds chunk r of every tensor of the dtype
-    bufs = [
-        torch.cat([moved[i].reshape(world, moved[i].numel() // world) for i in g], 1).view(-1) for g in groups
-    ]
-    parts = _call(_fn(_ReduceScatterCo), 3, 0, op_name, pg, *bufs)
-    for g, part in zip(groups, parts):
-        for i, piece in zip(g, part.split([moved[i].numel() // world for i in g])):
-            m = moved[i]
-            out[i] = piece.view(m.shape[0] // world, *m.shape[1:]).movedim(0, dims[i])
+    if op_name in A.LINEAR_OPS:
+        return list(_call(_fn(_ReduceScatterList), 3, tuple(dims), op_name, pg, *ts))
+    # max/min/product: reduce everything, keep the own chunk (as dc.reduce_scatter)
+    full = _call(_fn(_AllReduceList), 2, op_name, pg, *ts)
+    out = []
+    for y, d in zip(full, dims):
+        c = y.shape[d] // world
+        out.append(y.narrow(d, rank * c, c))
     return out
 
 
