@@ -8,7 +8,10 @@ barrier; a round's time is the slowest rank's):
 * ``coalesced`` — ``dc.<op>_coalesced(tensors)`` and its backward (one call per dtype);
 * ``loop``      — ``[dc.<op>(t) for t in tensors]`` and their backward (256 calls each way);
 * ``flat``      — ``dc.<op>(flat)`` of one tensor of the same total bytes and its
-  backward: the floor a coalesced op can reach (it adds packing and unpacking).
+  backward: the floor a coalesced op can reach (it adds packing and unpacking, and
+  autograd handles 256 inputs and outputs instead of one);
+* ``coalesced_fwd`` / ``flat_fwd`` — the same forward on detached tensors (no autograd):
+  the packing cost alone.
 
 Reported per world: median and interquartile range of each implementation's round time,
 and the **paired** ratios ``loop / coalesced`` and ``coalesced / flat`` (per round, then
@@ -61,10 +64,15 @@ def _steps(op: str, n_tensors: int, nbytes: int) -> dict[str, Callable[[], None]
     def run(outs: list[torch.Tensor], inputs: list[torch.Tensor], cots: list[torch.Tensor]) -> None:
         torch.autograd.grad(outs, inputs, grad_outputs=cots)
 
+    xs_data = [x.detach() for x in xs]
+    flat_data = flat.detach()
     return {
         "coalesced": lambda: run(coalesced(xs), xs, cot_xs),
         "loop": lambda: run([single(x) for x in xs], xs, cot_xs),
         "flat": lambda: run([single(flat)], [flat], cot_flat),
+        # forward only, no autograd: the packing cost alone
+        "coalesced_fwd": lambda: coalesced(xs_data),
+        "flat_fwd": lambda: single(flat_data),
     }
 
 
@@ -130,7 +138,8 @@ def measure(world: dc.LocalWorld, op: str, n_tensors: int, nbytes: int, rounds: 
     vs_flat = [co / fl for co, fl in zip(rt["coalesced"], rt["flat"])]
     out["loop_over_coalesced"] = _q(speedup)
     out["coalesced_over_flat"] = _q(vs_flat)
-    for n in names:  # worst rank
+    out["fwd_coalesced_over_flat"] = _q([co / fl for co, fl in zip(rt["coalesced_fwd"], rt["flat_fwd"])])
+    for n in ("coalesced", "loop", "flat"):  # worst rank
         out[f"{n}_peak_x_payload"] = max(r["memory"][n] for r in per_rank) / payload
     return out
 
@@ -157,14 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"load_before": load, "load_after": load_after, "rows": rows}, indent=1))
         return 0
-    console = Console()
+    console = Console(width=220)
     title = (
         f"{args.tensors} float32 tensors x {args.bytes} B, forward+backward, {args.rounds} interleaved "
         f"rounds (slowest rank); load avg before {load[0]:.2f}, after {load_after[0]:.2f}"
     )
     table = Table(title=title)
     cols = ["world", "op", "coalesced ms", "loop ms", "flat ms", "loop/coalesced", "coalesced/flat"]
-    cols += ["peak mem coalesced", "peak mem flat", "peak mem loop"]
+    cols += ["fwd-only coalesced/flat", "peak mem coalesced", "peak mem flat", "peak mem loop"]
     for c in cols:
         table.add_column(c, justify="left" if c == "op" else "right")
 
@@ -183,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             ms(r["flat_ms"]),
             ratio(r["loop_over_coalesced"]),
             ratio(r["coalesced_over_flat"]),
+            ratio(r["fwd_coalesced_over_flat"]),
             f"{r['coalesced_peak_x_payload']:.2f}x",
             f"{r['flat_peak_x_payload']:.2f}x",
             f"{r['loop_peak_x_payload']:.2f}x",

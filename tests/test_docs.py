@@ -53,6 +53,12 @@ def test_docs_build_without_warnings(tmp_path: Path) -> None:
         "diffcomm.world.LocalWorld",
     ):
         assert f'id="{fn}"' in api, f"{fn} missing from the API reference"
+    from diffcomm.coalesced import COALESCED_OPS
+
+    coalesced = (out / "coalesced.html").read_text()
+    for name in COALESCED_OPS:  # the generated coalesced table and the API entries
+        assert f'<span class="pre">{name}</span>' in coalesced
+        assert f'id="diffcomm.coalesced.{name}"' in api, f"{name} missing from the API reference"
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
         assert (out / "_generated" / "notebooks" / f"{nb.stem}.html").exists(), (
             f"notebook {nb.name} not rendered"

@@ -5,6 +5,8 @@ On ``builder-inited`` (before Sphinx looks for source files) it writes, under
 
 * ``duals.md`` — the op -> adjoint table, from :func:`diffcomm.collectives.duals_markdown`
   (the same ``OPS`` table the tests walk), included by ``convention.md``;
+* ``coalesced.md`` — the coalesced op -> adjoint table, from
+  :data:`diffcomm.coalesced.COALESCED_OPS`, included by ``coalesced.md``;
 * ``mappings.md`` — the replicated-objective mappings, from
   :data:`diffcomm.parallel.mappings.MAPPINGS`;
 * ``notebooks/*.ipynb`` — copies of ``notebooks/*.ipynb`` (Sphinx only reads sources
@@ -42,6 +44,16 @@ def duals_page() -> str:
     )
 
 
+def coalesced_page() -> str:
+    from diffcomm.coalesced import coalesced_markdown
+
+    return (
+        "<!-- generated from diffcomm.coalesced.COALESCED_OPS by docs/_ext/diffcomm_docs.py -->\n\n"
+        + coalesced_markdown()
+        + "\n"
+    )
+
+
 def mappings_page() -> str:
     try:
         from diffcomm.parallel.mappings import MAPPINGS
@@ -70,6 +82,7 @@ def notebooks() -> dict[str, Path]:
 
 def generate(app: Any = None) -> None:
     _write(GENERATED / "duals.md", duals_page().encode())
+    _write(GENERATED / "coalesced.md", coalesced_page().encode())
     _write(GENERATED / "mappings.md", mappings_page().encode())
     wanted = notebooks()
     nb_dir = GENERATED / "notebooks"
