@@ -127,8 +127,10 @@ def run_coalesced_case(case: CoalescedCase, double: bool = True) -> CaseResult:
     if aty is not None:
         lhs = sum(float(_inner(o.detach(), y)) for o, y in zip(out, ys))
         rhs = sum(float(_inner(x.detach(), a)) for x, a in zip(xs, aty))
-        lhs, rhs = _sum_over_ranks(lhs), _sum_over_ranks(rhs)
-        scale = max(abs(lhs), abs(rhs), 1.0)
+        # the scale of the terms (not of the sums, which may cancel): sum |o||y|
+        mag = sum(float(_inner(o.detach().abs(), y.abs())) for o, y in zip(out, ys))
+        lhs, rhs, mag = _sum_over_ranks(lhs), _sum_over_ranks(rhs), _sum_over_ranks(mag)
+        scale = max(abs(lhs), abs(rhs), mag, 1.0)
         res.adjoint_err = abs(lhs - rhs) / scale
     wanted = [i for i, x in enumerate(xs) if x.requires_grad]
 
