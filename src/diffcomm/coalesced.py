@@ -157,9 +157,12 @@ def _meta(xs: Sequence[Tensor]) -> list[tuple[torch.Size, torch.dtype, torch.dev
     return [(x.shape, x.dtype, x.device) for x in xs]
 
 
-def _setup(ctx: Any, n: int, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> tuple[Any, ...]:
+def _setup(
+    ctx: Any, n: int, inputs: tuple[Any, ...], output: tuple[Tensor, ...], same_shapes: bool = False
+) -> tuple[Any, ...]:
     meta, xs = _logical(n, inputs)
-    ctx.meta, ctx.out_meta = _meta(xs), _meta(output)
+    ctx.meta = _meta(xs)
+    ctx.out_meta = ctx.meta if same_shapes else _meta(output)
     return meta
 
 
@@ -170,15 +173,43 @@ def _setup(ctx: Any, n: int, inputs: tuple[Any, ...], output: tuple[Tensor, ...]
 
 def _by_dtype(ts: Sequence[Tensor]) -> list[list[int]]:
     """Positions of ``ts`` grouped by dtype, groups in order of first appearance."""
+    first = ts[0].dtype
+    if all(t.dtype == first for t in ts):
+        return [list(range(len(ts)))]
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(ts):
         groups.setdefault(t.dtype, []).append(i)
     return list(groups.values())
 
 
+def _flatten(ts: Sequence[Tensor]) -> Tensor:
+    """A new contiguous 1-D buffer holding ``ts`` one after another (never an input)."""
+    if len(ts) == 1:
+        return ts[0].reshape(-1).clone()
+    if torch.compiler.is_compiling():
+        return torch.cat([t.reshape(-1) for t in ts])
+    return torch._C._nn.flatten_dense_tensors(list(ts))  # one C++ call (DDP's packing)
+
+
 def _pack(ts: Sequence[Tensor], groups: list[list[int]]) -> list[Tensor]:
     """One new contiguous buffer per dtype group (the caller owns it)."""
-    return [torch.cat([ts[i].reshape(-1) for i in g]) for g in groups]
+    if len(groups) == 1:
+        return [_flatten(ts)]
+    return [_flatten([ts[i] for i in g]) for g in groups]
+
+
+def _unpack_like(xs: Sequence[Tensor], groups: list[list[int]], bufs: Sequence[Tensor]) -> list[Tensor]:
+    """Outputs shaped like the inputs ``xs``: views of the buffers, detached (see
+    :func:`_unpack`)."""
+    if torch.compiler.is_compiling():
+        return _unpack([x.shape for x in xs], groups, bufs)
+    if len(groups) == 1:
+        return [v.detach() for v in torch._C._nn.unflatten_dense_tensors(bufs[0], list(xs))]
+    out: list[Any] = [None] * len(xs)
+    for g, buf in zip(groups, bufs):
+        for i, v in zip(g, torch._C._nn.unflatten_dense_tensors(buf, [xs[i] for i in g])):
+            out[i] = v.detach()
+    return out
 
 
 def _unpack(shapes: Sequence[Sequence[int]], groups: list[list[int]], bufs: Sequence[Tensor]) -> list[Tensor]:
@@ -215,11 +246,11 @@ class _AllReduceList(_CoalescedFn):
         groups = _by_dtype(xs)
         with B.label(f"all_reduce_coalesced({op})"):
             bufs = _b().all_reduce_coalesced(_pack(xs, groups), op, pg, owned=True)
-        return tuple(_unpack([x.shape for x in xs], groups, bufs))
+        return tuple(_unpack_like(xs, groups, bufs))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.op, ctx.pg = _setup(ctx, 2, inputs, output)
+        ctx.op, ctx.pg = _setup(ctx, 2, inputs, output, same_shapes=True)
         if ctx.op in ("max", "min", "product"):
             xs = _logical(2, inputs)[1]
             ctx.save_for_backward(*xs, *output)
@@ -288,11 +319,11 @@ class _BroadcastList(_CoalescedFn):
         groups = _by_dtype(xs)
         with B.label("broadcast_coalesced"):
             bufs = _b().broadcast_coalesced(_pack(xs, groups), src, pg, owned=True)
-        return tuple(_unpack([x.shape for x in xs], groups, bufs))
+        return tuple(_unpack_like(xs, groups, bufs))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.src, ctx.pg = _setup(ctx, 2, inputs, output)
+        ctx.src, ctx.pg = _setup(ctx, 2, inputs, output, same_shapes=True)
 
     @staticmethod
     def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
@@ -321,11 +352,11 @@ class _ReduceList(_CoalescedFn):
         groups = _by_dtype(xs)
         with B.label(f"reduce_coalesced({op})"):
             bufs = _b().reduce_coalesced(_pack(xs, groups), dst, op, pg)
-        return tuple(_unpack([x.shape for x in xs], groups, bufs))
+        return tuple(_unpack_like(xs, groups, bufs))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.dst, ctx.op, ctx.pg = _setup(ctx, 3, inputs, output)
+        ctx.dst, ctx.op, ctx.pg = _setup(ctx, 3, inputs, output, same_shapes=True)
 
     @staticmethod
     def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
