@@ -99,7 +99,8 @@ def test_bench_runs_and_plots(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     rows = json.loads(p.stdout[: p.stdout.rindex("]") + 1])
     impls = {r["impl"] for r in rows}
-    assert {"diffcomm", "raw", "torch.distributed.nn"} <= impls
+    assert {"diffcomm", "raw", "floor", "funcol", "torch.distributed.nn"} <= impls
     assert all(r["median_ms"] > 0 for r in rows)
     assert [r["ratio_vs_raw"] for r in rows if r["impl"] == "raw"] == [1.0]
+    assert [r["ratio_vs_floor"] for r in rows if r["impl"] == "floor"] == [1.0]
     assert out.exists() and out.stat().st_size > 1000

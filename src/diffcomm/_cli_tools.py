@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -184,7 +185,7 @@ def _table(rows: list[dict[str, Any]]) -> Table:
 
 
 def bench_configure(parser: argparse.ArgumentParser) -> None:
-    from diffcomm.bench import BENCH_OPS
+    from diffcomm.bench import BENCH_OPS, DEFAULT_SIZES, size_label
 
     parser.add_argument(
         "-n", "--world", type=int, nargs="+", default=[2], metavar="WORLD", help="world size(s) (default 2)"
@@ -198,15 +199,21 @@ def bench_configure(parser: argparse.ArgumentParser) -> None:
         metavar="OP",
         help=f"ops to time (from {', '.join(BENCH_OPS)})",
     )
+    default_sizes = [size_label(n) for n in DEFAULT_SIZES]
     parser.add_argument(
         "--sizes",
         nargs="+",
-        default=["16KiB", "1MiB"],
+        default=default_sizes,
         metavar="SIZE",
-        help="bytes per rank, e.g. 16KiB 1MiB 4194304 (default 16KiB 1MiB)",
+        help=f"bytes per rank, e.g. 16KiB 1MiB 4194304 (default {' '.join(default_sizes)})",
     )
     parser.add_argument("--rounds", type=int, default=20, help="timed rounds per (op, size) (default 20)")
-    parser.add_argument("--plot", default=None, metavar="OUT.png", help="write a bandwidth-vs-size plot")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="OUT.png",
+        help='write a bandwidth-vs-size plot (needs matplotlib: pip install "diffcomm[plot]")',
+    )
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
 
 
@@ -223,9 +230,8 @@ def parse_size(text: str) -> int:
 
 
 def bench_run(args: argparse.Namespace, console: Console) -> int:
-    """diffcomm vs raw torch.distributed (and torch.distributed.nn) forward+backward."""
-    from diffcomm.bench import plot_rows, run_benchmark
-    from diffcomm.world import LocalWorld
+    """diffcomm vs raw torch.distributed, a bare autograd floor, torch.distributed.nn, funcol."""
+    from diffcomm.bench import plot_missing, plot_rows, run_benchmark, size_label, summarize
 
     try:
         sizes = [parse_size(s) for s in args.sizes]
@@ -235,6 +241,17 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
     if args.rounds < 3:
         console.print("[red]error:[/red] --rounds must be >= 3")
         return 2
+    bad_worlds = [w for w in args.world if w < 1]
+    if bad_worlds:
+        console.print(f"[red]error:[/red] world size must be >= 1, got {bad_worlds[0]}")
+        return 2
+    if args.plot:
+        missing = plot_missing()  # before measuring: minutes of timing must not end in an ImportError
+        if missing:
+            console.print(f"[red]error:[/red] --plot: {escape(missing)}")
+            return 2
+    from diffcomm.world import LocalWorld
+
     rows = []
     for w in args.world:
         with LocalWorld(w, backend=args.backend, timeout=600) as world:
@@ -255,30 +272,40 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
 
                 rows += run_benchmark(world, args.ops, sizes, args.rounds, progress=progress)
     if args.json:
-        console.print_json(json.dumps([r.as_dict() for r in rows]))
+        console.print_json(json.dumps([r.as_dict() for r in rows]))  # geomeans: bench.summarize(rows)
     else:
-        t = Table(title="diffcomm bench: forward+backward, slowest rank per round")
-        for col in ("world", "op", "size", "impl", "median ms", "IQR ms", "ratio vs raw", "busbw GB/s"):
+        t = Table(title="diffcomm bench: forward+backward, slowest rank per round, paired per-round ratios")
+        cols = ("world", "op", "size", "impl", "median ms", "IQR ms", "/raw (IQR)", "/floor", "busbw GB/s")
+        for col in cols:
             t.add_column(col, justify="left" if col in ("op", "impl") else "right")
-        from diffcomm.bench import _size
-
         for r in rows:
-            ratio = f"{r.ratio_vs_raw:.2f}"
+            ratio = f"{r.ratio_vs_raw:.2f} ({r.ratio_vs_raw_q1:.2f}-{r.ratio_vs_raw_q3:.2f})"
+            vs_floor = f"{r.ratio_vs_floor:.2f}"
             if r.impl.startswith("diffcomm"):
-                ratio = f"[bold]{ratio}[/bold]"
+                ratio, vs_floor = f"[bold]{ratio}[/bold]", f"[bold]{vs_floor}[/bold]"
             t.add_row(
                 str(r.world),
                 r.op,
-                _size(r.nbytes),
+                size_label(r.nbytes),
                 r.impl,
                 f"{r.median_ms:.3f}",
                 f"{r.q1_ms:.3f}-{r.q3_ms:.3f}",
                 ratio,
+                vs_floor,
                 f"{r.busbw_GBps:.3f}",
             )
         console.print(t)
+        summary = summarize(rows)
+        g = Table(title="geometric mean of the median paired ratios, per world")
+        keys = list(dict.fromkeys(k for s in summary.values() for k in s if not k.endswith("cells")))
+        g.add_column("world", justify="right")
+        for k in keys:
+            g.add_column(k, justify="right")
+        for w, s in summary.items():
+            g.add_row(str(w), *[f"{s[k]:.3f}" if k in s else "-" for k in keys])
+        console.print(g)
     if args.plot:
-        plot_rows(rows, args.plot)
+        plot_rows(rows, args.plot, backend=args.backend)
         if not args.json:
             console.print(f"plot written to {args.plot}")
     return 0

@@ -1,32 +1,44 @@
-"""Benchmark: diffcomm forward+backward vs raw ``torch.distributed`` by hand (and
-``torch.distributed.nn.functional`` where it has the op), interleaved in one run.
+"""Benchmark: diffcomm forward+backward against what it replaces, interleaved in one run.
 
-For each op and size, every round runs each implementation once (the order rotates
-between rounds so none always goes first), each preceded by a barrier; a round's time
-for an implementation is the slowest rank's. Reported: median and interquartile spread
-over rounds, the ratio of medians against raw, and algorithmic / bus bandwidth.
+Implementations timed for each op and size (forward + backward of the same op):
 
-"raw" is what a careful user writes by hand for the same forward+backward: the forward
-collective into a fresh output, then the adjoint collective on the output gradient
-(e.g. all_gather_into_tensor then reduce_scatter_tensor). It allocates exactly what the
-out-of-place semantics need, so ``ratio`` measures diffcomm's autograd + validation
-overhead.
+``raw``
+    what a careful user writes by hand: the forward collective into a fresh output, then
+    the adjoint collective on the output gradient (e.g. all_gather_into_tensor then
+    reduce_scatter_tensor). No autograd at all.
+``floor``
+    a bare :class:`torch.autograd.Function` over the same raw calls: fresh outputs, no
+    validation, no labels, no logger. The least any autograd collective can cost, so
+    ``diffcomm / floor`` is diffcomm's own overhead.
+``torch.distributed.nn``
+    ``torch.distributed.nn.functional`` where it has the op (and a backward on gloo).
+``funcol``
+    PyTorch's functional collectives, autograd variants
+    (``all_gather_tensor_autograd``, ``reduce_scatter_tensor_autograd``,
+    ``all_to_all_single_autograd``); all_reduce / broadcast / reduce / gather / scatter
+    have none, so those cells are absent.
+``diffcomm``
+    the public op (and ``diffcomm(sizes=)`` for all_gather with the sizes given).
 
-Run ``python -m diffcomm bench`` (CLI) or :func:`run_benchmark` from Python.
+Every round runs each implementation once (the order rotates between rounds so none
+always goes first), each preceded by a barrier; a round's time for an implementation is
+the slowest rank's. Ratios are *paired*: ``impl / raw`` and ``diffcomm / floor`` are
+computed within each round and then summarised (median and interquartile spread over
+rounds), so a slow stretch of a loaded machine hits numerator and denominator alike.
+:func:`summarize` gives the geometric mean of the median ratios per world.
+
+Run ``python -m diffcomm bench`` (CLI) or :func:`run_benchmark` from Python. This module
+imports torch only inside its functions, so the CLI's ``--help`` stays fast.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
-
-import torch
-import torch.distributed as dist
-
-from .backend import _BUS_FACTOR
 
 BENCH_OPS = (
     "all_reduce",
@@ -38,13 +50,19 @@ BENCH_OPS = (
     "scatter",
     "all_to_all",
 )
-DEFAULT_SIZES = (16 * 1024, 1024 * 1024, 8 * 1024 * 1024)
-_BUS = _BUS_FACTOR  # bus-bandwidth factor per op (nccl-tests convention)
+DEFAULT_SIZES = (16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+# Fixed order (and so fixed plot colour) of the implementations.
+IMPLS = ("raw", "floor", "torch.distributed.nn", "funcol", "diffcomm", "diffcomm(sizes=)")
+PLOT_INSTALL_HINT = 'pip install "diffcomm[plot]"'
 
 
 @dataclass
 class BenchRow:
-    """One (op, size, implementation) measurement."""
+    """One (op, size, implementation) measurement on one world.
+
+    Times are of the slowest rank per round, in milliseconds. ``ratio_vs_raw`` and
+    ``ratio_vs_floor`` are medians of per-round paired ratios, with their quartiles.
+    """
 
     op: str
     nbytes: int
@@ -54,6 +72,11 @@ class BenchRow:
     q1_ms: float
     q3_ms: float
     ratio_vs_raw: float
+    ratio_vs_raw_q1: float
+    ratio_vs_raw_q3: float
+    ratio_vs_floor: float
+    ratio_vs_floor_q1: float
+    ratio_vs_floor_q3: float
     algbw_GBps: float
     busbw_GBps: float
 
@@ -61,129 +84,239 @@ class BenchRow:
         return asdict(self)
 
 
+# ------------------------------------------------------------------------- statistics
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
+    """``(q1, median, q3)`` of ``values`` (nearest-rank quartiles, exact median)."""
+    if not values:
+        raise ValueError("quartiles of an empty sequence")
+    s = sorted(values)
+    return s[len(s) // 4], statistics.median(s), s[(3 * len(s)) // 4]
+
+
+def paired_ratios(times: Sequence[float], base: Sequence[float]) -> tuple[float, float, float]:
+    """Per-round ratios ``times[i] / base[i]`` summarised as ``(q1, median, q3)``.
+
+    Both sequences hold one time per interleaved round (the same rounds, in order).
+    """
+    if len(times) != len(base):
+        raise ValueError(f"paired ratios need one time per round each, got {len(times)} and {len(base)}")
+    if any(b <= 0 for b in base):
+        raise ValueError("paired ratios need positive base times")
+    return quartiles([t / b for t, b in zip(times, base)])
+
+
+def geomean(values: Sequence[float]) -> float:
+    """Geometric mean of positive values."""
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"geomean needs positive values, got {list(values)}")
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def summarize(rows: Sequence[BenchRow]) -> dict[int, dict[str, float]]:
+    """Geometric means per world of the median paired ratios over every (op, size) cell.
+
+    Returns ``{world: {"<impl>/raw": g, ..., "diffcomm/floor": g}}``; an implementation
+    missing for some op (``funcol`` has no all_reduce) is averaged over the cells it has,
+    and the key ``"<impl>/raw cells"`` says how many those are.
+    """
+    out: dict[int, dict[str, float]] = {}
+    for w in sorted({r.world for r in rows}):
+        mine = [r for r in rows if r.world == w]
+        summary: dict[str, float] = {}
+        for impl in [i for i in IMPLS[1:] if any(r.impl == i for r in mine)]:
+            vals = [r.ratio_vs_raw for r in mine if r.impl == impl]
+            summary[f"{impl}/raw"] = geomean(vals)
+            summary[f"{impl}/raw cells"] = len(vals)
+        dvf = [r.ratio_vs_floor for r in mine if r.impl == "diffcomm" and not math.isnan(r.ratio_vs_floor)]
+        if dvf:
+            summary["diffcomm/floor"] = geomean(dvf)
+            summary["diffcomm/floor cells"] = len(dvf)
+        out[w] = summary
+    return out
+
+
+# ---------------------------------------------------------------------- implementations
+
+
+def _floor_function() -> Any:
+    import torch
+
+    class Floor(torch.autograd.Function):
+        """The cheapest autograd collective: run ``fwd``, and ``bwd`` on the gradient."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, fwd: Callable, bwd: Callable) -> torch.Tensor:
+            ctx.bwd = bwd
+            return fwd(x)
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, None, None]:
+            return ctx.bwd(g), None, None
+
+    return Floor
+
+
 def _impls(op: str, nbytes: int) -> dict[str, Callable[[], None]]:
     """Closures doing forward+backward of ``op`` on an input of ``nbytes`` bytes."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
     import torch.distributed.nn.functional as tdnn
 
     import diffcomm as dc
     from diffcomm.backend import _all_gather_single, _reduce_scatter_single
 
+    if op not in BENCH_OPS:
+        raise ValueError(f"diffcomm bench: unknown op {op!r}; known: {BENCH_OPS}")
     w, r = dist.get_world_size(), dist.get_rank()
+    pg = dist.group.WORLD
     n = max(w, nbytes // 4 // w * w)  # float32 elements, divisible by the world size
     x0 = torch.randn(n)
     chunk = n // w
-    impls: dict[str, Callable[[], None]] = {}
+    floor = _floor_function()
 
-    def dc_step(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
-        def step() -> None:
+    def step(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
             x = x0.detach().requires_grad_(True)
             y = fn(x)
             y.backward(torch.ones_like(y))
 
-        return step
+        return run
 
+    # fwd / bwd: the raw calls into fresh outputs (the floor's body); raw: the same by hand.
     if op == "all_reduce":
-        impls["diffcomm"] = dc_step(lambda x: dc.all_reduce(x))
 
-        def raw() -> None:
-            y = x0.clone()
+        def fwd(x: torch.Tensor) -> torch.Tensor:
+            y = x.clone()
             dist.all_reduce(y)
-            g = torch.ones_like(y)
-            dist.all_reduce(g)
+            return y
 
-        impls["raw"] = raw
-        impls["torch.distributed.nn"] = dc_step(lambda x: _quiet(tdnn.all_reduce, x))
+        bwd = fwd
+        dc_fn: Callable[[torch.Tensor], torch.Tensor] = lambda x: dc.all_reduce(x)
+        nn_fn: Callable | None = lambda x: _quiet(tdnn.all_reduce, x)
+        fc_fn: Callable | None = None
     elif op == "all_gather":
-        impls["diffcomm"] = dc_step(lambda x: dc.all_gather(x))
-        impls["diffcomm(sizes=)"] = dc_step(lambda x: dc.all_gather(x, sizes=[n] * w))
 
-        def raw() -> None:
+        def fwd(x: torch.Tensor) -> torch.Tensor:
             y = torch.empty(n * w)
-            _all_gather_single(y, x0)
-            g = torch.ones_like(y)
-            gx = torch.empty(n)
-            _reduce_scatter_single(gx, g)
+            _all_gather_single(y, x)
+            return y
 
-        impls["raw"] = raw
-        impls["torch.distributed.nn"] = dc_step(lambda x: torch.cat(_quiet(tdnn.all_gather, x)))
+        def bwd(g: torch.Tensor) -> torch.Tensor:
+            gx = torch.empty(n)
+            _reduce_scatter_single(gx, g.contiguous())
+            return gx
+
+        dc_fn = lambda x: dc.all_gather(x)
+        nn_fn = lambda x: torch.cat(_quiet(tdnn.all_gather, x))
+        fc_fn = lambda x: funcol.all_gather_tensor_autograd(x, 0, pg)
     elif op == "reduce_scatter":
-        impls["diffcomm"] = dc_step(lambda x: dc.reduce_scatter(x))
 
-        def raw() -> None:
+        def fwd(x: torch.Tensor) -> torch.Tensor:
             y = torch.empty(chunk)
-            _reduce_scatter_single(y, x0)
-            g = torch.ones_like(y)
-            gx = torch.empty(n)
-            _all_gather_single(gx, g)
+            _reduce_scatter_single(y, x)
+            return y
 
-        impls["raw"] = raw
-        impls["torch.distributed.nn"] = dc_step(
-            lambda x: _quiet(tdnn.reduce_scatter, torch.empty(chunk), list(x.split(chunk)))
-        )
+        def bwd(g: torch.Tensor) -> torch.Tensor:
+            gx = torch.empty(n)
+            _all_gather_single(gx, g.contiguous())
+            return gx
+
+        dc_fn = lambda x: dc.reduce_scatter(x)
+        nn_fn = lambda x: _quiet(tdnn.reduce_scatter, torch.empty(chunk), list(x.split(chunk)))
+        fc_fn = lambda x: funcol.reduce_scatter_tensor_autograd(x, "sum", 0, pg)
     elif op == "broadcast":
-        impls["diffcomm"] = dc_step(lambda x: dc.broadcast(x, src=0))
 
-        def raw() -> None:
-            y = x0.clone()
+        def fwd(x: torch.Tensor) -> torch.Tensor:
+            y = x.clone()
             dist.broadcast(y, src=0)
-            g = torch.ones_like(y)
+            return y
+
+        def bwd(g: torch.Tensor) -> torch.Tensor:
+            g = g.clone()
             dist.reduce(g, dst=0)
-            if r != 0:
-                g.zero_()
+            return g if r == 0 else g.zero_()
 
-        impls["raw"] = raw
-        impls["torch.distributed.nn"] = dc_step(lambda x: _quiet(tdnn.broadcast, x, 0))
+        dc_fn = lambda x: dc.broadcast(x, src=0)
+        nn_fn = lambda x: _quiet(tdnn.broadcast, x, 0)
+        fc_fn = None
     elif op == "reduce":
-        impls["diffcomm"] = dc_step(lambda x: dc.reduce(x, dst=0))
 
-        def raw() -> None:
-            y = x0.clone()
+        def fwd(x: torch.Tensor) -> torch.Tensor:
+            y = x.clone()
             dist.reduce(y, dst=0)
-            if r != 0:
-                y.zero_()
-            g = torch.ones_like(y)
+            return y if r == 0 else y.zero_()
+
+        def bwd(g: torch.Tensor) -> torch.Tensor:
+            g = g.clone()
             dist.broadcast(g, src=0)
+            return g
 
-        impls["raw"] = raw
-        impls["torch.distributed.nn"] = dc_step(lambda x: _quiet(tdnn.reduce, x, 0))
+        dc_fn = lambda x: dc.reduce(x, dst=0)
+        nn_fn = lambda x: _quiet(tdnn.reduce, x, 0)
+        fc_fn = None
     elif op == "gather":
-        impls["diffcomm"] = dc_step(lambda x: dc.gather(x, dst=0, sizes=[n] * w))
 
-        def raw() -> None:
+        def fwd(x: torch.Tensor) -> torch.Tensor:
             y = torch.zeros(n * w)
-            dist.gather(x0, list(y.split(n)) if r == 0 else None, dst=0)
-            g = torch.ones_like(y)
-            gx = torch.empty(n)
-            dist.scatter(gx, list(g.split(n)) if r == 0 else None, src=0)
+            dist.gather(x, list(y.split(n)) if r == 0 else None, dst=0)
+            return y
 
-        impls["raw"] = raw
-        impls["torch.distributed.nn"] = dc_step(lambda x: torch.cat(_quiet(tdnn.gather, x, 0)))
+        def bwd(g: torch.Tensor) -> torch.Tensor:
+            gx = torch.empty(n)
+            dist.scatter(gx, list(g.contiguous().split(n)) if r == 0 else None, src=0)
+            return gx
+
+        dc_fn = lambda x: dc.gather(x, dst=0, sizes=[n] * w)
+        nn_fn = lambda x: torch.cat(_quiet(tdnn.gather, x, 0))
+        fc_fn = None
     elif op == "scatter":
-        impls["diffcomm"] = dc_step(lambda x: dc.scatter(x, src=0))
 
-        def raw() -> None:
+        def fwd(x: torch.Tensor) -> torch.Tensor:
             y = torch.empty(chunk)
-            dist.scatter(y, list(x0.split(chunk)) if r == 0 else None, src=0)
-            g = torch.ones_like(y)
+            dist.scatter(y, list(x.split(chunk)) if r == 0 else None, src=0)
+            return y
+
+        def bwd(g: torch.Tensor) -> torch.Tensor:
             gx = torch.zeros(n)
-            dist.gather(g, list(gx.split(chunk)) if r == 0 else None, dst=0)
+            dist.gather(g.contiguous(), list(gx.split(chunk)) if r == 0 else None, dst=0)
+            return gx
 
-        impls["raw"] = raw
-        impls["torch.distributed.nn"] = dc_step(lambda x: _quiet(tdnn.scatter, list(x.split(chunk)), 0))
-    elif op == "all_to_all":
-        impls["diffcomm"] = dc_step(lambda x: dc.all_to_all(x))
+        dc_fn = lambda x: dc.scatter(x, src=0)
+        nn_fn = lambda x: _quiet(tdnn.scatter, list(x.split(chunk)), 0)
+        fc_fn = None
+    else:  # all_to_all
 
-        def raw() -> None:
+        def fwd(x: torch.Tensor) -> torch.Tensor:
             y = torch.empty(n)
-            dist.all_to_all_single(y, x0)
-            g = torch.ones_like(y)
-            gx = torch.empty(n)
-            dist.all_to_all_single(gx, g)
+            dist.all_to_all_single(y, x)
+            return y
 
-        impls["raw"] = raw
-        impls["torch.distributed.nn"] = dc_step(lambda x: _quiet(tdnn.all_to_all_single, torch.empty(n), x))
-    else:
-        raise ValueError(f"diffcomm bench: unknown op {op!r}; known: {BENCH_OPS}")
+        def bwd(g: torch.Tensor) -> torch.Tensor:
+            gx = torch.empty(n)
+            dist.all_to_all_single(gx, g.contiguous())
+            return gx
+
+        dc_fn = lambda x: dc.all_to_all(x)
+        nn_fn = lambda x: _quiet(tdnn.all_to_all_single, torch.empty(n), x)
+        fc_fn = lambda x: funcol.all_to_all_single_autograd(x, None, None, pg)
+
+    def raw() -> None:
+        y = fwd(x0)
+        bwd(torch.ones_like(y))
+
+    impls: dict[str, Callable[[], None]] = {
+        "raw": raw,
+        "floor": step(lambda x: floor.apply(x, fwd, bwd)),
+        "torch.distributed.nn": step(nn_fn),
+    }
+    if fc_fn is not None:
+        impls["funcol"] = step(lambda x: funcol.wait_tensor(fc_fn(x)))
+    impls["diffcomm"] = step(dc_fn)
+    if op == "all_gather":
+        impls["diffcomm(sizes=)"] = step(lambda x: dc.all_gather(x, sizes=[n] * w))
     return impls
 
 
@@ -197,6 +330,8 @@ def _quiet(fn: Callable[..., Any], *args: Any) -> Any:
 
 def _rank_times(op: str, nbytes: int, rounds: int, warmup: int) -> dict[str, list[float]]:
     """Runs on every rank: per implementation, the seconds of each round."""
+    import torch.distributed as dist
+
     impls = _impls(op, nbytes)
     names = list(impls)
     times: dict[str, list[float]] = {k: [] for k in names}
@@ -217,6 +352,33 @@ def _rank_times(op: str, nbytes: int, rounds: int, warmup: int) -> dict[str, lis
     return times
 
 
+def rows_from_times(
+    op: str, nbytes: int, world: int, slowest: Mapping[str, Sequence[float]]
+) -> list[BenchRow]:
+    """Rows of one (op, size) cell from each implementation's per-round slowest-rank times.
+
+    ``slowest`` must contain ``"raw"``; ratios against ``"floor"`` are NaN without it.
+    """
+    from .backend import _BUS_FACTOR
+
+    rows = []
+    for k in [i for i in IMPLS if i in slowest] + [i for i in slowest if i not in IMPLS]:
+        ts = slowest[k]
+        q1, m, q3 = quartiles(ts)
+        rq1, rm, rq3 = paired_ratios(ts, slowest["raw"])
+        if "floor" in slowest:
+            fq1, fm, fq3 = paired_ratios(ts, slowest["floor"])
+        else:
+            fq1 = fm = fq3 = math.nan
+        # bandwidth of the forward+backward pair: two collectives of nbytes each
+        alg = 2 * nbytes / m / 1e9 if m > 0 else 0.0
+        bus = alg * _BUS_FACTOR.get(op, lambda n: 1.0)(world)
+        rows.append(
+            BenchRow(op, nbytes, k, world, m * 1e3, q1 * 1e3, q3 * 1e3, rm, rq1, rq3, fm, fq1, fq3, alg, bus)
+        )
+    return rows
+
+
 def run_benchmark(
     world: Any,
     ops: Sequence[str] = BENCH_OPS,
@@ -225,73 +387,131 @@ def run_benchmark(
     warmup: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> list[BenchRow]:
-    """Benchmark ``ops`` x ``sizes`` on a :class:`~diffcomm.LocalWorld` ``world``."""
+    """Benchmark ``ops`` x ``sizes`` on a :class:`~diffcomm.LocalWorld` ``world``.
+
+    Raises:
+        ValueError: an unknown op or fewer than 3 rounds (before any measuring).
+    """
+    bad = [op for op in ops if op not in BENCH_OPS]
+    if bad:
+        raise ValueError(f"diffcomm bench: unknown op(s) {bad}; known: {BENCH_OPS}")
+    if rounds < 3:
+        raise ValueError(f"diffcomm bench: rounds must be >= 3, got {rounds}")
     rows: list[BenchRow] = []
     w = world.world_size
     for op in ops:
-        if op not in BENCH_OPS:
-            raise ValueError(f"diffcomm bench: unknown op {op!r}; known: {BENCH_OPS}")
         for nbytes in sizes:
             if progress:
                 progress(f"{op} {nbytes} B")
             per_rank = world.run(_rank_times, op, nbytes, rounds, warmup)
-            impls = list(per_rank[0])
-            med: dict[str, list[float]] = {}
-            for k in impls:
-                slowest = [max(rt[k][i] for rt in per_rank) for i in range(rounds)]
-                med[k] = slowest
-            raw_med = statistics.median(med["raw"])
-            for k in impls:
-                ts = sorted(med[k])
-                m = statistics.median(ts)
-                q1, q3 = ts[len(ts) // 4], ts[(3 * len(ts)) // 4]
-                # bandwidth of the forward+backward pair: two collectives of nbytes each
-                alg = 2 * nbytes / m / 1e9 if m > 0 else 0.0
-                bus = alg * _BUS.get(op, lambda n: 1.0)(w)
-                rows.append(BenchRow(op, nbytes, k, w, m * 1e3, q1 * 1e3, q3 * 1e3, m / raw_med, alg, bus))
+            slowest = {k: [max(rt[k][i] for rt in per_rank) for i in range(rounds)] for k in per_rank[0]}
+            rows += rows_from_times(op, nbytes, w, slowest)
     return rows
 
 
+# ------------------------------------------------------------------------------ output
+
+
 def format_rows(rows: Sequence[BenchRow]) -> str:
-    """Plain-text table of benchmark rows."""
+    """Plain-text table of benchmark rows, then the geometric means per world."""
     head = (
         f"{'op':<15}{'size':>10}{'impl':>22}{'world':>6}{'median ms':>11}{'IQR ms':>16}"
-        f"{'ratio':>8}{'busbw GB/s':>12}"
+        f"{'/raw':>8}{'/floor':>8}{'busbw GB/s':>12}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.op:<15}{_size(r.nbytes):>10}{r.impl:>22}{r.world:>6}{r.median_ms:>11.3f}"
-            f"{f'{r.q1_ms:.3f}-{r.q3_ms:.3f}':>16}{r.ratio_vs_raw:>8.3f}{r.busbw_GBps:>12.3f}"
+            f"{r.op:<15}{size_label(r.nbytes):>10}{r.impl:>22}{r.world:>6}{r.median_ms:>11.3f}"
+            f"{f'{r.q1_ms:.3f}-{r.q3_ms:.3f}':>16}{r.ratio_vs_raw:>8.3f}{r.ratio_vs_floor:>8.3f}"
+            f"{r.busbw_GBps:>12.3f}"
         )
+    for w, s in summarize(rows).items():
+        parts = [f"{k} {v:.3f}" for k, v in s.items() if not k.endswith("cells")]
+        lines.append(f"geomean world {w}: " + ", ".join(parts))
     return "\n".join(lines)
 
 
-def _size(n: int) -> str:
+def size_label(n: int) -> str:
+    """``16384`` -> ``"16KiB"``."""
     for unit, f in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= f and n % f == 0:
             return f"{n // f}{unit}"
     return f"{n}B"
 
 
-def plot_rows(rows: Sequence[BenchRow], path: str) -> None:
-    """Bus bandwidth vs size, one line per (implementation, op), saved to ``path``."""
+
+def plot_missing() -> str | None:
+    """``None`` when ``--plot`` can work, else the error message (naming the extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return f"plotting needs matplotlib, which is not installed: {PLOT_INSTALL_HINT}"
+    return None
+
+
+def machine_label() -> str:
+    """A short description of this machine for plot titles (CPU, cores, accelerator)."""
+    import os
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    label = f"{platform.system()} {cpu}, {os.cpu_count()} cores"
+    if torch.cuda.is_available():
+        label += f", {torch.cuda.get_device_name()}"
+    return label
+
+
+def impl_colour(impl: str) -> str:
+    """One fixed colour per implementation (the same in every panel and every plot)."""
+    palette = ("tab:gray", "tab:brown", "tab:orange", "tab:purple", "tab:blue", "tab:cyan")
+    return palette[IMPLS.index(impl)] if impl in IMPLS else "black"
+
+
+def plot_rows(rows: Sequence[BenchRow], path: str, backend: str = "gloo") -> None:
+    """Time per forward+backward vs size: one panel per (world, op), one line per implementation.
+
+    Time rather than bus bandwidth, so world 1 (no communication: pure overhead) reads too.
+
+    Raises:
+        ImportError: matplotlib is missing (the message names ``diffcomm[plot]``).
+    """
+    missing = plot_missing()
+    if missing:
+        raise ImportError(missing)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = sorted({r.op for r in rows})
-    fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.5), squeeze=False)
-    for ax, op in zip(axes[0], ops):
-        for impl in sorted({r.impl for r in rows if r.op == op}):
-            pts = sorted((r.nbytes, r.busbw_GBps) for r in rows if r.op == op and r.impl == impl)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
-        ax.set_xscale("log", base=2)
-        ax.set_title(op)
-        ax.set_xlabel("bytes per rank")
-        ax.set_ylabel("bus bandwidth GB/s (fwd+bwd)")
-        ax.legend(fontsize=7)
+    worlds = sorted({r.world for r in rows})
+    ops = [op for op in BENCH_OPS if any(r.op == op for r in rows)]
+    fig, axes = plt.subplots(
+        len(worlds), len(ops), figsize=(4 * len(ops), 3.4 * len(worlds) + 0.6), squeeze=False
+    )
+    for i, w in enumerate(worlds):
+        for ax, op in zip(axes[i], ops):
+            cell = [r for r in rows if r.op == op and r.world == w]
+            for impl in [k for k in IMPLS if any(r.impl == k for r in cell)]:
+                pts = sorted((r.nbytes, r.median_ms) for r in cell if r.impl == impl)
+                style = "--" if impl == "raw" else "-"
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    style,
+                    marker="o",
+                    label=impl,
+                    color=impl_colour(impl),
+                )
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{op}, world {w}")
+            ax.set_xlabel("bytes per rank")
+            ax.set_ylabel("median ms, slowest rank (fwd+bwd)")
+            ax.legend(fontsize=7)
+    ws = ", ".join(map(str, worlds))
+    fig.suptitle(f"diffcomm bench: forward+backward, world {ws} ({backend}), {machine_label()}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,126 @@
+"""The benchmark's non-timing parts: argument checks, the plot extra, paired ratios.
+
+No assertion here depends on how fast anything ran (performance is read from the
+benchmark's own output, never asserted in a unit test).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffcomm import bench, cli
+
+
+def test_paired_ratios_are_per_round() -> None:
+    # round 2 is slow for both: a ratio of medians would say 2.0, the paired ratio says 2.0 too,
+    # but a one-sided slow round must not move the paired median
+    impl = [2.0, 20.0, 2.0, 2.0]
+    raw = [1.0, 10.0, 1.0, 1.0]
+    q1, med, q3 = bench.paired_ratios(impl, raw)
+    assert (q1, med, q3) == (2.0, 2.0, 2.0)
+    q1, med, q3 = bench.paired_ratios([1.0, 1.0, 1.0, 9.0], [1.0, 1.0, 1.0, 1.0])
+    assert med == 1.0 and q1 == 1.0 and q3 == 9.0
+
+
+def test_paired_ratios_reject_mismatched_rounds() -> None:
+    with pytest.raises(ValueError, match="one time per round"):
+        bench.paired_ratios([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="positive"):
+        bench.paired_ratios([1.0], [0.0])
+
+
+def test_geomean() -> None:
+    assert bench.geomean([1.0, 4.0]) == pytest.approx(2.0)
+    assert bench.geomean([1.5]) == pytest.approx(1.5)
+    with pytest.raises(ValueError):
+        bench.geomean([])
+
+
+def _cell(op: str, nbytes: int, world: int, factor: dict[str, float]) -> list[bench.BenchRow]:
+    raw = [1e-3, 2e-3, 1e-3, 1.5e-3, 1e-3]
+    times = {k: [t * f for t in raw] for k, f in factor.items()}
+    return bench.rows_from_times(op, nbytes, world, times)
+
+
+def test_rows_from_times_pairs_against_raw_and_floor() -> None:
+    rows = _cell("all_gather", 1 << 20, 2, {"raw": 1.0, "floor": 1.25, "diffcomm": 1.5, "funcol": 2.0})
+    by = {r.impl: r for r in rows}
+    assert [r.impl for r in rows] == ["raw", "floor", "funcol", "diffcomm"]  # fixed order
+    assert by["raw"].ratio_vs_raw == 1.0
+    assert by["floor"].ratio_vs_raw == pytest.approx(1.25)
+    assert by["diffcomm"].ratio_vs_raw == pytest.approx(1.5)
+    assert by["diffcomm"].ratio_vs_floor == pytest.approx(1.2)
+    assert by["diffcomm"].ratio_vs_raw_q1 <= by["diffcomm"].ratio_vs_raw <= by["diffcomm"].ratio_vs_raw_q3
+    assert by["raw"].median_ms == pytest.approx(1.0)
+    no_floor = bench.rows_from_times("all_reduce", 1024, 1, {"raw": [1.0, 1.0, 1.0]})
+    assert math.isnan(no_floor[0].ratio_vs_floor)
+
+
+def test_summarize_geomeans_per_world() -> None:
+    rows = _cell("all_reduce", 1024, 2, {"raw": 1.0, "floor": 1.0, "diffcomm": 2.0})
+    rows += _cell("all_gather", 1024, 2, {"raw": 1.0, "floor": 2.0, "diffcomm": 2.0, "funcol": 3.0})
+    rows += _cell("all_reduce", 1024, 4, {"raw": 1.0, "floor": 1.0, "diffcomm": 1.1})
+    s = bench.summarize(rows)
+    assert set(s) == {2, 4}
+    assert s[2]["diffcomm/raw"] == pytest.approx(2.0)
+    assert s[2]["floor/raw"] == pytest.approx(math.sqrt(2.0))
+    assert s[2]["diffcomm/floor"] == pytest.approx(math.sqrt(2.0))
+    assert s[2]["funcol/raw"] == pytest.approx(3.0) and s[2]["funcol/raw cells"] == 1
+    assert s[4]["diffcomm/floor"] == pytest.approx(1.1) and "funcol/raw" not in s[4]
+    assert "raw/raw" not in s[2]
+    text = bench.format_rows(rows)
+    assert "geomean world 2" in text and "diffcomm/floor 1.414" in text
+
+
+def test_defaults_and_colours() -> None:
+    assert len(bench.DEFAULT_SIZES) >= 5
+    colours = [bench.impl_colour(i) for i in bench.IMPLS]
+    assert len(set(colours)) == len(colours)  # one colour per implementation, fixed by name
+    assert bench.impl_colour("diffcomm") == bench.impl_colour("diffcomm")
+
+
+def test_bench_rejects_bad_arguments_before_measuring() -> None:
+    assert cli.main(["bench", "--sizes", "lots"]) == 2
+    assert cli.main(["bench", "--rounds", "2"]) == 2
+    assert cli.main(["bench", "-n", "0"]) == 2
+    assert cli.main(["bench", "--ops", "allreduce"]) == 2  # argparse lists the choices
+    with pytest.raises(ValueError, match="unknown op"):
+        bench.run_benchmark(object(), ops=["allreduce"])
+    with pytest.raises(ValueError, match="rounds"):
+        bench.run_benchmark(object(), ops=["all_reduce"], rounds=1)
+
+
+def test_plot_without_matplotlib_fails_before_measuring(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import diffcomm.world
+
+    class NoWorld:
+        def __init__(self, *a: object, **k: object) -> None:
+            raise AssertionError("bench started measuring although --plot cannot work")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setattr(diffcomm.world, "LocalWorld", NoWorld)
+    out = tmp_path / "b.png"
+    assert cli.main(["bench", "-n", "1", "--sizes", "4KiB", "--rounds", "3", "--plot", str(out)]) == 2
+    text = capsys.readouterr().out
+    assert 'pip install "diffcomm[plot]"' in text.replace("\n", "")
+    assert not out.exists()
+    assert bench.plot_missing() is not None
+    with pytest.raises(ImportError, match=r"diffcomm\[plot\]"):
+        bench.plot_rows([], str(out))
+
+
+def test_plot_has_title_with_world_and_machine(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    rows = []
+    for n in bench.DEFAULT_SIZES:
+        rows += _cell("all_reduce", n, 2, {"raw": 1.0, "floor": 1.2, "diffcomm": 1.3})
+    out = tmp_path / "b.png"
+    bench.plot_rows(rows, str(out))
+    assert out.stat().st_size > 1000
+    assert "cores" in bench.machine_label()
