@@ -30,6 +30,7 @@ from diffcomm.coalesced import COALESCED_OPS, coalesced_markdown
 from diffcomm.testing.coalesced import CoalescedCase, run_coalesced_case, standard_coalesced_cases
 
 WORLDS = [1, 2, 3, 4]
+F64 = torch.float64
 DTYPES = ["float64", "float32", "float16", "bfloat16", "complex128", "int64"]
 OPS = ["sum", "avg", "max", "min", "product"]
 PROP = settings(
@@ -439,3 +440,32 @@ def test_debug_mode_names_ranks_and_first_differing_position(world3, kind, patte
 
     for msg in world3.run(_mismatch, kind):
         assert re.search(pattern, msg), msg
+
+
+# --------------------------------------------------------------------------------------
+# finite differences across ranks (diffcomm.testing.gradcheck) for every coalesced op
+# --------------------------------------------------------------------------------------
+
+
+def _gradchecks() -> dict[str, bool]:
+    from diffcomm.testing import gradcheck
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    gen = torch.Generator().manual_seed(r)
+    a = torch.randn(w, 3, dtype=F64, generator=gen) + 3.0  # away from ties and zeros
+    b = torch.randn(2 * w, dtype=F64, generator=gen) + 3.0
+    programs = {
+        "all_reduce sum": lambda x, y: dc.all_reduce_coalesced([x, y]),
+        "all_reduce max": lambda x, y: dc.all_reduce_coalesced([x, y], "max"),
+        "all_reduce product": lambda x, y: dc.all_reduce_coalesced([x, y], "product"),
+        "broadcast": lambda x, y: dc.broadcast_coalesced([x, y], src=w - 1),
+        "reduce avg": lambda x, y: dc.reduce_coalesced([x, y], dst=0, op="avg"),
+        "all_gather": lambda x, y: dc.all_gather_coalesced([x, y], dim=0),
+        "reduce_scatter": lambda x, y: dc.reduce_scatter_coalesced([x, y], dim=0),
+    }
+    return {name: gradcheck(fn, [a, b]) for name, fn in programs.items()}
+
+
+def test_gradcheck_every_coalesced_op(world3) -> None:
+    for res in world3.run(_gradchecks):
+        assert all(res.values()), res
