@@ -469,3 +469,44 @@ def _gradchecks() -> dict[str, bool]:
 def test_gradcheck_every_coalesced_op(world3) -> None:
     for res in world3.run(_gradchecks):
         assert all(res.values()), res
+
+
+# --------------------------------------------------------------------------------------
+# subgroups, non-contiguous tensors, comm-off switches, in-place on outputs
+# --------------------------------------------------------------------------------------
+
+
+def _subgroups_and_layouts() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    r = dc.get_rank()
+    g01, g23 = dist.new_group([0, 1]), dist.new_group([2, 3])  # every rank creates both
+    mine = g01 if r < 2 else g23
+    base = torch.arange(12.0, dtype=F64).reshape(3, 4) + r
+    x = base.t().requires_grad_(True)  # non-contiguous input
+    y = torch.tensor([1.0 + r], requires_grad=True)
+    sx, sy = dc.all_reduce_coalesced([x, y], group=mine)
+    c = torch.arange(12.0, dtype=F64).reshape(3, 4)
+    (sx * c.t()).sum().backward(retain_graph=True)  # a transposed (non-contiguous) gradient
+    (sy * 0).sum().backward()
+    with B.comm_off("all_reduce_coalesced"), B.log_comms() as log:
+        off = dc.all_reduce_coalesced([base, torch.ones(2)])
+    outs = dc.broadcast_coalesced([torch.zeros(3), torch.zeros(2)], src=0)
+    outs[0].add_(1.0)  # outputs are independent tensors: in place is fine
+    return {
+        "sx": sx.detach(),
+        "grad": x.grad,
+        "off_equal": torch.equal(off[0], base),
+        "off_skipped": [(rec.op, rec.skipped) for rec in log.records],
+        "inplace": (outs[0].tolist(), outs[1].tolist()),
+    }
+
+
+def test_subgroups_noncontiguous_comm_off_inplace(world4) -> None:
+    for r, res in enumerate(world4.run(_subgroups_and_layouts)):
+        pair = [0, 1] if r < 2 else [2, 3]
+        expect = sum(torch.arange(12.0, dtype=F64).reshape(3, 4).t() + k for k in pair)
+        assert torch.equal(res["sx"], expect)
+        assert torch.equal(res["grad"], 2 * torch.arange(12.0, dtype=F64).reshape(3, 4).t())
+        assert res["off_equal"] and res["off_skipped"] == [("all_reduce_coalesced", True)]
+        assert res["inplace"] == ([1.0, 1.0, 1.0], [0.0, 0.0])
