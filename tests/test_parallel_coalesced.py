@@ -129,12 +129,103 @@ def _copy_coalesced() -> list:
     a2, b2 = P.copy_to_region_coalesced([a, b])
     with log_comms() as log:
         ((a2 * (r + 1)).sum() + b2 * (r + 1)).backward()
-    s = P.reduce_from_region_coalesced([torch.full((2,), float(r + 1)), torch.tensor(r, dtype=F64)])
-    return [a.grad.tolist(), b.grad.item(), [(x.op, x.parts) for x in log.records], [t.tolist() for t in s]]
+    u = torch.full((2,), float(r + 1), requires_grad=True)
+    v = torch.tensor(float(r), dtype=F64, requires_grad=True)
+    s = P.reduce_from_region_coalesced([u, v])
+    (s[0] * torch.tensor([3.0, 4.0]) + s[1]).sum().backward()  # identity backward
+    grads = [u.grad.tolist(), v.grad.item()]
+    return [
+        a.grad.tolist(),
+        b.grad.item(),
+        [(x.op, x.parts) for x in log.records],
+        [t.tolist() for t in s],
+        grads,
+    ]
 
 
 def test_coalesced_region_mappings(world3) -> None:
-    for a, b, log, s in world3.run(_copy_coalesced):
+    for a, b, log, s, grads in world3.run(_copy_coalesced):
         assert a == [6.0, 6.0] and b == 6.0
         assert log == [("all_reduce_coalesced", 2)]  # float32 + float64
         assert s == [[6.0, 6.0], 3.0]
+        assert grads == [[3.0, 4.0], 2.0]
+
+
+def _w(*shape: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(9), dtype=F64)
+
+
+class Penalty(nn.Module):
+    """``||d<block(x), w>/dx||^2`` (serial): differentiating it runs double backward."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (gx,) = torch.autograd.grad((self.block(x) * _w(*x.shape)).sum(), x, create_graph=True)
+        return gx.pow(2).sum()
+
+
+class ParallelPenalty(P.ParallelModule):
+    """The same on sequence chunks; the outermost ParallelModule (so the block's six
+    partial-gradient replicas go through the coalesced region copy, and double backward
+    through its conjugate, ``reduce_from_region_coalesced``)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r, n = dc.get_rank(), x.shape[0]
+        w = _w(n * dc.get_world_size(), *x.shape[1:])[r * n : (r + 1) * n]
+        (gx,) = torch.autograd.grad((self.block(x) * w).sum(), x, create_graph=True)
+        return P.reduce_from_region(gx.pow(2).sum())
+
+
+class NormMLPs(nn.Module):
+    """Two pre-norm MLP blocks (attention has no double backward on CPU in torch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(H, dtype=F64), nn.LayerNorm(H, dtype=F64)
+        self.mlp1 = P.MLP(H, FFN, activation="tanh", dtype=F64)
+        self.mlp2 = P.MLP(H, FFN, activation="tanh", dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mlp1(self.ln1(x))
+        return x + self.mlp2(self.ln2(x))
+
+
+class ParallelNormMLPs(nn.Module):
+    """Deliberately a plain ``nn.Module``: the outermost ParallelModule is the penalty."""
+
+    def __init__(self, serial: NormMLPs) -> None:
+        super().__init__()
+        self.ln1 = P.SequenceParallelLayerNorm.from_serial(serial.ln1)
+        self.ln2 = P.SequenceParallelLayerNorm.from_serial(serial.ln2)
+        self.mlp1 = P.ParallelMLP.from_serial(serial.mlp1, sequence_parallel=True)
+        self.mlp2 = P.ParallelMLP.from_serial(serial.mlp2, sequence_parallel=True)
+
+    forward = NormMLPs.forward
+
+
+def serial_norm_mlps() -> NormMLPs:
+    torch.manual_seed(1)
+    m = NormMLPs()
+    with torch.no_grad():
+        for ln in (m.ln1, m.ln2):
+            ln.weight.uniform_(0.5, 1.5)
+            ln.bias.uniform_(-0.5, 0.5)
+    return m
+
+
+def test_double_backward_through_the_coalesced_region_copy(world2) -> None:
+    x = torch.randn(4, 2, H, dtype=F64)
+    assert_matches_serial(
+        build(lambda s: ParallelPenalty(ParallelNormMLPs(s.block))),
+        Penalty(serial_norm_mlps()),
+        x,
+        world=world2,
+        input_specs=[Shard(0)],
+    )
