@@ -104,3 +104,29 @@ def test_bench_runs_and_plots(tmp_path: Path) -> None:
     assert [r["ratio_vs_raw"] for r in rows if r["impl"] == "raw"] == [1.0]
     assert [r["ratio_vs_floor"] for r in rows if r["impl"] == "floor"] == [1.0]
     assert out.exists() and out.stat().st_size > 1000
+
+
+def test_bench_coalesced_reports_every_cell() -> None:
+    p = _run(
+        "bench",
+        "--coalesced",
+        "all_reduce",
+        "all_gather",
+        "-n",
+        "2",
+        "--rounds",
+        "3",
+        "--tensors",
+        "8",
+        "--json",
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads(p.stdout)
+    assert len(data["load_before"]) == 3 and [r["op"] for r in data["rows"]] == ["all_reduce", "all_gather"]
+    for r in data["rows"]:
+        assert r["world"] == 2 and r["tensors"] == 8 and r["payload_bytes"] == 8 * 4096
+        for key in ("coalesced_ms", "loop_ms", "flat_ms", "loop_over_coalesced", "coalesced_over_flat"):
+            q1, med, q3 = r[key]
+            assert 0 < q1 <= med <= q3
+        assert r["coalesced_peak_x_payload"] > 0
+    assert _run("bench", "--coalesced", "gather").returncode == 2

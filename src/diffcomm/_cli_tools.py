@@ -215,6 +215,36 @@ def bench_configure(parser: argparse.ArgumentParser) -> None:
         help='write a bandwidth-vs-size plot (needs matplotlib: pip install "diffcomm[plot]")',
     )
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    parser.add_argument(
+        "--coalesced",
+        nargs="*",
+        default=None,
+        metavar="OP",
+        help="instead: the coalesced ops (default all_reduce) on --tensors tensors of --tensor-bytes "
+        "each vs a loop of single calls vs one flat call (see diffcomm.bench_coalesced)",
+    )
+    parser.add_argument("--tensors", type=int, default=256, help="with --coalesced: tensors (default 256)")
+    parser.add_argument(
+        "--tensor-bytes", type=int, default=4096, help="with --coalesced: bytes per tensor (default 4096)"
+    )
+
+
+def _bench_coalesced(args: argparse.Namespace, console: Console) -> int:
+    from diffcomm.bench_coalesced import OPS, run_suite, table
+
+    ops = args.coalesced or ["all_reduce"]
+    bad = [o for o in ops if o not in OPS]
+    if bad or args.tensors < 1 or args.tensor_bytes < 4:
+        console.print(
+            f"[red]error:[/red] --coalesced takes ops from {OPS}; --tensors >= 1, --tensor-bytes >= 4"
+        )
+        return 2
+    result = run_suite(args.world, ops, args.tensors, args.tensor_bytes, args.rounds, backend=args.backend)
+    if args.json:
+        console.print_json(json.dumps(result))
+    else:
+        console.print(table(result, args.tensors, args.tensor_bytes, args.rounds))
+    return 0
 
 
 def parse_size(text: str) -> int:
@@ -245,6 +275,8 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
     if bad_worlds:
         console.print(f"[red]error:[/red] world size must be >= 1, got {bad_worlds[0]}")
         return 2
+    if args.coalesced is not None:
+        return _bench_coalesced(args, console)
     if args.plot:
         missing = plot_missing()  # before measuring: minutes of timing must not end in an ImportError
         if missing:
