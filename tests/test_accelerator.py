@@ -23,6 +23,8 @@ from diffcomm.accelerator import (
     MPSAccelerator,
     XPUAccelerator,
     available_accelerators,
+    comm_accelerator,
+    comm_device,
     get_accelerator,
     set_accelerator,
 )
@@ -304,7 +306,7 @@ def test_cpu_memory_allocated_is_process_rss(cpu: CPUAccelerator) -> None:
 def test_cpu_peak_is_sampled_when_kernel_reset_is_unavailable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(accelerator, "_reset_kernel_peak_rss", lambda: False)
+    monkeypatch.setattr(accelerator.cpu, "_reset_kernel_peak_rss", lambda: False)
     cpu = CPUAccelerator()  # a private instance: its sampled baseline is its own
     cpu.reset_peak_memory_stats()
     assert cpu.memory_stats()["peak_is_sampled"] is True
@@ -460,3 +462,37 @@ def test_set_accelerator_overrides_and_restores(env_accelerator) -> None:
 def test_accelerator_is_abstract() -> None:
     with pytest.raises(TypeError):
         Accelerator()  # type: ignore[abstract]
+
+
+# ------------------------------------------------------------------------ communication
+
+
+@pytest.mark.parametrize("name", ["gloo", "GLOO", "mpi", "ucc", "fake", "no-such-backend"])
+def test_host_backends_communicate_on_the_cpu(name: str) -> None:
+    assert comm_device(name) == torch.device("cpu")
+    assert isinstance(comm_accelerator(name), CPUAccelerator)
+
+
+@pytest.mark.parametrize(("name", "kind"), [("nccl", "cuda"), ("xccl", "xpu")])
+def test_device_backends_communicate_on_their_accelerator(name: str, kind: str) -> None:
+    if kind in AVAILABLE:
+        acc = get_accelerator(kind)
+        assert comm_accelerator(name) is acc
+        assert comm_device(name) == torch.device(kind, acc.current_device())
+    else:  # no such device here: the host is the fallback, never an error
+        assert comm_device(name) == torch.device("cpu")
+        assert comm_accelerator(name).name == "cpu"
+    assert comm_device(name.upper()) == comm_device(name)
+
+
+def test_backend_asks_the_accelerator_for_its_metadata_device() -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from diffcomm import backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        assert backend._comm_device(None) == comm_device(dist.get_backend()) == torch.device("cpu")
+    finally:
+        dist.destroy_process_group()

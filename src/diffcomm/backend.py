@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from . import _config, _flight
 from ._errors import CrossRankMismatchError
+from .accelerator import comm_device
 
 ProcessGroup = Any  # dist.ProcessGroup | None (None = the default group)
 
@@ -962,12 +963,7 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 def _comm_device(group: ProcessGroup) -> torch.device:
     """The device small metadata tensors must live on for ``group``'s backend."""
-    name = str(dist.get_backend(group)).lower()
-    if name == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    if name == "xccl" and hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu", torch.xpu.current_device())
-    return torch.device("cpu")
+    return comm_device(dist.get_backend(group))
 
 
 # torch >= 2.12 renamed the single-tensor forms; use whichever this torch has (version gap

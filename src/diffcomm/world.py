@@ -65,6 +65,7 @@ from ._errors import (
     WorldTimeoutError,
     WorldTooLargeError,
 )
+from .accelerator import comm_accelerator
 
 __all__ = ["LocalWorld", "launch", "init", "get_rank", "get_world_size", "is_initialized"]
 
@@ -187,8 +188,9 @@ def _worker_main(
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         _flight.start_responder(store, rank)
         _flight.set_status("returned")
-        if backend == "nccl" and torch.cuda.is_available():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        acc = comm_accelerator(backend)
+        if acc.name != "cpu":  # one device per local rank, on the accelerator the backend uses
+            acc.set_device(rank % acc.device_count())
         conn.send_bytes(pickle.dumps(("ready", None)))
     except BaseException:
         conn.send_bytes(pickle.dumps(("err", (traceback.format_exc(), None, True))))
