@@ -504,3 +504,41 @@ def test_desync_under_torchrun(tmp_path, scenario: str) -> None:
         for r in "01":
             assert "ranks called different communications at sequence number #1" in texts[r]
             assert "rank(s) [1] called `broadcast` #1" in texts[r]
+
+
+def test_oversized_world_override(monkeypatch) -> None:
+    import diffcomm.world as W
+
+    monkeypatch.setattr(W, "_MAX_RANKS_PER_CORE", 0)  # now every world is "too large"
+    with pytest.raises(WorldTooLargeError):
+        LocalWorld(1)
+    with LocalWorld(1, allow_oversubscribe=True) as world:  # the override starts it anyway
+        assert world.run(dc.get_world_size) == [1]
+    monkeypatch.setenv("DIFFCOMM_ALLOW_OVERSUBSCRIBE", "1")
+    _config.ALLOW_OVERSUBSCRIBE.reload()
+    try:
+        with LocalWorld(1) as world:
+            assert world.run(dc.get_world_size) == [1]
+    finally:
+        monkeypatch.delenv("DIFFCOMM_ALLOW_OVERSUBSCRIBE")
+        _config.ALLOW_OVERSUBSCRIBE.reload()
+
+
+def _recv_never_sent() -> str:
+    if dc.get_rank() == 1:
+        dc.recv(src=0)  # rank 0 never sends
+    return "returned"
+
+
+def test_p2p_wait_is_not_mistaken_for_a_collective_desync() -> None:
+    # a rank returned while its peer waits in recv: no collective sequence to compare; the
+    # recv times out and names the point-to-point op (no false "never reached #n" claim)
+    with LocalWorld(2, timeout=60, collective_timeout=T) as world:
+        start = time.monotonic()
+        with pytest.raises(RankDesyncError) as info:
+            world.run(_recv_never_sent)
+        assert time.monotonic() - start < T + 2
+    text = str(info.value)
+    assert "the point-to-point `recv" in text and "did not complete" in text
+    assert "never reached" not in text
+    assert "rank 0: returned from the function" in text

@@ -513,7 +513,8 @@ def diagnose(
     diverge: int | None = None
     kinds: dict[tuple[Any, ...], list[int]] = {}
     missing: list[int] = []
-    for seq in range(lo, hi + 1):
+    # point-to-point counters are per process, not aligned across ranks: no search
+    for seq in range(lo, hi + 1) if not p2p else ():
         kinds, missing = {}, []
         for r in group:
             if not states.get(r):
@@ -525,7 +526,7 @@ def diagnose(
                     missing.append(r)
                 continue  # fell out of the ring buffer: no evidence either way
             kinds.setdefault(_sig(e), []).append(r)
-        if len(kinds) > 1 or (kinds and missing) or (p2p and False):
+        if len(kinds) > 1 or (kinds and missing):
             diverge = seq
             break
     if diverge is None:
@@ -534,7 +535,7 @@ def diagnose(
         missing = []
     # the same op from different lines before that point: a skipped or added call
     moved = None
-    for seq in range(lo, diverge):
+    for seq in range(lo, diverge) if not p2p else ():
         sites: dict[str, list[int]] = {}
         for r in group:
             e = hist.get(r, {}).get(seq)
@@ -568,6 +569,11 @@ def diagnose(
         culprits.update(missing)
         what = e["op"]
         backward = e["direction"] == "backward"
+    elif p2p:
+        lead = (
+            f"the point-to-point `{focus['op']}` on group {group} did not complete (its peer never "
+            f"ran the matching call)"
+        )
     else:
         lead = (
             f"`{focus['op']}` #{focus['seq']} on group {group} did not complete, though every rank's "

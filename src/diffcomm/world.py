@@ -683,7 +683,9 @@ class LocalWorld:
         for p in busy:
             s = states.get(p)
             for e in (s or {}).get("inflight", []):
-                key = ",".join(map(str, e["group"])) + ("/p2p" if e["raw_op"] in _flight._P2P else "")
+                if e["raw_op"] in _flight._P2P:
+                    continue  # p2p counters are per sender/receiver pair, not aligned across ranks
+                key = ",".join(map(str, e["group"]))
                 gone = [
                     q
                     for q in returned
