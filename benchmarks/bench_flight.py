@@ -6,10 +6,10 @@ difference of that round; the table shows the median over rounds and the spread
 (25th-75th percentile, min-max).
 
 * ``hook``: the recorder's own hot path (:func:`diffcomm._flight.begin` + ``end``)
-  called five Python frames below a "user" frame, as from ``dc.all_reduce`` -> autograd
-  ``apply`` -> ``forward`` -> backend -> ``_dispatch`` (the call-site walk steps over
-  them), recording on and off, each minus the same calls without the hook (off still
-  looks up the group and applies ``DIFFCOMM_TIMEOUT``).
+  called seven Python frames below a "user" frame, as from ``dc.all_reduce`` -> dynamo's
+  wrapper -> autograd ``apply`` -> ``forward`` -> backend op -> ``_dispatch`` -> ``_run``
+  (the call-site walk steps over them), recording on and off, each minus the same calls
+  without the hook (off still looks up the group and applies ``DIFFCOMM_TIMEOUT``).
 * ``all_reduce``: a whole ``dc.all_reduce`` of 16 floats on ``world`` real gloo ranks
   (:class:`~diffcomm.LocalWorld`), recorder off vs on, measured inside every rank; the
   largest rank's difference counts. Communication noise is much larger than the cost, so
@@ -18,7 +18,7 @@ difference of that round; the table shows the median over rounds and the spread
 Usage::
 
     python benchmarks/bench_flight.py                    # hook + all_reduce on worlds 1 2
-    python benchmarks/bench_flight.py --rounds 41 --calls 2000 --worlds 2
+    python benchmarks/bench_flight.py --rounds 101 --op-calls 200 --worlds 1
 """
 
 from __future__ import annotations
@@ -47,10 +47,13 @@ def _stats(diffs: list[float]) -> dict[str, float]:
 # The frames between the user's call and the hook, compiled under a file name inside the
 # diffcomm package so that the call-site walk steps over them as it does in a real op.
 _CHAIN = """
-def dispatch(hook, sample):
+def run(hook, sample):
     if hook:
         e = _flight.begin("all_reduce", None, 64, sample, "all_reduce(sum)")
         _flight.end(e)
+
+def dispatch(hook, sample):
+    run(hook, sample)
 
 def backend(hook, sample):
     dispatch(hook, sample)
@@ -61,8 +64,11 @@ def forward(hook, sample):
 def apply(hook, sample):
     forward(hook, sample)
 
-def public(hook, sample):
+def compile_wrapper(hook, sample):
     apply(hook, sample)
+
+def public(hook, sample):
+    compile_wrapper(hook, sample)
 """
 _chain: dict[str, Any] = {"_flight": _flight}
 exec(compile(_CHAIN, _flight._PKG + "_bench_chain.py", "exec"), _chain)
@@ -123,9 +129,9 @@ def measure_all_reduce(world: int, rounds: int, calls: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=21, help="paired rounds (off/on) per measurement")
-    parser.add_argument("--calls", type=int, default=2000, help="ops per half-round (hook)")
-    parser.add_argument("--op-calls", type=int, default=200, help="ops per half-round (all_reduce)")
+    parser.add_argument("--rounds", type=int, default=51, help="paired rounds (off/on) per measurement")
+    parser.add_argument("--calls", type=int, default=1000, help="ops per half-round (hook)")
+    parser.add_argument("--op-calls", type=int, default=300, help="ops per half-round (all_reduce)")
     parser.add_argument("--worlds", type=int, nargs="*", default=[1, 2], help="world sizes for all_reduce")
     args = parser.parse_args(argv)
 

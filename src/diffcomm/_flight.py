@@ -59,61 +59,59 @@ ANSWER_WAIT = 1.5
 # --------------------------------------------------------------------------------------
 
 
-class Entry:
-    """One recorded communication (mutable while in flight)."""
-
-    __slots__ = ("op", "label", "group", "seq", "shape", "dtype", "nbytes", "site", "state", "t0", "t1")
-
-    def __init__(
-        self,
-        op: str,
-        label: str | None,
-        group: tuple[int, ...],
-        seq: int,
-        shape: Any,
-        dtype: Any,
-        nbytes: int,
-        site: tuple[str, int] | None,
-        t0: float,
-    ) -> None:
-        self.op = op
-        self.label = label
-        self.group = group
-        self.seq = seq
-        self.shape = shape
-        self.dtype = dtype
-        self.nbytes = nbytes
-        self.site = site
-        self.state = "started"
-        self.t0 = t0
-        self.t1 = 0.0
-
-    @property
-    def direction(self) -> str:
-        return "backward" if self.label is not None and "backward" in self.label else "forward"
-
-    def as_dict(self, now: float | None = None) -> dict[str, Any]:
-        now = time.perf_counter() if now is None else now
-        end = self.t1 if self.t1 else now
-        return {
-            "op": self.label or self.op,
-            "raw_op": self.op,
-            "seq": self.seq,
-            "group": list(self.group),
-            "shape": None if self.shape is None else list(self.shape),
-            "dtype": None if self.dtype is None else str(self.dtype).replace("torch.", ""),
-            "nbytes": self.nbytes,
-            "direction": self.direction,
-            "state": self.state,
-            "duration_s": round(end - self.t0, 6),
-            "site": _fmt_site(self.site),
-        }
+# One recorded communication is a plain list (the cheapest object to build on the hot
+# path), indexed by these constants; :func:`_as_dict` turns it into the public dict.
+OP, LABEL, GROUP, SEQ, SHAPE, DTYPE, NBYTES, SITE, STATE, T0, T1 = range(11)
+Entry = list  # [op, label, group ranks, seq, shape, dtype, nbytes, site, state, t0, t1]
 
 
-def _fmt_site(site: tuple[str, int] | None) -> str | None:
+def _direction(label: str | None) -> str:
+    return "backward" if label is not None and "backward" in label else "forward"
+
+
+def _as_dict(e: Entry, now: float | None = None) -> dict[str, Any]:
+    now = time.perf_counter() if now is None else now
+    end = e[T1] if e[T1] else now
+    shape, dtype = e[SHAPE], e[DTYPE]
+    return {
+        "op": e[LABEL] or e[OP],
+        "raw_op": e[OP],
+        "seq": e[SEQ],
+        "group": list(e[GROUP]),
+        "shape": None if shape is None else list(shape),
+        "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+        "nbytes": e[NBYTES],
+        "direction": _direction(e[LABEL]),
+        "state": e[STATE],
+        "duration_s": round(end - e[T0], 6),
+        "site": _fmt_site(e[SITE]),
+    }
+
+
+_LINES: dict[tuple[Any, int], int | None] = {}
+
+
+def _line(code: Any, lasti: int) -> int | None:
+    """The source line of instruction offset ``lasti`` in ``code`` (cached)."""
+    key = (code, lasti)
+    if key not in _LINES:
+        line = None
+        for start, stop, ln in code.co_lines():
+            if start <= lasti < stop:
+                line = ln
+                break
+        _LINES[key] = line if line is not None else code.co_firstlineno
+    return _LINES[key]
+
+
+def _fmt_site(site: tuple[Any, int] | None) -> str | None:
     if site is None:
         return None
-    path, line = site
+    where, at = site
+    if isinstance(where, str):  # (path, line), e.g. parsed from a faulthandler dump
+        path, line = where, at
+    else:
+        path, line = where.co_filename, _line(where, at)
     try:
         rel = os.path.relpath(path)
         path = rel if not rel.startswith("..") else path
@@ -136,6 +134,7 @@ _GROUPS: dict[Any, _Group] = {}
 _LAST: list[Entry | None] = [None]
 _WORLD_PG: list[Any] = [None]
 _INTERNAL: dict[str, bool] = {}
+_DEPTH: dict[Any, int] = {}
 _PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _STATUS = ["running"]  # running | returned | exited (what the process does outside diffcomm)
@@ -154,20 +153,47 @@ def _internal(path: str) -> bool:
     hit = _INTERNAL.get(path)
     if hit is None:
         hit = _INTERNAL[path] = (
-            path.startswith(_PKG) and not path.startswith(_PKG + "testing" + os.sep)
-        ) or path.startswith(_TORCH) or path.startswith("<frozen") or path.endswith(
-            ("contextlib.py", "threading.py")
+            (path.startswith(_PKG) and not path.startswith(_PKG + "testing" + os.sep))
+            or path.startswith(_TORCH)
+            or path.startswith("<frozen")
+            or path.endswith(("contextlib.py", "threading.py"))
         )
     return hit
 
 
-def _site() -> tuple[str, int] | None:
-    f: Any = sys._getframe(2)
+def _site(key: Any) -> tuple[Any, int] | None:
+    """The user's call site, the first frame outside diffcomm and torch, as ``(code object,
+    instruction offset)``: the line number is computed only when the entry is read (asking
+    a frame for ``f_lineno`` decodes its line table, about 0.4 us).
+
+    Walking the stack frame by frame makes Python build a frame object per level (about
+    1 us for a collective's depth), so the depth found is remembered per ``key`` (the op's
+    label: the same label comes through the same layers) and the next call jumps straight
+    there, checking that the frame is outside and the one below it inside.
+    """
+    k = _DEPTH.get(key)
+    if k is not None:
+        try:
+            f: Any = sys._getframe(k)
+            code = f.f_code
+            if not _internal(code.co_filename) and _internal(sys._getframe(k - 1).f_code.co_filename):
+                return (code, f.f_lasti)
+        except ValueError:  # a shallower stack this time
+            pass
+    # begin() <- backend._run() <- backend._dispatch(): start above those three
+    depth = 4
+    try:
+        f = sys._getframe(depth)
+    except ValueError:
+        depth = 1
+        f = sys._getframe(depth)
     while f is not None:
         code = f.f_code
         if not _internal(code.co_filename):
-            return (code.co_filename, f.f_lineno)
+            _DEPTH[key] = depth
+            return (code, f.f_lasti)
         f = f.f_back
+        depth += 1
     return None
 
 
@@ -203,7 +229,7 @@ def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: 
         g = _p2p_group(group, g)
     seq = g.next
     g.next = seq + 1
-    e = Entry(
+    e = [
         op,
         label,
         g.ranks,
@@ -211,9 +237,11 @@ def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: 
         None if sample is None else sample.shape,
         None if sample is None else sample.dtype,
         nbytes,
-        _site(),
+        _site(label or op),
+        "started",
         time.perf_counter(),
-    )
+        0.0,
+    ]
     _RING.append(e)
     _LAST[0] = e
     return e
@@ -230,21 +258,21 @@ def _p2p_group(group: Any, g: _Group) -> _Group:
 
 def end(e: Entry | None) -> None:
     if e is not None:
-        e.t1 = time.perf_counter()
-        e.state = "completed"
+        e[T1] = time.perf_counter()
+        e[STATE] = "completed"
 
 
 def queued(e: Entry | None) -> None:
     """Mark a posted asynchronous send: not completed until its peer received it."""
     if e is not None:
-        e.state = "queued"
-        e.t1 = 0.0
+        e[STATE] = "queued"
+        e[T1] = 0.0
 
 
 def take_last(op: str) -> Entry | None:
     """The entry :func:`begin` made last if it is an ``op`` (for the send queue to track)."""
     e, _LAST[0] = _LAST[0], None
-    return e if e is not None and e.op == op else None
+    return e if e is not None and e[OP] == op else None
 
 
 def _apply_timeout(group: Any, g: _Group, timeout: float | None) -> None:
@@ -337,7 +365,7 @@ def flight_recorder() -> FlightRecorder:
     """
     configure()
     now = time.perf_counter()
-    entries = [e.as_dict(now) for e in list(_RING)]
+    entries = [_as_dict(e, now) for e in list(_RING)]
     return FlightRecorder(entries, _global_rank(), bool(_config.FLIGHT.get()))
 
 
@@ -353,17 +381,19 @@ def _global_rank() -> int:
 def _state(recent: int = 64) -> dict[str, Any]:
     now = time.perf_counter()
     entries = list(_RING)
-    busy = [e for e in entries if e.state == "started"]
-    if not busy and entries and entries[-1].state == "failed":
+    busy = [e for e in entries if e[STATE] == "started"]
+    if not busy and entries and entries[-1][STATE] == "failed":
         busy = [entries[-1]]  # it just gave up on this one (its own timeout)
-    counts = {",".join(map(str, g.ranks)) + ("/p2p" if isinstance(k, tuple) else ""): g.next
-              for k, g in list(_GROUPS.items())}
+    counts = {
+        ",".join(map(str, g.ranks)) + ("/p2p" if isinstance(k, tuple) else ""): g.next
+        for k, g in list(_GROUPS.items())
+    }
     return {
         "rank": _global_rank(),
         "pid": os.getpid(),
         "status": _STATUS[0],
-        "inflight": [e.as_dict(now) for e in busy],
-        "recent": [e.as_dict(now) for e in entries[-recent:]],
+        "inflight": [_as_dict(e, now) for e in busy],
+        "recent": [_as_dict(e, now) for e in entries[-recent:]],
         "counts": counts,
     }
 
@@ -476,9 +506,7 @@ def _desc(e: dict[str, Any], with_shape: bool = True) -> str:
 
 def _group_entries(state: dict[str, Any], group: list[int], p2p: bool) -> dict[int, dict[str, Any]]:
     return {
-        e["seq"]: e
-        for e in state.get("recent", [])
-        if e["group"] == group and (e["raw_op"] in _P2P) == p2p
+        e["seq"]: e for e in state.get("recent", []) if e["group"] == group and (e["raw_op"] in _P2P) == p2p
     }
 
 
@@ -649,11 +677,11 @@ def failed(
     if not timeout and not any(m in text for m in _PEER_MARKERS):
         return None
     if e is not None:
-        e.state = "failed"
-        e.t1 = time.perf_counter()
+        e[STATE] = "failed"
+        e[T1] = time.perf_counter()
     rank = _global_rank()
     what = label or op
-    focus = e.as_dict() if e is not None else None
+    focus = _as_dict(e) if e is not None else None
     if focus is not None:
         focus["state"] = "started"
     diagnosis, facts = "", {"culprits": [], "seq": None}
@@ -668,7 +696,7 @@ def failed(
     backward = (label or "").find("backward") >= 0
     how = "timed out" if timeout else "failed (a peer left mid-op)"
     head = f"diffcomm: `{what}` (raw {op}"
-    head += f", sequence number #{e.seq} on group {list(e.group)}" if e is not None else ""
+    head += f", sequence number #{e[SEQ]} on group {list(e[GROUP])}" if e is not None else ""
     head += f") {how} on global rank {rank}"
     if diagnosis:
         msg = f"{head}: {diagnosis}\nBackend error: {err}"
