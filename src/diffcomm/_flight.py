@@ -21,8 +21,8 @@ what every rank is doing. The failing rank raises :class:`~diffcomm.DesyncError`
 text. :class:`~diffcomm.LocalWorld` uses the same answers to notice at once (not after the
 timeout) that a rank returned from the function while others wait for it.
 
-The hot path (:func:`begin` / :func:`end`) costs about a microsecond or two per op; see
-``benchmarks/bench_flight.py``.
+The hot path (:func:`begin` / :func:`end`) costs about a microsecond per op; see
+``benchmarks/bench_flight.py`` and ``docs/debugging.md``.
 """
 
 from __future__ import annotations
