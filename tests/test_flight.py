@@ -542,3 +542,29 @@ def test_p2p_wait_is_not_mistaken_for_a_collective_desync() -> None:
     assert "the point-to-point `recv" in text and "did not complete" in text
     assert "never reached" not in text
     assert "rank 0: returned from the function" in text
+
+
+def _desync_on_own_subgroup() -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    # a group the user creates, with torch's long timeout: DIFFCOMM_TIMEOUT still bounds it
+    sub = dist.new_group([0, 1], timeout=datetime.timedelta(minutes=30))
+    x = torch.ones(4)
+    dc.all_reduce(x, group=sub)
+    if dc.get_rank() == 1:
+        time.sleep(30)  # busy in user code
+    dc.all_reduce(x, group=sub)
+
+
+def test_diffcomm_timeout_bounds_a_group_the_user_created() -> None:
+    with LocalWorld(2, timeout=60, collective_timeout=T) as world:
+        start = time.monotonic()
+        with pytest.raises(RankDesyncError) as info:
+            world.run(_desync_on_own_subgroup)
+        elapsed = time.monotonic() - start
+    assert elapsed < T + 2 + 1, elapsed  # + the new_group rendezvous
+    assert info.value.facts["culprits"] == [1] and info.value.facts["seq"] == 1
+    head = "`all_reduce(sum)` (raw all_reduce, sequence number #1 on group [0, 1]) timed out"
+    assert head in str(info.value)
