@@ -1,0 +1,80 @@
+"""The front door: layout, runtime dependencies, the pytest configuration a user sees."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+import diffcomm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _project_dependencies() -> list[str]:
+    text = (ROOT / "pyproject.toml").read_text()
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the [project] dependencies list, read by hand
+        block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M)
+        assert block is not None
+        return re.findall(r'"([^"]+)"', block.group(1))
+    return tomllib.loads(text)["project"]["dependencies"]
+
+
+def test_src_layout_a_clone_folder_does_not_shadow_the_package(tmp_path: Path) -> None:
+    """``git clone ... diffcomm`` then a script next to the clone: the package still imports.
+
+    With a flat layout the clone folder (no ``__init__.py`` at its top) became a namespace
+    package ``diffcomm`` without ``LocalWorld``.
+    """
+    assert (ROOT / "src" / "diffcomm" / "__init__.py").is_file()
+    assert not (ROOT / "diffcomm").exists()  # nothing importable at the repository root
+    clone = tmp_path / "diffcomm"  # what a clone looks like from its parent directory
+    (clone / "src").mkdir(parents=True)
+    (clone / "README.md").write_text("# diffcomm\n")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import diffcomm\n"
+        "assert diffcomm.__file__ is not None, diffcomm.__path__\n"
+        "print(diffcomm.__file__, diffcomm.LocalWorld.__name__, diffcomm.all_reduce.__name__)\n"
+    )
+    for cmd in ([sys.executable, str(script)], [sys.executable, "-c", script.read_text()]):
+        p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        path, world, op = p.stdout.split()
+        assert Path(path) == Path(diffcomm.__file__) and (world, op) == ("LocalWorld", "all_reduce")
+
+
+def test_numpy_is_a_runtime_dependency_and_help_prints_nothing_on_stderr() -> None:
+    """torch prints ``UserWarning: Failed to initialize NumPy`` in every process without numpy."""
+    assert any(re.match(r"numpy\b", d) for d in _project_dependencies())
+    p = subprocess.run(
+        [sys.executable, "-m", "diffcomm", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"},
+    )
+    assert p.returncode == 0 and "check" in p.stdout
+    assert p.stderr == ""
+
+
+def test_pytest_hides_torchs_own_jit_deprecation_but_not_others() -> None:
+    """pyproject's filterwarnings: torch's own ``torch.jit`` deprecation is not shown."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    with warnings.catch_warnings(record=True) as seen:  # inherits the filters pytest set up
+        torch.jit.script(f)
+        warnings.warn("diffcomm.something is deprecated", DeprecationWarning, stacklevel=1)
+    messages = [str(w.message) for w in seen]
+    assert not any("torch.jit" in m for m in messages), messages
+    assert "diffcomm.something is deprecated" in messages
