@@ -324,11 +324,56 @@ def _dispatch(
     return out
 
 
+#: Set by :mod:`diffcomm._async`: ``(must_queue, call)``. While asynchronous jobs are
+#: pending, a raw op issued by another thread runs on the communication engine behind
+#: them (``call``), so this process issues communication in program order.
+_ORDER_HOOK: tuple[Callable[[], bool], Callable[[Callable[[], Any], str], Any]] | None = None
+
+#: Spans of raw communication ``(op, label, thread name, t0, t1)`` (``time.perf_counter``)
+#: while a :func:`record_spans` block is active (the timeline reads them).
+_SPANS: list[tuple[str, str | None, str, float, float]] | None = None
+
+
+@contextlib.contextmanager
+def record_spans() -> Iterator[list[tuple[str, str | None, str, float, float]]]:
+    """Record every raw communication of this process (any thread) with its start and
+    end time: ``(op, label, thread name, t0, t1)``, ``time.perf_counter`` seconds.
+
+    The timeline (``python -m diffcomm bench --timeline``) draws these next to the
+    compute spans; unlike :func:`log_comms` it is process-wide, so the communication
+    engine's thread is recorded too.
+    """
+    global _SPANS
+    old, spans = _SPANS, []
+    _SPANS = spans
+    try:
+        yield spans
+    finally:
+        _SPANS = old
+
+
 def _run(
     op: str, group: ProcessGroup, run: Callable[[], Any], nbytes: int = 0, sample: torch.Tensor | None = None
 ) -> Any:
     """``run()`` recorded by the flight recorder; a timeout (or a peer gone mid-op) becomes
     :class:`~diffcomm.DesyncError` carrying the cross-rank diagnosis."""
+    hook = _ORDER_HOOK
+    if hook is not None and hook[0]():
+        return hook[1](lambda: _run(op, group, run, nbytes, sample), op)
+    spans = _SPANS
+    if spans is not None:
+        t0 = time.perf_counter()
+        try:
+            return _run_here(op, group, run, nbytes, sample)
+        finally:
+            _sync_if_needed(sample)
+            spans.append((op, _LABEL.get(), threading.current_thread().name, t0, time.perf_counter()))
+    return _run_here(op, group, run, nbytes, sample)
+
+
+def _run_here(
+    op: str, group: ProcessGroup, run: Callable[[], Any], nbytes: int = 0, sample: torch.Tensor | None = None
+) -> Any:
     label = _LABEL.get()
     rec = _flight.begin(op, group, nbytes, sample, label)
     try:
