@@ -18,15 +18,19 @@ from torch import nn
 import diffcomm as dc
 from diffcomm import p2p
 from diffcomm.pipeline import (
+    SCHEDULES,
     PipelineRunner,
+    ScheduleError,
     Step,
     bubble_fraction,
     check_schedule,
     gpipe_schedule,
+    interleaved_1f1b_schedule,
     max_in_flight,
     one_f_one_b_schedule,
     partition,
     theoretical_bubble,
+    zb_h1_schedule,
 )
 
 # ======================================================================================
@@ -276,7 +280,8 @@ def test_stage_without_parameters_and_loss_without_targets(world2: dc.LocalWorld
 def _runner_bad_args() -> None:
     rank = dist.get_rank()
     stage = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=r"`schedule` must be one of \['gpipe', '1f1b'\]"):
+    names = r"\['gpipe', '1f1b', 'interleaved', 'zb-h1'\]"
+    with pytest.raises(ValueError, match=r"`schedule` must be one of " + names):
         PipelineRunner(stage, "zero-bubble", loss_fn=nn.functional.mse_loss)
     with pytest.raises(TypeError, match="`stage` must be an nn.Module"):
         PipelineRunner("linear", loss_fn=nn.functional.mse_loss)  # type: ignore[arg-type]
@@ -294,3 +299,214 @@ def _runner_bad_args() -> None:
 
 def test_runner_rejects_bad_arguments_before_communicating(world2: dc.LocalWorld) -> None:
     world2.run(_runner_bad_args)
+
+
+# ======================================================================================
+# interleaved 1F1B and ZB-H1: schedules, bounds, the validator
+# ======================================================================================
+
+ALL = [gpipe_schedule, one_f_one_b_schedule, interleaved_1f1b_schedule, zb_h1_schedule]
+
+
+@pytest.mark.parametrize("make", ALL)
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_every_schedule_is_valid_for_every_shape(make: Callable, p: int, m: int, v: int) -> None:
+    if p == 1 and v > 1:
+        with pytest.raises(ValueError, match=r"`n_chunks` must be 1 when n_stages is 1"):
+            make(p, m, v)
+        return
+    schedule = make(p, m, v)
+    check_schedule(schedule, p, m, v)  # structure and the deadlock simulation
+    kinds = {st.kind for steps in schedule for st in steps}
+    assert kinds == ({"F", "I", "W"} if make is zb_h1_schedule else {"F", "B"})
+    for steps in schedule:
+        assert len(steps) == m * v * (3 if make is zb_h1_schedule else 2)
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 4, 2), (2, 8, 2), (4, 4, 2), (4, 8, 2), (4, 2, 2), (3, 7, 3)])
+def test_interleaved_memory_bound_and_zb_h1_keeps_its_base_bound(p: int, m: int, v: int) -> None:
+    for r, steps in enumerate(interleaved_1f1b_schedule(p, m, v)):
+        assert max_in_flight(steps) == min(2 * (p - r - 1) + (v - 1) * min(p, m) + 1, v * m)
+    for v_ in (1, v):
+        base = one_f_one_b_schedule(p, m, v_)
+        for zb, b in zip(zb_h1_schedule(p, m, v_), base, strict=True):
+            assert max_in_flight(zb) <= max_in_flight(b)  # counted until W
+    for r, steps in enumerate(zb_h1_schedule(p, m)):
+        assert max_in_flight(steps) == min(p - r, m)  # ZB-H1 = 1F1B's bound
+
+
+def _unit_cost_bubble(schedule: list[list[Step]], p: int, v: int) -> float:
+    """Idle share when every F, I, W costs 1 and B costs 2 (free messages)."""
+    cost = {"F": 1, "I": 1, "W": 1, "B": 2}
+    done: dict[tuple[str, int, int], int] = {}
+    free, pc = [0] * p, [0] * p
+    while any(pc[r] < len(schedule[r]) for r in range(p)):
+        for r in range(p):
+            while pc[r] < len(schedule[r]):
+                st = schedule[r][pc[r]]
+                g = st.chunk * p + r
+                dep = ("F", g - 1, st.micro) if st.kind == "F" and g else None
+                if st.kind in "BI" and g < p * v - 1:
+                    dep = ("G", g + 1, st.micro)
+                if dep is not None and dep not in done:
+                    break
+                free[r] = max(free[r], done.get(dep, 0) if dep else 0) + cost[st.kind]
+                if st.kind != "W":
+                    done[("F" if st.kind == "F" else "G", g, st.micro)] = free[r]
+                pc[r] += 1
+    busy = sum(cost[st.kind] for st in schedule[0])
+    return 1 - busy / max(free)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (2, 8), (4, 4), (4, 8)])
+def test_schedules_reach_their_ideal_bubble_with_unit_costs(p: int, m: int) -> None:
+    assert _unit_cost_bubble(one_f_one_b_schedule(p, m), p, 1) == pytest.approx(theoretical_bubble(p, m))
+    assert _unit_cost_bubble(gpipe_schedule(p, m), p, 1) == pytest.approx(theoretical_bubble(p, m))
+    assert _unit_cost_bubble(interleaved_1f1b_schedule(p, m, 2), p, 2) == pytest.approx(
+        theoretical_bubble(p, m, 2)
+    )
+    # ZB-H1: (p-1)(F+I-W) idle of m(F+I+W) + (p-1)(F+I-W) with F = I = W = 1
+    zb = _unit_cost_bubble(zb_h1_schedule(p, m), p, 1)
+    assert zb == pytest.approx(2 * (p - 1) / (3 * m + 2 * (p - 1)))
+    assert zb < theoretical_bubble(p, m)
+
+
+F, B_, I_, W_ = (lambda m, c=0, k=k: Step(k, m, c) for k in "FBIW")  # noqa: E731
+
+
+@pytest.mark.parametrize(
+    ("schedule", "n_micro", "n_chunks", "match"),
+    [
+        # 1F1B steady state with stage 1 starting F1 before B0 while stage 0 needs B0's
+        # gradient before it sends F1: a wait cycle
+        (
+            [[F(0), B_(0), F(1), B_(1)], [F(0), F(1), B_(0), B_(1)]],
+            2, 1,
+            r"deadlock: stage 0 step 1 \(B0\) waits for the gradient of micro-batch 0 from virtual "
+            r"stage 1 \(rank 1\); stage 1 step 1 \(F1\) waits for the activation F1 of virtual "
+            r"stage 0 \(rank 0\)",
+        ),
+        # interleaved: rank 0 runs chunk 1 of micro 0 before rank 1 sent it
+        (
+            [[F(0, 1), F(0), B_(0, 1), B_(0)], [F(0), F(0, 1), B_(0, 1), B_(0)]],
+            1, 2,
+            r"deadlock: stage 0 step 0 \(F0c1\) waits for the activation F0 of virtual stage 1 \(rank 1\)",
+        ),
+        ([[F(0), I_(0), W_(0)], [F(0), W_(0), I_(0)]], 1, 1, r"each I before its W, got stage 1: W0 first"),
+        ([[F(0), I_(0), B_(0)], [F(0), B_(0)]], 1, 1, r"one backward per micro-batch \(B, or I and W\)"),
+        ([[F(0), I_(0)], [F(0), B_(0)]], 1, 1, r"micro-batch 0, got stage 0: \['I0'\]"),
+        ([[F(0), B_(0), B_(0)], [F(0), B_(0)]], 1, 1, r"each step once, got stage 0: B0 twice \(steps 1 and"),
+        ([[F(1), F(0), B_(0), B_(1)], [F(0), F(1), B_(0), B_(1)]], 2, 1, r"forwards F0..F\(m-1\) in order"),
+        ([[F(0), B_(0)], [F(0, 1), B_(0, 1)]], 1, 1, r"chunk in \[0, 1\), got stage 1 step 0: F0c1"),
+    ],
+)
+def test_check_schedule_names_the_broken_step(
+    schedule: list, n_micro: int, n_chunks: int, match: str
+) -> None:
+    with pytest.raises(ScheduleError, match=match):
+        check_schedule(schedule, 2, n_micro, n_chunks)
+
+
+def test_schedule_errors_are_value_errors_and_steps_print_with_chunks() -> None:
+    assert issubclass(ScheduleError, ValueError)
+    assert str(zb_h1_schedule(2, 2)) == "[[F0, F1, I0, W0, I1, W1], [F0, I0, W0, F1, I1, W1]]"
+    assert str(Step("F", 3, 1)) == "F3c1"
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+
+
+def deadlocking(n_stages: int, n_micro: int) -> list[list[Step]]:
+    return [[F(0), B_(0), F(1), B_(1)], [F(0), F(1), B_(0), B_(1)]]
+
+
+def _runner_rejects_deadlock() -> float:
+    runner = PipelineRunner(nn.Linear(2, 2), deadlocking, loss_fn=nn.functional.mse_loss)
+    with pytest.raises(ScheduleError, match=r"stage 0 step 1 \(B0\) waits for the gradient"):
+        runner.step(torch.zeros(4, 2), torch.zeros(4, 2), 2)
+    # nothing was sent: the same ranks still run a real step
+    return float(PipelineRunner(nn.Linear(2, 2), "zb-h1", loss_fn=nn.functional.mse_loss).step(
+        torch.zeros(4, 2), torch.zeros(4, 2), 2
+    ))  # fmt: skip
+
+
+def test_runner_validates_the_schedule_before_communicating(world2: dc.LocalWorld) -> None:
+    world2.run(_runner_rejects_deadlock)
+
+
+# ======================================================================================
+# every schedule == serial: p in {2, 4}, m in {1, 2, 4, 8}, v in {1, 2}
+# ======================================================================================
+
+
+def _parity_all(schedule: str, v: int) -> list[int]:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    peaks = []
+    for n_micro in (1, 2, 4, 8):
+        torch.manual_seed(n_micro)
+        model = _mlp(width=5, depth=n * v)
+        serial = copy.deepcopy(model)
+        x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+        mine = partition(model, n * v)[rank::n]  # rank r holds virtual stages r, r + n, ...
+        input_grad = n_micro == 2
+        # one configuration also without pre-posted receives: same numbers
+        runner = PipelineRunner(
+            mine if v > 1 else mine[0], schedule, loss_fn=nn.functional.mse_loss, prepost=n_micro != 4
+        )
+        loss = runner.step(x, y, n_micro=n_micro, input_grad=input_grad)
+        xs = x.clone().requires_grad_()
+        ref = nn.functional.mse_loss(serial(xs), y)
+        ref.backward()
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-13, atol=1e-15)
+        theirs = partition(serial, n * v)[rank::n]
+        for chunk, ref_chunk in zip(mine, theirs, strict=True):
+            pairs = list(zip(chunk.parameters(), ref_chunk.parameters(), strict=True))
+            assert pairs
+            for p, q in pairs:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+        if input_grad and rank == 0:
+            torch.testing.assert_close(runner.input_grad, xs.grad, rtol=1e-12, atol=1e-14)
+        got = [(e.kind, e.micro, e.chunk) for e in runner.timeline]
+        assert got == [(s.kind, s.micro, s.chunk) for s in runner.steps(n_micro)]
+        assert p2p._SENDS.pending() == 0
+        peaks.append(runner.peak_activation_bytes)
+    return peaks
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+@pytest.mark.parametrize("v", [1, 2])
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_schedule_matches_the_serial_model(
+    local_worlds: Callable[[int], dc.LocalWorld], schedule: str, v: int, n: int
+) -> None:
+    peaks = local_worlds(n).run(_parity_all, schedule, v)
+    assert all(all(b > 0 for b in per_rank) for per_rank in peaks)
+
+
+def _weights_only_in_w() -> list[str]:
+    """ZB-H1: a parameter's gradient lands during a W step, never during I."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    stage = partition(_mlp(width=4, depth=n), n)[rank]
+    runner = PipelineRunner(stage, "zb-h1", loss_fn=nn.functional.mse_loss)
+    seen: list[str] = []
+    for p in stage.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: seen.append(runner._current))
+    orig_i, orig_w = runner._backward_input, runner._backward_weight
+
+    def tagged(kind: str, fn: Callable) -> Callable:
+        def run(st: Step, stash: dict) -> None:
+            runner._current = kind
+            fn(st, stash)
+            runner._current = "-"
+
+        return run
+
+    runner._current = "-"
+    runner._backward_input, runner._backward_weight = tagged("I", orig_i), tagged("W", orig_w)
+    runner.step(torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64), 4)
+    return sorted(set(seen))
+
+
+def test_zb_h1_computes_weight_gradients_in_w_only(world2: dc.LocalWorld) -> None:
+    assert world2.run(_weights_only_in_w) == [["W"], ["W"]]

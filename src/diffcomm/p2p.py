@@ -68,6 +68,9 @@ from .collectives import OpSpec
 __all__ = [
     "send",
     "recv",
+    "irecv",
+    "RecvHandle",
+    "post_grad_recv",
     "sendrecv",
     "ppermute",
     "shift",
@@ -259,6 +262,34 @@ def _recv_into(buf: Tensor, src: int, pg: PG, tag: int) -> Tensor:
     return _b().recv(buf, src, pg, tag)
 
 
+class _Posted:
+    """A receive into ``buf`` posted ahead (``irecv``); :meth:`wait` completes it.
+
+    Posting is not logged; the wait goes through the backend's one entry point as a
+    ``recv`` (so the comms log, comm-off switch, flight recorder and timeout diagnosis
+    see it, with the seconds actually spent blocked).
+    """
+
+    def __init__(self, buf: Tensor, src: int, pg: PG, tag: int) -> None:
+        _SENDS.check()
+        self.buf, self.pg = buf, pg
+        self.work = None
+        if buf.numel() and not B.is_off("recv"):
+            self.work = dist.irecv(B._wire(buf), group_src=src, group=pg, tag=tag)
+
+    def wait(self) -> Tensor:
+        buf, work = self.buf, self.work
+        if buf.numel() == 0:
+            return buf
+        self.work = None
+        B._dispatch(
+            "recv", self.pg, buf.numel() * buf.element_size(),
+            (lambda: work.wait()) if work is not None else (lambda: buf.zero_()),
+            lambda: buf.zero_(), buf,
+        )  # fmt: skip
+        return buf
+
+
 # ======================================================================================
 # the metadata header
 # ======================================================================================
@@ -331,9 +362,14 @@ class _Send(torch.autograd.Function):
     def backward(ctx: Any, g_token: Tensor) -> tuple[Tensor | None, ...]:
         # The token is a local zero: scaling it does not scale the gradient, which is
         # entirely what ``dst`` computed for the received copy of ``x``.
-        buf = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+        posted = getattr(ctx, "posted", None)  # see post_grad_recv
         with B.label(f"send(dst={ctx.dst}, tag={ctx.tag}) backward"):
-            g = _recv_into(buf, ctx.dst, ctx.pg, _grad_tag(ctx.tag, ctx.seq))
+            if posted is not None:
+                ctx.posted = None
+                g = posted.wait()
+            else:
+                buf = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+                g = _recv_into(buf, ctx.dst, ctx.pg, _grad_tag(ctx.tag, ctx.seq))
         if torch.is_grad_enabled():  # create_graph=True: forbid differentiating through it
             g = _FirstOrderOnly.apply(g, torch.zeros((), requires_grad=True))
         return g, None, None, None, None, None
@@ -462,8 +498,10 @@ class _Recv(torch.autograd.Function):
         pg: PG,
         tag: int,
         seq: int,
+        data: Tensor | None = None,
     ) -> Tensor:
-        return _recv_data(src, shape, dtype, device, pg, tag)
+        # ``data``: already received by a posted receive (irecv)
+        return _recv_data(src, shape, dtype, device, pg, tag) if data is None else data
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -474,7 +512,7 @@ class _Recv(torch.autograd.Function):
         # SPMD rule: autograd materialises a zero ``g`` if the output got no gradient, so
         # the sender's token backward always gets its message.
         _send_grad(g, ctx.src, ctx.pg, ctx.tag, ctx.seq)
-        return (None,) * 8
+        return (None,) * 9
 
 
 def _send_grad(g: Tensor, src: int, pg: PG, tag: int, seq: int) -> None:
@@ -548,11 +586,27 @@ def recv(
     want_shape, want_dtype = _expected(shape, dtype, like, "recv")
     if device is None:
         device = like.device if like is not None else B._comm_device(pg)
-    me = _rank(pg)
     seq = _next_seq(pg, src, tag, "recv")
     header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=B._comm_device(pg))
     with B.label(f"recv(src={src}, tag={tag}) header"):
         _recv_into(header, src, pg, tag)
+    return _finish_recv(header, src, pg, tag, seq, want_shape, want_dtype, device)
+
+
+def _finish_recv(
+    header: Tensor,
+    src: int,
+    pg: PG,
+    tag: int,
+    seq: int,
+    want_shape: torch.Size | None,
+    want_dtype: torch.dtype | None,
+    device: Any,
+    posted: _Posted | None = None,
+) -> Tensor:
+    """The rest of :func:`recv` once the header is in: check it, receive the data (or
+    wait for the ``posted`` data receive), build the autograd node."""
+    me = _rank(pg)
     if B.is_off("recv"):  # ablation: nothing arrived; keep shapes if we know them
         if want_shape is None:
             raise ValueError("diffcomm.recv(): with comm_off('recv') pass `shape` or `like`")
@@ -568,7 +622,7 @@ def recv(
         )
     got_shape, got_dtype, sent_rg, sent_seq = meta
     if sent_seq != seq:
-        _recv_data(src, got_shape, got_dtype, device, pg, tag)
+        _drain(posted, src, got_shape, got_dtype, device, pg, tag)
         _SEQ[_seq_key(pg, src, tag, "recv")] = sent_seq + 1  # back in step for what follows
         raise CrossRankMismatchError(
             f"diffcomm.recv(): send/recv between ranks {src} -> {me} (tag {tag}) are out of step: "
@@ -579,19 +633,149 @@ def recv(
         want_dtype is not None and want_dtype != got_dtype
     )
     if bad:
-        _recv_data(src, got_shape, got_dtype, device, pg, tag)  # drain: keep the channel clean
+        _drain(posted, src, got_shape, got_dtype, device, pg, tag)  # keep the channel clean
         raise CrossRankMismatchError(
             f"diffcomm.recv(): mismatched send/recv between ranks {src} -> {me} (tag {tag}): "
             f"rank {me} expected {_describe(want_shape, want_dtype)}, but rank {src} sent "
             f"{_describe(got_shape, got_dtype)}"
         )
+    data = None
+    if posted is not None:
+        with B.label(f"recv(src={src}, tag={tag})"):
+            raw = posted.wait()
+        data = raw.view(got_dtype).reshape(got_shape)
     if sent_rg and torch.is_grad_enabled() and _differentiable(got_dtype):
         anchor = torch.empty(0, requires_grad=True)
-        return _Recv.apply(anchor, src, got_shape, got_dtype, device, pg, tag, seq)
-    data = _recv_data(src, got_shape, got_dtype, device, pg, tag)
+        return _Recv.apply(anchor, src, got_shape, got_dtype, device, pg, tag, seq, data)
+    if data is None:
+        data = _recv_data(src, got_shape, got_dtype, device, pg, tag)
     if sent_rg:  # the sender's token waits for a gradient: none will flow here, send zeros
         _send_grad(torch.zeros_like(data), src, pg, tag, seq)
     return data
+
+
+def _drain(
+    posted: _Posted | None, src: int, shape: torch.Size, dtype: torch.dtype, device: Any, pg: PG, tag: int
+) -> None:
+    if posted is None:
+        _recv_data(src, shape, dtype, device, pg, tag)
+    elif posted.buf.numel() == shape.numel() * dtype.itemsize:
+        posted.wait()
+
+
+class RecvHandle:
+    """A receive posted by :func:`irecv`: :meth:`wait` returns what :func:`recv` would.
+
+    The header (and, when the expected shape and dtype were given, the data) receives are
+    already posted, so the transfer proceeds while this rank computes; ``wait`` blocks only
+    for what has not arrived yet. Call ``wait`` exactly once.
+    """
+
+    def __init__(
+        self,
+        src: int,
+        pg: PG,
+        tag: int,
+        seq: int,
+        want_shape: torch.Size | None,
+        want_dtype: torch.dtype | None,
+        device: Any,
+    ) -> None:
+        self._args = (src, pg, tag, seq, want_shape, want_dtype, device)
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=B._comm_device(pg))
+        self._header = _Posted(header, src, pg, tag)
+        self._data = None
+        if want_shape is not None and want_dtype is not None:
+            nbytes = want_shape.numel() * want_dtype.itemsize
+            self._data = _Posted(torch.empty(nbytes, dtype=torch.uint8, device=device), src, pg, tag)
+        self._done = False
+
+    def wait(self) -> Tensor:
+        """Block until the tensor is in; return it (it requires grad as :func:`recv`'s does)."""
+        if self._done:
+            raise RuntimeError("diffcomm.p2p.RecvHandle.wait(): called twice (it returns the tensor once)")
+        self._done = True
+        src, pg, tag, seq, want_shape, want_dtype, device = self._args
+        with B.label(f"recv(src={src}, tag={tag}) header"):
+            header = self._header.wait()
+        return _finish_recv(header, src, pg, tag, seq, want_shape, want_dtype, device, self._data)
+
+
+def irecv(
+    src: int,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    like: Tensor | None = None,
+    group: A.GroupLike = None,
+    tag: int = 0,
+    device: torch.device | str | None = None,
+) -> RecvHandle:
+    """Post a :func:`recv` now and finish it later: ``irecv(...).wait() == recv(...)``.
+
+    The receive is posted at once, so the data can travel while this rank computes
+    (pipelines post the next micro-batch's receive before computing the current one).
+    With ``shape`` and ``dtype`` (or ``like``) the data receive is posted too; otherwise
+    only the header is, and ``wait`` receives the data once the header says its size.
+    Receives on one channel (group, peer, tag) complete in the order they were posted,
+    like the sends they pair with.
+
+    Args:
+        src, shape, dtype, like, group, tag, device: as for :func:`recv`.
+
+    Returns:
+        A :class:`RecvHandle`; its ``wait()`` returns the received tensor.
+
+    Gradient:
+        As for :func:`recv`: backward sends the output's gradient to ``src``.
+
+    Example::
+
+        def step():
+            if dc.get_rank() == 0:
+                return dc.send(torch.ones(2), dst=1)
+            handle = dc.p2p.irecv(src=0, shape=(2,), dtype=torch.float32)
+            # ... compute while the data arrives ...
+            return handle.wait()                         # tensor([1., 1.])
+
+        with dc.LocalWorld(2) as world:
+            world.run(step)
+    """
+    pg = A.resolve_group(group, "irecv")
+    src = _check_peer(src, "irecv", "src", pg)
+    tag = _check_tag(tag, "irecv")
+    want_shape, want_dtype = _expected(shape, dtype, like, "irecv")
+    if device is None:
+        device = like.device if like is not None else B._comm_device(pg)
+    seq = _next_seq(pg, src, tag, "recv")
+    return RecvHandle(src, pg, tag, seq, want_shape, want_dtype, device)
+
+
+def post_grad_recv(token: Tensor) -> bool:
+    """Post now the receive that ``token``'s backward will wait for (its gradient).
+
+    The gradient of a :func:`send` arrives when its peer runs the matching backward; with
+    the receive posted early it can land while this rank computes something else, and
+    ``token.backward()`` then only waits for what has not arrived. Nothing else changes.
+
+    Args:
+        token: the token a :func:`send` returned.
+
+    Returns:
+        ``True`` if a receive was posted; ``False`` when no gradient will come (the token
+        does not require grad) or one is already posted.
+    """
+    if not isinstance(token, Tensor):
+        raise A.arg_error("post_grad_recv", "token", "a dc.send token", type(token).__name__, TypeError)
+    ctx = token.grad_fn
+    if ctx is None:
+        return False
+    if not isinstance(ctx, _Send._backward_cls):  # type: ignore[attr-defined]
+        raise A.arg_error("post_grad_recv", "token", "a dc.send token", type(ctx).__name__, TypeError)
+    if getattr(ctx, "posted", None) is not None:
+        return False
+    buf = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+    ctx.posted = _Posted(buf, ctx.dst, ctx.pg, _grad_tag(ctx.tag, ctx.seq))
+    return True
 
 
 # ======================================================================================

@@ -1,0 +1,85 @@
+"""Cut a sequential model into contiguous pipeline stages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from .. import _args as A
+
+__all__ = ["partition"]
+
+
+def _n_params(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def partition(
+    model: nn.Sequential | Sequence[nn.Module], n_stages: int, balance: Sequence[int] | None = None
+) -> list[nn.Sequential]:
+    """Cut a sequential model into ``n_stages`` contiguous stages.
+
+    Args:
+        model: an ``nn.Sequential`` or a list of modules applied in order.
+        n_stages: number of stages (>= 1, at most the number of layers).
+        balance: layers per stage (``n_stages`` positive ints summing to the number of
+            layers); default: minimise the largest stage's parameter count.
+
+    Returns:
+        ``n_stages`` ``nn.Sequential`` s sharing the model's modules (no copies), so the
+        parameters of stage ``s`` are the model's own.
+
+    Example::
+
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        stages = partition(model, 2)       # [Linear, ReLU, Linear] | [ReLU, Linear] (by params)
+        stage = stages[dc.get_rank()]
+    """
+    layers = list(model.children()) if isinstance(model, nn.Sequential) else list(model)
+    if not all(isinstance(m, nn.Module) for m in layers):
+        raise A.arg_error("partition", "model", "an nn.Sequential or a list of nn.Modules", model, TypeError)
+    n_stages = A.check_int(n_stages, "partition", "n_stages")
+    n = len(layers)
+    if not 1 <= n_stages <= n:
+        raise A.arg_error("partition", "n_stages", f"an int in [1, {n}] (the number of layers)", n_stages)
+    if balance is not None:
+        sizes = [A.check_int(b, "partition", "balance") for b in balance]
+        if len(sizes) != n_stages or any(b < 1 for b in sizes) or sum(sizes) != n:
+            raise A.arg_error(
+                "partition", "balance", f"{n_stages} positive ints summing to {n} (the layers)", list(balance)
+            )
+    else:
+        sizes = _balanced_sizes([_n_params(m) for m in layers], n_stages)
+    out, start = [], 0
+    for size in sizes:
+        out.append(nn.Sequential(*layers[start : start + size]))
+        start += size
+    return out
+
+
+def _balanced_sizes(costs: list[int], k: int) -> list[int]:
+    """Contiguous split of ``costs`` into ``k`` non-empty parts minimising the largest sum
+    (ties broken towards equal layer counts), by dynamic programming."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = (float("inf"), float("inf"))
+    # best[j][i]: (max part cost, max part length) splitting the first i layers into j parts
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = (0, 0)
+    for j in range(1, k + 1):
+        for i in range(j, n - (k - j) + 1):
+            for t in range(j - 1, i):
+                prev = best[j - 1][t]
+                cand = (max(prev[0], prefix[i] - prefix[t]), max(prev[1], i - t))
+                if cand < best[j][i]:
+                    best[j][i], cut[j][i] = cand, t
+    sizes, i = [], n
+    for j in range(k, 0, -1):
+        t = cut[j][i]
+        sizes.append(i - t)
+        i = t
+    return sizes[::-1]

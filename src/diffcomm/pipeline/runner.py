@@ -1,0 +1,585 @@
+"""The pipeline runner: one rank's stage (or chunks) under a schedule.
+
+How the autograd graph crosses ranks (see ``docs/pipeline.md``): ``F`` receives the
+activation with :func:`diffcomm.recv` (it requires grad), runs the chunk and sends the
+output with :func:`diffcomm.send`, keeping the token (the last virtual stage keeps its
+scaled loss instead). ``B`` is ``token.backward()``: the send's backward receives the
+output gradient, autograd carries it into the parameters and into the input, whose
+recv-backward sends it on. No gradient is handled by hand.
+
+The zero-bubble split: ``I`` runs the same backward restricted to the input
+(``torch.autograd.backward(token, inputs=[the receive's input edge])``, graph retained),
+so the send and receive of gradients happen exactly as in ``B``; hooks on the nodes where
+the parameters' branches leave the input path keep the gradients arriving there. ``W``
+starts from those nodes with those gradients and runs only the parameters' branches
+(``torch.autograd.backward(edges, grads, inputs=params)``), so no input-gradient work is
+repeated.
+
+Pre-posted receives: before computing step ``k`` the runner posts the receive step
+``k + 1`` will need (the next activation with :func:`diffcomm.p2p.irecv`, or the next
+gradient with :func:`diffcomm.p2p.post_grad_recv`), so that message travels while step
+``k`` computes.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from .. import _args as A
+from .. import _config, p2p
+from .. import backend as B
+from .schedules import SCHEDULES, ScheduleFn, Step
+from .validate import check_schedule
+
+__all__ = ["PipelineRunner", "TimelineEntry", "bubble_fraction"]
+
+
+@dataclass
+class TimelineEntry:
+    """One executed step: wall-clock ``start``/``end`` (``time.perf_counter``, comparable
+    across processes of one machine) and ``wait``, the seconds spent blocked in receives
+    (so ``end - start - wait`` is this stage's busy time); ``chunk`` is the virtual stage."""
+
+    kind: str
+    micro: int
+    start: float
+    end: float
+    wait: float
+    chunk: int = 0
+
+    @property
+    def busy(self) -> float:
+        return max(0.0, self.end - self.start - self.wait)
+
+
+@dataclass
+class _Stash:
+    """What one in-flight (micro-batch, chunk) keeps until its backward."""
+
+    handle: Tensor  # the send token, or the scaled loss on the last virtual stage
+    nbytes: int
+    input: Tensor | None = None  # the chunk's input (received, or a stage-0 leaf)
+    output: Tensor | None = None  # the sent output (kept only for a split backward)
+    storages: set[tuple[int, int, torch.dtype]] = field(default_factory=set)
+    # after I: what W needs
+    groups: list[tuple[list[Node], list[tuple[Tensor | None, ...]], list[Node]]] | None = None
+    d_output: Tensor | None = None
+    full_in_w: bool = False
+    grad_bytes: int = 0
+
+
+class PipelineRunner:
+    """Run one pipeline rank: micro-batched forward and backward under a schedule.
+
+    Every rank of ``group`` builds a runner for its own stage (stage index = group-local
+    rank) — or, for a schedule with ``v`` virtual stages per rank, its ``v`` chunks — and
+    calls :meth:`step` with the same ``n_micro``. Activations and gradients move only
+    through :func:`diffcomm.send` / :func:`diffcomm.recv` (and their posted forms).
+
+    Args:
+        stage: this rank's stage (e.g. ``partition(model, p)[rank]``), or a list of its
+            ``v`` chunks (``partition(model, p * v)[rank::p]``: rank ``r`` holds virtual
+            stages ``r, r + p, ...``).
+        schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved"``, ``"zb-h1"``, or a
+            function ``(n_stages, n_micro[, n_chunks]) -> per-rank lists of Step``
+            (called with ``n_chunks`` only when ``v > 1``).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        loss_fn: ``loss_fn(output, target) -> scalar`` (``loss_fn(output)`` when no
+            targets are given); needed on the last rank. Use a *mean*-reduced loss for
+            the step loss to equal the full-batch loss.
+        broadcast_loss: return the loss on every rank (one small broadcast per step);
+            otherwise other ranks return ``None``.
+        tag: p2p tag of this pipeline's messages; chunk ``c`` sends on ``tag + c`` (two
+            pipelines on one group need disjoint ranges).
+        prepost: post the next step's receive before computing the current step
+            (default); ``False`` receives only when a step needs the data.
+
+    Attributes:
+        timeline: after a step, a list of :class:`TimelineEntry`, one per executed step.
+        peak_activation_bytes: after a step, the most bytes of saved-for-backward tensors
+            (activations, parameters excluded; for a split backward also the gradients
+            kept from ``I`` for ``W``) alive at once on this rank during it.
+        input_grad: after a step, on rank 0 with ``step(..., input_grad=True)``: gradient
+            of the loss with respect to ``inputs``; else ``None``.
+
+    Example::
+
+        def train():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+            stage = partition(model, dc.get_world_size())[dc.get_rank()]
+            runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss)
+            x, y = torch.randn(8, 4), torch.randn(8, 1)     # same on every rank (seeded)
+            return runner.step(x, y, n_micro=4)             # mean over micro-batches
+
+        with dc.LocalWorld(2) as world:
+            world.run(train)     # [loss, loss]; .grad of each stage's parameters filled
+    """
+
+    def __init__(
+        self,
+        stage: nn.Module | Sequence[nn.Module],
+        schedule: str | ScheduleFn = "1f1b",
+        group: A.GroupLike = None,
+        loss_fn: Callable[..., Tensor] | None = None,
+        broadcast_loss: bool = True,
+        tag: int = 0,
+        prepost: bool = True,
+    ) -> None:
+        if isinstance(stage, nn.Module):
+            chunks = [stage]
+        elif isinstance(stage, Sequence) and stage and all(isinstance(c, nn.Module) for c in stage):
+            chunks = list(stage)
+        else:
+            raise A.arg_error(
+                "PipelineRunner",
+                "stage",
+                "an nn.Module or a non-empty list of them",
+                type(stage).__name__,
+                TypeError,
+            )
+        if isinstance(schedule, str):
+            key = schedule.lower()
+            if key not in SCHEDULES:
+                raise A.arg_error(
+                    "PipelineRunner", "schedule", f"one of {list(SCHEDULES)} or a function", schedule
+                )
+            self.schedule_name, self._schedule_fn = key, SCHEDULES[key]
+        elif callable(schedule):
+            self.schedule_name, self._schedule_fn = getattr(schedule, "__name__", "custom"), schedule
+        else:
+            raise A.arg_error(
+                "PipelineRunner",
+                "schedule",
+                "a schedule name or function",
+                type(schedule).__name__,
+                TypeError,
+            )
+        self.pg = A.resolve_group(group, "PipelineRunner")
+        self.rank = B.get_backend().rank(self.pg)
+        self.n_stages = B.get_backend().world_size(self.pg)
+        self.n_chunks = len(chunks)
+        if self.n_chunks > 1 and self.n_stages < 2:
+            raise A.arg_error(
+                "PipelineRunner", "stage", "one module when the group has one rank", f"{self.n_chunks} chunks"
+            )
+        self.is_first, self.is_last = self.rank == 0, self.rank == self.n_stages - 1
+        if self.is_last and loss_fn is None:
+            raise A.arg_error(
+                "PipelineRunner", "loss_fn", "a loss function on the last stage", None, TypeError
+            )
+        if loss_fn is not None and not callable(loss_fn):
+            raise A.arg_error("PipelineRunner", "loss_fn", "callable", type(loss_fn).__name__, TypeError)
+        self.chunks = chunks
+        self.stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+        self.loss_fn = loss_fn
+        self.broadcast_loss = bool(broadcast_loss)
+        self.tag = p2p._check_tag(tag, "PipelineRunner")
+        if self.tag + self.n_chunks > p2p.MAX_TAG:
+            raise A.arg_error(
+                "PipelineRunner",
+                "tag",
+                f"an int <= {p2p.MAX_TAG - self.n_chunks} ({self.n_chunks} chunks)",
+                tag,
+            )
+        self.prepost = bool(prepost)
+        self.timeline: list[TimelineEntry] = []
+        self.peak_activation_bytes = 0
+        self.input_grad: Tensor | None = None
+
+    # ---- the schedule --------------------------------------------------------------
+    def schedule(self, n_micro: int) -> list[list[Step]]:
+        """Every rank's steps for ``n_micro`` micro-batches, validated by
+        :func:`~diffcomm.pipeline.check_schedule` (a ``ScheduleError`` names the step)."""
+        if self.n_chunks == 1 and self._schedule_fn not in SCHEDULES.values():
+            sched = self._schedule_fn(self.n_stages, n_micro)  # a user's (p, m) function
+        else:
+            sched = self._schedule_fn(self.n_stages, n_micro, self.n_chunks)
+        check_schedule(sched, self.n_stages, n_micro, self.n_chunks)
+        return sched
+
+    def steps(self, n_micro: int) -> list[Step]:
+        """This rank's steps for ``n_micro`` micro-batches (validated)."""
+        return list(self.schedule(n_micro)[self.rank])
+
+    # ---- virtual stages --------------------------------------------------------------
+    def _g(self, chunk: int) -> int:
+        return chunk * self.n_stages + self.rank
+
+    def _last_g(self) -> int:
+        return self.n_stages * self.n_chunks - 1
+
+    def _src(self, chunk: int) -> tuple[int, int]:
+        """(rank, tag) the activation of ``chunk`` comes from."""
+        p, r = self.n_stages, self.rank
+        return (r - 1) % p, self.tag + (chunk if r > 0 else chunk - 1)
+
+    # ---- one step --------------------------------------------------------------------
+    def step(
+        self,
+        inputs: Tensor | None = None,
+        targets: Tensor | None = None,
+        n_micro: int = 1,
+        input_grad: bool = False,
+    ) -> Tensor | None:
+        """Forward and backward of one batch, split into ``n_micro`` micro-batches.
+
+        Every rank may pass the same ``inputs``/``targets`` (SPMD style): rank 0 uses
+        only ``inputs``, the last rank only ``targets``; others may pass ``None``.
+        Parameter gradients **accumulate** into ``.grad`` (as ``loss.backward()`` does;
+        zero them between steps) and are those of the step loss.
+
+        Args:
+            inputs: the batch (rank 0): a tensor split along dim 0.
+            targets: the targets (last rank), split along dim 0 like ``inputs``; or
+                ``None`` when ``loss_fn`` takes only the output.
+            n_micro: number of micro-batches; must divide the batch size.
+            input_grad: rank 0 keeps the gradient of the loss w.r.t. ``inputs`` in
+                :attr:`input_grad`.
+
+        Returns:
+            The step loss — the **mean over micro-batches** of ``loss_fn(out_m,
+            target_m)``, equal to ``loss_fn`` on the full batch for a mean-reduced loss —
+            as a detached 0-dim tensor: on every rank with ``broadcast_loss``, else on the
+            last rank (``None`` elsewhere).
+
+        Gradient:
+            Each micro-batch's loss is scaled by ``1/n_micro`` before its backward, so the
+            accumulated gradient is that of the returned mean loss.
+        """
+        n_micro = A.check_int(n_micro, "PipelineRunner.step", "n_micro")
+        if n_micro < 1:
+            raise A.arg_error("PipelineRunner.step", "n_micro", "an int >= 1", n_micro)
+        in_chunks = self._split(inputs, n_micro, "inputs") if self.is_first else None
+        tgt_chunks = (
+            self._split(targets, n_micro, "targets") if self.is_last and targets is not None else None
+        )
+        steps = self.steps(n_micro)
+        if _config.DEBUG.get():
+            B.get_backend().check_consistent(  # type: ignore[attr-defined]
+                "PipelineRunner.step",
+                {"n_micro": n_micro, "schedule": self.schedule_name, "n_chunks": self.n_chunks},
+                self.pg,
+            )
+        self.timeline, self.peak_activation_bytes, self.input_grad = [], 0, None
+        self._param_storages = {p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()}
+        self._live_bytes = 0
+        self._inputs_kept: list[Tensor] = []
+        self._posted: dict[tuple[int, int], p2p.RecvHandle] = {}
+        self._like: dict[int, Tensor] = {}
+        stash: dict[tuple[int, int], _Stash] = {}
+        total = torch.zeros((), dtype=torch.float64)
+        for k, st in enumerate(steps):
+            nxt = steps[k + 1] if k + 1 < len(steps) else None
+            with B.log_comms() as log:
+                start = time.perf_counter()
+                if st.kind == "F":
+                    loss_m = self._forward(st, in_chunks, tgt_chunks, n_micro, stash, input_grad, nxt)
+                    if loss_m is not None:
+                        total += loss_m.detach().to(total.device, torch.float64)
+                else:
+                    self._prepost(nxt, stash)
+                    if st.kind == "B":
+                        self._backward(st, stash)
+                    elif st.kind == "I":
+                        self._backward_input(st, stash)
+                    else:
+                        self._backward_weight(st, stash)
+                end = time.perf_counter()
+            wait = sum(r.seconds for r in log.records if r.op == "recv")
+            self.timeline.append(TimelineEntry(st.kind, st.micro, start, end, wait, st.chunk))
+        p2p.wait_sends()
+        if input_grad and self.is_first:
+            grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in self._inputs_kept]
+            self.input_grad = torch.cat(grads)
+        self._inputs_kept, self._posted, self._like = [], {}, {}
+        if self.broadcast_loss and self.n_stages > 1:
+            out = B.get_backend().broadcast(total.to(B._comm_device(self.pg)), self.n_stages - 1, self.pg)
+            return out.cpu()
+        return total if self.is_last else None
+
+    def _split(self, t: Tensor | None, n_micro: int, arg: str) -> list[Tensor]:
+        if t is None:
+            raise A.arg_error("PipelineRunner.step", arg, f"a tensor on stage {self.rank}", None, TypeError)
+        t = A.check_tensor(t, "PipelineRunner.step", arg)
+        if t.ndim == 0 or t.shape[0] % n_micro != 0:
+            raise A.arg_error(
+                "PipelineRunner.step",
+                arg,
+                f"a batch whose size along dim 0 is divisible by n_micro={n_micro}",
+                f"shape {tuple(t.shape)}",
+            )
+        return list(t.chunk(n_micro))
+
+    # ---- pre-posted receives ---------------------------------------------------------
+    def _prepost(self, st: Step | None, stash: dict[tuple[int, int], _Stash]) -> None:
+        """Post the receive ``st`` will need (if any, and not posted yet)."""
+        if st is None or not self.prepost:
+            return
+        if st.kind == "F":
+            if self._g(st.chunk) == 0 or (st.micro, st.chunk) in self._posted:
+                return
+            src, tag = self._src(st.chunk)
+            like = self._like.get(st.chunk)
+            if like is None:  # shape not known yet: post the header only
+                handle = p2p.irecv(src, group=self.pg, tag=tag)
+            else:
+                handle = p2p.irecv(src, like=like, group=self.pg, tag=tag)
+            self._posted[(st.micro, st.chunk)] = handle
+        elif st.kind in ("B", "I"):
+            kept = stash.get((st.micro, st.chunk))
+            if kept is not None and self._g(st.chunk) != self._last_g():
+                p2p.post_grad_recv(kept.handle)
+
+    # ---- forward ---------------------------------------------------------------------
+    def _forward(
+        self,
+        st: Step,
+        in_chunks: list[Tensor] | None,
+        tgt_chunks: list[Tensor] | None,
+        n_micro: int,
+        stash: dict[tuple[int, int], _Stash],
+        input_grad: bool,
+        nxt: Step | None,
+    ) -> Tensor | None:
+        m, c = st.micro, st.chunk
+        g = self._g(c)
+        kept = _Stash(handle=torch.zeros(()), nbytes=0)
+        if g == 0:
+            assert in_chunks is not None
+            x = in_chunks[m]
+            if input_grad:
+                x = x.detach().requires_grad_()
+                self._inputs_kept.append(x)
+        else:
+            handle = self._posted.pop((m, c), None)
+            if handle is not None:
+                x = handle.wait()
+            else:
+                src, tag = self._src(c)
+                x = p2p.recv(src, group=self.pg, tag=tag)
+            self._like[c] = x.detach()
+        # the previous receive on every channel is complete: post the next step's now
+        self._prepost(nxt, stash)
+        kept.input = x
+
+        def pack(t: Tensor) -> Tensor:
+            # distinct saved tensors (a ReLU output saved twice counts once), by their own
+            # bytes (a micro-batch view of the batch counts its slice), parameters excluded
+            key = (t.data_ptr(), t.numel(), t.dtype)
+            if t.untyped_storage().data_ptr() not in self._param_storages and key not in kept.storages:
+                kept.storages.add(key)
+                kept.nbytes += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = self.chunks[c](x)
+            if g == self._last_g():
+                assert self.loss_fn is not None
+                tgt = None if tgt_chunks is None else tgt_chunks[m]
+                loss = self.loss_fn(y) if tgt is None else self.loss_fn(y, tgt)
+                kept.handle = loss / n_micro
+            else:
+                dst = (self.rank + 1) % self.n_stages
+                kept.handle = p2p.send(y, dst, group=self.pg, tag=self.tag + c)
+                kept.output = y
+        stash[(m, c)] = kept
+        self._live_bytes += kept.nbytes
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self._live_bytes)
+        return kept.handle if g == self._last_g() else None
+
+    # ---- backward ----------------------------------------------------------------------
+    def _backward(self, st: Step, stash: dict[tuple[int, int], _Stash]) -> None:
+        kept = stash.pop((st.micro, st.chunk))
+        # the token (or loss) requires grad iff anything upstream does; recv on the next
+        # stage made the same decision from the header, so skipping here is symmetric
+        if kept.handle.requires_grad:
+            kept.handle.backward()
+        self._live_bytes -= kept.nbytes
+
+    def _backward_input(self, st: Step, stash: dict[tuple[int, int], _Stash]) -> None:
+        """``I``: the gradient of the chunk's input only; keep what ``W`` needs."""
+        kept = stash[(st.micro, st.chunk)]
+        root = kept.handle
+        if not root.requires_grad:
+            kept.full_in_w = True  # nothing flows back at all
+            return
+        params = [p for p in self.chunks[st.chunk].parameters() if p.requires_grad]
+        target = _input_edge(kept.input)
+        plan = None if target is None else _weight_plan(root, target, params)
+        if plan is None:
+            # no input path to split off (stage 0, or an unusual graph): take the output
+            # gradient now, as every I does, and run the whole backward in W
+            kept.full_in_w = True
+            if kept.output is not None and kept.output.requires_grad:
+                (kept.d_output,) = torch.autograd.grad(root, [kept.output])
+            return
+        captured: dict[Node, tuple[Tensor | None, ...]] = {}
+        hooks = [n.register_prehook(_capture(captured, n)) for n, _ in plan]
+        try:
+            torch.autograd.backward(root, inputs=[target], retain_graph=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        groups = []
+        for nodes, param_nodes in _group(plan):
+            groups.append((nodes, [captured.get(n, ()) for n in nodes], param_nodes))
+        kept.groups = groups
+        kept.grad_bytes = sum(
+            g.numel() * g.element_size() for _, gs, _ in groups for t in gs for g in t if g is not None
+        )
+        self._live_bytes += kept.grad_bytes
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self._live_bytes)
+
+    def _backward_weight(self, st: Step, stash: dict[tuple[int, int], _Stash]) -> None:
+        """``W``: the parameters' gradients from what ``I`` kept (accumulated in ``.grad``)."""
+        kept = stash.pop((st.micro, st.chunk))
+        if kept.full_in_w:
+            if kept.d_output is not None:
+                torch.autograd.backward(kept.output, kept.d_output)
+            elif kept.handle.requires_grad and kept.output is None:
+                kept.handle.backward()  # the last virtual stage with no input path
+        elif kept.groups:
+            for i, (nodes, grads, param_nodes) in enumerate(kept.groups):
+                edges, seeds = [], []
+                for n, gs in zip(nodes, grads):
+                    for j, g in enumerate(gs):
+                        if g is not None:
+                            edges.append(GradientEdge(n, j))
+                            seeds.append(g)
+                if not edges:
+                    continue
+                # a group whose nodes feed each other: what arrives from a sibling is
+                # already in the kept gradient, so replace it (no double counting)
+                clamps = (
+                    [n.register_prehook(lambda _, gs=gs: gs) for n, gs in zip(nodes, grads)]
+                    if len(nodes) > 1
+                    else []
+                )
+                try:
+                    torch.autograd.backward(
+                        edges, seeds, inputs=[GradientEdge(pn, 0) for pn in param_nodes],
+                        retain_graph=i < len(kept.groups) - 1,
+                    )  # fmt: skip
+                finally:
+                    for h in clamps:
+                        h.remove()
+        self._live_bytes -= kept.nbytes + kept.grad_bytes
+
+
+# ======================================================================================
+# the B/W split: which nodes to keep gradients at
+# ======================================================================================
+
+
+def _input_edge(x: Tensor | None) -> Tensor | None:
+    """The leaf the input gradient flows into: a stage-0 input that requires grad, or the
+    anchor of the receive that produced ``x`` (so its backward, which sends the gradient
+    on, runs in ``I``)."""
+    if x is None or not x.requires_grad:
+        return None
+    if x.grad_fn is None:
+        return x
+    nexts = [n for n, _ in x.grad_fn.next_functions if n is not None]
+    if len(nexts) == 1 and hasattr(nexts[0], "variable"):
+        return nexts[0].variable  # type: ignore[no-any-return]
+    return None
+
+
+def _weight_plan(root: Tensor, target: Tensor, params: list[Tensor]) -> list[tuple[Node, list[Node]]] | None:
+    """``[(node, param nodes), ...]``: the nodes on the path from ``root`` to ``target``
+    at which a parameter's branch leaves that path (as in torch.distributed.pipelining's
+    ``stage_backward_input``), or ``None`` when there is no such split."""
+    root_node = root.grad_fn
+    if root_node is None:
+        return None
+    parents: dict[Node, list[Node]] = collections.defaultdict(list)
+    seen, todo = {root_node}, collections.deque([root_node])
+    while todo:
+        n = todo.popleft()
+        for nxt, _ in n.next_functions:
+            if nxt is not None:
+                parents[nxt].append(n)
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+    target_node = get_gradient_edge(target).node
+    if target_node not in seen:
+        return None
+    on_path, todo = {target_node}, collections.deque([target_node])
+    while todo:
+        for par in parents[todo.popleft()]:
+            if par not in on_path:
+                on_path.add(par)
+                todo.append(par)
+    plan: dict[Node, list[Node]] = {}
+    for p in params:
+        pn = get_gradient_edge(p).node
+        if pn not in seen:
+            continue  # not used by this micro-batch's graph
+        meet: set[Node] = set()
+        visited, todo = {pn}, collections.deque([pn])
+        while todo:
+            for par in parents[todo.popleft()]:
+                if par in on_path:
+                    meet.add(par)
+                elif par not in visited:
+                    visited.add(par)
+                    todo.append(par)
+        if not meet or (root_node in meet and root.grad_fn is not None and _is_send(root_node)):
+            return None  # the split would re-run the send's backward: do it all in W
+        for n in meet:
+            plan.setdefault(n, []).append(pn)
+    return list(plan.items())
+
+
+def _is_send(node: Node) -> bool:
+    return type(node).__name__ == "_SendBackward"
+
+
+def _group(plan: list[tuple[Node, list[Node]]]) -> list[tuple[list[Node], list[Node]]]:
+    """Merge the plan's nodes that share a parameter into one group (one W call each)."""
+    groups: list[tuple[list[Node], list[Node]]] = []
+    for node, pns in plan:
+        hit = [g for g in groups if any(pn in g[1] for pn in pns)]
+        nodes, params = [node], list(dict.fromkeys(pns))
+        for g in hit:
+            groups.remove(g)
+            nodes += g[0]
+            params += [pn for pn in g[1] if pn not in params]
+        groups.append((nodes, params))
+    return groups
+
+
+def _capture(store: dict[Node, tuple[Tensor | None, ...]], node: Node) -> Callable[..., None]:
+    def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        store[node] = tuple(grad_outputs)
+
+    return hook
+
+
+# ======================================================================================
+# measuring
+# ======================================================================================
+
+
+def bubble_fraction(timelines: Sequence[Sequence[TimelineEntry]]) -> float:
+    """Measured bubble of one step: the mean over stages of the idle share of the step.
+
+    The step spans from the earliest start to the latest end over all stages; a stage is
+    busy for the sum of its steps' ``busy`` time (time blocked in receives excluded).
+    Compare with :func:`~diffcomm.pipeline.theoretical_bubble`.
+    """
+    t0 = min(e.start for tl in timelines for e in tl)
+    t1 = max(e.end for tl in timelines for e in tl)
+    span = t1 - t0
+    if span <= 0:
+        return 0.0
+    return sum(1.0 - sum(e.busy for e in tl) / span for tl in timelines) / len(timelines)

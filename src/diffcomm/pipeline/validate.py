@@ -1,0 +1,141 @@
+"""The schedule validator: every send has its receive, and no rank waits in a cycle.
+
+:class:`~diffcomm.pipeline.PipelineRunner` runs :func:`check_schedule` on every schedule
+before it communicates, so a wrong schedule (a hand-written one, or a bug in a generator)
+is a :class:`ScheduleError` naming the stage and the step, never a hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .. import _args as A
+from .schedules import Step
+
+__all__ = ["ScheduleError", "check_schedule"]
+
+
+class ScheduleError(ValueError):
+    """A pipeline schedule that cannot run: a step missing, repeated or out of order, or
+    a set of ranks that would wait for each other forever. The message names the stage
+    (rank) and the step."""
+
+
+def _err(expected: str, got: str) -> ScheduleError:
+    return A.arg_error("check_schedule", "schedule", expected, got, ScheduleError)
+
+
+def check_schedule(
+    schedule: Sequence[Sequence[Step]], n_stages: int, n_micro: int, n_chunks: int = 1
+) -> None:
+    """Raise :class:`ScheduleError` unless ``schedule`` runs to the end on every rank.
+
+    Checked, in this order:
+
+    1. shape: ``n_stages`` lists of :class:`Step` with ``micro`` in ``[0, n_micro)`` and
+       ``chunk`` in ``[0, n_chunks)``;
+    2. every send has its receive: on every rank, each (micro-batch, chunk) has exactly
+       one ``F`` and either one ``B`` or one ``I`` and one ``W``, in the order ``F`` before
+       ``B`` (``F``, ``I``, ``W``); and each chunk's forwards run in micro-batch order, the
+       order activations travel in between two virtual stages (gradients carry sequence
+       numbers, so backwards may run in any order);
+    3. no deadlock: the ranks are simulated step by step — sends never block (diffcomm's
+       sends are asynchronous), an ``F`` waits for the previous virtual stage's ``F`` of
+       the same micro-batch, an ``I``/``B`` for the next virtual stage's ``I``/``B`` — and
+       if they get stuck, the error names the first waiting step of each stuck rank and
+       what it waits for (the cycle).
+
+    Args:
+        schedule: one list of steps per rank.
+        n_stages: number of ranks.
+        n_micro: number of micro-batches.
+        n_chunks: virtual stages per rank.
+
+    Raises:
+        ScheduleError: (a ``ValueError``) naming the stage and the step.
+    """
+    p, v = n_stages, n_chunks
+    if not isinstance(schedule, Sequence) or len(schedule) != p:
+        raise _err(f"{p} per-stage lists", len(schedule) if isinstance(schedule, Sequence) else schedule)
+    for s, steps in enumerate(schedule):
+        for i, st in enumerate(steps):
+            if (
+                not isinstance(st, Step)
+                or st.kind not in ("F", "B", "I", "W")
+                or not isinstance(st.micro, int)
+                or not 0 <= st.micro < n_micro
+                or not isinstance(st.chunk, int)
+                or not 0 <= st.chunk < v
+            ):
+                raise _err(
+                    f"Steps F/B/I/W with micro in [0, {n_micro}) and chunk in [0, {v})",
+                    f"stage {s} step {i}: {st!r}",
+                )
+        for c in range(v):
+            _check_chunk(s, c, [(i, st) for i, st in enumerate(steps) if st.chunk == c], n_micro)
+    _check_no_deadlock(schedule, p, v)
+
+
+def _check_chunk(s: int, c: int, steps: list[tuple[int, Step]], n_micro: int) -> None:
+    where = f"stage {s}" + (f" chunk {c}" if c else "")
+    fs = [st.micro for _, st in steps if st.kind == "F"]
+    if fs != list(range(n_micro)):
+        raise _err("forwards F0..F(m-1) in order", f"{where}: {fs}")
+    pos: dict[tuple[str, int], int] = {}
+    for i, st in steps:
+        if (st.kind, st.micro) in pos:
+            raise _err("each step once", f"{where}: {st} twice (steps {pos[(st.kind, st.micro)]} and {i})")
+        pos[(st.kind, st.micro)] = i
+    for m in range(n_micro):
+        has_b, has_i, has_w = (("B", m) in pos), (("I", m) in pos), (("W", m) in pos)
+        if not (has_b and not has_i and not has_w) and not (has_i and has_w and not has_b):
+            got = [k + str(m) for k in "BIW" if (k, m) in pos] or "none"
+            raise _err(f"one backward per micro-batch (B, or I and W); micro-batch {m}", f"{where}: {got}")
+        first = "B" if has_b else "I"
+        if pos[(first, m)] < pos[("F", m)]:
+            raise _err(f"each F before its {first}", f"{where}: {first}{m} first")
+        if has_i and pos[("W", m)] < pos[("I", m)]:
+            raise _err("each I before its W", f"{where}: W{m} first")
+
+
+def _check_no_deadlock(schedule: Sequence[Sequence[Step]], p: int, v: int) -> None:
+    last = p * v - 1
+    done: set[tuple[str, int, int]] = set()  # ("F" | "G", virtual stage, micro); G: gradient sent
+    pc = [0] * p
+
+    def needs(r: int, st: Step) -> tuple[str, int, int] | None:
+        g = st.chunk * p + r
+        if st.kind == "F":
+            return None if g == 0 else ("F", g - 1, st.micro)
+        if st.kind in ("B", "I"):
+            return None if g == last else ("G", g + 1, st.micro)
+        return None
+
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while pc[r] < len(schedule[r]):
+                st = schedule[r][pc[r]]
+                dep = needs(r, st)
+                if dep is not None and dep not in done:
+                    break
+                g = st.chunk * p + r
+                done.add(("F" if st.kind == "F" else "G" if st.kind in ("B", "I") else "W", g, st.micro))
+                pc[r] += 1
+                moved = True
+    stuck = [r for r in range(p) if pc[r] < len(schedule[r])]
+    if not stuck:
+        return
+    lines = []
+    for r in stuck:
+        st = schedule[r][pc[r]]
+        dep = needs(r, st)
+        assert dep is not None
+        what, g, m = dep
+        lines.append(
+            f"stage {r} step {pc[r]} ({st}) waits for the "
+            + (f"activation F{m} of virtual stage {g} (rank {g % p})" if what == "F"
+               else f"gradient of micro-batch {m} from virtual stage {g} (rank {g % p})")
+        )  # fmt: skip
+    raise _err("a schedule without a wait cycle (deadlock-free)", "a deadlock: " + "; ".join(lines))
