@@ -39,6 +39,7 @@ from .. import _args as A
 from .. import _config, rng
 from .. import backend as B
 from .. import collectives as C
+from . import overlap as O
 from ._check import check_replicated
 from .mappings import (
     all_gather_from_sequence,
@@ -399,6 +400,12 @@ class ColumnParallelLinear(_ParallelLinear):
             (``all_gather_from_sequence``); else it is replicated (``copy_to_region``).
         sequence_dim: the sequence dimension of the input (default 0, ``[s, b, h]``).
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        overlap: hide communication behind computation (:mod:`diffcomm.parallel.overlap`,
+            ``docs/async.md``): ``"comm"`` launches the input-gradient all_reduce /
+            reduce_scatter before the weight-gradient matmul (bit-identical results);
+            ``"ring"`` (sequence parallel) decomposes all_gather -> matmul into ring
+            steps; ``True`` picks ``"ring"`` with sequence parallelism, else ``"comm"``;
+            ``False`` (default) runs the blocking mappings.
         seed: draw the full initial weight from ``torch.Generator().manual_seed(seed)``.
         generator: or from this CPU generator (``None`` and no seed: the default one).
         dtype: parameter dtype (default: torch's default dtype).
@@ -433,6 +440,7 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_parallel: bool = False,
         sequence_dim: int = 0,
         group: A.GroupLike = None,
+        overlap: bool | str = False,
         seed: int | None = None,
         generator: torch.Generator | None = None,
         dtype: torch.dtype | None = None,
@@ -450,6 +458,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output = bool(gather_output)
         self.sequence_parallel = bool(sequence_parallel)
         self.sequence_dim = A.check_int(sequence_dim, op, "sequence_dim")
+        self.overlap = O.resolve_mode(op, overlap, self.sequence_parallel)
         self._make_params((self.out_per_rank, in_features), (self.out_per_rank,), bias, dtype, device)
         self._shard_dims = {"weight": 0, "bias": 0}
         gen = _generator(op, seed, generator)
@@ -457,11 +466,14 @@ class ColumnParallelLinear(_ParallelLinear):
             self.reset_parameters(gen)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.sequence_parallel:
+        if self.overlap is not None:
+            y = self._overlapped(x)
+        elif self.sequence_parallel:
             x = all_gather_from_sequence(x, self.sequence_dim, self._pg)
+            y = F.linear(x, self.weight, self.bias)
         else:
             x = copy_to_region(x, self._pg)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             y = gather_from_region(y, -1, self._pg)
         return y
@@ -471,7 +483,22 @@ class ColumnParallelLinear(_ParallelLinear):
             f"in_features={self.in_features}, out_features={self.out_features} "
             f"({self.out_per_rank} per rank), bias={self.bias is not None}, "
             f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
+            + (f", overlap={self.overlap!r}" if self.overlap else "")
         )
+
+    def _overlapped(self, x: Tensor) -> Tensor:
+        op = "parallel.ColumnParallelLinear"
+        x = A.check_tensor(x, op, "x")
+        sp_dim = None
+        if self.sequence_parallel:
+            sp_dim = A.check_dim(x, self.sequence_dim, op, "sequence_dim")
+            if _config.DEBUG.get():
+                B.get_backend().check_consistent(  # type: ignore[attr-defined]
+                    op, {"shape": tuple(x.shape), "dtype": x.dtype}, self._pg
+                )
+        elif _config.DEBUG.get():
+            check_replicated(x, op, "the input", "use sequence_parallel=True for a sharded input", self._pg)
+        return O.column_linear(x, self.weight, self.bias, self.overlap, sp_dim, self._pg)  # type: ignore[arg-type]
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -493,6 +520,11 @@ class RowParallelLinear(_ParallelLinear):
             (``reduce_from_region``).
         sequence_dim: the sequence dimension (default 0, ``[s, b, h]``).
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        overlap: with sequence parallelism, ``True`` or ``"ring"`` decomposes matmul ->
+            reduce_scatter (and the backward all_gather -> matmul) into ring steps
+            (:mod:`diffcomm.parallel.overlap`); ``"comm"`` and ``False`` run the blocking
+            mappings (a row-parallel linear has no communication to move in ``"comm"``
+            mode: its forward result is needed at once, its input gradient is local).
         seed, generator, dtype, device: as :class:`ColumnParallelLinear`.
 
     Shapes:
@@ -526,6 +558,7 @@ class RowParallelLinear(_ParallelLinear):
         sequence_parallel: bool = False,
         sequence_dim: int = 0,
         group: A.GroupLike = None,
+        overlap: bool | str = False,
         seed: int | None = None,
         generator: torch.Generator | None = None,
         dtype: torch.dtype | None = None,
@@ -543,6 +576,7 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = bool(input_is_parallel)
         self.sequence_parallel = bool(sequence_parallel)
         self.sequence_dim = A.check_int(sequence_dim, op, "sequence_dim")
+        self.overlap = O.resolve_mode(op, overlap, self.sequence_parallel)
         self._make_params((out_features, self.in_per_rank), (out_features,), bias, dtype, device)
         self._shard_dims = {"weight": 1, "bias": None}
         gen = _generator(op, seed, generator)
@@ -552,6 +586,14 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, -1, self._pg)
+        if self.sequence_parallel and self.overlap == "ring":
+            dim = A.check_dim(x, self.sequence_dim, "parallel.RowParallelLinear", "sequence_dim")
+            if x.shape[dim] % self.world_size:
+                reduce_scatter_to_sequence(x, dim, self._pg)  # raises the mapping's ValueError
+            y = O.row_linear_sequence_ring(x, self.weight, dim, self._pg)
+            if self.bias is not None:
+                y = y + self._region_param("bias")
+            return y
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.sequence_dim, self._pg)
@@ -571,6 +613,7 @@ class RowParallelLinear(_ParallelLinear):
             f"in_features={self.in_features} ({self.in_per_rank} per rank), "
             f"out_features={self.out_features}, bias={self.bias is not None}, "
             f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}"
+            + (f", overlap={self.overlap!r}" if self.overlap else "")
         )
 
 
@@ -853,6 +896,9 @@ class ParallelMLP(ParallelModule):
         sequence_parallel: input and output are sharded along ``sequence_dim``.
         sequence_dim: the sequence dimension (default 0, ``[s, b, h]``).
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        overlap: passed to both linears (see :class:`ColumnParallelLinear`): ``True``
+            overlaps ``fc1``'s backward all_reduce with its weight gradient, or with
+            sequence parallelism runs both linears' collectives as ring steps.
         seed: the parameters are this rank's shards of ``torch.manual_seed(seed);
             MLP(hidden_size, ffn_hidden_size, bias)``.
         generator, dtype, device: as :class:`ColumnParallelLinear`.
@@ -886,6 +932,7 @@ class ParallelMLP(ParallelModule):
         sequence_parallel: bool = False,
         sequence_dim: int = 0,
         group: A.GroupLike = None,
+        overlap: bool | str = False,
         seed: int | None = None,
         generator: torch.Generator | None = None,
         dtype: torch.dtype | None = None,
@@ -899,6 +946,7 @@ class ParallelMLP(ParallelModule):
             sequence_parallel=sequence_parallel,
             sequence_dim=sequence_dim,
             group=group,
+            overlap=overlap,
             dtype=dtype,
             device=device,
             _init=_init,

@@ -1,0 +1,277 @@
+"""Tensor-parallel linears that hide their communication behind computation.
+
+Used by :class:`~diffcomm.parallel.ColumnParallelLinear`,
+:class:`~diffcomm.parallel.RowParallelLinear` and :class:`~diffcomm.parallel.ParallelMLP`
+with ``overlap=`` (default ``False``: the blocking mappings). Two mechanisms, both run
+their communication on the communication engine of :mod:`diffcomm._async`:
+
+``"comm"`` — the column-parallel backward launches the input-gradient communication
+(the ``copy_to_region`` all_reduce, or with sequence parallelism the
+``all_gather_from_sequence`` reduce_scatter) **before** the weight-gradient matmul and
+waits where the input gradient is consumed (the previous layer's backward). Every
+computation is the blocking path's own (the local linear's autograd graph, evaluated in
+two parts) and the collective is the same raw op on the same data, so outputs and
+gradients are **bit-identical** to ``overlap=False``.
+
+``"ring"`` (sequence parallelism) — the all_gather -> matmul of the column-parallel
+forward (and of the row-parallel backward) becomes ``world`` ring steps: while block
+``j``'s matmul runs, the block needed next travels one hop around the ring
+(``batch_p2p`` send/recv, what :func:`diffcomm.shift` runs). Its mirror, matmul ->
+reduce_scatter (row-parallel forward, column-parallel backward), computes the partial
+product of one sequence block per step and sends the running sum one hop on while the
+next block's product is computed; after ``world`` steps each rank holds its block's
+sum. The communication volume equals the blocking collectives'. The results equal the
+blocking path's up to the order of floating-point additions: the ring adds the ranks'
+partial sums in ring order (gloo's reduce_scatter uses its own order), and a matmul of a
+block of rows may round differently from the same rows of the full matmul. On exactly
+representable data (integers in floating point) the two paths agree bit for bit; on
+random data to a few ulps.
+
+Both modes support first-order gradients (``backward()``, ``torch.autograd.grad``);
+double backward through an overlapped layer raises (use ``overlap=False``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .. import _async
+from .. import backend as B
+from .. import collectives as C
+
+PG = Any
+
+#: Modes of the ``overlap=`` argument (``True`` picks ``"ring"`` with sequence
+#: parallelism, ``"comm"`` without).
+MODES = ("comm", "ring")
+_RING_TAG = (1 << 16) + 7  # p2p tag of the ring steps (user tags are < 2**16)
+
+
+def resolve_mode(op: str, overlap: Any, sequence_parallel: bool) -> str | None:
+    """``overlap=`` -> ``None`` (blocking), ``"comm"`` or ``"ring"``; ValueError otherwise."""
+    if overlap is False or overlap is None:
+        return None
+    if overlap is True:
+        return "ring" if sequence_parallel else "comm"
+    if overlap == "ring" and not sequence_parallel:
+        raise ValueError(
+            f"diffcomm.{op}(): `overlap` must be False, True or 'comm' without sequence parallelism "
+            "(the ring decomposes the sequence-parallel all_gather/reduce_scatter), got 'ring'"
+        )
+    if overlap not in MODES:
+        raise ValueError(f"diffcomm.{op}(): `overlap` must be False, True, 'comm' or 'ring', got {overlap!r}")
+    return str(overlap)
+
+
+# ======================================================================================
+# ring steps
+# ======================================================================================
+
+
+def _hop(x: Tensor, pg: PG, name: str) -> Tensor:
+    """Launch: send ``x`` to rank r+1 and receive rank r-1's (same shape) on the engine."""
+    b = B.get_backend()
+    rank, world = b.rank(pg), b.world_size(pg)
+
+    def raw(t: Tensor) -> Tensor:
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        with B.label(name):
+            b.batch_p2p(
+                [("send", t, (rank + 1) % world, _RING_TAG), ("recv", out, (rank - 1) % world, _RING_TAG)], pg
+            )
+        return out
+
+    return _async.launch(x, name, raw, x.shape)
+
+
+def ring_all_gather_matmul(
+    x: Tensor, fn: Any, dim: int, pg: PG, name: str, keep_gathered: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """``cat_j fn(x_j)`` along ``dim`` (``x_j``: rank j's ``x``), and optionally
+    ``cat_j x_j`` (the all_gather), in ``world`` ring steps: step k computes ``fn`` of the
+    block of rank ``r - k`` while that block travels on to rank ``r + 1``."""
+    b = B.get_backend()
+    rank, world = b.rank(pg), b.world_size(pg)
+    outs: list[Tensor | None] = [None] * world
+    blocks: list[Tensor | None] = [None] * world
+    cur = x
+    for k in range(world):
+        j = (rank - k) % world
+        nxt = _hop(cur, pg, f"{name} ring step {k + 1}/{world - 1}") if k < world - 1 else None
+        cur = _async.wait(cur)
+        blocks[j] = cur
+        outs[j] = fn(cur)
+        if nxt is not None:
+            cur = nxt
+    y = torch.cat(outs, dim)  # type: ignore[arg-type]
+    gathered = torch.cat(blocks, dim) if keep_gathered else None  # type: ignore[arg-type]
+    return y, gathered
+
+
+def ring_matmul_reduce_scatter(fn: Any, pg: PG, name: str) -> Tensor:
+    """``sum over ranks i of fn_i(r)`` on rank ``r``, where ``fn(j)`` is this rank's partial
+    product for sequence block ``j``: a ring reduce_scatter whose step k computes the
+    partial for block ``r - k - 1`` and adds the running sum that arrived from rank
+    ``r - 1``, then sends it on while the next partial is computed."""
+    b = B.get_backend()
+    rank, world = b.rank(pg), b.world_size(pg)
+    acc: Tensor | None = None
+    for k in range(world):
+        j = (rank - k - 1) % world
+        part = fn(j)
+        acc = part if acc is None else _async.wait(acc) + part
+        if k < world - 1:
+            acc = _hop(acc, pg, f"{name} ring step {k + 1}/{world - 1}")
+    assert acc is not None
+    return _async.wait(acc)
+
+
+def _chunks(x: Tensor, dim: int, world: int) -> list[Tensor]:
+    return list(x.chunk(world, dim))
+
+
+# ======================================================================================
+# column-parallel linear
+# ======================================================================================
+
+
+class _ColumnComm(torch.autograd.Function):
+    """``F.linear(region(x), w, b)`` whose backward launches the input-gradient
+    all_reduce / reduce_scatter before computing the weight and bias gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, sp_dim: int | None, pg: PG) -> Tensor:
+        if sp_dim is None:
+            x_in = x.detach()
+        else:
+            world = B.get_backend().world_size(pg)
+            with B.label("parallel.all_gather_from_sequence"):
+                x_in = C.all_gather(x.detach(), sp_dim, pg, sizes=[x.shape[sp_dim]] * world)
+        leaves = [x_in.requires_grad_(ctx.needs_input_grad[0]), w.detach().requires_grad_(w.requires_grad)]
+        if b is not None:
+            leaves.append(b.detach().requires_grad_(b.requires_grad))
+        with torch.enable_grad():
+            y = F.linear(leaves[0], leaves[1], leaves[2] if b is not None else None)
+        ctx.graph = (y, leaves)
+        ctx.sp_dim, ctx.pg = sp_dim, pg
+        return y.detach()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+        y, leaves = ctx.graph
+        del ctx.graph
+        gx = None
+        params = [t for t in leaves[1:] if t.requires_grad]
+        if ctx.needs_input_grad[0]:
+            (gx_part,) = torch.autograd.grad(y, leaves[0], g, retain_graph=bool(params))
+            pg, dim = ctx.pg, ctx.sp_dim
+            if dim is None:
+                name = "parallel.copy_to_region backward"
+                gx = _async.launch(gx_part, name, lambda t: _labelled(name, C.all_reduce, t, "sum", pg), gx_part.shape)
+            else:
+                name = "parallel.all_gather_from_sequence backward"
+                shape = list(gx_part.shape)
+                shape[dim] //= B.get_backend().world_size(pg)
+                gx = _async.launch(
+                    gx_part, name, lambda t: _labelled(name, C.reduce_scatter, t, dim, "sum", pg), shape
+                )
+        grads = iter(torch.autograd.grad(y, params, g) if params else ())
+        gw = next(grads) if leaves[1].requires_grad else None
+        gb = next(grads) if len(leaves) > 2 and leaves[2].requires_grad else None
+        return gx, gw, gb, None, None
+
+
+def _labelled(name: str, fn: Any, *args: Any) -> Tensor:
+    with B.label(name):
+        return fn(*args)
+
+
+class _ColumnRing(torch.autograd.Function):
+    """Sequence-parallel column linear: ring all_gather -> matmul forward, ring
+    matmul -> reduce_scatter backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, dim: int, pg: PG) -> Tensor:
+        x, w_, b_ = x.detach(), w.detach(), None if b is None else b.detach()
+        y, x_full = ring_all_gather_matmul(
+            x, lambda xj: F.linear(xj, w_, b_), dim, pg, "parallel.all_gather_from_sequence", keep_gathered=True
+        )
+        ctx.save_for_backward(x_full, w_)
+        ctx.dim, ctx.pg, ctx.has_bias = dim, pg, b is not None
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+        x_full, w = ctx.saved_tensors
+        dim, pg = ctx.dim, ctx.pg
+        world = B.get_backend().world_size(pg)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            g_blocks = _chunks(g, dim, world)
+            gx = ring_matmul_reduce_scatter(
+                lambda j: g_blocks[j].matmul(w), pg, "parallel.all_gather_from_sequence backward"
+            )
+        g2 = g.reshape(-1, g.shape[-1])
+        gw = g2.t().mm(x_full.reshape(-1, x_full.shape[-1])) if ctx.needs_input_grad[1] else None
+        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None
+
+
+def column_linear(x: Tensor, w: Tensor, b: Tensor | None, mode: str, sp_dim: int | None, pg: PG) -> Tensor:
+    """The overlapped ``ColumnParallelLinear`` forward (before any ``gather_output``)."""
+    if mode == "ring" and sp_dim is not None:
+        return _ColumnRing.apply(x, w, b, sp_dim, pg)
+    return _ColumnComm.apply(x, w, b, sp_dim, pg)
+
+
+# ======================================================================================
+# row-parallel linear (sequence parallel, ring)
+# ======================================================================================
+
+
+class _RowRing(torch.autograd.Function):
+    """``reduce_scatter_to_sequence(F.linear(x, w))`` with the ring: matmul ->
+    reduce_scatter forward, all_gather -> matmul backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, dim: int, pg: PG) -> Tensor:
+        x, w_ = x.detach(), w.detach()
+        world = B.get_backend().world_size(pg)
+        x_blocks = _chunks(x, dim, world)
+        y = ring_matmul_reduce_scatter(
+            lambda j: F.linear(x_blocks[j], w_), pg, "parallel.reduce_scatter_to_sequence"
+        )
+        ctx.save_for_backward(x, w_)
+        ctx.dim, ctx.pg = dim, pg
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        gx, g_full = ring_all_gather_matmul(
+            g.contiguous(),
+            lambda gj: gj.matmul(w),
+            ctx.dim,
+            ctx.pg,
+            "parallel.reduce_scatter_to_sequence backward",
+            keep_gathered=ctx.needs_input_grad[1],
+        )
+        gw = None
+        if ctx.needs_input_grad[1]:
+            assert g_full is not None
+            gw = g_full.reshape(-1, g_full.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        return (gx if ctx.needs_input_grad[0] else None), gw, None, None
+
+
+def row_linear_sequence_ring(x: Tensor, w: Tensor, dim: int, pg: PG) -> Tensor:
+    """The overlapped sequence-parallel ``RowParallelLinear`` matmul + reduce_scatter."""
+    return _RowRing.apply(x, w, dim, pg)
