@@ -174,7 +174,9 @@ class _ColumnComm(torch.autograd.Function):
             pg, dim = ctx.pg, ctx.sp_dim
             if dim is None:
                 name = "parallel.copy_to_region backward"
-                gx = _async.launch(gx_part, name, lambda t: _labelled(name, C.all_reduce, t, "sum", pg), gx_part.shape)
+                gx = _async.launch(
+                    gx_part, name, lambda t: _labelled(name, C.all_reduce, t, "sum", pg), gx_part.shape
+                )
             else:
                 name = "parallel.all_gather_from_sequence backward"
                 shape = list(gx_part.shape)
@@ -201,7 +203,12 @@ class _ColumnRing(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, dim: int, pg: PG) -> Tensor:
         x, w_, b_ = x.detach(), w.detach(), None if b is None else b.detach()
         y, x_full = ring_all_gather_matmul(
-            x, lambda xj: F.linear(xj, w_, b_), dim, pg, "parallel.all_gather_from_sequence", keep_gathered=True
+            x,
+            lambda xj: F.linear(xj, w_, b_),
+            dim,
+            pg,
+            "parallel.all_gather_from_sequence",
+            keep_gathered=True,
         )
         ctx.save_for_backward(x_full, w_)
         ctx.dim, ctx.pg, ctx.has_bias = dim, pg, b is not None
