@@ -51,7 +51,12 @@ from . import _args as A
 from . import _config
 from . import backend as B
 from ._errors import CrossRankMismatchError
-from .collectives import OpSpec, _Collective, _fn, _jvp_free_twin, _only_on, _unwrap_if_dead
+from ._op import FastFunction as _Collective
+from ._op import fn as _fn
+from ._op import jvp_free_twin as _jvp_free_twin
+from ._op import only_on as _only_on
+from ._op import unwrap_if_dead as _unwrap_if_dead
+from .collectives import OpSpec
 
 __all__ = [
     "all_reduce_coalesced",

@@ -21,10 +21,10 @@ all_to_all         all_to_all with ``split_dim``/``concat_dim`` and split sizes 
 =================  ===============================================================
 
 Each op has one home below: the public function (validation first, before any
-communication), its ``torch.autograd.Function`` (``forward`` / ``setup_context`` /
-``backward`` / ``jvp`` / ``vmap``). Linear ops share one forward-mode rule (the tangent
-goes through the same op) and one batching rule shape (move the batch dim out of the way,
-call the op once for the whole batch).
+communication) and its :class:`~diffcomm._op.CommOp` subclass, which states the raw
+forward, the transpose (the dual op) and which arguments are dims; the base derives
+``setup_context`` / ``backward`` / ``jvp`` (the tangent goes through the same linear op) /
+``vmap`` (batch dim moved, one call for the whole batch) and the compile twin.
 
 Rules that keep the SPMD program deadlock-free: backward rules never branch on
 rank-local facts that could differ between ranks, and only call public diffcomm ops
@@ -43,6 +43,7 @@ from torch import Tensor
 from . import _args as A
 from . import _config
 from . import backend as B
+from ._op import CommOp, FastFunction, fn, jvp_free_twin, movedim0, only_on, unwrap_if_dead
 
 __all__ = [
     "all_reduce",
@@ -84,85 +85,12 @@ def _check_input(x: Any, op: str) -> Tensor:
     return x
 
 
-def _movedim0(x: Tensor, dim: int) -> Tensor:
-    return x if dim == 0 else x.movedim(dim, 0)
-
-
-def _batched(x: Tensor, bdim: int | None) -> Tensor:
-    """Move the vmap batch dim to the front (every rule below puts it at 0)."""
-    return x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
-
-
-def _fn(fn_cls: Any) -> Any:
-    """The autograd Function a public op applies: ``fn_cls``, or while ``torch.compile``
-    traces, its twin without the custom ``jvp`` (see :func:`_jvp_free_twin`)."""
-    if not torch.compiler.is_compiling():
-        return fn_cls
-    if not _only_grad_transforms():
-        raise RuntimeError(
-            "diffcomm: torch.func.jvp / jvp-based transforms (jacfwd, forward_ad) and vmap "
-            "cannot run inside a torch.compile'd function: dynamo ignores a custom "
-            "autograd.Function's jvp and vmap rules and traces its forward instead, which "
-            "would give wrong tangents and unbatched collectives. Apply the transform outside "
-            "the compiled function, or leave that function uncompiled "
-            "(torch.func.grad / vjp inside torch.compile are fine)."
-        )
-    return fn_cls._compiled()
-
-
-def _only_grad_transforms() -> bool:
-    """No forward-AD level and no functorch transform, or a single ``grad``/``vjp`` level,
-    is active (traceable).
-
-    Levels count from 1 at the outermost transform, so a grad at level 1 is alone.
-    (Dynamo can read the top level's kind and number, not walk the stack below it.)
-    """
-    if torch.autograd.forward_ad._current_level >= 0:  # inside fwAD.dual_level()
-        return False
-    if not torch._C._are_functorch_transforms_active():
-        return True
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import coerce_cinterpreter
-
-    level = coerce_cinterpreter(torch._C._functorch.peek_interpreter_stack())
-    return level.key() == TransformType.Grad and level.level() == 1
-
-
-class _Collective(torch.autograd.Function):
-    """Base of the collectives' autograd Functions: a cheaper ``apply`` in plain eager mode.
-
-    ``torch.autograd.Function.apply`` binds default arguments with ``inspect.signature``
-    on every call (tens of microseconds). Our ``forward``s are always called with every
-    argument positionally, so in eager mode without torch.func transforms we go straight
-    to the C++ ``apply``; under transforms or torch.compile the full path is used.
-    """
-
-    @classmethod
-    @torch.compiler.disable  # dynamo must never trace this frame (see below)
-    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
-        # Inside a traced frame dynamo handles ``X.apply(...)`` itself and never runs this
-        # method. It only enters it as a frame of its own when eager code runs under an
-        # active torch.compile (after a graph break), and it cannot trace ``super().apply``
-        # ("AutogradFunctionVariable() is not a constant"): so run it eagerly (~1 us).
-        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
-            return super().apply(*args)
-        return super(torch.autograd.Function, cls).apply(*_unwrap_dead(args))
-
-
-def _unwrap_dead(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What ``Function.apply`` does for tensors that escaped a torch.func transform; every
-    collective's only tensor argument is its first."""
-    return (_unwrap_if_dead(args[0]), *args[1:])
-
-
-try:
-    from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
-except ImportError:  # pragma: no cover - older torch
-
-    def _unwrap_if_dead(t: Any) -> Any:
-        from torch._functorch.utils import unwrap_dead_wrappers
-
-        return unwrap_dead_wrappers((t,))[0]
+_movedim0 = movedim0
+_only_on = only_on
+_fn = fn
+_Collective = FastFunction  # the cheap-apply base (coalesced ops build on it)
+_jvp_free_twin = jvp_free_twin
+_unwrap_if_dead = unwrap_if_dead
 
 
 # ======================================================================================
@@ -170,42 +98,32 @@ except ImportError:  # pragma: no cover - older torch
 # ======================================================================================
 
 
-class _AllReduce(_Collective):
+class _AllReduce(CommOp):
+    """Self-adjoint for sum/avg; max/min/product are the sum composed with a weight."""
+
+    name = "all_reduce"
+    elementwise = True
+
     @staticmethod
     def forward(x: Tensor, op: str, pg: PG) -> Tensor:
         with B.label(f"all_reduce({op})"):
             return _b().all_reduce(x, op, pg)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        x, op, pg = inputs
-        ctx.op, ctx.pg = op, pg
-        if op in ("max", "min", "product"):
-            ctx.save_for_backward(x, output)
-            ctx.save_for_forward(x, output)
+    def label(op: str, pg: PG) -> str:
+        return f"all_reduce({op})"
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None, None]:
-        op, pg = ctx.op, ctx.pg
-        with B.label(f"all_reduce({op}) backward"):
-            if op in ("sum", "avg"):
-                return all_reduce(g, op, pg), None, None
-            x, y = ctx.saved_tensors
-            g_total = all_reduce(g, "sum", pg)
-            return g_total * _nonlinear_weight(op, x, y, pg).conj(), None, None
+    def transpose(g: Tensor, op: str, pg: PG) -> Tensor:
+        return _AllReduce.apply(g, op, pg)
 
     @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        op, pg = ctx.op, ctx.pg
-        if op in ("sum", "avg"):
-            return _AllReduce.apply(t, op, pg)
-        x, y = ctx.saved_tensors
-        return _AllReduce.apply(t * _nonlinear_weight(op, x, y, pg), "sum", pg)
+    def linearize(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        return None if args[0] in A.LINEAR_OPS else ("sum", args[1])
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, op: str, pg: PG) -> tuple[Tensor, int]:
-        # elementwise over ranks: the batch dim is just another dim, one collective
-        return _AllReduce.apply(x, op, pg), in_dims[0]
+    def weight(x: Tensor, y: Tensor, op: str, pg: PG) -> Tensor:
+        return _nonlinear_weight(op, x, y, pg)
 
 
 def _nonlinear_weight(op: str, x: Tensor, y: Tensor, pg: PG) -> Tensor:
@@ -261,28 +179,18 @@ def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None) -> Tensor:
 # ======================================================================================
 
 
-class _Broadcast(_Collective):
+class _Broadcast(CommOp):
+    name = "broadcast"
+    elementwise = True
+
     @staticmethod
     def forward(x: Tensor, src: int, pg: PG) -> Tensor:
         with B.label("broadcast"):
             return _b().broadcast(x, src, pg)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.src, ctx.pg = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        with B.label("broadcast backward"):
-            return _Reduce.apply(g, ctx.src, "sum", ctx.pg), None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        return _Broadcast.apply(t, ctx.src, ctx.pg)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, src: int, pg: PG) -> tuple[Tensor, int]:
-        return _Broadcast.apply(x, src, pg), in_dims[0]
+    def transpose(g: Tensor, src: int, pg: PG) -> Tensor:
+        return _Reduce.apply(g, src, "sum", pg)
 
 
 def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None) -> Tensor:
@@ -313,8 +221,11 @@ def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None) -> Tensor:
     return _fn(_Broadcast).apply(x, src, pg)
 
 
-class _Reduce(_Collective):
+class _Reduce(CommOp):
     """Linear reduce (sum/avg) to ``dst``; max/min/product are composed in :func:`reduce`."""
+
+    name = "reduce"
+    elementwise = True
 
     @staticmethod
     def forward(x: Tensor, dst: int, op: str, pg: PG) -> Tensor:
@@ -322,32 +233,13 @@ class _Reduce(_Collective):
             return _b().reduce(x, dst, op, pg)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.dst, ctx.op, ctx.pg = inputs[1], inputs[2], inputs[3]
+    def label(dst: int, op: str, pg: PG) -> str:
+        return f"reduce({op})"
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None]:
-        with B.label(f"reduce({ctx.op}) backward"):
-            out = _Broadcast.apply(g, ctx.dst, ctx.pg)
-            if ctx.op == "avg":
-                out = out / _world(ctx.pg)
-            return out, None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        return _Reduce.apply(t, ctx.dst, ctx.op, ctx.pg)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, dst: int, op: str, pg: PG) -> tuple[Tensor, int]:
-        return _Reduce.apply(x, dst, op, pg), in_dims[0]
-
-
-def _only_on(x: Tensor, keep: bool) -> Tensor:
-    """``x`` where ``keep`` else exact zeros — still connected to ``x``'s graph, so the
-    backward of whatever produced ``x`` runs on every rank (the SPMD rule)."""
-    return torch.where(
-        torch.tensor(keep, device=x.device), x, torch.zeros((), dtype=x.dtype, device=x.device)
-    )
+    def transpose(g: Tensor, dst: int, op: str, pg: PG) -> Tensor:
+        out = _Broadcast.apply(g, dst, pg)
+        return out / _world(pg) if op == "avg" else out
 
 
 def reduce(x: Tensor, dst: int = 0, op: Any = "sum", group: A.GroupLike = None) -> Tensor:
@@ -389,7 +281,10 @@ def reduce(x: Tensor, dst: int = 0, op: Any = "sum", group: A.GroupLike = None) 
 # ======================================================================================
 
 
-class _AllGather(_Collective):
+class _AllGather(CommOp):
+    name = "all_gather"
+    dims = (0,)
+
     @staticmethod
     def forward(x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
         with B.label("all_gather"):
@@ -397,23 +292,8 @@ class _AllGather(_Collective):
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.dim, ctx.pg, ctx.sizes = inputs[1], inputs[2], inputs[3]
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None]:
-        with B.label("all_gather backward"):
-            return _ReduceScatter.apply(g, ctx.dim, "sum", ctx.pg, ctx.sizes), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        return _AllGather.apply(t, ctx.dim, ctx.pg, ctx.sizes)
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...]
-    ) -> tuple[Tensor, int]:
-        return _AllGather.apply(_batched(x, in_dims[0]), dim + 1, pg, sizes), 0
+    def transpose(g: Tensor, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
+        return _ReduceScatter.apply(g, dim, "sum", pg, sizes)
 
 
 def all_gather(
@@ -460,8 +340,11 @@ def all_gather(
     return _fn(_AllGather).apply(x, dim, pg, tuple(sizes))
 
 
-class _ReduceScatter(_Collective):
+class _ReduceScatter(CommOp):
     """Linear reduce_scatter (sum/avg); max/min/product are composed in :func:`reduce_scatter`."""
+
+    name = "reduce_scatter"
+    dims = (0,)
 
     @staticmethod
     def forward(x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...]) -> Tensor:
@@ -470,26 +353,13 @@ class _ReduceScatter(_Collective):
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.dim, ctx.op, ctx.pg, ctx.sizes = inputs[1], inputs[2], inputs[3], inputs[4]
+    def label(dim: int, op: str, pg: PG, sizes: tuple[int, ...]) -> str:
+        return f"reduce_scatter({op})"
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None, None]:
-        with B.label(f"reduce_scatter({ctx.op}) backward"):
-            out = _AllGather.apply(g, ctx.dim, ctx.pg, ctx.sizes)
-            if ctx.op == "avg":
-                out = out / _world(ctx.pg)
-            return out, None, None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        return _ReduceScatter.apply(t, ctx.dim, ctx.op, ctx.pg, ctx.sizes)
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...]
-    ) -> tuple[Tensor, int]:
-        return _ReduceScatter.apply(_batched(x, in_dims[0]), dim + 1, op, pg, sizes), 0
+    def transpose(g: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...]) -> Tensor:
+        out = _AllGather.apply(g, dim, pg, sizes)
+        return out / _world(pg) if op == "avg" else out
 
 
 def reduce_scatter(
@@ -549,7 +419,10 @@ def reduce_scatter(
 # ======================================================================================
 
 
-class _Gather(_Collective):
+class _Gather(CommOp):
+    name = "gather"
+    dims = (1,)
+
     @staticmethod
     def forward(x: Tensor, dst: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
         with B.label("gather"):
@@ -557,23 +430,8 @@ class _Gather(_Collective):
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.dst, ctx.dim, ctx.pg, ctx.sizes = inputs[1], inputs[2], inputs[3], inputs[4]
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None, None]:
-        with B.label("gather backward"):
-            return _Scatter.apply(g, ctx.dst, ctx.dim, ctx.pg, ctx.sizes), None, None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        return _Gather.apply(t, ctx.dst, ctx.dim, ctx.pg, ctx.sizes)
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[Any, ...], x: Tensor, dst: int, dim: int, pg: PG, sizes: tuple[int, ...]
-    ) -> tuple[Tensor, int]:
-        return _Gather.apply(_batched(x, in_dims[0]), dst, dim + 1, pg, sizes), 0
+    def transpose(g: Tensor, dst: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
+        return _Scatter.apply(g, dst, dim, pg, sizes)
 
 
 def gather(
@@ -625,7 +483,10 @@ def gather(
     return _fn(_Gather).apply(x, dst, dim, pg, tuple(sizes))
 
 
-class _Scatter(_Collective):
+class _Scatter(CommOp):
+    name = "scatter"
+    dims = (1,)
+
     @staticmethod
     def forward(x: Tensor, src: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
         with B.label("scatter"):
@@ -633,23 +494,8 @@ class _Scatter(_Collective):
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.src, ctx.dim, ctx.pg, ctx.sizes = inputs[1], inputs[2], inputs[3], inputs[4]
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None, None]:
-        with B.label("scatter backward"):
-            return _Gather.apply(g, ctx.src, ctx.dim, ctx.pg, ctx.sizes), None, None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        return _Scatter.apply(t, ctx.src, ctx.dim, ctx.pg, ctx.sizes)
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[Any, ...], x: Tensor, src: int, dim: int, pg: PG, sizes: tuple[int, ...]
-    ) -> tuple[Tensor, int]:
-        return _Scatter.apply(_batched(x, in_dims[0]), src, dim + 1, pg, sizes), 0
+    def transpose(g: Tensor, src: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
+        return _Gather.apply(g, src, dim, pg, sizes)
 
 
 def scatter(
@@ -706,7 +552,10 @@ def scatter(
 # ======================================================================================
 
 
-class _AllToAll(_Collective):
+class _AllToAll(CommOp):
+    name = "all_to_all"
+    dims = (0, 1)
+
     @staticmethod
     def forward(
         x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
@@ -715,32 +564,10 @@ class _AllToAll(_Collective):
             return _all_to_all_raw(x, split_dim, concat_dim, pg, ins, outs)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        _, ctx.split_dim, ctx.concat_dim, ctx.pg, ctx.ins, ctx.outs = inputs
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None, None, None]:
-        with B.label("all_to_all backward"):
-            gx = _AllToAll.apply(g, ctx.concat_dim, ctx.split_dim, ctx.pg, ctx.outs, ctx.ins)
-        return gx, None, None, None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        return _AllToAll.apply(t, ctx.split_dim, ctx.concat_dim, ctx.pg, ctx.ins, ctx.outs)
-
-    @staticmethod
-    def vmap(
-        info: Any,
-        in_dims: tuple[Any, ...],
-        x: Tensor,
-        split_dim: int,
-        concat_dim: int,
-        pg: PG,
-        ins: tuple[int, ...],
-        outs: tuple[int, ...],
-    ) -> tuple[Tensor, int]:
-        xb = _batched(x, in_dims[0])
-        return _AllToAll.apply(xb, split_dim + 1, concat_dim + 1, pg, ins, outs), 0
+    def transpose(
+        g: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
+    ) -> Tensor:
+        return _AllToAll.apply(g, concat_dim, split_dim, pg, outs, ins)
 
 
 def _all_to_all_raw(
@@ -871,30 +698,6 @@ def all_to_all(
             sent = torch.tensor(ins, dtype=torch.int64, device=B._comm_device(pg))
             outs = _b().all_to_all(sent, pg, [1] * world, [1] * world).tolist()
     return _fn(_AllToAll).apply(x, split_dim, concat_dim, pg, tuple(ins), tuple(int(o) for o in outs))
-
-
-# ======================================================================================
-# torch.compile: jvp-free twins
-# ======================================================================================
-
-
-def _jvp_free_twin(fn_cls: Any) -> Any:
-    """``fn_cls`` with ``jvp`` reset to torch's default, reachable as ``fn_cls._compiled()``.
-
-    Dynamo refuses to trace an autograd.Function that defines a custom ``jvp``
-    ("Unsupported custom jvp"). A compiled graph needs only forward and backward, so while
-    compiling, the public ops apply this twin (same forward / setup_context / backward /
-    vmap). Backward rules keep applying the originals: dynamo traces them without grad,
-    where the check does not apply. (A staticmethod, because dynamo can call one on an
-    autograd.Function class but cannot look a class up in a dict or compare it.)
-    """
-    twin = type(f"{fn_cls.__name__}Traced", (fn_cls,), {"jvp": staticmethod(torch.autograd.Function.jvp)})
-    fn_cls._compiled = staticmethod(lambda: twin)
-    return twin
-
-
-for _cls in (_AllReduce, _Broadcast, _Reduce, _AllGather, _ReduceScatter, _Gather, _Scatter, _AllToAll):
-    _jvp_free_twin(_cls)
 
 
 # ======================================================================================

@@ -1,0 +1,229 @@
+"""The base every differentiable communication op stands on: :class:`CommOp`.
+
+An op states four things and the base derives the rest (JAX's ``ad.deflinear2`` and
+batching rules, as one ``torch.autograd.Function`` family):
+
+``forward(x, *args)``
+    the raw forward over the backend — **the one place the op launches communication**
+    (an asynchronous variant wraps exactly this call). ``x`` is the only tensor argument;
+    ``args`` are plain values (ints, strings, tuples, the resolved group).
+``transpose(g, *args)``
+    the adjoint applied to an output gradient ``g``, built from differentiable diffcomm
+    ops (the dual op's Function), so double backward and nested transforms work.
+``dims``
+    positions in ``args`` that are tensor dimensions; the batching rule moves the vmap
+    batch dim to the front and shifts these by one (one communication for the batch).
+    ``elementwise = True`` instead keeps the batch dim where it is (the op acts on every
+    element alike: all_reduce, broadcast, reduce).
+``name`` / ``label(*args)``
+    what the comms logger and the flight recorder call the op.
+
+Generated from them: ``setup_context`` (the arguments kept on the autograd context),
+``backward`` (``transpose`` of the gradient, with ``None`` for every non-tensor argument),
+``jvp`` (the same linear op on the tangent), ``vmap`` (see ``dims``), the cheap eager
+``apply`` and the jvp-free twin ``torch.compile`` traces (:func:`fn`).
+
+Nonlinear reductions (max / min / product) are linear maps composed with an elementwise
+weight ``w = dy/dx`` at the point. An op supports them with two hooks:
+``linearize(args)`` returns the arguments of the linear op to use instead (``op="sum"``),
+or ``None`` when ``args`` already describe a linear op; ``weight(x, y, *args)`` returns
+``w``. Then backward is ``transpose(g, *linear_args) * conj(w)`` and the tangent is
+``forward_linear(t * w)``; ``x`` and ``y`` are saved only for those ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from . import backend as B
+
+__all__ = ["CommOp", "FastFunction", "fn", "only_on", "batch_first", "movedim0"]
+
+
+class FastFunction(torch.autograd.Function):
+    """A ``torch.autograd.Function`` with a cheaper ``apply`` in plain eager mode.
+
+    ``torch.autograd.Function.apply`` binds default arguments with ``inspect.signature``
+    on every call (tens of microseconds). Our ``forward``s are always called with every
+    argument positionally, so in eager mode without torch.func transforms we go straight
+    to the C++ ``apply``; under transforms or torch.compile the full path is used.
+    """
+
+    @classmethod
+    @torch.compiler.disable  # dynamo must never trace this frame (see below)
+    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+        # Inside a traced frame dynamo handles ``X.apply(...)`` itself and never runs this
+        # method. It only enters it as a frame of its own when eager code runs under an
+        # active torch.compile (after a graph break), and it cannot trace ``super().apply``
+        # ("AutogradFunctionVariable() is not a constant"): so run it eagerly (~1 us).
+        if _transforms_active() or torch.compiler.is_compiling():
+            return super().apply(*args)
+        return _c_apply(cls, _unwrap_if_dead(args[0]), *args[1:])
+
+
+_transforms_active = torch._C._are_functorch_transforms_active
+_c_apply = torch._C._FunctionBase.__dict__["apply"]  # the C++ apply, called as (cls, *args)
+
+try:
+    from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
+except ImportError:  # pragma: no cover - older torch
+
+    def _unwrap_if_dead(t: Any) -> Any:
+        from torch._functorch.utils import unwrap_dead_wrappers
+
+        return unwrap_dead_wrappers((t,))[0]
+
+
+unwrap_if_dead = _unwrap_if_dead
+
+
+class CommOp(FastFunction):
+    """Base of the communication ops' autograd Functions (see the module docstring).
+
+    A subclass that defines ``transpose`` gets its autograd rules generated when the
+    class is created; every rule refers to the op's own functions through closures (dynamo
+    can call those, not look up a Function's class attributes).
+    """
+
+    generate_vmap_rule = False
+    name: ClassVar[str] = ""
+    dims: ClassVar[tuple[int, ...]] = ()
+    elementwise: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "transpose" in cls.__dict__:
+            _derive_rules(cls)
+
+    @staticmethod
+    def label(*args: Any) -> str:  # pragma: no cover - replaced per op
+        raise NotImplementedError
+
+    linearize: ClassVar[Any] = None
+    weight: ClassVar[Any] = None
+
+
+def _derive_rules(cls: Any) -> None:
+    """Write ``setup_context`` / ``backward`` / ``jvp`` / ``vmap`` and the compile twin."""
+    transpose = cls.__dict__["transpose"].__func__
+    forward = cls.__dict__["forward"].__func__
+    n_args = forward.__code__.co_argcount - 1  # every argument after the tensor
+    nones = (None,) * n_args
+    name = cls.name
+    label = cls.__dict__["label"].__func__ if "label" in cls.__dict__ else (lambda *a: name)
+    linearize = cls.linearize
+    weight = cls.weight
+    dims = frozenset(cls.dims)
+    elementwise = cls.elementwise
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        args = inputs[1:]
+        ctx.args = args
+        ctx.linear = None
+        if linearize is not None:
+            lin = linearize(args)
+            if lin is not None:
+                ctx.linear = lin
+                ctx.save_for_backward(inputs[0], output)
+                ctx.save_for_forward(inputs[0], output)
+
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+        with B.label(label(*ctx.args) + " backward"):
+            if ctx.linear is None:
+                return (transpose(g, *ctx.args), *nones)
+            x, y = ctx.saved_tensors
+            w = weight(x, y, *ctx.args)
+            return (transpose(g, *ctx.linear) * w.conj(), *nones)
+
+    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
+        if ctx.linear is None:
+            return cls.apply(t, *ctx.args)
+        x, y = ctx.saved_tensors
+        return cls.apply(t * weight(x, y, *ctx.args), *ctx.linear)
+
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, *args: Any) -> tuple[Tensor, int]:
+        if elementwise:  # the batch dim is just another dim: one collective
+            return cls.apply(x, *args), in_dims[0]
+        bdim = in_dims[0]
+        xb = x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
+        moved = tuple(a + 1 if i in dims else a for i, a in enumerate(args))
+        return cls.apply(xb, *moved), 0
+
+    cls.setup_context = staticmethod(setup_context)
+    cls.backward = staticmethod(backward)
+    cls.jvp = staticmethod(jvp)
+    cls.vmap = staticmethod(vmap)
+    jvp_free_twin(cls)
+
+
+def jvp_free_twin(fn_cls: Any) -> Any:
+    """``fn_cls`` with ``jvp`` reset to torch's default, reachable as ``fn_cls._compiled()``.
+
+    Dynamo refuses to trace an autograd.Function that defines a custom ``jvp``
+    ("Unsupported custom jvp"). A compiled graph needs only forward and backward, so while
+    compiling, the public ops apply this twin (same forward / setup_context / backward /
+    vmap). Backward rules keep applying the originals: dynamo traces them without grad,
+    where the check does not apply. (A staticmethod, because dynamo can call one on an
+    autograd.Function class but cannot look a class up in a dict or compare it.)
+    """
+    twin = type(f"{fn_cls.__name__}Traced", (fn_cls,), {"jvp": staticmethod(torch.autograd.Function.jvp)})
+    fn_cls._compiled = staticmethod(lambda: twin)
+    return twin
+
+
+def fn(fn_cls: Any) -> Any:
+    """The autograd Function a public op applies: ``fn_cls``, or while ``torch.compile``
+    traces, its twin without the custom ``jvp`` (see :func:`jvp_free_twin`)."""
+    if not torch.compiler.is_compiling():
+        return fn_cls
+    if not _only_grad_transforms():
+        raise RuntimeError(
+            "diffcomm: torch.func.jvp / jvp-based transforms (jacfwd, forward_ad) and vmap "
+            "cannot run inside a torch.compile'd function: dynamo ignores a custom "
+            "autograd.Function's jvp and vmap rules and traces its forward instead, which "
+            "would give wrong tangents and unbatched collectives. Apply the transform outside "
+            "the compiled function, or leave that function uncompiled "
+            "(torch.func.grad / vjp inside torch.compile are fine)."
+        )
+    return fn_cls._compiled()
+
+
+def _only_grad_transforms() -> bool:
+    """No forward-AD level and no functorch transform, or a single ``grad``/``vjp`` level,
+    is active (traceable).
+
+    Levels count from 1 at the outermost transform, so a grad at level 1 is alone.
+    (Dynamo can read the top level's kind and number, not walk the stack below it.)
+    """
+    if torch.autograd.forward_ad._current_level >= 0:  # inside fwAD.dual_level()
+        return False
+    if not torch._C._are_functorch_transforms_active():
+        return True
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import coerce_cinterpreter
+
+    level = coerce_cinterpreter(torch._C._functorch.peek_interpreter_stack())
+    return level.key() == TransformType.Grad and level.level() == 1
+
+
+# ------------------------------------------------------------------------ small helpers
+
+
+def movedim0(x: Tensor, dim: int) -> Tensor:
+    return x if dim == 0 else x.movedim(dim, 0)
+
+
+def batch_first(x: Tensor, bdim: int | None) -> Tensor:
+    """Move the vmap batch dim to the front."""
+    return x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
+
+
+def only_on(x: Tensor, keep: bool) -> Tensor:
+    """``x`` where ``keep`` else exact zeros — still connected to ``x``'s graph, so the
+    backward of whatever produced ``x`` runs on every rank (the SPMD rule)."""
+    return torch.where(
+        torch.tensor(keep, device=x.device), x, torch.zeros((), dtype=x.dtype, device=x.device)
+    )
