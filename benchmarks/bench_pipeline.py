@@ -1,27 +1,38 @@
-"""Pipeline benchmark: 1F1B vs GPipe vs serial for a small MLP on local CPU ranks.
+"""Pipeline benchmark: GPipe, 1F1B, interleaved 1F1B and ZB-H1, against torch.distributed.pipelining.
 
-Reports, for each number of stages ``p`` and micro-batches ``m``:
+Model: ``depth`` x (Linear(width, width) + GELU), float32, MSE loss, batch ``batch``, on
+``p`` local gloo ranks (CPU, one thread each). For every ``p``, ``m`` and schedule it
+reports, for diffcomm's :class:`~diffcomm.pipeline.PipelineRunner`:
 
-* throughput (samples/s) of a training step (forward + backward, no optimizer) for the
-  serial model on one process and for both schedules on ``p`` gloo ranks;
-* the bubble fraction measured from the recorded per-step timelines (time blocked in
-  receives counts as idle) next to the ideal ``(p - 1) / (m + p - 1)``;
-* peak activation memory per stage (bytes of saved-for-backward tensors alive at once,
-  as :class:`diffcomm.pipeline.PipelineRunner` counts them), GPipe vs 1F1B.
+* the **bubble fraction** measured from the per-step timelines (time blocked in receives
+  counts as idle; median over rounds) next to its theory: ``(p-1)/(m+p-1)`` for GPipe and
+  1F1B, ``(p-1)/(v*m+p-1)`` for interleaved (``v = 2``), and for ZB-H1
+  ``(p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W))`` with this run's measured mean ``F``,
+  ``I``, ``W`` step times (``I``, ``W`` from ranks 1.., whose backward splits);
+* the **peak activation memory** per stage (bytes of saved-for-backward tensors alive at
+  once, as the runner counts them; for ZB-H1 including the gradients kept from I for W);
 
-``--plot out.png`` draws the timeline of one step per rank (matplotlib).
+and, side by side in the same processes, ``torch.distributed.pipelining`` on the same
+model and schedule (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` with
+2 stages per rank, and for ZB-H1 ``ScheduleInterleavedZeroBubble`` with one stage per
+rank — torch's ZB1P): the largest gradient difference after one step from zero
+gradients (relative to the largest gradient), and the paired per-round time ratio
+``diffcomm / torch`` (rounds interleave the two, alternating which goes first; median and
+min..max). A 1F1B row without pre-posted receives (``prepost=False``) shows what
+posting the next receive early buys.
 
-Every rank (and the serial baseline) uses one thread, so ``p`` stages want ``p`` cores;
-on a machine with fewer cores the ranks share them and the pipeline numbers say more
-about scheduling than about speed-up.
+    python benchmarks/bench_pipeline.py                         # p=2, m=4 and 8
+    python benchmarks/bench_pipeline.py --stages 2 4 --plot docs/_static/pipeline_timeline.png
 
-    python benchmarks/bench_pipeline.py                    # ~1 minute
-    python benchmarks/bench_pipeline.py --plot timeline.png
+Each rank uses one thread, so ``p`` stages want ``p`` free cores; the script prints the
+core count. On fewer cores the ranks share them and the bubble says more about the
+machine than about the schedule.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -33,132 +44,235 @@ from torch import nn
 
 import diffcomm as dc
 from diffcomm import backend as B
-from diffcomm.pipeline import PipelineRunner, bubble_fraction, partition, theoretical_bubble
+from diffcomm.pipeline import PipelineRunner, TimelineEntry, bubble_fraction, partition, theoretical_bubble
+
+#: diffcomm schedule name -> (virtual stages per rank, torch schedule class name)
+SCHEDULES = {
+    "gpipe": (1, "ScheduleGPipe"),
+    "1f1b": (1, "Schedule1F1B"),
+    "1f1b-noprepost": (1, None),
+    "interleaved": (2, "ScheduleInterleaved1F1B"),
+    "zb-h1": (1, "ScheduleInterleavedZeroBubble"),
+}
 
 
-def make_mlp(width: int, depth: int) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers)
+def make_model(width: int, depth: int) -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
 
 
-def serial_step_time(width: int, depth: int, batch: int, steps: int) -> float:
+def _torch_schedule(name: str, model: nn.Sequential, v: int, m: int, loss_fn: Any) -> Any:
+    from torch.distributed import pipelining as tp
+
+    rank, p = dc.get_rank(), dc.get_world_size()
+    parts = partition(model, p * v)
+    stages = [tp.PipelineStage(parts[r], r, p * v, torch.device("cpu")) for r in range(rank, p * v, p)]
+    cls = getattr(tp, name)
+    if name in ("ScheduleGPipe", "Schedule1F1B"):
+        return cls(stages[0], m, loss_fn=loss_fn), stages
+    return cls(stages, m, loss_fn=loss_fn), stages
+
+
+def _grads(modules: list[nn.Module]) -> list[torch.Tensor]:
+    return [p.grad.clone() for mod in modules for p in mod.parameters()]
+
+
+def _rank_bench(width: int, depth: int, batch: int, m: int, schedule: str, rounds: int) -> dict[str, Any]:
     torch.set_num_threads(1)
+    rank, p = dc.get_rank(), dc.get_world_size()
+    v, torch_name = SCHEDULES[schedule]
     torch.manual_seed(0)
-    model = make_mlp(width, depth)
+    model = make_model(width, depth)
+    twin = copy.deepcopy(model)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
-    times = []
-    for i in range(steps + 2):
-        t = time.perf_counter()
-        nn.functional.mse_loss(model(x), y).backward()
-        if i >= 2:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    mine = partition(model, p * v)[rank::p]
+    runner = PipelineRunner(
+        mine if v > 1 else mine[0],
+        schedule.replace("-noprepost", ""),
+        loss_fn=nn.functional.mse_loss,
+        prepost=not schedule.endswith("noprepost"),
+    )
+    out: dict[str, Any] = {"dc": [], "torch": [], "bubble": [], "kinds": {}}
 
-
-def _rank_bench(
-    width: int, depth: int, batch: int, n_micro: int, schedule: str, steps: int
-) -> dict[str, Any]:
-    rank, n = dc.get_rank(), dc.get_world_size()
-    torch.manual_seed(0)
-    model = make_mlp(width, depth)
-    runner = PipelineRunner(partition(model, n)[rank], schedule, loss_fn=nn.functional.mse_loss)
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
-    times = []
-    for i in range(steps + 2):
+    def run_dc() -> float:
+        for mod in mine:
+            mod.zero_grad(set_to_none=True)
         B.get_backend().barrier(None)
         t = time.perf_counter()
-        runner.step(x, y, n_micro)
-        if i >= 2:
-            times.append(time.perf_counter() - t)
-    return {
-        "times": times,
-        "timeline": [(e.kind, e.micro, e.start, e.end, e.wait) for e in runner.timeline],
-        "peak": runner.peak_activation_bytes,
-    }
+        runner.step(x, y, m)
+        B.get_backend().barrier(None)
+        return time.perf_counter() - t
+
+    sched = stages = None
+    if torch_name is not None:
+        try:
+            sched, stages = _torch_schedule(torch_name, twin, v, m, nn.functional.mse_loss)
+        except Exception as err:  # noqa: BLE001 - reported, not hidden
+            out["torch_error"] = f"{type(err).__name__}: {err}"
+
+    def run_torch() -> float:
+        assert sched is not None and stages is not None
+        for st in stages:
+            st.submod.zero_grad(set_to_none=True)
+        first = any(s.is_first for s in stages)
+        last = any(s.is_last for s in stages)
+        B.get_backend().barrier(None)
+        t = time.perf_counter()
+        if first and last:
+            sched.step(x, target=y)
+        elif first:
+            sched.step(x)
+        elif last:
+            sched.step(target=y)
+        else:
+            sched.step()
+        B.get_backend().barrier(None)
+        return time.perf_counter() - t
+
+    # warm-up, and the gradient comparison (both from zero gradients, same weights)
+    run_dc()
+    if sched is not None:
+        try:
+            run_torch()
+            g_dc, g_t = _grads(mine), _grads([s.submod for s in stages])  # type: ignore[union-attr]
+            scale = max(float(g.abs().max()) for g in g_dc)
+            out["grad_diff"] = max(float((a - b).abs().max()) for a, b in zip(g_dc, g_t, strict=True)) / scale
+        except Exception as err:  # noqa: BLE001 - reported, not hidden
+            out["torch_error"] = f"{type(err).__name__}: {err}"
+            sched = None
+    for i in range(rounds):
+        order = ("dc", "torch") if i % 2 == 0 else ("torch", "dc")
+        for who in order:
+            if who == "dc":
+                out["dc"].append(run_dc())
+                out["bubble"].append(
+                    [(e.kind, e.micro, e.start, e.end, e.wait, e.chunk) for e in runner.timeline]
+                )
+            elif sched is not None:
+                out["torch"].append(run_torch())
+    out["peak"] = runner.peak_activation_bytes
+    return out
 
 
-def _entries(raw: list[tuple]) -> list[Any]:
-    from diffcomm.pipeline import TimelineEntry
-
+def _entries(raw: list[tuple]) -> list[TimelineEntry]:
     return [TimelineEntry(*e) for e in raw]
+
+
+def _zb_theory(p: int, m: int, timelines: list[list[TimelineEntry]]) -> float:
+    # I and W from ranks 1.. only: rank 0's input needs no gradient, so its I only takes
+    # the output gradient and its W is the whole backward (see docs/pipeline.md)
+    busy: dict[str, list[float]] = {"F": [], "I": [], "W": []}
+    for rank, tl in enumerate(timelines):
+        for e in tl:
+            if e.kind == "F" or rank > 0:
+                busy[e.kind].append(e.busy)
+    f, i, w = (statistics.mean(busy[k]) for k in "FIW")
+    idle = (p - 1) * (f + i - w)
+    return idle / (m * (f + i + w) + idle)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--depth", type=int, default=8, help="Linear+ReLU blocks (divisible by the stages)")
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=8, help="Linear+GELU blocks (divisible by 2 * stages)")
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--stages", type=int, nargs="+", default=[2])
     ap.add_argument("--micro", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per configuration (after 2 warm-up)")
-    ap.add_argument("--plot", default=None, help="write a timeline PNG of one step per rank")
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (after 1 warm-up)")
+    ap.add_argument("--plot", default=None, help="write a timeline PNG (one panel per schedule, largest m)")
     args = ap.parse_args(argv)
+    if args.plot:
+        import matplotlib  # noqa: F401 - fail before measuring, not after
 
-    print(f"MLP {args.depth} x Linear({args.width}, {args.width}) + ReLU, batch {args.batch}, float32, CPU")
-    print(f"cores: {os.cpu_count()}, one thread per rank; torch {torch.__version__}\n")
-    serial = serial_step_time(args.width, args.depth, args.batch, args.steps)
-    print(f"serial (1 process): {serial * 1e3:8.2f} ms/step  {args.batch / serial:10.0f} samples/s\n")
-
+    print(
+        f"model: {args.depth} x (Linear({args.width}) + GELU), batch {args.batch}, float32, MSE; "
+        f"gloo, CPU, one thread per rank"
+    )
+    print(f"cores: {os.cpu_count()}; torch {torch.__version__}; {args.rounds} rounds per row\n")
     head = (
-        f"{'p':>2} {'m':>3} {'schedule':>8} {'ms/step':>9} {'samples/s':>10} {'vs serial':>9} "
-        f"{'bubble':>7} {'theory':>7}  peak activation KiB per stage"
+        f"{'p':>2} {'m':>2} {'schedule':<15} {'bubble':>6} {'theory':>6} {'ms/step':>8} "
+        f"{'vs torch':>17} {'grad diff':>9}  peak activation MiB per stage"
     )
     print(head)
     print("-" * len(head))
-    plots: dict[str, list[list[Any]]] = {}
+    plots: dict[str, list[list[TimelineEntry]]] = {}
     for p in args.stages:
         with dc.LocalWorld(p) as world:
             for m in args.micro:
-                for schedule in ("gpipe", "1f1b"):
-                    res = world.run(_rank_bench, args.width, args.depth, args.batch, m, schedule, args.steps)
-                    step = statistics.median(max(r["times"][i] for r in res) for i in range(args.steps))
-                    timelines = [_entries(r["timeline"]) for r in res]
-                    bubble = bubble_fraction(timelines)
-                    peaks = " ".join(f"{r['peak'] / 1024:7.0f}" for r in res)
+                for schedule in args.schedules:
+                    v = SCHEDULES[schedule][0]
+                    res = world.run(_rank_bench, args.width, args.depth, args.batch, m, schedule, args.rounds)
+                    t_dc = [max(r["dc"][i] for r in res) for i in range(args.rounds)]
+                    bubbles = [
+                        bubble_fraction([_entries(r["bubble"][i]) for r in res]) for i in range(args.rounds)
+                    ]
+                    timelines = [_entries(r["bubble"][-1]) for r in res]
+                    if schedule == "zb-h1":
+                        theory = statistics.median(
+                            _zb_theory(p, m, [_entries(r["bubble"][i]) for r in res])
+                            for i in range(args.rounds)
+                        )
+                    else:
+                        theory = theoretical_bubble(p, m, v)
+                    errs = {r.get("torch_error") for r in res} - {None}
+                    if errs:
+                        vs = "torch FAILS"
+                    elif res[0]["torch"]:
+                        t_t = [max(r["torch"][i] for r in res) for i in range(args.rounds)]
+                        ratios = sorted(a / b for a, b in zip(t_dc, t_t, strict=True))
+                        vs = f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+                    else:
+                        vs = "-"
+                    diff = max((r.get("grad_diff", 0.0) for r in res), default=0.0)
+                    diff_s = f"{diff:9.1e}" if SCHEDULES[schedule][1] and not errs else f"{'-':>9}"
+                    peaks = " ".join(f"{r['peak'] / 2**20:6.1f}" for r in res)
                     print(
-                        f"{p:>2} {m:>3} {schedule:>8} {step * 1e3:9.2f} {args.batch / step:10.0f} "
-                        f"{serial / step:8.2f}x {bubble:7.2f} {theoretical_bubble(p, m):7.2f}  {peaks}"
+                        f"{p:>2} {m:>2} {schedule:<15} {statistics.median(bubbles):6.3f} {theory:6.3f} "
+                        f"{statistics.median(t_dc) * 1e3:8.1f} {vs:>17} {diff_s}  {peaks}",
+                        flush=True,
                     )
-                    plots[f"{schedule}, p={p}, m={m}"] = timelines
+                    for e in sorted(errs):
+                        print(f"      torch.distributed.pipelining failed: {e}")
+                    if m == max(args.micro) and schedule != "1f1b-noprepost":
+                        plots[f"{schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")] = timelines
     if args.plot:
         _plot(plots, args.plot)
         print(f"\ntimeline written to {args.plot}")
     return 0
 
 
-def _plot(plots: dict[str, list[list[Any]]], path: str) -> None:
+COLORS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:red", "W": "tab:green"}
+
+
+def _plot(plots: dict[str, list[list[TimelineEntry]]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(plots), 1, figsize=(11, 1.1 + 0.45 * sum(len(t) for t in plots.values())))
+    fig, axes = plt.subplots(len(plots), 1, figsize=(12, 0.9 + 0.42 * sum(len(t) for t in plots.values())))
     axes = [axes] if len(plots) == 1 else list(axes)
     for ax, (title, timelines) in zip(axes, plots.items()):
         t0 = min(e.start for tl in timelines for e in tl)
         for rank, tl in enumerate(timelines):
             for e in tl:
-                color = "tab:blue" if e.kind == "F" else "tab:orange"
-                # hatched: blocked in a receive; solid: compute
                 ax.barh(rank, e.wait * 1e3, left=(e.start - t0) * 1e3, color="lightgrey", height=0.8)
+                left = (e.start - t0 + e.wait) * 1e3
                 ax.barh(
-                    rank,
-                    e.busy * 1e3,
-                    left=(e.start - t0 + e.wait) * 1e3,
-                    color=color,
-                    height=0.8,
-                    edgecolor="k",
+                    rank, e.busy * 1e3, left=left, color=COLORS[e.kind], height=0.8, edgecolor="k", lw=0.3
                 )
-                ax.text(
-                    (e.start - t0 + e.wait + e.busy / 2) * 1e3, rank, f"{e.kind}{e.micro}",
-                    ha="center", va="center", fontsize=6, color="white",
-                )  # fmt: skip
-        ax.set_yticks(range(len(timelines)), [f"stage {r}" for r in range(len(timelines))])
+                label = f"{e.kind}{e.micro}" + (f"'{e.chunk}" if e.chunk else "")
+                ax.text(left + e.busy * 5e2, rank, label, ha="center", va="center", fontsize=5, color="white")
+        bubble = bubble_fraction(timelines)
+        ax.set_yticks(range(len(timelines)), [f"rank {r}" for r in range(len(timelines))])
         ax.invert_yaxis()
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("ms (blue: forward, orange: backward, grey: waiting for a receive)", fontsize=8)
+        ax.set_title(f"{title}: measured bubble {bubble:.3f}", fontsize=9)
+    axes[-1].set_xlabel(
+        "ms — blue F, orange B, red I (input grad), green W (weight grad), grey: blocked in a receive; "
+        "'1 = chunk 1",
+        fontsize=8,
+    )
+    fig.suptitle("diffcomm.pipeline timelines (gloo, CPU, one thread per rank)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

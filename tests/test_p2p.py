@@ -603,3 +603,72 @@ def test_dual_table() -> None:
     for op, adj in p2p.DUALS.items():
         assert p2p.DUALS[adj] == op
         assert callable(p2p.OPS[op].fn)
+
+
+# ======================================================================================
+# posted receives: irecv and post_grad_recv
+# ======================================================================================
+
+
+def _irecv_equals_recv() -> list[Any]:
+    if _rank() == 0:
+        x = torch.arange(6.0, dtype=torch.float64).reshape(2, 3).requires_grad_()
+        tokens = [dc.send(x * (k + 1), dst=1, tag=3) for k in range(3)]
+        tokens.append(dc.send(torch.tensor([7, 8]), dst=1, tag=3))  # integers: no gradient
+        assert p2p.post_grad_recv(tokens[0]) and p2p.post_grad_recv(tokens[2])
+        assert not p2p.post_grad_recv(tokens[0])  # already posted
+        assert not p2p.post_grad_recv(tokens[3])  # no gradient will come
+        sum(tokens[:3]).backward()
+        return [x.grad]
+    h0 = p2p.irecv(0, tag=3)  # header only: the shape is not known yet
+    # its data would be matched to any other receive on the channel: refused, not garbled
+    for post in (lambda: p2p.irecv(0, shape=(2, 3), dtype=torch.float64, tag=3), lambda: dc.recv(0, tag=3)):
+        with pytest.raises(ValueError, match=r"`src/tag` must be a channel without a pending irecv"):
+            post()
+    y0 = h0.wait()
+    h1 = p2p.irecv(0, shape=(2, 3), dtype=torch.float64, tag=3)  # header and data
+    h2 = p2p.irecv(0, like=y0, tag=3)
+    h3 = p2p.irecv(0, tag=3)
+    ys = [y0, h1.wait(), h2.wait()]
+    ints = h3.wait()
+    with pytest.raises(RuntimeError, match="called twice"):
+        h1.wait()
+    assert all(y.requires_grad for y in ys) and not ints.requires_grad
+    (ys[0].sum() + (ys[1] * ys[1]).sum() + 0 * ys[2].sum()).backward()
+    return [torch.stack([y.detach() for y in ys]), ints]
+
+
+def test_irecv_wait_equals_recv_and_post_grad_recv_feeds_the_token(world2: dc.LocalWorld) -> None:
+    (g,), (ys, ints) = world2.run(_irecv_equals_recv)
+    x = torch.arange(6.0, dtype=torch.float64).reshape(2, 3)
+    torch.testing.assert_close(ys, torch.stack([x, 2 * x, 3 * x]))
+    assert ints.tolist() == [7, 8]
+    # d/dx [sum(x) + sum((2x)^2) + 0] = 1 + 2 * (2x) * 2
+    torch.testing.assert_close(g, 1 + 8 * x)
+
+
+def _irecv_mismatch() -> float:
+    if _rank() == 0:
+        dc.send(torch.ones(2, 3), dst=1)
+        dc.send(torch.full((4,), 2.0), dst=1)
+        p2p.wait_sends()
+        return 0.0
+    expected = r"rank 1 expected shape \(3, 2\), float32, but rank 0 sent shape \(2, 3\)"
+    with pytest.raises(CrossRankMismatchError, match=expected):
+        p2p.irecv(0, shape=(3, 2), dtype=torch.float32).wait()
+    return float(p2p.irecv(0).wait().sum())  # the channel is clean: the next message arrives
+
+
+def test_irecv_checks_the_expected_shape_and_keeps_the_channel_clean(world2: dc.LocalWorld) -> None:
+    assert world2.run(_irecv_mismatch) == [0.0, 8.0]
+
+
+def _post_grad_recv_bad_token() -> None:
+    with pytest.raises(TypeError, match=r"post_grad_recv\(\): `token` must be a dc.send token, got list"):
+        p2p.post_grad_recv([])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"`token` must be a dc.send token, got MulBackward0"):
+        p2p.post_grad_recv(torch.ones(1, requires_grad=True) * 2)
+
+
+def test_post_grad_recv_rejects_what_is_not_a_token(world2: dc.LocalWorld) -> None:
+    world2.run(_post_grad_recv_bad_token)

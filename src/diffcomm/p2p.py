@@ -586,6 +586,7 @@ def recv(
     want_shape, want_dtype = _expected(shape, dtype, like, "recv")
     if device is None:
         device = like.device if like is not None else B._comm_device(pg)
+    _check_channel(pg, src, tag, "recv")
     seq = _next_seq(pg, src, tag, "recv")
     header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=B._comm_device(pg))
     with B.label(f"recv(src={src}, tag={tag}) header"):
@@ -663,6 +664,23 @@ def _drain(
         posted.wait()
 
 
+# Channels with a receive posted header-first (no shape given) whose data receive is not
+# posted yet: any other receive on the channel now would be matched to that data.
+_HEADER_FIRST: set[tuple[Any, int, int, str]] = set()
+
+
+def _check_channel(pg: PG, src: int, tag: int, op: str) -> None:
+    if _seq_key(pg, src, tag, "recv") in _HEADER_FIRST:
+        raise A.arg_error(
+            op,
+            "src/tag",
+            "a channel without a pending irecv posted with no shape (its data would be "
+            "matched to this receive): wait for that handle first, or give irecv `shape` "
+            "and `dtype` (or `like`)",
+            f"src={src}, tag={tag}",
+        )
+
+
 class RecvHandle:
     """A receive posted by :func:`irecv`: :meth:`wait` returns what :func:`recv` would.
 
@@ -688,6 +706,8 @@ class RecvHandle:
         if want_shape is not None and want_dtype is not None:
             nbytes = want_shape.numel() * want_dtype.itemsize
             self._data = _Posted(torch.empty(nbytes, dtype=torch.uint8, device=device), src, pg, tag)
+        else:
+            _HEADER_FIRST.add(_seq_key(pg, src, tag, "recv"))
         self._done = False
 
     def wait(self) -> Tensor:
@@ -698,6 +718,8 @@ class RecvHandle:
         src, pg, tag, seq, want_shape, want_dtype, device = self._args
         with B.label(f"recv(src={src}, tag={tag}) header"):
             header = self._header.wait()
+        if self._data is None:  # the data receive comes next, blocking: the channel is free after
+            _HEADER_FIRST.discard(_seq_key(pg, src, tag, "recv"))
         return _finish_recv(header, src, pg, tag, seq, want_shape, want_dtype, device, self._data)
 
 
@@ -717,7 +739,8 @@ def irecv(
     With ``shape`` and ``dtype`` (or ``like``) the data receive is posted too; otherwise
     only the header is, and ``wait`` receives the data once the header says its size.
     Receives on one channel (group, peer, tag) complete in the order they were posted,
-    like the sends they pair with.
+    like the sends they pair with. While a handle posted without a shape is pending, its
+    channel takes no other receive (a ``ValueError``: its data would be matched there).
 
     Args:
         src, shape, dtype, like, group, tag, device: as for :func:`recv`.
@@ -744,6 +767,7 @@ def irecv(
     src = _check_peer(src, "irecv", "src", pg)
     tag = _check_tag(tag, "irecv")
     want_shape, want_dtype = _expected(shape, dtype, like, "irecv")
+    _check_channel(pg, src, tag, "irecv")
     if device is None:
         device = like.device if like is not None else B._comm_device(pg)
     seq = _next_seq(pg, src, tag, "recv")
