@@ -107,8 +107,8 @@ def test_plot_without_matplotlib_fails_before_measuring(
     monkeypatch.setattr(diffcomm.world, "LocalWorld", NoWorld)
     out = tmp_path / "b.png"
     assert cli.main(["bench", "-n", "1", "--sizes", "4KiB", "--rounds", "3", "--plot", str(out)]) == 2
-    text = capsys.readouterr().out
-    assert 'pip install "diffcomm[plot]"' in text.replace("\n", "")
+    text = capsys.readouterr().err  # a usage error: one line on stderr
+    assert 'pip install "diffcomm[plot]"' in text and text.count("\n") == 1
     assert not out.exists()
     assert bench.plot_missing() is not None
     with pytest.raises(ImportError, match=r"diffcomm\[plot\]"):

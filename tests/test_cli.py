@@ -106,3 +106,101 @@ def test_registry_adds_subcommands(
     assert capsys.readouterr().out.strip() == "hello ranks"
     assert cli.main(["hello"]) == 2  # its own arguments are parsed
     assert "--name" in capsys.readouterr().err
+
+
+def _one_error_line(err: str, command: str = "") -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    prefix = f"python -m diffcomm {command}".rstrip() + ": error: "
+    assert lines[0].startswith(prefix), err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["frobnicate"],
+        ["--wat"],
+        ["check", "-n", "0"],
+        ["check", "--world", "two"],
+        ["check", "--backend", "nosuch"],
+        ["bench", "--sizes", "lots"],
+        ["bench", "--rounds", "1"],
+        ["bench", "--ops", "allreduce"],
+        ["bench", "--coalesced", "gather"],
+        ["info", "--probe"],
+    ],
+)
+def test_every_usage_error_is_one_line_and_exit_2(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    command = argv[0] if argv and argv[0] in cli._SUBCOMMANDS else ""
+    _one_error_line(err, command)
+
+
+def test_unknown_op_lists_the_valid_names(capsys: pytest.CaptureFixture[str]) -> None:
+    from diffcomm.testing.cases import standard_cases
+    from diffcomm.testing.coalesced import standard_coalesced_cases
+
+    assert cli.main(["check", "--ops", "all_gather", "allreduce"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "check")
+    assert "unknown op 'allreduce' (did you mean all_reduce?)" in line
+    valid = {c.op for c in [*standard_cases(2), *standard_coalesced_cases(2)]}
+    assert valid >= {"all_reduce", "all_to_all", "all_reduce_coalesced"}
+    assert set(line.split("valid: ")[1].split(", ")) == valid
+
+
+def test_nccl_without_gpus_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--backend nccl`` on a machine without a GPU per rank: no traceback, no rank started."""
+    world = str(torch.cuda.device_count() + 1)  # always one rank more than there are GPUs
+    for command in ("check", "bench"):
+        assert cli.main([command, "--backend", "nccl", "-n", world]) == 2
+        line = _one_error_line(capsys.readouterr().err, command)
+        assert "--backend nccl" in line and ("not available in this torch build" in line or "GPU" in line)
+
+
+def test_prog_name_follows_argv0() -> None:
+    assert cli.prog_name("/home/u/.venv/bin/diffcomm") == "diffcomm"
+    assert cli.prog_name("/venv/Scripts/diffcomm.exe") == "diffcomm"
+    assert cli.prog_name("/src/diffcomm/__main__.py") == "python -m diffcomm"
+
+
+def _run_without_torch(code: str) -> tuple[bool, str]:
+    """Run ``code`` in a fresh interpreter; whether it imported torch, and its stdout."""
+    script = code + "\nimport sys\nprint('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
+    p = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
+    assert p.returncode == 0, p.stderr
+    *out, verdict = p.stdout.rstrip("\n").split("\n")
+    return verdict == "TORCH", "\n".join(out)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["check", "--help"], ["bench", "--help"], ["info", "--help"]])
+def test_help_does_not_import_torch(argv: list[str]) -> None:
+    """``--help`` answers at once: neither the package nor the command line imports torch."""
+    torch_imported, out = _run_without_torch(
+        "import runpy, sys\n"
+        f"sys.argv = ['diffcomm', *{argv!r}]\n"
+        "try:\n"
+        "    runpy.run_module('diffcomm', run_name='__main__', alter_sys=True)\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+    )
+    assert not torch_imported
+    assert out.startswith("usage: python -m diffcomm")
+
+
+def test_console_script_usage_says_diffcomm() -> None:
+    """The ``diffcomm`` console script (pip's wrapper sets argv[0] to its own path)."""
+    torch_imported, out = _run_without_torch(
+        "import sys\n"
+        "from diffcomm.cli import main\n"
+        "sys.argv[0] = '/venv/bin/diffcomm'\n"
+        "assert main(['check', '--help']) == 0\n"
+    )
+    assert out.startswith("usage: diffcomm check") and not torch_imported

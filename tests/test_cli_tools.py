@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,21 +13,31 @@ from diffcomm._cli_tools import _merge, parse_size
 from diffcomm.testing.cases import Case
 
 
-def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "diffcomm", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
     )
 
 
 def test_check_passes_and_prints_the_table() -> None:
-    p = _run("check", "-n", "3", "--ops", "all_gather", "all_to_all")
+    """At 80 columns: one line per op, nothing cut or wrapped; per-case detail is --json's."""
+    p = _run("check", "-n", "3", "--ops", "all_gather", "all_to_all", env={"COLUMNS": "80"})
     assert p.returncode == 0, p.stdout + p.stderr
     assert "all checks passed" in p.stdout
-    assert "all_gather" in p.stdout and "adjoint err" in p.stdout
+    lines = p.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, p.stdout
+    header = next(line for line in lines if line.startswith("op "))
+    assert header.split() == ["op", "cases", "forward", "adjoint", "grad", "2nd-order", "ok"]
+    for op in ("all_gather", "all_to_all"):
+        (row,) = [line.split() for line in lines if line.startswith(op + " ")]
+        assert row[0] == op and int(row[1]) >= 2 and row[-1] == "✓"
+        assert all(float(e) <= 1e-6 for e in row[2:6])
+    assert "float64 [" not in p.stdout  # case labels (dtype, shape, kwargs) only in --json
 
 
 def test_check_json_lists_every_case() -> None:

@@ -78,3 +78,56 @@ def test_pytest_hides_torchs_own_jit_deprecation_but_not_others() -> None:
     messages = [str(w.message) for w in seen]
     assert not any("torch.jit" in m for m in messages), messages
     assert "diffcomm.something is deprecated" in messages
+
+
+def _type_checking_imports() -> dict[str, str]:
+    """name -> submodule of every import under ``if TYPE_CHECKING:`` in ``__init__.py``."""
+    import ast
+
+    tree = ast.parse(Path(diffcomm.__file__).read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    names: dict[str, str] = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.level == 1
+        for alias in node.names:
+            names[alias.asname or alias.name] = node.module or alias.name
+    return names
+
+
+def test_lazy_exports_all_and_type_checking_imports_agree() -> None:
+    """``__all__``, the export table and the ``TYPE_CHECKING`` imports name the same things."""
+    exports = {**diffcomm._EXPORTS, **{m: m for m in diffcomm._SUBMODULES}}
+    assert len(diffcomm.__all__) == len(set(diffcomm.__all__))
+    assert set(diffcomm.__all__) == set(exports)
+    assert _type_checking_imports() == exports
+    assert set(diffcomm.__all__) <= set(dir(diffcomm))
+    for name, mod in diffcomm._EXPORTS.items():
+        module = sys.modules.get(f"diffcomm.{mod}") or __import__(f"diffcomm.{mod}", fromlist=["_"])
+        assert getattr(diffcomm, name) is getattr(module, name), name
+    star: dict[str, object] = {}
+    exec("from diffcomm import *", star)
+    assert set(diffcomm.__all__) <= set(star)
+
+
+def test_import_diffcomm_does_not_import_torch_until_a_name_is_used() -> None:
+    code = (
+        "import sys\n"
+        "import diffcomm as dc\n"
+        "assert 'torch' not in sys.modules, 'import diffcomm imported torch'\n"
+        "print(dc.__version__)\n"
+        "op = dc.all_reduce\n"
+        "assert 'torch' in sys.modules and op.__module__ == 'diffcomm.collectives'\n"
+        "assert dc.LocalWorld.__module__ == 'diffcomm.world'\n"
+        "assert dc.parallel.__name__ == 'diffcomm.parallel'\n"
+        "import diffcomm.testing\n"
+        "from diffcomm import testing, world\n"
+        "assert testing is diffcomm.testing and world.LocalWorld is dc.LocalWorld\n"
+        "try:\n"
+        "    dc.no_such_name\n"
+        "except AttributeError as exc:\n"
+        "    print(exc)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    missing = "module 'diffcomm' has no attribute 'no_such_name'"
+    assert p.stdout.splitlines() == [diffcomm.__version__, missing]

@@ -6,44 +6,104 @@ convention that the objective is the **sum of the per-rank objectives**.
 
 from __future__ import annotations
 
-from . import accelerator, backend, compat, parallel, pipeline, rng
-from ._config import debug, settings, timeout
-from ._errors import (
-    CollectiveTimeoutError,
-    CrossRankMismatchError,
-    DesyncError,
-    DiffcommError,
-    RankDesyncError,
-    RankDiedError,
-    RankError,
-    WorldTimeoutError,
-    WorldTooLargeError,
-)
-from ._flight import FlightRecorder, flight_recorder
-from .coalesced import (
-    all_gather_coalesced,
-    all_reduce_coalesced,
-    broadcast_coalesced,
-    reduce_coalesced,
-    reduce_scatter_coalesced,
-)
-from .collectives import (
-    DUALS,
-    OPS,
-    all_gather,
-    all_reduce,
-    all_to_all,
-    broadcast,
-    dual,
-    gather,
-    reduce,
-    reduce_scatter,
-    scatter,
-)
-from .p2p import ppermute, recv, send, sendrecv, shift, wait_sends
-from .world import LocalWorld, get_rank, get_world_size, init, is_initialized, launch
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# The package is lazy (PEP 562): ``import diffcomm`` does not import torch, so
+# ``python -m diffcomm --help`` and the console script answer at once. The first use of
+# any public name below imports every module at once, after which the package behaves as
+# if it had imported them eagerly. Keep ``__all__``, ``_SUBMODULES``, ``_EXPORTS`` and the
+# ``TYPE_CHECKING`` imports in sync (tests/test_packaging.py checks it).
+
+#: public submodules re-exported as attributes
+_SUBMODULES = ("accelerator", "backend", "compat", "parallel", "pipeline", "rng")
+
+#: public name -> the submodule defining it
+_EXPORTS: dict[str, str] = {
+    "debug": "_config",
+    "settings": "_config",
+    "timeout": "_config",
+    "CollectiveTimeoutError": "_errors",
+    "CrossRankMismatchError": "_errors",
+    "DesyncError": "_errors",
+    "DiffcommError": "_errors",
+    "RankDesyncError": "_errors",
+    "RankDiedError": "_errors",
+    "RankError": "_errors",
+    "WorldTimeoutError": "_errors",
+    "WorldTooLargeError": "_errors",
+    "FlightRecorder": "_flight",
+    "flight_recorder": "_flight",
+    "all_gather_coalesced": "coalesced",
+    "all_reduce_coalesced": "coalesced",
+    "broadcast_coalesced": "coalesced",
+    "reduce_coalesced": "coalesced",
+    "reduce_scatter_coalesced": "coalesced",
+    "DUALS": "collectives",
+    "OPS": "collectives",
+    "all_gather": "collectives",
+    "all_reduce": "collectives",
+    "all_to_all": "collectives",
+    "broadcast": "collectives",
+    "dual": "collectives",
+    "gather": "collectives",
+    "reduce": "collectives",
+    "reduce_scatter": "collectives",
+    "scatter": "collectives",
+    "ppermute": "p2p",
+    "recv": "p2p",
+    "send": "p2p",
+    "sendrecv": "p2p",
+    "shift": "p2p",
+    "wait_sends": "p2p",
+    "LocalWorld": "world",
+    "get_rank": "world",
+    "get_world_size": "world",
+    "init": "world",
+    "is_initialized": "world",
+    "launch": "world",
+}
+
+if TYPE_CHECKING:
+    from . import accelerator, backend, compat, parallel, pipeline, rng
+    from ._config import debug, settings, timeout
+    from ._errors import (
+        CollectiveTimeoutError,
+        CrossRankMismatchError,
+        DesyncError,
+        DiffcommError,
+        RankDesyncError,
+        RankDiedError,
+        RankError,
+        WorldTimeoutError,
+        WorldTooLargeError,
+    )
+    from ._flight import FlightRecorder, flight_recorder
+    from .coalesced import (
+        all_gather_coalesced,
+        all_reduce_coalesced,
+        broadcast_coalesced,
+        reduce_coalesced,
+        reduce_scatter_coalesced,
+    )
+    from .collectives import (
+        DUALS,
+        OPS,
+        all_gather,
+        all_reduce,
+        all_to_all,
+        broadcast,
+        dual,
+        gather,
+        reduce,
+        reduce_scatter,
+        scatter,
+    )
+    from .p2p import ppermute, recv, send, sendrecv, shift, wait_sends
+    from .world import LocalWorld, get_rank, get_world_size, init, is_initialized, launch
 
 __all__ = [
     "accelerator",
@@ -95,3 +155,25 @@ __all__ = [
     "settings",
     "timeout",
 ]
+
+
+def _load() -> None:
+    """Import every public submodule and bind every exported name (idempotent)."""
+    g = globals()
+    for mod in _SUBMODULES:
+        g[mod] = importlib.import_module(f"{__name__}.{mod}")
+    for name, mod in _EXPORTS.items():
+        g[name] = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS or name in _SUBMODULES:
+        _load()
+        return globals()[name]
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")  # other submodules (testing, world...)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,16 +1,76 @@
-"""``python -m diffcomm check`` and ``python -m diffcomm bench`` (registered in ``cli``)."""
+"""``python -m diffcomm check`` and ``python -m diffcomm bench`` (registered in ``cli``).
+
+A usage error raises :class:`UsageError`; ``cli.main`` prints it as one ``error:`` line on
+stderr and exits 2. Everything is checked before the first rank starts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+C10D_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+#: backends that communicate on a device, with the device kind (one device per rank)
+_DEVICE_BACKENDS = {"nccl": "CUDA", "xccl": "XPU"}
+
+
+class UsageError(Exception):
+    """A bad command line (argument, op name, backend): one ``error:`` line, exit code 2."""
+
+
+def check_worlds(worlds: Sequence[int]) -> None:
+    """Raise :class:`UsageError` unless every world size is >= 1."""
+    bad = [w for w in worlds if w < 1]
+    if bad:
+        raise UsageError(f"world size must be >= 1, got {bad[0]}")
+
+
+def check_backend(backend: str, worlds: Sequence[int]) -> None:
+    """Raise :class:`UsageError` unless local ranks of every world can use ``backend`` here.
+
+    An unknown name or one this torch build lacks lists the backends it has; ``nccl`` /
+    ``xccl`` also need one GPU per rank.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise UsageError("torch.distributed is not available in this torch build")
+    device = _DEVICE_BACKENDS.get(backend.lower())
+    needs = f"; {backend} needs a {device} build of torch and one {device} GPU per rank" if device else ""
+    if not dist.is_backend_available(backend):
+        have = ", ".join(b for b in C10D_BACKENDS if dist.is_backend_available(b))
+        raise UsageError(f"--backend {backend}: not available in this torch build (it has: {have}){needs}")
+    if device:
+        from diffcomm.accelerator import comm_accelerator
+
+        acc = comm_accelerator(backend)
+        count = acc.device_count() if acc.name != "cpu" else 0
+        if count < max(worlds):
+            raise UsageError(
+                f"--backend {backend}: {count} {device} GPU(s) visible, world {max(worlds)} needs one "
+                "per rank; use --backend gloo on CPU"
+            )
+
+
+def unknown_name_error(flag: str, given: Sequence[str], valid: Sequence[str]) -> UsageError | None:
+    """The :class:`UsageError` for the first name of ``given`` not in ``valid`` (listing them)."""
+    for name in given:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            return UsageError(f"{flag}: unknown op {name!r}{hint}; valid: {', '.join(valid)}")
+    return None
+
 
 # ---------------------------------------------------------------------------------- check
 
@@ -64,19 +124,20 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
     from diffcomm.testing.coalesced import standard_coalesced_cases
     from diffcomm.world import LocalWorld
 
-    for w in args.world:
-        if w < 1:
-            console.print(f"[red]error:[/red] world size must be >= 1, got {w}")
-            return 2
+    check_worlds(args.world)
+    every = {w: [*standard_cases(w), *standard_coalesced_cases(w)] for w in args.world}
+    valid = list(dict.fromkeys(c.op for cases in every.values() for c in cases))
+    if args.ops is not None and (err := unknown_name_error("--ops", args.ops, valid)):
+        raise err
+    check_backend(args.backend, args.world)
+    started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     flights: dict[str, Any] = {}
     failures = 0
     for w in args.world:
-        every = [*standard_cases(w), *standard_coalesced_cases(w)]
-        cases = [c for c in every if args.ops is None or c.op in args.ops]
+        cases = [c for c in every[w] if args.ops is None or c.op in args.ops]
         if not cases:
-            console.print(f"[red]error:[/red] no cases for ops {args.ops}")
-            return 2
+            raise UsageError(f"--ops: no cases for {' '.join(args.ops or [])} on world {w}")
         if not args.json:
             console.print(f"starting {w} local ranks ...")
         with LocalWorld(
@@ -116,11 +177,21 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
             out["flight"] = flights
         console.print_json(json.dumps(out))
     else:
-        console.print(_table(rows))
+        for w in args.world:
+            console.print(_table([r for r in rows if r["world"] == w], w, args.backend))
+        for r in rows:
+            if not r["ok"]:
+                why = r["error"] or ", ".join(
+                    f"{k} {_fmt(r[k])}" for k in ("forward_err", "adjoint_err", "grad_err", "double_err")
+                )
+                what = escape(f"world {r['world']} {r['op']} {r['case']}: {why}")
+                console.print(f"[red]✗[/red] {what}", highlight=False)
         verdict = (
             "[green]all checks passed[/green]" if failures == 0 else f"[red]{failures} case(s) failed[/red]"
         )
-        console.print(f"{len(rows)} cases on world(s) {args.world}: {verdict}")
+        seconds = time.perf_counter() - started
+        console.print(f"{len(rows)} cases on world(s) {args.world} in {seconds:.0f} s: {verdict}")
+        console.print("[dim]every case, with its errors and time: --json[/dim]")
     return 0 if failures == 0 else 1
 
 
@@ -152,31 +223,36 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.1e}"
 
 
-def _table(rows: list[dict[str, Any]]) -> Table:
-    t = Table(title="diffcomm check: every op against a single-process reference")
-    for col, just in (
-        ("world", "right"),
-        ("op", "left"),
-        ("case", "left"),
-        ("forward", "center"),
-        ("adjoint err", "right"),
-        ("grad err", "right"),
-        ("2nd-order err", "right"),
-        ("time ms", "right"),
-        ("", "center"),
-    ):
-        t.add_column(col, justify=just)  # type: ignore[arg-type]
+def _table(rows: list[dict[str, Any]], world: int, backend: str) -> Table:
+    """One row per op (its cases' worst errors), so the table fits 80 columns."""
+    t = Table(
+        title=f"diffcomm check, world {world} ({backend}): max error per op vs a reference",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+    )
+    t.add_column("op", no_wrap=True, min_width=min(24, max(len(r["op"]) for r in rows)))
+    for col in ("cases", "forward", "adjoint", "grad", "2nd-order"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("ok", justify="center", no_wrap=True)
+    by_op: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
+        by_op.setdefault(r["op"], []).append(r)
+    for op, cell in by_op.items():
+
+        def worst(key: str, cell: list[dict[str, Any]] = cell) -> str:
+            vals = [r[key] for r in cell if r[key] is not None]
+            return _fmt(max(vals) if vals else None)
+
+        failed = sum(not r["ok"] for r in cell)
         t.add_row(
-            str(r["world"]),
-            r["op"],
-            r["case"] if not r["error"] else f"{r['case']}\n[red]{r['error']}[/red]",
-            "[green]ok[/green]" if r["forward_ok"] else "[red]FAIL[/red]",
-            _fmt(r["adjoint_err"]),
-            _fmt(r["grad_err"]),
-            _fmt(r["double_err"]),
-            f"{r['seconds'] * 1e3:.0f}",
-            "[green]✓[/green]" if r["ok"] else "[red]✗[/red]",
+            op,
+            str(len(cell)),
+            worst("forward_err"),
+            worst("adjoint_err"),
+            worst("grad_err"),
+            worst("double_err"),
+            "[green]✓[/green]" if not failed else f"[red]✗ {failed}[/red]",
         )
     return t
 
@@ -233,12 +309,12 @@ def _bench_coalesced(args: argparse.Namespace, console: Console) -> int:
     from diffcomm.bench_coalesced import OPS, run_suite, table
 
     ops = args.coalesced or ["all_reduce"]
-    bad = [o for o in ops if o not in OPS]
-    if bad or args.tensors < 1 or args.tensor_bytes < 4:
-        console.print(
-            f"[red]error:[/red] --coalesced takes ops from {OPS}; --tensors >= 1, --tensor-bytes >= 4"
-        )
-        return 2
+    err = unknown_name_error("--coalesced", ops, OPS)
+    if err:
+        raise err
+    if args.tensors < 1 or args.tensor_bytes < 4:
+        raise UsageError("--tensors must be >= 1 and --tensor-bytes >= 4")
+    check_backend(args.backend, args.world)
     result = run_suite(args.world, ops, args.tensors, args.tensor_bytes, args.rounds, backend=args.backend)
     if args.json:
         console.print_json(json.dumps(result))
@@ -266,22 +342,17 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
     try:
         sizes = [parse_size(s) for s in args.sizes]
     except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        return 2
+        raise UsageError(f"--sizes: {exc}") from None
     if args.rounds < 3:
-        console.print("[red]error:[/red] --rounds must be >= 3")
-        return 2
-    bad_worlds = [w for w in args.world if w < 1]
-    if bad_worlds:
-        console.print(f"[red]error:[/red] world size must be >= 1, got {bad_worlds[0]}")
-        return 2
+        raise UsageError("--rounds must be >= 3")
+    check_worlds(args.world)
     if args.coalesced is not None:
         return _bench_coalesced(args, console)
     if args.plot:
         missing = plot_missing()  # before measuring: minutes of timing must not end in an ImportError
         if missing:
-            console.print(f"[red]error:[/red] --plot: {escape(missing)}")
-            return 2
+            raise UsageError(f"--plot: {missing}")
+    check_backend(args.backend, args.world)
     from diffcomm.world import LocalWorld
 
     rows = []

@@ -7,6 +7,10 @@ entry; :func:`main` builds the parser from the registry.
 
 ``info`` prints the versions, the accelerator, the c10d backends this torch build has,
 the settings, and the capabilities of the default backend probed on two local ranks.
+
+Errors of usage (a bad argument, an unknown op, a backend this machine cannot run) are one
+line on stderr, ``<prog> <command>: error: ...``, and exit code 2. torch is imported only
+when a subcommand runs, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -19,17 +23,16 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
-import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
 from . import __version__, _cli_tools, _config
+from ._cli_tools import UsageError
 from ._errors import WorldTooLargeError
 
-C10D_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+C10D_BACKENDS = _cli_tools.C10D_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,9 @@ def _settings_info() -> dict[str, Any]:
 
 def collect_info(probe: bool = True) -> dict[str, Any]:
     """Everything ``python -m diffcomm info`` shows, as a JSON-friendly dict."""
+    import torch
+    import torch.distributed as dist
+
     info: dict[str, Any] = {
         "diffcomm": __version__,
         "torch": torch.__version__,
@@ -204,10 +210,28 @@ _SUBCOMMANDS: dict[str, Subcommand] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``<prog>: error: <message>`` on stderr, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def prog_name(argv0: str | None = None) -> str:
+    """How the user started us (from ``argv[0]``): ``diffcomm`` for the console script,
+    else ``python -m diffcomm`` (``argv[0]`` is then ``.../diffcomm/__main__.py``)."""
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    return "diffcomm" if name.lower().startswith("diffcomm") else "python -m diffcomm"
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The argparse parser, one sub-parser per entry of :data:`_SUBCOMMANDS`."""
-    parser = argparse.ArgumentParser(
-        prog="python -m diffcomm", description="diffcomm: differentiable collectives for PyTorch."
+    parser = _Parser(
+        prog=prog or prog_name(), description="diffcomm: differentiable collectives for PyTorch."
     )
     parser.add_argument("--version", action="version", version=f"diffcomm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -216,24 +240,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parse_args``, with an unknown argument of a command reported by that command."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        owner = sub.choices.get(args.command, parser) if args.command else parser
+        owner.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 failure, 2 usage error)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = _parse(parser, argv)
     except SystemExit as exc:  # argparse exits on --help/--version (0) and bad usage (2)
         return exc.code if isinstance(exc.code, int) else 2
     if args.command is None:
-        parser.print_help(sys.stderr)
+        commands = ", ".join(_SUBCOMMANDS)
+        print(f"{parser.prog}: error: name a command: {commands} (see {parser.prog} --help)", file=sys.stderr)
         return 2
-    # piped output (CI logs, files) gets a wide table instead of rich's 80-column default
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)
+    # a terminal (or COLUMNS) sets the width; other piped output (CI logs, files) gets a
+    # wide table instead of rich's 80-column default
+    wide = sys.stdout.isatty() or os.environ.get("COLUMNS")
+    console = Console(file=sys.stdout, width=None if wide else 160)
     try:
         return _SUBCOMMANDS[args.command].run(args, console)
     except KeyboardInterrupt:
         # the ranks ignore SIGINT and LocalWorld tore them down on the way out: one line
         print("diffcomm: interrupted (Ctrl-C); every rank was stopped.", file=sys.stderr)
         return 130
-    except WorldTooLargeError as exc:
-        print(f"diffcomm: {exc}", file=sys.stderr)
+    except (UsageError, WorldTooLargeError) as exc:
+        print(f"{parser.prog} {args.command}: error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
