@@ -131,3 +131,23 @@ def test_import_diffcomm_does_not_import_torch_until_a_name_is_used() -> None:
     assert p.returncode == 0, p.stderr
     missing = "module 'diffcomm' has no attribute 'no_such_name'"
     assert p.stdout.splitlines() == [diffcomm.__version__, missing]
+
+
+def test_every_submodule_imports_first() -> None:
+    """Any module may be the first one imported (the package ``__init__`` is lazy)."""
+    src = Path(diffcomm.__file__).parent
+    names = sorted(
+        "diffcomm." + ".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+        for p in src.rglob("*.py")
+        if p.name not in ("__main__.py", "_worker.py")  # scripts: they run, not import
+    )
+    code = (
+        "import sys, importlib, torch\n"
+        f"for name in {names!r}:\n"
+        "    for m in [m for m in sys.modules if m.split('.')[0] == 'diffcomm']:\n"
+        "        del sys.modules[m]\n"
+        "    importlib.import_module(name)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert len(names) > 20

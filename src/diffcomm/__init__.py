@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 # The package is lazy (PEP 562): ``import diffcomm`` does not import torch, so
-# ``python -m diffcomm --help`` and the console script answer at once. The first use of
-# any public name below imports every module at once, after which the package behaves as
-# if it had imported them eagerly. Keep ``__all__``, ``_SUBMODULES``, ``_EXPORTS`` and the
+# ``python -m diffcomm --help`` and the console script answer at once. The first use of a
+# public name imports the submodule defining it (and binds the name here, so later uses
+# are plain attribute reads). Keep ``__all__``, ``_SUBMODULES``, ``_EXPORTS`` and the
 # ``TYPE_CHECKING`` imports in sync (tests/test_packaging.py checks it).
 
 #: public submodules re-exported as attributes
@@ -158,20 +158,22 @@ __all__ = [
 
 
 def _load() -> None:
-    """Import every public submodule and bind every exported name (idempotent)."""
-    g = globals()
-    for mod in _SUBMODULES:
-        g[mod] = importlib.import_module(f"{__name__}.{mod}")
-    for name, mod in _EXPORTS.items():
-        g[name] = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    """Import every public submodule and bind every exported name (what an eager
+    ``__init__`` would have done; LocalWorld ranks call it before they report ready)."""
+    for name in __all__:
+        __getattr__(name)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS or name in _SUBMODULES:
-        _load()
-        return globals()[name]
+    # one submodule per first use (not all of them: a submodule being imported may ask
+    # for a sibling, e.g. `from .. import rng`, while others are half-initialized)
+    mod = _EXPORTS.get(name)
+    if mod is not None:
+        value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+        globals()[name] = value
+        return value
     if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")  # other submodules (testing, world...)
+        return importlib.import_module(f"{__name__}.{name}")  # accelerator, ..., testing, world
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
