@@ -124,3 +124,37 @@ def test_plot_has_title_with_world_and_machine(tmp_path: Path) -> None:
     bench.plot_rows(rows, str(out))
     assert out.stat().st_size > 1000
     assert "cores" in bench.machine_label()
+
+
+def test_plot_title_sizes_and_one_colour_per_implementation() -> None:
+    """Titled with worlds, backend and machine; every line has all default sizes; an
+    implementation has the same colour in every panel."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    rows = []
+    for w in (2, 3):
+        for op in ("all_reduce", "all_gather"):
+            for n in bench.DEFAULT_SIZES:
+                impls = {"raw": 1.0, "floor": 1.2, "diffcomm": 1.3}
+                if op == "all_gather":  # a panel without funcol must not shift the colours
+                    impls["torch.distributed.nn"] = 1.5
+                else:
+                    impls["funcol"] = 1.4
+                rows += _cell(op, n, w, impls)
+    fig = bench.plot_figure(rows, backend="gloo")
+    try:
+        title = fig._suptitle.get_text()
+        assert "world 2, 3 (gloo)" in title and bench.machine_label() in title
+        colours: dict[str, set[str]] = {}
+        axes = fig.get_axes()
+        assert len(axes) == 4
+        for ax in axes:
+            for line in ax.get_lines():
+                assert len(line.get_xdata()) == len(bench.DEFAULT_SIZES) >= 5
+                colours.setdefault(line.get_label(), set()).add(line.get_color())
+        assert set(colours) == {"raw", "floor", "diffcomm", "funcol", "torch.distributed.nn"}
+        assert all(len(c) == 1 for c in colours.values()), colours
+        assert len({next(iter(c)) for c in colours.values()}) == len(colours)
+    finally:
+        plt.close(fig)

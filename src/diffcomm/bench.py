@@ -439,7 +439,6 @@ def size_label(n: int) -> str:
     return f"{n}B"
 
 
-
 def plot_missing() -> str | None:
     """``None`` when ``--plot`` can work, else the error message (naming the extra)."""
     try:
@@ -469,8 +468,10 @@ def impl_colour(impl: str) -> str:
     return palette[IMPLS.index(impl)] if impl in IMPLS else "black"
 
 
-def plot_rows(rows: Sequence[BenchRow], path: str, backend: str = "gloo") -> None:
-    """Time per forward+backward vs size: one panel per (world, op), one line per implementation.
+def plot_figure(rows: Sequence[BenchRow], backend: str = "gloo") -> Any:
+    """The bench plot as a matplotlib ``Figure`` (Agg): one panel per (world, op), one
+    line per implementation in its fixed colour, titled with the worlds, the backend and
+    this machine.
 
     Time rather than bus bandwidth, so world 1 (no communication: pure overhead) reads too.
 
@@ -513,5 +514,17 @@ def plot_rows(rows: Sequence[BenchRow], path: str, backend: str = "gloo") -> Non
     ws = ", ".join(map(str, worlds))
     fig.suptitle(f"diffcomm bench: forward+backward, world {ws} ({backend}), {machine_label()}")
     fig.tight_layout()
+    return fig
+
+
+def plot_rows(rows: Sequence[BenchRow], path: str, backend: str = "gloo") -> None:
+    """Write :func:`plot_figure` to ``path`` (PNG at 110 dpi).
+
+    Raises:
+        ImportError: matplotlib is missing (the message names ``diffcomm[plot]``).
+    """
+    fig = plot_figure(rows, backend)
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=110)
     plt.close(fig)
