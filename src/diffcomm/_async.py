@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextvars
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -225,6 +226,11 @@ class AsyncTensor(Tensor):
 
     def _finished(self) -> Tensor:
         if self._elem is None:
+            spans = B._SPANS
+            if spans is not None and not self._handle.done():  # the timeline shows the wait
+                t0 = time.perf_counter()
+                self._handle._event.wait()
+                spans.append(("wait", self._handle.name, threading.current_thread().name, t0, time.perf_counter()))
             elem = self._handle.wait()
             if not isinstance(elem, Tensor) or tuple(elem.shape) != tuple(self.shape):
                 raise RuntimeError(
