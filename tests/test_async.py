@@ -174,11 +174,12 @@ def test_launch_order_differing_between_ranks_ends_in_an_error_not_a_hang() -> N
     other way round. The engine does not reorder, so this desyncs like the same blocking
     program would — and ends in diffcomm's timeout error naming the ops, within the
     collective timeout, instead of hanging."""
-    start = time.perf_counter()
     with LocalWorld(2, timeout=60, collective_timeout=2.0) as world:
+        start = time.perf_counter()
         with pytest.raises(dc.RankError) as info:
             world.run(_mismatched_launch_order_rank)
-    assert time.perf_counter() - start < 50
+        seconds = time.perf_counter() - start
+    assert seconds < 30, f"the error came after {seconds:.0f} s (collective timeout 2 s)"
     text = str(info.value)
     assert "all_reduce" in text and "all_gather" in text, text
 

@@ -230,7 +230,8 @@ class AsyncTensor(Tensor):
             if spans is not None and not self._handle.done():  # the timeline shows the wait
                 t0 = time.perf_counter()
                 self._handle._event.wait()
-                spans.append(("wait", self._handle.name, threading.current_thread().name, t0, time.perf_counter()))
+                who = threading.current_thread().name
+                spans.append(("wait", self._handle.name, who, t0, time.perf_counter()))
             elem = self._handle.wait()
             if not isinstance(elem, Tensor) or tuple(elem.shape) != tuple(self.shape):
                 raise RuntimeError(
