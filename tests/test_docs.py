@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -59,7 +60,34 @@ def test_docs_build_without_warnings(tmp_path: Path) -> None:
     for name in COALESCED_OPS:  # the generated coalesced table and the API entries
         assert f'<span class="pre">{name}</span>' in coalesced
         assert f'id="diffcomm.coalesced.{name}"' in api, f"{name} missing from the API reference"
+    rendered_from = _ext().notebooks()
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
         assert (out / "_generated" / "notebooks" / f"{nb.stem}.html").exists(), (
             f"notebook {nb.name} not rendered"
         )
+        page = (out / "_generated" / "notebooks" / f"{nb.stem}.html").read_text()
+        # never silently without outputs: a page built from the output-free notebook says so
+        executed = rendered_from[nb.name].parent == _ext().EXECUTED
+        assert ("<strong>without outputs</strong>" in page) != executed, nb.name
+
+
+def _ext() -> ModuleType:  # the docs' local extension (docs/_ext/diffcomm_docs.py)
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import diffcomm_docs
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    return diffcomm_docs
+
+
+def test_a_notebook_rendered_without_running_it_carries_a_note(tmp_path: Path) -> None:
+    import json
+
+    ext = _ext()
+    src = sorted((ROOT / "notebooks").glob("*.ipynb"))[0]
+    nb = json.loads(ext.not_executed_copy(src))
+    original = json.loads(src.read_text())
+    assert nb["cells"][0] == original["cells"][0]  # the title stays first
+    assert nb["cells"][1]["cell_type"] == "markdown" and "without outputs" in nb["cells"][1]["source"]
+    assert "tests/test_notebooks.py" in nb["cells"][1]["source"]
+    assert nb["cells"][2:] == original["cells"][1:]

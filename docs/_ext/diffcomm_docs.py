@@ -12,13 +12,15 @@ On ``builder-inited`` (before Sphinx looks for source files) it writes, under
 * ``notebooks/*.ipynb`` — copies of ``notebooks/*.ipynb`` (Sphinx only reads sources
   inside ``docs/``). If ``tests/test_notebooks.py`` has left an executed copy newer than
   the source in ``docs/_build/executed/``, that copy is used, so the rendered pages show
-  real outputs; otherwise the committed (output-free) notebook is rendered as is.
+  real outputs; otherwise the committed (output-free) notebook is rendered with a note
+  at the top saying so (and the build log says which), never silently without outputs.
 
 Files are rewritten only when their content changes, so incremental builds stay fast.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +82,27 @@ def notebooks() -> dict[str, Path]:
     return out
 
 
+NOT_EXECUTED_NOTE = (
+    "```{note}\n"
+    "This page shows the notebook as committed, **without outputs**: the docs were built "
+    "without running it first. `python -m pytest tests/test_notebooks.py` runs every "
+    "notebook (about a minute each); a docs build after it shows the outputs and plots.\n"
+    "```"
+)
+
+
+def not_executed_copy(src: Path) -> bytes:
+    """``src`` with :data:`NOT_EXECUTED_NOTE` as a markdown cell after its title cell."""
+    nb = json.loads(src.read_text())
+    cells = nb["cells"]
+    at = 1 if cells and cells[0]["cell_type"] == "markdown" else 0
+    cell: dict[str, Any] = {"cell_type": "markdown", "metadata": {}, "source": NOT_EXECUTED_NOTE}
+    if (nb.get("nbformat"), nb.get("nbformat_minor", 0)) >= (4, 5):
+        cell["id"] = "not-executed"  # cell ids exist from nbformat 4.5 on
+    cells.insert(at, cell)
+    return (json.dumps(nb, indent=1, ensure_ascii=False) + "\n").encode()
+
+
 def generate(app: Any = None) -> None:
     _write(GENERATED / "duals.md", duals_page().encode())
     _write(GENERATED / "coalesced.md", coalesced_page().encode())
@@ -87,7 +110,16 @@ def generate(app: Any = None) -> None:
     wanted = notebooks()
     nb_dir = GENERATED / "notebooks"
     for name, path in wanted.items():
-        _write(nb_dir / name, path.read_bytes())
+        executed = path.parent == EXECUTED
+        _write(nb_dir / name, path.read_bytes() if executed else not_executed_copy(path))
+    unrun = sorted(name for name, path in wanted.items() if path.parent != EXECUTED)
+    if unrun and app is not None:
+        from sphinx.util import logging
+
+        logging.getLogger(__name__).info(
+            f"diffcomm: notebooks rendered without outputs ({', '.join(unrun)}); run "
+            "`python -m pytest tests/test_notebooks.py` before the build to show them"
+        )
     if nb_dir.exists():
         for stale in nb_dir.glob("*.ipynb"):
             if stale.name not in wanted:
