@@ -40,7 +40,7 @@ from torch import Tensor
 
 from . import backend as B
 
-__all__ = ["CommOp", "FastFunction", "fn", "only_on", "batch_first", "movedim0"]
+__all__ = ["CommOp", "FastFunction", "call", "fn", "only_on", "batch_first", "movedim0"]
 
 
 class FastFunction(torch.autograd.Function):
@@ -78,6 +78,21 @@ except ImportError:  # pragma: no cover - older torch
 
 
 unwrap_if_dead = _unwrap_if_dead
+_fwad = torch.autograd.forward_ad
+_grad_enabled = torch.is_grad_enabled
+
+
+def call(fn_cls: Any, x: Tensor, *args: Any) -> Tensor:
+    """Apply the op ``fn_cls`` inside a rule (a transpose, a tangent).
+
+    When nothing needs recording — grad mode off (a backward without ``create_graph``),
+    no torch.func transform, no forward-AD level, not tracing — the op's ``forward`` runs
+    directly: the autograd node would never be used. Otherwise (double backward,
+    ``torch.func``, ``torch.compile``) the full differentiable ``apply``.
+    """
+    if _grad_enabled() or _transforms_active() or _fwad._current_level >= 0 or torch.compiler.is_compiling():
+        return fn_cls.apply(x, *args)
+    return fn_cls.forward(x, *args)
 
 
 class CommOp(FastFunction):

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -397,12 +397,89 @@ class _Coalescing:
     skipped: bool = False
 
 
+#: The one entry point, under its public name (p2p's asynchronous sends and posted
+#: receives go through it too).
+dispatch = _dispatch
+
+
 def _world(group: ProcessGroup) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+    return group_info(group).size if dist.is_initialized() else 1
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+# --------------------------------------------------------------------------------------
+# the group record: facts about a group, resolved once per group
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class GroupInfo:
+    """What diffcomm needs to know about a process group, probed once per group.
+
+    ``pg`` is the group as the ops pass it (``None`` for the default group); ``rank`` and
+    ``size`` are group-local; ``backend`` is the c10d backend's name; ``caps`` its
+    :class:`Capabilities`; ``device`` the device small metadata tensors live on for it.
+    ``cpu_pg`` is the group host-side integers (sizes) travel on: the group itself when
+    its device is the CPU, else a gloo group of the same ranks, made on first use.
+    """
+
+    pg: ProcessGroup
+    rank: int
+    size: int
+    backend: str
+    caps: Capabilities
+    device: torch.device
+    cpu_pg: Any = None
+    has_cpu_pg: bool = False
+
+
+_INFOS: dict[Any, GroupInfo] = {}
+_INFO_WORLD: list[Any] = [None]  # the default group the cached records belong to
+
+
+def group_info(group: ProcessGroup) -> GroupInfo:
+    """The cached :class:`GroupInfo` of ``group`` (a resolved group or ``None``)."""
+    default = dist.distributed_c10d._world.default_pg
+    if default is not _INFO_WORLD[0]:  # a new world: every old record is stale
+        _INFOS.clear()
+        _INFO_WORLD[0] = default
+    info = _INFOS.get(group)
+    if info is None:
+        info = _INFOS[group] = _probe(group)
+    return info
+
+
+def _probe(group: ProcessGroup) -> GroupInfo:
+    if not dist.is_initialized():
+        return GroupInfo(group, 0, 1, "none", _static_capabilities("none"), torch.device("cpu"))
+    name = str(dist.get_backend(group)).lower()
+    return GroupInfo(
+        group,
+        dist.get_rank(group),
+        dist.get_world_size(group),
+        name,
+        _static_capabilities(name),
+        comm_device(name),
+    )
+
+
+def cpu_group(info: GroupInfo) -> ProcessGroup:
+    """The group host-side integers travel on for ``info`` (see :class:`GroupInfo`).
+
+    Every member of the group calls this at the same point of the program (the first
+    size exchange on it), so the members-only group creation lines up.
+    """
+    if not info.has_cpu_pg:
+        if info.device.type == "cpu":
+            info.cpu_pg = info.pg
+        else:
+            ranks = dist.get_process_group_ranks(info.pg if info.pg is not None else dist.group.WORLD)
+            info.cpu_pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        info.has_cpu_pg = True
+    return info.cpu_pg
 
 
 # --------------------------------------------------------------------------------------
@@ -416,6 +493,10 @@ class Backend(Protocol):
     def rank(self, group: ProcessGroup) -> int: ...
     def world_size(self, group: ProcessGroup) -> int: ...
     def global_rank(self, group: ProcessGroup, rank: int) -> int: ...
+    def backend_name(self, group: ProcessGroup) -> str: ...
+    def capabilities(self, group: ProcessGroup = None) -> Capabilities: ...
+    def comm_device(self, group: ProcessGroup) -> torch.device: ...
+    def check_consistent(self, op: str, fields: dict[str, Any], group: ProcessGroup) -> None: ...
     def all_reduce(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor: ...
     def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor: ...
     def reduce(self, x: torch.Tensor, dst: int, op: str, group: ProcessGroup) -> torch.Tensor: ...
@@ -496,6 +577,16 @@ class _CoalescedOps:
     one raw call each, logged as **one** op (``<op>_coalesced``, total bytes, ``parts`` =
     the raw calls). Each buffer follows the single op's rules (dim 0, out-of-place)."""
 
+    if TYPE_CHECKING:  # the single ops the subclasses provide
+
+        def all_reduce(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor: ...
+        def _all_reduce_into(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor: ...
+        def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor: ...
+        def _broadcast_into(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor: ...
+        def reduce(self, x: torch.Tensor, dst: int, op: str, group: ProcessGroup) -> torch.Tensor: ...
+        def all_gather(self, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor: ...
+        def reduce_scatter(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor: ...
+
     def coalesced(
         self, op: str, group: ProcessGroup, xs: Sequence[torch.Tensor], fn: Callable[[torch.Tensor], Any]
     ) -> list[torch.Tensor]:
@@ -506,44 +597,46 @@ class _CoalescedOps:
     ) -> list[torch.Tensor]:
         """``owned``: the buffers are the caller's fresh contiguous packing, free to be
         reduced in place (saves a copy of the payload)."""
-        fn = self._all_reduce_into if owned else self.all_reduce  # type: ignore[attr-defined]
+        fn = self._all_reduce_into if owned else self.all_reduce
         return self.coalesced("all_reduce", group, xs, lambda x: fn(x, op, group))
 
     def broadcast_coalesced(
         self, xs: Sequence[torch.Tensor], src: int, group: ProcessGroup, owned: bool = False
     ) -> list[torch.Tensor]:
-        fn = self._broadcast_into if owned else self.broadcast  # type: ignore[attr-defined]
+        fn = self._broadcast_into if owned else self.broadcast
         return self.coalesced("broadcast", group, xs, lambda x: fn(x, src, group))
 
     def reduce_coalesced(
         self, xs: Sequence[torch.Tensor], dst: int, op: str, group: ProcessGroup
     ) -> list[torch.Tensor]:
-        return self.coalesced("reduce", group, xs, lambda x: self.reduce(x, dst, op, group))  # type: ignore[attr-defined]
+        return self.coalesced("reduce", group, xs, lambda x: self.reduce(x, dst, op, group))
 
     def all_gather_coalesced(self, xs: Sequence[torch.Tensor], group: ProcessGroup) -> list[torch.Tensor]:
         """Even all_gather along dim 0 of each buffer."""
-        return self.coalesced("all_gather", group, xs, lambda x: self.all_gather(x, group))  # type: ignore[attr-defined]
+        return self.coalesced("all_gather", group, xs, lambda x: self.all_gather(x, group))
 
     def reduce_scatter_coalesced(
         self, xs: Sequence[torch.Tensor], op: str, group: ProcessGroup
     ) -> list[torch.Tensor]:
         """Even reduce_scatter along dim 0 of each buffer."""
-        return self.coalesced("reduce_scatter", group, xs, lambda x: self.reduce_scatter(x, op, group))  # type: ignore[attr-defined]
+        return self.coalesced("reduce_scatter", group, xs, lambda x: self.reduce_scatter(x, op, group))
 
 
 class TorchDistributedBackend(_CoalescedOps):
     """The default :class:`Backend`: ``torch.distributed`` (gloo, nccl, mpi, ucc, xccl)."""
 
     def __init__(self) -> None:
-        self._caps: dict[str, Capabilities] = {}
         self.overrides: dict[str, bool] = {}  # force a capability off/on (tests of fallbacks)
 
-    # ---- group helpers -------------------------------------------------------------
+    # ---- group helpers (from the cached group record) --------------------------------
     def rank(self, group: ProcessGroup) -> int:
-        return dist.get_rank(group)
+        return group_info(group).rank
 
     def world_size(self, group: ProcessGroup) -> int:
-        return dist.get_world_size(group)
+        return group_info(group).size
+
+    def comm_device(self, group: ProcessGroup) -> torch.device:
+        return group_info(group).device
 
     def global_rank(self, group: ProcessGroup, rank: int) -> int:
         if group is None:
@@ -551,13 +644,10 @@ class TorchDistributedBackend(_CoalescedOps):
         return dist.get_global_rank(group, rank)
 
     def backend_name(self, group: ProcessGroup) -> str:
-        return str(dist.get_backend(group)).lower()
+        return group_info(group).backend
 
     def capabilities(self, group: ProcessGroup = None) -> Capabilities:
-        name = self.backend_name(group)
-        caps = self._caps.get(name)
-        if caps is None:
-            caps = self._caps[name] = _static_capabilities(name)
+        caps = group_info(group).caps
         if self.overrides:
             caps = Capabilities(**{**caps.as_dict(), **self.overrides})
         return caps
@@ -675,16 +765,18 @@ class TorchDistributedBackend(_CoalescedOps):
     # ---- gather family (dim 0) -----------------------------------------------------
     def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
         """Every rank's ``n`` (a small all_gather); used for uneven sizes."""
-        world = self.world_size(group)
+        info = group_info(group)
+        world = info.size
         if world == 1:
             return [n]
-        mine = torch.tensor([n], dtype=torch.int64, device=_comm_device(group))
-        out = torch.empty(world, dtype=torch.int64, device=mine.device)
+        side = cpu_group(info)  # host integers: never a device round trip
+        mine = torch.tensor([n], dtype=torch.int64)
+        out = torch.empty(world, dtype=torch.int64)
         _dispatch(
             "all_gather",
-            group,
+            side,
             8,
-            lambda: _all_gather_single(out, mine, group=group),
+            lambda: _all_gather_single(out, mine, group=side),
             lambda: out.fill_(n),
             None,
         )
@@ -845,7 +937,7 @@ class TorchDistributedBackend(_CoalescedOps):
             outs = [x.shape[0] // world] * world if ins is None else None
         if outs is None:  # infer: what rank j sends me is its ins[me]; exchange the matrix
             outs = self.all_to_all(
-                torch.tensor(ins, dtype=torch.int64, device=_comm_device(group)), group
+                torch.tensor(ins, dtype=torch.int64, device=group_info(group).device), group
             ).tolist()
         out = torch.empty((sum(outs), *rest), dtype=x.dtype, device=x.device)
 
@@ -934,7 +1026,7 @@ class TorchDistributedBackend(_CoalescedOps):
         names = list(fields)
         encoded = [_encode_field(fields[k]) for k in names]
         width = 1 + sum(len(e) for e in encoded)
-        width_t = torch.tensor([width], dtype=torch.int64, device=_comm_device(group))
+        width_t = torch.tensor([width], dtype=torch.int64, device=group_info(group).device)
         widths = self.all_gather(width_t, group).tolist()
         m = max(widths)
         vec = torch.full((m,), -7, dtype=torch.int64, device=width_t.device)
@@ -1006,9 +1098,9 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-def _comm_device(group: ProcessGroup) -> torch.device:
-    """The device small metadata tensors must live on for ``group``'s backend."""
-    return comm_device(dist.get_backend(group))
+wire = _wire
+
+
 
 
 # torch >= 2.12 renamed the single-tensor forms; use whichever this torch has (version gap
@@ -1051,6 +1143,15 @@ class TraceableBackend(_CoalescedOps):
     def global_rank(self, group: ProcessGroup, rank: int) -> int:
         return rank if group is None else dist.get_global_rank(group, rank)
 
+    def backend_name(self, group: ProcessGroup) -> str:
+        return str(dist.get_backend(group)).lower()
+
+    def capabilities(self, group: ProcessGroup = None) -> Capabilities:
+        return _static_capabilities(self.backend_name(group))
+
+    def comm_device(self, group: ProcessGroup) -> torch.device:
+        return comm_device(self.backend_name(group))
+
     @staticmethod
     def _pg(group: ProcessGroup) -> Any:
         return group if group is not None else dist.group.WORLD
@@ -1089,7 +1190,7 @@ class TraceableBackend(_CoalescedOps):
     def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
         """Every rank's ``n``; raises ``ValueError`` while compiling (pass ``sizes=``)."""
         if not torch.compiler.is_compiling():  # eager use (tests): a host read is fine
-            mine = torch.tensor([n], dtype=torch.int64, device=_comm_device(group))
+            mine = torch.tensor([n], dtype=torch.int64, device=group_info(group).device)
             return [int(v) for v in self.all_gather(mine, group).tolist()]
         raise ValueError(
             "diffcomm: under torch.compile the per-rank sizes of an all_gather/gather cannot "

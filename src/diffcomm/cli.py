@@ -59,9 +59,9 @@ def _probe_rank() -> dict[str, Any]:
 
     be = get_backend()
     return {
-        "backend": be.backend_name(None),  # type: ignore[attr-defined]
+        "backend": be.backend_name(None),
         "world_size": be.world_size(None),
-        "capabilities": be.capabilities(None).as_dict(),  # type: ignore[attr-defined]
+        "capabilities": be.capabilities(None).as_dict(),
     }
 
 

@@ -537,14 +537,14 @@ def _debug_check(opname: str, pg: PG, ts: Sequence[Tensor], /, **fields: Any) ->
     if not _config.DEBUG.get() or torch.compiler.is_compiling():
         return
     b = _b()
-    b.check_consistent(opname, {**fields, "length": len(ts)}, pg)  # type: ignore[attr-defined]
+    b.check_consistent(opname, {**fields, "length": len(ts)}, pg)
     world = _world(pg)
     if world == 1:
         return
     row: list[int] = []
     for t in ts:
         row += [_dtype_code(t.dtype), int(t.requires_grad), t.ndim, *t.shape]
-    device = B._comm_device(pg)
+    device = _b().comm_device(pg)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     width = int(b.all_gather(torch.tensor([mine.numel()], dtype=torch.int64, device=device), pg).max())
     padded = torch.full((1, width), -1, dtype=torch.int64, device=device)

@@ -43,7 +43,7 @@ from torch import Tensor
 from . import _args as A
 from . import _config
 from . import backend as B
-from ._op import CommOp, FastFunction, fn, jvp_free_twin, movedim0, only_on, unwrap_if_dead
+from ._op import CommOp, FastFunction, call, fn, jvp_free_twin, movedim0, only_on, unwrap_if_dead
 
 __all__ = [
     "all_reduce",
@@ -76,7 +76,7 @@ def _world(pg: PG) -> int:
 
 def _debug_check(opname: str, pg: PG, /, **fields: Any) -> None:
     if _config.DEBUG.get():
-        _b().check_consistent(opname, fields, pg)  # type: ignore[attr-defined]
+        _b().check_consistent(opname, fields, pg)
 
 
 def _check_input(x: Any, op: str) -> Tensor:
@@ -115,7 +115,7 @@ class _AllReduce(CommOp):
 
     @staticmethod
     def transpose(g: Tensor, op: str, pg: PG) -> Tensor:
-        return _AllReduce.apply(g, op, pg)
+        return call(_AllReduce, g, op, pg)
 
     @staticmethod
     def linearize(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -190,7 +190,7 @@ class _Broadcast(CommOp):
 
     @staticmethod
     def transpose(g: Tensor, src: int, pg: PG) -> Tensor:
-        return _Reduce.apply(g, src, "sum", pg)
+        return call(_Reduce, g, src, "sum", pg)
 
 
 def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None) -> Tensor:
@@ -238,7 +238,7 @@ class _Reduce(CommOp):
 
     @staticmethod
     def transpose(g: Tensor, dst: int, op: str, pg: PG) -> Tensor:
-        out = _Broadcast.apply(g, dst, pg)
+        out = call(_Broadcast, g, dst, pg)
         return out / _world(pg) if op == "avg" else out
 
 
@@ -293,7 +293,7 @@ class _AllGather(CommOp):
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        return _ReduceScatter.apply(g, dim, "sum", pg, sizes)
+        return call(_ReduceScatter, g, dim, "sum", pg, sizes)
 
 
 def all_gather(
@@ -358,7 +358,7 @@ class _ReduceScatter(CommOp):
 
     @staticmethod
     def transpose(g: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        out = _AllGather.apply(g, dim, pg, sizes)
+        out = call(_AllGather, g, dim, pg, sizes)
         return out / _world(pg) if op == "avg" else out
 
 
@@ -431,7 +431,7 @@ class _Gather(CommOp):
 
     @staticmethod
     def transpose(g: Tensor, dst: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        return _Scatter.apply(g, dst, dim, pg, sizes)
+        return call(_Scatter, g, dst, dim, pg, sizes)
 
 
 def gather(
@@ -495,7 +495,7 @@ class _Scatter(CommOp):
 
     @staticmethod
     def transpose(g: Tensor, src: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        return _Gather.apply(g, src, dim, pg, sizes)
+        return call(_Gather, g, src, dim, pg, sizes)
 
 
 def scatter(
@@ -567,7 +567,7 @@ class _AllToAll(CommOp):
     def transpose(
         g: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
     ) -> Tensor:
-        return _AllToAll.apply(g, concat_dim, split_dim, pg, outs, ins)
+        return call(_AllToAll, g, concat_dim, split_dim, pg, outs, ins)
 
 
 def _all_to_all_raw(
@@ -695,7 +695,7 @@ def all_to_all(
                 None,
             )
         with B.label("all_to_all (size exchange)"):
-            sent = torch.tensor(ins, dtype=torch.int64, device=B._comm_device(pg))
+            sent = torch.tensor(ins, dtype=torch.int64, device=_b().comm_device(pg))
             outs = _b().all_to_all(sent, pg, [1] * world, [1] * world).tolist()
     return _fn(_AllToAll).apply(x, split_dim, concat_dim, pg, tuple(ins), tuple(int(o) for o in outs))
 

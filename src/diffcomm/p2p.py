@@ -244,7 +244,7 @@ def _isend(buf: Tensor, dst: int, pg: PG, tag: int, what: str) -> None:
         work = native(buf, dst, pg, tag)
     else:
         wire = torch.view_as_real(buf) if buf.is_complex() else buf
-        work = B._dispatch(
+        work = B.dispatch(
             "send",
             pg,
             buf.numel() * buf.element_size(),
@@ -275,14 +275,14 @@ class _Posted:
         self.buf, self.pg = buf, pg
         self.work = None
         if buf.numel() and not B.is_off("recv"):
-            self.work = dist.irecv(B._wire(buf), group_src=src, group=pg, tag=tag)
+            self.work = dist.irecv(B.wire(buf), group_src=src, group=pg, tag=tag)
 
     def wait(self) -> Tensor:
         buf, work = self.buf, self.work
         if buf.numel() == 0:
             return buf
         self.work = None
-        B._dispatch(
+        B.dispatch(
             "recv", self.pg, buf.numel() * buf.element_size(),
             (lambda: work.wait()) if work is not None else (lambda: buf.zero_()),
             lambda: buf.zero_(), buf,
@@ -424,7 +424,7 @@ def _post_send(x: Tensor, dst: int, pg: PG, tag: int, requires_grad: bool, seq: 
     # a private contiguous copy: the send is asynchronous and the caller may reuse ``x``
     buf = x.detach().clone(memory_format=torch.contiguous_format)
     with B.label(f"send(dst={dst}, tag={tag})"):
-        header = _encode_header(x, requires_grad, seq).to(B._comm_device(pg))
+        header = _encode_header(x, requires_grad, seq).to(_b().comm_device(pg))
         _isend(header, dst, pg, tag, f"send(dst={dst}, tag={tag}) header")
         _isend(buf.reshape(-1).view(torch.uint8), dst, pg, tag, f"send(dst={dst}, tag={tag})")
 
@@ -585,10 +585,10 @@ def recv(
     tag = _check_tag(tag, "recv")
     want_shape, want_dtype = _expected(shape, dtype, like, "recv")
     if device is None:
-        device = like.device if like is not None else B._comm_device(pg)
+        device = like.device if like is not None else _b().comm_device(pg)
     _check_channel(pg, src, tag, "recv")
     seq = _next_seq(pg, src, tag, "recv")
-    header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=B._comm_device(pg))
+    header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=_b().comm_device(pg))
     with B.label(f"recv(src={src}, tag={tag}) header"):
         _recv_into(header, src, pg, tag)
     return _finish_recv(header, src, pg, tag, seq, want_shape, want_dtype, device)
@@ -700,7 +700,7 @@ class RecvHandle:
         device: Any,
     ) -> None:
         self._args = (src, pg, tag, seq, want_shape, want_dtype, device)
-        header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=B._comm_device(pg))
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=_b().comm_device(pg))
         self._header = _Posted(header, src, pg, tag)
         self._data = None
         if want_shape is not None and want_dtype is not None:
@@ -769,7 +769,7 @@ def irecv(
     want_shape, want_dtype = _expected(shape, dtype, like, "irecv")
     _check_channel(pg, src, tag, "irecv")
     if device is None:
-        device = like.device if like is not None else B._comm_device(pg)
+        device = like.device if like is not None else _b().comm_device(pg)
     seq = _next_seq(pg, src, tag, "recv")
     return RecvHandle(src, pg, tag, seq, want_shape, want_dtype, device)
 
@@ -793,7 +793,7 @@ def post_grad_recv(token: Tensor) -> bool:
     ctx = token.grad_fn
     if ctx is None:
         return False
-    if not isinstance(ctx, _Send._backward_cls):  # type: ignore[attr-defined]
+    if not isinstance(ctx, getattr(_Send, "_backward_cls")):  # noqa: B009 - torch sets it per Function
         raise A.arg_error("post_grad_recv", "token", "a dc.send token", type(ctx).__name__, TypeError)
     if getattr(ctx, "posted", None) is not None:
         return False
@@ -838,7 +838,7 @@ def _exchange(
 def _check_headers(
     x: Tensor, dst: int | None, src: int | None, out_shape: torch.Size, pg: PG, opname: str
 ) -> None:
-    dev = B._comm_device(pg)
+    dev = _b().comm_device(pg)
     ops: list[tuple[str, Tensor, int, int]] = []
     got = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=dev)
     if dst is not None:
@@ -1015,7 +1015,7 @@ def shift(x: Tensor, offset: int = 1, group: A.GroupLike = None) -> Tensor:
     if offset % _world(pg) == 0:
         return x.clone()
     if _config.DEBUG.get():
-        _b().check_consistent("shift", {"offset": offset % _world(pg)}, pg)  # type: ignore[attr-defined]
+        _b().check_consistent("shift", {"offset": offset % _world(pg)}, pg)
     return _Shift.apply(x, offset, pg)
 
 
@@ -1086,7 +1086,7 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], group: A.GroupLike = No
     pg = A.resolve_group(group, "ppermute")
     pairs = _check_perm(perm, _world(pg))
     if _config.DEBUG.get():
-        _b().check_consistent(  # type: ignore[attr-defined]
+        _b().check_consistent(
             "ppermute", {"perm": [v for p in sorted(pairs) for v in p], "n": len(pairs)}, pg
         )
     return _PPermute.apply(x, pairs, pg)

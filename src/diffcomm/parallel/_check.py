@@ -91,7 +91,7 @@ def check_replicated(t: Tensor, where: str, subject: str, hint: str, group: Any)
         return
     x = plain(t)
     with torch.no_grad(), B.label(f"{where} (debug check)"):
-        mine = fingerprint(x).to(B._comm_device(group))
+        mine = fingerprint(x).to(B.get_backend().comm_device(group))
         table = backend.all_gather(mine.reshape(1, -1), group).cpu()
         bits = table.view(torch.int64)
         if bool((bits == bits[0]).all()):
@@ -103,7 +103,7 @@ def check_replicated(t: Tensor, where: str, subject: str, hint: str, group: Any)
                 f"diffcomm.{where}: {subject} should be the same on every rank, but its shape "
                 f"differs ({per_rank}). {hint}"
             )
-        flat = _as_real64(x).reshape(1, -1).to(B._comm_device(group))
+        flat = _as_real64(x).reshape(1, -1).to(B.get_backend().comm_device(group))
         full = backend.all_gather(flat, group).cpu()
     classes = _classes(full, _tolerance(x.dtype))
     if len(classes) == 1:

@@ -493,7 +493,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             sp_dim = A.check_dim(x, self.sequence_dim, op, "sequence_dim")
             if _config.DEBUG.get():
-                B.get_backend().check_consistent(  # type: ignore[attr-defined]
+                B.get_backend().check_consistent(
                     op, {"shape": tuple(x.shape), "dtype": x.dtype}, self._pg
                 )
         elif _config.DEBUG.get():

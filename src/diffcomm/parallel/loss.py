@@ -189,7 +189,7 @@ def vocab_parallel_cross_entropy(
         )
     debug = bool(_config.DEBUG.get())
     if debug:
-        B.get_backend().check_consistent(  # type: ignore[attr-defined]
+        B.get_backend().check_consistent(
             _OP, {"logits_shape": tuple(logits.shape), "dtype": logits.dtype}, pg
         )
         check_replicated(

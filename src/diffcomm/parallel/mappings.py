@@ -107,7 +107,7 @@ def _debug() -> bool:
 
 def _check_shape(name: str, x: Tensor, pg: PG) -> None:
     """Debug mode: the shapes and dtypes agree across ranks (raises naming the ranks)."""
-    _backend().check_consistent(  # type: ignore[attr-defined]
+    _backend().check_consistent(
         f"parallel.{name}", {"shape": tuple(x.shape), "dtype": x.dtype}, pg
     )
 

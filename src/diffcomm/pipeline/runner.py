@@ -263,7 +263,7 @@ class PipelineRunner:
         )
         steps = self.steps(n_micro)
         if _config.DEBUG.get():
-            B.get_backend().check_consistent(  # type: ignore[attr-defined]
+            B.get_backend().check_consistent(
                 "PipelineRunner.step",
                 {"n_micro": n_micro, "schedule": self.schedule_name, "n_chunks": self.n_chunks},
                 self.pg,
@@ -301,7 +301,8 @@ class PipelineRunner:
             self.input_grad = torch.cat(grads)
         self._inputs_kept, self._posted, self._like = [], {}, {}
         if self.broadcast_loss and self.n_stages > 1:
-            out = B.get_backend().broadcast(total.to(B._comm_device(self.pg)), self.n_stages - 1, self.pg)
+            be = B.get_backend()
+            out = be.broadcast(total.to(be.comm_device(self.pg)), self.n_stages - 1, self.pg)
             return out.cpu()
         return total if self.is_last else None
 

@@ -40,13 +40,13 @@ def _inner(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _sum_over_ranks(values: Sequence[float] | Tensor, pg: Any) -> Tensor:
-    t = torch.as_tensor(values, dtype=torch.float64).reshape(-1).to(B._comm_device(pg))
+    t = torch.as_tensor(values, dtype=torch.float64).reshape(-1).to(B.get_backend().comm_device(pg))
     with B.label("diffcomm.testing (sum over ranks)"):
         return B.get_backend().all_reduce(t, "sum", pg).cpu()
 
 
 def _gather_rows(row: Tensor, pg: Any) -> Tensor:
-    t = row.to(torch.float64).reshape(1, -1).to(B._comm_device(pg))
+    t = row.to(torch.float64).reshape(1, -1).to(B.get_backend().comm_device(pg))
     with B.label("diffcomm.testing (exchange)"):
         return B.get_backend().all_gather(t, pg).cpu()
 
