@@ -5,7 +5,8 @@ Model: ``depth`` x (Linear(width, width) + GELU), float32, MSE loss, batch ``bat
 reports, for diffcomm's :class:`~diffcomm.pipeline.PipelineRunner`:
 
 * the **bubble fraction** measured from the per-step timelines (time blocked in receives
-  counts as idle; median over rounds) next to its theory: ``(p-1)/(m+p-1)`` for GPipe and
+  counts as idle; median and best over rounds — the best round is the one least disturbed
+  by other load on the machine) next to its theory: ``(p-1)/(m+p-1)`` for GPipe and
   1F1B, ``(p-1)/(v*m+p-1)`` for interleaved (``v = 2``), and for ZB-H1
   ``(p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W))`` with this run's measured mean ``F``,
   ``I``, ``W`` step times (``I``, ``W`` from ranks 1.., whose backward splits);
@@ -166,7 +167,7 @@ def _zb_theory(p: int, m: int, timelines: list[list[TimelineEntry]]) -> float:
             if e.kind == "F" or rank > 0:
                 busy[e.kind].append(e.busy)
     f, i, w = (statistics.mean(busy[k]) for k in "FIW")
-    idle = (p - 1) * (f + i - w)
+    idle = max(0.0, (p - 1) * (f + i - w))  # W >= F + I: the drain is all W, no idle
     return idle / (m * (f + i + w) + idle)
 
 
@@ -179,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (after 1 warm-up)")
-    ap.add_argument("--plot", default=None, help="write a timeline PNG (one panel per schedule, largest m)")
+    ap.add_argument(
+        "--plot", default=None, help="write a timeline PNG (one panel per schedule, largest m, median round)"
+    )
     args = ap.parse_args(argv)
     if args.plot:
         import matplotlib  # noqa: F401 - fail before measuring, not after
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"cores: {os.cpu_count()}; torch {torch.__version__}; {args.rounds} rounds per row\n")
     head = (
-        f"{'p':>2} {'m':>2} {'schedule':<15} {'bubble':>6} {'theory':>6} {'ms/step':>8} "
+        f"{'p':>2} {'m':>2} {'schedule':<15} {'bubble':>6} {'best':>6} {'theory':>6} {'ms/step':>8} "
         f"{'vs torch':>17} {'grad diff':>9}  peak activation MiB per stage"
     )
     print(head)
@@ -206,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                     bubbles = [
                         bubble_fraction([_entries(r["bubble"][i]) for r in res]) for i in range(args.rounds)
                     ]
-                    timelines = [_entries(r["bubble"][-1]) for r in res]
+                    mid = sorted(range(args.rounds), key=lambda i: bubbles[i])[args.rounds // 2]
+                    timelines = [_entries(r["bubble"][mid]) for r in res]  # the median round
                     if schedule == "zb-h1":
                         theory = statistics.median(
                             _zb_theory(p, m, [_entries(r["bubble"][i]) for r in res])
@@ -227,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                     diff_s = f"{diff:9.1e}" if SCHEDULES[schedule][1] and not errs else f"{'-':>9}"
                     peaks = " ".join(f"{r['peak'] / 2**20:6.1f}" for r in res)
                     print(
-                        f"{p:>2} {m:>2} {schedule:<15} {statistics.median(bubbles):6.3f} {theory:6.3f} "
+                        f"{p:>2} {m:>2} {schedule:<15} {statistics.median(bubbles):6.3f} {min(bubbles):6.3f} "
+                        f"{theory:6.3f} "
                         f"{statistics.median(t_dc) * 1e3:8.1f} {vs:>17} {diff_s}  {peaks}",
                         flush=True,
                     )
