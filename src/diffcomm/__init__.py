@@ -23,6 +23,7 @@ _SUBMODULES = ("accelerator", "backend", "compat", "parallel", "pipeline", "rng"
 
 #: public name -> the submodule defining it
 _EXPORTS: dict[str, str] = {
+    "AsyncTensor": "_async",
     "debug": "_config",
     "settings": "_config",
     "timeout": "_config",
@@ -69,6 +70,7 @@ _EXPORTS: dict[str, str] = {
 
 if TYPE_CHECKING:
     from . import accelerator, backend, compat, parallel, pipeline, rng
+    from ._async import AsyncTensor
     from ._config import debug, settings, timeout
     from ._errors import (
         CollectiveTimeoutError,
@@ -112,6 +114,7 @@ __all__ = [
     "parallel",
     "pipeline",
     "rng",
+    "AsyncTensor",
     "DUALS",
     "OPS",
     "all_gather",

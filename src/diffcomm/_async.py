@@ -368,3 +368,152 @@ def launch(
     if backward is None or not (x.requires_grad and torch.is_grad_enabled()):
         return AsyncTensor(_submit_checked(x, name, raw), *meta)
     return _Launch.apply(x, name, raw, meta, backward)
+
+
+# ======================================================================================
+# asynchronous autograd Functions: ``async_op=True`` of the collectives
+# ======================================================================================
+
+#: ``{Function class: out_shapes(args) -> shape | [shapes]}`` of the Functions that can
+#: run asynchronously (the collectives and the coalesced ops register theirs).
+OUT_SHAPES: dict[type, Callable[[tuple[Any, ...]], Any]] = {}
+
+_MODE = threading.local()
+
+
+class async_mode:  # noqa: N801 - used like a function
+    """Within the block, applying a registered Function launches it asynchronously.
+
+    The public ops wrap their ``apply`` in it when ``async_op=True``; an asynchronous
+    op's backward runs its Function's own backward rule inside it, so the dual op the
+    rule applies is launched asynchronously too (thread-local: the engine thread's jobs
+    never launch).
+    """
+
+    __slots__ = ("old",)
+
+    def __enter__(self) -> None:
+        self.old = getattr(_MODE, "on", False)
+        _MODE.on = True
+
+    def __exit__(self, *exc: object) -> None:
+        _MODE.on = self.old
+
+
+def launching(cls: type) -> bool:
+    """Whether ``cls.apply`` should launch asynchronously now (see :class:`async_mode`)."""
+    return getattr(_MODE, "on", False) and cls in OUT_SHAPES and available()
+
+
+class _Part:
+    """Element ``i`` of a job returning a tuple (a coalesced op's outputs)."""
+
+    __slots__ = ("handle", "i", "name")
+
+    def __init__(self, handle: Handle, i: int) -> None:
+        self.handle, self.i, self.name = handle, i, handle.name
+
+    @property
+    def _event(self) -> threading.Event:
+        return self.handle._event
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def wait(self) -> Any:
+        return self.handle.wait()[self.i]
+
+
+class _Ctx:
+    """The autograd context a Function's ``setup_context`` / ``backward`` see when an
+    asynchronous op replays them (plain attributes; saved tensors kept as given)."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors: tuple[Any, ...] = ()
+        self.materialize_grads = True
+
+    def save_for_backward(self, *ts: Any) -> None:
+        self.saved_tensors = ts
+
+    def save_for_forward(self, *ts: Any) -> None:
+        pass
+
+    def mark_non_differentiable(self, *ts: Any) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        self.materialize_grads = value
+
+
+class _LaunchFn(torch.autograd.Function):
+    """``cls.apply(*args)`` asynchronously: forward launches ``cls.forward(*args)`` on the
+    engine and returns :class:`AsyncTensor` outputs; backward replays ``cls``'s
+    ``setup_context`` and ``backward`` on a :class:`_Ctx` inside :class:`async_mode`."""
+
+    @staticmethod
+    def forward(ctx: Any, cls: type, args: tuple[Any, ...], pos: tuple[int, ...], *tensors: Tensor) -> Any:
+        # (the outputs are not kept on ctx: backward reads the finished ones from the handle)
+        shapes = OUT_SHAPES[cls](args)
+        multi = isinstance(shapes, list)
+        name = getattr(cls, "name", "") or cls.__name__.lstrip("_")
+        versions = [(t, t._version) for t in tensors]
+
+        def job() -> Any:
+            for t, v in versions:
+                if t._version != v:
+                    raise RuntimeError(
+                        f"diffcomm: an input of asynchronous {name} was modified in place after the op was "
+                        "launched and before its communication ran; wait for the result (or use it) "
+                        "before modifying the input, or pass a copy"
+                    )
+            plain = tuple(_plain(a).detach() if isinstance(a, Tensor) else a for a in args)
+            out = cls.forward(*plain)  # type: ignore[attr-defined]
+            return tuple(out) if multi else out
+
+        handle = _ENGINE.submit(job, name)
+        first = tensors[0]
+        if multi:
+            dtypes = [t.dtype for t in tensors]
+            outs = tuple(
+                AsyncTensor(_Part(handle, i), s, dtypes[i], first.device)  # type: ignore[arg-type]
+                for i, s in enumerate(shapes)
+            )
+        else:
+            outs = AsyncTensor(handle, shapes, first.dtype, first.device)
+        ctx.cls, ctx.args, ctx.pos, ctx.handle = cls, args, pos, handle
+        if multi:
+            nondiff = [o for o in outs if not (o.dtype.is_floating_point or o.dtype.is_complex)]
+            if nondiff:
+                ctx.mark_non_differentiable(*nondiff)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
+        cls, args, pos = ctx.cls, ctx.args, ctx.pos
+        outs = ctx.handle.wait()  # finished long ago: backward runs after the forward's use
+        needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        c = _Ctx(needs)
+        cls.setup_context(c, args, outs)  # type: ignore[attr-defined]
+        with async_mode():
+            grads = cls.backward(c, *gs)  # type: ignore[attr-defined]
+        if not isinstance(grads, tuple):
+            grads = (grads,)
+        return (None, None, None, *(grads[i] for i in pos))
+
+
+def launch_fn(cls: type, args: tuple[Any, ...]) -> Any:
+    """``cls.apply(*args)`` launched on the engine (outputs: :class:`AsyncTensor`)."""
+    pos = tuple(i for i, a in enumerate(args) if isinstance(a, Tensor))
+    tensors = tuple(args[i] for i in pos)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _LaunchFn.apply(cls, args, pos, *tensors)
+    with torch.no_grad():
+        return _LaunchFn.forward(_NoCtx(), cls, args, pos, *tensors)
+
+
+class _NoCtx:
+    """Stand-in context when no gradient is recorded."""
+
+    def mark_non_differentiable(self, *ts: Any) -> None:
+        pass

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from . import _async
 from . import backend as B
 
 __all__ = ["CommOp", "FastFunction", "call", "fn", "only_on", "batch_first", "movedim0"]
@@ -61,6 +62,8 @@ class FastFunction(torch.autograd.Function):
         # ("AutogradFunctionVariable() is not a constant"): so run it eagerly (~1 us).
         if _transforms_active() or torch.compiler.is_compiling():
             return super().apply(*args)
+        if _async.launching(cls):  # async_op=True, or an asynchronous op's backward
+            return _async.launch_fn(cls, args)
         return _c_apply(cls, _unwrap_if_dead(args[0]), *args[1:])
 
 

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from . import _args as A
-from . import _config
+from . import _async, _config
 from . import backend as B
 from ._errors import CrossRankMismatchError
 from ._op import FastFunction as _Collective
@@ -56,7 +56,7 @@ from ._op import fn as _fn
 from ._op import jvp_free_twin as _jvp_free_twin
 from ._op import only_on as _only_on
 from ._op import unwrap_if_dead as _unwrap_if_dead
-from .collectives import OpSpec
+from .collectives import OpSpec, _async_if
 
 __all__ = [
     "all_reduce_coalesced",
@@ -102,6 +102,8 @@ class _CoalescedFn(_Collective):
     def apply(cls, *args: Any) -> Any:  # type: ignore[override]
         if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
             return super(_Collective, cls).apply(*args)
+        if _async.launching(cls):  # async_op=True, or an asynchronous op's backward
+            return _async.launch_fn(cls, args)
         n = cls._NMETA
         return super(torch.autograd.Function, cls).apply(
             _unwrap_if_dead(args[0]), *args[1 : n + 1], *(_unwrap_if_dead(a) for a in args[n + 1 :])
@@ -584,7 +586,7 @@ def _decode(row: list[int], n: int) -> list[str]:
 
 
 def all_reduce_coalesced(
-    tensors: Sequence[Tensor], op: Any = "sum", group: A.GroupLike = None
+    tensors: Sequence[Tensor], op: Any = "sum", group: A.GroupLike = None, *, async_op: bool = False
 ) -> list[Tensor]:
     """Reduce every tensor of ``tensors`` over the ranks: one communication per dtype.
 
@@ -593,6 +595,9 @@ def all_reduce_coalesced(
             device); the same list (length, shapes, dtypes) on every rank.
         op: reduce op as for :func:`diffcomm.all_reduce` (checked against every dtype).
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        async_op: return at once a list of :class:`~diffcomm.AsyncTensor` that wait for
+            the one communication on first use; values and gradients equal the blocking
+            op's, and the backward is asynchronous too (``docs/async.md``).
 
     Returns:
         A list of new tensors, ``out[i]`` of ``tensors[i].shape`` equal to
@@ -616,10 +621,13 @@ def all_reduce_coalesced(
     op_name = _check_op(op, ts, name)
     pg = A.resolve_group(group, name)
     _debug_check(name, pg, ts, op=op_name)
-    return list(_call(_fn(_AllReduceList), 2, op_name, pg, *ts))
+    with _async_if(async_op):
+        return list(_call(_fn(_AllReduceList), 2, op_name, pg, *ts))
 
 
-def broadcast_coalesced(tensors: Sequence[Tensor], src: int = 0, group: A.GroupLike = None) -> list[Tensor]:
+def broadcast_coalesced(
+    tensors: Sequence[Tensor], src: int = 0, group: A.GroupLike = None, *, async_op: bool = False
+) -> list[Tensor]:
     """Every rank gets rank ``src``'s tensors: one communication per dtype.
 
     Args:
@@ -627,6 +635,9 @@ def broadcast_coalesced(tensors: Sequence[Tensor], src: int = 0, group: A.GroupL
             device), same shapes and dtypes on every rank (only ``src``'s values matter).
         src: group-local rank whose tensors are sent.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        async_op: return at once a list of :class:`~diffcomm.AsyncTensor` that wait for
+            the one communication on first use; values and gradients equal the blocking
+            op's, and the backward is asynchronous too (``docs/async.md``).
 
     Returns:
         A list of new tensors, ``out[i]`` of ``tensors[i].shape`` holding ``src``'s
@@ -647,11 +658,17 @@ def broadcast_coalesced(tensors: Sequence[Tensor], src: int = 0, group: A.GroupL
     pg = A.resolve_group(group, name)
     src = A.check_rank(src, name, "src", _world(pg))
     _debug_check(name, pg, ts, src=src)
-    return list(_call(_fn(_BroadcastList), 2, src, pg, *ts))
+    with _async_if(async_op):
+        return list(_call(_fn(_BroadcastList), 2, src, pg, *ts))
 
 
 def reduce_coalesced(
-    tensors: Sequence[Tensor], dst: int = 0, op: Any = "sum", group: A.GroupLike = None
+    tensors: Sequence[Tensor],
+    dst: int = 0,
+    op: Any = "sum",
+    group: A.GroupLike = None,
+    *,
+    async_op: bool = False,
 ) -> list[Tensor]:
     """Reduce every tensor over the ranks onto ``dst``; zeros elsewhere. One communication
     per dtype (the dual of :func:`broadcast_coalesced`).
@@ -662,6 +679,9 @@ def reduce_coalesced(
         dst: group-local rank that receives the reductions.
         op: reduce op as for :func:`diffcomm.all_reduce`.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        async_op: return at once a list of :class:`~diffcomm.AsyncTensor` that wait for
+            the one communication on first use; values and gradients equal the blocking
+            op's, and the backward is asynchronous too (``docs/async.md``).
 
     Returns:
         A list of new tensors, ``out[i]`` of ``tensors[i].shape``: ``dc.reduce(tensors[i],
@@ -684,11 +704,12 @@ def reduce_coalesced(
     pg = A.resolve_group(group, name)
     dst = A.check_rank(dst, name, "dst", _world(pg))
     _debug_check(name, pg, ts, op=op_name, dst=dst)
-    if op_name in A.LINEAR_OPS:
-        return list(_call(_fn(_ReduceList), 3, dst, op_name, pg, *ts))
-    # max/min/product: every rank needs the result for its gradient anyway (as dc.reduce)
-    full = _call(_fn(_AllReduceList), 2, op_name, pg, *ts)
-    return [_only_on(y, _rank(pg) == dst) for y in full]
+    with _async_if(async_op):
+        if op_name in A.LINEAR_OPS:
+            return list(_call(_fn(_ReduceList), 3, dst, op_name, pg, *ts))
+        # max/min/product: every rank needs the result for its gradient anyway (as dc.reduce)
+        full = _call(_fn(_AllReduceList), 2, op_name, pg, *ts)
+        return [_only_on(y, _rank(pg) == dst) for y in full]
 
 
 def _check_dims(ts: Sequence[Tensor], dim: Any, op: str) -> list[int]:
@@ -700,7 +721,9 @@ def _check_dims(ts: Sequence[Tensor], dim: Any, op: str) -> list[int]:
     return dims
 
 
-def all_gather_coalesced(tensors: Sequence[Tensor], dim: int = 0, group: A.GroupLike = None) -> list[Tensor]:
+def all_gather_coalesced(
+    tensors: Sequence[Tensor], dim: int = 0, group: A.GroupLike = None, *, async_op: bool = False
+) -> list[Tensor]:
     """Concatenate every rank's ``tensors[i]`` along ``dim``: one communication per dtype.
 
     Args:
@@ -709,6 +732,9 @@ def all_gather_coalesced(tensors: Sequence[Tensor], dim: int = 0, group: A.Group
             sizes along ``dim`` that differ between ranks use :func:`diffcomm.all_gather`).
         dim: the dimension to concatenate along (negative counts from each tensor's end).
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        async_op: return at once a list of :class:`~diffcomm.AsyncTensor` that wait for
+            the one communication on first use; values and gradients equal the blocking
+            op's, and the backward is asynchronous too (``docs/async.md``).
 
     Returns:
         A list of new tensors: ``out[i]`` is ``tensors[i].shape`` with ``dim`` of size
@@ -729,11 +755,17 @@ def all_gather_coalesced(tensors: Sequence[Tensor], dim: int = 0, group: A.Group
     dims = _check_dims(ts, dim, name)
     pg = A.resolve_group(group, name)
     _debug_check(name, pg, ts, dim=dim)
-    return list(_call(_fn(_AllGatherList), 2, tuple(dims), pg, *ts))
+    with _async_if(async_op):
+        return list(_call(_fn(_AllGatherList), 2, tuple(dims), pg, *ts))
 
 
 def reduce_scatter_coalesced(
-    tensors: Sequence[Tensor], dim: int = 0, op: Any = "sum", group: A.GroupLike = None
+    tensors: Sequence[Tensor],
+    dim: int = 0,
+    op: Any = "sum",
+    group: A.GroupLike = None,
+    *,
+    async_op: bool = False,
 ) -> list[Tensor]:
     """Reduce every tensor over ranks and give rank ``r`` chunk ``r`` of each along ``dim``.
 
@@ -744,6 +776,9 @@ def reduce_scatter_coalesced(
         dim: the dimension to split (negative counts from each tensor's end).
         op: reduce op as for :func:`diffcomm.all_reduce`.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        async_op: return at once a list of :class:`~diffcomm.AsyncTensor` that wait for
+            the one communication on first use; values and gradients equal the blocking
+            op's, and the backward is asynchronous too (``docs/async.md``).
 
     Returns:
         A list of new tensors: ``out[i]`` is ``tensors[i].shape`` with ``dim`` of size
@@ -776,15 +811,16 @@ def reduce_scatter_coalesced(
                 f"shape {list(t.shape)}",
             )
     _debug_check(name, pg, ts, op=op_name, dim=dim)
-    if op_name in A.LINEAR_OPS:
-        return list(_call(_fn(_ReduceScatterList), 3, tuple(dims), op_name, pg, *ts))
-    # max/min/product: reduce everything, keep the own chunk (as dc.reduce_scatter)
-    full = _call(_fn(_AllReduceList), 2, op_name, pg, *ts)
-    out = []
-    for y, d in zip(full, dims):
-        c = y.shape[d] // world
-        out.append(y.narrow(d, rank * c, c))
-    return out
+    with _async_if(async_op):
+        if op_name in A.LINEAR_OPS:
+            return list(_call(_fn(_ReduceScatterList), 3, tuple(dims), op_name, pg, *ts))
+        # max/min/product: reduce everything, keep the own chunk (as dc.reduce_scatter)
+        full = _call(_fn(_AllReduceList), 2, op_name, pg, *ts)
+        out = []
+        for y, d in zip(full, dims):
+            c = y.shape[d] // world
+            out.append(y.narrow(d, rank * c, c))
+        return out
 
 
 # ======================================================================================
@@ -843,3 +879,30 @@ def coalesced_markdown() -> str:
     for s in COALESCED_OPS.values():
         lines.append(f"| `{s.name}` | {s.forward} | `{s.dual}` | {s.backward} |")
     return "\n".join(lines)
+
+
+# asynchronous coalesced ops: output shapes (Function arguments: tensor, *meta, *tensors)
+
+
+def _list_shapes(n: int, scale: Any = None) -> Any:
+    def shapes(a: tuple[Any, ...]) -> list[tuple[int, ...]]:
+        ts = [a[0], *a[n + 1 :]]
+        if scale is None:
+            return [tuple(t.shape) for t in ts]
+        dims, world = a[1], _world(a[n])
+        return [
+            tuple(scale(s, world) if i == d else s for i, s in enumerate(t.shape)) for t, d in zip(ts, dims)
+        ]
+
+    return shapes
+
+
+_async.OUT_SHAPES.update(
+    {
+        _AllReduceList: _list_shapes(2),
+        _BroadcastList: _list_shapes(2),
+        _ReduceList: _list_shapes(3),
+        _AllGatherList: _list_shapes(2, lambda s, w: s * w),
+        _ReduceScatterList: _list_shapes(3, lambda s, w: s // w),
+    }
+)

@@ -33,6 +33,7 @@ rank-local facts that could differ between ranks, and only call public diffcomm 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ import torch
 from torch import Tensor
 
 from . import _args as A
-from . import _config
+from . import _async, _config
 from . import backend as B
 from ._op import CommOp, FastFunction, call, fn, jvp_free_twin, movedim0, only_on, unwrap_if_dead
 
@@ -89,6 +90,16 @@ _movedim0 = movedim0
 _only_on = only_on
 _fn = fn
 _Collective = FastFunction  # the cheap-apply base (coalesced ops build on it)
+_NO_ASYNC = contextlib.nullcontext()
+
+
+def _async_if(async_op: bool) -> Any:
+    """``with`` block around a public op's ``apply``: with ``async_op=True`` the op's
+    Function is launched on the communication engine (:mod:`diffcomm._async`), where
+    that is possible (not under ``torch.func`` / ``torch.compile``: then it runs blocking)."""
+    return _async.async_mode() if async_op and _async.available() else _NO_ASYNC
+
+
 _jvp_free_twin = jvp_free_twin
 _unwrap_if_dead = unwrap_if_dead
 
@@ -143,7 +154,7 @@ def _nonlinear_weight(op: str, x: Tensor, y: Tensor, pg: PG) -> Tensor:
     return xs[:rank].prod(0) * xs[rank + 1 :].prod(0)
 
 
-def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None) -> Tensor:
+def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None, *, async_op: bool = False) -> Tensor:
     """Reduce ``x`` over the ranks of ``group``; every rank gets the result.
 
     Args:
@@ -152,6 +163,10 @@ def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None) -> Tensor:
             ``torch.distributed.ReduceOp``. ``max``/``min`` need a real dtype; ``avg`` a
             floating or complex one.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
+            communication on first use (``.wait()`` returns the finished tensor); values
+            and gradients equal the blocking op's, and the backward is asynchronous too
+            (``docs/async.md``).
 
     Returns:
         A new tensor of ``x.shape``: the reduction over ranks.
@@ -171,7 +186,8 @@ def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None) -> Tensor:
     op_name = A.normalize_op(op, "all_reduce", x)
     pg = A.resolve_group(group, "all_reduce")
     _debug_check("all_reduce", pg, op=op_name, shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
-    return _fn(_AllReduce).apply(x, op_name, pg)
+    with _async_if(async_op):
+        return _fn(_AllReduce).apply(x, op_name, pg)
 
 
 # ======================================================================================
@@ -193,13 +209,17 @@ class _Broadcast(CommOp):
         return call(_Reduce, g, src, "sum", pg)
 
 
-def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None) -> Tensor:
+def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None, *, async_op: bool = False) -> Tensor:
     """Every rank gets rank ``src``'s ``x``.
 
     Args:
         x: tensor of the same shape and dtype on every rank (only ``src``'s values matter).
         src: group-local rank whose tensor is sent.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
+            communication on first use (``.wait()`` returns the finished tensor); values
+            and gradients equal the blocking op's, and the backward is asynchronous too
+            (``docs/async.md``).
 
     Returns:
         A new tensor of ``x.shape`` holding ``src``'s values.
@@ -218,7 +238,8 @@ def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None) -> Tensor:
     pg = A.resolve_group(group, "broadcast")
     src = A.check_rank(src, "broadcast", "src", _world(pg))
     _debug_check("broadcast", pg, src=src, shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
-    return _fn(_Broadcast).apply(x, src, pg)
+    with _async_if(async_op):
+        return _fn(_Broadcast).apply(x, src, pg)
 
 
 class _Reduce(CommOp):
@@ -242,7 +263,9 @@ class _Reduce(CommOp):
         return out / _world(pg) if op == "avg" else out
 
 
-def reduce(x: Tensor, dst: int = 0, op: Any = "sum", group: A.GroupLike = None) -> Tensor:
+def reduce(
+    x: Tensor, dst: int = 0, op: Any = "sum", group: A.GroupLike = None, *, async_op: bool = False
+) -> Tensor:
     """Reduce ``x`` over ranks onto ``dst``; other ranks get zeros of the same shape.
 
     Args:
@@ -250,6 +273,10 @@ def reduce(x: Tensor, dst: int = 0, op: Any = "sum", group: A.GroupLike = None) 
         dst: group-local rank that receives the reduction.
         op: reduce op as for :func:`all_reduce`.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
+            communication on first use (``.wait()`` returns the finished tensor); values
+            and gradients equal the blocking op's, and the backward is asynchronous too
+            (``docs/async.md``).
 
     Returns:
         A new tensor of ``x.shape``: the reduction on ``dst``, zeros elsewhere (uniform
@@ -270,10 +297,11 @@ def reduce(x: Tensor, dst: int = 0, op: Any = "sum", group: A.GroupLike = None) 
     pg = A.resolve_group(group, "reduce")
     dst = A.check_rank(dst, "reduce", "dst", _world(pg))
     _debug_check("reduce", pg, op=op_name, dst=dst, shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
-    if op_name in A.LINEAR_OPS:
-        return _fn(_Reduce).apply(x, dst, op_name, pg)
-    # max/min/product: every rank needs the extreme/product for its gradient anyway
-    return _only_on(_fn(_AllReduce).apply(x, op_name, pg), _rank(pg) == dst)
+    with _async_if(async_op):
+        if op_name in A.LINEAR_OPS:
+            return _fn(_Reduce).apply(x, dst, op_name, pg)
+        # max/min/product: every rank needs the extreme/product for its gradient anyway
+        return _only_on(_fn(_AllReduce).apply(x, op_name, pg), _rank(pg) == dst)
 
 
 # ======================================================================================
@@ -297,7 +325,12 @@ class _AllGather(CommOp):
 
 
 def all_gather(
-    x: Tensor, dim: int = 0, group: A.GroupLike = None, *, sizes: Sequence[int] | None = None
+    x: Tensor,
+    dim: int = 0,
+    group: A.GroupLike = None,
+    *,
+    sizes: Sequence[int] | None = None,
+    async_op: bool = False,
 ) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim``; every rank gets the result.
 
@@ -307,6 +340,10 @@ def all_gather(
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         sizes: keyword-only; every rank's ``x.shape[dim]`` if already known. Without it the
             sizes are exchanged first (one tiny all_gather), so uneven sizes just work.
+        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
+            communication on first use (``.wait()`` returns the finished tensor); values
+            and gradients equal the blocking op's, and the backward is asynchronous too
+            (``docs/async.md``).
 
     Returns:
         A new tensor: ``x.shape`` with ``dim`` of size ``sum(sizes)``; rank ``r``'s block
@@ -337,7 +374,8 @@ def all_gather(
     if sizes is None:
         with B.label("all_gather (size exchange)"):
             sizes = _b().exchange_sizes(x.shape[dim], pg)
-    return _fn(_AllGather).apply(x, dim, pg, tuple(sizes))
+    with _async_if(async_op):
+        return _fn(_AllGather).apply(x, dim, pg, tuple(sizes))
 
 
 class _ReduceScatter(CommOp):
@@ -368,6 +406,8 @@ def reduce_scatter(
     op: Any = "sum",
     group: A.GroupLike = None,
     split_sizes: Sequence[int] | None = None,
+    *,
+    async_op: bool = False,
 ) -> Tensor:
     """Reduce ``x`` over ranks and give rank ``r`` chunk ``r`` of the result along ``dim``.
 
@@ -378,6 +418,10 @@ def reduce_scatter(
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         split_sizes: per-rank chunk sizes along ``dim`` (summing to ``x.shape[dim]``);
             ``None`` splits evenly (then ``x.shape[dim]`` must divide by the group size).
+        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
+            communication on first use (``.wait()`` returns the finished tensor); values
+            and gradients equal the blocking op's, and the backward is asynchronous too
+            (``docs/async.md``).
 
     Returns:
         A new tensor: ``x.shape`` with ``dim`` of size ``split_sizes[rank]``.
@@ -408,10 +452,11 @@ def reduce_scatter(
         split_sizes=tuple(sizes),
         grad=x.requires_grad,
     )
-    if op_name in A.LINEAR_OPS:
-        return _fn(_ReduceScatter).apply(x, dim, op_name, pg, tuple(sizes))
-    full = _fn(_AllReduce).apply(x, op_name, pg)
-    return full.narrow(dim, sum(sizes[:rank]), sizes[rank])
+    with _async_if(async_op):
+        if op_name in A.LINEAR_OPS:
+            return _fn(_ReduceScatter).apply(x, dim, op_name, pg, tuple(sizes))
+        full = _fn(_AllReduce).apply(x, op_name, pg)
+        return full.narrow(dim, sum(sizes[:rank]), sizes[rank])
 
 
 # ======================================================================================
@@ -441,6 +486,7 @@ def gather(
     group: A.GroupLike = None,
     *,
     sizes: Sequence[int] | None = None,
+    async_op: bool = False,
 ) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim`` on ``dst``; zeros elsewhere.
 
@@ -450,6 +496,10 @@ def gather(
         dim: the dimension to concatenate along.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         sizes: keyword-only; every rank's ``x.shape[dim]`` if known (else exchanged).
+        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
+            communication on first use (``.wait()`` returns the finished tensor); values
+            and gradients equal the blocking op's, and the backward is asynchronous too
+            (``docs/async.md``).
 
     Returns:
         A new tensor of ``x.shape`` with ``dim`` of size ``sum(sizes)``: the concatenation
@@ -480,7 +530,8 @@ def gather(
     if sizes is None:
         with B.label("gather (size exchange)"):
             sizes = _b().exchange_sizes(x.shape[dim], pg)
-    return _fn(_Gather).apply(x, dst, dim, pg, tuple(sizes))
+    with _async_if(async_op):
+        return _fn(_Gather).apply(x, dst, dim, pg, tuple(sizes))
 
 
 class _Scatter(CommOp):
@@ -504,6 +555,8 @@ def scatter(
     dim: int = 0,
     group: A.GroupLike = None,
     split_sizes: Sequence[int] | None = None,
+    *,
+    async_op: bool = False,
 ) -> Tensor:
     """Give rank ``r`` chunk ``r`` (along ``dim``) of rank ``src``'s ``x``.
 
@@ -514,6 +567,10 @@ def scatter(
         dim: the dimension to split.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         split_sizes: per-rank chunk sizes along ``dim``; ``None`` splits evenly.
+        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
+            communication on first use (``.wait()`` returns the finished tensor); values
+            and gradients equal the blocking op's, and the backward is asynchronous too
+            (``docs/async.md``).
 
     Returns:
         A new tensor: ``x.shape`` with ``dim`` of size ``split_sizes[rank]``.
@@ -544,7 +601,8 @@ def scatter(
         split_sizes=tuple(sizes),
         grad=x.requires_grad,
     )
-    return _fn(_Scatter).apply(x, src, dim, pg, tuple(sizes))
+    with _async_if(async_op):
+        return _fn(_Scatter).apply(x, src, dim, pg, tuple(sizes))
 
 
 # ======================================================================================
@@ -605,6 +663,8 @@ def all_to_all(
     group: A.GroupLike = None,
     input_split_sizes: Sequence[int] | None = None,
     output_split_sizes: Sequence[int] | None = None,
+    *,
+    async_op: bool = False,
 ) -> Tensor:
     """Send chunk ``j`` of ``x`` (along ``split_dim``) to rank ``j``; concatenate what
     arrives from every rank along ``concat_dim``.
@@ -620,6 +680,10 @@ def all_to_all(
             rank. ``None``: inferred — exchanged when ``split_dim == concat_dim`` and
             ``input_split_sizes`` is given, else ``x``'s size (even split) or
             ``x.shape[concat_dim]`` (different dims).
+        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
+            communication on first use (``.wait()`` returns the finished tensor); values
+            and gradients equal the blocking op's, and the backward is asynchronous too
+            (``docs/async.md``).
 
     Returns:
         A new tensor. ``split_dim == concat_dim == d``: ``x.shape`` with ``d`` of size
@@ -697,7 +761,41 @@ def all_to_all(
         with B.label("all_to_all (size exchange)"):
             sent = torch.tensor(ins, dtype=torch.int64, device=_b().comm_device(pg))
             outs = _b().all_to_all(sent, pg, [1] * world, [1] * world).tolist()
-    return _fn(_AllToAll).apply(x, split_dim, concat_dim, pg, tuple(ins), tuple(int(o) for o in outs))
+    with _async_if(async_op):
+        return _fn(_AllToAll).apply(x, split_dim, concat_dim, pg, tuple(ins), tuple(int(o) for o in outs))
+
+
+# ======================================================================================
+# asynchronous ops: the output shape of each Function, known before it communicates
+# ======================================================================================
+
+
+def _with(shape: Any, sizes: dict[int, int]) -> tuple[int, ...]:
+    """``shape`` with ``shape[d] = n`` for every ``d: n`` in ``sizes``."""
+    return tuple(sizes.get(i, s) for i, s in enumerate(shape))
+
+
+def _all_to_all_shape(a: tuple[Any, ...]) -> tuple[int, ...]:
+    x, split_dim, concat_dim, pg, ins, outs = a
+    if split_dim == concat_dim:
+        return _with(x.shape, {split_dim: sum(outs)})
+    return _with(x.shape, {split_dim: ins[_rank(pg)], concat_dim: sum(outs)})
+
+
+# arguments: (x, op, pg) (x, src, pg) (x, dst, op, pg) (x, dim, pg, sizes)
+# (x, dim, op, pg, sizes) (x, dst, dim, pg, sizes) (x, src, dim, pg, sizes)
+_async.OUT_SHAPES.update(
+    {
+        _AllReduce: lambda a: tuple(a[0].shape),
+        _Broadcast: lambda a: tuple(a[0].shape),
+        _Reduce: lambda a: tuple(a[0].shape),
+        _AllGather: lambda a: _with(a[0].shape, {a[1]: sum(a[3])}),
+        _ReduceScatter: lambda a: _with(a[0].shape, {a[1]: a[4][_rank(a[3])]}),
+        _Gather: lambda a: _with(a[0].shape, {a[2]: sum(a[4])}),
+        _Scatter: lambda a: _with(a[0].shape, {a[2]: a[4][_rank(a[3])]}),
+        _AllToAll: _all_to_all_shape,
+    }
+)
 
 
 # ======================================================================================

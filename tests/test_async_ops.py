@@ -1,0 +1,177 @@
+"""``async_op=True`` of every collective and coalesced op: values and gradients equal the
+blocking op's (bit for bit, float64, worlds 2/3/4), the result is an AsyncTensor, and the
+backward of the linear ops hands on an asynchronous gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import diffcomm as dc
+
+CASES = {
+    "all_reduce(sum)": lambda x, a: dc.all_reduce(x, async_op=a),
+    "all_reduce(avg)": lambda x, a: dc.all_reduce(x, "avg", async_op=a),
+    "all_reduce(max)": lambda x, a: dc.all_reduce(x, "max", async_op=a),
+    "all_reduce(product)": lambda x, a: dc.all_reduce(x, "product", async_op=a),
+    "broadcast": lambda x, a: dc.broadcast(x, 1, async_op=a),
+    "reduce(sum)": lambda x, a: dc.reduce(x, 1, async_op=a),
+    "reduce(avg)": lambda x, a: dc.reduce(x, 1, "avg", async_op=a),
+    "reduce(min)": lambda x, a: dc.reduce(x, 0, "min", async_op=a),
+    "all_gather": lambda x, a: dc.all_gather(x, 1, async_op=a),
+    "all_gather(uneven)": lambda x, a: dc.all_gather(x[: dc.get_rank() + 1], 0, async_op=a),
+    "reduce_scatter(sum)": lambda x, a: dc.reduce_scatter(x, 0, async_op=a),
+    "reduce_scatter(avg, uneven)": lambda x, a: dc.reduce_scatter(
+        x,
+        0,
+        "avg",
+        split_sizes=[1] * (dc.get_world_size() - 1) + [x.shape[0] - dc.get_world_size() + 1],
+        async_op=a,
+    ),
+    "reduce_scatter(max)": lambda x, a: dc.reduce_scatter(x, 0, "max", async_op=a),
+    "gather": lambda x, a: dc.gather(x, 1, 1, async_op=a),
+    "scatter": lambda x, a: dc.scatter(x, 1, 0, async_op=a),
+    "all_to_all": lambda x, a: dc.all_to_all(x, 0, 0, async_op=a),
+    "all_to_all(dims)": lambda x, a: dc.all_to_all(x, 0, 1, async_op=a),
+}
+# max/min/product reduce and reduce_scatter are a local function (keep on dst / own
+# chunk) of an asynchronous all_reduce: their result is returned finished
+FINISHED_RESULT = {"reduce(min)", "reduce_scatter(max)"}
+# ops whose backward hands on an AsyncTensor (linear ops whose rule is the dual alone)
+ASYNC_BACKWARD = {
+    "all_reduce(sum)",
+    "all_reduce(avg)",
+    "broadcast",
+    "reduce(sum)",
+    "all_gather",  # (the uneven case slices x first: the slice's backward consumes it)
+    "reduce_scatter(sum)",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all(dims)",
+}
+
+
+def _grads(fn, x0: torch.Tensor, async_op: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str, str]:
+    x = x0.clone().requires_grad_()
+    y = fn(x, async_op)
+    kind = type(y).__name__
+    w = torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(5 + dc.get_rank()))
+    w.requires_grad_()
+    (gx,) = torch.autograd.grad((y * w).sum(), x, create_graph=True)
+    gkind = type(gx).__name__
+    # double backward: the gradient of a function of gx with respect to w runs the dual's
+    # backward (and, for max/min/product, the weight's own)
+    (ggx,) = torch.autograd.grad((gx * gx).sum(), w)
+    y = y.wait() if isinstance(y, dc.AsyncTensor) else y
+    return y.detach(), gx.detach(), ggx, kind, gkind
+
+
+def _ops_rank() -> dict[str, dict[str, object]]:
+    r, n = dc.get_rank(), dc.get_world_size()
+    x0 = torch.randn(2 * n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
+    out = {}
+    for name, fn in CASES.items():
+        yb, gb, ggb, _, _ = _grads(fn, x0, False)
+        ya, ga, gga, kind, gkind = _grads(fn, x0, True)
+        out[name] = {
+            "value": torch.equal(yb, ya),
+            "grad": torch.equal(gb, ga),
+            "double": torch.equal(ggb, gga),
+            "async": kind == "AsyncTensor",
+            "async_grad": gkind == "AsyncTensor",
+        }
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_async_op_values_and_gradients_equal_blocking(local_worlds, n) -> None:
+    for res in local_worlds(n).run(_ops_rank):
+        for name, r in res.items():
+            assert r["value"] and r["grad"] and r["double"], (name, r)
+            assert r["async"] == (name not in FINISHED_RESULT), (name, r)
+            assert r["async_grad"] == (name in ASYNC_BACKWARD), (name, r)
+
+
+COALESCED = {
+    "all_reduce_coalesced": lambda ts, a: dc.all_reduce_coalesced(ts, async_op=a),
+    "all_reduce_coalesced(max)": lambda ts, a: dc.all_reduce_coalesced(ts, "max", async_op=a),
+    "broadcast_coalesced": lambda ts, a: dc.broadcast_coalesced(ts, 1, async_op=a),
+    "reduce_coalesced": lambda ts, a: dc.reduce_coalesced(ts, 1, async_op=a),
+    "all_gather_coalesced": lambda ts, a: dc.all_gather_coalesced(ts, 0, async_op=a),
+    "reduce_scatter_coalesced": lambda ts, a: dc.reduce_scatter_coalesced(ts, 0, async_op=a),
+}
+
+
+def _coalesced_rank() -> dict[str, dict[str, object]]:
+    r, n = dc.get_rank(), dc.get_world_size()
+    g = torch.Generator().manual_seed(r)
+    base = [
+        torch.randn(2 * n, 3, dtype=torch.float64, generator=g),
+        torch.randn(n, dtype=torch.float32, generator=g),
+        torch.arange(2 * n) + r,  # integer: forward only
+    ]
+    out = {}
+    for name, fn in COALESCED.items():
+        res = []
+        for a in (False, True):
+            ts = [t.clone().requires_grad_(t.is_floating_point()) for t in base]
+            ys = fn(ts, a)
+            kinds = {type(y).__name__ for y in ys}
+            loss = sum((y * (1.0 + i)).sum() for i, y in enumerate(ys[:2]))
+            gs = torch.autograd.grad(loss, ts[:2])
+            res.append(
+                ([y.detach() for y in ys], [g.detach() for g in gs], kinds, {type(g).__name__ for g in gs})
+            )
+        (yb, gb, _, _), (ya, ga, kinds, gkinds) = res
+        out[name] = {
+            "value": all(torch.equal(u, v) for u, v in zip(yb, ya)),
+            "grad": all(torch.equal(u, v) for u, v in zip(gb, ga)),
+            "async": kinds == {"AsyncTensor"},
+            "async_grad": gkinds,
+        }
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_async_coalesced_values_and_gradients_equal_blocking(local_worlds, n) -> None:
+    for res in local_worlds(n).run(_coalesced_rank):
+        for name, r in res.items():
+            assert r["value"] and r["grad"] and r["async"], (name, r)
+            if "max" not in name:  # max/min/product: the weight multiplies (and waits)
+                assert r["async_grad"] == {"AsyncTensor"}, (name, r)
+
+
+def _transforms_rank() -> dict[str, object]:
+    """Under torch.func the asynchronous ops run blocking (plain tensors, same values)."""
+    x = torch.arange(3.0, dtype=torch.float64) + dc.get_rank()
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        y = dc.all_gather(t, async_op=True)
+        return (y * y).sum()
+
+    g_async = torch.func.grad(f)(x)
+    g_block = torch.func.grad(lambda t: (dc.all_gather(t) ** 2).sum())(x)
+    batched = torch.func.vmap(lambda t: dc.all_reduce(t, async_op=True))(torch.ones(4, 2))
+    return {
+        "grad": torch.equal(g_async, g_block),
+        "vmap": torch.equal(batched, torch.full((4, 2), float(dc.get_world_size()))),
+        "type": type(batched).__name__,
+    }
+
+
+def test_async_op_under_torch_func_runs_blocking(world2) -> None:
+    for res in world2.run(_transforms_rank):
+        assert res == {"grad": True, "vmap": True, "type": "Tensor"}
+
+
+def _no_grad_rank() -> list[bool]:
+    x = torch.ones(4, requires_grad=True)
+    with torch.no_grad():
+        y = dc.all_reduce(x, async_op=True)
+    z = dc.broadcast(torch.ones(2), async_op=True)  # no grad needed
+    return [type(y).__name__ == "AsyncTensor", not y.requires_grad, torch.equal(z.wait(), torch.ones(2))]
+
+
+def test_async_op_without_autograd(world2) -> None:
+    assert world2.run(_no_grad_rank) == [[True, True, True]] * 2
