@@ -91,10 +91,13 @@ def call(fn_cls: Any, x: Tensor, *args: Any) -> Tensor:
     When nothing needs recording — grad mode off (a backward without ``create_graph``),
     no torch.func transform, no forward-AD level, not tracing — the op's ``forward`` runs
     directly: the autograd node would never be used. Otherwise (double backward,
-    ``torch.func``, ``torch.compile``) the full differentiable ``apply``.
+    ``torch.func``, ``torch.compile``) the full differentiable ``apply``. Inside the
+    backward of an asynchronous op it is launched on the communication engine.
     """
     if _grad_enabled() or _transforms_active() or _fwad._current_level >= 0 or torch.compiler.is_compiling():
         return fn_cls.apply(x, *args)
+    if _async.launching(fn_cls):  # the backward of an asynchronous op: launch the dual
+        return _async.launch_fn(fn_cls, (x, *args))
     return fn_cls.forward(x, *args)
 
 
