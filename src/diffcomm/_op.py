@@ -3,10 +3,12 @@
 An op states four things and the base derives the rest (JAX's ``ad.deflinear2`` and
 batching rules, as one ``torch.autograd.Function`` family):
 
-``forward(x, *args)``
+``run(x, *args)``
     the raw forward over the backend — **the one place the op launches communication**
     (an asynchronous variant wraps exactly this call). ``x`` is the only tensor argument;
-    ``args`` are plain values (ints, strings, tuples, the resolved group).
+    ``args`` are plain values (ints, strings, tuples, the resolved group). The base
+    writes ``forward`` around it (same parameters), which names the op for the comms
+    logger and the flight recorder while it runs.
 ``transpose(g, *args)``
     the adjoint applied to an output gradient ``g``, built from differentiable diffcomm
     ops (the dual op's Function), so double backward and nested transforms work.
@@ -18,7 +20,7 @@ batching rules, as one ``torch.autograd.Function`` family):
 ``name`` / ``label(*args)``
     what the comms logger and the flight recorder call the op.
 
-Generated from them: ``setup_context`` (the arguments kept on the autograd context),
+Generated from them: ``forward``, ``setup_context`` (the arguments kept on the autograd context),
 ``backward`` (``transpose`` of the gradient, with ``None`` for every non-tensor argument),
 ``jvp`` (the same linear op on the tangent), ``vmap`` (see ``dims``), the cheap eager
 ``apply`` and the jvp-free twin ``torch.compile`` traces (:func:`fn`).
@@ -82,6 +84,8 @@ except ImportError:  # pragma: no cover - older torch
 
 unwrap_if_dead = _unwrap_if_dead
 _fwad = torch.autograd.forward_ad
+_compiling = torch.compiler.is_compiling
+_get_label, _set_label, _reset_label = B.LABEL.get, B.LABEL.set, B.LABEL.reset
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -128,17 +132,22 @@ class CommOp(FastFunction):
 
 
 def _derive_rules(cls: Any) -> None:
-    """Write ``setup_context`` / ``backward`` / ``jvp`` / ``vmap`` and the compile twin."""
+    """Write ``forward`` / ``setup_context`` / ``backward`` / ``jvp`` / ``vmap`` and the
+    compile twin."""
     transpose = cls.__dict__["transpose"].__func__
-    forward = cls.__dict__["forward"].__func__
-    n_args = forward.__code__.co_argcount - 1  # every argument after the tensor
-    nones = (None,) * n_args
+    run = cls.__dict__["run"].__func__
+    params = run.__code__.co_varnames[: run.__code__.co_argcount]
+    nones = (None,) * (len(params) - 1)  # every argument after the tensor
     name = cls.name
-    label = cls.__dict__["label"].__func__ if "label" in cls.__dict__ else (lambda *a: name)
+    label = cls.__dict__["label"].__func__ if "label" in cls.__dict__ else None
     linearize = cls.linearize
     weight = cls.weight
     dims = frozenset(cls.dims)
     elementwise = cls.elementwise
+    cls.forward = staticmethod(_labelled_forward(run, params, name, label))
+
+    def backward_label(args: tuple[Any, ...]) -> str:
+        return (label(*args) if label is not None else name) + " backward"
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         args = inputs[1:]
@@ -152,12 +161,22 @@ def _derive_rules(cls: Any) -> None:
                 ctx.save_for_forward(inputs[0], output)
 
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
-        with B.label(label(*ctx.args) + " backward"):
-            if ctx.linear is None:
-                return (transpose(g, *ctx.args), *nones)
-            x, y = ctx.saved_tensors
-            w = weight(x, y, *ctx.args)
-            return (transpose(g, *ctx.linear) * w.conj(), *nones)
+        if _compiling():
+            return _backward(ctx, g)
+        text = backward_label(ctx.args)  # inline, as in forward: the hot path
+        outer = _get_label()
+        token = _set_label(outer + " -> " + text if outer else text)
+        try:
+            return _backward(ctx, g)
+        finally:
+            _reset_label(token)
+
+    def _backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+        if ctx.linear is None:
+            return (transpose(g, *ctx.args), *nones)
+        x, y = ctx.saved_tensors
+        w = weight(x, y, *ctx.args)
+        return (transpose(g, *ctx.linear) * w.conj(), *nones)
 
     def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
         if ctx.linear is None:
@@ -178,6 +197,43 @@ def _derive_rules(cls: Any) -> None:
     cls.jvp = staticmethod(jvp)
     cls.vmap = staticmethod(vmap)
     jvp_free_twin(cls)
+
+
+def _labelled_forward(run: Any, params: tuple[str, ...], name: str, label: Any) -> Any:
+    """``forward`` with ``run``'s exact parameters (autograd and dynamo read them): sets
+    the op's label (a context variable, read by the comms logger and the flight recorder)
+    around ``run``. The label is set inline, not through a context manager: this is
+    every op's hot path."""
+    args = ", ".join(params)
+    rest = ", ".join(params[1:])
+    text = f"_label({rest})" if label is not None else "_name"
+    src = (
+        f"def forward({args}):\n"
+        f"    if _compiling():\n"
+        f"        return _run({args})\n"
+        f"    text = {text}\n"
+        f"    outer = _get()\n"
+        f"    token = _set(outer + ' -> ' + text if outer else text)\n"
+        f"    try:\n"
+        f"        return _run({args})\n"
+        f"    finally:\n"
+        f"        _reset(token)\n"
+    )
+    scope = {
+        "_run": run,
+        "_label": label,
+        "_name": name,
+        "_compiling": torch.compiler.is_compiling,
+        "_get": B.LABEL.get,
+        "_set": B.LABEL.set,
+        "_reset": B.LABEL.reset,
+    }
+    exec(src, scope)  # noqa: S102 - a fixed template over the op's own parameter names
+    forward = scope["forward"]
+    forward.__qualname__ = f"{run.__qualname__.rsplit('.', 1)[0]}.forward"
+    forward.__module__ = run.__module__
+    forward.__doc__ = run.__doc__
+    return forward
 
 
 def jvp_free_twin(fn_cls: Any) -> Any:

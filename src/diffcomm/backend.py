@@ -82,6 +82,8 @@ for _name in ("all_reduce", "all_gather", "reduce_scatter"):
 # --------------------------------------------------------------------------------------
 
 _LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("diffcomm_label", default=None)
+#: The context variable holding the current label (the op layer sets it inline).
+LABEL = _LABEL
 
 
 def label(text: str) -> contextlib.AbstractContextManager[None]:
@@ -300,7 +302,14 @@ def _dispatch(
     op: it is not logged on its own (the coalesced op is logged once, with the parts'
     total bytes) and is skipped when either its own name or the coalesced op's is off.
     """
-    part_of = getattr(_local, "coalescing", None)
+    state = _local.__dict__  # this thread's logs / switches / coalescing record
+    if not (state and (state.get("logs") or state.get("off") or state.get("coalescing") is not None)):
+        # the hot path: nothing logged, nothing switched off
+        hook = _ORDER_HOOK
+        if (hook is None or not hook[0]()) and _SPANS is None:
+            return _run_here(op, group, run, nbytes, sample)
+        return _run(op, group, run, nbytes, sample)
+    part_of = state.get("coalescing")
     if part_of is not None:
         part_of.parts += 1
         part_of.nbytes += nbytes

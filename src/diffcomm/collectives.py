@@ -116,9 +116,8 @@ class _AllReduce(CommOp):
     elementwise = True
 
     @staticmethod
-    def forward(x: Tensor, op: str, pg: PG) -> Tensor:
-        with B.label(f"all_reduce({op})"):
-            return _b().all_reduce(x, op, pg)
+    def run(x: Tensor, op: str, pg: PG) -> Tensor:
+        return _b().all_reduce(x, op, pg)
 
     @staticmethod
     def label(op: str, pg: PG) -> str:
@@ -200,9 +199,8 @@ class _Broadcast(CommOp):
     elementwise = True
 
     @staticmethod
-    def forward(x: Tensor, src: int, pg: PG) -> Tensor:
-        with B.label("broadcast"):
-            return _b().broadcast(x, src, pg)
+    def run(x: Tensor, src: int, pg: PG) -> Tensor:
+        return _b().broadcast(x, src, pg)
 
     @staticmethod
     def transpose(g: Tensor, src: int, pg: PG) -> Tensor:
@@ -249,9 +247,8 @@ class _Reduce(CommOp):
     elementwise = True
 
     @staticmethod
-    def forward(x: Tensor, dst: int, op: str, pg: PG) -> Tensor:
-        with B.label(f"reduce({op})"):
-            return _b().reduce(x, dst, op, pg)
+    def run(x: Tensor, dst: int, op: str, pg: PG) -> Tensor:
+        return _b().reduce(x, dst, op, pg)
 
     @staticmethod
     def label(dst: int, op: str, pg: PG) -> str:
@@ -314,9 +311,8 @@ class _AllGather(CommOp):
     dims = (0,)
 
     @staticmethod
-    def forward(x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        with B.label("all_gather"):
-            out = _b().all_gather(_movedim0(x, dim), pg, sizes)
+    def run(x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
+        out = _b().all_gather(_movedim0(x, dim), pg, sizes)
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod
@@ -369,8 +365,9 @@ def all_gather(
             raise A.arg_error(
                 "all_gather", "sizes", f"to list x.shape[{dim}]={x.shape[dim]} at this rank's position", sizes
             )
-    rest = tuple(s for i, s in enumerate(x.shape) if i != dim)
-    _debug_check("all_gather", pg, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
+    if _config.DEBUG.get():
+        rest = tuple(s for i, s in enumerate(x.shape) if i != dim)
+        _debug_check("all_gather", pg, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
     if sizes is None:
         with B.label("all_gather (size exchange)"):
             sizes = _b().exchange_sizes(x.shape[dim], pg)
@@ -385,9 +382,8 @@ class _ReduceScatter(CommOp):
     dims = (0,)
 
     @staticmethod
-    def forward(x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        with B.label(f"reduce_scatter({op})"):
-            out = _b().reduce_scatter(_movedim0(x, dim), op, pg, sizes)
+    def run(x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...]) -> Tensor:
+        out = _b().reduce_scatter(_movedim0(x, dim), op, pg, sizes)
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod
@@ -469,9 +465,8 @@ class _Gather(CommOp):
     dims = (1,)
 
     @staticmethod
-    def forward(x: Tensor, dst: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        with B.label("gather"):
-            out = _b().gather(_movedim0(x, dim), dst, pg, sizes)
+    def run(x: Tensor, dst: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
+        out = _b().gather(_movedim0(x, dim), dst, pg, sizes)
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod
@@ -525,8 +520,9 @@ def gather(
         sizes = A.check_split_sizes(sizes, sum(int(s) for s in sizes), world, "gather", "sizes")
         if sizes[_rank(pg)] != x.shape[dim]:
             raise A.arg_error("gather", "sizes", f"to list x.shape[{dim}]={x.shape[dim]} at this rank", sizes)
-    rest = tuple(s for i, s in enumerate(x.shape) if i != dim)
-    _debug_check("gather", pg, dst=dst, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
+    if _config.DEBUG.get():
+        rest = tuple(s for i, s in enumerate(x.shape) if i != dim)
+        _debug_check("gather", pg, dst=dst, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
     if sizes is None:
         with B.label("gather (size exchange)"):
             sizes = _b().exchange_sizes(x.shape[dim], pg)
@@ -539,9 +535,8 @@ class _Scatter(CommOp):
     dims = (1,)
 
     @staticmethod
-    def forward(x: Tensor, src: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        with B.label("scatter"):
-            out = _b().scatter(_movedim0(x, dim), src, pg, sizes)
+    def run(x: Tensor, src: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
+        out = _b().scatter(_movedim0(x, dim), src, pg, sizes)
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod
@@ -615,11 +610,10 @@ class _AllToAll(CommOp):
     dims = (0, 1)
 
     @staticmethod
-    def forward(
+    def run(
         x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
     ) -> Tensor:
-        with B.label("all_to_all"):
-            return _all_to_all_raw(x, split_dim, concat_dim, pg, ins, outs)
+        return _all_to_all_raw(x, split_dim, concat_dim, pg, ins, outs)
 
     @staticmethod
     def transpose(
@@ -739,16 +733,17 @@ def all_to_all(
                     f"to list this rank's x.shape[concat_dim]={x.shape[concat_dim]} at its own position",
                     outs,
                 )
-    rest = tuple(s for i, s in enumerate(x.shape) if i not in (split_dim, concat_dim))
-    _debug_check(
-        op,
-        pg,
-        split_dim=split_dim,
-        concat_dim=concat_dim,
-        other_dims=rest,
-        dtype=x.dtype,
-        grad=x.requires_grad,
-    )
+    if _config.DEBUG.get():
+        rest = tuple(s for i, s in enumerate(x.shape) if i not in (split_dim, concat_dim))
+        _debug_check(
+            op,
+            pg,
+            split_dim=split_dim,
+            concat_dim=concat_dim,
+            other_dims=rest,
+            dtype=x.dtype,
+            grad=x.requires_grad,
+        )
     if outs is None:
         if torch.compiler.is_compiling():
             raise A.arg_error(
