@@ -348,6 +348,13 @@ BAD_INPUTS = [
     ("all_gather", lambda: dc.all_gather(T, sizes=[4]), ValueError, r"`sizes` must be a list of 2 ints"),
     (
         "all_gather",
+        lambda: dc.all_gather(T, split_sizes=[4]),
+        ValueError,
+        r"`split_sizes` must be a list of 2 ints",
+    ),
+    ("gather", lambda: dc.gather(T, split_sizes=[1]), ValueError, r"`split_sizes` must be a list of 2 ints"),
+    (
+        "all_gather",
         lambda: dc.all_gather(T, sizes=[5, 5]),
         ValueError,
         r"`sizes` must be to list x.shape\[0\]=4",
@@ -500,12 +507,12 @@ EXPECTED_CALLS = {
     "broadcast": (lambda x, w: dc.broadcast(x, src=w - 1), {"broadcast": 1}, {"reduce": 1}),
     "reduce": (lambda x, w: dc.reduce(x, dst=0), {"reduce": 1}, {"broadcast": 1}),
     "all_gather": (
-        lambda x, w: dc.all_gather(x, sizes=[x.shape[0]] * w),
+        lambda x, w: dc.all_gather(x, split_sizes=[x.shape[0]] * w),
         {"all_gather": 1},
         {"reduce_scatter": 1},
     ),
     "reduce_scatter": (lambda x, w: dc.reduce_scatter(x), {"reduce_scatter": 1}, {"all_gather": 1}),
-    "gather": (lambda x, w: dc.gather(x, sizes=[x.shape[0]] * w), {"gather": 1}, {"scatter": 1}),
+    "gather": (lambda x, w: dc.gather(x, split_sizes=[x.shape[0]] * w), {"gather": 1}, {"scatter": 1}),
     "scatter": (lambda x, w: dc.scatter(x, src=0), {"scatter": 1}, {"gather": 1}),
     "all_to_all": (lambda x, w: dc.all_to_all(x), {"all_to_all": 1}, {"all_to_all": 1}),
 }
@@ -543,3 +550,23 @@ def test_uneven_all_gather_costs_one_tiny_size_exchange(world3) -> None:
     # sizes unknown -> one 8-byte all_gather of sizes, then the data; backward knows them
     for counts in world3.run(_size_exchange_counts):
         assert counts == {"all_gather": 2, "reduce_scatter": 1}
+
+
+def _renamed_sizes_keyword() -> dict[str, object]:
+    import warnings
+
+    x = torch.arange(3.0) + dc.get_rank()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old_ag = dc.all_gather(x, sizes=[3, 3])
+        old_g = dc.gather(x, sizes=[3, 3])
+    new_ag = dc.all_gather(x, split_sizes=[3, 3])
+    new_g = dc.gather(x, split_sizes=[3, 3])
+    kinds = [(w.category.__name__, "split_sizes" in str(w.message)) for w in caught]
+    return {"equal": torch.equal(old_ag, new_ag) and torch.equal(old_g, new_g), "warnings": kinds}
+
+
+def test_sizes_keyword_renamed_split_sizes_still_works_with_a_deprecation_warning(world2) -> None:
+    for res in world2.run(_renamed_sizes_keyword):
+        assert res["equal"]
+        assert res["warnings"] == [("DeprecationWarning", True)] * 2

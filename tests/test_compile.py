@@ -49,11 +49,11 @@ PROGRAMS = {
     "broadcast": (lambda x: dc.broadcast(x, src=1).exp(), lambda r: (2, 3)),
     "reduce_min": (lambda x: dc.reduce(x, dst=1, op="min"), lambda r: (2, 3)),
     "reduce_sum": (lambda x: dc.reduce(x.cos(), dst=0), lambda r: (2, 3)),
-    "all_gather_uneven": (lambda x: dc.all_gather(x, 0, sizes=[1, 3]).tanh(), lambda r: (1 + 2 * r, 2)),
-    "all_gather_dim1": (lambda x: dc.all_gather(x, 1, sizes=[3] * _w()), lambda r: (2, 3)),
+    "all_gather_uneven": (lambda x: dc.all_gather(x, 0, split_sizes=[1, 3]).tanh(), lambda r: (1 + 2 * r, 2)),
+    "all_gather_dim1": (lambda x: dc.all_gather(x, 1, split_sizes=[3] * _w()), lambda r: (2, 3)),
     "reduce_scatter_uneven": (lambda x: dc.reduce_scatter(x, 1, split_sizes=[1, 3]), lambda r: (2, 4)),
     "reduce_scatter_max": (lambda x: dc.reduce_scatter(x, 0, op="max"), lambda r: (4, 2)),
-    "gather_uneven": (lambda x: dc.gather(x, dst=1, dim=0, sizes=[2, 1]), lambda r: (2 - r, 3)),
+    "gather_uneven": (lambda x: dc.gather(x, dst=1, dim=0, split_sizes=[2, 1]), lambda r: (2 - r, 3)),
     "scatter_uneven": (lambda x: dc.scatter(x, src=0, dim=1, split_sizes=[3, 1]), lambda r: (2, 4)),
     "all_to_all": (lambda x: dc.all_to_all(x, 0, 0), lambda r: (4, 2)),
     "all_to_all_uneven": (
@@ -116,7 +116,7 @@ class _TPBlock(nn.Module):
 
     def forward(self, x_shard: Tensor) -> Tensor:
         w = dc.get_world_size()
-        x = dc.all_gather(x_shard, 0, sizes=[x_shard.shape[0]] * w)
+        x = dc.all_gather(x_shard, 0, split_sizes=[x_shard.shape[0]] * w)
         h = self.down(torch.relu(self.up(x)))
         out = dc.reduce_scatter(h, 0)
         norm = dc.all_reduce(out.pow(2).sum().reshape(1)).sqrt()
@@ -156,7 +156,8 @@ def _grad_inside_compile() -> list[float]:
         return (dc.all_reduce(v * v, "max") * (r + 1)).sum()
 
     def g(v: Tensor) -> Tensor:
-        return vjp(lambda u: dc.all_gather(u.sin(), 0, sizes=[3, 3]), v)[1](torch.arange(6.0, dtype=F64))[0]
+        pullback = vjp(lambda u: dc.all_gather(u.sin(), 0, split_sizes=[3, 3]), v)[1]
+        return pullback(torch.arange(6.0, dtype=F64))[0]
 
     torch._dynamo.reset()
     e1 = float((torch.compile(grad(f), fullgraph=True, backend="aot_eager")(x) - grad(f)(x)).abs().max())
@@ -180,7 +181,7 @@ def _compiled_with_groups() -> dict[str, bool]:
     out = {}
     for name, fn in {
         "process_group": lambda v: dc.reduce_scatter(dc.broadcast(v, src=1, group=pg) * v, 0, group=pg),
-        "mesh_axis_name": lambda v: dc.all_gather(v, 0, group=(mesh, "tp"), sizes=[4, 4]),
+        "mesh_axis_name": lambda v: dc.all_gather(v, 0, group=(mesh, "tp"), split_sizes=[4, 4]),
         "mesh_axis_index": lambda v: dc.all_reduce(v.exp(), "max", group=(mesh, 0)),
     }.items():
         torch._dynamo.reset()
@@ -286,8 +287,8 @@ def _compile_error(kind: str) -> str:
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        ("all_gather_no_sizes", "pass `sizes=`"),
-        ("gather_no_sizes", "pass `sizes=`"),
+        ("all_gather_no_sizes", "pass `split_sizes=`"),
+        ("gather_no_sizes", "pass `split_sizes=`"),
         ("a2a_no_output_sizes", "`output_split_sizes` must be given under torch.compile"),
         ("jvp", "cannot run inside a torch.compile'd function"),
         ("vmap", "cannot run inside a torch.compile'd function"),

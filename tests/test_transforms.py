@@ -504,7 +504,7 @@ def _count_sizes_exchange() -> tuple[dict[str, int], dict[str, int]]:
 
 
 def test_vmap_uneven_all_gather_exchanges_sizes_once(world3) -> None:
-    """Without ``sizes=`` the size exchange (a tiny all_gather) is part of the call count:
+    """Without ``split_sizes=`` the size exchange (a tiny all_gather) is part of the call count:
     2 raw all_gathers for one call and for the whole batch."""
     for one, batched in world3.run(_count_sizes_exchange):
         assert one == batched == {"all_gather": 2}
@@ -526,7 +526,7 @@ class _SeqParallelMLP(nn.Module):
         self.down = nn.Linear(4, 3, dtype=F64)
 
     def forward(self, x_shard: Tensor) -> Tensor:
-        x_full = dc.all_gather(x_shard, 0, sizes=[x_shard.shape[0]] * dc.get_world_size())
+        x_full = dc.all_gather(x_shard, 0, split_sizes=[x_shard.shape[0]] * dc.get_world_size())
         h = self.down(torch.tanh(self.up(x_full)))
         gate = dc.all_reduce(h.mean().reshape(1), "max")
         return dc.reduce_scatter(h * torch.sigmoid(gate), 0)

@@ -46,6 +46,12 @@ def duals_page() -> str:
     )
 
 
+def p2p_page() -> str:
+    from diffcomm.p2p import p2p_markdown
+
+    return "<!-- generated from diffcomm.p2p.OPS by docs/_ext/diffcomm_docs.py -->\n\n" + p2p_markdown() + "\n"
+
+
 def coalesced_page() -> str:
     from diffcomm.coalesced import coalesced_markdown
 
@@ -106,6 +112,7 @@ def not_executed_copy(src: Path) -> bytes:
 def generate(app: Any = None) -> None:
     _write(GENERATED / "duals.md", duals_page().encode())
     _write(GENERATED / "coalesced.md", coalesced_page().encode())
+    _write(GENERATED / "p2p.md", p2p_page().encode())
     _write(GENERATED / "mappings.md", mappings_page().encode())
     wanted = notebooks()
     nb_dir = GENERATED / "notebooks"

@@ -8,6 +8,7 @@ lives here and nowhere else.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -80,14 +81,22 @@ def resolve_group(group: GroupLike, op: str = "op") -> dist.ProcessGroup | None:
     )
 
 
-def group_rank(group: dist.ProcessGroup | None) -> int:
-    """This process's rank inside ``group`` (resolved)."""
-    return dist.get_rank(group)
-
-
-def group_size(group: dist.ProcessGroup | None) -> int:
-    """Number of ranks in ``group`` (resolved)."""
-    return dist.get_world_size(group)
+def renamed_sizes(split_sizes: Any, sizes: Any, op: str) -> tuple[Any, str]:
+    """``split_sizes``, or the old keyword ``sizes`` (with a ``DeprecationWarning``);
+    returns the value and the keyword the caller used (error messages name it)."""
+    if sizes is None:
+        return split_sizes, "split_sizes"
+    if split_sizes is not None:
+        raise arg_error(
+            op, "sizes", "omitted when `split_sizes` is given (it is its old name)", sizes, TypeError
+        )
+    warnings.warn(
+        f"diffcomm.{op}(): the keyword `sizes` is renamed `split_sizes` (one name across ops); "
+        "`sizes` keeps working for one release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return sizes, "sizes"
 
 
 def check_tensor(x: Any, op: str, arg: str = "x") -> torch.Tensor:

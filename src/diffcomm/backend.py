@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
-from . import _config, _flight
+from . import _flight
 from ._errors import CrossRankMismatchError
 from .accelerator import comm_device
 
@@ -528,7 +528,6 @@ class Backend(Protocol):
         input_split_sizes: Sequence[int] | None = None,
         output_split_sizes: Sequence[int] | None = None,
     ) -> torch.Tensor: ...
-    def send(self, x: torch.Tensor, dst: int, group: ProcessGroup, tag: int = 0) -> None: ...
     def recv(self, out: torch.Tensor, src: int, group: ProcessGroup, tag: int = 0) -> torch.Tensor: ...
     def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]], group: ProcessGroup) -> None: ...
     def barrier(self, group: ProcessGroup) -> None: ...
@@ -968,17 +967,6 @@ class TorchDistributedBackend(_CoalescedOps):
         return out
 
     # ---- point to point ------------------------------------------------------------
-    def send(self, x: torch.Tensor, dst: int, group: ProcessGroup, tag: int = 0) -> None:
-        x = x.contiguous()
-        _dispatch(
-            "send",
-            group,
-            _nbytes(x),
-            lambda: dist.send(_wire(x), group_dst=dst, group=group, tag=tag),
-            lambda: None,
-            x,
-        )
-
     def recv(self, out: torch.Tensor, src: int, group: ProcessGroup, tag: int = 0) -> torch.Tensor:
         """Receive into ``out`` (a fresh buffer the caller owns) and return it."""
         _dispatch(
@@ -1133,7 +1121,7 @@ class TraceableBackend(_CoalescedOps):
     how its semantics are tested against :class:`TorchDistributedBackend`: dim 0,
     out-of-place, group-local ranks, zeros off the root, uneven sizes padded. Differences:
 
-    * nothing is exchanged at trace time: :meth:`exchange_sizes` raises (pass ``sizes=``
+    * nothing is exchanged at trace time: :meth:`exchange_sizes` raises (pass ``split_sizes=``
       to ``all_gather``/``gather``, ``output_split_sizes=`` to an uneven ``all_to_all``);
     * ``reduce`` is an all_reduce kept on ``dst`` only; ``gather`` and ``scatter`` are one
       ``all_to_all_single`` with rank-dependent splits (no functional gather/scatter);
@@ -1197,14 +1185,14 @@ class TraceableBackend(_CoalescedOps):
 
     # ---- gather family (dim 0) -----------------------------------------------------
     def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
-        """Every rank's ``n``; raises ``ValueError`` while compiling (pass ``sizes=``)."""
+        """Every rank's ``n``; raises ``ValueError`` while compiling (pass ``split_sizes=``)."""
         if not torch.compiler.is_compiling():  # eager use (tests): a host read is fine
             mine = torch.tensor([n], dtype=torch.int64, device=group_info(group).device)
             return [int(v) for v in self.all_gather(mine, group).tolist()]
         raise ValueError(
             "diffcomm: under torch.compile the per-rank sizes of an all_gather/gather cannot "
             "be exchanged (that needs a host read, `.tolist()`, which dynamo cannot trace); "
-            "pass `sizes=` (every rank's size along `dim`, e.g. `sizes=[n] * world` when even)"
+            "pass `split_sizes=` (every rank's size along `dim`, e.g. `split_sizes=[n] * world` when even)"
         )
 
     def all_gather(
@@ -1335,6 +1323,3 @@ def set_backend(backend: Backend) -> Any:
 
     return _Restore()
 
-
-def debug_enabled() -> bool:
-    return _config.DEBUG.get()

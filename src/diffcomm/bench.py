@@ -18,7 +18,7 @@ Implementations timed for each op and size (forward + backward of the same op):
     ``all_to_all_single_autograd``); all_reduce / broadcast / reduce / gather / scatter
     have none, so those cells are absent.
 ``diffcomm``
-    the public op (and ``diffcomm(sizes=)`` for all_gather with the sizes given).
+    the public op (and ``diffcomm(sizes=)`` for all_gather with ``split_sizes=`` given).
 
 Every round runs each implementation once (the order rotates between rounds so none
 always goes first), each preceded by a barrier; a round's time for an implementation is
@@ -269,7 +269,7 @@ def _impls(op: str, nbytes: int) -> dict[str, Callable[[], None]]:
             dist.scatter(gx, list(g.contiguous().split(n)) if r == 0 else None, src=0)
             return gx
 
-        dc_fn = lambda x: dc.gather(x, dst=0, sizes=[n] * w)
+        dc_fn = lambda x: dc.gather(x, dst=0, split_sizes=[n] * w)
         nn_fn = lambda x: torch.cat(_quiet(tdnn.gather, x, 0))
         fc_fn = None
     elif op == "scatter":
@@ -316,7 +316,7 @@ def _impls(op: str, nbytes: int) -> dict[str, Callable[[], None]]:
         impls["funcol"] = step(lambda x: funcol.wait_tensor(fc_fn(x)))
     impls["diffcomm"] = step(dc_fn)
     if op == "all_gather":
-        impls["diffcomm(sizes=)"] = step(lambda x: dc.all_gather(x, sizes=[n] * w))
+        impls["diffcomm(sizes=)"] = step(lambda x: dc.all_gather(x, split_sizes=[n] * w))
     return impls
 
 

@@ -34,7 +34,7 @@ rank-local facts that could differ between ranks, and only call public diffcomm 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,7 +149,7 @@ def _nonlinear_weight(op: str, x: Tensor, y: Tensor, pg: PG) -> Tensor:
         count = all_reduce(mask, "sum", pg)
         return mask / count
     rank, world = _rank(pg), _world(pg)
-    xs = all_gather(x.unsqueeze(0), 0, pg, sizes=[1] * world)
+    xs = all_gather(x.unsqueeze(0), 0, pg, split_sizes=[1] * world)
     return xs[:rank].prod(0) * xs[rank + 1 :].prod(0)
 
 
@@ -325,6 +325,7 @@ def all_gather(
     dim: int = 0,
     group: A.GroupLike = None,
     *,
+    split_sizes: Sequence[int] | None = None,
     sizes: Sequence[int] | None = None,
     async_op: bool = False,
 ) -> Tensor:
@@ -334,8 +335,10 @@ def all_gather(
         x: tensor; shapes agree between ranks except along ``dim``, where they may differ.
         dim: the dimension to concatenate along.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        sizes: keyword-only; every rank's ``x.shape[dim]`` if already known. Without it the
-            sizes are exchanged first (one tiny all_gather), so uneven sizes just work.
+        split_sizes: keyword-only; every rank's ``x.shape[dim]`` if already known. Without
+            it the sizes are exchanged first (one tiny all_gather of host integers on a CPU
+            channel of the same ranks), so uneven sizes just work.
+        sizes: the old name of ``split_sizes`` (works, with a ``DeprecationWarning``).
         async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
             communication on first use (``.wait()`` returns the finished tensor); values
             and gradients equal the blocking op's, and the backward is asynchronous too
@@ -346,7 +349,7 @@ def all_gather(
         sits at ``sum(sizes[:r])``.
 
     Gradient:
-        ``reduce_scatter(grad, dim, op="sum", split_sizes=sizes)``: each rank gets the sum
+        ``reduce_scatter(grad, dim, op="sum", split_sizes=split_sizes)``: each rank gets the sum
         over ranks of the gradient of its own block.
 
     Example::
@@ -359,11 +362,12 @@ def all_gather(
     dim = A.check_dim(x, dim, "all_gather")
     pg = A.resolve_group(group, "all_gather")
     world = _world(pg)
+    sizes, arg = A.renamed_sizes(split_sizes, sizes, "all_gather")
     if sizes is not None:
-        sizes = A.check_split_sizes(sizes, sum(int(s) for s in sizes), world, "all_gather", "sizes")
+        sizes = A.check_split_sizes(sizes, sum(int(s) for s in sizes), world, "all_gather", arg)
         if sizes[_rank(pg)] != x.shape[dim]:
             raise A.arg_error(
-                "all_gather", "sizes", f"to list x.shape[{dim}]={x.shape[dim]} at this rank's position", sizes
+                "all_gather", arg, f"to list x.shape[{dim}]={x.shape[dim]} at this rank's position", sizes
             )
     if _config.DEBUG.get():
         rest = tuple(s for i, s in enumerate(x.shape) if i != dim)
@@ -423,7 +427,7 @@ def reduce_scatter(
         A new tensor: ``x.shape`` with ``dim`` of size ``split_sizes[rank]``.
 
     Gradient:
-        ``all_gather(grad, dim, sizes=split_sizes)`` (divided by the world size for avg;
+        ``all_gather(grad, dim, split_sizes=split_sizes)`` (divided by the world size for avg;
         max/min/product route through :func:`all_reduce`'s rule).
 
     Example::
@@ -480,6 +484,7 @@ def gather(
     dim: int = 0,
     group: A.GroupLike = None,
     *,
+    split_sizes: Sequence[int] | None = None,
     sizes: Sequence[int] | None = None,
     async_op: bool = False,
 ) -> Tensor:
@@ -490,7 +495,8 @@ def gather(
         dst: group-local rank that receives the concatenation.
         dim: the dimension to concatenate along.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        sizes: keyword-only; every rank's ``x.shape[dim]`` if known (else exchanged).
+        split_sizes: keyword-only; every rank's ``x.shape[dim]`` if known (else exchanged).
+        sizes: the old name of ``split_sizes`` (works, with a ``DeprecationWarning``).
         async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
             communication on first use (``.wait()`` returns the finished tensor); values
             and gradients equal the blocking op's, and the backward is asynchronous too
@@ -516,10 +522,11 @@ def gather(
     pg = A.resolve_group(group, "gather")
     world = _world(pg)
     dst = A.check_rank(dst, "gather", "dst", world)
+    sizes, arg = A.renamed_sizes(split_sizes, sizes, "gather")
     if sizes is not None:
-        sizes = A.check_split_sizes(sizes, sum(int(s) for s in sizes), world, "gather", "sizes")
+        sizes = A.check_split_sizes(sizes, sum(int(s) for s in sizes), world, "gather", arg)
         if sizes[_rank(pg)] != x.shape[dim]:
-            raise A.arg_error("gather", "sizes", f"to list x.shape[{dim}]={x.shape[dim]} at this rank", sizes)
+            raise A.arg_error("gather", arg, f"to list x.shape[{dim}]={x.shape[dim]} at this rank", sizes)
     if _config.DEBUG.get():
         rest = tuple(s for i, s in enumerate(x.shape) if i != dim)
         _debug_check("gather", pg, dst=dst, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
@@ -571,7 +578,7 @@ def scatter(
         A new tensor: ``x.shape`` with ``dim`` of size ``split_sizes[rank]``.
 
     Gradient:
-        ``gather(grad, dst=src, dim, sizes=split_sizes)``: ``src`` gets every rank's chunk
+        ``gather(grad, dst=src, dim, split_sizes=split_sizes)``: ``src`` gets every rank's chunk
         gradient in place; the other ranks get exact zeros.
 
     Example::
@@ -798,15 +805,94 @@ _async.OUT_SHAPES.update(
 # ======================================================================================
 
 
+Kwargs = dict[str, Any]
+
+
 @dataclass(frozen=True)
 class OpSpec:
-    """One collective: its public function, its adjoint's name and the rule in words."""
+    """One op of the registry: everything the rest of the package derives from it.
+
+    Attributes:
+        name: the public name (``dc.<name>``).
+        fn: the public function.
+        dual: the name of its adjoint op (``dual(dual(op)) == op``).
+        forward / backward: the rules in words (the docs' tables).
+        dual_args: ``(kwargs, world) -> (dual_kwargs, scale)``: the adjoint of the call
+            ``fn(x, **kwargs)`` (linear reduce ops) is ``scale * dual_fn(y, **dual_kwargs)``.
+            ``kwargs`` are the call's keyword arguments on this rank, split sizes given
+            explicitly. Read by :mod:`diffcomm.testing` (the dot-product test) and so by
+            ``python -m diffcomm check``.
+        reference: ``(xs, kwargs_per_rank) -> outputs``: every rank's output computed in
+            one process with plain torch ops (the serial reference of the testing kit).
+    """
 
     name: str
     fn: Any
     dual: str
     forward: str
     backward: str
+    dual_args: Callable[[Kwargs, int], tuple[Kwargs, float]] | None = None
+    reference: Callable[[list[Tensor], list[Kwargs]], list[Tensor]] | None = None
+
+
+def _avg_scale(kw: Kwargs, world: int) -> float:
+    return 1.0 / world if kw.get("op", "sum") == "avg" else 1.0
+
+
+def reduce_serial(xs: Sequence[Tensor], op: str) -> Tensor:
+    """The reduction over ranks of ``xs`` with plain torch ops (serial references)."""
+    st = torch.stack(list(xs))
+    if op in ("sum", "avg"):
+        return st.sum(0) / len(xs) if op == "avg" else st.sum(0)
+    return {"max": st.amax, "min": st.amin, "product": st.prod}[op](0)
+
+
+def _even(total: int, world: int) -> list[int]:
+    return [total // world] * world
+
+
+def _ref_all_reduce(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+    red = reduce_serial(xs, kws[0].get("op", "sum"))
+    return [red for _ in xs]
+
+
+def _ref_broadcast(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+    return [xs[kws[0].get("src", 0)] for _ in xs]
+
+
+def _ref_reduce(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+    red, dst = reduce_serial(xs, kws[0].get("op", "sum")), kws[0].get("dst", 0)
+    return [red if r == dst else torch.zeros_like(red) for r in range(len(xs))]
+
+
+def _ref_all_gather(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+    full = torch.cat(xs, dim=kws[0].get("dim", 0))
+    return [full for _ in xs]
+
+
+def _ref_gather(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+    full, dst = torch.cat(xs, dim=kws[0].get("dim", 0)), kws[0].get("dst", 0)
+    return [full if r == dst else torch.zeros_like(full) for r in range(len(xs))]
+
+
+def _ref_reduce_scatter(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+    kw, w = kws[0], len(xs)
+    red, dim = reduce_serial(xs, kw.get("op", "sum")), kw.get("dim", 0)
+    return list(red.split(list(kw.get("split_sizes") or _even(red.shape[dim], w)), dim=dim))
+
+
+def _ref_scatter(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+    kw, w = kws[0], len(xs)
+    dim, src = kw.get("dim", 0), kw.get("src", 0)
+    return list(xs[src].split(list(kw.get("split_sizes") or _even(xs[src].shape[dim], w)), dim=dim))
+
+
+def _ref_all_to_all(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+    w = len(xs)
+    sd, cd = kws[0].get("split_dim", 0), kws[0].get("concat_dim", 0)
+    splits = [kws[j].get("input_split_sizes") or _even(xs[j].shape[sd], w) for j in range(w)]
+    chunks = [xs[j].split(list(splits[j]), dim=sd) for j in range(w)]
+    return [torch.cat([chunks[j][r] for j in range(w)], dim=cd) for r in range(w)]
 
 
 OPS: dict[str, OpSpec] = {
@@ -818,6 +904,8 @@ OPS: dict[str, OpSpec] = {
             "all_reduce",
             "op over ranks, on every rank",
             "all_reduce of grads (max/min: to arg-extreme ranks, ties split; product: zero-safe)",
+            lambda kw, w: ({"op": kw.get("op", "sum")}, 1.0),
+            _ref_all_reduce,
         ),
         OpSpec(
             "broadcast",
@@ -825,14 +913,26 @@ OPS: dict[str, OpSpec] = {
             "reduce",
             "src's x on every rank",
             "reduce(sum) to src; other ranks exact zeros",
+            lambda kw, w: ({"dst": kw.get("src", 0)}, 1.0),
+            _ref_broadcast,
         ),
-        OpSpec("reduce", reduce, "broadcast", "op over ranks on dst, zeros elsewhere", "broadcast from dst"),
+        OpSpec(
+            "reduce",
+            reduce,
+            "broadcast",
+            "op over ranks on dst, zeros elsewhere",
+            "broadcast from dst",
+            lambda kw, w: ({"src": kw.get("dst", 0)}, _avg_scale(kw, w)),
+            _ref_reduce,
+        ),
         OpSpec(
             "all_gather",
             all_gather,
             "reduce_scatter",
             "concat of every rank's x along dim",
             "reduce_scatter(sum) with the same split",
+            lambda kw, w: ({"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, 1.0),
+            _ref_all_gather,
         ),
         OpSpec(
             "reduce_scatter",
@@ -840,6 +940,11 @@ OPS: dict[str, OpSpec] = {
             "all_gather",
             "chunk r of the reduction",
             "all_gather with the same split",
+            lambda kw, w: (
+                {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")},
+                _avg_scale(kw, w),
+            ),
+            _ref_reduce_scatter,
         ),
         OpSpec(
             "gather",
@@ -847,14 +952,40 @@ OPS: dict[str, OpSpec] = {
             "scatter",
             "concat on dst, zeros elsewhere",
             "scatter from dst with the same split",
+            lambda kw, w: (
+                {"src": kw.get("dst", 0), "dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")},
+                1.0,
+            ),
+            _ref_gather,
         ),
-        OpSpec("scatter", scatter, "gather", "chunk r of src's x", "gather to src with the same split"),
+        OpSpec(
+            "scatter",
+            scatter,
+            "gather",
+            "chunk r of src's x",
+            "gather to src with the same split",
+            lambda kw, w: (
+                {"dst": kw.get("src", 0), "dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")},
+                1.0,
+            ),
+            _ref_scatter,
+        ),
         OpSpec(
             "all_to_all",
             all_to_all,
             "all_to_all",
             "chunk r of every rank's x, concatenated",
             "all_to_all with dims and split sizes swapped",
+            lambda kw, w: (
+                {
+                    "split_dim": kw.get("concat_dim", 0),
+                    "concat_dim": kw.get("split_dim", 0),
+                    "input_split_sizes": kw.get("output_split_sizes"),
+                    "output_split_sizes": kw.get("input_split_sizes"),
+                },
+                1.0,
+            ),
+            _ref_all_to_all,
         ),
     )
 }

@@ -72,7 +72,8 @@ def gather(tensor: Tensor, dst: int = 0, group: Any = dist.group.WORLD) -> tuple
     """Tuple of every rank's ``tensor`` on ``dst`` (zeros elsewhere). Gradient: scatter."""
     g = _group(group)
     world = dist.get_world_size(A.resolve_group(g, "compat.gather"))
-    out = C.gather(tensor.unsqueeze(0), _local(group, dst, "compat.gather", "dst"), 0, g, sizes=[1] * world)
+    dst_local = _local(group, dst, "compat.gather", "dst")
+    out = C.gather(tensor.unsqueeze(0), dst_local, 0, g, split_sizes=[1] * world)
     return tuple(out.unbind(0))
 
 
@@ -123,7 +124,7 @@ def all_gather(tensor: Tensor, group: Any = dist.group.WORLD) -> tuple[Tensor, .
     g = _group(group)
     world = dist.get_world_size(A.resolve_group(g, "compat.all_gather"))
     out = C.all_gather(
-        A.check_tensor(tensor, "compat.all_gather", "tensor").unsqueeze(0), 0, g, sizes=[1] * world
+        A.check_tensor(tensor, "compat.all_gather", "tensor").unsqueeze(0), 0, g, split_sizes=[1] * world
     )
     return tuple(out.unbind(0))
 
@@ -132,7 +133,7 @@ def _all_gather_base(output_tensor: Tensor, input_tensor: Tensor, group: Any = d
     """Concatenation along dim 0 of every rank's ``input_tensor``. Gradient: reduce_scatter."""
     g = _group(group)
     world = dist.get_world_size(A.resolve_group(g, "compat._all_gather_base"))
-    return C.all_gather(input_tensor, 0, g, sizes=[input_tensor.shape[0]] * world)
+    return C.all_gather(input_tensor, 0, g, split_sizes=[input_tensor.shape[0]] * world)
 
 
 def all_to_all(

@@ -1160,6 +1160,19 @@ def _check_perm(perm: Any, world: int) -> tuple[tuple[int, int], ...]:
 # the op -> adjoint table
 # ======================================================================================
 
+
+def _ref_shift(xs: list[Tensor], kws: list[dict[str, Any]]) -> list[Tensor]:
+    w, k = len(xs), kws[0].get("offset", 1)
+    return [xs[(r - k) % w] for r in range(w)]
+
+
+def _ref_ppermute(xs: list[Tensor], kws: list[dict[str, Any]]) -> list[Tensor]:
+    outs = [torch.zeros_like(x) for x in xs]
+    for src, dst in kws[0]["perm"]:
+        outs[dst] = xs[src]
+    return outs
+
+
 OPS: dict[str, OpSpec] = {
     s.name: s
     for s in (
@@ -1180,10 +1193,28 @@ OPS: dict[str, OpSpec] = {
             "ppermute",
             "x of s for each (s, r) in perm; zeros if none",
             "ppermute with the inverse pairs",
+            lambda kw, w: ({"perm": [(d, s) for s, d in kw["perm"]]}, 1.0),
+            _ref_ppermute,
         ),
-        OpSpec("shift", shift, "shift", "x of rank r - offset (mod n)", "shift(grad, -offset)"),
+        OpSpec(
+            "shift",
+            shift,
+            "shift",
+            "x of rank r - offset (mod n)",
+            "shift(grad, -offset)",
+            lambda kw, w: ({"offset": -kw.get("offset", 1)}, 1.0),
+            _ref_shift,
+        ),
     )
 }
 
 #: p2p op name -> name of its adjoint.
 DUALS: dict[str, str] = {name: spec.dual for name, spec in OPS.items()}
+
+
+def p2p_markdown() -> str:
+    """The p2p op -> adjoint table as Markdown (the docs include this)."""
+    lines = ["| op | rank r gets | adjoint | backward rule |", "|---|---|---|---|"]
+    for s in OPS.values():
+        lines.append(f"| `{s.name}` | {s.forward} | `{s.dual}` | {s.backward} |")
+    return "\n".join(lines)

@@ -289,7 +289,7 @@ class ParallelModule(nn.Module):
                 out[name] = p.clone()
             else:
                 world = B.get_backend().world_size(pg)
-                out[name] = C.all_gather(p, dim, pg, sizes=[p.shape[dim]] * world)
+                out[name] = C.all_gather(p, dim, pg, split_sizes=[p.shape[dim]] * world)
         return out
 
     @torch.no_grad()

@@ -327,7 +327,7 @@ class _GatherFromRegion(torch.autograd.Function):
     def forward(x: Tensor, dim: int, pg: PG, debug: bool) -> Tensor:
         world = _backend().world_size(pg)
         with B.label("parallel.gather_from_region"):
-            return C.all_gather(x, dim, pg, sizes=[x.shape[dim]] * world)
+            return C.all_gather(x, dim, pg, split_sizes=[x.shape[dim]] * world)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -343,7 +343,7 @@ class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
         world = _backend().world_size(ctx.pg)
-        return C.all_gather(t, ctx.dim, ctx.pg, sizes=[t.shape[ctx.dim]] * world)
+        return C.all_gather(t, ctx.dim, ctx.pg, split_sizes=[t.shape[ctx.dim]] * world)
 
     @staticmethod
     def vmap(
@@ -451,7 +451,7 @@ class _AllGatherFromSequence(torch.autograd.Function):
     def forward(x: Tensor, dim: int, pg: PG) -> Tensor:
         world = _backend().world_size(pg)
         with B.label("parallel.all_gather_from_sequence"):
-            return C.all_gather(x, dim, pg, sizes=[x.shape[dim]] * world)
+            return C.all_gather(x, dim, pg, split_sizes=[x.shape[dim]] * world)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -465,7 +465,7 @@ class _AllGatherFromSequence(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
         world = _backend().world_size(ctx.pg)
-        return C.all_gather(t, ctx.dim, ctx.pg, sizes=[t.shape[ctx.dim]] * world)
+        return C.all_gather(t, ctx.dim, ctx.pg, split_sizes=[t.shape[ctx.dim]] * world)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, pg: PG) -> tuple[Tensor, int]:

@@ -152,7 +152,7 @@ class _ColumnComm(torch.autograd.Function):
         else:
             world = B.get_backend().world_size(pg)
             with B.label("parallel.all_gather_from_sequence"):
-                x_in = C.all_gather(x.detach(), sp_dim, pg, sizes=[x.shape[sp_dim]] * world)
+                x_in = C.all_gather(x.detach(), sp_dim, pg, split_sizes=[x.shape[sp_dim]] * world)
         leaves = [x_in.requires_grad_(ctx.needs_input_grad[0]), w.detach().requires_grad_(w.requires_grad)]
         if b is not None:
             leaves.append(b.detach().requires_grad_(b.requires_grad))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -168,65 +168,32 @@ def _out_shape_of(case: Case, rank: int) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------
 
 
-def _reduce(xs: list[Tensor], op: str) -> Tensor:
-    st = torch.stack(xs)
-    if op == "sum":
-        return st.sum(0)
-    if op == "avg":
-        return st.sum(0) / len(xs)
-    if op == "max":
-        return st.amax(0)
-    if op == "min":
-        return st.amin(0)
-    if op == "product":
-        return st.prod(0)
-    raise ValueError(op)
+def _registry() -> dict[str, Any]:
+    """Every op with a dual and a serial reference: the collectives and the symmetric p2p ops."""
+    from diffcomm import collectives, p2p
+
+    return {**collectives.OPS, **{k: v for k, v in p2p.OPS.items() if v.reference is not None}}
+
+
+def op_kwargs(case: Case, rank: int) -> dict[str, Any]:
+    """The keyword arguments of ``case.op`` on ``rank``, split sizes spelled out (what the
+    registry's ``dual_args`` and ``reference`` read)."""
+    kw = {k: v for k, v in case.kwargs.items() if k != "infer_outputs"}
+    if case.sizes is not None:
+        kw["split_sizes"] = list(case.sizes)
+    if case.a2a is not None:
+        kw["input_split_sizes"] = list(case.a2a[rank])
+        kw["output_split_sizes"] = [case.a2a[j][rank] for j in range(case.world)]
+    return kw
 
 
 def reference_outputs(case: Case, xs: list[Tensor]) -> list[Tensor]:
-    """Every rank's output of ``case.op`` computed in one process with plain torch ops."""
-    w, kw = case.world, case.kwargs
-    op = case.op
-    if op == "all_reduce":
-        red = _reduce(xs, kw.get("op", "sum"))
-        return [red for _ in range(w)]
-    if op == "broadcast":
-        return [xs[kw.get("src", 0)] for _ in range(w)]
-    if op == "reduce":
-        red = _reduce(xs, kw.get("op", "sum"))
-        dst = kw.get("dst", 0)
-        return [red if r == dst else torch.zeros_like(red) for r in range(w)]
-    if op == "all_gather":
-        full = torch.cat(xs, dim=kw.get("dim", 0))
-        return [full for _ in range(w)]
-    if op == "gather":
-        full = torch.cat(xs, dim=kw.get("dim", 0))
-        dst = kw.get("dst", 0)
-        return [full if r == dst else torch.zeros_like(full) for r in range(w)]
-    if op == "reduce_scatter":
-        red = _reduce(xs, kw.get("op", "sum"))
-        dim = kw.get("dim", 0)
-        sizes = kw.get("split_sizes") or [red.shape[dim] // w] * w
-        return list(red.split(list(sizes), dim=dim))
-    if op == "scatter":
-        dim = kw.get("dim", 0)
-        src = kw.get("src", 0)
-        sizes = kw.get("split_sizes") or [xs[src].shape[dim] // w] * w
-        return list(xs[src].split(list(sizes), dim=dim))
-    if op == "all_to_all":
-        sd, cd = kw.get("split_dim", 0), kw.get("concat_dim", 0)
-        splits = case.a2a or tuple(tuple([xs[r].shape[sd] // w] * w) for r in range(w))
-        chunks = [xs[j].split(list(splits[j]), dim=sd) for j in range(w)]
-        return [torch.cat([chunks[j][r] for j in range(w)], dim=cd) for r in range(w)]
-    if op == "shift":
-        k = kw.get("offset", 1)
-        return [xs[(r - k) % w] for r in range(w)]
-    if op == "ppermute":
-        outs = [torch.zeros_like(xs[r]) for r in range(w)]
-        for src, dst in kw["perm"]:
-            outs[dst] = xs[src]
-        return outs
-    raise ValueError(f"unknown op {op!r}")
+    """Every rank's output of ``case.op`` computed in one process with plain torch ops
+    (the registry entry's serial reference)."""
+    spec = _registry().get(case.op)
+    if spec is None:
+        raise ValueError(f"unknown op {case.op!r}")
+    return spec.reference(xs, [op_kwargs(case, r) for r in range(case.world)])
 
 
 def call(case: Case, x: Tensor) -> Tensor:
@@ -242,45 +209,14 @@ def call(case: Case, x: Tensor) -> Tensor:
 
 
 def call_dual(case: Case, y: Tensor) -> Tensor | None:
-    """Apply the adjoint named by the dual table to ``y`` directly (linear cases only)."""
-    kw, w, rank = case.kwargs, case.world, dc.get_rank()
-    rop = kw.get("op", "sum")
-    if rop not in LINEAR:
+    """Apply the adjoint named by the registry to ``y`` directly (linear cases only)."""
+    if case.kwargs.get("op", "sum") not in LINEAR:
         return None
-    if case.op == "shift":
-        return dc.shift(y, offset=-kw.get("offset", 1))
-    if case.op == "ppermute":
-        return dc.ppermute(y, [(d, s) for s, d in kw["perm"]])
-    dual = dc.dual(case.op)
-    scale = 1.0 / w if rop == "avg" else 1.0
-    if case.op == "all_reduce":
-        return dc.all_reduce(y, rop)
-    if case.op == "broadcast":
-        return dc.reduce(y, dst=kw.get("src", 0))
-    if case.op == "reduce":
-        return dc.broadcast(y, src=kw.get("dst", 0)) * scale
-    dim = kw.get("dim", 0)
-    if case.op == "all_gather":
-        sizes = list(case.sizes) if case.sizes else None
-        return getattr(dc, dual)(y, dim=dim, split_sizes=sizes)
-    if case.op == "reduce_scatter":
-        sizes = kw.get("split_sizes")
-        return dc.all_gather(y, dim=dim, sizes=sizes) * scale
-    if case.op == "gather":
-        sizes = list(case.sizes) if case.sizes else None
-        return dc.scatter(y, src=kw.get("dst", 0), dim=dim, split_sizes=sizes)
-    if case.op == "scatter":
-        return dc.gather(y, dst=kw.get("src", 0), dim=dim, sizes=kw.get("split_sizes"))
-    if case.op == "all_to_all":
-        sd, cd = kw.get("split_dim", 0), kw.get("concat_dim", 0)
-        if case.a2a is not None:
-            ins = list(case.a2a[rank])
-            outs = [case.a2a[j][rank] for j in range(w)]
-            return dc.all_to_all(
-                y, split_dim=cd, concat_dim=sd, input_split_sizes=outs, output_split_sizes=ins
-            )
-        return dc.all_to_all(y, split_dim=cd, concat_dim=sd)
-    raise ValueError(case.op)
+    registry = _registry()
+    spec = registry[case.op]
+    dual_kwargs, scale = spec.dual_args(op_kwargs(case, dc.get_rank()), case.world)
+    out = registry[spec.dual].fn(y, **dual_kwargs)
+    return out * scale if scale != 1.0 else out
 
 
 # --------------------------------------------------------------------------------------
@@ -431,6 +367,3 @@ def standard_cases(world: int) -> Iterator[Case]:
         "all_to_all", w, (0, 2), kwargs={"split_dim": 0, "concat_dim": 0, "infer_outputs": True}, a2a=a2a
     )
 
-
-def with_seed(case: Case, seed: int) -> Case:
-    return replace(case, seed=seed)
