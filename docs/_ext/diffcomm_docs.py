@@ -49,7 +49,8 @@ def duals_page() -> str:
 def p2p_page() -> str:
     from diffcomm.p2p import p2p_markdown
 
-    return "<!-- generated from diffcomm.p2p.OPS by docs/_ext/diffcomm_docs.py -->\n\n" + p2p_markdown() + "\n"
+    head = "<!-- generated from diffcomm.p2p.OPS by docs/_ext/diffcomm_docs.py -->\n\n"
+    return head + p2p_markdown() + "\n"
 
 
 def coalesced_page() -> str:
