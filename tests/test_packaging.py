@@ -109,11 +109,22 @@ def test_lazy_exports_all_and_type_checking_imports_agree() -> None:
     assert set(diffcomm.__all__) <= set(star)
 
 
-def test_import_diffcomm_does_not_import_torch_until_a_name_is_used() -> None:
-    code = (
+def test_import_is_eager_and_only_the_command_line_is_lazy() -> None:
+    """``import diffcomm`` pays the whole import at once (never inside a first collective,
+    where a rank still importing would look like a desync to the others); the command
+    line (``sys.argv[0]`` the console script or ``-m``) imports a submodule per first use."""
+    eager = (
         "import sys\n"
+        "import diffcomm\n"
+        "assert 'torch' in sys.modules and 'diffcomm.collectives' in sys.modules\n"
+        "missing = [n for n in diffcomm.__all__ if n not in vars(diffcomm)]\n"
+        "assert not missing, missing\n"
+    )
+    lazy = (
+        "import sys\n"
+        "sys.argv[0] = '/venv/bin/diffcomm'  # as pip's console-script wrapper runs\n"
         "import diffcomm as dc\n"
-        "assert 'torch' not in sys.modules, 'import diffcomm imported torch'\n"
+        "assert 'torch' not in sys.modules, 'the command line imported torch'\n"
         "print(dc.__version__)\n"
         "op = dc.all_reduce\n"
         "assert 'torch' in sys.modules and op.__module__ == 'diffcomm.collectives'\n"
@@ -127,14 +138,17 @@ def test_import_diffcomm_does_not_import_torch_until_a_name_is_used() -> None:
         "except AttributeError as exc:\n"
         "    print(exc)\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    missing = "module 'diffcomm' has no attribute 'no_such_name'"
-    assert p.stdout.splitlines() == [diffcomm.__version__, missing]
+    for code, expected in ((eager, []), (lazy, [diffcomm.__version__, _NO_SUCH_NAME])):
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.splitlines() == expected
+
+
+_NO_SUCH_NAME = "module 'diffcomm' has no attribute 'no_such_name'"
 
 
 def test_every_submodule_imports_first() -> None:
-    """Any module may be the first one imported (the package ``__init__`` is lazy)."""
+    """Any module may be the first one imported, also where the package is lazy (CLI)."""
     src = Path(diffcomm.__file__).parent
     names = sorted(
         "diffcomm." + ".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
@@ -143,6 +157,7 @@ def test_every_submodule_imports_first() -> None:
     )
     code = (
         "import sys, importlib, torch\n"
+        "sys.argv[0] = 'diffcomm'  # the command line's lazy package\n"
         f"for name in {names!r}:\n"
         "    for m in [m for m in sys.modules if m.split('.')[0] == 'diffcomm']:\n"
         "        del sys.modules[m]\n"

@@ -12,11 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# The package is lazy (PEP 562): ``import diffcomm`` does not import torch, so
-# ``python -m diffcomm --help`` and the console script answer at once. The first use of a
-# public name imports the submodule defining it (and binds the name here, so later uses
-# are plain attribute reads). Keep ``__all__``, ``_SUBMODULES``, ``_EXPORTS`` and the
-# ``TYPE_CHECKING`` imports in sync (tests/test_packaging.py checks it).
+# A plain ``import diffcomm`` imports every submodule at once (the end of this file), so
+# the import cost (torch, dynamo: seconds) is paid there, never inside a user's first
+# collective, where one rank still importing would look like a desync to the others.
+# Only the command line is lazy (PEP 562 ``__getattr__``): while ``python -m diffcomm``
+# or the ``diffcomm`` console script starts, nothing here imports torch, so ``--help``
+# answers at once and each subcommand imports what it needs. Keep ``__all__``,
+# ``_SUBMODULES``, ``_EXPORTS`` and the ``TYPE_CHECKING`` imports in sync
+# (tests/test_packaging.py checks it).
 
 #: public submodules re-exported as attributes
 _SUBMODULES = ("accelerator", "backend", "compat", "parallel", "pipeline", "rng")
@@ -161,8 +164,7 @@ __all__ = [
 
 
 def _load() -> None:
-    """Import every public submodule and bind every exported name (what an eager
-    ``__init__`` would have done; LocalWorld ranks call it before they report ready)."""
+    """Import every public submodule and bind every exported name (idempotent)."""
     for name in __all__:
         __getattr__(name)
 
@@ -182,3 +184,23 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+def _cli_starting() -> bool:
+    """Whether this import is the start of the command line (then the package stays lazy).
+
+    ``python -m diffcomm``: ``sys.argv[0]`` is ``"-m"`` while the package is located and
+    imported. The console script: pip's wrapper (``from diffcomm.cli import main``) runs
+    as ``.../bin/diffcomm`` (``diffcomm.exe`` or ``diffcomm-script.py`` on Windows).
+    """
+    import os
+    import re
+    import sys
+
+    argv0 = sys.argv[0] if sys.argv else ""
+    name = os.path.basename(argv0.replace("\\", "/"))
+    return argv0 == "-m" or re.fullmatch(r"diffcomm(\.exe|-script\.pyw?)?", name, re.I) is not None
+
+
+if not _cli_starting():
+    _load()

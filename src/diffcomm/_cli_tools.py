@@ -178,6 +178,7 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
         console.print_json(json.dumps(out))
     else:
         for w in args.world:
+            console.print()
             console.print(_table([r for r in rows if r["world"] == w], w, args.backend))
         for r in rows:
             if not r["ok"]:

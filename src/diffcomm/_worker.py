@@ -8,12 +8,7 @@ import sys
 # without this, each rank would print its own KeyboardInterrupt traceback.
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-import diffcomm  # noqa: E402
 from diffcomm.world import _worker_main  # noqa: E402
-
-# The package is lazy; a rank imports all of it (torch, dynamo ...) before it reports
-# ready, so a run's time is the function's, not the first `dc.` attribute's import.
-diffcomm._load()
 
 if __name__ == "__main__":
     rank, world, backend, port, fd, timeout, parent = sys.argv[1:8]
