@@ -166,3 +166,18 @@ def test_every_submodule_imports_first() -> None:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert len(names) > 20
+
+
+def test_readme_front_door() -> None:
+    """The two commands (the second is the one .ci/run runs), the CPU wheel, the docs note."""
+    readme = (ROOT / "README.md").read_text()
+    lines = readme.splitlines()
+    first = "pip install torch==2.13.0 && pip install -e . && python -m diffcomm check"
+    ci_test_cmd = re.search(r"readonly TEST_CMD='(.*)'", (ROOT / ".ci" / "run").read_text())
+    assert ci_test_cmd is not None
+    assert first in lines and ci_test_cmd.group(1) in lines
+    assert lines.index(ci_test_cmd.group(1)) == lines.index(first) + 1
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in lines
+    assert "**How long.**" in readme and "--backend nccl" in readme
+    docs = readme.split("## Documentation", 1)[1]
+    assert "without outputs" in docs and "tests/test_notebooks.py" in docs
