@@ -10,6 +10,8 @@ difference of that round; the table shows the median over rounds and the spread
   wrapper -> autograd ``apply`` -> ``forward`` -> backend op -> ``_dispatch`` -> ``_run``
   (the call-site walk steps over them), recording on and off, each minus the same calls
   without the hook (off still looks up the group and applies ``DIFFCOMM_TIMEOUT``).
+  Timed twice: by the wall clock, and by the thread's CPU time (which leaves out the
+  time the thread was preempted; on a shared machine that is the hook's own cost).
 * ``all_reduce``: a whole ``dc.all_reduce`` of 16 floats on ``world`` real gloo ranks
   (:class:`~diffcomm.LocalWorld`), recorder off vs on, measured inside every rank; the
   largest rank's difference counts. Communication noise is much larger than the cost, so
@@ -24,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -74,16 +77,23 @@ _chain: dict[str, Any] = {"_flight": _flight}
 exec(compile(_CHAIN, _flight._PKG + "_bench_chain.py", "exec"), _chain)
 
 
-def _hook_calls(n: int, hook: bool) -> float:
+#: ``wall``: time.perf_counter; ``cpu``: this thread's CPU time (time.thread_time), which
+#: does not count the time the thread was preempted: on a machine shared with other jobs
+#: it is the cost the hook itself adds to every op
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def _hook_calls(n: int, hook: bool, clock: str = "wall") -> float:
     public = _chain["public"]
     sample = torch.ones(16)
-    start = time.perf_counter()
+    now = CLOCKS[clock]
+    start = now()
     for _ in range(n):
         public(hook, sample)  # the "user" frame: this line is the recorded call site
-    return (time.perf_counter() - start) / n
+    return (now() - start) / n
 
 
-def measure_hook(rounds: int, calls: int) -> tuple[dict[str, float], dict[str, float]]:
+def measure_hook(rounds: int, calls: int, clock: str = "wall") -> tuple[dict[str, float], dict[str, float]]:
     """Seconds per op of the hook, recording on and off, each against no hook at all
     (paired rounds; the order of the three variants rotates between rounds)."""
     on_diffs, off_diffs = [], []
@@ -92,7 +102,7 @@ def measure_hook(rounds: int, calls: int) -> tuple[dict[str, float], dict[str, f
         timings = {}
         for v in variants[r % 3 :] + variants[: r % 3]:
             with _config.FLIGHT.set(v == "on"):
-                timings[v] = _hook_calls(calls, v != "none")
+                timings[v] = _hook_calls(calls, v != "none", clock)
         on_diffs.append(timings["on"] - timings["none"])
         off_diffs.append(timings["off"] - timings["none"])
     return _stats(on_diffs), _stats(off_diffs)
@@ -135,17 +145,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", type=int, nargs="*", default=[1, 2], help="world sizes for all_reduce")
     args = parser.parse_args(argv)
 
-    table = Table(title=f"flight recorder cost per op, on - off ({args.rounds} paired rounds)")
+    load = os.getloadavg()[0]
+    table = Table(
+        title=f"flight recorder cost per op, on - off ({args.rounds} paired rounds; load avg {load:.1f})"
+    )
     for col in ("what", "median us", "q1 us", "q3 us", "min us", "max us"):
         table.add_column(col, justify="right" if col != "what" else "left")
-    on, off = measure_hook(args.rounds, args.calls)
-    rows = [("hook, recording on", on), ("hook, recording off", off)]
+    rows = []
+    for clock in ("wall", "cpu"):
+        on, off = measure_hook(args.rounds, args.calls, clock)
+        rows += [(f"hook, recording on ({clock} clock)", on), (f"hook, recording off ({clock} clock)", off)]
     for n in args.worlds:
         cost = measure_all_reduce(n, args.rounds, args.op_calls)
         rows.append((f"dc.all_reduce 16 floats, world {n}, on - off", cost))
     for what, s in rows:
         table.add_row(what, *(f"{s[k] * 1e6:.2f}" for k in ("median", "q1", "q3", "min", "max")))
-    Console().print(table)
+    Console(width=130).print(table)
     return 0
 
 

@@ -136,7 +136,8 @@ def test_bench_coalesced_reports_every_cell() -> None:
     assert len(data["load_before"]) == 3 and [r["op"] for r in data["rows"]] == ["all_reduce", "all_gather"]
     for r in data["rows"]:
         assert r["world"] == 2 and r["tensors"] == 8 and r["payload_bytes"] == 8 * 4096
-        for key in ("coalesced_ms", "loop_ms", "flat_ms", "loop_over_coalesced", "coalesced_over_flat"):
+        times = ("coalesced_ms", "loop_ms", "flat_ms", "list_floor_ms")
+        for key in (*times, "loop_over_coalesced", "coalesced_over_flat", "coalesced_over_floor"):
             q1, med, q3 = r[key]
             assert 0 < q1 <= med <= q3
         assert r["coalesced_peak_x_payload"] > 0

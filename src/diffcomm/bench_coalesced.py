@@ -11,12 +11,22 @@ once, in a rotating order, each after a barrier; a round's time is the slowest r
   backward: the floor a coalesced op can reach (it adds packing and unpacking, and
   autograd handles every tensor instead of one);
 * ``coalesced_fwd`` / ``flat_fwd`` — the same forward on detached tensors (no autograd):
-  the packing cost alone.
+  the packing cost alone;
+* ``list_floor`` — no communication at all: an identity autograd Function over the same
+  256 tensors (outputs are views), forward + backward. What autograd alone charges for a
+  list of that many tensors; ``flat + list_floor`` is the floor of any differentiable op
+  on such a list, and ``coalesced / (flat + list_floor)`` what the coalesced op adds.
+
+The backward of every step runs the autograd engine from the outputs with their
+cotangents (what ``loss.backward()`` hands to the op), not ``torch.autograd.grad``,
+whose Python-side check of every (output, cotangent) pair costs about as much again per
+tensor as the engine and is paid by no training step.
 
 Reported: median and interquartile range of each implementation's round time, the
-**paired** ratios ``loop / coalesced`` and ``coalesced / flat`` (per round, then median and
-IQR), and the peak of the live tensor bytes allocated during one forward+backward (torch
-profiler memory records) in units of the payload. Run it twice and compare; the load
+**paired** ratios ``loop / coalesced``, ``coalesced / flat`` and ``coalesced / (flat +
+list_floor)`` (per round, then median and IQR), and the peak of the live tensor bytes
+allocated during one forward+backward (torch profiler memory records) in units of the
+payload. Run it twice and compare; the load
 average is reported with the results.
 
 Run ``python -m diffcomm bench --coalesced`` or ``python benchmarks/bench_coalesced.py``.
@@ -39,6 +49,33 @@ import diffcomm as dc
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 
 
+class _Identity(torch.autograd.Function):
+    """``list_floor``: views of the inputs out, the gradients back (no communication)."""
+
+    @staticmethod
+    def forward(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return gs
+
+
+def _backward(outs: list[torch.Tensor], inputs: list[torch.Tensor], cots: list[torch.Tensor]) -> None:
+    """Gradients of ``inputs`` from ``outs`` with cotangents ``cots``, through the autograd
+    engine directly (``torch.autograd.grad`` minus its per-pair Python checks)."""
+    try:
+        from torch.autograd.graph import _engine_run_backward
+    except ImportError:  # another torch: the public call
+        torch.autograd.grad(outs, inputs, grad_outputs=cots)
+        return
+    _engine_run_backward(tuple(outs), tuple(cots), False, False, tuple(inputs), False, accumulate_grad=False)
+
+
 def _steps(op: str, n_tensors: int, nbytes: int) -> dict[str, Callable[[], None]]:
     """Forward+backward closures of each implementation (same data every call)."""
     w = dist.get_world_size()
@@ -55,9 +92,8 @@ def _steps(op: str, n_tensors: int, nbytes: int) -> dict[str, Callable[[], None]
         cot_xs = [torch.ones_like(o) for o in coalesced([x.detach() for x in xs])]
         cot_flat = [torch.ones_like(single(flat.detach()))]
 
-    def run(outs: list[torch.Tensor], inputs: list[torch.Tensor], cots: list[torch.Tensor]) -> None:
-        torch.autograd.grad(outs, inputs, grad_outputs=cots)
-
+    run = _backward
+    cot_in = [torch.ones_like(x) for x in xs]  # list_floor's outputs are shaped like the inputs
     xs_data = [x.detach() for x in xs]
     flat_data = flat.detach()
     return {
@@ -67,6 +103,7 @@ def _steps(op: str, n_tensors: int, nbytes: int) -> dict[str, Callable[[], None]
         # forward only, no autograd: the packing cost alone
         "coalesced_fwd": lambda: coalesced(xs_data),
         "flat_fwd": lambda: single(flat_data),
+        "list_floor": lambda: run(list(_Identity.apply(*xs)), xs, cot_in),
     }
 
 
@@ -133,6 +170,8 @@ def measure(world: dc.LocalWorld, op: str, n_tensors: int, nbytes: int, rounds: 
     out["loop_over_coalesced"] = _q(speedup)
     out["coalesced_over_flat"] = _q(vs_flat)
     out["fwd_coalesced_over_flat"] = _q([co / fl for co, fl in zip(rt["coalesced_fwd"], rt["flat_fwd"])])
+    floor = [fl + li for fl, li in zip(rt["flat"], rt["list_floor"])]
+    out["coalesced_over_floor"] = _q([co / f for co, f in zip(rt["coalesced"], floor)])
     for n in ("coalesced", "loop", "flat"):  # worst rank
         out[f"{n}_peak_x_payload"] = max(r["memory"][n] for r in per_rank) / payload
     return out
@@ -169,7 +208,8 @@ def table(result: dict[str, Any], n_tensors: int, nbytes: int, rounds: int) -> T
         "live tensor bytes allocated during one forward+backward (worst rank) / payload",
     )
     cols = ["world", "op", "coalesced ms", "loop ms", "flat ms", "loop/coalesced", "coalesced/flat"]
-    cols += ["fwd-only coalesced/flat", "peak mem coalesced", "peak mem flat", "peak mem loop"]
+    cols += ["list floor ms", "coalesced/(flat+floor)", "fwd-only coalesced/flat"]
+    cols += ["peak mem coalesced", "peak mem flat", "peak mem loop"]
     for c in cols:
         t.add_column(c, justify="left" if c == "op" else "right")
 
@@ -188,6 +228,8 @@ def table(result: dict[str, Any], n_tensors: int, nbytes: int, rounds: int) -> T
             ms(r["flat_ms"]),
             ratio(r["loop_over_coalesced"]),
             ratio(r["coalesced_over_flat"]),
+            ms(r["list_floor_ms"]),
+            ratio(r["coalesced_over_floor"]),
             ratio(r["fwd_coalesced_over_flat"]),
             f"{r['coalesced_peak_x_payload']:.2f}x",
             f"{r['flat_peak_x_payload']:.2f}x",
