@@ -134,7 +134,7 @@ _GROUPS: dict[Any, _Group] = {}
 _LAST: list[Entry | None] = [None]
 _WORLD_PG: list[Any] = [None]
 _INTERNAL: dict[str, bool] = {}
-_DEPTH: dict[Any, int] = {}
+_DEPTH: dict[Any, tuple[int, Any]] = {}  # label -> (depth of the user's frame, its code)
 _PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _STATUS = ["running"]  # running | returned | exited (what the process does outside diffcomm)
@@ -169,14 +169,19 @@ def _site(key: Any) -> tuple[Any, int] | None:
     Walking the stack frame by frame makes Python build a frame object per level (about
     1 us for a collective's depth), so the depth found is remembered per ``key`` (the op's
     label: the same label comes through the same layers) and the next call jumps straight
-    there, checking that the frame is outside and the one below it inside.
+    there, checking that the frame is outside and the one below it inside (or, cheaper,
+    that it runs the same code object as the user's frame found last time).
     """
-    k = _DEPTH.get(key)
-    if k is not None:
+    hit = _DEPTH.get(key)
+    if hit is not None:
+        k, last = hit
         try:
             f: Any = sys._getframe(k)
             code = f.f_code
+            if code is last:  # the same user function as last time: no need to check again
+                return (code, f.f_lasti)
             if not _internal(code.co_filename) and _internal(sys._getframe(k - 1).f_code.co_filename):
+                _DEPTH[key] = (k, code)
                 return (code, f.f_lasti)
         except ValueError:  # a shallower stack this time
             pass
@@ -190,7 +195,7 @@ def _site(key: Any) -> tuple[Any, int] | None:
     while f is not None:
         code = f.f_code
         if not _internal(code.co_filename):
-            _DEPTH[key] = depth
+            _DEPTH[key] = (depth, code)
             return (code, f.f_lasti)
         f = f.f_back
         depth += 1
@@ -522,7 +527,8 @@ def diagnose(
 
     Returns:
         ``(text, facts)``: the message, and a dict with ``group``, ``seq`` (the first
-        diverging sequence number), ``culprits`` (ranks), ``op`` and ``direction``.
+        diverging sequence number), ``culprits`` (ranks), ``op``, ``direction`` and
+        ``idle`` (ranks in no communication: returned, busy in user code, silent).
     """
     if focus is None:
         inflight = [e for s in states.values() if s for e in s.get("inflight", [])]
@@ -617,12 +623,16 @@ def diagnose(
             f"on some ranks (or added on others) shows up like this."
         )
     lines.append("What every rank is doing:")
+    idle: list[int] = []  # in no communication: they will not raise by themselves
     for r in sorted(set(group) | set(k for k, v in states.items() if v is not None)):
         s = states.get(r)
         if s is None:
             lines.append(f"  rank {r}: did not answer (its process is gone, or stuck outside Python)")
             culprits.add(r) if r in group else None
+            idle.append(r)
             continue
+        if not s.get("inflight"):
+            idle.append(r)
         if s.get("inflight"):
             e = s["inflight"][-1]
             lines.append(f"  rank {r}: inside {_desc(e)} on group {e['group']}, for {e['duration_s']:.1f} s")
@@ -652,6 +662,7 @@ def diagnose(
         "culprits": sorted(culprits),
         "op": what,
         "direction": "backward" if backward else "forward",
+        "idle": idle,
     }
     return "\n".join(lines), facts
 

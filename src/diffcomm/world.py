@@ -114,7 +114,9 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
     ``backend=None`` picks the accelerator's default (gloo on CPU, nccl on CUDA, ...), and
     the local device is set from ``LOCAL_RANK``. ``timeout`` (seconds) defaults to
-    ``DIFFCOMM_TIMEOUT`` or torch's default. Calling it again is a no-op.
+    ``DIFFCOMM_TIMEOUT`` or torch's default; it bounds every collective, while the
+    rendezvous itself may take up to 120 s (ranks still starting). Calling it again is a
+    no-op.
 
     Example::
 
@@ -138,10 +140,17 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
     seconds = timeout if timeout is not None else _config.TIMEOUT.get()
     kwargs: dict[str, Any] = {}
     if seconds is not None:
-        kwargs["timeout"] = datetime.timedelta(seconds=seconds)
+        # the rendezvous (every rank importing torch, then connecting) gets the start-up
+        # allowance: on a loaded machine it outlasts a short collective timeout
+        kwargs["timeout"] = datetime.timedelta(seconds=max(seconds, _STARTUP_TIMEOUT))
     if set_device and acc.name != "cpu":
         acc.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(name, **kwargs)
+    if seconds is not None and seconds < _STARTUP_TIMEOUT:
+        try:  # the collectives then wait `seconds`, no longer
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), None)
+        except Exception:  # noqa: BLE001 - a backend without settable timeouts keeps its own
+            pass
 
 
 # --------------------------------------------------------------------------------------
@@ -556,8 +565,11 @@ class LocalWorld:
                     pending.discard(r)
                     continue
                 pending.discard(r)
-                if replies[r][0] == "err" and grace_deadline is None:
-                    grace_deadline = time.monotonic() + _GRACE
+                if replies[r][0] == "err":
+                    if grace_deadline is None:
+                        grace_deadline = time.monotonic() + _GRACE
+                    if pending and pending <= _idle_ranks(replies[r]):
+                        grace_deadline = time.monotonic()  # the rest are in no op: no report coming
             now = time.monotonic()
             if progress_at is not None and now >= progress_at and pending:
                 done = self.world_size - len(pending)
@@ -753,6 +765,13 @@ def _aborted_in(fault_text: str) -> tuple[str | None, str | None]:
         if raw is not None:
             return raw, site
     return None, None
+
+
+def _idle_ranks(reply: tuple[str, Any]) -> set[int]:
+    """Ranks a rank's :class:`DesyncError` found in no communication (busy in user code,
+    returned, silent): they will send no report, so the caller need not wait for one."""
+    exc = _exceptions({0: reply}).get(0)
+    return set(exc.facts.get("idle", ())) if isinstance(exc, DesyncError) else set()
 
 
 def _desync_story(exceptions: dict[int, BaseException]) -> tuple[str, dict[str, Any]] | None:
