@@ -36,31 +36,26 @@ def _write(path: Path, data: bytes) -> None:
         path.write_bytes(data)
 
 
+def _table_page(source: str, markdown: str) -> str:
+    return f"<!-- generated from {source} by docs/_ext/diffcomm_docs.py; do not edit -->\n\n{markdown}\n"
+
+
 def duals_page() -> str:
     from diffcomm.collectives import duals_markdown
 
-    return (
-        "<!-- generated from diffcomm.collectives.OPS by docs/_ext/diffcomm_docs.py; do not edit -->\n\n"
-        + duals_markdown()
-        + "\n"
-    )
+    return _table_page("diffcomm.collectives.OPS", duals_markdown())
 
 
 def p2p_page() -> str:
     from diffcomm.p2p import p2p_markdown
 
-    head = "<!-- generated from diffcomm.p2p.OPS by docs/_ext/diffcomm_docs.py -->\n\n"
-    return head + p2p_markdown() + "\n"
+    return _table_page("diffcomm.p2p.OPS", p2p_markdown())
 
 
 def coalesced_page() -> str:
     from diffcomm.coalesced import coalesced_markdown
 
-    return (
-        "<!-- generated from diffcomm.coalesced.COALESCED_OPS by docs/_ext/diffcomm_docs.py -->\n\n"
-        + coalesced_markdown()
-        + "\n"
-    )
+    return _table_page("diffcomm.coalesced.COALESCED_OPS", coalesced_markdown())
 
 
 def mappings_page() -> str:
