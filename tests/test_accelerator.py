@@ -493,6 +493,10 @@ def test_backend_asks_the_accelerator_for_its_metadata_device() -> None:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        assert backend._comm_device(None) == comm_device(dist.get_backend()) == torch.device("cpu")
+        expected = comm_device(dist.get_backend())
+        assert expected == torch.device("cpu")
+        # the group record and the backend protocol both take the device from the accelerator
+        assert backend.group_info(None).device == expected
+        assert backend.get_backend().comm_device(None) == expected
     finally:
         dist.destroy_process_group()
