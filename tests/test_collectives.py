@@ -181,6 +181,25 @@ def test_docs_table_is_generated_from_the_code() -> None:
         assert f"| `{op}` |" in table and f"`{d}`" in table
 
 
+def test_one_registry_holds_every_family() -> None:
+    """Every per-family table is a view of the one registry; duals close per family."""
+    from diffcomm import _registry as R
+    from diffcomm import coalesced, p2p
+
+    assert dc.OPS == R.family("collective") and p2p.OPS == R.family("p2p")
+    assert coalesced.COALESCED_OPS == R.family("coalesced")
+    for name, spec in R.REGISTRY.items():
+        assert R.REGISTRY[spec.dual].family == spec.family, name
+        assert R.dual(R.dual(name)) == name
+    # the testing kit walks exactly the ops with an argument map and a serial reference
+    assert set(R.with_reference()) == set(dc.OPS) | {"shift", "ppermute"}
+    with pytest.raises(ValueError, match="registered twice"):
+        R.register("collective", dc.OPS["all_reduce"])
+    with pytest.raises(ValueError, match="unknown family"):
+        R.register("nope")
+    assert R.markdown("collective") == dc.collectives.duals_markdown()
+
+
 # --------------------------------------------------------------------------------------
 # pitfalls pinned down explicitly
 # --------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ On ``builder-inited`` (before Sphinx looks for source files) it writes, under
 ``docs/_generated/`` (git-ignored):
 
 * ``duals.md`` — the op -> adjoint table, from :func:`diffcomm.collectives.duals_markdown`
+  (``_registry.markdown("collective")``)
   (the same ``OPS`` table the tests walk), included by ``convention.md``;
 * ``coalesced.md`` — the coalesced op -> adjoint table, from
   :data:`diffcomm.coalesced.COALESCED_OPS`, included by ``coalesced.md``;

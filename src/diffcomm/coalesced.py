@@ -56,7 +56,8 @@ from ._op import fn as _fn
 from ._op import jvp_free_twin as _jvp_free_twin
 from ._op import only_on as _only_on
 from ._op import unwrap_if_dead as _unwrap_if_dead
-from .collectives import OpSpec, _async_if
+from ._registry import OpSpec, markdown, register
+from .collectives import _async_if
 
 __all__ = [
     "all_reduce_coalesced",
@@ -827,58 +828,50 @@ def reduce_scatter_coalesced(
 # the coalesced op -> adjoint table (tests walk it; the docs' table is generated from it)
 # ======================================================================================
 
-COALESCED_OPS: dict[str, OpSpec] = {
-    s.name: s
-    for s in (
-        OpSpec(
-            "all_reduce_coalesced",
-            all_reduce_coalesced,
-            "all_reduce_coalesced",
-            "op over ranks of each tensor, on every rank",
-            "all_reduce_coalesced of grads (max/min: to arg-extreme ranks, ties split; product: "
-            "zero-safe, plus one all_gather per dtype)",
-        ),
-        OpSpec(
-            "broadcast_coalesced",
-            broadcast_coalesced,
-            "reduce_coalesced",
-            "src's tensors on every rank",
-            "reduce_coalesced(sum) to src; other ranks exact zeros",
-        ),
-        OpSpec(
-            "reduce_coalesced",
-            reduce_coalesced,
-            "broadcast_coalesced",
-            "op over ranks on dst, zeros elsewhere",
-            "broadcast_coalesced from dst",
-        ),
-        OpSpec(
-            "all_gather_coalesced",
-            all_gather_coalesced,
-            "reduce_scatter_coalesced",
-            "each tensor concatenated over ranks along dim",
-            "reduce_scatter_coalesced(sum)",
-        ),
-        OpSpec(
-            "reduce_scatter_coalesced",
-            reduce_scatter_coalesced,
-            "all_gather_coalesced",
-            "chunk r of each tensor's reduction along dim",
-            "all_gather_coalesced",
-        ),
-    )
-}
+COALESCED_OPS: dict[str, OpSpec] = register(
+    "coalesced",
+    OpSpec(
+        "all_reduce_coalesced",
+        all_reduce_coalesced,
+        "all_reduce_coalesced",
+        "op over ranks of each tensor, on every rank",
+        "all_reduce_coalesced of grads (max/min: to arg-extreme ranks, ties split; product: "
+        "zero-safe, plus one all_gather per dtype)",
+    ),
+    OpSpec(
+        "broadcast_coalesced",
+        broadcast_coalesced,
+        "reduce_coalesced",
+        "src's tensors on every rank",
+        "reduce_coalesced(sum) to src; other ranks exact zeros",
+    ),
+    OpSpec(
+        "reduce_coalesced",
+        reduce_coalesced,
+        "broadcast_coalesced",
+        "op over ranks on dst, zeros elsewhere",
+        "broadcast_coalesced from dst",
+    ),
+    OpSpec(
+        "all_gather_coalesced",
+        all_gather_coalesced,
+        "reduce_scatter_coalesced",
+        "each tensor concatenated over ranks along dim",
+        "reduce_scatter_coalesced(sum)",
+    ),
+    OpSpec(
+        "reduce_scatter_coalesced",
+        reduce_scatter_coalesced,
+        "all_gather_coalesced",
+        "chunk r of each tensor's reduction along dim",
+        "all_gather_coalesced",
+    ),
+)
 
 
 def coalesced_markdown() -> str:
     """The coalesced op -> adjoint table as Markdown (the docs include this)."""
-    lines = [
-        "| op | forward (rank r, each tensor) | adjoint | backward rule (one call per dtype) |",
-        "|---|---|---|---|",
-    ]
-    for s in COALESCED_OPS.values():
-        lines.append(f"| `{s.name}` | {s.forward} | `{s.dual}` | {s.backward} |")
-    return "\n".join(lines)
+    return markdown("coalesced")
 
 
 # asynchronous coalesced ops: output shapes (Function arguments: tensor, *meta, *tensors)

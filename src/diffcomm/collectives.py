@@ -34,8 +34,7 @@ rank-local facts that could differ between ranks, and only call public diffcomm 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from . import _args as A
 from . import _async, _config
 from . import backend as B
 from ._op import CommOp, FastFunction, call, fn, jvp_free_twin, movedim0, only_on, unwrap_if_dead
+from ._registry import Kwargs, OpSpec, markdown, register
 
 __all__ = [
     "all_reduce",
@@ -805,36 +805,6 @@ _async.OUT_SHAPES.update(
 # ======================================================================================
 
 
-Kwargs = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    """One op of the registry: everything the rest of the package derives from it.
-
-    Attributes:
-        name: the public name (``dc.<name>``).
-        fn: the public function.
-        dual: the name of its adjoint op (``dual(dual(op)) == op``).
-        forward / backward: the rules in words (the docs' tables).
-        dual_args: ``(kwargs, world) -> (dual_kwargs, scale)``: the adjoint of the call
-            ``fn(x, **kwargs)`` (linear reduce ops) is ``scale * dual_fn(y, **dual_kwargs)``.
-            ``kwargs`` are the call's keyword arguments on this rank, split sizes given
-            explicitly. Read by :mod:`diffcomm.testing` (the dot-product test) and so by
-            ``python -m diffcomm check``.
-        reference: ``(xs, kwargs_per_rank) -> outputs``: every rank's output computed in
-            one process with plain torch ops (the serial reference of the testing kit).
-    """
-
-    name: str
-    fn: Any
-    dual: str
-    forward: str
-    backward: str
-    dual_args: Callable[[Kwargs, int], tuple[Kwargs, float]] | None = None
-    reference: Callable[[list[Tensor], list[Kwargs]], list[Tensor]] | None = None
-
-
 def _avg_scale(kw: Kwargs, world: int) -> float:
     return 1.0 / world if kw.get("op", "sum") == "avg" else 1.0
 
@@ -895,100 +865,98 @@ def _ref_all_to_all(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
     return [torch.cat([chunks[j][r] for j in range(w)], dim=cd) for r in range(w)]
 
 
-OPS: dict[str, OpSpec] = {
-    s.name: s
-    for s in (
-        OpSpec(
-            "all_reduce",
-            all_reduce,
-            "all_reduce",
-            "op over ranks, on every rank",
-            "all_reduce of grads (max/min: to arg-extreme ranks, ties split; product: zero-safe)",
-            lambda kw, w: ({"op": kw.get("op", "sum")}, 1.0),
-            _ref_all_reduce,
+OPS: dict[str, OpSpec] = register(
+    "collective",
+    OpSpec(
+        "all_reduce",
+        all_reduce,
+        "all_reduce",
+        "op over ranks, on every rank",
+        "all_reduce of grads (max/min: to arg-extreme ranks, ties split; product: zero-safe)",
+        lambda kw, w: ({"op": kw.get("op", "sum")}, 1.0),
+        _ref_all_reduce,
+    ),
+    OpSpec(
+        "broadcast",
+        broadcast,
+        "reduce",
+        "src's x on every rank",
+        "reduce(sum) to src; other ranks exact zeros",
+        lambda kw, w: ({"dst": kw.get("src", 0)}, 1.0),
+        _ref_broadcast,
+    ),
+    OpSpec(
+        "reduce",
+        reduce,
+        "broadcast",
+        "op over ranks on dst, zeros elsewhere",
+        "broadcast from dst",
+        lambda kw, w: ({"src": kw.get("dst", 0)}, _avg_scale(kw, w)),
+        _ref_reduce,
+    ),
+    OpSpec(
+        "all_gather",
+        all_gather,
+        "reduce_scatter",
+        "concat of every rank's x along dim",
+        "reduce_scatter(sum) with the same split",
+        lambda kw, w: ({"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, 1.0),
+        _ref_all_gather,
+    ),
+    OpSpec(
+        "reduce_scatter",
+        reduce_scatter,
+        "all_gather",
+        "chunk r of the reduction",
+        "all_gather with the same split",
+        lambda kw, w: (
+            {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")},
+            _avg_scale(kw, w),
         ),
-        OpSpec(
-            "broadcast",
-            broadcast,
-            "reduce",
-            "src's x on every rank",
-            "reduce(sum) to src; other ranks exact zeros",
-            lambda kw, w: ({"dst": kw.get("src", 0)}, 1.0),
-            _ref_broadcast,
+        _ref_reduce_scatter,
+    ),
+    OpSpec(
+        "gather",
+        gather,
+        "scatter",
+        "concat on dst, zeros elsewhere",
+        "scatter from dst with the same split",
+        lambda kw, w: (
+            {"src": kw.get("dst", 0), "dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")},
+            1.0,
         ),
-        OpSpec(
-            "reduce",
-            reduce,
-            "broadcast",
-            "op over ranks on dst, zeros elsewhere",
-            "broadcast from dst",
-            lambda kw, w: ({"src": kw.get("dst", 0)}, _avg_scale(kw, w)),
-            _ref_reduce,
+        _ref_gather,
+    ),
+    OpSpec(
+        "scatter",
+        scatter,
+        "gather",
+        "chunk r of src's x",
+        "gather to src with the same split",
+        lambda kw, w: (
+            {"dst": kw.get("src", 0), "dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")},
+            1.0,
         ),
-        OpSpec(
-            "all_gather",
-            all_gather,
-            "reduce_scatter",
-            "concat of every rank's x along dim",
-            "reduce_scatter(sum) with the same split",
-            lambda kw, w: ({"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, 1.0),
-            _ref_all_gather,
+        _ref_scatter,
+    ),
+    OpSpec(
+        "all_to_all",
+        all_to_all,
+        "all_to_all",
+        "chunk r of every rank's x, concatenated",
+        "all_to_all with dims and split sizes swapped",
+        lambda kw, w: (
+            {
+                "split_dim": kw.get("concat_dim", 0),
+                "concat_dim": kw.get("split_dim", 0),
+                "input_split_sizes": kw.get("output_split_sizes"),
+                "output_split_sizes": kw.get("input_split_sizes"),
+            },
+            1.0,
         ),
-        OpSpec(
-            "reduce_scatter",
-            reduce_scatter,
-            "all_gather",
-            "chunk r of the reduction",
-            "all_gather with the same split",
-            lambda kw, w: (
-                {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")},
-                _avg_scale(kw, w),
-            ),
-            _ref_reduce_scatter,
-        ),
-        OpSpec(
-            "gather",
-            gather,
-            "scatter",
-            "concat on dst, zeros elsewhere",
-            "scatter from dst with the same split",
-            lambda kw, w: (
-                {"src": kw.get("dst", 0), "dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")},
-                1.0,
-            ),
-            _ref_gather,
-        ),
-        OpSpec(
-            "scatter",
-            scatter,
-            "gather",
-            "chunk r of src's x",
-            "gather to src with the same split",
-            lambda kw, w: (
-                {"dst": kw.get("src", 0), "dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")},
-                1.0,
-            ),
-            _ref_scatter,
-        ),
-        OpSpec(
-            "all_to_all",
-            all_to_all,
-            "all_to_all",
-            "chunk r of every rank's x, concatenated",
-            "all_to_all with dims and split sizes swapped",
-            lambda kw, w: (
-                {
-                    "split_dim": kw.get("concat_dim", 0),
-                    "concat_dim": kw.get("split_dim", 0),
-                    "input_split_sizes": kw.get("output_split_sizes"),
-                    "output_split_sizes": kw.get("input_split_sizes"),
-                },
-                1.0,
-            ),
-            _ref_all_to_all,
-        ),
-    )
-}
+        _ref_all_to_all,
+    ),
+)
 
 #: op name -> name of its adjoint (the table the tests walk and the docs are built from).
 DUALS: dict[str, str] = {name: spec.dual for name, spec in OPS.items()}
@@ -1003,7 +971,4 @@ def dual(op: str) -> str:
 
 def duals_markdown() -> str:
     """The op -> adjoint table as Markdown (the docs include this)."""
-    lines = ["| op | forward (rank r) | adjoint | backward rule |", "|---|---|---|---|"]
-    for s in OPS.values():
-        lines.append(f"| `{s.name}` | {s.forward} | `{s.dual}` | {s.backward} |")
-    return "\n".join(lines)
+    return markdown("collective")

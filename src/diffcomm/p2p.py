@@ -63,7 +63,7 @@ from . import _args as A
 from . import _config, _flight
 from . import backend as B
 from ._errors import CollectiveTimeoutError, CrossRankMismatchError, DiffcommError
-from .collectives import OpSpec
+from ._registry import OpSpec, markdown, register
 
 __all__ = [
     "send",
@@ -1173,40 +1173,36 @@ def _ref_ppermute(xs: list[Tensor], kws: list[dict[str, Any]]) -> list[Tensor]:
     return outs
 
 
-OPS: dict[str, OpSpec] = {
-    s.name: s
-    for s in (
-        OpSpec(
-            "send", send, "recv", "x travels to dst; a 0-dim token", "token receives the gradient from dst"
-        ),
-        OpSpec("recv", recv, "send", "the tensor src sent", "the gradient is sent to src"),
-        OpSpec(
-            "sendrecv",
-            sendrecv,
-            "sendrecv",
-            "x to dst, src's x arrives",
-            "sendrecv(grad, dst=src, src=dst)",
-        ),
-        OpSpec(
-            "ppermute",
-            ppermute,
-            "ppermute",
-            "x of s for each (s, r) in perm; zeros if none",
-            "ppermute with the inverse pairs",
-            lambda kw, w: ({"perm": [(d, s) for s, d in kw["perm"]]}, 1.0),
-            _ref_ppermute,
-        ),
-        OpSpec(
-            "shift",
-            shift,
-            "shift",
-            "x of rank r - offset (mod n)",
-            "shift(grad, -offset)",
-            lambda kw, w: ({"offset": -kw.get("offset", 1)}, 1.0),
-            _ref_shift,
-        ),
-    )
-}
+OPS: dict[str, OpSpec] = register(
+    "p2p",
+    OpSpec("send", send, "recv", "x travels to dst; a 0-dim token", "token receives the gradient from dst"),
+    OpSpec("recv", recv, "send", "the tensor src sent", "the gradient is sent to src"),
+    OpSpec(
+        "sendrecv",
+        sendrecv,
+        "sendrecv",
+        "x to dst, src's x arrives",
+        "sendrecv(grad, dst=src, src=dst)",
+    ),
+    OpSpec(
+        "ppermute",
+        ppermute,
+        "ppermute",
+        "x of s for each (s, r) in perm; zeros if none",
+        "ppermute with the inverse pairs",
+        lambda kw, w: ({"perm": [(d, s) for s, d in kw["perm"]]}, 1.0),
+        _ref_ppermute,
+    ),
+    OpSpec(
+        "shift",
+        shift,
+        "shift",
+        "x of rank r - offset (mod n)",
+        "shift(grad, -offset)",
+        lambda kw, w: ({"offset": -kw.get("offset", 1)}, 1.0),
+        _ref_shift,
+    ),
+)
 
 #: p2p op name -> name of its adjoint.
 DUALS: dict[str, str] = {name: spec.dual for name, spec in OPS.items()}
@@ -1214,7 +1210,4 @@ DUALS: dict[str, str] = {name: spec.dual for name, spec in OPS.items()}
 
 def p2p_markdown() -> str:
     """The p2p op -> adjoint table as Markdown (the docs include this)."""
-    lines = ["| op | rank r gets | adjoint | backward rule |", "|---|---|---|---|"]
-    for s in OPS.values():
-        lines.append(f"| `{s.name}` | {s.forward} | `{s.dual}` | {s.backward} |")
-    return "\n".join(lines)
+    return markdown("p2p")

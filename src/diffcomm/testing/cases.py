@@ -170,9 +170,9 @@ def _out_shape_of(case: Case, rank: int) -> tuple[int, ...]:
 
 def _registry() -> dict[str, Any]:
     """Every op with a dual and a serial reference: the collectives and the symmetric p2p ops."""
-    from diffcomm import collectives, p2p
+    from diffcomm import _registry, collectives, p2p  # noqa: F401 - importing registers the ops
 
-    return {**collectives.OPS, **{k: v for k, v in p2p.OPS.items() if v.reference is not None}}
+    return _registry.with_reference()
 
 
 def op_kwargs(case: Case, rank: int) -> dict[str, Any]:
