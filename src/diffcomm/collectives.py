@@ -44,6 +44,7 @@ from . import _args as A
 from . import _async, _config
 from . import backend as B
 from ._op import CommOp, FastFunction, call, fn, jvp_free_twin, movedim0, only_on, unwrap_if_dead
+from ._op import apply as _apply
 from ._registry import Kwargs, OpSpec, markdown, register
 
 __all__ = [
@@ -186,7 +187,7 @@ def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None, *, async_o
     pg = A.resolve_group(group, "all_reduce")
     _debug_check("all_reduce", pg, op=op_name, shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
     with _async_if(async_op):
-        return _fn(_AllReduce).apply(x, op_name, pg)
+        return _apply(_AllReduce, x, op_name, pg)
 
 
 # ======================================================================================
@@ -237,7 +238,7 @@ def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None, *, async_op: b
     src = A.check_rank(src, "broadcast", "src", _world(pg))
     _debug_check("broadcast", pg, src=src, shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
     with _async_if(async_op):
-        return _fn(_Broadcast).apply(x, src, pg)
+        return _apply(_Broadcast, x, src, pg)
 
 
 class _Reduce(CommOp):
@@ -296,9 +297,9 @@ def reduce(
     _debug_check("reduce", pg, op=op_name, dst=dst, shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
     with _async_if(async_op):
         if op_name in A.LINEAR_OPS:
-            return _fn(_Reduce).apply(x, dst, op_name, pg)
+            return _apply(_Reduce, x, dst, op_name, pg)
         # max/min/product: every rank needs the extreme/product for its gradient anyway
-        return _only_on(_fn(_AllReduce).apply(x, op_name, pg), _rank(pg) == dst)
+        return _only_on(_apply(_AllReduce, x, op_name, pg), _rank(pg) == dst)
 
 
 # ======================================================================================
@@ -376,7 +377,7 @@ def all_gather(
         with B.label("all_gather (size exchange)"):
             sizes = _b().exchange_sizes(x.shape[dim], pg)
     with _async_if(async_op):
-        return _fn(_AllGather).apply(x, dim, pg, tuple(sizes))
+        return _apply(_AllGather, x, dim, pg, tuple(sizes))
 
 
 class _ReduceScatter(CommOp):
@@ -454,8 +455,8 @@ def reduce_scatter(
     )
     with _async_if(async_op):
         if op_name in A.LINEAR_OPS:
-            return _fn(_ReduceScatter).apply(x, dim, op_name, pg, tuple(sizes))
-        full = _fn(_AllReduce).apply(x, op_name, pg)
+            return _apply(_ReduceScatter, x, dim, op_name, pg, tuple(sizes))
+        full = _apply(_AllReduce, x, op_name, pg)
         return full.narrow(dim, sum(sizes[:rank]), sizes[rank])
 
 
@@ -534,7 +535,7 @@ def gather(
         with B.label("gather (size exchange)"):
             sizes = _b().exchange_sizes(x.shape[dim], pg)
     with _async_if(async_op):
-        return _fn(_Gather).apply(x, dst, dim, pg, tuple(sizes))
+        return _apply(_Gather, x, dst, dim, pg, tuple(sizes))
 
 
 class _Scatter(CommOp):
@@ -604,7 +605,7 @@ def scatter(
         grad=x.requires_grad,
     )
     with _async_if(async_op):
-        return _fn(_Scatter).apply(x, src, dim, pg, tuple(sizes))
+        return _apply(_Scatter, x, src, dim, pg, tuple(sizes))
 
 
 # ======================================================================================
@@ -764,7 +765,7 @@ def all_to_all(
             sent = torch.tensor(ins, dtype=torch.int64, device=_b().comm_device(pg))
             outs = _b().all_to_all(sent, pg, [1] * world, [1] * world).tolist()
     with _async_if(async_op):
-        return _fn(_AllToAll).apply(x, split_dim, concat_dim, pg, tuple(ins), tuple(int(o) for o in outs))
+        return _apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(int(o) for o in outs))
 
 
 # ======================================================================================
