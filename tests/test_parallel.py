@@ -117,6 +117,95 @@ def test_mapping_jvp_and_vmap(world2, name: str) -> None:
 
 
 # ======================================================================================
+# the registry's "mapping" family: each mapping and its dual are adjoint under the
+# replicated convention
+# ======================================================================================
+
+#: which side of a mapping is replicated (one variable, the same on every rank)
+_REPLICATED_SIDE = {
+    "copy_to_region": "in",
+    "reduce_from_region": "out",
+    "scatter_to_region": "in",
+    "gather_from_region": "out",
+}
+
+
+def _inner(a: torch.Tensor, b: torch.Tensor, replicated: bool) -> float:
+    """The replicated convention's inner product of two SPMD tensors: per-rank tensors
+    count on every rank (sum over ranks); a replicated tensor is one variable and counts
+    once (the per-rank sum divided by the world size)."""
+    total = dc.all_reduce((a * b).sum().reshape(1))[0].item()
+    return total / dc.get_world_size() if replicated else total
+
+
+def _check_adjoint(name: str) -> dict[str, float]:
+    """``<A x, y>_out == <x, A' y>_in`` with ``A'`` the registered dual called directly."""
+    fn, x, y, _, _ = _case(name)  # x and the cotangent y live in A's input / output space
+    dual = MAPPINGS[MAPPINGS[name].dual].fn
+    aty = dual(y, 1, 0) if name == "all_to_all_region" else dual(y)
+    side = _REPLICATED_SIDE.get(name)
+    lhs = _inner(fn(x), y, side == "out")
+    rhs = _inner(x, aty, side == "in")
+    # the sum-of-objectives inner product (the testing kit's): off by `world` on a replicated side
+    sum_lhs, sum_rhs = _inner(fn(x), y, False), _inner(x, aty, False)
+    return {"lhs": lhs, "rhs": rhs, "sum_lhs": sum_lhs, "sum_rhs": sum_rhs}
+
+
+@pytest.mark.parametrize("name", list(MAPPINGS))
+def test_mapping_and_its_dual_are_adjoint_under_the_replicated_convention(world, name: str) -> None:
+    """The dot-product test of each mapping against its registered dual.
+
+    Replicated objective: one loss ``L``, the same on every rank; a replicated tensor (the
+    input of ``copy_to_region`` / ``scatter_to_region``, the output of
+    ``reduce_from_region`` / ``gather_from_region``) is **one** variable, so its inner
+    product counts once, while a per-rank tensor (a shard, a partial sum, a sequence
+    chunk) counts on every rank. Under that inner product ``<A x, y> == <x, A' y>`` with
+    ``A'`` the dual the registry names, called directly. Under the sum-of-objectives inner
+    product (the testing kit's, which is why those entries have no ``dual_args``) the four
+    mappings with a replicated side are off by exactly ``world``; the sequence pair and
+    ``all_to_all_region`` have none, so both conventions agree for them.
+    """
+    out = world.run(_check_adjoint, name)[0]
+    w = world.world_size
+    assert out["lhs"] == pytest.approx(out["rhs"], rel=1e-12, abs=1e-12), out
+    side = _REPLICATED_SIDE.get(name)
+    if side is None:
+        assert out["sum_lhs"] == pytest.approx(out["sum_rhs"], rel=1e-12, abs=1e-12), out
+    else:  # the replicated side is summed `world` times under the sum convention
+        over, under = ("sum_rhs", "sum_lhs") if side == "in" else ("sum_lhs", "sum_rhs")
+        assert out[over] == pytest.approx(w * out[under], rel=1e-12, abs=1e-12), out
+
+
+def test_mappings_are_the_registry_mapping_family() -> None:
+    """``parallel.MAPPINGS`` is a view of the one registry; duals close in the family;
+    the docs' table is generated from it."""
+    from diffcomm import _registry as R
+
+    assert MAPPINGS == R.family("mapping")
+    assert set(MAPPINGS) == {
+        "copy_to_region",
+        "reduce_from_region",
+        "scatter_to_region",
+        "gather_from_region",
+        "reduce_scatter_to_sequence",
+        "all_gather_from_sequence",
+        "all_to_all_region",
+    }
+    pairs = {
+        "copy_to_region": "reduce_from_region",
+        "scatter_to_region": "gather_from_region",
+        "reduce_scatter_to_sequence": "all_gather_from_sequence",
+        "all_to_all_region": "all_to_all_region",
+    }
+    for a, b in pairs.items():
+        assert R.dual(a) == b and R.dual(b) == a
+    for name, spec in MAPPINGS.items():
+        assert spec.fn is getattr(P, name) and spec.family == "mapping"
+        assert spec.dual_args is None and spec.reference is None  # see the adjoint test above
+        assert f"| `{name}` | {spec.forward} | `{spec.dual}` | {spec.backward} |" in R.markdown("mapping")
+
+
+# ======================================================================================
 # double backward: a gradient penalty through the mappings equals the serial one
 # ======================================================================================
 

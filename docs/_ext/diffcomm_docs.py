@@ -8,8 +8,9 @@ On ``builder-inited`` (before Sphinx looks for source files) it writes, under
   (the same ``OPS`` table the tests walk), included by ``convention.md``;
 * ``coalesced.md`` — the coalesced op -> adjoint table, from
   :data:`diffcomm.coalesced.COALESCED_OPS`, included by ``coalesced.md``;
-* ``mappings.md`` — the replicated-objective mappings, from
-  :data:`diffcomm.parallel.mappings.MAPPINGS`;
+* ``mappings.md`` — the replicated-objective mappings, from the registry's ``"mapping"``
+  family (``_registry.markdown("mapping")``, the same table as
+  :data:`diffcomm.parallel.MAPPINGS`);
 * ``notebooks/*.ipynb`` — copies of ``notebooks/*.ipynb`` (Sphinx only reads sources
   inside ``docs/``). If ``tests/test_notebooks.py`` has left an executed copy newer than
   the source in ``docs/_build/executed/``, that copy is used, so the rendered pages show
@@ -60,19 +61,10 @@ def coalesced_page() -> str:
 
 
 def mappings_page() -> str:
-    try:
-        from diffcomm.parallel.mappings import MAPPINGS
-    except ImportError:  # pragma: no cover - the parallel package is part of diffcomm
-        return "*(diffcomm.parallel is not available in this build)*\n"
-    lines = [
-        "<!-- generated from diffcomm.parallel.mappings.MAPPINGS by docs/_ext/diffcomm_docs.py -->",
-        "",
-        "| mapping | forward | backward |",
-        "|---|---|---|",
-    ]
-    for name, (_fn, fwd, bwd) in MAPPINGS.items():
-        lines.append(f"| `{name}` | {fwd} | {bwd} |")
-    return "\n".join(lines) + "\n"
+    import diffcomm.parallel  # noqa: F401 - importing registers the "mapping" family
+    from diffcomm import _registry
+
+    return _table_page("diffcomm.parallel.MAPPINGS", _registry.markdown("mapping"))
 
 
 def notebooks() -> dict[str, Path]:

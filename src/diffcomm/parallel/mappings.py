@@ -42,13 +42,18 @@ so a wrong choice of mapping is an error, not a silent 2x. (The opposite assumpt
 "the gradient of a copy is a *partial* one on each rank" — cannot be checked: partial
 gradients may legitimately be equal.)
 
-Every mapping is a ``torch.autograd.Function`` with ``forward`` / ``setup_context`` /
-``backward`` / ``jvp`` / ``vmap``. Its backward **is its conjugate mapping** (copy <->
-reduce, scatter <-> gather, the sequence pair, all_to_all with dims swapped), built on
-diffcomm's differentiable collectives — so double backward is right under the replicated
-objective too (a gradient penalty through ``copy_to_region`` is not ``world`` times too
-large, as it would be with the core all_reduce as backward), and
-``torch.func.grad``/``vjp``/``jvp``/``vmap`` and ``jacrev`` work.
+Every mapping is a :class:`~diffcomm._op.CommOp` (the base of every communication op):
+it states its forward (a core collective's raw ``run``, or a local view), its transpose
+and its dims, and the base writes ``forward`` / ``setup_context`` / ``backward`` / ``jvp``
+/ ``vmap``, the cheap eager ``apply`` and the ``torch.compile`` twin. Its transpose **is
+its conjugate mapping** (copy <-> reduce, scatter <-> gather, the sequence pair,
+all_to_all with dims swapped), applied as a differentiable mapping again — so double
+backward is right under the replicated objective too (a gradient penalty through
+``copy_to_region`` is not ``world`` times too large, as it would be with the core
+all_reduce as backward), and ``torch.func.grad``/``vjp``/``jvp``/``vmap`` and ``jacrev``
+work. The public function validates its arguments (and runs its debug check) once; the
+Function then calls the raw backend directly. The mappings are registered as the
+``"mapping"`` family of :mod:`diffcomm._registry` (:data:`MAPPINGS`).
 Shards are even: the split dimension must divide by the group size (a ``ValueError``
 naming the argument otherwise, before any communication).
 """
@@ -65,6 +70,8 @@ from .. import _args as A
 from .. import _config
 from .. import backend as B
 from .. import collectives as C
+from .._op import CommOp, call, fn
+from .._registry import OpSpec, register
 from ..coalesced import all_reduce_coalesced
 from ._check import check_replicated
 
@@ -97,7 +104,7 @@ _IDENTITY_HINT = (
 )
 
 
-def _backend() -> B.Backend:
+def _b() -> B.Backend:
     return B.get_backend()
 
 
@@ -107,20 +114,26 @@ def _debug() -> bool:
 
 def _check_shape(name: str, x: Tensor, pg: PG) -> None:
     """Debug mode: the shapes and dtypes agree across ranks (raises naming the ranks)."""
-    _backend().check_consistent(
-        f"parallel.{name}", {"shape": tuple(x.shape), "dtype": x.dtype}, pg
-    )
+    _b().check_consistent(f"parallel.{name}", {"shape": tuple(x.shape), "dtype": x.dtype}, pg)
 
 
-def _prepare(name: str, x: Any, group: A.GroupLike) -> tuple[Tensor, PG, int, int]:
+def _check_identity_backward(name: str, instead: str, g: Tensor, pg: PG, debug: bool) -> None:
+    """Debug mode (at the call or now): the gradient reaching an identity backward is
+    replicated."""
+    if debug or _debug():
+        hint = _IDENTITY_HINT.format(name=name, instead=instead)
+        check_replicated(g, f"parallel.{name} backward", "the incoming gradient", hint, pg)
+
+
+def _prepare(name: str, x: Any, group: A.GroupLike) -> tuple[Tensor, PG]:
+    """The one validation of a mapping's call: a differentiable tensor and the group."""
     x = A.check_tensor(x, f"parallel.{name}", "x")
     A.check_grad_dtype(x, f"parallel.{name}", "x")
-    pg = A.resolve_group(group, f"parallel.{name}")
-    return x, pg, _backend().world_size(pg), _backend().rank(pg)
+    return x, A.resolve_group(group, f"parallel.{name}")
 
 
-def _even_dim(name: str, x: Tensor, dim: Any, world: int, arg: str = "dim") -> tuple[int, int]:
-    """Normalised ``dim`` and the chunk size; ValueError when it does not divide."""
+def _even_dim(name: str, x: Tensor, dim: Any, world: int, arg: str = "dim") -> int:
+    """Normalised ``dim``; ValueError when the group size does not divide it."""
     dim = A.check_dim(x, dim, f"parallel.{name}", arg)
     if x.shape[dim] % world != 0:
         raise A.arg_error(
@@ -130,43 +143,133 @@ def _even_dim(name: str, x: Tensor, dim: Any, world: int, arg: str = "dim") -> t
             "pad the dimension to a multiple of the group size)",
             f"shape {tuple(x.shape)}",
         )
-    return dim, x.shape[dim] // world
-
-
-def _to_front(x: Tensor, bdim: int | None) -> Tensor:
-    return x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
+    return dim
 
 
 # ======================================================================================
-# copy_to_region / reduce_from_region
+# The mappings' Functions, on the CommOp base (diffcomm._op): each states its forward
+# (``run``: a core op's raw ``run``, or a local view), its transpose (the conjugate
+# mapping, applied through ``call`` so it is differentiable again) and its dims; the base
+# writes forward / setup_context / backward / jvp / vmap and the compile twin. Every
+# argument after ``x`` is a plain value resolved once by the public function.
 # ======================================================================================
 
 
-class _CopyToRegion(torch.autograd.Function):
+class _CopyToRegion(CommOp):
+    """Identity forward; transpose: reduce_from_region (all_reduce of the gradient)."""
+
+    name = "parallel.copy_to_region"
+    elementwise = True
+
     @staticmethod
-    def forward(x: Tensor, pg: PG, debug: bool) -> Tensor:
-        if debug:
-            check_replicated(x, "parallel.copy_to_region", "the input", _COPY_HINT, pg)
+    def run(x: Tensor, pg: PG, debug: bool) -> Tensor:
         return x.view_as(x)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.pg, ctx.debug = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+    def transpose(g: Tensor, pg: PG, debug: bool) -> Tensor:
         # the conjugate mapping (not the core all_reduce): double backward stays right
         # under the replicated objective, and checks the replicated grad-of-grad
-        with B.label("parallel.copy_to_region backward"):
-            return _ReduceFromRegion.apply(g, ctx.pg, ctx.debug), None, None
+        return call(_ReduceFromRegion, g, pg, debug)
+
+
+class _ReduceFromRegion(CommOp):
+    """all_reduce(sum) forward; transpose: copy_to_region (identity, checked replicated)."""
+
+    name = "parallel.reduce_from_region"
+    elementwise = True
 
     @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        return t.view_as(t)
+    def run(x: Tensor, pg: PG, debug: bool) -> Tensor:
+        return C._AllReduce.run(x, "sum", pg)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, pg: PG, debug: bool) -> tuple[Tensor, Any]:
-        return _CopyToRegion.apply(x, pg, debug), in_dims[0]
+    def transpose(g: Tensor, pg: PG, debug: bool) -> Tensor:
+        _check_identity_backward("reduce_from_region", "diffcomm.all_reduce", g, pg, debug)
+        return call(_CopyToRegion, g, pg, False)
+
+
+class _ScatterToRegion(CommOp):
+    """Keep chunk ``rank`` along ``dim``; transpose: gather_from_region."""
+
+    name = "parallel.scatter_to_region"
+    dims = (0,)
+
+    @staticmethod
+    def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
+        n = x.shape[dim] // world
+        return x.narrow(dim, rank * n, n).contiguous()
+
+    @staticmethod
+    def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
+        return call(_GatherFromRegion, g, dim, pg, rank, world, debug)
+
+
+class _GatherFromRegion(CommOp):
+    """all_gather (even chunks) forward; transpose: scatter_to_region (checked replicated)."""
+
+    name = "parallel.gather_from_region"
+    dims = (0,)
+
+    @staticmethod
+    def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
+        return C._AllGather.run(x, dim, pg, (x.shape[dim],) * world)
+
+    @staticmethod
+    def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
+        _check_identity_backward("gather_from_region", "diffcomm.all_gather", g, pg, debug)
+        return call(_ScatterToRegion, g, dim, pg, rank, world, False)
+
+
+class _ReduceScatterToSequence(CommOp):
+    """reduce_scatter(sum) (even chunks); transpose: all_gather_from_sequence."""
+
+    name = "parallel.reduce_scatter_to_sequence"
+    dims = (0,)
+
+    @staticmethod
+    def run(x: Tensor, dim: int, pg: PG, world: int) -> Tensor:
+        return C._ReduceScatter.run(x, dim, "sum", pg, (x.shape[dim] // world,) * world)
+
+    @staticmethod
+    def transpose(g: Tensor, dim: int, pg: PG, world: int) -> Tensor:
+        return call(_AllGatherFromSequence, g, dim, pg, world)
+
+
+class _AllGatherFromSequence(CommOp):
+    """all_gather (even chunks); transpose: reduce_scatter_to_sequence."""
+
+    name = "parallel.all_gather_from_sequence"
+    dims = (0,)
+
+    @staticmethod
+    def run(x: Tensor, dim: int, pg: PG, world: int) -> Tensor:
+        return C._AllGather.run(x, dim, pg, (x.shape[dim],) * world)
+
+    @staticmethod
+    def transpose(g: Tensor, dim: int, pg: PG, world: int) -> Tensor:
+        return call(_ReduceScatterToSequence, g, dim, pg, world)
+
+
+class _AllToAllRegion(CommOp):
+    """all_to_all (even chunks); transpose: itself with the dims swapped."""
+
+    name = "parallel.all_to_all_region"
+    dims = (0, 1)
+
+    @staticmethod
+    def run(x: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int) -> Tensor:
+        ins = (x.shape[split_dim] // world,) * world
+        outs = ins if split_dim == concat_dim else (x.shape[concat_dim],) * world
+        return C._AllToAll.run(x, split_dim, concat_dim, pg, ins, outs)
+
+    @staticmethod
+    def transpose(g: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int) -> Tensor:
+        return call(_AllToAllRegion, g, concat_dim, split_dim, pg, world)
+
+
+# ======================================================================================
+# the public mappings: validate once, then one Function apply
+# ======================================================================================
 
 
 def copy_to_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
@@ -198,34 +301,11 @@ def copy_to_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
                 return x.grad
             world.run(f)   # [tensor([3., 6.]), tensor([3., 6.])]
     """
-    x, pg, _, _ = _prepare("copy_to_region", x, group)
-    return _CopyToRegion.apply(x, pg, _debug())
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor, pg: PG, debug: bool) -> Tensor:
-        with B.label("parallel.reduce_from_region"):
-            return C.all_reduce(x, "sum", pg)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.pg, ctx.debug = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        if ctx.debug or _debug():
-            hint = _IDENTITY_HINT.format(name="reduce_from_region", instead="diffcomm.all_reduce")
-            check_replicated(g, "parallel.reduce_from_region backward", "the incoming gradient", hint, ctx.pg)
-        return _CopyToRegion.apply(g, ctx.pg, False), None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        return C.all_reduce(t, "sum", ctx.pg)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, pg: PG, debug: bool) -> tuple[Tensor, Any]:
-        return _ReduceFromRegion.apply(x, pg, debug), in_dims[0]
+    x, pg = _prepare("copy_to_region", x, group)
+    debug = _debug()
+    if debug:
+        check_replicated(x, "parallel.copy_to_region", "the input", _COPY_HINT, pg)
+    return fn(_CopyToRegion).apply(x, pg, debug)
 
 
 def reduce_from_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
@@ -252,44 +332,11 @@ def reduce_from_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
             world.run(lambda: parallel.reduce_from_region(torch.ones(2)))
             # [tensor([2., 2.]), tensor([2., 2.])]
     """
-    x, pg, _, _ = _prepare("reduce_from_region", x, group)
-    return _ReduceFromRegion.apply(x, pg, _debug())
-
-
-# ======================================================================================
-# scatter_to_region / gather_from_region
-# ======================================================================================
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor, dim: int, pg: PG, debug: bool) -> Tensor:
-        if debug:
-            check_replicated(x, "parallel.scatter_to_region", "the input", _COPY_HINT, pg)
-        world, rank = _backend().world_size(pg), _backend().rank(pg)
-        n = x.shape[dim] // world
-        return x.narrow(dim, rank * n, n).contiguous()
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.dim, ctx.pg, ctx.debug = inputs[1], inputs[2], inputs[3]
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None]:
-        with B.label("parallel.scatter_to_region backward"):
-            return _GatherFromRegion.apply(g, ctx.dim, ctx.pg, ctx.debug), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        world, rank = _backend().world_size(ctx.pg), _backend().rank(ctx.pg)
-        n = t.shape[ctx.dim] // world
-        return t.narrow(ctx.dim, rank * n, n).contiguous()
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, pg: PG, debug: bool
-    ) -> tuple[Tensor, int]:
-        return _ScatterToRegion.apply(_to_front(x, in_dims[0]), dim + 1, pg, debug), 0
+    x, pg = _prepare("reduce_from_region", x, group)
+    debug = _debug()
+    if debug:
+        _check_shape("reduce_from_region", x, pg)
+    return fn(_ReduceFromRegion).apply(x, pg, debug)
 
 
 def scatter_to_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Tensor:
@@ -317,39 +364,14 @@ def scatter_to_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Te
             world.run(lambda: parallel.scatter_to_region(torch.arange(4.0)))
             # [tensor([0., 1.]), tensor([2., 3.])]
     """
-    x, pg, world, _ = _prepare("scatter_to_region", x, group)
-    dim, _ = _even_dim("scatter_to_region", x, dim, world)
-    return _ScatterToRegion.apply(x, dim, pg, _debug())
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor, dim: int, pg: PG, debug: bool) -> Tensor:
-        world = _backend().world_size(pg)
-        with B.label("parallel.gather_from_region"):
-            return C.all_gather(x, dim, pg, split_sizes=[x.shape[dim]] * world)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.dim, ctx.pg, ctx.debug = inputs[1], inputs[2], inputs[3]
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None]:
-        if ctx.debug or _debug():
-            hint = _IDENTITY_HINT.format(name="gather_from_region", instead="diffcomm.all_gather")
-            check_replicated(g, "parallel.gather_from_region backward", "the incoming gradient", hint, ctx.pg)
-        return _ScatterToRegion.apply(g, ctx.dim, ctx.pg, False), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        world = _backend().world_size(ctx.pg)
-        return C.all_gather(t, ctx.dim, ctx.pg, split_sizes=[t.shape[ctx.dim]] * world)
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, pg: PG, debug: bool
-    ) -> tuple[Tensor, int]:
-        return _GatherFromRegion.apply(_to_front(x, in_dims[0]), dim + 1, pg, debug), 0
+    x, pg = _prepare("scatter_to_region", x, group)
+    b = _b()
+    world = b.world_size(pg)
+    dim = _even_dim("scatter_to_region", x, dim, world)
+    debug = _debug()
+    if debug:
+        check_replicated(x, "parallel.scatter_to_region", "the input", _COPY_HINT, pg)
+    return fn(_ScatterToRegion).apply(x, dim, pg, b.rank(pg), world, debug)
 
 
 def gather_from_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Tensor:
@@ -378,40 +400,13 @@ def gather_from_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> T
             world.run(lambda: parallel.gather_from_region(torch.tensor([1.0 * dc.get_rank()])))
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
-    x, pg, _, _ = _prepare("gather_from_region", x, group)
+    x, pg = _prepare("gather_from_region", x, group)
     dim = A.check_dim(x, dim, "parallel.gather_from_region")
-    if _debug():
+    debug = _debug()
+    if debug:
         _check_shape("gather_from_region", x, pg)
-    return _GatherFromRegion.apply(x, dim, pg, _debug())
-
-
-# ======================================================================================
-# sequence parallelism: reduce_scatter_to_sequence / all_gather_from_sequence
-# ======================================================================================
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor, dim: int, pg: PG) -> Tensor:
-        with B.label("parallel.reduce_scatter_to_sequence"):
-            return C.reduce_scatter(x, dim, "sum", pg)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.dim, ctx.pg = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        with B.label("parallel.reduce_scatter_to_sequence backward"):
-            return _AllGatherFromSequence.apply(g, ctx.dim, ctx.pg), None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        return C.reduce_scatter(t, ctx.dim, "sum", ctx.pg)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, pg: PG) -> tuple[Tensor, int]:
-        return _ReduceScatterToSequence.apply(_to_front(x, in_dims[0]), dim + 1, pg), 0
+    b = _b()
+    return fn(_GatherFromRegion).apply(x, dim, pg, b.rank(pg), b.world_size(pg), debug)
 
 
 def reduce_scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
@@ -441,35 +436,12 @@ def reduce_scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = Non
             world.run(lambda: parallel.reduce_scatter_to_sequence(torch.arange(4.0)))
             # [tensor([0., 2.]), tensor([4., 6.])]
     """
-    x, pg, world, _ = _prepare("reduce_scatter_to_sequence", x, group)
-    dim, _ = _even_dim("reduce_scatter_to_sequence", x, dim, world)
-    return _ReduceScatterToSequence.apply(x, dim, pg)
-
-
-class _AllGatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor, dim: int, pg: PG) -> Tensor:
-        world = _backend().world_size(pg)
-        with B.label("parallel.all_gather_from_sequence"):
-            return C.all_gather(x, dim, pg, split_sizes=[x.shape[dim]] * world)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.dim, ctx.pg = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        with B.label("parallel.all_gather_from_sequence backward"):
-            return _ReduceScatterToSequence.apply(g, ctx.dim, ctx.pg), None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        world = _backend().world_size(ctx.pg)
-        return C.all_gather(t, ctx.dim, ctx.pg, split_sizes=[t.shape[ctx.dim]] * world)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, dim: int, pg: PG) -> tuple[Tensor, int]:
-        return _AllGatherFromSequence.apply(_to_front(x, in_dims[0]), dim + 1, pg), 0
+    x, pg = _prepare("reduce_scatter_to_sequence", x, group)
+    world = _b().world_size(pg)
+    dim = _even_dim("reduce_scatter_to_sequence", x, dim, world)
+    if _debug():
+        _check_shape("reduce_scatter_to_sequence", x, pg)
+    return fn(_ReduceScatterToSequence).apply(x, dim, pg, world)
 
 
 def all_gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
@@ -500,43 +472,11 @@ def all_gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None)
             world.run(lambda: parallel.all_gather_from_sequence(torch.tensor([1.0 * dc.get_rank()])))
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
-    x, pg, _, _ = _prepare("all_gather_from_sequence", x, group)
+    x, pg = _prepare("all_gather_from_sequence", x, group)
     dim = A.check_dim(x, dim, "parallel.all_gather_from_sequence")
     if _debug():
         _check_shape("all_gather_from_sequence", x, pg)
-    return _AllGatherFromSequence.apply(x, dim, pg)
-
-
-# ======================================================================================
-# Ulysses: all_to_all_region
-# ======================================================================================
-
-
-class _AllToAllRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor, split_dim: int, concat_dim: int, pg: PG) -> Tensor:
-        with B.label("parallel.all_to_all_region"):
-            return C.all_to_all(x, split_dim, concat_dim, pg)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        ctx.split_dim, ctx.concat_dim, ctx.pg = inputs[1], inputs[2], inputs[3]
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None]:
-        with B.label("parallel.all_to_all_region backward"):
-            return _AllToAllRegion.apply(g, ctx.concat_dim, ctx.split_dim, ctx.pg), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
-        return C.all_to_all(t, ctx.split_dim, ctx.concat_dim, ctx.pg)
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[Any, ...], x: Tensor, split_dim: int, concat_dim: int, pg: PG
-    ) -> tuple[Tensor, int]:
-        xb = _to_front(x, in_dims[0])
-        return _AllToAllRegion.apply(xb, split_dim + 1, concat_dim + 1, pg), 0
+    return fn(_AllGatherFromSequence).apply(x, dim, pg, _b().world_size(pg))
 
 
 def all_to_all_region(x: Tensor, split_dim: int, concat_dim: int, group: A.GroupLike = None) -> Tensor:
@@ -559,7 +499,7 @@ def all_to_all_region(x: Tensor, split_dim: int, concat_dim: int, group: A.Group
 
     Gradient:
         ``all_to_all(grad, split_dim=concat_dim, concat_dim=split_dim)`` (debug mode checks
-        shapes, through the core op).
+        shapes).
 
     Example::
 
@@ -568,14 +508,21 @@ def all_to_all_region(x: Tensor, split_dim: int, concat_dim: int, group: A.Group
             world.run(lambda: parallel.all_to_all_region(torch.zeros(3, 4), 1, 0).shape)
             # [torch.Size([6, 2]), torch.Size([6, 2])]
     """
-    x, pg, world, _ = _prepare("all_to_all_region", x, group)
-    split_dim, _ = _even_dim("all_to_all_region", x, split_dim, world, "split_dim")
+    x, pg = _prepare("all_to_all_region", x, group)
+    world = _b().world_size(pg)
+    split_dim = _even_dim("all_to_all_region", x, split_dim, world, "split_dim")
     concat_dim = A.check_dim(x, concat_dim, "parallel.all_to_all_region", "concat_dim")
-    return _AllToAllRegion.apply(x, split_dim, concat_dim, pg)
+    if _debug():
+        _check_shape("all_to_all_region", x, pg)
+    return fn(_AllToAllRegion).apply(x, split_dim, concat_dim, pg, world)
 
 
 # ======================================================================================
 # copy_to_region / reduce_from_region for a list of tensors: one communication per dtype
+#
+# Not on the CommOp base: that base is the single-tensor op (``x`` the one tensor
+# argument, one output); these take and return a list, as the coalesced collectives
+# (diffcomm.coalesced), which likewise stand on the cheap-apply FastFunction only.
 # ======================================================================================
 
 
@@ -717,13 +664,36 @@ def reduce_from_region_coalesced(tensors: Sequence[Tensor], group: A.GroupLike =
     return list(_ReduceFromRegionCoalesced.apply(ts[0], pg, _debug(), *ts[1:]))
 
 
-#: mapping name -> (function, forward in words, backward in words); the docs' table.
-MAPPINGS: dict[str, tuple[Any, str, str]] = {
-    "copy_to_region": (copy_to_region, "identity", "all_reduce(sum)"),
-    "reduce_from_region": (reduce_from_region, "all_reduce(sum)", "identity"),
-    "scatter_to_region": (scatter_to_region, "keep own chunk", "all_gather"),
-    "gather_from_region": (gather_from_region, "all_gather", "keep own chunk"),
-    "reduce_scatter_to_sequence": (reduce_scatter_to_sequence, "reduce_scatter(sum)", "all_gather"),
-    "all_gather_from_sequence": (all_gather_from_sequence, "all_gather", "reduce_scatter(sum)"),
-    "all_to_all_region": (all_to_all_region, "all_to_all", "all_to_all, dims swapped"),
-}
+#: mapping name -> :class:`~diffcomm._registry.OpSpec`: the ``"mapping"`` family of the one
+#: registry (the docs' table is ``_registry.markdown("mapping")``). The dual of a mapping is
+#: its conjugate under the replicated objective. No entry has ``dual_args`` / ``reference``:
+#: the testing kit's dot-product test sums the per-rank inner products (the sum-of-objectives
+#: convention), under which ``copy``/``reduce``/``scatter``/``gather`` are *not* adjoint to
+#: their conjugates (a replicated side is one variable, counted once, not ``world`` times);
+#: the sequence pair and ``all_to_all_region`` are the core ops under another name, already
+#: checked through their ``collective`` entries. ``tests/test_parallel.py`` checks every
+#: pair's adjointness under the replicated convention.
+MAPPINGS: dict[str, OpSpec] = register(
+    "mapping",
+    OpSpec("copy_to_region", copy_to_region, "reduce_from_region", "identity", "all_reduce(sum)"),
+    OpSpec("reduce_from_region", reduce_from_region, "copy_to_region", "all_reduce(sum)", "identity"),
+    OpSpec("scatter_to_region", scatter_to_region, "gather_from_region", "keep own chunk", "all_gather"),
+    OpSpec("gather_from_region", gather_from_region, "scatter_to_region", "all_gather", "keep own chunk"),
+    OpSpec(
+        "reduce_scatter_to_sequence",
+        reduce_scatter_to_sequence,
+        "all_gather_from_sequence",
+        "reduce_scatter(sum)",
+        "all_gather",
+    ),
+    OpSpec(
+        "all_gather_from_sequence",
+        all_gather_from_sequence,
+        "reduce_scatter_to_sequence",
+        "all_gather",
+        "reduce_scatter(sum)",
+    ),
+    OpSpec(
+        "all_to_all_region", all_to_all_region, "all_to_all_region", "all_to_all", "all_to_all, dims swapped"
+    ),
+)
