@@ -70,7 +70,7 @@ from .. import _args as A
 from .. import _config
 from .. import backend as B
 from .. import collectives as C
-from .._op import CommOp, call, fn
+from .._op import CommOp, apply, call
 from .._registry import OpSpec, register
 from ..coalesced import all_reduce_coalesced
 from ._check import check_replicated
@@ -305,7 +305,7 @@ def copy_to_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
     debug = _debug()
     if debug:
         check_replicated(x, "parallel.copy_to_region", "the input", _COPY_HINT, pg)
-    return fn(_CopyToRegion).apply(x, pg, debug)
+    return apply(_CopyToRegion, x, pg, debug)
 
 
 def reduce_from_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
@@ -336,7 +336,7 @@ def reduce_from_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
     debug = _debug()
     if debug:
         _check_shape("reduce_from_region", x, pg)
-    return fn(_ReduceFromRegion).apply(x, pg, debug)
+    return apply(_ReduceFromRegion, x, pg, debug)
 
 
 def scatter_to_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Tensor:
@@ -371,7 +371,7 @@ def scatter_to_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Te
     debug = _debug()
     if debug:
         check_replicated(x, "parallel.scatter_to_region", "the input", _COPY_HINT, pg)
-    return fn(_ScatterToRegion).apply(x, dim, pg, b.rank(pg), world, debug)
+    return apply(_ScatterToRegion, x, dim, pg, b.rank(pg), world, debug)
 
 
 def gather_from_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Tensor:
@@ -406,7 +406,7 @@ def gather_from_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> T
     if debug:
         _check_shape("gather_from_region", x, pg)
     b = _b()
-    return fn(_GatherFromRegion).apply(x, dim, pg, b.rank(pg), b.world_size(pg), debug)
+    return apply(_GatherFromRegion, x, dim, pg, b.rank(pg), b.world_size(pg), debug)
 
 
 def reduce_scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
@@ -441,7 +441,7 @@ def reduce_scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = Non
     dim = _even_dim("reduce_scatter_to_sequence", x, dim, world)
     if _debug():
         _check_shape("reduce_scatter_to_sequence", x, pg)
-    return fn(_ReduceScatterToSequence).apply(x, dim, pg, world)
+    return apply(_ReduceScatterToSequence, x, dim, pg, world)
 
 
 def all_gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
@@ -476,7 +476,7 @@ def all_gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None)
     dim = A.check_dim(x, dim, "parallel.all_gather_from_sequence")
     if _debug():
         _check_shape("all_gather_from_sequence", x, pg)
-    return fn(_AllGatherFromSequence).apply(x, dim, pg, _b().world_size(pg))
+    return apply(_AllGatherFromSequence, x, dim, pg, _b().world_size(pg))
 
 
 def all_to_all_region(x: Tensor, split_dim: int, concat_dim: int, group: A.GroupLike = None) -> Tensor:
@@ -514,7 +514,7 @@ def all_to_all_region(x: Tensor, split_dim: int, concat_dim: int, group: A.Group
     concat_dim = A.check_dim(x, concat_dim, "parallel.all_to_all_region", "concat_dim")
     if _debug():
         _check_shape("all_to_all_region", x, pg)
-    return fn(_AllToAllRegion).apply(x, split_dim, concat_dim, pg, world)
+    return apply(_AllToAllRegion, x, split_dim, concat_dim, pg, world)
 
 
 # ======================================================================================
