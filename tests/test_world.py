@@ -32,7 +32,8 @@ from diffcomm import (
     RankError,
     WorldTimeoutError,
 )
-from diffcomm.backend import _TIMEOUT_MARKERS, get_backend, label
+from diffcomm._flight import _TIMEOUT_MARKERS
+from diffcomm.backend import get_backend, label
 
 # ------------------------------------------------------------------------------ helpers
 

@@ -6,7 +6,7 @@ they were launched** (a FIFO queue). Every raw op a job runs goes through the ba
 one entry point as usual (comms logger, comm-off switches, flight recorder, the
 ``DIFFCOMM_TIMEOUT`` diagnosis), with the launching thread's labels, logs and switches.
 While jobs are queued or running, a *blocking* diffcomm op issued by another thread is
-queued behind them (:func:`diffcomm.backend._run` asks :func:`_order_hook`), so the
+queued behind them (the backend's entry point asks :func:`_order_hook`), so the
 order in which a process issues communication to the backend is always its program
 order, whatever mixes of blocking and asynchronous ops it uses. That is the first of the
 ordering rules in ``docs/async.md``:
@@ -103,7 +103,7 @@ class _Engine:
     def submit(self, fn: Callable[[], Any], name: str) -> Handle:
         """Queue ``fn`` (run with the caller's diffcomm labels, logs and switches)."""
         handle = Handle(name)
-        state = (contextvars.copy_context(), list(B._logs()), set(B._off()))
+        state = (contextvars.copy_context(), B.comm_state())
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="diffcomm-comm", daemon=True)
@@ -119,15 +119,15 @@ class _Engine:
             item = self._q.get()
             if item is None:  # pragma: no cover - never sent; the thread is a daemon
                 return
-            fn, handle, (ctx, logs, off) = item
-            B._local.logs, B._local.off = logs, off
+            fn, handle, (ctx, comm) = item
+            B.adopt_comm_state(comm)
             try:
                 with torch.no_grad():
                     handle._result = ctx.run(fn)
             except BaseException as err:  # noqa: BLE001 - re-raised by Handle.wait on the caller
                 handle._error = err
             finally:
-                B._local.logs, B._local.off = [], set()
+                B.adopt_comm_state(None)
                 del fn, item, ctx
                 with self._lock:
                     self.pending -= 1
@@ -163,7 +163,7 @@ def _order_hook() -> bool:
     return _ENGINE.pending > 0 and not _ENGINE.on_engine_thread()
 
 
-B._ORDER_HOOK = (_order_hook, _ENGINE.call)
+B.set_order_hook(_order_hook, _ENGINE.call)
 
 
 def available() -> bool:
@@ -226,7 +226,7 @@ class AsyncTensor(Tensor):
 
     def _finished(self) -> Tensor:
         if self._elem is None:
-            spans = B._SPANS
+            spans = B.current_spans()
             if spans is not None and not self._handle.done():  # the timeline shows the wait
                 t0 = time.perf_counter()
                 self._handle._event.wait()
@@ -452,7 +452,13 @@ class _LaunchFn(torch.autograd.Function):
     ``setup_context`` and ``backward`` on a :class:`_Ctx` inside :class:`async_mode`."""
 
     @staticmethod
-    def forward(ctx: Any, cls: type, args: tuple[Any, ...], pos: tuple[int, ...], *tensors: Tensor) -> Any:
+    def forward(
+        ctx: Any,
+        cls: type[torch.autograd.Function],
+        args: tuple[Any, ...],
+        pos: tuple[int, ...],
+        *tensors: Tensor,
+    ) -> Any:
         # (the outputs are not kept on ctx: backward reads the finished ones from the handle)
         shapes = OUT_SHAPES[cls](args)
         multi = isinstance(shapes, list)
@@ -468,7 +474,7 @@ class _LaunchFn(torch.autograd.Function):
                         "before modifying the input, or pass a copy"
                     )
             plain = tuple(_plain(a).detach() if isinstance(a, Tensor) else a for a in args)
-            out = cls.forward(*plain)  # type: ignore[attr-defined]
+            out = cls.forward(*plain)
             return tuple(out) if multi else out
 
         handle = _ENGINE.submit(job, name)
@@ -494,15 +500,15 @@ class _LaunchFn(torch.autograd.Function):
         outs = ctx.handle.wait()  # finished long ago: backward runs after the forward's use
         needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         c = _Ctx(needs)
-        cls.setup_context(c, args, outs)  # type: ignore[attr-defined]
+        cls.setup_context(c, args, outs)
         with async_mode():
-            grads = cls.backward(c, *gs)  # type: ignore[attr-defined]
+            grads = cls.backward(c, *gs)
         if not isinstance(grads, tuple):
             grads = (grads,)
         return (None, None, None, *(grads[i] for i in pos))
 
 
-def launch_fn(cls: type, args: tuple[Any, ...]) -> Any:
+def launch_fn(cls: type[torch.autograd.Function], args: tuple[Any, ...]) -> Any:
     """``cls.apply(*args)`` launched on the engine (outputs: :class:`AsyncTensor`)."""
     pos = tuple(i for i, a in enumerate(args) if isinstance(a, Tensor))
     tensors = tuple(args[i] for i in pos)

@@ -166,7 +166,8 @@ def _impls(op: str, nbytes: int) -> dict[str, Callable[[], None]]:
     import torch.distributed.nn.functional as tdnn
 
     import diffcomm as dc
-    from diffcomm.backend import _all_gather_single, _reduce_scatter_single
+    from diffcomm.backend import all_gather_single as _all_gather_single
+    from diffcomm.backend import reduce_scatter_single as _reduce_scatter_single
 
     if op not in BENCH_OPS:
         raise ValueError(f"diffcomm bench: unknown op {op!r}; known: {BENCH_OPS}")
@@ -359,7 +360,7 @@ def rows_from_times(
 
     ``slowest`` must contain ``"raw"``; ratios against ``"floor"`` are NaN without it.
     """
-    from .backend import _BUS_FACTOR
+    from .backend import BUS_FACTOR as _BUS_FACTOR
 
     rows = []
     for k in [i for i in IMPLS if i in slowest] + [i for i in slowest if i not in IMPLS]:

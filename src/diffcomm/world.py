@@ -757,7 +757,7 @@ def _aborted_in(fault_text: str) -> tuple[str | None, str | None]:
                 lineno, func = ln.rsplit(" line ", 1)[1].split(" in ", 1)
             except (IndexError, ValueError):
                 continue
-            if raw is None and path.endswith(os.path.join("diffcomm", "backend.py")):
+            if raw is None and path.endswith(os.path.join("diffcomm", "_torchdist.py")):
                 if func[:1] not in ("_", "<"):  # the backend's public op, not its plumbing
                     raw = func
             elif raw is not None and site is None and not _flight._internal(path) and path[:1] != "<":

@@ -1,0 +1,128 @@
+"""The group record: what diffcomm needs to know about a process group, probed once.
+
+:func:`group_info` returns a :class:`GroupInfo` cached per group (and dropped when the
+default group changes): the group, this rank, the size, the c10d backend's name, its
+:class:`Capabilities`, and the device small metadata tensors live on (asked of the
+accelerator). The backends' ``rank`` / ``world_size`` / ``backend_name`` /
+``capabilities`` / ``comm_device`` read it, so a call asks ``torch.distributed`` nothing
+twice. :func:`cpu_group` is the channel host-side integers (sizes) travel on.
+
+Everything here is re-exported by :mod:`diffcomm.backend`, its public home.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .accelerator import comm_device
+
+ProcessGroup = Any  # dist.ProcessGroup | None (None = the default group)
+
+
+@dataclass
+class Capabilities:
+    """What the group's c10d backend can do natively (probed once per backend name)."""
+
+    backend: str
+    avg: bool
+    reduce_scatter: bool
+    all_gather_into_tensor: bool
+    uneven_all_gather: bool
+    uneven_all_to_all: bool
+    complex_reduce: bool
+    gather_scatter: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def static_capabilities(name: str) -> Capabilities:
+    """Known capabilities of c10d backends in the torch versions diffcomm supports.
+
+    ``gloo`` in torch < 2.6 lacks ``reduce_scatter_tensor`` and ``ReduceOp.AVG``;
+    ``nccl`` lacks gather/scatter before 2.x builds that emulate them (torch does).
+    Uneven all_gather/gather never work with a single tensor output: diffcomm pads.
+    """
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if name == "gloo":
+        new = version >= (2, 6)
+        return Capabilities(name, new, new, True, False, True, True, True)
+    if name == "nccl":
+        return Capabilities(name, True, True, True, False, True, True, True)
+    return Capabilities(name, False, False, False, False, True, False, True)
+
+
+@dataclass(eq=False)
+class GroupInfo:
+    """What diffcomm needs to know about a process group, probed once per group.
+
+    ``pg`` is the group as the ops pass it (``None`` for the default group); ``rank`` and
+    ``size`` are group-local; ``backend`` is the c10d backend's name; ``caps`` its
+    :class:`Capabilities`; ``device`` the device small metadata tensors live on for it.
+    ``cpu_pg`` is the group host-side integers (sizes) travel on: the group itself when
+    its device is the CPU, else a gloo group of the same ranks, made on first use.
+    """
+
+    pg: ProcessGroup
+    rank: int
+    size: int
+    backend: str
+    caps: Capabilities
+    device: torch.device
+    cpu_pg: Any = None
+    has_cpu_pg: bool = False
+
+
+_INFOS: dict[Any, GroupInfo] = {}
+_INFO_WORLD: list[Any] = [None]  # the default group the cached records belong to
+
+
+def group_info(group: ProcessGroup) -> GroupInfo:
+    """The cached :class:`GroupInfo` of ``group`` (a resolved group or ``None``)."""
+    default = dist.distributed_c10d._world.default_pg
+    if default is not _INFO_WORLD[0]:  # a new world: every old record is stale
+        _INFOS.clear()
+        _INFO_WORLD[0] = default
+    info = _INFOS.get(group)
+    if info is None:
+        info = _INFOS[group] = _probe(group)
+    return info
+
+
+def _probe(group: ProcessGroup) -> GroupInfo:
+    if not dist.is_initialized():
+        return GroupInfo(group, 0, 1, "none", static_capabilities("none"), torch.device("cpu"))
+    name = str(dist.get_backend(group)).lower()
+    return GroupInfo(
+        group,
+        dist.get_rank(group),
+        dist.get_world_size(group),
+        name,
+        static_capabilities(name),
+        comm_device(name),
+    )
+
+
+def cpu_group(info: GroupInfo) -> ProcessGroup:
+    """The group host-side integers travel on for ``info`` (see :class:`GroupInfo`).
+
+    Every member of the group calls this at the same point of the program (the first
+    size exchange on it), so the members-only group creation lines up.
+    """
+    if not info.has_cpu_pg:
+        if info.device.type == "cpu":
+            info.cpu_pg = info.pg
+        else:
+            ranks = dist.get_process_group_ranks(info.pg if info.pg is not None else dist.group.WORLD)
+            info.cpu_pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        info.has_cpu_pg = True
+    return info.cpu_pg
+
+
+def world(group: ProcessGroup) -> int:
+    """The size of ``group`` (1 outside an initialised process group)."""
+    return group_info(group).size if dist.is_initialized() else 1

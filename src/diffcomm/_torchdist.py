@@ -1,0 +1,519 @@
+"""The raw ops over ``torch.distributed``: :class:`TorchDistributedBackend`, the default
+:class:`~diffcomm.backend.Backend`.
+
+Everything here is out-of-place (returns new tensors, never writes into its inputs) and
+works along **dim 0 of a contiguous tensor**; the collectives move dims and make
+contiguous before calling in. Ranks are **group-local**. Backend gaps are filled here and
+only here (an uneven all_gather on gloo, a reduce_scatter a backend lacks, ``avg`` on a
+backend without it...), so the autograd layer never branches on "nccl" or "gloo". Every
+raw call goes through :func:`diffcomm._dispatch.dispatch`; facts about the group come from
+the cached group record (:func:`diffcomm._groups.group_info`).
+
+Also here, shared with the traceable adapter: the coalesced ops (:class:`CoalescedOps`)
+and the padding / complex-as-real helpers. Re-exported by :mod:`diffcomm.backend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ._dispatch import dispatch as _dispatch
+from ._dispatch import run_coalesced
+from ._dispatch import tensor_nbytes as _nbytes
+from ._errors import CrossRankMismatchError
+from ._groups import Capabilities, ProcessGroup, cpu_group, group_info
+
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+class CoalescedOps:
+    """The coalesced raw ops: a list of flat buffers (one per dtype, packed by the caller),
+    one raw call each, logged as **one** op (``<op>_coalesced``, total bytes, ``parts`` =
+    the raw calls). Each buffer follows the single op's rules (dim 0, out-of-place)."""
+
+    if TYPE_CHECKING:  # the single ops the subclasses provide
+
+        def all_reduce(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor: ...
+        def _all_reduce_into(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor: ...
+        def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor: ...
+        def _broadcast_into(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor: ...
+        def reduce(self, x: torch.Tensor, dst: int, op: str, group: ProcessGroup) -> torch.Tensor: ...
+        def all_gather(self, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor: ...
+        def reduce_scatter(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor: ...
+
+    def coalesced(
+        self, op: str, group: ProcessGroup, xs: Sequence[torch.Tensor], fn: Callable[[torch.Tensor], Any]
+    ) -> list[torch.Tensor]:
+        return [fn(x) for x in xs]
+
+    def all_reduce_coalesced(
+        self, xs: Sequence[torch.Tensor], op: str, group: ProcessGroup, owned: bool = False
+    ) -> list[torch.Tensor]:
+        """``owned``: the buffers are the caller's fresh contiguous packing, free to be
+        reduced in place (saves a copy of the payload)."""
+        fn = self._all_reduce_into if owned else self.all_reduce
+        return self.coalesced("all_reduce", group, xs, lambda x: fn(x, op, group))
+
+    def broadcast_coalesced(
+        self, xs: Sequence[torch.Tensor], src: int, group: ProcessGroup, owned: bool = False
+    ) -> list[torch.Tensor]:
+        fn = self._broadcast_into if owned else self.broadcast
+        return self.coalesced("broadcast", group, xs, lambda x: fn(x, src, group))
+
+    def reduce_coalesced(
+        self, xs: Sequence[torch.Tensor], dst: int, op: str, group: ProcessGroup
+    ) -> list[torch.Tensor]:
+        return self.coalesced("reduce", group, xs, lambda x: self.reduce(x, dst, op, group))
+
+    def all_gather_coalesced(self, xs: Sequence[torch.Tensor], group: ProcessGroup) -> list[torch.Tensor]:
+        """Even all_gather along dim 0 of each buffer."""
+        return self.coalesced("all_gather", group, xs, lambda x: self.all_gather(x, group))
+
+    def reduce_scatter_coalesced(
+        self, xs: Sequence[torch.Tensor], op: str, group: ProcessGroup
+    ) -> list[torch.Tensor]:
+        """Even reduce_scatter along dim 0 of each buffer."""
+        return self.coalesced("reduce_scatter", group, xs, lambda x: self.reduce_scatter(x, op, group))
+
+
+class TorchDistributedBackend(CoalescedOps):
+    """The default :class:`Backend`: ``torch.distributed`` (gloo, nccl, mpi, ucc, xccl)."""
+
+    def __init__(self) -> None:
+        self.overrides: dict[str, bool] = {}  # force a capability off/on (tests of fallbacks)
+
+    # ---- group helpers (from the cached group record) --------------------------------
+    def rank(self, group: ProcessGroup) -> int:
+        return group_info(group).rank
+
+    def world_size(self, group: ProcessGroup) -> int:
+        return group_info(group).size
+
+    def comm_device(self, group: ProcessGroup) -> torch.device:
+        return group_info(group).device
+
+    def global_rank(self, group: ProcessGroup, rank: int) -> int:
+        if group is None:
+            return rank
+        return dist.get_global_rank(group, rank)
+
+    def backend_name(self, group: ProcessGroup) -> str:
+        return group_info(group).backend
+
+    def capabilities(self, group: ProcessGroup = None) -> Capabilities:
+        caps = group_info(group).caps
+        if self.overrides:
+            caps = Capabilities(**{**caps.as_dict(), **self.overrides})
+        return caps
+
+    #: Run a raw single op on each buffer; log them as one ``<op>_coalesced``.
+    coalesced = staticmethod(run_coalesced)
+
+    # ---- reductions ----------------------------------------------------------------
+    def _reduce_op(self, op: str, x: torch.Tensor, group: ProcessGroup) -> tuple[Any, bool]:
+        """torch ReduceOp to use, and whether to divide by the world size afterwards."""
+        if op not in _TORCH_OPS:
+            raise ValueError(
+                f"diffcomm.backend: unknown reduce op {op!r}; legal: {tuple(_TORCH_OPS)} "
+                "(normalise user input with diffcomm._args.normalize_op first)"
+            )
+        if op == "avg" and not (self.capabilities(group).avg and x.is_floating_point()):
+            return dist.ReduceOp.SUM, True
+        return _TORCH_OPS[op], False
+
+    def _as_wire(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
+        # complex sum/avg travel as real pairs where the backend has no complex reduction
+        if x.is_complex() and op in ("sum", "avg") and not self.capabilities(group).complex_reduce:
+            return torch.view_as_real(x)
+        return x
+
+    def all_reduce(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
+        return self._all_reduce_into(x.clone(memory_format=torch.contiguous_format), op, group)
+
+    def _all_reduce_into(self, out: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
+        """all_reduce of ``out`` (contiguous, owned by the caller) in place; returns it."""
+        x = out
+        if x.is_complex() and op == "product":
+            return self._complex_product(out, group)
+        torch_op, divide = self._reduce_op(op, x, group)
+        wire = self._as_wire(out, op, group)
+        _dispatch(
+            "all_reduce",
+            group,
+            _nbytes(x),
+            lambda: dist.all_reduce(wire, torch_op, group=group),
+            lambda: None,
+            out,
+        )
+        if divide:
+            out.div_(self.world_size(group))
+        return out
+
+    def _complex_product(self, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        parts = self.all_gather(x.reshape(1, *x.shape), group)
+        return torch.prod(parts, dim=0)
+
+    def reduce(self, x: torch.Tensor, dst: int, op: str, group: ProcessGroup) -> torch.Tensor:
+        out = x.clone(memory_format=torch.contiguous_format)
+        torch_op, divide = self._reduce_op(op, x, group)
+        wire = self._as_wire(out, op, group)
+        _dispatch(
+            "reduce",
+            group,
+            _nbytes(x),
+            lambda: dist.reduce(wire, group_dst=dst, op=torch_op, group=group),
+            lambda: None,
+            out,
+        )
+        if self.rank(group) != dst:
+            out.zero_()
+        elif divide:
+            out.div_(self.world_size(group))
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
+        return self._broadcast_into(x.clone(memory_format=torch.contiguous_format), src, group)
+
+    def _broadcast_into(self, out: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
+        """broadcast into ``out`` (contiguous, owned by the caller) in place; returns it."""
+        x = out
+        wire = torch.view_as_real(out) if out.is_complex() else out
+        _dispatch(
+            "broadcast",
+            group,
+            _nbytes(x),
+            lambda: dist.broadcast(wire, group_src=src, group=group),
+            lambda: None,
+            out,
+        )
+        return out
+
+    # ---- gather family (dim 0) -----------------------------------------------------
+    def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
+        """Every rank's ``n`` (a small all_gather); used for uneven sizes."""
+        info = group_info(group)
+        world = info.size
+        if world == 1:
+            return [n]
+        side = cpu_group(info)  # host integers: never a device round trip
+        mine = torch.tensor([n], dtype=torch.int64)
+        out = torch.empty(world, dtype=torch.int64)
+        _dispatch(
+            "all_gather",
+            side,
+            8,
+            lambda: all_gather_single(out, mine, group=side),
+            lambda: out.fill_(n),
+            None,
+        )
+        return [int(v) for v in out.tolist()]
+
+    def all_gather(
+        self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along dim 0. ``sizes``: every rank's ``x.shape[0]``."""
+        world = self.world_size(group)
+        x = x.contiguous()
+        rest = tuple(x.shape[1:])
+        if sizes is None:
+            sizes = [x.shape[0]] * world
+        total = sum(sizes)
+        even = all(s == sizes[0] for s in sizes)
+        if even and self.capabilities(group).all_gather_into_tensor:
+            out = torch.empty((total, *rest), dtype=x.dtype, device=x.device)
+            _dispatch(
+                "all_gather",
+                group,
+                _nbytes(out),
+                lambda: all_gather_single(wire(out), wire(x), group=group),
+                lambda: out.copy_(x.repeat(world, *([1] * len(rest)))),
+                out,
+            )
+            return out
+        # uneven (or no into-tensor op): pad every rank to the largest size, gather, unpad
+        padded, buf, chunks, skip = _padded_gather(x, sizes, world, torch.empty)
+
+        def run() -> None:
+            if self.capabilities(group).all_gather_into_tensor:
+                all_gather_single(wire(buf), wire(padded), group=group)
+            else:
+                dist.all_gather([wire(c) for c in chunks], wire(padded), group=group)
+
+        _dispatch("all_gather", group, _nbytes(buf), run, skip, buf)
+        return buf if even else unpad_rows(chunks, sizes)
+
+    def reduce_scatter(
+        self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Chunk ``rank`` (along dim 0) of the reduction over ranks of ``x``."""
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        rest = tuple(x.shape[1:])
+        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        even = all(s == sizes[0] for s in sizes)
+        caps = self.capabilities(group)
+        if not caps.reduce_scatter or op not in ("sum", "avg"):
+            # gap filled: reduce everything, keep own chunk (2x traffic, documented)
+            full = self.all_reduce(x, op, group)
+            start = sum(sizes[:rank])
+            return full[start : start + sizes[rank]].clone()
+        torch_op, divide = self._reduce_op(op, x, group)
+        if even:
+            inp = x
+        else:  # pad each chunk to the largest, so one reduce_scatter_tensor does it
+            m = max(sizes)
+            inp = torch.cat([pad_rows(c, m) for c in x.split(sizes)])
+        chunk = inp.shape[0] // world if world else 0
+        out = torch.empty((chunk, *rest), dtype=x.dtype, device=x.device)
+        wire_in, wire_out = self._as_wire(inp, op, group), self._as_wire(out, op, group)
+        _dispatch(
+            "reduce_scatter",
+            group,
+            _nbytes(inp),
+            lambda: reduce_scatter_single(wire_out, wire_in, op=torch_op, group=group),
+            lambda: out.copy_(inp[rank * chunk : (rank + 1) * chunk]),
+            out,
+        )
+        if divide:
+            out.div_(world)
+        return out if even else out[: sizes[rank]].clone()
+
+    def gather(
+        self, x: torch.Tensor, dst: int, group: ProcessGroup, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Concatenation along dim 0 on ``dst``; zeros of the same shape elsewhere."""
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        if sizes is None:
+            sizes = [x.shape[0]] * world
+        padded, buf, chunks, skip = _padded_gather(x, sizes, world, torch.zeros)  # zeros off dst
+
+        def run() -> None:
+            dist.gather(
+                wire(padded), [wire(c) for c in chunks] if rank == dst else None, group_dst=dst, group=group
+            )
+
+        _dispatch("gather", group, _nbytes(buf), run, skip, buf)
+        return buf if all(s == sizes[0] for s in sizes) else unpad_rows(chunks, sizes)
+
+    def scatter(
+        self, x: torch.Tensor, src: int, group: ProcessGroup, split_sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Chunk ``rank`` (along dim 0) of ``src``'s ``x``."""
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        rest = tuple(x.shape[1:])
+        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        m = max(sizes)
+        out = torch.empty((m, *rest), dtype=x.dtype, device=x.device)
+        if rank == src:
+            parts = [pad_rows(c, m) for c, s in zip(x.split(sizes), sizes)]
+            parts = [wire(p.contiguous()) for p in parts]
+        else:
+            parts = None
+        start = sum(sizes[:rank])
+        _dispatch(
+            "scatter",
+            group,
+            _nbytes(x),
+            lambda: dist.scatter(wire(out), parts, group_src=src, group=group),
+            lambda: out[: sizes[rank]].copy_(x[start : start + sizes[rank]]),
+            out,
+        )
+        return out if sizes[rank] == m else out[: sizes[rank]].clone()
+
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        group: ProcessGroup,
+        input_split_sizes: Sequence[int] | None = None,
+        output_split_sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Send chunk ``j`` of ``x`` (dim 0) to rank ``j``; concatenate what arrives."""
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        rest = tuple(x.shape[1:])
+        ins = list(input_split_sizes) if input_split_sizes is not None else None
+        outs = list(output_split_sizes) if output_split_sizes is not None else None
+        if outs is None:
+            outs = [x.shape[0] // world] * world if ins is None else None
+        if outs is None:  # infer: what rank j sends me is its ins[me]; exchange the matrix
+            outs = self.all_to_all(
+                torch.tensor(ins, dtype=torch.int64, device=group_info(group).device), group
+            ).tolist()
+        out = torch.empty((sum(outs), *rest), dtype=x.dtype, device=x.device)
+
+        def skip() -> None:
+            me_in = ins if ins is not None else [x.shape[0] // world] * world
+            own = x[sum(me_in[:rank]) : sum(me_in[: rank + 1])]
+            n = min(own.shape[0], out.shape[0])
+            out.zero_()
+            out[:n].copy_(own[:n])
+
+        _dispatch(
+            "all_to_all",
+            group,
+            max(_nbytes(x), _nbytes(out)),
+            lambda: dist.all_to_all_single(wire(out), wire(x), outs, ins, group=group),
+            skip,
+            out,
+        )
+        return out
+
+    # ---- point to point ------------------------------------------------------------
+    def recv(self, out: torch.Tensor, src: int, group: ProcessGroup, tag: int = 0) -> torch.Tensor:
+        """Receive into ``out`` (a fresh buffer the caller owns) and return it."""
+        _dispatch(
+            "recv",
+            group,
+            _nbytes(out),
+            lambda: dist.recv(wire(out), group_src=src, group=group, tag=tag),
+            lambda: out.zero_(),
+            out,
+        )
+        return out
+
+    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]], group: ProcessGroup) -> None:
+        """Run ``[("send"|"recv", tensor, peer, tag), ...]`` together (deadlock-free)."""
+        if not ops:
+            return
+        p2p = [
+            dist.P2POp(
+                dist.isend if kind == "send" else dist.irecv,
+                wire(t),
+                group=group,
+                tag=tag,
+                group_peer=peer,
+            )
+            for kind, t, peer, tag in ops
+        ]
+
+        def run() -> None:
+            for work in dist.batch_isend_irecv(p2p):
+                work.wait()
+
+        def skip() -> None:
+            for kind, t, _, _ in ops:
+                if kind == "recv":
+                    t.zero_()
+
+        nbytes = sum(_nbytes(t) for _, t, _, _ in ops)
+        _dispatch("batch_p2p", group, nbytes, run, skip, ops[0][1])
+
+    def barrier(self, group: ProcessGroup) -> None:
+        _dispatch("barrier", group, 0, lambda: dist.barrier(group=group), lambda: None)
+
+    # ---- debug-mode consistency check ----------------------------------------------
+    def check_consistent(self, op: str, fields: dict[str, Any], group: ProcessGroup) -> None:
+        """Compare ``fields`` across the ranks of ``group``; raise naming who differs.
+
+        The fields are encoded as a fixed-length int64 vector (so it is one small
+        all_gather whatever they hold); ranks whose vector differs from the majority are
+        named with their values.
+        """
+        world = self.world_size(group)
+        if world == 1:
+            return
+        names = list(fields)
+        encoded = [_encode_field(fields[k]) for k in names]
+        width = 1 + sum(len(e) for e in encoded)
+        width_t = torch.tensor([width], dtype=torch.int64, device=group_info(group).device)
+        widths = self.all_gather(width_t, group).tolist()
+        m = max(widths)
+        vec = torch.full((m,), -7, dtype=torch.int64, device=width_t.device)
+        flat = [len(names)] + [v for e in encoded for v in e]
+        vec[: len(flat)] = torch.tensor(flat, dtype=torch.int64)
+        table = self.all_gather(vec.reshape(1, m), group).cpu().tolist()
+        if all(row == table[0] for row in table):
+            return
+        decoded = [_decode_fields(names, row) for row in table]
+        diffs = []
+        for k in names:
+            values = [d.get(k) for d in decoded]
+            if any(v != values[0] for v in values):
+                per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                diffs.append(f"{k} differs ({per_rank})")
+        if not diffs:
+            diffs.append("argument layout differs between ranks")
+        raise CrossRankMismatchError(
+            f"diffcomm.{op}(): ranks called it with inconsistent arguments (group ranks "
+            f"{list(range(world))}): " + "; ".join(diffs)
+        )
+
+
+def _encode_field(value: Any) -> list[int]:
+    """Field value -> ints: ``[kind, len, payload...]`` (kinds: int, tuple of ints, str)."""
+    if isinstance(value, bool) or isinstance(value, int):
+        return [0, 1, int(value)]
+    if isinstance(value, torch.dtype):
+        value = str(value)
+    if isinstance(value, torch.Size | tuple | list):
+        vals = [int(v) for v in value]
+        return [1, len(vals), *vals]
+    text = str(value).encode()[:64]
+    return [2, len(text), *text]
+
+
+def _decode_fields(names: list[str], row: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    i = 1
+    for k in names:
+        if i + 1 >= len(row):
+            break
+        kind, n = row[i], row[i + 1]
+        payload = row[i + 2 : i + 2 + n]
+        i += 2 + n
+        if kind == 0:
+            out[k] = payload[0] if payload else None
+        elif kind == 1:
+            out[k] = tuple(payload)
+        else:
+            out[k] = bytes(v % 256 for v in payload).decode(errors="replace")
+    return out
+
+
+def _padded_gather(
+    x: torch.Tensor, sizes: Sequence[int], world: int, new: Callable[..., torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], Callable[[], Any]]:
+    """The pieces of a gather whose ranks send different row counts: ``x`` padded to the
+    largest size ``m``, a receive buffer of ``world * m`` rows made by ``new``
+    (``torch.empty`` / ``torch.zeros``), its per-rank chunks, and the comm-off result
+    (``x`` padded, repeated for every rank)."""
+    m = max(sizes) if sizes else 0
+    padded = pad_rows(x, m)
+    buf = new((world * m, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    chunks = list(buf.split(m)) if m > 0 else [buf[:0]] * world
+    return padded, buf, chunks, lambda: buf.copy_(padded.repeat(world, *([1] * (x.dim() - 1))))
+
+
+def pad_rows(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``x`` with zero rows appended along dim 0 up to ``m`` rows (uneven sizes travel padded)."""
+    if x.shape[0] == m:
+        return x
+    return torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
+
+
+def unpad_rows(chunks: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
+    """Concatenate the first ``sizes[r]`` rows of each padded per-rank chunk."""
+    return torch.cat([c[:s] for c, s in zip(chunks, sizes)])
+
+
+def wire(t: torch.Tensor) -> torch.Tensor:
+    """Complex tensors travel as real views for ops c10d cannot take complex in."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+# torch >= 2.12 renamed the single-tensor forms; use whichever this torch has (version gap
+# hidden here, so no deprecation warning reaches users).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
