@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import diffcomm as dc
+from diffcomm import _transport as T
 from diffcomm import backend as B
 from diffcomm import p2p
 from diffcomm._errors import CrossRankMismatchError
@@ -174,11 +175,11 @@ def _out_of_step() -> None:
     if _rank() == 0:
         p2p.send(torch.ones(1), 1, tag=11)
         p2p.send(torch.ones(2), 1, tag=11)
-        p2p._SEQ[(None, 1, 12, "send")] = p2p._SEQ.get((None, 1, 12, "send"), 0) + 3
+        T.SEQ[(None, 1, 12, "send")] = T.SEQ.get((None, 1, 12, "send"), 0) + 3
         p2p.send(torch.ones(3), 1, tag=12)
         p2p.send(torch.ones(4), 1, tag=12)
     else:
-        p2p._SEQ[(None, 0, 11, "recv")] = p2p._SEQ.get((None, 0, 11, "recv"), 0) + 5
+        T.SEQ[(None, 0, 11, "recv")] = T.SEQ.get((None, 0, 11, "recv"), 0) + 5
         with pytest.raises(CrossRankMismatchError, match=r"out of step: this is receive #\d+ on rank 1"):
             p2p.recv(0, tag=11)
         assert p2p.recv(0, tag=11).shape == (2,)  # back in step
@@ -204,7 +205,7 @@ def _both_send_then_receive(n: int) -> float:
     p2p.send(x + 10, other)
     a, b = p2p.recv(other), p2p.recv(other)
     p2p.wait_sends()
-    assert p2p._SENDS.pending() == 0
+    assert T.SENDS.pending() == 0
     return float(a[0] + b[-1])
 
 
@@ -245,7 +246,7 @@ def _mismatch_clean(kind: str) -> None:
 def _mismatched_pairing_is_detected() -> None:
     # rank 0 sends raw data where rank 1 expects a diffcomm header
     if _rank() == 0:
-        dist.send(torch.zeros(p2p._HEADER_LEN, dtype=torch.int64), 1, tag=9)
+        dist.send(torch.zeros(T.HEADER_LEN, dtype=torch.int64), 1, tag=9)
     else:
         with pytest.raises(CrossRankMismatchError, match="not a diffcomm.send header.*ranks 0 and 1"):
             p2p.recv(0, tag=9)

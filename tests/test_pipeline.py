@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import diffcomm as dc
-from diffcomm import p2p
+from diffcomm import _transport as T
 from diffcomm.pipeline import (
     SCHEDULES,
     PipelineRunner,
@@ -173,7 +173,7 @@ def _parity(schedule: str, n_micro: int, batch: int, input_grad: bool) -> dict[s
     else:
         assert runner.input_grad is None
     assert [(e.kind, e.micro) for e in runner.timeline] == [(s.kind, s.micro) for s in runner.steps(n_micro)]
-    assert p2p._SENDS.pending() == 0
+    assert T.SENDS.pending() == 0
     return {"loss": float(loss), "params": len(pairs), "peak": runner.peak_activation_bytes}
 
 
@@ -468,7 +468,7 @@ def _parity_all(schedule: str, v: int) -> list[int]:
             torch.testing.assert_close(runner.input_grad, xs.grad, rtol=1e-12, atol=1e-14)
         got = [(e.kind, e.micro, e.chunk) for e in runner.timeline]
         assert got == [(s.kind, s.micro, s.chunk) for s in runner.steps(n_micro)]
-        assert p2p._SENDS.pending() == 0
+        assert T.SENDS.pending() == 0
         peaks.append(runner.peak_activation_bytes)
     return peaks
 

@@ -19,11 +19,20 @@ batching rules, as one ``torch.autograd.Function`` family):
     element alike: all_reduce, broadcast, reduce).
 ``name`` / ``label(*args)``
     what the comms logger and the flight recorder call the op.
+``shapes`` (optional)
+    positions in ``args`` that are shapes of a tensor the op makes (sendrecv's received
+    shape); the batching rule puts the batch size in front of them.
 
 Generated from them: ``forward``, ``setup_context`` (the arguments kept on the autograd context),
 ``backward`` (``transpose`` of the gradient, with ``None`` for every non-tensor argument),
 ``jvp`` (the same linear op on the tangent), ``vmap`` (see ``dims``), the cheap eager
 ``apply`` and the jvp-free twin ``torch.compile`` traces (:func:`fn`).
+
+An op may state ``jvp`` or ``vmap`` itself; the base then keeps that rule (``send`` /
+``recv``: forward mode is an error, and the token of a batched send is not batched).
+``x`` may also be a mere anchor (``recv``: an empty tensor that requires grad, so the
+output has a ``grad_fn``) and ``transpose`` may return ``None`` for it; ``transpose``
+may be one-sided (``send``'s receives what the peer's ``recv`` transpose sends).
 
 Nonlinear reductions (max / min / product) are linear maps composed with an elementwise
 weight ``w = dy/dx`` at the point. An op supports them with two hooks:
@@ -134,6 +143,7 @@ class CommOp(FastFunction):
     generate_vmap_rule = False
     name: ClassVar[str] = ""
     dims: ClassVar[tuple[int, ...]] = ()
+    shapes: ClassVar[tuple[int, ...]] = ()
     elementwise: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -161,6 +171,7 @@ def _derive_rules(cls: Any) -> None:
     linearize = cls.linearize
     weight = cls.weight
     dims = frozenset(cls.dims)
+    shapes = frozenset(cls.shapes)
     elementwise = cls.elementwise
     cls.forward = staticmethod(_labelled_forward(run, params, name, label))
 
@@ -208,12 +219,16 @@ def _derive_rules(cls: Any) -> None:
         bdim = in_dims[0]
         xb = x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
         moved = tuple(a + 1 if i in dims else a for i, a in enumerate(args))
+        if shapes:
+            moved = tuple(torch.Size((xb.shape[0], *a)) if i in shapes else a for i, a in enumerate(moved))
         return cls.apply(xb, *moved), 0
 
     cls.setup_context = staticmethod(setup_context)
     cls.backward = staticmethod(backward)
-    cls.jvp = staticmethod(jvp)
-    cls.vmap = staticmethod(vmap)
+    if "jvp" not in cls.__dict__:  # a rule the op states itself is kept
+        cls.jvp = staticmethod(jvp)
+    if "vmap" not in cls.__dict__:
+        cls.vmap = staticmethod(vmap)
     jvp_free_twin(cls)
 
 

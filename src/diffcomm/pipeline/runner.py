@@ -542,7 +542,7 @@ def _weight_plan(root: Tensor, target: Tensor, params: list[Tensor]) -> list[tup
 
 
 def _is_send(node: Node) -> bool:
-    return type(node).__name__ == "_SendBackward"
+    return p2p.is_send_node(node)
 
 
 def _group(plan: list[tuple[Node, list[Node]]]) -> list[tuple[list[Node], list[Node]]]:
