@@ -52,7 +52,18 @@ from torch import Tensor
 from . import _async
 from . import backend as B
 
-__all__ = ["CommOp", "FastFunction", "apply", "call", "fn", "only_on", "batch_first", "movedim0"]
+__all__ = [
+    "CommOp",
+    "FastFunction",
+    "ListOp",
+    "apply",
+    "call",
+    "call_list",
+    "fn",
+    "only_on",
+    "batch_first",
+    "movedim0",
+]
 
 
 class FastFunction(torch.autograd.Function):
@@ -339,3 +350,176 @@ def only_on(x: Tensor, keep: bool) -> Tensor:
     return torch.where(
         torch.tensor(keep, device=x.device), x, torch.zeros((), dtype=x.dtype, device=x.device)
     )
+
+
+# ======================================================================================
+# ListOp: the base of the list-in, list-out ops (the coalesced collectives)
+# ======================================================================================
+
+
+class ListOp(FastFunction):
+    """Base of the coalesced ops' autograd Functions: :class:`CommOp` for a list of tensors.
+
+    The Function's arguments are ``(xs[0], *meta, *xs[1:])`` (a tensor first, as autograd
+    and torch.func want); :func:`call_list` takes the logical order ``(*meta, *xs)``.
+    A subclass states:
+
+    ``nmeta``
+        the number of non-tensor arguments (``meta``: op, dims, src, the group ...);
+    ``run(xs, *meta)``
+        the raw forward over the whole list: one communication per dtype, the outputs as a
+        tuple of tensors (the one place the op launches communication);
+    ``transpose(ctx, gs, idx, *meta)``
+        the adjoint applied to the output gradients ``gs`` of the differentiable positions
+        ``idx`` (zeros where an output got none), built from :func:`call_list` of the dual
+        list op, so double backward and nested transforms work (``ctx`` holds the saved
+        tensors of a nonlinear op);
+    ``dims``
+        the position in ``meta`` of the per-tensor dims tuple (vmap shifts it by one and
+        moves every batch dim to the front: one call for the whole batch), or ``None``
+        for an elementwise op (the batch dims stay where they are);
+    ``same_shapes``
+        outputs shaped like the inputs (no output metadata kept);
+    ``name`` / ``label(*meta)``
+        what the comms logger and the flight recorder call it.
+
+    Nonlinear ops (all_reduce max/min/product) set ``nonlinear(meta)``: then the inputs and
+    outputs are saved and ``transpose`` / ``tangent(ctx, ts, *meta)`` read them from
+    ``ctx.saved_tensors``.
+
+    Generated: ``forward`` (labelled), ``setup_context``, ``backward`` (every rank runs the
+    same dual op: gradients for the floating/complex inputs only, a dtype fact equal on
+    every rank), ``jvp`` (the same op on the tangents), ``vmap``, the cheap eager
+    ``apply`` and the compile twin.
+    """
+
+    generate_vmap_rule = False
+    nmeta: ClassVar[int] = 0
+    name: ClassVar[str] = ""
+    dims: ClassVar[int | None] = None
+    same_shapes: ClassVar[bool] = False
+    nonlinear: ClassVar[Any] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "transpose" in cls.__dict__:
+            _derive_list_rules(cls)
+
+    @classmethod
+    @torch.compiler.disable  # as FastFunction.apply
+    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+        if _transforms_active() or torch.compiler.is_compiling():
+            return super(FastFunction, cls).apply(*args)
+        if _async.launching(cls):
+            return _async.launch_fn(cls, args)
+        n = cls.nmeta
+        return _c_apply(
+            cls, _unwrap_if_dead(args[0]), *args[1 : n + 1], *[_unwrap_if_dead(a) for a in args[n + 1 :]]
+        )
+
+
+def call_list(fn_cls: Any, n: int, *args: Any) -> Any:
+    """Apply the list op ``fn_cls`` to ``(*meta, *xs)`` (``n`` = its ``nmeta``: passed, as
+    dynamo cannot read a Function's class attributes). Returns a tuple of tensors."""
+    if _compiling() or _transforms_active():
+        return fn(fn_cls).apply(args[n], *args[:n], *args[n + 1 :])
+    if _async.launching(fn_cls):
+        return _async.launch_fn(fn_cls, (args[n], *args[:n], *args[n + 1 :]))
+    return _c_apply(fn_cls, _unwrap_if_dead(args[n]), *args[:n], *[_unwrap_if_dead(a) for a in args[n + 1 :]])
+
+
+def _logical(n: int, args: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``(xs[0], *meta, *xs[1:])`` -> ``(meta, xs)``. Dynamo, tracing a nested ``apply``
+    without grad, passes a ctx first to a ``forward`` with ``*args``: it is dropped."""
+    if isinstance(args[0], torch.autograd.function.FunctionCtx):
+        args = args[1:]
+    return tuple(args[1 : n + 1]), (args[0], *args[n + 1 :])
+
+
+def _zeros_for(meta: Any, ts: Any) -> list[Tensor]:
+    """``None`` (no gradient / tangent) becomes zeros shaped like ``meta``."""
+    return [torch.zeros(s, dtype=d, device=v) if t is None else t for t, (s, d, v) in zip(ts, meta)]
+
+
+def _derive_list_rules(cls: Any) -> None:
+    run = cls.__dict__["run"].__func__
+    transpose = cls.__dict__["transpose"].__func__
+    n = cls.nmeta
+    name = cls.name
+    label = cls.__dict__["label"].__func__ if "label" in cls.__dict__ else None
+    dims_at = cls.dims
+    same_shapes = cls.same_shapes
+    nonlinear = cls.nonlinear
+    tangent = cls.__dict__["tangent"].__func__ if "tangent" in cls.__dict__ else None
+    nones = (None,) * n
+
+    def text(meta: tuple[Any, ...]) -> str:
+        return label(*meta) if label is not None else name
+
+    def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
+        meta, xs = _logical(n, (x0, *args))
+        if _compiling():
+            return tuple(run(xs, *meta))
+        outer = _get_label()
+        here = text(meta)
+        token = _set_label(outer + " -> " + here if outer else here)
+        try:
+            return tuple(run(xs, *meta))
+        finally:
+            _reset_label(token)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        meta, xs = _logical(n, inputs)
+        ctx.args = meta
+        ctx.meta = [(x.shape, x.dtype, x.device) for x in xs]
+        ctx.out_meta = ctx.meta if same_shapes else [(y.shape, y.dtype, y.device) for y in output]
+        ctx.nonlinear = nonlinear is not None and nonlinear(meta)
+        if ctx.nonlinear:
+            ctx.save_for_backward(*xs, *output)
+            ctx.save_for_forward(*xs, *output)
+
+    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
+        idx = [i for i, (_, d, _) in enumerate(ctx.meta) if d.is_floating_point or d.is_complex]
+        res: list[Any] = [None] * len(gs)
+        if idx:
+            g_in = _zeros_for([ctx.out_meta[i] for i in idx], [gs[i] for i in idx])
+            if _compiling():
+                outs = transpose(ctx, g_in, idx, *ctx.args)
+            else:
+                here = text(ctx.args) + " backward"
+                outer = _get_label()
+                token = _set_label(outer + " -> " + here if outer else here)
+                try:
+                    outs = transpose(ctx, g_in, idx, *ctx.args)
+                finally:
+                    _reset_label(token)
+            for i, g in zip(idx, outs):
+                res[i] = g
+        return (res[0], *nones, *res[1:])
+
+    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
+        tangents = _zeros_for(ctx.meta, _logical(n, ts)[1])
+        if ctx.nonlinear:
+            return tangent(ctx, tangents, *ctx.args)
+        return call_list(cls, n, *ctx.args, *tangents)
+
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
+        meta, xs = _logical(n, args)
+        bdims = _logical(n, in_dims)[1]
+        if dims_at is None:  # elementwise: the batch dims are just more elements
+            return call_list(cls, n, *meta, *xs), bdims
+        xb = []
+        for x, d in zip(xs, bdims):
+            if d is None:
+                xb.append(x.unsqueeze(0).expand(info.batch_size, *x.shape))
+            else:
+                xb.append(x if d == 0 else x.movedim(d, 0))
+        meta = tuple(tuple(d + 1 for d in m) if i == dims_at else m for i, m in enumerate(meta))
+        return call_list(cls, n, *meta, *xb), (0,) * len(xs)
+
+    cls.forward = staticmethod(forward)
+    cls.setup_context = staticmethod(setup_context)
+    cls.backward = staticmethod(backward)
+    cls.jvp = staticmethod(jvp)
+    cls.vmap = staticmethod(vmap)
+    jvp_free_twin(cls)

@@ -51,11 +51,8 @@ from . import _args as A
 from . import _async, _config
 from . import backend as B
 from ._errors import CrossRankMismatchError
-from ._op import FastFunction as _Collective
-from ._op import fn as _fn
-from ._op import jvp_free_twin as _jvp_free_twin
+from ._op import ListOp, call_list
 from ._op import only_on as _only_on
-from ._op import unwrap_if_dead as _unwrap_if_dead
 from ._registry import OpSpec, markdown, register
 from .collectives import _async_if
 
@@ -84,96 +81,6 @@ def _rank(pg: PG) -> int:
     return _b().rank(pg)
 
 
-class _CoalescedFn(_Collective):
-    """Base of the flat-buffer Functions.
-
-    Call them as ``_call(Cls, n, *meta, *buffers)`` (``n`` non-tensor arguments, then one
-    buffer per dtype). The autograd Function itself takes ``(buffers[0], *meta,
-    *buffers[1:])`` (a tensor first, like every collective's Function);
-    :func:`_logical` / :func:`_physical` convert between the two orders. Dynamo, tracing
-    a nested ``apply`` without grad (inside a backward rule), passes a ctx first to a
-    ``forward`` with ``*args`` (it counts parameters to tell old-style from new-style
-    Functions), so ``forward`` drops one (:func:`_logical`).
-    """
-
-    _NMETA = 0
-
-    @classmethod
-    @torch.compiler.disable
-    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
-        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
-            return super(_Collective, cls).apply(*args)
-        if _async.launching(cls):  # async_op=True, or an asynchronous op's backward
-            return _async.launch_fn(cls, args)
-        n = cls._NMETA
-        return super(torch.autograd.Function, cls).apply(
-            _unwrap_if_dead(args[0]), *args[1 : n + 1], *(_unwrap_if_dead(a) for a in args[n + 1 :])
-        )
-
-
-def _call(fn_cls: Any, n: int, *args: Any) -> Any:
-    """``fn_cls.apply`` with arguments in the logical order ``(*meta, *buffers)``
-    (``n`` = number of meta arguments; passed, as dynamo cannot read a Function's class
-    attributes)."""
-    return fn_cls.apply(args[n], *args[:n], *args[n + 1 :])
-
-
-def _logical(n: int, args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    """``(buffers[0], *meta, *buffers[1:])`` -> ``(meta, buffers)`` (a leading ctx dropped)."""
-    if isinstance(args[0], torch.autograd.function.FunctionCtx):
-        args = args[1:]
-    return tuple(args[1 : n + 1]), (args[0], *args[n + 1 :])
-
-
-def _physical(n: int, per_buffer: Sequence[Any]) -> tuple[Any, ...]:
-    """Per-buffer values (gradients, in_dims) -> the Function's argument order."""
-    return (per_buffer[0], *([None] * n), *per_buffer[1:])
-
-
-def _zeros_for(meta: Sequence[tuple[Any, torch.dtype, Any]], ts: Sequence[Tensor | None]) -> list[Tensor]:
-    """``None`` (no gradient / tangent) becomes zeros shaped like ``meta``."""
-    return [torch.zeros(s, dtype=d, device=v) if t is None else t for t, (s, d, v) in zip(ts, meta)]
-
-
-def _on_differentiable(ctx: Any, gs: Sequence[Tensor | None], rule: Any) -> list[Any]:
-    """Input gradients: ``rule(idx, gs[idx])`` for the floating/complex tensors ``idx``
-    only, ``None`` for integer/bool ones (a dtype fact, equal on every rank, so every rank
-    runs the same backward collectives; integer tensors are not communicated). Outputs
-    without a gradient take part with zeros."""
-    idx = [i for i, (_, d, _) in enumerate(ctx.meta) if d.is_floating_point or d.is_complex]
-    res: list[Any] = [None] * len(gs)
-    if not idx:
-        return res
-    out_meta = [ctx.out_meta[i] for i in idx]
-    for i, g in zip(idx, rule(idx, _zeros_for(out_meta, [gs[i] for i in idx]))):
-        res[i] = g
-    return res
-
-
-def _batch_all(info: Any, in_dims: Sequence[Any], xs: Sequence[Tensor]) -> list[Tensor]:
-    """Every tensor with its batch dim at 0 (unbatched ones expanded): one call per dtype."""
-    out = []
-    for x, d in zip(xs, in_dims):
-        if d is None:
-            out.append(x.unsqueeze(0).expand(info.batch_size, *x.shape))
-        else:
-            out.append(x if d == 0 else x.movedim(d, 0))
-    return out
-
-
-def _meta(xs: Sequence[Tensor]) -> list[tuple[torch.Size, torch.dtype, torch.device]]:
-    return [(x.shape, x.dtype, x.device) for x in xs]
-
-
-def _setup(
-    ctx: Any, n: int, inputs: tuple[Any, ...], output: tuple[Tensor, ...], same_shapes: bool = False
-) -> tuple[Any, ...]:
-    meta, xs = _logical(n, inputs)
-    ctx.meta = _meta(xs)
-    ctx.out_meta = ctx.meta if same_shapes else _meta(output)
-    return meta
-
-
 # --------------------------------------------------------------------------------------
 # packing (inside the Functions' forward: no autograd nodes per tensor)
 # --------------------------------------------------------------------------------------
@@ -191,12 +98,13 @@ def _by_dtype(ts: Sequence[Tensor]) -> list[list[int]]:
 
 
 def _flatten(ts: Sequence[Tensor]) -> Tensor:
-    """A new contiguous 1-D buffer holding ``ts`` one after another (never an input)."""
+    """A new contiguous 1-D buffer holding ``ts`` one after another (never an input).
+
+    One ``torch.cat`` over the tensors, 1-D ones as they are (the common case: biases,
+    norm weights; a flattening view per tensor costs more than the copy itself)."""
     if len(ts) == 1:
         return ts[0].reshape(-1).clone()
-    if torch.compiler.is_compiling():
-        return torch.cat([t.reshape(-1) for t in ts])
-    return torch._C._nn.flatten_dense_tensors(list(ts))  # one C++ call (DDP's packing)
+    return torch.cat([t if t.ndim == 1 else t.reshape(-1) for t in ts])
 
 
 def _pack(ts: Sequence[Tensor], groups: list[list[int]]) -> list[Tensor]:
@@ -209,20 +117,13 @@ def _pack(ts: Sequence[Tensor], groups: list[list[int]]) -> list[Tensor]:
 def _unpack_like(xs: Sequence[Tensor], groups: list[list[int]], bufs: Sequence[Tensor]) -> list[Tensor]:
     """Outputs shaped like the inputs ``xs``: views of the buffers, detached (see
     :func:`_unpack`)."""
-    if torch.compiler.is_compiling():
-        return _unpack([x.shape for x in xs], groups, bufs)
-    if len(groups) == 1:
-        return [v.detach() for v in torch._C._nn.unflatten_dense_tensors(bufs[0], list(xs))]
-    out: list[Any] = [None] * len(xs)
-    for g, buf in zip(groups, bufs):
-        for i, v in zip(g, torch._C._nn.unflatten_dense_tensors(buf, [xs[i] for i in g])):
-            out[i] = v.detach()
-    return out
+    return _unpack([x.shape for x in xs], groups, bufs)
 
 
 def _unpack(shapes: Sequence[Sequence[int]], groups: list[list[int]], bufs: Sequence[Tensor]) -> list[Tensor]:
-    """Split each buffer back into tensors of ``shapes``: views of the buffer, detached so
-    autograd sees independent outputs (each may be modified in place)."""
+    """Split each buffer back into tensors of ``shapes``: views of the buffer (one
+    ``split`` per buffer), detached so autograd sees independent outputs (each may be
+    modified in place)."""
     out: list[Any] = [None] * len(shapes)
     for g, buf in zip(groups, bufs):
         sizes = [math.prod(shapes[i]) for i in g]
@@ -241,59 +142,49 @@ def _back(ys: Sequence[Tensor], dims: Sequence[int]) -> list[Tensor]:
 
 
 # ======================================================================================
-# the autograd Functions over a whole list (one node; one raw call per dtype)
+# the list ops (one autograd node for the whole list; one raw call per dtype), on the
+# ListOp base of diffcomm._op: each states run / transpose / label, the base the rest
 # ======================================================================================
 
 
-class _AllReduceList(_CoalescedFn):
-    _NMETA = 2  # op, pg
+class _AllReduceList(ListOp):
+    """Self-adjoint for sum/avg; max/min/product are the sum composed with a weight."""
+
+    name = "all_reduce_coalesced"
+    nmeta = 2  # op, pg
+    same_shapes = True
 
     @staticmethod
-    def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
-        (op, pg), xs = _logical(2, (x0, *args))
+    def nonlinear(meta: tuple[Any, ...]) -> bool:
+        return meta[0] not in A.LINEAR_OPS
+
+    @staticmethod
+    def label(op: str, pg: PG) -> str:
+        return f"all_reduce_coalesced({op})"
+
+    @staticmethod
+    def run(xs: Sequence[Tensor], op: str, pg: PG) -> list[Tensor]:
         groups = _by_dtype(xs)
-        with B.label(f"all_reduce_coalesced({op})"):
-            bufs = _b().all_reduce_coalesced(_pack(xs, groups), op, pg, owned=True)
-        return tuple(_unpack_like(xs, groups, bufs))
+        return _unpack_like(xs, groups, _b().all_reduce_coalesced(_pack(xs, groups), op, pg, owned=True))
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.op, ctx.pg = _setup(ctx, 2, inputs, output, same_shapes=True)
-        if ctx.op in ("max", "min", "product"):
-            xs = _logical(2, inputs)[1]
-            ctx.save_for_backward(*xs, *output)
-            ctx.save_for_forward(*xs, *output)
+    def transpose(ctx: Any, gs: list[Tensor], idx: list[int], op: str, pg: PG) -> Any:
+        if op in A.LINEAR_OPS:
+            return call_list(_AllReduceList, 2, op, pg, *gs)
+        saved, n = ctx.saved_tensors, len(ctx.meta)
+        xs = [saved[i] for i in idx]
+        if op == "product":
+            g_total = call_list(_AllReduceList, 2, "sum", pg, *gs)
+            return [g * w.conj() for g, w in zip(g_total, _product_of_others(xs, pg))]
+        # max/min: the gradients and the tie masks share the buffers (same dtypes): one
+        # call per dtype
+        masks = [(x.detach() == saved[n + i].detach()).to(x.dtype) for x, i in zip(xs, idx)]
+        both = call_list(_AllReduceList, 2, "sum", pg, *gs, *masks)
+        k = len(gs)
+        return [g * (m / c).conj() for g, m, c in zip(both[:k], masks, both[k:])]
 
     @staticmethod
-    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
-        op, pg = ctx.op, ctx.pg
-        n = len(gs)
-        saved = ctx.saved_tensors
-
-        def rule(idx: list[int], gs: list[Tensor]) -> list[Tensor]:
-            if op in ("sum", "avg"):
-                return list(_call(_AllReduceList, 2, op, pg, *gs))
-            xs = [saved[i] for i in idx]
-            if op == "product":
-                g_total = _call(_AllReduceList, 2, "sum", pg, *gs)
-                return [g * w.conj() for g, w in zip(g_total, _product_of_others(xs, pg))]
-            # max/min: the gradients and the tie masks share the buffers (same dtypes): one
-            # call per dtype
-            ys = [saved[n + i] for i in idx]
-            masks = [(x.detach() == y.detach()).to(x.dtype) for x, y in zip(xs, ys)]
-            both = _call(_AllReduceList, 2, "sum", pg, *gs, *masks)
-            k = len(gs)
-            return [g * (m / c).conj() for g, m, c in zip(both[:k], masks, both[k:])]
-
-        with B.label(f"all_reduce_coalesced({op}) backward"):
-            return _physical(2, _on_differentiable(ctx, gs, rule))
-
-    @staticmethod
-    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        op, pg = ctx.op, ctx.pg
-        ts = _zeros_for(ctx.meta, _logical(2, ts)[1])
-        if op in ("sum", "avg"):
-            return _call(_AllReduceList, 2, op, pg, *ts)
+    def tangent(ctx: Any, ts: list[Tensor], op: str, pg: PG) -> Any:
         n = len(ts)
         saved = ctx.saved_tensors
         xs, ys = saved[:n], saved[n:]
@@ -301,185 +192,112 @@ class _AllReduceList(_CoalescedFn):
             ws = _product_of_others(xs, pg)
         else:
             masks = [(x == y).to(x.dtype) for x, y in zip(xs, ys)]
-            ws = [m / c for m, c in zip(masks, _call(_AllReduceList, 2, "sum", pg, *masks))]
-        return _call(_AllReduceList, 2, "sum", pg, *(t * w for t, w in zip(ts, ws)))
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
-        # elementwise over ranks: batch dims are just more elements, one call per dtype
-        (op, pg), xs = _logical(2, (x0, *args))
-        return _call(_AllReduceList, 2, op, pg, *xs), _logical(2, in_dims)[1]
+            ws = [m / c for m, c in zip(masks, call_list(_AllReduceList, 2, "sum", pg, *masks))]
+        return call_list(_AllReduceList, 2, "sum", pg, *(t * w for t, w in zip(ts, ws)))
 
 
 def _product_of_others(xs: Sequence[Tensor], pg: PG) -> list[Tensor]:
     """``prod_{j != r} x_j`` per tensor, from one coalesced all_gather (zero-safe)."""
     rank = _rank(pg)
-    gathered = _call(_AllGatherList, 2, (0,) * len(xs), pg, *(x.unsqueeze(0) for x in xs))
+    gathered = call_list(_AllGatherList, 2, (0,) * len(xs), pg, *(x.unsqueeze(0) for x in xs))
     return [g[:rank].prod(0) * g[rank + 1 :].prod(0) for g in gathered]
 
 
-class _BroadcastList(_CoalescedFn):
-    _NMETA = 2  # src, pg
+class _BroadcastList(ListOp):
+    name = "broadcast_coalesced"
+    nmeta = 2  # src, pg
+    same_shapes = True
 
     @staticmethod
-    def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
-        (src, pg), xs = _logical(2, (x0, *args))
+    def run(xs: Sequence[Tensor], src: int, pg: PG) -> list[Tensor]:
         groups = _by_dtype(xs)
-        with B.label("broadcast_coalesced"):
-            bufs = _b().broadcast_coalesced(_pack(xs, groups), src, pg, owned=True)
-        return tuple(_unpack_like(xs, groups, bufs))
+        return _unpack_like(xs, groups, _b().broadcast_coalesced(_pack(xs, groups), src, pg, owned=True))
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.src, ctx.pg = _setup(ctx, 2, inputs, output, same_shapes=True)
-
-    @staticmethod
-    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
-        with B.label("broadcast_coalesced backward"):
-            rule = lambda _, gs: _call(_ReduceList, 3, ctx.src, "sum", ctx.pg, *gs)
-            return _physical(2, _on_differentiable(ctx, gs, rule))
-
-    @staticmethod
-    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        return _call(_BroadcastList, 2, ctx.src, ctx.pg, *_zeros_for(ctx.meta, _logical(2, ts)[1]))
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
-        (src, pg), xs = _logical(2, (x0, *args))
-        return _call(_BroadcastList, 2, src, pg, *xs), _logical(2, in_dims)[1]
+    def transpose(ctx: Any, gs: list[Tensor], idx: list[int], src: int, pg: PG) -> Any:
+        return call_list(_ReduceList, 3, src, "sum", pg, *gs)
 
 
-class _ReduceList(_CoalescedFn):
+class _ReduceList(ListOp):
     """Linear (sum/avg) reduce to ``dst``, zeros elsewhere: the dual of broadcast."""
 
-    _NMETA = 3  # dst, op, pg
+    name = "reduce_coalesced"
+    nmeta = 3  # dst, op, pg
+    same_shapes = True
 
     @staticmethod
-    def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
-        (dst, op, pg), xs = _logical(3, (x0, *args))
+    def label(dst: int, op: str, pg: PG) -> str:
+        return f"reduce_coalesced({op})"
+
+    @staticmethod
+    def run(xs: Sequence[Tensor], dst: int, op: str, pg: PG) -> list[Tensor]:
         groups = _by_dtype(xs)
-        with B.label(f"reduce_coalesced({op})"):
-            bufs = _b().reduce_coalesced(_pack(xs, groups), dst, op, pg)
-        return tuple(_unpack_like(xs, groups, bufs))
+        return _unpack_like(xs, groups, _b().reduce_coalesced(_pack(xs, groups), dst, op, pg))
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.dst, ctx.op, ctx.pg = _setup(ctx, 3, inputs, output, same_shapes=True)
-
-    @staticmethod
-    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
-        world = _world(ctx.pg) if ctx.op == "avg" else None
-
-        def rule(_: list[int], gs: list[Tensor]) -> list[Tensor]:
-            out = _call(_BroadcastList, 2, ctx.dst, ctx.pg, *gs)
-            return [o / world for o in out] if world is not None else list(out)
-
-        with B.label(f"reduce_coalesced({ctx.op}) backward"):
-            return _physical(3, _on_differentiable(ctx, gs, rule))
-
-    @staticmethod
-    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        return _call(_ReduceList, 3, ctx.dst, ctx.op, ctx.pg, *_zeros_for(ctx.meta, _logical(3, ts)[1]))
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
-        (dst, op, pg), xs = _logical(3, (x0, *args))
-        return _call(_ReduceList, 3, dst, op, pg, *xs), _logical(3, in_dims)[1]
+    def transpose(ctx: Any, gs: list[Tensor], idx: list[int], dst: int, op: str, pg: PG) -> Any:
+        out = call_list(_BroadcastList, 2, dst, pg, *gs)
+        if op != "avg":
+            return out
+        world = _world(pg)
+        return [o / world for o in out]
 
 
-class _AllGatherList(_CoalescedFn):
+class _AllGatherList(ListOp):
     """Even all_gather of every tensor ``i`` along ``dims[i]``."""
 
-    _NMETA = 2  # dims, pg
+    name = "all_gather_coalesced"
+    nmeta = 2  # dims, pg
+    dims = 0
 
     @staticmethod
-    def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
-        (dims, pg), xs = _logical(2, (x0, *args))
+    def run(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG) -> list[Tensor]:
         world = _world(pg)
         moved = _moved(xs, dims)
         groups = _by_dtype(moved)
-        with B.label("all_gather_coalesced"):
-            bufs = _b().all_gather_coalesced(_pack(moved, groups), pg)
+        bufs = _b().all_gather_coalesced(_pack(moved, groups), pg)
         out: list[Any] = [None] * len(xs)
         for g, buf in zip(groups, bufs):  # rank-major -> tensor-major (one copy each)
             rows = buf.view(world, buf.numel() // world).split([moved[i].numel() for i in g], dim=1)
             for i, block in zip(g, rows):
                 m = moved[i]
                 out[i] = block.reshape(world * m.shape[0], *m.shape[1:])
-        return tuple(_back(out, dims))
+        return _back(out, dims)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.dims, ctx.pg = _setup(ctx, 2, inputs, output)
-
-    @staticmethod
-    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
-        def rule(idx: list[int], gs: list[Tensor]) -> Any:
-            dims = tuple(ctx.dims[i] for i in idx)
-            return _call(_ReduceScatterList, 3, dims, "sum", ctx.pg, *gs)
-
-        with B.label("all_gather_coalesced backward"):
-            return _physical(2, _on_differentiable(ctx, gs, rule))
-
-    @staticmethod
-    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        return _call(_AllGatherList, 2, ctx.dims, ctx.pg, *_zeros_for(ctx.meta, _logical(2, ts)[1]))
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
-        (dims, pg), xs = _logical(2, (x0, *args))
-        xb = _batch_all(info, _logical(2, in_dims)[1], xs)
-        return _call(_AllGatherList, 2, tuple(d + 1 for d in dims), pg, *xb), (0,) * len(xs)
+    def transpose(ctx: Any, gs: list[Tensor], idx: list[int], dims: tuple[int, ...], pg: PG) -> Any:
+        return call_list(_ReduceScatterList, 3, tuple(dims[i] for i in idx), "sum", pg, *gs)
 
 
-class _ReduceScatterList(_CoalescedFn):
+class _ReduceScatterList(ListOp):
     """Even linear (sum/avg) reduce_scatter of every tensor ``i`` along ``dims[i]``."""
 
-    _NMETA = 3  # dims, op, pg
+    name = "reduce_scatter_coalesced"
+    nmeta = 3  # dims, op, pg
+    dims = 0
 
     @staticmethod
-    def forward(x0: Tensor, *args: Any) -> tuple[Tensor, ...]:
-        (dims, op, pg), xs = _logical(3, (x0, *args))
+    def label(dims: tuple[int, ...], op: str, pg: PG) -> str:
+        return f"reduce_scatter_coalesced({op})"
+
+    @staticmethod
+    def run(xs: Sequence[Tensor], dims: tuple[int, ...], op: str, pg: PG) -> list[Tensor]:
         world = _world(pg)
         moved = _moved(xs, dims)
         groups = _by_dtype(moved)
         # rank-major layout: row r of each buffer holds chunk r of every tensor of the dtype
         bufs = [torch.cat([moved[i].reshape(world, moved[i].numel() // world) for i in g], 1) for g in groups]
-        with B.label(f"reduce_scatter_coalesced({op})"):
-            parts = _b().reduce_scatter_coalesced([b.view(-1) for b in bufs], op, pg)
+        parts = _b().reduce_scatter_coalesced([b.view(-1) for b in bufs], op, pg)
         shapes = [(m.shape[0] // world, *m.shape[1:]) for m in moved]
-        return tuple(_back(_unpack(shapes, groups, parts), dims))
+        return _back(_unpack(shapes, groups, parts), dims)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        ctx.dims, ctx.op, ctx.pg = _setup(ctx, 3, inputs, output)
-
-    @staticmethod
-    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
-        world = _world(ctx.pg) if ctx.op == "avg" else None
-
-        def rule(idx: list[int], gs: list[Tensor]) -> list[Tensor]:
-            dims = tuple(ctx.dims[i] for i in idx)
-            out = _call(_AllGatherList, 2, dims, ctx.pg, *gs)
-            return [o / world for o in out] if world is not None else list(out)
-
-        with B.label(f"reduce_scatter_coalesced({ctx.op}) backward"):
-            return _physical(3, _on_differentiable(ctx, gs, rule))
-
-    @staticmethod
-    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        ts = _zeros_for(ctx.meta, _logical(3, ts)[1])
-        return _call(_ReduceScatterList, 3, ctx.dims, ctx.op, ctx.pg, *ts)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], x0: Tensor, *args: Any) -> tuple[Any, Any]:
-        (dims, op, pg), xs = _logical(3, (x0, *args))
-        xb = _batch_all(info, _logical(3, in_dims)[1], xs)
-        return _call(_ReduceScatterList, 3, tuple(d + 1 for d in dims), op, pg, *xb), (0,) * len(xs)
-
-
-for _cls in (_AllReduceList, _BroadcastList, _ReduceList, _AllGatherList, _ReduceScatterList):
-    _jvp_free_twin(_cls)
+    def transpose(ctx: Any, gs: list[Tensor], idx: list[int], dims: tuple[int, ...], op: str, pg: PG) -> Any:
+        out = call_list(_AllGatherList, 2, tuple(dims[i] for i in idx), pg, *gs)
+        if op != "avg":
+            return out
+        world = _world(pg)
+        return [o / world for o in out]
 
 
 # ======================================================================================
@@ -623,7 +441,7 @@ def all_reduce_coalesced(
     pg = A.resolve_group(group, name)
     _debug_check(name, pg, ts, op=op_name)
     with _async_if(async_op):
-        return list(_call(_fn(_AllReduceList), 2, op_name, pg, *ts))
+        return list(call_list(_AllReduceList, 2, op_name, pg, *ts))
 
 
 def broadcast_coalesced(
@@ -660,7 +478,7 @@ def broadcast_coalesced(
     src = A.check_rank(src, name, "src", _world(pg))
     _debug_check(name, pg, ts, src=src)
     with _async_if(async_op):
-        return list(_call(_fn(_BroadcastList), 2, src, pg, *ts))
+        return list(call_list(_BroadcastList, 2, src, pg, *ts))
 
 
 def reduce_coalesced(
@@ -707,9 +525,9 @@ def reduce_coalesced(
     _debug_check(name, pg, ts, op=op_name, dst=dst)
     with _async_if(async_op):
         if op_name in A.LINEAR_OPS:
-            return list(_call(_fn(_ReduceList), 3, dst, op_name, pg, *ts))
+            return list(call_list(_ReduceList, 3, dst, op_name, pg, *ts))
         # max/min/product: every rank needs the result for its gradient anyway (as dc.reduce)
-        full = _call(_fn(_AllReduceList), 2, op_name, pg, *ts)
+        full = call_list(_AllReduceList, 2, op_name, pg, *ts)
         return [_only_on(y, _rank(pg) == dst) for y in full]
 
 
@@ -757,7 +575,7 @@ def all_gather_coalesced(
     pg = A.resolve_group(group, name)
     _debug_check(name, pg, ts, dim=dim)
     with _async_if(async_op):
-        return list(_call(_fn(_AllGatherList), 2, tuple(dims), pg, *ts))
+        return list(call_list(_AllGatherList, 2, tuple(dims), pg, *ts))
 
 
 def reduce_scatter_coalesced(
@@ -814,9 +632,9 @@ def reduce_scatter_coalesced(
     _debug_check(name, pg, ts, op=op_name, dim=dim)
     with _async_if(async_op):
         if op_name in A.LINEAR_OPS:
-            return list(_call(_fn(_ReduceScatterList), 3, tuple(dims), op_name, pg, *ts))
+            return list(call_list(_ReduceScatterList, 3, tuple(dims), op_name, pg, *ts))
         # max/min/product: reduce everything, keep the own chunk (as dc.reduce_scatter)
-        full = _call(_fn(_AllReduceList), 2, op_name, pg, *ts)
+        full = call_list(_AllReduceList, 2, op_name, pg, *ts)
         out = []
         for y, d in zip(full, dims):
             c = y.shape[d] // world
