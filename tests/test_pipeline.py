@@ -8,6 +8,7 @@ stage (float64, tight tolerance) inside the rank function.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 
 import pytest
@@ -248,6 +249,45 @@ def _accumulate_and_timeline() -> list[float]:
 def test_gradients_accumulate_over_steps_and_timeline_is_recorded(world2: dc.LocalWorld) -> None:
     starts = world2.run(_accumulate_and_timeline)
     assert all(a <= b for a, b in zip(starts[0], starts[0][1:]))
+
+
+class _Slow(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return self.lin(x)
+
+
+def _waits_without_the_logger() -> list[tuple[str, float]]:
+    from diffcomm import backend as B
+
+    def no_logger(*_: object, **__: object) -> None:
+        raise AssertionError("PipelineRunner opened the comms logger")
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    # stage 0 computes slowly in forward; stage 1 is quick
+    stage = _Slow(0.3) if rank == 0 else nn.Linear(3, 1)
+    runner = PipelineRunner(stage, "gpipe", loss_fn=lambda out: out.sum(), prepost=False)
+    real, B.log_comms = B.log_comms, no_logger  # type: ignore[assignment]
+    try:
+        runner.step(torch.randn(2, 3), n_micro=1)
+    finally:
+        B.log_comms = real  # type: ignore[assignment]
+    return [(e.kind, e.wait) for e in runner.timeline]
+
+
+def test_receive_waits_are_timed_by_the_host_clock_without_the_comms_logger(world2: dc.LocalWorld) -> None:
+    stage0, stage1 = world2.run(_waits_without_the_logger)
+    # stage 1's F blocks while stage 0 sleeps in its forward; stage 0's B blocks in the
+    # token's gradient receive only as long as stage 1 takes (short)
+    assert [k for k, _ in stage1] == ["F", "B"] and stage1[0][1] >= 0.2, stage1
+    assert [k for k, _ in stage0] == ["F", "B"] and 0 <= stage0[1][1] < stage1[0][1], stage0
+    assert stage0[0][1] == 0.0  # stage 0 receives nothing in forward
 
 
 def test_bubble_fraction_of_a_perfect_pipeline() -> None:

@@ -196,6 +196,12 @@ def isend(buf: Tensor, dst: int, pg: PG, tag: int, what: str) -> None:
 # ======================================================================================
 
 _WAITED = [0.0]  # host seconds blocked in p2p receives, this process (all threads)
+_WAITED_LOCK = threading.Lock()
+
+
+def _waited(t0: float) -> None:
+    with _WAITED_LOCK:
+        _WAITED[0] += time.perf_counter() - t0
 
 
 def recv_wait_seconds() -> float:
@@ -214,7 +220,7 @@ def recv_into(buf: Tensor, src: int, pg: PG, tag: int) -> Tensor:
     try:
         return B.get_backend().recv(buf, src, pg, tag)
     finally:
-        _WAITED[0] += time.perf_counter() - t0
+        _waited(t0)
 
 
 class Posted:
@@ -245,7 +251,7 @@ class Posted:
                 lambda: buf.zero_(), buf,
             )  # fmt: skip
         finally:
-            _WAITED[0] += time.perf_counter() - t0
+            _waited(t0)
         return buf
 
 

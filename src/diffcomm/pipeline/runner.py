@@ -35,6 +35,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from .. import _args as A
 from .. import _config, p2p
 from .. import backend as B
+from .._transport import recv_wait_seconds as _recv_wait_seconds
 from .schedules import SCHEDULES, ScheduleFn, Step
 from .validate import check_schedule
 
@@ -45,7 +46,12 @@ __all__ = ["PipelineRunner", "TimelineEntry", "bubble_fraction"]
 class TimelineEntry:
     """One executed step: wall-clock ``start``/``end`` (``time.perf_counter``, comparable
     across processes of one machine) and ``wait``, the seconds spent blocked in receives
-    (so ``end - start - wait`` is this stage's busy time); ``chunk`` is the virtual stage."""
+    (so ``end - start - wait`` is this stage's busy time); ``chunk`` is the virtual stage.
+
+    ``wait`` is host time around the blocking receive calls (activations, and the
+    gradients a send's backward receives), the device is never synchronised for it: on a
+    GPU whose backend completes receives asynchronously (NCCL) it counts only the host's
+    part of the wait."""
 
     kind: str
     micro: int
@@ -163,8 +169,8 @@ class PipelineRunner:
                 TypeError,
             )
         self.pg = A.resolve_group(group, "PipelineRunner")
-        self.rank = B.get_backend().rank(self.pg)
-        self.n_stages = B.get_backend().world_size(self.pg)
+        info = B.group_info(self.pg)
+        self.rank, self.n_stages = info.rank, info.size
         self.n_chunks = len(chunks)
         if self.n_chunks > 1 and self.n_stages < 2:
             raise A.arg_error(
@@ -278,22 +284,24 @@ class PipelineRunner:
         total = torch.zeros((), dtype=torch.float64)
         for k, st in enumerate(steps):
             nxt = steps[k + 1] if k + 1 < len(steps) else None
-            with B.log_comms() as log:
-                start = time.perf_counter()
-                if st.kind == "F":
-                    loss_m = self._forward(st, in_chunks, tgt_chunks, n_micro, stash, input_grad, nxt)
-                    if loss_m is not None:
-                        total += loss_m.detach().to(total.device, torch.float64)
+            # the receive waits by the host clock (no comms logger: it would synchronise
+            # the device around every raw op on a GPU)
+            waited = _recv_wait_seconds()
+            start = time.perf_counter()
+            if st.kind == "F":
+                loss_m = self._forward(st, in_chunks, tgt_chunks, n_micro, stash, input_grad, nxt)
+                if loss_m is not None:
+                    total += loss_m.detach().to(total.device, torch.float64)
+            else:
+                self._prepost(nxt, stash)
+                if st.kind == "B":
+                    self._backward(st, stash)
+                elif st.kind == "I":
+                    self._backward_input(st, stash)
                 else:
-                    self._prepost(nxt, stash)
-                    if st.kind == "B":
-                        self._backward(st, stash)
-                    elif st.kind == "I":
-                        self._backward_input(st, stash)
-                    else:
-                        self._backward_weight(st, stash)
-                end = time.perf_counter()
-            wait = sum(r.seconds for r in log.records if r.op == "recv")
+                    self._backward_weight(st, stash)
+            end = time.perf_counter()
+            wait = _recv_wait_seconds() - waited
             self.timeline.append(TimelineEntry(st.kind, st.micro, start, end, wait, st.chunk))
         p2p.wait_sends()
         if input_grad and self.is_first:
