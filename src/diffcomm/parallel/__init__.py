@@ -4,11 +4,11 @@
   ``reduce_from_region``, ``scatter_to_region`` / ``gather_from_region``,
   ``reduce_scatter_to_sequence`` / ``all_gather_from_sequence``, ``all_to_all_region``),
   each checking the assumption it rests on in debug mode;
-* :mod:`~diffcomm.parallel.layers` — ``ColumnParallelLinear``, ``RowParallelLinear``,
-  ``VocabParallelEmbedding``, ``SequenceParallelLayerNorm``, ``ParallelMLP``,
-  ``ParallelSelfAttention`` and their serial
-  references ``MLP`` / ``SelfAttention``, initialised and loadable as shards of the
-  serial modules;
+* :mod:`~diffcomm.parallel.layers` — ``ParallelModule``, ``ColumnParallelLinear``,
+  ``RowParallelLinear``, ``VocabParallelEmbedding``, ``SequenceParallelLayerNorm``,
+  initialised and loadable as shards of the serial modules;
+* :mod:`~diffcomm.parallel.blocks` — the ready-made blocks ``ParallelMLP`` and
+  ``ParallelSelfAttention`` and their serial references ``MLP`` / ``SelfAttention``;
 * :mod:`~diffcomm.parallel.loss` — ``vocab_parallel_cross_entropy``.
 
 See ``docs/parallel.md``.
@@ -16,50 +16,10 @@ See ``docs/parallel.md``.
 
 from __future__ import annotations
 
-from .layers import (
-    MLP,
-    ColumnParallelLinear,
-    ParallelMLP,
-    ParallelModule,
-    ParallelSelfAttention,
-    RowParallelLinear,
-    SelfAttention,
-    SequenceParallelLayerNorm,
-    VocabParallelEmbedding,
-)
-from .loss import vocab_parallel_cross_entropy
-from .mappings import (
-    MAPPINGS,
-    all_gather_from_sequence,
-    all_to_all_region,
-    copy_to_region,
-    copy_to_region_coalesced,
-    gather_from_region,
-    reduce_from_region,
-    reduce_from_region_coalesced,
-    reduce_scatter_to_sequence,
-    scatter_to_region,
-)
+from . import blocks, layers, loss, mappings
+from .blocks import *  # noqa: F403 - the public names are each submodule's __all__
+from .layers import *  # noqa: F403
+from .loss import *  # noqa: F403
+from .mappings import *  # noqa: F403
 
-__all__ = [
-    "MAPPINGS",
-    "copy_to_region",
-    "reduce_from_region",
-    "scatter_to_region",
-    "gather_from_region",
-    "reduce_scatter_to_sequence",
-    "all_gather_from_sequence",
-    "all_to_all_region",
-    "copy_to_region_coalesced",
-    "reduce_from_region_coalesced",
-    "ParallelModule",
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "SequenceParallelLayerNorm",
-    "ParallelMLP",
-    "ParallelSelfAttention",
-    "MLP",
-    "SelfAttention",
-    "vocab_parallel_cross_entropy",
-]
+__all__ = [*mappings.__all__, *layers.__all__, *blocks.__all__, *loss.__all__]

@@ -1,4 +1,4 @@
-"""Tensor- and sequence-parallel layers, their serial references, and sharded init.
+"""Tensor- and sequence-parallel layers and their sharded init.
 
 Layout: activations are ``[s, b, h]`` (sequence first, as Megatron-LM and
 ``nn.MultiheadAttention``'s default) or any ``(..., h)``; the hidden dimension is the last
@@ -7,8 +7,9 @@ parallelism.
 
 Every parallel layer here is a :class:`ParallelModule`: each of its parameters is a
 shard (or a replica) of the parameter with the same name in a serial reference module
-(``nn.Linear``, ``nn.Embedding``, :class:`MLP`, :class:`SelfAttention`). From that one
-fact follow
+(``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``; for the ready-made blocks of
+:mod:`diffcomm.parallel.blocks`, :class:`~diffcomm.parallel.blocks.MLP` and
+:class:`~diffcomm.parallel.blocks.SelfAttention`). From that one fact follow
 
 * ``serial_slices()``: which part of each serial parameter this rank holds (what
   :func:`diffcomm.testing.assert_matches_serial` compares gradients against);
@@ -16,19 +17,23 @@ fact follow
   load a parallel layer from a serial checkpoint and back;
 * **initialisation equal to the serial layer's**: each layer draws the *full* weight on
   the CPU, in the serial layer's order (weight, then bias), with the serial layer's
-  initialiser, and keeps its shard. ``ParallelMLP(h, f, seed=s)`` holds exactly the
-  shards of ``torch.manual_seed(s); MLP(h, f)``; with ``seed=None`` the default CPU
+  initialiser, and keeps its shard. ``ColumnParallelLinear(i, o, seed=s)`` holds exactly
+  the shards of ``torch.manual_seed(s); nn.Linear(i, o)``; with ``seed=None`` the default CPU
   generator is used, which must then be in the same state on every rank of the group
   (:func:`diffcomm.rng.model_parallel_seed` seeds it that way).
 
 Shards are even: a sharded dimension must divide by the group size (``ValueError``
 otherwise; pad e.g. the vocabulary to a multiple of the group size).
+
+:class:`ParallelModule` itself and the argument checks live in the private
+``diffcomm.parallel._module``; ``MLP`` / ``ParallelMLP`` / ``SelfAttention`` /
+``ParallelSelfAttention`` moved to :mod:`diffcomm.parallel.blocks` and stay importable
+from here.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -36,15 +41,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _args as A
-from .. import _config, rng
+from .. import _config
 from .. import backend as B
-from .. import collectives as C
 from . import overlap as O
 from ._check import check_replicated
+from ._module import ParallelModule, _divisible, _generator, _positive, _resolve
 from .mappings import (
     all_gather_from_sequence,
     copy_to_region,
-    copy_to_region_coalesced,
     gather_from_region,
     reduce_from_region,
     reduce_scatter_to_sequence,
@@ -57,87 +61,23 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "SequenceParallelLayerNorm",
-    "ParallelMLP",
-    "ParallelSelfAttention",
-    "MLP",
-    "SelfAttention",
 ]
 
-Index = tuple[slice, ...]
+#: the ready-made blocks that moved to :mod:`diffcomm.parallel.blocks` (still importable here)
+_BLOCKS = ("MLP", "ParallelMLP", "SelfAttention", "ParallelSelfAttention")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BLOCKS:
+        from . import blocks
+
+        return getattr(blocks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ======================================================================================
-# helpers: validation, generators, activations
+# linear layers
 # ======================================================================================
-
-
-def _positive(op: str, arg: str, value: Any) -> int:
-    value = A.check_int(value, op, arg)
-    if value < 1:
-        raise A.arg_error(op, arg, "a positive int", value)
-    return value
-
-
-def _divisible(op: str, arg: str, value: int, world: int, what: str) -> int:
-    if value % world != 0:
-        raise A.arg_error(
-            op,
-            arg,
-            f"divisible by the group size {world} ({what} are split evenly; pad it to a multiple of {world})",
-            value,
-        )
-    return value // world
-
-
-def _generator(op: str, seed: int | None, generator: torch.Generator | None) -> torch.Generator | None:
-    """The CPU generator the full weights are drawn from (``None``: the default one)."""
-    if seed is not None and generator is not None:
-        raise A.arg_error(op, "seed", "None when `generator` is given (pass one of them)", seed)
-    if generator is not None:
-        if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
-            raise A.arg_error(op, "generator", "a CPU torch.Generator", generator, TypeError)
-        return generator
-    if seed is not None:
-        return torch.Generator().manual_seed(A.check_int(seed, op, "seed"))
-    return None
-
-
-_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-    "tanh": torch.tanh,
-}
-
-
-def _activation(op: str, activation: str | Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-    if callable(activation):
-        return activation
-    if isinstance(activation, str) and activation in _ACTIVATIONS:
-        return _ACTIVATIONS[activation]
-    raise A.arg_error(op, "activation", f"a callable or one of {sorted(_ACTIVATIONS)}", repr(activation))
-
-
-def _model_parallel_stream() -> Any:
-    """``with`` block drawing from the model-parallel RNG stream (different per TP rank)."""
-    tracker = rng.get_tracker()
-    if rng.MODEL_PARALLEL_RNG not in tracker:
-        raise RuntimeError(
-            "diffcomm.parallel: dropout on a tensor-parallel shard draws from the "
-            f"{rng.MODEL_PARALLEL_RNG!r} RNG stream (different masks on every TP rank), which "
-            "is not set up; call diffcomm.rng.model_parallel_seed(seed, tp_rank=...) first"
-        )
-    return tracker.fork()
-
-
-def _dropout(x: Tensor, p: float, training: bool, sharded: bool) -> Tensor:
-    """Dropout; on a tensor-parallel shard it draws from the model-parallel RNG stream."""
-    if p == 0.0 or not training:
-        return x
-    if not sharded:
-        return F.dropout(x, p, True)
-    with _model_parallel_stream():
-        return F.dropout(x, p, True)
 
 
 def _full_linear_init(
@@ -154,200 +94,59 @@ def _full_linear_init(
     return w, b
 
 
-def _resolve(op: str, group: A.GroupLike) -> tuple[Any, int, int]:
-    pg = A.resolve_group(group, op)
-    backend = B.get_backend()
-    return pg, backend.world_size(pg), backend.rank(pg)
-
-
-# ======================================================================================
-# the base class: parameters as shards of a serial module's
-# ======================================================================================
-
-
-def _enter_region(module: ParallelModule, args: Any) -> None:
-    """Forward pre-hook of every ParallelModule; acts in the outermost one only: copies
-    every partial-gradient replica of the module tree into the region at once (one
-    coalesced reduction in backward per group; a lone tensor uses ``copy_to_region``)."""
-    if module.__dict__.get("_region_copies") is not None:
-        return  # inside an outer ParallelModule's forward: it made the copies
-    members = [m for m in module.modules() if isinstance(m, ParallelModule)]
-    groups: list[tuple[Any, list[Tensor]]] = []
-    seen: set[int] = set()
-    for m in members:
-        for name in m._partial_grad_params():
-            p = getattr(m, name, None)
-            if p is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            for pg, ps in groups:
-                if pg is m._pg:
-                    ps.append(p)
-                    break
-            else:
-                groups.append((m._pg, [p]))
-    copies: dict[int, Tensor] = {}
-    for pg, ps in groups:
-        outs = [copy_to_region(ps[0], pg)] if len(ps) == 1 else copy_to_region_coalesced(ps, pg)
-        copies.update(zip((id(p) for p in ps), outs))
-    for m in members:
-        m.__dict__["_region_copies"] = copies
-    module.__dict__["_region_root"] = True
-
-
-def _leave_region(module: ParallelModule, args: Any, output: Any) -> None:
-    """Forward hook (always called): the outermost module drops the copies again."""
-    if module.__dict__.pop("_region_root", False):
-        for m in module.modules():
-            m.__dict__.pop("_region_copies", None)
-
-
-class ParallelModule(nn.Module):
-    """A module whose parameters are shards or replicas of a serial module's.
-
-    Leaf layers declare ``_shard_dims = {param_name: dim or None}`` (``None``: replicated)
-    and hold their process group in ``_pg``; parameters of submodules that declare
-    nothing are replicated. Everything below is derived from that.
-    """
-
-    _shard_dims: dict[str, int | None] = {}
-    _pg: Any = None
-
-    def __init__(self) -> None:
-        super().__init__()
-        # one coalesced reduction per step for the partial-gradient replicas (see below)
-        self.register_forward_pre_hook(_enter_region)
-        self.register_forward_hook(_leave_region, always_call=True)
-
-    def _partial_grad_params(self) -> tuple[str, ...]:
-        """Names of this module's own parameters that are replicated but receive a
-        **per-rank partial gradient** (they meet a rank-local sequence chunk): a
-        sequence-parallel ``RowParallelLinear``'s bias, a sequence-parallel layer norm's
-        weight and bias. Their gradients must be summed over the group."""
-        return ()
-
-    def _region_param(self, name: str) -> Tensor:
-        """Parameter ``name`` as the forward must use it (one of :meth:`_partial_grad_params`).
-
-        Inside the forward of the outermost :class:`ParallelModule` it is that module's
-        copy of the parameter into the tensor-parallel region, made for **all** such
-        parameters of the module tree at once (``copy_to_region_coalesced``), so a step
-        sums all their gradients in one coalesced all_reduce (one communication per
-        dtype) instead of one all_reduce each. Outside one it is ``copy_to_region(p)``.
-        """
-        p = getattr(self, name)
-        copies = self.__dict__.get("_region_copies")
-        if copies is not None and id(p) in copies:
-            return copies[id(p)]
-        return copy_to_region(p, self._pg)
-
-    def _param_specs(self) -> dict[str, tuple[int | None, Any]]:
-        """``{full param name: (shard dim or None, group)}`` over the whole module tree."""
-        specs: dict[str, tuple[int | None, Any]] = {}
-        for prefix, module in self.named_modules():
-            dims = getattr(module, "_shard_dims", {}) if isinstance(module, ParallelModule) else {}
-            for name, _ in module.named_parameters(recurse=False):
-                full = f"{prefix}.{name}" if prefix else name
-                specs[full] = (dims.get(name), getattr(module, "_pg", None))
-        return specs
-
-    def serial_slices(self) -> dict[str, Index]:
-        """Which part of each serial parameter this rank's parameter is.
-
-        Returns:
-            ``{name: index}``: ``serial_param[index]`` has this rank's parameter's shape
-            and values (a tuple of slices; full slices for replicated parameters).
-        """
-        backend = B.get_backend()
-        out: dict[str, Index] = {}
-        params = dict(self.named_parameters())
-        for name, (dim, pg) in self._param_specs().items():
-            p = params[name]
-            index = [slice(None)] * p.dim()
-            if dim is not None:
-                n = p.shape[dim]
-                r = backend.rank(pg)
-                index[dim] = slice(r * n, (r + 1) * n)
-            out[name] = tuple(index)
-        return out
-
-    @torch.no_grad()
-    def to_serial_state_dict(self) -> dict[str, Tensor]:
-        """The serial module's state dict (full parameters), on every rank.
-
-        Communicates (one all_gather per sharded parameter, in the same order on every
-        rank), so call it on every rank.
-
-        Returns:
-            ``{name: full tensor}``, loadable with ``serial.load_state_dict(...)``.
-        """
-        params = dict(self.named_parameters())
-        out: dict[str, Tensor] = {}
-        for name, (dim, pg) in self._param_specs().items():
-            p = params[name].detach()
-            if dim is None:
-                out[name] = p.clone()
-            else:
-                world = B.get_backend().world_size(pg)
-                out[name] = C.all_gather(p, dim, pg, split_sizes=[p.shape[dim]] * world)
-        return out
-
-    @torch.no_grad()
-    def load_serial_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
-        """Copy this rank's shards out of a serial module's state dict (no communication).
-
-        Args:
-            state_dict: the serial module's ``state_dict()`` (full parameters).
-            strict: raise ``KeyError`` for missing or unexpected keys.
-
-        Raises:
-            KeyError: with ``strict``, keys missing from or unknown to this module.
-            ValueError: a serial tensor's shape does not fit this rank's shard.
-        """
-        params = dict(self.named_parameters())
-        slices = self.serial_slices()
-        missing = [k for k in params if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in params]
-        if strict and (missing or unexpected):
-            raise KeyError(
-                f"{type(self).__name__}.load_serial_state_dict(): missing keys {missing}, "
-                f"unexpected keys {unexpected}"
-            )
-        for name, p in params.items():
-            if name not in state_dict:
-                continue
-            src = state_dict[name][slices[name]]
-            if src.shape != p.shape:
-                raise ValueError(
-                    f"{type(self).__name__}.load_serial_state_dict(): `{name}` of serial shape "
-                    f"{tuple(state_dict[name].shape)} gives a shard of shape {tuple(src.shape)}, "
-                    f"this rank's parameter has shape {tuple(p.shape)}"
-                )
-            p.copy_(src)
-
-
-# ======================================================================================
-# linear layers
-# ======================================================================================
-
-
 class _ParallelLinear(ParallelModule):
-    """What the column- and row-parallel linears share: parameter creation, the serial
-    ``nn.Linear`` init cut to this rank's shard, and ``from_serial``. The shard layout
-    itself is ``_shard_dims``, read through :meth:`ParallelModule.load_serial_state_dict`."""
+    """What the column- and row-parallel linears share: the constructor (argument checks,
+    the parameter shards, the serial ``nn.Linear`` init cut to this rank's shard) and
+    ``from_serial``. ``shard_dim`` is the weight dim split across the group: 0 (output
+    features, the bias sharded alike) or 1 (input features, the bias replicated). The
+    shard layout is ``_shard_dims``, read through
+    :meth:`ParallelModule.load_serial_state_dict`."""
 
     in_features: int
     out_features: int
 
-    def _make_params(
-        self, weight_shape: tuple[int, int], bias_shape: tuple[int], bias: bool, dtype: Any, device: Any
+    def __init__(
+        self,
+        op: str,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        shard_dim: int,
+        *,
+        sequence_parallel: bool,
+        sequence_dim: int,
+        group: A.GroupLike,
+        overlap: bool | str,
+        seed: int | None,
+        generator: torch.Generator | None,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+        _init: bool,
     ) -> None:
+        super().__init__()
+        self._pg, self.world_size, self.rank = _resolve(op, group)
+        self.in_features = _positive(op, "in_features", in_features)
+        self.out_features = _positive(op, "out_features", out_features)
+        if shard_dim == 0:
+            self.out_per_rank = _divisible(
+                op, "out_features", out_features, self.world_size, "output features"
+            )
+            shape, self._shard_dims = (self.out_per_rank, in_features), {"weight": 0, "bias": 0}
+        else:
+            self.in_per_rank = _divisible(op, "in_features", in_features, self.world_size, "input features")
+            shape, self._shard_dims = (out_features, self.in_per_rank), {"weight": 1, "bias": None}
+        self.sequence_parallel = bool(sequence_parallel)
+        self.sequence_dim = A.check_int(sequence_dim, op, "sequence_dim")
+        self.overlap = O.resolve_mode(op, overlap, self.sequence_parallel)
         dtype = dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.empty(weight_shape, dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
         if bias:
-            self.bias = nn.Parameter(torch.empty(bias_shape, dtype=dtype, device=device))
+            self.bias = nn.Parameter(torch.empty(shape[0], dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
+        gen = _generator(op, seed, generator)
+        if _init:
+            self.reset_parameters(gen)
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -367,18 +166,8 @@ class _ParallelLinear(ParallelModule):
             **kwargs: the layer's own options (``gather_output`` / ``input_is_parallel``,
                 ``sequence_parallel``, ``sequence_dim``).
         """
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            group=group,
-            dtype=linear.weight.dtype,
-            device=linear.weight.device,
-            _init=False,
-            **kwargs,
-        )
-        layer.load_serial_state_dict(linear.state_dict())
-        return layer
+        bias = linear.bias is not None
+        return cls._from_serial(linear, linear.in_features, linear.out_features, bias, group=group, **kwargs)
 
 
 _L = TypeVar("_L", bound=_ParallelLinear)
@@ -447,23 +236,26 @@ class ColumnParallelLinear(_ParallelLinear):
         device: torch.device | str | None = None,
         _init: bool = True,
     ) -> None:
-        super().__init__()
         op = "parallel.ColumnParallelLinear"
-        self._pg, self.world_size, self.rank = _resolve(op, group)
-        self.in_features = _positive(op, "in_features", in_features)
-        self.out_features = _positive(op, "out_features", out_features)
-        self.out_per_rank = _divisible(op, "out_features", out_features, self.world_size, "output features")
         if gather_output and sequence_parallel:
             raise A.arg_error(op, "gather_output", "False when sequence_parallel=True", gather_output)
+        super().__init__(
+            op,
+            in_features,
+            out_features,
+            bias,
+            0,
+            sequence_parallel=sequence_parallel,
+            sequence_dim=sequence_dim,
+            group=group,
+            overlap=overlap,
+            seed=seed,
+            generator=generator,
+            dtype=dtype,
+            device=device,
+            _init=_init,
+        )
         self.gather_output = bool(gather_output)
-        self.sequence_parallel = bool(sequence_parallel)
-        self.sequence_dim = A.check_int(sequence_dim, op, "sequence_dim")
-        self.overlap = O.resolve_mode(op, overlap, self.sequence_parallel)
-        self._make_params((self.out_per_rank, in_features), (self.out_per_rank,), bias, dtype, device)
-        self._shard_dims = {"weight": 0, "bias": 0}
-        gen = _generator(op, seed, generator)
-        if _init:
-            self.reset_parameters(gen)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.overlap is not None:
@@ -493,9 +285,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             sp_dim = A.check_dim(x, self.sequence_dim, op, "sequence_dim")
             if _config.DEBUG.get():
-                B.get_backend().check_consistent(
-                    op, {"shape": tuple(x.shape), "dtype": x.dtype}, self._pg
-                )
+                B.get_backend().check_consistent(op, {"shape": tuple(x.shape), "dtype": x.dtype}, self._pg)
         elif _config.DEBUG.get():
             check_replicated(x, op, "the input", "use sequence_parallel=True for a sharded input", self._pg)
         return O.column_linear(x, self.weight, self.bias, self.overlap, sp_dim, self._pg)  # type: ignore[arg-type]
@@ -565,23 +355,26 @@ class RowParallelLinear(_ParallelLinear):
         device: torch.device | str | None = None,
         _init: bool = True,
     ) -> None:
-        super().__init__()
         op = "parallel.RowParallelLinear"
-        self._pg, self.world_size, self.rank = _resolve(op, group)
-        self.in_features = _positive(op, "in_features", in_features)
-        self.out_features = _positive(op, "out_features", out_features)
-        self.in_per_rank = _divisible(op, "in_features", in_features, self.world_size, "input features")
         if sequence_parallel and not input_is_parallel:
             raise A.arg_error(op, "input_is_parallel", "True when sequence_parallel=True", input_is_parallel)
+        super().__init__(
+            op,
+            in_features,
+            out_features,
+            bias,
+            1,
+            sequence_parallel=sequence_parallel,
+            sequence_dim=sequence_dim,
+            group=group,
+            overlap=overlap,
+            seed=seed,
+            generator=generator,
+            dtype=dtype,
+            device=device,
+            _init=_init,
+        )
         self.input_is_parallel = bool(input_is_parallel)
-        self.sequence_parallel = bool(sequence_parallel)
-        self.sequence_dim = A.check_int(sequence_dim, op, "sequence_dim")
-        self.overlap = O.resolve_mode(op, overlap, self.sequence_parallel)
-        self._make_params((out_features, self.in_per_rank), (out_features,), bias, dtype, device)
-        self._shard_dims = {"weight": 1, "bias": None}
-        gen = _generator(op, seed, generator)
-        if _init:
-            self.reset_parameters(gen)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
@@ -707,17 +500,8 @@ class VocabParallelEmbedding(ParallelModule):
                 "an nn.Embedding without padding_idx / max_norm",
                 embedding,
             )
-        layer = cls(
-            embedding.num_embeddings,
-            embedding.embedding_dim,
-            group=group,
-            dtype=embedding.weight.dtype,
-            device=embedding.weight.device,
-            _init=False,
-            **kwargs,
-        )
-        layer.load_serial_state_dict(embedding.state_dict())
-        return layer
+        dims = (embedding.num_embeddings, embedding.embedding_dim)
+        return cls._from_serial(embedding, *dims, group=group, **kwargs)
 
     def forward(self, ids: Tensor) -> Tensor:
         op = "parallel.VocabParallelEmbedding"
@@ -747,7 +531,7 @@ class VocabParallelEmbedding(ParallelModule):
 
 
 # ======================================================================================
-# worked examples: MLP and self-attention (serial references and parallel versions)
+# sequence-parallel layer norm
 # ======================================================================================
 
 
@@ -840,320 +624,3 @@ class SequenceParallelLayerNorm(ParallelModule):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
-
-
-class MLP(nn.Module):
-    """The serial reference of :class:`ParallelMLP`: ``fc2(dropout(act(fc1(x))))``.
-
-    Args:
-        hidden_size: input and output size.
-        ffn_hidden_size: inner size.
-        bias: biases in both linears.
-        activation: ``"gelu"``, ``"relu"``, ``"silu"``, ``"tanh"`` or a callable.
-        dropout: dropout probability on the inner activation (training only).
-        dtype, device: parameter dtype and device.
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        ffn_hidden_size: int,
-        bias: bool = True,
-        *,
-        activation: str | Callable[[Tensor], Tensor] = "gelu",
-        dropout: float = 0.0,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(hidden_size, ffn_hidden_size, bias, dtype=dtype, device=device)
-        self.fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias, dtype=dtype, device=device)
-        self.activation = activation
-        self._act = _activation("parallel.MLP", activation)
-        self.dropout = float(dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(_dropout(self._act(self.fc1(x)), self.dropout, self.training, sharded=False))
-
-
-class ParallelMLP(ParallelModule):
-    """Tensor-parallel MLP: ``ColumnParallelLinear -> act -> dropout -> RowParallelLinear``.
-
-    The inner activation stays sharded (``ffn_hidden_size / world`` features per rank),
-    so a step communicates once forward and once backward: without sequence parallelism
-    one all_reduce each way (in ``fc2`` forward, ``fc1`` backward); with it an all_gather
-    and a reduce_scatter forward and the same pair backward (plus the small all_reduce of
-    ``fc2``'s bias gradient, see :class:`RowParallelLinear`). Dropout on the sharded
-    activation draws from the model-parallel RNG stream
-    (``diffcomm.rng.get_tracker().fork()``), so every TP rank drops different units.
-
-    Args:
-        hidden_size: input and output size.
-        ffn_hidden_size: inner size; divisible by the group size.
-        bias: biases in both linears.
-        activation: as :class:`MLP`.
-        dropout: dropout probability on the (sharded) inner activation.
-        sequence_parallel: input and output are sharded along ``sequence_dim``.
-        sequence_dim: the sequence dimension (default 0, ``[s, b, h]``).
-        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        overlap: passed to both linears (see :class:`ColumnParallelLinear`): ``True``
-            overlaps ``fc1``'s backward all_reduce with its weight gradient, or with
-            sequence parallelism runs both linears' collectives as ring steps.
-        seed: the parameters are this rank's shards of ``torch.manual_seed(seed);
-            MLP(hidden_size, ffn_hidden_size, bias)``.
-        generator, dtype, device: as :class:`ColumnParallelLinear`.
-
-    Shapes:
-        input and output ``(*, hidden_size)``, replicated; with ``sequence_parallel``
-        this rank's chunk along ``sequence_dim``.
-
-    Gradient:
-        replicated objective: the input gradient equals the serial one (replicated, or
-        this rank's sequence chunk); parameter gradients are this rank's shards of the
-        serial ones.
-
-    Example::
-
-        def f():
-            mlp = ParallelMLP(8, 32, seed=0)
-            return mlp(torch.ones(5, 2, 8)).shape
-        with dc.LocalWorld(2) as world:
-            world.run(f)   # [torch.Size([5, 2, 8]), torch.Size([5, 2, 8])]
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        ffn_hidden_size: int,
-        bias: bool = True,
-        *,
-        activation: str | Callable[[Tensor], Tensor] = "gelu",
-        dropout: float = 0.0,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 0,
-        group: A.GroupLike = None,
-        overlap: bool | str = False,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        _init: bool = True,
-    ) -> None:
-        super().__init__()
-        op = "parallel.ParallelMLP"
-        gen = _generator(op, seed, generator)
-        common = dict(
-            sequence_parallel=sequence_parallel,
-            sequence_dim=sequence_dim,
-            group=group,
-            overlap=overlap,
-            dtype=dtype,
-            device=device,
-            _init=_init,
-        )
-        self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, generator=gen, **common)
-        self.fc2 = RowParallelLinear(
-            ffn_hidden_size, hidden_size, bias, input_is_parallel=True, generator=gen, **common
-        )
-        self._pg = self.fc1._pg
-        self.activation = activation
-        self._act = _activation(op, activation)
-        if not 0.0 <= float(dropout) < 1.0:
-            raise A.arg_error(op, "dropout", "a probability in [0, 1)", dropout)
-        self.dropout = float(dropout)
-        self.sequence_parallel = bool(sequence_parallel)
-
-    @classmethod
-    def from_serial(cls, mlp: MLP, group: A.GroupLike = None, **kwargs: Any) -> ParallelMLP:
-        """This rank's shards of the serial :class:`MLP` (same activation and dropout).
-
-        Args:
-            mlp: the serial MLP (same on every rank).
-            group: the tensor-parallel group.
-            **kwargs: ``sequence_parallel``, ``sequence_dim``.
-        """
-        layer = cls(
-            mlp.fc1.in_features,
-            mlp.fc1.out_features,
-            mlp.fc1.bias is not None,
-            activation=mlp.activation,
-            dropout=mlp.dropout,
-            group=group,
-            dtype=mlp.fc1.weight.dtype,
-            device=mlp.fc1.weight.device,
-            _init=False,
-            **kwargs,
-        )
-        layer.load_serial_state_dict(mlp.state_dict())
-        return layer
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = self._act(self.fc1(x))
-        h = _dropout(h, self.dropout, self.training, sharded=True)
-        return self.fc2(h)
-
-
-def _attention(
-    qkv: Tensor, heads: int, causal: bool, dropout: float, training: bool, sharded: bool
-) -> Tensor:
-    """``qkv``: ``(s, b, heads * 3 * d)`` laid out per head as ``[q_h, k_h, v_h]``."""
-    s, b, width = qkv.shape
-    d = width // (3 * heads)
-    q, k, v = qkv.reshape(s, b, heads, 3, d).permute(3, 1, 2, 0, 4).unbind(0)  # (b, heads, s, d) each
-    p = dropout if training else 0.0
-    if p > 0.0 and sharded:
-        with _model_parallel_stream():
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
-    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
-
-
-class SelfAttention(nn.Module):
-    """The serial reference of :class:`ParallelSelfAttention`.
-
-    ``qkv = nn.Linear(h, 3h)`` whose output is laid out **per head** as
-    ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (Megatron's layout, so a contiguous block of
-    output features is a set of whole heads), scaled dot-product attention, and
-    ``proj = nn.Linear(h, h)``.
-
-    Args:
-        hidden_size: model size; divisible by ``num_heads``.
-        num_heads: attention heads.
-        bias: biases in both linears.
-        causal: causal mask.
-        attention_dropout: dropout on the attention probabilities (training only).
-        dtype, device: parameter dtype and device.
-
-    Shapes:
-        input and output ``(s, b, hidden_size)``.
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        bias: bool = True,
-        *,
-        causal: bool = False,
-        attention_dropout: float = 0.0,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        op = "parallel.SelfAttention"
-        _positive(op, "num_heads", num_heads)
-        _divisible(op, "hidden_size", hidden_size, num_heads, "hidden features (per head)")
-        self.num_heads = num_heads
-        self.causal = bool(causal)
-        self.attention_dropout = float(attention_dropout)
-        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias, dtype=dtype, device=device)
-        self.proj = nn.Linear(hidden_size, hidden_size, bias, dtype=dtype, device=device)
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = _attention(self.qkv(x), self.num_heads, self.causal, self.attention_dropout, self.training, False)
-        return self.proj(y)
-
-
-class ParallelSelfAttention(ParallelModule):
-    """Tensor-parallel self-attention: heads split across the group.
-
-    ``qkv`` is a :class:`ColumnParallelLinear` (rank ``r`` holds the q/k/v projections of
-    heads ``[r*n, (r+1)*n)``, ``n = num_heads // world``), attention runs locally on those
-    heads, and ``proj`` is a :class:`RowParallelLinear` fed the local heads. Communication
-    per step is as in :class:`ParallelMLP`.
-
-    Args:
-        hidden_size: model size; divisible by ``num_heads``.
-        num_heads: attention heads; divisible by the group size.
-        bias: biases in both linears.
-        causal: causal mask.
-        attention_dropout: dropout on the attention probabilities, drawn from the
-            model-parallel RNG stream (heads differ per rank).
-        sequence_parallel: input and output are sharded along the sequence (dim 0).
-        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        seed: the parameters are this rank's shards of ``torch.manual_seed(seed);
-            SelfAttention(hidden_size, num_heads, bias)``.
-        generator, dtype, device: as :class:`ColumnParallelLinear`.
-
-    Shapes:
-        input and output ``(s, b, hidden_size)``; with ``sequence_parallel``
-        ``(s // world, b, hidden_size)``.
-
-    Gradient:
-        replicated objective, as :class:`ParallelMLP`.
-
-    Example::
-
-        def f():
-            attn = ParallelSelfAttention(8, num_heads=4, causal=True, seed=0)
-            return attn(torch.ones(5, 2, 8)).shape
-        with dc.LocalWorld(2) as world:
-            world.run(f)   # [torch.Size([5, 2, 8]), torch.Size([5, 2, 8])]
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        bias: bool = True,
-        *,
-        causal: bool = False,
-        attention_dropout: float = 0.0,
-        sequence_parallel: bool = False,
-        group: A.GroupLike = None,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        _init: bool = True,
-    ) -> None:
-        super().__init__()
-        op = "parallel.ParallelSelfAttention"
-        pg, world, _ = _resolve(op, group)
-        _positive(op, "num_heads", num_heads)
-        _divisible(op, "hidden_size", hidden_size, num_heads, "hidden features (per head)")
-        self.heads_per_rank = _divisible(op, "num_heads", num_heads, world, "heads")
-        gen = _generator(op, seed, generator)
-        common = dict(sequence_parallel=sequence_parallel, group=pg, dtype=dtype, device=device, _init=_init)
-        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, generator=gen, **common)
-        self.proj = RowParallelLinear(
-            hidden_size, hidden_size, bias, input_is_parallel=True, generator=gen, **common
-        )
-        self._pg = pg
-        self.num_heads = num_heads
-        self.causal = bool(causal)
-        self.attention_dropout = float(attention_dropout)
-        self.sequence_parallel = bool(sequence_parallel)
-
-    @classmethod
-    def from_serial(
-        cls, attention: SelfAttention, group: A.GroupLike = None, **kwargs: Any
-    ) -> ParallelSelfAttention:
-        """This rank's heads of the serial :class:`SelfAttention`.
-
-        Args:
-            attention: the serial module (same on every rank).
-            group: the tensor-parallel group.
-            **kwargs: ``sequence_parallel``.
-        """
-        layer = cls(
-            attention.qkv.in_features,
-            attention.num_heads,
-            attention.qkv.bias is not None,
-            causal=attention.causal,
-            attention_dropout=attention.attention_dropout,
-            group=group,
-            dtype=attention.qkv.weight.dtype,
-            device=attention.qkv.weight.device,
-            _init=False,
-            **kwargs,
-        )
-        layer.load_serial_state_dict(attention.state_dict())
-        return layer
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = _attention(
-            self.qkv(x), self.heads_per_rank, self.causal, self.attention_dropout, self.training, True
-        )
-        return self.proj(y)

@@ -1,0 +1,245 @@
+"""The base of the tensor-parallel layers: :class:`ParallelModule` (parameters as shards
+of a serial module's), the region copy of partial-gradient replicas, and the argument
+checks every layer and block shares.
+
+Public through :mod:`diffcomm.parallel.layers` and :mod:`diffcomm.parallel` (this module is
+private).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from .. import _args as A
+from .. import backend as B
+from .. import collectives as C
+from .mappings import copy_to_region, copy_to_region_coalesced
+
+__all__ = ["ParallelModule"]
+
+Index = tuple[slice, ...]
+
+
+# ======================================================================================
+# argument checks shared by the layers and blocks
+# ======================================================================================
+
+
+def _positive(op: str, arg: str, value: Any) -> int:
+    value = A.check_int(value, op, arg)
+    if value < 1:
+        raise A.arg_error(op, arg, "a positive int", value)
+    return value
+
+
+def _divisible(op: str, arg: str, value: int, world: int, what: str) -> int:
+    if value % world != 0:
+        raise A.arg_error(
+            op,
+            arg,
+            f"divisible by the group size {world} ({what} are split evenly; pad it to a multiple of {world})",
+            value,
+        )
+    return value // world
+
+
+def _generator(op: str, seed: int | None, generator: torch.Generator | None) -> torch.Generator | None:
+    """The CPU generator the full weights are drawn from (``None``: the default one)."""
+    if seed is not None and generator is not None:
+        raise A.arg_error(op, "seed", "None when `generator` is given (pass one of them)", seed)
+    if generator is not None:
+        if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
+            raise A.arg_error(op, "generator", "a CPU torch.Generator", generator, TypeError)
+        return generator
+    if seed is not None:
+        return torch.Generator().manual_seed(A.check_int(seed, op, "seed"))
+    return None
+
+
+def _resolve(op: str, group: A.GroupLike) -> tuple[Any, int, int]:
+    pg = A.resolve_group(group, op)
+    backend = B.get_backend()
+    return pg, backend.world_size(pg), backend.rank(pg)
+
+
+# ======================================================================================
+# the base class: parameters as shards of a serial module's
+# ======================================================================================
+
+
+def _enter_region(module: ParallelModule, args: Any) -> None:
+    """Forward pre-hook of every ParallelModule; acts in the outermost one only: copies
+    every partial-gradient replica of the module tree into the region at once (one
+    coalesced reduction in backward per group; a lone tensor uses ``copy_to_region``)."""
+    if module.__dict__.get("_region_copies") is not None:
+        return  # inside an outer ParallelModule's forward: it made the copies
+    members = [m for m in module.modules() if isinstance(m, ParallelModule)]
+    groups: list[tuple[Any, list[Tensor]]] = []
+    seen: set[int] = set()
+    for m in members:
+        for name in m._partial_grad_params():
+            p = getattr(m, name, None)
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            for pg, ps in groups:
+                if pg is m._pg:
+                    ps.append(p)
+                    break
+            else:
+                groups.append((m._pg, [p]))
+    copies: dict[int, Tensor] = {}
+    for pg, ps in groups:
+        outs = [copy_to_region(ps[0], pg)] if len(ps) == 1 else copy_to_region_coalesced(ps, pg)
+        copies.update(zip((id(p) for p in ps), outs))
+    for m in members:
+        m.__dict__["_region_copies"] = copies
+    module.__dict__["_region_root"] = True
+
+
+def _leave_region(module: ParallelModule, args: Any, output: Any) -> None:
+    """Forward hook (always called): the outermost module drops the copies again."""
+    if module.__dict__.pop("_region_root", False):
+        for m in module.modules():
+            m.__dict__.pop("_region_copies", None)
+
+
+class ParallelModule(nn.Module):
+    """A module whose parameters are shards or replicas of a serial module's.
+
+    Leaf layers declare ``_shard_dims = {param_name: dim or None}`` (``None``: replicated)
+    and hold their process group in ``_pg``; parameters of submodules that declare
+    nothing are replicated. Everything below is derived from that.
+    """
+
+    _shard_dims: dict[str, int | None] = {}
+    _pg: Any = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        # one coalesced reduction per step for the partial-gradient replicas (see below)
+        self.register_forward_pre_hook(_enter_region)
+        self.register_forward_hook(_leave_region, always_call=True)
+
+    def _partial_grad_params(self) -> tuple[str, ...]:
+        """Names of this module's own parameters that are replicated but receive a
+        **per-rank partial gradient** (they meet a rank-local sequence chunk): a
+        sequence-parallel ``RowParallelLinear``'s bias, a sequence-parallel layer norm's
+        weight and bias. Their gradients must be summed over the group."""
+        return ()
+
+    def _region_param(self, name: str) -> Tensor:
+        """Parameter ``name`` as the forward must use it (one of :meth:`_partial_grad_params`).
+
+        Inside the forward of the outermost :class:`ParallelModule` it is that module's
+        copy of the parameter into the tensor-parallel region, made for **all** such
+        parameters of the module tree at once (``copy_to_region_coalesced``), so a step
+        sums all their gradients in one coalesced all_reduce (one communication per
+        dtype) instead of one all_reduce each. Outside one it is ``copy_to_region(p)``.
+        """
+        p = getattr(self, name)
+        copies = self.__dict__.get("_region_copies")
+        if copies is not None and id(p) in copies:
+            return copies[id(p)]
+        return copy_to_region(p, self._pg)
+
+    def _param_specs(self) -> dict[str, tuple[int | None, Any]]:
+        """``{full param name: (shard dim or None, group)}`` over the whole module tree."""
+        specs: dict[str, tuple[int | None, Any]] = {}
+        for prefix, module in self.named_modules():
+            dims = getattr(module, "_shard_dims", {}) if isinstance(module, ParallelModule) else {}
+            for name, _ in module.named_parameters(recurse=False):
+                full = f"{prefix}.{name}" if prefix else name
+                specs[full] = (dims.get(name), getattr(module, "_pg", None))
+        return specs
+
+    def serial_slices(self) -> dict[str, Index]:
+        """Which part of each serial parameter this rank's parameter is.
+
+        Returns:
+            ``{name: index}``: ``serial_param[index]`` has this rank's parameter's shape
+            and values (a tuple of slices; full slices for replicated parameters).
+        """
+        backend = B.get_backend()
+        out: dict[str, Index] = {}
+        params = dict(self.named_parameters())
+        for name, (dim, pg) in self._param_specs().items():
+            p = params[name]
+            index = [slice(None)] * p.dim()
+            if dim is not None:
+                n = p.shape[dim]
+                r = backend.rank(pg)
+                index[dim] = slice(r * n, (r + 1) * n)
+            out[name] = tuple(index)
+        return out
+
+    @torch.no_grad()
+    def to_serial_state_dict(self) -> dict[str, Tensor]:
+        """The serial module's state dict (full parameters), on every rank.
+
+        Communicates (one all_gather per sharded parameter, in the same order on every
+        rank), so call it on every rank.
+
+        Returns:
+            ``{name: full tensor}``, loadable with ``serial.load_state_dict(...)``.
+        """
+        params = dict(self.named_parameters())
+        out: dict[str, Tensor] = {}
+        for name, (dim, pg) in self._param_specs().items():
+            p = params[name].detach()
+            if dim is None:
+                out[name] = p.clone()
+            else:
+                world = B.get_backend().world_size(pg)
+                out[name] = C.all_gather(p, dim, pg, split_sizes=[p.shape[dim]] * world)
+        return out
+
+    @torch.no_grad()
+    def load_serial_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
+        """Copy this rank's shards out of a serial module's state dict (no communication).
+
+        Args:
+            state_dict: the serial module's ``state_dict()`` (full parameters).
+            strict: raise ``KeyError`` for missing or unexpected keys.
+
+        Raises:
+            KeyError: with ``strict``, keys missing from or unknown to this module.
+            ValueError: a serial tensor's shape does not fit this rank's shard.
+        """
+        params = dict(self.named_parameters())
+        slices = self.serial_slices()
+        missing = [k for k in params if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in params]
+        if strict and (missing or unexpected):
+            raise KeyError(
+                f"{type(self).__name__}.load_serial_state_dict(): missing keys {missing}, "
+                f"unexpected keys {unexpected}"
+            )
+        for name, p in params.items():
+            if name not in state_dict:
+                continue
+            src = state_dict[name][slices[name]]
+            if src.shape != p.shape:
+                raise ValueError(
+                    f"{type(self).__name__}.load_serial_state_dict(): `{name}` of serial shape "
+                    f"{tuple(state_dict[name].shape)} gives a shard of shape {tuple(src.shape)}, "
+                    f"this rank's parameter has shape {tuple(p.shape)}"
+                )
+            p.copy_(src)
+
+    @classmethod
+    def _from_serial(cls: type[_M], serial: nn.Module, *args: Any, **kwargs: Any) -> _M:
+        """``cls(*args, **kwargs)`` with the dtype and device of ``serial``'s first
+        parameter, not initialised, then loaded with this rank's shards of ``serial``'s
+        state dict (no communication): the body of every ``from_serial``."""
+        like = next(serial.parameters())
+        layer = cls(*args, dtype=like.dtype, device=like.device, _init=False, **kwargs)
+        layer.load_serial_state_dict(serial.state_dict())
+        return layer
+
+
+_M = TypeVar("_M", bound=ParallelModule)

@@ -1,0 +1,384 @@
+"""Ready-made tensor-parallel blocks and their serial references: :class:`MLP` /
+:class:`ParallelMLP` and :class:`SelfAttention` / :class:`ParallelSelfAttention`.
+
+Each parallel block is built from the layers of :mod:`diffcomm.parallel.layers` (a
+column-parallel linear, a local computation on the shard, a row-parallel linear), so a
+step communicates once forward and once backward, and is a
+:class:`~diffcomm.parallel.layers.ParallelModule` whose parameters are this rank's shards
+of the serial block's: ``ParallelMLP(h, f, seed=s)`` holds exactly the shards of
+``torch.manual_seed(s); MLP(h, f)``, ``from_serial`` / ``load_serial_state_dict`` load
+them from a serial checkpoint. Dropout on a shard draws from the model-parallel RNG
+stream of :mod:`diffcomm.rng`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _args as A
+from .. import rng
+from ._module import ParallelModule, _divisible, _generator, _positive, _resolve
+from .layers import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["MLP", "ParallelMLP", "SelfAttention", "ParallelSelfAttention"]
+
+
+# ======================================================================================
+# activations and dropout on shards
+# ======================================================================================
+
+
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "tanh": torch.tanh,
+}
+
+
+def _activation(op: str, activation: str | Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    if callable(activation):
+        return activation
+    if isinstance(activation, str) and activation in _ACTIVATIONS:
+        return _ACTIVATIONS[activation]
+    raise A.arg_error(op, "activation", f"a callable or one of {sorted(_ACTIVATIONS)}", repr(activation))
+
+
+def _model_parallel_stream() -> Any:
+    """``with`` block drawing from the model-parallel RNG stream (different per TP rank)."""
+    tracker = rng.get_tracker()
+    if rng.MODEL_PARALLEL_RNG not in tracker:
+        raise RuntimeError(
+            "diffcomm.parallel: dropout on a tensor-parallel shard draws from the "
+            f"{rng.MODEL_PARALLEL_RNG!r} RNG stream (different masks on every TP rank), which "
+            "is not set up; call diffcomm.rng.model_parallel_seed(seed, tp_rank=...) first"
+        )
+    return tracker.fork()
+
+
+def _dropout(x: Tensor, p: float, training: bool, sharded: bool) -> Tensor:
+    """Dropout; on a tensor-parallel shard it draws from the model-parallel RNG stream."""
+    if p == 0.0 or not training:
+        return x
+    if not sharded:
+        return F.dropout(x, p, True)
+    with _model_parallel_stream():
+        return F.dropout(x, p, True)
+
+
+# ======================================================================================
+# MLP
+# ======================================================================================
+
+
+class MLP(nn.Module):
+    """The serial reference of :class:`ParallelMLP`: ``fc2(dropout(act(fc1(x))))``.
+
+    Args:
+        hidden_size: input and output size.
+        ffn_hidden_size: inner size.
+        bias: biases in both linears.
+        activation: ``"gelu"``, ``"relu"``, ``"silu"``, ``"tanh"`` or a callable.
+        dropout: dropout probability on the inner activation (training only).
+        dtype, device: parameter dtype and device.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        bias: bool = True,
+        *,
+        activation: str | Callable[[Tensor], Tensor] = "gelu",
+        dropout: float = 0.0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, ffn_hidden_size, bias, dtype=dtype, device=device)
+        self.fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias, dtype=dtype, device=device)
+        self.activation = activation
+        self._act = _activation("parallel.MLP", activation)
+        self.dropout = float(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(_dropout(self._act(self.fc1(x)), self.dropout, self.training, sharded=False))
+
+
+class ParallelMLP(ParallelModule):
+    """Tensor-parallel MLP: ``ColumnParallelLinear -> act -> dropout -> RowParallelLinear``.
+
+    The inner activation stays sharded (``ffn_hidden_size / world`` features per rank),
+    so a step communicates once forward and once backward: without sequence parallelism
+    one all_reduce each way (in ``fc2`` forward, ``fc1`` backward); with it an all_gather
+    and a reduce_scatter forward and the same pair backward (plus the small all_reduce of
+    ``fc2``'s bias gradient, see :class:`RowParallelLinear`). Dropout on the sharded
+    activation draws from the model-parallel RNG stream
+    (``diffcomm.rng.get_tracker().fork()``), so every TP rank drops different units.
+
+    Args:
+        hidden_size: input and output size.
+        ffn_hidden_size: inner size; divisible by the group size.
+        bias: biases in both linears.
+        activation: as :class:`MLP`.
+        dropout: dropout probability on the (sharded) inner activation.
+        sequence_parallel: input and output are sharded along ``sequence_dim``.
+        sequence_dim: the sequence dimension (default 0, ``[s, b, h]``).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        overlap: passed to both linears (see :class:`ColumnParallelLinear`): ``True``
+            overlaps ``fc1``'s backward all_reduce with its weight gradient, or with
+            sequence parallelism runs both linears' collectives as ring steps.
+        seed: the parameters are this rank's shards of ``torch.manual_seed(seed);
+            MLP(hidden_size, ffn_hidden_size, bias)``.
+        generator, dtype, device: as :class:`ColumnParallelLinear`.
+
+    Shapes:
+        input and output ``(*, hidden_size)``, replicated; with ``sequence_parallel``
+        this rank's chunk along ``sequence_dim``.
+
+    Gradient:
+        replicated objective: the input gradient equals the serial one (replicated, or
+        this rank's sequence chunk); parameter gradients are this rank's shards of the
+        serial ones.
+
+    Example::
+
+        def f():
+            mlp = ParallelMLP(8, 32, seed=0)
+            return mlp(torch.ones(5, 2, 8)).shape
+        with dc.LocalWorld(2) as world:
+            world.run(f)   # [torch.Size([5, 2, 8]), torch.Size([5, 2, 8])]
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        bias: bool = True,
+        *,
+        activation: str | Callable[[Tensor], Tensor] = "gelu",
+        dropout: float = 0.0,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        group: A.GroupLike = None,
+        overlap: bool | str = False,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        _init: bool = True,
+    ) -> None:
+        super().__init__()
+        op = "parallel.ParallelMLP"
+        gen = _generator(op, seed, generator)
+        common = dict(
+            sequence_parallel=sequence_parallel,
+            sequence_dim=sequence_dim,
+            group=group,
+            overlap=overlap,
+            dtype=dtype,
+            device=device,
+            _init=_init,
+        )
+        self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, generator=gen, **common)
+        self.fc2 = RowParallelLinear(
+            ffn_hidden_size, hidden_size, bias, input_is_parallel=True, generator=gen, **common
+        )
+        self._pg = self.fc1._pg
+        self.activation = activation
+        self._act = _activation(op, activation)
+        if not 0.0 <= float(dropout) < 1.0:
+            raise A.arg_error(op, "dropout", "a probability in [0, 1)", dropout)
+        self.dropout = float(dropout)
+        self.sequence_parallel = bool(sequence_parallel)
+
+    @classmethod
+    def from_serial(cls, mlp: MLP, group: A.GroupLike = None, **kwargs: Any) -> ParallelMLP:
+        """This rank's shards of the serial :class:`MLP` (same activation and dropout).
+
+        Args:
+            mlp: the serial MLP (same on every rank).
+            group: the tensor-parallel group.
+            **kwargs: ``sequence_parallel``, ``sequence_dim``.
+        """
+        fc1 = mlp.fc1
+        options = {"activation": mlp.activation, "dropout": mlp.dropout, "group": group}
+        return cls._from_serial(
+            mlp, fc1.in_features, fc1.out_features, fc1.bias is not None, **options, **kwargs
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self._act(self.fc1(x))
+        h = _dropout(h, self.dropout, self.training, sharded=True)
+        return self.fc2(h)
+
+
+# ======================================================================================
+# self-attention
+# ======================================================================================
+
+
+def _attention(
+    qkv: Tensor, heads: int, causal: bool, dropout: float, training: bool, sharded: bool
+) -> Tensor:
+    """``qkv``: ``(s, b, heads * 3 * d)`` laid out per head as ``[q_h, k_h, v_h]``."""
+    s, b, width = qkv.shape
+    d = width // (3 * heads)
+    q, k, v = qkv.reshape(s, b, heads, 3, d).permute(3, 1, 2, 0, 4).unbind(0)  # (b, heads, s, d) each
+    p = dropout if training else 0.0
+    if p > 0.0 and sharded:
+        with _model_parallel_stream():
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+class SelfAttention(nn.Module):
+    """The serial reference of :class:`ParallelSelfAttention`.
+
+    ``qkv = nn.Linear(h, 3h)`` whose output is laid out **per head** as
+    ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (Megatron's layout, so a contiguous block of
+    output features is a set of whole heads), scaled dot-product attention, and
+    ``proj = nn.Linear(h, h)``.
+
+    Args:
+        hidden_size: model size; divisible by ``num_heads``.
+        num_heads: attention heads.
+        bias: biases in both linears.
+        causal: causal mask.
+        attention_dropout: dropout on the attention probabilities (training only).
+        dtype, device: parameter dtype and device.
+
+    Shapes:
+        input and output ``(s, b, hidden_size)``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        bias: bool = True,
+        *,
+        causal: bool = False,
+        attention_dropout: float = 0.0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        op = "parallel.SelfAttention"
+        _positive(op, "num_heads", num_heads)
+        _divisible(op, "hidden_size", hidden_size, num_heads, "hidden features (per head)")
+        self.num_heads = num_heads
+        self.causal = bool(causal)
+        self.attention_dropout = float(attention_dropout)
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias, dtype=dtype, device=device)
+        self.proj = nn.Linear(hidden_size, hidden_size, bias, dtype=dtype, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = _attention(self.qkv(x), self.num_heads, self.causal, self.attention_dropout, self.training, False)
+        return self.proj(y)
+
+
+class ParallelSelfAttention(ParallelModule):
+    """Tensor-parallel self-attention: heads split across the group.
+
+    ``qkv`` is a :class:`ColumnParallelLinear` (rank ``r`` holds the q/k/v projections of
+    heads ``[r*n, (r+1)*n)``, ``n = num_heads // world``), attention runs locally on those
+    heads, and ``proj`` is a :class:`RowParallelLinear` fed the local heads. Communication
+    per step is as in :class:`ParallelMLP`.
+
+    Args:
+        hidden_size: model size; divisible by ``num_heads``.
+        num_heads: attention heads; divisible by the group size.
+        bias: biases in both linears.
+        causal: causal mask.
+        attention_dropout: dropout on the attention probabilities, drawn from the
+            model-parallel RNG stream (heads differ per rank).
+        sequence_parallel: input and output are sharded along the sequence (dim 0).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        seed: the parameters are this rank's shards of ``torch.manual_seed(seed);
+            SelfAttention(hidden_size, num_heads, bias)``.
+        generator, dtype, device: as :class:`ColumnParallelLinear`.
+
+    Shapes:
+        input and output ``(s, b, hidden_size)``; with ``sequence_parallel``
+        ``(s // world, b, hidden_size)``.
+
+    Gradient:
+        replicated objective, as :class:`ParallelMLP`.
+
+    Example::
+
+        def f():
+            attn = ParallelSelfAttention(8, num_heads=4, causal=True, seed=0)
+            return attn(torch.ones(5, 2, 8)).shape
+        with dc.LocalWorld(2) as world:
+            world.run(f)   # [torch.Size([5, 2, 8]), torch.Size([5, 2, 8])]
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        bias: bool = True,
+        *,
+        causal: bool = False,
+        attention_dropout: float = 0.0,
+        sequence_parallel: bool = False,
+        group: A.GroupLike = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        _init: bool = True,
+    ) -> None:
+        super().__init__()
+        op = "parallel.ParallelSelfAttention"
+        pg, world, _ = _resolve(op, group)
+        _positive(op, "num_heads", num_heads)
+        _divisible(op, "hidden_size", hidden_size, num_heads, "hidden features (per head)")
+        self.heads_per_rank = _divisible(op, "num_heads", num_heads, world, "heads")
+        gen = _generator(op, seed, generator)
+        common = dict(sequence_parallel=sequence_parallel, group=pg, dtype=dtype, device=device, _init=_init)
+        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, generator=gen, **common)
+        self.proj = RowParallelLinear(
+            hidden_size, hidden_size, bias, input_is_parallel=True, generator=gen, **common
+        )
+        self._pg = pg
+        self.num_heads = num_heads
+        self.causal = bool(causal)
+        self.attention_dropout = float(attention_dropout)
+        self.sequence_parallel = bool(sequence_parallel)
+
+    @classmethod
+    def from_serial(
+        cls, attention: SelfAttention, group: A.GroupLike = None, **kwargs: Any
+    ) -> ParallelSelfAttention:
+        """This rank's heads of the serial :class:`SelfAttention`.
+
+        Args:
+            attention: the serial module (same on every rank).
+            group: the tensor-parallel group.
+            **kwargs: ``sequence_parallel``.
+        """
+        qkv = attention.qkv
+        options = {
+            "causal": attention.causal,
+            "attention_dropout": attention.attention_dropout,
+            "group": group,
+        }
+        return cls._from_serial(
+            attention, qkv.in_features, attention.num_heads, qkv.bias is not None, **options, **kwargs
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = _attention(
+            self.qkv(x), self.heads_per_rank, self.causal, self.attention_dropout, self.training, True
+        )
+        return self.proj(y)
