@@ -34,6 +34,23 @@ from torch import Tensor
 from .. import backend as B
 from .._errors import CrossRankMismatchError
 
+#: why a copy forward needs a replicated input (the message of its debug check)
+COPY_HINT = (
+    "A copy into a tensor-parallel region assumes a replicated input (e.g. the activations "
+    "entering a ColumnParallelLinear). If each rank holds a different tensor here (a shard, "
+    "or a partial sum that still needs reducing) use reduce_from_region / "
+    "gather_from_region first, or no mapping at all."
+)
+#: why an identity backward needs a replicated gradient ({name}, {instead}: the mapping, the
+#: op to use instead)
+IDENTITY_HINT = (
+    "{name}'s identity backward assumes its output is consumed identically on every rank "
+    "(replicated objective: the same loss on every rank), so the gradient arriving here "
+    "must be replicated. If each rank consumes the output differently (e.g. feeds it into "
+    "its own weight shard), the gradient is partial: use {instead} instead."
+)
+
+
 _MAX_DIMS = 8
 _GOLDEN = 0.6180339887498949
 

@@ -27,6 +27,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     Outputs: ``(loss, softmax_shard, local_target, target_here, valid)``; only the loss is
     differentiable, the others are what backward and jvp need.
+
+    Not a :class:`~diffcomm._op.CommOp`: that base derives backward, jvp and vmap from a
+    **linear** op's transpose (the same op on the tangent). This Function is nonlinear
+    (a log-sum-exp over the sharded vocabulary), has several outputs and an integer input,
+    and its backward is local arithmetic on the saved softmax shard with no communication
+    at all (the replicated objective makes the incoming gradient the same on every rank):
+    there is no transpose to state. Its two forward all_reduces call the raw collective
+    (the public function validated its arguments once).
     """
 
     @staticmethod
@@ -40,7 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = rank * v_local
         z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         with B.label(f"{_OP} (max)"):
-            m = C.all_reduce(z.amax(dim=-1), "max", pg)
+            m = C._AllReduce.run(z.amax(dim=-1), "max", pg)
         shifted = z - m.unsqueeze(-1)
         e = shifted.exp()
         here = (target >= start) & (target < start + v_local)
@@ -50,7 +58,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if smoothing > 0.0:
             parts.append(shifted.sum(-1))
         with B.label(f"{_OP} (sums)"):
-            stats = C.all_reduce(torch.stack(parts, dim=-1), "sum", pg)
+            stats = C._AllReduce.run(torch.stack(parts, dim=-1), "sum", pg)
         lse = stats[..., 0].log()
         loss = lse - stats[..., 1]
         if smoothing > 0.0:

@@ -60,10 +60,8 @@ naming the argument otherwise, before any communication).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from .. import _args as A
@@ -72,8 +70,8 @@ from .. import backend as B
 from .. import collectives as C
 from .._op import CommOp, apply, call
 from .._registry import OpSpec, register
-from ..coalesced import all_reduce_coalesced
-from ._check import check_replicated
+from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
+from ._coalesced import copy_to_region_coalesced, reduce_from_region_coalesced
 
 __all__ = [
     "copy_to_region",
@@ -89,19 +87,6 @@ __all__ = [
 ]
 
 PG = Any  # a resolved ProcessGroup, or None for the default group
-
-_COPY_HINT = (
-    "A copy into a tensor-parallel region assumes a replicated input (e.g. the activations "
-    "entering a ColumnParallelLinear). If each rank holds a different tensor here (a shard, "
-    "or a partial sum that still needs reducing) use reduce_from_region / "
-    "gather_from_region first, or no mapping at all."
-)
-_IDENTITY_HINT = (
-    "{name}'s identity backward assumes its output is consumed identically on every rank "
-    "(replicated objective: the same loss on every rank), so the gradient arriving here "
-    "must be replicated. If each rank consumes the output differently (e.g. feeds it into "
-    "its own weight shard), the gradient is partial: use {instead} instead."
-)
 
 
 def _b() -> B.Backend:
@@ -121,7 +106,7 @@ def _check_identity_backward(name: str, instead: str, g: Tensor, pg: PG, debug: 
     """Debug mode (at the call or now): the gradient reaching an identity backward is
     replicated."""
     if debug or _debug():
-        hint = _IDENTITY_HINT.format(name=name, instead=instead)
+        hint = IDENTITY_HINT.format(name=name, instead=instead)
         check_replicated(g, f"parallel.{name} backward", "the incoming gradient", hint, pg)
 
 
@@ -304,7 +289,7 @@ def copy_to_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
     x, pg = _prepare("copy_to_region", x, group)
     debug = _debug()
     if debug:
-        check_replicated(x, "parallel.copy_to_region", "the input", _COPY_HINT, pg)
+        check_replicated(x, "parallel.copy_to_region", "the input", COPY_HINT, pg)
     return apply(_CopyToRegion, x, pg, debug)
 
 
@@ -370,7 +355,7 @@ def scatter_to_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Te
     dim = _even_dim("scatter_to_region", x, dim, world)
     debug = _debug()
     if debug:
-        check_replicated(x, "parallel.scatter_to_region", "the input", _COPY_HINT, pg)
+        check_replicated(x, "parallel.scatter_to_region", "the input", COPY_HINT, pg)
     return apply(_ScatterToRegion, x, dim, pg, b.rank(pg), world, debug)
 
 
@@ -515,153 +500,6 @@ def all_to_all_region(x: Tensor, split_dim: int, concat_dim: int, group: A.Group
     if _debug():
         _check_shape("all_to_all_region", x, pg)
     return apply(_AllToAllRegion, x, split_dim, concat_dim, pg, world)
-
-
-# ======================================================================================
-# copy_to_region / reduce_from_region for a list of tensors: one communication per dtype
-#
-# Not on the CommOp base: that base is the single-tensor op (``x`` the one tensor
-# argument, one output); these take and return a list, as the coalesced collectives
-# (diffcomm.coalesced), which likewise stand on the cheap-apply FastFunction only.
-# ======================================================================================
-
-
-def _strip_ctx(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    # dynamo passes a ctx first to a nested no-grad apply of a ``*args`` forward
-    return args[1:] if isinstance(args[0], torch.autograd.function.FunctionCtx) else args
-
-
-class _CopyToRegionCoalesced(torch.autograd.Function):
-    """Arguments ``(x0, pg, debug, *xs)``: identity forward of every tensor."""
-
-    @staticmethod
-    def forward(*args: Any) -> tuple[Tensor, ...]:
-        x0, pg, debug, *rest = _strip_ctx(args)
-        xs = (x0, *rest)
-        if debug:
-            for x in xs:
-                check_replicated(x, "parallel.copy_to_region_coalesced", "an input", _COPY_HINT, pg)
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.pg, ctx.debug = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
-        with B.label("parallel.copy_to_region_coalesced backward"):
-            out = _ReduceFromRegionCoalesced.apply(gs[0], ctx.pg, ctx.debug, *gs[1:])
-        return (out[0], None, None, *out[1:])
-
-    @staticmethod
-    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        return tuple(t.view_as(t) for t in (ts[0], *ts[3:]))
-
-
-class _ReduceFromRegionCoalesced(torch.autograd.Function):
-    """Arguments ``(x0, pg, debug, *xs)``: one coalesced all_reduce(sum) forward,
-    identity backward (checked replicated in debug mode)."""
-
-    @staticmethod
-    def forward(*args: Any) -> tuple[Tensor, ...]:
-        x0, pg, _, *rest = _strip_ctx(args)
-        with B.label("parallel.reduce_from_region_coalesced"):
-            return tuple(all_reduce_coalesced([x0, *rest], "sum", pg))
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.pg, ctx.debug = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
-        if ctx.debug or _debug():
-            hint = _IDENTITY_HINT.format(
-                name="reduce_from_region_coalesced", instead="diffcomm.all_reduce_coalesced"
-            )
-            for g in gs:
-                check_replicated(
-                    g, "parallel.reduce_from_region_coalesced backward", "an incoming gradient", hint, ctx.pg
-                )
-        out = _CopyToRegionCoalesced.apply(gs[0], ctx.pg, False, *gs[1:])
-        return (out[0], None, None, *out[1:])
-
-    @staticmethod
-    def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
-        return tuple(all_reduce_coalesced([ts[0], *ts[3:]], "sum", ctx.pg))
-
-
-def _prepare_list(name: str, tensors: Any, group: A.GroupLike) -> tuple[list[Tensor], PG]:
-    op = f"parallel.{name}"
-    if isinstance(tensors, Tensor) or not isinstance(tensors, list | tuple) or not tensors:
-        raise A.arg_error(
-            op, "tensors", "a non-empty list or tuple of tensors", type(tensors).__name__, TypeError
-        )
-    ts = [A.check_tensor(t, op, f"tensors[{i}]") for i, t in enumerate(tensors)]
-    for i, t in enumerate(ts):
-        A.check_grad_dtype(t, op, f"tensors[{i}]")
-    return ts, A.resolve_group(group, op)
-
-
-def copy_to_region_coalesced(tensors: Sequence[Tensor], group: A.GroupLike = None) -> list[Tensor]:
-    """:func:`copy_to_region` for a list of tensors: the backward is **one** coalesced
-    all_reduce (one communication per dtype) instead of one per tensor.
-
-    The tensor- and sequence-parallel layers use it for the replicated parameters whose
-    gradients are per-rank partial sums (a sequence-parallel ``RowParallelLinear``'s
-    bias, a :class:`~diffcomm.parallel.SequenceParallelLayerNorm`'s weight and bias): the
-    outermost :class:`~diffcomm.parallel.ParallelModule` copies all of them into the
-    region at the start of its forward, so a whole model step reduces them at once.
-
-    Args:
-        tensors: non-empty list or tuple of tensors, each equal on every rank.
-        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-
-    Returns:
-        A list of views of the inputs (no copy), same shapes.
-
-    Gradient:
-        ``all_reduce_coalesced(grads, "sum")`` (through
-        ``reduce_from_region_coalesced``, so double backward keeps the replicated
-        objective). Debug mode checks that every input is equal on every rank.
-
-    Example::
-
-        with dc.LocalWorld(2) as world:
-            def f():
-                a, b = torch.ones(2, requires_grad=True), torch.ones((), requires_grad=True)
-                a2, b2 = parallel.copy_to_region_coalesced([a, b])
-                ((a2 + b2) * (dc.get_rank() + 1)).sum().backward()
-                return a.grad, b.grad
-            world.run(f)   # [(tensor([3., 3.]), tensor(6.)), ...]
-    """
-    ts, pg = _prepare_list("copy_to_region_coalesced", tensors, group)
-    return list(_CopyToRegionCoalesced.apply(ts[0], pg, _debug(), *ts[1:]))
-
-
-def reduce_from_region_coalesced(tensors: Sequence[Tensor], group: A.GroupLike = None) -> list[Tensor]:
-    """:func:`reduce_from_region` for a list of tensors: one coalesced all_reduce(sum)
-    forward (one communication per dtype), identity backward.
-
-    Args:
-        tensors: non-empty list or tuple of per-rank partial sums (same shapes and dtypes
-            on every rank).
-        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-
-    Returns:
-        A list of new tensors: the sums over ranks, same shapes.
-
-    Gradient:
-        identity (replicated objective); debug mode checks that every incoming gradient is
-        equal on every rank.
-
-    Example::
-
-        with dc.LocalWorld(2) as world:
-            world.run(lambda: parallel.reduce_from_region_coalesced([torch.ones(2)]))
-            # [[tensor([2., 2.])], [tensor([2., 2.])]]
-    """
-    ts, pg = _prepare_list("reduce_from_region_coalesced", tensors, group)
-    return list(_ReduceFromRegionCoalesced.apply(ts[0], pg, _debug(), *ts[1:]))
 
 
 #: mapping name -> :class:`~diffcomm._registry.OpSpec`: the ``"mapping"`` family of the one
