@@ -35,6 +35,7 @@ collectives.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import queue
 import threading
@@ -48,7 +49,17 @@ from torch.utils._pytree import tree_map_only
 
 from . import backend as B
 
-__all__ = ["AsyncTensor", "Handle", "launch", "submit", "wait", "wait_all", "available", "engine_busy"]
+__all__ = [
+    "AsyncTensor",
+    "Handle",
+    "launch",
+    "submit",
+    "wait",
+    "wait_all",
+    "available",
+    "engine_busy",
+    "async_if",
+]
 
 
 # ======================================================================================
@@ -398,6 +409,16 @@ class async_mode:  # noqa: N801 - used like a function
 
     def __exit__(self, *exc: object) -> None:
         _MODE.on = self.old
+
+
+_NO_ASYNC = contextlib.nullcontext()
+
+
+def async_if(async_op: bool) -> Any:
+    """``with`` block around a public op's ``apply``: with ``async_op=True`` the op's
+    Function is launched on the communication engine, where that is possible (not under
+    ``torch.func`` / ``torch.compile``: then it runs blocking)."""
+    return async_mode() if async_op and available() else _NO_ASYNC
 
 
 def launching(cls: type) -> bool:

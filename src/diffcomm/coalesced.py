@@ -50,11 +50,11 @@ from torch import Tensor
 from . import _args as A
 from . import _async, _config
 from . import backend as B
+from ._async import async_if as _async_if
 from ._errors import CrossRankMismatchError
 from ._op import ListOp, call_list
 from ._op import only_on as _only_on
 from ._registry import OpSpec, markdown, register
-from .collectives import _async_if
 
 __all__ = [
     "all_reduce_coalesced",

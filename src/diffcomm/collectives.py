@@ -20,9 +20,13 @@ scatter            gather to ``src`` with the same split (non-src inputs get zer
 all_to_all         all_to_all with ``split_dim``/``concat_dim`` and split sizes swapped
 =================  ===============================================================
 
-Each op has one home below: the public function (validation first, before any
-communication) and its :class:`~diffcomm._op.CommOp` subclass, which states the raw
-forward, the transpose (the dual op) and which arguments are dims; the base derives
+Each op has one home: the public function (validation first, before any communication,
+with the checks the ops share in :mod:`diffcomm._collective_args`) and its
+:class:`~diffcomm._op.CommOp` subclass, which states the raw forward, the transpose (the
+dual op) and which arguments are dims. all_reduce, broadcast / reduce and all_gather /
+reduce_scatter live below; gather / scatter in :mod:`diffcomm._gather_scatter`,
+all_to_all in :mod:`diffcomm._all_to_all`; the serial references of the registry entries
+in :mod:`diffcomm._collective_refs`. The base derives
 ``setup_context`` / ``backward`` / ``jvp`` (the tangent goes through the same linear op) /
 ``vmap`` (batch dim moved, one call for the whole batch) and the compile twin.
 
@@ -33,19 +37,32 @@ rank-local facts that could differ between ranks, and only call public diffcomm 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from . import _args as A
 from . import _async, _config
-from . import backend as B
-from ._op import CommOp, FastFunction, call, fn, jvp_free_twin, movedim0, only_on, unwrap_if_dead
+from . import _collective_refs as R
+from ._all_to_all import all_to_all
+from ._async import async_if as _async_if
+from ._collective_args import PG
+from ._collective_args import check_input as _check_input
+from ._collective_args import current_backend as _b
+from ._collective_args import debug_check as _debug_check
+from ._collective_args import exchanged_sizes as _exchanged_sizes
+from ._collective_args import given_sizes as _given_sizes
+from ._collective_args import other_dims as _other_dims
+from ._collective_args import rank as _rank
+from ._collective_args import with_sizes as _with
+from ._collective_args import world as _world
+from ._gather_scatter import gather, scatter
+from ._op import CommOp, call
 from ._op import apply as _apply
-from ._registry import Kwargs, OpSpec, markdown, register
+from ._op import movedim0 as _movedim0
+from ._op import only_on as _only_on
+from ._registry import OpSpec, markdown, register
 
 __all__ = [
     "all_reduce",
@@ -60,49 +77,6 @@ __all__ = [
     "OPS",
     "dual",
 ]
-
-PG = Any  # resolved ProcessGroup (or None for the default group)
-
-
-def _b() -> B.Backend:
-    return B.get_backend()
-
-
-def _rank(pg: PG) -> int:
-    return _b().rank(pg)
-
-
-def _world(pg: PG) -> int:
-    return _b().world_size(pg)
-
-
-def _debug_check(opname: str, pg: PG, /, **fields: Any) -> None:
-    if _config.DEBUG.get():
-        _b().check_consistent(opname, fields, pg)
-
-
-def _check_input(x: Any, op: str) -> Tensor:
-    x = A.check_tensor(x, op, "x")
-    A.check_grad_dtype(x, op, "x")
-    return x
-
-
-_movedim0 = movedim0
-_only_on = only_on
-_fn = fn
-_Collective = FastFunction  # the cheap-apply base (coalesced ops build on it)
-_NO_ASYNC = contextlib.nullcontext()
-
-
-def _async_if(async_op: bool) -> Any:
-    """``with`` block around a public op's ``apply``: with ``async_op=True`` the op's
-    Function is launched on the communication engine (:mod:`diffcomm._async`), where
-    that is possible (not under ``torch.func`` / ``torch.compile``: then it runs blocking)."""
-    return _async.async_mode() if async_op and _async.available() else _NO_ASYNC
-
-
-_jvp_free_twin = jvp_free_twin
-_unwrap_if_dead = unwrap_if_dead
 
 
 # ======================================================================================
@@ -362,20 +336,14 @@ def all_gather(
     x = _check_input(x, "all_gather")
     dim = A.check_dim(x, dim, "all_gather")
     pg = A.resolve_group(group, "all_gather")
-    world = _world(pg)
     sizes, arg = A.renamed_sizes(split_sizes, sizes, "all_gather")
     if sizes is not None:
-        sizes = A.check_split_sizes(sizes, sum(int(s) for s in sizes), world, "all_gather", arg)
-        if sizes[_rank(pg)] != x.shape[dim]:
-            raise A.arg_error(
-                "all_gather", arg, f"to list x.shape[{dim}]={x.shape[dim]} at this rank's position", sizes
-            )
+        sizes = _given_sizes(sizes, x, dim, pg, "all_gather", arg)
     if _config.DEBUG.get():
-        rest = tuple(s for i, s in enumerate(x.shape) if i != dim)
+        rest = _other_dims(x, dim)
         _debug_check("all_gather", pg, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
     if sizes is None:
-        with B.label("all_gather (size exchange)"):
-            sizes = _b().exchange_sizes(x.shape[dim], pg)
+        sizes = _exchanged_sizes(x, dim, pg, "all_gather")
     with _async_if(async_op):
         return _apply(_AllGather, x, dim, pg, tuple(sizes))
 
@@ -461,332 +429,11 @@ def reduce_scatter(
 
 
 # ======================================================================================
-# gather / scatter (a dual pair)
-# ======================================================================================
-
-
-class _Gather(CommOp):
-    name = "gather"
-    dims = (1,)
-
-    @staticmethod
-    def run(x: Tensor, dst: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        out = _b().gather(_movedim0(x, dim), dst, pg, sizes)
-        return out if dim == 0 else out.movedim(0, dim)
-
-    @staticmethod
-    def transpose(g: Tensor, dst: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        return call(_Scatter, g, dst, dim, pg, sizes)
-
-
-def gather(
-    x: Tensor,
-    dst: int = 0,
-    dim: int = 0,
-    group: A.GroupLike = None,
-    *,
-    split_sizes: Sequence[int] | None = None,
-    sizes: Sequence[int] | None = None,
-    async_op: bool = False,
-) -> Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` on ``dst``; zeros elsewhere.
-
-    Args:
-        x: tensor; shapes agree between ranks except along ``dim``.
-        dst: group-local rank that receives the concatenation.
-        dim: the dimension to concatenate along.
-        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        split_sizes: keyword-only; every rank's ``x.shape[dim]`` if known (else exchanged).
-        sizes: the old name of ``split_sizes`` (works, with a ``DeprecationWarning``).
-        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
-            communication on first use (``.wait()`` returns the finished tensor); values
-            and gradients equal the blocking op's, and the backward is asynchronous too
-            (``docs/async.md``).
-
-    Returns:
-        A new tensor of ``x.shape`` with ``dim`` of size ``sum(sizes)``: the concatenation
-        on ``dst``, zeros of that shape on the other ranks.
-
-    Gradient:
-        ``scatter(grad, src=dst, dim, split_sizes=sizes)``: rank ``r`` gets block ``r`` of
-        ``dst``'s output gradient (the other ranks' output gradients are ignored, as their
-        outputs were constant zeros).
-
-    Example::
-
-        with dc.LocalWorld(2) as world:
-            world.run(lambda: dc.gather(torch.tensor([1.0 * dc.get_rank()]), dst=0))
-            # [tensor([0., 1.]), tensor([0., 0.])]
-    """
-    x = _check_input(x, "gather")
-    dim = A.check_dim(x, dim, "gather")
-    pg = A.resolve_group(group, "gather")
-    world = _world(pg)
-    dst = A.check_rank(dst, "gather", "dst", world)
-    sizes, arg = A.renamed_sizes(split_sizes, sizes, "gather")
-    if sizes is not None:
-        sizes = A.check_split_sizes(sizes, sum(int(s) for s in sizes), world, "gather", arg)
-        if sizes[_rank(pg)] != x.shape[dim]:
-            raise A.arg_error("gather", arg, f"to list x.shape[{dim}]={x.shape[dim]} at this rank", sizes)
-    if _config.DEBUG.get():
-        rest = tuple(s for i, s in enumerate(x.shape) if i != dim)
-        _debug_check("gather", pg, dst=dst, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
-    if sizes is None:
-        with B.label("gather (size exchange)"):
-            sizes = _b().exchange_sizes(x.shape[dim], pg)
-    with _async_if(async_op):
-        return _apply(_Gather, x, dst, dim, pg, tuple(sizes))
-
-
-class _Scatter(CommOp):
-    name = "scatter"
-    dims = (1,)
-
-    @staticmethod
-    def run(x: Tensor, src: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        out = _b().scatter(_movedim0(x, dim), src, pg, sizes)
-        return out if dim == 0 else out.movedim(0, dim)
-
-    @staticmethod
-    def transpose(g: Tensor, src: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        return call(_Gather, g, src, dim, pg, sizes)
-
-
-def scatter(
-    x: Tensor,
-    src: int = 0,
-    dim: int = 0,
-    group: A.GroupLike = None,
-    split_sizes: Sequence[int] | None = None,
-    *,
-    async_op: bool = False,
-) -> Tensor:
-    """Give rank ``r`` chunk ``r`` (along ``dim``) of rank ``src``'s ``x``.
-
-    Args:
-        x: tensor of the same shape on every rank; only ``src``'s values are used (the
-            others pass a same-shape placeholder, whose gradient is zero).
-        src: group-local rank whose tensor is split.
-        dim: the dimension to split.
-        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        split_sizes: per-rank chunk sizes along ``dim``; ``None`` splits evenly.
-        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
-            communication on first use (``.wait()`` returns the finished tensor); values
-            and gradients equal the blocking op's, and the backward is asynchronous too
-            (``docs/async.md``).
-
-    Returns:
-        A new tensor: ``x.shape`` with ``dim`` of size ``split_sizes[rank]``.
-
-    Gradient:
-        ``gather(grad, dst=src, dim, split_sizes=split_sizes)``: ``src`` gets every rank's chunk
-        gradient in place; the other ranks get exact zeros.
-
-    Example::
-
-        with dc.LocalWorld(2) as world:
-            world.run(lambda: dc.scatter(torch.arange(4.0), src=0))
-            # [tensor([0., 1.]), tensor([2., 3.])]
-    """
-    x = _check_input(x, "scatter")
-    dim = A.check_dim(x, dim, "scatter")
-    pg = A.resolve_group(group, "scatter")
-    world = _world(pg)
-    src = A.check_rank(src, "scatter", "src", world)
-    sizes = A.check_split_sizes(split_sizes, x.shape[dim], world, "scatter")
-    _debug_check(
-        "scatter",
-        pg,
-        src=src,
-        dim=dim,
-        shape=tuple(x.shape),
-        dtype=x.dtype,
-        split_sizes=tuple(sizes),
-        grad=x.requires_grad,
-    )
-    with _async_if(async_op):
-        return _apply(_Scatter, x, src, dim, pg, tuple(sizes))
-
-
-# ======================================================================================
-# all_to_all (self-dual with dims and splits swapped)
-# ======================================================================================
-
-
-class _AllToAll(CommOp):
-    name = "all_to_all"
-    dims = (0, 1)
-
-    @staticmethod
-    def run(
-        x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
-    ) -> Tensor:
-        return _all_to_all_raw(x, split_dim, concat_dim, pg, ins, outs)
-
-    @staticmethod
-    def transpose(
-        g: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
-    ) -> Tensor:
-        return call(_AllToAll, g, concat_dim, split_dim, pg, outs, ins)
-
-
-def _all_to_all_raw(
-    x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
-) -> Tensor:
-    """all_to_all over the raw backend (dim-0, contiguous) for any pair of dims."""
-    if split_dim == concat_dim:
-        out = _b().all_to_all(_movedim0(x, split_dim), pg, list(ins), list(outs))
-        return out if split_dim == 0 else out.movedim(0, split_dim)
-    # split along split_dim, concatenate along concat_dim. Chunks travel flat in the layout
-    # (concat_dim, split_dim, other dims...); every rank sends me a chunk of split size
-    # ins[me] (validated equal across ranks) whose concat_dim size is outs[j].
-    world, rank = _world(pg), _rank(pg)
-    order = [concat_dim, split_dim] + [i for i in range(x.ndim) if i not in (split_dim, concat_dim)]
-    rest = [x.shape[i] for i in order[2:]]
-    rest_n = 1
-    for s in rest:
-        rest_n *= s
-    c_in = ins[rank]
-    send = x.permute(order).split(list(ins), dim=1)
-    flat_in = torch.cat([ch.reshape(-1) for ch in send]) if world > 1 else send[0].reshape(-1)
-    in_counts = [ins[j] * x.shape[concat_dim] * rest_n for j in range(world)]
-    out_counts = [outs[j] * c_in * rest_n for j in range(world)]
-    flat = _b().all_to_all(flat_in, pg, in_counts, out_counts)
-    blocks = [p.reshape(outs[j], c_in, *rest) for j, p in enumerate(flat.split(out_counts))]
-    full = torch.cat(blocks, dim=0) if world > 1 else blocks[0]  # (sum outs, c_in, *rest)
-    inverse = [order.index(i) for i in range(x.ndim)]
-    return full.permute(inverse)
-
-
-def all_to_all(
-    x: Tensor,
-    split_dim: int = 0,
-    concat_dim: int = 0,
-    group: A.GroupLike = None,
-    input_split_sizes: Sequence[int] | None = None,
-    output_split_sizes: Sequence[int] | None = None,
-    *,
-    async_op: bool = False,
-) -> Tensor:
-    """Send chunk ``j`` of ``x`` (along ``split_dim``) to rank ``j``; concatenate what
-    arrives from every rank along ``concat_dim``.
-
-    Args:
-        x: tensor; same shape on every rank (except along ``split_dim`` when uneven).
-        split_dim: dimension split into per-destination chunks.
-        concat_dim: dimension the received chunks are concatenated along (in rank order).
-        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        input_split_sizes: sizes of the chunks sent to each rank along ``split_dim``
-            (``None``: even).
-        output_split_sizes: sizes along ``concat_dim`` of the chunks received from each
-            rank. ``None``: inferred — exchanged when ``split_dim == concat_dim`` and
-            ``input_split_sizes`` is given, else ``x``'s size (even split) or
-            ``x.shape[concat_dim]`` (different dims).
-        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
-            communication on first use (``.wait()`` returns the finished tensor); values
-            and gradients equal the blocking op's, and the backward is asynchronous too
-            (``docs/async.md``).
-
-    Returns:
-        A new tensor. ``split_dim == concat_dim == d``: ``x.shape`` with ``d`` of size
-        ``sum(output_split_sizes)``. Otherwise ``x.shape`` with ``split_dim`` of size
-        ``input_split_sizes[rank]`` (every rank must send rank ``r`` the same size) and
-        ``concat_dim`` of size ``sum(output_split_sizes)``.
-
-    Gradient:
-        ``all_to_all(grad, split_dim=concat_dim, concat_dim=split_dim,
-        input_split_sizes=output_split_sizes, output_split_sizes=input_split_sizes)``.
-
-    Example::
-
-        with dc.LocalWorld(2) as world:
-            world.run(lambda: dc.all_to_all(torch.arange(2.0) + 2 * dc.get_rank()))
-            # [tensor([0., 2.]), tensor([1., 3.])]
-    """
-    op = "all_to_all"
-    x = _check_input(x, op)
-    split_dim = A.check_dim(x, split_dim, op, "split_dim")
-    concat_dim = A.check_dim(x, concat_dim, op, "concat_dim")
-    pg = A.resolve_group(group, op)
-    world, rank = _world(pg), _rank(pg)
-    ins = A.check_split_sizes(input_split_sizes, x.shape[split_dim], world, op, "input_split_sizes")
-    if split_dim == concat_dim:
-        if output_split_sizes is not None:
-            outs = A.check_split_sizes(
-                output_split_sizes, sum(int(s) for s in output_split_sizes), world, op, "output_split_sizes"
-            )
-        elif input_split_sizes is None:
-            outs = list(ins)
-        else:
-            outs = None  # exchanged below, after the debug check
-    else:
-        if input_split_sizes is not None and any(s != ins[0] for s in ins):
-            raise A.arg_error(
-                op,
-                "input_split_sizes",
-                "equal sizes when split_dim != concat_dim (received chunks are concatenated along "
-                "another dim, so their split_dim sizes must agree)",
-                list(ins),
-            )
-        if output_split_sizes is None:
-            outs = [x.shape[concat_dim]] * world
-        else:
-            outs = A.check_split_sizes(
-                output_split_sizes, sum(int(s) for s in output_split_sizes), world, op, "output_split_sizes"
-            )
-            if outs[rank] != x.shape[concat_dim]:
-                raise A.arg_error(
-                    op,
-                    "output_split_sizes",
-                    f"to list this rank's x.shape[concat_dim]={x.shape[concat_dim]} at its own position",
-                    outs,
-                )
-    if _config.DEBUG.get():
-        rest = tuple(s for i, s in enumerate(x.shape) if i not in (split_dim, concat_dim))
-        _debug_check(
-            op,
-            pg,
-            split_dim=split_dim,
-            concat_dim=concat_dim,
-            other_dims=rest,
-            dtype=x.dtype,
-            grad=x.requires_grad,
-        )
-    if outs is None:
-        if torch.compiler.is_compiling():
-            raise A.arg_error(
-                op,
-                "output_split_sizes",
-                "given under torch.compile when `input_split_sizes` is and split_dim == concat_dim "
-                "(the received sizes would be exchanged with a host read, which dynamo cannot trace)",
-                None,
-            )
-        with B.label("all_to_all (size exchange)"):
-            sent = torch.tensor(ins, dtype=torch.int64, device=_b().comm_device(pg))
-            outs = _b().all_to_all(sent, pg, [1] * world, [1] * world).tolist()
-    with _async_if(async_op):
-        return _apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(int(o) for o in outs))
-
-
-# ======================================================================================
 # asynchronous ops: the output shape of each Function, known before it communicates
 # ======================================================================================
 
-
-def _with(shape: Any, sizes: dict[int, int]) -> tuple[int, ...]:
-    """``shape`` with ``shape[d] = n`` for every ``d: n`` in ``sizes``."""
-    return tuple(sizes.get(i, s) for i, s in enumerate(shape))
-
-
-def _all_to_all_shape(a: tuple[Any, ...]) -> tuple[int, ...]:
-    x, split_dim, concat_dim, pg, ins, outs = a
-    if split_dim == concat_dim:
-        return _with(x.shape, {split_dim: sum(outs)})
-    return _with(x.shape, {split_dim: ins[_rank(pg)], concat_dim: sum(outs)})
-
-
-# arguments: (x, op, pg) (x, src, pg) (x, dst, op, pg) (x, dim, pg, sizes)
-# (x, dim, op, pg, sizes) (x, dst, dim, pg, sizes) (x, src, dim, pg, sizes)
+# arguments: (x, op, pg) (x, src, pg) (x, dst, op, pg) (x, dim, pg, sizes) (x, dim, op, pg, sizes)
+# (gather / scatter / all_to_all register theirs in their modules)
 _async.OUT_SHAPES.update(
     {
         _AllReduce: lambda a: tuple(a[0].shape),
@@ -794,9 +441,6 @@ _async.OUT_SHAPES.update(
         _Reduce: lambda a: tuple(a[0].shape),
         _AllGather: lambda a: _with(a[0].shape, {a[1]: sum(a[3])}),
         _ReduceScatter: lambda a: _with(a[0].shape, {a[1]: a[4][_rank(a[3])]}),
-        _Gather: lambda a: _with(a[0].shape, {a[2]: sum(a[4])}),
-        _Scatter: lambda a: _with(a[0].shape, {a[2]: a[4][_rank(a[3])]}),
-        _AllToAll: _all_to_all_shape,
     }
 )
 
@@ -804,66 +448,6 @@ _async.OUT_SHAPES.update(
 # ======================================================================================
 # the op -> adjoint table
 # ======================================================================================
-
-
-def _avg_scale(kw: Kwargs, world: int) -> float:
-    return 1.0 / world if kw.get("op", "sum") == "avg" else 1.0
-
-
-def reduce_serial(xs: Sequence[Tensor], op: str) -> Tensor:
-    """The reduction over ranks of ``xs`` with plain torch ops (serial references)."""
-    st = torch.stack(list(xs))
-    if op in ("sum", "avg"):
-        return st.sum(0) / len(xs) if op == "avg" else st.sum(0)
-    return {"max": st.amax, "min": st.amin, "product": st.prod}[op](0)
-
-
-def _even(total: int, world: int) -> list[int]:
-    return [total // world] * world
-
-
-def _ref_all_reduce(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-    red = reduce_serial(xs, kws[0].get("op", "sum"))
-    return [red for _ in xs]
-
-
-def _ref_broadcast(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-    return [xs[kws[0].get("src", 0)] for _ in xs]
-
-
-def _ref_reduce(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-    red, dst = reduce_serial(xs, kws[0].get("op", "sum")), kws[0].get("dst", 0)
-    return [red if r == dst else torch.zeros_like(red) for r in range(len(xs))]
-
-
-def _ref_all_gather(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-    full = torch.cat(xs, dim=kws[0].get("dim", 0))
-    return [full for _ in xs]
-
-
-def _ref_gather(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-    full, dst = torch.cat(xs, dim=kws[0].get("dim", 0)), kws[0].get("dst", 0)
-    return [full if r == dst else torch.zeros_like(full) for r in range(len(xs))]
-
-
-def _ref_reduce_scatter(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-    kw, w = kws[0], len(xs)
-    red, dim = reduce_serial(xs, kw.get("op", "sum")), kw.get("dim", 0)
-    return list(red.split(list(kw.get("split_sizes") or _even(red.shape[dim], w)), dim=dim))
-
-
-def _ref_scatter(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-    kw, w = kws[0], len(xs)
-    dim, src = kw.get("dim", 0), kw.get("src", 0)
-    return list(xs[src].split(list(kw.get("split_sizes") or _even(xs[src].shape[dim], w)), dim=dim))
-
-
-def _ref_all_to_all(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-    w = len(xs)
-    sd, cd = kws[0].get("split_dim", 0), kws[0].get("concat_dim", 0)
-    splits = [kws[j].get("input_split_sizes") or _even(xs[j].shape[sd], w) for j in range(w)]
-    chunks = [xs[j].split(list(splits[j]), dim=sd) for j in range(w)]
-    return [torch.cat([chunks[j][r] for j in range(w)], dim=cd) for r in range(w)]
 
 
 OPS: dict[str, OpSpec] = register(
@@ -875,7 +459,7 @@ OPS: dict[str, OpSpec] = register(
         "op over ranks, on every rank",
         "all_reduce of grads (max/min: to arg-extreme ranks, ties split; product: zero-safe)",
         lambda kw, w: ({"op": kw.get("op", "sum")}, 1.0),
-        _ref_all_reduce,
+        R.all_reduce,
     ),
     OpSpec(
         "broadcast",
@@ -884,7 +468,7 @@ OPS: dict[str, OpSpec] = register(
         "src's x on every rank",
         "reduce(sum) to src; other ranks exact zeros",
         lambda kw, w: ({"dst": kw.get("src", 0)}, 1.0),
-        _ref_broadcast,
+        R.broadcast,
     ),
     OpSpec(
         "reduce",
@@ -892,8 +476,8 @@ OPS: dict[str, OpSpec] = register(
         "broadcast",
         "op over ranks on dst, zeros elsewhere",
         "broadcast from dst",
-        lambda kw, w: ({"src": kw.get("dst", 0)}, _avg_scale(kw, w)),
-        _ref_reduce,
+        lambda kw, w: ({"src": kw.get("dst", 0)}, R.avg_scale(kw, w)),
+        R.reduce,
     ),
     OpSpec(
         "all_gather",
@@ -902,7 +486,7 @@ OPS: dict[str, OpSpec] = register(
         "concat of every rank's x along dim",
         "reduce_scatter(sum) with the same split",
         lambda kw, w: ({"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, 1.0),
-        _ref_all_gather,
+        R.all_gather,
     ),
     OpSpec(
         "reduce_scatter",
@@ -912,9 +496,9 @@ OPS: dict[str, OpSpec] = register(
         "all_gather with the same split",
         lambda kw, w: (
             {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")},
-            _avg_scale(kw, w),
+            R.avg_scale(kw, w),
         ),
-        _ref_reduce_scatter,
+        R.reduce_scatter,
     ),
     OpSpec(
         "gather",
@@ -926,7 +510,7 @@ OPS: dict[str, OpSpec] = register(
             {"src": kw.get("dst", 0), "dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")},
             1.0,
         ),
-        _ref_gather,
+        R.gather,
     ),
     OpSpec(
         "scatter",
@@ -938,7 +522,7 @@ OPS: dict[str, OpSpec] = register(
             {"dst": kw.get("src", 0), "dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")},
             1.0,
         ),
-        _ref_scatter,
+        R.scatter,
     ),
     OpSpec(
         "all_to_all",
@@ -955,7 +539,7 @@ OPS: dict[str, OpSpec] = register(
             },
             1.0,
         ),
-        _ref_all_to_all,
+        R.all_to_all,
     ),
 )
 
