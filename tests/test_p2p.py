@@ -419,6 +419,17 @@ def _sendrecv_other_shape() -> list[float]:
     (got * got).sum().backward()
     # d/dmine of the other rank's sum((mine*(me+1))^2) = 2 (me+1)^2 mine
     torch.testing.assert_close(mine.grad, 2 * (me + 1) ** 2 * mine.detach())
+    # vmap: the batch size goes in front of the received shape (one exchange), and the
+    # backward sends back a batch of x's shape
+    batch = torch.stack([mine.detach() * (k + 1) for k in range(3)])
+    with B.log_comms() as log:
+        got_b, pull = torch.func.vjp(
+            torch.func.vmap(lambda v: p2p.sendrecv(v, 1 - me, 1 - me, shape=theirs)), batch
+        )
+    assert log.count("batch_p2p") == 1
+    torch.testing.assert_close(got_b, torch.stack([got.detach() / (2 - me) * (k + 1) for k in range(3)]))
+    (g,) = pull(got_b)
+    torch.testing.assert_close(g, batch)  # the exchange there and back is the identity
     return got.tolist()
 
 
