@@ -42,6 +42,14 @@ def debug_check(opname: str, pg: PG, /, **fields: Any) -> None:
         current_backend().check_consistent(opname, fields, pg)
 
 
+def debug_check_input(opname: str, pg: PG, x: Tensor, /, **fields: Any) -> None:
+    """:func:`debug_check` of ``fields`` and ``x``'s shape, dtype and whether it requires
+    grad (nothing is computed outside debug mode)."""
+    if _config.DEBUG.get():
+        fields.update(shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
+        current_backend().check_consistent(opname, fields, pg)
+
+
 def check_input(x: Any, op: str) -> Tensor:
     """``x`` as a collective's input: a dense tensor of a dtype gradients can flow in."""
     x = A.check_tensor(x, op, "x")

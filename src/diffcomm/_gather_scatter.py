@@ -16,6 +16,7 @@ from ._collective_args import PG
 from ._collective_args import check_input as _check_input
 from ._collective_args import current_backend as _b
 from ._collective_args import debug_check as _debug_check
+from ._collective_args import debug_check_input as _debug_check_input
 from ._collective_args import exchanged_sizes as _exchanged_sizes
 from ._collective_args import given_sizes as _given_sizes
 from ._collective_args import other_dims as _other_dims
@@ -153,16 +154,7 @@ def scatter(
     world = _world(pg)
     src = A.check_rank(src, "scatter", "src", world)
     sizes = A.check_split_sizes(split_sizes, x.shape[dim], world, "scatter")
-    _debug_check(
-        "scatter",
-        pg,
-        src=src,
-        dim=dim,
-        shape=tuple(x.shape),
-        dtype=x.dtype,
-        split_sizes=tuple(sizes),
-        grad=x.requires_grad,
-    )
+    _debug_check_input("scatter", pg, x, src=src, dim=dim, split_sizes=sizes)
     with _async_if(async_op):
         return _apply(_Scatter, x, src, dim, pg, tuple(sizes))
 

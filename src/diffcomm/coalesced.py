@@ -49,8 +49,11 @@ from torch import Tensor
 
 from . import _args as A
 from . import _async, _config
-from . import backend as B
 from ._async import async_if as _async_if
+from ._collective_args import PG
+from ._collective_args import current_backend as _b
+from ._collective_args import rank as _rank
+from ._collective_args import world as _world
 from ._errors import CrossRankMismatchError
 from ._op import ListOp, call_list
 from ._op import only_on as _only_on
@@ -65,20 +68,6 @@ __all__ = [
     "COALESCED_OPS",
     "coalesced_markdown",
 ]
-
-PG = Any
-
-
-def _b() -> B.Backend:
-    return B.get_backend()
-
-
-def _world(pg: PG) -> int:
-    return _b().world_size(pg)
-
-
-def _rank(pg: PG) -> int:
-    return _b().rank(pg)
 
 
 # --------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from ._collective_args import PG
 from ._collective_args import check_input as _check_input
 from ._collective_args import current_backend as _b
 from ._collective_args import debug_check as _debug_check
+from ._collective_args import debug_check_input as _debug_check_input
 from ._collective_args import exchanged_sizes as _exchanged_sizes
 from ._collective_args import given_sizes as _given_sizes
 from ._collective_args import other_dims as _other_dims
@@ -159,7 +160,7 @@ def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None, *, async_o
     x = _check_input(x, "all_reduce")
     op_name = A.normalize_op(op, "all_reduce", x)
     pg = A.resolve_group(group, "all_reduce")
-    _debug_check("all_reduce", pg, op=op_name, shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
+    _debug_check_input("all_reduce", pg, x, op=op_name)
     with _async_if(async_op):
         return _apply(_AllReduce, x, op_name, pg)
 
@@ -210,7 +211,7 @@ def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None, *, async_op: b
     x = _check_input(x, "broadcast")
     pg = A.resolve_group(group, "broadcast")
     src = A.check_rank(src, "broadcast", "src", _world(pg))
-    _debug_check("broadcast", pg, src=src, shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
+    _debug_check_input("broadcast", pg, x, src=src)
     with _async_if(async_op):
         return _apply(_Broadcast, x, src, pg)
 
@@ -268,7 +269,7 @@ def reduce(
     op_name = A.normalize_op(op, "reduce", x)
     pg = A.resolve_group(group, "reduce")
     dst = A.check_rank(dst, "reduce", "dst", _world(pg))
-    _debug_check("reduce", pg, op=op_name, dst=dst, shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
+    _debug_check_input("reduce", pg, x, op=op_name, dst=dst)
     with _async_if(async_op):
         if op_name in A.LINEAR_OPS:
             return _apply(_Reduce, x, dst, op_name, pg)
@@ -411,16 +412,7 @@ def reduce_scatter(
     pg = A.resolve_group(group, "reduce_scatter")
     world, rank = _world(pg), _rank(pg)
     sizes = A.check_split_sizes(split_sizes, x.shape[dim], world, "reduce_scatter")
-    _debug_check(
-        "reduce_scatter",
-        pg,
-        op=op_name,
-        dim=dim,
-        shape=tuple(x.shape),
-        dtype=x.dtype,
-        split_sizes=tuple(sizes),
-        grad=x.requires_grad,
-    )
+    _debug_check_input("reduce_scatter", pg, x, op=op_name, dim=dim, split_sizes=sizes)
     with _async_if(async_op):
         if op_name in A.LINEAR_OPS:
             return _apply(_ReduceScatter, x, dim, op_name, pg, tuple(sizes))
