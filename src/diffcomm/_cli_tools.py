@@ -271,7 +271,7 @@ def bench_configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ops",
         nargs="+",
-        default=["all_reduce", "all_gather", "reduce_scatter", "all_to_all"],
+        default=["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"],
         choices=BENCH_OPS,
         metavar="OP",
         help=f"ops to time (from {', '.join(BENCH_OPS)})",

@@ -36,6 +36,65 @@ _TORCH_OPS = {
 }
 
 
+# --------------------------------------------------------------------------------------
+# direct c10d calls for the hottest ops
+# --------------------------------------------------------------------------------------
+#
+# ``dist.all_reduce`` / ``dist.broadcast`` are Python wrappers (an exception logger, the
+# torch-function check, the group lookup, the coalescing-block check, a fresh options
+# object) around ``ProcessGroup.allreduce`` / ``.broadcast``: about a dozen Python calls,
+# several microseconds, on every call. For the common case (a plain, real tensor, a
+# group this rank is in, no ``dist._coalescing_manager`` block) diffcomm calls the
+# process group directly, as the wrapper would; anything else goes through the wrapper.
+
+_C10D = dist.distributed_c10d._world
+_NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
+_ALLREDUCE_OPTS: dict[Any, Any] = {}
+
+
+def _direct_group(t: torch.Tensor, group: ProcessGroup) -> Any:
+    """The process group to call directly, or ``None`` where torch's wrapper must run."""
+    pg = _C10D.default_pg if group is None else group
+    if pg is None or pg is _NON_MEMBER or type(t) is not torch.Tensor or t.is_complex():
+        return None
+    state = _C10D.pg_coalesce_state
+    if state and pg in state:  # inside dist._coalescing_manager: the wrapper records it
+        return None
+    return pg
+
+
+def _c10d_all_reduce(t: torch.Tensor, op: Any, group: ProcessGroup) -> None:
+    """``dist.all_reduce(t, op, group=group)`` (blocking, in place)."""
+    pg = _direct_group(t, group)
+    if pg is None:
+        dist.all_reduce(t, op, group=group)
+        return
+    opts = _ALLREDUCE_OPTS.get(op)
+    if opts is None:
+        opts = _ALLREDUCE_OPTS[op] = dist.AllreduceOptions()
+        opts.reduceOp = op
+        opts.asyncOp = False
+    work = pg.allreduce([t], opts)
+    if work is not None:
+        work.wait()
+
+
+def _c10d_broadcast(t: torch.Tensor, src: int, group: ProcessGroup) -> None:
+    """``dist.broadcast(t, group_src=src, group=group)`` (blocking, in place; ``src`` is
+    group-local)."""
+    pg = _direct_group(t, group)
+    if pg is None or (t.element_size() == 1 and t.is_floating_point()):  # fp8: torch's workaround
+        dist.broadcast(t, group_src=src, group=group)
+        return
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    opts.asyncOp = False
+    work = pg.broadcast([t], opts)
+    if work is not None:
+        work.wait()
+
+
 class CoalescedOps:
     """The coalesced raw ops: a list of flat buffers (one per dtype, packed by the caller),
     one raw call each, logged as **one** op (``<op>_coalesced``, total bytes, ``parts`` =
@@ -151,7 +210,7 @@ class TorchDistributedBackend(CoalescedOps):
             "all_reduce",
             group,
             _nbytes(x),
-            lambda: dist.all_reduce(wire, torch_op, group=group),
+            lambda: _c10d_all_reduce(wire, torch_op, group),
             lambda: None,
             out,
         )
@@ -192,7 +251,7 @@ class TorchDistributedBackend(CoalescedOps):
             "broadcast",
             group,
             _nbytes(x),
-            lambda: dist.broadcast(wire, group_src=src, group=group),
+            lambda: _c10d_broadcast(wire, src, group),
             lambda: None,
             out,
         )
