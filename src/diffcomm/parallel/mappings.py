@@ -68,6 +68,7 @@ from .. import _args as A
 from .. import _config
 from .. import backend as B
 from .. import collectives as C
+from .._all_to_all import _AllToAll
 from .._op import CommOp, apply, call
 from .._registry import OpSpec, register
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
@@ -245,7 +246,7 @@ class _AllToAllRegion(CommOp):
     def run(x: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int) -> Tensor:
         ins = (x.shape[split_dim] // world,) * world
         outs = ins if split_dim == concat_dim else (x.shape[concat_dim],) * world
-        return C._AllToAll.run(x, split_dim, concat_dim, pg, ins, outs)
+        return _AllToAll.run(x, split_dim, concat_dim, pg, ins, outs)
 
     @staticmethod
     def transpose(g: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int) -> Tensor:
