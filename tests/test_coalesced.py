@@ -219,8 +219,9 @@ def _product_comms() -> list[int]:
 
 
 def test_product_backward_costs_one_more_collective_per_dtype(world2) -> None:
-    """Like dc.all_reduce(op="product"): an all_reduce of the gradients and an all_gather
-    of the inputs (zero-safe product of the others), each one call per dtype."""
+    """An all_reduce of the gradients (with the zero counts in the same buffers) and a
+    product all_reduce of the non-zero inputs (zero-safe product of the others), each one
+    call per dtype."""
     for (n,) in world2.run(_product_comms):
         assert n == 4
 

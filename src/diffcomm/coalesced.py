@@ -25,7 +25,8 @@ all_reduce_coalesced        all_reduce_coalesced of the gradients (sum/avg); max
                             the summed gradient goes to the arg-extreme ranks, ties split
                             (the tie counts travel in the same buffer: still one call per
                             dtype); product: zero-safe product of the others (one more
-                            all_gather per dtype, as the single op)
+                            all_reduce per dtype: the zero counts share the gradients'
+                            buffer, the product of the non-zero values is its own call)
 broadcast_coalesced         reduce_coalesced(sum) to ``src``; other ranks exact zeros
 reduce_coalesced            broadcast_coalesced from ``dst`` (divided by the world for avg)
 all_gather_coalesced        reduce_scatter_coalesced(sum)
@@ -58,6 +59,7 @@ from ._errors import CrossRankMismatchError
 from ._op import ListOp, call_list
 from ._op import only_on as _only_on
 from ._registry import OpSpec, markdown, register
+from .collectives import product_parts, product_weight
 
 __all__ = [
     "all_reduce_coalesced",
@@ -162,9 +164,9 @@ class _AllReduceList(ListOp):
             return call_list(_AllReduceList, 2, op, pg, *gs)
         saved, n = ctx.saved_tensors, len(ctx.meta)
         xs = [saved[i] for i in idx]
-        if op == "product":
-            g_total = call_list(_AllReduceList, 2, "sum", pg, *gs)
-            return [g * w.conj() for g, w in zip(g_total, _product_of_others(xs, pg))]
+        if op == "product":  # the gradients and the zero counts share the sum buffers
+            ws, g_total = _product_weights(xs, pg, gs)
+            return [g * w.conj() for g, w in zip(g_total, ws)]
         # max/min: the gradients and the tie masks share the buffers (same dtypes): one
         # call per dtype
         masks = [(x.detach() == saved[n + i].detach()).to(x.dtype) for x, i in zip(xs, idx)]
@@ -178,18 +180,29 @@ class _AllReduceList(ListOp):
         saved = ctx.saved_tensors
         xs, ys = saved[:n], saved[n:]
         if op == "product":
-            ws = _product_of_others(xs, pg)
+            ws = _product_weights(xs, pg)[0]
         else:
             masks = [(x == y).to(x.dtype) for x, y in zip(xs, ys)]
             ws = [m / c for m, c in zip(masks, call_list(_AllReduceList, 2, "sum", pg, *masks))]
         return call_list(_AllReduceList, 2, "sum", pg, *(t * w for t, w in zip(ts, ws)))
 
 
-def _product_of_others(xs: Sequence[Tensor], pg: PG) -> list[Tensor]:
-    """``prod_{j != r} x_j`` per tensor, from one coalesced all_gather (zero-safe)."""
-    rank = _rank(pg)
-    gathered = call_list(_AllGatherList, 2, (0,) * len(xs), pg, *(x.unsqueeze(0) for x in xs))
-    return [g[:rank].prod(0) * g[rank + 1 :].prod(0) for g in gathered]
+def _product_weights(xs: Sequence[Tensor], pg: PG, summed: Sequence[Tensor] = ()) -> tuple[list, list]:
+    """``prod_{j != r} x_j`` per tensor (zero-safe, O(n) memory at any world size; the
+    rule of :func:`diffcomm.collectives.product_weight`): the zero counts and zero entries
+    in one sum all_reduce per dtype, the product of the non-zero values in one product
+    all_reduce per dtype. ``summed`` (tensors of the same dtypes, e.g. the gradients) are
+    sum-reduced in the same call. Returns ``(weights, summed reduced)``."""
+    parts = [product_parts(x) for x in xs]
+    k, n = len(summed), len(xs)
+    zs = [z.to(x.dtype) for (z, _, _), x in zip(parts, xs)]
+    both = call_list(_AllReduceList, 2, "sum", pg, *summed, *zs, *(xz for _, xz, _ in parts))
+    prods = call_list(_AllReduceList, 2, "product", pg, *(xn for _, _, xn in parts))
+    ws = [
+        product_weight(z, xz, xn, c, s, p)
+        for (z, xz, xn), c, s, p in zip(parts, both[k : k + n], both[k + n :], prods)
+    ]
+    return ws, list(both[:k])
 
 
 class _BroadcastList(ListOp):
@@ -415,8 +428,8 @@ def all_reduce_coalesced(
         ``all_reduce_coalesced`` of the output gradients (sum/avg), one communication
         per dtype. ``max``/``min``: the summed gradient to the arg-extreme ranks, ties
         split evenly (still one communication per dtype); ``product``: zero-safe
-        product of the others (one more all_gather per dtype, like
-        :func:`diffcomm.all_reduce`).
+        product of the others (one more all_reduce per dtype: the product of the
+        non-zero values; the zero counts travel with the gradients).
 
     Example::
 
@@ -643,7 +656,7 @@ COALESCED_OPS: dict[str, OpSpec] = register(
         "all_reduce_coalesced",
         "op over ranks of each tensor, on every rank",
         "all_reduce_coalesced of grads (max/min: to arg-extreme ranks, ties split; product: "
-        "zero-safe, plus one all_gather per dtype)",
+        "zero-safe, plus one all_reduce per dtype)",
     ),
     OpSpec(
         "broadcast_coalesced",

@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from . import _args as A
@@ -116,17 +117,47 @@ def _nonlinear_weight(op: str, x: Tensor, y: Tensor, pg: PG) -> Tensor:
     """d y / d x_r for max/min/product on this rank (y = op over ranks of x).
 
     max/min: ``[x_r == y] / #ties`` — the gradient goes to the rank(s) holding the extreme,
-    split evenly among ties. product: the product of the other ranks' values, computed
-    from an all_gather with prefix/suffix products (exact with zeros; differentiable, so
-    double backward is exact too).
+    split evenly among ties. product: the product of the other ranks' values,
+    ``prod_{j != r} x_j``, from two all_reduces of (about) ``x``'s size — O(n) memory per
+    rank at any world size, where an all_gather of every rank's ``x`` would be
+    O(world * n): see :func:`product_weight`.
     """
     if op in ("max", "min"):
         mask = (x.detach() == y.detach()).to(x.dtype)
         count = all_reduce(mask, "sum", pg)
         return mask / count
-    rank, world = _rank(pg), _world(pg)
-    xs = all_gather(x.unsqueeze(0), 0, pg, split_sizes=[1] * world)
-    return xs[:rank].prod(0) * xs[rank + 1 :].prod(0)
+    zero, x_z, x_nz = product_parts(x)
+    count, s = all_reduce(torch.stack([zero.to(x.dtype), x_z]), "sum", pg).unbind(0)
+    return product_weight(zero, x_z, x_nz, count, s, all_reduce(x_nz, "product", pg))
+
+
+def product_parts(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(zero, x_z, x_nz)``: where ``x`` is zero, ``x`` there (zeros elsewhere: carries the
+    derivative), and ``x`` with its zeros replaced by ones (see :func:`product_weight`)."""
+    zero = x.detach() == 0
+    x_z = torch.where(zero, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    x_nz = torch.where(zero, torch.ones((), dtype=x.dtype, device=x.device), x)
+    return zero, x_z, x_nz
+
+
+def product_weight(zero: Tensor, x_z: Tensor, x_nz: Tensor, count: Tensor, s: Tensor, p: Tensor) -> Tensor:
+    """``prod_{j != r} x_j`` on rank ``r`` from all_reduced facts, exact with zeros.
+
+    ``count`` = the number of ranks holding a zero (sum over ranks of ``zero``), ``s`` =
+    the sum over ranks of ``x_z`` (value 0), ``p`` = the product over ranks of ``x_nz``
+    (the non-zero values). Cases, per element: no zero anywhere: ``p / x_r`` (torch.prod's
+    own rule); ``x_r`` the only zero: ``p``; one zero, on another rank ``k``:
+    ``x_k * p / x_r``; two zeros, ``x_r`` one of them: ``x_k * p``; else 0. The factor
+    ``x_k`` is written as ``s - x_z`` (the other ranks' zero entries): its value is 0 but
+    its derivative is right, so the weight's first derivatives — and so double backward —
+    are exact (higher orders are exact while at most one rank holds a zero).
+    """
+    one = torch.ones((), dtype=p.dtype, device=p.device)
+    none = torch.zeros((), dtype=p.dtype, device=p.device)
+    s_other = s - x_z
+    w_nz = p / x_nz * torch.where(count == 0, one, torch.where(count == 1, s_other, none))
+    w_z = p * torch.where(count == 1, one, torch.where(count == 2, s_other, none))
+    return torch.where(zero, w_z, w_nz)
 
 
 def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None, *, async_op: bool = False) -> Tensor:
