@@ -262,7 +262,7 @@ class _Slow(nn.Module):
         return self.lin(x)
 
 
-def _waits_without_the_logger() -> list[tuple[str, float]]:
+def _waits_without_the_logger() -> list[tuple[str, float, float]]:
     from diffcomm import backend as B
 
     def no_logger(*_: object, **__: object) -> None:
@@ -274,20 +274,24 @@ def _waits_without_the_logger() -> list[tuple[str, float]]:
     stage = _Slow(0.3) if rank == 0 else nn.Linear(3, 1)
     runner = PipelineRunner(stage, "gpipe", loss_fn=lambda out: out.sum(), prepost=False)
     real, B.log_comms = B.log_comms, no_logger  # type: ignore[assignment]
+    dist.barrier()
     try:
         runner.step(torch.randn(2, 3), n_micro=1)
     finally:
         B.log_comms = real  # type: ignore[assignment]
-    return [(e.kind, e.wait) for e in runner.timeline]
+    return [(e.kind, e.start, e.wait) for e in runner.timeline]
 
 
 def test_receive_waits_are_timed_by_the_host_clock_without_the_comms_logger(world2: dc.LocalWorld) -> None:
     stage0, stage1 = world2.run(_waits_without_the_logger)
-    # stage 1's F blocks while stage 0 sleeps in its forward; stage 0's B blocks in the
-    # token's gradient receive only as long as stage 1 takes (short)
-    assert [k for k, _ in stage1] == ["F", "B"] and stage1[0][1] >= 0.2, stage1
-    assert [k for k, _ in stage0] == ["F", "B"] and 0 <= stage0[1][1] < stage1[0][1], stage0
-    assert stage0[0][1] == 0.0  # stage 0 receives nothing in forward
+    assert [k for k, _, _ in stage0] == [k for k, _, _ in stage1] == ["F", "B"]
+    (_, f0_start, f0_wait), (_, _, b0_wait) = stage0
+    (_, f1_start, f1_wait), _ = stage1
+    assert f0_wait == 0.0  # stage 0 receives nothing in forward
+    # stage 1's F blocks until stage 0 has slept 0.3 s in its forward and sent (start
+    # stamps are comparable across the processes of one machine)
+    assert f1_wait >= f0_start + 0.3 - f1_start - 0.05 and f1_wait > 0, (stage0, stage1)
+    assert b0_wait >= 0  # stage 0's B waits for the gradient only as long as stage 1 takes
 
 
 def test_bubble_fraction_of_a_perfect_pipeline() -> None:
