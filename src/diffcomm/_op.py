@@ -31,7 +31,8 @@ Generated from them: ``forward``, ``setup_context`` (the arguments kept on the a
 An op may state ``jvp`` or ``vmap`` itself; the base then keeps that rule (``send`` /
 ``recv``: forward mode is an error, and the token of a batched send is not batched).
 ``x`` may also be a mere anchor (``recv``: an empty tensor that requires grad, so the
-output has a ``grad_fn``) and ``transpose`` may return ``None`` for it; ``transpose``
+output has a ``grad_fn``; the data a posted receive already holds rides along in ``args``,
+an input that gets no gradient) and ``transpose`` may return ``None`` for it; ``transpose``
 may be one-sided (``send``'s receives what the peer's ``recv`` transpose sends).
 
 Nonlinear reductions (max / min / product) are linear maps composed with an elementwise
