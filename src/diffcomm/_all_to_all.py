@@ -74,6 +74,11 @@ def _all_to_all_raw(
     return full.permute(inverse)
 
 
+#: The raw forward of ``all_to_all`` (``(x, split_dim, concat_dim, pg, in_sizes,
+#: out_sizes)``), for op families built on it (``parallel.all_to_all_region``).
+raw_all_to_all = _AllToAll.run
+
+
 def all_to_all(
     x: Tensor,
     split_dim: int = 0,

@@ -1,7 +1,7 @@
 """The flight recorder and the desync diagnosis.
 
 **Recorder.** Every raw communication that goes through the backend's one entry point
-(:func:`diffcomm.backend._dispatch`) is recorded in a per-rank ring buffer (the last
+(:func:`diffcomm._dispatch.dispatch`) is recorded in a per-rank ring buffer (the last
 ``DIFFCOMM_FLIGHT_SIZE`` entries, 1024 by default): the raw op, the diffcomm op it serves
 (its label, e.g. ``"all_gather backward -> reduce_scatter(sum)"``), the group's global
 ranks, a **per-group sequence number**, shape and dtype, forward or backward, the state
@@ -48,7 +48,7 @@ from ._errors import DesyncError
 __all__ = ["FlightRecorder", "Entry", "flight_recorder", "diagnose"]
 
 _PREFIX = "diffcomm/flight/"
-_P2P = frozenset(("send", "recv", "batch_p2p"))
+P2P_OPS = frozenset(("send", "recv", "batch_p2p"))
 _SHAPE_FREE = frozenset(("all_to_all", "send", "recv", "batch_p2p", "barrier"))
 #: seconds a diagnosing rank waits for the other ranks' answers
 ANSWER_WAIT = 1.5
@@ -84,7 +84,7 @@ def _as_dict(e: Entry, now: float | None = None) -> dict[str, Any]:
         "direction": _direction(e[LABEL]),
         "state": e[STATE],
         "duration_s": round(end - e[T0], 6),
-        "site": _fmt_site(e[SITE]),
+        "site": fmt_site(e[SITE]),
     }
 
 
@@ -104,7 +104,7 @@ def _line(code: Any, lasti: int) -> int | None:
     return _LINES[key]
 
 
-def _fmt_site(site: tuple[Any, int] | None) -> str | None:
+def fmt_site(site: tuple[Any, int] | None) -> str | None:
     if site is None:
         return None
     where, at = site
@@ -149,7 +149,7 @@ def configure() -> None:
         _RING = deque(_RING, maxlen=size)
 
 
-def _internal(path: str) -> bool:
+def is_internal(path: str) -> bool:
     hit = _INTERNAL.get(path)
     if hit is None:
         hit = _INTERNAL[path] = (
@@ -180,12 +180,12 @@ def _site(key: Any) -> tuple[Any, int] | None:
             code = f.f_code
             if code is last:  # the same user function as last time: no need to check again
                 return (code, f.f_lasti)
-            if not _internal(code.co_filename) and _internal(sys._getframe(k - 1).f_code.co_filename):
+            if not is_internal(code.co_filename) and is_internal(sys._getframe(k - 1).f_code.co_filename):
                 _DEPTH[key] = (k, code)
                 return (code, f.f_lasti)
         except ValueError:  # a shallower stack this time
             pass
-    # begin() <- backend._run() <- backend._dispatch(): start above those three
+    # begin() <- _dispatch._run() <- _dispatch.dispatch(): start above those three
     depth = 4
     try:
         f = sys._getframe(depth)
@@ -194,7 +194,7 @@ def _site(key: Any) -> tuple[Any, int] | None:
         f = sys._getframe(depth)
     while f is not None:
         code = f.f_code
-        if not _internal(code.co_filename):
+        if not is_internal(code.co_filename):
             _DEPTH[key] = (depth, code)
             return (code, f.f_lasti)
         f = f.f_back
@@ -230,7 +230,7 @@ def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: 
     flight = _config.FLIGHT
     if not (flight._value if flight._loaded else flight.get()):
         return None
-    if op in _P2P:
+    if op in P2P_OPS:
         g = _p2p_group(group, g)
     seq = g.next
     g.next = seq + 1
@@ -497,7 +497,7 @@ def request_states(
 # --------------------------------------------------------------------------------------
 
 
-def _sig(e: dict[str, Any]) -> tuple[Any, ...]:
+def signature(e: dict[str, Any]) -> tuple[Any, ...]:
     if e["raw_op"] in _SHAPE_FREE:
         return (e["op"], e["raw_op"])
     return (e["op"], e["raw_op"], tuple(e["shape"] or ()), e["dtype"])
@@ -511,7 +511,9 @@ def _desc(e: dict[str, Any], with_shape: bool = True) -> str:
 
 def _group_entries(state: dict[str, Any], group: list[int], p2p: bool) -> dict[int, dict[str, Any]]:
     return {
-        e["seq"]: e for e in state.get("recent", []) if e["group"] == group and (e["raw_op"] in _P2P) == p2p
+        e["seq"]: e
+        for e in state.get("recent", [])
+        if e["group"] == group and (e["raw_op"] in P2P_OPS) == p2p
     }
 
 
@@ -537,7 +539,7 @@ def diagnose(
     if focus is None:
         return "no rank is inside a diffcomm communication", {"culprits": [], "seq": None}
     group = list(focus["group"])
-    p2p = focus["raw_op"] in _P2P
+    p2p = focus["raw_op"] in P2P_OPS
     hist = {r: _group_entries(states[r], group, p2p) for r in group if states.get(r)}
     counts_key = ",".join(map(str, group)) + ("/p2p" if p2p else "")
     reached = {r: states[r].get("counts", {}).get(counts_key, 0) for r in group if states.get(r)}
@@ -559,7 +561,7 @@ def diagnose(
                 if reached.get(r, 0) <= seq:
                     missing.append(r)
                 continue  # fell out of the ring buffer: no evidence either way
-            kinds.setdefault(_sig(e), []).append(r)
+            kinds.setdefault(signature(e), []).append(r)
         if len(kinds) > 1 or (kinds and missing):
             diverge = seq
             break

@@ -719,3 +719,10 @@ _async.OUT_SHAPES.update(
         _ReduceScatterList: _list_shapes(3, lambda s, w: s // w),
     }
 )
+
+
+#: The raw forward of ``all_reduce_coalesced`` (``(xs, op, pg) -> list``) and the debug-mode
+#: cross-rank check of a tensor list, for op families built on them (the coalesced
+#: ``diffcomm.parallel`` mappings).
+raw_all_reduce_coalesced = _AllReduceList.run
+check_lists_consistent = _debug_check

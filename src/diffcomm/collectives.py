@@ -113,6 +113,11 @@ class _AllReduce(CommOp):
         return _nonlinear_weight(op, x, y, pg)
 
 
+#: The raw forward of ``all_reduce`` (``(x, op, pg) -> Tensor``: no validation, no
+#: autograd), for op families built on the collectives (the ``diffcomm.parallel`` mappings).
+raw_all_reduce = _AllReduce.run
+
+
 def _nonlinear_weight(op: str, x: Tensor, y: Tensor, pg: PG) -> Tensor:
     """d y / d x_r for max/min/product on this rank (y = op over ranks of x).
 
@@ -399,6 +404,12 @@ class _ReduceScatter(CommOp):
     def transpose(g: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...]) -> Tensor:
         out = call(_AllGather, g, dim, pg, sizes)
         return out / _world(pg) if op == "avg" else out
+
+
+#: The raw forwards of ``all_gather`` (``(x, dim, pg, sizes)``) and ``reduce_scatter``
+#: (``(x, dim, op, pg, sizes)``), for op families built on the collectives.
+raw_all_gather = _AllGather.run
+raw_reduce_scatter = _ReduceScatter.run
 
 
 def reduce_scatter(

@@ -613,9 +613,10 @@ class LocalWorld:
             lead = self._abort_story(died, what) if any(c == -signal.SIGABRT for c in died.values()) else ""
             self._teardown()
             raise RankDiedError(
-                lead
-                + f"LocalWorld: {codes} died during `{what}`; the world was torn down "
-                f"(it restarts at the next run)." + (f"\n{desync[0]}" if desync else "") + faults
+                lead + f"LocalWorld: {codes} died during `{what}`; the world was torn down "
+                f"(it restarts at the next run)."
+                + (f"\n{desync[0]}" if desync else "")
+                + faults
                 + _tracebacks(failures),
                 died,
                 failures,
@@ -695,17 +696,15 @@ class LocalWorld:
         for p in busy:
             s = states.get(p)
             for e in (s or {}).get("inflight", []):
-                if e["raw_op"] in _flight._P2P:
+                if e["raw_op"] in _flight.P2P_OPS:
                     continue  # p2p counters are per sender/receiver pair, not aligned across ranks
                 key = ",".join(map(str, e["group"]))
                 gone = [
                     q
                     for q in returned
-                    if q in e["group"]
-                    and states.get(q)
-                    and states[q]["counts"].get(key, 0) <= e["seq"]
+                    if q in e["group"] and states.get(q) and states[q]["counts"].get(key, 0) <= e["seq"]
                 ]
-                sig = _flight._sig(e)
+                sig = _flight.signature(e)
                 # a returned rank that did complete this sequence number, but as another
                 # op or with another shape (gloo may let it through with wrong values)
                 other = [
@@ -714,7 +713,7 @@ class LocalWorld:
                     if q in e["group"]
                     and q not in gone
                     and any(
-                        x["group"] == e["group"] and x["seq"] == e["seq"] and _flight._sig(x) != sig
+                        x["group"] == e["group"] and x["seq"] == e["seq"] and _flight.signature(x) != sig
                         for x in (states.get(q) or {}).get("recent", [])
                     )
                 ]
@@ -760,8 +759,8 @@ def _aborted_in(fault_text: str) -> tuple[str | None, str | None]:
             if raw is None and path.endswith(os.path.join("diffcomm", "_torchdist.py")):
                 if func[:1] not in ("_", "<"):  # the backend's public op, not its plumbing
                     raw = func
-            elif raw is not None and site is None and not _flight._internal(path) and path[:1] != "<":
-                site = _flight._fmt_site((path, int(lineno)))
+            elif raw is not None and site is None and not _flight.is_internal(path) and path[:1] != "<":
+                site = _flight.fmt_site((path, int(lineno)))
         if raw is not None:
             return raw, site
     return None, None

@@ -57,7 +57,7 @@ class _ReduceFromRegionCoalesced(ListOp):
 
     @staticmethod
     def run(xs: Sequence[Tensor], pg: PG, debug: bool) -> Any:
-        return K._AllReduceList.run(xs, "sum", pg)
+        return K.raw_all_reduce_coalesced(xs, "sum", pg)
 
     @staticmethod
     def transpose(ctx: Any, gs: list[Tensor], idx: list[int], pg: PG, debug: bool) -> Any:
@@ -149,5 +149,5 @@ def reduce_from_region_coalesced(tensors: Sequence[Tensor], group: A.GroupLike =
     ts, pg = _prepare_list("reduce_from_region_coalesced", tensors, group)
     debug = _debug()
     if debug:
-        K._debug_check("parallel.reduce_from_region_coalesced", pg, ts)
+        K.check_lists_consistent("parallel.reduce_from_region_coalesced", pg, ts)
     return list(call_list(_ReduceFromRegionCoalesced, 2, pg, debug, *ts))

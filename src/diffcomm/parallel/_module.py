@@ -29,14 +29,14 @@ Index = tuple[slice, ...]
 # ======================================================================================
 
 
-def _positive(op: str, arg: str, value: Any) -> int:
+def check_positive(op: str, arg: str, value: Any) -> int:
     value = A.check_int(value, op, arg)
     if value < 1:
         raise A.arg_error(op, arg, "a positive int", value)
     return value
 
 
-def _divisible(op: str, arg: str, value: int, world: int, what: str) -> int:
+def check_divisible(op: str, arg: str, value: int, world: int, what: str) -> int:
     if value % world != 0:
         raise A.arg_error(
             op,
@@ -47,7 +47,7 @@ def _divisible(op: str, arg: str, value: int, world: int, what: str) -> int:
     return value // world
 
 
-def _generator(op: str, seed: int | None, generator: torch.Generator | None) -> torch.Generator | None:
+def init_generator(op: str, seed: int | None, generator: torch.Generator | None) -> torch.Generator | None:
     """The CPU generator the full weights are drawn from (``None``: the default one)."""
     if seed is not None and generator is not None:
         raise A.arg_error(op, "seed", "None when `generator` is given (pass one of them)", seed)
@@ -60,7 +60,7 @@ def _generator(op: str, seed: int | None, generator: torch.Generator | None) -> 
     return None
 
 
-def _resolve(op: str, group: A.GroupLike) -> tuple[Any, int, int]:
+def resolve_parallel_group(op: str, group: A.GroupLike) -> tuple[Any, int, int]:
     pg = A.resolve_group(group, op)
     backend = B.get_backend()
     return pg, backend.world_size(pg), backend.rank(pg)

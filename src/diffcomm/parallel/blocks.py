@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .. import _args as A
 from .. import rng
-from ._module import ParallelModule, _divisible, _generator, _positive, _resolve
+from ._module import ParallelModule, check_divisible, check_positive, init_generator, resolve_parallel_group
 from .layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["MLP", "ParallelMLP", "SelfAttention", "ParallelSelfAttention"]
@@ -175,7 +175,7 @@ class ParallelMLP(ParallelModule):
     ) -> None:
         super().__init__()
         op = "parallel.ParallelMLP"
-        gen = _generator(op, seed, generator)
+        gen = init_generator(op, seed, generator)
         common = dict(
             sequence_parallel=sequence_parallel,
             sequence_dim=sequence_dim,
@@ -272,8 +272,8 @@ class SelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         op = "parallel.SelfAttention"
-        _positive(op, "num_heads", num_heads)
-        _divisible(op, "hidden_size", hidden_size, num_heads, "hidden features (per head)")
+        check_positive(op, "num_heads", num_heads)
+        check_divisible(op, "hidden_size", hidden_size, num_heads, "hidden features (per head)")
         self.num_heads = num_heads
         self.causal = bool(causal)
         self.attention_dropout = float(attention_dropout)
@@ -340,11 +340,11 @@ class ParallelSelfAttention(ParallelModule):
     ) -> None:
         super().__init__()
         op = "parallel.ParallelSelfAttention"
-        pg, world, _ = _resolve(op, group)
-        _positive(op, "num_heads", num_heads)
-        _divisible(op, "hidden_size", hidden_size, num_heads, "hidden features (per head)")
-        self.heads_per_rank = _divisible(op, "num_heads", num_heads, world, "heads")
-        gen = _generator(op, seed, generator)
+        pg, world, _ = resolve_parallel_group(op, group)
+        check_positive(op, "num_heads", num_heads)
+        check_divisible(op, "hidden_size", hidden_size, num_heads, "hidden features (per head)")
+        self.heads_per_rank = check_divisible(op, "num_heads", num_heads, world, "heads")
+        gen = init_generator(op, seed, generator)
         common = dict(sequence_parallel=sequence_parallel, group=pg, dtype=dtype, device=device, _init=_init)
         self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, generator=gen, **common)
         self.proj = RowParallelLinear(

@@ -45,7 +45,7 @@ from .. import _config
 from .. import backend as B
 from . import overlap as O
 from ._check import check_replicated
-from ._module import ParallelModule, _divisible, _generator, _positive, _resolve
+from ._module import ParallelModule, check_divisible, check_positive, init_generator, resolve_parallel_group
 from .mappings import (
     all_gather_from_sequence,
     copy_to_region,
@@ -124,16 +124,18 @@ class _ParallelLinear(ParallelModule):
         _init: bool,
     ) -> None:
         super().__init__()
-        self._pg, self.world_size, self.rank = _resolve(op, group)
-        self.in_features = _positive(op, "in_features", in_features)
-        self.out_features = _positive(op, "out_features", out_features)
+        self._pg, self.world_size, self.rank = resolve_parallel_group(op, group)
+        self.in_features = check_positive(op, "in_features", in_features)
+        self.out_features = check_positive(op, "out_features", out_features)
         if shard_dim == 0:
-            self.out_per_rank = _divisible(
+            self.out_per_rank = check_divisible(
                 op, "out_features", out_features, self.world_size, "output features"
             )
             shape, self._shard_dims = (self.out_per_rank, in_features), {"weight": 0, "bias": 0}
         else:
-            self.in_per_rank = _divisible(op, "in_features", in_features, self.world_size, "input features")
+            self.in_per_rank = check_divisible(
+                op, "in_features", in_features, self.world_size, "input features"
+            )
             shape, self._shard_dims = (out_features, self.in_per_rank), {"weight": 1, "bias": None}
         self.sequence_parallel = bool(sequence_parallel)
         self.sequence_dim = A.check_int(sequence_dim, op, "sequence_dim")
@@ -144,7 +146,7 @@ class _ParallelLinear(ParallelModule):
             self.bias = nn.Parameter(torch.empty(shape[0], dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
-        gen = _generator(op, seed, generator)
+        gen = init_generator(op, seed, generator)
         if _init:
             self.reset_parameters(gen)
 
@@ -466,17 +468,19 @@ class VocabParallelEmbedding(ParallelModule):
     ) -> None:
         super().__init__()
         op = "parallel.VocabParallelEmbedding"
-        self._pg, self.world_size, self.rank = _resolve(op, group)
-        self.num_embeddings = _positive(op, "num_embeddings", num_embeddings)
-        self.embedding_dim = _positive(op, "embedding_dim", embedding_dim)
-        self.per_rank = _divisible(op, "num_embeddings", num_embeddings, self.world_size, "vocabulary rows")
+        self._pg, self.world_size, self.rank = resolve_parallel_group(op, group)
+        self.num_embeddings = check_positive(op, "num_embeddings", num_embeddings)
+        self.embedding_dim = check_positive(op, "embedding_dim", embedding_dim)
+        self.per_rank = check_divisible(
+            op, "num_embeddings", num_embeddings, self.world_size, "vocabulary rows"
+        )
         self.vocab_start = self.rank * self.per_rank
         self.sequence_parallel = bool(sequence_parallel)
         self.sequence_dim = A.check_int(sequence_dim, op, "sequence_dim")
         dtype = dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype, device=device))
         self._shard_dims = {"weight": 0}
-        gen = _generator(op, seed, generator)
+        gen = init_generator(op, seed, generator)
         if _init:
             self.reset_parameters(gen)
 
@@ -582,8 +586,8 @@ class SequenceParallelLayerNorm(ParallelModule):
     ) -> None:
         super().__init__()
         op = "parallel.SequenceParallelLayerNorm"
-        self._pg, self.world_size, self.rank = _resolve(op, group)
-        self.normalized_shape = (_positive(op, "normalized_shape", normalized_shape),)
+        self._pg, self.world_size, self.rank = resolve_parallel_group(op, group)
+        self.normalized_shape = (check_positive(op, "normalized_shape", normalized_shape),)
         self.eps = float(eps)
         self.elementwise_affine = bool(elementwise_affine)
         kw = {"dtype": dtype, "device": device}

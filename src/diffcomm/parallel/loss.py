@@ -48,7 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = rank * v_local
         z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         with B.label(f"{_OP} (max)"):
-            m = C._AllReduce.run(z.amax(dim=-1), "max", pg)
+            m = C.raw_all_reduce(z.amax(dim=-1), "max", pg)
         shifted = z - m.unsqueeze(-1)
         e = shifted.exp()
         here = (target >= start) & (target < start + v_local)
@@ -58,7 +58,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if smoothing > 0.0:
             parts.append(shifted.sum(-1))
         with B.label(f"{_OP} (sums)"):
-            stats = C._AllReduce.run(torch.stack(parts, dim=-1), "sum", pg)
+            stats = C.raw_all_reduce(torch.stack(parts, dim=-1), "sum", pg)
         lse = stats[..., 0].log()
         loss = lse - stats[..., 1]
         if smoothing > 0.0:

@@ -68,7 +68,7 @@ from .. import _args as A
 from .. import _config
 from .. import backend as B
 from .. import collectives as C
-from .._all_to_all import _AllToAll
+from .._all_to_all import raw_all_to_all
 from .._op import CommOp, apply, call
 from .._registry import OpSpec, register
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
@@ -166,7 +166,7 @@ class _ReduceFromRegion(CommOp):
 
     @staticmethod
     def run(x: Tensor, pg: PG, debug: bool) -> Tensor:
-        return C._AllReduce.run(x, "sum", pg)
+        return C.raw_all_reduce(x, "sum", pg)
 
     @staticmethod
     def transpose(g: Tensor, pg: PG, debug: bool) -> Tensor:
@@ -198,7 +198,7 @@ class _GatherFromRegion(CommOp):
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
-        return C._AllGather.run(x, dim, pg, (x.shape[dim],) * world)
+        return C.raw_all_gather(x, dim, pg, (x.shape[dim],) * world)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
@@ -214,7 +214,7 @@ class _ReduceScatterToSequence(CommOp):
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, world: int) -> Tensor:
-        return C._ReduceScatter.run(x, dim, "sum", pg, (x.shape[dim] // world,) * world)
+        return C.raw_reduce_scatter(x, dim, "sum", pg, (x.shape[dim] // world,) * world)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, world: int) -> Tensor:
@@ -229,7 +229,7 @@ class _AllGatherFromSequence(CommOp):
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, world: int) -> Tensor:
-        return C._AllGather.run(x, dim, pg, (x.shape[dim],) * world)
+        return C.raw_all_gather(x, dim, pg, (x.shape[dim],) * world)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, world: int) -> Tensor:
@@ -246,7 +246,7 @@ class _AllToAllRegion(CommOp):
     def run(x: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int) -> Tensor:
         ins = (x.shape[split_dim] // world,) * world
         outs = ins if split_dim == concat_dim else (x.shape[concat_dim],) * world
-        return _AllToAll.run(x, split_dim, concat_dim, pg, ins, outs)
+        return raw_all_to_all(x, split_dim, concat_dim, pg, ins, outs)
 
     @staticmethod
     def transpose(g: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int) -> Tensor:
