@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from _procs import still_alive
 
 import diffcomm as dc
 from diffcomm import DesyncError, LocalWorld, RankDesyncError, RankDiedError, WorldTooLargeError, _config
@@ -27,20 +28,8 @@ from diffcomm.world import check_world_fits
 T = 2.0  # the ranks' collective timeout (DIFFCOMM_TIMEOUT) in the desync worlds
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _still_alive(pids: list[int], within: float = 3.0) -> list[int]:
-    deadline = time.monotonic() + within
-    while True:
-        alive = [p for p in pids if _alive(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
+    return still_alive(pids, within)
 
 
 # ------------------------------------------------------------------ the recorder itself

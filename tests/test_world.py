@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
+from _procs import alive, still_alive
 
 import diffcomm as dc
 from diffcomm import (
@@ -38,22 +38,8 @@ from diffcomm.backend import get_backend, label
 # ------------------------------------------------------------------------------ helpers
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie waiting to be reaped counts as gone)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _still_alive(pids: list[int], within: float = 5.0) -> list[int]:
-    """The pids among ``pids`` still alive after waiting up to ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        alive = [p for p in pids if _alive(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
+    return still_alive(pids, within)
 
 
 def _port_is_free(port: int) -> bool:
@@ -375,7 +361,7 @@ def _start_caller(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], lis
         _, err = proc.communicate(timeout=10)
         pytest.fail(f"caller script did not start its world: {line!r}\n{err}")
     pids = [int(p) for p in line.split()[1:]]
-    assert pids and all(_alive(p) for p in pids)
+    assert pids and all(alive(p) for p in pids)
     return proc, pids
 
 

@@ -18,33 +18,11 @@ Modules: ``schedules`` (the generators, :class:`Step`), ``validate``
 
 from __future__ import annotations
 
-from .partition import partition
-from .runner import PipelineRunner, TimelineEntry, bubble_fraction
-from .schedules import (
-    SCHEDULES,
-    Step,
-    gpipe_schedule,
-    interleaved_1f1b_schedule,
-    max_in_flight,
-    one_f_one_b_schedule,
-    theoretical_bubble,
-    zb_h1_schedule,
-)
-from .validate import ScheduleError, check_schedule
+from . import partition as _partition
+from . import runner, schedules, validate
+from .partition import *  # noqa: F403 - the public names are each submodule's __all__
+from .runner import *  # noqa: F403
+from .schedules import *  # noqa: F403
+from .validate import *  # noqa: F403
 
-__all__ = [
-    "Step",
-    "gpipe_schedule",
-    "one_f_one_b_schedule",
-    "interleaved_1f1b_schedule",
-    "zb_h1_schedule",
-    "SCHEDULES",
-    "check_schedule",
-    "ScheduleError",
-    "max_in_flight",
-    "partition",
-    "PipelineRunner",
-    "TimelineEntry",
-    "bubble_fraction",
-    "theoretical_bubble",
-]
+__all__ = [*schedules.__all__, *validate.__all__, *_partition.__all__, *runner.__all__]
