@@ -197,7 +197,7 @@ def send(x: Tensor, dst: int, group: A.GroupLike = None, tag: int = 0) -> Tensor
     x = A.check_tensor(x, "send", "x")
     pg = A.resolve_group(group, "send")
     dst = _check_peer(dst, "send", "dst", B.group_info(pg))
-    tag = _check_tag(tag, "send")
+    tag = check_tag(tag, "send")
     if x.dtype not in T.DTYPE_TO_CODE:
         raise A.arg_error("send", "x", f"a tensor of a dtype in {list(T.DTYPE_TO_CODE)}", x.dtype, TypeError)
     if x.ndim > MAX_NDIM:
@@ -315,7 +315,7 @@ def _receive(
     pg = A.resolve_group(group, op)
     info = B.group_info(pg)
     src = _check_peer(src, op, "src", info)
-    tag = _check_tag(tag, op)
+    tag = check_tag(tag, op)
     want_shape, want_dtype = _expected(shape, dtype, like, op)
     T.check_channel(pg, src, tag, op)
     if device is None:
@@ -656,7 +656,9 @@ def _check_peer(peer: Any, op: str, arg: str, info: B.GroupInfo) -> int:
     return peer
 
 
-def _check_tag(tag: Any, op: str) -> int:
+def check_tag(tag: Any, op: str) -> int:
+    """``tag`` validated for ``op`` (a p2p op, or the pipeline runner): an int in
+    ``[0, MAX_TAG)``; raises ``TypeError`` / ``ValueError`` naming ``op``."""
     tag = A.check_int(tag, op, "tag")
     if not 0 <= tag < MAX_TAG:
         raise A.arg_error(op, "tag", f"an int in [0, {MAX_TAG})", tag)

@@ -187,7 +187,7 @@ class PipelineRunner:
         self.stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         self.loss_fn = loss_fn
         self.broadcast_loss = bool(broadcast_loss)
-        self.tag = p2p._check_tag(tag, "PipelineRunner")
+        self.tag = p2p.check_tag(tag, "PipelineRunner")
         if self.tag + self.n_chunks > p2p.MAX_TAG:
             raise A.arg_error(
                 "PipelineRunner",
