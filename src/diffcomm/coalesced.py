@@ -59,7 +59,7 @@ from ._errors import CrossRankMismatchError
 from ._op import ListOp, call_list
 from ._op import only_on as _only_on
 from ._registry import OpSpec, markdown, register
-from .collectives import product_parts, product_weight
+from .collectives import WEIGHT_DTYPE, product_parts, product_weight
 
 __all__ = [
     "all_reduce_coalesced",
@@ -192,15 +192,18 @@ def _product_weights(xs: Sequence[Tensor], pg: PG, summed: Sequence[Tensor] = ()
     rule of :func:`diffcomm.collectives.product_weight`): the zero counts and zero entries
     in one sum all_reduce per dtype, the product of the non-zero values in one product
     all_reduce per dtype. ``summed`` (tensors of the same dtypes, e.g. the gradients) are
-    sum-reduced in the same call. Returns ``(weights, summed reduced)``."""
-    parts = [product_parts(x) for x in xs]
+    sum-reduced in the same call (float16/bfloat16: the weight is computed in float32, so
+    its counts travel in a float32 buffer of their own). Returns ``(weights, summed
+    reduced)``."""
+    wide = [x.to(WEIGHT_DTYPE.get(x.dtype, x.dtype)) for x in xs]  # half precision: float32
+    parts = [product_parts(x) for x in wide]
     k, n = len(summed), len(xs)
-    zs = [z.to(x.dtype) for (z, _, _), x in zip(parts, xs)]
+    zs = [z.to(x.dtype) for (z, _, _), x in zip(parts, wide)]
     both = call_list(_AllReduceList, 2, "sum", pg, *summed, *zs, *(xz for _, xz, _ in parts))
     prods = call_list(_AllReduceList, 2, "product", pg, *(xn for _, _, xn in parts))
     ws = [
-        product_weight(z, xz, xn, c, s, p)
-        for (z, xz, xn), c, s, p in zip(parts, both[k : k + n], both[k + n :], prods)
+        product_weight(z, xz, xn, c, s, p).to(x.dtype)
+        for (z, xz, xn), c, s, p, x in zip(parts, both[k : k + n], both[k + n :], prods, xs)
     ]
     return ws, list(both[:k])
 
