@@ -427,7 +427,8 @@ F, B_, I_, W_ = (lambda m, c=0, k=k: Step(k, m, c) for k in "FBIW")  # noqa: E73
         # gradient before it sends F1: a wait cycle
         (
             [[F(0), B_(0), F(1), B_(1)], [F(0), F(1), B_(0), B_(1)]],
-            2, 1,
+            2,
+            1,
             r"deadlock: stage 0 step 1 \(B0\) waits for the gradient of micro-batch 0 from virtual "
             r"stage 1 \(rank 1\); stage 1 step 1 \(F1\) waits for the activation F1 of virtual "
             r"stage 0 \(rank 0\)",
@@ -435,7 +436,8 @@ F, B_, I_, W_ = (lambda m, c=0, k=k: Step(k, m, c) for k in "FBIW")  # noqa: E73
         # interleaved: rank 0 runs chunk 1 of micro 0 before rank 1 sent it
         (
             [[F(0, 1), F(0), B_(0, 1), B_(0)], [F(0), F(0, 1), B_(0, 1), B_(0)]],
-            1, 2,
+            1,
+            2,
             r"deadlock: stage 0 step 0 \(F0c1\) waits for the activation F0 of virtual stage 1 \(rank 1\)",
         ),
         ([[F(0), I_(0), W_(0)], [F(0), W_(0), I_(0)]], 1, 1, r"each I before its W, got stage 1: W0 first"),
@@ -493,9 +495,14 @@ def _parity_all(schedule: str, v: int) -> list[int]:
         x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
         mine = partition(model, n * v)[rank::n]  # rank r holds virtual stages r, r + n, ...
         input_grad = n_micro == 2
-        # one configuration also without pre-posted receives: same numbers
+        # one configuration also without pre-posted receives, one with plain (not
+        # input-gradient-first) B steps: same numbers
         runner = PipelineRunner(
-            mine if v > 1 else mine[0], schedule, loss_fn=nn.functional.mse_loss, prepost=n_micro != 4
+            mine if v > 1 else mine[0],
+            schedule,
+            loss_fn=nn.functional.mse_loss,
+            prepost=n_micro != 4,
+            grad_first=n_micro != 8,
         )
         loss = runner.step(x, y, n_micro=n_micro, input_grad=input_grad)
         xs = x.clone().requires_grad_()
@@ -554,3 +561,43 @@ def _weights_only_in_w() -> list[str]:
 
 def test_zb_h1_computes_weight_gradients_in_w_only(world2: dc.LocalWorld) -> None:
     assert world2.run(_weights_only_in_w) == [["W"], ["W"]]
+
+
+def _send_order(grad_first: bool) -> list[list[str]]:
+    """Per B step of the last stage: the order of its events, "send" (the input gradient
+    leaves for the previous stage) and "W" (a weight gradient accumulates)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    stage = partition(_mlp(width=4, depth=2 * n), n)[rank]
+    runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss, grad_first=grad_first)
+    events: list[str] = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda _: events.append("W")) for p in stage.parameters()]
+    orig = T.send_grad
+
+    def send_grad(*args: object, **kwargs: object) -> None:
+        events.append("send")
+        orig(*args, **kwargs)  # type: ignore[arg-type]
+
+    T.send_grad = send_grad  # type: ignore[assignment]
+    try:
+        runner.step(torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64), 2)
+    finally:
+        T.send_grad = orig
+        for h in hooks:
+            h.remove()
+    k = len(list(stage.parameters())) + 1  # events per B step
+    return [events[i : i + k] for i in range(0, len(events), k)] if rank == n - 1 else []
+
+
+@pytest.mark.parametrize("grad_first", [True, False])
+def test_b_sends_the_input_gradient_before_the_weight_gradients(
+    world2: dc.LocalWorld, grad_first: bool
+) -> None:
+    _, last = world2.run(_send_order, grad_first)
+    assert len(last) == 2  # two micro-batches
+    for b in last:
+        n_weights = len(b) - 1
+        assert n_weights >= 2 and sorted(b) == ["W"] * n_weights + ["send"], b
+        # grad_first: the previous stage gets its gradient before the weights' work;
+        # a plain backward reaches the receive's node last
+        assert b.index("send") == (0 if grad_first else n_weights), b

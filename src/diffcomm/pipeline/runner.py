@@ -15,6 +15,11 @@ starts from those nodes with those gradients and runs only the parameters' branc
 (``torch.autograd.backward(edges, grads, inputs=params)``), so no input-gradient work is
 repeated.
 
+Input gradient first: a ``B`` step runs ``I`` then ``W`` back to back, so the input
+gradient leaves for the previous stage before the weight gradients are computed (the
+message travels during ``W``; a plain ``token.backward()`` reaches the receive's node,
+which sends it, last). ``grad_first=False`` runs one plain backward.
+
 Pre-posted receives: before computing step ``k`` the runner posts the receive step
 ``k + 1`` will need (the next activation with :func:`diffcomm.p2p.irecv`, or the next
 gradient with :func:`diffcomm.p2p.post_grad_recv`), so that message travels while step
@@ -106,6 +111,10 @@ class PipelineRunner:
             pipelines on one group need disjoint ranges).
         prepost: post the next step's receive before computing the current step
             (default); ``False`` receives only when a step needs the data.
+        grad_first: in a ``B`` step, compute the input gradient first and send it
+            upstream, then the weight gradients (default; the same work as one backward,
+            split as ``I`` + ``W``); ``False`` runs one plain backward, which sends the
+            input gradient only after every weight gradient.
 
     Attributes:
         timeline: after a step, a list of :class:`TimelineEntry`, one per executed step.
@@ -138,6 +147,7 @@ class PipelineRunner:
         broadcast_loss: bool = True,
         tag: int = 0,
         prepost: bool = True,
+        grad_first: bool = True,
     ) -> None:
         if isinstance(stage, nn.Module):
             chunks = [stage]
@@ -196,6 +206,7 @@ class PipelineRunner:
                 tag,
             )
         self.prepost = bool(prepost)
+        self.grad_first = bool(grad_first)
         self.timeline: list[TimelineEntry] = []
         self.peak_activation_bytes = 0
         self.input_grad: Tensor | None = None
@@ -406,15 +417,26 @@ class PipelineRunner:
 
     # ---- backward ----------------------------------------------------------------------
     def _backward(self, st: Step, stash: dict[tuple[int, int], _Stash]) -> None:
-        kept = stash.pop((st.micro, st.chunk))
+        kept = stash[(st.micro, st.chunk)]
+        if self.grad_first and self._g(st.chunk) != 0 and kept.handle.requires_grad:
+            # the input gradient first (its recv-backward sends it upstream at once), then
+            # the weight gradients while it travels: the same work as one backward, but the
+            # previous stage's wait no longer includes this stage's weight gradients
+            # (the gradients kept between the two are a backward's transient buffers,
+            # as in a plain backward: not counted as activations)
+            self._backward_input(st, stash, hold=False)
+            self._backward_weight(st, stash)
+            return
+        del stash[(st.micro, st.chunk)]
         # the token (or loss) requires grad iff anything upstream does; recv on the next
         # stage made the same decision from the header, so skipping here is symmetric
         if kept.handle.requires_grad:
             kept.handle.backward()
         self._live_bytes -= kept.nbytes
 
-    def _backward_input(self, st: Step, stash: dict[tuple[int, int], _Stash]) -> None:
-        """``I``: the gradient of the chunk's input only; keep what ``W`` needs."""
+    def _backward_input(self, st: Step, stash: dict[tuple[int, int], _Stash], hold: bool = True) -> None:
+        """``I``: the gradient of the chunk's input only; keep what ``W`` needs (counted as
+        held memory when ``hold``: a ``W`` in a later step)."""
         kept = stash[(st.micro, st.chunk)]
         root = kept.handle
         if not root.requires_grad:
@@ -441,6 +463,8 @@ class PipelineRunner:
         for nodes, param_nodes in _group(plan):
             groups.append((nodes, [captured.get(n, ()) for n in nodes], param_nodes))
         kept.groups = groups
+        if not hold:
+            return
         kept.grad_bytes = sum(
             g.numel() * g.element_size() for _, gs, _ in groups for t in gs for g in t if g is not None
         )
