@@ -1,4 +1,5 @@
-"""Time to error of every desync scenario of the flight-recorder issue.
+"""Time to error of every desync scenario of the flight-recorder issue (the scenarios of
+``tests/_desync.py``, which ``tests/test_flight.py`` checks).
 
 Each scenario runs on a :class:`~diffcomm.LocalWorld` of each world size with
 ``collective_timeout=T`` (the ranks' ``DIFFCOMM_TIMEOUT``), a live world (restarted after
@@ -33,82 +34,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
-import torch
 from rich.console import Console
 from rich.table import Table
 
 import diffcomm as dc
 
-
-def _stamp(path: str) -> None:
-    with open(path, "w") as f:
-        f.write(repr(time.monotonic()))
-
-
-def skips_a_collective(victim: int, path: str) -> None:
-    x = torch.ones(4)
-    dc.all_reduce(x)
-    if dc.get_rank() != victim:
-        dc.all_reduce(x)  # the victim skips this one ...
-    dc.all_reduce(x)
-    if dc.get_rank() == victim:
-        _stamp(path)  # ... and returns: one call short
-
-
-def calls_another_op(victim: int, path: str) -> None:
-    x = torch.ones(4)
-    if dc.get_rank() == victim:
-        _stamp(path)
-        dc.broadcast(x, src=0)
-    else:
-        dc.all_reduce(x)
-
-
-def calls_another_shape(victim: int, path: str) -> None:
-    if dc.get_rank() == victim:
-        _stamp(path)
-    dc.all_reduce(torch.ones(8 if dc.get_rank() == victim else 4))
-
-
-def returns_early(victim: int, path: str) -> None:
-    x = torch.ones(4)
-    dc.all_reduce(x)
-    if dc.get_rank() == victim:
-        _stamp(path)
-        return
-    dc.all_gather(x)
-
-
-def hangs_in_user_code(victim: int, path: str) -> None:
-    x = torch.ones(4)
-    dc.all_reduce(x)
-    if dc.get_rank() == victim:
-        _stamp(path)
-        time.sleep(60)
-    dc.all_reduce(x)
-
-
-def skips_a_backward(victim: int, path: str) -> None:
-    x = torch.ones(4, requires_grad=True)
-    y = dc.all_gather(x)
-    loss = x.sum() if dc.get_rank() == victim else y.sum()  # the victim's loss ignores y
-    loss.backward()
-    if dc.get_rank() == victim:
-        _stamp(path)
-
-
-#: scenario -> (function, reacts at once: the culprit returned while others wait)
-SCENARIOS = {
-    "skips a collective": (skips_a_collective, True),
-    "calls another op": (calls_another_op, False),
-    "calls another shape": (calls_another_shape, False),
-    "returns early": (returns_early, True),
-    "hangs in user code": (hangs_in_user_code, False),
-    "skips a backward": (skips_a_backward, True),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from _desync import SCENARIOS, TORCHRUN_JOB, victim  # noqa: E402  (the scenarios the tests check)
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -122,17 +58,13 @@ def _alive(pids: list[int]) -> list[int]:
     return out
 
 
-def _victim(n: int) -> int:
-    return n - 1 if n == 2 else 2
-
-
 def measure(world: dc.LocalWorld, name: str, path: str) -> dict[str, Any]:
     fn, _ = SCENARIOS[name]
     world.run(time.sleep, 0)  # live (restarted after the previous scenario)
     pids = world.pids
     if os.path.exists(path):
         os.unlink(path)
-    v = _victim(world.world_size)
+    v = victim(world.world_size)
     start = time.monotonic()
     try:
         world.run(fn, v, path)
@@ -156,37 +88,11 @@ def measure(world: dc.LocalWorld, name: str, path: str) -> dict[str, Any]:
     }
 
 
-_TORCHRUN_JOB = """
-import os, sys, time
-import torch
-import diffcomm as dc
-
-dc.init()
-rank, scenario = dc.get_rank(), sys.argv[1]
-print(f"RANK {rank} PID {os.getpid()}", flush=True)
-x = torch.ones(4)
-dc.all_reduce(x)
-t0 = time.monotonic()
-try:
-    if scenario == "skip":  # rank 1 skips a collective and finishes its script
-        if rank != 1:
-            dc.all_reduce(x)
-    else:  # rank 1 broadcasts while rank 0 all_reduces
-        dc.broadcast(x, src=0) if rank == 1 else dc.all_reduce(x)
-    print(f"RANK {rank} DONE", flush=True)
-except dc.DesyncError as exc:
-    f = exc.facts
-    took = time.monotonic() - t0
-    print(f"RANK {rank} DESYNC {took:.2f} seq={f['seq']} culprits={f['culprits']}", flush=True)
-    sys.exit(1)
-"""
-
-
 def measure_torchrun(scenario: str, timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "job.py")
         with open(script, "w") as f:
-            f.write(_TORCHRUN_JOB)
+            f.write(TORCHRUN_JOB)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFCOMM_TIMEOUT": str(timeout)}
         start = time.monotonic()
         proc = subprocess.run(

@@ -49,30 +49,16 @@ def _stats(diffs: list[float]) -> dict[str, float]:
 
 # The frames between the user's call and the hook, compiled under a file name inside the
 # diffcomm package so that the call-site walk steps over them as it does in a real op.
+_FRAMES = ("public", "compile_wrapper", "apply", "forward", "backend", "dispatch", "run")
 _CHAIN = """
 def run(hook, sample):
     if hook:
         e = _flight.begin("all_reduce", None, 64, sample, "all_reduce(sum)")
         _flight.end(e)
-
-def dispatch(hook, sample):
-    run(hook, sample)
-
-def backend(hook, sample):
-    dispatch(hook, sample)
-
-def forward(hook, sample):
-    backend(hook, sample)
-
-def apply(hook, sample):
-    forward(hook, sample)
-
-def compile_wrapper(hook, sample):
-    apply(hook, sample)
-
-def public(hook, sample):
-    compile_wrapper(hook, sample)
-"""
+""" + "".join(
+    f"\ndef {caller}(hook, sample):\n    {callee}(hook, sample)\n"
+    for caller, callee in zip(_FRAMES, _FRAMES[1:])
+)
 _chain: dict[str, Any] = {"_flight": _flight}
 exec(compile(_CHAIN, _flight._PKG + "_bench_chain.py", "exec"), _chain)
 

@@ -101,17 +101,7 @@ def _serial_rank(cfg: dict[str, Any]) -> float:
 
 
 def _parallel_rank(cfg: dict[str, Any], sp: bool) -> dict[str, Any]:
-    rank, world = dc.get_rank(), dc.get_world_size()
-    mlp = P.ParallelMLP(cfg["hidden"], cfg["ffn"], bias=cfg["bias"], sequence_parallel=sp, seed=0)
-    x = torch.randn(cfg["seq"], cfg["batch"], cfg["hidden"], generator=torch.Generator().manual_seed(1))
-    if sp:
-        n = cfg["seq"] // world
-        x = x[rank * n : (rank + 1) * n]
-    x = x.clone().requires_grad_()
-
-    def step() -> None:
-        mlp(x).sum().backward()
-
+    _, step = _make(cfg, sp, overlap=False)
     times = _time_steps(step, cfg["iters"], cfg["warmup"], dist.barrier)
     with log_comms() as log:
         step()

@@ -4,6 +4,8 @@ backward of the linear ops hands on an asynchronous gradient."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -84,13 +86,17 @@ def _ops_rank() -> dict[str, dict[str, object]]:
     return out
 
 
+def _every_rank(world: dc.LocalWorld, rank_fn: Callable[[], dict[str, dict]]) -> list[tuple[str, dict]]:
+    """``(op name, result)`` for every op of ``rank_fn``'s table, on every rank."""
+    return [(name, r) for res in world.run(rank_fn) for name, r in res.items()]
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_async_op_values_and_gradients_equal_blocking(local_worlds, n) -> None:
-    for res in local_worlds(n).run(_ops_rank):
-        for name, r in res.items():
-            assert r["value"] and r["grad"] and r["double"], (name, r)
-            assert r["async"] == (name not in FINISHED_RESULT), (name, r)
-            assert r["async_grad"] == (name in ASYNC_BACKWARD), (name, r)
+    for name, r in _every_rank(local_worlds(n), _ops_rank):
+        assert r["value"] and r["grad"] and r["double"], (name, r)
+        assert r["async"] == (name not in FINISHED_RESULT), (name, r)
+        assert r["async_grad"] == (name in ASYNC_BACKWARD), (name, r)
 
 
 COALESCED = {
@@ -135,11 +141,10 @@ def _coalesced_rank() -> dict[str, dict[str, object]]:
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_async_coalesced_values_and_gradients_equal_blocking(local_worlds, n) -> None:
-    for res in local_worlds(n).run(_coalesced_rank):
-        for name, r in res.items():
-            assert r["value"] and r["grad"] and r["async"], (name, r)
-            if "max" not in name:  # max/min/product: the weight multiplies (and waits)
-                assert r["async_grad"] == {"AsyncTensor"}, (name, r)
+    for name, r in _every_rank(local_worlds(n), _coalesced_rank):
+        assert r["value"] and r["grad"] and r["async"], (name, r)
+        if "max" not in name:  # max/min/product: the weight multiplies (and waits)
+            assert r["async_grad"] == {"AsyncTensor"}, (name, r)
 
 
 def _transforms_rank() -> dict[str, object]:

@@ -13,18 +13,32 @@ import pytest
 import torch
 from rich.console import Console
 
+import diffcomm as dc
 from diffcomm import __version__, cli
 
 
-def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _run_python(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "diffcomm", *args],
+        [sys.executable, *args],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=timeout,
         stdin=subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
     )
+
+
+def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return _run_python("-m", "diffcomm", *args, env=env)
+
+
+def _imports_torch(p: subprocess.CompletedProcess[str]) -> bool:
+    """Whether a ``python -X importtime`` run imported torch (it must import diffcomm.cli)."""
+    imported = [line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if "|" in line]
+    assert "diffcomm.cli" in imported
+    return any(m.split(".")[0] == "torch" for m in imported)
 
 
 def test_info_prints_versions_backends_and_probed_capabilities() -> None:
@@ -50,14 +64,7 @@ def test_info_json_without_probe() -> None:
     assert info["c10d_backends"]["gloo"] is True
     assert set(info["c10d_backends"]) == set(cli.C10D_BACKENDS)
     assert info["accelerator"]["name"] == "cpu"
-    assert info["settings"] == {
-        "debug": False,
-        "timeout": None,
-        "accelerator": None,
-        "flight": True,
-        "flight_size": 1024,
-        "allow_oversubscribe": False,
-    }
+    assert info["settings"] == dc.settings()  # what this process reads from the same environment
     assert "probe" not in info
 
 
@@ -173,18 +180,10 @@ def test_prog_name_follows_argv0() -> None:
 @pytest.mark.parametrize("argv", [["--help"], ["check", "--help"], ["bench", "--help"], ["info", "--help"]])
 def test_help_does_not_import_torch(argv: list[str]) -> None:
     """``python -m diffcomm ... --help`` answers at once: nothing imports torch."""
-    p = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "diffcomm", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
+    p = _run_python("-X", "importtime", "-m", "diffcomm", *argv, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("usage: python -m diffcomm")
-    imported = [line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if "|" in line]
-    assert "diffcomm.cli" in imported
-    assert not [m for m in imported if m.split(".")[0] == "torch"]
+    assert not _imports_torch(p)
 
 
 def test_console_script_usage_says_diffcomm(tmp_path: Path) -> None:
@@ -198,21 +197,9 @@ def test_console_script_usage_says_diffcomm(tmp_path: Path) -> None:
         "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
         "    sys.exit(main())\n"
     )
-    p = subprocess.run(
-        [sys.executable, "-X", "importtime", str(script), "check", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
+    p = _run_python("-X", "importtime", str(script), "check", "--help", timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("usage: diffcomm check")
-    imported = [line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if "|" in line]
-    assert "diffcomm.cli" in imported and not [m for m in imported if m.split(".")[0] == "torch"]
-    bad = subprocess.run(
-        [sys.executable, str(script), "check", "--ops", "allreduce"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    assert not _imports_torch(p)
+    bad = _run_python(str(script), "check", "--ops", "allreduce", timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("diffcomm check: error: --ops: unknown op")

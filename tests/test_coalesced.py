@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from _shared import check_in_batches
 from hypothesis import strategies as st
 
 import diffcomm as dc
@@ -33,11 +33,6 @@ WORLDS = [1, 2, 3, 4]
 F64 = torch.float64
 DTYPES = ["float64", "float32", "float16", "bfloat16", "complex128", "int64"]
 OPS = ["sum", "avg", "max", "min", "product"]
-PROP = settings(
-    max_examples=8,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
 COALESCED = {
     "all_reduce": dc.all_reduce_coalesced,
     "reduce": dc.reduce_coalesced,
@@ -103,14 +98,7 @@ def coalesced_cases(draw: st.DrawFn, op: str, world: int) -> CoalescedCase:
 @pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("op", ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"])
 def test_coalesced_equals_single_ops_one_by_one(local_worlds, op: str, world_size: int) -> None:
-    world = local_worlds(world_size)
-
-    @PROP
-    @given(st.lists(coalesced_cases(op, world_size), min_size=3, max_size=3))
-    def check(batch: list[CoalescedCase]) -> None:
-        _assert_cases(world, batch)
-
-    check()
+    check_in_batches(local_worlds(world_size), coalesced_cases(op, world_size), _assert_cases, max_examples=8)
 
 
 @pytest.mark.parametrize("world_size", WORLDS)

@@ -12,18 +12,12 @@ import torch.distributed.nn.functional as tdnn
 import diffcomm as dc
 import diffcomm.compat as compat
 
-NAMES = [
-    "broadcast",
-    "gather",
-    "scatter",
-    "reduce",
-    "reduce_scatter",
-    "all_gather",
-    "_all_gather_base",
-    "all_to_all",
-    "all_to_all_single",
-    "all_reduce",
-]
+NAMES = compat.__all__  # every name of torch.distributed.nn.functional that compat mirrors
+
+
+def test_every_public_function_of_torch_is_mirrored() -> None:
+    theirs = {n for n, f in vars(tdnn).items() if inspect.isfunction(f) and f.__module__ == tdnn.__name__}
+    assert set(NAMES) == {n for n in theirs if not n.startswith("_")} | {"_all_gather_base"}
 
 
 @pytest.mark.parametrize("name", NAMES)

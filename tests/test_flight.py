@@ -19,6 +19,16 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from _desync import (
+    TORCHRUN_JOB,
+    calls_another_op,
+    calls_another_shape,
+    hangs_in_user_code,
+    returns_early,
+    skips_a_backward,
+    skips_a_collective,
+    victim,
+)
 from _procs import still_alive
 
 import diffcomm as dc
@@ -123,63 +133,6 @@ def test_settings_show_the_flight_recorder() -> None:
 # ---------------------------------------------------------------- the desync scenarios
 
 
-def _stamp(path: str | None) -> None:
-    """Write this rank's ``time.monotonic()`` (a system-wide clock on Linux) to ``path``:
-    the moment the culprit went wrong, for the within-1-s checks."""
-    if path is not None:
-        Path(path).write_text(repr(time.monotonic()))
-
-
-def _skip_one(victim: int, stamp: str | None = None) -> bool:
-    x = torch.ones(4)
-    dc.all_reduce(x)
-    if dc.get_rank() != victim:
-        dc.all_reduce(x)  # the victim skips this one
-    dc.all_reduce(x)
-    if dc.get_rank() == victim:
-        _stamp(stamp)
-    return True
-
-
-def _different_op(victim: int) -> None:
-    x = torch.ones(4)
-    if dc.get_rank() == victim:
-        dc.broadcast(x, src=0)
-    else:
-        dc.all_reduce(x)
-
-
-def _different_shape(victim: int) -> None:
-    x = torch.ones(8 if dc.get_rank() == victim else 4)
-    dc.all_reduce(x)
-
-
-def _returns_early(victim: int, stamp: str | None = None) -> None:
-    x = torch.ones(4)
-    dc.all_reduce(x)
-    if dc.get_rank() == victim:
-        _stamp(stamp)
-        return
-    dc.all_gather(x)
-
-
-def _hangs_in_user_code(victim: int) -> None:
-    x = torch.ones(4)
-    dc.all_reduce(x)
-    if dc.get_rank() == victim:
-        time.sleep(60)
-    dc.all_reduce(x)
-
-
-def _skips_backward(victim: int, stamp: str | None = None) -> None:
-    x = torch.ones(4, requires_grad=True)
-    y = dc.all_gather(x)
-    loss = x.sum() if dc.get_rank() == victim else y.sum()  # the victim's loss ignores y
-    loss.backward()
-    if dc.get_rank() == victim:
-        _stamp(stamp)
-
-
 @pytest.fixture(scope="module", params=[2, 4])
 def desync_world(request: pytest.FixtureRequest) -> Iterator[LocalWorld]:
     world = LocalWorld(request.param, timeout=60, collective_timeout=T)
@@ -200,25 +153,23 @@ def _provoke(world: LocalWorld, fn, victim: int, *args) -> tuple[BaseException, 
     return info.value, raised_at - start, raised_at
 
 
-def _since_return(world: LocalWorld, fn, tmp_path: Path) -> tuple[BaseException, float]:  # noqa: ANN001
-    """The culprit returns while the others wait for it: seconds from its return (its own
-    ``time.monotonic()`` reading, a system-wide clock) until the caller holds the error."""
-    stamp = tmp_path / "returned_at"
-    err, _, raised_at = _provoke(world, fn, _victim(world), str(stamp))
-    return err, raised_at - float(stamp.read_text())
-
-
-def _victim(world: LocalWorld) -> int:
-    return world.world_size - 1 if world.world_size == 2 else 2
+def _culprit_returned(world: LocalWorld, fn, tmp_path: Path) -> tuple[int, RankDesyncError]:  # noqa: ANN001
+    """The culprit returns while the others wait for it: a RankDesyncError naming it must
+    reach the caller within 1 s of its return (its own ``time.monotonic()`` reading, a
+    system-wide clock). The victim and the error."""
+    stamp, v = tmp_path / "returned_at", victim(world.world_size)
+    err, _, raised_at = _provoke(world, fn, v, str(stamp))
+    elapsed = raised_at - float(stamp.read_text())
+    assert type(err) is RankDesyncError and elapsed < 1.0, (elapsed, err)
+    assert err.facts["culprits"] == [v], err
+    return v, err
 
 
 def test_rank_skips_a_collective(desync_world: LocalWorld, tmp_path: Path) -> None:
-    v = _victim(desync_world)
-    err, elapsed = _since_return(desync_world, _skip_one, tmp_path)
-    assert type(err) is RankDesyncError and elapsed < 1.0, (elapsed, err)
-    assert err.facts["culprits"] == [v] and err.facts["seq"] == 2 and err.facts["returned"] == [v]
+    v, err = _culprit_returned(desync_world, skips_a_collective, tmp_path)
+    assert err.facts["seq"] == 2 and err.facts["returned"] == [v]
     text = str(err)
-    assert text.startswith(f"LocalWorld: rank(s) [{v}] returned from `_skip_one` while rank(s)")
+    assert text.startswith(f"LocalWorld: rank(s) [{v}] returned from `skips_a_collective` while rank(s)")
     assert "`all_reduce(sum)` #2" in text
     assert f"rank(s) [{v}] never reached `all_reduce(sum)` #2" in text
     # the skipped call itself: #1 came from different lines
@@ -227,8 +178,8 @@ def test_rank_skips_a_collective(desync_world: LocalWorld, tmp_path: Path) -> No
 
 
 def test_rank_calls_a_different_op(desync_world: LocalWorld) -> None:
-    v = _victim(desync_world)
-    err, elapsed, _ = _provoke(desync_world, _different_op, v)
+    v = victim(desync_world.world_size)
+    err, elapsed, _ = _provoke(desync_world, calls_another_op, v)
     assert type(err) is RankDesyncError and elapsed < T + 2, (elapsed, err)
     assert err.facts["culprits"] == [v] and err.facts["seq"] == 0
     text = str(err)
@@ -239,15 +190,15 @@ def test_rank_calls_a_different_op(desync_world: LocalWorld) -> None:
 
 
 def test_rank_calls_with_a_different_shape(desync_world: LocalWorld) -> None:
-    v = _victim(desync_world)
-    err, elapsed, _ = _provoke(desync_world, _different_shape, v)
+    v = victim(desync_world.world_size)
+    err, elapsed, _ = _provoke(desync_world, calls_another_shape, v)
     assert elapsed < T + 2, (elapsed, err)
     text = str(err)
     if isinstance(err, RankDiedError):
         # gloo aborts a rank that receives more bytes than it expects (world 2): the rank's
         # own stacks and the survivors' records tell what happened
         assert text.startswith("rank ") and "aborted by the backend inside raw `all_reduce`" in text
-        assert "test_flight.py:" in text and "`all_reduce(sum)` #0" in text
+        assert "_desync.py:" in text and "`all_reduce(sum)` #0" in text
         assert "different shapes" in text
         assert "shape (8,)" in text or v in err.exitcodes
     else:
@@ -258,20 +209,18 @@ def test_rank_calls_with_a_different_shape(desync_world: LocalWorld) -> None:
 
 
 def test_rank_returns_early(desync_world: LocalWorld, tmp_path: Path) -> None:
-    v = _victim(desync_world)
-    err, elapsed = _since_return(desync_world, _returns_early, tmp_path)
-    assert type(err) is RankDesyncError and elapsed < 1.0, (elapsed, err)
-    assert err.facts["culprits"] == [v] and err.facts["seq"] == 1
+    v, err = _culprit_returned(desync_world, returns_early, tmp_path)
+    assert err.facts["seq"] == 1
     text = str(err)
-    assert text.startswith(f"LocalWorld: rank(s) [{v}] returned from `_returns_early`")
+    assert text.startswith(f"LocalWorld: rank(s) [{v}] returned from `returns_early`")
     assert "`all_gather (size exchange)` #1" in text
     assert f"rank {v}: returned from the function; last completed `all_reduce(sum)` #0" in text
     assert "Under autograd" not in text and "is a backward" not in text
 
 
 def test_rank_hangs_in_user_code(desync_world: LocalWorld) -> None:
-    v = _victim(desync_world)
-    err, elapsed, _ = _provoke(desync_world, _hangs_in_user_code, v)
+    v = victim(desync_world.world_size)
+    err, elapsed, _ = _provoke(desync_world, hangs_in_user_code, v)
     assert type(err) is RankDesyncError and elapsed < T + 2, (elapsed, err)
     assert err.facts["culprits"] == [v] and err.facts["seq"] == 1
     text = str(err)
@@ -281,10 +230,8 @@ def test_rank_hangs_in_user_code(desync_world: LocalWorld) -> None:
 
 
 def test_rank_skips_a_backward(desync_world: LocalWorld, tmp_path: Path) -> None:
-    v = _victim(desync_world)
-    err, elapsed = _since_return(desync_world, _skips_backward, tmp_path)
-    assert type(err) is RankDesyncError and elapsed < 1.0, (elapsed, err)
-    assert err.facts["culprits"] == [v] and err.facts["direction"] == "backward"
+    _, err = _culprit_returned(desync_world, skips_a_backward, tmp_path)
+    assert err.facts["direction"] == "backward"
     text = str(err)
     assert "`all_gather backward -> reduce_scatter(sum)` #2" in text
     assert "The blocked op is a backward: under autograd" in text
@@ -463,33 +410,6 @@ def test_cli_check_json_includes_the_flight_recorder(capsys) -> None:
 # ---------------------------------------------------------------------- under torchrun
 
 
-_TORCHRUN_JOB = """
-import os, sys, time
-import torch
-import diffcomm as dc
-
-dc.init()
-rank, scenario = dc.get_rank(), sys.argv[1]
-print(f"RANK {rank} PID {os.getpid()}", flush=True)
-x = torch.ones(4)
-t0 = time.monotonic()
-try:
-    dc.all_reduce(x)
-    if scenario == "skip":  # rank 1 skips the last collective and finishes its script
-        if rank != 1:
-            dc.all_reduce(x)
-    else:  # "different_op": rank 1 broadcasts while rank 0 all_reduces
-        dc.broadcast(x, src=0) if rank == 1 else dc.all_reduce(x)
-    print(f"RANK {rank} DONE", flush=True)
-except dc.DesyncError as exc:
-    f = exc.facts
-    took = time.monotonic() - t0
-    print(f"RANK {rank} DESYNC {took:.2f} seq={f['seq']} culprits={f['culprits']}", flush=True)
-    print(f"RANK {rank} TEXT " + str(exc).replace(chr(10), " | "), flush=True)
-    sys.exit(1)
-"""
-
-
 @pytest.mark.skipif(__import__("shutil").which("torchrun") is None, reason="`torchrun` is not on PATH")
 @pytest.mark.parametrize("scenario", ["skip", "different_op"])
 def test_desync_under_torchrun(tmp_path, scenario: str) -> None:
@@ -498,7 +418,7 @@ def test_desync_under_torchrun(tmp_path, scenario: str) -> None:
     import subprocess
 
     script = tmp_path / "job.py"
-    script.write_text(_TORCHRUN_JOB)
+    script.write_text(TORCHRUN_JOB)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFCOMM_TIMEOUT": str(T)}
     env.pop("DIFFCOMM_ACCELERATOR", None)
     proc = subprocess.run(

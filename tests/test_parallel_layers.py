@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from _shared import outcomes
 from torch import nn
 from torch.testing import assert_close
 
@@ -37,31 +38,35 @@ def _x(hidden: int) -> torch.Tensor:
 # ======================================================================================
 
 
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("gather_output", [False, True], ids=["sharded_out", "gather_output"])
-def test_column_parallel_linear_matches_nn_linear(world, bias: bool, gather_output: bool) -> None:
-    torch.manual_seed(0)
-    serial = nn.Linear(5, 12, bias=bias, dtype=F64)
-    assert_matches_serial(
-        build(functools.partial(P.ColumnParallelLinear.from_serial, gather_output=gather_output)),
-        serial,
-        _x(5),
-        world=world,
-        output_specs=None if gather_output else [Shard(-1)],
-    )
+# (layer, its option, the option's value, in/out features, the specs of sharded sides)
+_LINEARS = {
+    "column-sharded_out": (
+        P.ColumnParallelLinear,
+        "gather_output",
+        False,
+        (5, 12),
+        {"output_specs": [Shard(-1)]},
+    ),
+    "column-gather_output": (P.ColumnParallelLinear, "gather_output", True, (5, 12), {}),
+    "row-scatter_in": (P.RowParallelLinear, "input_is_parallel", False, (12, 5), {}),
+    "row-parallel_in": (
+        P.RowParallelLinear,
+        "input_is_parallel",
+        True,
+        (12, 5),
+        {"input_specs": [Shard(-1)]},
+    ),
+}
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("input_is_parallel", [False, True], ids=["scatter_in", "parallel_in"])
-def test_row_parallel_linear_matches_nn_linear(world, bias: bool, input_is_parallel: bool) -> None:
+@pytest.mark.parametrize("case", list(_LINEARS))
+def test_column_and_row_parallel_linear_match_nn_linear(world, bias: bool, case: str) -> None:
+    layer, option, value, (n_in, n_out), specs = _LINEARS[case]
     torch.manual_seed(0)
-    serial = nn.Linear(12, 5, bias=bias, dtype=F64)
+    serial = nn.Linear(n_in, n_out, bias=bias, dtype=F64)
     assert_matches_serial(
-        build(functools.partial(P.RowParallelLinear.from_serial, input_is_parallel=input_is_parallel)),
-        serial,
-        _x(12),
-        world=world,
-        input_specs=[Shard(-1)] if input_is_parallel else None,
+        build(functools.partial(layer.from_serial, **{option: value})), serial, _x(n_in), world=world, **specs
     )
 
 
@@ -91,16 +96,30 @@ def test_sequence_parallel_linears_match_nn_linear(world, bias: bool) -> None:
     )
 
 
+# (parallel block, its serial reference, hidden size)
+_BLOCKS = {
+    "mlp-bias": (P.ParallelMLP, lambda: P.MLP(6, 12, bias=True, dtype=F64), 6),
+    "mlp-nobias": (P.ParallelMLP, lambda: P.MLP(6, 12, bias=False, dtype=F64), 6),
+    "attention-full": (P.ParallelSelfAttention, lambda: P.SelfAttention(24, num_heads=12, dtype=F64), 24),
+    "attention-causal": (
+        P.ParallelSelfAttention,
+        lambda: P.SelfAttention(24, num_heads=12, causal=True, dtype=F64),
+        24,
+    ),
+}
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_parallel_mlp_matches_serial(world, sequence_parallel: bool, bias: bool) -> None:
+@pytest.mark.parametrize("case", list(_BLOCKS))
+def test_parallel_blocks_match_serial(world, sequence_parallel: bool, case: str) -> None:
+    block, make_serial, hidden = _BLOCKS[case]
     torch.manual_seed(0)
-    serial = P.MLP(6, 12, bias=bias, dtype=F64)
+    serial = make_serial()
     spec = [Shard(0)] if sequence_parallel else None
     assert_matches_serial(
-        build(functools.partial(P.ParallelMLP.from_serial, sequence_parallel=sequence_parallel)),
+        build(functools.partial(block.from_serial, sequence_parallel=sequence_parallel)),
         serial,
-        _x(6),
+        _x(hidden),
         world=world,
         input_specs=spec,
         output_specs=spec,
@@ -118,22 +137,6 @@ def test_sequence_parallel_mlp_batch_first(world2) -> None:
         world=world2,
         input_specs=[Shard(1)],
         output_specs=[Shard(1)],
-    )
-
-
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_parallel_self_attention_matches_serial(world, sequence_parallel: bool, causal: bool) -> None:
-    torch.manual_seed(0)
-    serial = P.SelfAttention(24, num_heads=12, causal=causal, dtype=F64)
-    spec = [Shard(0)] if sequence_parallel else None
-    assert_matches_serial(
-        build(functools.partial(P.ParallelSelfAttention.from_serial, sequence_parallel=sequence_parallel)),
-        serial,
-        _x(24),
-        world=world,
-        input_specs=spec,
-        output_specs=spec,
     )
 
 
@@ -239,14 +242,7 @@ def _validation_errors() -> dict[str, str]:
         "column_sp_gather": lambda: P.ColumnParallelLinear(4, 8, gather_output=True, sequence_parallel=True),
         "seed_and_generator": lambda: P.ColumnParallelLinear(4, 8, seed=1, generator=torch.Generator()),
     }
-    out = {}
-    for key, make in cases.items():
-        try:
-            make()
-            out[key] = "no error"
-        except ValueError as exc:
-            out[key] = str(exc)
-    return out
+    return outcomes(cases, ValueError)
 
 
 def test_indivisible_sizes_and_bad_combinations_are_value_errors(world4) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _shared import outcomes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -112,17 +113,11 @@ def test_check_adjoint_passes_the_core_collectives(world3, name: str) -> None:
 
 def _wrong_adjoint() -> dict[str, str]:
     x, y = _rand(1, 2, 3), _rand(2, 2 * dc.get_world_size(), 3)
-    out = {}
-    for key, kwargs in {
-        "autograd": {"op": _AllGatherOwnChunkBackward.apply},
-        "dual_op": {"op": lambda t: dc.all_gather(t, 0), "dual_op": lambda g: g[:2]},
-    }.items():
-        try:
-            check_adjoint(x=x, y=y, **kwargs)
-            out[key] = "no error"
-        except AssertionError as exc:
-            out[key] = str(exc)
-    return out
+    calls = {
+        "autograd": lambda: check_adjoint(_AllGatherOwnChunkBackward.apply, x=x, y=y),
+        "dual_op": lambda: check_adjoint(lambda t: dc.all_gather(t, 0), dual_op=lambda g: g[:2], x=x, y=y),
+    }
+    return outcomes(calls, AssertionError)
 
 
 def test_check_adjoint_catches_a_wrong_adjoint(world2) -> None:
@@ -163,7 +158,6 @@ def test_gradcheck_passes_correct_code(world2) -> None:
 
 
 def _gradcheck_failures() -> dict[str, str]:
-    out = {}
     xr = _rand(1, 2, 4, rank=-1).requires_grad_()
     w1 = _rand(2, 3, 4).requires_grad_()
     cases = {
@@ -179,12 +173,7 @@ def _gradcheck_failures() -> dict[str, str]:
         # objective="replicated" with an output that is not replicated
         "not_replicated": lambda: gradcheck(lambda t: t.sum(), (w1,), objective="replicated"),
     }
-    for key, call in cases.items():
-        try:
-            call()
-            out[key] = "no error"
-        except AssertionError as exc:
-            out[key] = str(exc)
+    out = outcomes(cases, AssertionError)
     try:
         gradcheck(lambda t: t, (torch.ones(2, requires_grad=True),))
     except ValueError as exc:

@@ -186,123 +186,85 @@ def _impls(op: str, nbytes: int) -> dict[str, Callable[[], None]]:
 
         return run
 
-    # fwd / bwd: the raw calls into fresh outputs (the floor's body); raw: the same by hand.
-    if op == "all_reduce":
+    # One raw call per op, into a fresh output: the floor's body is the op's call forward
+    # and its dual's (dc.DUALS) backward; `raw` runs the same pair by hand. The gradients
+    # here are contiguous (ones_like of a fresh output), as the raw calls need.
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        y = t.clone()
+        dist.all_reduce(y)
+        return y
 
-        def fwd(x: torch.Tensor) -> torch.Tensor:
-            y = x.clone()
-            dist.all_reduce(y)
-            return y
+    def broadcast(t: torch.Tensor) -> torch.Tensor:
+        y = t.clone()
+        dist.broadcast(y, src=0)
+        return y
 
-        bwd = fwd
-        dc_fn: Callable[[torch.Tensor], torch.Tensor] = lambda x: dc.all_reduce(x)
-        nn_fn: Callable | None = lambda x: _quiet(tdnn.all_reduce, x)
-        fc_fn: Callable | None = None
-    elif op == "all_gather":
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        y = t.clone()
+        dist.reduce(y, dst=0)
+        return y if r == 0 else y.zero_()
 
-        def fwd(x: torch.Tensor) -> torch.Tensor:
-            y = torch.empty(n * w)
-            _all_gather_single(y, x)
-            return y
+    def all_gather(t: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(t.numel() * w)
+        _all_gather_single(y, t)
+        return y
 
-        def bwd(g: torch.Tensor) -> torch.Tensor:
-            gx = torch.empty(n)
-            _reduce_scatter_single(gx, g.contiguous())
-            return gx
+    def reduce_scatter(t: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(t.numel() // w)
+        _reduce_scatter_single(y, t)
+        return y
 
-        dc_fn = lambda x: dc.all_gather(x)
-        nn_fn = lambda x: torch.cat(_quiet(tdnn.all_gather, x))
-        fc_fn = lambda x: funcol.all_gather_tensor_autograd(x, 0, pg)
-    elif op == "reduce_scatter":
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros(t.numel() * w)
+        dist.gather(t, list(y.split(t.numel())) if r == 0 else None, dst=0)
+        return y
 
-        def fwd(x: torch.Tensor) -> torch.Tensor:
-            y = torch.empty(chunk)
-            _reduce_scatter_single(y, x)
-            return y
+    def scatter(t: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(t.numel() // w)
+        dist.scatter(y, list(t.split(y.numel())) if r == 0 else None, src=0)
+        return y
 
-        def bwd(g: torch.Tensor) -> torch.Tensor:
-            gx = torch.empty(n)
-            _all_gather_single(gx, g.contiguous())
-            return gx
+    def all_to_all(t: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(t.numel())
+        dist.all_to_all_single(y, t)
+        return y
 
-        dc_fn = lambda x: dc.reduce_scatter(x)
-        nn_fn = lambda x: _quiet(tdnn.reduce_scatter, torch.empty(chunk), list(x.split(chunk)))
-        fc_fn = lambda x: funcol.reduce_scatter_tensor_autograd(x, "sum", 0, pg)
-    elif op == "broadcast":
+    raw_calls = {f.__name__: f for f in (all_reduce, broadcast, reduce, all_gather, reduce_scatter)}
+    raw_calls.update({f.__name__: f for f in (gather, scatter, all_to_all)})
+    fwd, bwd = raw_calls[op], raw_calls[dc.DUALS[op]]
 
-        def fwd(x: torch.Tensor) -> torch.Tensor:
-            y = x.clone()
-            dist.broadcast(y, src=0)
-            return y
-
-        def bwd(g: torch.Tensor) -> torch.Tensor:
-            g = g.clone()
-            dist.reduce(g, dst=0)
-            return g if r == 0 else g.zero_()
-
-        dc_fn = lambda x: dc.broadcast(x, src=0)
-        nn_fn = lambda x: _quiet(tdnn.broadcast, x, 0)
-        fc_fn = None
-    elif op == "reduce":
-
-        def fwd(x: torch.Tensor) -> torch.Tensor:
-            y = x.clone()
-            dist.reduce(y, dst=0)
-            return y if r == 0 else y.zero_()
-
-        def bwd(g: torch.Tensor) -> torch.Tensor:
-            g = g.clone()
-            dist.broadcast(g, src=0)
-            return g
-
-        dc_fn = lambda x: dc.reduce(x, dst=0)
-        nn_fn = lambda x: _quiet(tdnn.reduce, x, 0)
-        fc_fn = None
-    elif op == "gather":
-
-        def fwd(x: torch.Tensor) -> torch.Tensor:
-            y = torch.zeros(n * w)
-            dist.gather(x, list(y.split(n)) if r == 0 else None, dst=0)
-            return y
-
-        def bwd(g: torch.Tensor) -> torch.Tensor:
-            gx = torch.empty(n)
-            dist.scatter(gx, list(g.contiguous().split(n)) if r == 0 else None, src=0)
-            return gx
-
-        dc_fn = lambda x: dc.gather(x, dst=0, split_sizes=[n] * w)
-        nn_fn = lambda x: torch.cat(_quiet(tdnn.gather, x, 0))
-        fc_fn = None
-    elif op == "scatter":
-
-        def fwd(x: torch.Tensor) -> torch.Tensor:
-            y = torch.empty(chunk)
-            dist.scatter(y, list(x.split(chunk)) if r == 0 else None, src=0)
-            return y
-
-        def bwd(g: torch.Tensor) -> torch.Tensor:
-            gx = torch.zeros(n)
-            dist.gather(g.contiguous(), list(gx.split(chunk)) if r == 0 else None, dst=0)
-            return gx
-
-        dc_fn = lambda x: dc.scatter(x, src=0)
-        nn_fn = lambda x: _quiet(tdnn.scatter, list(x.split(chunk)), 0)
-        fc_fn = None
-    else:  # all_to_all
-
-        def fwd(x: torch.Tensor) -> torch.Tensor:
-            y = torch.empty(n)
-            dist.all_to_all_single(y, x)
-            return y
-
-        def bwd(g: torch.Tensor) -> torch.Tensor:
-            gx = torch.empty(n)
-            dist.all_to_all_single(gx, g.contiguous())
-            return gx
-
-        dc_fn = lambda x: dc.all_to_all(x)
-        nn_fn = lambda x: _quiet(tdnn.all_to_all_single, torch.empty(n), x)
-        fc_fn = lambda x: funcol.all_to_all_single_autograd(x, None, None, pg)
+    # op -> (diffcomm, torch.distributed.nn.functional, functional collectives or None)
+    public: dict[str, tuple[Callable, Callable, Callable | None]] = {
+        "all_reduce": (lambda x: dc.all_reduce(x), lambda x: _quiet(tdnn.all_reduce, x), None),
+        "all_gather": (
+            lambda x: dc.all_gather(x),
+            lambda x: torch.cat(_quiet(tdnn.all_gather, x)),
+            lambda x: funcol.all_gather_tensor_autograd(x, 0, pg),
+        ),
+        "reduce_scatter": (
+            lambda x: dc.reduce_scatter(x),
+            lambda x: _quiet(tdnn.reduce_scatter, torch.empty(chunk), list(x.split(chunk))),
+            lambda x: funcol.reduce_scatter_tensor_autograd(x, "sum", 0, pg),
+        ),
+        "broadcast": (lambda x: dc.broadcast(x, src=0), lambda x: _quiet(tdnn.broadcast, x, 0), None),
+        "reduce": (lambda x: dc.reduce(x, dst=0), lambda x: _quiet(tdnn.reduce, x, 0), None),
+        "gather": (
+            lambda x: dc.gather(x, dst=0, split_sizes=[n] * w),
+            lambda x: torch.cat(_quiet(tdnn.gather, x, 0)),
+            None,
+        ),
+        "scatter": (
+            lambda x: dc.scatter(x, src=0),
+            lambda x: _quiet(tdnn.scatter, list(x.split(chunk)), 0),
+            None,
+        ),
+        "all_to_all": (
+            lambda x: dc.all_to_all(x),
+            lambda x: _quiet(tdnn.all_to_all_single, torch.empty(n), x),
+            lambda x: funcol.all_to_all_single_autograd(x, None, None, pg),
+        ),
+    }
+    dc_fn, nn_fn, fc_fn = public[op]
 
     def raw() -> None:
         y = fwd(x0)

@@ -221,6 +221,10 @@ class CPUAccelerator(TorchModuleAccelerator):
     - **Streams/events**: :class:`CPUStream` / :class:`CPUEvent`; the stream context is
       ``torch.cpu.StreamContext``.
     - **Memory** is measured on the process, by the OS (psutil, ``/proc``): see each method.
+      Every memory method returns bytes.
+
+    There is one CPU device: a ``device`` argument is validated (``None``, ``"cpu"``,
+    ``0``, ...) and otherwise ignored.
     """
 
     name = "cpu"
@@ -289,12 +293,6 @@ class CPUAccelerator(TorchModuleAccelerator):
 
         All memory the process has in RAM: tensors, but also the Python heap, loaded
         libraries and freed memory the C allocator has not yet returned to the OS.
-
-        Args:
-            device: ignored beyond validation (there is one CPU device).
-
-        Returns:
-            Bytes.
         """
         self._index(device)
         return self._peak.observe()
@@ -308,12 +306,6 @@ class CPUAccelerator(TorchModuleAccelerator):
         writable), the peak after the reset is **sampled**: the largest RSS seen by any
         memory call of this accelerator since the reset, so a short spike between two
         calls is missed.
-
-        Args:
-            device: ignored beyond validation.
-
-        Returns:
-            Bytes.
         """
         current = self.memory_allocated(device)
         if self._peak.peak is not None:
@@ -324,12 +316,6 @@ class CPUAccelerator(TorchModuleAccelerator):
         """Virtual memory size (VMS) of this process: address space it has reserved.
 
         Most of it is usually not resident (see :meth:`memory_allocated` for RSS).
-
-        Args:
-            device: ignored beyond validation.
-
-        Returns:
-            Bytes.
         """
         self._index(device)
         return int(_process().memory_info().vms)
@@ -341,9 +327,6 @@ class CPUAccelerator(TorchModuleAccelerator):
         ``/proc/self/clear_refs``, which also resets ``VmHWM`` and ``ru_maxrss`` for
         anyone else reading them in this process). Where that fails, the peak is sampled
         from now on (see :meth:`max_memory_allocated`).
-
-        Args:
-            device: ignored beyond validation.
         """
         self._index(device)
         if _reset_kernel_peak_rss():
@@ -353,9 +336,6 @@ class CPUAccelerator(TorchModuleAccelerator):
 
     def memory_stats(self, device: DeviceLike = None) -> dict[str, Any]:
         """RSS, peak RSS, VMS and system memory, under ``torch.cuda``-style keys.
-
-        Args:
-            device: ignored beyond validation.
 
         Returns:
             ``{"allocated_bytes.all.current": RSS, "allocated_bytes.all.peak": peak RSS,
@@ -373,12 +353,6 @@ class CPUAccelerator(TorchModuleAccelerator):
 
     def total_memory(self, device: DeviceLike = None) -> int:
         """System RAM (``psutil.virtual_memory().total``), or the cgroup limit if lower.
-
-        Args:
-            device: ignored beyond validation.
-
-        Returns:
-            Bytes.
         """
         self._index(device)
         total = int(psutil.virtual_memory().total)
@@ -390,12 +364,6 @@ class CPUAccelerator(TorchModuleAccelerator):
 
         Inside a memory-limited container, the smaller of that and the limit minus the
         container's current usage.
-
-        Args:
-            device: ignored beyond validation.
-
-        Returns:
-            Bytes.
         """
         self._index(device)
         available = int(psutil.virtual_memory().available)

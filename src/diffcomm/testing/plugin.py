@@ -15,6 +15,7 @@ Options: ``--diffcomm-timeout SECONDS`` (the ranks' collective timeout, default 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -48,21 +49,14 @@ def local_worlds(request: pytest.FixtureRequest) -> Iterator[Callable[..., Local
         w.close()
 
 
-@pytest.fixture
-def world1(local_worlds: Callable[..., LocalWorld]) -> LocalWorld:
-    return local_worlds(1)
+def _world_fixture(n: int) -> Any:
+    """The fixture ``world{n}``: ``local_worlds(n)``."""
+
+    def world(local_worlds: Callable[..., LocalWorld]) -> LocalWorld:
+        return local_worlds(n)
+
+    world.__doc__ = f"The shared {n}-rank LocalWorld (``local_worlds({n})``)."
+    return pytest.fixture(name=f"world{n}")(world)
 
 
-@pytest.fixture
-def world2(local_worlds: Callable[..., LocalWorld]) -> LocalWorld:
-    return local_worlds(2)
-
-
-@pytest.fixture
-def world3(local_worlds: Callable[..., LocalWorld]) -> LocalWorld:
-    return local_worlds(3)
-
-
-@pytest.fixture
-def world4(local_worlds: Callable[..., LocalWorld]) -> LocalWorld:
-    return local_worlds(4)
+world1, world2, world3, world4 = (_world_fixture(n) for n in (1, 2, 3, 4))
