@@ -153,6 +153,16 @@ def _provoke(world: LocalWorld, fn, victim: int, *args) -> tuple[BaseException, 
     return info.value, raised_at - start, raised_at
 
 
+def _culprit_timed_out(world: LocalWorld, fn) -> tuple[int, RankDesyncError]:  # noqa: ANN001
+    """The ranks wait for the culprit until the collective timeout: a RankDesyncError
+    naming it must reach the caller within ``T + 2`` s of ``run``. The victim and the error."""
+    v = victim(world.world_size)
+    err, elapsed, _ = _provoke(world, fn, v)
+    assert type(err) is RankDesyncError and elapsed < T + 2, (elapsed, err)
+    assert err.facts["culprits"] == [v], err
+    return v, err
+
+
 def _culprit_returned(world: LocalWorld, fn, tmp_path: Path) -> tuple[int, RankDesyncError]:  # noqa: ANN001
     """The culprit returns while the others wait for it: a RankDesyncError naming it must
     reach the caller within 1 s of its return (its own ``time.monotonic()`` reading, a
@@ -178,10 +188,8 @@ def test_rank_skips_a_collective(desync_world: LocalWorld, tmp_path: Path) -> No
 
 
 def test_rank_calls_a_different_op(desync_world: LocalWorld) -> None:
-    v = victim(desync_world.world_size)
-    err, elapsed, _ = _provoke(desync_world, calls_another_op, v)
-    assert type(err) is RankDesyncError and elapsed < T + 2, (elapsed, err)
-    assert err.facts["culprits"] == [v] and err.facts["seq"] == 0
+    v, err = _culprit_timed_out(desync_world, calls_another_op)
+    assert err.facts["seq"] == 0
     text = str(err)
     assert "ranks called different communications at sequence number #0" in text
     assert f"rank(s) [{v}] called `broadcast` #0" in text and "`all_reduce(sum)` #0" in text
@@ -219,10 +227,8 @@ def test_rank_returns_early(desync_world: LocalWorld, tmp_path: Path) -> None:
 
 
 def test_rank_hangs_in_user_code(desync_world: LocalWorld) -> None:
-    v = victim(desync_world.world_size)
-    err, elapsed, _ = _provoke(desync_world, hangs_in_user_code, v)
-    assert type(err) is RankDesyncError and elapsed < T + 2, (elapsed, err)
-    assert err.facts["culprits"] == [v] and err.facts["seq"] == 1
+    v, err = _culprit_timed_out(desync_world, hangs_in_user_code)
+    assert err.facts["seq"] == 1
     text = str(err)
     assert f"rank(s) [{v}] never reached `all_reduce(sum)` #1" in text
     busy = f"rank {v}: busy in user code (in no diffcomm communication)"

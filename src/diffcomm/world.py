@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import faulthandler
 import multiprocessing.connection as mpc
 import os
 import pickle
@@ -43,31 +42,31 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 import psutil
-import torch
 import torch.distributed as dist
 
-from . import _config, _flight
+from . import _config
+from . import _world_report as _report
 from ._errors import (
-    CollectiveTimeoutError,
-    DesyncError,
     RankDesyncError,
     RankDiedError,
     RankError,
     WorldTimeoutError,
     WorldTooLargeError,
 )
-from .accelerator import comm_accelerator
 
 __all__ = ["LocalWorld", "launch", "init", "get_rank", "get_world_size", "is_initialized"]
+
+# Size: ~620 lines, just over the ~600 guideline: what remains is the caller side of
+# LocalWorld (start, run, the watch loop that tells death, error, desync and timeout
+# apart, teardown) plus init/launch; the rank process is ``_worker``, and the failure
+# messages and early diagnoses are ``_world_report``.
 
 DEFAULT_COLLECTIVE_TIMEOUT = 30.0  # seconds; LocalWorld's default for DIFFCOMM_TIMEOUT
 DEFAULT_RUN_TIMEOUT = 300.0
@@ -156,89 +155,6 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
 # --------------------------------------------------------------------------------------
 # the worker process
 # --------------------------------------------------------------------------------------
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid or not psutil.pid_exists(parent_pid):
-            os._exit(17)
-
-
-def _worker_main(
-    rank: int,
-    world_size: int,
-    backend: str,
-    store_port: int,
-    conn_fd: int,
-    collective_timeout: float,
-    parent_pid: int,
-) -> None:
-    conn = mpc.Connection(conn_fd)
-    # The caller owns the ranks' lifetime: a Ctrl-C typed in the caller's terminal reaches
-    # the whole process group, and must not kill idle ranks (the caller tears them down).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    fault_dir = os.environ.get("DIFFCOMM_FAULT_DIR")
-    if fault_dir:  # a rank the backend aborts (gloo on a size mismatch) leaves its stack here
-        faulthandler.enable(open(os.path.join(fault_dir, f"rank{rank}.txt"), "w"), all_threads=True)  # noqa: SIM115
-    os.environ["DIFFCOMM_TIMEOUT"] = str(collective_timeout)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    torch.set_num_threads(1)
-    try:
-        timeout = datetime.timedelta(seconds=collective_timeout)
-        # Ranks reach this point seconds apart on a loaded machine (importing torch), so
-        # the rendezvous must not run under a short collective timeout: first wait, under
-        # a start-up timeout, until every rank has arrived; then join the group.
-        startup = datetime.timedelta(seconds=max(collective_timeout, _STARTUP_TIMEOUT))
-        store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, False, timeout=startup)
-        store.set(f"diffcomm/arrived/{rank}", "1")
-        store.wait([f"diffcomm/arrived/{r}" for r in range(world_size)], startup)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        _flight.start_responder(store, rank)
-        _flight.set_status("returned")
-        acc = comm_accelerator(backend)
-        if acc.name != "cpu":  # one device per local rank, on the accelerator the backend uses
-            acc.set_device(rank % acc.device_count())
-        conn.send_bytes(pickle.dumps(("ready", None)))
-    except BaseException:
-        conn.send_bytes(pickle.dumps(("err", (traceback.format_exc(), None, True))))
-        return
-    while True:
-        try:
-            data = conn.recv_bytes()
-        except (EOFError, OSError):
-            break
-        kind, payload = pickle.loads(data)
-        if kind == "stop":
-            break
-        try:
-            fn, args, kwargs, paths = cloudpickle.loads(payload)
-            for p in paths:
-                if p not in sys.path:
-                    sys.path.append(p)
-            _flight.set_status("running")
-            try:
-                result = fn(*args, **kwargs)
-            finally:
-                _flight.set_status("returned")
-            reply = pickle.dumps(("ok", cloudpickle.dumps(result)))
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller
-            fatal = isinstance(exc, CollectiveTimeoutError | dist.DistBackendError)
-            try:
-                exc_bytes = cloudpickle.dumps(exc)
-            except Exception:  # noqa: BLE001
-                exc_bytes = None
-            reply = pickle.dumps(("err", (traceback.format_exc(), exc_bytes, fatal)))
-        try:
-            conn.send_bytes(reply)
-        except (EOFError, OSError, BrokenPipeError):
-            break
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
-    os._exit(0)
 
 
 # --------------------------------------------------------------------------------------
@@ -512,18 +428,18 @@ class LocalWorld:
         if failures:
             if fatal:
                 self._teardown()
-            exceptions = _exceptions(replies)
-            desync = _desync_story(exceptions)
+            exceptions = _report.exceptions(replies)
+            desync = _report.desync_story(exceptions)
             if desync is not None:
                 raise RankDesyncError(
                     f"LocalWorld: the ranks went out of step during `{getattr(fn, '__name__', 'fn')}` "
                     f"(the world was torn down; it restarts at the next run).\n{desync[0]}"
-                    + _tracebacks(failures),
+                    + _report.tracebacks(failures),
                     desync[1],
                     failures,
                     exceptions,
                 )
-            raise RankError(_failure_message(failures, fatal), failures, exceptions)
+            raise RankError(_report.failure_message(failures, fatal), failures, exceptions)
         return results
 
     def _collect(self, pending: set[int], timeout: float, what: str) -> dict[int, tuple[str, Any]]:
@@ -568,7 +484,7 @@ class LocalWorld:
                 if replies[r][0] == "err":
                     if grace_deadline is None:
                         grace_deadline = time.monotonic() + _GRACE
-                    if pending and pending <= _idle_ranks(replies[r]):
+                    if pending and pending <= _report.idle_ranks(replies[r]):
                         grace_deadline = time.monotonic()  # the rest are in no op: no report coming
             now = time.monotonic()
             if progress_at is not None and now >= progress_at and pending:
@@ -589,7 +505,9 @@ class LocalWorld:
             if check_at is None:
                 check_at = now + _FIRST_CHECK
             elif now >= check_at:
-                stuck = self._desync_check(returned, sorted(pending), what)
+                stuck = _report.desync_check(
+                    self._state.store, self.world_size, returned, sorted(pending), what
+                )
                 if stuck is not None:
                     self._teardown()
                     raise stuck
@@ -601,8 +519,8 @@ class LocalWorld:
                 flush=True,
             )
         failures = {r: v[1][0] for r, v in replies.items() if v[0] == "err"}
-        exceptions = _exceptions(replies)
-        desync = _desync_story(exceptions)
+        exceptions = _report.exceptions(replies)
+        desync = _report.desync_story(exceptions)
         if died:
             codes = ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(died.items()))
             faults = "".join(
@@ -610,14 +528,18 @@ class LocalWorld:
                 for r in sorted(died)
                 if (text := st.fault_text(r)).strip()
             )
-            lead = self._abort_story(died, what) if any(c == -signal.SIGABRT for c in died.values()) else ""
+            lead = (
+                _report.abort_story(died, st.fault_text, st.store, self.world_size)
+                if any(c == -signal.SIGABRT for c in died.values())
+                else ""
+            )
             self._teardown()
             raise RankDiedError(
                 lead + f"LocalWorld: {codes} died during `{what}`; the world was torn down "
                 f"(it restarts at the next run)."
                 + (f"\n{desync[0]}" if desync else "")
                 + faults
-                + _tracebacks(failures),
+                + _report.tracebacks(failures),
                 died,
                 failures,
                 exceptions,
@@ -629,7 +551,7 @@ class LocalWorld:
                 raise RankDesyncError(
                     f"LocalWorld: the ranks went out of step during `{what}` (rank(s) {busy} still "
                     f"busy were torn down; the world restarts at the next run).\n{desync[0]}"
-                    + _tracebacks(failures),
+                    + _report.tracebacks(failures),
                     desync[1],
                     failures,
                     exceptions,
@@ -638,7 +560,8 @@ class LocalWorld:
                 raise RankError(
                     f"LocalWorld: rank(s) {sorted(failures)} raised during `{what}` while rank(s) "
                     f"{busy} were still busy (most likely waiting in a collective for the failed "
-                    f"rank); the world was torn down (it restarts at the next run)." + _tracebacks(failures),
+                    f"rank); the world was torn down (it restarts at the next run)."
+                    + _report.tracebacks(failures),
                     failures,
                     exceptions,
                 )
@@ -648,138 +571,6 @@ class LocalWorld:
                 busy,
             )
         return replies
-
-    def _abort_story(self, died: dict[int, int | None], what: str) -> str:
-        """Why a rank was aborted (SIGABRT) mid-collective, from its faulthandler stacks and
-        the survivors' flight records; leads the :class:`RankDiedError` message."""
-        lines = []
-        for r in sorted(died):
-            if died[r] != -signal.SIGABRT:
-                continue
-            raw, site = _aborted_in(self._state.fault_text(r))
-            if raw is None:
-                continue
-            lines.append(
-                f"rank {r} was aborted by the backend inside raw `{raw}`"
-                + (f" called from {site}" if site else "")
-            )
-        if not lines:
-            return ""
-        others: list[str] = []
-        store = self._state.store
-        alive = [r for r in range(self.world_size) if r not in died]
-        try:
-            states = _flight.request_states(store, alive, wait=0.3) if store is not None and alive else {}
-        except Exception:  # noqa: BLE001
-            states = {}
-        for r in alive:
-            for e in (states.get(r) or {}).get("inflight", []):
-                shape = f", shape {tuple(e['shape'])} {e['dtype']}" if e.get("shape") is not None else ""
-                site = f", from {e['site']}" if e.get("site") else ""
-                others.append(f"rank {r} was in `{e['op']}` #{e['seq']} on group {e['group']}{shape}{site}")
-        return (
-            "; ".join(lines + others) + ". gloo aborts a rank whose collective receives more bytes than "
-            "it expects: the ranks called this collective with different shapes (or different ops). "
-            "DIFFCOMM_DEBUG=1 compares shapes before any data moves and names the ranks.\n"
-        )
-
-    def _desync_check(self, returned: list[int], busy: list[int], what: str) -> RankDesyncError | None:
-        """A :class:`RankDesyncError` if a busy rank waits in a communication that a rank
-        which already returned never reached; else None (the busy ranks are just slower)."""
-        store = self._state.store
-        if store is None:
-            return None
-        try:
-            states = _flight.request_states(store, list(range(self.world_size)), wait=0.5)
-        except Exception:  # noqa: BLE001 - no answers, no early diagnosis (the timeout still applies)
-            return None
-        for p in busy:
-            s = states.get(p)
-            for e in (s or {}).get("inflight", []):
-                if e["raw_op"] in _flight.P2P_OPS:
-                    continue  # p2p counters are per sender/receiver pair, not aligned across ranks
-                key = ",".join(map(str, e["group"]))
-                gone = [
-                    q
-                    for q in returned
-                    if q in e["group"] and states.get(q) and states[q]["counts"].get(key, 0) <= e["seq"]
-                ]
-                sig = _flight.signature(e)
-                # a returned rank that did complete this sequence number, but as another
-                # op or with another shape (gloo may let it through with wrong values)
-                other = [
-                    q
-                    for q in returned
-                    if q in e["group"]
-                    and q not in gone
-                    and any(
-                        x["group"] == e["group"] and x["seq"] == e["seq"] and _flight.signature(x) != sig
-                        for x in (states.get(q) or {}).get("recent", [])
-                    )
-                ]
-                if not gone and not other:
-                    continue
-                text, facts = _flight.diagnose(states, e)
-                facts["returned"] = gone or other
-                if not gone:
-                    return RankDesyncError(
-                        f"LocalWorld: rank(s) {other} finished `{e['op']}` #{e['seq']} (group "
-                        f"{e['group']}) as another op or with another shape and returned from `{what}`, "
-                        f"while rank {p} waits in it — a desync; the world was torn down (it restarts "
-                        f"at the next run).\n{text}",
-                        facts,
-                    )
-                waiting = [
-                    r
-                    for r in busy
-                    if any(x["seq"] == e["seq"] for x in (states.get(r) or {}).get("inflight", []))
-                ]
-                return RankDesyncError(
-                    f"LocalWorld: rank(s) {gone} returned from `{what}` while rank(s) {waiting or [p]} "
-                    f"wait for them in `{e['op']}` (sequence number #{e['seq']} on group {e['group']}"
-                    f"{', from ' + e['site'] if e.get('site') else ''}) — a desync; the world was torn "
-                    f"down (it restarts at the next run).\n{text}",
-                    facts,
-                )
-        return None
-
-
-def _aborted_in(fault_text: str) -> tuple[str | None, str | None]:
-    """(raw backend op, user call site) of the main thread in a faulthandler dump."""
-    blocks = fault_text.split("\n\n")
-    for block in blocks:
-        frames = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("File ")]
-        raw = site = None
-        for ln in frames:  # most recent call first
-            try:
-                path = ln.split('"')[1]
-                lineno, func = ln.rsplit(" line ", 1)[1].split(" in ", 1)
-            except (IndexError, ValueError):
-                continue
-            if raw is None and path.endswith(os.path.join("diffcomm", "_torchdist.py")):
-                if func[:1] not in ("_", "<"):  # the backend's public op, not its plumbing
-                    raw = func
-            elif raw is not None and site is None and not _flight.is_internal(path) and path[:1] != "<":
-                site = _flight.fmt_site((path, int(lineno)))
-        if raw is not None:
-            return raw, site
-    return None, None
-
-
-def _idle_ranks(reply: tuple[str, Any]) -> set[int]:
-    """Ranks a rank's :class:`DesyncError` found in no communication (busy in user code,
-    returned, silent): they will send no report, so the caller need not wait for one."""
-    exc = _exceptions({0: reply}).get(0)
-    return set(exc.facts.get("idle", ())) if isinstance(exc, DesyncError) else set()
-
-
-def _desync_story(exceptions: dict[int, BaseException]) -> tuple[str, dict[str, Any]] | None:
-    """The first rank's :class:`DesyncError` text and facts, if any rank raised one."""
-    for r in sorted(exceptions):
-        exc = exceptions[r]
-        if isinstance(exc, DesyncError):
-            return f"rank {r}: {exc}", dict(exc.facts)
-    return None
 
 
 # Ignore SIGINT before anything else (importing diffcomm imports torch: seconds), so a
@@ -817,29 +608,6 @@ def check_world_fits(world_size: int) -> None:
             "Use fewer ranks, or override with LocalWorld(..., allow_oversubscribe=True) or "
             "DIFFCOMM_ALLOW_OVERSUBSCRIBE=1."
         )
-
-
-def _exceptions(replies: dict[int, tuple[str, Any]]) -> dict[int, BaseException]:
-    """The exception objects the failed ranks sent back (those that unpickle here)."""
-    out: dict[int, BaseException] = {}
-    for r, (kind, value) in replies.items():
-        if kind == "err" and value[1] is not None:
-            try:
-                out[r] = cloudpickle.loads(value[1])
-            except Exception:  # noqa: BLE001 - the traceback text is still reported
-                pass
-    return out
-
-
-def _tracebacks(failures: dict[int, str]) -> str:
-    return "".join(f"\n\n--- rank {r} traceback ---\n{tb}" for r, tb in sorted(failures.items()))
-
-
-def _failure_message(failures: dict[int, str], fatal: bool) -> str:
-    ranks = sorted(failures)
-    last = failures[ranks[0]].strip().splitlines()[-1] if failures[ranks[0]].strip() else ""
-    note = " The process group is unusable after this error; the world was torn down." if fatal else ""
-    return f"rank(s) {ranks} raised: {last}.{note}" + _tracebacks(failures)
 
 
 def launch(

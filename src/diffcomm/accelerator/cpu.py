@@ -229,6 +229,8 @@ class CPUAccelerator(TorchModuleAccelerator):
 
     name = "cpu"
     _communication_backend = "gloo"
+    _stream_class = CPUStream
+    _event_class = CPUEvent
 
     def __init__(self) -> None:
         super().__init__()
@@ -244,14 +246,6 @@ class CPUAccelerator(TorchModuleAccelerator):
         return torch.device("cpu")
 
     # streams
-    @property
-    def Stream(self) -> type:  # noqa: N802
-        return CPUStream
-
-    @property
-    def Event(self) -> type:  # noqa: N802
-        return CPUEvent
-
     def current_stream(self, device: DeviceLike = None) -> CPUStream:
         self._index(device)
         current = torch.cpu.current_stream()

@@ -42,14 +42,17 @@ class TorchModuleAccelerator(Accelerator):
     def synchronize(self, device: DeviceLike = None) -> None:
         self._module.synchronize(self._index(device))
 
-    # streams
+    # streams: the module's classes, unless a subclass names its own (CPU, MPS)
+    _stream_class: type | None = None
+    _event_class: type | None = None
+
     @property
     def Stream(self) -> type:  # noqa: N802
-        return self._module.Stream
+        return self._stream_class or self._module.Stream
 
     @property
     def Event(self) -> type:  # noqa: N802
-        return self._module.Event
+        return self._event_class or self._module.Event
 
     def current_stream(self, device: DeviceLike = None) -> Any:
         return self._module.current_stream(self._index(device))

@@ -81,6 +81,8 @@ class MPSAccelerator(TorchModuleAccelerator):
 
     name = "mps"
     _communication_backend = "gloo"
+    _stream_class = _MPSStream
+    _event_class = _MPSEvent
 
     def __init__(self) -> None:
         super().__init__()
@@ -100,14 +102,6 @@ class MPSAccelerator(TorchModuleAccelerator):
         self._index(device)
         torch.mps.synchronize()
 
-    @property
-    def Stream(self) -> type:  # noqa: N802
-        return _MPSStream
-
-    @property
-    def Event(self) -> type:  # noqa: N802
-        return _MPSEvent
-
     def current_stream(self, device: DeviceLike = None) -> Any:
         self._index(device)
         return self._stream
@@ -124,14 +118,6 @@ class MPSAccelerator(TorchModuleAccelerator):
 
     def initial_seed(self) -> int:
         return int(torch.mps._get_default_mps_generator().initial_seed())
-
-    def get_rng_state(self, device: DeviceLike = None) -> torch.Tensor:
-        self._index(device)
-        return torch.mps.get_rng_state()
-
-    def set_rng_state(self, state: torch.Tensor, device: DeviceLike = None) -> None:
-        self._index(device)
-        torch.mps.set_rng_state(state)
 
     def memory_allocated(self, device: DeviceLike = None) -> int:
         self._index(device)

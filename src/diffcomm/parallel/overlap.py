@@ -29,6 +29,17 @@ random data to a few ulps.
 
 Both modes support first-order gradients (``backward()``, ``torch.autograd.grad``);
 double backward through an overlapped layer raises (use ``overlap=False``).
+
+The three autograd Functions here (``_ColumnComm``, ``_ColumnRing``, ``_RowRing``) are
+not ``diffcomm._op.CommOp`` / ``ListOp`` ops: that base derives
+backward, jvp and vmap from a **linear** communication op's transpose (the dual op on the
+gradient, the same op on the tangent). Each Function here fuses a matmul with its
+communication: it is bilinear in ``(x, w)`` (not linear in one tensor), takes the weight
+and bias as inputs, and its backward is local matmuls (the weight and bias gradients)
+interleaved with the input gradient's communication — the interleaving is the point, so
+there is no single transpose to state. Their communication is the public collectives
+(``_ColumnComm``) or the ring steps below, each labelled for the logger and the flight
+recorder.
 """
 
 from __future__ import annotations
@@ -143,7 +154,10 @@ def _chunks(x: Tensor, dim: int, world: int) -> list[Tensor]:
 
 class _ColumnComm(torch.autograd.Function):
     """``F.linear(region(x), w, b)`` whose backward launches the input-gradient
-    all_reduce / reduce_scatter before computing the weight and bias gradients."""
+    all_reduce / reduce_scatter before computing the weight and bias gradients.
+
+    Not a ``CommOp``: a matmul fused with its communication (bilinear in ``(x, w)``,
+    backward = local matmuls interleaved with communication; see the module docstring)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, sp_dim: int | None, pg: PG) -> Tensor:
@@ -197,7 +211,10 @@ def _labelled(name: str, fn: Any, *args: Any) -> Tensor:
 
 class _ColumnRing(torch.autograd.Function):
     """Sequence-parallel column linear: ring all_gather -> matmul forward, ring
-    matmul -> reduce_scatter backward."""
+    matmul -> reduce_scatter backward.
+
+    Not a ``CommOp``: a matmul fused with its communication (bilinear in ``(x, w)``,
+    backward = local matmuls interleaved with communication; see the module docstring)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, dim: int, pg: PG) -> Tensor:
@@ -246,7 +263,10 @@ def column_linear(x: Tensor, w: Tensor, b: Tensor | None, mode: str, sp_dim: int
 
 class _RowRing(torch.autograd.Function):
     """``reduce_scatter_to_sequence(F.linear(x, w))`` with the ring: matmul ->
-    reduce_scatter forward, all_gather -> matmul backward."""
+    reduce_scatter forward, all_gather -> matmul backward.
+
+    Not a ``CommOp``: a matmul fused with its communication (bilinear in ``(x, w)``,
+    backward = local matmuls interleaved with communication; see the module docstring)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, dim: int, pg: PG) -> Tensor:
