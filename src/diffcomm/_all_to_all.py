@@ -13,7 +13,6 @@ from torch import Tensor
 
 from . import _args as A
 from . import _async, _config
-from ._async import async_if as _async_if
 from ._collective_args import PG
 from ._collective_args import all_to_all_received as _all_to_all_received
 from ._collective_args import all_to_all_sizes as _all_to_all_sizes
@@ -26,6 +25,7 @@ from ._collective_args import with_sizes as _with
 from ._collective_args import world as _world
 from ._op import CommOp, call
 from ._op import apply as _apply
+from ._op import apply_async as _apply_async
 from ._op import movedim0 as _movedim0
 
 
@@ -143,8 +143,8 @@ def all_to_all(
         )
     if outs is None:
         outs = _all_to_all_received(ins, pg)
-    with _async_if(async_op):
-        return _apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(int(o) for o in outs))
+    apply = _apply_async if async_op else _apply
+    return apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(int(o) for o in outs))
 
 
 def _all_to_all_shape(a: tuple[Any, ...]) -> tuple[int, ...]:

@@ -42,12 +42,17 @@ def arg_error(op: str, arg: str, expected: str, got: Any, cls: type[Exception] =
     return cls(f"diffcomm.{op}(): `{arg}` must be {expected}, got {got}{_where()}")
 
 
+_C10D = dist.distributed_c10d._world if dist.is_available() else None
+
+
 def resolve_group(group: GroupLike, op: str = "op") -> dist.ProcessGroup | None:
     """Turn ``None``, a ``ProcessGroup`` or ``(DeviceMesh, axis)`` into a ProcessGroup.
 
     ``None`` stays ``None`` (torch's default group). Raises ``TypeError`` for anything else
     and ``RuntimeError`` when no process group is initialised.
     """
+    if group is None and _C10D is not None and _C10D.default_pg is not None:
+        return None  # the common case: the default group of an initialised world
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             f"diffcomm.{op}(): torch.distributed is not initialised; call diffcomm.init() "

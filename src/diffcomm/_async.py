@@ -174,7 +174,7 @@ def _order_hook() -> bool:
     return _ENGINE.pending > 0 and not _ENGINE.on_engine_thread()
 
 
-B.set_order_hook(_order_hook, _ENGINE.call)
+B.set_order_hook(_order_hook, _ENGINE.call, _ENGINE)
 
 
 def available() -> bool:
@@ -390,6 +390,10 @@ def launch(
 OUT_SHAPES: dict[type, Callable[[tuple[Any, ...]], Any]] = {}
 
 _MODE = threading.local()
+#: How many threads are inside an :class:`async_mode` block now: while it is 0 (always,
+#: in code that never asks for ``async_op=True``) the ops skip :func:`launching`.
+ACTIVE = [0]
+_ACTIVE_LOCK = threading.Lock()
 
 
 class async_mode:  # noqa: N801 - used like a function
@@ -406,9 +410,13 @@ class async_mode:  # noqa: N801 - used like a function
     def __enter__(self) -> None:
         self.old = getattr(_MODE, "on", False)
         _MODE.on = True
+        with _ACTIVE_LOCK:
+            ACTIVE[0] += 1
 
     def __exit__(self, *exc: object) -> None:
         _MODE.on = self.old
+        with _ACTIVE_LOCK:
+            ACTIVE[0] -= 1
 
 
 _NO_ASYNC = contextlib.nullcontext()

@@ -23,9 +23,8 @@ from . import backend as B
 PG = Any  # resolved ProcessGroup (or None for the default group)
 
 
-def current_backend() -> B.Backend:
-    """The backend adapter the raw ops run on now (see :func:`diffcomm.backend.get_backend`)."""
-    return B.get_backend()
+#: The backend adapter the raw ops run on now (see :func:`diffcomm.backend.get_backend`).
+current_backend = B.get_backend
 
 
 def rank(pg: PG) -> int:
@@ -52,6 +51,8 @@ def debug_check_input(opname: str, pg: PG, x: Tensor, /, **fields: Any) -> None:
 
 def check_input(x: Any, op: str) -> Tensor:
     """``x`` as a collective's input: a dense tensor of a dtype gradients can flow in."""
+    if type(x) is Tensor and not x.is_sparse and (not x.requires_grad or x.is_floating_point()):
+        return x  # the common case, decided without a further call
     x = A.check_tensor(x, op, "x")
     A.check_grad_dtype(x, op, "x")
     return x
@@ -78,7 +79,9 @@ def given_sizes(sizes: Sequence[int], x: Tensor, dim: int, pg: PG, op: str, arg:
 
 def exchanged_sizes(x: Tensor, dim: int, pg: PG, op: str) -> list[int]:
     """Every rank's ``x.shape[dim]``: one tiny all_gather of host integers (labelled
-    ``"<op> (size exchange)"``) on a CPU channel of the same ranks."""
+    ``"<op> (size exchange)"``) on a CPU channel of the same ranks; none in a world of one."""
+    if world(pg) == 1:
+        return [x.shape[dim]]
     with B.label(f"{op} (size exchange)"):
         return current_backend().exchange_sizes(x.shape[dim], pg)
 

@@ -172,6 +172,4 @@ def timeout(seconds: float | None | str = "__get__") -> Any:
 
 def settings() -> dict[str, Any]:
     """All current settings as a dict (for ``python -m diffcomm info``)."""
-    return {
-        s.name: s.get() for s in (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIBE)
-    }
+    return {s.name: s.get() for s in (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIBE)}

@@ -62,7 +62,7 @@ def dispatch(
     if not (state and (state.get("logs") or state.get("off") or state.get("coalescing") is not None)):
         # the hot path: nothing logged, nothing switched off
         hook = _ORDER_HOOK
-        if (hook is None or not hook[0]()) and _SPANS is None:
+        if (hook is None or not (hook[2].pending and hook[0]())) and _SPANS is None:
             return _run_here(op, group, run, nbytes, sample)
         return _run(op, group, run, nbytes, sample)
     part_of = state.get("coalescing")
@@ -92,7 +92,7 @@ def dispatch(
 #: Set by :func:`set_order_hook` (:mod:`diffcomm._async`): ``(must_queue, call)``. While asynchronous jobs are
 #: pending, a raw op issued by another thread runs on the communication engine behind
 #: them (``call``), so this process issues communication in program order.
-_ORDER_HOOK: tuple[Callable[[], bool], Callable[[Callable[[], Any], str], Any]] | None = None
+_ORDER_HOOK: tuple[Callable[[], bool], Callable[[Callable[[], Any], str], Any], Any] | None = None
 
 #: Spans of raw communication ``(op, label, thread name, t0, t1)`` (``time.perf_counter``)
 #: while a :func:`record_spans` block is active (the timeline reads them).
@@ -167,15 +167,19 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def set_order_hook(must_queue: Callable[[], bool], call: Callable[[Callable[[], Any], str], Any]) -> None:
+def set_order_hook(
+    must_queue: Callable[[], bool], call: Callable[[Callable[[], Any], str], Any], engine: Any
+) -> None:
     """Install the asynchronous engine's program-order hook (:mod:`diffcomm._async` does, once).
 
-    Before every raw op the entry point asks ``must_queue()``; when it says yes (jobs are
-    pending and this is not the engine thread), the op runs as ``call(run, op)``: on the
-    engine, behind the pending jobs, so this process issues communication in program order.
+    Before every raw op the entry point asks ``must_queue()`` (only while
+    ``engine.pending``, a count read without a call, is non-zero); when it says yes (jobs
+    are pending and this is not the engine thread), the op runs as ``call(run, op)``: on
+    the engine, behind the pending jobs, so this process issues communication in program
+    order.
     """
     global _ORDER_HOOK
-    _ORDER_HOOK = (must_queue, call)
+    _ORDER_HOOK = (must_queue, call, engine)
 
 
 def current_spans() -> list[tuple[str, str | None, str, float, float]] | None:

@@ -11,7 +11,6 @@ from torch import Tensor
 
 from . import _args as A
 from . import _async, _config
-from ._async import async_if as _async_if
 from ._collective_args import PG
 from ._collective_args import check_input as _check_input
 from ._collective_args import current_backend as _b
@@ -25,6 +24,7 @@ from ._collective_args import with_sizes as _with
 from ._collective_args import world as _world
 from ._op import CommOp, call
 from ._op import apply as _apply
+from ._op import apply_async as _apply_async
 from ._op import movedim0 as _movedim0
 
 
@@ -94,8 +94,7 @@ def gather(
         _debug_check("gather", pg, dst=dst, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
     if sizes is None:
         sizes = _exchanged_sizes(x, dim, pg, "gather")
-    with _async_if(async_op):
-        return _apply(_Gather, x, dst, dim, pg, tuple(sizes))
+    return (_apply_async if async_op else _apply)(_Gather, x, dst, dim, pg, tuple(sizes))
 
 
 class _Scatter(CommOp):
@@ -155,8 +154,7 @@ def scatter(
     src = A.check_rank(src, "scatter", "src", world)
     sizes = A.check_split_sizes(split_sizes, x.shape[dim], world, "scatter")
     _debug_check_input("scatter", pg, x, src=src, dim=dim, split_sizes=sizes)
-    with _async_if(async_op):
-        return _apply(_Scatter, x, src, dim, pg, tuple(sizes))
+    return (_apply_async if async_op else _apply)(_Scatter, x, src, dim, pg, tuple(sizes))
 
 
 # arguments: (x, dst, dim, pg, sizes) (x, src, dim, pg, sizes)

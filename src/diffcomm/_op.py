@@ -58,6 +58,7 @@ __all__ = [
     "FastFunction",
     "ListOp",
     "apply",
+    "apply_async",
     "call",
     "call_list",
     "fn",
@@ -108,6 +109,7 @@ _fwad = torch.autograd.forward_ad
 _compiling = torch.compiler.is_compiling
 _get_label, _set_label, _reset_label = B.LABEL.get, B.LABEL.set, B.LABEL.reset
 _grad_enabled = torch.is_grad_enabled
+_ASYNC_ACTIVE = _async.ACTIVE
 
 
 def apply(fn_cls: Any, *args: Any) -> Any:
@@ -123,9 +125,18 @@ def apply(fn_cls: Any, *args: Any) -> Any:
     """
     if _compiling() or _transforms_active():
         return fn(fn_cls).apply(*args)
-    if _async.launching(fn_cls):
+    if _ASYNC_ACTIVE[0] and _async.launching(fn_cls):
         return _async.launch_fn(fn_cls, args)
     return _c_apply(fn_cls, _unwrap_if_dead(args[0]), *args[1:])
+
+
+def apply_async(fn_cls: Any, *args: Any) -> Any:
+    """:func:`apply` for ``async_op=True``: launched on the communication engine where
+    that is possible (not under ``torch.func`` / ``torch.compile``: then it runs blocking).
+    Public ops pick it with ``(apply_async if async_op else apply)(...)``: the blocking
+    call pays no ``with`` block."""
+    with _async.async_if(True):
+        return apply(fn_cls, *args)
 
 
 def call(fn_cls: Any, x: Tensor, *args: Any) -> Tensor:
@@ -139,7 +150,7 @@ def call(fn_cls: Any, x: Tensor, *args: Any) -> Tensor:
     """
     if _grad_enabled() or _transforms_active() or _fwad._current_level >= 0 or torch.compiler.is_compiling():
         return fn_cls.apply(x, *args)
-    if _async.launching(fn_cls):  # the backward of an asynchronous op: launch the dual
+    if _ASYNC_ACTIVE[0] and _async.launching(fn_cls):  # an asynchronous op's backward: the dual
         return _async.launch_fn(fn_cls, (x, *args))
     return fn_cls.forward(x, *args)
 

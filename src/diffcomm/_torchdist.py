@@ -40,12 +40,14 @@ _TORCH_OPS = {
 # direct c10d calls for the hottest ops
 # --------------------------------------------------------------------------------------
 #
-# ``dist.all_reduce`` / ``dist.broadcast`` are Python wrappers (an exception logger, the
+# ``dist.all_reduce``, ``dist.broadcast``, ``all_gather_single``, ``reduce_scatter_single``
+# and ``dist.all_to_all_single`` are Python wrappers (an exception logger, the
 # torch-function check, the group lookup, the coalescing-block check, a fresh options
-# object) around ``ProcessGroup.allreduce`` / ``.broadcast``: about a dozen Python calls,
-# several microseconds, on every call. For the common case (a plain, real tensor, a
-# group this rank is in, no ``dist._coalescing_manager`` block) diffcomm calls the
-# process group directly, as the wrapper would; anything else goes through the wrapper.
+# object) around the ``ProcessGroup`` method of the same job: about a dozen Python calls,
+# several microseconds, on every call (twice per forward+backward). For the common case
+# (a plain, real tensor, a group this rank is in, no ``dist._coalescing_manager`` block)
+# diffcomm calls the process group directly, as the wrapper would, with options made
+# once; anything else goes through the wrapper.
 
 _C10D = dist.distributed_c10d._world
 _NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
@@ -77,6 +79,59 @@ def _c10d_all_reduce(t: torch.Tensor, op: Any, group: ProcessGroup) -> None:
     work = pg.allreduce([t], opts)
     if work is not None:
         work.wait()
+
+
+_PG_ALLGATHER = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
+_PG_REDUCE_SCATTER = (
+    getattr(dist.ProcessGroup, "reduce_scatter_single", None) or dist.ProcessGroup._reduce_scatter_base
+)
+_PG_ALLTOALL = getattr(dist.ProcessGroup, "all_to_all_single", None) or dist.ProcessGroup.alltoall_base
+_ALLGATHER_OPTS = dist.distributed_c10d.AllgatherOptions()
+_ALLGATHER_OPTS.asyncOp = False
+_ALLTOALL_OPTS = dist.AllToAllOptions()
+_ALLTOALL_OPTS.asyncOp = False
+_REDUCE_SCATTER_OPTS: dict[Any, Any] = {}
+
+
+def _wait(work: Any) -> None:
+    if work is not None:  # backends that sync in C++ return no work
+        work.wait()
+
+
+def c10d_all_gather(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+    """``all_gather_single(out, x, group=group)`` (blocking; real tensors, as :func:`wire`
+    makes them)."""
+    pg = _direct_group(x, group)
+    if pg is None:
+        all_gather_single(out, x, group=group)
+    else:
+        _wait(_PG_ALLGATHER(pg, out, x, _ALLGATHER_OPTS))
+
+
+def c10d_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: Any, group: ProcessGroup) -> None:
+    """``reduce_scatter_single(out, x, op=op, group=group)`` (blocking)."""
+    pg = _direct_group(x, group)
+    if pg is None:
+        reduce_scatter_single(out, x, op=op, group=group)
+        return
+    opts = _REDUCE_SCATTER_OPTS.get(op)
+    if opts is None:
+        opts = _REDUCE_SCATTER_OPTS[op] = dist.ReduceScatterOptions()
+        opts.reduceOp = op
+        opts.asyncOp = False
+    _wait(_PG_REDUCE_SCATTER(pg, out, x, opts))
+
+
+def c10d_all_to_all(
+    out: torch.Tensor, x: torch.Tensor, outs: list[int] | None, ins: list[int] | None, group: ProcessGroup
+) -> None:
+    """``all_to_all_single(out, x, outs, ins, group=group)`` (blocking)."""
+    pg = _direct_group(x, group)
+    if pg is None or x.dtype != out.dtype:  # torch's wrapper names the dtype mismatch
+        dist.all_to_all_single(out, x, outs, ins, group=group)
+    else:
+        outs, ins = [] if outs is None else outs, [] if ins is None else ins
+        _wait(_PG_ALLTOALL(pg, out, x, outs, ins, _ALLTOALL_OPTS))
 
 
 def _c10d_broadcast(t: torch.Tensor, src: int, group: ProcessGroup) -> None:
@@ -202,14 +257,18 @@ class TorchDistributedBackend(CoalescedOps):
     def _all_reduce_into(self, out: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
         """all_reduce of ``out`` (contiguous, owned by the caller) in place; returns it."""
         x = out
-        if x.is_complex() and op == "product":
-            return self._complex_product(out, group)
-        torch_op, divide = self._reduce_op(op, x, group)
-        wire = self._as_wire(out, op, group)
+        torch_op = _TORCH_OPS.get(op) if op != "avg" and not x.is_complex() else None
+        if torch_op is not None:  # the common case, without further calls
+            divide, wire = False, out
+        else:
+            if x.is_complex() and op == "product":
+                return self._complex_product(out, group)
+            torch_op, divide = self._reduce_op(op, x, group)
+            wire = self._as_wire(out, op, group)
         _dispatch(
             "all_reduce",
             group,
-            _nbytes(x),
+            x.numel() * x.element_size(),
             lambda: _c10d_all_reduce(wire, torch_op, group),
             lambda: None,
             out,
@@ -281,20 +340,22 @@ class TorchDistributedBackend(CoalescedOps):
         self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Concatenate every rank's ``x`` along dim 0. ``sizes``: every rank's ``x.shape[0]``."""
-        world = self.world_size(group)
+        info = group_info(group)
+        world = info.size
         x = x.contiguous()
         rest = tuple(x.shape[1:])
         if sizes is None:
             sizes = [x.shape[0]] * world
         total = sum(sizes)
-        even = all(s == sizes[0] for s in sizes)
-        if even and self.capabilities(group).all_gather_into_tensor:
+        even = sizes.count(sizes[0]) == world
+        into_tensor = (self.capabilities(group) if self.overrides else info.caps).all_gather_into_tensor
+        if even and into_tensor:
             out = torch.empty((total, *rest), dtype=x.dtype, device=x.device)
             _dispatch(
                 "all_gather",
                 group,
-                _nbytes(out),
-                lambda: all_gather_single(wire(out), wire(x), group=group),
+                out.numel() * out.element_size(),
+                lambda: c10d_all_gather(wire(out), wire(x), group),
                 lambda: out.copy_(x.repeat(world, *([1] * len(rest)))),
                 out,
             )
@@ -303,8 +364,8 @@ class TorchDistributedBackend(CoalescedOps):
         padded, buf, chunks, skip = _padded_gather(x, sizes, world, torch.empty)
 
         def run() -> None:
-            if self.capabilities(group).all_gather_into_tensor:
-                all_gather_single(wire(buf), wire(padded), group=group)
+            if into_tensor:
+                c10d_all_gather(wire(buf), wire(padded), group)
             else:
                 dist.all_gather([wire(c) for c in chunks], wire(padded), group=group)
 
@@ -315,12 +376,13 @@ class TorchDistributedBackend(CoalescedOps):
         self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Chunk ``rank`` (along dim 0) of the reduction over ranks of ``x``."""
-        world, rank = self.world_size(group), self.rank(group)
+        info = group_info(group)
+        world, rank = info.size, info.rank
         x = x.contiguous()
         rest = tuple(x.shape[1:])
         sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
-        even = all(s == sizes[0] for s in sizes)
-        caps = self.capabilities(group)
+        even = sizes.count(sizes[0]) == world
+        caps = self.capabilities(group) if self.overrides else info.caps
         if not caps.reduce_scatter or op not in ("sum", "avg"):
             # gap filled: reduce everything, keep own chunk (2x traffic, documented)
             full = self.all_reduce(x, op, group)
@@ -334,12 +396,15 @@ class TorchDistributedBackend(CoalescedOps):
             inp = torch.cat([pad_rows(c, m) for c in x.split(sizes)])
         chunk = inp.shape[0] // world if world else 0
         out = torch.empty((chunk, *rest), dtype=x.dtype, device=x.device)
-        wire_in, wire_out = self._as_wire(inp, op, group), self._as_wire(out, op, group)
+        if inp.is_complex():
+            wire_in, wire_out = self._as_wire(inp, op, group), self._as_wire(out, op, group)
+        else:
+            wire_in, wire_out = inp, out
         _dispatch(
             "reduce_scatter",
             group,
-            _nbytes(inp),
-            lambda: reduce_scatter_single(wire_out, wire_in, op=torch_op, group=group),
+            inp.numel() * inp.element_size(),
+            lambda: c10d_reduce_scatter(wire_out, wire_in, torch_op, group),
             lambda: out.copy_(inp[rank * chunk : (rank + 1) * chunk]),
             out,
         )
@@ -399,7 +464,8 @@ class TorchDistributedBackend(CoalescedOps):
         output_split_sizes: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Send chunk ``j`` of ``x`` (dim 0) to rank ``j``; concatenate what arrives."""
-        world, rank = self.world_size(group), self.rank(group)
+        info = group_info(group)
+        world, rank = info.size, info.rank
         x = x.contiguous()
         rest = tuple(x.shape[1:])
         ins = list(input_split_sizes) if input_split_sizes is not None else None
@@ -407,9 +473,7 @@ class TorchDistributedBackend(CoalescedOps):
         if outs is None:
             outs = [x.shape[0] // world] * world if ins is None else None
         if outs is None:  # infer: what rank j sends me is its ins[me]; exchange the matrix
-            outs = self.all_to_all(
-                torch.tensor(ins, dtype=torch.int64, device=group_info(group).device), group
-            ).tolist()
+            outs = self.all_to_all(torch.tensor(ins, dtype=torch.int64, device=info.device), group).tolist()
         out = torch.empty((sum(outs), *rest), dtype=x.dtype, device=x.device)
 
         def skip() -> None:
@@ -423,7 +487,7 @@ class TorchDistributedBackend(CoalescedOps):
             "all_to_all",
             group,
             max(_nbytes(x), _nbytes(out)),
-            lambda: dist.all_to_all_single(wire(out), wire(x), outs, ins, group=group),
+            lambda: c10d_all_to_all(wire(out), wire(x), outs, ins, group),
             skip,
             out,
         )

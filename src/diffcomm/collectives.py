@@ -47,7 +47,6 @@ from . import _args as A
 from . import _async, _config
 from . import _collective_refs as R
 from ._all_to_all import all_to_all
-from ._async import async_if as _async_if
 from ._collective_args import PG
 from ._collective_args import check_input as _check_input
 from ._collective_args import current_backend as _b
@@ -62,6 +61,7 @@ from ._collective_args import world as _world
 from ._gather_scatter import gather, scatter
 from ._op import CommOp, call
 from ._op import apply as _apply
+from ._op import apply_async as _apply_async
 from ._op import movedim0 as _movedim0
 from ._op import only_on as _only_on
 from ._registry import OpSpec, markdown, register
@@ -204,8 +204,7 @@ def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None, *, async_o
     op_name = A.normalize_op(op, "all_reduce", x)
     pg = A.resolve_group(group, "all_reduce")
     _debug_check_input("all_reduce", pg, x, op=op_name)
-    with _async_if(async_op):
-        return _apply(_AllReduce, x, op_name, pg)
+    return (_apply_async if async_op else _apply)(_AllReduce, x, op_name, pg)
 
 
 # ======================================================================================
@@ -255,8 +254,7 @@ def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None, *, async_op: b
     pg = A.resolve_group(group, "broadcast")
     src = A.check_rank(src, "broadcast", "src", _world(pg))
     _debug_check_input("broadcast", pg, x, src=src)
-    with _async_if(async_op):
-        return _apply(_Broadcast, x, src, pg)
+    return (_apply_async if async_op else _apply)(_Broadcast, x, src, pg)
 
 
 class _Reduce(CommOp):
@@ -313,11 +311,11 @@ def reduce(
     pg = A.resolve_group(group, "reduce")
     dst = A.check_rank(dst, "reduce", "dst", _world(pg))
     _debug_check_input("reduce", pg, x, op=op_name, dst=dst)
-    with _async_if(async_op):
-        if op_name in A.LINEAR_OPS:
-            return _apply(_Reduce, x, dst, op_name, pg)
-        # max/min/product: every rank needs the extreme/product for its gradient anyway
-        return _only_on(_apply(_AllReduce, x, op_name, pg), _rank(pg) == dst)
+    apply = _apply_async if async_op else _apply
+    if op_name in A.LINEAR_OPS:
+        return apply(_Reduce, x, dst, op_name, pg)
+    # max/min/product: every rank needs the extreme/product for its gradient anyway
+    return _only_on(apply(_AllReduce, x, op_name, pg), _rank(pg) == dst)
 
 
 # ======================================================================================
@@ -388,8 +386,7 @@ def all_gather(
         _debug_check("all_gather", pg, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
     if sizes is None:
         sizes = _exchanged_sizes(x, dim, pg, "all_gather")
-    with _async_if(async_op):
-        return _apply(_AllGather, x, dim, pg, tuple(sizes))
+    return (_apply_async if async_op else _apply)(_AllGather, x, dim, pg, tuple(sizes))
 
 
 class _ReduceScatter(CommOp):
@@ -462,11 +459,11 @@ def reduce_scatter(
     world, rank = _world(pg), _rank(pg)
     sizes = A.check_split_sizes(split_sizes, x.shape[dim], world, "reduce_scatter")
     _debug_check_input("reduce_scatter", pg, x, op=op_name, dim=dim, split_sizes=sizes)
-    with _async_if(async_op):
-        if op_name in A.LINEAR_OPS:
-            return _apply(_ReduceScatter, x, dim, op_name, pg, tuple(sizes))
-        full = _apply(_AllReduce, x, op_name, pg)
-        return full.narrow(dim, sum(sizes[:rank]), sizes[rank])
+    apply = _apply_async if async_op else _apply
+    if op_name in A.LINEAR_OPS:
+        return apply(_ReduceScatter, x, dim, op_name, pg, tuple(sizes))
+    full = apply(_AllReduce, x, op_name, pg)
+    return full.narrow(dim, sum(sizes[:rank]), sizes[rank])
 
 
 # ======================================================================================
