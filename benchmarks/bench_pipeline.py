@@ -20,7 +20,9 @@ rank — torch's ZB1P): the largest gradient difference after one step from zero
 gradients (relative to the largest gradient), and the paired per-round time ratio
 ``diffcomm / torch`` (rounds interleave the two, alternating which goes first; median and
 min..max). A 1F1B row without pre-posted receives (``prepost=False``) shows what
-posting the next receive early buys.
+posting the next receive early buys, and one with plain backward steps
+(``grad_first=False``, the runner before input-gradient-first ``B``) what sending the
+input gradient before the weight gradients buys.
 
     python benchmarks/bench_pipeline.py                         # p=2, m=4 and 8
     python benchmarks/bench_pipeline.py --stages 2 4 --plot docs/_static/pipeline_timeline.png
@@ -52,6 +54,7 @@ SCHEDULES = {
     "gpipe": (1, "ScheduleGPipe"),
     "1f1b": (1, "Schedule1F1B"),
     "1f1b-noprepost": (1, None),
+    "1f1b-plainB": (1, None),
     "interleaved": (2, "ScheduleInterleaved1F1B"),
     "zb-h1": (1, "ScheduleInterleavedZeroBubble"),
 }
@@ -88,9 +91,10 @@ def _rank_bench(width: int, depth: int, batch: int, m: int, schedule: str, round
     mine = partition(model, p * v)[rank::p]
     runner = PipelineRunner(
         mine if v > 1 else mine[0],
-        schedule.replace("-noprepost", ""),
+        schedule.replace("-noprepost", "").replace("-plainB", ""),
         loss_fn=nn.functional.mse_loss,
         prepost=not schedule.endswith("noprepost"),
+        grad_first=not schedule.endswith("plainB"),
     )
     out: dict[str, Any] = {"dc": [], "torch": [], "bubble": [], "kinds": {}}
 
@@ -238,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     for e in sorted(errs):
                         print(f"      torch.distributed.pipelining failed: {e}")
-                    if m == max(args.micro) and schedule != "1f1b-noprepost":
+                    if m == max(args.micro) and schedule not in ("1f1b-noprepost", "1f1b-plainB"):
                         plots[f"{schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")] = timelines
     if args.plot:
         _plot(plots, args.plot)
