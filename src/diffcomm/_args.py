@@ -159,6 +159,9 @@ def normalize_op(op_arg: Any, opname: str, x: torch.Tensor | None = None) -> str
     return name
 
 
+_INT = {int}
+
+
 def check_split_sizes(
     split_sizes: Any, total: int, world: int, op: str, arg: str = "split_sizes"
 ) -> list[int]:
@@ -172,14 +175,17 @@ def check_split_sizes(
                 f"size {total}",
             )
         return [total // world] * world
-    if isinstance(split_sizes, torch.Tensor):
-        split_sizes = split_sizes.tolist()
-    if not isinstance(split_sizes, Sequence) or isinstance(split_sizes, str):
-        raise arg_error(op, arg, f"a list of {world} ints", type(split_sizes).__name__, TypeError)
-    sizes = [check_int(s, op, arg) for s in split_sizes]
+    if type(split_sizes) in (list, tuple) and set(map(type, split_sizes)) <= _INT:
+        sizes = list(split_sizes)  # plain ints (the common case): checked without a Python loop
+    else:
+        if isinstance(split_sizes, torch.Tensor):
+            split_sizes = split_sizes.tolist()
+        if not isinstance(split_sizes, Sequence) or isinstance(split_sizes, str):
+            raise arg_error(op, arg, f"a list of {world} ints", type(split_sizes).__name__, TypeError)
+        sizes = [check_int(s, op, arg) for s in split_sizes]
     if len(sizes) != world:
         raise arg_error(op, arg, f"a list of {world} ints (one per rank)", f"{len(sizes)} entries")
-    if any(s < 0 for s in sizes):
+    if sizes and min(sizes) < 0:
         raise arg_error(op, arg, "non-negative sizes", sizes)
     if sum(sizes) != total:
         raise arg_error(

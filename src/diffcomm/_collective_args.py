@@ -44,7 +44,8 @@ def debug_check(opname: str, pg: PG, /, **fields: Any) -> None:
 def debug_check_input(opname: str, pg: PG, x: Tensor, /, **fields: Any) -> None:
     """:func:`debug_check` of ``fields`` and ``x``'s shape, dtype and whether it requires
     grad (nothing is computed outside debug mode)."""
-    if _config.DEBUG.get():
+    debug = _config.DEBUG
+    if debug._value if debug._loaded else debug.get():
         fields.update(shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
         current_backend().check_consistent(opname, fields, pg)
 
@@ -71,8 +72,11 @@ def with_sizes(shape: Any, sizes: dict[int, int]) -> tuple[int, ...]:
 def given_sizes(sizes: Sequence[int], x: Tensor, dim: int, pg: PG, op: str, arg: str) -> list[int]:
     """The per-rank sizes along ``dim`` a gather (``all_gather``, ``gather``) was given:
     one per rank, this rank's equal to ``x.shape[dim]``."""
-    sizes = A.check_split_sizes(sizes, sum(int(s) for s in sizes), world(pg), op, arg)
-    if sizes[rank(pg)] != x.shape[dim]:
+    b = current_backend()
+    plain = type(sizes) in (list, tuple) and set(map(type, sizes)) <= {int}
+    total = sum(sizes) if plain else sum(int(s) for s in sizes)
+    sizes = A.check_split_sizes(sizes, total, b.world_size(pg), op, arg)
+    if sizes[b.rank(pg)] != x.shape[dim]:
         raise A.arg_error(op, arg, f"to list x.shape[{dim}]={x.shape[dim]} at this rank's position", sizes)
     return sizes
 

@@ -148,8 +148,8 @@ def call(fn_cls: Any, x: Tensor, *args: Any) -> Tensor:
     ``torch.func``, ``torch.compile``) the full differentiable ``apply``. Inside the
     backward of an asynchronous op it is launched on the communication engine.
     """
-    if _grad_enabled() or _transforms_active() or _fwad._current_level >= 0 or torch.compiler.is_compiling():
-        return fn_cls.apply(x, *args)
+    if _grad_enabled() or _transforms_active() or _fwad._current_level >= 0 or _compiling():
+        return fn(fn_cls).apply(x, *args)  # while compiling: the twin
     if _ASYNC_ACTIVE[0] and _async.launching(fn_cls):  # an asynchronous op's backward: the dual
         return _async.launch_fn(fn_cls, (x, *args))
     return fn_cls.forward(x, *args)
@@ -198,9 +198,6 @@ def _derive_rules(cls: Any) -> None:
     elementwise = cls.elementwise
     cls.forward = staticmethod(_labelled_forward(run, params, name, label))
 
-    def backward_label(args: tuple[Any, ...]) -> str:
-        return (label(*args) if label is not None else name) + " backward"
-
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         args = inputs[1:]
         ctx.args = args
@@ -215,10 +212,12 @@ def _derive_rules(cls: Any) -> None:
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
         if _compiling():
             return _backward(ctx, g)
-        text = backward_label(ctx.args)  # inline, as in forward: the hot path
+        text = (label(*ctx.args) if label is not None else name) + " backward"  # inline: the hot path
         outer = _get_label()
         token = _set_label(outer + " -> " + text if outer else text)
         try:
+            if ctx.linear is None:
+                return (transpose(g, *ctx.args), *nones)
             return _backward(ctx, g)
         finally:
             _reset_label(token)
@@ -252,21 +251,22 @@ def _derive_rules(cls: Any) -> None:
         cls.jvp = staticmethod(jvp)
     if "vmap" not in cls.__dict__:
         cls.vmap = staticmethod(vmap)
-    jvp_free_twin(cls)
+    # while compiling, only the twin is applied (see fn); its forward is the bare run (no
+    # label: dynamo traces it, and a compiled graph has no logger or flight recorder)
+    jvp_free_twin(cls).forward = staticmethod(run)
 
 
 def _labelled_forward(run: Any, params: tuple[str, ...], name: str, label: Any) -> Any:
-    """``forward`` with ``run``'s exact parameters (autograd and dynamo read them): sets
-    the op's label (a context variable, read by the comms logger and the flight recorder)
-    around ``run``. The label is set inline, not through a context manager: this is
-    every op's hot path."""
+    """``forward`` with ``run``'s exact parameters (autograd reads them): sets the op's
+    label (a context variable, read by the comms logger and the flight recorder) around
+    ``run``. The label is set inline, not through a context manager: this is every op's
+    hot path. It runs only eagerly: while compiling, :func:`apply` and :func:`call` apply
+    the op's twin, whose forward is ``run`` itself (so no compile check here)."""
     args = ", ".join(params)
     rest = ", ".join(params[1:])
     text = f"_label({rest})" if label is not None else "_name"
     src = (
         f"def forward({args}):\n"
-        f"    if _compiling():\n"
-        f"        return _run({args})\n"
         f"    text = {text}\n"
         f"    outer = _get()\n"
         f"    token = _set(outer + ' -> ' + text if outer else text)\n"

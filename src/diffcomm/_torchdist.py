@@ -51,6 +51,7 @@ _TORCH_OPS = {
 
 _C10D = dist.distributed_c10d._world
 _NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
+_COALESCING = _C10D.pg_coalesce_state  # one dict for the life of the process (torch mutates it)
 _ALLREDUCE_OPTS: dict[Any, Any] = {}
 
 
@@ -59,7 +60,7 @@ def _direct_group(t: torch.Tensor, group: ProcessGroup) -> Any:
     pg = _C10D.default_pg if group is None else group
     if pg is None or pg is _NON_MEMBER or type(t) is not torch.Tensor or t.is_complex():
         return None
-    state = _C10D.pg_coalesce_state
+    state = _COALESCING
     if state and pg in state:  # inside dist._coalescing_manager: the wrapper records it
         return None
     return pg

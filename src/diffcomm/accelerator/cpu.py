@@ -346,8 +346,7 @@ class CPUAccelerator(TorchModuleAccelerator):
         }
 
     def total_memory(self, device: DeviceLike = None) -> int:
-        """System RAM (``psutil.virtual_memory().total``), or the cgroup limit if lower.
-        """
+        """System RAM (``psutil.virtual_memory().total``), or the cgroup limit if lower."""
         self._index(device)
         total = int(psutil.virtual_memory().total)
         limit, _usage = _cgroup_limit_and_usage()
