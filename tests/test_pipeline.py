@@ -496,13 +496,13 @@ def _parity_all(schedule: str, v: int) -> list[int]:
         mine = partition(model, n * v)[rank::n]  # rank r holds virtual stages r, r + n, ...
         input_grad = n_micro == 2
         # one configuration also without pre-posted receives, one with plain (not
-        # input-gradient-first) B steps: same numbers
+        # input-gradient-first) B steps: same numbers (the default path at m = 1, 4, 8)
         runner = PipelineRunner(
             mine if v > 1 else mine[0],
             schedule,
             loss_fn=nn.functional.mse_loss,
             prepost=n_micro != 4,
-            grad_first=n_micro != 8,
+            grad_first=n_micro != 2,
         )
         loss = runner.step(x, y, n_micro=n_micro, input_grad=input_grad)
         xs = x.clone().requires_grad_()
