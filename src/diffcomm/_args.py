@@ -162,6 +162,12 @@ def normalize_op(op_arg: Any, opname: str, x: torch.Tensor | None = None) -> str
 _INT = {int}
 
 
+def plain_ints(v: Any) -> bool:
+    """``v`` is a list or tuple of plain ``int`` s (no bools, tensors or numpy ints): the
+    common case of split sizes, checked without a Python loop."""
+    return type(v) in (list, tuple) and set(map(type, v)) <= _INT
+
+
 def check_split_sizes(
     split_sizes: Any, total: int, world: int, op: str, arg: str = "split_sizes"
 ) -> list[int]:
@@ -175,7 +181,7 @@ def check_split_sizes(
                 f"size {total}",
             )
         return [total // world] * world
-    if type(split_sizes) in (list, tuple) and set(map(type, split_sizes)) <= _INT:
+    if plain_ints(split_sizes):
         sizes = list(split_sizes)  # plain ints (the common case): checked without a Python loop
     else:
         if isinstance(split_sizes, torch.Tensor):

@@ -73,8 +73,7 @@ def given_sizes(sizes: Sequence[int], x: Tensor, dim: int, pg: PG, op: str, arg:
     """The per-rank sizes along ``dim`` a gather (``all_gather``, ``gather``) was given:
     one per rank, this rank's equal to ``x.shape[dim]``."""
     b = current_backend()
-    plain = type(sizes) in (list, tuple) and set(map(type, sizes)) <= {int}
-    total = sum(sizes) if plain else sum(int(s) for s in sizes)
+    total = sum(sizes) if A.plain_ints(sizes) else sum(int(s) for s in sizes)
     sizes = A.check_split_sizes(sizes, total, b.world_size(pg), op, arg)
     if sizes[b.rank(pg)] != x.shape[dim]:
         raise A.arg_error(op, arg, f"to list x.shape[{dim}]={x.shape[dim]} at this rank's position", sizes)

@@ -37,8 +37,6 @@ from ._groups import ProcessGroup
 from ._groups import world as _world
 from ._switches import off as _off
 
-_begin, _end = _flight.begin, _flight.end
-
 
 def _sync_if_needed(t: torch.Tensor | None) -> None:
     if t is not None and t.device.type not in ("cpu", "meta"):
@@ -65,17 +63,7 @@ def dispatch(
         # the hot path: nothing logged, nothing switched off
         hook = _ORDER_HOOK
         if (hook is None or not (hook[2].pending and hook[0]())) and _SPANS is None:
-            label = _LABEL.get()  # _run_here, inline: the hot path
-            rec = _begin(op, group, nbytes, sample, label)
-            try:
-                out = run()
-            except (RuntimeError, dist.DistError) as err:
-                mapped = _flight.failed(rec, op, group, err, label)
-                if mapped is not None:
-                    raise mapped from err
-                raise
-            _end(rec)
-            return out
+            return _run_here(op, group, run, nbytes, sample)
         return _run(op, group, run, nbytes, sample)
     part_of = state.get("coalescing")
     if part_of is not None:

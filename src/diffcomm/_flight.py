@@ -185,8 +185,8 @@ def _site(key: Any) -> tuple[Any, int] | None:
                 return (code, f.f_lasti)
         except ValueError:  # a shallower stack this time
             pass
-    # _site() <- begin() <- _dispatch.dispatch() (or its _run_here()): start above the first
-    # two, and walk up past every diffcomm / torch frame
+    # _site() <- begin() <- _dispatch._run_here(): start above the first two, and walk up
+    # past every diffcomm / torch frame
     depth = 2
     try:
         f = sys._getframe(depth)

@@ -25,7 +25,7 @@ from ._dispatch import dispatch as _dispatch
 from ._dispatch import run_coalesced
 from ._dispatch import tensor_nbytes as _nbytes
 from ._errors import CrossRankMismatchError
-from ._groups import Capabilities, ProcessGroup, cpu_group, group_info
+from ._groups import Capabilities, GroupInfo, ProcessGroup, cpu_group, group_info
 
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -66,20 +66,23 @@ def _direct_group(t: torch.Tensor, group: ProcessGroup) -> Any:
     return pg
 
 
+def _reduce_opts(cache: dict[Any, Any], make: Callable[[], Any], op: Any) -> Any:
+    """The blocking options object for reduce op ``op`` (made once per op, then shared)."""
+    opts = cache.get(op)
+    if opts is None:
+        opts = cache[op] = make()
+        opts.reduceOp = op
+        opts.asyncOp = False
+    return opts
+
+
 def _c10d_all_reduce(t: torch.Tensor, op: Any, group: ProcessGroup) -> None:
     """``dist.all_reduce(t, op, group=group)`` (blocking, in place)."""
     pg = _direct_group(t, group)
     if pg is None:
         dist.all_reduce(t, op, group=group)
-        return
-    opts = _ALLREDUCE_OPTS.get(op)
-    if opts is None:
-        opts = _ALLREDUCE_OPTS[op] = dist.AllreduceOptions()
-        opts.reduceOp = op
-        opts.asyncOp = False
-    work = pg.allreduce([t], opts)
-    if work is not None:
-        work.wait()
+    else:
+        _wait(pg.allreduce([t], _reduce_opts(_ALLREDUCE_OPTS, dist.AllreduceOptions, op)))
 
 
 _PG_ALLGATHER = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
@@ -114,13 +117,9 @@ def c10d_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: Any, group: Proc
     pg = _direct_group(x, group)
     if pg is None:
         reduce_scatter_single(out, x, op=op, group=group)
-        return
-    opts = _REDUCE_SCATTER_OPTS.get(op)
-    if opts is None:
-        opts = _REDUCE_SCATTER_OPTS[op] = dist.ReduceScatterOptions()
-        opts.reduceOp = op
-        opts.asyncOp = False
-    _wait(_PG_REDUCE_SCATTER(pg, out, x, opts))
+    else:
+        opts = _reduce_opts(_REDUCE_SCATTER_OPTS, dist.ReduceScatterOptions, op)
+        _wait(_PG_REDUCE_SCATTER(pg, out, x, opts))
 
 
 def c10d_all_to_all(
@@ -146,9 +145,7 @@ def _c10d_broadcast(t: torch.Tensor, src: int, group: ProcessGroup) -> None:
     opts.rootRank = src
     opts.rootTensor = 0
     opts.asyncOp = False
-    work = pg.broadcast([t], opts)
-    if work is not None:
-        work.wait()
+    _wait(pg.broadcast([t], opts))
 
 
 class CoalescedOps:
@@ -226,7 +223,11 @@ class TorchDistributedBackend(CoalescedOps):
         return group_info(group).backend
 
     def capabilities(self, group: ProcessGroup = None) -> Capabilities:
-        caps = group_info(group).caps
+        return self._caps(group_info(group))
+
+    def _caps(self, info: GroupInfo) -> Capabilities:
+        """``info``'s capabilities with this adapter's overrides (a group record at hand)."""
+        caps = info.caps
         if self.overrides:
             caps = Capabilities(**{**caps.as_dict(), **self.overrides})
         return caps
@@ -349,7 +350,7 @@ class TorchDistributedBackend(CoalescedOps):
             sizes = [x.shape[0]] * world
         total = sum(sizes)
         even = sizes.count(sizes[0]) == world
-        into_tensor = (self.capabilities(group) if self.overrides else info.caps).all_gather_into_tensor
+        into_tensor = self._caps(info).all_gather_into_tensor
         if even and into_tensor:
             out = torch.empty((total, *rest), dtype=x.dtype, device=x.device)
             _dispatch(
@@ -383,7 +384,7 @@ class TorchDistributedBackend(CoalescedOps):
         rest = tuple(x.shape[1:])
         sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
         even = sizes.count(sizes[0]) == world
-        caps = self.capabilities(group) if self.overrides else info.caps
+        caps = self._caps(info)
         if not caps.reduce_scatter or op not in ("sum", "avg"):
             # gap filled: reduce everything, keep own chunk (2x traffic, documented)
             full = self.all_reduce(x, op, group)
