@@ -638,3 +638,42 @@ def test_resolve_group_needs_an_initialised_process_group() -> None:
         pytest.skip("this test process itself is in a process group")
     with pytest.raises(RuntimeError, match=r"diffcomm.all_gather\(\): torch.distributed is not initialised"):
         resolve_group(None, "all_gather")
+
+
+# ------------------------------------------- the group record asks the group its backend
+
+
+@pytest.mark.parametrize("spec", [None, "cpu:gloo", "gloo"])
+def test_group_record_asks_the_group_which_backend_moves_its_data(spec: str | None, tmp_path) -> None:  # noqa: ANN001
+    """``init_process_group()`` without a backend reports ``"undefined"``, a device map
+    reports itself (``"cpu:gloo"``): the record asks the group for the backend behind its
+    data instead, so such a group gets gloo's native ops (not the conservative fallbacks
+    an unknown name gets) and the size channel is the group itself."""
+    from diffcomm.backend import Capabilities, group_info, static_capabilities
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group(spec, store=store, rank=0, world_size=1)
+    try:
+        reported = str(dist.get_backend()).lower()
+        assert reported == {None: "undefined", "cpu:gloo": "cpu:gloo", "gloo": "gloo"}[spec]
+        info = group_info(None)
+        assert info.backend == "gloo" and get_backend().backend_name(None) == "gloo"
+        assert isinstance(info.caps, Capabilities) and info.caps == static_capabilities("gloo")
+        assert info.caps.reduce_scatter and info.caps.avg
+        if spec != "gloo":  # the reported name alone would have meant no native reduce_scatter
+            assert not static_capabilities(reported).reduce_scatter
+        assert info.device == torch.device("cpu")
+        from diffcomm._groups import cpu_group
+
+        assert cpu_group(info) is None  # the default group itself carries the sizes
+        x = torch.arange(6.0).reshape(2, 3)
+        with log_comms() as log:
+            out = get_backend().reduce_scatter(x, "avg", None, None)
+        assert torch.equal(out, x)
+        assert set(log.by_op()) == {"reduce_scatter"}  # native: no all_reduce fallback
+        # the same group through the public op, with its gradient (world 1: identity)
+        xg = x.clone().requires_grad_()
+        dc.reduce_scatter(xg, op="avg").sum().backward()
+        assert torch.equal(xg.grad, torch.ones_like(x))
+    finally:
+        dist.destroy_process_group()

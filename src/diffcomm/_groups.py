@@ -1,7 +1,8 @@
 """The group record: what diffcomm needs to know about a process group, probed once.
 
 :func:`group_info` returns a :class:`GroupInfo` cached per group (and dropped when the
-default group changes): the group, this rank, the size, the c10d backend's name, its
+default group changes): the group, this rank, the size, the name of the c10d backend
+that moves its data (asked of the group itself: :func:`data_backend`), that backend's
 :class:`Capabilities`, and the device small metadata tensors live on (asked of the
 accelerator). The backends' ``rank`` / ``world_size`` / ``backend_name`` /
 ``capabilities`` / ``comm_device`` read it, so a call asks ``torch.distributed`` nothing
@@ -18,14 +19,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .accelerator import comm_device
+from .accelerator import comm_device, get_accelerator
 
 ProcessGroup = Any  # dist.ProcessGroup | None (None = the default group)
 
 
 @dataclass
 class Capabilities:
-    """What the group's c10d backend can do natively (probed once per backend name)."""
+    """What the c10d backend behind a group's data can do natively: its name comes from the
+    group (:func:`data_backend`, once per group), what that backend can do in this torch
+    from :func:`static_capabilities`."""
 
     backend: str
     avg: bool
@@ -61,10 +64,12 @@ class GroupInfo:
     """What diffcomm needs to know about a process group, probed once per group.
 
     ``pg`` is the group as the ops pass it (``None`` for the default group); ``rank`` and
-    ``size`` are group-local; ``backend`` is the c10d backend's name; ``caps`` its
-    :class:`Capabilities`; ``device`` the device small metadata tensors live on for it.
+    ``size`` are group-local; ``backend`` names the c10d backend behind its data
+    (:func:`data_backend`); ``caps`` is that backend's :class:`Capabilities`; ``device``
+    the device small metadata tensors live on for it.
     ``cpu_pg`` is the group host-side integers (sizes) travel on: the group itself when
-    its device is the CPU, else a gloo group of the same ranks, made on first use.
+    its device is the CPU or it has a CPU backend (``"cpu:gloo,cuda:nccl"``), else a gloo
+    group of the same ranks, made on first use.
     """
 
     pg: ProcessGroup
@@ -96,7 +101,7 @@ def group_info(group: ProcessGroup) -> GroupInfo:
 def _probe(group: ProcessGroup) -> GroupInfo:
     if not dist.is_initialized():
         return GroupInfo(group, 0, 1, "none", static_capabilities("none"), torch.device("cpu"))
-    name = str(dist.get_backend(group)).lower()
+    name = data_backend(group)
     return GroupInfo(
         group,
         dist.get_rank(group),
@@ -107,6 +112,39 @@ def _probe(group: ProcessGroup) -> GroupInfo:
     )
 
 
+def data_backend(group: ProcessGroup) -> str:
+    """The name of the c10d backend that moves ``group``'s data tensors, asked of the group.
+
+    ``torch.distributed.get_backend`` names what the group was created with, which need
+    not be a backend: ``"undefined"`` after ``init_process_group()`` without a backend
+    (torch's default), ``"cpu:gloo"`` or ``"cpu:gloo,cuda:nccl"`` for a per-device map.
+    The group knows the backend object behind each device type: this asks it for the one
+    behind the accelerator's device type where the group has one (the device the tensors
+    live on), else behind the CPU, and returns its name (``"gloo"``, ``"nccl"``, ...).
+    A group that cannot say (a Python-level backend such as torch's fake group) keeps
+    ``get_backend``'s name.
+    """
+    reported = str(dist.get_backend(group)).lower()
+    pg = group if group is not None else dist.distributed_c10d._world.default_pg
+    try:
+        types = {d.type for d in pg._device_types}
+        kind = get_accelerator().name
+        device = torch.device(kind if kind in types else "cpu")
+        live = str(pg._get_backend(device).name()).lower()
+    except Exception:  # noqa: BLE001 - no per-device backend to ask: the reported name
+        return reported
+    return live or reported
+
+
+def _has_cpu_backend(group: ProcessGroup) -> bool:
+    """``group`` moves CPU tensors itself (gloo, or a map such as ``"cpu:gloo,cuda:nccl"``)."""
+    pg = group if group is not None else dist.distributed_c10d._world.default_pg
+    try:
+        return any(d.type == "cpu" for d in pg._device_types)
+    except Exception:  # noqa: BLE001 - a group that cannot say: assume not
+        return False
+
+
 def cpu_group(info: GroupInfo) -> ProcessGroup:
     """The group host-side integers travel on for ``info`` (see :class:`GroupInfo`).
 
@@ -114,7 +152,7 @@ def cpu_group(info: GroupInfo) -> ProcessGroup:
     size exchange on it), so the members-only group creation lines up.
     """
     if not info.has_cpu_pg:
-        if info.device.type == "cpu":
+        if info.device.type == "cpu" or _has_cpu_backend(info.pg):
             info.cpu_pg = info.pg
         else:
             ranks = dist.get_process_group_ranks(info.pg if info.pg is not None else dist.group.WORLD)
