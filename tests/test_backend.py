@@ -132,6 +132,20 @@ def _rank_all_gather(sizes: list[int] | None, dtype: torch.dtype, exchange: bool
     return _checked(lambda t: get_backend().all_gather(t, None, sizes), x)
 
 
+def _without(capability: str | None, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, dict[str, int]]:
+    """``fn()`` with ``capability`` switched off in the backend adapter (``None``: as
+    probed), and the raw ops it ran."""
+    be = get_backend()
+    old = be.overrides
+    be.overrides = {capability: False} if capability else {}
+    try:
+        with log_comms() as log:
+            out = fn()
+    finally:
+        be.overrides = old
+    return out, {op_name: int(row["count"]) for op_name, row in log.by_op().items()}
+
+
 def _rank_reduce_scatter(
     op: str, split_sizes: list[int] | None, fallback: bool
 ) -> tuple[torch.Tensor, dict[str, int]]:
@@ -139,28 +153,28 @@ def _rank_reduce_scatter(
     world = dc.get_world_size()
     total = sum(split_sizes) if split_sizes is not None else 2 * world
     x = _data(dc.get_rank(), (total, 3))
-    old = be.overrides
-    be.overrides = {"reduce_scatter": False} if fallback else {}
-    try:
-        with log_comms() as log:
-            out = _checked(lambda t: be.reduce_scatter(t, op, None, split_sizes), x)
-    finally:
-        be.overrides = old
-    return out, {op_name: int(row["count"]) for op_name, row in log.by_op().items()}
+    cap = "reduce_scatter" if fallback else None
+    return _without(cap, lambda: _checked(lambda t: be.reduce_scatter(t, op, None, split_sizes), x))
 
 
-def _rank_gather(dst: int, sizes: list[int] | None) -> torch.Tensor:
+def _rank_gather(
+    dst: int, sizes: list[int] | None, fallback: bool = False
+) -> tuple[torch.Tensor, dict[str, int]]:
     rank = dc.get_rank()
     rows = sizes[rank] if sizes is not None else 2
     x = _data(rank, (rows, 3))
-    return _checked(lambda t: get_backend().gather(t, dst, None, sizes), x)
+    cap = "gather_scatter" if fallback else None
+    return _without(cap, lambda: _checked(lambda t: get_backend().gather(t, dst, None, sizes), x))
 
 
-def _rank_scatter(src: int, split_sizes: list[int] | None) -> torch.Tensor:
+def _rank_scatter(
+    src: int, split_sizes: list[int] | None, fallback: bool = False
+) -> tuple[torch.Tensor, dict[str, int]]:
     world = dc.get_world_size()
     total = sum(split_sizes) if split_sizes is not None else 2 * world
     x = _data(dc.get_rank(), (total, 3))  # only src's values matter
-    return _checked(lambda t: get_backend().scatter(t, src, None, split_sizes), x)
+    cap = "gather_scatter" if fallback else None
+    return _without(cap, lambda: _checked(lambda t: get_backend().scatter(t, src, None, split_sizes), x))
 
 
 def _a2a_rows(src: int, dst: int, count: int) -> torch.Tensor:
@@ -174,7 +188,9 @@ def _a2a_matrix(world: int) -> list[list[int]]:
     return [[(src + 2 * dst) % 3 for dst in range(world)] for src in range(world)]
 
 
-def _rank_all_to_all(mode: str, dtype: torch.dtype) -> torch.Tensor:
+def _rank_all_to_all(
+    mode: str, dtype: torch.dtype, fallback: bool = False
+) -> tuple[torch.Tensor, dict[str, int]]:
     rank, world = dc.get_rank(), dc.get_world_size()
     if mode == "even":
         m = [[2] * world for _ in range(world)]
@@ -183,7 +199,8 @@ def _rank_all_to_all(mode: str, dtype: torch.dtype) -> torch.Tensor:
     x = torch.cat([_a2a_rows(rank, dst, m[rank][dst]) for dst in range(world)]).to(dtype)
     ins = None if mode == "even" else m[rank]
     outs = [m[src][rank] for src in range(world)] if mode == "given" else None
-    return _checked(lambda t: get_backend().all_to_all(t, None, ins, outs), x)
+    cap = "uneven_all_to_all" if fallback else None
+    return _without(cap, lambda: _checked(lambda t: get_backend().all_to_all(t, None, ins, outs), x))
 
 
 def _rank_ring() -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,37 +300,51 @@ def test_reduce_scatter(world: LocalWorld, op: str, layout: str, fallback: bool)
         assert counts == ({"reduce_scatter": 1} if native else {"all_reduce": 1}), f"rank {r}"
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["native", "no-gather-scatter"])
 @pytest.mark.parametrize("layout", ["even", "uneven"])
-def test_gather(world: LocalWorld, layout: str) -> None:
+def test_gather(world: LocalWorld, layout: str, fallback: bool) -> None:
     n = world.world_size
     sizes = None if layout == "even" else _uneven_sizes(n)
     rows = sizes if sizes is not None else [2] * n
     expected = torch.cat([_data(r, (rows[r], 3)) for r in range(n)])
     for dst in range(n):
-        for r, o in enumerate(world.run(_rank_gather, dst, sizes)):
+        for r, (o, counts) in enumerate(world.run(_rank_gather, dst, sizes, fallback)):
             assert o.shape == expected.shape, "gather has the same shape on every rank"
             assert torch.equal(o, expected if r == dst else torch.zeros_like(expected))
+            assert counts == ({"all_gather": 1} if fallback else {"gather": 1}), f"rank {r}"
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["native", "no-gather-scatter"])
 @pytest.mark.parametrize("layout", ["even", "uneven"])
-def test_scatter(world: LocalWorld, layout: str) -> None:
+def test_scatter(world: LocalWorld, layout: str, fallback: bool) -> None:
     n = world.world_size
     split = None if layout == "even" else _uneven_sizes(n)
     sizes = split if split is not None else [2] * n
     for src in range(n):
         chunks = _data(src, (sum(sizes), 3)).split(sizes)
-        for r, o in enumerate(world.run(_rank_scatter, src, split)):
+        for r, (o, counts) in enumerate(world.run(_rank_scatter, src, split, fallback)):
             assert torch.equal(o, chunks[r])
+            assert counts == ({"broadcast": 1} if fallback else {"scatter": 1}), f"rank {r}"
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["native", "no-uneven-a2a"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64], ids=str)
 @pytest.mark.parametrize("mode", ["even", "given", "inferred"])
-def test_all_to_all(world: LocalWorld, mode: str, dtype: torch.dtype) -> None:
+def test_all_to_all(world: LocalWorld, mode: str, dtype: torch.dtype, fallback: bool) -> None:
     n = world.world_size
     m = [[2] * n for _ in range(n)] if mode == "even" else _a2a_matrix(n)
-    for dst, o in enumerate(world.run(_rank_all_to_all, mode, dtype)):
+    for dst, (o, counts) in enumerate(world.run(_rank_all_to_all, mode, dtype, fallback)):
         expected = torch.cat([_a2a_rows(src, dst, m[src][dst]) for src in range(n)]).to(dtype)
         assert torch.equal(o, expected), f"rank {dst}"
+        # split sizes given: without uneven support, a one-integer max all_reduce agrees on
+        # the padding, then one even all_to_all (none when every chunk is empty);
+        # inferred output sizes cost one all_to_all more
+        padded = fallback and mode != "even"
+        data = 0 if padded and max(map(max, m)) == 0 else 1
+        expected_counts = {"all_to_all": data + (mode == "inferred")}
+        if padded:
+            expected_counts["all_reduce"] = 1
+        assert counts == {k: v for k, v in expected_counts.items() if v}, dst
 
 
 def test_batch_p2p_ring(multi_world: LocalWorld) -> None:

@@ -28,13 +28,29 @@ ProcessGroup = Any  # dist.ProcessGroup | None (None = the default group)
 class Capabilities:
     """What the c10d backend behind a group's data can do natively: its name comes from the
     group (:func:`data_backend`, once per group), what that backend can do in this torch
-    from :func:`static_capabilities`."""
+    from :func:`static_capabilities`.
+
+    Each field picks a path in the backend adapter; without the capability diffcomm runs
+    an equivalent built from ops the backend has (same values, more traffic):
+
+    * ``avg``: ``ReduceOp.AVG`` (else a sum, divided by the group size);
+    * ``reduce_scatter``: a native reduce_scatter (else an all_reduce, each rank keeping
+      its chunk);
+    * ``all_gather_into_tensor``: one flat output tensor (else a list of outputs);
+    * ``uneven_all_to_all``: split sizes that differ (else every chunk padded to the
+      largest, agreed by a one-integer max all_reduce, and an even all_to_all);
+    * ``complex_reduce``: complex sum/avg (else the real view travels);
+    * ``gather_scatter``: native gather and scatter (else an all_gather that every rank
+      receives, and a broadcast of which each rank keeps its chunk).
+
+    Uneven all_gather and gather are never native with a single output tensor: diffcomm
+    always pads them to the largest size, so that is no field.
+    """
 
     backend: str
     avg: bool
     reduce_scatter: bool
     all_gather_into_tensor: bool
-    uneven_all_gather: bool
     uneven_all_to_all: bool
     complex_reduce: bool
     gather_scatter: bool
@@ -48,15 +64,15 @@ def static_capabilities(name: str) -> Capabilities:
 
     ``gloo`` in torch < 2.6 lacks ``reduce_scatter_tensor`` and ``ReduceOp.AVG``;
     ``nccl`` lacks gather/scatter before 2.x builds that emulate them (torch does).
-    Uneven all_gather/gather never work with a single tensor output: diffcomm pads.
+    An unknown name gets the conservative set: only what every c10d backend has.
     """
     version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     if name == "gloo":
         new = version >= (2, 6)
-        return Capabilities(name, new, new, True, False, True, True, True)
+        return Capabilities(name, new, new, True, True, True, True)
     if name == "nccl":
-        return Capabilities(name, True, True, True, False, True, True, True)
-    return Capabilities(name, False, False, False, False, True, False, True)
+        return Capabilities(name, True, True, True, True, True, True)
+    return Capabilities(name, False, False, False, True, False, True)
 
 
 @dataclass(eq=False)

@@ -418,10 +418,14 @@ class TorchDistributedBackend(CoalescedOps):
         self, x: torch.Tensor, dst: int, group: ProcessGroup, sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Concatenation along dim 0 on ``dst``; zeros of the same shape elsewhere."""
-        world, rank = self.world_size(group), self.rank(group)
+        info = group_info(group)
+        world, rank = info.size, info.rank
         x = x.contiguous()
         if sizes is None:
             sizes = [x.shape[0]] * world
+        if not self._caps(info).gather_scatter:  # no native gather: every rank gathers
+            full = self.all_gather(x, group, sizes)
+            return full if rank == dst else torch.zeros_like(full)
         padded, buf, chunks, skip = _padded_gather(x, sizes, world, torch.zeros)  # zeros off dst
 
         def run() -> None:
@@ -435,11 +439,15 @@ class TorchDistributedBackend(CoalescedOps):
     def scatter(
         self, x: torch.Tensor, src: int, group: ProcessGroup, split_sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
-        """Chunk ``rank`` (along dim 0) of ``src``'s ``x``."""
-        world, rank = self.world_size(group), self.rank(group)
+        """Chunk ``rank`` (along dim 0) of ``src``'s ``x`` (``x`` has one shape on every rank)."""
+        info = group_info(group)
+        world, rank = info.size, info.rank
         x = x.contiguous()
         rest = tuple(x.shape[1:])
         sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        if not self._caps(info).gather_scatter:  # no native scatter: broadcast, keep own chunk
+            start = sum(sizes[:rank])
+            return self.broadcast(x, src, group)[start : start + sizes[rank]].clone()
         m = max(sizes)
         out = torch.empty((m, *rest), dtype=x.dtype, device=x.device)
         if rank == src:
@@ -476,6 +484,9 @@ class TorchDistributedBackend(CoalescedOps):
             outs = [x.shape[0] // world] * world if ins is None else None
         if outs is None:  # infer: what rank j sends me is its ins[me]; exchange the matrix
             outs = self.all_to_all(torch.tensor(ins, dtype=torch.int64, device=info.device), group).tolist()
+        if not self._caps(info).uneven_all_to_all and (ins is not None or output_split_sizes is not None):
+            ins = ins if ins is not None else [x.shape[0] // world] * world
+            return self._padded_all_to_all(x, group, ins, outs, info)
         out = torch.empty((sum(outs), *rest), dtype=x.dtype, device=x.device)
 
         def skip() -> None:
@@ -494,6 +505,21 @@ class TorchDistributedBackend(CoalescedOps):
             out,
         )
         return out
+
+    def _padded_all_to_all(
+        self, x: torch.Tensor, group: ProcessGroup, ins: list[int], outs: list[int], info: GroupInfo
+    ) -> torch.Tensor:
+        """Uneven all_to_all on a backend without one: every chunk padded to the largest
+        chunk any rank sends (one tiny max all_reduce), an even all_to_all, the padding cut.
+        Every rank of the call takes this path (it depends on the call's arguments and the
+        group's capabilities only), so the all_reduce lines up."""
+        biggest = torch.tensor([max(ins + outs)], dtype=torch.int64, device=info.device)
+        m = int(self.all_reduce(biggest, "max", group).item())
+        if m == 0:  # nothing travels anywhere
+            return x.new_empty((0, *x.shape[1:]))
+        padded = torch.cat([pad_rows(c, m) for c in x.split(ins)])
+        got = self.all_to_all(padded, group).split(m)
+        return torch.cat([c[:n] for c, n in zip(got, outs)])
 
     # ---- point to point ------------------------------------------------------------
     def recv(self, out: torch.Tensor, src: int, group: ProcessGroup, tag: int = 0) -> torch.Tensor:
