@@ -484,7 +484,7 @@ class TorchDistributedBackend(CoalescedOps):
             outs = [x.shape[0] // world] * world if ins is None else None
         if outs is None:  # infer: what rank j sends me is its ins[me]; exchange the matrix
             outs = self.all_to_all(torch.tensor(ins, dtype=torch.int64, device=info.device), group).tolist()
-        if not self._caps(info).uneven_all_to_all and (ins is not None or output_split_sizes is not None):
+        if (ins is not None or output_split_sizes is not None) and not self._caps(info).uneven_all_to_all:
             ins = ins if ins is not None else [x.shape[0] // world] * world
             return self._padded_all_to_all(x, group, ins, outs, info)
         out = torch.empty((sum(outs), *rest), dtype=x.dtype, device=x.device)
