@@ -8,6 +8,7 @@ stage (float64, tight tolerance) inside the rank function.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable
 
@@ -375,10 +376,15 @@ def test_interleaved_memory_bound_and_zb_h1_keeps_its_base_bound(p: int, m: int,
         assert max_in_flight(steps) == min(2 * (p - r - 1) + (v - 1) * min(p, m) + 1, v * m)
     for v_ in (1, v):
         base = one_f_one_b_schedule(p, m, v_)
-        for zb, b in zip(zb_h1_schedule(p, m, v_), base, strict=True):
+        for zb, b in zip(zb_h1_schedule(p, m, v_, memory="rank"), base, strict=True):
             assert max_in_flight(zb) <= max_in_flight(b)  # counted until W
-    for r, steps in enumerate(zb_h1_schedule(p, m)):
-        assert max_in_flight(steps) == min(p - r, m)  # ZB-H1 = 1F1B's bound
+        # the paper's ZB-H1: no rank above the base's busiest rank
+        peak = max(max_in_flight(b) for b in base)
+        assert max(max_in_flight(zb) for zb in zb_h1_schedule(p, m, v_)) == peak
+    for r, steps in enumerate(zb_h1_schedule(p, m, memory="rank")):
+        assert max_in_flight(steps) == min(p - r, m)  # each rank within its own 1F1B bound
+    for steps in zb_h1_schedule(p, m):
+        assert max_in_flight(steps) <= min(p, m)  # every rank within 1F1B's peak (rank 0's)
 
 
 def _unit_cost_bubble(schedule: list[list[Step]], p: int, v: int) -> float:
@@ -413,8 +419,11 @@ def test_schedules_reach_their_ideal_bubble_with_unit_costs(p: int, m: int) -> N
     )
     # ZB-H1: (p-1)(F+I-W) idle of m(F+I+W) + (p-1)(F+I-W) with F = I = W = 1
     zb = _unit_cost_bubble(zb_h1_schedule(p, m), p, 1)
-    assert zb == pytest.approx(2 * (p - 1) / (3 * m + 2 * (p - 1)))
-    assert zb < theoretical_bubble(p, m)
+    assert zb == pytest.approx((p - 1) / (3 * m + (p - 1)))
+    # held to each rank's own 1F1B bound no W can wait before the drain: 2(p-1) idle
+    zb_rank = _unit_cost_bubble(zb_h1_schedule(p, m, memory="rank"), p, 1)
+    assert zb_rank == pytest.approx(2 * (p - 1) / (3 * m + 2 * (p - 1)))
+    assert zb < zb_rank < theoretical_bubble(p, m)
 
 
 F, B_, I_, W_ = (lambda m, c=0, k=k: Step(k, m, c) for k in "FBIW")  # noqa: E731
@@ -457,7 +466,10 @@ def test_check_schedule_names_the_broken_step(
 
 def test_schedule_errors_are_value_errors_and_steps_print_with_chunks() -> None:
     assert issubclass(ScheduleError, ValueError)
-    assert str(zb_h1_schedule(2, 2)) == "[[F0, F1, I0, W0, I1, W1], [F0, I0, W0, F1, I1, W1]]"
+    assert str(zb_h1_schedule(2, 2)) == "[[F0, F1, I0, W0, I1, W1], [F0, I0, F1, I1, W0, W1]]"
+    assert str(zb_h1_schedule(2, 2, memory="rank")) == "[[F0, F1, I0, W0, I1, W1], [F0, I0, W0, F1, I1, W1]]"
+    with pytest.raises(ValueError, match="`memory` must be 'peak' or 'rank'"):
+        zb_h1_schedule(2, 2, memory="none")  # type: ignore[arg-type]
     assert str(Step("F", 3, 1)) == "F3c1"
     assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
 
@@ -499,7 +511,7 @@ def _parity_all(schedule: str, v: int) -> list[int]:
         # input-gradient-first) B steps: same numbers (the default path at m = 1, 4, 8)
         runner = PipelineRunner(
             mine if v > 1 else mine[0],
-            schedule,
+            functools.partial(zb_h1_schedule, memory="rank") if schedule == "zb-h1-rank" else schedule,
             loss_fn=nn.functional.mse_loss,
             prepost=n_micro != 4,
             grad_first=n_micro != 2,
@@ -524,7 +536,7 @@ def _parity_all(schedule: str, v: int) -> list[int]:
     return peaks
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h1-rank"])
 @pytest.mark.parametrize("v", [1, 2])
 @pytest.mark.parametrize("n", [2, 4])
 def test_every_schedule_matches_the_serial_model(

@@ -17,7 +17,8 @@ data, tests check it) — and the ideal bubble (uniform stages, free messages):
 * ``1f1b`` (``v = 1``): ``min(p - r, m)``; bubble ``(p-1) / (m + p-1)``.
 * ``interleaved``: ``min(2(p-r-1) + (v-1)*min(p, m) + 1, v*m)`` chunk-sized activations
   (each ``1/v`` of a stage's); bubble ``(p-1) / (v*m + p-1)`` when ``p`` divides ``m``.
-* ``zb-h1``: its base's bound (1F1B's, or interleaved's), counted until ``W``, plus the
+* ``zb-h1``: the bound of its base's busiest rank on every rank (1F1B: ``min(p, m)``;
+  ``memory="rank"``: each rank's own base bound), counted until ``W``, plus the
   gradients ``I`` keeps for ``W`` (at the nodes where the weights' branches leave the
   input path: about one activation per layer); bubble ``(p-1)(F+I-W)`` of a step of
   ``m(F+I+W) + (p-1)(F+I-W)`` (``v = 1``), against 1F1B's ``(p-1)(F+I+W)``.
@@ -193,22 +194,33 @@ def interleaved_1f1b_schedule(n_stages: int, n_micro: int, n_chunks: int = 2) ->
     return out
 
 
-def zb_h1_schedule(n_stages: int, n_micro: int, n_chunks: int = 1) -> list[list[Step]]:
+def zb_h1_schedule(
+    n_stages: int, n_micro: int, n_chunks: int = 1, memory: Literal["peak", "rank"] = "peak"
+) -> list[list[Step]]:
     """ZB-H1 (zero bubble, Qi et al., ICLR 2024): 1F1B with each backward split in two.
 
     ``I`` (input gradient) keeps 1F1B's place, so the previous stage gets its gradient as
-    early as before; ``W`` (weight gradient) is needed by no other stage and is placed where
-    the rank would otherwise wait — in the drain, where 1F1B idles. The order is found by
-    simulating the pipeline with unit-cost ``F``, ``I``, ``W``: run the base order (1F1B,
-    or interleaved 1F1B for ``n_chunks > 1``); whenever its next step would wait, run the
-    oldest pending ``W`` instead; and never hold more forwards without their ``W`` than the
-    base schedule holds (so the activation bound is the base's). The bubble drops from
-    ``(p-1)(F+B)`` to ``(p-1)(F+I-W)`` of time.
+    early as before; ``W`` (weight gradient) is needed by no other stage, so it waits for
+    a slot where the rank would otherwise idle. The order is found by simulating the
+    pipeline with unit-cost ``F``, ``I``, ``W``: run the base order (1F1B, or interleaved
+    1F1B for ``n_chunks > 1``); whenever its next step would wait, run the oldest pending
+    ``W`` instead; and never let a rank hold more forwards without their ``W`` than the
+    memory rule allows:
+
+    * ``memory="peak"`` (the paper's ZB-H1): every rank holds at most what the base
+      schedule's busiest rank holds (1F1B: ``min(p, m)``, rank 0's bound), so the peak
+      over ranks is the base's. Ranks after the first may then defer their ``W`` and keep
+      passing input gradients back: with ``F = I = W`` the bubble is ``(p-1)(F+I-W)`` of
+      ``m(F+I+W) + (p-1)(F+I-W)`` (``v = 1``), against 1F1B's ``(p-1)(F+I+W)``.
+    * ``memory="rank"``: every rank holds at most its own base bound (1F1B: ``min(p-r,
+      m)``). No ``W`` can wait before the drain, so this is 1F1B with every ``B`` run as
+      ``I`` then ``W`` (bubble ``2(p-1)`` units at ``F = I = W``).
 
     Args:
         n_stages: number of pipeline ranks.
         n_micro: number of micro-batches.
         n_chunks: virtual stages per rank.
+        memory: ``"peak"`` or ``"rank"``, the activation bound above.
 
     Returns:
         One list of steps per rank, with ``I`` and ``W`` (no ``B``).
@@ -216,18 +228,24 @@ def zb_h1_schedule(n_stages: int, n_micro: int, n_chunks: int = 1) -> list[list[
     Example::
 
         >>> zb_h1_schedule(2, 2)
+        [[F0, F1, I0, W0, I1, W1], [F0, I0, F1, I1, W0, W1]]
+        >>> zb_h1_schedule(2, 2, memory="rank")
         [[F0, F1, I0, W0, I1, W1], [F0, I0, W0, F1, I1, W1]]
     """
     n_stages, n_micro, n_chunks = _check_counts(n_stages, n_micro, n_chunks, "zb_h1_schedule")
+    if memory not in ("peak", "rank"):
+        raise A.arg_error("zb_h1_schedule", "memory", "'peak' or 'rank'", memory)
     base = one_f_one_b_schedule(n_stages, n_micro, n_chunks)
-    return _fill_with_w(base, n_stages, n_chunks)
+    bounds = [max_in_flight(steps) for steps in base]
+    caps = [max(bounds)] * n_stages if memory == "peak" else bounds
+    return _fill_with_w(base, n_stages, n_chunks, caps)
 
 
-def _fill_with_w(base: list[list[Step]], p: int, v: int) -> list[list[Step]]:
-    """Split every ``B`` of ``base`` into ``I`` + ``W``, placing each ``W`` by simulation."""
+def _fill_with_w(base: list[list[Step]], p: int, v: int, cap: list[int]) -> list[list[Step]]:
+    """Split every ``B`` of ``base`` into ``I`` + ``W``, placing each ``W`` by simulation;
+    rank ``r`` never holds more than ``cap[r]`` forwards without their ``W``."""
     last = p * v - 1
     order = [[Step("I", s.micro, s.chunk) if s.kind == "B" else s for s in steps] for steps in base]
-    cap = [max_in_flight(steps) for steps in base]
     out: list[list[Step]] = [[] for _ in range(p)]
     pc, free, live = [0] * p, [0] * p, [0] * p
     pending: list[list[Step]] = [[] for _ in range(p)]
