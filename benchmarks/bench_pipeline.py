@@ -22,7 +22,9 @@ gradients (relative to the largest gradient), and the paired per-round time rati
 min..max). A 1F1B row without pre-posted receives (``prepost=False``) shows what
 posting the next receive early buys, and one with plain backward steps
 (``grad_first=False``, the runner before input-gradient-first ``B``) what sending the
-input gradient before the weight gradients buys.
+input gradient before the weight gradients buys, and one with ``grad_first="cooldown"``
+(only the ``B`` steps after a rank's last ``F`` split) what the split costs in the
+steady state.
 
     python benchmarks/bench_pipeline.py                         # p=2, m=4 and 8
     python benchmarks/bench_pipeline.py --stages 2 4 --plot docs/_static/pipeline_timeline.png
@@ -55,6 +57,7 @@ SCHEDULES = {
     "1f1b": (1, "Schedule1F1B"),
     "1f1b-noprepost": (1, None),
     "1f1b-plainB": (1, None),
+    "1f1b-cooldown": (1, "Schedule1F1B"),
     "interleaved": (2, "ScheduleInterleaved1F1B"),
     "zb-h1": (1, "ScheduleInterleavedZeroBubble"),
 }
@@ -89,12 +92,13 @@ def _rank_bench(width: int, depth: int, batch: int, m: int, schedule: str, round
     twin = copy.deepcopy(model)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     mine = partition(model, p * v)[rank::p]
+    grad_first: bool | str = {"1f1b-plainB": False, "1f1b-cooldown": "cooldown"}.get(schedule, True)
     runner = PipelineRunner(
         mine if v > 1 else mine[0],
-        schedule.replace("-noprepost", "").replace("-plainB", ""),
+        schedule.split("-")[0] if schedule.startswith("1f1b") else schedule,
         loss_fn=nn.functional.mse_loss,
         prepost=not schedule.endswith("noprepost"),
-        grad_first=not schedule.endswith("plainB"),
+        grad_first=grad_first,
     )
     out: dict[str, Any] = {"dc": [], "torch": [], "bubble": [], "kinds": {}}
 
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     for e in sorted(errs):
                         print(f"      torch.distributed.pipelining failed: {e}")
-                    if m == max(args.micro) and schedule not in ("1f1b-noprepost", "1f1b-plainB"):
+                    if m == max(args.micro) and not schedule.startswith("1f1b-"):
                         plots[f"{schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")] = timelines
     if args.plot:
         _plot(plots, args.plot)

@@ -330,6 +330,8 @@ def _runner_bad_args() -> None:
         PipelineRunner(stage, "zero-bubble", loss_fn=nn.functional.mse_loss)
     with pytest.raises(TypeError, match="`stage` must be an nn.Module"):
         PipelineRunner("linear", loss_fn=nn.functional.mse_loss)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`grad_first` must be True, False or \"cooldown\", got 'drain'"):
+        PipelineRunner(stage, loss_fn=nn.functional.mse_loss, grad_first="drain")
     if rank == 1:
         with pytest.raises(TypeError, match="`loss_fn` must be a loss function on the last stage"):
             PipelineRunner(stage)
@@ -497,7 +499,9 @@ def test_runner_validates_the_schedule_before_communicating(world2: dc.LocalWorl
 # ======================================================================================
 
 
-def _parity_all(schedule: str, v: int) -> list[int]:
+def _parity_all(schedule: str, v: int, grad_first: bool | str | None = None) -> list[int]:
+    """Pipelined == serial for m = 1, 2, 4, 8; ``grad_first`` given: that B path at every m
+    (else the default path at m = 1, 4, 8 and the plain B at m = 2)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     peaks = []
     for n_micro in (1, 2, 4, 8):
@@ -514,7 +518,7 @@ def _parity_all(schedule: str, v: int) -> list[int]:
             functools.partial(zb_h1_schedule, memory="rank") if schedule == "zb-h1-rank" else schedule,
             loss_fn=nn.functional.mse_loss,
             prepost=n_micro != 4,
-            grad_first=n_micro != 2,
+            grad_first=n_micro != 2 if grad_first is None else grad_first,
         )
         loss = runner.step(x, y, n_micro=n_micro, input_grad=input_grad)
         xs = x.clone().requires_grad_()
@@ -543,6 +547,18 @@ def test_every_schedule_matches_the_serial_model(
     local_worlds: Callable[[int], dc.LocalWorld], schedule: str, v: int, n: int
 ) -> None:
     peaks = local_worlds(n).run(_parity_all, schedule, v)
+    assert all(all(b > 0 for b in per_rank) for per_rank in peaks)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("v", [1, 2])
+@pytest.mark.parametrize("n", [2, 4])
+def test_cooldown_grad_first_matches_the_serial_model(
+    local_worlds: Callable[[int], dc.LocalWorld], schedule: str, v: int, n: int
+) -> None:
+    # split B steps (after the last F) and plain ones in the same step: same numbers
+    # (zb-h1 has no B steps: its I and W are steps of their own)
+    peaks = local_worlds(n).run(_parity_all, schedule, v, "cooldown")
     assert all(all(b > 0 for b in per_rank) for per_rank in peaks)
 
 
@@ -575,7 +591,7 @@ def test_zb_h1_computes_weight_gradients_in_w_only(world2: dc.LocalWorld) -> Non
     assert world2.run(_weights_only_in_w) == [["W"], ["W"]]
 
 
-def _send_order(grad_first: bool) -> list[list[str]]:
+def _send_order(grad_first: bool | str) -> list[list[str]]:
     """Per B step of the last stage: the order of its events, "send" (the input gradient
     leaves for the previous stage) and "W" (a weight gradient accumulates)."""
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -601,15 +617,19 @@ def _send_order(grad_first: bool) -> list[list[str]]:
     return [events[i : i + k] for i in range(0, len(events), k)] if rank == n - 1 else []
 
 
-@pytest.mark.parametrize("grad_first", [True, False])
+@pytest.mark.parametrize(
+    ("grad_first", "split"),
+    [(True, [True, True]), (False, [False, False]), ("cooldown", [False, True])],
+)
 def test_b_sends_the_input_gradient_before_the_weight_gradients(
-    world2: dc.LocalWorld, grad_first: bool
+    world2: dc.LocalWorld, grad_first: bool | str, split: list[bool]
 ) -> None:
     _, last = world2.run(_send_order, grad_first)
-    assert len(last) == 2  # two micro-batches
-    for b in last:
+    assert len(last) == 2  # two micro-batches: F0 B0 F1 B1 on the last stage
+    for b, first in zip(last, split, strict=True):
         n_weights = len(b) - 1
         assert n_weights >= 2 and sorted(b) == ["W"] * n_weights + ["send"], b
-        # grad_first: the previous stage gets its gradient before the weights' work;
-        # a plain backward reaches the receive's node last
-        assert b.index("send") == (0 if grad_first else n_weights), b
+        # a split B: the previous stage gets its gradient before the weights' work; a
+        # plain backward reaches the receive's node last ("cooldown": only B1, after
+        # the last F, splits)
+        assert b.index("send") == (0 if first else n_weights), b

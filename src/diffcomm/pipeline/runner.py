@@ -18,7 +18,11 @@ repeated.
 Input gradient first: a ``B`` step runs ``I`` then ``W`` back to back, so the input
 gradient leaves for the previous stage before the weight gradients are computed (the
 message travels during ``W``; a plain ``token.backward()`` reaches the receive's node,
-which sends it, last). ``grad_first=False`` runs one plain backward.
+which sends it, last). ``grad_first=False`` runs one plain backward;
+``grad_first="cooldown"`` splits only the ``B`` steps after this rank's last ``F`` (where
+every upstream stage has nothing left but backwards that wait for this gradient) and runs
+the others as one plain backward, which is cheaper where the split costs more than the
+message it hides (see ``docs/pipeline.md``).
 
 Pre-posted receives: before computing step ``k`` the runner posts the receive step
 ``k + 1`` will need (the next activation with :func:`diffcomm.p2p.irecv`, or the next
@@ -112,9 +116,11 @@ class PipelineRunner:
         prepost: post the next step's receive before computing the current step
             (default); ``False`` receives only when a step needs the data.
         grad_first: in a ``B`` step, compute the input gradient first and send it
-            upstream, then the weight gradients (default; the same work as one backward,
-            split as ``I`` + ``W``); ``False`` runs one plain backward, which sends the
-            input gradient only after every weight gradient.
+            upstream, then the weight gradients (``True``, default; the same work as one
+            backward, split as ``I`` + ``W``); ``False`` runs one plain backward, which
+            sends the input gradient only after every weight gradient; ``"cooldown"``
+            splits only the ``B`` steps after this rank's last ``F`` and runs the others
+            plainly.
 
     Attributes:
         timeline: after a step, a list of :class:`TimelineEntry`, one per executed step.
@@ -147,7 +153,7 @@ class PipelineRunner:
         broadcast_loss: bool = True,
         tag: int = 0,
         prepost: bool = True,
-        grad_first: bool = True,
+        grad_first: bool | str = True,
     ) -> None:
         if isinstance(stage, nn.Module):
             chunks = [stage]
@@ -206,7 +212,10 @@ class PipelineRunner:
                 tag,
             )
         self.prepost = bool(prepost)
-        self.grad_first = bool(grad_first)
+        if grad_first not in (True, False, "cooldown"):
+            raise A.arg_error("PipelineRunner", "grad_first", 'True, False or "cooldown"', repr(grad_first))
+        self.grad_first: bool | str = grad_first if grad_first == "cooldown" else bool(grad_first)
+        self._split_b: set[tuple[int, int]] | None = None  # the B steps that split (None: all)
         self.timeline: list[TimelineEntry] = []
         self.peak_activation_bytes = 0
         self.input_grad: Tensor | None = None
@@ -291,6 +300,7 @@ class PipelineRunner:
         self._inputs_kept: list[Tensor] = []
         self._posted: dict[tuple[int, int], p2p.RecvHandle] = {}
         self._like: dict[int, Tensor] = {}
+        self._split_b = _cooldown(steps) if self.grad_first == "cooldown" else None
         stash: dict[tuple[int, int], _Stash] = {}
         total = torch.zeros((), dtype=torch.float64)
         for k, st in enumerate(steps):
@@ -418,7 +428,10 @@ class PipelineRunner:
     # ---- backward ----------------------------------------------------------------------
     def _backward(self, st: Step, stash: dict[tuple[int, int], _Stash]) -> None:
         kept = stash[(st.micro, st.chunk)]
-        if self.grad_first and self._g(st.chunk) != 0 and kept.handle.requires_grad:
+        split = self.grad_first is True or (
+            self._split_b is not None and (st.micro, st.chunk) in self._split_b
+        )
+        if split and self._g(st.chunk) != 0 and kept.handle.requires_grad:
             # the input gradient first (its recv-backward sends it upstream at once), then
             # the weight gradients while it travels: the same work as one backward, but the
             # previous stage's wait no longer includes this stage's weight gradients
@@ -508,8 +521,16 @@ class PipelineRunner:
 
 
 # ======================================================================================
-# the B/W split: which nodes to keep gradients at
+# the B/W split: which steps split, which nodes to keep gradients at
 # ======================================================================================
+
+
+def _cooldown(steps: Sequence[Step]) -> set[tuple[int, int]]:
+    """``(micro, chunk)`` of the ``B`` steps after the rank's last ``F``: from there on the
+    stages upstream run only backwards, each waiting for a gradient from here, so sending
+    it before the weight gradients shortens the step by them."""
+    last_f = max((i for i, st in enumerate(steps) if st.kind == "F"), default=-1)
+    return {(st.micro, st.chunk) for st in steps[last_f + 1 :] if st.kind == "B"}
 
 
 def _input_edge(x: Tensor | None) -> Tensor | None:
