@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import time
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -560,6 +562,44 @@ def test_cooldown_grad_first_matches_the_serial_model(
     # (zb-h1 has no B steps: its I and W are steps of their own)
     peaks = local_worlds(n).run(_parity_all, schedule, v, "cooldown")
     assert all(all(b > 0 for b in per_rank) for per_rank in peaks)
+
+
+def _graphs_freed(schedule: str, v: int, grad_first: bool | str) -> int:
+    """Every micro-batch's graph dies with its step: the chunks' inputs (received, or the
+    micro-batches of the batch) are unreachable afterwards, also where a B split into a
+    retained I and a W (Tanh saves its output: a packed tensor must not hold its node)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    mine = partition(_mlp(width=5, depth=n * v), n * v)[rank::n]
+    refs: list[weakref.ref] = []
+    hooks = [c.register_forward_pre_hook(lambda _, args: refs.append(weakref.ref(args[0]))) for c in mine]
+    runner = PipelineRunner(
+        mine if v > 1 else mine[0], schedule, loss_fn=nn.functional.mse_loss, grad_first=grad_first
+    )
+    for _ in range(2):
+        runner.step(torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64), 4)
+    for h in hooks:
+        h.remove()
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert refs and alive == 0, f"{alive} of {len(refs)} micro-batch inputs still alive"
+    return len(refs)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v", "grad_first"),
+    [
+        ("1f1b", 1, True),
+        ("1f1b", 1, "cooldown"),
+        ("1f1b", 1, False),
+        ("zb-h1", 1, True),
+        ("interleaved", 2, True),
+    ],
+)
+def test_every_micro_batch_graph_is_freed_after_the_step(
+    world2: dc.LocalWorld, schedule: str, v: int, grad_first: bool | str
+) -> None:
+    assert world2.run(_graphs_freed, schedule, v, grad_first) == [8 * v, 8 * v]
 
 
 def _weights_only_in_w() -> list[str]:

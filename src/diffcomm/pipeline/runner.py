@@ -400,16 +400,24 @@ class PipelineRunner:
         self._prepost(nxt, stash)
         kept.input = x
 
+        # The hook holds nothing of the graph: a saved tensor keeps its pack hook (and what
+        # the hook returned) until its node is released, and a node that only ran in a
+        # retained backward (the input path of a split B) is released when the graph dies.
+        # A hook holding the stash (whose handle holds the graph), or a packed tensor
+        # holding its own node as grad_fn (a ReLU's saved output), would keep the graph
+        # alive for ever: a leak of one micro-batch's activations per split B.
+        storages, nbytes, params = kept.storages, [0], self._param_storages
+
         def pack(t: Tensor) -> Tensor:
             # distinct saved tensors (a ReLU output saved twice counts once), by their own
             # bytes (a micro-batch view of the batch counts its slice), parameters excluded
             key = (t.data_ptr(), t.numel(), t.dtype)
-            if t.untyped_storage().data_ptr() not in self._param_storages and key not in kept.storages:
-                kept.storages.add(key)
-                kept.nbytes += t.numel() * t.element_size()
-            return t
+            if t.untyped_storage().data_ptr() not in params and key not in storages:
+                storages.add(key)
+                nbytes[0] += t.numel() * t.element_size()
+            return t.detach()  # autograd restores the graph metadata when unpacking
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             y = self.chunks[c](x)
             if g == self._last_g():
                 assert self.loss_fn is not None
@@ -420,6 +428,7 @@ class PipelineRunner:
                 dst = (self.rank + 1) % self.n_stages
                 kept.handle = p2p.send(y, dst, group=self.pg, tag=self.tag + c)
                 kept.output = y
+        kept.nbytes = nbytes[0]
         stash[(m, c)] = kept
         self._live_bytes += kept.nbytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, self._live_bytes)
@@ -531,6 +540,10 @@ def _cooldown(steps: Sequence[Step]) -> set[tuple[int, int]]:
     it before the weight gradients shortens the step by them."""
     last_f = max((i for i, st in enumerate(steps) if st.kind == "F"), default=-1)
     return {(st.micro, st.chunk) for st in steps[last_f + 1 :] if st.kind == "B"}
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t
 
 
 def _input_edge(x: Tensor | None) -> Tensor | None:
