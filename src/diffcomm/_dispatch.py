@@ -89,9 +89,10 @@ def dispatch(
     return out
 
 
-#: Set by :func:`set_order_hook` (:mod:`diffcomm._async`): ``(must_queue, call)``. While asynchronous jobs are
-#: pending, a raw op issued by another thread runs on the communication engine behind
-#: them (``call``), so this process issues communication in program order.
+#: Set by :func:`set_order_hook` (:mod:`diffcomm._async`): ``(must_queue, call, engine)``.
+#: While asynchronous jobs are pending (``engine.pending``), a raw op issued by another
+#: thread runs on the communication engine behind them (``call``), so this process
+#: issues communication in program order.
 _ORDER_HOOK: tuple[Callable[[], bool], Callable[[Callable[[], Any], str], Any], Any] | None = None
 
 #: Spans of raw communication ``(op, label, thread name, t0, t1)`` (``time.perf_counter``)

@@ -141,24 +141,27 @@ def data_backend(group: ProcessGroup) -> str:
     ``get_backend``'s name.
     """
     reported = str(dist.get_backend(group)).lower()
-    pg = group if group is not None else dist.distributed_c10d._world.default_pg
+    types = _device_types(group)
+    if not types:
+        return reported
+    kind = get_accelerator().name
     try:
-        types = {d.type for d in pg._device_types}
-        kind = get_accelerator().name
-        device = torch.device(kind if kind in types else "cpu")
-        live = str(pg._get_backend(device).name()).lower()
+        live = str(_pg(group)._get_backend(torch.device(kind if kind in types else "cpu")).name()).lower()
     except Exception:  # noqa: BLE001 - no per-device backend to ask: the reported name
         return reported
     return live or reported
 
 
-def _has_cpu_backend(group: ProcessGroup) -> bool:
-    """``group`` moves CPU tensors itself (gloo, or a map such as ``"cpu:gloo,cuda:nccl"``)."""
-    pg = group if group is not None else dist.distributed_c10d._world.default_pg
+def _pg(group: ProcessGroup) -> Any:
+    return group if group is not None else dist.distributed_c10d._world.default_pg
+
+
+def _device_types(group: ProcessGroup) -> set[str]:
+    """The device types ``group`` has a backend for (none when it cannot say)."""
     try:
-        return any(d.type == "cpu" for d in pg._device_types)
-    except Exception:  # noqa: BLE001 - a group that cannot say: assume not
-        return False
+        return {d.type for d in _pg(group)._device_types}
+    except Exception:  # noqa: BLE001 - a group that cannot say
+        return set()
 
 
 def cpu_group(info: GroupInfo) -> ProcessGroup:
@@ -168,7 +171,7 @@ def cpu_group(info: GroupInfo) -> ProcessGroup:
     size exchange on it), so the members-only group creation lines up.
     """
     if not info.has_cpu_pg:
-        if info.device.type == "cpu" or _has_cpu_backend(info.pg):
+        if info.device.type == "cpu" or "cpu" in _device_types(info.pg):
             info.cpu_pg = info.pg
         else:
             ranks = dist.get_process_group_ranks(info.pg if info.pg is not None else dist.group.WORLD)

@@ -395,7 +395,7 @@ class TorchDistributedBackend(CoalescedOps):
             inp = x
         else:  # pad each chunk to the largest, so one reduce_scatter_tensor does it
             m = max(sizes)
-            inp = torch.cat([pad_rows(c, m) for c in x.split(sizes)])
+            inp = torch.cat(pad_chunks(x, sizes, m))
         chunk = inp.shape[0] // world if world else 0
         out = torch.empty((chunk, *rest), dtype=x.dtype, device=x.device)
         if inp.is_complex():
@@ -451,8 +451,7 @@ class TorchDistributedBackend(CoalescedOps):
         m = max(sizes)
         out = torch.empty((m, *rest), dtype=x.dtype, device=x.device)
         if rank == src:
-            parts = [pad_rows(c, m) for c, s in zip(x.split(sizes), sizes)]
-            parts = [wire(p.contiguous()) for p in parts]
+            parts = [wire(p.contiguous()) for p in pad_chunks(x, sizes, m)]
         else:
             parts = None
         start = sum(sizes[:rank])
@@ -517,9 +516,8 @@ class TorchDistributedBackend(CoalescedOps):
         m = int(self.all_reduce(biggest, "max", group).item())
         if m == 0:  # nothing travels anywhere
             return x.new_empty((0, *x.shape[1:]))
-        padded = torch.cat([pad_rows(c, m) for c in x.split(ins)])
-        got = self.all_to_all(padded, group).split(m)
-        return torch.cat([c[:n] for c, n in zip(got, outs)])
+        got = self.all_to_all(torch.cat(pad_chunks(x, ins, m)), group).split(m)
+        return unpad_rows(got, outs)
 
     # ---- point to point ------------------------------------------------------------
     def recv(self, out: torch.Tensor, src: int, group: ProcessGroup, tag: int = 0) -> torch.Tensor:
@@ -652,6 +650,11 @@ def pad_rows(x: torch.Tensor, m: int) -> torch.Tensor:
     if x.shape[0] == m:
         return x
     return torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
+
+
+def pad_chunks(x: torch.Tensor, sizes: Sequence[int], m: int) -> list[torch.Tensor]:
+    """``x`` split along dim 0 into chunks of ``sizes`` rows, each padded to ``m`` rows."""
+    return [pad_rows(c, m) for c in x.split(list(sizes))]
 
 
 def unpad_rows(chunks: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ._groups import Capabilities, ProcessGroup, group_info, static_capabilities
-from ._torchdist import CoalescedOps, pad_rows, unpad_rows, wire
+from ._torchdist import CoalescedOps, pad_chunks, pad_rows, unpad_rows, wire
 from .accelerator import comm_device
 
 
@@ -128,7 +128,7 @@ class TraceableBackend(CoalescedOps):
         if all(s == m for s in sizes):
             inp = x
         else:  # pad each chunk to the largest, so one reduce_scatter does it
-            pad = [pad_rows(c, m) for c, s in zip(x.split(sizes), sizes)]
+            pad = pad_chunks(x, sizes, m)
             inp = torch.cat(pad)
         out = self._done(_funcol_reduce_scatter(wire(inp), "sum", 0, self._pg(group)))
         out = torch.view_as_complex(out) if x.is_complex() else out
