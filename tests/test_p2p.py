@@ -213,6 +213,68 @@ def test_sends_are_asynchronous_so_neighbours_do_not_deadlock(world2: dc.LocalWo
     assert world2.run(_both_send_then_receive, 1 << 18) == [1.0 + 11.0, 0.0 + 10.0]
 
 
+def _reuse_after_send() -> list[float]:
+    # gloo reads a send's buffer only once the receiver has posted its receive (checked:
+    # without send's private copy the receiver here gets the -1s), so the receiver waits
+    # until the sender has overwritten x
+    if _rank() == 0:
+        x = torch.ones(1 << 16)
+        p2p.send(x, 1)
+        x.fill_(-1.0)  # at once: the send has not been received yet
+        x2 = torch.arange(8.0).reshape(2, 4)
+        p2p.send(x2.t(), 1)  # a non-contiguous view
+        x2.zero_()
+        B.get_backend().barrier(None)
+        p2p.wait_sends()
+        return []
+    B.get_backend().barrier(None)  # the sender has overwritten both by now
+    a, b = p2p.recv(0), p2p.recv(0)
+    torch.testing.assert_close(b, torch.arange(8.0).reshape(2, 4).t().contiguous(), rtol=0, atol=0)
+    return [float(a.min()), float(a.max())]
+
+
+def test_the_caller_may_reuse_x_as_soon_as_send_returns(world2: dc.LocalWorld) -> None:
+    assert world2.run(_reuse_after_send)[1] == [1.0, 1.0]
+
+
+def _send_owned_sends_x_itself() -> list[Any]:
+    sent: list[int] = []  # storages of the data buffers posted
+
+    def post(parts: Any, buf: torch.Tensor, *args: Any) -> None:
+        sent.append(buf.untyped_storage().data_ptr())
+        post0(parts, buf, *args)
+
+    post0, T._post = T._post, post
+    try:
+        if _rank() == 0:
+            x = torch.arange(12.0, dtype=torch.float64).reshape(3, 4).requires_grad_()
+            y = x * 2
+            t1 = p2p.send_owned(y, dst=1)  # contiguous: its own storage on the wire
+            assert sent[-1] == y.untyped_storage().data_ptr()
+            t2 = p2p.send_owned(y.t(), dst=1)  # non-contiguous: a contiguous copy
+            assert sent[-1] != y.untyped_storage().data_ptr()
+            t3 = p2p.send(y, dst=1)  # the public send: always a private copy
+            assert sent[-1] != y.untyped_storage().data_ptr()
+            assert t1.requires_grad and p2p.post_grad_recv(t1)
+            (t1 + t2 + t3).backward()
+            return [x.grad]
+        a, b, c = p2p.recv(0), p2p.recv(0), p2p.recv(0)
+        assert a.requires_grad and b.requires_grad and c.requires_grad
+        ((a * a).sum() + (3 * b).sum() + c.sum()).backward()
+        return [torch.stack([a.detach(), b.detach().t(), c.detach()])]
+    finally:
+        T._post = post0
+        p2p.wait_sends()
+
+
+def test_send_owned_sends_the_callers_tensor_with_sends_header_and_gradient(world2: dc.LocalWorld) -> None:
+    (g,), (ys,) = world2.run(_send_owned_sends_x_itself)
+    x = torch.arange(12.0, dtype=torch.float64).reshape(3, 4)
+    torch.testing.assert_close(ys, torch.stack([2 * x, 2 * x, 2 * x]), rtol=0, atol=0)
+    # d/dx [sum((2x)^2) + sum(3 (2x)^T) + sum(2x)] = 8x + 6 + 2
+    torch.testing.assert_close(g, 8 * x + 8, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", ["shape", "dtype", "like"])
 def test_mismatched_send_recv_is_an_error_naming_the_ranks(world2: dc.LocalWorld, kind: str) -> None:
     world2.run(_mismatch_clean, kind)

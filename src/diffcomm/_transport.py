@@ -111,28 +111,33 @@ class SendQueue:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
-    def post(self, work: Any, keep: Any, what: str) -> None:
-        if work is None:  # comm-off switch: nothing was posted
+    def post(self, parts: list[tuple[Any, Any, str]], keep: Any) -> None:
+        """Queue the posted sends of one message, ``[(work, flight record, what), ...]``
+        (a header and its data travel as one item: one wake-up of the waiter thread),
+        and keep ``keep`` alive until all are done."""
+        if not parts:  # comm-off switch, or nothing on the wire
             return
-        rec = _flight.take_last("send")  # the flight record: queued until the peer has it
-        _flight.queued(rec)
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="diffcomm-sends", daemon=True)
-                self._thread.start()
-        self._q.put((work, keep, what, rec))
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            with self._lock:
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(target=self._run, name="diffcomm-sends", daemon=True)
+                    self._thread.start()
+        self._q.put((parts, keep))
 
     def _run(self) -> None:
         while True:
-            work, keep, what, rec = self._q.get()
+            parts, keep = self._q.get()
             try:
-                work.wait()
-                _flight.end(rec)
-            except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
-                if self._error is None:
-                    self._error = _send_error(what, err)
+                for work, rec, what in parts:
+                    try:
+                        work.wait()
+                        _flight.end(rec)
+                    except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
+                        if self._error is None:
+                            self._error = _send_error(what, err)
             finally:
-                del work, keep, rec
+                del parts, keep
                 self._q.task_done()
 
     def check(self) -> None:
@@ -177,7 +182,15 @@ def wait_sends() -> None:
 def isend(buf: Tensor, dst: int, pg: PG, tag: int, what: str) -> None:
     """Post a non-blocking send of the contiguous ``buf`` (kept alive until done), through
     the backend's one entry point (so the comms logger and comm-off switches see it)."""
-    if buf.numel() == 0:  # nothing on the wire (the receiver skips it too)
+    parts: list[tuple[Any, Any, str]] = []
+    _post(parts, buf, dst, pg, tag, what)
+    SENDS.post(parts, buf)
+
+
+def _post(parts: list[tuple[Any, Any, str]], buf: Tensor, dst: int, pg: PG, tag: int, what: str) -> None:
+    """Post the send of ``buf`` and add ``(work, flight record, what)`` to ``parts``
+    (nothing when ``buf`` is empty — the receiver skips it too — or sends are off)."""
+    if buf.numel() == 0:
         return
     wire = B.wire(buf)
     work = B.dispatch(
@@ -188,7 +201,10 @@ def isend(buf: Tensor, dst: int, pg: PG, tag: int, what: str) -> None:
         lambda: None,
         None,
     )
-    SENDS.post(work, buf, what)
+    if work is not None:
+        rec = _flight.take_last("send")  # the flight record: queued until the peer has it
+        _flight.queued(rec)
+        parts.append((work, rec, what))
 
 
 # ======================================================================================
@@ -260,12 +276,19 @@ class Posted:
 # ======================================================================================
 
 
-def encode_header(x: Tensor, requires_grad: bool, seq: int = 0) -> Tensor:
-    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    h[0], h[1], h[2], h[3], h[4] = _MAGIC, DTYPE_TO_CODE[x.dtype], x.ndim, int(requires_grad), seq
-    if x.ndim:
-        h[5 : 5 + x.ndim] = torch.tensor(list(x.shape), dtype=torch.int64)
-    return h
+def encode_header(x: Tensor, requires_grad: bool, seq: int = 0, device: Any = None) -> Tensor:
+    """The header of a send of ``x`` on ``device`` (default CPU), built in one call (a
+    Python list to one tensor: ~5 µs, against ~30 µs for filling a zero tensor entry by
+    entry)."""
+    n = x.ndim
+    return torch.tensor(
+        [_MAGIC, DTYPE_TO_CODE[x.dtype], n, int(requires_grad), seq, *x.shape, *_PAD[n:]],
+        dtype=torch.int64,
+        device=device,
+    )
+
+
+_PAD = (0,) * MAX_NDIM
 
 
 def decode_header(h: Tensor) -> tuple[torch.Size, torch.dtype, bool, int] | None:
@@ -308,14 +331,24 @@ def describe(shape: Sequence[int] | None, dtype: torch.dtype | None) -> str:
 # ======================================================================================
 
 
-def post_send(x: Tensor, dst: int, pg: PG, tag: int, requires_grad: bool, seq: int) -> None:
-    """Post the header and a private contiguous copy of ``x`` to ``dst`` (asynchronous:
-    the caller may reuse ``x`` at once)."""
+def post_send(
+    x: Tensor, dst: int, pg: PG, tag: int, requires_grad: bool, seq: int, copy: bool = True
+) -> None:
+    """Post the header and the data of ``x`` to ``dst`` (asynchronous).
+
+    With ``copy`` (:func:`~diffcomm.send`) a private contiguous copy of ``x`` is sent, so
+    the caller may reuse ``x`` at once. Without it (``p2p.send_owned``: the pipeline
+    runner, which owns the activation it sends and never writes to it) ``x`` itself is
+    sent when it is contiguous: its storage must stay unmodified until the peer has
+    received it (:func:`wait_sends`)."""
     SENDS.check()
-    buf = x.detach().clone(memory_format=torch.contiguous_format)
-    header = encode_header(x, requires_grad, seq).to(B.group_info(pg).device)
-    isend(header, dst, pg, tag, f"send(dst={dst}, tag={tag}) header")
-    isend(buf.reshape(-1).view(torch.uint8), dst, pg, tag, f"send(dst={dst}, tag={tag})")
+    x = x.detach()
+    buf = x.clone(memory_format=torch.contiguous_format) if copy else x.contiguous()
+    header = encode_header(x, requires_grad, seq, B.group_info(pg).device)
+    parts: list[tuple[Any, Any, str]] = []
+    _post(parts, header, dst, pg, tag, f"send(dst={dst}, tag={tag}) header")
+    _post(parts, buf.view(-1).view(torch.uint8), dst, pg, tag, f"send(dst={dst}, tag={tag})")
+    SENDS.post(parts, (header, buf))
 
 
 def send_grad(g: Tensor, src: int, pg: PG, tag: int, seq: int) -> None:
@@ -480,7 +513,7 @@ def _check_headers(
     ops: list[tuple[str, Tensor, int, int]] = []
     got = torch.zeros(HEADER_LEN, dtype=torch.int64, device=dev)
     if dst is not None:
-        ops.append(("send", encode_header(x, False).to(dev), dst, BATCH_TAG))
+        ops.append(("send", encode_header(x, False, 0, dev), dst, BATCH_TAG))
     if src is not None:
         ops.append(("recv", got, src, BATCH_TAG))
     with B.label("debug header"):

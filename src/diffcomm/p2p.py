@@ -111,7 +111,8 @@ _NO_FORWARD_MODE = (
 class _Send(CommOp):
     """Run: post ``x`` to ``dst``; output a 0-dim zero token tied to ``x``'s graph.
     Transpose: receive ``x``'s gradient from ``dst`` (what ``recv``'s transpose sent).
-    ``shape``/``dtype``/``device`` are ``x``'s (the gradient's buffer)."""
+    ``shape``/``dtype``/``device`` are ``x``'s (the gradient's buffer); ``copy``: send a
+    private copy of ``x`` (:func:`send`) or ``x`` itself (:func:`send_owned`)."""
 
     name = "send"
 
@@ -126,8 +127,9 @@ class _Send(CommOp):
         shape: Any,
         dtype: Any,
         device: Any,
+        copy: bool,
     ) -> Tensor:
-        T.post_send(x, dst, pg, tag, requires_grad, seq)
+        T.post_send(x, dst, pg, tag, requires_grad, seq, copy)
         return torch.zeros((), dtype=x.dtype, device=x.device)
 
     @staticmethod
@@ -136,7 +138,7 @@ class _Send(CommOp):
 
     @staticmethod
     def transpose(g: Tensor, *args: Any) -> Tensor:
-        dst, pg, tag, seq, _, shape, dtype, device = args  # as for ``run``
+        dst, pg, tag, seq, _, shape, dtype, device, _ = args  # as for ``run``
         # The token is a local zero: scaling it does not scale the gradient, which is
         # entirely what ``dst`` computed for the received copy of ``x``.
         gx = T.recv_grad(shape, dtype, device, dst, pg, tag, seq)
@@ -215,6 +217,25 @@ def send(x: Tensor, dst: int, group: A.GroupLike = None, tag: int = 0) -> Tensor
         with dc.LocalWorld(2) as world:
             world.run(step)       # [tensor([8., 8., 8.]), tensor([2., 2., 2.], ...)]
     """
+    return _send(x, dst, group, tag, True)
+
+
+@_eager
+def send_owned(x: Tensor, dst: int, group: A.GroupLike = None, tag: int = 0) -> Tensor:
+    """:func:`send` without the private copy: ``x`` itself goes on the wire.
+
+    For a caller that owns ``x`` and writes to it (or to any tensor sharing its storage)
+    only after :func:`wait_sends` — the pipeline runner, which sends each activation a
+    chunk's forward has just made and waits for its sends at the end of every step.
+    Saves a copy of ``x`` per message (a 256 KiB activation: ~0.01-0.2 ms, more when the
+    copy's fresh pages fault in). Everything else (header, token, gradient) is
+    :func:`send`'s; a non-contiguous ``x`` is still copied (into contiguous memory).
+    Not exported: the public ``send`` keeps its "reuse ``x`` at once" guarantee.
+    """
+    return _send(x, dst, group, tag, False)
+
+
+def _send(x: Tensor, dst: int, group: A.GroupLike, tag: int, copy: bool) -> Tensor:
     x = A.check_tensor(x, "send", "x")
     pg = A.resolve_group(group, "send")
     dst = _check_peer(dst, "send", "dst", B.group_info(pg))
@@ -228,8 +249,8 @@ def send(x: Tensor, dst: int, group: A.GroupLike = None, tag: int = 0) -> Tensor
         # through the Function even without requires_grad: a forward-mode dual must reach
         # ``jvp`` (an error, not a silently dropped tangent)
         requires_grad = x.requires_grad and torch.is_grad_enabled()
-        return _apply(_Send, x, dst, pg, tag, seq, requires_grad, x.shape, x.dtype, x.device)
-    return _Send.forward(x, dst, pg, tag, seq, False, x.shape, x.dtype, x.device)  # no graph
+        return _apply(_Send, x, dst, pg, tag, seq, requires_grad, x.shape, x.dtype, x.device, copy)
+    return _Send.forward(x, dst, pg, tag, seq, False, x.shape, x.dtype, x.device, copy)  # no graph
 
 
 class _Recv(CommOp):
@@ -469,7 +490,7 @@ def post_grad_recv(token: Tensor) -> bool:
         return False
     if not isinstance(ctx, getattr(_Send, "_backward_cls")):  # noqa: B009 - torch sets it per Function
         raise A.arg_error("post_grad_recv", "token", "a dc.send token", type(ctx).__name__, TypeError)
-    dst, pg, tag, seq, _, shape, dtype, device = ctx.args
+    dst, pg, tag, seq, _, shape, dtype, device, _ = ctx.args
     return T.post_grad(shape, dtype, device, dst, pg, tag, seq)
 
 

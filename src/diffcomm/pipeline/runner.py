@@ -426,7 +426,9 @@ class PipelineRunner:
                 kept.handle = loss / n_micro
             else:
                 dst = (self.rank + 1) % self.n_stages
-                kept.handle = p2p.send(y, dst, group=self.pg, tag=self.tag + c)
+                # y is ours and nothing writes to it before wait_sends() at the end of
+                # the step: send it without the private copy dc.send makes
+                kept.handle = p2p.send_owned(y, dst, group=self.pg, tag=self.tag + c)
                 kept.output = y
         kept.nbytes = nbytes[0]
         stash[(m, c)] = kept

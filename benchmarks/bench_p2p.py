@@ -1,0 +1,110 @@
+"""Per-message cost of diffcomm's send/recv: a ping-pong between 2 local gloo ranks.
+
+Rank 0 sends a ``rows x width`` float32 tensor (default 64 x 1024 = 256 KiB, one
+micro-batch's activation in ``bench_pipeline.py`` at m = 8) to rank 1, which receives it
+and sends it back; the time of one such round trip (two messages, each a header and the
+data) is measured many times and the median reported, for:
+
+* ``dc.send/recv``: the public ops (``send`` sends a private copy of its input);
+* ``dc.send_owned/recv`` (when this diffcomm has it): the pipeline runner's send, which
+  sends the caller's own tensor without copying it;
+* ``dc.send/irecv(like)``: the receive posted ahead with a known shape (the runner's
+  steady state), header and data posted together;
+* ``torch isend/recv``: raw ``torch.distributed`` with the shape known on both sides (one
+  message each way, what ``torch.distributed.pipelining`` sends after its shape
+  inference), for scale.
+
+    python benchmarks/bench_p2p.py [--rows 64] [--width 1024] [--iters 400]
+
+Each rank uses one thread; run on a quiet machine (the two ranks want two free cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import diffcomm as dc
+from diffcomm import backend as B
+from diffcomm import p2p
+
+
+def _pingpong(kind: str, rows: int, width: int, iters: int, warmup: int) -> list[float]:
+    torch.set_num_threads(1)
+    rank = dc.get_rank()
+    other = 1 - rank
+    x = torch.randn(rows, width)
+    like = x.detach()
+    send_owned = getattr(p2p, "send_owned", None)
+
+    def one() -> None:
+        if kind == "torch":
+            if rank == 0:
+                w = dist.isend(x, other)
+                dist.recv(like, other)
+                w.wait()
+            else:
+                dist.recv(like, other)
+                dist.isend(like, other).wait()
+            return
+        send = send_owned if kind == "owned" else p2p.send
+        if rank == 0:
+            send(x, other)
+            if kind == "irecv":
+                p2p.irecv(other, like=like).wait()
+            else:
+                p2p.recv(other)
+        else:
+            y = p2p.irecv(other, like=like).wait() if kind == "irecv" else p2p.recv(other)
+            send(y, other)
+
+    times: list[float] = []
+    for i in range(warmup + iters):
+        if i % 50 == 0:
+            B.get_backend().barrier(None)
+        t = time.perf_counter()
+        one()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    p2p.wait_sends()
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=400)
+    ap.add_argument("--warmup", type=int, default=50)
+    args = ap.parse_args(argv)
+    kinds = ["public", "irecv", "torch"]
+    if hasattr(p2p, "send_owned"):
+        kinds.insert(1, "owned")
+    nbytes = args.rows * args.width * 4
+    print(f"ping-pong of {args.rows} x {args.width} float32 ({nbytes // 1024} KiB) between 2 gloo ranks")
+    print(f"cores: {os.cpu_count()}; torch {torch.__version__}; load {os.getloadavg()[0]:.2f}")
+    names = {
+        "public": "dc.send/recv",
+        "owned": "dc.send_owned/recv",
+        "irecv": "dc.send/irecv(like)",
+        "torch": "torch isend/recv",
+    }
+    print(f"{'path':<22} {'median ms':>9} {'p10':>7} {'p90':>7}   (one round trip = 2 messages)")
+    with dc.LocalWorld(2) as world:
+        for kind in kinds:
+            res: list[Any] = world.run(_pingpong, kind, args.rows, args.width, args.iters, args.warmup)
+            t = sorted(res[0])
+            q = statistics.quantiles(t, n=10)
+            print(f"{names[kind]:<22} {statistics.median(t) * 1e3:9.3f} {q[0] * 1e3:7.3f} {q[-1] * 1e3:7.3f}")
+    print(f"load at the end {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
