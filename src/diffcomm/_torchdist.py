@@ -6,8 +6,9 @@ works along **dim 0 of a contiguous tensor**; the collectives move dims and make
 contiguous before calling in. Ranks are **group-local**. Backend gaps are filled here and
 only here (an uneven all_gather on gloo, a reduce_scatter a backend lacks, ``avg`` on a
 backend without it...), so the autograd layer never branches on "nccl" or "gloo". Every
-raw call goes through :func:`diffcomm._dispatch.dispatch`; facts about the group come from
-the cached group record (:func:`diffcomm._groups.group_info`).
+raw call goes through :func:`diffcomm._dispatch.dispatch` (the hottest ones then call the
+process group directly: :mod:`diffcomm._c10d`); facts about the group come from the
+cached group record (:func:`diffcomm._groups.group_info`).
 
 Also here, shared with the traceable adapter: the coalesced ops (:class:`CoalescedOps`)
 and the padding / complex-as-real helpers. Re-exported by :mod:`diffcomm.backend`.
@@ -21,6 +22,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ._c10d import (
+    all_gather_single,
+    c10d_all_gather,
+    c10d_all_reduce,
+    c10d_all_to_all,
+    c10d_broadcast,
+    c10d_reduce_scatter,
+)
 from ._dispatch import dispatch as _dispatch
 from ._dispatch import run_coalesced
 from ._dispatch import tensor_nbytes as _nbytes
@@ -34,118 +43,6 @@ _TORCH_OPS = {
     "min": dist.ReduceOp.MIN,
     "product": dist.ReduceOp.PRODUCT,
 }
-
-
-# --------------------------------------------------------------------------------------
-# direct c10d calls for the hottest ops
-# --------------------------------------------------------------------------------------
-#
-# ``dist.all_reduce``, ``dist.broadcast``, ``all_gather_single``, ``reduce_scatter_single``
-# and ``dist.all_to_all_single`` are Python wrappers (an exception logger, the
-# torch-function check, the group lookup, the coalescing-block check, a fresh options
-# object) around the ``ProcessGroup`` method of the same job: about a dozen Python calls,
-# several microseconds, on every call (twice per forward+backward). For the common case
-# (a plain, real tensor, a group this rank is in, no ``dist._coalescing_manager`` block)
-# diffcomm calls the process group directly, as the wrapper would, with options made
-# once; anything else goes through the wrapper.
-
-_C10D = dist.distributed_c10d._world
-_NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
-_COALESCING = _C10D.pg_coalesce_state  # one dict for the life of the process (torch mutates it)
-_ALLREDUCE_OPTS: dict[Any, Any] = {}
-
-
-def _direct_group(t: torch.Tensor, group: ProcessGroup) -> Any:
-    """The process group to call directly, or ``None`` where torch's wrapper must run."""
-    pg = _C10D.default_pg if group is None else group
-    if pg is None or pg is _NON_MEMBER or type(t) is not torch.Tensor or t.is_complex():
-        return None
-    state = _COALESCING
-    if state and pg in state:  # inside dist._coalescing_manager: the wrapper records it
-        return None
-    return pg
-
-
-def _reduce_opts(cache: dict[Any, Any], make: Callable[[], Any], op: Any) -> Any:
-    """The blocking options object for reduce op ``op`` (made once per op, then shared)."""
-    opts = cache.get(op)
-    if opts is None:
-        opts = cache[op] = make()
-        opts.reduceOp = op
-        opts.asyncOp = False
-    return opts
-
-
-def _c10d_all_reduce(t: torch.Tensor, op: Any, group: ProcessGroup) -> None:
-    """``dist.all_reduce(t, op, group=group)`` (blocking, in place)."""
-    pg = _direct_group(t, group)
-    if pg is None:
-        dist.all_reduce(t, op, group=group)
-    else:
-        _wait(pg.allreduce([t], _reduce_opts(_ALLREDUCE_OPTS, dist.AllreduceOptions, op)))
-
-
-_PG_ALLGATHER = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
-_PG_REDUCE_SCATTER = (
-    getattr(dist.ProcessGroup, "reduce_scatter_single", None) or dist.ProcessGroup._reduce_scatter_base
-)
-_PG_ALLTOALL = getattr(dist.ProcessGroup, "all_to_all_single", None) or dist.ProcessGroup.alltoall_base
-_ALLGATHER_OPTS = dist.distributed_c10d.AllgatherOptions()
-_ALLGATHER_OPTS.asyncOp = False
-_ALLTOALL_OPTS = dist.AllToAllOptions()
-_ALLTOALL_OPTS.asyncOp = False
-_REDUCE_SCATTER_OPTS: dict[Any, Any] = {}
-
-
-def _wait(work: Any) -> None:
-    if work is not None:  # backends that sync in C++ return no work
-        work.wait()
-
-
-def c10d_all_gather(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
-    """``all_gather_single(out, x, group=group)`` (blocking; real tensors, as :func:`wire`
-    makes them)."""
-    pg = _direct_group(x, group)
-    if pg is None:
-        all_gather_single(out, x, group=group)
-    else:
-        _wait(_PG_ALLGATHER(pg, out, x, _ALLGATHER_OPTS))
-
-
-def c10d_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: Any, group: ProcessGroup) -> None:
-    """``reduce_scatter_single(out, x, op=op, group=group)`` (blocking)."""
-    pg = _direct_group(x, group)
-    if pg is None:
-        reduce_scatter_single(out, x, op=op, group=group)
-    else:
-        opts = _reduce_opts(_REDUCE_SCATTER_OPTS, dist.ReduceScatterOptions, op)
-        _wait(_PG_REDUCE_SCATTER(pg, out, x, opts))
-
-
-def c10d_all_to_all(
-    out: torch.Tensor, x: torch.Tensor, outs: list[int] | None, ins: list[int] | None, group: ProcessGroup
-) -> None:
-    """``all_to_all_single(out, x, outs, ins, group=group)`` (blocking)."""
-    pg = _direct_group(x, group)
-    if pg is None or x.dtype != out.dtype:  # torch's wrapper names the dtype mismatch
-        dist.all_to_all_single(out, x, outs, ins, group=group)
-    else:
-        outs, ins = [] if outs is None else outs, [] if ins is None else ins
-        _wait(_PG_ALLTOALL(pg, out, x, outs, ins, _ALLTOALL_OPTS))
-
-
-def _c10d_broadcast(t: torch.Tensor, src: int, group: ProcessGroup) -> None:
-    """``dist.broadcast(t, group_src=src, group=group)`` (blocking, in place; ``src`` is
-    group-local)."""
-    pg = _direct_group(t, group)
-    if pg is None or (t.element_size() == 1 and t.is_floating_point()):  # fp8: torch's workaround
-        dist.broadcast(t, group_src=src, group=group)
-        return
-    opts = dist.BroadcastOptions()
-    opts.rootRank = src
-    opts.rootTensor = 0
-    opts.asyncOp = False
-    _wait(pg.broadcast([t], opts))
 
 
 class CoalescedOps:
@@ -271,7 +168,7 @@ class TorchDistributedBackend(CoalescedOps):
             "all_reduce",
             group,
             x.numel() * x.element_size(),
-            lambda: _c10d_all_reduce(wire, torch_op, group),
+            lambda: c10d_all_reduce(wire, torch_op, group),
             lambda: None,
             out,
         )
@@ -312,7 +209,7 @@ class TorchDistributedBackend(CoalescedOps):
             "broadcast",
             group,
             _nbytes(x),
-            lambda: _c10d_broadcast(wire, src, group),
+            lambda: c10d_broadcast(wire, src, group),
             lambda: None,
             out,
         )
@@ -665,9 +562,3 @@ def unpad_rows(chunks: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Te
 def wire(t: torch.Tensor) -> torch.Tensor:
     """Complex tensors travel as real views for ops c10d cannot take complex in."""
     return torch.view_as_real(t) if t.is_complex() else t
-
-
-# torch >= 2.12 renamed the single-tensor forms; use whichever this torch has (version gap
-# hidden here, so no deprecation warning reaches users).
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

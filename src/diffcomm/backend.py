@@ -10,6 +10,8 @@ adapter and only there (an uneven all_gather on gloo, a reduce_scatter a backend
 This module is the public home of the layer; the code lives in one module per concern:
 
 * ``_torchdist`` — :class:`TorchDistributedBackend`, the raw ops over c10d (the default);
+* ``_c10d`` — the direct ``ProcessGroup`` calls under its hottest ops (torch's Python
+  wrapper skipped where it would only re-check what the caller knows);
 * ``_traceable`` — :class:`TraceableBackend`, the same ops as functional collectives,
   returned by :func:`get_backend` while ``torch.compile`` traces;
 * ``_groups`` — the group record, :func:`group_info` (rank, size, backend name,
@@ -31,6 +33,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ._c10d import all_gather_single as all_gather_single
+from ._c10d import reduce_scatter_single as reduce_scatter_single
 from ._commslog import BUS_FACTOR as BUS_FACTOR
 from ._commslog import LABEL as LABEL
 from ._commslog import CommRecord, CommsLog, label, log_comms
@@ -47,9 +51,7 @@ from ._groups import static_capabilities as static_capabilities
 from ._switches import OP_NAMES, comm_off, is_off
 from ._torchdist import CoalescedOps as CoalescedOps
 from ._torchdist import TorchDistributedBackend
-from ._torchdist import all_gather_single as all_gather_single
 from ._torchdist import pad_rows as pad_rows
-from ._torchdist import reduce_scatter_single as reduce_scatter_single
 from ._torchdist import unpad_rows as unpad_rows
 from ._torchdist import wire as wire
 from ._traceable import TraceableBackend
