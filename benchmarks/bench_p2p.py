@@ -9,7 +9,9 @@ data) is measured many times and the median reported, for:
 * ``dc.send_owned/recv`` (when this diffcomm has it): the pipeline runner's send, which
   sends the caller's own tensor without copying it;
 * ``dc.send/irecv(like)``: the receive posted ahead with a known shape (the runner's
-  steady state), header and data posted together;
+  steady state before fused messages), header and data receives posted together;
+* ``dc.send_owned(fused)/irecv_fused`` (when this diffcomm has them): the runner's steady
+  state now, header and data in one message, its one receive posted ahead;
 * ``torch isend/recv``: raw ``torch.distributed`` with the shape known on both sides (one
   message each way, what ``torch.distributed.pipelining`` sends after its shape
   inference), for scale.
@@ -53,6 +55,14 @@ def _pingpong(kind: str, rows: int, width: int, iters: int, warmup: int) -> list
                 dist.recv(like, other)
                 dist.isend(like, other).wait()
             return
+        if kind == "fused":
+            if rank == 0:
+                p2p.send_owned(x, other, fused=True)
+                p2p.irecv_fused(other, like).wait()
+            else:
+                y = p2p.irecv_fused(other, like).wait()
+                p2p.send_owned(y, other, fused=True)
+            return
         send = send_owned if kind == "owned" else p2p.send
         if rank == 0:
             send(x, other)
@@ -86,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds = ["public", "irecv", "torch"]
     if hasattr(p2p, "send_owned"):
         kinds.insert(1, "owned")
+    if hasattr(p2p, "irecv_fused"):
+        kinds.insert(3, "fused")
     nbytes = args.rows * args.width * 4
     print(f"ping-pong of {args.rows} x {args.width} float32 ({nbytes // 1024} KiB) between 2 gloo ranks")
     print(f"cores: {os.cpu_count()}; torch {torch.__version__}; load {os.getloadavg()[0]:.2f}")
@@ -93,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         "public": "dc.send/recv",
         "owned": "dc.send_owned/recv",
         "irecv": "dc.send/irecv(like)",
+        "fused": "dc fused/irecv_fused",
         "torch": "torch isend/recv",
     }
     print(f"{'path':<22} {'median ms':>9} {'p10':>7} {'p90':>7}   (one round trip = 2 messages)")

@@ -746,3 +746,59 @@ def _post_grad_recv_bad_token() -> None:
 
 def test_post_grad_recv_rejects_what_is_not_a_token(world2: dc.LocalWorld) -> None:
     world2.run(_post_grad_recv_bad_token)
+
+
+# ======================================================================================
+# fused messages: header and data in one message (the pipeline runner's activations)
+# ======================================================================================
+
+
+def _fused_roundtrip() -> None:
+    cases = [(dt, sh) for dt in (torch.float64, torch.complex128, torch.bool, torch.int8) for sh in SHAPES]
+    if _rank() == 0:
+        for k, (dtype, shape) in enumerate(cases):
+            x = _sample(dtype, shape, k)
+            p2p.send_owned(x, 1, tag=5, fused=True)
+        x = torch.arange(6.0, dtype=torch.float64).reshape(2, 3).requires_grad_()
+        token = p2p.send_owned(x * 2, 1, tag=5, fused=True)
+        assert p2p.post_grad_recv(token)
+        token.backward()
+        torch.testing.assert_close(x.grad, torch.full((2, 3), 3.0, dtype=torch.float64), rtol=0, atol=0)
+        p2p.wait_sends()
+        return
+    for k, (dtype, shape) in enumerate(cases):
+        like = torch.empty(shape, dtype=dtype)
+        y = p2p.irecv_fused(0, like, tag=5).wait()
+        assert y.shape == shape and y.dtype == dtype and not y.requires_grad
+        torch.testing.assert_close(y, _sample(dtype, shape, k), rtol=0, atol=0)
+    y = p2p.irecv_fused(0, torch.empty(2, 3, dtype=torch.float64), tag=5).wait()
+    assert y.requires_grad
+    torch.testing.assert_close(y.detach(), 2 * torch.arange(6.0, dtype=torch.float64).reshape(2, 3))
+    (y * 1.5).sum().backward()  # back as for recv: d/dx sum(1.5 * 2x) = 3
+
+
+def test_fused_messages_carry_every_dtype_and_shape_and_their_gradient(world2: dc.LocalWorld) -> None:
+    world2.run(_fused_roundtrip)
+
+
+def _fused_receive_takes_a_plain_send() -> list[Any]:
+    if _rank() == 0:
+        p2p.send(torch.full((2, 3), 1.0), 1)  # the agreed shape, sent plainly
+        p2p.send(torch.full((5, 4), 2.0), 1)  # larger than the fused buffer: plainly
+        p2p.send(torch.full((1,), 3.0, dtype=torch.float64), 1)  # another dtype
+        p2p.send_owned(torch.full((1, 3), 4.0), 1, fused=True)  # fused, smaller than expected
+        p2p.send_owned(torch.full((2, 3), 5.0), 1, fused=True)
+        p2p.wait_sends()
+        return []
+    like = torch.empty(2, 3)
+    got = [p2p.irecv_fused(0, like).wait() for _ in range(3)]
+    assert [tuple(g.shape) for g in got] == [(2, 3), (5, 4), (1,)] and got[2].dtype == torch.float64
+    # a fused message must have the agreed shape: an error naming both ranks, channel clean
+    with pytest.raises(CrossRankMismatchError, match=r"rank 1 expected shape \(2, 3\), float32, but rank 0"):
+        p2p.irecv_fused(0, like).wait()
+    got.append(p2p.irecv_fused(0, like).wait())
+    return [float(g.sum()) for g in got]
+
+
+def test_a_fused_receive_takes_a_plain_send_of_any_shape(world2: dc.LocalWorld) -> None:
+    assert world2.run(_fused_receive_takes_a_plain_send)[1] == [6.0, 40.0, 3.0, 30.0]

@@ -21,6 +21,7 @@ from torch import nn
 
 import diffcomm as dc
 from diffcomm import _transport as T
+from diffcomm import backend as B
 from diffcomm.pipeline import (
     SCHEDULES,
     PipelineRunner,
@@ -195,6 +196,55 @@ def test_pipeline_matches_serial_model(
 def test_a_custom_schedule_function_with_reversed_backwards(world4: dc.LocalWorld) -> None:
     # backward steps in another order than the forwards: gradients still meet their tokens
     world4.run(_parity, "custom", 4, 8, True)
+
+
+class _KeepRows(nn.Module):
+    """Keeps the rows whose first entry is positive: an output shape that depends on the data."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[x[:, 0] > 0]
+
+
+def _varying_shapes(prepost: bool) -> list[int]:
+    # stage 0's output has as many rows as its micro-batch has positive first entries;
+    # stage 1 sums them: every activation of another shape than the channel's first goes
+    # plainly, the fused receive takes it (and the ones of the first shape come fused)
+    rank = dist.get_rank()
+    torch.manual_seed(7)
+    model = nn.Sequential(
+        nn.Linear(3, 4, dtype=torch.float64), _KeepRows(), _SumRows(), nn.Linear(4, 2, dtype=torch.float64)
+    )
+    serial = copy.deepcopy(model)
+    stage = model[:2] if rank == 0 else model[2:]
+    x = torch.randn(24, 3, dtype=torch.float64)
+    y = torch.randn(6, 2, dtype=torch.float64)
+    runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss, prepost=prepost)
+    with B.log_comms() as log:
+        loss = runner.step(x, y, n_micro=6)
+    ref = sum(nn.functional.mse_loss(serial(xm), ym) for xm, ym in zip(x.chunk(6), y.chunk(6))) / 6
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-13, atol=1e-15)
+    mine = serial[:2] if rank == 0 else serial[2:]
+    for p, q in zip(stage.parameters(), mine.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+    with torch.no_grad():
+        rows = [len(serial[:2](xm)) for xm in x.chunk(6)]
+    assert len(set(rows)) > 1  # the shapes do vary
+    if rank == 0:  # one message for each activation of the first shape after the first
+        want = [1 if k and r == rows[0] else 1 + (r > 0) for k, r in enumerate(rows)]
+        sends = [r for r in log.records if r.op == "send"]
+        assert len(sends) == sum(want), (rows, [(r.label, r.nbytes) for r in sends])
+    return rows
+
+
+class _SumRows(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(0, keepdim=True)
+
+
+@pytest.mark.parametrize("prepost", [True, False])
+def test_activations_whose_shape_varies_within_a_step(world2: dc.LocalWorld, prepost: bool) -> None:
+    world2.run(_varying_shapes, prepost)
 
 
 def _debug_checks_n_micro() -> None:

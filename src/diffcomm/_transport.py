@@ -16,6 +16,17 @@ its differentiable ops on these raw functions.
   :class:`~diffcomm.CrossRankMismatchError` naming both ranks (:func:`check_header`). The
   receiver drains the data before raising, so the channel stays clean. Gradients going
   back need no header (both sides know the shape).
+* **Fused messages.** Where both ends know, by construction, that the receiver expects
+  the shape and dtype of the message (the pipeline runner: every activation after the
+  first on its channel in a step, see ``p2p.send_owned``), the header and the data
+  travel as one message (``mode="fused"``): the header, padded to
+  :data:`FUSED_OFFSET` bytes, then the data. The receiver posts one receive of that size
+  (:class:`Posted` of a ``RecvHandle(fused=True)``); the header's own magic number says
+  that the data came with it. A receiver that posted a fused receive also takes a plain
+  two-message send of any shape (its header fits in the buffer and says so; the data is
+  received after it), so a sender whose tensor is not of the agreed shape sends it
+  plainly; gloo would abort on a message larger than the posted buffer, which is why a
+  sender fuses only a message of the size it is sure of.
 * **Sends are asynchronous.** c10d's blocking send is a rendezvous (it returns once the
   peer has posted the matching receive), so two neighbours that both "send, then receive"
   — a 1F1B pipeline's steady state — would deadlock. :func:`isend` posts a non-blocking
@@ -55,7 +66,11 @@ _SEQ_WINDOW = 1 << 12
 #: Most dims a tensor sent with a metadata header may have.
 MAX_NDIM = 12
 _MAGIC = 0x64635032  # "dcP2"
+_MAGIC_FUSED = 0x64635046  # "dcPF": the header of a fused message (the data follows it)
 HEADER_LEN = 5 + MAX_NDIM  # magic, dtype code, ndim, requires_grad, sequence number, shape...
+#: Bytes in front of the data in a fused message: the header, padded so that the data
+#: is aligned for every dtype (and for vector loads).
+FUSED_OFFSET = 256
 
 _DTYPE_NAMES = (
     "float32",
@@ -276,13 +291,16 @@ class Posted:
 # ======================================================================================
 
 
-def encode_header(x: Tensor, requires_grad: bool, seq: int = 0, device: Any = None) -> Tensor:
+def encode_header(
+    x: Tensor, requires_grad: bool, seq: int = 0, device: Any = None, fused: bool = False
+) -> Tensor:
     """The header of a send of ``x`` on ``device`` (default CPU), built in one call (a
     Python list to one tensor: ~5 µs, against ~30 µs for filling a zero tensor entry by
-    entry)."""
+    entry); ``fused``: the header of a fused message."""
     n = x.ndim
+    magic = _MAGIC_FUSED if fused else _MAGIC
     return torch.tensor(
-        [_MAGIC, DTYPE_TO_CODE[x.dtype], n, int(requires_grad), seq, *x.shape, *_PAD[n:]],
+        [magic, DTYPE_TO_CODE[x.dtype], n, int(requires_grad), seq, *x.shape, *_PAD[n:]],
         dtype=torch.int64,
         device=device,
     )
@@ -291,12 +309,13 @@ def encode_header(x: Tensor, requires_grad: bool, seq: int = 0, device: Any = No
 _PAD = (0,) * MAX_NDIM
 
 
-def decode_header(h: Tensor) -> tuple[torch.Size, torch.dtype, bool, int] | None:
-    """``(shape, dtype, requires_grad, seq)``, or ``None`` when ``h`` is not a send header."""
+def decode_header(h: Tensor) -> tuple[torch.Size, torch.dtype, bool, int, bool] | None:
+    """``(shape, dtype, requires_grad, seq, fused)``, or ``None`` when ``h`` is not a send
+    header."""
     v = h.tolist()
-    if v[0] != _MAGIC or v[1] not in _CODE_TO_DTYPE or not 0 <= v[2] <= MAX_NDIM:
+    if v[0] not in (_MAGIC, _MAGIC_FUSED) or v[1] not in _CODE_TO_DTYPE or not 0 <= v[2] <= MAX_NDIM:
         return None
-    return torch.Size(v[5 : 5 + v[2]]), _CODE_TO_DTYPE[v[1]], bool(v[3]), v[4]
+    return torch.Size(v[5 : 5 + v[2]]), _CODE_TO_DTYPE[v[1]], bool(v[3]), v[4], v[0] == _MAGIC_FUSED
 
 
 # Per channel (group, peer, tag, direction): how many messages went through it.
@@ -332,22 +351,36 @@ def describe(shape: Sequence[int] | None, dtype: torch.dtype | None) -> str:
 
 
 def post_send(
-    x: Tensor, dst: int, pg: PG, tag: int, requires_grad: bool, seq: int, copy: bool = True
+    x: Tensor, dst: int, pg: PG, tag: int, requires_grad: bool, seq: int, mode: str = "copy"
 ) -> None:
     """Post the header and the data of ``x`` to ``dst`` (asynchronous).
 
-    With ``copy`` (:func:`~diffcomm.send`) a private contiguous copy of ``x`` is sent, so
-    the caller may reuse ``x`` at once. Without it (``p2p.send_owned``: the pipeline
-    runner, which owns the activation it sends and never writes to it) ``x`` itself is
-    sent when it is contiguous: its storage must stay unmodified until the peer has
-    received it (:func:`wait_sends`)."""
+    ``mode``: ``"copy"`` (:func:`~diffcomm.send`): a private contiguous copy of ``x`` is
+    sent, so the caller may reuse ``x`` at once. ``"owned"`` (``p2p.send_owned``: the
+    pipeline runner, which owns the activation it sends and never writes to it): ``x``
+    itself is sent when it is contiguous, so its storage must stay unmodified until the
+    peer has received it (:func:`wait_sends`). ``"fused"``: header and data in one message
+    (one buffer, so a copy; the receiver must have posted a fused receive of at least
+    this size, see the module docstring)."""
     SENDS.check()
     x = x.detach()
-    buf = x.clone(memory_format=torch.contiguous_format) if copy else x.contiguous()
-    header = encode_header(x, requires_grad, seq, B.group_info(pg).device)
+    dev = B.group_info(pg).device
     parts: list[tuple[Any, Any, str]] = []
-    _post(parts, header, dst, pg, tag, f"send(dst={dst}, tag={tag}) header")
-    _post(parts, buf.view(-1).view(torch.uint8), dst, pg, tag, f"send(dst={dst}, tag={tag})")
+    what = f"send(dst={dst}, tag={tag})"
+    if mode == "fused":
+        header = encode_header(x, requires_grad, seq, None, fused=True)
+        nbytes = x.numel() * x.element_size()
+        buf = torch.empty(FUSED_OFFSET + nbytes, dtype=torch.uint8, device=dev)
+        buf[: HEADER_LEN * 8].view(torch.int64).copy_(header)
+        if nbytes:
+            buf[FUSED_OFFSET:].view(x.dtype).view(x.shape).copy_(x)
+        _post(parts, buf, dst, pg, tag, what)
+        SENDS.post(parts, buf)
+        return
+    buf = x.clone(memory_format=torch.contiguous_format) if mode == "copy" else x.contiguous()
+    header = encode_header(x, requires_grad, seq, dev)
+    _post(parts, header, dst, pg, tag, f"{what} header")
+    _post(parts, buf.view(-1).view(torch.uint8), dst, pg, tag, what)
     SENDS.post(parts, (header, buf))
 
 
@@ -410,15 +443,17 @@ class Receive(NamedTuple):
 
 
 def check_header(
-    header: Tensor, r: Receive, posted: Posted | None = None
-) -> tuple[torch.Size, torch.dtype, bool]:
-    """``(shape, dtype, requires_grad)`` of the message whose ``header`` arrived, checked
-    against what the receiver expects; a mismatch drains the data (or waits for the
-    ``posted`` data receive) and raises :class:`~diffcomm.CrossRankMismatchError`."""
+    header: Tensor, r: Receive, posted: Posted | None = None, fused_receive: bool = False
+) -> tuple[torch.Size, torch.dtype, bool, bool]:
+    """``(shape, dtype, requires_grad, fused)`` of the message whose ``header`` arrived,
+    checked against what the receiver expects; a mismatch drains the data (or waits for
+    the ``posted`` data receive; nothing for a fused message, whose data came with its
+    header) and raises :class:`~diffcomm.CrossRankMismatchError`. A ``fused_receive``
+    expects its shape and dtype of a fused message only: a plain one may have any."""
     src, pg, tag, seq, want_shape, want_dtype, device = r
-    me = B.group_info(pg).rank
     meta = decode_header(header.cpu())
     if meta is None:
+        me = B.group_info(pg).rank
         SEQ[seq_key(pg, src, tag, "recv")] = seq  # not a diffcomm message: it used no number
         raise CrossRankMismatchError(
             f"diffcomm.recv(): rank {me} received from rank {src} (tag {tag}) a message that is "
@@ -426,26 +461,32 @@ def check_header(
             f"ranks {src} and {me} is mismatched (a raw torch.distributed send, a batched op, or "
             f"the two ranks running different sequences of p2p ops)"
         )
-    got_shape, got_dtype, sent_rg, sent_seq = meta
+    got_shape, got_dtype, sent_rg, sent_seq, fused = meta
     if sent_seq != seq:
-        _drain(posted, src, got_shape, got_dtype, device, pg, tag)
+        if not fused:
+            _drain(posted, src, got_shape, got_dtype, device, pg, tag)
         SEQ[seq_key(pg, src, tag, "recv")] = sent_seq + 1  # back in step for what follows
+        me = B.group_info(pg).rank
         raise CrossRankMismatchError(
             f"diffcomm.recv(): send/recv between ranks {src} -> {me} (tag {tag}) are out of step: "
             f"this is receive #{seq} on rank {me} but send #{sent_seq} on rank {src} (a rank "
             f"skipped or repeated a send/recv, e.g. after an error)"
         )
+    if fused_receive and not fused:
+        want_shape = want_dtype = None
     bad = (want_shape is not None and tuple(want_shape) != tuple(got_shape)) or (
         want_dtype is not None and want_dtype != got_dtype
     )
     if bad:
-        _drain(posted, src, got_shape, got_dtype, device, pg, tag)  # keep the channel clean
+        if not fused:
+            _drain(posted, src, got_shape, got_dtype, device, pg, tag)  # keep the channel clean
+        me = B.group_info(pg).rank
         raise CrossRankMismatchError(
             f"diffcomm.recv(): mismatched send/recv between ranks {src} -> {me} (tag {tag}): "
             f"rank {me} expected {describe(want_shape, want_dtype)}, but rank {src} sent "
             f"{describe(got_shape, got_dtype)}"
         )
-    return got_shape, got_dtype, sent_rg
+    return got_shape, got_dtype, sent_rg, fused
 
 
 def _drain(

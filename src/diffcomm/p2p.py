@@ -111,8 +111,9 @@ _NO_FORWARD_MODE = (
 class _Send(CommOp):
     """Run: post ``x`` to ``dst``; output a 0-dim zero token tied to ``x``'s graph.
     Transpose: receive ``x``'s gradient from ``dst`` (what ``recv``'s transpose sent).
-    ``shape``/``dtype``/``device`` are ``x``'s (the gradient's buffer); ``copy``: send a
-    private copy of ``x`` (:func:`send`) or ``x`` itself (:func:`send_owned`)."""
+    ``shape``/``dtype``/``device`` are ``x``'s (the gradient's buffer); ``mode``: how
+    ``x`` goes on the wire (``_transport.post_send``: ``"copy"`` for :func:`send`,
+    ``"owned"`` or ``"fused"`` for :func:`send_owned`)."""
 
     name = "send"
 
@@ -127,9 +128,9 @@ class _Send(CommOp):
         shape: Any,
         dtype: Any,
         device: Any,
-        copy: bool,
+        mode: str,
     ) -> Tensor:
-        T.post_send(x, dst, pg, tag, requires_grad, seq, copy)
+        T.post_send(x, dst, pg, tag, requires_grad, seq, mode)
         return torch.zeros((), dtype=x.dtype, device=x.device)
 
     @staticmethod
@@ -217,11 +218,11 @@ def send(x: Tensor, dst: int, group: A.GroupLike = None, tag: int = 0) -> Tensor
         with dc.LocalWorld(2) as world:
             world.run(step)       # [tensor([8., 8., 8.]), tensor([2., 2., 2.], ...)]
     """
-    return _send(x, dst, group, tag, True)
+    return _send(x, dst, group, tag, "copy")
 
 
 @_eager
-def send_owned(x: Tensor, dst: int, group: A.GroupLike = None, tag: int = 0) -> Tensor:
+def send_owned(x: Tensor, dst: int, group: A.GroupLike = None, tag: int = 0, fused: bool = False) -> Tensor:
     """:func:`send` without the private copy: ``x`` itself goes on the wire.
 
     For a caller that owns ``x`` and writes to it (or to any tensor sharing its storage)
@@ -231,11 +232,16 @@ def send_owned(x: Tensor, dst: int, group: A.GroupLike = None, tag: int = 0) -> 
     copy's fresh pages fault in). Everything else (header, token, gradient) is
     :func:`send`'s; a non-contiguous ``x`` is still copied (into contiguous memory).
     Not exported: the public ``send`` keeps its "reuse ``x`` at once" guarantee.
+
+    ``fused=True``: the header and the data go as one message (one buffer: a copy of
+    ``x`` after all, but one message instead of two). Only for a peer that receives it
+    with :func:`irecv_fused` expecting exactly ``x``'s shape and dtype: a larger message
+    than the peer's posted buffer aborts the process (gloo).
     """
-    return _send(x, dst, group, tag, False)
+    return _send(x, dst, group, tag, "fused" if fused else "owned")
 
 
-def _send(x: Tensor, dst: int, group: A.GroupLike, tag: int, copy: bool) -> Tensor:
+def _send(x: Tensor, dst: int, group: A.GroupLike, tag: int, mode: str) -> Tensor:
     x = A.check_tensor(x, "send", "x")
     pg = A.resolve_group(group, "send")
     dst = _check_peer(dst, "send", "dst", B.group_info(pg))
@@ -249,8 +255,8 @@ def _send(x: Tensor, dst: int, group: A.GroupLike, tag: int, copy: bool) -> Tens
         # through the Function even without requires_grad: a forward-mode dual must reach
         # ``jvp`` (an error, not a silently dropped tangent)
         requires_grad = x.requires_grad and torch.is_grad_enabled()
-        return _apply(_Send, x, dst, pg, tag, seq, requires_grad, x.shape, x.dtype, x.device, copy)
-    return _Send.forward(x, dst, pg, tag, seq, False, x.shape, x.dtype, x.device, copy)  # no graph
+        return _apply(_Send, x, dst, pg, tag, seq, requires_grad, x.shape, x.dtype, x.device, mode)
+    return _Send.forward(x, dst, pg, tag, seq, False, x.shape, x.dtype, x.device, mode)  # no graph
 
 
 class _Recv(CommOp):
@@ -366,16 +372,22 @@ def _receive(
     return T.Receive(src, pg, tag, T.next_seq(pg, src, tag, "recv"), want_shape, want_dtype, device)
 
 
-def _finish_recv(header: Tensor, r: T.Receive, posted: T.Posted | None = None) -> Tensor:
+def _finish_recv(
+    header: Tensor, r: T.Receive, posted: T.Posted | None = None, fused: Tensor | None = None
+) -> Tensor:
     """The rest of :func:`recv` once the header is in: check it, receive the data (or
-    wait for the ``posted`` data receive), build the autograd node."""
+    wait for the ``posted`` data receive, or take it from the ``fused`` message whose
+    header this is), build the autograd node."""
     if B.is_off("recv"):  # ablation: nothing arrived; keep shapes if we know them
         if r.want_shape is None:
             raise ValueError("diffcomm.recv(): with comm_off('recv') pass `shape` or `like`")
         return torch.zeros(r.want_shape, dtype=r.want_dtype or torch.float32, device=r.device)
-    shape, dtype, sent_rg = T.check_header(header, r, posted)
+    shape, dtype, sent_rg, sent_fused = T.check_header(header, r, posted, fused is not None)
     data = None
-    if posted is not None:
+    if sent_fused and fused is not None:
+        nbytes = shape.numel() * dtype.itemsize
+        data = fused[T.FUSED_OFFSET : T.FUSED_OFFSET + nbytes].view(dtype).reshape(shape)
+    elif posted is not None:
         with B.label(f"recv(src={r.src}, tag={r.tag})"):
             data = posted.wait().view(dtype).reshape(shape)
     args = (r.src, shape, dtype, r.device, r.pg, r.tag, r.seq, data)
@@ -396,11 +408,19 @@ class RecvHandle:
     for what has not arrived yet. Call ``wait`` exactly once.
     """
 
-    def __init__(self, r: T.Receive) -> None:
+    def __init__(self, r: T.Receive, fused: bool = False) -> None:
         self._r = r
+        self._data = None
+        self._done = False
+        self._fused: T.Posted | None = None
+        if fused:  # one receive for header and data (see irecv_fused)
+            assert r.want_shape is not None and r.want_dtype is not None
+            nbytes = T.FUSED_OFFSET + r.want_shape.numel() * r.want_dtype.itemsize
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=r.device)
+            self._fused = self._header = T.Posted(buf, r.src, r.pg, r.tag)
+            return
         header = torch.zeros(T.HEADER_LEN, dtype=torch.int64, device=B.group_info(r.pg).device)
         self._header = T.Posted(header, r.src, r.pg, r.tag)
-        self._data = None
         if r.want_shape is not None and r.want_dtype is not None:
             buf = torch.empty(
                 r.want_shape.numel() * r.want_dtype.itemsize, dtype=torch.uint8, device=r.device
@@ -408,7 +428,6 @@ class RecvHandle:
             self._data = T.Posted(buf, r.src, r.pg, r.tag)
         else:
             T.HEADER_FIRST.add(T.seq_key(r.pg, r.src, r.tag, "recv"))
-        self._done = False
 
     @_eager
     def wait(self) -> Tensor:
@@ -419,6 +438,8 @@ class RecvHandle:
         r = self._r
         with B.label(f"recv(src={r.src}, tag={r.tag}) header"):
             header = self._header.wait()
+        if self._fused is not None:  # the header, then (if it says so) the data
+            return _finish_recv(header[: T.HEADER_LEN * 8].view(torch.int64), r, None, header)
         if self._data is None:  # the data receive comes next, blocking: the channel is free after
             T.HEADER_FIRST.discard(T.seq_key(r.pg, r.src, r.tag, "recv"))
         return _finish_recv(header, r, self._data)
@@ -466,6 +487,19 @@ def irecv(
             world.run(step)
     """
     return RecvHandle(_receive(src, shape, dtype, like, group, tag, device, "irecv"))
+
+
+@_eager
+def irecv_fused(src: int, like: Tensor, group: A.GroupLike = None, tag: int = 0) -> RecvHandle:
+    """:func:`irecv` of a message sent with ``send_owned(..., fused=True)``: one receive,
+    posted now, for the header and the data of a tensor of ``like``'s shape and dtype.
+
+    Not exported: the sender may fuse only a message of exactly ``like``'s size (a fused
+    message larger than the posted buffer aborts the process; gloo). A plain :func:`send`
+    of any shape and dtype is taken too (its data is received after its header), so a
+    sender whose tensor does not have the agreed shape sends it plainly.
+    """
+    return RecvHandle(_receive(src, None, None, like, group, tag, None, "irecv"), fused=True)
 
 
 @_eager

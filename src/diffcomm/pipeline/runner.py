@@ -28,6 +28,15 @@ Pre-posted receives: before computing step ``k`` the runner posts the receive st
 ``k + 1`` will need (the next activation with :func:`diffcomm.p2p.irecv`, or the next
 gradient with :func:`diffcomm.p2p.post_grad_recv`), so that message travels while step
 ``k`` computes.
+
+One message per activation: the first activation on a channel in a step goes as a
+:func:`diffcomm.send` does (a header, then the data; the receiver learns the shape), every
+later one of that same shape and dtype with its header fused in front of its data
+(``p2p.send_owned(..., fused=True)``, received with ``p2p.irecv_fused`` expecting the
+first shape): one gloo message instead of two. Both ends decide from facts they share
+(the channel's first message of the step and its shape), so they always agree; an
+activation of another shape (a chunk whose output shape depends on the data) goes
+plainly, and the fused receive takes it too.
 """
 
 from __future__ import annotations
@@ -300,6 +309,7 @@ class PipelineRunner:
         self._inputs_kept: list[Tensor] = []
         self._posted: dict[tuple[int, int], p2p.RecvHandle] = {}
         self._like: dict[int, Tensor] = {}
+        self._sent: dict[int, tuple[torch.Size, torch.dtype]] = {}  # chunk -> first output sent
         self._split_b = _cooldown(steps) if self.grad_first == "cooldown" else None
         stash: dict[tuple[int, int], _Stash] = {}
         total = torch.zeros((), dtype=torch.float64)
@@ -328,7 +338,7 @@ class PipelineRunner:
         if input_grad and self.is_first:
             grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in self._inputs_kept]
             self.input_grad = torch.cat(grads)
-        self._inputs_kept, self._posted, self._like = [], {}, {}
+        self._inputs_kept, self._posted, self._like, self._sent = [], {}, {}, {}
         if self.broadcast_loss and self.n_stages > 1:
             be = B.get_backend()
             out = be.broadcast(total.to(be.comm_device(self.pg)), self.n_stages - 1, self.pg)
@@ -360,8 +370,8 @@ class PipelineRunner:
             like = self._like.get(st.chunk)
             if like is None:  # shape not known yet: post the header only
                 handle = p2p.irecv(src, group=self.pg, tag=tag)
-            else:
-                handle = p2p.irecv(src, like=like, group=self.pg, tag=tag)
+            else:  # header and data in one message (see the module docstring)
+                handle = p2p.irecv_fused(src, like, group=self.pg, tag=tag)
             self._posted[(st.micro, st.chunk)] = handle
         elif st.kind in ("B", "I"):
             kept = stash.get((st.micro, st.chunk))
@@ -394,8 +404,12 @@ class PipelineRunner:
                 x = handle.wait()
             else:
                 src, tag = self._src(c)
-                x = p2p.recv(src, group=self.pg, tag=tag)
-            self._like[c] = x.detach()
+                like = self._like.get(c)
+                if like is None:
+                    x = p2p.recv(src, group=self.pg, tag=tag)
+                else:
+                    x = p2p.irecv_fused(src, like, group=self.pg, tag=tag).wait()
+            self._like.setdefault(c, x.detach())  # the channel's first shape (see above)
         # the previous receive on every channel is complete: post the next step's now
         self._prepost(nxt, stash)
         kept.input = x
@@ -427,8 +441,14 @@ class PipelineRunner:
             else:
                 dst = (self.rank + 1) % self.n_stages
                 # y is ours and nothing writes to it before wait_sends() at the end of
-                # the step: send it without the private copy dc.send makes
-                kept.handle = p2p.send_owned(y, dst, group=self.pg, tag=self.tag + c)
+                # the step: send it without the private copy dc.send makes; fused with
+                # its header unless it is the channel's first message of the step (or
+                # changed shape: then the receiver, expecting the first shape, says so)
+                first = self._sent.get(c)
+                if first is None:
+                    self._sent[c] = (y.shape, y.dtype)
+                fused = first == (y.shape, y.dtype)
+                kept.handle = p2p.send_owned(y, dst, group=self.pg, tag=self.tag + c, fused=fused)
                 kept.output = y
         kept.nbytes = nbytes[0]
         stash[(m, c)] = kept
