@@ -1,6 +1,6 @@
 """Direct calls of the ``ProcessGroup`` methods behind the hottest raw ops.
 
-``dist.all_reduce``, ``dist.broadcast``, ``all_gather_single``, ``reduce_scatter_single``
+``dist.all_reduce``, ``dist.broadcast``, ``dist.reduce``, ``all_gather_single``, ``reduce_scatter_single``
 and ``dist.all_to_all_single`` are Python wrappers (an exception logger, the
 torch-function check, the group lookup, the coalescing-block check, a fresh options
 object) around the ``ProcessGroup`` method of the same job: about a dozen Python calls,
@@ -121,6 +121,25 @@ def c10d_broadcast(t: torch.Tensor, src: int, group: ProcessGroup) -> None:
     opts.rootTensor = 0
     opts.asyncOp = False
     _wait(pg.broadcast([t], opts))
+
+
+_REDUCE_OPTS: dict[Any, Any] = {}
+
+
+def c10d_reduce(t: torch.Tensor, dst: int, op: Any, group: ProcessGroup) -> None:
+    """``dist.reduce(t, group_dst=dst, op=op, group=group)`` (blocking, in place on
+    ``dst``; ``dst`` is group-local)."""
+    pg = _direct_group(t, group)
+    if pg is None:
+        dist.reduce(t, group_dst=dst, op=op, group=group)
+        return
+    opts = _REDUCE_OPTS.get((op, dst))
+    if opts is None:
+        opts = _REDUCE_OPTS[(op, dst)] = dist.ReduceOptions()
+        opts.reduceOp = op
+        opts.rootRank = dst
+        opts.asyncOp = False
+    _wait(pg.reduce([t], opts))
 
 
 # torch >= 2.12 renamed the single-tensor forms; use whichever this torch has (version gap

@@ -28,6 +28,7 @@ from ._c10d import (
     c10d_all_reduce,
     c10d_all_to_all,
     c10d_broadcast,
+    c10d_reduce,
     c10d_reduce_scatter,
 )
 from ._dispatch import dispatch as _dispatch
@@ -188,14 +189,15 @@ class TorchDistributedBackend(CoalescedOps):
             "reduce",
             group,
             _nbytes(x),
-            lambda: dist.reduce(wire, group_dst=dst, op=torch_op, group=group),
+            lambda: c10d_reduce(wire, dst, torch_op, group),
             lambda: None,
             out,
         )
-        if self.rank(group) != dst:
+        info = group_info(group)
+        if info.rank != dst:
             out.zero_()
         elif divide:
-            out.div_(self.world_size(group))
+            out.div_(info.size)
         return out
 
     def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
@@ -384,6 +386,8 @@ class TorchDistributedBackend(CoalescedOps):
             ins = ins if ins is not None else [x.shape[0] // world] * world
             return self._padded_all_to_all(x, group, ins, outs, info)
         out = torch.empty((sum(outs), *rest), dtype=x.dtype, device=x.device)
+        # no split sizes at all: the even all_to_all (gloo's alltoall, not its alltoallv)
+        c10d_outs = None if ins is None and output_split_sizes is None else outs
 
         def skip() -> None:
             me_in = ins if ins is not None else [x.shape[0] // world] * world
@@ -396,7 +400,7 @@ class TorchDistributedBackend(CoalescedOps):
             "all_to_all",
             group,
             max(_nbytes(x), _nbytes(out)),
-            lambda: c10d_all_to_all(wire(out), wire(x), outs, ins, group),
+            lambda: c10d_all_to_all(wire(out), wire(x), c10d_outs, ins, group),
             skip,
             out,
         )
