@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 T = TypeVar("T")
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark_json(script: str, *args: str, timeout: float = 600) -> Any:
+    """Run ``benchmarks/<script> --json *args`` in a fresh Python (no stdin) and return
+    the JSON its last line of output holds; a failing run fails with its stderr."""
+    p = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def outcomes(calls: dict[str, Callable[[], object]], error: type[BaseException]) -> dict[str, str]:

@@ -7,31 +7,12 @@ group); the checks are on its deterministic counts.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from _shared import benchmark_json
 
 
 def test_bench_overhead_counts_every_implementation_and_the_floor_wraps_the_raw_calls() -> None:
-    p = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_overhead.py"),
-            "--json",
-            "--ops",
-            "all_reduce",
-            "all_gather",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-    )
-    assert p.returncode == 0, p.stderr
-    rows = {(r["op"], r["impl"]): r["bytecodes"] for r in json.loads(p.stdout.strip().splitlines()[-1])}
+    runs = benchmark_json("bench_overhead.py", "--ops", "all_reduce", "all_gather", timeout=300)
+    rows = {(r["op"], r["impl"]): r["bytecodes"] for r in runs}
     for op in ("all_reduce", "all_gather"):
         assert {impl for o, impl in rows if o == op} == {"raw", "floor", "torch.distributed.nn", "diffcomm"}
         # the floor runs the raw calls inside an autograd.Function: strictly more Python;

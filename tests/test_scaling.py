@@ -7,12 +7,11 @@ executed and function calls per forward + backward, and peak Python memory (trac
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _shared import benchmark_json
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLDS = (16, 64, 256)
@@ -24,22 +23,9 @@ KNOWN_VIOLATIONS: dict[str, str] = {}
 
 @pytest.fixture(scope="module")
 def rows() -> dict[str, dict[int, dict]]:
-    p = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_scaling.py"),
-            "--json",
-            "--worlds",
-            *map(str, WORLDS),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,
-    )
-    assert p.returncode == 0, p.stderr
+    runs = benchmark_json("bench_scaling.py", "--worlds", *map(str, WORLDS))
     out: dict[str, dict[int, dict]] = {}
-    for r in json.loads(p.stdout):
+    for r in runs:
         out.setdefault(r["op"], {})[r["world"]] = r
     return out
 
