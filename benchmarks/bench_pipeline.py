@@ -24,7 +24,9 @@ posting the next receive early buys, and one with plain backward steps
 (``grad_first=False``, the runner before input-gradient-first ``B``) what sending the
 input gradient before the weight gradients buys, and one with ``grad_first="cooldown"``
 (only the ``B`` steps after a rank's last ``F`` split) what the split costs in the
-steady state.
+steady state. ``interleaved`` runs the runner's default for several chunks per rank
+(``grad_first="cooldown"``), ``interleaved-split`` every ``B`` split (``True``, the
+default before).
 
     python benchmarks/bench_pipeline.py                         # p=2, m=4 and 8
     python benchmarks/bench_pipeline.py --stages 2 4 --plot docs/_static/pipeline_timeline.png
@@ -59,6 +61,7 @@ SCHEDULES = {
     "1f1b-plainB": (1, None),
     "1f1b-cooldown": (1, "Schedule1F1B"),
     "interleaved": (2, "ScheduleInterleaved1F1B"),
+    "interleaved-split": (2, "ScheduleInterleaved1F1B"),
     "zb-h1": (1, "ScheduleInterleavedZeroBubble"),
 }
 
@@ -92,10 +95,14 @@ def _rank_bench(width: int, depth: int, batch: int, m: int, schedule: str, round
     twin = copy.deepcopy(model)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     mine = partition(model, p * v)[rank::p]
-    grad_first: bool | str = {"1f1b-plainB": False, "1f1b-cooldown": "cooldown"}.get(schedule, True)
+    grad_first: bool | str | None = {
+        "1f1b-plainB": False,
+        "1f1b-cooldown": "cooldown",
+        "interleaved-split": True,
+    }.get(schedule)  # None: the runner's default
     runner = PipelineRunner(
         mine if v > 1 else mine[0],
-        schedule.split("-")[0] if schedule.startswith("1f1b") else schedule,
+        schedule.split("-")[0] if schedule.startswith(("1f1b", "interleaved")) else schedule,
         loss_fn=nn.functional.mse_loss,
         prepost=not schedule.endswith("noprepost"),
         grad_first=grad_first,

@@ -382,12 +382,18 @@ def _runner_bad_args() -> None:
         PipelineRunner(stage, "zero-bubble", loss_fn=nn.functional.mse_loss)
     with pytest.raises(TypeError, match="`stage` must be an nn.Module"):
         PipelineRunner("linear", loss_fn=nn.functional.mse_loss)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="`grad_first` must be True, False or \"cooldown\", got 'drain'"):
+    bad = "`grad_first` must be True, False, \"cooldown\" or None, got 'drain'"
+    with pytest.raises(ValueError, match=bad):
         PipelineRunner(stage, loss_fn=nn.functional.mse_loss, grad_first="drain")
     if rank == 1:
         with pytest.raises(TypeError, match="`loss_fn` must be a loss function on the last stage"):
             PipelineRunner(stage)
     runner = PipelineRunner(stage, loss_fn=nn.functional.mse_loss)
+    # the default input-gradient-first: every B split with one chunk per rank, only the
+    # cooldown's with several (interleaved)
+    assert runner.grad_first is True
+    two = PipelineRunner([nn.Linear(2, 2), nn.Linear(2, 2)], "interleaved", loss_fn=nn.functional.mse_loss)
+    assert two.grad_first == "cooldown"
     with pytest.raises(ValueError, match="`n_micro` must be an int >= 1"):
         runner.step(torch.zeros(4, 2), torch.zeros(4, 2), 0)
     with pytest.raises(ValueError, match=r"size along dim 0 is divisible by n_micro=3, got shape \(4, 2\)"):

@@ -22,7 +22,8 @@ which sends it, last). ``grad_first=False`` runs one plain backward;
 ``grad_first="cooldown"`` splits only the ``B`` steps after this rank's last ``F`` (where
 every upstream stage has nothing left but backwards that wait for this gradient) and runs
 the others as one plain backward, which is cheaper where the split costs more than the
-message it hides (see ``docs/pipeline.md``).
+message it hides (see ``docs/pipeline.md``); it is the default with several chunks per
+rank (interleaved), ``True`` with one.
 
 Pre-posted receives: before computing step ``k`` the runner posts the receive step
 ``k + 1`` will need (the next activation with :func:`diffcomm.p2p.irecv`, or the next
@@ -125,11 +126,14 @@ class PipelineRunner:
         prepost: post the next step's receive before computing the current step
             (default); ``False`` receives only when a step needs the data.
         grad_first: in a ``B`` step, compute the input gradient first and send it
-            upstream, then the weight gradients (``True``, default; the same work as one
+            upstream, then the weight gradients (``True``; the same work as one
             backward, split as ``I`` + ``W``); ``False`` runs one plain backward, which
             sends the input gradient only after every weight gradient; ``"cooldown"``
             splits only the ``B`` steps after this rank's last ``F`` and runs the others
-            plainly.
+            plainly. Default ``None``: ``True`` with one chunk per rank, ``"cooldown"``
+            with several (interleaved: twice the ``B`` steps per rank, each on a chunk
+            half the size, so the split's cost per ``B`` weighs twice; measured in
+            ``docs/pipeline.md``).
 
     Attributes:
         timeline: after a step, a list of :class:`TimelineEntry`, one per executed step.
@@ -162,7 +166,7 @@ class PipelineRunner:
         broadcast_loss: bool = True,
         tag: int = 0,
         prepost: bool = True,
-        grad_first: bool | str = True,
+        grad_first: bool | str | None = None,
     ) -> None:
         if isinstance(stage, nn.Module):
             chunks = [stage]
@@ -221,8 +225,12 @@ class PipelineRunner:
                 tag,
             )
         self.prepost = bool(prepost)
+        if grad_first is None:
+            grad_first = True if self.n_chunks == 1 else "cooldown"
         if grad_first not in (True, False, "cooldown"):
-            raise A.arg_error("PipelineRunner", "grad_first", 'True, False or "cooldown"', repr(grad_first))
+            raise A.arg_error(
+                "PipelineRunner", "grad_first", 'True, False, "cooldown" or None', repr(grad_first)
+            )
         self.grad_first: bool | str = grad_first if grad_first == "cooldown" else bool(grad_first)
         self._split_b: set[tuple[int, int]] | None = None  # the B steps that split (None: all)
         self.timeline: list[TimelineEntry] = []
