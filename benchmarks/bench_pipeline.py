@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"cores: {os.cpu_count()}; torch {torch.__version__}; {args.rounds} rounds per row\n")
     head = (
-        f"{'p':>2} {'m':>2} {'schedule':<15} {'bubble':>6} {'best':>6} {'theory':>6} {'ms/step':>8} "
+        f"{'p':>2} {'m':>2} {'schedule':<17} {'bubble':>6} {'best':>6} {'theory':>6} {'ms/step':>8} "
         f"{'vs torch':>17} {'grad diff':>9}  peak activation MiB per stage"
     )
     print(head)
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                     diff_s = f"{diff:9.1e}" if SCHEDULES[schedule][1] and not errs else f"{'-':>9}"
                     peaks = " ".join(f"{r['peak'] / 2**20:6.1f}" for r in res)
                     print(
-                        f"{p:>2} {m:>2} {schedule:<15} {statistics.median(bubbles):6.3f} {min(bubbles):6.3f} "
+                        f"{p:>2} {m:>2} {schedule:<17} {statistics.median(bubbles):6.3f} {min(bubbles):6.3f} "
                         f"{theory:6.3f} "
                         f"{statistics.median(t_dc) * 1e3:8.1f} {vs:>17} {diff_s}  {peaks}",
                         flush=True,
