@@ -42,19 +42,19 @@ plainly, and the fused receive takes it too.
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node
 
 from .. import _args as A
 from .. import _config, p2p
 from .. import backend as B
 from .._transport import recv_wait_seconds as _recv_wait_seconds
+from ._split import capture, cooldown, group_plan, input_edge, weight_plan
 from .schedules import SCHEDULES, ScheduleFn, Step
 from .validate import check_schedule
 
@@ -318,7 +318,7 @@ class PipelineRunner:
         self._posted: dict[tuple[int, int], p2p.RecvHandle] = {}
         self._like: dict[int, Tensor] = {}
         self._sent: dict[int, tuple[torch.Size, torch.dtype]] = {}  # chunk -> first output sent
-        self._split_b = _cooldown(steps) if self.grad_first == "cooldown" else None
+        self._split_b = cooldown(steps) if self.grad_first == "cooldown" else None
         stash: dict[tuple[int, int], _Stash] = {}
         total = torch.zeros((), dtype=torch.float64)
         for k, st in enumerate(steps):
@@ -495,8 +495,8 @@ class PipelineRunner:
             kept.full_in_w = True  # nothing flows back at all
             return
         params = [p for p in self.chunks[st.chunk].parameters() if p.requires_grad]
-        target = _input_edge(kept.input)
-        plan = None if target is None else _weight_plan(root, target, params)
+        target = input_edge(kept.input)
+        plan = None if target is None else weight_plan(root, target, params)
         if plan is None:
             # no input path to split off (stage 0, or an unusual graph): take the output
             # gradient now, as every I does, and run the whole backward in W
@@ -505,14 +505,14 @@ class PipelineRunner:
                 (kept.d_output,) = torch.autograd.grad(root, [kept.output])
             return
         captured: dict[Node, tuple[Tensor | None, ...]] = {}
-        hooks = [n.register_prehook(_capture(captured, n)) for n, _ in plan]
+        hooks = [n.register_prehook(capture(captured, n)) for n, _ in plan]
         try:
             torch.autograd.backward(root, inputs=[target], retain_graph=True)
         finally:
             for h in hooks:
                 h.remove()
         groups = []
-        for nodes, param_nodes in _group(plan):
+        for nodes, param_nodes in group_plan(plan):
             groups.append((nodes, [captured.get(n, ()) for n in nodes], param_nodes))
         kept.groups = groups
         if not hold:
@@ -559,107 +559,8 @@ class PipelineRunner:
         self._live_bytes -= kept.nbytes + kept.grad_bytes
 
 
-# ======================================================================================
-# the B/W split: which steps split, which nodes to keep gradients at
-# ======================================================================================
-
-
-def _cooldown(steps: Sequence[Step]) -> set[tuple[int, int]]:
-    """``(micro, chunk)`` of the ``B`` steps after the rank's last ``F``: from there on the
-    stages upstream run only backwards, each waiting for a gradient from here, so sending
-    it before the weight gradients shortens the step by them."""
-    last_f = max((i for i, st in enumerate(steps) if st.kind == "F"), default=-1)
-    return {(st.micro, st.chunk) for st in steps[last_f + 1 :] if st.kind == "B"}
-
-
 def _unpack(t: Tensor) -> Tensor:
     return t
-
-
-def _input_edge(x: Tensor | None) -> Tensor | None:
-    """The leaf the input gradient flows into: a stage-0 input that requires grad, or the
-    anchor of the receive that produced ``x`` (so its backward, which sends the gradient
-    on, runs in ``I``)."""
-    if x is None or not x.requires_grad:
-        return None
-    if x.grad_fn is None:
-        return x
-    nexts = [n for n, _ in x.grad_fn.next_functions if n is not None]
-    if len(nexts) == 1 and hasattr(nexts[0], "variable"):
-        return nexts[0].variable  # type: ignore[no-any-return]
-    return None
-
-
-def _weight_plan(root: Tensor, target: Tensor, params: list[Tensor]) -> list[tuple[Node, list[Node]]] | None:
-    """``[(node, param nodes), ...]``: the nodes on the path from ``root`` to ``target``
-    at which a parameter's branch leaves that path (as in torch.distributed.pipelining's
-    ``stage_backward_input``), or ``None`` when there is no such split."""
-    root_node = root.grad_fn
-    if root_node is None:
-        return None
-    parents: dict[Node, list[Node]] = collections.defaultdict(list)
-    seen, todo = {root_node}, collections.deque([root_node])
-    while todo:
-        n = todo.popleft()
-        for nxt, _ in n.next_functions:
-            if nxt is not None:
-                parents[nxt].append(n)
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-    target_node = get_gradient_edge(target).node
-    if target_node not in seen:
-        return None
-    on_path, todo = {target_node}, collections.deque([target_node])
-    while todo:
-        for par in parents[todo.popleft()]:
-            if par not in on_path:
-                on_path.add(par)
-                todo.append(par)
-    plan: dict[Node, list[Node]] = {}
-    for p in params:
-        pn = get_gradient_edge(p).node
-        if pn not in seen:
-            continue  # not used by this micro-batch's graph
-        meet: set[Node] = set()
-        visited, todo = {pn}, collections.deque([pn])
-        while todo:
-            for par in parents[todo.popleft()]:
-                if par in on_path:
-                    meet.add(par)
-                elif par not in visited:
-                    visited.add(par)
-                    todo.append(par)
-        if not meet or (root_node in meet and root.grad_fn is not None and _is_send(root_node)):
-            return None  # the split would re-run the send's backward: do it all in W
-        for n in meet:
-            plan.setdefault(n, []).append(pn)
-    return list(plan.items())
-
-
-def _is_send(node: Node) -> bool:
-    return p2p.is_send_node(node)
-
-
-def _group(plan: list[tuple[Node, list[Node]]]) -> list[tuple[list[Node], list[Node]]]:
-    """Merge the plan's nodes that share a parameter into one group (one W call each)."""
-    groups: list[tuple[list[Node], list[Node]]] = []
-    for node, pns in plan:
-        hit = [g for g in groups if any(pn in g[1] for pn in pns)]
-        nodes, params = [node], list(dict.fromkeys(pns))
-        for g in hit:
-            groups.remove(g)
-            nodes += g[0]
-            params += [pn for pn in g[1] if pn not in params]
-        groups.append((nodes, params))
-    return groups
-
-
-def _capture(store: dict[Node, tuple[Tensor | None, ...]], node: Node) -> Callable[..., None]:
-    def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
-        store[node] = tuple(grad_outputs)
-
-    return hook
 
 
 # ======================================================================================

@@ -1,0 +1,111 @@
+"""The B/W split of :class:`~diffcomm.pipeline.PipelineRunner`: which ``B`` steps split
+(:func:`cooldown`), and where in a micro-batch's graph the input gradient ``I`` stops and
+the weight gradients ``W`` begin (:func:`input_edge`, :func:`weight_plan`,
+:func:`group_plan`, :func:`capture`) — as torch.distributed.pipelining's
+``stage_backward_input`` / ``stage_backward_weight`` find them.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+
+from torch import Tensor
+from torch.autograd.graph import Node, get_gradient_edge
+
+from .. import p2p
+from .schedules import Step
+
+
+def cooldown(steps: Sequence[Step]) -> set[tuple[int, int]]:
+    """``(micro, chunk)`` of the ``B`` steps after the rank's last ``F``: from there on the
+    stages upstream run only backwards, each waiting for a gradient from here, so sending
+    it before the weight gradients shortens the step by them."""
+    last_f = max((i for i, st in enumerate(steps) if st.kind == "F"), default=-1)
+    return {(st.micro, st.chunk) for st in steps[last_f + 1 :] if st.kind == "B"}
+
+
+def input_edge(x: Tensor | None) -> Tensor | None:
+    """The leaf the input gradient flows into: a stage-0 input that requires grad, or the
+    anchor of the receive that produced ``x`` (so its backward, which sends the gradient
+    on, runs in ``I``)."""
+    if x is None or not x.requires_grad:
+        return None
+    if x.grad_fn is None:
+        return x
+    nexts = [n for n, _ in x.grad_fn.next_functions if n is not None]
+    if len(nexts) == 1 and hasattr(nexts[0], "variable"):
+        return nexts[0].variable  # type: ignore[no-any-return]
+    return None
+
+
+def weight_plan(root: Tensor, target: Tensor, params: list[Tensor]) -> list[tuple[Node, list[Node]]] | None:
+    """``[(node, param nodes), ...]``: the nodes on the path from ``root`` to ``target``
+    at which a parameter's branch leaves that path (as in torch.distributed.pipelining's
+    ``stage_backward_input``), or ``None`` when there is no such split."""
+    root_node = root.grad_fn
+    if root_node is None:
+        return None
+    parents: dict[Node, list[Node]] = collections.defaultdict(list)
+    seen, todo = {root_node}, collections.deque([root_node])
+    while todo:
+        n = todo.popleft()
+        for nxt, _ in n.next_functions:
+            if nxt is not None:
+                parents[nxt].append(n)
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+    target_node = get_gradient_edge(target).node
+    if target_node not in seen:
+        return None
+    on_path, todo = {target_node}, collections.deque([target_node])
+    while todo:
+        for par in parents[todo.popleft()]:
+            if par not in on_path:
+                on_path.add(par)
+                todo.append(par)
+    plan: dict[Node, list[Node]] = {}
+    for p in params:
+        pn = get_gradient_edge(p).node
+        if pn not in seen:
+            continue  # not used by this micro-batch's graph
+        meet: set[Node] = set()
+        visited, todo = {pn}, collections.deque([pn])
+        while todo:
+            for par in parents[todo.popleft()]:
+                if par in on_path:
+                    meet.add(par)
+                elif par not in visited:
+                    visited.add(par)
+                    todo.append(par)
+        if not meet or (root_node in meet and root.grad_fn is not None and _is_send(root_node)):
+            return None  # the split would re-run the send's backward: do it all in W
+        for n in meet:
+            plan.setdefault(n, []).append(pn)
+    return list(plan.items())
+
+
+def _is_send(node: Node) -> bool:
+    return p2p.is_send_node(node)
+
+
+def group_plan(plan: list[tuple[Node, list[Node]]]) -> list[tuple[list[Node], list[Node]]]:
+    """Merge the plan's nodes that share a parameter into one group (one W call each)."""
+    groups: list[tuple[list[Node], list[Node]]] = []
+    for node, pns in plan:
+        hit = [g for g in groups if any(pn in g[1] for pn in pns)]
+        nodes, params = [node], list(dict.fromkeys(pns))
+        for g in hit:
+            groups.remove(g)
+            nodes += g[0]
+            params += [pn for pn in g[1] if pn not in params]
+        groups.append((nodes, params))
+    return groups
+
+
+def capture(store: dict[Node, tuple[Tensor | None, ...]], node: Node) -> Callable[..., None]:
+    def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        store[node] = tuple(grad_outputs)
+
+    return hook
