@@ -14,7 +14,8 @@ Implementations timed for each op and size (forward + backward of the same op):
     ``torch.distributed.nn.functional`` where it has the op (and a backward on gloo).
 ``funcol``
     PyTorch's functional collectives, autograd variants
-    (``all_gather_tensor_autograd``, ``reduce_scatter_tensor_autograd``,
+    (``all_gather_single_autograd``, ``reduce_scatter_single_autograd`` — in older torch
+    ``all_gather_tensor_autograd``, ``reduce_scatter_tensor_autograd`` — and
     ``all_to_all_single_autograd``); all_reduce / broadcast / reduce / gather / scatter
     have none, so those cells are absent.
 ``diffcomm``
@@ -233,18 +234,23 @@ def _impls(op: str, nbytes: int) -> dict[str, Callable[[], None]]:
     raw_calls.update({f.__name__: f for f in (gather, scatter, all_to_all)})
     fwd, bwd = raw_calls[op], raw_calls[dc.DUALS[op]]
 
+    # newer torch renamed the autograd forms (the old names warn); whichever this torch has
+    fc_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    fc_reduce_scatter = (
+        getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
+    )
     # op -> (diffcomm, torch.distributed.nn.functional, functional collectives or None)
     public: dict[str, tuple[Callable, Callable, Callable | None]] = {
         "all_reduce": (lambda x: dc.all_reduce(x), lambda x: _quiet(tdnn.all_reduce, x), None),
         "all_gather": (
             lambda x: dc.all_gather(x),
             lambda x: torch.cat(_quiet(tdnn.all_gather, x)),
-            lambda x: funcol.all_gather_tensor_autograd(x, 0, pg),
+            lambda x: fc_all_gather(x, 0, pg),
         ),
         "reduce_scatter": (
             lambda x: dc.reduce_scatter(x),
             lambda x: _quiet(tdnn.reduce_scatter, torch.empty(chunk), list(x.split(chunk))),
-            lambda x: funcol.reduce_scatter_tensor_autograd(x, "sum", 0, pg),
+            lambda x: fc_reduce_scatter(x, "sum", 0, pg),
         ),
         "broadcast": (lambda x: dc.broadcast(x, src=0), lambda x: _quiet(tdnn.broadcast, x, 0), None),
         "reduce": (lambda x: dc.reduce(x, dst=0), lambda x: _quiet(tdnn.reduce, x, 0), None),
