@@ -133,6 +133,7 @@ _RING: deque[Entry] = deque(maxlen=1024)
 _GROUPS: dict[Any, _Group] = {}
 _LAST: list[Entry | None] = [None]
 _WORLD_PG: list[Any] = [None]
+_C10D = dist.distributed_c10d._world  # torch's one record of the process groups
 _INTERNAL: dict[str, bool] = {}
 _DEPTH: dict[Any, tuple[int, Any]] = {}  # label -> (depth of the user's frame, its code)
 _PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -206,7 +207,7 @@ def _site(key: Any) -> tuple[Any, int] | None:
 def _group(group: Any) -> _Group:
     key = group
     if group is None:
-        pg = dist.distributed_c10d._world.default_pg
+        pg = _C10D.default_pg
         if pg is not _WORLD_PG[0]:  # a new default group: forget the old one's counters
             _WORLD_PG[0] = pg
             _GROUPS.pop(None, None)
@@ -224,7 +225,9 @@ def _group(group: Any) -> _Group:
 
 def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: str | None) -> Entry | None:
     """Record the start of a raw op (and apply ``DIFFCOMM_TIMEOUT`` to its group)."""
-    g = _group(group)
+    g = _GROUPS.get(group)
+    if g is None or (group is None and _C10D.default_pg is not _WORLD_PG[0]):
+        g = _group(group)
     timeout = _config.TIMEOUT._value if _config.TIMEOUT._loaded else _config.TIMEOUT.get()
     if timeout != g.timeout:
         _apply_timeout(group, g, timeout)

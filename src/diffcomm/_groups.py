@@ -102,9 +102,12 @@ _INFOS: dict[Any, GroupInfo] = {}
 _INFO_WORLD: list[Any] = [None]  # the default group the cached records belong to
 
 
+_C10D = dist.distributed_c10d._world  # torch's one record of the process groups
+
+
 def group_info(group: ProcessGroup) -> GroupInfo:
     """The cached :class:`GroupInfo` of ``group`` (a resolved group or ``None``)."""
-    default = dist.distributed_c10d._world.default_pg
+    default = _C10D.default_pg
     if default is not _INFO_WORLD[0]:  # a new world: every old record is stale
         _INFOS.clear()
         _INFO_WORLD[0] = default
