@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._groups import C10D as _C10D
 from ._groups import ProcessGroup
 
-_C10D = dist.distributed_c10d._world
 _NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 _COALESCING = _C10D.pg_coalesce_state  # one dict for the life of the process (torch mutates it)
 _ALLREDUCE_OPTS: dict[Any, Any] = {}

@@ -102,12 +102,12 @@ _INFOS: dict[Any, GroupInfo] = {}
 _INFO_WORLD: list[Any] = [None]  # the default group the cached records belong to
 
 
-_C10D = dist.distributed_c10d._world  # torch's one record of the process groups
+C10D = dist.distributed_c10d._world  # torch's one record of the process groups
 
 
 def group_info(group: ProcessGroup) -> GroupInfo:
     """The cached :class:`GroupInfo` of ``group`` (a resolved group or ``None``)."""
-    default = _C10D.default_pg
+    default = C10D.default_pg
     if default is not _INFO_WORLD[0]:  # a new world: every old record is stale
         _INFOS.clear()
         _INFO_WORLD[0] = default
@@ -156,7 +156,7 @@ def data_backend(group: ProcessGroup) -> str:
 
 
 def _pg(group: ProcessGroup) -> Any:
-    return group if group is not None else dist.distributed_c10d._world.default_pg
+    return group if group is not None else C10D.default_pg
 
 
 def _device_types(group: ProcessGroup) -> set[str]:
