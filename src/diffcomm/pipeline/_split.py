@@ -79,15 +79,11 @@ def weight_plan(root: Tensor, target: Tensor, params: list[Tensor]) -> list[tupl
                 elif par not in visited:
                     visited.add(par)
                     todo.append(par)
-        if not meet or (root_node in meet and root.grad_fn is not None and _is_send(root_node)):
+        if not meet or (root_node in meet and p2p.is_send_node(root_node)):
             return None  # the split would re-run the send's backward: do it all in W
         for n in meet:
             plan.setdefault(n, []).append(pn)
     return list(plan.items())
-
-
-def _is_send(node: Node) -> bool:
-    return p2p.is_send_node(node)
 
 
 def group_plan(plan: list[tuple[Node, list[Node]]]) -> list[tuple[list[Node], list[Node]]]:
