@@ -9,7 +9,14 @@ reports, for diffcomm's :class:`~diffcomm.pipeline.PipelineRunner`:
   by other load on the machine) next to its theory: ``(p-1)/(m+p-1)`` for GPipe and
   1F1B, ``(p-1)/(v*m+p-1)`` for interleaved (``v = 2``), and for ZB-H1
   ``(p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W))`` with this run's measured mean ``F``,
-  ``I``, ``W`` step times (``I``, ``W`` from ranks 1.., whose backward splits);
+  ``I``, ``W`` step times (``I``, ``W`` from ranks 1.., whose backward splits); and the
+  **replay** (:func:`~diffcomm.pipeline.replayed_bubble`, median over rounds): the same
+  steps with their measured busy times replayed on the schedule's dependencies with free
+  communication, the bubble the schedule implies for these stage times (equal to the
+  theory when stages are uniform). ``bubble - replay`` is what messages and the runtime
+  cost; ``replay - theory`` what unequal stage times cost (stage 0's backward has no input
+  gradient to compute, the last stage computes the loss, and two ranks computing at once
+  on a small machine each run slower than one alone);
 * the **peak activation memory** per stage (bytes of saved-for-backward tensors alive at
   once, as the runner counts them; for ZB-H1 including the gradients kept from I for W);
 
@@ -30,16 +37,19 @@ default before).
 
     python benchmarks/bench_pipeline.py                         # p=2, m=4 and 8
     python benchmarks/bench_pipeline.py --stages 2 4 --plot docs/_static/pipeline_timeline.png
+    python benchmarks/bench_pipeline.py --schedules gpipe 1f1b interleaved zb-h1 --rounds 21 --pin
 
 Each rank uses one thread, so ``p`` stages want ``p`` free cores; the script prints the
 core count. On fewer cores the ranks share them and the bubble says more about the
-machine than about the schedule.
+machine than about the schedule. ``--pin`` pins rank ``r`` (every thread of it, gloo's
+too) to core ``r``; ``torch.distributed.pipelining`` runs in the same pinned processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import sys
@@ -51,7 +61,14 @@ from torch import nn
 
 import diffcomm as dc
 from diffcomm import backend as B
-from diffcomm.pipeline import PipelineRunner, TimelineEntry, bubble_fraction, partition, theoretical_bubble
+from diffcomm.pipeline import (
+    PipelineRunner,
+    TimelineEntry,
+    bubble_fraction,
+    partition,
+    replayed_bubble,
+    theoretical_bubble,
+)
 
 #: diffcomm schedule name -> (virtual stages per rank, torch schedule class name)
 SCHEDULES = {
@@ -86,8 +103,19 @@ def _grads(modules: list[nn.Module]) -> list[torch.Tensor]:
     return [p.grad.clone() for mod in modules for p in mod.parameters()]
 
 
-def _rank_bench(width: int, depth: int, batch: int, m: int, schedule: str, rounds: int) -> dict[str, Any]:
+def _pin() -> None:
+    """Pin every thread of this rank (its gloo threads too) to core ``rank % cores``."""
+    cpu = {dc.get_rank() % (os.cpu_count() or 1)}
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cpu)
+
+
+def _rank_bench(
+    width: int, depth: int, batch: int, m: int, schedule: str, rounds: int, pin: bool = False
+) -> dict[str, Any]:
     torch.set_num_threads(1)
+    if pin:
+        _pin()
     rank, p = dc.get_rank(), dc.get_world_size()
     v, torch_name = SCHEDULES[schedule]
     torch.manual_seed(0)
@@ -195,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (after 1 warm-up)")
+    ap.add_argument("--json", action="store_true", help="also print the rows as JSON (last line)")
+    ap.add_argument(
+        "--pin", action="store_true", help="pin rank r (all its threads) to core r %% cores (Linux)"
+    )
     ap.add_argument(
         "--plot", default=None, help="write a timeline PNG (one panel per schedule, largest m, median round)"
     )
@@ -206,23 +238,30 @@ def main(argv: list[str] | None = None) -> int:
         f"model: {args.depth} x (Linear({args.width}) + GELU), batch {args.batch}, float32, MSE; "
         f"gloo, CPU, one thread per rank"
     )
-    print(f"cores: {os.cpu_count()}; torch {torch.__version__}; {args.rounds} rounds per row\n")
+    pinned = "; ranks pinned to cores" if args.pin else ""
+    print(f"cores: {os.cpu_count()}; torch {torch.__version__}; {args.rounds} rounds per row{pinned}\n")
     head = (
-        f"{'p':>2} {'m':>2} {'schedule':<17} {'bubble':>6} {'best':>6} {'theory':>6} {'ms/step':>8} "
-        f"{'vs torch':>17} {'grad diff':>9}  peak activation MiB per stage"
+        f"{'p':>2} {'m':>2} {'schedule':<17} {'bubble':>6} {'best':>6} {'theory':>6} {'replay':>6} "
+        f"{'ms/step':>8} {'vs torch':>17} {'grad diff':>9}  peak activation MiB per stage"
     )
     print(head)
     print("-" * len(head))
     plots: dict[str, list[list[TimelineEntry]]] = {}
+    rows: list[dict[str, Any]] = []
     for p in args.stages:
         with dc.LocalWorld(p) as world:
             for m in args.micro:
                 for schedule in args.schedules:
                     v = SCHEDULES[schedule][0]
-                    res = world.run(_rank_bench, args.width, args.depth, args.batch, m, schedule, args.rounds)
+                    res = world.run(
+                        _rank_bench, args.width, args.depth, args.batch, m, schedule, args.rounds, args.pin
+                    )
                     t_dc = [max(r["dc"][i] for r in res) for i in range(args.rounds)]
                     bubbles = [
                         bubble_fraction([_entries(r["bubble"][i]) for r in res]) for i in range(args.rounds)
+                    ]
+                    replays = [
+                        replayed_bubble([_entries(r["bubble"][i]) for r in res]) for i in range(args.rounds)
                     ]
                     mid = sorted(range(args.rounds), key=lambda i: bubbles[i])[args.rounds // 2]
                     timelines = [_entries(r["bubble"][mid]) for r in res]  # the median round
@@ -234,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         theory = theoretical_bubble(p, m, v)
                     errs = {r.get("torch_error") for r in res} - {None}
+                    ratios: list[float] = []
                     if errs:
                         vs = "torch FAILS"
                     elif res[0]["torch"]:
@@ -243,11 +283,27 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         vs = "-"
                     diff = max((r.get("grad_diff", 0.0) for r in res), default=0.0)
+                    rows.append(
+                        {
+                            "p": p,
+                            "m": m,
+                            "schedule": schedule,
+                            "bubble": statistics.median(bubbles),
+                            "best": min(bubbles),
+                            "theory": theory,
+                            "replay": statistics.median(replays),
+                            "ms_per_step": statistics.median(t_dc) * 1e3,
+                            "vs_torch": statistics.median(ratios) if ratios else None,
+                            "torch_error": sorted(errs) or None,
+                            "grad_diff": diff if SCHEDULES[schedule][1] and not errs else None,
+                            "peak_bytes": [r["peak"] for r in res],
+                        }
+                    )
                     diff_s = f"{diff:9.1e}" if SCHEDULES[schedule][1] and not errs else f"{'-':>9}"
                     peaks = " ".join(f"{r['peak'] / 2**20:6.1f}" for r in res)
                     print(
                         f"{p:>2} {m:>2} {schedule:<17} {statistics.median(bubbles):6.3f} {min(bubbles):6.3f} "
-                        f"{theory:6.3f} "
+                        f"{theory:6.3f} {statistics.median(replays):6.3f} "
                         f"{statistics.median(t_dc) * 1e3:8.1f} {vs:>17} {diff_s}  {peaks}",
                         flush=True,
                     )
@@ -258,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         _plot(plots, args.plot)
         print(f"\ntimeline written to {args.plot}")
+    if args.json:
+        print(json.dumps(rows))
     return 0
 
 

@@ -34,6 +34,7 @@ from diffcomm.pipeline import (
     max_in_flight,
     one_f_one_b_schedule,
     partition,
+    replayed_bubble,
     theoretical_bubble,
     zb_h1_schedule,
 )
@@ -357,6 +358,65 @@ def test_bubble_fraction_of_a_perfect_pipeline() -> None:
     s1 += [TimelineEntry("B", 0, 3, 4, 1), TimelineEntry("B", 1, 4, 5, 0)]
     # span 5; stage 0 busy 4, stage 1 busy 3 (B0 waited 1 s): idle (1 + 2) / 2 / 5
     assert bubble_fraction([s0, s1]) == pytest.approx(0.3)
+
+
+def _uniform(schedule: list[list[Step]], f: float, b: float, i: float, w: float) -> list:
+    from diffcomm.pipeline import TimelineEntry
+
+    dur = {"F": f, "B": b, "I": i, "W": w}  # start/end only give the busy time here
+    return [
+        [TimelineEntry(st.kind, st.micro, 0.0, dur[st.kind], 0.0, st.chunk) for st in steps]
+        for steps in schedule
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "m"),
+    [
+        (name, p, m)
+        for name in ("gpipe", "1f1b", "interleaved")
+        for p in (2, 3, 4)
+        for m in (1, 2, 4, 8)
+        if name != "interleaved" or m % p == 0  # interleaved 1F1B needs p to divide m
+    ],
+)
+def test_replayed_bubble_of_uniform_stages_is_the_theory(name: str, p: int, m: int) -> None:
+    # the replay of a schedule with uniform stage times (B = 2F, as a Linear's backward)
+    # and free communication is exactly the textbook bubble (p-1)/(v*m+p-1)
+    v = 2 if name == "interleaved" else 1
+    schedule = SCHEDULES[name](p, m, v)
+    assert replayed_bubble(_uniform(schedule, 1.0 / v, 2.0 / v, 1.0, 1.0)) == pytest.approx(
+        theoretical_bubble(p, m, v), abs=1e-12
+    )
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_replayed_bubble_of_zb_h1(p: int, m: int) -> None:
+    replay = replayed_bubble(_uniform(zb_h1_schedule(p, m), 1.0, 2.0, 1.0, 1.0))
+    if m >= p:  # the paper's ZB-H1 bubble (p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W)), F=I=W
+        assert replay == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+    # with W filling the drain, never worse than 1F1B on the same stage times (B = I + W)
+    one_f = replayed_bubble(_uniform(one_f_one_b_schedule(p, m), 1.0, 2.0, 1.0, 1.0))
+    assert replay <= one_f + 1e-12
+
+
+def test_replayed_bubble_keeps_measured_stage_times() -> None:
+    from diffcomm.pipeline import TimelineEntry
+
+    # GPipe, p=2, m=2, unit F and B; stage 1's F1 was blocked 1 s in its receive (a slow
+    # message), which delayed everything after it: span 7, busy 4 + 4
+    s0 = [TimelineEntry("F", 0, 0, 1, 0), TimelineEntry("F", 1, 1, 2, 0)]
+    s0 += [TimelineEntry("B", 0, 5, 6, 0), TimelineEntry("B", 1, 6, 7, 0)]
+    s1 = [TimelineEntry("F", 0, 1, 2, 0), TimelineEntry("F", 1, 2, 4, 1)]
+    s1 += [TimelineEntry("B", 0, 4, 5, 0), TimelineEntry("B", 1, 5, 6, 0)]
+    assert bubble_fraction([s0, s1]) == pytest.approx(1 - 4 / 7)
+    # the replay keeps every busy time and drops the wait: span 6, the theory's 1/3
+    assert replayed_bubble([s0, s1]) == pytest.approx(1 - 4 / 6)
+    assert replayed_bubble([s0, s1]) == pytest.approx(theoretical_bubble(2, 2))
+    # a rank-1 step whose input never comes is an error naming it
+    with pytest.raises(ValueError, match="rank 1 step 0"):
+        replayed_bubble([[TimelineEntry("F", 1, 0, 1, 0)], [TimelineEntry("F", 0, 0, 1, 0)]])
 
 
 def _no_grad_stage() -> float:

@@ -56,32 +56,10 @@ from .. import backend as B
 from .._transport import recv_wait_seconds as _recv_wait_seconds
 from ._split import capture, cooldown, group_plan, input_edge, weight_plan
 from .schedules import SCHEDULES, ScheduleFn, Step
+from .timeline import TimelineEntry
 from .validate import check_schedule
 
-__all__ = ["PipelineRunner", "TimelineEntry", "bubble_fraction"]
-
-
-@dataclass
-class TimelineEntry:
-    """One executed step: wall-clock ``start``/``end`` (``time.perf_counter``, comparable
-    across processes of one machine) and ``wait``, the seconds spent blocked in receives
-    (so ``end - start - wait`` is this stage's busy time); ``chunk`` is the virtual stage.
-
-    ``wait`` is host time around the blocking receive calls (activations, and the
-    gradients a send's backward receives), the device is never synchronised for it: on a
-    GPU whose backend completes receives asynchronously (NCCL) it counts only the host's
-    part of the wait."""
-
-    kind: str
-    micro: int
-    start: float
-    end: float
-    wait: float
-    chunk: int = 0
-
-    @property
-    def busy(self) -> float:
-        return max(0.0, self.end - self.start - self.wait)
+__all__ = ["PipelineRunner"]
 
 
 @dataclass
@@ -561,23 +539,3 @@ class PipelineRunner:
 
 def _unpack(t: Tensor) -> Tensor:
     return t
-
-
-# ======================================================================================
-# measuring
-# ======================================================================================
-
-
-def bubble_fraction(timelines: Sequence[Sequence[TimelineEntry]]) -> float:
-    """Measured bubble of one step: the mean over stages of the idle share of the step.
-
-    The step spans from the earliest start to the latest end over all stages; a stage is
-    busy for the sum of its steps' ``busy`` time (time blocked in receives excluded).
-    Compare with :func:`~diffcomm.pipeline.theoretical_bubble`.
-    """
-    t0 = min(e.start for tl in timelines for e in tl)
-    t1 = max(e.end for tl in timelines for e in tl)
-    span = t1 - t0
-    if span <= 0:
-        return 0.0
-    return sum(1.0 - sum(e.busy for e in tl) / span for tl in timelines) / len(timelines)

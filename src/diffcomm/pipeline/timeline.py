@@ -1,0 +1,114 @@
+"""Timelines of pipeline steps, and the bubble measured from them.
+
+:class:`TimelineEntry` is one executed step of a :class:`~diffcomm.pipeline.PipelineRunner`
+(``runner.timeline`` lists a rank's last step). :func:`bubble_fraction` turns the
+timelines of all ranks into the measured idle share; :func:`replayed_bubble` replays the
+same steps, with their measured busy times, on the schedule's dependencies with free
+communication: the bubble the schedule itself implies for these stage times. The
+difference of the two is what communication and the runtime cost; the replay differs
+from :func:`~diffcomm.pipeline.theoretical_bubble` where stage times are not uniform
+(a last stage that also computes the loss, a first stage whose input needs no gradient,
+compute that runs slower while every rank computes at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["TimelineEntry", "bubble_fraction", "replayed_bubble"]
+
+
+@dataclass
+class TimelineEntry:
+    """One executed step: wall-clock ``start``/``end`` (``time.perf_counter``, comparable
+    across processes of one machine) and ``wait``, the seconds spent blocked in receives
+    (so ``end - start - wait`` is this stage's busy time); ``chunk`` is the rank's chunk
+    (virtual stage ``chunk * p + rank``).
+
+    ``wait`` is host time around the blocking receive calls (activations, and the
+    gradients a send's backward receives), the device is never synchronised for it: on a
+    GPU whose backend completes receives asynchronously (NCCL) it counts only the host's
+    part of the wait."""
+
+    kind: str
+    micro: int
+    start: float
+    end: float
+    wait: float
+    chunk: int = 0
+
+    @property
+    def busy(self) -> float:
+        return max(0.0, self.end - self.start - self.wait)
+
+
+def bubble_fraction(timelines: Sequence[Sequence[TimelineEntry]]) -> float:
+    """Measured bubble of one step: the mean over stages of the idle share of the step.
+
+    The step spans from the earliest start to the latest end over all stages; a stage is
+    busy for the sum of its steps' ``busy`` time (time blocked in receives excluded).
+    Compare with :func:`~diffcomm.pipeline.theoretical_bubble` and
+    :func:`replayed_bubble`.
+    """
+    t0 = min(e.start for tl in timelines for e in tl)
+    t1 = max(e.end for tl in timelines for e in tl)
+    span = t1 - t0
+    if span <= 0:
+        return 0.0
+    return sum(1.0 - sum(e.busy for e in tl) / span for tl in timelines) / len(timelines)
+
+
+def replayed_bubble(timelines: Sequence[Sequence[TimelineEntry]]) -> float:
+    """The bubble of the same steps with free communication: a replay of the schedule.
+
+    ``timelines[r]`` is rank ``r``'s steps in the order it ran them (``runner.timeline``
+    of every rank, one step). Each step keeps its measured ``busy`` time and starts as
+    soon as its rank is free and its input is there: ``F`` of a micro-batch on virtual
+    stage ``g`` after ``F`` on ``g - 1``; ``B`` / ``I`` on ``g`` after ``B`` / ``I`` on
+    ``g + 1`` (on the last virtual stage, its own ``F``); ``W`` runs in its rank's order.
+    Returns :func:`bubble_fraction` of that replay: the idle share the schedule implies
+    for these stage times, with messages taking no time and ranks never blocked by
+    anything but data. With uniform stage times it equals
+    :func:`~diffcomm.pipeline.theoretical_bubble` (GPipe, 1F1B, interleaved 1F1B) and
+    ZB-H1's ``(p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W))``.
+
+    Raises ``ValueError`` when the steps cannot all run (a step waits for one that no
+    rank runs before it: not the timelines of one step of a valid schedule).
+    """
+    p = len(timelines)
+    last = p * (1 + max((e.chunk for tl in timelines for e in tl), default=0)) - 1
+    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G", virtual stage, micro) -> end
+    free = [0.0] * p
+    pc = [0] * p
+    replay: list[list[TimelineEntry]] = [[] for _ in range(p)]
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while pc[r] < len(timelines[r]):
+                e = timelines[r][pc[r]]
+                g = e.chunk * p + r
+                if e.kind == "F":
+                    dep = None if g == 0 else ("F", g - 1, e.micro)
+                elif e.kind in ("B", "I"):
+                    dep = ("F", g, e.micro) if g == last else ("G", g + 1, e.micro)
+                else:
+                    dep = None
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[r], done[dep] if dep is not None else 0.0)
+                end = free[r] = start + e.busy
+                replay[r].append(TimelineEntry(e.kind, e.micro, start, end, 0.0, e.chunk))
+                if e.kind != "W":
+                    done["F" if e.kind == "F" else "G", g, e.micro] = end
+                pc[r] += 1
+                moved = True
+    stuck = [f"rank {r} step {pc[r]} ({timelines[r][pc[r]].kind}{timelines[r][pc[r]].micro})"
+             for r in range(p) if pc[r] < len(timelines[r])]  # fmt: skip
+    if stuck:
+        raise ValueError(
+            "diffcomm.pipeline.replayed_bubble(): `timelines` must be one step of a valid "
+            f"schedule on every rank; these steps wait for data no rank makes: {', '.join(stuck)}"
+        )
+    return bubble_fraction([tl for tl in replay if tl])
