@@ -189,7 +189,7 @@ def _rank_bench(
             if who == "dc":
                 out["dc"].append(run_dc())
                 out["bubble"].append(
-                    [(e.kind, e.micro, e.start, e.end, e.wait, e.chunk) for e in runner.timeline]
+                    [(e.kind, e.micro, e.start, e.end, e.wait, e.chunk, e.sent) for e in runner.timeline]
                 )
             elif sched is not None:
                 out["torch"].append(run_torch())

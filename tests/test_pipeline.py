@@ -305,6 +305,30 @@ def test_gradients_accumulate_over_steps_and_timeline_is_recorded(world2: dc.Loc
     assert all(a <= b for a, b in zip(starts[0], starts[0][1:]))
 
 
+def _sent_marks(grad_first: bool) -> list[tuple[str, float | None, float]]:
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+    runner = PipelineRunner(stage, "1f1b", loss_fn=lambda out: out.pow(2).sum(), grad_first=grad_first)
+    runner.step(torch.randn(4, 3), n_micro=2)
+    return [(e.kind, e.sent, e.busy) for e in runner.timeline]
+
+
+@pytest.mark.parametrize("grad_first", [True, False])
+def test_timeline_marks_when_a_split_backward_sent_its_input_gradient(
+    world2: dc.LocalWorld, grad_first: bool
+) -> None:
+    # grad_first: stage 1's B runs I then W and its input gradient leaves after I (the
+    # replay lets stage 0 start then); stage 0 has no input gradient, so never splits
+    stage0, stage1 = world2.run(_sent_marks, grad_first)
+    assert sorted(k for k, _, _ in stage1) == ["B", "B", "F", "F"] == sorted(k for k, _, _ in stage0)
+    assert all(sent is None for _, sent, _ in stage0)
+    for kind, sent, busy in stage1:
+        if kind == "B" and grad_first:
+            assert sent is not None and 0.0 <= sent <= busy
+        else:
+            assert sent is None
+
+
 class _Slow(nn.Module):
     def __init__(self, seconds: float) -> None:
         super().__init__()
@@ -414,6 +438,13 @@ def test_replayed_bubble_keeps_measured_stage_times() -> None:
     # the replay keeps every busy time and drops the wait: span 6, the theory's 1/3
     assert replayed_bubble([s0, s1]) == pytest.approx(1 - 4 / 6)
     assert replayed_bubble([s0, s1]) == pytest.approx(theoretical_bubble(2, 2))
+    # p=2, m=1: stage 1's B sent its input gradient 1 s into its 2 s (input gradient
+    # first): stage 0's B starts then, span 6 -> 5
+    s0 = [TimelineEntry("F", 0, 0, 1, 0), TimelineEntry("B", 0, 0, 2, 0)]
+    s1 = [TimelineEntry("F", 0, 0, 1, 0), TimelineEntry("B", 0, 0, 2, 0)]
+    assert replayed_bubble([s0, s1]) == pytest.approx(1 - 3 / 6)
+    s1[1].sent = 1.0
+    assert replayed_bubble([s0, s1]) == pytest.approx(1 - 3 / 5)
     # a rank-1 step whose input never comes is an error naming it
     with pytest.raises(ValueError, match="rank 1 step 0"):
         replayed_bubble([[TimelineEntry("F", 1, 0, 1, 0)], [TimelineEntry("F", 0, 0, 1, 0)]])

@@ -213,6 +213,7 @@ class PipelineRunner:
         self._split_b: set[tuple[int, int]] | None = None  # the B steps that split (None: all)
         self.timeline: list[TimelineEntry] = []
         self.peak_activation_bytes = 0
+        self._grad_sent_at: float | None = None  # when the running split B sent its input gradient
         self.input_grad: Tensor | None = None
 
     # ---- the schedule --------------------------------------------------------------
@@ -304,6 +305,7 @@ class PipelineRunner:
             # the receive waits by the host clock (no comms logger: it would synchronise
             # the device around every raw op on a GPU)
             waited = _recv_wait_seconds()
+            self._grad_sent_at = None
             start = time.perf_counter()
             if st.kind == "F":
                 loss_m = self._forward(st, in_chunks, tgt_chunks, n_micro, stash, input_grad, nxt)
@@ -319,7 +321,9 @@ class PipelineRunner:
                     self._backward_weight(st, stash)
             end = time.perf_counter()
             wait = _recv_wait_seconds() - waited
-            self.timeline.append(TimelineEntry(st.kind, st.micro, start, end, wait, st.chunk))
+            # a split B's receives all come before its input gradient leaves (W receives nothing)
+            sent = None if self._grad_sent_at is None else max(0.0, self._grad_sent_at - start - wait)
+            self.timeline.append(TimelineEntry(st.kind, st.micro, start, end, wait, st.chunk, sent))
         p2p.wait_sends()
         if input_grad and self.is_first:
             grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in self._inputs_kept]
@@ -455,6 +459,7 @@ class PipelineRunner:
             # (the gradients kept between the two are a backward's transient buffers,
             # as in a plain backward: not counted as activations)
             self._backward_input(st, stash, hold=False)
+            self._grad_sent_at = time.perf_counter()  # the input gradient has left
             self._backward_weight(st, stash)
             return
         del stash[(st.micro, st.chunk)]

@@ -24,7 +24,10 @@ class TimelineEntry:
     """One executed step: wall-clock ``start``/``end`` (``time.perf_counter``, comparable
     across processes of one machine) and ``wait``, the seconds spent blocked in receives
     (so ``end - start - wait`` is this stage's busy time); ``chunk`` is the rank's chunk
-    (virtual stage ``chunk * p + rank``).
+    (virtual stage ``chunk * p + rank``). ``sent``: for a ``B`` run as ``I`` then ``W``
+    (input gradient first), the busy seconds into the step at which the input gradient
+    left for the previous stage (the end of ``I``); ``None`` where the step's output leaves
+    at its end.
 
     ``wait`` is host time around the blocking receive calls (activations, and the
     gradients a send's backward receives), the device is never synchronised for it: on a
@@ -37,6 +40,7 @@ class TimelineEntry:
     end: float
     wait: float
     chunk: int = 0
+    sent: float | None = None
 
     @property
     def busy(self) -> float:
@@ -66,7 +70,8 @@ def replayed_bubble(timelines: Sequence[Sequence[TimelineEntry]]) -> float:
     of every rank, one step). Each step keeps its measured ``busy`` time and starts as
     soon as its rank is free and its input is there: ``F`` of a micro-batch on virtual
     stage ``g`` after ``F`` on ``g - 1``; ``B`` / ``I`` on ``g`` after ``B`` / ``I`` on
-    ``g + 1`` (on the last virtual stage, its own ``F``); ``W`` runs in its rank's order.
+    ``g + 1`` (on the last virtual stage, its own ``F``), where ``g + 1``'s gradient left
+    at the end of that step, or ``sent`` seconds into it; ``W`` runs in its rank's order.
     Returns :func:`bubble_fraction` of that replay: the idle share the schedule implies
     for these stage times, with messages taking no time and ranks never blocked by
     anything but data. With uniform stage times it equals
@@ -99,9 +104,10 @@ def replayed_bubble(timelines: Sequence[Sequence[TimelineEntry]]) -> float:
                     break
                 start = max(free[r], done[dep] if dep is not None else 0.0)
                 end = free[r] = start + e.busy
-                replay[r].append(TimelineEntry(e.kind, e.micro, start, end, 0.0, e.chunk))
+                replay[r].append(TimelineEntry(e.kind, e.micro, start, end, 0.0, e.chunk, e.sent))
                 if e.kind != "W":
-                    done["F" if e.kind == "F" else "G", g, e.micro] = end
+                    left = end if e.sent is None else start + min(e.sent, e.busy)
+                    done["F" if e.kind == "F" else "G", g, e.micro] = left
                 pc[r] += 1
                 moved = True
     stuck = [f"rank {r} step {pc[r]} ({timelines[r][pc[r]].kind}{timelines[r][pc[r]].micro})"
