@@ -33,7 +33,7 @@ input gradient before the weight gradients buys, and one with ``grad_first="cool
 (only the ``B`` steps after a rank's last ``F`` split) what the split costs in the
 steady state. ``interleaved`` runs the runner's default for several chunks per rank
 (``grad_first="cooldown"``), ``interleaved-split`` every ``B`` split (``True``, the
-default before).
+default before), ``interleaved-plainB`` none (``False``, as torch's schedule runs).
 
     python benchmarks/bench_pipeline.py                         # p=2, m=4 and 8
     python benchmarks/bench_pipeline.py --stages 2 4 --plot docs/_static/pipeline_timeline.png
@@ -79,6 +79,7 @@ SCHEDULES = {
     "1f1b-cooldown": (1, "Schedule1F1B"),
     "interleaved": (2, "ScheduleInterleaved1F1B"),
     "interleaved-split": (2, "ScheduleInterleaved1F1B"),
+    "interleaved-plainB": (2, "ScheduleInterleaved1F1B"),
     "zb-h1": (1, "ScheduleInterleavedZeroBubble"),
 }
 
@@ -127,6 +128,7 @@ def _rank_bench(
         "1f1b-plainB": False,
         "1f1b-cooldown": "cooldown",
         "interleaved-split": True,
+        "interleaved-plainB": False,
     }.get(schedule)  # None: the runner's default
     runner = PipelineRunner(
         mine if v > 1 else mine[0],
