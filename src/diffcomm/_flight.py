@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import json
+import operator
 import os
 import sys
 import threading
@@ -134,6 +135,8 @@ _GROUPS: dict[Any, _Group] = {}
 _LAST: list[Entry | None] = [None]
 _WORLD_PG: list[Any] = [None]
 _C10D = dist.distributed_c10d._world  # torch's one record of the process groups
+# the default group without the Python property around it (as _groups.default_pg)
+_default_pg = operator.attrgetter("_default_pg" if hasattr(_C10D, "_default_pg") else "default_pg")
 _INTERNAL: dict[str, bool] = {}
 _DEPTH: dict[Any, tuple[int, Any]] = {}  # label -> (depth of the user's frame, its code)
 _PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -207,7 +210,7 @@ def _site(key: Any) -> tuple[Any, int] | None:
 def _group(group: Any) -> _Group:
     key = group
     if group is None:
-        pg = _C10D.default_pg
+        pg = _default_pg(_C10D)
         if pg is not _WORLD_PG[0]:  # a new default group: forget the old one's counters
             _WORLD_PG[0] = pg
             _GROUPS.pop(None, None)
@@ -226,7 +229,7 @@ def _group(group: Any) -> _Group:
 def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: str | None) -> Entry | None:
     """Record the start of a raw op (and apply ``DIFFCOMM_TIMEOUT`` to its group)."""
     g = _GROUPS.get(group)
-    if g is None or (group is None and _C10D.default_pg is not _WORLD_PG[0]):
+    if g is None or (group is None and _default_pg(_C10D) is not _WORLD_PG[0]):
         g = _group(group)
     timeout = _config.TIMEOUT._value if _config.TIMEOUT._loaded else _config.TIMEOUT.get()
     if timeout != g.timeout:

@@ -13,6 +13,7 @@ Everything here is re-exported by :mod:`diffcomm.backend`, its public home.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,10 +105,14 @@ _INFO_WORLD: list[Any] = [None]  # the default group the cached records belong t
 
 C10D = dist.distributed_c10d._world  # torch's one record of the process groups
 
+#: ``default_pg(C10D)``: the default process group (or ``None``), read without the Python
+#: property ``C10D.default_pg`` wraps it in (a C-level attribute read on the hot path)
+default_pg = operator.attrgetter("_default_pg" if hasattr(C10D, "_default_pg") else "default_pg")
+
 
 def group_info(group: ProcessGroup) -> GroupInfo:
     """The cached :class:`GroupInfo` of ``group`` (a resolved group or ``None``)."""
-    default = C10D.default_pg
+    default = default_pg(C10D)
     if default is not _INFO_WORLD[0]:  # a new world: every old record is stale
         _INFOS.clear()
         _INFO_WORLD[0] = default
@@ -156,7 +161,7 @@ def data_backend(group: ProcessGroup) -> str:
 
 
 def _pg(group: ProcessGroup) -> Any:
-    return group if group is not None else C10D.default_pg
+    return group if group is not None else default_pg(C10D)
 
 
 def _device_types(group: ProcessGroup) -> set[str]:
