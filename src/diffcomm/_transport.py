@@ -41,6 +41,7 @@ its differentiable ops on these raw functions.
 from __future__ import annotations
 
 import queue
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -297,16 +298,28 @@ def encode_header(
     """The header of a send of ``x`` on ``device`` (default CPU), built in one call (a
     Python list to one tensor: ~5 µs, against ~30 µs for filling a zero tensor entry by
     entry); ``fused``: the header of a fused message."""
+    values = _header_values(x, requires_grad, seq, fused)
+    if device is None or torch.device(device).type == "cpu":  # packed bytes: ~2 us, no list
+        return torch.frombuffer(bytearray(_HEADER.pack(*values)), dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _header_values(x: Tensor, requires_grad: bool, seq: int, fused: bool) -> tuple[int, ...]:
     n = x.ndim
-    magic = _MAGIC_FUSED if fused else _MAGIC
-    return torch.tensor(
-        [magic, DTYPE_TO_CODE[x.dtype], n, int(requires_grad), seq, *x.shape, *_PAD[n:]],
-        dtype=torch.int64,
-        device=device,
+    return (
+        _MAGIC_FUSED if fused else _MAGIC,
+        DTYPE_TO_CODE[x.dtype],
+        n,
+        int(requires_grad),
+        seq,
+        *x.shape,
+        *_PAD[n:],
     )
 
 
 _PAD = (0,) * MAX_NDIM
+#: The header's bytes: ``HEADER_LEN`` native-endian int64 (as ``torch.int64`` lays them out).
+_HEADER = struct.Struct(f"={HEADER_LEN}q")
 
 
 def decode_header(h: Tensor) -> tuple[torch.Size, torch.dtype, bool, int, bool] | None:
@@ -368,10 +381,14 @@ def post_send(
     parts: list[tuple[Any, Any, str]] = []
     what = f"send(dst={dst}, tag={tag})"
     if mode == "fused":
-        header = encode_header(x, requires_grad, seq, None, fused=True)
         nbytes = x.numel() * x.element_size()
         buf = torch.empty(FUSED_OFFSET + nbytes, dtype=torch.uint8, device=dev)
-        buf[: HEADER_LEN * 8].view(torch.int64).copy_(header)
+        if buf.device.type == "cpu":  # the header packed straight into the buffer
+            _HEADER.pack_into(buf.numpy(), 0, *_header_values(x, requires_grad, seq, True))
+        else:
+            buf[: HEADER_LEN * 8].view(torch.int64).copy_(
+                encode_header(x, requires_grad, seq, None, fused=True)
+            )
         if nbytes:
             buf[FUSED_OFFSET:].view(x.dtype).view(x.shape).copy_(x)
         _post(parts, buf, dst, pg, tag, what)
