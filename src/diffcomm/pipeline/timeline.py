@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .validate import makes, walk
+
 __all__ = ["TimelineEntry", "bubble_fraction", "replayed_bubble"]
 
 
@@ -83,33 +85,19 @@ def replayed_bubble(timelines: Sequence[Sequence[TimelineEntry]]) -> float:
     """
     p = len(timelines)
     last = p * (1 + max((e.chunk for tl in timelines for e in tl), default=0)) - 1
-    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G", virtual stage, micro) -> end
+    done: dict[tuple[str, int, int], float] = {}  # what a step sends -> when it left
     free = [0.0] * p
-    pc = [0] * p
     replay: list[list[TimelineEntry]] = [[] for _ in range(p)]
-    moved = True
-    while moved:
-        moved = False
-        for r in range(p):
-            while pc[r] < len(timelines[r]):
-                e = timelines[r][pc[r]]
-                g = e.chunk * p + r
-                if e.kind == "F":
-                    dep = None if g == 0 else ("F", g - 1, e.micro)
-                elif e.kind in ("B", "I"):
-                    dep = ("F", g, e.micro) if g == last else ("G", g + 1, e.micro)
-                else:
-                    dep = None
-                if dep is not None and dep not in done:
-                    break
-                start = max(free[r], done[dep] if dep is not None else 0.0)
-                end = free[r] = start + e.busy
-                replay[r].append(TimelineEntry(e.kind, e.micro, start, end, 0.0, e.chunk, e.sent))
-                if e.kind != "W":
-                    left = end if e.sent is None else start + min(e.sent, e.busy)
-                    done["F" if e.kind == "F" else "G", g, e.micro] = left
-                pc[r] += 1
-                moved = True
+
+    def run(r: int, e: TimelineEntry, dep: tuple[str, int, int] | None) -> None:
+        start = max(free[r], done[dep] if dep is not None else 0.0)
+        end = free[r] = start + e.busy
+        replay[r].append(TimelineEntry(e.kind, e.micro, start, end, 0.0, e.chunk, e.sent))
+        out = makes(r, e, p)
+        if out is not None:
+            done[out] = end if e.sent is None else start + min(e.sent, e.busy)
+
+    pc = walk(timelines, p, last, done, run)
     stuck = [f"rank {r} step {pc[r]} ({timelines[r][pc[r]].kind}{timelines[r][pc[r]].micro})"
              for r in range(p) if pc[r] < len(timelines[r])]  # fmt: skip
     if stuck:

@@ -7,7 +7,8 @@ is a :class:`ScheduleError` naming the stage and the step, never a hang.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
+from typing import Any
 
 from .. import _args as A
 from .schedules import Step
@@ -98,39 +99,69 @@ def _check_chunk(s: int, c: int, steps: list[tuple[int, Step]], n_micro: int) ->
             raise _err("each I before its W", f"{where}: W{m} first")
 
 
-def _check_no_deadlock(schedule: Sequence[Sequence[Step]], p: int, v: int) -> None:
-    last = p * v - 1
-    done: set[tuple[str, int, int]] = set()  # ("F" | "G", virtual stage, micro); G: gradient sent
-    pc = [0] * p
+def needs(r: int, st: Any, p: int, last: int) -> tuple[str, int, int] | None:
+    """What step ``st`` (a :class:`Step` or anything with its ``kind``, ``micro`` and
+    ``chunk``) of rank ``r`` waits for from another rank: ``("F", g, m)``, the activation
+    of micro-batch ``m`` from virtual stage ``g``, or ``("G", g, m)``, its gradient;
+    ``None`` for a step that needs nothing (``last``: the last virtual stage)."""
+    g = st.chunk * p + r
+    if st.kind == "F":
+        return None if g == 0 else ("F", g - 1, st.micro)
+    if st.kind in ("B", "I"):
+        return None if g == last else ("G", g + 1, st.micro)
+    return None
 
-    def needs(r: int, st: Step) -> tuple[str, int, int] | None:
-        g = st.chunk * p + r
-        if st.kind == "F":
-            return None if g == 0 else ("F", g - 1, st.micro)
-        if st.kind in ("B", "I"):
-            return None if g == last else ("G", g + 1, st.micro)
+
+def makes(r: int, st: Any, p: int) -> tuple[str, int, int] | None:
+    """What step ``st`` of rank ``r`` sends on (the key :func:`needs` names it by)."""
+    if st.kind == "W":
         return None
+    return ("F" if st.kind == "F" else "G", st.chunk * p + r, st.micro)
 
+
+def walk(
+    schedule: Sequence[Sequence[Any]],
+    p: int,
+    last: int,
+    done: Container[tuple[str, int, int]],
+    run: Callable[[int, Any, tuple[str, int, int] | None], None],
+) -> list[int]:
+    """Run every rank's steps in its order, each as soon as what it :func:`needs` is in
+    ``done`` (which ``run(rank, step, needed)`` adds to); returns each rank's position
+    where it stopped (its length when it ran every step)."""
+    pc = [0] * p
     moved = True
     while moved:
         moved = False
         for r in range(p):
             while pc[r] < len(schedule[r]):
                 st = schedule[r][pc[r]]
-                dep = needs(r, st)
+                dep = needs(r, st, p, last)
                 if dep is not None and dep not in done:
                     break
-                g = st.chunk * p + r
-                done.add(("F" if st.kind == "F" else "G" if st.kind in ("B", "I") else "W", g, st.micro))
+                run(r, st, dep)
                 pc[r] += 1
                 moved = True
+    return pc
+
+
+def _check_no_deadlock(schedule: Sequence[Sequence[Step]], p: int, v: int) -> None:
+    last = p * v - 1
+    done: set[tuple[str, int, int]] = set()  # ("F" | "G", virtual stage, micro); G: gradient sent
+
+    def run(r: int, st: Step, _: object) -> None:
+        out = makes(r, st, p)
+        if out is not None:
+            done.add(out)
+
+    pc = walk(schedule, p, last, done, run)
     stuck = [r for r in range(p) if pc[r] < len(schedule[r])]
     if not stuck:
         return
     lines = []
     for r in stuck:
         st = schedule[r][pc[r]]
-        dep = needs(r, st)
+        dep = needs(r, st, p, last)
         assert dep is not None
         what, g, m = dep
         lines.append(
