@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from ._c10d import (
-    all_gather_single,
     c10d_all_gather,
     c10d_all_reduce,
     c10d_all_to_all,
@@ -231,7 +230,7 @@ class TorchDistributedBackend(CoalescedOps):
             "all_gather",
             side,
             8,
-            lambda: all_gather_single(out, mine, group=side),
+            lambda: c10d_all_gather(out, mine, side),
             lambda: out.fill_(n),
             None,
         )
