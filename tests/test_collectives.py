@@ -13,6 +13,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 from _shared import check_in_batches
 from hypothesis import strategies as st
 
@@ -546,17 +547,69 @@ def test_backward_is_one_call_of_the_dual(world3, op: str) -> None:
         assert fwd == want_fwd and bwd == want_bwd
 
 
-def _size_exchange_counts() -> dict:
-    x = torch.ones(1 + dc.get_rank(), 2, requires_grad=True)
-    with B.log_comms() as log:
-        dc.all_gather(x).sum().backward()
-    return {k: int(v["count"]) for k, v in log.by_op().items()}
+def _size_exchange_counts() -> list[dict]:
+    group = dist.new_group(list(range(dc.get_world_size())))  # a new group: nothing learned yet
+    counts, values = [], []
+    for grow in (0, 0, 1, 0):
+        x = torch.full((1 + dc.get_rank() * (1 + grow), 2), float(dc.get_rank()), requires_grad=True)
+        with B.log_comms() as log:
+            y = dc.all_gather(x, group=group)
+            y.sum().backward()
+        counts.append({k: int(v["count"]) for k, v in log.by_op().items()})
+        values.append((y.tolist(), x.grad.tolist()))
+    return [counts, values]
 
 
-def test_uneven_all_gather_costs_one_tiny_size_exchange(world3) -> None:
-    # sizes unknown -> one 8-byte all_gather of sizes, then the data; backward knows them
-    for counts in world3.run(_size_exchange_counts):
-        assert counts == {"all_gather": 2, "reduce_scatter": 1}
+def test_uneven_all_gather_learns_the_sizes_with_the_rows(world3) -> None:
+    # sizes unknown, first time on a group for this trailing shape and dtype: one 8-byte
+    # all_gather of sizes, then the data; backward knows them. Later: the sizes travel in
+    # the data's own collective (one all_gather), unless a rank's rows outgrow what the
+    # group has seen (every rank sees it in the gathered sizes: the data again, sized)
+    one, two = {"all_gather": 1, "reduce_scatter": 1}, {"all_gather": 2, "reduce_scatter": 1}
+    outs = world3.run(_size_exchange_counts)
+    for counts, values in outs:
+        assert counts == [two, one, two, one]
+        for grow, (y, grad) in zip((0, 0, 1, 0), values):
+            sizes = [1 + r * (1 + grow) for r in range(3)]
+            assert y == [[float(r)] * 2 for r in range(3) for _ in range(sizes[r])]
+            assert grad == [[3.0, 3.0]] * len(grad)  # the sum of every rank's ones
+
+
+def _block(r: int, rows: list[int], dtype: torch.dtype, dim: int) -> torch.Tensor:
+    t = torch.arange(rows[r] * 3, dtype=torch.float64).reshape(rows[r], 3) + 1000 * r
+    t = (t % 2 if dtype == torch.bool else t).to(dtype)
+    return t if dim == 0 else t.T.contiguous()
+
+
+def _gathers_with_learned_sizes() -> list[str]:
+    from diffcomm import _sized_gather
+
+    group = dist.new_group(list(range(dc.get_world_size())))
+    rank, world = dc.get_rank(), dc.get_world_size()
+    bad = []
+    big = _sized_gather.MAX_BYTES // 8 + 1  # float64 rows of one element: over the limit
+    # (dtype, dim, rows per rank, repeated): zero rows somewhere, dim 1, every dtype
+    for dtype in (torch.float32, torch.complex64, torch.bool, torch.bfloat16, torch.int64, torch.float64):
+        for rows in ([1, 2, 0], [2, 2, 2], [0, 0, 3], [3, 1, 2], [1, 1, 1], [big, 1, 2]):
+            if rows[0] == big and dtype != torch.float64:
+                continue
+            for dim in (0, 1):
+                with B.log_comms() as log:
+                    y = dc.all_gather(_block(rank, rows, dtype, dim), dim=dim, group=group)
+                want = torch.cat([_block(r, rows, dtype, dim) for r in range(world)], dim=dim)
+                if y.dtype != dtype or not torch.equal(y, want):
+                    bad.append(f"{dtype} dim={dim} rows={rows}: {y} != {want}")
+                n = int(log.by_op()["all_gather"]["count"])
+                if n not in (1, 2) or (rows[0] == big and n != 2):
+                    bad.append(f"{dtype} dim={dim} rows={rows}: {n} all_gathers")
+    return bad
+
+
+def test_all_gather_of_unknown_sizes_is_exact_for_every_dtype_and_layout(world3) -> None:
+    # the sizes travel with the rows once the group has seen such rows: values are exact
+    # for every dtype, zero rows, dim 1, and rows above the size limit (exchanged first)
+    for bad in world3.run(_gathers_with_learned_sizes):
+        assert bad == []
 
 
 def _renamed_sizes_keyword() -> dict[str, object]:

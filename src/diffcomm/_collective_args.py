@@ -89,6 +89,34 @@ def exchanged_sizes(x: Tensor, dim: int, pg: PG, op: str) -> list[int]:
         return current_backend().exchange_sizes(x.shape[dim], pg)
 
 
+class Gathered(tuple):  # type: ignore[type-arg]
+    """Every rank's row count, learned by the gather itself (the backend's
+    ``all_gather_unsized``): a tuple of ints that carries the gathered result once, for
+    the op's ``run`` to take (so the autograd context keeps the counts, not the result)."""
+
+    box: list[Tensor]
+
+
+def gathered_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> Gathered | None:
+    """``all_gather`` of ``x`` along ``dim`` with the row counts learned in the same
+    collective where the backend can (:mod:`diffcomm._sized_gather`): eager, blocking, a
+    world of two or more. ``None``: exchange the counts first (:func:`exchanged_sizes`)."""
+    if async_op or torch.compiler.is_compiling() or _transforms_active() or _fwad._current_level >= 0:
+        return None
+    unsized = getattr(current_backend(), "all_gather_unsized", None)
+    if unsized is None or world(pg) == 1:
+        return None
+    x0 = x.detach() if dim == 0 else x.detach().movedim(dim, 0)
+    out, sizes = unsized(x0, pg)
+    got = Gathered(sizes)
+    got.box = [out if dim == 0 else out.movedim(0, dim)]
+    return got
+
+
+_transforms_active = torch._C._are_functorch_transforms_active
+_fwad = torch.autograd.forward_ad
+
+
 def all_to_all_sizes(
     x: Tensor,
     split_dim: int,

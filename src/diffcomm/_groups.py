@@ -14,7 +14,7 @@ Everything here is re-exported by :mod:`diffcomm.backend`, its public home.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -86,7 +86,8 @@ class GroupInfo:
     the device small metadata tensors live on for it.
     ``cpu_pg`` is the group host-side integers (sizes) travel on: the group itself when
     its device is the CPU or it has a CPU backend (``"cpu:gloo,cuda:nccl"``), else a gloo
-    group of the same ranks, made on first use.
+    group of the same ranks, made on first use. ``gathered_rows``: what an all_gather
+    without given sizes has learned on this group (:mod:`diffcomm._sized_gather`).
     """
 
     pg: ProcessGroup
@@ -97,6 +98,9 @@ class GroupInfo:
     device: torch.device
     cpu_pg: Any = None
     has_cpu_pg: bool = False
+    #: (trailing shape, dtype) -> the most rows a rank of this group sent for them in an
+    #: all_gather without given sizes (see :mod:`diffcomm._sized_gather`)
+    gathered_rows: dict[Any, int] = field(default_factory=dict)
 
 
 _INFOS: dict[Any, GroupInfo] = {}

@@ -35,6 +35,7 @@ from ._dispatch import run_coalesced
 from ._dispatch import tensor_nbytes as _nbytes
 from ._errors import CrossRankMismatchError
 from ._groups import Capabilities, GroupInfo, ProcessGroup, cpu_group, group_info
+from ._sized_gather import all_gather_unsized
 
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -235,6 +236,19 @@ class TorchDistributedBackend(CoalescedOps):
             None,
         )
         return [int(v) for v in out.tolist()]
+
+    def all_gather_unsized(self, x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, list[int]]:
+        """:meth:`all_gather` of ``x`` (dim 0) when no rank knows the others' row counts:
+        the result and every rank's count, in one collective where the group has gathered
+        such rows before (:mod:`diffcomm._sized_gather`), else an exchange first."""
+        info = group_info(group)
+        return all_gather_unsized(
+            x.contiguous(),
+            info,
+            lambda t, sizes: self.all_gather(t, group, sizes),
+            lambda n: self.exchange_sizes(n, group),
+            self._caps(info).all_gather_into_tensor,
+        )
 
     def all_gather(
         self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None

@@ -48,11 +48,13 @@ from . import _async, _config
 from . import _collective_refs as R
 from ._all_to_all import all_to_all
 from ._collective_args import PG
+from ._collective_args import Gathered as _Gathered
 from ._collective_args import check_input as _check_input
 from ._collective_args import current_backend as _b
 from ._collective_args import debug_check as _debug_check
 from ._collective_args import debug_check_input as _debug_check_input
 from ._collective_args import exchanged_sizes as _exchanged_sizes
+from ._collective_args import gathered_sizes as _gathered_sizes
 from ._collective_args import given_sizes as _given_sizes
 from ._collective_args import other_dims as _other_dims
 from ._collective_args import rank as _rank
@@ -329,6 +331,8 @@ class _AllGather(CommOp):
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
+        if type(sizes) is _Gathered and sizes.box:  # gathered with its counts already
+            return sizes.box.pop()
         out = _b().all_gather(_movedim0(x, dim), pg, sizes)
         return out if dim == 0 else out.movedim(0, dim)
 
@@ -384,9 +388,12 @@ def all_gather(
     if _config.DEBUG.get():
         rest = _other_dims(x, dim)
         _debug_check("all_gather", pg, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
-    if sizes is None:
-        sizes = _exchanged_sizes(x, dim, pg, "all_gather")
-    return (_apply_async if async_op else _apply)(_AllGather, x, dim, pg, tuple(sizes))
+    if sizes is None:  # learned with the rows where the backend can, else exchanged first
+        sizes = _gathered_sizes(x, dim, pg, async_op)
+        if sizes is None:
+            sizes = _exchanged_sizes(x, dim, pg, "all_gather")
+    sizes = sizes if type(sizes) is _Gathered else tuple(sizes)
+    return (_apply_async if async_op else _apply)(_AllGather, x, dim, pg, sizes)
 
 
 class _ReduceScatter(CommOp):
