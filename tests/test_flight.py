@@ -30,6 +30,7 @@ from _desync import (
     victim,
 )
 from _procs import still_alive
+from _shared import forget_gathered_sizes
 
 import diffcomm as dc
 from diffcomm import DesyncError, LocalWorld, RankDesyncError, RankDiedError, WorldTooLargeError, _config
@@ -46,6 +47,7 @@ def _still_alive(pids: list[int], within: float = 3.0) -> list[int]:
 
 
 def _record_some_ops(path: str) -> dict:
+    forget_gathered_sizes()  # as on a new group: the sizes are exchanged first
     x = torch.arange(4.0, requires_grad=True)
     y = dc.all_gather(x)  # size exchange + all_gather, forward
     y.sum().backward()  # reduce_scatter, backward

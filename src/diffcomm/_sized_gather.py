@@ -89,8 +89,8 @@ def all_gather_unsized(
     send = torch.empty(stride, dtype=torch.uint8)
     send[:8].view(torch.int64).fill_(n)
     k = min(n, m)
-    if k:
-        send[HEAD : HEAD + k * row].copy_(x[:k].reshape(-1).view(torch.uint8))
+    if k:  # through a typed view of the buffer (HEAD keeps it aligned): any strides of x
+        send[HEAD : HEAD + k * row].view(x.dtype).view(k, *rest).copy_(x[:k])
     got = torch.empty(world * stride, dtype=torch.uint8)
     with label("all_gather"):
         dispatch(
@@ -111,14 +111,17 @@ def all_gather_unsized(
     if 4 * top < m:
         _remember(seen, key, top)
     out = torch.empty((sum(sizes), *rest), dtype=x.dtype)
-    flat = out.view(-1).view(torch.uint8)
-    if sizes.count(top) == world:
-        flat.view(world, top * row).copy_(table[:, HEAD : HEAD + top * row])
+    if not top:
+        pass
+    elif sizes.count(top) == world:  # one strided copy (every rank's rows start aligned)
+        rows = table[:, HEAD : HEAD + top * row].view(x.dtype).view(world, top, *rest)
+        out.view(world, top, *rest).copy_(rows)
     else:
         at = 0
         for r, s in enumerate(sizes):
-            flat[at : at + s * row].copy_(table[r, HEAD : HEAD + s * row])
-            at += s * row
+            if s:
+                out[at : at + s].copy_(table[r, HEAD : HEAD + s * row].view(x.dtype).view(s, *rest))
+            at += s
     return out, sizes
 
 
