@@ -357,8 +357,13 @@ def all_gather(
         dim: the dimension to concatenate along.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         split_sizes: keyword-only; every rank's ``x.shape[dim]`` if already known. Without
-            it the sizes are exchanged first (one tiny all_gather of host integers on a CPU
-            channel of the same ranks), so uneven sizes just work.
+            it uneven sizes just work: the first time a group gathers rows of this
+            trailing shape and dtype, the sizes are exchanged first (one tiny all_gather
+            of host integers on a CPU channel of the same ranks); after that, on a CPU
+            (gloo) group and up to 256 KiB per rank, they travel in the rows' own
+            collective, with a second one only when a rank's rows outgrow every earlier
+            call's (``diffcomm._sized_gather``). Under ``torch.func`` transforms and with
+            ``async_op=True`` they are always exchanged first.
         sizes: the old name of ``split_sizes`` (works, with a ``DeprecationWarning``).
         async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
             communication on first use (``.wait()`` returns the finished tensor); values
