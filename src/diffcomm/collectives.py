@@ -357,13 +357,9 @@ def all_gather(
         dim: the dimension to concatenate along.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         split_sizes: keyword-only; every rank's ``x.shape[dim]`` if already known. Without
-            it uneven sizes just work: the first time a group gathers rows of this
-            trailing shape and dtype, the sizes are exchanged first (one tiny all_gather
-            of host integers on a CPU channel of the same ranks); after that, on a CPU
-            (gloo) group and up to 256 KiB per rank, they travel in the rows' own
-            collective, with a second one only when a rank's rows outgrow every earlier
-            call's (``diffcomm._sized_gather``). Under ``torch.func`` transforms and with
-            ``async_op=True`` they are always exchanged first.
+            it uneven sizes just work: exchanged first (a tiny all_gather of host integers
+            on a CPU channel) or, once the group has gathered such rows, sent with the
+            rows (CPU groups, up to 256 KiB per rank; ``diffcomm._sized_gather``).
         sizes: the old name of ``split_sizes`` (works, with a ``DeprecationWarning``).
         async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
             communication on first use (``.wait()`` returns the finished tensor); values
@@ -394,9 +390,7 @@ def all_gather(
         rest = _other_dims(x, dim)
         _debug_check("all_gather", pg, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
     if sizes is None:  # learned with the rows where the backend can, else exchanged first
-        sizes = _gathered_sizes(x, dim, pg, async_op)
-        if sizes is None:
-            sizes = _exchanged_sizes(x, dim, pg, "all_gather")
+        sizes = _gathered_sizes(x, dim, pg, async_op) or _exchanged_sizes(x, dim, pg, "all_gather")
     sizes = sizes if type(sizes) is _Gathered else tuple(sizes)
     return (_apply_async if async_op else _apply)(_AllGather, x, dim, pg, sizes)
 
