@@ -56,7 +56,7 @@ def all_gather_unsized(
     exchange: Callable[[int], list[int]],
     gather_into_tensor: bool,
 ) -> tuple[torch.Tensor, list[int]]:
-    """Gather the contiguous ``x`` along dim 0 over ``info``'s group without knowing the
+    """Gather ``x`` (any strides) along dim 0 over ``info``'s group without knowing the
     other ranks' row counts; returns the result and every rank's count.
 
     ``gather(x, sizes)`` is the gather with known counts, ``exchange(n)`` the count
@@ -102,7 +102,7 @@ def all_gather_unsized(
             got,
         )
     table = got.view(world, stride)
-    sizes = [int(v) for v in table[:, :8].contiguous().view(torch.int64).view(-1).tolist()]
+    sizes: list[int] = table[:, :8].contiguous().view(torch.int64).view(-1).tolist()
     top = max(sizes)
     if top > m:  # a rank's rows did not fit: every rank saw it; gather them, counts known
         _remember(seen, key, top)
@@ -111,12 +111,10 @@ def all_gather_unsized(
     if 4 * top < m:
         _remember(seen, key, top)
     out = torch.empty((sum(sizes), *rest), dtype=x.dtype)
-    if not top:
-        pass
-    elif sizes.count(top) == world:  # one strided copy (every rank's rows start aligned)
+    if top and sizes.count(top) == world:  # one strided copy (every rank's rows start aligned)
         rows = table[:, HEAD : HEAD + top * row].view(x.dtype).view(world, top, *rest)
         out.view(world, top, *rest).copy_(rows)
-    else:
+    elif top:
         at = 0
         for r, s in enumerate(sizes):
             if s:

@@ -243,7 +243,7 @@ class TorchDistributedBackend(CoalescedOps):
         such rows before (:mod:`diffcomm._sized_gather`), else an exchange first."""
         info = group_info(group)
         return all_gather_unsized(
-            x.contiguous(),
+            x,  # copied into the message through a typed view: no contiguous copy first
             info,
             lambda t, sizes: self.all_gather(t, group, sizes),
             lambda n: self.exchange_sizes(n, group),
