@@ -130,6 +130,8 @@ def check_rank(r: Any, op: str, arg: str, world: int) -> int:
 
 def check_dim(x: torch.Tensor, dim: Any, op: str, arg: str = "dim") -> int:
     """Normalise ``dim`` against ``x.ndim`` (negative dims allowed)."""
+    if type(dim) is int and 0 <= dim < x.ndim:  # the common case, decided without a call
+        return dim
     dim = check_int(dim, op, arg)
     nd = x.ndim
     if nd == 0:
@@ -141,6 +143,8 @@ def check_dim(x: torch.Tensor, dim: Any, op: str, arg: str = "dim") -> int:
 
 def normalize_op(op_arg: Any, opname: str, x: torch.Tensor | None = None) -> str:
     """Reduce op as one of ``sum, avg, max, min, product``; checks it suits ``x.dtype``."""
+    if type(op_arg) is str and op_arg == "sum":  # the common case (legal for every dtype)
+        return "sum"
     name: str | None = None
     if isinstance(op_arg, str):
         name = _REDUCE_OP_NAMES.get(op_arg.strip().lower())

@@ -97,15 +97,21 @@ class Gathered(tuple):  # type: ignore[type-arg]
     box: list[Tensor]
 
 
-def gathered_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> Gathered | None:
-    """``all_gather`` of ``x`` along ``dim`` with the row counts learned in the same
-    collective where the backend can (:mod:`diffcomm._sized_gather`): eager, blocking, a
-    world of two or more. ``None``: exchange the counts first (:func:`exchanged_sizes`)."""
-    if async_op or torch.compiler.is_compiling() or _transforms_active() or _fwad._current_level >= 0:
-        return None
-    unsized = getattr(current_backend(), "all_gather_unsized", None)
-    if unsized is None or world(pg) == 1:
-        return None
+def gathered_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> tuple[int, ...] | Gathered:
+    """Every rank's ``x.shape[dim]`` for an ``all_gather`` that was given none.
+
+    Where the backend can (:mod:`diffcomm._sized_gather`: eager, blocking, a world of two
+    or more), the gather itself learns them: a :class:`Gathered` that carries the result.
+    Else they are exchanged first (:func:`exchanged_sizes`); in a world of one they are
+    just ``(x.shape[dim],)``. One backend lookup and one world-size query on this path.
+    """
+    b = current_backend()
+    if b.world_size(pg) == 1:
+        return (x.shape[dim],)
+    unsized = getattr(b, "all_gather_unsized", None)
+    if unsized is None or async_op or _compiling() or _transforms_active() or _fwad._current_level >= 0:
+        with B.label("all_gather (size exchange)"):
+            return tuple(b.exchange_sizes(x.shape[dim], pg))
     x0 = x.detach() if dim == 0 else x.detach().movedim(dim, 0)
     out, sizes = unsized(x0, pg)
     got = Gathered(sizes)
@@ -113,6 +119,7 @@ def gathered_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> Gathered | No
     return got
 
 
+_compiling = torch.compiler.is_compiling
 _transforms_active = torch._C._are_functorch_transforms_active
 _fwad = torch.autograd.forward_ad
 

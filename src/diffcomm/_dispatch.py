@@ -37,6 +37,11 @@ from ._groups import ProcessGroup
 from ._groups import world as _world
 from ._switches import off as _off
 
+_get_label = _LABEL.get
+_begin = _flight.begin
+_perf = time.perf_counter
+_T1, _STATE = _flight.T1, _flight.STATE
+
 
 def _sync_if_needed(t: torch.Tensor | None) -> None:
     if t is not None and t.device.type not in ("cpu", "meta"):
@@ -63,7 +68,20 @@ def dispatch(
         # the hot path: nothing logged, nothing switched off
         hook = _ORDER_HOOK
         if (hook is None or not (hook[2].pending and hook[0]())) and _SPANS is None:
-            return _run_here(op, group, run, nbytes, sample)
+            # _run_here, inline (every raw op passes here: one Python call less)
+            label = _get_label()
+            rec = _begin(op, group, nbytes, sample, label)
+            try:
+                out = run()
+            except (RuntimeError, dist.DistError) as err:  # DistBackendError is a RuntimeError
+                mapped = _flight.failed(rec, op, group, err, label)
+                if mapped is not None:
+                    raise mapped from err
+                raise
+            if rec is not None:  # _flight.end, inline
+                rec[_T1] = _perf()
+                rec[_STATE] = "completed"
+            return out
         return _run(op, group, run, nbytes, sample)
     part_of = state.get("coalescing")
     if part_of is not None:
@@ -140,8 +158,8 @@ def _run(
 def _run_here(
     op: str, group: ProcessGroup, run: Callable[[], Any], nbytes: int = 0, sample: torch.Tensor | None = None
 ) -> Any:
-    label = _LABEL.get()
-    rec = _flight.begin(op, group, nbytes, sample, label)
+    label = _get_label()
+    rec = _begin(op, group, nbytes, sample, label)
     try:
         out = run()
     except (RuntimeError, dist.DistError) as err:  # DistBackendError is a RuntimeError

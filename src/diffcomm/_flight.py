@@ -130,6 +130,8 @@ class _Group:
         self.timeout: float | None = None
 
 
+_TIMEOUT, _FLIGHT = _config.TIMEOUT, _config.FLIGHT  # fixed objects (their values change)
+_perf = time.perf_counter
 _RING: deque[Entry] = deque(maxlen=1024)
 _GROUPS: dict[Any, _Group] = {}
 _LAST: list[Entry | None] = [None]
@@ -231,11 +233,12 @@ def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: 
     g = _GROUPS.get(group)
     if g is None or (group is None and _default_pg(_C10D) is not _WORLD_PG[0]):
         g = _group(group)
-    timeout = _config.TIMEOUT._value if _config.TIMEOUT._loaded else _config.TIMEOUT.get()
+    setting = _TIMEOUT
+    timeout = setting._value if setting._loaded else setting.get()
     if timeout != g.timeout:
         _apply_timeout(group, g, timeout)
-    flight = _config.FLIGHT
-    if not (flight._value if flight._loaded else flight.get()):
+    setting = _FLIGHT
+    if not (setting._value if setting._loaded else setting.get()):
         return None
     if op in P2P_OPS:
         g = _p2p_group(group, g)
@@ -251,7 +254,7 @@ def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: 
         nbytes,
         _site(label or op),
         "started",
-        time.perf_counter(),
+        _perf(),
         0.0,
     ]
     _RING.append(e)

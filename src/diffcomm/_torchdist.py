@@ -44,6 +44,7 @@ _TORCH_OPS = {
     "min": dist.ReduceOp.MIN,
     "product": dist.ReduceOp.PRODUCT,
 }
+_SUM = dist.ReduceOp.SUM
 
 
 class CoalescedOps:
@@ -257,23 +258,22 @@ class TorchDistributedBackend(CoalescedOps):
         info = group_info(group)
         world = info.size
         x = x.contiguous()
-        rest = tuple(x.shape[1:])
-        if sizes is None:
-            sizes = [x.shape[0]] * world
-        total = sum(sizes)
-        even = sizes.count(sizes[0]) == world
-        into_tensor = self._caps(info).all_gather_into_tensor
-        if even and into_tensor:
-            out = torch.empty((total, *rest), dtype=x.dtype, device=x.device)
+        even = sizes is None or sizes.count(sizes[0]) == world
+        into_tensor = (self._caps(info) if self.overrides else info.caps).all_gather_into_tensor
+        if even and into_tensor:  # the common case, in few calls
+            out = x.new_empty(x.shape[0] * world, *x.shape[1:])  # int sizes: torch parses them fastest
+            w_out, w_x = (wire(out), wire(x)) if x.is_complex() else (out, x)
             _dispatch(
                 "all_gather",
                 group,
-                out.numel() * out.element_size(),
-                lambda: c10d_all_gather(wire(out), wire(x), group),
-                lambda: out.copy_(x.repeat(world, *([1] * len(rest)))),
+                out.nbytes,
+                lambda: c10d_all_gather(w_out, w_x, group),
+                lambda: out.copy_(x.repeat(world, *([1] * (x.dim() - 1)))),
                 out,
             )
             return out
+        if sizes is None:
+            sizes = [x.shape[0]] * world
         # uneven (or no into-tensor op): pad every rank to the largest size, gather, unpad
         padded, buf, chunks, skip = _padded_gather(x, sizes, world, torch.empty)
 
@@ -293,23 +293,24 @@ class TorchDistributedBackend(CoalescedOps):
         info = group_info(group)
         world, rank = info.size, info.rank
         x = x.contiguous()
-        rest = tuple(x.shape[1:])
-        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
-        even = sizes.count(sizes[0]) == world
-        caps = self._caps(info)
+        even = split_sizes is None or split_sizes.count(split_sizes[0]) == world
+        caps = self._caps(info) if self.overrides else info.caps
         if not caps.reduce_scatter or op not in ("sum", "avg"):
             # gap filled: reduce everything, keep own chunk (2x traffic, documented)
+            sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
             full = self.all_reduce(x, op, group)
             start = sum(sizes[:rank])
             return full[start : start + sizes[rank]].clone()
-        torch_op, divide = self._reduce_op(op, x, group)
+        if op == "sum":  # the common case, without further calls
+            torch_op, divide = _SUM, False
+        else:
+            torch_op, divide = self._reduce_op(op, x, group)
         if even:
             inp = x
         else:  # pad each chunk to the largest, so one reduce_scatter_tensor does it
-            m = max(sizes)
-            inp = torch.cat(pad_chunks(x, sizes, m))
+            inp = torch.cat(pad_chunks(x, split_sizes, max(split_sizes)))
         chunk = inp.shape[0] // world if world else 0
-        out = torch.empty((chunk, *rest), dtype=x.dtype, device=x.device)
+        out = x.new_empty(chunk, *x.shape[1:])
         if inp.is_complex():
             wire_in, wire_out = self._as_wire(inp, op, group), self._as_wire(out, op, group)
         else:
@@ -317,14 +318,14 @@ class TorchDistributedBackend(CoalescedOps):
         _dispatch(
             "reduce_scatter",
             group,
-            inp.numel() * inp.element_size(),
+            inp.nbytes,
             lambda: c10d_reduce_scatter(wire_out, wire_in, torch_op, group),
             lambda: out.copy_(inp[rank * chunk : (rank + 1) * chunk]),
             out,
         )
         if divide:
             out.div_(world)
-        return out if even else out[: sizes[rank]].clone()
+        return out if even else out[: split_sizes[rank]].clone()
 
     def gather(
         self, x: torch.Tensor, dst: int, group: ProcessGroup, sizes: Sequence[int] | None = None
@@ -388,6 +389,8 @@ class TorchDistributedBackend(CoalescedOps):
         info = group_info(group)
         world, rank = info.size, info.rank
         x = x.contiguous()
+        if input_split_sizes is None and output_split_sizes is None:  # even: the common case
+            return self._even_all_to_all(x, group, world, rank)
         rest = tuple(x.shape[1:])
         ins = list(input_split_sizes) if input_split_sizes is not None else None
         outs = list(output_split_sizes) if output_split_sizes is not None else None
@@ -416,6 +419,22 @@ class TorchDistributedBackend(CoalescedOps):
             lambda: c10d_all_to_all(wire(out), wire(x), c10d_outs, ins, group),
             skip,
             out,
+        )
+        return out
+
+    def _even_all_to_all(self, x: torch.Tensor, group: ProcessGroup, world: int, rank: int) -> torch.Tensor:
+        """:meth:`all_to_all` of the contiguous ``x`` in ``world`` equal chunks (gloo's
+        alltoall, not its alltoallv)."""
+        chunk = x.shape[0] // world
+        out = x.new_empty(chunk * world, *x.shape[1:])
+        w_out, w_x = (wire(out), wire(x)) if x.is_complex() else (out, x)
+
+        def skip() -> None:
+            out.zero_()
+            out[:chunk].copy_(x[rank * chunk : (rank + 1) * chunk])
+
+        _dispatch(
+            "all_to_all", group, x.nbytes, lambda: c10d_all_to_all(w_out, w_x, None, None, group), skip, out
         )
         return out
 

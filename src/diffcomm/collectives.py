@@ -53,7 +53,6 @@ from ._collective_args import check_input as _check_input
 from ._collective_args import current_backend as _b
 from ._collective_args import debug_check as _debug_check
 from ._collective_args import debug_check_input as _debug_check_input
-from ._collective_args import exchanged_sizes as _exchanged_sizes
 from ._collective_args import gathered_sizes as _gathered_sizes
 from ._collective_args import given_sizes as _given_sizes
 from ._collective_args import other_dims as _other_dims
@@ -390,8 +389,9 @@ def all_gather(
         rest = _other_dims(x, dim)
         _debug_check("all_gather", pg, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
     if sizes is None:  # learned with the rows where the backend can, else exchanged first
-        sizes = _gathered_sizes(x, dim, pg, async_op) or _exchanged_sizes(x, dim, pg, "all_gather")
-    sizes = sizes if type(sizes) is _Gathered else tuple(sizes)
+        sizes = _gathered_sizes(x, dim, pg, async_op)
+    else:
+        sizes = tuple(sizes)
     return (_apply_async if async_op else _apply)(_AllGather, x, dim, pg, sizes)
 
 
