@@ -26,7 +26,6 @@ from ._collective_args import world as _world
 from ._op import CommOp, call
 from ._op import apply as _apply
 from ._op import apply_async as _apply_async
-from ._op import movedim0 as _movedim0
 
 
 class _AllToAll(CommOp):
@@ -37,44 +36,39 @@ class _AllToAll(CommOp):
     def run(
         x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
     ) -> Tensor:
-        return _all_to_all_raw(x, split_dim, concat_dim, pg, ins, outs)
+        """all_to_all over the raw backend (dim-0, contiguous) for any pair of dims."""
+        if split_dim == concat_dim:
+            x0 = x if split_dim == 0 else x.movedim(split_dim, 0)
+            if ins == outs and ins.count(ins[0]) == len(ins):  # even: the backend's plain all_to_all
+                out = _b().all_to_all(x0, pg)
+            else:
+                out = _b().all_to_all(x0, pg, list(ins), list(outs))
+            return out if split_dim == 0 else out.movedim(0, split_dim)
+        # split along split_dim, concatenate along concat_dim. Chunks travel flat in the layout
+        # (concat_dim, split_dim, other dims...); every rank sends me a chunk of split size
+        # ins[me] (validated equal across ranks) whose concat_dim size is outs[j].
+        world, rank = _world(pg), _rank(pg)
+        order = [concat_dim, split_dim] + [i for i in range(x.ndim) if i not in (split_dim, concat_dim)]
+        rest = [x.shape[i] for i in order[2:]]
+        rest_n = 1
+        for s in rest:
+            rest_n *= s
+        c_in = ins[rank]
+        send = x.permute(order).split(list(ins), dim=1)
+        flat_in = torch.cat([ch.reshape(-1) for ch in send]) if world > 1 else send[0].reshape(-1)
+        in_counts = [ins[j] * x.shape[concat_dim] * rest_n for j in range(world)]
+        out_counts = [outs[j] * c_in * rest_n for j in range(world)]
+        flat = _b().all_to_all(flat_in, pg, in_counts, out_counts)
+        blocks = [p.reshape(outs[j], c_in, *rest) for j, p in enumerate(flat.split(out_counts))]
+        full = torch.cat(blocks, dim=0) if world > 1 else blocks[0]  # (sum outs, c_in, *rest)
+        inverse = [order.index(i) for i in range(x.ndim)]
+        return full.permute(inverse)
 
     @staticmethod
     def transpose(
         g: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
     ) -> Tensor:
         return call(_AllToAll, g, concat_dim, split_dim, pg, outs, ins)
-
-
-def _all_to_all_raw(
-    x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
-) -> Tensor:
-    """all_to_all over the raw backend (dim-0, contiguous) for any pair of dims."""
-    if split_dim == concat_dim:
-        if ins == outs and ins.count(ins[0]) == len(ins):  # even: the backend's plain all_to_all
-            out = _b().all_to_all(_movedim0(x, split_dim), pg)
-        else:
-            out = _b().all_to_all(_movedim0(x, split_dim), pg, list(ins), list(outs))
-        return out if split_dim == 0 else out.movedim(0, split_dim)
-    # split along split_dim, concatenate along concat_dim. Chunks travel flat in the layout
-    # (concat_dim, split_dim, other dims...); every rank sends me a chunk of split size
-    # ins[me] (validated equal across ranks) whose concat_dim size is outs[j].
-    world, rank = _world(pg), _rank(pg)
-    order = [concat_dim, split_dim] + [i for i in range(x.ndim) if i not in (split_dim, concat_dim)]
-    rest = [x.shape[i] for i in order[2:]]
-    rest_n = 1
-    for s in rest:
-        rest_n *= s
-    c_in = ins[rank]
-    send = x.permute(order).split(list(ins), dim=1)
-    flat_in = torch.cat([ch.reshape(-1) for ch in send]) if world > 1 else send[0].reshape(-1)
-    in_counts = [ins[j] * x.shape[concat_dim] * rest_n for j in range(world)]
-    out_counts = [outs[j] * c_in * rest_n for j in range(world)]
-    flat = _b().all_to_all(flat_in, pg, in_counts, out_counts)
-    blocks = [p.reshape(outs[j], c_in, *rest) for j, p in enumerate(flat.split(out_counts))]
-    full = torch.cat(blocks, dim=0) if world > 1 else blocks[0]  # (sum outs, c_in, *rest)
-    inverse = [order.index(i) for i in range(x.ndim)]
-    return full.permute(inverse)
 
 
 #: The raw forward of ``all_to_all`` (``(x, split_dim, concat_dim, pg, in_sizes,

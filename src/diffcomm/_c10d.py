@@ -58,7 +58,9 @@ def c10d_all_reduce(t: torch.Tensor, op: Any, group: ProcessGroup) -> None:
     if pg is None:
         dist.all_reduce(t, op, group=group)
     else:
-        _wait(pg.allreduce([t], _reduce_opts(_ALLREDUCE_OPTS, dist.AllreduceOptions, op)))
+        work = pg.allreduce([t], _reduce_opts(_ALLREDUCE_OPTS, dist.AllreduceOptions, op))
+        if work is not None:  # backends that sync in C++ return no work
+            work.wait()
 
 
 _PG_ALLGATHER = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
@@ -73,11 +75,6 @@ _ALLTOALL_OPTS.asyncOp = False
 _REDUCE_SCATTER_OPTS: dict[Any, Any] = {}
 
 
-def _wait(work: Any) -> None:
-    if work is not None:  # backends that sync in C++ return no work
-        work.wait()
-
-
 def c10d_all_gather(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
     """``all_gather_single(out, x, group=group)`` (blocking; real tensors, as :func:`wire`
     makes them)."""
@@ -85,7 +82,9 @@ def c10d_all_gather(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> 
     if pg is None:
         all_gather_single(out, x, group=group)
     else:
-        _wait(_PG_ALLGATHER(pg, out, x, _ALLGATHER_OPTS))
+        work = _PG_ALLGATHER(pg, out, x, _ALLGATHER_OPTS)
+        if work is not None:  # backends that sync in C++ return no work
+            work.wait()
 
 
 def c10d_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: Any, group: ProcessGroup) -> None:
@@ -95,7 +94,9 @@ def c10d_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: Any, group: Proc
         reduce_scatter_single(out, x, op=op, group=group)
     else:
         opts = _reduce_opts(_REDUCE_SCATTER_OPTS, dist.ReduceScatterOptions, op)
-        _wait(_PG_REDUCE_SCATTER(pg, out, x, opts))
+        work = _PG_REDUCE_SCATTER(pg, out, x, opts)
+        if work is not None:  # backends that sync in C++ return no work
+            work.wait()
 
 
 def c10d_all_to_all(
@@ -107,7 +108,9 @@ def c10d_all_to_all(
         dist.all_to_all_single(out, x, outs, ins, group=group)
     else:
         outs, ins = [] if outs is None else outs, [] if ins is None else ins
-        _wait(_PG_ALLTOALL(pg, out, x, outs, ins, _ALLTOALL_OPTS))
+        work = _PG_ALLTOALL(pg, out, x, outs, ins, _ALLTOALL_OPTS)
+        if work is not None:  # backends that sync in C++ return no work
+            work.wait()
 
 
 def c10d_broadcast(t: torch.Tensor, src: int, group: ProcessGroup) -> None:
@@ -121,7 +124,9 @@ def c10d_broadcast(t: torch.Tensor, src: int, group: ProcessGroup) -> None:
     opts.rootRank = src
     opts.rootTensor = 0
     opts.asyncOp = False
-    _wait(pg.broadcast([t], opts))
+    work = pg.broadcast([t], opts)
+    if work is not None:  # backends that sync in C++ return no work
+        work.wait()
 
 
 _REDUCE_OPTS: dict[Any, Any] = {}
@@ -140,7 +145,9 @@ def c10d_reduce(t: torch.Tensor, dst: int, op: Any, group: ProcessGroup) -> None
         opts.reduceOp = op
         opts.rootRank = dst
         opts.asyncOp = False
-    _wait(pg.reduce([t], opts))
+    work = pg.reduce([t], opts)
+    if work is not None:  # backends that sync in C++ return no work
+        work.wait()
 
 
 # torch >= 2.12 renamed the single-tensor forms; use whichever this torch has (version gap

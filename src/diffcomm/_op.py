@@ -197,6 +197,7 @@ def _derive_rules(cls: Any) -> None:
     shapes = frozenset(cls.shapes)
     elementwise = cls.elementwise
     cls.forward = staticmethod(_labelled_forward(run, params, name, label))
+    backward_name = name + " backward"
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         args = inputs[1:]
@@ -212,7 +213,7 @@ def _derive_rules(cls: Any) -> None:
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
         if _compiling():
             return _backward(ctx, g)
-        text = (label(*ctx.args) if label is not None else name) + " backward"  # inline: the hot path
+        text = label(*ctx.args) + " backward" if label is not None else backward_name  # inline: the hot path
         outer = _get_label()
         token = _set_label(outer + " -> " + text if outer else text)
         try:

@@ -63,7 +63,6 @@ from ._gather_scatter import gather, scatter
 from ._op import CommOp, call
 from ._op import apply as _apply
 from ._op import apply_async as _apply_async
-from ._op import movedim0 as _movedim0
 from ._op import only_on as _only_on
 from ._registry import OpSpec, markdown, register
 
@@ -332,7 +331,7 @@ class _AllGather(CommOp):
     def run(x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
         if type(sizes) is _Gathered and sizes.box:  # gathered with its counts already
             return sizes.box.pop()
-        out = _b().all_gather(_movedim0(x, dim), pg, sizes)
+        out = _b().all_gather(x if dim == 0 else x.movedim(dim, 0), pg, sizes)
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod
@@ -403,7 +402,7 @@ class _ReduceScatter(CommOp):
 
     @staticmethod
     def run(x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        out = _b().reduce_scatter(_movedim0(x, dim), op, pg, sizes)
+        out = _b().reduce_scatter(x if dim == 0 else x.movedim(dim, 0), op, pg, sizes)
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod
@@ -462,13 +461,13 @@ def reduce_scatter(
     dim = A.check_dim(x, dim, "reduce_scatter")
     op_name = A.normalize_op(op, "reduce_scatter", x)
     pg = A.resolve_group(group, "reduce_scatter")
-    world, rank = _world(pg), _rank(pg)
-    sizes = A.check_split_sizes(split_sizes, x.shape[dim], world, "reduce_scatter")
+    sizes = A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), "reduce_scatter")
     _debug_check_input("reduce_scatter", pg, x, op=op_name, dim=dim, split_sizes=sizes)
     apply = _apply_async if async_op else _apply
     if op_name in A.LINEAR_OPS:
         return apply(_ReduceScatter, x, dim, op_name, pg, tuple(sizes))
     full = apply(_AllReduce, x, op_name, pg)
+    rank = _rank(pg)
     return full.narrow(dim, sum(sizes[:rank]), sizes[rank])
 
 
