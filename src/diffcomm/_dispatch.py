@@ -68,20 +68,7 @@ def dispatch(
         # the hot path: nothing logged, nothing switched off
         hook = _ORDER_HOOK
         if (hook is None or not (hook[2].pending and hook[0]())) and _SPANS is None:
-            # _run_here, inline (every raw op passes here: one Python call less)
-            label = _get_label()
-            rec = _begin(op, group, nbytes, sample, label)
-            try:
-                out = run()
-            except (RuntimeError, dist.DistError) as err:  # DistBackendError is a RuntimeError
-                mapped = _flight.failed(rec, op, group, err, label)
-                if mapped is not None:
-                    raise mapped from err
-                raise
-            if rec is not None:  # _flight.end, inline
-                rec[_T1] = _perf()
-                rec[_STATE] = "completed"
-            return out
+            return _run_here(op, group, run, nbytes, sample)
         return _run(op, group, run, nbytes, sample)
     part_of = state.get("coalescing")
     if part_of is not None:
@@ -167,7 +154,9 @@ def _run_here(
         if mapped is not None:
             raise mapped from err
         raise
-    _flight.end(rec)
+    if rec is not None:  # _flight.end, inline (every raw op passes here)
+        rec[_T1] = _perf()
+        rec[_STATE] = "completed"
     return out
 
 
