@@ -30,9 +30,10 @@ its differentiable ops on these raw functions.
 * **Sends are asynchronous.** c10d's blocking send is a rendezvous (it returns once the
   peer has posted the matching receive), so two neighbours that both "send, then receive"
   — a 1F1B pipeline's steady state — would deadlock. :func:`isend` posts a non-blocking
-  send of a private buffer; a waiter thread (:class:`SendQueue`) completes posted sends
-  in the background and releases their buffers; :func:`wait_sends` blocks until all are
-  done (and re-raises a failed one). Receives block, or are posted ahead (:class:`Posted`).
+  send of a private buffer and hands it to the send queue (:mod:`diffcomm._sends`): a
+  waiter thread completes posted sends in the background, a batch of them at a time, and
+  releases their buffers; :func:`wait_sends` blocks until all are done (and re-raises a
+  failed one). Receives block, or are posted ahead (:class:`Posted`).
 * **Receive waits are clocked.** :func:`recv_wait_seconds` is the host time this process
   spent blocked in p2p receives (``time.perf_counter`` around each blocking call, no
   device synchronisation): the pipeline runner's per-step ``wait``.
@@ -40,7 +41,6 @@ its differentiable ops on these raw functions.
 
 from __future__ import annotations
 
-import queue
 import struct
 import threading
 import time
@@ -54,7 +54,9 @@ from torch import Tensor
 from . import _args as A
 from . import _config, _flight
 from . import backend as B
-from ._errors import CollectiveTimeoutError, CrossRankMismatchError, DiffcommError
+from ._errors import CrossRankMismatchError
+from ._sends import SENDS as SENDS
+from ._sends import wait_sends as wait_sends  # re-exported: p2p.wait_sends
 
 PG = Any  # resolved ProcessGroup (or None for the default group)
 
@@ -112,95 +114,13 @@ def differentiable(dtype: torch.dtype) -> bool:
 # ======================================================================================
 
 
-class SendQueue:
-    """Posted sends (c10d ``Work`` + the buffers they read), completed by a waiter thread.
-
-    Why a thread: gloo's send ``Work`` reports ``is_completed() == False`` until someone
-    calls ``wait()`` on it, so there is no non-blocking way to reap finished sends from the
-    main thread; waiting on them in order from a daemon thread frees each buffer as soon
-    as its peer has received it, and never blocks the caller.
-    """
-
-    def __init__(self) -> None:
-        self._q: queue.Queue[tuple[Any, Any, str, Any]] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-
-    def post(self, parts: list[tuple[Any, Any, str]], keep: Any) -> None:
-        """Queue the posted sends of one message, ``[(work, flight record, what), ...]``
-        (a header and its data travel as one item: one wake-up of the waiter thread),
-        and keep ``keep`` alive until all are done."""
-        if not parts:  # comm-off switch, or nothing on the wire
-            return
-        thread = self._thread
-        if thread is None or not thread.is_alive():
-            with self._lock:
-                if self._thread is None or not self._thread.is_alive():
-                    self._thread = threading.Thread(target=self._run, name="diffcomm-sends", daemon=True)
-                    self._thread.start()
-        self._q.put((parts, keep))
-
-    def _run(self) -> None:
-        while True:
-            parts, keep = self._q.get()
-            try:
-                for work, rec, what in parts:
-                    try:
-                        work.wait()
-                        _flight.end(rec)
-                    except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
-                        if self._error is None:
-                            self._error = _send_error(what, err)
-            finally:
-                del parts, keep
-                self._q.task_done()
-
-    def check(self) -> None:
-        """Re-raise (once) the first error of a background send."""
-        err, self._error = self._error, None
-        if err is not None:
-            raise err
-
-    def wait_all(self) -> None:
-        self._q.join()
-        self.check()
-
-    def pending(self) -> int:
-        return self._q.unfinished_tasks
-
-
-def _send_error(what: str, err: BaseException) -> BaseException:
-    text = str(err)
-    if any(m in text.lower() for m in ("timed out", "timeout", "deadline")):
-        return CollectiveTimeoutError(
-            f"diffcomm: `{what}` was never received (timed out). The peer must run the "
-            f"matching recv — for a gradient, the sender must run the token's backward "
-            f"(`token.backward()` or add the token into its loss). Backend error: {text}"
-        )
-    return DiffcommError(f"diffcomm: `{what}` failed in the background: {text}")
-
-
-SENDS = SendQueue()
-
-
-def wait_sends() -> None:
-    """Block until every send this process posted has been received; re-raise a failure.
-
-    :func:`~diffcomm.send` (and the gradient sends of :func:`~diffcomm.recv`'s backward)
-    return as soon as the data is handed to the backend. Call this before tearing down the
-    process group or before timing a step; :class:`~diffcomm.pipeline.PipelineRunner`
-    calls it at the end of every step.
-    """
-    SENDS.wait_all()
-
-
 def isend(buf: Tensor, dst: int, pg: PG, tag: int, what: str) -> None:
-    """Post a non-blocking send of the contiguous ``buf`` (kept alive until done), through
-    the backend's one entry point (so the comms logger and comm-off switches see it)."""
+    """Post a non-blocking send of the contiguous ``buf``, a buffer private to it (kept
+    alive until done), through the backend's one entry point (so the comms logger and
+    comm-off switches see it)."""
     parts: list[tuple[Any, Any, str]] = []
     _post(parts, buf, dst, pg, tag, what)
-    SENDS.post(parts, buf)
+    SENDS.post(parts, buf, buf.numel() * buf.element_size())
 
 
 def _post(parts: list[tuple[Any, Any, str]], buf: Tensor, dst: int, pg: PG, tag: int, what: str) -> None:
@@ -392,13 +312,13 @@ def post_send(
         if nbytes:
             buf[FUSED_OFFSET:].view(x.dtype).view(x.shape).copy_(x)
         _post(parts, buf, dst, pg, tag, what)
-        SENDS.post(parts, buf)
+        SENDS.post(parts, buf, buf.numel())
         return
     buf = x.clone(memory_format=torch.contiguous_format) if mode == "copy" else x.contiguous()
     header = encode_header(x, requires_grad, seq, dev)
     _post(parts, header, dst, pg, tag, f"{what} header")
     _post(parts, buf.view(-1).view(torch.uint8), dst, pg, tag, what)
-    SENDS.post(parts, (header, buf))
+    SENDS.post(parts, (header, buf), 0 if buf is x else buf.numel() * buf.element_size())
 
 
 def send_grad(g: Tensor, src: int, pg: PG, tag: int, seq: int) -> None:
