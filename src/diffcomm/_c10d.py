@@ -58,9 +58,7 @@ def c10d_all_reduce(t: torch.Tensor, op: Any, group: ProcessGroup) -> None:
     if pg is None:
         dist.all_reduce(t, op, group=group)
     else:
-        work = pg.allreduce([t], _reduce_opts(_ALLREDUCE_OPTS, dist.AllreduceOptions, op))
-        if work is not None:  # backends that sync in C++ return no work
-            work.wait()
+        _wait(pg.allreduce([t], _reduce_opts(_ALLREDUCE_OPTS, dist.AllreduceOptions, op)))
 
 
 _PG_ALLGATHER = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
@@ -75,6 +73,11 @@ _ALLTOALL_OPTS.asyncOp = False
 _REDUCE_SCATTER_OPTS: dict[Any, Any] = {}
 
 
+def _wait(work: Any) -> None:
+    if work is not None:  # backends that sync in C++ return no work
+        work.wait()
+
+
 def c10d_all_gather(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
     """``all_gather_single(out, x, group=group)`` (blocking; real tensors, as :func:`wire`
     makes them)."""
@@ -82,9 +85,7 @@ def c10d_all_gather(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> 
     if pg is None:
         all_gather_single(out, x, group=group)
     else:
-        work = _PG_ALLGATHER(pg, out, x, _ALLGATHER_OPTS)
-        if work is not None:  # backends that sync in C++ return no work
-            work.wait()
+        _wait(_PG_ALLGATHER(pg, out, x, _ALLGATHER_OPTS))
 
 
 def c10d_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: Any, group: ProcessGroup) -> None:
@@ -94,9 +95,7 @@ def c10d_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: Any, group: Proc
         reduce_scatter_single(out, x, op=op, group=group)
     else:
         opts = _reduce_opts(_REDUCE_SCATTER_OPTS, dist.ReduceScatterOptions, op)
-        work = _PG_REDUCE_SCATTER(pg, out, x, opts)
-        if work is not None:  # backends that sync in C++ return no work
-            work.wait()
+        _wait(_PG_REDUCE_SCATTER(pg, out, x, opts))
 
 
 def c10d_all_to_all(
@@ -108,9 +107,7 @@ def c10d_all_to_all(
         dist.all_to_all_single(out, x, outs, ins, group=group)
     else:
         outs, ins = [] if outs is None else outs, [] if ins is None else ins
-        work = _PG_ALLTOALL(pg, out, x, outs, ins, _ALLTOALL_OPTS)
-        if work is not None:  # backends that sync in C++ return no work
-            work.wait()
+        _wait(_PG_ALLTOALL(pg, out, x, outs, ins, _ALLTOALL_OPTS))
 
 
 def c10d_broadcast(t: torch.Tensor, src: int, group: ProcessGroup) -> None:
@@ -124,9 +121,7 @@ def c10d_broadcast(t: torch.Tensor, src: int, group: ProcessGroup) -> None:
     opts.rootRank = src
     opts.rootTensor = 0
     opts.asyncOp = False
-    work = pg.broadcast([t], opts)
-    if work is not None:  # backends that sync in C++ return no work
-        work.wait()
+    _wait(pg.broadcast([t], opts))
 
 
 _REDUCE_OPTS: dict[Any, Any] = {}
@@ -145,9 +140,7 @@ def c10d_reduce(t: torch.Tensor, dst: int, op: Any, group: ProcessGroup) -> None
         opts.reduceOp = op
         opts.rootRank = dst
         opts.asyncOp = False
-    work = pg.reduce([t], opts)
-    if work is not None:  # backends that sync in C++ return no work
-        work.wait()
+    _wait(pg.reduce([t], opts))
 
 
 # torch >= 2.12 renamed the single-tensor forms; use whichever this torch has (version gap

@@ -103,15 +103,14 @@ def gathered_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> tuple[int, ..
     Where the backend can (:mod:`diffcomm._sized_gather`: eager, blocking, a world of two
     or more), the gather itself learns them: a :class:`Gathered` that carries the result.
     Else they are exchanged first (:func:`exchanged_sizes`); in a world of one they are
-    just ``(x.shape[dim],)``. One backend lookup and one world-size query on this path.
+    just ``(x.shape[dim],)``.
     """
     b = current_backend()
     if b.world_size(pg) == 1:
         return (x.shape[dim],)
     unsized = getattr(b, "all_gather_unsized", None)
     if unsized is None or async_op or _compiling() or _transforms_active() or _fwad._current_level >= 0:
-        with B.label("all_gather (size exchange)"):
-            return tuple(b.exchange_sizes(x.shape[dim], pg))
+        return tuple(exchanged_sizes(x, dim, pg, "all_gather"))
     x0 = x.detach() if dim == 0 else x.detach().movedim(dim, 0)
     out, sizes = unsized(x0, pg)
     got = Gathered(sizes)

@@ -259,7 +259,7 @@ class TorchDistributedBackend(CoalescedOps):
         world = info.size
         x = x.contiguous()
         even = sizes is None or sizes.count(sizes[0]) == world
-        into_tensor = (self._caps(info) if self.overrides else info.caps).all_gather_into_tensor
+        into_tensor = self._caps(info).all_gather_into_tensor
         if even and into_tensor:  # the common case, in few calls
             out = x.new_empty(x.shape[0] * world, *x.shape[1:])  # int sizes: torch parses them fastest
             w_out, w_x = (wire(out), wire(x)) if x.is_complex() else (out, x)
@@ -294,7 +294,7 @@ class TorchDistributedBackend(CoalescedOps):
         world, rank = info.size, info.rank
         x = x.contiguous()
         even = split_sizes is None or split_sizes.count(split_sizes[0]) == world
-        caps = self._caps(info) if self.overrides else info.caps
+        caps = self._caps(info)
         if not caps.reduce_scatter or op not in ("sum", "avg"):
             # gap filled: reduce everything, keep own chunk (2x traffic, documented)
             sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
