@@ -52,12 +52,17 @@ def dispatch(
     op: str,
     group: ProcessGroup,
     nbytes: int,
-    run: Callable[[], Any],
-    skip: Callable[[], Any],
+    run: Callable[..., Any],
+    skip: Callable[..., Any],
     sample: torch.Tensor | None = None,
+    args: tuple[Any, ...] = (),
 ) -> Any:
     """Run one raw op: comm-off switch, logging, flight recorder, timeout diagnosis — for
     every op (a timeout becomes :class:`~diffcomm.DesyncError` with the cross-rank story).
+
+    The op is ``run(*args)``; switched off, ``skip(*args)`` fills the output instead. The
+    hot ops pass module-level functions and their arguments rather than closures: making
+    two closures per call costs more than the rest of the hot path here.
 
     Inside :func:`run_coalesced` the call is one *part* of a coalesced op: it is not
     logged on its own (the coalesced op is logged once, with the parts' total bytes) and
@@ -68,24 +73,24 @@ def dispatch(
         # the hot path: nothing logged, nothing switched off
         hook = _ORDER_HOOK
         if (hook is None or not (hook[2].pending and hook[0]())) and _SPANS is None:
-            return _run_here(op, group, run, nbytes, sample)
-        return _run(op, group, run, nbytes, sample)
+            return _run_here(op, group, run, nbytes, sample, args)
+        return _run(op, group, run, nbytes, sample, args)
     part_of = state.get("coalescing")
     if part_of is not None:
         part_of.parts += 1
         part_of.nbytes += nbytes
         if op in _off() or part_of.op in _off():
             part_of.skipped = True
-            return skip()
-        return _run(op, group, run, nbytes, sample)
+            return skip(*args)
+        return _run(op, group, run, nbytes, sample, args)
     logs = _logs()
     if op in _off():
-        out = skip()
+        out = skip(*args)
         for log in logs:
             log.records.append(CommRecord(op, _LABEL.get(), nbytes, 0.0, _world(group), True))
         return out
     start = time.perf_counter() if logs else 0.0
-    out = _run(op, group, run, nbytes, sample)
+    out = _run(op, group, run, nbytes, sample, args)
     if logs:
         _sync_if_needed(sample)
         elapsed = time.perf_counter() - start
@@ -124,31 +129,41 @@ def record_spans() -> Iterator[list[tuple[str, str | None, str, float, float]]]:
 
 
 def _run(
-    op: str, group: ProcessGroup, run: Callable[[], Any], nbytes: int = 0, sample: torch.Tensor | None = None
+    op: str,
+    group: ProcessGroup,
+    run: Callable[..., Any],
+    nbytes: int = 0,
+    sample: torch.Tensor | None = None,
+    args: tuple[Any, ...] = (),
 ) -> Any:
-    """``run()`` recorded by the flight recorder; a timeout (or a peer gone mid-op) becomes
+    """``run(*args)`` recorded by the flight recorder; a timeout (or a peer gone mid-op) becomes
     :class:`~diffcomm.DesyncError` carrying the cross-rank diagnosis."""
     hook = _ORDER_HOOK
     if hook is not None and hook[0]():
-        return hook[1](lambda: _run(op, group, run, nbytes, sample), op)
+        return hook[1](lambda: _run(op, group, run, nbytes, sample, args), op)
     spans = _SPANS
     if spans is not None:
         t0 = time.perf_counter()
         try:
-            return _run_here(op, group, run, nbytes, sample)
+            return _run_here(op, group, run, nbytes, sample, args)
         finally:
             _sync_if_needed(sample)
             spans.append((op, _LABEL.get(), threading.current_thread().name, t0, time.perf_counter()))
-    return _run_here(op, group, run, nbytes, sample)
+    return _run_here(op, group, run, nbytes, sample, args)
 
 
 def _run_here(
-    op: str, group: ProcessGroup, run: Callable[[], Any], nbytes: int = 0, sample: torch.Tensor | None = None
+    op: str,
+    group: ProcessGroup,
+    run: Callable[..., Any],
+    nbytes: int = 0,
+    sample: torch.Tensor | None = None,
+    args: tuple[Any, ...] = (),
 ) -> Any:
     label = _get_label()
     rec = _begin(op, group, nbytes, sample, label)
     try:
-        out = run()
+        out = run(*args)
     except (RuntimeError, dist.DistError) as err:  # DistBackendError is a RuntimeError
         mapped = _flight.failed(rec, op, group, err, label)
         if mapped is not None:

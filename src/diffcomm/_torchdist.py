@@ -166,14 +166,7 @@ class TorchDistributedBackend(CoalescedOps):
                 return self._complex_product(out, group)
             torch_op, divide = self._reduce_op(op, x, group)
             wire = self._as_wire(out, op, group)
-        _dispatch(
-            "all_reduce",
-            group,
-            x.numel() * x.element_size(),
-            lambda: c10d_all_reduce(wire, torch_op, group),
-            lambda: None,
-            out,
-        )
+        _dispatch("all_reduce", group, x.nbytes, c10d_all_reduce, _keep, out, (wire, torch_op, group))
         if divide:
             out.div_(self.world_size(group))
         return out
@@ -186,14 +179,7 @@ class TorchDistributedBackend(CoalescedOps):
         out = x.clone(memory_format=torch.contiguous_format)
         torch_op, divide = self._reduce_op(op, x, group)
         wire = self._as_wire(out, op, group)
-        _dispatch(
-            "reduce",
-            group,
-            _nbytes(x),
-            lambda: c10d_reduce(wire, dst, torch_op, group),
-            lambda: None,
-            out,
-        )
+        _dispatch("reduce", group, _nbytes(x), c10d_reduce, _keep, out, (wire, dst, torch_op, group))
         info = group_info(group)
         if info.rank != dst:
             out.zero_()
@@ -208,14 +194,7 @@ class TorchDistributedBackend(CoalescedOps):
         """broadcast into ``out`` (contiguous, owned by the caller) in place; returns it."""
         x = out
         wire = torch.view_as_real(out) if out.is_complex() else out
-        _dispatch(
-            "broadcast",
-            group,
-            _nbytes(x),
-            lambda: c10d_broadcast(wire, src, group),
-            lambda: None,
-            out,
-        )
+        _dispatch("broadcast", group, _nbytes(x), c10d_broadcast, _keep, out, (wire, src, group))
         return out
 
     # ---- gather family (dim 0) -----------------------------------------------------
@@ -262,19 +241,24 @@ class TorchDistributedBackend(CoalescedOps):
         into_tensor = self._caps(info).all_gather_into_tensor
         if even and into_tensor:  # the common case, in few calls
             out = x.new_empty(x.shape[0] * world, *x.shape[1:])  # int sizes: torch parses them fastest
-            w_out, w_x = (wire(out), wire(x)) if x.is_complex() else (out, x)
-            _dispatch(
-                "all_gather",
-                group,
-                out.nbytes,
-                lambda: c10d_all_gather(w_out, w_x, group),
-                lambda: out.copy_(x.repeat(world, *([1] * (x.dim() - 1)))),
-                out,
-            )
+            args = (wire(out), wire(x), group) if x.is_complex() else (out, x, group)
+            _dispatch("all_gather", group, out.nbytes, c10d_all_gather, _gather_own, out, args)
             return out
+        return self._padded_all_gather(x, group, sizes, world, even, into_tensor)
+
+    def _padded_all_gather(
+        self,
+        x: torch.Tensor,
+        group: ProcessGroup,
+        sizes: Sequence[int] | None,
+        world: int,
+        even: bool,
+        into_tensor: bool,
+    ) -> torch.Tensor:
+        """:meth:`all_gather` uneven (or without an into-tensor op): every rank padded to
+        the largest size, gathered, unpadded."""
         if sizes is None:
             sizes = [x.shape[0]] * world
-        # uneven (or no into-tensor op): pad every rank to the largest size, gather, unpad
         padded, buf, chunks, skip = _padded_gather(x, sizes, world, torch.empty)
 
         def run() -> None:
@@ -315,14 +299,8 @@ class TorchDistributedBackend(CoalescedOps):
             wire_in, wire_out = self._as_wire(inp, op, group), self._as_wire(out, op, group)
         else:
             wire_in, wire_out = inp, out
-        _dispatch(
-            "reduce_scatter",
-            group,
-            inp.nbytes,
-            lambda: c10d_reduce_scatter(wire_out, wire_in, torch_op, group),
-            lambda: out.copy_(inp[rank * chunk : (rank + 1) * chunk]),
-            out,
-        )
+        args = (wire_out, wire_in, torch_op, group)
+        _dispatch("reduce_scatter", group, inp.nbytes, c10d_reduce_scatter, _scatter_own, out, args)
         if divide:
             out.div_(world)
         return out if even else out[: split_sizes[rank]].clone()
@@ -387,10 +365,21 @@ class TorchDistributedBackend(CoalescedOps):
     ) -> torch.Tensor:
         """Send chunk ``j`` of ``x`` (dim 0) to rank ``j``; concatenate what arrives."""
         info = group_info(group)
-        world, rank = info.size, info.rank
         x = x.contiguous()
         if input_split_sizes is None and output_split_sizes is None:  # even: the common case
-            return self._even_all_to_all(x, group, world, rank)
+            return self._even_all_to_all(x, group, info.size)
+        return self._uneven_all_to_all(x, group, info, input_split_sizes, output_split_sizes)
+
+    def _uneven_all_to_all(
+        self,
+        x: torch.Tensor,
+        group: ProcessGroup,
+        info: GroupInfo,
+        input_split_sizes: Sequence[int] | None,
+        output_split_sizes: Sequence[int] | None,
+    ) -> torch.Tensor:
+        """:meth:`all_to_all` of the contiguous ``x`` with split sizes given."""
+        world, rank = info.size, info.rank
         rest = tuple(x.shape[1:])
         ins = list(input_split_sizes) if input_split_sizes is not None else None
         outs = list(output_split_sizes) if output_split_sizes is not None else None
@@ -422,20 +411,13 @@ class TorchDistributedBackend(CoalescedOps):
         )
         return out
 
-    def _even_all_to_all(self, x: torch.Tensor, group: ProcessGroup, world: int, rank: int) -> torch.Tensor:
+    def _even_all_to_all(self, x: torch.Tensor, group: ProcessGroup, world: int) -> torch.Tensor:
         """:meth:`all_to_all` of the contiguous ``x`` in ``world`` equal chunks (gloo's
         alltoall, not its alltoallv)."""
         chunk = x.shape[0] // world
         out = x.new_empty(chunk * world, *x.shape[1:])
-        w_out, w_x = (wire(out), wire(x)) if x.is_complex() else (out, x)
-
-        def skip() -> None:
-            out.zero_()
-            out[:chunk].copy_(x[rank * chunk : (rank + 1) * chunk])
-
-        _dispatch(
-            "all_to_all", group, x.nbytes, lambda: c10d_all_to_all(w_out, w_x, None, None, group), skip, out
-        )
+        args = (wire(out), wire(x), None, None, group) if x.is_complex() else (out, x, None, None, group)
+        _dispatch("all_to_all", group, x.nbytes, c10d_all_to_all, _own_chunk, out, args)
         return out
 
     def _padded_all_to_all(
@@ -562,6 +544,34 @@ def _decode_fields(names: list[str], row: list[int]) -> dict[str, Any]:
         else:
             out[k] = bytes(v % 256 for v in payload).decode(errors="replace")
     return out
+
+
+# What a hot op does when switched off (``skip(*args)``, see :func:`dispatch`), as
+# module-level functions of the op's own arguments: no closure is made per call.
+
+
+def _keep(*_: Any) -> None:
+    """all_reduce / broadcast / reduce switched off: the buffer keeps this rank's values."""
+
+
+def _gather_own(out: torch.Tensor, x: torch.Tensor, _group: ProcessGroup) -> None:
+    """all_gather switched off: every rank's part is this rank's own ``x``."""
+    if x.shape[0]:
+        out.copy_(x.repeat(out.shape[0] // x.shape[0], *([1] * (x.dim() - 1))))
+
+
+def _scatter_own(out: torch.Tensor, x: torch.Tensor, _op: Any, group: ProcessGroup) -> None:
+    """reduce_scatter switched off: this rank's chunk of its own ``x``, unreduced."""
+    start = group_info(group).rank * out.shape[0]
+    out.copy_(x[start : start + out.shape[0]])
+
+
+def _own_chunk(out: torch.Tensor, x: torch.Tensor, _outs: Any, _ins: Any, group: ProcessGroup) -> None:
+    """The even all_to_all switched off: only this rank's own chunk arrives (zeros elsewhere)."""
+    info = group_info(group)
+    chunk = x.shape[0] // info.size
+    out.zero_()
+    out[:chunk].copy_(x[info.rank * chunk : (info.rank + 1) * chunk])
 
 
 def _padded_gather(
