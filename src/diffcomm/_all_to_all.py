@@ -44,31 +44,39 @@ class _AllToAll(CommOp):
             else:
                 out = _b().all_to_all(x0, pg, list(ins), list(outs))
             return out if split_dim == 0 else out.movedim(0, split_dim)
-        # split along split_dim, concatenate along concat_dim. Chunks travel flat in the layout
-        # (concat_dim, split_dim, other dims...); every rank sends me a chunk of split size
-        # ins[me] (validated equal across ranks) whose concat_dim size is outs[j].
-        world, rank = _world(pg), _rank(pg)
-        order = [concat_dim, split_dim] + [i for i in range(x.ndim) if i not in (split_dim, concat_dim)]
-        rest = [x.shape[i] for i in order[2:]]
-        rest_n = 1
-        for s in rest:
-            rest_n *= s
-        c_in = ins[rank]
-        send = x.permute(order).split(list(ins), dim=1)
-        flat_in = torch.cat([ch.reshape(-1) for ch in send]) if world > 1 else send[0].reshape(-1)
-        in_counts = [ins[j] * x.shape[concat_dim] * rest_n for j in range(world)]
-        out_counts = [outs[j] * c_in * rest_n for j in range(world)]
-        flat = _b().all_to_all(flat_in, pg, in_counts, out_counts)
-        blocks = [p.reshape(outs[j], c_in, *rest) for j, p in enumerate(flat.split(out_counts))]
-        full = torch.cat(blocks, dim=0) if world > 1 else blocks[0]  # (sum outs, c_in, *rest)
-        inverse = [order.index(i) for i in range(x.ndim)]
-        return full.permute(inverse)
+        return _across_dims(x, split_dim, concat_dim, pg, ins, outs)
 
     @staticmethod
     def transpose(
         g: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
     ) -> Tensor:
         return call(_AllToAll, g, concat_dim, split_dim, pg, outs, ins)
+
+
+def _across_dims(
+    x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
+) -> Tensor:
+    """:meth:`_AllToAll.run` with ``split_dim != concat_dim`` (its own function: its
+    comprehensions make closure cells, which ``run``'s common path must not pay for)."""
+    # split along split_dim, concatenate along concat_dim. Chunks travel flat in the layout
+    # (concat_dim, split_dim, other dims...); every rank sends me a chunk of split size
+    # ins[me] (validated equal across ranks) whose concat_dim size is outs[j].
+    world, rank = _world(pg), _rank(pg)
+    order = [concat_dim, split_dim] + [i for i in range(x.ndim) if i not in (split_dim, concat_dim)]
+    rest = [x.shape[i] for i in order[2:]]
+    rest_n = 1
+    for s in rest:
+        rest_n *= s
+    c_in = ins[rank]
+    send = x.permute(order).split(list(ins), dim=1)
+    flat_in = torch.cat([ch.reshape(-1) for ch in send]) if world > 1 else send[0].reshape(-1)
+    in_counts = [ins[j] * x.shape[concat_dim] * rest_n for j in range(world)]
+    out_counts = [outs[j] * c_in * rest_n for j in range(world)]
+    flat = _b().all_to_all(flat_in, pg, in_counts, out_counts)
+    blocks = [p.reshape(outs[j], c_in, *rest) for j, p in enumerate(flat.split(out_counts))]
+    full = torch.cat(blocks, dim=0) if world > 1 else blocks[0]  # (sum outs, c_in, *rest)
+    inverse = [order.index(i) for i in range(x.ndim)]
+    return full.permute(inverse)
 
 
 #: The raw forward of ``all_to_all`` (``(x, split_dim, concat_dim, pg, in_sizes,
@@ -141,7 +149,7 @@ def all_to_all(
     if outs is None:
         outs = _all_to_all_received(ins, pg)
     apply = _apply_async if async_op else _apply
-    return apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(int(o) for o in outs))
+    return apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(map(int, outs)))
 
 
 def _all_to_all_shape(a: tuple[Any, ...]) -> tuple[int, ...]:

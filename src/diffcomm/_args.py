@@ -192,7 +192,9 @@ def check_split_sizes(
             split_sizes = split_sizes.tolist()
         if not isinstance(split_sizes, Sequence) or isinstance(split_sizes, str):
             raise arg_error(op, arg, f"a list of {world} ints", type(split_sizes).__name__, TypeError)
-        sizes = [check_int(s, op, arg) for s in split_sizes]
+        sizes = []
+        for s in split_sizes:  # a loop, not a comprehension: no closure cells on every call
+            sizes.append(check_int(s, op, arg))
     if len(sizes) != world:
         raise arg_error(op, arg, f"a list of {world} ints (one per rank)", f"{len(sizes)} entries")
     if sizes and min(sizes) < 0:

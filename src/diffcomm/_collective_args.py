@@ -140,7 +140,7 @@ def all_to_all_sizes(
         if output_split_sizes is not None:
             return ins, _output_sizes(output_split_sizes, size)
         return ins, (list(ins) if input_split_sizes is None else None)  # None: exchanged later
-    if input_split_sizes is not None and any(s != ins[0] for s in ins):
+    if input_split_sizes is not None and ins and ins.count(ins[0]) != len(ins):
         raise A.arg_error(
             op,
             "input_split_sizes",
