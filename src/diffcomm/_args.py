@@ -51,7 +51,7 @@ def resolve_group(group: GroupLike, op: str = "op") -> dist.ProcessGroup | None:
     ``None`` stays ``None`` (torch's default group). Raises ``TypeError`` for anything else
     and ``RuntimeError`` when no process group is initialised.
     """
-    if group is None and _C10D is not None and _C10D.default_pg is not None:
+    if group is None and _C10D is not None and _C10D._default_pg is not None:
         return None  # the common case: the default group of an initialised world
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(

@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from ._groups import C10D as _C10D
 from ._groups import ProcessGroup
-from ._groups import default_pg as _default_pg
 
 _NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 _COALESCING = _C10D.pg_coalesce_state  # one dict for the life of the process (torch mutates it)
@@ -33,7 +32,7 @@ _ALLREDUCE_OPTS: dict[Any, Any] = {}
 
 def _direct_group(t: torch.Tensor, group: ProcessGroup) -> Any:
     """The process group to call directly, or ``None`` where torch's wrapper must run."""
-    pg = _default_pg(_C10D) if group is None else group
+    pg = _C10D._default_pg if group is None else group
     if pg is None or pg is _NON_MEMBER or type(t) is not torch.Tensor or t.is_complex():
         return None
     state = _COALESCING

@@ -31,7 +31,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import json
-import operator
 import os
 import sys
 import threading
@@ -136,9 +135,7 @@ _RING: deque[Entry] = deque(maxlen=1024)
 _GROUPS: dict[Any, _Group] = {}
 _LAST: list[Entry | None] = [None]
 _WORLD_PG: list[Any] = [None]
-_C10D = dist.distributed_c10d._world  # torch's one record of the process groups
-# the default group without the Python property around it (as _groups.default_pg)
-_default_pg = operator.attrgetter("_default_pg" if hasattr(_C10D, "_default_pg") else "default_pg")
+_C10D = dist.distributed_c10d._world  # torch's one record of the process groups (see _groups.C10D)
 _INTERNAL: dict[str, bool] = {}
 _DEPTH: dict[Any, tuple[int, Any]] = {}  # label -> (depth of the user's frame, its code)
 _PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -212,7 +209,7 @@ def _site(key: Any) -> tuple[Any, int] | None:
 def _group(group: Any) -> _Group:
     key = group
     if group is None:
-        pg = _default_pg(_C10D)
+        pg = _C10D._default_pg
         if pg is not _WORLD_PG[0]:  # a new default group: forget the old one's counters
             _WORLD_PG[0] = pg
             _GROUPS.pop(None, None)
@@ -231,7 +228,7 @@ def _group(group: Any) -> _Group:
 def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: str | None) -> Entry | None:
     """Record the start of a raw op (and apply ``DIFFCOMM_TIMEOUT`` to its group)."""
     g = _GROUPS.get(group)
-    if g is None or (group is None and _default_pg(_C10D) is not _WORLD_PG[0]):
+    if g is None or (group is None and _C10D._default_pg is not _WORLD_PG[0]):
         g = _group(group)
     setting = _TIMEOUT
     timeout = setting._value if setting._loaded else setting.get()

@@ -13,7 +13,6 @@ Everything here is re-exported by :mod:`diffcomm.backend`, its public home.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,16 +106,16 @@ _INFOS: dict[Any, GroupInfo] = {}
 _INFO_WORLD: list[Any] = [None]  # the default group the cached records belong to
 
 
-C10D = dist.distributed_c10d._world  # torch's one record of the process groups
-
-#: ``default_pg(C10D)``: the default process group (or ``None``), read without the Python
-#: property ``C10D.default_pg`` wraps it in (a C-level attribute read on the hot path)
-default_pg = operator.attrgetter("_default_pg" if hasattr(C10D, "_default_pg") else "default_pg")
+#: torch's one record of the process groups. ``C10D._default_pg`` is the default group
+#: (or ``None``), read as a plain attribute on the hot path: the ``C10D.default_pg``
+#: property (or an ``operator.attrgetter``) costs five times as much, and it is read a few
+#: times per op. torch keeps the group there since 2.0 (we require 2.6).
+C10D = dist.distributed_c10d._world
 
 
 def group_info(group: ProcessGroup) -> GroupInfo:
     """The cached :class:`GroupInfo` of ``group`` (a resolved group or ``None``)."""
-    default = default_pg(C10D)
+    default = C10D._default_pg
     if default is not _INFO_WORLD[0]:  # a new world: every old record is stale
         _INFOS.clear()
         _INFO_WORLD[0] = default
@@ -165,7 +164,7 @@ def data_backend(group: ProcessGroup) -> str:
 
 
 def _pg(group: ProcessGroup) -> Any:
-    return group if group is not None else default_pg(C10D)
+    return group if group is not None else C10D._default_pg
 
 
 def _device_types(group: ProcessGroup) -> set[str]:
