@@ -240,7 +240,8 @@ class TorchDistributedBackend(CoalescedOps):
         even = sizes is None or sizes.count(sizes[0]) == world
         into_tensor = self._caps(info).all_gather_into_tensor
         if even and into_tensor:  # the common case, in few calls
-            out = x.new_empty(x.shape[0] * world, *x.shape[1:])  # int sizes: torch parses them fastest
+            shape = x.shape  # each .shape builds a torch.Size: read it once
+            out = x.new_empty(shape[0] * world, *shape[1:])  # int sizes: torch parses them fastest
             args = (wire(out), wire(x), group) if x.is_complex() else (out, x, group)
             _dispatch("all_gather", group, out.nbytes, c10d_all_gather, _gather_own, out, args)
             return out
@@ -293,8 +294,8 @@ class TorchDistributedBackend(CoalescedOps):
             inp = x
         else:  # pad each chunk to the largest, so one reduce_scatter_tensor does it
             inp = torch.cat(pad_chunks(x, split_sizes, max(split_sizes)))
-        chunk = inp.shape[0] // world if world else 0
-        out = x.new_empty(chunk, *x.shape[1:])
+        shape = inp.shape  # each .shape builds a torch.Size: read it once
+        out = x.new_empty(shape[0] // world if world else 0, *shape[1:])
         if inp.is_complex():
             wire_in, wire_out = self._as_wire(inp, op, group), self._as_wire(out, op, group)
         else:
@@ -364,11 +365,10 @@ class TorchDistributedBackend(CoalescedOps):
         output_split_sizes: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Send chunk ``j`` of ``x`` (dim 0) to rank ``j``; concatenate what arrives."""
-        info = group_info(group)
         x = x.contiguous()
         if input_split_sizes is None and output_split_sizes is None:  # even: the common case
-            return self._even_all_to_all(x, group, info.size)
-        return self._uneven_all_to_all(x, group, info, input_split_sizes, output_split_sizes)
+            return self._even_all_to_all(x, group)
+        return self._uneven_all_to_all(x, group, group_info(group), input_split_sizes, output_split_sizes)
 
     def _uneven_all_to_all(
         self,
@@ -411,11 +411,12 @@ class TorchDistributedBackend(CoalescedOps):
         )
         return out
 
-    def _even_all_to_all(self, x: torch.Tensor, group: ProcessGroup, world: int) -> torch.Tensor:
-        """:meth:`all_to_all` of the contiguous ``x`` in ``world`` equal chunks (gloo's
+    def _even_all_to_all(self, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        """:meth:`all_to_all` of the contiguous ``x`` in equal chunks, one per rank (gloo's
         alltoall, not its alltoallv)."""
-        chunk = x.shape[0] // world
-        out = x.new_empty(chunk * world, *x.shape[1:])
+        # x's own shape (even); empty_like is the cheapest allocation torch has (any size
+        # argument is parsed, a torch.Size worst of all), and x is contiguous, so out is too
+        out = torch.empty_like(x)
         args = (wire(out), wire(x), None, None, group) if x.is_complex() else (out, x, None, None, group)
         _dispatch("all_to_all", group, x.nbytes, c10d_all_to_all, _own_chunk, out, args)
         return out
