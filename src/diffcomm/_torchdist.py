@@ -44,7 +44,6 @@ _TORCH_OPS = {
     "min": dist.ReduceOp.MIN,
     "product": dist.ReduceOp.PRODUCT,
 }
-_SUM = dist.ReduceOp.SUM
 
 
 class CoalescedOps:
@@ -286,10 +285,7 @@ class TorchDistributedBackend(CoalescedOps):
             full = self.all_reduce(x, op, group)
             start = sum(sizes[:rank])
             return full[start : start + sizes[rank]].clone()
-        if op == "sum":  # the common case, without further calls
-            torch_op, divide = _SUM, False
-        else:
-            torch_op, divide = self._reduce_op(op, x, group)
+        torch_op, divide = self._reduce_op(op, x, group)
         if even:
             inp = x
         else:  # pad each chunk to the largest, so one reduce_scatter_tensor does it
