@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map_only
 
 from . import backend as B
+from .accelerator import get_accelerator
 
 __all__ = [
     "AsyncTensor",
@@ -98,6 +99,9 @@ class Handle:
         return f"Handle({self.name!r}, done={self.done()})"
 
 
+_NO_STREAM = contextlib.nullcontext()
+
+
 class _Engine:
     """The process's communication thread: runs jobs one at a time in launch order."""
 
@@ -114,7 +118,12 @@ class _Engine:
     def submit(self, fn: Callable[[], Any], name: str) -> Handle:
         """Queue ``fn`` (run with the caller's diffcomm labels, logs and switches)."""
         handle = Handle(name)
-        state = (contextvars.copy_context(), B.comm_state())
+        # the job runs on this thread's device and stream: its work is queued after
+        # what this thread queued before the launch (a side stream included), and
+        # "the current device" means the same in the job
+        acc = get_accelerator()
+        stream = acc.started_stream()
+        state = (contextvars.copy_context(), B.comm_state(), acc if stream is not None else None, stream)
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="diffcomm-comm", daemon=True)
@@ -130,16 +139,16 @@ class _Engine:
             item = self._q.get()
             if item is None:  # pragma: no cover - never sent; the thread is a daemon
                 return
-            fn, handle, (ctx, comm) = item
+            fn, handle, (ctx, comm, acc, stream) = item
             B.adopt_comm_state(comm)
             try:
-                with torch.no_grad():
+                with torch.no_grad(), acc.stream_context(stream) if acc is not None else _NO_STREAM:
                     handle._result = ctx.run(fn)
             except BaseException as err:  # noqa: BLE001 - re-raised by Handle.wait on the caller
                 handle._error = err
             finally:
                 B.adopt_comm_state(None)
-                del fn, item, ctx
+                del fn, item, ctx, stream
                 with self._lock:
                     self.pending -= 1
                 handle._event.set()

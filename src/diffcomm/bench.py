@@ -159,8 +159,8 @@ def _floor_function() -> Any:
     return Floor
 
 
-def _impls(op: str, nbytes: int) -> dict[str, Callable[[], None]]:
-    """Closures doing forward+backward of ``op`` on an input of ``nbytes`` bytes."""
+def _impls(op: str, nbytes: int, device: Any = "cpu") -> dict[str, Callable[[], None]]:
+    """Closures doing forward+backward of ``op`` on an input of ``nbytes`` bytes on ``device``."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -175,7 +175,7 @@ def _impls(op: str, nbytes: int) -> dict[str, Callable[[], None]]:
     w, r = dist.get_world_size(), dist.get_rank()
     pg = dist.group.WORLD
     n = max(w, nbytes // 4 // w * w)  # float32 elements, divisible by the world size
-    x0 = torch.randn(n)
+    x0 = torch.randn(n, device=device)
     chunk = n // w
     floor = _floor_function()
 
@@ -187,7 +187,8 @@ def _impls(op: str, nbytes: int) -> dict[str, Callable[[], None]]:
 
         return run
 
-    # One raw call per op, into a fresh output: the floor's body is the op's call forward
+    # One raw call per op, into a fresh output (allocated as diffcomm does, ``t.new_empty``:
+    # on t's device, and as cheap as ``torch.empty``): the floor's body is the op's call forward
     # and its dual's (dc.DUALS) backward; `raw` runs the same pair by hand. The gradients
     # here are contiguous (ones_like of a fresh output), as the raw calls need.
     def all_reduce(t: torch.Tensor) -> torch.Tensor:
@@ -206,27 +207,27 @@ def _impls(op: str, nbytes: int) -> dict[str, Callable[[], None]]:
         return y if r == 0 else y.zero_()
 
     def all_gather(t: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(t.numel() * w)
+        y = t.new_empty(t.numel() * w)
         _all_gather_single(y, t)
         return y
 
     def reduce_scatter(t: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(t.numel() // w)
+        y = t.new_empty(t.numel() // w)
         _reduce_scatter_single(y, t)
         return y
 
     def gather(t: torch.Tensor) -> torch.Tensor:
-        y = torch.zeros(t.numel() * w)
+        y = t.new_zeros(t.numel() * w)
         dist.gather(t, list(y.split(t.numel())) if r == 0 else None, dst=0)
         return y
 
     def scatter(t: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(t.numel() // w)
+        y = t.new_empty(t.numel() // w)
         dist.scatter(y, list(t.split(y.numel())) if r == 0 else None, src=0)
         return y
 
     def all_to_all(t: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(t.numel())
+        y = t.new_empty(t.numel())
         dist.all_to_all_single(y, t)
         return y
 
@@ -249,7 +250,7 @@ def _impls(op: str, nbytes: int) -> dict[str, Callable[[], None]]:
         ),
         "reduce_scatter": (
             lambda x: dc.reduce_scatter(x),
-            lambda x: _quiet(tdnn.reduce_scatter, torch.empty(chunk), list(x.split(chunk))),
+            lambda x: _quiet(tdnn.reduce_scatter, x.new_empty(chunk), list(x.split(chunk))),
             lambda x: fc_reduce_scatter(x, "sum", 0, pg),
         ),
         "broadcast": (lambda x: dc.broadcast(x, src=0), lambda x: _quiet(tdnn.broadcast, x, 0), None),
@@ -266,7 +267,7 @@ def _impls(op: str, nbytes: int) -> dict[str, Callable[[], None]]:
         ),
         "all_to_all": (
             lambda x: dc.all_to_all(x),
-            lambda x: _quiet(tdnn.all_to_all_single, torch.empty(n), x),
+            lambda x: _quiet(tdnn.all_to_all_single, x.new_empty(n), x),
             lambda x: funcol.all_to_all_single_autograd(x, None, None, pg),
         ),
     }
@@ -301,7 +302,12 @@ def _rank_times(op: str, nbytes: int, rounds: int, warmup: int) -> dict[str, lis
     """Runs on every rank: per implementation, the seconds of each round."""
     import torch.distributed as dist
 
-    impls = _impls(op, nbytes)
+    from .accelerator import comm_accelerator
+
+    # the tensors live where the backend communicates (this rank's GPU for nccl), and a
+    # round ends when its queued device work has finished
+    acc = comm_accelerator(dist.get_backend())
+    impls = _impls(op, nbytes, acc.device())
     names = list(impls)
     times: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(warmup):
@@ -314,9 +320,11 @@ def _rank_times(op: str, nbytes: int, rounds: int, warmup: int) -> dict[str, lis
     for i in range(rounds):
         order = names[i % len(names) :] + names[: i % len(names)]
         for k in order:
+            acc.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
             impls[k]()
+            acc.synchronize()
             times[k].append(time.perf_counter() - t0)
     return times
 

@@ -215,6 +215,16 @@ class Accelerator(abc.ABC):
             An instance of :attr:`Stream`.
         """
 
+    def started_stream(self) -> Any | None:
+        """This thread's current stream, or ``None`` if this process has not started the
+        device runtime (no work can be queued yet; asking for a stream would start it).
+
+        Another thread that must order its work after this thread's (the asynchronous
+        communication engine) runs under ``stream_context(started_stream())``. ``None`` on
+        CPU and on devices with one queue.
+        """
+        return None
+
     @abc.abstractmethod
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         """Context manager making ``stream`` the current stream inside the block.

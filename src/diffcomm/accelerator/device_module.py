@@ -68,6 +68,10 @@ class TorchModuleAccelerator(Accelerator):
             self._captured_default_streams[index] = self._module.current_stream(index)
         return self._captured_default_streams[index]
 
+    def started_stream(self) -> Any | None:
+        started = getattr(self._module, "is_initialized", None)
+        return self._module.current_stream() if started is not None and started() else None
+
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return self._module.stream(stream)
 

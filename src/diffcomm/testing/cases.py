@@ -237,8 +237,8 @@ def _rel(a: Tensor | None, b: Tensor | None) -> float:
         a = torch.zeros_like(b)  # type: ignore[arg-type]
     if b is None:
         b = torch.zeros_like(a)
-    a64 = a.detach().to(torch.complex128 if a.is_complex() else torch.float64)
-    b64 = b.detach().to(a64.dtype)
+    a64 = a.detach().cpu().to(torch.complex128 if a.is_complex() else torch.float64)
+    b64 = b.detach().cpu().to(a64.dtype)
     if a64.shape != b64.shape:
         return float("inf")
     if a64.numel() == 0:
@@ -247,9 +247,15 @@ def _rel(a: Tensor | None, b: Tensor | None) -> float:
     return float((a64 - b64).abs().max()) / scale
 
 
+def case_device() -> torch.device:
+    """The device a case's rank tensors live on: the default group's communication device
+    (the CPU for gloo, this rank's GPU for nccl). References are computed on the CPU."""
+    return B.get_backend().comm_device(None)
+
+
 def _sum_over_ranks(*vs: float) -> Any:
     """The sums over ranks of ``vs`` (one all_reduce): a float for one value, else a list."""
-    t = torch.tensor(vs, dtype=torch.float64)
+    t = torch.tensor(vs, dtype=torch.float64, device=case_device())
     out = B.get_backend().all_reduce(t, "sum", None).tolist()
     return out[0] if len(vs) == 1 else out
 
@@ -268,7 +274,8 @@ def run_case(case: Case, double: bool = True) -> CaseResult:
     res = CaseResult(tol=tolerance(case.dtype))
     xs = make_inputs(case, "x")
     grad_ok = _differentiable(dtype)
-    x = xs[rank].clone().requires_grad_(grad_ok)
+    dev = case_device()
+    x = xs[rank].to(dev, copy=True).requires_grad_(grad_ok)
     x_before = x.detach().clone()
     out = call(case, x)
     # reference in float64/complex128 (exact for the small-int cases)
@@ -282,7 +289,7 @@ def run_case(case: Case, double: bool = True) -> CaseResult:
         res.seconds = time.perf_counter() - start
         return res
     cots = make_inputs(case, "cot")
-    cot = cots[rank].clone().requires_grad_(True)
+    cot = cots[rank].to(dev, copy=True).requires_grad_(True)
     loss = _inner(out, cot)
     (gx,) = torch.autograd.grad(loss, x, create_graph=double)
     ref_loss = sum(_inner(o, c.to(hi)) for o, c in zip(ref, cots))
@@ -291,7 +298,7 @@ def run_case(case: Case, double: bool = True) -> CaseResult:
     res.grad_err = _rel(gx, ref_gx)
     # dot-product test with the dual op from the table (linear ops)
     with torch.no_grad():
-        y = cots[rank]
+        y = cots[rank].to(dev)
         aty = call_dual(case, y)
     if aty is not None:
         # relative to the sums of |terms| (the rounding bound of a dot product), not to
@@ -307,7 +314,7 @@ def run_case(case: Case, double: bool = True) -> CaseResult:
         res.adjoint_err = abs(lhs - rhs) / max(1.0, lhs_abs, rhs_abs)
     if double:
         ws = make_inputs(case, "x")  # w lives in input space
-        wv = ws[(rank + 1) % w].to(dtype)
+        wv = ws[(rank + 1) % w].to(dev, dtype)
         if wv.shape != gx.shape:
             wv = torch.ones_like(gx)
         second = _inner(gx, wv)

@@ -29,7 +29,7 @@ from torch import Tensor
 import diffcomm as dc
 from diffcomm.coalesced import COALESCED_OPS
 
-from .cases import CaseResult, _inner, _rel, _sum_over_ranks, tolerance
+from .cases import CaseResult, _inner, _rel, _sum_over_ranks, case_device, tolerance
 
 Spec = tuple[tuple[int, ...], str, bool, bool]  # shape, dtype, requires_grad, output used
 
@@ -103,7 +103,8 @@ def run_coalesced_case(case: CoalescedCase, double: bool = True) -> CaseResult:
     kw = case.kwargs
     gen = torch.Generator().manual_seed(case.seed * 101 + rank)
     lo, hi = (-2, 2) if kw.get("op") == "product" else (-3, 3)
-    xs = [_values(s, getattr(torch, d), gen, lo, hi).requires_grad_(g) for s, d, g, _ in case.specs]
+    dev = case_device()
+    xs = [_values(s, getattr(torch, d), gen, lo, hi).to(dev).requires_grad_(g) for s, d, g, _ in case.specs]
     res = CaseResult(tol=max(tolerance(d) for _, d, _, _ in case.specs))
     before = [x.detach().clone() for x in xs]
     fn = COALESCED_OPS[case.op].fn
@@ -118,7 +119,7 @@ def run_coalesced_case(case: CoalescedCase, double: bool = True) -> CaseResult:
     used = [i for i, s in enumerate(case.specs) if s[3]]
     cots: list[Any] = [None] * len(xs)
     for i in used:
-        cots[i] = _values(tuple(out[i].shape), out[i].dtype, gen, -3, 3)
+        cots[i] = _values(tuple(out[i].shape), out[i].dtype, gen, -3, 3).to(dev)
         cots[i].requires_grad_(out[i].dtype.is_floating_point or out[i].dtype.is_complex)
     # adjoint: dot-product test with the dual coalesced op, called directly
     ys = [c.detach() if c is not None else torch.zeros_like(o.detach()) for c, o in zip(cots, out)]
@@ -147,7 +148,7 @@ def run_coalesced_case(case: CoalescedCase, double: bool = True) -> CaseResult:
     g_co, g_ref = grads(out, xs), grads(ref, xs1)
     res.grad_err = max(_rel(a, b) for a, b in zip(g_co, g_ref))
     if double:
-        ws = [_values(tuple(xs[i].shape), xs[i].dtype, gen, -2, 2) for i in wanted]
+        ws = [_values(tuple(xs[i].shape), xs[i].dtype, gen, -2, 2).to(dev) for i in wanted]
         extra = [i for i in used if cots[i].requires_grad]
 
         def second(gs: tuple[Any, ...], inputs: list[Tensor]) -> tuple[Any, ...]:
