@@ -6,6 +6,8 @@ cases always run and check real behaviour (wall-clock events, RSS, profiler rang
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import psutil
@@ -135,6 +137,32 @@ def test_stream_context_switches_and_restores(acc: Accelerator) -> None:
             assert acc.current_stream() == s
         torch.ones(4, device=acc.device()).sum()
     assert acc.current_stream() == default
+
+
+def test_started_stream_is_the_current_stream_once_the_runtime_runs(acc: Accelerator) -> None:
+    """What the async engine runs its jobs under: ``None`` on the CPU (nothing to order)
+    and on MPS (one queue); on a device-module accelerator whose runtime has started
+    (``current_stream()`` starts it), this thread's current stream, in a context too."""
+    if acc.name in ("cpu", "mps"):
+        assert acc.started_stream() is None
+        return
+    assert acc.started_stream() == acc.current_stream()
+    s = acc.stream()
+    with acc.stream_context(s):
+        assert acc.started_stream() == s
+
+
+def test_started_stream_does_not_start_a_device_runtime() -> None:
+    """A CPU-only process on a GPU machine: asking must not create a device context."""
+    code = (
+        "import torch\n"
+        "from diffcomm.accelerator import get_accelerator\n"
+        "acc = get_accelerator()\n"
+        "assert acc.started_stream() is None, acc.name\n"
+        "assert not (torch.cuda.is_available() and torch.cuda.is_initialized())\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
 
 
 def test_stream_context_none_is_noop(acc: Accelerator) -> None:

@@ -255,6 +255,9 @@ class CPUAccelerator(TorchModuleAccelerator):
         self._index(device)
         return self._default
 
+    def started_stream(self) -> None:
+        return None  # CPU work is synchronous: nothing for another thread to order after
+
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         if stream is not None and not isinstance(stream, torch.cpu.Stream):
             raise TypeError(f"stream must be a CPUStream or None, got {type(stream).__name__}")

@@ -110,6 +110,9 @@ class MPSAccelerator(TorchModuleAccelerator):
         self._index(device)
         return self._stream
 
+    def started_stream(self) -> None:
+        return None  # one command queue: nothing to switch to
+
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext(stream)  # one queue: nothing to switch
 
