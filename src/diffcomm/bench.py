@@ -322,11 +322,16 @@ def _rank_times(op: str, nbytes: int, rounds: int, warmup: int) -> dict[str, lis
         for k in order:
             acc.synchronize()
             dist.barrier()
-            t0 = time.perf_counter()
-            impls[k]()
-            acc.synchronize()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(_seconds(impls[k], acc.synchronize))
     return times
+
+
+def _seconds(fn: Callable[[], None], sync: Callable[[], None]) -> float:
+    """Wall-clock seconds of ``fn()`` and the device work it queued (``sync()`` waits)."""
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
 
 
 def rows_from_times(
