@@ -28,6 +28,8 @@ import torch.distributed as dist
 import diffcomm as dc
 from diffcomm import backend as B
 from diffcomm import cli
+from diffcomm.testing.cases import run_case, standard_cases
+from diffcomm.testing.coalesced import run_coalesced_case, standard_coalesced_cases
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and dist.is_nccl_available()),
@@ -41,9 +43,6 @@ def gpus(local_worlds):  # noqa: ANN001, ANN201
 
 
 def _standard(world: int) -> list[dict]:
-    from diffcomm.testing.cases import run_case, standard_cases
-    from diffcomm.testing.coalesced import run_coalesced_case, standard_coalesced_cases
-
     assert B.get_backend().comm_device(None).type == "cuda"
     rows = [{"op": c.op, "case": c.label(), **run_case(c).as_dict()} for c in standard_cases(world)]
     rows += [
@@ -55,9 +54,6 @@ def _standard(world: int) -> list[dict]:
 
 def test_every_standard_case_on_the_gpu(gpus) -> None:  # noqa: ANN001
     per_rank = gpus.run(_standard, gpus.world_size)
-    from diffcomm.testing.cases import standard_cases
-    from diffcomm.testing.coalesced import standard_coalesced_cases
-
     bad = [(r["op"], r["case"], r) for rows in per_rank for r in rows if not r["ok"]]
     assert not bad, bad[:5]
     n = gpus.world_size
