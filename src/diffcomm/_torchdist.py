@@ -285,7 +285,6 @@ class TorchDistributedBackend(CoalescedOps):
             full = self.all_reduce(x, op, group)
             start = sum(sizes[:rank])
             return full[start : start + sizes[rank]].clone()
-        torch_op, divide = self._reduce_op(op, x, group)
         if even:
             inp = x
         else:  # pad each chunk to the largest, so one reduce_scatter_tensor does it
@@ -297,12 +296,11 @@ class TorchDistributedBackend(CoalescedOps):
         else:
             wire_in, wire_out = inp, out
         if world > 1 and info.backend in _REDUCE_SCATTER_BY_ALL_TO_ALL and wire_in.is_floating_point():
-            divide = divide or op == "avg"
-            args = (wire_out, wire_in, world, group)
-            _dispatch("reduce_scatter", group, inp.nbytes, _all_to_all_sum, _scatter_own, out, args)
+            run, how, divide = _all_to_all_sum, world, op == "avg"  # op is "sum" or "avg" here
         else:
-            args = (wire_out, wire_in, torch_op, group)
-            _dispatch("reduce_scatter", group, inp.nbytes, c10d_reduce_scatter, _scatter_own, out, args)
+            run, (how, divide) = c10d_reduce_scatter, self._reduce_op(op, x, group)
+        args = (wire_out, wire_in, how, group)
+        _dispatch("reduce_scatter", group, inp.nbytes, run, _scatter_own, out, args)
         if divide:
             out.div_(world)
         return out if even else out[: split_sizes[rank]].clone()
