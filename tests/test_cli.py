@@ -15,6 +15,7 @@ from rich.console import Console
 
 import diffcomm as dc
 from diffcomm import __version__, cli
+from diffcomm.accelerator import get_accelerator
 
 
 def _run_python(
@@ -46,7 +47,9 @@ def test_info_prints_versions_backends_and_probed_capabilities() -> None:
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert torch.__version__ in out and __version__ in out
-    assert "accelerator" in out and "cpu (" in out and "default backend gloo" in out
+    acc = get_accelerator()  # the subprocess detects the same one (cpu here, cuda on a GPU machine)
+    assert "accelerator" in out and f"{acc.name} (" in out
+    assert f"default backend {acc.communication_backend_name()}" in out
     assert "c10d backends" in out
     for name in cli.C10D_BACKENDS:
         assert name in out
@@ -63,7 +66,7 @@ def test_info_json_without_probe() -> None:
     assert info["torch"] == torch.__version__ and info["diffcomm"] == __version__
     assert info["c10d_backends"]["gloo"] is True
     assert set(info["c10d_backends"]) == set(cli.C10D_BACKENDS)
-    assert info["accelerator"]["name"] == "cpu"
+    assert info["accelerator"]["name"] == get_accelerator().name
     assert info["settings"] == dc.settings()  # what this process reads from the same environment
     assert "probe" not in info
 

@@ -283,9 +283,7 @@ def test_diffcomm_timeout_bounds_the_users_own_default_group(tmp_path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE, text=True
-        )
+        subprocess.Popen([sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE, text=True)
         for r in (0, 1)
     ]
     outs = [p.communicate(timeout=120)[0] for p in procs]

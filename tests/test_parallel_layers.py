@@ -17,6 +17,7 @@ from torch.testing import assert_close
 import diffcomm as dc
 from diffcomm import parallel as P
 from diffcomm import rng
+from diffcomm.accelerator import set_accelerator
 from diffcomm.backend import log_comms
 from diffcomm.testing import Shard, assert_matches_serial, build
 
@@ -266,7 +267,9 @@ def _dropout_masks() -> dict:
     tracker = rng.get_tracker()
     saved = tracker.get_states()
     try:
-        with torch.random.fork_rng(devices=[]):
+        # CPU tensors: their dropout draws from the CPU generator, so the streams must be
+        # swapped into the CPU accelerator's (on a GPU machine the default is cuda's)
+        with set_accelerator("cpu"), torch.random.fork_rng(devices=[]):
             mlp = P.ParallelMLP(4, 16 * w, dropout=0.5, seed=0).train()
             seen: list[torch.Tensor] = []
             mlp.fc2.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach() == 0))

@@ -10,13 +10,20 @@ from pathlib import Path
 
 import pytest
 
+import diffcomm as dc
+from diffcomm import world
+from diffcomm.accelerator import CPUAccelerator, get_accelerator, set_accelerator
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchrun_allreduce.py"
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="the `torchrun` launcher is not on PATH")
 def test_torchrun_job_through_init() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("DIFFCOMM_ACCELERATOR", None)
+    if get_accelerator().name == "cpu":
+        env.pop("DIFFCOMM_ACCELERATOR", None)  # the default detection picks gloo
+    else:  # the example's CPU tensors need gloo; 2 nccl ranks would need 2 GPUs
+        env["DIFFCOMM_ACCELERATOR"] = "cpu"
     proc = subprocess.run(
         ["torchrun", "--standalone", "--nproc-per-node=2", str(EXAMPLE)],
         capture_output=True,
@@ -30,3 +37,43 @@ def test_torchrun_job_through_init() -> None:
     oks = re.findall(r"OK rank (\d)/2: ([^(\n]*) \(gloo\)", proc.stdout)
     assert sorted(rank for rank, _ in oks) == ["0", "1"], proc.stdout
     assert all(checked.startswith("raw all_reduce, raw all_gather") for _, checked in oks), proc.stdout
+
+
+class _OneGPU(CPUAccelerator):
+    """A stand-in for a one-device GPU accelerator whose own backend is nccl."""
+
+    name = "cuda"
+    _communication_backend = "nccl"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_to: list[int] = []
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, index: object) -> None:
+        self.set_to.append(int(index))  # type: ignore[call-overload]
+
+
+def test_init_sets_the_local_device_or_says_why_it_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun on a one-GPU machine: local rank 0 gets the GPU; local rank 1 with nccl is
+    a ValueError before any rendezvous; with gloo it starts without a device of its own."""
+    acc = _OneGPU()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    world._set_local_device(acc, "nccl")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    world._set_local_device(acc, "gloo")
+    assert acc.set_to == [0]
+    for key, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    with set_accelerator(acc), pytest.raises(ValueError) as err:
+        dc.init()  # MASTER_PORT 1: a rendezvous would fail, so this is the check alone
+    assert "LOCAL_RANK=1, but this process sees 1 cuda device(s)" in str(err.value)
+    assert "--nproc-per-node=1" in str(err.value) and "backend='gloo'" in str(err.value)
+    assert acc.set_to == [0] and not dc.is_initialized()

@@ -63,7 +63,7 @@ from ._errors import (
 
 __all__ = ["LocalWorld", "launch", "init", "get_rank", "get_world_size", "is_initialized"]
 
-# Size: ~620 lines, just over the ~600 guideline: what remains is the caller side of
+# Size: ~650 lines, just over the ~600 guideline: what remains is the caller side of
 # LocalWorld (start, run, the watch loop that tells death, error, desync and timeout
 # apart, teardown) plus init/launch; the rank process is ``_worker``, and the failure
 # messages and early diagnoses are ``_world_report``.
@@ -112,10 +112,11 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
     ``backend=None`` picks the accelerator's default (gloo on CPU, nccl on CUDA, ...), and
-    the local device is set from ``LOCAL_RANK``. ``timeout`` (seconds) defaults to
-    ``DIFFCOMM_TIMEOUT`` or torch's default; it bounds every collective, while the
-    rendezvous itself may take up to 120 s (ranks still starting). Calling it again is a
-    no-op.
+    the local device is set from ``LOCAL_RANK`` (with more local ranks than devices, a
+    gloo job leaves the device alone; the device's own backend raises ``ValueError``).
+    ``timeout`` (seconds) defaults to ``DIFFCOMM_TIMEOUT`` or torch's default; it bounds
+    every collective, while the rendezvous itself may take up to 120 s (ranks still
+    starting). Calling it again is a no-op.
 
     Example::
 
@@ -143,13 +144,33 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
         # allowance: on a loaded machine it outlasts a short collective timeout
         kwargs["timeout"] = datetime.timedelta(seconds=max(seconds, _STARTUP_TIMEOUT))
     if set_device and acc.name != "cpu":
-        acc.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        _set_local_device(acc, name)
     dist.init_process_group(name, **kwargs)
     if seconds is not None and seconds < _STARTUP_TIMEOUT:
         try:  # the collectives then wait `seconds`, no longer
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), None)
         except Exception:  # noqa: BLE001 - a backend without settable timeouts keeps its own
             pass
+
+
+def _set_local_device(acc: Any, backend: str) -> None:
+    """``init``'s device choice: the ``LOCAL_RANK``-th device of the accelerator.
+
+    More local ranks than devices is an error for the accelerator's own backend (nccl
+    allows one rank per GPU), said before any rendezvous; a CPU-capable backend (gloo)
+    leaves the device alone instead, so CPU ranks on a GPU machine still start.
+    """
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    count = acc.device_count()
+    if 0 <= local < count:
+        acc.set_device(local)
+    elif backend.lower() == acc.communication_backend_name().lower():
+        raise ValueError(
+            f"diffcomm.init(): LOCAL_RANK={local}, but this process sees {count} {acc.name} "
+            f"device(s) and backend {backend!r} needs one device per local rank: start at most "
+            f"{count} process(es) per node (torchrun --nproc-per-node={count}), or run CPU "
+            "ranks with diffcomm.init(backend='gloo') or DIFFCOMM_ACCELERATOR=cpu"
+        )
 
 
 # --------------------------------------------------------------------------------------
