@@ -45,7 +45,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import psutil
@@ -60,6 +60,9 @@ from ._errors import (
     WorldTimeoutError,
     WorldTooLargeError,
 )
+
+if TYPE_CHECKING:
+    from .accelerator import Accelerator
 
 __all__ = ["LocalWorld", "launch", "init", "get_rank", "get_world_size", "is_initialized"]
 
@@ -153,7 +156,7 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
             pass
 
 
-def _set_local_device(acc: Any, backend: str) -> None:
+def _set_local_device(acc: Accelerator, backend: str) -> None:
     """``init``'s device choice: the ``LOCAL_RANK``-th device of the accelerator.
 
     More local ranks than devices is an error for the accelerator's own backend (nccl
