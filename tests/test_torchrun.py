@@ -1,4 +1,5 @@
-"""One real ``torchrun --standalone --nproc-per-node=2`` job through ``diffcomm.init()``."""
+"""One real ``torchrun --standalone --nproc-per-node=2`` job through ``diffcomm.init()``, and
+``init``'s choice of the local device."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 import diffcomm as dc
 from diffcomm import world
-from diffcomm.accelerator import CPUAccelerator, get_accelerator, set_accelerator
+from diffcomm.accelerator import CPUAccelerator, DeviceLike, get_accelerator, set_accelerator
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchrun_allreduce.py"
 
@@ -47,13 +48,13 @@ class _OneGPU(CPUAccelerator):
 
     def __init__(self) -> None:
         super().__init__()
-        self.set_to: list[int] = []
+        self.set_to: list[DeviceLike] = []
 
     def device_count(self) -> int:
         return 1
 
-    def set_device(self, index: object) -> None:
-        self.set_to.append(int(index))  # type: ignore[call-overload]
+    def set_device(self, index: DeviceLike) -> None:
+        self.set_to.append(index)
 
 
 def test_init_sets_the_local_device_or_says_why_it_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
