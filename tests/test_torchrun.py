@@ -77,4 +77,5 @@ def test_init_sets_the_local_device_or_says_why_it_cannot(monkeypatch: pytest.Mo
         dc.init()  # MASTER_PORT 1: a rendezvous would fail, so this is the check alone
     assert "LOCAL_RANK=1, but this process sees 1 cuda device(s)" in str(err.value)
     assert "--nproc-per-node=1" in str(err.value) and "backend='gloo'" in str(err.value)
+    assert "set_device=False" in str(err.value)  # the way out when each process sees one GPU
     assert acc.set_to == [0] and not dc.is_initialized()

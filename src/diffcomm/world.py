@@ -161,7 +161,8 @@ def _set_local_device(acc: Accelerator, backend: str) -> None:
 
     More local ranks than devices is an error for the accelerator's own backend (nccl
     allows one rank per GPU), said before any rendezvous; a CPU-capable backend (gloo)
-    leaves the device alone instead, so CPU ranks on a GPU machine still start.
+    leaves the device alone instead, so CPU ranks on a GPU machine still start. (A launcher
+    that gives each process only its own GPU is served by ``init(set_device=False)``.)
     """
     local = int(os.environ.get("LOCAL_RANK", "0"))
     count = acc.device_count()
@@ -172,7 +173,9 @@ def _set_local_device(acc: Accelerator, backend: str) -> None:
             f"diffcomm.init(): LOCAL_RANK={local}, but this process sees {count} {acc.name} "
             f"device(s) and backend {backend!r} needs one device per local rank: start at most "
             f"{count} process(es) per node (torchrun --nproc-per-node={count}), or run CPU "
-            "ranks with diffcomm.init(backend='gloo') or DIFFCOMM_ACCELERATOR=cpu"
+            "ranks with diffcomm.init(backend='gloo') or DIFFCOMM_ACCELERATOR=cpu; if each "
+            "process sees only its own device (CUDA_VISIBLE_DEVICES set per process), pass "
+            "set_device=False and make it current yourself"
         )
 
 
