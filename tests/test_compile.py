@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._dynamo.testing import CompileCounter
 
 import diffcomm as dc
 from diffcomm import backend as B
@@ -144,6 +145,52 @@ def _module_compiled_vs_eager(backend: str) -> dict[str, float]:
 def test_compiled_module_inductor_equals_eager(world2) -> None:
     for errs in world2.run(_module_compiled_vs_eager, "inductor"):
         assert all(v <= 1e-10 for v in errs.values()), errs
+
+
+def _compile_check() -> bool:
+    return B.TRACING() or B.TC._is_compiling_flag
+
+
+def test_one_frame_compile_check_answers_as_is_compiling() -> None:
+    """The hot path's inline compile test (``backend.TRACING() or TC._is_compiling_flag``,
+    one call frame) says what ``torch.compiler.is_compiling()`` says: eagerly, while a
+    compile session's flag is set (AOTAutograd running Python), and while dynamo traces,
+    where it must not guard on the flag (that would recompile on every call)."""
+    assert _compile_check() is False and torch.compiler.is_compiling() is False
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        assert _compile_check() is True and torch.compiler.is_compiling() is True
+    finally:
+        torch.compiler._is_compiling_flag = old
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    f = torch.compile(lambda x: x + 1 if _compile_check() else x - 1, backend=counter, fullgraph=True)
+    for _ in range(3):
+        assert f(torch.zeros(1)).item() == 1.0  # traced as compiling
+    assert counter.frame_count == 1  # compiled once: no guard on the flag
+
+
+def _compiled_ops_compile_once() -> list[int]:
+    dc.all_reduce(torch.ones(1))  # an eager op first: the settings are read (see the test)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    block = _TPBlock()
+    compiled = torch.compile(block, fullgraph=True, backend=counter)
+    for i in range(3):
+        compiled(_data((3, 4), 60 + i)).sum().backward()
+    return [counter.frame_count]
+
+
+def test_compiled_collectives_compile_once_across_calls(world2) -> None:
+    """Three calls of a compiled block of collectives: one compilation (the eager hot
+    path's compile checks leave no guard behind that fails on the next call).
+
+    Known, and why the worker runs one eager op first: the settings are read from the
+    environment on first use, so in a process whose first diffcomm op is compiled, that
+    first trace reads ``DIFFCOMM_DEBUG`` and the second call compiles once more (the
+    guard on "not read yet" fails once; docs/transforms.md)."""
+    assert world2.run(_compiled_ops_compile_once) == [[1], [1]]
 
 
 def _grad_inside_compile() -> list[float]:

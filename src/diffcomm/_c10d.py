@@ -42,12 +42,11 @@ def _direct_group(t: torch.Tensor, group: ProcessGroup) -> Any:
 
 
 def _reduce_opts(cache: dict[Any, Any], make: Callable[[], Any], op: Any) -> Any:
-    """The blocking options object for reduce op ``op`` (made once per op, then shared)."""
-    opts = cache.get(op)
-    if opts is None:
-        opts = cache[op] = make()
-        opts.reduceOp = op
-        opts.asyncOp = False
+    """Make the blocking options object for reduce op ``op`` and keep it in ``cache``
+    (callers look there first, inline: ``cache.get(op) or _reduce_opts(...)``)."""
+    opts = cache[op] = make()
+    opts.reduceOp = op
+    opts.asyncOp = False
     return opts
 
 
@@ -57,7 +56,10 @@ def c10d_all_reduce(t: torch.Tensor, op: Any, group: ProcessGroup) -> None:
     if pg is None:
         dist.all_reduce(t, op, group=group)
     else:
-        _wait(pg.allreduce([t], _reduce_opts(_ALLREDUCE_OPTS, dist.AllreduceOptions, op)))
+        opts = _ALLREDUCE_OPTS.get(op) or _reduce_opts(_ALLREDUCE_OPTS, dist.AllreduceOptions, op)
+        work = pg.allreduce([t], opts)
+        if work is not None:  # see _wait (inline: every raw op passes here)
+            work.wait()
 
 
 _PG_ALLGATHER = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
@@ -73,6 +75,8 @@ _REDUCE_SCATTER_OPTS: dict[Any, Any] = {}
 
 
 def _wait(work: Any) -> None:
+    """Wait for a blocking op's work (the hot ops write this inline: a call frame costs
+    as much as the rest of the wait)."""
     if work is not None:  # backends that sync in C++ return no work
         work.wait()
 
@@ -84,7 +88,9 @@ def c10d_all_gather(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> 
     if pg is None:
         all_gather_single(out, x, group=group)
     else:
-        _wait(_PG_ALLGATHER(pg, out, x, _ALLGATHER_OPTS))
+        work = _PG_ALLGATHER(pg, out, x, _ALLGATHER_OPTS)
+        if work is not None:  # see _wait
+            work.wait()
 
 
 def c10d_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: Any, group: ProcessGroup) -> None:
@@ -93,8 +99,11 @@ def c10d_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: Any, group: Proc
     if pg is None:
         reduce_scatter_single(out, x, op=op, group=group)
     else:
-        opts = _reduce_opts(_REDUCE_SCATTER_OPTS, dist.ReduceScatterOptions, op)
-        _wait(_PG_REDUCE_SCATTER(pg, out, x, opts))
+        cache = _REDUCE_SCATTER_OPTS
+        opts = cache.get(op) or _reduce_opts(cache, dist.ReduceScatterOptions, op)
+        work = _PG_REDUCE_SCATTER(pg, out, x, opts)
+        if work is not None:  # see _wait
+            work.wait()
 
 
 def c10d_all_to_all(
@@ -106,7 +115,9 @@ def c10d_all_to_all(
         dist.all_to_all_single(out, x, outs, ins, group=group)
     else:
         outs, ins = [] if outs is None else outs, [] if ins is None else ins
-        _wait(_PG_ALLTOALL(pg, out, x, outs, ins, _ALLTOALL_OPTS))
+        work = _PG_ALLTOALL(pg, out, x, outs, ins, _ALLTOALL_OPTS)
+        if work is not None:  # see _wait
+            work.wait()
 
 
 def c10d_broadcast(t: torch.Tensor, src: int, group: ProcessGroup) -> None:

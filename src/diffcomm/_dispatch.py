@@ -61,6 +61,7 @@ def dispatch(
     skip: Callable[..., Any],
     sample: torch.Tensor | None = None,
     args: tuple[Any, ...] = (),
+    here: bool = False,
 ) -> Any:
     """Run one raw op: comm-off switch, logging, flight recorder, timeout diagnosis — for
     every op (a timeout becomes :class:`~diffcomm.DesyncError` with the cross-rank story).
@@ -72,14 +73,44 @@ def dispatch(
     Inside :func:`run_coalesced` the call is one *part* of a coalesced op: it is not
     logged on its own (the coalesced op is logged once, with the parts' total bytes) and
     is skipped when either its own name or the coalesced op's is off.
+
+    The hot path (nothing logged, switched off, queued or spanned) runs the op right here,
+    in this frame (a call frame fewer on every raw op); ``here=True`` (:func:`_run_here`)
+    skips the routing, for the other paths once they have decided to run the op.
     """
-    state = _local.__dict__  # this thread's logs / switches / coalescing record
-    if not (state and (state.get("logs") or state.get("off") or state.get("coalescing") is not None)):
-        # the hot path: nothing logged, nothing switched off
+    if not here:
+        state = _local.__dict__  # this thread's logs / switches / coalescing record
+        if state and (state.get("logs") or state.get("off") or state.get("coalescing") is not None):
+            return _dispatch_routed(op, group, nbytes, run, skip, sample, args, state)
         hook = _ORDER_HOOK
-        if (hook is None or not (hook[2].pending and hook[0]())) and _SPANS is None:
-            return _run_here(op, group, run, nbytes, sample, args)
-        return _run(op, group, run, nbytes, sample, args)
+        if (hook is not None and hook[2].pending and hook[0]()) or _SPANS is not None:
+            return _run(op, group, run, nbytes, sample, args)
+    label = _get_label()
+    rec = _begin(op, group, nbytes, sample, label)
+    try:
+        out = run(*args)
+    except (RuntimeError, dist.DistError) as err:  # DistBackendError is a RuntimeError
+        mapped = _flight.failed(rec, op, group, err, label)
+        if mapped is not None:
+            raise mapped from err
+        raise
+    if rec is not None:  # _flight.end, inline (every raw op passes here)
+        rec[_T1] = _perf()
+        rec[_STATE] = "completed"
+    return out
+
+
+def _dispatch_routed(
+    op: str,
+    group: ProcessGroup,
+    nbytes: int,
+    run: Fn,
+    skip: Fn,
+    sample: Sample,
+    args: Args,
+    state: dict[str, Any],
+) -> Any:
+    """:func:`dispatch` while this thread logs, has ops switched off or coalesces."""
     part_of = state.get("coalescing")
     if part_of is not None:
         part_of.parts += 1
@@ -90,7 +121,7 @@ def dispatch(
         return _run(op, group, run, nbytes, sample, args)
     logs = _logs()
     if op in _off():
-        out = skip(*args)
+        out = skip(*args)  # type: ignore[misc]
         for log in logs:
             log.records.append(CommRecord(op, _LABEL.get(), nbytes, 0.0, _world(group), True))
         return out
@@ -155,19 +186,9 @@ def _run(
 def _run_here(
     op: str, group: ProcessGroup, run: Fn, nbytes: int = 0, sample: Sample = None, args: Args = ()
 ) -> Any:
-    label = _get_label()
-    rec = _begin(op, group, nbytes, sample, label)
-    try:
-        out = run(*args)
-    except (RuntimeError, dist.DistError) as err:  # DistBackendError is a RuntimeError
-        mapped = _flight.failed(rec, op, group, err, label)
-        if mapped is not None:
-            raise mapped from err
-        raise
-    if rec is not None:  # _flight.end, inline (every raw op passes here)
-        rec[_T1] = _perf()
-        rec[_STATE] = "completed"
-    return out
+    """``run(*args)`` with the flight record and the error mapping, no routing (see
+    :func:`dispatch`)."""
+    return dispatch(op, group, nbytes, run, run, sample, args, True)  # (skip unused here)
 
 
 @dataclass

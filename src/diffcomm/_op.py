@@ -77,6 +77,13 @@ class FastFunction(torch.autograd.Function):
     to the C++ ``apply``; under transforms or torch.compile the full path is used.
     """
 
+    #: torch's C++ ``apply`` bound to this class (``c_apply(*args)``; see :func:`apply`).
+    c_apply: ClassVar[Any]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.c_apply = _c_apply.__get__(None, cls)
+
     @classmethod
     @torch.compiler.disable  # dynamo must never trace this frame (see below)
     def apply(cls, *args: Any) -> Any:  # type: ignore[override]
@@ -84,7 +91,7 @@ class FastFunction(torch.autograd.Function):
         # method. It only enters it as a frame of its own when eager code runs under an
         # active torch.compile (after a graph break), and it cannot trace ``super().apply``
         # ("AutogradFunctionVariable() is not a constant"): so run it eagerly (~1 us).
-        if _transforms_active() or torch.compiler.is_compiling():
+        if _transforms_active() or _tracing() or _TC._is_compiling_flag:
             return super().apply(*args)
         if _async.launching(cls):  # async_op=True, or an asynchronous op's backward
             return _async.launch_fn(cls, args)
@@ -107,6 +114,7 @@ except ImportError:  # pragma: no cover - older torch
 unwrap_if_dead = _unwrap_if_dead
 _fwad = torch.autograd.forward_ad
 _compiling = torch.compiler.is_compiling
+_tracing, _TC = B.TRACING, B.TC  # inline ``_tracing() or _TC._is_compiling_flag``: _compiling() in one frame
 _get_label, _set_label, _reset_label = B.LABEL.get, B.LABEL.set, B.LABEL.reset
 _grad_enabled = torch.is_grad_enabled
 _ASYNC_ACTIVE = _async.ACTIVE
@@ -118,16 +126,20 @@ def apply(fn_cls: Any, *args: Any) -> Any:
     In plain eager mode this goes straight to the C++ ``apply`` (no ``inspect`` binding of
     defaults, no dynamo-disable wrapper around a classmethod: a few microseconds on every
     call). Under a torch.func transform or while dynamo traces, the full ``apply`` of the
-    Function (its compile twin while compiling). ``_compiling()`` is tested first: while
-    dynamo traces this frame it is a constant and the rest is never traced. With
+    Function (its compile twin while compiling). The compile test comes first (``TRACING``
+    in :mod:`diffcomm.backend`): while dynamo traces this frame it is a constant and the
+    rest is never traced. With
     ``async_op=True`` (an :func:`diffcomm._async.async_mode` block) it is launched on the
     communication engine.
     """
-    if _compiling() or _transforms_active():
+    if _tracing() or _TC._is_compiling_flag or _transforms_active():
         return fn(fn_cls).apply(*args)
     if _ASYNC_ACTIVE[0] and _async.launching(fn_cls):
         return _async.launch_fn(fn_cls, args)
-    return _c_apply(fn_cls, _unwrap_if_dead(args[0]), *args[1:])
+    x = _unwrap_if_dead(args[0])
+    if x is not args[0]:  # a tensor that escaped a finished torch.func transform
+        args = (x, *args[1:])
+    return fn_cls.c_apply(*args)  # the tuple as it came: no list built for the call
 
 
 def apply_async(fn_cls: Any, *args: Any) -> Any:
@@ -139,8 +151,8 @@ def apply_async(fn_cls: Any, *args: Any) -> Any:
         return apply(fn_cls, *args)
 
 
-def call(fn_cls: Any, x: Tensor, *args: Any) -> Tensor:
-    """Apply the op ``fn_cls`` inside a rule (a transpose, a tangent).
+def call(fn_cls: Any, *args: Any) -> Tensor:
+    """Apply the op ``fn_cls`` to ``(x, *rest)`` inside a rule (a transpose, a tangent).
 
     When nothing needs recording — grad mode off (a backward without ``create_graph``),
     no torch.func transform, no forward-AD level, not tracing — the op's ``forward`` runs
@@ -148,11 +160,12 @@ def call(fn_cls: Any, x: Tensor, *args: Any) -> Tensor:
     ``torch.func``, ``torch.compile``) the full differentiable ``apply``. Inside the
     backward of an asynchronous op it is launched on the communication engine.
     """
-    if _grad_enabled() or _transforms_active() or _fwad._current_level >= 0 or _compiling():
-        return fn(fn_cls).apply(x, *args)  # while compiling: the twin
+    recording = _grad_enabled() or _transforms_active() or _fwad._current_level >= 0
+    if recording or _tracing() or _TC._is_compiling_flag:
+        return fn(fn_cls).apply(*args)  # while compiling: the twin
     if _ASYNC_ACTIVE[0] and _async.launching(fn_cls):  # an asynchronous op's backward: the dual
-        return _async.launch_fn(fn_cls, (x, *args))
-    return fn_cls.forward(x, *args)
+        return _async.launch_fn(fn_cls, args)
+    return fn_cls.forward(*args)  # (the varargs tuple passed on whole: no list built)
 
 
 class CommOp(FastFunction):
@@ -180,6 +193,18 @@ class CommOp(FastFunction):
 
     linearize: ClassVar[Any] = None
     weight: ClassVar[Any] = None
+
+
+#: ``label + " backward"`` per forward label, made once (the labels are a few dozen
+#: strings; the table is emptied should a program make thousands).
+_BACKWARD_TEXT: dict[str, str] = {}
+
+
+def _backward_text(label: str) -> str:
+    if len(_BACKWARD_TEXT) > 4096:
+        _BACKWARD_TEXT.clear()
+    text = _BACKWARD_TEXT[label] = label + " backward"
+    return text
 
 
 def _derive_rules(cls: Any) -> None:
@@ -211,14 +236,18 @@ def _derive_rules(cls: Any) -> None:
                 ctx.save_for_forward(inputs[0], output)
 
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
-        if _compiling():
+        if _tracing() or _TC._is_compiling_flag:
             return _backward(ctx, g)
-        text = label(*ctx.args) + " backward" if label is not None else backward_name  # inline: the hot path
+        if label is not None:  # inline: the hot path
+            text = label(*ctx.args)
+            text = _BACKWARD_TEXT.get(text) or _backward_text(text)
+        else:
+            text = backward_name
         outer = _get_label()
         token = _set_label(outer + " -> " + text if outer else text)
         try:
-            if ctx.linear is None:
-                return (transpose(g, *ctx.args), *nones)
+            if ctx.linear is None:  # tuples joined, not (g, *args): that builds a list first
+                return (transpose(*(g,) + ctx.args),) + nones
             return _backward(ctx, g)
         finally:
             _reset_label(token)

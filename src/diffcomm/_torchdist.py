@@ -37,8 +37,9 @@ from ._errors import CrossRankMismatchError
 from ._groups import Capabilities, GroupInfo, ProcessGroup, cpu_group, group_info
 from ._sized_gather import all_gather_unsized
 
+_SUM = dist.ReduceOp.SUM
 _TORCH_OPS = {
-    "sum": dist.ReduceOp.SUM,
+    "sum": _SUM,
     "avg": dist.ReduceOp.AVG,
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
@@ -237,7 +238,7 @@ class TorchDistributedBackend(CoalescedOps):
         world = info.size
         x = x.contiguous()
         even = sizes is None or sizes.count(sizes[0]) == world
-        into_tensor = self._caps(info).all_gather_into_tensor
+        into_tensor = (self._caps(info) if self.overrides else info.caps).all_gather_into_tensor
         if even and into_tensor:  # the common case, in few calls
             shape = x.shape  # each .shape builds a torch.Size: read it once
             out = x.new_empty(shape[0] * world, *shape[1:])  # int sizes: torch parses them fastest
@@ -278,7 +279,7 @@ class TorchDistributedBackend(CoalescedOps):
         world, rank = info.size, info.rank
         x = x.contiguous()
         even = split_sizes is None or split_sizes.count(split_sizes[0]) == world
-        caps = self._caps(info)
+        caps = self._caps(info) if self.overrides else info.caps  # (no call without overrides)
         if not caps.reduce_scatter or op not in ("sum", "avg"):
             # gap filled: reduce everything, keep own chunk (2x traffic, documented)
             sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
@@ -298,7 +299,8 @@ class TorchDistributedBackend(CoalescedOps):
         if world > 1 and info.backend in _REDUCE_SCATTER_BY_ALL_TO_ALL and wire_in.is_floating_point():
             run, how, divide = _all_to_all_sum, world, op == "avg"  # op is "sum" or "avg" here
         else:
-            run, (how, divide) = c10d_reduce_scatter, self._reduce_op(op, x, group)
+            run = c10d_reduce_scatter
+            how, divide = (_SUM, False) if op == "sum" else self._reduce_op(op, x, group)
         args = (wire_out, wire_in, how, group)
         _dispatch("reduce_scatter", group, inp.nbytes, run, _scatter_own, out, args)
         if divide:

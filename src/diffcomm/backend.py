@@ -133,30 +133,46 @@ class Backend(Protocol):
     ) -> list[torch.Tensor]: ...
 
 
-_BACKEND: Backend = TorchDistributedBackend()
+#: The default adapter, and the one installed now (:func:`set_backend` swaps it; callers
+#: ask :func:`get_backend`, except the group-size fast path in
+#: :mod:`diffcomm._collective_args`, which compares the two).
+DEFAULT: Backend = TorchDistributedBackend()
+INSTALLED: Backend = DEFAULT
 _TRACEABLE = TraceableBackend()
+
+
+#: ``torch.compiler.is_compiling()`` in one Python frame instead of two, for the hot path
+#: (which asks it several times per forward+backward; ``is_compiling`` first asks
+#: ``torch.jit.is_scripting()``, a second frame, ~0.6k machine instructions). Written
+#: inline, always in this order: ``TRACING() or TC._is_compiling_flag``. While dynamo
+#: traces, it folds ``is_dynamo_compiling()`` to ``True`` and the flag is never read (a
+#: traced read of it would guard on its value and recompile on every call); eagerly
+#: ``TRACING()`` is ``False`` and the flag is ``is_compiling()``'s own answer (set while a
+#: compile session, e.g. AOTAutograd, or an export runs Python code).
+TC = torch.compiler
+TRACING = getattr(TC, "is_dynamo_compiling", None) or TC.is_compiling
 
 
 def get_backend() -> Backend:
     """The backend adapter every collective calls (:class:`TraceableBackend` while
     ``torch.compile`` traces, whatever :func:`set_backend` installed)."""
-    if torch.compiler.is_compiling():
+    if TRACING() or TC._is_compiling_flag:
         return _TRACEABLE  # type: ignore[return-value]
-    return _BACKEND
+    return INSTALLED
 
 
 def set_backend(backend: Backend) -> Any:
     """Swap the adapter (e.g. a wrapper that records calls); a ``with`` block restores."""
-    global _BACKEND
-    old = _BACKEND
-    _BACKEND = backend
+    global INSTALLED
+    old = INSTALLED
+    INSTALLED = backend
 
     class _Restore:
         def __enter__(self) -> Backend:
             return backend
 
         def __exit__(self, *exc: object) -> None:
-            global _BACKEND
-            _BACKEND = old
+            global INSTALLED
+            INSTALLED = old
 
     return _Restore()

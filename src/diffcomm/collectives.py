@@ -86,6 +86,14 @@ __all__ = [
 # ======================================================================================
 
 
+_DEBUG = _config.DEBUG  # read inline as ``_value if _loaded else get()`` (the hot path)
+#: ``"<op>(<reduce op>)"``, made once: a label is asked for on every call (the flight
+#: recorder keys its call-site cache by it, and the same string object keeps its hash).
+_LABELS = {
+    name: {r: f"{name}({r})" for r in A.REDUCE_OPS} for name in ("all_reduce", "reduce", "reduce_scatter")
+}
+
+
 class _AllReduce(CommOp):
     """Self-adjoint for sum/avg; max/min/product are the sum composed with a weight."""
 
@@ -98,7 +106,7 @@ class _AllReduce(CommOp):
 
     @staticmethod
     def label(op: str, pg: PG) -> str:
-        return f"all_reduce({op})"
+        return _LABELS["all_reduce"][op]
 
     @staticmethod
     def transpose(g: Tensor, op: str, pg: PG) -> Tensor:
@@ -203,7 +211,8 @@ def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None, *, async_o
     x = _check_input(x, "all_reduce")
     op_name = A.normalize_op(op, "all_reduce", x)
     pg = A.resolve_group(group, "all_reduce")
-    _debug_check_input("all_reduce", pg, x, op=op_name)
+    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
+        _debug_check_input("all_reduce", pg, x, op=op_name)
     return (_apply_async if async_op else _apply)(_AllReduce, x, op_name, pg)
 
 
@@ -253,7 +262,8 @@ def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None, *, async_op: b
     x = _check_input(x, "broadcast")
     pg = A.resolve_group(group, "broadcast")
     src = A.check_rank(src, "broadcast", "src", _world(pg))
-    _debug_check_input("broadcast", pg, x, src=src)
+    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
+        _debug_check_input("broadcast", pg, x, src=src)
     return (_apply_async if async_op else _apply)(_Broadcast, x, src, pg)
 
 
@@ -269,7 +279,7 @@ class _Reduce(CommOp):
 
     @staticmethod
     def label(dst: int, op: str, pg: PG) -> str:
-        return f"reduce({op})"
+        return _LABELS["reduce"][op]
 
     @staticmethod
     def transpose(g: Tensor, dst: int, op: str, pg: PG) -> Tensor:
@@ -310,7 +320,8 @@ def reduce(
     op_name = A.normalize_op(op, "reduce", x)
     pg = A.resolve_group(group, "reduce")
     dst = A.check_rank(dst, "reduce", "dst", _world(pg))
-    _debug_check_input("reduce", pg, x, op=op_name, dst=dst)
+    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
+        _debug_check_input("reduce", pg, x, op=op_name, dst=dst)
     apply = _apply_async if async_op else _apply
     if op_name in A.LINEAR_OPS:
         return apply(_Reduce, x, dst, op_name, pg)
@@ -384,7 +395,7 @@ def all_gather(
     sizes, arg = A.renamed_sizes(split_sizes, sizes, "all_gather")
     if sizes is not None:
         sizes = _given_sizes(sizes, x, dim, pg, "all_gather", arg)
-    if _config.DEBUG.get():
+    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():
         rest = _other_dims(x, dim)
         _debug_check("all_gather", pg, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
     if sizes is None:  # learned with the rows where the backend can, else exchanged first
@@ -407,7 +418,7 @@ class _ReduceScatter(CommOp):
 
     @staticmethod
     def label(dim: int, op: str, pg: PG, sizes: tuple[int, ...]) -> str:
-        return f"reduce_scatter({op})"
+        return _LABELS["reduce_scatter"][op]
 
     @staticmethod
     def transpose(g: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...]) -> Tensor:
@@ -462,7 +473,8 @@ def reduce_scatter(
     op_name = A.normalize_op(op, "reduce_scatter", x)
     pg = A.resolve_group(group, "reduce_scatter")
     sizes = A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), "reduce_scatter")
-    _debug_check_input("reduce_scatter", pg, x, op=op_name, dim=dim, split_sizes=sizes)
+    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
+        _debug_check_input("reduce_scatter", pg, x, op=op_name, dim=dim, split_sizes=sizes)
     apply = _apply_async if async_op else _apply
     if op_name in A.LINEAR_OPS:
         return apply(_ReduceScatter, x, dim, op_name, pg, tuple(sizes))
