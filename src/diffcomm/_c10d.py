@@ -127,11 +127,18 @@ def c10d_broadcast(t: torch.Tensor, src: int, group: ProcessGroup) -> None:
     if pg is None or (t.element_size() == 1 and t.is_floating_point()):  # fp8: torch's workaround
         dist.broadcast(t, group_src=src, group=group)
         return
-    opts = dist.BroadcastOptions()
-    opts.rootRank = src
-    opts.rootTensor = 0
-    opts.asyncOp = False
-    _wait(pg.broadcast([t], opts))
+    opts = _BROADCAST_OPTS.get(src)
+    if opts is None:  # made once per root, then shared (as the reduce options)
+        opts = _BROADCAST_OPTS[src] = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.asyncOp = False
+    work = pg.broadcast([t], opts)
+    if work is not None:  # see _wait
+        work.wait()
+
+
+_BROADCAST_OPTS: dict[int, Any] = {}
 
 
 _REDUCE_OPTS: dict[Any, Any] = {}
@@ -150,7 +157,9 @@ def c10d_reduce(t: torch.Tensor, dst: int, op: Any, group: ProcessGroup) -> None
         opts.reduceOp = op
         opts.rootRank = dst
         opts.asyncOp = False
-    _wait(pg.reduce([t], opts))
+    work = pg.reduce([t], opts)
+    if work is not None:  # see _wait
+        work.wait()
 
 
 # torch >= 2.12 renamed the single-tensor forms; use whichever this torch has (version gap

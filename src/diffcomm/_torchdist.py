@@ -47,6 +47,14 @@ _TORCH_OPS = {
 }
 
 
+def _broadcast_into(out: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
+    """broadcast into ``out`` (contiguous, owned by the caller) in place; returns it (a
+    module function: the hot path calls it without a method lookup)."""
+    wire = torch.view_as_real(out) if out.is_complex() else out
+    _dispatch("broadcast", group, out.nbytes, c10d_broadcast, _keep, out, (wire, src, group))
+    return out
+
+
 class CoalescedOps:
     """The coalesced raw ops: a list of flat buffers (one per dtype, packed by the caller),
     one raw call each, logged as **one** op (``<op>_coalesced``, total bytes, ``parts`` =
@@ -177,9 +185,12 @@ class TorchDistributedBackend(CoalescedOps):
 
     def reduce(self, x: torch.Tensor, dst: int, op: str, group: ProcessGroup) -> torch.Tensor:
         out = x.clone(memory_format=torch.contiguous_format)
-        torch_op, divide = self._reduce_op(op, x, group)
-        wire = self._as_wire(out, op, group)
-        _dispatch("reduce", group, _nbytes(x), c10d_reduce, _keep, out, (wire, dst, torch_op, group))
+        if op == "sum" and not out.is_complex():  # the common case, without further calls
+            torch_op, divide, wire = _SUM, False, out
+        else:
+            torch_op, divide = self._reduce_op(op, x, group)
+            wire = self._as_wire(out, op, group)
+        _dispatch("reduce", group, x.nbytes, c10d_reduce, _keep, out, (wire, dst, torch_op, group))
         info = group_info(group)
         if info.rank != dst:
             out.zero_()
@@ -188,14 +199,12 @@ class TorchDistributedBackend(CoalescedOps):
         return out
 
     def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
-        return self._broadcast_into(x.clone(memory_format=torch.contiguous_format), src, group)
+        return _broadcast_into(x.clone(memory_format=torch.contiguous_format), src, group)
 
-    def _broadcast_into(self, out: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
+    @staticmethod
+    def _broadcast_into(out: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
         """broadcast into ``out`` (contiguous, owned by the caller) in place; returns it."""
-        x = out
-        wire = torch.view_as_real(out) if out.is_complex() else out
-        _dispatch("broadcast", group, _nbytes(x), c10d_broadcast, _keep, out, (wire, src, group))
-        return out
+        return _broadcast_into(out, src, group)
 
     # ---- gather family (dim 0) -----------------------------------------------------
     def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
