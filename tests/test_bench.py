@@ -33,6 +33,23 @@ def test_paired_ratios_reject_mismatched_rounds() -> None:
         bench.paired_ratios([1.0], [0.0])
 
 
+def test_round_order_is_drawn_per_round_the_same_on_every_rank() -> None:
+    """Each round runs every implementation once; the order is a permutation drawn from
+    the round's index (so every rank, drawing separately, agrees), and unlike a rotation
+    it does not keep who runs right after whom."""
+    from diffcomm.bench import round_order
+
+    names = ["raw", "floor", "torch.distributed.nn", "funcol", "diffcomm"]
+    orders = [round_order(names, i) for i in range(40)]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert orders == [round_order(list(names), i) for i in range(40)]  # reproducible
+    assert len({tuple(o) for o in orders}) > 20
+    for k in names:  # each implementation follows several different ones
+        before = {o[o.index(k) - 1] for o in orders if o.index(k) > 0}
+        assert len(before) >= 3, (k, before)
+    assert {o[0] for o in orders} == set(names)  # none always goes first
+
+
 def test_geomean() -> None:
     assert bench.geomean([1.0, 4.0]) == pytest.approx(2.0)
     assert bench.geomean([1.5]) == pytest.approx(1.5)

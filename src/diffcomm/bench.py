@@ -21,8 +21,9 @@ Implementations timed for each op and size (forward + backward of the same op):
 ``diffcomm``
     the public op (and ``diffcomm(sizes=)`` for all_gather with ``split_sizes=`` given).
 
-Every round runs each implementation once (the order rotates between rounds so none
-always goes first), each preceded by a barrier; a round's time for an implementation is
+Every round runs each implementation once, in an order drawn afresh for each round
+(:func:`round_order`: none always goes first, and none always runs right after the same
+other one), each preceded by a barrier; a round's time for an implementation is
 the slowest rank's. Ratios are *paired*: ``impl / raw`` and ``diffcomm / floor`` are
 computed within each round and then summarised (median and interquartile spread over
 rounds), so a slow stretch of a loaded machine hits numerator and denominator alike.
@@ -318,12 +319,29 @@ def _rank_times(op: str, nbytes: int, rounds: int, warmup: int) -> dict[str, lis
                 times.pop(k, None)  # e.g. torch.distributed.nn op without a gloo backward
     names = [k for k in names if k in times]
     for i in range(rounds):
-        order = names[i % len(names) :] + names[: i % len(names)]
-        for k in order:
+        for k in round_order(names, i):
             acc.synchronize()
             dist.barrier()
             times[k].append(_seconds(impls[k], acc.synchronize))
     return times
+
+
+def round_order(names: Sequence[str], i: int) -> list[str]:
+    """The order in which round ``i`` runs ``names``: a permutation drawn from a generator
+    seeded with ``i``, so every rank draws the same one (each implementation's
+    communication pairs up across ranks).
+
+    Not a rotation: rotating changes who goes first but keeps each implementation's
+    predecessor, and one implementation runs faster right after another that ran the
+    same code (it finds it in the caches). With the rotation ``floor`` always followed
+    ``raw``, its near-twin, and ``diffcomm`` followed ``torch.distributed.nn``: at
+    world 1, 16 KiB that made diffcomm / floor read 1.12-1.16 for all_gather,
+    reduce_scatter and all_to_all where, drawn at random, it reads 1.09-1.10 (as the
+    instruction counts of ``benchmarks/bench_overhead.py`` say; docs/performance.md).
+    """
+    import random
+
+    return random.Random(i).sample(list(names), len(names))
 
 
 def _seconds(fn: Callable[[], None], sync: Callable[[], None]) -> float:

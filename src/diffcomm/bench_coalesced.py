@@ -3,7 +3,7 @@ single calls vs one call on a flat tensor of the same total bytes.
 
 The case of the coalesced-ops issue: 256 float32 tensors of 4 KiB, forward + backward.
 Implementations, timed **interleaved** in one run (each round runs every implementation
-once, in a rotating order, each after a barrier; a round's time is the slowest rank's):
+once, in an order drawn afresh each round, each after a barrier; a round's time is the slowest rank's):
 
 * ``coalesced`` — ``dc.<op>_coalesced(tensors)`` and its backward (one call per dtype);
 * ``loop``      — ``[dc.<op>(t) for t in tensors]`` and their backward (one call each);
@@ -35,6 +35,7 @@ Run ``python -m diffcomm bench --coalesced`` or ``python benchmarks/bench_coales
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -47,6 +48,13 @@ from rich.table import Table
 import diffcomm as dc
 
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+
+
+def _round_order(names: list[str], i: int) -> list[str]:
+    """Round ``i``'s order: :func:`diffcomm.bench.round_order` (drawn per round, the same
+    on every rank; not a rotation, which keeps who runs right after whom). Written here
+    again: the two bench modules are independent layers."""
+    return random.Random(i).sample(names, len(names))
 
 
 class _Identity(torch.autograd.Function):
@@ -136,8 +144,7 @@ def _rank_run(op: str, n_tensors: int, nbytes: int, rounds: int, warmup: int) ->
             steps[name]()
     times: dict[str, list[float]] = {n: [] for n in names}
     for i in range(rounds):
-        order = names[i % len(names) :] + names[: i % len(names)]  # rotate who goes first
-        for name in order:
+        for name in _round_order(names, i):
             dist.barrier()
             start = time.perf_counter()
             steps[name]()
