@@ -191,7 +191,7 @@ def _site(key: Any) -> tuple[Any, int] | None:
                 return (code, f.f_lasti)
         except ValueError:  # a shallower stack this time
             pass
-    # _site() <- begin() <- _dispatch._run_here(): start above the first two, and walk up
+    # _site() <- begin() <- _dispatch.dispatch(): start above the first two, and walk up
     # past every diffcomm / torch frame
     depth = 2
     try:

@@ -128,9 +128,8 @@ def apply(fn_cls: Any, *args: Any) -> Any:
     call). Under a torch.func transform or while dynamo traces, the full ``apply`` of the
     Function (its compile twin while compiling). The compile test comes first (``TRACING``
     in :mod:`diffcomm.backend`): while dynamo traces this frame it is a constant and the
-    rest is never traced. With
-    ``async_op=True`` (an :func:`diffcomm._async.async_mode` block) it is launched on the
-    communication engine.
+    rest is never traced. With ``async_op=True`` (an :func:`diffcomm._async.async_mode`
+    block) it is launched on the communication engine.
     """
     if _tracing() or _TC._is_compiling_flag or _transforms_active():
         return fn(fn_cls).apply(*args)

@@ -185,8 +185,9 @@ class TorchDistributedBackend(CoalescedOps):
 
     def reduce(self, x: torch.Tensor, dst: int, op: str, group: ProcessGroup) -> torch.Tensor:
         out = x.clone(memory_format=torch.contiguous_format)
-        if op == "sum" and not out.is_complex():  # the common case, without further calls
-            torch_op, divide, wire = _SUM, False, out
+        torch_op = _TORCH_OPS.get(op) if op != "avg" and not out.is_complex() else None
+        if torch_op is not None:  # the common case, without further calls (as all_reduce)
+            divide, wire = False, out
         else:
             torch_op, divide = self._reduce_op(op, x, group)
             wire = self._as_wire(out, op, group)
@@ -201,10 +202,7 @@ class TorchDistributedBackend(CoalescedOps):
     def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
         return _broadcast_into(x.clone(memory_format=torch.contiguous_format), src, group)
 
-    @staticmethod
-    def _broadcast_into(out: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
-        """broadcast into ``out`` (contiguous, owned by the caller) in place; returns it."""
-        return _broadcast_into(out, src, group)
+    _broadcast_into = staticmethod(_broadcast_into)
 
     # ---- gather family (dim 0) -----------------------------------------------------
     def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
