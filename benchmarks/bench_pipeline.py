@@ -29,11 +29,11 @@ gradients (relative to the largest gradient), and the paired per-round time rati
 min..max). A 1F1B row without pre-posted receives (``prepost=False``) shows what
 posting the next receive early buys, and one with plain backward steps
 (``grad_first=False``, the runner before input-gradient-first ``B``) what sending the
-input gradient before the weight gradients buys, and one with ``grad_first="cooldown"``
-(only the ``B`` steps after a rank's last ``F`` split) what the split costs in the
-steady state. ``interleaved`` runs the runner's default for several chunks per rank
-(``grad_first="cooldown"``), ``interleaved-split`` every ``B`` split (``True``, the
-default before), ``interleaved-plainB`` none (``False``, as torch's schedule runs).
+input gradient before the weight gradients buys. ``1f1b`` and ``interleaved`` run the
+runner's default (``grad_first="cooldown"``: only the ``B`` steps after a rank's last
+``F`` split); ``1f1b-split`` and ``interleaved-split`` split every ``B`` (``True``, the
+default with one chunk per rank before 2026-11-27), ``interleaved-plainB`` none
+(``False``, as torch's schedule runs).
 
     python benchmarks/bench_pipeline.py                         # p=2, m=4 and 8
     python benchmarks/bench_pipeline.py --stages 2 4 --plot docs/_static/pipeline_timeline.png
@@ -76,7 +76,7 @@ SCHEDULES = {
     "1f1b": (1, "Schedule1F1B"),
     "1f1b-noprepost": (1, None),
     "1f1b-plainB": (1, None),
-    "1f1b-cooldown": (1, "Schedule1F1B"),
+    "1f1b-split": (1, "Schedule1F1B"),
     "interleaved": (2, "ScheduleInterleaved1F1B"),
     "interleaved-split": (2, "ScheduleInterleaved1F1B"),
     "interleaved-plainB": (2, "ScheduleInterleaved1F1B"),
@@ -126,7 +126,7 @@ def _rank_bench(
     mine = partition(model, p * v)[rank::p]
     grad_first: bool | str | None = {
         "1f1b-plainB": False,
-        "1f1b-cooldown": "cooldown",
+        "1f1b-split": True,
         "interleaved-split": True,
         "interleaved-plainB": False,
     }.get(schedule)  # None: the runner's default

@@ -280,6 +280,68 @@ def test_1f1b_holds_fewer_activations_than_gpipe(world4: dc.LocalWorld) -> None:
         assert one_f * 8 == gpipe * (4 - rank), (rank, gpipe, one_f)
 
 
+class _FailsOnCall(nn.Module):
+    """``inner``, raising on its ``fail_at``-th call (counted from 1; ``None``: never)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.calls, self.fail_at = inner, 0, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("stage fails on purpose")
+        return self.inner(x)
+
+
+def _fused_across_steps() -> list[list[int]]:
+    # the shape agreed on a channel is kept across steps: from the second step on, a
+    # step's first activation goes fused too (one message); a new micro-batch size goes
+    # plainly once (two) and is the agreed shape after it; a step that raised on both
+    # ranks midway leaves the next one correct (the sender forgets its shapes)
+    rank = dist.get_rank()
+    torch.manual_seed(11)
+    model = _mlp(width=4, depth=4)
+    serial = copy.deepcopy(model)
+    stage = _FailsOnCall(partition(model, 2)[rank])
+    runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss, tag=900)
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    sends = []
+
+    def step(n_micro: int) -> None:
+        stage.zero_grad(set_to_none=True)
+        serial.zero_grad(set_to_none=True)
+        with B.log_comms() as log:
+            loss = runner.step(x, y, n_micro)
+        sends.append(sum(r.op == "send" for r in log.records))
+        ref = sum(nn.functional.mse_loss(serial(a), b) for a, b in zip(x.chunk(n_micro), y.chunk(n_micro)))
+        (ref / n_micro).backward()
+        torch.testing.assert_close(loss, ref.detach() / n_micro, rtol=1e-13, atol=1e-15)
+        for p, q in zip(stage.parameters(), partition(serial, 2)[rank].parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+    step(4)
+    step(4)
+    step(2)
+    step(2)
+    # rank 0 fails in its second forward (after sending the first), rank 1 in its first
+    # (after receiving it): both raise, nothing waits for what the other never sends
+    stage.fail_at = stage.calls + (2 if rank == 0 else 1)
+    with pytest.raises(RuntimeError, match="stage fails on purpose"):
+        runner.step(x, y, 2)
+    stage.fail_at = None
+    step(2)
+    return [sends] if rank == 0 else [[]]
+
+
+def test_activation_shapes_are_agreed_across_steps(world2: dc.LocalWorld) -> None:
+    sends, _ = world2.run(_fused_across_steps)
+    # rank 0's messages per step: 4 micro-batches (the first header first, 5), 4 fused,
+    # 2 of a new size (the first plainly, 3), 2 fused, and after the failed step 2 again
+    # with the first plainly (3)
+    assert sends == [[5, 4, 3, 2, 3]]
+
+
 def _accumulate_and_timeline() -> list[float]:
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(5)
@@ -480,9 +542,9 @@ def _runner_bad_args() -> None:
         with pytest.raises(TypeError, match="`loss_fn` must be a loss function on the last stage"):
             PipelineRunner(stage)
     runner = PipelineRunner(stage, loss_fn=nn.functional.mse_loss)
-    # the default input-gradient-first: every B split with one chunk per rank, only the
-    # cooldown's with several (interleaved)
-    assert runner.grad_first is True
+    # the default input-gradient-first: only the cooldown's B steps split, with one chunk
+    # per rank or several (interleaved)
+    assert runner.grad_first == "cooldown"
     two = PipelineRunner([nn.Linear(2, 2), nn.Linear(2, 2)], "interleaved", loss_fn=nn.functional.mse_loss)
     assert two.grad_first == "cooldown"
     with pytest.raises(ValueError, match="`n_micro` must be an int >= 1"):

@@ -22,22 +22,28 @@ which sends it, last). ``grad_first=False`` runs one plain backward;
 ``grad_first="cooldown"`` splits only the ``B`` steps after this rank's last ``F`` (where
 every upstream stage has nothing left but backwards that wait for this gradient) and runs
 the others as one plain backward, which is cheaper where the split costs more than the
-message it hides (see ``docs/pipeline.md``); it is the default with several chunks per
-rank (interleaved), ``True`` with one.
+message it hides (see ``docs/pipeline.md``); it is the default.
 
 Pre-posted receives: before computing step ``k`` the runner posts the receive step
 ``k + 1`` will need (the next activation with :func:`diffcomm.p2p.irecv`, or the next
 gradient with :func:`diffcomm.p2p.post_grad_recv`), so that message travels while step
 ``k`` computes.
 
-One message per activation: the first activation on a channel in a step goes as a
+One message per activation: the first activation on a channel goes as
 :func:`diffcomm.send` does (a header, then the data; the receiver learns the shape), every
-later one of that same shape and dtype with its header fused in front of its data
-(``p2p.send_owned(..., fused=True)``, received with ``p2p.irecv_fused`` expecting the
-first shape): one gloo message instead of two. Both ends decide from facts they share
-(the channel's first message of the step and its shape), so they always agree; an
-activation of another shape (a chunk whose output shape depends on the data) goes
-plainly, and the fused receive takes it too.
+later one of the channel's agreed shape and dtype with its header fused in front of its
+data (``p2p.send_owned(..., fused=True)``, received with ``p2p.irecv_fused`` expecting
+that shape): one gloo message instead of two, into a receive posted before it was sent.
+The agreed shape is that of the channel's first activation in the last step, kept across
+steps by both ends (so a step's first activation is fused too, from the second step on):
+both ends decide from facts they share, so they always agree; an activation of another
+shape (a chunk whose output shape depends on the data, a new micro-batch size) goes
+plainly, the fused receive takes it too, and the first one of a step becomes the agreed
+shape. A header-first message costs more than its latency: its data receive is posted
+only once the header is in, so the transfer waits for the sender's side to answer it, and
+a sender that went on computing answers late (measured here: 2-5 ms on 2 cores, for a
+message the fused form delivers in ~0.2 ms). A step that raises forgets the shapes this
+rank sends (its next activations go plainly, which any receive takes).
 """
 
 from __future__ import annotations
@@ -108,10 +114,10 @@ class PipelineRunner:
             backward, split as ``I`` + ``W``); ``False`` runs one plain backward, which
             sends the input gradient only after every weight gradient; ``"cooldown"``
             splits only the ``B`` steps after this rank's last ``F`` and runs the others
-            plainly. Default ``None``: ``True`` with one chunk per rank, ``"cooldown"``
-            with several (interleaved: twice the ``B`` steps per rank, each on a chunk
-            half the size, so the split's cost per ``B`` weighs twice; measured in
-            ``docs/pipeline.md``).
+            plainly. Default ``None``: ``"cooldown"`` (in the steady state a split
+            ``B`` costs CPU and the gradient it sends early only moves an upstream
+            rank's idle time; in the cooldown every upstream stage waits for it;
+            measured in ``docs/pipeline.md``).
 
     Attributes:
         timeline: after a step, a list of :class:`TimelineEntry`, one per executed step.
@@ -204,7 +210,7 @@ class PipelineRunner:
             )
         self.prepost = bool(prepost)
         if grad_first is None:
-            grad_first = True if self.n_chunks == 1 else "cooldown"
+            grad_first = "cooldown"
         if grad_first not in (True, False, "cooldown"):
             raise A.arg_error(
                 "PipelineRunner", "grad_first", 'True, False, "cooldown" or None', repr(grad_first)
@@ -214,6 +220,10 @@ class PipelineRunner:
         self.timeline: list[TimelineEntry] = []
         self.peak_activation_bytes = 0
         self._grad_sent_at: float | None = None  # when the running split B sent its input gradient
+        # per channel (chunk), the shape and dtype agreed for fused activations: that of the
+        # channel's first activation in the last step, as received (_like) and as sent (_sent)
+        self._like: dict[int, Tensor] = {}
+        self._sent: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self.input_grad: Tensor | None = None
 
     # ---- the schedule --------------------------------------------------------------
@@ -295,11 +305,38 @@ class PipelineRunner:
         self._live_bytes = 0
         self._inputs_kept: list[Tensor] = []
         self._posted: dict[tuple[int, int], p2p.RecvHandle] = {}
-        self._like: dict[int, Tensor] = {}
-        self._sent: dict[int, tuple[torch.Size, torch.dtype]] = {}  # chunk -> first output sent
+        self._fresh_in = set(range(self.n_chunks))  # channels with no activation in yet this step
+        self._fresh_out = set(range(self.n_chunks))  # channels with none sent yet this step
         self._split_b = cooldown(steps) if self.grad_first == "cooldown" else None
         stash: dict[tuple[int, int], _Stash] = {}
         total = torch.zeros((), dtype=torch.float64)
+        try:
+            self._run_steps(steps, in_chunks, tgt_chunks, n_micro, stash, input_grad, total)
+            inputs_kept = self._inputs_kept
+        except BaseException:
+            self._sent.clear()  # this rank's next activations go plainly: any receive takes them
+            raise
+        finally:
+            self._inputs_kept, self._posted = [], {}
+        if input_grad and self.is_first:
+            grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in inputs_kept]
+            self.input_grad = torch.cat(grads)
+        if self.broadcast_loss and self.n_stages > 1:
+            be = B.get_backend()
+            out = be.broadcast(total.to(be.comm_device(self.pg)), self.n_stages - 1, self.pg)
+            return out.cpu()
+        return total if self.is_last else None
+
+    def _run_steps(
+        self,
+        steps: list[Step],
+        in_chunks: list[Tensor] | None,
+        tgt_chunks: list[Tensor] | None,
+        n_micro: int,
+        stash: dict[tuple[int, int], _Stash],
+        input_grad: bool,
+        total: Tensor,
+    ) -> None:
         for k, st in enumerate(steps):
             nxt = steps[k + 1] if k + 1 < len(steps) else None
             # the receive waits by the host clock (no comms logger: it would synchronise
@@ -325,15 +362,6 @@ class PipelineRunner:
             sent = None if self._grad_sent_at is None else max(0.0, self._grad_sent_at - start - wait)
             self.timeline.append(TimelineEntry(st.kind, st.micro, start, end, wait, st.chunk, sent))
         p2p.wait_sends()
-        if input_grad and self.is_first:
-            grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in self._inputs_kept]
-            self.input_grad = torch.cat(grads)
-        self._inputs_kept, self._posted, self._like, self._sent = [], {}, {}, {}
-        if self.broadcast_loss and self.n_stages > 1:
-            be = B.get_backend()
-            out = be.broadcast(total.to(be.comm_device(self.pg)), self.n_stages - 1, self.pg)
-            return out.cpu()
-        return total if self.is_last else None
 
     def _split(self, t: Tensor | None, n_micro: int, arg: str) -> list[Tensor]:
         if t is None:
@@ -399,7 +427,10 @@ class PipelineRunner:
                     x = p2p.recv(src, group=self.pg, tag=tag)
                 else:
                     x = p2p.irecv_fused(src, like, group=self.pg, tag=tag).wait()
-            self._like.setdefault(c, x.detach())  # the channel's first shape (see above)
+            if c in self._fresh_in:  # the step's first activation here: the agreed shape now
+                self._fresh_in.discard(c)
+                # shape, dtype and device only: a zero-stride tensor of one element
+                self._like[c] = torch.empty_strided(x.shape, (0,) * x.ndim, dtype=x.dtype, device=x.device)
         # the previous receive on every channel is complete: post the next step's now
         self._prepost(nxt, stash)
         kept.input = x
@@ -432,12 +463,13 @@ class PipelineRunner:
                 dst = (self.rank + 1) % self.n_stages
                 # y is ours and nothing writes to it before wait_sends() at the end of
                 # the step: send it without the private copy dc.send makes; fused with
-                # its header unless it is the channel's first message of the step (or
-                # changed shape: then the receiver, expecting the first shape, says so)
-                first = self._sent.get(c)
-                if first is None:
-                    self._sent[c] = (y.shape, y.dtype)
-                fused = first == (y.shape, y.dtype)
+                # its header when it has the channel's agreed shape (see the module
+                # docstring), which the step's first activation here then sets
+                sent = (y.shape, y.dtype)
+                fused = self._sent.get(c) == sent
+                if c in self._fresh_out:
+                    self._fresh_out.discard(c)
+                    self._sent[c] = sent
                 kept.handle = p2p.send_owned(y, dst, group=self.pg, tag=self.tag + c, fused=fused)
                 kept.output = y
         kept.nbytes = nbytes[0]
