@@ -77,6 +77,31 @@ def test_rows_from_times_pairs_against_raw_and_floor() -> None:
     assert math.isnan(no_floor[0].ratio_vs_floor)
 
 
+def test_rows_pair_diffcomm_against_torch_distributed_nn() -> None:
+    base = [1e-3, 2e-3, 1e-3, 1.5e-3]
+    times = {"raw": base, "torch.distributed.nn": [t * 2 for t in base]}
+    # slower than nn in 3 rounds of 4 (by 10%), faster in one: median and q1 above 1
+    rows = bench.rows_from_times(
+        "all_reduce", 1024, 2, {**times, "diffcomm": [t * 2.2 for t in base[:3]] + [2.7e-3]}
+    )
+    # slower in 2 of 4 rounds, level in one: the median is above 1, the first quartile is not
+    rows += bench.rows_from_times(
+        "all_gather", 1024, 2, {**times, "diffcomm": [1.8e-3, 4.0e-3, 2.4e-3, 3.6e-3]}
+    )
+    rows += bench.rows_from_times("all_reduce", 1024, 4, {**times, "diffcomm": [t * 1.8 for t in base]})
+    by = {(r.op, r.world): r for r in rows if r.impl == "diffcomm"}
+    assert by[("all_reduce", 2)].ratio_vs_nn == pytest.approx(1.1)
+    assert by[("all_reduce", 2)].ratio_vs_nn_q1 == pytest.approx(1.1)
+    assert by[("all_gather", 2)].ratio_vs_nn > 1.0 >= by[("all_gather", 2)].ratio_vs_nn_q1
+    assert by[("all_reduce", 4)].ratio_vs_nn == pytest.approx(0.9)
+    assert bench.slower_than_nn(rows) == {2: (2, 2, 1), 4: (1, 0, 0)}
+    assert math.isnan(rows[0].ratio_vs_nn) is False and math.isnan(
+        _cell("all_reduce", 1, 1, {"raw": 1.0})[0].ratio_vs_nn
+    )
+    text = bench.format_rows(rows)
+    assert "world 2: diffcomm slower than torch.distributed.nn in 2 of 2 cells (1 in 3 of 4 rounds)" in text
+
+
 def test_summarize_geomeans_per_world() -> None:
     rows = _cell("all_reduce", 1024, 2, {"raw": 1.0, "floor": 1.0, "diffcomm": 2.0})
     rows += _cell("all_gather", 1024, 2, {"raw": 1.0, "floor": 2.0, "diffcomm": 2.0, "funcol": 3.0})

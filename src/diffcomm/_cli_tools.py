@@ -338,7 +338,7 @@ def parse_size(text: str) -> int:
 
 def bench_run(args: argparse.Namespace, console: Console) -> int:
     """diffcomm vs raw torch.distributed, a bare autograd floor, torch.distributed.nn, funcol."""
-    from diffcomm.bench import plot_missing, plot_rows, run_benchmark, size_label, summarize
+    from diffcomm.bench import plot_missing, plot_rows, run_benchmark, size_label, slower_than_nn, summarize
 
     try:
         sizes = [parse_size(s) for s in args.sizes]
@@ -379,14 +379,28 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
         console.print_json(json.dumps([r.as_dict() for r in rows]))  # geomeans: bench.summarize(rows)
     else:
         t = Table(title="diffcomm bench: forward+backward, slowest rank per round, paired per-round ratios")
-        cols = ("world", "op", "size", "impl", "median ms", "IQR ms", "/raw (IQR)", "/floor", "busbw GB/s")
+        cols = (
+            "world",
+            "op",
+            "size",
+            "impl",
+            "median ms",
+            "IQR ms",
+            "/raw (IQR)",
+            "/floor",
+            "/nn (IQR)",
+            "busbw GB/s",
+        )
         for col in cols:
             t.add_column(col, justify="left" if col in ("op", "impl") else "right")
         for r in rows:
             ratio = f"{r.ratio_vs_raw:.2f} ({r.ratio_vs_raw_q1:.2f}-{r.ratio_vs_raw_q3:.2f})"
             vs_floor = f"{r.ratio_vs_floor:.2f}"
+            vs_nn = "-"
             if r.impl.startswith("diffcomm"):
                 ratio, vs_floor = f"[bold]{ratio}[/bold]", f"[bold]{vs_floor}[/bold]"
+                if r.ratio_vs_nn == r.ratio_vs_nn:  # not NaN
+                    vs_nn = f"{r.ratio_vs_nn:.2f} ({r.ratio_vs_nn_q1:.2f}-{r.ratio_vs_nn_q3:.2f})"
             t.add_row(
                 str(r.world),
                 r.op,
@@ -396,6 +410,7 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
                 f"{r.q1_ms:.3f}-{r.q3_ms:.3f}",
                 ratio,
                 vs_floor,
+                vs_nn,
                 f"{r.busbw_GBps:.3f}",
             )
         console.print(t)
@@ -408,6 +423,11 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
         for w, s in summary.items():
             g.add_row(str(w), *[f"{s[k]:.3f}" if k in s else "-" for k in keys])
         console.print(g)
+        for w, (n, slow, sure) in slower_than_nn(rows).items():
+            console.print(
+                f"world {w}: diffcomm slower than torch.distributed.nn in {slow} of {n} cells by the median "
+                f"paired ratio, {sure} of them in 3 rounds of 4"
+            )
     if args.plot:
         plot_rows(rows, args.plot, backend=args.backend)
         if not args.json:

@@ -28,6 +28,10 @@ the slowest rank's. Ratios are *paired*: ``impl / raw`` and ``diffcomm / floor``
 computed within each round and then summarised (median and interquartile spread over
 rounds), so a slow stretch of a loaded machine hits numerator and denominator alike.
 :func:`summarize` gives the geometric mean of the median ratios per world.
+``diffcomm / torch.distributed.nn`` is paired the same way (``ratio_vs_nn``);
+:func:`slower_than_nn` counts the cells where diffcomm was the slower of the two in most
+rounds (median above 1) and in three rounds of four (first quartile above 1), since on a
+loaded machine two implementations of equal cost split the first count by chance.
 
 Run ``python -m diffcomm bench`` (CLI) or :func:`run_benchmark` from Python. This module
 imports torch only inside its functions, so the CLI's ``--help`` stays fast.
@@ -63,7 +67,8 @@ class BenchRow:
     """One (op, size, implementation) measurement on one world.
 
     Times are of the slowest rank per round, in milliseconds. ``ratio_vs_raw`` and
-    ``ratio_vs_floor`` are medians of per-round paired ratios, with their quartiles.
+    ``ratio_vs_floor`` are medians of per-round paired ratios, with their quartiles;
+    ``ratio_vs_nn`` likewise against ``torch.distributed.nn`` (NaN where it did not run).
     """
 
     op: str
@@ -81,6 +86,9 @@ class BenchRow:
     ratio_vs_floor_q3: float
     algbw_GBps: float
     busbw_GBps: float
+    ratio_vs_nn: float = math.nan
+    ratio_vs_nn_q1: float = math.nan
+    ratio_vs_nn_q3: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -370,13 +378,50 @@ def rows_from_times(
             fq1, fm, fq3 = paired_ratios(ts, slowest["floor"])
         else:
             fq1 = fm = fq3 = math.nan
+        nq1, nm, nq3 = paired_ratios(ts, slowest[_NN]) if _NN in slowest else (math.nan, math.nan, math.nan)
         # bandwidth of the forward+backward pair: two collectives of nbytes each
         alg = 2 * nbytes / m / 1e9 if m > 0 else 0.0
         bus = alg * _BUS_FACTOR.get(op, lambda n: 1.0)(world)
         rows.append(
-            BenchRow(op, nbytes, k, world, m * 1e3, q1 * 1e3, q3 * 1e3, rm, rq1, rq3, fm, fq1, fq3, alg, bus)
+            BenchRow(
+                op,
+                nbytes,
+                k,
+                world,
+                m * 1e3,
+                q1 * 1e3,
+                q3 * 1e3,
+                rm,
+                rq1,
+                rq3,
+                fm,
+                fq1,
+                fq3,
+                alg,
+                bus,
+                nm,
+                nq1,
+                nq3,
+            )  # fmt: skip
         )
     return rows
+
+
+_NN = "torch.distributed.nn"
+
+
+def slower_than_nn(rows: Sequence[BenchRow]) -> dict[int, tuple[int, int, int]]:
+    """Per world, ``(cells, slower, slower_in_3_of_4)``: of the cells with both
+    ``diffcomm`` and ``torch.distributed.nn``, those where diffcomm's median paired ratio
+    against it is above 1, and those where its first quartile is too (slower in at least
+    three rounds of four)."""
+    out: dict[int, tuple[int, int, int]] = {}
+    for r in rows:
+        if r.impl != "diffcomm" or math.isnan(r.ratio_vs_nn):
+            continue
+        n, slow, sure = out.get(r.world, (0, 0, 0))
+        out[r.world] = (n + 1, slow + (r.ratio_vs_nn > 1.0), sure + (r.ratio_vs_nn_q1 > 1.0))
+    return out
 
 
 def run_benchmark(
@@ -428,6 +473,10 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
     for w, s in summarize(rows).items():
         parts = [f"{k} {v:.3f}" for k, v in s.items() if not k.endswith("cells")]
         lines.append(f"geomean world {w}: " + ", ".join(parts))
+    for w, (n, slow, sure) in slower_than_nn(rows).items():
+        lines.append(
+            f"world {w}: diffcomm slower than {_NN} in {slow} of {n} cells ({sure} in 3 of 4 rounds)"
+        )
     return "\n".join(lines)
 
 
