@@ -334,6 +334,40 @@ def _fused_across_steps() -> list[list[int]]:
     return [sends] if rank == 0 else [[]]
 
 
+def _steps_of_changing_size(schedule: str, v: int) -> None:
+    # the agreed activation shapes kept across steps: micro-batches of 2, 2, 4, 4, 1, 2,
+    # 2, 8, 8 rows (fused while a step keeps the last one's shape, plainly at a change,
+    # also to a size larger than the receive posted for the agreed one), every step
+    # equal to the serial model
+    rank = dist.get_rank()
+    torch.manual_seed(11)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), nn.Tanh()) for _ in range(4)])
+    serial = copy.deepcopy(model)
+    mine = partition(model, 2 * v)[rank::2]
+    runner = PipelineRunner(mine if v > 1 else mine[0], schedule, loss_fn=nn.functional.mse_loss, tag=950)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    for n_micro in (4, 4, 2, 2, 8, 4, 4, 1, 1):
+        for chunk in mine:
+            chunk.zero_grad(set_to_none=True)
+        serial.zero_grad(set_to_none=True)
+        loss = runner.step(x, y, n_micro)
+        ref = sum(nn.functional.mse_loss(serial(a), b) for a, b in zip(x.chunk(n_micro), y.chunk(n_micro)))
+        (ref / n_micro).backward()
+        torch.testing.assert_close(loss, ref.detach() / n_micro, rtol=1e-13, atol=1e-15)
+        for chunk, ref_chunk in zip(mine, partition(serial, 2 * v)[rank::2], strict=True):
+            for p, q in zip(chunk.parameters(), ref_chunk.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v"), [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2)]
+)
+def test_every_schedule_over_steps_of_changing_micro_batch_size(
+    world2: dc.LocalWorld, schedule: str, v: int
+) -> None:
+    world2.run(_steps_of_changing_size, schedule, v)
+
+
 def test_activation_shapes_are_agreed_across_steps(world2: dc.LocalWorld) -> None:
     sends, _ = world2.run(_fused_across_steps)
     # rank 0's messages per step: 4 micro-batches (the first header first, 5), 4 fused,
