@@ -113,7 +113,10 @@ def _busy_sender(kind: str, rows: int, width: int, iters: int) -> list[float]:
                 p2p.send_owned(x, 1, tag=7, fused=kind == "fused")
             for _ in range(4):
                 a @ w
-            work.wait() if kind == "torch" else p2p.wait_sends()
+            if kind == "torch":
+                work.wait()
+            else:
+                p2p.wait_sends()
             dist.send(stamp, 1, tag=8)
         else:
             if kind == "torch":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -338,7 +339,14 @@ def parse_size(text: str) -> int:
 
 def bench_run(args: argparse.Namespace, console: Console) -> int:
     """diffcomm vs raw torch.distributed, a bare autograd floor, torch.distributed.nn, funcol."""
-    from diffcomm.bench import plot_missing, plot_rows, run_benchmark, size_label, slower_than_nn, summarize
+    from diffcomm.bench import (
+        plot_missing,
+        plot_rows,
+        run_benchmark,
+        size_label,
+        slower_than_nn_lines,
+        summarize,
+    )
 
     try:
         sizes = [parse_size(s) for s in args.sizes]
@@ -399,7 +407,7 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
             vs_nn = "-"
             if r.impl.startswith("diffcomm"):
                 ratio, vs_floor = f"[bold]{ratio}[/bold]", f"[bold]{vs_floor}[/bold]"
-                if r.ratio_vs_nn == r.ratio_vs_nn:  # not NaN
+                if not math.isnan(r.ratio_vs_nn):
                     vs_nn = f"{r.ratio_vs_nn:.2f} ({r.ratio_vs_nn_q1:.2f}-{r.ratio_vs_nn_q3:.2f})"
             t.add_row(
                 str(r.world),
@@ -423,11 +431,8 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
         for w, s in summary.items():
             g.add_row(str(w), *[f"{s[k]:.3f}" if k in s else "-" for k in keys])
         console.print(g)
-        for w, (n, slow, sure) in slower_than_nn(rows).items():
-            console.print(
-                f"world {w}: diffcomm slower than torch.distributed.nn in {slow} of {n} cells by the median "
-                f"paired ratio, {sure} of them in 3 rounds of 4"
-            )
+        for line in slower_than_nn_lines(rows):
+            console.print(line)
     if args.plot:
         plot_rows(rows, args.plot, backend=args.backend)
         if not args.json:

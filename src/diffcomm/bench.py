@@ -402,7 +402,7 @@ def rows_from_times(
                 nm,
                 nq1,
                 nq3,
-            )  # fmt: skip
+            )
         )
     return rows
 
@@ -422,6 +422,14 @@ def slower_than_nn(rows: Sequence[BenchRow]) -> dict[int, tuple[int, int, int]]:
         n, slow, sure = out.get(r.world, (0, 0, 0))
         out[r.world] = (n + 1, slow + (r.ratio_vs_nn > 1.0), sure + (r.ratio_vs_nn_q1 > 1.0))
     return out
+
+
+def slower_than_nn_lines(rows: Sequence[BenchRow]) -> list[str]:
+    """:func:`slower_than_nn` as one line per world (the CLI and :func:`format_rows`)."""
+    return [
+        f"world {w}: diffcomm slower than {_NN} in {slow} of {n} cells ({sure} in 3 of 4 rounds)"
+        for w, (n, slow, sure) in slower_than_nn(rows).items()
+    ]
 
 
 def run_benchmark(
@@ -473,10 +481,7 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
     for w, s in summarize(rows).items():
         parts = [f"{k} {v:.3f}" for k, v in s.items() if not k.endswith("cells")]
         lines.append(f"geomean world {w}: " + ", ".join(parts))
-    for w, (n, slow, sure) in slower_than_nn(rows).items():
-        lines.append(
-            f"world {w}: diffcomm slower than {_NN} in {slow} of {n} cells ({sure} in 3 of 4 rounds)"
-        )
+    lines += slower_than_nn_lines(rows)
     return "\n".join(lines)
 
 
