@@ -93,15 +93,24 @@ def victim(world_size: int) -> int:
 
 #: a script for ``torchrun --standalone --nproc-per-node=2 job.py {skip,different_op}``:
 #: rank 1 skips the last collective (and finishes its script), or broadcasts while rank 0
-#: all_reduces. Each rank prints its pid, then ``DONE`` or its DesyncError's facts (the
-#: seconds from before its first collective) and text.
+#: all_reduces. Each rank reports its pid, then ``DONE`` or its DesyncError's facts (the
+#: seconds from before its first collective) and text: printed, and written to its own
+#: ``rank<r>.log`` beside the script (two ranks printing long lines at once into one pipe
+#: can interleave them; the test reads the files).
 TORCHRUN_JOB = """
-import os, sys, time
+import builtins, os, sys, time
 import torch
 import diffcomm as dc
 
 dc.init()
 rank, scenario = dc.get_rank(), sys.argv[1]
+_log = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"rank{rank}.log"), "w")
+
+def print(line, flush=True):
+    builtins.print(line, flush=flush)
+    _log.write(line + chr(10))
+    _log.flush()
+
 print(f"RANK {rank} PID {os.getpid()}", flush=True)
 x = torch.ones(4)
 t0 = time.monotonic()

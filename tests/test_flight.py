@@ -435,8 +435,9 @@ def test_desync_under_torchrun(tmp_path, scenario: str) -> None:
         stdin=subprocess.DEVNULL,
         env=env,
     )
-    out = proc.stdout
-    assert proc.returncode != 0, out
+    # each rank's report from its own file: its lines whole (see TORCHRUN_JOB)
+    out = "".join(f.read_text() for f in sorted(tmp_path.glob("rank*.log")))
+    assert proc.returncode != 0, out + proc.stdout
     pids = [int(p) for p in re.findall(r"RANK \d PID (\d+)", out)]
     assert len(pids) == 2, out + proc.stderr
     assert _still_alive(pids) == [], "no rank process is left behind"
