@@ -100,6 +100,27 @@ def test_rows_pair_diffcomm_against_torch_distributed_nn() -> None:
     )
     text = bench.format_rows(rows)
     assert "world 2: diffcomm slower than torch.distributed.nn in 2 of 2 cells (1 in 3 of 4 rounds)" in text
+    assert "control" not in text  # no control rows, no control line
+
+
+def test_control_counts_nn_against_itself() -> None:
+    """``control=True`` times torch.distributed.nn twice; the copy is paired against nn
+    as diffcomm is, and counted on its own line: how often an equal pair reads slower."""
+    base = [1e-3, 2e-3, 1e-3, 1.5e-3]
+    nn = [t * 2 for t in base]
+    again = [nn[0] * 1.05, nn[1] * 0.9, nn[2] * 1.02, nn[3] * 1.01]  # slower in 3 rounds of 4
+    cell = {"raw": base, "torch.distributed.nn": nn, "diffcomm": [t * 0.9 for t in nn], bench.CONTROL: again}
+    rows = bench.rows_from_times("all_reduce", 1024, 2, cell)
+    rows += bench.rows_from_times("broadcast", 1024, 2, {**cell, bench.CONTROL: [t * 0.95 for t in nn]})
+    control = next(r for r in rows if r.impl == bench.CONTROL)
+    assert control.ratio_vs_nn == pytest.approx(1.015) and control.ratio_vs_nn_q1 > 1.0
+    assert bench.slower_than_nn(rows) == {2: (2, 0, 0)}
+    assert bench.slower_than_nn(rows, bench.CONTROL) == {2: (2, 1, 1)}
+    assert bench.slower_than_nn_lines(rows) == [
+        "world 2: diffcomm slower than torch.distributed.nn in 0 of 2 cells (0 in 3 of 4 rounds)",
+        "world 2: control: torch.distributed.nn slower than itself in 1 of 2 cells (1 in 3 of 4 rounds)",
+    ]
+    assert bench.impl_colour(bench.CONTROL) not in {bench.impl_colour(i) for i in bench.IMPLS}
 
 
 def test_summarize_geomeans_per_world() -> None:

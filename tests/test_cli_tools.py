@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from diffcomm import cli
+from diffcomm import bench, cli
 from diffcomm._cli_tools import _merge, parse_size
 from diffcomm.testing.cases import Case
 
@@ -104,13 +104,16 @@ def test_bench_runs_and_plots(tmp_path: Path) -> None:
         "--rounds",
         "3",
         "--json",
+        "--control",
         "--plot",
         str(out),
     )
     assert p.returncode == 0, p.stderr
     rows = json.loads(p.stdout[: p.stdout.rindex("]") + 1])
     impls = {r["impl"] for r in rows}
-    assert {"diffcomm", "raw", "floor", "funcol", "torch.distributed.nn"} <= impls
+    assert {"diffcomm", "raw", "floor", "funcol", "torch.distributed.nn", bench.CONTROL} <= impls
+    control = next(r for r in rows if r["impl"] == bench.CONTROL)  # nn timed again, paired against nn
+    assert control["ratio_vs_nn"] > 0 and control["ratio_vs_nn_q1"] <= control["ratio_vs_nn"]
     assert all(r["median_ms"] > 0 for r in rows)
     assert [r["ratio_vs_raw"] for r in rows if r["impl"] == "raw"] == [1.0]
     assert [r["ratio_vs_floor"] for r in rows if r["impl"] == "floor"] == [1.0]

@@ -294,6 +294,11 @@ def bench_configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     parser.add_argument(
+        "--control",
+        action="store_true",
+        help="also time torch.distributed.nn a second time: how often an equal pair reads 'slower' here",
+    )
+    parser.add_argument(
         "--coalesced",
         nargs="*",
         default=None,
@@ -340,6 +345,7 @@ def parse_size(text: str) -> int:
 def bench_run(args: argparse.Namespace, console: Console) -> int:
     """diffcomm vs raw torch.distributed, a bare autograd floor, torch.distributed.nn, funcol."""
     from diffcomm.bench import (
+        CONTROL,
         plot_missing,
         plot_rows,
         run_benchmark,
@@ -382,7 +388,9 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
                     bar.update(task, description=what)
                     bar.advance(task)
 
-                rows += run_benchmark(world, args.ops, sizes, args.rounds, progress=progress)
+                rows += run_benchmark(
+                    world, args.ops, sizes, args.rounds, progress=progress, control=args.control
+                )
     if args.json:
         console.print_json(json.dumps([r.as_dict() for r in rows]))  # geomeans: bench.summarize(rows)
     else:
@@ -407,6 +415,7 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
             vs_nn = "-"
             if r.impl.startswith("diffcomm"):
                 ratio, vs_floor = f"[bold]{ratio}[/bold]", f"[bold]{vs_floor}[/bold]"
+            if r.impl.startswith("diffcomm") or r.impl == CONTROL:
                 if not math.isnan(r.ratio_vs_nn):
                     vs_nn = f"{r.ratio_vs_nn:.2f} ({r.ratio_vs_nn_q1:.2f}-{r.ratio_vs_nn_q3:.2f})"
             t.add_row(

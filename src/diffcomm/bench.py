@@ -20,6 +20,10 @@ Implementations timed for each op and size (forward + backward of the same op):
     have none, so those cells are absent.
 ``diffcomm``
     the public op (and ``diffcomm(sizes=)`` for all_gather with ``split_sizes=`` given).
+``torch.distributed.nn (again)``
+    only with ``control=True`` (``--control``): ``torch.distributed.nn`` a second time,
+    the same code timed as a separate implementation — a control that shows how often,
+    on this machine, an implementation reads "slower" than one of equal cost.
 
 Every round runs each implementation once, in an order drawn afresh for each round
 (:func:`round_order`: none always goes first, and none always runs right after the same
@@ -31,7 +35,8 @@ rounds), so a slow stretch of a loaded machine hits numerator and denominator al
 ``diffcomm / torch.distributed.nn`` is paired the same way (``ratio_vs_nn``);
 :func:`slower_than_nn` counts the cells where diffcomm was the slower of the two in most
 rounds (median above 1) and in three rounds of four (first quartile above 1), since on a
-loaded machine two implementations of equal cost split the first count by chance.
+loaded machine two implementations of equal cost split the first count by chance (the
+control measures it: nn against itself).
 
 Run ``python -m diffcomm bench`` (CLI) or :func:`run_benchmark` from Python. This module
 imports torch only inside its functions, so the CLI's ``--help`` stays fast.
@@ -59,6 +64,8 @@ BENCH_OPS = (
 DEFAULT_SIZES = (16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 # Fixed order (and so fixed plot colour) of the implementations.
 IMPLS = ("raw", "floor", "torch.distributed.nn", "funcol", "diffcomm", "diffcomm(sizes=)")
+#: torch.distributed.nn timed twice (``control=True``): the pair of equal cost
+CONTROL = "torch.distributed.nn (again)"
 PLOT_INSTALL_HINT = 'pip install "diffcomm[plot]"'
 
 
@@ -168,8 +175,9 @@ def _floor_function() -> Any:
     return Floor
 
 
-def _impls(op: str, nbytes: int, device: Any = "cpu") -> dict[str, Callable[[], None]]:
-    """Closures doing forward+backward of ``op`` on an input of ``nbytes`` bytes on ``device``."""
+def _impls(op: str, nbytes: int, device: Any = "cpu", control: bool = False) -> dict[str, Callable[[], None]]:
+    """Closures doing forward+backward of ``op`` on an input of ``nbytes`` bytes on
+    ``device`` (with ``control``, :data:`CONTROL` too)."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -291,6 +299,8 @@ def _impls(op: str, nbytes: int, device: Any = "cpu") -> dict[str, Callable[[], 
         "floor": step(lambda x: floor.apply(x, fwd, bwd)),
         "torch.distributed.nn": step(nn_fn),
     }
+    if control:
+        impls[CONTROL] = step(nn_fn)
     if fc_fn is not None:
         impls["funcol"] = step(lambda x: funcol.wait_tensor(fc_fn(x)))
     impls["diffcomm"] = step(dc_fn)
@@ -307,7 +317,9 @@ def _quiet(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
 
 
-def _rank_times(op: str, nbytes: int, rounds: int, warmup: int) -> dict[str, list[float]]:
+def _rank_times(
+    op: str, nbytes: int, rounds: int, warmup: int, control: bool = False
+) -> dict[str, list[float]]:
     """Runs on every rank: per implementation, the seconds of each round."""
     import torch.distributed as dist
 
@@ -316,7 +328,7 @@ def _rank_times(op: str, nbytes: int, rounds: int, warmup: int) -> dict[str, lis
     # the tensors live where the backend communicates (this rank's GPU for nccl), and a
     # round ends when its queued device work has finished
     acc = comm_accelerator(dist.get_backend())
-    impls = _impls(op, nbytes, acc.device())
+    impls = _impls(op, nbytes, acc.device(), control)
     names = list(impls)
     times: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(warmup):
@@ -410,14 +422,14 @@ def rows_from_times(
 _NN = "torch.distributed.nn"
 
 
-def slower_than_nn(rows: Sequence[BenchRow]) -> dict[int, tuple[int, int, int]]:
-    """Per world, ``(cells, slower, slower_in_3_of_4)``: of the cells with both
-    ``diffcomm`` and ``torch.distributed.nn``, those where diffcomm's median paired ratio
-    against it is above 1, and those where its first quartile is too (slower in at least
-    three rounds of four)."""
+def slower_than_nn(rows: Sequence[BenchRow], impl: str = "diffcomm") -> dict[int, tuple[int, int, int]]:
+    """Per world, ``(cells, slower, slower_in_3_of_4)``: of the cells with both ``impl``
+    and ``torch.distributed.nn``, those where ``impl``'s median paired ratio against it is
+    above 1, and those where its first quartile is too (slower in at least three rounds of
+    four). With ``impl=CONTROL``: how often nn reads slower than itself."""
     out: dict[int, tuple[int, int, int]] = {}
     for r in rows:
-        if r.impl != "diffcomm" or math.isnan(r.ratio_vs_nn):
+        if r.impl != impl or math.isnan(r.ratio_vs_nn):
             continue
         n, slow, sure = out.get(r.world, (0, 0, 0))
         out[r.world] = (n + 1, slow + (r.ratio_vs_nn > 1.0), sure + (r.ratio_vs_nn_q1 > 1.0))
@@ -425,11 +437,17 @@ def slower_than_nn(rows: Sequence[BenchRow]) -> dict[int, tuple[int, int, int]]:
 
 
 def slower_than_nn_lines(rows: Sequence[BenchRow]) -> list[str]:
-    """:func:`slower_than_nn` as one line per world (the CLI and :func:`format_rows`)."""
-    return [
-        f"world {w}: diffcomm slower than {_NN} in {slow} of {n} cells ({sure} in 3 of 4 rounds)"
-        for w, (n, slow, sure) in slower_than_nn(rows).items()
-    ]
+    """:func:`slower_than_nn` as one line per world (the CLI and :func:`format_rows`),
+    each followed by the control's count where it ran."""
+    control = slower_than_nn(rows, CONTROL)
+    lines = []
+    for w, counts in slower_than_nn(rows).items():
+        pairs = [(f"diffcomm slower than {_NN}", counts)]
+        if w in control:
+            pairs.append((f"control: {_NN} slower than itself", control[w]))
+        for what, (n, slow, sure) in pairs:
+            lines.append(f"world {w}: {what} in {slow} of {n} cells ({sure} in 3 of 4 rounds)")
+    return lines
 
 
 def run_benchmark(
@@ -439,8 +457,10 @@ def run_benchmark(
     rounds: int = 30,
     warmup: int = 3,
     progress: Callable[[str], None] | None = None,
+    control: bool = False,
 ) -> list[BenchRow]:
-    """Benchmark ``ops`` x ``sizes`` on a :class:`~diffcomm.LocalWorld` ``world``.
+    """Benchmark ``ops`` x ``sizes`` on a :class:`~diffcomm.LocalWorld` ``world``
+    (``control``: time :data:`CONTROL` too).
 
     Raises:
         ValueError: an unknown op or fewer than 3 rounds (before any measuring).
@@ -456,7 +476,7 @@ def run_benchmark(
         for nbytes in sizes:
             if progress:
                 progress(f"{op} {nbytes} B")
-            per_rank = world.run(_rank_times, op, nbytes, rounds, warmup)
+            per_rank = world.run(_rank_times, op, nbytes, rounds, warmup, control)
             slowest = {k: [max(rt[k][i] for rt in per_rank) for i in range(rounds)] for k in per_rank[0]}
             rows += rows_from_times(op, nbytes, w, slowest)
     return rows
@@ -519,6 +539,8 @@ def machine_label() -> str:
 def impl_colour(impl: str) -> str:
     """One fixed colour per implementation (the same in every panel and every plot)."""
     palette = ("tab:gray", "tab:brown", "tab:orange", "tab:purple", "tab:blue", "tab:cyan")
+    if impl == CONTROL:
+        return "tab:olive"
     return palette[IMPLS.index(impl)] if impl in IMPLS else "black"
 
 
