@@ -66,6 +66,14 @@ DEFAULT_SIZES = (16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 IMPLS = ("raw", "floor", "torch.distributed.nn", "funcol", "diffcomm", "diffcomm(sizes=)")
 #: torch.distributed.nn timed twice (``control=True``): the pair of equal cost
 CONTROL = "torch.distributed.nn (again)"
+#: one fixed plot colour per implementation, the control's included
+_COLOURS = dict(
+    zip(
+        (*IMPLS, CONTROL),
+        ("tab:gray", "tab:brown", "tab:orange", "tab:purple", "tab:blue", "tab:cyan", "tab:olive"),
+        strict=True,
+    )
+)
 PLOT_INSTALL_HINT = 'pip install "diffcomm[plot]"'
 
 
@@ -538,10 +546,7 @@ def machine_label() -> str:
 
 def impl_colour(impl: str) -> str:
     """One fixed colour per implementation (the same in every panel and every plot)."""
-    palette = ("tab:gray", "tab:brown", "tab:orange", "tab:purple", "tab:blue", "tab:cyan")
-    if impl == CONTROL:
-        return "tab:olive"
-    return palette[IMPLS.index(impl)] if impl in IMPLS else "black"
+    return _COLOURS.get(impl, "black")
 
 
 def plot_figure(rows: Sequence[BenchRow], backend: str = "gloo") -> Any:
