@@ -384,6 +384,46 @@ def test_ctrl_c_gives_one_short_message_and_no_rank_left(tmp_path, moment: str) 
     assert _still_alive(ranks) == []
 
 
+_CTRL_C_MID_SPAWN = """
+import os, signal, subprocess, sys
+import diffcomm as dc
+real_popen, spawned = subprocess.Popen, []
+def popen(*args, **kwargs):  # the second rank started, then a Ctrl-C at once
+    p = real_popen(*args, **kwargs)
+    spawned.append(p.pid)
+    print("PID", p.pid, flush=True)
+    if len(spawned) == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+    return p
+subprocess.Popen = popen
+try:
+    dc.LocalWorld(3)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    raise SystemExit(130)
+"""
+
+
+def test_ctrl_c_between_spawning_two_ranks_leaves_no_rank(tmp_path) -> None:
+    """A Ctrl-C landing right after a rank's Popen returns (deterministic, unlike the
+    test above, which hit this window once in CI): held until every started rank is
+    recorded, then raised and torn down; no orphan rank prints a traceback later."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ctrl_c_mid_spawn.py"
+    script.write_text(_CTRL_C_MID_SPAWN)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120
+    )
+    assert proc.returncode == 130, (proc.stdout, proc.stderr)
+    pids = [int(ln.split()[1]) for ln in proc.stdout.splitlines() if ln.startswith("PID ")]
+    assert len(pids) == 3, proc.stdout  # the Ctrl-C was held until the spawning ended
+    assert "interrupted" in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert _still_alive(pids) == []
+
+
 def test_start_up_shows_progress(capfd) -> None:
     import diffcomm.world as W
 

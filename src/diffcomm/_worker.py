@@ -53,12 +53,15 @@ def _worker_main(
     # The caller owns the ranks' lifetime: a Ctrl-C typed in the caller's terminal reaches
     # the whole process group, and must not kill idle ranks (the caller tears them down).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     fault_dir = os.environ.get("DIFFCOMM_FAULT_DIR")
     if fault_dir:  # a rank the backend aborts (gloo on a size mismatch) leaves its stack here
-        faulthandler.enable(open(os.path.join(fault_dir, f"rank{rank}.txt"), "w"), all_threads=True)  # noqa: SIM115
+        try:
+            faulthandler.enable(open(os.path.join(fault_dir, f"rank{rank}.txt"), "w"), all_threads=True)  # noqa: SIM115
+        except FileNotFoundError:  # the caller removed it: it is tearing this world down
+            os._exit(0)
     os.environ["DIFFCOMM_TIMEOUT"] = str(collective_timeout)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     torch.set_num_threads(1)
     try:
         timeout = datetime.timedelta(seconds=collective_timeout)
@@ -77,7 +80,10 @@ def _worker_main(
             acc.set_device(rank % acc.device_count())
         conn.send_bytes(pickle.dumps(("ready", None)))
     except BaseException:
-        conn.send_bytes(pickle.dumps(("err", (traceback.format_exc(), None, True))))
+        try:
+            conn.send_bytes(pickle.dumps(("err", (traceback.format_exc(), None, True))))
+        except OSError:  # the caller is gone or tearing down: nobody to tell
+            os._exit(1)
         return
     while True:
         try:
