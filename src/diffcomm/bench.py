@@ -64,8 +64,9 @@ BENCH_OPS = (
 DEFAULT_SIZES = (16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 # Fixed order (and so fixed plot colour) of the implementations.
 IMPLS = ("raw", "floor", "torch.distributed.nn", "funcol", "diffcomm", "diffcomm(sizes=)")
+_NN = "torch.distributed.nn"
 #: torch.distributed.nn timed twice (``control=True``): the pair of equal cost
-CONTROL = "torch.distributed.nn (again)"
+CONTROL = f"{_NN} (again)"
 #: one fixed plot colour per implementation, the control's included
 _COLOURS = dict(
     zip(
@@ -305,7 +306,7 @@ def _impls(op: str, nbytes: int, device: Any = "cpu", control: bool = False) -> 
     impls: dict[str, Callable[[], None]] = {
         "raw": raw,
         "floor": step(lambda x: floor.apply(x, fwd, bwd)),
-        "torch.distributed.nn": step(nn_fn),
+        _NN: step(nn_fn),
     }
     if control:
         impls[CONTROL] = step(nn_fn)
@@ -425,9 +426,6 @@ def rows_from_times(
             )
         )
     return rows
-
-
-_NN = "torch.distributed.nn"
 
 
 def slower_than_nn(rows: Sequence[BenchRow], impl: str = "diffcomm") -> dict[int, tuple[int, int, int]]:

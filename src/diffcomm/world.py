@@ -205,11 +205,11 @@ def _ctrl_c_deferred() -> Iterator[None]:
         yield
         return
     held: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, previous)
     if held:
         raise KeyboardInterrupt
 
