@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map_only
 
+from . import _config, _lifecycle
 from . import backend as B
 from .accelerator import get_accelerator
 
@@ -137,7 +138,7 @@ class _Engine:
         self._ident = threading.get_ident()
         while True:
             item = self._q.get()
-            if item is None:  # pragma: no cover - never sent; the thread is a daemon
+            if item is None:  # stop(): everything queued before it has run
                 return
             fn, handle, (ctx, comm, acc, stream) = item
             B.adopt_comm_state(comm)
@@ -156,6 +157,17 @@ class _Engine:
     def call(self, fn: Callable[[], Any], name: str) -> Any:
         """Run ``fn`` on the engine after everything queued, and wait for it."""
         return self.submit(fn, name).wait()
+
+    def stop(self, timeout: float) -> None:
+        """Let the queued jobs finish, then end the thread and join it (a later
+        :meth:`submit` starts a new one). ``timeout`` bounds the join: a job blocked in a
+        communication ends within the group's timeout."""
+        with self._lock:
+            thread = self._thread
+            if thread is None or not thread.is_alive() or self.on_engine_thread():
+                return
+            self._q.put(None)
+        thread.join(timeout)
 
 
 _ENGINE = _Engine()
@@ -184,6 +196,14 @@ def _order_hook() -> bool:
 
 
 B.set_order_hook(_order_hook, _ENGINE.call, _ENGINE)
+
+
+def _stop(group: Any, exiting: bool) -> None:
+    # the engine serves every group of the process: any group's end drains it
+    _ENGINE.stop((_config.TIMEOUT.get() or 30.0) + 2.0)
+
+
+_lifecycle.on_destroy("async engine", _stop)
 
 
 def available() -> bool:

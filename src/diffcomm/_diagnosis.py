@@ -166,6 +166,7 @@ def diagnose(
         status = {
             "returned": "returned from the function",
             "exited": "exited (its process finished)",
+            "destroyed": "destroyed its process group (destroy_process_group)",
         }.get(s.get("status", ""), "busy in user code (in no diffcomm communication)")
         lines.append(f"  rank {r}: {status}{last_done}")
     if backward:

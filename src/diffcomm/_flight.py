@@ -28,7 +28,6 @@ The hot path (:func:`begin` / :func:`end`) costs about a microsecond per op; see
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import json
 import os
@@ -43,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _config
+from . import _config, _lifecycle
 from ._diagnosis import P2P_OPS, diagnose
 from ._errors import DesyncError
 
@@ -141,7 +140,6 @@ _DEPTH: dict[Any, tuple[int, Any]] = {}  # label -> (depth of the user's frame, 
 _PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _STATUS = ["running"]  # running | returned | exited (what the process does outside diffcomm)
-_responder: list[Any] = [None]
 
 
 def configure() -> None:
@@ -429,76 +427,177 @@ def _base_store(store: Any) -> Any:
     return store
 
 
-def _client(store: Any) -> Any:
-    """A private client connection to the TCP store behind ``store`` (None if not TCP)."""
-    base = _base_store(store)
-    if not isinstance(base, dist.TCPStore):
+def _connection(store: Any) -> Any:
+    """A private client connection to the TCP store behind ``store``, keeping the key
+    prefixes on the way (torchrun's per-attempt prefix, the default group's): None if the
+    store is not a TCP store (no cross-rank diagnosis, own view only)."""
+    if not isinstance(_base_store(store), dist.TCPStore):
         return None
+    if hasattr(store, "clone"):
+        return store.clone()
+    base = _base_store(store)  # torch without Store.clone: the bare store, prefixes lost
     return dist.TCPStore(
         base.host, base.port, None, False, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
     )
 
 
-def start_responder(store: Any = None, rank: int | None = None) -> None:
-    """Start (once per process) the thread that answers diagnosis requests."""
-    if _responder[0] is not None:
-        return
-    try:
-        if store is None:
-            if not dist.is_initialized():
+#: seconds a stopping rank 0 waits for the other ranks' answering threads to stop (its
+#: process may host the store server: closing it under their waits makes torch print
+#: "recvValueWithTimeout failed" on every other rank)
+STOP_WAIT = 5.0
+#: seconds a stop waits for its thread to leave the store
+JOIN_WAIT = 2.0
+_FAILED = [False]  # a communication failed in this process: peers may be dead, never wait for them
+_SERIAL = [0]
+
+
+class _Responder:
+    """The thread that answers diagnosis requests, for one store namespace.
+
+    One per process group lifetime (``pinned=False``: the current default group, started
+    at ``init_process_group`` and stopped at ``destroy_process_group`` or exit), or one per
+    :class:`~diffcomm.LocalWorld` rank (``pinned=True``: the world's own store, for the
+    rank's life). Requests and answers use per-rank keys under ``ns`` (``req/<gen>/<rank>``,
+    ``state/<gen>/<rank>``), so the owner wakes its own thread with a token of its own
+    and joins it: the thread never waits in the store past its owner's stop.
+    """
+
+    def __init__(self, store: Any, rank: int, world: int, pinned: bool, pg: Any = None) -> None:
+        self.waiter = _connection(store)
+        self.asker = _connection(store) if self.waiter is not None else None
+        self.rank, self.world, self.pinned, self.pg = rank, world, pinned, pg
+        self.ns = _PREFIX
+        self.stopped = self.waiter is None
+        if self.stopped:
+            return
+        if not pinned:
+            # every rank starts one per default group: the arrivals counter gives the group's
+            # epoch, the same on every rank, so a store that outlives a group (a user's own,
+            # torchrun's agent store within an attempt) never mixes two groups' keys
+            arrived = int(self.asker.add(f"{_PREFIX}arrivals", 1))
+            self.ns = f"{_PREFIX}{(arrived - 1) // max(world, 1)}/"
+        self.gen = int(self.asker.add(f"{self.ns}gen", 0)) + 1
+        _SERIAL[0] += 1
+        self.token = f"stop:{os.getpid()}:{_SERIAL[0]}"
+        self.thread = threading.Thread(target=self._loop, name="diffcomm-flight", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        store, me, ns = self.waiter, self.rank, self.ns
+        while not self.stopped:
+            key = f"{ns}req/{self.gen}/{me}"
+            try:
+                store.wait([key], datetime.timedelta(days=7))  # woken by a request or by stop()
+                if store.get(key).decode() == self.token:
+                    return
+                store.set(f"{ns}state/{self.gen}/{me}", json.dumps(_state()))
+            except Exception:  # noqa: BLE001 - the store is gone: the world is over
                 return
-            store = dist.distributed_c10d._get_default_store()
-        client = _client(store)
-        asker = _client(store)
+            self.gen += 1
+
+    def stop(self, wait_peers: bool) -> None:
+        """Publish this rank's last state, wake and join the thread, close the connections;
+        rank 0 first waits (bounded) until every other rank's thread has stopped."""
+        if self.stopped:
+            return
+        self.stopped = True
+        asker, ns, me = self.asker, self.ns, self.rank
+        try:
+            asker.set(f"{ns}final/{me}", json.dumps(_state()))
+            gen = self.gen
+            for g in (gen, gen + 1):
+                asker.set(f"{ns}req/{g}/{me}", self.token)
+        except Exception:  # noqa: BLE001 - the store is gone, and with it the thread's wait
+            pass
+        self.thread.join(JOIN_WAIT)
+        try:
+            asker.set(f"{ns}stopped/{me}", "1")
+            if wait_peers and not self.pinned and me == 0 and self.world > 1:
+                # after a failure the peers still diagnose through this store: stay for
+                # their questions, but not for a dead rank's marker
+                keys = [f"{ns}stopped/{r}" for r in range(1, self.world)]
+                deadline = time.monotonic() + (ANSWER_WAIT + 1.5 if _FAILED[0] else STOP_WAIT)
+                while not asker.check(keys) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+        except Exception:  # noqa: BLE001
+            pass
+        self.waiter = self.asker = None
+
+
+_RESPONDER: list[_Responder | None] = [None]
+
+
+def start_responder(store: Any = None, rank: int | None = None, world: int | None = None) -> None:
+    """Start the thread that answers diagnosis requests: pinned to ``store`` (a
+    :class:`~diffcomm.LocalWorld` rank's world store, for the process's life) or, with no
+    store, for the current default group (replacing the previous group's)."""
+    cur = _RESPONDER[0]
+    if store is not None:
+        if cur is not None:
+            cur.stop(wait_peers=False)
+        if world is None:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+        _RESPONDER[0] = _Responder(store, _global_rank() if rank is None else rank, world, pinned=True)
+        return
+    if not dist.is_initialized():
+        return
+    pg = _C10D._default_pg
+    if cur is not None and (cur.pinned or cur.pg is pg):
+        return
+    if cur is not None:
+        cur.stop(wait_peers=False)  # a group destroyed behind diffcomm's back: its store is gone
+    try:
+        base = dist.distributed_c10d._get_default_store()
+        _RESPONDER[0] = _Responder(base, dist.get_rank(), dist.get_world_size(), pinned=False, pg=pg)
     except Exception:  # noqa: BLE001 - no store, no cross-rank diagnosis (own view only)
-        _responder[0] = False
-        return
-    if client is None:
-        _responder[0] = False
-        return
-    me = _global_rank() if rank is None else rank
-    _responder[0] = (asker, me)
-    threading.Thread(target=_answer_loop, args=(client, me), name="diffcomm-flight", daemon=True).start()
-    atexit.register(_publish_final, asker, me)
+        _RESPONDER[0] = None
 
 
 def _ensure_responder() -> None:
-    if _responder[0] is None and dist.is_initialized():
+    if dist.is_initialized():
         start_responder()
 
 
-def _answer_loop(store: Any, rank: int) -> None:
-    gen = 1
-    while True:
-        try:
-            store.wait([f"{_PREFIX}req/{gen}"], datetime.timedelta(days=7))
-            store.set(f"{_PREFIX}state/{gen}/{rank}", json.dumps(_state()))
-        except Exception:  # noqa: BLE001 - the store is gone: the world is over
-            return
-        gen += 1
+def _stop(group: Any, exiting: bool) -> None:
+    """The recorder's part of :func:`diffcomm._lifecycle.stop_all`: a destroyed default
+    group (or the exit) stops its answering thread and ends its history (the next group's
+    sequence numbers start at 0, and a diagnosis never sees the old group's entries)."""
+    if group is not None:  # a subgroup: its counters go with it
+        _GROUPS.pop(group, None)
+        _GROUPS.pop(("p2p", group), None)
+        return
+    cur = _RESPONDER[0]
+    if cur is not None and (exiting or not cur.pinned):
+        _STATUS[0] = "exited" if exiting else "destroyed"
+        cur.stop(wait_peers=True)
+        _RESPONDER[0] = None
+    if not exiting:
+        reset()  # the next default group starts its counters (and this history) afresh
 
 
-def _publish_final(store: Any, rank: int) -> None:
-    try:
-        _STATUS[0] = "exited"
-        store.set(f"{_PREFIX}final/{rank}", json.dumps(_state()))
-    except Exception:  # noqa: BLE001
-        pass
+_lifecycle.on_destroy("flight recorder", _stop)
+_lifecycle.on_init("flight recorder", _ensure_responder)
 
 
 def request_states(
-    store: Any, ranks: list[int], wait: float = ANSWER_WAIT
+    store: Any, ranks: list[int], wait: float = ANSWER_WAIT, ns: str = _PREFIX
 ) -> dict[int, dict[str, Any] | None]:
-    """Ask every rank in ``ranks`` for its state through ``store``; None for the silent."""
-    gen = int(store.add(f"{_PREFIX}gen", 1))
-    store.set(f"{_PREFIX}req/{gen}", "1")
-    keys = {r: f"{_PREFIX}state/{gen}/{r}" for r in ranks}
+    """Ask every rank in ``ranks`` for its state through ``store`` (keys under ``ns``);
+    None for the silent."""
+    gen = int(store.add(f"{ns}gen", 1))
+    req = [f"{ns}req/{gen}/{r}" for r in ranks]
+    if hasattr(store, "multi_set"):
+        store.multi_set(req, ["1"] * len(req))
+    else:
+        for k in req:
+            store.set(k, "1")
+    keys = {r: f"{ns}state/{gen}/{r}" for r in ranks}
     deadline = time.monotonic() + wait
     out: dict[int, dict[str, Any] | None] = {}
     pending = dict(keys)
     while pending and time.monotonic() < deadline:
         for r, k in list(pending.items()):
-            final = f"{_PREFIX}final/{r}"  # what a rank left behind when its process exited
+            final = f"{ns}final/{r}"  # what a rank left behind when its process exited
             if store.check([k]):
                 out[r] = json.loads(store.get(k))
                 del pending[r]
@@ -541,10 +640,11 @@ def failed(
     if focus is not None:
         focus["state"] = "started"
     diagnosis, facts = "", {"culprits": [], "seq": None}
-    asker = _responder[0][0] if _responder[0] else None
-    if asker is not None and focus is not None:
+    _FAILED[0] = True
+    resp = _RESPONDER[0]
+    if resp is not None and not resp.stopped and focus is not None:
         try:
-            states = request_states(asker, list(range(dist.get_world_size())))
+            states = request_states(resp.asker, list(range(dist.get_world_size())), ns=resp.ns)
             states[rank] = {**(states.get(rank) or _state()), "inflight": [focus]}
             diagnosis, facts = diagnose(states, focus)
         except Exception as exc:  # noqa: BLE001 - the plain message still goes out

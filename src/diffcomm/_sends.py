@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Any
 
-from . import _flight
+from . import _config, _flight, _lifecycle
 from ._errors import CollectiveTimeoutError, DiffcommError
 
 #: Posted sends of one message: ``[(work, flight record, what), ...]``.
@@ -42,7 +42,7 @@ class SendQueue:
 
     def __init__(self, batch: int = 8, batch_bytes: int = 1 << 20) -> None:
         self.batch, self.batch_bytes = batch, batch_bytes
-        self._q: queue.SimpleQueue[list[tuple[Parts, Any, int]]] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[list[tuple[Parts, Any, int]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -87,6 +87,8 @@ class SendQueue:
     def _run(self) -> None:
         while True:
             items = self._q.get()
+            if items is None:  # stop(): every send handed over before it is done
+                return
             try:
                 for parts, _keep, _private in items:
                     for work, rec, what in parts:
@@ -119,6 +121,18 @@ class SendQueue:
                 self._done.wait()
         self.check()
 
+    def stop(self, timeout: float) -> None:
+        """Hand over the held sends, let the thread finish them, end it and join it (a
+        later hand-over starts a new one). ``timeout`` bounds the join: a send that is
+        never received fails within its group's timeout. A failure stays for :meth:`check`."""
+        self.flush()
+        with self._lock:
+            thread = self._thread
+            if thread is None or not thread.is_alive():
+                return
+            self._q.put(None)
+        thread.join(timeout)
+
     def pending(self) -> int:
         """Messages posted and not known to be received yet (held or handed over)."""
         return self._unfinished + len(self._held)
@@ -136,6 +150,13 @@ def _send_error(what: str, err: BaseException) -> BaseException:
 
 
 SENDS = SendQueue()
+
+
+def _stop(group: Any, exiting: bool) -> None:
+    SENDS.stop((_config.TIMEOUT.get() or 30.0) + 2.0)
+
+
+_lifecycle.on_destroy("send queue", _stop)
 
 
 def wait_sends() -> None:

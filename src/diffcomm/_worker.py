@@ -19,7 +19,6 @@ import multiprocessing.connection as mpc  # noqa: E402
 import os  # noqa: E402
 import pickle  # noqa: E402
 import threading  # noqa: E402
-import time  # noqa: E402
 import traceback  # noqa: E402
 
 import cloudpickle  # noqa: E402
@@ -27,15 +26,14 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from diffcomm import _flight  # noqa: E402
+from diffcomm import _flight, _lifecycle  # noqa: E402
 from diffcomm._errors import CollectiveTimeoutError  # noqa: E402
 from diffcomm.accelerator import comm_accelerator  # noqa: E402
 from diffcomm.world import _STARTUP_TIMEOUT  # noqa: E402
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(0.5)
+def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
+    while not stop.wait(0.5):
         if os.getppid() != parent_pid or not psutil.pid_exists(parent_pid):
             os._exit(17)
 
@@ -53,7 +51,12 @@ def _worker_main(
     # The caller owns the ranks' lifetime: a Ctrl-C typed in the caller's terminal reaches
     # the whole process group, and must not kill idle ranks (the caller tears them down).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    # the rank's one thread of its own; stopped and joined at the rank's orderly end
+    watcher_stop = threading.Event()
+    watcher = threading.Thread(
+        target=_watch_parent, args=(parent_pid, watcher_stop), name="diffcomm-watch-parent", daemon=True
+    )
+    watcher.start()
     fault_dir = os.environ.get("DIFFCOMM_FAULT_DIR")
     if fault_dir:  # a rank the backend aborts (gloo on a size mismatch) leaves its stack here
         try:
@@ -72,8 +75,10 @@ def _worker_main(
         store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, False, timeout=startup)
         store.set(f"diffcomm/arrived/{rank}", "1")
         store.wait([f"diffcomm/arrived/{r}" for r in range(world_size)], startup)
+        # the recorder answers through the world's store for the rank's whole life (also
+        # across process groups the user's functions create and destroy)
+        _flight.start_responder(store, rank, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        _flight.start_responder(store, rank)
         _flight.set_status("returned")
         acc = comm_accelerator(backend)
         if acc.name != "cpu":  # one device per local rank, on the accelerator the backend uses
@@ -116,9 +121,13 @@ def _worker_main(
         except (EOFError, OSError, BrokenPipeError):
             break
     try:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+    _lifecycle.stop_all(None, exiting=True)  # the world's own answering thread
+    watcher_stop.set()
+    watcher.join()
     os._exit(0)
 
 

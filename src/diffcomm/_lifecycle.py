@@ -1,0 +1,134 @@
+"""Every background thread diffcomm starts has an owner and an end.
+
+diffcomm runs three kinds of background work in a user's process: the flight recorder's
+answering thread (it waits in the rendezvous store for diagnosis requests), the
+asynchronous engine (``async_op=True`` jobs) and the send queue (it completes posted
+point-to-point sends). Each is started lazily by the module that owns it, and each owner
+registers here how to **stop and join** it. This module runs those stops:
+
+* **when a process group is destroyed**: ``torch.distributed.destroy_process_group`` is
+  wrapped (once, at import) so that diffcomm's work on the group is drained and its
+  threads are joined *before* torch shuts the group and its store down. After the call
+  returns no diffcomm thread is alive (``tests/lifecycle``). A subgroup's destruction
+  drains and joins the engine and the send queue too (they restart on the next op);
+* **when a new default group is created**: ``init_process_group`` is wrapped so that the
+  recorder's answering thread of the new group starts at once on every rank (symmetric,
+  so every rank agrees on the new group's store namespace);
+* **before the interpreter finalizes** (``atexit``), for a program that exits without
+  destroying its group.
+
+Why wrap torch's two functions rather than ask users to call a diffcomm shutdown: the
+abort this prevents happened in programs that do everything right by torch's book (init,
+ops, ``destroy_process_group``, return). A thread blocked inside the C++ store when the
+interpreter finalizes (or when rank 0's store server goes away) is unwound into a
+finalizing interpreter and the process dies of ``SIGABRT`` ("terminate called without an
+active exception"). Nothing in torch tells a library that a group is going away, so the
+wrappers are the one place to hear it. They keep torch's signature and docstring
+(``functools.wraps``) and call the original unchanged. A program that bound the originals
+before importing diffcomm (``from torch.distributed import destroy_process_group`` first)
+still gets the ``atexit`` stop, and a new default group still replaces the old one's
+thread on diffcomm's first op on it.
+
+This module imports nothing from the package: it sits below every owner.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["on_destroy", "on_init", "stop_all", "diffcomm_threads", "install", "exiting"]
+
+# (name, stop(group, exiting)), called in reverse registration order: the owners that
+# depend on others (the engine runs ops that the recorder records) stop first
+_STOPS: list[tuple[str, Callable[[Any, bool], None]]] = []
+_INITS: list[tuple[str, Callable[[], None]]] = []
+_EXITING = [False]
+_LOCK = threading.RLock()
+
+#: names of the threads diffcomm starts (each owner names its thread with this prefix)
+THREAD_PREFIX = "diffcomm-"
+
+
+def on_destroy(name: str, stop: Callable[[Any, bool], None]) -> None:
+    """Register ``stop(group, exiting)``: stop and join the owner's threads for ``group``
+    (``None``: the default group, so every group) before torch destroys it, or at exit
+    (``exiting=True``). It must not raise and must return in bounded time."""
+    _STOPS.append((name, stop))
+
+
+def on_init(name: str, start: Callable[[], None]) -> None:
+    """Register ``start()``, called right after a new default process group exists."""
+    _INITS.append((name, start))
+
+
+def exiting() -> bool:
+    """Whether the interpreter is past diffcomm's ``atexit`` stop."""
+    return _EXITING[0]
+
+
+def stop_all(group: Any = None, exiting: bool = False) -> None:
+    """Run every registered stop for ``group`` (``None`` or ``group.WORLD``: everything)."""
+    if group is not None and dist.is_available() and group is dist.GroupMember.WORLD:
+        group = None
+    with _LOCK:
+        for _name, stop in reversed(_STOPS):
+            try:
+                stop(group, exiting)
+            except Exception:  # noqa: BLE001 - a stop never keeps the group (or exit) from going on
+                pass
+
+
+def diffcomm_threads() -> list[threading.Thread]:
+    """The live threads diffcomm started in this process."""
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+def _at_exit() -> None:
+    _EXITING[0] = True
+    stop_all(None, exiting=True)
+
+
+def install() -> None:
+    """Wrap ``torch.distributed``'s ``destroy_process_group`` / ``init_process_group``
+    (idempotent) and register the ``atexit`` stop."""
+    if not dist.is_available():
+        return
+    c10d = dist.distributed_c10d
+    destroy = c10d.destroy_process_group
+    if not getattr(destroy, "_diffcomm", False):
+
+        @functools.wraps(destroy)
+        def destroy_process_group(group: Any = None) -> None:
+            stop_all(group)
+            return destroy(group)
+
+        destroy_process_group._diffcomm = True  # type: ignore[attr-defined]
+        c10d.destroy_process_group = destroy_process_group
+        dist.destroy_process_group = destroy_process_group
+
+    init = c10d.init_process_group
+    if not getattr(init, "_diffcomm", False):
+
+        @functools.wraps(init)
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            out = init(*args, **kwargs)
+            for _name, start in _INITS:
+                try:
+                    start()
+                except Exception:  # noqa: BLE001 - no answering thread: the diagnosis degrades to own view
+                    pass
+            return out
+
+        init_process_group._diffcomm = True  # type: ignore[attr-defined]
+        c10d.init_process_group = init_process_group
+        dist.init_process_group = init_process_group
+
+
+atexit.register(_at_exit)
+install()

@@ -1,0 +1,134 @@
+"""A job's edges under real launchers: every row of the fault matrix, a few repetitions.
+
+The rank programs and the judgement are ``benchmarks/bench_lifecycle.py``'s (which runs
+each cell 20+ times and fills the table in docs/debugging.md); here each row runs in the
+normal suite on small worlds. Every run is real processes over gloo: ``torch.multiprocessing
+.spawn``, ``torchrun`` and ``LocalWorld``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import diffcomm as dc
+from diffcomm import _lifecycle
+
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lifecycle.py"
+_spec = importlib.util.spec_from_file_location("bench_lifecycle", _BENCH)
+assert _spec is not None and _spec.loader is not None
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_lifecycle"] = bench
+_spec.loader.exec_module(bench)
+
+needs_torchrun = pytest.mark.skipif(shutil.which("torchrun") is None, reason="no `torchrun` on PATH")
+
+
+def _holds(launcher: str, scenario: str, world: int, reps: int = 1) -> None:
+    for _ in range(reps):
+        r = bench.run_once(launcher, scenario, world, limit=150)
+        ok, why, _t = bench.judge(r)
+        assert ok, f"{launcher}:{scenario}:{world}: {why}\nlauncher stderr:\n{r['launcher_stderr'][-3000:]}"
+
+
+@pytest.mark.parametrize(("world", "reps"), [(2, 2), (4, 1)])
+def test_orderly_exit_after_every_kind_of_op_under_spawn(world: int, reps: int) -> None:
+    # blocking, async, coalesced, p2p and a 1F1B step; destroy_process_group; return:
+    # every rank exits 0, no signal, nothing on stderr, no diffcomm thread after destroy
+    _holds("spawn", "exit", world, reps)
+
+
+@needs_torchrun
+def test_orderly_exit_under_torchrun() -> None:
+    _holds("torchrun", "exit", 2)
+
+
+def test_orderly_exit_of_a_local_world() -> None:
+    _holds("localworld", "exit", 2)
+
+
+def test_three_groups_in_a_row_get_the_full_diagnosis() -> None:
+    # the desync in the third group names the culprit and the sequence number: the
+    # recorder follows the current default group (store, counters, answering thread)
+    _holds("spawn", "reinit", 2)
+
+
+def test_three_local_worlds_in_a_row_get_the_full_diagnosis() -> None:
+    _holds("localworld", "reinit", 2)
+
+
+def test_sigkill_of_one_rank_names_it_on_every_survivor() -> None:
+    _holds("spawn", "kill", 3)
+
+
+def test_sigkill_of_a_local_world_rank_names_it() -> None:
+    _holds("localworld", "kill", 2)
+
+
+@needs_torchrun
+def test_sigterm_to_every_rank_ends_each_within_5_s_quietly() -> None:
+    _holds("torchrun", "sigterm", 2)
+
+
+@needs_torchrun
+def test_torchrun_restart_starts_clean() -> None:
+    # the first attempt's diagnosis keys and recorder state never reach the second
+    _holds("torchrun", "restart", 2)
+
+
+@needs_torchrun
+def test_a_rank_raising_in_user_code_is_named_by_the_others() -> None:
+    _holds("torchrun", "raise", 2)
+
+
+def test_a_local_world_rank_raising_is_named() -> None:
+    _holds("localworld", "raise", 2)
+
+
+def test_judge_catches_what_it_claims() -> None:
+    # the judgement can fail: an abort, a stray stderr line, a late survivor, a thread
+    base = {
+        "launcher": "spawn",
+        "world": 2,
+        "rc": 0,
+        "rank_codes": ["0", "0"],
+        "leftover": [],
+        "launcher_stderr": "",
+        "wall_s": 1.0,
+        "restart": [],
+    }
+    quiet = [{"facts": {"threads_after_destroy": "0"}, "stderr": ""}] * 2
+    assert bench.judge({**base, "scenario": "exit", "ranks": quiet})[0]
+    loud = [quiet[0], {"facts": {"threads_after_destroy": "0"}, "stderr": "[W] recvValue failed\n"}]
+    assert not bench.judge({**base, "scenario": "exit", "ranks": loud})[0]
+    threads = [{"facts": {"threads_after_destroy": "1"}, "stderr": ""}] * 2
+    assert not bench.judge({**base, "scenario": "exit", "ranks": threads})[0]
+    assert not bench.judge({**base, "scenario": "exit", "ranks": quiet, "rank_codes": ["0", "-6"]})[0]
+    late = [
+        {"facts": {"names_dead": "True", "raised_after": "9.5"}, "stderr": ""},
+        {"facts": {}, "stderr": ""},
+    ]
+    assert not bench.judge({**base, "scenario": "kill", "ranks": late, "rank_codes": ["3", "-9"]})[0]
+
+
+def test_no_diffcomm_thread_outlives_its_group_in_process() -> None:
+    # one process, world 1, a real gloo group: every kind of background thread started,
+    # then destroy_process_group() joins them all before it returns; twice in a row
+    for _ in range(2):
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            x = torch.ones(3, requires_grad=True)
+            (dc.all_gather(x, async_op=True) * 2).sum().backward()
+            dc.shift(x, 1).sum().backward()
+            assert _lifecycle.diffcomm_threads(), "the engine or the send queue should be running"
+        finally:
+            dist.destroy_process_group()
+        assert _lifecycle.diffcomm_threads() == [], threading.enumerate()
