@@ -132,3 +132,22 @@ def test_no_diffcomm_thread_outlives_its_group_in_process() -> None:
         finally:
             dist.destroy_process_group()
         assert _lifecycle.diffcomm_threads() == [], threading.enumerate()
+
+
+_SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_soak.py"
+_soak_spec = importlib.util.spec_from_file_location("bench_soak", _SOAK)
+assert _soak_spec is not None and _soak_spec.loader is not None
+soak = importlib.util.module_from_spec(_soak_spec)
+_soak_spec.loader.exec_module(soak)
+
+
+def test_soak_keeps_threads_fds_and_the_recorder_flat(world4: dc.LocalWorld) -> None:
+    # a short soak of mixed ops (the benchmark runs 10,000): after warm-up the thread and
+    # file-descriptor counts do not move, the recorder stays within its ring
+    n = 600
+    rows = soak.summarize(world4.run(soak.soak, n, 50), n)
+    for row in rows:
+        assert len(row["threads"]) == 1, row
+        assert len(row["fds"]) == 1, row
+        assert row["recorder_max"] <= row["recorder_cap"], row
+        assert row["rss_growth_after_warmup_mb"] < 50, row
