@@ -1,0 +1,1187 @@
+"""Context parallelism: attention over a sequence split across the ranks of a group.
+
+Three ops, tensors in the ``scaled_dot_product_attention`` layout
+``(batch, heads, seq_local, head_dim)``:
+
+* :func:`ring_attention` — K/V blocks travel around the ring of the group; each rank
+  folds every block into its queries' output with the online-softmax (log-sum-exp)
+  merge. The next block's transfer runs on the communication engine while the current
+  block is computed. Backward is a ring of its own: K/V travel again with their
+  gradient accumulators, each rank recomputes its blocks from the saved log-sum-exp.
+  Memory per rank is O(S/W): no rank ever holds more than two K/V blocks.
+* :func:`ulysses_attention` — two all_to_alls turn the sequence-sharded tensors into
+  head-sharded ones over the whole sequence, any local attention runs, and one
+  all_to_all turns the result back. Any number of heads and KV heads, any lengths.
+* :func:`usp_attention` — both on a 2-D layout: Ulysses inside one group, the ring
+  across another.
+
+**Layouts.** Which global positions a rank holds is a *layout* (:func:`layout_index`):
+``"contiguous"`` (rank ``r`` holds block ``r``) or ``"zigzag"`` (head-tail: the sequence
+— or, with ``cu_seqlens``, every packed document on its own — is cut into ``2W`` chunks
+and rank ``r`` holds chunks ``r`` and ``2W - 1 - r``, which balances causal work).
+Lengths that do not divide are padded, per layout, with positions that attend to nothing
+and are attended by nothing (their output is zero, their gradient zero).
+:func:`shard` / :func:`unshard` move inputs, position ids and outputs in and out of a
+layout. ``docs/context_parallel.md`` draws them.
+
+**Gradient convention.** ``ring_attention`` and friends are ordinary SPMD functions
+under the sum-of-per-rank-objectives convention of the core collectives: with
+``loss = sum_r loss_r(out_r)``, ``q_r``'s gradient is the full-attention gradient of the
+rows this rank holds, and so for ``k``/``v``. ``shard`` is a local selection (its
+gradient scatters into zeros, no communication); ``unshard`` is an ``all_gather``
+followed by a permutation (gradient: the permutation back, then ``reduce_scatter``).
+
+**Why not a CommOp.** ``ring_attention`` fuses attention math with its communication
+(it is not linear in any input), so it is a ``torch.autograd.Function`` with a
+hand-written backward — a ring of the same shape as the forward — as in
+:mod:`diffcomm.parallel.overlap`. That backward is first-order
+(``once_differentiable``); :func:`ulysses_attention` is built from differentiable
+all_to_alls around a differentiable local attention, so double backward works there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .. import _args as A
+from .. import _async, _config
+from .. import backend as B
+from .. import collectives as C
+
+__all__ = [
+    "ring_attention",
+    "ulysses_attention",
+    "usp_attention",
+    "shard",
+    "unshard",
+    "layout_index",
+    "ring_attention_work",
+    "attention_reference",
+    "dropout_keep_mask",
+    "LAYOUTS",
+]
+
+PG = Any
+#: The layouts of the sequence over the ranks of a context-parallel group.
+LAYOUTS = ("contiguous", "zigzag")
+_RING_TAG = (1 << 16) + 34  # p2p tag of the attention ring (user tags are < 2**16)
+
+
+# ======================================================================================
+# layouts
+# ======================================================================================
+
+
+def _check_layout(layout: Any, op: str) -> str:
+    if layout not in LAYOUTS:
+        raise A.arg_error(op, "layout", f"one of {LAYOUTS}", repr(layout))
+    return str(layout)
+
+
+def _check_cu_seqlens(cu: Any, op: str, seq_len: int | None = None) -> tuple[int, ...] | None:
+    """``cu_seqlens`` as a tuple of ints (``0 = c_0 <= c_1 <= ... = total``); None stays."""
+    if cu is None:
+        return None
+    if isinstance(cu, Tensor):
+        if cu.dim() != 1 or cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+            raise A.arg_error(
+                op,
+                "cu_seqlens",
+                "a 1-D integer tensor or a sequence of ints",
+                f"{cu.dtype} {tuple(cu.shape)}",
+            )
+        vals = tuple(int(c) for c in cu.tolist())
+    elif isinstance(cu, Sequence) and all(isinstance(c, int) and not isinstance(c, bool) for c in cu):
+        vals = tuple(int(c) for c in cu)
+    else:
+        raise A.arg_error(
+            op, "cu_seqlens", "a 1-D integer tensor or a sequence of ints", type(cu).__name__, TypeError
+        )
+    if len(vals) < 2 or vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:], strict=False)):
+        raise A.arg_error(
+            op, "cu_seqlens", "cumulative lengths starting at 0, non-decreasing, at least 2 values", vals
+        )
+    if seq_len is not None and vals[-1] != seq_len:
+        raise A.arg_error(op, "cu_seqlens", f"ending at the sequence length {seq_len}", vals)
+    return vals
+
+
+def _doc_spans(seq_len: int, cu: tuple[int, ...] | None) -> list[tuple[int, int]]:
+    if cu is None:
+        return [(0, seq_len)]
+    return [(a, b) for a, b in zip(cu, cu[1:], strict=False)]
+
+
+def _index_table(seq_len: int, world: int, layout: str, cu: tuple[int, ...] | None) -> Tensor:
+    """``(world, seq_local)`` int64: the global position each rank's slot holds (-1: pad)."""
+    if layout == "contiguous":
+        n = -(-seq_len // world) if seq_len else 0
+        flat = torch.full((n * world,), -1, dtype=torch.int64)
+        flat[:seq_len] = torch.arange(seq_len)
+        return flat.view(world, n)
+    per_rank: list[list[Tensor]] = [[] for _ in range(world)]
+    turn = 0  # rotates which ranks get a document's longer chunks (balance over documents)
+    for a, b in _doc_spans(seq_len, cu):
+        length = b - a
+        if length == 0:
+            continue
+        base, extra = divmod(length, 2 * world)
+        c = base + (extra > 0)
+        sizes = [base] * (2 * world)
+        # the `extra` longer chunks go in pairs (r, 2W-1-r), to the ranks whose turn it is,
+        # so a rank's head and tail chunks grow together and no rank always gets the short
+        # tail (the most expensive chunk under causal attention)
+        for i in range(extra):
+            r = (turn + i // 2) % world
+            sizes[r if i % 2 == 0 else 2 * world - 1 - r] += 1
+        turn = (turn + -(-extra // 2)) % world
+        doc = torch.full((2 * world, c), -1, dtype=torch.int64)
+        start = a
+        for t, n in enumerate(sizes):
+            doc[t, :n] = torch.arange(start, start + n)
+            start += n
+        for r in range(world):
+            per_rank[r] += [doc[r], doc[2 * world - 1 - r]]
+    if not per_rank[0]:
+        return torch.empty(world, 0, dtype=torch.int64)
+    return torch.stack([torch.cat(p) for p in per_rank])
+
+
+def _doc_ids(table: Tensor, seq_len: int, cu: tuple[int, ...] | None) -> Tensor:
+    """Document id of every slot of ``table`` (-1: pad)."""
+    if cu is None:
+        return torch.where(table >= 0, 0, -1)
+    bounds = torch.tensor(cu[1:], dtype=torch.int64)
+    ids = torch.bucketize(table.clamp(min=0), bounds, right=True)
+    return torch.where(table >= 0, ids, -1)
+
+
+def layout_index(seq_len: int, world: int, *, layout: str = "zigzag", cu_seqlens: Any = None) -> Tensor:
+    """Which global position every rank holds under a layout.
+
+    Args:
+        seq_len: the global (packed) sequence length ``S``.
+        world: the number of ranks ``W`` the sequence is split over.
+        layout: ``"contiguous"`` (rank ``r`` holds ``[r*n, (r+1)*n)``, ``n = ceil(S/W)``,
+            the last ranks padded) or ``"zigzag"`` (each document cut into ``2W`` chunks of
+            ``ceil(L/2W)``, its tail padded; rank ``r`` holds chunks ``r`` and
+            ``2W-1-r`` of every document, documents in order).
+        cu_seqlens: cumulative document lengths of a packed sequence (``[0, L_0,
+            L_0+L_1, ..., S]``); ``None``: one document.
+
+    Returns:
+        ``(W, seq_local)`` int64 tensor; entry ``[r, i]`` is the global position held by
+        slot ``i`` of rank ``r``, or ``-1`` for padding. Every position appears once.
+
+    Example::
+
+        layout_index(8, 2, layout="zigzag")
+        # tensor([[0, 1, 6, 7], [2, 3, 4, 5]])
+    """
+    op = "parallel.layout_index"
+    seq_len = A.check_int(seq_len, op, "seq_len")
+    world = A.check_int(world, op, "world")
+    if seq_len < 0 or world < 1:
+        raise A.arg_error(op, "seq_len/world", "seq_len >= 0 and world >= 1", (seq_len, world))
+    return _index_table(seq_len, world, _check_layout(layout, op), _check_cu_seqlens(cu_seqlens, op, seq_len))
+
+
+def _group_rank_world(group: A.GroupLike, op: str) -> tuple[PG, int, int]:
+    pg = A.resolve_group(group, op)
+    b = B.get_backend()
+    return pg, b.rank(pg), b.world_size(pg)
+
+
+def _resolve_seq(
+    op: str, seq_local: int, world: int, layout: str, cu_seqlens: Any, seq_len: Any, arg: str
+) -> tuple[int, tuple[int, ...] | None, Tensor]:
+    """The global length, the checked ``cu_seqlens`` and the layout table, checked against
+    the local length ``seq_local`` of argument ``arg``."""
+    cu = _check_cu_seqlens(cu_seqlens, op)
+    if cu is not None:
+        if seq_len is not None and int(seq_len) != cu[-1]:
+            raise A.arg_error(op, "seq_len", f"cu_seqlens[-1] = {cu[-1]} (or None)", seq_len)
+        total = cu[-1]
+    elif seq_len is None:
+        total = seq_local * world
+    else:
+        total = A.check_int(seq_len, op, "seq_len")
+        if total < 0:
+            raise A.arg_error(op, "seq_len", ">= 0", total)
+    table = _index_table(total, world, layout, cu)
+    if table.shape[1] != seq_local:
+        raise A.arg_error(
+            op,
+            arg,
+            f"of {table.shape[1]} local positions along the sequence dim (layout {layout!r}, global "
+            f"length {total}, {world} ranks{', packed documents' if cu else ''}; pass `seq_len` "
+            "when the shards are padded)",
+            f"{seq_local}",
+        )
+    return total, cu, table
+
+
+def shard(
+    x: Tensor,
+    dim: int = 2,
+    group: A.GroupLike = None,
+    *,
+    layout: str = "zigzag",
+    cu_seqlens: Any = None,
+    pad_value: float = 0,
+    ulysses_group: A.GroupLike = None,
+) -> Tensor:
+    """This rank's part of a full-sequence tensor under a layout (inputs, position ids).
+
+    Args:
+        x: the whole sequence along ``dim`` (length ``S``), any dtype; the same on every
+            rank (it is read locally; nothing is communicated).
+        dim: the sequence dimension (default 2: ``(batch, heads, seq, head_dim)``).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        layout: ``"zigzag"`` (default) or ``"contiguous"``; see :func:`layout_index`.
+        cu_seqlens: cumulative document lengths of a packed sequence, or ``None``.
+        pad_value: the value of padding slots (e.g. ``-1`` for position ids).
+        ulysses_group: for :func:`usp_attention`: ``group`` is then the ring group, and
+            this ring rank's positions are split contiguously (sizes differing by at most
+            one) over the ranks of ``ulysses_group``.
+
+    Returns:
+        A new tensor: ``x.shape`` with ``dim`` of size ``seq_local`` (the layout's).
+
+    Gradient:
+        local: the gradient of slot ``i`` goes to the position it holds; other positions
+        (and padding) get zero. No communication (the sum-of-objectives convention: each
+        rank's ``x`` is its own variable).
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: parallel.shard(torch.arange(8), 0))
+            # [tensor([0, 1, 6, 7]), tensor([2, 3, 4, 5])]
+    """
+    op = "parallel.shard"
+    x = A.check_tensor(x, op, "x")
+    dim = A.check_dim(x, dim, op)
+    layout = _check_layout(layout, op)
+    _, rank, world = _group_rank_world(group, op)
+    cu = _check_cu_seqlens(cu_seqlens, op, x.shape[dim])
+    idx = _index_table(x.shape[dim], world, layout, cu)[rank]
+    if ulysses_group is not None:
+        _, urank, uworld = _group_rank_world(ulysses_group, op)
+        sizes = _split_sizes(idx.numel(), uworld)
+        idx = idx[sum(sizes[:urank]) : sum(sizes[: urank + 1])]
+    return _select(x, dim, idx.to(x.device), pad_value)
+
+
+def _select(x: Tensor, dim: int, idx: Tensor, pad_value: float) -> Tensor:
+    out = x.index_select(dim, idx.clamp(min=0))
+    pad = idx < 0
+    if bool(pad.any()):
+        shape = [1] * x.dim()
+        shape[dim] = idx.numel()
+        out = out.masked_fill(pad.view(shape), pad_value)
+    return out
+
+
+def unshard(
+    x: Tensor,
+    dim: int = 2,
+    group: A.GroupLike = None,
+    *,
+    layout: str = "zigzag",
+    cu_seqlens: Any = None,
+    seq_len: int | None = None,
+    ulysses_group: A.GroupLike = None,
+) -> Tensor:
+    """The whole sequence from every rank's part under a layout (outputs): all_gather, then
+    the inverse of the layout's permutation (padding dropped).
+
+    Args:
+        x: this rank's part, ``seq_local`` along ``dim``; same shape on every rank.
+        dim: the sequence dimension (default 2).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        layout: ``"zigzag"`` (default) or ``"contiguous"``.
+        cu_seqlens: cumulative document lengths of a packed sequence, or ``None``.
+        seq_len: the global length when the parts are padded (default:
+            ``cu_seqlens[-1]``, else ``world * seq_local``).
+
+    Returns:
+        A new tensor: ``x.shape`` with ``dim`` of size ``S``, in sequence order, the same on
+        every rank.
+
+    Gradient:
+        the permutation back, then ``reduce_scatter`` (the ``all_gather``'s adjoint):
+        rank ``r`` gets the sum over ranks of the gradients of the positions it holds.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: parallel.unshard(parallel.shard(torch.arange(8.0), 0), 0))
+            # [tensor([0., ..., 7.]), tensor([0., ..., 7.])]
+    """
+    op = "parallel.unshard"
+    x = A.check_tensor(x, op, "x")
+    dim = A.check_dim(x, dim, op)
+    layout = _check_layout(layout, op)
+    pg, _, world = _group_rank_world(group, op)
+    if ulysses_group is not None:
+        upg, _, uworld = _group_rank_world(ulysses_group, op)
+        if seq_len is None and cu_seqlens is None:
+            seq_len = uworld * world * x.shape[dim]
+        n_ring = _ring_local_len(op, x.shape[dim], uworld, world, layout, cu_seqlens, seq_len)
+        x = C.all_gather(x, dim, upg, split_sizes=_split_sizes(n_ring, uworld))
+    total, _, table = _resolve_seq(op, x.shape[dim], world, layout, cu_seqlens, seq_len, "x")
+    full = C.all_gather(x, dim, pg, split_sizes=[x.shape[dim]] * world)
+    flat = table.reshape(-1)
+    inv = torch.empty(total, dtype=torch.int64)
+    real = flat >= 0
+    inv[flat[real]] = torch.arange(flat.numel())[real]
+    return full.index_select(dim, inv.to(x.device))
+
+
+# ======================================================================================
+# dropout: a counter-based mask of global coordinates
+# ======================================================================================
+
+_M1 = 0xFF51AFD7ED558CCD - (1 << 64)
+_M2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
+_K = (0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019, 0x2545F4914F6CDD1D, 0x1B873593)
+
+
+def _mix(h: Tensor) -> Tensor:
+    h = h ^ ((h >> 33) & ((1 << 31) - 1))
+    h = h * _M1
+    h = h ^ ((h >> 33) & ((1 << 31) - 1))
+    h = h * _M2
+    return h ^ ((h >> 33) & ((1 << 31) - 1))
+
+
+def dropout_keep_mask(
+    seed: int, batch: int, heads: int, q_positions: Tensor, k_positions: Tensor, p: float
+) -> Tensor:
+    """The attention-dropout keep mask of :func:`ring_attention` and
+    :func:`attention_reference`: a hash of ``(seed, batch, head, query position, key
+    position)``, so it is the same whichever rank computes a block and in whatever layout.
+
+    Args:
+        seed: the dropout seed.
+        batch, heads: sizes of the batch and (query) head dims.
+        q_positions, k_positions: 1-D int64 global positions.
+        p: the dropout probability.
+
+    Returns:
+        ``(batch, heads, len(q_positions), len(k_positions))`` bool, ``True`` = kept
+        (probability ``1 - p`` each, independent across entries).
+    """
+    dev = q_positions.device
+    b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
+    qp = q_positions.to(torch.int64).view(1, 1, -1, 1)
+    kp = k_positions.to(torch.int64).view(1, 1, 1, -1)
+    s = _mix(torch.tensor(int(seed) & ((1 << 63) - 1), dtype=torch.int64, device=dev))
+    x = _mix(s + b * _K[0] + h * _K[1])
+    x = _mix(x + qp * _K[2])
+    x = _mix(x + kp * _K[3])
+    u = (x & ((1 << 24) - 1)).to(torch.float64) / float(1 << 24)
+    return u >= p
+
+
+# ======================================================================================
+# the ring
+# ======================================================================================
+
+
+class _Plan:
+    """Everything about one ring_attention call except the tensors (rank-independent
+    tables; the same object serves forward and backward)."""
+
+    def __init__(
+        self,
+        pg: PG,
+        rank: int,
+        world: int,
+        table: Tensor,
+        docs: Tensor,
+        causal: bool,
+        scale: float,
+        dropout_p: float,
+        seed: int,
+        heads: int,
+        kv_heads: int,
+    ) -> None:
+        self.pg, self.rank, self.world = pg, rank, world
+        self.table, self.docs = table, docs
+        self.causal, self.scale = causal, scale
+        self.dropout_p, self.seed = dropout_p, seed
+        self.heads, self.kv_heads = heads, kv_heads
+
+    def block(self, j: int, device: torch.device) -> list[tuple[Any, ...]]:
+        """Queries of this rank x keys of rank ``j`` as a list of disjoint *pieces*
+        ``(rows, cols, allowed, q_positions, k_positions)``: one per document (documents
+        too small to be worth a piece of their own are lumped with their neighbour), trimmed
+        to the rows and cols with any allowed pair (a slice when contiguous, else an index
+        tensor); ``allowed`` is the pattern on the piece (``None`` when all allowed). An
+        empty list: nothing allowed (the block is skipped). Recomputed at each use
+        (O(seq_local^2) booleans, like one block of scores, never kept for all blocks)."""
+        qi, ki = self.table[self.rank], self.table[j]
+        qd, kd = self.docs[self.rank], self.docs[j]
+        allowed = (qd.view(-1, 1) == kd.view(1, -1)) & (qd.view(-1, 1) >= 0)
+        if self.causal:
+            allowed &= ki.view(1, -1) <= qi.view(-1, 1)
+        rows_any, cols_any = allowed.any(1), allowed.any(0)
+        groups: list[list[Any]] = []  # [rows, cols, useful area]
+        for d in torch.unique(qd[rows_any]).tolist():
+            r = ((qd == d) & rows_any).nonzero().view(-1)
+            c = ((kd == d) & cols_any).nonzero().view(-1)
+            area = r.numel() * c.numel()
+            if groups:
+                gr, gc, ga = groups[-1]
+                merged = (gr.numel() + r.numel()) * (gc.numel() + c.numel())
+                if merged <= max(1.25 * (ga + area), _LUMP_AREA):
+                    groups[-1] = [torch.cat([gr, r]), torch.cat([gc, c]), ga + area]
+                    continue
+            groups.append([r, c, area])
+        out = []
+        for r, c, _ in groups:
+            sub = allowed.index_select(0, r).index_select(1, c)
+            out.append(
+                (
+                    _as_slice(r),
+                    _as_slice(c),
+                    None if bool(sub.all()) else sub.to(device),
+                    qi.index_select(0, r).to(device),
+                    ki.index_select(0, c).to(device),
+                )
+            )
+        return out
+
+
+#: pieces of a block (documents) whose union's bounding area is at most this are lumped
+#: into one piece (one matmul instead of many tiny ones)
+_LUMP_AREA = 1024
+
+
+def _as_slice(idx: Tensor) -> slice | Tensor:
+    n = idx.numel()
+    a = int(idx[0])
+    if int(idx[-1]) - a + 1 == n:
+        return slice(a, a + n)
+    return idx
+
+
+def _take(x: Tensor, idx: slice | Tensor, dim: int) -> Tensor:
+    if isinstance(idx, slice):
+        return x.narrow(dim, idx.start, idx.stop - idx.start)
+    return x.index_select(dim, idx.to(x.device))
+
+
+def _put_add(dst: Tensor, idx: slice | Tensor, dim: int, val: Tensor) -> None:
+    if isinstance(idx, slice):
+        dst.narrow(dim, idx.start, idx.stop - idx.start).add_(val)
+    else:
+        dst.index_add_(dim, idx.to(dst.device), val)
+
+
+def _hop(x: Tensor, pg: PG, rank: int, world: int, name: str) -> Tensor:
+    """Launch: send ``x`` to rank+1, receive rank-1's (same shape), on the engine; a
+    plain blocking exchange where the engine cannot be used (compile, torch.func)."""
+    b = B.get_backend()
+
+    def raw(t: Tensor) -> Tensor:
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        if t.numel():
+            with B.label(name):
+                b.batch_p2p(
+                    [
+                        ("send", t, (rank + 1) % world, _RING_TAG),
+                        ("recv", out, (rank - 1) % world, _RING_TAG),
+                    ],
+                    pg,
+                )
+        return out
+
+    if not _async.available():
+        return raw(x)
+    return _async.launch(x, name, raw, x.shape)
+
+
+def _pack(*ts: Tensor) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def _unpack(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    out, o = [], 0
+    for t in like:
+        out.append(flat[o : o + t.numel()].view(t.shape))
+        o += t.numel()
+    return out
+
+
+def _scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """``q (B, Hk, G, Sq, D)`` x ``k (B, Hk, Sk, D)`` -> ``(B, Hk, G, Sq, Sk)``."""
+    return torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+
+
+class _Mask:
+    """The user's ``attn_mask`` as ``(b, Hk|1, G|1, S_local, S)``: bool (True = attend) or
+    additive float; columns are global positions."""
+
+    def __init__(self, m: Tensor, heads: int, kv_heads: int) -> None:
+        b, h = m.shape[0], m.shape[1]
+        g = heads // kv_heads
+        self.m = (
+            m.view(b, kv_heads, g, m.shape[2], m.shape[3]) if h == heads else m.view(b, 1, 1, *m.shape[2:])
+        )
+        self.is_bool = m.dtype == torch.bool
+
+    def cols(self, rows: slice | Tensor, kpos: Tensor) -> Tensor:
+        return _take(self.m, rows, 3).index_select(4, kpos)
+
+
+def _apply_masks(s: Tensor, allowed: Tensor | None, um: Tensor | None, is_bool: bool) -> Tensor:
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    if um is not None:
+        s = s.masked_fill(~um, float("-inf")) if is_bool else s + um
+    return s
+
+
+def _keep(plan: _Plan, qpos: Tensor, kpos: Tensor, B_: int) -> Tensor:
+    keep = dropout_keep_mask(plan.seed, B_, plan.heads, qpos, kpos, plan.dropout_p)
+    g = plan.heads // plan.kv_heads
+    return keep.view(B_, plan.kv_heads, g, qpos.numel(), kpos.numel())
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention, forward and backward rings (first order).
+
+    Not a ``CommOp``: attention fused with its communication (nonlinear in q, k, v); see
+    the module docstring."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, plan: _Plan) -> Tensor:
+        Bq, Hq, Sl, D = q.shape
+        Hk, Dv = k.shape[1], v.shape[-1]
+        G = Hq // Hk
+        q5 = q.detach().reshape(Bq, Hk, G, Sl, D)
+        k_, v_ = k.detach(), v.detach()
+        um = None if mask is None else _Mask(mask.detach(), Hq, Hk)
+        out = torch.zeros(Bq, Hk, G, Sl, Dv, dtype=q.dtype, device=q.device)
+        lse = torch.full((Bq, Hk, G, Sl), float("-inf"), dtype=q.dtype, device=q.device)
+        rank, world = plan.rank, plan.world
+        kv = _pack(k_, v_)
+        for i in range(world):
+            j = (rank - i) % world
+            nxt = (
+                _hop(kv, plan.pg, rank, world, f"parallel.ring_attention step {i + 1}/{world - 1}")
+                if i < world - 1
+                else None
+            )
+            kv = _async.wait(kv)
+            kj, vj = _unpack(kv, (k_, v_))
+            for rows, cols, allowed, qpos, kpos in plan.block(j, q.device):
+                qs = _take(q5, rows, 3)
+                s = _scores(qs, _take(kj, cols, 2), plan.scale)
+                s = _apply_masks(
+                    s, allowed, None if um is None else um.cols(rows, kpos), bool(um and um.is_bool)
+                )
+                m = s.amax(-1, keepdim=True)
+                m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+                p = torch.exp(s - m)
+                l_ = p.sum(-1, keepdim=True)
+                lse_b = (m + torch.log(l_)).squeeze(-1)
+                if plan.dropout_p > 0:
+                    p = p * _keep(plan, qpos, kpos, Bq) / (1 - plan.dropout_p)
+                o_b = torch.matmul(p, _take(vj, cols, 2).unsqueeze(2))
+                o_b = o_b / torch.where(l_ > 0, l_, torch.ones_like(l_))
+                # log-sum-exp merge of (out, lse) with the block's (o_b, lse_b) on its rows
+                lse_r = _take(lse, rows, 3)
+                new = torch.logaddexp(lse_r, lse_b)
+                safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+                w_old = torch.exp(lse_r - safe).unsqueeze(-1)
+                w_new = torch.exp(lse_b - safe).unsqueeze(-1)
+                o_new = _take(out, rows, 3) * w_old + o_b * w_new
+                if isinstance(rows, slice):
+                    out[:, :, :, rows] = o_new
+                    lse[:, :, :, rows] = new
+                else:
+                    out.index_copy_(3, rows, o_new)
+                    lse.index_copy_(3, rows, new)
+            if nxt is not None:
+                kv = nxt
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.plan = plan
+        return out.view(Bq, Hq, Sl, Dv)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        Bq, Hq, Sl, D = q.shape
+        Hk, Dv = k.shape[1], v.shape[-1]
+        G = Hq // Hk
+        q5 = q.reshape(Bq, Hk, G, Sl, D)
+        do = g.reshape(Bq, Hk, G, Sl, Dv)
+        delta = (do * out).sum(-1)  # (B, Hk, G, Sl)
+        lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        um = None if mask is None else _Mask(mask, Hq, Hk)
+        dmask = None
+        if mask is not None and ctx.needs_input_grad[3]:
+            dmask = torch.zeros_like(um.m)  # type: ignore[union-attr]
+        dq = torch.zeros_like(q5)
+        rank, world = plan.rank, plan.world
+        kv = _pack(k, v)
+        dkv: Tensor | None = None
+        for i in range(world):
+            j = (rank - i) % world
+            name = f"parallel.ring_attention backward step {i + 1}/{world}"
+            nxt = _hop(kv, plan.pg, rank, world, name) if i < world - 1 else None
+            kv = _async.wait(kv)
+            kj, vj = _unpack(kv, (k, v))
+            dk_j, dv_j = torch.zeros_like(k), torch.zeros_like(v)
+            for rows, cols, allowed, qpos, kpos in plan.block(j, q.device):
+                qs = _take(q5, rows, 3)
+                kc, vc = _take(kj, cols, 2), _take(vj, cols, 2)
+                s = _scores(qs, kc, plan.scale)
+                s = _apply_masks(
+                    s, allowed, None if um is None else um.cols(rows, kpos), bool(um and um.is_bool)
+                )
+                p = torch.exp(s - _take(lse_safe, rows, 3).unsqueeze(-1))
+                dos = _take(do, rows, 3)
+                dp = torch.matmul(dos, vc.unsqueeze(2).transpose(-1, -2))
+                if plan.dropout_p > 0:
+                    keep = _keep(plan, qpos, kpos, Bq).to(p.dtype) / (1 - plan.dropout_p)
+                    pd = p * keep
+                    dp = dp * keep
+                else:
+                    pd = p
+                _put_add(dv_j, cols, 2, torch.matmul(pd.transpose(-1, -2), dos).sum(2))
+                ds = p * (dp - _take(delta, rows, 3).unsqueeze(-1))
+                _put_add(dq, rows, 3, torch.matmul(ds, kc.unsqueeze(2)) * plan.scale)
+                _put_add(dk_j, cols, 2, torch.matmul(ds.transpose(-1, -2), qs).sum(2) * plan.scale)
+                if dmask is not None:
+                    _mask_grad(dmask, ds, rows, kpos)
+            # the K/V gradients travel with their block: add what arrived from rank r-1
+            mine = _pack(dk_j, dv_j)
+            acc = mine if dkv is None else _async.wait(dkv) + mine
+            dkv = _hop(acc, plan.pg, rank, world, name + " (dk, dv)") if world > 1 else acc
+            if nxt is not None:
+                kv = nxt
+        assert dkv is not None
+        dk, dv = _unpack(_async.wait(dkv), (k, v))
+        dm = None
+        if dmask is not None:
+            dm = dmask.reshape(mask.shape)
+        return dq.view(Bq, Hq, Sl, D), dk.clone(), dv.clone(), dm, None
+
+
+def _mask_grad(dmask: Tensor, ds: Tensor, rows: slice | Tensor, kpos: Tensor) -> None:
+    """Add ``ds`` (the score gradient of a block) into the additive mask's gradient,
+    summed over the dims the mask broadcasts."""
+    red = ds
+    for d in range(3):
+        if dmask.shape[d] == 1 and ds.shape[d] != 1:
+            red = red.sum(d, keepdim=True)
+    sub = _take(dmask, rows, 3)
+    sub = sub.index_add(4, kpos, red)
+    if isinstance(rows, slice):
+        dmask[:, :, :, rows] = sub
+    else:
+        dmask.index_copy_(3, rows.to(dmask.device), sub)
+
+
+def _check_qkv(q: Any, k: Any, v: Any, op: str) -> tuple[Tensor, Tensor, Tensor]:
+    q = A.check_tensor(q, op, "q")
+    k = A.check_tensor(k, op, "k")
+    v = A.check_tensor(v, op, "v")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise A.arg_error(op, name, "4-D (batch, heads, seq_local, head_dim)", f"shape {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise A.arg_error(op, name, "a floating-point tensor", t.dtype, TypeError)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise A.arg_error(op, "k/v", f"of q's dtype {q.dtype}", f"{k.dtype}/{v.dtype}", TypeError)
+    if (
+        k.shape[:3] != v.shape[:3]
+        or k.shape[0] != q.shape[0]
+        or k.shape[2] != q.shape[2]
+        or k.shape[3] != q.shape[3]
+    ):
+        raise A.arg_error(
+            op,
+            "k/v",
+            f"(batch, kv_heads, seq_local, head_dim) matching q {tuple(q.shape)} in batch, sequence "
+            "and (k) head_dim, with the same kv_heads",
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}",
+        )
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise A.arg_error(op, "k", f"a number of heads dividing q's {q.shape[1]} (GQA)", k.shape[1])
+    return q, k, v
+
+
+def _check_scale(scale: Any, head_dim: int, op: str) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise A.arg_error(op, "scale", "a float or None", type(scale).__name__, TypeError)
+    return float(scale)
+
+
+def _check_dropout(p: Any, op: str) -> float:
+    if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p < 1:
+        raise A.arg_error(op, "dropout_p", "a float in [0, 1)", repr(p))
+    return float(p)
+
+
+def _draw_seed(seed: Any, p: float, op: str) -> int:
+    if p == 0:
+        return 0
+    if seed is None:
+        return int(torch.randint(0, 1 << 62, (1,)).item())
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise A.arg_error(op, "dropout_seed", "an int or None", type(seed).__name__, TypeError)
+    return seed
+
+
+def _check_mask(mask: Any, q: Tensor, total: int, op: str) -> Tensor | None:
+    if mask is None:
+        return None
+    mask = A.check_tensor(mask, op, "attn_mask")
+    if not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
+        raise A.arg_error(op, "attn_mask", "a bool or floating-point tensor", mask.dtype, TypeError)
+    if mask.dtype.is_floating_point and mask.dtype != q.dtype:
+        raise A.arg_error(op, "attn_mask", f"of q's dtype {q.dtype} (or bool)", mask.dtype, TypeError)
+    Bq, Hq, Sl = q.shape[:3]
+    shape = tuple(mask.shape)
+    while len(shape) < 4:
+        shape = (1, *shape)
+    ok = (
+        len(shape) == 4
+        and shape[0] in (1, Bq)
+        and shape[1] in (1, Hq)
+        and shape[2] == Sl
+        and shape[3] == total
+    )
+    if not ok:
+        raise A.arg_error(
+            op,
+            "attn_mask",
+            f"broadcastable as (batch|1, heads|1, seq_local={Sl}, seq_len={total}): this rank's query "
+            "rows, columns in global sequence order",
+            f"shape {tuple(mask.shape)}",
+        )
+    return mask.reshape(shape)
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: A.GroupLike = None,
+    *,
+    causal: bool = False,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    layout: str = "contiguous",
+    cu_seqlens: Any = None,
+    seq_len: int | None = None,
+) -> Tensor:
+    """Exact attention over a sequence split across the ranks of ``group``: the ring.
+
+    Rank ``r`` holds the positions ``layout_index(S, W, layout=layout)[r]`` of ``q``,
+    ``k``, ``v`` (see :func:`shard`). Over ``W`` steps the K/V blocks travel one hop
+    around the ring (the next hop runs on the communication engine while the current block
+    is computed); each rank merges every block into its output with the online softmax
+    (log-sum-exp). Blocks with no allowed pair (causal, other documents) are skipped, and
+    the computed part of a block is trimmed to the rows and columns that attend at all —
+    which is what makes ``layout="zigzag"`` balanced for causal attention.
+
+    Args:
+        q: ``(batch, heads, seq_local, head_dim)``, this rank's queries.
+        k: ``(batch, kv_heads, seq_local, head_dim)``; ``kv_heads`` divides ``heads`` (GQA:
+            query head ``h`` uses KV head ``h // (heads // kv_heads)``).
+        v: ``(batch, kv_heads, seq_local, head_dim_v)``.
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        causal: a key attends a query only when its global position is not after the
+            query's (within the same document with ``cu_seqlens``).
+        attn_mask: optional, this rank's rows of the mask: broadcastable to
+            ``(batch, heads, seq_local, S)`` with columns in global order; bool (``True``
+            = attend) or additive float (receives its gradient). Combined with ``causal``.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        dropout_p: attention dropout probability (on the softmax weights, as SDPA).
+        dropout_seed: the dropout seed, the same on every rank of the group; ``None``:
+            drawn from the current default generator (use a stream of
+            :mod:`diffcomm.rng` that is the same across the group). The mask is
+            :func:`dropout_keep_mask` of global coordinates, so it does not depend on
+            the layout or world size.
+        layout: ``"contiguous"`` (default) or ``"zigzag"`` (balanced causal work).
+        cu_seqlens: cumulative lengths of packed documents (``[0, ..., S]``): attention
+            stays inside each document (plus ``causal``); the layout balances each document.
+        seq_len: the global length ``S`` when the shards are padded (default
+            ``cu_seqlens[-1]``, else ``W * seq_local``).
+
+    Returns:
+        ``(batch, heads, seq_local, head_dim_v)``: this rank's rows of attention over the
+        whole sequence (zero for padding and for rows that may attend nothing).
+
+    Gradient:
+        a backward ring: K/V travel again, with their gradient accumulators one hop
+        behind; each rank recomputes its blocks from the saved log-sum-exp, keeps the
+        ``q`` gradient and adds its ``k``/``v`` contribution to the travelling
+        accumulator, which ends on the owner. First order only (``once_differentiable``;
+        use :func:`ulysses_attention` for double backward).
+
+    Example::
+
+        def attend():
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))     # the whole sequence
+            ql, kl, vl = (parallel.shard(t) for t in (q, k, v))        # zigzag shards
+            out = parallel.ring_attention(ql, kl, vl, causal=True, layout="zigzag")
+            return parallel.unshard(out)                                # == SDPA(q, k, v)
+
+        with dc.LocalWorld(2) as world:
+            world.run(attend)
+    """
+    op = "parallel.ring_attention"
+    q, k, v = _check_qkv(q, k, v, op)
+    layout = _check_layout(layout, op)
+    if not isinstance(causal, bool):
+        raise A.arg_error(op, "causal", "a bool", type(causal).__name__, TypeError)
+    sc = _check_scale(scale, q.shape[-1], op)
+    p = _check_dropout(dropout_p, op)
+    pg, rank, world = _group_rank_world(group, op)
+    total, cu, table = _resolve_seq(op, q.shape[2], world, layout, cu_seqlens, seq_len, "q")
+    mask = _check_mask(attn_mask, q, total, op)
+    seed = _draw_seed(dropout_seed, p, op)
+    if _config.DEBUG.get():
+        B.get_backend().check_consistent(
+            op,
+            {
+                "shape": (tuple(q.shape), tuple(k.shape), tuple(v.shape)),
+                "dtype": q.dtype,
+                "causal": causal,
+                "layout": layout,
+                "seq_len": total,
+                "cu_seqlens": cu,
+                "dropout": (p, seed),
+            },
+            pg,
+        )
+    plan = _Plan(
+        pg, rank, world, table, _doc_ids(table, total, cu), causal, sc, p, seed, q.shape[1], k.shape[1]
+    )
+    return _RingAttention.apply(q, k, v, mask, plan)
+
+
+def ring_attention_work(
+    seq_len: int, world: int, *, layout: str = "zigzag", causal: bool = True, cu_seqlens: Any = None
+) -> dict[str, list[int]]:
+    """Per-rank attention work of :func:`ring_attention` (per batch element and head).
+
+    Returns:
+        ``{"computed": [...], "attended": [...]}``, one entry per rank: the number of
+        score entries the rank computes (its trimmed blocks, the FLOPs are proportional),
+        and the number of (query, key) pairs that attend.
+    """
+    op = "parallel.ring_attention_work"
+    layout = _check_layout(layout, op)
+    cu = _check_cu_seqlens(cu_seqlens, op, seq_len)
+    table = _index_table(seq_len, world, layout, cu)
+    docs = _doc_ids(table, seq_len, cu)
+    computed, attended = [], []
+    for r in range(world):
+        plan = _Plan(None, r, world, table, docs, causal, 1.0, 0.0, 0, 1, 1)
+        c = a = 0
+        for j in range(world):
+            for rows, cols, allowed, _, _ in plan.block(j, torch.device("cpu")):
+                nr = rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
+                nc = cols.stop - cols.start if isinstance(cols, slice) else cols.numel()
+                c += nr * nc
+                a += nr * nc if allowed is None else int(allowed.sum())
+        computed.append(c)
+        attended.append(a)
+    return {"computed": computed, "attended": attended}
+
+
+# ======================================================================================
+# the serial reference
+# ======================================================================================
+
+
+def attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    cu_seqlens: Any = None,
+) -> Tensor:
+    """Single-process attention with the semantics of :func:`ring_attention` on the whole
+    sequence (dense, O(S^2) memory): the serial reference for tests.
+
+    Same arguments as :func:`ring_attention` with full-length tensors
+    (``(batch, heads, S, head_dim)``, ``attn_mask`` broadcastable to ``(batch, heads, S,
+    S)``). Rows that may attend nothing are zero (where SDPA returns NaN). Differentiable
+    by autograd (double backward included).
+    """
+    op = "parallel.attention_reference"
+    q, k, v = _check_qkv(q, k, v, op)
+    S = q.shape[2]
+    cu = _check_cu_seqlens(cu_seqlens, op, S)
+    sc = _check_scale(scale, q.shape[-1], op)
+    G = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    s = torch.matmul(q, kk.transpose(-1, -2)) * sc
+    pos = torch.arange(S, device=q.device)
+    docs = _doc_ids(pos, S, cu).to(q.device)
+    allowed = docs.view(-1, 1) == docs.view(1, -1)
+    if causal:
+        allowed &= pos.view(1, -1) <= pos.view(-1, 1)
+    s = s.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m)
+    den = e.sum(-1, keepdim=True)
+    w = e / torch.where(den > 0, den, torch.ones_like(den))
+    if dropout_p > 0:
+        keep = dropout_keep_mask(dropout_seed, q.shape[0], q.shape[1], pos, pos, dropout_p)
+        w = w * keep / (1 - dropout_p)
+    return torch.matmul(w, vv)
+
+
+# ======================================================================================
+# Ulysses
+# ======================================================================================
+
+
+def _split_sizes(n: int, world: int) -> list[int]:
+    return [n // world + (1 if r < n % world else 0) for r in range(world)]
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+def _gathered_sizes(n: int, pg: PG, world: int) -> list[int]:
+    t = torch.tensor([n], dtype=torch.int64)
+    return [int(x) for x in C.all_gather(t, 0, pg, split_sizes=[1] * world).tolist()]
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: A.GroupLike = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    attn_fn: Callable[..., Tensor] | None = None,
+    seq_lens: Sequence[int] | None = None,
+) -> Tensor:
+    """Attention with the sequence split across ``group`` by all_to_all (DeepSpeed-Ulysses).
+
+    Rank ``r`` holds a contiguous piece of the sequence (pieces in rank order, sizes may
+    differ). ``q`` and ``k``/``v`` go through an ``all_to_all`` from sequence-sharded to
+    head-sharded — rank ``r`` gets the heads of its share (``ceil``/``floor`` of
+    ``heads / W``, no padding) over the **whole** sequence — ``attn_fn`` runs locally, and
+    an ``all_to_all`` brings the output back to sequence-sharded. KV heads are sent to
+    every rank that needs them (when ``kv_heads`` is not a multiple of ``W``, a KV head is
+    replicated to the ranks whose query heads share it; its gradient is summed back).
+
+    Args:
+        q: ``(batch, heads, seq_local, head_dim)``, this rank's piece of the sequence.
+        k, v: ``(batch, kv_heads, seq_local, head_dim[_v])``, ``kv_heads`` divides ``heads``.
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        causal: causal attention over the whole sequence (pieces in rank order).
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        attn_fn: the local attention, called as ``attn_fn(q, k, v, is_causal=causal,
+            scale=scale)`` on ``(batch, local_heads, S, head_dim)`` tensors with as many KV
+            heads as query heads; default :func:`torch.nn.functional.scaled_dot_product_attention`.
+        seq_lens: every rank's ``seq_local`` (default: exchanged, one small all_gather).
+
+    Returns:
+        ``(batch, heads, seq_local, head_dim_v)``: this rank's rows of the attention.
+
+    Gradient:
+        through autograd: ``attn_fn``'s own backward between the all_to_alls' adjoints
+        (all_to_all with the dims and split sizes swapped); double backward where
+        ``attn_fn`` has one.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: parallel.ulysses_attention(*(torch.randn(1, 3, 5, 8) for _ in range(3))).shape)
+            # [torch.Size([1, 3, 5, 8]), torch.Size([1, 3, 5, 8])]
+    """
+    op = "parallel.ulysses_attention"
+    q, k, v = _check_qkv(q, k, v, op)
+    sc = _check_scale(scale, q.shape[-1], op)
+    if not isinstance(causal, bool):
+        raise A.arg_error(op, "causal", "a bool", type(causal).__name__, TypeError)
+    pg, rank, world = _group_rank_world(group, op)
+    if seq_lens is None:
+        lens = _gathered_sizes(q.shape[2], pg, world)
+    else:
+        lens = [int(s) for s in seq_lens]
+        if len(lens) != world or lens[rank] != q.shape[2] or min(lens) < 0:
+            raise A.arg_error(op, "seq_lens", f"{world} lengths with this rank's = {q.shape[2]}", seq_lens)
+    fn = attn_fn if attn_fn is not None else _sdpa
+
+    def local(qh: Tensor, kh: Tensor, vh: Tensor) -> Tensor:
+        return fn(qh, kh, vh, is_causal=causal, scale=sc)
+
+    return _ulysses(q, k, v, pg, rank, world, lens, local)
+
+
+def _ulysses(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pg: PG,
+    rank: int,
+    world: int,
+    lens: list[int],
+    local: Callable[..., Tensor],
+) -> Tensor:
+    Hq, Hk = q.shape[1], k.shape[1]
+    G = Hq // Hk
+    hs = _split_sizes(Hq, world)
+    starts = [sum(hs[:r]) for r in range(world)]
+    # the KV heads rank r needs: those of its query heads [starts[r], starts[r] + hs[r])
+    need = [sorted({h // G for h in range(starts[r], starts[r] + hs[r])}) for r in range(world)]
+    kv_idx = torch.tensor([h for n in need for h in n], dtype=torch.int64, device=k.device)
+    kv_sizes = [len(n) for n in need]
+    k_send = k.index_select(1, kv_idx)  # differentiable: replicated heads' grads are summed back
+    v_send = v.index_select(1, kv_idx)
+    qh = _heads_to_seq(q, hs, lens, pg, rank)
+    kh = _heads_to_seq(k_send, kv_sizes, lens, pg, rank)
+    vh = _heads_to_seq(v_send, kv_sizes, lens, pg, rank)
+    # local query head -> local KV head (one-to-one for attn_fn)
+    mine = need[rank]
+    local_kv = torch.tensor(
+        [mine.index(h // G) for h in range(starts[rank], starts[rank] + hs[rank])],
+        dtype=torch.int64,
+        device=k.device,
+    )
+    if hs[rank] == 0:
+        oh = q.new_zeros(q.shape[0], 0, sum(lens), v.shape[-1]) + 0 * (qh.sum() + kh.sum() + vh.sum())
+    else:
+        oh = local(qh, kh.index_select(1, local_kv), vh.index_select(1, local_kv))
+    return _seq_to_heads(oh, lens, hs, pg, rank)
+
+
+# The head <-> sequence all_to_all with uneven heads *and* uneven sequence pieces, as one
+# flat all_to_all (split_dim == concat_dim == 0, whose split sizes may be anything): each
+# chunk is laid out head-major so it is contiguous, and the received chunks are reshaped
+# and concatenated. Reshapes, cats and the core all_to_all are all differentiable, so
+# the backward (and double backward) is the core op's adjoint.
+
+
+def _heads_to_seq(x: Tensor, hs: list[int], lens: list[int], pg: PG, rank: int) -> Tensor:
+    """``(B, sum hs, lens[rank], D)`` sequence-sharded -> ``(B, hs[rank], sum lens, D)``."""
+    Bn, _, _, D = x.shape
+    flat = x.permute(1, 0, 2, 3).reshape(-1)  # head-major: head chunk j is contiguous
+    ins = [h * Bn * lens[rank] * D for h in hs]
+    outs = [hs[rank] * Bn * n * D for n in lens]
+    got = C.all_to_all(flat, 0, 0, pg, input_split_sizes=ins, output_split_sizes=outs)
+    parts = [p.view(hs[rank], Bn, n, D) for p, n in zip(got.split(outs), lens, strict=True)]
+    return torch.cat(parts, 2).permute(1, 0, 2, 3)
+
+
+def _seq_to_heads(o: Tensor, lens: list[int], hs: list[int], pg: PG, rank: int) -> Tensor:
+    """``(B, hs[rank], sum lens, D)`` -> ``(B, sum hs, lens[rank], D)`` (the inverse)."""
+    Bn, _, _, D = o.shape
+    pieces = [p.permute(1, 0, 2, 3).reshape(-1) for p in o.split(lens, 2)]
+    ins = [hs[rank] * Bn * n * D for n in lens]
+    outs = [h * Bn * lens[rank] * D for h in hs]
+    got = C.all_to_all(torch.cat(pieces), 0, 0, pg, input_split_sizes=ins, output_split_sizes=outs)
+    parts = [p.view(h, Bn, lens[rank], D) for p, h in zip(got.split(outs), hs, strict=True)]
+    return torch.cat(parts, 0).permute(1, 0, 2, 3)
+
+
+def usp_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ulysses_group: A.GroupLike,
+    ring_group: A.GroupLike,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "zigzag",
+    cu_seqlens: Any = None,
+    seq_len: int | None = None,
+) -> Tensor:
+    """Unified sequence parallelism: Ulysses inside ``ulysses_group``, the ring across
+    ``ring_group`` (a 2-D layout of ``U x R`` ranks).
+
+    The sequence is laid out over the ring first (``layout_index(S, R, layout=...)``), and
+    each ring rank's positions are split contiguously, in order, over the ``U`` ranks of
+    its Ulysses group (:func:`shard` with ``ulysses_group=``). The Ulysses all_to_all
+    gives every rank a share of the heads over its ring rank's positions; the ring then
+    runs over ``ring_group`` on those heads; an all_to_all brings the output back.
+
+    Args:
+        q, k, v: as in :func:`ring_attention` (``seq_local`` = this rank's share).
+        ulysses_group, ring_group: the two groups (``ProcessGroup`` or ``(DeviceMesh,
+            axis)``); every rank belongs to one of each, they cross.
+        causal, scale, layout, cu_seqlens, seq_len: as in :func:`ring_attention`
+            (``seq_len`` default: ``U * R * seq_local``).
+
+    Returns:
+        ``(batch, heads, seq_local, head_dim_v)``.
+
+    Gradient:
+        the all_to_alls' adjoints around the ring's backward (first order).
+    """
+    op = "parallel.usp_attention"
+    q, k, v = _check_qkv(q, k, v, op)
+    layout = _check_layout(layout, op)
+    upg, urank, uworld = _group_rank_world(ulysses_group, op)
+    rpg, _, rworld = _group_rank_world(ring_group, op)
+    n_ring = _ring_local_len(op, q.shape[2], uworld, rworld, layout, cu_seqlens, seq_len)
+    lens = _split_sizes(n_ring, uworld)
+    if lens[urank] != q.shape[2]:
+        raise A.arg_error(
+            op, "q", f"{lens[urank]} local positions (of {n_ring} on this ring rank)", q.shape[2]
+        )
+    if seq_len is None and cu_seqlens is None:
+        seq_len = n_ring * rworld
+
+    def local(qh: Tensor, kh: Tensor, vh: Tensor) -> Tensor:
+        return ring_attention(
+            qh, kh, vh, rpg, causal=causal, scale=scale, layout=layout, cu_seqlens=cu_seqlens, seq_len=seq_len
+        )
+
+    return _ulysses(q, k, v, upg, urank, uworld, lens, local)
+
+
+def _ring_local_len(
+    op: str, seq_local: int, uworld: int, rworld: int, layout: str, cu_seqlens: Any, seq_len: Any
+) -> int:
+    cu = _check_cu_seqlens(cu_seqlens, op)
+    if cu is not None:
+        total = cu[-1]
+    elif seq_len is not None:
+        total = A.check_int(seq_len, op, "seq_len")
+    else:
+        return seq_local * uworld
+    return _index_table(total, rworld, layout, cu).shape[1]
