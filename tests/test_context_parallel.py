@@ -211,7 +211,7 @@ def test_zigzag_balances_causal_work() -> None:
     """Per-rank computed score entries (proportional to FLOPs) of causal ring attention:
     zigzag within 5 % of the mean at every world size (plain ring far from it)."""
     for world in (2, 3, 4, 8):
-        for S, cu in ((2048, None), (2000, None), (1500, [0, 350, 950, 1000, 1500])):
+        for S, cu in ((1024, None), (1000, None), (1200, [0, 300, 700, 760, 1200])):
             zig = cp.ring_attention_work(S, world, layout="zigzag", cu_seqlens=cu)
             plain = cp.ring_attention_work(S, world, layout="contiguous", cu_seqlens=cu)
             for key in ("computed", "attended"):
