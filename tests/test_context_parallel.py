@@ -148,6 +148,24 @@ def test_ring_attention_matches_sdpa_and_serial_reference(world3: dc.LocalWorld)
         k, v = (torch.randn(2, 2, 18, 8, dtype=torch.float64, generator=g) for _ in range(2))
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         out = parallel.ring_attention(*(parallel.shard(t) for t in (q, k, v)), causal=True, layout="zigzag")
+        tiled = []
+        old, cp._TILE = cp._TILE, 4  # query tiles of 4 rows (a block splits into a staircase)
+        try:
+            for layout in cp.LAYOUTS:
+                ql, kl, vl = (parallel.shard(t, layout=layout).requires_grad_() for t in (q, k, v))
+                o = parallel.ring_attention(ql, kl, vl, causal=True, layout=layout)
+                o.square().sum().backward()
+                qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+                r = torch.nn.functional.scaled_dot_product_attention(
+                    qr, kr, vr, is_causal=True, enable_gqa=True
+                )
+                r.square().sum().backward()
+                tiled.append(float((parallel.unshard(o, layout=layout) - r).abs().max()))
+                for a, b in ((ql, qr), (kl, kr), (vl, vr)):
+                    # the loss is the sum of the ranks' parts: shard the full gradient
+                    tiled.append(float((a.grad - parallel.shard(b.grad, layout=layout)).abs().max()))
+        finally:
+            cp._TILE = old
         cu = [0, 7, 18]
         blockdiag = torch.zeros(18, 18, dtype=torch.bool)
         blockdiag[:7, :7] = blockdiag[7:, 7:] = True
@@ -158,6 +176,7 @@ def test_ring_attention_matches_sdpa_and_serial_reference(world3: dc.LocalWorld)
             float((parallel.unshard(out) - ref).abs().max()),
             float((cp.attention_reference(q, k, v, causal=True) - ref).abs().max()),
             float((cp.attention_reference(q, k, v, causal=True, cu_seqlens=cu) - ref_docs).abs().max()),
+            *tiled,
         ]
 
     for errs in world3.run(body):

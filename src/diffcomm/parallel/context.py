@@ -41,8 +41,10 @@ all_to_alls around a differentiable local attention, so double backward works th
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -422,6 +424,20 @@ class _Plan:
         self.dropout_p, self.seed = dropout_p, seed
         self.heads, self.kv_heads = heads, kv_heads
 
+    def hop(self, x: Tensor, name: str, j: int | None) -> Tensor:
+        """Launch one hop of ``x`` around the ring (``j``: the rank whose K/V block arrives,
+        ``None`` for the gradient accumulators)."""
+        return _hop(x, self.pg, self.rank, self.world, name)
+
+    def wait(self, x: Tensor) -> Tensor:
+        """The finished result of a hop (timed as ``"wait"`` under :func:`_trace`)."""
+        if _TRACE is None or not isinstance(x, _async.AsyncTensor):
+            return _async.wait(x)
+        t0 = time.perf_counter()
+        x = _async.wait(x)
+        _record("wait", t0)
+        return x
+
     def block(self, j: int, device: torch.device) -> list[tuple[Any, ...]]:
         """Queries of this rank x keys of rank ``j`` as a list of disjoint *pieces*
         ``(rows, cols, allowed, q_positions, k_positions)``: one per document (documents
@@ -449,19 +465,29 @@ class _Plan:
                     continue
             groups.append([r, c, area])
         out = []
-        for r, c, _ in groups:
-            sub = allowed.index_select(0, r).index_select(1, c)
-            out.append(
-                (
-                    _as_slice(r),
-                    _as_slice(c),
-                    None if bool(sub.all()) else sub.to(device),
-                    qi.index_select(0, r).to(device),
-                    ki.index_select(0, c).to(device),
+        for r_all, c_all, _ in groups:
+            # query tiles of at most _TILE rows: the transient scores of a step are
+            # O(_TILE * seq_local), so memory stays O(S/W); each tile keeps only the
+            # columns it attends (a causal diagonal block becomes a staircase of tiles)
+            for t in range(0, r_all.numel(), _TILE):
+                r = r_all[t : t + _TILE]
+                rows_allowed = allowed.index_select(0, r)
+                c = c_all[rows_allowed.index_select(1, c_all).any(0)]
+                sub = rows_allowed.index_select(1, c)
+                out.append(
+                    (
+                        _as_slice(r),
+                        _as_slice(c),
+                        None if bool(sub.all()) else sub.to(device),
+                        qi.index_select(0, r).to(device),
+                        ki.index_select(0, c).to(device),
+                    )
                 )
-            )
         return out
 
+
+#: query rows per tile of a block (bounds the transient scores of one ring step)
+_TILE = 512
 
 #: pieces of a block (documents) whose union's bounding area is at most this are lumped
 #: into one piece (one matmul instead of many tiny ones)
@@ -489,12 +515,35 @@ def _put_add(dst: Tensor, idx: slice | Tensor, dim: int, val: Tensor) -> None:
         dst.index_add_(dim, idx.to(dst.device), val)
 
 
+#: A list while :func:`_trace` is active: ``(kind, start, end)`` of every ring step's
+#: compute (``"compute"``), wait for a hop (``"wait"``) and hop on the engine (``"comm"``),
+#: ``time.perf_counter`` seconds. For the benchmark's timeline; ``None`` costs nothing.
+_TRACE: list[tuple[str, float, float]] | None = None
+
+
+def _record(kind: str, t0: float) -> None:
+    if _TRACE is not None:
+        _TRACE.append((kind, t0, time.perf_counter()))
+
+
+@contextlib.contextmanager
+def _trace() -> Iterator[list[tuple[str, float, float]]]:
+    """Record the ring's compute / wait / communication intervals in the block."""
+    global _TRACE
+    old, _TRACE = _TRACE, []
+    try:
+        yield _TRACE
+    finally:
+        _TRACE = old
+
+
 def _hop(x: Tensor, pg: PG, rank: int, world: int, name: str) -> Tensor:
     """Launch: send ``x`` to rank+1, receive rank-1's (same shape), on the engine; a
     plain blocking exchange where the engine cannot be used (compile, torch.func)."""
     b = B.get_backend()
 
     def raw(t: Tensor) -> Tensor:
+        t0 = time.perf_counter()
         t = t.contiguous()
         out = torch.empty_like(t)
         if t.numel():
@@ -506,6 +555,7 @@ def _hop(x: Tensor, pg: PG, rank: int, world: int, name: str) -> Tensor:
                     ],
                     pg,
                 )
+        _record("comm", t0)
         return out
 
     if not _async.available():
@@ -580,12 +630,10 @@ class _RingAttention(torch.autograd.Function):
         kv = _pack(k_, v_)
         for i in range(world):
             j = (rank - i) % world
-            nxt = (
-                _hop(kv, plan.pg, rank, world, f"parallel.ring_attention step {i + 1}/{world - 1}")
-                if i < world - 1
-                else None
-            )
-            kv = _async.wait(kv)
+            name = f"parallel.ring_attention step {i + 1}/{world - 1}"
+            nxt = plan.hop(kv, name, (j - 1) % world) if i < world - 1 else None
+            kv = plan.wait(kv)
+            t0 = time.perf_counter()
             kj, vj = _unpack(kv, (k_, v_))
             for rows, cols, allowed, qpos, kpos in plan.block(j, q.device):
                 qs = _take(q5, rows, 3)
@@ -615,6 +663,7 @@ class _RingAttention(torch.autograd.Function):
                 else:
                     out.index_copy_(3, rows, o_new)
                     lse.index_copy_(3, rows, new)
+            _record("compute", t0)
             if nxt is not None:
                 kv = nxt
         ctx.save_for_backward(q, k, v, mask, out, lse)
@@ -644,8 +693,9 @@ class _RingAttention(torch.autograd.Function):
         for i in range(world):
             j = (rank - i) % world
             name = f"parallel.ring_attention backward step {i + 1}/{world}"
-            nxt = _hop(kv, plan.pg, rank, world, name) if i < world - 1 else None
-            kv = _async.wait(kv)
+            nxt = plan.hop(kv, name, (j - 1) % world) if i < world - 1 else None
+            kv = plan.wait(kv)
+            t0 = time.perf_counter()
             kj, vj = _unpack(kv, (k, v))
             dk_j, dv_j = torch.zeros_like(k), torch.zeros_like(v)
             for rows, cols, allowed, qpos, kpos in plan.block(j, q.device):
@@ -670,14 +720,15 @@ class _RingAttention(torch.autograd.Function):
                 _put_add(dk_j, cols, 2, torch.matmul(ds.transpose(-1, -2), qs).sum(2) * plan.scale)
                 if dmask is not None:
                     _mask_grad(dmask, ds, rows, kpos)
+            _record("compute", t0)
             # the K/V gradients travel with their block: add what arrived from rank r-1
             mine = _pack(dk_j, dv_j)
-            acc = mine if dkv is None else _async.wait(dkv) + mine
-            dkv = _hop(acc, plan.pg, rank, world, name + " (dk, dv)") if world > 1 else acc
+            acc = mine if dkv is None else plan.wait(dkv) + mine
+            dkv = plan.hop(acc, name + " (dk, dv)", None) if world > 1 else acc
             if nxt is not None:
                 kv = nxt
         assert dkv is not None
-        dk, dv = _unpack(_async.wait(dkv), (k, v))
+        dk, dv = _unpack(plan.wait(dkv), (k, v))
         dm = None
         if dmask is not None:
             dm = dmask.reshape(mask.shape)
