@@ -433,3 +433,19 @@ def test_usp_on_a_2x2_mesh_and_two_groups(world4: dc.LocalWorld) -> None:
 
     for errs in world4.run(body):
         assert max(errs) < 1e-12, errs
+
+
+def test_debug_mode_names_the_argument_ranks_disagree_on(world2: dc.LocalWorld) -> None:
+    def body() -> str:
+        q = torch.randn(1, 2, 6, 8, requires_grad=True)
+        with dc.debug(True):
+            out = parallel.ring_attention(q, q, q, causal=True, layout="zigzag", cu_seqlens=[0, 3, 8])
+            out.sum().backward()  # consistent calls pass
+            try:
+                parallel.ring_attention(q, q, q, causal=dc.get_rank() == 0)
+            except dc.CrossRankMismatchError as exc:
+                return str(exc)
+        return "no error"
+
+    for msg in world2.run(body):
+        assert "ring_attention" in msg and "causal differs (rank 0: 1, rank 1: 0)" in msg, msg

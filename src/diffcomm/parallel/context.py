@@ -920,13 +920,17 @@ def ring_attention(
         B.get_backend().check_consistent(
             op,
             {
-                "shape": (tuple(q.shape), tuple(k.shape), tuple(v.shape)),
+                "q": tuple(q.shape),
+                "k": tuple(k.shape),
+                "v": tuple(v.shape),
                 "dtype": q.dtype,
                 "causal": causal,
                 "layout": layout,
                 "seq_len": total,
-                "cu_seqlens": cu,
-                "dropout": (p, seed),
+                "cu_seqlens": cu or (),
+                "attn_mask": () if mask is None else tuple(mask.shape),
+                "dropout_p": repr(p),
+                "dropout_seed": seed,
             },
             pg,
         )
