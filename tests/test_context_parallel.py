@@ -149,22 +149,32 @@ def test_ring_attention_matches_sdpa_and_serial_reference(world3: dc.LocalWorld)
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         out = parallel.ring_attention(*(parallel.shard(t) for t in (q, k, v)), causal=True, layout="zigzag")
         tiled = []
+        calls = []
+        flash = cp._FLASH_CPU
         old, cp._TILE = cp._TILE, 4  # query tiles of 4 rows (a block splits into a staircase)
         try:
-            for layout in cp.LAYOUTS:
-                ql, kl, vl = (parallel.shard(t, layout=layout).requires_grad_() for t in (q, k, v))
-                o = parallel.ring_attention(ql, kl, vl, causal=True, layout=layout)
-                o.square().sum().backward()
-                qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-                r = torch.nn.functional.scaled_dot_product_attention(
-                    qr, kr, vr, is_causal=True, enable_gqa=True
-                )
-                r.square().sum().backward()
-                tiled.append(float((parallel.unshard(o, layout=layout) - r).abs().max()))
-                for a, b in ((ql, qr), (kl, kr), (vl, vr)):
-                    # the loss is the sum of the ranks' parts: shard the full gradient
-                    tiled.append(float((a.grad - parallel.shard(b.grad, layout=layout)).abs().max()))
+            # full and causal-diagonal pieces run on torch's fused CPU kernel: count them,
+            # then run once more with the kernel off (every piece on the dense math path)
+            cp._FLASH_CPU = lambda *a, **kw: calls.append(1) or flash(*a, **kw)
+            for kernel in (True, False):
+                if not kernel:
+                    cp._FLASH_CPU = None
+                for layout in cp.LAYOUTS:
+                    ql, kl, vl = (parallel.shard(t, layout=layout).requires_grad_() for t in (q, k, v))
+                    o = parallel.ring_attention(ql, kl, vl, causal=True, layout=layout)
+                    o.square().sum().backward()
+                    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+                    r = torch.nn.functional.scaled_dot_product_attention(
+                        qr, kr, vr, is_causal=True, enable_gqa=True
+                    )
+                    r.square().sum().backward()
+                    tiled.append(float((parallel.unshard(o, layout=layout) - r).abs().max()))
+                    for a, b in ((ql, qr), (kl, kr), (vl, vr)):
+                        # the loss is the sum of the ranks' parts: shard the full gradient
+                        tiled.append(float((a.grad - parallel.shard(b.grad, layout=layout)).abs().max()))
+            assert calls, "the fused kernel was never used"
         finally:
+            cp._FLASH_CPU = flash
             cp._TILE = old
         cu = [0, 7, 18]
         blockdiag = torch.zeros(18, 18, dtype=torch.bool)

@@ -474,16 +474,32 @@ class _Plan:
                 rows_allowed = allowed.index_select(0, r)
                 c = c_all[rows_allowed.index_select(1, c_all).any(0)]
                 sub = rows_allowed.index_select(1, c)
-                out.append(
-                    (
-                        _as_slice(r),
-                        _as_slice(c),
-                        None if bool(sub.all()) else sub.to(device),
-                        qi.index_select(0, r).to(device),
-                        ki.index_select(0, c).to(device),
+                # a tile of a causal diagonal is [all-allowed columns | a square causal
+                # triangle]: two pieces, each one a fused kernel can take
+                n_full = int(sub.all(0).long().cumprod(0).sum())
+                parts = [(c, sub)]
+                if 0 < n_full < c.numel() and _is_tril(sub[:, n_full:]):
+                    parts = [(c[:n_full], sub[:, :n_full]), (c[n_full:], sub[:, n_full:])]
+                for cc, ss in parts:
+                    full = bool(ss.all())
+                    out.append(
+                        (
+                            _as_slice(r),
+                            _as_slice(cc),
+                            None if full else ss.to(device),
+                            qi.index_select(0, r).to(device),
+                            ki.index_select(0, cc).to(device),
+                            not full and _is_tril(ss),
+                        )
                     )
-                )
         return out
+
+
+def _is_tril(a: Tensor) -> bool:
+    """``a`` is square and exactly its lower triangle (diagonal included): the pattern of
+    ``is_causal`` in torch's attention kernels."""
+    n = a.shape[0]
+    return a.shape[1] == n and bool(torch.equal(a, torch.ones(n, n, dtype=torch.bool).tril()))
 
 
 #: query rows per tile of a block (bounds the transient scores of one ring step)
@@ -627,6 +643,7 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(Bq, Hk, G, Sl, Dv, dtype=q.dtype, device=q.device)
         lse = torch.full((Bq, Hk, G, Sl), float("-inf"), dtype=q.dtype, device=q.device)
         rank, world = plan.rank, plan.world
+        fast = _fusable(q, v, mask, plan)
         kv = _pack(k_, v_)
         for i in range(world):
             j = (rank - i) % world
@@ -635,8 +652,18 @@ class _RingAttention(torch.autograd.Function):
             kv = plan.wait(kv)
             t0 = time.perf_counter()
             kj, vj = _unpack(kv, (k_, v_))
-            for rows, cols, allowed, qpos, kpos in plan.block(j, q.device):
+            for rows, cols, allowed, qpos, kpos, tril in plan.block(j, q.device):
                 qs = _take(q5, rows, 3)
+                if fast and (allowed is None or tril):
+                    o_b, lse_b = _fused_fwd(qs, _take(kj, cols, 2), _take(vj, cols, 2), tril, plan.scale)
+                    lse_r = _take(lse, rows, 3)
+                    new = torch.logaddexp(lse_r, lse_b)
+                    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+                    w_old = torch.exp(lse_r - safe).unsqueeze(-1)
+                    w_new = torch.exp(lse_b - safe).unsqueeze(-1)
+                    o_new = _take(out, rows, 3) * w_old + o_b * w_new
+                    _put(out, lse, rows, o_new, new)
+                    continue
                 s = _scores(qs, _take(kj, cols, 2), plan.scale)
                 s = _apply_masks(
                     s, allowed, None if um is None else um.cols(rows, kpos), bool(um and um.is_bool)
@@ -657,12 +684,7 @@ class _RingAttention(torch.autograd.Function):
                 w_old = torch.exp(lse_r - safe).unsqueeze(-1)
                 w_new = torch.exp(lse_b - safe).unsqueeze(-1)
                 o_new = _take(out, rows, 3) * w_old + o_b * w_new
-                if isinstance(rows, slice):
-                    out[:, :, :, rows] = o_new
-                    lse[:, :, :, rows] = new
-                else:
-                    out.index_copy_(3, rows, o_new)
-                    lse.index_copy_(3, rows, new)
+                _put(out, lse, rows, o_new, new)
             _record("compute", t0)
             if nxt is not None:
                 kv = nxt
@@ -688,6 +710,7 @@ class _RingAttention(torch.autograd.Function):
             dmask = torch.zeros_like(um.m)  # type: ignore[union-attr]
         dq = torch.zeros_like(q5)
         rank, world = plan.rank, plan.world
+        fast = _fusable(q, v, mask, plan)
         kv = _pack(k, v)
         dkv: Tensor | None = None
         for i in range(world):
@@ -698,9 +721,24 @@ class _RingAttention(torch.autograd.Function):
             t0 = time.perf_counter()
             kj, vj = _unpack(kv, (k, v))
             dk_j, dv_j = torch.zeros_like(k), torch.zeros_like(v)
-            for rows, cols, allowed, qpos, kpos in plan.block(j, q.device):
+            for rows, cols, allowed, qpos, kpos, tril in plan.block(j, q.device):
                 qs = _take(q5, rows, 3)
                 kc, vc = _take(kj, cols, 2), _take(vj, cols, 2)
+                if fast and (allowed is None or tril):
+                    dq_b, dk_b, dv_b = _fused_bwd(
+                        _take(do, rows, 3),
+                        qs,
+                        kc,
+                        vc,
+                        _take(out, rows, 3),
+                        _take(lse, rows, 3),
+                        tril,
+                        plan.scale,
+                    )
+                    _put_add(dq, rows, 3, dq_b)
+                    _put_add(dk_j, cols, 2, dk_b)
+                    _put_add(dv_j, cols, 2, dv_b)
+                    continue
                 s = _scores(qs, kc, plan.scale)
                 s = _apply_masks(
                     s, allowed, None if um is None else um.cols(rows, kpos), bool(um and um.is_bool)
@@ -733,6 +771,80 @@ class _RingAttention(torch.autograd.Function):
         if dmask is not None:
             dm = dmask.reshape(mask.shape)
         return dq.view(Bq, Hq, Sl, D), dk.clone(), dv.clone(), dm, None
+
+
+def _put(out: Tensor, lse: Tensor, rows: slice | Tensor, o_new: Tensor, lse_new: Tensor) -> None:
+    if isinstance(rows, slice):
+        out[:, :, :, rows] = o_new
+        lse[:, :, :, rows] = lse_new
+    else:
+        out.index_copy_(3, rows, o_new)
+        lse.index_copy_(3, rows, lse_new)
+
+
+#: torch's fused CPU attention kernel (flash attention for CPU): returns the log-sum-exp,
+#: and its backward takes the *global* output and log-sum-exp, which is what a ring needs
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _fusable(q: Tensor, v: Tensor, mask: Tensor | None, plan: _Plan) -> bool:
+    """Whether full / causal-diagonal pieces can use the fused CPU kernel: CPU tensors of a
+    kernel dtype, equal q/v head sizes, no user mask, no dropout (the kernel's dropout is
+    not the layout-independent mask of :func:`dropout_keep_mask`)."""
+    return (
+        _FLASH_CPU is not None
+        and _FLASH_CPU_BWD is not None
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+        and v.shape[-1] == q.shape[-1]
+        and mask is None
+        and plan.dropout_p == 0
+        and q.shape[-1] > 0
+    )
+
+
+def _expand_kv(k: Tensor, g: int) -> Tensor:
+    """``(B, Hk, S, D)`` -> ``(B, Hk*g, S, D)``: each KV head for its ``g`` query heads."""
+    Bn, Hk, S, D = k.shape
+    return k.unsqueeze(2).expand(Bn, Hk, g, S, D).reshape(Bn, Hk * g, S, D)
+
+
+def _fused_fwd(qs: Tensor, kc: Tensor, vc: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """One piece on the fused kernel: ``qs (B, Hk, G, n, D)`` -> output ``(B, Hk, G, n, D)``
+    and log-sum-exp ``(B, Hk, G, n)``."""
+    Bn, Hk, G, n, D = qs.shape
+    o, lse = _FLASH_CPU(
+        qs.reshape(Bn, Hk * G, n, D), _expand_kv(kc, G), _expand_kv(vc, G), 0.0, causal, scale=scale
+    )
+    return o.view(Bn, Hk, G, n, D), lse.to(qs.dtype).view(Bn, Hk, G, n)
+
+
+def _fused_bwd(
+    do: Tensor, qs: Tensor, kc: Tensor, vc: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused kernel's backward of one piece, with the **global** output and log-sum-exp
+    of these rows (so its probabilities and ``rowsum(dO * O)`` are the whole row's):
+    returns this piece's dq ``(B, Hk, G, n, D)`` and dk, dv ``(B, Hk, m, D)``."""
+    Bn, Hk, G, n, D = qs.shape
+    H = Hk * G
+    dq, dk, dv = _FLASH_CPU_BWD(
+        do.reshape(Bn, H, n, D).contiguous(),
+        qs.reshape(Bn, H, n, D).contiguous(),
+        _expand_kv(kc, G).contiguous(),
+        _expand_kv(vc, G).contiguous(),
+        out.reshape(Bn, H, n, D).contiguous(),
+        lse.reshape(Bn, H, n).to(torch.float32 if qs.dtype == torch.bfloat16 else qs.dtype).contiguous(),
+        0.0,
+        causal,
+        scale=scale,
+    )
+    m = kc.shape[2]
+    return (
+        dq.view(Bn, Hk, G, n, D),
+        dk.view(Bn, Hk, G, m, D).sum(2),
+        dv.view(Bn, Hk, G, m, D).sum(2),
+    )
 
 
 def _mask_grad(dmask: Tensor, ds: Tensor, rows: slice | Tensor, kpos: Tensor) -> None:
@@ -960,7 +1072,7 @@ def ring_attention_work(
         plan = _Plan(None, r, world, table, docs, causal, 1.0, 0.0, 0, 1, 1)
         c = a = 0
         for j in range(world):
-            for rows, cols, allowed, _, _ in plan.block(j, torch.device("cpu")):
+            for rows, cols, allowed, *_ in plan.block(j, torch.device("cpu")):
                 nr = rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
                 nc = cols.stop - cols.start if isinstance(cols, slice) else cols.numel()
                 c += nr * nc
