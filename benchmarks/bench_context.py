@@ -47,6 +47,7 @@ from diffcomm.accelerator import get_accelerator
 from diffcomm.parallel import context as cp
 
 D = 64
+SECTIONS = ("torch", "speed", "timeline", "balance", "memory")
 
 
 def _inputs(S: int, H: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -309,32 +310,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="timed passes per round")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--json", action="store_true", help="print one JSON line at the end")
+    ap.add_argument(
+        "--only", nargs="+", default=list(SECTIONS), choices=SECTIONS, help="run only these measurements"
+    )
     a = ap.parse_args(argv)
     S, H, rounds = a.seq, a.heads, a.rounds
     seqs = [1024, 2048, 4096, 8192]
     if a.quick:
         S, H, rounds, seqs = 256, 2, 2, [256, 512]
     res: dict[str, Any] = {
-        "config": {"S": S, "heads": H, "head_dim": D, "dtype": "float32", "cpu_count": os.cpu_count()},
-        "torch_context_parallel": torch_context_parallel(),
-        "speed": speed(S, H, rounds, a.reps, (2, 4)),
-        "timeline": timeline(S, H, 4),
-        "balance": balance(S, H, 4, rounds),
-        "memory": memory(seqs, H, 4),
+        "config": {"S": S, "heads": H, "head_dim": D, "dtype": "float32", "cpu_count": os.cpu_count()}
     }
     print(json.dumps(res["config"]))
-    print("torch context_parallel on CPU/gloo:", res["torch_context_parallel"])
-    for W, cell in res["speed"].items():
-        print(f"speed {W}: {json.dumps(cell)}")
-    print(res["timeline"]["ascii"])
-    for r, o in enumerate(res["timeline"]["per_rank"]):
-        print(f"overlap rank {r}: {json.dumps(o)}")
-    for layout, cell in res["balance"].items():
-        print(f"balance {layout}: {json.dumps(cell)}")
-    for S_, cell in res["memory"].items():
-        print(f"memory S={S_}: {json.dumps(cell)}")
+    if "torch" in a.only:
+        res["torch_context_parallel"] = torch_context_parallel()
+        print("torch context_parallel on CPU/gloo:", res["torch_context_parallel"])
+    if "speed" in a.only:
+        res["speed"] = speed(S, H, rounds, a.reps, (2, 4))
+        for W, cell in res["speed"].items():
+            print(f"speed {W}: {json.dumps(cell)}")
+    if "timeline" in a.only:
+        res["timeline"] = timeline(S, H, 4)
+        print(res["timeline"].pop("ascii"))
+        for r, o in enumerate(res["timeline"]["per_rank"]):
+            print(f"overlap rank {r}: {json.dumps(o)}")
+    if "balance" in a.only:
+        res["balance"] = balance(S, H, 4, rounds)
+        for layout, cell in res["balance"].items():
+            print(f"balance {layout}: {json.dumps(cell)}")
+    if "memory" in a.only:
+        res["memory"] = memory(seqs, H, 4)
+        for S_, cell in res["memory"].items():
+            print(f"memory S={S_}: {json.dumps(cell)}")
     if a.json:
-        res["timeline"].pop("ascii")
         print(json.dumps(res))
     return 0
 

@@ -469,19 +469,26 @@ class _Plan:
             # query tiles of at most _TILE rows: the transient scores of a step are
             # O(_TILE * seq_local), so memory stays O(S/W); each tile keeps only the
             # columns it attends (a causal diagonal block becomes a staircase of tiles)
-            for t in range(0, r_all.numel(), _TILE):
-                r = r_all[t : t + _TILE]
+            for r in _row_tiles(r_all, qi):
                 rows_allowed = allowed.index_select(0, r)
                 c = c_all[rows_allowed.index_select(1, c_all).any(0)]
                 sub = rows_allowed.index_select(1, c)
-                # a tile of a causal diagonal is [all-allowed columns | a square causal
-                # triangle]: two pieces, each one a fused kernel can take
-                n_full = int(sub.all(0).long().cumprod(0).sum())
-                parts = [(c, sub)]
-                if 0 < n_full < c.numel() and _is_tril(sub[:, n_full:]):
-                    parts = [(c[:n_full], sub[:, :n_full]), (c[n_full:], sub[:, n_full:])]
-                for cc, ss in parts:
+                # the columns in runs of consecutive positions: on a run a causal tile is
+                # full or a square triangle, each one a fused kernel can take; neighbouring
+                # full runs are merged back into one piece
+                parts: list[list[Any]] = []
+                kp = ki.index_select(0, c)
+                # (also cut where the tile's first query position starts: a query tile in
+                # the middle of a causal run sees [earlier keys, full | its own triangle])
+                first = qi[r[0]]
+                for cc, ss in zip(_runs(c, kp, first), _runs(sub.t(), kp, first), strict=True):
+                    ss = ss.t()
                     full = bool(ss.all())
+                    if full and parts and parts[-1][2]:
+                        parts[-1] = [torch.cat([parts[-1][0], cc]), torch.cat([parts[-1][1], ss], 1), True]
+                    else:
+                        parts.append([cc, ss, full])
+                for cc, ss, full in parts:
                     out.append(
                         (
                             _as_slice(r),
@@ -493,6 +500,29 @@ class _Plan:
                         )
                     )
         return out
+
+
+def _runs(x: Tensor, positions: Tensor, at: Tensor | None = None) -> list[Tensor]:
+    """``x`` (indexed like ``positions`` along dim 0) cut where ``positions`` stop being
+    consecutive, and before the position ``at``."""
+    brk = (positions[1:] - positions[:-1]) != 1
+    if at is not None:
+        brk |= positions[1:] == at
+    cuts = brk.nonzero().view(-1) + 1
+    return list(torch.tensor_split(x, cuts.tolist()))
+
+
+def _row_tiles(rows: Tensor, positions: Tensor) -> list[Tensor]:
+    """``rows`` cut where their global positions stop being consecutive (a zigzag rank's two
+    chunks, documents), then into tiles of at most ``_TILE``: on a run of consecutive
+    positions a causal block is [full columns | square triangle], which the fused kernel
+    takes as two pieces."""
+    pos = positions.index_select(0, rows)
+    cuts = ((pos[1:] - pos[:-1]) != 1).nonzero().view(-1) + 1
+    out = []
+    for run in torch.tensor_split(rows, cuts.tolist()):
+        out += list(run.split(_TILE))
+    return out
 
 
 def _is_tril(a: Tensor) -> bool:
@@ -1059,8 +1089,9 @@ def ring_attention_work(
 
     Returns:
         ``{"computed": [...], "attended": [...]}``, one entry per rank: the number of
-        score entries the rank computes (its trimmed blocks, the FLOPs are proportional),
-        and the number of (query, key) pairs that attend.
+        score entries the rank computes (its trimmed pieces; a causal square piece counts
+        its triangle, which is what a causal kernel computes; the FLOPs are
+        proportional), and the number of (query, key) pairs that attend.
     """
     op = "parallel.ring_attention_work"
     layout = _check_layout(layout, op)
@@ -1072,10 +1103,10 @@ def ring_attention_work(
         plan = _Plan(None, r, world, table, docs, causal, 1.0, 0.0, 0, 1, 1)
         c = a = 0
         for j in range(world):
-            for rows, cols, allowed, *_ in plan.block(j, torch.device("cpu")):
+            for rows, cols, allowed, _, _, tril in plan.block(j, torch.device("cpu")):
                 nr = rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
                 nc = cols.stop - cols.start if isinstance(cols, slice) else cols.numel()
-                c += nr * nc
+                c += nr * (nr + 1) // 2 if tril else nr * nc
                 a += nr * nc if allowed is None else int(allowed.sum())
         computed.append(c)
         attended.append(a)
