@@ -167,13 +167,15 @@ def test_mapping_and_its_dual_are_adjoint_under_the_replicated_convention(world,
     """The dot-product test of each mapping against its registered dual.
 
     Replicated objective: one loss ``L``, the same on every rank; a replicated tensor (the
-    input of ``copy_to_region`` / ``scatter_to_region``, the output of
-    ``reduce_from_region`` / ``gather_from_region``) is **one** variable, so its inner
+    input of ``copy_to_region`` / ``scatter_to_region`` / ``scatter_to_sequence``, the
+    output of ``reduce_from_region`` / ``gather_from_region`` / ``gather_from_sequence``)
+    is **one** variable, so its inner
     product counts once, while a per-rank tensor (a shard, a partial sum, a sequence
     chunk) counts on every rank. Under that inner product ``<A x, y> == <x, A' y>`` with
     ``A'`` the dual the registry names, called directly. Under the sum-of-objectives inner
-    product (the testing kit's, which is why those entries have no ``dual_args``) the four
-    mappings with a replicated side are off by exactly ``world``; the sequence pair and
+    product (the testing kit's, which is why those entries have no ``dual_args``) the six
+    mappings with a replicated side are off by exactly ``world``; the reduce-scatter /
+    all-gather sequence pair and
     ``all_to_all_region`` have none, so both conventions agree for them.
     """
     out = world.run(_check_adjoint, name)[0]

@@ -8,8 +8,11 @@ Three ops, tensors in the ``scaled_dot_product_attention`` layout
   merge. The next block's transfer runs on the communication engine while the current
   block is computed. Backward is a ring of its own: K/V travel again with their
   gradient accumulators, each rank recomputes its blocks from the saved log-sum-exp.
-  Memory per rank is O(S/W): no rank ever holds more than two K/V blocks.
-* :func:`ulysses_attention` — two all_to_alls turn the sequence-sharded tensors into
+  Memory per rank is O(S/W): a few K/V blocks (the current one, the next in flight, in
+  backward their gradient accumulators) and one query tile's scores. Full and causal
+  pieces of a block run on torch's fused CPU attention kernel; masks, dropout and
+  irregular patterns on dense math.
+* :func:`ulysses_attention` — all_to_alls turn the sequence-sharded q, k, v into
   head-sharded ones over the whole sequence, any local attention runs, and one
   all_to_all turns the result back. Any number of heads and KV heads, any lengths.
 * :func:`usp_attention` — both on a 2-D layout: Ulysses inside one group, the ring
