@@ -45,6 +45,8 @@ import torch
 import diffcomm as dc
 from diffcomm.accelerator import get_accelerator
 from diffcomm.parallel import context as cp
+from diffcomm.parallel.context import layout as cpl
+from diffcomm.parallel.context import ring as cpr
 
 D = 64
 SECTIONS = ("torch", "speed", "timeline", "balance", "memory")
@@ -135,7 +137,7 @@ def _timeline_rank(S: int, H: int) -> list[tuple[str, float, float]]:
     q, k, v = (cp.shard(t, layout="zigzag").requires_grad_() for t in _inputs(S, H))
     cp.ring_attention(q, k, v, causal=True, layout="zigzag").sum().backward()  # warm-up
     dist.barrier()
-    with cp._trace() as trace:
+    with cpr._trace() as trace:
         t0 = time.perf_counter()
         cp.ring_attention(q, k, v, causal=True, layout="zigzag").sum().backward()
         end = time.perf_counter()
@@ -183,7 +185,7 @@ def timeline(S: int, H: int, W: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- balance
 
 
-class _Replay(cp._Plan):
+class _Replay(cpr._Plan):
     """A rank's plan whose hops hand over the other ranks' K/V locally (no communication)."""
 
     def __init__(self, blocks: dict[int, torch.Tensor], *args: Any) -> None:
@@ -203,9 +205,9 @@ def balance(S: int, H: int, W: int, rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for layout in ("zigzag", "contiguous"):
         table = cp.layout_index(S, W, layout=layout)
-        docs = cp._doc_ids(table, S, None)
+        docs = cpl._doc_ids(table, S, None)
         shards = [tuple(t.index_select(2, table[r]) for t in (q, k, v)) for r in range(W)]
-        blocks = {r: cp._pack(kk, vv) for r, (_, kk, vv) in enumerate(shards)}
+        blocks = {r: cpr._pack(kk, vv) for r, (_, kk, vv) in enumerate(shards)}
         times: list[list[float]] = [[] for _ in range(W)]
         for rnd in range(rounds + 1):
             order = range(W) if rnd % 2 == 0 else reversed(range(W))
@@ -213,7 +215,7 @@ def balance(S: int, H: int, W: int, rounds: int) -> dict[str, Any]:
                 plan = _Replay(blocks, None, r, W, table, docs, True, D**-0.5, 0.0, 0, H, H)
                 ql, kl, vl = (t.clone().requires_grad_() for t in shards[r])
                 t0 = time.perf_counter()
-                cp._RingAttention.apply(ql, kl, vl, None, plan).sum().backward()
+                cpr._RingAttention.apply(ql, kl, vl, None, plan).sum().backward()
                 if rnd:
                     times[r].append(time.perf_counter() - t0)
         med = [statistics.median(t) for t in times]

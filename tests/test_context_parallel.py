@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import diffcomm as dc
 from diffcomm import parallel
 from diffcomm.parallel import context as cp
+from diffcomm.parallel.context import ring
 
 # ----------------------------------------------------------------------------- cases
 
@@ -150,15 +151,15 @@ def test_ring_attention_matches_sdpa_and_serial_reference(world3: dc.LocalWorld)
         out = parallel.ring_attention(*(parallel.shard(t) for t in (q, k, v)), causal=True, layout="zigzag")
         tiled = []
         calls = []
-        flash = cp._FLASH_CPU
-        old, cp._TILE = cp._TILE, 4  # query tiles of 4 rows (a block splits into a staircase)
+        flash = ring._FLASH_CPU
+        old, ring._TILE = ring._TILE, 4  # query tiles of 4 rows (a block splits into a staircase)
         try:
             # full and causal-diagonal pieces run on torch's fused CPU kernel: count them,
             # then run once more with the kernel off (every piece on the dense math path)
-            cp._FLASH_CPU = lambda *a, **kw: calls.append(1) or flash(*a, **kw)
+            ring._FLASH_CPU = lambda *a, **kw: calls.append(1) or flash(*a, **kw)
             for kernel in (True, False):
                 if not kernel:
-                    cp._FLASH_CPU = None
+                    ring._FLASH_CPU = None
                 for layout in cp.LAYOUTS:
                     ql, kl, vl = (parallel.shard(t, layout=layout).requires_grad_() for t in (q, k, v))
                     o = parallel.ring_attention(ql, kl, vl, causal=True, layout=layout)
@@ -174,8 +175,8 @@ def test_ring_attention_matches_sdpa_and_serial_reference(world3: dc.LocalWorld)
                         tiled.append(float((a.grad - parallel.shard(b.grad, layout=layout)).abs().max()))
             assert calls, "the fused kernel was never used"
         finally:
-            cp._FLASH_CPU = flash
-            cp._TILE = old
+            ring._FLASH_CPU = flash
+            ring._TILE = old
         cu = [0, 7, 18]
         blockdiag = torch.zeros(18, 18, dtype=torch.bool)
         blockdiag[:7, :7] = blockdiag[7:, 7:] = True
