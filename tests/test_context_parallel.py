@@ -481,3 +481,21 @@ def test_llama_block_with_context_parallelism_equals_serial(world3: dc.LocalWorl
     for per_rank in world3.run(body):
         for errs in per_rank:
             assert max(errs.values()) < 1e-11, per_rank
+
+
+def test_empty_batch_and_empty_sequence(world2: dc.LocalWorld) -> None:
+    def body() -> list[tuple[int, ...]]:
+        shapes = []
+        for shape in ((0, 2, 4, 8), (1, 2, 0, 8)):
+            q = torch.randn(*shape, requires_grad=True)
+            k = torch.randn(shape[0], 1, shape[2], 8, requires_grad=True)
+            o = parallel.ring_attention(q, k, k, causal=True, layout="zigzag", seq_len=2 * shape[2])
+            u = parallel.ulysses_attention(q, k, k, causal=True)
+            (o.sum() + u.sum()).backward()
+            shapes += [tuple(o.shape), tuple(u.shape), tuple(q.grad.shape), tuple(k.grad.shape)]
+        return shapes
+
+    for shapes in world2.run(body):
+        assert shapes == [(0, 2, 4, 8), (0, 2, 4, 8), (0, 2, 4, 8), (0, 1, 4, 8)] + [(1, 2, 0, 8)] * 3 + [
+            (1, 1, 0, 8)
+        ]
