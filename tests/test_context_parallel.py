@@ -421,8 +421,12 @@ def test_usp_on_a_2x2_mesh_and_two_groups(world4: dc.LocalWorld) -> None:
             ("contiguous", False, 2, 2, 11, None),
             ("zigzag", True, 4, 2, 19, [0, 6, 7, 19]),
         ]
+        singles = [dist.new_group([i]) for i in range(4)]
+        cases.append(("zigzag", True, 5, 1, 17, [0, 9, 17]))  # Ulysses over 4 ranks, a ring of one
         for i, (layout, causal, H, Hk, S, cu) in enumerate(cases):
             ug, rg = ((mesh, "ulysses"), (mesh, "ring")) if i % 2 == 0 else (u_group, r_group)
+            if i == 4:
+                ug, rg = dist.group.WORLD, singles[r]
             g = torch.Generator().manual_seed(i)
             q = torch.randn(2, H, S, 4, dtype=torch.float64, generator=g, requires_grad=True)
             k, v = (

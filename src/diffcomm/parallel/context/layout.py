@@ -196,7 +196,8 @@ def shard(
         pad_value: the value of padding slots (e.g. ``-1`` for position ids).
         ulysses_group: for :func:`usp_attention`: ``group`` is then the ring group, and
             this ring rank's positions are split contiguously (sizes differing by at most
-            one) over the ranks of ``ulysses_group``.
+            one) over the ranks of ``ulysses_group``. ``None`` (default): no Ulysses split
+            (pass ``torch.distributed.group.WORLD`` for a Ulysses group of all ranks).
 
     Returns:
         A new tensor: ``x.shape`` with ``dim`` of size ``seq_local`` (the layout's).
