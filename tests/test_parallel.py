@@ -59,6 +59,14 @@ def _case(name: str) -> tuple:
     if name == "gather_from_region":  # concat along the last dim; grad = own chunk
         cot = _data(2, -1, 2, 3 * w * w)
         return P.gather_from_region, own[r], cot, torch.cat(own, -1), cot.chunk(w, -1)[r]
+    if name == "scatter_to_sequence":  # own dim-0 chunk; grad = all chunks' cotangents
+        rep0 = _data(1, -1, 2 * w, 3)
+        cots = [_data(2, q, 2, 3) for q in range(w)]
+        return P.scatter_to_sequence, rep0, cots[r], rep0.chunk(w, 0)[r], torch.cat(cots, 0)
+    if name == "gather_from_sequence":  # concat along dim 0; grad = own chunk (replicated)
+        x = [_data(1, q, 2, 3) for q in range(w)]
+        cot = _data(2, -1, 2 * w, 3)
+        return P.gather_from_sequence, x[r], cot, torch.cat(x, 0), cot.chunk(w, 0)[r]
     if name == "reduce_scatter_to_sequence":  # own dim-0 chunk of the sum; grad = all chunks
         x = [_data(1, q, 2 * w, 3) for q in range(w)]
         cots = [_data(2, q, 2, 3) for q in range(w)]
@@ -128,6 +136,8 @@ _REPLICATED_SIDE = {
     "reduce_from_region": "out",
     "scatter_to_region": "in",
     "gather_from_region": "out",
+    "scatter_to_sequence": "in",
+    "gather_from_sequence": "out",
 }
 
 
@@ -157,13 +167,15 @@ def test_mapping_and_its_dual_are_adjoint_under_the_replicated_convention(world,
     """The dot-product test of each mapping against its registered dual.
 
     Replicated objective: one loss ``L``, the same on every rank; a replicated tensor (the
-    input of ``copy_to_region`` / ``scatter_to_region``, the output of
-    ``reduce_from_region`` / ``gather_from_region``) is **one** variable, so its inner
+    input of ``copy_to_region`` / ``scatter_to_region`` / ``scatter_to_sequence``, the
+    output of ``reduce_from_region`` / ``gather_from_region`` / ``gather_from_sequence``)
+    is **one** variable, so its inner
     product counts once, while a per-rank tensor (a shard, a partial sum, a sequence
     chunk) counts on every rank. Under that inner product ``<A x, y> == <x, A' y>`` with
     ``A'`` the dual the registry names, called directly. Under the sum-of-objectives inner
-    product (the testing kit's, which is why those entries have no ``dual_args``) the four
-    mappings with a replicated side are off by exactly ``world``; the sequence pair and
+    product (the testing kit's, which is why those entries have no ``dual_args``) the six
+    mappings with a replicated side are off by exactly ``world``; the reduce-scatter /
+    all-gather sequence pair and
     ``all_to_all_region`` have none, so both conventions agree for them.
     """
     out = world.run(_check_adjoint, name)[0]
@@ -186,10 +198,11 @@ def test_mappings_are_the_registry_mapping_family() -> None:
     pairs = {
         "copy_to_region": "reduce_from_region",
         "scatter_to_region": "gather_from_region",
+        "scatter_to_sequence": "gather_from_sequence",
         "reduce_scatter_to_sequence": "all_gather_from_sequence",
         "all_to_all_region": "all_to_all_region",
     }
-    assert set(MAPPINGS) == set(pairs) | set(pairs.values())  # the seven mappings, no more
+    assert set(MAPPINGS) == set(pairs) | set(pairs.values())  # the nine mappings, no more
     for a, b in pairs.items():
         assert R.dual(a) == b and R.dual(b) == a
     for name, spec in MAPPINGS.items():
@@ -265,9 +278,11 @@ def _debug_cases(kind: str) -> dict[str, str]:
     if kind == "forward":
         out["copy"] = _expect_mismatch(lambda: P.copy_to_region(differs))
         out["scatter"] = _expect_mismatch(lambda: P.scatter_to_region(differs))
+        out["scatter_seq"] = _expect_mismatch(lambda: P.scatter_to_sequence(differs.t()))
         with dc.debug(True):  # replicated inputs pass
             P.copy_to_region(same)
             P.scatter_to_region(same)
+            P.scatter_to_sequence(same.t())
     else:
 
         def reduce_backward(grad: torch.Tensor) -> None:
@@ -276,12 +291,19 @@ def _debug_cases(kind: str) -> dict[str, str]:
         def gather_backward(grad: torch.Tensor) -> None:
             P.gather_from_region(torch.ones(2, 2, requires_grad=True)).backward(grad)
 
+        def gather_seq_backward(grad: torch.Tensor) -> None:
+            P.gather_from_sequence(torch.ones(2, 2, requires_grad=True)).backward(grad)
+
         w = dc.get_world_size()
         out["reduce"] = _expect_mismatch(lambda: reduce_backward(differs))
         out["gather"] = _expect_mismatch(lambda: gather_backward(torch.full((2, 2 * w), float(r == 1))))
+        out["gather_seq"] = _expect_mismatch(
+            lambda: gather_seq_backward(torch.full((2 * w, 2), float(r == 1)))
+        )
         with dc.debug(True):  # replicated gradients pass
             reduce_backward(same)
             gather_backward(torch.ones(2, 2 * w))
+            gather_seq_backward(torch.ones(2 * w, 2))
     return out
 
 
@@ -289,6 +311,7 @@ def test_debug_copy_forwards_check_the_input_is_replicated(world3) -> None:
     out = world3.run(_debug_cases, "forward")[0]
     assert "parallel.copy_to_region" in out["copy"] and "ranks [1] differ from ranks [0, 2]" in out["copy"]
     assert "parallel.scatter_to_region" in out["scatter"] and "ranks [1]" in out["scatter"]
+    assert "parallel.scatter_to_sequence" in out["scatter_seq"] and "ranks [1]" in out["scatter_seq"]
 
 
 def test_debug_identity_backwards_check_the_gradient_is_replicated(world3) -> None:
@@ -296,6 +319,7 @@ def test_debug_identity_backwards_check_the_gradient_is_replicated(world3) -> No
     assert "reduce_from_region backward" in out["reduce"] and "ranks [1] differ" in out["reduce"]
     assert "incoming gradient" in out["reduce"] and "use diffcomm.all_reduce" in out["reduce"]
     assert "gather_from_region backward" in out["gather"] and "ranks [1] differ" in out["gather"]
+    assert "gather_from_sequence backward" in out["gather_seq"] and "ranks [1] differ" in out["gather_seq"]
 
 
 def _debug_shape_mismatch() -> str:

@@ -15,6 +15,8 @@ mapping                          forward                  backward
 ``reduce_from_region``           all_reduce(sum)          identity
 ``scatter_to_region``            keep own chunk           all_gather
 ``gather_from_region``           all_gather               keep own chunk
+``scatter_to_sequence``          keep own chunk (dim 0)   all_gather
+``gather_from_sequence``         all_gather (dim 0)       keep own chunk
 ``reduce_scatter_to_sequence``   reduce_scatter(sum)      all_gather
 ``all_gather_from_sequence``     all_gather               reduce_scatter(sum)
 ``all_to_all_region``            all_to_all               all_to_all, dims swapped
@@ -31,10 +33,10 @@ so that model code reads as the region transitions it makes.
 Debug mode (``diffcomm.debug(True)`` or ``DIFFCOMM_DEBUG=1``, set the same on every rank)
 checks the assumption each mapping rests on, with one small all_gather of a fingerprint:
 
-* a **copy forward** (``copy_to_region``, ``scatter_to_region``) checks that its input is
-  equal on every rank;
-* an **identity backward** (``reduce_from_region``, ``gather_from_region``) checks that
-  the incoming gradient is equal on every rank;
+* a **copy forward** (``copy_to_region``, ``scatter_to_region``, ``scatter_to_sequence``)
+  checks that its input is equal on every rank;
+* an **identity backward** (``reduce_from_region``, ``gather_from_region``,
+  ``gather_from_sequence``) checks that the incoming gradient is equal on every rank;
 * every mapping checks that the shapes agree across ranks.
 
 A mismatch raises :class:`~diffcomm.CrossRankMismatchError` naming the ranks that differ,
@@ -79,6 +81,8 @@ __all__ = [
     "reduce_from_region",
     "scatter_to_region",
     "gather_from_region",
+    "scatter_to_sequence",
+    "gather_from_sequence",
     "reduce_scatter_to_sequence",
     "all_gather_from_sequence",
     "all_to_all_region",
@@ -204,6 +208,39 @@ class _GatherFromRegion(CommOp):
     def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
         _check_identity_backward("gather_from_region", "diffcomm.all_gather", g, pg, debug)
         return call(_ScatterToRegion, g, dim, pg, rank, world, False)
+
+
+class _ScatterToSequence(CommOp):
+    """Keep sequence chunk ``rank`` along ``dim``; transpose: gather_from_sequence."""
+
+    name = "parallel.scatter_to_sequence"
+    dims = (0,)
+
+    @staticmethod
+    def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
+        n = x.shape[dim] // world
+        return x.narrow(dim, rank * n, n).contiguous()
+
+    @staticmethod
+    def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
+        return call(_GatherFromSequence, g, dim, pg, rank, world, debug)
+
+
+class _GatherFromSequence(CommOp):
+    """all_gather along the sequence dim; transpose: scatter_to_sequence (checked
+    replicated)."""
+
+    name = "parallel.gather_from_sequence"
+    dims = (0,)
+
+    @staticmethod
+    def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
+        return C.raw_all_gather(x, dim, pg, (x.shape[dim],) * world)
+
+    @staticmethod
+    def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
+        _check_identity_backward("gather_from_sequence", "parallel.all_gather_from_sequence", g, pg, debug)
+        return call(_ScatterToSequence, g, dim, pg, rank, world, False)
 
 
 class _ReduceScatterToSequence(CommOp):
@@ -395,6 +432,83 @@ def gather_from_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> T
     return apply(_GatherFromRegion, x, dim, pg, b.rank(pg), b.world_size(pg), debug)
 
 
+def scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
+    """Enter a sequence-parallel region by keeping this rank's sequence chunk of a
+    replicated tensor (Megatron's ``scatter_to_sequence_parallel_region``).
+
+    Convention (replicated objective): ``x`` is the same on every rank (e.g. the
+    embedding output before the first sequence-parallel layer norm); rank ``r`` continues
+    with sequence chunk ``r``, and the loss is the same on every rank.
+
+    Args:
+        x: tensor, equal on every rank; ``x.shape[dim]`` divisible by the group size.
+        dim: the sequence dimension (default 0, Megatron's ``[s, b, h]`` layout).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+
+    Returns:
+        A new tensor: ``x.shape`` with ``dim`` of size ``x.shape[dim] // world``.
+
+    Gradient:
+        ``all_gather(grad, dim)``: the gradient of the one variable ``x`` is every rank's
+        chunk gradient, put together (the conjugate, :func:`gather_from_sequence`). Debug
+        mode checks that ``x`` is equal on every rank.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: parallel.scatter_to_sequence(torch.arange(4.0)))
+            # [tensor([0., 1.]), tensor([2., 3.])]
+    """
+    x, pg = _prepare("scatter_to_sequence", x, group)
+    b = _b()
+    world = b.world_size(pg)
+    dim = _even_dim("scatter_to_sequence", x, dim, world)
+    debug = _debug()
+    if debug:
+        check_replicated(x, "parallel.scatter_to_sequence", "the input", COPY_HINT, pg)
+    return apply(_ScatterToSequence, x, dim, pg, b.rank(pg), world, debug)
+
+
+def gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
+    """Leave a sequence-parallel region into a replicated one: all_gather, backward keeps
+    the own chunk (Megatron's ``gather_from_sequence_parallel_region`` with
+    ``tensor_parallel_output_grad=False``).
+
+    Convention (replicated objective): rank ``r`` holds sequence chunk ``r``; the full
+    sequence is then consumed **identically** on every rank (e.g. the final layer norm's
+    output before a replicated head), and the loss is the same on every rank. If instead
+    each rank consumes it differently (its column shard of a weight), use
+    :func:`all_gather_from_sequence` (reduce_scatter backward).
+
+    Args:
+        x: this rank's sequence chunk; same shape on every rank.
+        dim: the sequence dimension (default 0).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+
+    Returns:
+        A new tensor: ``x.shape`` with ``dim`` of size ``world * x.shape[dim]``, equal on
+        every rank.
+
+    Gradient:
+        keep own chunk: ``dL/dx_r`` is chunk ``r`` of ``dL/dy``, which is the same on every
+        rank (the conjugate, :func:`scatter_to_sequence`). Debug mode checks that the
+        incoming gradient is equal on every rank.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: parallel.gather_from_sequence(torch.tensor([1.0 * dc.get_rank()])))
+            # [tensor([0., 1.]), tensor([0., 1.])]
+    """
+    x, pg = _prepare("gather_from_sequence", x, group)
+    dim = A.check_dim(x, dim, "parallel.gather_from_sequence")
+    debug = _debug()
+    if debug:
+        _check_shape("gather_from_sequence", x, pg)
+    b = _b()
+    return apply(_GatherFromSequence, x, dim, pg, b.rank(pg), b.world_size(pg), debug)
+
+
 def reduce_scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
     """Leave a tensor-parallel region into a sequence-parallel one: reduce_scatter.
 
@@ -518,6 +632,12 @@ MAPPINGS: dict[str, OpSpec] = register(
     OpSpec("reduce_from_region", reduce_from_region, "copy_to_region", "all_reduce(sum)", "identity"),
     OpSpec("scatter_to_region", scatter_to_region, "gather_from_region", "keep own chunk", "all_gather"),
     OpSpec("gather_from_region", gather_from_region, "scatter_to_region", "all_gather", "keep own chunk"),
+    OpSpec(
+        "scatter_to_sequence", scatter_to_sequence, "gather_from_sequence", "keep own chunk", "all_gather"
+    ),
+    OpSpec(
+        "gather_from_sequence", gather_from_sequence, "scatter_to_sequence", "all_gather", "keep own chunk"
+    ),
     OpSpec(
         "reduce_scatter_to_sequence",
         reduce_scatter_to_sequence,

@@ -1,0 +1,310 @@
+"""Layouts of a sequence over the ranks of a context-parallel group, and the helpers that
+move tensors in and out of them (:func:`shard`, :func:`unshard`). See
+:mod:`diffcomm.parallel.context`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ... import _args as A
+from ... import backend as B
+from ... import collectives as C
+
+__all__ = ["LAYOUTS", "layout_index", "shard", "unshard"]
+
+PG = Any
+#: The layouts of the sequence over the ranks of a context-parallel group.
+LAYOUTS = ("contiguous", "zigzag")
+
+# ======================================================================================
+# layouts
+# ======================================================================================
+
+
+def _check_layout(layout: Any, op: str) -> str:
+    if layout not in LAYOUTS:
+        raise A.arg_error(op, "layout", f"one of {LAYOUTS}", repr(layout))
+    return str(layout)
+
+
+def _check_cu_seqlens(cu: Any, op: str, seq_len: int | None = None) -> tuple[int, ...] | None:
+    """``cu_seqlens`` as a tuple of ints (``0 = c_0 <= c_1 <= ... = total``); None stays."""
+    if cu is None:
+        return None
+    if isinstance(cu, Tensor):
+        if cu.dim() != 1 or cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+            raise A.arg_error(
+                op,
+                "cu_seqlens",
+                "a 1-D integer tensor or a sequence of ints",
+                f"{cu.dtype} {tuple(cu.shape)}",
+            )
+        vals = tuple(int(c) for c in cu.tolist())
+    elif isinstance(cu, Sequence) and all(isinstance(c, int) and not isinstance(c, bool) for c in cu):
+        vals = tuple(int(c) for c in cu)
+    else:
+        raise A.arg_error(
+            op, "cu_seqlens", "a 1-D integer tensor or a sequence of ints", type(cu).__name__, TypeError
+        )
+    if len(vals) < 2 or vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:], strict=False)):
+        raise A.arg_error(
+            op, "cu_seqlens", "cumulative lengths starting at 0, non-decreasing, at least 2 values", vals
+        )
+    if seq_len is not None and vals[-1] != seq_len:
+        raise A.arg_error(op, "cu_seqlens", f"ending at the sequence length {seq_len}", vals)
+    return vals
+
+
+def _doc_spans(seq_len: int, cu: tuple[int, ...] | None) -> list[tuple[int, int]]:
+    if cu is None:
+        return [(0, seq_len)]
+    return [(a, b) for a, b in zip(cu, cu[1:], strict=False)]
+
+
+def _index_table(seq_len: int, world: int, layout: str, cu: tuple[int, ...] | None) -> Tensor:
+    """``(world, seq_local)`` int64: the global position each rank's slot holds (-1: pad)."""
+    if layout == "contiguous":
+        n = -(-seq_len // world) if seq_len else 0
+        flat = torch.full((n * world,), -1, dtype=torch.int64)
+        flat[:seq_len] = torch.arange(seq_len)
+        return flat.view(world, n)
+    per_rank: list[list[Tensor]] = [[] for _ in range(world)]
+    turn = 0  # rotates which ranks get a document's longer chunks (balance over documents)
+    for a, b in _doc_spans(seq_len, cu):
+        length = b - a
+        if length == 0:
+            continue
+        base, extra = divmod(length, 2 * world)
+        c = base + (extra > 0)
+        sizes = [base] * (2 * world)
+        # the `extra` longer chunks go in pairs (r, 2W-1-r), to the ranks whose turn it is,
+        # so a rank's head and tail chunks grow together and no rank always gets the short
+        # tail (the most expensive chunk under causal attention)
+        for i in range(extra):
+            r = (turn + i // 2) % world
+            sizes[r if i % 2 == 0 else 2 * world - 1 - r] += 1
+        turn = (turn + -(-extra // 2)) % world
+        doc = torch.full((2 * world, c), -1, dtype=torch.int64)
+        start = a
+        for t, n in enumerate(sizes):
+            doc[t, :n] = torch.arange(start, start + n)
+            start += n
+        for r in range(world):
+            per_rank[r] += [doc[r], doc[2 * world - 1 - r]]
+    if not per_rank[0]:
+        return torch.empty(world, 0, dtype=torch.int64)
+    return torch.stack([torch.cat(p) for p in per_rank])
+
+
+def _doc_ids(table: Tensor, seq_len: int, cu: tuple[int, ...] | None) -> Tensor:
+    """Document id of every slot of ``table`` (-1: pad)."""
+    if cu is None:
+        return torch.where(table >= 0, 0, -1)
+    bounds = torch.tensor(cu[1:], dtype=torch.int64)
+    ids = torch.bucketize(table.clamp(min=0), bounds, right=True)
+    return torch.where(table >= 0, ids, -1)
+
+
+def layout_index(seq_len: int, world: int, *, layout: str = "zigzag", cu_seqlens: Any = None) -> Tensor:
+    """Which global position every rank holds under a layout.
+
+    Args:
+        seq_len: the global (packed) sequence length ``S``.
+        world: the number of ranks ``W`` the sequence is split over.
+        layout: ``"contiguous"`` (rank ``r`` holds ``[r*n, (r+1)*n)``, ``n = ceil(S/W)``,
+            the last ranks padded) or ``"zigzag"`` (each document cut into ``2W`` chunks of
+            ``ceil(L/2W)``, its tail padded; rank ``r`` holds chunks ``r`` and
+            ``2W-1-r`` of every document, documents in order).
+        cu_seqlens: cumulative document lengths of a packed sequence (``[0, L_0,
+            L_0+L_1, ..., S]``); ``None``: one document.
+
+    Returns:
+        ``(W, seq_local)`` int64 tensor; entry ``[r, i]`` is the global position held by
+        slot ``i`` of rank ``r``, or ``-1`` for padding. Every position appears once.
+
+    Example::
+
+        layout_index(8, 2, layout="zigzag")
+        # tensor([[0, 1, 6, 7], [2, 3, 4, 5]])
+    """
+    op = "parallel.layout_index"
+    seq_len = A.check_int(seq_len, op, "seq_len")
+    world = A.check_int(world, op, "world")
+    if seq_len < 0 or world < 1:
+        raise A.arg_error(op, "seq_len/world", "seq_len >= 0 and world >= 1", (seq_len, world))
+    return _index_table(seq_len, world, _check_layout(layout, op), _check_cu_seqlens(cu_seqlens, op, seq_len))
+
+
+def _group_rank_world(group: A.GroupLike, op: str) -> tuple[PG, int, int]:
+    pg = A.resolve_group(group, op)
+    b = B.get_backend()
+    return pg, b.rank(pg), b.world_size(pg)
+
+
+def _resolve_seq(
+    op: str, seq_local: int, world: int, layout: str, cu_seqlens: Any, seq_len: Any, arg: str
+) -> tuple[int, tuple[int, ...] | None, Tensor]:
+    """The global length, the checked ``cu_seqlens`` and the layout table, checked against
+    the local length ``seq_local`` of argument ``arg``."""
+    cu = _check_cu_seqlens(cu_seqlens, op)
+    if cu is not None:
+        if seq_len is not None and int(seq_len) != cu[-1]:
+            raise A.arg_error(op, "seq_len", f"cu_seqlens[-1] = {cu[-1]} (or None)", seq_len)
+        total = cu[-1]
+    elif seq_len is None:
+        total = seq_local * world
+    else:
+        total = A.check_int(seq_len, op, "seq_len")
+        if total < 0:
+            raise A.arg_error(op, "seq_len", ">= 0", total)
+    table = _index_table(total, world, layout, cu)
+    if table.shape[1] != seq_local:
+        raise A.arg_error(
+            op,
+            arg,
+            f"of {table.shape[1]} local positions along the sequence dim (layout {layout!r}, global "
+            f"length {total}, {world} ranks{', packed documents' if cu else ''}; pass `seq_len` "
+            "when the shards are padded)",
+            f"{seq_local}",
+        )
+    return total, cu, table
+
+
+def shard(
+    x: Tensor,
+    dim: int = 2,
+    group: A.GroupLike = None,
+    *,
+    layout: str = "zigzag",
+    cu_seqlens: Any = None,
+    pad_value: float = 0,
+    ulysses_group: A.GroupLike = None,
+) -> Tensor:
+    """This rank's part of a full-sequence tensor under a layout (inputs, position ids).
+
+    Args:
+        x: the whole sequence along ``dim`` (length ``S``), any dtype; the same on every
+            rank (it is read locally; nothing is communicated).
+        dim: the sequence dimension (default 2: ``(batch, heads, seq, head_dim)``).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        layout: ``"zigzag"`` (default) or ``"contiguous"``; see :func:`layout_index`.
+        cu_seqlens: cumulative document lengths of a packed sequence, or ``None``.
+        pad_value: the value of padding slots (e.g. ``-1`` for position ids).
+        ulysses_group: for :func:`usp_attention`: ``group`` is then the ring group, and
+            this ring rank's positions are split contiguously (sizes differing by at most
+            one) over the ranks of ``ulysses_group``. ``None`` (default): no Ulysses split
+            (pass ``torch.distributed.group.WORLD`` for a Ulysses group of all ranks).
+
+    Returns:
+        A new tensor: ``x.shape`` with ``dim`` of size ``seq_local`` (the layout's).
+
+    Gradient:
+        local: the gradient of slot ``i`` goes to the position it holds; other positions
+        (and padding) get zero. No communication (the sum-of-objectives convention: each
+        rank's ``x`` is its own variable).
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: parallel.shard(torch.arange(8), 0))
+            # [tensor([0, 1, 6, 7]), tensor([2, 3, 4, 5])]
+    """
+    op = "parallel.shard"
+    x = A.check_tensor(x, op, "x")
+    dim = A.check_dim(x, dim, op)
+    layout = _check_layout(layout, op)
+    _, rank, world = _group_rank_world(group, op)
+    cu = _check_cu_seqlens(cu_seqlens, op, x.shape[dim])
+    idx = _index_table(x.shape[dim], world, layout, cu)[rank]
+    if ulysses_group is not None:
+        _, urank, uworld = _group_rank_world(ulysses_group, op)
+        sizes = _split_sizes(idx.numel(), uworld)
+        idx = idx[sum(sizes[:urank]) : sum(sizes[: urank + 1])]
+    return _select(x, dim, idx.to(x.device), pad_value)
+
+
+def _select(x: Tensor, dim: int, idx: Tensor, pad_value: float) -> Tensor:
+    out = x.index_select(dim, idx.clamp(min=0))
+    pad = idx < 0
+    if bool(pad.any()):
+        shape = [1] * x.dim()
+        shape[dim] = idx.numel()
+        out = out.masked_fill(pad.view(shape), pad_value)
+    return out
+
+
+def unshard(
+    x: Tensor,
+    dim: int = 2,
+    group: A.GroupLike = None,
+    *,
+    layout: str = "zigzag",
+    cu_seqlens: Any = None,
+    seq_len: int | None = None,
+    ulysses_group: A.GroupLike = None,
+) -> Tensor:
+    """The whole sequence from every rank's part under a layout (outputs): all_gather, then
+    the inverse of the layout's permutation (padding dropped).
+
+    Args:
+        x: this rank's part, ``seq_local`` along ``dim``; same shape on every rank.
+        dim: the sequence dimension (default 2).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        layout: ``"zigzag"`` (default) or ``"contiguous"``.
+        cu_seqlens: cumulative document lengths of a packed sequence, or ``None``.
+        seq_len: the global length when the parts are padded (default:
+            ``cu_seqlens[-1]``, else ``world * seq_local``).
+
+    Returns:
+        A new tensor: ``x.shape`` with ``dim`` of size ``S``, in sequence order, the same on
+        every rank.
+
+    Gradient:
+        the permutation back, then ``reduce_scatter`` (the ``all_gather``'s adjoint):
+        rank ``r`` gets the sum over ranks of the gradients of the positions it holds.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: parallel.unshard(parallel.shard(torch.arange(8.0), 0), 0))
+            # [tensor([0., ..., 7.]), tensor([0., ..., 7.])]
+    """
+    op = "parallel.unshard"
+    x = A.check_tensor(x, op, "x")
+    dim = A.check_dim(x, dim, op)
+    layout = _check_layout(layout, op)
+    pg, _, world = _group_rank_world(group, op)
+    if ulysses_group is not None:
+        upg, _, uworld = _group_rank_world(ulysses_group, op)
+        if seq_len is None and cu_seqlens is None:
+            seq_len = uworld * world * x.shape[dim]
+        n_ring = _ring_local_len(op, x.shape[dim], uworld, world, layout, cu_seqlens, seq_len)
+        x = C.all_gather(x, dim, upg, split_sizes=_split_sizes(n_ring, uworld))
+    total, _, table = _resolve_seq(op, x.shape[dim], world, layout, cu_seqlens, seq_len, "x")
+    full = C.all_gather(x, dim, pg, split_sizes=[x.shape[dim]] * world)
+    flat = table.reshape(-1)
+    inv = torch.empty(total, dtype=torch.int64)
+    real = flat >= 0
+    inv[flat[real]] = torch.arange(flat.numel())[real]
+    return full.index_select(dim, inv.to(x.device))
+
+
+def _split_sizes(n: int, world: int) -> list[int]:
+    return [n // world + (1 if r < n % world else 0) for r in range(world)]
+
+
+def _ring_local_len(
+    op: str, seq_local: int, uworld: int, rworld: int, layout: str, cu_seqlens: Any, seq_len: Any
+) -> int:
+    cu = _check_cu_seqlens(cu_seqlens, op)
+    if cu is not None:
+        total = cu[-1]
+    elif seq_len is not None:
+        total = A.check_int(seq_len, op, "seq_len")
+    else:
+        return seq_local * uworld
+    return _index_table(total, rworld, layout, cu).shape[1]

@@ -1,0 +1,220 @@
+"""Ulysses attention (all_to_all heads <-> sequence) and USP (Ulysses x ring on a 2-D
+layout). See :mod:`diffcomm.parallel.context`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ... import _args as A
+from ... import collectives as C
+from .layout import PG, _check_layout, _group_rank_world, _ring_local_len, _split_sizes
+from .ring import _check_qkv, _check_scale, ring_attention
+
+__all__ = ["ulysses_attention", "usp_attention"]
+
+# ======================================================================================
+# Ulysses
+# ======================================================================================
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+def _gathered_sizes(n: int, pg: PG, world: int) -> list[int]:
+    t = torch.tensor([n], dtype=torch.int64)
+    return [int(x) for x in C.all_gather(t, 0, pg, split_sizes=[1] * world).tolist()]
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: A.GroupLike = None,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    attn_fn: Callable[..., Tensor] | None = None,
+    seq_lens: Sequence[int] | None = None,
+) -> Tensor:
+    """Attention with the sequence split across ``group`` by all_to_all (DeepSpeed-Ulysses).
+
+    Rank ``r`` holds a contiguous piece of the sequence (pieces in rank order, sizes may
+    differ). ``q`` and ``k``/``v`` go through an ``all_to_all`` from sequence-sharded to
+    head-sharded — rank ``r`` gets the heads of its share (``ceil``/``floor`` of
+    ``heads / W``, no padding) over the **whole** sequence — ``attn_fn`` runs locally, and
+    an ``all_to_all`` brings the output back to sequence-sharded. KV heads are sent to
+    every rank that needs them (when ``kv_heads`` is not a multiple of ``W``, a KV head is
+    replicated to the ranks whose query heads share it; its gradient is summed back).
+
+    Args:
+        q: ``(batch, heads, seq_local, head_dim)``, this rank's piece of the sequence.
+        k, v: ``(batch, kv_heads, seq_local, head_dim[_v])``, ``kv_heads`` divides ``heads``.
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        causal: causal attention over the whole sequence (pieces in rank order).
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        attn_fn: the local attention, called as ``attn_fn(q, k, v, is_causal=causal,
+            scale=scale)`` on ``(batch, local_heads, S, head_dim)`` tensors with as many KV
+            heads as query heads; default :func:`torch.nn.functional.scaled_dot_product_attention`.
+        seq_lens: every rank's ``seq_local`` (default: exchanged, one small all_gather).
+
+    Returns:
+        ``(batch, heads, seq_local, head_dim_v)``: this rank's rows of the attention.
+
+    Gradient:
+        through autograd: ``attn_fn``'s own backward between the all_to_alls' adjoints
+        (all_to_all with the dims and split sizes swapped); double backward where
+        ``attn_fn`` has one.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: parallel.ulysses_attention(*(torch.randn(1, 3, 5, 8) for _ in range(3))).shape)
+            # [torch.Size([1, 3, 5, 8]), torch.Size([1, 3, 5, 8])]
+    """
+    op = "parallel.ulysses_attention"
+    q, k, v = _check_qkv(q, k, v, op)
+    sc = _check_scale(scale, q.shape[-1], op)
+    if not isinstance(causal, bool):
+        raise A.arg_error(op, "causal", "a bool", type(causal).__name__, TypeError)
+    pg, rank, world = _group_rank_world(group, op)
+    if seq_lens is None:
+        lens = _gathered_sizes(q.shape[2], pg, world)
+    else:
+        lens = [int(s) for s in seq_lens]
+        if len(lens) != world or lens[rank] != q.shape[2] or min(lens) < 0:
+            raise A.arg_error(op, "seq_lens", f"{world} lengths with this rank's = {q.shape[2]}", seq_lens)
+    fn = attn_fn if attn_fn is not None else _sdpa
+
+    def local(qh: Tensor, kh: Tensor, vh: Tensor) -> Tensor:
+        return fn(qh, kh, vh, is_causal=causal, scale=sc)
+
+    return _ulysses(q, k, v, pg, rank, world, lens, local)
+
+
+def _ulysses(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pg: PG,
+    rank: int,
+    world: int,
+    lens: list[int],
+    local: Callable[..., Tensor],
+) -> Tensor:
+    Hq, Hk = q.shape[1], k.shape[1]
+    G = Hq // Hk
+    hs = _split_sizes(Hq, world)
+    starts = [sum(hs[:r]) for r in range(world)]
+    # the KV heads rank r needs: those of its query heads [starts[r], starts[r] + hs[r])
+    need = [sorted({h // G for h in range(starts[r], starts[r] + hs[r])}) for r in range(world)]
+    kv_idx = torch.tensor([h for n in need for h in n], dtype=torch.int64, device=k.device)
+    kv_sizes = [len(n) for n in need]
+    k_send = k.index_select(1, kv_idx)  # differentiable: replicated heads' grads are summed back
+    v_send = v.index_select(1, kv_idx)
+    qh = _heads_to_seq(q, hs, lens, pg, rank)
+    kh = _heads_to_seq(k_send, kv_sizes, lens, pg, rank)
+    vh = _heads_to_seq(v_send, kv_sizes, lens, pg, rank)
+    # local query head -> local KV head (one-to-one for attn_fn)
+    mine = need[rank]
+    local_kv = torch.tensor(
+        [mine.index(h // G) for h in range(starts[rank], starts[rank] + hs[rank])],
+        dtype=torch.int64,
+        device=k.device,
+    )
+    if hs[rank] == 0:
+        oh = q.new_zeros(q.shape[0], 0, sum(lens), v.shape[-1]) + 0 * (qh.sum() + kh.sum() + vh.sum())
+    else:
+        oh = local(qh, kh.index_select(1, local_kv), vh.index_select(1, local_kv))
+    return _seq_to_heads(oh, lens, hs, pg, rank)
+
+
+# The head <-> sequence all_to_all with uneven heads *and* uneven sequence pieces, as one
+# flat all_to_all (split_dim == concat_dim == 0, whose split sizes may be anything): each
+# chunk is laid out head-major so it is contiguous, and the received chunks are reshaped
+# and concatenated. Reshapes, cats and the core all_to_all are all differentiable, so
+# the backward (and double backward) is the core op's adjoint.
+
+
+def _heads_to_seq(x: Tensor, hs: list[int], lens: list[int], pg: PG, rank: int) -> Tensor:
+    """``(B, sum hs, lens[rank], D)`` sequence-sharded -> ``(B, hs[rank], sum lens, D)``."""
+    Bn, _, _, D = x.shape
+    flat = x.permute(1, 0, 2, 3).reshape(-1)  # head-major: head chunk j is contiguous
+    ins = [h * Bn * lens[rank] * D for h in hs]
+    outs = [hs[rank] * Bn * n * D for n in lens]
+    got = C.all_to_all(flat, 0, 0, pg, input_split_sizes=ins, output_split_sizes=outs)
+    parts = [p.view(hs[rank], Bn, n, D) for p, n in zip(got.split(outs), lens, strict=True)]
+    return torch.cat(parts, 2).permute(1, 0, 2, 3)
+
+
+def _seq_to_heads(o: Tensor, lens: list[int], hs: list[int], pg: PG, rank: int) -> Tensor:
+    """``(B, hs[rank], sum lens, D)`` -> ``(B, sum hs, lens[rank], D)`` (the inverse)."""
+    Bn, _, _, D = o.shape
+    pieces = [p.permute(1, 0, 2, 3).reshape(-1) for p in o.split(lens, 2)]
+    ins = [hs[rank] * Bn * n * D for n in lens]
+    outs = [h * Bn * lens[rank] * D for h in hs]
+    got = C.all_to_all(torch.cat(pieces), 0, 0, pg, input_split_sizes=ins, output_split_sizes=outs)
+    parts = [p.view(h, Bn, lens[rank], D) for p, h in zip(got.split(outs), hs, strict=True)]
+    return torch.cat(parts, 0).permute(1, 0, 2, 3)
+
+
+def usp_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ulysses_group: A.GroupLike,
+    ring_group: A.GroupLike,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "zigzag",
+    cu_seqlens: Any = None,
+    seq_len: int | None = None,
+) -> Tensor:
+    """Unified sequence parallelism: Ulysses inside ``ulysses_group``, the ring across
+    ``ring_group`` (a 2-D layout of ``U x R`` ranks).
+
+    The sequence is laid out over the ring first (``layout_index(S, R, layout=...)``), and
+    each ring rank's positions are split contiguously, in order, over the ``U`` ranks of
+    its Ulysses group (:func:`shard` with ``ulysses_group=``). The Ulysses all_to_all
+    gives every rank a share of the heads over its ring rank's positions; the ring then
+    runs over ``ring_group`` on those heads; an all_to_all brings the output back.
+
+    Args:
+        q, k, v: as in :func:`ring_attention` (``seq_local`` = this rank's share).
+        ulysses_group, ring_group: the two groups (``ProcessGroup`` or ``(DeviceMesh,
+            axis)``); every rank belongs to one of each, they cross.
+        causal, scale, layout, cu_seqlens, seq_len: as in :func:`ring_attention`
+            (``seq_len`` default: ``U * R * seq_local``).
+
+    Returns:
+        ``(batch, heads, seq_local, head_dim_v)``.
+
+    Gradient:
+        the all_to_alls' adjoints around the ring's backward (first order).
+    """
+    op = "parallel.usp_attention"
+    q, k, v = _check_qkv(q, k, v, op)
+    layout = _check_layout(layout, op)
+    upg, urank, uworld = _group_rank_world(ulysses_group, op)
+    rpg, _, rworld = _group_rank_world(ring_group, op)
+    n_ring = _ring_local_len(op, q.shape[2], uworld, rworld, layout, cu_seqlens, seq_len)
+    lens = _split_sizes(n_ring, uworld)
+    if lens[urank] != q.shape[2]:
+        raise A.arg_error(
+            op, "q", f"{lens[urank]} local positions (of {n_ring} on this ring rank)", q.shape[2]
+        )
+    if seq_len is None and cu_seqlens is None:
+        seq_len = n_ring * rworld
+
+    def local(qh: Tensor, kh: Tensor, vh: Tensor) -> Tensor:
+        return ring_attention(
+            qh, kh, vh, rpg, causal=causal, scale=scale, layout=layout, cu_seqlens=cu_seqlens, seq_len=seq_len
+        )
+
+    return _ulysses(q, k, v, upg, urank, uworld, lens, local)

@@ -1,0 +1,505 @@
+"""Context parallelism (diffcomm.parallel.context): ring, Ulysses and USP attention equal
+serial attention over the whole sequence, forward and every gradient, in float64.
+
+References are dense attention written here (softmax of masked scores) and
+``torch.nn.functional.scaled_dot_product_attention``; the only library function the
+references use is ``dropout_keep_mask``, which *is* the specification of the dropout
+pattern (a hash of global coordinates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _shared import check_in_batches
+from hypothesis import strategies as st
+
+import diffcomm as dc
+from diffcomm import parallel
+from diffcomm.parallel import context as cp
+from diffcomm.parallel.context import ring
+
+# ----------------------------------------------------------------------------- cases
+
+
+@st.composite
+def ring_cases(draw: Any) -> dict[str, Any]:
+    kv_heads = draw(st.sampled_from([1, 2]))
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
+    seq_len = draw(st.integers(1, 19))
+    docs = None
+    if draw(st.booleans()):
+        cuts = sorted(draw(st.lists(st.integers(0, seq_len), min_size=0, max_size=3)))
+        docs = [0, *cuts, seq_len]
+    return {
+        "layout": draw(st.sampled_from(cp.LAYOUTS)),
+        "causal": draw(st.booleans()),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "seq_len": seq_len,
+        "cu_seqlens": docs,
+        "mask": draw(st.sampled_from([None, "bool", "float"])),
+        "dropout_p": draw(st.sampled_from([0.0, 0.0, 0.4])),
+        "dv": draw(st.sampled_from([3, 4])),
+        "seed": draw(st.integers(0, 2**20)),
+    }
+
+
+def _dense(q: Any, k: Any, v: Any, allowed: Any, add: Any, p: float, seed: int) -> Any:
+    """Dense attention (float64): rows with nothing allowed are zero."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    if add is not None:
+        s = s + add
+    s = s.masked_fill(~allowed, float("-inf"))
+    w = torch.softmax(s, -1).nan_to_num(0.0)
+    if p:
+        pos = torch.arange(q.shape[2])
+        w = w * cp.dropout_keep_mask(seed, q.shape[0], q.shape[1], pos, pos, p) / (1 - p)
+    return w @ v
+
+
+def _allowed(case: dict[str, Any]) -> Any:
+    S = case["seq_len"]
+    pos = torch.arange(S)
+    doc = torch.zeros(S, dtype=torch.long)
+    if case["cu_seqlens"]:
+        for a in case["cu_seqlens"][1:-1]:
+            doc[a:] += 1
+    ok = doc.view(-1, 1) == doc.view(1, -1)
+    if case["causal"]:
+        ok &= pos.view(1, -1) <= pos.view(-1, 1)
+    return ok
+
+
+def _check_ring(world: dc.LocalWorld, batch: list[dict[str, Any]]) -> None:
+    def rank_body(batch: list[dict[str, Any]]) -> list[float]:
+        import torch
+
+        from diffcomm.parallel import context as cp
+
+        errs = []
+        for case in batch:
+            g = torch.Generator().manual_seed(case["seed"])
+            S, H, Hk = case["seq_len"], case["heads"], case["kv_heads"]
+            f64 = {"dtype": torch.float64, "generator": g}
+            q = torch.randn(2, H, S, 4, **f64, requires_grad=True)
+            k = torch.randn(2, Hk, S, 4, **f64, requires_grad=True)
+            v = torch.randn(2, Hk, S, case["dv"], **f64, requires_grad=True)
+            w = torch.randn(2, H, S, case["dv"], **f64)
+            allowed = _allowed(case)
+            add = mask = None
+            if case["mask"] == "bool":  # random, the diagonal always kept (no all-masked rows)
+                mask = (torch.rand(1, H, S, S, generator=g) > 0.3) | torch.eye(S, dtype=torch.bool)
+                allowed = allowed & mask
+            elif case["mask"] == "float":
+                mask = torch.randn(2, 1, S, S, **f64, requires_grad=True)
+                add = mask
+            ref = _dense(q, k, v, allowed, add, case["dropout_p"], 11)
+            ins = [q, k, v] + ([mask] if case["mask"] == "float" else [])
+            grads = torch.autograd.grad((ref * w).sum(), ins)
+            kw = {"layout": case["layout"], "cu_seqlens": case["cu_seqlens"]}
+            ql, kl, vl = (cp.shard(t.detach(), **kw).requires_grad_() for t in (q, k, v))
+            ml = None
+            if mask is not None:
+                # this rank's rows of the mask, columns in global order (pad rows: anything)
+                ml = cp.shard(mask.detach(), **kw).requires_grad_(case["mask"] == "float")
+            out = cp.ring_attention(
+                ql,
+                kl,
+                vl,
+                causal=case["causal"],
+                attn_mask=ml,
+                dropout_p=case["dropout_p"],
+                dropout_seed=11,
+                seq_len=S,
+                **kw,
+            )
+            local_ins = [ql, kl, vl] + ([ml] if case["mask"] == "float" else [])
+            lgrads = torch.autograd.grad((out * cp.shard(w, **kw)).sum(), local_ins)
+            e = [(out - cp.shard(ref.detach(), **kw)).abs().max()]
+            e += [(a - cp.shard(b, **kw)).abs().max() for a, b in zip(lgrads[:3], grads[:3], strict=True)]
+            if case["mask"] == "float":
+                # the mask's gradient: this rank's rows (padding rows get none)
+                e.append((lgrads[3] - cp.shard(grads[3], **kw)).abs().max())
+            e.append((cp.unshard(out, seq_len=S, **kw) - ref).abs().max())
+            errs.append(float(max(e)))
+        return errs
+
+    for errs in world.run(rank_body, batch):
+        assert max(errs) < 1e-12, (errs, batch)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_attention_equals_serial(local_worlds: Callable[[int], dc.LocalWorld], n: int) -> None:
+    check_in_batches(local_worlds(n), ring_cases(), _check_ring, max_examples=4)
+
+
+def test_ring_attention_matches_sdpa_and_serial_reference(world3: dc.LocalWorld) -> None:
+    """The plain causal GQA case against torch's SDPA itself, and the library's
+    ``attention_reference`` against SDPA (with and without documents)."""
+
+    def body() -> list[float]:
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(2, 4, 18, 8, dtype=torch.float64, generator=g)
+        k, v = (torch.randn(2, 2, 18, 8, dtype=torch.float64, generator=g) for _ in range(2))
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out = parallel.ring_attention(*(parallel.shard(t) for t in (q, k, v)), causal=True, layout="zigzag")
+        tiled = []
+        calls = []
+        flash = ring._FLASH_CPU
+        old, ring._TILE = ring._TILE, 4  # query tiles of 4 rows (a block splits into a staircase)
+        try:
+            # full and causal-diagonal pieces run on torch's fused CPU kernel: count them,
+            # then run once more with the kernel off (every piece on the dense math path)
+            ring._FLASH_CPU = lambda *a, **kw: calls.append(1) or flash(*a, **kw)
+            for kernel in (True, False):
+                if not kernel:
+                    ring._FLASH_CPU = None
+                for layout in cp.LAYOUTS:
+                    ql, kl, vl = (parallel.shard(t, layout=layout).requires_grad_() for t in (q, k, v))
+                    o = parallel.ring_attention(ql, kl, vl, causal=True, layout=layout)
+                    o.square().sum().backward()
+                    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+                    r = torch.nn.functional.scaled_dot_product_attention(
+                        qr, kr, vr, is_causal=True, enable_gqa=True
+                    )
+                    r.square().sum().backward()
+                    tiled.append(float((parallel.unshard(o, layout=layout) - r).abs().max()))
+                    for a, b in ((ql, qr), (kl, kr), (vl, vr)):
+                        # the loss is the sum of the ranks' parts: shard the full gradient
+                        tiled.append(float((a.grad - parallel.shard(b.grad, layout=layout)).abs().max()))
+            assert calls, "the fused kernel was never used"
+        finally:
+            ring._FLASH_CPU = flash
+            ring._TILE = old
+        cu = [0, 7, 18]
+        blockdiag = torch.zeros(18, 18, dtype=torch.bool)
+        blockdiag[:7, :7] = blockdiag[7:, 7:] = True
+        ref_docs = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=blockdiag & torch.ones(18, 18, dtype=torch.bool).tril(), enable_gqa=True
+        )
+        return [
+            float((parallel.unshard(out) - ref).abs().max()),
+            float((cp.attention_reference(q, k, v, causal=True) - ref).abs().max()),
+            float((cp.attention_reference(q, k, v, causal=True, cu_seqlens=cu) - ref_docs).abs().max()),
+            *tiled,
+        ]
+
+    for errs in world3.run(body):
+        assert max(errs) < 1e-12
+
+
+def test_ring_attention_overlaps_and_stays_local(world4: dc.LocalWorld) -> None:
+    """The communication is the ring and nothing else: the comms logger sees W-1 forward
+    hops of one K/V block and, in backward, W-1 K/V hops and W hops of their gradient,
+    each one K/V block (O(S/W) bytes) sent and one received."""
+
+    def body() -> dict[str, Any]:
+        from diffcomm import backend as B
+
+        q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        with B.log_comms() as log:
+            out = parallel.ring_attention(q, k, v, causal=True, layout="zigzag")
+            out.sum().backward()
+        names = [e.label for e in log.records if "ring_attention" in (e.label or "")]
+        sizes = {e.nbytes for e in log.records if "ring_attention" in (e.label or "")}
+        return {"names": names, "sizes": sorted(sizes)}
+
+    res = world4.run(body)
+    kv_bytes = 2 * 1 * 2 * 8 * 4 * 8
+    for r in res:
+        fwd = [n for n in r["names"] if "backward" not in n]
+        bwd = [n for n in r["names"] if "backward" in n]
+        assert len(fwd) == 3 and len(bwd) == 3 + 4, r
+        assert r["sizes"] == [2 * kv_bytes], r  # sent + received
+
+
+# ------------------------------------------------------------------ layouts & balance
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+def test_layout_index_is_a_padded_permutation(layout: str) -> None:
+    for world in (1, 2, 3, 4):
+        for S in (0, 1, 5, 16, 23):
+            for cu in (None, [0, S], [0, S // 3, S // 3, S]):
+                t = cp.layout_index(S, world, layout=layout, cu_seqlens=cu)
+                real = t[t >= 0]
+                assert sorted(real.tolist()) == list(range(S))
+                pad = (t < 0).sum().item()
+                docs = 1 if cu is None else len([a for a, b in zip(cu, cu[1:]) if b > a])
+                bound = world - 1 if layout == "contiguous" else docs * (2 * world - 1)
+                assert pad <= bound, (S, world, cu, t)
+    assert cp.layout_index(8, 2).tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+
+
+def test_zigzag_balances_causal_work() -> None:
+    """Per-rank computed score entries (proportional to FLOPs) of causal ring attention:
+    zigzag within 5 % of the mean at every world size (plain ring far from it)."""
+    for world in (2, 3, 4, 8):
+        for S, cu in ((1024, None), (1000, None), (1200, [0, 300, 700, 760, 1200])):
+            zig = cp.ring_attention_work(S, world, layout="zigzag", cu_seqlens=cu)
+            plain = cp.ring_attention_work(S, world, layout="contiguous", cu_seqlens=cu)
+            for key in ("computed", "attended"):
+                mean = sum(zig[key]) / world
+                assert max(abs(c - mean) for c in zig[key]) <= 0.05 * mean, (world, S, cu, key, zig)
+            pmean = sum(plain["computed"]) / world
+            if cu is None:
+                assert max(plain["computed"]) > 1.3 * pmean  # rank W-1 computes W blocks, rank 0 one
+
+
+def test_shard_unshard_adjoint_and_round_trip(world3: dc.LocalWorld) -> None:
+    def body() -> list[float]:
+        from diffcomm.testing import check_adjoint
+
+        errs = []
+        g = torch.Generator().manual_seed(dc.get_rank())
+        for layout in cp.LAYOUTS:
+            for S, cu in ((12, None), (13, [0, 4, 13]), (5, [0, 1, 2, 5])):
+                kw = {"layout": layout, "cu_seqlens": cu}
+                x = torch.randn(2, S, 3, dtype=torch.float64, generator=g)
+                n = cp.layout_index(S, 3, **kw).shape[1]
+                y = torch.randn(2, n, 3, dtype=torch.float64, generator=g)
+                errs.append(check_adjoint(lambda t, kw=kw: cp.shard(t, 1, **kw), x, y))
+                errs.append(check_adjoint(lambda t, S=S, kw=kw: cp.unshard(t, 1, seq_len=S, **kw), y, x))
+                same = torch.randn(2, S, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+                back = cp.unshard(cp.shard(same, 1, **kw), 1, seq_len=S, **kw)
+                errs.append(float((back - same).abs().max()))
+        pos = cp.shard(torch.arange(10), 0, layout="zigzag", pad_value=-1)
+        assert pos.tolist() == cp.layout_index(10, 3)[dc.get_rank()].tolist()
+        return errs
+
+    for errs in world3.run(body):
+        assert max(errs) < 1e-12
+
+
+def test_bad_arguments_name_the_argument(world2: dc.LocalWorld) -> None:
+    def body() -> dict[str, str]:
+        from _shared import outcomes
+
+        q = torch.randn(1, 4, 6, 8)
+        k = torch.randn(1, 2, 6, 8)
+        calls = {
+            "layout": lambda: parallel.ring_attention(q, k, k, layout="striped"),
+            "gqa": lambda: parallel.ring_attention(q, torch.randn(1, 3, 6, 8), torch.randn(1, 3, 6, 8)),
+            "dim": lambda: parallel.ring_attention(q[0], k, k),
+            "seq": lambda: parallel.ring_attention(q, k, k, layout="zigzag", seq_len=100),
+            "dropout": lambda: parallel.ring_attention(q, k, k, dropout_p=1.0),
+            "mask": lambda: parallel.ring_attention(q, k, k, attn_mask=torch.ones(6, 6, dtype=torch.bool)),
+            "cu": lambda: parallel.ring_attention(q, k, k, cu_seqlens=[0, 5, 4, 12]),
+            "seq_lens": lambda: parallel.ulysses_attention(q, k, k, seq_lens=[6, 7, 8]),
+        }
+        out = outcomes(calls, ValueError)
+        out["dtype"] = outcomes({"x": lambda: parallel.ring_attention(q, k.double(), k)}, TypeError)["x"]
+        return out
+
+    errs = world2.run(body)[0]
+    for key, arg in {
+        "layout": "`layout`",
+        "gqa": "`k`",
+        "dim": "`q`",
+        "seq": "`q`",
+        "dropout": "`dropout_p`",
+        "mask": "`attn_mask`",
+        "cu": "`cu_seqlens`",
+        "seq_lens": "`seq_lens`",
+        "dtype": "`k/v`",
+    }.items():
+        assert arg in errs[key], (key, errs[key])
+
+
+# ----------------------------------------------------------------------------- Ulysses
+
+
+@st.composite
+def ulysses_cases(draw: Any) -> dict[str, Any]:
+    kv_heads = draw(st.integers(1, 3))
+    return {
+        "kv_heads": kv_heads,
+        "heads": kv_heads * draw(st.integers(1, 3)),
+        "lens": draw(st.lists(st.integers(0, 5), min_size=4, max_size=4)),
+        "causal": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**20)),
+    }
+
+
+def _check_ulysses(world: dc.LocalWorld, batch: list[dict[str, Any]]) -> None:
+    def body(batch: list[dict[str, Any]]) -> list[float]:
+        n, r = dc.get_world_size(), dc.get_rank()
+        errs = []
+        for case in batch:
+            lens = case["lens"][:n]
+            if sum(lens) == 0:
+                lens[0] = 1
+            S, H, Hk = sum(lens), case["heads"], case["kv_heads"]
+            g = torch.Generator().manual_seed(case["seed"])
+            q = torch.randn(1, H, S, 4, dtype=torch.float64, generator=g, requires_grad=True)
+            k, v = (
+                torch.randn(1, Hk, S, 4, dtype=torch.float64, generator=g, requires_grad=True)
+                for _ in range(2)
+            )
+            w = torch.randn(1, H, S, 4, dtype=torch.float64, generator=g)
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=case["causal"], enable_gqa=True
+            )
+            grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+            a = sum(lens[:r])
+            mine = slice(a, a + lens[r])
+            ql, kl, vl = (t.detach()[:, :, mine].requires_grad_() for t in (q, k, v))
+            out = parallel.ulysses_attention(ql, kl, vl, causal=case["causal"])
+            lg = torch.autograd.grad((out * w[:, :, mine]).sum(), (ql, kl, vl))
+            assert out.shape == (1, H, lens[r], 4)
+            if lens[r]:  # a rank may hold no position at all (then it only relays)
+                e = [(out - ref.detach()[:, :, mine]).abs().max()]
+                e += [(x - y[:, :, mine]).abs().max() for x, y in zip(lg, grads, strict=True)]
+                errs.append(float(max(e)))
+        return errs
+
+    for errs in world.run(body, batch):
+        assert max(errs, default=0.0) < 1e-12, (errs, batch)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ulysses_any_heads_any_lengths(local_worlds: Callable[[int], dc.LocalWorld], n: int) -> None:
+    check_in_batches(local_worlds(n), ulysses_cases(), _check_ulysses, max_examples=3)
+
+
+def test_ulysses_double_backward(world3: dc.LocalWorld) -> None:
+    """A gradient penalty through Ulysses around a twice-differentiable local attention
+    (dense math; torch's CPU SDPA kernel has no double backward) equals the serial one:
+    double backward through the all_to_alls."""
+
+    def body() -> float:
+        r = dc.get_rank()
+        g = torch.Generator().manual_seed(3)
+        q = torch.randn(1, 4, 6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+        k, v = (
+            torch.randn(1, 2, 6, 4, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2)
+        )
+
+        def penalty(out: Any, x: Any) -> Any:
+            (gx,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+            return gx.pow(2).sum()
+
+        def math(q: Any, k: Any, v: Any, is_causal: bool, scale: float) -> Any:
+            return cp.attention_reference(q, k, v, causal=is_causal, scale=scale)
+
+        ref = math(q, k, v, True, 0.5)
+        (gq_ref,) = torch.autograd.grad(penalty(ref, q), q)
+        mine = slice(2 * r, 2 * r + 2)
+        ql = q.detach()[:, :, mine].requires_grad_()
+        kl, vl = k.detach()[:, :, mine], v.detach()[:, :, mine]
+        out = parallel.ulysses_attention(ql, kl, vl, causal=True, attn_fn=math)
+        # the penalty of the whole output is the sum over ranks of the local penalties
+        (gq,) = torch.autograd.grad(penalty(out, ql), ql)
+        return float((gq - gq_ref[:, :, mine]).abs().max())
+
+    assert max(world3.run(body)) < 1e-10
+
+
+# --------------------------------------------------------------------------------- USP
+
+
+def test_usp_on_a_2x2_mesh_and_two_groups(world4: dc.LocalWorld) -> None:
+    def body() -> list[float]:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+        r = dc.get_rank()
+        groups = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])]
+        u_group = groups[0] if r in (0, 1) else groups[1]
+        r_group = groups[2] if r in (0, 2) else groups[3]
+        errs = []
+        cases = [
+            ("zigzag", True, 4, 2, 16, None),
+            ("zigzag", True, 3, 1, 13, None),
+            ("contiguous", False, 2, 2, 11, None),
+            ("zigzag", True, 4, 2, 19, [0, 6, 7, 19]),
+        ]
+        singles = [dist.new_group([i]) for i in range(4)]
+        cases.append(("zigzag", True, 5, 1, 17, [0, 9, 17]))  # Ulysses over 4 ranks, a ring of one
+        for i, (layout, causal, H, Hk, S, cu) in enumerate(cases):
+            ug, rg = ((mesh, "ulysses"), (mesh, "ring")) if i % 2 == 0 else (u_group, r_group)
+            if i == 4:
+                ug, rg = dist.group.WORLD, singles[r]
+            g = torch.Generator().manual_seed(i)
+            q = torch.randn(2, H, S, 4, dtype=torch.float64, generator=g, requires_grad=True)
+            k, v = (
+                torch.randn(2, Hk, S, 4, dtype=torch.float64, generator=g, requires_grad=True)
+                for _ in range(2)
+            )
+            w = torch.randn(2, H, S, 4, dtype=torch.float64, generator=g)
+            ref = cp.attention_reference(q, k, v, causal=causal, cu_seqlens=cu)
+            grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+            kw = {"layout": layout, "cu_seqlens": cu, "ulysses_group": ug}
+            ql, kl, vl = (cp.shard(t.detach(), 2, rg, **kw).requires_grad_() for t in (q, k, v))
+            out = cp.usp_attention(ql, kl, vl, ug, rg, causal=causal, layout=layout, cu_seqlens=cu, seq_len=S)
+            lg = torch.autograd.grad((out * cp.shard(w, 2, rg, **kw)).sum(), (ql, kl, vl))
+            e = [(out - cp.shard(ref.detach(), 2, rg, **kw)).abs().max()]
+            e += [(a - cp.shard(b, 2, rg, **kw)).abs().max() for a, b in zip(lg, grads, strict=True)]
+            e.append((cp.unshard(out, 2, rg, seq_len=S, **kw) - ref).abs().max())
+            errs.append(float(max(e)))
+        return errs
+
+    for errs in world4.run(body):
+        assert max(errs) < 1e-12, errs
+
+
+def test_debug_mode_names_the_argument_ranks_disagree_on(world2: dc.LocalWorld) -> None:
+    def body() -> str:
+        q = torch.randn(1, 2, 6, 8, requires_grad=True)
+        with dc.debug(True):
+            out = parallel.ring_attention(q, q, q, causal=True, layout="zigzag", cu_seqlens=[0, 3, 8])
+            out.sum().backward()  # consistent calls pass
+            try:
+                parallel.ring_attention(q, q, q, causal=dc.get_rank() == 0)
+            except dc.CrossRankMismatchError as exc:
+                return str(exc)
+        return "no error"
+
+    for msg in world2.run(body):
+        assert "ring_attention" in msg and "causal differs (rank 0: 1, rank 1: 0)" in msg, msg
+
+
+def test_llama_block_with_context_parallelism_equals_serial(world3: dc.LocalWorld) -> None:
+    """``examples/context_parallel_llama.py``: a Llama-style block (RMSNorm, RoPE, GQA,
+    SwiGLU) with ring attention equals the serial block — output, loss and every weight's
+    gradient — in both layouts, with a length the layout must pad (25 over 3 ranks)."""
+    import sys
+    from pathlib import Path
+
+    examples = str(Path(__file__).resolve().parent.parent / "examples")
+
+    def body() -> list[dict[str, float]]:
+        if examples not in sys.path:
+            sys.path.insert(0, examples)
+        from context_parallel_llama import compare
+
+        return [compare(seq, layout) for seq in (24, 25) for layout in cp.LAYOUTS]
+
+    for per_rank in world3.run(body):
+        for errs in per_rank:
+            assert max(errs.values()) < 1e-11, per_rank
+
+
+def test_empty_batch_and_empty_sequence(world2: dc.LocalWorld) -> None:
+    def body() -> list[tuple[int, ...]]:
+        shapes = []
+        for shape in ((0, 2, 4, 8), (1, 2, 0, 8)):
+            q = torch.randn(*shape, requires_grad=True)
+            k = torch.randn(shape[0], 1, shape[2], 8, requires_grad=True)
+            o = parallel.ring_attention(q, k, k, causal=True, layout="zigzag", seq_len=2 * shape[2])
+            u = parallel.ulysses_attention(q, k, k, causal=True)
+            (o.sum() + u.sum()).backward()
+            shapes += [tuple(o.shape), tuple(u.shape), tuple(q.grad.shape), tuple(k.grad.shape)]
+        return shapes
+
+    for shapes in world2.run(body):
+        assert shapes == [(0, 2, 4, 8), (0, 2, 4, 8), (0, 2, 4, 8), (0, 1, 4, 8)] + [(1, 2, 0, 8)] * 3 + [
+            (1, 1, 0, 8)
+        ]
