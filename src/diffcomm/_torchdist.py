@@ -101,15 +101,41 @@ class CoalescedOps:
     ) -> list[torch.Tensor]:
         return self.coalesced("reduce", group, xs, lambda x: self.reduce(x, dst, op, group))
 
-    def all_gather_coalesced(self, xs: Sequence[torch.Tensor], group: ProcessGroup) -> list[torch.Tensor]:
-        """Even all_gather along dim 0 of each buffer."""
-        return self.coalesced("all_gather", group, xs, lambda x: self.all_gather(x, group))
+    def all_gather_coalesced(
+        self, xs: Sequence[torch.Tensor], group: ProcessGroup, sizes: Sequence[Sequence[int]] | None = None
+    ) -> list[torch.Tensor]:
+        """all_gather along dim 0 of each buffer; ``sizes[k]``: every rank's length of
+        buffer ``k`` (``None``: even)."""
+        if sizes is None:
+            return self.coalesced("all_gather", group, xs, lambda x: self.all_gather(x, group))
+        it = iter(sizes)
+        return self.coalesced("all_gather", group, xs, lambda x: self.all_gather(x, group, list(next(it))))
 
     def reduce_scatter_coalesced(
-        self, xs: Sequence[torch.Tensor], op: str, group: ProcessGroup
+        self,
+        xs: Sequence[torch.Tensor],
+        op: str,
+        group: ProcessGroup,
+        sizes: Sequence[Sequence[int]] | None = None,
     ) -> list[torch.Tensor]:
-        """Even reduce_scatter along dim 0 of each buffer."""
-        return self.coalesced("reduce_scatter", group, xs, lambda x: self.reduce_scatter(x, op, group))
+        """reduce_scatter along dim 0 of each buffer; ``sizes[k]``: the per-rank split of
+        buffer ``k`` (``None``: even)."""
+        if sizes is None:
+            return self.coalesced("reduce_scatter", group, xs, lambda x: self.reduce_scatter(x, op, group))
+        it = iter(sizes)
+        return self.coalesced(
+            "reduce_scatter", group, xs, lambda x: self.reduce_scatter(x, op, group, list(next(it)))
+        )
+
+    def exchange_size_lists(self, ns: Sequence[int], group: ProcessGroup) -> list[list[int]]:
+        """Every rank's list ``ns`` (the same length on every rank): one small all_gather
+        of int64 on the group's device (an adapter with a host side channel overrides it)."""
+        world = self.world_size(group)
+        if world == 1:
+            return [list(ns)]
+        mine = torch.tensor(list(ns), dtype=torch.int64, device=self.comm_device(group))
+        table = self.all_gather(mine.reshape(1, len(ns)), group).cpu().tolist()  # type: ignore[attr-defined]
+        return [[int(v) for v in row] for row in table]
 
 
 class TorchDistributedBackend(CoalescedOps):
@@ -230,6 +256,28 @@ class TorchDistributedBackend(CoalescedOps):
             None,
         )
         return [int(v) for v in out.tolist()]
+
+    def exchange_size_lists(self, ns: Sequence[int], group: ProcessGroup) -> list[list[int]]:
+        """Every rank's list ``ns`` (one per tensor of a coalesced call; the same length on
+        every rank): **one** small all_gather of host integers on the CPU side channel,
+        whatever the list's length."""
+        info = group_info(group)
+        world = info.size
+        k = len(ns)
+        if world == 1 or k == 0:
+            return [list(ns) for _ in range(world)]
+        side = cpu_group(info)
+        mine = torch.tensor(list(ns), dtype=torch.int64)
+        out = torch.empty(world * k, dtype=torch.int64)
+        _dispatch(
+            "all_gather",
+            side,
+            8 * k * world,
+            lambda: c10d_all_gather(out, mine, side),
+            lambda: out.copy_(mine.repeat(world)),
+            None,
+        )
+        return [[int(v) for v in row] for row in out.view(world, k).tolist()]
 
     def all_gather_unsized(self, x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, list[int]]:
         """:meth:`all_gather` of ``x`` (dim 0) when no rank knows the others' row counts:
