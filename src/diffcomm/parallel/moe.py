@@ -1,0 +1,746 @@
+"""Expert parallelism: a mixture-of-experts layer whose experts are sharded over a group.
+
+A top-k router picks ``k`` experts per token; the experts are split over the ranks of an
+expert-parallel (EP) group, ``num_experts / world`` per rank, and every rank holds its own
+tokens. One step:
+
+.. code-block:: text
+
+    rank r: x (T_r, H) --router--> top-k expert ids, gate weights (T_r, k)
+       |  counts: tokens per expert, exchanged ONCE (all ranks learn the (world, E) table)
+       v
+    dispatch: rows of x permuted by expert (a token once per chosen expert), dropped
+              beyond capacity, sent with ONE uneven all_to_all (split sizes from the table)
+       v
+    expert inputs, expert-major (experts of rank r, each a contiguous block of rows)
+       |  local experts
+       v
+    combine: ONE uneven all_to_all back (split sizes swapped), each row weighted by its
+             gate weight and added into its token's row: y (T_r, H)
+
+``dispatch`` and ``combine`` are ordinary differentiable compositions of
+:func:`diffcomm.all_to_all` (given both split sizes, so its backward is the exact
+adjoint — the all_to_all with the sizes swapped — and nothing is exchanged again) and
+index gathers/adds. So the backward of the dispatch *is* a combine (without weights) and
+the backward of the combine a dispatch: the counts learned in forward are reused, and
+double backward and ``torch.autograd.grad`` work as for any torch code.
+
+Gradient convention (that of every diffcomm op): the objective is the **sum of the
+per-rank objectives**. With each rank's loss taken over its own tokens, the sum over ranks
+is the serial MoE's loss over all tokens (rank 0's tokens first); then the experts'
+gradients equal the serial ones exactly, and the replicated parameters (router, shared
+expert) get on each rank that rank's share, which sum to the serial gradient
+(:meth:`ExpertParallelMoE.sync_replicated_grads` all-reduces them in one coalesced call).
+
+Capacity: with ``capacity_factor`` each expert takes at most
+``C = ceil(capacity_factor * N * k / E)`` tokens, ``N`` the tokens of **all** ranks, in the
+order of the serial MoE (rank 0's tokens first, then token by token); the rest of that
+expert's assignments are dropped (their tokens get nothing from that expert). Every
+rank computes the same drops from the one exchanged table, so the parallel layer drops
+exactly the tokens the serial one drops. ``None`` (the default) is dropless.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _args as A
+from .. import backend as B
+from .. import coalesced as K
+from .. import collectives as C
+from ._module import check_positive, init_generator, resolve_parallel_group
+from .blocks import MLP
+
+__all__ = [
+    "DispatchPlan",
+    "route",
+    "dispatch",
+    "combine",
+    "load_balancing_loss",
+    "MoE",
+    "ExpertParallelMoE",
+]
+
+PG = Any
+
+
+# ======================================================================================
+# routing
+# ======================================================================================
+
+
+def route(logits: Tensor, k: int, *, renormalize: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Top-``k`` routing of tokens to experts.
+
+    Args:
+        logits: ``(T, E)`` router scores.
+        k: experts per token (``1 <= k <= E``).
+        renormalize: divide each token's ``k`` gate weights by their sum (Mixtral);
+            ``False`` keeps the softmax probabilities (Switch, GShard).
+
+    Returns:
+        ``(gate_weights (T, k), expert_index (T, k) int64, probs (T, E))``: the weights of
+        the chosen experts, their ids (in decreasing probability) and the softmax of
+        ``logits``.
+
+    Gradient:
+        through the softmax (``gate_weights`` and ``probs``); ``expert_index`` is discrete.
+    """
+    if logits.ndim != 2:
+        raise A.arg_error(
+            "parallel.route", "logits", "a (tokens, experts) tensor", f"shape {list(logits.shape)}"
+        )
+    e = logits.shape[1]
+    k = check_positive("parallel.route", "k", k)
+    if k > e:
+        raise A.arg_error("parallel.route", "k", f"at most the number of experts {e}", k)
+    probs = logits.softmax(dim=-1)
+    gate, index = probs.topk(k, dim=-1)
+    if renormalize:
+        gate = gate / gate.sum(dim=-1, keepdim=True)
+    return gate, index, probs
+
+
+# ======================================================================================
+# dispatch / combine
+# ======================================================================================
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Where every token assignment goes: made by :func:`dispatch`, used by :func:`combine`.
+
+    Attributes:
+        num_experts: ``E``, experts over the whole group.
+        world, rank: the expert-parallel group's size and this rank.
+        counts: ``(world, E)`` assignments per source rank and expert before dropping
+            (the exchanged table; the same on every rank).
+        accepted: ``(world, E)`` the same after dropping (equal to ``counts`` when dropless).
+        capacity: tokens an expert takes (``None``: dropless).
+        send_splits / recv_splits: rows this rank sends to / receives from each rank.
+        expert_splits: rows of each local expert in the expert-major input (sum of
+            ``recv_splits``).
+        token_index: ``(n_sent,)`` the token of each row sent (in send order).
+        slot_index: ``(n_sent,)`` its position in the flattened ``(T, k)`` assignments.
+        recv_order: ``(n_recv,)`` received rows in expert-major order (indices into the
+            received, source-major rows).
+        num_tokens: ``T`` of this rank; ``total_tokens``: ``N`` of all ranks.
+        group: the resolved group.
+    """
+
+    num_experts: int
+    world: int
+    rank: int
+    counts: tuple[tuple[int, ...], ...]
+    accepted: tuple[tuple[int, ...], ...]
+    capacity: int | None
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    expert_splits: tuple[int, ...]
+    token_index: Tensor
+    slot_index: Tensor
+    recv_order: Tensor
+    recv_inverse: Tensor
+    num_tokens: int
+    total_tokens: int
+    group: PG
+
+    @property
+    def tokens_per_expert(self) -> Tensor:
+        """``(E,)`` int64: assignments each expert got over the whole group, before dropping
+        (the routing histogram)."""
+        return torch.tensor([sum(col) for col in zip(*self.counts)], dtype=torch.int64)
+
+    @property
+    def dropped(self) -> int:
+        """Assignments dropped over the whole group (0 when dropless)."""
+        return sum(map(sum, self.counts)) - sum(map(sum, self.accepted))
+
+
+def _plan(expert_index: Tensor, num_experts: int, pg: PG, capacity_factor: float | None) -> DispatchPlan:
+    """The routing plan: one exchange of this rank's per-expert counts and token count."""
+    b = B.get_backend()
+    world, rank = b.world_size(pg), b.rank(pg)
+    t, k = expert_index.shape
+    e = num_experts
+    per_rank = e // world
+    flat = expert_index.reshape(-1)
+    dev = flat.device
+    mine = _local_counts(flat, e)  # the host read the exchange needs anyway
+    with B.label("parallel.dispatch (counts exchange)"):  # the step's one exchange
+        table = b.exchange_size_lists([*mine, t], pg)
+    counts = tuple(tuple(row[:e]) for row in table)
+    total = sum(row[e] for row in table)
+    capacity = None
+    accepted = counts
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * total * k / e)
+        taken = [0] * e
+        acc = []
+        for row in counts:  # rank order = the serial MoE's token order
+            got = tuple(min(c, max(0, capacity - taken[j])) for j, c in enumerate(row))
+            taken = [a + g for a, g in zip(taken, got)]
+            acc.append(got)
+        accepted = tuple(acc)
+    # this rank's assignments sorted by expert (stable: token order within an expert)
+    order = torch.sort(flat, stable=True).indices
+    keep_n = accepted[rank]
+    if capacity is not None and flat.numel():
+        sorted_e = flat[order]
+        starts = torch.tensor([sum(counts[rank][:j]) for j in range(e)], dtype=torch.int64, device=dev)
+        pos = torch.arange(flat.numel(), device=dev) - starts[sorted_e]
+        order = order[pos < torch.tensor(keep_n, dtype=torch.int64, device=dev)[sorted_e]]
+    token_index = order // k if k > 1 else order
+    send = tuple(sum(keep_n[q * per_rank : (q + 1) * per_rank]) for q in range(world))
+    mine_lo = rank * per_rank
+    recv = tuple(sum(accepted[s][mine_lo : mine_lo + per_rank]) for s in range(world))
+    # received rows are source-major (then expert); the experts want expert-major
+    pieces, start = [], 0
+    offsets = []
+    for s in range(world):
+        at = start
+        row = []
+        for j in range(per_rank):
+            row.append(at)
+            at += accepted[s][mine_lo + j]
+        offsets.append(row)
+        start += recv[s]
+    for j in range(per_rank):
+        for s in range(world):
+            n = accepted[s][mine_lo + j]
+            if n:
+                pieces.append(torch.arange(offsets[s][j], offsets[s][j] + n))
+    recv_order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    recv_inverse = torch.empty_like(recv_order)
+    recv_inverse[recv_order] = torch.arange(recv_order.numel())
+    expert_splits = tuple(sum(accepted[s][mine_lo + j] for s in range(world)) for j in range(per_rank))
+    return DispatchPlan(
+        num_experts=e,
+        world=world,
+        rank=rank,
+        counts=counts,
+        accepted=accepted,
+        capacity=capacity,
+        send_splits=send,
+        recv_splits=recv,
+        expert_splits=expert_splits,
+        token_index=token_index.to(dev),
+        slot_index=order.to(dev),
+        recv_order=recv_order.to(dev),
+        recv_inverse=recv_inverse.to(dev),
+        num_tokens=t,
+        total_tokens=total,
+        group=pg,
+    )
+
+
+def _local_counts(flat: Tensor, e: int) -> list[int]:
+    """Assignments per expert on this rank; ids outside ``[0, e)`` raise (named) here,
+    before any communication."""
+    if not flat.numel():
+        return [0] * e
+    try:
+        mine = torch.bincount(flat, minlength=e).tolist()
+    except RuntimeError:  # a negative id
+        mine = [0] * (e + 1)
+    if len(mine) > e:
+        raise A.arg_error("parallel.dispatch", "expert_index", f"expert ids in [0, {e})", "ids out of range")
+    return mine
+
+
+def dispatch(
+    x: Tensor,
+    expert_index: Tensor,
+    num_experts: int,
+    group: A.GroupLike = None,
+    *,
+    capacity_factor: float | None = None,
+    async_op: bool = False,
+) -> tuple[Tensor, DispatchPlan]:
+    """Send every token to the ranks holding its chosen experts (one uneven all_to_all).
+
+    Args:
+        x: ``(T, H)`` this rank's tokens (``T`` may differ between ranks, also 0).
+        expert_index: ``(T, k)`` int64 expert ids in ``[0, num_experts)`` (from
+            :func:`route`); the same ``k`` on every rank.
+        num_experts: ``E`` over the whole group, divisible by the group size; rank ``r``
+            holds experts ``[r * E / world, (r + 1) * E / world)``.
+        group: the expert-parallel group: ``None`` (world), a ``ProcessGroup`` or
+            ``(DeviceMesh, axis)``.
+        capacity_factor: ``None`` (dropless) or a positive float: each expert takes at
+            most ``ceil(capacity_factor * N * k / E)`` assignments of the ``N`` tokens of
+            all ranks, in rank order then token order; the rest are dropped.
+        async_op: the all_to_all returns at once (an :class:`~diffcomm.AsyncTensor` that
+            waits on first use): compute something else (a shared expert) meanwhile.
+
+    Returns:
+        ``(expert_inputs, plan)``: ``expert_inputs`` is ``(sum(plan.expert_splits), H)``,
+        the rows of this rank's experts, expert by expert (split it with
+        ``plan.expert_splits``); ``plan`` is the :class:`DispatchPlan` for :func:`combine`.
+
+    Gradient:
+        the adjoint: the all_to_all back with the split sizes swapped (no exchange), the
+        rows added into their tokens' gradients (a token sent to ``k`` experts gets the sum).
+        The counts are exchanged once, here (a host read); nothing else synchronises.
+
+    Example::
+
+        def f():
+            x = torch.randn(4, 8)
+            gate, idx, _ = dc.parallel.route(torch.randn(4, 4), k=2)
+            h, plan = dc.parallel.dispatch(x, idx, num_experts=4)
+            return h.shape, plan.expert_splits
+        with dc.LocalWorld(2) as world:
+            world.run(f)   # each rank: its 2 experts' rows
+    """
+    op = "parallel.dispatch"
+    if not isinstance(x, Tensor) or x.ndim != 2:
+        raise A.arg_error(op, "x", "a (tokens, hidden) tensor", getattr(x, "shape", type(x).__name__))
+    if not isinstance(expert_index, Tensor) or expert_index.ndim != 2 or expert_index.shape[0] != x.shape[0]:
+        raise A.arg_error(
+            op,
+            "expert_index",
+            f"a ({x.shape[0]}, k) tensor of expert ids",
+            getattr(expert_index, "shape", None),
+        )
+    if expert_index.dtype not in (torch.int64, torch.int32):
+        raise A.arg_error(op, "expert_index", "an int64 tensor", expert_index.dtype, TypeError)
+    pg, world, _ = resolve_parallel_group(op, group)
+    num_experts = check_positive(op, "num_experts", num_experts)
+    if num_experts % world:
+        raise A.arg_error(op, "num_experts", f"divisible by the group size {world}", num_experts)
+    if capacity_factor is not None and not (float(capacity_factor) > 0):
+        raise A.arg_error(op, "capacity_factor", "None or a positive float", capacity_factor)
+    plan = _plan(
+        expert_index.long(), num_experts, pg, None if capacity_factor is None else float(capacity_factor)
+    )
+    rows = x.index_select(0, plan.token_index)
+    with B.label("parallel.dispatch"):
+        got = C.all_to_all(
+            rows,
+            group=pg,
+            input_split_sizes=plan.send_splits,
+            output_split_sizes=plan.recv_splits,
+            async_op=async_op,
+        )
+    if async_op:
+        return _Deferred(got, plan.recv_order), plan  # type: ignore[return-value]
+    return got.index_select(0, plan.recv_order), plan
+
+
+class _Deferred:
+    """An asynchronous dispatch's result: the expert-major rows once the all_to_all is done."""
+
+    def __init__(self, got: Tensor, order: Tensor) -> None:
+        self._got, self._order = got, order
+
+    def wait(self) -> Tensor:
+        got = self._got.wait() if hasattr(self._got, "wait") else self._got
+        return got.index_select(0, self._order)
+
+
+def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) -> Tensor:
+    """Bring the experts' outputs back to their tokens, weighted by the gate weights.
+
+    Args:
+        expert_outputs: ``(sum(plan.expert_splits), H_out)`` this rank's experts' outputs,
+            expert-major as :func:`dispatch` gave the inputs.
+        gate_weights: ``(T, k)`` the weight of each chosen expert (from :func:`route`).
+        plan: the :class:`DispatchPlan` of the matching :func:`dispatch`.
+
+    Returns:
+        ``(T, H_out)``: ``y[t] = sum_j gate_weights[t, j] * expert_{index[t, j]}(x[t])`` over
+        the assignments not dropped (a token with every assignment dropped gets zeros).
+
+    Gradient:
+        the adjoint: the gradient rows gathered per assignment, weighted, and sent with the
+        all_to_all of the dispatch direction (split sizes swapped, no exchange); the gate
+        weights get ``<grad y[t], expert output>`` (the router's gradient).
+    """
+    op = "parallel.combine"
+    if not isinstance(plan, DispatchPlan):
+        raise A.arg_error(
+            op, "plan", "the DispatchPlan returned by dispatch()", type(plan).__name__, TypeError
+        )
+    n = sum(plan.expert_splits)
+    if not isinstance(expert_outputs, Tensor) or expert_outputs.ndim != 2 or expert_outputs.shape[0] != n:
+        raise A.arg_error(
+            op,
+            "expert_outputs",
+            f"a ({n}, hidden) tensor (the dispatched rows)",
+            getattr(expert_outputs, "shape", None),
+        )
+    if (
+        not isinstance(gate_weights, Tensor)
+        or gate_weights.ndim != 2
+        or gate_weights.shape[0] != plan.num_tokens
+    ):
+        raise A.arg_error(
+            op, "gate_weights", f"a ({plan.num_tokens}, k) tensor", getattr(gate_weights, "shape", None)
+        )
+    rows = expert_outputs.index_select(0, plan.recv_inverse)  # source-major again
+    with B.label("parallel.combine"):
+        back = C.all_to_all(
+            rows,
+            group=plan.group,
+            input_split_sizes=plan.recv_splits,
+            output_split_sizes=plan.send_splits,
+        )
+    w = gate_weights.reshape(-1).index_select(0, plan.slot_index).to(back.dtype)
+    out = back.new_zeros(plan.num_tokens, back.shape[1])
+    return out.index_add(0, plan.token_index, back * w.unsqueeze(1))
+
+
+def load_balancing_loss(probs: Tensor, plan: DispatchPlan) -> Tensor:
+    """This rank's share of the Switch load-balancing loss ``E * sum_e f_e * P_e``.
+
+    ``f_e`` is the fraction of all ranks' assignments routed to expert ``e`` (before
+    dropping; from the exchanged counts, no communication) and ``P_e`` the mean router
+    probability of ``e`` over all ``N`` tokens; this rank's share uses its own tokens'
+    probabilities, so the **sum over ranks** is the serial loss (the sum convention).
+
+    Args:
+        probs: ``(T, E)`` this rank's router probabilities (from :func:`route`).
+        plan: the step's :class:`DispatchPlan`.
+
+    Returns:
+        a 0-dim tensor; 1.0 summed over ranks when the routing is perfectly balanced.
+
+    Gradient:
+        ``E * f_e / N`` into ``probs[:, e]`` (``f`` is a constant).
+    """
+    e = plan.num_experts
+    k_total = sum(map(sum, plan.counts))
+    if plan.total_tokens == 0 or k_total == 0:
+        return probs.sum() * 0.0
+    f = plan.tokens_per_expert.to(probs.dtype).to(probs.device) / k_total
+    return e * (probs.sum(dim=0) * f).sum() / plan.total_tokens
+
+
+# ======================================================================================
+# the serial reference and the expert-parallel layer
+# ======================================================================================
+
+
+def _serial_forward(
+    x2: Tensor,
+    router: nn.Linear,
+    experts: Sequence[nn.Module],
+    k: int,
+    capacity_factor: float | None,
+    renormalize: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The serial MoE on ``(N, H)`` tokens (no communication): ``(y, aux, tokens per expert)``."""
+    e = len(experts)
+    n = x2.shape[0]
+    gate, index, probs = route(router(x2), k, renormalize=renormalize)
+    flat = index.reshape(-1)
+    counts = torch.bincount(flat, minlength=e)
+    keep = torch.ones_like(flat, dtype=torch.bool)
+    if capacity_factor is not None:
+        cap = math.ceil(capacity_factor * n * k / e)
+        onehot = F.one_hot(flat, e)
+        pos = (onehot.cumsum(0) - 1).gather(1, flat.unsqueeze(1)).squeeze(1)  # order within expert
+        keep = pos < cap
+    tok = torch.arange(n, device=x2.device).repeat_interleave(k)
+    gflat = gate.reshape(-1)
+    y = None
+    for j, expert in enumerate(experts):
+        sel = ((flat == j) & keep).nonzero().squeeze(1)
+        out_j = expert(x2.index_select(0, tok[sel])) * gflat[sel].unsqueeze(1).to(x2.dtype)
+        if y is None:
+            y = x2.new_zeros(n, out_j.shape[1])
+        y = y.index_add(0, tok[sel], out_j)
+    assert y is not None
+    f = counts.to(probs.dtype) / max(n * k, 1)
+    aux = e * (probs.mean(dim=0) * f).sum() if n else probs.sum() * 0.0
+    return y, aux, counts
+
+
+class MoE(nn.Module):
+    """The serial mixture-of-experts layer: the reference of :class:`ExpertParallelMoE`.
+
+    ``y = sum_j gate_j(x) * expert_{index_j(x)}(x) [+ shared_expert(x)]`` with a top-``k``
+    softmax router (``route``) and MLP experts (:class:`~diffcomm.parallel.MLP`).
+
+    Args:
+        hidden_size: input and output size ``H``.
+        ffn_hidden_size: each expert's inner size.
+        num_experts: ``E``.
+        k: experts per token.
+        capacity_factor: ``None`` (dropless) or each expert's capacity
+            ``ceil(capacity_factor * N * k / E)`` for ``N`` tokens, first come first served
+            in token order.
+        renormalize: see :func:`route`.
+        shared_expert_size: inner size of a shared expert every token goes through
+            (``None``: none).
+        bias, activation: of the expert MLPs.
+        seed, generator, dtype, device: initialisation as the parallel layers.
+
+    After ``forward``: ``self.aux_loss`` (the Switch load-balancing loss, a 0-dim tensor
+    in the graph) and ``self.tokens_per_expert`` (``(E,)`` int64, the routing histogram).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        k: int = 2,
+        *,
+        capacity_factor: float | None = None,
+        renormalize: bool = False,
+        shared_expert_size: int | None = None,
+        bias: bool = True,
+        activation: str | Callable[[Tensor], Tensor] = "gelu",
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        op = "parallel.MoE"
+        hidden_size = check_positive(op, "hidden_size", hidden_size)
+        num_experts = check_positive(op, "num_experts", num_experts)
+        self.k = check_positive(op, "k", k)
+        if self.k > num_experts:
+            raise A.arg_error(op, "k", f"at most num_experts={num_experts}", k)
+        if capacity_factor is not None and not float(capacity_factor) > 0:
+            raise A.arg_error(op, "capacity_factor", "None or a positive float", capacity_factor)
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.renormalize = bool(renormalize)
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        gen = init_generator(op, seed, generator)
+        with _fork(gen):  # drawn on the CPU (the same numbers on any device), then moved
+            self.router = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+            self.experts = nn.ModuleList(
+                MLP(hidden_size, ffn_hidden_size, bias, activation=activation, dtype=dtype)
+                for _ in range(num_experts)
+            )
+            self.shared_expert = (
+                None
+                if shared_expert_size is None
+                else MLP(hidden_size, shared_expert_size, bias, activation=activation, dtype=dtype)
+            )
+        if device is not None:
+            self.to(device)
+        self.aux_loss: Tensor | None = None
+        self.tokens_per_expert: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x``: ``(..., H)``; returns ``(..., H)``."""
+        x2 = x.reshape(-1, self.hidden_size)
+        y, aux, counts = _serial_forward(
+            x2, self.router, list(self.experts), self.k, self.capacity_factor, self.renormalize
+        )
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(x2)
+        self.aux_loss, self.tokens_per_expert = aux, counts
+        return y.reshape(x.shape[:-1] + (y.shape[-1],))
+
+
+class _fork:
+    """Draw the initial weights from ``gen`` (``None``: the global RNG, as torch does)."""
+
+    def __init__(self, gen: torch.Generator | None) -> None:
+        self.gen = gen
+
+    def __enter__(self) -> None:
+        if self.gen is not None:
+            self._devices = torch.random.fork_rng(devices=[])
+            self._devices.__enter__()
+            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.gen)))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.gen is not None:
+            self._devices.__exit__(*exc)
+
+
+class ExpertParallelMoE(nn.Module):
+    """Mixture of experts with the experts sharded over an expert-parallel group.
+
+    Rank ``r`` holds experts ``[r * E / world, (r + 1) * E / world)`` and its own tokens;
+    the router (and the optional shared expert) are replicated. A step exchanges the
+    per-expert counts once, dispatches with one uneven all_to_all, runs the local experts
+    and combines with one all_to_all back (see :func:`dispatch` / :func:`combine`). The
+    shared expert's compute overlaps the dispatch all_to_all (``async_op``).
+
+    Args:
+        hidden_size, ffn_hidden_size, num_experts, k, capacity_factor, renormalize,
+            shared_expert_size, bias, activation: as :class:`MoE` (``num_experts``
+            divisible by the group size).
+        group: the expert-parallel group: ``None`` (world), a ``ProcessGroup`` or
+            ``(DeviceMesh, axis)``.
+        experts: this rank's experts, if not the MLPs drawn from ``seed`` (e.g.
+            tensor-parallel :class:`~diffcomm.parallel.ParallelMLP` over another axis);
+            ``E / world`` modules mapping ``(n, H) -> (n, H)``.
+        overlap_shared: run the shared expert while the dispatch is in flight.
+        seed, generator, dtype, device: the parameters are this rank's part of
+            ``MoE(..., seed=seed)`` (the same draws), so a serial MoE built with the same
+            seed is the reference.
+
+    Shapes:
+        input ``(..., H)``, this rank's tokens (the token count may differ between ranks);
+        output the same shape.
+
+    Gradient:
+        sum convention: with each rank's loss over its own tokens, the expert gradients
+        equal the serial MoE's; the router's and shared expert's are this rank's share
+        (their sum over ranks is the serial gradient: :meth:`sync_replicated_grads`).
+
+    After ``forward``: ``self.aux_loss`` (this rank's share of the load-balancing loss;
+    summed over ranks it is the serial one), ``self.tokens_per_expert`` (``(E,)`` int64
+    over the whole group, before dropping), ``self.dropped`` and ``self.plan``.
+
+    Example::
+
+        def f():
+            moe = dc.parallel.ExpertParallelMoE(8, 16, num_experts=4, k=2, seed=0)
+            y = moe(torch.randn(5, 8))
+            return y.shape, moe.tokens_per_expert.tolist()
+        with dc.LocalWorld(2) as world:
+            world.run(f)
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        k: int = 2,
+        group: A.GroupLike = None,
+        *,
+        capacity_factor: float | None = None,
+        renormalize: bool = False,
+        shared_expert_size: int | None = None,
+        bias: bool = True,
+        activation: str | Callable[[Tensor], Tensor] = "gelu",
+        experts: Sequence[nn.Module] | None = None,
+        overlap_shared: bool = True,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        op = "parallel.ExpertParallelMoE"
+        self._pg, self.world, self.rank = resolve_parallel_group(op, group)
+        num_experts = check_positive(op, "num_experts", num_experts)
+        if num_experts % self.world:
+            raise A.arg_error(
+                op,
+                "num_experts",
+                f"divisible by the group size {self.world} (experts are split evenly)",
+                num_experts,
+            )
+        full = MoE(
+            hidden_size,
+            ffn_hidden_size,
+            num_experts,
+            k,
+            capacity_factor=capacity_factor,
+            renormalize=renormalize,
+            shared_expert_size=shared_expert_size,
+            bias=bias,
+            activation=activation,
+            seed=seed,
+            generator=generator,
+            dtype=dtype,
+            device=device,
+        )
+        self._adopt(full, experts)
+        self.overlap_shared = bool(overlap_shared)
+
+    def _adopt(self, full: MoE, experts: Sequence[nn.Module] | None) -> None:
+        per_rank = full.num_experts // self.world
+        self.num_experts, self.k = full.num_experts, full.k
+        self.hidden_size = full.hidden_size
+        self.capacity_factor, self.renormalize = full.capacity_factor, full.renormalize
+        self.experts_per_rank = per_rank
+        self.first_expert = self.rank * per_rank
+        self.router = full.router
+        self.shared_expert = full.shared_expert
+        if experts is None:
+            local = list(full.experts)[self.first_expert : self.first_expert + per_rank]
+        else:
+            local = list(experts)
+            if len(local) != per_rank:
+                raise A.arg_error(
+                    "parallel.ExpertParallelMoE",
+                    "experts",
+                    f"{per_rank} modules (num_experts / world)",
+                    len(local),
+                )
+        self.experts = nn.ModuleList(local)
+        self.aux_loss: Tensor | None = None
+        self.tokens_per_expert: Tensor | None = None
+        self.dropped = 0
+        self.plan: DispatchPlan | None = None
+
+    @classmethod
+    def from_serial(
+        cls, moe: MoE, group: A.GroupLike = None, *, overlap_shared: bool = True
+    ) -> ExpertParallelMoE:
+        """This rank's part of the serial :class:`MoE` (copies of its router, shared
+        expert and this rank's experts; the serial module is not modified)."""
+        import copy
+
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        op = "parallel.ExpertParallelMoE.from_serial"
+        self._pg, self.world, self.rank = resolve_parallel_group(op, group)
+        if moe.num_experts % self.world:
+            raise A.arg_error(
+                op, "moe", f"num_experts divisible by the group size {self.world}", moe.num_experts
+            )
+        self._adopt(copy.deepcopy(moe), None)
+        self.overlap_shared = bool(overlap_shared)
+        return self
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The parameters every rank of the group holds (router, shared expert)."""
+        params = list(self.router.parameters())
+        if self.shared_expert is not None:
+            params += list(self.shared_expert.parameters())
+        return params
+
+    def sync_replicated_grads(self) -> None:
+        """Sum the replicated parameters' gradients over the group (one coalesced
+        all_reduce): afterwards they equal the serial MoE's gradients on every rank."""
+        params = [p for p in self.replicated_parameters() if p.grad is not None]
+        if not params:
+            return
+        with torch.no_grad():
+            summed = K.all_reduce_coalesced([p.grad for p in params], "sum", self._pg)
+        for p, g in zip(params, summed):
+            p.grad = g
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x``: ``(..., H)`` this rank's tokens; returns ``(..., H)``."""
+        x2 = x.reshape(-1, self.hidden_size)
+        gate, index, probs = route(self.router(x2), self.k, renormalize=self.renormalize)
+        overlap = self.overlap_shared and self.shared_expert is not None
+        h, plan = dispatch(
+            x2, index, self.num_experts, self._pg, capacity_factor=self.capacity_factor, async_op=overlap
+        )
+        shared = self.shared_expert(x2) if self.shared_expert is not None else None  # overlaps the dispatch
+        if overlap:
+            h = h.wait()  # type: ignore[attr-defined]
+        outs = [expert(part) for expert, part in zip(self.experts, h.split(list(plan.expert_splits)))]
+        y_experts = torch.cat(outs) if outs else h
+        y = combine(y_experts, gate, plan)
+        if shared is not None:
+            y = y + shared
+        self.aux_loss = load_balancing_loss(probs, plan)
+        self.tokens_per_expert = plan.tokens_per_expert
+        self.dropped = plan.dropped
+        self.plan = plan
+        return y.reshape(x.shape[:-1] + (y.shape[-1],))
