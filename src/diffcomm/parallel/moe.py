@@ -574,9 +574,15 @@ class ExpertParallelMoE(nn.Module):
     shared expert's compute overlaps the dispatch all_to_all (``async_op``).
 
     Args:
-        hidden_size, ffn_hidden_size, num_experts, k, capacity_factor, renormalize,
-            shared_expert_size, bias, activation: as :class:`MoE` (``num_experts``
-            divisible by the group size).
+        hidden_size: input and output size ``H``.
+        ffn_hidden_size: each expert's inner size.
+        num_experts: ``E`` over the whole group, divisible by the group size.
+        k: experts per token.
+        capacity_factor: ``None`` (dropless) or as :class:`MoE`, over all ranks' tokens.
+        renormalize: see :func:`route`.
+        shared_expert_size: inner size of a replicated shared expert (``None``: none).
+        bias: biases in the expert MLPs.
+        activation: of the expert MLPs.
         group: the expert-parallel group: ``None`` (world), a ``ProcessGroup`` or
             ``(DeviceMesh, axis)``.
         experts: this rank's experts, if not the MLPs drawn from ``seed`` (e.g.
