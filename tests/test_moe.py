@@ -318,3 +318,157 @@ def test_bad_input_raises_before_any_communication(world2) -> None:
     for msgs in world2.run(_bad):
         for pat, msg in zip(patterns, msgs):
             assert re.search(pat, msg) and msg.endswith("[0 comms]"), (pat, msg)
+
+
+# --------------------------------------------------------------------------------------
+# composing: data parallelism over another axis, tensor parallelism inside the experts
+# --------------------------------------------------------------------------------------
+
+
+def _composed() -> dict[str, float]:
+    """World 4 as a 2 x 2 mesh. (a) EP over {0,1} / {2,3}, DP over {0,2} / {1,3}: each EP
+    group is the serial MoE over its own tokens, and the DP-averaged gradients are the
+    average of the two serial MoEs' gradients. (b) EP over {0,1} / {2,3} with each expert
+    a ParallelMLP over the TP group {0,2} / {1,3}: the TP ranks hold the same tokens, the
+    expert shards' gradients are the shards of the serial experts' gradients."""
+    import torch.distributed as dist
+
+    from diffcomm.parallel import ExpertParallelMoE, MoE, ParallelMLP
+
+    r = dc.get_rank()
+    g01, g23 = dist.new_group([0, 1]), dist.new_group([2, 3])
+    g02, g13 = dist.new_group([0, 2]), dist.new_group([1, 3])
+    ep, other = (g01 if r < 2 else g23), (g02 if r % 2 == 0 else g13)
+    ep_rank, replica = r % 2, r // 2
+    e, k, h, seed = 4, 2, 4, 11
+    tokens = [5, 3]
+    out: dict[str, float] = {}
+
+    def serial_grads(xs: torch.Tensor, cot: torch.Tensor) -> tuple[MoE, torch.Tensor]:
+        m = MoE(h, 6, e, k, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed)
+        y = m(xs)
+        ((y * cot).sum() + 0.5 * m.aux_loss).backward()
+        return m, y.detach()
+
+    # (a) data parallel over `other`: the two replicas see different tokens
+    gen = torch.Generator().manual_seed(replica)
+    xs = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
+    cot = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
+    lo = sum(tokens[:ep_rank])
+    mine = slice(lo, lo + tokens[ep_rank])
+    moe = ExpertParallelMoE(h, 6, e, k, ep, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed)
+    y = moe(xs[mine])
+    ((y * cot[mine]).sum() + 0.5 * moe.aux_loss).backward()
+    moe.sync_replicated_grads()
+    for p in moe.parameters():  # data parallel: average over the other axis
+        p.grad = dc.all_reduce(p.grad, "avg", other)
+    refs = []
+    for rep in (0, 1):
+        g = torch.Generator().manual_seed(rep)
+        refs.append(
+            serial_grads(
+                torch.randn(sum(tokens), h, dtype=F64, generator=g),
+                torch.randn(sum(tokens), h, dtype=F64, generator=g),
+            )
+        )
+    out["dp_out"] = float((y.detach() - refs[replica][1][mine]).abs().max())
+    first = ep_rank * (e // 2)
+    errs = []
+    for j, mod in enumerate(moe.experts):
+        for p, q0, q1 in zip(
+            mod.parameters(),
+            refs[0][0].experts[first + j].parameters(),
+            refs[1][0].experts[first + j].parameters(),
+        ):
+            avg = (_g(q0) + _g(q1)) / 2
+            errs.append(float((_g(p) - avg).abs().max()))
+    for p, q0, q1 in zip(
+        moe.replicated_parameters(), refs[0][0].router.parameters(), refs[1][0].router.parameters()
+    ):
+        errs.append(float((_g(p) - (_g(q0) + _g(q1)) / 2).abs().max()))
+    out["dp_grads"] = max(errs)
+
+    # (b) tensor parallel inside each expert, over `other`: same tokens on the TP ranks
+    gen = torch.Generator().manual_seed(7)
+    xs = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
+    cot = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
+    serial, y_ref = serial_grads(xs, cot)
+    fresh = MoE(h, 6, e, k, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed)
+    local = [ParallelMLP.from_serial(fresh.experts[first + j], group=other) for j in range(e // 2)]
+    moe = ExpertParallelMoE(
+        h, 6, e, k, ep, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed, experts=local
+    )
+    y = moe(xs[mine])
+    ((y * cot[mine]).sum() + 0.5 * moe.aux_loss).backward()
+    moe.sync_replicated_grads()
+    out["tp_out"] = float((y.detach() - y_ref[mine]).abs().max())
+    tp_rank, errs = replica, []
+    for j, mod in enumerate(moe.experts):
+        ref = serial.experts[first + j]
+        half = 3  # ffn 6 over 2 TP ranks
+        cols = slice(tp_rank * half, (tp_rank + 1) * half)
+        errs.append(float((mod.fc1.weight.grad - ref.fc1.weight.grad[cols]).abs().max()))
+        errs.append(float((mod.fc1.bias.grad - ref.fc1.bias.grad[cols]).abs().max()))
+        errs.append(float((mod.fc2.weight.grad - ref.fc2.weight.grad[:, cols]).abs().max()))
+        errs.append(float((mod.fc2.bias.grad - ref.fc2.bias.grad).abs().max()))
+    for p, q in zip(moe.router.parameters(), serial.router.parameters()):
+        errs.append(float((p.grad - q.grad).abs().max()))
+    out["tp_grads"] = max(errs)
+    return out
+
+
+def _g(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def test_composes_with_data_and_tensor_parallelism(world4) -> None:
+    for res in world4.run(_composed):
+        assert max(res.values()) < 1e-10, res
+
+
+def _double_backward() -> dict[str, float]:
+    """Second order through dispatch/combine (a gradient penalty on the input gradient),
+    against the serial MoE; and the blocking shared expert (overlap_shared=False)."""
+    from diffcomm.parallel import ExpertParallelMoE, MoE
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    tokens = [4, 0, 6, 3][:w]
+    e, k, h = 2 * w, 2, 3
+    gen = torch.Generator().manual_seed(5)
+    xs = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
+    v = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
+    serial = MoE(h, 4, e, k, shared_expert_size=3, activation="tanh", dtype=F64, seed=9)
+    x_all = xs.clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad((serial(x_all) ** 2).sum(), x_all, create_graph=True)
+    (gx * v).sum().backward()
+    out = {}
+    for overlap in (True, False):
+        ep = ExpertParallelMoE.from_serial(serial, overlap_shared=overlap)
+        for p in ep.parameters():
+            p.grad = None
+        lo = sum(tokens[:r])
+        x_mine = xs[lo : lo + tokens[r]].clone().requires_grad_(True)
+        (g_mine,) = torch.autograd.grad((ep(x_mine) ** 2).sum(), x_mine, create_graph=True)
+        (g_mine * v[lo : lo + tokens[r]]).sum().backward()
+        ep.sync_replicated_grads()
+        first = r * (e // w)
+        errs = [float((g_mine - gx[lo : lo + tokens[r]]).abs().max()) if tokens[r] else 0.0]
+        for j, mod in enumerate(ep.experts):
+            errs += [
+                float((_g(p) - _g(q)).abs().max())
+                for p, q in zip(mod.parameters(), serial.experts[first + j].parameters())
+            ]
+        errs += [
+            float((_g(p) - _g(q)).abs().max())
+            for p, q in zip(
+                ep.replicated_parameters(), [*serial.router.parameters(), *serial.shared_expert.parameters()]
+            )
+        ]
+        out[f"overlap={overlap}"] = max(errs)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_double_backward_and_blocking_shared_expert(local_worlds, world_size) -> None:
+    for res in local_worlds(world_size).run(_double_backward):
+        assert max(res.values()) < 1e-10, res

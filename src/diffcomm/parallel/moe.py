@@ -707,7 +707,13 @@ class ExpertParallelMoE(nn.Module):
             raise A.arg_error(
                 op, "moe", f"num_experts divisible by the group size {self.world}", moe.num_experts
             )
-        self._adopt(copy.deepcopy(moe), None)
+        # the last step's aux loss and histogram are not copied (a graph, not state); nor
+        # are gradients
+        memo: dict[int, Any] = {id(moe.aux_loss): None, id(moe.tokens_per_expert): None}
+        full = copy.deepcopy(moe, memo)
+        for p in full.parameters():
+            p.grad = None
+        self._adopt(full, None)
         self.overlap_shared = bool(overlap_shared)
         return self
 
