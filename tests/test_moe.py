@@ -192,7 +192,7 @@ def moe_cases(draw: st.DrawFn, w: int) -> dict[str, Any]:
 def test_hypothesis_tokens_experts_k(local_worlds, world_size) -> None:
     world = local_worlds(world_size)
 
-    @settings(max_examples=4, deadline=None)
+    @settings(max_examples=8, deadline=None)
     @given(st.lists(moe_cases(world_size), min_size=3, max_size=3))
     def check(cases: list[dict[str, Any]]) -> None:
         _assert_equal(world, cases)

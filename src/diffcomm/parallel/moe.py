@@ -130,7 +130,8 @@ class DispatchPlan:
         token_index: ``(n_sent,)`` the token of each row sent (in send order).
         slot_index: ``(n_sent,)`` its position in the flattened ``(T, k)`` assignments.
         recv_order: ``(n_recv,)`` received rows in expert-major order (indices into the
-            received, source-major rows).
+            received, source-major rows); ``recv_inverse`` its inverse permutation.
+        source_major: the two orders coincide (one expert per rank, or a world of one).
         num_tokens: ``T`` of this rank; ``total_tokens``: ``N`` of all ranks.
         group: the resolved group.
     """
@@ -148,6 +149,7 @@ class DispatchPlan:
     slot_index: Tensor
     recv_order: Tensor
     recv_inverse: Tensor
+    source_major: bool
     num_tokens: int
     total_tokens: int
     group: PG
@@ -235,6 +237,7 @@ def _plan(expert_index: Tensor, num_experts: int, pg: PG, capacity_factor: float
         slot_index=order.to(dev),
         recv_order=recv_order.to(dev),
         recv_inverse=recv_inverse.to(dev),
+        source_major=per_rank == 1 or world == 1,
         num_tokens=t,
         total_tokens=total,
         group=pg,
@@ -253,6 +256,35 @@ def _local_counts(flat: Tensor, e: int) -> list[int]:
     if len(mine) > e:
         raise A.arg_error("parallel.dispatch", "expert_index", f"expert ids in [0, {e})", "ids out of range")
     return mine
+
+
+class _Permute(torch.autograd.Function):
+    """Rows of ``x`` in the order ``perm`` (a permutation, ``inverse`` its inverse).
+
+    ``x.index_select(0, perm)`` would do, but its backward scatters the gradient into
+    zeros (``index_add``); for a permutation the adjoint is the gather with the inverse,
+    about half the memory traffic. The backward applies this Function again (so double
+    backward works); the tangent goes through the same permutation."""
+
+    @staticmethod
+    def forward(x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.perm, ctx.inverse = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        return _Permute.apply(g, ctx.inverse, ctx.perm), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
+        return _Permute.apply(t, ctx.perm, ctx.inverse)
+
+
+def _permute(x: Tensor, perm: Tensor, inverse: Tensor, identity: bool) -> Tensor:
+    return x if identity else _Permute.apply(x, perm, inverse)
 
 
 def dispatch(
@@ -331,19 +363,20 @@ def dispatch(
             async_op=async_op,
         )
     if async_op:
-        return _Deferred(got, plan.recv_order), plan  # type: ignore[return-value]
-    return got.index_select(0, plan.recv_order), plan
+        return _Deferred(got, plan), plan  # type: ignore[return-value]
+    return _permute(got, plan.recv_order, plan.recv_inverse, plan.source_major), plan
 
 
 class _Deferred:
     """An asynchronous dispatch's result: the expert-major rows once the all_to_all is done."""
 
-    def __init__(self, got: Tensor, order: Tensor) -> None:
-        self._got, self._order = got, order
+    def __init__(self, got: Tensor, plan: DispatchPlan) -> None:
+        self._got, self._plan = got, plan
 
     def wait(self) -> Tensor:
         got = self._got.wait() if hasattr(self._got, "wait") else self._got
-        return got.index_select(0, self._order)
+        p = self._plan
+        return _permute(got, p.recv_order, p.recv_inverse, p.source_major)
 
 
 def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) -> Tensor:
@@ -385,7 +418,7 @@ def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) ->
         raise A.arg_error(
             op, "gate_weights", f"a ({plan.num_tokens}, k) tensor", getattr(gate_weights, "shape", None)
         )
-    rows = expert_outputs.index_select(0, plan.recv_inverse)  # source-major again
+    rows = _permute(expert_outputs, plan.recv_inverse, plan.recv_order, plan.source_major)  # source-major
     with B.label("parallel.combine"):
         back = C.all_to_all(
             rows,
@@ -394,8 +427,9 @@ def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) ->
             output_split_sizes=plan.send_splits,
         )
     w = gate_weights.reshape(-1).index_select(0, plan.slot_index).to(back.dtype)
+    # into fresh zeros in place (autograd records it: the zeros need no gradient)
     out = back.new_zeros(plan.num_tokens, back.shape[1])
-    return out.index_add(0, plan.token_index, back * w.unsqueeze(1))
+    return out.index_add_(0, plan.token_index, back * w.unsqueeze(1))
 
 
 def load_balancing_loss(probs: Tensor, plan: DispatchPlan) -> Tensor:
