@@ -187,6 +187,7 @@ def _count_comms(op: str, kw: dict[str, Any]) -> dict[str, Any]:
         torch.randn(w, 5, dtype=torch.float64, requires_grad=True),
         torch.randn(0, 2, dtype=torch.float32, requires_grad=True),
     ]
+    COALESCED[op](xs, **kw)  # all_gather: the group learns this list's sizes (see below)
     with B.log_comms() as fwd_log, profile(activities=[ProfilerActivity.CPU]) as fwd_prof:
         out = COALESCED[op](xs, **kw)
     with B.log_comms() as bwd_log, profile(activities=[ProfilerActivity.CPU]) as bwd_prof:
@@ -223,12 +224,12 @@ BWD_NAME = {
 )
 def test_one_communication_per_dtype_forward_and_backward(local_worlds, op, kw, world_size) -> None:
     for rec in local_worlds(world_size).run(_count_comms, op, kw):
-        # forward: 3 dtypes present -> 3 raw c10d calls, logged as one op with total bytes;
-        # all_gather without split_sizes learns every rank's sizes first: one exchange of
-        # host integers for the whole list (not a data communication)
-        exchange = [("all_gather", 1)] if op == "all_gather" else []
-        assert rec["fwd_gloo"] == 3 + len(exchange), rec
-        assert [r[:2] for r in rec["fwd_records"]] == [*exchange, (f"{op}_coalesced", 3)], rec
+        # forward: 3 dtypes present -> 3 raw c10d calls, logged as one op with total bytes
+        # (all_gather without split_sizes: once the group has gathered such a list, every
+        # rank's sizes travel with the first buffer; the first call's exchange is tested
+        # in test_variable_sizes_one_communication_per_dtype)
+        assert rec["fwd_gloo"] == 3, rec
+        assert [r[:2] for r in rec["fwd_records"]] == [(f"{op}_coalesced", 3)], rec
         # backward: one raw call per differentiable dtype (float32, float64; float16 too
         # when present, with zeros, as it is differentiable); max/min: the tie counts
         # travel in the same buffer. One logged op of the dual.
@@ -236,39 +237,51 @@ def test_one_communication_per_dtype_forward_and_backward(local_worlds, op, kw, 
         assert rec["bwd_gloo"] == n_bwd, rec
         assert [r[:2] for r in rec["bwd_records"]] == [(f"{BWD_NAME[op]}_coalesced", n_bwd)], rec
         if op in ("all_reduce", "broadcast"):
-            assert rec["fwd_records"][-1][2] == rec["payload"]
+            assert rec["fwd_records"][0][2] == rec["payload"]
             factor = 2 if kw.get("op") == "max" else 1  # gradient + tie mask
             assert rec["bwd_records"][0][2] == factor * rec["grad_payload"]
 
 
-def _count_varied(op: str, given: bool) -> dict[str, Any]:
-    """Sizes along dim 0 that differ between ranks: 3 dtypes forward, 2 differentiable."""
+def _count_varied(op: str, given: bool) -> list[dict[str, Any]]:
+    """Sizes along dim 0 that differ between ranks: 3 dtypes forward, 2 differentiable.
+    Three calls: fresh, the same sizes again, and sizes grown past what the group has
+    seen (all_gather learning its sizes: exchange first; with the first buffer; with the
+    first buffer, which did not fit, then once more)."""
+    from _shared import forget_gathered_sizes
     from torch.profiler import ProfilerActivity, profile
 
+    forget_gathered_sizes()  # as on a new group
     r, w = dc.get_rank(), dc.get_world_size()
-    sizes = [[(k + q) % 3 for q in range(w)] for k in range(5)]
-    if op == "all_gather":  # rank r holds sizes[k][r] rows of tensor k
-        shapes = [(sizes[k][r], *((3,), (), (2,), (4,), (1, 2))[k]) for k in range(5)]
-    else:  # the same shapes everywhere; sizes[k] splits them
-        shapes = [(sum(sizes[k]), *((3,), (), (2,), (4,), (1, 2))[k]) for k in range(5)]
+    rests = ((3,), (), (2,), (4,), (1, 2))
     dtypes = [torch.float32, torch.float64, torch.float32, torch.int64, torch.float64]
-    xs = [torch.ones(s, dtype=d).requires_grad_(d.is_floating_point) for s, d in zip(shapes, dtypes)]
     fn = dc.all_gather_coalesced if op == "all_gather" else dc.reduce_scatter_coalesced
-    kw = {"split_sizes": sizes} if given else {}
-    with B.log_comms() as fwd_log, profile(activities=[ProfilerActivity.CPU]) as fwd_prof:
-        out = fn(xs, **kw)
-    with B.log_comms() as bwd_log, profile(activities=[ProfilerActivity.CPU]) as bwd_prof:
-        sum(o.sum() for o in out if o.requires_grad).backward()
-    return {
-        "fwd_records": [(x.op, x.label, x.parts) for x in fwd_log.records],
-        "bwd_records": [(x.op, x.parts) for x in bwd_log.records],
-        "fwd_gloo": _gloo_calls(fwd_prof),
-        "bwd_gloo": _gloo_calls(bwd_prof),
-        "shapes": [tuple(o.shape) for o in out],
-        "expected": [
-            (sum(sizes[k]) if op == "all_gather" else sizes[k][r], *s[1:]) for k, s in enumerate(shapes)
-        ],
-    }
+    calls = []
+    for grow in (1, 1, 3):
+        sizes = [[grow * ((k + q) % 3) for q in range(w)] for k in range(5)]
+        if op == "all_gather":  # rank r holds sizes[k][r] rows of tensor k
+            shapes = [(sizes[k][r], *rests[k]) for k in range(5)]
+        else:  # the same shapes everywhere; sizes[k] splits them
+            shapes = [(sum(sizes[k]), *rests[k]) for k in range(5)]
+        xs = [torch.ones(s, dtype=d).requires_grad_(d.is_floating_point) for s, d in zip(shapes, dtypes)]
+        kw = {"split_sizes": sizes} if given else {}
+        with B.log_comms() as fwd_log, profile(activities=[ProfilerActivity.CPU]) as fwd_prof:
+            out = fn(xs, **kw)
+        with B.log_comms() as bwd_log, profile(activities=[ProfilerActivity.CPU]) as bwd_prof:
+            sum(o.sum() for o in out if o.requires_grad).backward()
+        calls.append(
+            {
+                "fwd_records": [(x.op, x.label, x.parts) for x in fwd_log.records],
+                "bwd_records": [(x.op, x.parts) for x in bwd_log.records],
+                "fwd_gloo": _gloo_calls(fwd_prof),
+                "bwd_gloo": _gloo_calls(bwd_prof),
+                "shapes": [tuple(o.shape) for o in out],
+                "expected": [
+                    (sum(sizes[k]) if op == "all_gather" else sizes[k][r], *s[1:])
+                    for k, s in enumerate(shapes)
+                ],
+            }
+        )
+    return calls
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -276,16 +289,27 @@ def _count_varied(op: str, given: bool) -> dict[str, Any]:
 def test_variable_sizes_one_communication_per_dtype(local_worlds, op, given, world_size) -> None:
     """Sizes that differ between ranks: one data communication per dtype forward (3) and
     backward (2: the float32 and float64 gradients), counted by the comms logger and by
-    the profiler's gloo calls; learned sizes cost **one** exchange for the whole list of
-    five tensors, and the backward reuses them (no exchange)."""
-    for rec in local_worlds(world_size).run(_count_varied, op, given):
-        assert rec["shapes"] == rec["expected"], rec
-        exchange = [("all_gather", "all_gather_coalesced (size exchange)", 1)] if not given else []
-        label = f"{op}_coalesced" + ("(sum)" if op == "reduce_scatter" else "")
-        assert rec["fwd_records"] == [*exchange, (f"{op}_coalesced", label, 3)], rec
-        assert rec["fwd_gloo"] == 3 + len(exchange), rec
-        assert rec["bwd_records"] == [(f"{BWD_NAME[op]}_coalesced", 2)], rec
-        assert rec["bwd_gloo"] == 2, rec
+    the profiler's gloo calls, on every call when the sizes are given. Learned sizes: the
+    first call on a group exchanges them once for the whole list of five tensors; later
+    calls send them with the first buffer (no exchange); sizes past the largest the group
+    has seen cost that buffer once more. The backward reuses them (never an exchange)."""
+    label = f"{op}_coalesced" + ("(sum)" if op == "reduce_scatter" else "")
+    data = (f"{op}_coalesced", label, 3)
+    for calls in local_worlds(world_size).run(_count_varied, op, given):
+        for i, rec in enumerate(calls):
+            assert rec["shapes"] == rec["expected"], rec
+            if given:
+                expected, gloo = [data], 3
+            elif i == 0:
+                expected, gloo = [("all_gather", "all_gather_coalesced -> size exchange", 1), data], 4
+            elif i == 1:
+                expected, gloo = [data], 3
+            else:  # the first buffer did not fit the padding: gathered again
+                expected, gloo = [(data[0], data[1], 4)], 4
+            assert rec["fwd_records"] == expected, (i, rec)
+            assert rec["fwd_gloo"] == gloo, (i, rec)
+            assert rec["bwd_records"] == [(f"{BWD_NAME[op]}_coalesced", 2)], (i, rec)
+            assert rec["bwd_gloo"] == 2, (i, rec)
 
 
 def _varied_transforms() -> dict[str, Any]:
@@ -336,6 +360,9 @@ def _varied_transforms() -> dict[str, Any]:
     def f(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
         return dc.all_gather_coalesced([x, y], dim=0)
 
+    from _shared import forget_gathered_sizes
+
+    forget_gathered_sizes()  # as on a new group: the sizes are exchanged once, first
     xb = torch.randn(4, r + 1, 3, dtype=F64, generator=gen)
     yb = torch.randn(4, w - r, dtype=torch.float32, generator=gen)
     with B.log_comms() as batched:
@@ -428,6 +455,7 @@ def _func_transforms() -> dict[str, Any]:
 
     xb = torch.randn(4, 2, 3, dtype=torch.float64, generator=gen)
     yb = torch.randn(4, 3, dtype=torch.float32, generator=gen)
+    f(xb[0], yb[0]), vmap(f)(xb, yb)  # the group learns the lists' sizes (see the counts test)
     with B.log_comms() as one:
         f(xb[0], yb[0])
     with B.log_comms() as batched:
@@ -452,10 +480,7 @@ def test_torch_func_grad_vjp_jvp_vmap(world2) -> None:
         assert max(e["grad"]) < 1e-5 and max(e["vjp"]) < 1e-5 and e["jvp"] < 1e-5, e
         assert e["vmap"] == 0.0 and e["vmap_grad"] < 1e-6, e
         one, batched = e["vmap_calls"]
-        # (the all_gather's sizes learned with one exchange for the list, batched or not)
-        assert (
-            one == batched == [("all_reduce_coalesced", 2), ("all_gather", 1), ("all_gather_coalesced", 2)]
-        ), e
+        assert one == batched == [("all_reduce_coalesced", 2), ("all_gather_coalesced", 2)], e
         assert e["vmap_partly"] == one, e
 
 

@@ -203,6 +203,12 @@ class _ReduceList(ListOp):
 Sizes = tuple[tuple[int, ...], ...] | None  # per tensor, every rank's size along its dim
 
 
+class Learned(list):  # type: ignore[type-arg]
+    """Sizes an ``all_gather_coalesced`` learns while it gathers: empty when the op is
+    applied, filled by its forward with every tensor's per-rank sizes (so the autograd
+    context, which keeps this object, has them for the backward)."""
+
+
 class _AllGatherList(ListOp):
     """all_gather of every tensor ``i`` along ``dims[i]``; ``sizes[i]``: every rank's size
     along it (``None``: the same on every rank, the even path)."""
@@ -228,9 +234,21 @@ class _AllGatherList(ListOp):
         # variable sizes: rank r's buffer of a dtype holds its rows of every tensor of that
         # dtype, so the buffers' lengths differ between ranks: one uneven all_gather each
         inner = [math.prod(m.shape[1:]) for m in moved]
-        lens = [[sum(sizes[i][r] * inner[i] for i in g) for r in range(world)] for g in groups]
-        bufs = _b().all_gather_coalesced(_pack(moved, groups), pg, lens)
-        for g, buf, ln in zip(groups, bufs, lens):
+        if type(sizes) is Learned and not sizes:  # learned here, with the first buffer
+            key = ("coalesced", tuple((tuple(m.shape[1:]), m.dtype) for m in moved))
+
+            def length(g: int, counts: list[int]) -> int:
+                return sum(counts[i] * inner[i] for i in groups[g])
+
+            bufs, table = _b().all_gather_coalesced_unsized(
+                _pack(moved, groups), [m.shape[0] for m in moved], length, key, pg
+            )
+            sizes.extend(tuple(row[i] for row in table) for i in range(len(xs)))
+        else:
+            lens = [[sum(sizes[i][r] * inner[i] for i in g) for r in range(world)] for g in groups]
+            bufs = _b().all_gather_coalesced(_pack(moved, groups), pg, lens)
+        for g, buf in zip(groups, bufs):
+            ln = [sum(sizes[i][r] * inner[i] for i in g) for r in range(world)]
             pieces: dict[int, list[Tensor]] = {i: [] for i in g}
             for r, seg in enumerate(buf.split(ln)):
                 for i, piece in zip(g, seg.split([sizes[i][r] * inner[i] for i in g])):
@@ -243,7 +261,7 @@ class _AllGatherList(ListOp):
     def transpose(
         ctx: Any, gs: list[Tensor], idx: list[int], dims: tuple[int, ...], pg: PG, sizes: Sizes
     ) -> Any:
-        part = None if sizes is None else tuple(sizes[i] for i in idx)
+        part = None if sizes is None else _even_or_none(tuple(sizes[i] for i in idx))
         return call_list(_ReduceScatterList, 4, tuple(dims[i] for i in idx), "sum", pg, part, *gs)
 
 
@@ -483,12 +501,18 @@ def all_gather_coalesced(
         sizes = _check_sizes(split_sizes, ts, dims, world, name, True, _rank(pg))
     flat = () if sizes is None else tuple(v for s in sizes for v in s)
     _debug_check(name, pg, ts, vary=dims, dim=dim, split_sizes=flat)
+    meta: Any = _even_or_none(sizes)
     if sizes is None and world > 1 and not torch.compiler.is_compiling():
-        with label(f"{name} (size exchange)"):  # one exchange for the whole list
-            table = _b().exchange_size_lists([t.shape[d] for t, d in zip(ts, dims)], pg)
-        sizes = tuple(tuple(row[i] for row in table) for i in range(len(ts)))
+        b = _b()
+        if async_op or not hasattr(b, "all_gather_coalesced_unsized"):
+            # the output shapes are needed before the op runs: exchanged first, once
+            with label(f"{name} (size exchange)"):
+                table = b.exchange_size_lists([t.shape[d] for t, d in zip(ts, dims)], pg)
+            meta = _even_or_none(tuple(tuple(row[i] for row in table) for i in range(len(ts))))
+        else:  # learned by the op itself: with the first buffer once the group knows the list
+            meta = Learned()
     with _async_if(async_op):
-        return list(call_list(_AllGatherList, 3, tuple(dims), pg, _even_or_none(sizes), *ts))
+        return list(call_list(_AllGatherList, 3, tuple(dims), pg, meta, *ts))
 
 
 def reduce_scatter_coalesced(
