@@ -13,7 +13,9 @@ are the identity, so a step is the communication and the permutations around it:
   backward) written by hand, the splits and permutations computed once before timing
   (what a user gets by hand-coding the pair with precomputed splits; no exchange);
 * ``exchange``: the counts exchange alone (``exchange_size_lists`` of ``E + 1`` host
-  integers), to show its share of the diffcomm step.
+  integers), to show its share of the diffcomm step;
+* ``diffcomm_planned``: the diffcomm step given the plan (``dispatch(..., plan=plan)``, as
+  on a recomputed forward): the same splits as ``torch``, no exchange.
 
 Rounds are paired and interleaved: every round runs each implementation ``--inner`` steps
 (round order shuffled per round, the same on every rank); a round's time is the slowest
@@ -37,7 +39,7 @@ import torch.distributed as dist
 
 import diffcomm as dc
 
-IMPLS = ("diffcomm", "torch", "exchange")
+IMPLS = ("diffcomm", "torch", "exchange", "diffcomm_planned")
 
 
 def _rank(
@@ -93,12 +95,19 @@ def _rank(
         dist.all_to_all_single(g_rows_x, g_got, send, recv)
         torch.zeros(tokens, hidden).index_add_(0, tok, g_rows_x)
 
+    def step_planned() -> None:
+        xs = x.detach().requires_grad_(True)
+        g = gate.detach().requires_grad_(True)
+        h, _ = dispatch(xs, index, experts, plan=plan)
+        combine(h, g, plan).backward(cot)
+
     counts = [0] * experts + [tokens]
 
     def step_exchange() -> None:
         B.get_backend().exchange_size_lists(counts, None)
 
     fns = {"diffcomm": step_diffcomm, "torch": step_torch, "exchange": step_exchange}
+    fns["diffcomm_planned"] = step_planned
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -127,12 +136,14 @@ def run(world: int, args: argparse.Namespace) -> dict[str, Any]:
         name: [max(pr["times"][name][i] for pr in per_rank) for i in range(args.rounds)] for name in IMPLS
     }
     ratio = [d / t for d, t in zip(rounds["diffcomm"], rounds["torch"])]
+    planned = [d / t for d, t in zip(rounds["diffcomm_planned"], rounds["torch"])]
     share = [e / d for e, d in zip(rounds["exchange"], rounds["diffcomm"])]
     out: dict[str, Any] = {"world": world}
     for name in IMPLS:
         out[f"{name}_ms"] = [v * 1e3 for v in _q(rounds[name])]
     out["diffcomm_over_torch"] = list(_q(ratio))
     out["exchange_share"] = list(_q(share))
+    out["planned_over_torch"] = list(_q(planned))
     out["rows_sent_per_rank"] = [pr["sent_rows"] for pr in per_rank]
     return out
 
@@ -159,14 +170,16 @@ def main() -> None:
         f"{args.rounds} paired rounds of {args.inner} steps; load average at start {load}"
     )
     cols = ["world", "diffcomm ms [IQR]", "torch a2a_single ms [IQR]", "diffcomm/torch (paired) [IQR]"]
-    print(" | ".join([*cols, "exchange ms", "exchange share of the diffcomm step"]))
+    cols += ["exchange ms", "exchange share of the diffcomm step", "planned diffcomm/torch (no exchange)"]
+    print(" | ".join(cols))
     for res in results:
         d, t, rt = res["diffcomm_ms"], res["torch_ms"], res["diffcomm_over_torch"]
-        e, s = res["exchange_ms"], res["exchange_share"]
+        e, s, pl = res["exchange_ms"], res["exchange_share"], res["planned_over_torch"]
         print(
             f"{res['world']} | {d[0]:.2f} [{d[1]:.2f}-{d[2]:.2f}] | {t[0]:.2f} [{t[1]:.2f}-{t[2]:.2f}] | "
             f"{rt[0]:.3f}x [{rt[1]:.3f}-{rt[2]:.3f}] | {e[0]:.3f} [{e[1]:.3f}-{e[2]:.3f}] | "
-            f"{100 * s[0]:.1f}% [{100 * s[1]:.1f}-{100 * s[2]:.1f}]"
+            f"{100 * s[0]:.1f}% [{100 * s[1]:.1f}-{100 * s[2]:.1f}] | "
+            f"{pl[0]:.3f}x [{pl[1]:.3f}-{pl[2]:.3f}]"
         )
     if args.json:
         with open(args.json, "w") as f:

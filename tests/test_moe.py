@@ -472,3 +472,34 @@ def _double_backward() -> dict[str, float]:
 def test_double_backward_and_blocking_shared_expert(local_worlds, world_size) -> None:
     for res in local_worlds(world_size).run(_double_backward):
         assert max(res.values()) < 1e-10, res
+
+
+def _plan_reuse() -> dict[str, Any]:
+    """dispatch(..., plan=) reuses an earlier plan of the same routing (a recomputed
+    forward): the same rows, no counts exchange; a plan of other tokens is refused."""
+    from diffcomm import backend as B
+    from diffcomm.parallel import dispatch
+
+    r = dc.get_rank()
+    gen = torch.Generator().manual_seed(r)
+    x = torch.randn(5 + r, 3, dtype=F64, generator=gen)
+    idx = torch.randint(0, 4, (5 + r, 1), generator=gen)
+    h1, plan = dispatch(x, idx, 4)
+    with B.log_comms() as log:
+        h2, same = dispatch(x, idx, 4, plan=plan)
+    try:
+        dispatch(x[:2], idx[:2], 4, plan=plan)
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
+    return {
+        "equal": torch.equal(h1, h2) and same is plan,
+        "ops": [(rec.op, rec.label) for rec in log.records],
+        "refused": refused,
+    }
+
+
+def test_dispatch_reuses_a_given_plan(world2) -> None:
+    for res in world2.run(_plan_reuse):
+        assert res["equal"] and res["ops"] == [("all_to_all", "parallel.dispatch -> all_to_all")], res
+        assert "`plan` must be a plan of the same routing (2 tokens" in res["refused"], res

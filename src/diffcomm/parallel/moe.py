@@ -294,6 +294,7 @@ def dispatch(
     group: A.GroupLike = None,
     *,
     capacity_factor: float | None = None,
+    plan: DispatchPlan | None = None,
     async_op: bool = False,
 ) -> tuple[Tensor, DispatchPlan]:
     """Send every token to the ranks holding its chosen experts (one uneven all_to_all).
@@ -309,6 +310,9 @@ def dispatch(
         capacity_factor: ``None`` (dropless) or a positive float: each expert takes at
             most ``ceil(capacity_factor * N * k / E)`` assignments of the ``N`` tokens of
             all ranks, in rank order then token order; the rest are dropped.
+        plan: the :class:`DispatchPlan` of an earlier dispatch of the **same routing**
+            (``expert_index`` and ``capacity_factor`` unchanged: activation
+            recomputation, a second tensor routed alike): reused, nothing exchanged.
         async_op: the all_to_all returns at once (an :class:`~diffcomm.AsyncTensor` that
             waits on first use): compute something else (a shared expert) meanwhile.
 
@@ -350,9 +354,20 @@ def dispatch(
         raise A.arg_error(op, "num_experts", f"divisible by the group size {world}", num_experts)
     if capacity_factor is not None and not (float(capacity_factor) > 0):
         raise A.arg_error(op, "capacity_factor", "None or a positive float", capacity_factor)
-    plan = _plan(
-        expert_index.long(), num_experts, pg, None if capacity_factor is None else float(capacity_factor)
-    )
+    if plan is None:
+        factor = None if capacity_factor is None else float(capacity_factor)
+        plan = _plan(expert_index.long(), num_experts, pg, factor)
+    elif not isinstance(plan, DispatchPlan):
+        raise A.arg_error(
+            op, "plan", "None or a DispatchPlan from dispatch()", type(plan).__name__, TypeError
+        )
+    elif plan.num_tokens != x.shape[0] or plan.num_experts != num_experts or plan.world != world:
+        raise A.arg_error(
+            op,
+            "plan",
+            f"a plan of the same routing ({x.shape[0]} tokens, {num_experts} experts, {world} ranks)",
+            f"a plan of {plan.num_tokens} tokens, {plan.num_experts} experts, {plan.world} ranks",
+        )
     rows = x.index_select(0, plan.token_index)
     with B.label("parallel.dispatch"):
         got = C.all_to_all(
