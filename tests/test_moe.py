@@ -503,3 +503,22 @@ def test_dispatch_reuses_a_given_plan(world2) -> None:
     for res in world2.run(_plan_reuse):
         assert res["equal"] and res["ops"] == [("all_to_all", "parallel.dispatch -> all_to_all")], res
         assert "`plan` must be a plan of the same routing (2 tokens" in res["refused"], res
+
+
+def _debug_mismatch() -> str:
+    from diffcomm.parallel import dispatch
+
+    r = dc.get_rank()
+    x = torch.randn(3, 4)
+    idx = torch.zeros(3, 1 + r, dtype=torch.int64)  # k differs between the ranks
+    with dc.debug(True):
+        try:
+            dispatch(x, idx, 4)
+        except dc.CrossRankMismatchError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_debug_mode_names_a_routing_mismatch(world2) -> None:
+    for msg in world2.run(_debug_mismatch):
+        assert "parallel.dispatch()" in msg and "k differs (rank 0: 1, rank 1: 2)" in msg, msg

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _args as A
+from .. import _config
 from .. import backend as B
 from .. import coalesced as K
 from .. import collectives as C
@@ -354,6 +355,14 @@ def dispatch(
         raise A.arg_error(op, "num_experts", f"divisible by the group size {world}", num_experts)
     if capacity_factor is not None and not (float(capacity_factor) > 0):
         raise A.arg_error(op, "capacity_factor", "None or a positive float", capacity_factor)
+    if _config.DEBUG.get():  # the routing's shape must agree (else the splits would not)
+        fields = {
+            "num_experts": num_experts,
+            "k": expert_index.shape[1],
+            "capacity_factor": str(capacity_factor),
+        }
+        fields.update(hidden=tuple(x.shape[1:]), dtype=x.dtype, plan_given=plan is not None)
+        B.get_backend().check_consistent(op, fields, pg)
     if plan is None:
         factor = None if capacity_factor is None else float(capacity_factor)
         plan = _plan(expert_index.long(), num_experts, pg, factor)
@@ -640,7 +649,8 @@ class ExpertParallelMoE(nn.Module):
         overlap_shared: run the shared expert while the dispatch is in flight.
         seed, generator, dtype, device: the parameters are this rank's part of
             ``MoE(..., seed=seed)`` (the same draws), so a serial MoE built with the same
-            seed is the reference.
+            seed is the reference. (Every rank draws all the experts once and keeps its
+            own; for experts too large for that, pass ``experts=``.)
 
     Shapes:
         input ``(..., H)``, this rank's tokens (the token count may differ between ranks);
