@@ -577,7 +577,7 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         gen = init_generator(op, seed, generator)
-        with _fork(gen):  # drawn on the CPU (the same numbers on any device), then moved
+        with _DrawnFrom(gen):  # drawn on the CPU (the same numbers on any device), then moved
             self.router = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
             self.experts = nn.ModuleList(
                 MLP(hidden_size, ffn_hidden_size, bias, activation=activation, dtype=dtype)
@@ -605,7 +605,7 @@ class MoE(nn.Module):
         return y.reshape(x.shape[:-1] + (y.shape[-1],))
 
 
-class _fork:
+class _DrawnFrom:
     """Draw the initial weights from ``gen`` (``None``: the global RNG, as torch does)."""
 
     def __init__(self, gen: torch.Generator | None) -> None:
@@ -615,7 +615,7 @@ class _fork:
         if self.gen is not None:
             self._devices = torch.random.fork_rng(devices=[])
             self._devices.__enter__()
-            torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.gen)))
+            torch.default_generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.gen)))
 
     def __exit__(self, *exc: object) -> None:
         if self.gen is not None:
@@ -650,7 +650,9 @@ class ExpertParallelMoE(nn.Module):
         seed, generator, dtype, device: the parameters are this rank's part of
             ``MoE(..., seed=seed)`` (the same draws), so a serial MoE built with the same
             seed is the reference. (Every rank draws all the experts once and keeps its
-            own; for experts too large for that, pass ``experts=``.)
+            own; for experts too large for that, pass ``experts=``.) With neither
+            ``seed`` nor ``generator`` the global RNG draws, and it must then be in the
+            same state on every rank: the router and shared expert are replicas.
 
     Shapes:
         input ``(..., H)``, this rank's tokens (the token count may differ between ranks);
