@@ -522,3 +522,36 @@ def _debug_mismatch() -> str:
 def test_debug_mode_names_a_routing_mismatch(world2) -> None:
     for msg in world2.run(_debug_mismatch):
         assert "parallel.dispatch()" in msg and "k differs (rank 0: 1, rank 1: 2)" in msg, msg
+
+
+def _func_transforms() -> dict[str, float]:
+    """torch.func.grad / jvp / vmap through dispatch and combine (the routing fixed)."""
+    from diffcomm.parallel import combine, dispatch, route
+
+    r = dc.get_rank()
+    g = torch.Generator().manual_seed(r)
+    x = torch.randn(5 - r, 3, dtype=F64, generator=g)
+    gate, idx, _ = route(torch.randn(5 - r, 4, dtype=F64, generator=g), 2)
+    v = torch.randn(x.shape, dtype=F64, generator=g)
+
+    def loss(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h, plan = dispatch(x, idx, 4)
+        return (combine(h.sin(), gate, plan) ** 2).sum()
+
+    gx, gg = torch.func.grad(loss, argnums=(0, 1))(x, gate)
+    xa, ga = x.clone().requires_grad_(), gate.clone().requires_grad_()
+    rx, rg = torch.autograd.grad(loss(xa, ga), (xa, ga))
+    tangent = torch.func.jvp(lambda x: loss(x, gate), (x,), (v,))[1]
+    batch = torch.stack([x, 2 * x, x.cos()])
+    batched = torch.func.vmap(lambda x: loss(x, gate))(batch)
+    looped = torch.stack([loss(b, gate) for b in batch])
+    return {
+        "grad": max(float((gx - rx).abs().max()), float((gg - rg).abs().max())),
+        "jvp": abs(float(tangent) - float((rx * v).sum())),
+        "vmap": float((batched - looped).abs().max()),
+    }
+
+
+def test_torch_func_grad_jvp_vmap(world2) -> None:
+    for res in world2.run(_func_transforms):
+        assert max(res.values()) < 1e-10, res

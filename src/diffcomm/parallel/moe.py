@@ -267,6 +267,8 @@ class _Permute(torch.autograd.Function):
     about half the memory traffic. The backward applies this Function again (so double
     backward works); the tangent goes through the same permutation."""
 
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
         return x.index_select(0, perm)
@@ -451,8 +453,10 @@ def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) ->
             output_split_sizes=plan.send_splits,
         )
     w = gate_weights.reshape(-1).index_select(0, plan.slot_index).to(back.dtype)
-    # into fresh zeros in place (autograd records it: the zeros need no gradient)
     out = back.new_zeros(plan.num_tokens, back.shape[1])
+    if torch._C._are_functorch_transforms_active():  # (vmap: no in-place into unbatched zeros)
+        return out.index_add(0, plan.token_index, back * w.unsqueeze(1))
+    # into the fresh zeros in place (autograd records it: the zeros need no gradient)
     return out.index_add_(0, plan.token_index, back * w.unsqueeze(1))
 
 
