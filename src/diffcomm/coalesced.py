@@ -209,6 +209,18 @@ class Learned(list):  # type: ignore[type-arg]
     context, which keeps this object, has them for the backward)."""
 
 
+def _tensor_major(
+    moved: list[Tensor], groups: list[list[int]], bufs: Sequence[Tensor], world: int, out: list[Any]
+) -> list[Any]:
+    """Even gathered buffers (rank-major) -> one tensor per input (one copy each)."""
+    for g, buf in zip(groups, bufs):
+        rows = buf.view(world, buf.numel() // world).split([moved[i].numel() for i in g], dim=1)
+        for i, block in zip(g, rows):
+            m = moved[i]
+            out[i] = block.reshape(world * m.shape[0], *m.shape[1:])
+    return out
+
+
 class _AllGatherList(ListOp):
     """all_gather of every tensor ``i`` along ``dims[i]``; ``sizes[i]``: every rank's size
     along it (``None``: the same on every rank, the even path)."""
@@ -225,12 +237,7 @@ class _AllGatherList(ListOp):
         out: list[Any] = [None] * len(xs)
         if sizes is None:
             bufs = _b().all_gather_coalesced(_pack(moved, groups), pg)
-            for g, buf in zip(groups, bufs):  # rank-major -> tensor-major (one copy each)
-                rows = buf.view(world, buf.numel() // world).split([moved[i].numel() for i in g], dim=1)
-                for i, block in zip(g, rows):
-                    m = moved[i]
-                    out[i] = block.reshape(world * m.shape[0], *m.shape[1:])
-            return _back(out, dims)
+            return _back(_tensor_major(moved, groups, bufs, world, out), dims)
         # variable sizes: rank r's buffer of a dtype holds its rows of every tensor of that
         # dtype, so the buffers' lengths differ between ranks: one uneven all_gather each
         inner = [math.prod(m.shape[1:]) for m in moved]
@@ -244,6 +251,8 @@ class _AllGatherList(ListOp):
                 _pack(moved, groups), [m.shape[0] for m in moved], length, key, pg
             )
             sizes.extend(tuple(row[i] for row in table) for i in range(len(xs)))
+            if _even_or_none(tuple(sizes)) is None:  # as it turned out, the even layout
+                return _back(_tensor_major(moved, groups, bufs, world, out), dims)
         else:
             lens = [[sum(sizes[i][r] * inner[i] for i in g) for r in range(world)] for g in groups]
             bufs = _b().all_gather_coalesced(_pack(moved, groups), pg, lens)
