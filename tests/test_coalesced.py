@@ -101,6 +101,48 @@ def test_coalesced_equals_single_ops_one_by_one(local_worlds, op: str, world_siz
     check_in_batches(local_worlds(world_size), coalesced_cases(op, world_size), _assert_cases, max_examples=8)
 
 
+@st.composite
+def varied_cases(draw: st.DrawFn, op: str, world: int) -> CoalescedCase:
+    """Sizes along ``dim`` that differ between ranks (all_gather: learned with one exchange
+    or given; reduce_scatter: uneven ``split_sizes``), ranks with no rows, mixed dtypes."""
+    kw: dict[str, Any] = {}
+    rop = draw(st.sampled_from(OPS)) if op == "reduce_scatter" else "sum"
+    if op == "reduce_scatter":
+        kw["op"] = rop
+    dtypes = [d for d in DTYPES if not (d == "complex128" and rop in ("max", "min"))]
+    dtypes = [d for d in dtypes if not (d == "int64" and rop == "avg")]
+    n = draw(st.integers(1, 8))
+    ndims = draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+    lowest = min(ndims)
+    dim = draw(st.integers(-lowest, lowest - 1))
+    kw["dim"] = dim
+    specs, sizes = [], []
+    for nd in ndims:
+        shape = draw(st.lists(st.integers(0, 3), min_size=nd, max_size=nd))
+        per_rank = tuple(draw(st.lists(st.integers(0, 3), min_size=world, max_size=world)))
+        shape[dim % nd] = sum(per_rank) if op == "reduce_scatter" else per_rank[0]
+        dtype = draw(st.sampled_from(dtypes))
+        grad = dtype != "int64" and draw(st.booleans())
+        specs.append((tuple(shape), dtype, grad, draw(st.booleans())))
+        sizes.append(per_rank)
+    seed = draw(st.integers(0, 10_000))
+    if op == "reduce_scatter":
+        kw["split_sizes"] = tuple(sizes)
+        return CoalescedCase("reduce_scatter_coalesced", world, tuple(specs), kw, seed=seed)
+    if draw(st.booleans()):
+        kw["split_sizes"] = tuple(sizes)
+    return CoalescedCase("all_gather_coalesced", world, tuple(specs), kw, seed=seed, rank_sizes=tuple(sizes))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+def test_variable_sizes_equal_single_ops_one_by_one(local_worlds, op: str, world_size: int) -> None:
+    """Values, gradients, double backward and the dot-product test with the dual coalesced
+    op, against the single ops (``dc.all_gather`` learning its sizes or given them,
+    ``dc.reduce_scatter(split_sizes=...)``) applied one by one."""
+    check_in_batches(local_worlds(world_size), varied_cases(op, world_size), _assert_cases, max_examples=5)
+
+
 @pytest.mark.parametrize("world_size", WORLDS)
 def test_standard_coalesced_cases(local_worlds, world_size: int) -> None:
     """The fixed list `python -m diffcomm check` runs: mixed float64/float32/int64, empty,
@@ -145,6 +187,7 @@ def _count_comms(op: str, kw: dict[str, Any]) -> dict[str, Any]:
         torch.randn(w, 5, dtype=torch.float64, requires_grad=True),
         torch.randn(0, 2, dtype=torch.float32, requires_grad=True),
     ]
+    COALESCED[op](xs, **kw)  # all_gather: the group learns this list's sizes (see below)
     with B.log_comms() as fwd_log, profile(activities=[ProfilerActivity.CPU]) as fwd_prof:
         out = COALESCED[op](xs, **kw)
     with B.log_comms() as bwd_log, profile(activities=[ProfilerActivity.CPU]) as bwd_prof:
@@ -182,6 +225,9 @@ BWD_NAME = {
 def test_one_communication_per_dtype_forward_and_backward(local_worlds, op, kw, world_size) -> None:
     for rec in local_worlds(world_size).run(_count_comms, op, kw):
         # forward: 3 dtypes present -> 3 raw c10d calls, logged as one op with total bytes
+        # (all_gather without split_sizes: once the group has gathered such a list, every
+        # rank's sizes travel with the first buffer; the first call's exchange is tested
+        # in test_variable_sizes_one_communication_per_dtype)
         assert rec["fwd_gloo"] == 3, rec
         assert [r[:2] for r in rec["fwd_records"]] == [(f"{op}_coalesced", 3)], rec
         # backward: one raw call per differentiable dtype (float32, float64; float16 too
@@ -194,6 +240,148 @@ def test_one_communication_per_dtype_forward_and_backward(local_worlds, op, kw, 
             assert rec["fwd_records"][0][2] == rec["payload"]
             factor = 2 if kw.get("op") == "max" else 1  # gradient + tie mask
             assert rec["bwd_records"][0][2] == factor * rec["grad_payload"]
+
+
+def _count_varied(op: str, given: bool) -> list[dict[str, Any]]:
+    """Sizes along dim 0 that differ between ranks: 3 dtypes forward, 2 differentiable.
+    Three calls: fresh, the same sizes again, and sizes grown past what the group has
+    seen (all_gather learning its sizes: exchange first; with the first buffer; with the
+    first buffer, which did not fit, then once more)."""
+    from _shared import forget_gathered_sizes
+    from torch.profiler import ProfilerActivity, profile
+
+    forget_gathered_sizes()  # as on a new group
+    r, w = dc.get_rank(), dc.get_world_size()
+    rests = ((3,), (), (2,), (4,), (1, 2))
+    dtypes = [torch.float32, torch.float64, torch.float32, torch.int64, torch.float64]
+    fn = dc.all_gather_coalesced if op == "all_gather" else dc.reduce_scatter_coalesced
+    calls = []
+    for grow in (1, 1, 3):
+        sizes = [[grow * ((k + q) % 3) for q in range(w)] for k in range(5)]
+        if op == "all_gather":  # rank r holds sizes[k][r] rows of tensor k
+            shapes = [(sizes[k][r], *rests[k]) for k in range(5)]
+        else:  # the same shapes everywhere; sizes[k] splits them
+            shapes = [(sum(sizes[k]), *rests[k]) for k in range(5)]
+        xs = [torch.ones(s, dtype=d).requires_grad_(d.is_floating_point) for s, d in zip(shapes, dtypes)]
+        kw = {"split_sizes": sizes} if given else {}
+        with B.log_comms() as fwd_log, profile(activities=[ProfilerActivity.CPU]) as fwd_prof:
+            out = fn(xs, **kw)
+        with B.log_comms() as bwd_log, profile(activities=[ProfilerActivity.CPU]) as bwd_prof:
+            sum(o.sum() for o in out if o.requires_grad).backward()
+        calls.append(
+            {
+                "fwd_records": [(x.op, x.label, x.parts) for x in fwd_log.records],
+                "bwd_records": [(x.op, x.parts) for x in bwd_log.records],
+                "fwd_gloo": _gloo_calls(fwd_prof),
+                "bwd_gloo": _gloo_calls(bwd_prof),
+                "shapes": [tuple(o.shape) for o in out],
+                "expected": [
+                    (sum(sizes[k]) if op == "all_gather" else sizes[k][r], *s[1:])
+                    for k, s in enumerate(shapes)
+                ],
+            }
+        )
+    return calls
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("op,given", [("all_gather", False), ("all_gather", True), ("reduce_scatter", True)])
+def test_variable_sizes_one_communication_per_dtype(local_worlds, op, given, world_size) -> None:
+    """Sizes that differ between ranks: one data communication per dtype forward (3) and
+    backward (2: the float32 and float64 gradients), counted by the comms logger and by
+    the profiler's gloo calls, on every call when the sizes are given. Learned sizes: the
+    first call on a group exchanges them once for the whole list of five tensors; later
+    calls send them with the first buffer (no exchange); sizes past the largest the group
+    has seen cost that buffer once more. The backward reuses them (never an exchange)."""
+    label = f"{op}_coalesced" + ("(sum)" if op == "reduce_scatter" else "")
+    data = (f"{op}_coalesced", label, 3)
+    for calls in local_worlds(world_size).run(_count_varied, op, given):
+        for i, rec in enumerate(calls):
+            assert rec["shapes"] == rec["expected"], rec
+            if given:
+                expected, gloo = [data], 3
+            elif i == 0:
+                expected, gloo = [("all_gather", "all_gather_coalesced -> size exchange", 1), data], 4
+            elif i == 1:
+                expected, gloo = [data], 3
+            else:  # the first buffer did not fit the padding: gathered again
+                expected, gloo = [(data[0], data[1], 4)], 4
+            assert rec["fwd_records"] == expected, (i, rec)
+            assert rec["fwd_gloo"] == gloo, (i, rec)
+            assert rec["bwd_records"] == [(f"{BWD_NAME[op]}_coalesced", 2)], (i, rec)
+            assert rec["bwd_gloo"] == 2, (i, rec)
+
+
+def _varied_transforms() -> dict[str, Any]:
+    """torch.func and async_op on sizes that differ between ranks, against the single ops."""
+    from torch.func import grad, jvp, vjp, vmap
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    gen = torch.Generator().manual_seed(r)
+    a = torch.randn(r + 1, 3, dtype=F64, generator=gen)
+    b = torch.randn(2, w - r, dtype=torch.float32, generator=gen)  # varies along dim 1
+    split = [[k + 1 for k in range(w)], [w - k for k in range(w)]]
+    c = torch.randn(sum(split[0]), 2, dtype=F64, generator=gen)
+    d = torch.randn(sum(split[1]), dtype=F64, generator=gen)
+
+    def prog(a, b, c, d, async_op=False):  # noqa: ANN001, ANN202
+        (g1,) = dc.all_gather_coalesced([a], dim=0, async_op=async_op)
+        (g2,) = dc.all_gather_coalesced([b.t()], dim=0, async_op=async_op)
+        s1, s2 = dc.reduce_scatter_coalesced([c, d], split_sizes=split, async_op=async_op)
+        return (g1.sin() * g1).sum() + (g2 * g2).sum().to(F64) + (s1**3).sum() + (s2 * s2).sum()
+
+    def prog_single(a, b, c, d):  # noqa: ANN001, ANN202
+        g1, g2 = dc.all_gather(a, 0), dc.all_gather(b.t(), 0)
+        s1, s2 = dc.reduce_scatter(c, split_sizes=split[0]), dc.reduce_scatter(d, split_sizes=split[1])
+        return (g1.sin() * g1).sum() + (g2 * g2).sum().to(F64) + (s1**3).sum() + (s2 * s2).sum()
+
+    args = (a, b, c, d)
+    errs: dict[str, Any] = {}
+    got, want = grad(prog, argnums=(0, 1, 2, 3))(*args), grad(prog_single, argnums=(0, 1, 2, 3))(*args)
+    errs["grad"] = max(float((x - y).abs().max()) for x, y in zip(got, want))
+    _, pull = vjp(prog, *args)
+    errs["vjp"] = max(float((x - y).abs().max()) for x, y in zip(pull(torch.tensor(1.0, dtype=F64)), want))
+    ts = tuple(torch.randn(x.shape, dtype=x.dtype, generator=gen) for x in args)
+    errs["jvp"] = float((jvp(prog, args, ts)[1] - jvp(prog_single, args, ts)[1]).abs())
+    # async_op=True: values, gradients and double backward equal the blocking op's
+    leaves = [x.clone().requires_grad_(True) for x in args]
+    y_async = prog(*leaves, async_op=True)
+    g_async = torch.autograd.grad(y_async, leaves, create_graph=True)
+    gg_async = torch.autograd.grad(sum((g * g).sum() for g in g_async), leaves)
+    leaves2 = [x.clone().requires_grad_(True) for x in args]
+    y_ref = prog_single(*leaves2)
+    g_ref = torch.autograd.grad(y_ref, leaves2, create_graph=True)
+    gg_ref = torch.autograd.grad(sum((g * g).sum() for g in g_ref), leaves2)
+    errs["async"] = float((y_async - y_ref).abs())
+    errs["async_grad"] = max(float((x - y).abs().max()) for x, y in zip(g_async, g_ref))
+    errs["async_double"] = max(float((x - y).abs().max()) for x, y in zip(gg_async, gg_ref))
+
+    # vmap: one communication per dtype for the whole batch, the sizes learned once
+    def f(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        return dc.all_gather_coalesced([x, y], dim=0)
+
+    from _shared import forget_gathered_sizes
+
+    forget_gathered_sizes()  # as on a new group: the sizes are exchanged once, first
+    xb = torch.randn(4, r + 1, 3, dtype=F64, generator=gen)
+    yb = torch.randn(4, w - r, dtype=torch.float32, generator=gen)
+    with B.log_comms() as batched:
+        outs = vmap(f)(xb, yb)
+    loop = [f(xb[i], yb[i]) for i in range(4)]
+    errs["vmap"] = max(
+        float((o[i] - lp[k]).abs().max()) for k, o in enumerate(outs) for i, lp in enumerate(loop)
+    )
+    errs["vmap_calls"] = [(x.op, x.parts) for x in batched.records]
+    return errs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_variable_sizes_torch_func_and_async(local_worlds, world_size) -> None:
+    for e in local_worlds(world_size).run(_varied_transforms):
+        for key in ("grad", "vjp", "jvp", "async", "async_grad", "async_double"):
+            assert e[key] < 1e-9, (key, e)
+        assert e["vmap"] == 0.0, e
+        assert e["vmap_calls"] == [("all_gather", 1), ("all_gather_coalesced", 2)], e
 
 
 def _product_comms() -> list[int]:
@@ -267,6 +455,7 @@ def _func_transforms() -> dict[str, Any]:
 
     xb = torch.randn(4, 2, 3, dtype=torch.float64, generator=gen)
     yb = torch.randn(4, 3, dtype=torch.float32, generator=gen)
+    f(xb[0], yb[0]), vmap(f)(xb, yb)  # the group learns the lists' sizes (see the counts test)
     with B.log_comms() as one:
         f(xb[0], yb[0])
     with B.log_comms() as batched:
@@ -358,6 +547,36 @@ BAD = [
     ),
     (lambda: dc.broadcast_coalesced([T], src=2), ValueError, r"`src` must be a group-local rank in \[0, 2\)"),
     (lambda: dc.all_reduce_coalesced([T], "xor"), ValueError, r"`op` must be one of"),
+    (
+        lambda: dc.all_gather_coalesced([T, T], split_sizes=[[4, 4]]),
+        ValueError,
+        r"`split_sizes` must be one entry per tensor \(2\)",
+    ),
+    (
+        lambda: dc.all_gather_coalesced([T], split_sizes=[[3, 3]]),
+        ValueError,
+        r"`split_sizes\[0\]` must be to list tensors\[0\].shape\[0\]=4 at this rank's position",
+    ),
+    (
+        lambda: dc.all_gather_coalesced([T], split_sizes=[[4, 4, 4]]),
+        ValueError,
+        r"`split_sizes\[0\]` must be a list of 2 ints",
+    ),
+    (
+        lambda: dc.reduce_scatter_coalesced([T, T], split_sizes=[[1, 3], [2, 3]]),
+        ValueError,
+        r"`split_sizes\[1\]` must be sizes summing to 4",
+    ),
+    (
+        lambda: dc.reduce_scatter_coalesced([T], split_sizes=[[-1, 5]]),
+        ValueError,
+        r"`split_sizes\[0\]` must be non-negative",
+    ),
+    (
+        lambda: dc.reduce_scatter_coalesced([T], split_sizes=[4]),
+        TypeError,
+        r"`split_sizes\[0\]` must be a list",
+    ),
 ]
 
 
@@ -428,6 +647,47 @@ def test_debug_mode_names_ranks_and_first_differing_position(world3, kind, patte
     import re
 
     for msg in world3.run(_mismatch, kind):
+        assert re.search(pattern, msg), msg
+
+
+def _debug_varied(kind: str) -> str:
+    """Debug mode with sizes along dim that differ between ranks: correct calls pass,
+    a wrong position is still named."""
+    r = dc.get_rank()
+    ts = [torch.ones(2, 3), torch.ones(r + 1, 4), torch.ones(r, dtype=torch.float64)]
+    with dc.debug(True):
+        try:
+            if kind == "correct":
+                a = dc.all_gather_coalesced(ts)
+                b = dc.all_gather_coalesced(ts, split_sizes=[[2, 2, 2], [1, 2, 3], [0, 1, 2]])
+                c = dc.reduce_scatter_coalesced([torch.ones(6, 2)], split_sizes=[[3, 0, 3]])
+                return f"ok {[tuple(t.shape) for t in a + b + c]}"
+            if kind == "other_dim":
+                if r == 2:
+                    ts[1] = torch.ones(r + 1, 5)
+                dc.all_gather_coalesced(ts)
+            if kind == "split_sizes":
+                split = [[3, 0, 3]] if r != 1 else [[2, 1, 3]]
+                dc.reduce_scatter_coalesced([torch.ones(6, 2)], split_sizes=split)
+        except dc.CrossRankMismatchError as exc:
+            return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "kind,pattern",
+    [
+        ("correct", r"^ok \[\(6, 3\), \(6, 4\), \(3,\), \(6, 3\), \(6, 4\), \(3,\), \((3|0), 2\)\]$"),
+        (
+            "other_dim",
+            r"first at position 1 \(tensors\[1\]\): ranks \[0, 1\]: shape \[\*, 4\].*ranks \[2\]: "
+            r"shape \[\*, 5\].*sizes along dim 0 may differ",
+        ),
+        ("split_sizes", r"split_sizes differs \(rank 0: \(3, 0, 3\), rank 1: \(2, 1, 3\), rank 2"),
+    ],
+)
+def test_debug_mode_accepts_variable_sizes_and_names_wrong_position(world3, kind, pattern) -> None:
+    for msg in world3.run(_debug_varied, kind):
         assert re.search(pattern, msg), msg
 
 

@@ -132,9 +132,15 @@ def _dtype_code(d: torch.dtype) -> int:
     return _DTYPE_CODES.setdefault(d, sum(str(d).encode()) * 131 + len(str(d)))
 
 
-def debug_check(opname: str, pg: PG, ts: Sequence[Tensor], /, **fields: Any) -> None:
+def debug_check(
+    opname: str, pg: PG, ts: Sequence[Tensor], /, vary: Sequence[int] | None = None, **fields: Any
+) -> None:
     """Debug mode: the arguments, and the list's length, shapes and dtypes, must agree on
-    every rank; else an error naming the ranks and the first differing position."""
+    every rank; else an error naming the ranks and the first differing position.
+
+    ``vary``: per tensor, the dimension whose size may differ between ranks (the gathered
+    dim of ``all_gather_coalesced``); the other dims, the dtype and ``requires_grad`` must
+    still agree."""
     if not _config.DEBUG.get() or torch.compiler.is_compiling():
         return
     b = _b()
@@ -143,8 +149,8 @@ def debug_check(opname: str, pg: PG, ts: Sequence[Tensor], /, **fields: Any) -> 
     if world == 1:
         return
     row: list[int] = []
-    for t in ts:
-        row += [_dtype_code(t.dtype), int(t.requires_grad), t.ndim, *t.shape]
+    for i, t in enumerate(ts):
+        row += [_dtype_code(t.dtype), int(t.requires_grad), t.ndim, -1 if vary is None else vary[i], *t.shape]
     device = _b().comm_device(pg)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     width = int(b.all_gather(torch.tensor([mine.numel()], dtype=torch.int64, device=device), pg).max())
@@ -156,26 +162,30 @@ def debug_check(opname: str, pg: PG, ts: Sequence[Tensor], /, **fields: Any) -> 
     descs = [_decode(r, len(ts)) for r in table]
     for i in range(len(ts)):
         per_rank = [d[i] for d in descs]
-        if any(p != per_rank[0] for p in per_rank):
+        if any(p[0] != per_rank[0][0] for p in per_rank):
             by_value: dict[str, list[int]] = {}
             for r, p in enumerate(per_rank):
-                by_value.setdefault(p, []).append(r)
+                by_value.setdefault(p[1], []).append(r)
             listing = "; ".join(f"ranks {rs}: {v}" for v, rs in by_value.items())
+            note = "" if vary is None else f" (sizes along dim {vary[i]} may differ, the other dims may not)"
             raise CrossRankMismatchError(
                 f"diffcomm.{opname}(): the tensor lists differ between ranks, first at position {i} "
-                f"(tensors[{i}]): {listing}. Every rank must pass the same number of tensors "
+                f"(tensors[{i}]): {listing}{note}. Every rank must pass the same number of tensors "
                 "with the same shapes, dtypes and requires_grad, in the same order"
             )
 
 
-def _decode(row: list[int], n: int) -> list[str]:
+def _decode(row: list[int], n: int) -> list[tuple[Any, str]]:
+    """Per tensor: ``(what must agree, its description)``."""
     names = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
     out, i = [], 0
     for _ in range(n):
-        code, grad, nd = row[i], row[i + 1], row[i + 2]
-        shape = tuple(row[i + 3 : i + 3 + nd])
-        i += 3 + nd
-        out.append(f"shape {list(shape)} dtype {names.get(code, code)} requires_grad={bool(grad)}")
+        code, grad, nd, vary = row[i], row[i + 1], row[i + 2], row[i + 3]
+        shape = tuple(row[i + 4 : i + 4 + nd])
+        i += 4 + nd
+        key = (code, grad, nd, tuple(-1 if d == vary else s for d, s in enumerate(shape)))
+        shown = "[" + ", ".join("*" if d == vary else str(s) for d, s in enumerate(shape)) + "]"
+        out.append((key, f"shape {shown} dtype {names.get(code, code)} requires_grad={bool(grad)}"))
     return out
 
 
@@ -186,3 +196,51 @@ def check_dims(ts: Sequence[Tensor], dim: Any, op: str) -> list[int]:
             raise A.arg_error(op, f"tensors[{i}]", "a tensor with at least one dimension", "a 0-dim tensor")
         dims.append(A.check_dim(t, dim, op))
     return dims
+
+
+def check_split_sizes_list(
+    split_sizes: Any,
+    ts: Sequence[Tensor],
+    dims: Sequence[int],
+    world: int,
+    op: str,
+    gathered: bool,
+    rank: int,
+) -> tuple[tuple[int, ...], ...]:
+    """``split_sizes`` of a coalesced gather/scatter, validated (before any communication):
+    one entry per tensor, each ``world`` non-negative ints. ``gathered``
+    (``all_gather_coalesced``): entry ``i`` lists every rank's ``tensors[i].shape[dim]``,
+    this rank's equal to its own; else (``reduce_scatter_coalesced``) it splits
+    ``tensors[i].shape[dim]``."""
+    if isinstance(split_sizes, Tensor) or not isinstance(split_sizes, list | tuple):
+        raise A.arg_error(
+            op,
+            "split_sizes",
+            "a list with one list of per-rank sizes per tensor",
+            type(split_sizes).__name__,
+            TypeError,
+        )
+    if len(split_sizes) != len(ts):
+        raise A.arg_error(
+            op, "split_sizes", f"one entry per tensor ({len(ts)})", f"{len(split_sizes)} entries"
+        )
+    out = []
+    for i, (s, t, d) in enumerate(zip(split_sizes, ts, dims)):
+        arg = f"split_sizes[{i}]"
+        if isinstance(s, Tensor) or not isinstance(s, list | tuple):
+            raise A.arg_error(op, arg, f"a list of {world} per-rank sizes", type(s).__name__, TypeError)
+        total = sum(int(v) for v in s) if gathered and all(isinstance(v, int) for v in s) else t.shape[d]
+        sizes = A.check_split_sizes(s, total, world, op, arg)
+        if gathered and sizes[rank] != t.shape[d]:
+            raise A.arg_error(
+                op, arg, f"to list tensors[{i}].shape[{d}]={t.shape[d]} at this rank's position", sizes
+            )
+        out.append(tuple(int(v) for v in sizes))
+    return tuple(out)
+
+
+def even_or_none(sizes: tuple[tuple[int, ...], ...] | None) -> tuple[tuple[int, ...], ...] | None:
+    """``None`` when every tensor's per-rank sizes are equal (the even path), else ``sizes``."""
+    if sizes is None or all(s.count(s[0]) == len(s) for s in sizes if s):
+        return None
+    return sizes

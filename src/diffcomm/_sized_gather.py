@@ -62,37 +62,86 @@ def all_gather_unsized(
     ``gather(x, sizes)`` is the gather with known counts, ``exchange(n)`` the count
     exchange; ``gather_into_tensor``: the backend has a one-tensor all_gather (without
     it, always exchange first)."""
-    n = x.shape[0]
-    rest = tuple(x.shape[1:])
-    row = math.prod(rest) * x.element_size()
-    key = (rest, x.dtype)
-    seen: dict[Any, int] = info.gathered_rows
-    m = seen.get(key)
-    speculate = (
+    key = (tuple(x.shape[1:]), x.dtype)
+    out, table = all_gather_counted(
+        x,
+        [x.shape[0]],
+        _first,
+        key,
+        info,
+        gather,
+        lambda counts: [[n] for n in exchange(counts[0])],
+        gather_into_tensor,
+    )
+    return out, [row[0] for row in table]
+
+
+def _first(row: list[int]) -> int:
+    return row[0]
+
+
+def can_speculate(
+    key: Any, row_bytes: int, info: GroupInfo, device: torch.device, gather_into_tensor: bool
+) -> bool:
+    """Whether a gather of rows of ``row_bytes`` under ``key`` goes out with its counts in
+    one collective (the group has gathered such rows, on the host, small enough); the
+    same answer on every rank of the group (it reads only what they share)."""
+    m = info.gathered_rows.get(key)
+    return (
         m is not None
         and gather_into_tensor
         and info.size > 1
-        and row > 0
-        and m * row <= MAX_BYTES
+        and row_bytes > 0
+        and m * row_bytes <= MAX_BYTES
         and info.device.type == "cpu"
-        and x.device.type == "cpu"
+        and device.type == "cpu"
     )
-    if not speculate:
-        with label("all_gather (size exchange)"):
-            sizes = exchange(n)
+
+
+def all_gather_counted(
+    x: torch.Tensor,
+    counts: list[int],
+    rows_of: Callable[[list[int]], int],
+    key: Any,
+    info: GroupInfo,
+    gather: Callable[[torch.Tensor, list[int]], torch.Tensor],
+    exchange: Callable[[list[int]], list[list[int]]],
+    gather_into_tensor: bool,
+    name: str = "all_gather",
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """Gather ``x`` (rows along dim 0, any strides) when no rank knows the others'
+    ``counts`` — a few integers per rank from which ``rows_of(counts)`` gives that rank's
+    row count (:func:`all_gather_unsized`: the row count itself; a coalesced gather: every
+    tensor's size along its dim). Returns the rows of every rank, concatenated, and every
+    rank's ``counts`` (the table).
+
+    The counts travel in front of the rows, padded to the largest row count ``M`` this
+    group has seen under ``key``: one collective; when a rank's rows did not fit, a second
+    gather with the counts now known; before the group has seen ``key``, the counts are
+    exchanged first (``exchange(counts)`` -> table) and the rows gathered after."""
+    k = len(counts)
+    rest = tuple(x.shape[1:])
+    row = math.prod(rest) * x.element_size()
+    seen: dict[Any, int] = info.gathered_rows
+    if not can_speculate(key, row, info, x.device, gather_into_tensor):
+        with label(f"{name} (size exchange)"):
+            table = exchange(counts)
+        sizes = [rows_of(r) for r in table]
         _remember(seen, key, max(sizes, default=0))
-        with label("all_gather"):
-            return gather(x, sizes), sizes
-    assert m is not None
+        with label(name):
+            return gather(x, sizes), table
+    m = seen[key]
+    n = rows_of(counts)
     world = info.size
-    stride = HEAD + -(-m * row // HEAD) * HEAD
+    head = -(-8 * k // HEAD) * HEAD  # the counts, padded so that the rows start aligned
+    stride = head + -(-m * row // HEAD) * HEAD
     send = torch.empty(stride, dtype=torch.uint8)
-    send[:8].view(torch.int64).fill_(n)
-    k = min(n, m)
-    if k:  # through a typed view of the buffer (HEAD keeps it aligned): any strides of x
-        send[HEAD : HEAD + k * row].view(x.dtype).view(k, *rest).copy_(x[:k])
+    send[: 8 * k].view(torch.int64).copy_(torch.tensor(counts, dtype=torch.int64))
+    kept = min(n, m)
+    if kept:  # through a typed view of the buffer (head keeps it aligned): any strides of x
+        send[head : head + kept * row].view(x.dtype).view(kept, *rest).copy_(x[:kept])
     got = torch.empty(world * stride, dtype=torch.uint8)
-    with label("all_gather"):
+    with label(name):
         dispatch(
             "all_gather",
             info.pg,
@@ -101,26 +150,27 @@ def all_gather_unsized(
             lambda: got.copy_(send.repeat(world)),
             got,
         )
-    table = got.view(world, stride)
-    sizes: list[int] = table[:, :8].contiguous().view(torch.int64).view(-1).tolist()
+    rows = got.view(world, stride)
+    table: list[list[int]] = rows[:, : 8 * k].contiguous().view(torch.int64).view(world, k).tolist()
+    sizes = [rows_of(r) for r in table]
     top = max(sizes)
     if top > m:  # a rank's rows did not fit: every rank saw it; gather them, counts known
         _remember(seen, key, top)
-        with label("all_gather"):
-            return gather(x, sizes), sizes
+        with label(name):
+            return gather(x, sizes), table
     if 4 * top < m:
         _remember(seen, key, top)
     out = torch.empty((sum(sizes), *rest), dtype=x.dtype)
     if top and sizes.count(top) == world:  # one strided copy (every rank's rows start aligned)
-        rows = table[:, HEAD : HEAD + top * row].view(x.dtype).view(world, top, *rest)
-        out.view(world, top, *rest).copy_(rows)
+        block = rows[:, head : head + top * row].view(x.dtype).view(world, top, *rest)
+        out.view(world, top, *rest).copy_(block)
     elif top:
         at = 0
         for r, s in enumerate(sizes):
             if s:
-                out[at : at + s].copy_(table[r, HEAD : HEAD + s * row].view(x.dtype).view(s, *rest))
+                out[at : at + s].copy_(rows[r, head : head + s * row].view(x.dtype).view(s, *rest))
             at += s
-    return out, sizes
+    return out, table
 
 
 def _remember(seen: dict[Any, int], key: Any, m: int) -> None:
@@ -128,3 +178,8 @@ def _remember(seen: dict[Any, int], key: Any, m: int) -> None:
     seen[key] = m
     while len(seen) > KEEP:
         del seen[next(iter(seen))]
+
+
+def remember_rows(info: GroupInfo, key: Any, m: int) -> None:
+    """Set ``M`` of ``key`` for ``info``'s group (from counts every rank has)."""
+    _remember(info.gathered_rows, key, m)

@@ -30,12 +30,14 @@ from ._c10d import (
     c10d_reduce,
     c10d_reduce_scatter,
 )
+from ._commslog import label
 from ._dispatch import dispatch as _dispatch
 from ._dispatch import run_coalesced
 from ._dispatch import tensor_nbytes as _nbytes
 from ._errors import CrossRankMismatchError
 from ._groups import Capabilities, GroupInfo, ProcessGroup, cpu_group, group_info
-from ._sized_gather import all_gather_unsized
+from ._sized_gather import all_gather_counted, all_gather_unsized, can_speculate
+from ._sized_gather import remember_rows as _remember_rows
 
 # Size: ~640 lines, just over the ~600 guideline: it is the one class that answers every
 # raw op of the Backend protocol on torch.distributed (eight collectives, p2p, barrier,
@@ -101,15 +103,41 @@ class CoalescedOps:
     ) -> list[torch.Tensor]:
         return self.coalesced("reduce", group, xs, lambda x: self.reduce(x, dst, op, group))
 
-    def all_gather_coalesced(self, xs: Sequence[torch.Tensor], group: ProcessGroup) -> list[torch.Tensor]:
-        """Even all_gather along dim 0 of each buffer."""
-        return self.coalesced("all_gather", group, xs, lambda x: self.all_gather(x, group))
+    def all_gather_coalesced(
+        self, xs: Sequence[torch.Tensor], group: ProcessGroup, sizes: Sequence[Sequence[int]] | None = None
+    ) -> list[torch.Tensor]:
+        """all_gather along dim 0 of each buffer; ``sizes[k]``: every rank's length of
+        buffer ``k`` (``None``: even)."""
+        if sizes is None:
+            return self.coalesced("all_gather", group, xs, lambda x: self.all_gather(x, group))
+        it = iter(sizes)
+        return self.coalesced("all_gather", group, xs, lambda x: self.all_gather(x, group, list(next(it))))
 
     def reduce_scatter_coalesced(
-        self, xs: Sequence[torch.Tensor], op: str, group: ProcessGroup
+        self,
+        xs: Sequence[torch.Tensor],
+        op: str,
+        group: ProcessGroup,
+        sizes: Sequence[Sequence[int]] | None = None,
     ) -> list[torch.Tensor]:
-        """Even reduce_scatter along dim 0 of each buffer."""
-        return self.coalesced("reduce_scatter", group, xs, lambda x: self.reduce_scatter(x, op, group))
+        """reduce_scatter along dim 0 of each buffer; ``sizes[k]``: the per-rank split of
+        buffer ``k`` (``None``: even)."""
+        if sizes is None:
+            return self.coalesced("reduce_scatter", group, xs, lambda x: self.reduce_scatter(x, op, group))
+        it = iter(sizes)
+        return self.coalesced(
+            "reduce_scatter", group, xs, lambda x: self.reduce_scatter(x, op, group, list(next(it)))
+        )
+
+    def exchange_size_lists(self, ns: Sequence[int], group: ProcessGroup) -> list[list[int]]:
+        """Every rank's list ``ns`` (the same length on every rank): one small all_gather
+        of int64 on the group's device (an adapter with a host side channel overrides it)."""
+        world = self.world_size(group)
+        if world == 1:
+            return [list(ns)]
+        mine = torch.tensor(list(ns), dtype=torch.int64, device=self.comm_device(group))
+        table = self.all_gather(mine.reshape(1, len(ns)), group).cpu().tolist()  # type: ignore[attr-defined]
+        return [[int(v) for v in row] for row in table]
 
 
 class TorchDistributedBackend(CoalescedOps):
@@ -230,6 +258,79 @@ class TorchDistributedBackend(CoalescedOps):
             None,
         )
         return [int(v) for v in out.tolist()]
+
+    def exchange_size_lists(self, ns: Sequence[int], group: ProcessGroup) -> list[list[int]]:
+        """Every rank's list ``ns`` (one per tensor of a coalesced call; the same length on
+        every rank): **one** small all_gather of host integers on the CPU side channel,
+        whatever the list's length."""
+        info = group_info(group)
+        world = info.size
+        k = len(ns)
+        if world == 1 or k == 0:
+            return [list(ns) for _ in range(world)]
+        side = cpu_group(info)
+        mine = torch.tensor(list(ns), dtype=torch.int64)
+        out = torch.empty(world * k, dtype=torch.int64)
+        _dispatch(
+            "all_gather",
+            side,
+            8 * k * world,
+            lambda: c10d_all_gather(out, mine, side),
+            lambda: out.copy_(mine.repeat(world)),
+            None,
+        )
+        return [[int(v) for v in row] for row in out.view(world, k).tolist()]
+
+    def all_gather_coalesced_unsized(
+        self,
+        bufs: Sequence[torch.Tensor],
+        counts: list[int],
+        lengths: Callable[[int, list[int]], int],
+        key: Any,
+        group: ProcessGroup,
+    ) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """:meth:`all_gather_coalesced` of ``bufs`` (one flat buffer per dtype) when no rank
+        knows the others' sizes: ``counts`` (this rank's size along the gathered dim of
+        every tensor) and ``lengths(g, counts)`` (buffer ``g``'s length on a rank with
+        those counts). Returns the gathered buffers and every rank's counts.
+
+        Once the group has gathered such a list (``key``), the counts travel in front of
+        the first buffer's data (:func:`~diffcomm._sized_gather.all_gather_counted`): one
+        collective per dtype, the other buffers gathered with their lengths then known.
+        Before that (or for large buffers) the counts are exchanged first, in one small
+        all_gather for the whole list."""
+        info = group_info(group)
+        caps = self._caps(info)
+        head = bufs[0]
+        if not can_speculate(key, head.element_size(), info, head.device, caps.all_gather_into_tensor):
+            with label("size exchange"):  # (inside the op's own label)
+                table = self.exchange_size_lists(counts, group)
+            first = [lengths(0, row) for row in table]
+            _remember_rows(info, key, max(first, default=0))
+            lens = [[lengths(g, row) for row in table] for g in range(len(bufs))]
+            return self.all_gather_coalesced(bufs, group, lens), table
+        table: list[list[int]] = []
+        at = iter(range(len(bufs)))
+
+        def one(x: torch.Tensor) -> torch.Tensor:
+            g = next(at)
+            if g:  # the lengths are known from the first buffer's counts
+                return self.all_gather(x, group, [lengths(g, row) for row in table])
+            out, got = all_gather_counted(
+                x,
+                counts,
+                lambda row: lengths(0, row),
+                key,
+                info,
+                lambda t, sizes: self.all_gather(t, group, sizes),
+                lambda cs: self.exchange_size_lists(cs, group),
+                caps.all_gather_into_tensor,
+                "size exchange",  # used only by a first call, which does not come here
+            )
+            table.extend(got)
+            return out
+
+        return self.coalesced("all_gather", group, bufs, one), table
 
     def all_gather_unsized(self, x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, list[int]]:
         """:meth:`all_gather` of ``x`` (dim 0) when no rank knows the others' row counts:

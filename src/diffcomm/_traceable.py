@@ -101,6 +101,12 @@ class TraceableBackend(CoalescedOps):
             "pass `split_sizes=` (every rank's size along `dim`, e.g. `split_sizes=[n] * world` when even)"
         )
 
+    def exchange_size_lists(self, ns: Sequence[int], group: ProcessGroup) -> list[list[int]]:
+        """Every rank's list ``ns``; raises ``ValueError`` while compiling (pass ``split_sizes=``)."""
+        if not torch.compiler.is_compiling():
+            return super().exchange_size_lists(ns, group)
+        return [self.exchange_sizes(int(ns[0]) if ns else 0, group)]  # raises the standard message
+
     def all_gather(
         self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None
     ) -> torch.Tensor:

@@ -41,6 +41,7 @@ with zeros where an output got no gradient or its input does not require grad.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,7 +56,9 @@ from ._coalesced_args import by_dtype as _by_dtype
 from ._coalesced_args import check_dims as _check_dims
 from ._coalesced_args import check_list as _check_list
 from ._coalesced_args import check_op as _check_op
+from ._coalesced_args import check_split_sizes_list as _check_sizes
 from ._coalesced_args import debug_check as _debug_check
+from ._coalesced_args import even_or_none as _even_or_none
 from ._coalesced_args import moved as _moved
 from ._coalesced_args import pack as _pack
 from ._coalesced_args import unpack as _unpack
@@ -67,6 +70,7 @@ from ._collective_args import world as _world
 from ._op import ListOp, call_list
 from ._op import only_on as _only_on
 from ._registry import OpSpec, markdown, register
+from .backend import label
 from .collectives import WEIGHT_DTYPE, product_parts, product_weight
 
 __all__ = [
@@ -196,57 +200,127 @@ class _ReduceList(ListOp):
         return [o / world for o in out]
 
 
+Sizes = tuple[tuple[int, ...], ...] | None  # per tensor, every rank's size along its dim
+
+
+class Learned(list):  # type: ignore[type-arg]
+    """Sizes an ``all_gather_coalesced`` learns while it gathers: empty when the op is
+    applied, filled by its forward with every tensor's per-rank sizes (so the autograd
+    context, which keeps this object, has them for the backward)."""
+
+
+def _tensor_major(
+    moved: list[Tensor], groups: list[list[int]], bufs: Sequence[Tensor], world: int, out: list[Any]
+) -> list[Any]:
+    """Even gathered buffers (rank-major) -> one tensor per input (one copy each)."""
+    for g, buf in zip(groups, bufs):
+        rows = buf.view(world, buf.numel() // world).split([moved[i].numel() for i in g], dim=1)
+        for i, block in zip(g, rows):
+            m = moved[i]
+            out[i] = block.reshape(world * m.shape[0], *m.shape[1:])
+    return out
+
+
 class _AllGatherList(ListOp):
-    """Even all_gather of every tensor ``i`` along ``dims[i]``."""
+    """all_gather of every tensor ``i`` along ``dims[i]``; ``sizes[i]``: every rank's size
+    along it (``None``: the same on every rank, the even path)."""
 
     name = "all_gather_coalesced"
-    nmeta = 2  # dims, pg
+    nmeta = 3  # dims, pg, sizes
     dims = 0
 
     @staticmethod
-    def run(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG) -> list[Tensor]:
+    def run(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG, sizes: Sizes) -> list[Tensor]:
         world = _world(pg)
         moved = _moved(xs, dims)
         groups = _by_dtype(moved)
-        bufs = _b().all_gather_coalesced(_pack(moved, groups), pg)
         out: list[Any] = [None] * len(xs)
-        for g, buf in zip(groups, bufs):  # rank-major -> tensor-major (one copy each)
-            rows = buf.view(world, buf.numel() // world).split([moved[i].numel() for i in g], dim=1)
-            for i, block in zip(g, rows):
-                m = moved[i]
-                out[i] = block.reshape(world * m.shape[0], *m.shape[1:])
+        if sizes is None:
+            bufs = _b().all_gather_coalesced(_pack(moved, groups), pg)
+            return _back(_tensor_major(moved, groups, bufs, world, out), dims)
+        # variable sizes: rank r's buffer of a dtype holds its rows of every tensor of that
+        # dtype, so the buffers' lengths differ between ranks: one uneven all_gather each
+        inner = [math.prod(m.shape[1:]) for m in moved]
+        if type(sizes) is Learned and not sizes:  # learned here, with the first buffer
+            key = ("coalesced", tuple((tuple(m.shape[1:]), m.dtype) for m in moved))
+
+            def length(g: int, counts: list[int]) -> int:
+                return sum(counts[i] * inner[i] for i in groups[g])
+
+            bufs, table = _b().all_gather_coalesced_unsized(
+                _pack(moved, groups), [m.shape[0] for m in moved], length, key, pg
+            )
+            sizes.extend(tuple(row[i] for row in table) for i in range(len(xs)))
+            if _even_or_none(tuple(sizes)) is None:  # as it turned out, the even layout
+                return _back(_tensor_major(moved, groups, bufs, world, out), dims)
+        else:
+            lens = [[sum(sizes[i][r] * inner[i] for i in g) for r in range(world)] for g in groups]
+            bufs = _b().all_gather_coalesced(_pack(moved, groups), pg, lens)
+        for g, buf in zip(groups, bufs):
+            ln = [sum(sizes[i][r] * inner[i] for i in g) for r in range(world)]
+            pieces: dict[int, list[Tensor]] = {i: [] for i in g}
+            for r, seg in enumerate(buf.split(ln)):
+                for i, piece in zip(g, seg.split([sizes[i][r] * inner[i] for i in g])):
+                    pieces[i].append(piece.view(sizes[i][r], *moved[i].shape[1:]))
+            for i in g:
+                out[i] = torch.cat(pieces[i])
         return _back(out, dims)
 
     @staticmethod
-    def transpose(ctx: Any, gs: list[Tensor], idx: list[int], dims: tuple[int, ...], pg: PG) -> Any:
-        return call_list(_ReduceScatterList, 3, tuple(dims[i] for i in idx), "sum", pg, *gs)
+    def transpose(
+        ctx: Any, gs: list[Tensor], idx: list[int], dims: tuple[int, ...], pg: PG, sizes: Sizes
+    ) -> Any:
+        part = None if sizes is None else _even_or_none(tuple(sizes[i] for i in idx))
+        return call_list(_ReduceScatterList, 4, tuple(dims[i] for i in idx), "sum", pg, part, *gs)
 
 
 class _ReduceScatterList(ListOp):
-    """Even linear (sum/avg) reduce_scatter of every tensor ``i`` along ``dims[i]``."""
+    """Linear (sum/avg) reduce_scatter of every tensor ``i`` along ``dims[i]``, split
+    ``sizes[i]`` (``None``: every tensor evenly)."""
 
     name = "reduce_scatter_coalesced"
-    nmeta = 3  # dims, op, pg
+    nmeta = 4  # dims, op, pg, sizes
     dims = 0
 
     @staticmethod
-    def label(dims: tuple[int, ...], op: str, pg: PG) -> str:
+    def label(dims: tuple[int, ...], op: str, pg: PG, sizes: Sizes) -> str:
         return f"reduce_scatter_coalesced({op})"
 
     @staticmethod
-    def run(xs: Sequence[Tensor], dims: tuple[int, ...], op: str, pg: PG) -> list[Tensor]:
+    def run(xs: Sequence[Tensor], dims: tuple[int, ...], op: str, pg: PG, sizes: Sizes) -> list[Tensor]:
         world = _world(pg)
         moved = _moved(xs, dims)
         groups = _by_dtype(moved)
-        # rank-major layout: row r of each buffer holds chunk r of every tensor of the dtype
-        bufs = [torch.cat([moved[i].reshape(world, moved[i].numel() // world) for i in g], 1) for g in groups]
-        parts = _b().reduce_scatter_coalesced([b.view(-1) for b in bufs], op, pg)
-        shapes = [(m.shape[0] // world, *m.shape[1:]) for m in moved]
+        if sizes is None:
+            # rank-major layout: row r of each buffer holds chunk r of every tensor of the dtype
+            bufs = [
+                torch.cat([moved[i].reshape(world, moved[i].numel() // world) for i in g], 1) for g in groups
+            ]
+            parts = _b().reduce_scatter_coalesced([b.view(-1) for b in bufs], op, pg)
+            shapes = [(m.shape[0] // world, *m.shape[1:]) for m in moved]
+            return _back(_unpack(shapes, groups, parts), dims)
+        # uneven: rank-major again, chunk r of tensor i is sizes[i][r] rows long, so the
+        # buffer splits unevenly between ranks (one uneven reduce_scatter per dtype)
+        rank = _rank(pg)
+        inner = [math.prod(m.shape[1:]) for m in moved]
+        starts = [[sum(s[:r]) for r in range(world)] for s in sizes]
+        bufs = [
+            torch.cat(
+                [moved[i].narrow(0, starts[i][r], sizes[i][r]).reshape(-1) for r in range(world) for i in g]
+            )
+            for g in groups
+        ]
+        lens = [[sum(sizes[i][r] * inner[i] for i in g) for r in range(world)] for g in groups]
+        parts = _b().reduce_scatter_coalesced(bufs, op, pg, lens)
+        shapes = [(sizes[i][rank], *m.shape[1:]) for i, m in enumerate(moved)]
         return _back(_unpack(shapes, groups, parts), dims)
 
     @staticmethod
-    def transpose(ctx: Any, gs: list[Tensor], idx: list[int], dims: tuple[int, ...], op: str, pg: PG) -> Any:
-        out = call_list(_AllGatherList, 2, tuple(dims[i] for i in idx), pg, *gs)
+    def transpose(
+        ctx: Any, gs: list[Tensor], idx: list[int], dims: tuple[int, ...], op: str, pg: PG, sizes: Sizes
+    ) -> Any:
+        part = None if sizes is None else tuple(sizes[i] for i in idx)
+        out = call_list(_AllGatherList, 3, tuple(dims[i] for i in idx), pg, part, *gs)
         if op != "avg":
             return out
         world = _world(pg)
@@ -386,41 +460,68 @@ def reduce_coalesced(
 
 
 def all_gather_coalesced(
-    tensors: Sequence[Tensor], dim: int = 0, group: A.GroupLike = None, *, async_op: bool = False
+    tensors: Sequence[Tensor],
+    dim: int = 0,
+    group: A.GroupLike = None,
+    *,
+    split_sizes: Sequence[Sequence[int]] | None = None,
+    async_op: bool = False,
 ) -> list[Tensor]:
     """Concatenate every rank's ``tensors[i]`` along ``dim``: one communication per dtype.
 
     Args:
         tensors: a non-empty list or tuple of tensors with at least one dimension (any
-            shapes, mixed dtypes, one device); the **same shapes on every rank** (for
-            sizes along ``dim`` that differ between ranks use :func:`diffcomm.all_gather`).
+            shapes, mixed dtypes, one device); shapes agree between ranks except along
+            ``dim``, where they may differ (as for :func:`diffcomm.all_gather`).
         dim: the dimension to concatenate along (negative counts from each tensor's end).
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        split_sizes: keyword-only; per tensor, every rank's ``tensors[i].shape[dim]`` if
+            already known (``split_sizes[i][rank]`` must equal this rank's size). Without
+            it the sizes are learned with **one** small exchange of host integers for the
+            whole list (never one per tensor). Under ``torch.compile`` nothing can be
+            exchanged: without ``split_sizes`` the sizes are taken to be equal on every rank.
         async_op: return at once a list of :class:`~diffcomm.AsyncTensor` that wait for
             the one communication on first use; values and gradients equal the blocking
             op's, and the backward is asynchronous too (``docs/async.md``).
 
     Returns:
         A list of new tensors: ``out[i]`` is ``tensors[i].shape`` with ``dim`` of size
-        ``world * tensors[i].shape[dim]``, rank ``r``'s block at ``r * shape[dim]``.
+        ``sum(sizes_i)``, rank ``r``'s block at ``sum(sizes_i[:r])`` (equal sizes:
+        ``world * shape[dim]``, rank ``r``'s block at ``r * shape[dim]``).
 
     Gradient:
-        ``reduce_scatter_coalesced(grad, dim, op="sum")`` (one communication per dtype):
-        each rank gets the sum over ranks of the gradient of its own block.
+        ``reduce_scatter_coalesced(grad, dim, op="sum", split_sizes=sizes)`` (one
+        communication per dtype, the sizes reused, never exchanged again): each rank gets
+        the sum over ranks of the gradient of its own block.
 
     Example::
 
         with dc.LocalWorld(2) as world:
-            world.run(lambda: dc.all_gather_coalesced([torch.tensor([1.0 * dc.get_rank()])]))
-            # [[tensor([0., 1.])], [tensor([0., 1.])]]
+            world.run(lambda: dc.all_gather_coalesced([torch.ones(dc.get_rank() + 1)]))
+            # [[tensor([1., 1., 1.])], [tensor([1., 1., 1.])]]  (rank 0 sent 1 row, rank 1 two)
     """
     name = "all_gather_coalesced"
     ts = _check_list(tensors, name)
     dims = _check_dims(ts, dim, name)
     pg = A.resolve_group(group, name)
-    _debug_check(name, pg, ts, dim=dim)
+    world = _world(pg)
+    sizes: Sizes = None
+    if split_sizes is not None:
+        sizes = _check_sizes(split_sizes, ts, dims, world, name, True, _rank(pg))
+    flat = () if sizes is None else tuple(v for s in sizes for v in s)
+    _debug_check(name, pg, ts, vary=dims, dim=dim, split_sizes=flat)
+    meta: Any = _even_or_none(sizes)
+    if sizes is None and world > 1 and not torch.compiler.is_compiling():
+        b = _b()
+        if async_op or not hasattr(b, "all_gather_coalesced_unsized"):
+            # the output shapes are needed before the op runs: exchanged first, once
+            with label(f"{name} (size exchange)"):
+                table = b.exchange_size_lists([t.shape[d] for t, d in zip(ts, dims)], pg)
+            meta = _even_or_none(tuple(tuple(row[i] for row in table) for i in range(len(ts))))
+        else:  # learned by the op itself: with the first buffer once the group knows the list
+            meta = Learned()
     with _async_if(async_op):
-        return list(call_list(_AllGatherList, 2, tuple(dims), pg, *ts))
+        return list(call_list(_AllGatherList, 3, tuple(dims), pg, meta, *ts))
 
 
 def reduce_scatter_coalesced(
@@ -429,36 +530,41 @@ def reduce_scatter_coalesced(
     op: Any = "sum",
     group: A.GroupLike = None,
     *,
+    split_sizes: Sequence[Sequence[int]] | None = None,
     async_op: bool = False,
 ) -> list[Tensor]:
     """Reduce every tensor over ranks and give rank ``r`` chunk ``r`` of each along ``dim``.
 
     Args:
         tensors: a non-empty list or tuple of tensors with at least one dimension (any
-            shapes, mixed dtypes, one device), same shapes on every rank; each
-            ``shape[dim]`` divisible by the group size (even split).
+            shapes, mixed dtypes, one device), same shapes on every rank.
         dim: the dimension to split (negative counts from each tensor's end).
         op: reduce op as for :func:`diffcomm.all_reduce`.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        split_sizes: keyword-only; per tensor, the per-rank chunk sizes along ``dim``
+            (summing to ``tensors[i].shape[dim]``; the same on every rank), so rank
+            ``r``'s chunk sizes may differ from the others'. ``None``: every tensor splits
+            evenly (each ``shape[dim]`` divisible by the group size).
         async_op: return at once a list of :class:`~diffcomm.AsyncTensor` that wait for
             the one communication on first use; values and gradients equal the blocking
             op's, and the backward is asynchronous too (``docs/async.md``).
 
     Returns:
         A list of new tensors: ``out[i]`` is ``tensors[i].shape`` with ``dim`` of size
-        ``shape[dim] // world`` (``dc.reduce_scatter(tensors[i], dim, op)``).
+        ``split_sizes[i][rank]`` (even: ``shape[dim] // world``), equal to
+        ``dc.reduce_scatter(tensors[i], dim, op, split_sizes=split_sizes[i])``.
 
     Gradient:
-        ``all_gather_coalesced(grad, dim)`` (one communication per dtype; divided by the
-        world size for avg). ``max``/``min``/``product`` reduce the whole buffers
-        (:func:`all_reduce_coalesced` and its rule) and keep the own chunk, like
-        :func:`diffcomm.reduce_scatter`.
+        ``all_gather_coalesced(grad, dim, split_sizes=split_sizes)`` (one communication
+        per dtype; divided by the world size for avg). ``max``/``min``/``product`` reduce
+        the whole buffers (:func:`all_reduce_coalesced` and its rule) and keep the own
+        chunk, like :func:`diffcomm.reduce_scatter`.
 
     Example::
 
         with dc.LocalWorld(2) as world:
-            world.run(lambda: dc.reduce_scatter_coalesced([torch.arange(4.0)]))
-            # [[tensor([0., 2.])], [tensor([4., 6.])]]
+            world.run(lambda: dc.reduce_scatter_coalesced([torch.arange(4.0)], split_sizes=[[1, 3]]))
+            # [[tensor([0.])], [tensor([2., 4., 6.])]]
     """
     name = "reduce_scatter_coalesced"
     ts = _check_list(tensors, name)
@@ -466,25 +572,26 @@ def reduce_scatter_coalesced(
     op_name = _check_op(op, ts, name)
     pg = A.resolve_group(group, name)
     world, rank = _world(pg), _rank(pg)
-    for i, (t, d) in enumerate(zip(ts, dims)):
-        if t.shape[d] % world:
-            raise A.arg_error(
-                name,
-                f"tensors[{i}]",
-                f"of a size along dim {d} divisible by the group size {world}",
-                f"shape {list(t.shape)}",
-            )
-    _debug_check(name, pg, ts, op=op_name, dim=dim)
+    if split_sizes is None:
+        for i, (t, d) in enumerate(zip(ts, dims)):
+            if t.shape[d] % world:
+                raise A.arg_error(
+                    name,
+                    f"tensors[{i}]",
+                    f"of a size along dim {d} divisible by the group size {world} (or pass `split_sizes`)",
+                    f"shape {list(t.shape)}",
+                )
+        sizes = tuple((t.shape[d] // world,) * world for t, d in zip(ts, dims))
+    else:
+        sizes = _check_sizes(split_sizes, ts, dims, world, name, False, rank)
+    flat = () if split_sizes is None else tuple(v for s in sizes for v in s)
+    _debug_check(name, pg, ts, op=op_name, dim=dim, split_sizes=flat)
     with _async_if(async_op):
         if op_name in A.LINEAR_OPS:
-            return list(call_list(_ReduceScatterList, 3, tuple(dims), op_name, pg, *ts))
+            return list(call_list(_ReduceScatterList, 4, tuple(dims), op_name, pg, _even_or_none(sizes), *ts))
         # max/min/product: reduce everything, keep the own chunk (as dc.reduce_scatter)
         full = call_list(_AllReduceList, 2, op_name, pg, *ts)
-        out = []
-        for y, d in zip(full, dims):
-            c = y.shape[d] // world
-            out.append(y.narrow(d, rank * c, c))
-        return out
+        return [y.narrow(d, sum(s[:rank]), s[rank]) for y, d, s in zip(full, dims, sizes)]
 
 
 # ======================================================================================
@@ -540,17 +647,31 @@ def coalesced_markdown() -> str:
 # asynchronous coalesced ops: output shapes (Function arguments: tensor, *meta, *tensors)
 
 
-def _list_shapes(n: int, scale: Any = None) -> Any:
+def _list_shapes(n: int) -> Any:
     def shapes(a: tuple[Any, ...]) -> list[tuple[int, ...]]:
-        ts = [a[0], *a[n + 1 :]]
-        if scale is None:
-            return [tuple(t.shape) for t in ts]
-        dims, world = a[1], _world(a[n])
-        return [
-            tuple(scale(s, world) if i == d else s for i, s in enumerate(t.shape)) for t, d in zip(ts, dims)
-        ]
+        return [tuple(t.shape) for t in (a[0], *a[n + 1 :])]
 
     return shapes
+
+
+def _gathered_shapes(a: tuple[Any, ...]) -> list[tuple[int, ...]]:
+    dims, pg, sizes = a[1], a[2], a[3]
+    world = _world(pg)
+    out = []
+    for i, (t, d) in enumerate(zip((a[0], *a[4:]), dims)):
+        n = t.shape[d] * world if sizes is None else sum(sizes[i])
+        out.append(tuple(n if k == d else s for k, s in enumerate(t.shape)))
+    return out
+
+
+def _scattered_shapes(a: tuple[Any, ...]) -> list[tuple[int, ...]]:
+    dims, pg, sizes = a[1], a[3], a[4]
+    world, rank = _world(pg), _rank(pg)
+    out = []
+    for i, (t, d) in enumerate(zip((a[0], *a[5:]), dims)):
+        n = t.shape[d] // world if sizes is None else sizes[i][rank]
+        out.append(tuple(n if k == d else s for k, s in enumerate(t.shape)))
+    return out
 
 
 _async.OUT_SHAPES.update(
@@ -558,8 +679,8 @@ _async.OUT_SHAPES.update(
         _AllReduceList: _list_shapes(2),
         _BroadcastList: _list_shapes(2),
         _ReduceList: _list_shapes(3),
-        _AllGatherList: _list_shapes(2, lambda s, w: s * w),
-        _ReduceScatterList: _list_shapes(3, lambda s, w: s // w),
+        _AllGatherList: _gathered_shapes,
+        _ReduceScatterList: _scattered_shapes,
     }
 )
 

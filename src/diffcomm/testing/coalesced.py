@@ -43,8 +43,12 @@ class CoalescedCase:
             ``"all_gather_coalesced"`` or ``"reduce_scatter_coalesced"``.
         world: world size the case is for.
         specs: per tensor ``(shape, dtype name, requires_grad, output used by the loss)``.
-        kwargs: the op's arguments (``op``, ``src``, ``dst``, ``dim``).
+        kwargs: the op's arguments (``op``, ``src``, ``dst``, ``dim``, ``split_sizes``).
         seed: data seed.
+        rank_sizes: ``all_gather_coalesced`` with sizes that differ between ranks: per
+            tensor, every rank's size along ``dim`` (rank ``r``'s tensor ``i`` has
+            ``shape[dim] = rank_sizes[i][r]``; the op learns them unless ``kwargs`` gives
+            ``split_sizes``). ``None``: every rank's shapes are ``specs``'.
     """
 
     op: str
@@ -52,6 +56,7 @@ class CoalescedCase:
     specs: tuple[Spec, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    rank_sizes: tuple[tuple[int, ...], ...] | None = None
 
     def label(self) -> str:
         kinds = sorted({s[1] for s in self.specs})
@@ -66,9 +71,19 @@ def _values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, lo
     return v.to(dtype)
 
 
-def _single_op(case: CoalescedCase) -> Any:
+def _single_op(case: CoalescedCase, i: int) -> Any:
+    """The single-tensor op for tensor ``i`` (its own entry of ``split_sizes``)."""
     name = case.op.removesuffix("_coalesced")
-    return lambda x: getattr(dc, name)(x, **case.kwargs)
+    kw = dict(case.kwargs)
+    if kw.get("split_sizes") is not None:
+        kw["split_sizes"] = kw["split_sizes"][i]
+    return lambda x: getattr(dc, name)(x, **kw)
+
+
+def _sizes(case: CoalescedCase) -> Any:
+    """The per-tensor, per-rank sizes along ``dim`` (``None``: even)."""
+    given = case.kwargs.get("split_sizes")
+    return given if given is not None else case.rank_sizes
 
 
 def _dual_call(case: CoalescedCase, ys: list[Tensor]) -> list[Tensor] | None:
@@ -86,12 +101,17 @@ def _dual_call(case: CoalescedCase, ys: list[Tensor]) -> list[Tensor] | None:
     if case.op == "reduce_coalesced":
         out = fn(ys, src=kw.get("dst", 0))
     elif case.op == "all_gather_coalesced":
-        return fn(ys, dim=kw.get("dim", 0))
+        return fn(ys, dim=kw.get("dim", 0), split_sizes=_sizes(case))
     elif case.op == "reduce_scatter_coalesced":
-        out = fn(ys, dim=kw.get("dim", 0))
+        out = fn(ys, dim=kw.get("dim", 0), split_sizes=_sizes(case))
     else:
         raise ValueError(case.op)
     return [o / w for o in out] if rop == "avg" else out
+
+
+def _with_size(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
+    d = dim % len(shape)
+    return (*shape[:d], n, *shape[d + 1 :])
 
 
 def run_coalesced_case(case: CoalescedCase, double: bool = True) -> CaseResult:
@@ -104,14 +124,19 @@ def run_coalesced_case(case: CoalescedCase, double: bool = True) -> CaseResult:
     gen = torch.Generator().manual_seed(case.seed * 101 + rank)
     lo, hi = (-2, 2) if kw.get("op") == "product" else (-3, 3)
     dev = case_device()
-    xs = [_values(s, getattr(torch, d), gen, lo, hi).to(dev).requires_grad_(g) for s, d, g, _ in case.specs]
+    shapes = [s for s, _, _, _ in case.specs]
+    if case.rank_sizes is not None:  # this rank's size along dim
+        shapes = [_with_size(s, kw.get("dim", 0), n[rank]) for s, n in zip(shapes, case.rank_sizes)]
+    xs = [
+        _values(s, getattr(torch, d), gen, lo, hi).to(dev).requires_grad_(g)
+        for s, (_, d, g, _) in zip(shapes, case.specs)
+    ]
     res = CaseResult(tol=max(tolerance(d) for _, d, _, _ in case.specs))
     before = [x.detach().clone() for x in xs]
     fn = COALESCED_OPS[case.op].fn
-    single = _single_op(case)
     out = fn(xs, **kw)
     xs1 = [x.detach().clone().requires_grad_(x.requires_grad) for x in xs]
-    ref = [single(x) for x in xs1]
+    ref = [_single_op(case, i)(x) for i, x in enumerate(xs1)]
     res.forward_err = max(_rel(a, b) if a.shape == b.shape else float("inf") for a, b in zip(out, ref))
     res.input_unchanged = all(torch.equal(x.detach(), b) for x, b in zip(xs, before))
     ptrs = {x.data_ptr() for x in xs if x.numel()}
@@ -191,3 +216,15 @@ def standard_coalesced_cases(world: int) -> Iterator[CoalescedCase]:
     for rop in ("sum", "avg", "min"):
         specs = no_int_dim if rop == "avg" else with_dim
         yield CoalescedCase("reduce_scatter_coalesced", w, specs, {"dim": 0, "op": rop})
+    # sizes along dim that differ between ranks: learned (one exchange) or given; a rank
+    # with no rows; uneven reduce_scatter splits
+    varied = tuple(tuple((i + r) % 3 if i != 2 else 0 for r in range(w)) for i in range(len(with_dim)))
+    yield CoalescedCase("all_gather_coalesced", w, with_dim, {"dim": 0}, rank_sizes=varied)
+    yield CoalescedCase(
+        "all_gather_coalesced", w, with_dim, {"dim": 0, "split_sizes": varied}, rank_sizes=varied
+    )
+    split = tuple(tuple(w if r == i % w else 0 for r in range(w)) for i in range(len(with_dim)))
+    for rop in ("sum", "avg", "max"):
+        specs = no_int_dim if rop == "avg" else with_dim
+        kw = {"dim": 0, "op": rop, "split_sizes": split[: len(specs)]}
+        yield CoalescedCase("reduce_scatter_coalesced", w, specs, kw)

@@ -1,0 +1,396 @@
+"""Expert parallelism: a mixture-of-experts layer whose experts are sharded over a group.
+
+A top-k router picks ``k`` experts per token; the experts are split over the ranks of an
+expert-parallel (EP) group, ``num_experts / world`` per rank, and every rank holds its own
+tokens. One step:
+
+.. code-block:: text
+
+    rank r: x (T_r, H) --router--> top-k expert ids, gate weights (T_r, k)
+       |  counts: tokens per expert, exchanged ONCE (all ranks learn the (world, E) table)
+       v
+    dispatch: rows of x permuted by expert (a token once per chosen expert), dropped
+              beyond capacity, sent with ONE uneven all_to_all (split sizes from the table)
+       v
+    expert inputs, expert-major (experts of rank r, each a contiguous block of rows)
+       |  local experts
+       v
+    combine: ONE uneven all_to_all back (split sizes swapped), each row weighted by its
+             gate weight and added into its token's row: y (T_r, H)
+
+``dispatch`` and ``combine`` are ordinary differentiable compositions of
+:func:`diffcomm.all_to_all` (given both split sizes, so its backward is the exact
+adjoint — the all_to_all with the sizes swapped — and nothing is exchanged again) and
+index gathers/adds. So the backward of the dispatch *is* a combine (without weights) and
+the backward of the combine a dispatch: the counts learned in forward are reused, and
+double backward and ``torch.autograd.grad`` work as for any torch code.
+
+Gradient convention (that of every diffcomm op): the objective is the **sum of the
+per-rank objectives**. With each rank's loss taken over its own tokens, the sum over ranks
+is the serial MoE's loss over all tokens (rank 0's tokens first); then the experts'
+gradients equal the serial ones exactly, and the replicated parameters (router, shared
+expert) get on each rank that rank's share, which sum to the serial gradient
+(:meth:`ExpertParallelMoE.sync_replicated_grads` all-reduces them in one coalesced call).
+
+Capacity: with ``capacity_factor`` each expert takes at most
+``C = ceil(capacity_factor * N * k / E)`` tokens, ``N`` the tokens of **all** ranks, in the
+order of the serial MoE (rank 0's tokens first, then token by token); the rest of that
+expert's assignments are dropped (their tokens get nothing from that expert). Every
+rank computes the same drops from the one exchanged table, so the parallel layer drops
+exactly the tokens the serial one drops. ``None`` (the default) is dropless.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _args as A
+from .. import coalesced as K
+from ._module import check_positive, init_generator, resolve_parallel_group
+from .blocks import MLP
+from .routing import DispatchPlan, combine, dispatch, load_balancing_loss, route
+
+__all__ = ["MoE", "ExpertParallelMoE"]
+
+
+# ======================================================================================
+# the serial reference and the expert-parallel layer
+# ======================================================================================
+
+
+def _serial_forward(
+    x2: Tensor,
+    router: nn.Linear,
+    experts: Sequence[nn.Module],
+    k: int,
+    capacity_factor: float | None,
+    renormalize: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The serial MoE on ``(N, H)`` tokens (no communication): ``(y, aux, tokens per expert)``."""
+    e = len(experts)
+    n = x2.shape[0]
+    gate, index, probs = route(router(x2), k, renormalize=renormalize)
+    flat = index.reshape(-1)
+    counts = torch.bincount(flat, minlength=e)
+    keep = torch.ones_like(flat, dtype=torch.bool)
+    if capacity_factor is not None:
+        cap = math.ceil(capacity_factor * n * k / e)
+        onehot = F.one_hot(flat, e)
+        pos = (onehot.cumsum(0) - 1).gather(1, flat.unsqueeze(1)).squeeze(1)  # order within expert
+        keep = pos < cap
+    tok = torch.arange(n, device=x2.device).repeat_interleave(k)
+    gflat = gate.reshape(-1)
+    y = None
+    for j, expert in enumerate(experts):
+        sel = ((flat == j) & keep).nonzero().squeeze(1)
+        out_j = expert(x2.index_select(0, tok[sel])) * gflat[sel].unsqueeze(1).to(x2.dtype)
+        if y is None:
+            y = x2.new_zeros(n, out_j.shape[1])
+        y = y.index_add(0, tok[sel], out_j)
+    assert y is not None
+    f = counts.to(probs.dtype) / max(n * k, 1)
+    aux = e * (probs.mean(dim=0) * f).sum() if n else probs.sum() * 0.0
+    return y, aux, counts
+
+
+class MoE(nn.Module):
+    """The serial mixture-of-experts layer: the reference of :class:`ExpertParallelMoE`.
+
+    ``y = sum_j gate_j(x) * expert_{index_j(x)}(x) [+ shared_expert(x)]`` with a top-``k``
+    softmax router (``route``) and MLP experts (:class:`~diffcomm.parallel.MLP`).
+
+    Args:
+        hidden_size: input and output size ``H``.
+        ffn_hidden_size: each expert's inner size.
+        num_experts: ``E``.
+        k: experts per token.
+        capacity_factor: ``None`` (dropless) or each expert's capacity
+            ``ceil(capacity_factor * N * k / E)`` for ``N`` tokens, first come first served
+            in token order.
+        renormalize: see :func:`route`.
+        shared_expert_size: inner size of a shared expert every token goes through
+            (``None``: none).
+        bias, activation: of the expert MLPs.
+        seed, generator, dtype, device: initialisation as the parallel layers.
+
+    After ``forward``: ``self.aux_loss`` (the Switch load-balancing loss, a 0-dim tensor
+    in the graph) and ``self.tokens_per_expert`` (``(E,)`` int64, the routing histogram).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        k: int = 2,
+        *,
+        capacity_factor: float | None = None,
+        renormalize: bool = False,
+        shared_expert_size: int | None = None,
+        bias: bool = True,
+        activation: str | Callable[[Tensor], Tensor] = "gelu",
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        op = "parallel.MoE"
+        hidden_size = check_positive(op, "hidden_size", hidden_size)
+        num_experts = check_positive(op, "num_experts", num_experts)
+        self.k = check_positive(op, "k", k)
+        if self.k > num_experts:
+            raise A.arg_error(op, "k", f"at most num_experts={num_experts}", k)
+        if capacity_factor is not None and not float(capacity_factor) > 0:
+            raise A.arg_error(op, "capacity_factor", "None or a positive float", capacity_factor)
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.renormalize = bool(renormalize)
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        gen = init_generator(op, seed, generator)
+        with _DrawnFrom(gen):  # drawn on the CPU (the same numbers on any device), then moved
+            self.router = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+            self.experts = nn.ModuleList(
+                MLP(hidden_size, ffn_hidden_size, bias, activation=activation, dtype=dtype)
+                for _ in range(num_experts)
+            )
+            self.shared_expert = (
+                None
+                if shared_expert_size is None
+                else MLP(hidden_size, shared_expert_size, bias, activation=activation, dtype=dtype)
+            )
+        if device is not None:
+            self.to(device)
+        self.aux_loss: Tensor | None = None
+        self.tokens_per_expert: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x``: ``(..., H)``; returns ``(..., H)``."""
+        x2 = x.reshape(-1, self.hidden_size)
+        y, aux, counts = _serial_forward(
+            x2, self.router, list(self.experts), self.k, self.capacity_factor, self.renormalize
+        )
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(x2)
+        self.aux_loss, self.tokens_per_expert = aux, counts
+        return y.reshape(x.shape[:-1] + (y.shape[-1],))
+
+
+class _DrawnFrom:
+    """Draw the initial weights from ``gen`` (``None``: the global RNG, as torch does)."""
+
+    def __init__(self, gen: torch.Generator | None) -> None:
+        self.gen = gen
+
+    def __enter__(self) -> None:
+        if self.gen is not None:
+            self._devices = torch.random.fork_rng(devices=[])
+            self._devices.__enter__()
+            torch.default_generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.gen)))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.gen is not None:
+            self._devices.__exit__(*exc)
+
+
+class ExpertParallelMoE(nn.Module):
+    """Mixture of experts with the experts sharded over an expert-parallel group.
+
+    Rank ``r`` holds experts ``[r * E / world, (r + 1) * E / world)`` and its own tokens;
+    the router (and the optional shared expert) are replicated. A step exchanges the
+    per-expert counts once, dispatches with one uneven all_to_all, runs the local experts
+    and combines with one all_to_all back (see :func:`dispatch` / :func:`combine`). The
+    shared expert's compute overlaps the dispatch all_to_all (``async_op``).
+
+    Args:
+        hidden_size: input and output size ``H``.
+        ffn_hidden_size: each expert's inner size.
+        num_experts: ``E`` over the whole group, divisible by the group size.
+        k: experts per token.
+        capacity_factor: ``None`` (dropless) or as :class:`MoE`, over all ranks' tokens.
+        renormalize: see :func:`route`.
+        shared_expert_size: inner size of a replicated shared expert (``None``: none).
+        bias: biases in the expert MLPs.
+        activation: of the expert MLPs.
+        group: the expert-parallel group: ``None`` (world), a ``ProcessGroup`` or
+            ``(DeviceMesh, axis)``.
+        experts: this rank's experts, if not the MLPs drawn from ``seed`` (e.g.
+            tensor-parallel :class:`~diffcomm.parallel.ParallelMLP` over another axis);
+            ``E / world`` modules mapping ``(n, H) -> (n, H)``.
+        overlap_shared: run the shared expert while the dispatch is in flight.
+        seed, generator, dtype, device: the parameters are this rank's part of
+            ``MoE(..., seed=seed)`` (the same draws), so a serial MoE built with the same
+            seed is the reference. (Every rank draws all the experts once and keeps its
+            own; for experts too large for that, pass ``experts=``.) With neither
+            ``seed`` nor ``generator`` the global RNG draws, and it must then be in the
+            same state on every rank: the router and shared expert are replicas.
+
+    Shapes:
+        input ``(..., H)``, this rank's tokens (the token count may differ between ranks);
+        output the same shape.
+
+    Gradient:
+        sum convention: with each rank's loss over its own tokens, the expert gradients
+        equal the serial MoE's; the router's and shared expert's are this rank's share
+        (their sum over ranks is the serial gradient: :meth:`sync_replicated_grads`).
+
+    After ``forward``: ``self.aux_loss`` (this rank's share of the load-balancing loss;
+    summed over ranks it is the serial one), ``self.tokens_per_expert`` (``(E,)`` int64
+    over the whole group, before dropping), ``self.dropped`` and ``self.plan``.
+
+    Example::
+
+        def f():
+            moe = dc.parallel.ExpertParallelMoE(8, 16, num_experts=4, k=2, seed=0)
+            y = moe(torch.randn(5, 8))
+            return y.shape, moe.tokens_per_expert.tolist()
+        with dc.LocalWorld(2) as world:
+            world.run(f)
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        k: int = 2,
+        group: A.GroupLike = None,
+        *,
+        capacity_factor: float | None = None,
+        renormalize: bool = False,
+        shared_expert_size: int | None = None,
+        bias: bool = True,
+        activation: str | Callable[[Tensor], Tensor] = "gelu",
+        experts: Sequence[nn.Module] | None = None,
+        overlap_shared: bool = True,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        op = "parallel.ExpertParallelMoE"
+        self._pg, self.world, self.rank = resolve_parallel_group(op, group)
+        num_experts = check_positive(op, "num_experts", num_experts)
+        if num_experts % self.world:
+            raise A.arg_error(
+                op,
+                "num_experts",
+                f"divisible by the group size {self.world} (experts are split evenly)",
+                num_experts,
+            )
+        full = MoE(
+            hidden_size,
+            ffn_hidden_size,
+            num_experts,
+            k,
+            capacity_factor=capacity_factor,
+            renormalize=renormalize,
+            shared_expert_size=shared_expert_size,
+            bias=bias,
+            activation=activation,
+            seed=seed,
+            generator=generator,
+            dtype=dtype,
+            device=device,
+        )
+        self._adopt(full, experts)
+        self.overlap_shared = bool(overlap_shared)
+
+    def _adopt(self, full: MoE, experts: Sequence[nn.Module] | None) -> None:
+        per_rank = full.num_experts // self.world
+        self.num_experts, self.k = full.num_experts, full.k
+        self.hidden_size = full.hidden_size
+        self.capacity_factor, self.renormalize = full.capacity_factor, full.renormalize
+        self.experts_per_rank = per_rank
+        self.first_expert = self.rank * per_rank
+        self.router = full.router
+        self.shared_expert = full.shared_expert
+        if experts is None:
+            local = list(full.experts)[self.first_expert : self.first_expert + per_rank]
+        else:
+            local = list(experts)
+            if len(local) != per_rank:
+                raise A.arg_error(
+                    "parallel.ExpertParallelMoE",
+                    "experts",
+                    f"{per_rank} modules (num_experts / world)",
+                    len(local),
+                )
+        self.experts = nn.ModuleList(local)
+        self.aux_loss: Tensor | None = None
+        self.tokens_per_expert: Tensor | None = None
+        self.dropped = 0
+        self.plan: DispatchPlan | None = None
+
+    @classmethod
+    def from_serial(
+        cls, moe: MoE, group: A.GroupLike = None, *, overlap_shared: bool = True
+    ) -> ExpertParallelMoE:
+        """This rank's part of the serial :class:`MoE` (copies of its router, shared
+        expert and this rank's experts; the serial module is not modified)."""
+        import copy
+
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        op = "parallel.ExpertParallelMoE.from_serial"
+        self._pg, self.world, self.rank = resolve_parallel_group(op, group)
+        if moe.num_experts % self.world:
+            raise A.arg_error(
+                op, "moe", f"num_experts divisible by the group size {self.world}", moe.num_experts
+            )
+        # the last step's aux loss and histogram are not copied (a graph, not state); nor
+        # are gradients
+        memo: dict[int, Any] = {id(moe.aux_loss): None, id(moe.tokens_per_expert): None}
+        full = copy.deepcopy(moe, memo)
+        for p in full.parameters():
+            p.grad = None
+        self._adopt(full, None)
+        self.overlap_shared = bool(overlap_shared)
+        return self
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The parameters every rank of the group holds (router, shared expert)."""
+        params = list(self.router.parameters())
+        if self.shared_expert is not None:
+            params += list(self.shared_expert.parameters())
+        return params
+
+    def sync_replicated_grads(self) -> None:
+        """Sum the replicated parameters' gradients over the group (one coalesced
+        all_reduce): afterwards they equal the serial MoE's gradients on every rank."""
+        params = [p for p in self.replicated_parameters() if p.grad is not None]
+        if not params:
+            return
+        with torch.no_grad():
+            summed = K.all_reduce_coalesced([p.grad for p in params], "sum", self._pg)
+        for p, g in zip(params, summed):
+            p.grad = g
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x``: ``(..., H)`` this rank's tokens; returns ``(..., H)``."""
+        x2 = x.reshape(-1, self.hidden_size)
+        gate, index, probs = route(self.router(x2), self.k, renormalize=self.renormalize)
+        overlap = self.overlap_shared and self.shared_expert is not None
+        h, plan = dispatch(
+            x2, index, self.num_experts, self._pg, capacity_factor=self.capacity_factor, async_op=overlap
+        )
+        shared = self.shared_expert(x2) if self.shared_expert is not None else None  # overlaps the dispatch
+        if overlap:
+            h = h.wait()  # type: ignore[attr-defined]
+        outs = [expert(part) for expert, part in zip(self.experts, h.split(list(plan.expert_splits)))]
+        y_experts = torch.cat(outs) if outs else h
+        y = combine(y_experts, gate, plan)
+        if shared is not None:
+            y = y + shared
+        self.aux_loss = load_balancing_loss(probs, plan)
+        self.tokens_per_expert = plan.tokens_per_expert
+        self.dropped = plan.dropped
+        self.plan = plan
+        return y.reshape(x.shape[:-1] + (y.shape[-1],))

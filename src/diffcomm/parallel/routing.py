@@ -1,0 +1,447 @@
+"""Token routing for expert parallelism: ``route``, the differentiable pair ``dispatch`` /
+``combine`` and ``load_balancing_loss``; the layer built on them is in
+:mod:`diffcomm.parallel.moe` (whose docstring has the picture and the convention).
+
+``dispatch`` sends every token to the ranks holding its chosen experts with one uneven
+:func:`diffcomm.all_to_all`, after **one** exchange of the per-expert counts (the
+:class:`DispatchPlan`, the same table on every rank, from which the split sizes, the
+capacity drops and the permutations follow); ``combine`` brings the experts' outputs
+back with the all_to_all of the other direction and adds them, weighted by the gates,
+into their tokens. Both are compositions of differentiable ops whose adjoints are exact
+(the all_to_all with the split sizes swapped, gathers and index-adds), so the backward of
+the dispatch is a combine and the backward of the combine a dispatch, with the counts
+of the forward: nothing is exchanged again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import _args as A
+from .. import _config
+from .. import backend as B
+from .. import collectives as C
+from ._module import check_positive, resolve_parallel_group
+
+__all__ = ["DispatchPlan", "route", "dispatch", "combine", "load_balancing_loss"]
+
+PG = Any
+
+
+# ======================================================================================
+# routing
+# ======================================================================================
+
+
+def route(logits: Tensor, k: int, *, renormalize: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Top-``k`` routing of tokens to experts.
+
+    Args:
+        logits: ``(T, E)`` router scores.
+        k: experts per token (``1 <= k <= E``).
+        renormalize: divide each token's ``k`` gate weights by their sum (Mixtral);
+            ``False`` keeps the softmax probabilities (Switch, GShard).
+
+    Returns:
+        ``(gate_weights (T, k), expert_index (T, k) int64, probs (T, E))``: the weights of
+        the chosen experts, their ids (in decreasing probability) and the softmax of
+        ``logits``.
+
+    Gradient:
+        through the softmax (``gate_weights`` and ``probs``); ``expert_index`` is discrete.
+    """
+    if logits.ndim != 2:
+        raise A.arg_error(
+            "parallel.route", "logits", "a (tokens, experts) tensor", f"shape {list(logits.shape)}"
+        )
+    e = logits.shape[1]
+    k = check_positive("parallel.route", "k", k)
+    if k > e:
+        raise A.arg_error("parallel.route", "k", f"at most the number of experts {e}", k)
+    probs = logits.softmax(dim=-1)
+    gate, index = probs.topk(k, dim=-1)
+    if renormalize:
+        gate = gate / gate.sum(dim=-1, keepdim=True)
+    return gate, index, probs
+
+
+# ======================================================================================
+# dispatch / combine
+# ======================================================================================
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Where every token assignment goes: made by :func:`dispatch`, used by :func:`combine`.
+
+    Attributes:
+        num_experts: ``E``, experts over the whole group.
+        world, rank: the expert-parallel group's size and this rank.
+        counts: ``(world, E)`` assignments per source rank and expert before dropping
+            (the exchanged table; the same on every rank).
+        accepted: ``(world, E)`` the same after dropping (equal to ``counts`` when dropless).
+        capacity: tokens an expert takes (``None``: dropless).
+        send_splits / recv_splits: rows this rank sends to / receives from each rank.
+        expert_splits: rows of each local expert in the expert-major input (sum of
+            ``recv_splits``).
+        token_index: ``(n_sent,)`` the token of each row sent (in send order).
+        slot_index: ``(n_sent,)`` its position in the flattened ``(T, k)`` assignments.
+        recv_order: ``(n_recv,)`` received rows in expert-major order (indices into the
+            received, source-major rows); ``recv_inverse`` its inverse permutation.
+        source_major: the two orders coincide (one expert per rank, or a world of one).
+        num_tokens: ``T`` of this rank; ``total_tokens``: ``N`` of all ranks.
+        group: the resolved group.
+    """
+
+    num_experts: int
+    world: int
+    rank: int
+    counts: tuple[tuple[int, ...], ...]
+    accepted: tuple[tuple[int, ...], ...]
+    capacity: int | None
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    expert_splits: tuple[int, ...]
+    token_index: Tensor
+    slot_index: Tensor
+    recv_order: Tensor
+    recv_inverse: Tensor
+    source_major: bool
+    num_tokens: int
+    total_tokens: int
+    group: PG
+
+    @property
+    def tokens_per_expert(self) -> Tensor:
+        """``(E,)`` int64: assignments each expert got over the whole group, before dropping
+        (the routing histogram)."""
+        return torch.tensor([sum(col) for col in zip(*self.counts)], dtype=torch.int64)
+
+    @property
+    def dropped(self) -> int:
+        """Assignments dropped over the whole group (0 when dropless)."""
+        return sum(map(sum, self.counts)) - sum(map(sum, self.accepted))
+
+
+def _plan(expert_index: Tensor, num_experts: int, pg: PG, capacity_factor: float | None) -> DispatchPlan:
+    """The routing plan: one exchange of this rank's per-expert counts and token count."""
+    b = B.get_backend()
+    world, rank = b.world_size(pg), b.rank(pg)
+    t, k = expert_index.shape
+    e = num_experts
+    per_rank = e // world
+    flat = expert_index.reshape(-1)
+    dev = flat.device
+    mine = _local_counts(flat, e)  # the host read the exchange needs anyway
+    with B.label("parallel.dispatch (counts exchange)"):  # the step's one exchange
+        table = b.exchange_size_lists([*mine, t], pg)
+    counts = tuple(tuple(row[:e]) for row in table)
+    total = sum(row[e] for row in table)
+    capacity = None
+    accepted = counts
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * total * k / e)
+        taken = [0] * e
+        acc = []
+        for row in counts:  # rank order = the serial MoE's token order
+            got = tuple(min(c, max(0, capacity - taken[j])) for j, c in enumerate(row))
+            taken = [a + g for a, g in zip(taken, got)]
+            acc.append(got)
+        accepted = tuple(acc)
+    # this rank's assignments sorted by expert (stable: token order within an expert)
+    order = torch.sort(flat, stable=True).indices
+    keep_n = accepted[rank]
+    if capacity is not None and flat.numel():
+        sorted_e = flat[order]
+        starts = torch.tensor([sum(counts[rank][:j]) for j in range(e)], dtype=torch.int64, device=dev)
+        pos = torch.arange(flat.numel(), device=dev) - starts[sorted_e]
+        order = order[pos < torch.tensor(keep_n, dtype=torch.int64, device=dev)[sorted_e]]
+    token_index = order // k if k > 1 else order
+    send = tuple(sum(keep_n[q * per_rank : (q + 1) * per_rank]) for q in range(world))
+    mine_lo = rank * per_rank
+    recv = tuple(sum(accepted[s][mine_lo : mine_lo + per_rank]) for s in range(world))
+    # received rows are source-major (then expert); the experts want expert-major
+    pieces, start = [], 0
+    offsets = []
+    for s in range(world):
+        at = start
+        row = []
+        for j in range(per_rank):
+            row.append(at)
+            at += accepted[s][mine_lo + j]
+        offsets.append(row)
+        start += recv[s]
+    for j in range(per_rank):
+        for s in range(world):
+            n = accepted[s][mine_lo + j]
+            if n:
+                pieces.append(torch.arange(offsets[s][j], offsets[s][j] + n))
+    recv_order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    recv_inverse = torch.empty_like(recv_order)
+    recv_inverse[recv_order] = torch.arange(recv_order.numel())
+    expert_splits = tuple(sum(accepted[s][mine_lo + j] for s in range(world)) for j in range(per_rank))
+    return DispatchPlan(
+        num_experts=e,
+        world=world,
+        rank=rank,
+        counts=counts,
+        accepted=accepted,
+        capacity=capacity,
+        send_splits=send,
+        recv_splits=recv,
+        expert_splits=expert_splits,
+        token_index=token_index.to(dev),
+        slot_index=order.to(dev),
+        recv_order=recv_order.to(dev),
+        recv_inverse=recv_inverse.to(dev),
+        source_major=per_rank == 1 or world == 1,
+        num_tokens=t,
+        total_tokens=total,
+        group=pg,
+    )
+
+
+def _local_counts(flat: Tensor, e: int) -> list[int]:
+    """Assignments per expert on this rank; ids outside ``[0, e)`` raise (named) here,
+    before any communication."""
+    if not flat.numel():
+        return [0] * e
+    try:
+        mine = torch.bincount(flat, minlength=e).tolist()
+    except RuntimeError:  # a negative id
+        mine = [0] * (e + 1)
+    if len(mine) > e:
+        raise A.arg_error("parallel.dispatch", "expert_index", f"expert ids in [0, {e})", "ids out of range")
+    return mine
+
+
+class _Permute(torch.autograd.Function):
+    """Rows of ``x`` in the order ``perm`` (a permutation, ``inverse`` its inverse).
+
+    ``x.index_select(0, perm)`` would do, but its backward scatters the gradient into
+    zeros (``index_add``); for a permutation the adjoint is the gather with the inverse,
+    about half the memory traffic. The backward applies this Function again (so double
+    backward works); the tangent goes through the same permutation."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.perm, ctx.inverse = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        return _Permute.apply(g, ctx.inverse, ctx.perm), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
+        return _Permute.apply(t, ctx.perm, ctx.inverse)
+
+
+def _permute(x: Tensor, perm: Tensor, inverse: Tensor, identity: bool) -> Tensor:
+    return x if identity else _Permute.apply(x, perm, inverse)
+
+
+def dispatch(
+    x: Tensor,
+    expert_index: Tensor,
+    num_experts: int,
+    group: A.GroupLike = None,
+    *,
+    capacity_factor: float | None = None,
+    plan: DispatchPlan | None = None,
+    async_op: bool = False,
+) -> tuple[Tensor, DispatchPlan]:
+    """Send every token to the ranks holding its chosen experts (one uneven all_to_all).
+
+    Args:
+        x: ``(T, H)`` this rank's tokens (``T`` may differ between ranks, also 0).
+        expert_index: ``(T, k)`` int64 expert ids in ``[0, num_experts)`` (from
+            :func:`route`); the same ``k`` on every rank.
+        num_experts: ``E`` over the whole group, divisible by the group size; rank ``r``
+            holds experts ``[r * E / world, (r + 1) * E / world)``.
+        group: the expert-parallel group: ``None`` (world), a ``ProcessGroup`` or
+            ``(DeviceMesh, axis)``.
+        capacity_factor: ``None`` (dropless) or a positive float: each expert takes at
+            most ``ceil(capacity_factor * N * k / E)`` assignments of the ``N`` tokens of
+            all ranks, in rank order then token order; the rest are dropped.
+        plan: the :class:`DispatchPlan` of an earlier dispatch of the **same routing**
+            (``expert_index`` and ``capacity_factor`` unchanged: activation
+            recomputation, a second tensor routed alike): reused, nothing exchanged.
+        async_op: the all_to_all returns at once (an :class:`~diffcomm.AsyncTensor` that
+            waits on first use): compute something else (a shared expert) meanwhile.
+
+    Returns:
+        ``(expert_inputs, plan)``: ``expert_inputs`` is ``(sum(plan.expert_splits), H)``,
+        the rows of this rank's experts, expert by expert (split it with
+        ``plan.expert_splits``); ``plan`` is the :class:`DispatchPlan` for :func:`combine`.
+
+    Gradient:
+        the adjoint: the all_to_all back with the split sizes swapped (no exchange), the
+        rows added into their tokens' gradients (a token sent to ``k`` experts gets the sum).
+        The counts are exchanged once, here (a host read); nothing else synchronises.
+
+    Example::
+
+        def f():
+            x = torch.randn(4, 8)
+            gate, idx, _ = dc.parallel.route(torch.randn(4, 4), k=2)
+            h, plan = dc.parallel.dispatch(x, idx, num_experts=4)
+            return h.shape, plan.expert_splits
+        with dc.LocalWorld(2) as world:
+            world.run(f)   # each rank: its 2 experts' rows
+    """
+    op = "parallel.dispatch"
+    if not isinstance(x, Tensor) or x.ndim != 2:
+        raise A.arg_error(op, "x", "a (tokens, hidden) tensor", getattr(x, "shape", type(x).__name__))
+    if not isinstance(expert_index, Tensor) or expert_index.ndim != 2 or expert_index.shape[0] != x.shape[0]:
+        raise A.arg_error(
+            op,
+            "expert_index",
+            f"a ({x.shape[0]}, k) tensor of expert ids",
+            getattr(expert_index, "shape", None),
+        )
+    if expert_index.dtype not in (torch.int64, torch.int32):
+        raise A.arg_error(op, "expert_index", "an int64 tensor", expert_index.dtype, TypeError)
+    pg, world, _ = resolve_parallel_group(op, group)
+    num_experts = check_positive(op, "num_experts", num_experts)
+    if num_experts % world:
+        raise A.arg_error(op, "num_experts", f"divisible by the group size {world}", num_experts)
+    if capacity_factor is not None and not (float(capacity_factor) > 0):
+        raise A.arg_error(op, "capacity_factor", "None or a positive float", capacity_factor)
+    if _config.DEBUG.get():  # the routing's shape must agree (else the splits would not)
+        fields = {
+            "num_experts": num_experts,
+            "k": expert_index.shape[1],
+            "capacity_factor": str(capacity_factor),
+        }
+        fields.update(hidden=tuple(x.shape[1:]), dtype=x.dtype, plan_given=plan is not None)
+        B.get_backend().check_consistent(op, fields, pg)
+    if plan is None:
+        factor = None if capacity_factor is None else float(capacity_factor)
+        plan = _plan(expert_index.long(), num_experts, pg, factor)
+    elif not isinstance(plan, DispatchPlan):
+        raise A.arg_error(
+            op, "plan", "None or a DispatchPlan from dispatch()", type(plan).__name__, TypeError
+        )
+    elif plan.num_tokens != x.shape[0] or plan.num_experts != num_experts or plan.world != world:
+        raise A.arg_error(
+            op,
+            "plan",
+            f"a plan of the same routing ({x.shape[0]} tokens, {num_experts} experts, {world} ranks)",
+            f"a plan of {plan.num_tokens} tokens, {plan.num_experts} experts, {plan.world} ranks",
+        )
+    rows = x.index_select(0, plan.token_index)
+    with B.label("parallel.dispatch"):
+        got = C.all_to_all(
+            rows,
+            group=pg,
+            input_split_sizes=plan.send_splits,
+            output_split_sizes=plan.recv_splits,
+            async_op=async_op,
+        )
+    if async_op:
+        return _Deferred(got, plan), plan  # type: ignore[return-value]
+    return _permute(got, plan.recv_order, plan.recv_inverse, plan.source_major), plan
+
+
+class _Deferred:
+    """An asynchronous dispatch's result: the expert-major rows once the all_to_all is done."""
+
+    def __init__(self, got: Tensor, plan: DispatchPlan) -> None:
+        self._got, self._plan = got, plan
+
+    def wait(self) -> Tensor:
+        got = self._got.wait() if hasattr(self._got, "wait") else self._got
+        p = self._plan
+        return _permute(got, p.recv_order, p.recv_inverse, p.source_major)
+
+
+def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) -> Tensor:
+    """Bring the experts' outputs back to their tokens, weighted by the gate weights.
+
+    Args:
+        expert_outputs: ``(sum(plan.expert_splits), H_out)`` this rank's experts' outputs,
+            expert-major as :func:`dispatch` gave the inputs.
+        gate_weights: ``(T, k)`` the weight of each chosen expert (from :func:`route`).
+        plan: the :class:`DispatchPlan` of the matching :func:`dispatch`.
+
+    Returns:
+        ``(T, H_out)``: ``y[t] = sum_j gate_weights[t, j] * expert_{index[t, j]}(x[t])`` over
+        the assignments not dropped (a token with every assignment dropped gets zeros).
+
+    Gradient:
+        the adjoint: the gradient rows gathered per assignment, weighted, and sent with the
+        all_to_all of the dispatch direction (split sizes swapped, no exchange); the gate
+        weights get ``<grad y[t], expert output>`` (the router's gradient).
+    """
+    op = "parallel.combine"
+    if not isinstance(plan, DispatchPlan):
+        raise A.arg_error(
+            op, "plan", "the DispatchPlan returned by dispatch()", type(plan).__name__, TypeError
+        )
+    n = sum(plan.expert_splits)
+    if not isinstance(expert_outputs, Tensor) or expert_outputs.ndim != 2 or expert_outputs.shape[0] != n:
+        raise A.arg_error(
+            op,
+            "expert_outputs",
+            f"a ({n}, hidden) tensor (the dispatched rows)",
+            getattr(expert_outputs, "shape", None),
+        )
+    if (
+        not isinstance(gate_weights, Tensor)
+        or gate_weights.ndim != 2
+        or gate_weights.shape[0] != plan.num_tokens
+    ):
+        raise A.arg_error(
+            op, "gate_weights", f"a ({plan.num_tokens}, k) tensor", getattr(gate_weights, "shape", None)
+        )
+    rows = _permute(expert_outputs, plan.recv_inverse, plan.recv_order, plan.source_major)  # source-major
+    with B.label("parallel.combine"):
+        back = C.all_to_all(
+            rows,
+            group=plan.group,
+            input_split_sizes=plan.recv_splits,
+            output_split_sizes=plan.send_splits,
+        )
+    w = gate_weights.reshape(-1).index_select(0, plan.slot_index).to(back.dtype)
+    out = back.new_zeros(plan.num_tokens, back.shape[1])
+    if torch._C._are_functorch_transforms_active():  # (vmap: no in-place into unbatched zeros)
+        return out.index_add(0, plan.token_index, back * w.unsqueeze(1))
+    # into the fresh zeros in place (autograd records it: the zeros need no gradient)
+    return out.index_add_(0, plan.token_index, back * w.unsqueeze(1))
+
+
+def load_balancing_loss(probs: Tensor, plan: DispatchPlan) -> Tensor:
+    """This rank's share of the Switch load-balancing loss ``E * sum_e f_e * P_e``.
+
+    ``f_e`` is the fraction of all ranks' assignments routed to expert ``e`` (before
+    dropping; from the exchanged counts, no communication) and ``P_e`` the mean router
+    probability of ``e`` over all ``N`` tokens; this rank's share uses its own tokens'
+    probabilities, so the **sum over ranks** is the serial loss (the sum convention).
+
+    Args:
+        probs: ``(T, E)`` this rank's router probabilities (from :func:`route`).
+        plan: the step's :class:`DispatchPlan`.
+
+    Returns:
+        a 0-dim tensor; 1.0 summed over ranks when the routing is perfectly balanced.
+
+    Gradient:
+        ``E * f_e / N`` into ``probs[:, e]`` (``f`` is a constant).
+    """
+    e = plan.num_experts
+    k_total = sum(map(sum, plan.counts))
+    if plan.total_tokens == 0 or k_total == 0:
+        return probs.sum() * 0.0
+    f = plan.tokens_per_expert.to(probs.dtype).to(probs.device) / k_total
+    return e * (probs.sum(dim=0) * f).sum() / plan.total_tokens
