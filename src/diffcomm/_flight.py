@@ -139,7 +139,7 @@ _INTERNAL: dict[str, bool] = {}
 _DEPTH: dict[Any, tuple[int, Any]] = {}  # label -> (depth of the user's frame, its code)
 _PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_STATUS = ["running"]  # running | returned | exited (what the process does outside diffcomm)
+_STATUS = ["running"]  # running | returned | exited | destroyed (what the process does outside diffcomm)
 
 
 def configure() -> None:
@@ -447,7 +447,7 @@ def _connection(store: Any) -> Any:
 STOP_WAIT = 5.0
 #: seconds a stop waits for its thread to leave the store
 JOIN_WAIT = 2.0
-_FAILED = [False]  # a communication failed in this process: peers may be dead, never wait for them
+_FAILED = [False]  # a communication failed here: peers may be dead, rank 0's stop waits less for them
 _SERIAL = [0]
 
 
