@@ -126,7 +126,7 @@ def _sigterm(out: Path, world: int, proc: subprocess.Popen[str]) -> dict[str, An
     return {"exit_s": exit_s}
 
 
-def run_once(launcher: str, scenario: str, world: int, limit: float = 120.0) -> dict[str, Any]:
+def run_once(launcher: str, scenario: str, world: int, limit: float = 300.0) -> dict[str, Any]:
     """One repetition of a cell: exit codes, every rank's facts and stderr, timings."""
     with tempfile.TemporaryDirectory(prefix="diffcomm-lifecycle-") as d:
         out = Path(d)
@@ -228,7 +228,8 @@ def judge(r: dict[str, Any]) -> tuple[bool, str, float | None]:
         times = []
         for f in survivors:
             if f.get(key) != "True":
-                return False, f"a survivor did not name the rank: {f}", None
+                tails = [e[-600:] for e in errs if e.strip()]
+                return False, f"a survivor did not name the rank: {f}, codes {r['rank_codes']}, {tails}", None
             times.append(float(f["raised_after"]))
         if max(times) > TIMEOUT + 2:
             return False, f"raised after {max(times)} s", None

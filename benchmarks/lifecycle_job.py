@@ -82,8 +82,11 @@ def scenario_exit(control: bool = False) -> None:
 
 def scenario_reinit() -> None:
     ports = os.environ.get("LIFECYCLE_PORTS", "").split(",")  # one free port per group
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun: one store
     for g in range(3):
-        if g and len(ports) == 3:
+        if agent_store:
+            pass
+        elif g and len(ports) == 3:
             os.environ["MASTER_PORT"] = ports[g]
         elif g:
             os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
