@@ -53,7 +53,7 @@ import cloudpickle
 import psutil
 import torch.distributed as dist
 
-from . import _config
+from . import _config, _ship
 from . import _world_report as _report
 from ._errors import (
     RankDesyncError,
@@ -463,7 +463,7 @@ class LocalWorld:
             self._finalizer = weakref.finalize(self, _Procs.shutdown, self._state, False)
             self._start()
         try:
-            payload = cloudpickle.dumps((fn, args, kwargs, list(sys.path)))
+            payload = _ship.dumps((fn, args, kwargs, list(sys.path)))
         except Exception as exc:
             raise TypeError(f"LocalWorld.run(): cannot pickle the function or its arguments: {exc}") from exc
         msg = pickle.dumps(("run", payload))
