@@ -73,7 +73,7 @@ def test_a_notebook_cell_keeps_its_file_line_and_source(
     for r in (0, 1):
         tb = info.value.failures[r]
         assert f'File "{filename}", line 4, in cell_fn' in tb, tb
-        assert "raise ValueError(\"the user's own error\")" in tb, tb
+        assert 'raise ValueError("the user\'s own error")' in tb, tb
         assert "<dynamic-code>" not in tb
 
 
