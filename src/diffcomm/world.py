@@ -658,8 +658,11 @@ _WORKER_BOOT = (
 )
 
 
-def check_world_fits(world_size: int) -> None:
+def check_world_fits(world_size: int, override: str | None = None) -> None:
     """Raise :class:`~diffcomm.WorldTooLargeError` if this machine cannot hold the world.
+
+    ``override``: how the caller's user overrides the refusal (a command line names its
+    flag, ``--allow-oversubscribe``); default ``LocalWorld``'s argument and the variable.
 
     Bounds: at most 8 ranks per CPU core (each rank imports torch and runs its own
     threads), and the per-rank memory estimate (about 350 MB for an idle gloo rank) times
@@ -682,8 +685,9 @@ def check_world_fits(world_size: int) -> None:
     if problems:
         raise WorldTooLargeError(
             f"LocalWorld({world_size}): this machine cannot hold the world: " + "; ".join(problems) + ". "
-            "Use fewer ranks, or override with LocalWorld(..., allow_oversubscribe=True) or "
-            "DIFFCOMM_ALLOW_OVERSUBSCRIBE=1."
+            "Use fewer ranks, or override with "
+            + (override or "LocalWorld(..., allow_oversubscribe=True) or DIFFCOMM_ALLOW_OVERSUBSCRIBE=1")
+            + "."
         )
 
 
