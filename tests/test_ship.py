@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import linecache
+import os
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -121,3 +122,33 @@ def test_shipping_leaves_by_reference_functions_and_plain_values_alone() -> None
     fn, ref, plain, tensors = _ship.loads(payload)
     assert fn is print and ref is textwrap.dedent and plain == [1, "a"]
     assert torch.equal(tensors["k"], torch.ones(2))
+
+
+def test_a_real_notebook_cell_in_a_kernel_names_its_cell_and_line(tmp_path: Path) -> None:
+    """The same through a real IPython kernel (nbclient), as a notebook user runs it."""
+    nbformat = pytest.importorskip("nbformat", reason="needs nbformat (the `test` extra)")
+    nbclient = pytest.importorskip("nbclient", reason="needs nbclient (the `test` extra)")
+    pytest.importorskip("ipykernel", reason="needs ipykernel (the `test` extra)")
+    cells = [
+        "import torch\nimport diffcomm as dc\nworld = dc.LocalWorld(2, progress=False)",
+        CELL,
+        "sites = world.run(cell_fn, False)\n"
+        "try:\n"
+        "    world.run(cell_fn, True)\n"
+        "except dc.RankError as exc:\n"
+        "    tb = exc.failures[1]\n"
+        "world.close()\n"
+        "print(repr(sites[0][0]))\n"
+        "print(tb)",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    client = nbclient.NotebookClient(nb, timeout=240, kernel_name="python3")
+    client.execute(env=env, cwd=str(tmp_path))
+    out = "".join(o.get("text", "") for o in nb.cells[2].outputs)
+    site, _, tb = out.partition("\n")
+    cell_file = site.strip("'").rsplit(":", 1)[0]
+    assert site.strip("'").endswith(":2") and "<dynamic-code>" not in out, out
+    assert f'File "{cell_file}", line 4, in cell_fn' in tb, out
+    assert "raise ValueError(\"the user's own error\")" in tb, out  # the cell's own line
