@@ -188,9 +188,12 @@ def test_check_refuses_bad_arguments_before_importing_torch(argv: list[str], wor
     assert not _imports_torch(p)
 
 
-def test_check_refusing_a_world_too_large_names_its_own_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["check", "-n", "99999"]) == 2
-    line = _one_error_line(capsys.readouterr().err, "check")
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_refusing_a_world_too_large_names_the_commands_own_flag(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main([command, "-n", "99999"]) == 2
+    line = _one_error_line(capsys.readouterr().err, command)
     assert "this machine cannot hold the world" in line
     assert line.endswith("override with --allow-oversubscribe.")
     assert "allow_oversubscribe=True" not in line and "DIFFCOMM_ALLOW_OVERSUBSCRIBE" not in line

@@ -151,4 +151,4 @@ def test_a_real_notebook_cell_in_a_kernel_names_its_cell_and_line(tmp_path: Path
     cell_file = site.strip("'").rsplit(":", 1)[0]
     assert site.strip("'").endswith(":2") and "<dynamic-code>" not in out, out
     assert f'File "{cell_file}", line 4, in cell_fn' in tb, out
-    assert "raise ValueError(\"the user's own error\")" in tb, out  # the cell's own line
+    assert 'raise ValueError("the user\'s own error")' in tb, out  # the cell's own line

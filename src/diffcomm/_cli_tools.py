@@ -370,6 +370,11 @@ def bench_configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tensors", type=int, default=256, help="with --coalesced: tensors (default 256)")
     parser.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="start a world larger than this machine can hold instead of refusing it",
+    )
+    parser.add_argument(
         "--tensor-bytes", type=int, default=4096, help="with --coalesced: bytes per tensor (default 4096)"
     )
 
@@ -472,11 +477,19 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
         if missing:
             raise UsageError(f"--plot: {missing}")
     check_backend(args.backend, args.world)
-    from diffcomm.world import LocalWorld
+    from diffcomm.world import LocalWorld, check_world_fits
 
+    if not args.allow_oversubscribe:
+        check_world_fits(max(args.world), override="--allow-oversubscribe")
     rows = []
     for w in args.world:
-        with LocalWorld(w, backend=args.backend, timeout=600, progress=False) as world:
+        with LocalWorld(
+            w,
+            backend=args.backend,
+            timeout=600,
+            progress=False,
+            allow_oversubscribe=args.allow_oversubscribe or None,
+        ) as world:
             with Progress(
                 TextColumn(f"world {w}"),
                 BarColumn(),
