@@ -175,27 +175,31 @@ def test_launch_takes_localworlds_settings_by_name_and_fn_kwargs_for_colliding_n
 
 
 _PROGRESS_SCRIPT = """
+import os
 import sys
 import diffcomm as dc
 import diffcomm.world as W
+from diffcomm import _config
 W._PROGRESS_AFTER = 0.0  # print from the first tick
 for arg in sys.argv[1:]:
+    if arg.startswith("DIFFCOMM_PROGRESS="):  # as if the program had started with it
+        os.environ["DIFFCOMM_PROGRESS"] = arg.split("=")[1]
+        _config.PROGRESS.reload()
     print(f"== {arg}", file=sys.stderr, flush=True)
-    with dc.LocalWorld(1, progress={"default": None, "on": True, "off": False}[arg]):
+    with dc.LocalWorld(1, progress={"on": True, "off": False}.get(arg)):
         pass
 """
 
 
-def _progress_lines(tmp_path: Path, env: dict[str, str], tty: bool, *cases: str) -> dict[str, list[str]]:
+def _progress_lines(tmp_path: Path, tty: bool, *cases: str) -> dict[str, list[str]]:
     """Run ``_PROGRESS_SCRIPT`` with stderr a pipe or a terminal (a pty); the diffcomm
     lines it printed per case."""
     import pty
 
     script = tmp_path / "progress.py"
     script.write_text(_PROGRESS_SCRIPT)
-    full_env = {**os.environ, **env}
-    if "DIFFCOMM_PROGRESS" not in env:
-        full_env.pop("DIFFCOMM_PROGRESS", None)
+    full_env = dict(os.environ)
+    full_env.pop("DIFFCOMM_PROGRESS", None)
     if tty:
         main, sub = pty.openpty()
         proc = subprocess.Popen(
@@ -233,16 +237,14 @@ def _progress_lines(tmp_path: Path, env: dict[str, str], tty: bool, *cases: str)
 
 
 def test_start_up_progress_only_on_a_terminal_or_when_asked(tmp_path: Path) -> None:
-    piped = _progress_lines(tmp_path, {}, False, "default", "on")
+    piped = _progress_lines(tmp_path, False, "default", "on", "DIFFCOMM_PROGRESS=1")
     assert piped["default"] == []  # stderr is a pipe: nothing mixed into the user's output
-    assert piped["on"] and piped["on"][-1].startswith("diffcomm: LocalWorld(1) ready after")
-    on_terminal = _progress_lines(tmp_path, {}, True, "default", "off")
+    for asked in ("on", "DIFFCOMM_PROGRESS=1"):
+        assert piped[asked] and piped[asked][-1].startswith("diffcomm: LocalWorld(1) ready after")
+    on_terminal = _progress_lines(tmp_path, True, "default", "off", "DIFFCOMM_PROGRESS=0")
     assert on_terminal["default"] and "starting: 0/1 ranks ready after" in on_terminal["default"][0]
     assert on_terminal["off"] == []
-    by_env = _progress_lines(tmp_path, {"DIFFCOMM_PROGRESS": "0"}, True, "default")
-    assert by_env["default"] == []  # the one switch: DIFFCOMM_PROGRESS=0 (or progress=False)
-    asked = _progress_lines(tmp_path, {"DIFFCOMM_PROGRESS": "1"}, False, "default")
-    assert asked["default"] and asked["default"][-1].startswith("diffcomm: LocalWorld(1) ready after")
+    assert on_terminal["DIFFCOMM_PROGRESS=0"] == []  # the one switch (or progress=False)
 
 
 # ---------------------------------------------------------------- a rank that raises
