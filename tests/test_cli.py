@@ -154,15 +154,49 @@ def test_every_usage_error_is_one_line_and_exit_2(
 
 
 def test_unknown_op_lists_the_valid_names(capsys: pytest.CaptureFixture[str]) -> None:
-    from diffcomm.testing.cases import standard_cases
+    from diffcomm._cli_tools import CHECK_OPS
+    from diffcomm.testing.cases import standard_cases, standard_p2p_cases
     from diffcomm.testing.coalesced import standard_coalesced_cases
+    from diffcomm.testing.mappings import standard_mapping_cases
 
     assert cli.main(["check", "--ops", "all_gather", "allreduce"]) == 2
     line = _one_error_line(capsys.readouterr().err, "check")
     assert "unknown op 'allreduce' (did you mean all_reduce?)" in line
-    valid = {c.op for c in [*standard_cases(2), *standard_coalesced_cases(2)]}
-    assert valid >= {"all_reduce", "all_to_all", "all_reduce_coalesced"}
-    assert set(line.split("valid: ")[1].split(", ")) == valid
+    cases = [*standard_cases(2), *standard_p2p_cases(2), *standard_coalesced_cases(2)]
+    cases += standard_mapping_cases(2)
+    # the torch-free list is the cases' ops, in their order: nothing listed twice drifts
+    assert list(dict.fromkeys(c.op for c in cases)) == list(CHECK_OPS)
+    assert set(CHECK_OPS) >= {"all_reduce", "all_reduce_coalesced", "shift", "ppermute", "sendrecv"}
+    assert set(CHECK_OPS) >= {"send/recv", "copy_to_region", "all_to_all_region"}
+    assert set(line.split("valid: ")[1].split(", ")) == {*CHECK_OPS, "send", "recv"}
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["check", "-n", "0"], "world size must be >= 1, got 0"),
+        (["check", "--ops", "sendd"], "unknown op 'sendd' (did you mean send?)"),
+        (["check", "--backend", "glo"], "unknown backend 'glo' (did you mean gloo?)"),
+    ],
+)
+def test_check_refuses_bad_arguments_before_importing_torch(argv: list[str], words: str) -> None:
+    """Refused at once (no torch import: it takes seconds), with the command's own words."""
+    p = _run_python("-X", "importtime", "-m", "diffcomm", *argv, timeout=120)
+    assert p.returncode == 2
+    errors = [ln for ln in p.stderr.splitlines() if "|" not in ln]
+    assert len(errors) == 1 and words in errors[0], p.stderr
+    assert not _imports_torch(p)
+
+
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_refusing_a_world_too_large_names_the_commands_own_flag(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main([command, "-n", "99999"]) == 2
+    line = _one_error_line(capsys.readouterr().err, command)
+    assert "this machine cannot hold the world" in line
+    assert line.endswith("override with --allow-oversubscribe.")
+    assert "allow_oversubscribe=True" not in line and "DIFFCOMM_ALLOW_OVERSUBSCRIBE" not in line
 
 
 def test_nccl_without_gpus_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:

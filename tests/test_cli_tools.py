@@ -61,6 +61,48 @@ def test_check_covers_the_coalesced_ops() -> None:
     assert all(c["adjoint_err"] is not None and c["adjoint_err"] <= 2e-5 for c in linear)  # float32 tol
 
 
+def test_check_covers_point_to_point_and_the_mappings() -> None:
+    ops = ["send", "sendrecv", "shift", "ppermute", "copy_to_region", "gather_from_region"]
+    ops += ["reduce_scatter_to_sequence", "all_to_all_region"]
+    p = _run("check", "-n", "3", "--ops", *ops, "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads(p.stdout)
+    want = {"send/recv", *ops[1:]}  # send and recv are checked together
+    assert data["ok"] and {c["op"] for c in data["cases"]} == want
+    for c in data["cases"]:  # forward, the gradient and the adjoint test, on every case
+        assert c["forward_err"] <= 1e-10 and c["grad_err"] <= 1e-10, c
+        assert c["adjoint_err"] is not None and c["adjoint_err"] <= 1e-10, c
+
+
+def test_the_bench_table_fits_100_columns_and_the_verdict_is_in_words() -> None:
+    from rich.console import Console
+
+    from diffcomm._cli_tools import BENCH_LEGEND, bench_table
+
+    impls = ["raw", "floor", "torch.distributed.nn", "funcol", "diffcomm", "diffcomm(sizes=)", bench.CONTROL]
+    rows = []
+    for op in ("reduce_scatter", "all_to_all"):
+        for nbytes in (16 * 1024, 16 * 2**20):
+            times = {i: [1e-3 * (1 + k) for k in range(4)] for i in impls}
+            rows += bench.rows_from_times(op, nbytes, 4, times)
+    console = Console(width=100, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(bench_table(rows, 4))
+    console.print(BENCH_LEGEND)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 100, text
+    assert "…" not in text and "16MiB" in text and "nn (again)" in text
+    (verdict, control) = bench.slower_than_nn_lines(rows)
+    assert verdict.startswith("world 4: diffcomm was slower than torch.distributed.nn in 0 of 4 cells")
+    assert "what noise alone does here" in control and "3 of 4 rounds)" not in verdict
+
+
+def test_bench_help_says_why_reduce_gather_and_scatter_are_not_in_the_default() -> None:
+    p = _run("bench", "--help")
+    assert p.returncode == 0
+    text = " ".join(p.stdout.split())
+    assert "Default: the five unrooted ones; reduce, gather and scatter" in text
+
+
 def test_a_failing_case_fails_the_row() -> None:
     case = Case("all_reduce", 2, (2,))
     good = {

@@ -484,6 +484,63 @@ def test_debug_mode_accepts_legal_uneven(world3) -> None:
     assert world3.run(_mismatch, "ok") == [("ok", "")] * 3
 
 
+def test_debug_mode_names_the_gathers_other_dims_in_user_words(world2) -> None:
+    def gathers_mismatched() -> str:
+        with dc.debug(True):
+            try:
+                dc.all_gather(torch.ones(2, 3 + dc.get_rank()))
+            except dc.CrossRankMismatchError as exc:
+                return str(exc)
+        return "no error"
+
+    for msg in world2.run(gathers_mismatched):
+        assert "x.shape without `dim`" in msg and "other_dims" not in msg, msg
+
+
+# --------------------------------------------------------------------------------------
+# without debug mode: a gather's size exchange carries every rank's other dims and
+# dtype, so a mismatch is an error on every rank (never a gloo abort, never garbage)
+# --------------------------------------------------------------------------------------
+
+# (what rank `odd` passes instead of a (2, 3) float32 x, dim, the message's key words)
+_GATHER_MISMATCHES = [
+    ((2, 4), torch.float32, 0, ["x.shape[1] differs: 3 on rank(s) [0, 2]; 4 on rank(s) [1]"]),
+    ((5, 3), torch.float32, 1, ["`dim`=1", "x.shape[0] differs: 2 on rank(s) [0, 2]; 5 on rank(s) [1]"]),
+    ((2, 3), torch.float64, 0, ["dtype differs: torch.float32 on rank(s) [0, 2]; torch.float64 on"]),
+    ((2, 3, 1), torch.float32, 0, ["number of dims differs: 2-d on rank(s) [0, 2]; 3-d on rank(s) [1]"]),
+]
+
+
+def test_a_gathers_shape_or_dtype_mismatch_is_an_error_on_every_rank_without_debug_mode(world3) -> None:
+    from _shared import forget_gathered_sizes
+
+    def gathers(first: bool, op: str) -> list[str]:
+        if first:  # the size exchange path; else the sizes travel with the rows (one gather)
+            forget_gathered_sizes()
+        else:
+            dc.all_gather(torch.ones(2, 3))
+        out = []
+        for shape, dtype, dim, _ in _GATHER_MISMATCHES:
+            odd = dc.get_rank() == 1
+            x = torch.ones(shape if odd else (2, 3), dtype=dtype if odd else torch.float32)
+            try:
+                dc.all_gather(x, dim=dim) if op == "all_gather" else dc.gather(x, dim=dim, dst=2)
+                out.append("no error")
+            except dc.CrossRankMismatchError as exc:
+                assert isinstance(exc, ValueError)
+                out.append(str(exc))
+        # the group is still in step: the next gather works
+        ok = dc.all_gather(torch.full((1 + dc.get_rank(), 2), float(dc.get_rank())))
+        assert ok.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
+        return out
+
+    for first, op in ((True, "all_gather"), (False, "all_gather"), (True, "gather")):
+        for msgs in world3.run(gathers, first, op):
+            for msg, (*_, words) in zip(msgs, _GATHER_MISMATCHES, strict=True):
+                assert msg.startswith(f"diffcomm.{op}(): the ranks' `x` must agree"), (first, op, msg)
+                assert all(w in msg for w in words) and "other_dims" not in msg, (first, op, msg)
+
+
 # --------------------------------------------------------------------------------------
 # a rank whose loss ignores a collective's output: an error naming the op, not a hang
 # --------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ def test_defaults_without_environment() -> None:
         "flight": True,
         "flight_size": 1024,
         "allow_oversubscribe": False,
+        "progress": None,
     }
     assert dc.debug() is False and dc.timeout() is None
 

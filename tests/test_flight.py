@@ -430,7 +430,7 @@ def test_start_up_shows_progress(capfd) -> None:
     old = W._PROGRESS_AFTER
     W._PROGRESS_AFTER = 0.05  # print from the first tick (starting 2 ranks takes > 0.05 s)
     try:
-        with LocalWorld(2, collective_timeout=T):
+        with LocalWorld(2, collective_timeout=T, progress=True):  # asked for (stderr is no terminal)
             pass
     finally:
         W._PROGRESS_AFTER = old

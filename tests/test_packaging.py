@@ -181,3 +181,22 @@ def test_readme_front_door() -> None:
     assert "**How long.**" in readme and "--backend nccl" in readme
     docs = readme.split("## Documentation", 1)[1]
     assert "without outputs" in docs and "tests/test_notebooks.py" in docs
+
+
+def test_the_readme_test_command_ends_in_one_summary_line_it_explains() -> None:
+    """No `-ra` in the project's pytest options: skips and expected failures are counted
+    in the last line, not listed one per line (README: "What the test command prints")."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert "short test summary info" not in proc.stdout and "SKIPPED [" not in proc.stdout, proc.stdout
+    assert re.fullmatch(r"\d+ skipped in [\d.]+s", lines[-1]) or "passed" in lines[-1], lines
+    readme = (ROOT / "README.md").read_text()
+    assert "**What the test command prints.**" in readme and "-rsx" in readme

@@ -337,3 +337,90 @@ def _eval_and_float32() -> float:
 def test_float32_forward_is_close(world2) -> None:
     assert max(world2.run(_eval_and_float32)) < 1e-5
     assert_close(torch.zeros(1), torch.zeros(1))
+
+
+# ======================================================================================
+# column -> row by hand: the slip (a shard into a layer that expects the whole input) is
+# named with its fix; ParallelModule's from_serial; a plain container's shape message
+# ======================================================================================
+
+
+def test_column_then_row_by_hand_names_input_is_parallel(world2) -> None:
+    def rank_body() -> list[str]:
+        torch.manual_seed(0)
+        fc1 = P.ColumnParallelLinear(8, 16, seed=1, dtype=F64)
+        x = torch.randn(12, 8, dtype=F64)
+        h = fc1(x)  # (12, 8): this rank's half of 16 features
+        right = P.RowParallelLinear(16, 8, seed=2, input_is_parallel=True, dtype=F64)(h)
+        serial1 = nn.Linear(8, 16, dtype=F64)
+        serial1.load_state_dict(fc1.to_serial_state_dict())
+        assert right.shape == (12, 8)
+        msgs = []
+        for parallel_in, given in ((False, h), (True, serial1(x))):
+            layer = P.RowParallelLinear(16, 8, seed=2, input_is_parallel=parallel_in, dtype=F64)
+            try:
+                layer(given)
+                msgs.append("no error")
+            except ValueError as exc:
+                msgs.append(str(exc))
+        return msgs
+
+    for wrong_default, wrong_parallel in world2.run(rank_body):
+        assert wrong_default.startswith("diffcomm.parallel.RowParallelLinear(): `x` has x.shape[-1]=8")
+        assert "one rank's share" in wrong_default and "input_is_parallel=True." in wrong_default
+        assert "the whole input" in wrong_parallel and "input_is_parallel=False" in wrong_parallel
+
+
+def test_the_copy_hint_names_input_is_parallel_with_one_period(world2) -> None:
+    def rank_body() -> None:
+        with dc.debug(True):
+            P.scatter_to_region(torch.full((4, 6), float(dc.get_rank())))  # not replicated
+
+    with pytest.raises(dc.RankError) as info:
+        world2.run(rank_body)
+    first = str(info.value).splitlines()[0]
+    assert "RowParallelLinear made with input_is_parallel=True" in first, first
+    assert first.endswith("first.") and ".." not in first, first
+
+
+class _TwoLayers(P.ParallelModule):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = P.ColumnParallelLinear(hidden, 2 * hidden, seed=1, dtype=F64)
+        self.fc2 = P.RowParallelLinear(2 * hidden, hidden, seed=2, input_is_parallel=True, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class _SerialTwo(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, 2 * hidden, dtype=F64)
+        self.fc2 = nn.Linear(2 * hidden, hidden, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def test_a_parallel_module_of_your_own_inherits_from_serial(world3) -> None:
+    torch.manual_seed(0)
+    serial = _SerialTwo(6)
+    assert_matches_serial(build(lambda s: _TwoLayers.from_serial(s, 6)), serial, _x(6), world=world3)
+
+
+def test_a_plain_container_suggests_parallel_module_or_param_map(world2) -> None:
+    class Plain(nn.Module):  # the same layers, not a ParallelModule: no serial_slices()
+        def __init__(self, serial: nn.Module) -> None:
+            super().__init__()
+            self.fc1 = P.ColumnParallelLinear.from_serial(serial.fc1)
+            self.fc2 = P.RowParallelLinear.from_serial(serial.fc2, input_is_parallel=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(torch.tanh(self.fc1(x)))
+
+    torch.manual_seed(0)
+    with pytest.raises(AssertionError) as info:
+        assert_matches_serial(build(Plain), _SerialTwo(6), _x(6), world=world2)
+    msg = str(info.value)
+    assert "has no serial_slices()" in msg and "ParallelModule" in msg and "param_map" in msg, msg

@@ -40,6 +40,57 @@ def test_torchrun_job_through_init() -> None:
     assert all(checked.startswith("raw all_reduce, raw all_gather") for _, checked in oks), proc.stdout
 
 
+MISMATCH = """
+import os, sys
+import torch
+import torch.distributed as dist
+import diffcomm as dc
+
+dc.init()
+r = dc.get_rank()
+out = []
+for first in (True, False):  # the size exchange, then the sizes sent with the rows
+    if not first:
+        dc.all_gather(torch.ones(2, 3))
+    try:
+        dc.all_gather(torch.ones(2, 3 + r))  # (2, 3) on rank 0, (2, 4) on rank 1
+        out.append("no error")
+    except dc.CrossRankMismatchError as exc:
+        out.append(f"{type(exc).__name__}: {exc}")
+y = dc.all_gather(torch.ones(1 + r, 2))  # the ranks are still in step
+out.append(f"then {tuple(y.shape)}")
+os.write(sys.stdout.fileno(), "".join(f"rank {r}| {line}\\n" for line in out).encode())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="the `torchrun` launcher is not on PATH")
+def test_a_gathers_shape_mismatch_under_torchrun_is_an_error_on_every_rank(tmp_path: Path) -> None:
+    # no debug mode: before, gloo aborted the job ("Received data size doesn't match")
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFCOMM_ACCELERATOR": "cpu"}
+    env.pop("DIFFCOMM_DEBUG", None)
+    proc = subprocess.run(
+        ["torchrun", "--standalone", "--nproc-per-node=2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "EnforceNotMet" not in proc.stderr
+    for r in (0, 1):
+        lines = [ln.split("| ", 1)[1] for ln in proc.stdout.splitlines() if ln.startswith(f"rank {r}| ")]
+        assert len(lines) == 3, proc.stdout
+        for msg in lines[:2]:
+            assert msg.startswith("CrossRankMismatchError: diffcomm.all_gather(): the ranks' `x` must agree")
+            assert "x.shape[1] differs: 3 on rank(s) [0]; 4 on rank(s) [1]" in msg, msg
+        assert lines[2] == "then (3, 2)"
+
+
 class _OneGPU(CPUAccelerator):
     """A stand-in for a one-device GPU accelerator whose own backend is nccl."""
 

@@ -155,6 +155,98 @@ def test_launch_returns_per_rank_results_and_leaves_no_process() -> None:
     assert _still_alive([r[3] for r in results]) == []
 
 
+def test_launch_takes_localworlds_settings_by_name_and_fn_kwargs_for_colliding_names() -> None:
+    def settings_seen(timeout: float = 0.0, steps: int = 0) -> tuple[float, int, str | None]:
+        return timeout, steps, os.environ.get("DIFFCOMM_TIMEOUT")
+
+    # collective_timeout reaches the ranks (their DIFFCOMM_TIMEOUT); timeout bounds the run;
+    # steps is fn's own; fn's own `timeout` goes through fn_kwargs
+    out = dc.launch(
+        settings_seen, 2, timeout=120, collective_timeout=7, progress=False, steps=3, fn_kwargs={"timeout": 5}
+    )
+    assert out == [(5, 3, "7.0")] * 2
+    with pytest.raises(TypeError, match=r"keyword\(s\) \['steps'\] given both directly and in `fn_kwargs`"):
+        dc.launch(settings_seen, 2, steps=1, fn_kwargs={"steps": 2})
+    with pytest.raises(ValueError, match="`timeout` must be > 0"):
+        dc.launch(settings_seen, 2, timeout=0)
+
+
+# ---------------------------------------------------------------- start-up progress
+
+
+_PROGRESS_SCRIPT = """
+import os
+import sys
+import diffcomm as dc
+import diffcomm.world as W
+from diffcomm import _config
+W._PROGRESS_AFTER = 0.0  # print from the first tick
+for arg in sys.argv[1:]:
+    if arg.startswith("DIFFCOMM_PROGRESS="):  # as if the program had started with it
+        os.environ["DIFFCOMM_PROGRESS"] = arg.split("=")[1]
+        _config.PROGRESS.reload()
+    print(f"== {arg}", file=sys.stderr, flush=True)
+    with dc.LocalWorld(1, progress={"on": True, "off": False}.get(arg)):
+        pass
+"""
+
+
+def _progress_lines(tmp_path: Path, tty: bool, *cases: str) -> dict[str, list[str]]:
+    """Run ``_PROGRESS_SCRIPT`` with stderr a pipe or a terminal (a pty); the diffcomm
+    lines it printed per case."""
+    import pty
+
+    script = tmp_path / "progress.py"
+    script.write_text(_PROGRESS_SCRIPT)
+    full_env = dict(os.environ)
+    full_env.pop("DIFFCOMM_PROGRESS", None)
+    if tty:
+        main, sub = pty.openpty()
+        proc = subprocess.Popen(
+            [sys.executable, str(script), *cases], stderr=sub, stdin=subprocess.DEVNULL, env=full_env
+        )
+        os.close(sub)
+        chunks = []
+        while True:
+            try:
+                data = os.read(main, 4096)
+            except OSError:  # the pty closes when the process exits
+                break
+            if not data:
+                break
+            chunks.append(data)
+        os.close(main)
+        assert proc.wait(timeout=300) == 0
+        err = b"".join(chunks).decode().replace("\r\n", "\n")
+    else:
+        proc2 = subprocess.run(
+            [sys.executable, str(script), *cases],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+        )
+        assert proc2.returncode == 0, proc2.stderr
+        err = proc2.stderr
+    out: dict[str, list[str]] = {}
+    for block in err.split("== ")[1:]:
+        name, _, rest = block.partition("\n")
+        out[name] = [ln for ln in rest.splitlines() if ln.startswith("diffcomm: LocalWorld(1)")]
+    return out
+
+
+def test_start_up_progress_only_on_a_terminal_or_when_asked(tmp_path: Path) -> None:
+    piped = _progress_lines(tmp_path, False, "default", "on", "DIFFCOMM_PROGRESS=1")
+    assert piped["default"] == []  # stderr is a pipe: nothing mixed into the user's output
+    for asked in ("on", "DIFFCOMM_PROGRESS=1"):
+        assert piped[asked] and piped[asked][-1].startswith("diffcomm: LocalWorld(1) ready after")
+    on_terminal = _progress_lines(tmp_path, True, "default", "off", "DIFFCOMM_PROGRESS=0")
+    assert on_terminal["default"] and "starting: 0/1 ranks ready after" in on_terminal["default"][0]
+    assert on_terminal["off"] == []
+    assert on_terminal["DIFFCOMM_PROGRESS=0"] == []  # the one switch (or progress=False)
+
+
 # ---------------------------------------------------------------- a rank that raises
 
 

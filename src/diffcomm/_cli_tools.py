@@ -21,6 +21,36 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 C10D_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+#: every op ``check`` covers, in its cases' order: known without importing torch, so a
+#: bad ``--ops`` is refused at once (tests/test_cli_tools.py keeps it equal to the cases)
+CHECK_OPS = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "reduce_scatter",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "shift",
+    "ppermute",
+    "sendrecv",
+    "send/recv",
+    "all_reduce_coalesced",
+    "broadcast_coalesced",
+    "reduce_coalesced",
+    "all_gather_coalesced",
+    "reduce_scatter_coalesced",
+    "copy_to_region",
+    "reduce_from_region",
+    "scatter_to_region",
+    "gather_from_region",
+    "reduce_scatter_to_sequence",
+    "all_gather_from_sequence",
+    "all_to_all_region",
+)
+#: ``--ops`` names that select another's cases (send and recv are checked together)
+_CHECK_ALIASES = {"send": "send/recv", "recv": "send/recv"}
 #: backends that communicate on a device, with the device kind (one device per rank)
 _DEVICE_BACKENDS = {"nccl": "CUDA", "xccl": "XPU"}
 
@@ -79,10 +109,22 @@ def unknown_name_error(flag: str, given: Sequence[str], valid: Sequence[str]) ->
 def _run_one(case: Any) -> dict[str, Any]:
     from diffcomm.testing.cases import run_case
     from diffcomm.testing.coalesced import CoalescedCase, run_coalesced_case
+    from diffcomm.testing.mappings import REPLICATED, run_mapping_case
 
     if isinstance(case, CoalescedCase):
         return run_coalesced_case(case).as_dict()
+    if case.op in REPLICATED:
+        return run_mapping_case(case).as_dict()
     return run_case(case).as_dict()
+
+
+def check_backend_name(backend: str) -> None:
+    """Raise :class:`UsageError` for a name that is no c10d backend (without torch)."""
+    if backend.lower() not in C10D_BACKENDS:
+        close = difflib.get_close_matches(backend.lower(), C10D_BACKENDS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        names = ", ".join(C10D_BACKENDS)
+        raise UsageError(f"--backend: unknown backend {backend!r}{hint}; c10d backends: {names}")
 
 
 def check_configure(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +139,12 @@ def check_configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--backend", default="gloo", help="c10d backend of the local ranks (default gloo)")
     parser.add_argument(
-        "--ops", nargs="+", default=None, help="only these collectives (e.g. all_gather all_reduce_coalesced)"
+        "--ops",
+        nargs="+",
+        default=None,
+        metavar="OP",
+        help="only these ops (default: all of them; e.g. all_gather send shift copy_to_region): "
+        + ", ".join(CHECK_OPS),
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument(
@@ -121,15 +168,23 @@ def _flight_snapshot() -> dict[str, Any]:
 
 def check_run(args: argparse.Namespace, console: Console) -> int:
     """Adjoint + reference-gradient check of every op on local ranks; non-zero on failure."""
-    from diffcomm.testing.cases import standard_cases
-    from diffcomm.testing.coalesced import standard_coalesced_cases
-    from diffcomm.world import LocalWorld
-
+    # the command line first, before torch is imported (seconds): a typo is refused at once
     check_worlds(args.world)
-    every = {w: [*standard_cases(w), *standard_coalesced_cases(w)] for w in args.world}
-    valid = list(dict.fromkeys(c.op for cases in every.values() for c in cases))
-    if args.ops is not None and (err := unknown_name_error("--ops", args.ops, valid)):
-        raise err
+    if args.ops is not None:
+        if err := unknown_name_error("--ops", args.ops, [*CHECK_OPS, *_CHECK_ALIASES]):
+            raise err
+        args.ops = [_CHECK_ALIASES.get(op, op) for op in args.ops]
+    check_backend_name(args.backend)
+
+    from diffcomm.testing.cases import standard_cases, standard_p2p_cases
+    from diffcomm.testing.coalesced import standard_coalesced_cases
+    from diffcomm.testing.mappings import standard_mapping_cases
+    from diffcomm.world import LocalWorld, check_world_fits
+
+    if not args.allow_oversubscribe:
+        check_world_fits(max(args.world), override="--allow-oversubscribe")
+    kinds = (standard_cases, standard_p2p_cases, standard_coalesced_cases, standard_mapping_cases)
+    every = {w: [c for kind in kinds for c in kind(w)] for w in args.world}
     check_backend(args.backend, args.world)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -140,9 +195,13 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
         if not cases:
             raise UsageError(f"--ops: no cases for {' '.join(args.ops or [])} on world {w}")
         if not args.json:
-            console.print(f"starting {w} local ranks ...")
+            console.print(f"starting {w} local ranks (each imports torch: seconds) ...")
         with LocalWorld(
-            w, backend=args.backend, timeout=300, allow_oversubscribe=args.allow_oversubscribe or None
+            w,
+            backend=args.backend,
+            timeout=300,
+            allow_oversubscribe=args.allow_oversubscribe or None,
+            progress=False,  # this command's own line above says what happens
         ) as world:
             with Progress(
                 TextColumn(f"world {w}"),
@@ -275,7 +334,10 @@ def bench_configure(parser: argparse.ArgumentParser) -> None:
         default=["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"],
         choices=BENCH_OPS,
         metavar="OP",
-        help=f"ops to time (from {', '.join(BENCH_OPS)})",
+        help=f"ops to time (from {', '.join(BENCH_OPS)}). Default: the five unrooted ones; "
+        "reduce, gather and scatter (one root) move the same bytes as all_reduce, all_gather "
+        "and reduce_scatter through the same code and are left out to keep the default run "
+        "short: add them by name",
     )
     default_sizes = [size_label(n) for n in DEFAULT_SIZES]
     parser.add_argument(
@@ -307,6 +369,11 @@ def bench_configure(parser: argparse.ArgumentParser) -> None:
         "each vs a loop of single calls vs one flat call (see diffcomm.bench_coalesced)",
     )
     parser.add_argument("--tensors", type=int, default=256, help="with --coalesced: tensors (default 256)")
+    parser.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="start a world larger than this machine can hold instead of refusing it",
+    )
     parser.add_argument(
         "--tensor-bytes", type=int, default=4096, help="with --coalesced: bytes per tensor (default 4096)"
     )
@@ -342,14 +409,56 @@ def parse_size(text: str) -> int:
     raise ValueError(f"bad size {text!r}; use e.g. 16KiB, 1MiB or a number of bytes")
 
 
+#: the names the bench table shortens, and how to read its ratios
+_SHORT = {"torch.distributed.nn": "nn", "torch.distributed.nn (again)": "nn (again)"}
+BENCH_LEGEND = (
+    "[dim]ms: median over the rounds of forward+backward, the slowest rank each round. "
+    "x raw / x nn: the median over the rounds of the row's time divided by raw "
+    "torch.distributed's / torch.distributed.nn's in the same round (below 1: faster; in "
+    "brackets, the range of the middle half of the rounds). raw: torch.distributed, no autograd; floor: "
+    "a bare autograd.Function around it; nn: torch.distributed.nn; funcol: functional "
+    "collectives; diffcomm(sizes=): the sizes given.[/dim]"
+)
+
+
+def bench_table(rows: Sequence[Any], world: int) -> Table:
+    """One world's rows as a table that fits 100 columns (``BENCH_LEGEND`` explains it)."""
+    from diffcomm.bench import CONTROL, size_label
+
+    t = Table(
+        title=f"diffcomm bench, world {world}: forward+backward",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+    )
+    for col in ("op", "size", "impl", "ms", "x raw", "x nn", "GB/s"):
+        t.add_column(col, justify="left" if col in ("op", "impl") else "right", no_wrap=True)
+    for r in rows:
+        mine = r.impl.startswith("diffcomm")
+        vs_raw = f"{r.ratio_vs_raw:.2f}"
+        vs_nn = "-"
+        if (mine or r.impl == CONTROL) and not math.isnan(r.ratio_vs_nn):
+            vs_nn = f"{r.ratio_vs_nn:.2f} ({r.ratio_vs_nn_q1:.2f}-{r.ratio_vs_nn_q3:.2f})"
+        if mine:
+            vs_raw, vs_nn = f"[bold]{vs_raw}[/bold]", f"[bold]{vs_nn}[/bold]"
+        t.add_row(
+            r.op,
+            size_label(r.nbytes),
+            _SHORT.get(r.impl, r.impl),
+            f"{r.median_ms:.3f}",
+            vs_raw,
+            vs_nn,
+            f"{r.busbw_GBps:.3f}",
+        )
+    return t
+
+
 def bench_run(args: argparse.Namespace, console: Console) -> int:
     """diffcomm vs raw torch.distributed, a bare autograd floor, torch.distributed.nn, funcol."""
     from diffcomm.bench import (
-        CONTROL,
         plot_missing,
         plot_rows,
         run_benchmark,
-        size_label,
         slower_than_nn_lines,
         summarize,
     )
@@ -368,11 +477,19 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
         if missing:
             raise UsageError(f"--plot: {missing}")
     check_backend(args.backend, args.world)
-    from diffcomm.world import LocalWorld
+    from diffcomm.world import LocalWorld, check_world_fits
 
+    if not args.allow_oversubscribe:
+        check_world_fits(max(args.world), override="--allow-oversubscribe")
     rows = []
     for w in args.world:
-        with LocalWorld(w, backend=args.backend, timeout=600) as world:
+        with LocalWorld(
+            w,
+            backend=args.backend,
+            timeout=600,
+            progress=False,
+            allow_oversubscribe=args.allow_oversubscribe or None,
+        ) as world:
             with Progress(
                 TextColumn(f"world {w}"),
                 BarColumn(),
@@ -394,51 +511,24 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         console.print_json(json.dumps([r.as_dict() for r in rows]))  # geomeans: bench.summarize(rows)
     else:
-        t = Table(title="diffcomm bench: forward+backward, slowest rank per round, paired per-round ratios")
-        cols = (
-            "world",
-            "op",
-            "size",
-            "impl",
-            "median ms",
-            "IQR ms",
-            "/raw (IQR)",
-            "/floor",
-            "/nn (IQR)",
-            "busbw GB/s",
-        )
-        for col in cols:
-            t.add_column(col, justify="left" if col in ("op", "impl") else "right")
-        for r in rows:
-            ratio = f"{r.ratio_vs_raw:.2f} ({r.ratio_vs_raw_q1:.2f}-{r.ratio_vs_raw_q3:.2f})"
-            vs_floor = f"{r.ratio_vs_floor:.2f}"
-            vs_nn = "-"
-            if r.impl.startswith("diffcomm"):
-                ratio, vs_floor = f"[bold]{ratio}[/bold]", f"[bold]{vs_floor}[/bold]"
-            if r.impl.startswith("diffcomm") or r.impl == CONTROL:
-                if not math.isnan(r.ratio_vs_nn):
-                    vs_nn = f"{r.ratio_vs_nn:.2f} ({r.ratio_vs_nn_q1:.2f}-{r.ratio_vs_nn_q3:.2f})"
-            t.add_row(
-                str(r.world),
-                r.op,
-                size_label(r.nbytes),
-                r.impl,
-                f"{r.median_ms:.3f}",
-                f"{r.q1_ms:.3f}-{r.q3_ms:.3f}",
-                ratio,
-                vs_floor,
-                vs_nn,
-                f"{r.busbw_GBps:.3f}",
-            )
-        console.print(t)
+        for w in dict.fromkeys(r.world for r in rows):
+            console.print(bench_table([r for r in rows if r.world == w], w))
+        console.print(BENCH_LEGEND, highlight=False)
         summary = summarize(rows)
-        g = Table(title="geometric mean of the median paired ratios, per world")
+        g = Table(
+            title="geometric mean over every cell of the median ratios, per world",
+            box=box.SIMPLE_HEAD,
+            show_edge=False,
+            pad_edge=False,
+        )
         keys = list(dict.fromkeys(k for s in summary.values() for k in s if not k.endswith("cells")))
-        g.add_column("world", justify="right")
+        g.add_column("impl", no_wrap=True)
+        for w in summary:
+            g.add_column(f"world {w}", justify="right", no_wrap=True)
         for k in keys:
-            g.add_column(k, justify="right")
-        for w, s in summary.items():
-            g.add_row(str(w), *[f"{s[k]:.3f}" if k in s else "-" for k in keys])
+            impl, _, base = k.rpartition("/")
+            label = f"{_SHORT.get(impl, impl)} x {base}"
+            g.add_row(label, *[f"{s[k]:.3f}" if k in s else "-" for s in summary.values()])
         console.print(g)
         for line in slower_than_nn_lines(rows):
             console.print(line)

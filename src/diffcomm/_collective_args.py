@@ -19,6 +19,7 @@ from torch import Tensor
 from . import _args as A
 from . import _config
 from . import backend as B
+from ._sized_gather import exchange_first
 
 PG = Any  # resolved ProcessGroup (or None for the default group)
 
@@ -90,11 +91,18 @@ def given_sizes(sizes: Sequence[int], x: Tensor, dim: int, pg: PG, op: str, arg:
 
 def exchanged_sizes(x: Tensor, dim: int, pg: PG, op: str) -> list[int]:
     """Every rank's ``x.shape[dim]``: one tiny all_gather of host integers (labelled
-    ``"<op> (size exchange)"``) on a CPU channel of the same ranks; none in a world of one."""
+    ``"<op> (size exchange)"``) on a CPU channel of the same ranks; none in a world of one.
+    The integers are each rank's shape record, so a rank whose ``x`` differs in another
+    dim or the dtype is a ``CrossRankMismatchError`` on every rank (no extra
+    communication)."""
     if world(pg) == 1:
         return [x.shape[dim]]
+    b = current_backend()
+    records = getattr(b, "exchange_records", None)
     with B.label(f"{op} (size exchange)"):
-        return current_backend().exchange_sizes(x.shape[dim], pg)
+        if records is None:  # an adapter without it: the sizes alone, unchecked
+            return b.exchange_sizes(x.shape[dim], pg)
+        return exchange_first(x, lambda rec: records(rec, pg), op, dim)
 
 
 class Gathered(tuple):  # type: ignore[type-arg]
@@ -120,7 +128,7 @@ def gathered_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> tuple[int, ..
     if unsized is None or async_op or _compiling() or _transforms_active() or _fwad._current_level >= 0:
         return tuple(exchanged_sizes(x, dim, pg, "all_gather"))
     x0 = x.detach() if dim == 0 else x.detach().movedim(dim, 0)
-    out, sizes = unsized(x0, pg)
+    out, sizes = unsized(x0, pg, dim)
     got = Gathered(sizes)
     got.box = [out if dim == 0 else out.movedim(0, dim)]
     return got

@@ -9,6 +9,8 @@ setting                    environment variable   meaning
 ``flight``                 ``DIFFCOMM_FLIGHT``    flight recorder on (default) or off
 ``flight_size``            ``DIFFCOMM_FLIGHT_SIZE``  entries the flight recorder keeps (1024)
 ``allow_oversubscribe``    ``DIFFCOMM_ALLOW_OVERSUBSCRIBE``  start a LocalWorld the machine cannot hold
+``progress``               ``DIFFCOMM_PROGRESS``  LocalWorld start-up progress on stderr: ``auto``
+                                                 (default: when stderr is a terminal), 1 or 0
 =========================  =====================  ==========================================
 
 Usage::
@@ -37,6 +39,18 @@ def _parse_bool(name: str, raw: str) -> bool:
     if value in _FALSE:
         return False
     raise ValueError(f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off")
+
+
+def _parse_progress(name: str, raw: str) -> bool | None:
+    """``auto`` (or empty) -> ``None``: decided by whether stderr is a terminal."""
+    if raw.strip().lower() in ("", "auto"):
+        return None
+    try:
+        return _parse_bool(name, raw)
+    except ValueError:
+        raise ValueError(
+            f"{name}={raw!r} is not auto or a boolean; use auto, 1/0, true/false, yes/no, on/off"
+        ) from None
 
 
 def _parse_timeout(name: str, raw: str) -> float | None:
@@ -117,7 +131,10 @@ class Setting(Generic[T]):
         return _Restore(self, old)
 
     def validate(self, value: Any) -> T:
-        if self._parse is _parse_bool:
+        if self._parse is _parse_progress:
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{self.name} must be a bool or None (auto), got {type(value).__name__}")
+        elif self._parse is _parse_bool:
             if not isinstance(value, bool):
                 raise TypeError(f"{self.name} must be a bool, got {type(value).__name__}")
         elif self._parse is _parse_timeout:
@@ -148,6 +165,7 @@ FLIGHT_SIZE: Setting[int] = Setting("flight_size", "DIFFCOMM_FLIGHT_SIZE", _pars
 ALLOW_OVERSUBSCRIBE: Setting[bool] = Setting(
     "allow_oversubscribe", "DIFFCOMM_ALLOW_OVERSUBSCRIBE", _parse_bool, False
 )
+PROGRESS: Setting[bool | None] = Setting("progress", "DIFFCOMM_PROGRESS", _parse_progress, None)
 
 
 def debug(enabled: bool | None = None) -> Any:
@@ -172,4 +190,5 @@ def timeout(seconds: float | None | str = "__get__") -> Any:
 
 def settings() -> dict[str, Any]:
     """All current settings as a dict (for ``python -m diffcomm info``)."""
-    return {s.name: s.get() for s in (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIBE)}
+    every = (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIBE, PROGRESS)
+    return {s.name: s.get() for s in every}

@@ -97,7 +97,7 @@ class GroupInfo:
     device: torch.device
     cpu_pg: Any = None
     has_cpu_pg: bool = False
-    #: (trailing shape, dtype) -> the most rows a rank of this group sent for them in an
+    #: ``"row bytes"`` -> the most bytes of rows a rank of this group sent recently in an
     #: all_gather without given sizes (see :mod:`diffcomm._sized_gather`)
     gathered_rows: dict[Any, int] = field(default_factory=dict)
 

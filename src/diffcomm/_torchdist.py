@@ -262,24 +262,10 @@ class TorchDistributedBackend(CoalescedOps):
     def exchange_size_lists(self, ns: Sequence[int], group: ProcessGroup) -> list[list[int]]:
         """Every rank's list ``ns`` (one per tensor of a coalesced call; the same length on
         every rank): **one** small all_gather of host integers on the CPU side channel,
-        whatever the list's length."""
-        info = group_info(group)
-        world = info.size
-        k = len(ns)
-        if world == 1 or k == 0:
-            return [list(ns) for _ in range(world)]
-        side = cpu_group(info)
-        mine = torch.tensor(list(ns), dtype=torch.int64)
-        out = torch.empty(world * k, dtype=torch.int64)
-        _dispatch(
-            "all_gather",
-            side,
-            8 * k * world,
-            lambda: c10d_all_gather(out, mine, side),
-            lambda: out.copy_(mine.repeat(world)),
-            None,
-        )
-        return [[int(v) for v in row] for row in out.view(world, k).tolist()]
+        whatever the list's length (:meth:`exchange_records`)."""
+        if not ns:
+            return [[] for _ in range(group_info(group).size)]
+        return self.exchange_records(ns, group)
 
     def all_gather_coalesced_unsized(
         self,
@@ -332,17 +318,41 @@ class TorchDistributedBackend(CoalescedOps):
 
         return self.coalesced("all_gather", group, bufs, one), table
 
-    def all_gather_unsized(self, x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, list[int]]:
+    def exchange_records(self, record: Sequence[int], group: ProcessGroup) -> list[list[int]]:
+        """Every rank's ``record`` (a fixed number of ints, the same on every rank: one
+        small all_gather); the shape records of :mod:`diffcomm._sized_gather`."""
+        info = group_info(group)
+        if info.size == 1:
+            return [list(record)]
+        side = cpu_group(info)  # host integers: never a device round trip
+        mine = torch.tensor(record, dtype=torch.int64)
+        out = torch.empty(info.size * len(record), dtype=torch.int64)
+        _dispatch(
+            "all_gather",
+            side,
+            out.nbytes,
+            lambda: c10d_all_gather(out, mine, side),
+            lambda: out.copy_(mine.repeat(info.size)),
+            None,
+        )
+        return out.view(info.size, len(record)).tolist()
+
+    def all_gather_unsized(
+        self, x: torch.Tensor, group: ProcessGroup, dim: int = 0
+    ) -> tuple[torch.Tensor, list[int]]:
         """:meth:`all_gather` of ``x`` (dim 0) when no rank knows the others' row counts:
         the result and every rank's count, in one collective where the group has gathered
-        such rows before (:mod:`diffcomm._sized_gather`), else an exchange first."""
+        rows before (:mod:`diffcomm._sized_gather`), else an exchange first; either way
+        the ranks' other dims and dtypes are compared (``dim``: the user's gathered dim,
+        for the message)."""
         info = group_info(group)
         return all_gather_unsized(
             x,  # copied into the message through a typed view: no contiguous copy first
             info,
             lambda t, sizes: self.all_gather(t, group, sizes),
-            lambda n: self.exchange_sizes(n, group),
+            lambda record: self.exchange_records(record, group),
             self._caps(info).all_gather_into_tensor,
+            dim,
         )
 
     def all_gather(
@@ -623,13 +633,28 @@ class TorchDistributedBackend(CoalescedOps):
             values = [d.get(k) for d in decoded]
             if any(v != values[0] for v in values):
                 per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-                diffs.append(f"{k} differs ({per_rank})")
+                diffs.append(f"{_in_user_words(op, k)} differs ({per_rank})")
         if not diffs:
             diffs.append("argument layout differs between ranks")
         raise CrossRankMismatchError(
             f"diffcomm.{op}(): ranks called it with inconsistent arguments (group ranks "
             f"{list(range(world))}): " + "; ".join(diffs)
         )
+
+
+_WORDS = {
+    "shape": "x.shape",
+    "dtype": "x.dtype",
+    "grad": "x.requires_grad",
+    "other_dims": "x.shape without `dim` (every dim but the one concatenated along)",
+}
+
+
+def _in_user_words(op: str, field: str) -> str:
+    """A debug-mode field's name as the user wrote it (never an internal name)."""
+    if field == "other_dims" and op.startswith("all_to_all"):
+        return "x.shape without `split_dim` and `concat_dim`"
+    return _WORDS.get(field, field)
 
 
 def _encode_field(value: Any) -> list[int]:

@@ -26,7 +26,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from diffcomm import _flight, _lifecycle  # noqa: E402
+from diffcomm import _flight, _lifecycle, _ship  # noqa: E402
 from diffcomm._errors import CollectiveTimeoutError  # noqa: E402
 from diffcomm.accelerator import comm_accelerator  # noqa: E402
 from diffcomm.world import _STARTUP_TIMEOUT  # noqa: E402
@@ -99,7 +99,7 @@ def _worker_main(
         if kind == "stop":
             break
         try:
-            fn, args, kwargs, paths = cloudpickle.loads(payload)
+            fn, args, kwargs, paths = _ship.loads(payload)
             for p in paths:
                 if p not in sys.path:
                     sys.path.append(p)

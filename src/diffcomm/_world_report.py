@@ -42,7 +42,8 @@ def failure_message(failures: dict[int, str], fatal: bool) -> str:
     ranks = sorted(failures)
     last = failures[ranks[0]].strip().splitlines()[-1] if failures[ranks[0]].strip() else ""
     note = " The process group is unusable after this error; the world was torn down." if fatal else ""
-    return f"rank(s) {ranks} raised: {last}.{note}" + tracebacks(failures)
+    stop = "" if last.endswith((".", "!", "?")) else "."  # never "..": the message's own period
+    return f"rank(s) {ranks} raised: {last}{stop}{note}" + tracebacks(failures)
 
 
 def aborted_in(fault_text: str) -> tuple[str | None, str | None]:

@@ -53,7 +53,7 @@ import cloudpickle
 import psutil
 import torch.distributed as dist
 
-from . import _config
+from . import _config, _ship
 from . import _world_report as _report
 from ._errors import (
     RankDesyncError,
@@ -284,6 +284,13 @@ class _Procs:
 _LIVE: weakref.WeakSet[LocalWorld] = weakref.WeakSet()
 
 
+def _stderr_is_a_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
+
+
 @atexit.register
 def _close_all() -> None:
     for w in list(_LIVE):
@@ -305,6 +312,11 @@ class LocalWorld:
             8 ranks per core, or more estimated memory than available); default
             ``DIFFCOMM_ALLOW_OVERSUBSCRIBE``. Otherwise such a world is refused with
             :class:`~diffcomm.WorldTooLargeError` before any process starts.
+        progress: print start-up progress on stderr ("starting: 0/2 ranks ready after
+            2 s", then "ready after 2.8 s") once a start-up takes over 2 s. ``None``
+            (default): ``DIFFCOMM_PROGRESS`` (``auto``, ``1`` or ``0``), whose ``auto``
+            prints only when stderr is a terminal; ``False`` (or ``DIFFCOMM_PROGRESS=0``)
+            silences it.
 
     Example::
 
@@ -319,7 +331,13 @@ class LocalWorld:
         timeout: float = DEFAULT_RUN_TIMEOUT,
         collective_timeout: float | None = None,
         allow_oversubscribe: bool | None = None,
+        progress: bool | None = None,
     ) -> None:
+        if progress is not None and not isinstance(progress, bool):
+            raise TypeError(f"LocalWorld(): `progress` must be a bool or None, got {progress!r}")
+        if progress is None:
+            progress = _config.PROGRESS.get()
+        self.progress = progress if progress is not None else _stderr_is_a_terminal()
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"LocalWorld(): `world_size` must be an int >= 1, got {world_size!r}")
         allow = _config.ALLOW_OVERSUBSCRIBE.get() if allow_oversubscribe is None else allow_oversubscribe
@@ -463,7 +481,7 @@ class LocalWorld:
             self._finalizer = weakref.finalize(self, _Procs.shutdown, self._state, False)
             self._start()
         try:
-            payload = cloudpickle.dumps((fn, args, kwargs, list(sys.path)))
+            payload = _ship.dumps((fn, args, kwargs, list(sys.path)))
         except Exception as exc:
             raise TypeError(f"LocalWorld.run(): cannot pickle the function or its arguments: {exc}") from exc
         msg = pickle.dumps(("run", payload))
@@ -515,7 +533,7 @@ class LocalWorld:
         deadline = start + timeout
         grace_deadline: float | None = None
         check_at: float | None = None
-        progress_at = start + _PROGRESS_AFTER if what == "start-up" else None
+        progress_at = start + _PROGRESS_AFTER if what == "start-up" and self.progress else None
         printed = False
         by_conn = {st.conns[r]: r for r in pending}
         died: dict[int, int | None] = {}
@@ -640,8 +658,11 @@ _WORKER_BOOT = (
 )
 
 
-def check_world_fits(world_size: int) -> None:
+def check_world_fits(world_size: int, override: str | None = None) -> None:
     """Raise :class:`~diffcomm.WorldTooLargeError` if this machine cannot hold the world.
+
+    ``override``: how the caller's user overrides the refusal (a command line names its
+    flag, ``--allow-oversubscribe``); default ``LocalWorld``'s argument and the variable.
 
     Bounds: at most 8 ranks per CPU core (each rank imports torch and runs its own
     threads), and the per-rank memory estimate (about 350 MB for an idle gloo rank) times
@@ -664,22 +685,61 @@ def check_world_fits(world_size: int) -> None:
     if problems:
         raise WorldTooLargeError(
             f"LocalWorld({world_size}): this machine cannot hold the world: " + "; ".join(problems) + ". "
-            "Use fewer ranks, or override with LocalWorld(..., allow_oversubscribe=True) or "
-            "DIFFCOMM_ALLOW_OVERSUBSCRIBE=1."
+            "Use fewer ranks, or override with "
+            + (override or "LocalWorld(..., allow_oversubscribe=True) or DIFFCOMM_ALLOW_OVERSUBSCRIBE=1")
+            + "."
         )
 
 
 def launch(
-    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", **kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = DEFAULT_RUN_TIMEOUT,
+    collective_timeout: float | None = None,
+    allow_oversubscribe: bool | None = None,
+    progress: bool | None = None,
+    fn_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh local ranks; return their results.
 
     Starts a :class:`LocalWorld`, runs once and closes it. For many calls, keep a
     ``LocalWorld`` instead (start-up costs about a second per rank).
 
+    Args:
+        fn: the function every rank runs.
+        world_size: number of ranks.
+        *args: ``fn``'s positional arguments.
+        backend, timeout, collective_timeout, allow_oversubscribe, progress:
+            :class:`LocalWorld`'s settings, by name.
+        fn_kwargs: keyword arguments for ``fn`` whose names are one of the settings above
+            (``fn_kwargs={"timeout": 5}`` calls ``fn(timeout=5)``).
+        **kwargs: every other keyword goes to ``fn``.
+
+    Returns:
+        Each rank's return value, by rank.
+
     Example::
 
-        dc.launch(lambda: dc.get_rank(), 3)   # [0, 1, 2]
+        dc.launch(lambda: dc.get_rank(), 3)                 # [0, 1, 2]
+        dc.launch(train, 2, steps=10, collective_timeout=5)  # train(steps=10), 5 s per collective
+        dc.launch(train, 2, fn_kwargs={"timeout": 5})       # train(timeout=5)
     """
-    with LocalWorld(world_size, backend=backend) as world:
+    if fn_kwargs is not None:
+        if not isinstance(fn_kwargs, dict):
+            raise TypeError(f"launch(): `fn_kwargs` must be a dict, got {type(fn_kwargs).__name__}")
+        both = sorted(set(fn_kwargs) & set(kwargs))
+        if both:
+            raise TypeError(f"launch(): keyword(s) {both} given both directly and in `fn_kwargs`")
+        kwargs = {**kwargs, **fn_kwargs}
+    with LocalWorld(
+        world_size,
+        backend=backend,
+        timeout=timeout,
+        collective_timeout=collective_timeout,
+        allow_oversubscribe=allow_oversubscribe,
+        progress=progress,
+    ) as world:
         return world.run(fn, *args, **kwargs)

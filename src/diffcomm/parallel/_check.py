@@ -37,9 +37,11 @@ from .._errors import CrossRankMismatchError
 #: why a copy forward needs a replicated input (the message of its debug check)
 COPY_HINT = (
     "A copy into a tensor-parallel region assumes a replicated input (e.g. the activations "
-    "entering a ColumnParallelLinear). If each rank holds a different tensor here (a shard, "
-    "or a partial sum that still needs reducing) use reduce_from_region / "
-    "gather_from_region first, or no mapping at all."
+    "entering a ColumnParallelLinear). If each rank holds a different tensor here: a shard "
+    "split along the last dim (e.g. a ColumnParallelLinear's output with "
+    "gather_output=False) goes into a RowParallelLinear made with input_is_parallel=True "
+    "(no mapping at all); a partial sum that still needs reducing, or a shard you want "
+    "whole, needs reduce_from_region / gather_from_region first."
 )
 #: why an identity backward needs a replicated gradient ({name}, {instead}: the mapping, the
 #: op to use instead)

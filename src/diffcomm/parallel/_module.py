@@ -232,6 +232,24 @@ class ParallelModule(nn.Module):
             p.copy_(src)
 
     @classmethod
+    def from_serial(cls: type[_M], serial: nn.Module, *args: Any, **kwargs: Any) -> _M:
+        """This rank's shards of ``serial``: ``cls(*args, **kwargs)``, then
+        :meth:`load_serial_state_dict` of ``serial.state_dict()`` (no communication).
+
+        For a model of your own that subclasses ``ParallelModule``: ``args`` and
+        ``kwargs`` are its constructor's (the parallel layers override this with their
+        own signature, e.g. ``ColumnParallelLinear.from_serial(linear, group)``).
+
+        Example::
+
+            serial = Model(512)                       # nn.Linear / nn.Embedding / ... inside
+            model = ParallelModel.from_serial(serial, 512)   # ParallelModel(512) + shards
+        """
+        module = cls(*args, **kwargs)
+        module.load_serial_state_dict(serial.state_dict())
+        return module
+
+    @classmethod
     def _from_serial(cls: type[_M], serial: nn.Module, *args: Any, **kwargs: Any) -> _M:
         """``cls(*args, **kwargs)`` with the dtype and device of ``serial``'s first
         parameter, not initialised, then loaded with this rank's shards of ``serial``'s

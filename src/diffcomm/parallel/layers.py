@@ -384,6 +384,7 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = bool(input_is_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
+        self._check_features(x)
         if not self.input_is_parallel:
             x = scatter_to_region(x, -1, self._pg)
         if self.sequence_parallel and self.overlap == "ring":
@@ -404,6 +405,32 @@ class RowParallelLinear(_ParallelLinear):
             if self.bias is not None:
                 y = y + self.bias
         return y
+
+    def _check_features(self, x: Tensor) -> None:
+        """``x``'s last dim against the layer (no communication): the usual slip, a
+        ColumnParallelLinear's shard fed to a layer that expects the whole input, names
+        ``input_is_parallel=True`` instead of torch's matmul shape error."""
+        want = self.in_per_rank if self.input_is_parallel else self.in_features
+        got = x.shape[-1] if x.dim() else None
+        if got == want:
+            return
+        head = (
+            f"diffcomm.parallel.RowParallelLinear(): `x` has x.shape[-1]={got} (x.shape "
+            f"{tuple(x.shape)}), but this layer (in_features={self.in_features} over "
+            f"{self.world_size} ranks, input_is_parallel={self.input_is_parallel}) expects "
+        )
+        if not self.input_is_parallel and got == self.in_per_rank:
+            raise ValueError(
+                head + f"the whole input ({self.in_features}); {got} is one rank's share. For an input "
+                "already split along its last dim (a ColumnParallelLinear's output with "
+                "gather_output=False), make the layer with input_is_parallel=True."
+            )
+        if self.input_is_parallel and got == self.in_features:
+            raise ValueError(
+                head + f"this rank's share ({self.in_per_rank}); {got} is the whole input. Make the "
+                "layer with input_is_parallel=False (it then splits the input itself)."
+            )
+        raise ValueError(head + f"{want}.")
 
     def _partial_grad_params(self) -> tuple[str, ...]:
         return ("bias",) if self.sequence_parallel and self.bias is not None else ()

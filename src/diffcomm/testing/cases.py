@@ -168,6 +168,13 @@ def _out_shape_of(case: Case, rank: int) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------
 
 
+#: point-to-point programs checked as a ring shift by ``offset`` (their whole-program
+#: reference and adjoint are shift's): ``sendrecv(x, dst=r+k, src=r-k)``, and
+#: ``send(x, dst=r+k)`` then ``recv(src=r-k)`` with the send's token added to the output
+#: (so the loss reaches it and its backward receives the gradient from ``dst``)
+AS_SHIFT = ("sendrecv", "send/recv")
+
+
 def _registry() -> dict[str, Any]:
     """Every op with a dual and a serial reference: the collectives and the symmetric p2p ops."""
     from diffcomm import _registry, collectives, p2p  # noqa: F401 - importing registers the ops
@@ -190,7 +197,7 @@ def op_kwargs(case: Case, rank: int) -> dict[str, Any]:
 def reference_outputs(case: Case, xs: list[Tensor]) -> list[Tensor]:
     """Every rank's output of ``case.op`` computed in one process with plain torch ops
     (the registry entry's serial reference)."""
-    spec = _registry().get(case.op)
+    spec = _registry().get("shift" if case.op in AS_SHIFT else case.op)
     if spec is None:
         raise ValueError(f"unknown op {case.op!r}")
     return spec.reference(xs, [op_kwargs(case, r) for r in range(case.world)])
@@ -205,6 +212,12 @@ def call(case: Case, x: Tensor) -> Tensor:
         if kw.pop("infer_outputs", False) is False:
             kw["output_split_sizes"] = [case.a2a[j][rank] for j in range(case.world)]
     kw.pop("infer_outputs", None)
+    if case.op in AS_SHIFT:
+        r, n, k = dc.get_rank(), dc.get_world_size(), kw["offset"]
+        if case.op == "sendrecv":
+            return dc.sendrecv(x, dst=(r + k) % n, src=(r - k) % n)
+        token = dc.send(x, dst=(r + k) % n)
+        return dc.recv(src=(r - k) % n) + token
     return getattr(dc, case.op)(x, **kw)
 
 
@@ -213,7 +226,7 @@ def call_dual(case: Case, y: Tensor) -> Tensor | None:
     if case.kwargs.get("op", "sum") not in LINEAR:
         return None
     registry = _registry()
-    spec = registry[case.op]
+    spec = registry["shift" if case.op in AS_SHIFT else case.op]
     dual_kwargs, scale = spec.dual_args(op_kwargs(case, dc.get_rank()), case.world)
     out = registry[spec.dual].fn(y, **dual_kwargs)
     return out * scale if scale != 1.0 else out
@@ -291,7 +304,16 @@ def run_case(case: Case, double: bool = True) -> CaseResult:
     cots = make_inputs(case, "cot")
     cot = cots[rank].to(dev, copy=True).requires_grad_(True)
     loss = _inner(out, cot)
-    (gx,) = torch.autograd.grad(loss, x, create_graph=double)
+    if case.op == "send/recv":
+        # the recv's backward (which sends the gradient back to src) is not on the path
+        # from the loss to this rank's x, so autograd.grad(loss, x) would prune it and the
+        # peer's token would wait forever: a whole backward, as a training step runs it
+        # (first order only: double=False)
+        double = False
+        loss.backward()
+        gx = x.grad
+    else:
+        (gx,) = torch.autograd.grad(loss, x, create_graph=double)
     ref_loss = sum(_inner(o, c.to(hi)) for o, c in zip(ref, cots))
     ref_g = torch.autograd.grad(ref_loss, xs_ref, create_graph=double, allow_unused=True)
     ref_gx = ref_g[rank] if ref_g[rank] is not None else torch.zeros_like(xs_ref[rank])
@@ -383,3 +405,15 @@ def standard_cases(world: int) -> Iterator[Case]:
     yield Case(
         "all_to_all", w, (0, 2), kwargs={"split_dim": 0, "concat_dim": 0, "infer_outputs": True}, a2a=a2a
     )
+
+
+def standard_p2p_cases(world: int) -> Iterator[Case]:
+    """The point-to-point ops as ring programs (``shift``, ``ppermute``, ``sendrecv``,
+    ``send`` + ``recv``), for ``world`` ranks; none in a world of one (no peer)."""
+    w = world
+    if w > 1:
+        yield Case("shift", w, (2, 3), kwargs={"offset": 1})
+        yield Case("shift", w, (4,), "float32", kwargs={"offset": -1})
+        yield Case("ppermute", w, (3,), kwargs={"perm": tuple((r, (r + 1) % w) for r in range(w - 1))})
+        yield Case("sendrecv", w, (2, 2), kwargs={"offset": 1})
+        yield Case("send/recv", w, (3,), kwargs={"offset": 1})

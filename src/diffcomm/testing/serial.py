@@ -252,8 +252,16 @@ def _compare_on_rank(
         s_value, s_grad = s_params[s_name].detach()[index], s_param_grads.get(s_name)
         label = f"parameter {name!r} (serial {s_name!r}{_fmt_index(index)})"
         if s_value.shape != p.shape:
+            hint = ""
+            if not slices and (param_map is None or name not in param_map):
+                hint = (
+                    f": `parallel_fn` ({type(parallel_fn).__name__}) has no serial_slices(), so its "
+                    "parameters were compared with the whole serial ones; make the container a "
+                    "subclass of diffcomm.parallel.ParallelModule instead of nn.Module (its "
+                    "serial_slices() names each shard), or pass param_map={name: (serial_name, index)}"
+                )
             failures.append(
-                f"rank {rank}: {label} has shape {tuple(p.shape)}, serial slice {tuple(s_value.shape)}"
+                f"rank {rank}: {label} has shape {tuple(p.shape)}, serial slice {tuple(s_value.shape)}{hint}"
             )
             continue
         for msg in (

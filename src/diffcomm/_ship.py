@@ -1,0 +1,87 @@
+"""How a function travels to a LocalWorld rank, keeping the user's file and line.
+
+cloudpickle ships a function defined in ``__main__``, a notebook cell or a module
+registered with ``cloudpickle.register_pickle_by_value`` *by value*: its code object is
+rebuilt on the rank. cloudpickle 3.x renames every such code object's file to
+``<dynamic-code>`` (a deterministic payload), so the flight recorder, the desync
+diagnosis and the rank's traceback would say ``<dynamic-code>:14`` where the user wrote
+``train.py:14``; and a notebook cell's source exists only in the caller's ``linecache``,
+so even cloudpickle 2.x's tracebacks show no source line.
+
+:func:`dumps` pickles with cloudpickle's own pickler, wrapping its reducer for code
+objects: each code object shipped by value carries its real ``co_filename`` and is
+rebuilt with it (nested code objects - inner functions, lambdas, comprehensions - are
+code constants and go through the same reducer). For a file that is not on disk (a
+notebook cell, ``<stdin>``), the caller's ``linecache`` lines travel too, and
+:func:`loads` registers them in the rank's ``linecache``, so tracebacks show the line.
+Functions pickled by reference (importable modules) are untouched: the rank imports them
+and reads their files itself.
+"""
+
+from __future__ import annotations
+
+import io
+import linecache
+import os
+import pickle
+import types
+from collections import ChainMap
+from typing import Any
+
+import cloudpickle
+
+__all__ = ["dumps", "loads"]
+
+# cloudpickle 3.x exports ``Pickler``; 2.x ``CloudPickler`` (3.x keeps it as an alias)
+_Base: Any = getattr(cloudpickle, "Pickler", None) or cloudpickle.CloudPickler
+_REDUCE_CODE = _Base.dispatch_table[types.CodeType]
+
+
+def _rebuild_code(make: Any, args: tuple[Any, ...], filename: str) -> types.CodeType:
+    """The rank side of :class:`_Pickler`'s code reducer: cloudpickle's own rebuild, then
+    the real file name back (``replace`` leaves every other field as rebuilt)."""
+    code = make(*args)
+    if code.co_filename != filename:
+        code = code.replace(co_filename=filename)
+    return code
+
+
+class _Pickler(_Base):  # type: ignore[misc, valid-type]
+    """cloudpickle's pickler, with code objects keeping ``co_filename``; it records the
+    files of the code it shipped in ``files``."""
+
+    def __init__(self, file: Any, protocol: int | None = None) -> None:
+        self.files: set[str] = set()
+        # before __init__: the C pickler reads ``dispatch_table`` once, when initialised
+        self.dispatch_table = ChainMap({types.CodeType: self._reduce_code}, _Base.dispatch_table)
+        super().__init__(file, protocol=protocol)
+
+    def _reduce_code(self, code: types.CodeType) -> Any:
+        make, args = _REDUCE_CODE(code)[:2]
+        self.files.add(code.co_filename)
+        return _rebuild_code, (make, args, code.co_filename)
+
+
+def dumps(obj: Any) -> bytes:
+    """Pickle ``obj`` for a rank: cloudpickle, with every by-value code object keeping its
+    file name, plus the caller's source lines of files the rank cannot read."""
+    buf = io.BytesIO()
+    p = _Pickler(buf)
+    p.dump(obj)
+    sources = {}
+    for f in p.files:
+        if not os.path.exists(f):
+            lines = linecache.getlines(f)
+            if lines:
+                sources[f] = lines
+    return pickle.dumps((sources, buf.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> Any:
+    """Unpickle what :func:`dumps` made, registering the shipped source lines in this
+    process's ``linecache`` (so tracebacks show them) first."""
+    sources, payload = pickle.loads(data)
+    for f, lines in sources.items():
+        # mtime None: linecache.checkcache() keeps the entry (it has no file to check)
+        linecache.cache[f] = (sum(map(len, lines)), None, lines, f)
+    return cloudpickle.loads(payload)
