@@ -41,10 +41,10 @@ CELLS = [
     for world in (2, 4)
     for launcher, scenarios in (
         ("spawn", ("exit", "control", "reinit", "kill", "sigterm")),
-        # no torchrun "reinit": a second init_process_group on torchrun's agent store can
-        # read the first group's gloo addresses and fail to connect ("Connection refused")
-        # in plain torch as well (docs/debugging.md)
-        ("torchrun", ("exit", "kill", "sigterm", "restart", "raise")),
+        # "reinit" and "restart" join through dc.init(): under torchrun a plain second
+        # init_process_group on the agent's store can read the first group's (or attempt's)
+        # gloo addresses and fail to connect, in plain torch too (docs/debugging.md)
+        ("torchrun", ("exit", "reinit", "kill", "sigterm", "restart", "raise")),
         ("localworld", ("exit", "reinit", "kill", "raise")),
     )
     for scenario in scenarios

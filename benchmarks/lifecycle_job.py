@@ -61,8 +61,13 @@ def _ops_of_every_kind(rank: int, world: int) -> None:
     dc.wait_sends()
 
 
-def _init() -> tuple[int, int]:
-    dist.init_process_group("gloo")
+def _init(via_diffcomm: bool = False) -> tuple[int, int]:
+    """``init_process_group("gloo")`` as plain torch does it, or through ``dc.init()``
+    (which, under torchrun, keys each attempt's and each group's rendezvous apart)."""
+    if via_diffcomm:
+        dc.init("gloo")
+    else:
+        dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -85,12 +90,12 @@ def scenario_reinit() -> None:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun: one store
     for g in range(3):
         if agent_store:
-            pass
+            pass  # dc.init() keys each group's rendezvous apart on the agent's store
         elif g and len(ports) == 3:
             os.environ["MASTER_PORT"] = ports[g]
         elif g:
             os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
-        rank, world = _init()
+        rank, world = _init(via_diffcomm=True)
         x = torch.ones(3, requires_grad=True)
         dc.all_reduce(x).sum().backward()
         if g == 2:
@@ -140,8 +145,7 @@ def scenario_restart(outdir: str) -> None:
     from diffcomm import _flight
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    _say("master_port", os.environ.get("MASTER_PORT"))
-    rank, world = _init()
+    rank, world = _init(via_diffcomm=True)
     x = torch.full((4,), float(rank + 1), requires_grad=True)
     y = dc.all_reduce(x)
     y.sum().backward()

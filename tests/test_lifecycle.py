@@ -60,6 +60,12 @@ def test_three_groups_in_a_row_get_the_full_diagnosis() -> None:
     _holds("spawn", "reinit", 2)
 
 
+@needs_torchrun
+def test_three_groups_in_a_row_under_torchrun() -> None:
+    # dc.init() keys each group's rendezvous apart on torchrun's agent store
+    _holds("torchrun", "reinit", 2)
+
+
 def test_three_local_worlds_in_a_row_get_the_full_diagnosis() -> None:
     _holds("localworld", "reinit", 2)
 

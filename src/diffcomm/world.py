@@ -150,12 +150,42 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
         kwargs["timeout"] = datetime.timedelta(seconds=max(seconds, _STARTUP_TIMEOUT))
     if set_device and acc.name != "cpu":
         _set_local_device(acc, name)
+    store = _torchrun_store(kwargs.get("timeout"))
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(name, **kwargs)
     if seconds is not None and seconds < _STARTUP_TIMEOUT:
         try:  # the collectives then wait `seconds`, no longer
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), None)
         except Exception:  # noqa: BLE001 - a backend without settable timeouts keeps its own
             pass
+
+
+_INITS = [0]  # default groups this process has joined through init()
+
+
+def _torchrun_store(timeout: datetime.timedelta | None) -> Any:
+    """Under torchrun, the agent's store with a key prefix of this attempt and this group.
+
+    torchrun's workers share one store (the agent's) across restart attempts and across
+    groups made one after another; torch keys the default group's rendezvous the same
+    every time, so a rank can read an earlier attempt's (or group's) gloo addresses and
+    fail to connect ("Connection refused": 3 of 4 plain-torch restarts on this machine,
+    docs/debugging.md). A prefix per attempt and per group keeps each one's keys its own.
+    None outside torchrun (``init_process_group`` reads the environment as usual).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    _INITS[0] += 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        None,
+        False,
+        timeout=timeout or datetime.timedelta(seconds=_STARTUP_TIMEOUT),
+    )
+    return dist.PrefixStore(f"diffcomm/attempt_{attempt}/group_{_INITS[0]}", store)
 
 
 def _set_local_device(acc: Accelerator, backend: str) -> None:
