@@ -171,18 +171,8 @@ def all_gather_unsized(
     k = min(n, budget // row) if row else n
     if k and row:  # through a typed view of the buffer (HEAD keeps it aligned): any strides of x
         send[HEAD : HEAD + k * row].view(x.dtype).view(k, *rest).copy_(x[:k])
-    got = torch.empty(world * stride, dtype=torch.uint8)
-    with label("all_gather"):
-        dispatch(
-            "all_gather",
-            info.pg,
-            got.numel(),
-            lambda: c10d_all_gather(got, send, info.pg),
-            lambda: got.copy_(send.repeat(world)),
-            got,
-        )
-    table = got.view(world, stride)
-    raw = got.numpy()
+    table = _gather_padded(send, info, "all_gather")
+    raw = table.numpy().reshape(-1)
     sizes = check_records([list(_UNPACK(raw, r * stride)) for r in range(world)], "all_gather", dim)
     top = max(sizes)
     if top * row > budget:  # a rank's rows did not fit: every rank saw it; gather them, counts known
@@ -191,17 +181,42 @@ def all_gather_unsized(
             return gather(x, sizes), sizes
     if 4 * top * row < budget:
         _remember(seen, top * row)
-    out = torch.empty((sum(sizes), *rest), dtype=x.dtype)
+    return _unpad(table, HEAD, sizes, row, rest, x.dtype), sizes
+
+
+def _gather_padded(send: torch.Tensor, info: GroupInfo, name: str) -> torch.Tensor:
+    """Every rank's padded buffer ``send`` (bytes, the same length on every rank), as a
+    ``(world, len(send))`` table: one all_gather."""
+    world = info.size
+    got = torch.empty(world * send.numel(), dtype=torch.uint8)
+    with label(name):
+        dispatch(
+            "all_gather",
+            info.pg,
+            got.numel(),
+            lambda: c10d_all_gather(got, send, info.pg),
+            lambda: got.copy_(send.repeat(world)),
+            got,
+        )
+    return got.view(world, send.numel())
+
+
+def _unpad(
+    table: torch.Tensor, at: int, sizes: list[int], row: int, rest: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """The rows of every rank, concatenated, from the gathered padded ``table`` (rank
+    ``r``'s ``sizes[r]`` rows of ``row`` bytes start at byte ``at`` of its line)."""
+    world, top = table.shape[0], max(sizes, default=0)
+    out = torch.empty((sum(sizes), *rest), dtype=dtype)
     if top and row and sizes.count(top) == world:  # one strided copy (every rank's rows start aligned)
-        rows = table[:, HEAD : HEAD + top * row].view(x.dtype).view(world, top, *rest)
-        out.view(world, top, *rest).copy_(rows)
+        out.view(world, top, *rest).copy_(table[:, at : at + top * row].view(dtype).view(world, top, *rest))
     elif top and row:
-        at = 0
-        for r, s in enumerate(sizes):
-            if s:
-                out[at : at + s].copy_(table[r, HEAD : HEAD + s * row].view(x.dtype).view(s, *rest))
-            at += s
-    return out, sizes
+        pos = 0
+        for r, n in enumerate(sizes):
+            if n:
+                out[pos : pos + n].copy_(table[r, at : at + n * row].view(dtype).view(n, *rest))
+            pos += n
+    return out
 
 
 def _remember(seen: dict[Any, int], row_bytes: int) -> None:
@@ -279,17 +294,7 @@ def all_gather_counted(
     kept = min(n, m)
     if kept:  # through a typed view of the buffer (head keeps it aligned): any strides of x
         send[head : head + kept * row].view(x.dtype).view(kept, *rest).copy_(x[:kept])
-    got = torch.empty(world * stride, dtype=torch.uint8)
-    with label(name):
-        dispatch(
-            "all_gather",
-            info.pg,
-            got.numel(),
-            lambda: c10d_all_gather(got, send, info.pg),
-            lambda: got.copy_(send.repeat(world)),
-            got,
-        )
-    rows = got.view(world, stride)
+    rows = _gather_padded(send, info, name)
     table: list[list[int]] = rows[:, : 8 * k].contiguous().view(torch.int64).view(world, k).tolist()
     sizes = [rows_of(r) for r in table]
     top = max(sizes)
@@ -299,17 +304,7 @@ def all_gather_counted(
             return gather(x, sizes), table
     if 4 * top < m:
         _remember_key(seen, key, top)
-    out = torch.empty((sum(sizes), *rest), dtype=x.dtype)
-    if top and sizes.count(top) == world:  # one strided copy (every rank's rows start aligned)
-        block = rows[:, head : head + top * row].view(x.dtype).view(world, top, *rest)
-        out.view(world, top, *rest).copy_(block)
-    elif top:
-        at = 0
-        for r, s in enumerate(sizes):
-            if s:
-                out[at : at + s].copy_(rows[r, head : head + s * row].view(x.dtype).view(s, *rest))
-            at += s
-    return out, table
+    return _unpad(rows, head, sizes, row, rest, x.dtype), table
 
 
 def _remember_key(seen: dict[Any, int], key: Any, m: int) -> None:
