@@ -267,32 +267,50 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cells", nargs="*", default=CELLS, help="LAUNCHER:SCENARIO:WORLD (default: all)")
     ap.add_argument("--json", help="write every repetition's judgement here")
     ap.add_argument("--verbose", action="store_true", help="print each failure's reason")
+    ap.add_argument("--log", help="append one JSON line per repetition here, as it ends")
+    ap.add_argument("--until", type=float, help="start no repetition after this Unix time")
     args = ap.parse_args(argv)
     if shutil.which("torchrun") is None:
         args.cells = [c for c in args.cells if not c.startswith("torchrun")]
-    rows = []
-    print(f"{'cell':28} {'held':>7} {'median s':>9} {'max s':>7}  first failure")
-    for cell in args.cells:
-        launcher, scenario, world = cell.split(":")
-        held, times, fails = 0, [], []
-        for _ in range(args.reps):
+    # repetitions outer, cells inner: a run cut short (--until) leaves every cell with about
+    # the same number of repetitions, and load drifts over all cells alike
+    results: dict[str, dict[str, Any]] = {
+        c: {"held": 0, "reps": 0, "times": [], "fails": []} for c in args.cells
+    }
+    log = Path(args.log).open("a") if args.log else None
+    for rep in range(args.reps):
+        if args.until and time.time() > args.until:
+            print(f"stopped at repetition {rep} (--until)", flush=True)
+            break
+        for cell in args.cells:
+            launcher, scenario, world = cell.split(":")
             r = run_once(launcher, scenario, int(world))
             ok, why, t = judge(r)
-            held += ok
+            c = results[cell]
+            c["held"] += ok
+            c["reps"] += 1
             if t is not None:
-                times.append(t)
+                c["times"].append(t)
             if not ok:
-                fails.append(why)
+                c["fails"].append(why)
                 if args.verbose:
                     print(f"  {cell}: {why}", flush=True)
+            if log is not None:
+                log.write(json.dumps({"cell": cell, "rep": rep, "ok": ok, "why": why, "t": t}) + "\n")
+                log.flush()
+    rows = []
+    print(f"{'cell':28} {'held':>7} {'median s':>9} {'max s':>7}  first failure")
+    for cell, c in results.items():
+        times, fails = c["times"], c["fails"]
         med = statistics.median(times) if times else float("nan")
         mx = max(times) if times else float("nan")
         print(
-            f"{cell:28} {held:>3}/{args.reps:<3} {med:>9.2f} {mx:>7.2f}  {fails[0][:60] if fails else ''}",
+            f"{cell:28} {c['held']:>3}/{c['reps']:<3} {med:>9.2f} {mx:>7.2f}  "
+            f"{fails[0][:60] if fails else ''}",
             flush=True,
         )
         rows.append(
-            {"cell": cell, "held": held, "reps": args.reps, "median_s": med, "max_s": mx, "fails": fails}
+            {"cell": cell, "held": c["held"], "reps": c["reps"], "median_s": med, "max_s": mx, "fails": fails}
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
