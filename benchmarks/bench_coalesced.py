@@ -1,6 +1,6 @@
 """Coalesced collectives: one call for many small tensors vs a loop of single calls.
 
-A thin command line over :mod:`diffcomm.bench_coalesced` (also ``python -m diffcomm bench
+A thin command line over :mod:`diffcomm.tools.bench_coalesced` (also ``python -m diffcomm bench
 --coalesced``): 256 float32 tensors of 4 KiB, forward + backward, worlds 2 and 4 by
 default; coalesced vs a loop of single calls vs one flat call, paired per-round ratios,
 peak memory in units of the payload, the load average.
@@ -19,7 +19,7 @@ import json
 
 from rich.console import Console
 
-from diffcomm.bench_coalesced import OPS, run_suite, table
+from diffcomm.tools.bench_coalesced import OPS, run_suite, table
 
 
 def main(argv: list[str] | None = None) -> int:

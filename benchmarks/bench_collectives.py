@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import diffcomm as dc
-from diffcomm.bench import BENCH_OPS, DEFAULT_SIZES, format_rows, plot_rows, run_benchmark
+from diffcomm.tools.bench import BENCH_OPS, DEFAULT_SIZES, format_rows, plot_rows, run_benchmark
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 communication) a round takes 0.2-0.6 ms of which the wrapper is tens of microseconds:
 on a shared 2-core machine that is inside the noise (the raw op alone moved from 0.10 to
 0.37 ms between runs here, with the machine's load). This script measures the same
-implementations (:func:`diffcomm.bench._impls`: raw, floor, torch.distributed.nn,
+implementations (:func:`diffcomm.tools.bench._impls`: raw, floor, torch.distributed.nn,
 funcol, diffcomm) by the Python bytecode instructions one forward+backward executes on
 a world-1 gloo group, after a warm-up: a count, the same on every run and machine (for
 one torch and Python version), so a change to the hot path shows as a number.
@@ -104,7 +104,7 @@ def _callgrind(op: str, impl: str, size: int, calls: int) -> int | None:
 
 def _child(op: str, impl: str, size: int, calls: int) -> None:
     """Inside callgrind: warm up, switch instrumentation on for ``calls`` calls, exit."""
-    from diffcomm.bench import _impls
+    from diffcomm.tools.bench import _impls
 
     _init_world1()
     fn = _impls(op, size)[impl]
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     args = p.parse_args(argv)
 
-    from diffcomm.bench import _impls
+    from diffcomm.tools.bench import _impls
 
     _init_world1()
     head = f"{'op':15s} {'impl':22s} {'bytecodes':>9s} {'/ floor':>8s}"

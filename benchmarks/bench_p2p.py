@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 import diffcomm as dc
 from diffcomm import backend as B
-from diffcomm import p2p
+from diffcomm.ops import p2p
 
 
 def _pingpong(kind: str, rows: int, width: int, iters: int, warmup: int) -> list[float]:

@@ -3,7 +3,7 @@
 ``python -m diffcomm bench`` times one forward + backward per round across real ranks,
 which at world 1 is a fraction of a millisecond and moves with the machine's load. Here
 one process joins a world-1 group (nccl on its GPU when torch sees one, else gloo) and
-times the implementations of :func:`diffcomm.bench._impls` (raw, floor,
+times the implementations of :func:`diffcomm.tools.bench._impls` (raw, floor,
 torch.distributed.nn, diffcomm) on ``--size`` bytes: ``--calls`` forward + backward per
 implementation, split into 7 blocks that interleave the implementations; a block ends
 when the device's queued work has finished. Reported: the median block's time per call
@@ -53,7 +53,7 @@ def _init(cpu: bool) -> tuple[Any, Any]:
 
 def time_op(op: str, size: int, calls: int, device: Any, sync: Any) -> dict[str, float]:
     """Median seconds per forward + backward of each implementation."""
-    from diffcomm.bench import _impls
+    from diffcomm.tools.bench import _impls
 
     impls = _impls(op, size, device)
     names = [k for k in IMPLS if k in impls]
@@ -76,7 +76,7 @@ def time_op(op: str, size: int, calls: int, device: Any, sync: Any) -> dict[str,
 
 def profile(op: str, size: int, impl: str, device: Any, sync: Any, top: int = 20) -> str:
     """cProfile of 1000 calls of ``impl``: the ``top`` functions by own time."""
-    from diffcomm.bench import _impls
+    from diffcomm.tools.bench import _impls
 
     fn = _impls(op, size, device)[impl]
     for _ in range(100):

@@ -2,7 +2,7 @@
 
 Rank ``r`` of ``n`` holds a contiguous block of the sequence: ``q, k, v`` of shape
 ``(batch, heads, seq_local, dim)`` for positions ``[r * seq_local, (r + 1) * seq_local)``.
-The K/V blocks travel around the ring with :func:`diffcomm.p2p.shift` (``n - 1`` shifts of
+The K/V blocks travel around the ring with :func:`diffcomm.ops.p2p.shift` (``n - 1`` shifts of
 one stacked K/V tensor); each rank folds every block into its output with the online
 softmax (running max and log-sum-exp), so no rank ever holds the full sequence.
 
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 import diffcomm as dc
-from diffcomm.p2p import shift
+from diffcomm.ops.p2p import shift
 
 
 def ring_attention(

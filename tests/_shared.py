@@ -65,7 +65,7 @@ def forget_gathered_sizes() -> None:
     """Make every group record of this process forget the row counts its all_gathers
     learned, so the next all_gather without ``split_sizes`` exchanges them first, as on a
     new group (call it on every rank at the same point)."""
-    from diffcomm import _groups
+    from diffcomm.backend import groups as _groups
 
     for info in _groups._INFOS.values():
         info.gathered_rows.clear()

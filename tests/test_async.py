@@ -1,6 +1,6 @@
 """Asynchronous communication: the engine, AsyncTensor, the ordering rules (docs/async.md).
 
-The mechanism is tested here through :func:`diffcomm._async.launch` over raw backend ops;
+The mechanism is tested here through :func:`diffcomm.ops.engine.launch` over raw backend ops;
 the public ``async_op=True`` of every collective is tested in ``test_async_ops.py``.
 """
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import diffcomm as dc
-from diffcomm import _async as X
 from diffcomm import backend as B
-from diffcomm.world import LocalWorld
+from diffcomm.ops import engine as X
+from diffcomm.runtime.world import LocalWorld
 
 
 def _ar(x: torch.Tensor) -> torch.Tensor:

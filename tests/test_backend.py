@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 import diffcomm as dc
 from diffcomm import CrossRankMismatchError, LocalWorld
-from diffcomm._args import normalize_op, resolve_group
 from diffcomm.backend import OP_NAMES, comm_off, get_backend, is_off, log_comms
+from diffcomm.backend.args import normalize_op, resolve_group
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 DTYPES = (
@@ -226,7 +226,7 @@ def _valid(op: str, dtype: torch.dtype) -> bool:
     return not (op == "avg" and not (dtype.is_floating_point or dtype.is_complex))
 
 
-# max/min of complex and avg of integers are rejected by diffcomm._args before the backend
+# max/min of complex and avg of integers are rejected by diffcomm.backend.args before the backend
 @pytest.mark.parametrize(
     ("op", "dtype"), [(op, dt) for op in REDUCE_OPS for dt in DTYPES if _valid(op, dt)], ids=str
 )
@@ -694,7 +694,7 @@ def test_group_record_asks_the_group_which_backend_moves_its_data(spec: str | No
         if spec != "gloo":  # the reported name alone would have meant no native reduce_scatter
             assert not static_capabilities(reported).reduce_scatter
         assert info.device == torch.device("cpu")
-        from diffcomm._groups import cpu_group
+        from diffcomm.backend.groups import cpu_group
 
         assert cpu_group(info) is None  # the default group itself carries the sizes
         x = torch.arange(6.0).reshape(2, 3)

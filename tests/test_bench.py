@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from diffcomm import bench, cli
+from diffcomm.tools import bench, cli
 
 
 def test_paired_ratios_are_per_round() -> None:
@@ -37,7 +37,7 @@ def test_round_order_is_drawn_per_round_the_same_on_every_rank() -> None:
     """Each round runs every implementation once; the order is a permutation drawn from
     the round's index (so every rank, drawing separately, agrees), and unlike a rotation
     it does not keep who runs right after whom."""
-    from diffcomm.bench import round_order
+    from diffcomm.tools.bench import round_order
 
     names = ["raw", "floor", "torch.distributed.nn", "funcol", "diffcomm"]
     orders = [round_order(names, i) for i in range(40)]
@@ -165,14 +165,14 @@ def test_bench_rejects_bad_arguments_before_measuring() -> None:
 def test_plot_without_matplotlib_fails_before_measuring(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import diffcomm.world
+    import diffcomm.runtime.world
 
     class NoWorld:
         def __init__(self, *a: object, **k: object) -> None:
             raise AssertionError("bench started measuring although --plot cannot work")
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
-    monkeypatch.setattr(diffcomm.world, "LocalWorld", NoWorld)
+    monkeypatch.setattr(diffcomm.runtime.world, "LocalWorld", NoWorld)
     out = tmp_path / "b.png"
     assert cli.main(["bench", "-n", "1", "--sizes", "4KiB", "--rounds", "3", "--plot", str(out)]) == 2
     text = capsys.readouterr().err  # a usage error: one line on stderr

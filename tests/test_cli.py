@@ -14,8 +14,9 @@ import torch
 from rich.console import Console
 
 import diffcomm as dc
-from diffcomm import __version__, cli
+from diffcomm import __version__
 from diffcomm.accelerator import get_accelerator
+from diffcomm.tools import cli
 
 
 def _run_python(
@@ -36,9 +37,9 @@ def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 def _imports_torch(p: subprocess.CompletedProcess[str]) -> bool:
-    """Whether a ``python -X importtime`` run imported torch (it must import diffcomm.cli)."""
+    """Whether a ``python -X importtime`` run imported torch (it must import diffcomm.tools.cli)."""
     imported = [line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if "|" in line]
-    assert "diffcomm.cli" in imported
+    assert "diffcomm.tools.cli" in imported
     return any(m.split(".")[0] == "torch" for m in imported)
 
 
@@ -154,10 +155,10 @@ def test_every_usage_error_is_one_line_and_exit_2(
 
 
 def test_unknown_op_lists_the_valid_names(capsys: pytest.CaptureFixture[str]) -> None:
-    from diffcomm._cli_tools import CHECK_OPS
     from diffcomm.testing.cases import standard_cases, standard_p2p_cases
     from diffcomm.testing.coalesced import standard_coalesced_cases
     from diffcomm.testing.mappings import standard_mapping_cases
+    from diffcomm.tools.commands import CHECK_OPS
 
     assert cli.main(["check", "--ops", "all_gather", "allreduce"]) == 2
     line = _one_error_line(capsys.readouterr().err, "check")
@@ -229,7 +230,7 @@ def test_console_script_usage_says_diffcomm(tmp_path: Path) -> None:
     script.write_text(
         "import re\n"
         "import sys\n"
-        "from diffcomm.cli import main\n"
+        "from diffcomm.tools.cli import main\n"
         "if __name__ == '__main__':\n"
         "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
         "    sys.exit(main())\n"

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from diffcomm import bench, cli
-from diffcomm._cli_tools import _merge, parse_size
 from diffcomm.testing.cases import Case
+from diffcomm.tools import bench, cli
+from diffcomm.tools.commands import _merge, parse_size
 
 
 def _run(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -77,7 +77,7 @@ def test_check_covers_point_to_point_and_the_mappings() -> None:
 def test_the_bench_table_fits_100_columns_and_the_verdict_is_in_words() -> None:
     from rich.console import Console
 
-    from diffcomm._cli_tools import BENCH_LEGEND, bench_table
+    from diffcomm.tools.commands import BENCH_LEGEND, bench_table
 
     impls = ["raw", "floor", "torch.distributed.nn", "funcol", "diffcomm", "diffcomm(sizes=)", bench.CONTROL]
     rows = []

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import diffcomm as dc
 from diffcomm import backend as B
-from diffcomm.coalesced import COALESCED_OPS, coalesced_markdown
+from diffcomm.ops.coalesced import COALESCED_OPS, coalesced_markdown
 from diffcomm.testing.coalesced import CoalescedCase, run_coalesced_case, standard_coalesced_cases
 
 WORLDS = [1, 2, 3, 4]

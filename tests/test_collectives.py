@@ -163,7 +163,7 @@ def test_dual_table_is_an_involution() -> None:
 
 
 def test_docs_table_is_generated_from_the_code() -> None:
-    from diffcomm.collectives import duals_markdown
+    from diffcomm.ops.collectives import duals_markdown
 
     table = duals_markdown()
     for op, d in dc.DUALS.items():
@@ -172,8 +172,8 @@ def test_docs_table_is_generated_from_the_code() -> None:
 
 def test_one_registry_holds_every_family() -> None:
     """Every per-family table is a view of the one registry; duals close per family."""
-    from diffcomm import _registry as R
-    from diffcomm import coalesced, p2p
+    from diffcomm.ops import coalesced, p2p
+    from diffcomm.ops import registry as R
 
     assert dc.OPS == R.family("collective") and p2p.OPS == R.family("p2p")
     assert coalesced.COALESCED_OPS == R.family("coalesced")
@@ -639,7 +639,7 @@ def _block(r: int, rows: list[int], dtype: torch.dtype, dim: int) -> torch.Tenso
 
 
 def _gathers_with_learned_sizes() -> list[str]:
-    from diffcomm import _sized_gather
+    from diffcomm.backend import sized_gather as _sized_gather
 
     group = dist.new_group(list(range(dc.get_world_size())))
     rank, world = dc.get_rank(), dc.get_world_size()

@@ -396,7 +396,7 @@ class _Twice(torch.autograd.Function):
     reason="PyTorch: under torch.compile dynamo traces a custom autograd.Function's forward "
     "instead of its jvp rule when the inputs do not require grad (compiled tangent 2, eager 3). "
     "This is why diffcomm refuses jvp / forward_ad inside compiled code; lift the refusal in "
-    "diffcomm._op.fn when this passes",
+    "diffcomm.ops.base.fn when this passes",
 )
 def test_pytorch_honours_custom_jvp_inside_compile() -> None:
     from torch.func import jvp
@@ -414,7 +414,7 @@ def test_pytorch_honours_custom_jvp_inside_compile() -> None:
     "instead of its vmap rule (compiled x*2, eager x*5; for diffcomm ops the functional "
     "collectives get PyTorch's per-example fallback, with wrong results). This is why "
     "diffcomm refuses vmap inside compiled code; lift the refusal in "
-    "diffcomm._op.fn when this passes",
+    "diffcomm.ops.base.fn when this passes",
 )
 def test_pytorch_honours_custom_vmap_inside_compile() -> None:
     from torch.func import vmap

@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 import diffcomm as dc
 from diffcomm import backend as B
-from diffcomm import cli
 from diffcomm.testing.cases import run_case, standard_cases
 from diffcomm.testing.coalesced import run_coalesced_case, standard_coalesced_cases
+from diffcomm.tools import cli
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and dist.is_nccl_available()),

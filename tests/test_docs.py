@@ -40,7 +40,7 @@ def test_docs_build_without_warnings(tmp_path: Path) -> None:
     assert seconds < BUILD_BUDGET_S, f"docs build took {seconds:.0f} s (budget {BUILD_BUDGET_S} s)"
 
     convention = (out / "convention.html").read_text()
-    from diffcomm.collectives import OPS
+    from diffcomm.ops.collectives import OPS
 
     for name, spec in OPS.items():  # the generated op -> dual table made it into the page
         assert (
@@ -49,17 +49,17 @@ def test_docs_build_without_warnings(tmp_path: Path) -> None:
         assert spec.backward.split(" ")[0] in convention
     api = (out / "api.html").read_text()
     for fn in (
-        "diffcomm.collectives.all_reduce",
-        "diffcomm.collectives.all_to_all",
-        "diffcomm.world.LocalWorld",
+        "diffcomm.ops.collectives.all_reduce",
+        "diffcomm.ops.collectives.all_to_all",
+        "diffcomm.runtime.world.LocalWorld",
     ):
         assert f'id="{fn}"' in api, f"{fn} missing from the API reference"
-    from diffcomm.coalesced import COALESCED_OPS
+    from diffcomm.ops.coalesced import COALESCED_OPS
 
     coalesced = (out / "coalesced.html").read_text()
     for name in COALESCED_OPS:  # the generated coalesced table and the API entries
         assert f'<span class="pre">{name}</span>' in coalesced
-        assert f'id="diffcomm.coalesced.{name}"' in api, f"{name} missing from the API reference"
+        assert f'id="diffcomm.ops.coalesced.{name}"' in api, f"{name} missing from the API reference"
     rendered_from = _ext().notebooks()
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
         assert (out / "_generated" / "notebooks" / f"{nb.stem}.html").exists(), (

@@ -33,8 +33,15 @@ from _procs import still_alive
 from _shared import forget_gathered_sizes
 
 import diffcomm as dc
-from diffcomm import DesyncError, LocalWorld, RankDesyncError, RankDiedError, WorldTooLargeError, _config
-from diffcomm.world import check_world_fits
+from diffcomm import (
+    DesyncError,
+    LocalWorld,
+    RankDesyncError,
+    RankDiedError,
+    WorldTooLargeError,
+    _config,
+)
+from diffcomm.runtime.world import check_world_fits
 
 T = 2.0  # the ranks' collective timeout (DIFFCOMM_TIMEOUT) in the desync worlds
 
@@ -313,7 +320,7 @@ def test_oversized_world_is_refused_up_front_with_numbers() -> None:
 
 
 def test_cli_check_refuses_an_oversized_world(capsys) -> None:
-    from diffcomm.cli import main
+    from diffcomm.tools.cli import main
 
     cores = psutil.cpu_count() or 1
     assert main(["check", "-n", str(8 * cores + 1)]) == 2
@@ -324,7 +331,7 @@ def test_cli_check_refuses_an_oversized_world(capsys) -> None:
 _CTRL_C = """
 import sys, time
 import diffcomm as dc
-from diffcomm.cli import main
+from diffcomm.tools.cli import main
 if sys.argv[1] == "run":
     world = dc.LocalWorld(2)
     print("PIDS", *world.pids, flush=True)
@@ -425,7 +432,7 @@ def test_ctrl_c_between_spawning_two_ranks_leaves_no_rank(tmp_path) -> None:
 
 
 def test_start_up_shows_progress(capfd) -> None:
-    import diffcomm.world as W
+    import diffcomm.runtime.world as W
 
     old = W._PROGRESS_AFTER
     W._PROGRESS_AFTER = 0.05  # print from the first tick (starting 2 ranks takes > 0.05 s)
@@ -443,7 +450,7 @@ def test_start_up_shows_progress(capfd) -> None:
 
 
 def test_cli_check_json_includes_the_flight_recorder(capsys) -> None:
-    from diffcomm.cli import main
+    from diffcomm.tools.cli import main
 
     assert main(["check", "-n", "2", "--ops", "all_reduce", "--json", "--flight"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -499,7 +506,7 @@ def test_desync_under_torchrun(tmp_path, scenario: str) -> None:
 
 
 def test_oversized_world_override(monkeypatch) -> None:
-    import diffcomm.world as W
+    import diffcomm.runtime.world as W
 
     monkeypatch.setattr(W, "_MAX_RANKS_PER_CORE", 0)  # now every world is "too large"
     with pytest.raises(WorldTooLargeError):

@@ -1,4 +1,4 @@
-"""Tests for diffcomm.p2p: send/recv with metadata, sendrecv, ppermute, shift.
+"""Tests for diffcomm.ops.p2p: send/recv with metadata, sendrecv, ppermute, shift.
 
 Every test runs on real gloo ranks of the session-scoped worlds; assertions run inside
 the rank functions (a failing rank surfaces as one RankError naming it).
@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 import diffcomm as dc
-from diffcomm import _transport as T
 from diffcomm import backend as B
-from diffcomm import p2p
 from diffcomm._errors import CrossRankMismatchError
+from diffcomm.ops import p2p
+from diffcomm.ops import wire as T
 
 DTYPES = [
     torch.float16,
@@ -835,7 +835,7 @@ def test_the_reference_checker_passes_p2p_and_mapping_cases(local_worlds, world_
 def test_the_mapping_checker_catches_a_wrong_backward(world2: dc.LocalWorld) -> None:
     # the checker is not vacuous: a copy_to_region whose backward forgot the all_reduce
     # (the classic halved-gradient bug) fails its gradient check
-    from diffcomm import _registry
+    from diffcomm.ops import registry as _registry
     from diffcomm.testing.cases import Case
     from diffcomm.testing.mappings import run_mapping_case
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 import diffcomm as dc
-from diffcomm import _transport as T
+from diffcomm.ops import wire as T
 
 F64 = torch.float64
 

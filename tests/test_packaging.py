@@ -116,7 +116,7 @@ def test_import_is_eager_and_only_the_command_line_is_lazy() -> None:
     eager = (
         "import sys\n"
         "import diffcomm\n"
-        "assert 'torch' in sys.modules and 'diffcomm.collectives' in sys.modules\n"
+        "assert 'torch' in sys.modules and 'diffcomm.ops.collectives' in sys.modules\n"
         "missing = [n for n in diffcomm.__all__ if n not in vars(diffcomm)]\n"
         "assert not missing, missing\n"
     )
@@ -127,8 +127,8 @@ def test_import_is_eager_and_only_the_command_line_is_lazy() -> None:
         "assert 'torch' not in sys.modules, 'the command line imported torch'\n"
         "print(dc.__version__)\n"
         "op = dc.all_reduce\n"
-        "assert 'torch' in sys.modules and op.__module__ == 'diffcomm.collectives'\n"
-        "assert dc.LocalWorld.__module__ == 'diffcomm.world'\n"
+        "assert 'torch' in sys.modules and op.__module__ == 'diffcomm.ops.collectives'\n"
+        "assert dc.LocalWorld.__module__ == 'diffcomm.runtime.world'\n"
         "assert dc.parallel.__name__ == 'diffcomm.parallel'\n"
         "import diffcomm.testing\n"
         "from diffcomm import testing, world\n"
@@ -153,7 +153,7 @@ def test_every_submodule_imports_first() -> None:
     names = sorted(
         "diffcomm." + ".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
         for p in src.rglob("*.py")
-        if p.name not in ("__main__.py", "_worker.py")  # scripts: they run, not import
+        if p.name not in ("__main__.py", "rank_process.py")  # scripts: they run, not import
     )
     code = (
         "import sys, importlib, torch\n"

@@ -192,7 +192,7 @@ def test_mapping_and_its_dual_are_adjoint_under_the_replicated_convention(world,
 def test_mappings_are_the_registry_mapping_family() -> None:
     """``parallel.MAPPINGS`` is a view of the one registry; duals close in the family;
     the docs' table is generated from it."""
-    from diffcomm import _registry as R
+    from diffcomm.ops import registry as R
 
     assert MAPPINGS == R.family("mapping")
     pairs = {

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 import diffcomm as dc
-from diffcomm import _transport as T
 from diffcomm import backend as B
+from diffcomm.ops import wire as T
 from diffcomm.pipeline import (
     SCHEDULES,
     PipelineRunner,

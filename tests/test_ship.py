@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import diffcomm as dc
-from diffcomm import LocalWorld, _ship
+from diffcomm import LocalWorld
+from diffcomm.runtime import shipping as _ship
 
 CELL = textwrap.dedent(
     """\

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import diffcomm as dc
-from diffcomm import world
 from diffcomm.accelerator import CPUAccelerator, DeviceLike, get_accelerator, set_accelerator
+from diffcomm.runtime import world
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchrun_allreduce.py"
 

@@ -32,8 +32,8 @@ from diffcomm import (
     RankError,
     WorldTimeoutError,
 )
-from diffcomm._flight import _TIMEOUT_MARKERS
 from diffcomm.backend import get_backend, label
+from diffcomm.debug.recorder import _TIMEOUT_MARKERS
 
 # ------------------------------------------------------------------------------ helpers
 
@@ -178,7 +178,7 @@ _PROGRESS_SCRIPT = """
 import os
 import sys
 import diffcomm as dc
-import diffcomm.world as W
+import diffcomm.runtime.world as W
 from diffcomm import _config
 W._PROGRESS_AFTER = 0.0  # print from the first tick
 for arg in sys.argv[1:]:

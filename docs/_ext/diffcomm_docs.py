@@ -3,11 +3,11 @@
 On ``builder-inited`` (before Sphinx looks for source files) it writes, under
 ``docs/_generated/`` (git-ignored):
 
-* ``duals.md`` — the op -> adjoint table, from :func:`diffcomm.collectives.duals_markdown`
+* ``duals.md`` — the op -> adjoint table, from :func:`diffcomm.ops.collectives.duals_markdown`
   (``_registry.markdown("collective")``)
   (the same ``OPS`` table the tests walk), included by ``convention.md``;
 * ``coalesced.md`` — the coalesced op -> adjoint table, from
-  :data:`diffcomm.coalesced.COALESCED_OPS`, included by ``coalesced.md``;
+  :data:`diffcomm.ops.coalesced.COALESCED_OPS`, included by ``coalesced.md``;
 * ``mappings.md`` — the replicated-objective mappings, from the registry's ``"mapping"``
   family (``_registry.markdown("mapping")``, the same table as
   :data:`diffcomm.parallel.MAPPINGS`);
@@ -43,26 +43,26 @@ def _table_page(source: str, markdown: str) -> str:
 
 
 def duals_page() -> str:
-    from diffcomm.collectives import duals_markdown
+    from diffcomm.ops.collectives import duals_markdown
 
-    return _table_page("diffcomm.collectives.OPS", duals_markdown())
+    return _table_page("diffcomm.ops.collectives.OPS", duals_markdown())
 
 
 def p2p_page() -> str:
-    from diffcomm.p2p import p2p_markdown
+    from diffcomm.ops.p2p import p2p_markdown
 
-    return _table_page("diffcomm.p2p.OPS", p2p_markdown())
+    return _table_page("diffcomm.ops.p2p.OPS", p2p_markdown())
 
 
 def coalesced_page() -> str:
-    from diffcomm.coalesced import coalesced_markdown
+    from diffcomm.ops.coalesced import coalesced_markdown
 
-    return _table_page("diffcomm.coalesced.COALESCED_OPS", coalesced_markdown())
+    return _table_page("diffcomm.ops.coalesced.COALESCED_OPS", coalesced_markdown())
 
 
 def mappings_page() -> str:
     import diffcomm.parallel  # noqa: F401 - importing registers the "mapping" family
-    from diffcomm import _registry
+    from diffcomm.ops import registry as _registry
 
     return _table_page("diffcomm.parallel.MAPPINGS", _registry.markdown("mapping"))
 

@@ -26,7 +26,7 @@ _SUBMODULES = ("accelerator", "backend", "compat", "parallel", "pipeline", "rng"
 
 #: public name -> the submodule defining it
 _EXPORTS: dict[str, str] = {
-    "AsyncTensor": "_async",
+    "AsyncTensor": "ops.engine",
     "debug": "_config",
     "settings": "_config",
     "timeout": "_config",
@@ -39,41 +39,40 @@ _EXPORTS: dict[str, str] = {
     "RankError": "_errors",
     "WorldTimeoutError": "_errors",
     "WorldTooLargeError": "_errors",
-    "FlightRecorder": "_flight",
-    "flight_recorder": "_flight",
-    "all_gather_coalesced": "coalesced",
-    "all_reduce_coalesced": "coalesced",
-    "broadcast_coalesced": "coalesced",
-    "reduce_coalesced": "coalesced",
-    "reduce_scatter_coalesced": "coalesced",
-    "DUALS": "collectives",
-    "OPS": "collectives",
-    "all_gather": "collectives",
-    "all_reduce": "collectives",
-    "all_to_all": "collectives",
-    "broadcast": "collectives",
-    "dual": "collectives",
-    "gather": "collectives",
-    "reduce": "collectives",
-    "reduce_scatter": "collectives",
-    "scatter": "collectives",
-    "ppermute": "p2p",
-    "recv": "p2p",
-    "send": "p2p",
-    "sendrecv": "p2p",
-    "shift": "p2p",
-    "wait_sends": "p2p",
-    "LocalWorld": "world",
-    "get_rank": "world",
-    "get_world_size": "world",
-    "init": "world",
-    "is_initialized": "world",
-    "launch": "world",
+    "FlightRecorder": "debug.recorder",
+    "flight_recorder": "debug.recorder",
+    "all_gather_coalesced": "ops.coalesced",
+    "all_reduce_coalesced": "ops.coalesced",
+    "broadcast_coalesced": "ops.coalesced",
+    "reduce_coalesced": "ops.coalesced",
+    "reduce_scatter_coalesced": "ops.coalesced",
+    "DUALS": "ops.collectives",
+    "OPS": "ops.collectives",
+    "all_gather": "ops.collectives",
+    "all_reduce": "ops.collectives",
+    "all_to_all": "ops.collectives",
+    "broadcast": "ops.collectives",
+    "dual": "ops.collectives",
+    "gather": "ops.collectives",
+    "reduce": "ops.collectives",
+    "reduce_scatter": "ops.collectives",
+    "scatter": "ops.collectives",
+    "ppermute": "ops.p2p",
+    "recv": "ops.p2p",
+    "send": "ops.p2p",
+    "sendrecv": "ops.p2p",
+    "shift": "ops.p2p",
+    "wait_sends": "ops.p2p",
+    "LocalWorld": "runtime.world",
+    "get_rank": "runtime.world",
+    "get_world_size": "runtime.world",
+    "init": "runtime.world",
+    "is_initialized": "runtime.world",
+    "launch": "runtime.world",
 }
 
 if TYPE_CHECKING:
     from . import accelerator, backend, compat, parallel, pipeline, rng
-    from ._async import AsyncTensor
     from ._config import debug, settings, timeout
     from ._errors import (
         CollectiveTimeoutError,
@@ -86,15 +85,15 @@ if TYPE_CHECKING:
         WorldTimeoutError,
         WorldTooLargeError,
     )
-    from ._flight import FlightRecorder, flight_recorder
-    from .coalesced import (
+    from .debug.recorder import FlightRecorder, flight_recorder
+    from .ops.coalesced import (
         all_gather_coalesced,
         all_reduce_coalesced,
         broadcast_coalesced,
         reduce_coalesced,
         reduce_scatter_coalesced,
     )
-    from .collectives import (
+    from .ops.collectives import (
         DUALS,
         OPS,
         all_gather,
@@ -107,8 +106,9 @@ if TYPE_CHECKING:
         reduce_scatter,
         scatter,
     )
-    from .p2p import ppermute, recv, send, sendrecv, shift, wait_sends
-    from .world import LocalWorld, get_rank, get_world_size, init, is_initialized, launch
+    from .ops.engine import AsyncTensor
+    from .ops.p2p import ppermute, recv, send, sendrecv, shift, wait_sends
+    from .runtime.world import LocalWorld, get_rank, get_world_size, init, is_initialized, launch
 
 __all__ = [
     "accelerator",
@@ -190,7 +190,7 @@ def _cli_starting() -> bool:
     """Whether this import is the start of the command line (then the package stays lazy).
 
     ``python -m diffcomm``: ``sys.argv[0]`` is ``"-m"`` while the package is located and
-    imported. The console script: pip's wrapper (``from diffcomm.cli import main``) runs
+    imported. The console script: pip's wrapper (``from diffcomm.tools.cli import main``) runs
     as ``.../bin/diffcomm`` (``diffcomm.exe`` or ``diffcomm-script.py`` on Windows).
     """
     import os

@@ -1,6 +1,6 @@
-"""``python -m diffcomm``: the command line (see :mod:`diffcomm.cli`)."""
+"""``python -m diffcomm``: the command line (see :mod:`diffcomm.tools.cli`)."""
 
-from diffcomm.cli import main
+from diffcomm.tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _args as A
-from . import collectives as C
+from .backend import args as A
+from .ops import collectives as C
 
 __all__ = [
     "broadcast",

@@ -2,8 +2,8 @@
 per dtype (public as :func:`diffcomm.parallel.mappings.copy_to_region_coalesced` and
 :func:`diffcomm.parallel.mappings.reduce_from_region_coalesced`).
 
-Both stand on :class:`~diffcomm._op.ListOp`, the list form of the op base (as the
-coalesced collectives of :mod:`diffcomm.coalesced`): each states its raw forward over the
+Both stand on :class:`~diffcomm.ops.base.ListOp`, the list form of the op base (as the
+coalesced collectives of :mod:`diffcomm.ops.coalesced`): each states its raw forward over the
 whole list and its transpose, the other one of the pair (one ``all_reduce_coalesced`` of
 the gradients, or their identity), so double backward keeps the replicated objective;
 the base writes backward, jvp, vmap, the cheap ``apply`` and the compile twin.
@@ -16,10 +16,10 @@ from typing import Any
 
 from torch import Tensor
 
-from .. import _args as A
 from .. import _config
-from .. import coalesced as K
-from .._op import ListOp, call_list
+from ..backend import args as A
+from ..ops import coalesced as K
+from ..ops.base import ListOp, call_list
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 
 __all__ = ["copy_to_region_coalesced", "reduce_from_region_coalesced"]

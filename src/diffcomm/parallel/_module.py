@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from .. import _args as A
 from .. import backend as B
-from .. import collectives as C
+from ..backend import args as A
+from ..ops import collectives as C
 from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]

@@ -20,9 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _args as A
 from .. import rng
-from ._module import ParallelModule, check_divisible, check_positive, init_generator, resolve_parallel_group
+from ..backend import args as A
+from ._module import (
+    ParallelModule,
+    check_divisible,
+    check_positive,
+    init_generator,
+    resolve_parallel_group,
+)
 from .layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["MLP", "ParallelMLP", "SelfAttention", "ParallelSelfAttention"]

@@ -40,12 +40,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _args as A
 from .. import _config
 from .. import backend as B
+from ..backend import args as A
 from . import overlap as O
 from ._check import check_replicated
-from ._module import ParallelModule, check_divisible, check_positive, init_generator, resolve_parallel_group
+from ._module import (
+    ParallelModule,
+    check_divisible,
+    check_positive,
+    init_generator,
+    resolve_parallel_group,
+)
 from .mappings import (
     all_gather_from_sequence,
     copy_to_region,

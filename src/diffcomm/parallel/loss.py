@@ -8,10 +8,10 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import _args as A
 from .. import _config
 from .. import backend as B
-from .. import collectives as C
+from ..backend import args as A
+from ..ops import collectives as C
 from ._check import check_replicated
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -28,7 +28,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     Outputs: ``(loss, softmax_shard, local_target, target_here, valid)``; only the loss is
     differentiable, the others are what backward and jvp need.
 
-    Not a :class:`~diffcomm._op.CommOp`: that base derives backward, jvp and vmap from a
+    Not a :class:`~diffcomm.ops.base.CommOp`: that base derives backward, jvp and vmap from a
     **linear** op's transpose (the same op on the tangent). This Function is nonlinear
     (a log-sum-exp over the sharded vocabulary), has several outputs and an integer input,
     and its backward is local arithmetic on the saved softmax shard with no communication

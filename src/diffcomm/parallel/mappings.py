@@ -1,6 +1,6 @@
 """Megatron-style region mappings: the conjugate pairs of the replicated objective.
 
-The core collectives (:mod:`diffcomm.collectives`) differentiate the **sum of the
+The core collectives (:mod:`diffcomm.ops.collectives`) differentiate the **sum of the
 per-rank objectives**. Tensor-parallel code is written under another convention, the
 **replicated objective**: one loss ``L``, computed identically on every rank, and every
 tensor that is *replicated* (the same on every rank) stands for **one** variable, not
@@ -44,7 +44,7 @@ so a wrong choice of mapping is an error, not a silent 2x. (The opposite assumpt
 "the gradient of a copy is a *partial* one on each rank" — cannot be checked: partial
 gradients may legitimately be equal.)
 
-Every mapping is a :class:`~diffcomm._op.CommOp` (the base of every communication op):
+Every mapping is a :class:`~diffcomm.ops.base.CommOp` (the base of every communication op):
 it states its forward (a core collective's raw ``run``, or a local view), its transpose
 and its dims, and the base writes ``forward`` / ``setup_context`` / ``backward`` / ``jvp``
 / ``vmap``, the cheap eager ``apply`` and the ``torch.compile`` twin. Its transpose **is
@@ -55,7 +55,7 @@ backward is right under the replicated objective too (a gradient penalty through
 all_reduce as backward), and ``torch.func.grad``/``vjp``/``jvp``/``vmap`` and ``jacrev``
 work. The public function validates its arguments (and runs its debug check) once; the
 Function then calls the raw backend directly. The mappings are registered as the
-``"mapping"`` family of :mod:`diffcomm._registry` (:data:`MAPPINGS`).
+``"mapping"`` family of :mod:`diffcomm.ops.registry` (:data:`MAPPINGS`).
 Shards are even: the split dimension must divide by the group size (a ``ValueError``
 naming the argument otherwise, before any communication).
 """
@@ -66,13 +66,13 @@ from typing import Any
 
 from torch import Tensor
 
-from .. import _args as A
 from .. import _config
 from .. import backend as B
-from .. import collectives as C
-from .._all_to_all import raw_all_to_all
-from .._op import CommOp, apply, call
-from .._registry import OpSpec, register
+from ..backend import args as A
+from ..ops import collectives as C
+from ..ops.all_to_all import raw_all_to_all
+from ..ops.base import CommOp, apply, call
+from ..ops.registry import OpSpec, register
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 from ._coalesced import copy_to_region_coalesced, reduce_from_region_coalesced
 
@@ -137,7 +137,7 @@ def _even_dim(name: str, x: Tensor, dim: Any, world: int, arg: str = "dim") -> i
 
 
 # ======================================================================================
-# The mappings' Functions, on the CommOp base (diffcomm._op): each states its forward
+# The mappings' Functions, on the CommOp base (diffcomm.ops.base): each states its forward
 # (``run``: a core op's raw ``run``, or a local view), its transpose (the conjugate
 # mapping, applied through ``call`` so it is differentiable again) and its dims; the base
 # writes forward / setup_context / backward / jvp / vmap and the compile twin. Every
@@ -617,7 +617,7 @@ def all_to_all_region(x: Tensor, split_dim: int, concat_dim: int, group: A.Group
     return apply(_AllToAllRegion, x, split_dim, concat_dim, pg, world)
 
 
-#: mapping name -> :class:`~diffcomm._registry.OpSpec`: the ``"mapping"`` family of the one
+#: mapping name -> :class:`~diffcomm.ops.registry.OpSpec`: the ``"mapping"`` family of the one
 #: registry (the docs' table is ``_registry.markdown("mapping")``). The dual of a mapping is
 #: its conjugate under the replicated objective. No entry has ``dual_args`` / ``reference``:
 #: the testing kit's dot-product test sums the per-rank inner products (the sum-of-objectives

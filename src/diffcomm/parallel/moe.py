@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _args as A
-from .. import coalesced as K
+from ..backend import args as A
+from ..ops import coalesced as K
 from ._module import check_positive, init_generator, resolve_parallel_group
 from .blocks import MLP
 from .routing import DispatchPlan, combine, dispatch, load_balancing_loss, route

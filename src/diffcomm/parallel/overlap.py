@@ -3,7 +3,7 @@
 Used by :class:`~diffcomm.parallel.ColumnParallelLinear`,
 :class:`~diffcomm.parallel.RowParallelLinear` and :class:`~diffcomm.parallel.ParallelMLP`
 with ``overlap=`` (default ``False``: the blocking mappings). Two mechanisms, both run
-their communication on the communication engine of :mod:`diffcomm._async`:
+their communication on the communication engine of :mod:`diffcomm.ops.engine`:
 
 ``"comm"`` — the column-parallel backward launches the input-gradient communication
 (the ``copy_to_region`` all_reduce, or with sequence parallelism the
@@ -31,7 +31,7 @@ Both modes support first-order gradients (``backward()``, ``torch.autograd.grad`
 double backward through an overlapped layer raises (use ``overlap=False``).
 
 The three autograd Functions here (``_ColumnComm``, ``_ColumnRing``, ``_RowRing``) are
-not ``diffcomm._op.CommOp`` / ``ListOp`` ops: that base derives
+not ``diffcomm.ops.base.CommOp`` / ``ListOp`` ops: that base derives
 backward, jvp and vmap from a **linear** communication op's transpose (the dual op on the
 gradient, the same op on the tangent). Each Function here fuses a matmul with its
 communication: it is bilinear in ``(x, w)`` (not linear in one tensor), takes the weight
@@ -51,9 +51,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import _async
 from .. import backend as B
-from .. import collectives as C
+from ..ops import collectives as C
+from ..ops import engine as _async
 
 PG = Any
 

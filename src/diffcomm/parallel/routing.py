@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import _args as A
 from .. import _config
 from .. import backend as B
-from .. import collectives as C
+from ..backend import args as A
+from ..ops import collectives as C
 from ._module import check_positive, resolve_parallel_group
 
 __all__ = ["DispatchPlan", "route", "dispatch", "combine", "load_balancing_loss"]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from torch import Tensor
 from torch.autograd.graph import Node, get_gradient_edge
 
-from .. import p2p
+from ..ops import p2p
 from .schedules import Step
 
 

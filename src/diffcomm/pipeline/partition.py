@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from .. import _args as A
+from ..backend import args as A
 
 __all__ = ["partition"]
 

@@ -25,8 +25,8 @@ the others as one plain backward, which is cheaper where the split costs more th
 message it hides (see ``docs/pipeline.md``); it is the default.
 
 Pre-posted receives: before computing step ``k`` the runner posts the receive step
-``k + 1`` will need (the next activation with :func:`diffcomm.p2p.irecv`, or the next
-gradient with :func:`diffcomm.p2p.post_grad_recv`), so that message travels while step
+``k + 1`` will need (the next activation with :func:`diffcomm.ops.p2p.irecv`, or the next
+gradient with :func:`diffcomm.ops.p2p.post_grad_recv`), so that message travels while step
 ``k`` computes.
 
 One message per activation: the first activation on a channel goes as
@@ -56,10 +56,11 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node
 
-from .. import _args as A
-from .. import _config, p2p
+from .. import _config
 from .. import backend as B
-from .._transport import recv_wait_seconds as _recv_wait_seconds
+from ..backend import args as A
+from ..ops import p2p
+from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
 from ._split import capture, cooldown, group_plan, input_edge, weight_plan
 from .schedules import SCHEDULES, ScheduleFn, Step
 from .timeline import TimelineEntry

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .. import _args as A
+from ..backend import args as A
 
 __all__ = [
     "Step",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Sequence
 from typing import Any
 
-from .. import _args as A
+from ..backend import args as A
 from .schedules import Step
 
 __all__ = ["ScheduleError", "check_schedule"]

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import _args as A
 from .. import backend as B
 from .._errors import CrossRankMismatchError
+from ..backend import args as A
 from ..parallel._check import check_replicated
 
 __all__ = ["check_adjoint", "gradcheck"]

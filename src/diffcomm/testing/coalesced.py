@@ -10,7 +10,7 @@ runs it on this rank and measures, like :func:`diffcomm.testing.cases.run_case`:
   against the same objective through the single ops;
 * **adjoint** — the dot-product test ``sum_r sum_i <A x_i, y_i> == sum_r sum_i <x_i,
   A^T y_i>`` with ``A^T`` the **dual coalesced op** from
-  :data:`diffcomm.coalesced.COALESCED_OPS`, called directly (linear cases);
+  :data:`diffcomm.ops.coalesced.COALESCED_OPS`, called directly (linear cases);
 * the inputs are unchanged and no output aliases an input.
 
 Used by the test-suite and by ``python -m diffcomm check``.
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 import diffcomm as dc
-from diffcomm.coalesced import COALESCED_OPS
+from diffcomm.ops.coalesced import COALESCED_OPS
 
 from .cases import CaseResult, _inner, _rel, _sum_over_ranks, case_device, tolerance
 

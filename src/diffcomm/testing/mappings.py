@@ -28,7 +28,16 @@ from torch import Tensor
 
 import diffcomm as dc
 
-from .cases import Case, CaseResult, _inner, _rel, _sum_over_ranks, case_device, make_inputs, tolerance
+from .cases import (
+    Case,
+    CaseResult,
+    _inner,
+    _rel,
+    _sum_over_ranks,
+    case_device,
+    make_inputs,
+    tolerance,
+)
 
 #: mapping -> (its input is replicated, its output is replicated)
 REPLICATED: dict[str, tuple[bool, bool]] = {
@@ -78,7 +87,7 @@ def standard_mapping_cases(world: int) -> Iterator[Case]:
 
 def _fn(op: str) -> Any:
     import diffcomm.parallel  # noqa: F401 - importing registers the mappings
-    from diffcomm import _registry
+    from diffcomm.ops import registry as _registry
 
     return _registry.REGISTRY[op]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from diffcomm.world import LocalWorld
+from diffcomm.runtime.world import LocalWorld
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

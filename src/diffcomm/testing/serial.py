@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import _args as A
 from .. import backend as B
 from .._errors import CrossRankMismatchError
+from ..backend import args as A
 from ..parallel._check import check_replicated
-from ..world import LocalWorld
+from ..runtime.world import LocalWorld
 
 __all__ = ["Shard", "build", "assert_matches_serial"]
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from hypothesis import strategies as st
 
-from ..collectives import OPS
+from ..ops.collectives import OPS
 
 __all__ = [
     "world_sizes",

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ... import _args as A
 from ... import backend as B
-from ... import collectives as C
+from ...backend import args as A
+from ...ops import collectives as C
 
 __all__ = ["LAYOUTS", "layout_index", "shard", "unshard"]
 

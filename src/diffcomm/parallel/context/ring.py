@@ -13,9 +13,10 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ... import _args as A
-from ... import _async, _config
+from ... import _config
 from ... import backend as B
+from ...backend import args as A
+from ...ops import engine as _async
 from .layout import (
     PG,
     _check_cu_seqlens,

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ... import _args as A
-from ... import collectives as C
+from ...backend import args as A
+from ...ops import collectives as C
 from .layout import PG, _check_layout, _group_rank_world, _ring_local_len, _split_sizes
 from .ring import _check_qkv, _check_scale, ring_attention
 

@@ -1,0 +1,205 @@
+"""The traceable path: :class:`TraceableBackend`, the raw ops as PyTorch's functional
+collectives, for code ``torch.compile`` traces (:func:`diffcomm.backend.get_backend`
+returns it while ``torch.compiler.is_compiling()``). Re-exported by
+:mod:`diffcomm.backend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..accelerator import comm_device
+from .groups import Capabilities, ProcessGroup, group_info, static_capabilities
+from .torch_distributed import CoalescedOps, pad_chunks, pad_rows, unpad_rows, wire
+
+
+class TraceableBackend(CoalescedOps):
+    """The raw ops as PyTorch's functional collectives, for code ``torch.compile`` traces.
+
+    Dynamo cannot trace c10d's in-place ``broadcast``/``reduce``/``gather``/``scatter``
+    nor the logger and switches of :func:`~diffcomm.backend.dispatch` (context variables, thread locals,
+    timers), so :func:`get_backend` returns this adapter while
+    ``torch.compiler.is_compiling()``. It also works eagerly (``set_backend``), which is
+    how its semantics are tested against :class:`TorchDistributedBackend`: dim 0,
+    out-of-place, group-local ranks, zeros off the root, uneven sizes padded. Differences:
+
+    * nothing is exchanged at trace time: :meth:`exchange_sizes` raises (pass ``split_sizes=``
+      to ``all_gather``/``gather``, ``output_split_sizes=`` to an uneven ``all_to_all``);
+    * ``reduce`` is an all_reduce kept on ``dst`` only; ``gather`` and ``scatter`` are one
+      ``all_to_all_single`` with rank-dependent splits (no functional gather/scatter);
+      ``avg`` is a sum divided by the group size;
+    * :func:`log_comms`, :func:`comm_off`, the timeout message and the debug-mode
+      cross-rank check (:meth:`check_consistent`) do not apply inside compiled code.
+    """
+
+    # ---- group helpers -------------------------------------------------------------
+    def rank(self, group: ProcessGroup) -> int:
+        return dist.get_rank(group)
+
+    def world_size(self, group: ProcessGroup) -> int:
+        return dist.get_world_size(group)
+
+    def global_rank(self, group: ProcessGroup, rank: int) -> int:
+        return rank if group is None else dist.get_global_rank(group, rank)
+
+    def backend_name(self, group: ProcessGroup) -> str:
+        return str(dist.get_backend(group)).lower()
+
+    def capabilities(self, group: ProcessGroup = None) -> Capabilities:
+        return static_capabilities(self.backend_name(group))
+
+    def comm_device(self, group: ProcessGroup) -> torch.device:
+        return comm_device(self.backend_name(group))
+
+    @staticmethod
+    def _pg(group: ProcessGroup) -> Any:
+        return group if group is not None else dist.group.WORLD
+
+    @staticmethod
+    def _done(t: torch.Tensor) -> torch.Tensor:
+        # eager functional collectives return an AsyncCollectiveTensor; traced ones are waited
+        return t.wait() if isinstance(t, _funcol().AsyncCollectiveTensor) else t
+
+    # ---- reductions ----------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
+        x = x.contiguous()
+        if x.is_complex() and op == "product":
+            return torch.prod(self.all_gather(x.unsqueeze(0), group), dim=0)
+        wire_op = "sum" if op == "avg" else op
+        out = self._done(_funcol().all_reduce(wire(x), wire_op, self._pg(group)))
+        out = torch.view_as_complex(out) if x.is_complex() else out
+        return out / self.world_size(group) if op == "avg" else out
+
+    def _all_reduce_into(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
+        return self.all_reduce(x, op, group)  # functional collectives are out of place
+
+    def _broadcast_into(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
+        return self.broadcast(x, src, group)
+
+    def reduce(self, x: torch.Tensor, dst: int, op: str, group: ProcessGroup) -> torch.Tensor:
+        out = self.all_reduce(x, op, group)  # every rank takes part; only dst keeps it
+        return out if self.rank(group) == dst else torch.zeros_like(out)
+
+    def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
+        x = x.contiguous()
+        out = self._done(_funcol().broadcast(wire(x), src, self._pg(group)))
+        return torch.view_as_complex(out) if x.is_complex() else out
+
+    # ---- gather family (dim 0) -----------------------------------------------------
+    def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
+        """Every rank's ``n``; raises ``ValueError`` while compiling (pass ``split_sizes=``)."""
+        if not torch.compiler.is_compiling():  # eager use (tests): a host read is fine
+            mine = torch.tensor([n], dtype=torch.int64, device=group_info(group).device)
+            return [int(v) for v in self.all_gather(mine, group).tolist()]
+        raise ValueError(
+            "diffcomm: under torch.compile the per-rank sizes of an all_gather/gather cannot "
+            "be exchanged (that needs a host read, `.tolist()`, which dynamo cannot trace); "
+            "pass `split_sizes=` (every rank's size along `dim`, e.g. `split_sizes=[n] * world` when even)"
+        )
+
+    def exchange_size_lists(self, ns: Sequence[int], group: ProcessGroup) -> list[list[int]]:
+        """Every rank's list ``ns``; raises ``ValueError`` while compiling (pass ``split_sizes=``)."""
+        if not torch.compiler.is_compiling():
+            return super().exchange_size_lists(ns, group)
+        return [self.exchange_sizes(int(ns[0]) if ns else 0, group)]  # raises the standard message
+
+    def all_gather(
+        self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        world = self.world_size(group)
+        x = x.contiguous()
+        sizes = list(sizes) if sizes is not None else [x.shape[0]] * world
+        m = max(sizes)
+        padded = pad_rows(x, m)
+        buf = self._done(_funcol_all_gather(wire(padded), 0, self._pg(group)))
+        buf = torch.view_as_complex(buf) if x.is_complex() else buf
+        if all(s == m for s in sizes):
+            return buf
+        return unpad_rows(list(buf.split(m)), sizes)
+
+    def reduce_scatter(
+        self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        if op not in ("sum", "avg"):
+            start = sum(sizes[:rank])
+            return self.all_reduce(x, op, group)[start : start + sizes[rank]]
+        m = max(sizes)
+        if all(s == m for s in sizes):
+            inp = x
+        else:  # pad each chunk to the largest, so one reduce_scatter does it
+            pad = pad_chunks(x, sizes, m)
+            inp = torch.cat(pad)
+        out = self._done(_funcol_reduce_scatter(wire(inp), "sum", 0, self._pg(group)))
+        out = torch.view_as_complex(out) if x.is_complex() else out
+        out = out if sizes[rank] == m else out[: sizes[rank]]
+        return out / world if op == "avg" else out
+
+    def gather(
+        self, x: torch.Tensor, dst: int, group: ProcessGroup, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        sizes = list(sizes) if sizes is not None else [x.shape[0]] * world
+        ins = [x.shape[0] if j == dst else 0 for j in range(world)]
+        outs = list(sizes) if rank == dst else [0] * world
+        out = self.all_to_all(x, group, ins, outs)
+        return out if rank == dst else x.new_zeros((sum(sizes), *x.shape[1:]))
+
+    def scatter(
+        self, x: torch.Tensor, src: int, group: ProcessGroup, split_sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        ins = list(sizes) if rank == src else [0] * world
+        outs = [sizes[rank] if j == src else 0 for j in range(world)]
+        return self.all_to_all(x if rank == src else x[:0], group, ins, outs)
+
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        group: ProcessGroup,
+        input_split_sizes: Sequence[int] | None = None,
+        output_split_sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        world = self.world_size(group)
+        x = x.contiguous()
+        ins = list(input_split_sizes) if input_split_sizes is not None else [x.shape[0] // world] * world
+        if output_split_sizes is None:
+            if input_split_sizes is not None:
+                raise ValueError(
+                    "diffcomm.all_to_all(): under torch.compile the received split sizes cannot be "
+                    "exchanged (a host read dynamo cannot trace); pass `output_split_sizes=`"
+                )
+            output_split_sizes = ins
+        out = self._done(_funcol().all_to_all_single(wire(x), list(output_split_sizes), ins, self._pg(group)))
+        return torch.view_as_complex(out) if x.is_complex() else out
+
+    def barrier(self, group: ProcessGroup) -> None:
+        raise RuntimeError("diffcomm: barrier() cannot run inside torch.compile'd code")
+
+    def check_consistent(self, op: str, fields: dict[str, Any], group: ProcessGroup) -> None:
+        """Skipped inside compiled code: the cross-rank check needs a host read."""
+
+
+def _funcol() -> Any:
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def _funcol_all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    f = _funcol()
+    return (getattr(f, "all_gather_single", None) or f.all_gather_tensor)(x, dim, group)
+
+
+def _funcol_reduce_scatter(x: torch.Tensor, op: str, dim: int, group: Any) -> torch.Tensor:
+    f = _funcol()
+    return (getattr(f, "reduce_scatter_single", None) or f.reduce_scatter_tensor)(x, op, dim, group)

@@ -1,0 +1,163 @@
+"""``all_to_all``: self-dual with ``split_dim``/``concat_dim`` and the split sizes
+swapped; any pair of dims, uneven sizes. Re-exported by :mod:`diffcomm.ops.collectives`
+(its public home, with the op -> adjoint table).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import _config
+from ..backend import args as A
+from . import engine as _async
+from .base import CommOp, call
+from .base import apply as _apply
+from .base import apply_async as _apply_async
+from .validation import PG
+from .validation import all_to_all_received as _all_to_all_received
+from .validation import all_to_all_sizes as _all_to_all_sizes
+from .validation import check_input as _check_input
+from .validation import current_backend as _b
+from .validation import debug_check as _debug_check
+from .validation import other_dims as _other_dims
+from .validation import rank as _rank
+from .validation import with_sizes as _with
+from .validation import world as _world
+
+
+class _AllToAll(CommOp):
+    name = "all_to_all"
+    dims = (0, 1)
+
+    @staticmethod
+    def run(
+        x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
+    ) -> Tensor:
+        """all_to_all over the raw backend (dim-0, contiguous) for any pair of dims."""
+        if split_dim == concat_dim:
+            x0 = x if split_dim == 0 else x.movedim(split_dim, 0)
+            if ins == outs and ins.count(ins[0]) == len(ins):  # even: the backend's plain all_to_all
+                out = _b().all_to_all(x0, pg)
+            else:
+                out = _b().all_to_all(x0, pg, list(ins), list(outs))
+            return out if split_dim == 0 else out.movedim(0, split_dim)
+        return _across_dims(x, split_dim, concat_dim, pg, ins, outs)
+
+    @staticmethod
+    def transpose(
+        g: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
+    ) -> Tensor:
+        return call(_AllToAll, g, concat_dim, split_dim, pg, outs, ins)
+
+
+def _across_dims(
+    x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
+) -> Tensor:
+    """:meth:`_AllToAll.run` with ``split_dim != concat_dim`` (its own function: its
+    comprehensions make closure cells, which ``run``'s common path must not pay for)."""
+    # split along split_dim, concatenate along concat_dim. Chunks travel flat in the layout
+    # (concat_dim, split_dim, other dims...); every rank sends me a chunk of split size
+    # ins[me] (validated equal across ranks) whose concat_dim size is outs[j].
+    world, rank = _world(pg), _rank(pg)
+    order = [concat_dim, split_dim] + [i for i in range(x.ndim) if i not in (split_dim, concat_dim)]
+    rest = [x.shape[i] for i in order[2:]]
+    rest_n = 1
+    for s in rest:
+        rest_n *= s
+    c_in = ins[rank]
+    send = x.permute(order).split(list(ins), dim=1)
+    flat_in = torch.cat([ch.reshape(-1) for ch in send]) if world > 1 else send[0].reshape(-1)
+    in_counts = [ins[j] * x.shape[concat_dim] * rest_n for j in range(world)]
+    out_counts = [outs[j] * c_in * rest_n for j in range(world)]
+    flat = _b().all_to_all(flat_in, pg, in_counts, out_counts)
+    blocks = [p.reshape(outs[j], c_in, *rest) for j, p in enumerate(flat.split(out_counts))]
+    full = torch.cat(blocks, dim=0) if world > 1 else blocks[0]  # (sum outs, c_in, *rest)
+    inverse = [order.index(i) for i in range(x.ndim)]
+    return full.permute(inverse)
+
+
+#: The raw forward of ``all_to_all`` (``(x, split_dim, concat_dim, pg, in_sizes,
+#: out_sizes)``), for op families built on it (``parallel.all_to_all_region``).
+raw_all_to_all = _AllToAll.run
+
+
+def all_to_all(
+    x: Tensor,
+    split_dim: int = 0,
+    concat_dim: int = 0,
+    group: A.GroupLike = None,
+    input_split_sizes: Sequence[int] | None = None,
+    output_split_sizes: Sequence[int] | None = None,
+    *,
+    async_op: bool = False,
+) -> Tensor:
+    """Send chunk ``j`` of ``x`` (along ``split_dim``) to rank ``j``; concatenate what
+    arrives from every rank along ``concat_dim``.
+
+    Args:
+        x: tensor; same shape on every rank (except along ``split_dim`` when uneven).
+        split_dim: dimension split into per-destination chunks.
+        concat_dim: dimension the received chunks are concatenated along (in rank order).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        input_split_sizes: sizes of the chunks sent to each rank along ``split_dim``
+            (``None``: even).
+        output_split_sizes: sizes along ``concat_dim`` of the chunks received from each
+            rank. ``None``: inferred — exchanged when ``split_dim == concat_dim`` and
+            ``input_split_sizes`` is given, else ``x``'s size (even split) or
+            ``x.shape[concat_dim]`` (different dims).
+        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
+            communication on first use (``.wait()`` returns the finished tensor); values
+            and gradients equal the blocking op's, and the backward is asynchronous too
+            (``docs/async.md``).
+
+    Returns:
+        A new tensor. ``split_dim == concat_dim == d``: ``x.shape`` with ``d`` of size
+        ``sum(output_split_sizes)``. Otherwise ``x.shape`` with ``split_dim`` of size
+        ``input_split_sizes[rank]`` (every rank must send rank ``r`` the same size) and
+        ``concat_dim`` of size ``sum(output_split_sizes)``.
+
+    Gradient:
+        ``all_to_all(grad, split_dim=concat_dim, concat_dim=split_dim,
+        input_split_sizes=output_split_sizes, output_split_sizes=input_split_sizes)``.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: dc.all_to_all(torch.arange(2.0) + 2 * dc.get_rank()))
+            # [tensor([0., 2.]), tensor([1., 3.])]
+    """
+    op = "all_to_all"
+    x = _check_input(x, op)
+    split_dim = A.check_dim(x, split_dim, op, "split_dim")
+    concat_dim = A.check_dim(x, concat_dim, op, "concat_dim")
+    pg = A.resolve_group(group, op)
+    ins, outs = _all_to_all_sizes(x, split_dim, concat_dim, pg, input_split_sizes, output_split_sizes)
+    if _config.DEBUG.get():
+        rest = _other_dims(x, split_dim, concat_dim)
+        _debug_check(
+            op,
+            pg,
+            split_dim=split_dim,
+            concat_dim=concat_dim,
+            other_dims=rest,
+            dtype=x.dtype,
+            grad=x.requires_grad,
+        )
+    if outs is None:
+        outs = _all_to_all_received(ins, pg)
+    apply = _apply_async if async_op else _apply
+    return apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(map(int, outs)))
+
+
+def _all_to_all_shape(a: tuple[Any, ...]) -> tuple[int, ...]:
+    x, split_dim, concat_dim, pg, ins, outs = a
+    if split_dim == concat_dim:
+        return _with(x.shape, {split_dim: sum(outs)})
+    return _with(x.shape, {split_dim: ins[_rank(pg)], concat_dim: sum(outs)})
+
+
+_async.OUT_SHAPES[_AllToAll] = _all_to_all_shape

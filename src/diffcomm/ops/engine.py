@@ -1,0 +1,583 @@
+"""Asynchronous communication: one communication engine per process, and a tensor that
+waits for its communication on first use.
+
+**The engine.** A daemon thread runs communication jobs **one at a time, in the order
+they were launched** (a FIFO queue). Every raw op a job runs goes through the backend's
+one entry point as usual (comms logger, comm-off switches, flight recorder, the
+``DIFFCOMM_TIMEOUT`` diagnosis), with the launching thread's labels, logs and switches.
+While jobs are queued or running, a *blocking* diffcomm op issued by another thread is
+queued behind them (the backend's entry point asks :func:`_order_hook`), so the
+order in which a process issues communication to the backend is always its program
+order, whatever mixes of blocking and asynchronous ops it uses. That is the first of the
+ordering rules in ``docs/async.md``:
+
+1. *Launch order is program order, and it must be the same on every rank* (the SPMD
+   rule, as for blocking ops). The engine never reorders.
+2. *Wait order is free.* Waiting (or first use) never issues communication, so ranks may
+   consume results in different orders.
+3. *Do not wait inside the engine* (a job that waits for a later job deadlocks the
+   process); diffcomm's own jobs never do.
+
+**The tensor.** :class:`AsyncTensor` is a wrapper tensor subclass with the shape, dtype
+and device of the result. It holds the job's :class:`Handle`; under
+``__torch_dispatch__`` every operation on it first waits for the job, then runs on the
+finished tensor (so a result can never be read early). ``.wait()`` returns the finished
+tensor (still connected to autograd). :func:`launch` is the differentiable bridge: a
+``torch.autograd.Function`` whose forward launches the raw op and returns an
+:class:`AsyncTensor`, and whose backward calls a given differentiable function of the
+gradient — the asynchronous dual — so the dual is launched as soon as autograd reaches
+the node and its result is again an :class:`AsyncTensor`, waited where the gradient is
+consumed.
+
+Dependencies import downward: this module sits above the backend and below the
+collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map_only
+
+from .. import _config, _lifecycle
+from .. import backend as B
+from ..accelerator import get_accelerator
+
+__all__ = [
+    "AsyncTensor",
+    "Handle",
+    "launch",
+    "submit",
+    "wait",
+    "wait_all",
+    "available",
+    "engine_busy",
+    "async_if",
+]
+
+
+# ======================================================================================
+# handles and the engine
+# ======================================================================================
+
+
+class Handle:
+    """One launched job: ``done()``, ``wait()`` (its result, or its exception re-raised)."""
+
+    __slots__ = ("_event", "_result", "_error", "name")
+
+    def __init__(self, name: str) -> None:
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self.name = name
+
+    def done(self) -> bool:
+        """Whether the job has finished (successfully or not)."""
+        return self._event.is_set()
+
+    def wait(self) -> Any:
+        """Block until the job finished; return its result or re-raise its error."""
+        if _ENGINE.on_engine_thread() and not self._event.is_set():
+            raise RuntimeError(
+                f"diffcomm: the communication engine waited for {self.name!r}, which runs after the "
+                "current job (a job must never wait for a later one: it would deadlock the process)"
+            )
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def __repr__(self) -> str:
+        return f"Handle({self.name!r}, done={self.done()})"
+
+
+_NO_STREAM = contextlib.nullcontext()
+
+
+class _Engine:
+    """The process's communication thread: runs jobs one at a time in launch order."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[tuple[Callable[[], Any], Handle, Any] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._ident: int | None = None
+        self.pending = 0  # jobs queued or running
+
+    def on_engine_thread(self) -> bool:
+        return self._ident is not None and threading.get_ident() == self._ident
+
+    def submit(self, fn: Callable[[], Any], name: str) -> Handle:
+        """Queue ``fn`` (run with the caller's diffcomm labels, logs and switches)."""
+        handle = Handle(name)
+        # the job runs on this thread's device and stream: its work is queued after
+        # what this thread queued before the launch (a side stream included), and
+        # "the current device" means the same in the job
+        acc = get_accelerator()
+        stream = acc.started_stream()
+        state = (contextvars.copy_context(), B.comm_state(), acc if stream is not None else None, stream)
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="diffcomm-comm", daemon=True)
+                self._thread.start()
+                self._ident = self._thread.ident
+            self.pending += 1
+        self._q.put((fn, handle, state))
+        return handle
+
+    def _loop(self) -> None:
+        self._ident = threading.get_ident()
+        while True:
+            item = self._q.get()
+            if item is None:  # stop(): everything queued before it has run
+                return
+            fn, handle, (ctx, comm, acc, stream) = item
+            B.adopt_comm_state(comm)
+            try:
+                with torch.no_grad(), acc.stream_context(stream) if acc is not None else _NO_STREAM:
+                    handle._result = ctx.run(fn)
+            except BaseException as err:  # noqa: BLE001 - re-raised by Handle.wait on the caller
+                handle._error = err
+            finally:
+                B.adopt_comm_state(None)
+                del fn, item, ctx, stream
+                with self._lock:
+                    self.pending -= 1
+                handle._event.set()
+
+    def call(self, fn: Callable[[], Any], name: str) -> Any:
+        """Run ``fn`` on the engine after everything queued, and wait for it."""
+        return self.submit(fn, name).wait()
+
+    def stop(self, timeout: float) -> None:
+        """Let the queued jobs finish, then end the thread and join it (a later
+        :meth:`submit` starts a new one). ``timeout`` bounds the join: a job blocked in a
+        communication ends within the group's timeout."""
+        with self._lock:
+            thread = self._thread
+            if thread is None or not thread.is_alive() or self.on_engine_thread():
+                return
+            self._q.put(None)
+        thread.join(timeout)
+
+
+_ENGINE = _Engine()
+
+
+def submit(fn: Callable[[], Any], name: str = "job") -> Handle:
+    """Launch ``fn`` on the communication engine (after every job launched before it)."""
+    return _ENGINE.submit(fn, name)
+
+
+def engine_busy() -> bool:
+    """Whether jobs are queued or running."""
+    return _ENGINE.pending > 0
+
+
+def wait_all() -> None:
+    """Block until every job launched so far has finished (errors stay with their handles)."""
+    if _ENGINE.pending and not _ENGINE.on_engine_thread():
+        _ENGINE.submit(lambda: None, "wait_all")._event.wait()
+
+
+def _order_hook() -> bool:
+    """Asked by the backend before every raw op: must it run on the engine (queued behind
+    the pending jobs) to keep this process's communication in program order?"""
+    return _ENGINE.pending > 0 and not _ENGINE.on_engine_thread()
+
+
+B.set_order_hook(_order_hook, _ENGINE.call, _ENGINE)
+
+
+def _stop(group: Any, exiting: bool) -> None:
+    # the engine serves every group of the process: any group's end drains it
+    _ENGINE.stop((_config.TIMEOUT.get() or 30.0) + 2.0)
+
+
+_lifecycle.on_destroy("async engine", _stop)
+
+
+def available() -> bool:
+    """Whether ``async_op=True`` can return an :class:`AsyncTensor` here.
+
+    Not while ``torch.compile`` traces or a ``torch.func`` transform / forward-mode AD
+    level is active: those see through tensors to their values, so there the asynchronous
+    ops run blocking and return plain tensors (same values and gradients).
+    """
+    return not (
+        torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+        or torch.autograd.forward_ad._current_level >= 0
+    )
+
+
+# ======================================================================================
+# the tensor that waits on first use
+# ======================================================================================
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(strides))
+
+
+class AsyncTensor(Tensor):
+    """The result of an asynchronous op: waits for its communication on first use.
+
+    It has the shape, dtype and device of the finished tensor, so it can be passed around
+    (and into other asynchronous ops) without waiting. Any operation on it — arithmetic,
+    indexing, printing, ``.tolist()``, autograd using it — first waits for the
+    communication (``__torch_dispatch__``) and then runs on the finished tensor; its
+    results are plain tensors.
+
+    ``wait()`` returns the finished tensor (connected to autograd like the async tensor
+    was); ``done()`` says whether the communication has completed.
+    """
+
+    _handle: Handle
+    _elem: Tensor | None
+
+    @staticmethod
+    def __new__(cls, handle: Handle, shape: Any, dtype: torch.dtype, device: torch.device) -> AsyncTensor:
+        shape = tuple(int(s) for s in shape)
+        r = Tensor._make_wrapper_subclass(
+            cls, shape, strides=_contiguous_strides(shape), dtype=dtype, device=device, requires_grad=False
+        )
+        r._handle = handle
+        r._elem = None
+        return r
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def _finished(self) -> Tensor:
+        if self._elem is None:
+            spans = B.current_spans()
+            if spans is not None and not self._handle.done():  # the timeline shows the wait
+                t0 = time.perf_counter()
+                self._handle._event.wait()
+                who = threading.current_thread().name
+                spans.append(("wait", self._handle.name, who, t0, time.perf_counter()))
+            elem = self._handle.wait()
+            if not isinstance(elem, Tensor) or tuple(elem.shape) != tuple(self.shape):
+                raise RuntimeError(
+                    f"diffcomm: asynchronous {self._handle.name} produced "
+                    f"{getattr(elem, 'shape', type(elem))}, expected shape {tuple(self.shape)} "
+                    "(an internal error; please report it)"
+                )
+            self._elem = elem
+        return self._elem
+
+    def done(self) -> bool:
+        """Whether the communication has completed (never blocks)."""
+        return self._elem is not None or self._handle.done()
+
+    def wait(self) -> Tensor:
+        """Block until the communication finished; return the finished (plain) tensor.
+
+        The returned tensor carries this tensor's autograd history: gradients flow through
+        it exactly as through the asynchronous tensor.
+        """
+        elem = self._finished()
+        if self.requires_grad and torch.is_grad_enabled():
+            return _Wait.apply(self)
+        return elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        args, kwargs = tree_map_only(AsyncTensor, AsyncTensor._finished, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
+        return f"AsyncTensor({self._finished()!r}, {self._handle.name})"
+
+    def __reduce_ex__(self, proto: Any) -> Any:  # pickling (e.g. returned from a rank) waits
+        return self.wait().detach().__reduce_ex__(proto)
+
+
+class _Wait(torch.autograd.Function):
+    """``AsyncTensor.wait()`` under autograd: the finished tensor, identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, a: AsyncTensor) -> Tensor:
+        return a._finished().detach()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        return g
+
+
+def wait(x: Any) -> Any:
+    """``x.wait()`` for an :class:`AsyncTensor`; any other value is returned as is.
+
+    (Portable code calls this: where an asynchronous op had to run blocking — under
+    ``torch.compile`` or a ``torch.func`` transform — its result is a plain tensor.)
+    """
+    return x.wait() if isinstance(x, AsyncTensor) else x
+
+
+# ======================================================================================
+# the differentiable bridge
+# ======================================================================================
+
+
+def _plain(t: Tensor) -> Tensor:
+    """A tensor argument as a job sees it: an earlier async result is finished by now
+    (jobs run in launch order), so this never blocks on the engine thread."""
+    return t._finished() if isinstance(t, AsyncTensor) else t
+
+
+class _Launch(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        name: str,
+        raw: Callable[[Tensor], Tensor],
+        meta: tuple[tuple[int, ...], torch.dtype, torch.device],
+        backward: Callable[[Tensor], Tensor] | None,
+    ) -> Tensor:
+        ctx.backward_fn = backward
+        ctx.x_meta = (tuple(x.shape), x.dtype)
+        return AsyncTensor(_submit_checked(x, name, raw), *meta)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+        if ctx.backward_fn is None:
+            raise RuntimeError("diffcomm: this asynchronous op has no backward")
+        return ctx.backward_fn(g), None, None, None, None
+
+
+def _submit_checked(x: Tensor, name: str, raw: Callable[[Tensor], Tensor]) -> Handle:
+    """Submit ``raw(x)``; the job refuses to read ``x`` if it was modified in place since
+    the launch (the input is read by the engine later, not copied at the launch)."""
+    version = x._version
+
+    def job() -> Tensor:
+        if x._version != version:
+            raise RuntimeError(
+                f"diffcomm: the input of asynchronous {name} was modified in place after the op was "
+                "launched and before its communication ran; wait for the result (or use it) "
+                "before modifying the input, or pass a copy"
+            )
+        return raw(_plain(x).detach())
+
+    return _ENGINE.submit(job, name)
+
+
+def launch(
+    x: Tensor,
+    name: str,
+    raw: Callable[[Tensor], Tensor],
+    shape: Any,
+    backward: Callable[[Tensor], Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+) -> AsyncTensor:
+    """Launch ``raw(x)`` on the engine and return its :class:`AsyncTensor` at once.
+
+    Args:
+        x: the input (a plain tensor or an earlier op's :class:`AsyncTensor`).
+        name: the op, for messages (``"all_reduce(sum)"``).
+        raw: non-differentiable function run on the engine thread, under ``no_grad``,
+            with the finished ``x``; returns a new tensor of ``shape``.
+        shape: the result's shape (known before the communication runs).
+        backward: differentiable function of the output gradient returning the input
+            gradient — the asynchronous dual, e.g. ``lambda g: all_reduce(g, async_op=True)``.
+            ``None``: no gradient flows (``x`` must not require grad).
+        dtype: the result's dtype (default ``x.dtype``).
+
+    Returns:
+        An :class:`AsyncTensor`; with ``backward`` and ``x.requires_grad`` it is part of
+        the autograd graph.
+    """
+    meta = (tuple(int(s) for s in shape), dtype or x.dtype, x.device)
+    if backward is None or not (x.requires_grad and torch.is_grad_enabled()):
+        return AsyncTensor(_submit_checked(x, name, raw), *meta)
+    return _Launch.apply(x, name, raw, meta, backward)
+
+
+# ======================================================================================
+# asynchronous autograd Functions: ``async_op=True`` of the collectives
+# ======================================================================================
+
+#: ``{Function class: out_shapes(args) -> shape | [shapes]}`` of the Functions that can
+#: run asynchronously (the collectives and the coalesced ops register theirs).
+OUT_SHAPES: dict[type, Callable[[tuple[Any, ...]], Any]] = {}
+
+_MODE = threading.local()
+#: How many threads are inside an :class:`async_mode` block now: while it is 0 (always,
+#: in code that never asks for ``async_op=True``) the ops skip :func:`launching`.
+ACTIVE = [0]
+_ACTIVE_LOCK = threading.Lock()
+
+
+class async_mode:  # noqa: N801 - used like a function
+    """Within the block, applying a registered Function launches it asynchronously.
+
+    The public ops wrap their ``apply`` in it when ``async_op=True``; an asynchronous
+    op's backward runs its Function's own backward rule inside it, so the dual op the
+    rule applies is launched asynchronously too (thread-local: the engine thread's jobs
+    never launch).
+    """
+
+    __slots__ = ("old",)
+
+    def __enter__(self) -> None:
+        self.old = getattr(_MODE, "on", False)
+        _MODE.on = True
+        with _ACTIVE_LOCK:
+            ACTIVE[0] += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _MODE.on = self.old
+        with _ACTIVE_LOCK:
+            ACTIVE[0] -= 1
+
+
+_NO_ASYNC = contextlib.nullcontext()
+
+
+def async_if(async_op: bool) -> Any:
+    """``with`` block around a public op's ``apply``: with ``async_op=True`` the op's
+    Function is launched on the communication engine, where that is possible (not under
+    ``torch.func`` / ``torch.compile``: then it runs blocking)."""
+    return async_mode() if async_op and available() else _NO_ASYNC
+
+
+def launching(cls: type) -> bool:
+    """Whether ``cls.apply`` should launch asynchronously now (see :class:`async_mode`)."""
+    return getattr(_MODE, "on", False) and cls in OUT_SHAPES and available()
+
+
+class _Part:
+    """Element ``i`` of a job returning a tuple (a coalesced op's outputs)."""
+
+    __slots__ = ("handle", "i", "name")
+
+    def __init__(self, handle: Handle, i: int) -> None:
+        self.handle, self.i, self.name = handle, i, handle.name
+
+    @property
+    def _event(self) -> threading.Event:
+        return self.handle._event
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def wait(self) -> Any:
+        return self.handle.wait()[self.i]
+
+
+class _Ctx:
+    """The autograd context a Function's ``setup_context`` / ``backward`` see when an
+    asynchronous op replays them (plain attributes; saved tensors kept as given)."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors: tuple[Any, ...] = ()
+        self.materialize_grads = True
+
+    def save_for_backward(self, *ts: Any) -> None:
+        self.saved_tensors = ts
+
+    def save_for_forward(self, *ts: Any) -> None:
+        pass
+
+    def mark_non_differentiable(self, *ts: Any) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        self.materialize_grads = value
+
+
+class _LaunchFn(torch.autograd.Function):
+    """``cls.apply(*args)`` asynchronously: forward launches ``cls.forward(*args)`` on the
+    engine and returns :class:`AsyncTensor` outputs; backward replays ``cls``'s
+    ``setup_context`` and ``backward`` on a :class:`_Ctx` inside :class:`async_mode`."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        cls: type[torch.autograd.Function],
+        args: tuple[Any, ...],
+        pos: tuple[int, ...],
+        *tensors: Tensor,
+    ) -> Any:
+        # (the outputs are not kept on ctx: backward reads the finished ones from the handle)
+        shapes = OUT_SHAPES[cls](args)
+        multi = isinstance(shapes, list)
+        name = getattr(cls, "name", "") or cls.__name__.lstrip("_")
+        versions = [(t, t._version) for t in tensors]
+
+        def job() -> Any:
+            for t, v in versions:
+                if t._version != v:
+                    raise RuntimeError(
+                        f"diffcomm: an input of asynchronous {name} was modified in place after the op was "
+                        "launched and before its communication ran; wait for the result (or use it) "
+                        "before modifying the input, or pass a copy"
+                    )
+            plain = tuple(_plain(a).detach() if isinstance(a, Tensor) else a for a in args)
+            out = cls.forward(*plain)
+            return tuple(out) if multi else out
+
+        handle = _ENGINE.submit(job, name)
+        first = tensors[0]
+        if multi:
+            dtypes = [t.dtype for t in tensors]
+            outs = tuple(
+                AsyncTensor(_Part(handle, i), s, dtypes[i], first.device)  # type: ignore[arg-type]
+                for i, s in enumerate(shapes)
+            )
+        else:
+            outs = AsyncTensor(handle, shapes, first.dtype, first.device)
+        ctx.cls, ctx.args, ctx.pos, ctx.handle = cls, args, pos, handle
+        if multi:
+            nondiff = [o for o in outs if not (o.dtype.is_floating_point or o.dtype.is_complex)]
+            if nondiff:
+                ctx.mark_non_differentiable(*nondiff)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
+        cls, args, pos = ctx.cls, ctx.args, ctx.pos
+        outs = ctx.handle.wait()  # finished long ago: backward runs after the forward's use
+        needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        c = _Ctx(needs)
+        cls.setup_context(c, args, outs)
+        with async_mode():
+            grads = cls.backward(c, *gs)
+        if not isinstance(grads, tuple):
+            grads = (grads,)
+        return (None, None, None, *(grads[i] for i in pos))
+
+
+def launch_fn(cls: type[torch.autograd.Function], args: tuple[Any, ...]) -> Any:
+    """``cls.apply(*args)`` launched on the engine (outputs: :class:`AsyncTensor`)."""
+    pos = tuple(i for i, a in enumerate(args) if isinstance(a, Tensor))
+    tensors = tuple(args[i] for i in pos)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _LaunchFn.apply(cls, args, pos, *tensors)
+    with torch.no_grad():
+        return _LaunchFn.forward(_NoCtx(), cls, args, pos, *tensors)
+
+
+class _NoCtx:
+    """Stand-in context when no gradient is recorded."""
+
+    def mark_non_differentiable(self, *ts: Any) -> None:
+        pass

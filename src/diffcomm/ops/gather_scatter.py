@@ -1,0 +1,167 @@
+"""``gather`` and ``scatter``, a dual pair: the rooted collectives along any dim, with
+uneven per-rank sizes (given, or exchanged as host integers when not). Re-exported by
+:mod:`diffcomm.ops.collectives` (their public home, with the op -> adjoint table).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from .. import _config
+from ..backend import args as A
+from . import engine as _async
+from .base import CommOp, call
+from .base import apply as _apply
+from .base import apply_async as _apply_async
+from .base import movedim0 as _movedim0
+from .validation import PG
+from .validation import check_input as _check_input
+from .validation import current_backend as _b
+from .validation import debug_check as _debug_check
+from .validation import debug_check_input as _debug_check_input
+from .validation import exchanged_sizes as _exchanged_sizes
+from .validation import given_sizes as _given_sizes
+from .validation import other_dims as _other_dims
+from .validation import rank as _rank
+from .validation import with_sizes as _with
+from .validation import world as _world
+
+
+class _Gather(CommOp):
+    name = "gather"
+    dims = (1,)
+
+    @staticmethod
+    def run(x: Tensor, dst: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
+        out = _b().gather(_movedim0(x, dim), dst, pg, sizes)
+        return out if dim == 0 else out.movedim(0, dim)
+
+    @staticmethod
+    def transpose(g: Tensor, dst: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
+        return call(_Scatter, g, dst, dim, pg, sizes)
+
+
+def gather(
+    x: Tensor,
+    dst: int = 0,
+    dim: int = 0,
+    group: A.GroupLike = None,
+    *,
+    split_sizes: Sequence[int] | None = None,
+    sizes: Sequence[int] | None = None,
+    async_op: bool = False,
+) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` on ``dst``; zeros elsewhere.
+
+    Args:
+        x: tensor; shapes agree between ranks except along ``dim``.
+        dst: group-local rank that receives the concatenation.
+        dim: the dimension to concatenate along.
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        split_sizes: keyword-only; every rank's ``x.shape[dim]`` if known (else exchanged).
+        sizes: the old name of ``split_sizes`` (works, with a ``DeprecationWarning``).
+        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
+            communication on first use (``.wait()`` returns the finished tensor); values
+            and gradients equal the blocking op's, and the backward is asynchronous too
+            (``docs/async.md``).
+
+    Returns:
+        A new tensor of ``x.shape`` with ``dim`` of size ``sum(sizes)``: the concatenation
+        on ``dst``, zeros of that shape on the other ranks.
+
+    Gradient:
+        ``scatter(grad, src=dst, dim, split_sizes=sizes)``: rank ``r`` gets block ``r`` of
+        ``dst``'s output gradient (the other ranks' output gradients are ignored, as their
+        outputs were constant zeros).
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: dc.gather(torch.tensor([1.0 * dc.get_rank()]), dst=0))
+            # [tensor([0., 1.]), tensor([0., 0.])]
+    """
+    x = _check_input(x, "gather")
+    dim = A.check_dim(x, dim, "gather")
+    pg = A.resolve_group(group, "gather")
+    world = _world(pg)
+    dst = A.check_rank(dst, "gather", "dst", world)
+    sizes, arg = A.renamed_sizes(split_sizes, sizes, "gather")
+    if sizes is not None:
+        sizes = _given_sizes(sizes, x, dim, pg, "gather", arg)
+    if _config.DEBUG.get():
+        rest = _other_dims(x, dim)
+        _debug_check("gather", pg, dst=dst, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
+    if sizes is None:
+        sizes = _exchanged_sizes(x, dim, pg, "gather")
+    return (_apply_async if async_op else _apply)(_Gather, x, dst, dim, pg, tuple(sizes))
+
+
+class _Scatter(CommOp):
+    name = "scatter"
+    dims = (1,)
+
+    @staticmethod
+    def run(x: Tensor, src: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
+        out = _b().scatter(_movedim0(x, dim), src, pg, sizes)
+        return out if dim == 0 else out.movedim(0, dim)
+
+    @staticmethod
+    def transpose(g: Tensor, src: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
+        return call(_Gather, g, src, dim, pg, sizes)
+
+
+def scatter(
+    x: Tensor,
+    src: int = 0,
+    dim: int = 0,
+    group: A.GroupLike = None,
+    split_sizes: Sequence[int] | None = None,
+    *,
+    async_op: bool = False,
+) -> Tensor:
+    """Give rank ``r`` chunk ``r`` (along ``dim``) of rank ``src``'s ``x``.
+
+    Args:
+        x: tensor of the same shape on every rank; only ``src``'s values are used (the
+            others pass a same-shape placeholder, whose gradient is zero).
+        src: group-local rank whose tensor is split.
+        dim: the dimension to split.
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        split_sizes: per-rank chunk sizes along ``dim``; ``None`` splits evenly.
+        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
+            communication on first use (``.wait()`` returns the finished tensor); values
+            and gradients equal the blocking op's, and the backward is asynchronous too
+            (``docs/async.md``).
+
+    Returns:
+        A new tensor: ``x.shape`` with ``dim`` of size ``split_sizes[rank]``.
+
+    Gradient:
+        ``gather(grad, dst=src, dim, split_sizes=split_sizes)``: ``src`` gets every rank's chunk
+        gradient in place; the other ranks get exact zeros.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: dc.scatter(torch.arange(4.0), src=0))
+            # [tensor([0., 1.]), tensor([2., 3.])]
+    """
+    x = _check_input(x, "scatter")
+    dim = A.check_dim(x, dim, "scatter")
+    pg = A.resolve_group(group, "scatter")
+    world = _world(pg)
+    src = A.check_rank(src, "scatter", "src", world)
+    sizes = A.check_split_sizes(split_sizes, x.shape[dim], world, "scatter")
+    _debug_check_input("scatter", pg, x, src=src, dim=dim, split_sizes=sizes)
+    return (_apply_async if async_op else _apply)(_Scatter, x, src, dim, pg, tuple(sizes))
+
+
+# arguments: (x, dst, dim, pg, sizes) (x, src, dim, pg, sizes)
+_async.OUT_SHAPES.update(
+    {
+        _Gather: lambda a: _with(a[0].shape, {a[2]: sum(a[4])}),
+        _Scatter: lambda a: _with(a[0].shape, {a[2]: a[4][_rank(a[3])]}),
+    }
+)

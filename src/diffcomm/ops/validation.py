@@ -1,0 +1,199 @@
+"""Validation and group facts shared by the collectives (:mod:`diffcomm.ops.collectives`,
+:mod:`diffcomm.ops.gather_scatter`, :mod:`diffcomm.ops.all_to_all`).
+
+Every public collective validates its arguments here before any communication (errors
+name the argument), asks the current backend for the group's rank and size, and in
+debug mode (``DIFFCOMM_DEBUG=1``) compares its arguments across ranks. The per-rank
+split sizes of the gathers (given or exchanged) and of an uneven ``all_to_all`` are
+settled here too, so the ops that share them share one code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import _config
+from .. import backend as B
+from ..backend import args as A
+from ..backend.sized_gather import exchange_first
+
+PG = Any  # resolved ProcessGroup (or None for the default group)
+
+
+#: The backend adapter the raw ops run on now (see :func:`diffcomm.backend.get_backend`).
+current_backend = B.get_backend
+_tracing, _TC, _group_info = B.TRACING, B.TC, B.group_info
+
+
+def rank(pg: PG) -> int:
+    """This process's rank in ``pg``: ``current_backend().rank(pg)``; eagerly, with the
+    default adapter, read straight off the group record (two call frames fewer)."""
+    if _tracing() or _TC._is_compiling_flag or B.INSTALLED is not B.DEFAULT:
+        return current_backend().rank(pg)
+    return _group_info(pg).rank
+
+
+def world(pg: PG) -> int:
+    """The size of ``pg``: ``current_backend().world_size(pg)``, read as :func:`rank`."""
+    if _tracing() or _TC._is_compiling_flag or B.INSTALLED is not B.DEFAULT:
+        return current_backend().world_size(pg)
+    return _group_info(pg).size
+
+
+def debug_check(opname: str, pg: PG, /, **fields: Any) -> None:
+    """In debug mode, compare ``fields`` across the ranks of ``pg`` (one tiny all_gather)."""
+    if _config.DEBUG.get():
+        current_backend().check_consistent(opname, fields, pg)
+
+
+def debug_check_input(opname: str, pg: PG, x: Tensor, /, **fields: Any) -> None:
+    """:func:`debug_check` of ``fields`` and ``x``'s shape, dtype and whether it requires
+    grad (nothing is computed outside debug mode)."""
+    debug = _config.DEBUG
+    if debug._value if debug._loaded else debug.get():
+        fields.update(shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
+        current_backend().check_consistent(opname, fields, pg)
+
+
+def check_input(x: Any, op: str) -> Tensor:
+    """``x`` as a collective's input: a dense tensor of a dtype gradients can flow in."""
+    if type(x) is Tensor and not x.is_sparse and (not x.requires_grad or x.is_floating_point()):
+        return x  # the common case, decided without a further call
+    x = A.check_tensor(x, op, "x")
+    A.check_grad_dtype(x, op, "x")
+    return x
+
+
+def other_dims(x: Tensor, *dims: int) -> tuple[int, ...]:
+    """``x.shape`` without ``dims`` (what must agree across ranks when ``dims`` may differ)."""
+    return tuple(s for i, s in enumerate(x.shape) if i not in dims)
+
+
+def with_sizes(shape: Any, sizes: dict[int, int]) -> tuple[int, ...]:
+    """``shape`` with ``shape[d] = n`` for every ``d: n`` in ``sizes``."""
+    return tuple(sizes.get(i, s) for i, s in enumerate(shape))
+
+
+def given_sizes(sizes: Sequence[int], x: Tensor, dim: int, pg: PG, op: str, arg: str) -> list[int]:
+    """The per-rank sizes along ``dim`` a gather (``all_gather``, ``gather``) was given:
+    one per rank, this rank's equal to ``x.shape[dim]``."""
+    b = current_backend()
+    total = sum(sizes) if A.plain_ints(sizes) else sum(int(s) for s in sizes)
+    sizes = A.check_split_sizes(sizes, total, b.world_size(pg), op, arg)
+    if sizes[b.rank(pg)] != x.shape[dim]:
+        raise A.arg_error(op, arg, f"to list x.shape[{dim}]={x.shape[dim]} at this rank's position", sizes)
+    return sizes
+
+
+def exchanged_sizes(x: Tensor, dim: int, pg: PG, op: str) -> list[int]:
+    """Every rank's ``x.shape[dim]``: one tiny all_gather of host integers (labelled
+    ``"<op> (size exchange)"``) on a CPU channel of the same ranks; none in a world of one.
+    The integers are each rank's shape record, so a rank whose ``x`` differs in another
+    dim or the dtype is a ``CrossRankMismatchError`` on every rank (no extra
+    communication)."""
+    if world(pg) == 1:
+        return [x.shape[dim]]
+    b = current_backend()
+    records = getattr(b, "exchange_records", None)
+    with B.label(f"{op} (size exchange)"):
+        if records is None:  # an adapter without it: the sizes alone, unchecked
+            return b.exchange_sizes(x.shape[dim], pg)
+        return exchange_first(x, lambda rec: records(rec, pg), op, dim)
+
+
+class Gathered(tuple):  # type: ignore[type-arg]
+    """Every rank's row count, learned by the gather itself (the backend's
+    ``all_gather_unsized``): a tuple of ints that carries the gathered result once, for
+    the op's ``run`` to take (so the autograd context keeps the counts, not the result)."""
+
+    box: list[Tensor]
+
+
+def gathered_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> tuple[int, ...] | Gathered:
+    """Every rank's ``x.shape[dim]`` for an ``all_gather`` that was given none.
+
+    Where the backend can (:mod:`diffcomm.backend.sized_gather`: eager, blocking, a world of two
+    or more), the gather itself learns them: a :class:`Gathered` that carries the result.
+    Else they are exchanged first (:func:`exchanged_sizes`); in a world of one they are
+    just ``(x.shape[dim],)``.
+    """
+    b = current_backend()
+    if b.world_size(pg) == 1:
+        return (x.shape[dim],)
+    unsized = getattr(b, "all_gather_unsized", None)
+    if unsized is None or async_op or _compiling() or _transforms_active() or _fwad._current_level >= 0:
+        return tuple(exchanged_sizes(x, dim, pg, "all_gather"))
+    x0 = x.detach() if dim == 0 else x.detach().movedim(dim, 0)
+    out, sizes = unsized(x0, pg, dim)
+    got = Gathered(sizes)
+    got.box = [out if dim == 0 else out.movedim(0, dim)]
+    return got
+
+
+_compiling = torch.compiler.is_compiling
+_transforms_active = torch._C._are_functorch_transforms_active
+_fwad = torch.autograd.forward_ad
+
+
+def all_to_all_sizes(
+    x: Tensor,
+    split_dim: int,
+    concat_dim: int,
+    pg: PG,
+    input_split_sizes: Sequence[int] | None,
+    output_split_sizes: Sequence[int] | None,
+) -> tuple[list[int], list[int] | None]:
+    """``all_to_all``'s validated ``(input split sizes, output split sizes)``; the output
+    sizes are ``None`` when they must be exchanged (:func:`all_to_all_received`)."""
+    op = "all_to_all"
+    size = world(pg)
+    ins = A.check_split_sizes(input_split_sizes, x.shape[split_dim], size, op, "input_split_sizes")
+    if split_dim == concat_dim:
+        if output_split_sizes is not None:
+            return ins, _output_sizes(output_split_sizes, size)
+        return ins, (list(ins) if input_split_sizes is None else None)  # None: exchanged later
+    if input_split_sizes is not None and ins and ins.count(ins[0]) != len(ins):
+        raise A.arg_error(
+            op,
+            "input_split_sizes",
+            "equal sizes when split_dim != concat_dim (received chunks are concatenated along "
+            "another dim, so their split_dim sizes must agree)",
+            list(ins),
+        )
+    if output_split_sizes is None:
+        return ins, [x.shape[concat_dim]] * size
+    outs = _output_sizes(output_split_sizes, size)
+    if outs[rank(pg)] != x.shape[concat_dim]:
+        raise A.arg_error(
+            op,
+            "output_split_sizes",
+            f"to list this rank's x.shape[concat_dim]={x.shape[concat_dim]} at its own position",
+            outs,
+        )
+    return ins, outs
+
+
+def _output_sizes(sizes: Sequence[int], size: int) -> list[int]:
+    total = sum(int(s) for s in sizes)
+    return A.check_split_sizes(sizes, total, size, "all_to_all", "output_split_sizes")
+
+
+def all_to_all_received(ins: Sequence[int], pg: PG) -> list[int]:
+    """The sizes every rank sends this one (an uneven ``all_to_all`` along one dim without
+    ``output_split_sizes``): the send sizes exchanged as a tiny all_to_all."""
+    if torch.compiler.is_compiling():
+        raise A.arg_error(
+            "all_to_all",
+            "output_split_sizes",
+            "given under torch.compile when `input_split_sizes` is and split_dim == concat_dim "
+            "(the received sizes would be exchanged with a host read, which dynamo cannot trace)",
+            None,
+        )
+    size = world(pg)
+    with B.label("all_to_all (size exchange)"):
+        sent = torch.tensor(list(ins), dtype=torch.int64, device=current_backend().comm_device(pg))
+        return current_backend().all_to_all(sent, pg, [1] * size, [1] * size).tolist()

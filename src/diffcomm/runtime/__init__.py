@@ -1,0 +1,8 @@
+"""Starting and running ranks: :mod:`.world` (``dc.init`` under torchrun, ``dc.launch``,
+``dc.LocalWorld``), the rank side of a local world (:mod:`.rank_process`), how a function
+travels to a rank with its file and line (:mod:`.shipping`) and what a failed run says
+(:mod:`.reports`).
+
+Layer: above :mod:`diffcomm.backend` and :mod:`diffcomm.debug`, below :mod:`diffcomm.ops`.
+This package itself imports nothing.
+"""

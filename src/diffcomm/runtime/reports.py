@@ -1,0 +1,182 @@
+"""What went wrong in a :class:`~diffcomm.LocalWorld` run, in words.
+
+:mod:`diffcomm.runtime.world` watches the ranks and decides *when* a run failed (a rank raised,
+died, returned while others wait, or the run timed out); this module says *what*: the
+exception objects and tracebacks the ranks sent back, the message of each error, and the
+two early diagnoses built from the ranks' flight records (asked through the rendezvous
+store): a rank the backend aborted mid-collective, and a rank that returned from the
+function while the others wait for it in a communication it never reached.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from .._errors import DesyncError, RankDesyncError
+from ..debug import recorder as _flight
+from ..debug.diagnosis import P2P_OPS, diagnose, signature
+
+
+def exceptions(replies: dict[int, tuple[str, Any]]) -> dict[int, BaseException]:
+    """The exception objects the failed ranks sent back (those that unpickle here)."""
+    out: dict[int, BaseException] = {}
+    for r, (kind, value) in replies.items():
+        if kind == "err" and value[1] is not None:
+            try:
+                out[r] = cloudpickle.loads(value[1])
+            except Exception:  # noqa: BLE001 - the traceback text is still reported
+                pass
+    return out
+
+
+def tracebacks(failures: dict[int, str]) -> str:
+    return "".join(f"\n\n--- rank {r} traceback ---\n{tb}" for r, tb in sorted(failures.items()))
+
+
+def failure_message(failures: dict[int, str], fatal: bool) -> str:
+    ranks = sorted(failures)
+    last = failures[ranks[0]].strip().splitlines()[-1] if failures[ranks[0]].strip() else ""
+    note = " The process group is unusable after this error; the world was torn down." if fatal else ""
+    stop = "" if last.endswith((".", "!", "?")) else "."  # never "..": the message's own period
+    return f"rank(s) {ranks} raised: {last}{stop}{note}" + tracebacks(failures)
+
+
+def aborted_in(fault_text: str) -> tuple[str | None, str | None]:
+    """(raw backend op, user call site) of the main thread in a faulthandler dump."""
+    blocks = fault_text.split("\n\n")
+    for block in blocks:
+        frames = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("File ")]
+        raw = site = None
+        for ln in frames:  # most recent call first
+            try:
+                path = ln.split('"')[1]
+                lineno, func = ln.rsplit(" line ", 1)[1].split(" in ", 1)
+            except (IndexError, ValueError):
+                continue
+            if raw is None and path.endswith(os.path.join("diffcomm", "backend", "torch_distributed.py")):
+                if func[:1] not in ("_", "<"):  # the backend's public op, not its plumbing
+                    raw = func
+            elif raw is not None and site is None and not _flight.is_internal(path) and path[:1] != "<":
+                site = _flight.fmt_site((path, int(lineno)))
+        if raw is not None:
+            return raw, site
+    return None, None
+
+
+def idle_ranks(reply: tuple[str, Any]) -> set[int]:
+    """Ranks a rank's :class:`DesyncError` found in no communication (busy in user code,
+    returned, silent): they will send no report, so the caller need not wait for one."""
+    exc = exceptions({0: reply}).get(0)
+    return set(exc.facts.get("idle", ())) if isinstance(exc, DesyncError) else set()
+
+
+def desync_story(exceptions: dict[int, BaseException]) -> tuple[str, dict[str, Any]] | None:
+    """The first rank's :class:`DesyncError` text and facts, if any rank raised one."""
+    for r in sorted(exceptions):
+        exc = exceptions[r]
+        if isinstance(exc, DesyncError):
+            return f"rank {r}: {exc}", dict(exc.facts)
+    return None
+
+
+def abort_story(
+    died: dict[int, int | None], fault_text: Callable[[int], str], store: Any, world_size: int
+) -> str:
+    """Why a rank was aborted (SIGABRT) mid-collective, from its faulthandler stacks and
+    the survivors' flight records; leads the :class:`RankDiedError` message."""
+    lines = []
+    for r in sorted(died):
+        if died[r] != -signal.SIGABRT:
+            continue
+        raw, site = aborted_in(fault_text(r))
+        if raw is None:
+            continue
+        lines.append(
+            f"rank {r} was aborted by the backend inside raw `{raw}`"
+            + (f" called from {site}" if site else "")
+        )
+    if not lines:
+        return ""
+    others: list[str] = []
+    alive = [r for r in range(world_size) if r not in died]
+    try:
+        states = _flight.request_states(store, alive, wait=0.3) if store is not None and alive else {}
+    except Exception:  # noqa: BLE001
+        states = {}
+    for r in alive:
+        for e in (states.get(r) or {}).get("inflight", []):
+            shape = f", shape {tuple(e['shape'])} {e['dtype']}" if e.get("shape") is not None else ""
+            site = f", from {e['site']}" if e.get("site") else ""
+            others.append(f"rank {r} was in `{e['op']}` #{e['seq']} on group {e['group']}{shape}{site}")
+    return (
+        "; ".join(lines + others) + ". gloo aborts a rank whose collective receives more bytes than "
+        "it expects: the ranks called this collective with different shapes (or different ops). "
+        "DIFFCOMM_DEBUG=1 compares shapes before any data moves and names the ranks.\n"
+    )
+
+
+def desync_check(
+    store: Any, world_size: int, returned: list[int], busy: list[int], what: str
+) -> RankDesyncError | None:
+    """A :class:`RankDesyncError` if a busy rank waits in a communication that a rank
+    which already returned never reached; else None (the busy ranks are just slower)."""
+    if store is None:
+        return None
+    try:
+        states = _flight.request_states(store, list(range(world_size)), wait=0.5)
+    except Exception:  # noqa: BLE001 - no answers, no early diagnosis (the timeout still applies)
+        return None
+    for p in busy:
+        s = states.get(p)
+        for e in (s or {}).get("inflight", []):
+            if e["raw_op"] in P2P_OPS:
+                continue  # p2p counters are per sender/receiver pair, not aligned across ranks
+            key = ",".join(map(str, e["group"]))
+            gone = [
+                q
+                for q in returned
+                if q in e["group"] and states.get(q) and states[q]["counts"].get(key, 0) <= e["seq"]
+            ]
+            sig = signature(e)
+            # a returned rank that did complete this sequence number, but as another
+            # op or with another shape (gloo may let it through with wrong values)
+            other = [
+                q
+                for q in returned
+                if q in e["group"]
+                and q not in gone
+                and any(
+                    x["group"] == e["group"] and x["seq"] == e["seq"] and signature(x) != sig
+                    for x in (states.get(q) or {}).get("recent", [])
+                )
+            ]
+            if not gone and not other:
+                continue
+            text, facts = diagnose(states, e)
+            facts["returned"] = gone or other
+            if not gone:
+                return RankDesyncError(
+                    f"LocalWorld: rank(s) {other} finished `{e['op']}` #{e['seq']} (group "
+                    f"{e['group']}) as another op or with another shape and returned from `{what}`, "
+                    f"while rank {p} waits in it — a desync; the world was torn down (it restarts "
+                    f"at the next run).\n{text}",
+                    facts,
+                )
+            waiting = [
+                r
+                for r in busy
+                if any(x["seq"] == e["seq"] for x in (states.get(r) or {}).get("inflight", []))
+            ]
+            return RankDesyncError(
+                f"LocalWorld: rank(s) {gone} returned from `{what}` while rank(s) {waiting or [p]} "
+                f"wait for them in `{e['op']}` (sequence number #{e['seq']} on group {e['group']}"
+                f"{', from ' + e['site'] if e.get('site') else ''}) — a desync; the world was torn "
+                f"down (it restarts at the next run).\n{text}",
+                facts,
+            )
+    return None

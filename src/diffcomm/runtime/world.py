@@ -1,0 +1,776 @@
+"""Running ranks: ``init`` (inside torchrun), ``launch`` and ``LocalWorld`` (local processes).
+
+``LocalWorld(n)`` starts ``n`` processes once, joins them into a real process group
+(gloo by default, on 127.0.0.1, with a TCPStore the caller hosts) and keeps them alive
+across many :meth:`LocalWorld.run` calls — what property tests and notebooks need.
+Functions travel with ``cloudpickle``, so closures, lambdas and functions defined in a
+notebook or a test module work.
+
+Failure semantics (each is tested):
+
+* a rank raises -> one :class:`~diffcomm.RankError` naming the rank(s) with their remote
+  tracebacks; if every rank reported back, the world stays up for the next ``run``;
+* a rank dies (``os._exit(3)``, a signal) -> :class:`~diffcomm.RankDiedError` naming the
+  rank and its exit code within about a second; the world is torn down;
+* a run exceeds ``timeout`` -> :class:`~diffcomm.WorldTimeoutError` naming the ranks still
+  busy; the world is torn down;
+* a rank returns while others wait for it in a collective (a desync) ->
+  :class:`~diffcomm.RankDesyncError` within about a second, leading with the flight
+  recorder's diagnosis (which op, which sequence number, who returned); torn down;
+* a rank raises :class:`~diffcomm.DesyncError` (its collective timed out) ->
+  :class:`~diffcomm.RankDesyncError` leading with that rank's diagnosis; torn down;
+* Ctrl-C in the caller, garbage collection and interpreter exit -> children killed
+  (the ranks ignore SIGINT from their first instruction, so a Ctrl-C prints nothing
+  per rank);
+* a world the machine cannot hold (too many ranks per core, or more estimated memory
+  than is available) -> :class:`~diffcomm.WorldTooLargeError` before any process starts.
+
+A torn-down world starts fresh processes at its next ``run`` (``world.restarts`` counts
+them), so one failing property test does not poison the rest of a session; after
+:meth:`LocalWorld.close` it refuses to run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import multiprocessing.connection as mpc
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+import psutil
+import torch.distributed as dist
+
+from .. import _config
+from .._errors import (
+    RankDesyncError,
+    RankDiedError,
+    RankError,
+    WorldTimeoutError,
+    WorldTooLargeError,
+)
+from . import reports as _report
+from . import shipping as _ship
+
+if TYPE_CHECKING:
+    from ..accelerator import Accelerator
+
+__all__ = ["LocalWorld", "launch", "init", "get_rank", "get_world_size", "is_initialized"]
+
+# Size: ~690 lines, over the ~600 guideline: what remains is the caller side of
+# LocalWorld (start, run, the watch loop that tells death, error, desync and timeout
+# apart, teardown) plus init/launch; the rank process is ``diffcomm.runtime.rank_process``, and the failure
+# messages and early diagnoses are ``diffcomm.runtime.reports``.
+
+DEFAULT_COLLECTIVE_TIMEOUT = 30.0  # seconds; LocalWorld's default for DIFFCOMM_TIMEOUT
+DEFAULT_RUN_TIMEOUT = 300.0
+_STARTUP_TIMEOUT = 120.0  # seconds for every rank to start (import torch) and rendezvous
+_GRACE = 1.0  # seconds to wait for the other ranks' reports once one rank failed
+_MAX_RANKS_PER_CORE = 8  # above this, start-up alone takes minutes (each rank imports torch)
+_RANK_MEMORY = 350 * 2**20  # bytes one idle gloo rank holds (torch imported), measured ~300 MB
+_FIRST_CHECK = 0.15  # seconds after a rank returned before asking the busy ranks what they do
+_RECHECK = 0.3
+_PROGRESS_AFTER = 2.0  # seconds of start-up before progress is printed
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (group-local), 0 when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    from ..backend.args import resolve_group
+
+    return dist.get_rank(resolve_group(group, "get_rank"))
+
+
+def get_world_size(group: Any = None) -> int:
+    """Number of ranks in ``group``, 1 when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    from ..backend.args import resolve_group
+
+    return dist.get_world_size(resolve_group(group, "get_world_size"))
+
+
+def is_initialized() -> bool:
+    """Whether a default process group exists in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+# --------------------------------------------------------------------------------------
+# init (torchrun / multi-node)
+# --------------------------------------------------------------------------------------
+
+
+def init(backend: str | None = None, timeout: float | None = None, set_device: bool = True) -> None:
+    """Join the process group described by the environment (torchrun, SLURM via torchrun).
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
+    ``backend=None`` picks the accelerator's default (gloo on CPU, nccl on CUDA, ...), and
+    the local device is set from ``LOCAL_RANK`` (with more local ranks than devices, a
+    gloo job leaves the device alone; the device's own backend raises ``ValueError``).
+    ``timeout`` (seconds) defaults to ``DIFFCOMM_TIMEOUT`` or torch's default; it bounds
+    every collective, while the rendezvous itself may take up to 120 s (ranks still
+    starting). Calling it again is a no-op.
+
+    Example::
+
+        # torchrun --standalone --nproc-per-node=2 train.py
+        import diffcomm as dc
+        dc.init()
+        y = dc.all_reduce(torch.ones(3))
+    """
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"diffcomm.init(): environment variables {missing} are not set; run the script under "
+            "`torchrun --nproc-per-node=N script.py`, or use diffcomm.launch / LocalWorld locally"
+        )
+    from ..accelerator import get_accelerator
+
+    acc = get_accelerator()
+    name = backend or acc.communication_backend_name()
+    seconds = timeout if timeout is not None else _config.TIMEOUT.get()
+    kwargs: dict[str, Any] = {}
+    if seconds is not None:
+        # the rendezvous (every rank importing torch, then connecting) gets the start-up
+        # allowance: on a loaded machine it outlasts a short collective timeout
+        kwargs["timeout"] = datetime.timedelta(seconds=max(seconds, _STARTUP_TIMEOUT))
+    if set_device and acc.name != "cpu":
+        _set_local_device(acc, name)
+    store = _torchrun_store(kwargs.get("timeout"))
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(name, **kwargs)
+    if seconds is not None and seconds < _STARTUP_TIMEOUT:
+        try:  # the collectives then wait `seconds`, no longer
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), None)
+        except Exception:  # noqa: BLE001 - a backend without settable timeouts keeps its own
+            pass
+
+
+_INITS = [0]  # default groups this process has joined through init()
+
+
+def _torchrun_store(timeout: datetime.timedelta | None) -> Any:
+    """Under torchrun, the agent's store with a key prefix of this attempt and this group.
+
+    torchrun's workers share one store (the agent's) across restart attempts and across
+    groups made one after another; torch keys the default group's rendezvous the same
+    every time, so a rank can read an earlier attempt's (or group's) gloo addresses and
+    fail to connect ("Connection refused": 3 of 4 plain-torch restarts on this machine,
+    docs/debugging.md). A prefix per attempt and per group keeps each one's keys its own.
+    None outside torchrun (``init_process_group`` reads the environment as usual).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    _INITS[0] += 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        None,
+        False,
+        timeout=timeout or datetime.timedelta(seconds=_STARTUP_TIMEOUT),
+    )
+    return dist.PrefixStore(f"diffcomm/attempt_{attempt}/group_{_INITS[0]}", store)
+
+
+def _set_local_device(acc: Accelerator, backend: str) -> None:
+    """``init``'s device choice: the ``LOCAL_RANK``-th device of the accelerator.
+
+    More local ranks than devices is an error for the accelerator's own backend (nccl
+    allows one rank per GPU), said before any rendezvous; a CPU-capable backend (gloo)
+    leaves the device alone instead, so CPU ranks on a GPU machine still start. (A launcher
+    that gives each process only its own GPU is served by ``init(set_device=False)``.)
+    """
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    count = acc.device_count()
+    if 0 <= local < count:
+        acc.set_device(local)
+    elif backend.lower() == acc.communication_backend_name().lower():
+        raise ValueError(
+            f"diffcomm.init(): LOCAL_RANK={local}, but this process sees {count} {acc.name} "
+            f"device(s) and backend {backend!r} needs one device per local rank: start at most "
+            f"{count} process(es) per node (torchrun --nproc-per-node={count}), or run CPU "
+            "ranks with diffcomm.init(backend='gloo') or DIFFCOMM_ACCELERATOR=cpu; if each "
+            "process sees only its own device (CUDA_VISIBLE_DEVICES set per process), pass "
+            "set_device=False and make it current yourself"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# the worker process
+# --------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------
+# LocalWorld
+# --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block; raise it when the block ends.
+
+    Only where Python's own handler is installed and only on the main thread (the only
+    thread that may set handlers); elsewhere the block runs as is.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
+def _kill_tree(pids: list[int]) -> None:
+    procs: list[psutil.Process] = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs.extend(p.children(recursive=True))
+            procs.append(p)
+        except psutil.Error:
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+class _Procs:
+    """The live processes of one incarnation of a world (finalizer-safe state)."""
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[mpc.Connection] = []
+        self.store: Any = None
+        self.fault_dir: tempfile.TemporaryDirectory[str] | None = None
+
+    def shutdown(self, graceful: bool) -> None:
+        if graceful:
+            for c in self.conns:
+                try:
+                    c.send_bytes(pickle.dumps(("stop", None)))
+                except Exception:  # noqa: BLE001
+                    pass
+            deadline = time.monotonic() + 3
+            for p in self.procs:
+                try:
+                    p.wait(max(0.01, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        _kill_tree([p.pid for p in self.procs if p.poll() is None])
+        for p in self.procs:
+            try:
+                p.wait(2)
+            except Exception:  # noqa: BLE001
+                pass
+        for c in self.conns:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.procs, self.conns = [], []
+        self.store = None
+        if self.fault_dir is not None:
+            self.fault_dir.cleanup()
+            self.fault_dir = None
+
+    def fault_text(self, rank: int) -> str:
+        """What faulthandler wrote for ``rank`` (its stacks if the backend aborted it)."""
+        if self.fault_dir is None:
+            return ""
+        try:
+            with open(os.path.join(self.fault_dir.name, f"rank{rank}.txt")) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+
+_LIVE: weakref.WeakSet[LocalWorld] = weakref.WeakSet()
+
+
+def _stderr_is_a_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
+
+
+@atexit.register
+def _close_all() -> None:
+    for w in list(_LIVE):
+        w.close()
+
+
+class LocalWorld:
+    """``world_size`` local processes in one real process group, alive across runs.
+
+    Args:
+        world_size: number of ranks (>= 1).
+        backend: c10d backend (``"gloo"`` on CPU; ``"nccl"`` with one GPU per rank).
+        timeout: seconds one :meth:`run` may take before the busy ranks are named and
+            the world is torn down.
+        collective_timeout: seconds a single collective may wait for its peers before it
+            raises :class:`~diffcomm.CollectiveTimeoutError` on that rank (the ranks'
+            ``DIFFCOMM_TIMEOUT``); default ``DIFFCOMM_TIMEOUT`` if set, else 30.
+        allow_oversubscribe: start even if the machine cannot hold the world (more than
+            8 ranks per core, or more estimated memory than available); default
+            ``DIFFCOMM_ALLOW_OVERSUBSCRIBE``. Otherwise such a world is refused with
+            :class:`~diffcomm.WorldTooLargeError` before any process starts.
+        progress: print start-up progress on stderr ("starting: 0/2 ranks ready after
+            2 s", then "ready after 2.8 s") once a start-up takes over 2 s. ``None``
+            (default): ``DIFFCOMM_PROGRESS`` (``auto``, ``1`` or ``0``), whose ``auto``
+            prints only when stderr is a terminal; ``False`` (or ``DIFFCOMM_PROGRESS=0``)
+            silences it.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: dc.all_reduce(torch.ones(2)))   # [tensor([2., 2.])] * 2
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        timeout: float = DEFAULT_RUN_TIMEOUT,
+        collective_timeout: float | None = None,
+        allow_oversubscribe: bool | None = None,
+        progress: bool | None = None,
+    ) -> None:
+        if progress is not None and not isinstance(progress, bool):
+            raise TypeError(f"LocalWorld(): `progress` must be a bool or None, got {progress!r}")
+        if progress is None:
+            progress = _config.PROGRESS.get()
+        self.progress = progress if progress is not None else _stderr_is_a_terminal()
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"LocalWorld(): `world_size` must be an int >= 1, got {world_size!r}")
+        allow = _config.ALLOW_OVERSUBSCRIBE.get() if allow_oversubscribe is None else allow_oversubscribe
+        if not allow:
+            check_world_fits(world_size)
+        if not isinstance(backend, str) or not dist.is_backend_available(backend):
+            raise ValueError(f"LocalWorld(): `backend` {backend!r} is not available in this torch build")
+        if not timeout > 0:
+            raise ValueError(f"LocalWorld(): `timeout` must be > 0 seconds, got {timeout!r}")
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = float(timeout)
+        if collective_timeout is not None and not collective_timeout > 0:
+            raise ValueError(
+                f"LocalWorld(): `collective_timeout` must be > 0 seconds or None, got {collective_timeout!r}"
+            )
+        ct = collective_timeout if collective_timeout is not None else _config.TIMEOUT.get()
+        self.collective_timeout = float(ct if ct is not None else DEFAULT_COLLECTIVE_TIMEOUT)
+        self.restarts = 0
+        self._state = _Procs()
+        self._closed = False
+        self._started = False
+        self._finalizer = weakref.finalize(self, _Procs.shutdown, self._state, False)
+        _LIVE.add(self)
+        self._start()
+
+    # ---- lifecycle -----------------------------------------------------------------
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the ranks (empty while torn down)."""
+        return [p.pid for p in self._state.procs]
+
+    @property
+    def alive(self) -> bool:
+        return self._started and all(p.poll() is None for p in self._state.procs)
+
+    def _start(self) -> None:
+        st = self._state
+        st.fault_dir = tempfile.TemporaryDirectory(prefix="diffcomm-faults-")
+        st.store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            None,
+            True,
+            timeout=datetime.timedelta(seconds=self.collective_timeout),
+            wait_for_workers=False,
+        )
+        port = st.store.port
+        # Plain subprocesses (not multiprocessing): the caller's __main__ is never
+        # re-imported, so scripts without a `__main__` guard and notebooks just work.
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["DIFFCOMM_FAULT_DIR"] = st.fault_dir.name
+        try:
+            # A Ctrl-C while spawning is held until every started rank is recorded in
+            # ``st.procs`` (else one landing between Popen's return and the append would
+            # leave an orphan rank behind), then raised here and torn down below.
+            with _ctrl_c_deferred():
+                for rank in range(self.world_size):
+                    self._spawn(rank, port, env)
+            self._started = True
+            limit = max(_STARTUP_TIMEOUT, self.timeout)
+            replies = self._collect(set(range(self.world_size)), limit, "start-up")
+        except BaseException:
+            self._teardown()
+            raise
+        bad = {r: v for r, v in replies.items() if v[0] != "ready"}
+        if bad:
+            self._teardown()
+            raise RankError(
+                "LocalWorld: ranks failed to start:\n"
+                + "\n".join(f"[rank {r}]\n{v[1][0]}" for r, v in bad.items()),
+                {r: v[1][0] for r, v in bad.items()},
+            )
+
+    def _spawn(self, rank: int, port: int, env: dict[str, str]) -> None:
+        parent_sock, child_sock = socket.socketpair()
+        fd = child_sock.fileno()
+        cmd = [
+            sys.executable,
+            "-c",
+            _WORKER_BOOT,
+            str(rank),
+            str(self.world_size),
+            self.backend,
+            str(port),
+            str(fd),
+            repr(self.collective_timeout),
+            str(os.getpid()),
+        ]
+        if os.name == "posix":  # ignore SIGINT from exec on: even Python's own start-up
+            cmd = ["/bin/sh", "-c", 'trap "" INT; exec "$0" "$@"', *cmd]
+        p = subprocess.Popen(cmd, pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL)
+        child_sock.close()
+        self._state.procs.append(p)
+        self._state.conns.append(mpc.Connection(parent_sock.detach()))
+
+    def _teardown(self) -> None:
+        self._state.shutdown(graceful=False)
+        self._started = False
+
+    def close(self) -> None:
+        """Stop every rank (gracefully, then by force) and release the port."""
+        if self._closed:
+            return
+        self._closed = True
+        self._state.shutdown(graceful=self._started)
+        self._started = False
+        self._finalizer.detach()
+        _LIVE.discard(self)
+
+    def __enter__(self) -> LocalWorld:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("running" if self._started else "torn down")
+        return f"LocalWorld(world_size={self.world_size}, backend={self.backend!r}, {state})"
+
+    # ---- running -------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank at once; return the results by rank.
+
+        Raises:
+            RankError: a rank raised (``.failures`` has the remote tracebacks,
+                ``.exceptions`` the exception objects where they could be pickled).
+            RankDiedError: a rank's process died (``.exitcodes``).
+            WorldTimeoutError: not done after ``timeout`` seconds (``.busy_ranks``).
+        """
+        if self._closed:
+            raise RuntimeError("LocalWorld.run(): this world is closed")
+        if not callable(fn):
+            raise TypeError(f"LocalWorld.run(): `fn` must be callable, got {type(fn).__name__}")
+        if not self._started:
+            self.restarts += 1
+            self._state = _Procs()
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _Procs.shutdown, self._state, False)
+            self._start()
+        try:
+            payload = _ship.dumps((fn, args, kwargs, list(sys.path)))
+        except Exception as exc:
+            raise TypeError(f"LocalWorld.run(): cannot pickle the function or its arguments: {exc}") from exc
+        msg = pickle.dumps(("run", payload))
+        for c in self._state.conns:
+            c.send_bytes(msg)
+        try:
+            replies = self._collect(set(range(self.world_size)), self.timeout, getattr(fn, "__name__", "fn"))
+        except BaseException:
+            self._teardown()
+            raise
+        failures: dict[int, str] = {}
+        fatal = False
+        results: list[Any] = [None] * self.world_size
+        for r in range(self.world_size):
+            kind, value = replies[r]
+            if kind == "ok":
+                results[r] = cloudpickle.loads(value)
+            else:
+                failures[r] = value[0]
+                fatal = fatal or value[2]
+        if failures:
+            if fatal:
+                self._teardown()
+            exceptions = _report.exceptions(replies)
+            desync = _report.desync_story(exceptions)
+            if desync is not None:
+                raise RankDesyncError(
+                    f"LocalWorld: the ranks went out of step during `{getattr(fn, '__name__', 'fn')}` "
+                    f"(the world was torn down; it restarts at the next run).\n{desync[0]}"
+                    + _report.tracebacks(failures),
+                    desync[1],
+                    failures,
+                    exceptions,
+                )
+            raise RankError(_report.failure_message(failures, fatal), failures, exceptions)
+        return results
+
+    def _collect(self, pending: set[int], timeout: float, what: str) -> dict[int, tuple[str, Any]]:
+        """Wait for one reply per pending rank, watching for deaths, errors, desyncs and time.
+
+        A rank's death shows up as end-of-file on its socket (only it holds the other end).
+        Once a rank returned while others are still busy, the busy ranks are asked (through
+        the store, by their flight-recorder threads) what they are doing; one blocked in a
+        collective that a returned rank never reached is a desync, reported at once.
+        """
+        st = self._state
+        replies: dict[int, tuple[str, Any]] = {}
+        start = time.monotonic()
+        deadline = start + timeout
+        grace_deadline: float | None = None
+        check_at: float | None = None
+        progress_at = start + _PROGRESS_AFTER if what == "start-up" and self.progress else None
+        printed = False
+        by_conn = {st.conns[r]: r for r in pending}
+        died: dict[int, int | None] = {}
+        while pending:
+            now = time.monotonic()
+            limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
+            if now >= limit:
+                break
+            wake = min(t for t in (limit, check_at, progress_at) if t is not None)
+            ready = mpc.wait([st.conns[r] for r in pending], timeout=max(0.0, wake - now))
+            for obj in ready:
+                r = by_conn[obj]  # type: ignore[index]
+                try:
+                    replies[r] = pickle.loads(obj.recv_bytes())  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    try:
+                        died[r] = st.procs[r].wait(2)
+                    except subprocess.TimeoutExpired:
+                        died[r] = None
+                    if grace_deadline is None:
+                        grace_deadline = time.monotonic() + _GRACE / 2
+                    pending.discard(r)
+                    continue
+                pending.discard(r)
+                if replies[r][0] == "err":
+                    if grace_deadline is None:
+                        grace_deadline = time.monotonic() + _GRACE
+                    if pending and pending <= _report.idle_ranks(replies[r]):
+                        grace_deadline = time.monotonic()  # the rest are in no op: no report coming
+            now = time.monotonic()
+            if progress_at is not None and now >= progress_at and pending:
+                done = self.world_size - len(pending)
+                print(
+                    f"diffcomm: LocalWorld({self.world_size}) starting: {done}/{self.world_size} ranks "
+                    f"ready after {now - start:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                printed = True
+                progress_at = now + _PROGRESS_AFTER
+            if what == "start-up" or grace_deadline is not None or not pending:
+                continue
+            returned = sorted(r for r, v in replies.items() if v[0] == "ok")
+            if not returned:
+                continue
+            if check_at is None:
+                check_at = now + _FIRST_CHECK
+            elif now >= check_at:
+                stuck = _report.desync_check(
+                    self._state.store, self.world_size, returned, sorted(pending), what
+                )
+                if stuck is not None:
+                    self._teardown()
+                    raise stuck
+                check_at = time.monotonic() + _RECHECK
+        if printed and not pending:
+            print(
+                f"diffcomm: LocalWorld({self.world_size}) ready after {time.monotonic() - start:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        failures = {r: v[1][0] for r, v in replies.items() if v[0] == "err"}
+        exceptions = _report.exceptions(replies)
+        desync = _report.desync_story(exceptions)
+        if died:
+            codes = ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(died.items()))
+            faults = "".join(
+                f"\n\n--- rank {r}: the backend aborted it; its Python stacks ---\n{text.strip()}"
+                for r in sorted(died)
+                if (text := st.fault_text(r)).strip()
+            )
+            lead = (
+                _report.abort_story(died, st.fault_text, st.store, self.world_size)
+                if any(c == -signal.SIGABRT for c in died.values())
+                else ""
+            )
+            self._teardown()
+            raise RankDiedError(
+                lead + f"LocalWorld: {codes} died during `{what}`; the world was torn down "
+                f"(it restarts at the next run)."
+                + (f"\n{desync[0]}" if desync else "")
+                + faults
+                + _report.tracebacks(failures),
+                died,
+                failures,
+                exceptions,
+            )
+        if pending:
+            busy = sorted(pending)
+            self._teardown()
+            if desync:
+                raise RankDesyncError(
+                    f"LocalWorld: the ranks went out of step during `{what}` (rank(s) {busy} still "
+                    f"busy were torn down; the world restarts at the next run).\n{desync[0]}"
+                    + _report.tracebacks(failures),
+                    desync[1],
+                    failures,
+                    exceptions,
+                )
+            if failures:
+                raise RankError(
+                    f"LocalWorld: rank(s) {sorted(failures)} raised during `{what}` while rank(s) "
+                    f"{busy} were still busy (most likely waiting in a collective for the failed "
+                    f"rank); the world was torn down (it restarts at the next run)."
+                    + _report.tracebacks(failures),
+                    failures,
+                    exceptions,
+                )
+            raise WorldTimeoutError(
+                f"LocalWorld: `{what}` did not finish within {timeout:g} s; rank(s) {busy} still "
+                f"busy; the world was torn down (it restarts at the next run).",
+                busy,
+            )
+        return replies
+
+
+# Ignore SIGINT before anything else (importing diffcomm imports torch: seconds), so a
+# Ctrl-C in the caller's terminal never prints a traceback per rank.
+_WORKER_BOOT = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "import runpy; runpy.run_module('diffcomm.runtime.rank_process', run_name='__main__', alter_sys=True)"
+)
+
+
+def check_world_fits(world_size: int, override: str | None = None) -> None:
+    """Raise :class:`~diffcomm.WorldTooLargeError` if this machine cannot hold the world.
+
+    ``override``: how the caller's user overrides the refusal (a command line names its
+    flag, ``--allow-oversubscribe``); default ``LocalWorld``'s argument and the variable.
+
+    Bounds: at most 8 ranks per CPU core (each rank imports torch and runs its own
+    threads), and the per-rank memory estimate (about 350 MB for an idle gloo rank) times
+    ``world_size`` within 90% of the memory available now.
+    """
+    cores = psutil.cpu_count(logical=True) or os.cpu_count() or 1
+    avail = psutil.virtual_memory().available
+    need = world_size * _RANK_MEMORY
+    problems = []
+    if world_size > _MAX_RANKS_PER_CORE * cores:
+        problems.append(
+            f"{world_size} ranks on {cores} CPU core(s) is {world_size / cores:.1f} ranks per core "
+            f"(bound: {_MAX_RANKS_PER_CORE})"
+        )
+    if need > 0.9 * avail:
+        problems.append(
+            f"{world_size} ranks x ~{_RANK_MEMORY / 2**20:.0f} MB = {need / 2**30:.1f} GB estimated, "
+            f"{avail / 2**30:.1f} GB available"
+        )
+    if problems:
+        raise WorldTooLargeError(
+            f"LocalWorld({world_size}): this machine cannot hold the world: " + "; ".join(problems) + ". "
+            "Use fewer ranks, or override with "
+            + (override or "LocalWorld(..., allow_oversubscribe=True) or DIFFCOMM_ALLOW_OVERSUBSCRIBE=1")
+            + "."
+        )
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = DEFAULT_RUN_TIMEOUT,
+    collective_timeout: float | None = None,
+    allow_oversubscribe: bool | None = None,
+    progress: bool | None = None,
+    fn_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh local ranks; return their results.
+
+    Starts a :class:`LocalWorld`, runs once and closes it. For many calls, keep a
+    ``LocalWorld`` instead (start-up costs about a second per rank).
+
+    Args:
+        fn: the function every rank runs.
+        world_size: number of ranks.
+        *args: ``fn``'s positional arguments.
+        backend, timeout, collective_timeout, allow_oversubscribe, progress:
+            :class:`LocalWorld`'s settings, by name.
+        fn_kwargs: keyword arguments for ``fn`` whose names are one of the settings above
+            (``fn_kwargs={"timeout": 5}`` calls ``fn(timeout=5)``).
+        **kwargs: every other keyword goes to ``fn``.
+
+    Returns:
+        Each rank's return value, by rank.
+
+    Example::
+
+        dc.launch(lambda: dc.get_rank(), 3)                 # [0, 1, 2]
+        dc.launch(train, 2, steps=10, collective_timeout=5)  # train(steps=10), 5 s per collective
+        dc.launch(train, 2, fn_kwargs={"timeout": 5})       # train(timeout=5)
+    """
+    if fn_kwargs is not None:
+        if not isinstance(fn_kwargs, dict):
+            raise TypeError(f"launch(): `fn_kwargs` must be a dict, got {type(fn_kwargs).__name__}")
+        both = sorted(set(fn_kwargs) & set(kwargs))
+        if both:
+            raise TypeError(f"launch(): keyword(s) {both} given both directly and in `fn_kwargs`")
+        kwargs = {**kwargs, **fn_kwargs}
+    with LocalWorld(
+        world_size,
+        backend=backend,
+        timeout=timeout,
+        collective_timeout=collective_timeout,
+        allow_oversubscribe=allow_oversubscribe,
+        progress=progress,
+    ) as world:
+        return world.run(fn, *args, **kwargs)
