@@ -158,6 +158,7 @@ def test_coalesced_dual_table_is_an_involution() -> None:
     for name, spec in COALESCED_OPS.items():
         assert spec.fn is getattr(dc, name)
         assert COALESCED_OPS[spec.dual].dual == name
+        assert spec.op.dual.dual is spec.op  # the classes name each other
         single = name.removesuffix("_coalesced")
         assert spec.dual.removesuffix("_coalesced") == dc.dual(single), "same duals as the single ops"
     table = coalesced_markdown()

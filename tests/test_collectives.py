@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 import diffcomm as dc
 from diffcomm import backend as B
+from diffcomm.ops import registry as R
+from diffcomm.ops.base import CommOp
 from diffcomm.testing.cases import Case, run_case, standard_cases
 
 WORLDS = [1, 2, 3, 4]
@@ -128,7 +130,7 @@ def cases(draw: st.DrawFn, op: str, world: int) -> Case:
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-@pytest.mark.parametrize("op", list(dc.DUALS))
+@pytest.mark.parametrize("op", list(R.family("collective", ())))  # diffcomm's own
 def test_op_matches_reference(local_worlds, op: str, world_size: int) -> None:
     check_in_batches(local_worlds(world_size), cases(op, world_size), _assert_ok, max_examples=12)
 
@@ -152,10 +154,12 @@ def test_dual_table_is_an_involution() -> None:
         "gather": "scatter",
         "all_to_all": "all_to_all",
     }
-    assert set(dc.DUALS) == set(pairs) | set(pairs.values())  # the eight collectives, no more
+    own = R.family("collective", ())  # (a user's module may register more: test_adding_an_op)
+    assert set(own) == set(pairs) | set(pairs.values())  # the eight collectives, no more
+    assert set(own) <= set(dc.DUALS)
     for a, b in pairs.items():
         assert dc.dual(a) == b and dc.dual(b) == a
-    for op in dc.DUALS:
+    for op in own:
         assert dc.dual(dc.dual(op)) == op
         assert callable(dc.OPS[op].fn) and dc.OPS[op].fn is getattr(dc, op)
     with pytest.raises(ValueError, match="unknown op 'psum'"):
@@ -171,22 +175,53 @@ def test_docs_table_is_generated_from_the_code() -> None:
 
 
 def test_one_registry_holds_every_family() -> None:
-    """Every per-family table is a view of the one registry; duals close per family."""
+    """Every per-family table is a view of the one registry; duals close per family; each
+    op's class is the single source (its transpose calls its dual's class)."""
     from diffcomm.ops import coalesced, p2p
-    from diffcomm.ops import registry as R
 
-    assert dc.OPS == R.family("collective") and p2p.OPS == R.family("p2p")
-    assert coalesced.COALESCED_OPS == R.family("coalesced")
-    for name, spec in R.REGISTRY.items():
-        assert R.REGISTRY[spec.dual].family == spec.family, name
+    assert dict(dc.OPS) == {n: R.entry(c) for n, c in R.family("collective").items()}
+    assert set(p2p.OPS) == set(R.family("p2p"))
+    assert set(coalesced.COALESCED_OPS) == set(R.family("coalesced"))
+    for name, cls in R.REGISTRY.items():
+        assert cls.dual.family == cls.family, name
         assert R.dual(R.dual(name)) == name
+        assert cls.dual.dual is cls
+    assert R.verify() == []
     # the testing kit walks exactly the ops with an argument map and a serial reference
-    assert set(R.with_reference()) == set(dc.OPS) | {"shift", "ppermute"}
+    own = {n for n, c in R.with_reference().items() if R.builtin(c)}
+    assert own == set(R.family("collective", ())) | {"shift", "ppermute"}
     with pytest.raises(ValueError, match="registered twice"):
-        R.register("collective", dc.OPS["all_reduce"])
+
+        class _AllReduceAgain(CommOp):  # another class claiming a registered name
+            name = "all_reduce"
+            family = "collective"
+            dual = R.SELF
+            forward_text = backward_text = "-"
+
+            @staticmethod
+            def run(x: torch.Tensor) -> torch.Tensor:
+                return x
+
+            @staticmethod
+            def transpose(g: torch.Tensor) -> torch.Tensor:
+                return g
+
     with pytest.raises(ValueError, match="unknown family"):
-        R.register("nope")
-    assert R.markdown("collective") == dc.collectives.duals_markdown()
+
+        class _Nope(CommOp):
+            name = "nope"
+            family = "nope"
+
+    with pytest.raises(ValueError, match="dual\\('my_reduce'\\) = 'all_gather' but dual\\('all_gather'\\) = 'reduce_scatter'"):
+
+        class _MyReduce(CommOp):  # a dual already paired with another op is refused
+            name = "my_reduce"
+            family = "collective"
+            dual = R.REGISTRY["all_gather"]
+            forward_text = backward_text = "-"
+
+    assert "my_reduce" not in R.REGISTRY and "nope" not in R.REGISTRY
+    assert R.markdown("collective") == dc.ops.collectives.duals_markdown()
 
 
 # --------------------------------------------------------------------------------------

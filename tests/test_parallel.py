@@ -173,7 +173,8 @@ def test_mapping_and_its_dual_are_adjoint_under_the_replicated_convention(world,
     product counts once, while a per-rank tensor (a shard, a partial sum, a sequence
     chunk) counts on every rank. Under that inner product ``<A x, y> == <x, A' y>`` with
     ``A'`` the dual the registry names, called directly. Under the sum-of-objectives inner
-    product (the testing kit's, which is why those entries have no ``dual_args``) the six
+    product (the testing kit's for the core ops; a mapping's class states which of its
+    sides is replicated, ``replicated``, and the kit's mapping checker uses it) the six
     mappings with a replicated side are off by exactly ``world``; the reduce-scatter /
     all-gather sequence pair and
     ``all_to_all_region`` have none, so both conventions agree for them.
@@ -194,7 +195,7 @@ def test_mappings_are_the_registry_mapping_family() -> None:
     the docs' table is generated from it."""
     from diffcomm.ops import registry as R
 
-    assert MAPPINGS == R.family("mapping")
+    assert set(MAPPINGS) == set(R.family("mapping"))
     pairs = {
         "copy_to_region": "reduce_from_region",
         "scatter_to_region": "gather_from_region",
@@ -207,7 +208,11 @@ def test_mappings_are_the_registry_mapping_family() -> None:
         assert R.dual(a) == b and R.dual(b) == a
     for name, spec in MAPPINGS.items():
         assert spec.fn is getattr(P, name) and spec.family == "mapping"
-        assert spec.dual_args is None and spec.reference is None  # see the adjoint test above
+        # not in the sum-of-objectives kit (see the adjoint test above): its sides are stated
+        assert name not in R.with_reference() and spec.op.replicated is not None
+        rep_in, rep_out = spec.op.replicated
+        side = _REPLICATED_SIDE.get(name)
+        assert (rep_in, rep_out) == (side == "in", side == "out"), name
         assert f"| `{name}` | {spec.forward} | `{spec.dual}` | {spec.backward} |" in R.markdown("mapping")
 
 

@@ -5,18 +5,16 @@ swapped; any pair of dims, uneven sizes. Re-exported by :mod:`diffcomm.ops.colle
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from .. import _config
 from ..backend import args as A
-from . import engine as _async
-from .base import CommOp, call
-from .base import apply as _apply
-from .base import apply_async as _apply_async
+from . import references as R
+from .base import CommOp, apply, call
+from .registry import SELF, Kwargs
 from .validation import PG
 from .validation import all_to_all_received as _all_to_all_received
 from .validation import all_to_all_sizes as _all_to_all_sizes
@@ -31,7 +29,43 @@ from .validation import world as _world
 
 class _AllToAll(CommOp):
     name = "all_to_all"
+    family = "collective"
+    dual = SELF
     dims = (0, 1)
+    forward_text = "chunk r of every rank's x, concatenated"
+    backward_text = "all_to_all with dims and split sizes swapped"
+    reference = R.all_to_all
+
+    @staticmethod
+    def out_shape(
+        x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        if split_dim == concat_dim:
+            return _with(x.shape, {split_dim: sum(outs)})
+        return _with(x.shape, {split_dim: ins[_rank(pg)], concat_dim: sum(outs)})
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        swapped = {
+            "split_dim": kw.get("concat_dim", 0),
+            "concat_dim": kw.get("split_dim", 0),
+            "input_split_sizes": kw.get("output_split_sizes"),
+            "output_split_sizes": kw.get("input_split_sizes"),
+        }
+        return swapped, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        w = world
+        yield {"shape": (2 * w, 3), "kwargs": {"split_dim": 0, "concat_dim": 0}}
+        yield {"shape": (2, 2 * w, 3), "kwargs": {"split_dim": 1, "concat_dim": 2}}
+        a2a = tuple(tuple((r + j) % 3 for j in range(w)) for r in range(w))
+        yield {"shape": (0, 2), "kwargs": {"split_dim": 0, "concat_dim": 0}, "a2a": a2a}
+        yield {
+            "shape": (0, 2),
+            "kwargs": {"split_dim": 0, "concat_dim": 0, "infer_outputs": True},
+            "a2a": a2a,
+        }
 
     @staticmethod
     def run(
@@ -149,15 +183,6 @@ def all_to_all(
         )
     if outs is None:
         outs = _all_to_all_received(ins, pg)
-    apply = _apply_async if async_op else _apply
-    return apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(map(int, outs)))
-
-
-def _all_to_all_shape(a: tuple[Any, ...]) -> tuple[int, ...]:
-    x, split_dim, concat_dim, pg, ins, outs = a
-    if split_dim == concat_dim:
-        return _with(x.shape, {split_dim: sum(outs)})
-    return _with(x.shape, {split_dim: ins[_rank(pg)], concat_dim: sum(outs)})
-
-
-_async.OUT_SHAPES[_AllToAll] = _all_to_all_shape
+    return apply(
+        _AllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(map(int, outs)), async_op=async_op
+    )

@@ -51,20 +51,23 @@ import torch
 from torch import Tensor
 
 from .. import backend as B
+from ..backend import args as A
 from . import engine as _async
+from . import registry as _registry
+from .registry import OpFacts
 
 __all__ = [
     "CommOp",
     "FastFunction",
     "ListOp",
     "apply",
-    "apply_async",
     "call",
     "call_list",
     "fn",
     "only_on",
     "batch_first",
     "movedim0",
+    "op_labels",
 ]
 
 
@@ -120,17 +123,22 @@ _grad_enabled = torch.is_grad_enabled
 _ASYNC_ACTIVE = _async.ACTIVE
 
 
-def apply(fn_cls: Any, *args: Any) -> Any:
-    """Apply the op ``fn_cls`` from a public function: ``fn(fn_cls).apply(*args)``, cheaply.
+def apply(fn_cls: Any, *args: Any, async_op: bool = False) -> Any:
+    """Apply the op ``fn_cls`` to ``(x, *args)`` from a public function: **the** way an op
+    is applied (inside its rules, :func:`call`).
 
     In plain eager mode this goes straight to the C++ ``apply`` (no ``inspect`` binding of
     defaults, no dynamo-disable wrapper around a classmethod: a few microseconds on every
     call). Under a torch.func transform or while dynamo traces, the full ``apply`` of the
     Function (its compile twin while compiling). The compile test comes first (``TRACING``
     in :mod:`diffcomm.backend`): while dynamo traces this frame it is a constant and the
-    rest is never traced. With ``async_op=True`` (an :func:`diffcomm.ops.engine.async_mode`
-    block) it is launched on the communication engine.
+    rest is never traced. ``async_op=True`` launches the op on the communication engine
+    where that is possible (not under ``torch.func`` / ``torch.compile``: then it runs
+    blocking); so does applying it inside the backward of an asynchronous op.
     """
+    if async_op:
+        with _async.async_if(True):
+            return apply(fn_cls, *args)
     if _tracing() or _TC._is_compiling_flag or _transforms_active():
         return fn(fn_cls).apply(*args)
     if _ASYNC_ACTIVE[0] and _async.launching(fn_cls):
@@ -139,15 +147,6 @@ def apply(fn_cls: Any, *args: Any) -> Any:
     if x is not args[0]:  # a tensor that escaped a finished torch.func transform
         args = (x, *args[1:])
     return fn_cls.c_apply(*args)  # the tuple as it came: no list built for the call
-
-
-def apply_async(fn_cls: Any, *args: Any) -> Any:
-    """:func:`apply` for ``async_op=True``: launched on the communication engine where
-    that is possible (not under ``torch.func`` / ``torch.compile``: then it runs blocking).
-    Public ops pick it with ``(apply_async if async_op else apply)(...)``: the blocking
-    call pays no ``with`` block."""
-    with _async.async_if(True):
-        return apply(fn_cls, *args)
 
 
 def call(fn_cls: Any, *args: Any) -> Tensor:
@@ -167,12 +166,14 @@ def call(fn_cls: Any, *args: Any) -> Tensor:
     return fn_cls.forward(*args)  # (the varargs tuple passed on whole: no list built)
 
 
-class CommOp(FastFunction):
+class CommOp(FastFunction, OpFacts):
     """Base of the communication ops' autograd Functions (see the module docstring).
 
     A subclass that defines ``transpose`` gets its autograd rules generated when the
     class is created; every rule refers to the op's own functions through closures (dynamo
-    can call those, not look up a Function's class attributes).
+    can call those, not look up a Function's class attributes). A subclass that states a
+    ``family`` is registered (:mod:`diffcomm.ops.registry`; the facts it may state are
+    :class:`~diffcomm.ops.registry.OpFacts`).
     """
 
     generate_vmap_rule = False
@@ -185,10 +186,17 @@ class CommOp(FastFunction):
         super().__init_subclass__(**kwargs)
         if "transpose" in cls.__dict__:
             _derive_rules(cls)
+        if "family" in cls.__dict__:
+            _registry.add(cls)
 
     @staticmethod
     def label(*args: Any) -> str:  # pragma: no cover - replaced per op
         raise NotImplementedError
+
+    @classmethod
+    def shapes_for(cls, args: tuple[Any, ...]) -> Any:
+        """``out_shape`` of the Function arguments ``args`` (the async engine's question)."""
+        return cls.out_shape(*args)  # type: ignore[misc]
 
     linearize: ClassVar[Any] = None
     weight: ClassVar[Any] = None
@@ -376,6 +384,13 @@ def _only_grad_transforms() -> bool:
 # ------------------------------------------------------------------------ small helpers
 
 
+def op_labels(name: str) -> dict[str, str]:
+    """``{reduce op: "<name>(<reduce op>)"}``, made once per op: a label is asked for on
+    every call (the flight recorder keys its call-site cache by it, and the same string
+    object keeps its hash)."""
+    return {r: f"{name}({r})" for r in A.REDUCE_OPS}
+
+
 def movedim0(x: Tensor, dim: int) -> Tensor:
     return x if dim == 0 else x.movedim(dim, 0)
 
@@ -398,7 +413,7 @@ def only_on(x: Tensor, keep: bool) -> Tensor:
 # ======================================================================================
 
 
-class ListOp(FastFunction):
+class ListOp(FastFunction, OpFacts):
     """Base of the coalesced ops' autograd Functions: :class:`CommOp` for a list of tensors.
 
     The Function's arguments are ``(xs[0], *meta, *xs[1:])`` (a tensor first, as autograd
@@ -445,6 +460,15 @@ class ListOp(FastFunction):
         super().__init_subclass__(**kwargs)
         if "transpose" in cls.__dict__:
             _derive_list_rules(cls)
+        if "family" in cls.__dict__:
+            _registry.add(cls)
+
+    @classmethod
+    def shapes_for(cls, args: tuple[Any, ...]) -> Any:
+        """``out_shape(xs, *meta)`` of the Function arguments ``args`` (the async engine's
+        question): a list of shapes."""
+        meta, xs = _logical(cls.nmeta, args)
+        return cls.out_shape(xs, *meta)  # type: ignore[misc]
 
     @classmethod
     @torch.compiler.disable  # as FastFunction.apply

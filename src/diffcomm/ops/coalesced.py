@@ -42,7 +42,7 @@ with zeros where an output got no gradient or its input does not require grad.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -50,10 +50,10 @@ from torch import Tensor
 
 from ..backend import args as A
 from ..backend import label
-from . import engine as _async
+from . import references as R
+from .all_reduce import WEIGHT_DTYPE, product_parts, product_weight
 from .base import ListOp, call_list
 from .base import only_on as _only_on
-from .collectives import WEIGHT_DTYPE, product_parts, product_weight
 from .engine import async_if as _async_if
 from .packing import back as _back
 from .packing import by_dtype as _by_dtype
@@ -67,10 +67,11 @@ from .packing import moved as _moved
 from .packing import pack as _pack
 from .packing import unpack as _unpack
 from .packing import unpack_like as _unpack_like
-from .registry import OpSpec, markdown, register
-from .validation import PG
+from .registry import SELF, FamilyView, Kwargs, markdown
+from .validation import PG, Learned
 from .validation import current_backend as _b
 from .validation import rank as _rank
+from .validation import with_sizes as _with
 from .validation import world as _world
 
 __all__ = [
@@ -84,6 +85,26 @@ __all__ = [
 ]
 
 
+Spec = tuple[tuple[int, ...], str, bool, bool]  # a case's tensor: shape, dtype, requires_grad, used
+
+
+def _case_specs(world: int) -> tuple[tuple[Spec, ...], tuple[Spec, ...], tuple[Spec, ...]]:
+    """The test cases' tensor lists (``mixed``, without int64, with ``world`` rows along dim
+    0): float64, float32, int64, an empty tensor, a 0-dim one, one not requiring grad,
+    one unused output."""
+    mixed: tuple[Spec, ...] = (
+        ((2, 3), "float64", True, True),
+        ((), "float32", True, True),
+        ((0, 3), "float64", True, True),
+        ((3,), "int64", False, True),
+        ((3, 1), "float32", False, True),
+        ((3, 2), "float64", True, False),
+    )
+    no_int = tuple(s for s in mixed if s[1] != "int64")
+    with_dim = tuple(((world, *s[0][1:]) if s[0] else (world,), *s[1:]) for s in mixed)
+    return mixed, no_int, with_dim
+
+
 # ======================================================================================
 # the list ops (one autograd node for the whole list; one raw call per dtype), on the
 # ListOp base of diffcomm.ops.base: each states run / transpose / label, the base the rest
@@ -94,8 +115,30 @@ class _AllReduceList(ListOp):
     """Self-adjoint for sum/avg; max/min/product are the sum composed with a weight."""
 
     name = "all_reduce_coalesced"
+    family = "coalesced"
+    dual = SELF
     nmeta = 2  # op, pg
     same_shapes = True
+    forward_text = "op over ranks of each tensor, on every rank"
+    backward_text = (
+        "all_reduce_coalesced of grads (max/min: to arg-extreme ranks, ties split; product: "
+        "zero-safe, plus one all_reduce per dtype)"
+    )
+
+    @staticmethod
+    def out_shape(xs: Sequence[Tensor], op: str, pg: PG) -> list[tuple[int, ...]]:
+        return [tuple(x.shape) for x in xs]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"op": kw.get("op", "sum")}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        mixed, no_int, _ = _case_specs(world)
+        for rop in ("sum", "avg", "max", "min", "product"):
+            yield {"specs": no_int if rop == "avg" else mixed, "kwargs": {"op": rop}}
+        yield {"specs": (((4,), "complex128", True, True), *mixed[:2]), "kwargs": {"op": "sum"}}
 
     @staticmethod
     def nonlinear(meta: tuple[Any, ...]) -> bool:
@@ -162,8 +205,23 @@ def _product_weights(xs: Sequence[Tensor], pg: PG, summed: Sequence[Tensor] = ()
 
 class _BroadcastList(ListOp):
     name = "broadcast_coalesced"
+    family = "coalesced"
     nmeta = 2  # src, pg
     same_shapes = True
+    forward_text = "src's tensors on every rank"
+    backward_text = "reduce_coalesced(sum) to src; other ranks exact zeros"
+
+    @staticmethod
+    def out_shape(xs: Sequence[Tensor], src: int, pg: PG) -> list[tuple[int, ...]]:
+        return [tuple(x.shape) for x in xs]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"dst": kw.get("src", 0)}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        yield {"specs": _case_specs(world)[0], "kwargs": {"src": world - 1}}
 
     @staticmethod
     def run(xs: Sequence[Tensor], src: int, pg: PG) -> list[Tensor]:
@@ -179,8 +237,26 @@ class _ReduceList(ListOp):
     """Linear (sum/avg) reduce to ``dst``, zeros elsewhere: the dual of broadcast."""
 
     name = "reduce_coalesced"
+    family = "coalesced"
+    dual = _BroadcastList
     nmeta = 3  # dst, op, pg
     same_shapes = True
+    forward_text = "op over ranks on dst, zeros elsewhere"
+    backward_text = "broadcast_coalesced from dst"
+
+    @staticmethod
+    def out_shape(xs: Sequence[Tensor], dst: int, op: str, pg: PG) -> list[tuple[int, ...]]:
+        return [tuple(x.shape) for x in xs]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"src": kw.get("dst", 0)}, R.avg_scale(kw, world)
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        mixed, no_int, _ = _case_specs(world)
+        yield {"specs": no_int, "kwargs": {"dst": world // 2, "op": "sum"}}
+        yield {"specs": mixed, "kwargs": {"dst": 0, "op": "max"}}
 
     @staticmethod
     def label(dst: int, op: str, pg: PG) -> str:
@@ -203,12 +279,6 @@ class _ReduceList(ListOp):
 Sizes = tuple[tuple[int, ...], ...] | None  # per tensor, every rank's size along its dim
 
 
-class Learned(list):  # type: ignore[type-arg]
-    """Sizes an ``all_gather_coalesced`` learns while it gathers: empty when the op is
-    applied, filled by its forward with every tensor's per-rank sizes (so the autograd
-    context, which keeps this object, has them for the backward)."""
-
-
 def _tensor_major(
     moved: list[Tensor], groups: list[list[int]], bufs: Sequence[Tensor], world: int, out: list[Any]
 ) -> list[Any]:
@@ -226,8 +296,34 @@ class _AllGatherList(ListOp):
     along it (``None``: the same on every rank, the even path)."""
 
     name = "all_gather_coalesced"
-    nmeta = 3  # dims, pg, sizes
+    family = "coalesced"
+    nmeta = 3  # dims, pg, split_sizes
     dims = 0
+    forward_text = "each tensor concatenated over ranks along dim"
+    backward_text = "reduce_scatter_coalesced(sum)"
+
+    @staticmethod
+    def out_shape(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG, split_sizes: Sizes) -> list[Any]:
+        world = _world(pg)
+        return [
+            _with(x.shape, {d: x.shape[d] * world if split_sizes is None else sum(split_sizes[i])})
+            for i, (x, d) in enumerate(zip(xs, dims))
+        ]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        w, with_dim = world, _case_specs(world)[2]
+        yield {"specs": with_dim, "kwargs": {"dim": -1}}
+        yield {"specs": with_dim, "kwargs": {"dim": 0}}
+        # sizes along dim that differ between ranks: learned (one exchange) or given; a
+        # rank with no rows
+        varied = tuple(tuple((i + r) % 3 if i != 2 else 0 for r in range(w)) for i in range(len(with_dim)))
+        yield {"specs": with_dim, "kwargs": {"dim": 0}, "rank_sizes": varied}
+        yield {"specs": with_dim, "kwargs": {"dim": 0, "split_sizes": varied}, "rank_sizes": varied}
 
     @staticmethod
     def run(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG, sizes: Sizes) -> list[Tensor]:
@@ -279,8 +375,38 @@ class _ReduceScatterList(ListOp):
     ``sizes[i]`` (``None``: every tensor evenly)."""
 
     name = "reduce_scatter_coalesced"
-    nmeta = 4  # dims, op, pg, sizes
+    family = "coalesced"
+    dual = _AllGatherList
+    nmeta = 4  # dims, op, pg, split_sizes
     dims = 0
+    forward_text = "chunk r of each tensor's reduction along dim"
+    backward_text = "all_gather_coalesced"
+
+    @staticmethod
+    def out_shape(
+        xs: Sequence[Tensor], dims: tuple[int, ...], op: str, pg: PG, split_sizes: Sizes
+    ) -> list[Any]:
+        world, rank = _world(pg), _rank(pg)
+        return [
+            _with(x.shape, {d: x.shape[d] // world if split_sizes is None else split_sizes[i][rank]})
+            for i, (x, d) in enumerate(zip(xs, dims))
+        ]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, R.avg_scale(kw, world)
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        w, with_dim = world, _case_specs(world)[2]
+        no_int_dim = tuple(s for s in with_dim if s[1] != "int64")
+        for rop in ("sum", "avg", "min"):
+            yield {"specs": no_int_dim if rop == "avg" else with_dim, "kwargs": {"dim": 0, "op": rop}}
+        # uneven splits
+        split = tuple(tuple(w if r == i % w else 0 for r in range(w)) for i in range(len(with_dim)))
+        for rop in ("sum", "avg", "max"):
+            specs = no_int_dim if rop == "avg" else with_dim
+            yield {"specs": specs, "kwargs": {"dim": 0, "op": rop, "split_sizes": split[: len(specs)]}}
 
     @staticmethod
     def label(dims: tuple[int, ...], op: str, pg: PG, sizes: Sizes) -> str:
@@ -594,95 +720,13 @@ def reduce_scatter_coalesced(
         return [y.narrow(d, sum(s[:rank]), s[rank]) for y, d, s in zip(full, dims, sizes)]
 
 
-# ======================================================================================
-# the coalesced op -> adjoint table (tests walk it; the docs' table is generated from it)
-# ======================================================================================
-
-COALESCED_OPS: dict[str, OpSpec] = register(
-    "coalesced",
-    OpSpec(
-        "all_reduce_coalesced",
-        all_reduce_coalesced,
-        "all_reduce_coalesced",
-        "op over ranks of each tensor, on every rank",
-        "all_reduce_coalesced of grads (max/min: to arg-extreme ranks, ties split; product: "
-        "zero-safe, plus one all_reduce per dtype)",
-    ),
-    OpSpec(
-        "broadcast_coalesced",
-        broadcast_coalesced,
-        "reduce_coalesced",
-        "src's tensors on every rank",
-        "reduce_coalesced(sum) to src; other ranks exact zeros",
-    ),
-    OpSpec(
-        "reduce_coalesced",
-        reduce_coalesced,
-        "broadcast_coalesced",
-        "op over ranks on dst, zeros elsewhere",
-        "broadcast_coalesced from dst",
-    ),
-    OpSpec(
-        "all_gather_coalesced",
-        all_gather_coalesced,
-        "reduce_scatter_coalesced",
-        "each tensor concatenated over ranks along dim",
-        "reduce_scatter_coalesced(sum)",
-    ),
-    OpSpec(
-        "reduce_scatter_coalesced",
-        reduce_scatter_coalesced,
-        "all_gather_coalesced",
-        "chunk r of each tensor's reduction along dim",
-        "all_gather_coalesced",
-    ),
-)
+#: coalesced op name -> its op class (a live view of the registry's ``"coalesced"`` family).
+COALESCED_OPS = FamilyView("coalesced")
 
 
 def coalesced_markdown() -> str:
     """The coalesced op -> adjoint table as Markdown (the docs include this)."""
     return markdown("coalesced")
-
-
-# asynchronous coalesced ops: output shapes (Function arguments: tensor, *meta, *tensors)
-
-
-def _list_shapes(n: int) -> Any:
-    def shapes(a: tuple[Any, ...]) -> list[tuple[int, ...]]:
-        return [tuple(t.shape) for t in (a[0], *a[n + 1 :])]
-
-    return shapes
-
-
-def _gathered_shapes(a: tuple[Any, ...]) -> list[tuple[int, ...]]:
-    dims, pg, sizes = a[1], a[2], a[3]
-    world = _world(pg)
-    out = []
-    for i, (t, d) in enumerate(zip((a[0], *a[4:]), dims)):
-        n = t.shape[d] * world if sizes is None else sum(sizes[i])
-        out.append(tuple(n if k == d else s for k, s in enumerate(t.shape)))
-    return out
-
-
-def _scattered_shapes(a: tuple[Any, ...]) -> list[tuple[int, ...]]:
-    dims, pg, sizes = a[1], a[3], a[4]
-    world, rank = _world(pg), _rank(pg)
-    out = []
-    for i, (t, d) in enumerate(zip((a[0], *a[5:]), dims)):
-        n = t.shape[d] // world if sizes is None else sizes[i][rank]
-        out.append(tuple(n if k == d else s for k, s in enumerate(t.shape)))
-    return out
-
-
-_async.OUT_SHAPES.update(
-    {
-        _AllReduceList: _list_shapes(2),
-        _BroadcastList: _list_shapes(2),
-        _ReduceList: _list_shapes(3),
-        _AllGatherList: _gathered_shapes,
-        _ReduceScatterList: _scattered_shapes,
-    }
-)
 
 
 #: The raw forward of ``all_reduce_coalesced`` (``(xs, op, pg) -> list``) and the debug-mode

@@ -414,10 +414,6 @@ def launch(
 # asynchronous autograd Functions: ``async_op=True`` of the collectives
 # ======================================================================================
 
-#: ``{Function class: out_shapes(args) -> shape | [shapes]}`` of the Functions that can
-#: run asynchronously (the collectives and the coalesced ops register theirs).
-OUT_SHAPES: dict[type, Callable[[tuple[Any, ...]], Any]] = {}
-
 _MODE = threading.local()
 #: How many threads are inside an :class:`async_mode` block now: while it is 0 (always,
 #: in code that never asks for ``async_op=True``) the ops skip :func:`launching`.
@@ -459,8 +455,10 @@ def async_if(async_op: bool) -> Any:
 
 
 def launching(cls: type) -> bool:
-    """Whether ``cls.apply`` should launch asynchronously now (see :class:`async_mode`)."""
-    return getattr(_MODE, "on", False) and cls in OUT_SHAPES and available()
+    """Whether ``cls.apply`` should launch asynchronously now (see :class:`async_mode`):
+    the op states its ``out_shape`` (the registry's :func:`~diffcomm.ops.registry.verify`
+    requires it of every op of an asynchronous family)."""
+    return getattr(_MODE, "on", False) and getattr(cls, "out_shape", None) is not None and available()
 
 
 class _Part:
@@ -518,7 +516,7 @@ class _LaunchFn(torch.autograd.Function):
         *tensors: Tensor,
     ) -> Any:
         # (the outputs are not kept on ctx: backward reads the finished ones from the handle)
-        shapes = OUT_SHAPES[cls](args)
+        shapes = cls.shapes_for(args)  # type: ignore[attr-defined]  # the op's out_shape
         multi = isinstance(shapes, list)
         name = getattr(cls, "name", "") or cls.__name__.lstrip("_")
         versions = [(t, t._version) for t in tensors]

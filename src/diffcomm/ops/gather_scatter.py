@@ -5,17 +5,16 @@ uneven per-rank sizes (given, or exchanged as host integers when not). Re-export
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from torch import Tensor
 
 from .. import _config
 from ..backend import args as A
-from . import engine as _async
-from .base import CommOp, call
-from .base import apply as _apply
-from .base import apply_async as _apply_async
+from . import references as R
+from .base import CommOp, apply, call
 from .base import movedim0 as _movedim0
+from .registry import Kwargs
 from .validation import PG
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
@@ -31,16 +30,33 @@ from .validation import world as _world
 
 class _Gather(CommOp):
     name = "gather"
+    family = "collective"
     dims = (1,)
+    forward_text = "concat on dst, zeros elsewhere"
+    backward_text = "scatter from dst with the same split"
+    reference = R.gather
 
     @staticmethod
-    def run(x: Tensor, dst: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        out = _b().gather(_movedim0(x, dim), dst, pg, sizes)
+    def out_shape(x: Tensor, dst: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
+        return _with(x.shape, {dim: sum(split_sizes)})
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"src": kw.get("dst", 0), "dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        yield {"shape": (2, 2), "kwargs": {"dst": world - 1, "dim": 1}}
+        yield {"shape": (3, 2), "kwargs": {"dst": 0, "dim": 0}, "sizes": tuple(r + 1 for r in range(world))}
+
+    @staticmethod
+    def run(x: Tensor, dst: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
+        out = _b().gather(_movedim0(x, dim), dst, pg, split_sizes)
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod
-    def transpose(g: Tensor, dst: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        return call(_Scatter, g, dst, dim, pg, sizes)
+    def transpose(g: Tensor, dst: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
+        return call(_Scatter, g, dst, dim, pg, split_sizes)
 
 
 def gather(
@@ -95,21 +111,40 @@ def gather(
         _debug_check("gather", pg, dst=dst, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
     if sizes is None:
         sizes = _exchanged_sizes(x, dim, pg, "gather")
-    return (_apply_async if async_op else _apply)(_Gather, x, dst, dim, pg, tuple(sizes))
+    return apply(_Gather, x, dst, dim, pg, tuple(sizes), async_op=async_op)
 
 
 class _Scatter(CommOp):
     name = "scatter"
+    family = "collective"
+    dual = _Gather
     dims = (1,)
+    forward_text = "chunk r of src's x"
+    backward_text = "gather to src with the same split"
+    reference = R.scatter
 
     @staticmethod
-    def run(x: Tensor, src: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        out = _b().scatter(_movedim0(x, dim), src, pg, sizes)
+    def out_shape(x: Tensor, src: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
+        return _with(x.shape, {dim: split_sizes[_rank(pg)]})
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"dst": kw.get("src", 0), "dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        uneven = [r + 1 for r in range(world)]
+        yield {"shape": (world, 3), "kwargs": {"src": 0, "dim": 0}}
+        yield {"shape": (2, sum(uneven)), "kwargs": {"src": world - 1, "dim": 1, "split_sizes": uneven}}
+
+    @staticmethod
+    def run(x: Tensor, src: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
+        out = _b().scatter(_movedim0(x, dim), src, pg, split_sizes)
         return out if dim == 0 else out.movedim(0, dim)
 
     @staticmethod
-    def transpose(g: Tensor, src: int, dim: int, pg: PG, sizes: tuple[int, ...]) -> Tensor:
-        return call(_Gather, g, src, dim, pg, sizes)
+    def transpose(g: Tensor, src: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
+        return call(_Gather, g, src, dim, pg, split_sizes)
 
 
 def scatter(
@@ -155,13 +190,4 @@ def scatter(
     src = A.check_rank(src, "scatter", "src", world)
     sizes = A.check_split_sizes(split_sizes, x.shape[dim], world, "scatter")
     _debug_check_input("scatter", pg, x, src=src, dim=dim, split_sizes=sizes)
-    return (_apply_async if async_op else _apply)(_Scatter, x, src, dim, pg, tuple(sizes))
-
-
-# arguments: (x, dst, dim, pg, sizes) (x, src, dim, pg, sizes)
-_async.OUT_SHAPES.update(
-    {
-        _Gather: lambda a: _with(a[0].shape, {a[2]: sum(a[4])}),
-        _Scatter: lambda a: _with(a[0].shape, {a[2]: a[4][_rank(a[3])]}),
-    }
-)
+    return apply(_Scatter, x, src, dim, pg, tuple(sizes), async_op=async_op)

@@ -38,7 +38,7 @@ prune it and leave the sender waiting); double backward and forward mode through
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ from ..backend import args as A
 from . import wire as T
 from .base import CommOp, batch_first, call
 from .base import apply as _apply
-from .registry import OpSpec, markdown, register
+from .registry import SELF, DualsView, FamilyView, Kwargs, markdown
 from .wire import MAX_NDIM, MAX_TAG, wait_sends
 
 __all__ = [
@@ -118,6 +118,17 @@ class _Send(CommOp):
     ``"owned"`` or ``"fused"`` for :func:`send_owned`)."""
 
     name = "send"
+    family = "p2p"
+    forward_text = "x travels to dst; a 0-dim token"
+    backward_text = "token receives the gradient from dst"
+    wire_transpose = True  # receives what the peer's recv transpose sends
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        # checked as a program with recv: send(x, dst=r+1) then recv(src=r-1), the send's
+        # token added to the output (the kit checks it as a ring shift)
+        if world > 1:
+            yield {"op": "send/recv", "shape": (3,), "kwargs": {"offset": 1}}
 
     @staticmethod
     def run(
@@ -268,6 +279,11 @@ class _Recv(CommOp):
     flows into it (its gradient is ``None``)."""
 
     name = "recv"
+    family = "p2p"
+    dual = _Send
+    forward_text = "the tensor src sent"
+    backward_text = "the gradient is sent to src"
+    wire_transpose = True  # sends to the peer's send transpose
 
     @staticmethod
     def run(
@@ -544,7 +560,17 @@ def is_send_node(node: Any) -> bool:
 
 class _SendRecv(CommOp):
     name = "sendrecv"
+    family = "p2p"
+    dual = SELF
     shapes = (2, 3)  # the received shape and x's
+    forward_text = "x to dst, src's x arrives"
+    backward_text = "sendrecv(grad, dst=src, src=dst)"
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        # sendrecv(x, dst=r+k, src=r-k): checked as the ring shift by k it is
+        if world > 1:
+            yield {"shape": (2, 2), "kwargs": {"offset": 1}}
 
     @staticmethod
     def run(x: Tensor, dst: int, src: int, out_shape: torch.Size, in_shape: torch.Size, pg: PG) -> Tensor:
@@ -627,7 +653,26 @@ def sendrecv(
 
 class _Shift(CommOp):
     name = "shift"
+    family = "p2p"
+    dual = SELF
     elementwise = True  # a rank-wise permutation: the batch dim is just another dim
+    forward_text = "x of rank r - offset (mod n)"
+    backward_text = "shift(grad, -offset)"
+
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        w, k = len(xs), kws[0].get("offset", 1)
+        return [xs[(r - k) % w] for r in range(w)]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"offset": -kw.get("offset", 1)}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        if world > 1:
+            yield {"shape": (2, 3), "kwargs": {"offset": 1}}
+            yield {"shape": (4,), "dtype": "float32", "kwargs": {"offset": -1}}
 
     @staticmethod
     def run(x: Tensor, offset: int, pg: PG) -> Tensor:
@@ -680,7 +725,27 @@ def shift(x: Tensor, offset: int = 1, group: A.GroupLike = None) -> Tensor:
 
 class _PPermute(CommOp):
     name = "ppermute"
+    family = "p2p"
+    dual = SELF
     elementwise = True
+    forward_text = "x of s for each (s, r) in perm; zeros if none"
+    backward_text = "ppermute with the inverse pairs"
+
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        outs = [torch.zeros_like(x) for x in xs]
+        for src, dst in kws[0]["perm"]:
+            outs[dst] = xs[src]
+        return outs
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"perm": [(d, s) for s, d in kw["perm"]]}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        if world > 1:
+            yield {"shape": (3,), "kwargs": {"perm": tuple((r, (r + 1) % world) for r in range(world - 1))}}
 
     @staticmethod
     def run(x: Tensor, perm: tuple[tuple[int, int], ...], pg: PG) -> Tensor:
@@ -797,55 +862,14 @@ def _check_perm(perm: Any, world: int) -> tuple[tuple[int, int], ...]:
 
 
 # ======================================================================================
-# the op -> adjoint table
+# the op -> adjoint views (each op's facts are stated in its class)
 # ======================================================================================
 
-
-def _ref_shift(xs: list[Tensor], kws: list[dict[str, Any]]) -> list[Tensor]:
-    w, k = len(xs), kws[0].get("offset", 1)
-    return [xs[(r - k) % w] for r in range(w)]
-
-
-def _ref_ppermute(xs: list[Tensor], kws: list[dict[str, Any]]) -> list[Tensor]:
-    outs = [torch.zeros_like(x) for x in xs]
-    for src, dst in kws[0]["perm"]:
-        outs[dst] = xs[src]
-    return outs
-
-
-OPS: dict[str, OpSpec] = register(
-    "p2p",
-    OpSpec("send", send, "recv", "x travels to dst; a 0-dim token", "token receives the gradient from dst"),
-    OpSpec("recv", recv, "send", "the tensor src sent", "the gradient is sent to src"),
-    OpSpec(
-        "sendrecv",
-        sendrecv,
-        "sendrecv",
-        "x to dst, src's x arrives",
-        "sendrecv(grad, dst=src, src=dst)",
-    ),
-    OpSpec(
-        "ppermute",
-        ppermute,
-        "ppermute",
-        "x of s for each (s, r) in perm; zeros if none",
-        "ppermute with the inverse pairs",
-        lambda kw, w: ({"perm": [(d, s) for s, d in kw["perm"]]}, 1.0),
-        _ref_ppermute,
-    ),
-    OpSpec(
-        "shift",
-        shift,
-        "shift",
-        "x of rank r - offset (mod n)",
-        "shift(grad, -offset)",
-        lambda kw, w: ({"offset": -kw.get("offset", 1)}, 1.0),
-        _ref_shift,
-    ),
-)
+#: p2p op name -> its op class (a live view of the registry's ``"p2p"`` family).
+OPS = FamilyView("p2p")
 
 #: p2p op name -> name of its adjoint.
-DUALS: dict[str, str] = {name: spec.dual for name, spec in OPS.items()}
+DUALS = DualsView("p2p")
 
 
 def p2p_markdown() -> str:

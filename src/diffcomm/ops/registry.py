@@ -1,130 +1,314 @@
-"""The one registry of differentiable communication ops.
+"""The one registry of differentiable communication ops: an op registers itself by being
+defined.
 
-Every op family (the eight collectives, point-to-point, coalesced lists, the
-``diffcomm.parallel`` mappings) registers its :class:`OpSpec` entries here, under the
-family's name, in the module that defines the ops. Everything that lists ops is derived
-from this one table:
+An op class (a :class:`~diffcomm.ops.base.CommOp` or :class:`~diffcomm.ops.base.ListOp`)
+that states a ``family`` is added here when Python creates the class (the base's
+``__init_subclass__`` calls :func:`add`). Its block states every fact about the op once
+(:class:`OpFacts` lists them): the dual (its class), how the call's arguments map to the
+dual's, the serial reference, the output shape, the standard test cases, the docs' words.
+Everything that lists ops reads this table:
 
 * the per-family views (``dc.OPS`` / ``dc.DUALS``, ``p2p.OPS``, ``coalesced.COALESCED_OPS``,
-  ``parallel.MAPPINGS``) are :func:`family` of it;
+  ``parallel.MAPPINGS``) are live :class:`FamilyView` / :class:`DualsView` of it, so an op
+  defined later (a user's module) shows up in them;
 * :func:`dual` answers for any registered op;
 * the docs' op tables are :func:`markdown` of a family;
-* :func:`with_reference` is what :mod:`diffcomm.testing` (and so ``python -m diffcomm
-  check``) walks: every op with an argument map to its dual and a serial reference.
+* :mod:`diffcomm.testing` (and so ``python -m diffcomm check``) walks the ops' ``cases``,
+  ``reference`` and ``dual_args``;
+* the async engine asks the class for ``out_shape``.
 
-Adding an op = one entry here (through its module's ``register`` call) + one block (its
-public function and its :class:`~diffcomm.ops.base.CommOp`). This module imports nothing from
-the package: it sits below every op module.
+A pair of dual ops names the partner once: the class defined second states
+``dual = First`` and :func:`add` sets ``First.dual``; a self-dual op states
+``dual = SELF``. :func:`verify` checks what can only be checked once both are defined
+(every dual present and paired within its family, every ``transpose`` calling its dual's
+class, ``out_shape`` present where the family runs asynchronously).
+
+This module imports nothing from the package: it sits below every op module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, ClassVar, NamedTuple
 
-from torch import Tensor
-
-__all__ = ["Kwargs", "OpSpec", "REGISTRY", "register", "family", "dual", "markdown", "with_reference"]
+__all__ = [
+    "SELF",
+    "OpFacts",
+    "REGISTRY",
+    "FAMILIES",
+    "add",
+    "public_name",
+    "public_fn",
+    "family",
+    "builtin",
+    "Entry",
+    "entry",
+    "FamilyView",
+    "DualsView",
+    "dual",
+    "markdown",
+    "with_reference",
+    "verify",
+]
 
 Kwargs = dict[str, Any]
 
-
-@dataclass(frozen=True)
-class OpSpec:
-    """One op of the registry: everything the rest of the package derives from it.
-
-    Attributes:
-        name: the public name (``dc.<name>``, ``dc.parallel.<name>``).
-        fn: the public function.
-        dual: the name of its adjoint op (``dual(dual(op)) == op``), in the same family.
-        forward / backward: the rules in words (the docs' tables).
-        dual_args: ``(kwargs, world) -> (dual_kwargs, scale)``: the adjoint of the call
-            ``fn(x, **kwargs)`` (linear reduce ops) is ``scale * dual_fn(y, **dual_kwargs)``.
-            ``kwargs`` are the call's keyword arguments on this rank, split sizes given
-            explicitly. Read by :mod:`diffcomm.testing` (the dot-product test) and so by
-            ``python -m diffcomm check``.
-        reference: ``(xs, kwargs_per_rank) -> outputs``: every rank's output computed in
-            one process with plain torch ops (the serial reference of the testing kit).
-        family: the op family (``"collective"``, ``"p2p"``, ``"coalesced"``,
-            ``"mapping"``), set by :func:`register`.
-    """
-
-    name: str
-    fn: Any
-    dual: str
-    forward: str
-    backward: str
-    dual_args: Callable[[Kwargs, int], tuple[Kwargs, float]] | None = None
-    reference: Callable[[list[Tensor], list[Kwargs]], list[Tensor]] | None = None
-    family: str = ""
-
-
-#: op name -> spec, every family (registration order).
-REGISTRY: dict[str, OpSpec] = {}
+#: ``dual = SELF``: the op is its own adjoint (all_reduce, all_to_all, shift ...).
+SELF = "self"
 
 #: family -> the header of its docs table (op, forward, adjoint, backward columns).
-_HEADERS: dict[str, tuple[str, str, str, str]] = {
+FAMILIES: dict[str, tuple[str, str, str, str]] = {
     "collective": ("op", "forward (rank r)", "adjoint", "backward rule"),
     "p2p": ("op", "rank r gets", "adjoint", "backward rule"),
     "coalesced": ("op", "forward (rank r, each tensor)", "adjoint", "backward rule (one call per dtype)"),
     "mapping": ("mapping", "forward", "adjoint", "backward"),
 }
 
+#: families whose ops take ``async_op=True``: each op must state ``out_shape``.
+ASYNC_FAMILIES = ("collective", "coalesced")
 
-def register(family_name: str, *specs: OpSpec) -> dict[str, OpSpec]:
-    """Add ``specs`` to the registry under ``family_name``; returns the family's table.
 
-    Raises ``ValueError`` on an unknown family, a name registered twice, or a family
-    whose duals do not close (``dual(dual(op)) == op`` within the family).
+class OpFacts:
+    """The facts an op class states about itself (class attributes; defaults here).
+
+    Attributes:
+        family: ``"collective"``, ``"p2p"``, ``"coalesced"`` or ``"mapping"``; stating it
+            registers the class under :func:`public_name` (its ``name`` without a
+            ``"parallel."`` style prefix).
+        dual: the dual op's class; ``SELF`` for a self-dual op; set on the partner by
+            :func:`add` (name it in the class defined second).
+        forward_text / backward_text: the forward and the backward rule in words (the
+            docs' tables).
+        dual_args: ``(kwargs, world) -> (dual_kwargs, scale)``: the adjoint of the public
+            call ``fn(x, **kwargs)`` (a linear reduce op) is ``scale * dual_fn(y,
+            **dual_kwargs)``; ``kwargs`` are the call's keyword arguments on this rank,
+            split sizes spelled out. The testing kit's dot-product test reads it.
+        reference: ``(xs, kwargs_per_rank) -> outputs``: every rank's output computed in
+            one process with plain torch ops (the testing kit's serial reference).
+        out_shape: ``(x, *args) -> shape`` (a list of shapes for a list op, called as
+            ``(xs, *meta)``): the output's shape from ``run``'s arguments, before any
+            communication (the async engine allocates the result with it).
+        cases: ``(world) -> iterable of dicts``: the standard test cases (the fields of
+            :class:`diffcomm.testing.cases.Case`, or ``CoalescedCase`` for a list op,
+            without ``op`` and ``world``) that ``python -m diffcomm check`` runs.
+        replicated: mappings only: ``(input replicated, output replicated)`` under the
+            replicated objective (how the testing kit forms its inner products).
+        wire_transpose: the transpose moves the gradient over the wire protocol itself
+            (``send`` / ``recv``: each side's transpose is the other's half) instead of
+            calling the dual's class.
     """
-    if family_name not in _HEADERS:
-        raise ValueError(f"diffcomm registry: unknown family {family_name!r}; known: {sorted(_HEADERS)}")
-    added = {}
-    for s in specs:
-        if s.name in REGISTRY:
-            raise ValueError(f"diffcomm registry: op {s.name!r} is registered twice")
-        added[s.name] = s if s.family == family_name else _with_family(s, family_name)
-    REGISTRY.update(added)
-    table = family(family_name)
-    for name, s in added.items():
-        back = table.get(s.dual)
-        if back is not None and back.dual != name:
+
+    family: ClassVar[str] = ""
+    dual: ClassVar[Any] = None
+    forward_text: ClassVar[str] = ""
+    backward_text: ClassVar[str] = ""
+    dual_args: ClassVar[Callable[[Kwargs, int], tuple[Kwargs, float]] | None] = None
+    reference: ClassVar[Callable[[list[Any], list[Kwargs]], list[Any]] | None] = None
+    out_shape: ClassVar[Callable[..., Any] | None] = None
+    cases: ClassVar[Callable[[int], Iterable[Kwargs]] | None] = None
+    replicated: ClassVar[tuple[bool, bool] | None] = None
+    wire_transpose: ClassVar[bool] = False
+
+
+#: public op name -> its class, every family (definition order).
+REGISTRY: dict[str, Any] = {}
+
+
+def public_name(cls: Any) -> str:
+    """The name an op is registered and called under: ``name`` without its namespace
+    (``"parallel.copy_to_region"`` -> ``"copy_to_region"``)."""
+    return cls.name.rpartition(".")[2]
+
+
+def add(cls: Any) -> None:
+    """Register ``cls`` (called when a class stating ``family`` is created).
+
+    Raises ``ValueError`` on an unknown family, a name registered twice (by another
+    class: redefining the same class, as a reload does, replaces it), a missing
+    ``forward_text`` / ``backward_text``, or a dual that is no registered op of the same
+    family or already paired with another op.
+    """
+    name = public_name(cls)
+    if cls.family not in FAMILIES:
+        raise ValueError(
+            f"diffcomm registry: {name}: unknown family {cls.family!r}; known: {sorted(FAMILIES)}"
+        )
+    old = REGISTRY.get(name)
+    if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(
+            f"diffcomm registry: op {name!r} is registered twice ({old.__qualname__}, {cls.__qualname__})"
+        )
+    if not (cls.forward_text and cls.backward_text):
+        raise ValueError(f"diffcomm registry: {name}: state forward_text and backward_text (the docs' table)")
+    d = cls.__dict__.get("dual")
+    if d == SELF:
+        cls.dual = cls
+    elif d is not None:
+        partner = REGISTRY.get(public_name(d)) if isinstance(d, type) and hasattr(d, "name") else None
+        if partner is not d:
+            raise ValueError(f"diffcomm registry: {name}: dual {d!r} is not a registered op class")
+        if d.family != cls.family:
             raise ValueError(
-                f"diffcomm registry: dual({name!r}) = {s.dual!r} but dual({s.dual!r}) = {back.dual!r}"
+                f"diffcomm registry: {name} ({cls.family}) and its dual {public_name(d)} ({d.family}) "
+                "differ in family"
             )
-    return table
+        back = d.__dict__.get("dual")
+        if back is not None and back is not SELF and public_name(back) != name:
+            other = public_name(d)
+            raise ValueError(
+                f"diffcomm registry: dual({name!r}) = {other!r} but dual({other!r}) = {public_name(back)!r}"
+            )
+        d.dual = cls
+    REGISTRY[name] = cls
 
 
-def _with_family(s: OpSpec, family_name: str) -> OpSpec:
-    from dataclasses import replace
+def public_fn(cls: Any) -> Any:
+    """The public function of op ``cls``: the function named :func:`public_name` in the
+    module that defines the class (``parallel.copy_to_region`` for ``_CopyToRegion``)."""
+    name = public_name(cls)
+    fn = getattr(sys.modules[cls.__module__], name, None)
+    if fn is None:
+        raise ValueError(f"diffcomm registry: {name}: no public function {name!r} in {cls.__module__}")
+    return fn
 
-    return replace(s, family=family_name)
+
+def family(family_name: str, modules: Iterable[str] | None = None) -> dict[str, Any]:
+    """The registered ops of one family, name -> class, in definition order (a copy).
+
+    ``modules``: only diffcomm's own ops and those the named modules define (the testing
+    kit's standard cases: a test session that imported a user's op module elsewhere
+    still checks exactly what it names); ``None``: every op.
+    """
+    if modules is None:
+        return {n: c for n, c in REGISTRY.items() if c.family == family_name}
+    keep = set(modules)
+    return {
+        n: c
+        for n, c in REGISTRY.items()
+        if c.family == family_name and (builtin(c) or c.__module__ in keep)
+    }
 
 
-def family(family_name: str) -> dict[str, OpSpec]:
-    """The registered ops of one family, name -> spec, in registration order (a copy)."""
-    return {n: s for n, s in REGISTRY.items() if s.family == family_name}
+def builtin(cls: Any) -> bool:
+    """Whether op ``cls`` is one of diffcomm's own (defined in the package)."""
+    return cls.__module__.startswith("diffcomm.")
+
+
+class Entry(NamedTuple):
+    """What a family view shows of one op: read off its class when asked (nothing here
+    is stated anywhere else)."""
+
+    name: str
+    fn: Any  # the public function
+    dual: str  # the dual's name
+    family: str
+    forward: str  # forward_text
+    backward: str  # backward_text
+    op: Any  # the op class (dual_args, reference, cases, out_shape ...)
+
+
+def entry(cls: Any) -> Entry:
+    """The :class:`Entry` of op class ``cls``."""
+    return Entry(
+        public_name(cls),
+        public_fn(cls),
+        public_name(cls.dual),
+        cls.family,
+        cls.forward_text,
+        cls.backward_text,
+        cls,
+    )
+
+
+class FamilyView(Mapping[str, Entry]):
+    """A live, read-only view of one family: name -> :class:`Entry` (``dc.OPS``, ``p2p.OPS``)."""
+
+    def __init__(self, family_name: str) -> None:
+        self.family = family_name
+
+    def __getitem__(self, name: str) -> Any:
+        cls = REGISTRY[name]
+        if cls.family != self.family:
+            raise KeyError(name)
+        return entry(cls)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(family(self.family))
+
+    def __len__(self) -> int:
+        return len(family(self.family))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.family!r}: {list(self)})"
+
+
+class DualsView(FamilyView):
+    """A live, read-only view of one family: op name -> its dual's name (``dc.DUALS``)."""
+
+    def __getitem__(self, name: str) -> str:  # type: ignore[override]
+        return super().__getitem__(name).dual
 
 
 def dual(op: str) -> str:
     """Name of the adjoint of any registered op (``dual(dual(op)) == op``)."""
-    spec = REGISTRY.get(op)
-    if spec is None:
+    cls = REGISTRY.get(op)
+    if cls is None:
         raise ValueError(f"diffcomm.dual(): unknown op {op!r}; known: {sorted(REGISTRY)}")
-    return spec.dual
+    return public_name(cls.dual)
 
 
 def markdown(family_name: str) -> str:
     """A family's op -> adjoint table as Markdown (the docs include these)."""
-    head = _HEADERS[family_name]
+    head = FAMILIES[family_name]
     lines = ["| " + " | ".join(head) + " |", "|---|---|---|---|"]
-    for s in family(family_name).values():
-        lines.append(f"| `{s.name}` | {s.forward} | `{s.dual}` | {s.backward} |")
+    for name, c in family(family_name).items():
+        lines.append(f"| `{name}` | {c.forward_text} | `{public_name(c.dual)}` | {c.backward_text} |")
     return "\n".join(lines)
 
 
-def with_reference() -> dict[str, OpSpec]:
-    """Every op the testing kit can check on its own: a dual argument map and a serial
-    reference (the collectives and the symmetric p2p ops)."""
-    return {n: s for n, s in REGISTRY.items() if s.dual_args is not None and s.reference is not None}
+def with_reference() -> dict[str, Any]:
+    """Every op the testing kit checks under the sum-of-objectives convention: a dual
+    argument map and a serial reference (the collectives and the symmetric p2p ops)."""
+    return {
+        n: c
+        for n, c in REGISTRY.items()
+        if c.dual_args is not None and c.reference is not None and c.replicated is None
+    }
+
+
+def verify() -> list[str]:
+    """What is wrong with the registry (empty when nothing): every op's dual is set,
+    paired back (``dual(dual(op)) == op``) and of its family; its ``transpose`` calls the
+    dual's class (named in its code, unless ``wire_transpose``); an op of an async family
+    states ``out_shape``; an op with a reference states ``cases``."""
+    problems = []
+    for name, c in REGISTRY.items():
+        d = c.dual
+        if d is None or d == SELF:
+            problems.append(f"{name}: no dual (state `dual = SELF` or name it in its partner's class)")
+            continue
+        if d.dual is not c:
+            problems.append(
+                f"{name}: dual({name}) = {public_name(d)} but dual({public_name(d)}) = {public_name(d.dual)}"
+            )
+        if d.family != c.family:
+            problems.append(f"{name}: its dual {public_name(d)} is of family {d.family}, not {c.family}")
+        if not c.wire_transpose and d not in _classes_named(c.__dict__["transpose"]):
+            problems.append(f"{name}: transpose does not call its dual's class {d.__qualname__}")
+        if c.family in ASYNC_FAMILIES and c.out_shape is None:
+            problems.append(f"{name}: no out_shape (async_op=True would have no output to hand out)")
+        if c.reference is not None and c.cases is None:
+            problems.append(f"{name}: a reference but no cases")
+        try:
+            public_fn(c)
+        except ValueError as exc:
+            problems.append(str(exc).removeprefix("diffcomm registry: "))
+    return problems
+
+
+def _classes_named(rule: Any) -> list[Any]:
+    """The objects a rule's code names as globals (the classes its body calls)."""
+    f = rule.__func__ if isinstance(rule, staticmethod) else rule
+    g = f.__globals__
+    return [g[n] for n in f.__code__.co_names if n in g]

@@ -105,19 +105,17 @@ def exchanged_sizes(x: Tensor, dim: int, pg: PG, op: str) -> list[int]:
         return exchange_first(x, lambda rec: records(rec, pg), op, dim)
 
 
-class Gathered(tuple):  # type: ignore[type-arg]
-    """Every rank's row count, learned by the gather itself (the backend's
-    ``all_gather_unsized``): a tuple of ints that carries the gathered result once, for
-    the op's ``run`` to take (so the autograd context keeps the counts, not the result)."""
-
-    box: list[Tensor]
+class Learned(list):  # type: ignore[type-arg]
+    """Split sizes an op learns while it communicates: empty when the op is applied,
+    filled by its ``run`` (the one place it communicates) with every rank's size, so the
+    autograd context, which keeps this object, has them for the backward."""
 
 
-def gathered_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> tuple[int, ...] | Gathered:
+def gathered_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> tuple[int, ...] | Learned:
     """Every rank's ``x.shape[dim]`` for an ``all_gather`` that was given none.
 
     Where the backend can (:mod:`diffcomm.backend.sized_gather`: eager, blocking, a world of two
-    or more), the gather itself learns them: a :class:`Gathered` that carries the result.
+    or more), the gather itself learns them: an empty :class:`Learned` its ``run`` fills.
     Else they are exchanged first (:func:`exchanged_sizes`); in a world of one they are
     just ``(x.shape[dim],)``.
     """
@@ -127,11 +125,7 @@ def gathered_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> tuple[int, ..
     unsized = getattr(b, "all_gather_unsized", None)
     if unsized is None or async_op or _compiling() or _transforms_active() or _fwad._current_level >= 0:
         return tuple(exchanged_sizes(x, dim, pg, "all_gather"))
-    x0 = x.detach() if dim == 0 else x.detach().movedim(dim, 0)
-    out, sizes = unsized(x0, pg, dim)
-    got = Gathered(sizes)
-    got.box = [out if dim == 0 else out.movedim(0, dim)]
-    return got
+    return Learned()
 
 
 _compiling = torch.compiler.is_compiling

@@ -62,8 +62,10 @@ naming the argument otherwise, before any communication).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .. import _config
@@ -72,7 +74,7 @@ from ..backend import args as A
 from ..ops import collectives as C
 from ..ops.all_to_all import raw_all_to_all
 from ..ops.base import CommOp, apply, call
-from ..ops.registry import OpSpec, register
+from ..ops.registry import SELF, FamilyView, Kwargs
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 from ._coalesced import copy_to_region_coalesced, reduce_from_region_coalesced
 
@@ -149,6 +151,23 @@ class _CopyToRegion(CommOp):
     """Identity forward; transpose: reduce_from_region (all_reduce of the gradient)."""
 
     name = "parallel.copy_to_region"
+    family = "mapping"
+    replicated = (True, False)
+    forward_text = "identity"
+    backward_text = "all_reduce(sum)"
+
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [xs[0].clone() for _ in xs]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        yield {"shape": (3, 4)}
+
     elementwise = True
 
     @staticmethod
@@ -166,6 +185,24 @@ class _ReduceFromRegion(CommOp):
     """all_reduce(sum) forward; transpose: copy_to_region (identity, checked replicated)."""
 
     name = "parallel.reduce_from_region"
+    family = "mapping"
+    dual = _CopyToRegion
+    replicated = (False, True)
+    forward_text = "all_reduce(sum)"
+    backward_text = "identity"
+
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [torch.stack(xs).sum(0) for _ in xs]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        yield {"shape": (3, 4)}
+
     elementwise = True
 
     @staticmethod
@@ -182,6 +219,23 @@ class _ScatterToRegion(CommOp):
     """Keep chunk ``rank`` along ``dim``; transpose: gather_from_region."""
 
     name = "parallel.scatter_to_region"
+    family = "mapping"
+    replicated = (True, False)
+    forward_text = "keep own chunk"
+    backward_text = "all_gather"
+
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [xs[0].chunk(len(xs), kws[0].get("dim", -1))[r].clone() for r in range(len(xs))]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"dim": kw.get("dim", -1)}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        yield {"shape": (3, 2 * world), "kwargs": {"dim": -1}}
+
     dims = (0,)
 
     @staticmethod
@@ -198,6 +252,24 @@ class _GatherFromRegion(CommOp):
     """all_gather (even chunks) forward; transpose: scatter_to_region (checked replicated)."""
 
     name = "parallel.gather_from_region"
+    family = "mapping"
+    dual = _ScatterToRegion
+    replicated = (False, True)
+    forward_text = "all_gather"
+    backward_text = "keep own chunk"
+
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [torch.cat(xs, kws[0].get("dim", -1)) for _ in xs]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"dim": kw.get("dim", -1)}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        yield {"shape": (3, 2), "kwargs": {"dim": -1}}
+
     dims = (0,)
 
     @staticmethod
@@ -214,6 +286,23 @@ class _ScatterToSequence(CommOp):
     """Keep sequence chunk ``rank`` along ``dim``; transpose: gather_from_sequence."""
 
     name = "parallel.scatter_to_sequence"
+    family = "mapping"
+    replicated = (True, False)
+    forward_text = "keep own chunk"
+    backward_text = "all_gather"
+
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [xs[0].chunk(len(xs), kws[0].get("dim", 0))[r].clone() for r in range(len(xs))]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"dim": kw.get("dim", 0)}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        yield {"shape": (2 * world, 3), "kwargs": {"dim": 0}}
+
     dims = (0,)
 
     @staticmethod
@@ -231,6 +320,24 @@ class _GatherFromSequence(CommOp):
     replicated)."""
 
     name = "parallel.gather_from_sequence"
+    family = "mapping"
+    dual = _ScatterToSequence
+    replicated = (False, True)
+    forward_text = "all_gather"
+    backward_text = "keep own chunk"
+
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [torch.cat(xs, kws[0].get("dim", 0)) for _ in xs]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"dim": kw.get("dim", 0)}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        yield {"shape": (2, 3), "kwargs": {"dim": 0}}
+
     dims = (0,)
 
     @staticmethod
@@ -247,6 +354,23 @@ class _ReduceScatterToSequence(CommOp):
     """reduce_scatter(sum) (even chunks); transpose: all_gather_from_sequence."""
 
     name = "parallel.reduce_scatter_to_sequence"
+    family = "mapping"
+    replicated = (False, False)
+    forward_text = "reduce_scatter(sum)"
+    backward_text = "all_gather"
+
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return list(torch.stack(xs).sum(0).chunk(len(xs), kws[0].get("dim", 0)))
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"dim": kw.get("dim", 0)}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        yield {"shape": (2 * world, 3), "kwargs": {"dim": 0}}
+
     dims = (0,)
 
     @staticmethod
@@ -262,6 +386,24 @@ class _AllGatherFromSequence(CommOp):
     """all_gather (even chunks); transpose: reduce_scatter_to_sequence."""
 
     name = "parallel.all_gather_from_sequence"
+    family = "mapping"
+    dual = _ReduceScatterToSequence
+    replicated = (False, False)
+    forward_text = "all_gather"
+    backward_text = "reduce_scatter(sum)"
+
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [torch.cat(xs, kws[0].get("dim", 0)) for _ in xs]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"dim": kw.get("dim", 0)}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        yield {"shape": (2, 3), "kwargs": {"dim": 0}}
+
     dims = (0,)
 
     @staticmethod
@@ -277,6 +419,25 @@ class _AllToAllRegion(CommOp):
     """all_to_all (even chunks); transpose: itself with the dims swapped."""
 
     name = "parallel.all_to_all_region"
+    family = "mapping"
+    dual = SELF
+    replicated = (False, False)
+    forward_text = "all_to_all"
+    backward_text = "all_to_all, dims swapped"
+
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        n, s, c = len(xs), kws[0]["split_dim"], kws[0]["concat_dim"]
+        return [torch.cat([x.chunk(n, s)[r] for x in xs], c) for r in range(n)]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"split_dim": kw["concat_dim"], "concat_dim": kw["split_dim"]}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        yield {"shape": (2 * world, 3 * world), "kwargs": {"split_dim": 1, "concat_dim": 0}}
+
     dims = (0, 1)
 
     @staticmethod
@@ -617,42 +778,9 @@ def all_to_all_region(x: Tensor, split_dim: int, concat_dim: int, group: A.Group
     return apply(_AllToAllRegion, x, split_dim, concat_dim, pg, world)
 
 
-#: mapping name -> :class:`~diffcomm.ops.registry.OpSpec`: the ``"mapping"`` family of the one
-#: registry (the docs' table is ``_registry.markdown("mapping")``). The dual of a mapping is
-#: its conjugate under the replicated objective. No entry has ``dual_args`` / ``reference``:
-#: the testing kit's dot-product test sums the per-rank inner products (the sum-of-objectives
-#: convention), under which ``copy``/``reduce``/``scatter``/``gather`` are *not* adjoint to
-#: their conjugates (a replicated side is one variable, counted once, not ``world`` times);
-#: the sequence pair and ``all_to_all_region`` are the core ops under another name, already
-#: checked through their ``collective`` entries. ``tests/test_parallel.py`` checks every
-#: pair's adjointness under the replicated convention.
-MAPPINGS: dict[str, OpSpec] = register(
-    "mapping",
-    OpSpec("copy_to_region", copy_to_region, "reduce_from_region", "identity", "all_reduce(sum)"),
-    OpSpec("reduce_from_region", reduce_from_region, "copy_to_region", "all_reduce(sum)", "identity"),
-    OpSpec("scatter_to_region", scatter_to_region, "gather_from_region", "keep own chunk", "all_gather"),
-    OpSpec("gather_from_region", gather_from_region, "scatter_to_region", "all_gather", "keep own chunk"),
-    OpSpec(
-        "scatter_to_sequence", scatter_to_sequence, "gather_from_sequence", "keep own chunk", "all_gather"
-    ),
-    OpSpec(
-        "gather_from_sequence", gather_from_sequence, "scatter_to_sequence", "all_gather", "keep own chunk"
-    ),
-    OpSpec(
-        "reduce_scatter_to_sequence",
-        reduce_scatter_to_sequence,
-        "all_gather_from_sequence",
-        "reduce_scatter(sum)",
-        "all_gather",
-    ),
-    OpSpec(
-        "all_gather_from_sequence",
-        all_gather_from_sequence,
-        "reduce_scatter_to_sequence",
-        "all_gather",
-        "reduce_scatter(sum)",
-    ),
-    OpSpec(
-        "all_to_all_region", all_to_all_region, "all_to_all_region", "all_to_all", "all_to_all, dims swapped"
-    ),
-)
+#: mapping name -> its op class: a live view of the registry's ``"mapping"`` family (the
+#: docs' table is ``registry.markdown("mapping")``). The dual of a mapping is its conjugate
+#: under the replicated objective; each class states whether its input and output are
+#: replicated (``replicated``), which is how :mod:`diffcomm.testing.mappings` forms the
+#: inner products of its adjoint test (a replicated pair counts once, not ``world`` times).
+MAPPINGS = FamilyView("mapping")

@@ -21,7 +21,7 @@ Used by the test-suite and by ``python -m diffcomm check``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from torch import Tensor
 
 import diffcomm as dc
 from diffcomm import backend as B
+from diffcomm.ops import registry as R
 
 LINEAR = ("sum", "avg")
 
@@ -45,8 +46,11 @@ class Case:
         dtype: dtype name, e.g. ``"float64"``.
         kwargs: extra arguments (``dim``, ``src``, ``dst``, ``op``, ``split_sizes``,
             ``split_dim``, ``concat_dim``).
-        sizes: per-rank sizes along ``dim`` (uneven all_gather / gather).
-        a2a: per-rank input split sizes (a world x world matrix) for uneven all_to_all.
+        sizes: every rank's input size along ``dim`` (an uneven all_gather / gather: rank
+            ``r``'s input has ``sizes[r]`` rows; passed as ``split_sizes``).
+        a2a: a world x world matrix, rank ``r`` sending ``a2a[r][j]`` rows to rank ``j``
+            (an uneven all_to_all: passed as ``input_split_sizes`` and, unless
+            ``kwargs["infer_outputs"]``, ``output_split_sizes``).
         seed: data seed.
         ints: draw small integer values (exact arithmetic, ties and zeros likely).
     """
@@ -116,10 +120,9 @@ def tolerance(dtype: str) -> float:
 def input_shape(case: Case, rank: int) -> tuple[int, ...]:
     """Rank ``rank``'s input shape (differs from ``case.shape`` for uneven cases)."""
     shape = list(case.shape)
-    dim = case.kwargs.get("dim", 0)
-    if case.op in ("all_gather", "gather") and case.sizes is not None:
-        shape[dim] = case.sizes[rank]
-    if case.op == "all_to_all" and case.a2a is not None:
+    if case.sizes is not None:  # every rank's own size along dim (an uneven gather)
+        shape[case.kwargs.get("dim", 0)] = case.sizes[rank]
+    if case.a2a is not None:  # rank r sends a2a[r][j] rows to rank j
         shape[case.kwargs.get("split_dim", 0)] = sum(case.a2a[rank])
     return tuple(shape)
 
@@ -176,10 +179,9 @@ AS_SHIFT = ("sendrecv", "send/recv")
 
 
 def _registry() -> dict[str, Any]:
-    """Every op with a dual and a serial reference: the collectives and the symmetric p2p ops."""
-    from diffcomm.ops import registry as _registry  # noqa: F401 - importing registers the ops
-
-    return _registry.with_reference()
+    """Every op with a dual and a serial reference: the collectives and the symmetric p2p
+    ops, and any a user's module has defined since (name -> op class)."""
+    return R.with_reference()
 
 
 def op_kwargs(case: Case, rank: int) -> dict[str, Any]:
@@ -206,7 +208,7 @@ def reference_outputs(case: Case, xs: list[Tensor]) -> list[Tensor]:
 def call(case: Case, x: Tensor) -> Tensor:
     """Call the diffcomm op of ``case`` on this rank's ``x``."""
     kw = dict(case.kwargs)
-    if case.op == "all_to_all" and case.a2a is not None:
+    if case.a2a is not None:
         rank = dc.get_rank()
         kw["input_split_sizes"] = list(case.a2a[rank])
         if kw.pop("infer_outputs", False) is False:
@@ -218,7 +220,7 @@ def call(case: Case, x: Tensor) -> Tensor:
             return dc.sendrecv(x, dst=(r + k) % n, src=(r - k) % n)
         token = dc.send(x, dst=(r + k) % n)
         return dc.recv(src=(r - k) % n) + token
-    return getattr(dc, case.op)(x, **kw)
+    return R.public_fn(_registry()[case.op])(x, **kw)
 
 
 def call_dual(case: Case, y: Tensor) -> Tensor | None:
@@ -228,7 +230,7 @@ def call_dual(case: Case, y: Tensor) -> Tensor | None:
     registry = _registry()
     spec = registry["shift" if case.op in AS_SHIFT else case.op]
     dual_kwargs, scale = spec.dual_args(op_kwargs(case, dc.get_rank()), case.world)
-    out = registry[spec.dual].fn(y, **dual_kwargs)
+    out = R.public_fn(spec.dual)(y, **dual_kwargs)
     return out * scale if scale != 1.0 else out
 
 
@@ -376,44 +378,23 @@ def _cot_grad_reference(case: Case, wref: list[Tensor], cots: list[Tensor]) -> l
 # --------------------------------------------------------------------------------------
 
 
-def standard_cases(world: int) -> Iterator[Case]:
-    """Every op, every reduce op, several dtypes, uneven splits — for ``world`` ranks."""
-    w = world
-    for rop in ("sum", "avg", "max", "min", "product"):
-        yield Case("all_reduce", w, (3, 4), kwargs={"op": rop}, ints=rop in ("max", "min", "product"))
-    for dt in ("float32", "float16", "bfloat16", "complex128"):
-        yield Case("all_reduce", w, (5,), dt, kwargs={"op": "sum"}, ints=dt in ("float16", "bfloat16"))
-    yield Case("all_reduce", w, (5,), "complex64", kwargs={"op": "product"}, ints=True)
-    yield Case("all_reduce", w, (4,), "int64", kwargs={"op": "sum"}, ints=True)
-    yield Case("broadcast", w, (2, 3), kwargs={"src": w - 1})
-    for rop in ("sum", "avg", "max", "product"):
-        yield Case("reduce", w, (2, 3), kwargs={"dst": w // 2, "op": rop}, ints=rop != "sum")
-    yield Case("all_gather", w, (2, 3), kwargs={"dim": 1})
-    yield Case("all_gather", w, (4, 2), kwargs={"dim": 0}, sizes=tuple(r % 3 + 1 for r in range(w)))
-    yield Case("reduce_scatter", w, (2 * w, 3), kwargs={"dim": 0})
-    uneven = [r + 1 for r in range(w)]
-    yield Case("reduce_scatter", w, (3, sum(uneven)), kwargs={"dim": 1, "split_sizes": uneven})
-    yield Case("reduce_scatter", w, (w, 2), kwargs={"dim": 0, "op": "max"}, ints=True)
-    yield Case("gather", w, (2, 2), kwargs={"dst": w - 1, "dim": 1})
-    yield Case("gather", w, (3, 2), kwargs={"dst": 0, "dim": 0}, sizes=tuple(r + 1 for r in range(w)))
-    yield Case("scatter", w, (w, 3), kwargs={"src": 0, "dim": 0})
-    yield Case("scatter", w, (2, sum(uneven)), kwargs={"src": w - 1, "dim": 1, "split_sizes": uneven})
-    yield Case("all_to_all", w, (2 * w, 3), kwargs={"split_dim": 0, "concat_dim": 0})
-    yield Case("all_to_all", w, (2, 2 * w, 3), kwargs={"split_dim": 1, "concat_dim": 2})
-    a2a = tuple(tuple((r + j) % 3 for j in range(w)) for r in range(w))
-    yield Case("all_to_all", w, (0, 2), kwargs={"split_dim": 0, "concat_dim": 0}, a2a=a2a)
-    yield Case(
-        "all_to_all", w, (0, 2), kwargs={"split_dim": 0, "concat_dim": 0, "infer_outputs": True}, a2a=a2a
-    )
+def registry_cases(world: int, family: str, modules: Sequence[str] = ()) -> Iterator[Case]:
+    """The standard cases every op of ``family`` states (its class's ``cases``), in the
+    registry's order, for ``world`` ranks: diffcomm's own ops and those of ``modules``
+    (the names of the user's modules that define ops)."""
+    for name, cls in R.family(family, modules).items():
+        if cls.cases is not None:
+            for fields in cls.cases(world):
+                yield Case(**{"op": name, "world": world, **fields})
 
 
-def standard_p2p_cases(world: int) -> Iterator[Case]:
-    """The point-to-point ops as ring programs (``shift``, ``ppermute``, ``sendrecv``,
-    ``send`` + ``recv``), for ``world`` ranks; none in a world of one (no peer)."""
-    w = world
-    if w > 1:
-        yield Case("shift", w, (2, 3), kwargs={"offset": 1})
-        yield Case("shift", w, (4,), "float32", kwargs={"offset": -1})
-        yield Case("ppermute", w, (3,), kwargs={"perm": tuple((r, (r + 1) % w) for r in range(w - 1))})
-        yield Case("sendrecv", w, (2, 2), kwargs={"offset": 1})
-        yield Case("send/recv", w, (3,), kwargs={"offset": 1})
+def standard_cases(world: int, modules: Sequence[str] = ()) -> Iterator[Case]:
+    """Every collective's standard cases (every reduce op, several dtypes, uneven splits),
+    for ``world`` ranks: the ``cases`` their classes state (also those of ``modules``)."""
+    return registry_cases(world, "collective", modules)
+
+
+def standard_p2p_cases(world: int, modules: Sequence[str] = ()) -> Iterator[Case]:
+    """The point-to-point ops' standard cases, ring programs (``send/recv``, ``sendrecv``,
+    ``shift``, ``ppermute``), for ``world`` ranks; none in a world of one (no peer)."""
+    return registry_cases(world, "p2p", modules)

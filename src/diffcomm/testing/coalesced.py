@@ -9,8 +9,8 @@ runs it on this rank and measures, like :func:`diffcomm.testing.cases.run_case`:
 * **gradient** and **double backward** — of ``sum_i <out_i, cot_i>`` (used outputs only)
   against the same objective through the single ops;
 * **adjoint** — the dot-product test ``sum_r sum_i <A x_i, y_i> == sum_r sum_i <x_i,
-  A^T y_i>`` with ``A^T`` the **dual coalesced op** from
-  :data:`diffcomm.ops.coalesced.COALESCED_OPS`, called directly (linear cases);
+  A^T y_i>`` with ``A^T`` the **dual coalesced op** the op's class names (its ``dual``
+  and ``dual_args``), called directly (linear cases);
 * the inputs are unchanged and no output aliases an input.
 
 Used by the test-suite and by ``python -m diffcomm check``.
@@ -19,7 +19,7 @@ Used by the test-suite and by ``python -m diffcomm check``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 import diffcomm as dc
-from diffcomm.ops.coalesced import COALESCED_OPS
+from diffcomm.ops import registry as R
 
 from .cases import CaseResult, _inner, _rel, _sum_over_ranks, case_device, tolerance
 
@@ -87,26 +87,17 @@ def _sizes(case: CoalescedCase) -> Any:
 
 
 def _dual_call(case: CoalescedCase, ys: list[Tensor]) -> list[Tensor] | None:
-    """``A^T y`` through the dual coalesced op named by the table (linear cases only)."""
-    kw, w = case.kwargs, case.world
-    rop = kw.get("op", "sum")
-    if rop not in ("sum", "avg"):
+    """``A^T y`` through the dual coalesced op its class names, called with the arguments
+    its ``dual_args`` maps the call's to (linear cases only)."""
+    if case.kwargs.get("op", "sum") not in ("sum", "avg"):
         return None
-    dual = COALESCED_OPS[case.op].dual
-    fn = COALESCED_OPS[dual].fn
-    if case.op == "all_reduce_coalesced":
-        return fn(ys, rop)
-    if case.op == "broadcast_coalesced":
-        return fn(ys, dst=kw.get("src", 0))
-    if case.op == "reduce_coalesced":
-        out = fn(ys, src=kw.get("dst", 0))
-    elif case.op == "all_gather_coalesced":
-        return fn(ys, dim=kw.get("dim", 0), split_sizes=_sizes(case))
-    elif case.op == "reduce_scatter_coalesced":
-        out = fn(ys, dim=kw.get("dim", 0), split_sizes=_sizes(case))
-    else:
-        raise ValueError(case.op)
-    return [o / w for o in out] if rop == "avg" else out
+    op = R.REGISTRY[case.op]
+    kw = dict(case.kwargs)
+    if "dim" in kw or "split_sizes" in kw:
+        kw["split_sizes"] = _sizes(case)
+    dual_kwargs, scale = op.dual_args(kw, case.world)
+    out = R.public_fn(op.dual)(ys, **dual_kwargs)
+    return [o * scale for o in out] if scale != 1.0 else out
 
 
 def _with_size(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
@@ -133,7 +124,7 @@ def run_coalesced_case(case: CoalescedCase, double: bool = True) -> CaseResult:
     ]
     res = CaseResult(tol=max(tolerance(d) for _, d, _, _ in case.specs))
     before = [x.detach().clone() for x in xs]
-    fn = COALESCED_OPS[case.op].fn
+    fn = R.public_fn(R.REGISTRY[case.op])
     out = fn(xs, **kw)
     xs1 = [x.detach().clone().requires_grad_(x.requires_grad) for x in xs]
     ref = [_single_op(case, i)(x) for i, x in enumerate(xs1)]
@@ -188,43 +179,11 @@ def run_coalesced_case(case: CoalescedCase, double: bool = True) -> CaseResult:
     return res
 
 
-def standard_coalesced_cases(world: int) -> Iterator[CoalescedCase]:
-    """Every coalesced op and reduce op on a mixed list: float64, float32, int64, an empty
-    tensor, a 0-dim one, one not requiring grad, one unused output."""
-    w = world
-    mixed: tuple[Spec, ...] = (
-        ((2, 3), "float64", True, True),
-        ((), "float32", True, True),
-        ((0, 3), "float64", True, True),
-        ((3,), "int64", False, True),
-        ((3, 1), "float32", False, True),
-        ((3, 2), "float64", True, False),
-    )
-    no_int = tuple(s for s in mixed if s[1] != "int64")
-    with_dim = tuple(((w, *s[0][1:]) if s[0] else (w,), *s[1:]) for s in mixed)
-    for rop in ("sum", "avg", "max", "min", "product"):
-        yield CoalescedCase("all_reduce_coalesced", w, no_int if rop == "avg" else mixed, {"op": rop})
-    yield CoalescedCase(
-        "all_reduce_coalesced", w, (((4,), "complex128", True, True), *mixed[:2]), {"op": "sum"}
-    )
-    yield CoalescedCase("broadcast_coalesced", w, mixed, {"src": w - 1})
-    yield CoalescedCase("reduce_coalesced", w, no_int, {"dst": w // 2, "op": "sum"})
-    yield CoalescedCase("reduce_coalesced", w, mixed, {"dst": 0, "op": "max"})
-    yield CoalescedCase("all_gather_coalesced", w, with_dim, {"dim": -1})
-    yield CoalescedCase("all_gather_coalesced", w, with_dim, {"dim": 0})
-    no_int_dim = tuple(s for s in with_dim if s[1] != "int64")
-    for rop in ("sum", "avg", "min"):
-        specs = no_int_dim if rop == "avg" else with_dim
-        yield CoalescedCase("reduce_scatter_coalesced", w, specs, {"dim": 0, "op": rop})
-    # sizes along dim that differ between ranks: learned (one exchange) or given; a rank
-    # with no rows; uneven reduce_scatter splits
-    varied = tuple(tuple((i + r) % 3 if i != 2 else 0 for r in range(w)) for i in range(len(with_dim)))
-    yield CoalescedCase("all_gather_coalesced", w, with_dim, {"dim": 0}, rank_sizes=varied)
-    yield CoalescedCase(
-        "all_gather_coalesced", w, with_dim, {"dim": 0, "split_sizes": varied}, rank_sizes=varied
-    )
-    split = tuple(tuple(w if r == i % w else 0 for r in range(w)) for i in range(len(with_dim)))
-    for rop in ("sum", "avg", "max"):
-        specs = no_int_dim if rop == "avg" else with_dim
-        kw = {"dim": 0, "op": rop, "split_sizes": split[: len(specs)]}
-        yield CoalescedCase("reduce_scatter_coalesced", w, specs, kw)
+def standard_coalesced_cases(world: int, modules: Sequence[str] = ()) -> Iterator[CoalescedCase]:
+    """Every coalesced op's standard cases (the ``cases`` their classes state: every reduce
+    op on a mixed list - float64, float32, int64, an empty tensor, a 0-dim one, one not
+    requiring grad, one unused output - and sizes that differ between ranks)."""
+    for name, cls in R.family("coalesced", modules).items():
+        if cls.cases is not None:
+            for fields in cls.cases(world):
+                yield CoalescedCase(**{"op": name, "world": world, **fields})

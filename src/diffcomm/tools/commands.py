@@ -21,8 +21,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 C10D_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
-#: every op ``check`` covers, in its cases' order: known without importing torch, so a
-#: bad ``--ops`` is refused at once (tests/test_cli_tools.py keeps it equal to the cases)
+#: the built-in ops ``check`` covers, in its cases' order (the registry's families in
+#: order: collective, p2p, coalesced, mapping): a torch-free snapshot of the registry, so a
+#: bad ``--ops`` is refused at once without importing torch (tests/test_cli.py keeps it
+#: equal to the registry's cases). With ``--module``, the names are read off the registry.
 CHECK_OPS = (
     "all_reduce",
     "broadcast",
@@ -32,10 +34,10 @@ CHECK_OPS = (
     "gather",
     "scatter",
     "all_to_all",
+    "send/recv",
+    "sendrecv",
     "shift",
     "ppermute",
-    "sendrecv",
-    "send/recv",
     "all_reduce_coalesced",
     "broadcast_coalesced",
     "reduce_coalesced",
@@ -45,6 +47,8 @@ CHECK_OPS = (
     "reduce_from_region",
     "scatter_to_region",
     "gather_from_region",
+    "scatter_to_sequence",
+    "gather_from_sequence",
     "reduce_scatter_to_sequence",
     "all_gather_from_sequence",
     "all_to_all_region",
@@ -106,14 +110,54 @@ def unknown_name_error(flag: str, given: Sequence[str], valid: Sequence[str]) ->
 # ---------------------------------------------------------------------------------- check
 
 
-def _run_one(case: Any) -> dict[str, Any]:
+def load_module(spec: str) -> Any:
+    """Import ``spec``, a file path (``ops/my_ops.py``, imported under its file name's
+    stem) or a dotted module name: defining its op classes registers them. Importing the
+    same file again returns the module already imported."""
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if not (spec.endswith(".py") or "/" in spec or "\\" in spec):
+        return importlib.import_module(spec)
+    path = Path(spec).resolve()
+    if not path.is_file():
+        raise UsageError(f"--module: no file {spec!r}")
+    name = path.stem
+    have = sys.modules.get(name)
+    if have is not None and Path(getattr(have, "__file__", "") or "").resolve() == path:
+        return have
+    loader = importlib.util.spec_from_file_location(name, path)
+    assert loader is not None and loader.loader is not None
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[name] = module  # the registry finds an op's public function by module
+    loader.loader.exec_module(module)
+    return module
+
+
+def standard_suite(world: int, modules: Sequence[str] = ()) -> list[Any]:
+    """Every op's standard cases for ``world`` ranks, family by family (collective, p2p,
+    coalesced, mapping), each op in the registry's order: diffcomm's own and those the
+    modules named ``modules`` define."""
+    from diffcomm.testing.cases import standard_cases, standard_p2p_cases
+    from diffcomm.testing.coalesced import standard_coalesced_cases
+    from diffcomm.testing.mappings import standard_mapping_cases
+
+    kinds = (standard_cases, standard_p2p_cases, standard_coalesced_cases, standard_mapping_cases)
+    return [c for kind in kinds for c in kind(world, modules)]
+
+
+def _run_one(case: Any, modules: Sequence[str] = ()) -> dict[str, Any]:
     from diffcomm.testing.cases import run_case
     from diffcomm.testing.coalesced import CoalescedCase, run_coalesced_case
-    from diffcomm.testing.mappings import REPLICATED, run_mapping_case
+    from diffcomm.testing.mappings import is_mapping, run_mapping_case
 
+    for m in modules:  # this rank registers the user's ops too
+        load_module(m)
     if isinstance(case, CoalescedCase):
         return run_coalesced_case(case).as_dict()
-    if case.op in REPLICATED:
+    if is_mapping(case.op):
         return run_mapping_case(case).as_dict()
     return run_case(case).as_dict()
 
@@ -146,6 +190,15 @@ def check_configure(parser: argparse.ArgumentParser) -> None:
         help="only these ops (default: all of them; e.g. all_gather send shift copy_to_region): "
         + ", ".join(CHECK_OPS),
     )
+    parser.add_argument(
+        "--module",
+        action="append",
+        default=[],
+        metavar="PATH_OR_MODULE",
+        help="also check the ops a module defines (a .py file or a dotted module name, "
+        "imported on every rank first; repeatable): every op class it defines is registered, "
+        "and its standard cases run with the built-in ones",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument(
         "--flight",
@@ -170,21 +223,34 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
     """Adjoint + reference-gradient check of every op on local ranks; non-zero on failure."""
     # the command line first, before torch is imported (seconds): a typo is refused at once
     check_worlds(args.world)
-    if args.ops is not None:
+    modules = list(args.module or [])
+    if args.ops is not None and not modules:
         if err := unknown_name_error("--ops", args.ops, [*CHECK_OPS, *_CHECK_ALIASES]):
             raise err
-        args.ops = [_CHECK_ALIASES.get(op, op) for op in args.ops]
     check_backend_name(args.backend)
 
     from diffcomm.runtime.world import LocalWorld, check_world_fits
-    from diffcomm.testing.cases import standard_cases, standard_p2p_cases
-    from diffcomm.testing.coalesced import standard_coalesced_cases
-    from diffcomm.testing.mappings import standard_mapping_cases
 
+    names = []
+    for m in modules:
+        try:
+            names.append(load_module(m).__name__)
+        except ImportError as exc:
+            raise UsageError(f"--module {m}: {exc}") from None
+    if modules:
+        from diffcomm.ops import registry
+
+        if problems := registry.verify():
+            raise UsageError("the op registry: " + "; ".join(problems))
     if not args.allow_oversubscribe:
         check_world_fits(max(args.world), override="--allow-oversubscribe")
-    kinds = (standard_cases, standard_p2p_cases, standard_coalesced_cases, standard_mapping_cases)
-    every = {w: [c for kind in kinds for c in kind(w)] for w in args.world}
+    every = {w: standard_suite(w, names) for w in args.world}
+    if args.ops is not None and modules:
+        names = list(dict.fromkeys(c.op for w in args.world for c in every[w]))
+        if err := unknown_name_error("--ops", args.ops, [*names, *_CHECK_ALIASES]):
+            raise err
+    if args.ops is not None:
+        args.ops = [_CHECK_ALIASES.get(op, op) for op in args.ops]
     check_backend(args.backend, args.world)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -218,7 +284,7 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
                     bar.update(task, description=f"{case.op} {case.label()}")
                     t0 = time.perf_counter()
                     try:
-                        per_rank = world.run(_run_one, case)
+                        per_rank = world.run(_run_one, case, modules)
                         err = None
                     except Exception as exc:  # noqa: BLE001 - a failing case is a row, not a crash
                         per_rank, err = [], f"{type(exc).__name__}: {str(exc).splitlines()[0]}"

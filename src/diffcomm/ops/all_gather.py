@@ -1,0 +1,220 @@
+"""``all_gather`` and ``reduce_scatter``, a dual pair along any dim with uneven per-rank
+sizes (``reduce_scatter`` with max/min/product is composed from
+:mod:`~diffcomm.ops.all_reduce`). Re-exported by :mod:`diffcomm.ops.collectives`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from .. import _config
+from ..backend import args as A
+from . import references as R
+from .all_reduce import _AllReduce
+from .base import CommOp, apply, call, op_labels
+from .registry import Kwargs
+from .validation import PG, Learned
+from .validation import check_input as _check_input
+from .validation import current_backend as _b
+from .validation import debug_check as _debug_check
+from .validation import debug_check_input as _debug_check_input
+from .validation import gathered_sizes as _gathered_sizes
+from .validation import given_sizes as _given_sizes
+from .validation import other_dims as _other_dims
+from .validation import rank as _rank
+from .validation import with_sizes as _with
+from .validation import world as _world
+
+_DEBUG = _config.DEBUG  # read inline as ``_value if _loaded else get()`` (the hot path)
+_LABELS = op_labels("reduce_scatter")
+
+
+class _AllGather(CommOp):
+    name = "all_gather"
+    family = "collective"
+    dims = (0,)
+    forward_text = "concat of every rank's x along dim"
+    backward_text = "reduce_scatter(sum) with the same split"
+    reference = R.all_gather
+
+    @staticmethod
+    def run(x: Tensor, dim: int, pg: PG, split_sizes: tuple[int, ...] | Learned) -> Tensor:
+        x0 = x if dim == 0 else x.movedim(dim, 0)
+        if type(split_sizes) is Learned and not split_sizes:  # learned with the rows
+            out, got = _b().all_gather_unsized(x0, pg, dim)
+            split_sizes.extend(got)
+        else:
+            out = _b().all_gather(x0, pg, split_sizes)
+        return out if dim == 0 else out.movedim(0, dim)
+
+    @staticmethod
+    def transpose(g: Tensor, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
+        return call(_ReduceScatter, g, dim, "sum", pg, split_sizes)
+
+    @staticmethod
+    def out_shape(x: Tensor, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
+        return _with(x.shape, {dim: sum(split_sizes)})
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        yield {"shape": (2, 3), "kwargs": {"dim": 1}}
+        yield {"shape": (4, 2), "kwargs": {"dim": 0}, "sizes": tuple(r % 3 + 1 for r in range(world))}
+
+
+def all_gather(
+    x: Tensor,
+    dim: int = 0,
+    group: A.GroupLike = None,
+    *,
+    split_sizes: Sequence[int] | None = None,
+    sizes: Sequence[int] | None = None,
+    async_op: bool = False,
+) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim``; every rank gets the result.
+
+    Args:
+        x: tensor; shapes agree between ranks except along ``dim``, where they may differ.
+        dim: the dimension to concatenate along.
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        split_sizes: keyword-only; every rank's ``x.shape[dim]`` if already known. Without
+            it uneven sizes just work: exchanged first (a tiny all_gather of host integers
+            on a CPU channel) or, once the group has gathered such rows, sent with the
+            rows (CPU groups, up to 256 KiB per rank; ``diffcomm.backend.sized_gather``).
+        sizes: the old name of ``split_sizes`` (works, with a ``DeprecationWarning``).
+        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
+            communication on first use (``.wait()`` returns the finished tensor); values
+            and gradients equal the blocking op's, and the backward is asynchronous too
+            (``docs/async.md``).
+
+    Returns:
+        A new tensor: ``x.shape`` with ``dim`` of size ``sum(sizes)``; rank ``r``'s block
+        sits at ``sum(sizes[:r])``.
+
+    Gradient:
+        ``reduce_scatter(grad, dim, op="sum", split_sizes=split_sizes)``: each rank gets the sum
+        over ranks of the gradient of its own block.
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: dc.all_gather(torch.full((dc.get_rank() + 1,), 1.0 * dc.get_rank())))
+            # [tensor([0., 1., 1.]), tensor([0., 1., 1.])]
+    """
+    x = _check_input(x, "all_gather")
+    dim = A.check_dim(x, dim, "all_gather")
+    pg = A.resolve_group(group, "all_gather")
+    sizes, arg = A.renamed_sizes(split_sizes, sizes, "all_gather")
+    if sizes is not None:
+        sizes = _given_sizes(sizes, x, dim, pg, "all_gather", arg)
+    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():
+        rest = _other_dims(x, dim)
+        _debug_check("all_gather", pg, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
+    if sizes is None:  # learned with the rows where the backend can, else exchanged first
+        sizes = _gathered_sizes(x, dim, pg, async_op)
+    else:
+        sizes = tuple(sizes)
+    return apply(_AllGather, x, dim, pg, sizes, async_op=async_op)
+
+
+class _ReduceScatter(CommOp):
+    """Linear reduce_scatter (sum/avg); max/min/product are composed in :func:`reduce_scatter`."""
+
+    name = "reduce_scatter"
+    family = "collective"
+    dual = _AllGather
+    dims = (0,)
+    forward_text = "chunk r of the reduction"
+    backward_text = "all_gather with the same split"
+    reference = R.reduce_scatter
+
+    @staticmethod
+    def run(x: Tensor, dim: int, op: str, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
+        out = _b().reduce_scatter(x if dim == 0 else x.movedim(dim, 0), op, pg, split_sizes)
+        return out if dim == 0 else out.movedim(0, dim)
+
+    @staticmethod
+    def label(dim: int, op: str, pg: PG, split_sizes: tuple[int, ...]) -> str:
+        return _LABELS[op]
+
+    @staticmethod
+    def transpose(g: Tensor, dim: int, op: str, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
+        out = call(_AllGather, g, dim, pg, split_sizes)
+        return out / _world(pg) if op == "avg" else out
+
+    @staticmethod
+    def out_shape(x: Tensor, dim: int, op: str, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
+        return _with(x.shape, {dim: split_sizes[_rank(pg)]})
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, R.avg_scale(kw, world)
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        uneven = [r + 1 for r in range(world)]
+        yield {"shape": (2 * world, 3), "kwargs": {"dim": 0}}
+        yield {"shape": (3, sum(uneven)), "kwargs": {"dim": 1, "split_sizes": uneven}}
+        yield {"shape": (world, 2), "kwargs": {"dim": 0, "op": "max"}, "ints": True}
+
+
+#: The raw forwards of ``all_gather`` (``(x, dim, pg, sizes)``) and ``reduce_scatter``
+#: (``(x, dim, op, pg, sizes)``), for op families built on the collectives.
+raw_all_gather = _AllGather.run
+raw_reduce_scatter = _ReduceScatter.run
+
+
+def reduce_scatter(
+    x: Tensor,
+    dim: int = 0,
+    op: Any = "sum",
+    group: A.GroupLike = None,
+    split_sizes: Sequence[int] | None = None,
+    *,
+    async_op: bool = False,
+) -> Tensor:
+    """Reduce ``x`` over ranks and give rank ``r`` chunk ``r`` of the result along ``dim``.
+
+    Args:
+        x: tensor of the same shape and dtype on every rank.
+        dim: the dimension to split.
+        op: reduce op as for :func:`all_reduce`.
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        split_sizes: per-rank chunk sizes along ``dim`` (summing to ``x.shape[dim]``);
+            ``None`` splits evenly (then ``x.shape[dim]`` must divide by the group size).
+        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
+            communication on first use (``.wait()`` returns the finished tensor); values
+            and gradients equal the blocking op's, and the backward is asynchronous too
+            (``docs/async.md``).
+
+    Returns:
+        A new tensor: ``x.shape`` with ``dim`` of size ``split_sizes[rank]``.
+
+    Gradient:
+        ``all_gather(grad, dim, split_sizes=split_sizes)`` (divided by the world size for avg;
+        max/min/product route through :func:`all_reduce`'s rule).
+
+    Example::
+
+        with dc.LocalWorld(2) as world:
+            world.run(lambda: dc.reduce_scatter(torch.arange(4.0)))
+            # [tensor([0., 2.]), tensor([4., 6.])]
+    """
+    x = _check_input(x, "reduce_scatter")
+    dim = A.check_dim(x, dim, "reduce_scatter")
+    op_name = A.normalize_op(op, "reduce_scatter", x)
+    pg = A.resolve_group(group, "reduce_scatter")
+    sizes = A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), "reduce_scatter")
+    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
+        _debug_check_input("reduce_scatter", pg, x, op=op_name, dim=dim, split_sizes=sizes)
+    if op_name in A.LINEAR_OPS:
+        return apply(_ReduceScatter, x, dim, op_name, pg, tuple(sizes), async_op=async_op)
+    full = apply(_AllReduce, x, op_name, pg, async_op=async_op)
+    rank = _rank(pg)
+    return full.narrow(dim, sum(sizes[:rank]), sizes[rank])
