@@ -212,7 +212,8 @@ def test_one_registry_holds_every_family() -> None:
             name = "nope"
             family = "nope"
 
-    with pytest.raises(ValueError, match="dual\\('my_reduce'\\) = 'all_gather' but dual\\('all_gather'\\) = 'reduce_scatter'"):
+    paired = re.escape("dual('my_reduce') = 'all_gather' but dual('all_gather') = 'reduce_scatter'")
+    with pytest.raises(ValueError, match=paired):
 
         class _MyReduce(CommOp):  # a dual already paired with another op is refused
             name = "my_reduce"

@@ -42,7 +42,7 @@ def test_docs_build_without_warnings(tmp_path: Path) -> None:
     convention = (out / "convention.html").read_text()
     from diffcomm.ops import registry as R
 
-    for name, op in R.family("collective", ()).items():  # the generated op -> dual table made it into the page
+    for name, op in R.family("collective", ()).items():  # the generated op -> dual table is in the page
         assert (
             f'<code class="docutils literal notranslate"><span class="pre">{name}</span></code>' in convention
         )

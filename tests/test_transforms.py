@@ -36,8 +36,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacfwd, jacrev, jvp, vjp, vmap
 
 import diffcomm as dc
-from diffcomm.ops import registry as R
 from diffcomm.backend import log_comms
+from diffcomm.ops import registry as R
 from diffcomm.testing.cases import Case, input_shape, reference_outputs
 from diffcomm.testing.cases import call as call_case
 from diffcomm.testing.strategies import uneven_split_sizes
