@@ -62,7 +62,7 @@ __all__ = [
     "ListOp",
     "apply",
     "call",
-    "call_list",
+    "list_args",
     "fn",
     "only_on",
     "batch_first",
@@ -202,6 +202,15 @@ class CommOp(FastFunction, OpFacts):
     weight: ClassVar[Any] = None
 
 
+def nest_label(text: str) -> Any:
+    """Enter op label ``text`` (the context variable the comms logger and the flight
+    recorder read), nested under the label in force (``"outer -> text"``: an op's
+    backward, or the dual it calls); returns the token for ``LABEL.reset``. The one place
+    labels nest: every op's forward and backward, single and list, goes through it."""
+    outer = _get_label()
+    return _set_label(outer + " -> " + text if outer else text)
+
+
 #: ``label + " backward"`` per forward label, made once (the labels are a few dozen
 #: strings; the table is emptied should a program make thousands).
 _BACKWARD_TEXT: dict[str, str] = {}
@@ -250,8 +259,7 @@ def _derive_rules(cls: Any) -> None:
             text = _BACKWARD_TEXT.get(text) or _backward_text(text)
         else:
             text = backward_name
-        outer = _get_label()
-        token = _set_label(outer + " -> " + text if outer else text)
+        token = nest_label(text)
         try:
             if ctx.linear is None:  # tuples joined, not (g, *args): that builds a list first
                 return (transpose(*(g,) + ctx.args),) + nones
@@ -295,17 +303,18 @@ def _derive_rules(cls: Any) -> None:
 
 def _labelled_forward(run: Any, params: tuple[str, ...], name: str, label: Any) -> Any:
     """``forward`` with ``run``'s exact parameters (autograd reads them): sets the op's
-    label (a context variable, read by the comms logger and the flight recorder) around
-    ``run``. The label is set inline, not through a context manager: this is every op's
-    hot path. It runs only eagerly: while compiling, :func:`apply` and :func:`call` apply
-    the op's twin, whose forward is ``run`` itself (so no compile check here)."""
+    label around ``run`` as :func:`nest_label` does, written out in the template (this is
+    every op's hot path: a call less per forward, ~0.5% of the Python work of a
+    forward+backward; not a context manager either). It runs only eagerly: while
+    compiling, :func:`apply` and :func:`call` apply the op's twin, whose forward is
+    ``run`` itself (so no compile check here)."""
     args = ", ".join(params)
     rest = ", ".join(params[1:])
     text = f"_label({rest})" if label is not None else "_name"
     src = (
         f"def forward({args}):\n"
         f"    text = {text}\n"
-        f"    outer = _get()\n"
+        f"    outer = _get()\n"  # nest_label, inline
         f"    token = _set(outer + ' -> ' + text if outer else text)\n"
         f"    try:\n"
         f"        return _run({args})\n"
@@ -316,7 +325,6 @@ def _labelled_forward(run: Any, params: tuple[str, ...], name: str, label: Any) 
         "_run": run,
         "_label": label,
         "_name": name,
-        "_compiling": torch.compiler.is_compiling,
         "_get": B.LABEL.get,
         "_set": B.LABEL.set,
         "_reset": B.LABEL.reset,
@@ -417,7 +425,8 @@ class ListOp(FastFunction, OpFacts):
     """Base of the coalesced ops' autograd Functions: :class:`CommOp` for a list of tensors.
 
     The Function's arguments are ``(xs[0], *meta, *xs[1:])`` (a tensor first, as autograd
-    and torch.func want); :func:`call_list` takes the logical order ``(*meta, *xs)``.
+    and torch.func want; :func:`list_args` builds them): applied, like every op, with
+    :func:`apply` (public functions) and :func:`call` (rules).
     A subclass states:
 
     ``nmeta``
@@ -427,7 +436,7 @@ class ListOp(FastFunction, OpFacts):
         tuple of tensors (the one place the op launches communication);
     ``transpose(ctx, gs, idx, *meta)``
         the adjoint applied to the output gradients ``gs`` of the differentiable positions
-        ``idx`` (zeros where an output got none), built from :func:`call_list` of the dual
+        ``idx`` (zeros where an output got none), built from :func:`call` of the dual
         list op, so double backward and nested transforms work (``ctx`` holds the saved
         tensors of a nonlinear op);
     ``dims``
@@ -483,14 +492,11 @@ class ListOp(FastFunction, OpFacts):
         )
 
 
-def call_list(fn_cls: Any, n: int, *args: Any) -> Any:
-    """Apply the list op ``fn_cls`` to ``(*meta, *xs)`` (``n`` = its ``nmeta``: passed, as
-    dynamo cannot read a Function's class attributes). Returns a tuple of tensors."""
-    if _compiling() or _transforms_active():
-        return fn(fn_cls).apply(args[n], *args[:n], *args[n + 1 :])
-    if _async.launching(fn_cls):
-        return _async.launch_fn(fn_cls, (args[n], *args[:n], *args[n + 1 :]))
-    return _c_apply(fn_cls, _unwrap_if_dead(args[n]), *args[:n], *[_unwrap_if_dead(a) for a in args[n + 1 :]])
+def list_args(xs: Any, *meta: Any) -> tuple[Any, ...]:
+    """A list op's Function arguments, ``(xs[0], *meta, *xs[1:])``, from its tensors and its
+    non-tensor arguments: what :func:`apply` and :func:`call` take for a :class:`ListOp`
+    (``apply(_AllReduceList, *list_args(tensors, op, pg))``)."""
+    return (xs[0], *meta, *xs[1:])
 
 
 def _logical(n: int, args: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
@@ -525,9 +531,7 @@ def _derive_list_rules(cls: Any) -> None:
         meta, xs = _logical(n, (x0, *args))
         if _compiling():
             return tuple(run(xs, *meta))
-        outer = _get_label()
-        here = text(meta)
-        token = _set_label(outer + " -> " + here if outer else here)
+        token = nest_label(text(meta))
         try:
             return tuple(run(xs, *meta))
         finally:
@@ -551,9 +555,7 @@ def _derive_list_rules(cls: Any) -> None:
             if _compiling():
                 outs = transpose(ctx, g_in, idx, *ctx.args)
             else:
-                here = text(ctx.args) + " backward"
-                outer = _get_label()
-                token = _set_label(outer + " -> " + here if outer else here)
+                token = nest_label(text(ctx.args) + " backward")
                 try:
                     outs = transpose(ctx, g_in, idx, *ctx.args)
                 finally:
@@ -566,13 +568,13 @@ def _derive_list_rules(cls: Any) -> None:
         tangents = _zeros_for(ctx.meta, _logical(n, ts)[1])
         if ctx.nonlinear:
             return tangent(ctx, tangents, *ctx.args)
-        return call_list(cls, n, *ctx.args, *tangents)
+        return call(cls, *list_args(tangents, *ctx.args))
 
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
         meta, xs = _logical(n, args)
         bdims = _logical(n, in_dims)[1]
         if dims_at is None:  # elementwise: the batch dims are just more elements
-            return call_list(cls, n, *meta, *xs), bdims
+            return call(cls, *list_args(xs, *meta)), bdims
         xb = []
         for x, d in zip(xs, bdims):
             if d is None:
@@ -580,11 +582,15 @@ def _derive_list_rules(cls: Any) -> None:
             else:
                 xb.append(x if d == 0 else x.movedim(d, 0))
         meta = tuple(tuple(d + 1 for d in m) if i == dims_at else m for i, m in enumerate(meta))
-        return call_list(cls, n, *meta, *xb), (0,) * len(xs)
+        return call(cls, *list_args(xb, *meta)), (0,) * len(xs)
+
+    def c_apply(*args: Any) -> Any:  # apply's eager path: every list tensor unwrapped
+        return _c_apply(cls, *args[: n + 1], *[_unwrap_if_dead(a) for a in args[n + 1 :]])
 
     cls.forward = staticmethod(forward)
     cls.setup_context = staticmethod(setup_context)
     cls.backward = staticmethod(backward)
     cls.jvp = staticmethod(jvp)
     cls.vmap = staticmethod(vmap)
+    cls.c_apply = staticmethod(c_apply)
     jvp_free_twin(cls)

@@ -244,3 +244,23 @@ def even_or_none(sizes: tuple[tuple[int, ...], ...] | None) -> tuple[tuple[int, 
     if sizes is None or all(s.count(s[0]) == len(s) for s in sizes if s):
         return None
     return sizes
+
+
+Spec = tuple[tuple[int, ...], str, bool, bool]  # a case's tensor: shape, dtype, requires_grad, used
+
+
+def case_specs(world: int) -> tuple[tuple[Spec, ...], tuple[Spec, ...], tuple[Spec, ...]]:
+    """The test cases' tensor lists (``mixed``, without int64, with ``world`` rows along dim
+    0): float64, float32, int64, an empty tensor, a 0-dim one, one not requiring grad,
+    one unused output."""
+    mixed: tuple[Spec, ...] = (
+        ((2, 3), "float64", True, True),
+        ((), "float32", True, True),
+        ((0, 3), "float64", True, True),
+        ((3,), "int64", False, True),
+        ((3, 1), "float32", False, True),
+        ((3, 2), "float64", True, False),
+    )
+    no_int = tuple(s for s in mixed if s[1] != "int64")
+    with_dim = tuple(((world, *s[0][1:]) if s[0] else (world,), *s[1:]) for s in mixed)
+    return mixed, no_int, with_dim

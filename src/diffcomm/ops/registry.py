@@ -184,9 +184,7 @@ def family(family_name: str, modules: Iterable[str] | None = None) -> dict[str, 
         return {n: c for n, c in REGISTRY.items() if c.family == family_name}
     keep = set(modules)
     return {
-        n: c
-        for n, c in REGISTRY.items()
-        if c.family == family_name and (builtin(c) or c.__module__ in keep)
+        n: c for n, c in REGISTRY.items() if c.family == family_name and (builtin(c) or c.__module__ in keep)
     }
 
 

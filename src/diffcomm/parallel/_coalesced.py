@@ -19,7 +19,7 @@ from torch import Tensor
 from .. import _config
 from ..backend import args as A
 from ..ops import coalesced as K
-from ..ops.base import ListOp, call_list
+from ..ops.base import ListOp, apply, call, list_args
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 
 __all__ = ["copy_to_region_coalesced", "reduce_from_region_coalesced"]
@@ -44,7 +44,7 @@ class _CopyToRegionCoalesced(ListOp):
 
     @staticmethod
     def transpose(ctx: Any, gs: list[Tensor], idx: list[int], pg: PG, debug: bool) -> Any:
-        return call_list(_ReduceFromRegionCoalesced, 2, pg, debug, *gs)
+        return call(_ReduceFromRegionCoalesced, *list_args(gs, pg, debug))
 
 
 class _ReduceFromRegionCoalesced(ListOp):
@@ -69,7 +69,7 @@ class _ReduceFromRegionCoalesced(ListOp):
                 check_replicated(
                     g, "parallel.reduce_from_region_coalesced backward", "an incoming gradient", hint, pg
                 )
-        return call_list(_CopyToRegionCoalesced, 2, pg, False, *gs)
+        return call(_CopyToRegionCoalesced, *list_args(gs, pg, False))
 
 
 def _prepare_list(name: str, tensors: Any, group: A.GroupLike) -> tuple[list[Tensor], PG]:
@@ -121,7 +121,7 @@ def copy_to_region_coalesced(tensors: Sequence[Tensor], group: A.GroupLike = Non
     if debug:
         for x in ts:
             check_replicated(x, "parallel.copy_to_region_coalesced", "an input", COPY_HINT, pg)
-    return list(call_list(_CopyToRegionCoalesced, 2, pg, debug, *ts))
+    return list(apply(_CopyToRegionCoalesced, *list_args(ts, pg, debug)))
 
 
 def reduce_from_region_coalesced(tensors: Sequence[Tensor], group: A.GroupLike = None) -> list[Tensor]:
@@ -150,4 +150,4 @@ def reduce_from_region_coalesced(tensors: Sequence[Tensor], group: A.GroupLike =
     debug = _debug()
     if debug:
         K.check_lists_consistent("parallel.reduce_from_region_coalesced", pg, ts)
-    return list(call_list(_ReduceFromRegionCoalesced, 2, pg, debug, *ts))
+    return list(apply(_ReduceFromRegionCoalesced, *list_args(ts, pg, debug)))
