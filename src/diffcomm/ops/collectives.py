@@ -27,11 +27,15 @@ rank-local facts that could differ between ranks, and only call public diffcomm 
 
 from __future__ import annotations
 
-from .all_gather import all_gather, raw_all_gather, raw_reduce_scatter, reduce_scatter  # noqa: I001 - table order
+# Importing an op's module registers its ops: this order is dc.OPS's and the docs table's.
+# isort: off
 from .all_reduce import WEIGHT_DTYPE, all_reduce, product_parts, product_weight, raw_all_reduce
-from .all_to_all import all_to_all, raw_all_to_all
 from .broadcast_reduce import broadcast, reduce
+from .all_gather import all_gather, raw_all_gather, raw_reduce_scatter, reduce_scatter
 from .gather_scatter import gather, scatter
+from .all_to_all import all_to_all, raw_all_to_all
+
+# isort: on
 from .registry import DualsView, FamilyView, dual, markdown
 
 __all__ = [
