@@ -240,8 +240,8 @@ class _ScatterToRegion(CommOp):
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
-        n = x.shape[dim] // world
-        return x.narrow(dim, rank * n, n).contiguous()
+        n = x.shape[dim] // world  # a copy: rank 0's chunk along dim 0 would be a view of x
+        return x.narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
@@ -307,8 +307,8 @@ class _ScatterToSequence(CommOp):
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
-        n = x.shape[dim] // world
-        return x.narrow(dim, rank * n, n).contiguous()
+        n = x.shape[dim] // world  # a copy: rank 0's chunk along dim 0 would be a view of x
+        return x.narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
