@@ -21,8 +21,8 @@ from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check as _debug_check
 from .validation import debug_check_input as _debug_check_input
-from .validation import gathered_sizes as _gathered_sizes
-from .validation import given_sizes as _given_sizes
+from .validation import gathered_split_sizes as _gathered_split_sizes
+from .validation import given_split_sizes as _given_split_sizes
 from .validation import other_dims as _other_dims
 from .validation import rank as _rank
 from .validation import with_sizes as _with
@@ -110,17 +110,17 @@ def all_gather(
     x = _check_input(x, "all_gather")
     dim = A.check_dim(x, dim, "all_gather")
     pg = A.resolve_group(group, "all_gather")
-    sizes, arg = A.renamed_sizes(split_sizes, sizes, "all_gather")
-    if sizes is not None:
-        sizes = _given_sizes(sizes, x, dim, pg, "all_gather", arg)
+    split_sizes, arg = A.renamed_sizes(split_sizes, sizes, "all_gather")
+    if split_sizes is not None:
+        split_sizes = _given_split_sizes(split_sizes, x, dim, pg, "all_gather", arg)
     if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():
         rest = _other_dims(x, dim)
         _debug_check("all_gather", pg, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
-    if sizes is None:  # learned with the rows where the backend can, else exchanged first
-        sizes = _gathered_sizes(x, dim, pg, async_op)
+    if split_sizes is None:  # learned with the rows where the backend can, else exchanged first
+        split_sizes = _gathered_split_sizes(x, dim, pg, async_op)
     else:
-        sizes = tuple(sizes)
-    return apply(_AllGather, x, dim, pg, sizes, async_op=async_op)
+        split_sizes = tuple(split_sizes)
+    return apply(_AllGather, x, dim, pg, split_sizes, async_op=async_op)
 
 
 class _ReduceScatter(CommOp):
@@ -210,11 +210,11 @@ def reduce_scatter(
     dim = A.check_dim(x, dim, "reduce_scatter")
     op_name = A.normalize_op(op, "reduce_scatter", x)
     pg = A.resolve_group(group, "reduce_scatter")
-    sizes = A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), "reduce_scatter")
+    split_sizes = A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), "reduce_scatter")
     if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
-        _debug_check_input("reduce_scatter", pg, x, op=op_name, dim=dim, split_sizes=sizes)
+        _debug_check_input("reduce_scatter", pg, x, op=op_name, dim=dim, split_sizes=split_sizes)
     if op_name in A.LINEAR_OPS:
-        return apply(_ReduceScatter, x, dim, op_name, pg, tuple(sizes), async_op=async_op)
+        return apply(_ReduceScatter, x, dim, op_name, pg, tuple(split_sizes), async_op=async_op)
     full = apply(_AllReduce, x, op_name, pg, async_op=async_op)
     rank = _rank(pg)
-    return full.narrow(dim, sum(sizes[:rank]), sizes[rank])
+    return full.narrow(dim, sum(split_sizes[:rank]), split_sizes[rank])

@@ -17,7 +17,7 @@ from .base import CommOp, apply, call
 from .registry import SELF, Kwargs
 from .validation import PG
 from .validation import all_to_all_received as _all_to_all_received
-from .validation import all_to_all_sizes as _all_to_all_sizes
+from .validation import all_to_all_split_sizes as _all_to_all_split_sizes
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check as _debug_check
@@ -169,7 +169,7 @@ def all_to_all(
     split_dim = A.check_dim(x, split_dim, op, "split_dim")
     concat_dim = A.check_dim(x, concat_dim, op, "concat_dim")
     pg = A.resolve_group(group, op)
-    ins, outs = _all_to_all_sizes(x, split_dim, concat_dim, pg, input_split_sizes, output_split_sizes)
+    ins, outs = _all_to_all_split_sizes(x, split_dim, concat_dim, pg, input_split_sizes, output_split_sizes)
     if _config.DEBUG.get():
         rest = _other_dims(x, split_dim, concat_dim)
         _debug_check(

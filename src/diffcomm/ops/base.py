@@ -114,7 +114,6 @@ except ImportError:  # pragma: no cover - older torch
         return unwrap_dead_wrappers((t,))[0]
 
 
-unwrap_if_dead = _unwrap_if_dead
 _fwad = torch.autograd.forward_ad
 _compiling = torch.compiler.is_compiling
 _tracing, _TC = B.TRACING, B.TC  # inline ``_tracing() or _TC._is_compiling_flag``: _compiling() in one frame

@@ -36,7 +36,7 @@ from .validation import rank as _rank
 from .validation import with_sizes as _with
 from .validation import world as _world
 
-Sizes = tuple[tuple[int, ...], ...] | None  # per tensor, every rank's size along its dim
+SplitSizes = tuple[tuple[int, ...], ...] | None  # per tensor, every rank's size along its dim
 
 
 def _tensor_major(
@@ -52,7 +52,7 @@ def _tensor_major(
 
 
 class _AllGatherList(ListOp):
-    """all_gather of every tensor ``i`` along ``dims[i]``; ``sizes[i]``: every rank's size
+    """all_gather of every tensor ``i`` along ``dims[i]``; ``split_sizes[i]``: every rank's size
     along it (``None``: the same on every rank, the even path)."""
 
     name = "all_gather_coalesced"
@@ -63,7 +63,7 @@ class _AllGatherList(ListOp):
     backward_text = "reduce_scatter_coalesced(sum)"
 
     @staticmethod
-    def out_shape(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG, split_sizes: Sizes) -> list[Any]:
+    def out_shape(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG, split_sizes: SplitSizes) -> list[Any]:
         world = _world(pg)
         return [
             _with(x.shape, {d: x.shape[d] * world if split_sizes is None else sum(split_sizes[i])})
@@ -79,25 +79,25 @@ class _AllGatherList(ListOp):
         w, with_dim = world, _case_specs(world)[2]
         yield {"specs": with_dim, "kwargs": {"dim": -1}}
         yield {"specs": with_dim, "kwargs": {"dim": 0}}
-        # sizes along dim that differ between ranks: learned (one exchange) or given; a
+        # split_sizes along dim that differ between ranks: learned (one exchange) or given; a
         # rank with no rows
         varied = tuple(tuple((i + r) % 3 if i != 2 else 0 for r in range(w)) for i in range(len(with_dim)))
         yield {"specs": with_dim, "kwargs": {"dim": 0}, "rank_sizes": varied}
         yield {"specs": with_dim, "kwargs": {"dim": 0, "split_sizes": varied}, "rank_sizes": varied}
 
     @staticmethod
-    def run(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG, sizes: Sizes) -> list[Tensor]:
+    def run(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG, split_sizes: SplitSizes) -> list[Tensor]:
         world = _world(pg)
         moved = _moved(xs, dims)
         groups = _by_dtype(moved)
         out: list[Any] = [None] * len(xs)
-        if sizes is None:
+        if split_sizes is None:
             bufs = _b().all_gather_coalesced(_pack(moved, groups), pg)
             return _back(_tensor_major(moved, groups, bufs, world, out), dims)
-        # variable sizes: rank r's buffer of a dtype holds its rows of every tensor of that
+        # variable split_sizes: rank r's buffer of a dtype holds its rows of every tensor of that
         # dtype, so the buffers' lengths differ between ranks: one uneven all_gather each
         inner = [math.prod(m.shape[1:]) for m in moved]
-        if type(sizes) is Learned and not sizes:  # learned here, with the first buffer
+        if type(split_sizes) is Learned and not split_sizes:  # learned here, with the first buffer
             key = ("coalesced", tuple((tuple(m.shape[1:]), m.dtype) for m in moved))
 
             def length(g: int, counts: list[int]) -> int:
@@ -106,33 +106,33 @@ class _AllGatherList(ListOp):
             bufs, table = _b().all_gather_coalesced_unsized(
                 _pack(moved, groups), [m.shape[0] for m in moved], length, key, pg
             )
-            sizes.extend(tuple(row[i] for row in table) for i in range(len(xs)))
-            if _even_or_none(tuple(sizes)) is None:  # as it turned out, the even layout
+            split_sizes.extend(tuple(row[i] for row in table) for i in range(len(xs)))
+            if _even_or_none(tuple(split_sizes)) is None:  # as it turned out, the even layout
                 return _back(_tensor_major(moved, groups, bufs, world, out), dims)
         else:
-            lens = [[sum(sizes[i][r] * inner[i] for i in g) for r in range(world)] for g in groups]
+            lens = [[sum(split_sizes[i][r] * inner[i] for i in g) for r in range(world)] for g in groups]
             bufs = _b().all_gather_coalesced(_pack(moved, groups), pg, lens)
         for g, buf in zip(groups, bufs):
-            ln = [sum(sizes[i][r] * inner[i] for i in g) for r in range(world)]
+            ln = [sum(split_sizes[i][r] * inner[i] for i in g) for r in range(world)]
             pieces: dict[int, list[Tensor]] = {i: [] for i in g}
             for r, seg in enumerate(buf.split(ln)):
-                for i, piece in zip(g, seg.split([sizes[i][r] * inner[i] for i in g])):
-                    pieces[i].append(piece.view(sizes[i][r], *moved[i].shape[1:]))
+                for i, piece in zip(g, seg.split([split_sizes[i][r] * inner[i] for i in g])):
+                    pieces[i].append(piece.view(split_sizes[i][r], *moved[i].shape[1:]))
             for i in g:
                 out[i] = torch.cat(pieces[i])
         return _back(out, dims)
 
     @staticmethod
     def transpose(
-        ctx: Any, gs: list[Tensor], idx: list[int], dims: tuple[int, ...], pg: PG, sizes: Sizes
+        ctx: Any, gs: list[Tensor], idx: list[int], dims: tuple[int, ...], pg: PG, split_sizes: SplitSizes
     ) -> Any:
-        part = None if sizes is None else _even_or_none(tuple(sizes[i] for i in idx))
+        part = None if split_sizes is None else _even_or_none(tuple(split_sizes[i] for i in idx))
         return call(_ReduceScatterList, *list_args(gs, tuple(dims[i] for i in idx), "sum", pg, part))
 
 
 class _ReduceScatterList(ListOp):
     """Linear (sum/avg) reduce_scatter of every tensor ``i`` along ``dims[i]``, split
-    ``sizes[i]`` (``None``: every tensor evenly)."""
+    ``split_sizes[i]`` (``None``: every tensor evenly)."""
 
     name = "reduce_scatter_coalesced"
     family = "coalesced"
@@ -144,7 +144,7 @@ class _ReduceScatterList(ListOp):
 
     @staticmethod
     def out_shape(
-        xs: Sequence[Tensor], dims: tuple[int, ...], op: str, pg: PG, split_sizes: Sizes
+        xs: Sequence[Tensor], dims: tuple[int, ...], op: str, pg: PG, split_sizes: SplitSizes
     ) -> list[Any]:
         world, rank = _world(pg), _rank(pg)
         return [
@@ -169,15 +169,17 @@ class _ReduceScatterList(ListOp):
             yield {"specs": specs, "kwargs": {"dim": 0, "op": rop, "split_sizes": split[: len(specs)]}}
 
     @staticmethod
-    def label(dims: tuple[int, ...], op: str, pg: PG, sizes: Sizes) -> str:
+    def label(dims: tuple[int, ...], op: str, pg: PG, split_sizes: SplitSizes) -> str:
         return f"reduce_scatter_coalesced({op})"
 
     @staticmethod
-    def run(xs: Sequence[Tensor], dims: tuple[int, ...], op: str, pg: PG, sizes: Sizes) -> list[Tensor]:
+    def run(
+        xs: Sequence[Tensor], dims: tuple[int, ...], op: str, pg: PG, split_sizes: SplitSizes
+    ) -> list[Tensor]:
         world = _world(pg)
         moved = _moved(xs, dims)
         groups = _by_dtype(moved)
-        if sizes is None:
+        if split_sizes is None:
             # rank-major layout: row r of each buffer holds chunk r of every tensor of the dtype
             bufs = [
                 torch.cat([moved[i].reshape(world, moved[i].numel() // world) for i in g], 1) for g in groups
@@ -185,27 +187,37 @@ class _ReduceScatterList(ListOp):
             parts = _b().reduce_scatter_coalesced([b.view(-1) for b in bufs], op, pg)
             shapes = [(m.shape[0] // world, *m.shape[1:]) for m in moved]
             return _back(_unpack(shapes, groups, parts), dims)
-        # uneven: rank-major again, chunk r of tensor i is sizes[i][r] rows long, so the
+        # uneven: rank-major again, chunk r of tensor i is split_sizes[i][r] rows long, so the
         # buffer splits unevenly between ranks (one uneven reduce_scatter per dtype)
         rank = _rank(pg)
         inner = [math.prod(m.shape[1:]) for m in moved]
-        starts = [[sum(s[:r]) for r in range(world)] for s in sizes]
+        starts = [[sum(s[:r]) for r in range(world)] for s in split_sizes]
         bufs = [
             torch.cat(
-                [moved[i].narrow(0, starts[i][r], sizes[i][r]).reshape(-1) for r in range(world) for i in g]
+                [
+                    moved[i].narrow(0, starts[i][r], split_sizes[i][r]).reshape(-1)
+                    for r in range(world)
+                    for i in g
+                ]
             )
             for g in groups
         ]
-        lens = [[sum(sizes[i][r] * inner[i] for i in g) for r in range(world)] for g in groups]
+        lens = [[sum(split_sizes[i][r] * inner[i] for i in g) for r in range(world)] for g in groups]
         parts = _b().reduce_scatter_coalesced(bufs, op, pg, lens)
-        shapes = [(sizes[i][rank], *m.shape[1:]) for i, m in enumerate(moved)]
+        shapes = [(split_sizes[i][rank], *m.shape[1:]) for i, m in enumerate(moved)]
         return _back(_unpack(shapes, groups, parts), dims)
 
     @staticmethod
     def transpose(
-        ctx: Any, gs: list[Tensor], idx: list[int], dims: tuple[int, ...], op: str, pg: PG, sizes: Sizes
+        ctx: Any,
+        gs: list[Tensor],
+        idx: list[int],
+        dims: tuple[int, ...],
+        op: str,
+        pg: PG,
+        split_sizes: SplitSizes,
     ) -> Any:
-        part = None if sizes is None else tuple(sizes[i] for i in idx)
+        part = None if split_sizes is None else tuple(split_sizes[i] for i in idx)
         out = call(_AllGatherList, *list_args(gs, tuple(dims[i] for i in idx), pg, part))
         if op != "avg":
             return out
@@ -259,7 +271,7 @@ def all_gather_coalesced(
     dims = _check_dims(ts, dim, name)
     pg = A.resolve_group(group, name)
     world = _world(pg)
-    sizes: Sizes = None
+    sizes: SplitSizes = None
     if split_sizes is not None:
         sizes = _check_sizes(split_sizes, ts, dims, world, name, True, _rank(pg))
     flat = () if sizes is None else tuple(v for s in sizes for v in s)

@@ -20,8 +20,8 @@ from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check as _debug_check
 from .validation import debug_check_input as _debug_check_input
-from .validation import exchanged_sizes as _exchanged_sizes
-from .validation import given_sizes as _given_sizes
+from .validation import exchanged_split_sizes as _exchanged_split_sizes
+from .validation import given_split_sizes as _given_split_sizes
 from .validation import other_dims as _other_dims
 from .validation import rank as _rank
 from .validation import with_sizes as _with
@@ -103,15 +103,15 @@ def gather(
     pg = A.resolve_group(group, "gather")
     world = _world(pg)
     dst = A.check_rank(dst, "gather", "dst", world)
-    sizes, arg = A.renamed_sizes(split_sizes, sizes, "gather")
-    if sizes is not None:
-        sizes = _given_sizes(sizes, x, dim, pg, "gather", arg)
+    split_sizes, arg = A.renamed_sizes(split_sizes, sizes, "gather")
+    if split_sizes is not None:
+        split_sizes = _given_split_sizes(split_sizes, x, dim, pg, "gather", arg)
     if _config.DEBUG.get():
         rest = _other_dims(x, dim)
         _debug_check("gather", pg, dst=dst, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
-    if sizes is None:
-        sizes = _exchanged_sizes(x, dim, pg, "gather")
-    return apply(_Gather, x, dst, dim, pg, tuple(sizes), async_op=async_op)
+    if split_sizes is None:
+        split_sizes = _exchanged_split_sizes(x, dim, pg, "gather")
+    return apply(_Gather, x, dst, dim, pg, tuple(split_sizes), async_op=async_op)
 
 
 class _Scatter(CommOp):
@@ -188,6 +188,6 @@ def scatter(
     pg = A.resolve_group(group, "scatter")
     world = _world(pg)
     src = A.check_rank(src, "scatter", "src", world)
-    sizes = A.check_split_sizes(split_sizes, x.shape[dim], world, "scatter")
-    _debug_check_input("scatter", pg, x, src=src, dim=dim, split_sizes=sizes)
-    return apply(_Scatter, x, src, dim, pg, tuple(sizes), async_op=async_op)
+    split_sizes = A.check_split_sizes(split_sizes, x.shape[dim], world, "scatter")
+    _debug_check_input("scatter", pg, x, src=src, dim=dim, split_sizes=split_sizes)
+    return apply(_Scatter, x, src, dim, pg, tuple(split_sizes), async_op=async_op)

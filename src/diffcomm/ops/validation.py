@@ -78,7 +78,7 @@ def with_sizes(shape: Any, sizes: dict[int, int]) -> tuple[int, ...]:
     return tuple(sizes.get(i, s) for i, s in enumerate(shape))
 
 
-def given_sizes(sizes: Sequence[int], x: Tensor, dim: int, pg: PG, op: str, arg: str) -> list[int]:
+def given_split_sizes(sizes: Sequence[int], x: Tensor, dim: int, pg: PG, op: str, arg: str) -> list[int]:
     """The per-rank sizes along ``dim`` a gather (``all_gather``, ``gather``) was given:
     one per rank, this rank's equal to ``x.shape[dim]``."""
     b = current_backend()
@@ -89,7 +89,7 @@ def given_sizes(sizes: Sequence[int], x: Tensor, dim: int, pg: PG, op: str, arg:
     return sizes
 
 
-def exchanged_sizes(x: Tensor, dim: int, pg: PG, op: str) -> list[int]:
+def exchanged_split_sizes(x: Tensor, dim: int, pg: PG, op: str) -> list[int]:
     """Every rank's ``x.shape[dim]``: one tiny all_gather of host integers (labelled
     ``"<op> (size exchange)"``) on a CPU channel of the same ranks; none in a world of one.
     The integers are each rank's shape record, so a rank whose ``x`` differs in another
@@ -111,12 +111,12 @@ class Learned(list):  # type: ignore[type-arg]
     autograd context, which keeps this object, has them for the backward."""
 
 
-def gathered_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> tuple[int, ...] | Learned:
+def gathered_split_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> tuple[int, ...] | Learned:
     """Every rank's ``x.shape[dim]`` for an ``all_gather`` that was given none.
 
     Where the backend can (:mod:`diffcomm.backend.sized_gather`: eager, blocking, a world of two
     or more), the gather itself learns them: an empty :class:`Learned` its ``run`` fills.
-    Else they are exchanged first (:func:`exchanged_sizes`); in a world of one they are
+    Else they are exchanged first (:func:`exchanged_split_sizes`); in a world of one they are
     just ``(x.shape[dim],)``.
     """
     b = current_backend()
@@ -124,7 +124,7 @@ def gathered_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> tuple[int, ..
         return (x.shape[dim],)
     unsized = getattr(b, "all_gather_unsized", None)
     if unsized is None or async_op or _compiling() or _transforms_active() or _fwad._current_level >= 0:
-        return tuple(exchanged_sizes(x, dim, pg, "all_gather"))
+        return tuple(exchanged_split_sizes(x, dim, pg, "all_gather"))
     return Learned()
 
 
@@ -133,7 +133,7 @@ _transforms_active = torch._C._are_functorch_transforms_active
 _fwad = torch.autograd.forward_ad
 
 
-def all_to_all_sizes(
+def all_to_all_split_sizes(
     x: Tensor,
     split_dim: int,
     concat_dim: int,

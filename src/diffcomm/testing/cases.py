@@ -130,10 +130,6 @@ def input_shape(case: Case, rank: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def output_shape(case: Case, rank: int) -> tuple[int, ...]:
-    return tuple(reference_outputs(case, make_inputs(case, "x", torch.float64))[rank].shape)
-
-
 def _values(case: Case, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> Tensor:
     if case.ints:
         v = torch.randint(-2, 4, shape, generator=gen, dtype=torch.int64).to(torch.float64)

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import torch
 from hypothesis import strategies as st
 
-from ..ops.collectives import OPS
+from ..ops import collectives as _collectives  # noqa: F401 - importing registers the collectives
+from ..ops import registry as R
 
 __all__ = [
     "world_sizes",
@@ -129,5 +130,6 @@ def dtypes(
 
 
 def collective_names() -> st.SearchStrategy[str]:
-    """Names of the eight core collectives (keys of ``diffcomm.OPS``)."""
-    return st.sampled_from(sorted(OPS))
+    """Names of diffcomm's own collectives (the registry's ``"collective"`` family, without
+    the ops a user's module adds to ``diffcomm.OPS``)."""
+    return st.sampled_from(sorted(R.family("collective", ())))
