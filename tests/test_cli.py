@@ -137,6 +137,8 @@ def _one_error_line(err: str, command: str = "") -> str:
         ["check", "-n", "0"],
         ["check", "--world", "two"],
         ["check", "--backend", "nosuch"],
+        ["check", "--module", "no/such/ops.py"],
+        ["check", "--module", "no_such_module_of_ops"],
         ["bench", "--sizes", "lots"],
         ["bench", "--rounds", "1"],
         ["bench", "--ops", "allreduce"],

@@ -96,7 +96,8 @@ def test_the_layer_picture_is_the_import_contract() -> None:
     import-linter contract, in order (one line per layer)."""
     import tomllib
 
-    layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    layers = config["tool"]["importlinter"]["contracts"][0]["layers"]
     doc = (DOCS / "architecture.md").read_text()
     picture = doc.split("## The layer picture", 1)[1].split("```\n", 2)[1]
     drawn = [line.split("  ")[0].strip() for line in picture.splitlines() if line.startswith("diffcomm")]

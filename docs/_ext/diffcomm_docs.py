@@ -4,12 +4,12 @@ On ``builder-inited`` (before Sphinx looks for source files) it writes, under
 ``docs/_generated/`` (git-ignored):
 
 * ``duals.md`` — the op -> adjoint table, from :func:`diffcomm.ops.collectives.duals_markdown`
-  (``_registry.markdown("collective")``)
-  (the same ``OPS`` table the tests walk), included by ``convention.md``;
-* ``coalesced.md`` — the coalesced op -> adjoint table, from
-  :data:`diffcomm.ops.coalesced.COALESCED_OPS`, included by ``coalesced.md``;
+  (``registry.markdown("collective")``: each op's class states its dual and the rules in
+  words; the same registry the tests walk), included by ``convention.md``;
+* ``p2p.md`` and ``coalesced.md`` — the same for the ``"p2p"`` and ``"coalesced"``
+  families, included by ``p2p.md`` and ``coalesced.md``;
 * ``mappings.md`` — the replicated-objective mappings, from the registry's ``"mapping"``
-  family (``_registry.markdown("mapping")``, the same table as
+  family (``registry.markdown("mapping")``, the same table as
   :data:`diffcomm.parallel.MAPPINGS`);
 * ``notebooks/*.ipynb`` — copies of ``notebooks/*.ipynb`` (Sphinx only reads sources
   inside ``docs/``). If ``tests/test_notebooks.py`` has left an executed copy newer than
@@ -45,26 +45,32 @@ def _table_page(source: str, markdown: str) -> str:
 def duals_page() -> str:
     from diffcomm.ops.collectives import duals_markdown
 
-    return _table_page("diffcomm.ops.collectives.OPS", duals_markdown())
+    return _table_page(
+        "the op classes of diffcomm.ops.collectives (registry family 'collective')", duals_markdown()
+    )
 
 
 def p2p_page() -> str:
     from diffcomm.ops.p2p import p2p_markdown
 
-    return _table_page("diffcomm.ops.p2p.OPS", p2p_markdown())
+    return _table_page("the op classes of diffcomm.ops.p2p (registry family 'p2p')", p2p_markdown())
 
 
 def coalesced_page() -> str:
     from diffcomm.ops.coalesced import coalesced_markdown
 
-    return _table_page("diffcomm.ops.coalesced.COALESCED_OPS", coalesced_markdown())
+    return _table_page(
+        "the op classes of diffcomm.ops.coalesced (registry family 'coalesced')", coalesced_markdown()
+    )
 
 
 def mappings_page() -> str:
     import diffcomm.parallel  # noqa: F401 - importing registers the "mapping" family
-    from diffcomm.ops import registry as _registry
+    from diffcomm.ops import registry
 
-    return _table_page("diffcomm.parallel.MAPPINGS", _registry.markdown("mapping"))
+    return _table_page(
+        "the op classes of diffcomm.parallel (registry family 'mapping')", registry.markdown("mapping")
+    )
 
 
 def notebooks() -> dict[str, Path]:
