@@ -6,21 +6,10 @@ per-rank objectives**. Tensor-parallel code is written under another convention,
 tensor that is *replicated* (the same on every rank) stands for **one** variable, not
 ``world`` copies. Under the sum convention that loss is counted ``world`` times — the
 classic "gradient 2x too large at TP=2". The mappings below state, in their names, which
-region transition the model makes, and carry the backward that is right for ``L``:
-
-==============================  =======================  ===========================
-mapping                          forward                  backward
-==============================  =======================  ===========================
-``copy_to_region``               identity                 all_reduce(sum)
-``reduce_from_region``           all_reduce(sum)          identity
-``scatter_to_region``            keep own chunk           all_gather
-``gather_from_region``           all_gather               keep own chunk
-``scatter_to_sequence``          keep own chunk (dim 0)   all_gather
-``gather_from_sequence``         all_gather (dim 0)       keep own chunk
-``reduce_scatter_to_sequence``   reduce_scatter(sum)      all_gather
-``all_gather_from_sequence``     all_gather               reduce_scatter(sum)
-``all_to_all_region``            all_to_all               all_to_all, dims swapped
-==============================  =======================  ===========================
+region transition the model makes, and carry the backward that is right for ``L``. Each
+mapping's class states its conjugate and its rules (the table in ``docs/parallel.md`` and
+``docs/convention.md`` is generated from them: :func:`diffcomm.ops.registry.markdown` of
+the ``"mapping"`` family), and which of its sides is replicated (``replicated``).
 
 Why these backwards. A replicated input ``X`` consumed *differently* on each rank (each
 rank multiplies it by its own weight shard) contributes ``sum_r dL/dy_r``: the all_reduce
@@ -54,8 +43,8 @@ backward is right under the replicated objective too (a gradient penalty through
 ``copy_to_region`` is not ``world`` times too large, as it would be with the core
 all_reduce as backward), and ``torch.func.grad``/``vjp``/``jvp``/``vmap`` and ``jacrev``
 work. The public function validates its arguments (and runs its debug check) once; the
-Function then calls the raw backend directly. The mappings are registered as the
-``"mapping"`` family of :mod:`diffcomm.ops.registry` (:data:`MAPPINGS`).
+Function then calls the raw backend directly. Defining the classes registers them as the
+``"mapping"`` family of :mod:`diffcomm.ops.registry` (:data:`MAPPINGS` is its view).
 Shards are even: the split dimension must divide by the group size (a ``ValueError``
 naming the argument otherwise, before any communication).
 """
