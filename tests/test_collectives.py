@@ -222,6 +222,29 @@ def test_one_registry_holds_every_family() -> None:
             forward_text = backward_text = "-"
 
     assert "my_reduce" not in R.REGISTRY and "nope" not in R.REGISTRY
+
+    # a transpose that does not call its dual's class is reported by verify()
+    class _Twice(CommOp):
+        name = "twice_test_op"
+        family = "collective"
+        dual = R.SELF
+        forward_text = backward_text = "-"
+
+        @staticmethod
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return 2 * x
+
+        @staticmethod
+        def transpose(g: torch.Tensor) -> torch.Tensor:
+            return 2 * g  # right values, but not through the dual op (no double backward)
+
+    try:
+        problems = R.verify()
+    finally:
+        del R.REGISTRY["twice_test_op"]
+    assert any(p.startswith("twice_test_op: transpose does not call its dual's class") for p in problems)
+    assert any(p.startswith("twice_test_op: no out_shape") for p in problems), problems
+    assert R.verify() == []
     assert R.markdown("collective") == dc.ops.collectives.duals_markdown()
 
 

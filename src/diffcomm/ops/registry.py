@@ -287,12 +287,14 @@ def verify() -> list[str]:
             problems.append(f"{name}: no dual (state `dual = SELF` or name it in its partner's class)")
             continue
         if d.dual is not c:
-            problems.append(
-                f"{name}: dual({name}) = {public_name(d)} but dual({public_name(d)}) = {public_name(d.dual)}"
-            )
+            back = "nothing" if d.dual is None else public_name(d.dual)
+            problems.append(f"{name}: dual({name}) = {public_name(d)} but dual({public_name(d)}) = {back}")
         if d.family != c.family:
             problems.append(f"{name}: its dual {public_name(d)} is of family {d.family}, not {c.family}")
-        if not c.wire_transpose and d not in _classes_named(c.__dict__["transpose"]):
+        rule = c.__dict__.get("transpose")
+        if rule is None:
+            problems.append(f"{name}: no transpose of its own")
+        elif not c.wire_transpose and d not in _classes_named(rule):
             problems.append(f"{name}: transpose does not call its dual's class {d.__qualname__}")
         if c.family in ASYNC_FAMILIES and c.out_shape is None:
             problems.append(f"{name}: no out_shape (async_op=True would have no output to hand out)")
