@@ -228,6 +228,9 @@ def test_defining_the_classes_registered_them() -> None:
     )
     assert "| `mirror` | x of rank n - 1 - r | `mirror` | mirror(grad) |" in diffcomm_docs.p2p_page()
     assert set(NEW) <= set(R.with_reference())  # the kit's reference/adjoint checks walk them
+    # an op without out_shape refuses async_op=True (before communicating), never runs blocking
+    with pytest.raises(TypeError, match="mirror.*async_op=True needs the op's output shape"):
+        apply(_Mirror, torch.zeros(2), None, async_op=True)
 
 
 def test_python_m_diffcomm_check_runs_them() -> None:

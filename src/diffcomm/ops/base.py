@@ -136,6 +136,11 @@ def apply(fn_cls: Any, *args: Any, async_op: bool = False) -> Any:
     blocking); so does applying it inside the backward of an asynchronous op.
     """
     if async_op:
+        if fn_cls.out_shape is None:  # never a silent blocking run
+            raise TypeError(
+                f"diffcomm.{fn_cls.name}(): async_op=True needs the op's output shape before it "
+                f"communicates; {fn_cls.__qualname__} states no `out_shape`"
+            )
         with _async.async_if(True):
             return apply(fn_cls, *args)
     if _tracing() or _TC._is_compiling_flag or _transforms_active():
@@ -275,19 +280,19 @@ def _derive_rules(cls: Any) -> None:
 
     def jvp(ctx: Any, t: Tensor, *_: Any) -> Tensor:
         if ctx.linear is None:
-            return cls.apply(t, *ctx.args)
+            return call(cls, t, *ctx.args)
         x, y = ctx.saved_tensors
-        return cls.apply(t * weight(x, y, *ctx.args), *ctx.linear)
+        return call(cls, t * weight(x, y, *ctx.args), *ctx.linear)
 
     def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, *args: Any) -> tuple[Tensor, int]:
         if elementwise:  # the batch dim is just another dim: one collective
-            return cls.apply(x, *args), in_dims[0]
+            return call(cls, x, *args), in_dims[0]
         bdim = in_dims[0]
         xb = x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
         moved = tuple(a + 1 if i in dims else a for i, a in enumerate(args))
         if shapes:
             moved = tuple(torch.Size((xb.shape[0], *a)) if i in shapes else a for i, a in enumerate(moved))
-        return cls.apply(xb, *moved), 0
+        return call(cls, xb, *moved), 0
 
     cls.setup_context = staticmethod(setup_context)
     cls.backward = staticmethod(backward)

@@ -15,7 +15,7 @@ from torch import Tensor
 from .. import backend as B
 from ..backend import args as A
 from . import wire as T
-from .base import CommOp, batch_first
+from .base import CommOp, batch_first, call
 from .base import apply as _apply
 from .registry import Kwargs
 from .wire import MAX_NDIM, MAX_TAG
@@ -112,7 +112,7 @@ class _Send(CommOp):
     def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, *args: Any) -> tuple[Tensor, None]:
         # one message for the whole batch, batch dim first; the token is not batched
         xb = batch_first(x, in_dims[0])
-        return _Send.apply(xb, *args[:5], xb.shape, *args[6:]), None
+        return call(_Send, xb, *args[:5], xb.shape, *args[6:]), None
 
 
 class _FirstOrderOnly(torch.autograd.Function):
