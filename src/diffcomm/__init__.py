@@ -24,6 +24,15 @@ __version__ = "0.1.0"
 #: public submodules re-exported as attributes
 _SUBMODULES = ("accelerator", "backend", "compat", "parallel", "pipeline", "rng")
 
+#: the op families' modules, by their old top-level names (``dc.p2p.irecv``,
+#: ``dc.collectives.duals_markdown``): attributes of the package, kept where the docs use them
+_FAMILIES: dict[str, str] = {
+    "collectives": "ops.collectives",
+    "coalesced": "ops.coalesced",
+    "p2p": "ops.p2p",
+    "world": "runtime.world",
+}
+
 #: public name -> the submodule defining it
 _EXPORTS: dict[str, str] = {
     "AsyncTensor": "ops.engine",
@@ -177,6 +186,8 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
         globals()[name] = value
         return value
+    if name in _FAMILIES:
+        return importlib.import_module(f"{__name__}.{_FAMILIES[name]}")
     if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return importlib.import_module(f"{__name__}.{name}")  # accelerator, ..., testing, world
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
