@@ -20,6 +20,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+# Size: ~610 lines: the two commands' argument parsers, runs and tables (check: local
+# ranks, the registry's cases, user modules; bench: its table and plot), each a screen.
+
 C10D_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 #: the built-in ops ``check`` covers, in its cases' order (the registry's families in
 #: order: collective, p2p, coalesced, mapping): a torch-free snapshot of the registry, so a
