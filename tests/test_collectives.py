@@ -198,14 +198,6 @@ def test_one_registry_holds_every_family() -> None:
             dual = R.SELF
             forward_text = backward_text = "-"
 
-            @staticmethod
-            def run(x: torch.Tensor) -> torch.Tensor:
-                return x
-
-            @staticmethod
-            def transpose(g: torch.Tensor) -> torch.Tensor:
-                return g
-
     with pytest.raises(ValueError, match="unknown family"):
 
         class _Nope(CommOp):

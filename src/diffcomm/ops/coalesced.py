@@ -50,7 +50,8 @@ __all__ = [
     "coalesced_markdown",
 ]
 
-#: coalesced op name -> its op class (a live view of the registry's ``"coalesced"`` family).
+#: coalesced op name -> its registry entry, read off its class (a live view of the
+#: ``"coalesced"`` family).
 COALESCED_OPS = FamilyView("coalesced")
 
 

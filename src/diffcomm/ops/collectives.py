@@ -60,8 +60,9 @@ __all__ = [
     "product_weight",
 ]
 
-#: op name -> its op class (a live view of the registry's ``"collective"`` family: an op
-#: a user's module defines appears here too).
+#: op name -> its :class:`~diffcomm.ops.registry.Entry` (public function, dual, rules in
+#: words, the op class), read off the class: a live view of the registry's ``"collective"``
+#: family (an op a user's module defines appears here too).
 OPS = FamilyView("collective")
 
 #: op name -> name of its adjoint (the table the tests walk and the docs are built from).

@@ -84,7 +84,7 @@ __all__ = [
 # the op -> adjoint views (each op's facts are stated in its class)
 # ======================================================================================
 
-#: p2p op name -> its op class (a live view of the registry's ``"p2p"`` family).
+#: p2p op name -> its registry entry, read off its class (a live view of the ``"p2p"`` family).
 OPS = FamilyView("p2p")
 
 #: p2p op name -> name of its adjoint.

@@ -773,7 +773,7 @@ def all_to_all_region(x: Tensor, split_dim: int, concat_dim: int, group: A.Group
     return apply(_AllToAllRegion, x, split_dim, concat_dim, pg, world)
 
 
-#: mapping name -> its op class: a live view of the registry's ``"mapping"`` family (the
+#: mapping name -> its registry entry, read off its class: a live view of the ``"mapping"`` family (the
 #: docs' table is ``registry.markdown("mapping")``). The dual of a mapping is its conjugate
 #: under the replicated objective; each class states whether its input and output are
 #: replicated (``replicated``), which is how :mod:`diffcomm.testing.mappings` forms the
