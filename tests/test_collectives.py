@@ -240,6 +240,32 @@ def test_one_registry_holds_every_family() -> None:
     assert R.markdown("collective") == dc.ops.collectives.duals_markdown()
 
 
+def test_every_backward_runs_the_dual_its_class_names(world3: dc.LocalWorld) -> None:
+    """At run time too: the backward of every registered op with a reference (the
+    collectives, shift, ppermute) communicates under its dual's label, nested under its own
+    (``"gather backward -> scatter"``): the transpose calls the dual's class."""
+    from diffcomm.backend import log_comms
+    from diffcomm.testing.cases import call, make_inputs, standard_cases, standard_p2p_cases
+
+    def rank_body() -> dict[str, list[str]]:
+        seen: dict[str, list[str]] = {}
+        for case in [*standard_cases(3), *standard_p2p_cases(3)]:
+            if case.op in seen or case.op not in R.with_reference() or case.dtype != "float64":
+                continue
+            x = make_inputs(case, "x")[dc.get_rank()].requires_grad_(True)
+            y = call(case, x)
+            with log_comms() as log:
+                torch.autograd.grad(y, x, torch.ones_like(y))
+            seen[case.op] = [r.label or "" for r in log.records]
+        return seen
+
+    for seen in world3.run(rank_body):
+        assert set(seen) == set(R.with_reference()), seen
+        for op, labels in seen.items():
+            dual = R.dual(op)
+            assert labels and any(" backward -> " + dual in lb for lb in labels), (op, labels)
+
+
 # --------------------------------------------------------------------------------------
 # pitfalls pinned down explicitly
 # --------------------------------------------------------------------------------------
