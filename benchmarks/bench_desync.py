@@ -1,5 +1,5 @@
 """Time to error of every desync scenario of the flight-recorder issue (the scenarios of
-``tests/_desync.py``, which ``tests/test_flight.py`` checks).
+``tests/_desync.py``, which ``tests/debug/test_flight.py`` checks).
 
 Each scenario runs on a :class:`~diffcomm.LocalWorld` of each world size with
 ``collective_timeout=T`` (the ranks' ``DIFFCOMM_TIMEOUT``), a live world (restarted after

@@ -7,7 +7,7 @@ function of the world size, not the network. Per op and world:
 
 ``lines``
     Python lines executed for one forward + backward (``sys.settrace`` line events): the
-    deterministic measure of Python work, used by ``tests/test_scaling.py``.
+    deterministic measure of Python work, used by ``tests/ops/test_scaling.py``.
 ``calls``
     Python function calls for one forward + backward.
 ``cpu_us``

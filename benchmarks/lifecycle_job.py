@@ -1,4 +1,4 @@
-"""One rank of a fault-matrix job (``benchmarks/bench_lifecycle.py``, ``tests/test_lifecycle.py``).
+"""One rank of a fault-matrix job (``benchmarks/bench_lifecycle.py``, ``tests/runtime/test_lifecycle.py``).
 
 Runs under ``torchrun`` (environment), under ``torch.multiprocessing.spawn`` (through
 :func:`spawn_entry`) or as a plain subprocess with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set.

@@ -1,5 +1,5 @@
 """The desync scenarios of the flight-recorder issue: programs in which one rank (the
-*victim*) goes wrong in a known way. ``tests/test_flight.py`` checks the error each one
+*victim*) goes wrong in a known way. ``tests/debug/test_flight.py`` checks the error each one
 ends in; ``benchmarks/bench_desync.py`` measures its time to error.
 
 Each scenario is ``fn(victim, stamp=None)``: when ``stamp`` is a path, the victim writes

@@ -187,7 +187,7 @@ def test_the_readme_test_command_ends_in_one_summary_line_it_explains() -> None:
     """No `-ra` in the project's pytest options: skips and expected failures are counted
     in the last line, not listed one per line (README: "What the test command prints")."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/accelerator/test_cuda.py"],
         capture_output=True,
         text=True,
         timeout=300,

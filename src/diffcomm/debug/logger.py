@@ -61,6 +61,16 @@ def label(text: str) -> contextlib.AbstractContextManager[None]:
     return _Label(text)
 
 
+def nest(outer: str | None, text: str) -> str:
+    """The label of ``text`` run inside label ``outer``: ``"outer -> text"`` (an op's
+    backward, the dual it calls), except that a part of the op in force that names itself
+    in full (``"all_gather (size exchange)"`` or ``"all_gather"`` itself inside
+    ``"all_gather"``) keeps its own name. The one place labels nest."""
+    if not outer or text == outer or text.startswith(outer + " ("):
+        return text
+    return f"{outer} -> {text}"
+
+
 class _Label:
     """Sets the label for a block; nested labels read ``outer -> inner``. (A class, not a
     generator-based context manager: it is on every op's hot path.)"""
@@ -73,7 +83,7 @@ class _Label:
 
     def __enter__(self) -> None:
         outer = _LABEL.get()
-        self.token = _LABEL.set(f"{outer} -> {self.text}" if outer else self.text)
+        self.token = _LABEL.set(nest(outer, self.text))
 
     def __exit__(self, *exc: object) -> None:
         if self.token is not None:

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from .. import backend as B
 from ..backend import args as A
+from ..debug.logger import nest as _nest
 from . import engine as _async
 from . import registry as _registry
 from .registry import OpFacts
@@ -211,8 +212,7 @@ def nest_label(text: str) -> Any:
     recorder read), nested under the label in force (``"outer -> text"``: an op's
     backward, or the dual it calls); returns the token for ``LABEL.reset``. The one place
     labels nest: every op's forward and backward, single and list, goes through it."""
-    outer = _get_label()
-    return _set_label(outer + " -> " + text if outer else text)
+    return _set_label(_nest(_get_label(), text))
 
 
 #: ``label + " backward"`` per forward label, made once (the labels are a few dozen

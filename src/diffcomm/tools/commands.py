@@ -26,7 +26,7 @@ from rich.table import Table
 C10D_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 #: the built-in ops ``check`` covers, in its cases' order (the registry's families in
 #: order: collective, p2p, coalesced, mapping): a torch-free snapshot of the registry, so a
-#: bad ``--ops`` is refused at once without importing torch (tests/test_cli.py keeps it
+#: bad ``--ops`` is refused at once without importing torch (tests/tools/test_cli.py keeps it
 #: equal to the registry's cases). With ``--module``, the names are read off the registry.
 CHECK_OPS = (
     "all_reduce",

@@ -104,7 +104,7 @@ def _raise_while_others_reduce(rank: int) -> torch.Tensor:
 def _skip_all_reduce_on(rank: int) -> torch.Tensor | None:
     if dc.get_rank() == rank:
         # busy in user code past the peer's timeout (a rank that *returns* is noticed at
-        # once instead: tests/test_flight.py), then skips the all_reduce
+        # once instead: tests/debug/test_flight.py), then skips the all_reduce
         time.sleep(2.5)
         return None  # the peer waits for this rank's all_reduce until its timeout
     with label("all_reduce backward"):

@@ -11,7 +11,7 @@ import torch
 
 import diffcomm as dc
 
-EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
+EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 
 
 def _ring_vs_full(causal: bool, seq_local: int) -> None:

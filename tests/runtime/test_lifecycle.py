@@ -21,7 +21,7 @@ import torch.distributed as dist
 import diffcomm as dc
 from diffcomm import _lifecycle
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lifecycle.py"
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_lifecycle.py"
 _spec = importlib.util.spec_from_file_location("bench_lifecycle", _BENCH)
 assert _spec is not None and _spec.loader is not None
 bench = importlib.util.module_from_spec(_spec)
@@ -140,7 +140,7 @@ def test_no_diffcomm_thread_outlives_its_group_in_process() -> None:
         assert _lifecycle.diffcomm_threads() == [], threading.enumerate()
 
 
-_SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_soak.py"
+_SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_soak.py"
 _soak_spec = importlib.util.spec_from_file_location("bench_soak", _SOAK)
 assert _soak_spec is not None and _soak_spec.loader is not None
 soak = importlib.util.module_from_spec(_soak_spec)

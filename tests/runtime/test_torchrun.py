@@ -15,7 +15,7 @@ import diffcomm as dc
 from diffcomm.accelerator import CPUAccelerator, DeviceLike, get_accelerator, set_accelerator
 from diffcomm.runtime import world
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchrun_allreduce.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrun_allreduce.py"
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="the `torchrun` launcher is not on PATH")

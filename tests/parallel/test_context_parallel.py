@@ -473,7 +473,7 @@ def test_llama_block_with_context_parallelism_equals_serial(world3: dc.LocalWorl
     import sys
     from pathlib import Path
 
-    examples = str(Path(__file__).resolve().parent.parent / "examples")
+    examples = str(Path(__file__).resolve().parents[2] / "examples")
 
     def body() -> list[dict[str, float]]:
         if examples not in sys.path:

@@ -5,7 +5,7 @@ the doc's code blocks equal it, character for character): a dual pair of collect
 ``all_stack`` / ``sum_unstack``, and a point-to-point op, ``mirror``. Nothing else in the
 repository names them. Defining the classes registers them; then, with no other edit:
 
-* ``python -m diffcomm check --module tests/test_adding_an_op.py`` runs their standard
+* ``python -m diffcomm check --module tests/ops/test_adding_an_op.py`` runs their standard
   cases (reference, gradient, adjoint, double backward) on worlds 2 and 3;
 * they are in ``dc.DUALS`` / ``p2p.DUALS`` and the docs' generated tables, and the
   registry's checks (``verify``) pass;
@@ -27,7 +27,7 @@ import pytest
 import diffcomm as dc
 from diffcomm.ops import registry as R
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # --8<-- [start:op-block]
 from collections.abc import Iterator  # noqa: E402 - the doc's block starts here

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from _shared import benchmark_json
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORLDS = (16, 64, 256)
 # Ops known to grow faster than their stated bound (none since all_reduce(product)'s
 # backward uses two all_reduces, the count of zeros and the product of the non-zero

@@ -4,7 +4,7 @@ that each block marked ``<!-- output of: python train.py N SCENARIO -->`` is wha
 printed - the user's file and line (``train.py:14``) included - after normalising the
 times (``after 0.2 s``, ``for 2.0 s``) and gloo's source path.
 
-``DIFFCOMM_REGENERATE_DOCS=1 python -m pytest tests/test_debugging_page.py`` rewrites the
+``DIFFCOMM_REGENERATE_DOCS=1 python -m pytest tests/debug/test_debugging_page.py`` rewrites the
 blocks from the run instead (times included) and then passes.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "debugging.md"
-SRC = Path(__file__).resolve().parents[1] / "src"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "debugging.md"
+SRC = Path(__file__).resolve().parents[2] / "src"
 MARK = re.compile(r"<!-- output of: python train\.py (\d+) (\w+) -->\n```text\n(.*?)```", re.S)
 
 

@@ -143,7 +143,7 @@ def test_a_real_notebook_cell_in_a_kernel_names_its_cell_and_line(tmp_path: Path
         "print(tb)",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     client = nbclient.NotebookClient(nb, timeout=240, kernel_name="python3")
     client.execute(env=env, cwd=str(tmp_path))
