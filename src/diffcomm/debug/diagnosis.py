@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["diagnose", "signature", "P2P_OPS"]
+from .raw_ops import P2P_OPS as P2P_OPS
+from .raw_ops import RAW_OPS
 
-#: raw ops whose sequence numbers count per sender/receiver pair, not per group
-P2P_OPS = frozenset(("send", "recv", "batch_p2p"))
-_SHAPE_FREE = frozenset(("all_to_all", "send", "recv", "batch_p2p", "barrier"))
+__all__ = ["diagnose", "signature", "P2P_OPS"]
 
 
 def signature(e: dict[str, Any]) -> tuple[Any, ...]:
-    if e["raw_op"] in _SHAPE_FREE:
+    row = RAW_OPS.get(e["raw_op"])
+    if row is not None and row.shape_free:
         return (e["op"], e["raw_op"])
     return (e["op"], e["raw_op"], tuple(e["shape"] or ()), e["dtype"])
 

@@ -388,7 +388,7 @@ def rows_from_times(
 
     ``slowest`` must contain ``"raw"``; ratios against ``"floor"`` are NaN without it.
     """
-    from ..backend import BUS_FACTOR as _BUS_FACTOR
+    from ..backend import bus_factor
 
     rows = []
     for k in [i for i in IMPLS if i in slowest] + [i for i in slowest if i not in IMPLS]:
@@ -402,7 +402,7 @@ def rows_from_times(
         nq1, nm, nq3 = paired_ratios(ts, slowest[_NN]) if _NN in slowest else (math.nan, math.nan, math.nan)
         # bandwidth of the forward+backward pair: two collectives of nbytes each
         alg = 2 * nbytes / m / 1e9 if m > 0 else 0.0
-        bus = alg * _BUS_FACTOR.get(op, lambda n: 1.0)(world)
+        bus = alg * bus_factor(op, world)
         rows.append(
             BenchRow(
                 op,
