@@ -137,7 +137,7 @@ _WORLD_PG: list[Any] = [None]
 _C10D = dist.distributed_c10d._world  # torch's one record of the process groups (see _groups.C10D)
 _INTERNAL: dict[str, bool] = {}
 _DEPTH: dict[Any, tuple[int, Any]] = {}  # label -> (depth of the user's frame, its code)
-_PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # src/diffcomm/
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _STATUS = ["running"]  # running | returned | exited | destroyed (what the process does outside diffcomm)
 
