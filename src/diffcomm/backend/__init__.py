@@ -37,6 +37,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .._torch import COMPILER
+from .._torch import TRACING as _TRACING
 from ..debug.logger import LABEL as LABEL
 from ..debug.logger import CommRecord, CommsLog, label, log_comms
 from ..debug.raw_ops import OP_NAMES, RAW_OPS, RawOp
@@ -163,8 +165,8 @@ _TRACEABLE = TraceableBackend()
 #: traced read of it would guard on its value and recompile on every call); eagerly
 #: ``TRACING()`` is ``False`` and the flag is ``is_compiling()``'s own answer (set while a
 #: compile session, e.g. AOTAutograd, or an export runs Python code).
-TC = torch.compiler
-TRACING = getattr(TC, "is_dynamo_compiling", None) or TC.is_compiling
+TC = COMPILER
+TRACING = _TRACING
 
 
 def get_backend() -> Backend:

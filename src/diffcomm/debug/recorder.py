@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _config, _lifecycle
+from .. import _config, _lifecycle, _torch
 from .._errors import DesyncError
 from .diagnosis import P2P_OPS, diagnose
 
@@ -134,7 +134,7 @@ _RING: deque[Entry] = deque(maxlen=1024)
 _GROUPS: dict[Any, _Group] = {}
 _LAST: list[Entry | None] = [None]
 _WORLD_PG: list[Any] = [None]
-_C10D = dist.distributed_c10d._world  # torch's one record of the process groups (see _groups.C10D)
+_C10D = _torch.C10D  # torch's one record of the process groups
 _INTERNAL: dict[str, bool] = {}
 _DEPTH: dict[Any, tuple[int, Any]] = {}  # label -> (depth of the user's frame, its code)
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # src/diffcomm/
@@ -210,7 +210,7 @@ def _site(key: Any) -> tuple[Any, int] | None:
 def _group(group: Any) -> _Group:
     key = group
     if group is None:
-        pg = _C10D._default_pg
+        pg = _torch.default_pg()
         if pg is not _WORLD_PG[0]:  # a new default group: forget the old one's counters
             _WORLD_PG[0] = pg
             _GROUPS.pop(None, None)
@@ -304,7 +304,7 @@ def _apply_timeout(group: Any, g: _Group, timeout: float | None) -> None:
     if timeout is None or not dist.is_initialized():
         return
     try:
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout), group)
+        _torch.set_pg_timeout(timeout, group)
     except Exception:  # noqa: BLE001 - a backend without settable timeouts keeps its own
         pass
 
@@ -541,13 +541,13 @@ def start_responder(store: Any = None, rank: int | None = None, world: int | Non
         return
     if not dist.is_initialized():
         return
-    pg = _C10D._default_pg
+    pg = _torch.default_pg()
     if cur is not None and (cur.pinned or cur.pg is pg):
         return
     if cur is not None:
         cur.stop(wait_peers=False)  # a group destroyed behind diffcomm's back: its store is gone
     try:
-        base = dist.distributed_c10d._get_default_store()
+        base = _torch.default_store()
         _RESPONDER[0] = _Responder(base, dist.get_rank(), dist.get_world_size(), pinned=False, pg=pg)
     except Exception:  # noqa: BLE001 - no store, no cross-rank diagnosis (own view only)
         _RESPONDER[0] = None

@@ -50,6 +50,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .. import _torch
 from .. import backend as B
 from . import engine as _async
 
@@ -98,18 +99,9 @@ class FastFunction(torch.autograd.Function):
         return _c_apply(cls, _unwrap_if_dead(args[0]), *args[1:])
 
 
-_transforms_active = torch._C._are_functorch_transforms_active
-_c_apply = torch._C._FunctionBase.__dict__["apply"]  # the C++ apply, called as (cls, *args)
-
-try:
-    from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
-except ImportError:  # pragma: no cover - older torch
-
-    def _unwrap_if_dead(t: Any) -> Any:
-        from torch._functorch.utils import unwrap_dead_wrappers
-
-        return unwrap_dead_wrappers((t,))[0]
-
+_transforms_active = _torch.transforms_active
+_c_apply = _torch.c_apply  # the C++ apply, called as (cls, *args)
+_unwrap_if_dead = _torch.unwrap_if_dead
 
 unwrap_if_dead = _unwrap_if_dead
 _fwad = torch.autograd.forward_ad
@@ -362,15 +354,9 @@ def _only_grad_transforms() -> bool:
     Levels count from 1 at the outermost transform, so a grad at level 1 is alone.
     (Dynamo can read the top level's kind and number, not walk the stack below it.)
     """
-    if torch.autograd.forward_ad._current_level >= 0:  # inside fwAD.dual_level()
+    if _torch.forward_ad_level() >= 0:  # inside fwAD.dual_level()
         return False
-    if not torch._C._are_functorch_transforms_active():
-        return True
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import coerce_cinterpreter
-
-    level = coerce_cinterpreter(torch._C._functorch.peek_interpreter_stack())
-    return level.key() == TransformType.Grad and level.level() == 1
+    return not _torch.transforms_active() or _torch.only_grad_transform()
 
 
 # ------------------------------------------------------------------------ small helpers

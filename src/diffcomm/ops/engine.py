@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map_only
 
-from .. import _config, _lifecycle
+from .. import _config, _lifecycle, _torch
 from .. import backend as B
+from .._torch import tree_map_only
 from ..accelerator import get_accelerator
 
 __all__ = [
@@ -213,11 +213,7 @@ def available() -> bool:
     level is active: those see through tensors to their values, so there the asynchronous
     ops run blocking and return plain tensors (same values and gradients).
     """
-    return not (
-        torch.compiler.is_compiling()
-        or torch._C._are_functorch_transforms_active()
-        or torch.autograd.forward_ad._current_level >= 0
-    )
+    return not (torch.compiler.is_compiling() or _torch.transforms_active() or _torch.forward_ad_level() >= 0)
 
 
 # ======================================================================================
@@ -262,7 +258,7 @@ class AsyncTensor(Tensor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = _torch.disabled_torch_function_impl
 
     def _finished(self) -> Tensor:
         if self._elem is None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import _config
+from .. import _config, _torch
 from .. import backend as B
 from ..backend import args as A
 from ..backend.sized_gather import exchange_first
@@ -135,7 +135,7 @@ def gathered_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> tuple[int, ..
 
 
 _compiling = torch.compiler.is_compiling
-_transforms_active = torch._C._are_functorch_transforms_active
+_transforms_active = _torch.transforms_active
 _fwad = torch.autograd.forward_ad
 
 

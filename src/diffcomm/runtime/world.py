@@ -53,7 +53,7 @@ import cloudpickle
 import psutil
 import torch.distributed as dist
 
-from .. import _config
+from .. import _config, _torch
 from .._errors import (
     RankDesyncError,
     RankDiedError,
@@ -157,7 +157,7 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
     dist.init_process_group(name, **kwargs)
     if seconds is not None and seconds < _STARTUP_TIMEOUT:
         try:  # the collectives then wait `seconds`, no longer
-            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), None)
+            _torch.set_pg_timeout(seconds, None)
         except Exception:  # noqa: BLE001 - a backend without settable timeouts keeps its own
             pass
 

@@ -189,12 +189,14 @@ def _impls(op: str, nbytes: int, device: Any = "cpu", control: bool = False) -> 
     ``device`` (with ``control``, :data:`CONTROL` too)."""
     import torch
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
     import torch.distributed.nn.functional as tdnn
 
     import diffcomm as dc
+    from diffcomm._torch import functional_collectives
     from diffcomm.backend import all_gather_single as _all_gather_single
     from diffcomm.backend import reduce_scatter_single as _reduce_scatter_single
+
+    funcol = functional_collectives()
 
     if op not in BENCH_OPS:
         raise ValueError(f"diffcomm bench: unknown op {op!r}; known: {BENCH_OPS}")

@@ -1,0 +1,60 @@
+"""The package's shape, checked: torch internals read in one module, no import cycle
+(lazy imports counted), no module over 600 lines without a note, and the layer picture in
+docs/architecture.md equal to the import-linter contract.
+
+Pure source analysis (``ast`` over ``src/diffcomm``): no process group, no rank.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import diffcomm
+
+PKG = Path(diffcomm.__file__).parent
+ROOT = PKG.parent.parent
+
+
+def _modules() -> dict[str, Path]:
+    """Every diffcomm module by dotted name (a package by its ``__init__``)."""
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+# ------------------------------------------------------------------ torch internals
+
+#: A private name of torch: ``torch._x``, ``torch.a._x``, ``distributed_c10d._x``, a
+#: ``from torch._x`` / ``from torch.a._x import``, ``_functional_collectives``.
+_TORCH_PRIVATE = re.compile(
+    r"\btorch(\.[A-Za-z]\w*)*\._[A-Za-z]|\bdistributed_c10d\._[A-Za-z]|_functional_collectives"
+    r"|\bProcessGroup\._[A-Za-z]|\._get_backend\("
+)
+#: The three hot-path attribute reads ``diffcomm._torch`` documents (each on an object it names).
+_HOT_READS = re.compile(r"\._default_pg\b|\._is_compiling_flag\b|\._current_level\b")
+
+
+def test_torch_internals_are_read_in_one_module() -> None:
+    offenders = []
+    for name, path in _modules().items():
+        if name == "diffcomm._torch":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if _TORCH_PRIVATE.search(code) and not _HOT_READS.search(code):
+                offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert offenders == [], "torch internals outside diffcomm/_torch.py:\n" + "\n".join(offenders)
+    # and the hot-path reads go through the objects _torch names
+    hot = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for name, path in _modules().items()
+        if name != "diffcomm._torch"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\b(torch|dist|c10d|distributed_c10d)\.\w*\._(default_pg|current_level)", line)
+    ]
+    assert hot == []
