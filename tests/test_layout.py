@@ -58,3 +58,20 @@ def test_torch_internals_are_read_in_one_module() -> None:
         if re.search(r"\b(torch|dist|c10d|distributed_c10d)\.\w*\._(default_pg|current_level)", line)
     ]
     assert hot == []
+
+
+# ------------------------------------------------------------------ settings
+
+
+def test_settings_are_read_through_their_public_names() -> None:
+    """Outside ``_config`` a setting is read with ``get()`` or the public fast read
+    (``value if loaded else get()``), never through its private attributes."""
+    private = re.compile(r"\b(?!self\b)\w+\.(_value|_loaded|_parse|_default)\b")
+    offenders = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for name, path in _modules().items()
+        if name != "diffcomm._config"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
+    assert offenders == []

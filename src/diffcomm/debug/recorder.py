@@ -232,11 +232,11 @@ def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: 
     if g is None or (group is None and _C10D._default_pg is not _WORLD_PG[0]):
         g = _group(group)
     setting = _TIMEOUT
-    timeout = setting._value if setting._loaded else setting.get()
+    timeout = setting.value if setting.loaded else setting.get()
     if timeout != g.timeout:
         _apply_timeout(group, g, timeout)
     setting = _FLIGHT
-    if not (setting._value if setting._loaded else setting.get()):
+    if not (setting.value if setting.loaded else setting.get()):
         return None
     if op in P2P_OPS:
         g = _p2p_group(group, g)

@@ -91,7 +91,7 @@ __all__ = [
 # all_reduce
 # ======================================================================================
 
-_DEBUG = _config.DEBUG  # read inline as ``_value if _loaded else get()`` (the hot path)
+_DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
 #: ``"<op>(<reduce op>)"``, made once: a label is asked for on every call (the flight
 #: recorder keys its call-site cache by it, and the same string object keeps its hash).
 _LABELS = {
@@ -216,7 +216,7 @@ def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None, *, async_o
     x = _check_input(x, "all_reduce")
     op_name = A.normalize_op(op, "all_reduce", x)
     pg = A.resolve_group(group, "all_reduce")
-    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
+    if _DEBUG.value if _DEBUG.loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
         _debug_check_input("all_reduce", pg, x, op=op_name)
     return (_apply_async if async_op else _apply)(_AllReduce, x, op_name, pg)
 
@@ -267,7 +267,7 @@ def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None, *, async_op: b
     x = _check_input(x, "broadcast")
     pg = A.resolve_group(group, "broadcast")
     src = A.check_rank(src, "broadcast", "src", _world(pg))
-    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
+    if _DEBUG.value if _DEBUG.loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
         _debug_check_input("broadcast", pg, x, src=src)
     return (_apply_async if async_op else _apply)(_Broadcast, x, src, pg)
 
@@ -325,7 +325,7 @@ def reduce(
     op_name = A.normalize_op(op, "reduce", x)
     pg = A.resolve_group(group, "reduce")
     dst = A.check_rank(dst, "reduce", "dst", _world(pg))
-    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
+    if _DEBUG.value if _DEBUG.loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
         _debug_check_input("reduce", pg, x, op=op_name, dst=dst)
     apply = _apply_async if async_op else _apply
     if op_name in A.LINEAR_OPS:
@@ -400,7 +400,7 @@ def all_gather(
     sizes, arg = A.renamed_sizes(split_sizes, sizes, "all_gather")
     if sizes is not None:
         sizes = _given_sizes(sizes, x, dim, pg, "all_gather", arg)
-    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():
+    if _DEBUG.value if _DEBUG.loaded else _DEBUG.get():
         rest = _other_dims(x, dim)
         _debug_check("all_gather", pg, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
     if sizes is None:  # learned with the rows where the backend can, else exchanged first
@@ -478,7 +478,7 @@ def reduce_scatter(
     op_name = A.normalize_op(op, "reduce_scatter", x)
     pg = A.resolve_group(group, "reduce_scatter")
     sizes = A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), "reduce_scatter")
-    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
+    if _DEBUG.value if _DEBUG.loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
         _debug_check_input("reduce_scatter", pg, x, op=op_name, dim=dim, split_sizes=sizes)
     apply = _apply_async if async_op else _apply
     if op_name in A.LINEAR_OPS:

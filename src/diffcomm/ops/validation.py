@@ -54,7 +54,7 @@ def debug_check_input(opname: str, pg: PG, x: Tensor, /, **fields: Any) -> None:
     """:func:`debug_check` of ``fields`` and ``x``'s shape, dtype and whether it requires
     grad (nothing is computed outside debug mode)."""
     debug = _config.DEBUG
-    if debug._value if debug._loaded else debug.get():
+    if debug.value if debug.loaded else debug.get():
         fields.update(shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
         current_backend().check_consistent(opname, fields, pg)
 
