@@ -7,6 +7,7 @@ Pure source analysis (``ast`` over ``src/diffcomm``): no process group, no rank.
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -75,3 +76,78 @@ def test_settings_are_read_through_their_public_names() -> None:
         if private.search(line)
     ]
     assert offenders == []
+
+
+# ------------------------------------------------------------------ import cycles
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The diffcomm modules ``name`` imports anywhere in its source (module level or
+    inside a function: a lazy import closes a cycle as surely as an eager one).
+    ``from pkg import sub`` counts as an import of ``pkg.sub`` where that is a module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                out.add(sub if sub in modules else target)
+    return {m for m in out if m in modules and m != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_cycle_finder_finds_a_lazy_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    modules = _modules()
+    # tools/bench.py imports diffcomm._torch only inside a function
+    assert "diffcomm._torch" in _imports("diffcomm.tools.bench", PKG / "tools" / "bench.py", modules)
+
+
+def test_no_import_cycles_among_diffcomm_modules() -> None:
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert sum(len(v) for v in graph.values()) > 200, "the import graph was not read"
+    assert _cycles(graph) == []

@@ -27,8 +27,7 @@ otherwise; pad e.g. the vocabulary to a multiple of the group size).
 
 :class:`ParallelModule` itself and the argument checks live in the private
 ``diffcomm.parallel._module``; ``MLP`` / ``ParallelMLP`` / ``SelfAttention`` /
-``ParallelSelfAttention`` moved to :mod:`diffcomm.parallel.blocks` and stay importable
-from here.
+``ParallelSelfAttention`` live in :mod:`diffcomm.parallel.blocks`.
 """
 
 from __future__ import annotations
@@ -73,18 +72,6 @@ __all__ = [
 # (four layers, each with Args / Shapes / Gradient / Example); the column and row linears
 # already share one constructor (``_ParallelLinear``), the blocks built from them live in
 # ``blocks``, and ``ParallelModule`` with the argument checks in ``_module``.
-
-#: the ready-made blocks that moved to :mod:`diffcomm.parallel.blocks` (still importable here)
-_BLOCKS = ("MLP", "ParallelMLP", "SelfAttention", "ParallelSelfAttention")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _BLOCKS:
-        from . import blocks
-
-        return getattr(blocks, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 # ======================================================================================
 # linear layers
