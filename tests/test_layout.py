@@ -11,6 +11,8 @@ import ast
 import re
 from pathlib import Path
 
+import tomllib
+
 import diffcomm
 
 PKG = Path(diffcomm.__file__).parent
@@ -151,3 +153,43 @@ def test_no_import_cycles_among_diffcomm_modules() -> None:
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert sum(len(v) for v in graph.values()) > 200, "the import graph was not read"
     assert _cycles(graph) == []
+
+
+# ------------------------------------------------------------------ the layer picture
+
+
+def _picture_layers() -> list[set[str]]:
+    """The layers of docs/architecture.md's picture, top first: the first column of each
+    line that starts a layer (a continuation line starts with spaces)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("<!-- layers: begin", 1)[1].split("<!-- layers: end -->", 1)[0]
+    lines = block.split("```")[1].strip("\n").splitlines()
+    layers = []
+    for line in lines:
+        if line.strip() and not line.startswith(" "):
+            names = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+            layers.append({n.strip() for n in names.split(",")})
+    return layers
+
+
+def _contract_layers() -> list[set[str]]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (contract,) = [c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
+    return [
+        {name.strip().removeprefix("diffcomm.") for name in re.split(r"[|:]", layer)}
+        for layer in contract["layers"]
+    ]
+
+
+def test_architecture_picture_lists_the_contract_layers() -> None:
+    picture = _picture_layers()
+    assert len(picture) >= 10
+    assert picture == _contract_layers()
+    # every package and top-level module of diffcomm is in exactly one layer
+    top = {
+        p.stem if p.suffix else p.name
+        for p in PKG.iterdir()
+        if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
+    placed = set().union(*picture)
+    assert top - {"__init__", "__main__"} == placed
