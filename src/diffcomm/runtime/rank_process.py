@@ -30,6 +30,7 @@ from diffcomm import _lifecycle  # noqa: E402
 from diffcomm._errors import CollectiveTimeoutError  # noqa: E402
 from diffcomm.accelerator import comm_accelerator  # noqa: E402
 from diffcomm.debug import recorder as _flight  # noqa: E402
+from diffcomm.debug import responder as _responder  # noqa: E402
 from diffcomm.runtime import shipping as _ship  # noqa: E402
 from diffcomm.runtime.world import _STARTUP_TIMEOUT  # noqa: E402
 
@@ -79,7 +80,7 @@ def _worker_main(
         store.wait([f"diffcomm/arrived/{r}" for r in range(world_size)], startup)
         # the recorder answers through the world's store for the rank's whole life (also
         # across process groups the user's functions create and destroy)
-        _flight.start_responder(store, rank, world_size)
+        _responder.start_responder(store, rank, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         _flight.set_status("returned")
         acc = comm_accelerator(backend)

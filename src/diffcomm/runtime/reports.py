@@ -19,6 +19,7 @@ import cloudpickle
 
 from .._errors import DesyncError, RankDesyncError
 from ..debug import recorder as _flight
+from ..debug import responder as _responder
 from ..debug.diagnosis import P2P_OPS, diagnose, signature
 
 
@@ -105,7 +106,7 @@ def abort_story(
     others: list[str] = []
     alive = [r for r in range(world_size) if r not in died]
     try:
-        states = _flight.request_states(store, alive, wait=0.3) if store is not None and alive else {}
+        states = _responder.request_states(store, alive, wait=0.3) if store is not None and alive else {}
     except Exception:  # noqa: BLE001
         states = {}
     for r in alive:
@@ -128,7 +129,7 @@ def desync_check(
     if store is None:
         return None
     try:
-        states = _flight.request_states(store, list(range(world_size)), wait=0.5)
+        states = _responder.request_states(store, list(range(world_size)), wait=0.5)
     except Exception:  # noqa: BLE001 - no answers, no early diagnosis (the timeout still applies)
         return None
     for p in busy:
