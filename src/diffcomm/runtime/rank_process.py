@@ -32,7 +32,7 @@ from diffcomm.accelerator import comm_accelerator  # noqa: E402
 from diffcomm.debug import recorder as _flight  # noqa: E402
 from diffcomm.debug import responder as _responder  # noqa: E402
 from diffcomm.runtime import shipping as _ship  # noqa: E402
-from diffcomm.runtime.world import _STARTUP_TIMEOUT  # noqa: E402
+from diffcomm.runtime.joining import _STARTUP_TIMEOUT  # noqa: E402
 
 
 def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
