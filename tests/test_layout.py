@@ -193,3 +193,20 @@ def test_architecture_picture_lists_the_contract_layers() -> None:
     }
     placed = set().union(*picture)
     assert top - {"__init__", "__main__"} == placed
+
+
+# ------------------------------------------------------------------ module size
+
+MAX_LINES = 600
+#: A module over MAX_LINES says why in a comment line starting with this marker,
+#: followed by the reason (e.g. ``# Size: ~650 lines, over the ~600 guideline: ...``).
+SIZE_NOTE = re.compile(r"^# Size: .{40,}", re.M)
+
+
+def test_no_module_over_600_lines_without_a_note() -> None:
+    over = []
+    for path in _modules().values():
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_LINES and not SIZE_NOTE.search(text):
+            over.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+    assert over == [], f"modules over {MAX_LINES} lines without a `# Size:` note: {over}"
