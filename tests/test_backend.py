@@ -86,7 +86,7 @@ def _error(fn: Callable[[], Any]) -> tuple[str, str] | None:
     """``(type name, message)`` of what ``fn()`` raises on a rank, None if it returns."""
     try:
         fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the caller, who checks the type
+    except Exception as exc:  # reported to the caller, who checks the type
         return type(exc).__name__, str(exc)
     return None
 
@@ -716,7 +716,7 @@ def test_resolve_group_needs_an_initialised_process_group() -> None:
 
 
 @pytest.mark.parametrize("spec", [None, "cpu:gloo", "gloo"])
-def test_group_record_asks_the_group_which_backend_moves_its_data(spec: str | None, tmp_path) -> None:  # noqa: ANN001
+def test_group_record_asks_the_group_which_backend_moves_its_data(spec: str | None, tmp_path) -> None:
     """``init_process_group()`` without a backend reports ``"undefined"``, a device map
     reports itself (``"cpu:gloo"``): the record asks the group for the backend behind its
     data instead, so such a group gets gloo's native ops (not the conservative fallbacks

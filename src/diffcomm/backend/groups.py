@@ -160,7 +160,7 @@ def data_backend(group: ProcessGroup) -> str:
     try:
         device = torch.device(kind if kind in types else "cpu")
         live = str(_torch.pg_device_backend(_pg(group), device).name()).lower()
-    except Exception:  # noqa: BLE001 - no per-device backend to ask: the reported name
+    except Exception:  # no per-device backend to ask: the reported name
         return reported
     return live or reported
 
@@ -173,7 +173,7 @@ def _device_types(group: ProcessGroup) -> set[str]:
     """The device types ``group`` has a backend for (none when it cannot say)."""
     try:
         return {d.type for d in _pg(group)._device_types}
-    except Exception:  # noqa: BLE001 - a group that cannot say
+    except Exception:  # a group that cannot say
         return set()
 
 

@@ -306,7 +306,7 @@ def _apply_timeout(group: Any, g: _Group, timeout: float | None) -> None:
         return
     try:
         _torch.set_pg_timeout(timeout, group)
-    except Exception:  # noqa: BLE001 - a backend without settable timeouts keeps its own
+    except Exception:  # a backend without settable timeouts keeps its own
         pass
 
 

@@ -143,7 +143,7 @@ class _Responder:
                 if store.get(key).decode() == self.token:
                     return
                 store.set(f"{ns}state/{self.gen}/{me}", json.dumps(_state()))
-            except Exception:  # noqa: BLE001 - the store is gone: the world is over
+            except Exception:  # the store is gone: the world is over
                 return
             self.gen += 1
 
@@ -159,7 +159,7 @@ class _Responder:
             gen = self.gen
             for g in (gen, gen + 1):
                 asker.set(f"{ns}req/{g}/{me}", self.token)
-        except Exception:  # noqa: BLE001 - the store is gone, and with it the thread's wait
+        except Exception:  # the store is gone, and with it the thread's wait
             pass
         self.thread.join(JOIN_WAIT)
         try:
@@ -171,7 +171,7 @@ class _Responder:
                 deadline = time.monotonic() + (ANSWER_WAIT + 1.5 if _FAILED[0] else STOP_WAIT)
                 while not asker.check(keys) and time.monotonic() < deadline:
                     time.sleep(0.005)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         self.waiter = self.asker = None
 
@@ -201,7 +201,7 @@ def start_responder(store: Any = None, rank: int | None = None, world: int | Non
     try:
         base = _torch.default_store()
         _RESPONDER[0] = _Responder(base, dist.get_rank(), dist.get_world_size(), pinned=False, pg=pg)
-    except Exception:  # noqa: BLE001 - no store, no cross-rank diagnosis (own view only)
+    except Exception:  # no store, no cross-rank diagnosis (own view only)
         _RESPONDER[0] = None
 
 
@@ -300,7 +300,7 @@ def failed(
             states = request_states(resp.asker, list(range(dist.get_world_size())), ns=resp.ns)
             states[rank] = {**(states.get(rank) or _state()), "inflight": [focus]}
             diagnosis, facts = diagnose(states, focus)
-        except Exception as exc:  # noqa: BLE001 - the plain message still goes out
+        except Exception as exc:  # the plain message still goes out
             diagnosis = f"(the cross-rank diagnosis failed: {exc})"
     backward = (label or "").find("backward") >= 0
     how = "timed out" if timeout else "failed (a peer left mid-op)"

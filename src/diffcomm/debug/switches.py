@@ -22,7 +22,7 @@ def off() -> set[str]:
     return STATE.off
 
 
-class comm_off:  # noqa: N801 - used like a function
+class comm_off:  # used like a function
     """Skip the named raw collectives (ablation timing); results keep their shapes.
 
     A skipped op returns what a one-rank world would compute from local data (its own

@@ -307,7 +307,7 @@ def _labelled_forward(run: Any, params: tuple[str, ...], name: str, label: Any) 
     }
     # named inside the package, so the flight recorder's call-site walk steps over it
     code = compile(src, f"{__file__}:<{name} forward>", "exec")
-    exec(code, scope)  # noqa: S102 - a fixed template over the op's own parameter names
+    exec(code, scope)  # a fixed template over the op's own parameter names
     forward = scope["forward"]
     forward.__qualname__ = f"{run.__qualname__.rsplit('.', 1)[0]}.forward"
     forward.__module__ = run.__module__

@@ -145,7 +145,7 @@ class _Engine:
             try:
                 with torch.no_grad(), acc.stream_context(stream) if acc is not None else _NO_STREAM:
                     handle._result = ctx.run(fn)
-            except BaseException as err:  # noqa: BLE001 - re-raised by Handle.wait on the caller
+            except BaseException as err:  # re-raised by Handle.wait on the caller
                 handle._error = err
             finally:
                 B.adopt_comm_state(None)
@@ -298,7 +298,7 @@ class AsyncTensor(Tensor):
         args, kwargs = tree_map_only(AsyncTensor, AsyncTensor._finished, (args, kwargs or {}))
         return func(*args, **kwargs)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"AsyncTensor({self._finished()!r}, {self._handle.name})"
 
     def __reduce_ex__(self, proto: Any) -> Any:  # pickling (e.g. returned from a rank) waits
@@ -421,7 +421,7 @@ ACTIVE = [0]
 _ACTIVE_LOCK = threading.Lock()
 
 
-class async_mode:  # noqa: N801 - used like a function
+class async_mode:  # used like a function
     """Within the block, applying a registered Function launches it asynchronously.
 
     The public ops wrap their ``apply`` in it when ``async_op=True``; an asynchronous

@@ -96,7 +96,7 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
     if seconds is not None and seconds < _STARTUP_TIMEOUT:
         try:  # the collectives then wait `seconds`, no longer
             _torch.set_pg_timeout(seconds, None)
-        except Exception:  # noqa: BLE001 - a backend without settable timeouts keeps its own
+        except Exception:  # a backend without settable timeouts keeps its own
             pass
 
 

@@ -77,7 +77,7 @@ class _Procs:
             for c in self.conns:
                 try:
                     c.send_bytes(pickle.dumps(("stop", None)))
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
             deadline = time.monotonic() + 3
             for p in self.procs:
@@ -89,12 +89,12 @@ class _Procs:
         for p in self.procs:
             try:
                 p.wait(2)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         for c in self.conns:
             try:
                 c.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         self.procs, self.conns = [], []
         self.store = None

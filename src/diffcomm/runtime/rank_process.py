@@ -63,7 +63,7 @@ def _worker_main(
     fault_dir = os.environ.get("DIFFCOMM_FAULT_DIR")
     if fault_dir:  # a rank the backend aborts (gloo on a size mismatch) leaves its stack here
         try:
-            faulthandler.enable(open(os.path.join(fault_dir, f"rank{rank}.txt"), "w"), all_threads=True)  # noqa: SIM115
+            faulthandler.enable(open(os.path.join(fault_dir, f"rank{rank}.txt"), "w"), all_threads=True)
         except FileNotFoundError:  # the caller removed it: it is tearing this world down
             os._exit(0)
     os.environ["DIFFCOMM_TIMEOUT"] = str(collective_timeout)
@@ -112,11 +112,11 @@ def _worker_main(
             finally:
                 _flight.set_status("returned")
             reply = pickle.dumps(("ok", cloudpickle.dumps(result)))
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+        except BaseException as exc:  # reported to the caller
             fatal = isinstance(exc, CollectiveTimeoutError | dist.DistBackendError)
             try:
                 exc_bytes = cloudpickle.dumps(exc)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 exc_bytes = None
             reply = pickle.dumps(("err", (traceback.format_exc(), exc_bytes, fatal)))
         try:
@@ -126,7 +126,7 @@ def _worker_main(
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     _lifecycle.stop_all(None, exiting=True)  # the world's own answering thread
     watcher_stop.set()

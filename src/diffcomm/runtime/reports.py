@@ -30,7 +30,7 @@ def exceptions(replies: dict[int, tuple[str, Any]]) -> dict[int, BaseException]:
         if kind == "err" and value[1] is not None:
             try:
                 out[r] = cloudpickle.loads(value[1])
-            except Exception:  # noqa: BLE001 - the traceback text is still reported
+            except Exception:  # the traceback text is still reported
                 pass
     return out
 
@@ -107,7 +107,7 @@ def abort_story(
     alive = [r for r in range(world_size) if r not in died]
     try:
         states = _responder.request_states(store, alive, wait=0.3) if store is not None and alive else {}
-    except Exception:  # noqa: BLE001
+    except Exception:
         states = {}
     for r in alive:
         for e in (states.get(r) or {}).get("inflight", []):
@@ -130,7 +130,7 @@ def desync_check(
         return None
     try:
         states = _responder.request_states(store, list(range(world_size)), wait=0.5)
-    except Exception:  # noqa: BLE001 - no answers, no early diagnosis (the timeout still applies)
+    except Exception:  # no answers, no early diagnosis (the timeout still applies)
         return None
     for p in busy:
         s = states.get(p)

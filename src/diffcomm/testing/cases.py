@@ -177,7 +177,7 @@ AS_SHIFT = ("sendrecv", "send/recv")
 
 def _registry() -> dict[str, Any]:
     """Every op with a dual and a serial reference: the collectives and the symmetric p2p ops."""
-    from diffcomm.ops import registry as _registry  # noqa: F401 - importing registers the ops
+    from diffcomm.ops import registry as _registry  # importing registers the ops
 
     return _registry.with_reference()
 
