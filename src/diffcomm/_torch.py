@@ -46,6 +46,8 @@ __all__ = [
     "unwrap_if_dead",
     "functorch_unwrapped",
     "disabled_torch_function_impl",
+    "FLASH_ATTENTION_CPU",
+    "FLASH_ATTENTION_CPU_BACKWARD",
     "mps_initial_seed",
 ]
 
@@ -135,14 +137,19 @@ def forward_ad_level() -> int:
     return level
 
 
+def _unwrap_dead_wrappers(t: Any) -> Any:  # pragma: no cover - older torch
+    from torch._functorch.utils import unwrap_dead_wrappers
+
+    return unwrap_dead_wrappers((t,))[0]
+
+
+_unwrap_if_dead: Callable[[Any], Any]
 try:
-    from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
+    from torch._C._functorch import unwrap_if_dead as _c_unwrap_if_dead
+
+    _unwrap_if_dead = _c_unwrap_if_dead
 except ImportError:  # pragma: no cover - older torch
-
-    def _unwrap_if_dead(t: Any) -> Any:
-        from torch._functorch.utils import unwrap_dead_wrappers
-
-        return unwrap_dead_wrappers((t,))[0]
+    _unwrap_if_dead = _unwrap_dead_wrappers
 
 
 #: ``t`` unwrapped if it is a functorch wrapper whose level has ended (a tensor that
@@ -169,6 +176,15 @@ def functorch_unwrapped(t: torch.Tensor) -> torch.Tensor:
         t = get_unwrapped(t)
     return t
 
+
+# ---------------------------------------------------------------- kernels
+
+#: torch's fused CPU attention kernel (flash attention for CPU) and its backward, or
+#: ``None`` in a torch without them (ring attention then takes its unfused path).
+FLASH_ATTENTION_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_ATTENTION_CPU_BACKWARD: Any = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
 
 # ---------------------------------------------------------------- devices
 

@@ -134,7 +134,7 @@ class CUDAAccelerator(TorchModuleAccelerator):
     _communication_backend = "nccl"
 
     @property
-    def _nvtx(self) -> Any:  # type: ignore[override]
+    def _nvtx(self) -> Any:
         return torch.cuda.nvtx
 
 

@@ -157,7 +157,7 @@ def record_spans() -> Iterator[list[tuple[str, str | None, str, float, float]]]:
     engine's thread is recorded too.
     """
     global _SPANS
-    old, spans = _SPANS, []
+    old, spans = _SPANS, list[tuple[str, str | None, str, float, float]]()
     _SPANS = spans
     try:
         yield spans

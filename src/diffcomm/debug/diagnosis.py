@@ -63,9 +63,10 @@ def diagnose(
         return "no rank is inside a diffcomm communication", {"culprits": [], "seq": None}
     group = list(focus["group"])
     p2p = focus["raw_op"] in P2P_OPS
-    hist = {r: _group_entries(states[r], group, p2p) for r in group if states.get(r)}
+    answered = {r: s for r in group if (s := states.get(r))}
+    hist = {r: _group_entries(s, group, p2p) for r, s in answered.items()}
     counts_key = ",".join(map(str, group)) + ("/p2p" if p2p else "")
-    reached = {r: states[r].get("counts", {}).get(counts_key, 0) for r in group if states.get(r)}
+    reached = {r: s.get("counts", {}).get(counts_key, 0) for r, s in answered.items()}
     # first sequence number where the ranks differ: a different op/shape or a rank missing
     lo = min((min(h) for h in hist.values() if h), default=focus["seq"])
     hi = max((max(h) for h in hist.values() if h), default=focus["seq"])

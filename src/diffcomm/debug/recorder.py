@@ -104,6 +104,7 @@ def fmt_site(site: tuple[Any, int] | None) -> str | None:
     if site is None:
         return None
     where, at = site
+    line: int | None
     if isinstance(where, str):  # (path, line), e.g. parsed from a faulthandler dump
         path, line = where, at
     else:
@@ -236,8 +237,8 @@ def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: 
     timeout = setting.value if setting.loaded else setting.get()
     if timeout != g.timeout:
         _apply_timeout(group, g, timeout)
-    setting = _FLIGHT
-    if not (setting.value if setting.loaded else setting.get()):
+    flight = _FLIGHT
+    if not (flight.value if flight.loaded else flight.get()):
         return None
     if op in P2P_OPS:
         g = _p2p_group(group, g)

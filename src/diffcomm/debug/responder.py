@@ -116,12 +116,13 @@ class _Responder:
 
     def __init__(self, store: Any, rank: int, world: int, pinned: bool, pg: Any = None) -> None:
         self.waiter = _connection(store)
-        self.asker = _connection(store) if self.waiter is not None else None
+        self.asker: Any = _connection(store) if self.waiter is not None else None
         self.rank, self.world, self.pinned, self.pg = rank, world, pinned, pg
         self.ns = _PREFIX
         self.stopped = self.waiter is None
         if self.stopped:
             return
+        assert self.asker is not None
         if not pinned:
             # every rank starts one per default group: the arrivals counter gives the group's
             # epoch, the same on every rank, so a store that outlives a group (a user's own,
@@ -292,7 +293,7 @@ def failed(
     focus = _as_dict(e) if e is not None else None
     if focus is not None:
         focus["state"] = "started"
-    diagnosis, facts = "", {"culprits": [], "seq": None}
+    diagnosis, facts = "", dict[str, Any](culprits=[], seq=None)
     _FAILED[0] = True
     resp = _RESPONDER[0]
     if resp is not None and not resp.stopped and focus is not None:

@@ -87,7 +87,7 @@ class FastFunction(torch.autograd.Function):
 
     @classmethod
     @torch.compiler.disable  # dynamo must never trace this frame (see below)
-    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+    def apply(cls, *args: Any) -> Any:
         # Inside a traced frame dynamo handles ``X.apply(...)`` itself and never runs this
         # method. It only enters it as a frame of its own when eager code runs under an
         # active torch.compile (after a graph break), and it cannot trace ``super().apply``
@@ -434,7 +434,7 @@ class ListOp(FastFunction):
 
     @classmethod
     @torch.compiler.disable  # as FastFunction.apply
-    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+    def apply(cls, *args: Any) -> Any:
         if _transforms_active() or torch.compiler.is_compiling():
             return super(FastFunction, cls).apply(*args)
         if _async.launching(cls):

@@ -205,7 +205,7 @@ class _ReduceList(ListOp):
 Sizes = tuple[tuple[int, ...], ...] | None  # per tensor, every rank's size along its dim
 
 
-class Learned(list):  # type: ignore[type-arg]
+class Learned(list):
     """Sizes an ``all_gather_coalesced`` learns while it gathers: empty when the op is
     applied, filled by its forward with every tensor's per-rank sizes (so the autograd
     context, which keeps this object, has them for the backward)."""

@@ -536,7 +536,7 @@ class _LaunchFn(torch.autograd.Function):
         if multi:
             dtypes = [t.dtype for t in tensors]
             outs = tuple(
-                AsyncTensor(_Part(handle, i), s, dtypes[i], first.device)  # type: ignore[arg-type]
+                AsyncTensor(_Part(handle, i), s, dtypes[i], first.device)
                 for i, s in enumerate(shapes)
             )
         else:

@@ -105,7 +105,7 @@ def exchanged_sizes(x: Tensor, dim: int, pg: PG, op: str) -> list[int]:
         return exchange_first(x, lambda rec: records(rec, pg), op, dim)
 
 
-class Gathered(tuple):  # type: ignore[type-arg]
+class Gathered(tuple):
     """Every rank's row count, learned by the gather itself (the backend's
     ``all_gather_unsized``): a tuple of ints that carries the gathered result once, for
     the op's ``run`` to take (so the autograd context keeps the counts, not the result)."""

@@ -157,7 +157,9 @@ class _ParallelLinear(ParallelModule):
         self.load_serial_state_dict({"weight": w} if b is None else {"weight": w, "bias": b})
 
     @classmethod
-    def from_serial(cls: type[_L], linear: nn.Linear, group: A.GroupLike = None, **kwargs: Any) -> _L:
+    def from_serial(  # type: ignore[override]  # a layer takes its serial twin, not any module
+        cls: type[_L], linear: nn.Linear, group: A.GroupLike = None, **kwargs: Any
+    ) -> _L:
         """This rank's shard of the serial ``linear`` (no communication).
 
         Args:
@@ -517,7 +519,7 @@ class VocabParallelEmbedding(ParallelModule):
         self.weight.copy_(w[self.vocab_start : self.vocab_start + self.per_rank])
 
     @classmethod
-    def from_serial(
+    def from_serial(  # type: ignore[override]  # a layer takes its serial twin, not any module
         cls, embedding: nn.Embedding, group: A.GroupLike = None, **kwargs: Any
     ) -> VocabParallelEmbedding:
         """This rank's vocabulary shard of ``embedding`` (``padding_idx``, ``max_norm``
@@ -615,7 +617,7 @@ class SequenceParallelLayerNorm(ParallelModule):
         self.normalized_shape = (check_positive(op, "normalized_shape", normalized_shape),)
         self.eps = float(eps)
         self.elementwise_affine = bool(elementwise_affine)
-        kw = {"dtype": dtype, "device": device}
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
         if self.elementwise_affine:
             self.weight = nn.Parameter(torch.ones(self.normalized_shape, **kw))
             self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **kw)) if bias else None

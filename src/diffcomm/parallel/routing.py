@@ -170,11 +170,11 @@ def _plan(expert_index: Tensor, num_experts: int, pg: PG, capacity_factor: float
     offsets = []
     for s in range(world):
         at = start
-        row = []
+        starts_here = []
         for j in range(per_rank):
-            row.append(at)
+            starts_here.append(at)
             at += accepted[s][mine_lo + j]
-        offsets.append(row)
+        offsets.append(starts_here)
         start += recv[s]
     for j in range(per_rank):
         for s in range(world):

@@ -141,7 +141,7 @@ def desync_check(
             gone = [
                 q
                 for q in returned
-                if q in e["group"] and states.get(q) and states[q]["counts"].get(key, 0) <= e["seq"]
+                if q in e["group"] and (st := states.get(q)) and st["counts"].get(key, 0) <= e["seq"]
             ]
             sig = signature(e)
             # a returned rank that did complete this sequence number, but as another
