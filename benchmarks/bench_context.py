@@ -290,7 +290,7 @@ def _torch_cp() -> str:
                 else:
                     F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
             msgs.append(f"{backend} SDPA backend: ran")
-        except Exception as exc:  # noqa: BLE001 - reported, not handled
+        except Exception as exc:  # reported, not handled
             last = traceback.format_exception_only(exc)[-1].strip()
             msgs.append(f"{backend} SDPA backend: {last}")
     return "; ".join(msgs)

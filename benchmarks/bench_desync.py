@@ -44,7 +44,7 @@ from rich.table import Table
 import diffcomm as dc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _desync import SCENARIOS, TORCHRUN_JOB, victim  # noqa: E402  (the scenarios the tests check)
+from _desync import SCENARIOS, TORCHRUN_JOB, victim  # the scenarios the tests check
 
 
 def _alive(pids: list[int]) -> list[int]:

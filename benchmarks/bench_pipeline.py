@@ -152,7 +152,7 @@ def _rank_bench(
     if torch_name is not None:
         try:
             sched, stages = _torch_schedule(torch_name, twin, v, m, nn.functional.mse_loss)
-        except Exception as err:  # noqa: BLE001 - reported, not hidden
+        except Exception as err:  # reported, not hidden
             out["torch_error"] = f"{type(err).__name__}: {err}"
 
     def run_torch() -> float:
@@ -182,7 +182,7 @@ def _rank_bench(
             g_dc, g_t = _grads(mine), _grads([s.submod for s in stages])  # type: ignore[union-attr]
             scale = max(float(g.abs().max()) for g in g_dc)
             out["grad_diff"] = max(float((a - b).abs().max()) for a, b in zip(g_dc, g_t, strict=True)) / scale
-        except Exception as err:  # noqa: BLE001 - reported, not hidden
+        except Exception as err:  # reported, not hidden
             out["torch_error"] = f"{type(err).__name__}: {err}"
             sched = None
     for i in range(rounds):

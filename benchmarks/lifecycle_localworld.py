@@ -21,7 +21,7 @@ TIMEOUT = float(os.environ.get("DIFFCOMM_TIMEOUT", "5"))
 
 
 def main(scenario: str, world: int, outdir: str) -> None:
-    facts = open(os.path.join(outdir, "rank0.out"), "w")  # noqa: SIM115
+    facts = open(os.path.join(outdir, "rank0.out"), "w")
 
     def say(k: str, v: object) -> None:
         facts.write(f"{k}={v}\n")

@@ -23,7 +23,7 @@ import diffcomm  # noqa: E402
 
 project = "diffcomm"
 author = "the diffcomm authors"
-copyright = "the diffcomm authors"  # noqa: A001
+copyright = "the diffcomm authors"
 release = diffcomm.__version__
 version = ".".join(release.split(".")[:2])
 

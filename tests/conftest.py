@@ -16,7 +16,7 @@ settings.register_profile("dev", deadline=None, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
-def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ANN001
+def pytest_collection_modifyitems(session, config, items) -> None:
     """Build the docs last, so they render the notebooks that test_notebooks.py executed
     (with their real plots) instead of bare code cells."""
     items.sort(key=lambda item: item.nodeid.startswith("tests/test_docs.py"))

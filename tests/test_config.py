@@ -26,13 +26,13 @@ SETTINGS = (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIB
 @pytest.fixture(autouse=True)
 def _isolated_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test starts from an environment without DIFFCOMM_* and leaves things as they were."""
-    saved = [(s._value, s._loaded) for s in SETTINGS]
+    saved = [(s.value, s.loaded) for s in SETTINGS]
     for s in SETTINGS:
         monkeypatch.delenv(s.env, raising=False)
         s.reload()
     yield
     for s, (value, loaded) in zip(SETTINGS, saved):
-        s._value, s._loaded = value, loaded
+        s.value, s.loaded = value, loaded
 
 
 def _from_env(monkeypatch: pytest.MonkeyPatch, setting: Setting[Any], raw: str) -> Any:
@@ -207,3 +207,21 @@ def test_flight_switch_parses_booleans_and_restores(monkeypatch: pytest.MonkeyPa
     assert dc.settings()["flight"] is True
     with pytest.raises(ValueError, match="flight_size must be an int >= 1"):
         FLIGHT_SIZE.set(0)
+
+
+def test_the_fast_read_agrees_with_get(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``s.value if s.loaded else s.get()`` (the hot paths' read, no call once loaded) is
+    ``get()`` in every state: unread, read from the environment, set, restored, reloaded."""
+
+    def fast(s: Setting[Any]) -> Any:
+        return s.value if s.loaded else s.get()
+
+    monkeypatch.setenv(TIMEOUT.env, "7")
+    TIMEOUT.reload()
+    assert not TIMEOUT.loaded and fast(TIMEOUT) == 7.0 and TIMEOUT.loaded and TIMEOUT.value == 7.0
+    with dc.timeout(3):
+        assert fast(TIMEOUT) == TIMEOUT.get() == 3.0
+    assert fast(TIMEOUT) == TIMEOUT.get() == 7.0
+    monkeypatch.setenv(TIMEOUT.env, "9")
+    TIMEOUT.reload()
+    assert fast(TIMEOUT) == TIMEOUT.get() == 9.0

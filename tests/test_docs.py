@@ -89,16 +89,3 @@ def test_a_notebook_rendered_without_running_it_carries_a_note(tmp_path: Path) -
     assert nb["cells"][1]["cell_type"] == "markdown" and "without outputs" in nb["cells"][1]["source"]
     assert "tests/test_notebooks.py" in nb["cells"][1]["source"]
     assert nb["cells"][2:] == original["cells"][1:]
-
-
-def test_the_layer_picture_is_the_import_contract() -> None:
-    """docs/architecture.md's layer picture names the layers of pyproject.toml's
-    import-linter contract, in order (one line per layer)."""
-    import tomllib
-
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    layers = config["tool"]["importlinter"]["contracts"][0]["layers"]
-    doc = (DOCS / "architecture.md").read_text()
-    picture = doc.split("## The layer picture", 1)[1].split("```\n", 2)[1]
-    drawn = [line.split("  ")[0].strip() for line in picture.splitlines() if line.startswith("diffcomm")]
-    assert drawn == [" ".join(layer.split()) for layer in layers]

@@ -99,35 +99,48 @@ class _Restore:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._setting._value = self._old
+        self._setting.value = self._old
 
     def __repr__(self) -> str:
         return f"<{self._setting.name}={self._setting.get()!r}>"
 
 
 class Setting(Generic[T]):
-    """One named setting: read once from the environment, validated, overridable."""
+    """One named setting: read once from the environment, validated, overridable.
+
+    :meth:`get` reads it (from the environment the first time). The hot paths read it
+    without a call, in one expression::
+
+        DEBUG.value if DEBUG.loaded else DEBUG.get()
+
+    ``loaded`` is ``True`` once the environment has been read (or a value set), and
+    ``value`` is then the current value; both are public for that read only (set a
+    setting with :meth:`set`).
+    """
 
     def __init__(self, name: str, env: str, parse: Callable[[str, str], T], default: T) -> None:
         self.name = name
         self.env = env
         self._parse = parse
         self._default = default
-        self._loaded = False
-        self._value: T = default
+        #: Whether the environment has been read (``value`` is then current).
+        self.loaded = False
+        #: The current value once ``loaded`` (the default before).
+        self.value: T = default
 
     def get(self) -> T:
-        if not self._loaded:
+        """The current value (the environment is read the first time)."""
+        if not self.loaded:
             raw = os.environ.get(self.env)
-            self._value = self._default if raw is None else self._parse(self.env, raw)
-            self._loaded = True
-        return self._value
+            self.value = self._default if raw is None else self._parse(self.env, raw)
+            self.loaded = True
+        return self.value
 
     def set(self, value: T) -> _Restore:
         old = self.get()
         if isinstance(value, str):
             value = self._parse(self.name, value)
-        self._value = self.validate(value)
+        self.value = self.validate(value)
         return _Restore(self, old)
 
     def validate(self, value: Any) -> T:
@@ -154,7 +167,7 @@ class Setting(Generic[T]):
 
     def reload(self) -> None:
         """Forget the cached value; the next :meth:`get` reads the environment again."""
-        self._loaded = False
+        self.loaded = False
 
 
 DEBUG: Setting[bool] = Setting("debug", "DIFFCOMM_DEBUG", _parse_bool, False)

@@ -6,6 +6,8 @@ Every error diffcomm raises on purpose is one of these (or a plain ``ValueError`
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class DiffcommError(RuntimeError):
     """Base class of the runtime errors diffcomm raises."""
@@ -38,7 +40,7 @@ class DesyncError(CollectiveTimeoutError):
         super().__init__(message)
         self.facts: dict = dict(facts or {})
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.facts))
 
 
@@ -116,5 +118,5 @@ class RankDesyncError(RankError):
         super().__init__(message, failures, exceptions)
         self.facts: dict = dict(facts or {})
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.facts, self.failures, self.exceptions))

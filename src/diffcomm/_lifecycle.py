@@ -80,7 +80,7 @@ def stop_all(group: Any = None, exiting: bool = False) -> None:
         for _name, stop in reversed(_STOPS):
             try:
                 stop(group, exiting)
-            except Exception:  # noqa: BLE001 - a stop never keeps the group (or exit) from going on
+            except Exception:  # a stop never keeps the group (or exit) from going on
                 pass
 
 
@@ -121,7 +121,7 @@ def install() -> None:
             for _name, start in _INITS:
                 try:
                     start()
-                except Exception:  # noqa: BLE001 - no answering thread: the diagnosis degrades to own view
+                except Exception:  # no answering thread: the diagnosis degrades to own view
                     pass
             return out
 

@@ -154,7 +154,7 @@ def all_to_all(
 
 def all_to_all_single(
     output: Tensor,
-    input: Tensor,  # noqa: A002 - torch's name
+    input: Tensor,  # torch's name
     output_split_sizes: list[int] | None = None,
     input_split_sizes: list[int] | None = None,
     group: Any = dist.group.WORLD,

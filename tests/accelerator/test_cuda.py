@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def gpus(local_worlds):  # noqa: ANN001, ANN201
+def gpus(local_worlds):
     return local_worlds(max(1, min(torch.cuda.device_count(), 4)), "nccl")
 
 
@@ -52,7 +52,7 @@ def _standard(world: int) -> list[dict]:
     return rows
 
 
-def test_every_standard_case_on_the_gpu(gpus) -> None:  # noqa: ANN001
+def test_every_standard_case_on_the_gpu(gpus) -> None:
     per_rank = gpus.run(_standard, gpus.world_size)
     bad = [(r["op"], r["case"], r) for rows in per_rank for r in rows if not r["ok"]]
     assert not bad, bad[:5]
@@ -98,7 +98,7 @@ def _placement_and_no_sync() -> list[str]:
     return seen
 
 
-def test_outputs_and_gradients_stay_on_the_gpu_without_a_host_sync(gpus) -> None:  # noqa: ANN001
+def test_outputs_and_gradients_stay_on_the_gpu_without_a_host_sync(gpus) -> None:
     assert all(len(r) == 10 for r in gpus.run(_placement_and_no_sync))
 
 
@@ -117,7 +117,7 @@ def _async_on_a_side_stream() -> float:
     return float((z - 3.0 * dc.get_world_size()).abs().max())
 
 
-def test_async_op_follows_the_launching_stream(gpus) -> None:  # noqa: ANN001
+def test_async_op_follows_the_launching_stream(gpus) -> None:
     assert gpus.run(_async_on_a_side_stream) == [0.0] * gpus.world_size
 
 
@@ -139,7 +139,7 @@ def _func_and_compile() -> tuple[float, float]:
     return vmap_err, float((g_eager - g_comp).abs().max())
 
 
-def test_torch_func_and_compile_on_the_gpu(gpus) -> None:  # noqa: ANN001
+def test_torch_func_and_compile_on_the_gpu(gpus) -> None:
     for vmap_err, grad_err in gpus.run(_func_and_compile):
         assert vmap_err == 0.0 and grad_err < 1e-12
 

@@ -8,9 +8,11 @@ here, in the caller, from the same inputs.
 
 from __future__ import annotations
 
+import ast
 import io
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -84,7 +86,7 @@ def _error(fn: Callable[[], Any]) -> tuple[str, str] | None:
     """``(type name, message)`` of what ``fn()`` raises on a rank, None if it returns."""
     try:
         fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the caller, who checks the type
+    except Exception as exc:  # reported to the caller, who checks the type
         return type(exc).__name__, str(exc)
     return None
 
@@ -521,6 +523,45 @@ def test_comm_off_rejects_unknown_names() -> None:
     assert not is_off("all_reduce"), "a rejected call switches nothing off"
 
 
+def _dispatched_names() -> tuple[set[str], set[str]]:
+    """The raw-op names the package's source passes to ``dispatch`` (first argument, a
+    string), and the ops it runs coalesced (``coalesced("<op>", ...)``)."""
+    single: set[str] = set()
+    coalesced: set[str] = set()
+    for path in Path(dc.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            first = node.args[0].value
+            if name in ("dispatch", "_dispatch") and isinstance(first, str):
+                single.add(first)
+            elif name == "coalesced" and isinstance(first, str):
+                coalesced.add(f"{first}_coalesced")
+    return single, coalesced
+
+
+def test_raw_op_table_is_what_the_backend_dispatches() -> None:
+    """One row per raw op: every name passed to ``dispatch`` has a row, every row is
+    dispatched, and the logger, the switches and the diagnosis read their facts from it."""
+    from diffcomm.backend import RAW_OPS
+    from diffcomm.debug import diagnosis, recorder
+
+    single, coalesced = _dispatched_names()
+    assert single and coalesced
+    assert set(RAW_OPS) == single | coalesced
+    assert OP_NAMES == tuple(RAW_OPS)
+    assert all(row.name == name and row.when_off for name, row in RAW_OPS.items())
+    assert diagnosis.P2P_OPS == recorder.P2P_OPS == {"send", "recv", "batch_p2p"}
+    for name, row in RAW_OPS.items():
+        entry = {"op": "x", "raw_op": name, "shape": [2], "dtype": "float32"}
+        assert (len(diagnosis.signature(entry)) == 2) == row.shape_free, name
+    log = dc.backend.CommsLog([dc.backend.CommRecord(op, None, 100, 1.0, 4) for op in RAW_OPS])
+    for name, got in log.by_op().items():
+        assert got["busbw_GBps"] == pytest.approx(100 * RAW_OPS[name].bus(4) / 1e9)
+    assert RAW_OPS["all_reduce"].bus(4) == 1.5 and RAW_OPS["all_gather_coalesced"].bus(4) == 0.75
+
+
 # ------------------------------------------------------------------- debug-mode check
 
 
@@ -675,7 +716,7 @@ def test_resolve_group_needs_an_initialised_process_group() -> None:
 
 
 @pytest.mark.parametrize("spec", [None, "cpu:gloo", "gloo"])
-def test_group_record_asks_the_group_which_backend_moves_its_data(spec: str | None, tmp_path) -> None:  # noqa: ANN001
+def test_group_record_asks_the_group_which_backend_moves_its_data(spec: str | None, tmp_path) -> None:
     """``init_process_group()`` without a backend reports ``"undefined"``, a device map
     reports itself (``"cpu:gloo"``): the record asks the group for the backend behind its
     data instead, so such a group gets gloo's native ops (not the conservative fallbacks

@@ -149,7 +149,7 @@ def desync_world(request: pytest.FixtureRequest) -> Iterator[LocalWorld]:
     world.close()
 
 
-def _provoke(world: LocalWorld, fn, victim: int, *args) -> tuple[BaseException, float, float]:  # noqa: ANN001
+def _provoke(world: LocalWorld, fn, victim: int, *args) -> tuple[BaseException, float, float]:
     """Run the scenario on a live world; the error, the seconds from ``run`` to the error,
     and the moment (``time.monotonic()``) the caller held it. Every rank must be gone."""
     world.run(time.sleep, 0)  # a live world (restarted after the previous scenario)
@@ -162,7 +162,7 @@ def _provoke(world: LocalWorld, fn, victim: int, *args) -> tuple[BaseException, 
     return info.value, raised_at - start, raised_at
 
 
-def _culprit_timed_out(world: LocalWorld, fn) -> tuple[int, RankDesyncError]:  # noqa: ANN001
+def _culprit_timed_out(world: LocalWorld, fn) -> tuple[int, RankDesyncError]:
     """The ranks wait for the culprit until the collective timeout: a RankDesyncError
     naming it must reach the caller within ``T + 2`` s of ``run``. The victim and the error."""
     v = victim(world.world_size)
@@ -172,7 +172,7 @@ def _culprit_timed_out(world: LocalWorld, fn) -> tuple[int, RankDesyncError]:  #
     return v, err
 
 
-def _culprit_returned(world: LocalWorld, fn, tmp_path: Path) -> tuple[int, RankDesyncError]:  # noqa: ANN001
+def _culprit_returned(world: LocalWorld, fn, tmp_path: Path) -> tuple[int, RankDesyncError]:
     """The culprit returns while the others wait for it: a RankDesyncError naming it must
     reach the caller within 1 s of its return (its own ``time.monotonic()`` reading, a
     system-wide clock). The victim and the error."""

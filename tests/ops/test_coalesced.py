@@ -325,13 +325,13 @@ def _varied_transforms() -> dict[str, Any]:
     c = torch.randn(sum(split[0]), 2, dtype=F64, generator=gen)
     d = torch.randn(sum(split[1]), dtype=F64, generator=gen)
 
-    def prog(a, b, c, d, async_op=False):  # noqa: ANN001, ANN202
+    def prog(a, b, c, d, async_op=False):
         (g1,) = dc.all_gather_coalesced([a], dim=0, async_op=async_op)
         (g2,) = dc.all_gather_coalesced([b.t()], dim=0, async_op=async_op)
         s1, s2 = dc.reduce_scatter_coalesced([c, d], split_sizes=split, async_op=async_op)
         return (g1.sin() * g1).sum() + (g2 * g2).sum().to(F64) + (s1**3).sum() + (s2 * s2).sum()
 
-    def prog_single(a, b, c, d):  # noqa: ANN001, ANN202
+    def prog_single(a, b, c, d):
         g1, g2 = dc.all_gather(a, 0), dc.all_gather(b.t(), 0)
         s1, s2 = dc.reduce_scatter(c, split_sizes=split[0]), dc.reduce_scatter(d, split_sizes=split[1])
         return (g1.sin() * g1).sum() + (g2 * g2).sum().to(F64) + (s1**3).sum() + (s2 * s2).sum()

@@ -351,7 +351,7 @@ def _graph_break_falls_back_to_eager() -> float:
     """Without fullgraph the same code graph-breaks and runs the exchange eagerly."""
     r = dc.get_rank()
     x = torch.full((1 + r, 2), float(r), dtype=F64)
-    fn = lambda v: dc.all_gather(v * 2, 0)  # noqa: E731
+    fn = lambda v: dc.all_gather(v * 2, 0)
     torch._dynamo.reset()
     return float((torch.compile(fn, backend="eager")(x) - fn(x)).abs().max())
 
@@ -401,7 +401,7 @@ class _Twice(torch.autograd.Function):
 def test_pytorch_honours_custom_jvp_inside_compile() -> None:
     from torch.func import jvp
 
-    fn = lambda x: jvp(lambda v: _Twice.apply(v), (x,), (torch.ones_like(x),))[1]  # noqa: E731
+    fn = lambda x: jvp(lambda v: _Twice.apply(v), (x,), (torch.ones_like(x),))[1]
     torch._dynamo.reset()
     x = torch.ones(2)
     assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(x), fn(x))
@@ -419,7 +419,7 @@ def test_pytorch_honours_custom_jvp_inside_compile() -> None:
 def test_pytorch_honours_custom_vmap_inside_compile() -> None:
     from torch.func import vmap
 
-    fn = lambda x: vmap(lambda v: _Twice.apply(v))(x)  # noqa: E731
+    fn = lambda x: vmap(lambda v: _Twice.apply(v))(x)
     torch._dynamo.reset()
     x = torch.ones(3, 2)
     assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(x), fn(x))
@@ -427,7 +427,7 @@ def test_pytorch_honours_custom_vmap_inside_compile() -> None:
 
 def _double_backward_through_compile() -> float:
     x = torch.arange(3.0, dtype=F64).requires_grad_(True)
-    fn = lambda v: dc.all_reduce(v.pow(3)).sum()  # noqa: E731
+    fn = lambda v: dc.all_reduce(v.pow(3)).sum()
     torch._dynamo.reset()
     (g,) = torch.autograd.grad(
         torch.compile(fn, fullgraph=True, backend="aot_eager")(x), x, create_graph=True

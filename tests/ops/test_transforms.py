@@ -235,7 +235,7 @@ def _reverse(prog: Prog, fails: _Failures) -> None:
     hvp = jvp(grad(lambda v: (prog(v) * c).sum()), (x,), (ts[r],))[1]
 
     def ref_grads(*a: Tensor) -> tuple[Tensor, ...]:
-        objective = lambda *b: sum((o * ci).sum() for o, ci in zip(prog.ref(list(b)), cs))  # noqa: E731
+        objective = lambda *b: sum((o * ci).sum() for o, ci in zip(prog.ref(list(b)), cs))
         return grad(objective, argnums=tuple(range(len(a))))(*a)
 
     fails.close(

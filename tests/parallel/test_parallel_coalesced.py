@@ -41,7 +41,7 @@ class Block(nn.Module):
 class ParallelBlock(P.ParallelModule):
     """The same block, tensor- and sequence-parallel: input/output are sequence chunks."""
 
-    def __init__(self, serial: Block, group=None) -> None:  # noqa: ANN001
+    def __init__(self, serial: Block, group=None) -> None:
         super().__init__()
         self.ln1 = P.SequenceParallelLayerNorm.from_serial(serial.ln1, group)
         self.attn = P.ParallelSelfAttention.from_serial(serial.attn, group, sequence_parallel=True)

@@ -673,7 +673,7 @@ def test_schedules_reach_their_ideal_bubble_with_unit_costs(p: int, m: int) -> N
     assert zb < zb_rank < theoretical_bubble(p, m)
 
 
-F, B_, I_, W_ = (lambda m, c=0, k=k: Step(k, m, c) for k in "FBIW")  # noqa: E731
+F, B_, I_, W_ = (lambda m, c=0, k=k: Step(k, m, c) for k in "FBIW")
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 
 import diffcomm as dc
 from diffcomm.accelerator import CPUAccelerator, DeviceLike, get_accelerator, set_accelerator
-from diffcomm.runtime import world
+from diffcomm.runtime import joining
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrun_allreduce.py"
 
@@ -113,9 +113,9 @@ def test_init_sets_the_local_device_or_says_why_it_cannot(monkeypatch: pytest.Mo
     a ValueError before any rendezvous; with gloo it starts without a device of its own."""
     acc = _OneGPU()
     monkeypatch.setenv("LOCAL_RANK", "0")
-    world._set_local_device(acc, "nccl")
+    joining._set_local_device(acc, "nccl")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    world._set_local_device(acc, "gloo")
+    joining._set_local_device(acc, "gloo")
     assert acc.set_to == [0]
     for key, value in {
         "RANK": "1",

@@ -85,7 +85,7 @@ def test_the_bench_table_fits_100_columns_and_the_verdict_is_in_words() -> None:
         for nbytes in (16 * 1024, 16 * 2**20):
             times = {i: [1e-3 * (1 + k) for k in range(4)] for i in impls}
             rows += bench.rows_from_times(op, nbytes, 4, times)
-    console = Console(width=100, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console = Console(width=100, record=True, file=open(os.devnull, "w"))
     console.print(bench_table(rows, 4))
     console.print(BENCH_LEGEND)
     text = console.export_text()

@@ -160,12 +160,12 @@ class Accelerator(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def Stream(self) -> type:  # noqa: N802 - mirrors torch.cuda.Stream
+    def Stream(self) -> type:  # mirrors torch.cuda.Stream
         """The stream class of this device (``torch.cuda.Stream``, :class:`CPUStream`...)."""
 
     @property
     @abc.abstractmethod
-    def Event(self) -> type:  # noqa: N802 - mirrors torch.cuda.Event
+    def Event(self) -> type:  # mirrors torch.cuda.Event
         """The event class of this device (``torch.cuda.Event``, :class:`CPUEvent`...)."""
 
     def stream(self, device: DeviceLike = None, priority: int = 0) -> Any:

@@ -47,11 +47,11 @@ class TorchModuleAccelerator(Accelerator):
     _event_class: type | None = None
 
     @property
-    def Stream(self) -> type:  # noqa: N802
+    def Stream(self) -> type:
         return self._stream_class or self._module.Stream
 
     @property
-    def Event(self) -> type:  # noqa: N802
+    def Event(self) -> type:
         return self._event_class or self._module.Event
 
     def current_stream(self, device: DeviceLike = None) -> Any:
@@ -134,7 +134,7 @@ class CUDAAccelerator(TorchModuleAccelerator):
     _communication_backend = "nccl"
 
     @property
-    def _nvtx(self) -> Any:  # type: ignore[override]
+    def _nvtx(self) -> Any:
         return torch.cuda.nvtx
 
 

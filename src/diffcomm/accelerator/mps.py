@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .. import _torch
 from .base import DeviceLike, _SampledPeak
 from .device_module import TorchModuleAccelerator
 
@@ -120,7 +121,7 @@ class MPSAccelerator(TorchModuleAccelerator):
         self.manual_seed(seed)
 
     def initial_seed(self) -> int:
-        return int(torch.mps._get_default_mps_generator().initial_seed())
+        return _torch.mps_initial_seed()
 
     def memory_allocated(self, device: DeviceLike = None) -> int:
         self._index(device)

@@ -25,7 +25,9 @@ This package is the public home of the layer; the code lives in one module per c
 * from :mod:`diffcomm.debug`: the **comms logger** (:func:`log_comms`: op, count, bytes,
   time, algorithmic/bus bandwidth; the op :func:`label`) and the **comm-off switches**
   (:func:`comm_off` skips named collectives while still returning correctly shaped
-  results, for ablation timing, never for correctness).
+  results, for ablation timing, never for correctness) and the **raw-op table**
+  (:data:`RAW_OPS`: per op name its bus factor, whether it is point to point or
+  shape-free, what it returns switched off).
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ from typing import Any, Protocol
 
 import torch
 
-from ..debug.logger import BUS_FACTOR as BUS_FACTOR
+from .._torch import COMPILER
+from .._torch import TRACING as _TRACING
 from ..debug.logger import LABEL as LABEL
 from ..debug.logger import CommRecord, CommsLog, label, log_comms
-from ..debug.switches import OP_NAMES, comm_off, is_off
+from ..debug.raw_ops import OP_NAMES, RAW_OPS, RawOp
+from ..debug.raw_ops import bus_factor as bus_factor
+from ..debug.switches import comm_off, is_off
 from .compiled import TraceableBackend
 from .direct_calls import all_gather_single as all_gather_single
 from .direct_calls import reduce_scatter_single as reduce_scatter_single
@@ -80,6 +85,8 @@ __all__ = [
     "comm_off",
     "is_off",
     "OP_NAMES",
+    "RAW_OPS",
+    "RawOp",
 ]
 # (The ``x as x`` imports above are for the layers above, not the documented surface.)
 
@@ -158,8 +165,8 @@ _TRACEABLE = TraceableBackend()
 #: traced read of it would guard on its value and recompile on every call); eagerly
 #: ``TRACING()`` is ``False`` and the flag is ``is_compiling()``'s own answer (set while a
 #: compile session, e.g. AOTAutograd, or an export runs Python code).
-TC = torch.compiler
-TRACING = getattr(TC, "is_dynamo_compiling", None) or TC.is_compiling
+TC = COMPILER
+TRACING = _TRACING
 
 
 def get_backend() -> Backend:

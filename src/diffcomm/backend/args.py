@@ -15,6 +15,8 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
+from .. import _torch
+
 GroupLike = Union[None, "dist.ProcessGroup", tuple[Any, int | str]]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
@@ -42,7 +44,7 @@ def arg_error(op: str, arg: str, expected: str, got: Any, cls: type[Exception] =
     return cls(f"diffcomm.{op}(): `{arg}` must be {expected}, got {got}{_where()}")
 
 
-_C10D = dist.distributed_c10d._world if dist.is_available() else None
+_C10D = _torch.C10D
 
 
 def resolve_group(group: GroupLike, op: str = "op") -> dist.ProcessGroup | None:

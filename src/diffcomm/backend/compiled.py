@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _torch
 from ..accelerator import comm_device
 from .groups import Capabilities, ProcessGroup, group_info, static_capabilities
 from .torch_distributed import CoalescedOps, pad_chunks, pad_rows, unpad_rows, wire
@@ -189,10 +190,7 @@ class TraceableBackend(CoalescedOps):
         """Skipped inside compiled code: the cross-rank check needs a host read."""
 
 
-def _funcol() -> Any:
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol
+_funcol = _torch.functional_collectives
 
 
 def _funcol_all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:

@@ -22,11 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _torch
 from .groups import C10D as _C10D
 from .groups import ProcessGroup
 
 _NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
-_COALESCING = _C10D.pg_coalesce_state  # one dict for the life of the process (torch mutates it)
+_COALESCING = _torch.coalescing_state()  # one dict for the life of the process (torch mutates it)
 _ALLREDUCE_OPTS: dict[Any, Any] = {}
 
 
@@ -62,11 +63,9 @@ def c10d_all_reduce(t: torch.Tensor, op: Any, group: ProcessGroup) -> None:
             work.wait()
 
 
-_PG_ALLGATHER = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
-_PG_REDUCE_SCATTER = (
-    getattr(dist.ProcessGroup, "reduce_scatter_single", None) or dist.ProcessGroup._reduce_scatter_base
-)
-_PG_ALLTOALL = getattr(dist.ProcessGroup, "all_to_all_single", None) or dist.ProcessGroup.alltoall_base
+_PG_ALLGATHER = _torch.pg_method("all_gather_single", "_allgather_base")
+_PG_REDUCE_SCATTER = _torch.pg_method("reduce_scatter_single", "_reduce_scatter_base")
+_PG_ALLTOALL = _torch.pg_method("all_to_all_single", "alltoall_base")
 _ALLGATHER_OPTS = dist.distributed_c10d.AllgatherOptions()
 _ALLGATHER_OPTS.asyncOp = False
 _ALLTOALL_OPTS = dist.AllToAllOptions()

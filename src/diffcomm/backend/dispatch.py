@@ -4,11 +4,11 @@ For every raw op, in one place so none can forget: the comm-off switches
 (:mod:`diffcomm.debug.switches`), the comms logger (:mod:`diffcomm.debug.logger`), the flight
 recorder and the translation of a backend timeout into
 :class:`~diffcomm.CollectiveTimeoutError` / :class:`~diffcomm.DesyncError` naming the op
-(:mod:`diffcomm.debug.recorder`). Also here: the process-wide span recorder the timeline reads
-(:func:`record_spans`), the program-order hook of the asynchronous engine
-(:func:`set_order_hook`), the coalesced-op record (:func:`run_coalesced`) and the
-hand-over of a thread's logs and switches to the engine thread (:func:`comm_state`,
-:func:`adopt_comm_state`).
+(:mod:`diffcomm.debug.recorder`, :mod:`diffcomm.debug.responder`). Also here: the
+process-wide span recorder the timeline reads (:func:`record_spans`), the program-order
+hook of the asynchronous engine (:func:`set_order_hook`), the coalesced-op record
+(:func:`run_coalesced`) and the hand-over of a thread's logs and switches to the engine
+thread (:func:`comm_state`, :func:`adopt_comm_state`).
 
 The hot path (nothing logged, nothing switched off, no asynchronous job pending, no
 spans recorded) is one thread-local dict read and a call into the flight recorder.
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..debug import recorder as _flight
+from ..debug import responder as _responder
 from ..debug.logger import LABEL as _LABEL
 from ..debug.logger import STATE as _local
 from ..debug.logger import CommRecord, CommsLog
@@ -90,7 +91,7 @@ def dispatch(
     try:
         out = run(*args)
     except (RuntimeError, dist.DistError) as err:  # DistBackendError is a RuntimeError
-        mapped = _flight.failed(rec, op, group, err, label)
+        mapped = _responder.failed(rec, op, group, err, label)
         if mapped is not None:
             raise mapped from err
         raise
@@ -156,7 +157,7 @@ def record_spans() -> Iterator[list[tuple[str, str | None, str, float, float]]]:
     engine's thread is recorded too.
     """
     global _SPANS
-    old, spans = _SPANS, []
+    old, spans = _SPANS, list[tuple[str, str | None, str, float, float]]()
     _SPANS = spans
     try:
         yield spans

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _torch
 from ..accelerator import comm_device, get_accelerator
 
 ProcessGroup = Any  # dist.ProcessGroup | None (None = the default group)
@@ -110,7 +111,7 @@ _INFO_WORLD: list[Any] = [None]  # the default group the cached records belong t
 #: (or ``None``), read as a plain attribute on the hot path: the ``C10D.default_pg``
 #: property (or an ``operator.attrgetter``) costs five times as much, and it is read a few
 #: times per op. torch keeps the group there since 2.0 (we require 2.6).
-C10D = dist.distributed_c10d._world
+C10D = _torch.C10D
 
 
 def group_info(group: ProcessGroup) -> GroupInfo:
@@ -157,21 +158,22 @@ def data_backend(group: ProcessGroup) -> str:
         return reported
     kind = get_accelerator().name
     try:
-        live = str(_pg(group)._get_backend(torch.device(kind if kind in types else "cpu")).name()).lower()
-    except Exception:  # noqa: BLE001 - no per-device backend to ask: the reported name
+        device = torch.device(kind if kind in types else "cpu")
+        live = str(_torch.pg_device_backend(_pg(group), device).name()).lower()
+    except Exception:  # no per-device backend to ask: the reported name
         return reported
     return live or reported
 
 
 def _pg(group: ProcessGroup) -> Any:
-    return group if group is not None else C10D._default_pg
+    return group if group is not None else _torch.default_pg()
 
 
 def _device_types(group: ProcessGroup) -> set[str]:
     """The device types ``group`` has a backend for (none when it cannot say)."""
     try:
         return {d.type for d in _pg(group)._device_types}
-    except Exception:  # noqa: BLE001 - a group that cannot say
+    except Exception:  # a group that cannot say
         return set()
 
 

@@ -172,7 +172,7 @@ def all_gather_unsized(
     if k and row:  # through a typed view of the buffer (HEAD keeps it aligned): any strides of x
         send[HEAD : HEAD + k * row].view(x.dtype).view(k, *rest).copy_(x[:k])
     table = _gather_padded(send, info, "all_gather")
-    raw = table.numpy().reshape(-1)
+    raw = table.numpy().reshape(-1).data  # (a memoryview: the buffer struct unpacks from)
     sizes = check_records([list(_UNPACK(raw, r * stride)) for r in range(world)], "all_gather", dim)
     top = max(sizes)
     if top * row > budget:  # a rank's rows did not fit: every rank saw it; gather them, counts known
@@ -279,11 +279,11 @@ def all_gather_counted(
     seen: dict[Any, int] = info.gathered_rows
     if not can_speculate(key, row, info, x.device, gather_into_tensor):
         with label(f"{name} (size exchange)"):
-            table = exchange(counts)
-        sizes = [rows_of(r) for r in table]
+            exchanged = exchange(counts)
+        sizes = [rows_of(r) for r in exchanged]
         _remember_key(seen, key, max(sizes, default=0))
         with label(name):
-            return gather(x, sizes), table
+            return gather(x, sizes), exchanged
     m = seen[key]
     n = rows_of(counts)
     world = info.size

@@ -2,25 +2,26 @@
 flight record.
 
 Pure analysis on the states the ranks answered with (plain dicts, as
-:func:`diffcomm.debug.recorder.request_states` returns them): :func:`diagnose` finds the first
+:func:`diffcomm.debug.responder.request_states` returns them): :func:`diagnose` finds the first
 sequence number where the ranks diverge (a different op, a different shape, a rank that
-never got there) and says what every rank is doing. The recorder itself, and the asking,
-live in :mod:`diffcomm.debug.recorder`, which re-exports :func:`diagnose`.
+never got there) and says what every rank is doing. The recorder itself lives in
+:mod:`diffcomm.debug.recorder` (which re-exports :func:`diagnose`), the asking in
+:mod:`diffcomm.debug.responder`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["diagnose", "signature", "P2P_OPS"]
+from .raw_ops import P2P_OPS as P2P_OPS
+from .raw_ops import RAW_OPS
 
-#: raw ops whose sequence numbers count per sender/receiver pair, not per group
-P2P_OPS = frozenset(("send", "recv", "batch_p2p"))
-_SHAPE_FREE = frozenset(("all_to_all", "send", "recv", "batch_p2p", "barrier"))
+__all__ = ["diagnose", "signature", "P2P_OPS"]
 
 
 def signature(e: dict[str, Any]) -> tuple[Any, ...]:
-    if e["raw_op"] in _SHAPE_FREE:
+    row = RAW_OPS.get(e["raw_op"])
+    if row is not None and row.shape_free:
         return (e["op"], e["raw_op"])
     return (e["op"], e["raw_op"], tuple(e["shape"] or ()), e["dtype"])
 
@@ -62,9 +63,10 @@ def diagnose(
         return "no rank is inside a diffcomm communication", {"culprits": [], "seq": None}
     group = list(focus["group"])
     p2p = focus["raw_op"] in P2P_OPS
-    hist = {r: _group_entries(states[r], group, p2p) for r in group if states.get(r)}
+    answered = {r: s for r in group if (s := states.get(r))}
+    hist = {r: _group_entries(s, group, p2p) for r, s in answered.items()}
     counts_key = ",".join(map(str, group)) + ("/p2p" if p2p else "")
-    reached = {r: states[r].get("counts", {}).get(counts_key, 0) for r in group if states.get(r)}
+    reached = {r: s.get("counts", {}).get(counts_key, 0) for r, s in answered.items()}
     # first sequence number where the ranks differ: a different op/shape or a rank missing
     lo = min((min(h) for h in hist.values() if h), default=focus["seq"])
     hi = max((max(h) for h in hist.values() if h), default=focus["seq"])

@@ -19,26 +19,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .raw_ops import bus_factor
+
 #: This thread's logs / comm-off switches / coalescing record (see the module docstring).
 STATE = threading.local()
-
-#: Bus-bandwidth factor per op for n ranks (the nccl-tests convention).
-BUS_FACTOR: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "gather": lambda n: (n - 1) / n,
-    "scatter": lambda n: (n - 1) / n,
-}
-for _name in ("all_reduce", "all_gather", "reduce_scatter"):
-    BUS_FACTOR[f"{_name}_coalesced"] = BUS_FACTOR[_name]
 
 
 # --------------------------------------------------------------------------------------
@@ -127,7 +117,7 @@ class CommsLog:
             row["count"] += 1
             row["bytes"] += r.nbytes
             row["seconds"] += r.seconds
-            row["busbytes"] += r.nbytes * BUS_FACTOR.get(r.op, lambda n: 1.0)(max(r.world, 1))
+            row["busbytes"] += r.nbytes * bus_factor(r.op, r.world)
             row["skipped"] += int(r.skipped)
         for row in out.values():
             s = row["seconds"]

@@ -24,33 +24,30 @@ timeout) that a rank returned from the function while others wait for it.
 
 The hot path (:func:`begin` / :func:`end`) costs about a microsecond per op; see
 ``benchmarks/bench_flight.py`` and ``docs/debugging.md``.
+
+This module is the recorder (the ring buffer and the public snapshot); the asking and
+answering through the store, and the failure path of a raw op, are
+:mod:`diffcomm.debug.responder`.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
-import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .. import _config, _lifecycle
-from .._errors import DesyncError
+from .. import _config, _torch
 from .diagnosis import P2P_OPS, diagnose
 
 __all__ = ["FlightRecorder", "Entry", "flight_recorder", "diagnose"]
-
-_PREFIX = "diffcomm/flight/"
-#: seconds a diagnosing rank waits for the other ranks' answers
-ANSWER_WAIT = 1.5
 
 
 # --------------------------------------------------------------------------------------
@@ -107,6 +104,7 @@ def fmt_site(site: tuple[Any, int] | None) -> str | None:
     if site is None:
         return None
     where, at = site
+    line: int | None
     if isinstance(where, str):  # (path, line), e.g. parsed from a faulthandler dump
         path, line = where, at
     else:
@@ -133,11 +131,14 @@ _perf = time.perf_counter
 _RING: deque[Entry] = deque(maxlen=1024)
 _GROUPS: dict[Any, _Group] = {}
 _LAST: list[Entry | None] = [None]
+#: Called when a group is first recorded (:mod:`.responder` starts the answering thread of
+#: a default group made before diffcomm was imported).
+ON_NEW_GROUP: list[Callable[[], None]] = []
 _WORLD_PG: list[Any] = [None]
-_C10D = dist.distributed_c10d._world  # torch's one record of the process groups (see _groups.C10D)
+_C10D = _torch.C10D  # torch's one record of the process groups
 _INTERNAL: dict[str, bool] = {}
 _DEPTH: dict[Any, tuple[int, Any]] = {}  # label -> (depth of the user's frame, its code)
-_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # diffcomm/
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # src/diffcomm/
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _STATUS = ["running"]  # running | returned | exited | destroyed (what the process does outside diffcomm)
 
@@ -210,7 +211,7 @@ def _site(key: Any) -> tuple[Any, int] | None:
 def _group(group: Any) -> _Group:
     key = group
     if group is None:
-        pg = _C10D._default_pg
+        pg = _torch.default_pg()
         if pg is not _WORLD_PG[0]:  # a new default group: forget the old one's counters
             _WORLD_PG[0] = pg
             _GROUPS.pop(None, None)
@@ -222,7 +223,8 @@ def _group(group: Any) -> _Group:
             ranks = (0,)
         g = _GROUPS[key] = _Group(ranks)
         configure()
-        _ensure_responder()
+        for hook in ON_NEW_GROUP:
+            hook()
     return g
 
 
@@ -232,11 +234,11 @@ def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: 
     if g is None or (group is None and _C10D._default_pg is not _WORLD_PG[0]):
         g = _group(group)
     setting = _TIMEOUT
-    timeout = setting._value if setting._loaded else setting.get()
+    timeout = setting.value if setting.loaded else setting.get()
     if timeout != g.timeout:
         _apply_timeout(group, g, timeout)
-    setting = _FLIGHT
-    if not (setting._value if setting._loaded else setting.get()):
+    flight = _FLIGHT
+    if not (flight.value if flight.loaded else flight.get()):
         return None
     if op in P2P_OPS:
         g = _p2p_group(group, g)
@@ -304,8 +306,8 @@ def _apply_timeout(group: Any, g: _Group, timeout: float | None) -> None:
     if timeout is None or not dist.is_initialized():
         return
     try:
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout), group)
-    except Exception:  # noqa: BLE001 - a backend without settable timeouts keeps its own
+        _torch.set_pg_timeout(timeout, group)
+    except Exception:  # a backend without settable timeouts keeps its own
         pass
 
 
@@ -394,280 +396,3 @@ def flight_recorder() -> FlightRecorder:
 
 def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-# --------------------------------------------------------------------------------------
-# answering through the store
-# --------------------------------------------------------------------------------------
-
-
-def _state(recent: int = 64) -> dict[str, Any]:
-    now = time.perf_counter()
-    entries = list(_RING)
-    busy = [e for e in entries if e[STATE] == "started"]
-    if not busy and entries and entries[-1][STATE] == "failed":
-        busy = [entries[-1]]  # it just gave up on this one (its own timeout)
-    counts = {
-        ",".join(map(str, g.ranks)) + ("/p2p" if isinstance(k, tuple) else ""): g.next
-        for k, g in list(_GROUPS.items())
-    }
-    return {
-        "rank": _global_rank(),
-        "pid": os.getpid(),
-        "status": _STATUS[0],
-        "inflight": [_as_dict(e, now) for e in busy],
-        "recent": [_as_dict(e, now) for e in entries[-recent:]],
-        "counts": counts,
-    }
-
-
-def _base_store(store: Any) -> Any:
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    return store
-
-
-def _connection(store: Any) -> Any:
-    """A private client connection to the TCP store behind ``store``, keeping the key
-    prefixes on the way (torchrun's per-attempt prefix, the default group's): None if the
-    store is not a TCP store (no cross-rank diagnosis, own view only)."""
-    if not isinstance(_base_store(store), dist.TCPStore):
-        return None
-    if hasattr(store, "clone"):
-        return store.clone()
-    base = _base_store(store)  # torch without Store.clone: the bare store, prefixes lost
-    return dist.TCPStore(
-        base.host, base.port, None, False, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
-    )
-
-
-#: seconds a stopping rank 0 waits for the other ranks' answering threads to stop (its
-#: process may host the store server: closing it under their waits makes torch print
-#: "recvValueWithTimeout failed" on every other rank)
-STOP_WAIT = 5.0
-#: seconds a stop waits for its thread to leave the store
-JOIN_WAIT = 2.0
-_FAILED = [False]  # a communication failed here: peers may be dead, rank 0's stop waits less for them
-_SERIAL = [0]
-
-
-class _Responder:
-    """The thread that answers diagnosis requests, for one store namespace.
-
-    One per process group lifetime (``pinned=False``: the current default group, started
-    at ``init_process_group`` and stopped at ``destroy_process_group`` or exit), or one per
-    :class:`~diffcomm.LocalWorld` rank (``pinned=True``: the world's own store, for the
-    rank's life). Requests and answers use per-rank keys under ``ns`` (``req/<gen>/<rank>``,
-    ``state/<gen>/<rank>``), so the owner wakes its own thread with a token of its own
-    and joins it: the thread never waits in the store past its owner's stop.
-    """
-
-    def __init__(self, store: Any, rank: int, world: int, pinned: bool, pg: Any = None) -> None:
-        self.waiter = _connection(store)
-        self.asker = _connection(store) if self.waiter is not None else None
-        self.rank, self.world, self.pinned, self.pg = rank, world, pinned, pg
-        self.ns = _PREFIX
-        self.stopped = self.waiter is None
-        if self.stopped:
-            return
-        if not pinned:
-            # every rank starts one per default group: the arrivals counter gives the group's
-            # epoch, the same on every rank, so a store that outlives a group (a user's own,
-            # torchrun's agent store within an attempt) never mixes two groups' keys
-            arrived = int(self.asker.add(f"{_PREFIX}arrivals", 1))
-            self.ns = f"{_PREFIX}{(arrived - 1) // max(world, 1)}/"
-        self.gen = int(self.asker.add(f"{self.ns}gen", 0)) + 1
-        _SERIAL[0] += 1
-        self.token = f"stop:{os.getpid()}:{_SERIAL[0]}"
-        self.thread = threading.Thread(target=self._loop, name="diffcomm-flight", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        store, me, ns = self.waiter, self.rank, self.ns
-        while not self.stopped:
-            key = f"{ns}req/{self.gen}/{me}"
-            try:
-                store.wait([key], datetime.timedelta(days=7))  # woken by a request or by stop()
-                if store.get(key).decode() == self.token:
-                    return
-                store.set(f"{ns}state/{self.gen}/{me}", json.dumps(_state()))
-            except Exception:  # noqa: BLE001 - the store is gone: the world is over
-                return
-            self.gen += 1
-
-    def stop(self, wait_peers: bool) -> None:
-        """Publish this rank's last state, wake and join the thread, close the connections;
-        rank 0 first waits (bounded) until every other rank's thread has stopped."""
-        if self.stopped:
-            return
-        self.stopped = True
-        asker, ns, me = self.asker, self.ns, self.rank
-        try:
-            asker.set(f"{ns}final/{me}", json.dumps(_state()))
-            gen = self.gen
-            for g in (gen, gen + 1):
-                asker.set(f"{ns}req/{g}/{me}", self.token)
-        except Exception:  # noqa: BLE001 - the store is gone, and with it the thread's wait
-            pass
-        self.thread.join(JOIN_WAIT)
-        try:
-            asker.set(f"{ns}stopped/{me}", "1")
-            if wait_peers and not self.pinned and me == 0 and self.world > 1:
-                # after a failure the peers still diagnose through this store: stay for
-                # their questions, but not for a dead rank's marker
-                keys = [f"{ns}stopped/{r}" for r in range(1, self.world)]
-                deadline = time.monotonic() + (ANSWER_WAIT + 1.5 if _FAILED[0] else STOP_WAIT)
-                while not asker.check(keys) and time.monotonic() < deadline:
-                    time.sleep(0.005)
-        except Exception:  # noqa: BLE001
-            pass
-        self.waiter = self.asker = None
-
-
-_RESPONDER: list[_Responder | None] = [None]
-
-
-def start_responder(store: Any = None, rank: int | None = None, world: int | None = None) -> None:
-    """Start the thread that answers diagnosis requests: pinned to ``store`` (a
-    :class:`~diffcomm.LocalWorld` rank's world store, for the process's life) or, with no
-    store, for the current default group (replacing the previous group's)."""
-    cur = _RESPONDER[0]
-    if store is not None:
-        if cur is not None:
-            cur.stop(wait_peers=False)
-        if world is None:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-        _RESPONDER[0] = _Responder(store, _global_rank() if rank is None else rank, world, pinned=True)
-        return
-    if not dist.is_initialized():
-        return
-    pg = _C10D._default_pg
-    if cur is not None and (cur.pinned or cur.pg is pg):
-        return
-    if cur is not None:
-        cur.stop(wait_peers=False)  # a group destroyed behind diffcomm's back: its store is gone
-    try:
-        base = dist.distributed_c10d._get_default_store()
-        _RESPONDER[0] = _Responder(base, dist.get_rank(), dist.get_world_size(), pinned=False, pg=pg)
-    except Exception:  # noqa: BLE001 - no store, no cross-rank diagnosis (own view only)
-        _RESPONDER[0] = None
-
-
-def _ensure_responder() -> None:
-    if dist.is_initialized():
-        start_responder()
-
-
-def _stop(group: Any, exiting: bool) -> None:
-    """The recorder's part of :func:`diffcomm._lifecycle.stop_all`: a destroyed default
-    group (or the exit) stops its answering thread and ends its history (the next group's
-    sequence numbers start at 0, and a diagnosis never sees the old group's entries)."""
-    if group is not None:  # a subgroup: its counters go with it
-        _GROUPS.pop(group, None)
-        _GROUPS.pop(("p2p", group), None)
-        return
-    cur = _RESPONDER[0]
-    if cur is not None and (exiting or not cur.pinned):
-        _STATUS[0] = "exited" if exiting else "destroyed"
-        cur.stop(wait_peers=True)
-        _RESPONDER[0] = None
-    if not exiting:
-        reset()  # the next default group starts its counters (and this history) afresh
-
-
-_lifecycle.on_destroy("flight recorder", _stop)
-_lifecycle.on_init("flight recorder", _ensure_responder)
-
-
-def request_states(
-    store: Any, ranks: list[int], wait: float = ANSWER_WAIT, ns: str = _PREFIX
-) -> dict[int, dict[str, Any] | None]:
-    """Ask every rank in ``ranks`` for its state through ``store`` (keys under ``ns``);
-    None for the silent."""
-    gen = int(store.add(f"{ns}gen", 1))
-    req = [f"{ns}req/{gen}/{r}" for r in ranks]
-    if hasattr(store, "multi_set"):
-        store.multi_set(req, ["1"] * len(req))
-    else:
-        for k in req:
-            store.set(k, "1")
-    keys = {r: f"{ns}state/{gen}/{r}" for r in ranks}
-    deadline = time.monotonic() + wait
-    out: dict[int, dict[str, Any] | None] = {}
-    pending = dict(keys)
-    while pending and time.monotonic() < deadline:
-        for r, k in list(pending.items()):
-            final = f"{ns}final/{r}"  # what a rank left behind when its process exited
-            if store.check([k]):
-                out[r] = json.loads(store.get(k))
-                del pending[r]
-            elif store.check([final]):
-                out[r] = json.loads(store.get(final))
-                del pending[r]
-        if pending:
-            time.sleep(0.02)
-    for r in pending:
-        out[r] = None
-    return out
-
-
-# --------------------------------------------------------------------------------------
-# the failure path of a raw op
-# --------------------------------------------------------------------------------------
-
-_TIMEOUT_MARKERS = ("timed out", "timeout", "time out", "deadline")
-_PEER_MARKERS = ("connection reset", "connection closed", "read error", "broken pipe", "doesn't match")
-
-
-def failed(
-    e: Entry | None, op: str, group: Any, err: BaseException, label: str | None
-) -> BaseException | None:
-    """The error to raise for a failed raw op (None: re-raise ``err`` unchanged).
-
-    A timeout, or a peer that vanished mid-op, becomes :class:`~diffcomm.DesyncError`
-    carrying the cross-rank diagnosis (when the store answers) — on every rank.
-    """
-    text = str(err).lower()
-    timeout = any(m in text for m in _TIMEOUT_MARKERS)
-    if not timeout and not any(m in text for m in _PEER_MARKERS):
-        return None
-    if e is not None:
-        e[STATE] = "failed"
-        e[T1] = time.perf_counter()
-    rank = _global_rank()
-    what = label or op
-    focus = _as_dict(e) if e is not None else None
-    if focus is not None:
-        focus["state"] = "started"
-    diagnosis, facts = "", {"culprits": [], "seq": None}
-    _FAILED[0] = True
-    resp = _RESPONDER[0]
-    if resp is not None and not resp.stopped and focus is not None:
-        try:
-            states = request_states(resp.asker, list(range(dist.get_world_size())), ns=resp.ns)
-            states[rank] = {**(states.get(rank) or _state()), "inflight": [focus]}
-            diagnosis, facts = diagnose(states, focus)
-        except Exception as exc:  # noqa: BLE001 - the plain message still goes out
-            diagnosis = f"(the cross-rank diagnosis failed: {exc})"
-    backward = (label or "").find("backward") >= 0
-    how = "timed out" if timeout else "failed (a peer left mid-op)"
-    head = f"diffcomm: `{what}` (raw {op}"
-    head += f", sequence number #{e[SEQ]} on group {list(e[GROUP])}" if e is not None else ""
-    head += f") {how} on global rank {rank}"
-    if diagnosis:
-        msg = f"{head}: {diagnosis}\nBackend error: {err}"
-    elif backward:
-        msg = (
-            f"{head} waiting for the other ranks of its group. The op is a backward: under autograd "
-            f"the usual cause is that one rank's loss does not use an output of a collective, so "
-            f"PyTorch skips that collective's backward on that rank while the others wait for it. "
-            f"Fix: make every rank's loss touch every collective output (e.g. add `0 * out.sum()`), "
-            f"and make every rank run the same sequence of collectives. Backend error: {err}"
-        )
-    else:
-        msg = (
-            f"{head} waiting for the other ranks of its group: a rank did not call it, called "
-            f"another op, or called it with another shape. Make every rank run the same sequence "
-            f"of collectives (DIFFCOMM_DEBUG=1 checks shapes). Backend error: {err}"
-        )
-    return DesyncError(msg, facts)

@@ -12,13 +12,7 @@ Everything here is re-exported by :mod:`diffcomm.backend`, its public home.
 from __future__ import annotations
 
 from .logger import STATE
-
-#: Every op name the backend dispatches (the names :func:`comm_off` accepts).
-OP_NAMES = (
-    *("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"),
-    *("send", "recv", "batch_p2p", "barrier"),
-    *(f"{op}_coalesced" for op in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")),
-)
+from .raw_ops import OP_NAMES
 
 
 def off() -> set[str]:
@@ -28,7 +22,7 @@ def off() -> set[str]:
     return STATE.off
 
 
-class comm_off:  # noqa: N801 - used like a function
+class comm_off:  # used like a function
     """Skip the named raw collectives (ablation timing); results keep their shapes.
 
     A skipped op returns what a one-rank world would compute from local data (its own

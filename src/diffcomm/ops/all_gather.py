@@ -28,7 +28,7 @@ from .validation import rank as _rank
 from .validation import with_sizes as _with
 from .validation import world as _world
 
-_DEBUG = _config.DEBUG  # read inline as ``_value if _loaded else get()`` (the hot path)
+_DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
 _LABELS = op_labels("reduce_scatter")
 
 
@@ -113,7 +113,7 @@ def all_gather(
     split_sizes, arg = A.renamed_sizes(split_sizes, sizes, "all_gather")
     if split_sizes is not None:
         split_sizes = _given_split_sizes(split_sizes, x, dim, pg, "all_gather", arg)
-    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():
+    if _DEBUG.value if _DEBUG.loaded else _DEBUG.get():
         rest = _other_dims(x, dim)
         _debug_check("all_gather", pg, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
     if split_sizes is None:  # learned with the rows where the backend can, else exchanged first
@@ -211,7 +211,7 @@ def reduce_scatter(
     op_name = A.normalize_op(op, "reduce_scatter", x)
     pg = A.resolve_group(group, "reduce_scatter")
     split_sizes = A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), "reduce_scatter")
-    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
+    if _DEBUG.value if _DEBUG.loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
         _debug_check_input("reduce_scatter", pg, x, op=op_name, dim=dim, split_sizes=split_sizes)
     if op_name in A.LINEAR_OPS:
         return apply(_ReduceScatter, x, dim, op_name, pg, tuple(split_sizes), async_op=async_op)

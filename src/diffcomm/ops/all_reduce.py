@@ -21,7 +21,7 @@ from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check_input as _debug_check_input
 
-_DEBUG = _config.DEBUG  # read inline as ``_value if _loaded else get()`` (the hot path)
+_DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
 _LABELS = op_labels("all_reduce")
 
 
@@ -164,6 +164,6 @@ def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None, *, async_o
     x = _check_input(x, "all_reduce")
     op_name = A.normalize_op(op, "all_reduce", x)
     pg = A.resolve_group(group, "all_reduce")
-    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
+    if _DEBUG.value if _DEBUG.loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
         _debug_check_input("all_reduce", pg, x, op=op_name)
     return apply(_AllReduce, x, op_name, pg, async_op=async_op)

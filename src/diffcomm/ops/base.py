@@ -50,6 +50,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .. import _torch
 from .. import backend as B
 from ..backend import args as A
 from ..debug.logger import nest as _nest
@@ -90,7 +91,7 @@ class FastFunction(torch.autograd.Function):
 
     @classmethod
     @torch.compiler.disable  # dynamo must never trace this frame (see below)
-    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+    def apply(cls, *args: Any) -> Any:
         # Inside a traced frame dynamo handles ``X.apply(...)`` itself and never runs this
         # method. It only enters it as a frame of its own when eager code runs under an
         # active torch.compile (after a graph break), and it cannot trace ``super().apply``
@@ -102,18 +103,9 @@ class FastFunction(torch.autograd.Function):
         return _c_apply(cls, _unwrap_if_dead(args[0]), *args[1:])
 
 
-_transforms_active = torch._C._are_functorch_transforms_active
-_c_apply = torch._C._FunctionBase.__dict__["apply"]  # the C++ apply, called as (cls, *args)
-
-try:
-    from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
-except ImportError:  # pragma: no cover - older torch
-
-    def _unwrap_if_dead(t: Any) -> Any:
-        from torch._functorch.utils import unwrap_dead_wrappers
-
-        return unwrap_dead_wrappers((t,))[0]
-
+_transforms_active = _torch.transforms_active
+_c_apply = _torch.c_apply  # the C++ apply, called as (cls, *args)
+_unwrap_if_dead = _torch.unwrap_if_dead
 
 _fwad = torch.autograd.forward_ad
 _compiling = torch.compiler.is_compiling
@@ -335,7 +327,7 @@ def _labelled_forward(run: Any, params: tuple[str, ...], name: str, label: Any) 
     }
     # named inside the package, so the flight recorder's call-site walk steps over it
     code = compile(src, f"{__file__}:<{name} forward>", "exec")
-    exec(code, scope)  # noqa: S102 - a fixed template over the op's own parameter names
+    exec(code, scope)  # a fixed template over the op's own parameter names
     forward = scope["forward"]
     forward.__qualname__ = f"{run.__qualname__.rsplit('.', 1)[0]}.forward"
     forward.__module__ = run.__module__
@@ -382,15 +374,9 @@ def _only_grad_transforms() -> bool:
     Levels count from 1 at the outermost transform, so a grad at level 1 is alone.
     (Dynamo can read the top level's kind and number, not walk the stack below it.)
     """
-    if torch.autograd.forward_ad._current_level >= 0:  # inside fwAD.dual_level()
+    if _torch.forward_ad_level() >= 0:  # inside fwAD.dual_level()
         return False
-    if not torch._C._are_functorch_transforms_active():
-        return True
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import coerce_cinterpreter
-
-    level = coerce_cinterpreter(torch._C._functorch.peek_interpreter_stack())
-    return level.key() == TransformType.Grad and level.level() == 1
+    return not _torch.transforms_active() or _torch.only_grad_transform()
 
 
 # ------------------------------------------------------------------------ small helpers
@@ -485,7 +471,7 @@ class ListOp(FastFunction, OpFacts):
 
     @classmethod
     @torch.compiler.disable  # as FastFunction.apply
-    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+    def apply(cls, *args: Any) -> Any:
         if _transforms_active() or torch.compiler.is_compiling():
             return super(FastFunction, cls).apply(*args)
         if _async.launching(cls):

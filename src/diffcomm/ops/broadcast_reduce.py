@@ -22,7 +22,7 @@ from .validation import debug_check_input as _debug_check_input
 from .validation import rank as _rank
 from .validation import world as _world
 
-_DEBUG = _config.DEBUG  # read inline as ``_value if _loaded else get()`` (the hot path)
+_DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
 _LABELS = op_labels("reduce")
 
 
@@ -83,7 +83,7 @@ def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None, *, async_op: b
     x = _check_input(x, "broadcast")
     pg = A.resolve_group(group, "broadcast")
     src = A.check_rank(src, "broadcast", "src", _world(pg))
-    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
+    if _DEBUG.value if _DEBUG.loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
         _debug_check_input("broadcast", pg, x, src=src)
     return apply(_Broadcast, x, src, pg, async_op=async_op)
 
@@ -159,7 +159,7 @@ def reduce(
     op_name = A.normalize_op(op, "reduce", x)
     pg = A.resolve_group(group, "reduce")
     dst = A.check_rank(dst, "reduce", "dst", _world(pg))
-    if _DEBUG._value if _DEBUG._loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
+    if _DEBUG.value if _DEBUG.loaded else _DEBUG.get():  # inline: no call, no kwargs, when off
         _debug_check_input("reduce", pg, x, op=op_name, dst=dst)
     if op_name in A.LINEAR_OPS:
         return apply(_Reduce, x, dst, op_name, pg, async_op=async_op)

@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map_only
 
-from .. import _config, _lifecycle
+from .. import _config, _lifecycle, _torch
 from .. import backend as B
+from .._torch import tree_map_only
 from ..accelerator import get_accelerator
 
 __all__ = [
@@ -145,7 +145,7 @@ class _Engine:
             try:
                 with torch.no_grad(), acc.stream_context(stream) if acc is not None else _NO_STREAM:
                     handle._result = ctx.run(fn)
-            except BaseException as err:  # noqa: BLE001 - re-raised by Handle.wait on the caller
+            except BaseException as err:  # re-raised by Handle.wait on the caller
                 handle._error = err
             finally:
                 B.adopt_comm_state(None)
@@ -213,11 +213,7 @@ def available() -> bool:
     level is active: those see through tensors to their values, so there the asynchronous
     ops run blocking and return plain tensors (same values and gradients).
     """
-    return not (
-        torch.compiler.is_compiling()
-        or torch._C._are_functorch_transforms_active()
-        or torch.autograd.forward_ad._current_level >= 0
-    )
+    return not (torch.compiler.is_compiling() or _torch.transforms_active() or _torch.forward_ad_level() >= 0)
 
 
 # ======================================================================================
@@ -262,7 +258,7 @@ class AsyncTensor(Tensor):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = _torch.disabled_torch_function_impl
 
     def _finished(self) -> Tensor:
         if self._elem is None:
@@ -302,7 +298,7 @@ class AsyncTensor(Tensor):
         args, kwargs = tree_map_only(AsyncTensor, AsyncTensor._finished, (args, kwargs or {}))
         return func(*args, **kwargs)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"AsyncTensor({self._finished()!r}, {self._handle.name})"
 
     def __reduce_ex__(self, proto: Any) -> Any:  # pickling (e.g. returned from a rank) waits
@@ -421,7 +417,7 @@ ACTIVE = [0]
 _ACTIVE_LOCK = threading.Lock()
 
 
-class async_mode:  # noqa: N801 - used like a function
+class async_mode:  # used like a function
     """Within the block, applying a registered Function launches it asynchronously.
 
     The public ops wrap their ``apply`` in it when ``async_op=True``; an asynchronous
@@ -538,8 +534,7 @@ class _LaunchFn(torch.autograd.Function):
         if multi:
             dtypes = [t.dtype for t in tensors]
             outs = tuple(
-                AsyncTensor(_Part(handle, i), s, dtypes[i], first.device)  # type: ignore[arg-type]
-                for i, s in enumerate(shapes)
+                AsyncTensor(_Part(handle, i), s, dtypes[i], first.device) for i, s in enumerate(shapes)
             )
         else:
             outs = AsyncTensor(handle, shapes, first.dtype, first.device)

@@ -24,7 +24,7 @@ def reduce_serial(xs: Sequence[Tensor], op: str) -> Tensor:
     st = torch.stack(list(xs))
     if op in ("sum", "avg"):
         return st.sum(0) / len(xs) if op == "avg" else st.sum(0)
-    return {"max": st.amax, "min": st.amin, "product": st.prod}[op](0)
+    return getattr(st, {"max": "amax", "min": "amin", "product": "prod"}[op])(0)
 
 
 def even(total: int, world: int) -> list[int]:

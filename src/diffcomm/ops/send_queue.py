@@ -96,7 +96,7 @@ class SendQueue:
                         try:
                             work.wait()
                             _flight.end(rec)
-                        except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
+                        except BaseException as err:  # re-raised on the caller's thread
                             if self._error is None:
                                 self._error = _send_error(what, err)
             finally:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import _config
+from .. import _config, _torch
 from .. import backend as B
 from ..backend import args as A
 from ..backend.sized_gather import exchange_first
@@ -54,7 +54,7 @@ def debug_check_input(opname: str, pg: PG, x: Tensor, /, **fields: Any) -> None:
     """:func:`debug_check` of ``fields`` and ``x``'s shape, dtype and whether it requires
     grad (nothing is computed outside debug mode)."""
     debug = _config.DEBUG
-    if debug._value if debug._loaded else debug.get():
+    if debug.value if debug.loaded else debug.get():
         fields.update(shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
         current_backend().check_consistent(opname, fields, pg)
 
@@ -129,7 +129,7 @@ def gathered_split_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> tuple[i
 
 
 _compiling = torch.compiler.is_compiling
-_transforms_active = torch._C._are_functorch_transforms_active
+_transforms_active = _torch.transforms_active
 _fwad = torch.autograd.forward_ad
 
 

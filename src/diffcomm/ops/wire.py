@@ -305,7 +305,7 @@ def post_send(
         nbytes = x.numel() * x.element_size()
         buf = torch.empty(FUSED_OFFSET + nbytes, dtype=torch.uint8, device=dev)
         if buf.device.type == "cpu":  # the header packed straight into the buffer
-            _HEADER.pack_into(buf.numpy(), 0, *_header_values(x, requires_grad, seq, True))
+            _HEADER.pack_into(buf.numpy().data, 0, *_header_values(x, requires_grad, seq, True))
         else:
             buf[: HEADER_LEN * 8].view(torch.int64).copy_(
                 encode_header(x, requires_grad, seq, None, fused=True)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import _torch
 from .. import backend as B
 from .._errors import CrossRankMismatchError
 
@@ -59,11 +60,7 @@ _GOLDEN = 0.6180339887498949
 
 def plain(t: Tensor) -> Tensor:
     """``t`` without functorch wrappers (vmap/grad/jvp levels), detached."""
-    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
-
-    while is_functorch_wrapped_tensor(t):
-        t = get_unwrapped(t)
-    return t.detach()
+    return _torch.functorch_unwrapped(t).detach()
 
 
 def _as_real64(t: Tensor) -> Tensor:

@@ -8,7 +8,7 @@ private).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -232,7 +232,7 @@ class ParallelModule(nn.Module):
             p.copy_(src)
 
     @classmethod
-    def from_serial(cls: type[_M], serial: nn.Module, *args: Any, **kwargs: Any) -> _M:
+    def from_serial(cls: type[_M], serial: Any, *args: Any, **kwargs: Any) -> _M:
         """This rank's shards of ``serial``: ``cls(*args, **kwargs)``, then
         :meth:`load_serial_state_dict` of ``serial.state_dict()`` (no communication).
 
@@ -255,7 +255,8 @@ class ParallelModule(nn.Module):
         parameter, not initialised, then loaded with this rank's shards of ``serial``'s
         state dict (no communication): the body of every ``from_serial``."""
         like = next(serial.parameters())
-        layer = cls(*args, dtype=like.dtype, device=like.device, _init=False, **kwargs)
+        make: Callable[..., _M] = cls  # a subclass's constructor (ParallelModule's takes none)
+        layer = make(*args, dtype=like.dtype, device=like.device, _init=False, **kwargs)
         layer.load_serial_state_dict(serial.state_dict())
         return layer
 

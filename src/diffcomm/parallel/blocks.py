@@ -182,7 +182,7 @@ class ParallelMLP(ParallelModule):
         super().__init__()
         op = "parallel.ParallelMLP"
         gen = init_generator(op, seed, generator)
-        common = dict(
+        common: dict[str, Any] = dict(
             sequence_parallel=sequence_parallel,
             sequence_dim=sequence_dim,
             group=group,
@@ -204,7 +204,9 @@ class ParallelMLP(ParallelModule):
         self.sequence_parallel = bool(sequence_parallel)
 
     @classmethod
-    def from_serial(cls, mlp: MLP, group: A.GroupLike = None, **kwargs: Any) -> ParallelMLP:
+    def from_serial(  # type: ignore[override]  # a block takes its serial twin, not any module
+        cls, mlp: MLP, group: A.GroupLike = None, **kwargs: Any
+    ) -> ParallelMLP:
         """This rank's shards of the serial :class:`MLP` (same activation and dropout).
 
         Args:
@@ -363,7 +365,7 @@ class ParallelSelfAttention(ParallelModule):
         self.sequence_parallel = bool(sequence_parallel)
 
     @classmethod
-    def from_serial(
+    def from_serial(  # type: ignore[override]  # a layer takes its serial twin, not any module
         cls, attention: SelfAttention, group: A.GroupLike = None, **kwargs: Any
     ) -> ParallelSelfAttention:
         """This rank's heads of the serial :class:`SelfAttention`.

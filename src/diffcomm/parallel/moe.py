@@ -194,7 +194,7 @@ class _DrawnFrom:
             self._devices.__enter__()
             torch.default_generator.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.gen)))
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         if self.gen is not None:
             self._devices.__exit__(*exc)
 
@@ -366,10 +366,11 @@ class ExpertParallelMoE(nn.Module):
         """Sum the replicated parameters' gradients over the group (one coalesced
         all_reduce): afterwards they equal the serial MoE's gradients on every rank."""
         params = [p for p in self.replicated_parameters() if p.grad is not None]
-        if not params:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
             return
         with torch.no_grad():
-            summed = K.all_reduce_coalesced([p.grad for p in params], "sum", self._pg)
+            summed = K.all_reduce_coalesced(grads, "sum", self._pg)
         for p, g in zip(params, summed):
             p.grad = g
 

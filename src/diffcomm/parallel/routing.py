@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import _config
+from .. import _config, _torch
 from .. import backend as B
 from ..backend import args as A
 from ..ops import collectives as C
@@ -170,11 +170,11 @@ def _plan(expert_index: Tensor, num_experts: int, pg: PG, capacity_factor: float
     offsets = []
     for s in range(world):
         at = start
-        row = []
+        starts_here = []
         for j in range(per_rank):
-            row.append(at)
+            starts_here.append(at)
             at += accepted[s][mine_lo + j]
-        offsets.append(row)
+        offsets.append(starts_here)
         start += recv[s]
     for j in range(per_rank):
         for s in range(world):
@@ -415,7 +415,7 @@ def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) ->
         )
     w = gate_weights.reshape(-1).index_select(0, plan.slot_index).to(back.dtype)
     out = back.new_zeros(plan.num_tokens, back.shape[1])
-    if torch._C._are_functorch_transforms_active():  # (vmap: no in-place into unbatched zeros)
+    if _torch.transforms_active():  # (vmap: no in-place into unbatched zeros)
         return out.index_add(0, plan.token_index, back * w.unsqueeze(1))
     # into the fresh zeros in place (autograd records it: the zeros need no gradient)
     return out.index_add_(0, plan.token_index, back * w.unsqueeze(1))

@@ -35,11 +35,13 @@ def input_edge(x: Tensor | None) -> Tensor | None:
         return x
     nexts = [n for n, _ in x.grad_fn.next_functions if n is not None]
     if len(nexts) == 1 and hasattr(nexts[0], "variable"):
-        return nexts[0].variable  # type: ignore[no-any-return]
+        return nexts[0].variable
     return None
 
 
-def weight_plan(root: Tensor, target: Tensor, params: list[Tensor]) -> list[tuple[Node, list[Node]]] | None:
+def weight_plan(
+    root: Tensor, target: Tensor, params: Sequence[Tensor]
+) -> list[tuple[Node, list[Node]]] | None:
     """``[(node, param nodes), ...]``: the nodes on the path from ``root`` to ``target``
     at which a parameter's branch leaves that path (as in torch.distributed.pipelining's
     ``stage_backward_input``), or ``None`` when there is no such split."""

@@ -520,6 +520,7 @@ class PipelineRunner:
             if kept.output is not None and kept.output.requires_grad:
                 (kept.d_output,) = torch.autograd.grad(root, [kept.output])
             return
+        assert target is not None  # (a plan needs the input's edge)
         captured: dict[Node, tuple[Tensor | None, ...]] = {}
         hooks = [n.register_prehook(capture(captured, n)) for n, _ in plan]
         try:
@@ -544,6 +545,7 @@ class PipelineRunner:
         kept = stash.pop((st.micro, st.chunk))
         if kept.full_in_w:
             if kept.d_output is not None:
+                assert kept.output is not None  # (d_output is its gradient)
                 torch.autograd.backward(kept.output, kept.d_output)
             elif kept.handle.requires_grad and kept.output is None:
                 kept.handle.backward()  # the last virtual stage with no input path

@@ -22,7 +22,7 @@ class ScheduleError(ValueError):
     (rank) and the step."""
 
 
-def _err(expected: str, got: str) -> ScheduleError:
+def _err(expected: str, got: object) -> ScheduleError:
     return A.arg_error("check_schedule", "schedule", expected, got, ScheduleError)
 
 

@@ -30,8 +30,9 @@ from diffcomm import _lifecycle  # noqa: E402
 from diffcomm._errors import CollectiveTimeoutError  # noqa: E402
 from diffcomm.accelerator import comm_accelerator  # noqa: E402
 from diffcomm.debug import recorder as _flight  # noqa: E402
+from diffcomm.debug import responder as _responder  # noqa: E402
 from diffcomm.runtime import shipping as _ship  # noqa: E402
-from diffcomm.runtime.world import _STARTUP_TIMEOUT  # noqa: E402
+from diffcomm.runtime.joining import _STARTUP_TIMEOUT  # noqa: E402
 
 
 def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
@@ -62,7 +63,7 @@ def _worker_main(
     fault_dir = os.environ.get("DIFFCOMM_FAULT_DIR")
     if fault_dir:  # a rank the backend aborts (gloo on a size mismatch) leaves its stack here
         try:
-            faulthandler.enable(open(os.path.join(fault_dir, f"rank{rank}.txt"), "w"), all_threads=True)  # noqa: SIM115
+            faulthandler.enable(open(os.path.join(fault_dir, f"rank{rank}.txt"), "w"), all_threads=True)
         except FileNotFoundError:  # the caller removed it: it is tearing this world down
             os._exit(0)
     os.environ["DIFFCOMM_TIMEOUT"] = str(collective_timeout)
@@ -79,7 +80,7 @@ def _worker_main(
         store.wait([f"diffcomm/arrived/{r}" for r in range(world_size)], startup)
         # the recorder answers through the world's store for the rank's whole life (also
         # across process groups the user's functions create and destroy)
-        _flight.start_responder(store, rank, world_size)
+        _responder.start_responder(store, rank, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         _flight.set_status("returned")
         acc = comm_accelerator(backend)
@@ -111,11 +112,11 @@ def _worker_main(
             finally:
                 _flight.set_status("returned")
             reply = pickle.dumps(("ok", cloudpickle.dumps(result)))
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+        except BaseException as exc:  # reported to the caller
             fatal = isinstance(exc, CollectiveTimeoutError | dist.DistBackendError)
             try:
                 exc_bytes = cloudpickle.dumps(exc)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 exc_bytes = None
             reply = pickle.dumps(("err", (traceback.format_exc(), exc_bytes, fatal)))
         try:
@@ -125,7 +126,7 @@ def _worker_main(
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     _lifecycle.stop_all(None, exiting=True)  # the world's own answering thread
     watcher_stop.set()

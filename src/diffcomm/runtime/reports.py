@@ -19,6 +19,7 @@ import cloudpickle
 
 from .._errors import DesyncError, RankDesyncError
 from ..debug import recorder as _flight
+from ..debug import responder as _responder
 from ..debug.diagnosis import P2P_OPS, diagnose, signature
 
 
@@ -29,7 +30,7 @@ def exceptions(replies: dict[int, tuple[str, Any]]) -> dict[int, BaseException]:
         if kind == "err" and value[1] is not None:
             try:
                 out[r] = cloudpickle.loads(value[1])
-            except Exception:  # noqa: BLE001 - the traceback text is still reported
+            except Exception:  # the traceback text is still reported
                 pass
     return out
 
@@ -105,8 +106,8 @@ def abort_story(
     others: list[str] = []
     alive = [r for r in range(world_size) if r not in died]
     try:
-        states = _flight.request_states(store, alive, wait=0.3) if store is not None and alive else {}
-    except Exception:  # noqa: BLE001
+        states = _responder.request_states(store, alive, wait=0.3) if store is not None and alive else {}
+    except Exception:
         states = {}
     for r in alive:
         for e in (states.get(r) or {}).get("inflight", []):
@@ -128,8 +129,8 @@ def desync_check(
     if store is None:
         return None
     try:
-        states = _flight.request_states(store, list(range(world_size)), wait=0.5)
-    except Exception:  # noqa: BLE001 - no answers, no early diagnosis (the timeout still applies)
+        states = _responder.request_states(store, list(range(world_size)), wait=0.5)
+    except Exception:  # no answers, no early diagnosis (the timeout still applies)
         return None
     for p in busy:
         s = states.get(p)
@@ -140,7 +141,7 @@ def desync_check(
             gone = [
                 q
                 for q in returned
-                if q in e["group"] and states.get(q) and states[q]["counts"].get(key, 0) <= e["seq"]
+                if q in e["group"] and (st := states.get(q)) and st["counts"].get(key, 0) <= e["seq"]
             ]
             sig = signature(e)
             # a returned rank that did complete this sequence number, but as another

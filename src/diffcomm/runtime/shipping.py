@@ -46,7 +46,7 @@ def _rebuild_code(make: Any, args: tuple[Any, ...], filename: str) -> types.Code
     return code
 
 
-class _Pickler(_Base):  # type: ignore[misc, valid-type]
+class _Pickler(_Base):
     """cloudpickle's pickler, with code objects keeping ``co_filename``; it records the
     files of the code it shipped in ``files``."""
 

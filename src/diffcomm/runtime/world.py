@@ -33,7 +33,6 @@ them), so one failing property test does not poison the rest of a session; after
 from __future__ import annotations
 
 import atexit
-import contextlib
 import datetime
 import multiprocessing.connection as mpc
 import os
@@ -43,10 +42,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -63,20 +61,22 @@ from .._errors import (
 )
 from . import reports as _report
 from . import shipping as _ship
+from .joining import _STARTUP_TIMEOUT, get_rank, get_world_size, init, is_initialized
+from .processes import _ctrl_c_deferred, _Procs
 
 if TYPE_CHECKING:
-    from ..accelerator import Accelerator
+    pass
 
 __all__ = ["LocalWorld", "launch", "init", "get_rank", "get_world_size", "is_initialized"]
 
-# Size: ~690 lines, over the ~600 guideline: what remains is the caller side of
-# LocalWorld (start, run, the watch loop that tells death, error, desync and timeout
-# apart, teardown) plus init/launch; the rank process is ``diffcomm.runtime.rank_process``, and the failure
-# messages and early diagnoses are ``diffcomm.runtime.reports``.
+# The caller side of LocalWorld (start, run, the watch loop that tells death, error,
+# desync and timeout apart, teardown) and launch; joining a group (init) is
+# ``diffcomm.runtime.joining``, the processes' state ``diffcomm.runtime.processes``, the
+# rank process ``diffcomm.runtime.rank_process``, the failure messages and early
+# diagnoses ``diffcomm.runtime.reports``.
 
 DEFAULT_COLLECTIVE_TIMEOUT = 30.0  # seconds; LocalWorld's default for DIFFCOMM_TIMEOUT
 DEFAULT_RUN_TIMEOUT = 300.0
-_STARTUP_TIMEOUT = 120.0  # seconds for every rank to start (import torch) and rendezvous
 _GRACE = 1.0  # seconds to wait for the other ranks' reports once one rank failed
 _MAX_RANKS_PER_CORE = 8  # above this, start-up alone takes minutes (each rank imports torch)
 _RANK_MEMORY = 350 * 2**20  # bytes one idle gloo rank holds (torch imported), measured ~300 MB
@@ -85,231 +85,9 @@ _RECHECK = 0.3
 _PROGRESS_AFTER = 2.0  # seconds of start-up before progress is printed
 
 
-def get_rank(group: Any = None) -> int:
-    """This process's rank in ``group`` (group-local), 0 when not distributed."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    from ..backend.args import resolve_group
-
-    return dist.get_rank(resolve_group(group, "get_rank"))
-
-
-def get_world_size(group: Any = None) -> int:
-    """Number of ranks in ``group``, 1 when not distributed."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    from ..backend.args import resolve_group
-
-    return dist.get_world_size(resolve_group(group, "get_world_size"))
-
-
-def is_initialized() -> bool:
-    """Whether a default process group exists in this process."""
-    return dist.is_available() and dist.is_initialized()
-
-
-# --------------------------------------------------------------------------------------
-# init (torchrun / multi-node)
-# --------------------------------------------------------------------------------------
-
-
-def init(backend: str | None = None, timeout: float | None = None, set_device: bool = True) -> None:
-    """Join the process group described by the environment (torchrun, SLURM via torchrun).
-
-    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
-    ``backend=None`` picks the accelerator's default (gloo on CPU, nccl on CUDA, ...), and
-    the local device is set from ``LOCAL_RANK`` (with more local ranks than devices, a
-    gloo job leaves the device alone; the device's own backend raises ``ValueError``).
-    ``timeout`` (seconds) defaults to ``DIFFCOMM_TIMEOUT`` or torch's default; it bounds
-    every collective, while the rendezvous itself may take up to 120 s (ranks still
-    starting). Calling it again is a no-op.
-
-    Example::
-
-        # torchrun --standalone --nproc-per-node=2 train.py
-        import diffcomm as dc
-        dc.init()
-        y = dc.all_reduce(torch.ones(3))
-    """
-    if dist.is_initialized():
-        return
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"diffcomm.init(): environment variables {missing} are not set; run the script under "
-            "`torchrun --nproc-per-node=N script.py`, or use diffcomm.launch / LocalWorld locally"
-        )
-    from ..accelerator import get_accelerator
-
-    acc = get_accelerator()
-    name = backend or acc.communication_backend_name()
-    seconds = timeout if timeout is not None else _config.TIMEOUT.get()
-    kwargs: dict[str, Any] = {}
-    if seconds is not None:
-        # the rendezvous (every rank importing torch, then connecting) gets the start-up
-        # allowance: on a loaded machine it outlasts a short collective timeout
-        kwargs["timeout"] = datetime.timedelta(seconds=max(seconds, _STARTUP_TIMEOUT))
-    if set_device and acc.name != "cpu":
-        _set_local_device(acc, name)
-    store = _torchrun_store(kwargs.get("timeout"))
-    if store is not None:
-        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group(name, **kwargs)
-    if seconds is not None and seconds < _STARTUP_TIMEOUT:
-        try:  # the collectives then wait `seconds`, no longer
-            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), None)
-        except Exception:  # noqa: BLE001 - a backend without settable timeouts keeps its own
-            pass
-
-
-_INITS = [0]  # default groups this process has joined through init()
-
-
-def _torchrun_store(timeout: datetime.timedelta | None) -> Any:
-    """Under torchrun, the agent's store with a key prefix of this attempt and this group.
-
-    torchrun's workers share one store (the agent's) across restart attempts and across
-    groups made one after another; torch keys the default group's rendezvous the same
-    every time, so a rank can read an earlier attempt's (or group's) gloo addresses and
-    fail to connect ("Connection refused": 3 of 4 plain-torch restarts on this machine,
-    docs/debugging.md). A prefix per attempt and per group keeps each one's keys its own.
-    None outside torchrun (``init_process_group`` reads the environment as usual).
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    _INITS[0] += 1
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        None,
-        False,
-        timeout=timeout or datetime.timedelta(seconds=_STARTUP_TIMEOUT),
-    )
-    return dist.PrefixStore(f"diffcomm/attempt_{attempt}/group_{_INITS[0]}", store)
-
-
-def _set_local_device(acc: Accelerator, backend: str) -> None:
-    """``init``'s device choice: the ``LOCAL_RANK``-th device of the accelerator.
-
-    More local ranks than devices is an error for the accelerator's own backend (nccl
-    allows one rank per GPU), said before any rendezvous; a CPU-capable backend (gloo)
-    leaves the device alone instead, so CPU ranks on a GPU machine still start. (A launcher
-    that gives each process only its own GPU is served by ``init(set_device=False)``.)
-    """
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    count = acc.device_count()
-    if 0 <= local < count:
-        acc.set_device(local)
-    elif backend.lower() == acc.communication_backend_name().lower():
-        raise ValueError(
-            f"diffcomm.init(): LOCAL_RANK={local}, but this process sees {count} {acc.name} "
-            f"device(s) and backend {backend!r} needs one device per local rank: start at most "
-            f"{count} process(es) per node (torchrun --nproc-per-node={count}), or run CPU "
-            "ranks with diffcomm.init(backend='gloo') or DIFFCOMM_ACCELERATOR=cpu; if each "
-            "process sees only its own device (CUDA_VISIBLE_DEVICES set per process), pass "
-            "set_device=False and make it current yourself"
-        )
-
-
-# --------------------------------------------------------------------------------------
-# the worker process
-# --------------------------------------------------------------------------------------
-
-
 # --------------------------------------------------------------------------------------
 # LocalWorld
 # --------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _ctrl_c_deferred() -> Iterator[None]:
-    """Hold a Ctrl-C (SIGINT) that arrives inside the block; raise it when the block ends.
-
-    Only where Python's own handler is installed and only on the main thread (the only
-    thread that may set handlers); elsewhere the block runs as is.
-    """
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if held:
-        raise KeyboardInterrupt
-
-
-def _kill_tree(pids: list[int]) -> None:
-    procs: list[psutil.Process] = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            procs.extend(p.children(recursive=True))
-            procs.append(p)
-        except psutil.Error:
-            pass
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=5)
-
-
-class _Procs:
-    """The live processes of one incarnation of a world (finalizer-safe state)."""
-
-    def __init__(self) -> None:
-        self.procs: list[Any] = []
-        self.conns: list[mpc.Connection] = []
-        self.store: Any = None
-        self.fault_dir: tempfile.TemporaryDirectory[str] | None = None
-
-    def shutdown(self, graceful: bool) -> None:
-        if graceful:
-            for c in self.conns:
-                try:
-                    c.send_bytes(pickle.dumps(("stop", None)))
-                except Exception:  # noqa: BLE001
-                    pass
-            deadline = time.monotonic() + 3
-            for p in self.procs:
-                try:
-                    p.wait(max(0.01, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-        _kill_tree([p.pid for p in self.procs if p.poll() is None])
-        for p in self.procs:
-            try:
-                p.wait(2)
-            except Exception:  # noqa: BLE001
-                pass
-        for c in self.conns:
-            try:
-                c.close()
-            except Exception:  # noqa: BLE001
-                pass
-        self.procs, self.conns = [], []
-        self.store = None
-        if self.fault_dir is not None:
-            self.fault_dir.cleanup()
-            self.fault_dir = None
-
-    def fault_text(self, rank: int) -> str:
-        """What faulthandler wrote for ``rank`` (its stacks if the backend aborted it)."""
-        if self.fault_dir is None:
-            return ""
-        try:
-            with open(os.path.join(self.fault_dir.name, f"rank{rank}.txt")) as f:
-                return f.read()
-        except OSError:
-            return ""
 
 
 _LIVE: weakref.WeakSet[LocalWorld] = weakref.WeakSet()

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 import diffcomm as dc
-import diffcomm.ops.coalesced  # noqa: F401 - importing the op families registers their ops
-import diffcomm.ops.p2p  # noqa: F401
-import diffcomm.parallel  # noqa: F401
+import diffcomm.ops.coalesced
+import diffcomm.ops.p2p
+import diffcomm.parallel
 from diffcomm import backend as B
 from diffcomm.ops import registry as R
 

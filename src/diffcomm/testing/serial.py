@@ -52,7 +52,7 @@ class Shard:
         return tuple(index)
 
 
-class build:  # noqa: N801 - used like a function
+class build:  # used like a function
     """Build the parallel (or serial) side inside each rank, where the process group exists.
 
     ``factory`` takes no argument, or one: the serial module/function (already built),

@@ -78,7 +78,7 @@ def probe_capabilities(world_size: int = 2, backend: str = "gloo") -> dict[str, 
     try:
         with LocalWorld(world_size, backend=backend, timeout=120) as world:
             result: dict[str, Any] = world.run(_probe_rank)[0]
-    except Exception as exc:  # noqa: BLE001 - reported, `info` still prints the rest
+    except Exception as exc:  # reported, `info` still prints the rest
         return {"backend": backend, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
     result["seconds"] = round(time.perf_counter() - start, 2)
     return result
@@ -96,7 +96,7 @@ def _accelerator_info() -> dict[str, Any]:
             "device_count": acc.device_count(),
             "communication_backend": acc.communication_backend_name(),
         }
-    except Exception as exc:  # noqa: BLE001 - e.g. a bad DIFFCOMM_ACCELERATOR, shown to the user
+    except Exception as exc:  # e.g. a bad DIFFCOMM_ACCELERATOR, shown to the user
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 

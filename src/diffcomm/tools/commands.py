@@ -289,7 +289,7 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
                     try:
                         per_rank = world.run(_run_one, case, modules)
                         err = None
-                    except Exception as exc:  # noqa: BLE001 - a failing case is a row, not a crash
+                    except Exception as exc:  # a failing case is a row, not a crash
                         per_rank, err = [], f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
                     row = _merge(case, w, per_rank, err, time.perf_counter() - t0)
                     failures += not row["ok"]
@@ -298,7 +298,7 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
             if args.flight:
                 try:
                     flights[str(w)] = world.run(_flight_snapshot)
-                except Exception as exc:  # noqa: BLE001 - the world may be torn down by a failure
+                except Exception as exc:  # the world may be torn down by a failure
                     flights[str(w)] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     if args.json:
         out: dict[str, Any] = {"ok": failures == 0, "failures": failures, "cases": rows}

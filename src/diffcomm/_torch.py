@@ -1,0 +1,194 @@
+"""Every torch internal diffcomm reads, in one place, behind a name that says what it is.
+
+diffcomm leans on a few private parts of torch (``torch._C``, ``distributed_c10d._world``,
+``torch._functorch``, ``_functional_collectives``, private methods of ``ProcessGroup``).
+They live here and nowhere else, so a torch upgrade that moves one breaks one module, and
+a reader sees the whole dependence on one page. Each name is either the torch object
+itself (an alias: free to call on the hot path) or a small function.
+
+Three reads are written at their sites on purpose, each a plain attribute of an object
+named here, on a path every op runs (a call costs several times the read, and they are
+read a few times per op): the default group ``C10D._default_pg`` (other readers call
+:func:`default_pg`), the compile flag ``COMPILER._is_compiling_flag`` after
+:data:`TRACING` (see :data:`diffcomm.backend.TC`) and the forward-AD level
+``FORWARD_AD._current_level`` (other readers call :func:`forward_ad_level`).
+
+Layer: a core module (beside ``_config`` and ``_errors``); it imports only torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "C10D",
+    "default_pg",
+    "coalescing_state",
+    "set_pg_timeout",
+    "default_store",
+    "pg_method",
+    "pg_device_backend",
+    "functional_collectives",
+    "COMPILER",
+    "TRACING",
+    "FORWARD_AD",
+    "tree_map_only",
+    "transforms_active",
+    "forward_ad_level",
+    "only_grad_transform",
+    "c_apply",
+    "unwrap_if_dead",
+    "functorch_unwrapped",
+    "disabled_torch_function_impl",
+    "FLASH_ATTENTION_CPU",
+    "FLASH_ATTENTION_CPU_BACKWARD",
+    "mps_initial_seed",
+]
+
+# ---------------------------------------------------------------- torch.distributed (c10d)
+
+#: torch's one record of the process groups (``distributed_c10d._world``; ``None`` in a
+#: build without distributed). ``C10D._default_pg`` is the default group or ``None``; torch
+#: keeps it there since 2.0 (we require 2.6).
+C10D: Any = dist.distributed_c10d._world if dist.is_available() else None
+
+
+def default_pg() -> Any:
+    """The default process group, or ``None`` before ``init_process_group``."""
+    return C10D._default_pg if C10D is not None else None
+
+
+def coalescing_state() -> dict[Any, Any]:
+    """torch's record of the groups inside a ``dist._coalescing_manager`` block (one dict
+    for the life of the process; torch mutates it)."""
+    state: dict[Any, Any] = C10D.pg_coalesce_state
+    return state
+
+
+def set_pg_timeout(seconds: float, group: Any = None) -> None:
+    """Set ``group``'s (``None``: the default group's) collective timeout to ``seconds``."""
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+def default_store() -> Any:
+    """The key-value store of the default group."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def pg_method(public: str, private: str) -> Callable[..., Any]:
+    """``ProcessGroup``'s method ``public``, or ``private`` in a torch without it (e.g.
+    ``all_gather_single`` / ``_allgather_base``): the direct calls under the hottest ops."""
+    method: Callable[..., Any] = getattr(dist.ProcessGroup, public, None) or getattr(
+        dist.ProcessGroup, private
+    )
+    return method
+
+
+def pg_device_backend(pg: Any, device: torch.device) -> Any:
+    """The backend object ``pg`` runs tensors on ``device`` with (its ``name()``)."""
+    return pg._get_backend(device)
+
+
+def functional_collectives() -> types.ModuleType:
+    """``torch.distributed._functional_collectives`` (imported on first use: it is slow to
+    import and only ``torch.compile`` and the benchmark need it)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+# ---------------------------------------------------------------- torch.compile
+
+#: ``torch.compiler``; its ``_is_compiling_flag`` is ``is_compiling()``'s own answer
+#: outside dynamo (set while a compile session or an export runs Python code).
+COMPILER: Any = torch.compiler
+
+#: Whether dynamo is tracing (``is_dynamo_compiling``, folded to ``True`` while it traces).
+TRACING: Callable[[], bool] = getattr(COMPILER, "is_dynamo_compiling", None) or COMPILER.is_compiling
+
+# ---------------------------------------------------------------- autograd and functorch
+
+#: ``torch.autograd.forward_ad``; ``FORWARD_AD._current_level`` is the innermost dual level.
+FORWARD_AD: Any = torch.autograd.forward_ad
+
+#: ``torch.utils._pytree.tree_map_only``: map ``fn`` over the leaves of a type in a pytree.
+from torch.utils._pytree import tree_map_only  # noqa: E402
+
+#: Whether a functorch transform (vmap, grad, jvp, ...) is active: the C function itself.
+transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+
+#: The C++ ``autograd.Function.apply``, called as ``c_apply(cls, *args)`` (skips the
+#: Python-level ``Function.apply`` where nothing needs it).
+c_apply: Callable[..., Any] = torch._C._FunctionBase.__dict__["apply"]
+
+#: The ``__torch_function__`` that turns torch-function dispatch off for a subclass.
+disabled_torch_function_impl: Any = torch._C._disabled_torch_function_impl
+
+
+def forward_ad_level() -> int:
+    """The innermost forward-mode AD level (``fwAD.dual_level()``); -1 outside any."""
+    level: int = FORWARD_AD._current_level
+    return level
+
+
+def _unwrap_dead_wrappers(t: Any) -> Any:  # pragma: no cover - older torch
+    from torch._functorch.utils import unwrap_dead_wrappers
+
+    return unwrap_dead_wrappers((t,))[0]
+
+
+_unwrap_if_dead: Callable[[Any], Any]
+try:
+    from torch._C._functorch import unwrap_if_dead as _c_unwrap_if_dead
+
+    _unwrap_if_dead = _c_unwrap_if_dead
+except ImportError:  # pragma: no cover - older torch
+    _unwrap_if_dead = _unwrap_dead_wrappers
+
+
+#: ``t`` unwrapped if it is a functorch wrapper whose level has ended (a tensor that
+#: escaped its transform); anything else unchanged.
+unwrap_if_dead: Callable[[Any], Any] = _unwrap_if_dead
+
+
+def only_grad_transform() -> bool:
+    """Whether the active functorch transform is a single ``grad``/``vjp`` level (levels
+    count from 1 at the outermost, so a grad at level 1 is alone). Call only while
+    :func:`transforms_active`."""
+    from torch._C._functorch import TransformType, peek_interpreter_stack
+    from torch._functorch.pyfunctorch import coerce_cinterpreter
+
+    level = coerce_cinterpreter(peek_interpreter_stack())
+    return bool(level.key() == TransformType.Grad and level.level() == 1)
+
+
+def functorch_unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its functorch wrappers (every vmap/grad/jvp level)."""
+    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+
+    while is_functorch_wrapped_tensor(t):
+        t = get_unwrapped(t)
+    return t
+
+
+# ---------------------------------------------------------------- kernels
+
+#: torch's fused CPU attention kernel (flash attention for CPU) and its backward, or
+#: ``None`` in a torch without them (ring attention then takes its unfused path).
+FLASH_ATTENTION_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_ATTENTION_CPU_BACKWARD: Any = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
+
+# ---------------------------------------------------------------- devices
+
+
+def mps_initial_seed() -> int:
+    """The initial seed of the default MPS generator."""
+    return int(torch.mps._get_default_mps_generator().initial_seed())

@@ -1,0 +1,150 @@
+"""Joining a process group from inside a launched process: :func:`init` (torchrun,
+multi-node), and this process's rank and world size.
+
+The caller side of a local world (``launch``, :class:`~diffcomm.LocalWorld`) is
+:mod:`diffcomm.runtime.world`; it re-exports everything here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from .. import _config, _torch
+
+if TYPE_CHECKING:
+    from ..accelerator import Accelerator
+
+__all__ = ["init", "get_rank", "get_world_size", "is_initialized"]
+
+_STARTUP_TIMEOUT = 120.0  # seconds for every rank to start (import torch) and rendezvous
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (group-local), 0 when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    from ..backend.args import resolve_group
+
+    return dist.get_rank(resolve_group(group, "get_rank"))
+
+
+def get_world_size(group: Any = None) -> int:
+    """Number of ranks in ``group``, 1 when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    from ..backend.args import resolve_group
+
+    return dist.get_world_size(resolve_group(group, "get_world_size"))
+
+
+def is_initialized() -> bool:
+    """Whether a default process group exists in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+# --------------------------------------------------------------------------------------
+# init (torchrun / multi-node)
+# --------------------------------------------------------------------------------------
+
+
+def init(backend: str | None = None, timeout: float | None = None, set_device: bool = True) -> None:
+    """Join the process group described by the environment (torchrun, SLURM via torchrun).
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
+    ``backend=None`` picks the accelerator's default (gloo on CPU, nccl on CUDA, ...), and
+    the local device is set from ``LOCAL_RANK`` (with more local ranks than devices, a
+    gloo job leaves the device alone; the device's own backend raises ``ValueError``).
+    ``timeout`` (seconds) defaults to ``DIFFCOMM_TIMEOUT`` or torch's default; it bounds
+    every collective, while the rendezvous itself may take up to 120 s (ranks still
+    starting). Calling it again is a no-op.
+
+    Example::
+
+        # torchrun --standalone --nproc-per-node=2 train.py
+        import diffcomm as dc
+        dc.init()
+        y = dc.all_reduce(torch.ones(3))
+    """
+    if dist.is_initialized():
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"diffcomm.init(): environment variables {missing} are not set; run the script under "
+            "`torchrun --nproc-per-node=N script.py`, or use diffcomm.launch / LocalWorld locally"
+        )
+    from ..accelerator import get_accelerator
+
+    acc = get_accelerator()
+    name = backend or acc.communication_backend_name()
+    seconds = timeout if timeout is not None else _config.TIMEOUT.get()
+    kwargs: dict[str, Any] = {}
+    if seconds is not None:
+        # the rendezvous (every rank importing torch, then connecting) gets the start-up
+        # allowance: on a loaded machine it outlasts a short collective timeout
+        kwargs["timeout"] = datetime.timedelta(seconds=max(seconds, _STARTUP_TIMEOUT))
+    if set_device and acc.name != "cpu":
+        _set_local_device(acc, name)
+    store = _torchrun_store(kwargs.get("timeout"))
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(name, **kwargs)
+    if seconds is not None and seconds < _STARTUP_TIMEOUT:
+        try:  # the collectives then wait `seconds`, no longer
+            _torch.set_pg_timeout(seconds, None)
+        except Exception:  # a backend without settable timeouts keeps its own
+            pass
+
+
+_INITS = [0]  # default groups this process has joined through init()
+
+
+def _torchrun_store(timeout: datetime.timedelta | None) -> Any:
+    """Under torchrun, the agent's store with a key prefix of this attempt and this group.
+
+    torchrun's workers share one store (the agent's) across restart attempts and across
+    groups made one after another; torch keys the default group's rendezvous the same
+    every time, so a rank can read an earlier attempt's (or group's) gloo addresses and
+    fail to connect ("Connection refused": 3 of 4 plain-torch restarts on this machine,
+    docs/debugging.md). A prefix per attempt and per group keeps each one's keys its own.
+    None outside torchrun (``init_process_group`` reads the environment as usual).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    _INITS[0] += 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        None,
+        False,
+        timeout=timeout or datetime.timedelta(seconds=_STARTUP_TIMEOUT),
+    )
+    return dist.PrefixStore(f"diffcomm/attempt_{attempt}/group_{_INITS[0]}", store)
+
+
+def _set_local_device(acc: Accelerator, backend: str) -> None:
+    """``init``'s device choice: the ``LOCAL_RANK``-th device of the accelerator.
+
+    More local ranks than devices is an error for the accelerator's own backend (nccl
+    allows one rank per GPU), said before any rendezvous; a CPU-capable backend (gloo)
+    leaves the device alone instead, so CPU ranks on a GPU machine still start. (A launcher
+    that gives each process only its own GPU is served by ``init(set_device=False)``.)
+    """
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    count = acc.device_count()
+    if 0 <= local < count:
+        acc.set_device(local)
+    elif backend.lower() == acc.communication_backend_name().lower():
+        raise ValueError(
+            f"diffcomm.init(): LOCAL_RANK={local}, but this process sees {count} {acc.name} "
+            f"device(s) and backend {backend!r} needs one device per local rank: start at most "
+            f"{count} process(es) per node (torchrun --nproc-per-node={count}), or run CPU "
+            "ranks with diffcomm.init(backend='gloo') or DIFFCOMM_ACCELERATOR=cpu; if each "
+            "process sees only its own device (CUDA_VISIBLE_DEVICES set per process), pass "
+            "set_device=False and make it current yourself"
+        )
