@@ -107,6 +107,9 @@ class Backend(Protocol):
     def all_gather(
         self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None
     ) -> torch.Tensor: ...
+    def all_gather_unsized(
+        self, x: torch.Tensor, group: ProcessGroup, dim: int = 0
+    ) -> tuple[torch.Tensor, list[int]]: ...
     def reduce_scatter(
         self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
     ) -> torch.Tensor: ...

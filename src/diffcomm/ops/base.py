@@ -193,7 +193,7 @@ class CommOp(FastFunction, OpFacts):
     @classmethod
     def shapes_for(cls, args: tuple[Any, ...]) -> Any:
         """``out_shape`` of the Function arguments ``args`` (the async engine's question)."""
-        return cls.out_shape(*args)  # type: ignore[misc]
+        return cls.out_shape(*args)
 
     linearize: ClassVar[Any] = None
     weight: ClassVar[Any] = None
@@ -467,7 +467,7 @@ class ListOp(FastFunction, OpFacts):
         """``out_shape(xs, *meta)`` of the Function arguments ``args`` (the async engine's
         question): a list of shapes."""
         meta, xs = _logical(cls.nmeta, args)
-        return cls.out_shape(xs, *meta)  # type: ignore[misc]
+        return cls.out_shape(xs, *meta)
 
     @classmethod
     @torch.compiler.disable  # as FastFunction.apply
@@ -511,7 +511,7 @@ def _derive_list_rules(cls: Any) -> None:
     dims_at = cls.dims
     same_shapes = cls.same_shapes
     nonlinear = cls.nonlinear
-    tangent = cls.__dict__["tangent"].__func__ if "tangent" in cls.__dict__ else None
+    tangent: Any = cls.__dict__["tangent"].__func__ if "tangent" in cls.__dict__ else None
     nones = (None,) * n
 
     def text(meta: tuple[Any, ...]) -> str:
@@ -557,8 +557,8 @@ def _derive_list_rules(cls: Any) -> None:
     def jvp(ctx: Any, *ts: Any) -> tuple[Tensor, ...]:
         tangents = _zeros_for(ctx.meta, _logical(n, ts)[1])
         if ctx.nonlinear:
-            return tangent(ctx, tangents, *ctx.args)
-        return call(cls, *list_args(tangents, *ctx.args))
+            return tuple(tangent(ctx, tangents, *ctx.args))
+        return tuple(call(cls, *list_args(tangents, *ctx.args)))
 
     def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[Any, Any]:
         meta, xs = _logical(n, args)

@@ -294,11 +294,13 @@ class AsyncTensor(Tensor):
         return elem
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub declares it an instance method
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         args, kwargs = tree_map_only(AsyncTensor, AsyncTensor._finished, (args, kwargs or {}))
         return func(*args, **kwargs)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"AsyncTensor({self._finished()!r}, {self._handle.name})"
 
     def __reduce_ex__(self, proto: Any) -> Any:  # pickling (e.g. returned from a rank) waits
@@ -533,7 +535,7 @@ class _LaunchFn(torch.autograd.Function):
         first = tensors[0]
         if multi:
             dtypes = [t.dtype for t in tensors]
-            outs = tuple(
+            outs: Any = tuple(
                 AsyncTensor(_Part(handle, i), s, dtypes[i], first.device) for i, s in enumerate(shapes)
             )
         else:

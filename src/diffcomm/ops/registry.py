@@ -29,7 +29,7 @@ This module imports nothing from the package: it sits below every op module.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar, NamedTuple
 
 __all__ = [
@@ -103,10 +103,10 @@ class OpFacts:
     dual: ClassVar[Any] = None
     forward_text: ClassVar[str] = ""
     backward_text: ClassVar[str] = ""
-    dual_args: ClassVar[Callable[[Kwargs, int], tuple[Kwargs, float]] | None] = None
-    reference: ClassVar[Callable[[list[Any], list[Kwargs]], list[Any]] | None] = None
-    out_shape: ClassVar[Callable[..., Any] | None] = None
-    cases: ClassVar[Callable[[int], Iterable[Kwargs]] | None] = None
+    dual_args: ClassVar[Any] = None  # a staticmethod on the op class (signature above)
+    reference: ClassVar[Any] = None  # a staticmethod on the op class (signature above)
+    out_shape: ClassVar[Any] = None  # a staticmethod on the op class (signature above)
+    cases: ClassVar[Any] = None  # a staticmethod on the op class (signature above)
     replicated: ClassVar[tuple[bool, bool] | None] = None
     wire_transpose: ClassVar[bool] = False
 
@@ -141,11 +141,11 @@ def add(cls: Any) -> None:
         )
     if not (cls.forward_text and cls.backward_text):
         raise ValueError(f"diffcomm registry: {name}: state forward_text and backward_text (the docs' table)")
-    d = cls.__dict__.get("dual")
+    d: Any = cls.__dict__.get("dual")
     if d == SELF:
         cls.dual = cls
     elif d is not None:
-        partner = REGISTRY.get(public_name(d)) if isinstance(d, type) and hasattr(d, "name") else None
+        partner: Any = REGISTRY.get(public_name(d)) if isinstance(d, type) and hasattr(d, "name") else None
         if partner is not d:
             raise ValueError(f"diffcomm registry: {name}: dual {d!r} is not a registered op class")
         if d.family != cls.family:

@@ -105,7 +105,7 @@ def exchanged_split_sizes(x: Tensor, dim: int, pg: PG, op: str) -> list[int]:
         return exchange_first(x, lambda rec: records(rec, pg), op, dim)
 
 
-class Learned(list):  # type: ignore[type-arg]
+class Learned(list[int]):
     """Split sizes an op learns while it communicates: empty when the op is applied,
     filled by its ``run`` (the one place it communicates) with every rank's size, so the
     autograd context, which keeps this object, has them for the backward."""

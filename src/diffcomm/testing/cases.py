@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -315,7 +315,8 @@ def run_case(case: Case, double: bool = True) -> CaseResult:
         gx = x.grad
     else:
         (gx,) = torch.autograd.grad(loss, x, create_graph=double)
-    ref_loss = sum(_inner(o, c.to(hi)) for o, c in zip(ref, cots))
+    assert gx is not None  # x requires grad and every case's loss reaches it
+    ref_loss = cast(Tensor, sum(_inner(o, c.to(hi)) for o, c in zip(ref, cots)))
     ref_g = torch.autograd.grad(ref_loss, xs_ref, create_graph=double, allow_unused=True)
     ref_gx = ref_g[rank] if ref_g[rank] is not None else torch.zeros_like(xs_ref[rank])
     res.grad_err = _rel(gx, ref_gx)
@@ -363,7 +364,7 @@ def _cot_grad_reference(case: Case, wref: list[Tensor], cots: list[Tensor]) -> l
     xs = [t.requires_grad_(True) for t in xs]
     cs = [c.detach().clone().requires_grad_(True) for c in cots]
     ref = reference_outputs(case, xs)
-    loss = sum(_inner(o, c) for o, c in zip(ref, cs))
+    loss = cast(Tensor, sum(_inner(o, c) for o, c in zip(ref, cs)))
     gs = torch.autograd.grad(loss, xs, create_graph=True, allow_unused=True)
     second = sum(_inner(g, wr) for g, wr in zip(gs, wref) if g is not None)
     if not (isinstance(second, Tensor) and second.requires_grad):

@@ -248,8 +248,8 @@ def gradcheck(
                 "the same arguments on every rank (count, which require grad, which are replicated)",
                 f"{layout.tolist()} (one row per rank)",
             )
-    numels = _gather_rows(torch.tensor([inputs[i].numel() for i in diff], dtype=torch.float64), pg)
-    numels = numels.to(torch.int64).tolist()
+    numels_rows = _gather_rows(torch.tensor([inputs[i].numel() for i in diff], dtype=torch.float64), pg)
+    numels = numels_rows.to(torch.int64).tolist()
     for i_pos, i in enumerate(diff):
         if i in rep and any(numels[q][i_pos] != numels[0][i_pos] for q in range(world)):
             raise A.arg_error(
@@ -333,13 +333,13 @@ def gradcheck(
                 k = int(bad.nonzero()[0, 0])
                 idx = torch.unravel_index(torch.tensor(k), inputs[i].shape) if inputs[i].dim() else ()
                 first = (i, k, float(a[k]), float(n[k]), [int(v) for v in idx])
-    row = torch.full((13,), -1.0, dtype=torch.float64)
-    row[0], row[1] = count, worst
+    local = torch.full((13,), -1.0, dtype=torch.float64)
+    local[0], local[1] = count, worst
     if first is not None:
-        row[2], row[3], row[4], row[5] = first[0], first[1], first[2], first[3]
-        row[6] = len(first[4])
-        row[7 : 7 + min(6, len(first[4]))] = torch.tensor(first[4][:6], dtype=torch.float64)
-    table = _gather_rows(row, pg)
+        local[2], local[3], local[4], local[5] = first[0], first[1], first[2], first[3]
+        local[6] = len(first[4])
+        local[7 : 7 + min(6, len(first[4]))] = torch.tensor(first[4][:6], dtype=torch.float64)
+    table = _gather_rows(local, pg)
     failed = [q for q in range(world) if table[q, 0] > 0]
     if failed:
         lines = []

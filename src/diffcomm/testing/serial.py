@@ -174,9 +174,9 @@ def _compare_on_rank(
         out_specs = _specs(output_specs, len(s_out), "output_specs")
         cot = []
         for k, o in enumerate(s_out):
-            g = torch.Generator().manual_seed(seed + 7919 * (k + 1))
+            gen = torch.Generator().manual_seed(seed + 7919 * (k + 1))
             cot.append(
-                torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)
+                torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
                 if _differentiable(o)
                 else None
             )
@@ -228,10 +228,10 @@ def _compare_on_rank(
         )
     p_in_idx = [i for i, t in enumerate(p_in) if _differentiable(t)]
     for i, g in zip(p_in_idx, p_grads):
-        expected = s_in_grads.get(i)
-        expected = None if expected is None else _part(expected, in_specs[i], rank, world)
+        s_grad_in = s_in_grads.get(i)
+        want = None if s_grad_in is None else _part(s_grad_in, in_specs[i], rank, world)
         where = "" if in_specs[i] is None else f" (this rank's {in_specs[i]} chunk)"
-        msg = _close(f"rank {rank}: gradient of inputs[{i}]{where}", g, expected, rtol, atol)
+        msg = _close(f"rank {rank}: gradient of inputs[{i}]{where}", g, want, rtol, atol)
         if msg:
             failures.append(msg)
 

@@ -288,10 +288,10 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
                     t0 = time.perf_counter()
                     try:
                         per_rank = world.run(_run_one, case, modules)
-                        err = None
+                        failure = None
                     except Exception as exc:  # a failing case is a row, not a crash
-                        per_rank, err = [], f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-                    row = _merge(case, w, per_rank, err, time.perf_counter() - t0)
+                        per_rank, failure = [], f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                    row = _merge(case, w, per_rank, failure, time.perf_counter() - t0)
                     failures += not row["ok"]
                     rows.append(row)
                     bar.advance(task)
