@@ -259,8 +259,11 @@ def test_every_backward_runs_the_dual_its_class_names(world3: dc.LocalWorld) -> 
             seen[case.op] = [r.label or "" for r in log.records]
         return seen
 
+    # diffcomm's own ops: a user's ops registered in this process (tests/ops/test_adding_an_op.py
+    # defines some) are not imported on the ranks
+    own = {name for name, cls in R.with_reference().items() if cls.__module__.startswith("diffcomm.")}
     for seen in world3.run(rank_body):
-        assert set(seen) == set(R.with_reference()), seen
+        assert set(seen) == own, seen
         for op, labels in seen.items():
             dual = R.dual(op)
             assert labels and any(" backward -> " + dual in lb for lb in labels), (op, labels)
