@@ -13,6 +13,7 @@ from torch import Tensor
 
 from .. import _config
 from ..backend import args as A
+from ..spmd.types import PARTIAL, TWICE, Rule, T
 from . import references as R
 from .base import CommOp, apply, call, op_labels
 from .registry import SELF, Kwargs
@@ -35,6 +36,18 @@ class _AllReduce(CommOp):
     forward_text = "op over ranks, on every rank"
     backward_text = "all_reduce of grads (max/min: to arg-extreme ranks, ties split; product: zero-safe)"
     reference = R.all_reduce
+    spmd = Rule(
+        {T.V: T.R, T.P: T.R},
+        out_grad=PARTIAL,
+        refuse={T.R: TWICE},
+        instead="parallel.reduce_from_region",
+        backward="all_reduce of the gradient (sums it over ranks)",
+        nonlinear=Rule(
+            {T.V: T.R},
+            out_grad=PARTIAL,
+            refuse={T.R: TWICE, T.P: "max/min/product of the shares is not that of the sum: reduce first"},
+        ),
+    )
 
     @staticmethod
     def run(x: Tensor, op: str, pg: PG) -> Tensor:

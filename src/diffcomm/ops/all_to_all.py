@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .. import _config
 from ..backend import args as A
+from ..spmd.types import PARTIAL, SHARES, Rule, T
 from . import references as R
 from .base import CommOp, apply, call
 from .registry import SELF, Kwargs
@@ -35,6 +36,9 @@ class _AllToAll(CommOp):
     forward_text = "chunk r of every rank's x, concatenated"
     backward_text = "all_to_all with dims and split sizes swapped"
     reference = R.all_to_all
+    spmd = Rule(
+        {T.V: T.V, T.R: T.V}, in_grad=PARTIAL, refuse={T.P: SHARES}, backward="all_to_all, dims swapped"
+    )
 
     @staticmethod
     def out_shape(

@@ -20,6 +20,7 @@ from .. import _config
 from ..backend import args as A
 from ..ops import coalesced as K
 from ..ops.base import ListOp, apply, call, list_args
+from ..spmd.types import PARTIAL, REPLICATED, TWICE, P, R, Rule, V
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 
 __all__ = ["copy_to_region_coalesced", "reduce_from_region_coalesced"]
@@ -37,6 +38,13 @@ class _CopyToRegionCoalesced(ListOp):
     name = "parallel.copy_to_region_coalesced"
     nmeta = 2  # pg, debug
     same_shapes = True
+    spmd = Rule(
+        {R: R},
+        out_grad=PARTIAL,
+        in_grad=REPLICATED,
+        backward="all_reduce_coalesced",
+        refuse={V: "a varying value needs no copy into the region", P: "reduce it first"},
+    )
 
     @staticmethod
     def run(xs: Sequence[Tensor], pg: PG, debug: bool) -> tuple[Tensor, ...]:
@@ -54,6 +62,7 @@ class _ReduceFromRegionCoalesced(ListOp):
     name = "parallel.reduce_from_region_coalesced"
     nmeta = 2  # pg, debug
     same_shapes = True
+    spmd = Rule({V: R, P: R}, out_grad=REPLICATED, refuse={R: TWICE}, backward="identity")
 
     @staticmethod
     def run(xs: Sequence[Tensor], pg: PG, debug: bool) -> Any:
