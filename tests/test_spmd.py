@@ -86,7 +86,7 @@ def test_nothing_installed_outside_a_check(world2: dc.LocalWorld) -> None:
     def state() -> dict[str, object]:
         from torch.nn.modules import module as M
 
-        from diffcomm.ops import collectives as C
+        from diffcomm.ops import all_reduce as C
         from diffcomm.ops import engine as E
         from diffcomm.spmd import check as K
         from diffcomm.spmd import types as T
