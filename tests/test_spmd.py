@@ -440,62 +440,17 @@ def test_notebook_plain_all_reduce_mlp_is_caught(world2: dc.LocalWorld) -> None:
 
 
 def _tp_llama_body() -> float:
-    """A Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) made tensor
-    parallel from the serial block of examples/context_parallel_llama.py: q/k/v, gate and
-    up projections column-parallel, o and down projections row-parallel. One training step
-    under the check; returns the loss."""
+    """examples/tensor_parallel_llama.py: a Llama-style decoder (RMSNorm, RoPE, GQA,
+    SwiGLU) made tensor parallel; one training step under the check; returns the loss."""
     sys.path.insert(0, str(ROOT / "examples"))
-    from context_parallel_llama import Block
+    from tensor_parallel_llama import make
 
-    torch.manual_seed(0)
-    serial = Block(dim=32, heads=4, kv_heads=2, hidden=64).double()
-    model = _tp_block(serial)
-    x = torch.randn(2, 6, 32, dtype=F64)
+    model = make()
+    x = torch.randn(2, 6, 32, dtype=F64, generator=torch.Generator().manual_seed(1))
     with dc.spmd_check(modules=model):
         loss = model(x, torch.arange(6)).pow(2).mean()
         loss.backward()
     return float(loss)
-
-
-def _tp_block(serial: nn.Module) -> nn.Module:
-    n = dc.get_world_size()
-
-    class TPBlock(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            s = serial
-            self.heads, self.kv_heads, self.hd = s.heads // n, s.kv_heads // n, s.hd
-            self.norm1, self.norm2 = s.norm1, s.norm2
-            self.wq = par.ColumnParallelLinear.from_serial(s.wq)
-            self.wk = par.ColumnParallelLinear.from_serial(_rows(s.wkv, 0, 2))
-            self.wv = par.ColumnParallelLinear.from_serial(_rows(s.wkv, 1, 2))
-            self.wo = par.RowParallelLinear.from_serial(s.wo, input_is_parallel=True)
-            self.w1 = par.ColumnParallelLinear.from_serial(s.w1)
-            self.w3 = par.ColumnParallelLinear.from_serial(s.w3)
-            self.w2 = par.RowParallelLinear.from_serial(s.w2, input_is_parallel=True)
-            self.rope = s.rope
-
-        def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-            B, S, _ = x.shape
-            h = self.norm1(x)
-            q = self.wq(h).view(B, S, self.heads, self.hd).transpose(1, 2)
-            k = self.wk(h).view(B, S, self.kv_heads, self.hd).transpose(1, 2)
-            v = self.wv(h).view(B, S, self.kv_heads, self.hd).transpose(1, 2)
-            a = F.scaled_dot_product_attention(
-                self.rope(q, pos), self.rope(k, pos), v, is_causal=True, enable_gqa=True
-            )
-            x = x + self.wo(a.transpose(1, 2).reshape(B, S, -1))
-            h = self.norm2(x)
-            return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
-
-    return TPBlock()
-
-
-def _rows(lin: nn.Linear, i: int, parts: int) -> nn.Linear:
-    out = lin.out_features // parts
-    new = nn.Linear(lin.in_features, out, bias=False, dtype=lin.weight.dtype)
-    new.weight.data.copy_(lin.weight.data[i * out : (i + 1) * out])
-    return new
 
 
 def test_llama_style_tensor_parallel_block_passes(world2: dc.LocalWorld) -> None:
