@@ -734,7 +734,7 @@ class SPMDCheck(TorchFunctionMode):
         self, cls: type, rule: Rule, bound: Mapping[str, Any], tensors: list[tuple[str, Tensor]]
     ) -> Any:
         """Check ``rule`` on the inputs; return the plan for typing the outputs."""
-        name = getattr(cls, "name", "") or cls.__name__.lstrip("_")
+        name = _op_name(cls)
         group = rule.group(bound) if callable(rule.group) else bound.get(rule.group)
         recs = [(arg, t, self.rec(t)) for arg, t in tensors]
         if not self._is_group(group):
@@ -917,6 +917,16 @@ def _subclasses(cls: type) -> Iterable[type]:
     for s in cls.__subclasses__():
         yield s
         yield from _subclasses(s)
+
+
+def _op_name(cls: type, qualified: bool = False) -> str:
+    """The op's ``name`` (a CommOp's), else the class's (a plain autograd Function)."""
+    name = getattr(cls, "name", "")
+    if isinstance(name, str) and name:
+        return name
+    if qualified:
+        return f"{cls.__module__.removeprefix('diffcomm.')}.{cls.__name__}"
+    return cls.__name__.lstrip("_")
 
 
 def typed_functions() -> list[type]:
@@ -1208,14 +1218,14 @@ def typing_table() -> str:
     rows = []
     for cls in typed_functions():
         rule: Rule = cls.__dict__["spmd"]
-        name = getattr(cls, "name", "") or f"{cls.__module__.removeprefix('diffcomm.')}.{cls.__name__}"
+        name = _op_name(cls, qualified=True)
         fwd, grad, refused = rule.describe()
-        rows.append((name, fwd, grad, refused, rule.instead or "-"))
+        rows.append((name, fwd, rule.backward or "-", grad, refused, rule.instead or "-"))
     rows.sort(key=lambda r: (r[0].count("."), r[0]))
     lines = [
-        "| op | forward (input -> output) | gradient kind of a replicated input/output | refused "
-        "| under a replicated objective use |",
-        "|---|---|---|---|---|",
+        "| op | forward (input -> output) | backward | gradient kind of a replicated input/output "
+        "| refused | under a replicated objective use |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in r) + " |")

@@ -437,3 +437,16 @@ def run(name: str, fixed: bool, group: object = None) -> tuple[str, str] | None:
     except TypeError as e:
         return type(e).__name__, str(e)
     return None
+
+
+def corpus_markdown() -> str:
+    """The corpus as Markdown (``docs/spmd_types.md`` includes it): per bug, its class,
+    the program (the bug and, under ``if fixed``, the fix) and what the error names."""
+    import inspect
+
+    out = []
+    for i, b in enumerate(BUGS, 1):
+        names = ", ".join(f"`{n}`" for n in b.names)
+        src = inspect.getsource(b.program).rstrip()
+        out.append(f"#### {i}. {b.name}\n\n*{b.kind}.* The error names {names}.\n\n```python\n{src}\n```\n")
+    return "\n".join(out)
