@@ -448,5 +448,5 @@ def corpus_markdown() -> str:
     for i, b in enumerate(BUGS, 1):
         names = ", ".join(f"`{n}`" for n in b.names)
         src = inspect.getsource(b.program).rstrip()
-        out.append(f"#### {i}. {b.name}\n\n*{b.kind}.* The error names {names}.\n\n```python\n{src}\n```\n")
+        out.append(f"### {i}. {b.name}\n\n*{b.kind}.* The error names {names}.\n\n```python\n{src}\n```\n")
     return "\n".join(out)
