@@ -1065,9 +1065,9 @@ def _install() -> None:
 
     E.AsyncTensor.wait = wait
     T_.HOOK[0] = _Hooks
-    import diffcomm
-
     from ..runtime import world as W
+
+    diffcomm = sys.modules[__name__.split(".")[0]]  # the package (dc.get_rank), imported already
 
     _PATCHED_ATTRS.append((W, "get_rank", W.get_rank))
     _PATCHED_ATTRS.append((diffcomm, "get_rank", diffcomm.__dict__.get("get_rank", W.get_rank)))
