@@ -4,7 +4,7 @@ The serial block is ``examples/context_parallel_llama.py``'s (RMSNorm, RoPE, gro
 attention, SwiGLU). Here the q/k/v, gate and up projections become
 ``ColumnParallelLinear`` (each rank its heads / hidden units), the o and down projections
 ``RowParallelLinear`` (their outputs reduced by ``reduce_from_region``); the norms stay
-replicated. Used by ``tests/test_spmd.py`` (no false positive under ``dc.spmd_check``) and
+replicated. Used by ``tests/spmd/test_spmd.py`` (no false positive under ``dc.spmd_check``) and
 ``benchmarks/bench_spmd.py`` (the check's cost).
 """
 

@@ -19,7 +19,7 @@ import diffcomm as dc
 from diffcomm import parallel as par
 from diffcomm.spmd import corpus
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 F64 = torch.float64
 
 
