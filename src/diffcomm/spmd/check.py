@@ -488,8 +488,7 @@ class SPMDCheck(TorchFunctionMode):
 
     def _register_param(self, p: Tensor, name: str, r: _Rec) -> None:
         r.param = name
-        if r.t is R:
-            self._params[id(p)] = (p, name, r)  # held until the block ends (the grad check)
+        self._params[id(p)] = (p, name, r)  # held until the block ends (the grad check)
 
     def _type_module_params(self, module: torch.nn.Module, names: Mapping[int, str] | None = None) -> None:
         if id(module) in self._typed_modules:
@@ -897,12 +896,20 @@ class SPMDCheck(TorchFunctionMode):
 
     def check_grads(self) -> None:
         """Raise :class:`SPMDTypeError` for the first replicated parameter whose gradient is
-        partial (each rank holds its share: a reduction over the group is missing)."""
+        partial (each rank holds its share: a reduction over the group is missing) or
+        varying (changed by a per-rank value after backward)."""
         key = self.key
-        for p, name, _ in self._params.values():
-            if p.grad is None:
+        for p, name, r in self._params.values():
+            if p.grad is None or p.__dict__.get(key, r).t is not R:
                 continue
             g = p.grad.__dict__.get(key)
+            if g is not None and g.t is V:
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: parameter {name} is replicated, but its gradient varies by "
+                    f"rank ({g.why or 'changed by a per-rank value after backward'}): the replicas "
+                    "would drift apart. A per-rank factor (e.g. a gradient-clipping norm of sharded "
+                    "gradients computed without an all_reduce) must be made replicated first."
+                )
             if g is not None and g.t is P:
                 raise SPMDTypeError(
                     f"diffcomm.spmd_check: parameter {name} is replicated, but its gradient is "
@@ -1109,7 +1116,7 @@ class _Hooks:
                     r = _Rec(V, why=f"this rank's own parameter {name}")
                     r.param = name
                     p.__dict__[c.key] = r
-                    c._params.pop(id(p), None)
+                    c._params[id(p)] = (p, name, r)
 
 
 def _uninstall() -> None:

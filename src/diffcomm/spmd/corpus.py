@@ -293,6 +293,22 @@ def gather_from_region_of_replicated(fixed: bool) -> None:
     par.gather_from_region(x, dim=-1)
 
 
+def clip_grad_norm_without_all_reduce(fixed: bool) -> None:
+    """Gradient clipping with the norm of this rank's gradient shards only: the clipping
+    factor differs by rank, so the replicated parameters' replicas drift apart."""
+    mlp = par.ParallelMLP(H, F_, dtype=torch.float64, seed=0)
+    mlp(_x(3, H)).pow(2).mean().backward()
+    if not fixed:
+        torch.nn.utils.clip_grad_norm_(mlp.parameters(), 1e-3, foreach=False)
+        return
+    sharded = [p for n, p in mlp.named_parameters() if n.endswith("weight") or n == "fc1.bias"]
+    whole = [p for p in mlp.parameters() if all(p is not q for q in sharded)]
+    sq = dc.all_reduce(sum(p.grad.pow(2).sum() for p in sharded)) + sum(p.grad.pow(2).sum() for p in whole)
+    coef = (1e-3 / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+    for p in mlp.parameters():
+        p.grad.mul_(coef)
+
+
 BUGS: list[Bug] = [
     Bug(
         "all_reduce under a replicated objective",
@@ -417,6 +433,12 @@ BUGS: list[Bug] = [
         "replicated tensor where a shard is expected",
         vocab_parallel_cross_entropy_on_whole_logits,
         ("vocab", "`logits` is replicated"),
+    ),
+    Bug(
+        "gradient clipping with a per-rank norm",
+        "replicated parameter whose gradient is not replicated",
+        clip_grad_norm_without_all_reduce,
+        ("RowParallelLinear.bias", "varies by rank"),
     ),
     Bug(
         "gather_from_region of a replicated tensor",
