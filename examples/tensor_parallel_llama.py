@@ -21,7 +21,7 @@ import diffcomm as dc
 from diffcomm import parallel as par
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from context_parallel_llama import Block  # noqa: E402 - the serial block, next to this file
+from context_parallel_llama import Block
 
 
 def _rows(lin: nn.Linear, i: int, parts: int) -> nn.Linear:

@@ -78,7 +78,7 @@ _EXPORTS: dict[str, str] = {
     "init": "runtime.world",
     "is_initialized": "runtime.world",
     "launch": "runtime.world",
-    "SPMDTypeError": "spmd.types",
+    "SPMDTypeError": "_replication",
     "spmd_check": "spmd.check",
 }
 
@@ -96,6 +96,7 @@ if TYPE_CHECKING:
         WorldTimeoutError,
         WorldTooLargeError,
     )
+    from ._replication import SPMDTypeError
     from .debug.recorder import FlightRecorder, flight_recorder
     from .ops.coalesced import (
         all_gather_coalesced,
@@ -121,7 +122,6 @@ if TYPE_CHECKING:
     from .ops.p2p import ppermute, recv, send, sendrecv, shift, wait_sends
     from .runtime.world import LocalWorld, get_rank, get_world_size, init, is_initialized, launch
     from .spmd.check import spmd_check
-    from .spmd.types import SPMDTypeError
 
 __all__ = [
     "accelerator",

@@ -86,10 +86,10 @@ def test_nothing_installed_outside_a_check(world2: dc.LocalWorld) -> None:
     def state() -> dict[str, object]:
         from torch.nn.modules import module as M
 
+        from diffcomm import _replication as T
         from diffcomm.ops import all_reduce as C
         from diffcomm.ops import engine as E
         from diffcomm.spmd import check as K
-        from diffcomm.spmd import types as T
 
         return {
             "modes": len(torch.overrides._get_current_function_mode_stack()),
@@ -417,7 +417,7 @@ def test_notebooks_parallel_code_passes(local_worlds: object, name: str) -> None
         if examples not in sys.path:
             sys.path.insert(0, examples)
         scope: dict[str, object] = {"__name__": "notebook", "n": dc.get_world_size()}
-        exec(compile(src, name, "exec"), scope)  # noqa: S102 - the repository's own notebook
+        exec(compile(src, name, "exec"), scope)
         scope.update(WIDTH=16, BATCH=16)  # 03's pipeline at a test's size
         ran = []
         for f, args in funcs:
@@ -437,7 +437,7 @@ def test_notebook_plain_all_reduce_mlp_is_caught(world2: dc.LocalWorld) -> None:
 
     def body() -> str:
         scope: dict[str, object] = {"__name__": "notebook"}
-        exec(compile(src, "02", "exec"), scope)  # noqa: S102 - the repository's own notebook
+        exec(compile(src, "02", "exec"), scope)
         try:
             with dc.spmd_check():
                 scope["tp_mlp_grads"]("plain all_reduce")  # type: ignore[operator]

@@ -11,8 +11,8 @@ from typing import Any
 from torch import Tensor
 
 from .. import _config
+from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
-from ..spmd.types import PARTIAL, SHARES, TWICE, Rule, T
 from . import references as R
 from .all_reduce import _AllReduce
 from .base import CommOp, apply, call, op_labels

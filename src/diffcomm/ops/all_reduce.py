@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from .. import _config
+from .._replication import PARTIAL, TWICE, Rule, T
 from ..backend import args as A
-from ..spmd.types import PARTIAL, TWICE, Rule, T
 from . import references as R
 from .base import CommOp, apply, call, op_labels
 from .registry import SELF, Kwargs

@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from .. import _config
+from .._replication import PARTIAL, SHARES, Rule, T
 from ..backend import args as A
-from ..spmd.types import PARTIAL, SHARES, Rule, T
 from . import references as R
 from .base import CommOp, apply, call
 from .registry import SELF, Kwargs

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
 from ..backend import label
-from ..spmd.types import PARTIAL, SHARES, TWICE, Rule, T
 from . import references as R
 from .base import ListOp, apply, call, list_args
 from .coalesced_reduce import _AllReduceList

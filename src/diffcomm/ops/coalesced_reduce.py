@@ -10,8 +10,8 @@ from typing import Any
 
 from torch import Tensor
 
+from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
-from ..spmd.types import PARTIAL, SHARES, TWICE, Rule, T
 from . import references as R
 from .all_reduce import WEIGHT_DTYPE, product_parts, product_weight
 from .base import ListOp, apply, call, list_args

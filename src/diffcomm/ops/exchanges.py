@@ -12,8 +12,8 @@ from torch import Tensor
 
 from .. import _config
 from .. import backend as B
+from .._replication import PARTIAL, SHARES, P, R, Rule, V
 from ..backend import args as A
-from ..spmd.types import PARTIAL, SHARES, P, R, Rule, V
 from . import wire as T
 from .base import CommOp, call
 from .base import apply as _apply

@@ -10,8 +10,8 @@ from collections.abc import Iterator, Sequence
 from torch import Tensor
 
 from .. import _config
+from .._replication import PARTIAL, SHARES, Rule, T
 from ..backend import args as A
-from ..spmd.types import PARTIAL, SHARES, Rule, T
 from . import references as R
 from .base import CommOp, apply, call
 from .base import movedim0 as _movedim0

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from .. import backend as B
+from .._replication import PARTIAL, SHARES, P, R, Rule, V
 from ..backend import args as A
-from ..spmd.types import PARTIAL, SHARES, P, R, Rule, V
 from . import wire as T
 from .base import CommOp, batch_first, call
 from .base import apply as _apply

@@ -17,10 +17,10 @@ from typing import Any
 from torch import Tensor
 
 from .. import _config
+from .._replication import PARTIAL, REPLICATED, TWICE, P, R, Rule, V
 from ..backend import args as A
 from ..ops import coalesced as K
 from ..ops.base import ListOp, apply, call, list_args
-from ..spmd.types import PARTIAL, REPLICATED, TWICE, P, R, Rule, V
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 
 __all__ = ["copy_to_region_coalesced", "reduce_from_region_coalesced"]

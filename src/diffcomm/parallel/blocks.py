@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import rng
+from .._replication import LayerRule, R, V
 from ..backend import args as A
-from ..spmd.types import LayerRule, R, V
 from ._module import (
     ParallelModule,
     check_divisible,

@@ -41,8 +41,8 @@ from torch import Tensor, nn
 
 from .. import _config
 from .. import backend as B
+from .._replication import LayerRule, R, V
 from ..backend import args as A
-from ..spmd.types import LayerRule, R, V
 from . import overlap as O
 from ._check import check_replicated
 from ._module import (

@@ -10,9 +10,9 @@ from torch.autograd.function import once_differentiable
 
 from .. import _config
 from .. import backend as B
+from .._replication import REPLICATED, P, R, Rule, V
 from ..backend import args as A
 from ..ops import collectives as C
-from ..spmd.types import REPLICATED, P, R, Rule, V
 from ._check import check_replicated
 
 __all__ = ["vocab_parallel_cross_entropy"]

@@ -64,12 +64,12 @@ from torch import Tensor
 
 from .. import _config
 from .. import backend as B
+from .._replication import PARTIAL, REPLICATED, TWICE, P, R, Rule, V
 from ..backend import args as A
 from ..ops import collectives as C
 from ..ops.all_to_all import raw_all_to_all
 from ..ops.base import CommOp, apply, call
 from ..ops.registry import SELF, FamilyView, Kwargs
-from ..spmd.types import PARTIAL, REPLICATED, TWICE, P, R, Rule, V
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 from ._coalesced import copy_to_region_coalesced, reduce_from_region_coalesced
 

@@ -50,9 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._replication import LayerRule, R, V
 from ..backend import args as A
 from ..ops import coalesced as K
-from ..spmd.types import LayerRule, R, V
 from ._module import check_positive, init_generator, resolve_parallel_group
 from .blocks import MLP
 from .routing import DispatchPlan, combine, dispatch, load_balancing_loss, route

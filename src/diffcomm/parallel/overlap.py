@@ -52,9 +52,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import backend as B
+from .._replication import REPLICATED, P, R, Rule, V
 from ..ops import collectives as C
 from ..ops import engine as _async
-from ..spmd.types import REPLICATED, P, R, Rule, V
 
 PG = Any
 

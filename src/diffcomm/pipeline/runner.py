@@ -58,10 +58,10 @@ from torch.autograd.graph import GradientEdge, Node
 
 from .. import _config
 from .. import backend as B
+from .._replication import varying_parameters
 from ..backend import args as A
 from ..ops import p2p
 from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
-from ..spmd.types import varying_parameters
 from ._split import capture, cooldown, group_plan, input_edge, weight_plan
 from .schedules import SCHEDULES, ScheduleFn, Step
 from .timeline import TimelineEntry

@@ -1,7 +1,7 @@
 """Replication types (``dc.spmd_check``): replicated / varying / partial per process group,
 checked op by op without communicating. See ``docs/spmd_types.md``.
 
-:mod:`diffcomm.spmd.types` (the types, :class:`Rule`, :class:`LayerRule`,
+:mod:`diffcomm._replication` (the types, :class:`Rule`, :class:`LayerRule`,
 :class:`SPMDTypeError`) is imported by the op modules that state their rules;
 :mod:`diffcomm.spmd.check` (the check itself) is loaded on first use of a name below.
 """
@@ -11,7 +11,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .types import PARTIAL, REPLICATED, LayerRule, P, R, Rule, SPMDTypeError, T, V
+from .._replication import (
+    PARTIAL,
+    REPLICATED,
+    LayerRule,
+    P,
+    R,
+    Rule,
+    SPMDTypeError,
+    T,
+    V,
+    varying_by_construction,
+    varying_parameters,
+)
 
 __all__ = [
     "T",
@@ -23,6 +35,8 @@ __all__ = [
     "Rule",
     "LayerRule",
     "SPMDTypeError",
+    "varying_by_construction",
+    "varying_parameters",
     "SPMDCheck",
     "spmd_check",
     "varying",

@@ -6,12 +6,12 @@ How it is put together — nothing of it exists while no check is active:
 * a :class:`torch.overrides.TorchFunctionMode` (:class:`SPMDCheck` itself) types every
   plain torch op from its inputs' types; the types live on the tensors, in one attribute
   per check (``x.__dict__[key]``), so no data is copied or wrapped;
-* the ``forward`` of every class that states a :class:`~diffcomm.spmd.types.Rule` (the
+* the ``forward`` of every class that states a :class:`~diffcomm._replication.Rule` (the
   communication ops, the mappings, the Functions fused with their communication) is
   replaced, for the duration of the check, by one that checks the rule and types the
   outputs; the originals are put back on exit;
 * one global module forward pre-hook types each layer's parameters (from the layer's
-  ``_shard_dims`` / its :class:`~diffcomm.spmd.types.LayerRule`) and checks the layer's
+  ``_shard_dims`` / its :class:`~diffcomm._replication.LayerRule`) and checks the layer's
   input against its rule;
 * ``Tensor.backward`` / ``torch.autograd.backward`` / ``torch.autograd.grad`` check the
   loss (the objective) before backward starts, and type the parameters' gradients after;
@@ -32,7 +32,6 @@ from __future__ import annotations
 # name per line (~200 lines); the rest is the one check — records and cells, the plain-op
 # rules, the typed-op wrapper, the hooks installed on entry and removed on exit — whose
 # parts share the same state, plus the public helpers and the generated docs table.
-
 import importlib
 import inspect
 import itertools
@@ -46,12 +45,12 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from .. import _replication as T_
 from .. import rng
+from .._replication import PARTIAL, REPLICATED, LayerRule, P, R, Rule, SPMDTypeError, T, V
 from ..backend import args as A
 from ..ops import engine as E
 from ..ops.base import CommOp, ListOp
-from . import types as T_
-from .types import PARTIAL, REPLICATED, LayerRule, P, R, Rule, SPMDTypeError, T, V
 
 __all__ = ["SPMDCheck", "spmd_check", "varying", "replicated", "partial", "module", "type_of", "typing_table"]
 
@@ -64,6 +63,7 @@ __all__ = ["SPMDCheck", "spmd_check", "varying", "replicated", "partial", "modul
 #: backward passes (that freed their graph) so far: a cell fixed before the last one
 #: belongs to a graph whose backward already ran, and constrains nothing any more
 _EPOCH = [0]
+_TENSOR_BASE = torch.Tensor.__mro__[1]  # the C tensor class whose methods are the operators
 
 
 class _Cell:
@@ -112,7 +112,7 @@ def _conflict(op: str, site: str, need: str, have: _Cell, need_why: str) -> SPMD
 # ======================================================================================
 
 
-class _Escape(BaseException):  # noqa: N818 - a carrier, not an error of its own
+class _Escape(BaseException):
     """Carries an :class:`SPMDTypeError` out of a Tensor method, which may be an operator
     (``a * b`` dispatches ``TensorBase.mul``): torch turns a ``TypeError`` raised inside an
     operator into ``NotImplemented`` (then Python's own "unsupported operand" error). The
@@ -152,7 +152,7 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 def _site() -> str:
     """The user's file:line (the first frame outside diffcomm and torch)."""
-    f = sys._getframe(1)
+    f: Any = sys._getframe(1)
     while f is not None:
         fn = f.f_code.co_filename
         if not (
@@ -338,23 +338,24 @@ class RankInt(int):
     stays a ``RankInt``, so an index or a slice computed from the rank (``x[r * n:(r + 1) *
     n]``) marks the result varying. (Comparisons and ``float()`` give plain values.)"""
 
-    def _wrap(op: str) -> Any:  # noqa: N805 - builds the methods below
-        base = getattr(int, op)
-
-        def f(self: int, *a: Any) -> Any:
-            out = base(self, *a)
-            return RankInt(out) if type(out) is int else out
-
-        f.__name__ = op
-        return f
-
-    for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__",
-                "__rfloordiv__", "__mod__", "__rmod__", "__neg__", "__pos__", "__abs__"):  # fmt: skip
-        locals()[_op] = _wrap(_op)
-    del _op, _wrap
-
     def __reduce__(self) -> Any:  # crosses process boundaries as a plain int
         return (int, (int(self),))
+
+
+def _rank_method(op: str) -> Any:
+    base = getattr(int, op)
+
+    def method(self: int, *a: Any) -> Any:
+        out = base(self, *a)
+        return RankInt(out) if type(out) is int else out
+
+    method.__name__ = op
+    return method
+
+
+for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__",
+            "__rfloordiv__", "__mod__", "__rmod__", "__neg__", "__pos__", "__abs__"):  # fmt: skip
+    setattr(RankInt, _op, _rank_method(_op))
 
 
 def _rank_dependent(args: Iterable[Any]) -> bool:
@@ -536,7 +537,7 @@ class SPMDCheck(TorchFunctionMode):
                     dist.get_process_group_ranks(pg) if pg is not None else list(range(dist.get_world_size()))
                 )
                 hit = mine == theirs
-            except Exception:  # noqa: BLE001 - not a group torch knows: not ours
+            except Exception:
                 hit = False
             self._groups[k] = hit
         return hit
@@ -571,7 +572,7 @@ class SPMDCheck(TorchFunctionMode):
         try:
             self._type_plain(func, name, args, kwargs, outs)
         except SPMDTypeError as e:
-            if getattr(func, "__objclass__", None) is torch._C.TensorBase:  # maybe an operator
+            if getattr(func, "__objclass__", None) is _TENSOR_BASE:  # maybe an operator
                 raise _Escape(e) from None
             raise
         return out
@@ -877,9 +878,9 @@ class SPMDCheck(TorchFunctionMode):
             return _Rec(V, why="a gradient of a varying value")
         if r.t is P:
             return _Rec(R)
-        kind = r.cell.root().kind if r.cell is not None else None
-        if kind == PARTIAL:
-            return _Rec(P, why=f"the gradient of a replicated value; {r.cell.root().why}")
+        root = r.cell.root() if r.cell is not None else None
+        if root is not None and root.kind == PARTIAL:
+            return _Rec(P, why=f"the gradient of a replicated value; {root.why}")
         return _Rec(R)
 
     def _type_grads(self) -> None:
@@ -926,6 +927,7 @@ class SPMDCheck(TorchFunctionMode):
 
 
 def _subclasses(cls: type) -> Iterable[type]:
+    s: type
     for s in cls.__subclasses__():
         yield s
         yield from _subclasses(s)
@@ -1038,9 +1040,10 @@ def _typed_launch(orig: Any) -> Any:
         spec = getattr(getattr(fwd, "__func__", fwd), "_spmd_spec", None)
         if not checks or spec is None:
             return orig(ctx, cls, args, pos, *tensors)
-        return _run_typed(
-            checks, cls, cls.__dict__["spmd"], *spec, args, lambda: orig(ctx, cls, args, pos, *tensors)
-        )
+        names, is_list, nmeta, has_ctx = spec
+        rule = cls.__dict__["spmd"]
+        launch_it = lambda: orig(ctx, cls, args, pos, *tensors)
+        return _run_typed(checks, cls, rule, names, is_list, nmeta, has_ctx, args, launch_it)
 
     return forward
 
@@ -1051,13 +1054,13 @@ def _install() -> None:
         entry = cls.__dict__["forward"]
         orig = entry.__func__ if isinstance(entry, staticmethod) else entry
         _PATCHED[cls] = (orig, entry)
-        cls.forward = staticmethod(_make_forward(cls, orig, cls.__dict__["spmd"]))
+        setattr(cls, "forward", staticmethod(_make_forward(cls, orig, cls.__dict__["spmd"])))  # noqa: B010
     # the asynchronous ops' mechanism: the launch is typed by the launched op's rule, and
     # AsyncTensor.wait() passes the type on to the finished tensor
     launch = E._LaunchFn
     entry = launch.__dict__["forward"]
     _PATCHED[launch] = (entry.__func__, entry)
-    launch.forward = staticmethod(_typed_launch(entry.__func__))
+    setattr(launch, "forward", staticmethod(_typed_launch(entry.__func__)))  # noqa: B010
     wait_entry = E.AsyncTensor.__dict__["wait"]
     _PATCHED[E.AsyncTensor] = (wait_entry, wait_entry)
 
@@ -1070,22 +1073,22 @@ def _install() -> None:
                     out.__dict__[c.key] = r
         return out
 
-    E.AsyncTensor.wait = wait
+    setattr(E.AsyncTensor, "wait", wait)  # noqa: B010 - a method replaced for the check
     T_.HOOK[0] = _Hooks
     from ..runtime import world as W
 
     diffcomm = sys.modules[__name__.split(".")[0]]  # the package (dc.get_rank), imported already
 
     _PATCHED_ATTRS.append((W, "get_rank", W.get_rank))
-    _PATCHED_ATTRS.append((diffcomm, "get_rank", diffcomm.__dict__.get("get_rank", W.get_rank)))
+    _PATCHED_ATTRS.append((diffcomm, "get_rank", vars(diffcomm).get("get_rank", W.get_rank)))
     orig_rank = W.get_rank
 
     def get_rank(*a: Any, **k: Any) -> int:
         return RankInt(orig_rank(*a, **k))
 
     get_rank.__doc__ = orig_rank.__doc__
-    W.get_rank = get_rank
-    diffcomm.get_rank = get_rank
+    setattr(W, "get_rank", get_rank)  # noqa: B010
+    setattr(diffcomm, "get_rank", get_rank)  # noqa: B010
 
     def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         for c in _ACTIVE:
@@ -1096,7 +1099,7 @@ def _install() -> None:
 
 
 class _Hooks:
-    """What :data:`diffcomm.spmd.types.HOOK` holds while a check is active."""
+    """What :data:`diffcomm._replication.HOOK` holds while a check is active."""
 
     @staticmethod
     def varying(x: Tensor) -> Tensor:
@@ -1243,6 +1246,6 @@ def typing_table() -> str:
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in r) + " |")
     lines += ["", "| layer | its input must be |", "|---|---|"]
     for cls in sorted(typed_layers(), key=lambda c: c.__name__):
-        rule = cls.__dict__["spmd"]
-        lines.append(f"| `{cls.__module__.removeprefix('diffcomm.')}.{cls.__name__}` | {rule.doc} |")
+        layer: LayerRule = cls.__dict__["spmd"]
+        lines.append(f"| `{cls.__module__.removeprefix('diffcomm.')}.{cls.__name__}` | {layer.doc} |")
     return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -122,9 +123,9 @@ def missing_copy_to_region(fixed: bool) -> None:
 def sequence_parallel_layernorm_not_reduced(fixed: bool) -> None:
     """A plain LayerNorm on sequence shards: each rank's weight gradient is a partial sum
     that nobody reduces (SequenceParallelLayerNorm reduces it)."""
-    ln = nn.LayerNorm(H, dtype=torch.float64)
+    ln: nn.Module = nn.LayerNorm(H, dtype=torch.float64)
     if fixed:
-        ln = par.SequenceParallelLayerNorm.from_serial(ln)
+        ln = par.SequenceParallelLayerNorm.from_serial(ln)  # type: ignore[arg-type]
     ln(dc.spmd.varying(_shard(2, H))).pow(2).sum().backward()
 
 
@@ -137,6 +138,7 @@ def shared_embedding_not_reduced(fixed: bool) -> None:
     out = F.embedding(ids, w) if dc.get_rank() == 0 else F.linear(h, w)
     out.pow(2).sum().backward()
     if fixed:
+        assert w.grad is not None
         w.grad = dc.all_reduce(w.grad)
 
 
@@ -303,10 +305,15 @@ def clip_grad_norm_without_all_reduce(fixed: bool) -> None:
         return
     sharded = [p for n, p in mlp.named_parameters() if n.endswith("weight") or n == "fc1.bias"]
     whole = [p for p in mlp.parameters() if all(p is not q for q in sharded)]
-    sq = dc.all_reduce(sum(p.grad.pow(2).sum() for p in sharded)) + sum(p.grad.pow(2).sum() for p in whole)
+    grads: list[Any] = [p.grad for p in mlp.parameters()]
+    sq_shards = torch.stack(
+        [g.pow(2).sum() for g, p in zip(grads, mlp.parameters()) if any(p is q for q in sharded)]
+    )
+    sq_whole = torch.stack([p.grad.pow(2).sum() for p in whole if p.grad is not None])
+    sq = dc.all_reduce(sq_shards.sum()) + sq_whole.sum()
     coef = (1e-3 / (sq.sqrt() + 1e-6)).clamp(max=1.0)
-    for p in mlp.parameters():
-        p.grad.mul_(coef)
+    for g in grads:
+        g.mul_(coef)
 
 
 BUGS: list[Bug] = [
@@ -449,7 +456,7 @@ BUGS: list[Bug] = [
 ]
 
 
-def run(name: str, fixed: bool, group: object = None) -> tuple[str, str] | None:
+def run(name: str, fixed: bool, group: Any = None) -> tuple[str, str] | None:
     """Run the corpus program ``name`` (the bug, or its fix) under ``dc.spmd_check(group)``
     on this rank; ``None`` if the check passed, else the error's class name and message."""
     bug = next(b for b in BUGS if b.name == name)

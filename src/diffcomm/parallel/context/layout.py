@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from ... import backend as B
+from ..._replication import varying_by_construction
 from ...backend import args as A
 from ...ops import collectives as C
-from ...spmd.types import varying_by_construction
 
 __all__ = ["LAYOUTS", "layout_index", "shard", "unshard"]
 

@@ -22,9 +22,9 @@ from torch.autograd.function import once_differentiable
 
 from ... import _config, _torch
 from ... import backend as B
+from ..._replication import P, R, Rule, V
 from ...backend import args as A
 from ...ops import engine as _async
-from ...spmd.types import P, R, Rule, V
 from .layout import (
     PG,
     _check_cu_seqlens,
