@@ -11,6 +11,10 @@ On ``builder-inited`` (before Sphinx looks for source files) it writes, under
 * ``mappings.md`` — the replicated-objective mappings, from the registry's ``"mapping"``
   family (``registry.markdown("mapping")``, the same table as
   :data:`diffcomm.parallel.MAPPINGS`);
+* ``spmd_table.md`` and ``spmd_corpus.md`` — the replication-typing table (the ``spmd``
+  rule on every op, mapping and layer class: :func:`diffcomm.spmd.check.typing_table`)
+  and the planted-bug corpus (:data:`diffcomm.spmd.corpus.BUGS`), included by
+  ``spmd_types.md``;
 * ``notebooks/*.ipynb`` — copies of ``notebooks/*.ipynb`` (Sphinx only reads sources
   inside ``docs/``). If ``tests/test_notebooks.py`` has left an executed copy newer than
   the source in ``docs/_build/executed/``, that copy is used, so the rendered pages show
@@ -104,7 +108,23 @@ def not_executed_copy(src: Path) -> bytes:
     return (json.dumps(nb, indent=1, ensure_ascii=False) + "\n").encode()
 
 
+def spmd_table_page() -> str:
+    from diffcomm.spmd.check import typing_table
+
+    return _table_page(
+        "the spmd rules on the op, mapping and layer classes (diffcomm.spmd.check)", typing_table()
+    )
+
+
+def spmd_corpus_page() -> str:
+    from diffcomm.spmd.corpus import corpus_markdown
+
+    return _table_page("diffcomm.spmd.corpus.BUGS", corpus_markdown())
+
+
 def generate(app: Any = None) -> None:
+    _write(GENERATED / "spmd_table.md", spmd_table_page().encode())
+    _write(GENERATED / "spmd_corpus.md", spmd_corpus_page().encode())
     _write(GENERATED / "duals.md", duals_page().encode())
     _write(GENERATED / "coalesced.md", coalesced_page().encode())
     _write(GENERATED / "p2p.md", p2p_page().encode())

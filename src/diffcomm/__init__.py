@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 # (tests/test_packaging.py checks it).
 
 #: public submodules re-exported as attributes
-_SUBMODULES = ("accelerator", "backend", "compat", "parallel", "pipeline", "rng")
+_SUBMODULES = ("accelerator", "backend", "compat", "parallel", "pipeline", "rng", "spmd")
 
 #: the op families' modules, by their old top-level names (``dc.p2p.irecv``,
 #: ``dc.collectives.duals_markdown``): attributes of the package, kept where the docs use them
@@ -78,10 +78,12 @@ _EXPORTS: dict[str, str] = {
     "init": "runtime.world",
     "is_initialized": "runtime.world",
     "launch": "runtime.world",
+    "SPMDTypeError": "_replication",
+    "spmd_check": "spmd.check",
 }
 
 if TYPE_CHECKING:
-    from . import accelerator, backend, compat, parallel, pipeline, rng
+    from . import accelerator, backend, compat, parallel, pipeline, rng, spmd
     from ._config import debug, settings, timeout
     from ._errors import (
         CollectiveTimeoutError,
@@ -94,6 +96,7 @@ if TYPE_CHECKING:
         WorldTimeoutError,
         WorldTooLargeError,
     )
+    from ._replication import SPMDTypeError
     from .debug.recorder import FlightRecorder, flight_recorder
     from .ops.coalesced import (
         all_gather_coalesced,
@@ -118,6 +121,7 @@ if TYPE_CHECKING:
     from .ops.engine import AsyncTensor
     from .ops.p2p import ppermute, recv, send, sendrecv, shift, wait_sends
     from .runtime.world import LocalWorld, get_rank, get_world_size, init, is_initialized, launch
+    from .spmd.check import spmd_check
 
 __all__ = [
     "accelerator",
@@ -126,6 +130,7 @@ __all__ = [
     "parallel",
     "pipeline",
     "rng",
+    "spmd",
     "AsyncTensor",
     "DUALS",
     "OPS",
@@ -169,6 +174,8 @@ __all__ = [
     "launch",
     "settings",
     "timeout",
+    "SPMDTypeError",
+    "spmd_check",
 ]
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from .. import _config
+from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
 from . import references as R
 from .all_reduce import _AllReduce
@@ -39,6 +40,14 @@ class _AllGather(CommOp):
     forward_text = "concat of every rank's x along dim"
     backward_text = "reduce_scatter(sum) with the same split"
     reference = R.all_gather
+    spmd = Rule(
+        {T.V: T.R, T.R: T.R},
+        out_grad=PARTIAL,
+        in_grad=PARTIAL,
+        refuse={T.P: SHARES},
+        instead="parallel.gather_from_region",
+        backward="reduce_scatter of the gradient (sums it over ranks)",
+    )
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, split_sizes: tuple[int, ...] | Learned) -> Tensor:
@@ -133,6 +142,7 @@ class _ReduceScatter(CommOp):
     forward_text = "chunk r of the reduction"
     backward_text = "all_gather with the same split"
     reference = R.reduce_scatter
+    spmd = Rule({T.V: T.V, T.P: T.V}, refuse={T.R: TWICE}, backward="all_gather of the gradient")
 
     @staticmethod
     def run(x: Tensor, dim: int, op: str, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:

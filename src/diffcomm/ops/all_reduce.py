@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import _config
+from .._replication import PARTIAL, TWICE, Rule, T
 from ..backend import args as A
 from . import references as R
 from .base import CommOp, apply, call, op_labels
@@ -35,6 +36,18 @@ class _AllReduce(CommOp):
     forward_text = "op over ranks, on every rank"
     backward_text = "all_reduce of grads (max/min: to arg-extreme ranks, ties split; product: zero-safe)"
     reference = R.all_reduce
+    spmd = Rule(
+        {T.V: T.R, T.P: T.R},
+        out_grad=PARTIAL,
+        refuse={T.R: TWICE},
+        instead="parallel.reduce_from_region",
+        backward="all_reduce of the gradient (sums it over ranks)",
+        nonlinear=Rule(
+            {T.V: T.R},
+            out_grad=PARTIAL,
+            refuse={T.R: TWICE, T.P: "max/min/product of the shares is not that of the sum: reduce first"},
+        ),
+    )
 
     @staticmethod
     def run(x: Tensor, op: str, pg: PG) -> Tensor:

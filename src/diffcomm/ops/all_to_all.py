@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import _config
+from .._replication import PARTIAL, SHARES, Rule, T
 from ..backend import args as A
 from . import references as R
 from .base import CommOp, apply, call
@@ -35,6 +36,9 @@ class _AllToAll(CommOp):
     forward_text = "chunk r of every rank's x, concatenated"
     backward_text = "all_to_all with dims and split sizes swapped"
     reference = R.all_to_all
+    spmd = Rule(
+        {T.V: T.V, T.R: T.V}, in_grad=PARTIAL, refuse={T.P: SHARES}, backward="all_to_all, dims swapped"
+    )
 
     @staticmethod
     def out_shape(

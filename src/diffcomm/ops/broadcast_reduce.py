@@ -10,6 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from .. import _config
+from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
 from . import references as R
 from .all_reduce import _AllReduce
@@ -33,6 +34,13 @@ class _Broadcast(CommOp):
     forward_text = "src's x on every rank"
     backward_text = "reduce(sum) to src; other ranks exact zeros"
     reference = R.broadcast
+    spmd = Rule(
+        {T.R: T.R, T.V: T.R},
+        out_grad=PARTIAL,
+        in_grad=PARTIAL,
+        refuse={T.P: SHARES},
+        backward="reduce to src",
+    )
 
     @staticmethod
     def run(x: Tensor, src: int, pg: PG) -> Tensor:
@@ -98,6 +106,7 @@ class _Reduce(CommOp):
     forward_text = "op over ranks on dst, zeros elsewhere"
     backward_text = "broadcast from dst"
     reference = R.reduce
+    spmd = Rule({T.V: T.V, T.P: T.V}, refuse={T.R: TWICE}, backward="broadcast from dst")
 
     @staticmethod
     def run(x: Tensor, dst: int, op: str, pg: PG) -> Tensor:

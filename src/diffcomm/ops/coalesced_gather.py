@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
 from ..backend import label
 from . import references as R
@@ -61,6 +62,13 @@ class _AllGatherList(ListOp):
     dims = 0
     forward_text = "each tensor concatenated over ranks along dim"
     backward_text = "reduce_scatter_coalesced(sum)"
+    spmd = Rule(
+        {T.V: T.R, T.R: T.R},
+        out_grad=PARTIAL,
+        in_grad=PARTIAL,
+        refuse={T.P: SHARES},
+        backward="reduce_scatter_coalesced",
+    )
 
     @staticmethod
     def out_shape(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG, split_sizes: SplitSizes) -> list[Any]:
@@ -141,6 +149,7 @@ class _ReduceScatterList(ListOp):
     dims = 0
     forward_text = "chunk r of each tensor's reduction along dim"
     backward_text = "all_gather_coalesced"
+    spmd = Rule({T.V: T.V, T.P: T.V}, refuse={T.R: TWICE}, backward="all_gather_coalesced")
 
     @staticmethod
     def out_shape(

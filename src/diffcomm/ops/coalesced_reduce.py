@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
+from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
 from . import references as R
 from .all_reduce import WEIGHT_DTYPE, product_parts, product_weight
@@ -46,6 +47,18 @@ class _AllReduceList(ListOp):
     backward_text = (
         "all_reduce_coalesced of grads (max/min: to arg-extreme ranks, ties split; product: "
         "zero-safe, plus one all_reduce per dtype)"
+    )
+    spmd = Rule(
+        {T.V: T.R, T.P: T.R},
+        out_grad=PARTIAL,
+        refuse={T.R: TWICE},
+        instead="parallel.reduce_from_region_coalesced",
+        backward="all_reduce_coalesced of the gradients",
+        nonlinear=Rule(
+            {T.V: T.R},
+            out_grad=PARTIAL,
+            refuse={T.R: TWICE, T.P: "max/min/product of the shares is not that of the sum"},
+        ),
     )
 
     @staticmethod
@@ -133,6 +146,13 @@ class _BroadcastList(ListOp):
     same_shapes = True
     forward_text = "src's tensors on every rank"
     backward_text = "reduce_coalesced(sum) to src; other ranks exact zeros"
+    spmd = Rule(
+        {T.R: T.R, T.V: T.R},
+        out_grad=PARTIAL,
+        in_grad=PARTIAL,
+        refuse={T.P: SHARES},
+        backward="reduce_coalesced to src",
+    )
 
     @staticmethod
     def out_shape(xs: Sequence[Tensor], src: int, pg: PG) -> list[tuple[int, ...]]:
@@ -166,6 +186,7 @@ class _ReduceList(ListOp):
     same_shapes = True
     forward_text = "op over ranks on dst, zeros elsewhere"
     backward_text = "broadcast_coalesced from dst"
+    spmd = Rule({T.V: T.V, T.P: T.V}, refuse={T.R: TWICE}, backward="broadcast_coalesced from dst")
 
     @staticmethod
     def out_shape(xs: Sequence[Tensor], dst: int, op: str, pg: PG) -> list[tuple[int, ...]]:

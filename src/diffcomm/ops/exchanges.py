@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .. import _config
 from .. import backend as B
+from .._replication import PARTIAL, SHARES, P, R, Rule, V
 from ..backend import args as A
 from . import wire as T
 from .base import CommOp, call
@@ -34,6 +35,7 @@ class _SendRecv(CommOp):
     shapes = (2, 3)  # the received shape and x's
     forward_text = "x to dst, src's x arrives"
     backward_text = "sendrecv(grad, dst=src, src=dst)"
+    spmd = Rule({R: V, V: V}, in_grad=PARTIAL, refuse={P: SHARES}, backward="sendrecv, peers swapped")
 
     @staticmethod
     def cases(world: int) -> Iterator[Kwargs]:
@@ -127,6 +129,7 @@ class _Shift(CommOp):
     elementwise = True  # a rank-wise permutation: the batch dim is just another dim
     forward_text = "x of rank r - offset (mod n)"
     backward_text = "shift(grad, -offset)"
+    spmd = Rule({R: V, V: V}, in_grad=PARTIAL, refuse={P: SHARES}, backward="shift by -offset")
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
@@ -199,6 +202,7 @@ class _PPermute(CommOp):
     elementwise = True
     forward_text = "x of s for each (s, r) in perm; zeros if none"
     backward_text = "ppermute with the inverse pairs"
+    spmd = Rule({R: V, V: V}, in_grad=PARTIAL, refuse={P: SHARES}, backward="ppermute, pairs inverted")
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:

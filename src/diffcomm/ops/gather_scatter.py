@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from torch import Tensor
 
 from .. import _config
+from .._replication import PARTIAL, SHARES, Rule, T
 from ..backend import args as A
 from . import references as R
 from .base import CommOp, apply, call
@@ -35,6 +36,7 @@ class _Gather(CommOp):
     forward_text = "concat on dst, zeros elsewhere"
     backward_text = "scatter from dst with the same split"
     reference = R.gather
+    spmd = Rule({T.V: T.V, T.R: T.V}, in_grad=PARTIAL, refuse={T.P: SHARES}, backward="scatter from dst")
 
     @staticmethod
     def out_shape(x: Tensor, dst: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
@@ -122,6 +124,7 @@ class _Scatter(CommOp):
     forward_text = "chunk r of src's x"
     backward_text = "gather to src with the same split"
     reference = R.scatter
+    spmd = Rule({T.R: T.V, T.V: T.V}, in_grad=PARTIAL, refuse={T.P: SHARES}, backward="gather to src")
 
     @staticmethod
     def out_shape(x: Tensor, src: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .. import backend as B
+from .._replication import PARTIAL, SHARES, P, R, Rule, V
 from ..backend import args as A
 from . import wire as T
 from .base import CommOp, batch_first, call
@@ -66,6 +67,7 @@ class _Send(CommOp):
     forward_text = "x travels to dst; a 0-dim token"
     backward_text = "token receives the gradient from dst"
     wire_transpose = True  # receives what the peer's recv transpose sends
+    spmd = Rule({R: R, V: R}, in_grad=PARTIAL, refuse={P: SHARES}, backward="receive the gradient from dst")
 
     @staticmethod
     def cases(world: int) -> Iterator[Kwargs]:
@@ -228,6 +230,7 @@ class _Recv(CommOp):
     forward_text = "the tensor src sent"
     backward_text = "the gradient is sent to src"
     wire_transpose = True  # sends to the peer's send transpose
+    spmd = Rule({R: V, V: V}, backward="send the gradient to src")
 
     @staticmethod
     def run(

@@ -17,6 +17,7 @@ from typing import Any
 from torch import Tensor
 
 from .. import _config
+from .._replication import PARTIAL, REPLICATED, TWICE, P, R, Rule, V
 from ..backend import args as A
 from ..ops import coalesced as K
 from ..ops.base import ListOp, apply, call, list_args
@@ -37,6 +38,13 @@ class _CopyToRegionCoalesced(ListOp):
     name = "parallel.copy_to_region_coalesced"
     nmeta = 2  # pg, debug
     same_shapes = True
+    spmd = Rule(
+        {R: R},
+        out_grad=PARTIAL,
+        in_grad=REPLICATED,
+        backward="all_reduce_coalesced",
+        refuse={V: "a varying value needs no copy into the region", P: "reduce it first"},
+    )
 
     @staticmethod
     def run(xs: Sequence[Tensor], pg: PG, debug: bool) -> tuple[Tensor, ...]:
@@ -54,6 +62,7 @@ class _ReduceFromRegionCoalesced(ListOp):
     name = "parallel.reduce_from_region_coalesced"
     nmeta = 2  # pg, debug
     same_shapes = True
+    spmd = Rule({V: R, P: R}, out_grad=REPLICATED, refuse={R: TWICE}, backward="identity")
 
     @staticmethod
     def run(xs: Sequence[Tensor], pg: PG, debug: bool) -> Any:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import rng
+from .._replication import LayerRule, R, V
 from ..backend import args as A
 from ._module import (
     ParallelModule,
@@ -160,6 +161,11 @@ class ParallelMLP(ParallelModule):
         with dc.LocalWorld(2) as world:
             world.run(f)   # [torch.Size([5, 2, 8]), torch.Size([5, 2, 8])]
     """
+
+    spmd = LayerRule(
+        lambda m: V if m.sequence_parallel else R,
+        doc="replicated; varying (a sequence chunk) with sequence_parallel",
+    )
 
     def __init__(
         self,
@@ -329,6 +335,11 @@ class ParallelSelfAttention(ParallelModule):
         with dc.LocalWorld(2) as world:
             world.run(f)   # [torch.Size([5, 2, 8]), torch.Size([5, 2, 8])]
     """
+
+    spmd = LayerRule(
+        lambda m: V if m.sequence_parallel else R,
+        doc="replicated; varying (a sequence chunk) with sequence_parallel",
+    )
 
     def __init__(
         self,

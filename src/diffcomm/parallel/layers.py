@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from .. import _config
 from .. import backend as B
+from .._replication import LayerRule, R, V
 from ..backend import args as A
 from . import overlap as O
 from ._check import check_replicated
@@ -221,6 +222,14 @@ class ColumnParallelLinear(_ParallelLinear):
             world.run(f)   # [torch.Size([3, 6]), torch.Size([3, 6])]
     """
 
+    spmd = LayerRule(
+        lambda m: V if m.sequence_parallel else R,
+        why=lambda m: (
+            "the sequence chunk (sequence_parallel=True)" if m.sequence_parallel else "the whole input"
+        ),
+        doc="replicated; varying (this rank's sequence chunk) with sequence_parallel",
+    )
+
     def __init__(
         self,
         in_features: int,
@@ -339,6 +348,14 @@ class RowParallelLinear(_ParallelLinear):
         with dc.LocalWorld(2) as world:
             world.run(f)   # [torch.Size([3, 6]), torch.Size([3, 6])]
     """
+
+    spmd = LayerRule(
+        lambda m: V if m.input_is_parallel else R,
+        why=lambda m: (
+            "this rank's feature shard (input_is_parallel=True)" if m.input_is_parallel else "the whole input"
+        ),
+        doc="varying (this rank's feature shard) with input_is_parallel, else replicated",
+    )
 
     def __init__(
         self,
@@ -479,6 +496,8 @@ class VocabParallelEmbedding(ParallelModule):
             world.run(f)   # [torch.Size([1, 2, 3]), torch.Size([1, 2, 3])]
     """
 
+    spmd = LayerRule(lambda m: R, why=lambda m: "the same ids on every rank", doc="replicated (the ids)")
+
     def __init__(
         self,
         num_embeddings: int,
@@ -599,6 +618,10 @@ class SequenceParallelLayerNorm(ParallelModule):
         with dc.LocalWorld(2) as world:
             world.run(f)   # [torch.Size([3, 2, 4]), torch.Size([3, 2, 4])]
     """
+
+    spmd = LayerRule(
+        lambda m: V, why=lambda m: "this rank's sequence chunk", doc="varying (a sequence chunk)"
+    )
 
     def __init__(
         self,

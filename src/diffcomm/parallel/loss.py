@@ -10,6 +10,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import _config
 from .. import backend as B
+from .._replication import REPLICATED, P, R, Rule, V
 from ..backend import args as A
 from ..ops import collectives as C
 from ._check import check_replicated
@@ -36,6 +37,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     there is no transpose to state. Its two forward all_reduces call the raw collective
     (the public function validated its arguments once).
     """
+
+    spmd = Rule(
+        {V: R},
+        out_grad=REPLICATED,
+        outputs=(R, V, V, V, V),
+        backward="local: the loss gradient must be replicated",
+        refuse={R: "the logits must be this rank's vocabulary shard", P: "reduce the logits first"},
+    )
 
     @staticmethod
     def forward(

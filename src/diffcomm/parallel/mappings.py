@@ -64,6 +64,7 @@ from torch import Tensor
 
 from .. import _config
 from .. import backend as B
+from .._replication import PARTIAL, REPLICATED, TWICE, P, R, Rule, V
 from ..backend import args as A
 from ..ops import collectives as C
 from ..ops.all_to_all import raw_all_to_all
@@ -155,6 +156,17 @@ class _CopyToRegion(CommOp):
     replicated = (True, False)
     forward_text = "identity"
     backward_text = "all_reduce(sum)"
+    spmd = Rule(
+        {R: R},
+        out_grad=PARTIAL,
+        in_grad=REPLICATED,
+        backward="all_reduce: the input gets the whole gradient",
+        refuse={
+            V: "a varying value needs no copy into the region (its backward would sum the "
+            "gradients of different values)",
+            P: "reduce it first (reduce_from_region)",
+        },
+    )
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
@@ -190,6 +202,12 @@ class _ReduceFromRegion(CommOp):
     replicated = (False, True)
     forward_text = "all_reduce(sum)"
     backward_text = "identity"
+    spmd = Rule(
+        {V: R, P: R},
+        out_grad=REPLICATED,
+        backward="identity: the gradient must be replicated",
+        refuse={R: TWICE},
+    )
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
@@ -223,6 +241,9 @@ class _ScatterToRegion(CommOp):
     replicated = (True, False)
     forward_text = "keep own chunk"
     backward_text = "all_gather"
+    spmd = Rule(
+        {R: V}, in_grad=REPLICATED, refuse={V: "already a shard", P: "reduce it first"}, backward="all_gather"
+    )
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
@@ -257,6 +278,12 @@ class _GatherFromRegion(CommOp):
     replicated = (False, True)
     forward_text = "all_gather"
     backward_text = "keep own chunk"
+    spmd = Rule(
+        {V: R},
+        out_grad=REPLICATED,
+        refuse={R: "already whole on every rank", P: "reduce it first"},
+        backward="keep own chunk: the gradient must be replicated",
+    )
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
@@ -290,6 +317,12 @@ class _ScatterToSequence(CommOp):
     replicated = (True, False)
     forward_text = "keep own chunk"
     backward_text = "all_gather"
+    spmd = Rule(
+        {R: V},
+        in_grad=REPLICATED,
+        refuse={V: "already a sequence shard", P: "reduce it first"},
+        backward="all_gather",
+    )
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
@@ -325,6 +358,12 @@ class _GatherFromSequence(CommOp):
     replicated = (False, True)
     forward_text = "all_gather"
     backward_text = "keep own chunk"
+    spmd = Rule(
+        {V: R},
+        out_grad=REPLICATED,
+        refuse={R: "already whole on every rank", P: "reduce it first"},
+        backward="keep own chunk: the gradient must be replicated",
+    )
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
@@ -358,6 +397,7 @@ class _ReduceScatterToSequence(CommOp):
     replicated = (False, False)
     forward_text = "reduce_scatter(sum)"
     backward_text = "all_gather"
+    spmd = Rule({V: V, P: V}, refuse={R: TWICE}, backward="all_gather")
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
@@ -391,6 +431,16 @@ class _AllGatherFromSequence(CommOp):
     replicated = (False, False)
     forward_text = "all_gather"
     backward_text = "reduce_scatter(sum)"
+    spmd = Rule(
+        {V: R},
+        out_grad=PARTIAL,
+        instead="parallel.gather_from_sequence",
+        backward="reduce_scatter (sums the gradient over ranks)",
+        refuse={
+            R: "already whole on every rank (a sequence shard is varying)",
+            P: "reduce_scatter it instead",
+        },
+    )
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
@@ -424,6 +474,11 @@ class _AllToAllRegion(CommOp):
     replicated = (False, False)
     forward_text = "all_to_all"
     backward_text = "all_to_all, dims swapped"
+    spmd = Rule(
+        {V: V},
+        refuse={R: "split a replicated value with scatter_to_region first", P: "reduce it first"},
+        backward="all_to_all, dims swapped",
+    )
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._replication import LayerRule, R, V
 from ..backend import args as A
 from ..ops import coalesced as K
 from ._module import check_positive, init_generator, resolve_parallel_group
@@ -253,6 +254,13 @@ class ExpertParallelMoE(nn.Module):
         with dc.LocalWorld(2) as world:
             world.run(f)
     """
+
+    spmd = LayerRule(
+        lambda m: (V, R),
+        why=lambda m: "its tokens",
+        params=lambda m: {n: V for n, _ in m.experts.named_parameters(prefix="experts")},
+        doc="varying or replicated (its tokens); the experts' parameters varying, the router's replicated",
+    )
 
     def __init__(
         self,

@@ -52,6 +52,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import backend as B
+from .._replication import REPLICATED, P, R, Rule, V
 from ..ops import collectives as C
 from ..ops import engine as _async
 
@@ -159,6 +160,13 @@ class _ColumnComm(torch.autograd.Function):
     Not a ``CommOp``: a matmul fused with its communication (bilinear in ``(x, w)``,
     backward = local matmuls interleaved with communication; see the module docstring)."""
 
+    spmd = Rule(
+        {R: V, V: V},
+        in_grad=REPLICATED,
+        refuse={P: "reduce it first"},
+        backward="input gradient all_reduced / reduce_scattered, overlapped",
+    )
+
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, sp_dim: int | None, pg: PG) -> Tensor:
         if sp_dim is None:
@@ -216,6 +224,12 @@ class _ColumnRing(torch.autograd.Function):
     Not a ``CommOp``: a matmul fused with its communication (bilinear in ``(x, w)``,
     backward = local matmuls interleaved with communication; see the module docstring)."""
 
+    spmd = Rule(
+        {V: V},
+        refuse={R: "the input must be this rank's sequence chunk", P: "reduce it first"},
+        backward="ring matmul -> reduce_scatter",
+    )
+
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, dim: int, pg: PG) -> Tensor:
         x, w_, b_ = x.detach(), w.detach(), None if b is None else b.detach()
@@ -267,6 +281,12 @@ class _RowRing(torch.autograd.Function):
 
     Not a ``CommOp``: a matmul fused with its communication (bilinear in ``(x, w)``,
     backward = local matmuls interleaved with communication; see the module docstring)."""
+
+    spmd = Rule(
+        {V: V},
+        refuse={R: "the input must be this rank's feature shard", P: "reduce it first"},
+        backward="all_gather -> matmul ring",
+    )
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, dim: int, pg: PG) -> Tensor:

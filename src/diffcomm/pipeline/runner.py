@@ -58,6 +58,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from .. import _config
 from .. import backend as B
+from .._replication import varying_parameters
 from ..backend import args as A
 from ..ops import p2p
 from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
@@ -288,6 +289,7 @@ class PipelineRunner:
             accumulated gradient is that of the returned mean loss.
         """
         n_micro = A.check_int(n_micro, "PipelineRunner.step", "n_micro")
+        varying_parameters(self.stage, self.pg)  # each stage's own (dc.spmd_check; else a no-op)
         if n_micro < 1:
             raise A.arg_error("PipelineRunner.step", "n_micro", "an int >= 1", n_micro)
         in_chunks = self._split(inputs, n_micro, "inputs") if self.is_first else None

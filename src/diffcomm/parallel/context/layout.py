@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ... import backend as B
+from ..._replication import varying_by_construction
 from ...backend import args as A
 from ...ops import collectives as C
 
@@ -224,7 +225,7 @@ def shard(
         _, urank, uworld = _group_rank_world(ulysses_group, op)
         sizes = _split_sizes(idx.numel(), uworld)
         idx = idx[sum(sizes[:urank]) : sum(sizes[: urank + 1])]
-    return _select(x, dim, idx.to(x.device), pad_value)
+    return varying_by_construction(_select(x, dim, idx.to(x.device), pad_value))
 
 
 def _select(x: Tensor, dim: int, idx: Tensor, pad_value: float) -> Tensor:

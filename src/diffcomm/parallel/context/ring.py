@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from ... import _config, _torch
 from ... import backend as B
+from ..._replication import P, R, Rule, V
 from ...backend import args as A
 from ...ops import engine as _async
 from .layout import (
@@ -351,6 +352,14 @@ class _RingAttention(torch.autograd.Function):
 
     Not a ``CommOp``: attention fused with its communication (nonlinear in q, k, v); see
     the module docstring."""
+
+    spmd = Rule(
+        {V: V},
+        tensors=(0, 1, 2),
+        group=lambda a: a["plan"].pg,
+        backward="reverse ring",
+        refuse={R: "q, k, v must be this rank's sequence chunk (declare it varying)", P: "reduce it first"},
+    )
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, plan: _Plan) -> Tensor:

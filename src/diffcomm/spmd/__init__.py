@@ -1,0 +1,58 @@
+"""Replication types (``dc.spmd_check``): replicated / varying / partial per process group,
+checked op by op without communicating. See ``docs/spmd_types.md``.
+
+:mod:`diffcomm._replication` (the types, :class:`Rule`, :class:`LayerRule`,
+:class:`SPMDTypeError`) is imported by the op modules that state their rules;
+:mod:`diffcomm.spmd.check` (the check itself) is loaded on first use of a name below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .._replication import (
+    PARTIAL,
+    REPLICATED,
+    LayerRule,
+    P,
+    R,
+    Rule,
+    SPMDTypeError,
+    T,
+    V,
+    varying_by_construction,
+    varying_parameters,
+)
+
+__all__ = [
+    "T",
+    "R",
+    "V",
+    "P",
+    "PARTIAL",
+    "REPLICATED",
+    "Rule",
+    "LayerRule",
+    "SPMDTypeError",
+    "varying_by_construction",
+    "varying_parameters",
+    "SPMDCheck",
+    "spmd_check",
+    "varying",
+    "replicated",
+    "partial",
+    "module",
+    "type_of",
+    "typing_table",
+]
+
+_CHECK = ("SPMDCheck", "spmd_check", "varying", "replicated", "partial", "module", "type_of", "typing_table")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CHECK:
+        value = getattr(importlib.import_module(f"{__name__}.check"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,1251 @@
+"""``dc.spmd_check``: replication types checked while the program runs, without
+communicating (see ``docs/spmd_types.md`` for the rules and the reasoning).
+
+How it is put together — nothing of it exists while no check is active:
+
+* a :class:`torch.overrides.TorchFunctionMode` (:class:`SPMDCheck` itself) types every
+  plain torch op from its inputs' types; the types live on the tensors, in one attribute
+  per check (``x.__dict__[key]``), so no data is copied or wrapped;
+* the ``forward`` of every class that states a :class:`~diffcomm._replication.Rule` (the
+  communication ops, the mappings, the Functions fused with their communication) is
+  replaced, for the duration of the check, by one that checks the rule and types the
+  outputs; the originals are put back on exit;
+* one global module forward pre-hook types each layer's parameters (from the layer's
+  ``_shard_dims`` / its :class:`~diffcomm._replication.LayerRule`) and checks the layer's
+  input against its rule;
+* ``Tensor.backward`` / ``torch.autograd.backward`` / ``torch.autograd.grad`` check the
+  loss (the objective) before backward starts, and type the parameters' gradients after;
+  :meth:`SPMDCheck.check_grads` (run on leaving the block) checks that every replicated
+  parameter's gradient is replicated.
+
+A replicated value carries a **gradient kind** (partial or replicated), shared by every
+value whose gradient must be of the same kind (union-find cells): the ops that made the
+value and the ops that use it fix it, and two ops that need different kinds of the same
+gradient are an error at the second one (or at the loss, or at the gradient check).
+Only values that require grad carry a cell: a constraint on a gradient nobody computes
+is no constraint.
+"""
+
+from __future__ import annotations
+
+# Size: ~1250 lines, over the ~600 guideline: ruff's formatter writes the op-name sets one
+# name per line (~200 lines); the rest is the one check — records and cells, the plain-op
+# rules, the typed-op wrapper, the hooks installed on entry and removed on exit — whose
+# parts share the same state, plus the public helpers and the generated docs table.
+import importlib
+import inspect
+import itertools
+import os
+import sys
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from .. import _replication as T_
+from .. import rng
+from .._replication import PARTIAL, REPLICATED, LayerRule, P, R, Rule, SPMDTypeError, T, V
+from ..backend import args as A
+from ..ops import engine as E
+from ..ops.base import CommOp, ListOp
+
+__all__ = ["SPMDCheck", "spmd_check", "varying", "replicated", "partial", "module", "type_of", "typing_table"]
+
+
+# ======================================================================================
+# gradient-kind cells (union-find)
+# ======================================================================================
+
+
+#: backward passes (that freed their graph) so far: a cell fixed before the last one
+#: belongs to a graph whose backward already ran, and constrains nothing any more
+_EPOCH = [0]
+_TENSOR_BASE = torch.Tensor.__mro__[1]  # the C tensor class whose methods are the operators
+
+
+class _Cell:
+    """The gradient kind shared by a set of replicated values (``None``: not fixed yet)."""
+
+    __slots__ = ("parent", "kind", "why", "epoch")
+
+    def __init__(self, kind: str | None = None, why: str = "") -> None:
+        self.parent: _Cell | None = None
+        self.kind = kind
+        self.why = why
+        self.epoch = _EPOCH[0]  # the backward passes run before it was made
+
+    def root(self) -> _Cell:
+        c = self
+        while c.parent is not None:
+            c = c.parent
+        if c is not self:  # path compression
+            x = self
+            while x.parent is not None and x.parent is not c:
+                x.parent, x = c, x.parent
+        return c
+
+
+def _conflict(op: str, site: str, need: str, have: _Cell, need_why: str) -> SPMDTypeError:
+    if have.kind == PARTIAL:  # a sum-convention op made it; a replicated-objective use here
+        text = (
+            f"its gradient must be replicated here ({need_why}), but it is partial: "
+            f"{have.why}. Under this replicated objective, replace that op by its "
+            "diffcomm.parallel mapping (the error names it), or keep this value varying"
+        )
+    else:
+        text = (
+            f"its gradient must be partial here ({need_why}), but it is replicated: "
+            f"{have.why}. A replicated-objective value cannot meet a varying one (its "
+            "gradient would differ by rank): make the other operand replicated (e.g. dropout "
+            "on the default RNG stream, not a model-parallel one), or use the sum-convention op"
+        )
+    return SPMDTypeError(
+        f"diffcomm.spmd_check: {op} at {site}: a replicated value's gradient kind clashes: {text}."
+    )
+
+
+# ======================================================================================
+# records
+# ======================================================================================
+
+
+class _Escape(BaseException):
+    """Carries an :class:`SPMDTypeError` out of a Tensor method, which may be an operator
+    (``a * b`` dispatches ``TensorBase.mul``): torch turns a ``TypeError`` raised inside an
+    operator into ``NotImplemented`` (then Python's own "unsupported operand" error). The
+    check's ``__exit__`` raises the error it carries, so outside the block it is the
+    :class:`SPMDTypeError`."""
+
+    def __init__(self, error: SPMDTypeError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Rec:
+    """One tensor's type under one check."""
+
+    __slots__ = ("t", "cell", "shard", "why", "param", "auto")
+
+    def __init__(self, t: T, cell: _Cell | None = None, shard: int | None = None, why: str = "") -> None:
+        self.t = t
+        self.cell = cell
+        self.shard = shard  # the sharded dim of a varying parameter
+        self.why = why  # where a partial / varying value came from
+        self.param: str | None = None  # the name of a parameter
+        self.auto = False  # a parameter typed by default (a layer that owns it may retype it)
+
+
+_ACTIVE: list[SPMDCheck] = []  # the active checks, outermost first
+_PATCHED: dict[type, tuple[Any, Any]] = {}  # class -> (original forward, its __dict__ entry)
+_PATCHED_ATTRS: list[tuple[Any, str, Any]] = []  # (module, name, original value)
+_LOCK = threading.Lock()
+_HOOK: Any = None
+_COUNTER = itertools.count()
+
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SPMD_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _site() -> str:
+    """The user's file:line (the first frame outside diffcomm and torch)."""
+    f: Any = sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not (
+            fn.startswith(_TORCH)
+            or (fn.startswith(_PKG) and not fn.startswith(_SPMD_DIR + os.sep + "corpus"))
+        ):
+            if "<" not in fn or fn.startswith("<ipython") or fn == "<string>":
+                return f"{os.path.basename(fn)}:{f.f_lineno}"
+        f = f.f_back
+    return "<unknown>"
+
+
+def _fname(func: Any) -> str:
+    name = getattr(func, "__name__", None) or str(func)
+    return name.strip("_") if name.startswith("__") else name
+
+
+# ======================================================================================
+# classification of plain torch ops (what a partial value may go through)
+# ======================================================================================
+
+
+def _names(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+#: ops linear in their one tensor input (shape, view, copy, reduction over dims, sign)
+_STRUCTURAL = _names(
+    "view",
+    "view_as",
+    "reshape",
+    "reshape_as",
+    "permute",
+    "transpose",
+    "t",
+    "T",
+    "mT",
+    "contiguous",
+    "clone",
+    "neg",
+    "negative",
+    "sum",
+    "mean",
+    "narrow",
+    "select",
+    "getitem",
+    "unsqueeze",
+    "squeeze",
+    "flatten",
+    "unflatten",
+    "expand",
+    "expand_as",
+    "chunk",
+    "split",
+    "unbind",
+    "movedim",
+    "moveaxis",
+    "index_select",
+    "gather",
+    "to",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "type",
+    "type_as",
+    "cpu",
+    "cuda",
+    "detach",
+    "requires_grad_",
+    "real",
+    "imag",
+    "conj",
+    "flip",
+    "roll",
+    "repeat",
+    "tile",
+    "masked_fill",
+    "diagonal",
+    "tril",
+    "triu",
+    "pad",
+    "split_with_sizes",
+    "tensor_split",
+    "swapaxes",
+    "swapdims",
+    "narrow_copy",
+    "as_strided",
+    "unfold",
+    "cumsum",
+    "trace",
+    "einsum_identity",
+    "positive",
+    "zeros_like",
+    "sum_to_size",
+    "nan_to_num",
+    "data",
+)
+#: sums of their tensor inputs: every float input partial
+_ADDITIVE = _names(
+    "add",
+    "sub",
+    "add_",
+    "sub_",
+    "iadd",
+    "isub",
+    "radd",
+    "rsub",
+    "cat",
+    "concat",
+    "concatenate",
+    "stack",
+    "hstack",
+    "vstack",
+    "subtract",
+)
+#: linear in exactly one partial input, the others replicated (products)
+_SCALING = _names(
+    "mul",
+    "mul_",
+    "imul",
+    "rmul",
+    "div",
+    "div_",
+    "truediv",
+    "itruediv",
+    "true_divide",
+    "multiply",
+    "matmul",
+    "rmatmul",
+    "mm",
+    "bmm",
+    "einsum",
+    "linear",
+    "dropout",
+    "dropout_",
+    "outer",
+    "addcmul",
+    "baddbmm",
+    "tensordot",
+    "kron",
+    "mv",
+    "dot",
+    "inner",
+    "scaled_dot_product_attention_value",
+)
+#: outputs depend only on the values' metadata (never a type error)
+_NO_TYPING = _names("__get__", "__set__", "__delete__", "size", "dim", "numel", "is_floating_point")
+
+_RANDOM = _names(
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "normal",
+    "bernoulli",
+    "multinomial",
+    "uniform_",
+    "normal_",
+    "bernoulli_",
+    "exponential_",
+    "random_",
+    "geometric_",
+    "log_normal_",
+    "cauchy_",
+)
+_DROPOUT = _names(
+    "dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"
+)
+
+
+def _random_type() -> T:
+    """Randomness from a forked named stream of diffcomm.rng is per rank (varying); the
+    default generator is seeded alike on every rank of the group (replicated)."""
+    return V if rng.get_tracker()._active else R
+
+
+class RankInt(int):
+    """The rank, as ``dc.get_rank()`` returns it inside a check: an ``int`` whose arithmetic
+    stays a ``RankInt``, so an index or a slice computed from the rank (``x[r * n:(r + 1) *
+    n]``) marks the result varying. (Comparisons and ``float()`` give plain values.)"""
+
+    def __reduce__(self) -> Any:  # crosses process boundaries as a plain int
+        return (int, (int(self),))
+
+
+def _rank_method(op: str) -> Any:
+    base = getattr(int, op)
+
+    def method(self: int, *a: Any) -> Any:
+        out = base(self, *a)
+        return RankInt(out) if type(out) is int else out
+
+    method.__name__ = op
+    return method
+
+
+for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__",
+            "__rfloordiv__", "__mod__", "__rmod__", "__neg__", "__pos__", "__abs__"):  # fmt: skip
+    setattr(RankInt, _op, _rank_method(_op))
+
+
+def _rank_dependent(args: Iterable[Any]) -> bool:
+    for a in args:
+        t = type(a)
+        if t is RankInt:
+            return True
+        if t is slice:
+            if type(a.start) is RankInt or type(a.stop) is RankInt:
+                return True
+        elif t is tuple or t is list:
+            for b in a:
+                if type(b) is RankInt or (
+                    type(b) is slice and (type(b.start) is RankInt or type(b.stop) is RankInt)
+                ):
+                    return True
+    return False
+
+
+def _flat_tensors(args: Iterable[Any], out: list[Tensor]) -> list[Tensor]:
+    for a in args:
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif isinstance(a, list | tuple):
+            for b in a:
+                if isinstance(b, Tensor):
+                    out.append(b)
+    return out
+
+
+def _differentiable(t: Tensor) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+# ======================================================================================
+# the check
+# ======================================================================================
+
+
+class SPMDCheck(TorchFunctionMode):
+    """The active replication-type check of one process group (``dc.spmd_check``).
+
+    Use it as a ``with`` block. Inputs are replicated unless declared (``varying=`` /
+    ``partial=`` here, or :func:`varying` / :func:`partial` inside the block).
+    """
+
+    def __init__(
+        self,
+        group: A.GroupLike = None,
+        *,
+        varying: Iterable[Tensor] = (),
+        partial: Iterable[Tensor] = (),
+        modules: Iterable[torch.nn.Module] | torch.nn.Module = (),
+        check_grads: bool = True,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.pg: Any = None
+        self.key = f"_dc_spmd{next(_COUNTER)}"
+        self._declared = (list(varying), list(partial))
+        self._modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+        self._check_grads = check_grads
+        self._params: dict[int, tuple[Any, str, _Rec]] = {}  # id(param) -> (param, name, rec)
+        self._typed_modules: set[int] = set()
+        self._groups: dict[int, bool] = {}  # id(pg) -> is the checked group
+        self.inside = 0  # >0 while a typed op's forward runs (its inner ops are not typed)
+        self.in_backward = 0
+        self.thread = threading.get_ident()
+
+    # ---------------------------------------------------------------- enter / exit
+
+    def __enter__(self) -> SPMDCheck:
+        self.pg = A.resolve_group(self.group, "spmd_check")
+        self.thread = threading.get_ident()
+        importlib.import_module("diffcomm.parallel")  # every rule-bearing class is defined
+        with _LOCK:
+            if not _ACTIVE:
+                _install()
+            _ACTIVE.append(self)
+        super().__enter__()
+        for m in self._modules:
+            names = {id(p): n for n, p in m.named_parameters()}
+            for mod in m.modules():
+                self._type_module_params(mod, names)
+        vs, ps = self._declared
+        for x in vs:
+            self.declare(x, V)
+        for x in ps:
+            self.declare(x, P)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        super().__exit__(exc_type, exc, tb)
+        with _LOCK:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+            if not _ACTIVE:
+                _uninstall()
+        if isinstance(exc, _Escape):
+            self._params.clear()
+            raise exc.error from None
+        try:
+            if exc_type is None and self._check_grads:
+                self.check_grads()
+        finally:
+            self._params.clear()
+
+    # ---------------------------------------------------------------- records
+
+    def rec(self, x: Tensor) -> _Rec:
+        """``x``'s record; an untyped tensor is replicated (a parameter is registered)."""
+        r = x.__dict__.get(self.key)
+        if r is None:
+            r = _Rec(R, _Cell() if x.requires_grad else None)
+            if isinstance(x, torch.nn.Parameter):
+                self._register_param(x, f"a parameter of shape {tuple(x.shape)}", r)
+                r.auto = True
+            x.__dict__[self.key] = r
+        return r
+
+    def type_of(self, x: Tensor) -> T:
+        return self.rec(x).t
+
+    def declare(self, x: Tensor, t: T, why: str = "declared") -> Tensor:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"diffcomm.spmd: expected a tensor to declare {t.value}, got {type(x).__name__}")
+        x.__dict__[self.key] = _Rec(
+            t, _Cell() if (t is R and x.requires_grad) else None, why=f"{why} at {_site()}"
+        )
+        return x
+
+    def _register_param(self, p: Tensor, name: str, r: _Rec) -> None:
+        r.param = name
+        self._params[id(p)] = (p, name, r)  # held until the block ends (the grad check)
+
+    def _type_module_params(self, module: torch.nn.Module, names: Mapping[int, str] | None = None) -> None:
+        if id(module) in self._typed_modules:
+            return
+        self._typed_modules.add(id(module))
+        rule = getattr(type(module), "spmd", None)
+        ours = self._is_group(getattr(module, "_pg", None)) if hasattr(module, "_pg") else False
+        dims = getattr(module, "_shard_dims", None) if ours else None
+        declared = (
+            rule.params(module) if isinstance(rule, LayerRule) and rule.params is not None and ours else {}
+        )
+        named = list(module.named_parameters(recurse=False))
+        if declared:  # a rule may name parameters of submodules (dotted names)
+            named += [(n, p) for n, p in module.named_parameters() if n in declared and "." in n]
+        for pname, p in named:
+            old = p.__dict__.get(self.key)
+            if old is not None and old.param is not None and not old.auto:
+                continue  # typed already by its layer (or declared)
+            name = (names or {}).get(id(p)) or f"{type(module).__name__}.{pname}"
+            if pname in declared:
+                t, shard = declared[pname], None
+            elif dims is not None and dims.get(pname) is not None:
+                t, shard = V, dims[pname] % p.dim() if p.dim() else None
+            else:
+                t, shard = R, None
+            r = _Rec(t, _Cell() if t is R else None, shard=shard, why=f"the {t.value} parameter {name}")
+            self._register_param(p, name, r)
+            p.__dict__[self.key] = r
+
+    def _is_group(self, pg: Any) -> bool:
+        if pg is self.pg:
+            return True
+        k = id(pg)
+        hit = self._groups.get(k)
+        if hit is None:
+            import torch.distributed as dist
+
+            try:
+                mine = (
+                    dist.get_process_group_ranks(self.pg)
+                    if self.pg is not None
+                    else list(range(dist.get_world_size()))
+                )
+                theirs = (
+                    dist.get_process_group_ranks(pg) if pg is not None else list(range(dist.get_world_size()))
+                )
+                hit = mine == theirs
+            except Exception:
+                hit = False
+            self._groups[k] = hit
+        return hit
+
+    @property
+    def off(self) -> bool:
+        return self.inside > 0 or self.in_backward > 0 or threading.get_ident() != self.thread
+
+    # ---------------------------------------------------------------- plain torch ops
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.inside or self.in_backward:
+            return func(*args, **kwargs)
+        raw = getattr(func, "__name__", "")
+        if raw in _NO_TYPING:
+            return func(*args, **kwargs)
+        name = _fname(func)
+        if name == "backward" or func is torch.autograd.backward or func is torch.autograd.grad:
+            return self._backward(func, args, kwargs)
+        out = func(*args, **kwargs)
+        outs: list[Tensor] = []
+        if isinstance(out, Tensor):
+            outs.append(out)
+        elif isinstance(out, list | tuple):
+            _flat_tensors(out, outs)
+        elif name.endswith("_") or name in ("setitem", "iadd", "isub", "imul", "itruediv"):
+            if args and isinstance(args[0], Tensor):
+                outs.append(args[0])
+        if not outs:
+            return out
+        try:
+            self._type_plain(func, name, args, kwargs, outs)
+        except SPMDTypeError as e:
+            if getattr(func, "__objclass__", None) is _TENSOR_BASE:  # maybe an operator
+                raise _Escape(e) from None
+            raise
+        return out
+
+    def _type_plain(self, func: Any, name: str, args: Any, kwargs: Any, outs: list[Tensor]) -> None:
+        key = self.key
+        ins = _flat_tensors(args, [])
+        if kwargs:
+            _flat_tensors(kwargs.values(), ins)
+        inplace = name.endswith("_") or name == "setitem"
+        if inplace and outs[0].__dict__.get(key) is not None and outs[0].__dict__[key].param is not None:
+            return  # an update of a parameter (init, optimizer step) keeps its type
+        if name == "copy_" and len(ins) >= 2:  # the target takes the source's type
+            ins = ins[1:]
+        elif name in ("zero_", "fill_"):
+            ins = ins[1:]
+        extra: T | None = None
+        if name in _RANDOM:
+            extra = _random_type()
+            if not ins or name.endswith("like") or inplace:
+                ins = []  # a draw: its type is the stream's, not its template's
+        elif name in _DROPOUT:
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            if training and p:
+                extra = _random_type()
+        if extra is None and _rank_dependent(args):
+            extra = V  # an index, slice or scalar computed from the rank
+        recs = [self.rec(t) for t in ins]
+        # the special products: a varying weight sharded along the contracted dim
+        special_p = False
+        if name in ("linear", "matmul", "mm", "bmm", "rmatmul") and len(recs) >= 2:
+            a, w = (recs[1], recs[0]) if name == "rmatmul" else (recs[0], recs[1])
+            wt = ins[0] if name == "rmatmul" else ins[1]
+            contracted = 1 if name == "linear" else wt.dim() - 2
+            if a.t is V and w.t is V and w.shard is not None and w.shard == contracted % max(wt.dim(), 1):
+                special_p = True
+                if name == "linear" and len(recs) > 2:
+                    raise SPMDTypeError(
+                        f"diffcomm.spmd_check: linear at {_site()}: argument `bias` is {recs[2].t.value}, "
+                        "added to a partial sum (the weight is sharded along in_features): the bias would "
+                        "be added once per rank. Add it after the reduction (reduce_from_region)."
+                    )
+        elif name == "embedding" and len(recs) >= 2 and recs[1].t is V and recs[1].shard == 0:
+            special_p = True
+        differentiable = any(_differentiable(o) for o in outs)
+        if special_p:
+            res = _Rec(P, why=f"{name} with a weight sharded along its contracted dim at {_site()}")
+        else:
+            res = self._join(name, recs, ins, extra, differentiable)
+        for o in outs:
+            if o.__dict__.get(key) is not None and o.__dict__[key].param is not None:
+                continue
+            if res.t is R and res.cell is not None and not o.requires_grad:
+                o.__dict__[key] = _Rec(R)
+            else:
+                o.__dict__[key] = res
+
+    def _join(self, name: str, recs: list[_Rec], ins: list[Tensor], extra: T | None, diff: bool) -> _Rec:
+        has_p = has_v = False
+        for r in recs:
+            if r.t is P:
+                has_p = True
+            elif r.t is V:
+                has_v = True
+        if extra is V:
+            has_v = True
+        if has_p:
+            return self._partial(name, recs, ins, has_v, extra)
+        if has_v:
+            if diff:
+                vwhy = next((r.why for r in recs if r.t is V), "") or "a draw on a per-rank RNG stream"
+                for r, t in zip(recs, ins):
+                    if r.t is R and r.cell is not None and t.requires_grad:
+                        self._demand(r.cell, PARTIAL, name, f"it meets a varying value ({vwhy})")
+            why = (
+                next((r.why for r in recs if r.t is V), "")
+                or f"random draw on a per-rank RNG stream at {_site()}"
+            )
+            return _Rec(V, why=why)
+        # all replicated: one gradient kind for all that require grad
+        if not diff:
+            return _Rec(R)
+        cell = None
+        for r, t in zip(recs, ins):
+            if r.cell is not None and t.requires_grad:
+                cell = r.cell if cell is None else self._union(cell, r.cell, name)
+        return _Rec(R, cell if cell is not None else _Cell())
+
+    def _partial(self, name: str, recs: list[_Rec], ins: list[Tensor], has_v: bool, extra: T | None) -> _Rec:
+        p_rec = next(r for r in recs if r.t is P)
+        origin = p_rec.why
+        fix = "reduce it first (parallel.reduce_from_region, or dc.all_reduce under the sum convention)"
+        if has_v:
+            bad = next((i for i, r in enumerate(recs) if r.t is V), None)
+            what = "a varying value" if bad is not None else "a per-rank random mask"
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {name} at {_site()}: a partial value (its true value is the "
+                f"sum over ranks; {origin}) meets {what}: the result is not a partial sum of "
+                f"anything (found partial and varying, expected partial with replicated). Fix: {fix}."
+            )
+        n_p = sum(r.t is P for r in recs)
+        floats = [(r, t) for r, t in zip(recs, ins) if _differentiable(t)]
+        if name in _STRUCTURAL:
+            ok = True
+        elif name in _ADDITIVE:
+            ok = all(r.t is P for r, _ in floats)
+            if not ok:
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: {name} at {_site()}: argument is replicated, added to a "
+                    f"partial value ({origin}): it would be added once per rank (found partial + "
+                    f"replicated, expected partial + partial). Fix: {fix}, or add it after the reduction."
+                )
+        elif name in _SCALING:
+            ok = n_p == 1 and not (name in ("div", "div_", "truediv", "true_divide") and recs[0].t is not P)
+            if ok:
+                for r, t in floats:
+                    if r.t is R and r.cell is not None and t.requires_grad:
+                        self._demand(r.cell, PARTIAL, name, "it scales a partial value")
+        else:
+            ok = False
+        if not ok:
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {name} at {_site()}: argument is partial ({origin}), "
+                f"expected replicated or varying: {name} is not linear in it, so applying it to "
+                f"each rank's share is not applying it to the sum. Fix: {fix}."
+            )
+        return _Rec(P, why=origin)
+
+    def _demand(self, cell: _Cell, kind: str, op: str, why: str) -> None:
+        root = cell.root()
+        if root.epoch != _EPOCH[0]:  # its graph was backpropagated already: a fresh start
+            root.kind, root.epoch = None, _EPOCH[0]
+        if root.kind is None:
+            root.kind = kind
+            root.why = f"{why} in {op} at {_site()}"
+        elif root.kind != kind:
+            raise _conflict(op, _site(), kind, root, why)
+
+    def _union(self, a: _Cell, b: _Cell, op: str) -> _Cell:
+        ra, rb = a.root(), b.root()
+        if ra is rb:
+            return ra
+        for r in (ra, rb):
+            if r.epoch != _EPOCH[0]:  # its graph was backpropagated already: a fresh start
+                r.kind, r.epoch = None, _EPOCH[0]
+        if ra.kind is not None and rb.kind is not None and ra.kind != rb.kind:
+            rep, par = (ra, rb) if ra.kind == REPLICATED else (rb, ra)
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {op} at {_site()}: combines two replicated values whose "
+                f"gradients must be of different kinds: one partial ({par.why}), one replicated "
+                f"({rep.why}). A sum-convention op and a replicated-objective mapping meet here: "
+                "use the diffcomm.parallel mapping in place of the sum-convention op (or the reverse)."
+            )
+        if rb.kind is None:
+            rb.parent = ra
+            return ra
+        ra.parent = rb
+        return rb
+
+    # ---------------------------------------------------------------- typed ops
+
+    def op_before(
+        self, cls: type, rule: Rule, bound: Mapping[str, Any], tensors: list[tuple[str, Tensor]]
+    ) -> Any:
+        """Check ``rule`` on the inputs; return the plan for typing the outputs."""
+        name = _op_name(cls)
+        group = rule.group(bound) if callable(rule.group) else bound.get(rule.group)
+        recs = [(arg, t, self.rec(t)) for arg, t in tensors]
+        if not self._is_group(group):
+            return ("other", recs, any(t.requires_grad for _, t in tensors))
+        if rule.nonlinear is not None and bound.get("op") in ("max", "min", "product"):
+            rule = rule.nonlinear
+        site = _site()
+        outs: list[T] = []
+        for arg, t, r in recs:
+            out = rule.maps.get(r.t)
+            if out is None:
+                expected = " or ".join(x.value for x in rule.maps)
+                why = rule.refuse.get(r.t, "")
+                origin = f" (it is {r.why})" if r.why else ""
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: {name} at {site}: argument `{arg}` is {r.t.value}{origin}, "
+                    f"expected {expected}" + (f": {why}" if why else "") + "."
+                )
+            if r.t is R and r.cell is not None and t.requires_grad and rule.in_grad is not None:
+                self._demand(
+                    r.cell,
+                    rule.in_grad,
+                    name,
+                    f"the backward of {name} gives `{arg}` a {rule.in_grad} gradient",
+                )
+            outs.append(out)
+        grad = any(t.requires_grad for _, t in tensors)
+        return ("ours", name, rule, outs, site, grad)
+
+    def op_after(self, plan: Any, outputs: list[Tensor]) -> None:
+        key = self.key
+        if plan[0] == "other":  # an op on another group: types pass through (per element)
+            recs, grad = plan[1], plan[2]
+            for i, o in enumerate(outputs):
+                src = recs[min(i, len(recs) - 1)][2] if recs else _Rec(R)
+                o.__dict__[key] = _Rec(src.t, src.cell if grad else None, why=src.why)
+            return
+        _, name, rule, outs, site, grad = plan
+        types = list(rule.outputs) if rule.outputs is not None else outs
+        for i, o in enumerate(outputs):
+            t = types[min(i, len(types) - 1)] if types else R
+            if t is None:
+                continue
+            if t is R:
+                kind = rule.out_grad
+                why = f"it is the output of {name} at {site}, whose backward " + (
+                    "sums its gradient over the ranks (the sum convention)"
+                    if kind == PARTIAL
+                    else "passes its gradient on unchanged (the replicated objective)"
+                )
+                if kind == PARTIAL and rule.instead:
+                    why += f"; under a replicated objective use {rule.instead}"
+                o.__dict__[key] = _Rec(R, _Cell(kind, why) if grad else None)
+            else:
+                o.__dict__[key] = _Rec(t, why=f"the {t.value} output of {name} at {site}")
+
+    # ---------------------------------------------------------------- layers
+
+    def module_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        self._type_module_params(module)
+        rule = getattr(type(module), "spmd", None)
+        if not isinstance(rule, LayerRule) or not args or not isinstance(args[0], Tensor):
+            return
+        if not self._is_group(rule.group(module)):
+            return
+        want = rule.inputs(module)
+        wants = want if isinstance(want, tuple) else (want,)
+        r = self.rec(args[0])
+        if r.t not in wants:
+            why = rule.why(module)
+            hint = (
+                " Declare per-rank data with dc.spmd.varying(x) (or spmd_check(varying=[x]))."
+                if want is V
+                else ""
+            )
+            origin = f" ({r.why})" if r.why else ""
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {type(module).__name__} at {_site()}: argument `x` is "
+                f"{r.t.value}{origin}, expected {' or '.join(w.value for w in wants)}"
+                + (f": {why}" if why else "")
+                + "."
+                + hint
+            )
+
+    # ---------------------------------------------------------------- backward and gradients
+
+    def _backward(self, func: Any, args: Any, kwargs: Any) -> Any:
+        roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
+        roots = [roots] if isinstance(roots, Tensor) else list(roots or ())
+        for root in roots:
+            if isinstance(root, Tensor):
+                self._check_objective(root)
+        self.in_backward += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.in_backward -= 1
+        if not (kwargs.get("retain_graph") or kwargs.get("create_graph")):
+            _EPOCH[0] += 1
+        self._type_grads()
+        if func is torch.autograd.grad and isinstance(out, tuple):
+            inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+            inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs or ())
+            for x, g in zip(inputs, out):
+                if isinstance(g, Tensor) and isinstance(x, Tensor):
+                    g.__dict__[self.key] = self._grad_rec(self.rec(x))
+        for _p, _, r in self._params.values():  # the next forward is a new graph
+            if r.cell is not None:
+                r.cell = _Cell()
+        return out
+
+    def _check_objective(self, loss: Tensor) -> None:
+        r = self.rec(loss)
+        if r.t is P:
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: backward at {_site()}: the loss is partial ({r.why}): each rank "
+                "holds only its share of it, expected replicated or varying. Reduce it first "
+                "(parallel.reduce_from_region for a replicated objective)."
+            )
+        if r.t is R and r.cell is not None:
+            root = r.cell.root()
+            if root.epoch != _EPOCH[0]:
+                root.kind, root.epoch = None, _EPOCH[0]
+            if root.kind == PARTIAL:
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: backward at {_site()}: the loss is replicated, so this "
+                    f"objective is replicated (counted once), but its gradient would be summed over "
+                    f"the ranks: {root.why}. The gradients would be world-size times too large."
+                )
+            if root.kind is None:
+                root.kind = REPLICATED
+                root.why = f"the replicated loss at {_site()} (a replicated objective)"
+
+    def _grad_rec(self, r: _Rec) -> _Rec:
+        if r.t is V:
+            return _Rec(V, why="a gradient of a varying value")
+        if r.t is P:
+            return _Rec(R)
+        root = r.cell.root() if r.cell is not None else None
+        if root is not None and root.kind == PARTIAL:
+            return _Rec(P, why=f"the gradient of a replicated value; {root.why}")
+        return _Rec(R)
+
+    def _type_grads(self) -> None:
+        key = self.key
+        for p, _, r in list(self._params.values()):
+            if p.grad is None:
+                continue
+            g = p.grad
+            old = g.__dict__.get(key)
+            new = self._grad_rec(r)
+            if old is not None and old.t is P and new.t is R:
+                continue  # accumulated onto a partial gradient: still partial
+            g.__dict__[key] = new
+
+    def check_grads(self) -> None:
+        """Raise :class:`SPMDTypeError` for the first replicated parameter whose gradient is
+        partial (each rank holds its share: a reduction over the group is missing) or
+        varying (changed by a per-rank value after backward)."""
+        key = self.key
+        for p, name, r in self._params.values():
+            if p.grad is None or p.__dict__.get(key, r).t is not R:
+                continue
+            g = p.grad.__dict__.get(key)
+            if g is not None and g.t is V:
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: parameter {name} is replicated, but its gradient varies by "
+                    f"rank ({g.why or 'changed by a per-rank value after backward'}): the replicas "
+                    "would drift apart. A per-rank factor (e.g. a gradient-clipping norm of sharded "
+                    "gradients computed without an all_reduce) must be made replicated first."
+                )
+            if g is not None and g.t is P:
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: parameter {name} is replicated, but its gradient is "
+                    f"partial ({g.why}): every rank holds only its share. The missing reduction: "
+                    "sum its gradient over the group — use it through parallel.copy_to_region "
+                    "(a ParallelModule's _region_param, SequenceParallelLayerNorm), or "
+                    "p.grad = dc.all_reduce(p.grad) after backward."
+                )
+
+
+# ======================================================================================
+# installing the typed forwards and the module hook
+# ======================================================================================
+
+
+def _subclasses(cls: type) -> Iterable[type]:
+    s: type
+    for s in cls.__subclasses__():
+        yield s
+        yield from _subclasses(s)
+
+
+def _op_name(cls: type, qualified: bool = False) -> str:
+    """The op's ``name`` (a CommOp's), else the class's (a plain autograd Function)."""
+    name = getattr(cls, "name", "")
+    if isinstance(name, str) and name:
+        return name
+    if qualified:
+        return f"{cls.__module__.removeprefix('diffcomm.')}.{cls.__name__}"
+    return cls.__name__.lstrip("_")
+
+
+def typed_functions() -> list[type]:
+    """Every autograd Function class of diffcomm that states a :class:`Rule` (``spmd``)."""
+    importlib.import_module("diffcomm.parallel")
+    seen: dict[type, None] = {}
+    for c in _subclasses(torch.autograd.Function):
+        if isinstance(c.__dict__.get("spmd"), Rule) and c.__module__.startswith("diffcomm"):
+            seen[c] = None
+    return list(seen)
+
+
+def typed_layers() -> list[type]:
+    """Every ``nn.Module`` class of diffcomm that states a :class:`LayerRule` (``spmd``)."""
+    importlib.import_module("diffcomm.parallel")
+    return [
+        c
+        for c in dict.fromkeys(_subclasses(torch.nn.Module))
+        if isinstance(c.__dict__.get("spmd"), LayerRule) and c.__module__.startswith("diffcomm")
+    ]
+
+
+def _param_names(cls: type, orig: Any) -> tuple[str, ...]:
+    if issubclass(cls, CommOp | ListOp):
+        run = cls.__dict__["run"].__func__
+        return run.__code__.co_varnames[: run.__code__.co_argcount]
+    return tuple(inspect.signature(orig).parameters)
+
+
+def _make_forward(cls: type, orig: Any, rule: Rule) -> Any:
+    names = _param_names(cls, orig)
+    is_list = issubclass(cls, ListOp)
+    nmeta = getattr(cls, "nmeta", 0)
+    has_ctx = bool(names) and names[0] == "ctx"
+
+    def forward(*args: Any) -> Any:
+        checks = [c for c in _ACTIVE if not c.off]
+        if not checks:
+            return orig(*args)
+        return _run_typed(checks, cls, rule, names, is_list, nmeta, has_ctx, args, lambda: orig(*args))
+
+    forward.__wrapped__ = orig  # type: ignore[attr-defined]
+    forward._spmd_spec = (names, is_list, nmeta, has_ctx)  # type: ignore[attr-defined]
+    return forward
+
+
+def _run_typed(
+    checks: list[SPMDCheck],
+    cls: type,
+    rule: Rule,
+    names: tuple[str, ...],
+    is_list: bool,
+    nmeta: int,
+    has_ctx: bool,
+    args: tuple[Any, ...],
+    call: Any,
+) -> Any:
+    """Check ``rule`` on ``args`` (``cls.forward``'s arguments), run ``call()`` with the
+    inner ops untyped, type its outputs."""
+    if is_list:  # (x0, *meta, *xs[1:]); names = (xs, *meta)
+        bound = dict(zip(names[1:], args[1 : nmeta + 1]))
+        tensors = [(f"{names[0]}[{i}]", t) for i, t in enumerate((args[0], *args[nmeta + 1 :]))]
+    else:
+        a = args[1:] if has_ctx and len(args) == len(names) else args
+        pn = names[1:] if has_ctx else names
+        bound = dict(zip(pn, a))
+        pos = rule.tensors if rule.tensors is not None else (0,)
+        tensors = [(pn[i], a[i]) for i in pos if i < len(a) and isinstance(a[i], Tensor)]
+    plans = [(c, c.op_before(cls, rule, bound, tensors)) for c in checks]
+    for c in checks:
+        c.inside += 1
+    try:
+        out = call()
+    finally:
+        for c in checks:
+            c.inside -= 1
+    ins = {id(t) for _, t in tensors}
+    if isinstance(out, Tensor):
+        if id(out) in ins:
+            out = out.view_as(out)
+        outs: list[Any] = [out]
+    else:
+        out = tuple(o.view_as(o) if isinstance(o, Tensor) and id(o) in ins else o for o in out)
+        outs = list(out) if rule.outputs is not None else [o for o in out if isinstance(o, Tensor)]
+    for c, plan in plans:
+        c.op_after(plan, outs)
+    return out
+
+
+def _typed_launch(orig: Any) -> Any:
+    """``_LaunchFn.forward`` (an asynchronous op launched on the engine): typed by the
+    launched op's rule; its AsyncTensor outputs carry the types (``wait`` passes them on)."""
+
+    def forward(ctx: Any, cls: type, args: tuple[Any, ...], pos: tuple[int, ...], *tensors: Tensor) -> Any:
+        checks = [c for c in _ACTIVE if not c.off]
+        fwd = cls.__dict__.get("forward")
+        spec = getattr(getattr(fwd, "__func__", fwd), "_spmd_spec", None)
+        if not checks or spec is None:
+            return orig(ctx, cls, args, pos, *tensors)
+        names, is_list, nmeta, has_ctx = spec
+        rule = cls.__dict__["spmd"]
+        launch_it = lambda: orig(ctx, cls, args, pos, *tensors)
+        return _run_typed(checks, cls, rule, names, is_list, nmeta, has_ctx, args, launch_it)
+
+    return forward
+
+
+def _install() -> None:
+    global _HOOK
+    for cls in typed_functions():
+        entry = cls.__dict__["forward"]
+        orig = entry.__func__ if isinstance(entry, staticmethod) else entry
+        _PATCHED[cls] = (orig, entry)
+        setattr(cls, "forward", staticmethod(_make_forward(cls, orig, cls.__dict__["spmd"])))  # noqa: B010
+    # the asynchronous ops' mechanism: the launch is typed by the launched op's rule, and
+    # AsyncTensor.wait() passes the type on to the finished tensor
+    launch = E._LaunchFn
+    entry = launch.__dict__["forward"]
+    _PATCHED[launch] = (entry.__func__, entry)
+    setattr(launch, "forward", staticmethod(_typed_launch(entry.__func__)))  # noqa: B010
+    wait_entry = E.AsyncTensor.__dict__["wait"]
+    _PATCHED[E.AsyncTensor] = (wait_entry, wait_entry)
+
+    def wait(self: Any) -> Any:
+        out = wait_entry(self)
+        if out is not self:
+            for c in _ACTIVE:
+                r = self.__dict__.get(c.key)
+                if r is not None:
+                    out.__dict__[c.key] = r
+        return out
+
+    setattr(E.AsyncTensor, "wait", wait)  # noqa: B010 - a method replaced for the check
+    T_.HOOK[0] = _Hooks
+    from ..runtime import world as W
+
+    diffcomm = sys.modules[__name__.split(".")[0]]  # the package (dc.get_rank), imported already
+
+    _PATCHED_ATTRS.append((W, "get_rank", W.get_rank))
+    _PATCHED_ATTRS.append((diffcomm, "get_rank", vars(diffcomm).get("get_rank", W.get_rank)))
+    orig_rank = W.get_rank
+
+    def get_rank(*a: Any, **k: Any) -> int:
+        return RankInt(orig_rank(*a, **k))
+
+    get_rank.__doc__ = orig_rank.__doc__
+    setattr(W, "get_rank", get_rank)  # noqa: B010
+    setattr(diffcomm, "get_rank", get_rank)  # noqa: B010
+
+    def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        for c in _ACTIVE:
+            if not c.off:
+                c.module_pre(module, args)
+
+    _HOOK = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+
+
+class _Hooks:
+    """What :data:`diffcomm._replication.HOOK` holds while a check is active."""
+
+    @staticmethod
+    def varying(x: Tensor) -> Tensor:
+        for c in _ACTIVE:
+            if not c.off:
+                x.__dict__[c.key] = _Rec(V, why=f"a per-rank value (a layout's shard) at {_site()}")
+        return x
+
+    @staticmethod
+    def varying_params(module: torch.nn.Module, group: Any) -> None:
+        for c in _ACTIVE:
+            if c.off or not c._is_group(group):
+                continue
+            for name, p in module.named_parameters():
+                old = p.__dict__.get(c.key)
+                if old is None or old.param is None or old.auto or old.t is not V:
+                    r = _Rec(V, why=f"this rank's own parameter {name}")
+                    r.param = name
+                    p.__dict__[c.key] = r
+                    c._params[id(p)] = (p, name, r)
+
+
+def _uninstall() -> None:
+    global _HOOK
+    for cls, (_, entry) in _PATCHED.items():
+        setattr(cls, "wait" if cls is E.AsyncTensor else "forward", entry)
+    _PATCHED.clear()
+    for mod, attr, value in reversed(_PATCHED_ATTRS):
+        setattr(mod, attr, value)
+    _PATCHED_ATTRS.clear()
+    T_.HOOK[0] = None
+    if _HOOK is not None:
+        _HOOK.remove()
+        _HOOK = None
+
+
+def _outer_typedness_for_tests() -> dict[str, Any]:
+    """What is installed now (the zero-cost test reads it)."""
+    return {"patched": dict(_PATCHED), "hook": _HOOK, "active": list(_ACTIVE)}
+
+
+# ======================================================================================
+# the public entry and helpers
+# ======================================================================================
+
+
+def spmd_check(
+    group: A.GroupLike = None,
+    *,
+    varying: Iterable[Tensor] = (),
+    partial: Iterable[Tensor] = (),
+    modules: Iterable[torch.nn.Module] | torch.nn.Module = (),
+    check_grads: bool = True,
+) -> SPMDCheck:
+    """Check replication types over ``group`` in a ``with`` block, without communicating.
+
+    Every tensor crossing a diffcomm op, a mapping, a layer or a plain torch op gets a
+    type — replicated, varying or partial — and every op's rule (``spmd`` on its class)
+    is checked at the call; :class:`~diffcomm.SPMDTypeError` names the first op that
+    breaks its rule, the argument, the types found and expected, and the fix.
+
+    Args:
+        group: the process group whose replication is checked (``None``: the world).
+        varying: per-rank inputs (everything else entering the block is replicated).
+        partial: inputs whose true value is their sum over ranks.
+        modules: models whose parameters are typed (and named) at the entry; layers met in
+            the block are typed when they run.
+        check_grads: on leaving the block, check that every replicated parameter's
+            gradient is replicated (:meth:`SPMDCheck.check_grads`).
+
+    Returns:
+        The check (a context manager; ``check.type_of(x)``, ``check.check_grads()``).
+
+    Example::
+
+        def step():
+            mlp = dc.parallel.ParallelMLP(8, 16)
+            with dc.spmd_check():
+                mlp(torch.randn(4, 8)).pow(2).mean().backward()
+        with dc.LocalWorld(2) as world:
+            world.run(step)
+    """
+    return SPMDCheck(group, varying=varying, partial=partial, modules=modules, check_grads=check_grads)
+
+
+def _current() -> SPMDCheck:
+    if not _ACTIVE:
+        raise RuntimeError("diffcomm.spmd: no active spmd_check block (use `with dc.spmd_check(group): ...`)")
+    return _ACTIVE[-1]
+
+
+def varying(x: Tensor) -> Tensor:
+    """Declare ``x`` per-rank (varying) in the innermost active check; returns ``x``."""
+    return _current().declare(x, V)
+
+
+def replicated(x: Tensor) -> Tensor:
+    """Declare ``x`` equal on every rank (replicated); returns ``x``."""
+    return _current().declare(x, R)
+
+
+def partial(x: Tensor) -> Tensor:
+    """Declare ``x`` partial (its true value is the sum over ranks); returns ``x``."""
+    return _current().declare(x, P)
+
+
+def module(m: torch.nn.Module) -> torch.nn.Module:
+    """Type the parameters of ``m`` (and its submodules, named from ``m``) in the innermost
+    active check now, as if it had run (for code that uses a layer's parameters
+    functionally); returns ``m``."""
+    check = _current()
+    names = {id(p): n for n, p in m.named_parameters()}
+    for mod in m.modules():
+        check._type_module_params(mod, names)
+    return m
+
+
+def type_of(x: Tensor) -> T:
+    """``x``'s type in the innermost active check."""
+    return _current().type_of(x)
+
+
+# ======================================================================================
+# the docs' typing table (generated from the classes)
+# ======================================================================================
+
+
+def typing_table() -> str:
+    """The typing table of every op, mapping, fused Function and layer, as Markdown,
+    generated from the ``spmd`` rules on their classes."""
+    rows = []
+    for cls in typed_functions():
+        rule: Rule = cls.__dict__["spmd"]
+        name = _op_name(cls, qualified=True)
+        fwd, grad, refused = rule.describe()
+        rows.append((name, fwd, rule.backward or "-", grad, refused, rule.instead or "-"))
+    rows.sort(key=lambda r: (r[0].count("."), r[0]))
+    lines = [
+        "| op | forward (input -> output) | backward | gradient kind of a replicated input/output "
+        "| refused | under a replicated objective use |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append("| " + " | ".join(x.replace("|", "\\|") for x in r) + " |")
+    lines += ["", "| layer | its input must be |", "|---|---|"]
+    for cls in sorted(typed_layers(), key=lambda c: c.__name__):
+        layer: LayerRule = cls.__dict__["spmd"]
+        lines.append(f"| `{cls.__module__.removeprefix('diffcomm.')}.{cls.__name__}` | {layer.doc} |")
+    return "\n".join(lines) + "\n"

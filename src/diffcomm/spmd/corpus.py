@@ -1,0 +1,481 @@
+"""The planted-bug corpus of ``dc.spmd_check``: small SPMD programs, each with one classic
+parallel-gradient bug, and the same program fixed.
+
+Each entry is data — ``Bug(name, kind, program, names)`` — and each program takes
+``fixed`` (``False``: the bug, ``True``: the fix) and runs on every rank of a world of any
+size >= 2 (the tests run them under ``LocalWorld``; ``docs/spmd_types.md`` shows them).
+The check must raise :class:`~diffcomm.SPMDTypeError` at the first wrong op, with a message
+containing every string of ``names``; the fixed program must pass. :func:`run` returns
+what happened on this rank (``None``, or the error's class name and message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import diffcomm as dc
+from diffcomm import parallel as par
+from diffcomm import rng
+
+__all__ = ["Bug", "BUGS", "run"]
+
+H = 4  # hidden size: a multiple of every world size the tests use (2, 4) ... and 12 for 3
+F_ = 12  # the sharded (feature) size: divisible by 2, 3 and 4
+
+
+@dataclass(frozen=True)
+class Bug:
+    """One planted bug: its name, its class (the issue's words), the program, and the
+    strings the error message must contain (the op that breaks its rule, the fix)."""
+
+    name: str
+    kind: str
+    program: Callable[[bool], None]
+    names: tuple[str, ...]
+
+
+def _x(*shape: int, grad: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)  # the same on every rank: replicated
+    return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_(grad)
+
+
+def _shard(*shape: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1 + dc.get_rank())  # different on every rank: varying
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def _fs() -> int:
+    """This rank's share of the sharded feature size."""
+    return F_ // dc.get_world_size()
+
+
+def _w(*shape: int, varying: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10 + (dc.get_rank() if varying else 0))
+    return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+
+def _row(out: int = H) -> par.RowParallelLinear:
+    """A row-parallel layer, its parameters typed (they are also used functionally)."""
+    return dc.spmd.module(par.RowParallelLinear(F_, out, input_is_parallel=True, dtype=torch.float64, seed=0))
+
+
+def _col(inp: int = H) -> par.ColumnParallelLinear:
+    return dc.spmd.module(par.ColumnParallelLinear(inp, F_, dtype=torch.float64, seed=0))
+
+
+# ======================================================================================
+# the programs
+# ======================================================================================
+
+
+def all_reduce_under_replicated_objective(fixed: bool) -> None:
+    """A row-parallel output reduced with the sum-convention all_reduce, then a replicated
+    loss: its backward all-reduces the gradient again (world-size times too large)."""
+    x, w = dc.spmd.varying(_shard(3, _fs())), _w(_fs(), H)
+    p = x @ w  # each rank's partial product
+    y = par.reduce_from_region(p) if fixed else dc.all_reduce(p)
+    y.pow(2).mean().backward()
+
+
+def all_gather_under_replicated_objective(fixed: bool) -> None:
+    """A shard gathered with the sum-convention all_gather feeding a replicated loss."""
+    x = dc.spmd.varying(_shard(3, H)) @ _w(H, H)
+    y = par.gather_from_region(x, dim=-1) if fixed else dc.all_gather(x, dim=-1)
+    y.pow(2).mean().backward()
+
+
+def all_gather_from_sequence_under_replicated_objective(fixed: bool) -> None:
+    """Sequence shards gathered with all_gather_from_sequence (its backward
+    reduce-scatters: sums over ranks) straight into a replicated loss."""
+    x = dc.spmd.varying(_shard(2, H)) @ _w(H, H)
+    y = par.gather_from_sequence(x) if fixed else par.all_gather_from_sequence(x)
+    y.pow(2).mean().backward()
+
+
+def broadcast_under_replicated_objective(fixed: bool) -> None:
+    """A broadcast value consumed by a replicated loss: reduce(sum) in backward counts the
+    loss once per rank."""
+    y = dc.broadcast(dc.spmd.varying(_shard(3)) * _w(3), src=0)
+    loss = y.pow(2).sum()
+    if fixed:  # the objective counted once: only rank 0's copy of the loss
+        loss = loss * dc.spmd.varying(torch.tensor(float(dc.get_rank() == 0), dtype=torch.float64))
+    loss.backward()
+
+
+def missing_copy_to_region(fixed: bool) -> None:
+    """A replicated activation (after a replicated LayerNorm) enters a column-parallel
+    matmul without copy_to_region: the LayerNorm's gradient stays partial."""
+    ln, col, row = nn.LayerNorm(H, dtype=torch.float64), _col(), _row()
+    h = ln(_x(3, H))
+    if fixed:
+        h = par.copy_to_region(h)
+    a = F.gelu(F.linear(h, col.weight, col.bias))
+    y = par.reduce_from_region(F.linear(a, row.weight)) + row.bias
+    y.pow(2).mean().backward()
+
+
+def sequence_parallel_layernorm_not_reduced(fixed: bool) -> None:
+    """A plain LayerNorm on sequence shards: each rank's weight gradient is a partial sum
+    that nobody reduces (SequenceParallelLayerNorm reduces it)."""
+    ln: nn.Module = nn.LayerNorm(H, dtype=torch.float64)
+    if fixed:
+        ln = par.SequenceParallelLayerNorm.from_serial(ln)  # type: ignore[arg-type]
+    ln(dc.spmd.varying(_shard(2, H))).pow(2).sum().backward()
+
+
+def shared_embedding_not_reduced(fixed: bool) -> None:
+    """A weight shared by an embedding (rank 0) and an output projection (the last rank),
+    as between the first and the last pipeline stage: its gradient must be summed."""
+    w = nn.Parameter(_x(6, H))
+    ids = dc.spmd.varying(torch.tensor([dc.get_rank() % 6, 1]))
+    h = dc.spmd.varying(_shard(2, H))
+    out = F.embedding(ids, w) if dc.get_rank() == 0 else F.linear(h, w)
+    out.pow(2).sum().backward()
+    if fixed:
+        assert w.grad is not None
+        w.grad = dc.all_reduce(w.grad)
+
+
+def reduction_done_twice(fixed: bool) -> None:
+    """A row-parallel layer's output (already reduced inside the layer) reduced again."""
+    row = _row()
+    y = row(dc.spmd.varying(_shard(3, _fs())))
+    if not fixed:
+        y = par.reduce_from_region(y)
+    y.pow(2).mean().backward()
+
+
+def all_reduce_after_row_parallel(fixed: bool) -> None:
+    """dc.all_reduce on a RowParallelLinear's (already replicated) output."""
+    y = _row()(dc.spmd.varying(_shard(3, _fs())))
+    if not fixed:
+        y = dc.all_reduce(y)
+    y.pow(2).mean().backward()
+
+
+def partial_into_nonlinearity(fixed: bool) -> None:
+    """A row-parallel matmul's partial sums fed to GELU before their reduction."""
+    row = _row()
+    p = F.linear(dc.spmd.varying(_shard(3, _fs())), row.weight)
+    if fixed:
+        p = par.reduce_from_region(p)
+    F.gelu(p).pow(2).mean().backward()
+
+
+def bias_before_reduction(fixed: bool) -> None:
+    """The bias added inside the row-parallel matmul: added once per rank."""
+    row = _row()
+    x = dc.spmd.varying(_shard(3, _fs()))
+    if fixed:
+        y = par.reduce_from_region(F.linear(x, row.weight)) + row.bias
+    else:
+        y = par.reduce_from_region(F.linear(x, row.weight, row.bias))
+    y.pow(2).mean().backward()
+
+
+def partial_plus_replicated_residual(fixed: bool) -> None:
+    """The residual added to the partial output before the reduction."""
+    x, row = _x(3, H, grad=True), _row()
+    p = F.linear(dc.spmd.varying(_shard(3, _fs())), row.weight)
+    y = x + par.reduce_from_region(p) if fixed else par.reduce_from_region(x + p)
+    y.pow(2).mean().backward()
+
+
+def partial_times_partial(fixed: bool) -> None:
+    """The product of two partial sums is not the partial sum of the product."""
+    row = _row()
+    p = F.linear(dc.spmd.varying(_shard(3, _fs())), row.weight)
+    if fixed:
+        p = par.reduce_from_region(p)
+    (p * p).sum()
+
+
+def partial_output_as_loss(fixed: bool) -> None:
+    """A row-parallel matmul's partial output summed into the loss without its reduction."""
+    row = _row()
+    p = F.linear(dc.spmd.varying(_shard(3, _fs())), row.weight)
+    if fixed:
+        p = par.reduce_from_region(p)
+    p.sum().backward()
+
+
+def copy_to_region_twice(fixed: bool) -> None:
+    """copy_to_region applied twice: the gradient is all-reduced twice."""
+    x = _x(3, H, grad=True)
+    h = par.copy_to_region(x)
+    if not fixed:
+        h = par.copy_to_region(h)
+    col = _col()
+    par.reduce_from_region(F.linear(F.linear(h, col.weight, col.bias), _row().weight)).sum().backward()
+
+
+def copy_to_region_of_varying(fixed: bool) -> None:
+    """copy_to_region of per-rank data (its backward would sum different gradients)."""
+    x = dc.spmd.varying(_shard(3, H).requires_grad_())
+    h = x if fixed else par.copy_to_region(x)
+    (h * _w(H)).sum().backward()
+
+
+def reduce_scatter_gradient_expected_replicated(fixed: bool) -> None:
+    """A reduce-scatter's (varying) output scaled by a replicated-objective value: that
+    value's gradient is expected replicated but arrives different on every rank."""
+    p = dc.spmd.varying(_shard(12, H)) @ _w(H, H)
+    y = dc.reduce_scatter(p)
+    scale = par.reduce_from_region(dc.spmd.varying(_shard(1)) * _w(1))
+    if fixed:
+        scale = dc.all_reduce(dc.spmd.varying(_shard(1)) * _w(1))
+    (y * scale).sum().backward()
+
+
+def reduce_scatter_of_replicated(fixed: bool) -> None:
+    """reduce_scatter of a replicated tensor: the reduction sums world copies."""
+    x = _x(4 * dc.get_world_size(), H)
+    y = dc.scatter(x) if fixed else dc.reduce_scatter(x)
+    y.sum()
+
+
+def varying_input_to_column_parallel(fixed: bool) -> None:
+    """Per-rank data passed to a ColumnParallelLinear that expects a replicated input."""
+    x = _x(3, H) if fixed else dc.spmd.varying(_shard(3, H))
+    _row()(F.gelu(_col()(x))).pow(2).mean().backward()
+
+
+def replicated_input_to_row_parallel(fixed: bool) -> None:
+    """A whole (replicated) input passed to RowParallelLinear(input_is_parallel=True)."""
+    x = dc.spmd.varying(_shard(3, _fs())) if fixed else _x(3, _fs())
+    _row()(x).pow(2).mean().backward()
+
+
+def replicated_input_to_sequence_parallel_layernorm(fixed: bool) -> None:
+    """A replicated tensor fed to SequenceParallelLayerNorm: its weight gradient (summed
+    over ranks) would be world-size times too large."""
+    x = dc.spmd.varying(_shard(2, H)) if fixed else _x(2, H)
+    par.SequenceParallelLayerNorm(H, dtype=torch.float64)(x).pow(2).sum().backward()
+
+
+def per_rank_dropout_on_replicated(fixed: bool) -> None:
+    """Dropout on the model-parallel (per-rank) RNG stream applied to a replicated
+    activation: the masks differ by rank, so the replicated-objective gradient is wrong."""
+    rng.model_parallel_seed(1234, tp_rank=dc.get_rank())
+    y = par.reduce_from_region(dc.spmd.varying(_shard(3, H)) @ _w(H, H))
+    if fixed:
+        y = F.dropout(y, 0.5)
+    else:
+        with rng.get_tracker().fork():
+            y = F.dropout(y, 0.5)
+    y.pow(2).mean().backward()
+
+
+def max_of_partial(fixed: bool) -> None:
+    """all_reduce(max) of partial sums: the max of the shares is not the max of the sum."""
+    p = F.linear(dc.spmd.varying(_shard(3, _fs())), _row().weight)
+    if fixed:
+        p = par.reduce_from_region(p)
+        p = p.amax()
+    else:
+        dc.all_reduce(p, "max")
+
+
+def vocab_parallel_cross_entropy_on_whole_logits(fixed: bool) -> None:
+    """vocab_parallel_cross_entropy given the whole (replicated) logits, not the shard."""
+    w = dc.get_world_size()
+    logits = dc.spmd.varying(_shard(3, 2)) if fixed else _x(3, 2 * w)
+    par.vocab_parallel_cross_entropy(logits.requires_grad_(), torch.tensor([0, 1, 2]))
+
+
+def gather_from_region_of_replicated(fixed: bool) -> None:
+    """gather_from_region of a value that is already whole on every rank."""
+    x = dc.spmd.varying(_shard(3, H)) if fixed else _x(3, H)
+    par.gather_from_region(x, dim=-1)
+
+
+def clip_grad_norm_without_all_reduce(fixed: bool) -> None:
+    """Gradient clipping with the norm of this rank's gradient shards only: the clipping
+    factor differs by rank, so the replicated parameters' replicas drift apart."""
+    mlp = par.ParallelMLP(H, F_, dtype=torch.float64, seed=0)
+    mlp(_x(3, H)).pow(2).mean().backward()
+    if not fixed:
+        torch.nn.utils.clip_grad_norm_(mlp.parameters(), 1e-3, foreach=False)
+        return
+    sharded = [p for n, p in mlp.named_parameters() if n.endswith("weight") or n == "fc1.bias"]
+    whole = [p for p in mlp.parameters() if all(p is not q for q in sharded)]
+    grads: list[Any] = [p.grad for p in mlp.parameters()]
+    sq_shards = torch.stack(
+        [g.pow(2).sum() for g, p in zip(grads, mlp.parameters()) if any(p is q for q in sharded)]
+    )
+    sq_whole = torch.stack([p.grad.pow(2).sum() for p in whole if p.grad is not None])
+    sq = dc.all_reduce(sq_shards.sum()) + sq_whole.sum()
+    coef = (1e-3 / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef)
+
+
+BUGS: list[Bug] = [
+    Bug(
+        "all_reduce under a replicated objective",
+        "all_reduce with the wrong backward under a replicated objective",
+        all_reduce_under_replicated_objective,
+        ("all_reduce", "reduce_from_region"),
+    ),
+    Bug(
+        "all_gather under a replicated objective",
+        "sum-convention all_gather under a replicated objective",
+        all_gather_under_replicated_objective,
+        ("all_gather", "gather_from_region"),
+    ),
+    Bug(
+        "all_gather_from_sequence into a replicated loss",
+        "sum-convention all_gather under a replicated objective",
+        all_gather_from_sequence_under_replicated_objective,
+        ("all_gather_from_sequence", "gather_from_sequence"),
+    ),
+    Bug(
+        "broadcast under a replicated objective",
+        "sum-convention op under a replicated objective",
+        broadcast_under_replicated_objective,
+        ("broadcast",),
+    ),
+    Bug(
+        "missing copy_to_region",
+        "missing copy_to_region before a column-parallel matmul",
+        missing_copy_to_region,
+        ("LayerNorm.weight", "linear", "copy_to_region"),
+    ),
+    Bug(
+        "sequence-parallel LayerNorm not reduced",
+        "sequence-parallel LayerNorm weights not reduced",
+        sequence_parallel_layernorm_not_reduced,
+        ("LayerNorm.weight", "layer_norm", "missing reduction"),
+    ),
+    Bug(
+        "shared embedding/output weight not reduced",
+        "shared embedding/output weight gradients not reduced",
+        shared_embedding_not_reduced,
+        ("parameter", "missing reduction"),
+    ),
+    Bug(
+        "reduce_from_region twice",
+        "reduction done twice",
+        reduction_done_twice,
+        ("reduce_from_region", "twice"),
+    ),
+    Bug(
+        "all_reduce after a row-parallel layer",
+        "reduction done twice",
+        all_reduce_after_row_parallel,
+        ("all_reduce", "twice"),
+    ),
+    Bug("partial into GELU", "partial into nonlinearity", partial_into_nonlinearity, ("gelu", "partial")),
+    Bug("bias added before the reduction", "partial + replicated", bias_before_reduction, ("linear", "bias")),
+    Bug(
+        "residual added to a partial sum",
+        "partial + replicated",
+        partial_plus_replicated_residual,
+        ("add", "partial"),
+    ),
+    Bug("partial times partial", "partial into nonlinearity", partial_times_partial, ("mul", "partial")),
+    Bug(
+        "partial output returned as the loss",
+        "partial output returned as the loss",
+        partial_output_as_loss,
+        ("backward", "loss is partial"),
+    ),
+    Bug("copy_to_region twice", "copy_to_region applied twice", copy_to_region_twice, ("copy_to_region",)),
+    Bug(
+        "copy_to_region of a varying tensor",
+        "varying tensor where replicated is expected",
+        copy_to_region_of_varying,
+        ("copy_to_region", "`x` is varying"),
+    ),
+    Bug(
+        "reduce_scatter whose gradient is expected replicated",
+        "reduce-scatter whose gradient is expected replicated",
+        reduce_scatter_gradient_expected_replicated,
+        ("mul", "reduce_scatter", "reduce_from_region"),
+    ),
+    Bug(
+        "reduce_scatter of a replicated tensor",
+        "reduction done twice",
+        reduce_scatter_of_replicated,
+        ("reduce_scatter", "twice"),
+    ),
+    Bug(
+        "varying input to ColumnParallelLinear",
+        "varying tensor where a layer expects replicated input",
+        varying_input_to_column_parallel,
+        ("ColumnParallelLinear", "`x` is varying", "expected replicated"),
+    ),
+    Bug(
+        "replicated input to RowParallelLinear(input_is_parallel)",
+        "replicated tensor where a layer expects a shard",
+        replicated_input_to_row_parallel,
+        ("RowParallelLinear", "expected varying"),
+    ),
+    Bug(
+        "replicated input to SequenceParallelLayerNorm",
+        "sequence-parallel LayerNorm weights reduced wrongly",
+        replicated_input_to_sequence_parallel_layernorm,
+        ("SequenceParallelLayerNorm", "expected varying"),
+    ),
+    Bug(
+        "per-rank dropout on a replicated activation",
+        "varying randomness on a replicated-objective value",
+        per_rank_dropout_on_replicated,
+        ("dropout", "replicated"),
+    ),
+    Bug(
+        "all_reduce(max) of partial sums",
+        "partial into nonlinearity",
+        max_of_partial,
+        ("all_reduce", "max/min/product"),
+    ),
+    Bug(
+        "vocab-parallel cross entropy on whole logits",
+        "replicated tensor where a shard is expected",
+        vocab_parallel_cross_entropy_on_whole_logits,
+        ("vocab", "`logits` is replicated"),
+    ),
+    Bug(
+        "gradient clipping with a per-rank norm",
+        "replicated parameter whose gradient is not replicated",
+        clip_grad_norm_without_all_reduce,
+        ("RowParallelLinear.bias", "varies by rank"),
+    ),
+    Bug(
+        "gather_from_region of a replicated tensor",
+        "replicated tensor where a shard is expected",
+        gather_from_region_of_replicated,
+        ("gather_from_region", "`x` is replicated"),
+    ),
+]
+
+
+def run(name: str, fixed: bool, group: Any = None) -> tuple[str, str] | None:
+    """Run the corpus program ``name`` (the bug, or its fix) under ``dc.spmd_check(group)``
+    on this rank; ``None`` if the check passed, else the error's class name and message."""
+    bug = next(b for b in BUGS if b.name == name)
+    try:
+        with dc.spmd_check(group):
+            bug.program(fixed)
+    except TypeError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def corpus_markdown() -> str:
+    """The corpus as Markdown (``docs/spmd_types.md`` includes it): per bug, its class,
+    the program (the bug and, under ``if fixed``, the fix) and what the error names."""
+    import inspect
+
+    out = []
+    for i, b in enumerate(BUGS, 1):
+        names = ", ".join(f"`{n}`" for n in b.names)
+        src = inspect.getsource(b.program).rstrip()
+        out.append(f"### {i}. {b.name}\n\n*{b.kind}.* The error names {names}.\n\n```python\n{src}\n```\n")
+    return "\n".join(out)
