@@ -129,8 +129,11 @@ def _sigterm(out: Path, world: int, proc: subprocess.Popen[str]) -> dict[str, An
     return {"exit_s": exit_s}
 
 
-def run_once(launcher: str, scenario: str, world: int, limit: float = 300.0) -> dict[str, Any]:
-    """One repetition of a cell: exit codes, every rank's facts and stderr, timings."""
+def run_once(
+    launcher: str, scenario: str, world: int, limit: float = 300.0, keep: str | None = None
+) -> dict[str, Any]:
+    """One repetition of a cell: exit codes, every rank's facts and stderr, timings; with
+    ``keep``, the ranks' files are copied to a new folder under it."""
     with tempfile.TemporaryDirectory(prefix="diffcomm-lifecycle-") as d:
         out = Path(d)
         env = _env()
@@ -167,6 +170,11 @@ def run_once(launcher: str, scenario: str, world: int, limit: float = 300.0) -> 
         leftover = [p for p in _pids(out, world) if p > 0 and _alive(p)]
         for p in leftover:
             os.kill(p, signal.SIGKILL)
+        if keep:
+            kept = Path(tempfile.mkdtemp(prefix=f"{launcher}-{scenario}-{world}-", dir=keep))
+            shutil.copytree(out, kept, dirs_exist_ok=True)
+            (kept / "launcher.err").write_text(stderr)
+            (kept / "launcher.out").write_text(stdout)
     return {
         "launcher": launcher,
         "scenario": scenario,

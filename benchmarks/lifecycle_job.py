@@ -95,9 +95,12 @@ def scenario_reinit() -> None:
             os.environ["MASTER_PORT"] = ports[g]
         elif g:
             os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+        _say(f"g{g}_init_start", time.time())
         rank, world = _init(via_diffcomm=True)
+        _say(f"g{g}_init_done", time.time())
         x = torch.ones(3, requires_grad=True)
         dc.all_reduce(x).sum().backward()
+        _say(f"g{g}_first_op_done", time.time())
         if g == 2:
             if rank == world - 1:
                 time.sleep(float(os.environ.get("DIFFCOMM_TIMEOUT", "5")) + 3)  # skips op #2
@@ -111,6 +114,7 @@ def scenario_reinit() -> None:
                     _say("diagnosis_failed", "diagnosis failed" in str(err))
                     sys.exit(3)
         dist.destroy_process_group()
+        _say(f"g{g}_destroyed", time.time())
     _say("groups", 3)
 
 

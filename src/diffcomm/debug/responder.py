@@ -14,7 +14,6 @@ rank returned while others wait for it.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import threading
@@ -79,28 +78,16 @@ def _base_store(store: Any) -> Any:
     return store
 
 
-def _connection(store: Any) -> Any:
-    """A private client connection to the TCP store behind ``store``, keeping the key
-    prefixes on the way (torchrun's per-attempt prefix, the default group's): None if the
-    store is not a TCP store (no cross-rank diagnosis, own view only)."""
-    if not isinstance(_base_store(store), dist.TCPStore):
-        return None
-    if hasattr(store, "clone"):
-        return store.clone()
-    base = _base_store(store)  # torch without Store.clone: the bare store, prefixes lost
-    return dist.TCPStore(
-        base.host, base.port, None, False, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
-    )
-
-
 #: seconds a stopping rank 0 waits for the other ranks' answering threads to stop (its
-#: process may host the store server: closing it under their waits makes torch print
-#: "recvValueWithTimeout failed" on every other rank)
+#: process may host the store server: closing it under their requests makes torch print
+#: "recvValue failed" on every other rank)
 STOP_WAIT = 5.0
 #: seconds a stop waits for its thread to leave the store
 JOIN_WAIT = 2.0
+#: seconds between two looks of the answering thread for a request (answers come within
+#: this; a diagnosing rank waits ANSWER_WAIT for them)
+POLL = 0.1
 _FAILED = [False]  # a communication failed here: peers may be dead, rank 0's stop waits less for them
-_SERIAL = [0]
 
 
 class _Responder:
@@ -110,60 +97,59 @@ class _Responder:
     at ``init_process_group`` and stopped at ``destroy_process_group`` or exit), or one per
     :class:`~diffcomm.LocalWorld` rank (``pinned=True``: the world's own store, for the
     rank's life). Requests and answers use per-rank keys under ``ns`` (``req/<gen>/<rank>``,
-    ``state/<gen>/<rank>``), so the owner wakes its own thread with a token of its own
-    and joins it: the thread never waits in the store past its owner's stop.
+    ``state/<gen>/<rank>``).
+
+    The thread talks through the group's **own** store connection and *polls* it (a short
+    ``check`` every :data:`POLL` seconds) rather than waiting in it: it opens no connection
+    of its own, so a group's start makes no burst of new connections to rank 0's store
+    (every rank opening two at the same instant stalled the connects for 5 s and with them
+    the third group's first op, docs/debugging.md), and it is never inside the C++ store
+    for longer than one round trip, so its stop joins it at once and it never outlives
+    the store.
     """
 
     def __init__(self, store: Any, rank: int, world: int, pinned: bool, pg: Any = None) -> None:
-        self.waiter = _connection(store)
-        self.asker: Any = _connection(store) if self.waiter is not None else None
+        tcp = isinstance(_base_store(store), dist.TCPStore)
+        self.asker: Any = store if tcp else None  # None: no cross-rank diagnosis, own view only
         self.rank, self.world, self.pinned, self.pg = rank, world, pinned, pg
         self.ns = _PREFIX
-        self.stopped = self.waiter is None
+        self.stopped = not tcp
         if self.stopped:
             return
-        assert self.asker is not None
         if not pinned:
             # every rank starts one per default group: the arrivals counter gives the group's
             # epoch, the same on every rank, so a store that outlives a group (a user's own,
             # torchrun's agent store within an attempt) never mixes two groups' keys
-            arrived = int(self.asker.add(f"{_PREFIX}arrivals", 1))
+            arrived = int(store.add(f"{_PREFIX}arrivals", 1))
             self.ns = f"{_PREFIX}{(arrived - 1) // max(world, 1)}/"
-        self.gen = int(self.asker.add(f"{self.ns}gen", 0)) + 1
-        _SERIAL[0] += 1
-        self.token = f"stop:{os.getpid()}:{_SERIAL[0]}"
+        self.gen = int(store.add(f"{self.ns}gen", 0)) + 1
+        self.halt = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="diffcomm-flight", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
-        store, me, ns = self.waiter, self.rank, self.ns
-        while not self.stopped:
+        store, me, ns, halt = self.asker, self.rank, self.ns, self.halt
+        while not halt.wait(POLL):
             key = f"{ns}req/{self.gen}/{me}"
             try:
-                store.wait([key], datetime.timedelta(days=7))  # woken by a request or by stop()
-                if store.get(key).decode() == self.token:
-                    return
+                if not store.check([key]):
+                    continue
                 store.set(f"{ns}state/{self.gen}/{me}", json.dumps(_state()))
             except Exception:  # the store is gone: the world is over
                 return
             self.gen += 1
 
     def stop(self, wait_peers: bool) -> None:
-        """Publish this rank's last state, wake and join the thread, close the connections;
-        rank 0 first waits (bounded) until every other rank's thread has stopped."""
+        """Stop and join the thread, publish this rank's last state; rank 0 then waits
+        (bounded) until every other rank's thread has stopped."""
         if self.stopped:
             return
         self.stopped = True
+        self.halt.set()
+        self.thread.join(JOIN_WAIT)
         asker, ns, me = self.asker, self.ns, self.rank
         try:
             asker.set(f"{ns}final/{me}", json.dumps(_state()))
-            gen = self.gen
-            for g in (gen, gen + 1):
-                asker.set(f"{ns}req/{g}/{me}", self.token)
-        except Exception:  # the store is gone, and with it the thread's wait
-            pass
-        self.thread.join(JOIN_WAIT)
-        try:
             asker.set(f"{ns}stopped/{me}", "1")
             if wait_peers and not self.pinned and me == 0 and self.world > 1:
                 # after a failure the peers still diagnose through this store: stay for
@@ -172,9 +158,9 @@ class _Responder:
                 deadline = time.monotonic() + (ANSWER_WAIT + 1.5 if _FAILED[0] else STOP_WAIT)
                 while not asker.check(keys) and time.monotonic() < deadline:
                     time.sleep(0.005)
-        except Exception:
+        except Exception:  # the store is gone
             pass
-        self.waiter = self.asker = None
+        self.asker = None
 
 
 _RESPONDER: list[_Responder | None] = [None]
