@@ -9,7 +9,8 @@ classic "gradient 2x too large at TP=2". The mappings below state, in their name
 region transition the model makes, and carry the backward that is right for ``L``. Each
 mapping's class states its conjugate and its rules (the table in ``docs/parallel.md`` and
 ``docs/convention.md`` is generated from them: :func:`diffcomm.ops.registry.markdown` of
-the ``"mapping"`` family), and which of its sides is replicated (``replicated``).
+the ``"mapping"`` family); which of its sides is replicated (``replicated``) is read off
+its typing rule, and the second class of a pair takes its rules in words from the first.
 
 Why these backwards. A replicated input ``X`` consumed *differently* on each rank (each
 rank multiplies it by its own weight shard) contributes ``sum_r dL/dy_r``: the all_reduce
@@ -49,11 +50,6 @@ Shards are even: the split dimension must divide by the group size (a ``ValueErr
 naming the argument otherwise, before any communication).
 """
 
-# Size: ~660 lines, over the ~600 guideline: a third is the module docstring's table and
-# the why of each backward, and nine mappings with their debug-mode checks; the op
-# registration part is being rewritten with the op registry (issue 32), which is where
-# it shrinks.
-
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -89,10 +85,11 @@ __all__ = [
 ]
 
 # Size: ~780 lines, over the ~600 guideline on purpose: nine mappings, each one block (its
-# CommOp class with every fact the registry reads: conjugate, reference, argument map,
-# replicated sides, test cases) and one public function whose docstring (Args / Returns /
-# Gradient / Example, half the file) documents the convention it rests on. Split by pair,
-# the blocks would scatter a table whose point is to be read side by side.
+# CommOp class with the facts the registry reads that are its own: conjugate, reference,
+# rule, dims; the shared ones in ``_Mapping``) and one public function whose docstring
+# (Args / Returns / Gradient / Example, half the file) documents the convention it rests
+# on. Split by pair, the blocks would scatter a table whose point is to be read side by
+# side.
 
 PG = Any  # a resolved ProcessGroup, or None for the default group
 
