@@ -65,7 +65,7 @@ from ..backend import args as A
 from ..ops import collectives as C
 from ..ops.all_to_all import raw_all_to_all
 from ..ops.base import CommOp, apply, call
-from ..ops.registry import SELF, FamilyView, Kwargs, public_name
+from ..ops.registry import SELF, FamilyView, Kwargs
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 from ._coalesced import copy_to_region_coalesced, reduce_from_region_coalesced
 
@@ -447,10 +447,9 @@ class _AllToAllRegion(_Mapping):
 # ======================================================================================
 
 
-def _keep_own_chunk(op: type[_ScatterToRegion], x: Any, dim: Any, group: A.GroupLike) -> Tensor:
-    """The call of scatter_to_region / scatter_to_sequence (``op``): validate, check in
-    debug mode that ``x`` is replicated, apply."""
-    name = public_name(op)
+def _keep_own_chunk(op: type[_ScatterToRegion], name: str, x: Any, dim: Any, group: A.GroupLike) -> Tensor:
+    """The call of scatter_to_region / scatter_to_sequence (``op``, public ``name``):
+    validate, check in debug mode that ``x`` is replicated, apply."""
     x, pg = _prepare(name, x, group)
     b = _b()
     world = b.world_size(pg)
@@ -461,10 +460,11 @@ def _keep_own_chunk(op: type[_ScatterToRegion], x: Any, dim: Any, group: A.Group
     return apply(op, x, dim, pg, b.rank(pg), world, debug)
 
 
-def _gather_replicated(op: type[_GatherFromRegion], x: Any, dim: Any, group: A.GroupLike) -> Tensor:
-    """The call of gather_from_region / gather_from_sequence (``op``): validate, check the
-    shapes in debug mode, apply (the transpose checks the gradient)."""
-    name = public_name(op)
+def _gather_replicated(
+    op: type[_GatherFromRegion], name: str, x: Any, dim: Any, group: A.GroupLike
+) -> Tensor:
+    """The call of gather_from_region / gather_from_sequence (``op``, public ``name``):
+    validate, check the shapes in debug mode, apply (the transpose checks the gradient)."""
     x, pg = _prepare(name, x, group)
     dim = A.check_dim(x, dim, op.name)
     debug = _debug()
@@ -566,7 +566,7 @@ def scatter_to_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Te
             world.run(lambda: parallel.scatter_to_region(torch.arange(4.0)))
             # [tensor([0., 1.]), tensor([2., 3.])]
     """
-    return _keep_own_chunk(_ScatterToRegion, x, dim, group)
+    return _keep_own_chunk(_ScatterToRegion, "scatter_to_region", x, dim, group)
 
 
 def gather_from_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Tensor:
@@ -595,7 +595,7 @@ def gather_from_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> T
             world.run(lambda: parallel.gather_from_region(torch.tensor([1.0 * dc.get_rank()])))
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
-    return _gather_replicated(_GatherFromRegion, x, dim, group)
+    return _gather_replicated(_GatherFromRegion, "gather_from_region", x, dim, group)
 
 
 def scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
@@ -625,7 +625,7 @@ def scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> T
             world.run(lambda: parallel.scatter_to_sequence(torch.arange(4.0)))
             # [tensor([0., 1.]), tensor([2., 3.])]
     """
-    return _keep_own_chunk(_ScatterToSequence, x, dim, group)
+    return _keep_own_chunk(_ScatterToSequence, "scatter_to_sequence", x, dim, group)
 
 
 def gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
@@ -659,7 +659,7 @@ def gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> 
             world.run(lambda: parallel.gather_from_sequence(torch.tensor([1.0 * dc.get_rank()])))
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
-    return _gather_replicated(_GatherFromSequence, x, dim, group)
+    return _gather_replicated(_GatherFromSequence, "gather_from_sequence", x, dim, group)
 
 
 def reduce_scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
