@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
+from _common import timed
 from rich.console import Console
 from rich.table import Table
 
@@ -29,13 +29,7 @@ def _trivial() -> None:
 def measure(world_size: int, calls: int, warmup: int) -> dict[str, float]:
     """Seconds per ``run(_trivial)`` on a started world: median, p90, mean, min, max."""
     with LocalWorld(world_size) as world:
-        for _ in range(warmup):
-            world.run(_trivial)
-        samples = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            world.run(_trivial)
-            samples.append(time.perf_counter() - start)
+        samples = timed(world.run, _trivial, calls=calls, warmup=warmup)
     samples.sort()
     return {
         "median": statistics.median(samples),

@@ -18,26 +18,20 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 SHAPES = [(4, 16), (64, 256), (8, 4096)]
 
 
 def _rank_body(shapes: list[tuple[int, ...]], calls: int) -> dict[str, float]:
     import torch
+    from _common import timed
 
     import diffcomm as dc
 
     out = {}
     for shape in shapes:
         x = torch.ones(*shape)
-        for _ in range(20):
-            dc.all_gather(x)
-        ts = []
-        for _ in range(calls):
-            t = time.perf_counter()
-            dc.all_gather(x)
-            ts.append(time.perf_counter() - t)
+        ts = timed(dc.all_gather, x, calls=calls, warmup=20)
         out[str(tuple(shape))] = statistics.median(ts) * 1e6
     return out
 

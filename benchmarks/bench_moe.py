@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import int_options
 
 import diffcomm as dc
 
@@ -151,13 +152,7 @@ def run(world: int, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--k", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--inner", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=3)
+    int_options(p, tokens=1024, hidden=256, experts=8, k=2, rounds=40, inner=3, warmup=3)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     try:

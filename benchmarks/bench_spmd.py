@@ -31,11 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import int_options
 
 import diffcomm as dc
 from diffcomm import parallel as par
 
 EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
+#: the models' sizes (each an integer option ``--name``; ``_`` written ``-``)
+MODEL = dict(hidden=512, ffn=2048, seq=256, batch=2, dim=256, heads=8, kv_heads=4, llama_hidden=1024)
 
 
 def _models(cfg: dict[str, int]) -> dict[str, Any]:
@@ -97,26 +100,14 @@ def _rank(cfg: dict[str, int], rounds: int, steps: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=12)
+    ap = int_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]), world=2, rounds=12)
     ap.add_argument(
         "--steps", type=int, default=3, help="steps per timing (each round: one eager, one checked)"
     )
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--ffn", type=int, default=2048)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--llama-hidden", type=int, default=1024)
+    int_options(ap, **MODEL)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
-    cfg = {
-        "hidden": a.hidden, "ffn": a.ffn, "seq": a.seq, "batch": a.batch, "dim": a.dim, "heads": a.heads,
-        "kv_heads": a.kv_heads, "llama_hidden": a.llama_hidden,
-    }  # fmt: skip
+    cfg = {name: getattr(a, name) for name in MODEL}
     with dc.LocalWorld(a.world) as world:
         res = world.run(_rank, cfg, a.rounds, a.steps)
     report = {"world": a.world, "rounds": a.rounds, "steps": a.steps, "config": cfg, "rank0": res[0]}

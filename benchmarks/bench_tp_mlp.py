@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import int_options
 
 import diffcomm as dc
 from diffcomm import backend as B
@@ -339,12 +340,7 @@ def run_overlap(cfg: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    int_options(parser, hidden=512, ffn=2048, seq=256, batch=2, iters=10, warmup=2)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--no-bias", dest="bias", action="store_false")
     parser.add_argument("--overlap", action="store_true", help="blocking vs overlapped, paired rounds")

@@ -126,13 +126,19 @@ def scenario_kill() -> None:
         time.sleep(0.5)  # the others are inside the next all_reduce
         _say("killed_at", time.time())
         os.kill(os.getpid(), signal.SIGKILL)
+    _all_reduce_raises(x, "names_dead", f"rank {world - 1}")
+
+
+def _all_reduce_raises(x: torch.Tensor, key: str, culprit: str) -> None:
+    """The next all_reduce, which a failed peer never joins: say how long it took to raise,
+    whether the error names ``culprit`` (under ``key``) and its first line; exit 3."""
     t0 = time.time()
     try:
         dc.all_reduce(x)
         _say("error", "none")
     except dc.DiffcommError as err:
         _say("raised_after", round(time.time() - t0, 3))
-        _say("names_dead", f"rank {world - 1}" in str(err))
+        _say(key, culprit in str(err))
         _say("error", str(err).splitlines()[0].replace("=", ":"))
         sys.exit(3)
 
@@ -178,15 +184,7 @@ def scenario_raise() -> None:
     if rank == 1:
         time.sleep(0.3)
         raise ValueError("planted error in user code on rank 1")
-    t0 = time.time()
-    try:
-        dc.all_reduce(x)
-        _say("error", "none")
-    except dc.DiffcommError as err:
-        _say("raised_after", round(time.time() - t0, 3))
-        _say("names_culprit", "rank 1" in str(err))
-        _say("error", str(err).splitlines()[0].replace("=", ":"))
-        sys.exit(3)
+    _all_reduce_raises(x, "names_culprit", "rank 1")
 
 
 def _redirect(outdir: str) -> None:

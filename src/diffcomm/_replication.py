@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = [
+#: the names :mod:`diffcomm.spmd` re-exports (the rest serve the op modules)
+PUBLIC = (
     "T",
     "R",
     "V",
@@ -35,12 +36,10 @@ __all__ = [
     "Rule",
     "LayerRule",
     "SPMDTypeError",
-    "TWICE",
-    "SHARES",
-    "HOOK",
     "varying_by_construction",
     "varying_parameters",
-]
+)
+__all__ = [*PUBLIC, "TWICE", "SHARES", "HOOK"]
 
 
 class T(enum.Enum):

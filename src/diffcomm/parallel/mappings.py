@@ -9,7 +9,8 @@ classic "gradient 2x too large at TP=2". The mappings below state, in their name
 region transition the model makes, and carry the backward that is right for ``L``. Each
 mapping's class states its conjugate and its rules (the table in ``docs/parallel.md`` and
 ``docs/convention.md`` is generated from them: :func:`diffcomm.ops.registry.markdown` of
-the ``"mapping"`` family), and which of its sides is replicated (``replicated``).
+the ``"mapping"`` family); which of its sides is replicated (``replicated``) is read off
+its typing rule, and the second class of a pair takes its rules in words from the first.
 
 Why these backwards. A replicated input ``X`` consumed *differently* on each rank (each
 rank multiplies it by its own weight shard) contributes ``sum_r dL/dy_r``: the all_reduce
@@ -49,15 +50,10 @@ Shards are even: the split dimension must divide by the group size (a ``ValueErr
 naming the argument otherwise, before any communication).
 """
 
-# Size: ~660 lines, over the ~600 guideline: a third is the module docstring's table and
-# the why of each backward, and nine mappings with their debug-mode checks; the op
-# registration part is being rewritten with the op registry (issue 32), which is where
-# it shrinks.
-
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -89,10 +85,11 @@ __all__ = [
 ]
 
 # Size: ~780 lines, over the ~600 guideline on purpose: nine mappings, each one block (its
-# CommOp class with every fact the registry reads: conjugate, reference, argument map,
-# replicated sides, test cases) and one public function whose docstring (Args / Returns /
-# Gradient / Example, half the file) documents the convention it rests on. Split by pair,
-# the blocks would scatter a table whose point is to be read side by side.
+# CommOp class with the facts the registry reads that are its own: conjugate, reference,
+# rule, dims; the shared ones in ``_Mapping``) and one public function whose docstring
+# (Args / Returns / Gradient / Example, half the file) documents the convention it rests
+# on. Split by pair, the blocks would scatter a table whose point is to be read side by
+# side.
 
 PG = Any  # a resolved ProcessGroup, or None for the default group
 
@@ -148,12 +145,55 @@ def _even_dim(name: str, x: Tensor, dim: Any, world: int, arg: str = "dim") -> i
 # ======================================================================================
 
 
-class _CopyToRegion(CommOp):
+class _Mapping(CommOp):
+    """What the mappings share (not an op itself: it defines no ``transpose``).
+
+    A subclass that defines ``transpose`` is a mapping: it is registered in the
+    ``"mapping"`` family. Its ``replicated`` sides are read off its rule: a side is
+    replicated when the rule gives that side's gradient whole on every rank
+    (``in_grad`` / ``out_grad`` ``REPLICATED``). The class of a conjugate pair defined
+    second names the first (``dual``) and gets the rules in words from it, swapped (the
+    adjoint's forward is the backward). A mapping's dual takes the same ``dim``
+    (all_to_all_region, which swaps its two dims, says so itself), with scale 1; its
+    standard test case is a ``(3, 3)`` input whose ``dim`` holds two rows per rank when
+    the mapping splits that dim (``splits``), two rows when it concatenates along it, and
+    a ``(3, 4)`` input when the mapping takes no dim.
+    """
+
+    #: the ``dim`` of a call that names none (the public function's default); ``None``:
+    #: the mapping takes no dim
+    default_dim: ClassVar[int | None] = None
+    #: the mapping splits ``dim`` into ``world`` even chunks (its size must divide)
+    splits: ClassVar[bool] = False
+    spmd: ClassVar[Rule]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        if "transpose" in cls.__dict__:  # a mapping (set before the base registers it)
+            cls.family = "mapping"
+            cls.replicated = (cls.spmd.in_grad == REPLICATED, cls.spmd.out_grad == REPLICATED)
+            partner = cls.__dict__.get("dual")
+            if isinstance(partner, type) and issubclass(partner, CommOp):
+                cls.forward_text, cls.backward_text = partner.backward_text, partner.forward_text
+        super().__init_subclass__(**kwargs)
+
+    @classmethod
+    def dual_args(cls, kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return ({} if cls.default_dim is None else {"dim": kw.get("dim", cls.default_dim)}), 1.0
+
+    @classmethod
+    def cases(cls, world: int) -> Iterator[Kwargs]:
+        if cls.default_dim is None:
+            yield {"shape": (3, 4)}
+            return
+        shape = [3, 3]
+        shape[cls.default_dim] = 2 * world if cls.splits else 2
+        yield {"shape": tuple(shape), "kwargs": {"dim": cls.default_dim}}
+
+
+class _CopyToRegion(_Mapping):
     """Identity forward; transpose: reduce_from_region (all_reduce of the gradient)."""
 
     name = "parallel.copy_to_region"
-    family = "mapping"
-    replicated = (True, False)
     forward_text = "identity"
     backward_text = "all_reduce(sum)"
     spmd = Rule(
@@ -167,20 +207,11 @@ class _CopyToRegion(CommOp):
             P: "reduce it first (reduce_from_region)",
         },
     )
+    elementwise = True
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
         return [xs[0].clone() for _ in xs]
-
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {}, 1.0
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        yield {"shape": (3, 4)}
-
-    elementwise = True
 
     @staticmethod
     def run(x: Tensor, pg: PG, debug: bool) -> Tensor:
@@ -193,35 +224,22 @@ class _CopyToRegion(CommOp):
         return call(_ReduceFromRegion, g, pg, debug)
 
 
-class _ReduceFromRegion(CommOp):
+class _ReduceFromRegion(_Mapping):
     """all_reduce(sum) forward; transpose: copy_to_region (identity, checked replicated)."""
 
     name = "parallel.reduce_from_region"
-    family = "mapping"
     dual = _CopyToRegion
-    replicated = (False, True)
-    forward_text = "all_reduce(sum)"
-    backward_text = "identity"
     spmd = Rule(
         {V: R, P: R},
         out_grad=REPLICATED,
         backward="identity: the gradient must be replicated",
         refuse={R: TWICE},
     )
+    elementwise = True
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
         return [torch.stack(xs).sum(0) for _ in xs]
-
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {}, 1.0
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        yield {"shape": (3, 4)}
-
-    elementwise = True
 
     @staticmethod
     def run(x: Tensor, pg: PG, debug: bool) -> Tensor:
@@ -233,31 +251,22 @@ class _ReduceFromRegion(CommOp):
         return call(_CopyToRegion, g, pg, False)
 
 
-class _ScatterToRegion(CommOp):
+class _ScatterToRegion(_Mapping):
     """Keep chunk ``rank`` along ``dim``; transpose: gather_from_region."""
 
     name = "parallel.scatter_to_region"
-    family = "mapping"
-    replicated = (True, False)
     forward_text = "keep own chunk"
     backward_text = "all_gather"
     spmd = Rule(
         {R: V}, in_grad=REPLICATED, refuse={V: "already a shard", P: "reduce it first"}, backward="all_gather"
     )
-
-    @staticmethod
-    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-        return [xs[0].chunk(len(xs), kws[0].get("dim", -1))[r].clone() for r in range(len(xs))]
-
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"dim": kw.get("dim", -1)}, 1.0
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        yield {"shape": (3, 2 * world), "kwargs": {"dim": -1}}
-
+    default_dim = -1
+    splits = True
     dims = (0,)
+
+    @classmethod
+    def reference(cls, xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [xs[0].chunk(len(xs), kws[0].get("dim", cls.default_dim))[r].clone() for r in range(len(xs))]
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
@@ -269,35 +278,23 @@ class _ScatterToRegion(CommOp):
         return call(_GatherFromRegion, g, dim, pg, rank, world, debug)
 
 
-class _GatherFromRegion(CommOp):
+class _GatherFromRegion(_Mapping):
     """all_gather (even chunks) forward; transpose: scatter_to_region (checked replicated)."""
 
     name = "parallel.gather_from_region"
-    family = "mapping"
     dual = _ScatterToRegion
-    replicated = (False, True)
-    forward_text = "all_gather"
-    backward_text = "keep own chunk"
     spmd = Rule(
         {V: R},
         out_grad=REPLICATED,
         refuse={R: "already whole on every rank", P: "reduce it first"},
         backward="keep own chunk: the gradient must be replicated",
     )
-
-    @staticmethod
-    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-        return [torch.cat(xs, kws[0].get("dim", -1)) for _ in xs]
-
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"dim": kw.get("dim", -1)}, 1.0
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        yield {"shape": (3, 2), "kwargs": {"dim": -1}}
-
+    default_dim = -1
     dims = (0,)
+
+    @classmethod
+    def reference(cls, xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [torch.cat(xs, kws[0].get("dim", cls.default_dim)) for _ in xs]
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
@@ -309,14 +306,17 @@ class _GatherFromRegion(CommOp):
         return call(_ScatterToRegion, g, dim, pg, rank, world, False)
 
 
-class _ScatterToSequence(CommOp):
-    """Keep sequence chunk ``rank`` along ``dim``; transpose: gather_from_sequence."""
+# The sequence pair is the region pair along the sequence dim (Megatron's ``[s, b, h]``:
+# dim 0): the same forward and reference, named for the transition the model makes. Each
+# class restates ``run`` (the base derives the rules from the class's own ``run``) and
+# states its own ``transpose`` (it names its own conjugate).
+
+
+class _ScatterToSequence(_ScatterToRegion):
+    """scatter_to_region along the sequence dim; transpose: gather_from_sequence."""
 
     name = "parallel.scatter_to_sequence"
-    family = "mapping"
-    replicated = (True, False)
-    forward_text = "keep own chunk"
-    backward_text = "all_gather"
+    default_dim = 0
     spmd = Rule(
         {R: V},
         in_grad=REPLICATED,
@@ -325,93 +325,43 @@ class _ScatterToSequence(CommOp):
     )
 
     @staticmethod
-    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-        return [xs[0].chunk(len(xs), kws[0].get("dim", 0))[r].clone() for r in range(len(xs))]
-
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"dim": kw.get("dim", 0)}, 1.0
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        yield {"shape": (2 * world, 3), "kwargs": {"dim": 0}}
-
-    dims = (0,)
-
-    @staticmethod
-    def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
-        n = x.shape[dim] // world  # a copy: rank 0's chunk along dim 0 would be a view of x
-        return x.narrow(dim, rank * n, n).clone(memory_format=torch.contiguous_format)
-
-    @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
         return call(_GatherFromSequence, g, dim, pg, rank, world, debug)
 
+    run = staticmethod(_ScatterToRegion.run)
 
-class _GatherFromSequence(CommOp):
-    """all_gather along the sequence dim; transpose: scatter_to_sequence (checked
+
+class _GatherFromSequence(_GatherFromRegion):
+    """gather_from_region along the sequence dim; transpose: scatter_to_sequence (checked
     replicated)."""
 
     name = "parallel.gather_from_sequence"
-    family = "mapping"
     dual = _ScatterToSequence
-    replicated = (False, True)
-    forward_text = "all_gather"
-    backward_text = "keep own chunk"
-    spmd = Rule(
-        {V: R},
-        out_grad=REPLICATED,
-        refuse={R: "already whole on every rank", P: "reduce it first"},
-        backward="keep own chunk: the gradient must be replicated",
-    )
-
-    @staticmethod
-    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-        return [torch.cat(xs, kws[0].get("dim", 0)) for _ in xs]
-
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"dim": kw.get("dim", 0)}, 1.0
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        yield {"shape": (2, 3), "kwargs": {"dim": 0}}
-
-    dims = (0,)
-
-    @staticmethod
-    def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
-        return C.raw_all_gather(x, dim, pg, (x.shape[dim],) * world)
+    default_dim = 0
+    spmd = _GatherFromRegion.spmd
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
         _check_identity_backward("gather_from_sequence", "parallel.all_gather_from_sequence", g, pg, debug)
         return call(_ScatterToSequence, g, dim, pg, rank, world, False)
 
+    run = staticmethod(_GatherFromRegion.run)
 
-class _ReduceScatterToSequence(CommOp):
+
+class _ReduceScatterToSequence(_Mapping):
     """reduce_scatter(sum) (even chunks); transpose: all_gather_from_sequence."""
 
     name = "parallel.reduce_scatter_to_sequence"
-    family = "mapping"
-    replicated = (False, False)
     forward_text = "reduce_scatter(sum)"
     backward_text = "all_gather"
     spmd = Rule({V: V, P: V}, refuse={R: TWICE}, backward="all_gather")
+    default_dim = 0
+    splits = True
+    dims = (0,)
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
         return list(torch.stack(xs).sum(0).chunk(len(xs), kws[0].get("dim", 0)))
-
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"dim": kw.get("dim", 0)}, 1.0
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        yield {"shape": (2 * world, 3), "kwargs": {"dim": 0}}
-
-    dims = (0,)
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, world: int) -> Tensor:
@@ -422,15 +372,14 @@ class _ReduceScatterToSequence(CommOp):
         return call(_AllGatherFromSequence, g, dim, pg, world)
 
 
-class _AllGatherFromSequence(CommOp):
-    """all_gather (even chunks); transpose: reduce_scatter_to_sequence."""
+class _AllGatherFromSequence(_Mapping):
+    """all_gather (even chunks) along the sequence dim; transpose: the core adjoint,
+    reduce_scatter_to_sequence (no side is replicated)."""
 
     name = "parallel.all_gather_from_sequence"
-    family = "mapping"
     dual = _ReduceScatterToSequence
-    replicated = (False, False)
-    forward_text = "all_gather"
-    backward_text = "reduce_scatter(sum)"
+    default_dim = 0
+    dims = (0,)
     spmd = Rule(
         {V: R},
         out_grad=PARTIAL,
@@ -447,16 +396,6 @@ class _AllGatherFromSequence(CommOp):
         return [torch.cat(xs, kws[0].get("dim", 0)) for _ in xs]
 
     @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"dim": kw.get("dim", 0)}, 1.0
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        yield {"shape": (2, 3), "kwargs": {"dim": 0}}
-
-    dims = (0,)
-
-    @staticmethod
     def run(x: Tensor, dim: int, pg: PG, world: int) -> Tensor:
         return C.raw_all_gather(x, dim, pg, (x.shape[dim],) * world)
 
@@ -465,13 +404,11 @@ class _AllGatherFromSequence(CommOp):
         return call(_ReduceScatterToSequence, g, dim, pg, world)
 
 
-class _AllToAllRegion(CommOp):
+class _AllToAllRegion(_Mapping):
     """all_to_all (even chunks); transpose: itself with the dims swapped."""
 
     name = "parallel.all_to_all_region"
-    family = "mapping"
     dual = SELF
-    replicated = (False, False)
     forward_text = "all_to_all"
     backward_text = "all_to_all, dims swapped"
     spmd = Rule(
@@ -479,6 +416,7 @@ class _AllToAllRegion(CommOp):
         refuse={R: "split a replicated value with scatter_to_region first", P: "reduce it first"},
         backward="all_to_all, dims swapped",
     )
+    dims = (0, 1)
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
@@ -492,8 +430,6 @@ class _AllToAllRegion(CommOp):
     @staticmethod
     def cases(world: int) -> Iterator[Kwargs]:
         yield {"shape": (2 * world, 3 * world), "kwargs": {"split_dim": 1, "concat_dim": 0}}
-
-    dims = (0, 1)
 
     @staticmethod
     def run(x: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int) -> Tensor:
@@ -509,6 +445,33 @@ class _AllToAllRegion(CommOp):
 # ======================================================================================
 # the public mappings: validate once, then one Function apply
 # ======================================================================================
+
+
+def _keep_own_chunk(op: type[_ScatterToRegion], name: str, x: Any, dim: Any, group: A.GroupLike) -> Tensor:
+    """The call of scatter_to_region / scatter_to_sequence (``op``, public ``name``):
+    validate, check in debug mode that ``x`` is replicated, apply."""
+    x, pg = _prepare(name, x, group)
+    b = _b()
+    world = b.world_size(pg)
+    dim = _even_dim(name, x, dim, world)
+    debug = _debug()
+    if debug:
+        check_replicated(x, op.name, "the input", COPY_HINT, pg)
+    return apply(op, x, dim, pg, b.rank(pg), world, debug)
+
+
+def _gather_replicated(
+    op: type[_GatherFromRegion], name: str, x: Any, dim: Any, group: A.GroupLike
+) -> Tensor:
+    """The call of gather_from_region / gather_from_sequence (``op``, public ``name``):
+    validate, check the shapes in debug mode, apply (the transpose checks the gradient)."""
+    x, pg = _prepare(name, x, group)
+    dim = A.check_dim(x, dim, op.name)
+    debug = _debug()
+    if debug:
+        _check_shape(name, x, pg)
+    b = _b()
+    return apply(op, x, dim, pg, b.rank(pg), b.world_size(pg), debug)
 
 
 def copy_to_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
@@ -603,14 +566,7 @@ def scatter_to_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Te
             world.run(lambda: parallel.scatter_to_region(torch.arange(4.0)))
             # [tensor([0., 1.]), tensor([2., 3.])]
     """
-    x, pg = _prepare("scatter_to_region", x, group)
-    b = _b()
-    world = b.world_size(pg)
-    dim = _even_dim("scatter_to_region", x, dim, world)
-    debug = _debug()
-    if debug:
-        check_replicated(x, "parallel.scatter_to_region", "the input", COPY_HINT, pg)
-    return apply(_ScatterToRegion, x, dim, pg, b.rank(pg), world, debug)
+    return _keep_own_chunk(_ScatterToRegion, "scatter_to_region", x, dim, group)
 
 
 def gather_from_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Tensor:
@@ -639,13 +595,7 @@ def gather_from_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> T
             world.run(lambda: parallel.gather_from_region(torch.tensor([1.0 * dc.get_rank()])))
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
-    x, pg = _prepare("gather_from_region", x, group)
-    dim = A.check_dim(x, dim, "parallel.gather_from_region")
-    debug = _debug()
-    if debug:
-        _check_shape("gather_from_region", x, pg)
-    b = _b()
-    return apply(_GatherFromRegion, x, dim, pg, b.rank(pg), b.world_size(pg), debug)
+    return _gather_replicated(_GatherFromRegion, "gather_from_region", x, dim, group)
 
 
 def scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
@@ -675,14 +625,7 @@ def scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> T
             world.run(lambda: parallel.scatter_to_sequence(torch.arange(4.0)))
             # [tensor([0., 1.]), tensor([2., 3.])]
     """
-    x, pg = _prepare("scatter_to_sequence", x, group)
-    b = _b()
-    world = b.world_size(pg)
-    dim = _even_dim("scatter_to_sequence", x, dim, world)
-    debug = _debug()
-    if debug:
-        check_replicated(x, "parallel.scatter_to_sequence", "the input", COPY_HINT, pg)
-    return apply(_ScatterToSequence, x, dim, pg, b.rank(pg), world, debug)
+    return _keep_own_chunk(_ScatterToSequence, "scatter_to_sequence", x, dim, group)
 
 
 def gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
@@ -702,12 +645,12 @@ def gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> 
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
 
     Returns:
-        A new tensor: ``x.shape`` with ``dim`` of size ``world * x.shape[dim]``, equal on
-        every rank.
+        A new tensor, the whole sequence: ``x.shape`` with ``dim`` of size
+        ``world * x.shape[dim]``, equal on every rank.
 
     Gradient:
-        keep own chunk: ``dL/dx_r`` is chunk ``r`` of ``dL/dy``, which is the same on every
-        rank (the conjugate, :func:`scatter_to_sequence`). Debug mode checks that the
+        keep own chunk: ``dL/dx_r`` is sequence chunk ``r`` of ``dL/dy``, which is the same
+        on every rank (the conjugate, :func:`scatter_to_sequence`). Debug mode checks that the
         incoming gradient is equal on every rank.
 
     Example::
@@ -716,13 +659,7 @@ def gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> 
             world.run(lambda: parallel.gather_from_sequence(torch.tensor([1.0 * dc.get_rank()])))
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
-    x, pg = _prepare("gather_from_sequence", x, group)
-    dim = A.check_dim(x, dim, "parallel.gather_from_sequence")
-    debug = _debug()
-    if debug:
-        _check_shape("gather_from_sequence", x, pg)
-    b = _b()
-    return apply(_GatherFromSequence, x, dim, pg, b.rank(pg), b.world_size(pg), debug)
+    return _gather_replicated(_GatherFromSequence, "gather_from_sequence", x, dim, group)
 
 
 def reduce_scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:

@@ -157,8 +157,7 @@ class _ColumnComm(torch.autograd.Function):
     """``F.linear(region(x), w, b)`` whose backward launches the input-gradient
     all_reduce / reduce_scatter before computing the weight and bias gradients.
 
-    Not a ``CommOp``: a matmul fused with its communication (bilinear in ``(x, w)``,
-    backward = local matmuls interleaved with communication; see the module docstring)."""
+    Not a ``CommOp``: a matmul fused with its communication (see the module docstring)."""
 
     spmd = Rule(
         {R: V, V: V},
@@ -217,18 +216,22 @@ def _labelled(name: str, fn: Any, *args: Any) -> Tensor:
         return fn(*args)
 
 
+def _ring_rule(shard: str, backward: str) -> Rule:
+    """The typing rule of a ring Function: its input is this rank's ``shard`` (varying)."""
+    return Rule(
+        {V: V},
+        refuse={R: f"the input must be this rank's {shard}", P: "reduce it first"},
+        backward=backward,
+    )
+
+
 class _ColumnRing(torch.autograd.Function):
     """Sequence-parallel column linear: ring all_gather -> matmul forward, ring
     matmul -> reduce_scatter backward.
 
-    Not a ``CommOp``: a matmul fused with its communication (bilinear in ``(x, w)``,
-    backward = local matmuls interleaved with communication; see the module docstring)."""
+    Not a ``CommOp``: a matmul fused with its communication (see the module docstring)."""
 
-    spmd = Rule(
-        {V: V},
-        refuse={R: "the input must be this rank's sequence chunk", P: "reduce it first"},
-        backward="ring matmul -> reduce_scatter",
-    )
+    spmd = _ring_rule("sequence chunk", "ring matmul -> reduce_scatter")
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, dim: int, pg: PG) -> Tensor:
@@ -279,14 +282,9 @@ class _RowRing(torch.autograd.Function):
     """``reduce_scatter_to_sequence(F.linear(x, w))`` with the ring: matmul ->
     reduce_scatter forward, all_gather -> matmul backward.
 
-    Not a ``CommOp``: a matmul fused with its communication (bilinear in ``(x, w)``,
-    backward = local matmuls interleaved with communication; see the module docstring)."""
+    Not a ``CommOp``: a matmul fused with its communication (see the module docstring)."""
 
-    spmd = Rule(
-        {V: V},
-        refuse={R: "the input must be this rank's feature shard", P: "reduce it first"},
-        backward="all_gather -> matmul ring",
-    )
+    spmd = _ring_rule("feature shard", "all_gather -> matmul ring")
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, dim: int, pg: PG) -> Tensor:

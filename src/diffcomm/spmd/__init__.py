@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .._replication import (
+# re-exported (the names in PUBLIC; listed by __all__ below)
+from .._replication import (  # noqa: F401
     PARTIAL,
+    PUBLIC,
     REPLICATED,
     LayerRule,
     P,
@@ -25,29 +27,9 @@ from .._replication import (
     varying_parameters,
 )
 
-__all__ = [
-    "T",
-    "R",
-    "V",
-    "P",
-    "PARTIAL",
-    "REPLICATED",
-    "Rule",
-    "LayerRule",
-    "SPMDTypeError",
-    "varying_by_construction",
-    "varying_parameters",
-    "SPMDCheck",
-    "spmd_check",
-    "varying",
-    "replicated",
-    "partial",
-    "module",
-    "type_of",
-    "typing_table",
-]
-
 _CHECK = ("SPMDCheck", "spmd_check", "varying", "replicated", "partial", "module", "type_of", "typing_table")
+
+__all__ = [*PUBLIC, *_CHECK]
 
 
 def __getattr__(name: str) -> Any:

@@ -69,6 +69,13 @@ def _col(inp: int = H) -> par.ColumnParallelLinear:
     return dc.spmd.module(par.ColumnParallelLinear(inp, F_, dtype=torch.float64, seed=0))
 
 
+def _partial_sums(reduced: bool = False) -> torch.Tensor:
+    """A row-parallel matmul's output (this rank's feature shard times its rows of the
+    weight): partial sums, or their sum over ranks when ``reduced`` (reduce_from_region)."""
+    p = F.linear(dc.spmd.varying(_shard(3, _fs())), _row().weight)
+    return par.reduce_from_region(p) if reduced else p
+
+
 # ======================================================================================
 # the programs
 # ======================================================================================
@@ -161,11 +168,7 @@ def all_reduce_after_row_parallel(fixed: bool) -> None:
 
 def partial_into_nonlinearity(fixed: bool) -> None:
     """A row-parallel matmul's partial sums fed to GELU before their reduction."""
-    row = _row()
-    p = F.linear(dc.spmd.varying(_shard(3, _fs())), row.weight)
-    if fixed:
-        p = par.reduce_from_region(p)
-    F.gelu(p).pow(2).mean().backward()
+    F.gelu(_partial_sums(reduced=fixed)).pow(2).mean().backward()
 
 
 def bias_before_reduction(fixed: bool) -> None:
@@ -181,28 +184,20 @@ def bias_before_reduction(fixed: bool) -> None:
 
 def partial_plus_replicated_residual(fixed: bool) -> None:
     """The residual added to the partial output before the reduction."""
-    x, row = _x(3, H, grad=True), _row()
-    p = F.linear(dc.spmd.varying(_shard(3, _fs())), row.weight)
+    x, p = _x(3, H, grad=True), _partial_sums()
     y = x + par.reduce_from_region(p) if fixed else par.reduce_from_region(x + p)
     y.pow(2).mean().backward()
 
 
 def partial_times_partial(fixed: bool) -> None:
     """The product of two partial sums is not the partial sum of the product."""
-    row = _row()
-    p = F.linear(dc.spmd.varying(_shard(3, _fs())), row.weight)
-    if fixed:
-        p = par.reduce_from_region(p)
+    p = _partial_sums(reduced=fixed)
     (p * p).sum()
 
 
 def partial_output_as_loss(fixed: bool) -> None:
     """A row-parallel matmul's partial output summed into the loss without its reduction."""
-    row = _row()
-    p = F.linear(dc.spmd.varying(_shard(3, _fs())), row.weight)
-    if fixed:
-        p = par.reduce_from_region(p)
-    p.sum().backward()
+    _partial_sums(reduced=fixed).sum().backward()
 
 
 def copy_to_region_twice(fixed: bool) -> None:

@@ -371,27 +371,14 @@ class _RingAttention(torch.autograd.Function):
         um = None if mask is None else _Mask(mask.detach(), Hq, Hk)
         out = torch.zeros(Bq, Hk, G, Sl, Dv, dtype=q.dtype, device=q.device)
         lse = torch.full((Bq, Hk, G, Sl), float("-inf"), dtype=q.dtype, device=q.device)
-        rank, world = plan.rank, plan.world
         fast = _fusable(q, v, mask, plan)
-        kv = _pack(k_, v_)
-        for i in range(world):
-            j = (rank - i) % world
-            name = f"parallel.ring_attention step {i + 1}/{world - 1}"
-            nxt = plan.hop(kv, name, (j - 1) % world) if i < world - 1 else None
-            kv = plan.wait(kv)
-            t0 = time.perf_counter()
-            kj, vj = _unpack(kv, (k_, v_))
+        label = f"parallel.ring_attention step {{}}/{plan.world - 1}"
+        for _, j, (kj, vj), t0 in _ring(plan, _pack(k_, v_), (k_, v_), label):
             for rows, cols, allowed, qpos, kpos, tril in plan.block(j, q.device):
                 qs = _take(q5, rows, 3)
                 if fast and (allowed is None or tril):
                     o_b, lse_b = _fused_fwd(qs, _take(kj, cols, 2), _take(vj, cols, 2), tril, plan.scale)
-                    lse_r = _take(lse, rows, 3)
-                    new = torch.logaddexp(lse_r, lse_b)
-                    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-                    w_old = torch.exp(lse_r - safe).unsqueeze(-1)
-                    w_new = torch.exp(lse_b - safe).unsqueeze(-1)
-                    o_new = _take(out, rows, 3) * w_old + o_b * w_new
-                    _put(out, lse, rows, o_new, new)
+                    _merge(out, lse, rows, o_b, lse_b)
                     continue
                 s = _scores(qs, _take(kj, cols, 2), plan.scale)
                 s = _apply_masks(
@@ -406,17 +393,8 @@ class _RingAttention(torch.autograd.Function):
                     p = p * _keep(plan, qpos, kpos, Bq) / (1 - plan.dropout_p)
                 o_b = torch.matmul(p, _take(vj, cols, 2).unsqueeze(2))
                 o_b = o_b / torch.where(l_ > 0, l_, torch.ones_like(l_))
-                # log-sum-exp merge of (out, lse) with the block's (o_b, lse_b) on its rows
-                lse_r = _take(lse, rows, 3)
-                new = torch.logaddexp(lse_r, lse_b)
-                safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-                w_old = torch.exp(lse_r - safe).unsqueeze(-1)
-                w_new = torch.exp(lse_b - safe).unsqueeze(-1)
-                o_new = _take(out, rows, 3) * w_old + o_b * w_new
-                _put(out, lse, rows, o_new, new)
+                _merge(out, lse, rows, o_b, lse_b)
             _record("compute", t0)
-            if nxt is not None:
-                kv = nxt
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.plan = plan
         return out.view(Bq, Hq, Sl, Dv)
@@ -438,17 +416,11 @@ class _RingAttention(torch.autograd.Function):
         if mask is not None and ctx.needs_input_grad[3]:
             dmask = torch.zeros_like(um.m)  # type: ignore[union-attr]
         dq = torch.zeros_like(q5)
-        rank, world = plan.rank, plan.world
+        world = plan.world
         fast = _fusable(q, v, mask, plan)
-        kv = _pack(k, v)
         dkv: Tensor | None = None
-        for i in range(world):
-            j = (rank - i) % world
-            name = f"parallel.ring_attention backward step {i + 1}/{world}"
-            nxt = plan.hop(kv, name, (j - 1) % world) if i < world - 1 else None
-            kv = plan.wait(kv)
-            t0 = time.perf_counter()
-            kj, vj = _unpack(kv, (k, v))
+        label = f"parallel.ring_attention backward step {{}}/{world}"
+        for name, j, (kj, vj), t0 in _ring(plan, _pack(k, v), (k, v), label):
             dk_j, dv_j = torch.zeros_like(k), torch.zeros_like(v)
             for rows, cols, allowed, qpos, kpos, tril in plan.block(j, q.device):
                 qs = _take(q5, rows, 3)
@@ -492,14 +464,42 @@ class _RingAttention(torch.autograd.Function):
             mine = _pack(dk_j, dv_j)
             acc = mine if dkv is None else plan.wait(dkv) + mine
             dkv = plan.hop(acc, name + " (dk, dv)", None) if world > 1 else acc
-            if nxt is not None:
-                kv = nxt
         assert dkv is not None
         dk, dv = _unpack(plan.wait(dkv), (k, v))
         dm = None
         if dmask is not None:
             dm = dmask.reshape(mask.shape)
         return dq.view(Bq, Hq, Sl, D), dk.clone(), dv.clone(), dm, None
+
+
+def _ring(
+    plan: _Plan, kv: Tensor, like: tuple[Tensor, Tensor], label: str
+) -> Iterator[tuple[str, int, list[Tensor], float]]:
+    """The ring's ``world`` steps over the packed K/V block ``kv``: at step ``i`` this rank
+    holds rank ``j = rank - i``'s block while the next one travels (hop to rank+1, from
+    rank-1, named ``label.format(i + 1)``). Yields ``(name, j, (k_j, v_j) unpacked like
+    ``like``, start time)``; the block is swapped for the next when the step's body ends."""
+    rank, world = plan.rank, plan.world
+    for i in range(world):
+        j = (rank - i) % world
+        name = label.format(i + 1)
+        nxt = plan.hop(kv, name, (j - 1) % world) if i < world - 1 else None
+        kv = plan.wait(kv)
+        t0 = time.perf_counter()
+        yield name, j, _unpack(kv, like), t0
+        if nxt is not None:
+            kv = nxt
+
+
+def _merge(out: Tensor, lse: Tensor, rows: slice | Tensor, o_b: Tensor, lse_b: Tensor) -> None:
+    """Log-sum-exp merge of a block's ``(o_b, lse_b)`` into ``(out, lse)`` on its rows, in
+    place."""
+    lse_r = _take(lse, rows, 3)
+    new = torch.logaddexp(lse_r, lse_b)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    w_old = torch.exp(lse_r - safe).unsqueeze(-1)
+    w_new = torch.exp(lse_b - safe).unsqueeze(-1)
+    _put(out, lse, rows, _take(out, rows, 3) * w_old + o_b * w_new, new)
 
 
 def _put(out: Tensor, lse: Tensor, rows: slice | Tensor, o_new: Tensor, lse_new: Tensor) -> None:
