@@ -1,6 +1,6 @@
 """The traceable path: :class:`TraceableBackend`, the raw ops as PyTorch's functional
 collectives, for code ``torch.compile`` traces (:func:`diffcomm.backend.get_backend`
-returns it while ``torch.compiler.is_compiling()``). Re-exported by
+returns it while :func:`diffcomm._torch.compiling`). Re-exported by
 :mod:`diffcomm.backend`.
 """
 
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _torch
+from .._torch import compiling
 from ..accelerator import comm_device
 from .groups import Capabilities, ProcessGroup, group_info, static_capabilities
 from .torch_distributed import CoalescedOps, pad_chunks, pad_rows, unpad_rows, wire
@@ -24,7 +25,7 @@ class TraceableBackend(CoalescedOps):
     Dynamo cannot trace c10d's in-place ``broadcast``/``reduce``/``gather``/``scatter``
     nor the logger and switches of :func:`~diffcomm.backend.dispatch` (context variables, thread locals,
     timers), so :func:`get_backend` returns this adapter while
-    ``torch.compiler.is_compiling()``. It also works eagerly (``set_backend``), which is
+    :func:`diffcomm._torch.compiling`. It also works eagerly (``set_backend``), which is
     how its semantics are tested against :class:`TorchDistributedBackend`: dim 0,
     out-of-place, group-local ranks, zeros off the root, uneven sizes padded. Differences:
 
@@ -93,7 +94,7 @@ class TraceableBackend(CoalescedOps):
     # ---- gather family (dim 0) -----------------------------------------------------
     def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
         """Every rank's ``n``; raises ``ValueError`` while compiling (pass ``split_sizes=``)."""
-        if not torch.compiler.is_compiling():  # eager use (tests): a host read is fine
+        if not compiling():  # eager use (tests): a host read is fine
             mine = torch.tensor([n], dtype=torch.int64, device=group_info(group).device)
             return [int(v) for v in self.all_gather(mine, group).tolist()]
         raise ValueError(
@@ -104,7 +105,7 @@ class TraceableBackend(CoalescedOps):
 
     def exchange_size_lists(self, ns: Sequence[int], group: ProcessGroup) -> list[list[int]]:
         """Every rank's list ``ns``; raises ``ValueError`` while compiling (pass ``split_sizes=``)."""
-        if not torch.compiler.is_compiling():
+        if not compiling():
             return super().exchange_size_lists(ns, group)
         return [self.exchange_sizes(int(ns[0]) if ns else 0, group)]  # raises the standard message
 

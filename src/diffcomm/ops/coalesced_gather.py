@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .._replication import PARTIAL, SHARES, TWICE, Rule, T
+from .._torch import compiling
 from ..backend import args as A
 from ..backend import label
 from . import references as R
@@ -58,6 +59,7 @@ class _AllGatherList(ListOp):
 
     name = "all_gather_coalesced"
     family = "coalesced"
+    order = 30
     nmeta = 3  # dims, pg, split_sizes
     dims = 0
     forward_text = "each tensor concatenated over ranks along dim"
@@ -144,6 +146,7 @@ class _ReduceScatterList(ListOp):
 
     name = "reduce_scatter_coalesced"
     family = "coalesced"
+    order = 31
     dual = _AllGatherList
     nmeta = 4  # dims, op, pg, split_sizes
     dims = 0
@@ -286,7 +289,7 @@ def all_gather_coalesced(
     flat = () if sizes is None else tuple(v for s in sizes for v in s)
     _debug_check(name, pg, ts, vary=dims, dim=dim, split_sizes=flat)
     meta: Any = _even_or_none(sizes)
-    if sizes is None and world > 1 and not torch.compiler.is_compiling():
+    if sizes is None and world > 1 and not compiling():
         b = _b()
         if async_op or not hasattr(b, "all_gather_coalesced_unsized"):
             # the output shapes are needed before the op runs: exchanged first, once

@@ -40,6 +40,7 @@ class _AllReduceList(ListOp):
 
     name = "all_reduce_coalesced"
     family = "coalesced"
+    order = 10
     dual = SELF
     nmeta = 2  # op, pg
     same_shapes = True
@@ -142,6 +143,7 @@ def _product_weights(xs: Sequence[Tensor], pg: PG, summed: Sequence[Tensor] = ()
 class _BroadcastList(ListOp):
     name = "broadcast_coalesced"
     family = "coalesced"
+    order = 20
     nmeta = 2  # src, pg
     same_shapes = True
     forward_text = "src's tensors on every rank"
@@ -181,6 +183,7 @@ class _ReduceList(ListOp):
 
     name = "reduce_coalesced"
     family = "coalesced"
+    order = 21
     dual = _BroadcastList
     nmeta = 3  # dst, op, pg
     same_shapes = True

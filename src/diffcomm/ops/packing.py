@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .. import _config
 from .._errors import CrossRankMismatchError
+from .._torch import compiling
 from ..backend import args as A
 from .validation import PG
 from .validation import current_backend as _b
@@ -141,7 +142,7 @@ def debug_check(
     ``vary``: per tensor, the dimension whose size may differ between ranks (the gathered
     dim of ``all_gather_coalesced``); the other dims, the dtype and ``requires_grad`` must
     still agree."""
-    if not _config.DEBUG.get() or torch.compiler.is_compiling():
+    if not _config.DEBUG.get() or compiling():
         return
     b = _b()
     b.check_consistent(opname, {**fields, "length": len(ts)}, pg)

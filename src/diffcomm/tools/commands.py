@@ -24,40 +24,21 @@ from rich.table import Table
 # ranks, the registry's cases, user modules; bench: its table and plot), each a screen.
 
 C10D_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
-#: the built-in ops ``check`` covers, in its cases' order (the registry's families in
-#: order: collective, p2p, coalesced, mapping): a torch-free snapshot of the registry, so a
-#: bad ``--ops`` is refused at once without importing torch (tests/tools/test_cli.py keeps it
-#: equal to the registry's cases). With ``--module``, the names are read off the registry.
-CHECK_OPS = (
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "reduce_scatter",
-    "gather",
-    "scatter",
-    "all_to_all",
-    "send/recv",
-    "sendrecv",
-    "shift",
-    "ppermute",
-    "all_reduce_coalesced",
-    "broadcast_coalesced",
-    "reduce_coalesced",
-    "all_gather_coalesced",
-    "reduce_scatter_coalesced",
-    "copy_to_region",
-    "reduce_from_region",
-    "scatter_to_region",
-    "gather_from_region",
-    "scatter_to_sequence",
-    "gather_from_sequence",
-    "reduce_scatter_to_sequence",
-    "all_gather_from_sequence",
-    "all_to_all_region",
-)
 #: ``--ops`` names that select another's cases (send and recv are checked together)
 _CHECK_ALIASES = {"send": "send/recv", "recv": "send/recv"}
+
+
+def check_ops() -> list[str]:
+    """The built-in ops ``check`` covers, in its cases' order (family by family:
+    collective, p2p, coalesced, mapping), read from the op classes without importing torch
+    (:mod:`diffcomm.tools.op_names`), so ``--help`` lists them and a bad ``--ops`` is
+    refused at once. With ``--module``, the names are read off the registry."""
+    from diffcomm.tools.op_names import builtin_ops
+
+    names = [_CHECK_ALIASES.get(n, n) for ops in builtin_ops().values() for n in ops]
+    return list(dict.fromkeys(names))
+
+
 #: backends that communicate on a device, with the device kind (one device per rank)
 _DEVICE_BACKENDS = {"nccl": "CUDA", "xccl": "XPU"}
 
@@ -191,7 +172,7 @@ def check_configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="OP",
         help="only these ops (default: all of them; e.g. all_gather send shift copy_to_region): "
-        + ", ".join(CHECK_OPS),
+        + ", ".join(check_ops()),
     )
     parser.add_argument(
         "--module",
@@ -228,7 +209,7 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
     check_worlds(args.world)
     modules = list(args.module or [])
     if args.ops is not None and not modules:
-        if err := unknown_name_error("--ops", args.ops, [*CHECK_OPS, *_CHECK_ALIASES]):
+        if err := unknown_name_error("--ops", args.ops, [*check_ops(), *_CHECK_ALIASES]):
             raise err
     check_backend_name(args.backend)
 
