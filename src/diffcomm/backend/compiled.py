@@ -16,7 +16,7 @@ from .. import _torch
 from .._torch import compiling
 from ..accelerator import comm_device
 from .groups import Capabilities, ProcessGroup, group_info, static_capabilities
-from .torch_distributed import CoalescedOps, pad_chunks, pad_rows, unpad_rows, wire
+from .torch_distributed import CoalescedOps, pad_chunks, pad_rows, split_rows, unpad_rows, wire
 
 
 class TraceableBackend(CoalescedOps):
@@ -128,7 +128,7 @@ class TraceableBackend(CoalescedOps):
     ) -> torch.Tensor:
         world, rank = self.world_size(group), self.rank(group)
         x = x.contiguous()
-        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        sizes = split_rows(split_sizes, x.shape[0], world)
         if op not in ("sum", "avg"):
             start = sum(sizes[:rank])
             return self.all_reduce(x, op, group)[start : start + sizes[rank]]
@@ -159,7 +159,7 @@ class TraceableBackend(CoalescedOps):
     ) -> torch.Tensor:
         world, rank = self.world_size(group), self.rank(group)
         x = x.contiguous()
-        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        sizes = split_rows(split_sizes, x.shape[0], world)
         ins = list(sizes) if rank == src else [0] * world
         outs = [sizes[rank] if j == src else 0 for j in range(world)]
         return self.all_to_all(x if rank == src else x[:0], group, ins, outs)
@@ -173,7 +173,7 @@ class TraceableBackend(CoalescedOps):
     ) -> torch.Tensor:
         world = self.world_size(group)
         x = x.contiguous()
-        ins = list(input_split_sizes) if input_split_sizes is not None else [x.shape[0] // world] * world
+        ins = split_rows(input_split_sizes, x.shape[0], world)
         if output_split_sizes is None:
             if input_split_sizes is not None:
                 raise ValueError(

@@ -415,7 +415,7 @@ class TorchDistributedBackend(CoalescedOps):
         caps = self._caps(info) if self.overrides else info.caps  # (no call without overrides)
         if not caps.reduce_scatter or op not in ("sum", "avg"):
             # gap filled: reduce everything, keep own chunk (2x traffic, documented)
-            sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+            sizes = split_rows(split_sizes, x.shape[0], world)
             full = self.all_reduce(x, op, group)
             start = sum(sizes[:rank])
             return full[start : start + sizes[rank]].clone()
@@ -473,7 +473,7 @@ class TorchDistributedBackend(CoalescedOps):
         world, rank = info.size, info.rank
         x = x.contiguous()
         rest = tuple(x.shape[1:])
-        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        sizes = split_rows(split_sizes, x.shape[0], world)
         if not self._caps(info).gather_scatter:  # no native scatter: broadcast, keep own chunk
             start = sum(sizes[:rank])
             return self.broadcast(x, src, group)[start : start + sizes[rank]].clone()
@@ -525,14 +525,13 @@ class TorchDistributedBackend(CoalescedOps):
         if outs is None:  # infer: what rank j sends me is its ins[me]; exchange the matrix
             outs = self.all_to_all(torch.tensor(ins, dtype=torch.int64, device=info.device), group).tolist()
         if (ins is not None or output_split_sizes is not None) and not self._caps(info).uneven_all_to_all:
-            ins = ins if ins is not None else [x.shape[0] // world] * world
-            return self._padded_all_to_all(x, group, ins, outs, info)
+            return self._padded_all_to_all(x, group, split_rows(ins, x.shape[0], world), outs, info)
         out = torch.empty((sum(outs), *rest), dtype=x.dtype, device=x.device)
         # no split sizes at all: the even all_to_all (gloo's alltoall, not its alltoallv)
         c10d_outs = None if ins is None and output_split_sizes is None else outs
 
         def skip() -> None:
-            me_in = ins if ins is not None else [x.shape[0] // world] * world
+            me_in = split_rows(ins, x.shape[0], world)
             own = x[sum(me_in[:rank]) : sum(me_in[: rank + 1])]
             n = min(own.shape[0], out.shape[0])
             out.zero_()
@@ -763,6 +762,12 @@ def pad_rows(x: torch.Tensor, m: int) -> torch.Tensor:
     if x.shape[0] == m:
         return x
     return torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
+
+
+def split_rows(split_sizes: Sequence[int] | None, n: int, world: int) -> list[int]:
+    """The rows per rank of a split of ``n`` rows: ``split_sizes``, or ``None`` for an
+    even split (``n // world`` each)."""
+    return list(split_sizes) if split_sizes is not None else [n // world] * world
 
 
 def pad_chunks(x: torch.Tensor, sizes: Sequence[int], m: int) -> list[torch.Tensor]:

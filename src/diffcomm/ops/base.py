@@ -162,7 +162,28 @@ def call(fn_cls: Any, *args: Any) -> Tensor:
     return fn_cls.forward(*args)  # (the varargs tuple passed on whole: no list built)
 
 
-class CommOp(FastFunction, OpFacts):
+class _Op(FastFunction, OpFacts):
+    """What every op class shares, single or list: a subclass that defines ``transpose``
+    gets its autograd rules written when the class is created (``_derive``, per kind of
+    op); one that states a ``family`` is registered (:mod:`diffcomm.ops.registry`; the
+    facts it may state are :class:`~diffcomm.ops.registry.OpFacts`)."""
+
+    generate_vmap_rule = False
+    name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "transpose" in cls.__dict__:
+            cls._derive(cls)
+        if "family" in cls.__dict__:
+            _registry.add(cls)
+
+    @staticmethod
+    def _derive(cls: Any) -> None:  # pragma: no cover - stated by CommOp and ListOp
+        raise NotImplementedError
+
+
+class CommOp(_Op):
     """Base of the communication ops' autograd Functions (see the module docstring).
 
     A subclass that defines ``transpose`` gets its autograd rules generated when the
@@ -172,18 +193,13 @@ class CommOp(FastFunction, OpFacts):
     :class:`~diffcomm.ops.registry.OpFacts`).
     """
 
-    generate_vmap_rule = False
-    name: ClassVar[str] = ""
     dims: ClassVar[tuple[int, ...]] = ()
     shapes: ClassVar[tuple[int, ...]] = ()
     elementwise: ClassVar[bool] = False
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "transpose" in cls.__dict__:
-            _derive_rules(cls)
-        if "family" in cls.__dict__:
-            _registry.add(cls)
+    @staticmethod
+    def _derive(cls: Any) -> None:
+        _derive_rules(cls)
 
     @staticmethod
     def label(*args: Any) -> str:  # pragma: no cover - replaced per op
@@ -410,7 +426,7 @@ def only_on(x: Tensor, keep: bool) -> Tensor:
 # ======================================================================================
 
 
-class ListOp(FastFunction, OpFacts):
+class ListOp(_Op):
     """Base of the coalesced ops' autograd Functions: :class:`CommOp` for a list of tensors.
 
     The Function's arguments are ``(xs[0], *meta, *xs[1:])`` (a tensor first, as autograd
@@ -447,19 +463,14 @@ class ListOp(FastFunction, OpFacts):
     ``apply`` and the compile twin.
     """
 
-    generate_vmap_rule = False
     nmeta: ClassVar[int] = 0
-    name: ClassVar[str] = ""
     dims: ClassVar[int | None] = None
     same_shapes: ClassVar[bool] = False
     nonlinear: ClassVar[Any] = None
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "transpose" in cls.__dict__:
-            _derive_list_rules(cls)
-        if "family" in cls.__dict__:
-            _registry.add(cls)
+    @staticmethod
+    def _derive(cls: Any) -> None:
+        _derive_list_rules(cls)
 
     @classmethod
     def shapes_for(cls, args: tuple[Any, ...]) -> Any:

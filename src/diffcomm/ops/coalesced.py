@@ -37,8 +37,6 @@ order; no file lists them).
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import families
 from .coalesced_reduce import _AllReduceList
 from .packing import debug_check as _debug_check
@@ -67,5 +65,5 @@ raw_all_reduce_coalesced = _AllReduceList.run
 check_lists_consistent = _debug_check
 
 
-def __getattr__(name: str) -> Any:
-    return families.family_attr("coalesced", __name__, name)
+#: an op of the family a user's module defines later is an attribute too
+__getattr__ = families.late_ops("coalesced", __name__)

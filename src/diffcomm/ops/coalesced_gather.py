@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from .._torch import compiling
 from ..backend import args as A
 from ..backend import label
 from . import references as R
+from .all_gather import _AllGather, _ReduceScatter
 from .base import ListOp, apply, call, list_args
 from .coalesced_reduce import _AllReduceList
 from .packing import back as _back
@@ -64,13 +65,8 @@ class _AllGatherList(ListOp):
     dims = 0
     forward_text = "each tensor concatenated over ranks along dim"
     backward_text = "reduce_scatter_coalesced(sum)"
-    spmd = Rule(
-        {T.V: T.R, T.R: T.R},
-        out_grad=PARTIAL,
-        in_grad=PARTIAL,
-        refuse={T.P: SHARES},
-        backward="reduce_scatter_coalesced",
-    )
+    # element i is all_gather(tensors[i]): its rule (no coalesced mapping to name instead)
+    spmd = replace(_AllGather.spmd, instead=None, backward="reduce_scatter_coalesced")
 
     @staticmethod
     def out_shape(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG, split_sizes: SplitSizes) -> list[Any]:
@@ -152,7 +148,7 @@ class _ReduceScatterList(ListOp):
     dims = 0
     forward_text = "chunk r of each tensor's reduction along dim"
     backward_text = "all_gather_coalesced"
-    spmd = Rule({T.V: T.V, T.P: T.V}, refuse={T.R: TWICE}, backward="all_gather_coalesced")
+    spmd = replace(_ReduceScatter.spmd, backward="all_gather_coalesced")  # reduce_scatter's, per element
 
     @staticmethod
     def out_shape(

@@ -26,8 +26,6 @@ rank-local facts that could differ between ranks, and only call public diffcomm 
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import families
 from .all_gather import raw_all_gather, raw_reduce_scatter
 from .all_reduce import WEIGHT_DTYPE, product_parts, product_weight, raw_all_reduce
@@ -64,5 +62,5 @@ def duals_markdown() -> str:
     return markdown("collective")
 
 
-def __getattr__(name: str) -> Any:
-    return families.family_attr("collective", __name__, name)
+#: an op of the family a user's module defines later is an attribute too
+__getattr__ = families.late_ops("collective", __name__)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from . import registry as R
 
-__all__ = ["HOMES", "import_op_modules", "public", "export", "family_attr", "exported"]
+__all__ = ["HOMES", "import_op_modules", "public", "export", "late_ops", "exported"]
 
 #: family -> the module of :mod:`diffcomm.ops` that is its public home (``dc.collectives``,
 #: ``dc.p2p``, ``dc.coalesced``); their functions are also ``dc.<name>``.
@@ -51,13 +52,17 @@ def export(family: str, namespace: dict[str, Any]) -> list[str]:
     return list(fns)
 
 
-def family_attr(family: str, home: str, name: str) -> Any:
+def late_ops(family: str, home: str) -> Callable[[str], Any]:
     """A home's module ``__getattr__``: the public function of an op of ``family`` defined
     after the home was imported (a user's module), else ``AttributeError``."""
-    cls = R.REGISTRY.get(name)
-    if cls is not None and cls.family == family:
-        return R.public_fn(cls)
-    raise AttributeError(f"module {home!r} has no attribute {name!r}")
+
+    def __getattr__(name: str) -> Any:
+        cls = R.REGISTRY.get(name)
+        if cls is not None and cls.family == family:
+            return R.public_fn(cls)
+        raise AttributeError(f"module {home!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 def exported() -> dict[str, str]:

@@ -46,8 +46,6 @@ them), and an op a user's module defines later is an attribute here too.
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import families
 from .registry import DualsView, FamilyView, markdown
 from .send_recv import RecvHandle, check_tag, irecv, irecv_fused, is_send_node, post_grad_recv, send_owned
@@ -86,5 +84,5 @@ def p2p_markdown() -> str:
     return markdown("p2p")
 
 
-def __getattr__(name: str) -> Any:
-    return families.family_attr("p2p", __name__, name)
+#: an op of the family a user's module defines later is an attribute too
+__getattr__ = families.late_ops("p2p", __name__)

@@ -60,6 +60,13 @@ def unpack_like(xs: Sequence[Tensor], groups: list[list[int]], bufs: Sequence[Te
     return unpack([x.shape for x in xs], groups, bufs)
 
 
+def packed(raw: Any, xs: Sequence[Tensor], *args: Any, **kwargs: Any) -> list[Tensor]:
+    """A raw coalesced op applied to ``xs``: packed into one buffer per dtype,
+    ``raw(buffers, *args, **kwargs)`` called once, split back into views shaped like ``xs``."""
+    groups = by_dtype(xs)
+    return unpack_like(xs, groups, raw(pack(xs, groups), *args, **kwargs))
+
+
 def unpack(shapes: Sequence[Sequence[int]], groups: list[list[int]], bufs: Sequence[Tensor]) -> list[Tensor]:
     """Split each buffer back into tensors of ``shapes``: views of the buffer (one
     ``split`` per buffer), detached so autograd sees independent outputs (each may be
