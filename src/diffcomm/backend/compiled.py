@@ -16,7 +16,7 @@ from .. import _torch
 from .._torch import compiling
 from ..accelerator import comm_device
 from .groups import Capabilities, ProcessGroup, group_info, static_capabilities
-from .torch_distributed import CoalescedOps, pad_chunks, pad_rows, split_rows, unpad_rows, wire
+from .torch_distributed import CoalescedOps, own_rows, pad_chunks, pad_rows, split_rows, unpad_rows, wire
 
 
 class TraceableBackend(CoalescedOps):
@@ -109,12 +109,22 @@ class TraceableBackend(CoalescedOps):
             return super().exchange_size_lists(ns, group)
         return [self.exchange_sizes(int(ns[0]) if ns else 0, group)]  # raises the standard message
 
+    def _rows(
+        self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None, gathered: bool
+    ) -> tuple[int, int, torch.Tensor, list[int]]:
+        """``(world, rank, x made contiguous, rows per rank)``: ``sizes``, or by default
+        ``x``'s rows on every rank (``gathered``: a gather's parts) or an even split of them
+        (a scatter's chunks)."""
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        if gathered and sizes is None:
+            return world, rank, x, [x.shape[0]] * world
+        return world, rank, x, split_rows(sizes, x.shape[0], world)
+
     def all_gather(
         self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
-        world = self.world_size(group)
-        x = x.contiguous()
-        sizes = list(sizes) if sizes is not None else [x.shape[0]] * world
+        _, _, x, sizes = self._rows(x, group, sizes, gathered=True)
         m = max(sizes)
         padded = pad_rows(x, m)
         buf = self._done(_funcol_all_gather(wire(padded), 0, self._pg(group)))
@@ -126,12 +136,9 @@ class TraceableBackend(CoalescedOps):
     def reduce_scatter(
         self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
-        world, rank = self.world_size(group), self.rank(group)
-        x = x.contiguous()
-        sizes = split_rows(split_sizes, x.shape[0], world)
+        world, rank, x, sizes = self._rows(x, group, split_sizes, gathered=False)
         if op not in ("sum", "avg"):
-            start = sum(sizes[:rank])
-            return self.all_reduce(x, op, group)[start : start + sizes[rank]]
+            return own_rows(self.all_reduce(x, op, group), sizes, rank)
         m = max(sizes)
         if all(s == m for s in sizes):
             inp = x
@@ -146,9 +153,7 @@ class TraceableBackend(CoalescedOps):
     def gather(
         self, x: torch.Tensor, dst: int, group: ProcessGroup, sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
-        world, rank = self.world_size(group), self.rank(group)
-        x = x.contiguous()
-        sizes = list(sizes) if sizes is not None else [x.shape[0]] * world
+        world, rank, x, sizes = self._rows(x, group, sizes, gathered=True)
         ins = [x.shape[0] if j == dst else 0 for j in range(world)]
         outs = list(sizes) if rank == dst else [0] * world
         out = self.all_to_all(x, group, ins, outs)
@@ -157,9 +162,7 @@ class TraceableBackend(CoalescedOps):
     def scatter(
         self, x: torch.Tensor, src: int, group: ProcessGroup, split_sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
-        world, rank = self.world_size(group), self.rank(group)
-        x = x.contiguous()
-        sizes = split_rows(split_sizes, x.shape[0], world)
+        world, rank, x, sizes = self._rows(x, group, split_sizes, gathered=False)
         ins = list(sizes) if rank == src else [0] * world
         outs = [sizes[rank] if j == src else 0 for j in range(world)]
         return self.all_to_all(x if rank == src else x[:0], group, ins, outs)

@@ -416,9 +416,7 @@ class TorchDistributedBackend(CoalescedOps):
         if not caps.reduce_scatter or op not in ("sum", "avg"):
             # gap filled: reduce everything, keep own chunk (2x traffic, documented)
             sizes = split_rows(split_sizes, x.shape[0], world)
-            full = self.all_reduce(x, op, group)
-            start = sum(sizes[:rank])
-            return full[start : start + sizes[rank]].clone()
+            return own_rows(self.all_reduce(x, op, group), sizes, rank).clone()
         if even:
             inp = x
         else:  # pad each chunk to the largest, so one reduce_scatter_tensor does it
@@ -475,21 +473,19 @@ class TorchDistributedBackend(CoalescedOps):
         rest = tuple(x.shape[1:])
         sizes = split_rows(split_sizes, x.shape[0], world)
         if not self._caps(info).gather_scatter:  # no native scatter: broadcast, keep own chunk
-            start = sum(sizes[:rank])
-            return self.broadcast(x, src, group)[start : start + sizes[rank]].clone()
+            return own_rows(self.broadcast(x, src, group), sizes, rank).clone()
         m = max(sizes)
         out = torch.empty((m, *rest), dtype=x.dtype, device=x.device)
         if rank == src:
             parts = [wire(p.contiguous()) for p in pad_chunks(x, sizes, m)]
         else:
             parts = None
-        start = sum(sizes[:rank])
         _dispatch(
             "scatter",
             group,
             _nbytes(x),
             lambda: dist.scatter(wire(out), parts, group_src=src, group=group),
-            lambda: out[: sizes[rank]].copy_(x[start : start + sizes[rank]]),
+            lambda: out[: sizes[rank]].copy_(own_rows(x, sizes, rank)),
             out,
         )
         return out if sizes[rank] == m else out[: sizes[rank]].clone()
@@ -532,7 +528,7 @@ class TorchDistributedBackend(CoalescedOps):
 
         def skip() -> None:
             me_in = split_rows(ins, x.shape[0], world)
-            own = x[sum(me_in[:rank]) : sum(me_in[: rank + 1])]
+            own = own_rows(x, me_in, rank)
             n = min(own.shape[0], out.shape[0])
             out.zero_()
             out[:n].copy_(own[:n])
@@ -768,6 +764,12 @@ def split_rows(split_sizes: Sequence[int] | None, n: int, world: int) -> list[in
     """The rows per rank of a split of ``n`` rows: ``split_sizes``, or ``None`` for an
     even split (``n // world`` each)."""
     return list(split_sizes) if split_sizes is not None else [n // world] * world
+
+
+def own_rows(x: torch.Tensor, sizes: Sequence[int], rank: int) -> torch.Tensor:
+    """Rank ``rank``'s chunk of ``x`` split along dim 0 into ``sizes`` rows (a view)."""
+    start = sum(sizes[:rank])
+    return x[start : start + sizes[rank]]
 
 
 def pad_chunks(x: torch.Tensor, sizes: Sequence[int], m: int) -> list[torch.Tensor]:
