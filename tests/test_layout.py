@@ -38,8 +38,8 @@ _TORCH_PRIVATE = re.compile(
     r"\btorch(\.[A-Za-z]\w*)*\._[A-Za-z]|\bdistributed_c10d\._[A-Za-z]|_functional_collectives"
     r"|\bProcessGroup\._[A-Za-z]|\._get_backend\("
 )
-#: The three hot-path attribute reads ``diffcomm._torch`` documents (each on an object it names).
-_HOT_READS = re.compile(r"\._default_pg\b|\._is_compiling_flag\b|\._current_level\b")
+#: The two hot-path attribute reads ``diffcomm._torch`` documents (each on an object it names).
+_HOT_READS = re.compile(r"\._default_pg\b|\._current_level\b")
 
 
 def test_torch_internals_are_read_in_one_module() -> None:

@@ -20,6 +20,12 @@ __version__ = "0.1.0"
 # answers at once and each subcommand imports what it needs. Keep ``__all__``,
 # ``_SUBMODULES``, ``_EXPORTS`` and the ``TYPE_CHECKING`` imports in sync
 # (tests/test_packaging.py checks it).
+#
+# The ops themselves (``dc.all_reduce``, ``dc.send``, ``dc.all_reduce_coalesced`` ...) are
+# listed nowhere here: they are read off the registry (``ops.families.exported``: every
+# op of a family with a public home), bound by ``_load`` and appended to ``__all__``, so a
+# new built-in op is exported by defining it in its module. The price: static analysis
+# (an IDE, mypy) sees them only as ``__getattr__``'s ``Any``, not their signatures.
 
 #: public submodules re-exported as attributes
 _SUBMODULES = ("accelerator", "backend", "compat", "parallel", "pipeline", "rng", "spmd")
@@ -50,27 +56,9 @@ _EXPORTS: dict[str, str] = {
     "WorldTooLargeError": "_errors",
     "FlightRecorder": "debug.recorder",
     "flight_recorder": "debug.recorder",
-    "all_gather_coalesced": "ops.coalesced",
-    "all_reduce_coalesced": "ops.coalesced",
-    "broadcast_coalesced": "ops.coalesced",
-    "reduce_coalesced": "ops.coalesced",
-    "reduce_scatter_coalesced": "ops.coalesced",
     "DUALS": "ops.collectives",
     "OPS": "ops.collectives",
-    "all_gather": "ops.collectives",
-    "all_reduce": "ops.collectives",
-    "all_to_all": "ops.collectives",
-    "broadcast": "ops.collectives",
     "dual": "ops.collectives",
-    "gather": "ops.collectives",
-    "reduce": "ops.collectives",
-    "reduce_scatter": "ops.collectives",
-    "scatter": "ops.collectives",
-    "ppermute": "ops.p2p",
-    "recv": "ops.p2p",
-    "send": "ops.p2p",
-    "sendrecv": "ops.p2p",
-    "shift": "ops.p2p",
     "wait_sends": "ops.p2p",
     "LocalWorld": "runtime.world",
     "get_rank": "runtime.world",
@@ -98,28 +86,9 @@ if TYPE_CHECKING:
     )
     from ._replication import SPMDTypeError
     from .debug.recorder import FlightRecorder, flight_recorder
-    from .ops.coalesced import (
-        all_gather_coalesced,
-        all_reduce_coalesced,
-        broadcast_coalesced,
-        reduce_coalesced,
-        reduce_scatter_coalesced,
-    )
-    from .ops.collectives import (
-        DUALS,
-        OPS,
-        all_gather,
-        all_reduce,
-        all_to_all,
-        broadcast,
-        dual,
-        gather,
-        reduce,
-        reduce_scatter,
-        scatter,
-    )
+    from .ops.collectives import DUALS, OPS, dual
     from .ops.engine import AsyncTensor
-    from .ops.p2p import ppermute, recv, send, sendrecv, shift, wait_sends
+    from .ops.p2p import wait_sends
     from .runtime.world import LocalWorld, get_rank, get_world_size, init, is_initialized, launch
     from .spmd.check import spmd_check
 
@@ -134,26 +103,8 @@ __all__ = [
     "AsyncTensor",
     "DUALS",
     "OPS",
-    "all_gather",
-    "all_gather_coalesced",
-    "all_reduce_coalesced",
-    "broadcast_coalesced",
-    "reduce_coalesced",
-    "reduce_scatter_coalesced",
-    "ppermute",
-    "recv",
-    "send",
-    "sendrecv",
-    "shift",
     "wait_sends",
-    "all_reduce",
-    "all_to_all",
-    "broadcast",
     "dual",
-    "gather",
-    "reduce",
-    "reduce_scatter",
-    "scatter",
     "CollectiveTimeoutError",
     "CrossRankMismatchError",
     "DesyncError",
@@ -180,23 +131,37 @@ __all__ = [
 
 
 def _load() -> None:
-    """Import every public submodule and bind every exported name (idempotent)."""
+    """Import every public submodule, bind every exported name and append the ops to
+    ``__all__`` (idempotent)."""
     for name in __all__:
         __getattr__(name)
+    for name in _ops():
+        __getattr__(name)
+        if name not in __all__:
+            __all__.append(name)
+
+
+def _ops() -> dict[str, str]:
+    """Every op exported as ``dc.<name>``: name -> its family's home (read off the registry)."""
+    from .ops.families import exported
+
+    return exported()
 
 
 def __getattr__(name: str) -> Any:
     # one submodule per first use (not all of them: a submodule being imported may ask
     # for a sibling, e.g. `from .. import rng`, while others are half-initialized)
     mod = _EXPORTS.get(name)
+    if mod is None and not name.startswith("__") and name not in _FAMILIES:
+        if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")  # accelerator, ..., testing, world
+        mod = _ops().get(name)  # an op (imports torch)
     if mod is not None:
         value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
         globals()[name] = value
         return value
     if name in _FAMILIES:
         return importlib.import_module(f"{__name__}.{_FAMILIES[name]}")
-    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")  # accelerator, ..., testing, world
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -6,12 +6,12 @@ They live here and nowhere else, so a torch upgrade that moves one breaks one mo
 a reader sees the whole dependence on one page. Each name is either the torch object
 itself (an alias: free to call on the hot path) or a small function.
 
-Three reads are written at their sites on purpose, each a plain attribute of an object
+Two reads are written at their sites on purpose, each a plain attribute of an object
 named here, on a path every op runs (a call costs several times the read, and they are
 read a few times per op): the default group ``C10D._default_pg`` (other readers call
-:func:`default_pg`), the compile flag ``COMPILER._is_compiling_flag`` after
-:data:`TRACING` (see :data:`diffcomm.backend.TC`) and the forward-AD level
-``FORWARD_AD._current_level`` (other readers call :func:`forward_ad_level`).
+:func:`default_pg`) and the forward-AD level ``FORWARD_AD._current_level`` (other readers
+call :func:`forward_ad_level`). Whether torch.compile is at work is asked of one function,
+:func:`compiling`, everywhere.
 
 Layer: a core module (beside ``_config`` and ``_errors``); it imports only torch.
 """
@@ -35,8 +35,7 @@ __all__ = [
     "pg_method",
     "pg_device_backend",
     "functional_collectives",
-    "COMPILER",
-    "TRACING",
+    "compiling",
     "FORWARD_AD",
     "tree_map_only",
     "transforms_active",
@@ -105,12 +104,25 @@ def functional_collectives() -> types.ModuleType:
 
 # ---------------------------------------------------------------- torch.compile
 
-#: ``torch.compiler``; its ``_is_compiling_flag`` is ``is_compiling()``'s own answer
-#: outside dynamo (set while a compile session or an export runs Python code).
-COMPILER: Any = torch.compiler
+_COMPILER: Any = torch.compiler
 
-#: Whether dynamo is tracing (``is_dynamo_compiling``, folded to ``True`` while it traces).
-TRACING: Callable[[], bool] = getattr(COMPILER, "is_dynamo_compiling", None) or COMPILER.is_compiling
+
+@torch.compiler.assume_constant_result
+def compiling() -> bool:
+    """Whether torch.compile or torch.export is at work: dynamo tracing, or a compile
+    session (AOTAutograd tracing a backward) or an export running Python code. The one
+    compile check of diffcomm (``torch.compiler.is_compiling()``'s answer).
+
+    One Python frame and an attribute read, for the hot path, which asks it several times
+    per forward + backward (``is_compiling()`` is two frames: it asks
+    ``torch.jit.is_scripting()`` first, ~0.5k machine instructions). Eagerly it reads
+    ``is_compiling()``'s own flag, which torch holds ``True`` for a whole compile session.
+    Dynamo does not trace it: marked a constant result, it is called once while tracing
+    (the flag is set then, so ``True``) and folded into the graph with no guard (a traced
+    read of the flag would guard on it and recompile on every call).
+    """
+    return _COMPILER._is_compiling_flag
+
 
 # ---------------------------------------------------------------- autograd and functorch
 

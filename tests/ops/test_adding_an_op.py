@@ -374,3 +374,75 @@ def test_transforms_compile_and_async(world2: dc.LocalWorld) -> None:
         assert res["mirror"], (r, res)
         assert res["compile"], (r, res)
         assert res["async_type"] == "AsyncTensor" and res["async"], (r, res)
+
+
+def test_a_built_in_op_is_its_module_alone(tmp_path: Path) -> None:
+    """The same block added to diffcomm itself: written as a new module of ``diffcomm.ops``
+    in a copy of the package, with **no other file edited**, its ops are ``dc.all_stack``
+    / ``dc.mirror`` (and in ``__all__``), attributes of their families' homes
+    (``dc.collectives``, ``dc.p2p``), in the registry and the docs tables, named by
+    ``check --help`` and checked by ``python -m diffcomm check`` without ``--module``.
+    So a new built-in collective or p2p op touches two files: its module and its test."""
+    import json
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "src" / "diffcomm", src / "diffcomm", ignore=shutil.ignore_patterns("__pycache__"))
+    added = src / "diffcomm" / "ops" / "stacking.py"
+    added.write_text(
+        '"""all_stack / sum_unstack / mirror."""\n\n'
+        + re.sub(r"  # noqa: E402.*", "", _block(Path(__file__).read_text()))
+    )
+    before = sorted(p.relative_to(ROOT / "src") for p in (ROOT / "src" / "diffcomm").rglob("*.py"))
+    after = sorted(p.relative_to(src) for p in (src / "diffcomm").rglob("*.py"))
+    assert sorted({*before, added.relative_to(src)}) == after  # one file more, nothing else
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    probe = (
+        "import json, diffcomm as dc\n"
+        "from diffcomm.ops import registry as R\n"
+        "from diffcomm.tools.commands import check_ops\n"
+        "print(json.dumps({\n"
+        "    'file': dc.__file__,\n"
+        "    'module': [dc.all_stack.__module__, dc.sum_unstack.__module__, dc.mirror.__module__],\n"
+        "    'all': [n for n in ('all_stack', 'sum_unstack', 'mirror') if n in dc.__all__],\n"
+        "    'homes': [dc.collectives.all_stack is dc.all_stack, dc.p2p.mirror is dc.mirror],\n"
+        "    'duals': [dc.DUALS['all_stack'], dc.p2p.DUALS['mirror']],\n"
+        "    'builtin': R.builtin(R.REGISTRY['all_stack']) and R.verify() == [],\n"
+        "    'docs': ['| `sum_unstack` |' in dc.collectives.duals_markdown(),\n"
+        "             '| `mirror` |' in dc.p2p.p2p_markdown()],\n"
+        "    'check_ops': [n for n in check_ops() if n in ('all_stack', 'sum_unstack', 'mirror')],\n"
+        "}))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = json.loads(p.stdout)
+    assert Path(got["file"]).is_relative_to(src)
+    assert got["module"] == ["diffcomm.ops.stacking"] * 3
+    assert got["all"] == list(NEW) and got["homes"] == [True, True]
+    assert got["duals"] == ["sum_unstack", "mirror"] and got["builtin"] and got["docs"] == [True, True]
+    assert got["check_ops"] == list(NEW)
+    # the command line knows them before torch is imported (a typo is refused at once) ...
+    p = subprocess.run(
+        [sys.executable, "-m", "diffcomm", "check", "--ops", "all_stak"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 2 and "(did you mean all_stack?)" in p.stderr, p.stderr[-2000:]
+    # ... and checks them as diffcomm's own: no --module
+    p = subprocess.run(
+        [sys.executable, "-m", "diffcomm", "check", "-n", "2", "--ops", *NEW, "--json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    out = json.loads(p.stdout)
+    assert out["ok"] and [r["op"] for r in out["cases"]].count("all_stack") == 3
+    assert {r["op"] for r in out["cases"]} == set(NEW) and len(out["cases"]) == 3 + 2 + 2

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch._dynamo.testing import CompileCounter
 
 import diffcomm as dc
+from diffcomm import _torch
 from diffcomm import backend as B
 from diffcomm.testing.cases import run_case, standard_cases
 
@@ -148,12 +149,12 @@ def test_compiled_module_inductor_equals_eager(world2) -> None:
 
 
 def _compile_check() -> bool:
-    return B.TRACING() or B.TC._is_compiling_flag
+    return _torch.compiling()
 
 
 def test_one_frame_compile_check_answers_as_is_compiling() -> None:
-    """The hot path's inline compile test (``backend.TRACING() or TC._is_compiling_flag``,
-    one call frame) says what ``torch.compiler.is_compiling()`` says: eagerly, while a
+    """The one compile check (``diffcomm._torch.compiling``, one call frame) says what
+    ``torch.compiler.is_compiling()`` says: eagerly, while a
     compile session's flag is set (AOTAutograd running Python), and while dynamo traces,
     where it must not guard on the flag (that would recompile on every call)."""
     assert _compile_check() is False and torch.compiler.is_compiling() is False

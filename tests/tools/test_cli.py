@@ -160,8 +160,9 @@ def test_unknown_op_lists_the_valid_names(capsys: pytest.CaptureFixture[str]) ->
     from diffcomm.testing.cases import standard_cases, standard_p2p_cases
     from diffcomm.testing.coalesced import standard_coalesced_cases
     from diffcomm.testing.mappings import standard_mapping_cases
-    from diffcomm.tools.commands import CHECK_OPS
+    from diffcomm.tools.commands import check_ops
 
+    CHECK_OPS = check_ops()  # read from the op classes' source, torch-free
     assert cli.main(["check", "--ops", "all_gather", "allreduce"]) == 2
     line = _one_error_line(capsys.readouterr().err, "check")
     assert "unknown op 'allreduce' (did you mean all_reduce?)" in line
@@ -169,6 +170,14 @@ def test_unknown_op_lists_the_valid_names(capsys: pytest.CaptureFixture[str]) ->
     cases += standard_mapping_cases(2)
     # the torch-free list is the cases' ops, in their order: nothing listed twice drifts
     assert list(dict.fromkeys(c.op for c in cases)) == list(CHECK_OPS)
+    # and, family by family, the registry's own ops in its order
+    from diffcomm.ops import registry as R
+    from diffcomm.tools.op_names import builtin_ops
+
+    assert builtin_ops() == {
+        f: [n for n, c in R.family(f).items() if R.builtin(c)]
+        for f in ("collective", "p2p", "coalesced", "mapping")
+    }
     assert set(CHECK_OPS) >= {"all_reduce", "all_reduce_coalesced", "shift", "ppermute", "sendrecv"}
     assert set(CHECK_OPS) >= {"send/recv", "copy_to_region", "all_to_all_region"}
     assert set(line.split("valid: ")[1].split(", ")) == {*CHECK_OPS, "send", "recv"}

@@ -37,8 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .._torch import COMPILER
-from .._torch import TRACING as _TRACING
+from .._torch import compiling
 from ..debug.logger import LABEL as LABEL
 from ..debug.logger import CommRecord, CommsLog, label, log_comms
 from ..debug.raw_ops import OP_NAMES, RAW_OPS, RawOp
@@ -160,22 +159,10 @@ INSTALLED: Backend = DEFAULT
 _TRACEABLE = TraceableBackend()
 
 
-#: ``torch.compiler.is_compiling()`` in one Python frame instead of two, for the hot path
-#: (which asks it several times per forward+backward; ``is_compiling`` first asks
-#: ``torch.jit.is_scripting()``, a second frame, ~0.6k machine instructions). Written
-#: inline, always in this order: ``TRACING() or TC._is_compiling_flag``. While dynamo
-#: traces, it folds ``is_dynamo_compiling()`` to ``True`` and the flag is never read (a
-#: traced read of it would guard on its value and recompile on every call); eagerly
-#: ``TRACING()`` is ``False`` and the flag is ``is_compiling()``'s own answer (set while a
-#: compile session, e.g. AOTAutograd, or an export runs Python code).
-TC = COMPILER
-TRACING = _TRACING
-
-
 def get_backend() -> Backend:
     """The backend adapter every collective calls (:class:`TraceableBackend` while
     ``torch.compile`` traces, whatever :func:`set_backend` installed)."""
-    if TRACING() or TC._is_compiling_flag:
+    if compiling():
         return _TRACEABLE  # type: ignore[return-value]
     return INSTALLED
 

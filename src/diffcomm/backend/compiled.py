@@ -1,6 +1,6 @@
 """The traceable path: :class:`TraceableBackend`, the raw ops as PyTorch's functional
 collectives, for code ``torch.compile`` traces (:func:`diffcomm.backend.get_backend`
-returns it while ``torch.compiler.is_compiling()``). Re-exported by
+returns it while :func:`diffcomm._torch.compiling`). Re-exported by
 :mod:`diffcomm.backend`.
 """
 
@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from .. import _torch
+from .._torch import compiling
 from ..accelerator import comm_device
 from .groups import Capabilities, ProcessGroup, group_info, static_capabilities
-from .torch_distributed import CoalescedOps, pad_chunks, pad_rows, unpad_rows, wire
+from .torch_distributed import CoalescedOps, own_rows, pad_chunks, pad_rows, split_rows, unpad_rows, wire
 
 
 class TraceableBackend(CoalescedOps):
@@ -24,7 +25,7 @@ class TraceableBackend(CoalescedOps):
     Dynamo cannot trace c10d's in-place ``broadcast``/``reduce``/``gather``/``scatter``
     nor the logger and switches of :func:`~diffcomm.backend.dispatch` (context variables, thread locals,
     timers), so :func:`get_backend` returns this adapter while
-    ``torch.compiler.is_compiling()``. It also works eagerly (``set_backend``), which is
+    :func:`diffcomm._torch.compiling`. It also works eagerly (``set_backend``), which is
     how its semantics are tested against :class:`TorchDistributedBackend`: dim 0,
     out-of-place, group-local ranks, zeros off the root, uneven sizes padded. Differences:
 
@@ -93,7 +94,7 @@ class TraceableBackend(CoalescedOps):
     # ---- gather family (dim 0) -----------------------------------------------------
     def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
         """Every rank's ``n``; raises ``ValueError`` while compiling (pass ``split_sizes=``)."""
-        if not torch.compiler.is_compiling():  # eager use (tests): a host read is fine
+        if not compiling():  # eager use (tests): a host read is fine
             mine = torch.tensor([n], dtype=torch.int64, device=group_info(group).device)
             return [int(v) for v in self.all_gather(mine, group).tolist()]
         raise ValueError(
@@ -104,16 +105,26 @@ class TraceableBackend(CoalescedOps):
 
     def exchange_size_lists(self, ns: Sequence[int], group: ProcessGroup) -> list[list[int]]:
         """Every rank's list ``ns``; raises ``ValueError`` while compiling (pass ``split_sizes=``)."""
-        if not torch.compiler.is_compiling():
+        if not compiling():
             return super().exchange_size_lists(ns, group)
         return [self.exchange_sizes(int(ns[0]) if ns else 0, group)]  # raises the standard message
+
+    def _rows(
+        self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None, gathered: bool
+    ) -> tuple[int, int, torch.Tensor, list[int]]:
+        """``(world, rank, x made contiguous, rows per rank)``: ``sizes``, or by default
+        ``x``'s rows on every rank (``gathered``: a gather's parts) or an even split of them
+        (a scatter's chunks)."""
+        world, rank = self.world_size(group), self.rank(group)
+        x = x.contiguous()
+        if gathered and sizes is None:
+            return world, rank, x, [x.shape[0]] * world
+        return world, rank, x, split_rows(sizes, x.shape[0], world)
 
     def all_gather(
         self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
-        world = self.world_size(group)
-        x = x.contiguous()
-        sizes = list(sizes) if sizes is not None else [x.shape[0]] * world
+        _, _, x, sizes = self._rows(x, group, sizes, gathered=True)
         m = max(sizes)
         padded = pad_rows(x, m)
         buf = self._done(_funcol_all_gather(wire(padded), 0, self._pg(group)))
@@ -125,12 +136,9 @@ class TraceableBackend(CoalescedOps):
     def reduce_scatter(
         self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
-        world, rank = self.world_size(group), self.rank(group)
-        x = x.contiguous()
-        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        world, rank, x, sizes = self._rows(x, group, split_sizes, gathered=False)
         if op not in ("sum", "avg"):
-            start = sum(sizes[:rank])
-            return self.all_reduce(x, op, group)[start : start + sizes[rank]]
+            return own_rows(self.all_reduce(x, op, group), sizes, rank)
         m = max(sizes)
         if all(s == m for s in sizes):
             inp = x
@@ -145,9 +153,7 @@ class TraceableBackend(CoalescedOps):
     def gather(
         self, x: torch.Tensor, dst: int, group: ProcessGroup, sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
-        world, rank = self.world_size(group), self.rank(group)
-        x = x.contiguous()
-        sizes = list(sizes) if sizes is not None else [x.shape[0]] * world
+        world, rank, x, sizes = self._rows(x, group, sizes, gathered=True)
         ins = [x.shape[0] if j == dst else 0 for j in range(world)]
         outs = list(sizes) if rank == dst else [0] * world
         out = self.all_to_all(x, group, ins, outs)
@@ -156,9 +162,7 @@ class TraceableBackend(CoalescedOps):
     def scatter(
         self, x: torch.Tensor, src: int, group: ProcessGroup, split_sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
-        world, rank = self.world_size(group), self.rank(group)
-        x = x.contiguous()
-        sizes = list(split_sizes) if split_sizes is not None else [x.shape[0] // world] * world
+        world, rank, x, sizes = self._rows(x, group, split_sizes, gathered=False)
         ins = list(sizes) if rank == src else [0] * world
         outs = [sizes[rank] if j == src else 0 for j in range(world)]
         return self.all_to_all(x if rank == src else x[:0], group, ins, outs)
@@ -172,7 +176,7 @@ class TraceableBackend(CoalescedOps):
     ) -> torch.Tensor:
         world = self.world_size(group)
         x = x.contiguous()
-        ins = list(input_split_sizes) if input_split_sizes is not None else [x.shape[0] // world] * world
+        ins = split_rows(input_split_sizes, x.shape[0], world)
         if output_split_sizes is None:
             if input_split_sizes is not None:
                 raise ValueError(

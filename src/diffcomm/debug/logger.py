@@ -23,8 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from .._torch import compiling
 from .raw_ops import bus_factor
 
 #: This thread's logs / comm-off switches / coalescing record (see the module docstring).
@@ -46,7 +45,7 @@ def label(text: str) -> contextlib.AbstractContextManager[None]:
     A no-op while ``torch.compile`` traces (dynamo cannot trace ``ContextVar.set``; the
     compiled graph has no Python-side logging anyway).
     """
-    if torch.compiler.is_compiling():
+    if compiling():
         return _NO_LABEL
     return _Label(text)
 

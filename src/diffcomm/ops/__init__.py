@@ -5,9 +5,11 @@ asynchronous engine, and the op families.
   compile twin derived from one block per op), :mod:`.registry` (every op, its dual and its
   serial reference), :mod:`.validation` and :mod:`.packing` (checks before any
   communication; coalesced lists packed per dtype), :mod:`.engine` (``async_op=True``);
-* the families: :mod:`.collectives` (with :mod:`.gather_scatter`, :mod:`.all_to_all` and
-  their serial :mod:`.references`), :mod:`.coalesced`, :mod:`.p2p` (over its
-  :mod:`.wire` protocol and :mod:`.send_queue`).
+* the families' public homes: :mod:`.collectives`, :mod:`.coalesced`, :mod:`.p2p` (over its
+  :mod:`.wire` protocol and :mod:`.send_queue`), each binding the ops of its family that
+  :mod:`.families` finds (every module of this package is imported; an op module is named
+  nowhere else), and the op modules themselves (:mod:`.all_reduce`, :mod:`.all_gather`,
+  ... with their serial :mod:`.references`).
 
 Layer: above :mod:`diffcomm.runtime`, :mod:`diffcomm.backend` and :mod:`diffcomm.debug`;
 below :mod:`diffcomm.parallel`, :mod:`diffcomm.pipeline`, :mod:`diffcomm.testing` and

@@ -36,6 +36,7 @@ _LABELS = op_labels("reduce_scatter")
 class _AllGather(CommOp):
     name = "all_gather"
     family = "collective"
+    order = 30
     dims = (0,)
     forward_text = "concat of every rank's x along dim"
     backward_text = "reduce_scatter(sum) with the same split"
@@ -137,6 +138,7 @@ class _ReduceScatter(CommOp):
 
     name = "reduce_scatter"
     family = "collective"
+    order = 31
     dual = _AllGather
     dims = (0,)
     forward_text = "chunk r of the reduction"

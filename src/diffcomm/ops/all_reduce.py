@@ -31,6 +31,7 @@ class _AllReduce(CommOp):
 
     name = "all_reduce"
     family = "collective"
+    order = 10
     dual = SELF
     elementwise = True
     forward_text = "op over ranks, on every rank"

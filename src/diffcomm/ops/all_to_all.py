@@ -31,6 +31,7 @@ from .validation import world as _world
 class _AllToAll(CommOp):
     name = "all_to_all"
     family = "collective"
+    order = 50
     dual = SELF
     dims = (0, 1)
     forward_text = "chunk r of every rank's x, concatenated"

@@ -96,7 +96,7 @@ class FastFunction(torch.autograd.Function):
         # method. It only enters it as a frame of its own when eager code runs under an
         # active torch.compile (after a graph break), and it cannot trace ``super().apply``
         # ("AutogradFunctionVariable() is not a constant"): so run it eagerly (~1 us).
-        if _transforms_active() or _tracing() or _TC._is_compiling_flag:
+        if _transforms_active() or _compiling():
             return super().apply(*args)
         if _async.launching(cls):  # async_op=True, or an asynchronous op's backward
             return _async.launch_fn(cls, args)
@@ -108,8 +108,7 @@ _c_apply = _torch.c_apply  # the C++ apply, called as (cls, *args)
 _unwrap_if_dead = _torch.unwrap_if_dead
 
 _fwad = torch.autograd.forward_ad
-_compiling = torch.compiler.is_compiling
-_tracing, _TC = B.TRACING, B.TC  # inline ``_tracing() or _TC._is_compiling_flag``: _compiling() in one frame
+_compiling = _torch.compiling  # the one compile check (one frame; dynamo folds it to True)
 _get_label, _set_label, _reset_label = B.LABEL.get, B.LABEL.set, B.LABEL.reset
 _grad_enabled = torch.is_grad_enabled
 _ASYNC_ACTIVE = _async.ACTIVE
@@ -122,9 +121,9 @@ def apply(fn_cls: Any, *args: Any, async_op: bool = False) -> Any:
     In plain eager mode this goes straight to the C++ ``apply`` (no ``inspect`` binding of
     defaults, no dynamo-disable wrapper around a classmethod: a few microseconds on every
     call). Under a torch.func transform or while dynamo traces, the full ``apply`` of the
-    Function (its compile twin while compiling). The compile test comes first (``TRACING``
-    in :mod:`diffcomm.backend`): while dynamo traces this frame it is a constant and the
-    rest is never traced. ``async_op=True`` launches the op on the communication engine
+    Function (its compile twin while compiling). The compile test comes first
+    (:func:`diffcomm._torch.compiling`): while dynamo traces this frame it is a constant
+    and the rest is never traced. ``async_op=True`` launches the op on the communication engine
     where that is possible (not under ``torch.func`` / ``torch.compile``: then it runs
     blocking); so does applying it inside the backward of an asynchronous op.
     """
@@ -136,7 +135,7 @@ def apply(fn_cls: Any, *args: Any, async_op: bool = False) -> Any:
             )
         with _async.async_if(True):
             return apply(fn_cls, *args)
-    if _tracing() or _TC._is_compiling_flag or _transforms_active():
+    if _compiling() or _transforms_active():
         return fn(fn_cls).apply(*args)
     if _ASYNC_ACTIVE[0] and _async.launching(fn_cls):
         return _async.launch_fn(fn_cls, args)
@@ -156,14 +155,35 @@ def call(fn_cls: Any, *args: Any) -> Tensor:
     backward of an asynchronous op it is launched on the communication engine.
     """
     recording = _grad_enabled() or _transforms_active() or _fwad._current_level >= 0
-    if recording or _tracing() or _TC._is_compiling_flag:
+    if recording or _compiling():
         return fn(fn_cls).apply(*args)  # while compiling: the twin
     if _ASYNC_ACTIVE[0] and _async.launching(fn_cls):  # an asynchronous op's backward: the dual
         return _async.launch_fn(fn_cls, args)
     return fn_cls.forward(*args)  # (the varargs tuple passed on whole: no list built)
 
 
-class CommOp(FastFunction, OpFacts):
+class _Op(FastFunction, OpFacts):
+    """What every op class shares, single or list: a subclass that defines ``transpose``
+    gets its autograd rules written when the class is created (``_derive``, per kind of
+    op); one that states a ``family`` is registered (:mod:`diffcomm.ops.registry`; the
+    facts it may state are :class:`~diffcomm.ops.registry.OpFacts`)."""
+
+    generate_vmap_rule = False
+    name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "transpose" in cls.__dict__:
+            cls._derive(cls)
+        if "family" in cls.__dict__:
+            _registry.add(cls)
+
+    @staticmethod
+    def _derive(cls: Any) -> None:  # pragma: no cover - stated by CommOp and ListOp
+        raise NotImplementedError
+
+
+class CommOp(_Op):
     """Base of the communication ops' autograd Functions (see the module docstring).
 
     A subclass that defines ``transpose`` gets its autograd rules generated when the
@@ -173,18 +193,13 @@ class CommOp(FastFunction, OpFacts):
     :class:`~diffcomm.ops.registry.OpFacts`).
     """
 
-    generate_vmap_rule = False
-    name: ClassVar[str] = ""
     dims: ClassVar[tuple[int, ...]] = ()
     shapes: ClassVar[tuple[int, ...]] = ()
     elementwise: ClassVar[bool] = False
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "transpose" in cls.__dict__:
-            _derive_rules(cls)
-        if "family" in cls.__dict__:
-            _registry.add(cls)
+    @staticmethod
+    def _derive(cls: Any) -> None:
+        _derive_rules(cls)
 
     @staticmethod
     def label(*args: Any) -> str:  # pragma: no cover - replaced per op
@@ -248,7 +263,7 @@ def _derive_rules(cls: Any) -> None:
                 ctx.save_for_forward(inputs[0], output)
 
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
-        if _tracing() or _TC._is_compiling_flag:
+        if _compiling():
             return _backward(ctx, g)
         if label is not None:  # inline: the hot path
             text = label(*ctx.args)
@@ -353,7 +368,7 @@ def jvp_free_twin(fn_cls: Any) -> Any:
 def fn(fn_cls: Any) -> Any:
     """The autograd Function a public op applies: ``fn_cls``, or while ``torch.compile``
     traces, its twin without the custom ``jvp`` (see :func:`jvp_free_twin`)."""
-    if not torch.compiler.is_compiling():
+    if not _compiling():
         return fn_cls
     if not _only_grad_transforms():
         raise RuntimeError(
@@ -411,7 +426,7 @@ def only_on(x: Tensor, keep: bool) -> Tensor:
 # ======================================================================================
 
 
-class ListOp(FastFunction, OpFacts):
+class ListOp(_Op):
     """Base of the coalesced ops' autograd Functions: :class:`CommOp` for a list of tensors.
 
     The Function's arguments are ``(xs[0], *meta, *xs[1:])`` (a tensor first, as autograd
@@ -448,19 +463,14 @@ class ListOp(FastFunction, OpFacts):
     ``apply`` and the compile twin.
     """
 
-    generate_vmap_rule = False
     nmeta: ClassVar[int] = 0
-    name: ClassVar[str] = ""
     dims: ClassVar[int | None] = None
     same_shapes: ClassVar[bool] = False
     nonlinear: ClassVar[Any] = None
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "transpose" in cls.__dict__:
-            _derive_list_rules(cls)
-        if "family" in cls.__dict__:
-            _registry.add(cls)
+    @staticmethod
+    def _derive(cls: Any) -> None:
+        _derive_list_rules(cls)
 
     @classmethod
     def shapes_for(cls, args: tuple[Any, ...]) -> Any:
@@ -472,7 +482,7 @@ class ListOp(FastFunction, OpFacts):
     @classmethod
     @torch.compiler.disable  # as FastFunction.apply
     def apply(cls, *args: Any) -> Any:
-        if _transforms_active() or torch.compiler.is_compiling():
+        if _transforms_active() or _compiling():
             return super(FastFunction, cls).apply(*args)
         if _async.launching(cls):
             return _async.launch_fn(cls, args)

@@ -30,6 +30,7 @@ _LABELS = op_labels("reduce")
 class _Broadcast(CommOp):
     name = "broadcast"
     family = "collective"
+    order = 20
     elementwise = True
     forward_text = "src's x on every rank"
     backward_text = "reduce(sum) to src; other ranks exact zeros"
@@ -101,6 +102,7 @@ class _Reduce(CommOp):
 
     name = "reduce"
     family = "collective"
+    order = 21
     dual = _Broadcast
     elementwise = True
     forward_text = "op over ranks on dst, zeros elsewhere"

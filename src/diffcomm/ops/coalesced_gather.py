@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .._replication import PARTIAL, SHARES, TWICE, Rule, T
+from .._torch import compiling
 from ..backend import args as A
 from ..backend import label
 from . import references as R
+from .all_gather import _AllGather, _ReduceScatter
 from .base import ListOp, apply, call, list_args
 from .coalesced_reduce import _AllReduceList
 from .packing import back as _back
@@ -58,17 +60,13 @@ class _AllGatherList(ListOp):
 
     name = "all_gather_coalesced"
     family = "coalesced"
+    order = 30
     nmeta = 3  # dims, pg, split_sizes
     dims = 0
     forward_text = "each tensor concatenated over ranks along dim"
     backward_text = "reduce_scatter_coalesced(sum)"
-    spmd = Rule(
-        {T.V: T.R, T.R: T.R},
-        out_grad=PARTIAL,
-        in_grad=PARTIAL,
-        refuse={T.P: SHARES},
-        backward="reduce_scatter_coalesced",
-    )
+    # element i is all_gather(tensors[i]): its rule (no coalesced mapping to name instead)
+    spmd = replace(_AllGather.spmd, instead=None, backward="reduce_scatter_coalesced")
 
     @staticmethod
     def out_shape(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG, split_sizes: SplitSizes) -> list[Any]:
@@ -144,12 +142,13 @@ class _ReduceScatterList(ListOp):
 
     name = "reduce_scatter_coalesced"
     family = "coalesced"
+    order = 31
     dual = _AllGatherList
     nmeta = 4  # dims, op, pg, split_sizes
     dims = 0
     forward_text = "chunk r of each tensor's reduction along dim"
     backward_text = "all_gather_coalesced"
-    spmd = Rule({T.V: T.V, T.P: T.V}, refuse={T.R: TWICE}, backward="all_gather_coalesced")
+    spmd = replace(_ReduceScatter.spmd, backward="all_gather_coalesced")  # reduce_scatter's, per element
 
     @staticmethod
     def out_shape(
@@ -286,7 +285,7 @@ def all_gather_coalesced(
     flat = () if sizes is None else tuple(v for s in sizes for v in s)
     _debug_check(name, pg, ts, vary=dims, dim=dim, split_sizes=flat)
     meta: Any = _even_or_none(sizes)
-    if sizes is None and world > 1 and not torch.compiler.is_compiling():
+    if sizes is None and world > 1 and not compiling():
         b = _b()
         if async_op or not hasattr(b, "all_gather_coalesced_unsized"):
             # the output shapes are needed before the op runs: exchanged first, once

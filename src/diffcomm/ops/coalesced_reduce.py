@@ -6,23 +6,22 @@ whose outputs are shaped like their inputs (one communication per dtype; re-expo
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from torch import Tensor
 
-from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
 from . import references as R
-from .all_reduce import WEIGHT_DTYPE, product_parts, product_weight
+from .all_reduce import WEIGHT_DTYPE, _AllReduce, product_parts, product_weight
 from .base import ListOp, apply, call, list_args
 from .base import only_on as _only_on
-from .packing import by_dtype as _by_dtype
+from .broadcast_reduce import _Broadcast, _Reduce
 from .packing import case_specs as _case_specs
 from .packing import check_list as _check_list
 from .packing import check_op as _check_op
 from .packing import debug_check as _debug_check
-from .packing import pack as _pack
-from .packing import unpack_like as _unpack_like
+from .packing import packed as _packed
 from .registry import SELF, Kwargs
 from .validation import PG
 from .validation import current_backend as _b
@@ -40,6 +39,7 @@ class _AllReduceList(ListOp):
 
     name = "all_reduce_coalesced"
     family = "coalesced"
+    order = 10
     dual = SELF
     nmeta = 2  # op, pg
     same_shapes = True
@@ -48,17 +48,11 @@ class _AllReduceList(ListOp):
         "all_reduce_coalesced of grads (max/min: to arg-extreme ranks, ties split; product: "
         "zero-safe, plus one all_reduce per dtype)"
     )
-    spmd = Rule(
-        {T.V: T.R, T.P: T.R},
-        out_grad=PARTIAL,
-        refuse={T.R: TWICE},
+    # element i is all_reduce(tensors[i]): its rule, in the list's words
+    spmd = replace(
+        _AllReduce.spmd,
         instead="parallel.reduce_from_region_coalesced",
         backward="all_reduce_coalesced of the gradients",
-        nonlinear=Rule(
-            {T.V: T.R},
-            out_grad=PARTIAL,
-            refuse={T.R: TWICE, T.P: "max/min/product of the shares is not that of the sum"},
-        ),
     )
 
     @staticmethod
@@ -86,8 +80,7 @@ class _AllReduceList(ListOp):
 
     @staticmethod
     def run(xs: Sequence[Tensor], op: str, pg: PG) -> list[Tensor]:
-        groups = _by_dtype(xs)
-        return _unpack_like(xs, groups, _b().all_reduce_coalesced(_pack(xs, groups), op, pg, owned=True))
+        return _packed(_b().all_reduce_coalesced, xs, op, pg, owned=True)
 
     @staticmethod
     def transpose(ctx: Any, gs: list[Tensor], idx: list[int], op: str, pg: PG) -> Any:
@@ -142,17 +135,12 @@ def _product_weights(xs: Sequence[Tensor], pg: PG, summed: Sequence[Tensor] = ()
 class _BroadcastList(ListOp):
     name = "broadcast_coalesced"
     family = "coalesced"
+    order = 20
     nmeta = 2  # src, pg
     same_shapes = True
     forward_text = "src's tensors on every rank"
     backward_text = "reduce_coalesced(sum) to src; other ranks exact zeros"
-    spmd = Rule(
-        {T.R: T.R, T.V: T.R},
-        out_grad=PARTIAL,
-        in_grad=PARTIAL,
-        refuse={T.P: SHARES},
-        backward="reduce_coalesced to src",
-    )
+    spmd = replace(_Broadcast.spmd, backward="reduce_coalesced to src")  # broadcast's, per element
 
     @staticmethod
     def out_shape(xs: Sequence[Tensor], src: int, pg: PG) -> list[tuple[int, ...]]:
@@ -168,8 +156,7 @@ class _BroadcastList(ListOp):
 
     @staticmethod
     def run(xs: Sequence[Tensor], src: int, pg: PG) -> list[Tensor]:
-        groups = _by_dtype(xs)
-        return _unpack_like(xs, groups, _b().broadcast_coalesced(_pack(xs, groups), src, pg, owned=True))
+        return _packed(_b().broadcast_coalesced, xs, src, pg, owned=True)
 
     @staticmethod
     def transpose(ctx: Any, gs: list[Tensor], idx: list[int], src: int, pg: PG) -> Any:
@@ -181,12 +168,13 @@ class _ReduceList(ListOp):
 
     name = "reduce_coalesced"
     family = "coalesced"
+    order = 21
     dual = _BroadcastList
     nmeta = 3  # dst, op, pg
     same_shapes = True
     forward_text = "op over ranks on dst, zeros elsewhere"
     backward_text = "broadcast_coalesced from dst"
-    spmd = Rule({T.V: T.V, T.P: T.V}, refuse={T.R: TWICE}, backward="broadcast_coalesced from dst")
+    spmd = replace(_Reduce.spmd, backward="broadcast_coalesced from dst")  # reduce's, per element
 
     @staticmethod
     def out_shape(xs: Sequence[Tensor], dst: int, op: str, pg: PG) -> list[tuple[int, ...]]:
@@ -208,8 +196,7 @@ class _ReduceList(ListOp):
 
     @staticmethod
     def run(xs: Sequence[Tensor], dst: int, op: str, pg: PG) -> list[Tensor]:
-        groups = _by_dtype(xs)
-        return _unpack_like(xs, groups, _b().reduce_coalesced(_pack(xs, groups), dst, op, pg))
+        return _packed(_b().reduce_coalesced, xs, dst, op, pg)
 
     @staticmethod
     def transpose(ctx: Any, gs: list[Tensor], idx: list[int], dst: int, op: str, pg: PG) -> Any:

@@ -1,4 +1,4 @@
-"""The eight differentiable collectives: their public home, and the op -> adjoint views.
+"""The differentiable collectives: their public home, and the op -> adjoint views.
 
 Gradient convention: the objective is the **sum of the per-rank objectives**. Then every
 collective is a linear map ``A`` on the concatenation of all ranks' tensors (max/min/
@@ -11,14 +11,13 @@ Each op has one home, its module: the public function (validation first, before 
 communication, with the checks the ops share in :mod:`diffcomm.ops.validation`) and its
 :class:`~diffcomm.ops.base.CommOp` subclass, which states the raw forward, the transpose
 (the dual op), which arguments are dims, and the facts the registry reads
-(:class:`~diffcomm.ops.registry.OpFacts`: dual, argument map, serial reference, output
-shape, test cases). They are imported here in the order of the docs' table:
-
-* :mod:`~diffcomm.ops.all_reduce` - ``all_reduce`` (self-dual);
-* :mod:`~diffcomm.ops.broadcast_reduce` - ``broadcast`` / ``reduce``;
-* :mod:`~diffcomm.ops.all_gather` - ``all_gather`` / ``reduce_scatter``;
-* :mod:`~diffcomm.ops.gather_scatter` - ``gather`` / ``scatter``;
-* :mod:`~diffcomm.ops.all_to_all` - ``all_to_all`` (self-dual).
+(:class:`~diffcomm.ops.registry.OpFacts`: family, place in the table, dual, argument map,
+serial reference, output shape, test cases). No file lists them: this module binds the
+public function of every op of the ``"collective"`` family, found by
+:mod:`diffcomm.ops.families` and listed in the registry's order (the docs' table):
+``all_reduce`` (self-dual), ``broadcast`` / ``reduce``, ``all_gather`` / ``reduce_scatter``,
+``gather`` / ``scatter``, ``all_to_all`` (self-dual) today. An op a user's module defines
+later is an attribute here too (``__getattr__``).
 
 Rules that keep the SPMD program deadlock-free: backward rules never branch on
 rank-local facts that could differ between ranks, and only call public diffcomm ops
@@ -27,30 +26,19 @@ rank-local facts that could differ between ranks, and only call public diffcomm 
 
 from __future__ import annotations
 
-# Importing an op's module registers its ops: this order is dc.OPS's and the docs table's.
-# isort: off
-from .all_reduce import WEIGHT_DTYPE, all_reduce, product_parts, product_weight, raw_all_reduce
-from .broadcast_reduce import broadcast, reduce
-from .all_gather import all_gather, raw_all_gather, raw_reduce_scatter, reduce_scatter
-from .gather_scatter import gather, scatter
-from .all_to_all import all_to_all, raw_all_to_all
-
-# isort: on
+from . import families
+from .all_gather import raw_all_gather, raw_reduce_scatter
+from .all_reduce import WEIGHT_DTYPE, product_parts, product_weight, raw_all_reduce
+from .all_to_all import raw_all_to_all
 from .registry import DualsView, FamilyView, dual, markdown
 
 __all__ = [
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "reduce_scatter",
-    "gather",
-    "scatter",
-    "all_to_all",
+    *families.export("collective", globals()),  # the ops: all_reduce, ..., all_to_all
     "DUALS",
     "OPS",
     "dual",
     "duals_markdown",
+    # the raw forwards and the product rule, for the op families built on them (parallel)
     "raw_all_reduce",
     "raw_all_gather",
     "raw_reduce_scatter",
@@ -72,3 +60,7 @@ DUALS = DualsView("collective")
 def duals_markdown() -> str:
     """The op -> adjoint table as Markdown (the docs include this)."""
     return markdown("collective")
+
+
+#: an op of the family a user's module defines later is an attribute too
+__getattr__ = families.late_ops("collective", __name__)

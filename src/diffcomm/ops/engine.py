@@ -213,7 +213,7 @@ def available() -> bool:
     level is active: those see through tensors to their values, so there the asynchronous
     ops run blocking and return plain tensors (same values and gradients).
     """
-    return not (torch.compiler.is_compiling() or _torch.transforms_active() or _torch.forward_ad_level() >= 0)
+    return not (_torch.compiling() or _torch.transforms_active() or _torch.forward_ad_level() >= 0)
 
 
 # ======================================================================================

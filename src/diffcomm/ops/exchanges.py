@@ -31,6 +31,7 @@ PG = Any  # resolved ProcessGroup (or None for the default group)
 class _SendRecv(CommOp):
     name = "sendrecv"
     family = "p2p"
+    order = 20
     dual = SELF
     shapes = (2, 3)  # the received shape and x's
     forward_text = "x to dst, src's x arrives"
@@ -125,6 +126,7 @@ def sendrecv(
 class _Shift(CommOp):
     name = "shift"
     family = "p2p"
+    order = 30
     dual = SELF
     elementwise = True  # a rank-wise permutation: the batch dim is just another dim
     forward_text = "x of rank r - offset (mod n)"
@@ -198,6 +200,7 @@ def shift(x: Tensor, offset: int = 1, group: A.GroupLike = None) -> Tensor:
 class _PPermute(CommOp):
     name = "ppermute"
     family = "p2p"
+    order = 40
     dual = SELF
     elementwise = True
     forward_text = "x of s for each (s, r) in perm; zeros if none"

@@ -32,6 +32,7 @@ from .validation import world as _world
 class _Gather(CommOp):
     name = "gather"
     family = "collective"
+    order = 40
     dims = (1,)
     forward_text = "concat on dst, zeros elsewhere"
     backward_text = "scatter from dst with the same split"
@@ -119,6 +120,7 @@ def gather(
 class _Scatter(CommOp):
     name = "scatter"
     family = "collective"
+    order = 41
     dual = _Gather
     dims = (1,)
     forward_text = "chunk r of src's x"

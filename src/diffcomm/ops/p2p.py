@@ -39,35 +39,23 @@ prune it and leave the sender waiting); double backward and forward mode through
 Where they live: ``send`` / ``recv`` (and the posted receives and the pipeline runner's
 private entries) in :mod:`diffcomm.ops.send_recv`; ``sendrecv`` / ``shift`` /
 ``ppermute`` in :mod:`diffcomm.ops.exchanges`. This module is their public home, with the
-registry's views of the ``"p2p"`` family.
+registry's views of the ``"p2p"`` family: it binds the public function of every op of the
+family (found by :mod:`diffcomm.ops.families`, in the registry's order; no file lists
+them), and an op a user's module defines later is an attribute here too.
 """
 
 from __future__ import annotations
 
-from .exchanges import ppermute, sendrecv, shift
+from . import families
 from .registry import DualsView, FamilyView, markdown
-from .send_recv import (
-    RecvHandle,
-    check_tag,
-    irecv,
-    irecv_fused,
-    is_send_node,
-    post_grad_recv,
-    recv,
-    send,
-    send_owned,
-)
+from .send_recv import RecvHandle, check_tag, irecv, irecv_fused, is_send_node, post_grad_recv, send_owned
 from .wire import MAX_NDIM, MAX_TAG, wait_sends
 
 __all__ = [
-    "send",
-    "recv",
+    *families.export("p2p", globals()),  # the ops: send, recv, sendrecv, shift, ppermute
     "irecv",
     "RecvHandle",
     "post_grad_recv",
-    "sendrecv",
-    "ppermute",
-    "shift",
     "wait_sends",
     "OPS",
     "DUALS",
@@ -94,3 +82,7 @@ DUALS = DualsView("p2p")
 def p2p_markdown() -> str:
     """The p2p op -> adjoint table as Markdown (the docs include this)."""
     return markdown("p2p")
+
+
+#: an op of the family a user's module defines later is an attribute too
+__getattr__ = families.late_ops("p2p", __name__)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .. import _config
 from .._errors import CrossRankMismatchError
+from .._torch import compiling
 from ..backend import args as A
 from .validation import PG
 from .validation import current_backend as _b
@@ -57,6 +58,13 @@ def unpack_like(xs: Sequence[Tensor], groups: list[list[int]], bufs: Sequence[Te
     """Outputs shaped like the inputs ``xs``: views of the buffers, detached (see
     :func:`unpack`)."""
     return unpack([x.shape for x in xs], groups, bufs)
+
+
+def packed(raw: Any, xs: Sequence[Tensor], *args: Any, **kwargs: Any) -> list[Tensor]:
+    """A raw coalesced op applied to ``xs``: packed into one buffer per dtype,
+    ``raw(buffers, *args, **kwargs)`` called once, split back into views shaped like ``xs``."""
+    groups = by_dtype(xs)
+    return unpack_like(xs, groups, raw(pack(xs, groups), *args, **kwargs))
 
 
 def unpack(shapes: Sequence[Sequence[int]], groups: list[list[int]], bufs: Sequence[Tensor]) -> list[Tensor]:
@@ -141,7 +149,7 @@ def debug_check(
     ``vary``: per tensor, the dimension whose size may differ between ranks (the gathered
     dim of ``all_gather_coalesced``); the other dims, the dtype and ``requires_grad`` must
     still agree."""
-    if not _config.DEBUG.get() or torch.compiler.is_compiling():
+    if not _config.DEBUG.get() or compiling():
         return
     b = _b()
     b.check_consistent(opname, {**fields, "length": len(ts)}, pg)

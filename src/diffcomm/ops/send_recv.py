@@ -64,6 +64,7 @@ class _Send(CommOp):
 
     name = "send"
     family = "p2p"
+    order = 10
     forward_text = "x travels to dst; a 0-dim token"
     backward_text = "token receives the gradient from dst"
     wire_transpose = True  # receives what the peer's recv transpose sends
@@ -226,6 +227,7 @@ class _Recv(CommOp):
 
     name = "recv"
     family = "p2p"
+    order = 11
     dual = _Send
     forward_text = "the tensor src sent"
     backward_text = "the gradient is sent to src"

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .. import _config, _torch
 from .. import backend as B
+from .._torch import compiling
 from ..backend import args as A
 from ..backend.sized_gather import exchange_first
 
@@ -26,20 +27,20 @@ PG = Any  # resolved ProcessGroup (or None for the default group)
 
 #: The backend adapter the raw ops run on now (see :func:`diffcomm.backend.get_backend`).
 current_backend = B.get_backend
-_tracing, _TC, _group_info = B.TRACING, B.TC, B.group_info
+_group_info = B.group_info
 
 
 def rank(pg: PG) -> int:
     """This process's rank in ``pg``: ``current_backend().rank(pg)``; eagerly, with the
     default adapter, read straight off the group record (two call frames fewer)."""
-    if _tracing() or _TC._is_compiling_flag or B.INSTALLED is not B.DEFAULT:
+    if compiling() or B.INSTALLED is not B.DEFAULT:
         return current_backend().rank(pg)
     return _group_info(pg).rank
 
 
 def world(pg: PG) -> int:
     """The size of ``pg``: ``current_backend().world_size(pg)``, read as :func:`rank`."""
-    if _tracing() or _TC._is_compiling_flag or B.INSTALLED is not B.DEFAULT:
+    if compiling() or B.INSTALLED is not B.DEFAULT:
         return current_backend().world_size(pg)
     return _group_info(pg).size
 
@@ -123,12 +124,11 @@ def gathered_split_sizes(x: Tensor, dim: int, pg: PG, async_op: bool) -> tuple[i
     if b.world_size(pg) == 1:
         return (x.shape[dim],)
     unsized = getattr(b, "all_gather_unsized", None)
-    if unsized is None or async_op or _compiling() or _transforms_active() or _fwad._current_level >= 0:
+    if unsized is None or async_op or compiling() or _transforms_active() or _fwad._current_level >= 0:
         return tuple(exchanged_split_sizes(x, dim, pg, "all_gather"))
     return Learned()
 
 
-_compiling = torch.compiler.is_compiling
 _transforms_active = _torch.transforms_active
 _fwad = torch.autograd.forward_ad
 
@@ -179,7 +179,7 @@ def _output_sizes(sizes: Sequence[int], size: int) -> list[int]:
 def all_to_all_received(ins: Sequence[int], pg: PG) -> list[int]:
     """The sizes every rank sends this one (an uneven ``all_to_all`` along one dim without
     ``output_split_sizes``): the send sizes exchanged as a tiny all_to_all."""
-    if torch.compiler.is_compiling():
+    if compiling():
         raise A.arg_error(
             "all_to_all",
             "output_split_sizes",

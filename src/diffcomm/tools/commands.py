@@ -24,40 +24,21 @@ from rich.table import Table
 # ranks, the registry's cases, user modules; bench: its table and plot), each a screen.
 
 C10D_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
-#: the built-in ops ``check`` covers, in its cases' order (the registry's families in
-#: order: collective, p2p, coalesced, mapping): a torch-free snapshot of the registry, so a
-#: bad ``--ops`` is refused at once without importing torch (tests/tools/test_cli.py keeps it
-#: equal to the registry's cases). With ``--module``, the names are read off the registry.
-CHECK_OPS = (
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "reduce_scatter",
-    "gather",
-    "scatter",
-    "all_to_all",
-    "send/recv",
-    "sendrecv",
-    "shift",
-    "ppermute",
-    "all_reduce_coalesced",
-    "broadcast_coalesced",
-    "reduce_coalesced",
-    "all_gather_coalesced",
-    "reduce_scatter_coalesced",
-    "copy_to_region",
-    "reduce_from_region",
-    "scatter_to_region",
-    "gather_from_region",
-    "scatter_to_sequence",
-    "gather_from_sequence",
-    "reduce_scatter_to_sequence",
-    "all_gather_from_sequence",
-    "all_to_all_region",
-)
 #: ``--ops`` names that select another's cases (send and recv are checked together)
 _CHECK_ALIASES = {"send": "send/recv", "recv": "send/recv"}
+
+
+def check_ops() -> list[str]:
+    """The built-in ops ``check`` covers, in its cases' order (family by family:
+    collective, p2p, coalesced, mapping), read from the op classes without importing torch
+    (:mod:`diffcomm.tools.op_names`), so ``--help`` lists them and a bad ``--ops`` is
+    refused at once. With ``--module``, the names are read off the registry."""
+    from diffcomm.tools.op_names import builtin_ops
+
+    names = [_CHECK_ALIASES.get(n, n) for ops in builtin_ops().values() for n in ops]
+    return list(dict.fromkeys(names))
+
+
 #: backends that communicate on a device, with the device kind (one device per rank)
 _DEVICE_BACKENDS = {"nccl": "CUDA", "xccl": "XPU"}
 
@@ -174,24 +155,56 @@ def check_backend_name(backend: str) -> None:
         raise UsageError(f"--backend: unknown backend {backend!r}{hint}; c10d backends: {names}")
 
 
-def check_configure(parser: argparse.ArgumentParser) -> None:
+def local_world_arguments(parser: argparse.ArgumentParser, default: list[int], world_help: str) -> None:
+    """The arguments of the local ranks a command starts (``check``, ``bench``): ``-n`` /
+    ``--world``, ``--backend``, ``--allow-oversubscribe``."""
     parser.add_argument(
-        "-n",
-        "--world",
-        type=int,
-        nargs="+",
-        default=[2, 3],
-        metavar="WORLD",
-        help="world size(s) to check on (default: 2 3; 3 catches even-split assumptions)",
+        "-n", "--world", type=int, nargs="+", default=default, metavar="WORLD", help=world_help
     )
     parser.add_argument("--backend", default="gloo", help="c10d backend of the local ranks (default gloo)")
+    parser.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="start a world larger than this machine can hold (more than 8 ranks per core or "
+        "more estimated memory than available) instead of refusing it",
+    )
+
+
+def local_world(args: argparse.Namespace, world: int, timeout: float) -> Any:
+    """The :class:`~diffcomm.LocalWorld` of ``world`` ranks a command runs on (its
+    ``--backend`` and ``--allow-oversubscribe``; no progress line of its own: the command
+    prints what happens)."""
+    from diffcomm.runtime.world import LocalWorld
+
+    over = args.allow_oversubscribe or None
+    return LocalWorld(world, backend=args.backend, timeout=timeout, allow_oversubscribe=over, progress=False)
+
+
+def world_progress(world: int, console: Console, quiet: bool, *columns: Any) -> Progress:
+    """The transient progress bar of a command's run on one world (hidden when ``quiet``)."""
+    return Progress(
+        TextColumn(f"world {world}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        *columns,
+        console=console,
+        transient=True,
+        disable=quiet,
+    )
+
+
+def check_configure(parser: argparse.ArgumentParser) -> None:
+    local_world_arguments(
+        parser, [2, 3], "world size(s) to check on (default: 2 3; 3 catches even-split assumptions)"
+    )
     parser.add_argument(
         "--ops",
         nargs="+",
         default=None,
         metavar="OP",
         help="only these ops (default: all of them; e.g. all_gather send shift copy_to_region): "
-        + ", ".join(CHECK_OPS),
+        + ", ".join(check_ops()),
     )
     parser.add_argument(
         "--module",
@@ -208,12 +221,6 @@ def check_configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --json: include every rank's flight recorder (its last communications) per world",
     )
-    parser.add_argument(
-        "--allow-oversubscribe",
-        action="store_true",
-        help="start a world larger than this machine can hold (more than 8 ranks per core or "
-        "more estimated memory than available) instead of refusing it",
-    )
 
 
 def _flight_snapshot() -> dict[str, Any]:
@@ -228,11 +235,11 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
     check_worlds(args.world)
     modules = list(args.module or [])
     if args.ops is not None and not modules:
-        if err := unknown_name_error("--ops", args.ops, [*CHECK_OPS, *_CHECK_ALIASES]):
+        if err := unknown_name_error("--ops", args.ops, [*check_ops(), *_CHECK_ALIASES]):
             raise err
     check_backend_name(args.backend)
 
-    from diffcomm.runtime.world import LocalWorld, check_world_fits
+    from diffcomm.runtime.world import check_world_fits
 
     names = []
     for m in modules:
@@ -265,23 +272,8 @@ def check_run(args: argparse.Namespace, console: Console) -> int:
             raise UsageError(f"--ops: no cases for {' '.join(args.ops or [])} on world {w}")
         if not args.json:
             console.print(f"starting {w} local ranks (each imports torch: seconds) ...")
-        with LocalWorld(
-            w,
-            backend=args.backend,
-            timeout=300,
-            allow_oversubscribe=args.allow_oversubscribe or None,
-            progress=False,  # this command's own line above says what happens
-        ) as world:
-            with Progress(
-                TextColumn(f"world {w}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.description}"),
-                TimeElapsedColumn(),
-                console=console,
-                transient=True,
-                disable=args.json,
-            ) as bar:
+        with local_world(args, w, 300) as world:
+            with world_progress(w, console, args.json, TimeElapsedColumn()) as bar:
                 task = bar.add_task("", total=len(cases))
                 for case in cases:
                     bar.update(task, description=f"{case.op} {case.label()}")
@@ -393,10 +385,7 @@ def _table(rows: list[dict[str, Any]], world: int, backend: str) -> Table:
 def bench_configure(parser: argparse.ArgumentParser) -> None:
     from diffcomm.tools.bench import BENCH_OPS, DEFAULT_SIZES, size_label
 
-    parser.add_argument(
-        "-n", "--world", type=int, nargs="+", default=[2], metavar="WORLD", help="world size(s) (default 2)"
-    )
-    parser.add_argument("--backend", default="gloo")
+    local_world_arguments(parser, [2], "world size(s) (default 2)")
     parser.add_argument(
         "--ops",
         nargs="+",
@@ -438,11 +427,6 @@ def bench_configure(parser: argparse.ArgumentParser) -> None:
         "each vs a loop of single calls vs one flat call (see diffcomm.tools.bench_coalesced)",
     )
     parser.add_argument("--tensors", type=int, default=256, help="with --coalesced: tensors (default 256)")
-    parser.add_argument(
-        "--allow-oversubscribe",
-        action="store_true",
-        help="start a world larger than this machine can hold instead of refusing it",
-    )
     parser.add_argument(
         "--tensor-bytes", type=int, default=4096, help="with --coalesced: bytes per tensor (default 4096)"
     )
@@ -546,28 +530,14 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
         if missing:
             raise UsageError(f"--plot: {missing}")
     check_backend(args.backend, args.world)
-    from diffcomm.runtime.world import LocalWorld, check_world_fits
+    from diffcomm.runtime.world import check_world_fits
 
     if not args.allow_oversubscribe:
         check_world_fits(max(args.world), override="--allow-oversubscribe")
     rows = []
     for w in args.world:
-        with LocalWorld(
-            w,
-            backend=args.backend,
-            timeout=600,
-            progress=False,
-            allow_oversubscribe=args.allow_oversubscribe or None,
-        ) as world:
-            with Progress(
-                TextColumn(f"world {w}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.description}"),
-                console=console,
-                transient=True,
-                disable=args.json,
-            ) as bar:
+        with local_world(args, w, 600) as world:
+            with world_progress(w, console, args.json) as bar:
                 task = bar.add_task("", total=len(args.ops) * len(sizes))
 
                 def progress(what: str, bar: Progress = bar, task: Any = task) -> None:
