@@ -43,6 +43,20 @@ def outcomes(calls: dict[str, Callable[[], object]], error: type[BaseException])
     return out
 
 
+def fullgraph_error(fn: Callable[..., object], *args: object) -> str:
+    """The message of the ``torch._dynamo.exc.Unsupported`` that compiling ``fn`` with
+    ``fullgraph=True`` (backend ``"eager"``, after a dynamo reset) and calling it on
+    ``args`` raises, or ``"compiled without error"``."""
+    import torch
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, fullgraph=True, backend="eager")(*args)
+    except torch._dynamo.exc.Unsupported as err:
+        return str(err)
+    return "compiled without error"
+
+
 def check_in_batches(
     world: Any, cases: st.SearchStrategy[T], assert_ok: Callable[[Any, list[T]], None], max_examples: int
 ) -> None:

@@ -49,54 +49,52 @@ def _delay_engine(seconds: float) -> None:
 # ------------------------------------------------------------------ values and gradients
 
 
-def _chain_rank() -> dict[str, bool]:
-    r = dc.get_rank()
-    g = torch.Generator().manual_seed(10 + r)
-    x0 = torch.randn(4, 3, dtype=torch.float64, generator=g)
-    w = torch.randn(4 * dc.get_world_size(), 3, dtype=torch.float64, generator=g)
-
-    def model(x: torch.Tensor, ar, ag) -> torch.Tensor:
-        y = ar(x * 2.0)
-        z = ag(y.sin())
-        return (z * w).sum() + ar(z).square().sum()
-
-    xa = x0.clone().requires_grad_()
-    loss_a = model(xa, _ar, _ag)
-    loss_a.backward()
-    xb = x0.clone().requires_grad_()
-    loss_b = model(xb, lambda t: dc.all_reduce(t), lambda t: dc.all_gather(t))
-    loss_b.backward()
-    return {
-        "loss": torch.equal(loss_a, loss_b),
-        "grad": torch.equal(xa.grad, xb.grad),
-        "plain_grad": type(xa.grad) is torch.Tensor,
-    }
-
-
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_async_values_and_gradients_equal_blocking(local_worlds, n) -> None:
-    for res in local_worlds(n).run(_chain_rank):
+    def chain_rank() -> dict[str, bool]:
+        r = dc.get_rank()
+        g = torch.Generator().manual_seed(10 + r)
+        x0 = torch.randn(4, 3, dtype=torch.float64, generator=g)
+        w = torch.randn(4 * dc.get_world_size(), 3, dtype=torch.float64, generator=g)
+
+        def model(x: torch.Tensor, ar, ag) -> torch.Tensor:
+            y = ar(x * 2.0)
+            z = ag(y.sin())
+            return (z * w).sum() + ar(z).square().sum()
+
+        xa = x0.clone().requires_grad_()
+        loss_a = model(xa, _ar, _ag)
+        loss_a.backward()
+        xb = x0.clone().requires_grad_()
+        loss_b = model(xb, lambda t: dc.all_reduce(t), lambda t: dc.all_gather(t))
+        loss_b.backward()
+        return {
+            "loss": torch.equal(loss_a, loss_b),
+            "grad": torch.equal(xa.grad, xb.grad),
+            "plain_grad": type(xa.grad) is torch.Tensor,
+        }
+
+    for res in local_worlds(n).run(chain_rank):
         assert res == {"loss": True, "grad": True, "plain_grad": True}
 
 
-def _wait_rank() -> dict[str, object]:
-    x = torch.full((3,), 1.0 + dc.get_rank(), dtype=torch.float64, requires_grad=True)
-    y = _ar(x)
-    w = y.wait()
-    (w * torch.arange(3.0, dtype=torch.float64)).sum().backward()
-    n = dc.get_world_size()
-    return {
-        "type": type(y).__name__,
-        "wait_type": type(w).__name__,
-        "value": w.tolist() == [n * (n + 1) / 2] * 3,
-        "grad": x.grad.tolist() == [0.0, float(n), 2.0 * n],
-        "done": y.done(),
-        "meta": (tuple(y.shape), y.dtype),
-    }
-
-
 def test_wait_returns_plain_tensor_connected_to_autograd(world2) -> None:
-    for res in world2.run(_wait_rank):
+    def wait_rank() -> dict[str, object]:
+        x = torch.full((3,), 1.0 + dc.get_rank(), dtype=torch.float64, requires_grad=True)
+        y = _ar(x)
+        w = y.wait()
+        (w * torch.arange(3.0, dtype=torch.float64)).sum().backward()
+        n = dc.get_world_size()
+        return {
+            "type": type(y).__name__,
+            "wait_type": type(w).__name__,
+            "value": w.tolist() == [n * (n + 1) / 2] * 3,
+            "grad": x.grad.tolist() == [0.0, float(n), 2.0 * n],
+            "done": y.done(),
+            "meta": (tuple(y.shape), y.dtype),
+        }
+
+    for res in world2.run(wait_rank):
         assert res == {
             "type": "AsyncTensor",
             "wait_type": "Tensor",
@@ -110,63 +108,52 @@ def test_wait_returns_plain_tensor_connected_to_autograd(world2) -> None:
 # ------------------------------------------------------------------ the ordering rules
 
 
-def _wait_order_rank() -> list[bool]:
-    """Launch three different ops in the same order everywhere; wait in a rank-dependent
-    order. An implementation that communicated at wait time (lazily) would pair rank 0's
-    all_reduce with rank 1's all_gather here: a deadlock or garbage."""
-    r, n = dc.get_rank(), dc.get_world_size()
-    a = _ar(torch.full((5,), float(r), dtype=torch.float64))
-    b = _ag(torch.full((2, 3), float(r), dtype=torch.float64))
-    c = _ar(torch.full((7,), 1.0, dtype=torch.float64))
-    handles = [a, b, c] if r % 2 == 0 else [c, b, a]
-    got = [h.wait() for h in handles]
-    if r % 2:
-        got = got[::-1]
-    expect_b = torch.cat([torch.full((2, 3), float(j), dtype=torch.float64) for j in range(n)])
-    return [
-        torch.equal(got[0], torch.full((5,), float(sum(range(n))), dtype=torch.float64)),
-        torch.equal(got[1], expect_b),
-        torch.equal(got[2], torch.full((7,), float(n), dtype=torch.float64)),
-    ]
-
-
 @pytest.mark.parametrize("n", [2, 3])
 def test_wait_order_is_free(local_worlds, n) -> None:
-    assert local_worlds(n).run(_wait_order_rank) == [[True, True, True]] * n
+    def wait_order_rank() -> list[bool]:
+        """Launch three different ops in the same order everywhere; wait in a rank-dependent
+        order. An implementation that communicated at wait time (lazily) would pair rank 0's
+        all_reduce with rank 1's all_gather here: a deadlock or garbage."""
+        r, n = dc.get_rank(), dc.get_world_size()
+        a = _ar(torch.full((5,), float(r), dtype=torch.float64))
+        b = _ag(torch.full((2, 3), float(r), dtype=torch.float64))
+        c = _ar(torch.full((7,), 1.0, dtype=torch.float64))
+        handles = [a, b, c] if r % 2 == 0 else [c, b, a]
+        got = [h.wait() for h in handles]
+        if r % 2:
+            got = got[::-1]
+        expect_b = torch.cat([torch.full((2, 3), float(j), dtype=torch.float64) for j in range(n)])
+        return [
+            torch.equal(got[0], torch.full((5,), float(sum(range(n))), dtype=torch.float64)),
+            torch.equal(got[1], expect_b),
+            torch.equal(got[2], torch.full((7,), float(n), dtype=torch.float64)),
+        ]
 
-
-def _blocking_behind_async_rank() -> list[bool]:
-    """Rank 0's engine is held up, so its async op is still queued when its main thread
-    issues a blocking op of another shape, while the other ranks' engines have already
-    issued theirs. Were the blocking op to overtake the queued one, rank 0's [6]-all_reduce
-    would meet rank 1's [4]-all_reduce: an error, a deadlock or garbage."""
-    r, n = dc.get_rank(), dc.get_world_size()
-    if r == 0:
-        _delay_engine(0.3)
-    a = _ar(torch.full((4,), 1.0, dtype=torch.float64))
-    pending = not a.done()
-    if r != 0:
-        time.sleep(0.1)  # let this rank's engine issue the all_reduce before the blocking op
-    b = dc.all_reduce(torch.full((6,), 2.0, dtype=torch.float64))  # blocking
-    return [
-        pending or r != 0,
-        torch.equal(b, torch.full((6,), 2.0 * n, dtype=torch.float64)),
-        torch.equal(a.wait(), torch.full((4,), float(n), dtype=torch.float64)),
-        not X.engine_busy(),
-    ]
+    assert local_worlds(n).run(wait_order_rank) == [[True, True, True]] * n
 
 
 def test_blocking_op_queues_behind_pending_async_ops(world2) -> None:
-    assert world2.run(_blocking_behind_async_rank) == [[True] * 4] * 2
+    def blocking_behind_async_rank() -> list[bool]:
+        """Rank 0's engine is held up, so its async op is still queued when its main thread
+        issues a blocking op of another shape, while the other ranks' engines have already
+        issued theirs. Were the blocking op to overtake the queued one, rank 0's [6]-all_reduce
+        would meet rank 1's [4]-all_reduce: an error, a deadlock or garbage."""
+        r, n = dc.get_rank(), dc.get_world_size()
+        if r == 0:
+            _delay_engine(0.3)
+        a = _ar(torch.full((4,), 1.0, dtype=torch.float64))
+        pending = not a.done()
+        if r != 0:
+            time.sleep(0.1)  # let this rank's engine issue the all_reduce before the blocking op
+        b = dc.all_reduce(torch.full((6,), 2.0, dtype=torch.float64))  # blocking
+        return [
+            pending or r != 0,
+            torch.equal(b, torch.full((6,), 2.0 * n, dtype=torch.float64)),
+            torch.equal(a.wait(), torch.full((4,), float(n), dtype=torch.float64)),
+            not X.engine_busy(),
+        ]
 
-
-def _mismatched_launch_order_rank() -> None:
-    r = dc.get_rank()
-    first = torch.ones(4) if r == 0 else torch.ones(2, 9)
-    a = _ar(first) if r == 0 else _ag(first)
-    b = _ag(torch.ones(2, 9)) if r == 0 else _ar(torch.ones(4))
-    a.wait()
-    b.wait()
+    assert world2.run(blocking_behind_async_rank) == [[True] * 4] * 2
 
 
 def test_launch_order_differing_between_ranks_ends_in_an_error_not_a_hang() -> None:
@@ -174,10 +161,19 @@ def test_launch_order_differing_between_ranks_ends_in_an_error_not_a_hang() -> N
     other way round. The engine does not reorder, so this desyncs like the same blocking
     program would — and ends in diffcomm's timeout error naming the ops, within the
     collective timeout, instead of hanging."""
+
+    def mismatched_launch_order_rank() -> None:
+        r = dc.get_rank()
+        first = torch.ones(4) if r == 0 else torch.ones(2, 9)
+        a = _ar(first) if r == 0 else _ag(first)
+        b = _ag(torch.ones(2, 9)) if r == 0 else _ar(torch.ones(4))
+        a.wait()
+        b.wait()
+
     with LocalWorld(2, timeout=60, collective_timeout=2.0) as world:
         start = time.perf_counter()
         with pytest.raises(dc.RankError) as info:
-            world.run(_mismatched_launch_order_rank)
+            world.run(mismatched_launch_order_rank)
         seconds = time.perf_counter() - start
     assert seconds < 30, f"the error came after {seconds:.0f} s (collective timeout 2 s)"
     text = str(info.value)
@@ -187,88 +183,84 @@ def test_launch_order_differing_between_ranks_ends_in_an_error_not_a_hang() -> N
 # ------------------------------------------------------------------ no early reads
 
 
-def _early_read_rank() -> dict[str, bool]:
-    """Rank 1 joins the communication 0.4 s late, so on rank 0 the gradient (an async
-    all_reduce launched by backward) is still in flight when autograd.grad returns. The
-    read must wait: reading the buffer early would see uninitialised memory."""
-    r, n = dc.get_rank(), dc.get_world_size()
-    x = torch.linspace(1.0, 2.0, 1000, dtype=torch.float64).requires_grad_()
-    y = _ar(x)
-    y.wait()  # forward done on every rank
-    if r == 1:
-        _delay_engine(0.4)
-    w = torch.arange(1000, dtype=torch.float64) + r
-    (gx,) = torch.autograd.grad((y * w).sum(), x)
-    in_flight = isinstance(gx, X.AsyncTensor) and not gx.done()
-    expected = sum(torch.arange(1000, dtype=torch.float64) + j for j in range(n))
-    ok_grad = torch.equal(gx, expected)
-    # the same through .backward() and a leaf's .grad
-    if r == 1:
-        _delay_engine(0.4)
-    x.grad = None
-    y2 = _ar(x)
-    (y2 * w).sum().backward()
-    return {
-        "in_flight_on_rank0": in_flight or r != 0,
-        "grad": ok_grad,
-        "leaf_grad": torch.equal(x.grad, expected),
-    }
-
-
 def test_a_gradient_is_never_read_before_its_communication_completed(world2) -> None:
-    for res in world2.run(_early_read_rank):
+    def early_read_rank() -> dict[str, bool]:
+        """Rank 1 joins the communication 0.4 s late, so on rank 0 the gradient (an async
+        all_reduce launched by backward) is still in flight when autograd.grad returns. The
+        read must wait: reading the buffer early would see uninitialised memory."""
+        r, n = dc.get_rank(), dc.get_world_size()
+        x = torch.linspace(1.0, 2.0, 1000, dtype=torch.float64).requires_grad_()
+        y = _ar(x)
+        y.wait()  # forward done on every rank
+        if r == 1:
+            _delay_engine(0.4)
+        w = torch.arange(1000, dtype=torch.float64) + r
+        (gx,) = torch.autograd.grad((y * w).sum(), x)
+        in_flight = isinstance(gx, X.AsyncTensor) and not gx.done()
+        expected = sum(torch.arange(1000, dtype=torch.float64) + j for j in range(n))
+        ok_grad = torch.equal(gx, expected)
+        # the same through .backward() and a leaf's .grad
+        if r == 1:
+            _delay_engine(0.4)
+        x.grad = None
+        y2 = _ar(x)
+        (y2 * w).sum().backward()
+        return {
+            "in_flight_on_rank0": in_flight or r != 0,
+            "grad": ok_grad,
+            "leaf_grad": torch.equal(x.grad, expected),
+        }
+
+    for res in world2.run(early_read_rank):
         assert res == {"in_flight_on_rank0": True, "grad": True, "leaf_grad": True}
 
 
-def _modified_input_rank() -> str:
-    if dc.get_rank() == 0:
-        _delay_engine(0.2)
-    x = torch.ones(3)
-    y = _ar(x)
-    x.add_(1.0)  # before rank 0's engine read it
-    try:
-        y.wait()
-    except RuntimeError as err:
-        # keep the ranks in step: the peer's all_reduce still needs a partner
-        dc.all_reduce(torch.ones(3))
-        return str(err)
-    return "no error"
-
-
 def test_input_modified_in_place_before_the_launch_ran_is_an_error(world2) -> None:
-    out = world2.run(_modified_input_rank)
+    def modified_input_rank() -> str:
+        if dc.get_rank() == 0:
+            _delay_engine(0.2)
+        x = torch.ones(3)
+        y = _ar(x)
+        x.add_(1.0)  # before rank 0's engine read it
+        try:
+            y.wait()
+        except RuntimeError as err:
+            # keep the ranks in step: the peer's all_reduce still needs a partner
+            dc.all_reduce(torch.ones(3))
+            return str(err)
+        return "no error"
+
+    out = world2.run(modified_input_rank)
     assert "modified in place after the op was launched" in out[0]
 
 
-def _misc_rank() -> dict[str, object]:
-    y = _ar(torch.ones(2, 3))
-    import pickle
-
-    back = pickle.loads(pickle.dumps(y))
-    return {
-        "pickle": type(back).__name__,
-        "repr": repr(y).startswith("AsyncTensor(tensor("),
-        "wait_plain": type(X.wait(torch.ones(1))).__name__,
-        "logged": None,
-    }
-
-
 def test_pickle_and_repr_wait(world2) -> None:
-    for res in world2.run(_misc_rank):
+    def misc_rank() -> dict[str, object]:
+        y = _ar(torch.ones(2, 3))
+        import pickle
+
+        back = pickle.loads(pickle.dumps(y))
+        return {
+            "pickle": type(back).__name__,
+            "repr": repr(y).startswith("AsyncTensor(tensor("),
+            "wait_plain": type(X.wait(torch.ones(1))).__name__,
+            "logged": None,
+        }
+
+    for res in world2.run(misc_rank):
         assert res["pickle"] == "Tensor" and res["repr"] and res["wait_plain"] == "Tensor"
 
 
-def _logged_rank() -> tuple[int, int, list[str]]:
-    with B.log_comms() as log, B.record_spans() as spans:
-        y = _ar(torch.ones(8))
-        y.wait()
-        dc.all_reduce(torch.ones(8))
-    comm = [s for s in spans if s[0] != "wait"]  # (a wait for y is recorded if y was not done)
-    threads = sorted({s[2] for s in comm})
-    return log.count("all_reduce"), len(comm), threads
-
-
 def test_engine_jobs_are_logged_and_recorded_with_their_thread(world2) -> None:
-    for count, n_spans, threads in world2.run(_logged_rank):
+    def logged_rank() -> tuple[int, int, list[str]]:
+        with B.log_comms() as log, B.record_spans() as spans:
+            y = _ar(torch.ones(8))
+            y.wait()
+            dc.all_reduce(torch.ones(8))
+        comm = [s for s in spans if s[0] != "wait"]  # (a wait for y is recorded if y was not done)
+        threads = sorted({s[2] for s in comm})
+        return log.count("all_reduce"), len(comm), threads
+
+    for count, n_spans, threads in world2.run(logged_rank):
         assert count == 2 and n_spans == 2
         assert "diffcomm-comm" in threads

@@ -69,23 +69,6 @@ def _grads(fn, x0: torch.Tensor, async_op: bool) -> tuple[torch.Tensor, torch.Te
     return y.detach(), gx.detach(), ggx, kind, gkind
 
 
-def _ops_rank() -> dict[str, dict[str, object]]:
-    r, n = dc.get_rank(), dc.get_world_size()
-    x0 = torch.randn(2 * n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
-    out = {}
-    for name, fn in CASES.items():
-        yb, gb, ggb, _, _ = _grads(fn, x0, False)
-        ya, ga, gga, kind, gkind = _grads(fn, x0, True)
-        out[name] = {
-            "value": torch.equal(yb, ya),
-            "grad": torch.equal(gb, ga),
-            "double": torch.equal(ggb, gga),
-            "async": kind == "AsyncTensor",
-            "async_grad": gkind == "AsyncTensor",
-        }
-    return out
-
-
 def _every_rank(world: dc.LocalWorld, rank_fn: Callable[[], dict[str, dict]]) -> list[tuple[str, dict]]:
     """``(op name, result)`` for every op of ``rank_fn``'s table, on every rank."""
     return [(name, r) for res in world.run(rank_fn) for name, r in res.items()]
@@ -93,7 +76,23 @@ def _every_rank(world: dc.LocalWorld, rank_fn: Callable[[], dict[str, dict]]) ->
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_async_op_values_and_gradients_equal_blocking(local_worlds, n) -> None:
-    for name, r in _every_rank(local_worlds(n), _ops_rank):
+    def ops_rank() -> dict[str, dict[str, object]]:
+        r, n = dc.get_rank(), dc.get_world_size()
+        x0 = torch.randn(2 * n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
+        out = {}
+        for name, fn in CASES.items():
+            yb, gb, ggb, _, _ = _grads(fn, x0, False)
+            ya, ga, gga, kind, gkind = _grads(fn, x0, True)
+            out[name] = {
+                "value": torch.equal(yb, ya),
+                "grad": torch.equal(gb, ga),
+                "double": torch.equal(ggb, gga),
+                "async": kind == "AsyncTensor",
+                "async_grad": gkind == "AsyncTensor",
+            }
+        return out
+
+    for name, r in _every_rank(local_worlds(n), ops_rank):
         assert r["value"] and r["grad"] and r["double"], (name, r)
         assert r["async"] == (name not in FINISHED_RESULT), (name, r)
         assert r["async_grad"] == (name in ASYNC_BACKWARD), (name, r)
@@ -109,74 +108,76 @@ COALESCED = {
 }
 
 
-def _coalesced_rank() -> dict[str, dict[str, object]]:
-    r, n = dc.get_rank(), dc.get_world_size()
-    g = torch.Generator().manual_seed(r)
-    base = [
-        torch.randn(2 * n, 3, dtype=torch.float64, generator=g),
-        torch.randn(n, dtype=torch.float32, generator=g),
-        torch.arange(2 * n) + r,  # integer: forward only
-    ]
-    out = {}
-    for name, fn in COALESCED.items():
-        res = []
-        for a in (False, True):
-            ts = [t.clone().requires_grad_(t.is_floating_point()) for t in base]
-            ys = fn(ts, a)
-            kinds = {type(y).__name__ for y in ys}
-            loss = sum((y * (1.0 + i)).sum() for i, y in enumerate(ys[:2]))
-            gs = torch.autograd.grad(loss, ts[:2])
-            res.append(
-                ([y.detach() for y in ys], [g.detach() for g in gs], kinds, {type(g).__name__ for g in gs})
-            )
-        (yb, gb, _, _), (ya, ga, kinds, gkinds) = res
-        out[name] = {
-            "value": all(torch.equal(u, v) for u, v in zip(yb, ya)),
-            "grad": all(torch.equal(u, v) for u, v in zip(gb, ga)),
-            "async": kinds == {"AsyncTensor"},
-            "async_grad": gkinds,
-        }
-    return out
-
-
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_async_coalesced_values_and_gradients_equal_blocking(local_worlds, n) -> None:
-    for name, r in _every_rank(local_worlds(n), _coalesced_rank):
+    def coalesced_rank() -> dict[str, dict[str, object]]:
+        r, n = dc.get_rank(), dc.get_world_size()
+        g = torch.Generator().manual_seed(r)
+        base = [
+            torch.randn(2 * n, 3, dtype=torch.float64, generator=g),
+            torch.randn(n, dtype=torch.float32, generator=g),
+            torch.arange(2 * n) + r,  # integer: forward only
+        ]
+        out = {}
+        for name, fn in COALESCED.items():
+            res = []
+            for a in (False, True):
+                ts = [t.clone().requires_grad_(t.is_floating_point()) for t in base]
+                ys = fn(ts, a)
+                kinds = {type(y).__name__ for y in ys}
+                loss = sum((y * (1.0 + i)).sum() for i, y in enumerate(ys[:2]))
+                gs = torch.autograd.grad(loss, ts[:2])
+                res.append(
+                    (
+                        [y.detach() for y in ys],
+                        [g.detach() for g in gs],
+                        kinds,
+                        {type(g).__name__ for g in gs},
+                    )
+                )
+            (yb, gb, _, _), (ya, ga, kinds, gkinds) = res
+            out[name] = {
+                "value": all(torch.equal(u, v) for u, v in zip(yb, ya)),
+                "grad": all(torch.equal(u, v) for u, v in zip(gb, ga)),
+                "async": kinds == {"AsyncTensor"},
+                "async_grad": gkinds,
+            }
+        return out
+
+    for name, r in _every_rank(local_worlds(n), coalesced_rank):
         assert r["value"] and r["grad"] and r["async"], (name, r)
         if "max" not in name:  # max/min/product: the weight multiplies (and waits)
             assert r["async_grad"] == {"AsyncTensor"}, (name, r)
 
 
-def _transforms_rank() -> dict[str, object]:
-    """Under torch.func the asynchronous ops run blocking (plain tensors, same values)."""
-    x = torch.arange(3.0, dtype=torch.float64) + dc.get_rank()
-
-    def f(t: torch.Tensor) -> torch.Tensor:
-        y = dc.all_gather(t, async_op=True)
-        return (y * y).sum()
-
-    g_async = torch.func.grad(f)(x)
-    g_block = torch.func.grad(lambda t: (dc.all_gather(t) ** 2).sum())(x)
-    batched = torch.func.vmap(lambda t: dc.all_reduce(t, async_op=True))(torch.ones(4, 2))
-    return {
-        "grad": torch.equal(g_async, g_block),
-        "vmap": torch.equal(batched, torch.full((4, 2), float(dc.get_world_size()))),
-        "type": type(batched).__name__,
-    }
-
-
 def test_async_op_under_torch_func_runs_blocking(world2) -> None:
-    for res in world2.run(_transforms_rank):
+    def transforms_rank() -> dict[str, object]:
+        """Under torch.func the asynchronous ops run blocking (plain tensors, same values)."""
+        x = torch.arange(3.0, dtype=torch.float64) + dc.get_rank()
+
+        def f(t: torch.Tensor) -> torch.Tensor:
+            y = dc.all_gather(t, async_op=True)
+            return (y * y).sum()
+
+        g_async = torch.func.grad(f)(x)
+        g_block = torch.func.grad(lambda t: (dc.all_gather(t) ** 2).sum())(x)
+        batched = torch.func.vmap(lambda t: dc.all_reduce(t, async_op=True))(torch.ones(4, 2))
+        return {
+            "grad": torch.equal(g_async, g_block),
+            "vmap": torch.equal(batched, torch.full((4, 2), float(dc.get_world_size()))),
+            "type": type(batched).__name__,
+        }
+
+    for res in world2.run(transforms_rank):
         assert res == {"grad": True, "vmap": True, "type": "Tensor"}
 
 
-def _no_grad_rank() -> list[bool]:
-    x = torch.ones(4, requires_grad=True)
-    with torch.no_grad():
-        y = dc.all_reduce(x, async_op=True)
-    z = dc.broadcast(torch.ones(2), async_op=True)  # no grad needed
-    return [type(y).__name__ == "AsyncTensor", not y.requires_grad, torch.equal(z.wait(), torch.ones(2))]
-
-
 def test_async_op_without_autograd(world2) -> None:
-    assert world2.run(_no_grad_rank) == [[True, True, True]] * 2
+    def no_grad_rank() -> list[bool]:
+        x = torch.ones(4, requires_grad=True)
+        with torch.no_grad():
+            y = dc.all_reduce(x, async_op=True)
+        z = dc.broadcast(torch.ones(2), async_op=True)  # no grad needed
+        return [type(y).__name__ == "AsyncTensor", not y.requires_grad, torch.equal(z.wait(), torch.ones(2))]
+
+    assert world2.run(no_grad_rank) == [[True, True, True]] * 2

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -47,18 +48,19 @@ COALESCED = {
 # --------------------------------------------------------------------------------------
 
 
-def _run_cases(cases: list[CoalescedCase]) -> list[str]:
-    out = []
-    for c in cases:
-        r = run_coalesced_case(c)
-        # integer-valued data: outputs must match the single ops bit for bit
-        if not r.ok or r.forward_err != 0.0:
-            out.append(f"{c.op} {c.kwargs} {c.specs}: {r.as_dict()}")
-    return out
-
-
 def _assert_cases(world: dc.LocalWorld, cases: list[CoalescedCase]) -> None:
-    per_rank = world.run(_run_cases, cases)
+    """Run ``cases`` on every rank of ``world`` (the property tests and the standard cases)."""
+
+    def run_cases(cases: list[CoalescedCase]) -> list[str]:
+        out = []
+        for c in cases:
+            r = run_coalesced_case(c)
+            # integer-valued data: outputs must match the single ops bit for bit
+            if not r.ok or r.forward_err != 0.0:
+                out.append(f"{c.op} {c.kwargs} {c.specs}: {r.as_dict()}")
+        return out
+
+    per_rank = world.run(run_cases, cases)
     bad = [(r, f) for r, fs in enumerate(per_rank) for f in fs]
     assert not bad, "\n".join(f"rank {r}: {f}" for r, f in bad[:6])
 
@@ -175,34 +177,6 @@ def _gloo_calls(prof: Any) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("gloo:"))
 
 
-def _count_comms(op: str, kw: dict[str, Any]) -> dict[str, Any]:
-    from torch.profiler import ProfilerActivity, profile
-
-    w = dc.get_world_size()
-    third = torch.float16 if kw.get("op") == "avg" else torch.int64  # avg takes no integers
-    xs = [
-        torch.randn(w * 2, 3, dtype=torch.float32, requires_grad=True),
-        torch.randn(w, dtype=torch.float64, requires_grad=True),
-        torch.randn(w * 3, 2, dtype=torch.float32),  # no grad: still part of the backward buffer
-        torch.arange(w * 4).to(third),  # integer: forward only; float16 without grad: zeros
-        torch.randn(w, 5, dtype=torch.float64, requires_grad=True),
-        torch.randn(0, 2, dtype=torch.float32, requires_grad=True),
-    ]
-    COALESCED[op](xs, **kw)  # all_gather: the group learns this list's sizes (see below)
-    with B.log_comms() as fwd_log, profile(activities=[ProfilerActivity.CPU]) as fwd_prof:
-        out = COALESCED[op](xs, **kw)
-    with B.log_comms() as bwd_log, profile(activities=[ProfilerActivity.CPU]) as bwd_prof:
-        sum(o.sum() for o in out if o.requires_grad).backward()
-    return {
-        "fwd_records": [(r.op, r.parts, r.nbytes) for r in fwd_log.records],
-        "bwd_records": [(r.op, r.parts, r.nbytes) for r in bwd_log.records],
-        "fwd_gloo": _gloo_calls(fwd_prof),
-        "bwd_gloo": _gloo_calls(bwd_prof),
-        "payload": sum(x.numel() * x.element_size() for x in xs),
-        "grad_payload": sum(x.numel() * x.element_size() for x in xs if x.is_floating_point()),
-    }
-
-
 BWD_NAME = {
     "all_reduce": "all_reduce",
     "broadcast": "reduce",
@@ -224,7 +198,34 @@ BWD_NAME = {
     ],
 )
 def test_one_communication_per_dtype_forward_and_backward(local_worlds, op, kw, world_size) -> None:
-    for rec in local_worlds(world_size).run(_count_comms, op, kw):
+    def count_comms(op: str, kw: dict[str, Any]) -> dict[str, Any]:
+        from torch.profiler import ProfilerActivity, profile
+
+        w = dc.get_world_size()
+        third = torch.float16 if kw.get("op") == "avg" else torch.int64  # avg takes no integers
+        xs = [
+            torch.randn(w * 2, 3, dtype=torch.float32, requires_grad=True),
+            torch.randn(w, dtype=torch.float64, requires_grad=True),
+            torch.randn(w * 3, 2, dtype=torch.float32),  # no grad: still part of the backward buffer
+            torch.arange(w * 4).to(third),  # integer: forward only; float16 without grad: zeros
+            torch.randn(w, 5, dtype=torch.float64, requires_grad=True),
+            torch.randn(0, 2, dtype=torch.float32, requires_grad=True),
+        ]
+        COALESCED[op](xs, **kw)  # all_gather: the group learns this list's sizes (see below)
+        with B.log_comms() as fwd_log, profile(activities=[ProfilerActivity.CPU]) as fwd_prof:
+            out = COALESCED[op](xs, **kw)
+        with B.log_comms() as bwd_log, profile(activities=[ProfilerActivity.CPU]) as bwd_prof:
+            sum(o.sum() for o in out if o.requires_grad).backward()
+        return {
+            "fwd_records": [(r.op, r.parts, r.nbytes) for r in fwd_log.records],
+            "bwd_records": [(r.op, r.parts, r.nbytes) for r in bwd_log.records],
+            "fwd_gloo": _gloo_calls(fwd_prof),
+            "bwd_gloo": _gloo_calls(bwd_prof),
+            "payload": sum(x.numel() * x.element_size() for x in xs),
+            "grad_payload": sum(x.numel() * x.element_size() for x in xs if x.is_floating_point()),
+        }
+
+    for rec in local_worlds(world_size).run(count_comms, op, kw):
         # forward: 3 dtypes present -> 3 raw c10d calls, logged as one op with total bytes
         # (all_gather without split_sizes: once the group has gathered such a list, every
         # rank's sizes travel with the first buffer; the first call's exchange is tested
@@ -243,48 +244,6 @@ def test_one_communication_per_dtype_forward_and_backward(local_worlds, op, kw, 
             assert rec["bwd_records"][0][2] == factor * rec["grad_payload"]
 
 
-def _count_varied(op: str, given: bool) -> list[dict[str, Any]]:
-    """Sizes along dim 0 that differ between ranks: 3 dtypes forward, 2 differentiable.
-    Three calls: fresh, the same sizes again, and sizes grown past what the group has
-    seen (all_gather learning its sizes: exchange first; with the first buffer; with the
-    first buffer, which did not fit, then once more)."""
-    from _shared import forget_gathered_sizes
-    from torch.profiler import ProfilerActivity, profile
-
-    forget_gathered_sizes()  # as on a new group
-    r, w = dc.get_rank(), dc.get_world_size()
-    rests = ((3,), (), (2,), (4,), (1, 2))
-    dtypes = [torch.float32, torch.float64, torch.float32, torch.int64, torch.float64]
-    fn = dc.all_gather_coalesced if op == "all_gather" else dc.reduce_scatter_coalesced
-    calls = []
-    for grow in (1, 1, 3):
-        sizes = [[grow * ((k + q) % 3) for q in range(w)] for k in range(5)]
-        if op == "all_gather":  # rank r holds sizes[k][r] rows of tensor k
-            shapes = [(sizes[k][r], *rests[k]) for k in range(5)]
-        else:  # the same shapes everywhere; sizes[k] splits them
-            shapes = [(sum(sizes[k]), *rests[k]) for k in range(5)]
-        xs = [torch.ones(s, dtype=d).requires_grad_(d.is_floating_point) for s, d in zip(shapes, dtypes)]
-        kw = {"split_sizes": sizes} if given else {}
-        with B.log_comms() as fwd_log, profile(activities=[ProfilerActivity.CPU]) as fwd_prof:
-            out = fn(xs, **kw)
-        with B.log_comms() as bwd_log, profile(activities=[ProfilerActivity.CPU]) as bwd_prof:
-            sum(o.sum() for o in out if o.requires_grad).backward()
-        calls.append(
-            {
-                "fwd_records": [(x.op, x.label, x.parts) for x in fwd_log.records],
-                "bwd_records": [(x.op, x.parts) for x in bwd_log.records],
-                "fwd_gloo": _gloo_calls(fwd_prof),
-                "bwd_gloo": _gloo_calls(bwd_prof),
-                "shapes": [tuple(o.shape) for o in out],
-                "expected": [
-                    (sum(sizes[k]) if op == "all_gather" else sizes[k][r], *s[1:])
-                    for k, s in enumerate(shapes)
-                ],
-            }
-        )
-    return calls
-
-
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("op,given", [("all_gather", False), ("all_gather", True), ("reduce_scatter", True)])
 def test_variable_sizes_one_communication_per_dtype(local_worlds, op, given, world_size) -> None:
@@ -294,9 +253,51 @@ def test_variable_sizes_one_communication_per_dtype(local_worlds, op, given, wor
     first call on a group exchanges them once for the whole list of five tensors; later
     calls send them with the first buffer (no exchange); sizes past the largest the group
     has seen cost that buffer once more. The backward reuses them (never an exchange)."""
+
+    def count_varied(op: str, given: bool) -> list[dict[str, Any]]:
+        """Sizes along dim 0 that differ between ranks: 3 dtypes forward, 2 differentiable.
+        Three calls: fresh, the same sizes again, and sizes grown past what the group has
+        seen (all_gather learning its sizes: exchange first; with the first buffer; with the
+        first buffer, which did not fit, then once more)."""
+        from _shared import forget_gathered_sizes
+        from torch.profiler import ProfilerActivity, profile
+
+        forget_gathered_sizes()  # as on a new group
+        r, w = dc.get_rank(), dc.get_world_size()
+        rests = ((3,), (), (2,), (4,), (1, 2))
+        dtypes = [torch.float32, torch.float64, torch.float32, torch.int64, torch.float64]
+        fn = dc.all_gather_coalesced if op == "all_gather" else dc.reduce_scatter_coalesced
+        calls = []
+        for grow in (1, 1, 3):
+            sizes = [[grow * ((k + q) % 3) for q in range(w)] for k in range(5)]
+            if op == "all_gather":  # rank r holds sizes[k][r] rows of tensor k
+                shapes = [(sizes[k][r], *rests[k]) for k in range(5)]
+            else:  # the same shapes everywhere; sizes[k] splits them
+                shapes = [(sum(sizes[k]), *rests[k]) for k in range(5)]
+            xs = [torch.ones(s, dtype=d).requires_grad_(d.is_floating_point) for s, d in zip(shapes, dtypes)]
+            kw = {"split_sizes": sizes} if given else {}
+            with B.log_comms() as fwd_log, profile(activities=[ProfilerActivity.CPU]) as fwd_prof:
+                out = fn(xs, **kw)
+            with B.log_comms() as bwd_log, profile(activities=[ProfilerActivity.CPU]) as bwd_prof:
+                sum(o.sum() for o in out if o.requires_grad).backward()
+            calls.append(
+                {
+                    "fwd_records": [(x.op, x.label, x.parts) for x in fwd_log.records],
+                    "bwd_records": [(x.op, x.parts) for x in bwd_log.records],
+                    "fwd_gloo": _gloo_calls(fwd_prof),
+                    "bwd_gloo": _gloo_calls(bwd_prof),
+                    "shapes": [tuple(o.shape) for o in out],
+                    "expected": [
+                        (sum(sizes[k]) if op == "all_gather" else sizes[k][r], *s[1:])
+                        for k, s in enumerate(shapes)
+                    ],
+                }
+            )
+        return calls
+
     label = f"{op}_coalesced" + ("(sum)" if op == "reduce_scatter" else "")
     data = (f"{op}_coalesced", label, 3)
-    for calls in local_worlds(world_size).run(_count_varied, op, given):
+    for calls in local_worlds(world_size).run(count_varied, op, given):
         for i, rec in enumerate(calls):
             assert rec["shapes"] == rec["expected"], rec
             if given:
@@ -313,93 +314,94 @@ def test_variable_sizes_one_communication_per_dtype(local_worlds, op, given, wor
             assert rec["bwd_gloo"] == 2, (i, rec)
 
 
-def _varied_transforms() -> dict[str, Any]:
-    """torch.func and async_op on sizes that differ between ranks, against the single ops."""
-    from torch.func import grad, jvp, vjp, vmap
-
-    r, w = dc.get_rank(), dc.get_world_size()
-    gen = torch.Generator().manual_seed(r)
-    a = torch.randn(r + 1, 3, dtype=F64, generator=gen)
-    b = torch.randn(2, w - r, dtype=torch.float32, generator=gen)  # varies along dim 1
-    split = [[k + 1 for k in range(w)], [w - k for k in range(w)]]
-    c = torch.randn(sum(split[0]), 2, dtype=F64, generator=gen)
-    d = torch.randn(sum(split[1]), dtype=F64, generator=gen)
-
-    def prog(a, b, c, d, async_op=False):
-        (g1,) = dc.all_gather_coalesced([a], dim=0, async_op=async_op)
-        (g2,) = dc.all_gather_coalesced([b.t()], dim=0, async_op=async_op)
-        s1, s2 = dc.reduce_scatter_coalesced([c, d], split_sizes=split, async_op=async_op)
-        return (g1.sin() * g1).sum() + (g2 * g2).sum().to(F64) + (s1**3).sum() + (s2 * s2).sum()
-
-    def prog_single(a, b, c, d):
-        g1, g2 = dc.all_gather(a, 0), dc.all_gather(b.t(), 0)
-        s1, s2 = dc.reduce_scatter(c, split_sizes=split[0]), dc.reduce_scatter(d, split_sizes=split[1])
-        return (g1.sin() * g1).sum() + (g2 * g2).sum().to(F64) + (s1**3).sum() + (s2 * s2).sum()
-
-    args = (a, b, c, d)
-    errs: dict[str, Any] = {}
-    got, want = grad(prog, argnums=(0, 1, 2, 3))(*args), grad(prog_single, argnums=(0, 1, 2, 3))(*args)
-    errs["grad"] = max(float((x - y).abs().max()) for x, y in zip(got, want))
-    _, pull = vjp(prog, *args)
-    errs["vjp"] = max(float((x - y).abs().max()) for x, y in zip(pull(torch.tensor(1.0, dtype=F64)), want))
-    ts = tuple(torch.randn(x.shape, dtype=x.dtype, generator=gen) for x in args)
-    errs["jvp"] = float((jvp(prog, args, ts)[1] - jvp(prog_single, args, ts)[1]).abs())
-    # async_op=True: values, gradients and double backward equal the blocking op's
-    leaves = [x.clone().requires_grad_(True) for x in args]
-    y_async = prog(*leaves, async_op=True)
-    g_async = torch.autograd.grad(y_async, leaves, create_graph=True)
-    gg_async = torch.autograd.grad(sum((g * g).sum() for g in g_async), leaves)
-    leaves2 = [x.clone().requires_grad_(True) for x in args]
-    y_ref = prog_single(*leaves2)
-    g_ref = torch.autograd.grad(y_ref, leaves2, create_graph=True)
-    gg_ref = torch.autograd.grad(sum((g * g).sum() for g in g_ref), leaves2)
-    errs["async"] = float((y_async - y_ref).abs())
-    errs["async_grad"] = max(float((x - y).abs().max()) for x, y in zip(g_async, g_ref))
-    errs["async_double"] = max(float((x - y).abs().max()) for x, y in zip(gg_async, gg_ref))
-
-    # vmap: one communication per dtype for the whole batch, the sizes learned once
-    def f(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-        return dc.all_gather_coalesced([x, y], dim=0)
-
-    from _shared import forget_gathered_sizes
-
-    forget_gathered_sizes()  # as on a new group: the sizes are exchanged once, first
-    xb = torch.randn(4, r + 1, 3, dtype=F64, generator=gen)
-    yb = torch.randn(4, w - r, dtype=torch.float32, generator=gen)
-    with B.log_comms() as batched:
-        outs = vmap(f)(xb, yb)
-    loop = [f(xb[i], yb[i]) for i in range(4)]
-    errs["vmap"] = max(
-        float((o[i] - lp[k]).abs().max()) for k, o in enumerate(outs) for i, lp in enumerate(loop)
-    )
-    errs["vmap_calls"] = [(x.op, x.parts) for x in batched.records]
-    return errs
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_variable_sizes_torch_func_and_async(local_worlds, world_size) -> None:
-    for e in local_worlds(world_size).run(_varied_transforms):
+    def varied_transforms() -> dict[str, Any]:
+        """torch.func and async_op on sizes that differ between ranks, against the single ops."""
+        from torch.func import grad, jvp, vjp, vmap
+
+        r, w = dc.get_rank(), dc.get_world_size()
+        gen = torch.Generator().manual_seed(r)
+        a = torch.randn(r + 1, 3, dtype=F64, generator=gen)
+        b = torch.randn(2, w - r, dtype=torch.float32, generator=gen)  # varies along dim 1
+        split = [[k + 1 for k in range(w)], [w - k for k in range(w)]]
+        c = torch.randn(sum(split[0]), 2, dtype=F64, generator=gen)
+        d = torch.randn(sum(split[1]), dtype=F64, generator=gen)
+
+        def prog(a, b, c, d, async_op=False):
+            (g1,) = dc.all_gather_coalesced([a], dim=0, async_op=async_op)
+            (g2,) = dc.all_gather_coalesced([b.t()], dim=0, async_op=async_op)
+            s1, s2 = dc.reduce_scatter_coalesced([c, d], split_sizes=split, async_op=async_op)
+            return (g1.sin() * g1).sum() + (g2 * g2).sum().to(F64) + (s1**3).sum() + (s2 * s2).sum()
+
+        def prog_single(a, b, c, d):
+            g1, g2 = dc.all_gather(a, 0), dc.all_gather(b.t(), 0)
+            s1, s2 = dc.reduce_scatter(c, split_sizes=split[0]), dc.reduce_scatter(d, split_sizes=split[1])
+            return (g1.sin() * g1).sum() + (g2 * g2).sum().to(F64) + (s1**3).sum() + (s2 * s2).sum()
+
+        args = (a, b, c, d)
+        errs: dict[str, Any] = {}
+        got, want = grad(prog, argnums=(0, 1, 2, 3))(*args), grad(prog_single, argnums=(0, 1, 2, 3))(*args)
+        errs["grad"] = max(float((x - y).abs().max()) for x, y in zip(got, want))
+        _, pull = vjp(prog, *args)
+        errs["vjp"] = max(
+            float((x - y).abs().max()) for x, y in zip(pull(torch.tensor(1.0, dtype=F64)), want)
+        )
+        ts = tuple(torch.randn(x.shape, dtype=x.dtype, generator=gen) for x in args)
+        errs["jvp"] = float((jvp(prog, args, ts)[1] - jvp(prog_single, args, ts)[1]).abs())
+        # async_op=True: values, gradients and double backward equal the blocking op's
+        leaves = [x.clone().requires_grad_(True) for x in args]
+        y_async = prog(*leaves, async_op=True)
+        g_async = torch.autograd.grad(y_async, leaves, create_graph=True)
+        gg_async = torch.autograd.grad(sum((g * g).sum() for g in g_async), leaves)
+        leaves2 = [x.clone().requires_grad_(True) for x in args]
+        y_ref = prog_single(*leaves2)
+        g_ref = torch.autograd.grad(y_ref, leaves2, create_graph=True)
+        gg_ref = torch.autograd.grad(sum((g * g).sum() for g in g_ref), leaves2)
+        errs["async"] = float((y_async - y_ref).abs())
+        errs["async_grad"] = max(float((x - y).abs().max()) for x, y in zip(g_async, g_ref))
+        errs["async_double"] = max(float((x - y).abs().max()) for x, y in zip(gg_async, gg_ref))
+
+        # vmap: one communication per dtype for the whole batch, the sizes learned once
+        def f(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+            return dc.all_gather_coalesced([x, y], dim=0)
+
+        from _shared import forget_gathered_sizes
+
+        forget_gathered_sizes()  # as on a new group: the sizes are exchanged once, first
+        xb = torch.randn(4, r + 1, 3, dtype=F64, generator=gen)
+        yb = torch.randn(4, w - r, dtype=torch.float32, generator=gen)
+        with B.log_comms() as batched:
+            outs = vmap(f)(xb, yb)
+        loop = [f(xb[i], yb[i]) for i in range(4)]
+        errs["vmap"] = max(
+            float((o[i] - lp[k]).abs().max()) for k, o in enumerate(outs) for i, lp in enumerate(loop)
+        )
+        errs["vmap_calls"] = [(x.op, x.parts) for x in batched.records]
+        return errs
+
+    for e in local_worlds(world_size).run(varied_transforms):
         for key in ("grad", "vjp", "jvp", "async", "async_grad", "async_double"):
             assert e[key] < 1e-9, (key, e)
         assert e["vmap"] == 0.0, e
         assert e["vmap_calls"] == [("all_gather", 1), ("all_gather_coalesced", 2)], e
 
 
-def _product_comms() -> list[int]:
-    from torch.profiler import ProfilerActivity, profile
-
-    xs = [torch.randn(3, requires_grad=True), torch.randn(2, dtype=torch.float64, requires_grad=True)]
-    out = dc.all_reduce_coalesced(xs, "product")
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        (out[0].sum() + out[1].sum()).backward()
-    return [_gloo_calls(prof)]
-
-
 def test_product_backward_costs_one_more_collective_per_dtype(world2) -> None:
     """An all_reduce of the gradients (with the zero counts in the same buffers) and a
     product all_reduce of the non-zero inputs (zero-safe product of the others), each one
     call per dtype."""
-    for (n,) in world2.run(_product_comms):
+
+    def product_comms() -> list[int]:
+        from torch.profiler import ProfilerActivity, profile
+
+        xs = [torch.randn(3, requires_grad=True), torch.randn(2, dtype=torch.float64, requires_grad=True)]
+        out = dc.all_reduce_coalesced(xs, "product")
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            (out[0].sum() + out[1].sum()).backward()
+        return [_gloo_calls(prof)]
+
+    for (n,) in world2.run(product_comms):
         assert n == 4
 
 
@@ -431,53 +433,57 @@ def _prog_single(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return total + (g1.cos().sum() + g2.sum().to(a.dtype)) + (r1 * r1).sum() + (r2 * r2).sum().to(a.dtype)
 
 
-def _func_transforms() -> dict[str, Any]:
-    from torch.func import grad, jvp, vjp, vmap
-
-    r = dc.get_rank()
-    gen = torch.Generator().manual_seed(r)
-    a = torch.randn(2, 3, dtype=torch.float64, generator=gen)
-    b = torch.randn(3, dtype=torch.float32, generator=gen)
-    ta, tb = torch.randn_like(a), torch.randn(3, generator=gen)
-    errs: dict[str, Any] = {}
-    ga, gb = grad(_prog, argnums=(0, 1))(a, b)
-    ra, rb = grad(_prog_single, argnums=(0, 1))(a, b)
-    errs["grad"] = [float((ga - ra).abs().max()), float((gb - rb).abs().max())]
-    _, pull = vjp(_prog, a, b)
-    va, vb = pull(torch.tensor(1.0, dtype=torch.float64))
-    errs["vjp"] = [float((va - ra).abs().max()), float((vb - rb).abs().max())]
-    _, t = jvp(_prog, (a, b), (ta, tb))
-    _, t_ref = jvp(_prog_single, (a, b), (ta, tb))
-    errs["jvp"] = float((t - t_ref).abs().max())
-
-    # vmap: one communication per dtype for the whole batch (as many raw calls as unbatched)
-    def f(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-        return dc.all_reduce_coalesced([x, y * 2, x.sum(0)], "sum") + dc.all_gather_coalesced([x, y], dim=-1)
-
-    xb = torch.randn(4, 2, 3, dtype=torch.float64, generator=gen)
-    yb = torch.randn(4, 3, dtype=torch.float32, generator=gen)
-    f(xb[0], yb[0]), vmap(f)(xb, yb)  # the group learns the lists' sizes (see the counts test)
-    with B.log_comms() as one:
-        f(xb[0], yb[0])
-    with B.log_comms() as batched:
-        outs = vmap(f)(xb, yb)
-    loop = [f(xb[i], yb[i]) for i in range(4)]
-    errs["vmap"] = max(
-        float((o[i] - lp[k]).abs().max()) for k, o in enumerate(outs) for i, lp in enumerate(loop)
-    )
-    errs["vmap_calls"] = ([(x.op, x.parts) for x in one.records], [(x.op, x.parts) for x in batched.records])
-    with B.log_comms() as partly:  # y unbatched (in_dims None) still shares the calls
-        vmap(f, in_dims=(0, None))(xb, yb[0])
-    errs["vmap_partly"] = [(x.op, x.parts) for x in partly.records]
-    # grad under vmap: per-example gradients, one backward call per dtype
-    per = vmap(grad(lambda x, y: sum(o.sum() for o in f(x, y))))(xb, yb)
-    ref = torch.stack([grad(lambda x, y: sum(o.sum() for o in f(x, y)))(xb[i], yb[i]) for i in range(4)])
-    errs["vmap_grad"] = float((per - ref).abs().max())
-    return errs
-
-
 def test_torch_func_grad_vjp_jvp_vmap(world2) -> None:
-    for e in world2.run(_func_transforms):
+    def func_transforms() -> dict[str, Any]:
+        from torch.func import grad, jvp, vjp, vmap
+
+        r = dc.get_rank()
+        gen = torch.Generator().manual_seed(r)
+        a = torch.randn(2, 3, dtype=torch.float64, generator=gen)
+        b = torch.randn(3, dtype=torch.float32, generator=gen)
+        ta, tb = torch.randn_like(a), torch.randn(3, generator=gen)
+        errs: dict[str, Any] = {}
+        ga, gb = grad(_prog, argnums=(0, 1))(a, b)
+        ra, rb = grad(_prog_single, argnums=(0, 1))(a, b)
+        errs["grad"] = [float((ga - ra).abs().max()), float((gb - rb).abs().max())]
+        _, pull = vjp(_prog, a, b)
+        va, vb = pull(torch.tensor(1.0, dtype=torch.float64))
+        errs["vjp"] = [float((va - ra).abs().max()), float((vb - rb).abs().max())]
+        _, t = jvp(_prog, (a, b), (ta, tb))
+        _, t_ref = jvp(_prog_single, (a, b), (ta, tb))
+        errs["jvp"] = float((t - t_ref).abs().max())
+
+        # vmap: one communication per dtype for the whole batch (as many raw calls as unbatched)
+        def f(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+            return dc.all_reduce_coalesced([x, y * 2, x.sum(0)], "sum") + dc.all_gather_coalesced(
+                [x, y], dim=-1
+            )
+
+        xb = torch.randn(4, 2, 3, dtype=torch.float64, generator=gen)
+        yb = torch.randn(4, 3, dtype=torch.float32, generator=gen)
+        f(xb[0], yb[0]), vmap(f)(xb, yb)  # the group learns the lists' sizes (see the counts test)
+        with B.log_comms() as one:
+            f(xb[0], yb[0])
+        with B.log_comms() as batched:
+            outs = vmap(f)(xb, yb)
+        loop = [f(xb[i], yb[i]) for i in range(4)]
+        errs["vmap"] = max(
+            float((o[i] - lp[k]).abs().max()) for k, o in enumerate(outs) for i, lp in enumerate(loop)
+        )
+        errs["vmap_calls"] = (
+            [(x.op, x.parts) for x in one.records],
+            [(x.op, x.parts) for x in batched.records],
+        )
+        with B.log_comms() as partly:  # y unbatched (in_dims None) still shares the calls
+            vmap(f, in_dims=(0, None))(xb, yb[0])
+        errs["vmap_partly"] = [(x.op, x.parts) for x in partly.records]
+        # grad under vmap: per-example gradients, one backward call per dtype
+        per = vmap(grad(lambda x, y: sum(o.sum() for o in f(x, y))))(xb, yb)
+        ref = torch.stack([grad(lambda x, y: sum(o.sum() for o in f(x, y)))(xb[i], yb[i]) for i in range(4)])
+        errs["vmap_grad"] = float((per - ref).abs().max())
+        return errs
+
+    for e in world2.run(func_transforms):
         assert max(e["grad"]) < 1e-5 and max(e["vjp"]) < 1e-5 and e["jvp"] < 1e-5, e
         assert e["vmap"] == 0.0 and e["vmap_grad"] < 1e-6, e
         one, batched = e["vmap_calls"]
@@ -485,25 +491,24 @@ def test_torch_func_grad_vjp_jvp_vmap(world2) -> None:
         assert e["vmap_partly"] == one, e
 
 
-def _compiled() -> dict[str, float]:
-    torch._dynamo.reset()
-    r = dc.get_rank()
-    a = torch.arange(6.0, dtype=torch.float64).reshape(2, 3).add(r).requires_grad_(True)
-    b = torch.arange(3.0, dtype=torch.float32).add(2 * r).requires_grad_(True)
-    fn = torch.compile(_prog, fullgraph=True, backend="aot_eager")
-    y = fn(a, b)
-    ga, gb = torch.autograd.grad(y, (a, b))
-    y_ref = _prog(a, b)
-    ra, rb = torch.autograd.grad(y_ref, (a, b))
-    return {
-        "value": float((y - y_ref).abs()),
-        "grad_a": float((ga - ra).abs().max()),
-        "grad_b": float((gb - rb).abs().max()),
-    }
-
-
 def test_torch_compile_fullgraph(world2) -> None:
-    for e in world2.run(_compiled):
+    def compiled() -> dict[str, float]:
+        torch._dynamo.reset()
+        r = dc.get_rank()
+        a = torch.arange(6.0, dtype=torch.float64).reshape(2, 3).add(r).requires_grad_(True)
+        b = torch.arange(3.0, dtype=torch.float32).add(2 * r).requires_grad_(True)
+        fn = torch.compile(_prog, fullgraph=True, backend="aot_eager")
+        y = fn(a, b)
+        ga, gb = torch.autograd.grad(y, (a, b))
+        y_ref = _prog(a, b)
+        ra, rb = torch.autograd.grad(y_ref, (a, b))
+        return {
+            "value": float((y - y_ref).abs()),
+            "grad_a": float((ga - ra).abs().max()),
+            "grad_b": float((gb - rb).abs().max()),
+        }
+
+    for e in world2.run(compiled):
         assert e["value"] < 1e-4 and e["grad_a"] < 1e-6 and e["grad_b"] < 1e-4, e
 
 
@@ -589,26 +594,25 @@ class _IntRequiringGrad(torch.Tensor):
         return True
 
 
-def _try_bad() -> list[tuple[str, str, int]]:
-    out = []
-    cases = [*BAD]
-    fake = torch.ones(2, dtype=torch.int64).as_subclass(_IntRequiringGrad)
-    cases.append((lambda: dc.all_reduce_coalesced([T, fake]), TypeError, "floating or complex"))
-    for fn, _, _ in cases:
-        with B.log_comms() as log:
-            try:
-                fn()
-                out.append(("no error", "", log.count()))
-            except (ValueError, TypeError) as exc:
-                out.append((type(exc).__name__, str(exc), log.count()))
-    return out
-
-
 def test_bad_input_raises_before_any_communication(world2) -> None:
+    def try_bad() -> list[tuple[str, str, int]]:
+        out = []
+        cases = [*BAD]
+        fake = torch.ones(2, dtype=torch.int64).as_subclass(_IntRequiringGrad)
+        cases.append((lambda: dc.all_reduce_coalesced([T, fake]), TypeError, "floating or complex"))
+        for fn, _, _ in cases:
+            with B.log_comms() as log:
+                try:
+                    fn()
+                    out.append(("no error", "", log.count()))
+                except (ValueError, TypeError) as exc:
+                    out.append((type(exc).__name__, str(exc), log.count()))
+        return out
+
     expected = [(cls, pat) for _, cls, pat in BAD] + [
         (TypeError, r"`tensors\[1\]` must be a floating or complex")
     ]
-    for per_rank in world2.run(_try_bad):
+    for per_rank in world2.run(try_bad):
         for (cls, pat), (name, msg, comms) in zip(expected, per_rank):
             assert name == cls.__name__, (pat, name, msg)
             assert re.search(pat, msg), (pat, msg)
@@ -616,21 +620,16 @@ def test_bad_input_raises_before_any_communication(world2) -> None:
             assert "diffcomm." in msg and "(rank " in msg
 
 
-def _mismatch(kind: str) -> str:
-    r = dc.get_rank()
-    ts = [torch.ones(2, 3), torch.ones(4), torch.ones(1, dtype=torch.float64)]
-    if kind == "length" and r == 1:
-        ts = ts[:2]
-    if kind == "shape" and r == 2:
-        ts[1] = torch.ones(5)
-    if kind == "dtype" and r == 1:
-        ts[2] = ts[2].float()
+def _in_debug_mode(call: Callable[[], object]) -> str:
+    """Shared rank-side helper of the two debug-mode tests below: run ``call`` under
+    ``dc.debug(True)``; the ``CrossRankMismatchError`` message, else the string ``call``
+    returned, else ``"no error"``."""
     with dc.debug(True):
         try:
-            dc.all_reduce_coalesced(ts)
+            out = call()
         except dc.CrossRankMismatchError as exc:
             return str(exc)
-    return "no error"
+    return out if isinstance(out, str) else "no error"
 
 
 @pytest.mark.parametrize(
@@ -645,34 +644,19 @@ def _mismatch(kind: str) -> str:
     ],
 )
 def test_debug_mode_names_ranks_and_first_differing_position(world3, kind, pattern) -> None:
-    import re
+    def mismatch(kind: str) -> str:
+        r = dc.get_rank()
+        ts = [torch.ones(2, 3), torch.ones(4), torch.ones(1, dtype=torch.float64)]
+        if kind == "length" and r == 1:
+            ts = ts[:2]
+        if kind == "shape" and r == 2:
+            ts[1] = torch.ones(5)
+        if kind == "dtype" and r == 1:
+            ts[2] = ts[2].float()
+        return _in_debug_mode(lambda: dc.all_reduce_coalesced(ts))
 
-    for msg in world3.run(_mismatch, kind):
+    for msg in world3.run(mismatch, kind):
         assert re.search(pattern, msg), msg
-
-
-def _debug_varied(kind: str) -> str:
-    """Debug mode with sizes along dim that differ between ranks: correct calls pass,
-    a wrong position is still named."""
-    r = dc.get_rank()
-    ts = [torch.ones(2, 3), torch.ones(r + 1, 4), torch.ones(r, dtype=torch.float64)]
-    with dc.debug(True):
-        try:
-            if kind == "correct":
-                a = dc.all_gather_coalesced(ts)
-                b = dc.all_gather_coalesced(ts, split_sizes=[[2, 2, 2], [1, 2, 3], [0, 1, 2]])
-                c = dc.reduce_scatter_coalesced([torch.ones(6, 2)], split_sizes=[[3, 0, 3]])
-                return f"ok {[tuple(t.shape) for t in a + b + c]}"
-            if kind == "other_dim":
-                if r == 2:
-                    ts[1] = torch.ones(r + 1, 5)
-                dc.all_gather_coalesced(ts)
-            if kind == "split_sizes":
-                split = [[3, 0, 3]] if r != 1 else [[2, 1, 3]]
-                dc.reduce_scatter_coalesced([torch.ones(6, 2)], split_sizes=split)
-        except dc.CrossRankMismatchError as exc:
-            return str(exc)
-    return "no error"
 
 
 @pytest.mark.parametrize(
@@ -688,7 +672,30 @@ def _debug_varied(kind: str) -> str:
     ],
 )
 def test_debug_mode_accepts_variable_sizes_and_names_wrong_position(world3, kind, pattern) -> None:
-    for msg in world3.run(_debug_varied, kind):
+    def debug_varied(kind: str) -> str:
+        """Debug mode with sizes along dim that differ between ranks: correct calls pass,
+        a wrong position is still named."""
+        r = dc.get_rank()
+        ts = [torch.ones(2, 3), torch.ones(r + 1, 4), torch.ones(r, dtype=torch.float64)]
+
+        def calls() -> str | None:
+            if kind == "correct":
+                a = dc.all_gather_coalesced(ts)
+                b = dc.all_gather_coalesced(ts, split_sizes=[[2, 2, 2], [1, 2, 3], [0, 1, 2]])
+                c = dc.reduce_scatter_coalesced([torch.ones(6, 2)], split_sizes=[[3, 0, 3]])
+                return f"ok {[tuple(t.shape) for t in a + b + c]}"
+            if kind == "other_dim":
+                if r == 2:
+                    ts[1] = torch.ones(r + 1, 5)
+                dc.all_gather_coalesced(ts)
+            if kind == "split_sizes":
+                split = [[3, 0, 3]] if r != 1 else [[2, 1, 3]]
+                dc.reduce_scatter_coalesced([torch.ones(6, 2)], split_sizes=split)
+            return None
+
+        return _in_debug_mode(calls)
+
+    for msg in world3.run(debug_varied, kind):
         assert re.search(pattern, msg), msg
 
 
@@ -697,27 +704,26 @@ def test_debug_mode_accepts_variable_sizes_and_names_wrong_position(world3, kind
 # --------------------------------------------------------------------------------------
 
 
-def _gradchecks() -> dict[str, bool]:
-    from diffcomm.testing import gradcheck
-
-    r, w = dc.get_rank(), dc.get_world_size()
-    gen = torch.Generator().manual_seed(r)
-    a = torch.randn(w, 3, dtype=F64, generator=gen) + 3.0  # away from ties and zeros
-    b = torch.randn(2 * w, dtype=F64, generator=gen) + 3.0
-    programs = {
-        "all_reduce sum": lambda x, y: dc.all_reduce_coalesced([x, y]),
-        "all_reduce max": lambda x, y: dc.all_reduce_coalesced([x, y], "max"),
-        "all_reduce product": lambda x, y: dc.all_reduce_coalesced([x, y], "product"),
-        "broadcast": lambda x, y: dc.broadcast_coalesced([x, y], src=w - 1),
-        "reduce avg": lambda x, y: dc.reduce_coalesced([x, y], dst=0, op="avg"),
-        "all_gather": lambda x, y: dc.all_gather_coalesced([x, y], dim=0),
-        "reduce_scatter": lambda x, y: dc.reduce_scatter_coalesced([x, y], dim=0),
-    }
-    return {name: gradcheck(fn, [a, b]) for name, fn in programs.items()}
-
-
 def test_gradcheck_every_coalesced_op(world3) -> None:
-    for res in world3.run(_gradchecks):
+    def gradchecks() -> dict[str, bool]:
+        from diffcomm.testing import gradcheck
+
+        r, w = dc.get_rank(), dc.get_world_size()
+        gen = torch.Generator().manual_seed(r)
+        a = torch.randn(w, 3, dtype=F64, generator=gen) + 3.0  # away from ties and zeros
+        b = torch.randn(2 * w, dtype=F64, generator=gen) + 3.0
+        programs = {
+            "all_reduce sum": lambda x, y: dc.all_reduce_coalesced([x, y]),
+            "all_reduce max": lambda x, y: dc.all_reduce_coalesced([x, y], "max"),
+            "all_reduce product": lambda x, y: dc.all_reduce_coalesced([x, y], "product"),
+            "broadcast": lambda x, y: dc.broadcast_coalesced([x, y], src=w - 1),
+            "reduce avg": lambda x, y: dc.reduce_coalesced([x, y], dst=0, op="avg"),
+            "all_gather": lambda x, y: dc.all_gather_coalesced([x, y], dim=0),
+            "reduce_scatter": lambda x, y: dc.reduce_scatter_coalesced([x, y], dim=0),
+        }
+        return {name: gradcheck(fn, [a, b]) for name, fn in programs.items()}
+
+    for res in world3.run(gradchecks):
         assert all(res.values()), res
 
 
@@ -726,34 +732,33 @@ def test_gradcheck_every_coalesced_op(world3) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _subgroups_and_layouts() -> dict[str, Any]:
-    import torch.distributed as dist
-
-    r = dc.get_rank()
-    g01, g23 = dist.new_group([0, 1]), dist.new_group([2, 3])  # every rank creates both
-    mine = g01 if r < 2 else g23
-    base = torch.arange(12.0, dtype=F64).reshape(3, 4) + r
-    x = base.t().requires_grad_(True)  # non-contiguous input
-    y = torch.tensor([1.0 + r], requires_grad=True)
-    sx, sy = dc.all_reduce_coalesced([x, y], group=mine)
-    c = torch.arange(12.0, dtype=F64).reshape(3, 4)
-    (sx * c.t()).sum().backward(retain_graph=True)  # a transposed (non-contiguous) gradient
-    (sy * 0).sum().backward()
-    with B.comm_off("all_reduce_coalesced"), B.log_comms() as log:
-        off = dc.all_reduce_coalesced([base, torch.ones(2)])
-    outs = dc.broadcast_coalesced([torch.zeros(3), torch.zeros(2)], src=0)
-    outs[0].add_(1.0)  # outputs are independent tensors: in place is fine
-    return {
-        "sx": sx.detach(),
-        "grad": x.grad,
-        "off_equal": torch.equal(off[0], base),
-        "off_skipped": [(rec.op, rec.skipped) for rec in log.records],
-        "inplace": (outs[0].tolist(), outs[1].tolist()),
-    }
-
-
 def test_subgroups_noncontiguous_comm_off_inplace(world4) -> None:
-    for r, res in enumerate(world4.run(_subgroups_and_layouts)):
+    def subgroups_and_layouts() -> dict[str, Any]:
+        import torch.distributed as dist
+
+        r = dc.get_rank()
+        g01, g23 = dist.new_group([0, 1]), dist.new_group([2, 3])  # every rank creates both
+        mine = g01 if r < 2 else g23
+        base = torch.arange(12.0, dtype=F64).reshape(3, 4) + r
+        x = base.t().requires_grad_(True)  # non-contiguous input
+        y = torch.tensor([1.0 + r], requires_grad=True)
+        sx, sy = dc.all_reduce_coalesced([x, y], group=mine)
+        c = torch.arange(12.0, dtype=F64).reshape(3, 4)
+        (sx * c.t()).sum().backward(retain_graph=True)  # a transposed (non-contiguous) gradient
+        (sy * 0).sum().backward()
+        with B.comm_off("all_reduce_coalesced"), B.log_comms() as log:
+            off = dc.all_reduce_coalesced([base, torch.ones(2)])
+        outs = dc.broadcast_coalesced([torch.zeros(3), torch.zeros(2)], src=0)
+        outs[0].add_(1.0)  # outputs are independent tensors: in place is fine
+        return {
+            "sx": sx.detach(),
+            "grad": x.grad,
+            "off_equal": torch.equal(off[0], base),
+            "off_skipped": [(rec.op, rec.skipped) for rec in log.records],
+            "inplace": (outs[0].tolist(), outs[1].tolist()),
+        }
+
+    for r, res in enumerate(world4.run(subgroups_and_layouts)):
         pair = [0, 1] if r < 2 else [2, 3]
         expect = sum(torch.arange(12.0, dtype=F64).reshape(3, 4).t() + k for k in pair)
         assert torch.equal(res["sx"], expect)

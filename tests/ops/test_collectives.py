@@ -27,16 +27,17 @@ WORLDS = [1, 2, 3, 4]
 FLOATS = ["float64", "float32", "float16", "bfloat16"]
 
 
-def _check_all(cases: list[Case]) -> list[tuple[str, dict]]:
-    out = []
-    for c in cases:
-        r = run_case(c)
-        out.append((c.op + " " + c.label(), r.as_dict()))
-    return out
-
-
 def _assert_ok(world: dc.LocalWorld, cases: list[Case]) -> None:
-    per_rank = world.run(_check_all, cases)
+    """Run ``cases`` on every rank of ``world`` (the property tests and the standard cases)."""
+
+    def check_all(cases: list[Case]) -> list[tuple[str, dict]]:
+        out = []
+        for c in cases:
+            r = run_case(c)
+            out.append((c.op + " " + c.label(), r.as_dict()))
+        return out
+
+    per_rank = world.run(check_all, cases)
     bad = [(rank, name, res) for rank, rr in enumerate(per_rank) for name, res in rr if not res["ok"]]
     assert not bad, "\n".join(f"rank {r}: {n}: {res}" for r, n, res in bad[:8])
 
@@ -274,37 +275,36 @@ def test_every_backward_runs_the_dual_its_class_names(world3: dc.LocalWorld) -> 
 # --------------------------------------------------------------------------------------
 
 
-def _ties_and_zeros() -> dict:
-    r, w = dc.get_rank(), dc.get_world_size()
-    out = {}
-    # every rank holds the same max: the summed gradient is split evenly
-    x = torch.full((3,), 5.0, dtype=torch.float64, requires_grad=True)
-    dc.all_reduce(x, "max").sum().backward()
-    out["max_tie"] = x.grad.clone()
-    # min held by ranks 0 and 1 only
-    x = torch.tensor([1.0 if r < 2 else 3.0], dtype=torch.float64, requires_grad=True)
-    (dc.all_reduce(x, "MIN") * (r + 1)).sum().backward()
-    out["min_two"] = x.grad.clone()
-    # product with one zero (rank 0) and with two zeros (ranks 0, 1)
-    for name, zeros in (("prod_one_zero", 1), ("prod_two_zeros", 2)):
-        x = torch.tensor([0.0 if r < zeros else 2.0 + r], dtype=torch.float64, requires_grad=True)
-        dc.all_reduce(x, torch.distributed.ReduceOp.PRODUCT).sum().backward()
-        out[name] = x.grad.clone()
-    # avg scales by 1/world
-    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
-    dc.all_reduce(x, "avg").sum().backward()
-    out["avg"] = x.grad.clone()
-    # broadcast: non-source ranks get exact zeros
-    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
-    dc.broadcast(x, src=w - 1).pow(2).sum().backward()
-    out["bcast_zero"] = bool((x.grad == 0).all()) if r != w - 1 else True
-    return out
-
-
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_max_min_ties_product_zeros_avg(local_worlds, world_size: int) -> None:
+    def ties_and_zeros() -> dict:
+        r, w = dc.get_rank(), dc.get_world_size()
+        out = {}
+        # every rank holds the same max: the summed gradient is split evenly
+        x = torch.full((3,), 5.0, dtype=torch.float64, requires_grad=True)
+        dc.all_reduce(x, "max").sum().backward()
+        out["max_tie"] = x.grad.clone()
+        # min held by ranks 0 and 1 only
+        x = torch.tensor([1.0 if r < 2 else 3.0], dtype=torch.float64, requires_grad=True)
+        (dc.all_reduce(x, "MIN") * (r + 1)).sum().backward()
+        out["min_two"] = x.grad.clone()
+        # product with one zero (rank 0) and with two zeros (ranks 0, 1)
+        for name, zeros in (("prod_one_zero", 1), ("prod_two_zeros", 2)):
+            x = torch.tensor([0.0 if r < zeros else 2.0 + r], dtype=torch.float64, requires_grad=True)
+            dc.all_reduce(x, torch.distributed.ReduceOp.PRODUCT).sum().backward()
+            out[name] = x.grad.clone()
+        # avg scales by 1/world
+        x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+        dc.all_reduce(x, "avg").sum().backward()
+        out["avg"] = x.grad.clone()
+        # broadcast: non-source ranks get exact zeros
+        x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+        dc.broadcast(x, src=w - 1).pow(2).sum().backward()
+        out["bcast_zero"] = bool((x.grad == 0).all()) if r != w - 1 else True
+        return out
+
     w = world_size
-    res = local_worlds(w).run(_ties_and_zeros)
+    res = local_worlds(w).run(ties_and_zeros)
     total_weight = sum(range(1, w + 1))
     for r, o in enumerate(res):
         assert torch.equal(o["max_tie"], torch.full((3,), w / w, dtype=torch.float64))  # W grads / W ties
@@ -318,40 +318,38 @@ def test_max_min_ties_product_zeros_avg(local_worlds, world_size: int) -> None:
         assert o["bcast_zero"]
 
 
-def _noncontiguous() -> list[float]:
-    r = dc.get_rank()
-    base = torch.arange(12.0, dtype=torch.float64).reshape(3, 4) + r
-    x = base.t().requires_grad_(True)  # non-contiguous input
-    y = dc.all_gather(x, dim=1)
-    c = torch.arange(float(y.numel()), dtype=torch.float64).reshape(y.shape[1], y.shape[0]).t()
-    (y * c).sum().backward()  # gradient arriving as a transposed (non-contiguous) view
-    # reference: each rank's grad = sum over ranks of its block of c = W * block
-    w = dc.get_world_size()
-    block = c[:, r * 3 : (r + 1) * 3]
-    return [float((x.grad - w * block).abs().max()), float((x.detach() - base.t()).abs().max())]
-
-
 def test_noncontiguous_inputs_and_gradients(world3) -> None:
-    for err, changed in world3.run(_noncontiguous):
+    def noncontiguous() -> list[float]:
+        r = dc.get_rank()
+        base = torch.arange(12.0, dtype=torch.float64).reshape(3, 4) + r
+        x = base.t().requires_grad_(True)  # non-contiguous input
+        y = dc.all_gather(x, dim=1)
+        c = torch.arange(float(y.numel()), dtype=torch.float64).reshape(y.shape[1], y.shape[0]).t()
+        (y * c).sum().backward()  # gradient arriving as a transposed (non-contiguous) view
+        # reference: each rank's grad = sum over ranks of its block of c = W * block
+        w = dc.get_world_size()
+        block = c[:, r * 3 : (r + 1) * 3]
+        return [float((x.grad - w * block).abs().max()), float((x.detach() - base.t()).abs().max())]
+
+    for err, changed in world3.run(noncontiguous):
         assert err == 0.0 and changed == 0.0
 
 
-def _integer_forward() -> list:
-    r = dc.get_rank()
-    x = torch.tensor([r, 2 * r], dtype=torch.int64)
-    b = torch.tensor([r % 2 == 0, True])
-    return [
-        dc.all_reduce(x, "sum").tolist(),
-        dc.all_reduce(x, "max").tolist(),
-        dc.all_reduce(b, "min").tolist(),
-        dc.all_gather(x).tolist(),
-        dc.all_to_all(torch.arange(3, dtype=torch.int32) + 3 * r).tolist(),
-        dc.all_reduce(torch.tensor([1.0 + r], dtype=torch.complex64), "product").tolist(),
-    ]
-
-
 def test_integer_bool_complex_forward(world3) -> None:
-    res = world3.run(_integer_forward)
+    def integer_forward() -> list:
+        r = dc.get_rank()
+        x = torch.tensor([r, 2 * r], dtype=torch.int64)
+        b = torch.tensor([r % 2 == 0, True])
+        return [
+            dc.all_reduce(x, "sum").tolist(),
+            dc.all_reduce(x, "max").tolist(),
+            dc.all_reduce(b, "min").tolist(),
+            dc.all_gather(x).tolist(),
+            dc.all_to_all(torch.arange(3, dtype=torch.int32) + 3 * r).tolist(),
+            dc.all_reduce(torch.tensor([1.0 + r], dtype=torch.complex64), "product").tolist(),
+        ]
+
+    res = world3.run(integer_forward)
     for r, (s, m, b, g, a, p) in enumerate(res):
         assert s == [3, 6] and m == [2, 4] and b == [False, True]
         assert g == [0, 0, 1, 2, 2, 4]
@@ -359,27 +357,26 @@ def test_integer_bool_complex_forward(world3) -> None:
         assert p == [complex(6.0)]
 
 
-def _subgroups() -> list:
-    import torch.distributed as dist
-
-    r = dc.get_rank()
-    g01 = dist.new_group([0, 1])
-    g23 = dist.new_group([2, 3])
-    mine = g01 if r < 2 else g23
-    x = torch.tensor([float(r)], dtype=torch.float64, requires_grad=True)
-    y = dc.all_gather(x, group=mine)
-    b = dc.broadcast(x, src=1, group=mine)  # group-local src: global 1 or 3
-    (y.sum() + 10 * b.sum()).backward()
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    z = dc.all_reduce(torch.tensor([float(r)]), group=(mesh, "tp"))
-    z2 = dc.all_reduce(torch.tensor([float(r)]), group=(mesh, 0))
-    return [y.tolist(), b.tolist(), x.grad.tolist(), z.tolist(), z2.tolist()]
-
-
 def test_subgroups_and_device_mesh(world4) -> None:
-    res = world4.run(_subgroups)
+    def subgroups() -> list:
+        import torch.distributed as dist
+
+        r = dc.get_rank()
+        g01 = dist.new_group([0, 1])
+        g23 = dist.new_group([2, 3])
+        mine = g01 if r < 2 else g23
+        x = torch.tensor([float(r)], dtype=torch.float64, requires_grad=True)
+        y = dc.all_gather(x, group=mine)
+        b = dc.broadcast(x, src=1, group=mine)  # group-local src: global 1 or 3
+        (y.sum() + 10 * b.sum()).backward()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        z = dc.all_reduce(torch.tensor([float(r)]), group=(mesh, "tp"))
+        z2 = dc.all_reduce(torch.tensor([float(r)]), group=(mesh, 0))
+        return [y.tolist(), b.tolist(), x.grad.tolist(), z.tolist(), z2.tolist()]
+
+    res = world4.run(subgroups)
     for r, (y, b, g, z, z2) in enumerate(res):
         base = 0 if r < 2 else 2
         assert y == [float(base), float(base + 1)]
@@ -486,22 +483,21 @@ BAD_INPUTS = [
 ]
 
 
-def _try_bad(index: int) -> tuple[str, str, int]:
-    fn = BAD_INPUTS[index][1]
-    with B.log_comms() as log:
-        try:
-            fn()
-        except (ValueError, TypeError) as exc:
-            return type(exc).__name__, str(exc), log.count()
-    return "none", "", log.count()
-
-
 @pytest.mark.parametrize(
     "index", range(len(BAD_INPUTS)), ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_INPUTS)]
 )
 def test_bad_input_is_rejected_before_communication(world2, index: int) -> None:
+    def try_bad(index: int) -> tuple[str, str, int]:
+        fn = BAD_INPUTS[index][1]
+        with B.log_comms() as log:
+            try:
+                fn()
+            except (ValueError, TypeError) as exc:
+                return type(exc).__name__, str(exc), log.count()
+        return "none", "", log.count()
+
     op, _, exc_type, pattern = BAD_INPUTS[index]
-    for rank, (kind, message, comms) in enumerate(world2.run(_try_bad, index)):
+    for rank, (kind, message, comms) in enumerate(world2.run(try_bad, index)):
         assert kind == exc_type.__name__, f"rank {rank}: expected {exc_type.__name__}, got {kind}: {message}"
         assert re.search(pattern, message), message
         assert f"diffcomm.{op}()" in message and f"(rank {rank})" in message
@@ -522,28 +518,6 @@ def test_not_initialised_is_a_clear_error() -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _mismatch(kind: str) -> tuple[str, str]:
-    r = dc.get_rank()
-    with dc.debug(True):
-        try:
-            if kind == "shape":
-                dc.all_reduce(torch.ones(2 + r))
-            elif kind == "dtype":
-                dc.all_gather(torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64))
-            elif kind == "root":
-                dc.broadcast(torch.ones(2), src=r)
-            elif kind == "op":
-                dc.all_reduce(torch.ones(2), "sum" if r else "max")
-            elif kind == "grad":
-                dc.all_reduce(torch.ones(2, requires_grad=r == 0))
-            elif kind == "ok":
-                dc.all_gather(torch.ones(1 + r, 2))  # uneven along dim is legal
-                return "ok", ""
-        except dc.CrossRankMismatchError as exc:
-            return type(exc).__name__, str(exc)
-    return "none", ""
-
-
 @pytest.mark.parametrize(
     "kind, field",
     [
@@ -555,13 +529,39 @@ def _mismatch(kind: str) -> tuple[str, str]:
     ],
 )
 def test_debug_mode_names_mismatched_ranks(world3, kind: str, field: str) -> None:
-    for name, msg in world3.run(_mismatch, kind):
+    def mismatch(kind: str) -> tuple[str, str]:
+        r = dc.get_rank()
+        with dc.debug(True):
+            try:
+                if kind == "shape":
+                    dc.all_reduce(torch.ones(2 + r))
+                elif kind == "dtype":
+                    dc.all_gather(torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64))
+                elif kind == "root":
+                    dc.broadcast(torch.ones(2), src=r)
+                elif kind == "op":
+                    dc.all_reduce(torch.ones(2), "sum" if r else "max")
+                elif kind == "grad":
+                    dc.all_reduce(torch.ones(2, requires_grad=r == 0))
+            except dc.CrossRankMismatchError as exc:
+                return type(exc).__name__, str(exc)
+        return "none", ""
+
+    for name, msg in world3.run(mismatch, kind):
         assert name == "CrossRankMismatchError"
         assert field in msg and "rank 0:" in msg and "rank 2:" in msg
 
 
 def test_debug_mode_accepts_legal_uneven(world3) -> None:
-    assert world3.run(_mismatch, "ok") == [("ok", "")] * 3
+    def legal_uneven() -> tuple[str, str]:
+        with dc.debug(True):
+            try:
+                dc.all_gather(torch.ones(1 + dc.get_rank(), 2))  # uneven along dim is legal
+            except dc.CrossRankMismatchError as exc:
+                return type(exc).__name__, str(exc)
+        return "ok", ""
+
+    assert world3.run(legal_uneven) == [("ok", "")] * 3
 
 
 def test_debug_mode_names_the_gathers_other_dims_in_user_words(world2) -> None:
@@ -626,17 +626,16 @@ def test_a_gathers_shape_or_dtype_mismatch_is_an_error_on_every_rank_without_deb
 # --------------------------------------------------------------------------------------
 
 
-def _skip_backward() -> None:
-    x = torch.ones(2, requires_grad=True)
-    y = dc.all_gather(x)
-    loss = y.sum() if dc.get_rank() == 0 else x.sum()  # rank 1 ignores y
-    loss.backward()
-
-
 def test_rank_ignoring_an_output_times_out_with_a_message() -> None:
+    def skip_backward() -> None:
+        x = torch.ones(2, requires_grad=True)
+        y = dc.all_gather(x)
+        loss = y.sum() if dc.get_rank() == 0 else x.sum()  # rank 1 ignores y
+        loss.backward()
+
     with dc.LocalWorld(2, collective_timeout=2.0, timeout=60) as world:
         with pytest.raises(dc.RankError) as info:
-            world.run(_skip_backward)
+            world.run(skip_backward)
         text = str(info.value)
         assert "all_gather backward" in text
         assert "make every rank's loss touch every collective output" in text
@@ -663,47 +662,45 @@ EXPECTED_CALLS = {
 }
 
 
-def _counts(op: str) -> tuple[dict, dict]:
-    w = dc.get_world_size()
-    x = torch.randn(2 * w, 3, dtype=torch.float64, requires_grad=True)
-    with B.log_comms() as fwd:
-        y = EXPECTED_CALLS[op][0](x, w)
-    with B.log_comms() as bwd:
-        y.backward(torch.ones_like(y))
-    return (
-        {k: int(v["count"]) for k, v in fwd.by_op().items()},
-        {k: int(v["count"]) for k, v in bwd.by_op().items()},
-    )
-
-
 @pytest.mark.parametrize("op", list(EXPECTED_CALLS))
 def test_backward_is_one_call_of_the_dual(world3, op: str) -> None:
+    def counts(op: str) -> tuple[dict, dict]:
+        w = dc.get_world_size()
+        x = torch.randn(2 * w, 3, dtype=torch.float64, requires_grad=True)
+        with B.log_comms() as fwd:
+            y = EXPECTED_CALLS[op][0](x, w)
+        with B.log_comms() as bwd:
+            y.backward(torch.ones_like(y))
+        return (
+            {k: int(v["count"]) for k, v in fwd.by_op().items()},
+            {k: int(v["count"]) for k, v in bwd.by_op().items()},
+        )
+
     _, want_fwd, want_bwd = EXPECTED_CALLS[op]
     assert dc.dual(op) in want_bwd or op == "all_reduce"
-    for fwd, bwd in world3.run(_counts, op):
+    for fwd, bwd in world3.run(counts, op):
         assert fwd == want_fwd and bwd == want_bwd
 
 
-def _size_exchange_counts() -> list[dict]:
-    group = dist.new_group(list(range(dc.get_world_size())))  # a new group: nothing learned yet
-    counts, values = [], []
-    for grow in (0, 0, 1, 0):
-        x = torch.full((1 + dc.get_rank() * (1 + grow), 2), float(dc.get_rank()), requires_grad=True)
-        with B.log_comms() as log:
-            y = dc.all_gather(x, group=group)
-            y.sum().backward()
-        counts.append({k: int(v["count"]) for k, v in log.by_op().items()})
-        values.append((y.tolist(), x.grad.tolist()))
-    return [counts, values]
-
-
 def test_uneven_all_gather_learns_the_sizes_with_the_rows(world3) -> None:
+    def size_exchange_counts() -> list[dict]:
+        group = dist.new_group(list(range(dc.get_world_size())))  # a new group: nothing learned yet
+        counts, values = [], []
+        for grow in (0, 0, 1, 0):
+            x = torch.full((1 + dc.get_rank() * (1 + grow), 2), float(dc.get_rank()), requires_grad=True)
+            with B.log_comms() as log:
+                y = dc.all_gather(x, group=group)
+                y.sum().backward()
+            counts.append({k: int(v["count"]) for k, v in log.by_op().items()})
+            values.append((y.tolist(), x.grad.tolist()))
+        return [counts, values]
+
     # sizes unknown, first time on a group for this trailing shape and dtype: one 8-byte
     # all_gather of sizes, then the data; backward knows them. Later: the sizes travel in
     # the data's own collective (one all_gather), unless a rank's rows outgrow what the
     # group has seen (every rank sees it in the gathered sizes: the data again, sized)
     one, two = {"all_gather": 1, "reduce_scatter": 1}, {"all_gather": 2, "reduce_scatter": 1}
-    outs = world3.run(_size_exchange_counts)
+    outs = world3.run(size_exchange_counts)
     for counts, values in outs:
         assert counts == [two, one, two, one]
         for grow, (y, grad) in zip((0, 0, 1, 0), values):
@@ -712,58 +709,55 @@ def test_uneven_all_gather_learns_the_sizes_with_the_rows(world3) -> None:
             assert grad == [[3.0, 3.0]] * len(grad)  # the sum of every rank's ones
 
 
-def _block(r: int, rows: list[int], dtype: torch.dtype, dim: int) -> torch.Tensor:
-    t = torch.arange(rows[r] * 3, dtype=torch.float64).reshape(rows[r], 3) + 1000 * r
-    t = (t % 2 if dtype == torch.bool else t).to(dtype)
-    return t if dim == 0 else t.T.contiguous()
-
-
-def _gathers_with_learned_sizes() -> list[str]:
-    from diffcomm.backend import sized_gather as _sized_gather
-
-    group = dist.new_group(list(range(dc.get_world_size())))
-    rank, world = dc.get_rank(), dc.get_world_size()
-    bad = []
-    big = _sized_gather.MAX_BYTES // 8 + 1  # float64 rows of one element: over the limit
-    # (dtype, dim, rows per rank, repeated): zero rows somewhere, dim 1, every dtype
-    for dtype in (torch.float32, torch.complex64, torch.bool, torch.bfloat16, torch.int64, torch.float64):
-        for rows in ([1, 2, 0], [2, 2, 2], [0, 0, 3], [3, 1, 2], [1, 1, 1], [big, 1, 2]):
-            if rows[0] == big and dtype != torch.float64:
-                continue
-            for dim in (0, 1):
-                with B.log_comms() as log:
-                    y = dc.all_gather(_block(rank, rows, dtype, dim), dim=dim, group=group)
-                want = torch.cat([_block(r, rows, dtype, dim) for r in range(world)], dim=dim)
-                if y.dtype != dtype or not torch.equal(y, want):
-                    bad.append(f"{dtype} dim={dim} rows={rows}: {y} != {want}")
-                n = int(log.by_op()["all_gather"]["count"])
-                if n not in (1, 2) or (rows[0] == big and n != 2):
-                    bad.append(f"{dtype} dim={dim} rows={rows}: {n} all_gathers")
-    return bad
-
-
 def test_all_gather_of_unknown_sizes_is_exact_for_every_dtype_and_layout(world3) -> None:
+    def block(r: int, rows: list[int], dtype: torch.dtype, dim: int) -> torch.Tensor:
+        t = torch.arange(rows[r] * 3, dtype=torch.float64).reshape(rows[r], 3) + 1000 * r
+        t = (t % 2 if dtype == torch.bool else t).to(dtype)
+        return t if dim == 0 else t.T.contiguous()
+
+    def gathers_with_learned_sizes() -> list[str]:
+        from diffcomm.backend import sized_gather as _sized_gather
+
+        group = dist.new_group(list(range(dc.get_world_size())))
+        rank, world = dc.get_rank(), dc.get_world_size()
+        bad = []
+        big = _sized_gather.MAX_BYTES // 8 + 1  # float64 rows of one element: over the limit
+        # (dtype, dim, rows per rank, repeated): zero rows somewhere, dim 1, every dtype
+        for dtype in (torch.float32, torch.complex64, torch.bool, torch.bfloat16, torch.int64, torch.float64):
+            for rows in ([1, 2, 0], [2, 2, 2], [0, 0, 3], [3, 1, 2], [1, 1, 1], [big, 1, 2]):
+                if rows[0] == big and dtype != torch.float64:
+                    continue
+                for dim in (0, 1):
+                    with B.log_comms() as log:
+                        y = dc.all_gather(block(rank, rows, dtype, dim), dim=dim, group=group)
+                    want = torch.cat([block(r, rows, dtype, dim) for r in range(world)], dim=dim)
+                    if y.dtype != dtype or not torch.equal(y, want):
+                        bad.append(f"{dtype} dim={dim} rows={rows}: {y} != {want}")
+                    n = int(log.by_op()["all_gather"]["count"])
+                    if n not in (1, 2) or (rows[0] == big and n != 2):
+                        bad.append(f"{dtype} dim={dim} rows={rows}: {n} all_gathers")
+        return bad
+
     # the sizes travel with the rows once the group has seen such rows: values are exact
     # for every dtype, zero rows, dim 1, and rows above the size limit (exchanged first)
-    for bad in world3.run(_gathers_with_learned_sizes):
+    for bad in world3.run(gathers_with_learned_sizes):
         assert bad == []
 
 
-def _renamed_sizes_keyword() -> dict[str, object]:
-    import warnings
-
-    x = torch.arange(3.0) + dc.get_rank()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old_ag = dc.all_gather(x, sizes=[3, 3])
-        old_g = dc.gather(x, sizes=[3, 3])
-    new_ag = dc.all_gather(x, split_sizes=[3, 3])
-    new_g = dc.gather(x, split_sizes=[3, 3])
-    kinds = [(w.category.__name__, "split_sizes" in str(w.message)) for w in caught]
-    return {"equal": torch.equal(old_ag, new_ag) and torch.equal(old_g, new_g), "warnings": kinds}
-
-
 def test_sizes_keyword_renamed_split_sizes_still_works_with_a_deprecation_warning(world2) -> None:
-    for res in world2.run(_renamed_sizes_keyword):
+    def renamed_sizes_keyword() -> dict[str, object]:
+        import warnings
+
+        x = torch.arange(3.0) + dc.get_rank()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            old_ag = dc.all_gather(x, sizes=[3, 3])
+            old_g = dc.gather(x, sizes=[3, 3])
+        new_ag = dc.all_gather(x, split_sizes=[3, 3])
+        new_g = dc.gather(x, split_sizes=[3, 3])
+        kinds = [(w.category.__name__, "split_sizes" in str(w.message)) for w in caught]
+        return {"equal": torch.equal(old_ag, new_ag) and torch.equal(old_g, new_g), "warnings": kinds}
+
+    for res in world2.run(renamed_sizes_keyword):
         assert res["equal"]
         assert res["warnings"] == [("DeprecationWarning", True)] * 2

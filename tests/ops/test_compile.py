@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _shared import fullgraph_error
 from torch import Tensor, nn
 from torch._dynamo.testing import CompileCounter
 
@@ -76,31 +77,30 @@ def _data(shape: tuple[int, ...], seed: int) -> Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
-def _compiled_vs_eager(name: str, backend: str) -> dict[str, object]:
-    r = dc.get_rank()
-    fn, shape = PROGRAMS[name]
-    x = _data(shape(r), 10 + r)
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True, backend=backend)
-    xc, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    with B.log_comms() as log:
-        yc = compiled(xc)
-    ye = fn(xe)
-    cot = _data(ye.shape, 20 + r)
-    (yc * cot).sum().backward()
-    (ye * cot).sum().backward()
-    y_nograd = compiled(x)  # inputs without grad: dynamo's other autograd.Function path
-    return {
-        "fwd": float((yc - ye).abs().max()) if ye.numel() else 0.0,
-        "grad": float((xc.grad - xe.grad).abs().max()),
-        "nograd": float((y_nograd - ye).abs().max()) if ye.numel() else 0.0,
-        "logged": log.count(),
-    }
-
-
 @pytest.mark.parametrize("name", list(PROGRAMS))
 def test_compiled_op_equals_eager_forward_and_backward(world2, name: str) -> None:
-    for res in world2.run(_compiled_vs_eager, name, "aot_eager"):
+    def compiled_vs_eager(name: str, backend: str) -> dict[str, object]:
+        r = dc.get_rank()
+        fn, shape = PROGRAMS[name]
+        x = _data(shape(r), 10 + r)
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend=backend)
+        xc, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        with B.log_comms() as log:
+            yc = compiled(xc)
+        ye = fn(xe)
+        cot = _data(ye.shape, 20 + r)
+        (yc * cot).sum().backward()
+        (ye * cot).sum().backward()
+        y_nograd = compiled(x)  # inputs without grad: dynamo's other autograd.Function path
+        return {
+            "fwd": float((yc - ye).abs().max()) if ye.numel() else 0.0,
+            "grad": float((xc.grad - xe.grad).abs().max()),
+            "nograd": float((y_nograd - ye).abs().max()) if ye.numel() else 0.0,
+            "logged": log.count(),
+        }
+
+    for res in world2.run(compiled_vs_eager, name, "aot_eager"):
         assert res["fwd"] <= 1e-12 and res["nograd"] <= 1e-12, res
         assert res["grad"] <= 1e-12, res
         # documented: the comms logger does not see collectives inside compiled code
@@ -125,26 +125,32 @@ class _TPBlock(nn.Module):
         return out / norm
 
 
-def _module_compiled_vs_eager(backend: str) -> dict[str, float]:
-    r = dc.get_rank()
-    torch._inductor.config.compile_threads = 1  # no worker pool on a small CI machine
-    eager, comp = _TPBlock(), _TPBlock()
-    comp.load_state_dict(eager.state_dict())
-    torch._dynamo.reset()
-    compiled = torch.compile(comp, fullgraph=True, backend=backend)
-    x = _data((3, 4), 30 + r)
-    ye, yc = eager(x), compiled(x)
-    cot = _data(ye.shape, 40 + r)
-    (ye * cot).sum().backward()
-    (yc * cot).sum().backward()
-    errs = {"fwd": float((yc - ye).abs().max())}
-    for (k, pe), pc in zip(eager.named_parameters(), comp.parameters()):
-        errs[k] = float((pe.grad - pc.grad).abs().max())
-    return errs
+def _single_compile_thread() -> None:
+    """No inductor worker pool on a small CI machine. (Module level: a rank body shipped by
+    value that names ``torch._inductor.config`` would carry that config module, which does
+    not pickle.)"""
+    torch._inductor.config.compile_threads = 1
 
 
 def test_compiled_module_inductor_equals_eager(world2) -> None:
-    for errs in world2.run(_module_compiled_vs_eager, "inductor"):
+    def module_compiled_vs_eager(backend: str) -> dict[str, float]:
+        r = dc.get_rank()
+        _single_compile_thread()
+        eager, comp = _TPBlock(), _TPBlock()
+        comp.load_state_dict(eager.state_dict())
+        torch._dynamo.reset()
+        compiled = torch.compile(comp, fullgraph=True, backend=backend)
+        x = _data((3, 4), 30 + r)
+        ye, yc = eager(x), compiled(x)
+        cot = _data(ye.shape, 40 + r)
+        (ye * cot).sum().backward()
+        (yc * cot).sum().backward()
+        errs = {"fwd": float((yc - ye).abs().max())}
+        for (k, pe), pc in zip(eager.named_parameters(), comp.parameters()):
+            errs[k] = float((pe.grad - pc.grad).abs().max())
+        return errs
+
+    for errs in world2.run(module_compiled_vs_eager, "inductor"):
         assert all(v <= 1e-10 for v in errs.values()), errs
 
 
@@ -172,17 +178,6 @@ def test_one_frame_compile_check_answers_as_is_compiling() -> None:
     assert counter.frame_count == 1  # compiled once: no guard on the flag
 
 
-def _compiled_ops_compile_once() -> list[int]:
-    dc.all_reduce(torch.ones(1))  # an eager op first: the settings are read (see the test)
-    torch._dynamo.reset()
-    counter = CompileCounter()
-    block = _TPBlock()
-    compiled = torch.compile(block, fullgraph=True, backend=counter)
-    for i in range(3):
-        compiled(_data((3, 4), 60 + i)).sum().backward()
-    return [counter.frame_count]
-
-
 def test_compiled_collectives_compile_once_across_calls(world2) -> None:
     """Three calls of a compiled block of collectives: one compilation (the eager hot
     path's compile checks leave no guard behind that fails on the next call).
@@ -191,58 +186,67 @@ def test_compiled_collectives_compile_once_across_calls(world2) -> None:
     environment on first use, so in a process whose first diffcomm op is compiled, that
     first trace reads ``DIFFCOMM_DEBUG`` and the second call compiles once more (the
     guard on "not read yet" fails once; docs/transforms.md)."""
-    assert world2.run(_compiled_ops_compile_once) == [[1], [1]]
 
+    def compiled_ops_compile_once() -> list[int]:
+        dc.all_reduce(torch.ones(1))  # an eager op first: the settings are read (see above)
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        block = _TPBlock()
+        compiled = torch.compile(block, fullgraph=True, backend=counter)
+        for i in range(3):
+            compiled(_data((3, 4), 60 + i)).sum().backward()
+        return [counter.frame_count]
 
-def _grad_inside_compile() -> list[float]:
-    from torch.func import grad, vjp
-
-    r = dc.get_rank()
-    x = _data((3,), 50 + r)
-
-    def f(v: Tensor) -> Tensor:
-        return (dc.all_reduce(v * v, "max") * (r + 1)).sum()
-
-    def g(v: Tensor) -> Tensor:
-        pullback = vjp(lambda u: dc.all_gather(u.sin(), 0, split_sizes=[3, 3]), v)[1]
-        return pullback(torch.arange(6.0, dtype=F64))[0]
-
-    torch._dynamo.reset()
-    e1 = float((torch.compile(grad(f), fullgraph=True, backend="aot_eager")(x) - grad(f)(x)).abs().max())
-    torch._dynamo.reset()
-    e2 = float((torch.compile(g, fullgraph=True, backend="aot_eager")(x) - g(x)).abs().max())
-    return [e1, e2]
+    assert world2.run(compiled_ops_compile_once) == [[1], [1]]
 
 
 def test_func_grad_and_vjp_inside_compile(world2) -> None:
-    for errs in world2.run(_grad_inside_compile):
+    def grad_inside_compile() -> list[float]:
+        from torch.func import grad, vjp
+
+        r = dc.get_rank()
+        x = _data((3,), 50 + r)
+
+        def f(v: Tensor) -> Tensor:
+            return (dc.all_reduce(v * v, "max") * (r + 1)).sum()
+
+        def g(v: Tensor) -> Tensor:
+            pullback = vjp(lambda u: dc.all_gather(u.sin(), 0, split_sizes=[3, 3]), v)[1]
+            return pullback(torch.arange(6.0, dtype=F64))[0]
+
+        torch._dynamo.reset()
+        e1 = float((torch.compile(grad(f), fullgraph=True, backend="aot_eager")(x) - grad(f)(x)).abs().max())
+        torch._dynamo.reset()
+        e2 = float((torch.compile(g, fullgraph=True, backend="aot_eager")(x) - g(x)).abs().max())
+        return [e1, e2]
+
+    for errs in world2.run(grad_inside_compile):
         assert max(errs) <= 1e-12, errs
 
 
-def _compiled_with_groups() -> dict[str, bool]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    r = dc.get_rank()
-    pg = dist.new_group([0, 1])
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    x = _data((4,), 60 + r)
-    out = {}
-    for name, fn in {
-        "process_group": lambda v: dc.reduce_scatter(dc.broadcast(v, src=1, group=pg) * v, 0, group=pg),
-        "mesh_axis_name": lambda v: dc.all_gather(v, 0, group=(mesh, "tp"), split_sizes=[4, 4]),
-        "mesh_axis_index": lambda v: dc.all_reduce(v.exp(), "max", group=(mesh, 0)),
-    }.items():
-        torch._dynamo.reset()
-        xc, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-        yc, ye = torch.compile(fn, fullgraph=True, backend="aot_eager")(xc), fn(xe)
-        yc.sum().backward()
-        ye.sum().backward()
-        out[name] = torch.equal(yc, ye) and torch.equal(xc.grad, xe.grad)
-    return out
-
-
 def test_compiled_ops_on_a_process_group_and_a_device_mesh(world2) -> None:
-    for res in world2.run(_compiled_with_groups):
+    def compiled_with_groups() -> dict[str, bool]:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        r = dc.get_rank()
+        pg = dist.new_group([0, 1])
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        x = _data((4,), 60 + r)
+        out = {}
+        for name, fn in {
+            "process_group": lambda v: dc.reduce_scatter(dc.broadcast(v, src=1, group=pg) * v, 0, group=pg),
+            "mesh_axis_name": lambda v: dc.all_gather(v, 0, group=(mesh, "tp"), split_sizes=[4, 4]),
+            "mesh_axis_index": lambda v: dc.all_reduce(v.exp(), "max", group=(mesh, 0)),
+        }.items():
+            torch._dynamo.reset()
+            xc, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+            yc, ye = torch.compile(fn, fullgraph=True, backend="aot_eager")(xc), fn(xe)
+            yc.sum().backward()
+            ye.sum().backward()
+            out[name] = torch.equal(yc, ye) and torch.equal(xc.grad, xe.grad)
+        return out
+
+    for res in world2.run(compiled_with_groups):
         assert all(res.values()), res
 
 
@@ -251,51 +255,50 @@ def test_compiled_ops_on_a_process_group_and_a_device_mesh(world2) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _standard_cases_through_traceable() -> list[str]:
-    bad = []
-    with B.set_backend(B.TraceableBackend()):
-        for case in standard_cases(dc.get_world_size()):
-            res = run_case(case)
-            if not res.ok:
-                bad.append(f"rank {dc.get_rank()}: {case.op} {case.label()}: {res.as_dict()}")
-    return bad
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_traceable_backend_passes_the_reference_checker(local_worlds, world_size: int) -> None:
     """Forward, gradient, adjoint and double backward of every standard case (every op,
     reduce op, dtype, uneven split) with the functional-collective raw ops."""
-    bad = [m for rr in local_worlds(world_size).run(_standard_cases_through_traceable) for m in rr]
+
+    def standard_cases_through_traceable() -> list[str]:
+        bad = []
+        with B.set_backend(B.TraceableBackend()):
+            for case in standard_cases(dc.get_world_size()):
+                res = run_case(case)
+                if not res.ok:
+                    bad.append(f"rank {dc.get_rank()}: {case.op} {case.label()}: {res.as_dict()}")
+        return bad
+
+    bad = [m for rr in local_worlds(world_size).run(standard_cases_through_traceable) for m in rr]
     assert not bad, "\n".join(bad[:10])
 
 
-def _subgroup_raw_ops() -> dict[str, bool]:
-    """Group-local src/dst on a subgroup {1, 3}: both adapters give the same results."""
-    r = dc.get_rank()
-    pg = dist.new_group([1, 3])
-    if r not in (1, 3):
-        return {}
-    eager, traced = B.TorchDistributedBackend(), B.TraceableBackend()
-    x = torch.arange(6.0, dtype=F64).reshape(3, 2) + 10 * r
-    same = {}
-    for name, call in {
-        "broadcast": lambda b: b.broadcast(x, 1, pg),
-        "reduce": lambda b: b.reduce(x, 1, "max", pg),
-        "gather": lambda b: b.gather(x[: 1 + r // 3], 0, pg, [1, 2]),
-        "scatter": lambda b: b.scatter(x, 1, pg, [2, 1]),
-        "all_gather": lambda b: b.all_gather(x[: 1 + r // 3], pg, [1, 2]),
-        "reduce_scatter": lambda b: b.reduce_scatter(x, "avg", pg, [1, 2]),
-        "all_to_all": lambda b: b.all_to_all(
-            x, pg, [1, 2] if r == 1 else [2, 1], [1, 2] if r == 1 else [2, 1]
-        ),
-    }.items():
-        a, b = call(eager), call(traced)
-        same[name] = a.shape == b.shape and torch.equal(a, b)
-    return same
-
-
 def test_traceable_backend_on_a_subgroup(world4) -> None:
-    for res in world4.run(_subgroup_raw_ops):
+    def subgroup_raw_ops() -> dict[str, bool]:
+        """Group-local src/dst on a subgroup {1, 3}: both adapters give the same results."""
+        r = dc.get_rank()
+        pg = dist.new_group([1, 3])
+        if r not in (1, 3):
+            return {}
+        eager, traced = B.TorchDistributedBackend(), B.TraceableBackend()
+        x = torch.arange(6.0, dtype=F64).reshape(3, 2) + 10 * r
+        same = {}
+        for name, call in {
+            "broadcast": lambda b: b.broadcast(x, 1, pg),
+            "reduce": lambda b: b.reduce(x, 1, "max", pg),
+            "gather": lambda b: b.gather(x[: 1 + r // 3], 0, pg, [1, 2]),
+            "scatter": lambda b: b.scatter(x, 1, pg, [2, 1]),
+            "all_gather": lambda b: b.all_gather(x[: 1 + r // 3], pg, [1, 2]),
+            "reduce_scatter": lambda b: b.reduce_scatter(x, "avg", pg, [1, 2]),
+            "all_to_all": lambda b: b.all_to_all(
+                x, pg, [1, 2] if r == 1 else [2, 1], [1, 2] if r == 1 else [2, 1]
+            ),
+        }.items():
+            a, b = call(eager), call(traced)
+            same[name] = a.shape == b.shape and torch.equal(a, b)
+        return same
+
+    for res in world4.run(subgroup_raw_ops):
         assert all(res.values()), res
 
 
@@ -311,27 +314,6 @@ def _dual_tangent(fn: object, v: Tensor) -> Tensor:
         return fwAD.unpack_dual(fn(fwAD.make_dual(v, torch.ones_like(v)))).tangent  # type: ignore[operator]
 
 
-def _compile_error(kind: str) -> str:
-    from torch.func import jvp, vmap
-
-    r = dc.get_rank()
-    x = torch.ones(1 + r, 2, dtype=F64)
-    fns = {
-        "all_gather_no_sizes": lambda v: dc.all_gather(v, 0),
-        "gather_no_sizes": lambda v: dc.gather(v, 0, 0),
-        "a2a_no_output_sizes": lambda v: dc.all_to_all(v, 0, 0, input_split_sizes=[r, 1]),
-        "jvp": lambda v: jvp(lambda u: dc.all_reduce(u), (v,), (torch.ones_like(v),))[1],
-        "vmap": lambda v: vmap(lambda u: dc.all_reduce(u))(v),
-        "forward_ad": lambda v: _dual_tangent(lambda u: dc.all_reduce(u), v),
-    }
-    torch._dynamo.reset()
-    try:
-        torch.compile(fns[kind], fullgraph=True, backend="eager")(x)
-    except torch._dynamo.exc.Unsupported as err:
-        return str(err)
-    return "compiled without error"
-
-
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
@@ -344,21 +326,35 @@ def _compile_error(kind: str) -> str:
     ],
 )
 def test_untraceable_use_fails_with_a_message(world2, kind: str, message: str) -> None:
-    for text in world2.run(_compile_error, kind):
+    def compile_error(kind: str) -> str:
+        from torch.func import jvp, vmap
+
+        r = dc.get_rank()
+        x = torch.ones(1 + r, 2, dtype=F64)
+        fns = {
+            "all_gather_no_sizes": lambda v: dc.all_gather(v, 0),
+            "gather_no_sizes": lambda v: dc.gather(v, 0, 0),
+            "a2a_no_output_sizes": lambda v: dc.all_to_all(v, 0, 0, input_split_sizes=[r, 1]),
+            "jvp": lambda v: jvp(lambda u: dc.all_reduce(u), (v,), (torch.ones_like(v),))[1],
+            "vmap": lambda v: vmap(lambda u: dc.all_reduce(u))(v),
+            "forward_ad": lambda v: _dual_tangent(lambda u: dc.all_reduce(u), v),
+        }
+        return fullgraph_error(fns[kind], x)
+
+    for text in world2.run(compile_error, kind):
         assert message in text, text
 
 
-def _graph_break_falls_back_to_eager() -> float:
-    """Without fullgraph the same code graph-breaks and runs the exchange eagerly."""
-    r = dc.get_rank()
-    x = torch.full((1 + r, 2), float(r), dtype=F64)
-    fn = lambda v: dc.all_gather(v * 2, 0)
-    torch._dynamo.reset()
-    return float((torch.compile(fn, backend="eager")(x) - fn(x)).abs().max())
-
-
 def test_without_fullgraph_untraceable_parts_run_eagerly(world2) -> None:
-    assert world2.run(_graph_break_falls_back_to_eager) == [0.0, 0.0]
+    def graph_break_falls_back_to_eager() -> float:
+        """Without fullgraph the same code graph-breaks and runs the exchange eagerly."""
+        r = dc.get_rank()
+        x = torch.full((1 + r, 2), float(r), dtype=F64)
+        fn = lambda v: dc.all_gather(v * 2, 0)
+        torch._dynamo.reset()
+        return float((torch.compile(fn, backend="eager")(x) - fn(x)).abs().max())
+
+    assert world2.run(graph_break_falls_back_to_eager) == [0.0, 0.0]
 
 
 # --------------------------------------------------------------------------------------
@@ -426,17 +422,6 @@ def test_pytorch_honours_custom_vmap_inside_compile() -> None:
     assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(x), fn(x))
 
 
-def _double_backward_through_compile() -> float:
-    x = torch.arange(3.0, dtype=F64).requires_grad_(True)
-    fn = lambda v: dc.all_reduce(v.pow(3)).sum()
-    torch._dynamo.reset()
-    (g,) = torch.autograd.grad(
-        torch.compile(fn, fullgraph=True, backend="aot_eager")(x), x, create_graph=True
-    )
-    (h,) = torch.autograd.grad(g.sum(), x)
-    return float(h.sum())
-
-
 @pytest.mark.xfail(
     strict=True,
     raises=dc.RankError,
@@ -444,4 +429,14 @@ def _double_backward_through_compile() -> float:
     "(double backward through a compiled region is unsupported); see docs/transforms.md",
 )
 def test_double_backward_through_compile(world2) -> None:
-    world2.run(_double_backward_through_compile)
+    def double_backward_through_compile() -> float:
+        x = torch.arange(3.0, dtype=F64).requires_grad_(True)
+        fn = lambda v: dc.all_reduce(v.pow(3)).sum()
+        torch._dynamo.reset()
+        (g,) = torch.autograd.grad(
+            torch.compile(fn, fullgraph=True, backend="aot_eager")(x), x, create_graph=True
+        )
+        (h,) = torch.autograd.grad(g.sum(), x)
+        return float(h.sum())
+
+    world2.run(double_backward_through_compile)

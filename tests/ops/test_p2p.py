@@ -65,211 +65,202 @@ def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tens
 # ======================================================================================
 
 
-def _roundtrip_every_dtype_and_ndim() -> None:
-    for i, (dtype, shape) in enumerate(itertools.product(DTYPES, SHAPES)):
-        x = _sample(dtype, shape, i)
-        if _rank() == 0:
-            token = p2p.send(x, dst=1, tag=i % 7)
-            assert token.shape == () and token.dtype == dtype and not token.requires_grad
-        else:
-            got = p2p.recv(src=0, tag=i % 7)  # no metadata given: it travels in the header
-            assert got.dtype == dtype and got.shape == x.shape, (dtype, shape, got.dtype, got.shape)
-            assert torch.equal(got, x), (dtype, shape)
-            assert not got.requires_grad
-    # shape/dtype/like given are checked and accepted when they agree
-    for i, dtype in enumerate(DTYPES):
-        x = _sample(dtype, (2, 2), 100 + i)
-        if _rank() == 0:
-            p2p.send(x, 1)
-            p2p.send(x, 1)
-        else:
-            assert torch.equal(p2p.recv(0, shape=(2, 2), dtype=dtype), x)
-            assert torch.equal(p2p.recv(0, like=torch.empty(2, 2, dtype=dtype)), x)
-    p2p.wait_sends()
-
-
 def test_recv_with_metadata_every_dtype_and_0_to_4_dims(world2: dc.LocalWorld) -> None:
-    world2.run(_roundtrip_every_dtype_and_ndim)
+    def roundtrip_every_dtype_and_ndim() -> None:
+        for i, (dtype, shape) in enumerate(itertools.product(DTYPES, SHAPES)):
+            x = _sample(dtype, shape, i)
+            if _rank() == 0:
+                token = p2p.send(x, dst=1, tag=i % 7)
+                assert token.shape == () and token.dtype == dtype and not token.requires_grad
+            else:
+                got = p2p.recv(src=0, tag=i % 7)  # no metadata given: it travels in the header
+                assert got.dtype == dtype and got.shape == x.shape, (dtype, shape, got.dtype, got.shape)
+                assert torch.equal(got, x), (dtype, shape)
+                assert not got.requires_grad
+        # shape/dtype/like given are checked and accepted when they agree
+        for i, dtype in enumerate(DTYPES):
+            x = _sample(dtype, (2, 2), 100 + i)
+            if _rank() == 0:
+                p2p.send(x, 1)
+                p2p.send(x, 1)
+            else:
+                assert torch.equal(p2p.recv(0, shape=(2, 2), dtype=dtype), x)
+                assert torch.equal(p2p.recv(0, like=torch.empty(2, 2, dtype=dtype)), x)
+        p2p.wait_sends()
 
-
-def _send_recv_gradient() -> list[Any]:
-    if _rank() == 0:
-        x = torch.arange(1.0, 4.0, dtype=torch.float64, requires_grad=True)
-        token = p2p.send(x * 2, dst=1)
-        assert token.requires_grad and token.item() == 0.0 and token.dtype == torch.float64
-        (token + (x * x).sum()).backward()  # the token added into the local loss
-        # rank 1's loss is sum(y^3) with y = 2x: d/dx = 3 * y^2 * 2; plus the local 2x
-        torch.testing.assert_close(x.grad, 6 * (2 * x.detach()) ** 2 + 2 * x.detach(), rtol=0, atol=0)
-        return [x.grad]
-    y = p2p.recv(src=0)
-    assert y.requires_grad and y.grad_fn is not None
-    (y**3).sum().backward()
-    return [y.detach()]
+    world2.run(roundtrip_every_dtype_and_ndim)
 
 
 def test_send_token_pulls_gradient_from_dst(world2: dc.LocalWorld) -> None:
-    out = world2.run(_send_recv_gradient)
+    def send_recv_gradient() -> list[Any]:
+        if _rank() == 0:
+            x = torch.arange(1.0, 4.0, dtype=torch.float64, requires_grad=True)
+            token = p2p.send(x * 2, dst=1)
+            assert token.requires_grad and token.item() == 0.0 and token.dtype == torch.float64
+            (token + (x * x).sum()).backward()  # the token added into the local loss
+            # rank 1's loss is sum(y^3) with y = 2x: d/dx = 3 * y^2 * 2; plus the local 2x
+            torch.testing.assert_close(x.grad, 6 * (2 * x.detach()) ** 2 + 2 * x.detach(), rtol=0, atol=0)
+            return [x.grad]
+        y = p2p.recv(src=0)
+        assert y.requires_grad and y.grad_fn is not None
+        (y**3).sum().backward()
+        return [y.detach()]
+
+    out = world2.run(send_recv_gradient)
     torch.testing.assert_close(out[1][0], torch.tensor([2.0, 4.0, 6.0], dtype=torch.float64))
 
 
-def _requires_grad_travels() -> None:
-    if _rank() == 0:
-        p2p.send(torch.ones(2), 1)  # no grad
-        w = torch.ones(2, requires_grad=True)
-        t = p2p.send(w * 3, 1)  # grad
-        with torch.no_grad():
-            p2p.send(w * 3, 1)  # grad mode off: no grad
-        p2p.send(torch.ones(2, dtype=torch.int64), 1)
-        t2 = p2p.send(w * 5, 1)  # the receiver is in no_grad: it answers with zeros
-        t.backward()
-        t2.backward()
-        torch.testing.assert_close(w.grad, torch.full((2,), 3.0 * 4.0))
-    else:
-        assert not p2p.recv(0).requires_grad
-        y = p2p.recv(0)
-        assert y.requires_grad
-        assert not p2p.recv(0).requires_grad
-        assert not p2p.recv(0).requires_grad
-        with torch.no_grad():
-            z = p2p.recv(0)
-        assert not z.requires_grad
-        (y * 4).sum().backward()
-    p2p.wait_sends()
-
-
 def test_requires_grad_is_never_lost_or_invented_across_a_boundary(world2: dc.LocalWorld) -> None:
-    world2.run(_requires_grad_travels)
+    def requires_grad_travels() -> None:
+        if _rank() == 0:
+            p2p.send(torch.ones(2), 1)  # no grad
+            w = torch.ones(2, requires_grad=True)
+            t = p2p.send(w * 3, 1)  # grad
+            with torch.no_grad():
+                p2p.send(w * 3, 1)  # grad mode off: no grad
+            p2p.send(torch.ones(2, dtype=torch.int64), 1)
+            t2 = p2p.send(w * 5, 1)  # the receiver is in no_grad: it answers with zeros
+            t.backward()
+            t2.backward()
+            torch.testing.assert_close(w.grad, torch.full((2,), 3.0 * 4.0))
+        else:
+            assert not p2p.recv(0).requires_grad
+            y = p2p.recv(0)
+            assert y.requires_grad
+            assert not p2p.recv(0).requires_grad
+            assert not p2p.recv(0).requires_grad
+            with torch.no_grad():
+                z = p2p.recv(0)
+            assert not z.requires_grad
+            (y * 4).sum().backward()
+        p2p.wait_sends()
 
-
-def _tags_match_out_of_order() -> None:
-    if _rank() == 0:
-        p2p.send(torch.tensor([1.0]), 1, tag=1)
-        p2p.send(torch.tensor([2.0]), 1, tag=2)
-    else:
-        assert p2p.recv(0, tag=2).item() == 2.0
-        assert p2p.recv(0, tag=1).item() == 1.0
-    p2p.wait_sends()
-
-
-def _backward_order_differs() -> None:
-    # gradients pair with their messages, not with the order backward nodes happen to run
-    if _rank() == 0:
-        a = torch.ones(2, requires_grad=True)
-        b = torch.ones(2, requires_grad=True)
-        ta, tb = p2p.send(a * 1, 1), p2p.send(b * 1, 1)
-        ta.backward()
-        tb.backward()
-        assert a.grad.tolist() == [2.0, 2.0] and b.grad.tolist() == [3.0, 3.0]
-    else:
-        ya, yb = p2p.recv(0), p2p.recv(0)
-        (3 * yb).sum().backward()  # b's gradient is sent first
-        (2 * ya).sum().backward()
-    p2p.wait_sends()
+    world2.run(requires_grad_travels)
 
 
 def test_gradients_pair_with_their_messages_whatever_the_backward_order(world2: dc.LocalWorld) -> None:
-    world2.run(_backward_order_differs)
+    def backward_order_differs() -> None:
+        # gradients pair with their messages, not with the order backward nodes happen to run
+        if _rank() == 0:
+            a = torch.ones(2, requires_grad=True)
+            b = torch.ones(2, requires_grad=True)
+            ta, tb = p2p.send(a * 1, 1), p2p.send(b * 1, 1)
+            ta.backward()
+            tb.backward()
+            assert a.grad.tolist() == [2.0, 2.0] and b.grad.tolist() == [3.0, 3.0]
+        else:
+            ya, yb = p2p.recv(0), p2p.recv(0)
+            (3 * yb).sum().backward()  # b's gradient is sent first
+            (2 * ya).sum().backward()
+        p2p.wait_sends()
 
-
-def _out_of_step() -> None:
-    # simulate a rank that skipped messages: first the receiver, then the sender is ahead
-    if _rank() == 0:
-        p2p.send(torch.ones(1), 1, tag=11)
-        p2p.send(torch.ones(2), 1, tag=11)
-        T.SEQ[(None, 1, 12, "send")] = T.SEQ.get((None, 1, 12, "send"), 0) + 3
-        p2p.send(torch.ones(3), 1, tag=12)
-        p2p.send(torch.ones(4), 1, tag=12)
-    else:
-        T.SEQ[(None, 0, 11, "recv")] = T.SEQ.get((None, 0, 11, "recv"), 0) + 5
-        with pytest.raises(CrossRankMismatchError, match=r"out of step: this is receive #\d+ on rank 1"):
-            p2p.recv(0, tag=11)
-        assert p2p.recv(0, tag=11).shape == (2,)  # back in step
-        with pytest.raises(CrossRankMismatchError, match="out of step"):
-            p2p.recv(0, tag=12)
-        assert p2p.recv(0, tag=12).shape == (4,)
-    p2p.wait_sends()
+    world2.run(backward_order_differs)
 
 
 def test_send_recv_out_of_step_is_an_error(world2: dc.LocalWorld) -> None:
-    world2.run(_out_of_step)
+    def out_of_step() -> None:
+        # simulate a rank that skipped messages: first the receiver, then the sender is ahead
+        if _rank() == 0:
+            p2p.send(torch.ones(1), 1, tag=11)
+            p2p.send(torch.ones(2), 1, tag=11)
+            T.SEQ[(None, 1, 12, "send")] = T.SEQ.get((None, 1, 12, "send"), 0) + 3
+            p2p.send(torch.ones(3), 1, tag=12)
+            p2p.send(torch.ones(4), 1, tag=12)
+        else:
+            T.SEQ[(None, 0, 11, "recv")] = T.SEQ.get((None, 0, 11, "recv"), 0) + 5
+            with pytest.raises(CrossRankMismatchError, match=r"out of step: this is receive #\d+ on rank 1"):
+                p2p.recv(0, tag=11)
+            assert p2p.recv(0, tag=11).shape == (2,)  # back in step
+            with pytest.raises(CrossRankMismatchError, match="out of step"):
+                p2p.recv(0, tag=12)
+            assert p2p.recv(0, tag=12).shape == (4,)
+        p2p.wait_sends()
+
+    world2.run(out_of_step)
 
 
 def test_tags_select_messages(world2: dc.LocalWorld) -> None:
-    world2.run(_tags_match_out_of_order)
+    def tags_match_out_of_order() -> None:
+        if _rank() == 0:
+            p2p.send(torch.tensor([1.0]), 1, tag=1)
+            p2p.send(torch.tensor([2.0]), 1, tag=2)
+        else:
+            assert p2p.recv(0, tag=2).item() == 2.0
+            assert p2p.recv(0, tag=1).item() == 1.0
+        p2p.wait_sends()
 
-
-def _both_send_then_receive(n: int) -> float:
-    # the 1F1B steady-state pattern: a blocking c10d send would deadlock here
-    other = 1 - _rank()
-    x = torch.full((n,), float(_rank()))
-    p2p.send(x, other)
-    p2p.send(x + 10, other)
-    a, b = p2p.recv(other), p2p.recv(other)
-    p2p.wait_sends()
-    assert T.SENDS.pending() == 0
-    return float(a[0] + b[-1])
+    world2.run(tags_match_out_of_order)
 
 
 def test_sends_are_asynchronous_so_neighbours_do_not_deadlock(world2: dc.LocalWorld) -> None:
-    assert world2.run(_both_send_then_receive, 1 << 18) == [1.0 + 11.0, 0.0 + 10.0]
-
-
-def _reuse_after_send() -> list[float]:
-    # gloo reads a send's buffer only once the receiver has posted its receive (checked:
-    # without send's private copy the receiver here gets the -1s), so the receiver waits
-    # until the sender has overwritten x
-    if _rank() == 0:
-        x = torch.ones(1 << 16)
-        p2p.send(x, 1)
-        x.fill_(-1.0)  # at once: the send has not been received yet
-        x2 = torch.arange(8.0).reshape(2, 4)
-        p2p.send(x2.t(), 1)  # a non-contiguous view
-        x2.zero_()
-        B.get_backend().barrier(None)
+    def both_send_then_receive(n: int) -> float:
+        # the 1F1B steady-state pattern: a blocking c10d send would deadlock here
+        other = 1 - _rank()
+        x = torch.full((n,), float(_rank()))
+        p2p.send(x, other)
+        p2p.send(x + 10, other)
+        a, b = p2p.recv(other), p2p.recv(other)
         p2p.wait_sends()
-        return []
-    B.get_backend().barrier(None)  # the sender has overwritten both by now
-    a, b = p2p.recv(0), p2p.recv(0)
-    torch.testing.assert_close(b, torch.arange(8.0).reshape(2, 4).t().contiguous(), rtol=0, atol=0)
-    return [float(a.min()), float(a.max())]
+        assert T.SENDS.pending() == 0
+        return float(a[0] + b[-1])
+
+    assert world2.run(both_send_then_receive, 1 << 18) == [1.0 + 11.0, 0.0 + 10.0]
 
 
 def test_the_caller_may_reuse_x_as_soon_as_send_returns(world2: dc.LocalWorld) -> None:
-    assert world2.run(_reuse_after_send)[1] == [1.0, 1.0]
-
-
-def _send_owned_sends_x_itself() -> list[Any]:
-    sent: list[int] = []  # storages of the data buffers posted
-
-    def post(parts: Any, buf: torch.Tensor, *args: Any) -> None:
-        sent.append(buf.untyped_storage().data_ptr())
-        post0(parts, buf, *args)
-
-    post0, T._post = T._post, post
-    try:
+    def reuse_after_send() -> list[float]:
+        # gloo reads a send's buffer only once the receiver has posted its receive (checked:
+        # without send's private copy the receiver here gets the -1s), so the receiver waits
+        # until the sender has overwritten x
         if _rank() == 0:
-            x = torch.arange(12.0, dtype=torch.float64).reshape(3, 4).requires_grad_()
-            y = x * 2
-            t1 = p2p.send_owned(y, dst=1)  # contiguous: its own storage on the wire
-            assert sent[-1] == y.untyped_storage().data_ptr()
-            t2 = p2p.send_owned(y.t(), dst=1)  # non-contiguous: a contiguous copy
-            assert sent[-1] != y.untyped_storage().data_ptr()
-            t3 = p2p.send(y, dst=1)  # the public send: always a private copy
-            assert sent[-1] != y.untyped_storage().data_ptr()
-            assert t1.requires_grad and p2p.post_grad_recv(t1)
-            (t1 + t2 + t3).backward()
-            return [x.grad]
-        a, b, c = p2p.recv(0), p2p.recv(0), p2p.recv(0)
-        assert a.requires_grad and b.requires_grad and c.requires_grad
-        ((a * a).sum() + (3 * b).sum() + c.sum()).backward()
-        return [torch.stack([a.detach(), b.detach().t(), c.detach()])]
-    finally:
-        T._post = post0
-        p2p.wait_sends()
+            x = torch.ones(1 << 16)
+            p2p.send(x, 1)
+            x.fill_(-1.0)  # at once: the send has not been received yet
+            x2 = torch.arange(8.0).reshape(2, 4)
+            p2p.send(x2.t(), 1)  # a non-contiguous view
+            x2.zero_()
+            B.get_backend().barrier(None)
+            p2p.wait_sends()
+            return []
+        B.get_backend().barrier(None)  # the sender has overwritten both by now
+        a, b = p2p.recv(0), p2p.recv(0)
+        torch.testing.assert_close(b, torch.arange(8.0).reshape(2, 4).t().contiguous(), rtol=0, atol=0)
+        return [float(a.min()), float(a.max())]
+
+    assert world2.run(reuse_after_send)[1] == [1.0, 1.0]
 
 
 def test_send_owned_sends_the_callers_tensor_with_sends_header_and_gradient(world2: dc.LocalWorld) -> None:
-    (g,), (ys,) = world2.run(_send_owned_sends_x_itself)
+    def send_owned_sends_x_itself() -> list[Any]:
+        sent: list[int] = []  # storages of the data buffers posted
+
+        def post(parts: Any, buf: torch.Tensor, *args: Any) -> None:
+            sent.append(buf.untyped_storage().data_ptr())
+            post0(parts, buf, *args)
+
+        post0, T._post = T._post, post
+        try:
+            if _rank() == 0:
+                x = torch.arange(12.0, dtype=torch.float64).reshape(3, 4).requires_grad_()
+                y = x * 2
+                t1 = p2p.send_owned(y, dst=1)  # contiguous: its own storage on the wire
+                assert sent[-1] == y.untyped_storage().data_ptr()
+                t2 = p2p.send_owned(y.t(), dst=1)  # non-contiguous: a contiguous copy
+                assert sent[-1] != y.untyped_storage().data_ptr()
+                t3 = p2p.send(y, dst=1)  # the public send: always a private copy
+                assert sent[-1] != y.untyped_storage().data_ptr()
+                assert t1.requires_grad and p2p.post_grad_recv(t1)
+                (t1 + t2 + t3).backward()
+                return [x.grad]
+            a, b, c = p2p.recv(0), p2p.recv(0), p2p.recv(0)
+            assert a.requires_grad and b.requires_grad and c.requires_grad
+            ((a * a).sum() + (3 * b).sum() + c.sum()).backward()
+            return [torch.stack([a.detach(), b.detach().t(), c.detach()])]
+        finally:
+            T._post = post0
+            p2p.wait_sends()
+
+    (g,), (ys,) = world2.run(send_owned_sends_x_itself)
     x = torch.arange(12.0, dtype=torch.float64).reshape(3, 4)
     torch.testing.assert_close(ys, torch.stack([2 * x, 2 * x, 2 * x]), rtol=0, atol=0)
     # d/dx [sum((2x)^2) + sum(3 (2x)^T) + sum(2x)] = 8x + 6 + 2
@@ -278,67 +269,64 @@ def test_send_owned_sends_the_callers_tensor_with_sends_header_and_gradient(worl
 
 @pytest.mark.parametrize("kind", ["shape", "dtype", "like"])
 def test_mismatched_send_recv_is_an_error_naming_the_ranks(world2: dc.LocalWorld, kind: str) -> None:
-    world2.run(_mismatch_clean, kind)
+    def mismatch_clean(kind: str) -> None:
+        x = torch.zeros(3, 4)
+        kwargs: dict[str, Any] = {
+            "shape": {"shape": (4, 3)},
+            "dtype": {"dtype": torch.float64},
+            "like": {"like": torch.zeros(3, 4, dtype=torch.int32)},
+        }[kind]
+        got = {
+            "shape": r"rank 1 expected shape \(4, 3\), any dtype, but rank 0 sent shape \(3, 4\), float32",
+            "dtype": r"rank 1 expected any shape, float64, but rank 0 sent shape \(3, 4\), float32",
+            "like": r"rank 1 expected shape \(3, 4\), int32, but rank 0 sent shape \(3, 4\), float32",
+        }[kind]
+        if _rank() == 0:
+            p2p.send(x, 1, tag=3)
+            p2p.send(torch.tensor([7.0]), 1, tag=3)
+            p2p.wait_sends()
+            return
+        with pytest.raises(
+            CrossRankMismatchError, match=r"mismatched send/recv between ranks 0 -> 1 \(tag 3\): " + got
+        ):
+            p2p.recv(0, tag=3, **kwargs)
+        # the mismatched data was drained: the next message arrives intact
+        assert p2p.recv(0, tag=3).tolist() == [7.0]
 
-
-def _mismatch_clean(kind: str) -> None:
-    x = torch.zeros(3, 4)
-    kwargs: dict[str, Any] = {
-        "shape": {"shape": (4, 3)},
-        "dtype": {"dtype": torch.float64},
-        "like": {"like": torch.zeros(3, 4, dtype=torch.int32)},
-    }[kind]
-    got = {
-        "shape": r"rank 1 expected shape \(4, 3\), any dtype, but rank 0 sent shape \(3, 4\), float32",
-        "dtype": r"rank 1 expected any shape, float64, but rank 0 sent shape \(3, 4\), float32",
-        "like": r"rank 1 expected shape \(3, 4\), int32, but rank 0 sent shape \(3, 4\), float32",
-    }[kind]
-    if _rank() == 0:
-        p2p.send(x, 1, tag=3)
-        p2p.send(torch.tensor([7.0]), 1, tag=3)
-        p2p.wait_sends()
-        return
-    with pytest.raises(
-        CrossRankMismatchError, match=r"mismatched send/recv between ranks 0 -> 1 \(tag 3\): " + got
-    ):
-        p2p.recv(0, tag=3, **kwargs)
-    # the mismatched data was drained: the next message arrives intact
-    assert p2p.recv(0, tag=3).tolist() == [7.0]
-
-
-def _mismatched_pairing_is_detected() -> None:
-    # rank 0 sends raw data where rank 1 expects a diffcomm header
-    if _rank() == 0:
-        dist.send(torch.zeros(T.HEADER_LEN, dtype=torch.int64), 1, tag=9)
-    else:
-        with pytest.raises(CrossRankMismatchError, match="not a diffcomm.send header.*ranks 0 and 1"):
-            p2p.recv(0, tag=9)
+    world2.run(mismatch_clean, kind)
 
 
 def test_a_message_that_is_not_a_send_header_is_an_error(world2: dc.LocalWorld) -> None:
-    world2.run(_mismatched_pairing_is_detected)
+    def mismatched_pairing_is_detected() -> None:
+        # rank 0 sends raw data where rank 1 expects a diffcomm header
+        if _rank() == 0:
+            dist.send(torch.zeros(T.HEADER_LEN, dtype=torch.int64), 1, tag=9)
+        else:
+            with pytest.raises(CrossRankMismatchError, match="not a diffcomm.send header.*ranks 0 and 1"):
+                p2p.recv(0, tag=9)
 
-
-def _send_recv_higher_order() -> None:
-    if _rank() == 0:
-        x = torch.tensor([1.0, 2.0], requires_grad=True)
-        token = p2p.send(x, 1)
-        (gx,) = torch.autograd.grad(token, x, create_graph=True)
-        with pytest.raises(NotImplementedError, match="double backward through send/recv"):
-            (gx**2).sum().backward()
-        with torch.autograd.forward_ad.dual_level():
-            dual = torch.autograd.forward_ad.make_dual(x.detach(), torch.ones(2))
-            with pytest.raises(NotImplementedError, match="forward-mode AD .* through send/recv"):
-                p2p.send(dual, 1)
-    else:
-        y = p2p.recv(0)
-        (y**2).sum().backward(create_graph=True)
-        p2p.recv(0)  # the forward-mode attempt still delivered its data
-    p2p.wait_sends()
+    world2.run(mismatched_pairing_is_detected)
 
 
 def test_send_recv_higher_order_and_forward_mode_are_errors_not_silent(world2: dc.LocalWorld) -> None:
-    world2.run(_send_recv_higher_order)
+    def send_recv_higher_order() -> None:
+        if _rank() == 0:
+            x = torch.tensor([1.0, 2.0], requires_grad=True)
+            token = p2p.send(x, 1)
+            (gx,) = torch.autograd.grad(token, x, create_graph=True)
+            with pytest.raises(NotImplementedError, match="double backward through send/recv"):
+                (gx**2).sum().backward()
+            with torch.autograd.forward_ad.dual_level():
+                dual = torch.autograd.forward_ad.make_dual(x.detach(), torch.ones(2))
+                with pytest.raises(NotImplementedError, match="forward-mode AD .* through send/recv"):
+                    p2p.send(dual, 1)
+        else:
+            y = p2p.recv(0)
+            (y**2).sum().backward(create_graph=True)
+            p2p.recv(0)  # the forward-mode attempt still delivered its data
+        p2p.wait_sends()
+
+    world2.run(send_recv_higher_order)
 
 
 # ======================================================================================
@@ -379,19 +367,18 @@ BAD_CALLS: list[tuple[str, type[Exception], str]] = [
 ]
 
 
-def _bad_calls() -> int:
-    me, n, other = _rank(), _n(), 1 - _rank()
-    x = torch.ones(3)
-    env = {"p2p": p2p, "torch": torch, "x": x, "me": me, "n": n, "other": other}
-    for code, exc, match in BAD_CALLS:
-        with pytest.raises(exc, match=match):
-            eval(code, env)
-    # nobody was left waiting on a half-started exchange: a real one completes at once
-    return int(p2p.shift(torch.tensor([me])).item())
-
-
 def test_bad_arguments_raise_before_any_communication(world2: dc.LocalWorld) -> None:
-    assert world2.run(_bad_calls) == [1, 0]
+    def bad_calls() -> int:
+        me, n, other = _rank(), _n(), 1 - _rank()
+        x = torch.ones(3)
+        env = {"p2p": p2p, "torch": torch, "x": x, "me": me, "n": n, "other": other}
+        for code, exc, match in BAD_CALLS:
+            with pytest.raises(exc, match=match):
+                eval(code, env)
+        # nobody was left waiting on a half-started exchange: a real one completes at once
+        return int(p2p.shift(torch.tensor([me])).item())
+
+    assert world2.run(bad_calls) == [1, 0]
 
 
 # ======================================================================================
@@ -418,19 +405,19 @@ def _full_perm(n: int) -> list[tuple[int, int]]:
     return [(r, (r + 1) % n) for r in range(n)][::-1]
 
 
-def _values() -> list[torch.Tensor]:
-    me = _rank()
-    x = torch.tensor([float(me)])
-    return [_apply(op, x) for op in ("shift", "shift-2", "sendrecv", "ppermute-partial")]
-
-
 def test_values_of_shift_sendrecv_ppermute(world3: dc.LocalWorld) -> None:
-    out = [[float(t) for t in r] for r in world3.run(_values)]
+    def values() -> list[torch.Tensor]:
+        me = _rank()
+        x = torch.tensor([float(me)])
+        return [_apply(op, x) for op in ("shift", "shift-2", "sendrecv", "ppermute-partial")]
+
+    out = [[float(t) for t in r] for r in world3.run(values)]
     # rank r: shift(1) from r-1, shift(-2) from r+2, ring from r+1, partial: 2<-0, 1<-2
     assert out == [[2.0, 2.0, 1.0, 0.0], [0.0, 0.0, 2.0, 2.0], [1.0, 1.0, 0.0, 0.0]]
 
 
-def _adjoint(op: str, dtype: torch.dtype) -> tuple[float, float]:
+# shared rank body of the two dot-product adjoint tests below (real: every op and world; complex)
+def _adjoint_rank_body(op: str, dtype: torch.dtype) -> tuple[float, float]:
     me = _rank()
     g = torch.Generator().manual_seed(1000 + me)
     x = torch.randn(2, 3, generator=g, dtype=dtype).requires_grad_()
@@ -445,232 +432,223 @@ def _adjoint(op: str, dtype: torch.dtype) -> tuple[float, float]:
 @pytest.mark.parametrize("op", ["shift", "shift-2", "sendrecv", "ppermute", "ppermute-partial"])
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_dot_product_adjoint(local_worlds: Callable[[int], dc.LocalWorld], op: str, n: int) -> None:
-    for lhs, rhs in local_worlds(n).run(_adjoint, op, torch.float64):
+    for lhs, rhs in local_worlds(n).run(_adjoint_rank_body, op, torch.float64):
         assert lhs == pytest.approx(rhs, rel=1e-12, abs=1e-12)
 
 
 def test_dot_product_adjoint_complex(world3: dc.LocalWorld) -> None:
-    for lhs, rhs in world3.run(_adjoint, "ppermute", torch.complex128):
+    for lhs, rhs in world3.run(_adjoint_rank_body, "ppermute", torch.complex128):
         assert lhs == pytest.approx(rhs, rel=1e-12)
-
-
-def _adjoint_send_recv() -> tuple[float, float]:
-    g = torch.Generator().manual_seed(7 + _rank())
-    x = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
-    y = torch.randn(4, generator=g, dtype=torch.float64)
-    if _rank() == 0:  # op: x_0 -> out_1 (out_0 = 0)
-        p2p.send(x, 1).backward()
-        lhs, rhs = 0.0, float(x.grad @ x.detach())
-    else:
-        out = p2p.recv(0)
-        (out * y).sum().backward()
-        lhs, rhs = float(out.detach() @ y), 0.0
-    return _sum_over_ranks(lhs), _sum_over_ranks(rhs)
 
 
 def test_dot_product_adjoint_send_recv(world2: dc.LocalWorld) -> None:
-    for lhs, rhs in world2.run(_adjoint_send_recv):
+    def adjoint_send_recv() -> tuple[float, float]:
+        g = torch.Generator().manual_seed(7 + _rank())
+        x = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
+        y = torch.randn(4, generator=g, dtype=torch.float64)
+        if _rank() == 0:  # op: x_0 -> out_1 (out_0 = 0)
+            p2p.send(x, 1).backward()
+            lhs, rhs = 0.0, float(x.grad @ x.detach())
+        else:
+            out = p2p.recv(0)
+            (out * y).sum().backward()
+            lhs, rhs = float(out.detach() @ y), 0.0
+        return _sum_over_ranks(lhs), _sum_over_ranks(rhs)
+
+    for lhs, rhs in world2.run(adjoint_send_recv):
         assert lhs == pytest.approx(rhs, rel=1e-12)
 
 
-def _sendrecv_other_shape() -> list[float]:
-    me = _rank()
-    mine = torch.arange(6.0 if me == 0 else 4.0, dtype=torch.float64).requires_grad_()
-    theirs = (4,) if me == 0 else (6,)
-    got = p2p.sendrecv(mine * (me + 1), dst=1 - me, src=1 - me, shape=theirs)
-    assert got.shape == theirs
-    (got * got).sum().backward()
-    # d/dmine of the other rank's sum((mine*(me+1))^2) = 2 (me+1)^2 mine
-    torch.testing.assert_close(mine.grad, 2 * (me + 1) ** 2 * mine.detach())
-    # vmap: the batch size goes in front of the received shape (one exchange), and the
-    # backward sends back a batch of x's shape
-    batch = torch.stack([mine.detach() * (k + 1) for k in range(3)])
-    with B.log_comms() as log:
-        got_b, pull = torch.func.vjp(
-            torch.func.vmap(lambda v: p2p.sendrecv(v, 1 - me, 1 - me, shape=theirs)), batch
-        )
-    assert log.count("batch_p2p") == 1
-    torch.testing.assert_close(got_b, torch.stack([got.detach() / (2 - me) * (k + 1) for k in range(3)]))
-    (g,) = pull(got_b)
-    torch.testing.assert_close(g, batch)  # the exchange there and back is the identity
-    return got.tolist()
-
-
 def test_sendrecv_with_a_different_received_shape(world2: dc.LocalWorld) -> None:
-    a, b = world2.run(_sendrecv_other_shape)
+    def sendrecv_other_shape() -> list[float]:
+        me = _rank()
+        mine = torch.arange(6.0 if me == 0 else 4.0, dtype=torch.float64).requires_grad_()
+        theirs = (4,) if me == 0 else (6,)
+        got = p2p.sendrecv(mine * (me + 1), dst=1 - me, src=1 - me, shape=theirs)
+        assert got.shape == theirs
+        (got * got).sum().backward()
+        # d/dmine of the other rank's sum((mine*(me+1))^2) = 2 (me+1)^2 mine
+        torch.testing.assert_close(mine.grad, 2 * (me + 1) ** 2 * mine.detach())
+        # vmap: the batch size goes in front of the received shape (one exchange), and the
+        # backward sends back a batch of x's shape
+        batch = torch.stack([mine.detach() * (k + 1) for k in range(3)])
+        with B.log_comms() as log:
+            got_b, pull = torch.func.vjp(
+                torch.func.vmap(lambda v: p2p.sendrecv(v, 1 - me, 1 - me, shape=theirs)), batch
+            )
+        assert log.count("batch_p2p") == 1
+        torch.testing.assert_close(got_b, torch.stack([got.detach() / (2 - me) * (k + 1) for k in range(3)]))
+        (g,) = pull(got_b)
+        torch.testing.assert_close(g, batch)  # the exchange there and back is the identity
+        return got.tolist()
+
+    a, b = world2.run(sendrecv_other_shape)
     assert a == [0.0, 2.0, 4.0, 6.0] and b == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-
-
-def _torch_func(op: str) -> int:
-    me = _rank()
-    g = torch.Generator().manual_seed(50 + me)
-    x = torch.randn(3, 2, generator=g, dtype=torch.float64)
-    c = torch.randn(3, 2, generator=g, dtype=torch.float64)
-    t = torch.randn(3, 2, generator=g, dtype=torch.float64)
-
-    def f(v: torch.Tensor) -> torch.Tensor:
-        return _apply(op, v)
-
-    # reference: eager autograd
-    xr = x.clone().requires_grad_()
-    (f(xr) * c).sum().backward()
-    ref_grad = xr.grad
-    # grad / vjp
-    torch.testing.assert_close(torch.func.grad(lambda v: (f(v) * c).sum())(x), ref_grad)
-    out, vjp_fn = torch.func.vjp(f, x)
-    torch.testing.assert_close(vjp_fn(c)[0], ref_grad)
-    torch.testing.assert_close(out, f(x))
-    # jvp (forward mode): a linear op maps the tangent like the primal
-    p, tan = torch.func.jvp(f, (x,), (t,))
-    torch.testing.assert_close(p, f(x))
-    torch.testing.assert_close(tan, f(t))
-    with torch.autograd.forward_ad.dual_level():
-        d = torch.autograd.forward_ad.make_dual(x, t)
-        torch.testing.assert_close(torch.autograd.forward_ad.unpack_dual(f(d)).tangent, f(t))
-    # vmap: equals a loop, and one exchange for the whole batch (in_dims 0 and 1)
-    xs = torch.randn(4, 3, 2, generator=g, dtype=torch.float64)
-    loop = torch.stack([f(xs[i]) for i in range(4)])
-    with B.log_comms() as log:
-        batched = torch.func.vmap(f)(xs)
-    torch.testing.assert_close(batched, loop)
-    calls = log.count("batch_p2p")
-    torch.testing.assert_close(
-        torch.func.vmap(f, in_dims=1, out_dims=1)(xs.movedim(0, 1)), loop.movedim(0, 1)
-    )
-    # nested vmap
-    xss = torch.randn(2, 4, 3, 2, generator=g, dtype=torch.float64)
-    nested = torch.func.vmap(torch.func.vmap(f))(xss)
-    torch.testing.assert_close(nested, torch.stack([torch.stack([f(v) for v in row]) for row in xss]))
-    # vmap of grad (per-example gradients)
-    pe = torch.func.vmap(torch.func.grad(lambda v: (f(v) * c).sum()))(xs)
-    torch.testing.assert_close(pe, ref_grad.expand(4, 3, 2))
-    return calls
 
 
 @pytest.mark.parametrize("op", ["shift", "sendrecv", "ppermute", "ppermute-partial"])
 def test_torch_func_grad_vjp_jvp_vmap(world3: dc.LocalWorld, op: str) -> None:
-    calls = world3.run(_torch_func, op)
+    def torch_func(op: str) -> int:
+        me = _rank()
+        g = torch.Generator().manual_seed(50 + me)
+        x = torch.randn(3, 2, generator=g, dtype=torch.float64)
+        c = torch.randn(3, 2, generator=g, dtype=torch.float64)
+        t = torch.randn(3, 2, generator=g, dtype=torch.float64)
+
+        def f(v: torch.Tensor) -> torch.Tensor:
+            return _apply(op, v)
+
+        # reference: eager autograd
+        xr = x.clone().requires_grad_()
+        (f(xr) * c).sum().backward()
+        ref_grad = xr.grad
+        # grad / vjp
+        torch.testing.assert_close(torch.func.grad(lambda v: (f(v) * c).sum())(x), ref_grad)
+        out, vjp_fn = torch.func.vjp(f, x)
+        torch.testing.assert_close(vjp_fn(c)[0], ref_grad)
+        torch.testing.assert_close(out, f(x))
+        # jvp (forward mode): a linear op maps the tangent like the primal
+        p, tan = torch.func.jvp(f, (x,), (t,))
+        torch.testing.assert_close(p, f(x))
+        torch.testing.assert_close(tan, f(t))
+        with torch.autograd.forward_ad.dual_level():
+            d = torch.autograd.forward_ad.make_dual(x, t)
+            torch.testing.assert_close(torch.autograd.forward_ad.unpack_dual(f(d)).tangent, f(t))
+        # vmap: equals a loop, and one exchange for the whole batch (in_dims 0 and 1)
+        xs = torch.randn(4, 3, 2, generator=g, dtype=torch.float64)
+        loop = torch.stack([f(xs[i]) for i in range(4)])
+        with B.log_comms() as log:
+            batched = torch.func.vmap(f)(xs)
+        torch.testing.assert_close(batched, loop)
+        calls = log.count("batch_p2p")
+        torch.testing.assert_close(
+            torch.func.vmap(f, in_dims=1, out_dims=1)(xs.movedim(0, 1)), loop.movedim(0, 1)
+        )
+        # nested vmap
+        xss = torch.randn(2, 4, 3, 2, generator=g, dtype=torch.float64)
+        nested = torch.func.vmap(torch.func.vmap(f))(xss)
+        torch.testing.assert_close(nested, torch.stack([torch.stack([f(v) for v in row]) for row in xss]))
+        # vmap of grad (per-example gradients)
+        pe = torch.func.vmap(torch.func.grad(lambda v: (f(v) * c).sum()))(xs)
+        torch.testing.assert_close(pe, ref_grad.expand(4, 3, 2))
+        return calls
+
+    calls = world3.run(torch_func, op)
     # one exchange for the whole batch (a rank with only a self pair exchanges nothing)
     assert max(calls) == 1, calls
 
 
-def _jacobians(op: str) -> None:
-    x = torch.randn(4, dtype=torch.float64)
-
-    def f(v: torch.Tensor) -> torch.Tensor:
-        return _apply(op, v)
-
-    jr = torch.func.jacrev(f)(x)
-    jf = torch.func.jacfwd(f)(x)
-    # every rank sends and receives: the per-rank Jacobian of a permutation is I
-    torch.testing.assert_close(jr, torch.eye(4, dtype=torch.float64))
-    torch.testing.assert_close(jf, jr)
-
-
 @pytest.mark.parametrize("op", ["shift", "sendrecv", "ppermute"])
 def test_jacrev_equals_jacfwd(world3: dc.LocalWorld, op: str) -> None:
-    world3.run(_jacobians, op)
+    def jacobians(op: str) -> None:
+        x = torch.randn(4, dtype=torch.float64)
 
+        def f(v: torch.Tensor) -> torch.Tensor:
+            return _apply(op, v)
 
-def _double_backward(op: str) -> None:
-    me, n = _rank(), _n()
+        jr = torch.func.jacrev(f)(x)
+        jf = torch.func.jacfwd(f)(x)
+        # every rank sends and receives: the per-rank Jacobian of a permutation is I
+        torch.testing.assert_close(jr, torch.eye(4, dtype=torch.float64))
+        torch.testing.assert_close(jf, jr)
 
-    def rand(seed: int) -> torch.Tensor:
-        return torch.randn(3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-    x = rand(10 + me).requires_grad_()
-    w = [rand(20 + r) for r in range(n)]
-    v = rand(30 + me)
-    offset = {"shift": 1, "ppermute": 1}[op]
-    y = p2p.shift(x, offset) if op == "shift" else p2p.ppermute(x, [(r, (r + 1) % n) for r in range(n)])
-    # F = sum_r <y_r^2, w_r>, y_r = x_{r-1}:  dF/dx_r = 2 x_r w_{r+1}
-    (gx,) = torch.autograd.grad((y * y * w[me]).sum(), x, create_graph=True)
-    torch.testing.assert_close(gx, 2 * x.detach() * w[(me + 1) % n])
-    # H = sum_r <dF/dx_r, v_r>:  dH/dx_r = 2 w_{r+1} v_r (through the backward's shift)
-    (gx * v).sum().backward()
-    torch.testing.assert_close(x.grad, 2 * w[(me + 1) % n] * v)
+    world3.run(jacobians, op)
 
 
 @pytest.mark.parametrize("op", ["shift", "ppermute"])
 def test_double_backward(world3: dc.LocalWorld, op: str) -> None:
-    world3.run(_double_backward, op)
+    def double_backward(op: str) -> None:
+        me, n = _rank(), _n()
 
+        def rand(seed: int) -> torch.Tensor:
+            return torch.randn(3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
-def _zero_gradient_still_runs_backward() -> float:
-    # rank 1 ignores the value (multiplies by 0): autograd still runs its backward
-    x = torch.ones(2, requires_grad=True)
-    y = p2p.shift(x)
-    (y.sum() * (0.0 if _rank() == 1 else 1.0)).backward()
-    return float(x.grad.sum())
+        x = rand(10 + me).requires_grad_()
+        w = [rand(20 + r) for r in range(n)]
+        v = rand(30 + me)
+        offset = {"shift": 1, "ppermute": 1}[op]
+        y = p2p.shift(x, offset) if op == "shift" else p2p.ppermute(x, [(r, (r + 1) % n) for r in range(n)])
+        # F = sum_r <y_r^2, w_r>, y_r = x_{r-1}:  dF/dx_r = 2 x_r w_{r+1}
+        (gx,) = torch.autograd.grad((y * y * w[me]).sum(), x, create_graph=True)
+        torch.testing.assert_close(gx, 2 * x.detach() * w[(me + 1) % n])
+        # H = sum_r <dF/dx_r, v_r>:  dH/dx_r = 2 w_{r+1} v_r (through the backward's shift)
+        (gx * v).sum().backward()
+        torch.testing.assert_close(x.grad, 2 * w[(me + 1) % n] * v)
+
+    world3.run(double_backward, op)
 
 
 def test_backward_runs_with_zero_gradient_on_one_rank(world2: dc.LocalWorld) -> None:
-    assert world2.run(_zero_gradient_still_runs_backward) == [0.0, 2.0]
+    def zero_gradient_still_runs_backward() -> float:
+        # rank 1 ignores the value (multiplies by 0): autograd still runs its backward
+        x = torch.ones(2, requires_grad=True)
+        y = p2p.shift(x)
+        (y.sum() * (0.0 if _rank() == 1 else 1.0)).backward()
+        return float(x.grad.sum())
 
-
-def _debug_mismatch() -> None:
-    me = _rank()
-    x = torch.zeros(2, 3) if me == 0 else torch.zeros(3, 2)
-    with dc.debug(True):
-        if me == 1:
-            match = (
-                r"mismatched sendrecv\(dst=0, src=0\) between ranks 0 -> 1: rank 1 expected shape \(3, 2\)"
-            )
-        else:
-            match = r"mismatched .* between ranks 1 -> 0: rank 0 expected shape \(2, 3\)"
-        with pytest.raises(CrossRankMismatchError, match=match):
-            p2p.sendrecv(x, 1 - me, 1 - me)
-        with pytest.raises(CrossRankMismatchError, match="ppermute"):
-            p2p.ppermute(torch.zeros(2), [(0, 1)] if me == 0 else [(1, 0)])
-        assert p2p.shift(torch.tensor([float(me)])).item() == 1 - me  # still usable
-        # a rank with only a self pair still joins the check (no hang), values are right
-        assert p2p.ppermute(torch.tensor([me + 1.0]), [(0, 1), (1, 0)]).item() == 2 - me
+    assert world2.run(zero_gradient_still_runs_backward) == [0.0, 2.0]
 
 
 def test_debug_mode_turns_cross_rank_mismatches_into_errors(world2: dc.LocalWorld) -> None:
-    world2.run(_debug_mismatch)
+    def debug_mismatch() -> None:
+        me = _rank()
+        x = torch.zeros(2, 3) if me == 0 else torch.zeros(3, 2)
+        with dc.debug(True):
+            if me == 1:
+                match = (
+                    r"mismatched sendrecv\(dst=0, src=0\) between ranks 0 -> 1: "
+                    r"rank 1 expected shape \(3, 2\)"
+                )
+            else:
+                match = r"mismatched .* between ranks 1 -> 0: rank 0 expected shape \(2, 3\)"
+            with pytest.raises(CrossRankMismatchError, match=match):
+                p2p.sendrecv(x, 1 - me, 1 - me)
+            with pytest.raises(CrossRankMismatchError, match="ppermute"):
+                p2p.ppermute(torch.zeros(2), [(0, 1)] if me == 0 else [(1, 0)])
+            assert p2p.shift(torch.tensor([float(me)])).item() == 1 - me  # still usable
+            # a rank with only a self pair still joins the check (no hang), values are right
+            assert p2p.ppermute(torch.tensor([me + 1.0]), [(0, 1), (1, 0)]).item() == 2 - me
 
-
-def _debug_self_pair() -> list[float]:
-    me = _rank()
-    with dc.debug(True):
-        out = p2p.ppermute(torch.tensor([me + 1.0]), [(0, 1), (1, 0), (2, 2)])
-    return out.tolist()
+    world2.run(debug_mismatch)
 
 
 def test_debug_mode_with_a_self_pair(world3: dc.LocalWorld) -> None:
-    assert world3.run(_debug_self_pair) == [[2.0], [1.0], [3.0]]
+    def debug_self_pair() -> list[float]:
+        me = _rank()
+        with dc.debug(True):
+            out = p2p.ppermute(torch.tensor([me + 1.0]), [(0, 1), (1, 0), (2, 2)])
+        return out.tolist()
 
-
-def _subgroup() -> list[float]:
-    group = dist.new_group([1, 2, 3])
-    if _rank() == 0:
-        return []
-    local = dist.get_rank(group)
-    x = torch.tensor([float(_rank())], requires_grad=True)
-    y = p2p.shift(x, 1, group=group)  # group-local: rank 1 receives from group rank 0
-    y.sum().backward()
-    if local == 0:
-        p2p.send(torch.tensor([5.0]), dst=2, group=group)
-    if local == 2:
-        assert p2p.recv(src=0, group=group).item() == 5.0
-    p2p.wait_sends()
-    return [float(y), float(x.grad)]
+    assert world3.run(debug_self_pair) == [[2.0], [1.0], [3.0]]
 
 
 def test_group_local_ranks(world4: dc.LocalWorld) -> None:
-    assert world4.run(_subgroup) == [[], [3.0, 1.0], [1.0, 1.0], [2.0, 1.0]]
+    def subgroup() -> list[float]:
+        group = dist.new_group([1, 2, 3])
+        if _rank() == 0:
+            return []
+        local = dist.get_rank(group)
+        x = torch.tensor([float(_rank())], requires_grad=True)
+        y = p2p.shift(x, 1, group=group)  # group-local: rank 1 receives from group rank 0
+        y.sum().backward()
+        if local == 0:
+            p2p.send(torch.tensor([5.0]), dst=2, group=group)
+        if local == 2:
+            assert p2p.recv(src=0, group=group).item() == 5.0
+        p2p.wait_sends()
+        return [float(y), float(x.grad)]
 
-
-def _identity_shift_and_integers() -> None:
-    x = torch.arange(3)
-    assert torch.equal(p2p.shift(x, _n()), x)  # a multiple of n: a local copy
-    assert torch.equal(p2p.shift(x * (_rank() + 1), 1), x * (1 - _rank() + 1))  # integer dtype
-    assert p2p.shift(torch.zeros(0, 2), 1).shape == (0, 2)
+    assert world4.run(subgroup) == [[], [3.0, 1.0], [1.0, 1.0], [2.0, 1.0]]
 
 
 def test_identity_shift_integer_dtypes_and_empty_tensors(world2: dc.LocalWorld) -> None:
-    world2.run(_identity_shift_and_integers)
+    def identity_shift_and_integers() -> None:
+        x = torch.arange(3)
+        assert torch.equal(p2p.shift(x, _n()), x)  # a multiple of n: a local copy
+        assert torch.equal(p2p.shift(x * (_rank() + 1), 1), x * (1 - _rank() + 1))  # integer dtype
+        assert p2p.shift(torch.zeros(0, 2), 1).shape == (0, 2)
+
+    world2.run(identity_shift_and_integers)
 
 
 def test_dual_table() -> None:
@@ -687,36 +665,38 @@ def test_dual_table() -> None:
 # ======================================================================================
 
 
-def _irecv_equals_recv() -> list[Any]:
-    if _rank() == 0:
-        x = torch.arange(6.0, dtype=torch.float64).reshape(2, 3).requires_grad_()
-        tokens = [dc.send(x * (k + 1), dst=1, tag=3) for k in range(3)]
-        tokens.append(dc.send(torch.tensor([7, 8]), dst=1, tag=3))  # integers: no gradient
-        assert p2p.post_grad_recv(tokens[0]) and p2p.post_grad_recv(tokens[2])
-        assert not p2p.post_grad_recv(tokens[0])  # already posted
-        assert not p2p.post_grad_recv(tokens[3])  # no gradient will come
-        sum(tokens[:3]).backward()
-        return [x.grad]
-    h0 = p2p.irecv(0, tag=3)  # header only: the shape is not known yet
-    # its data would be matched to any other receive on the channel: refused, not garbled
-    for post in (lambda: p2p.irecv(0, shape=(2, 3), dtype=torch.float64, tag=3), lambda: dc.recv(0, tag=3)):
-        with pytest.raises(ValueError, match=r"`src/tag` must be a channel without a pending irecv"):
-            post()
-    y0 = h0.wait()
-    h1 = p2p.irecv(0, shape=(2, 3), dtype=torch.float64, tag=3)  # header and data
-    h2 = p2p.irecv(0, like=y0, tag=3)
-    h3 = p2p.irecv(0, tag=3)
-    ys = [y0, h1.wait(), h2.wait()]
-    ints = h3.wait()
-    with pytest.raises(RuntimeError, match="called twice"):
-        h1.wait()
-    assert all(y.requires_grad for y in ys) and not ints.requires_grad
-    (ys[0].sum() + (ys[1] * ys[1]).sum() + 0 * ys[2].sum()).backward()
-    return [torch.stack([y.detach() for y in ys]), ints]
-
-
 def test_irecv_wait_equals_recv_and_post_grad_recv_feeds_the_token(world2: dc.LocalWorld) -> None:
-    (g,), (ys, ints) = world2.run(_irecv_equals_recv)
+    def irecv_equals_recv() -> list[Any]:
+        if _rank() == 0:
+            x = torch.arange(6.0, dtype=torch.float64).reshape(2, 3).requires_grad_()
+            tokens = [dc.send(x * (k + 1), dst=1, tag=3) for k in range(3)]
+            tokens.append(dc.send(torch.tensor([7, 8]), dst=1, tag=3))  # integers: no gradient
+            assert p2p.post_grad_recv(tokens[0]) and p2p.post_grad_recv(tokens[2])
+            assert not p2p.post_grad_recv(tokens[0])  # already posted
+            assert not p2p.post_grad_recv(tokens[3])  # no gradient will come
+            sum(tokens[:3]).backward()
+            return [x.grad]
+        h0 = p2p.irecv(0, tag=3)  # header only: the shape is not known yet
+        # its data would be matched to any other receive on the channel: refused, not garbled
+        for post in (
+            lambda: p2p.irecv(0, shape=(2, 3), dtype=torch.float64, tag=3),
+            lambda: dc.recv(0, tag=3),
+        ):
+            with pytest.raises(ValueError, match=r"`src/tag` must be a channel without a pending irecv"):
+                post()
+        y0 = h0.wait()
+        h1 = p2p.irecv(0, shape=(2, 3), dtype=torch.float64, tag=3)  # header and data
+        h2 = p2p.irecv(0, like=y0, tag=3)
+        h3 = p2p.irecv(0, tag=3)
+        ys = [y0, h1.wait(), h2.wait()]
+        ints = h3.wait()
+        with pytest.raises(RuntimeError, match="called twice"):
+            h1.wait()
+        assert all(y.requires_grad for y in ys) and not ints.requires_grad
+        (ys[0].sum() + (ys[1] * ys[1]).sum() + 0 * ys[2].sum()).backward()
+        return [torch.stack([y.detach() for y in ys]), ints]
+
+    (g,), (ys, ints) = world2.run(irecv_equals_recv)
     x = torch.arange(6.0, dtype=torch.float64).reshape(2, 3)
     torch.testing.assert_close(ys, torch.stack([x, 2 * x, 3 * x]))
     assert ints.tolist() == [7, 8]
@@ -724,31 +704,29 @@ def test_irecv_wait_equals_recv_and_post_grad_recv_feeds_the_token(world2: dc.Lo
     torch.testing.assert_close(g, 1 + 8 * x)
 
 
-def _irecv_mismatch() -> float:
-    if _rank() == 0:
-        dc.send(torch.ones(2, 3), dst=1)
-        dc.send(torch.full((4,), 2.0), dst=1)
-        p2p.wait_sends()
-        return 0.0
-    expected = r"rank 1 expected shape \(3, 2\), float32, but rank 0 sent shape \(2, 3\)"
-    with pytest.raises(CrossRankMismatchError, match=expected):
-        p2p.irecv(0, shape=(3, 2), dtype=torch.float32).wait()
-    return float(p2p.irecv(0).wait().sum())  # the channel is clean: the next message arrives
-
-
 def test_irecv_checks_the_expected_shape_and_keeps_the_channel_clean(world2: dc.LocalWorld) -> None:
-    assert world2.run(_irecv_mismatch) == [0.0, 8.0]
+    def irecv_mismatch() -> float:
+        if _rank() == 0:
+            dc.send(torch.ones(2, 3), dst=1)
+            dc.send(torch.full((4,), 2.0), dst=1)
+            p2p.wait_sends()
+            return 0.0
+        expected = r"rank 1 expected shape \(3, 2\), float32, but rank 0 sent shape \(2, 3\)"
+        with pytest.raises(CrossRankMismatchError, match=expected):
+            p2p.irecv(0, shape=(3, 2), dtype=torch.float32).wait()
+        return float(p2p.irecv(0).wait().sum())  # the channel is clean: the next message arrives
 
-
-def _post_grad_recv_bad_token() -> None:
-    with pytest.raises(TypeError, match=r"post_grad_recv\(\): `token` must be a dc.send token, got list"):
-        p2p.post_grad_recv([])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"`token` must be a dc.send token, got MulBackward0"):
-        p2p.post_grad_recv(torch.ones(1, requires_grad=True) * 2)
+    assert world2.run(irecv_mismatch) == [0.0, 8.0]
 
 
 def test_post_grad_recv_rejects_what_is_not_a_token(world2: dc.LocalWorld) -> None:
-    world2.run(_post_grad_recv_bad_token)
+    def post_grad_recv_bad_token() -> None:
+        with pytest.raises(TypeError, match=r"post_grad_recv\(\): `token` must be a dc.send token, got list"):
+            p2p.post_grad_recv([])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"`token` must be a dc.send token, got MulBackward0"):
+            p2p.post_grad_recv(torch.ones(1, requires_grad=True) * 2)
+
+    world2.run(post_grad_recv_bad_token)
 
 
 # ======================================================================================
@@ -756,55 +734,57 @@ def test_post_grad_recv_rejects_what_is_not_a_token(world2: dc.LocalWorld) -> No
 # ======================================================================================
 
 
-def _fused_roundtrip() -> None:
-    cases = [(dt, sh) for dt in (torch.float64, torch.complex128, torch.bool, torch.int8) for sh in SHAPES]
-    if _rank() == 0:
-        for k, (dtype, shape) in enumerate(cases):
-            x = _sample(dtype, shape, k)
-            p2p.send_owned(x, 1, tag=5, fused=True)
-        x = torch.arange(6.0, dtype=torch.float64).reshape(2, 3).requires_grad_()
-        token = p2p.send_owned(x * 2, 1, tag=5, fused=True)
-        assert p2p.post_grad_recv(token)
-        token.backward()
-        torch.testing.assert_close(x.grad, torch.full((2, 3), 3.0, dtype=torch.float64), rtol=0, atol=0)
-        p2p.wait_sends()
-        return
-    for k, (dtype, shape) in enumerate(cases):
-        like = torch.empty(shape, dtype=dtype)
-        y = p2p.irecv_fused(0, like, tag=5).wait()
-        assert y.shape == shape and y.dtype == dtype and not y.requires_grad
-        torch.testing.assert_close(y, _sample(dtype, shape, k), rtol=0, atol=0)
-    y = p2p.irecv_fused(0, torch.empty(2, 3, dtype=torch.float64), tag=5).wait()
-    assert y.requires_grad
-    torch.testing.assert_close(y.detach(), 2 * torch.arange(6.0, dtype=torch.float64).reshape(2, 3))
-    (y * 1.5).sum().backward()  # back as for recv: d/dx sum(1.5 * 2x) = 3
-
-
 def test_fused_messages_carry_every_dtype_and_shape_and_their_gradient(world2: dc.LocalWorld) -> None:
-    world2.run(_fused_roundtrip)
+    def fused_roundtrip() -> None:
+        cases = [
+            (dt, sh) for dt in (torch.float64, torch.complex128, torch.bool, torch.int8) for sh in SHAPES
+        ]
+        if _rank() == 0:
+            for k, (dtype, shape) in enumerate(cases):
+                x = _sample(dtype, shape, k)
+                p2p.send_owned(x, 1, tag=5, fused=True)
+            x = torch.arange(6.0, dtype=torch.float64).reshape(2, 3).requires_grad_()
+            token = p2p.send_owned(x * 2, 1, tag=5, fused=True)
+            assert p2p.post_grad_recv(token)
+            token.backward()
+            torch.testing.assert_close(x.grad, torch.full((2, 3), 3.0, dtype=torch.float64), rtol=0, atol=0)
+            p2p.wait_sends()
+            return
+        for k, (dtype, shape) in enumerate(cases):
+            like = torch.empty(shape, dtype=dtype)
+            y = p2p.irecv_fused(0, like, tag=5).wait()
+            assert y.shape == shape and y.dtype == dtype and not y.requires_grad
+            torch.testing.assert_close(y, _sample(dtype, shape, k), rtol=0, atol=0)
+        y = p2p.irecv_fused(0, torch.empty(2, 3, dtype=torch.float64), tag=5).wait()
+        assert y.requires_grad
+        torch.testing.assert_close(y.detach(), 2 * torch.arange(6.0, dtype=torch.float64).reshape(2, 3))
+        (y * 1.5).sum().backward()  # back as for recv: d/dx sum(1.5 * 2x) = 3
 
-
-def _fused_receive_takes_a_plain_send() -> list[Any]:
-    if _rank() == 0:
-        p2p.send(torch.full((2, 3), 1.0), 1)  # the agreed shape, sent plainly
-        p2p.send(torch.full((5, 4), 2.0), 1)  # larger than the fused buffer: plainly
-        p2p.send(torch.full((1,), 3.0, dtype=torch.float64), 1)  # another dtype
-        p2p.send_owned(torch.full((1, 3), 4.0), 1, fused=True)  # fused, smaller than expected
-        p2p.send_owned(torch.full((2, 3), 5.0), 1, fused=True)
-        p2p.wait_sends()
-        return []
-    like = torch.empty(2, 3)
-    got = [p2p.irecv_fused(0, like).wait() for _ in range(3)]
-    assert [tuple(g.shape) for g in got] == [(2, 3), (5, 4), (1,)] and got[2].dtype == torch.float64
-    # a fused message must have the agreed shape: an error naming both ranks, channel clean
-    with pytest.raises(CrossRankMismatchError, match=r"rank 1 expected shape \(2, 3\), float32, but rank 0"):
-        p2p.irecv_fused(0, like).wait()
-    got.append(p2p.irecv_fused(0, like).wait())
-    return [float(g.sum()) for g in got]
+    world2.run(fused_roundtrip)
 
 
 def test_a_fused_receive_takes_a_plain_send_of_any_shape(world2: dc.LocalWorld) -> None:
-    assert world2.run(_fused_receive_takes_a_plain_send)[1] == [6.0, 40.0, 3.0, 30.0]
+    def fused_receive_takes_a_plain_send() -> list[Any]:
+        if _rank() == 0:
+            p2p.send(torch.full((2, 3), 1.0), 1)  # the agreed shape, sent plainly
+            p2p.send(torch.full((5, 4), 2.0), 1)  # larger than the fused buffer: plainly
+            p2p.send(torch.full((1,), 3.0, dtype=torch.float64), 1)  # another dtype
+            p2p.send_owned(torch.full((1, 3), 4.0), 1, fused=True)  # fused, smaller than expected
+            p2p.send_owned(torch.full((2, 3), 5.0), 1, fused=True)
+            p2p.wait_sends()
+            return []
+        like = torch.empty(2, 3)
+        got = [p2p.irecv_fused(0, like).wait() for _ in range(3)]
+        assert [tuple(g.shape) for g in got] == [(2, 3), (5, 4), (1,)] and got[2].dtype == torch.float64
+        # a fused message must have the agreed shape: an error naming both ranks, channel clean
+        with pytest.raises(
+            CrossRankMismatchError, match=r"rank 1 expected shape \(2, 3\), float32, but rank 0"
+        ):
+            p2p.irecv_fused(0, like).wait()
+        got.append(p2p.irecv_fused(0, like).wait())
+        return [float(g.sum()) for g in got]
+
+    assert world2.run(fused_receive_takes_a_plain_send)[1] == [6.0, 40.0, 3.0, 30.0]
 
 
 # --------------------------------------------------------------------------------------

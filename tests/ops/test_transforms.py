@@ -278,6 +278,7 @@ def _vmap(prog: Prog, fails: _Failures) -> None:
     fails.close("vmap(vjp) == loop", gb, torch.stack([pull(cb[i])[0] for i in range(b)]))
 
 
+# the shared rank body of every test here (through _run and _check_many): the checks `parts` of `prog`
 def _check(prog: Prog, parts: tuple[str, ...]) -> tuple[list[str], dict[str, Tensor]]:
     fails = _Failures(prog)
     jac: dict[str, Tensor] = {}
@@ -464,6 +465,7 @@ def _pinned(world: int) -> list[Prog]:
     return out
 
 
+# shared rank body: the pinned programs' test and the ties test run it
 def _check_many(progs_: list[Prog], parts: tuple[str, ...]) -> list[str]:
     return [m for p in progs_ for m in _check(p, parts)[0]]
 
@@ -478,43 +480,41 @@ def test_every_op_variant_under_every_transform(local_worlds, world_size: int) -
     assert not problems, "\n".join(problems[:12])
 
 
-def _ties() -> list[Prog]:
-    # small integers: max/min ties (the tangent is averaged over the tied ranks, as for
-    # torch.amax) and zeros in products (zero-safe product of the others)
-    w = dc.get_world_size()
-    out = []
-    for seed in range(4):
-        for o in ("max", "min", "product"):
-            out.append(Prog(Case("all_reduce", w, (24,), kwargs={"op": o}, seed=seed, ints=True)))
-        out.append(Prog(Case("reduce", w, (12,), kwargs={"op": "max", "dst": 1}, seed=seed, ints=True)))
-        out.append(Prog(Case("reduce_scatter", w, (4 * w,), kwargs={"op": "min"}, seed=seed, ints=True)))
-    return out
-
-
-def _check_ties() -> list[str]:
-    return _check_many(_ties(), ("forward", "vmap", "jacobians", "reverse"))
-
-
 def test_ties_and_zeros_follow_the_reference_linearisation(world3) -> None:
-    problems = [m for rr in world3.run(_check_ties) for m in rr]
+    def ties() -> list[Prog]:
+        # small integers: max/min ties (the tangent is averaged over the tied ranks, as for
+        # torch.amax) and zeros in products (zero-safe product of the others)
+        w = dc.get_world_size()
+        out = []
+        for seed in range(4):
+            for o in ("max", "min", "product"):
+                out.append(Prog(Case("all_reduce", w, (24,), kwargs={"op": o}, seed=seed, ints=True)))
+            out.append(Prog(Case("reduce", w, (12,), kwargs={"op": "max", "dst": 1}, seed=seed, ints=True)))
+            out.append(Prog(Case("reduce_scatter", w, (4 * w,), kwargs={"op": "min"}, seed=seed, ints=True)))
+        return out
+
+    def check_ties() -> list[str]:
+        return _check_many(ties(), ("forward", "vmap", "jacobians", "reverse"))
+
+    problems = [m for rr in world3.run(check_ties) for m in rr]
     assert not problems, "\n".join(problems[:12])
-
-
-def _count_sizes_exchange() -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    r = dc.get_rank()
-    xb = torch.randn(4, r + 1, 2, dtype=F64)
-    forget_gathered_sizes()
-    _, one = _count(lambda x: dc.all_gather(x, 0), xb[0])
-    _, batched = _count(vmap(lambda x: dc.all_gather(x, 0)), xb)
-    _, again = _count(lambda x: dc.all_gather(x, 0), xb[1])
-    return one, batched, again
 
 
 def test_vmap_uneven_all_gather_exchanges_sizes_once(world3) -> None:
     """Without ``split_sizes=`` the size exchange (a tiny all_gather) is part of the call count:
     2 raw all_gathers for one call and for the whole batch. (A later unbatched call on the
     same group gathers the sizes with the rows: 1.)"""
-    for one, batched, again in world3.run(_count_sizes_exchange):
+
+    def count_sizes_exchange() -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        r = dc.get_rank()
+        xb = torch.randn(4, r + 1, 2, dtype=F64)
+        forget_gathered_sizes()
+        _, one = _count(lambda x: dc.all_gather(x, 0), xb[0])
+        _, batched = _count(vmap(lambda x: dc.all_gather(x, 0)), xb)
+        _, again = _count(lambda x: dc.all_gather(x, 0), xb[1])
+        return one, batched, again
+
+    for one, batched, again in world3.run(count_sizes_exchange):
         assert one == batched == {"all_gather": 2}
         assert again == {"all_gather": 1}
 
@@ -554,56 +554,55 @@ def _module_reference(params: list[dict[str, Tensor]], xs: list[Tensor]) -> list
     return list(total.split([xs[0].shape[0]] * len(xs)))
 
 
-def _functional_call_check() -> list[str]:
-    r, w = dc.get_rank(), dc.get_world_size()
-    model = _SeqParallelMLP()
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    xs = [torch.randn(2, 3, generator=torch.Generator().manual_seed(50 + s), dtype=F64) for s in range(w)]
-    cs = [torch.randn(2, 3, generator=torch.Generator().manual_seed(90 + s), dtype=F64) for s in range(w)]
-    problems: list[str] = []
-
-    def close(what: str, a: Tensor, b: Tensor) -> None:
-        e = _err(a.detach(), b.detach())
-        if not e <= TOL:
-            problems.append(f"rank {r}: {what}: err {e:.3g}")
-
-    def loss(p: dict[str, Tensor], x: Tensor, c: Tensor) -> Tensor:
-        return (functional_call(model, p, (x,)) * c).sum()
-
-    # reference: per-rank parameter leaves, objective = sum of per-rank objectives
-    leaves = [{k: v.clone().requires_grad_(True) for k, v in params.items()} for _ in range(w)]
-    ref_out = _module_reference(leaves, xs)
-    ref_loss = sum((o * c).sum() for o, c in zip(ref_out, cs))
-    ref_g = torch.autograd.grad(ref_loss, list(leaves[r].values()))
-    ref_grads = dict(zip(leaves[r], ref_g))
-
-    close("functional_call forward", functional_call(model, params, (xs[r],)), ref_out[r])
-    g = grad(loss)(params, xs[r], cs[r])
-    for k in params:
-        close(f"grad(functional_call) {k}", g[k], ref_grads[k])
-    _, pull = vjp(lambda p: functional_call(model, p, (xs[r],)), params)
-    (gv,) = pull(cs[r])
-    for k in params:
-        close(f"vjp(functional_call) {k}", gv[k], ref_grads[k])
-    model.zero_grad()
-    (model(xs[r]) * cs[r]).sum().backward()
-    for k, p in model.named_parameters():
-        close(f"module backward {k}", p.grad, ref_grads[k])
-    # per-example gradients: vmap over a batch of examples, one collective per batch
-    xb = torch.stack([xs[r] * (1 + i) for i in range(3)])
-    cb = torch.stack([cs[r] - i for i in range(3)])
-    _, one = _count(lambda: grad(loss)(params, xb[0], cb[0]))
-    gb, batched = _count(vmap(grad(loss), in_dims=(None, 0, 0)), params, xb, cb)
-    if batched != one:
-        problems.append(f"rank {r}: per-example grads: {batched} raw calls vs {one} for one example")
-    for i in range(3):
-        gi = grad(loss)(params, xb[i], cb[i])
-        for k in params:
-            close(f"vmap(grad) example {i} {k}", gb[k][i], gi[k])
-    return problems
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_functional_call_grad_vjp_and_per_example_grads(local_worlds, world_size: int) -> None:
-    problems = [m for rr in local_worlds(world_size).run(_functional_call_check) for m in rr]
+    def functional_call_check() -> list[str]:
+        r, w = dc.get_rank(), dc.get_world_size()
+        model = _SeqParallelMLP()
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        xs = [torch.randn(2, 3, generator=torch.Generator().manual_seed(50 + s), dtype=F64) for s in range(w)]
+        cs = [torch.randn(2, 3, generator=torch.Generator().manual_seed(90 + s), dtype=F64) for s in range(w)]
+        problems: list[str] = []
+
+        def close(what: str, a: Tensor, b: Tensor) -> None:
+            e = _err(a.detach(), b.detach())
+            if not e <= TOL:
+                problems.append(f"rank {r}: {what}: err {e:.3g}")
+
+        def loss(p: dict[str, Tensor], x: Tensor, c: Tensor) -> Tensor:
+            return (functional_call(model, p, (x,)) * c).sum()
+
+        # reference: per-rank parameter leaves, objective = sum of per-rank objectives
+        leaves = [{k: v.clone().requires_grad_(True) for k, v in params.items()} for _ in range(w)]
+        ref_out = _module_reference(leaves, xs)
+        ref_loss = sum((o * c).sum() for o, c in zip(ref_out, cs))
+        ref_g = torch.autograd.grad(ref_loss, list(leaves[r].values()))
+        ref_grads = dict(zip(leaves[r], ref_g))
+
+        close("functional_call forward", functional_call(model, params, (xs[r],)), ref_out[r])
+        g = grad(loss)(params, xs[r], cs[r])
+        for k in params:
+            close(f"grad(functional_call) {k}", g[k], ref_grads[k])
+        _, pull = vjp(lambda p: functional_call(model, p, (xs[r],)), params)
+        (gv,) = pull(cs[r])
+        for k in params:
+            close(f"vjp(functional_call) {k}", gv[k], ref_grads[k])
+        model.zero_grad()
+        (model(xs[r]) * cs[r]).sum().backward()
+        for k, p in model.named_parameters():
+            close(f"module backward {k}", p.grad, ref_grads[k])
+        # per-example gradients: vmap over a batch of examples, one collective per batch
+        xb = torch.stack([xs[r] * (1 + i) for i in range(3)])
+        cb = torch.stack([cs[r] - i for i in range(3)])
+        _, one = _count(lambda: grad(loss)(params, xb[0], cb[0]))
+        gb, batched = _count(vmap(grad(loss), in_dims=(None, 0, 0)), params, xb, cb)
+        if batched != one:
+            problems.append(f"rank {r}: per-example grads: {batched} raw calls vs {one} for one example")
+        for i in range(3):
+            gi = grad(loss)(params, xb[i], cb[i])
+            for k in params:
+                close(f"vmap(grad) example {i} {k}", gb[k][i], gi[k])
+        return problems
+
+    problems = [m for rr in local_worlds(world_size).run(functional_call_check) for m in rr]
     assert not problems, "\n".join(problems[:12])
