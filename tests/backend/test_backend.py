@@ -104,7 +104,11 @@ def multi_world(request: pytest.FixtureRequest, local_worlds: Callable[..., Loca
 # ------------------------------------------------------- helpers of the rank bodies
 
 
-def _without(capability: str | None, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, dict[str, int]]:
+# a rank's output and the raw ops it ran, by name
+Counted = tuple[torch.Tensor, dict[str, int]]
+
+
+def _without(capability: str | None, fn: Callable[[], torch.Tensor]) -> Counted:
     """``fn()`` with ``capability`` switched off in the backend adapter (``None``: as
     probed), and the raw ops it ran."""
     be = get_backend()
@@ -227,9 +231,7 @@ def test_all_gather(world: LocalWorld, layout: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("layout", ["even", "uneven"])
 @pytest.mark.parametrize("op", REDUCE_OPS)
 def test_reduce_scatter(world: LocalWorld, op: str, layout: str, fallback: bool) -> None:
-    def rank_reduce_scatter(
-        op: str, split_sizes: list[int] | None, fallback: bool
-    ) -> tuple[torch.Tensor, dict[str, int]]:
+    def rank_reduce_scatter(op: str, split_sizes: list[int] | None, fallback: bool) -> Counted:
         be = get_backend()
         n = dc.get_world_size()
         total = sum(split_sizes) if split_sizes is not None else 2 * n
@@ -253,18 +255,17 @@ def test_reduce_scatter(world: LocalWorld, op: str, layout: str, fallback: bool)
 @pytest.mark.parametrize("fallback", [False, True], ids=["native", "no-gather-scatter"])
 @pytest.mark.parametrize("layout", ["even", "uneven"])
 def test_gather(world: LocalWorld, layout: str, fallback: bool) -> None:
-    def rank_gather(
-        dst: int, sizes: list[int] | None, fallback: bool = False
-    ) -> tuple[torch.Tensor, dict[str, int]]:
-        rank = dc.get_rank()
-        rows = sizes[rank] if sizes is not None else 2
-        x = _data(rank, (rows, 3))
-        cap = "gather_scatter" if fallback else None
-        return _without(cap, lambda: _checked(lambda t: get_backend().gather(t, dst, None, sizes), x))
-
     n = world.world_size
     sizes, rows = _layout(layout, n)
     expected = torch.cat([_data(r, (rows[r], 3)) for r in range(n)])
+
+    def rank_gather(dst: int, sizes: list[int] | None, fallback: bool = False) -> Counted:
+        rank = dc.get_rank()
+        mine = sizes[rank] if sizes is not None else 2
+        x = _data(rank, (mine, 3))
+        cap = "gather_scatter" if fallback else None
+        return _without(cap, lambda: _checked(lambda t: get_backend().gather(t, dst, None, sizes), x))
+
     for dst in range(n):
         for r, (o, counts) in enumerate(world.run(rank_gather, dst, sizes, fallback)):
             assert o.shape == expected.shape, "gather has the same shape on every rank"
@@ -275,9 +276,7 @@ def test_gather(world: LocalWorld, layout: str, fallback: bool) -> None:
 @pytest.mark.parametrize("fallback", [False, True], ids=["native", "no-gather-scatter"])
 @pytest.mark.parametrize("layout", ["even", "uneven"])
 def test_scatter(world: LocalWorld, layout: str, fallback: bool) -> None:
-    def rank_scatter(
-        src: int, split_sizes: list[int] | None, fallback: bool = False
-    ) -> tuple[torch.Tensor, dict[str, int]]:
+    def rank_scatter(src: int, split_sizes: list[int] | None, fallback: bool = False) -> Counted:
         n = dc.get_world_size()
         total = sum(split_sizes) if split_sizes is not None else 2 * n
         x = _data(dc.get_rank(), (total, 3))  # only src's values matter
@@ -297,9 +296,7 @@ def test_scatter(world: LocalWorld, layout: str, fallback: bool) -> None:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64], ids=str)
 @pytest.mark.parametrize("mode", ["even", "given", "inferred"])
 def test_all_to_all(world: LocalWorld, mode: str, dtype: torch.dtype, fallback: bool) -> None:
-    def rank_all_to_all(
-        mode: str, dtype: torch.dtype, fallback: bool = False
-    ) -> tuple[torch.Tensor, dict[str, int]]:
+    def rank_all_to_all(mode: str, dtype: torch.dtype, fallback: bool = False) -> Counted:
         rank, n = dc.get_rank(), dc.get_world_size()
         if mode == "even":
             m = [[2] * n for _ in range(n)]
