@@ -141,25 +141,26 @@ def test_sequence_parallel_mlp_batch_first(world2) -> None:
     )
 
 
-def _ulysses_attention(x: torch.Tensor, w_qkv: torch.Tensor, w_out: torch.Tensor, heads: int) -> torch.Tensor:
-    """Sequence-parallel attention with all_to_all (DeepSpeed-Ulysses), replicated weights."""
-    s, b, h = x.shape
-    d = h // heads
-    qkv = (x @ w_qkv.T).reshape(s, b, heads, 3 * d)
-    qkv = P.all_to_all_region(qkv, split_dim=2, concat_dim=0)  # (S, b, heads/W, 3d)
-    q, k, v = qkv.reshape(*qkv.shape[:3], 3, d).permute(3, 1, 2, 0, 4).unbind(0)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads/W, S, d)
-    y = P.all_to_all_region(y.permute(2, 0, 1, 3), split_dim=0, concat_dim=2)  # (s, b, heads, d)
-    return y.reshape(s, b, h) @ w_out.T
-
-
 def test_ulysses_all_to_all_attention_matches_serial(local_worlds) -> None:
+    def ulysses_attention(
+        x: torch.Tensor, w_qkv: torch.Tensor, w_out: torch.Tensor, heads: int
+    ) -> torch.Tensor:
+        """Sequence-parallel attention with all_to_all (DeepSpeed-Ulysses), replicated weights."""
+        s, b, h = x.shape
+        d = h // heads
+        qkv = (x @ w_qkv.T).reshape(s, b, heads, 3 * d)
+        qkv = P.all_to_all_region(qkv, split_dim=2, concat_dim=0)  # (S, b, heads/W, 3d)
+        q, k, v = qkv.reshape(*qkv.shape[:3], 3, d).permute(3, 1, 2, 0, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads/W, S, d)
+        y = P.all_to_all_region(y.permute(2, 0, 1, 3), split_dim=0, concat_dim=2)  # (s, b, heads, d)
+        return y.reshape(s, b, h) @ w_out.T
+
     torch.manual_seed(0)
     serial = P.SelfAttention(24, num_heads=12, bias=False, causal=True, dtype=F64)
 
     def make(s: P.SelfAttention) -> Callable[[torch.Tensor], torch.Tensor]:
         return functools.partial(
-            _ulysses_attention, w_qkv=s.qkv.weight.detach(), w_out=s.proj.weight.detach(), heads=12
+            ulysses_attention, w_qkv=s.qkv.weight.detach(), w_out=s.proj.weight.detach(), heads=12
         )
 
     for n in (2, 4):
@@ -179,12 +180,6 @@ def test_ulysses_all_to_all_attention_matches_serial(local_worlds) -> None:
 # ======================================================================================
 
 
-def _serial_mlp(seed: int) -> P.MLP:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return P.MLP(6, 12, dtype=F64)
-
-
 def test_initialisation_equals_the_serial_layers(world3) -> None:
     def init_cases() -> dict[str, bool]:
         out: dict[str, bool] = {}
@@ -193,6 +188,11 @@ def test_initialisation_equals_the_serial_layers(world3) -> None:
             full = parallel.to_serial_state_dict()
             ref = serial.state_dict()
             return full.keys() == ref.keys() and all(torch.equal(full[k], ref[k]) for k in ref)
+
+        def serial_mlp(seed: int) -> P.MLP:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return P.MLP(6, 12, dtype=F64)
 
         torch.manual_seed(3)
         mlp = P.MLP(6, 12, dtype=F64)
@@ -225,7 +225,7 @@ def test_initialisation_equals_the_serial_layers(world3) -> None:
             out["strict"] = "missing keys" in str(exc) and "fc2.bias" in str(exc)
         # the generator argument: one generator drives all layers in the serial order
         g = torch.Generator().manual_seed(8)
-        out["generator"] = same(P.ParallelMLP(6, 12, generator=g, dtype=F64), _serial_mlp(8))
+        out["generator"] = same(P.ParallelMLP(6, 12, generator=g, dtype=F64), serial_mlp(8))
         return out
 
     for result in world3.run(init_cases):
