@@ -589,7 +589,10 @@ def test_check_consistent_names_ranks_and_field(world3: LocalWorld, case: str, d
 # ------------------------------------------------------------------- groups
 
 
-_GROUPS: dict[Any, Any] = {}  # per rank process: new_group must run once, in the same order
+# per rank process: new_group must run once, in the same order. _GROUPS, _mesh and
+# _subgroup stay at module level: the rank imports them (by reference), so the groups
+# outlive a run; a nested copy shipped by value would start from an empty dict each run
+_GROUPS: dict[Any, Any] = {}
 
 
 def _mesh() -> Any:
