@@ -29,71 +29,69 @@ def test_signatures_match_torch(name: str) -> None:
         assert (p.default is inspect.Parameter.empty) == (q.default is inspect.Parameter.empty), p.name
 
 
-def _both(fn_name: str) -> list:
-    """Run the same program with torch's module and with compat; return values and grads."""
-    r, w = dc.get_rank(), dc.get_world_size()
-    results = []
-    for mod in (tdnn, compat):
-        torch.manual_seed(100 + r)
-        x = torch.randn(w * 2, 3, dtype=torch.float64, requires_grad=True)
-        if fn_name == "broadcast":
-            y = mod.broadcast(x, src=w - 1)
-        elif fn_name == "all_reduce":
-            y = mod.all_reduce(x)
-        elif fn_name == "all_gather":
-            y = torch.cat(mod.all_gather(x))
-        elif fn_name == "_all_gather_base":
-            if mod is tdnn:  # torch's backward of this op is NCCL-only: compare to all_gather
-                y = torch.cat(tdnn.all_gather(x))
-            else:
-                y = mod._all_gather_base(torch.empty(w * x.shape[0], 3, dtype=x.dtype), x)
-        elif fn_name == "gather":
-            y = torch.cat(mod.gather(x, dst=0))
-        elif fn_name == "scatter":
-            y = mod.scatter(list(x.split(2)), src=1 % w)
-        elif fn_name == "reduce_scatter":
-            y = mod.reduce_scatter(torch.empty(2, 3, dtype=x.dtype), list(x.split(2)))
-        elif fn_name == "all_to_all":
-            y = torch.cat(
-                mod.all_to_all([torch.empty(2, 3, dtype=x.dtype) for _ in range(w)], list(x.split(2)))
-            )
-        elif fn_name == "all_to_all_single":
-            y = mod.all_to_all_single(torch.empty_like(x), x)
-        elif fn_name == "reduce":
-            y = mod.reduce(x, dst=0)
-            if r != 0:
-                y = y * 0  # torch leaves unspecified data off-root; compare the root only
-        else:
-            raise ValueError(fn_name)
-        c = torch.arange(float(y.numel()), dtype=torch.float64).reshape(y.shape) / 7 + r
-        (y * c).sum().backward()
-        results.append((y.detach(), x.grad.clone()))
-    (y_t, g_t), (y_c, g_c) = results
-    return [float((y_t - y_c).abs().max()), float((g_t - g_c).abs().max())]
-
-
 @pytest.mark.parametrize("name", [n for n in NAMES if n not in ("reduce",)])
 def test_matches_torch_where_torch_is_right(world3, name: str) -> None:
-    for fwd, grad in world3.run(_both, name):
+    def both(fn_name: str) -> list:
+        """Run the same program with torch's module and with compat; return values and grads."""
+        r, w = dc.get_rank(), dc.get_world_size()
+        results = []
+        for mod in (tdnn, compat):
+            torch.manual_seed(100 + r)
+            x = torch.randn(w * 2, 3, dtype=torch.float64, requires_grad=True)
+            if fn_name == "broadcast":
+                y = mod.broadcast(x, src=w - 1)
+            elif fn_name == "all_reduce":
+                y = mod.all_reduce(x)
+            elif fn_name == "all_gather":
+                y = torch.cat(mod.all_gather(x))
+            elif fn_name == "_all_gather_base":
+                if mod is tdnn:  # torch's backward of this op is NCCL-only: compare to all_gather
+                    y = torch.cat(tdnn.all_gather(x))
+                else:
+                    y = mod._all_gather_base(torch.empty(w * x.shape[0], 3, dtype=x.dtype), x)
+            elif fn_name == "gather":
+                y = torch.cat(mod.gather(x, dst=0))
+            elif fn_name == "scatter":
+                y = mod.scatter(list(x.split(2)), src=1 % w)
+            elif fn_name == "reduce_scatter":
+                y = mod.reduce_scatter(torch.empty(2, 3, dtype=x.dtype), list(x.split(2)))
+            elif fn_name == "all_to_all":
+                y = torch.cat(
+                    mod.all_to_all([torch.empty(2, 3, dtype=x.dtype) for _ in range(w)], list(x.split(2)))
+                )
+            elif fn_name == "all_to_all_single":
+                y = mod.all_to_all_single(torch.empty_like(x), x)
+            elif fn_name == "reduce":
+                y = mod.reduce(x, dst=0)
+                if r != 0:
+                    y = y * 0  # torch leaves unspecified data off-root; compare the root only
+            else:
+                raise ValueError(fn_name)
+            c = torch.arange(float(y.numel()), dtype=torch.float64).reshape(y.shape) / 7 + r
+            (y * c).sum().backward()
+            results.append((y.detach(), x.grad.clone()))
+        (y_t, g_t), (y_c, g_c) = results
+        return [float((y_t - y_c).abs().max()), float((g_t - g_c).abs().max())]
+
+    for fwd, grad in world3.run(both, name):
         assert fwd < 1e-12 and grad < 1e-12
 
 
-def _max_grads() -> list:
-    r = dc.get_rank()
-    x = torch.tensor([float(r)], dtype=torch.float64, requires_grad=True)
-    tdnn.all_reduce(x, op=dist.ReduceOp.MAX).sum().backward()
-    theirs = x.grad.item()
-    x.grad = None
-    compat.all_reduce(x, op=dist.ReduceOp.MAX).sum().backward()
-    ours = x.grad.item()
-    x.grad = None
-    compat.all_reduce(x, op=dist.ReduceOp.AVG).sum().backward()
-    return [theirs, ours, x.grad.item()]
-
-
 def test_max_and_avg_gradients_are_right_where_torch_is_wrong(world3) -> None:
+    def max_grads() -> list:
+        r = dc.get_rank()
+        x = torch.tensor([float(r)], dtype=torch.float64, requires_grad=True)
+        tdnn.all_reduce(x, op=dist.ReduceOp.MAX).sum().backward()
+        theirs = x.grad.item()
+        x.grad = None
+        compat.all_reduce(x, op=dist.ReduceOp.MAX).sum().backward()
+        ours = x.grad.item()
+        x.grad = None
+        compat.all_reduce(x, op=dist.ReduceOp.AVG).sum().backward()
+        return [theirs, ours, x.grad.item()]
+
     # y = max_r x_r on every rank; objective sum over 3 ranks -> d/dx_2 = 3, others 0
-    res = world3.run(_max_grads)
+    res = world3.run(max_grads)
     assert [o[1] for o in res] == [0.0, 0.0, 3.0]
     # torch.distributed.nn.functional gives every rank a gradient (1.0 each in torch 2.13,
     # which routes it to functional collectives; 3.0 each in older versions): wrong either way
@@ -101,37 +99,35 @@ def test_max_and_avg_gradients_are_right_where_torch_is_wrong(world3) -> None:
     assert [o[2] for o in res] == [1.0, 1.0, 1.0]
 
 
-def _global_ranks() -> list:
-    r = dc.get_rank()
-    g = dist.new_group([1, 2])
-    if r == 0:
-        return [None]
-    x = torch.tensor([float(r)])
-    y = compat.broadcast(x, src=2, group=g)  # global rank 2 == group-local 1
-    try:
-        compat.broadcast(x, src=0, group=g)
-    except ValueError as exc:
-        return [y.item(), str(exc)]
-    return [y.item(), ""]
-
-
 def test_src_is_a_global_rank_as_in_torch(world3) -> None:
-    res = world3.run(_global_ranks)
+    def global_ranks() -> list:
+        r = dc.get_rank()
+        g = dist.new_group([1, 2])
+        if r == 0:
+            return [None]
+        x = torch.tensor([float(r)])
+        y = compat.broadcast(x, src=2, group=g)  # global rank 2 == group-local 1
+        try:
+            compat.broadcast(x, src=0, group=g)
+        except ValueError as exc:
+            return [y.item(), str(exc)]
+        return [y.item(), ""]
+
+    res = world3.run(global_ranks)
     assert res[0] == [None]
     for y, msg in res[1:]:
         assert y == 2.0 and "belongs to the group [1, 2]" in msg
 
 
-def _torch_gloo_gap() -> str:
-    x = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
-    y = tdnn._all_gather_base(torch.empty(2 * dc.get_world_size(), 3, dtype=x.dtype), x)
-    try:
-        y.sum().backward()
-    except RuntimeError as exc:
-        return str(exc)
-    return "no error"
-
-
 def test_torch_has_a_gloo_gap_that_compat_fills(world2) -> None:
+    def torch_gloo_gap() -> str:
+        x = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+        y = tdnn._all_gather_base(torch.empty(2 * dc.get_world_size(), 3, dtype=x.dtype), x)
+        try:
+            y.sum().backward()
+        except RuntimeError as exc:
+            return str(exc)
+        return "no error"
+
     # the reason compat exists: torch.distributed.nn's _all_gather_base backward is NCCL-only
-    assert world2.run(_torch_gloo_gap) == ["Backend not supported!"] * 2
+    assert world2.run(torch_gloo_gap) == ["Backend not supported!"] * 2

@@ -42,18 +42,17 @@ def gpus(local_worlds):
     return local_worlds(max(1, min(torch.cuda.device_count(), 4)), "nccl")
 
 
-def _standard(world: int) -> list[dict]:
-    assert B.get_backend().comm_device(None).type == "cuda"
-    rows = [{"op": c.op, "case": c.label(), **run_case(c).as_dict()} for c in standard_cases(world)]
-    rows += [
-        {"op": c.op, "case": c.label(), **run_coalesced_case(c).as_dict()}
-        for c in standard_coalesced_cases(world)
-    ]
-    return rows
-
-
 def test_every_standard_case_on_the_gpu(gpus) -> None:
-    per_rank = gpus.run(_standard, gpus.world_size)
+    def standard(world: int) -> list[dict]:
+        assert B.get_backend().comm_device(None).type == "cuda"
+        rows = [{"op": c.op, "case": c.label(), **run_case(c).as_dict()} for c in standard_cases(world)]
+        rows += [
+            {"op": c.op, "case": c.label(), **run_coalesced_case(c).as_dict()}
+            for c in standard_coalesced_cases(world)
+        ]
+        return rows
+
+    per_rank = gpus.run(standard, gpus.world_size)
     bad = [(r["op"], r["case"], r) for rows in per_rank for r in rows if not r["ok"]]
     assert not bad, bad[:5]
     n = gpus.world_size
@@ -67,80 +66,77 @@ def test_check_command_on_nccl(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0 and out["ok"] and out["cases"], out
 
 
-def _placement_and_no_sync() -> list[str]:
-    w, dev = dc.get_world_size(), torch.device("cuda", torch.cuda.current_device())
-    programs = {
-        "all_reduce": lambda x: dc.all_reduce(x),
-        "all_reduce_max": lambda x: dc.all_reduce(x, "max"),
-        "all_gather": lambda x: dc.all_gather(x),
-        "all_gather_sized": lambda x: dc.all_gather(x, split_sizes=[4] * w),
-        "reduce_scatter": lambda x: dc.reduce_scatter(x),
-        "all_to_all": lambda x: dc.all_to_all(x),
-        "broadcast": lambda x: dc.broadcast(x, src=0),
-        "reduce": lambda x: dc.reduce(x, dst=0),
-        "gather": lambda x: dc.gather(x, dst=0, split_sizes=[4] * w),
-        "scatter": lambda x: dc.scatter(x, src=0),
-    }
-    seen = []
-    for name, fn in programs.items():
-        x = torch.randn(4 * w, 3, device=dev, requires_grad=True)
-        fn(x).sum().backward()  # warm: the first call may set things up
-        x.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            y = fn(x)
-            y.backward(torch.ones_like(y))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        assert y.device == dev and x.grad is not None and x.grad.device == dev, name
-        seen.append(name)
-    return seen
-
-
 def test_outputs_and_gradients_stay_on_the_gpu_without_a_host_sync(gpus) -> None:
-    assert all(len(r) == 10 for r in gpus.run(_placement_and_no_sync))
+    def placement_and_no_sync() -> list[str]:
+        w, dev = dc.get_world_size(), torch.device("cuda", torch.cuda.current_device())
+        programs = {
+            "all_reduce": lambda x: dc.all_reduce(x),
+            "all_reduce_max": lambda x: dc.all_reduce(x, "max"),
+            "all_gather": lambda x: dc.all_gather(x),
+            "all_gather_sized": lambda x: dc.all_gather(x, split_sizes=[4] * w),
+            "reduce_scatter": lambda x: dc.reduce_scatter(x),
+            "all_to_all": lambda x: dc.all_to_all(x),
+            "broadcast": lambda x: dc.broadcast(x, src=0),
+            "reduce": lambda x: dc.reduce(x, dst=0),
+            "gather": lambda x: dc.gather(x, dst=0, split_sizes=[4] * w),
+            "scatter": lambda x: dc.scatter(x, src=0),
+        }
+        seen = []
+        for name, fn in programs.items():
+            x = torch.randn(4 * w, 3, device=dev, requires_grad=True)
+            fn(x).sum().backward()  # warm: the first call may set things up
+            x.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                y = fn(x)
+                y.backward(torch.ones_like(y))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert y.device == dev and x.grad is not None and x.grad.device == dev, name
+            seen.append(name)
+        return seen
 
-
-def _async_on_a_side_stream() -> float:
-    dev = torch.device("cuda", torch.cuda.current_device())
-    side = torch.cuda.Stream(dev)
-    src = torch.full((1 << 20,), 3.0, device=dev)
-    x = torch.zeros_like(src)
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued on the side stream
-        x.copy_(src)  # ... before x gets its values
-        y = dc.all_reduce(x, async_op=True)  # must see x as the side stream leaves it
-        z = y.wait() * 1.0
-    side.synchronize()
-    return float((z - 3.0 * dc.get_world_size()).abs().max())
+    assert all(len(r) == 10 for r in gpus.run(placement_and_no_sync))
 
 
 def test_async_op_follows_the_launching_stream(gpus) -> None:
-    assert gpus.run(_async_on_a_side_stream) == [0.0] * gpus.world_size
+    def async_on_a_side_stream() -> float:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        side = torch.cuda.Stream(dev)
+        src = torch.full((1 << 20,), 3.0, device=dev)
+        x = torch.zeros_like(src)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued on the side stream
+            x.copy_(src)  # ... before x gets its values
+            y = dc.all_reduce(x, async_op=True)  # must see x as the side stream leaves it
+            z = y.wait() * 1.0
+        side.synchronize()
+        return float((z - 3.0 * dc.get_world_size()).abs().max())
 
-
-def _func_and_compile() -> tuple[float, float]:
-    dev = torch.device("cuda", torch.cuda.current_device())
-    w = dc.get_world_size()
-    xs = torch.randn(5, 2 * w, 3, device=dev, dtype=torch.float64)
-    batched = torch.func.vmap(lambda x: dc.all_gather(x))(xs)
-    looped = torch.stack([dc.all_gather(x) for x in xs])
-    vmap_err = float((batched - looped).abs().max())
-
-    def f(x: torch.Tensor) -> torch.Tensor:
-        return dc.reduce_scatter(dc.all_gather(x).sin() * 2).sum()
-
-    torch._dynamo.reset()
-    x = xs[0].clone().requires_grad_(True)
-    (g_eager,) = torch.autograd.grad(f(x), x)
-    (g_comp,) = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(x), x)
-    return vmap_err, float((g_eager - g_comp).abs().max())
+    assert gpus.run(async_on_a_side_stream) == [0.0] * gpus.world_size
 
 
 def test_torch_func_and_compile_on_the_gpu(gpus) -> None:
-    for vmap_err, grad_err in gpus.run(_func_and_compile):
+    def func_and_compile() -> tuple[float, float]:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        w = dc.get_world_size()
+        xs = torch.randn(5, 2 * w, 3, device=dev, dtype=torch.float64)
+        batched = torch.func.vmap(lambda x: dc.all_gather(x))(xs)
+        looped = torch.stack([dc.all_gather(x) for x in xs])
+        vmap_err = float((batched - looped).abs().max())
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return dc.reduce_scatter(dc.all_gather(x).sin() * 2).sum()
+
+        torch._dynamo.reset()
+        x = xs[0].clone().requires_grad_(True)
+        (g_eager,) = torch.autograd.grad(f(x), x)
+        (g_comp,) = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(x), x)
+        return vmap_err, float((g_eager - g_comp).abs().max())
+
+    for vmap_err, grad_err in gpus.run(func_and_compile):
         assert vmap_err == 0.0 and grad_err < 1e-12
 
 

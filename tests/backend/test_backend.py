@@ -101,40 +101,14 @@ def multi_world(request: pytest.FixtureRequest, local_worlds: Callable[..., Loca
     return local_worlds(request.param)
 
 
-# --------------------------------------------------------------------- rank functions
+# ------------------------------------------------------- helpers of the rank bodies
 
 
-def _rank_all_reduce(op: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    x = _data(dc.get_rank(), shape, dtype)
-    return _checked(lambda t: get_backend().all_reduce(t, op, None), x)
+# a rank's output and the raw ops it ran, by name
+Counted = tuple[torch.Tensor, dict[str, int]]
 
 
-def _rank_all_reduce_noncontiguous() -> tuple[torch.Tensor, bool]:
-    x = _data(dc.get_rank(), (3, 4)).t()
-    out = _checked(lambda t: get_backend().all_reduce(t, "sum", None), x)
-    return out, out.is_contiguous()
-
-
-def _rank_broadcast(src: int, dtype: torch.dtype) -> torch.Tensor:
-    x = _data(dc.get_rank(), (2, 3), dtype)
-    return _checked(lambda t: get_backend().broadcast(t, src, None), x)
-
-
-def _rank_reduce(dst: int, op: str) -> torch.Tensor:
-    x = _data(dc.get_rank(), (2, 3))
-    return _checked(lambda t: get_backend().reduce(t, dst, op, None), x)
-
-
-def _rank_all_gather(sizes: list[int] | None, dtype: torch.dtype, exchange: bool) -> torch.Tensor:
-    rank = dc.get_rank()
-    rows = sizes[rank] if sizes is not None else 2
-    x = _data(rank, (rows, 3), dtype)
-    if exchange:
-        sizes = get_backend().exchange_sizes(rows, None)
-    return _checked(lambda t: get_backend().all_gather(t, None, sizes), x)
-
-
-def _without(capability: str | None, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, dict[str, int]]:
+def _without(capability: str | None, fn: Callable[[], torch.Tensor]) -> Counted:
     """``fn()`` with ``capability`` switched off in the backend adapter (``None``: as
     probed), and the raw ops it ran."""
     be = get_backend()
@@ -148,37 +122,6 @@ def _without(capability: str | None, fn: Callable[[], torch.Tensor]) -> tuple[to
     return out, {op_name: int(row["count"]) for op_name, row in log.by_op().items()}
 
 
-def _rank_reduce_scatter(
-    op: str, split_sizes: list[int] | None, fallback: bool
-) -> tuple[torch.Tensor, dict[str, int]]:
-    be = get_backend()
-    world = dc.get_world_size()
-    total = sum(split_sizes) if split_sizes is not None else 2 * world
-    x = _data(dc.get_rank(), (total, 3))
-    cap = "reduce_scatter" if fallback else None
-    return _without(cap, lambda: _checked(lambda t: be.reduce_scatter(t, op, None, split_sizes), x))
-
-
-def _rank_gather(
-    dst: int, sizes: list[int] | None, fallback: bool = False
-) -> tuple[torch.Tensor, dict[str, int]]:
-    rank = dc.get_rank()
-    rows = sizes[rank] if sizes is not None else 2
-    x = _data(rank, (rows, 3))
-    cap = "gather_scatter" if fallback else None
-    return _without(cap, lambda: _checked(lambda t: get_backend().gather(t, dst, None, sizes), x))
-
-
-def _rank_scatter(
-    src: int, split_sizes: list[int] | None, fallback: bool = False
-) -> tuple[torch.Tensor, dict[str, int]]:
-    world = dc.get_world_size()
-    total = sum(split_sizes) if split_sizes is not None else 2 * world
-    x = _data(dc.get_rank(), (total, 3))  # only src's values matter
-    cap = "gather_scatter" if fallback else None
-    return _without(cap, lambda: _checked(lambda t: get_backend().scatter(t, src, None, split_sizes), x))
-
-
 def _a2a_rows(src: int, dst: int, count: int) -> torch.Tensor:
     """The rows rank ``src`` sends to rank ``dst``: each row says where it came from."""
     k = torch.arange(count, dtype=torch.float64)
@@ -188,35 +131,6 @@ def _a2a_rows(src: int, dst: int, count: int) -> torch.Tensor:
 def _a2a_matrix(world: int) -> list[list[int]]:
     """``m[src][dst]`` rows go from ``src`` to ``dst`` (uneven, some zero)."""
     return [[(src + 2 * dst) % 3 for dst in range(world)] for src in range(world)]
-
-
-def _rank_all_to_all(
-    mode: str, dtype: torch.dtype, fallback: bool = False
-) -> tuple[torch.Tensor, dict[str, int]]:
-    rank, world = dc.get_rank(), dc.get_world_size()
-    if mode == "even":
-        m = [[2] * world for _ in range(world)]
-    else:
-        m = _a2a_matrix(world)
-    x = torch.cat([_a2a_rows(rank, dst, m[rank][dst]) for dst in range(world)]).to(dtype)
-    ins = None if mode == "even" else m[rank]
-    outs = [m[src][rank] for src in range(world)] if mode == "given" else None
-    cap = "uneven_all_to_all" if fallback else None
-    return _without(cap, lambda: _checked(lambda t: get_backend().all_to_all(t, None, ins, outs), x))
-
-
-def _rank_ring() -> tuple[torch.Tensor, torch.Tensor]:
-    rank, world = dc.get_rank(), dc.get_world_size()
-    x = _data(rank, (4,))
-    before = x.clone()
-    got = torch.empty(4)
-    ops = [("send", x, (rank + 1) % world, 0), ("recv", got, (rank - 1) % world, 0)]
-    get_backend().batch_p2p(ops, None)
-    return got, before
-
-
-def _rank_exchange_sizes() -> list[int]:
-    return get_backend().exchange_sizes(10 * dc.get_rank() + 1, None)
 
 
 # ------------------------------------------------------------------- the raw ops
@@ -233,8 +147,12 @@ def _valid(op: str, dtype: torch.dtype) -> bool:
     ("op", "dtype"), [(op, dt) for op in REDUCE_OPS for dt in DTYPES if _valid(op, dt)], ids=str
 )
 def test_all_reduce(world: LocalWorld, op: str, dtype: torch.dtype) -> None:
+    def rank_all_reduce(op: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        x = _data(dc.get_rank(), shape, dtype)
+        return _checked(lambda t: get_backend().all_reduce(t, op, None), x)
+
     shape = (2, 3)
-    out = world.run(_rank_all_reduce, op, dtype, shape)
+    out = world.run(rank_all_reduce, op, dtype, shape)
     expected = _reference(op, [_data(r, shape, dtype) for r in range(world.world_size)])
     for r, o in enumerate(out):
         assert o.dtype == dtype and o.shape == shape, f"rank {r}"
@@ -242,25 +160,38 @@ def test_all_reduce(world: LocalWorld, op: str, dtype: torch.dtype) -> None:
 
 
 def test_all_reduce_of_noncontiguous_input(world: LocalWorld) -> None:
+    def rank_all_reduce_noncontiguous() -> tuple[torch.Tensor, bool]:
+        x = _data(dc.get_rank(), (3, 4)).t()
+        out = _checked(lambda t: get_backend().all_reduce(t, "sum", None), x)
+        return out, out.is_contiguous()
+
     expected = sum(_data(r, (3, 4)).t() for r in range(world.world_size))
-    for out, contiguous in world.run(_rank_all_reduce_noncontiguous):
+    for out, contiguous in world.run(rank_all_reduce_noncontiguous):
         assert contiguous
         torch.testing.assert_close(out, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.complex64], ids=str)
 def test_broadcast(world: LocalWorld, dtype: torch.dtype) -> None:
+    def rank_broadcast(src: int, dtype: torch.dtype) -> torch.Tensor:
+        x = _data(dc.get_rank(), (2, 3), dtype)
+        return _checked(lambda t: get_backend().broadcast(t, src, None), x)
+
     for src in range(world.world_size):
-        for o in world.run(_rank_broadcast, src, dtype):
+        for o in world.run(rank_broadcast, src, dtype):
             assert torch.equal(o, _data(src, (2, 3), dtype))
 
 
 @pytest.mark.parametrize("op", REDUCE_OPS)
 def test_reduce_gives_result_on_dst_and_exact_zeros_elsewhere(world: LocalWorld, op: str) -> None:
+    def rank_reduce(dst: int, op: str) -> torch.Tensor:
+        x = _data(dc.get_rank(), (2, 3))
+        return _checked(lambda t: get_backend().reduce(t, dst, op, None), x)
+
     n = world.world_size
     expected = _reference(op, [_data(r, (2, 3)) for r in range(n)])
     for dst in range(n):
-        out = world.run(_rank_reduce, dst, op)
+        out = world.run(rank_reduce, dst, op)
         for r, o in enumerate(out):
             if r == dst:
                 _close(o, expected)
@@ -268,17 +199,29 @@ def test_reduce_gives_result_on_dst_and_exact_zeros_elsewhere(world: LocalWorld,
                 assert torch.equal(o, torch.zeros(2, 3)) and not torch.signbit(o).any()
 
 
-def _uneven_sizes(n: int) -> list[int]:
-    return [(2 * r + 1) % 3 for r in range(n)]  # [1, 0, 2, 1]: one rank has no rows
+def _layout(layout: str, n: int) -> tuple[list[int] | None, list[int]]:
+    """The sizes argument of a ``layout`` over ``n`` ranks (None when even: the op's
+    default) and the rows of each rank's chunk."""
+    if layout == "even":
+        return None, [2] * n
+    uneven = [(2 * r + 1) % 3 for r in range(n)]  # [1, 0, 2, 1]: one rank has no rows
+    return uneven, uneven
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex128], ids=str)
 @pytest.mark.parametrize("layout", ["even", "uneven", "uneven-exchanged"])
 def test_all_gather(world: LocalWorld, layout: str, dtype: torch.dtype) -> None:
+    def rank_all_gather(sizes: list[int] | None, dtype: torch.dtype, exchange: bool) -> torch.Tensor:
+        rank = dc.get_rank()
+        rows = sizes[rank] if sizes is not None else 2
+        x = _data(rank, (rows, 3), dtype)
+        if exchange:
+            sizes = get_backend().exchange_sizes(rows, None)
+        return _checked(lambda t: get_backend().all_gather(t, None, sizes), x)
+
     n = world.world_size
-    sizes = None if layout == "even" else _uneven_sizes(n)
-    out = world.run(_rank_all_gather, sizes, dtype, layout == "uneven-exchanged")
-    rows = sizes if sizes is not None else [2] * n
+    sizes, rows = _layout(layout, n)
+    out = world.run(rank_all_gather, sizes, dtype, layout == "uneven-exchanged")
     expected = torch.cat([_data(r, (rows[r], 3), dtype) for r in range(n)])
     for o in out:
         assert torch.equal(o, expected)
@@ -288,12 +231,19 @@ def test_all_gather(world: LocalWorld, layout: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("layout", ["even", "uneven"])
 @pytest.mark.parametrize("op", REDUCE_OPS)
 def test_reduce_scatter(world: LocalWorld, op: str, layout: str, fallback: bool) -> None:
+    def rank_reduce_scatter(op: str, split_sizes: list[int] | None, fallback: bool) -> Counted:
+        be = get_backend()
+        n = dc.get_world_size()
+        total = sum(split_sizes) if split_sizes is not None else 2 * n
+        x = _data(dc.get_rank(), (total, 3))
+        cap = "reduce_scatter" if fallback else None
+        return _without(cap, lambda: _checked(lambda t: be.reduce_scatter(t, op, None, split_sizes), x))
+
     n = world.world_size
-    split = None if layout == "even" else _uneven_sizes(n)
-    sizes = split if split is not None else [2] * n
+    split, sizes = _layout(layout, n)
     full = _reference(op, [_data(r, (sum(sizes), 3)) for r in range(n)])
     expected = full.split(sizes)
-    out = world.run(_rank_reduce_scatter, op, split, fallback)
+    out = world.run(rank_reduce_scatter, op, split, fallback)
     for r, (o, counts) in enumerate(out):
         _close(o, expected[r])
         # the gap filler (all_reduce, keep own chunk) runs when the capability is off and
@@ -306,11 +256,18 @@ def test_reduce_scatter(world: LocalWorld, op: str, layout: str, fallback: bool)
 @pytest.mark.parametrize("layout", ["even", "uneven"])
 def test_gather(world: LocalWorld, layout: str, fallback: bool) -> None:
     n = world.world_size
-    sizes = None if layout == "even" else _uneven_sizes(n)
-    rows = sizes if sizes is not None else [2] * n
+    sizes, rows = _layout(layout, n)
     expected = torch.cat([_data(r, (rows[r], 3)) for r in range(n)])
+
+    def rank_gather(dst: int, sizes: list[int] | None, fallback: bool = False) -> Counted:
+        rank = dc.get_rank()
+        mine = sizes[rank] if sizes is not None else 2
+        x = _data(rank, (mine, 3))
+        cap = "gather_scatter" if fallback else None
+        return _without(cap, lambda: _checked(lambda t: get_backend().gather(t, dst, None, sizes), x))
+
     for dst in range(n):
-        for r, (o, counts) in enumerate(world.run(_rank_gather, dst, sizes, fallback)):
+        for r, (o, counts) in enumerate(world.run(rank_gather, dst, sizes, fallback)):
             assert o.shape == expected.shape, "gather has the same shape on every rank"
             assert torch.equal(o, expected if r == dst else torch.zeros_like(expected))
             assert counts == ({"all_gather": 1} if fallback else {"gather": 1}), f"rank {r}"
@@ -319,12 +276,18 @@ def test_gather(world: LocalWorld, layout: str, fallback: bool) -> None:
 @pytest.mark.parametrize("fallback", [False, True], ids=["native", "no-gather-scatter"])
 @pytest.mark.parametrize("layout", ["even", "uneven"])
 def test_scatter(world: LocalWorld, layout: str, fallback: bool) -> None:
+    def rank_scatter(src: int, split_sizes: list[int] | None, fallback: bool = False) -> Counted:
+        n = dc.get_world_size()
+        total = sum(split_sizes) if split_sizes is not None else 2 * n
+        x = _data(dc.get_rank(), (total, 3))  # only src's values matter
+        cap = "gather_scatter" if fallback else None
+        return _without(cap, lambda: _checked(lambda t: get_backend().scatter(t, src, None, split_sizes), x))
+
     n = world.world_size
-    split = None if layout == "even" else _uneven_sizes(n)
-    sizes = split if split is not None else [2] * n
+    split, sizes = _layout(layout, n)
     for src in range(n):
         chunks = _data(src, (sum(sizes), 3)).split(sizes)
-        for r, (o, counts) in enumerate(world.run(_rank_scatter, src, split, fallback)):
+        for r, (o, counts) in enumerate(world.run(rank_scatter, src, split, fallback)):
             assert torch.equal(o, chunks[r])
             assert counts == ({"broadcast": 1} if fallback else {"scatter": 1}), f"rank {r}"
 
@@ -333,9 +296,21 @@ def test_scatter(world: LocalWorld, layout: str, fallback: bool) -> None:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64], ids=str)
 @pytest.mark.parametrize("mode", ["even", "given", "inferred"])
 def test_all_to_all(world: LocalWorld, mode: str, dtype: torch.dtype, fallback: bool) -> None:
+    def rank_all_to_all(mode: str, dtype: torch.dtype, fallback: bool = False) -> Counted:
+        rank, n = dc.get_rank(), dc.get_world_size()
+        if mode == "even":
+            m = [[2] * n for _ in range(n)]
+        else:
+            m = _a2a_matrix(n)
+        x = torch.cat([_a2a_rows(rank, dst, m[rank][dst]) for dst in range(n)]).to(dtype)
+        ins = None if mode == "even" else m[rank]
+        outs = [m[src][rank] for src in range(n)] if mode == "given" else None
+        cap = "uneven_all_to_all" if fallback else None
+        return _without(cap, lambda: _checked(lambda t: get_backend().all_to_all(t, None, ins, outs), x))
+
     n = world.world_size
     m = [[2] * n for _ in range(n)] if mode == "even" else _a2a_matrix(n)
-    for dst, (o, counts) in enumerate(world.run(_rank_all_to_all, mode, dtype, fallback)):
+    for dst, (o, counts) in enumerate(world.run(rank_all_to_all, mode, dtype, fallback)):
         expected = torch.cat([_a2a_rows(src, dst, m[src][dst]) for src in range(n)]).to(dtype)
         assert torch.equal(o, expected), f"rank {dst}"
         # split sizes given: without uneven support, a one-integer max all_reduce agrees on
@@ -350,15 +325,27 @@ def test_all_to_all(world: LocalWorld, mode: str, dtype: torch.dtype, fallback: 
 
 
 def test_batch_p2p_ring(multi_world: LocalWorld) -> None:
+    def rank_ring() -> tuple[torch.Tensor, torch.Tensor]:
+        rank, world = dc.get_rank(), dc.get_world_size()
+        x = _data(rank, (4,))
+        before = x.clone()
+        got = torch.empty(4)
+        ops = [("send", x, (rank + 1) % world, 0), ("recv", got, (rank - 1) % world, 0)]
+        get_backend().batch_p2p(ops, None)
+        return got, before
+
     n = multi_world.world_size
-    for r, (got, sent) in enumerate(multi_world.run(_rank_ring)):
+    for r, (got, sent) in enumerate(multi_world.run(rank_ring)):
         assert torch.equal(got, _data((r - 1) % n, (4,)))
         assert torch.equal(sent, _data(r, (4,)))
 
 
 def test_exchange_sizes(world: LocalWorld) -> None:
+    def rank_exchange_sizes() -> list[int]:
+        return get_backend().exchange_sizes(10 * dc.get_rank() + 1, None)
+
     expected = [10 * r + 1 for r in range(world.world_size)]
-    assert world.run(_rank_exchange_sizes) == [expected] * world.world_size
+    assert world.run(rank_exchange_sizes) == [expected] * world.world_size
 
 
 def test_unknown_reduce_op_is_rejected(world1: LocalWorld) -> None:
@@ -376,35 +363,34 @@ def test_unknown_reduce_op_is_rejected(world1: LocalWorld) -> None:
 # ------------------------------------------------------------------- comms logger
 
 
-def _rank_logged() -> dict[str, Any]:
-    from rich.console import Console
-
-    be = get_backend()
-    x = torch.ones(4)  # 16 bytes
-    with log_comms() as outer:
-        with log_comms() as log:
-            be.all_reduce(x, "sum", None)
-            be.all_reduce(x, "max", None)
-            be.all_gather(x, None)
-        be.broadcast(x, 0, None)
-    console = Console(record=True, width=120, file=io.StringIO())
-    console.print(log.rich_table())
-    return {
-        "count": log.count(),
-        "count_all_reduce": log.count("all_reduce"),
-        "bytes_all_reduce": log.total_bytes("all_reduce"),
-        "bytes_all_gather": log.total_bytes("all_gather"),
-        "by_op": log.by_op(),
-        "outer_count": outer.count(),
-        "summary": str(log),
-        "rich": console.export_text(),
-        "labels": [r.label for r in log.records],
-    }
-
-
 def test_comms_logger_records_count_bytes_time(world: LocalWorld) -> None:
+    def rank_logged() -> dict[str, Any]:
+        from rich.console import Console
+
+        be = get_backend()
+        x = torch.ones(4)  # 16 bytes
+        with log_comms() as outer:
+            with log_comms() as log:
+                be.all_reduce(x, "sum", None)
+                be.all_reduce(x, "max", None)
+                be.all_gather(x, None)
+            be.broadcast(x, 0, None)
+        console = Console(record=True, width=120, file=io.StringIO())
+        console.print(log.rich_table())
+        return {
+            "count": log.count(),
+            "count_all_reduce": log.count("all_reduce"),
+            "bytes_all_reduce": log.total_bytes("all_reduce"),
+            "bytes_all_gather": log.total_bytes("all_gather"),
+            "by_op": log.by_op(),
+            "outer_count": outer.count(),
+            "summary": str(log),
+            "rich": console.export_text(),
+            "labels": [r.label for r in log.records],
+        }
+
     n = world.world_size
-    for rec in world.run(_rank_logged):
+    for rec in world.run(rank_logged):
         assert rec["count"] == 3 and rec["count_all_reduce"] == 2 and rec["outer_count"] == 4
         assert rec["bytes_all_reduce"] == 32 and rec["bytes_all_gather"] == 16 * n
         row = rec["by_op"]["all_reduce"]
@@ -424,24 +410,28 @@ def test_comms_logger_records_count_bytes_time(world: LocalWorld) -> None:
 # ------------------------------------------------------------------- comm-off switches
 
 
-def _rank_comm_off_on_rank0_only() -> dict[str, Any]:
-    be = get_backend()
-    x = torch.full((3,), float(dc.get_rank() + 1))
-    with log_comms() as log:
-        if dc.get_rank() == 0:
-            with comm_off("all_reduce"):
-                skipped = be.all_reduce(x, "sum", None)
-        else:
-            skipped = None
-        # the group must still be in step: had rank 0 really communicated above, this
-        # all_reduce would pair with it and the ranks would disagree or hang
-        real = be.all_reduce(torch.ones(2), "sum", None)
-    return {"skipped": skipped, "real": real, "by_op": log.by_op(), "flags": [r.skipped for r in log.records]}
-
-
 def test_comm_off_on_one_rank_does_not_communicate(multi_world: LocalWorld) -> None:
+    def rank_comm_off_on_rank0_only() -> dict[str, Any]:
+        be = get_backend()
+        x = torch.full((3,), float(dc.get_rank() + 1))
+        with log_comms() as log:
+            if dc.get_rank() == 0:
+                with comm_off("all_reduce"):
+                    skipped = be.all_reduce(x, "sum", None)
+            else:
+                skipped = None
+            # the group must still be in step: had rank 0 really communicated above, this
+            # all_reduce would pair with it and the ranks would disagree or hang
+            real = be.all_reduce(torch.ones(2), "sum", None)
+        return {
+            "skipped": skipped,
+            "real": real,
+            "by_op": log.by_op(),
+            "flags": [r.skipped for r in log.records],
+        }
+
     n = multi_world.world_size
-    out = multi_world.run(_rank_comm_off_on_rank0_only)
+    out = multi_world.run(rank_comm_off_on_rank0_only)
     assert torch.equal(out[0]["skipped"], torch.ones(3)), "a skipped all_reduce returns the local data"
     for r, rec in enumerate(out):
         assert torch.equal(rec["real"], torch.full((2,), float(n)))
@@ -452,43 +442,42 @@ def test_comm_off_on_one_rank_does_not_communicate(multi_world: LocalWorld) -> N
             assert rec["flags"] == [False]
 
 
-def _rank_every_op_off() -> dict[str, Any]:
-    be = get_backend()
-    rank, world = dc.get_rank(), dc.get_world_size()
-    x = _data(rank, (2 * world, 3))
-    row = _data(rank, (2, 3))
-    with comm_off(*OP_NAMES), log_comms() as log:
-        got = torch.empty(4)
-        ops = [("send", torch.ones(4), (rank + 1) % world, 0), ("recv", got, (rank - 1) % world, 0)]
-        if world > 1:
-            be.batch_p2p(ops, None)
-        shapes = {
-            "all_reduce": be.all_reduce(x, "sum", None).shape,
-            "broadcast": be.broadcast(x, 0, None).shape,
-            "reduce": be.reduce(x, 0, "sum", None).shape,
-            "all_gather": be.all_gather(row, None).shape,
-            "all_gather uneven": be.all_gather(
-                row[: rank % 2 + 1], None, [r % 2 + 1 for r in range(world)]
-            ).shape,
-            "reduce_scatter": be.reduce_scatter(x, "sum", None).shape,
-            "gather": be.gather(row, 0, None).shape,
-            "scatter": be.scatter(x, 0, None).shape,
-            "all_to_all": be.all_to_all(x, None).shape,
-        }
-        be.barrier(None)
-    return {
-        "shapes": {k: tuple(v) for k, v in shapes.items()},
-        "all_skipped": all(r.skipped for r in log.records),
-        "ops": sorted({r.op for r in log.records}),
-        "recv_zeroed": world == 1 or bool((got == 0).all()),
-        "off_after": [o for o in OP_NAMES if is_off(o)],
-    }
-
-
 def test_comm_off_every_op_keeps_shapes_and_skips(world: LocalWorld) -> None:
+    def rank_every_op_off() -> dict[str, Any]:
+        be = get_backend()
+        rank, n = dc.get_rank(), dc.get_world_size()
+        x = _data(rank, (2 * n, 3))
+        row = _data(rank, (2, 3))
+        with comm_off(*OP_NAMES), log_comms() as log:
+            got = torch.empty(4)
+            ops = [("send", torch.ones(4), (rank + 1) % n, 0), ("recv", got, (rank - 1) % n, 0)]
+            if n > 1:
+                be.batch_p2p(ops, None)
+            shapes = {
+                "all_reduce": be.all_reduce(x, "sum", None).shape,
+                "broadcast": be.broadcast(x, 0, None).shape,
+                "reduce": be.reduce(x, 0, "sum", None).shape,
+                "all_gather": be.all_gather(row, None).shape,
+                "all_gather uneven": be.all_gather(
+                    row[: rank % 2 + 1], None, [r % 2 + 1 for r in range(n)]
+                ).shape,
+                "reduce_scatter": be.reduce_scatter(x, "sum", None).shape,
+                "gather": be.gather(row, 0, None).shape,
+                "scatter": be.scatter(x, 0, None).shape,
+                "all_to_all": be.all_to_all(x, None).shape,
+            }
+            be.barrier(None)
+        return {
+            "shapes": {k: tuple(v) for k, v in shapes.items()},
+            "all_skipped": all(r.skipped for r in log.records),
+            "ops": sorted({r.op for r in log.records}),
+            "recv_zeroed": n == 1 or bool((got == 0).all()),
+            "off_after": [o for o in OP_NAMES if is_off(o)],
+        }
+
     n = world.world_size
     uneven_total = sum(r % 2 + 1 for r in range(n))
-    for rec in world.run(_rank_every_op_off):
+    for rec in world.run(rank_every_op_off):
         assert rec["shapes"] == {
             "all_reduce": (2 * n, 3),
             "broadcast": (2 * n, 3),
@@ -565,6 +554,7 @@ def test_raw_op_table_is_what_the_backend_dispatches() -> None:
 # ------------------------------------------------------------------- debug-mode check
 
 
+# shared: the rank body of both check_consistent tests (ranks agree / one field differs)
 def _rank_check_consistent(case: str) -> tuple[str, str] | None:
     rank = dc.get_rank()
     fields: dict[str, Any] = {"shape": (2, 3), "dtype": torch.float32, "src": 0}
@@ -599,7 +589,10 @@ def test_check_consistent_names_ranks_and_field(world3: LocalWorld, case: str, d
 # ------------------------------------------------------------------- groups
 
 
-_GROUPS: dict[Any, Any] = {}  # per rank process: new_group must run once, in the same order
+# per rank process: new_group must run once, in the same order. _GROUPS, _mesh and
+# _subgroup stay at module level: the rank imports them (by reference), so the groups
+# outlive a run; a nested copy shipped by value would start from an empty dict each run
+_GROUPS: dict[Any, Any] = {}
 
 
 def _mesh() -> Any:
@@ -616,31 +609,30 @@ def _subgroup(ranks: tuple[int, ...]) -> Any:
     return _GROUPS[ranks]
 
 
-def _rank_mesh_groups() -> dict[str, Any]:
-    be = get_backend()
-    mesh = _mesh()
-    x = torch.tensor([float(dc.get_rank() + 1)])
-    out: dict[str, Any] = {}
-    for axis in ("tp", 1, -1, "dp", 0):
-        group = resolve_group((mesh, axis), "all_reduce")
-        out[f"sum {axis}"] = be.all_reduce(x, "sum", group).item()
-        out[f"rank {axis}"] = be.rank(group)
-    tp = resolve_group((mesh, "tp"), "broadcast")
-    out["broadcast tp src 1"] = be.broadcast(x, 1, tp).item()
-    out["global of tp 1"] = be.global_rank(tp, 1)
-    out["world_size tp"] = dc.get_world_size((mesh, "tp"))
-    out["errors"] = [
-        _error(lambda: resolve_group((mesh, "pp"), "all_reduce")),
-        _error(lambda: resolve_group((mesh, 2), "all_reduce")),
-        _error(lambda: resolve_group((mesh, 1.5), "all_reduce")),
-        _error(lambda: resolve_group(("not a mesh", 0), "all_reduce")),
-        _error(lambda: resolve_group(42, "all_reduce")),
-    ]
-    return out
-
-
 def test_device_mesh_axis_resolves_to_its_group(world4: LocalWorld) -> None:
-    for r, out in enumerate(world4.run(_rank_mesh_groups)):
+    def rank_mesh_groups() -> dict[str, Any]:
+        be = get_backend()
+        mesh = _mesh()
+        x = torch.tensor([float(dc.get_rank() + 1)])
+        out: dict[str, Any] = {}
+        for axis in ("tp", 1, -1, "dp", 0):
+            group = resolve_group((mesh, axis), "all_reduce")
+            out[f"sum {axis}"] = be.all_reduce(x, "sum", group).item()
+            out[f"rank {axis}"] = be.rank(group)
+        tp = resolve_group((mesh, "tp"), "broadcast")
+        out["broadcast tp src 1"] = be.broadcast(x, 1, tp).item()
+        out["global of tp 1"] = be.global_rank(tp, 1)
+        out["world_size tp"] = dc.get_world_size((mesh, "tp"))
+        out["errors"] = [
+            _error(lambda: resolve_group((mesh, "pp"), "all_reduce")),
+            _error(lambda: resolve_group((mesh, 2), "all_reduce")),
+            _error(lambda: resolve_group((mesh, 1.5), "all_reduce")),
+            _error(lambda: resolve_group(("not a mesh", 0), "all_reduce")),
+            _error(lambda: resolve_group(42, "all_reduce")),
+        ]
+        return out
+
+    for r, out in enumerate(world4.run(rank_mesh_groups)):
         dp, tp = divmod(r, 2)  # mesh [[0, 1], [2, 3]]: rows are dp, columns tp
         tp_sum = float(2 * dp + 1 + 2 * dp + 2)
         dp_sum = float(tp + 1 + tp + 3)
@@ -661,32 +653,31 @@ def test_device_mesh_axis_resolves_to_its_group(world4: LocalWorld) -> None:
         assert f"(rank {r})" in errors[0][1], "errors name the rank"
 
 
-def _rank_subgroup(members: tuple[int, ...]) -> dict[str, Any] | None:
-    group = _subgroup(members)
-    if dc.get_rank() not in members:
-        return None  # non-members take no part in the subgroup's collectives
-    be = get_backend()
-    x = _data(dc.get_rank(), (2 * len(members), 3))  # two rows per member: even splits
-    return {
-        "rank": be.rank(group),
-        "world": be.world_size(group),
-        "global of 1": be.global_rank(group, 1),
-        "all_reduce": be.all_reduce(x, "sum", group),
-        "broadcast": be.broadcast(x, 1, group),
-        "reduce": be.reduce(x, 1, "max", group),
-        "all_gather": be.all_gather(x, group),
-        "reduce_scatter": be.reduce_scatter(x, "sum", group),
-        "gather": be.gather(x, 1, group),
-        "scatter": be.scatter(x, 1, group),
-        "all_to_all": be.all_to_all(x, group),
-    }
-
-
 @pytest.mark.parametrize(("n", "members"), [(3, (0, 2)), (4, (1, 3)), (4, (0, 1, 3))])
 def test_subgroup_from_new_group(
     local_worlds: Callable[..., LocalWorld], n: int, members: tuple[int, ...]
 ) -> None:
-    out = local_worlds(n).run(_rank_subgroup, members)
+    def rank_subgroup(members: tuple[int, ...]) -> dict[str, Any] | None:
+        group = _subgroup(members)
+        if dc.get_rank() not in members:
+            return None  # non-members take no part in the subgroup's collectives
+        be = get_backend()
+        x = _data(dc.get_rank(), (2 * len(members), 3))  # two rows per member: even splits
+        return {
+            "rank": be.rank(group),
+            "world": be.world_size(group),
+            "global of 1": be.global_rank(group, 1),
+            "all_reduce": be.all_reduce(x, "sum", group),
+            "broadcast": be.broadcast(x, 1, group),
+            "reduce": be.reduce(x, 1, "max", group),
+            "all_gather": be.all_gather(x, group),
+            "reduce_scatter": be.reduce_scatter(x, "sum", group),
+            "gather": be.gather(x, 1, group),
+            "scatter": be.scatter(x, 1, group),
+            "all_to_all": be.all_to_all(x, group),
+        }
+
+    out = local_worlds(n).run(rank_subgroup, members)
     k = len(members)
     xs = [_data(g, (2 * k, 3)) for g in members]  # by group-local rank
     for r, rec in enumerate(out):

@@ -53,20 +53,19 @@ def _still_alive(pids: list[int], within: float = 3.0) -> list[int]:
 # ------------------------------------------------------------------ the recorder itself
 
 
-def _record_some_ops(path: str) -> dict:
-    forget_gathered_sizes()  # as on a new group: the sizes are exchanged first
-    x = torch.arange(4.0, requires_grad=True)
-    y = dc.all_gather(x)  # size exchange + all_gather, forward
-    y.sum().backward()  # reduce_scatter, backward
-    z = dc.all_reduce(x.detach(), op="max")
-    del z
-    rec = dc.flight_recorder()
-    written = rec.dump(path)
-    return {"entries": list(rec), "file": json.loads(Path(written).read_text()), "text": str(rec)}
-
-
 def test_recorder_entries_have_op_seq_group_shape_direction_state_site(world2, tmp_path) -> None:
-    outs = world2.run(_record_some_ops, str(tmp_path / "flight_{rank}.json"))
+    def record_some_ops(path: str) -> dict:
+        forget_gathered_sizes()  # as on a new group: the sizes are exchanged first
+        x = torch.arange(4.0, requires_grad=True)
+        y = dc.all_gather(x)  # size exchange + all_gather, forward
+        y.sum().backward()  # reduce_scatter, backward
+        z = dc.all_reduce(x.detach(), op="max")
+        del z
+        rec = dc.flight_recorder()
+        written = rec.dump(path)
+        return {"entries": list(rec), "file": json.loads(Path(written).read_text()), "text": str(rec)}
+
+    outs = world2.run(record_some_ops, str(tmp_path / "flight_{rank}.json"))
     for rank, out in enumerate(outs):
         entries = out["entries"][-4:]
         assert [e["op"] for e in entries] == [
@@ -82,7 +81,7 @@ def test_recorder_entries_have_op_seq_group_shape_direction_state_site(world2, t
         assert entries[1]["shape"] == [8] and entries[1]["dtype"] == "float32"
         assert entries[2]["raw_op"] == "reduce_scatter" and entries[2]["shape"] == [4]
         assert all(e["duration_s"] >= 0 for e in entries)
-        # the user's call site: this file, the lines of _record_some_ops
+        # the user's call site: this file, the lines of record_some_ops
         sites = [e["site"] for e in entries]
         assert all(s is not None and s.split(":")[0].endswith("test_flight.py") for s in sites), sites
         assert len({int(s.split(":")[1]) for s in sites}) == 3  # gather, backward, all_reduce lines
@@ -93,41 +92,39 @@ def test_recorder_entries_have_op_seq_group_shape_direction_state_site(world2, t
     assert [e["seq"] for e in outs[0]["entries"][-4:]] == [e["seq"] for e in outs[1]["entries"][-4:]]
 
 
-def _recorder_off_then_ring_size() -> tuple[int, int, int]:
-    before = len(dc.flight_recorder())
-    with _config.FLIGHT.set(False):
-        dc.all_reduce(torch.ones(2))
-    off = len(dc.flight_recorder())
-    with _config.FLIGHT_SIZE.set(3):
-        for _ in range(5):
-            dc.all_reduce(torch.ones(2))
-        small = len(dc.flight_recorder())
-    return before, off, small
-
-
 def test_recorder_can_be_switched_off_and_keeps_only_the_last_n(world2) -> None:
-    for before, off, small in world2.run(_recorder_off_then_ring_size):
+    def recorder_off_then_ring_size() -> tuple[int, int, int]:
+        before = len(dc.flight_recorder())
+        with _config.FLIGHT.set(False):
+            dc.all_reduce(torch.ones(2))
+        off = len(dc.flight_recorder())
+        with _config.FLIGHT_SIZE.set(3):
+            for _ in range(5):
+                dc.all_reduce(torch.ones(2))
+            small = len(dc.flight_recorder())
+        return before, off, small
+
+    for before, off, small in world2.run(recorder_off_then_ring_size):
         assert off == before, "nothing is recorded while DIFFCOMM_FLIGHT is off"
         assert small == 3
 
 
-def _p2p_states() -> dict[str, list[tuple[str, str]]]:
-    def last_two() -> list[tuple[str, str]]:
-        return [(e["raw_op"], e["state"]) for e in dc.flight_recorder()][-2:]
-
-    if dc.get_rank() == 0:
-        dc.send(torch.ones(3), dst=1)
-        time.sleep(0.3)  # rank 1 has not posted its recv yet
-        before = last_two()
-        dc.wait_sends()
-        return {"before": before, "after": last_two()}
-    time.sleep(1.0)
-    dc.recv(src=0)
-    return {"after": last_two()}
-
-
 def test_async_sends_are_queued_until_received(world2) -> None:
-    sent, received = world2.run(_p2p_states)
+    def p2p_states() -> dict[str, list[tuple[str, str]]]:
+        def last_two() -> list[tuple[str, str]]:
+            return [(e["raw_op"], e["state"]) for e in dc.flight_recorder()][-2:]
+
+        if dc.get_rank() == 0:
+            dc.send(torch.ones(3), dst=1)
+            time.sleep(0.3)  # rank 1 has not posted its recv yet
+            before = last_two()
+            dc.wait_sends()
+            return {"before": before, "after": last_two()}
+        time.sleep(1.0)
+        dc.recv(src=0)
+        return {"after": last_two()}
+
+    sent, received = world2.run(p2p_states)
     # header + payload: posted, not yet received by the peer -> queued; then completed
     assert sent["before"] == [("send", "queued"), ("send", "queued")], sent
     assert sent["after"] == [("send", "completed"), ("send", "completed")], sent
@@ -523,19 +520,18 @@ def test_oversized_world_override(monkeypatch) -> None:
         _config.ALLOW_OVERSUBSCRIBE.reload()
 
 
-def _recv_never_sent() -> str:
-    if dc.get_rank() == 1:
-        dc.recv(src=0)  # rank 0 never sends
-    return "returned"
-
-
 def test_p2p_wait_is_not_mistaken_for_a_collective_desync() -> None:
+    def recv_never_sent() -> str:
+        if dc.get_rank() == 1:
+            dc.recv(src=0)  # rank 0 never sends
+        return "returned"
+
     # a rank returned while its peer waits in recv: no collective sequence to compare; the
     # recv times out and names the point-to-point op (no false "never reached #n" claim)
     with LocalWorld(2, timeout=60, collective_timeout=T) as world:
         start = time.monotonic()
         with pytest.raises(RankDesyncError) as info:
-            world.run(_recv_never_sent)
+            world.run(recv_never_sent)
         assert time.monotonic() - start < T + 2
     text = str(info.value)
     assert "the point-to-point `recv" in text and "did not complete" in text
@@ -543,25 +539,24 @@ def test_p2p_wait_is_not_mistaken_for_a_collective_desync() -> None:
     assert "rank 0: returned from the function" in text
 
 
-def _desync_on_own_subgroup() -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    # a group the user creates, with torch's long timeout: DIFFCOMM_TIMEOUT still bounds it
-    sub = dist.new_group([0, 1], timeout=datetime.timedelta(minutes=30))
-    x = torch.ones(4)
-    dc.all_reduce(x, group=sub)
-    if dc.get_rank() == 1:
-        time.sleep(30)  # busy in user code
-    dc.all_reduce(x, group=sub)
-
-
 def test_diffcomm_timeout_bounds_a_group_the_user_created() -> None:
+    def desync_on_own_subgroup() -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        # a group the user creates, with torch's long timeout: DIFFCOMM_TIMEOUT still bounds it
+        sub = dist.new_group([0, 1], timeout=datetime.timedelta(minutes=30))
+        x = torch.ones(4)
+        dc.all_reduce(x, group=sub)
+        if dc.get_rank() == 1:
+            time.sleep(30)  # busy in user code
+        dc.all_reduce(x, group=sub)
+
     with LocalWorld(2, timeout=60, collective_timeout=T) as world:
         start = time.monotonic()
         with pytest.raises(RankDesyncError) as info:
-            world.run(_desync_on_own_subgroup)
+            world.run(desync_on_own_subgroup)
         elapsed = time.monotonic() - start
     assert elapsed < T + 2 + 1, elapsed  # + the new_group rendezvous
     assert info.value.facts["culprits"] == [1] and info.value.facts["seq"] == 1

@@ -76,7 +76,8 @@ def _allowed(case: dict[str, Any]) -> Any:
     return ok
 
 
-def _check_ring(world: dc.LocalWorld, batch: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_attention_equals_serial(local_worlds: Callable[[int], dc.LocalWorld], n: int) -> None:
     def rank_body(batch: list[dict[str, Any]]) -> list[float]:
         import torch
 
@@ -130,13 +131,11 @@ def _check_ring(world: dc.LocalWorld, batch: list[dict[str, Any]]) -> None:
             errs.append(float(max(e)))
         return errs
 
-    for errs in world.run(rank_body, batch):
-        assert max(errs) < 1e-12, (errs, batch)
+    def assert_ok(world: dc.LocalWorld, batch: list[dict[str, Any]]) -> None:
+        for errs in world.run(rank_body, batch):
+            assert max(errs) < 1e-12, (errs, batch)
 
-
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_ring_attention_equals_serial(local_worlds: Callable[[int], dc.LocalWorld], n: int) -> None:
-    check_in_batches(local_worlds(n), ring_cases(), _check_ring, max_examples=4)
+    check_in_batches(local_worlds(n), ring_cases(), assert_ok, max_examples=4)
 
 
 def test_ring_attention_matches_sdpa_and_serial_reference(world3: dc.LocalWorld) -> None:
@@ -327,7 +326,8 @@ def ulysses_cases(draw: Any) -> dict[str, Any]:
     }
 
 
-def _check_ulysses(world: dc.LocalWorld, batch: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ulysses_any_heads_any_lengths(local_worlds: Callable[[int], dc.LocalWorld], n: int) -> None:
     def body(batch: list[dict[str, Any]]) -> list[float]:
         n, r = dc.get_world_size(), dc.get_rank()
         errs = []
@@ -359,13 +359,11 @@ def _check_ulysses(world: dc.LocalWorld, batch: list[dict[str, Any]]) -> None:
                 errs.append(float(max(e)))
         return errs
 
-    for errs in world.run(body, batch):
-        assert max(errs, default=0.0) < 1e-12, (errs, batch)
+    def assert_ok(world: dc.LocalWorld, batch: list[dict[str, Any]]) -> None:
+        for errs in world.run(body, batch):
+            assert max(errs, default=0.0) < 1e-12, (errs, batch)
 
-
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_ulysses_any_heads_any_lengths(local_worlds: Callable[[int], dc.LocalWorld], n: int) -> None:
-    check_in_batches(local_worlds(n), ulysses_cases(), _check_ulysses, max_examples=3)
+    check_in_batches(local_worlds(n), ulysses_cases(), assert_ok, max_examples=3)
 
 
 def test_ulysses_double_backward(world3: dc.LocalWorld) -> None:

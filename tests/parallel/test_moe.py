@@ -27,6 +27,7 @@ import diffcomm as dc
 F64 = torch.float64
 
 
+# shared: the rank body of both equality tests (fixed cases and hypothesis), via _assert_equal
 def _moe_vs_serial(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Run every config on this rank: the parallel layer against the serial one."""
     from diffcomm.parallel import ExpertParallelMoE, MoE
@@ -37,18 +38,15 @@ def _moe_vs_serial(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         e, k, h = cfg["experts"], cfg["k"], cfg["hidden"]
         tokens = cfg["tokens"]  # per rank
         n = sum(tokens)
-        serial = MoE(
-            h,
-            6,
-            e,
-            k,
-            capacity_factor=cfg.get("capacity"),
-            renormalize=cfg.get("renormalize", False),
-            shared_expert_size=cfg.get("shared"),
-            activation="tanh",
-            dtype=F64,
-            seed=cfg["seed"],
-        )
+        layer_kw = {
+            "capacity_factor": cfg.get("capacity"),
+            "renormalize": cfg.get("renormalize", False),
+            "shared_expert_size": cfg.get("shared"),
+            "activation": "tanh",
+            "dtype": F64,
+            "seed": cfg["seed"],
+        }
+        serial = MoE(h, 6, e, k, **layer_kw)
         gen = torch.Generator().manual_seed(cfg["seed"] + 1)
         xs = torch.randn(n, h, dtype=F64, generator=gen)
         cot = torch.randn(n, h, dtype=F64, generator=gen)
@@ -58,18 +56,7 @@ def _moe_vs_serial(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             with torch.no_grad():
                 serial.router.weight[dead, 0] = -40.0
         if cfg.get("built", False):
-            ep = ExpertParallelMoE(
-                h,
-                6,
-                e,
-                k,
-                capacity_factor=cfg.get("capacity"),
-                renormalize=cfg.get("renormalize", False),
-                shared_expert_size=cfg.get("shared"),
-                activation="tanh",
-                dtype=F64,
-                seed=cfg["seed"],
-            )
+            ep = ExpertParallelMoE(h, 6, e, k, **layer_kw)
             if dead:
                 with torch.no_grad():
                     ep.router.weight[dead, 0] = -40.0
@@ -205,25 +192,24 @@ def test_hypothesis_tokens_experts_k(local_worlds, world_size) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _count_moe() -> dict[str, Any]:
-    from diffcomm import backend as B
-    from diffcomm.parallel import ExpertParallelMoE
-
-    r = dc.get_rank()
-    moe = ExpertParallelMoE(4, 8, num_experts=4, k=2, shared_expert_size=6, dtype=F64, seed=0)
-    x = torch.randn(3 + r, 4, dtype=F64, requires_grad=True)
-    with B.log_comms() as fwd:
-        y = moe(x)
-    with B.log_comms() as bwd:
-        ((y * y).sum() + moe.aux_loss).backward()
-    return {
-        "fwd": [(rec.op, rec.label) for rec in fwd.records],
-        "bwd": [(rec.op, rec.label) for rec in bwd.records],
-    }
-
-
 def test_one_counts_exchange_and_one_all_to_all_each_way(world2) -> None:
-    for rec in world2.run(_count_moe):
+    def count_moe() -> dict[str, Any]:
+        from diffcomm import backend as B
+        from diffcomm.parallel import ExpertParallelMoE
+
+        r = dc.get_rank()
+        moe = ExpertParallelMoE(4, 8, num_experts=4, k=2, shared_expert_size=6, dtype=F64, seed=0)
+        x = torch.randn(3 + r, 4, dtype=F64, requires_grad=True)
+        with B.log_comms() as fwd:
+            y = moe(x)
+        with B.log_comms() as bwd:
+            ((y * y).sum() + moe.aux_loss).backward()
+        return {
+            "fwd": [(rec.op, rec.label) for rec in fwd.records],
+            "bwd": [(rec.op, rec.label) for rec in bwd.records],
+        }
+
+    for rec in world2.run(count_moe):
         assert rec["fwd"] == [
             ("all_gather", "parallel.dispatch (counts exchange)"),
             ("all_to_all", "parallel.dispatch -> all_to_all"),
@@ -234,74 +220,74 @@ def test_one_counts_exchange_and_one_all_to_all_each_way(world2) -> None:
         assert all("exchange" not in label for _, label in rec["bwd"]), rec
 
 
-def _adjoint() -> dict[str, float]:
-    """dispatch is linear in x, combine in the expert outputs (gates fixed): the
-    dot-product test <dispatch(x), h> == <x, dispatch^T(h)> summed over ranks, with the
-    transpose taken by autograd, and combine's transpose likewise; and the transpose of
-    dispatch is combine with unit gates."""
-    from diffcomm.parallel import combine, dispatch, route
-
-    r = dc.get_rank()
-    gen = torch.Generator().manual_seed(10 + r)
-    t = [4, 0, 3, 5][r % 4]
-    x = torch.randn(t, 3, dtype=F64, generator=gen, requires_grad=True)
-    gate, idx, _ = route(torch.randn(t, 6 if dc.get_world_size() != 4 else 8, dtype=F64, generator=gen), 2)
-    e = 6 if dc.get_world_size() != 4 else 8
-    h, plan = dispatch(x, idx, e)
-    y = torch.randn(h.shape, dtype=F64, generator=gen)
-    (gx,) = torch.autograd.grad(h, x, y)
-    lhs = float(dc.all_reduce((h.detach() * y).sum()))
-    rhs = float(dc.all_reduce((x.detach() * gx).sum()))
-    ones = torch.ones_like(gate)
-    via_combine = combine(y, ones, plan)
-    hv = h.detach().clone().requires_grad_(True)
-    out = combine(hv, gate.detach(), plan)
-    c = torch.randn(out.shape, dtype=F64, generator=gen)
-    (gh,) = torch.autograd.grad(out, hv, c)
-    lhs2 = float(dc.all_reduce((out.detach() * c).sum()))
-    rhs2 = float(dc.all_reduce((hv.detach() * gh).sum()))
-    return {
-        "dispatch": abs(lhs - rhs) / max(1.0, abs(lhs)),
-        "combine": abs(lhs2 - rhs2) / max(1.0, abs(lhs2)),
-        "transpose_is_combine": float((via_combine - gx).abs().max()) if gx.numel() else 0.0,
-    }
-
-
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_dispatch_combine_adjoint(local_worlds, world_size) -> None:
-    for res in local_worlds(world_size).run(_adjoint):
+    def adjoint() -> dict[str, float]:
+        """dispatch is linear in x, combine in the expert outputs (gates fixed): the
+        dot-product test <dispatch(x), h> == <x, dispatch^T(h)> summed over ranks, with the
+        transpose taken by autograd, and combine's transpose likewise; and the transpose of
+        dispatch is combine with unit gates."""
+        from diffcomm.parallel import combine, dispatch, route
+
+        r = dc.get_rank()
+        gen = torch.Generator().manual_seed(10 + r)
+        t = [4, 0, 3, 5][r % 4]
+        x = torch.randn(t, 3, dtype=F64, generator=gen, requires_grad=True)
+        gate, idx, _ = route(
+            torch.randn(t, 6 if dc.get_world_size() != 4 else 8, dtype=F64, generator=gen), 2
+        )
+        e = 6 if dc.get_world_size() != 4 else 8
+        h, plan = dispatch(x, idx, e)
+        y = torch.randn(h.shape, dtype=F64, generator=gen)
+        (gx,) = torch.autograd.grad(h, x, y)
+        lhs = float(dc.all_reduce((h.detach() * y).sum()))
+        rhs = float(dc.all_reduce((x.detach() * gx).sum()))
+        ones = torch.ones_like(gate)
+        via_combine = combine(y, ones, plan)
+        hv = h.detach().clone().requires_grad_(True)
+        out = combine(hv, gate.detach(), plan)
+        c = torch.randn(out.shape, dtype=F64, generator=gen)
+        (gh,) = torch.autograd.grad(out, hv, c)
+        lhs2 = float(dc.all_reduce((out.detach() * c).sum()))
+        rhs2 = float(dc.all_reduce((hv.detach() * gh).sum()))
+        return {
+            "dispatch": abs(lhs - rhs) / max(1.0, abs(lhs)),
+            "combine": abs(lhs2 - rhs2) / max(1.0, abs(lhs2)),
+            "transpose_is_combine": float((via_combine - gx).abs().max()) if gx.numel() else 0.0,
+        }
+
+    for res in local_worlds(world_size).run(adjoint):
         assert max(res.values()) < 1e-12, res
 
 
-def _bad() -> list[str]:
-    from diffcomm import backend as B
-    from diffcomm.parallel import ExpertParallelMoE, combine, dispatch
-
-    x = torch.randn(3, 4)
-    idx = torch.zeros(3, 2, dtype=torch.int64)
-    calls = [
-        lambda: dispatch(x, idx, 3),  # not divisible by 2 ranks
-        lambda: dispatch(x, idx.float(), 4),
-        lambda: dispatch(x, idx[:2], 4),
-        lambda: dispatch(x, idx + 7, 4),
-        lambda: dispatch(x, idx - 1, 4),
-        lambda: dispatch(x, idx, 4, capacity_factor=0.0),
-        lambda: combine(x, x, "plan"),
-        lambda: ExpertParallelMoE(4, 8, num_experts=3),
-        lambda: ExpertParallelMoE(4, 8, num_experts=4, k=5),
-    ]
-    out = []
-    for fn in calls:
-        with B.log_comms() as log:
-            try:
-                fn()
-                out.append("no error")
-            except (ValueError, TypeError) as exc:
-                out.append(f"{type(exc).__name__}: {exc} [{log.count()} comms]")
-    return out
-
-
 def test_bad_input_raises_before_any_communication(world2) -> None:
+    def bad() -> list[str]:
+        from diffcomm import backend as B
+        from diffcomm.parallel import ExpertParallelMoE, combine, dispatch
+
+        x = torch.randn(3, 4)
+        idx = torch.zeros(3, 2, dtype=torch.int64)
+        calls = [
+            lambda: dispatch(x, idx, 3),  # not divisible by 2 ranks
+            lambda: dispatch(x, idx.float(), 4),
+            lambda: dispatch(x, idx[:2], 4),
+            lambda: dispatch(x, idx + 7, 4),
+            lambda: dispatch(x, idx - 1, 4),
+            lambda: dispatch(x, idx, 4, capacity_factor=0.0),
+            lambda: combine(x, x, "plan"),
+            lambda: ExpertParallelMoE(4, 8, num_experts=3),
+            lambda: ExpertParallelMoE(4, 8, num_experts=4, k=5),
+        ]
+        out = []
+        for fn in calls:
+            with B.log_comms() as log:
+                try:
+                    fn()
+                    out.append("no error")
+                except (ValueError, TypeError) as exc:
+                    out.append(f"{type(exc).__name__}: {exc} [{log.count()} comms]")
+        return out
+
     patterns = [
         r"`num_experts` must be divisible by the group size 2",
         r"TypeError: .*`expert_index` must be an int64 tensor",
@@ -315,7 +301,7 @@ def test_bad_input_raises_before_any_communication(world2) -> None:
     ]
     import re
 
-    for msgs in world2.run(_bad):
+    for msgs in world2.run(bad):
         for pat, msg in zip(patterns, msgs):
             assert re.search(pat, msg) and msg.endswith("[0 comms]"), (pat, msg)
 
@@ -325,233 +311,230 @@ def test_bad_input_raises_before_any_communication(world2) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _composed() -> dict[str, float]:
-    """World 4 as a 2 x 2 mesh. (a) EP over {0,1} / {2,3}, DP over {0,2} / {1,3}: each EP
-    group is the serial MoE over its own tokens, and the DP-averaged gradients are the
-    average of the two serial MoEs' gradients. (b) EP over {0,1} / {2,3} with each expert
-    a ParallelMLP over the TP group {0,2} / {1,3}: the TP ranks hold the same tokens, the
-    expert shards' gradients are the shards of the serial experts' gradients."""
-    import torch.distributed as dist
-
-    from diffcomm.parallel import ExpertParallelMoE, MoE, ParallelMLP
-
-    r = dc.get_rank()
-    g01, g23 = dist.new_group([0, 1]), dist.new_group([2, 3])
-    g02, g13 = dist.new_group([0, 2]), dist.new_group([1, 3])
-    ep, other = (g01 if r < 2 else g23), (g02 if r % 2 == 0 else g13)
-    ep_rank, replica = r % 2, r // 2
-    e, k, h, seed = 4, 2, 4, 11
-    tokens = [5, 3]
-    out: dict[str, float] = {}
-
-    def serial_grads(xs: torch.Tensor, cot: torch.Tensor) -> tuple[MoE, torch.Tensor]:
-        m = MoE(h, 6, e, k, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed)
-        y = m(xs)
-        ((y * cot).sum() + 0.5 * m.aux_loss).backward()
-        return m, y.detach()
-
-    # (a) data parallel over `other`: the two replicas see different tokens
-    gen = torch.Generator().manual_seed(replica)
-    xs = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
-    cot = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
-    lo = sum(tokens[:ep_rank])
-    mine = slice(lo, lo + tokens[ep_rank])
-    moe = ExpertParallelMoE(h, 6, e, k, ep, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed)
-    y = moe(xs[mine])
-    ((y * cot[mine]).sum() + 0.5 * moe.aux_loss).backward()
-    moe.sync_replicated_grads()
-    for p in moe.parameters():  # data parallel: average over the other axis
-        p.grad = dc.all_reduce(p.grad, "avg", other)
-    refs = []
-    for rep in (0, 1):
-        g = torch.Generator().manual_seed(rep)
-        refs.append(
-            serial_grads(
-                torch.randn(sum(tokens), h, dtype=F64, generator=g),
-                torch.randn(sum(tokens), h, dtype=F64, generator=g),
-            )
-        )
-    out["dp_out"] = float((y.detach() - refs[replica][1][mine]).abs().max())
-    first = ep_rank * (e // 2)
-    errs = []
-    for j, mod in enumerate(moe.experts):
-        for p, q0, q1 in zip(
-            mod.parameters(),
-            refs[0][0].experts[first + j].parameters(),
-            refs[1][0].experts[first + j].parameters(),
-        ):
-            avg = (_g(q0) + _g(q1)) / 2
-            errs.append(float((_g(p) - avg).abs().max()))
-    for p, q0, q1 in zip(
-        moe.replicated_parameters(), refs[0][0].router.parameters(), refs[1][0].router.parameters()
-    ):
-        errs.append(float((_g(p) - (_g(q0) + _g(q1)) / 2).abs().max()))
-    out["dp_grads"] = max(errs)
-
-    # (b) tensor parallel inside each expert, over `other`: same tokens on the TP ranks
-    gen = torch.Generator().manual_seed(7)
-    xs = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
-    cot = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
-    serial, y_ref = serial_grads(xs, cot)
-    fresh = MoE(h, 6, e, k, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed)
-    local = [ParallelMLP.from_serial(fresh.experts[first + j], group=other) for j in range(e // 2)]
-    moe = ExpertParallelMoE(
-        h, 6, e, k, ep, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed, experts=local
-    )
-    y = moe(xs[mine])
-    ((y * cot[mine]).sum() + 0.5 * moe.aux_loss).backward()
-    moe.sync_replicated_grads()
-    out["tp_out"] = float((y.detach() - y_ref[mine]).abs().max())
-    tp_rank, errs = replica, []
-    for j, mod in enumerate(moe.experts):
-        ref = serial.experts[first + j]
-        half = 3  # ffn 6 over 2 TP ranks
-        cols = slice(tp_rank * half, (tp_rank + 1) * half)
-        errs.append(float((mod.fc1.weight.grad - ref.fc1.weight.grad[cols]).abs().max()))
-        errs.append(float((mod.fc1.bias.grad - ref.fc1.bias.grad[cols]).abs().max()))
-        errs.append(float((mod.fc2.weight.grad - ref.fc2.weight.grad[:, cols]).abs().max()))
-        errs.append(float((mod.fc2.bias.grad - ref.fc2.bias.grad).abs().max()))
-    for p, q in zip(moe.router.parameters(), serial.router.parameters()):
-        errs.append(float((p.grad - q.grad).abs().max()))
-    out["tp_grads"] = max(errs)
-    return out
-
-
 def _g(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient, zeros where none flowed (shared by two rank bodies below)."""
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 def test_composes_with_data_and_tensor_parallelism(world4) -> None:
-    for res in world4.run(_composed):
-        assert max(res.values()) < 1e-10, res
+    def composed() -> dict[str, float]:
+        """World 4 as a 2 x 2 mesh. (a) EP over {0,1} / {2,3}, DP over {0,2} / {1,3}: each EP
+        group is the serial MoE over its own tokens, and the DP-averaged gradients are the
+        average of the two serial MoEs' gradients. (b) EP over {0,1} / {2,3} with each expert
+        a ParallelMLP over the TP group {0,2} / {1,3}: the TP ranks hold the same tokens, the
+        expert shards' gradients are the shards of the serial experts' gradients."""
+        import torch.distributed as dist
 
+        from diffcomm.parallel import ExpertParallelMoE, MoE, ParallelMLP
 
-def _double_backward() -> dict[str, float]:
-    """Second order through dispatch/combine (a gradient penalty on the input gradient),
-    against the serial MoE; and the blocking shared expert (overlap_shared=False)."""
-    from diffcomm.parallel import ExpertParallelMoE, MoE
+        r = dc.get_rank()
+        g01, g23 = dist.new_group([0, 1]), dist.new_group([2, 3])
+        g02, g13 = dist.new_group([0, 2]), dist.new_group([1, 3])
+        ep, other = (g01 if r < 2 else g23), (g02 if r % 2 == 0 else g13)
+        ep_rank, replica = r % 2, r // 2
+        e, k, h, seed = 4, 2, 4, 11
+        tokens = [5, 3]
+        out: dict[str, float] = {}
 
-    r, w = dc.get_rank(), dc.get_world_size()
-    tokens = [4, 0, 6, 3][:w]
-    e, k, h = 2 * w, 2, 3
-    gen = torch.Generator().manual_seed(5)
-    xs = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
-    v = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
-    serial = MoE(h, 4, e, k, shared_expert_size=3, activation="tanh", dtype=F64, seed=9)
-    x_all = xs.clone().requires_grad_(True)
-    (gx,) = torch.autograd.grad((serial(x_all) ** 2).sum(), x_all, create_graph=True)
-    (gx * v).sum().backward()
-    out = {}
-    for overlap in (True, False):
-        ep = ExpertParallelMoE.from_serial(serial, overlap_shared=overlap)
-        for p in ep.parameters():
-            p.grad = None
-        lo = sum(tokens[:r])
-        x_mine = xs[lo : lo + tokens[r]].clone().requires_grad_(True)
-        (g_mine,) = torch.autograd.grad((ep(x_mine) ** 2).sum(), x_mine, create_graph=True)
-        (g_mine * v[lo : lo + tokens[r]]).sum().backward()
-        ep.sync_replicated_grads()
-        first = r * (e // w)
-        errs = [float((g_mine - gx[lo : lo + tokens[r]]).abs().max()) if tokens[r] else 0.0]
-        for j, mod in enumerate(ep.experts):
-            errs += [
-                float((_g(p) - _g(q)).abs().max())
-                for p, q in zip(mod.parameters(), serial.experts[first + j].parameters())
-            ]
-        errs += [
-            float((_g(p) - _g(q)).abs().max())
-            for p, q in zip(
-                ep.replicated_parameters(), [*serial.router.parameters(), *serial.shared_expert.parameters()]
+        def serial_grads(xs: torch.Tensor, cot: torch.Tensor) -> tuple[MoE, torch.Tensor]:
+            m = MoE(h, 6, e, k, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed)
+            y = m(xs)
+            ((y * cot).sum() + 0.5 * m.aux_loss).backward()
+            return m, y.detach()
+
+        # (a) data parallel over `other`: the two replicas see different tokens
+        gen = torch.Generator().manual_seed(replica)
+        xs = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
+        cot = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
+        lo = sum(tokens[:ep_rank])
+        mine = slice(lo, lo + tokens[ep_rank])
+        moe = ExpertParallelMoE(h, 6, e, k, ep, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed)
+        y = moe(xs[mine])
+        ((y * cot[mine]).sum() + 0.5 * moe.aux_loss).backward()
+        moe.sync_replicated_grads()
+        for p in moe.parameters():  # data parallel: average over the other axis
+            p.grad = dc.all_reduce(p.grad, "avg", other)
+        refs = []
+        for rep in (0, 1):
+            g = torch.Generator().manual_seed(rep)
+            refs.append(
+                serial_grads(
+                    torch.randn(sum(tokens), h, dtype=F64, generator=g),
+                    torch.randn(sum(tokens), h, dtype=F64, generator=g),
+                )
             )
-        ]
-        out[f"overlap={overlap}"] = max(errs)
-    return out
+        out["dp_out"] = float((y.detach() - refs[replica][1][mine]).abs().max())
+        first = ep_rank * (e // 2)
+        errs = []
+        for j, mod in enumerate(moe.experts):
+            for p, q0, q1 in zip(
+                mod.parameters(),
+                refs[0][0].experts[first + j].parameters(),
+                refs[1][0].experts[first + j].parameters(),
+            ):
+                avg = (_g(q0) + _g(q1)) / 2
+                errs.append(float((_g(p) - avg).abs().max()))
+        for p, q0, q1 in zip(
+            moe.replicated_parameters(), refs[0][0].router.parameters(), refs[1][0].router.parameters()
+        ):
+            errs.append(float((_g(p) - (_g(q0) + _g(q1)) / 2).abs().max()))
+        out["dp_grads"] = max(errs)
+
+        # (b) tensor parallel inside each expert, over `other`: same tokens on the TP ranks
+        gen = torch.Generator().manual_seed(7)
+        xs = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
+        cot = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
+        serial, y_ref = serial_grads(xs, cot)
+        fresh = MoE(h, 6, e, k, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed)
+        local = [ParallelMLP.from_serial(fresh.experts[first + j], group=other) for j in range(e // 2)]
+        moe = ExpertParallelMoE(
+            h, 6, e, k, ep, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed, experts=local
+        )
+        y = moe(xs[mine])
+        ((y * cot[mine]).sum() + 0.5 * moe.aux_loss).backward()
+        moe.sync_replicated_grads()
+        out["tp_out"] = float((y.detach() - y_ref[mine]).abs().max())
+        tp_rank, errs = replica, []
+        for j, mod in enumerate(moe.experts):
+            ref = serial.experts[first + j]
+            half = 3  # ffn 6 over 2 TP ranks
+            cols = slice(tp_rank * half, (tp_rank + 1) * half)
+            errs.append(float((mod.fc1.weight.grad - ref.fc1.weight.grad[cols]).abs().max()))
+            errs.append(float((mod.fc1.bias.grad - ref.fc1.bias.grad[cols]).abs().max()))
+            errs.append(float((mod.fc2.weight.grad - ref.fc2.weight.grad[:, cols]).abs().max()))
+            errs.append(float((mod.fc2.bias.grad - ref.fc2.bias.grad).abs().max()))
+        for p, q in zip(moe.router.parameters(), serial.router.parameters()):
+            errs.append(float((p.grad - q.grad).abs().max()))
+        out["tp_grads"] = max(errs)
+        return out
+
+    for res in world4.run(composed):
+        assert max(res.values()) < 1e-10, res
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_double_backward_and_blocking_shared_expert(local_worlds, world_size) -> None:
-    for res in local_worlds(world_size).run(_double_backward):
+    def double_backward() -> dict[str, float]:
+        """Second order through dispatch/combine (a gradient penalty on the input gradient),
+        against the serial MoE; and the blocking shared expert (overlap_shared=False)."""
+        from diffcomm.parallel import ExpertParallelMoE, MoE
+
+        r, w = dc.get_rank(), dc.get_world_size()
+        tokens = [4, 0, 6, 3][:w]
+        e, k, h = 2 * w, 2, 3
+        gen = torch.Generator().manual_seed(5)
+        xs = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
+        v = torch.randn(sum(tokens), h, dtype=F64, generator=gen)
+        serial = MoE(h, 4, e, k, shared_expert_size=3, activation="tanh", dtype=F64, seed=9)
+        x_all = xs.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad((serial(x_all) ** 2).sum(), x_all, create_graph=True)
+        (gx * v).sum().backward()
+        out = {}
+        for overlap in (True, False):
+            ep = ExpertParallelMoE.from_serial(serial, overlap_shared=overlap)
+            for p in ep.parameters():
+                p.grad = None
+            lo = sum(tokens[:r])
+            x_mine = xs[lo : lo + tokens[r]].clone().requires_grad_(True)
+            (g_mine,) = torch.autograd.grad((ep(x_mine) ** 2).sum(), x_mine, create_graph=True)
+            (g_mine * v[lo : lo + tokens[r]]).sum().backward()
+            ep.sync_replicated_grads()
+            first = r * (e // w)
+            errs = [float((g_mine - gx[lo : lo + tokens[r]]).abs().max()) if tokens[r] else 0.0]
+            for j, mod in enumerate(ep.experts):
+                errs += [
+                    float((_g(p) - _g(q)).abs().max())
+                    for p, q in zip(mod.parameters(), serial.experts[first + j].parameters())
+                ]
+            errs += [
+                float((_g(p) - _g(q)).abs().max())
+                for p, q in zip(
+                    ep.replicated_parameters(),
+                    [*serial.router.parameters(), *serial.shared_expert.parameters()],
+                )
+            ]
+            out[f"overlap={overlap}"] = max(errs)
+        return out
+
+    for res in local_worlds(world_size).run(double_backward):
         assert max(res.values()) < 1e-10, res
 
 
-def _plan_reuse() -> dict[str, Any]:
-    """dispatch(..., plan=) reuses an earlier plan of the same routing (a recomputed
-    forward): the same rows, no counts exchange; a plan of other tokens is refused."""
-    from diffcomm import backend as B
-    from diffcomm.parallel import dispatch
-
-    r = dc.get_rank()
-    gen = torch.Generator().manual_seed(r)
-    x = torch.randn(5 + r, 3, dtype=F64, generator=gen)
-    idx = torch.randint(0, 4, (5 + r, 1), generator=gen)
-    h1, plan = dispatch(x, idx, 4)
-    with B.log_comms() as log:
-        h2, same = dispatch(x, idx, 4, plan=plan)
-    try:
-        dispatch(x[:2], idx[:2], 4, plan=plan)
-        refused = "no error"
-    except ValueError as exc:
-        refused = str(exc)
-    return {
-        "equal": torch.equal(h1, h2) and same is plan,
-        "ops": [(rec.op, rec.label) for rec in log.records],
-        "refused": refused,
-    }
-
-
 def test_dispatch_reuses_a_given_plan(world2) -> None:
-    for res in world2.run(_plan_reuse):
+    def plan_reuse() -> dict[str, Any]:
+        """dispatch(..., plan=) reuses an earlier plan of the same routing (a recomputed
+        forward): the same rows, no counts exchange; a plan of other tokens is refused."""
+        from diffcomm import backend as B
+        from diffcomm.parallel import dispatch
+
+        r = dc.get_rank()
+        gen = torch.Generator().manual_seed(r)
+        x = torch.randn(5 + r, 3, dtype=F64, generator=gen)
+        idx = torch.randint(0, 4, (5 + r, 1), generator=gen)
+        h1, plan = dispatch(x, idx, 4)
+        with B.log_comms() as log:
+            h2, same = dispatch(x, idx, 4, plan=plan)
+        try:
+            dispatch(x[:2], idx[:2], 4, plan=plan)
+            refused = "no error"
+        except ValueError as exc:
+            refused = str(exc)
+        return {
+            "equal": torch.equal(h1, h2) and same is plan,
+            "ops": [(rec.op, rec.label) for rec in log.records],
+            "refused": refused,
+        }
+
+    for res in world2.run(plan_reuse):
         assert res["equal"] and res["ops"] == [("all_to_all", "parallel.dispatch -> all_to_all")], res
         assert "`plan` must be a plan of the same routing (2 tokens" in res["refused"], res
 
 
-def _debug_mismatch() -> str:
-    from diffcomm.parallel import dispatch
-
-    r = dc.get_rank()
-    x = torch.randn(3, 4)
-    idx = torch.zeros(3, 1 + r, dtype=torch.int64)  # k differs between the ranks
-    with dc.debug(True):
-        try:
-            dispatch(x, idx, 4)
-        except dc.CrossRankMismatchError as exc:
-            return str(exc)
-    return "no error"
-
-
 def test_debug_mode_names_a_routing_mismatch(world2) -> None:
-    for msg in world2.run(_debug_mismatch):
+    def debug_mismatch() -> str:
+        from diffcomm.parallel import dispatch
+
+        r = dc.get_rank()
+        x = torch.randn(3, 4)
+        idx = torch.zeros(3, 1 + r, dtype=torch.int64)  # k differs between the ranks
+        with dc.debug(True):
+            try:
+                dispatch(x, idx, 4)
+            except dc.CrossRankMismatchError as exc:
+                return str(exc)
+        return "no error"
+
+    for msg in world2.run(debug_mismatch):
         assert "parallel.dispatch()" in msg and "k differs (rank 0: 1, rank 1: 2)" in msg, msg
 
 
-def _func_transforms() -> dict[str, float]:
-    """torch.func.grad / jvp / vmap through dispatch and combine (the routing fixed)."""
-    from diffcomm.parallel import combine, dispatch, route
-
-    r = dc.get_rank()
-    g = torch.Generator().manual_seed(r)
-    x = torch.randn(5 - r, 3, dtype=F64, generator=g)
-    gate, idx, _ = route(torch.randn(5 - r, 4, dtype=F64, generator=g), 2)
-    v = torch.randn(x.shape, dtype=F64, generator=g)
-
-    def loss(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h, plan = dispatch(x, idx, 4)
-        return (combine(h.sin(), gate, plan) ** 2).sum()
-
-    gx, gg = torch.func.grad(loss, argnums=(0, 1))(x, gate)
-    xa, ga = x.clone().requires_grad_(), gate.clone().requires_grad_()
-    rx, rg = torch.autograd.grad(loss(xa, ga), (xa, ga))
-    tangent = torch.func.jvp(lambda x: loss(x, gate), (x,), (v,))[1]
-    batch = torch.stack([x, 2 * x, x.cos()])
-    batched = torch.func.vmap(lambda x: loss(x, gate))(batch)
-    looped = torch.stack([loss(b, gate) for b in batch])
-    return {
-        "grad": max(float((gx - rx).abs().max()), float((gg - rg).abs().max())),
-        "jvp": abs(float(tangent) - float((rx * v).sum())),
-        "vmap": float((batched - looped).abs().max()),
-    }
-
-
 def test_torch_func_grad_jvp_vmap(world2) -> None:
-    for res in world2.run(_func_transforms):
+    def func_transforms() -> dict[str, float]:
+        """torch.func.grad / jvp / vmap through dispatch and combine (the routing fixed)."""
+        from diffcomm.parallel import combine, dispatch, route
+
+        r = dc.get_rank()
+        g = torch.Generator().manual_seed(r)
+        x = torch.randn(5 - r, 3, dtype=F64, generator=g)
+        gate, idx, _ = route(torch.randn(5 - r, 4, dtype=F64, generator=g), 2)
+        v = torch.randn(x.shape, dtype=F64, generator=g)
+
+        def loss(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+            h, plan = dispatch(x, idx, 4)
+            return (combine(h.sin(), gate, plan) ** 2).sum()
+
+        gx, gg = torch.func.grad(loss, argnums=(0, 1))(x, gate)
+        xa, ga = x.clone().requires_grad_(), gate.clone().requires_grad_()
+        rx, rg = torch.autograd.grad(loss(xa, ga), (xa, ga))
+        tangent = torch.func.jvp(lambda x: loss(x, gate), (x,), (v,))[1]
+        batch = torch.stack([x, 2 * x, x.cos()])
+        batched = torch.func.vmap(lambda x: loss(x, gate))(batch)
+        looped = torch.stack([loss(b, gate) for b in batch])
+        return {
+            "grad": max(float((gx - rx).abs().max()), float((gg - rg).abs().max())),
+            "jvp": abs(float(tangent) - float((rx * v).sum())),
+            "vmap": float((batched - looped).abs().max()),
+        }
+
+    for res in world2.run(func_transforms):
         assert max(res.values()) < 1e-10, res

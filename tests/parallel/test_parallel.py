@@ -84,44 +84,42 @@ def _case(name: str) -> tuple:
     raise AssertionError(name)
 
 
-def _check_definition(name: str) -> bool:
-    fn, x, cot, y_expected, g_expected = _case(name)
-    x = x.clone().requires_grad_()
-    y = fn(x)
-    (g,) = torch.autograd.grad(y, x, cot)
-    assert_close(y, y_expected, rtol=1e-12, atol=1e-12)
-    assert_close(g, g_expected, rtol=1e-12, atol=1e-12)
-    return True
-
-
 @pytest.mark.parametrize("name", list(MAPPINGS))
 def test_mapping_matches_its_definition(world, name: str) -> None:
-    assert world.run(_check_definition, name) == [True] * world.world_size
+    def check_definition(name: str) -> bool:
+        fn, x, cot, y_expected, g_expected = _case(name)
+        x = x.clone().requires_grad_()
+        y = fn(x)
+        (g,) = torch.autograd.grad(y, x, cot)
+        assert_close(y, y_expected, rtol=1e-12, atol=1e-12)
+        assert_close(g, g_expected, rtol=1e-12, atol=1e-12)
+        return True
 
-
-def _check_transforms(name: str) -> dict[str, int]:
-    """jvp = the forward map on the tangent; vmap = per-sample results with one collective."""
-    fn, x, cot, _, _ = _case(name)
-    t = _data(3, dc.get_rank(), *x.shape)
-    y, ty = torch.func.jvp(fn, (x,), (t,))
-    assert_close(ty, fn(t), rtol=1e-12, atol=1e-12)
-    batch = torch.stack([x, t, 2 * x])
-    with log_comms() as one:
-        fn(x)
-    with log_comms() as batched:
-        out = torch.func.vmap(fn)(batch)
-    assert_close(out, torch.stack([fn(b) for b in batch]), rtol=1e-12, atol=1e-12)
-    # vjp under vmap (jacrev-style): every cotangent in the batch at once
-    _, vjp = torch.func.vjp(fn, x)
-    (gs,) = torch.func.vmap(vjp)(torch.stack([cot, 3 * cot]))
-    (g1,) = vjp(cot)
-    assert_close(gs[1], 3 * g1, rtol=1e-12, atol=1e-12)
-    return {"one": one.count(), "batched": batched.count()}
+    assert world.run(check_definition, name) == [True] * world.world_size
 
 
 @pytest.mark.parametrize("name", list(MAPPINGS))
 def test_mapping_jvp_and_vmap(world2, name: str) -> None:
-    counts = world2.run(_check_transforms, name)
+    def check_transforms(name: str) -> dict[str, int]:
+        """jvp = the forward map on the tangent; vmap = per-sample results with one collective."""
+        fn, x, cot, _, _ = _case(name)
+        t = _data(3, dc.get_rank(), *x.shape)
+        y, ty = torch.func.jvp(fn, (x,), (t,))
+        assert_close(ty, fn(t), rtol=1e-12, atol=1e-12)
+        batch = torch.stack([x, t, 2 * x])
+        with log_comms() as one:
+            fn(x)
+        with log_comms() as batched:
+            out = torch.func.vmap(fn)(batch)
+        assert_close(out, torch.stack([fn(b) for b in batch]), rtol=1e-12, atol=1e-12)
+        # vjp under vmap (jacrev-style): every cotangent in the batch at once
+        _, vjp = torch.func.vjp(fn, x)
+        (gs,) = torch.func.vmap(vjp)(torch.stack([cot, 3 * cot]))
+        (g1,) = vjp(cot)
+        assert_close(gs[1], 3 * g1, rtol=1e-12, atol=1e-12)
+        return {"one": one.count(), "batched": batched.count()}
+
+    counts = world2.run(check_transforms, name)
     assert counts[0]["batched"] == counts[0]["one"], counts  # one collective for the whole batch
 
 
@@ -149,19 +147,6 @@ def _inner(a: torch.Tensor, b: torch.Tensor, replicated: bool) -> float:
     return total / dc.get_world_size() if replicated else total
 
 
-def _check_adjoint(name: str) -> dict[str, float]:
-    """``<A x, y>_out == <x, A' y>_in`` with ``A'`` the registered dual called directly."""
-    fn, x, y, _, _ = _case(name)  # x and the cotangent y live in A's input / output space
-    dual = MAPPINGS[MAPPINGS[name].dual].fn
-    aty = dual(y, 1, 0) if name == "all_to_all_region" else dual(y)
-    side = _REPLICATED_SIDE.get(name)
-    lhs = _inner(fn(x), y, side == "out")
-    rhs = _inner(x, aty, side == "in")
-    # the sum-of-objectives inner product (the testing kit's): off by `world` on a replicated side
-    sum_lhs, sum_rhs = _inner(fn(x), y, False), _inner(x, aty, False)
-    return {"lhs": lhs, "rhs": rhs, "sum_lhs": sum_lhs, "sum_rhs": sum_rhs}
-
-
 @pytest.mark.parametrize("name", list(MAPPINGS))
 def test_mapping_and_its_dual_are_adjoint_under_the_replicated_convention(world, name: str) -> None:
     """The dot-product test of each mapping against its registered dual.
@@ -179,7 +164,20 @@ def test_mapping_and_its_dual_are_adjoint_under_the_replicated_convention(world,
     all-gather sequence pair and
     ``all_to_all_region`` have none, so both conventions agree for them.
     """
-    out = world.run(_check_adjoint, name)[0]
+
+    def check_adjoint(name: str) -> dict[str, float]:
+        """``<A x, y>_out == <x, A' y>_in`` with ``A'`` the registered dual called directly."""
+        fn, x, y, _, _ = _case(name)  # x and the cotangent y live in A's input / output space
+        dual = MAPPINGS[MAPPINGS[name].dual].fn
+        aty = dual(y, 1, 0) if name == "all_to_all_region" else dual(y)
+        side = _REPLICATED_SIDE.get(name)
+        lhs = _inner(fn(x), y, side == "out")
+        rhs = _inner(x, aty, side == "in")
+        # the sum-of-objectives inner product (the testing kit's): off by `world` on a replicated side
+        sum_lhs, sum_rhs = _inner(fn(x), y, False), _inner(x, aty, False)
+        return {"lhs": lhs, "rhs": rhs, "sum_lhs": sum_lhs, "sum_rhs": sum_rhs}
+
+    out = world.run(check_adjoint, name)[0]
     w = world.world_size
     assert out["lhs"] == pytest.approx(out["rhs"], rel=1e-12, abs=1e-12), out
     side = _REPLICATED_SIDE.get(name)
@@ -219,12 +217,6 @@ def test_mappings_are_the_registry_mapping_family() -> None:
 # ======================================================================================
 # double backward: a gradient penalty through the mappings equals the serial one
 # ======================================================================================
-
-
-def _penalty(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    w = _data(9, -1, *x.shape[:-1], 4)
-    (gx,) = torch.autograd.grad((module(x) * w).sum(), x, create_graph=True)
-    return gx.pow(2).sum()
 
 
 class _Penalty(P.ParallelModule):
@@ -275,20 +267,32 @@ def _expect_mismatch(fn: Callable[[], object]) -> str:
     return "no error"
 
 
-def _debug_cases(kind: str) -> dict[str, str]:
-    r = dc.get_rank()
-    differs = torch.full((2, 6), float(r == 1))  # rank 1 differs from the others
-    same = torch.ones(2, 6)
-    out: dict[str, str] = {}
-    if kind == "forward":
-        out["copy"] = _expect_mismatch(lambda: P.copy_to_region(differs))
-        out["scatter"] = _expect_mismatch(lambda: P.scatter_to_region(differs))
-        out["scatter_seq"] = _expect_mismatch(lambda: P.scatter_to_sequence(differs.t()))
+def test_debug_copy_forwards_check_the_input_is_replicated(world3) -> None:
+    def debug_forwards() -> dict[str, str]:
+        differs = torch.full((2, 6), float(dc.get_rank() == 1))  # rank 1 differs from the others
+        same = torch.ones(2, 6)
+        out = {
+            "copy": _expect_mismatch(lambda: P.copy_to_region(differs)),
+            "scatter": _expect_mismatch(lambda: P.scatter_to_region(differs)),
+            "scatter_seq": _expect_mismatch(lambda: P.scatter_to_sequence(differs.t())),
+        }
         with dc.debug(True):  # replicated inputs pass
             P.copy_to_region(same)
             P.scatter_to_region(same)
             P.scatter_to_sequence(same.t())
-    else:
+        return out
+
+    out = world3.run(debug_forwards)[0]
+    assert "parallel.copy_to_region" in out["copy"] and "ranks [1] differ from ranks [0, 2]" in out["copy"]
+    assert "parallel.scatter_to_region" in out["scatter"] and "ranks [1]" in out["scatter"]
+    assert "parallel.scatter_to_sequence" in out["scatter_seq"] and "ranks [1]" in out["scatter_seq"]
+
+
+def test_debug_identity_backwards_check_the_gradient_is_replicated(world3) -> None:
+    def debug_backwards() -> dict[str, str]:
+        r, w = dc.get_rank(), dc.get_world_size()
+        differs = torch.full((2, 6), float(r == 1))  # rank 1 differs from the others
+        same = torch.ones(2, 6)
 
         def reduce_backward(grad: torch.Tensor) -> None:
             P.reduce_from_region(torch.ones(2, 6, requires_grad=True)).backward(grad)
@@ -299,53 +303,43 @@ def _debug_cases(kind: str) -> dict[str, str]:
         def gather_seq_backward(grad: torch.Tensor) -> None:
             P.gather_from_sequence(torch.ones(2, 2, requires_grad=True)).backward(grad)
 
-        w = dc.get_world_size()
-        out["reduce"] = _expect_mismatch(lambda: reduce_backward(differs))
-        out["gather"] = _expect_mismatch(lambda: gather_backward(torch.full((2, 2 * w), float(r == 1))))
-        out["gather_seq"] = _expect_mismatch(
-            lambda: gather_seq_backward(torch.full((2 * w, 2), float(r == 1)))
-        )
+        out = {
+            "reduce": _expect_mismatch(lambda: reduce_backward(differs)),
+            "gather": _expect_mismatch(lambda: gather_backward(torch.full((2, 2 * w), float(r == 1)))),
+            "gather_seq": _expect_mismatch(
+                lambda: gather_seq_backward(torch.full((2 * w, 2), float(r == 1)))
+            ),
+        }
         with dc.debug(True):  # replicated gradients pass
             reduce_backward(same)
             gather_backward(torch.ones(2, 2 * w))
             gather_seq_backward(torch.ones(2 * w, 2))
-    return out
+        return out
 
-
-def test_debug_copy_forwards_check_the_input_is_replicated(world3) -> None:
-    out = world3.run(_debug_cases, "forward")[0]
-    assert "parallel.copy_to_region" in out["copy"] and "ranks [1] differ from ranks [0, 2]" in out["copy"]
-    assert "parallel.scatter_to_region" in out["scatter"] and "ranks [1]" in out["scatter"]
-    assert "parallel.scatter_to_sequence" in out["scatter_seq"] and "ranks [1]" in out["scatter_seq"]
-
-
-def test_debug_identity_backwards_check_the_gradient_is_replicated(world3) -> None:
-    out = world3.run(_debug_cases, "backward")[0]
+    out = world3.run(debug_backwards)[0]
     assert "reduce_from_region backward" in out["reduce"] and "ranks [1] differ" in out["reduce"]
     assert "incoming gradient" in out["reduce"] and "use diffcomm.all_reduce" in out["reduce"]
     assert "gather_from_region backward" in out["gather"] and "ranks [1] differ" in out["gather"]
     assert "gather_from_sequence backward" in out["gather_seq"] and "ranks [1] differ" in out["gather_seq"]
 
 
-def _debug_shape_mismatch() -> str:
-    x = torch.ones(2, 1 + dc.get_rank())
-    return _expect_mismatch(lambda: P.reduce_from_region(x))
-
-
 def test_debug_names_ranks_with_different_shapes(world2) -> None:
-    msg = world2.run(_debug_shape_mismatch)[0]
+    def debug_shape_mismatch() -> str:
+        x = torch.ones(2, 1 + dc.get_rank())
+        return _expect_mismatch(lambda: P.reduce_from_region(x))
+
+    msg = world2.run(debug_shape_mismatch)[0]
     assert "rank 0: (2, 1)" in msg and "rank 1: (2, 2)" in msg
 
 
-def _debug_rounding_noise_passes() -> bool:
-    x = torch.ones(4, dtype=torch.float32) + dc.get_rank() * 1e-7  # reduction-order noise
-    with dc.debug(True):
-        P.copy_to_region(x)
-    return True
-
-
 def test_debug_tolerates_rounding_noise(world2) -> None:
-    assert world2.run(_debug_rounding_noise_passes) == [True, True]
+    def debug_rounding_noise_passes() -> bool:
+        x = torch.ones(4, dtype=torch.float32) + dc.get_rank() * 1e-7  # reduction-order noise
+        with dc.debug(True):
+            P.copy_to_region(x)
+        return True
+
+    assert world2.run(debug_rounding_noise_passes) == [True, True]
 
 
 # A TP MLP with a planted wrong mapping: debug mode turns the silent error into a raise.
@@ -367,41 +361,39 @@ class _HandTPMLP(torch.nn.Module):
         return self.leave(F.linear(h, self.fc2.weight)) + self.fc2.bias
 
 
-def _planted(which: str) -> dict:
-    torch.manual_seed(0)
-    serial = P.MLP(4, 8, activation="tanh", dtype=F64)
-    x = torch.randn(3, 4, dtype=F64, requires_grad=True)
-    if which == "reduce_at_entry":  # partial backward treated as replicated
-        model = _HandTPMLP(serial, P.reduce_from_region, P.reduce_from_region)
-    else:  # "copy_at_exit": partial sums treated as replicated
-        model = _HandTPMLP(serial, P.copy_to_region, P.copy_to_region)
-    silent = model(x).sum()  # without debug: no error, wrong value
-    silent.backward()
-    ref = serial(x).sum()
-    result = {"silently_wrong": not torch.allclose(silent, ref)}
-    x.grad = None
-    result["debug"] = _expect_mismatch(lambda: model(x).sum().backward())
-    return result
-
-
 @pytest.mark.parametrize("which", ["reduce_at_entry", "copy_at_exit"])
 def test_planted_wrong_mapping_in_tp_mlp_raises_in_debug_mode(world2, which: str) -> None:
-    out = world2.run(_planted, which)
+    def planted(which: str) -> dict:
+        torch.manual_seed(0)
+        serial = P.MLP(4, 8, activation="tanh", dtype=F64)
+        x = torch.randn(3, 4, dtype=F64, requires_grad=True)
+        if which == "reduce_at_entry":  # partial backward treated as replicated
+            model = _HandTPMLP(serial, P.reduce_from_region, P.reduce_from_region)
+        else:  # "copy_at_exit": partial sums treated as replicated
+            model = _HandTPMLP(serial, P.copy_to_region, P.copy_to_region)
+        silent = model(x).sum()  # without debug: no error, wrong value
+        silent.backward()
+        ref = serial(x).sum()
+        result = {"silently_wrong": not torch.allclose(silent, ref)}
+        x.grad = None
+        result["debug"] = _expect_mismatch(lambda: model(x).sum().backward())
+        return result
+
+    out = world2.run(planted, which)
     assert all(o["silently_wrong"] for o in out)
     where = "reduce_from_region backward" if which == "reduce_at_entry" else "copy_to_region:"
     assert all(where in o["debug"] and "ranks [1] differ from ranks [0]" in o["debug"] for o in out), out
 
 
-def _uneven_split_error() -> str:
-    try:
-        P.scatter_to_region(torch.ones(2, 5))
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 def test_uneven_split_is_a_value_error_before_communicating(world2) -> None:
-    msg = world2.run(_uneven_split_error)[0]
+    def uneven_split_error() -> str:
+        try:
+            P.scatter_to_region(torch.ones(2, 5))
+        except ValueError as exc:
+            return str(exc)
+        return "no error"
+
+    msg = world2.run(uneven_split_error)[0]
     assert "parallel.scatter_to_region" in msg and "divisible by the group size 2" in msg and "(2, 5)" in msg
 
 
@@ -410,86 +402,88 @@ def test_uneven_split_is_a_value_error_before_communicating(world2) -> None:
 # ======================================================================================
 
 
-def _ce_case(reduction: str, smoothing: float, ignore: bool) -> bool:
-    r, w = dc.get_rank(), dc.get_world_size()
-    vocab = 12
-    logits = _data(5, -1, 4, 3, vocab) * 3
-    target = torch.randint(0, vocab, (4, 3), generator=torch.Generator().manual_seed(5))
-    if ignore:
-        target[0, :2] = -100
-        target[3, 1] = -100
-    full = logits.clone().requires_grad_()
-    ref = F.cross_entropy(
-        full.reshape(-1, vocab), target.reshape(-1), label_smoothing=smoothing, reduction=reduction
-    )
-    ref = ref.reshape(4, 3) if reduction == "none" else ref
-    v = vocab // w
-    shard = logits[..., r * v : (r + 1) * v].clone().requires_grad_()
-    loss = P.vocab_parallel_cross_entropy(shard, target, label_smoothing=smoothing, reduction=reduction)
-    assert_close(loss, ref, rtol=1e-12, atol=1e-12)
-    cot = _data(6, -1, *ref.shape)
-    (g_ref,) = torch.autograd.grad(ref, full, cot)
-    (g,) = torch.autograd.grad(loss, shard, cot)
-    assert_close(g, g_ref[..., r * v : (r + 1) * v], rtol=1e-12, atol=1e-12)
-    # forward mode agrees with reverse mode
-    t = _data(7, r, *shard.shape)
-    _, t_loss = torch.func.jvp(
-        lambda z: P.vocab_parallel_cross_entropy(z, target, label_smoothing=smoothing, reduction=reduction),
-        (shard.detach(),),
-        (t,),
-    )
-    t_full = torch.cat([_data(7, q, *shard.shape) for q in range(w)], -1)
-    _, t_ref = torch.func.jvp(
-        lambda z: F.cross_entropy(
-            z.reshape(-1, vocab), target.reshape(-1), label_smoothing=smoothing, reduction=reduction
-        ),
-        (logits,),
-        (t_full,),
-    )
-    assert_close(t_loss, t_ref.reshape(t_loss.shape), rtol=1e-10, atol=1e-12)
-    return True
-
-
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("ignore", [False, True], ids=["all", "ignore_index"])
 def test_vocab_parallel_cross_entropy_equals_f_cross_entropy(world, reduction, smoothing, ignore) -> None:
-    assert world.run(_ce_case, reduction, smoothing, ignore) == [True] * world.world_size
+    def ce_case(reduction: str, smoothing: float, ignore: bool) -> bool:
+        r, w = dc.get_rank(), dc.get_world_size()
+        vocab = 12
+        logits = _data(5, -1, 4, 3, vocab) * 3
+        target = torch.randint(0, vocab, (4, 3), generator=torch.Generator().manual_seed(5))
+        if ignore:
+            target[0, :2] = -100
+            target[3, 1] = -100
+        full = logits.clone().requires_grad_()
+        ref = F.cross_entropy(
+            full.reshape(-1, vocab), target.reshape(-1), label_smoothing=smoothing, reduction=reduction
+        )
+        ref = ref.reshape(4, 3) if reduction == "none" else ref
+        v = vocab // w
+        shard = logits[..., r * v : (r + 1) * v].clone().requires_grad_()
+        loss = P.vocab_parallel_cross_entropy(shard, target, label_smoothing=smoothing, reduction=reduction)
+        assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+        cot = _data(6, -1, *ref.shape)
+        (g_ref,) = torch.autograd.grad(ref, full, cot)
+        (g,) = torch.autograd.grad(loss, shard, cot)
+        assert_close(g, g_ref[..., r * v : (r + 1) * v], rtol=1e-12, atol=1e-12)
+        # forward mode agrees with reverse mode
+        t = _data(7, r, *shard.shape)
+        _, t_loss = torch.func.jvp(
+            lambda z: P.vocab_parallel_cross_entropy(
+                z, target, label_smoothing=smoothing, reduction=reduction
+            ),
+            (shard.detach(),),
+            (t,),
+        )
+        t_full = torch.cat([_data(7, q, *shard.shape) for q in range(w)], -1)
+        _, t_ref = torch.func.jvp(
+            lambda z: F.cross_entropy(
+                z.reshape(-1, vocab), target.reshape(-1), label_smoothing=smoothing, reduction=reduction
+            ),
+            (logits,),
+            (t_full,),
+        )
+        assert_close(t_loss, t_ref.reshape(t_loss.shape), rtol=1e-10, atol=1e-12)
+        return True
 
-
-def _ce_stable_and_errors() -> dict:
-    r = dc.get_rank()
-    big = torch.tensor([[1000.0, -1000.0], [0.0, 0.0]]) + 500.0 * r  # would overflow exp()
-    loss = P.vocab_parallel_cross_entropy(big, torch.tensor([0, 3]))
-    full = torch.cat([big - 500.0 * r, big - 500.0 * r + 500.0], -1)
-    out = {
-        "stable": torch.isfinite(loss).item(),
-        "value": loss.item(),
-        "ref": F.cross_entropy(full, torch.tensor([0, 3])).item(),
-    }
-    calls = {
-        "range": lambda: P.vocab_parallel_cross_entropy(torch.zeros(2, 2), torch.tensor([0, 4])),
-        "shape": lambda: P.vocab_parallel_cross_entropy(torch.zeros(2, 2), torch.tensor([0, 1, 2])),
-        "reduction": lambda: P.vocab_parallel_cross_entropy(
-            torch.zeros(2, 2), torch.tensor([0, 1]), reduction="avg"
-        ),
-    }
-    out.update(outcomes(calls, ValueError))
-    out["target_debug"] = _expect_mismatch(
-        lambda: P.vocab_parallel_cross_entropy(torch.zeros(2, 2), torch.tensor([0, r]))
-    )
-    z = torch.zeros(2, 2, requires_grad=True)
-    (g,) = torch.autograd.grad(P.vocab_parallel_cross_entropy(z, torch.tensor([0, 1])), z, create_graph=True)
-    try:
-        g.sum().backward()
-        out["double"] = "no error"
-    except RuntimeError as exc:
-        out["double"] = str(exc)
-    return out
+    assert world.run(ce_case, reduction, smoothing, ignore) == [True] * world.world_size
 
 
 def test_vocab_parallel_cross_entropy_is_stable_and_validates(world2) -> None:
-    out = world2.run(_ce_stable_and_errors)[0]
+    def ce_stable_and_errors() -> dict:
+        r = dc.get_rank()
+        big = torch.tensor([[1000.0, -1000.0], [0.0, 0.0]]) + 500.0 * r  # would overflow exp()
+        loss = P.vocab_parallel_cross_entropy(big, torch.tensor([0, 3]))
+        full = torch.cat([big - 500.0 * r, big - 500.0 * r + 500.0], -1)
+        out = {
+            "stable": torch.isfinite(loss).item(),
+            "value": loss.item(),
+            "ref": F.cross_entropy(full, torch.tensor([0, 3])).item(),
+        }
+        calls = {
+            "range": lambda: P.vocab_parallel_cross_entropy(torch.zeros(2, 2), torch.tensor([0, 4])),
+            "shape": lambda: P.vocab_parallel_cross_entropy(torch.zeros(2, 2), torch.tensor([0, 1, 2])),
+            "reduction": lambda: P.vocab_parallel_cross_entropy(
+                torch.zeros(2, 2), torch.tensor([0, 1]), reduction="avg"
+            ),
+        }
+        out.update(outcomes(calls, ValueError))
+        out["target_debug"] = _expect_mismatch(
+            lambda: P.vocab_parallel_cross_entropy(torch.zeros(2, 2), torch.tensor([0, r]))
+        )
+        z = torch.zeros(2, 2, requires_grad=True)
+        (g,) = torch.autograd.grad(
+            P.vocab_parallel_cross_entropy(z, torch.tensor([0, 1])), z, create_graph=True
+        )
+        try:
+            g.sum().backward()
+            out["double"] = "no error"
+        except RuntimeError as exc:
+            out["double"] = str(exc)
+        return out
+
+    out = world2.run(ce_stable_and_errors)[0]
     assert out["stable"] and out["value"] == pytest.approx(out["ref"], rel=1e-6)
     assert "class ids in [0, 4)" in out["range"] and "id 4" in out["range"]
     assert "logits.shape[:-1] = (2,)" in out["shape"]
@@ -517,22 +511,21 @@ def test_vocab_parallel_embedding_matches_nn_embedding(world, sequence_parallel:
     )
 
 
-def _debug_per_element(case: str) -> str:
-    """bfloat16: one huge channel beside ordinary values; rank 1 doubles the ordinary ones."""
-    x = torch.ones(64, dtype=torch.bfloat16)
-    x[0] = 1e4  # the large channel, the same on every rank
-    if case == "2x" and dc.get_rank() == 1:
-        x[1:] *= 2
-    if case == "noise":  # one bfloat16 ulp of difference on every element
-        x = x if dc.get_rank() == 0 else torch.nextafter(x, torch.full_like(x, 1e9))
-    if case == "2x":
-        return _expect_mismatch(lambda: P.copy_to_region(x))
-    with dc.debug(True):
-        P.copy_to_region(x)
-    return "passed"
-
-
 def test_debug_equality_is_per_element_in_bfloat16(world2) -> None:
-    msg = world2.run(_debug_per_element, "2x")[0]
+    def debug_per_element(case: str) -> str:
+        """bfloat16: one huge channel beside ordinary values; rank 1 doubles the ordinary ones."""
+        x = torch.ones(64, dtype=torch.bfloat16)
+        x[0] = 1e4  # the large channel, the same on every rank
+        if case == "2x" and dc.get_rank() == 1:
+            x[1:] *= 2
+        if case == "noise":  # one bfloat16 ulp of difference on every element
+            x = x if dc.get_rank() == 0 else torch.nextafter(x, torch.full_like(x, 1e9))
+        if case == "2x":
+            return _expect_mismatch(lambda: P.copy_to_region(x))
+        with dc.debug(True):
+            P.copy_to_region(x)
+        return "passed"
+
+    msg = world2.run(debug_per_element, "2x")[0]
     assert "ranks [1] differ from ranks [0]" in msg, msg
-    assert world2.run(_debug_per_element, "noise") == ["passed", "passed"]
+    assert world2.run(debug_per_element, "noise") == ["passed", "passed"]

@@ -77,30 +77,29 @@ def test_sequence_parallel_block_matches_serial(world2, world4) -> None:
         )
 
 
-def _step_comms(kind: str) -> dict:
-    w = dc.get_world_size()
-    x = torch.randn(2 * w, 3, H, dtype=F64, requires_grad=True)
-    if kind == "block":
-        model: nn.Module = ParallelBlock(serial_block())
-    elif kind == "layer_norm":
-        model = P.SequenceParallelLayerNorm(H, dtype=F64)
-    else:
-        model = P.ParallelMLP(H, FFN, seed=0, sequence_parallel=True, dtype=F64)
-    with log_comms() as log:
-        model(x).pow(2).sum().backward()
-    counts = {
-        op: log.count(op) for op in ("all_reduce", "all_reduce_coalesced", "all_gather", "reduce_scatter")
-    }
-    coalesced = [(r.nbytes, r.parts) for r in log.records if r.op == "all_reduce_coalesced"]
-    return {
-        "counts": counts,
-        "coalesced": coalesced,
-        "leftover": [m.__dict__.get("_region_copies") for m in model.modules()],
-    }
-
-
 def test_one_coalesced_reduction_per_step(world2) -> None:
-    block, ln, mlp = (world2.run(_step_comms, k)[0] for k in ("block", "layer_norm", "mlp"))
+    def step_comms(kind: str) -> dict:
+        w = dc.get_world_size()
+        x = torch.randn(2 * w, 3, H, dtype=F64, requires_grad=True)
+        if kind == "block":
+            model: nn.Module = ParallelBlock(serial_block())
+        elif kind == "layer_norm":
+            model = P.SequenceParallelLayerNorm(H, dtype=F64)
+        else:
+            model = P.ParallelMLP(H, FFN, seed=0, sequence_parallel=True, dtype=F64)
+        with log_comms() as log:
+            model(x).pow(2).sum().backward()
+        counts = {
+            op: log.count(op) for op in ("all_reduce", "all_reduce_coalesced", "all_gather", "reduce_scatter")
+        }
+        coalesced = [(r.nbytes, r.parts) for r in log.records if r.op == "all_reduce_coalesced"]
+        return {
+            "counts": counts,
+            "coalesced": coalesced,
+            "leftover": [m.__dict__.get("_region_copies") for m in model.modules()],
+        }
+
+    block, ln, mlp = (world2.run(step_comms, k)[0] for k in ("block", "layer_norm", "mlp"))
     # the block: 2 layer norms (weight + bias) + attn.proj.bias + mlp.fc2.bias = 6 partial
     # gradients -> ONE coalesced all_reduce of 6 * 8 float64 (one dtype: one raw call),
     # instead of 6 all_reduce. Sequence parallelism: attention and MLP each all_gather
@@ -122,29 +121,28 @@ def test_one_coalesced_reduction_per_step(world2) -> None:
         assert all(c is None for c in rec["leftover"]), "the forward leaves no region copies behind"
 
 
-def _copy_coalesced() -> list:
-    r = dc.get_rank()
-    a = torch.ones(2, requires_grad=True)
-    b = torch.ones((), dtype=F64, requires_grad=True)
-    a2, b2 = P.copy_to_region_coalesced([a, b])
-    with log_comms() as log:
-        ((a2 * (r + 1)).sum() + b2 * (r + 1)).backward()
-    u = torch.full((2,), float(r + 1), requires_grad=True)
-    v = torch.tensor(float(r), dtype=F64, requires_grad=True)
-    s = P.reduce_from_region_coalesced([u, v])
-    (s[0] * torch.tensor([3.0, 4.0]) + s[1]).sum().backward()  # identity backward
-    grads = [u.grad.tolist(), v.grad.item()]
-    return [
-        a.grad.tolist(),
-        b.grad.item(),
-        [(x.op, x.parts) for x in log.records],
-        [t.tolist() for t in s],
-        grads,
-    ]
-
-
 def test_coalesced_region_mappings(world3) -> None:
-    for a, b, log, s, grads in world3.run(_copy_coalesced):
+    def copy_coalesced() -> list:
+        r = dc.get_rank()
+        a = torch.ones(2, requires_grad=True)
+        b = torch.ones((), dtype=F64, requires_grad=True)
+        a2, b2 = P.copy_to_region_coalesced([a, b])
+        with log_comms() as log:
+            ((a2 * (r + 1)).sum() + b2 * (r + 1)).backward()
+        u = torch.full((2,), float(r + 1), requires_grad=True)
+        v = torch.tensor(float(r), dtype=F64, requires_grad=True)
+        s = P.reduce_from_region_coalesced([u, v])
+        (s[0] * torch.tensor([3.0, 4.0]) + s[1]).sum().backward()  # identity backward
+        grads = [u.grad.tolist(), v.grad.item()]
+        return [
+            a.grad.tolist(),
+            b.grad.item(),
+            [(x.op, x.parts) for x in log.records],
+            [t.tolist() for t in s],
+            grads,
+        ]
+
+    for a, b, log, s, grads in world3.run(copy_coalesced):
         assert a == [6.0, 6.0] and b == 6.0
         assert log == [("all_reduce_coalesced", 2)]  # float32 + float64
         assert s == [[6.0, 6.0], 3.0]

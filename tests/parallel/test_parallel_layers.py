@@ -141,25 +141,26 @@ def test_sequence_parallel_mlp_batch_first(world2) -> None:
     )
 
 
-def _ulysses_attention(x: torch.Tensor, w_qkv: torch.Tensor, w_out: torch.Tensor, heads: int) -> torch.Tensor:
-    """Sequence-parallel attention with all_to_all (DeepSpeed-Ulysses), replicated weights."""
-    s, b, h = x.shape
-    d = h // heads
-    qkv = (x @ w_qkv.T).reshape(s, b, heads, 3 * d)
-    qkv = P.all_to_all_region(qkv, split_dim=2, concat_dim=0)  # (S, b, heads/W, 3d)
-    q, k, v = qkv.reshape(*qkv.shape[:3], 3, d).permute(3, 1, 2, 0, 4).unbind(0)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads/W, S, d)
-    y = P.all_to_all_region(y.permute(2, 0, 1, 3), split_dim=0, concat_dim=2)  # (s, b, heads, d)
-    return y.reshape(s, b, h) @ w_out.T
-
-
 def test_ulysses_all_to_all_attention_matches_serial(local_worlds) -> None:
+    def ulysses_attention(
+        x: torch.Tensor, w_qkv: torch.Tensor, w_out: torch.Tensor, heads: int
+    ) -> torch.Tensor:
+        """Sequence-parallel attention with all_to_all (DeepSpeed-Ulysses), replicated weights."""
+        s, b, h = x.shape
+        d = h // heads
+        qkv = (x @ w_qkv.T).reshape(s, b, heads, 3 * d)
+        qkv = P.all_to_all_region(qkv, split_dim=2, concat_dim=0)  # (S, b, heads/W, 3d)
+        q, k, v = qkv.reshape(*qkv.shape[:3], 3, d).permute(3, 1, 2, 0, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads/W, S, d)
+        y = P.all_to_all_region(y.permute(2, 0, 1, 3), split_dim=0, concat_dim=2)  # (s, b, heads, d)
+        return y.reshape(s, b, h) @ w_out.T
+
     torch.manual_seed(0)
     serial = P.SelfAttention(24, num_heads=12, bias=False, causal=True, dtype=F64)
 
     def make(s: P.SelfAttention) -> Callable[[torch.Tensor], torch.Tensor]:
         return functools.partial(
-            _ulysses_attention, w_qkv=s.qkv.weight.detach(), w_out=s.proj.weight.detach(), heads=12
+            ulysses_attention, w_qkv=s.qkv.weight.detach(), w_out=s.proj.weight.detach(), heads=12
         )
 
     for n in (2, 4):
@@ -179,75 +180,74 @@ def test_ulysses_all_to_all_attention_matches_serial(local_worlds) -> None:
 # ======================================================================================
 
 
-def _init_cases() -> dict[str, bool]:
-    out: dict[str, bool] = {}
-
-    def same(parallel: P.ParallelModule, serial: nn.Module) -> bool:
-        full = parallel.to_serial_state_dict()
-        ref = serial.state_dict()
-        return full.keys() == ref.keys() and all(torch.equal(full[k], ref[k]) for k in ref)
-
-    torch.manual_seed(3)
-    mlp = P.MLP(6, 12, dtype=F64)
-    out["mlp_seed"] = same(P.ParallelMLP(6, 12, seed=3, dtype=F64), mlp)
-    torch.manual_seed(4)
-    attn = P.SelfAttention(24, 12)
-    out["attention_seed"] = same(P.ParallelSelfAttention(24, 12, seed=4), attn)
-    torch.manual_seed(5)
-    emb = nn.Embedding(12, 3)
-    out["embedding_seed"] = same(P.VocabParallelEmbedding(12, 3, seed=5), emb)
-    # seed=None: the default generator, consumed exactly as by the serial layers
-    torch.manual_seed(6)
-    col = P.ColumnParallelLinear(4, 12)
-    row = P.RowParallelLinear(12, 4, bias=False)
-    after_parallel = torch.rand(3)
-    torch.manual_seed(6)
-    lin1, lin2 = nn.Linear(4, 12), nn.Linear(12, 4, bias=False)
-    out["default_generator"] = (
-        same(col, lin1) and same(row, lin2) and torch.equal(after_parallel, torch.rand(3))
-    )
-    # from_serial -> to_serial_state_dict round trip; load_serial_state_dict
-    out["round_trip"] = same(P.ParallelMLP.from_serial(mlp), mlp)
-    fresh = P.ParallelMLP(6, 12, seed=99, dtype=F64)
-    fresh.load_serial_state_dict(mlp.state_dict())
-    out["load"] = same(fresh, mlp)
-    try:
-        fresh.load_serial_state_dict({"fc1.weight": mlp.fc1.weight})
-        out["strict"] = False
-    except KeyError as exc:
-        out["strict"] = "missing keys" in str(exc) and "fc2.bias" in str(exc)
-    # the generator argument: one generator drives all layers in the serial order
-    g = torch.Generator().manual_seed(8)
-    out["generator"] = same(P.ParallelMLP(6, 12, generator=g, dtype=F64), _serial_mlp(8))
-    return out
-
-
-def _serial_mlp(seed: int) -> P.MLP:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return P.MLP(6, 12, dtype=F64)
-
-
 def test_initialisation_equals_the_serial_layers(world3) -> None:
-    for result in world3.run(_init_cases):
+    def init_cases() -> dict[str, bool]:
+        out: dict[str, bool] = {}
+
+        def same(parallel: P.ParallelModule, serial: nn.Module) -> bool:
+            full = parallel.to_serial_state_dict()
+            ref = serial.state_dict()
+            return full.keys() == ref.keys() and all(torch.equal(full[k], ref[k]) for k in ref)
+
+        def serial_mlp(seed: int) -> P.MLP:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return P.MLP(6, 12, dtype=F64)
+
+        torch.manual_seed(3)
+        mlp = P.MLP(6, 12, dtype=F64)
+        out["mlp_seed"] = same(P.ParallelMLP(6, 12, seed=3, dtype=F64), mlp)
+        torch.manual_seed(4)
+        attn = P.SelfAttention(24, 12)
+        out["attention_seed"] = same(P.ParallelSelfAttention(24, 12, seed=4), attn)
+        torch.manual_seed(5)
+        emb = nn.Embedding(12, 3)
+        out["embedding_seed"] = same(P.VocabParallelEmbedding(12, 3, seed=5), emb)
+        # seed=None: the default generator, consumed exactly as by the serial layers
+        torch.manual_seed(6)
+        col = P.ColumnParallelLinear(4, 12)
+        row = P.RowParallelLinear(12, 4, bias=False)
+        after_parallel = torch.rand(3)
+        torch.manual_seed(6)
+        lin1, lin2 = nn.Linear(4, 12), nn.Linear(12, 4, bias=False)
+        out["default_generator"] = (
+            same(col, lin1) and same(row, lin2) and torch.equal(after_parallel, torch.rand(3))
+        )
+        # from_serial -> to_serial_state_dict round trip; load_serial_state_dict
+        out["round_trip"] = same(P.ParallelMLP.from_serial(mlp), mlp)
+        fresh = P.ParallelMLP(6, 12, seed=99, dtype=F64)
+        fresh.load_serial_state_dict(mlp.state_dict())
+        out["load"] = same(fresh, mlp)
+        try:
+            fresh.load_serial_state_dict({"fc1.weight": mlp.fc1.weight})
+            out["strict"] = False
+        except KeyError as exc:
+            out["strict"] = "missing keys" in str(exc) and "fc2.bias" in str(exc)
+        # the generator argument: one generator drives all layers in the serial order
+        g = torch.Generator().manual_seed(8)
+        out["generator"] = same(P.ParallelMLP(6, 12, generator=g, dtype=F64), serial_mlp(8))
+        return out
+
+    for result in world3.run(init_cases):
         assert result == dict.fromkeys(result, True), result
 
 
-def _validation_errors() -> dict[str, str]:
-    cases = {
-        "column_out": lambda: P.ColumnParallelLinear(4, 5),
-        "row_in": lambda: P.RowParallelLinear(5, 4),
-        "vocab": lambda: P.VocabParallelEmbedding(5, 3),
-        "heads": lambda: P.ParallelSelfAttention(12, num_heads=6),
-        "row_sp": lambda: P.RowParallelLinear(8, 4, sequence_parallel=True),
-        "column_sp_gather": lambda: P.ColumnParallelLinear(4, 8, gather_output=True, sequence_parallel=True),
-        "seed_and_generator": lambda: P.ColumnParallelLinear(4, 8, seed=1, generator=torch.Generator()),
-    }
-    return outcomes(cases, ValueError)
-
-
 def test_indivisible_sizes_and_bad_combinations_are_value_errors(world4) -> None:
-    out = world4.run(_validation_errors)[0]
+    def validation_errors() -> dict[str, str]:
+        cases = {
+            "column_out": lambda: P.ColumnParallelLinear(4, 5),
+            "row_in": lambda: P.RowParallelLinear(5, 4),
+            "vocab": lambda: P.VocabParallelEmbedding(5, 3),
+            "heads": lambda: P.ParallelSelfAttention(12, num_heads=6),
+            "row_sp": lambda: P.RowParallelLinear(8, 4, sequence_parallel=True),
+            "column_sp_gather": lambda: P.ColumnParallelLinear(
+                4, 8, gather_output=True, sequence_parallel=True
+            ),
+            "seed_and_generator": lambda: P.ColumnParallelLinear(4, 8, seed=1, generator=torch.Generator()),
+        }
+        return outcomes(cases, ValueError)
+
+    out = world4.run(validation_errors)[0]
     assert "`out_features` must be divisible by the group size 4" in out["column_out"]
     assert "`in_features` must be divisible by the group size 4" in out["row_in"]
     assert "`num_embeddings` must be divisible by the group size 4" in out["vocab"]
@@ -262,44 +262,43 @@ def test_indivisible_sizes_and_bad_combinations_are_value_errors(world4) -> None
 # ======================================================================================
 
 
-def _dropout_masks() -> dict:
-    r, w = dc.get_rank(), dc.get_world_size()
-    tracker = rng.get_tracker()
-    saved = tracker.get_states()
-    try:
-        # CPU tensors: their dropout draws from the CPU generator, so the streams must be
-        # swapped into the CPU accelerator's (on a GPU machine the default is cuda's)
-        with set_accelerator("cpu"), torch.random.fork_rng(devices=[]):
-            mlp = P.ParallelMLP(4, 16 * w, dropout=0.5, seed=0).train()
-            seen: list[torch.Tensor] = []
-            mlp.fc2.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach() == 0))
-            x = torch.ones(3, 4)
-
-            tracker.reset()
-            try:
-                mlp(x)
-                missing = "no error"
-            except RuntimeError as exc:
-                missing = str(exc)
-
-            rng.model_parallel_seed(1234, tp_rank=r)
-            mlp(x)
-            rng.model_parallel_seed(1234, tp_rank=r, dp_rank=1)  # a data-parallel replica
-            mlp(x)
-            masks = dc.all_gather(seen[-2].float().unsqueeze(0), 0)
-    finally:
-        tracker.reset()
-        tracker.set_states(saved)
-    return {
-        "differ_across_tp": all(not torch.equal(masks[0], masks[q]) for q in range(1, w)),
-        "same_across_dp": torch.equal(seen[-2], seen[-1]),
-        "dropped_fraction": seen[-2].float().mean().item(),
-        "missing": missing,
-    }
-
-
 def test_dropout_in_parallel_mlp_differs_across_tp_ranks(world2) -> None:
-    out = world2.run(_dropout_masks)
+    def dropout_masks() -> dict:
+        r, w = dc.get_rank(), dc.get_world_size()
+        tracker = rng.get_tracker()
+        saved = tracker.get_states()
+        try:
+            # CPU tensors: their dropout draws from the CPU generator, so the streams must be
+            # swapped into the CPU accelerator's (on a GPU machine the default is cuda's)
+            with set_accelerator("cpu"), torch.random.fork_rng(devices=[]):
+                mlp = P.ParallelMLP(4, 16 * w, dropout=0.5, seed=0).train()
+                seen: list[torch.Tensor] = []
+                mlp.fc2.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach() == 0))
+                x = torch.ones(3, 4)
+
+                tracker.reset()
+                try:
+                    mlp(x)
+                    missing = "no error"
+                except RuntimeError as exc:
+                    missing = str(exc)
+
+                rng.model_parallel_seed(1234, tp_rank=r)
+                mlp(x)
+                rng.model_parallel_seed(1234, tp_rank=r, dp_rank=1)  # a data-parallel replica
+                mlp(x)
+                masks = dc.all_gather(seen[-2].float().unsqueeze(0), 0)
+        finally:
+            tracker.reset()
+            tracker.set_states(saved)
+        return {
+            "differ_across_tp": all(not torch.equal(masks[0], masks[q]) for q in range(1, w)),
+            "same_across_dp": torch.equal(seen[-2], seen[-1]),
+            "dropped_fraction": seen[-2].float().mean().item(),
+            "missing": missing,
+        }
+
+    out = world2.run(dropout_masks)
     assert out[0]["differ_across_tp"] and all(o["same_across_dp"] for o in out)
     assert 0.3 < out[0]["dropped_fraction"] < 0.7
     assert "model_parallel_seed" in out[0]["missing"]
@@ -310,32 +309,30 @@ def test_dropout_in_parallel_mlp_differs_across_tp_ranks(world2) -> None:
 # ======================================================================================
 
 
-def _comm_counts(sequence_parallel: bool) -> dict[str, int]:
-    mlp = P.ParallelMLP(4, 8, seed=0, sequence_parallel=sequence_parallel)
-    x = torch.randn(4, 2, 4, requires_grad=True)
-    with log_comms() as log:
-        mlp(x).sum().backward()
-    return {op: log.count(op) for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
-
-
 def test_parallel_mlp_communicates_the_analytic_count(world2) -> None:
-    tp = world2.run(_comm_counts, False)[0]
+    def comm_counts(sequence_parallel: bool) -> dict[str, int]:
+        mlp = P.ParallelMLP(4, 8, seed=0, sequence_parallel=sequence_parallel)
+        x = torch.randn(4, 2, 4, requires_grad=True)
+        with log_comms() as log:
+            mlp(x).sum().backward()
+        return {op: log.count(op) for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+
+    tp = world2.run(comm_counts, False)[0]
     assert tp == {"all_reduce": 2, "all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}
-    sp = world2.run(_comm_counts, True)[0]
+    sp = world2.run(comm_counts, True)[0]
     # all_gather + reduce_scatter forward, the duals backward, + fc2's bias-gradient all_reduce
     assert sp == {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 2, "all_to_all": 0}
 
 
-def _eval_and_float32() -> float:
-    torch.manual_seed(0)
-    serial = P.MLP(8, 16)
-    par = P.ParallelMLP.from_serial(serial).eval()
-    x = torch.randn(5, 8)
-    return (par(x) - serial(x)).abs().max().item()
-
-
 def test_float32_forward_is_close(world2) -> None:
-    assert max(world2.run(_eval_and_float32)) < 1e-5
+    def eval_and_float32() -> float:
+        torch.manual_seed(0)
+        serial = P.MLP(8, 16)
+        par = P.ParallelMLP.from_serial(serial).eval()
+        x = torch.randn(5, 8)
+        return (par(x) - serial(x)).abs().max().item()
+
+    assert max(world2.run(eval_and_float32)) < 1e-5
     assert_close(torch.zeros(1), torch.zeros(1))
 
 

@@ -39,6 +39,7 @@ def _run(mlp: P.ParallelMLP, x0: torch.Tensor, w: torch.Tensor) -> list[torch.Te
     return [y.detach(), x.grad, *(p.grad for p in mlp.parameters())]
 
 
+# shared: the rank body of the three blocking-vs-overlapped comparisons below
 def _compare_rank(sp: bool, mode: object, integer: bool) -> dict[str, object]:
     r, n = dc.get_rank(), dc.get_world_size()
     activation = "relu" if integer else "gelu"
@@ -88,53 +89,50 @@ def test_ring_overlap_matches_within_ulps_on_random_data(local_worlds, n) -> Non
         assert all(res["close"]) and res["plain"], res
 
 
-def _column_rank(gather_output: bool) -> list[bool]:
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(H, 3 * H, dtype=torch.float64)
-    a = P.ColumnParallelLinear.from_serial(lin, gather_output=gather_output)
-    b = P.ColumnParallelLinear.from_serial(lin, gather_output=gather_output, overlap=True)
-    x0 = torch.randn(5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    outs = []
-    for layer in (a, b):
-        x = x0.clone().requires_grad_()
-        y = layer(x)
-        (y.square()).sum().backward()
-        outs.append([y.detach(), x.grad, layer.weight.grad, layer.bias.grad])
-    return [torch.equal(u, v) for u, v in zip(*outs)]
-
-
 @pytest.mark.parametrize("gather_output", [False, True])
 def test_column_parallel_linear_overlap(world3, gather_output) -> None:
-    assert world3.run(_column_rank, gather_output) == [[True] * 4] * 3
+    def column_rank(gather_output: bool) -> list[bool]:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(H, 3 * H, dtype=torch.float64)
+        a = P.ColumnParallelLinear.from_serial(lin, gather_output=gather_output)
+        b = P.ColumnParallelLinear.from_serial(lin, gather_output=gather_output, overlap=True)
+        x0 = torch.randn(5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        outs = []
+        for layer in (a, b):
+            x = x0.clone().requires_grad_()
+            y = layer(x)
+            (y.square()).sum().backward()
+            outs.append([y.detach(), x.grad, layer.weight.grad, layer.bias.grad])
+        return [torch.equal(u, v) for u, v in zip(*outs)]
 
-
-def _bad_mode_rank() -> list[str]:
-    out = []
-    for kwargs in ({"overlap": "ring"}, {"overlap": "fast"}):
-        try:
-            P.ColumnParallelLinear(4, 4, **kwargs)
-        except ValueError as err:
-            out.append(str(err))
-    return out
+    assert world3.run(column_rank, gather_output) == [[True] * 4] * 3
 
 
 def test_bad_overlap_mode_is_a_value_error(world2) -> None:
-    msgs = world2.run(_bad_mode_rank)[0]
+    def bad_mode_rank() -> list[str]:
+        out = []
+        for kwargs in ({"overlap": "ring"}, {"overlap": "fast"}):
+            try:
+                P.ColumnParallelLinear(4, 4, **kwargs)
+            except ValueError as err:
+                out.append(str(err))
+        return out
+
+    msgs = world2.run(bad_mode_rank)[0]
     assert len(msgs) == 2 and "'ring'" in msgs[0] and "'fast'" in msgs[1]
 
 
-def _double_backward_rank() -> str:
-    lin = P.ColumnParallelLinear(4, 4, seed=0, overlap=True, dtype=torch.float64)
-    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    (gx,) = torch.autograd.grad(lin(x).square().sum(), x, create_graph=True)
-    try:
-        gx.sum().backward()
-    except RuntimeError as err:
-        dc.all_reduce(torch.zeros(1))  # keep ranks in step (nothing else pending)
-        return str(err)
-    return "no error"
-
-
 def test_double_backward_through_an_overlapped_layer_raises(world2) -> None:
-    out = world2.run(_double_backward_rank)
+    def double_backward_rank() -> str:
+        lin = P.ColumnParallelLinear(4, 4, seed=0, overlap=True, dtype=torch.float64)
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        (gx,) = torch.autograd.grad(lin(x).square().sum(), x, create_graph=True)
+        try:
+            gx.sum().backward()
+        except RuntimeError as err:
+            dc.all_reduce(torch.zeros(1))  # keep ranks in step (nothing else pending)
+            return str(err)
+        return "no error"
+
+    out = world2.run(double_backward_rank)
     assert all("once_differentiable" in m or "twice" in m for m in out), out

@@ -152,6 +152,7 @@ def gpipe_reversed_backward(n_stages: int, n_micro: int) -> list[list[Step]]:
             for steps in gpipe_schedule(n_stages, n_micro)]  # fmt: skip
 
 
+# shared: the rank body of the built-in schedules' test and the custom schedule's
 def _parity(schedule: str, n_micro: int, batch: int, input_grad: bool) -> dict[str, float]:
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234)
@@ -206,38 +207,6 @@ class _KeepRows(nn.Module):
         return x[x[:, 0] > 0]
 
 
-def _varying_shapes(prepost: bool) -> list[int]:
-    # stage 0's output has as many rows as its micro-batch has positive first entries;
-    # stage 1 sums them: every activation of another shape than the channel's first goes
-    # plainly, the fused receive takes it (and the ones of the first shape come fused)
-    rank = dist.get_rank()
-    torch.manual_seed(7)
-    model = nn.Sequential(
-        nn.Linear(3, 4, dtype=torch.float64), _KeepRows(), _SumRows(), nn.Linear(4, 2, dtype=torch.float64)
-    )
-    serial = copy.deepcopy(model)
-    stage = model[:2] if rank == 0 else model[2:]
-    x = torch.randn(24, 3, dtype=torch.float64)
-    y = torch.randn(6, 2, dtype=torch.float64)
-    runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss, prepost=prepost)
-    with B.log_comms() as log:
-        loss = runner.step(x, y, n_micro=6)
-    ref = sum(nn.functional.mse_loss(serial(xm), ym) for xm, ym in zip(x.chunk(6), y.chunk(6))) / 6
-    ref.backward()
-    torch.testing.assert_close(loss, ref.detach(), rtol=1e-13, atol=1e-15)
-    mine = serial[:2] if rank == 0 else serial[2:]
-    for p, q in zip(stage.parameters(), mine.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
-    with torch.no_grad():
-        rows = [len(serial[:2](xm)) for xm in x.chunk(6)]
-    assert len(set(rows)) > 1  # the shapes do vary
-    if rank == 0:  # one message for each activation of the first shape after the first
-        want = [1 if k and r == rows[0] else 1 + (r > 0) for k, r in enumerate(rows)]
-        sends = [r for r in log.records if r.op == "send"]
-        assert len(sends) == sum(want), (rows, [(r.label, r.nbytes) for r in sends])
-    return rows
-
-
 class _SumRows(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.sum(0, keepdim=True)
@@ -245,37 +214,71 @@ class _SumRows(nn.Module):
 
 @pytest.mark.parametrize("prepost", [True, False])
 def test_activations_whose_shape_varies_within_a_step(world2: dc.LocalWorld, prepost: bool) -> None:
-    world2.run(_varying_shapes, prepost)
+    def varying_shapes(prepost: bool) -> list[int]:
+        # stage 0's output has as many rows as its micro-batch has positive first entries;
+        # stage 1 sums them: every activation of another shape than the channel's first goes
+        # plainly, the fused receive takes it (and the ones of the first shape come fused)
+        rank = dist.get_rank()
+        torch.manual_seed(7)
+        model = nn.Sequential(
+            nn.Linear(3, 4, dtype=torch.float64),
+            _KeepRows(),
+            _SumRows(),
+            nn.Linear(4, 2, dtype=torch.float64),
+        )
+        serial = copy.deepcopy(model)
+        stage = model[:2] if rank == 0 else model[2:]
+        x = torch.randn(24, 3, dtype=torch.float64)
+        y = torch.randn(6, 2, dtype=torch.float64)
+        runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss, prepost=prepost)
+        with B.log_comms() as log:
+            loss = runner.step(x, y, n_micro=6)
+        ref = sum(nn.functional.mse_loss(serial(xm), ym) for xm, ym in zip(x.chunk(6), y.chunk(6))) / 6
+        ref.backward()
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-13, atol=1e-15)
+        mine = serial[:2] if rank == 0 else serial[2:]
+        for p, q in zip(stage.parameters(), mine.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+        with torch.no_grad():
+            rows = [len(serial[:2](xm)) for xm in x.chunk(6)]
+        assert len(set(rows)) > 1  # the shapes do vary
+        if rank == 0:  # one message for each activation of the first shape after the first
+            want = [1 if k and r == rows[0] else 1 + (r > 0) for k, r in enumerate(rows)]
+            sends = [r for r in log.records if r.op == "send"]
+            assert len(sends) == sum(want), (rows, [(r.label, r.nbytes) for r in sends])
+        return rows
 
-
-def _debug_checks_n_micro() -> None:
-    runner = PipelineRunner(nn.Linear(2, 2), loss_fn=nn.functional.mse_loss)
-    with (
-        dc.debug(True),
-        pytest.raises(dc.CrossRankMismatchError, match=r"n_micro differs \(rank 0: 1, rank 1: 2\)"),
-    ):
-        runner.step(torch.zeros(4, 2), torch.zeros(4, 2), 1 + dist.get_rank())
+    world2.run(varying_shapes, prepost)
 
 
 def test_debug_mode_checks_that_ranks_agree_on_the_step(world2: dc.LocalWorld) -> None:
-    world2.run(_debug_checks_n_micro)
+    def debug_checks_n_micro() -> None:
+        runner = PipelineRunner(nn.Linear(2, 2), loss_fn=nn.functional.mse_loss)
+        with (
+            dc.debug(True),
+            pytest.raises(dc.CrossRankMismatchError, match=r"n_micro differs \(rank 0: 1, rank 1: 2\)"),
+        ):
+            runner.step(torch.zeros(4, 2), torch.zeros(4, 2), 1 + dist.get_rank())
 
-
-def _memory(n_micro: int) -> list[int]:
-    rank, n = dist.get_rank(), dist.get_world_size()
-    peaks = []
-    for schedule in ("gpipe", "1f1b"):
-        torch.manual_seed(0)
-        model = _mlp(width=8, depth=n)
-        runner = PipelineRunner(partition(model, n)[rank], schedule, loss_fn=nn.functional.mse_loss)
-        runner.step(torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64), n_micro)
-        peaks.append(runner.peak_activation_bytes)
-    return peaks
+    world2.run(debug_checks_n_micro)
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe(world4: dc.LocalWorld) -> None:
+    def memory(n_micro: int) -> list[int]:
+        rank, n = dist.get_rank(), dist.get_world_size()
+        peaks = []
+        for schedule in ("gpipe", "1f1b"):
+            torch.manual_seed(0)
+            model = _mlp(width=8, depth=n)
+            runner = PipelineRunner(partition(model, n)[rank], schedule, loss_fn=nn.functional.mse_loss)
+            runner.step(
+                torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64), n_micro
+            )
+            peaks.append(runner.peak_activation_bytes)
+        return peaks
+
     # stage r holds min(4 - r, 8) micro-batches under 1F1B, all 8 under GPipe
-    for rank, (gpipe, one_f) in enumerate(world4.run(_memory, 8)):
+    for rank, (gpipe, one_f) in enumerate(world4.run(memory, 8)):
         assert gpipe > 0
         assert one_f * 8 == gpipe * (4 - rank), (rank, gpipe, one_f)
 
@@ -294,128 +297,132 @@ class _FailsOnCall(nn.Module):
         return self.inner(x)
 
 
-def _fused_across_steps() -> list[list[int]]:
-    # the shape agreed on a channel is kept across steps: from the second step on, a
-    # step's first activation goes fused too (one message); a new micro-batch size goes
-    # plainly once (two) and is the agreed shape after it; a step that raised on both
-    # ranks midway leaves the next one correct (the sender forgets its shapes)
-    rank = dist.get_rank()
-    torch.manual_seed(11)
-    model = _mlp(width=4, depth=4)
-    serial = copy.deepcopy(model)
-    stage = _FailsOnCall(partition(model, 2)[rank])
-    runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss, tag=900)
-    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
-    sends = []
-
-    def step(n_micro: int) -> None:
-        stage.zero_grad(set_to_none=True)
-        serial.zero_grad(set_to_none=True)
-        with B.log_comms() as log:
-            loss = runner.step(x, y, n_micro)
-        sends.append(sum(r.op == "send" for r in log.records))
-        ref = sum(nn.functional.mse_loss(serial(a), b) for a, b in zip(x.chunk(n_micro), y.chunk(n_micro)))
-        (ref / n_micro).backward()
-        torch.testing.assert_close(loss, ref.detach() / n_micro, rtol=1e-13, atol=1e-15)
-        for p, q in zip(stage.parameters(), partition(serial, 2)[rank].parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
-
-    step(4)
-    step(4)
-    step(2)
-    step(2)
-    # rank 0 fails in its second forward (after sending the first), rank 1 in its first
-    # (after receiving it): both raise, nothing waits for what the other never sends
-    stage.fail_at = stage.calls + (2 if rank == 0 else 1)
-    with pytest.raises(RuntimeError, match="stage fails on purpose"):
-        runner.step(x, y, 2)
-    stage.fail_at = None
-    step(2)
-    return [sends] if rank == 0 else [[]]
-
-
-def _steps_of_changing_size(schedule: str, v: int) -> None:
-    # the agreed activation shapes kept across steps: micro-batches of 2, 2, 4, 4, 1, 2,
-    # 2, 8, 8 rows (fused while a step keeps the last one's shape, plainly at a change,
-    # also to a size larger than the receive posted for the agreed one), every step
-    # equal to the serial model
-    rank = dist.get_rank()
-    torch.manual_seed(11)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), nn.Tanh()) for _ in range(4)])
-    serial = copy.deepcopy(model)
-    mine = partition(model, 2 * v)[rank::2]
-    runner = PipelineRunner(mine if v > 1 else mine[0], schedule, loss_fn=nn.functional.mse_loss, tag=950)
-    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
-    for n_micro in (4, 4, 2, 2, 8, 4, 4, 1, 1):
-        for chunk in mine:
-            chunk.zero_grad(set_to_none=True)
-        serial.zero_grad(set_to_none=True)
-        loss = runner.step(x, y, n_micro)
-        ref = sum(nn.functional.mse_loss(serial(a), b) for a, b in zip(x.chunk(n_micro), y.chunk(n_micro)))
-        (ref / n_micro).backward()
-        torch.testing.assert_close(loss, ref.detach() / n_micro, rtol=1e-13, atol=1e-15)
-        for chunk, ref_chunk in zip(mine, partition(serial, 2 * v)[rank::2], strict=True):
-            for p, q in zip(chunk.parameters(), ref_chunk.parameters(), strict=True):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
-
-
 @pytest.mark.parametrize(
     ("schedule", "v"), [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2)]
 )
 def test_every_schedule_over_steps_of_changing_micro_batch_size(
     world2: dc.LocalWorld, schedule: str, v: int
 ) -> None:
-    world2.run(_steps_of_changing_size, schedule, v)
+    def steps_of_changing_size(schedule: str, v: int) -> None:
+        # the agreed activation shapes kept across steps: micro-batches of 2, 2, 4, 4, 1, 2,
+        # 2, 8, 8 rows (fused while a step keeps the last one's shape, plainly at a change,
+        # also to a size larger than the receive posted for the agreed one), every step
+        # equal to the serial model
+        rank = dist.get_rank()
+        torch.manual_seed(11)
+        model = nn.Sequential(
+            *[nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), nn.Tanh()) for _ in range(4)]
+        )
+        serial = copy.deepcopy(model)
+        mine = partition(model, 2 * v)[rank::2]
+        runner = PipelineRunner(mine if v > 1 else mine[0], schedule, loss_fn=nn.functional.mse_loss, tag=950)
+        x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+        for n_micro in (4, 4, 2, 2, 8, 4, 4, 1, 1):
+            for chunk in mine:
+                chunk.zero_grad(set_to_none=True)
+            serial.zero_grad(set_to_none=True)
+            loss = runner.step(x, y, n_micro)
+            ref = sum(
+                nn.functional.mse_loss(serial(a), b) for a, b in zip(x.chunk(n_micro), y.chunk(n_micro))
+            )
+            (ref / n_micro).backward()
+            torch.testing.assert_close(loss, ref.detach() / n_micro, rtol=1e-13, atol=1e-15)
+            for chunk, ref_chunk in zip(mine, partition(serial, 2 * v)[rank::2], strict=True):
+                for p, q in zip(chunk.parameters(), ref_chunk.parameters(), strict=True):
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+    world2.run(steps_of_changing_size, schedule, v)
 
 
 def test_activation_shapes_are_agreed_across_steps(world2: dc.LocalWorld) -> None:
-    sends, _ = world2.run(_fused_across_steps)
+    def fused_across_steps() -> list[list[int]]:
+        # the shape agreed on a channel is kept across steps: from the second step on, a
+        # step's first activation goes fused too (one message); a new micro-batch size goes
+        # plainly once (two) and is the agreed shape after it; a step that raised on both
+        # ranks midway leaves the next one correct (the sender forgets its shapes)
+        rank = dist.get_rank()
+        torch.manual_seed(11)
+        model = _mlp(width=4, depth=4)
+        serial = copy.deepcopy(model)
+        stage = _FailsOnCall(partition(model, 2)[rank])
+        runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss, tag=900)
+        x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+        sends = []
+
+        def step(n_micro: int) -> None:
+            stage.zero_grad(set_to_none=True)
+            serial.zero_grad(set_to_none=True)
+            with B.log_comms() as log:
+                loss = runner.step(x, y, n_micro)
+            sends.append(sum(r.op == "send" for r in log.records))
+            ref = sum(
+                nn.functional.mse_loss(serial(a), b) for a, b in zip(x.chunk(n_micro), y.chunk(n_micro))
+            )
+            (ref / n_micro).backward()
+            torch.testing.assert_close(loss, ref.detach() / n_micro, rtol=1e-13, atol=1e-15)
+            for p, q in zip(stage.parameters(), partition(serial, 2)[rank].parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+        step(4)
+        step(4)
+        step(2)
+        step(2)
+        # rank 0 fails in its second forward (after sending the first), rank 1 in its first
+        # (after receiving it): both raise, nothing waits for what the other never sends
+        stage.fail_at = stage.calls + (2 if rank == 0 else 1)
+        with pytest.raises(RuntimeError, match="stage fails on purpose"):
+            runner.step(x, y, 2)
+        stage.fail_at = None
+        step(2)
+        return [sends] if rank == 0 else [[]]
+
+    sends, _ = world2.run(fused_across_steps)
     # rank 0's messages per step: 4 micro-batches (the first header first, 5), 4 fused,
     # 2 of a new size (the first plainly, 3), 2 fused, and after the failed step 2 again
     # with the first plainly (3)
     assert sends == [[5, 4, 3, 2, 3]]
 
 
-def _accumulate_and_timeline() -> list[float]:
-    rank, n = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(5)
-    model = _mlp(width=4, depth=3)
-    serial = copy.deepcopy(model)
-    runner = PipelineRunner(
-        partition(model, n)[rank], "1f1b", loss_fn=nn.functional.mse_loss, broadcast_loss=False
-    )
-    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
-    losses = [runner.step(x[:4], y[:4], 2), runner.step(x[4:], y[4:], 2)]
-    assert (losses[0] is None) == (rank != n - 1)
-    # two steps accumulate like two serial backward calls
-    (nn.functional.mse_loss(serial(x[:4]), y[:4]) + nn.functional.mse_loss(serial(x[4:]), y[4:])).backward()
-    for p, q in zip(partition(model, n)[rank].parameters(), partition(serial, n)[rank].parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
-    tl = runner.timeline
-    assert len(tl) == 4 and all(e.end >= e.start and 0 <= e.wait and e.busy >= 0 for e in tl)
-    return [e.start for e in tl]
-
-
 def test_gradients_accumulate_over_steps_and_timeline_is_recorded(world2: dc.LocalWorld) -> None:
-    starts = world2.run(_accumulate_and_timeline)
+    def accumulate_and_timeline() -> list[float]:
+        rank, n = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(5)
+        model = _mlp(width=4, depth=3)
+        serial = copy.deepcopy(model)
+        runner = PipelineRunner(
+            partition(model, n)[rank], "1f1b", loss_fn=nn.functional.mse_loss, broadcast_loss=False
+        )
+        x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+        losses = [runner.step(x[:4], y[:4], 2), runner.step(x[4:], y[4:], 2)]
+        assert (losses[0] is None) == (rank != n - 1)
+        # two steps accumulate like two serial backward calls
+        (
+            nn.functional.mse_loss(serial(x[:4]), y[:4]) + nn.functional.mse_loss(serial(x[4:]), y[4:])
+        ).backward()
+        for p, q in zip(partition(model, n)[rank].parameters(), partition(serial, n)[rank].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+        tl = runner.timeline
+        assert len(tl) == 4 and all(e.end >= e.start and 0 <= e.wait and e.busy >= 0 for e in tl)
+        return [e.start for e in tl]
+
+    starts = world2.run(accumulate_and_timeline)
     assert all(a <= b for a, b in zip(starts[0], starts[0][1:]))
-
-
-def _sent_marks(grad_first: bool) -> list[tuple[str, float | None, float]]:
-    torch.manual_seed(0)
-    stage = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
-    runner = PipelineRunner(stage, "1f1b", loss_fn=lambda out: out.pow(2).sum(), grad_first=grad_first)
-    runner.step(torch.randn(4, 3), n_micro=2)
-    return [(e.kind, e.sent, e.busy) for e in runner.timeline]
 
 
 @pytest.mark.parametrize("grad_first", [True, False])
 def test_timeline_marks_when_a_split_backward_sent_its_input_gradient(
     world2: dc.LocalWorld, grad_first: bool
 ) -> None:
+    def sent_marks(grad_first: bool) -> list[tuple[str, float | None, float]]:
+        torch.manual_seed(0)
+        stage = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+        runner = PipelineRunner(stage, "1f1b", loss_fn=lambda out: out.pow(2).sum(), grad_first=grad_first)
+        runner.step(torch.randn(4, 3), n_micro=2)
+        return [(e.kind, e.sent, e.busy) for e in runner.timeline]
+
     # grad_first: stage 1's B runs I then W and its input gradient leaves after I (the
     # replay lets stage 0 start then); stage 0 has no input gradient, so never splits
-    stage0, stage1 = world2.run(_sent_marks, grad_first)
+    stage0, stage1 = world2.run(sent_marks, grad_first)
     assert sorted(k for k, _, _ in stage1) == ["B", "B", "F", "F"] == sorted(k for k, _, _ in stage0)
     assert all(sent is None for _, sent, _ in stage0)
     for kind, sent, busy in stage1:
@@ -436,28 +443,27 @@ class _Slow(nn.Module):
         return self.lin(x)
 
 
-def _waits_without_the_logger() -> list[tuple[str, float, float]]:
-    from diffcomm import backend as B
-
-    def no_logger(*_: object, **__: object) -> None:
-        raise AssertionError("PipelineRunner opened the comms logger")
-
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    # stage 0 computes slowly in forward; stage 1 is quick
-    stage = _Slow(0.3) if rank == 0 else nn.Linear(3, 1)
-    runner = PipelineRunner(stage, "gpipe", loss_fn=lambda out: out.sum(), prepost=False)
-    real, B.log_comms = B.log_comms, no_logger  # type: ignore[assignment]
-    dist.barrier()
-    try:
-        runner.step(torch.randn(2, 3), n_micro=1)
-    finally:
-        B.log_comms = real  # type: ignore[assignment]
-    return [(e.kind, e.start, e.wait) for e in runner.timeline]
-
-
 def test_receive_waits_are_timed_by_the_host_clock_without_the_comms_logger(world2: dc.LocalWorld) -> None:
-    stage0, stage1 = world2.run(_waits_without_the_logger)
+    def waits_without_the_logger() -> list[tuple[str, float, float]]:
+        from diffcomm import backend as B
+
+        def no_logger(*_: object, **__: object) -> None:
+            raise AssertionError("PipelineRunner opened the comms logger")
+
+        rank = dist.get_rank()
+        torch.manual_seed(0)
+        # stage 0 computes slowly in forward; stage 1 is quick
+        stage = _Slow(0.3) if rank == 0 else nn.Linear(3, 1)
+        runner = PipelineRunner(stage, "gpipe", loss_fn=lambda out: out.sum(), prepost=False)
+        real, B.log_comms = B.log_comms, no_logger  # type: ignore[assignment]
+        dist.barrier()
+        try:
+            runner.step(torch.randn(2, 3), n_micro=1)
+        finally:
+            B.log_comms = real  # type: ignore[assignment]
+        return [(e.kind, e.start, e.wait) for e in runner.timeline]
+
+    stage0, stage1 = world2.run(waits_without_the_logger)
     assert [k for k, _, _ in stage0] == [k for k, _, _ in stage1] == ["F", "B"]
     (_, f0_start, f0_wait), (_, _, b0_wait) = stage0
     (_, f1_start, f1_wait), _ = stage1
@@ -546,51 +552,53 @@ def test_replayed_bubble_keeps_measured_stage_times() -> None:
         replayed_bubble([[TimelineEntry("F", 1, 0, 1, 0)], [TimelineEntry("F", 0, 0, 1, 0)]])
 
 
-def _no_grad_stage() -> float:
-    # stage 0 has no parameters and the input needs no grad: nothing flows back to it
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    stage = nn.Tanh() if rank == 0 else nn.Linear(3, 1, dtype=torch.float64)
-    runner = PipelineRunner(stage, "gpipe", loss_fn=lambda out: out.pow(2).mean())
-    loss = runner.step(torch.randn(4, 3, dtype=torch.float64), None, 2)
-    return float(loss)
-
-
 def test_stage_without_parameters_and_loss_without_targets(world2: dc.LocalWorld) -> None:
-    a, b = world2.run(_no_grad_stage)
+    def no_grad_stage() -> float:
+        # stage 0 has no parameters and the input needs no grad: nothing flows back to it
+        rank = dist.get_rank()
+        torch.manual_seed(0)
+        stage = nn.Tanh() if rank == 0 else nn.Linear(3, 1, dtype=torch.float64)
+        runner = PipelineRunner(stage, "gpipe", loss_fn=lambda out: out.pow(2).mean())
+        loss = runner.step(torch.randn(4, 3, dtype=torch.float64), None, 2)
+        return float(loss)
+
+    a, b = world2.run(no_grad_stage)
     assert a == b
 
 
-def _runner_bad_args() -> None:
-    rank = dist.get_rank()
-    stage = nn.Linear(2, 2)
-    names = r"\['gpipe', '1f1b', 'interleaved', 'zb-h1'\]"
-    with pytest.raises(ValueError, match=r"`schedule` must be one of " + names):
-        PipelineRunner(stage, "zero-bubble", loss_fn=nn.functional.mse_loss)
-    with pytest.raises(TypeError, match="`stage` must be an nn.Module"):
-        PipelineRunner("linear", loss_fn=nn.functional.mse_loss)  # type: ignore[arg-type]
-    bad = "`grad_first` must be True, False, \"cooldown\" or None, got 'drain'"
-    with pytest.raises(ValueError, match=bad):
-        PipelineRunner(stage, loss_fn=nn.functional.mse_loss, grad_first="drain")
-    if rank == 1:
-        with pytest.raises(TypeError, match="`loss_fn` must be a loss function on the last stage"):
-            PipelineRunner(stage)
-    runner = PipelineRunner(stage, loss_fn=nn.functional.mse_loss)
-    # the default input-gradient-first: only the cooldown's B steps split, with one chunk
-    # per rank or several (interleaved)
-    assert runner.grad_first == "cooldown"
-    two = PipelineRunner([nn.Linear(2, 2), nn.Linear(2, 2)], "interleaved", loss_fn=nn.functional.mse_loss)
-    assert two.grad_first == "cooldown"
-    with pytest.raises(ValueError, match="`n_micro` must be an int >= 1"):
-        runner.step(torch.zeros(4, 2), torch.zeros(4, 2), 0)
-    with pytest.raises(ValueError, match=r"size along dim 0 is divisible by n_micro=3, got shape \(4, 2\)"):
-        runner.step(torch.zeros(4, 2), torch.zeros(4, 2), 3)
-    # nobody is left waiting: a real step still works
-    runner.step(torch.zeros(4, 2), torch.zeros(4, 2), 2)
-
-
 def test_runner_rejects_bad_arguments_before_communicating(world2: dc.LocalWorld) -> None:
-    world2.run(_runner_bad_args)
+    def runner_bad_args() -> None:
+        rank = dist.get_rank()
+        stage = nn.Linear(2, 2)
+        names = r"\['gpipe', '1f1b', 'interleaved', 'zb-h1'\]"
+        with pytest.raises(ValueError, match=r"`schedule` must be one of " + names):
+            PipelineRunner(stage, "zero-bubble", loss_fn=nn.functional.mse_loss)
+        with pytest.raises(TypeError, match="`stage` must be an nn.Module"):
+            PipelineRunner("linear", loss_fn=nn.functional.mse_loss)  # type: ignore[arg-type]
+        bad = "`grad_first` must be True, False, \"cooldown\" or None, got 'drain'"
+        with pytest.raises(ValueError, match=bad):
+            PipelineRunner(stage, loss_fn=nn.functional.mse_loss, grad_first="drain")
+        if rank == 1:
+            with pytest.raises(TypeError, match="`loss_fn` must be a loss function on the last stage"):
+                PipelineRunner(stage)
+        runner = PipelineRunner(stage, loss_fn=nn.functional.mse_loss)
+        # the default input-gradient-first: only the cooldown's B steps split, with one chunk
+        # per rank or several (interleaved)
+        assert runner.grad_first == "cooldown"
+        two = PipelineRunner(
+            [nn.Linear(2, 2), nn.Linear(2, 2)], "interleaved", loss_fn=nn.functional.mse_loss
+        )
+        assert two.grad_first == "cooldown"
+        with pytest.raises(ValueError, match="`n_micro` must be an int >= 1"):
+            runner.step(torch.zeros(4, 2), torch.zeros(4, 2), 0)
+        with pytest.raises(
+            ValueError, match=r"size along dim 0 is divisible by n_micro=3, got shape \(4, 2\)"
+        ):
+            runner.step(torch.zeros(4, 2), torch.zeros(4, 2), 3)
+        # nobody is left waiting: a real step still works
+        runner.step(torch.zeros(4, 2), torch.zeros(4, 2), 2)
+
+    world2.run(runner_bad_args)
 
 
 # ======================================================================================
@@ -725,18 +733,17 @@ def deadlocking(n_stages: int, n_micro: int) -> list[list[Step]]:
     return [[F(0), B_(0), F(1), B_(1)], [F(0), F(1), B_(0), B_(1)]]
 
 
-def _runner_rejects_deadlock() -> float:
-    runner = PipelineRunner(nn.Linear(2, 2), deadlocking, loss_fn=nn.functional.mse_loss)
-    with pytest.raises(ScheduleError, match=r"stage 0 step 1 \(B0\) waits for the gradient"):
-        runner.step(torch.zeros(4, 2), torch.zeros(4, 2), 2)
-    # nothing was sent: the same ranks still run a real step
-    return float(PipelineRunner(nn.Linear(2, 2), "zb-h1", loss_fn=nn.functional.mse_loss).step(
-        torch.zeros(4, 2), torch.zeros(4, 2), 2
-    ))  # fmt: skip
-
-
 def test_runner_validates_the_schedule_before_communicating(world2: dc.LocalWorld) -> None:
-    world2.run(_runner_rejects_deadlock)
+    def runner_rejects_deadlock() -> float:
+        runner = PipelineRunner(nn.Linear(2, 2), deadlocking, loss_fn=nn.functional.mse_loss)
+        with pytest.raises(ScheduleError, match=r"stage 0 step 1 \(B0\) waits for the gradient"):
+            runner.step(torch.zeros(4, 2), torch.zeros(4, 2), 2)
+        # nothing was sent: the same ranks still run a real step
+        return float(PipelineRunner(nn.Linear(2, 2), "zb-h1", loss_fn=nn.functional.mse_loss).step(
+            torch.zeros(4, 2), torch.zeros(4, 2), 2
+        ))  # fmt: skip
+
+    world2.run(runner_rejects_deadlock)
 
 
 # ======================================================================================
@@ -744,6 +751,7 @@ def test_runner_validates_the_schedule_before_communicating(world2: dc.LocalWorl
 # ======================================================================================
 
 
+# shared: the rank body of the every-schedule test and its cooldown grad_first variant
 def _parity_all(schedule: str, v: int, grad_first: bool | str | None = None) -> list[int]:
     """Pipelined == serial for m = 1, 2, 4, 8; ``grad_first`` given: that B path at every m
     (else the default path at m = 1, 4, 8 and the plain B at m = 2)."""
@@ -807,28 +815,6 @@ def test_cooldown_grad_first_matches_the_serial_model(
     assert all(all(b > 0 for b in per_rank) for per_rank in peaks)
 
 
-def _graphs_freed(schedule: str, v: int, grad_first: bool | str) -> int:
-    """Every micro-batch's graph dies with its step: the chunks' inputs (received, or the
-    micro-batches of the batch) are unreachable afterwards, also where a B split into a
-    retained I and a W (Tanh saves its output: a packed tensor must not hold its node)."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    mine = partition(_mlp(width=5, depth=n * v), n * v)[rank::n]
-    refs: list[weakref.ref] = []
-    hooks = [c.register_forward_pre_hook(lambda _, args: refs.append(weakref.ref(args[0]))) for c in mine]
-    runner = PipelineRunner(
-        mine if v > 1 else mine[0], schedule, loss_fn=nn.functional.mse_loss, grad_first=grad_first
-    )
-    for _ in range(2):
-        runner.step(torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64), 4)
-    for h in hooks:
-        h.remove()
-    gc.collect()
-    alive = sum(r() is not None for r in refs)
-    assert refs and alive == 0, f"{alive} of {len(refs)} micro-batch inputs still alive"
-    return len(refs)
-
-
 @pytest.mark.parametrize(
     ("schedule", "v", "grad_first"),
     [
@@ -842,62 +828,56 @@ def _graphs_freed(schedule: str, v: int, grad_first: bool | str) -> int:
 def test_every_micro_batch_graph_is_freed_after_the_step(
     world2: dc.LocalWorld, schedule: str, v: int, grad_first: bool | str
 ) -> None:
-    assert world2.run(_graphs_freed, schedule, v, grad_first) == [8 * v, 8 * v]
+    def graphs_freed(schedule: str, v: int, grad_first: bool | str) -> int:
+        """Every micro-batch's graph dies with its step: the chunks' inputs (received, or the
+        micro-batches of the batch) are unreachable afterwards, also where a B split into a
+        retained I and a W (Tanh saves its output: a packed tensor must not hold its node)."""
+        rank, n = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        mine = partition(_mlp(width=5, depth=n * v), n * v)[rank::n]
+        refs: list[weakref.ref] = []
+        hooks = [c.register_forward_pre_hook(lambda _, args: refs.append(weakref.ref(args[0]))) for c in mine]
+        runner = PipelineRunner(
+            mine if v > 1 else mine[0], schedule, loss_fn=nn.functional.mse_loss, grad_first=grad_first
+        )
+        for _ in range(2):
+            runner.step(torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64), 4)
+        for h in hooks:
+            h.remove()
+        gc.collect()
+        alive = sum(r() is not None for r in refs)
+        assert refs and alive == 0, f"{alive} of {len(refs)} micro-batch inputs still alive"
+        return len(refs)
 
-
-def _weights_only_in_w() -> list[str]:
-    """ZB-H1: a parameter's gradient lands during a W step, never during I."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    stage = partition(_mlp(width=4, depth=n), n)[rank]
-    runner = PipelineRunner(stage, "zb-h1", loss_fn=nn.functional.mse_loss)
-    seen: list[str] = []
-    for p in stage.parameters():
-        p.register_post_accumulate_grad_hook(lambda _: seen.append(runner._current))
-    orig_i, orig_w = runner._backward_input, runner._backward_weight
-
-    def tagged(kind: str, fn: Callable) -> Callable:
-        def run(st: Step, stash: dict) -> None:
-            runner._current = kind
-            fn(st, stash)
-            runner._current = "-"
-
-        return run
-
-    runner._current = "-"
-    runner._backward_input, runner._backward_weight = tagged("I", orig_i), tagged("W", orig_w)
-    runner.step(torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64), 4)
-    return sorted(set(seen))
+    assert world2.run(graphs_freed, schedule, v, grad_first) == [8 * v, 8 * v]
 
 
 def test_zb_h1_computes_weight_gradients_in_w_only(world2: dc.LocalWorld) -> None:
-    assert world2.run(_weights_only_in_w) == [["W"], ["W"]]
+    def weights_only_in_w() -> list[str]:
+        """ZB-H1: a parameter's gradient lands during a W step, never during I."""
+        rank, n = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        stage = partition(_mlp(width=4, depth=n), n)[rank]
+        runner = PipelineRunner(stage, "zb-h1", loss_fn=nn.functional.mse_loss)
+        seen: list[str] = []
+        for p in stage.parameters():
+            p.register_post_accumulate_grad_hook(lambda _: seen.append(runner._current))
+        orig_i, orig_w = runner._backward_input, runner._backward_weight
 
+        def tagged(kind: str, fn: Callable) -> Callable:
+            def run(st: Step, stash: dict) -> None:
+                runner._current = kind
+                fn(st, stash)
+                runner._current = "-"
 
-def _send_order(grad_first: bool | str) -> list[list[str]]:
-    """Per B step of the last stage: the order of its events, "send" (the input gradient
-    leaves for the previous stage) and "W" (a weight gradient accumulates)."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    stage = partition(_mlp(width=4, depth=2 * n), n)[rank]
-    runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss, grad_first=grad_first)
-    events: list[str] = []
-    hooks = [p.register_post_accumulate_grad_hook(lambda _: events.append("W")) for p in stage.parameters()]
-    orig = T.send_grad
+            return run
 
-    def send_grad(*args: object, **kwargs: object) -> None:
-        events.append("send")
-        orig(*args, **kwargs)  # type: ignore[arg-type]
+        runner._current = "-"
+        runner._backward_input, runner._backward_weight = tagged("I", orig_i), tagged("W", orig_w)
+        runner.step(torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64), 4)
+        return sorted(set(seen))
 
-    T.send_grad = send_grad  # type: ignore[assignment]
-    try:
-        runner.step(torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64), 2)
-    finally:
-        T.send_grad = orig
-        for h in hooks:
-            h.remove()
-    k = len(list(stage.parameters())) + 1  # events per B step
-    return [events[i : i + k] for i in range(0, len(events), k)] if rank == n - 1 else []
+    assert world2.run(weights_only_in_w) == [["W"], ["W"]]
 
 
 @pytest.mark.parametrize(
@@ -907,7 +887,34 @@ def _send_order(grad_first: bool | str) -> list[list[str]]:
 def test_b_sends_the_input_gradient_before_the_weight_gradients(
     world2: dc.LocalWorld, grad_first: bool | str, split: list[bool]
 ) -> None:
-    _, last = world2.run(_send_order, grad_first)
+    def send_order(grad_first: bool | str) -> list[list[str]]:
+        """Per B step of the last stage: the order of its events, "send" (the input gradient
+        leaves for the previous stage) and "W" (a weight gradient accumulates)."""
+        rank, n = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        stage = partition(_mlp(width=4, depth=2 * n), n)[rank]
+        runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss, grad_first=grad_first)
+        events: list[str] = []
+        hooks = [
+            p.register_post_accumulate_grad_hook(lambda _: events.append("W")) for p in stage.parameters()
+        ]
+        orig = T.send_grad
+
+        def send_grad(*args: object, **kwargs: object) -> None:
+            events.append("send")
+            orig(*args, **kwargs)  # type: ignore[arg-type]
+
+        T.send_grad = send_grad  # type: ignore[assignment]
+        try:
+            runner.step(torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64), 2)
+        finally:
+            T.send_grad = orig
+            for h in hooks:
+                h.remove()
+        k = len(list(stage.parameters())) + 1  # events per B step
+        return [events[i : i + k] for i in range(0, len(events), k)] if rank == n - 1 else []
+
+    _, last = world2.run(send_order, grad_first)
     assert len(last) == 2  # two micro-batches: F0 B0 F1 B1 on the last stage
     for b, first in zip(last, split, strict=True):
         n_weights = len(b) - 1

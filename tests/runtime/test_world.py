@@ -52,18 +52,14 @@ def _port_is_free(port: int) -> bool:
         return True
 
 
-# Rank functions defined at module level: they travel by reference (the ranks import
-# this module from the tests folder, which the caller's sys.path carries).
+# Rank functions shared by several tests, at module level: they travel by reference (the
+# ranks import this module from the tests folder, which the caller's sys.path carries).
+# A rank function of one test is nested in it and travels by value.
 
 
+# shared: the run, launch and unpicklable-argument tests
 def _rank_info(base: int, *, scale: int = 1) -> tuple[int, int, int, int]:
     return dc.get_rank(), dc.get_world_size(), (base + dc.get_rank()) * scale, os.getpid()
-
-
-def _raise_on(rank: int, message: str) -> int:
-    if dc.get_rank() == rank:
-        raise ValueError(message)
-    return dc.get_rank()
 
 
 class _Boom(ValueError):
@@ -77,38 +73,18 @@ class _Boom(ValueError):
         return f"boom on rank {self.rank}"
 
 
-def _boom_on(ranks: tuple[int, ...]) -> int:
-    if dc.get_rank() in ranks:
-        raise _Boom(dc.get_rank())
-    return dc.get_rank()
-
-
-def _exit_on(rank: int, code: int) -> int:
-    if dc.get_rank() == rank:
-        os._exit(code)
-    return dc.get_rank()
-
-
+# shared: six tests start, idle or hang a world with it
 def _sleep_on(rank: int, seconds: float) -> int:
     if dc.get_rank() == rank:
         time.sleep(seconds)
     return dc.get_rank()
 
 
+# shared: the fast-failure and Ctrl-C tests
 def _raise_while_others_reduce(rank: int) -> torch.Tensor:
     if dc.get_rank() == rank:
         raise ValueError(f"rank {rank} gives up before the all_reduce")
     return get_backend().all_reduce(torch.ones(3), "sum", None)
-
-
-def _skip_all_reduce_on(rank: int) -> torch.Tensor | None:
-    if dc.get_rank() == rank:
-        # busy in user code past the peer's timeout (a rank that *returns* is noticed at
-        # once instead: tests/debug/test_flight.py), then skips the all_reduce
-        time.sleep(2.5)
-        return None  # the peer waits for this rank's all_reduce until its timeout
-    with label("all_reduce backward"):
-        return get_backend().all_reduce(torch.ones(3), "sum", None)
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -251,29 +227,39 @@ def test_start_up_progress_only_on_a_terminal_or_when_asked(tmp_path: Path) -> N
 
 
 def test_rank_exception_names_rank_and_traceback_and_world_stays(world2: LocalWorld) -> None:
+    def raise_on(rank: int, message: str) -> int:
+        if dc.get_rank() == rank:
+            raise ValueError(message)
+        return dc.get_rank()
+
     pids, restarts = world2.pids, world2.restarts
     with pytest.raises(RankError, match=r"rank\(s\) \[1\] raised: ValueError: no luck on 1") as info:
-        world2.run(_raise_on, 1, "no luck on 1")
+        world2.run(raise_on, 1, "no luck on 1")
     err = info.value
     assert type(err) is RankError
     assert list(err.failures) == [1]
     assert "--- rank 1 traceback ---" in str(err)
     # the remote traceback points into this module's function
-    assert 'test_world.py", line' in err.failures[1] and "in _raise_on" in err.failures[1]
+    assert 'test_world.py", line' in err.failures[1] and "in raise_on" in err.failures[1]
     # every rank reported back: the same processes serve the next run
-    assert world2.run(_raise_on, 5, "unused") == [0, 1]
+    assert world2.run(raise_on, 5, "unused") == [0, 1]
     assert world2.pids == pids and world2.restarts == restarts and world2.alive
 
 
 def test_rank_error_carries_remote_exception_objects(world2: LocalWorld) -> None:
+    def boom_on(ranks: tuple[int, ...]) -> int:
+        if dc.get_rank() in ranks:
+            raise _Boom(dc.get_rank())
+        return dc.get_rank()
+
     with pytest.raises(RankError, match=r"rank\(s\) \[0, 1\] raised") as info:
-        world2.run(_boom_on, (0, 1))
+        world2.run(boom_on, (0, 1))
     exceptions = info.value.exceptions
     assert sorted(exceptions) == [0, 1]
     for r in (0, 1):
         assert isinstance(exceptions[r], _Boom)
         assert exceptions[r].rank == r and str(exceptions[r]) == f"boom on rank {r}"
-    assert world2.run(_boom_on, ()) == [0, 1]
+    assert world2.run(boom_on, ()) == [0, 1]
 
 
 def test_unpicklable_argument_or_result_is_a_clear_error(world2: LocalWorld) -> None:
@@ -288,11 +274,16 @@ def test_unpicklable_argument_or_result_is_a_clear_error(world2: LocalWorld) -> 
 
 
 def test_rank_death_is_reported_fast_and_world_restarts(fragile: LocalWorld) -> None:
+    def exit_on(rank: int, code: int) -> int:
+        if dc.get_rank() == rank:
+            os._exit(code)
+        return dc.get_rank()
+
     fragile.run(_sleep_on, 0, 0)  # make sure the world is up, so the timing is the run's
     pids, restarts = fragile.pids, fragile.restarts
     start = time.monotonic()
-    with pytest.raises(RankDiedError, match=r"rank 1 \(exit code 3\) died during `_exit_on`") as info:
-        fragile.run(_exit_on, 1, 3)
+    with pytest.raises(RankDiedError, match=r"rank 1 \(exit code 3\) died during `exit_on`") as info:
+        fragile.run(exit_on, 1, 3)
     assert time.monotonic() - start < 3.0
     assert info.value.exitcodes == {1: 3}
     # torn down: no process left, not even the healthy rank
@@ -334,6 +325,15 @@ def test_raise_while_others_wait_in_collective_is_fast(fragile: LocalWorld) -> N
 
 
 def test_collective_timeout_names_raw_op_and_fix(fragile: LocalWorld) -> None:
+    def skip_all_reduce_on(rank: int) -> torch.Tensor | None:
+        if dc.get_rank() == rank:
+            # busy in user code past the peer's timeout (a rank that *returns* is noticed at
+            # once instead: tests/debug/test_flight.py), then skips the all_reduce
+            time.sleep(2.5)
+            return None  # the peer waits for this rank's all_reduce until its timeout
+        with label("all_reduce backward"):
+            return get_backend().all_reduce(torch.ones(3), "sum", None)
+
     world = fragile
     world.run(_sleep_on, 0, 0)
     pids, restarts = world.pids, world.restarts
@@ -342,7 +342,7 @@ def test_collective_timeout_names_raw_op_and_fix(fragile: LocalWorld) -> None:
         RankError,
         match=r"`all_reduce backward` \(raw all_reduce, sequence number #0 on group \[0, 1\]\) timed out",
     ) as info:
-        world.run(_skip_all_reduce_on, 0)
+        world.run(skip_all_reduce_on, 0)
     assert 1.9 < time.monotonic() - start < 3.0
     err = info.value
     assert sorted(err.failures) == [1]

@@ -165,83 +165,85 @@ def test_docs_table_is_generated_from_the_rules() -> None:
 # ======================================================================================
 
 
-def _layers_body() -> list[str]:
-    """Every layer and block of diffcomm.parallel, forward + backward under the check."""
-    from diffcomm import rng
-
-    n, r = dc.get_world_size(), dc.get_rank()
-    rng.model_parallel_seed(7, tp_rank=r)
-    x = torch.randn(12, 2, 6, dtype=F64)  # [s, b, h], replicated
-    ran = []
-
-    def step(name: str, fn: object) -> None:
-        with dc.spmd_check():
-            out = fn()  # type: ignore[operator]
-            (out.pow(2).mean() if dc.spmd.type_of(out) is dc.spmd.R else out.pow(2).sum()).backward()
-        ran.append(name)
-
-    kw = {"dtype": F64, "seed": 0}
-    col, row = par.ColumnParallelLinear, par.RowParallelLinear
-
-    def xs() -> torch.Tensor:  # this rank's sequence chunk, sliced inside the check: varying
-        r = dc.get_rank()
-        return x[r * 12 // n : (r + 1) * 12 // n]
-
-    def h() -> torch.Tensor:  # a feature shard (per-rank data)
-        return dc.spmd.varying(torch.randn(12, 2, 12 // n, dtype=F64))
-
-    step("column", lambda: col(6, 12, **kw)(x))
-    step("column gather", lambda: col(6, 12, gather_output=True, **kw)(x))
-    step("column sp", lambda: col(6, 12, sequence_parallel=True, **kw)(xs()))
-    step("column comm", lambda: col(6, 12, overlap="comm", **kw)(x))
-    step("column ring", lambda: col(6, 12, sequence_parallel=True, overlap="ring", **kw)(xs()))
-    step("row", lambda: row(12, 6, input_is_parallel=True, **kw)(h()))
-    step("row scatter", lambda: row(12, 6, **kw)(torch.randn(12, 2, 12, dtype=F64)))
-    step("row sp", lambda: row(12, 6, input_is_parallel=True, sequence_parallel=True, **kw)(h()))
-    step(
-        "row ring",
-        lambda: row(12, 6, input_is_parallel=True, sequence_parallel=True, overlap="ring", **kw)(h()),
-    )
-    ids = torch.randint(0, 12, (12, 2))
-    step("embedding", lambda: par.VocabParallelEmbedding(12, 6, **kw)(ids))
-    step("embedding sp", lambda: par.VocabParallelEmbedding(12, 6, sequence_parallel=True, **kw)(ids))
-    step("sp layernorm", lambda: par.SequenceParallelLayerNorm(6, dtype=F64)(xs()))
-    step("mlp", lambda: par.ParallelMLP(6, 12, dtype=F64, seed=0)(x))
-    step("mlp sp", lambda: par.ParallelMLP(6, 12, sequence_parallel=True, dtype=F64, seed=0)(xs()))
-    step(
-        "attention",
-        lambda: par.ParallelSelfAttention(6 * n, n, dtype=F64, seed=0)(torch.randn(4, 2, 6 * n, dtype=F64)),
-    )
-    step(
-        "attention sp",
-        lambda: par.ParallelSelfAttention(6 * n, n, sequence_parallel=True, dtype=F64, seed=0)(
-            dc.spmd.varying(torch.randn(4, 2, 6 * n, dtype=F64))
-        ),
-    )
-
-    def lm_head() -> torch.Tensor:  # embedding -> column-parallel head -> vocab-parallel loss
-        emb = par.VocabParallelEmbedding(12, 6, **kw)
-        head = par.ColumnParallelLinear(6, 12, **kw)
-        logits = head(torch.tanh(emb(ids)))
-        return par.vocab_parallel_cross_entropy(logits, ids)
-
-    step("vocab loss", lm_head)
-
-    def block() -> torch.Tensor:  # a Megatron transformer block with dropout
-        ln1, ln2 = nn.LayerNorm(6 * n, dtype=F64), nn.LayerNorm(6 * n, dtype=F64)
-        attn = par.ParallelSelfAttention(6 * n, n, dtype=F64, seed=0)
-        mlp = par.ParallelMLP(6 * n, 12, dtype=F64, seed=0)
-        y = torch.randn(4, 2, 6 * n, dtype=F64)
-        y = y + F.dropout(attn(ln1(y)), 0.1)  # replicated dropout: the default stream
-        return y + F.dropout(mlp(ln2(y)), 0.1)
-
-    step("block", block)
-    return ran
-
-
 def test_parallel_layers_and_blocks_pass(local_worlds: object) -> None:
+    """Every layer and block of diffcomm.parallel, forward + backward under the check."""
+
+    def layers_body() -> list[str]:
+        from diffcomm import rng
+
+        n, r = dc.get_world_size(), dc.get_rank()
+        rng.model_parallel_seed(7, tp_rank=r)
+        x = torch.randn(12, 2, 6, dtype=F64)  # [s, b, h], replicated
+        ran = []
+
+        def step(name: str, fn: object) -> None:
+            with dc.spmd_check():
+                out = fn()  # type: ignore[operator]
+                (out.pow(2).mean() if dc.spmd.type_of(out) is dc.spmd.R else out.pow(2).sum()).backward()
+            ran.append(name)
+
+        kw = {"dtype": F64, "seed": 0}
+        col, row = par.ColumnParallelLinear, par.RowParallelLinear
+
+        def xs() -> torch.Tensor:  # this rank's sequence chunk, sliced inside the check: varying
+            r = dc.get_rank()
+            return x[r * 12 // n : (r + 1) * 12 // n]
+
+        def h() -> torch.Tensor:  # a feature shard (per-rank data)
+            return dc.spmd.varying(torch.randn(12, 2, 12 // n, dtype=F64))
+
+        step("column", lambda: col(6, 12, **kw)(x))
+        step("column gather", lambda: col(6, 12, gather_output=True, **kw)(x))
+        step("column sp", lambda: col(6, 12, sequence_parallel=True, **kw)(xs()))
+        step("column comm", lambda: col(6, 12, overlap="comm", **kw)(x))
+        step("column ring", lambda: col(6, 12, sequence_parallel=True, overlap="ring", **kw)(xs()))
+        step("row", lambda: row(12, 6, input_is_parallel=True, **kw)(h()))
+        step("row scatter", lambda: row(12, 6, **kw)(torch.randn(12, 2, 12, dtype=F64)))
+        step("row sp", lambda: row(12, 6, input_is_parallel=True, sequence_parallel=True, **kw)(h()))
+        step(
+            "row ring",
+            lambda: row(12, 6, input_is_parallel=True, sequence_parallel=True, overlap="ring", **kw)(h()),
+        )
+        ids = torch.randint(0, 12, (12, 2))
+        step("embedding", lambda: par.VocabParallelEmbedding(12, 6, **kw)(ids))
+        step("embedding sp", lambda: par.VocabParallelEmbedding(12, 6, sequence_parallel=True, **kw)(ids))
+        step("sp layernorm", lambda: par.SequenceParallelLayerNorm(6, dtype=F64)(xs()))
+        step("mlp", lambda: par.ParallelMLP(6, 12, dtype=F64, seed=0)(x))
+        step("mlp sp", lambda: par.ParallelMLP(6, 12, sequence_parallel=True, dtype=F64, seed=0)(xs()))
+        step(
+            "attention",
+            lambda: par.ParallelSelfAttention(6 * n, n, dtype=F64, seed=0)(
+                torch.randn(4, 2, 6 * n, dtype=F64)
+            ),
+        )
+        step(
+            "attention sp",
+            lambda: par.ParallelSelfAttention(6 * n, n, sequence_parallel=True, dtype=F64, seed=0)(
+                dc.spmd.varying(torch.randn(4, 2, 6 * n, dtype=F64))
+            ),
+        )
+
+        def lm_head() -> torch.Tensor:  # embedding -> column-parallel head -> vocab-parallel loss
+            emb = par.VocabParallelEmbedding(12, 6, **kw)
+            head = par.ColumnParallelLinear(6, 12, **kw)
+            logits = head(torch.tanh(emb(ids)))
+            return par.vocab_parallel_cross_entropy(logits, ids)
+
+        step("vocab loss", lm_head)
+
+        def block() -> torch.Tensor:  # a Megatron transformer block with dropout
+            ln1, ln2 = nn.LayerNorm(6 * n, dtype=F64), nn.LayerNorm(6 * n, dtype=F64)
+            attn = par.ParallelSelfAttention(6 * n, n, dtype=F64, seed=0)
+            mlp = par.ParallelMLP(6 * n, 12, dtype=F64, seed=0)
+            y = torch.randn(4, 2, 6 * n, dtype=F64)
+            y = y + F.dropout(attn(ln1(y)), 0.1)  # replicated dropout: the default stream
+            return y + F.dropout(mlp(ln2(y)), 0.1)
+
+        step("block", block)
+        return ran
+
     for n in (2, 3):
-        for ran in local_worlds(n).run(_layers_body):  # type: ignore[operator]
+        for ran in local_worlds(n).run(layers_body):  # type: ignore[operator]
             assert len(ran) == 18, ran
 
 
@@ -377,8 +379,69 @@ def test_pipeline_runner_passes(world2: dc.LocalWorld, schedule: str) -> None:
 
 
 # ======================================================================================
-# no false positive: the notebooks, a Llama-style TP model
+# no false positive: a Llama-style TP model, the notebooks
 # ======================================================================================
+
+
+def test_llama_style_tensor_parallel_block_passes(world2: dc.LocalWorld) -> None:
+    """examples/tensor_parallel_llama.py: a Llama-style decoder (RMSNorm, RoPE, GQA,
+    SwiGLU) made tensor parallel; one training step under the check passes, the ranks'
+    losses agree."""
+
+    def tp_llama_body() -> float:
+        sys.path.insert(0, str(ROOT / "examples"))
+        from tensor_parallel_llama import make
+
+        model = make()
+        x = torch.randn(2, 6, 32, dtype=F64, generator=torch.Generator().manual_seed(1))
+        with dc.spmd_check(modules=model):
+            loss = model(x, torch.arange(6)).pow(2).mean()
+            loss.backward()
+        return float(loss)
+
+    losses = world2.run(tp_llama_body)
+    assert losses[0] == pytest.approx(losses[1])
+
+
+def test_hf_llama_tensor_parallel_passes(world2: dc.LocalWorld) -> None:
+    """A tiny Hugging Face LlamaForCausalLM made tensor parallel (its attention and MLP
+    projections swapped for diffcomm's layers), one step under the check."""
+    pytest.importorskip("transformers")
+
+    def body() -> float:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        n = dc.get_world_size()
+        cfg = LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+        )
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).double()
+        for layer in model.model.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(at, name, par.ColumnParallelLinear.from_serial(getattr(at, name)))
+            at.o_proj = par.RowParallelLinear.from_serial(at.o_proj, input_is_parallel=True)
+            for name in ("gate_proj", "up_proj"):
+                setattr(mlp, name, par.ColumnParallelLinear.from_serial(getattr(mlp, name)))
+            mlp.down_proj = par.RowParallelLinear.from_serial(mlp.down_proj, input_is_parallel=True)
+            at.num_heads = getattr(at, "num_heads", cfg.num_attention_heads) // n
+            at.config.num_attention_heads = cfg.num_attention_heads  # (shapes use -1 / head_dim)
+        ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+        with dc.spmd_check(modules=model):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        return float(loss)
+
+    losses = world2.run(body)
+    assert losses[0] == pytest.approx(losses[1])
+
 
 # the notebooks' rank functions (and their arguments) that run parallel code; not listed:
 # 03's ``two_stages_by_hand`` (every rank holds the whole model and runs a different half
@@ -454,62 +517,3 @@ def test_notebook_plain_all_reduce_mlp_is_caught(world2: dc.LocalWorld) -> None:
 
     for msg in world2.run(body):
         assert "all_reduce at 02:" in msg and "parallel.reduce_from_region" in msg, msg
-
-
-def _tp_llama_body() -> float:
-    """examples/tensor_parallel_llama.py: a Llama-style decoder (RMSNorm, RoPE, GQA,
-    SwiGLU) made tensor parallel; one training step under the check; returns the loss."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    from tensor_parallel_llama import make
-
-    model = make()
-    x = torch.randn(2, 6, 32, dtype=F64, generator=torch.Generator().manual_seed(1))
-    with dc.spmd_check(modules=model):
-        loss = model(x, torch.arange(6)).pow(2).mean()
-        loss.backward()
-    return float(loss)
-
-
-def test_llama_style_tensor_parallel_block_passes(world2: dc.LocalWorld) -> None:
-    losses = world2.run(_tp_llama_body)
-    assert losses[0] == pytest.approx(losses[1])
-
-
-def test_hf_llama_tensor_parallel_passes(world2: dc.LocalWorld) -> None:
-    """A tiny Hugging Face LlamaForCausalLM made tensor parallel (its attention and MLP
-    projections swapped for diffcomm's layers), one step under the check."""
-    pytest.importorskip("transformers")
-
-    def body() -> float:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        n = dc.get_world_size()
-        cfg = LlamaConfig(
-            vocab_size=32,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=16,
-        )
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).double()
-        for layer in model.model.layers:
-            at, mlp = layer.self_attn, layer.mlp
-            for name in ("q_proj", "k_proj", "v_proj"):
-                setattr(at, name, par.ColumnParallelLinear.from_serial(getattr(at, name)))
-            at.o_proj = par.RowParallelLinear.from_serial(at.o_proj, input_is_parallel=True)
-            for name in ("gate_proj", "up_proj"):
-                setattr(mlp, name, par.ColumnParallelLinear.from_serial(getattr(mlp, name)))
-            mlp.down_proj = par.RowParallelLinear.from_serial(mlp.down_proj, input_is_parallel=True)
-            at.num_heads = getattr(at, "num_heads", cfg.num_attention_heads) // n
-            at.config.num_attention_heads = cfg.num_attention_heads  # (shapes use -1 / head_dim)
-        ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
-        with dc.spmd_check(modules=model):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-        return float(loss)
-
-    losses = world2.run(body)
-    assert losses[0] == pytest.approx(losses[1])

@@ -96,32 +96,32 @@ _PAIRS = {
 }
 
 
-def _adjoint_case(name: str) -> tuple[float, float]:
-    w = dc.get_world_size()
-    op, dual, xs, ys = _PAIRS[name]
-    xs = (2 * w, 3) if xs == "split0" else xs
-    ys = {"gathered": (2, 3 * w), "gathered0": (2 * w, 3), "a2a": (2, 3 * w)}.get(ys, ys)
-    x, y = _rand(1, *xs), _rand(2, *ys)
-    return check_adjoint(op, x, y), check_adjoint(op, x, y, dual_op=dual)
-
-
 @pytest.mark.parametrize("name", list(_PAIRS))
 def test_check_adjoint_passes_the_core_collectives(world3, name: str) -> None:
-    for by_autograd, by_dual in world3.run(_adjoint_case, name):
+    def adjoint_case(name: str) -> tuple[float, float]:
+        w = dc.get_world_size()
+        op, dual, xs, ys = _PAIRS[name]
+        xs = (2 * w, 3) if xs == "split0" else xs
+        ys = {"gathered": (2, 3 * w), "gathered0": (2 * w, 3), "a2a": (2, 3 * w)}.get(ys, ys)
+        x, y = _rand(1, *xs), _rand(2, *ys)
+        return check_adjoint(op, x, y), check_adjoint(op, x, y, dual_op=dual)
+
+    for by_autograd, by_dual in world3.run(adjoint_case, name):
         assert by_autograd < 1e-12 and by_dual < 1e-12
 
 
-def _wrong_adjoint() -> dict[str, str]:
-    x, y = _rand(1, 2, 3), _rand(2, 2 * dc.get_world_size(), 3)
-    calls = {
-        "autograd": lambda: check_adjoint(_AllGatherOwnChunkBackward.apply, x=x, y=y),
-        "dual_op": lambda: check_adjoint(lambda t: dc.all_gather(t, 0), dual_op=lambda g: g[:2], x=x, y=y),
-    }
-    return outcomes(calls, AssertionError)
-
-
 def test_check_adjoint_catches_a_wrong_adjoint(world2) -> None:
-    out = world2.run(_wrong_adjoint)
+    def wrong_adjoint() -> dict[str, str]:
+        x, y = _rand(1, 2, 3), _rand(2, 2 * dc.get_world_size(), 3)
+        calls = {
+            "autograd": lambda: check_adjoint(_AllGatherOwnChunkBackward.apply, x=x, y=y),
+            "dual_op": lambda: check_adjoint(
+                lambda t: dc.all_gather(t, 0), dual_op=lambda g: g[:2], x=x, y=y
+            ),
+        }
+        return outcomes(calls, AssertionError)
+
+    out = world2.run(wrong_adjoint)
     assert out[0] == out[1]  # every rank reaches the same verdict
     for key in ("autograd", "dual_op"):
         assert "sum_r <A x_r, y_r> = " in out[0][key] and "sum_r <x_r, A^T y_r> = " in out[0][key]
@@ -133,56 +133,54 @@ def test_check_adjoint_catches_a_wrong_adjoint(world2) -> None:
 # ======================================================================================
 
 
-def _gradcheck_passes() -> list[bool]:
-    x = _rand(1, 2, 3).requires_grad_()
-    sum_objective = [
-        gradcheck(lambda t: dc.all_gather(t, 1).pow(2), x),
-        gradcheck(lambda t: dc.all_reduce(t.sin() + 2, "product"), (x,)),
-        gradcheck(lambda t: dc.reduce_scatter(t.exp(), 1, split_sizes=[1, 2]), (x,)),
-    ]
-    # replicated objective: a functional TP MLP; x replicated, w1 / w2 this rank's shards
-    xr = _rand(1, 2, 4, rank=-1).requires_grad_()
-    w1, w2 = _rand(2, 3, 4).requires_grad_(), _rand(3, 4, 3).requires_grad_()
-
-    def tp_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        return P.reduce_from_region(torch.tanh(P.copy_to_region(x) @ w1.T) @ w2.T)
-
-    replicated = gradcheck(tp_mlp, (xr, w1, w2), objective="replicated", replicated=[0])
-    # a replicated input under the sum objective: compared with sum_r grad_r
-    summed = gradcheck(lambda t: dc.all_reduce(t * (dc.get_rank() + 1.0)).sin(), (xr,), replicated=[0])
-    return [*sum_objective, replicated, summed]
-
-
 def test_gradcheck_passes_correct_code(world2) -> None:
-    assert world2.run(_gradcheck_passes) == [[True] * 5] * 2
+    def gradcheck_passes() -> list[bool]:
+        x = _rand(1, 2, 3).requires_grad_()
+        sum_objective = [
+            gradcheck(lambda t: dc.all_gather(t, 1).pow(2), x),
+            gradcheck(lambda t: dc.all_reduce(t.sin() + 2, "product"), (x,)),
+            gradcheck(lambda t: dc.reduce_scatter(t.exp(), 1, split_sizes=[1, 2]), (x,)),
+        ]
+        # replicated objective: a functional TP MLP; x replicated, w1 / w2 this rank's shards
+        xr = _rand(1, 2, 4, rank=-1).requires_grad_()
+        w1, w2 = _rand(2, 3, 4).requires_grad_(), _rand(3, 4, 3).requires_grad_()
 
+        def tp_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+            return P.reduce_from_region(torch.tanh(P.copy_to_region(x) @ w1.T) @ w2.T)
 
-def _gradcheck_failures() -> dict[str, str]:
-    xr = _rand(1, 2, 4, rank=-1).requires_grad_()
-    w1 = _rand(2, 3, 4).requires_grad_()
-    cases = {
-        # planted: copy_to_region with an identity backward
-        "bad_copy": lambda: gradcheck(
-            lambda x, w: P.reduce_from_region(torch.tanh(_CopyIdentityBackward.apply(x) @ w.T)),
-            (xr, w1),
-            objective="replicated",
-            replicated=[0],
-        ),
-        # planted: wrong adjoint under the sum objective
-        "bad_adjoint": lambda: gradcheck(lambda t: _AllGatherOwnChunkBackward.apply(t).sin(), (w1,)),
-        # objective="replicated" with an output that is not replicated
-        "not_replicated": lambda: gradcheck(lambda t: t.sum(), (w1,), objective="replicated"),
-    }
-    out = outcomes(cases, AssertionError)
-    try:
-        gradcheck(lambda t: t, (torch.ones(2, requires_grad=True),))
-    except ValueError as exc:
-        out["float32"] = str(exc)
-    return out
+        replicated = gradcheck(tp_mlp, (xr, w1, w2), objective="replicated", replicated=[0])
+        # a replicated input under the sum objective: compared with sum_r grad_r
+        summed = gradcheck(lambda t: dc.all_reduce(t * (dc.get_rank() + 1.0)).sin(), (xr,), replicated=[0])
+        return [*sum_objective, replicated, summed]
+
+    assert world2.run(gradcheck_passes) == [[True] * 5] * 2
 
 
 def test_gradcheck_catches_planted_bugs(world2) -> None:
-    out = world2.run(_gradcheck_failures)
+    def gradcheck_failures() -> dict[str, str]:
+        xr = _rand(1, 2, 4, rank=-1).requires_grad_()
+        w1 = _rand(2, 3, 4).requires_grad_()
+        cases = {
+            # planted: copy_to_region with an identity backward
+            "bad_copy": lambda: gradcheck(
+                lambda x, w: P.reduce_from_region(torch.tanh(_CopyIdentityBackward.apply(x) @ w.T)),
+                (xr, w1),
+                objective="replicated",
+                replicated=[0],
+            ),
+            # planted: wrong adjoint under the sum objective
+            "bad_adjoint": lambda: gradcheck(lambda t: _AllGatherOwnChunkBackward.apply(t).sin(), (w1,)),
+            # objective="replicated" with an output that is not replicated
+            "not_replicated": lambda: gradcheck(lambda t: t.sum(), (w1,), objective="replicated"),
+        }
+        out = outcomes(cases, AssertionError)
+        try:
+            gradcheck(lambda t: t, (torch.ones(2, requires_grad=True),))
+        except ValueError as exc:
+            out["float32"] = str(exc)
+        return out
+
+    out = world2.run(gradcheck_failures)
     for key in ("bad_copy", "bad_adjoint", "not_replicated"):
         assert out[0][key] == out[1][key]  # the same verdict on every rank
     msg = out[0]["bad_copy"]
@@ -198,14 +196,15 @@ def test_gradcheck_catches_planted_bugs(world2) -> None:
 # ======================================================================================
 
 
-def _in_rank_pass() -> bool:
-    serial = _serial_mlp()
-    assert_matches_serial(P.ParallelMLP.from_serial(serial), serial, lambda: torch.randn(6, 2, 4, dtype=F64))
-    return True
-
-
 def test_assert_matches_serial_inside_the_ranks(world2) -> None:
-    assert world2.run(_in_rank_pass) == [True, True]
+    def in_rank_pass() -> bool:
+        serial = _serial_mlp()
+        assert_matches_serial(
+            P.ParallelMLP.from_serial(serial), serial, lambda: torch.randn(6, 2, 4, dtype=F64)
+        )
+        return True
+
+    assert world2.run(in_rank_pass) == [True, True]
 
 
 def test_assert_matches_serial_passes_a_hand_built_tp_mlp(world2) -> None:
@@ -249,17 +248,16 @@ def test_assert_matches_serial_catches_a_missing_sharded_output_spec(world2) -> 
         )
 
 
-def _inputs_differ() -> str:
-    serial = _serial_mlp()
-    try:
-        assert_matches_serial(serial, serial, torch.full((2, 4), float(dc.get_rank()), dtype=F64))
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 def test_assert_matches_serial_rejects_inputs_that_differ_between_ranks(world2) -> None:
-    msg = world2.run(_inputs_differ)[0]
+    def inputs_differ() -> str:
+        serial = _serial_mlp()
+        try:
+            assert_matches_serial(serial, serial, torch.full((2, 4), float(dc.get_rank()), dtype=F64))
+        except ValueError as exc:
+            return str(exc)
+        return "no error"
+
+    msg = world2.run(inputs_differ)[0]
     assert "inputs[0] should be the same on every rank" in msg and "ranks [1] differ" in msg
 
 
@@ -305,13 +303,12 @@ def test_strategies_ops_and_dtypes(
     assert fdtype.is_floating_point and name in dc.OPS
 
 
-def _uneven_all_gather_adjoint(sizes: list[int]) -> float:
-    r = dc.get_rank()
-    x, y = _rand(1, sizes[r], 2), _rand(2, sum(sizes), 2, rank=-1)
-    return check_adjoint(lambda t: dc.all_gather(t, 0), x, y)
-
-
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=dst.uneven_split_sizes(5, 2))
 def test_property_uneven_all_gather_is_adjoint_to_its_backward(world2, sizes: list[int]) -> None:
-    assert max(world2.run(_uneven_all_gather_adjoint, sizes)) < 1e-12
+    def uneven_all_gather_adjoint(sizes: list[int]) -> float:
+        r = dc.get_rank()
+        x, y = _rand(1, sizes[r], 2), _rand(2, sum(sizes), 2, rank=-1)
+        return check_adjoint(lambda t: dc.all_gather(t, 0), x, y)
+
+    assert max(world2.run(uneven_all_gather_adjoint, sizes)) < 1e-12
