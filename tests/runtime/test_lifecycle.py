@@ -9,6 +9,7 @@ normal suite on small worlds. Every run is real processes over gloo: ``torch.mul
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import sys
 import threading
@@ -19,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 import diffcomm as dc
-from diffcomm import _lifecycle
+from diffcomm import _lifecycle, _torch
+from diffcomm.debug import responder
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_lifecycle.py"
 _spec = importlib.util.spec_from_file_location("bench_lifecycle", _BENCH)
@@ -138,6 +140,40 @@ def test_no_diffcomm_thread_outlives_its_group_in_process() -> None:
         finally:
             dist.destroy_process_group()
         assert _lifecycle.diffcomm_threads() == [], threading.enumerate()
+
+
+def _sockets() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return n
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts sockets in /proc/self/fd")
+def test_the_answering_thread_opens_no_store_connection_of_its_own() -> None:
+    # every rank opening two connections to rank 0's store at each group's start made a
+    # burst of connects that stalled one rank's init 5 s (the third group's first op then
+    # timed out on the others: issue 31's reinit at world 4): the thread uses the group's
+    # own store connection, so starting it opens no socket
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        r = responder._RESPONDER[0]
+        assert r is not None and r.thread.is_alive()
+        assert r.asker is _torch.default_store()
+        r.stop(wait_peers=False)
+        responder._RESPONDER[0] = None
+        before = _sockets()
+        responder.start_responder()
+        again = responder._RESPONDER[0]
+        assert again is not None and again is not r and again.thread.is_alive()
+        assert _sockets() == before
+    finally:
+        dist.destroy_process_group()
+    assert _lifecycle.diffcomm_threads() == [], threading.enumerate()
 
 
 _SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_soak.py"
