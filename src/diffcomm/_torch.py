@@ -36,6 +36,7 @@ __all__ = [
     "pg_device_backend",
     "functional_collectives",
     "compiling",
+    "run_eagerly_under_compile",
     "FORWARD_AD",
     "tree_map_only",
     "transforms_active",
@@ -123,6 +124,18 @@ def compiling() -> bool:
     """
     return _COMPILER._is_compiling_flag
 
+
+
+def run_eagerly_under_compile(code: Any) -> None:
+    """Dynamo never compiles a frame of ``code``, nor any frame it calls, as a frame of its
+    own (what it does to every Python frame that eager code runs while a compiled function
+    is active, after a graph break): they run eagerly. No wrapper, so no cost per call
+    (``torch.compiler.disable`` wraps: ~1 us). Tracing that *inlines* the function (dynamo
+    at work on a caller) is not affected. A torch without per-code strategies: no-op."""
+    ef: Any = torch._dynamo.eval_frame
+    if hasattr(ef, "set_code_exec_strategy") and hasattr(ef, "FrameExecStrategy"):
+        skip = ef.FrameAction.SKIP
+        ef.set_code_exec_strategy(code, ef.FrameExecStrategy(skip, skip))
 
 # ---------------------------------------------------------------- autograd and functorch
 

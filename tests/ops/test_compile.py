@@ -351,6 +351,7 @@ def test_without_fullgraph_untraceable_parts_run_eagerly(world2) -> None:
         r = dc.get_rank()
         x = torch.full((1 + r, 2), float(r), dtype=F64)
         fn = lambda v: dc.all_gather(v * 2, 0)
+        fn(x)  # warm: the group has gathered rows, so the next gather speculates (numpy, host-side)
         torch._dynamo.reset()
         return float((torch.compile(fn, backend="eager")(x) - fn(x)).abs().max())
 
@@ -440,3 +441,16 @@ def test_double_backward_through_compile(world2) -> None:
         return float(h.sum())
 
     world2.run(double_backward_through_compile)
+
+
+def test_a_first_op_inside_compile_on_a_new_world() -> None:
+    # a fresh world whose first diffcomm op runs inside torch.compile (no fullgraph): the
+    # group's record (read off its C++ object, which dynamo cannot trace) was probed
+    # eagerly when the group was made
+    def first_op_compiled() -> float:
+        x = torch.full((1 + dc.get_rank(), 2), 1.0, dtype=F64)
+        fn = lambda v: dc.all_gather(v * 2, 0)
+        return float((torch.compile(fn, backend="eager")(x) - fn(x)).abs().max())
+
+    with dc.LocalWorld(2) as world:
+        assert world.run(first_op_compiled) == [0.0, 0.0]

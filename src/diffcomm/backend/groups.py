@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _torch
+from .. import _lifecycle, _torch
 from ..accelerator import comm_device, get_accelerator
 
 ProcessGroup = Any  # dist.ProcessGroup | None (None = the default group)
@@ -124,6 +124,16 @@ def group_info(group: ProcessGroup) -> GroupInfo:
     if info is None:
         info = _INFOS[group] = _probe(group)
     return info
+
+
+def _probe_default_group() -> None:
+    """Probe the new default group at once, eagerly: its record is then cached when a
+    user's first op runs inside ``torch.compile`` (dynamo cannot trace the probe: it reads
+    the group's C++ object)."""
+    group_info(None)
+
+
+_lifecycle.on_init("group record", _probe_default_group)
 
 
 def _probe(group: ProcessGroup) -> GroupInfo:

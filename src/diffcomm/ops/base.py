@@ -344,6 +344,10 @@ def _labelled_forward(run: Any, params: tuple[str, ...], name: str, label: Any) 
     code = compile(src, f"{__file__}:<{name} forward>", "exec")
     exec(code, scope)  # a fixed template over the op's own parameter names
     forward = scope["forward"]
+    # the eager forward (the twin's is ``run``): a frame of its own under compile only when
+    # eager code runs after a graph break, where its host-side protocol (size exchanges
+    # through numpy) is no graph to trace
+    _torch.run_eagerly_under_compile(forward.__code__)
     forward.__qualname__ = f"{run.__qualname__.rsplit('.', 1)[0]}.forward"
     forward.__module__ = run.__module__
     forward.__doc__ = run.__doc__

@@ -6,8 +6,8 @@ receives (``irecv``, ``post_grad_recv``) and the validation the point-to-point o
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -21,10 +21,11 @@ from .base import apply as _apply
 from .registry import Kwargs
 from .wire import MAX_NDIM, MAX_TAG
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 PG = Any  # resolved ProcessGroup (or None for the default group)
 
 
-def _eager(fn: Any) -> Any:
+def _eager(fn: _F) -> _F:
     """Run ``fn`` eagerly inside a ``torch.compile``'d function (a graph break around it).
 
     Point-to-point messages cannot be traced: PyTorch's functional collectives (what the
@@ -33,7 +34,7 @@ def _eager(fn: Any) -> Any:
     the op runs as in eager mode between the compiled graphs — values and gradients as in
     eager; ``fullgraph=True`` reports the break. Costs ~1 µs per call in eager mode.
     """
-    return torch.compiler.disable(fn, reason=_COMPILE_BREAK)
+    return cast(_F, torch.compiler.disable(fn, reason=_COMPILE_BREAK))  # same signature
 
 
 _COMPILE_BREAK = (
