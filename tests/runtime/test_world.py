@@ -453,7 +453,9 @@ def _start_caller(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], lis
         _, err = proc.communicate(timeout=10)
         pytest.fail(f"caller script did not start its world: {line!r}\n{err}")
     pids = [int(p) for p in line.split()[1:]]
-    assert pids and all(alive(p) for p in pids)
+    # in "exit" mode the caller exits right after this line and may have ended its ranks
+    # already (what the test checks): that they ran is world.run's answer, above
+    assert pids and (mode == "exit" or all(alive(p) for p in pids))
     return proc, pids
 
 
