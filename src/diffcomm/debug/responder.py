@@ -290,7 +290,7 @@ def failed(
         except Exception as exc:  # the plain message still goes out
             diagnosis = f"(the cross-rank diagnosis failed: {exc})"
     backward = (label or "").find("backward") >= 0
-    how = "timed out" if timeout else "failed (a peer left mid-op)"
+    how = "timed out" if timeout else "failed (a peer closed its connection mid-op)"
     head = f"diffcomm: `{what}` (raw {op}"
     head += f", sequence number #{e[SEQ]} on group {list(e[GROUP])}" if e is not None else ""
     head += f") {how} on global rank {rank}"
