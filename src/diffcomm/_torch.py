@@ -125,7 +125,6 @@ def compiling() -> bool:
     return _COMPILER._is_compiling_flag
 
 
-
 def run_eagerly_under_compile(code: Any) -> None:
     """Dynamo never compiles a frame of ``code``, nor any frame it calls, as a frame of its
     own (what it does to every Python frame that eager code runs while a compiled function
@@ -136,6 +135,7 @@ def run_eagerly_under_compile(code: Any) -> None:
     if hasattr(ef, "set_code_exec_strategy") and hasattr(ef, "FrameExecStrategy"):
         skip = ef.FrameAction.SKIP
         ef.set_code_exec_strategy(code, ef.FrameExecStrategy(skip, skip))
+
 
 # ---------------------------------------------------------------- autograd and functorch
 
