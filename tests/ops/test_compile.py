@@ -446,11 +446,14 @@ def test_double_backward_through_compile(world2) -> None:
 def test_a_first_op_inside_compile_on_a_new_world() -> None:
     # a fresh world whose first diffcomm op runs inside torch.compile (no fullgraph): the
     # group's record (read off its C++ object, which dynamo cannot trace) was probed
-    # eagerly when the group was made
-    def first_op_compiled() -> float:
+    # eagerly when the group was made; a new subgroup's record is probed at its first op,
+    # where the probe breaks the graph and runs eagerly
+    def first_op_compiled(subgroup: bool) -> float:
+        group = dist.new_group([0, 1]) if subgroup else None
         x = torch.full((1 + dc.get_rank(), 2), 1.0, dtype=F64)
-        fn = lambda v: dc.all_gather(v * 2, 0)
+        fn = lambda v: dc.all_gather(v * 2, 0, group=group)
         return float((torch.compile(fn, backend="eager")(x) - fn(x)).abs().max())
 
     with dc.LocalWorld(2) as world:
-        assert world.run(first_op_compiled) == [0.0, 0.0]
+        assert world.run(first_op_compiled, False) == [0.0, 0.0]
+        assert world.run(first_op_compiled, True) == [0.0, 0.0]

@@ -136,7 +136,12 @@ def _probe_default_group() -> None:
 _lifecycle.on_init("group record", _probe_default_group)
 
 
+@torch.compiler.disable  # reads the group's C++ object: dynamo cannot trace it
 def _probe(group: ProcessGroup) -> GroupInfo:
+    """A group's record, asked of the group. Under ``torch.compile`` a group's first op
+    (a subgroup's: the default group is probed at ``init_process_group``) breaks the graph
+    here and the probe runs eagerly; with ``fullgraph=True`` dynamo refuses it (run one op
+    on the new group before compiling)."""
     if not dist.is_initialized():
         return GroupInfo(group, 0, 1, "none", static_capabilities("none"), torch.device("cpu"))
     name = data_backend(group)
