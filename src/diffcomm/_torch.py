@@ -19,6 +19,10 @@ Layer: a core module (beside ``_config`` and ``_errors``); it imports only torch
 from __future__ import annotations
 
 import datetime
+import functools
+import importlib.abc
+import importlib.util
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +41,9 @@ __all__ = [
     "functional_collectives",
     "compiling",
     "run_eagerly_under_compile",
+    "when_dynamo_loads",
+    "compiler_disable",
+    "disable_methods_when_dynamo_loads",
     "FORWARD_AD",
     "tree_map_only",
     "transforms_active",
@@ -108,7 +115,6 @@ def functional_collectives() -> types.ModuleType:
 _COMPILER: Any = torch.compiler
 
 
-@torch.compiler.assume_constant_result
 def compiling() -> bool:
     """Whether torch.compile or torch.export is at work: dynamo tracing, or a compile
     session (AOTAutograd tracing a backward) or an export running Python code. The one
@@ -130,11 +136,120 @@ def run_eagerly_under_compile(code: Any) -> None:
     own (what it does to every Python frame that eager code runs while a compiled function
     is active, after a graph break): they run eagerly. No wrapper, so no cost per call
     (``torch.compiler.disable`` wraps: ~1 us). Tracing that *inlines* the function (dynamo
-    at work on a caller) is not affected. A torch without per-code strategies: no-op."""
-    ef: Any = torch._dynamo.eval_frame
-    if hasattr(ef, "set_code_exec_strategy") and hasattr(ef, "FrameExecStrategy"):
-        skip = ef.FrameAction.SKIP
-        ef.set_code_exec_strategy(code, ef.FrameExecStrategy(skip, skip))
+    at work on a caller) is not affected. A torch without per-code strategies: no-op.
+    Applied when dynamo loads (:func:`when_dynamo_loads`)."""
+
+    def mark() -> None:
+        ef: Any = torch._dynamo.eval_frame
+        if hasattr(ef, "set_code_exec_strategy") and hasattr(ef, "FrameExecStrategy"):
+            skip = ef.FrameAction.SKIP
+            ef.set_code_exec_strategy(code, ef.FrameExecStrategy(skip, skip))
+
+    when_dynamo_loads(mark)
+
+
+# ------------------------------------------- dynamo's marks, applied when dynamo loads
+#
+# Dynamo (``torch._dynamo``, the tracer behind ``torch.compile``) takes longer to import
+# than the rest of diffcomm together: ``import torch`` does not load it, and any call of
+# ``torch.compiler.disable`` / ``assume_constant_result`` does (1.2 s of a 3.7 s
+# ``import torch, diffcomm`` on this project's 2-core machine). Nothing can be compiled
+# before dynamo is imported, so diffcomm puts its marks for dynamo (what to run eagerly,
+# what is a constant) on its functions when dynamo loads: at once if it is already
+# imported, else right after its module has run (a one-shot import hook, below). An
+# eager-only program never loads it, and its ops skip ``disable``'s wrapper (~1 us).
+
+_DYNAMO = "torch._dynamo"
+_MARKS: list[Callable[[], None]] = []
+
+
+def _dynamo_loaded() -> bool:
+    module = sys.modules.get(_DYNAMO)
+    spec = getattr(module, "__spec__", None)
+    return module is not None and not getattr(spec, "_initializing", False)
+
+
+def when_dynamo_loads(mark: Callable[[], None]) -> None:
+    """Call ``mark()`` once ``torch._dynamo`` is imported: now if it is, else right after
+    its import (before anything can be compiled)."""
+    if _dynamo_loaded():
+        mark()
+        return
+    _MARKS.append(mark)
+    if not any(isinstance(f, _DynamoImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DynamoImportHook())
+
+
+def _mark_all() -> None:
+    while _MARKS:
+        _MARKS.pop(0)()
+
+
+class _DynamoImportHook(importlib.abc.MetaPathFinder):
+    """A one-shot finder: when ``torch._dynamo`` is imported, it leaves ``sys.meta_path``,
+    finds the module's spec as the import system would, and has its loader run the
+    pending marks once the module has run (the module, its loader and its spec otherwise
+    untouched)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != _DYNAMO:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader: Any = getattr(spec, "loader", None)
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:  # pragma: no cover - a loader without exec_module
+            return spec
+
+        def exec_then_mark(module: types.ModuleType) -> None:
+            exec_module(module)
+            if module.__name__ == _DYNAMO:  # (a loader shared with its submodules)
+                vars(loader).pop("exec_module", None)  # the loader's own method again
+                _mark_all()
+
+        loader.exec_module = exec_then_mark
+        return spec
+
+
+def compiler_disable(fn: Callable[..., Any], reason: str | None = None) -> Callable[..., Any]:
+    """``fn`` as ``torch.compiler.disable(fn, reason=reason)`` (run eagerly under compile:
+    a graph break, refused by ``fullgraph=True`` with ``reason``) once dynamo has loaded,
+    and ``fn`` itself until then (nothing can be compiling). A wrapper that calls one or
+    the other: one frame (~0.1 us) instead of ``disable``'s ~1 us while dynamo is not
+    loaded. Dynamo tracing the wrapper inlines it and meets the disabled function."""
+    target = [fn]
+
+    def mark() -> None:
+        target[0] = _COMPILER.disable(fn, reason=reason)
+
+    @functools.wraps(fn)
+    def eager_under_compile(*args: Any, **kwargs: Any) -> Any:
+        return target[0](*args, **kwargs)
+
+    when_dynamo_loads(mark)
+    return eager_under_compile
+
+
+def disable_methods_when_dynamo_loads(name: str, *classes: type) -> None:
+    """Replace each class's own classmethod ``name`` by its ``torch.compiler.disable``'d
+    self when dynamo loads (no wrapper before: for methods on every op's path)."""
+
+    def mark() -> None:
+        for cls in classes:
+            fn = cls.__dict__[name].__func__
+            setattr(cls, name, classmethod(_COMPILER.disable(fn)))
+
+    when_dynamo_loads(mark)
+
+
+def _mark_compiling_constant() -> None:
+    # Dynamo does not trace ``compiling``: it calls it once while tracing and folds the
+    # answer (True) into the graph with no guard (see :func:`compiling`).
+    _COMPILER.assume_constant_result(compiling)
+
+
+when_dynamo_loads(_mark_compiling_constant)
 
 
 # ---------------------------------------------------------------- autograd and functorch

@@ -136,12 +136,12 @@ def _probe_default_group() -> None:
 _lifecycle.on_init("group record", _probe_default_group)
 
 
-@torch.compiler.disable  # reads the group's C++ object: dynamo cannot trace it
 def _probe(group: ProcessGroup) -> GroupInfo:
-    """A group's record, asked of the group. Under ``torch.compile`` a group's first op
-    (a subgroup's: the default group is probed at ``init_process_group``) breaks the graph
-    here and the probe runs eagerly; with ``fullgraph=True`` dynamo refuses it (run one op
-    on the new group before compiling)."""
+    """A group's record, asked of the group. Traced code does not ask for it (under
+    ``torch.compile`` the ops read a group's rank and size through dynamo, so a brand-new
+    subgroup's first op traces whole under ``fullgraph=True``). Where an op breaks the
+    graph and its eager part is the group's first use (the default group is probed at
+    ``init_process_group``), the probe breaks the graph once more and runs eagerly."""
     if not dist.is_initialized():
         return GroupInfo(group, 0, 1, "none", static_capabilities("none"), torch.device("cpu"))
     name = data_backend(group)
@@ -153,6 +153,10 @@ def _probe(group: ProcessGroup) -> GroupInfo:
         static_capabilities(name),
         comm_device(name),
     )
+
+
+# reads the group's C++ object: dynamo cannot trace it
+_probe = _torch.compiler_disable(_probe)
 
 
 def data_backend(group: ProcessGroup) -> str:

@@ -90,7 +90,6 @@ class FastFunction(torch.autograd.Function):
         cls.c_apply = _c_apply.__get__(None, cls)
 
     @classmethod
-    @torch.compiler.disable  # dynamo must never trace this frame (see below)
     def apply(cls, *args: Any) -> Any:
         # Inside a traced frame dynamo handles ``X.apply(...)`` itself and never runs this
         # method. It only enters it as a frame of its own when eager code runs under an
@@ -484,16 +483,17 @@ class ListOp(_Op):
         return cls.out_shape(xs, *meta)
 
     @classmethod
-    @torch.compiler.disable  # as FastFunction.apply
-    def apply(cls, *args: Any) -> Any:
+    def apply(cls, *args: Any) -> Any:  # run eagerly under compile as FastFunction.apply
         if _transforms_active() or _compiling():
             return super(FastFunction, cls).apply(*args)
         if _async.launching(cls):
             return _async.launch_fn(cls, args)
         n = cls.nmeta
-        return _c_apply(
-            cls, _unwrap_if_dead(args[0]), *args[1 : n + 1], *[_unwrap_if_dead(a) for a in args[n + 1 :]]
-        )
+        rest = [_unwrap_if_dead(a) for a in args[n + 1 :]]
+        return _c_apply(cls, _unwrap_if_dead(args[0]), *args[1 : n + 1], *rest)
+
+
+_torch.disable_methods_when_dynamo_loads("apply", FastFunction, ListOp)  # dynamo: never trace
 
 
 def list_args(xs: Any, *meta: Any) -> tuple[Any, ...]:
