@@ -136,6 +136,7 @@ def _probe_default_group() -> None:
 _lifecycle.on_init("group record", _probe_default_group)
 
 
+@_torch.compiler_disable  # reads the group's C++ object: dynamo cannot trace it
 def _probe(group: ProcessGroup) -> GroupInfo:
     """A group's record, asked of the group. Traced code does not ask for it (under
     ``torch.compile`` the ops read a group's rank and size through dynamo, so a brand-new
@@ -153,10 +154,6 @@ def _probe(group: ProcessGroup) -> GroupInfo:
         static_capabilities(name),
         comm_device(name),
     )
-
-
-# reads the group's C++ object: dynamo cannot trace it
-_probe = _torch.compiler_disable(_probe)
 
 
 def data_backend(group: ProcessGroup) -> str:
