@@ -99,11 +99,27 @@ def test_rows_pair_diffcomm_against_torch_distributed_nn() -> None:
         _cell("all_reduce", 1, 1, {"raw": 1.0})[0].ratio_vs_nn
     )
     text = bench.format_rows(rows)
+    assert max(len(line) for line in text.splitlines()) <= 100, text
+    words = " ".join(text.split())
     assert (
-        "world 2: diffcomm was slower than torch.distributed.nn in 2 of 2 cells (its median time over "
-        "the paired rounds), and slower in at least 3 of every 4 rounds in 1" in text
+        "world 2: diffcomm was slower than torch.distributed.nn in 2 of 2 cells by the median of the "
+        "paired rounds (x nn above 1.00: all_reduce 1KiB 1.10*, all_gather 1KiB 1.10); of these 2 cells, "
+        "1 read slower in at least 3 of every 4 rounds" in words
     )
-    assert "control" not in text  # no control rows, no control line
+    # all_reduce: slower in 3 rounds of 4, yet its median time (2.45 ms) is below nn's (2.5 ms)
+    assert "*: diffcomm's median ms is the lower of the two there: read it as level." in words
+    assert "world 4: diffcomm was not slower than torch.distributed.nn in any of the 1 cell" in words
+    assert "for scale" not in text  # no control rows, no control line
+
+
+def test_a_ratio_that_prints_as_1_00_is_not_counted_slower() -> None:
+    """The count follows the printed column (two decimals): 1.004 reads level, 1.006 slower."""
+    base = [1e-3, 1e-3, 1e-3]
+    times = {"raw": base, "torch.distributed.nn": base}
+    rows = bench.rows_from_times("all_reduce", 1024, 2, {**times, "diffcomm": [t * 1.004 for t in base]})
+    assert bench.slower_than_nn(rows) == {2: (1, 0, 0)}
+    rows = bench.rows_from_times("all_reduce", 1024, 2, {**times, "diffcomm": [t * 1.006 for t in base]})
+    assert bench.slower_than_nn(rows) == {2: (1, 1, 1)}
 
 
 def test_control_counts_nn_against_itself() -> None:
@@ -119,12 +135,15 @@ def test_control_counts_nn_against_itself() -> None:
     assert control.ratio_vs_nn == pytest.approx(1.015) and control.ratio_vs_nn_q1 > 1.0
     assert bench.slower_than_nn(rows) == {2: (2, 0, 0)}
     assert bench.slower_than_nn(rows, bench.CONTROL) == {2: (2, 1, 1)}
-    assert bench.slower_than_nn_lines(rows) == [
-        "world 2: diffcomm was slower than torch.distributed.nn in 0 of 2 cells (its median time over "
-        "the paired rounds), and slower in at least 3 of every 4 rounds in 0",
-        "world 2: for scale, torch.distributed.nn timed twice read slower than itself in 1 of 2 cells, "
-        "and in at least 3 of every 4 rounds in 1: what noise alone does here",
-    ]
+    verdict, scale = (" ".join(p.split()) for p in bench.slower_than_nn_lines(rows))
+    assert verdict == (
+        "world 2: diffcomm was not slower than torch.distributed.nn in any of the 2 cells (x nn, the "
+        "median of the paired rounds, at most 1.00 in every one)."
+    )
+    assert scale == (
+        "world 2, for scale: torch.distributed.nn timed twice read slower than itself in 1 of 2 cells, "
+        "and in 1 of them in at least 3 of every 4 rounds: what noise alone does here."
+    )
     assert bench.impl_colour(bench.CONTROL) not in {bench.impl_colour(i) for i in bench.IMPLS}
 
 

@@ -121,11 +121,15 @@ def test_registry_adds_subcommands(
 
 
 def _one_error_line(err: str, command: str = "") -> str:
+    """The one error message in ``err`` (a usage error's whole stderr), its lines joined:
+    it starts with ``<prog> <command>: error:``, fits 100 columns, and any line after the
+    first is its continuation (indented)."""
     lines = err.splitlines()
-    assert len(lines) == 1, err
     prefix = f"python -m diffcomm {command}".rstrip() + ": error: "
-    assert lines[0].startswith(prefix), err
-    return lines[0]
+    assert lines and lines[0].startswith(prefix), err
+    assert all(line.startswith("  ") for line in lines[1:]), err
+    assert max(len(line) for line in lines) <= 100, err
+    return " ".join(err.split())
 
 
 @pytest.mark.parametrize(
@@ -146,7 +150,7 @@ def _one_error_line(err: str, command: str = "") -> str:
         ["info", "--probe"],
     ],
 )
-def test_every_usage_error_is_one_line_and_exit_2(
+def test_every_usage_error_is_one_message_within_100_columns_and_exit_2(
     argv: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert cli.main(argv) == 2
@@ -196,7 +200,9 @@ def test_check_refuses_bad_arguments_before_importing_torch(argv: list[str], wor
     p = _run_python("-X", "importtime", "-m", "diffcomm", *argv, timeout=120)
     assert p.returncode == 2
     errors = [ln for ln in p.stderr.splitlines() if "|" not in ln]
-    assert len(errors) == 1 and words in errors[0], p.stderr
+    assert errors[0].startswith("python -m diffcomm check: error: "), p.stderr
+    assert all(ln.startswith("  ") for ln in errors[1:]), p.stderr  # one message, wrapped
+    assert max(map(len, errors)) <= 100 and words in " ".join(" ".join(errors).split()), p.stderr
     assert not _imports_torch(p)
 
 
@@ -252,3 +258,4 @@ def test_console_script_usage_says_diffcomm(tmp_path: Path) -> None:
     assert not _imports_torch(p)
     bad = _run_python(str(script), "check", "--ops", "allreduce", timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("diffcomm check: error: --ops: unknown op")
+    assert max(len(line) for line in bad.stderr.splitlines()) <= 100, bad.stderr

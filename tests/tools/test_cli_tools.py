@@ -74,33 +74,97 @@ def test_check_covers_point_to_point_and_the_mappings() -> None:
         assert c["adjoint_err"] is not None and c["adjoint_err"] <= 1e-10, c
 
 
-def test_the_bench_table_fits_100_columns_and_the_verdict_is_in_words() -> None:
+def _bench_text(rows: list[bench.BenchRow], world: int) -> str:
+    """What ``bench`` prints for ``rows`` (table, legend, verdict) at 100 columns."""
     from rich.console import Console
 
-    from diffcomm.tools.commands import BENCH_LEGEND, bench_table
+    from diffcomm.tools.commands import bench_legend, bench_table
 
+    console = Console(width=100, record=True, file=open(os.devnull, "w"))
+    console.print(bench_table(rows, world))
+    console.print(bench_legend(rows))
+    for paragraph in bench.slower_than_nn_lines(rows):
+        console.print(paragraph, soft_wrap=True)
+    return console.export_text()
+
+
+def test_the_bench_table_fits_100_columns_and_the_legend_names_every_row() -> None:
     impls = ["raw", "floor", "torch.distributed.nn", "funcol", "diffcomm", "diffcomm(sizes=)", bench.CONTROL]
     rows = []
     for op in ("reduce_scatter", "all_to_all"):
         for nbytes in (16 * 1024, 16 * 2**20):
             times = {i: [1e-3 * (1 + k) for k in range(4)] for i in impls}
             rows += bench.rows_from_times(op, nbytes, 4, times)
-    console = Console(width=100, record=True, file=open(os.devnull, "w"))
-    console.print(bench_table(rows, 4))
-    console.print(BENCH_LEGEND)
-    text = console.export_text()
+    text = _bench_text(rows, 4)
     assert max(len(line) for line in text.splitlines()) <= 100, text
     assert "…" not in text and "16MiB" in text and "nn (again)" in text
-    (verdict, control) = bench.slower_than_nn_lines(rows)
-    assert verdict.startswith("world 4: diffcomm was slower than torch.distributed.nn in 0 of 4 cells")
-    assert "what noise alone does here" in control and "3 of 4 rounds)" not in verdict
+    legend = " ".join(text.split())
+    for name in ("raw:", "floor:", "nn:", "nn (again):", "funcol:", "diffcomm:", "diffcomm(sizes=):"):
+        assert f"; {name}" in legend or f" {name} " in legend, name
+    assert "world 4: diffcomm was not slower than torch.distributed.nn in any of the 4 cells" in legend
+    assert "for scale" in legend and "what noise alone does here." in legend
 
 
-def test_bench_help_says_why_reduce_gather_and_scatter_are_not_in_the_default() -> None:
-    p = _run("bench", "--help")
-    assert p.returncode == 0
-    text = " ".join(p.stdout.split())
-    assert "Default: the five unrooted ones; reduce, gather and scatter" in text
+def test_the_legend_lists_only_the_rows_shown() -> None:
+    times = [1e-3, 2e-3, 1e-3]
+    rows = bench.rows_from_times("all_reduce", 1024, 2, {"raw": times, "diffcomm": times})
+    text = " ".join(_bench_text(rows, 2).split())
+    assert "raw: torch.distributed, no autograd" in text and "diffcomm: the public op" in text
+    for absent in ("floor:", "nn:", "funcol:", "nn (again)", "sizes=", "x nn", "*:"):
+        assert absent not in text, absent
+
+
+def test_the_verdict_says_slower_where_the_table_shows_diffcomm_slower() -> None:
+    """diffcomm 1.5x nn's time in every round of every cell: the x nn column reads 1.50 and
+    the words say slower in every cell, in at least 3 of every 4 rounds; where it is
+    faster, the words say not slower. Every sentence ends (no "... rounds in 0")."""
+    base = [1e-3, 2e-3, 1.5e-3, 1e-3]
+    rows = []
+    for op in ("all_reduce", "all_gather"):
+        for nbytes in (16 * 1024, 2**20):
+            nn = [2 * t for t in base]
+            cell = {"raw": base, "floor": base, "torch.distributed.nn": nn, "diffcomm": [1.5 * t for t in nn]}
+            rows += bench.rows_from_times(op, nbytes, 2, cell)
+            cell = {**cell, "diffcomm": [0.5 * t for t in nn]}
+            rows += bench.rows_from_times(op, nbytes, 3, cell)
+    two = _bench_text([r for r in rows if r.world == 2], 2)
+    assert max(len(line) for line in two.splitlines()) <= 100, two
+    cells = [
+        ln.split()
+        for ln in two.splitlines()
+        if ln.split()[:3:2] in (["all_reduce", "diffcomm"], ["all_gather", "diffcomm"])
+    ]
+    assert len(cells) == 4 and all(c[5] == "1.50" for c in cells), two  # the x nn column
+    words = " ".join(two.split())
+    assert (
+        "world 2: diffcomm was slower than torch.distributed.nn in 4 of 4 cells by the median of the "
+        "paired rounds (x nn above 1.00: all_reduce 16KiB 1.50, all_reduce 1MiB 1.50, all_gather "
+        "16KiB 1.50, all_gather 1MiB 1.50); of these 4 cells, 4 read slower in at least 3 of every 4 "
+        "rounds (the bracket's lower end above 1.00)." in words
+    )
+    assert "*" not in two  # the ms columns agree: nothing marked
+    three = " ".join(_bench_text([r for r in rows if r.world == 3], 3).split())
+    assert "world 3: diffcomm was not slower than torch.distributed.nn in any of the 4 cells" in three
+    assert "slower than torch.distributed.nn in 0" not in three
+
+
+def test_a_paired_ratio_the_medians_contradict_is_marked() -> None:
+    """diffcomm slower than nn in 3 rounds of 4 by a little, much faster in the fourth, and
+    nn's slow rounds differ: x nn reads above 1 while diffcomm's median ms is the lower. The
+    cell is marked ``*``, the legend and the verdict say to read it as level."""
+    nn = [1.0e-3, 1.0e-3, 3.0e-3, 3.0e-3]
+    dc = [1.1e-3, 1.1e-3, 3.3e-3, 0.5e-3]  # ratios 1.1, 1.1, 1.1, 0.17: median 1.1; ms 1.1 < 2.0
+    rows = bench.rows_from_times(
+        "all_reduce", 1024, 2, {"raw": nn, "torch.distributed.nn": nn, "diffcomm": dc}
+    )
+    row = next(r for r in rows if r.impl == "diffcomm")
+    assert bench.above_one(row.ratio_vs_nn) and row.median_ms < rows[1].median_ms
+    assert bench.disagrees_with_nn(row, rows)
+    text = _bench_text(rows, 2)
+    assert "1.10 (" in text and ")*" in text
+    words = " ".join(text.split())
+    assert "*: the paired ratio and the two rows' median ms disagree" in words
+    assert "all_reduce 1KiB 1.10*" in words and "read it as level" in words
 
 
 def test_a_failing_case_fails_the_row() -> None:

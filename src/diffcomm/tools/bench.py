@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import textwrap
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -82,6 +83,8 @@ _COLOURS = dict(
     )
 )
 PLOT_INSTALL_HINT = 'pip install "diffcomm[plot]"'
+#: the fewest timed rounds a benchmark takes: the quartiles of the paired ratios need them
+MIN_ROUNDS = 3
 
 
 @dataclass
@@ -436,37 +439,78 @@ def rows_from_times(
     return rows
 
 
+def above_one(ratio: float) -> bool:
+    """Whether ``ratio`` reads above 1 as the tables print it (two decimals: 1.004 reads
+    ``1.00``, level), so a count of "slower" cells agrees with the printed column."""
+    return round(ratio, 2) > 1.0
+
+
 def slower_than_nn(rows: Sequence[BenchRow], impl: str = "diffcomm") -> dict[int, tuple[int, int, int]]:
     """Per world, ``(cells, slower, slower_in_3_of_4)``: of the cells with both ``impl``
-    and ``torch.distributed.nn``, those where ``impl``'s median paired ratio against it is
-    above 1, and those where its first quartile is too (slower in at least three rounds of
-    four). With ``impl=CONTROL``: how often nn reads slower than itself."""
+    and ``torch.distributed.nn``, those where ``impl``'s median paired ratio against it
+    reads above 1 (:func:`above_one`), and those where its first quartile does too (slower
+    in at least three rounds of four). With ``impl=CONTROL``: how often nn reads slower
+    than itself."""
     out: dict[int, tuple[int, int, int]] = {}
     for r in rows:
         if r.impl != impl or math.isnan(r.ratio_vs_nn):
             continue
         n, slow, sure = out.get(r.world, (0, 0, 0))
-        out[r.world] = (n + 1, slow + (r.ratio_vs_nn > 1.0), sure + (r.ratio_vs_nn_q1 > 1.0))
+        out[r.world] = (n + 1, slow + above_one(r.ratio_vs_nn), sure + above_one(r.ratio_vs_nn_q1))
     return out
 
 
-def slower_than_nn_lines(rows: Sequence[BenchRow]) -> list[str]:
-    """:func:`slower_than_nn` as one line per world (the CLI and :func:`format_rows`),
-    each followed by the control's count where it ran."""
+def disagrees_with_nn(row: BenchRow, rows: Sequence[BenchRow]) -> bool:
+    """Whether ``row``'s paired ratio against torch.distributed.nn (``ratio_vs_nn``, as
+    printed) and the median times of ``row`` and of nn's row of the same cell in ``rows``
+    say different things about which is faster. Each is a median of its own (of per-round
+    ratios; of times), so on a noisy machine they can: the tables mark such a cell ``*``."""
+    if math.isnan(row.ratio_vs_nn) or round(row.ratio_vs_nn, 2) == 1.0 or row.impl == _NN:
+        return False
+    nn = [r for r in rows if r.impl == _NN and (r.op, r.nbytes, r.world) == (row.op, row.nbytes, row.world)]
+    return bool(nn) and above_one(row.ratio_vs_nn) != (row.median_ms > nn[0].median_ms)
+
+
+def _cells(n: int) -> str:
+    return "1 cell" if n == 1 else f"{n} cells"
+
+
+def slower_than_nn_lines(rows: Sequence[BenchRow], width: int = 100) -> list[str]:
+    """:func:`slower_than_nn` in words, one paragraph per world (then the control's, where
+    it ran), each wrapped at ``width`` columns: the counts, and the cells where diffcomm
+    read slower by name, as the ``x nn`` column of the table shows them."""
     control = slower_than_nn(rows, CONTROL)
-    lines = []
+    paragraphs = []
     for w, (n, slow, sure) in slower_than_nn(rows).items():
-        lines.append(
-            f"world {w}: diffcomm was slower than {_NN} in {slow} of {n} cells (its median "
-            f"time over the paired rounds), and slower in at least 3 of every 4 rounds in {sure}"
-        )
+        if slow == 0:
+            text = (
+                f"world {w}: diffcomm was not slower than {_NN} in any of the {_cells(n)} "
+                "(x nn, the median of the paired rounds, at most 1.00 in every one)."
+            )
+            mixed = [r for r in rows if r.world == w and r.impl == "diffcomm" and disagrees_with_nn(r, rows)]
+            if mixed:
+                cells = ", ".join(f"{r.op} {size_label(r.nbytes)}" for r in mixed)
+                text += f" In {cells} (*) diffcomm's median ms is the higher of the two: read it as level."
+        else:
+            slower = [r for r in rows if r.world == w and r.impl == "diffcomm" and above_one(r.ratio_vs_nn)]
+            marks = ["*" if disagrees_with_nn(r, rows) else "" for r in slower]
+            named = [f"{r.op} {size_label(r.nbytes)} {r.ratio_vs_nn:.2f}{m}" for r, m in zip(slower, marks)]
+            text = (
+                f"world {w}: diffcomm was slower than {_NN} in {slow} of {_cells(n)} by the median "
+                f"of the paired rounds (x nn above 1.00: {', '.join(named)}); of these {_cells(slow)}, "
+                f"{sure} read slower in at least 3 of every 4 rounds (the bracket's lower end above 1.00)."
+            )
+            if any(marks):
+                text += " *: diffcomm's median ms is the lower of the two there: read it as level."
+        paragraphs.append(text)
         if w in control:
             n, slow, sure = control[w]
-            lines.append(
-                f"world {w}: for scale, {_NN} timed twice read slower than itself in {slow} of "
-                f"{n} cells, and in at least 3 of every 4 rounds in {sure}: what noise alone does here"
+            paragraphs.append(
+                f"world {w}, for scale: {_NN} timed twice read slower than itself in {slow} of "
+                f"{_cells(n)}, and in {sure} of them in at least 3 of every 4 rounds: what noise "
+                "alone does here."
             )
-    return lines
+    return [textwrap.fill(p, width, subsequent_indent="  ", break_long_words=False) for p in paragraphs]
 
 
 def run_benchmark(
@@ -482,13 +526,13 @@ def run_benchmark(
     (``control``: time :data:`CONTROL` too).
 
     Raises:
-        ValueError: an unknown op or fewer than 3 rounds (before any measuring).
+        ValueError: an unknown op or fewer than :data:`MIN_ROUNDS` rounds (before any measuring).
     """
     bad = [op for op in ops if op not in BENCH_OPS]
     if bad:
         raise ValueError(f"diffcomm bench: unknown op(s) {bad}; known: {BENCH_OPS}")
-    if rounds < 3:
-        raise ValueError(f"diffcomm bench: rounds must be >= 3, got {rounds}")
+    if rounds < MIN_ROUNDS:
+        raise ValueError(f"diffcomm bench: rounds must be >= {MIN_ROUNDS}, got {rounds}")
     rows: list[BenchRow] = []
     w = world.world_size
     for op in ops:
@@ -504,24 +548,47 @@ def run_benchmark(
 # ------------------------------------------------------------------------------ output
 
 
+#: the short names the tables print (their legends spell them out)
+SHORT_NAMES = {_NN: "nn", CONTROL: "nn (again)"}
+
+
 def format_rows(rows: Sequence[BenchRow]) -> str:
-    """Plain-text table of benchmark rows, then the geometric means per world."""
+    """Plain-text table of benchmark rows (at most 100 columns; ``nn`` is
+    torch.distributed.nn), then the geometric means per world and the verdict against nn."""
+
+    def ratio(v: float) -> str:
+        return "-" if math.isnan(v) else f"{v:.3f}"
+
     head = (
-        f"{'op':<15}{'size':>10}{'impl':>22}{'world':>6}{'median ms':>11}{'IQR ms':>16}"
-        f"{'/raw':>8}{'/floor':>8}{'busbw GB/s':>12}"
+        f"{'op':<15}{'size':>7}{'impl':>18}{'world':>6}{'median ms':>10}{'IQR ms':>15}"
+        f"{'/raw':>7}{'/floor':>7}{'/nn':>7}{'GB/s':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.op:<15}{size_label(r.nbytes):>10}{r.impl:>22}{r.world:>6}{r.median_ms:>11.3f}"
-            f"{f'{r.q1_ms:.3f}-{r.q3_ms:.3f}':>16}{r.ratio_vs_raw:>8.3f}{r.ratio_vs_floor:>8.3f}"
-            f"{r.busbw_GBps:>12.3f}"
+            f"{r.op:<15}{size_label(r.nbytes):>7}{SHORT_NAMES.get(r.impl, r.impl):>18}{r.world:>6}"
+            f"{r.median_ms:>10.3f}{f'{r.q1_ms:.3f}-{r.q3_ms:.3f}':>15}{ratio(r.ratio_vs_raw):>7}"
+            f"{ratio(r.ratio_vs_floor):>7}{ratio(r.ratio_vs_nn):>7}{r.busbw_GBps:>8.3f}"
         )
     for w, s in summarize(rows).items():
         parts = [f"{k} {v:.3f}" for k, v in s.items() if not k.endswith("cells")]
-        lines.append(f"geomean world {w}: " + ", ".join(parts))
+        lines += _pack(f"geomean world {w}: ", parts, 100)
     lines += slower_than_nn_lines(rows)
     return "\n".join(lines)
+
+
+def _pack(prefix: str, items: Sequence[str], width: int) -> list[str]:
+    """``prefix`` and ``items`` joined by ", " in lines of at most ``width`` columns, broken
+    only between items (the lines after the first indented by two)."""
+    lines, line = [], prefix
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "")
+        if line.strip() and len(line) + 1 + len(piece) > width and line != prefix:
+            lines.append(line)
+            line = "  " + piece
+        else:
+            line += ("" if line == prefix else " ") + piece
+    return [*lines, line]
 
 
 def size_label(n: int) -> str:

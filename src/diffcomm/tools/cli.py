@@ -9,8 +9,10 @@ entry; :func:`main` builds the parser from the registry.
 the settings, and the capabilities of the default backend probed on two local ranks.
 
 Errors of usage (a bad argument, an unknown op, a backend this machine cannot run) are one
-line on stderr, ``<prog> <command>: error: ...``, and exit code 2. torch is imported only
-when a subcommand runs, so ``--help`` answers at once.
+message on stderr, ``<prog> <command>: error: ...``, wrapped at :data:`WIDTH` columns (the
+lines after the first indented), and exit code 2. Everything printed fits :data:`WIDTH`
+columns, or the terminal's width where it is narrower. torch is imported only when a
+subcommand runs, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import platform
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +37,8 @@ from . import commands as _cli_tools
 from .commands import UsageError
 
 C10D_BACKENDS = _cli_tools.C10D_BACKENDS
+#: the widest line the command line prints (tables, prose, errors)
+WIDTH = 100
 
 
 @dataclass(frozen=True)
@@ -215,11 +220,20 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``<prog>: error: <message>`` on stderr, exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+        self.exit(2, error_text(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
+def error_text(text: str) -> str:
+    """``text`` as one message of lines of at most :data:`WIDTH` columns: its whitespace
+    (argparse's line breaks included) collapsed, then wrapped at spaces, the lines after
+    the first indented by two (a long list of valid names reads as one paragraph)."""
+    return textwrap.fill(
+        " ".join(text.split()),
+        WIDTH,
+        subsequent_indent="  ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def prog_name(argv0: str | None = None) -> str:
@@ -260,12 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if args.command is None:
         commands = ", ".join(_SUBCOMMANDS)
-        print(f"{parser.prog}: error: name a command: {commands} (see {parser.prog} --help)", file=sys.stderr)
+        print(
+            error_text(f"{parser.prog}: error: name a command: {commands} (see {parser.prog} --help)"),
+            file=sys.stderr,
+        )
         return 2
-    # a terminal (or COLUMNS) sets the width; other piped output (CI logs, files) gets a
-    # wide table instead of rich's 80-column default
-    wide = sys.stdout.isatty() or os.environ.get("COLUMNS")
-    console = Console(file=sys.stdout, width=None if wide else 160)
+    # a terminal (or COLUMNS) narrower than WIDTH sets the width; other output (a wide
+    # terminal, CI logs, files) gets WIDTH columns instead of rich's 80-column default
+    sized = sys.stdout.isatty() or os.environ.get("COLUMNS")
+    console = Console(file=sys.stdout, width=min(WIDTH, Console(file=sys.stdout).width) if sized else WIDTH)
     try:
         return _SUBCOMMANDS[args.command].run(args, console)
     except KeyboardInterrupt:
@@ -273,5 +290,5 @@ def main(argv: list[str] | None = None) -> int:
         print("diffcomm: interrupted (Ctrl-C); every rank was stopped.", file=sys.stderr)
         return 130
     except (UsageError, WorldTooLargeError) as exc:
-        print(f"{parser.prog} {args.command}: error: {_one_line(str(exc))}", file=sys.stderr)
+        print(error_text(f"{parser.prog} {args.command}: error: {exc}"), file=sys.stderr)
         return 2

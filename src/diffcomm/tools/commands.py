@@ -20,6 +20,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from diffcomm.tools.bench import MIN_ROUNDS  # torch-free at import
+
 # Size: ~610 lines: the two commands' argument parsers, runs and tables (check: local
 # ranks, the registry's cases, user modules; bench: its table and plot), each a screen.
 
@@ -392,10 +394,11 @@ def bench_configure(parser: argparse.ArgumentParser) -> None:
         default=["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"],
         choices=BENCH_OPS,
         metavar="OP",
-        help=f"ops to time (from {', '.join(BENCH_OPS)}). Default: the five unrooted ones; "
-        "reduce, gather and scatter (one root) move the same bytes as all_reduce, all_gather "
-        "and reduce_scatter through the same code and are left out to keep the default run "
-        "short: add them by name",
+        help=f"ops to time (from {', '.join(BENCH_OPS)}). Default: all_reduce, all_gather, "
+        "reduce_scatter, all_to_all and broadcast (the four with no root, and broadcast); "
+        "reduce, gather and scatter (rooted, like broadcast) move the same bytes as all_reduce, "
+        "all_gather and reduce_scatter through the same code and are left out to keep the "
+        "default run short: add them by name",
     )
     default_sizes = [size_label(n) for n in DEFAULT_SIZES]
     parser.add_argument(
@@ -405,7 +408,12 @@ def bench_configure(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help=f"bytes per rank, e.g. 16KiB 1MiB 4194304 (default {' '.join(default_sizes)})",
     )
-    parser.add_argument("--rounds", type=int, default=20, help="timed rounds per (op, size) (default 20)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=20,
+        help=f"timed rounds per (op, size), at least {MIN_ROUNDS}: the quartiles need them (default 20)",
+    )
     parser.add_argument(
         "--plot",
         default=None,
@@ -462,21 +470,54 @@ def parse_size(text: str) -> int:
     raise ValueError(f"bad size {text!r}; use e.g. 16KiB, 1MiB or a number of bytes")
 
 
-#: the names the bench table shortens, and how to read its ratios
-_SHORT = {"torch.distributed.nn": "nn", "torch.distributed.nn (again)": "nn (again)"}
-BENCH_LEGEND = (
-    "[dim]ms: median over the rounds of forward+backward, the slowest rank each round. "
-    "x raw / x nn: the median over the rounds of the row's time divided by raw "
-    "torch.distributed's / torch.distributed.nn's in the same round (below 1: faster; in "
-    "brackets, the range of the middle half of the rounds). raw: torch.distributed, no autograd; floor: "
-    "a bare autograd.Function around it; nn: torch.distributed.nn; funcol: functional "
-    "collectives; diffcomm(sizes=): the sizes given.[/dim]"
-)
+#: what each implementation row of the bench table is, by its printed name
+_IMPL_WORDS = {
+    "raw": "torch.distributed, no autograd",
+    "floor": "a bare autograd.Function around raw",
+    "nn": "torch.distributed.nn",
+    "nn (again)": "torch.distributed.nn timed a second time (--control): how often an equal pair "
+    "reads slower",
+    "funcol": "functional collectives",
+    "diffcomm": "the public op",
+    "diffcomm(sizes=)": "all_gather with split_sizes= given",
+}
+
+
+def _short(impl: str) -> str:
+    from diffcomm.tools.bench import SHORT_NAMES
+
+    return SHORT_NAMES.get(impl, impl)
+
+
+def bench_legend(rows: Sequence[Any]) -> str:
+    """How to read :func:`bench_table` of ``rows``: its columns, and what each
+    implementation shown is (only those shown)."""
+    from diffcomm.tools.bench import disagrees_with_nn
+
+    shown = {_short(r.impl) for r in rows}
+    has_nn = "nn" in shown
+    text = (
+        "ms: median over the rounds of forward+backward, the slowest rank each round. "
+        + ("x raw / x nn" if has_nn else "x raw")
+        + ": the median over the rounds of the row's time divided by raw's"
+        + (" / nn's" if has_nn else "")
+        + " in the same round (below 1: faster"
+        + ("; in brackets, the range of the middle half of the rounds). " if has_nn else "). ")
+        + "GB/s: bus bandwidth. "
+        + "; ".join(f"{name}: {words}" for name, words in _IMPL_WORDS.items() if name in shown)
+        + "."
+    )
+    if any(disagrees_with_nn(r, rows) for r in rows):
+        text += (
+            " *: the paired ratio and the two rows' median ms disagree on which is faster "
+            "(each a median of its own): read that cell as level."
+        )
+    return text
 
 
 def bench_table(rows: Sequence[Any], world: int) -> Table:
-    """One world's rows as a table that fits 100 columns (``BENCH_LEGEND`` explains it)."""
-    from diffcomm.tools.bench import CONTROL, size_label
+    """One world's rows as a table that fits 100 columns (:func:`bench_legend` explains it)."""
+    from diffcomm.tools.bench import CONTROL, disagrees_with_nn, size_label
 
     t = Table(
         title=f"diffcomm bench, world {world}: forward+backward",
@@ -484,7 +525,8 @@ def bench_table(rows: Sequence[Any], world: int) -> Table:
         show_edge=False,
         pad_edge=False,
     )
-    for col in ("op", "size", "impl", "ms", "x raw", "x nn", "GB/s"):
+    has_nn = any(not math.isnan(r.ratio_vs_nn) for r in rows)
+    for col in ("op", "size", "impl", "ms", "x raw", *(["x nn"] if has_nn else []), "GB/s"):
         t.add_column(col, justify="left" if col in ("op", "impl") else "right", no_wrap=True)
     for r in rows:
         mine = r.impl.startswith("diffcomm")
@@ -492,15 +534,16 @@ def bench_table(rows: Sequence[Any], world: int) -> Table:
         vs_nn = "-"
         if (mine or r.impl == CONTROL) and not math.isnan(r.ratio_vs_nn):
             vs_nn = f"{r.ratio_vs_nn:.2f} ({r.ratio_vs_nn_q1:.2f}-{r.ratio_vs_nn_q3:.2f})"
+            vs_nn += "*" if disagrees_with_nn(r, rows) else " "
         if mine:
             vs_raw, vs_nn = f"[bold]{vs_raw}[/bold]", f"[bold]{vs_nn}[/bold]"
         t.add_row(
             r.op,
             size_label(r.nbytes),
-            _SHORT.get(r.impl, r.impl),
+            _short(r.impl),
             f"{r.median_ms:.3f}",
             vs_raw,
-            vs_nn,
+            *([vs_nn] if has_nn else []),
             f"{r.busbw_GBps:.3f}",
         )
     return t
@@ -509,6 +552,7 @@ def bench_table(rows: Sequence[Any], world: int) -> Table:
 def bench_run(args: argparse.Namespace, console: Console) -> int:
     """diffcomm vs raw torch.distributed, a bare autograd floor, torch.distributed.nn, funcol."""
     from diffcomm.tools.bench import (
+        PLOT_INSTALL_HINT,
         plot_missing,
         plot_rows,
         run_benchmark,
@@ -520,15 +564,15 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
         sizes = [parse_size(s) for s in args.sizes]
     except ValueError as exc:
         raise UsageError(f"--sizes: {exc}") from None
-    if args.rounds < 3:
-        raise UsageError("--rounds must be >= 3")
+    if args.rounds < MIN_ROUNDS:
+        raise UsageError(f"--rounds must be >= {MIN_ROUNDS}, got {args.rounds}")
     check_worlds(args.world)
     if args.coalesced is not None:
         return _bench_coalesced(args, console)
     if args.plot:
         missing = plot_missing()  # before measuring: minutes of timing must not end in an ImportError
-        if missing:
-            raise UsageError(f"--plot: {missing}")
+        if missing:  # short enough that the install command fits on the error's one line
+            raise UsageError(f"--plot needs matplotlib: {PLOT_INSTALL_HINT}")
     check_backend(args.backend, args.world)
     from diffcomm.runtime.world import check_world_fits
 
@@ -552,10 +596,11 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
     else:
         for w in dict.fromkeys(r.world for r in rows):
             console.print(bench_table([r for r in rows if r.world == w], w))
-        console.print(BENCH_LEGEND, highlight=False)
+        console.print(f"[dim]{escape(bench_legend(rows))}[/dim]", highlight=False)
         summary = summarize(rows)
+        console.print()
+        console.print("geometric mean over every cell of the median ratios, per world:")
         g = Table(
-            title="geometric mean over every cell of the median ratios, per world",
             box=box.SIMPLE_HEAD,
             show_edge=False,
             pad_edge=False,
@@ -566,11 +611,11 @@ def bench_run(args: argparse.Namespace, console: Console) -> int:
             g.add_column(f"world {w}", justify="right", no_wrap=True)
         for k in keys:
             impl, _, base = k.rpartition("/")
-            label = f"{_SHORT.get(impl, impl)} x {base}"
+            label = f"{_short(impl)} x {base}"
             g.add_row(label, *[f"{s[k]:.3f}" if k in s else "-" for s in summary.values()])
         console.print(g)
-        for line in slower_than_nn_lines(rows):
-            console.print(line)
+        for paragraph in slower_than_nn_lines(rows, min(console.width, 100)):
+            console.print(paragraph, highlight=False, soft_wrap=True)
     if args.plot:
         plot_rows(rows, args.plot, backend=args.backend)
         if not args.json:
