@@ -1,15 +1,27 @@
-"""`python -m diffcomm check` and `bench`: real runs on local ranks."""
+"""`python -m diffcomm check` and `bench`: real runs on local ranks.
+
+One run of each command goes through a fresh ``python -m diffcomm`` (the entry point, a
+world of its own); the others call :func:`diffcomm.tools.cli.main` in this process on the
+session's shared worlds (:func:`_on_shared_worlds`): the same command, argument parsing,
+cases, measurements and output, without a Python, a torch import and a world started per
+test.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
+
+from diffcomm import LocalWorld
 from diffcomm.testing.cases import Case
-from diffcomm.tools import bench, cli
+from diffcomm.tools import bench, cli, commands
 from diffcomm.tools.commands import _merge, parse_size
 
 
@@ -22,6 +34,38 @@ def _run(*args: str, timeout: float = 300, env: dict[str, str] | None = None) ->
         stdin=subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
     )
+
+
+def _on_shared_worlds(
+    local_worlds: Callable[..., LocalWorld], monkeypatch: pytest.MonkeyPatch, started: list[int]
+) -> None:
+    """Make ``check`` and ``bench`` run on the session's shared world of each size (left
+    running: the command's ``with`` block does not close it) instead of starting their own;
+    ``started`` records the world sizes the command asked for."""
+
+    @contextlib.contextmanager
+    def shared(args: object, world: int, timeout: float) -> Iterator[LocalWorld]:
+        started.append(world)
+        yield local_worlds(world)
+
+    monkeypatch.setattr(commands, "local_world", shared)
+
+
+def _main_json(
+    local_worlds: Callable[..., LocalWorld],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    *argv: str,
+) -> object:
+    """``python -m diffcomm *argv`` (with ``--json``) run in this process on the shared
+    worlds: exit code 0, and the JSON it printed."""
+    started: list[int] = []
+    _on_shared_worlds(local_worlds, monkeypatch, started)
+    code = cli.main([*argv, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert started, "the command did not run on the shared worlds"
+    return json.loads(out)
 
 
 def test_check_passes_and_prints_the_table() -> None:
@@ -40,33 +84,27 @@ def test_check_passes_and_prints_the_table() -> None:
     assert "float64 [" not in p.stdout  # case labels (dtype, shape, kwargs) only in --json
 
 
-def test_check_json_lists_every_case() -> None:
-    p = _run("check", "-n", "2", "--ops", "reduce", "--json")
-    assert p.returncode == 0, p.stderr
-    data = json.loads(p.stdout)
+def test_check_json_lists_every_case(local_worlds, monkeypatch, capsys) -> None:
+    data = _main_json(local_worlds, monkeypatch, capsys, "check", "-n", "2", "--ops", "reduce")
     assert data["ok"] and data["failures"] == 0
     assert {c["op"] for c in data["cases"]} == {"reduce"} and len(data["cases"]) == 4
     assert all(c["grad_err"] <= 1e-10 for c in data["cases"])
 
 
-def test_check_covers_the_coalesced_ops() -> None:
+def test_check_covers_the_coalesced_ops(local_worlds, monkeypatch, capsys) -> None:
     ops = ["all_reduce_coalesced", "broadcast_coalesced", "reduce_coalesced"]
     ops += ["all_gather_coalesced", "reduce_scatter_coalesced"]
-    p = _run("check", "-n", "3", "--ops", *ops, "--json")
-    assert p.returncode == 0, p.stdout + p.stderr
-    data = json.loads(p.stdout)
+    data = _main_json(local_worlds, monkeypatch, capsys, "check", "-n", "3", "--ops", *ops)
     assert data["ok"] and {c["op"] for c in data["cases"]} == set(ops)
     linear = [c for c in data["cases"] if "max" not in c["case"] and "min" not in c["case"]]
     linear = [c for c in linear if "product" not in c["case"]]
     assert all(c["adjoint_err"] is not None and c["adjoint_err"] <= 2e-5 for c in linear)  # float32 tol
 
 
-def test_check_covers_point_to_point_and_the_mappings() -> None:
+def test_check_covers_point_to_point_and_the_mappings(local_worlds, monkeypatch, capsys) -> None:
     ops = ["send", "sendrecv", "shift", "ppermute", "copy_to_region", "gather_from_region"]
     ops += ["reduce_scatter_to_sequence", "all_to_all_region"]
-    p = _run("check", "-n", "3", "--ops", *ops, "--json")
-    assert p.returncode == 0, p.stdout + p.stderr
-    data = json.loads(p.stdout)
+    data = _main_json(local_worlds, monkeypatch, capsys, "check", "-n", "3", "--ops", *ops)
     want = {"send/recv", *ops[1:]}  # send and recv are checked together
     assert data["ok"] and {c["op"] for c in data["cases"]} == want
     for c in data["cases"]:  # forward, the gradient and the adjoint test, on every case
@@ -197,25 +235,11 @@ def test_parse_size() -> None:
     assert parse_size("16KiB") == 16384 and parse_size("1MiB") == 1 << 20 and parse_size("512") == 512
 
 
-def test_bench_runs_and_plots(tmp_path: Path) -> None:
+def test_bench_runs_and_plots(tmp_path: Path, local_worlds, monkeypatch, capsys) -> None:
     out = tmp_path / "bench.png"
-    p = _run(
-        "bench",
-        "-n",
-        "2",
-        "--ops",
-        "all_gather",
-        "--sizes",
-        "4KiB",
-        "--rounds",
-        "3",
-        "--json",
-        "--control",
-        "--plot",
-        str(out),
-    )
-    assert p.returncode == 0, p.stderr
-    rows = json.loads(p.stdout[: p.stdout.rindex("]") + 1])
+    argv = ["bench", "-n", "2", "--ops", "all_gather", "--sizes", "4KiB", "--rounds", "3", "--control"]
+    rows = _main_json(local_worlds, monkeypatch, capsys, *argv, "--plot", str(out))
+    assert isinstance(rows, list)
     impls = {r["impl"] for r in rows}
     assert {"diffcomm", "raw", "floor", "funcol", "torch.distributed.nn", bench.CONTROL} <= impls
     control = next(r for r in rows if r["impl"] == bench.CONTROL)  # nn timed again, paired against nn
