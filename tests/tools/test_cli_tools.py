@@ -250,22 +250,10 @@ def test_bench_runs_and_plots(tmp_path: Path, local_worlds, monkeypatch, capsys)
     assert out.exists() and out.stat().st_size > 1000
 
 
-def test_bench_coalesced_reports_every_cell() -> None:
-    p = _run(
-        "bench",
-        "--coalesced",
-        "all_reduce",
-        "all_gather",
-        "-n",
-        "2",
-        "--rounds",
-        "3",
-        "--tensors",
-        "8",
-        "--json",
-    )
-    assert p.returncode == 0, p.stdout + p.stderr
-    data = json.loads(p.stdout)
+def test_bench_coalesced_reports_every_cell(local_worlds, monkeypatch, capsys) -> None:
+    argv = ["bench", "--coalesced", "all_reduce", "all_gather", "-n", "2", "--rounds", "3", "--tensors", "8"]
+    data = _main_json(local_worlds, monkeypatch, capsys, *argv)
+    assert isinstance(data, dict)
     assert len(data["load_before"]) == 3 and [r["op"] for r in data["rows"]] == ["all_reduce", "all_gather"]
     for r in data["rows"]:
         assert r["world"] == 2 and r["tensors"] == 8 and r["payload_bytes"] == 8 * 4096
@@ -274,4 +262,4 @@ def test_bench_coalesced_reports_every_cell() -> None:
             q1, med, q3 = r[key]
             assert 0 < q1 <= med <= q3
         assert r["coalesced_peak_x_payload"] > 0
-    assert _run("bench", "--coalesced", "gather").returncode == 2
+    assert cli.main(["bench", "--coalesced", "gather"]) == 2

@@ -39,6 +39,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -192,12 +193,17 @@ def run_suite(
     rounds: int = 30,
     warmup: int = 3,
     backend: str = "gloo",
+    open_world: Callable[[int], AbstractContextManager[Any]] | None = None,
 ) -> dict[str, Any]:
-    """Every (world, op) cell on fresh local worlds; with the load average around it."""
+    """Every (world, op) cell, each world size on a fresh local world (or on
+    ``open_world(size)``'s: the command line's, with its flags); with the load average
+    around it."""
+    if open_world is None:
+        open_world = lambda w: dc.LocalWorld(w, backend=backend, timeout=1200)
     load = os.getloadavg()
     rows = []
     for w in worlds:
-        with dc.LocalWorld(w, backend=backend, timeout=1200) as world:
+        with open_world(w) as world:
             for op in ops:
                 rows.append(measure(world, op, n_tensors, nbytes, rounds, warmup))
     return {"load_before": load, "load_after": os.getloadavg(), "rows": rows}

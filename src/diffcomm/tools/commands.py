@@ -450,7 +450,14 @@ def _bench_coalesced(args: argparse.Namespace, console: Console) -> int:
     if args.tensors < 1 or args.tensor_bytes < 4:
         raise UsageError("--tensors must be >= 1 and --tensor-bytes >= 4")
     check_backend(args.backend, args.world)
-    result = run_suite(args.world, ops, args.tensors, args.tensor_bytes, args.rounds, backend=args.backend)
+    result = run_suite(
+        args.world,
+        ops,
+        args.tensors,
+        args.tensor_bytes,
+        args.rounds,
+        open_world=lambda w: local_world(args, w, 1200),  # its --backend, --allow-oversubscribe
+    )
     if args.json:
         console.print_json(json.dumps(result))
     else:
