@@ -501,3 +501,37 @@ def test_empty_batch_and_empty_sequence(world2: dc.LocalWorld) -> None:
         assert shapes == [(0, 2, 4, 8), (0, 2, 4, 8), (0, 2, 4, 8), (0, 1, 4, 8)] + [(1, 2, 0, 8)] * 3 + [
             (1, 1, 0, 8)
         ]
+
+
+# ----------------------------------------------------- issue 45: no silent wrong answer
+
+
+def test_ring_attention_gradient_penalty_raises_even_with_a_linear_loss(world2: dc.LocalWorld) -> None:
+    """The backward is first order only. A gradient penalty through it must raise, also
+    when the task loss is *linear* in the output (torch's ``once_differentiable`` then adds
+    no error node, and the penalty's term used to vanish silently), and a penalty alone
+    raises the same documented error (not torch's generic "does not require grad")."""
+
+    def body() -> list[str]:
+        g = torch.Generator().manual_seed(dc.get_rank())
+        q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+        w = torch.randn(1, 2, 4, 8, dtype=torch.float64, generator=g)
+        msgs = []
+        for loss_of in (lambda o: (o * w).sum(), lambda o: o.pow(2).sum()):  # linear, then not
+            for penalty_only in (False, True):
+                task = loss_of(cp.ring_attention(q, k, v, causal=True))
+                (gq,) = torch.autograd.grad(task, q, create_graph=True)
+                penalty = gq.square().sum()
+                try:
+                    (penalty if penalty_only else task + penalty).backward()
+                    msgs.append("no error")
+                except RuntimeError as exc:
+                    msgs.append(str(exc))
+                dc.all_reduce(torch.zeros(1))  # keep the ranks in step
+        return msgs
+
+    for msgs in world2.run(body):
+        assert len(msgs) == 4
+        for m in msgs:
+            assert "parallel.ring_attention has a first-order backward only" in m, msgs
+            assert "ulysses_attention" in m, m

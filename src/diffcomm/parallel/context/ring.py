@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ... import _config, _torch
 from ... import backend as B
 from ..._replication import P, R, Rule, V
 from ...backend import args as A
 from ...ops import engine as _async
+from .._once import first_order
 from .layout import (
     PG,
     _check_cu_seqlens,
@@ -400,7 +400,10 @@ class _RingAttention(torch.autograd.Function):
         return out.view(Bq, Hq, Sl, Dv)
 
     @staticmethod
-    @once_differentiable
+    @first_order(
+        "parallel.ring_attention",
+        "Use ulysses_attention with a twice-differentiable attn_fn for double backward.",
+    )
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
         q, k, v, mask, out, lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
