@@ -514,7 +514,9 @@ def test_ring_attention_gradient_penalty_raises_even_with_a_linear_loss(world2: 
 
     def body() -> list[str]:
         g = torch.Generator().manual_seed(dc.get_rank())
-        q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+        q, k, v = (
+            torch.randn(1, 2, 4, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3)
+        )
         w = torch.randn(1, 2, 4, 8, dtype=torch.float64, generator=g)
         msgs = []
         for loss_of in (lambda o: (o * w).sum(), lambda o: o.pow(2).sum()):  # linear, then not
