@@ -587,7 +587,7 @@ def test_every_documented_shape_is_checked_before_communication(world2) -> None:
 
     def bad() -> list[str]:
         from diffcomm import backend as B
-        from diffcomm.parallel import MoE, ExpertParallelMoE, combine, dispatch, load_balancing_loss, route
+        from diffcomm.parallel import ExpertParallelMoE, MoE, combine, dispatch, load_balancing_loss, route
 
         x = torch.randn(3, 4)
         gate, idx, probs = route(torch.randn(3, 4), 2)
@@ -626,7 +626,9 @@ def test_every_documented_shape_is_checked_before_communication(world2) -> None:
         r"diffcomm.parallel.dispatch\(\): `plan` must be a plan of the same routing \(3 tokens, k=1",
         r"diffcomm.parallel.load_balancing_loss\(\): `probs` must be a \(3, 4\) tensor",
         r"TypeError: diffcomm.parallel.route\(\): `logits` must be a floating-point tensor",
-        r"ValueError: diffcomm.parallel.ExpertParallelMoE\(\): `x` must be a \(\.\.\., hidden_size=6\) tensor, got shape \(3, 7\)",
+        r"ValueError: diffcomm.parallel.ExpertParallelMoE\(\): `x` must be a \(\.\.\., hidden_size=6\) "
+        r"tensor, "
+        r"got shape \(3, 7\)",
         r"ValueError: diffcomm.parallel.MoE\(\): `x` must be a \(\.\.\., hidden_size=6\) tensor",
         r"ValueError: diffcomm.parallel.ExpertParallelMoE\(\): `k` must be at most num_experts=4",
         r"ValueError: diffcomm.parallel.ExpertParallelMoE\(\): `ffn_hidden_size` must be a positive int",
