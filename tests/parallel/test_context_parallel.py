@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import diffcomm as dc
 from diffcomm import parallel
 from diffcomm.parallel import context as cp
-from diffcomm.parallel.context import ring
+from diffcomm.parallel.context import plan, ring
 
 # ----------------------------------------------------------------------------- cases
 
@@ -147,11 +147,12 @@ def test_ring_attention_matches_sdpa_and_serial_reference(world3: dc.LocalWorld)
         q = torch.randn(2, 4, 18, 8, dtype=torch.float64, generator=g)
         k, v = (torch.randn(2, 2, 18, 8, dtype=torch.float64, generator=g) for _ in range(2))
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        out = parallel.ring_attention(*(parallel.shard(t) for t in (q, k, v)), causal=True, layout="zigzag")
+        zig = (parallel.shard(t, layout="zigzag") for t in (q, k, v))
+        out = parallel.ring_attention(*zig, causal=True, layout="zigzag")
         tiled = []
         calls = []
         flash = ring._FLASH_CPU
-        old, ring._TILE = ring._TILE, 4  # query tiles of 4 rows (a block splits into a staircase)
+        old, plan.TILE = plan.TILE, 4  # query tiles of 4 rows (a block splits into a staircase)
         try:
             # full and causal-diagonal pieces run on torch's fused CPU kernel: count them,
             # then run once more with the kernel off (every piece on the dense math path)
@@ -175,7 +176,7 @@ def test_ring_attention_matches_sdpa_and_serial_reference(world3: dc.LocalWorld)
             assert calls, "the fused kernel was never used"
         finally:
             ring._FLASH_CPU = flash
-            ring._TILE = old
+            plan.TILE = old
         cu = [0, 7, 18]
         blockdiag = torch.zeros(18, 18, dtype=torch.bool)
         blockdiag[:7, :7] = blockdiag[7:, 7:] = True
@@ -233,7 +234,7 @@ def test_layout_index_is_a_padded_permutation(layout: str) -> None:
                 docs = 1 if cu is None else len([a for a, b in zip(cu, cu[1:]) if b > a])
                 bound = world - 1 if layout == "contiguous" else docs * (2 * world - 1)
                 assert pad <= bound, (S, world, cu, t)
-    assert cp.layout_index(8, 2).tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert cp.layout_index(8, 2, layout="zigzag").tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
 
 
 def test_zigzag_balances_causal_work() -> None:
@@ -269,7 +270,7 @@ def test_shard_unshard_adjoint_and_round_trip(world3: dc.LocalWorld) -> None:
                 back = cp.unshard(cp.shard(same, 1, **kw), 1, seq_len=S, **kw)
                 errs.append(float((back - same).abs().max()))
         pos = cp.shard(torch.arange(10), 0, layout="zigzag", pad_value=-1)
-        assert pos.tolist() == cp.layout_index(10, 3)[dc.get_rank()].tolist()
+        assert pos.tolist() == cp.layout_index(10, 3, layout="zigzag")[dc.get_rank()].tolist()
         return errs
 
     for errs in world3.run(body):

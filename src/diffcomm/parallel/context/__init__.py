@@ -44,8 +44,10 @@ all_to_alls around a differentiable local attention, so double backward works th
 
 from __future__ import annotations
 
-from .layout import LAYOUTS, layout_index, shard, unshard
-from .ring import attention_reference, dropout_keep_mask, ring_attention, ring_attention_work
+from .layout import DEFAULT_LAYOUT, LAYOUTS, Placement, layout_index, placement_of, shard, unshard
+from .plan import ring_attention_work
+from .reference import attention_reference, dropout_keep_mask
+from .ring import ring_attention
 from .ulysses import ulysses_attention, usp_attention
 
 __all__ = [
@@ -59,4 +61,7 @@ __all__ = [
     "attention_reference",
     "dropout_keep_mask",
     "LAYOUTS",
+    "DEFAULT_LAYOUT",
+    "Placement",
+    "placement_of",
 ]
