@@ -538,3 +538,124 @@ def test_ring_attention_gradient_penalty_raises_even_with_a_linear_loss(world2: 
         for m in msgs:
             assert "parallel.ring_attention has a first-order backward only" in m, msgs
             assert "ulysses_attention" in m, m
+
+
+def test_shard_with_the_defaults_then_attend_without_layout_is_right(world3: dc.LocalWorld) -> None:
+    """The issue's program: shard with the defaults, ``ring_attention(..., causal=True)``
+    without ``layout=``, unshard with the defaults — it used to run and be wrong (shard
+    zigzag, ring contiguous: max error 1.39, gradients off by ~1). Every entry point now
+    has one default, and the placement travels with the shards: right with the tensors
+    straight from ``shard``, right with the placement lost on the way (a new tensor), and
+    right for an explicit ``layout="zigzag"`` given to ``shard`` only."""
+
+    def body() -> list[float]:
+        g = torch.Generator().manual_seed(11)
+        q, k, v = (torch.randn(1, 2, 12, 4, dtype=torch.float64, generator=g) for _ in range(3))
+        w = torch.randn(1, 2, 12, 4, dtype=torch.float64, generator=g)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+        (ref * w).sum().backward()
+        errs = []
+        for how in ("defaults", "placement lost", "zigzag given to shard only"):
+            kw = {"layout": "zigzag"} if how.startswith("zigzag") else {}
+            ins = [parallel.shard(t, **kw).requires_grad_() for t in (q, k, v)]
+            used = [t * 1.0 for t in ins] if how == "placement lost" else ins  # a new tensor
+            assert (cp.placement_of(used[0]) is None) == (how == "placement lost")
+            out = parallel.ring_attention(*used, causal=True)
+            full = parallel.unshard(out)
+            errs.append(float((full - ref.detach()).abs().max()))
+            # the objective: the sum over ranks of <out_r, w_r> = <ref, w>
+            (out * parallel.shard(w, **kw)).sum().backward()
+            for a, b in zip(ins, (qr, kr, vr), strict=True):
+                errs.append(float((a.grad - parallel.shard(b.grad, **kw)).abs().max()))
+        return errs
+
+    for errs in world3.run(body):
+        assert max(errs) < 1e-12, errs
+
+
+def test_a_sequence_placed_one_way_and_used_another_raises(world4: dc.LocalWorld) -> None:
+    """Every wrong combination of a placement and a use is a ``ValueError`` naming the
+    argument, before any communication: an explicit layout against the shards', q and k
+    placed differently, an output unsharded with another layout, a zigzag shard or a USP
+    shard fed to Ulysses, a USP shard fed to the ring, a placement over another group size."""
+
+    def body() -> dict[str, str]:
+        import torch.distributed as dist
+
+        from diffcomm import backend as B
+
+        r = dc.get_rank()
+        x = torch.randn(1, 2, 16, 4, dtype=torch.float64)
+        zig = parallel.shard(x, layout="zigzag")
+        cont = parallel.shard(x)
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        ring_g = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        ug, rg = pairs[r // 2], ring_g[r % 2]
+        usp = parallel.shard(x, 2, rg, ulysses_group=ug)
+        pair = parallel.shard(x, group=ug)  # placed over a group of 2
+        out = parallel.ring_attention(zig, zig, zig, causal=True)  # zigzag, from the shards
+        calls = {
+            "ring explicit": lambda: parallel.ring_attention(zig, zig, zig, causal=True, layout="contiguous"),
+            "ring explicit 2": lambda: parallel.ring_attention(cont, cont, cont, layout="zigzag"),
+            "q vs k": lambda: parallel.ring_attention(zig, cont, cont, causal=True),
+            "unshard": lambda: parallel.unshard(out, layout="contiguous"),
+            "ulysses zigzag": lambda: parallel.ulysses_attention(zig, zig, zig, causal=True),
+            "ulysses usp": lambda: parallel.ulysses_attention(usp, usp, usp, group=ug),
+            "ring usp": lambda: parallel.ring_attention(usp, usp, usp, rg),
+            "usp plain": lambda: parallel.usp_attention(pair, pair, pair, ug, rg),
+            "world": lambda: parallel.ring_attention(pair, pair, pair),
+            "unshard usp": lambda: parallel.unshard(usp, 2, rg),
+        }
+        res = {}
+        for key, fn in calls.items():
+            with B.log_comms() as log:
+                try:
+                    fn()
+                    res[key] = "no error"
+                except ValueError as exc:
+                    res[key] = f"{exc} [{log.count()} comms]"
+        return res
+
+    expect = {
+        "ring explicit": "`layout` must be 'zigzag', the layout `q` was placed with",
+        "ring explicit 2": "`layout` must be 'contiguous', the layout `q` was placed with",
+        "q vs k": "`k` must be placed like `q` (layout='zigzag' over 4 ranks)",
+        "unshard": "parallel.unshard(): `layout` must be 'zigzag', the layout `x` was placed with",
+        "ulysses zigzag": "parallel.ulysses_attention(): `q` must be placed with layout='contiguous' "
+        "(the only order parallel.ulysses_attention takes), got a tensor placed with layout='zigzag'",
+        "ulysses usp": "parallel.ulysses_attention(): `q` must be placed without a Ulysses split",
+        "ring usp": "parallel.ring_attention(): `q` must be placed without a Ulysses split",
+        "usp plain": "usp_attention(): `q` must be placed for usp_attention with a Ulysses group of 2",
+        "world": "parallel.ring_attention(): `q` must be placed over this group's 4 ranks",
+        "unshard usp": "parallel.unshard(): `x` must be placed without a Ulysses split",
+    }
+    for res in world4.run(body):
+        for key, want in expect.items():
+            assert want in res[key] and res[key].endswith("[0 comms]"), (key, res[key])
+
+
+def test_ulysses_refuses_the_whole_sequence_under_the_check_as_the_ring_does(world2: dc.LocalWorld) -> None:
+    """Fed the whole sequence on every rank (a replicated value), ring attention is
+    refused by ``dc.spmd_check``; Ulysses used to accept it (its all_to_alls take it for
+    ``W`` pieces of a longer sequence: a silent wrong answer). Now both are refused, naming
+    the op and the argument; this rank's piece (varying) passes."""
+
+    def body() -> dict[str, str]:
+        full = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+        res = {}
+        for name, op in (("ring", parallel.ring_attention), ("ulysses", parallel.ulysses_attention)):
+            with dc.spmd_check():
+                try:
+                    op(full, full, full, causal=True)
+                    res[name] = "no error"
+                except dc.SPMDTypeError as exc:
+                    res[name] = str(exc)
+            with dc.spmd_check():
+                piece = dc.spmd.varying(parallel.shard(full).requires_grad_())
+                op(piece, piece, piece, causal=True).sum().backward()
+        return res
+
+    for res in world2.run(body):
+        assert "RingAttention" in res["ring"] and "replicated" in res["ring"], res
+        assert "UlyssesAttention" in res["ulysses"] and "not the whole sequence" in res["ulysses"], res

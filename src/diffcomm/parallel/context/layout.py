@@ -78,13 +78,20 @@ def placement_of(x: Any) -> Placement | None:
 
 
 def resolve_layout(
-    op: str, layout: Any, tensors: dict[str, Any], world: int, ulysses: int | None = None
+    op: str,
+    layout: Any,
+    tensors: dict[str, Any],
+    world: int,
+    ulysses: int | None = None,
+    *,
+    takes_layout: bool = True,
 ) -> str:
     """The layout an op uses: ``layout`` if given, else the one its tensors were placed
     with, else :data:`DEFAULT_LAYOUT`. A sequence placed one way and used another is an
     error, never a value: an explicit ``layout`` other than a tensor's placement, two
     tensors placed differently, a placement over another number of ranks, or a Ulysses
-    split where none is expected (or the reverse) raise ``ValueError`` naming the argument.
+    split where none is expected (or the reverse) raise ``ValueError`` naming the argument
+    (``takes_layout=False``: the op has no ``layout`` argument, ``layout`` is its only order).
     """
     if layout is not None:
         layout = check_layout(layout, op)
@@ -101,6 +108,13 @@ def resolve_layout(
                 f"a tensor placed with {p.describe()}",
             )
         first = first or (name, p)
+        if layout is not None and p.layout != layout and not takes_layout:  # the op's own order
+            raise A.arg_error(
+                op,
+                name,
+                f"placed with layout={layout!r} (the only order {op} takes)",
+                f"a tensor placed with {p.describe()}",
+            )
         if layout is not None and p.layout != layout:
             raise A.arg_error(
                 op,

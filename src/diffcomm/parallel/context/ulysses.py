@@ -138,7 +138,7 @@ def ulysses_attention(
     causal = check_causal(causal, op)
     pg, rank, world = group_rank_world(group, op)
     # pieces in rank order: the contiguous layout; a tensor placed otherwise is refused
-    resolve_layout(op, "contiguous", {"q": q, "k": k, "v": v}, world)
+    resolve_layout(op, "contiguous", {"q": q, "k": k, "v": v}, world, takes_layout=False)
     if seq_lens is None:
         lens = _gathered_sizes(q.shape[2], pg, world)
     else:
