@@ -686,3 +686,24 @@ def test_expert_parallel_moe_has_the_serial_mapping(world2) -> None:
     assert out[1][:2] == ["experts.3.fc1.weight", "router.weight"], out
     for row in out:
         assert row[2] and row[3] == 0.0 and row[4] == ["router.weight"], row
+
+
+def test_async_dispatch_keeps_its_replication_type_under_the_check(world2) -> None:
+    """Under ``dc.spmd_check`` the asynchronous dispatch's rows are typed as the blocking
+    dispatch's (varying), with one and with two experts per rank."""
+
+    def body() -> list[str]:
+        from diffcomm.parallel import dispatch, route
+
+        x = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(dc.get_rank()))
+        out = []
+        with dc.spmd_check(varying=[x]):
+            for experts in (2, 4):
+                _, idx, _ = route(torch.randn(5, experts, dtype=F64), 2)
+                for async_op in (False, True):
+                    h, _ = dispatch(x, idx, experts, async_op=async_op)
+                    out.append(str(dc.spmd.type_of(torch.tanh(h))))
+        return out
+
+    for types in world2.run(body):
+        assert types == ["V"] * 4, types

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .. import _config, _torch
 from .. import backend as B
+from .._replication import HOOK
 from ..backend import args as A
 from ..ops import collectives as C
 from ..ops import engine as _async
@@ -286,8 +287,12 @@ def dispatch(
         plan: the :class:`DispatchPlan` of an earlier dispatch of the **same routing**
             (``expert_index`` and ``capacity_factor`` unchanged: activation
             recomputation, a second tensor routed alike): reused, nothing exchanged.
-        async_op: the all_to_all returns at once (an :class:`~diffcomm.AsyncTensor` that
-            waits on first use): compute something else (a shared expert) meanwhile.
+        async_op: ``expert_inputs`` is returned at once as an
+            :class:`~diffcomm.AsyncTensor` that waits on first use (usable in any torch
+            op; ``.wait()`` gives the finished tensor): compute something else (a shared
+            expert) meanwhile. (Blocking, a plain tensor, where asynchronous ops cannot
+            run — ``torch.compile``, ``torch.func`` — and with more than one expert per
+            rank under ``dc.spmd_check``, which types the finished rows.)
 
     Returns:
         ``(expert_inputs, plan)``: ``expert_inputs`` is ``(sum(plan.expert_splits), H)``,
@@ -370,7 +375,10 @@ def dispatch(
             async_op=async_op,
         )
     if isinstance(got, _async.AsyncTensor) and not plan.source_major:
-        return _permute_async(got, plan), plan
+        if HOOK[0] is not None:  # under dc.spmd_check: blocking, so the rows keep their type
+            got = _async.wait(got)
+        else:
+            return _permute_async(got, plan), plan
     return _permute(got, plan.recv_order, plan.recv_inverse, plan.source_major), plan
 
 
