@@ -507,7 +507,10 @@ def test_empty_batch_and_empty_sequence(world2: dc.LocalWorld) -> None:
 # ----------------------------------------------------- issue 45: no silent wrong answer
 
 
-def test_ring_attention_gradient_penalty_raises_even_with_a_linear_loss(world2: dc.LocalWorld) -> None:
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_attention_gradient_penalty_raises_even_with_a_linear_loss(
+    local_worlds: Callable[[int], dc.LocalWorld], n: int
+) -> None:
     """The backward is first order only. A gradient penalty through it must raise, also
     when the task loss is *linear* in the output (torch's ``once_differentiable`` then adds
     no error node, and the penalty's term used to vanish silently), and a penalty alone
@@ -533,7 +536,7 @@ def test_ring_attention_gradient_penalty_raises_even_with_a_linear_loss(world2: 
                 dc.all_reduce(torch.zeros(1))  # keep the ranks in step
         return msgs
 
-    for msgs in world2.run(body):
+    for msgs in local_worlds(n).run(body):
         assert len(msgs) == 4
         for m in msgs:
             assert "parallel.ring_attention has a first-order backward only" in m, msgs
