@@ -607,6 +607,7 @@ def test_every_documented_shape_is_checked_before_communication(world2) -> None:
             lambda: ExpertParallelMoE(6, 0, num_experts=4),
             lambda: ExpertParallelMoE(6, 5, num_experts=4, shared_expert_size=0),
             lambda: ep(torch.zeros(3, 6, dtype=torch.int64)),
+            lambda: ExpertParallelMoE(6, 5, num_experts=4, seed=0, generator=torch.Generator()),
         ]
         out = []
         for fn in calls:
@@ -634,6 +635,7 @@ def test_every_documented_shape_is_checked_before_communication(world2) -> None:
         r"ValueError: diffcomm.parallel.ExpertParallelMoE\(\): `ffn_hidden_size` must be a positive int",
         r"ValueError: diffcomm.parallel.ExpertParallelMoE\(\): `shared_expert_size` must be a positive int",
         r"TypeError: diffcomm.parallel.ExpertParallelMoE\(\): `x` must be a floating-point tensor",
+        r"ValueError: diffcomm.parallel.ExpertParallelMoE\(\): `seed` must be None when `generator` is given",
     ]
     import re
 

@@ -322,6 +322,7 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         op = "parallel.ExpertParallelMoE"
         _check_sizes(op, hidden_size, ffn_hidden_size, num_experts, k, capacity_factor, shared_expert_size)
+        init_generator(op, seed, generator)  # checked here, so an error names this class
         self._pg, self.world, self.rank = resolve_parallel_group(op, group)
         if num_experts % self.world:
             raise A.arg_error(
