@@ -205,7 +205,7 @@ def balance(S: int, H: int, W: int, rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for layout in ("zigzag", "contiguous"):
         table = cp.layout_index(S, W, layout=layout)
-        docs = cpl._doc_ids(table, S, None)
+        docs = cpl.doc_ids(table, S, None)
         shards = [tuple(t.index_select(2, table[r]) for t in (q, k, v)) for r in range(W)]
         blocks = {r: cpr._pack(kk, vv) for r, (_, kk, vv) in enumerate(shards)}
         times: list[list[float]] = [[] for _ in range(W)]

@@ -765,3 +765,37 @@ def test_subgroups_noncontiguous_comm_off_inplace(world4) -> None:
         assert torch.equal(res["grad"], 2 * torch.arange(12.0, dtype=F64).reshape(3, 4).t())
         assert res["off_equal"] and res["off_skipped"] == [("all_reduce_coalesced", True)]
         assert res["inplace"] == ([1.0, 1.0, 1.0], [0.0, 0.0])
+
+
+def test_vmapped_all_gather_coalesced_costs_the_same_whatever_the_batch(world2) -> None:
+    """Issue 45: under ``vmap`` a larger (or new) batch used to add a size exchange or a
+    second gather (the learned sizes were remembered by the batched shapes and padded to
+    rows that grow with the batch). Now every vmapped call costs what the unbatched call
+    costs once the group knows the list: one gather per dtype — counted as communications
+    (the logger's records and their raw calls) and as the flight recorder's entries."""
+
+    def body() -> list[tuple[Any, ...]]:
+        r = dc.get_rank()
+        out = []
+        dc.all_gather_coalesced(
+            [torch.randn(2 + r, 2), torch.randn(3, dtype=torch.float64)]
+        )  # the group learns the list
+        for n in (0, 3, 6, 3, 6, 12):  # 0: the unbatched call again
+            xs = torch.randn(max(n, 1), 2 + r, 2)  # rows along the gathered dim differ between ranks
+            ys = torch.randn(max(n, 1), 3, dtype=torch.float64)
+            before = max((e["seq"] for e in dc.flight_recorder()), default=0)
+            with B.log_comms() as log:
+                if n:
+                    a, b = torch.func.vmap(lambda x, y: dc.all_gather_coalesced([x, y]))(xs, ys)
+                else:
+                    a, b = dc.all_gather_coalesced([xs[0], ys[0]])
+            after = max(e["seq"] for e in dc.flight_recorder())
+            assert a.shape == ((n, 5, 2) if n else (5, 2)), a.shape
+            out.append((n, [(x.op, x.parts) for x in log.records], after - before))
+        return out
+
+    for per_rank in world2.run(body):
+        costs = {(tuple(recs), fr) for _, recs, fr in per_rank}
+        assert len(costs) == 1, per_rank
+        # as the unbatched call once the group knows the list: one gather per dtype, no exchange
+        assert per_rank[0][1] == [("all_gather_coalesced", 2)], per_rank

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import diffcomm as dc
 from diffcomm import parallel
 from diffcomm.parallel import context as cp
-from diffcomm.parallel.context import ring
+from diffcomm.parallel.context import plan, ring
 
 # ----------------------------------------------------------------------------- cases
 
@@ -147,11 +147,12 @@ def test_ring_attention_matches_sdpa_and_serial_reference(world3: dc.LocalWorld)
         q = torch.randn(2, 4, 18, 8, dtype=torch.float64, generator=g)
         k, v = (torch.randn(2, 2, 18, 8, dtype=torch.float64, generator=g) for _ in range(2))
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        out = parallel.ring_attention(*(parallel.shard(t) for t in (q, k, v)), causal=True, layout="zigzag")
+        zig = (parallel.shard(t, layout="zigzag") for t in (q, k, v))
+        out = parallel.ring_attention(*zig, causal=True, layout="zigzag")
         tiled = []
         calls = []
         flash = ring._FLASH_CPU
-        old, ring._TILE = ring._TILE, 4  # query tiles of 4 rows (a block splits into a staircase)
+        old, plan.TILE = plan.TILE, 4  # query tiles of 4 rows (a block splits into a staircase)
         try:
             # full and causal-diagonal pieces run on torch's fused CPU kernel: count them,
             # then run once more with the kernel off (every piece on the dense math path)
@@ -175,7 +176,7 @@ def test_ring_attention_matches_sdpa_and_serial_reference(world3: dc.LocalWorld)
             assert calls, "the fused kernel was never used"
         finally:
             ring._FLASH_CPU = flash
-            ring._TILE = old
+            plan.TILE = old
         cu = [0, 7, 18]
         blockdiag = torch.zeros(18, 18, dtype=torch.bool)
         blockdiag[:7, :7] = blockdiag[7:, 7:] = True
@@ -233,7 +234,7 @@ def test_layout_index_is_a_padded_permutation(layout: str) -> None:
                 docs = 1 if cu is None else len([a for a, b in zip(cu, cu[1:]) if b > a])
                 bound = world - 1 if layout == "contiguous" else docs * (2 * world - 1)
                 assert pad <= bound, (S, world, cu, t)
-    assert cp.layout_index(8, 2).tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert cp.layout_index(8, 2, layout="zigzag").tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
 
 
 def test_zigzag_balances_causal_work() -> None:
@@ -269,7 +270,7 @@ def test_shard_unshard_adjoint_and_round_trip(world3: dc.LocalWorld) -> None:
                 back = cp.unshard(cp.shard(same, 1, **kw), 1, seq_len=S, **kw)
                 errs.append(float((back - same).abs().max()))
         pos = cp.shard(torch.arange(10), 0, layout="zigzag", pad_value=-1)
-        assert pos.tolist() == cp.layout_index(10, 3)[dc.get_rank()].tolist()
+        assert pos.tolist() == cp.layout_index(10, 3, layout="zigzag")[dc.get_rank()].tolist()
         return errs
 
     for errs in world3.run(body):
@@ -501,3 +502,163 @@ def test_empty_batch_and_empty_sequence(world2: dc.LocalWorld) -> None:
         assert shapes == [(0, 2, 4, 8), (0, 2, 4, 8), (0, 2, 4, 8), (0, 1, 4, 8)] + [(1, 2, 0, 8)] * 3 + [
             (1, 1, 0, 8)
         ]
+
+
+# ----------------------------------------------------- issue 45: no silent wrong answer
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_attention_gradient_penalty_raises_even_with_a_linear_loss(
+    local_worlds: Callable[[int], dc.LocalWorld], n: int
+) -> None:
+    """The backward is first order only. A gradient penalty through it must raise, also
+    when the task loss is *linear* in the output (torch's ``once_differentiable`` then adds
+    no error node, and the penalty's term used to vanish silently), and a penalty alone
+    raises the same documented error (not torch's generic "does not require grad")."""
+
+    def body() -> list[str]:
+        g = torch.Generator().manual_seed(dc.get_rank())
+        q, k, v = (
+            torch.randn(1, 2, 4, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3)
+        )
+        w = torch.randn(1, 2, 4, 8, dtype=torch.float64, generator=g)
+        msgs = []
+        for loss_of in (lambda o: (o * w).sum(), lambda o: o.pow(2).sum()):  # linear, then not
+            for penalty_only in (False, True):
+                task = loss_of(cp.ring_attention(q, k, v, causal=True))
+                (gq,) = torch.autograd.grad(task, q, create_graph=True)
+                penalty = gq.square().sum()
+                try:
+                    (penalty if penalty_only else task + penalty).backward()
+                    msgs.append("no error")
+                except RuntimeError as exc:
+                    msgs.append(str(exc))
+                dc.all_reduce(torch.zeros(1))  # keep the ranks in step
+        return msgs
+
+    for msgs in local_worlds(n).run(body):
+        assert len(msgs) == 4
+        for m in msgs:
+            assert "parallel.ring_attention has a first-order backward only" in m, msgs
+            assert "ulysses_attention" in m, m
+
+
+def test_shard_with_the_defaults_then_attend_without_layout_is_right(world3: dc.LocalWorld) -> None:
+    """The issue's program: shard with the defaults, ``ring_attention(..., causal=True)``
+    without ``layout=``, unshard with the defaults — it used to run and be wrong (shard
+    zigzag, ring contiguous: max error 1.39, gradients off by ~1). Every entry point now
+    has one default, and the placement travels with the shards: right with the tensors
+    straight from ``shard``, right with the placement lost on the way (a new tensor), and
+    right for an explicit ``layout="zigzag"`` given to ``shard`` only."""
+
+    def body() -> list[float]:
+        g = torch.Generator().manual_seed(11)
+        q, k, v = (torch.randn(1, 2, 12, 4, dtype=torch.float64, generator=g) for _ in range(3))
+        w = torch.randn(1, 2, 12, 4, dtype=torch.float64, generator=g)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+        (ref * w).sum().backward()
+        errs = []
+        for how in ("defaults", "placement lost", "zigzag given to shard only"):
+            kw = {"layout": "zigzag"} if how.startswith("zigzag") else {}
+            ins = [parallel.shard(t, **kw).requires_grad_() for t in (q, k, v)]
+            used = [t * 1.0 for t in ins] if how == "placement lost" else ins  # a new tensor
+            assert (cp.placement_of(used[0]) is None) == (how == "placement lost")
+            out = parallel.ring_attention(*used, causal=True)
+            full = parallel.unshard(out)
+            errs.append(float((full - ref.detach()).abs().max()))
+            # the objective: the sum over ranks of <out_r, w_r> = <ref, w>
+            (out * parallel.shard(w, **kw)).sum().backward()
+            for a, b in zip(ins, (qr, kr, vr), strict=True):
+                errs.append(float((a.grad - parallel.shard(b.grad, **kw)).abs().max()))
+        return errs
+
+    for errs in world3.run(body):
+        assert max(errs) < 1e-12, errs
+
+
+def test_a_sequence_placed_one_way_and_used_another_raises(world4: dc.LocalWorld) -> None:
+    """Every wrong combination of a placement and a use is a ``ValueError`` naming the
+    argument, before any communication: an explicit layout against the shards', q and k
+    placed differently, an output unsharded with another layout, a zigzag shard or a USP
+    shard fed to Ulysses, a USP shard fed to the ring, a placement over another group size."""
+
+    def body() -> dict[str, str]:
+        import torch.distributed as dist
+
+        from diffcomm import backend as B
+
+        r = dc.get_rank()
+        x = torch.randn(1, 2, 16, 4, dtype=torch.float64)
+        zig = parallel.shard(x, layout="zigzag")
+        cont = parallel.shard(x)
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        ring_g = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        ug, rg = pairs[r // 2], ring_g[r % 2]
+        usp = parallel.shard(x, 2, rg, ulysses_group=ug)
+        pair = parallel.shard(x, group=ug)  # placed over a group of 2
+        out = parallel.ring_attention(zig, zig, zig, causal=True)  # zigzag, from the shards
+        calls = {
+            "ring explicit": lambda: parallel.ring_attention(zig, zig, zig, causal=True, layout="contiguous"),
+            "ring explicit 2": lambda: parallel.ring_attention(cont, cont, cont, layout="zigzag"),
+            "q vs k": lambda: parallel.ring_attention(zig, cont, cont, causal=True),
+            "unshard": lambda: parallel.unshard(out, layout="contiguous"),
+            "ulysses zigzag": lambda: parallel.ulysses_attention(zig, zig, zig, causal=True),
+            "ulysses usp": lambda: parallel.ulysses_attention(usp, usp, usp, group=ug),
+            "ring usp": lambda: parallel.ring_attention(usp, usp, usp, rg),
+            "usp plain": lambda: parallel.usp_attention(pair, pair, pair, ug, rg),
+            "world": lambda: parallel.ring_attention(pair, pair, pair),
+            "unshard usp": lambda: parallel.unshard(usp, 2, rg),
+        }
+        res = {}
+        for key, fn in calls.items():
+            with B.log_comms() as log:
+                try:
+                    fn()
+                    res[key] = "no error"
+                except ValueError as exc:
+                    res[key] = f"{exc} [{log.count()} comms]"
+        return res
+
+    expect = {
+        "ring explicit": "`layout` must be 'zigzag', the layout `q` was placed with",
+        "ring explicit 2": "`layout` must be 'contiguous', the layout `q` was placed with",
+        "q vs k": "`k` must be placed like `q` (layout='zigzag' over 4 ranks)",
+        "unshard": "parallel.unshard(): `layout` must be 'zigzag', the layout `x` was placed with",
+        "ulysses zigzag": "parallel.ulysses_attention(): `q` must be placed with layout='contiguous' "
+        "(the only order parallel.ulysses_attention takes), got a tensor placed with layout='zigzag'",
+        "ulysses usp": "parallel.ulysses_attention(): `q` must be placed without a Ulysses split",
+        "ring usp": "parallel.ring_attention(): `q` must be placed without a Ulysses split",
+        "usp plain": "usp_attention(): `q` must be placed for usp_attention with a Ulysses group of 2",
+        "world": "parallel.ring_attention(): `q` must be placed over this group's 4 ranks",
+        "unshard usp": "parallel.unshard(): `x` must be placed without a Ulysses split",
+    }
+    for res in world4.run(body):
+        for key, want in expect.items():
+            assert want in res[key] and res[key].endswith("[0 comms]"), (key, res[key])
+
+
+def test_ulysses_refuses_the_whole_sequence_under_the_check_as_the_ring_does(world2: dc.LocalWorld) -> None:
+    """Fed the whole sequence on every rank (a replicated value), ring attention is
+    refused by ``dc.spmd_check``; Ulysses used to accept it (its all_to_alls take it for
+    ``W`` pieces of a longer sequence: a silent wrong answer). Now both are refused, naming
+    the op and the argument; this rank's piece (varying) passes."""
+
+    def body() -> dict[str, str]:
+        full = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+        res = {}
+        for name, op in (("ring", parallel.ring_attention), ("ulysses", parallel.ulysses_attention)):
+            with dc.spmd_check():
+                try:
+                    op(full, full, full, causal=True)
+                    res[name] = "no error"
+                except dc.SPMDTypeError as exc:
+                    res[name] = str(exc)
+            with dc.spmd_check():
+                piece = dc.spmd.varying(parallel.shard(full).requires_grad_())
+                op(piece, piece, piece, causal=True).sum().backward()
+        return res
+
+    for res in world2.run(body):
+        assert "RingAttention" in res["ring"] and "replicated" in res["ring"], res
+        assert "UlyssesAttention" in res["ulysses"] and "not the whole sequence" in res["ulysses"], res

@@ -538,3 +538,174 @@ def test_torch_func_grad_jvp_vmap(world2) -> None:
 
     for res in world2.run(func_transforms):
         assert max(res.values()) < 1e-10, res
+
+
+# --------------------------------------------------------------------------------------
+# issue 45: the seams (async result, every documented shape, the serial mapping)
+# --------------------------------------------------------------------------------------
+
+
+def test_async_dispatch_returns_an_async_tensor_usable_in_torch_ops(world2) -> None:
+    """``dispatch(..., async_op=True)`` returns the documented ``AsyncTensor`` (it was an
+    internal wrapper: ``torch.tanh(h)`` raised TypeError); values and gradients equal the
+    blocking dispatch's, with 1 and 2 experts per rank (the second needs a permutation)."""
+
+    def body() -> list[Any]:
+        from diffcomm.parallel import combine, dispatch, route
+
+        out = []
+        for experts in (2, 4):
+            g = torch.Generator().manual_seed(10 + dc.get_rank())
+            x = torch.randn(5, 3, dtype=F64, generator=g)
+            gate, idx, _ = route(torch.randn(5, experts, dtype=F64, generator=g), 2)
+            res = []
+            for async_op in (False, True):
+                xr = x.clone().requires_grad_()
+                h, plan = dispatch(xr, idx, experts, async_op=async_op)
+                kind = type(h).__name__
+                y = combine(torch.tanh(h) * 2.0, gate, plan)  # a torch op straight on the result
+                (gx,) = torch.autograd.grad((y * y).sum(), xr)
+                res.append((kind, y.detach(), gx))
+            out.append(
+                (
+                    res[1][0],
+                    float((res[0][1] - res[1][1]).abs().max()),
+                    float((res[0][2] - res[1][2]).abs().max()),
+                )
+            )
+        return out
+
+    for per_rank in world2.run(body):
+        for kind, dy, dg in per_rank:
+            assert kind == "AsyncTensor" and dy == 0.0 and dg == 0.0, per_rank
+
+
+def test_every_documented_shape_is_checked_before_communication(world2) -> None:
+    """combine's ``gate_weights`` must be ``(T, k)`` of the dispatch (``(T, k+1)`` was
+    accepted and gave a silently wrong result); a hidden-size mismatch names ``x`` and
+    the layer; ``ExpertParallelMoE``'s own arguments name ``ExpertParallelMoE``."""
+
+    def bad() -> list[str]:
+        from diffcomm import backend as B
+        from diffcomm.parallel import ExpertParallelMoE, MoE, combine, dispatch, load_balancing_loss, route
+
+        x = torch.randn(3, 4)
+        gate, idx, probs = route(torch.randn(3, 4), 2)
+        h, plan = dispatch(x, idx, 4)
+        ep = ExpertParallelMoE(6, 5, num_experts=4, seed=0)
+        calls = [
+            lambda: combine(h, torch.ones(3, 3), plan),  # k + 1 gate columns
+            lambda: combine(h, gate[:, :1], plan),
+            lambda: combine(h, gate.long(), plan),
+            lambda: dispatch(x, idx[:, :0], 4),
+            lambda: dispatch(x, idx[:, :1], 4, plan=plan),  # a plan of another k
+            lambda: load_balancing_loss(probs[:, :2], plan),
+            lambda: route(torch.randn(3, 4).long(), 2),
+            lambda: ep(torch.zeros(3, 7)),
+            lambda: MoE(6, 5, num_experts=4, seed=0)(torch.zeros(3, 7)),
+            lambda: ExpertParallelMoE(6, 5, num_experts=4, k=9),
+            lambda: ExpertParallelMoE(6, 0, num_experts=4),
+            lambda: ExpertParallelMoE(6, 5, num_experts=4, shared_expert_size=0),
+            lambda: ep(torch.zeros(3, 6, dtype=torch.int64)),
+            lambda: ExpertParallelMoE(6, 5, num_experts=4, seed=0, generator=torch.Generator()),
+        ]
+        out = []
+        for fn in calls:
+            with B.log_comms() as log:
+                try:
+                    fn()
+                    out.append("no error")
+                except (ValueError, TypeError) as exc:
+                    out.append(f"{type(exc).__name__}: {exc} [{log.count()} comms]")
+        return out
+
+    patterns = [
+        r"ValueError: diffcomm.parallel.combine\(\): `gate_weights` must be a \(3, 2\) tensor",
+        r"ValueError: diffcomm.parallel.combine\(\): `gate_weights` must be a \(3, 2\) tensor",
+        r"TypeError: diffcomm.parallel.combine\(\): `gate_weights` must be a floating-point tensor",
+        r"diffcomm.parallel.dispatch\(\): `expert_index` must be a \(3, k\) tensor of expert ids, k >= 1",
+        r"diffcomm.parallel.dispatch\(\): `plan` must be a plan of the same routing \(3 tokens, k=1",
+        r"diffcomm.parallel.load_balancing_loss\(\): `probs` must be a \(3, 4\) tensor",
+        r"TypeError: diffcomm.parallel.route\(\): `logits` must be a floating-point tensor",
+        r"ValueError: diffcomm.parallel.ExpertParallelMoE\(\): `x` must be a \(\.\.\., hidden_size=6\) "
+        r"tensor, "
+        r"got shape \(3, 7\)",
+        r"ValueError: diffcomm.parallel.MoE\(\): `x` must be a \(\.\.\., hidden_size=6\) tensor",
+        r"ValueError: diffcomm.parallel.ExpertParallelMoE\(\): `k` must be at most num_experts=4",
+        r"ValueError: diffcomm.parallel.ExpertParallelMoE\(\): `ffn_hidden_size` must be a positive int",
+        r"ValueError: diffcomm.parallel.ExpertParallelMoE\(\): `shared_expert_size` must be a positive int",
+        r"TypeError: diffcomm.parallel.ExpertParallelMoE\(\): `x` must be a floating-point tensor",
+        r"ValueError: diffcomm.parallel.ExpertParallelMoE\(\): `seed` must be None when `generator` is given",
+    ]
+    import re
+
+    for msgs in world2.run(bad):
+        assert len(msgs) == len(patterns)
+        for pat, msg in zip(patterns, msgs):
+            assert re.search(pat, msg) and msg.endswith("[0 comms]"), (pat, msg)
+
+
+def test_expert_parallel_moe_has_the_serial_mapping(world2) -> None:
+    """``serial_names()`` / ``serial_slices()`` map every parameter to the serial MoE's
+    (local expert ``i`` is the serial ``experts.{rank * E / W + i}``), so
+    ``assert_matches_serial`` compares with the serial MoE with no hand-written map (the
+    router's and shared expert's per-rank gradient shares summed, ``partial_gradients()``);
+    ``load_serial_state_dict`` / ``to_serial_state_dict`` round-trip a serial checkpoint."""
+    from diffcomm.parallel import ExpertParallelMoE, MoE
+    from diffcomm.testing import Shard, assert_matches_serial, build
+
+    def make_serial() -> MoE:
+        return MoE(4, 6, 4, 2, shared_expert_size=3, activation="tanh", dtype=F64, seed=3)
+
+    assert_matches_serial(
+        build(ExpertParallelMoE.from_serial),
+        build(make_serial),
+        lambda: torch.randn(6, 4, dtype=F64),
+        world=world2,
+        input_specs=[Shard(0)],
+        output_specs=[Shard(0)],
+        rtol=1e-10,
+        atol=1e-12,
+    )
+
+    def round_trip() -> list[Any]:
+        serial = make_serial()
+        other = ExpertParallelMoE(4, 6, 4, 2, shared_expert_size=3, activation="tanh", dtype=F64, seed=99)
+        names = other.serial_names()
+        other.load_serial_state_dict(serial.state_dict())
+        sd = serial.state_dict()
+        back = other.to_serial_state_dict()
+        return [
+            names["experts.1.fc1.weight"],
+            names["router.weight"],
+            sorted(back) == sorted(sd),
+            max(float((back[n] - sd[n]).abs().max()) for n in sd),
+            other.partial_gradients()[:1],
+        ]
+
+    out = world2.run(round_trip)
+    assert out[0][:2] == ["experts.1.fc1.weight", "router.weight"], out
+    assert out[1][:2] == ["experts.3.fc1.weight", "router.weight"], out
+    for row in out:
+        assert row[2] and row[3] == 0.0 and row[4] == ["router.weight"], row
+
+
+def test_async_dispatch_keeps_its_replication_type_under_the_check(world2) -> None:
+    """Under ``dc.spmd_check`` the asynchronous dispatch's rows are typed as the blocking
+    dispatch's (varying), with one and with two experts per rank."""
+
+    def body() -> list[str]:
+        from diffcomm.parallel import dispatch, route
+
+        x = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(dc.get_rank()))
+        out = []
+        with dc.spmd_check(varying=[x]):
+            for experts in (2, 4):
+                _, idx, _ = route(torch.randn(5, experts, dtype=F64), 2)
+                for async_op in (False, True):
+                    h, _ = dispatch(x, idx, experts, async_op=async_op)
+                    out.append(str(dc.spmd.type_of(torch.tanh(h))))
+        return out
+
+    for types in world2.run(body):
+        assert types == ["V"] * 4, types

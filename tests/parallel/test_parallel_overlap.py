@@ -136,3 +136,30 @@ def test_double_backward_through_an_overlapped_layer_raises(world2) -> None:
 
     out = world2.run(double_backward_rank)
     assert all("once_differentiable" in m or "twice" in m for m in out), out
+
+
+def test_gradient_penalty_through_an_overlapped_layer_with_a_linear_loss_raises(world2) -> None:
+    """With a loss linear in the output, torch's ``once_differentiable`` adds no error
+    node: the penalty's term for the weight used to be dropped silently. Now it raises."""
+
+    def penalty_rank() -> list[str]:
+        msgs = []
+        for overlap in ("comm", "ring"):
+            lin = P.ColumnParallelLinear(
+                4, 4, seed=0, overlap=overlap, sequence_parallel=overlap == "ring", dtype=torch.float64
+            )
+            x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+            w = torch.randn(4, 3, 2, dtype=torch.float64)
+            y = lin(x)
+            (gx,) = torch.autograd.grad((y * w[: y.shape[0], :, : y.shape[2]]).sum(), x, create_graph=True)
+            try:
+                gx.square().sum().backward()
+                msgs.append("no error")
+            except RuntimeError as err:
+                msgs.append(str(err))
+            dc.all_reduce(torch.zeros(1))  # keep ranks in step
+        return msgs
+
+    for msgs in world2.run(penalty_rank):
+        assert "ColumnParallelLinear(overlap='comm') has a first-order backward only" in msgs[0], msgs
+        assert "ColumnParallelLinear(overlap='ring') has a first-order backward only" in msgs[1], msgs

@@ -54,6 +54,39 @@ def _tensor_major(
     return out
 
 
+class _LearnedList(Learned):
+    """:class:`Learned` sizes of an ``all_gather_coalesced``, with the list's *logical*
+    shapes (``logical``: per tensor, its shape without ``dim`` and its dtype, as the user
+    sees it — without any vmap batch dim)."""
+
+    logical: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
+
+
+def _learning_key(moved: list[Tensor], sizes: Learned) -> tuple[Any, int]:
+    """The key under which the group remembers this list's sizes, and the unit (in
+    elements) its buffers are counted in.
+
+    Both come from the logical shapes, so a vmapped call is the unbatched call with every
+    element ``B`` times wider: it shares the unbatched call's key and remembered row
+    counts, and its cost (one collective per dtype once the group knows the list) does
+    not depend on the batch size. (Keyed by the batched shapes, every new batch size was
+    a new list — one more size exchange — and a larger batch overflowed the remembered
+    padding — one more gather.)"""
+    logical = getattr(sizes, "logical", ())
+    physical = tuple((tuple(m.shape[1:]), m.dtype) for m in moved)
+    if len(logical) != len(moved):
+        return ("coalesced", physical), 1
+    ratios = set()
+    for m, (rest, _) in zip(moved, logical):
+        n_log, n_phys = math.prod(rest), math.prod(m.shape[1:])
+        if n_log == 0 or n_phys % n_log:
+            return ("coalesced", physical), 1
+        ratios.add(n_phys // n_log)
+    if len(ratios) != 1:
+        return ("coalesced", physical), 1
+    return ("coalesced", logical), ratios.pop()
+
+
 class _AllGatherList(ListOp):
     """all_gather of every tensor ``i`` along ``dims[i]``; ``split_sizes[i]``: every rank's size
     along it (``None``: the same on every rank, the even path)."""
@@ -103,15 +136,19 @@ class _AllGatherList(ListOp):
         # variable split_sizes: rank r's buffer of a dtype holds its rows of every tensor of that
         # dtype, so the buffers' lengths differ between ranks: one uneven all_gather each
         inner = [math.prod(m.shape[1:]) for m in moved]
-        if type(split_sizes) is Learned and not split_sizes:  # learned here, with the first buffer
-            key = ("coalesced", tuple((tuple(m.shape[1:]), m.dtype) for m in moved))
+        if isinstance(split_sizes, Learned) and not split_sizes:  # learned here, with the first buffer
+            key, unit = _learning_key(moved, split_sizes)
 
             def length(g: int, counts: list[int]) -> int:
-                return sum(counts[i] * inner[i] for i in groups[g])
+                return sum(counts[i] * inner[i] for i in groups[g]) // unit
 
+            packed = _pack(moved, groups)
+            if unit > 1:  # batched: counted in units of the batch (the same bytes)
+                packed = [b.reshape(-1, unit) for b in packed]
             bufs, table = _b().all_gather_coalesced_unsized(
-                _pack(moved, groups), [m.shape[0] for m in moved], length, key, pg
+                packed, [m.shape[0] for m in moved], length, key, pg
             )
+            bufs = [b.reshape(-1) for b in bufs]
             split_sizes.extend(tuple(row[i] for row in table) for i in range(len(xs)))
             if _even_or_none(tuple(split_sizes)) is None:  # as it turned out, the even layout
                 return _back(_tensor_major(moved, groups, bufs, world, out), dims)
@@ -293,7 +330,10 @@ def all_gather_coalesced(
                 table = b.exchange_size_lists([t.shape[d] for t, d in zip(ts, dims)], pg)
             meta = _even_or_none(tuple(tuple(row[i] for row in table) for i in range(len(ts))))
         else:  # learned by the op itself: with the first buffer once the group knows the list
-            meta = Learned()
+            meta = _LearnedList()
+            meta.logical = tuple(
+                (tuple(t.shape[:d]) + tuple(t.shape[d + 1 :]), t.dtype) for t, d in zip(ts, dims)
+            )
     return list(apply(_AllGatherList, *list_args(ts, tuple(dims), pg, meta), async_op=async_op))
 
 

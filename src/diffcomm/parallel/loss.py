@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .. import _config
 from .. import backend as B
@@ -14,6 +13,7 @@ from .._replication import REPLICATED, P, R, Rule, V
 from ..backend import args as A
 from ..ops import collectives as C
 from ._check import check_replicated
+from ._once import first_order
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -100,7 +100,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad
 
     @staticmethod
-    @once_differentiable
+    @first_order(_OP)
     def backward(ctx: Any, g_loss: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         if ctx.debug or _config.DEBUG.get():
             check_replicated(

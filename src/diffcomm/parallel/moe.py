@@ -53,6 +53,8 @@ from torch import Tensor, nn
 from .._replication import LayerRule, R, V
 from ..backend import args as A
 from ..ops import coalesced as K
+from ..ops import collectives as C
+from ..ops import engine as _async
 from ._module import check_positive, init_generator, resolve_parallel_group
 from .blocks import MLP
 from .routing import DispatchPlan, combine, dispatch, load_balancing_loss, route
@@ -100,6 +102,46 @@ def _serial_forward(
     return y, aux, counts
 
 
+def _check_sizes(
+    op: str,
+    hidden_size: Any,
+    ffn_hidden_size: Any,
+    num_experts: Any,
+    k: Any,
+    capacity_factor: Any,
+    shared_expert_size: Any,
+) -> tuple[int, int, int, float | None]:
+    """The size arguments of both layers, checked with the calling layer named:
+    ``(hidden_size, num_experts, k, capacity_factor)``."""
+    hidden_size = check_positive(op, "hidden_size", hidden_size)
+    check_positive(op, "ffn_hidden_size", ffn_hidden_size)
+    num_experts = check_positive(op, "num_experts", num_experts)
+    k = check_positive(op, "k", k)
+    if k > num_experts:
+        raise A.arg_error(op, "k", f"at most num_experts={num_experts}", k)
+    if capacity_factor is not None and (
+        isinstance(capacity_factor, bool)
+        or not isinstance(capacity_factor, int | float)
+        or not float(capacity_factor) > 0
+    ):
+        raise A.arg_error(op, "capacity_factor", "None or a positive float", capacity_factor)
+    if shared_expert_size is not None:
+        check_positive(op, "shared_expert_size", shared_expert_size)
+    return hidden_size, num_experts, k, None if capacity_factor is None else float(capacity_factor)
+
+
+def _tokens(op: str, x: Any, hidden_size: int) -> Tensor:
+    """``x`` (``(..., H)``) as ``(N, H)`` rows; anything else is named before any
+    communication."""
+    if not isinstance(x, Tensor):
+        raise A.arg_error(op, "x", "a tensor", type(x).__name__, TypeError)
+    if x.ndim < 1 or x.shape[-1] != hidden_size:
+        raise A.arg_error(op, "x", f"a (..., hidden_size={hidden_size}) tensor", f"shape {tuple(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise A.arg_error(op, "x", "a floating-point tensor", x.dtype, TypeError)
+    return x.reshape(-1, hidden_size)
+
+
 class MoE(nn.Module):
     """The serial mixture-of-experts layer: the reference of :class:`ExpertParallelMoE`.
 
@@ -142,19 +184,14 @@ class MoE(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        op = "parallel.MoE"
-        hidden_size = check_positive(op, "hidden_size", hidden_size)
-        num_experts = check_positive(op, "num_experts", num_experts)
-        self.k = check_positive(op, "k", k)
-        if self.k > num_experts:
-            raise A.arg_error(op, "k", f"at most num_experts={num_experts}", k)
-        if capacity_factor is not None and not float(capacity_factor) > 0:
-            raise A.arg_error(op, "capacity_factor", "None or a positive float", capacity_factor)
-        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        hidden_size, num_experts, self.k, capacity_factor = _check_sizes(
+            "parallel.MoE", hidden_size, ffn_hidden_size, num_experts, k, capacity_factor, shared_expert_size
+        )
+        self.capacity_factor = capacity_factor
         self.renormalize = bool(renormalize)
         self.num_experts = num_experts
         self.hidden_size = hidden_size
-        gen = init_generator(op, seed, generator)
+        gen = init_generator("parallel.MoE", seed, generator)
         with _DrawnFrom(gen):  # drawn on the CPU (the same numbers on any device), then moved
             self.router = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
             self.experts = nn.ModuleList(
@@ -173,7 +210,7 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``x``: ``(..., H)``; returns ``(..., H)``."""
-        x2 = x.reshape(-1, self.hidden_size)
+        x2 = _tokens("parallel.MoE", x, self.hidden_size)
         y, aux, counts = _serial_forward(
             x2, self.router, list(self.experts), self.k, self.capacity_factor, self.renormalize
         )
@@ -284,8 +321,9 @@ class ExpertParallelMoE(nn.Module):
     ) -> None:
         super().__init__()
         op = "parallel.ExpertParallelMoE"
+        _check_sizes(op, hidden_size, ffn_hidden_size, num_experts, k, capacity_factor, shared_expert_size)
+        init_generator(op, seed, generator)  # checked here, so an error names this class
         self._pg, self.world, self.rank = resolve_parallel_group(op, group)
-        num_experts = check_positive(op, "num_experts", num_experts)
         if num_experts % self.world:
             raise A.arg_error(
                 op,
@@ -363,6 +401,97 @@ class ExpertParallelMoE(nn.Module):
         self.overlap_shared = bool(overlap_shared)
         return self
 
+    # ---- the serial mapping (as the tensor-parallel layers' ParallelModule) -----------
+
+    def serial_names(self) -> dict[str, str]:
+        """The serial :class:`MoE`'s name of each parameter: this rank's local expert
+        ``experts.i`` is the serial ``experts.{rank * E / world + i}``; the router and the
+        shared expert keep their names.
+
+        Returns:
+            ``{parameter name: serial parameter name}`` (what
+            :func:`diffcomm.testing.assert_matches_serial` and the state-dict helpers use,
+            so a comparison needs no hand-written map).
+        """
+        out = {}
+        for name, _ in self.named_parameters():
+            if name.startswith("experts."):
+                i, rest = name[len("experts.") :].split(".", 1)
+                out[name] = f"experts.{self.first_expert + int(i)}.{rest}"
+            else:
+                out[name] = name
+        return out
+
+    def serial_slices(self) -> dict[str, tuple[Any, ...]]:
+        """Which part of its serial parameter (:meth:`serial_names`) each parameter is:
+        the whole of it (an expert lives on one rank; router and shared expert are
+        replicas), or the expert's own ``serial_slices()`` for experts that are shards
+        themselves (e.g. a tensor-parallel ``ParallelMLP`` passed as ``experts=``)."""
+        out: dict[str, tuple[Any, ...]] = {}
+        for name, p in self.named_parameters():
+            out[name] = (slice(None),) * p.dim()
+        for i, expert in enumerate(self.experts):
+            inner = getattr(expert, "serial_slices", None)
+            if callable(inner):
+                for name, index in inner().items():
+                    out[f"experts.{i}.{name}"] = tuple(index)
+        return out
+
+    def partial_gradients(self) -> list[str]:
+        """Names of the parameters whose gradient on a rank is that rank's **share** (sum
+        convention: the replicated router and shared expert, see
+        :meth:`sync_replicated_grads`); their sum over the group is the serial gradient."""
+        ids = {id(p) for p in self.replicated_parameters()}
+        return [name for name, p in self.named_parameters() if id(p) in ids]
+
+    @torch.no_grad()
+    def load_serial_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
+        """Copy this rank's parameters out of a serial :class:`MoE`'s state dict (its
+        router, shared expert and this rank's experts; no communication).
+
+        Raises:
+            KeyError: with ``strict``, a serial name this rank needs is missing.
+            ValueError: a serial tensor's shape does not fit.
+        """
+        op = "parallel.ExpertParallelMoE.load_serial_state_dict"
+        names, slices = self.serial_names(), self.serial_slices()
+        for name, p in self.named_parameters():
+            s_name = names[name]
+            if s_name not in state_dict:
+                if strict:
+                    raise KeyError(f"diffcomm.{op}(): serial key {s_name!r} (for {name!r}) is missing")
+                continue
+            src = state_dict[s_name][slices[name]]
+            if src.shape != p.shape:
+                raise A.arg_error(
+                    op, "state_dict", f"{s_name!r} giving shape {tuple(p.shape)}", tuple(src.shape)
+                )
+            p.copy_(src)
+
+    @torch.no_grad()
+    def to_serial_state_dict(self) -> dict[str, Tensor]:
+        """The serial :class:`MoE`'s parameters, on every rank: the experts all_gathered
+        over the group (one all_gather per parameter of an expert, in the same order on
+        every rank, so call it on every rank), the replicas copied.
+
+        Returns:
+            ``{serial name: tensor}``, loadable with ``MoE.load_state_dict(...)`` (for
+            experts that are shards themselves, gather them over their own group first).
+        """
+        out: dict[str, Tensor] = {}
+        names = self.serial_names()
+        per_rank = self.experts_per_rank
+        expert_params = [dict(e.named_parameters()) for e in self.experts]
+        for name, p in self.named_parameters():
+            if not name.startswith("experts."):
+                out[names[name]] = p.detach().clone()
+        for pname in expert_params[0] if expert_params else {}:
+            mine = torch.stack([ps[pname].detach() for ps in expert_params])  # (E / world, ...)
+            full = C.all_gather(mine, 0, self._pg, split_sizes=[per_rank] * self.world)
+            for j in range(full.shape[0]):
+                out[f"experts.{j}.{pname}"] = full[j].clone()
+        return out
+
     def replicated_parameters(self) -> list[nn.Parameter]:
         """The parameters every rank of the group holds (router, shared expert)."""
         params = list(self.router.parameters())
@@ -384,7 +513,7 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``x``: ``(..., H)`` this rank's tokens; returns ``(..., H)``."""
-        x2 = x.reshape(-1, self.hidden_size)
+        x2 = _tokens("parallel.ExpertParallelMoE", x, self.hidden_size)
         gate, index, probs = route(self.router(x2), self.k, renormalize=self.renormalize)
         overlap = self.overlap_shared and self.shared_expert is not None
         h, plan = dispatch(
@@ -392,7 +521,7 @@ class ExpertParallelMoE(nn.Module):
         )
         shared = self.shared_expert(x2) if self.shared_expert is not None else None  # overlaps the dispatch
         if overlap:
-            h = h.wait()  # type: ignore[attr-defined]
+            h = _async.wait(h)
         outs = [expert(part) for expert, part in zip(self.experts, h.split(list(plan.expert_splits)))]
         y_experts = torch.cat(outs) if outs else h
         y = combine(y_experts, gate, plan)

@@ -49,12 +49,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .. import backend as B
 from .._replication import REPLICATED, P, R, Rule, V
 from ..ops import collectives as C
 from ..ops import engine as _async
+from ._once import first_order
 
 PG = Any
 
@@ -62,6 +62,9 @@ PG = Any
 #: parallelism, ``"comm"`` without).
 MODES = ("comm", "ring")
 _RING_TAG = (1 << 16) + 7  # p2p tag of the ring steps (user tags are < 2**16)
+
+
+_HINT = "Use overlap=False for double backward."
 
 
 def resolve_mode(op: str, overlap: Any, sequence_parallel: bool) -> str | None:
@@ -184,7 +187,7 @@ class _ColumnComm(torch.autograd.Function):
         return y.detach()
 
     @staticmethod
-    @once_differentiable
+    @first_order("parallel.ColumnParallelLinear(overlap='comm')", _HINT)
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
         y, leaves = ctx.graph
         del ctx.graph
@@ -249,7 +252,7 @@ class _ColumnRing(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order("parallel.ColumnParallelLinear(overlap='ring')", _HINT)
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
         x_full, w = ctx.saved_tensors
         dim, pg = ctx.dim, ctx.pg
@@ -299,7 +302,7 @@ class _RowRing(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order("parallel.RowParallelLinear(overlap='ring')", _HINT)
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
         gx, g_full = ring_all_gather_matmul(

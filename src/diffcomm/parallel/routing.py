@@ -24,8 +24,10 @@ from torch import Tensor
 
 from .. import _config, _torch
 from .. import backend as B
+from .._replication import HOOK
 from ..backend import args as A
 from ..ops import collectives as C
+from ..ops import engine as _async
 from ._module import check_positive, resolve_parallel_group
 
 __all__ = ["DispatchPlan", "route", "dispatch", "combine", "load_balancing_loss"]
@@ -55,10 +57,14 @@ def route(logits: Tensor, k: int, *, renormalize: bool = False) -> tuple[Tensor,
     Gradient:
         through the softmax (``gate_weights`` and ``probs``); ``expert_index`` is discrete.
     """
+    if not isinstance(logits, Tensor):
+        raise A.arg_error("parallel.route", "logits", "a tensor", type(logits).__name__, TypeError)
     if logits.ndim != 2:
         raise A.arg_error(
             "parallel.route", "logits", "a (tokens, experts) tensor", f"shape {list(logits.shape)}"
         )
+    if not logits.dtype.is_floating_point:
+        raise A.arg_error("parallel.route", "logits", "a floating-point tensor", logits.dtype, TypeError)
     e = logits.shape[1]
     k = check_positive("parallel.route", "k", k)
     if k > e:
@@ -96,6 +102,8 @@ class DispatchPlan:
         source_major: the two orders coincide (one expert per rank, or a world of one).
         num_tokens: ``T`` of this rank; ``total_tokens``: ``N`` of all ranks.
         group: the resolved group.
+        k: experts per token (the columns of ``expert_index``; ``combine``'s
+            ``gate_weights`` must have as many).
     """
 
     num_experts: int
@@ -115,6 +123,7 @@ class DispatchPlan:
     num_tokens: int
     total_tokens: int
     group: PG
+    k: int = 1
 
     @property
     def tokens_per_expert(self) -> Tensor:
@@ -203,6 +212,7 @@ def _plan(expert_index: Tensor, num_experts: int, pg: PG, capacity_factor: float
         num_tokens=t,
         total_tokens=total,
         group=pg,
+        k=k,
     )
 
 
@@ -277,8 +287,12 @@ def dispatch(
         plan: the :class:`DispatchPlan` of an earlier dispatch of the **same routing**
             (``expert_index`` and ``capacity_factor`` unchanged: activation
             recomputation, a second tensor routed alike): reused, nothing exchanged.
-        async_op: the all_to_all returns at once (an :class:`~diffcomm.AsyncTensor` that
-            waits on first use): compute something else (a shared expert) meanwhile.
+        async_op: ``expert_inputs`` is returned at once as an
+            :class:`~diffcomm.AsyncTensor` that waits on first use (usable in any torch
+            op; ``.wait()`` gives the finished tensor): compute something else (a shared
+            expert) meanwhile. (Blocking, a plain tensor, where asynchronous ops cannot
+            run — ``torch.compile``, ``torch.func`` — and with more than one expert per
+            rank under ``dc.spmd_check``, which types the finished rows.)
 
     Returns:
         ``(expert_inputs, plan)``: ``expert_inputs`` is ``(sum(plan.expert_splits), H)``,
@@ -303,12 +317,17 @@ def dispatch(
     op = "parallel.dispatch"
     if not isinstance(x, Tensor) or x.ndim != 2:
         raise A.arg_error(op, "x", "a (tokens, hidden) tensor", getattr(x, "shape", type(x).__name__))
-    if not isinstance(expert_index, Tensor) or expert_index.ndim != 2 or expert_index.shape[0] != x.shape[0]:
+    if (
+        not isinstance(expert_index, Tensor)
+        or expert_index.ndim != 2
+        or expert_index.shape[0] != x.shape[0]
+        or expert_index.shape[1] < 1
+    ):
         raise A.arg_error(
             op,
             "expert_index",
-            f"a ({x.shape[0]}, k) tensor of expert ids",
-            getattr(expert_index, "shape", None),
+            f"a ({x.shape[0]}, k) tensor of expert ids, k >= 1 (one row per token of x)",
+            getattr(expert_index, "shape", type(expert_index).__name__),
         )
     if expert_index.dtype not in (torch.int64, torch.int32):
         raise A.arg_error(op, "expert_index", "an int64 tensor", expert_index.dtype, TypeError)
@@ -333,12 +352,18 @@ def dispatch(
         raise A.arg_error(
             op, "plan", "None or a DispatchPlan from dispatch()", type(plan).__name__, TypeError
         )
-    elif plan.num_tokens != x.shape[0] or plan.num_experts != num_experts or plan.world != world:
+    elif (
+        plan.num_tokens != x.shape[0]
+        or plan.num_experts != num_experts
+        or plan.world != world
+        or plan.k != expert_index.shape[1]
+    ):
         raise A.arg_error(
             op,
             "plan",
-            f"a plan of the same routing ({x.shape[0]} tokens, {num_experts} experts, {world} ranks)",
-            f"a plan of {plan.num_tokens} tokens, {plan.num_experts} experts, {plan.world} ranks",
+            f"a plan of the same routing ({x.shape[0]} tokens, k={expert_index.shape[1]}, "
+            f"{num_experts} experts, {world} ranks)",
+            f"a plan of {plan.num_tokens} tokens, k={plan.k}, {plan.num_experts} experts, {plan.world} ranks",
         )
     rows = x.index_select(0, plan.token_index)
     with B.label("parallel.dispatch"):
@@ -349,21 +374,27 @@ def dispatch(
             output_split_sizes=plan.recv_splits,
             async_op=async_op,
         )
-    if async_op:
-        return _Deferred(got, plan), plan  # type: ignore[return-value]
+    if isinstance(got, _async.AsyncTensor) and not plan.source_major:
+        if HOOK[0] is not None:  # under dc.spmd_check: blocking, so the rows keep their type
+            got = _async.wait(got)
+        else:
+            return _permute_async(got, plan), plan
     return _permute(got, plan.recv_order, plan.recv_inverse, plan.source_major), plan
 
 
-class _Deferred:
-    """An asynchronous dispatch's result: the expert-major rows once the all_to_all is done."""
-
-    def __init__(self, got: Tensor, plan: DispatchPlan) -> None:
-        self._got, self._plan = got, plan
-
-    def wait(self) -> Tensor:
-        got = self._got.wait() if hasattr(self._got, "wait") else self._got
-        p = self._plan
-        return _permute(got, p.recv_order, p.recv_inverse, p.source_major)
+def _permute_async(got: _async.AsyncTensor, plan: DispatchPlan) -> _async.AsyncTensor:
+    """The expert-major rows of an asynchronous dispatch, itself an
+    :class:`~diffcomm.AsyncTensor`: the permutation runs on the communication engine right
+    after the all_to_all (jobs run in launch order), so the caller gets the documented
+    tensor that waits on first use, not a wrapper. Backward: the inverse permutation."""
+    perm, inverse = plan.recv_order, plan.recv_inverse
+    return _async.launch(
+        got,
+        "parallel.dispatch (expert order)",
+        lambda t: t.index_select(0, perm),
+        got.shape,
+        backward=lambda g: _Permute.apply(g, inverse, perm),
+    )
 
 
 def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) -> Tensor:
@@ -395,16 +426,21 @@ def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) ->
             op,
             "expert_outputs",
             f"a ({n}, hidden) tensor (the dispatched rows)",
-            getattr(expert_outputs, "shape", None),
+            getattr(expert_outputs, "shape", type(expert_outputs).__name__),
         )
     if (
         not isinstance(gate_weights, Tensor)
         or gate_weights.ndim != 2
-        or gate_weights.shape[0] != plan.num_tokens
+        or tuple(gate_weights.shape) != (plan.num_tokens, plan.k)
     ):
         raise A.arg_error(
-            op, "gate_weights", f"a ({plan.num_tokens}, k) tensor", getattr(gate_weights, "shape", None)
+            op,
+            "gate_weights",
+            f"a ({plan.num_tokens}, {plan.k}) tensor (tokens, k of the dispatch)",
+            getattr(gate_weights, "shape", type(gate_weights).__name__),
         )
+    if not (gate_weights.dtype.is_floating_point or gate_weights.dtype.is_complex):
+        raise A.arg_error(op, "gate_weights", "a floating-point tensor", gate_weights.dtype, TypeError)
     rows = _permute(expert_outputs, plan.recv_inverse, plan.recv_order, plan.source_major)  # source-major
     with B.label("parallel.combine"):
         back = C.all_to_all(
@@ -440,6 +476,13 @@ def load_balancing_loss(probs: Tensor, plan: DispatchPlan) -> Tensor:
         ``E * f_e / N`` into ``probs[:, e]`` (``f`` is a constant).
     """
     e = plan.num_experts
+    if not isinstance(probs, Tensor) or tuple(probs.shape) != (plan.num_tokens, e):
+        raise A.arg_error(
+            "parallel.load_balancing_loss",
+            "probs",
+            f"a ({plan.num_tokens}, {e}) tensor (this rank's tokens, experts)",
+            getattr(probs, "shape", type(probs).__name__),
+        )
     k_total = sum(map(sum, plan.counts))
     if plan.total_tokens == 0 or k_total == 0:
         return probs.sum() * 0.0

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from .. import backend as B
 from .._errors import CrossRankMismatchError
 from ..backend import args as A
+from ..ops import collectives as C
 from ..parallel._check import check_replicated
 from ..runtime.world import LocalWorld
 
@@ -237,11 +238,15 @@ def _compare_on_rank(
 
     # ---- parameters: values and gradients ---------------------------------------------
     slices = parallel_fn.serial_slices() if hasattr(parallel_fn, "serial_slices") else {}
+    names = parallel_fn.serial_names() if hasattr(parallel_fn, "serial_names") else {}
+    partial = set(parallel_fn.partial_gradients()) if hasattr(parallel_fn, "partial_gradients") else set()
     for (name, p), g in zip(p_params.items(), p_grads[len(p_in_idx) :]):
+        if name in partial:  # a per-rank share of the gradient (sum convention): sum it
+            g = C.all_reduce(torch.zeros_like(p) if g is None else g.detach(), "sum", pg)
         if param_map is not None and name in param_map:
             s_name, index = param_map[name]
         else:
-            s_name, index = name, slices.get(name, (...,))
+            s_name, index = names.get(name, name), slices.get(name, (...,))
         if s_name not in s_params:
             failures.append(
                 f"rank {rank}: parallel parameter {name!r} has no serial counterpart {s_name!r} "
@@ -313,7 +318,11 @@ def assert_matches_serial(
       parameter** against the matching part of the serial parameter — the part is
       ``param_map[name] = (serial_name, index)`` if given, else the module's
       ``serial_slices()[name]`` (every :class:`diffcomm.parallel.ParallelModule` has it),
-      else the whole serial parameter of the same name (a replicated parameter).
+      else the whole serial parameter of the same name (a replicated parameter). A
+      module's ``serial_names()`` (``ExpertParallelMoE``: local expert ``i`` is the serial
+      ``experts.{rank * E / world + i}``) gives the serial name, and the gradients of the
+      parameters its ``partial_gradients()`` names (per-rank shares under the sum
+      convention) are summed over ``group`` before the comparison.
 
     Args:
         parallel_fn: callable or module (``build(factory)`` to create it inside the ranks).

@@ -25,7 +25,10 @@ and rank ``r`` holds chunks ``r`` and ``2W - 1 - r``, which balances causal work
 Lengths that do not divide are padded, per layout, with positions that attend to nothing
 and are attended by nothing (their output is zero, their gradient zero).
 :func:`shard` / :func:`unshard` move inputs, position ids and outputs in and out of a
-layout. ``docs/context_parallel.md`` draws them.
+layout. ``docs/context_parallel.md`` draws them. Every entry point defaults to
+``"contiguous"`` (:data:`DEFAULT_LAYOUT`); :func:`shard` and the attention ops attach a
+:class:`Placement` to what they return, which the ops use when given no layout and which
+makes a sequence placed one way and used another a ``ValueError``.
 
 **Gradient convention.** ``ring_attention`` and friends are ordinary SPMD functions
 under the sum-of-per-rank-objectives convention of the core collectives: with
@@ -37,15 +40,22 @@ followed by a permutation (gradient: the permutation back, then ``reduce_scatter
 **Why not a CommOp.** ``ring_attention`` fuses attention math with its communication
 (it is not linear in any input), so it is a ``torch.autograd.Function`` with a
 hand-written backward — a ring of the same shape as the forward — as in
-:mod:`diffcomm.parallel.overlap`. That backward is first-order
-(``once_differentiable``); :func:`ulysses_attention` is built from differentiable
-all_to_alls around a differentiable local attention, so double backward works there.
+:mod:`diffcomm.parallel.overlap`. That backward is first-order: differentiating it again
+raises, whatever the loss (``diffcomm.parallel._once.first_order``);
+:func:`ulysses_attention` is built from differentiable all_to_alls around a
+differentiable local attention, so double backward works there.
+
+Modules: ``layout`` (layouts, placements, shard/unshard), ``plan`` (the ring's block
+plan), ``ring`` (the ring Function), ``ulysses`` (Ulysses, USP), ``reference`` (the
+serial reference, the dropout mask), ``args`` (the checks they share).
 """
 
 from __future__ import annotations
 
-from .layout import LAYOUTS, layout_index, shard, unshard
-from .ring import attention_reference, dropout_keep_mask, ring_attention, ring_attention_work
+from .layout import DEFAULT_LAYOUT, LAYOUTS, Placement, layout_index, placement_of, shard, unshard
+from .plan import ring_attention_work
+from .reference import attention_reference, dropout_keep_mask
+from .ring import ring_attention
 from .ulysses import ulysses_attention, usp_attention
 
 __all__ = [
@@ -59,4 +69,7 @@ __all__ = [
     "attention_reference",
     "dropout_keep_mask",
     "LAYOUTS",
+    "DEFAULT_LAYOUT",
+    "Placement",
+    "placement_of",
 ]

@@ -5,6 +5,7 @@ move tensors in and out of them (:func:`shard`, :func:`unshard`). See
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,27 +13,144 @@ from torch import Tensor
 
 from ... import backend as B
 from ..._replication import varying_by_construction
+from ..._torch import compiling, transforms_active
 from ...backend import args as A
 from ...ops import collectives as C
 
-__all__ = ["LAYOUTS", "layout_index", "shard", "unshard"]
+__all__ = ["LAYOUTS", "DEFAULT_LAYOUT", "Placement", "layout_index", "placement_of", "shard", "unshard"]
 
 PG = Any
 #: The layouts of the sequence over the ranks of a context-parallel group.
 LAYOUTS = ("contiguous", "zigzag")
+#: The one layout every context-parallel entry point (``shard``, ``unshard``,
+#: ``layout_index``, ``ring_attention``, ``usp_attention``, ``ring_attention_work``) uses
+#: when given none and the tensor carries no :class:`Placement`: the placement a plain
+#: ``x.chunk(W, dim)[rank]`` gives, and the only order :func:`ulysses_attention` takes.
+DEFAULT_LAYOUT = "contiguous"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a tensor's sequence dim is placed over a context-parallel group: what
+    :func:`shard` (and the attention ops, on their outputs) attach to the tensor they
+    return, and what the ops that consume it check.
+
+    Attributes:
+        layout: one of :data:`LAYOUTS`.
+        world: the ranks of the (ring) group the sequence is split over.
+        ulysses: the ranks of the Ulysses group of a :func:`usp_attention` placement
+            (``shard(..., ulysses_group=)``), ``None`` for a plain placement.
+    """
+
+    layout: str
+    world: int
+    ulysses: int | None = None
+
+    def describe(self) -> str:
+        usp = "" if self.ulysses is None else f", split over a Ulysses group of {self.ulysses}"
+        return f"layout={self.layout!r} over {self.world} ranks{usp}"
+
+
+_TAG = "_diffcomm_placement"
+
+
+def placed(x: Tensor, placement: Placement) -> Tensor:
+    """``x`` with ``placement`` attached (returned for chaining). A Python attribute of this
+    tensor object: it survives ``requires_grad_()`` and in-place ops, not ops that make a
+    new tensor (``detach()``, a projection, a reshape); nothing is attached under
+    ``torch.compile`` or a ``torch.func`` transform."""
+    if compiling() or transforms_active():
+        return x
+    try:
+        setattr(x, _TAG, placement)
+    except (AttributeError, RuntimeError, TypeError):  # a tensor type that takes no attributes
+        pass
+    return x
+
+
+def placement_of(x: Any) -> Placement | None:
+    """The :class:`Placement` :func:`shard` or a context-parallel op attached to ``x``
+    (``None``: none, e.g. after an op that made a new tensor)."""
+    if compiling() or not isinstance(x, Tensor):
+        return None
+    p = getattr(x, _TAG, None)
+    return p if isinstance(p, Placement) else None
+
+
+def resolve_layout(
+    op: str,
+    layout: Any,
+    tensors: dict[str, Any],
+    world: int,
+    ulysses: int | None = None,
+    *,
+    takes_layout: bool = True,
+) -> str:
+    """The layout an op uses: ``layout`` if given, else the one its tensors were placed
+    with, else :data:`DEFAULT_LAYOUT`. A sequence placed one way and used another is an
+    error, never a value: an explicit ``layout`` other than a tensor's placement, two
+    tensors placed differently, a placement over another number of ranks, or a Ulysses
+    split where none is expected (or the reverse) raise ``ValueError`` naming the argument
+    (``takes_layout=False``: the op has no ``layout`` argument, ``layout`` is its only order).
+    """
+    if layout is not None:
+        layout = check_layout(layout, op)
+    first: tuple[str, Placement] | None = None
+    for name, t in tensors.items():
+        p = placement_of(t)
+        if p is None:
+            continue
+        if first is not None and p != first[1]:
+            raise A.arg_error(
+                op,
+                name,
+                f"placed like `{first[0]}` ({first[1].describe()})",
+                f"a tensor placed with {p.describe()}",
+            )
+        first = first or (name, p)
+        if layout is not None and p.layout != layout and not takes_layout:  # the op's own order
+            raise A.arg_error(
+                op,
+                name,
+                f"placed with layout={layout!r} (the only order {op} takes)",
+                f"a tensor placed with {p.describe()}",
+            )
+        if layout is not None and p.layout != layout:
+            raise A.arg_error(
+                op,
+                "layout",
+                f"{p.layout!r}, the layout `{name}` was placed with (parallel.shard or a context-parallel "
+                "op); a sequence placed with one layout and used with another gives wrong attention",
+                repr(layout),
+            )
+        if p.world != world:
+            raise A.arg_error(
+                op, name, f"placed over this group's {world} ranks", f"a tensor placed with {p.describe()}"
+            )
+        if p.ulysses != ulysses:
+            want = (
+                "placed without a Ulysses split (shard without ulysses_group)"
+                if ulysses is None
+                else f"placed for usp_attention with a Ulysses group of {ulysses} (shard(ulysses_group=))"
+            )
+            raise A.arg_error(op, name, want, f"a tensor placed with {p.describe()}")
+    if layout is not None:
+        return layout
+    return first[1].layout if first is not None else DEFAULT_LAYOUT
+
 
 # ======================================================================================
 # layouts
 # ======================================================================================
 
 
-def _check_layout(layout: Any, op: str) -> str:
+def check_layout(layout: Any, op: str) -> str:
     if layout not in LAYOUTS:
         raise A.arg_error(op, "layout", f"one of {LAYOUTS}", repr(layout))
     return str(layout)
 
 
-def _check_cu_seqlens(cu: Any, op: str, seq_len: int | None = None) -> tuple[int, ...] | None:
+def check_cu_seqlens(cu: Any, op: str, seq_len: int | None = None) -> tuple[int, ...] | None:
     """``cu_seqlens`` as a tuple of ints (``0 = c_0 <= c_1 <= ... = total``); None stays."""
     if cu is None:
         return None
@@ -66,7 +184,7 @@ def _doc_spans(seq_len: int, cu: tuple[int, ...] | None) -> list[tuple[int, int]
     return [(a, b) for a, b in zip(cu, cu[1:], strict=False)]
 
 
-def _index_table(seq_len: int, world: int, layout: str, cu: tuple[int, ...] | None) -> Tensor:
+def index_table(seq_len: int, world: int, layout: str, cu: tuple[int, ...] | None) -> Tensor:
     """``(world, seq_local)`` int64: the global position each rank's slot holds (-1: pad)."""
     if layout == "contiguous":
         n = -(-seq_len // world) if seq_len else 0
@@ -101,7 +219,7 @@ def _index_table(seq_len: int, world: int, layout: str, cu: tuple[int, ...] | No
     return torch.stack([torch.cat(p) for p in per_rank])
 
 
-def _doc_ids(table: Tensor, seq_len: int, cu: tuple[int, ...] | None) -> Tensor:
+def doc_ids(table: Tensor, seq_len: int, cu: tuple[int, ...] | None) -> Tensor:
     """Document id of every slot of ``table`` (-1: pad)."""
     if cu is None:
         return torch.where(table >= 0, 0, -1)
@@ -110,16 +228,17 @@ def _doc_ids(table: Tensor, seq_len: int, cu: tuple[int, ...] | None) -> Tensor:
     return torch.where(table >= 0, ids, -1)
 
 
-def layout_index(seq_len: int, world: int, *, layout: str = "zigzag", cu_seqlens: Any = None) -> Tensor:
+def layout_index(seq_len: int, world: int, *, layout: str = DEFAULT_LAYOUT, cu_seqlens: Any = None) -> Tensor:
     """Which global position every rank holds under a layout.
 
     Args:
         seq_len: the global (packed) sequence length ``S``.
         world: the number of ranks ``W`` the sequence is split over.
-        layout: ``"contiguous"`` (rank ``r`` holds ``[r*n, (r+1)*n)``, ``n = ceil(S/W)``,
-            the last ranks padded) or ``"zigzag"`` (each document cut into ``2W`` chunks of
-            ``ceil(L/2W)``, its tail padded; rank ``r`` holds chunks ``r`` and
-            ``2W-1-r`` of every document, documents in order).
+        layout: ``"contiguous"`` (the default, :data:`DEFAULT_LAYOUT`: rank ``r`` holds
+            ``[r*n, (r+1)*n)``, ``n = ceil(S/W)``, the last ranks padded) or ``"zigzag"``
+            (each document cut into ``2W`` chunks of ``ceil(L/2W)``, its tail padded;
+            rank ``r`` holds chunks ``r`` and ``2W-1-r`` of every document, documents in
+            order).
         cu_seqlens: cumulative document lengths of a packed sequence (``[0, L_0,
             L_0+L_1, ..., S]``); ``None``: one document.
 
@@ -131,27 +250,29 @@ def layout_index(seq_len: int, world: int, *, layout: str = "zigzag", cu_seqlens
 
         layout_index(8, 2, layout="zigzag")
         # tensor([[0, 1, 6, 7], [2, 3, 4, 5]])
+        layout_index(8, 2)  # contiguous
+        # tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
     """
     op = "parallel.layout_index"
     seq_len = A.check_int(seq_len, op, "seq_len")
     world = A.check_int(world, op, "world")
     if seq_len < 0 or world < 1:
         raise A.arg_error(op, "seq_len/world", "seq_len >= 0 and world >= 1", (seq_len, world))
-    return _index_table(seq_len, world, _check_layout(layout, op), _check_cu_seqlens(cu_seqlens, op, seq_len))
+    return index_table(seq_len, world, check_layout(layout, op), check_cu_seqlens(cu_seqlens, op, seq_len))
 
 
-def _group_rank_world(group: A.GroupLike, op: str) -> tuple[PG, int, int]:
+def group_rank_world(group: A.GroupLike, op: str) -> tuple[PG, int, int]:
     pg = A.resolve_group(group, op)
     b = B.get_backend()
     return pg, b.rank(pg), b.world_size(pg)
 
 
-def _resolve_seq(
+def resolve_seq(
     op: str, seq_local: int, world: int, layout: str, cu_seqlens: Any, seq_len: Any, arg: str
 ) -> tuple[int, tuple[int, ...] | None, Tensor]:
     """The global length, the checked ``cu_seqlens`` and the layout table, checked against
     the local length ``seq_local`` of argument ``arg``."""
-    cu = _check_cu_seqlens(cu_seqlens, op)
+    cu = check_cu_seqlens(cu_seqlens, op)
     if cu is not None:
         if seq_len is not None and int(seq_len) != cu[-1]:
             raise A.arg_error(op, "seq_len", f"cu_seqlens[-1] = {cu[-1]} (or None)", seq_len)
@@ -162,7 +283,7 @@ def _resolve_seq(
         total = A.check_int(seq_len, op, "seq_len")
         if total < 0:
             raise A.arg_error(op, "seq_len", ">= 0", total)
-    table = _index_table(total, world, layout, cu)
+    table = index_table(total, world, layout, cu)
     if table.shape[1] != seq_local:
         raise A.arg_error(
             op,
@@ -180,7 +301,7 @@ def shard(
     dim: int = 2,
     group: A.GroupLike = None,
     *,
-    layout: str = "zigzag",
+    layout: str | None = None,
     cu_seqlens: Any = None,
     pad_value: float = 0,
     ulysses_group: A.GroupLike = None,
@@ -192,7 +313,9 @@ def shard(
             rank (it is read locally; nothing is communicated).
         dim: the sequence dimension (default 2: ``(batch, heads, seq, head_dim)``).
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        layout: ``"zigzag"`` (default) or ``"contiguous"``; see :func:`layout_index`.
+        layout: ``"contiguous"`` or ``"zigzag"`` (see :func:`layout_index`); ``None``:
+            :data:`DEFAULT_LAYOUT` (``"contiguous"``), the default of every
+            context-parallel entry point.
         cu_seqlens: cumulative document lengths of a packed sequence, or ``None``.
         pad_value: the value of padding slots (e.g. ``-1`` for position ids).
         ulysses_group: for :func:`usp_attention`: ``group`` is then the ring group, and
@@ -201,7 +324,12 @@ def shard(
             (pass ``torch.distributed.group.WORLD`` for a Ulysses group of all ranks).
 
     Returns:
-        A new tensor: ``x.shape`` with ``dim`` of size ``seq_local`` (the layout's).
+        A new tensor: ``x.shape`` with ``dim`` of size ``seq_local`` (the layout's),
+        carrying its :class:`Placement`: ``ring_attention`` / ``usp_attention`` /
+        ``ulysses_attention`` / ``unshard`` given it (or the tensor ``requires_grad_()``
+        returns) use that layout when given none, and raise when told another. Ops that
+        make a new tensor (a projection, a reshape, ``detach()``) drop it; then the
+        defaults, which agree, apply.
 
     Gradient:
         local: the gradient of slot ``i`` goes to the position it holds; other positions
@@ -217,15 +345,17 @@ def shard(
     op = "parallel.shard"
     x = A.check_tensor(x, op, "x")
     dim = A.check_dim(x, dim, op)
-    layout = _check_layout(layout, op)
-    _, rank, world = _group_rank_world(group, op)
-    cu = _check_cu_seqlens(cu_seqlens, op, x.shape[dim])
-    idx = _index_table(x.shape[dim], world, layout, cu)[rank]
+    layout = check_layout(DEFAULT_LAYOUT if layout is None else layout, op)
+    _, rank, world = group_rank_world(group, op)
+    cu = check_cu_seqlens(cu_seqlens, op, x.shape[dim])
+    idx = index_table(x.shape[dim], world, layout, cu)[rank]
+    uworld = None
     if ulysses_group is not None:
-        _, urank, uworld = _group_rank_world(ulysses_group, op)
-        sizes = _split_sizes(idx.numel(), uworld)
+        _, urank, uworld = group_rank_world(ulysses_group, op)
+        sizes = even_sizes(idx.numel(), uworld)
         idx = idx[sum(sizes[:urank]) : sum(sizes[: urank + 1])]
-    return varying_by_construction(_select(x, dim, idx.to(x.device), pad_value))
+    out = varying_by_construction(_select(x, dim, idx.to(x.device), pad_value))
+    return placed(out, Placement(layout, world, uworld))
 
 
 def _select(x: Tensor, dim: int, idx: Tensor, pad_value: float) -> Tensor:
@@ -243,7 +373,7 @@ def unshard(
     dim: int = 2,
     group: A.GroupLike = None,
     *,
-    layout: str = "zigzag",
+    layout: str | None = None,
     cu_seqlens: Any = None,
     seq_len: int | None = None,
     ulysses_group: A.GroupLike = None,
@@ -255,7 +385,9 @@ def unshard(
         x: this rank's part, ``seq_local`` along ``dim``; same shape on every rank.
         dim: the sequence dimension (default 2).
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        layout: ``"zigzag"`` (default) or ``"contiguous"``.
+        layout: ``"contiguous"`` or ``"zigzag"``; ``None``: the layout ``x`` carries
+            (:class:`Placement`, from :func:`shard` or an attention op), else
+            :data:`DEFAULT_LAYOUT`. One that disagrees with ``x``'s placement raises.
         cu_seqlens: cumulative document lengths of a packed sequence, or ``None``.
         seq_len: the global length when the parts are padded (default:
             ``cu_seqlens[-1]``, else ``world * seq_local``).
@@ -277,15 +409,16 @@ def unshard(
     op = "parallel.unshard"
     x = A.check_tensor(x, op, "x")
     dim = A.check_dim(x, dim, op)
-    layout = _check_layout(layout, op)
-    pg, _, world = _group_rank_world(group, op)
+    pg, _, world = group_rank_world(group, op)
+    uworld = None if ulysses_group is None else group_rank_world(ulysses_group, op)[2]
+    layout = resolve_layout(op, layout, {"x": x}, world, uworld)
     if ulysses_group is not None:
-        upg, _, uworld = _group_rank_world(ulysses_group, op)
+        upg, _, uworld = group_rank_world(ulysses_group, op)
         if seq_len is None and cu_seqlens is None:
             seq_len = uworld * world * x.shape[dim]
-        n_ring = _ring_local_len(op, x.shape[dim], uworld, world, layout, cu_seqlens, seq_len)
-        x = C.all_gather(x, dim, upg, split_sizes=_split_sizes(n_ring, uworld))
-    total, _, table = _resolve_seq(op, x.shape[dim], world, layout, cu_seqlens, seq_len, "x")
+        n_ring = ring_local_len(op, x.shape[dim], uworld, world, layout, cu_seqlens, seq_len)
+        x = C.all_gather(x, dim, upg, split_sizes=even_sizes(n_ring, uworld))
+    total, _, table = resolve_seq(op, x.shape[dim], world, layout, cu_seqlens, seq_len, "x")
     full = C.all_gather(x, dim, pg, split_sizes=[x.shape[dim]] * world)
     flat = table.reshape(-1)
     inv = torch.empty(total, dtype=torch.int64)
@@ -294,18 +427,18 @@ def unshard(
     return full.index_select(dim, inv.to(x.device))
 
 
-def _split_sizes(n: int, world: int) -> list[int]:
+def even_sizes(n: int, world: int) -> list[int]:
     return [n // world + (1 if r < n % world else 0) for r in range(world)]
 
 
-def _ring_local_len(
+def ring_local_len(
     op: str, seq_local: int, uworld: int, rworld: int, layout: str, cu_seqlens: Any, seq_len: Any
 ) -> int:
-    cu = _check_cu_seqlens(cu_seqlens, op)
+    cu = check_cu_seqlens(cu_seqlens, op)
     if cu is not None:
         total = cu[-1]
     elif seq_len is not None:
         total = A.check_int(seq_len, op, "seq_len")
     else:
         return seq_local * uworld
-    return _index_table(total, rworld, layout, cu).shape[1]
+    return index_table(total, rworld, layout, cu).shape[1]

@@ -1,99 +1,44 @@
-"""Ring attention: the forward and backward rings, the block plan, the fused-kernel path,
-dropout, and the serial reference. See :mod:`diffcomm.parallel.context`."""
-
-# Size: ~850 lines, over the ~600 guideline on purpose: one autograd Function
-# (``_RingAttention``, forward and backward rings ~150 lines) and what only it uses —
-# the block plan of which query/key blocks meet, the dropout mask of global coordinates,
-# the fused-kernel path and the argument checks of its public function. The layout and
-# sequence arithmetic shared with Ulysses already live in ``layout``; splitting the plan
-# or the kernels from the Function would put one ring's behaviour in three files.
+"""Ring attention: the forward and backward rings (the K/V hops, the online-softmax merge),
+the fused-kernel path and the argument checks of :func:`ring_attention`. The block plan
+(which queries meet which keys) is :mod:`~diffcomm.parallel.context.plan`, the serial
+reference and the dropout mask :mod:`~diffcomm.parallel.context.reference`, the checks
+shared with Ulysses :mod:`~diffcomm.parallel.context.args`. See
+:mod:`diffcomm.parallel.context`."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ... import _config, _torch
 from ... import backend as B
 from ..._replication import P, R, Rule, V
 from ...backend import args as A
 from ...ops import engine as _async
-from .layout import (
-    PG,
-    _check_cu_seqlens,
-    _check_layout,
-    _doc_ids,
-    _group_rank_world,
-    _index_table,
-    _resolve_seq,
-)
+from .._once import first_order
+from .args import check_causal, check_qkv, check_scale
+from .layout import PG, Placement, doc_ids, group_rank_world, placed, resolve_layout, resolve_seq
+from .plan import BlockPlan, put_add, take
+from .reference import dropout_keep_mask
 
-__all__ = ["ring_attention", "ring_attention_work", "attention_reference", "dropout_keep_mask"]
+__all__ = ["ring_attention"]
 
 _RING_TAG = (1 << 16) + 34  # p2p tag of the attention ring (user tags are < 2**16)
-
-# ======================================================================================
-# dropout: a counter-based mask of global coordinates
-# ======================================================================================
-
-_M1 = 0xFF51AFD7ED558CCD - (1 << 64)
-_M2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
-_K = (0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019, 0x2545F4914F6CDD1D, 0x1B873593)
-
-
-def _mix(h: Tensor) -> Tensor:
-    h = h ^ ((h >> 33) & ((1 << 31) - 1))
-    h = h * _M1
-    h = h ^ ((h >> 33) & ((1 << 31) - 1))
-    h = h * _M2
-    return h ^ ((h >> 33) & ((1 << 31) - 1))
-
-
-def dropout_keep_mask(
-    seed: int, batch: int, heads: int, q_positions: Tensor, k_positions: Tensor, p: float
-) -> Tensor:
-    """The attention-dropout keep mask of :func:`ring_attention` and
-    :func:`attention_reference`: a hash of ``(seed, batch, head, query position, key
-    position)``, so it is the same whichever rank computes a block and in whatever layout.
-
-    Args:
-        seed: the dropout seed.
-        batch, heads: sizes of the batch and (query) head dims.
-        q_positions, k_positions: 1-D int64 global positions.
-        p: the dropout probability.
-
-    Returns:
-        ``(batch, heads, len(q_positions), len(k_positions))`` bool, ``True`` = kept
-        (probability ``1 - p`` each, independent across entries).
-    """
-    dev = q_positions.device
-    b = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
-    h = torch.arange(heads, device=dev).view(1, -1, 1, 1)
-    qp = q_positions.to(torch.int64).view(1, 1, -1, 1)
-    kp = k_positions.to(torch.int64).view(1, 1, 1, -1)
-    s = _mix(torch.tensor(int(seed) & ((1 << 63) - 1), dtype=torch.int64, device=dev))
-    x = _mix(s + b * _K[0] + h * _K[1])
-    x = _mix(x + qp * _K[2])
-    x = _mix(x + kp * _K[3])
-    u = (x & ((1 << 24) - 1)).to(torch.float64) / float(1 << 24)
-    return u >= p
-
 
 # ======================================================================================
 # the ring
 # ======================================================================================
 
 
-class _Plan:
-    """Everything about one ring_attention call except the tensors (rank-independent
-    tables; the same object serves forward and backward)."""
+class _Plan(BlockPlan):
+    """Everything about one ring_attention call except the tensors: the block plan, and
+    the ring it travels (group, scale, dropout, heads; the same object serves forward
+    and backward)."""
 
     def __init__(
         self,
@@ -109,9 +54,8 @@ class _Plan:
         heads: int,
         kv_heads: int,
     ) -> None:
-        self.pg, self.rank, self.world = pg, rank, world
-        self.table, self.docs = table, docs
-        self.causal, self.scale = causal, scale
+        super().__init__(rank, world, table, docs, causal)
+        self.pg, self.scale = pg, scale
         self.dropout_p, self.seed = dropout_p, seed
         self.heads, self.kv_heads = heads, kv_heads
 
@@ -128,128 +72,6 @@ class _Plan:
         x = _async.wait(x)
         _record("wait", t0)
         return x
-
-    def block(self, j: int, device: torch.device) -> list[tuple[Any, ...]]:
-        """Queries of this rank x keys of rank ``j`` as a list of disjoint *pieces*
-        ``(rows, cols, allowed, q_positions, k_positions)``: one per document (documents
-        too small to be worth a piece of their own are lumped with their neighbour), trimmed
-        to the rows and cols with any allowed pair (a slice when contiguous, else an index
-        tensor); ``allowed`` is the pattern on the piece (``None`` when all allowed). An
-        empty list: nothing allowed (the block is skipped). Recomputed at each use
-        (O(seq_local^2) booleans, like one block of scores, never kept for all blocks)."""
-        qi, ki = self.table[self.rank], self.table[j]
-        qd, kd = self.docs[self.rank], self.docs[j]
-        allowed = (qd.view(-1, 1) == kd.view(1, -1)) & (qd.view(-1, 1) >= 0)
-        if self.causal:
-            allowed &= ki.view(1, -1) <= qi.view(-1, 1)
-        rows_any, cols_any = allowed.any(1), allowed.any(0)
-        groups: list[list[Any]] = []  # [rows, cols, useful area]
-        for d in torch.unique(qd[rows_any]).tolist():
-            r = ((qd == d) & rows_any).nonzero().view(-1)
-            c = ((kd == d) & cols_any).nonzero().view(-1)
-            area = r.numel() * c.numel()
-            if groups:
-                gr, gc, ga = groups[-1]
-                merged = (gr.numel() + r.numel()) * (gc.numel() + c.numel())
-                if merged <= max(1.25 * (ga + area), _LUMP_AREA):
-                    groups[-1] = [torch.cat([gr, r]), torch.cat([gc, c]), ga + area]
-                    continue
-            groups.append([r, c, area])
-        out = []
-        for r_all, c_all, _ in groups:
-            # query tiles of at most _TILE rows: the transient scores of a step are
-            # O(_TILE * seq_local), so memory stays O(S/W); each tile keeps only the
-            # columns it attends (a causal diagonal block becomes a staircase of tiles)
-            for r in _row_tiles(r_all, qi):
-                rows_allowed = allowed.index_select(0, r)
-                c = c_all[rows_allowed.index_select(1, c_all).any(0)]
-                sub = rows_allowed.index_select(1, c)
-                # the columns in runs of consecutive positions: on a run a causal tile is
-                # full or a square triangle, each one a fused kernel can take; neighbouring
-                # full runs are merged back into one piece
-                parts: list[list[Any]] = []
-                kp = ki.index_select(0, c)
-                # (also cut where the tile's first query position starts: a query tile in
-                # the middle of a causal run sees [earlier keys, full | its own triangle])
-                first = qi[r[0]]
-                for cc, ss in zip(_runs(c, kp, first), _runs(sub.t(), kp, first), strict=True):
-                    ss = ss.t()
-                    full = bool(ss.all())
-                    if full and parts and parts[-1][2]:
-                        parts[-1] = [torch.cat([parts[-1][0], cc]), torch.cat([parts[-1][1], ss], 1), True]
-                    else:
-                        parts.append([cc, ss, full])
-                for cc, ss, full in parts:
-                    out.append(
-                        (
-                            _as_slice(r),
-                            _as_slice(cc),
-                            None if full else ss.to(device),
-                            qi.index_select(0, r).to(device),
-                            ki.index_select(0, cc).to(device),
-                            not full and _is_tril(ss),
-                        )
-                    )
-        return out
-
-
-def _runs(x: Tensor, positions: Tensor, at: Tensor | None = None) -> list[Tensor]:
-    """``x`` (indexed like ``positions`` along dim 0) cut where ``positions`` stop being
-    consecutive, and before the position ``at``."""
-    brk = (positions[1:] - positions[:-1]) != 1
-    if at is not None:
-        brk |= positions[1:] == at
-    cuts = brk.nonzero().view(-1) + 1
-    return list(torch.tensor_split(x, cuts.tolist()))
-
-
-def _row_tiles(rows: Tensor, positions: Tensor) -> list[Tensor]:
-    """``rows`` cut where their global positions stop being consecutive (a zigzag rank's two
-    chunks, documents), then into tiles of at most ``_TILE``: on a run of consecutive
-    positions a causal block is [full columns | square triangle], which the fused kernel
-    takes as two pieces."""
-    pos = positions.index_select(0, rows)
-    cuts = ((pos[1:] - pos[:-1]) != 1).nonzero().view(-1) + 1
-    out = []
-    for run in torch.tensor_split(rows, cuts.tolist()):
-        out += list(run.split(_TILE))
-    return out
-
-
-def _is_tril(a: Tensor) -> bool:
-    """``a`` is square and exactly its lower triangle (diagonal included): the pattern of
-    ``is_causal`` in torch's attention kernels."""
-    n = a.shape[0]
-    return a.shape[1] == n and bool(torch.equal(a, torch.ones(n, n, dtype=torch.bool).tril()))
-
-
-#: query rows per tile of a block (bounds the transient scores of one ring step)
-_TILE = 512
-
-#: pieces of a block (documents) whose union's bounding area is at most this are lumped
-#: into one piece (one matmul instead of many tiny ones)
-_LUMP_AREA = 1024
-
-
-def _as_slice(idx: Tensor) -> slice | Tensor:
-    n = idx.numel()
-    a = int(idx[0])
-    if int(idx[-1]) - a + 1 == n:
-        return slice(a, a + n)
-    return idx
-
-
-def _take(x: Tensor, idx: slice | Tensor, dim: int) -> Tensor:
-    if isinstance(idx, slice):
-        return x.narrow(dim, idx.start, idx.stop - idx.start)
-    return x.index_select(dim, idx.to(x.device))
-
-
-def _put_add(dst: Tensor, idx: slice | Tensor, dim: int, val: Tensor) -> None:
-    if isinstance(idx, slice):
-        dst.narrow(dim, idx.start, idx.stop - idx.start).add_(val)
-    else:
-        dst.index_add_(dim, idx.to(dst.device), val)
 
 
 #: A list while :func:`_trace` is active: ``(kind, start, end)`` of every ring step's
@@ -330,7 +152,7 @@ class _Mask:
         self.is_bool = m.dtype == torch.bool
 
     def cols(self, rows: slice | Tensor, kpos: Tensor) -> Tensor:
-        return _take(self.m, rows, 3).index_select(4, kpos)
+        return take(self.m, rows, 3).index_select(4, kpos)
 
 
 def _apply_masks(s: Tensor, allowed: Tensor | None, um: Tensor | None, is_bool: bool) -> Tensor:
@@ -375,12 +197,12 @@ class _RingAttention(torch.autograd.Function):
         label = f"parallel.ring_attention step {{}}/{plan.world - 1}"
         for _, j, (kj, vj), t0 in _ring(plan, _pack(k_, v_), (k_, v_), label):
             for rows, cols, allowed, qpos, kpos, tril in plan.block(j, q.device):
-                qs = _take(q5, rows, 3)
+                qs = take(q5, rows, 3)
                 if fast and (allowed is None or tril):
-                    o_b, lse_b = _fused_fwd(qs, _take(kj, cols, 2), _take(vj, cols, 2), tril, plan.scale)
+                    o_b, lse_b = _fused_fwd(qs, take(kj, cols, 2), take(vj, cols, 2), tril, plan.scale)
                     _merge(out, lse, rows, o_b, lse_b)
                     continue
-                s = _scores(qs, _take(kj, cols, 2), plan.scale)
+                s = _scores(qs, take(kj, cols, 2), plan.scale)
                 s = _apply_masks(
                     s, allowed, None if um is None else um.cols(rows, kpos), bool(um and um.is_bool)
                 )
@@ -391,7 +213,7 @@ class _RingAttention(torch.autograd.Function):
                 lse_b = (m + torch.log(l_)).squeeze(-1)
                 if plan.dropout_p > 0:
                     p = p * _keep(plan, qpos, kpos, Bq) / (1 - plan.dropout_p)
-                o_b = torch.matmul(p, _take(vj, cols, 2).unsqueeze(2))
+                o_b = torch.matmul(p, take(vj, cols, 2).unsqueeze(2))
                 o_b = o_b / torch.where(l_ > 0, l_, torch.ones_like(l_))
                 _merge(out, lse, rows, o_b, lse_b)
             _record("compute", t0)
@@ -400,7 +222,10 @@ class _RingAttention(torch.autograd.Function):
         return out.view(Bq, Hq, Sl, Dv)
 
     @staticmethod
-    @once_differentiable
+    @first_order(
+        "parallel.ring_attention",
+        "Use ulysses_attention with a twice-differentiable attn_fn for double backward.",
+    )
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
         q, k, v, mask, out, lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
@@ -423,29 +248,29 @@ class _RingAttention(torch.autograd.Function):
         for name, j, (kj, vj), t0 in _ring(plan, _pack(k, v), (k, v), label):
             dk_j, dv_j = torch.zeros_like(k), torch.zeros_like(v)
             for rows, cols, allowed, qpos, kpos, tril in plan.block(j, q.device):
-                qs = _take(q5, rows, 3)
-                kc, vc = _take(kj, cols, 2), _take(vj, cols, 2)
+                qs = take(q5, rows, 3)
+                kc, vc = take(kj, cols, 2), take(vj, cols, 2)
                 if fast and (allowed is None or tril):
                     dq_b, dk_b, dv_b = _fused_bwd(
-                        _take(do, rows, 3),
+                        take(do, rows, 3),
                         qs,
                         kc,
                         vc,
-                        _take(out, rows, 3),
-                        _take(lse, rows, 3),
+                        take(out, rows, 3),
+                        take(lse, rows, 3),
                         tril,
                         plan.scale,
                     )
-                    _put_add(dq, rows, 3, dq_b)
-                    _put_add(dk_j, cols, 2, dk_b)
-                    _put_add(dv_j, cols, 2, dv_b)
+                    put_add(dq, rows, 3, dq_b)
+                    put_add(dk_j, cols, 2, dk_b)
+                    put_add(dv_j, cols, 2, dv_b)
                     continue
                 s = _scores(qs, kc, plan.scale)
                 s = _apply_masks(
                     s, allowed, None if um is None else um.cols(rows, kpos), bool(um and um.is_bool)
                 )
-                p = torch.exp(s - _take(lse_safe, rows, 3).unsqueeze(-1))
-                dos = _take(do, rows, 3)
+                p = torch.exp(s - take(lse_safe, rows, 3).unsqueeze(-1))
+                dos = take(do, rows, 3)
                 dp = torch.matmul(dos, vc.unsqueeze(2).transpose(-1, -2))
                 if plan.dropout_p > 0:
                     keep = _keep(plan, qpos, kpos, Bq).to(p.dtype) / (1 - plan.dropout_p)
@@ -453,10 +278,10 @@ class _RingAttention(torch.autograd.Function):
                     dp = dp * keep
                 else:
                     pd = p
-                _put_add(dv_j, cols, 2, torch.matmul(pd.transpose(-1, -2), dos).sum(2))
-                ds = p * (dp - _take(delta, rows, 3).unsqueeze(-1))
-                _put_add(dq, rows, 3, torch.matmul(ds, kc.unsqueeze(2)) * plan.scale)
-                _put_add(dk_j, cols, 2, torch.matmul(ds.transpose(-1, -2), qs).sum(2) * plan.scale)
+                put_add(dv_j, cols, 2, torch.matmul(pd.transpose(-1, -2), dos).sum(2))
+                ds = p * (dp - take(delta, rows, 3).unsqueeze(-1))
+                put_add(dq, rows, 3, torch.matmul(ds, kc.unsqueeze(2)) * plan.scale)
+                put_add(dk_j, cols, 2, torch.matmul(ds.transpose(-1, -2), qs).sum(2) * plan.scale)
                 if dmask is not None:
                     _mask_grad(dmask, ds, rows, kpos)
             _record("compute", t0)
@@ -494,12 +319,12 @@ def _ring(
 def _merge(out: Tensor, lse: Tensor, rows: slice | Tensor, o_b: Tensor, lse_b: Tensor) -> None:
     """Log-sum-exp merge of a block's ``(o_b, lse_b)`` into ``(out, lse)`` on its rows, in
     place."""
-    lse_r = _take(lse, rows, 3)
+    lse_r = take(lse, rows, 3)
     new = torch.logaddexp(lse_r, lse_b)
     safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
     w_old = torch.exp(lse_r - safe).unsqueeze(-1)
     w_new = torch.exp(lse_b - safe).unsqueeze(-1)
-    _put(out, lse, rows, _take(out, rows, 3) * w_old + o_b * w_new, new)
+    _put(out, lse, rows, take(out, rows, 3) * w_old + o_b * w_new, new)
 
 
 def _put(out: Tensor, lse: Tensor, rows: slice | Tensor, o_new: Tensor, lse_new: Tensor) -> None:
@@ -582,49 +407,12 @@ def _mask_grad(dmask: Tensor, ds: Tensor, rows: slice | Tensor, kpos: Tensor) ->
     for d in range(3):
         if dmask.shape[d] == 1 and ds.shape[d] != 1:
             red = red.sum(d, keepdim=True)
-    sub = _take(dmask, rows, 3)
+    sub = take(dmask, rows, 3)
     sub = sub.index_add(4, kpos, red)
     if isinstance(rows, slice):
         dmask[:, :, :, rows] = sub
     else:
         dmask.index_copy_(3, rows.to(dmask.device), sub)
-
-
-def _check_qkv(q: Any, k: Any, v: Any, op: str) -> tuple[Tensor, Tensor, Tensor]:
-    q = A.check_tensor(q, op, "q")
-    k = A.check_tensor(k, op, "k")
-    v = A.check_tensor(v, op, "v")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise A.arg_error(op, name, "4-D (batch, heads, seq_local, head_dim)", f"shape {tuple(t.shape)}")
-        if not t.dtype.is_floating_point:
-            raise A.arg_error(op, name, "a floating-point tensor", t.dtype, TypeError)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise A.arg_error(op, "k/v", f"of q's dtype {q.dtype}", f"{k.dtype}/{v.dtype}", TypeError)
-    if (
-        k.shape[:3] != v.shape[:3]
-        or k.shape[0] != q.shape[0]
-        or k.shape[2] != q.shape[2]
-        or k.shape[3] != q.shape[3]
-    ):
-        raise A.arg_error(
-            op,
-            "k/v",
-            f"(batch, kv_heads, seq_local, head_dim) matching q {tuple(q.shape)} in batch, sequence "
-            "and (k) head_dim, with the same kv_heads",
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}",
-        )
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise A.arg_error(op, "k", f"a number of heads dividing q's {q.shape[1]} (GQA)", k.shape[1])
-    return q, k, v
-
-
-def _check_scale(scale: Any, head_dim: int, op: str) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
-    if isinstance(scale, bool) or not isinstance(scale, int | float):
-        raise A.arg_error(op, "scale", "a float or None", type(scale).__name__, TypeError)
-    return float(scale)
 
 
 def _check_dropout(p: Any, op: str) -> float:
@@ -684,7 +472,7 @@ def ring_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
-    layout: str = "contiguous",
+    layout: str | None = None,
     cu_seqlens: Any = None,
     seq_len: int | None = None,
 ) -> Tensor:
@@ -716,7 +504,11 @@ def ring_attention(
             :mod:`diffcomm.rng` that is the same across the group). The mask is
             :func:`dropout_keep_mask` of global coordinates, so it does not depend on
             the layout or world size.
-        layout: ``"contiguous"`` (default) or ``"zigzag"`` (balanced causal work).
+        layout: ``"contiguous"`` or ``"zigzag"`` (balanced causal work); ``None``: the
+            layout ``q``/``k``/``v`` were placed with by :func:`shard` (their
+            :class:`Placement`), else ``"contiguous"`` (:data:`DEFAULT_LAYOUT`, the
+            default of every context-parallel entry point). A layout other than the
+            tensors' placement, or tensors placed differently, raise ``ValueError``.
         cu_seqlens: cumulative lengths of packed documents (``[0, ..., S]``): attention
             stays inside each document (plus ``causal``); the layout balances each document.
         seq_len: the global length ``S`` when the shards are padded (default
@@ -724,7 +516,8 @@ def ring_attention(
 
     Returns:
         ``(batch, heads, seq_local, head_dim_v)``: this rank's rows of attention over the
-        whole sequence (zero for padding and for rows that may attend nothing).
+        whole sequence (zero for padding and for rows that may attend nothing), carrying
+        the :class:`Placement` of its rows (so :func:`unshard` needs no ``layout``).
 
     Gradient:
         a backward ring: K/V travel again, with their gradient accumulators one hop
@@ -738,22 +531,21 @@ def ring_attention(
         def attend():
             torch.manual_seed(0)
             q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))     # the whole sequence
-            ql, kl, vl = (parallel.shard(t) for t in (q, k, v))        # zigzag shards
-            out = parallel.ring_attention(ql, kl, vl, causal=True, layout="zigzag")
+            ql, kl, vl = (parallel.shard(t, layout="zigzag") for t in (q, k, v))
+            out = parallel.ring_attention(ql, kl, vl, causal=True)     # zigzag: from the shards
             return parallel.unshard(out)                                # == SDPA(q, k, v)
 
         with dc.LocalWorld(2) as world:
             world.run(attend)
     """
     op = "parallel.ring_attention"
-    q, k, v = _check_qkv(q, k, v, op)
-    layout = _check_layout(layout, op)
-    if not isinstance(causal, bool):
-        raise A.arg_error(op, "causal", "a bool", type(causal).__name__, TypeError)
-    sc = _check_scale(scale, q.shape[-1], op)
+    q, k, v = check_qkv(q, k, v, op)
+    causal = check_causal(causal, op)
+    sc = check_scale(scale, q.shape[-1], op)
     p = _check_dropout(dropout_p, op)
-    pg, rank, world = _group_rank_world(group, op)
-    total, cu, table = _resolve_seq(op, q.shape[2], world, layout, cu_seqlens, seq_len, "q")
+    pg, rank, world = group_rank_world(group, op)
+    layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, world)
+    total, cu, table = resolve_seq(op, q.shape[2], world, layout, cu_seqlens, seq_len, "q")
     mask = _check_mask(attn_mask, q, total, op)
     seed = _draw_seed(dropout_seed, p, op)
     if _config.DEBUG.get():
@@ -775,89 +567,6 @@ def ring_attention(
             pg,
         )
     plan = _Plan(
-        pg, rank, world, table, _doc_ids(table, total, cu), causal, sc, p, seed, q.shape[1], k.shape[1]
+        pg, rank, world, table, doc_ids(table, total, cu), causal, sc, p, seed, q.shape[1], k.shape[1]
     )
-    return _RingAttention.apply(q, k, v, mask, plan)
-
-
-def ring_attention_work(
-    seq_len: int, world: int, *, layout: str = "zigzag", causal: bool = True, cu_seqlens: Any = None
-) -> dict[str, list[int]]:
-    """Per-rank attention work of :func:`ring_attention` (per batch element and head).
-
-    Returns:
-        ``{"computed": [...], "attended": [...]}``, one entry per rank: the number of
-        score entries the rank computes (its trimmed pieces; a causal square piece counts
-        its triangle, which is what a causal kernel computes; the FLOPs are
-        proportional), and the number of (query, key) pairs that attend.
-    """
-    op = "parallel.ring_attention_work"
-    layout = _check_layout(layout, op)
-    cu = _check_cu_seqlens(cu_seqlens, op, seq_len)
-    table = _index_table(seq_len, world, layout, cu)
-    docs = _doc_ids(table, seq_len, cu)
-    computed, attended = [], []
-    for r in range(world):
-        plan = _Plan(None, r, world, table, docs, causal, 1.0, 0.0, 0, 1, 1)
-        c = a = 0
-        for j in range(world):
-            for rows, cols, allowed, _, _, tril in plan.block(j, torch.device("cpu")):
-                nr = rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
-                nc = cols.stop - cols.start if isinstance(cols, slice) else cols.numel()
-                c += nr * (nr + 1) // 2 if tril else nr * nc
-                a += nr * nc if allowed is None else int(allowed.sum())
-        computed.append(c)
-        attended.append(a)
-    return {"computed": computed, "attended": attended}
-
-
-# ======================================================================================
-# the serial reference
-# ======================================================================================
-
-
-def attention_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = False,
-    attn_mask: Tensor | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int = 0,
-    cu_seqlens: Any = None,
-) -> Tensor:
-    """Single-process attention with the semantics of :func:`ring_attention` on the whole
-    sequence (dense, O(S^2) memory): the serial reference for tests.
-
-    Same arguments as :func:`ring_attention` with full-length tensors
-    (``(batch, heads, S, head_dim)``, ``attn_mask`` broadcastable to ``(batch, heads, S,
-    S)``). Rows that may attend nothing are zero (where SDPA returns NaN). Differentiable
-    by autograd (double backward included).
-    """
-    op = "parallel.attention_reference"
-    q, k, v = _check_qkv(q, k, v, op)
-    S = q.shape[2]
-    cu = _check_cu_seqlens(cu_seqlens, op, S)
-    sc = _check_scale(scale, q.shape[-1], op)
-    G = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    s = torch.matmul(q, kk.transpose(-1, -2)) * sc
-    pos = torch.arange(S, device=q.device)
-    docs = _doc_ids(pos, S, cu).to(q.device)
-    allowed = docs.view(-1, 1) == docs.view(1, -1)
-    if causal:
-        allowed &= pos.view(1, -1) <= pos.view(-1, 1)
-    s = s.masked_fill(~allowed, float("-inf"))
-    if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
-    m = s.amax(-1, keepdim=True).detach()
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    e = torch.exp(s - m)
-    den = e.sum(-1, keepdim=True)
-    w = e / torch.where(den > 0, den, torch.ones_like(den))
-    if dropout_p > 0:
-        keep = dropout_keep_mask(dropout_seed, q.shape[0], q.shape[1], pos, pos, dropout_p)
-        w = w * keep / (1 - dropout_p)
-    return torch.matmul(w, vv)
+    return placed(_RingAttention.apply(q, k, v, mask, plan), Placement(layout, world))

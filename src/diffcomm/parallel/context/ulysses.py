@@ -10,10 +10,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..._replication import P, R, Rule, V
 from ...backend import args as A
 from ...ops import collectives as C
-from .layout import PG, _check_layout, _group_rank_world, _ring_local_len, _split_sizes
-from .ring import _check_qkv, _check_scale, ring_attention
+from .args import check_causal, check_qkv, check_scale
+from .layout import (
+    PG,
+    Placement,
+    even_sizes,
+    group_rank_world,
+    placed,
+    resolve_layout,
+    ring_local_len,
+)
+from .ring import ring_attention
 
 __all__ = ["ulysses_attention", "usp_attention"]
 
@@ -24,6 +34,46 @@ __all__ = ["ulysses_attention", "usp_attention"]
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    """The entry of Ulysses (and USP) attention: identity on this rank's sequence piece,
+    stating the typing rule the all_to_alls after it cannot: ``q``, ``k``, ``v`` are this
+    rank's *piece* of the sequence (varying). The whole sequence on every rank
+    (replicated) is refused under ``dc.spmd_check``, as ring attention refuses it —
+    all_to_alls would take it for ``W`` pieces of a ``W`` times longer sequence."""
+
+    generate_vmap_rule = True
+    spmd = Rule(
+        {V: V},
+        group="pg",
+        backward="identity (the all_to_alls' adjoints follow)",
+        refuse={
+            R: "q, k, v must be this rank's piece of the sequence, not the whole sequence "
+            "(shard it first: parallel.shard; declare per-rank data varying)",
+            P: "reduce it first",
+        },
+    )
+
+    @staticmethod
+    def forward(x: Tensor, pg: PG) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return g, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: Tensor, _: Any) -> Tensor:
+        return t
+
+
+def _pieces(q: Tensor, k: Tensor, v: Tensor, pg: PG) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(_UlyssesAttention.apply(t, pg) for t in (q, k, v))
 
 
 def _gathered_sizes(n: int, pg: PG, world: int) -> list[int]:
@@ -45,7 +95,12 @@ def ulysses_attention(
     """Attention with the sequence split across ``group`` by all_to_all (DeepSpeed-Ulysses).
 
     Rank ``r`` holds a contiguous piece of the sequence (pieces in rank order, sizes may
-    differ). ``q`` and ``k``/``v`` go through an ``all_to_all`` from sequence-sharded to
+    differ): the ``"contiguous"`` layout (:data:`DEFAULT_LAYOUT`) when they are equal. A
+    tensor :func:`shard` placed with another layout (or for :func:`usp_attention`) raises
+    ``ValueError``; the whole sequence on every rank is refused under ``dc.spmd_check``
+    (as :func:`ring_attention` refuses it).
+
+    ``q`` and ``k``/``v`` go through an ``all_to_all`` from sequence-sharded to
     head-sharded — rank ``r`` gets the heads of its share (``ceil``/``floor`` of
     ``heads / W``, no padding) over the **whole** sequence — ``attn_fn`` runs locally, and
     an ``all_to_all`` brings the output back to sequence-sharded. KV heads are sent to
@@ -78,11 +133,12 @@ def ulysses_attention(
             # [torch.Size([1, 3, 5, 8]), torch.Size([1, 3, 5, 8])]
     """
     op = "parallel.ulysses_attention"
-    q, k, v = _check_qkv(q, k, v, op)
-    sc = _check_scale(scale, q.shape[-1], op)
-    if not isinstance(causal, bool):
-        raise A.arg_error(op, "causal", "a bool", type(causal).__name__, TypeError)
-    pg, rank, world = _group_rank_world(group, op)
+    q, k, v = check_qkv(q, k, v, op)
+    sc = check_scale(scale, q.shape[-1], op)
+    causal = check_causal(causal, op)
+    pg, rank, world = group_rank_world(group, op)
+    # pieces in rank order: the contiguous layout; a tensor placed otherwise is refused
+    resolve_layout(op, "contiguous", {"q": q, "k": k, "v": v}, world, takes_layout=False)
     if seq_lens is None:
         lens = _gathered_sizes(q.shape[2], pg, world)
     else:
@@ -94,7 +150,9 @@ def ulysses_attention(
     def local(qh: Tensor, kh: Tensor, vh: Tensor) -> Tensor:
         return fn(qh, kh, vh, is_causal=causal, scale=sc)
 
-    return _ulysses(q, k, v, pg, rank, world, lens, local)
+    out = _ulysses(*_pieces(q, k, v, pg), pg, rank, world, lens, local)
+    # equal pieces are the contiguous layout (unshard takes them without `layout`)
+    return placed(out, Placement("contiguous", world)) if len(set(lens)) == 1 else out
 
 
 def _ulysses(
@@ -109,7 +167,7 @@ def _ulysses(
 ) -> Tensor:
     Hq, Hk = q.shape[1], k.shape[1]
     G = Hq // Hk
-    hs = _split_sizes(Hq, world)
+    hs = even_sizes(Hq, world)
     starts = [sum(hs[:r]) for r in range(world)]
     # the KV heads rank r needs: those of its query heads [starts[r], starts[r] + hs[r])
     need = [sorted({h // G for h in range(starts[r], starts[r] + hs[r])}) for r in range(world)]
@@ -172,7 +230,7 @@ def usp_attention(
     *,
     causal: bool = False,
     scale: float | None = None,
-    layout: str = "zigzag",
+    layout: str | None = None,
     cu_seqlens: Any = None,
     seq_len: int | None = None,
 ) -> Tensor:
@@ -190,7 +248,9 @@ def usp_attention(
         ulysses_group, ring_group: the two groups (``ProcessGroup`` or ``(DeviceMesh,
             axis)``); every rank belongs to one of each, they cross.
         causal, scale, layout, cu_seqlens, seq_len: as in :func:`ring_attention`
-            (``seq_len`` default: ``U * R * seq_local``).
+            (``seq_len`` default: ``U * R * seq_local``; ``layout`` default: the one the
+            tensors were placed with by ``shard(..., ulysses_group=)``, else
+            ``"contiguous"``).
 
     Returns:
         ``(batch, heads, seq_local, head_dim_v)``.
@@ -199,12 +259,12 @@ def usp_attention(
         the all_to_alls' adjoints around the ring's backward (first order).
     """
     op = "parallel.usp_attention"
-    q, k, v = _check_qkv(q, k, v, op)
-    layout = _check_layout(layout, op)
-    upg, urank, uworld = _group_rank_world(ulysses_group, op)
-    rpg, _, rworld = _group_rank_world(ring_group, op)
-    n_ring = _ring_local_len(op, q.shape[2], uworld, rworld, layout, cu_seqlens, seq_len)
-    lens = _split_sizes(n_ring, uworld)
+    q, k, v = check_qkv(q, k, v, op)
+    upg, urank, uworld = group_rank_world(ulysses_group, op)
+    rpg, _, rworld = group_rank_world(ring_group, op)
+    layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, rworld, uworld)
+    n_ring = ring_local_len(op, q.shape[2], uworld, rworld, layout, cu_seqlens, seq_len)
+    lens = even_sizes(n_ring, uworld)
     if lens[urank] != q.shape[2]:
         raise A.arg_error(
             op, "q", f"{lens[urank]} local positions (of {n_ring} on this ring rank)", q.shape[2]
@@ -217,4 +277,5 @@ def usp_attention(
             qh, kh, vh, rpg, causal=causal, scale=scale, layout=layout, cu_seqlens=cu_seqlens, seq_len=seq_len
         )
 
-    return _ulysses(q, k, v, upg, urank, uworld, lens, local)
+    out = _ulysses(*_pieces(q, k, v, upg), upg, urank, uworld, lens, local)
+    return placed(out, Placement(layout, rworld, uworld))
