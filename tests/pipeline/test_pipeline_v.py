@@ -81,7 +81,9 @@ def test_zbv_is_valid_and_holds_2p_chunk_activations(p: int, m: int) -> None:
     sched = zbv_schedule(p, m)
     check_schedule(sched, p, m, 2, "v")
     for steps in sched:
-        assert sorted(map(str, steps)) == sorted(str(Step(k, i, c)) for k in "FIW" for i in range(m) for c in (0, 1))
+        assert sorted(map(str, steps)) == sorted(
+            str(Step(k, i, c)) for k in "FIW" for i in range(m) for c in (0, 1)
+        )
         assert max_in_flight(steps) <= 2 * p  # p micro-batches of a full stage (1F1B's rank 0)
     # not valid in the loop placement (rank 0's chunk 1 is the last stage there too, but
     # rank p-1's chunk 1 would wait for rank p-2's chunk 0 output...): the placement matters
@@ -97,7 +99,7 @@ def test_dualpipev_is_valid_and_overlaps_its_steady_state(p: int, m_per: int, ex
     m = m_per * p + extra
     sched = dualpipev_schedule(p, m)
     check_schedule(sched, p, m, 2, "v")
-    for r, steps in enumerate(sched):
+    for steps in sched:
         flat = expand_steps(steps)
         assert sorted((st.micro, st.chunk) for st in flat if st.kind == "F") == sorted(
             (i, c) for i in range(m) for c in (0, 1)
@@ -161,8 +163,9 @@ F, B_, I_, W_ = (lambda m, c=0, k=k: Step(k, m, c) for k in "FBIW")
     ("schedule", "n_stages", "n_chunks", "match"),
     [
         # a backward before its forward
-        ([[F(0), F(0, 1), I_(0, 1), W_(0, 1), I_(0), W_(0)], [I_(0, 1), F(0), F(0, 1), W_(0, 1), I_(0), W_(0)]],
-         2, 2, r"each F before its I, got stage 1 chunk 1: I0 first"),
+        ([[F(0), F(0, 1), I_(0, 1), W_(0, 1), I_(0), W_(0)],
+          [I_(0, 1), F(0), F(0, 1), W_(0, 1), I_(0), W_(0)]], 2, 2,
+         r"each F before its I, got stage 1 chunk 1: I0 first"),
         # a missing W
         ([[F(0), F(0, 1), I_(0, 1), W_(0, 1), I_(0), W_(0)], [F(0), F(0, 1), I_(0, 1), W_(0, 1), I_(0)]],
          2, 2, r"one backward per micro-batch \(B, or I and W\); micro-batch 0, got stage 1: \['I0'\]"),
@@ -173,7 +176,8 @@ F, B_, I_, W_ = (lambda m, c=0, k=k: Step(k, m, c) for k in "FBIW")
         ([[F(0), F(0, 1), B_(0, 1), B_(0)], [F(0, 1), F(0), B_(0, 1), B_(0)]], 2, 2,
          r"deadlock: .*stage 1 step 0 \(F0c1\) waits for the activation F0 of virtual stage 1 \(rank 1\)"),
         # an overlap must pair a forward with a backward
-        ([[Overlap(F(0), F(0, 1))], [F(0), F(0, 1)]], 2, 2, r"an Overlap of an F and a B or I, got stage 0 step 0"),
+        ([[Overlap(F(0), F(0, 1))], [F(0), F(0, 1)]], 2, 2,
+         r"an Overlap of an F and a B or I, got stage 0 step 0"),
     ],
 )  # fmt: skip
 def test_validator_refuses_bad_v_schedules_with_rank_step_and_reason(
@@ -218,7 +222,9 @@ def _parity_v(schedule: str, ms: list[int], costs: object = None) -> list[int]:
         if rank == 0:
             torch.testing.assert_close(runner.input_grad, xs.grad, rtol=1e-12, atol=1e-14)
         flat = expand_steps(ran)
-        assert [(e.kind, e.micro, e.chunk) for e in runner.timeline] == [(s.kind, s.micro, s.chunk) for s in flat]
+        assert [(e.kind, e.micro, e.chunk) for e in runner.timeline] == [
+            (s.kind, s.micro, s.chunk) for s in flat
+        ]
         fused = {(s.kind, s.micro, s.chunk) for o in ran if isinstance(o, Overlap)
                  for s in (o.forward, o.backward)}  # fmt: skip
         assert {(e.kind, e.micro, e.chunk) for e in runner.timeline if e.overlap} == fused
@@ -249,14 +255,18 @@ def _parity_zb_measured() -> None:
     model = _mlp(depth=p)
     serial = copy.deepcopy(model)
     x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
-    runner = PipelineRunner(partition(model, p)[rank], "zb-h1", loss_fn=nn.functional.mse_loss, costs="measure")
+    runner = PipelineRunner(
+        partition(model, p)[rank], "zb-h1", loss_fn=nn.functional.mse_loss, costs="measure"
+    )
     for _ in range(2):
         for q in model.parameters():
             q.grad = None
         runner.step(x, y, n_micro=4)
     assert runner._measured is not None
     nn.functional.mse_loss(serial(x), y).backward()
-    for a, b in zip(partition(model, p)[rank].parameters(), partition(serial, p)[rank].parameters(), strict=True):
+    for a, b in zip(
+        partition(model, p)[rank].parameters(), partition(serial, p)[rank].parameters(), strict=True
+    ):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14)
 
 

@@ -234,7 +234,9 @@ class PipelineRunner:
         self.last_rank = 0 if self.placement == "v" else self.n_stages - 1
         self.is_first, self.is_last = self.rank == 0, self.rank == self.last_rank
         if not (costs is None or costs == "measure" or isinstance(costs, (dict, list, tuple))):
-            raise A.arg_error("PipelineRunner", "costs", 'None, "measure" or step times', repr(costs), TypeError)
+            raise A.arg_error(
+                "PipelineRunner", "costs", 'None, "measure" or step times', repr(costs), TypeError
+            )
         self.costs = costs
         self._measured: list[dict[str, float]] | None = None
         if self.is_last and loss_fn is None:

@@ -345,7 +345,13 @@ def zb_h1_schedule(
 
 
 def _place_w(
-    base: list[list[Step]], p: int, v: int, cap: list[int], cost: list[dict[str, float]], placement: str, tune: bool
+    base: list[list[Step]],
+    p: int,
+    v: int,
+    cap: list[int],
+    cost: list[dict[str, float]],
+    placement: str,
+    tune: bool,
 ) -> list[list[Step]]:
     """The ``W`` placement of :func:`_fill_with_w`; with ``tune`` (given step times) the
     best, by the simulated step time under ``cost``, of three greedy rules: ``W`` in every
@@ -402,7 +408,8 @@ def _fill_with_w(
     due yet)."""
     last = p * v - 1
     order = [
-        [Step("I", s.micro, s.chunk) if s.kind == "B" else s for s in steps if s.kind != "W"] for steps in base
+        [Step("I", s.micro, s.chunk) if s.kind == "B" else s for s in steps if s.kind != "W"]
+        for steps in base
     ]
     out: list[list[Step]] = [[] for _ in range(p)]
     pc, live = [0] * p, [0] * p
@@ -427,9 +434,7 @@ def _fill_with_w(
         best: tuple[float, int, bool] | None = None  # (start time, rank, is W)
         for r in range(p):
             t = ready(r) if pc[r] < len(order[r]) else None
-            if t is not None and (
-                not pending[r] or t <= free[r] or (fit and free[r] + cost[r]["W"] > t)
-            ):
+            if t is not None and (not pending[r] or t <= free[r] or (fit and free[r] + cost[r]["W"] > t)):
                 cand = (t, r, False)
             elif pending[r]:
                 cand = (free[r], r, True)
@@ -460,9 +465,7 @@ def _fill_with_w(
 def _check_v(n_stages: Any, n_micro: Any, n_chunks: Any, op: str) -> tuple[int, int]:
     n_stages, n_micro, n_chunks = _check_counts(n_stages, n_micro, n_chunks, op)
     if n_chunks != 2:
-        raise A.arg_error(
-            op, "n_chunks", "2 (V placement: rank r holds stages r and 2p-1-r)", n_chunks
-        )
+        raise A.arg_error(op, "n_chunks", "2 (V placement: rank r holds stages r and 2p-1-r)", n_chunks)
     if n_stages < 2:
         raise A.arg_error(op, "n_stages", "an int >= 2 (V placement)", n_stages)
     return n_stages, n_micro
@@ -495,8 +498,8 @@ def zbv_schedule(
 
     Example::
 
-        >>> zbv_schedule(2, 2)
-        [[F0, F1, F0c1, I0c1, W0c1, F1c1, I1c1, W1c1, I0, W0, I1, W1], [F0, F0c1, I0c1, W0c1, F1, I0, W0, F1c1, I1c1, W1c1, I1, W1]]
+        >>> zbv_schedule(2, 2)[1]
+        [F0, F0c1, F1, F1c1, I0c1, W0c1, I0, W0, I1c1, W1c1, I1, W1]
     """
     p, m = _check_v(n_stages, n_micro, n_chunks, "zbv_schedule")
     cost = _check_costs(costs, p, "zbv_schedule")
@@ -557,7 +560,7 @@ def dualpipev_schedule(n_stages: int, n_micro: int, n_chunks: int = 2) -> list[l
     Example::
 
         >>> dualpipev_schedule(2, 4)[1]
-        [F0, F0c1, F1, F1c1, (F2;B0c1), (F2c1;B0), (F3;B1c1), (F3c1;B1), B2c1, B2, I3c1, I3, W3c1, W3]
+        [F0, F0c1, F1, F1c1, F2, B0c1, (F2c1;B0), (F3;B1c1), (F3c1;B1), B2c1, B2, I3c1, I3, W3c1, W3]
     """
     p, m = _check_v(n_stages, n_micro, n_chunks, "dualpipev_schedule")
     if m < 2 * p:
