@@ -239,6 +239,7 @@ class PipelineRunner:
             )
         self.costs = costs
         self._measured: list[dict[str, float]] | None = None
+        self._validated: dict[tuple[int, str], list[list[Step | Overlap]]] = {}
         if self.is_last and loss_fn is None:
             raise A.arg_error(
                 "PipelineRunner", "loss_fn", "a loss function on the last stage", None, TypeError
@@ -246,6 +247,7 @@ class PipelineRunner:
         if loss_fn is not None and not callable(loss_fn):
             raise A.arg_error("PipelineRunner", "loss_fn", "callable", type(loss_fn).__name__, TypeError)
         self.chunks = chunks
+        self._gs = [virtual_stage(self.rank, c, self.n_stages, self.placement) for c in range(self.n_chunks)]
         self.stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         self.loss_fn = loss_fn
         self.broadcast_loss = bool(broadcast_loss)
@@ -281,11 +283,18 @@ class PipelineRunner:
         :func:`~diffcomm.pipeline.check_schedule` (a ``ScheduleError`` names the step)."""
         costs = self._measured if self.costs == "measure" else self.costs
         kw = {} if costs is None else {"costs": costs}
-        if self.n_chunks == 1 and self._schedule_fn not in SCHEDULES.values():
+        builtin = self._schedule_fn in SCHEDULES.values()
+        # a built-in generator is a pure function of its arguments: validated once per key
+        key = (n_micro, repr(costs)) if builtin else None
+        if key is not None and key in self._validated:
+            return [list(steps) for steps in self._validated[key]]
+        if self.n_chunks == 1 and not builtin:
             sched = self._schedule_fn(self.n_stages, n_micro, **kw)  # a user's (p, m) function
         else:
             sched = self._schedule_fn(self.n_stages, n_micro, self.n_chunks, **kw)
         check_schedule(sched, self.n_stages, n_micro, self.n_chunks, self.placement)
+        if key is not None:
+            self._validated = {key: sched}  # the last one only (n_micro may change every step)
         return sched
 
     def steps(self, n_micro: int) -> list[Step | Overlap]:
@@ -294,7 +303,7 @@ class PipelineRunner:
 
     # ---- virtual stages --------------------------------------------------------------
     def _g(self, chunk: int) -> int:
-        return virtual_stage(self.rank, chunk, self.n_stages, self.placement)
+        return self._gs[chunk]
 
     def _last_g(self) -> int:
         return self.n_stages * self.n_chunks - 1
