@@ -262,7 +262,11 @@ def _parity_zb_measured() -> None:
         for q in model.parameters():
             q.grad = None
         runner.step(x, y, n_micro=4)
-    assert runner._measured is not None
+    measured = runner._measured  # profiled in the first (warm-up) step, then kept
+    assert measured is not None and all(t["F"] > 0 and t["W"] > 0 for t in measured)
+    assert runner.schedule(4) == zb_h1_schedule(p, 4, costs=measured)  # W placed by them
+    runner.remeasure()
+    assert runner.schedule(4) == zb_h1_schedule(p, 4)  # the next step profiles again
     nn.functional.mse_loss(serial(x), y).backward()
     for a, b in zip(
         partition(model, p)[rank].parameters(), partition(serial, p)[rank].parameters(), strict=True

@@ -147,9 +147,10 @@ class PipelineRunner:
             measured in ``docs/pipeline.md``).
         costs: step times for a schedule that places ``W`` steps by them (``"zb-h1"``,
             ``"zbv"``): ``None`` (unit times; ZB-V: torch's order), a mapping (or one per
-            rank) ``{"F", "I", "W"}``, or ``"measure"``: each step's measured median busy
-            times of every rank (one small all-reduce per step) place the next step's ``W``
-            steps (the first step runs with unit times: the warm-up).
+            rank) ``{"F", "I", "W"}``, or ``"measure"``: the first step (the warm-up, run
+            with unit times) measures every rank's median busy time per kind (one small
+            all-reduce, once), and every later step's ``W`` steps are placed by them
+            (:meth:`remeasure` profiles again on the next step).
 
     Attributes:
         timeline: after a step, a list of :class:`TimelineEntry`, one per executed step.
@@ -326,9 +327,14 @@ class PipelineRunner:
             return r - 1, self.tag + 1
         return (r + 1) % p, self.tag + chunk
 
+    def remeasure(self) -> None:
+        """Profile the step times again: the next step runs with unit-time placement and
+        measures; the steps after it place ``W`` by the new times (``costs="measure"``)."""
+        self._measured = None
+
     def _measure(self) -> None:
         """Every rank's median busy time per step kind (``F``, ``I``, ``W``) of the step
-        just run, shared by one all-reduce: the next step's schedule places ``W`` by them."""
+        just run, shared by one all-reduce: later steps' schedules place ``W`` by them."""
         row = torch.zeros(self.n_stages, 3, dtype=torch.float64)
         for j, kind in enumerate("FIW"):
             times = sorted(e.busy for e in self.timeline if e.kind == kind)
@@ -413,10 +419,10 @@ class PipelineRunner:
         if self.broadcast_loss and self.n_stages > 1:
             be = B.get_backend()
             out = be.broadcast(total.to(be.comm_device(self.pg)), self.last_rank, self.pg)
-            if self.costs == "measure":
+            if self.costs == "measure" and self._measured is None:
                 self._measure()
             return out.cpu()
-        if self.costs == "measure" and self.n_stages > 1:
+        if self.costs == "measure" and self._measured is None and self.n_stages > 1:
             self._measure()
         return total if self.is_last else None
 
