@@ -48,6 +48,7 @@ rank sends (its next activations go plainly, which any receive takes).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,8 +68,9 @@ from .schedules import SCHEDULES, Overlap, ScheduleFn, Step, expand_steps, sched
 from .timeline import TimelineEntry
 from .validate import check_schedule
 
-# Size: ~690 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
-# split backward, pre-posted receives and the V placement's local turn share one step's state.
+# Size: ~750 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# split backward, pre-posted receives, the V placement's local turn and the phased forward of
+# an Overlap share one step's state.
 
 __all__ = ["PipelineRunner"]
 
@@ -440,31 +442,74 @@ class PipelineRunner:
         total: Tensor,
         fused: list[bool],
     ) -> None:
-        for k, st in enumerate(steps):
-            nxt = steps[k + 1] if k + 1 < len(steps) else None
-            # the receive waits by the host clock (no comms logger: it would synchronise
-            # the device around every raw op on a GPU)
-            waited = _recv_wait_seconds()
-            self._grad_sent_at = None
-            start = time.perf_counter()
-            if st.kind == "F":
-                loss_m = self._forward(st, in_chunks, tgt_chunks, n_micro, stash, input_grad, nxt)
-                if loss_m is not None:
-                    total += loss_m.detach().to(total.device, torch.float64)
-            else:
-                self._prepost(nxt, stash)
-                if st.kind == "B":
-                    self._backward(st, stash)
-                elif st.kind == "I":
-                    self._backward_input(st, stash)
-                else:
-                    self._backward_weight(st, stash)
-            end = time.perf_counter()
-            wait = _recv_wait_seconds() - waited
-            # a split B's receives all come before its input gradient leaves (W receives nothing)
-            sent = None if self._grad_sent_at is None else max(0.0, self._grad_sent_at - start - wait)
-            self.timeline.append(TimelineEntry(st.kind, st.micro, start, end, wait, st.chunk, sent, fused[k]))
+        inner: list[TimelineEntry] = []  # the entry of a backward run inside a phased forward
+
+        def run_inner(k: int) -> None:  # the backward of an Overlap, run between the forward's phases
+            self._run_one(k, steps, in_chunks, tgt_chunks, n_micro, stash, input_grad, total, fused, None)
+            inner.append(self.timeline.pop())
+
+        k = 0
+        while k < len(steps):
+            st = steps[k]
+            phased = (
+                fused[k]
+                and st.kind == "F"
+                and hasattr(self.chunks[st.chunk], "forward_phases")
+                and k + 1 < len(steps)
+                and (steps[k + 1].micro, steps[k + 1].chunk) != (st.micro, st.chunk)
+            )
+            self._run_one(
+                k, steps, in_chunks, tgt_chunks, n_micro, stash, input_grad, total, fused,
+                functools.partial(run_inner, k + 1) if phased else None,
+            )  # fmt: skip
+            if phased:
+                e = self.timeline[-1]  # the forward's busy time excludes the backward inside it
+                b = inner.pop()
+                e.start, e.wait = min(e.end, e.start + (b.end - b.start)), max(0.0, e.wait - b.wait)
+                self.timeline.append(b)
+                k += 1
+            k += 1
         p2p.wait_sends()
+
+    def _run_one(
+        self,
+        k: int,
+        steps: list[Step],
+        in_chunks: list[Tensor] | None,
+        tgt_chunks: list[Tensor] | None,
+        n_micro: int,
+        stash: dict[tuple[int, int], _Stash],
+        input_grad: bool,
+        total: Tensor,
+        fused: list[bool],
+        between: Callable[[], None] | None,
+    ) -> None:
+        """Run step ``k`` and append its timeline entry; ``between``: run it between the
+        phases of a forward whose chunk has ``forward_phases`` (the overlap hook)."""
+        st = steps[k]
+        nxt = steps[k + 1] if k + 1 < len(steps) else None
+        # the receive waits by the host clock (no comms logger: it would synchronise
+        # the device around every raw op on a GPU)
+        waited = _recv_wait_seconds()
+        self._grad_sent_at = None
+        start = time.perf_counter()
+        if st.kind == "F":
+            loss_m = self._forward(st, in_chunks, tgt_chunks, n_micro, stash, input_grad, nxt, between)
+            if loss_m is not None:
+                total += loss_m.detach().to(total.device, torch.float64)
+        else:
+            self._prepost(nxt, stash)
+            if st.kind == "B":
+                self._backward(st, stash)
+            elif st.kind == "I":
+                self._backward_input(st, stash)
+            else:
+                self._backward_weight(st, stash)
+        end = time.perf_counter()
+        wait = _recv_wait_seconds() - waited
+        # a split B's receives all come before its input gradient leaves (W receives nothing)
+        sent = None if self._grad_sent_at is None else max(0.0, self._grad_sent_at - start - wait)
+        self.timeline.append(TimelineEntry(st.kind, st.micro, start, end, wait, st.chunk, sent, fused[k]))
 
     def _split(self, t: Tensor | None, n_micro: int, arg: str) -> list[Tensor]:
         if t is None:
@@ -510,6 +555,7 @@ class PipelineRunner:
         stash: dict[tuple[int, int], _Stash],
         input_grad: bool,
         nxt: Step | None,
+        between: Callable[[], None] | None = None,
     ) -> Tensor | None:
         m, c = st.micro, st.chunk
         g = self._g(c)
@@ -559,7 +605,17 @@ class PipelineRunner:
             return t.detach()  # autograd restores the graph metadata when unpacking
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-            y = self.chunks[c](x)
+            if between is None:
+                y = self.chunks[c](x)
+            else:  # the overlap hook: phase 1, the other step, the rest
+                phases = self.chunks[c].forward_phases(x)  # type: ignore[operator]
+                try:
+                    next(phases)
+                    between()  # a backward saves no tensors: the hooks see nothing of it
+                    while True:
+                        next(phases)
+                except StopIteration as done:
+                    y = done.value
             if g == self._last_g():
                 assert self.loss_fn is not None
                 tgt = None if tgt_chunks is None else tgt_chunks[m]

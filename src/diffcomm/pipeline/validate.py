@@ -39,7 +39,8 @@ def check_schedule(
 
     1. shape: ``n_stages`` lists of :class:`Step` (or :class:`Overlap` of an ``F`` and a
        ``B``/``I``, checked as the two steps in that order) with ``micro`` in ``[0,
-       n_micro)`` and ``chunk`` in ``[0, n_chunks)``; with ``placement="v"`` exactly two
+       n_micro)`` and ``chunk`` in ``[0, n_chunks)`` (an ``Overlap`` starts when what
+       both halves need is there and sends both outputs at its end); with ``placement="v"`` exactly two
        chunks per rank (rank ``r`` holds stages ``r`` and ``2p - 1 - r``: an even number
        of virtual stages);
     2. every send has its receive: on every rank, each (micro-batch, chunk) has exactly
@@ -100,7 +101,7 @@ def check_schedule(
         for c in range(v):
             _check_chunk(s, c, [(i, st) for i, st in enumerate(mine) if st.chunk == c], n_micro)
         flat.append(mine)
-    _check_no_deadlock(flat, p, v, placement)
+    _check_no_deadlock(schedule, p, v, placement)
 
 
 def _check_chunk(s: int, c: int, steps: list[tuple[int, Step]], n_micro: int) -> None:
@@ -172,24 +173,39 @@ def walk(
     return pc
 
 
-def _check_no_deadlock(schedule: Sequence[Sequence[Step]], p: int, v: int, placement: str) -> None:
+def _check_no_deadlock(schedule: Sequence[Sequence[Step | Overlap]], p: int, v: int, placement: str) -> None:
+    """Simulate the ranks; an :class:`Overlap` is one step: it starts when what both its
+    halves need is there, and what both make leaves at its end (torch's ``OVERLAP_F_B``;
+    the runner may run the backward between the forward's phases)."""
     last = p * v - 1
     done: set[tuple[str, int, int]] = set()  # ("F" | "G", virtual stage, micro); G: gradient sent
-
-    def run(r: int, st: Step, _: object) -> None:
-        out = makes(r, st, p, placement)
-        if out is not None:
-            done.add(out)
-
-    pc = walk(schedule, p, last, done, run, placement)
+    pc = [0] * p
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while pc[r] < len(schedule[r]):
+                st = schedule[r][pc[r]]
+                parts = (st.forward, st.backward) if isinstance(st, Overlap) else (st,)
+                deps = [needs(r, x, p, last, placement) for x in parts]
+                if any(d is not None and d not in done for d in deps):
+                    break
+                for x in parts:
+                    out = makes(r, x, p, placement)
+                    if out is not None:
+                        done.add(out)
+                pc[r] += 1
+                moved = True
     stuck = [r for r in range(p) if pc[r] < len(schedule[r])]
     if not stuck:
         return
     lines = []
     for r in stuck:
         st = schedule[r][pc[r]]
-        dep = needs(r, st, p, last, placement)
-        assert dep is not None
+        parts = (st.forward, st.backward) if isinstance(st, Overlap) else (st,)
+        dep = next(
+            d for d in (needs(r, x, p, last, placement) for x in parts) if d is not None and d not in done
+        )
         what, g, m = dep
         src = stage_owner(g, p, placement)[0]
         lines.append(
