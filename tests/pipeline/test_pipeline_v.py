@@ -165,10 +165,11 @@ F, B_, I_, W_ = (lambda m, c=0, k=k: Step(k, m, c) for k in "FBIW")
         # a backward before its forward
         ([[F(0), F(0, 1), I_(0, 1), W_(0, 1), I_(0), W_(0)],
           [I_(0, 1), F(0), F(0, 1), W_(0, 1), I_(0), W_(0)]], 2, 2,
-         r"each F before its I, got stage 1 chunk 1: I0 first"),
+         r"each F before its I, got stage 1 chunk 1: I0 first \(step 0; F0 at step 2\)"),
         # a missing W
         ([[F(0), F(0, 1), I_(0, 1), W_(0, 1), I_(0), W_(0)], [F(0), F(0, 1), I_(0, 1), W_(0, 1), I_(0)]],
-         2, 2, r"one backward per micro-batch \(B, or I and W\); micro-batch 0, got stage 1: \['I0'\]"),
+         2, 2, r"one backward per micro-batch \(B, or I and W\); micro-batch 0, got stage 1: \['I0'\] "
+         r"\(its last step at step 4\)"),
         # V placement on an odd number of virtual stages (one chunk per rank)
         ([[F(0), B_(0)], [F(0), B_(0)], [F(0), B_(0)]], 3, 1,
          r"V placement with exactly 2 chunks per rank .* got stage 0 step 0 \(F0\): 3 ranks x 1 chunks = 3"),
@@ -287,3 +288,31 @@ def _v_runner_refuses_one_chunk() -> None:
 
 def test_runner_refuses_a_v_schedule_without_two_chunks(world2: dc.LocalWorld) -> None:
     world2.run(_v_runner_refuses_one_chunk)
+
+
+def backward_first_v(n_stages: int, n_micro: int, n_chunks: int) -> list[list[Step]]:
+    """ZB-V with rank 1's first chunk-1 I moved before everything (a backward first)."""
+    sched = zbv_schedule(n_stages, n_micro)
+    i = sched[1].index(Step("I", 0, 1))
+    sched[1].insert(0, sched[1].pop(i))
+    return sched
+
+
+backward_first_v.placement = "v"  # type: ignore[attr-defined]
+
+
+def _runner_refuses_a_bad_v_schedule() -> float:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    parts = partition(_mlp(depth=2 * p), 2 * p)
+    mine = [parts[rank], parts[2 * p - 1 - rank]]
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    runner = PipelineRunner(mine, backward_first_v, loss_fn=nn.functional.mse_loss)
+    with pytest.raises(ScheduleError, match=r"each F before its I, got stage 1 chunk 1: I0 first \(step 0;"):
+        runner.step(x, y, n_micro=4)
+    # nothing was sent: the same ranks still run a real step
+    return float(PipelineRunner(mine, "zbv", loss_fn=nn.functional.mse_loss).step(x, y, n_micro=4))
+
+
+def test_runner_refuses_a_bad_v_schedule_before_communicating(world2: dc.LocalWorld) -> None:
+    losses = world2.run(_runner_refuses_a_bad_v_schedule)
+    assert losses[0] == losses[1]

@@ -80,6 +80,7 @@ def check_schedule(
                 f"{where}: {p} ranks x {v} chunks = {p * v} virtual stages",
             )
         mine: list[Step] = []
+        where_at: list[int] = []  # each part's step index in the rank's list
         for i, st in enumerate(steps):
             parts = [st.forward, st.backward] if isinstance(st, Overlap) else [st]
             if isinstance(st, Overlap) and (st.forward.kind != "F" or st.backward.kind not in ("B", "I")):
@@ -98,8 +99,9 @@ def check_schedule(
                         f"stage {s} step {i}: {st!r}",
                     )
             mine += parts
+            where_at += [i] * len(parts)
         for c in range(v):
-            _check_chunk(s, c, [(i, st) for i, st in enumerate(mine) if st.chunk == c], n_micro)
+            _check_chunk(s, c, [(where_at[j], st) for j, st in enumerate(mine) if st.chunk == c], n_micro)
         flat.append(mine)
     _check_no_deadlock(schedule, p, v, placement)
 
@@ -118,12 +120,22 @@ def _check_chunk(s: int, c: int, steps: list[tuple[int, Step]], n_micro: int) ->
         has_b, has_i, has_w = (("B", m) in pos), (("I", m) in pos), (("W", m) in pos)
         if not (has_b and not has_i and not has_w) and not (has_i and has_w and not has_b):
             got = [k + str(m) for k in "BIW" if (k, m) in pos] or "none"
-            raise _err(f"one backward per micro-batch (B, or I and W); micro-batch {m}", f"{where}: {got}")
+            at = max(pos.get((k, m), -1) for k in "FBIW")
+            raise _err(
+                f"one backward per micro-batch (B, or I and W); micro-batch {m}",
+                f"{where}: {got} (its last step at step {at})",
+            )
         first = "B" if has_b else "I"
         if pos[(first, m)] < pos[("F", m)]:
-            raise _err(f"each F before its {first}", f"{where}: {first}{m} first")
+            raise _err(
+                f"each F before its {first}",
+                f"{where}: {first}{m} first (step {pos[(first, m)]}; F{m} at step {pos[('F', m)]})",
+            )
         if has_i and pos[("W", m)] < pos[("I", m)]:
-            raise _err("each I before its W", f"{where}: W{m} first")
+            raise _err(
+                "each I before its W",
+                f"{where}: W{m} first (step {pos[('W', m)]}; I{m} at step {pos[('I', m)]})",
+            )
 
 
 def needs(r: int, st: Any, p: int, last: int, placement: str = "loop") -> tuple[str, int, int] | None:
