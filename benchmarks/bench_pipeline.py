@@ -1,4 +1,4 @@
-"""Pipeline benchmark: GPipe, 1F1B, interleaved 1F1B and ZB-H1, against torch.distributed.pipelining.
+"""Pipeline benchmark: GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV vs torch.distributed.pipelining.
 
 Model: ``depth`` x (Linear(width, width) + GELU), float32, MSE loss, batch ``batch``, on
 ``p`` local gloo ranks (CPU, one thread each). For every ``p``, ``m`` and schedule it
@@ -34,6 +34,17 @@ runner's default (``grad_first="cooldown"``: only the ``B`` steps after a rank's
 ``F`` split); ``1f1b-split`` and ``interleaved-split`` split every ``B`` (``True``, the
 default with one chunk per rank before 2026-11-27), ``interleaved-plainB`` none
 (``False``, as torch's schedule runs).
+
+The frontier rows: ``zb-h1-placed`` is ZB-H1 with its ``W`` steps placed from the step
+times measured in the previous step (``PipelineRunner(costs="measure")``; the warm-up
+step runs with unit times), against the same torch class as ``zb-h1``; ``zbv`` and
+``dualpipev`` run in the V placement (rank ``r`` holds stages ``r`` and ``2p-1-r``)
+against ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``. For these three the theory
+column is the schedule's own bubble with uniform stages — the same steps replayed with
+every step of a kind taking the round's mean time of that kind (``F``, ``I``, ``W``;
+``B = I + W``), free messages — since they have no closed form at small ``m``. The
+``calls`` column is the Python function calls of one ``runner.step`` on rank 0
+(``sys.setprofile``, one extra step after the timed rounds).
 
     python benchmarks/bench_pipeline.py                         # p=2, m=4 and 8
     python benchmarks/bench_pipeline.py --stages 2 4 --plot docs/_static/pipeline_timeline.png
@@ -81,19 +92,24 @@ SCHEDULES = {
     "interleaved-split": (2, "ScheduleInterleaved1F1B"),
     "interleaved-plainB": (2, "ScheduleInterleaved1F1B"),
     "zb-h1": (1, "ScheduleInterleavedZeroBubble"),
+    "zb-h1-placed": (1, "ScheduleInterleavedZeroBubble"),
+    "zbv": (2, "ScheduleZBVZeroBubble"),
+    "dualpipev": (2, "ScheduleDualPipeV"),
 }
+V_SCHEDULES = ("zbv", "dualpipev")
 
 
 def make_model(width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
 
 
-def _torch_schedule(name: str, model: nn.Sequential, v: int, m: int, loss_fn: Any) -> Any:
+def _torch_schedule(name: str, model: nn.Sequential, v: int, m: int, loss_fn: Any, vshape: bool) -> Any:
     from torch.distributed import pipelining as tp
 
     rank, p = dc.get_rank(), dc.get_world_size()
     parts = partition(model, p * v)
-    stages = [tp.PipelineStage(parts[r], r, p * v, torch.device("cpu")) for r in range(rank, p * v, p)]
+    ids = [rank, 2 * p - 1 - rank] if vshape else list(range(rank, p * v, p))
+    stages = [tp.PipelineStage(parts[r], r, p * v, torch.device("cpu")) for r in ids]
     cls = getattr(tp, name)
     if name in ("ScheduleGPipe", "Schedule1F1B"):
         return cls(stages[0], m, loss_fn=loss_fn), stages
@@ -123,7 +139,9 @@ def _rank_bench(
     model = make_model(width, depth)
     twin = copy.deepcopy(model)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
-    mine = partition(model, p * v)[rank::p]
+    vshape = schedule in V_SCHEDULES
+    parts = partition(model, p * v)
+    mine = [parts[rank], parts[2 * p - 1 - rank]] if vshape else parts[rank::p]
     grad_first: bool | str | None = {
         "1f1b-plainB": False,
         "1f1b-split": True,
@@ -132,10 +150,13 @@ def _rank_bench(
     }.get(schedule)  # None: the runner's default
     runner = PipelineRunner(
         mine if v > 1 else mine[0],
-        schedule.split("-")[0] if schedule.startswith(("1f1b", "interleaved")) else schedule,
+        schedule.split("-")[0]
+        if schedule.startswith(("1f1b", "interleaved"))
+        else schedule.removesuffix("-placed"),
         loss_fn=nn.functional.mse_loss,
         prepost=not schedule.endswith("noprepost"),
         grad_first=grad_first,
+        costs="measure" if schedule.endswith("-placed") else None,
     )
     out: dict[str, Any] = {"dc": [], "torch": [], "bubble": [], "kinds": {}}
 
@@ -151,7 +172,7 @@ def _rank_bench(
     sched = stages = None
     if torch_name is not None:
         try:
-            sched, stages = _torch_schedule(torch_name, twin, v, m, nn.functional.mse_loss)
+            sched, stages = _torch_schedule(torch_name, twin, v, m, nn.functional.mse_loss, vshape)
         except Exception as err:  # reported, not hidden
             out["torch_error"] = f"{type(err).__name__}: {err}"
 
@@ -191,12 +212,50 @@ def _rank_bench(
             if who == "dc":
                 out["dc"].append(run_dc())
                 out["bubble"].append(
-                    [(e.kind, e.micro, e.start, e.end, e.wait, e.chunk, e.sent) for e in runner.timeline]
+                    [
+                        (e.kind, e.micro, e.start, e.end, e.wait, e.chunk, e.sent, e.overlap)
+                        for e in runner.timeline
+                    ]
                 )
             elif sched is not None:
                 out["torch"].append(run_torch())
     out["peak"] = runner.peak_activation_bytes
+    out["calls"] = _count_calls(run_dc)
     return out
+
+
+def _count_calls(fn: Any) -> int:
+    """Python function calls (``sys.setprofile`` "call" events) of one ``fn()``."""
+    n = [0]
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            n[0] += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n[0]
+
+
+def _uniform_theory(timelines: list[list[TimelineEntry]], placement: str) -> float:
+    """The schedule's bubble with uniform stages: every step of a kind takes the mean
+    busy time of that kind in these timelines (``B`` = mean ``I`` + mean ``W`` when the
+    schedule splits some backwards), free messages."""
+    busy: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
+    for tl in timelines:
+        for e in tl:
+            busy[e.kind].append(e.busy)
+    mean = {k: statistics.mean(v) for k, v in busy.items() if v}
+    if "I" in mean and "W" in mean:
+        mean["B"] = mean["I"] + mean["W"]
+    uni = [
+        [TimelineEntry(e.kind, e.micro, 0.0, mean[e.kind], 0.0, e.chunk, None, e.overlap) for e in tl]
+        for tl in timelines
+    ]
+    return replayed_bubble(uni, placement)
 
 
 def _entries(raw: list[tuple]) -> list[TimelineEntry]:
@@ -244,11 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cores: {os.cpu_count()}; torch {torch.__version__}; {args.rounds} rounds per row{pinned}\n")
     head = (
         f"{'p':>2} {'m':>2} {'schedule':<17} {'bubble':>6} {'best':>6} {'theory':>6} {'replay':>6} "
-        f"{'ms/step':>8} {'vs torch':>17} {'grad diff':>9}  peak activation MiB per stage"
+        f"{'ms/step':>8} {'vs torch':>17} {'grad diff':>9} {'calls':>6}  peak activation MiB per stage"
     )
     print(head)
     print("-" * len(head))
-    plots: dict[str, list[list[TimelineEntry]]] = {}
+    plots: dict[str, tuple[list[list[TimelineEntry]], str]] = {}
     rows: list[dict[str, Any]] = []
     for p in args.stages:
         with dc.LocalWorld(p) as world:
@@ -262,12 +321,19 @@ def main(argv: list[str] | None = None) -> int:
                     bubbles = [
                         bubble_fraction([_entries(r["bubble"][i]) for r in res]) for i in range(args.rounds)
                     ]
+                    placement = "v" if schedule in V_SCHEDULES else "loop"
                     replays = [
-                        replayed_bubble([_entries(r["bubble"][i]) for r in res]) for i in range(args.rounds)
+                        replayed_bubble([_entries(r["bubble"][i]) for r in res], placement)
+                        for i in range(args.rounds)
                     ]
                     mid = sorted(range(args.rounds), key=lambda i: bubbles[i])[args.rounds // 2]
                     timelines = [_entries(r["bubble"][mid]) for r in res]  # the median round
-                    if schedule == "zb-h1":
+                    if schedule in V_SCHEDULES or schedule == "zb-h1-placed":
+                        theory = statistics.median(
+                            _uniform_theory([_entries(r["bubble"][i]) for r in res], placement)
+                            for i in range(args.rounds)
+                        )
+                    elif schedule == "zb-h1":
                         theory = statistics.median(
                             _zb_theory(p, m, [_entries(r["bubble"][i]) for r in res])
                             for i in range(args.rounds)
@@ -299,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                             "torch_error": sorted(errs) or None,
                             "grad_diff": diff if SCHEDULES[schedule][1] and not errs else None,
                             "peak_bytes": [r["peak"] for r in res],
+                            "calls": res[0]["calls"],
                         }
                     )
                     diff_s = f"{diff:9.1e}" if SCHEDULES[schedule][1] and not errs else f"{'-':>9}"
@@ -306,13 +373,15 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"{p:>2} {m:>2} {schedule:<17} {statistics.median(bubbles):6.3f} {min(bubbles):6.3f} "
                         f"{theory:6.3f} {statistics.median(replays):6.3f} "
-                        f"{statistics.median(t_dc) * 1e3:8.1f} {vs:>17} {diff_s}  {peaks}",
+                        f"{statistics.median(t_dc) * 1e3:8.1f} {vs:>17} {diff_s} "
+                        f"{res[0]['calls']:6d}  {peaks}",
                         flush=True,
                     )
                     for e in sorted(errs):
                         print(f"      torch.distributed.pipelining failed: {e}")
                     if m == max(args.micro) and not schedule.startswith("1f1b-"):
-                        plots[f"{schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")] = timelines
+                        title = f"{schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
+                        plots[title] = (timelines, placement)
     if args.plot:
         _plot(plots, args.plot)
         print(f"\ntimeline written to {args.plot}")
@@ -324,32 +393,54 @@ def main(argv: list[str] | None = None) -> int:
 COLORS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:red", "W": "tab:green"}
 
 
-def _plot(plots: dict[str, list[list[TimelineEntry]]], path: str) -> None:
+def _plot(plots: dict[str, tuple[list[list[TimelineEntry]], str]], path: str) -> None:
+    """One panel per schedule: a bar per executed step (colour: kind; label: kind,
+    micro-batch and virtual stage ``s``), grey where blocked in a receive; the two halves
+    of an overlapped step (DualPipeV's fused F+B) hatched and joined by a black frame;
+    the y ticks name the virtual stages each rank holds (``r, r+p, ..`` or the V's
+    ``r, 2p-1-r``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
-    fig, axes = plt.subplots(len(plots), 1, figsize=(12, 0.9 + 0.42 * sum(len(t) for t in plots.values())))
+    from diffcomm.pipeline import virtual_stage
+
+    n_rows = sum(len(t) for t, _ in plots.values())
+    fig, axes = plt.subplots(len(plots), 1, figsize=(12, 0.9 + 0.42 * n_rows))
     axes = [axes] if len(plots) == 1 else list(axes)
-    for ax, (title, timelines) in zip(axes, plots.items()):
+    for ax, (title, (timelines, placement)) in zip(axes, plots.items()):
+        p = len(timelines)
         t0 = min(e.start for tl in timelines for e in tl)
+        v = 1 + max(e.chunk for tl in timelines for e in tl)
         for rank, tl in enumerate(timelines):
-            for e in tl:
+            for k, e in enumerate(tl):
                 ax.barh(rank, e.wait * 1e3, left=(e.start - t0) * 1e3, color="lightgrey", height=0.8)
                 left = (e.start - t0 + e.wait) * 1e3
                 ax.barh(
-                    rank, e.busy * 1e3, left=left, color=COLORS[e.kind], height=0.8, edgecolor="k", lw=0.3
-                )
-                label = f"{e.kind}{e.micro}" + (f"'{e.chunk}" if e.chunk else "")
+                    rank, e.busy * 1e3, left=left, color=COLORS[e.kind], height=0.8, edgecolor="k", lw=0.3,
+                    hatch="///" if e.overlap else None,
+                )  # fmt: skip
+                g = virtual_stage(rank, e.chunk, p, placement)
+                label = f"{e.kind}{e.micro}" + (f" s{g}" if v > 1 else "")
                 ax.text(left + e.busy * 5e2, rank, label, ha="center", va="center", fontsize=5, color="white")
+                if e.overlap and e.kind == "F" and k + 1 < len(tl):  # frame the fused F+B pair
+                    nxt = tl[k + 1]
+                    x0, x1 = (e.start - t0) * 1e3, (nxt.end - t0) * 1e3
+                    ax.add_patch(Rectangle((x0, rank - 0.45), x1 - x0, 0.9, fill=False, ec="k", lw=1.2))
         bubble = bubble_fraction(timelines)
-        ax.set_yticks(range(len(timelines)), [f"rank {r}" for r in range(len(timelines))])
+        names = [
+            f"rank {r}"
+            + (f" (s{', s'.join(str(virtual_stage(r, c, p, placement)) for c in range(v))})" if v > 1 else "")
+            for r in range(p)
+        ]
+        ax.set_yticks(range(p), names, fontsize=7)
         ax.invert_yaxis()
-        ax.set_title(f"{title}: measured bubble {bubble:.3f}", fontsize=9)
+        ax.set_title(f"{title} ({placement} placement): measured bubble {bubble:.3f}", fontsize=9)
     axes[-1].set_xlabel(
         "ms — blue F, orange B, red I (input grad), green W (weight grad), grey: blocked in a receive; "
-        "'1 = chunk 1",
+        "sN = virtual stage N; hatched in a black frame: one overlapped F+B step",
         fontsize=8,
     )
     fig.suptitle("diffcomm.pipeline timelines (gloo, CPU, one thread per rank)", fontsize=10)

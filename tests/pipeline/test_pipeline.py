@@ -570,7 +570,7 @@ def test_runner_rejects_bad_arguments_before_communicating(world2: dc.LocalWorld
     def runner_bad_args() -> None:
         rank = dist.get_rank()
         stage = nn.Linear(2, 2)
-        names = r"\['gpipe', '1f1b', 'interleaved', 'zb-h1'\]"
+        names = r"\['gpipe', '1f1b', 'interleaved', 'zb-h1', 'zbv', 'dualpipev'\]"
         with pytest.raises(ValueError, match=r"`schedule` must be one of " + names):
             PipelineRunner(stage, "zero-bubble", loss_fn=nn.functional.mse_loss)
         with pytest.raises(TypeError, match="`stage` must be an nn.Module"):
@@ -726,7 +726,7 @@ def test_schedule_errors_are_value_errors_and_steps_print_with_chunks() -> None:
     with pytest.raises(ValueError, match="`memory` must be 'peak' or 'rank'"):
         zb_h1_schedule(2, 2, memory="none")  # type: ignore[arg-type]
     assert str(Step("F", 3, 1)) == "F3c1"
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"}
 
 
 def deadlocking(n_stages: int, n_micro: int) -> list[list[Step]]:

@@ -21,3 +21,16 @@ def test_bench_pipeline_reports_every_column() -> None:
         assert 0.0 <= r["replay"] < 1.0 and 0.0 <= r["bubble"] < 1.0
         assert r["ms_per_step"] > 0 and r["vs_torch"] > 0
         assert len(r["peak_bytes"]) == 2
+
+
+def test_bench_pipeline_runs_the_v_schedules_and_placed_w_against_torch() -> None:
+    args = ("--width", "32", "--depth", "4", "--batch", "8", "--micro", "4", "--rounds", "2")
+    rows = benchmark_json(
+        "bench_pipeline.py", *args, "--schedules", "zb-h1-placed", "zbv", "dualpipev", timeout=300
+    )
+    assert [r["schedule"] for r in rows] == ["zb-h1-placed", "zbv", "dualpipev"]
+    for r in rows:
+        # same gradients as torch's ScheduleZBVZeroBubble / ScheduleDualPipeV / ZB class
+        assert r["torch_error"] is None and r["grad_diff"] is not None and r["grad_diff"] < 1e-5
+        assert 0.0 <= r["theory"] < 1.0 and 0.0 <= r["replay"] < 1.0 and 0.0 <= r["bubble"] < 1.0
+        assert r["calls"] > 0 and len(r["peak_bytes"]) == 2

@@ -13,17 +13,30 @@ send has its receive and that no ranks wait for each other in a cycle.
 
 Modules: ``schedules`` (the generators, :class:`Step`), ``validate``
 (:func:`check_schedule`, :class:`ScheduleError`), ``partition``, ``runner``
-(:class:`PipelineRunner`), ``timeline`` (timelines and bubbles). Every public name is importable from here.
+(:class:`PipelineRunner`), ``timeline`` (timelines and bubbles), ``tables``
+(torch.distributed.pipelining's schedule tables, CSV), ``overlap`` (the expert-parallel
+overlap hook: :class:`MoEStage`, :func:`one_f_one_b_overlap_schedule`). Every public
+name is importable from here.
 """
 
 from __future__ import annotations
 
+from . import overlap, runner, schedules, tables, timeline, validate
 from . import partition as _partition
-from . import runner, schedules, timeline, validate
-from .partition import *  # noqa: F403 - the public names are each submodule's __all__
+from .overlap import *  # noqa: F403 - the public names are each submodule's __all__
+from .partition import *  # noqa: F403
 from .runner import *  # noqa: F403
 from .schedules import *  # noqa: F403
+from .tables import *  # noqa: F403
 from .timeline import *  # noqa: F403
 from .validate import *  # noqa: F403
 
-__all__ = [*schedules.__all__, *validate.__all__, *_partition.__all__, *runner.__all__, *timeline.__all__]
+__all__ = [
+    *schedules.__all__,
+    *validate.__all__,
+    *_partition.__all__,
+    *runner.__all__,
+    *timeline.__all__,
+    *tables.__all__,
+    *overlap.__all__,
+]

@@ -48,6 +48,7 @@ rank sends (its next activations go plainly, which any receive takes).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,9 +64,13 @@ from ..backend import args as A
 from ..ops import p2p
 from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
 from ._split import capture, cooldown, group_plan, input_edge, weight_plan
-from .schedules import SCHEDULES, ScheduleFn, Step
+from .schedules import SCHEDULES, Overlap, ScheduleFn, Step, expand_steps, schedule_placement, virtual_stage
 from .timeline import TimelineEntry
 from .validate import check_schedule
+
+# Size: ~750 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# split backward, pre-posted receives, the V placement's local turn and the phased forward of
+# an Overlap share one step's state.
 
 __all__ = ["PipelineRunner"]
 
@@ -84,6 +89,27 @@ class _Stash:
     d_output: Tensor | None = None
     full_in_w: bool = False
     grad_bytes: int = 0
+    local: bool = False  # the next virtual stage is on this rank (V placement's turn)
+
+
+class _LocalSend(torch.autograd.Function):
+    """The token of an activation handed to the next virtual stage on the same rank (the
+    V placement's turn at rank ``p - 1``): its backward returns the gradient that stage's
+    backward left in its input leaf (``box[0].grad``), as a send token's backward returns
+    the gradient it receives."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, y: Tensor, box: list[Tensor]) -> Tensor:
+        ctx.box = box  # type: ignore[attr-defined]
+        ctx.shape, ctx.dtype = y.shape, y.dtype  # type: ignore[attr-defined]
+        return y.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, _: Tensor) -> tuple[Tensor, None]:
+        g = ctx.box[0].grad  # type: ignore[attr-defined]
+        if g is None:
+            g = torch.zeros(ctx.shape, dtype=ctx.dtype)  # type: ignore[attr-defined]
+        return g, None
 
 
 class PipelineRunner:
@@ -98,9 +124,13 @@ class PipelineRunner:
         stage: this rank's stage (e.g. ``partition(model, p)[rank]``), or a list of its
             ``v`` chunks (``partition(model, p * v)[rank::p]``: rank ``r`` holds virtual
             stages ``r, r + p, ...``).
-        schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved"``, ``"zb-h1"``, or a
-            function ``(n_stages, n_micro[, n_chunks]) -> per-rank lists of Step``
-            (called with ``n_chunks`` only when ``v > 1``).
+        schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved"``, ``"zb-h1"``,
+            ``"zbv"``, ``"dualpipev"``, or a function ``(n_stages, n_micro[, n_chunks]) ->
+            per-rank lists of Step`` (called with ``n_chunks`` only when ``v > 1``; a
+            function with ``placement = "v"`` uses the V placement). ``"zbv"`` and
+            ``"dualpipev"`` use the V placement: ``stage`` is the rank's two chunks,
+            virtual stages ``r`` and ``2p - 1 - r`` (``partition(model, 2p)``: ``[parts[r],
+            parts[2p - 1 - r]]``), and rank 0 computes the loss.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         loss_fn: ``loss_fn(output, target) -> scalar`` (``loss_fn(output)`` when no
             targets are given); needed on the last rank. Use a *mean*-reduced loss for
@@ -120,6 +150,12 @@ class PipelineRunner:
             ``B`` costs CPU and the gradient it sends early only moves an upstream
             rank's idle time; in the cooldown every upstream stage waits for it;
             measured in ``docs/pipeline.md``).
+        costs: step times for a schedule that places ``W`` steps by them (``"zb-h1"``,
+            ``"zbv"``): ``None`` (unit times; ZB-V: torch's order), a mapping (or one per
+            rank) ``{"F", "I", "W"}``, or ``"measure"``: the first step (the warm-up, run
+            with unit times) measures every rank's median busy time per kind (one small
+            all-reduce, once), and every later step's ``W`` steps are placed by them
+            (:meth:`remeasure` profiles again on the next step).
 
     Attributes:
         timeline: after a step, a list of :class:`TimelineEntry`, one per executed step.
@@ -153,6 +189,7 @@ class PipelineRunner:
         tag: int = 0,
         prepost: bool = True,
         grad_first: bool | str | None = None,
+        costs: object = None,
     ) -> None:
         if isinstance(stage, nn.Module):
             chunks = [stage]
@@ -191,7 +228,24 @@ class PipelineRunner:
             raise A.arg_error(
                 "PipelineRunner", "stage", "one module when the group has one rank", f"{self.n_chunks} chunks"
             )
-        self.is_first, self.is_last = self.rank == 0, self.rank == self.n_stages - 1
+        self.placement = schedule_placement(self._schedule_fn)
+        if self.placement == "v" and (self.n_chunks != 2 or self.n_stages < 2):
+            raise A.arg_error(
+                "PipelineRunner",
+                "stage",
+                "2 chunks per rank on >= 2 ranks for a V-placed schedule (stages r and 2p-1-r)",
+                f"{self.n_chunks} chunk(s) on {self.n_stages} rank(s)",
+            )
+        # the rank that holds the last virtual stage (computes the loss)
+        self.last_rank = 0 if self.placement == "v" else self.n_stages - 1
+        self.is_first, self.is_last = self.rank == 0, self.rank == self.last_rank
+        if not (costs is None or costs == "measure" or isinstance(costs, (dict, list, tuple))):
+            raise A.arg_error(
+                "PipelineRunner", "costs", 'None, "measure" or step times', repr(costs), TypeError
+            )
+        self.costs = costs
+        self._measured: list[dict[str, float]] | None = None
+        self._validated: dict[tuple[int, str], list[list[Step | Overlap]]] = {}
         if self.is_last and loss_fn is None:
             raise A.arg_error(
                 "PipelineRunner", "loss_fn", "a loss function on the last stage", None, TypeError
@@ -199,6 +253,7 @@ class PipelineRunner:
         if loss_fn is not None and not callable(loss_fn):
             raise A.arg_error("PipelineRunner", "loss_fn", "callable", type(loss_fn).__name__, TypeError)
         self.chunks = chunks
+        self._gs = [virtual_stage(self.rank, c, self.n_stages, self.placement) for c in range(self.n_chunks)]
         self.stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         self.loss_fn = loss_fn
         self.broadcast_loss = bool(broadcast_loss)
@@ -229,31 +284,70 @@ class PipelineRunner:
         self.input_grad: Tensor | None = None
 
     # ---- the schedule --------------------------------------------------------------
-    def schedule(self, n_micro: int) -> list[list[Step]]:
+    def schedule(self, n_micro: int) -> list[list[Step | Overlap]]:
         """Every rank's steps for ``n_micro`` micro-batches, validated by
         :func:`~diffcomm.pipeline.check_schedule` (a ``ScheduleError`` names the step)."""
-        if self.n_chunks == 1 and self._schedule_fn not in SCHEDULES.values():
-            sched = self._schedule_fn(self.n_stages, n_micro)  # a user's (p, m) function
+        costs = self._measured if self.costs == "measure" else self.costs
+        kw = {} if costs is None else {"costs": costs}
+        builtin = self._schedule_fn in SCHEDULES.values()
+        # a built-in generator is a pure function of its arguments: validated once per key
+        key = (n_micro, repr(costs)) if builtin else None
+        if key is not None and key in self._validated:
+            return [list(steps) for steps in self._validated[key]]
+        if self.n_chunks == 1 and not builtin:
+            sched = self._schedule_fn(self.n_stages, n_micro, **kw)  # a user's (p, m) function
         else:
-            sched = self._schedule_fn(self.n_stages, n_micro, self.n_chunks)
-        check_schedule(sched, self.n_stages, n_micro, self.n_chunks)
+            sched = self._schedule_fn(self.n_stages, n_micro, self.n_chunks, **kw)
+        check_schedule(sched, self.n_stages, n_micro, self.n_chunks, self.placement)
+        if key is not None:
+            self._validated = {key: sched}  # the last one only (n_micro may change every step)
         return sched
 
-    def steps(self, n_micro: int) -> list[Step]:
+    def steps(self, n_micro: int) -> list[Step | Overlap]:
         """This rank's steps for ``n_micro`` micro-batches (validated)."""
         return list(self.schedule(n_micro)[self.rank])
 
     # ---- virtual stages --------------------------------------------------------------
     def _g(self, chunk: int) -> int:
-        return chunk * self.n_stages + self.rank
+        return self._gs[chunk]
 
     def _last_g(self) -> int:
         return self.n_stages * self.n_chunks - 1
 
-    def _src(self, chunk: int) -> tuple[int, int]:
-        """(rank, tag) the activation of ``chunk`` comes from."""
+    def _src(self, chunk: int) -> tuple[int, int] | None:
+        """(rank, tag) the activation of ``chunk`` comes from; ``None``: from this rank."""
         p, r = self.n_stages, self.rank
+        if self.placement == "v":
+            if chunk == 0:
+                return r - 1, self.tag
+            return None if r == p - 1 else (r + 1, self.tag + 1)
         return (r - 1) % p, self.tag + (chunk if r > 0 else chunk - 1)
+
+    def _dst(self, chunk: int) -> tuple[int, int] | None:
+        """(rank, tag) the output of ``chunk`` goes to; ``None``: to this rank."""
+        p, r = self.n_stages, self.rank
+        if self.placement == "v":
+            if chunk == 0:
+                return None if r == p - 1 else (r + 1, self.tag)
+            return r - 1, self.tag + 1
+        return (r + 1) % p, self.tag + chunk
+
+    def remeasure(self) -> None:
+        """Profile the step times again: the next step runs with unit-time placement and
+        measures; the steps after it place ``W`` by the new times (``costs="measure"``)."""
+        self._measured = None
+
+    def _measure(self) -> None:
+        """Every rank's median busy time per step kind (``F``, ``I``, ``W``) of the step
+        just run, shared by one all-reduce: later steps' schedules place ``W`` by them."""
+        row = torch.zeros(self.n_stages, 3, dtype=torch.float64)
+        for j, kind in enumerate("FIW"):
+            times = sorted(e.busy for e in self.timeline if e.kind == kind)
+            row[self.rank, j] = times[len(times) // 2] if times else 0.0
+        be = B.get_backend()
+        allr = be.all_reduce(row.to(be.comm_device(self.pg)), "sum", self.pg).cpu()
+        if bool((allr > 0).all()):
+            self._measured = [dict(zip("FIW", map(float, allr[r]))) for r in range(self.n_stages)]
 
     # ---- one step --------------------------------------------------------------------
     def step(
@@ -296,7 +390,9 @@ class PipelineRunner:
         tgt_chunks = (
             self._split(targets, n_micro, "targets") if self.is_last and targets is not None else None
         )
-        steps = self.steps(n_micro)
+        raw = self.steps(n_micro)
+        steps = expand_steps(raw)
+        fused = [part for st in raw for part in ((True, True) if isinstance(st, Overlap) else (False,))]
         if _config.DEBUG.get():
             B.get_backend().check_consistent(
                 "PipelineRunner.step",
@@ -308,26 +404,31 @@ class PipelineRunner:
         self._live_bytes = 0
         self._inputs_kept: list[Tensor] = []
         self._posted: dict[tuple[int, int], p2p.RecvHandle] = {}
+        self._local: dict[int, Tensor] = {}  # micro -> the V turn's input leaf (rank p-1's chunk 1)
         self._fresh_in = set(range(self.n_chunks))  # channels with no activation in yet this step
         self._fresh_out = set(range(self.n_chunks))  # channels with none sent yet this step
         self._split_b = cooldown(steps) if self.grad_first == "cooldown" else None
         stash: dict[tuple[int, int], _Stash] = {}
         total = torch.zeros((), dtype=torch.float64)
         try:
-            self._run_steps(steps, in_chunks, tgt_chunks, n_micro, stash, input_grad, total)
+            self._run_steps(steps, in_chunks, tgt_chunks, n_micro, stash, input_grad, total, fused)
             inputs_kept = self._inputs_kept
         except BaseException:
             self._sent.clear()  # this rank's next activations go plainly: any receive takes them
             raise
         finally:
-            self._inputs_kept, self._posted = [], {}
+            self._inputs_kept, self._posted, self._local = [], {}, {}
         if input_grad and self.is_first:
             grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in inputs_kept]
             self.input_grad = torch.cat(grads)
         if self.broadcast_loss and self.n_stages > 1:
             be = B.get_backend()
-            out = be.broadcast(total.to(be.comm_device(self.pg)), self.n_stages - 1, self.pg)
+            out = be.broadcast(total.to(be.comm_device(self.pg)), self.last_rank, self.pg)
+            if self.costs == "measure" and self._measured is None:
+                self._measure()
             return out.cpu()
+        if self.costs == "measure" and self._measured is None and self.n_stages > 1:
+            self._measure()
         return total if self.is_last else None
 
     def _run_steps(
@@ -339,32 +440,76 @@ class PipelineRunner:
         stash: dict[tuple[int, int], _Stash],
         input_grad: bool,
         total: Tensor,
+        fused: list[bool],
     ) -> None:
-        for k, st in enumerate(steps):
-            nxt = steps[k + 1] if k + 1 < len(steps) else None
-            # the receive waits by the host clock (no comms logger: it would synchronise
-            # the device around every raw op on a GPU)
-            waited = _recv_wait_seconds()
-            self._grad_sent_at = None
-            start = time.perf_counter()
-            if st.kind == "F":
-                loss_m = self._forward(st, in_chunks, tgt_chunks, n_micro, stash, input_grad, nxt)
-                if loss_m is not None:
-                    total += loss_m.detach().to(total.device, torch.float64)
-            else:
-                self._prepost(nxt, stash)
-                if st.kind == "B":
-                    self._backward(st, stash)
-                elif st.kind == "I":
-                    self._backward_input(st, stash)
-                else:
-                    self._backward_weight(st, stash)
-            end = time.perf_counter()
-            wait = _recv_wait_seconds() - waited
-            # a split B's receives all come before its input gradient leaves (W receives nothing)
-            sent = None if self._grad_sent_at is None else max(0.0, self._grad_sent_at - start - wait)
-            self.timeline.append(TimelineEntry(st.kind, st.micro, start, end, wait, st.chunk, sent))
+        inner: list[TimelineEntry] = []  # the entry of a backward run inside a phased forward
+
+        def run_inner(k: int) -> None:  # the backward of an Overlap, run between the forward's phases
+            self._run_one(k, steps, in_chunks, tgt_chunks, n_micro, stash, input_grad, total, fused, None)
+            inner.append(self.timeline.pop())
+
+        k = 0
+        while k < len(steps):
+            st = steps[k]
+            phased = (
+                fused[k]
+                and st.kind == "F"
+                and hasattr(self.chunks[st.chunk], "forward_phases")
+                and k + 1 < len(steps)
+                and (steps[k + 1].micro, steps[k + 1].chunk) != (st.micro, st.chunk)
+            )
+            self._run_one(
+                k, steps, in_chunks, tgt_chunks, n_micro, stash, input_grad, total, fused,
+                functools.partial(run_inner, k + 1) if phased else None,
+            )  # fmt: skip
+            if phased:
+                e = self.timeline[-1]  # the forward's busy time excludes the backward inside it
+                b = inner.pop()
+                e.start, e.wait = min(e.end, e.start + (b.end - b.start)), max(0.0, e.wait - b.wait)
+                self.timeline.append(b)
+                k += 1
+            k += 1
         p2p.wait_sends()
+
+    def _run_one(
+        self,
+        k: int,
+        steps: list[Step],
+        in_chunks: list[Tensor] | None,
+        tgt_chunks: list[Tensor] | None,
+        n_micro: int,
+        stash: dict[tuple[int, int], _Stash],
+        input_grad: bool,
+        total: Tensor,
+        fused: list[bool],
+        between: Callable[[], None] | None,
+    ) -> None:
+        """Run step ``k`` and append its timeline entry; ``between``: run it between the
+        phases of a forward whose chunk has ``forward_phases`` (the overlap hook)."""
+        st = steps[k]
+        nxt = steps[k + 1] if k + 1 < len(steps) else None
+        # the receive waits by the host clock (no comms logger: it would synchronise
+        # the device around every raw op on a GPU)
+        waited = _recv_wait_seconds()
+        self._grad_sent_at = None
+        start = time.perf_counter()
+        if st.kind == "F":
+            loss_m = self._forward(st, in_chunks, tgt_chunks, n_micro, stash, input_grad, nxt, between)
+            if loss_m is not None:
+                total += loss_m.detach().to(total.device, torch.float64)
+        else:
+            self._prepost(nxt, stash)
+            if st.kind == "B":
+                self._backward(st, stash)
+            elif st.kind == "I":
+                self._backward_input(st, stash)
+            else:
+                self._backward_weight(st, stash)
+        end = time.perf_counter()
+        wait = _recv_wait_seconds() - waited
+        # a split B's receives all come before its input gradient leaves (W receives nothing)
+        sent = None if self._grad_sent_at is None else max(0.0, self._grad_sent_at - start - wait)
+        self.timeline.append(TimelineEntry(st.kind, st.micro, start, end, wait, st.chunk, sent, fused[k]))
 
     def _split(self, t: Tensor | None, n_micro: int, arg: str) -> list[Tensor]:
         if t is None:
@@ -385,9 +530,10 @@ class PipelineRunner:
         if st is None or not self.prepost:
             return
         if st.kind == "F":
-            if self._g(st.chunk) == 0 or (st.micro, st.chunk) in self._posted:
+            where = self._src(st.chunk)
+            if self._g(st.chunk) == 0 or where is None or (st.micro, st.chunk) in self._posted:
                 return
-            src, tag = self._src(st.chunk)
+            src, tag = where
             like = self._like.get(st.chunk)
             if like is None:  # shape not known yet: post the header only
                 handle = p2p.irecv(src, group=self.pg, tag=tag)
@@ -396,7 +542,7 @@ class PipelineRunner:
             self._posted[(st.micro, st.chunk)] = handle
         elif st.kind in ("B", "I"):
             kept = stash.get((st.micro, st.chunk))
-            if kept is not None and self._g(st.chunk) != self._last_g():
+            if kept is not None and not kept.local and self._g(st.chunk) != self._last_g():
                 p2p.post_grad_recv(kept.handle)
 
     # ---- forward ---------------------------------------------------------------------
@@ -409,6 +555,7 @@ class PipelineRunner:
         stash: dict[tuple[int, int], _Stash],
         input_grad: bool,
         nxt: Step | None,
+        between: Callable[[], None] | None = None,
     ) -> Tensor | None:
         m, c = st.micro, st.chunk
         g = self._g(c)
@@ -419,12 +566,14 @@ class PipelineRunner:
             if input_grad:
                 x = x.detach().requires_grad_()
                 self._inputs_kept.append(x)
+        elif self._src(c) is None:  # the V turn: the previous virtual stage is this rank's
+            x = self._local.pop(m)
         else:
             handle = self._posted.pop((m, c), None)
             if handle is not None:
                 x = handle.wait()
             else:
-                src, tag = self._src(c)
+                src, tag = self._src(c)  # type: ignore[misc]
                 like = self._like.get(c)
                 if like is None:
                     x = p2p.recv(src, group=self.pg, tag=tag)
@@ -456,14 +605,29 @@ class PipelineRunner:
             return t.detach()  # autograd restores the graph metadata when unpacking
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-            y = self.chunks[c](x)
+            if between is None:
+                y = self.chunks[c](x)
+            else:  # the overlap hook: phase 1, the other step, the rest
+                phases = self.chunks[c].forward_phases(x)  # type: ignore[operator]
+                try:
+                    next(phases)
+                    between()  # a backward saves no tensors: the hooks see nothing of it
+                    while True:
+                        next(phases)
+                except StopIteration as done:
+                    y = done.value
             if g == self._last_g():
                 assert self.loss_fn is not None
                 tgt = None if tgt_chunks is None else tgt_chunks[m]
                 loss = self.loss_fn(y) if tgt is None else self.loss_fn(y, tgt)
                 kept.handle = loss / n_micro
+            elif self._dst(c) is None:  # the next virtual stage is this rank's (the V turn)
+                nxt_in = y.detach().requires_grad_(y.requires_grad)
+                self._local[m] = nxt_in
+                kept.handle = _LocalSend.apply(y, [nxt_in]) if y.requires_grad else y.new_zeros(())
+                kept.output, kept.local = y, True
             else:
-                dst = (self.rank + 1) % self.n_stages
+                dst, dtag = self._dst(c)  # type: ignore[misc]
                 # y is ours and nothing writes to it before wait_sends() at the end of
                 # the step: send it without the private copy dc.send makes; fused with
                 # its header when it has the channel's agreed shape (see the module
@@ -473,7 +637,7 @@ class PipelineRunner:
                 if c in self._fresh_out:
                     self._fresh_out.discard(c)
                     self._sent[c] = sent
-                kept.handle = p2p.send_owned(y, dst, group=self.pg, tag=self.tag + c, fused=fused)
+                kept.handle = p2p.send_owned(y, dst, group=self.pg, tag=dtag, fused=fused)
                 kept.output = y
         kept.nbytes = nbytes[0]
         stash[(m, c)] = kept

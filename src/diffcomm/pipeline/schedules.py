@@ -26,14 +26,25 @@ data, tests check it) — and the ideal bubble (uniform stages, free messages):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..backend import args as A
 
+# Size: ~650 lines, over the ~600 guideline: every generator (six schedules) with its docstring
+# and the W-placement simulation they share; a third is the public docstrings.
+
 __all__ = [
     "Step",
+    "Overlap",
+    "Placement",
+    "virtual_stage",
+    "stage_owner",
+    "expand_steps",
+    "zbv_schedule",
+    "dualpipev_schedule",
+    "schedule_placement",
     "gpipe_schedule",
     "one_f_one_b_schedule",
     "interleaved_1f1b_schedule",
@@ -43,8 +54,11 @@ __all__ = [
     "theoretical_bubble",
 ]
 
-ScheduleFn = Callable[..., list[list["Step"]]]
+ScheduleFn = Callable[..., list[list[Any]]]
 Kind = Literal["F", "B", "I", "W"]
+#: How virtual stages sit on ranks: ``"loop"`` (rank ``r`` holds ``r, r + p, ...``) or
+#: ``"v"`` (two chunks per rank: rank ``r`` holds stage ``r`` and stage ``2p - 1 - r``).
+Placement = Literal["loop", "v"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,66 @@ class Step:
         return f"{self.kind}{self.micro}" + (f"c{self.chunk}" if self.chunk else "")
 
     __repr__ = __str__
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """One fused step: the forward ``forward`` of one micro-batch and the backward
+    ``backward`` (``B`` or ``I``) of another, run as one step (DualPipeV's overlapped
+    forward-and-backward; torch.distributed.pipelining's ``OVERLAP_F_B``).
+
+    The runner posts both steps' receives before either computes, so the backward's
+    gradient arrives while the forward computes and the forward's activation travels while
+    the backward computes. The validator and the replay treat it as ``forward`` then
+    ``backward`` on the rank (sends never block, so the order is the dependency order).
+    Prints as ``(F3;B1c1)``."""
+
+    forward: Step
+    backward: Step
+
+    @property
+    def kind(self) -> str:
+        return "O"
+
+    def __str__(self) -> str:
+        return f"({self.forward};{self.backward})"
+
+    __repr__ = __str__
+
+
+def expand_steps(steps: Sequence[Step | Overlap]) -> list[Step]:
+    """One rank's steps with every :class:`Overlap` replaced by its forward then backward."""
+    out: list[Step] = []
+    for st in steps:
+        if isinstance(st, Overlap):
+            out += [st.forward, st.backward]
+        else:
+            out.append(st)
+    return out
+
+
+def virtual_stage(rank: int, chunk: int, n_stages: int, placement: str = "loop") -> int:
+    """The virtual stage (index in the model's ``p * v`` pieces) of ``chunk`` on ``rank``:
+    ``chunk * p + rank`` (``"loop"``), or ``rank`` / ``2p - 1 - rank`` for chunk 0 / 1
+    (``"v"``)."""
+    if placement == "v":
+        return rank if chunk == 0 else 2 * n_stages - 1 - rank
+    return chunk * n_stages + rank
+
+
+def stage_owner(stage: int, n_stages: int, placement: str = "loop") -> tuple[int, int]:
+    """``(rank, chunk)`` holding virtual stage ``stage``; inverse of :func:`virtual_stage`."""
+    if placement == "v":
+        return (stage, 0) if stage < n_stages else (2 * n_stages - 1 - stage, 1)
+    return stage % n_stages, stage // n_stages
+
+
+def schedule_placement(fn: Any) -> Placement:
+    """The placement a schedule function's steps assume (its ``placement`` attribute;
+    ``"loop"`` when it has none)."""
+    while hasattr(fn, "func"):  # functools.partial
+        fn = fn.func
+    return "v" if getattr(fn, "placement", "loop") == "v" else "loop"
 
 
 def _check_counts(n_stages: Any, n_micro: Any, n_chunks: Any, op: str) -> tuple[int, int, int]:
@@ -194,18 +268,44 @@ def interleaved_1f1b_schedule(n_stages: int, n_micro: int, n_chunks: int = 2) ->
     return out
 
 
+Costs = Mapping[str, float] | Sequence[Mapping[str, float]]
+
+
+def _check_costs(costs: Any, p: int, op: str) -> list[dict[str, float]]:
+    """Per-rank ``{"F", "I", "W"}`` step times from ``costs`` (one mapping for every rank,
+    or one per rank); ``None``: unit costs."""
+    if costs is None:
+        return [{"F": 1.0, "I": 1.0, "W": 1.0} for _ in range(p)]
+    per_rank = [costs] * p if isinstance(costs, Mapping) else costs
+    if not isinstance(per_rank, Sequence) or len(per_rank) != p:
+        raise A.arg_error(op, "costs", f"a mapping or {p} mappings of F, I, W step times", costs)
+    out = []
+    for r, c in enumerate(per_rank):
+        if not isinstance(c, Mapping) or not all(k in c for k in "FIW"):
+            raise A.arg_error(op, "costs", "mappings with keys 'F', 'I', 'W'", f"rank {r}: {c!r}")
+        row = {k: float(c[k]) for k in "FIW"}
+        if not all(v > 0 and v < float("inf") for v in row.values()):
+            raise A.arg_error(op, "costs", "finite step times > 0", f"rank {r}: {row}")
+        out.append(row)
+    return out
+
+
 def zb_h1_schedule(
-    n_stages: int, n_micro: int, n_chunks: int = 1, memory: Literal["peak", "rank"] = "peak"
+    n_stages: int,
+    n_micro: int,
+    n_chunks: int = 1,
+    memory: Literal["peak", "rank"] = "peak",
+    costs: Costs | None = None,
 ) -> list[list[Step]]:
     """ZB-H1 (zero bubble, Qi et al., ICLR 2024): 1F1B with each backward split in two.
 
     ``I`` (input gradient) keeps 1F1B's place, so the previous stage gets its gradient as
     early as before; ``W`` (weight gradient) is needed by no other stage, so it waits for
     a slot where the rank would otherwise idle. The order is found by simulating the
-    pipeline with unit-cost ``F``, ``I``, ``W``: run the base order (1F1B, or interleaved
-    1F1B for ``n_chunks > 1``); whenever its next step would wait, run the oldest pending
-    ``W`` instead; and never let a rank hold more forwards without their ``W`` than the
-    memory rule allows:
+    pipeline with the step times ``costs`` (unit ``F``, ``I``, ``W`` when ``None``): run
+    the base order (1F1B, or interleaved 1F1B for ``n_chunks > 1``); whenever its next step
+    would wait, run the oldest pending ``W`` instead; and never let a rank hold more
+    forwards without their ``W`` than the memory rule allows:
 
     * ``memory="peak"`` (the paper's ZB-H1): every rank holds at most what the base
       schedule's busiest rank holds (1F1B: ``min(p, m)``, rank 0's bound), so the peak
@@ -216,11 +316,16 @@ def zb_h1_schedule(
       m)``). No ``W`` can wait before the drain, so this is 1F1B with every ``B`` run as
       ``I`` then ``W`` (bubble ``2(p-1)`` units at ``F = I = W``).
 
+    With measured, unequal ``costs`` (the zero-bubble paper's automatic scheduler, greedy)
+    the ``W`` steps go where these stage times leave holes, not where unit times would.
+
     Args:
         n_stages: number of pipeline ranks.
         n_micro: number of micro-batches.
         n_chunks: virtual stages per rank.
         memory: ``"peak"`` or ``"rank"``, the activation bound above.
+        costs: step times ``{"F": .., "I": .., "W": ..}`` (seconds or any unit), one
+            mapping for every rank or one per rank; ``None``: all 1.
 
     Returns:
         One list of steps per rank, with ``I`` and ``W`` (no ``B``).
@@ -235,25 +340,89 @@ def zb_h1_schedule(
     n_stages, n_micro, n_chunks = _check_counts(n_stages, n_micro, n_chunks, "zb_h1_schedule")
     if memory not in ("peak", "rank"):
         raise A.arg_error("zb_h1_schedule", "memory", "'peak' or 'rank'", memory)
+    cost = _check_costs(costs, n_stages, "zb_h1_schedule")
     base = one_f_one_b_schedule(n_stages, n_micro, n_chunks)
     bounds = [max_in_flight(steps) for steps in base]
     caps = [max(bounds)] * n_stages if memory == "peak" else bounds
-    return _fill_with_w(base, n_stages, n_chunks, caps)
+    return _place_w(base, n_stages, n_chunks, caps, cost, "loop", costs is not None)
 
 
-def _fill_with_w(base: list[list[Step]], p: int, v: int, cap: list[int]) -> list[list[Step]]:
-    """Split every ``B`` of ``base`` into ``I`` + ``W``, placing each ``W`` by simulation;
-    rank ``r`` never holds more than ``cap[r]`` forwards without their ``W``."""
+def _place_w(
+    base: list[list[Step]],
+    p: int,
+    v: int,
+    cap: list[int],
+    cost: list[dict[str, float]],
+    placement: str,
+    tune: bool,
+) -> list[list[Step]]:
+    """The ``W`` placement of :func:`_fill_with_w`; with ``tune`` (given step times) the
+    best, by the simulated step time under ``cost``, of three greedy rules: ``W`` in every
+    hole by unit times, by these times, and by these times only where it fits the hole."""
+    if not tune:
+        return _fill_with_w(base, p, v, cap, [{"F": 1.0, "I": 1.0, "W": 1.0}] * p, placement)
+    unit = [{"F": 1.0, "I": 1.0, "W": 1.0}] * p
+    cands = [
+        _fill_with_w(base, p, v, cap, cost, placement),
+        _fill_with_w(base, p, v, cap, cost, placement, fit=True),
+        _fill_with_w(base, p, v, cap, unit, placement),
+    ]
+    return min(cands, key=lambda sched: _makespan(sched, p, v, cost, placement))
+
+
+def _makespan(sched: list[list[Step]], p: int, v: int, cost: list[dict[str, float]], placement: str) -> float:
+    """When the last rank finishes ``sched`` with step times ``cost`` and free messages."""
     last = p * v - 1
-    order = [[Step("I", s.micro, s.chunk) if s.kind == "B" else s for s in steps] for steps in base]
-    out: list[list[Step]] = [[] for _ in range(p)]
-    pc, free, live = [0] * p, [0] * p, [0] * p
-    pending: list[list[Step]] = [[] for _ in range(p)]
-    done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro) -> finish time
+    done: dict[tuple[str, int, int], float] = {}
+    free, pc = [0.0] * p, [0] * p
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while pc[r] < len(sched[r]):
+                st = sched[r][pc[r]]
+                g = virtual_stage(r, st.chunk, p, placement)
+                dep = ("F", g - 1, st.micro) if st.kind == "F" and g else None
+                if st.kind in ("I", "B") and g < last:
+                    dep = ("I", g + 1, st.micro)
+                if dep is not None and dep not in done:
+                    break
+                free[r] = max(free[r], done[dep] if dep else 0.0) + cost[r][st.kind]
+                if st.kind != "W":
+                    done[("F" if st.kind == "F" else "I", g, st.micro)] = free[r]
+                pc[r] += 1
+                moved = True
+    return max(free)
 
-    def ready(r: int) -> int | None:
+
+def _fill_with_w(
+    base: list[list[Step]],
+    p: int,
+    v: int,
+    cap: list[int],
+    cost: list[dict[str, float]],
+    placement: str = "loop",
+    fit: bool = False,
+) -> list[list[Step]]:
+    """Split every ``B`` of ``base`` into ``I`` + ``W`` (dropping the ``W`` it has), placing
+    each ``W`` by simulating the steps with times ``cost``; rank ``r`` never holds more
+    than ``cap[r]`` forwards without their ``W``. ``fit``: a ``W`` goes before a step that
+    waits only if it ends by the time that step can start (or that step's input is not
+    due yet)."""
+    last = p * v - 1
+    order = [
+        [Step("I", s.micro, s.chunk) if s.kind == "B" else s for s in steps if s.kind != "W"]
+        for steps in base
+    ]
+    out: list[list[Step]] = [[] for _ in range(p)]
+    pc, live = [0] * p, [0] * p
+    free = [0.0] * p
+    pending: list[list[Step]] = [[] for _ in range(p)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro) -> finish time
+
+    def ready(r: int) -> float | None:
         st = order[r][pc[r]]
-        g = st.chunk * p + r
+        g = virtual_stage(r, st.chunk, p, placement)
         if st.kind == "F":
             if live[r] >= cap[r]:
                 return None
@@ -265,10 +434,10 @@ def _fill_with_w(base: list[list[Step]], p: int, v: int, cap: list[int]) -> list
         return None if dep not in done else max(free[r], done[dep])
 
     while any(pc[r] < len(order[r]) or pending[r] for r in range(p)):
-        best: tuple[int, int, bool] | None = None  # (start time, rank, is W)
+        best: tuple[float, int, bool] | None = None  # (start time, rank, is W)
         for r in range(p):
             t = ready(r) if pc[r] < len(order[r]) else None
-            if t is not None and (not pending[r] or t <= free[r]):
+            if t is not None and (not pending[r] or t <= free[r] or (fit and free[r] + cost[r]["W"] > t)):
                 cand = (t, r, False)
             elif pending[r]:
                 cand = (free[r], r, True)
@@ -289,11 +458,175 @@ def _fill_with_w(base: list[list[Step]], p: int, v: int, cap: list[int]) -> list
                 live[r] += 1
             else:
                 pending[r].append(Step("W", st.micro, st.chunk))
-        free[r] = t + 1
+        free[r] = t + cost[r][st.kind]
         out[r].append(st)
         if st.kind != "W":
-            done[(st.kind, st.chunk * p + r, st.micro)] = t + 1
+            done[(st.kind, virtual_stage(r, st.chunk, p, placement), st.micro)] = free[r]
     return out
+
+
+def _check_v(n_stages: Any, n_micro: Any, n_chunks: Any, op: str) -> tuple[int, int]:
+    n_stages, n_micro, n_chunks = _check_counts(n_stages, n_micro, n_chunks, op)
+    if n_chunks != 2:
+        raise A.arg_error(op, "n_chunks", "2 (V placement: rank r holds stages r and 2p-1-r)", n_chunks)
+    if n_stages < 2:
+        raise A.arg_error(op, "n_stages", "an int >= 2 (V placement)", n_stages)
+    return n_stages, n_micro
+
+
+def zbv_schedule(
+    n_stages: int, n_micro: int, n_chunks: int = 2, costs: Costs | None = None
+) -> list[list[Step]]:
+    """ZB-V (zero bubble, V-shaped; Qi et al., section 6): two chunks per rank in the V
+    placement — rank ``r`` holds virtual stage ``r`` (chunk 0) and ``2p - 1 - r`` (chunk
+    1), so a micro-batch goes down the ranks and back up, and rank 0 computes the loss.
+
+    With ``costs=None`` the order is torch.distributed.pipelining's
+    ``ScheduleZBVZeroBubble`` (warm-up forwards, a steady ``F I W`` on both chunks, an
+    ``I``-only cool-down, then the pending ``W``); with uniform ``F = I = W`` its bubble
+    is zero after the ramp. Every rank holds at most ``2p`` chunk activations (``p``
+    micro-batches' worth of a full stage: 1F1B's rank 0, on every rank). With ``costs``
+    (measured step times), the ``F`` and ``I`` order is kept and every ``W`` is placed
+    by simulating these times, within the same activation bound (see
+    :func:`zb_h1_schedule`).
+
+    Args:
+        n_stages: number of pipeline ranks (>= 2).
+        n_micro: number of micro-batches.
+        n_chunks: must be 2.
+        costs: step times (see :func:`zb_h1_schedule`), or ``None``.
+
+    Returns:
+        One list of ``F``, ``I``, ``W`` steps per rank (V placement).
+
+    Example::
+
+        >>> zbv_schedule(2, 2)[1]
+        [F0, F0c1, F1, F1c1, I0c1, W0c1, I0, W0, I1c1, W1c1, I1, W1]
+    """
+    p, m = _check_v(n_stages, n_micro, n_chunks, "zbv_schedule")
+    cost = _check_costs(costs, p, "zbv_schedule")
+    out = [_zbv_rank(p, m, r) for r in range(p)]
+    if costs is None:
+        return out
+    caps = [max(max_in_flight(steps) for steps in out)] * p
+    placed = _place_w(out, p, 2, caps, cost, "v", True)
+    return min([placed, out], key=lambda sched: _makespan(sched, p, 2, cost, "v"))
+
+
+def _zbv_rank(p: int, m: int, rank: int) -> list[Step]:
+    """One rank of torch's ScheduleZBVZeroBubble, as diffcomm steps."""
+    n = max(2 * p - 1, m)
+    ops: list[Step] = []
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (p - rank) - 1):
+        ops.append(Step("F", f0, 0))
+        f0 += 1
+    for _ in range(rank):
+        ops += [Step("F", f1, 1), Step("F", f0, 0)]
+        f1, f0 = f1 + 1, f0 + 1
+    for _ in range(p - rank):
+        ops += [Step("F", f1, 1), Step("I", b1, 1), Step("W", b1, 1)]
+        f1, b1 = f1 + 1, b1 + 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            ops.append(Step("F", f0, 0))
+            f0 += 1
+        ops += [Step("I", b0, 0), Step("W", b0, 0), Step("F", f1, 1), Step("I", b1, 1), Step("W", b1, 1)]
+        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        ops += [Step("I", b0, 0), Step("I", b1, 1)]
+        b0, b1 = b0 + 1, b1 + 1
+    for _ in range(p - rank):
+        ops += [Step("I", b0, 0), Step("W", w0, 0)]
+        b0, w0 = b0 + 1, w0 + 1
+    ops += [Step("W", i, 1) for i in range(w1, b1)] + [Step("W", i, 0) for i in range(w0, b0)]
+    return [st for st in ops if st.micro < m]
+
+
+def dualpipev_schedule(n_stages: int, n_micro: int, n_chunks: int = 2) -> list[list[Step | Overlap]]:
+    """DualPipeV (DeepSeek's DualPipe folded into the V placement; torch's
+    ``ScheduleDualPipeV``): rank ``r`` holds virtual stages ``r`` and ``2p - 1 - r``; in
+    the steady state every step is an :class:`Overlap` of one micro-batch's forward on one
+    chunk with another's full backward on the other chunk, so each one's messages travel
+    while the other computes; the ramp uses ``I``/``W`` splits (zero bubble) to fill.
+
+    Args:
+        n_stages: number of pipeline ranks (>= 2).
+        n_micro: number of micro-batches, at least ``2 * n_stages``.
+        n_chunks: must be 2.
+
+    Returns:
+        One list of steps per rank: :class:`Step` s and :class:`Overlap` s.
+
+    Example::
+
+        >>> dualpipev_schedule(2, 4)[1]
+        [F0, F0c1, F1, F1c1, F2, B0c1, (F2c1;B0), (F3;B1c1), (F3c1;B1), B2c1, B2, I3c1, I3, W3c1, W3]
+    """
+    p, m = _check_v(n_stages, n_micro, n_chunks, "dualpipev_schedule")
+    if m < 2 * p:
+        raise A.arg_error("dualpipev_schedule", "n_micro", f"an int >= 2 * n_stages = {2 * p}", m)
+    return [_dualpipev_rank(p, m, r) for r in range(p)]
+
+
+def _dualpipev_rank(p: int, m: int, rank: int) -> list[Step | Overlap]:
+    """One rank of torch's ScheduleDualPipeV, as diffcomm steps (chunk 0: stage ``rank``)."""
+    acts: list[Step | Overlap] = []
+    nxt = {("F", 0): 0, ("F", 1): 0, ("I", 0): 0, ("I", 1): 0}  # next micro-batch per (kind, chunk)
+    wq: list[Step] = []
+
+    def take(kind: str, c: int) -> Step:
+        key = ("F" if kind == "F" else "I", c)
+        mb = nxt[key]
+        nxt[key] = mb + 1
+        if kind == "I":
+            wq.append(Step("W", mb, c))
+        return Step(kind, mb, c)  # type: ignore[arg-type]
+
+    def w() -> None:
+        if wq:
+            acts.append(wq.pop(0))
+
+    for _ in range((p - rank - 1) * 2):
+        acts.append(take("F", 0))
+    for _ in range(rank + 1):
+        acts += [take("F", 0), take("F", 1)]
+    for _ in range(p - rank - 1):
+        acts.append(take("I", 1))
+        w()
+        acts.append(take("F", 1))
+    for i in range(m - 2 * p + rank + 1):
+        if i == 0 and rank == p - 1:  # not overlapped: a smaller bubble
+            acts += [take("F", 0), take("B", 1)]
+        else:
+            f = take("F", 0)
+            acts.append(Overlap(f, take("B", 1)))
+        f = take("F", 1)
+        acts.append(Overlap(f, take("B", 0)))
+    for _ in range(p - rank - 1):
+        acts.append(take("B", 1))
+        f = take("F", 1)
+        acts.append(Overlap(f, take("B", 0)))
+    zb = False
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            zb = True
+        acts.append(take("I" if zb else "B", 1))
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            zb = True
+        acts.append(take("I" if zb else "B", 0))
+    for _ in range(p - rank - 1):
+        w()
+        acts.append(take("I" if zb else "B", 0))
+    for _ in range(rank + 1):
+        w()
+    return acts
+
+
+zbv_schedule.placement = "v"  # type: ignore[attr-defined]
+dualpipev_schedule.placement = "v"  # type: ignore[attr-defined]
 
 
 #: Built-in schedules by name (``PipelineRunner(schedule=...)``).
@@ -302,14 +635,16 @@ SCHEDULES: dict[str, ScheduleFn] = {
     "1f1b": one_f_one_b_schedule,
     "interleaved": interleaved_1f1b_schedule,
     "zb-h1": zb_h1_schedule,
+    "zbv": zbv_schedule,
+    "dualpipev": dualpipev_schedule,
 }
 
 
-def max_in_flight(steps: Sequence[Step]) -> int:
+def max_in_flight(steps: Sequence[Step | Overlap]) -> int:
     """Most (micro-batch, chunk) pairs whose forward ran and whose backward has not
     finished (``B``, or ``W`` for a split backward), at any point of one rank's steps."""
     live = peak = 0
-    for st in steps:
+    for st in expand_steps(steps):
         live += 1 if st.kind == "F" else -1 if st.kind in ("B", "W") else 0
         peak = max(peak, live)
     return peak

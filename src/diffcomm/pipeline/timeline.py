@@ -26,7 +26,8 @@ class TimelineEntry:
     """One executed step: wall-clock ``start``/``end`` (``time.perf_counter``, comparable
     across processes of one machine) and ``wait``, the seconds spent blocked in receives
     (so ``end - start - wait`` is this stage's busy time); ``chunk`` is the rank's chunk
-    (virtual stage ``chunk * p + rank``). ``sent``: for a ``B`` run as ``I`` then ``W``
+    (virtual stage ``chunk * p + rank``, or in the V placement ``rank`` / ``2p - 1 -
+    rank``). ``sent``: for a ``B`` run as ``I`` then ``W``
     (input gradient first), the busy seconds into the step at which the input gradient
     left for the previous stage (the end of ``I``); ``None`` where the step's output leaves
     at its end.
@@ -34,7 +35,10 @@ class TimelineEntry:
     ``wait`` is host time around the blocking receive calls (activations, and the
     gradients a send's backward receives), the device is never synchronised for it: on a
     GPU whose backend completes receives asynchronously (NCCL) it counts only the host's
-    part of the wait."""
+    part of the wait.
+
+    ``overlap``: this step is half of an :class:`~diffcomm.pipeline.Overlap` (the
+    forward, or the backward that follows it in the same fused step)."""
 
     kind: str
     micro: int
@@ -43,6 +47,7 @@ class TimelineEntry:
     wait: float
     chunk: int = 0
     sent: float | None = None
+    overlap: bool = False
 
     @property
     def busy(self) -> float:
@@ -65,7 +70,7 @@ def bubble_fraction(timelines: Sequence[Sequence[TimelineEntry]]) -> float:
     return sum(1.0 - sum(e.busy for e in tl) / span for tl in timelines) / len(timelines)
 
 
-def replayed_bubble(timelines: Sequence[Sequence[TimelineEntry]]) -> float:
+def replayed_bubble(timelines: Sequence[Sequence[TimelineEntry]], placement: str = "loop") -> float:
     """The bubble of the same steps with free communication: a replay of the schedule.
 
     ``timelines[r]`` is rank ``r``'s steps in the order it ran them (``runner.timeline``
@@ -78,7 +83,8 @@ def replayed_bubble(timelines: Sequence[Sequence[TimelineEntry]]) -> float:
     for these stage times, with messages taking no time and ranks never blocked by
     anything but data. With uniform stage times it equals
     :func:`~diffcomm.pipeline.theoretical_bubble` (GPipe, 1F1B, interleaved 1F1B) and
-    ZB-H1's ``(p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W))``.
+    ZB-H1's ``(p-1)(F+I-W) / (m(F+I+W) + (p-1)(F+I-W))``. ``placement``: ``"loop"`` or
+    ``"v"`` (the schedule's, see :func:`~diffcomm.pipeline.virtual_stage`).
 
     Raises ``ValueError`` when the steps cannot all run (a step waits for one that no
     rank runs before it: not the timelines of one step of a valid schedule).
@@ -92,12 +98,12 @@ def replayed_bubble(timelines: Sequence[Sequence[TimelineEntry]]) -> float:
     def run(r: int, e: TimelineEntry, dep: tuple[str, int, int] | None) -> None:
         start = max(free[r], done[dep] if dep is not None else 0.0)
         end = free[r] = start + e.busy
-        replay[r].append(TimelineEntry(e.kind, e.micro, start, end, 0.0, e.chunk, e.sent))
-        out = makes(r, e, p)
+        replay[r].append(TimelineEntry(e.kind, e.micro, start, end, 0.0, e.chunk, e.sent, e.overlap))
+        out = makes(r, e, p, placement)
         if out is not None:
             done[out] = end if e.sent is None else start + min(e.sent, e.busy)
 
-    pc = walk(timelines, p, last, done, run)
+    pc = walk(timelines, p, last, done, run, placement)
     stuck = [f"rank {r} step {pc[r]} ({timelines[r][pc[r]].kind}{timelines[r][pc[r]].micro})"
              for r in range(p) if pc[r] < len(timelines[r])]  # fmt: skip
     if stuck:
