@@ -256,10 +256,19 @@ def _scale_sizes(sizes: Sequence[int], dim: int, x: Tensor, p: Precision) -> tup
 # ----------------------------------------------------------------------- validation
 
 
-def check(x: Tensor, precision: Any, op: str, sizes_on_last: Sequence[int] | None = None) -> Precision:
-    """Validate ``precision`` for ``x`` before any communication: a :class:`Precision`,
-    a floating (not complex) ``x``, ``block_size`` dividing the last dim (and each chunk
-    ``sizes_on_last`` an op splits the last dim into)."""
+Layout = tuple[int, "Sequence[int] | None"]
+
+
+def check(
+    x: Tensor, precision: Any, op: str, fwd: Layout | None = None, bwd: Layout | None = None
+) -> Precision:
+    """Validate ``precision`` for ``x`` before any communication — for the forward **and**
+    the backward (a backward that cannot run must fail here, not after the forward): a
+    :class:`Precision`, a floating (not complex) ``x``, and for fp8 a block size dividing
+    the last dim of what is encoded and every chunk an op splits that dim into.
+
+    ``fwd`` / ``bwd``: ``(last dim, chunks along it or None)`` of the tensor the forward /
+    backward encodes (default: ``x``'s last dim, no split)."""
     if not isinstance(precision, Precision):
         raise TypeError(f"diffcomm.{op}(): precision must be a diffcomm.Precision or None, got {precision!r}")
     if precision.wire is not None and not x.is_floating_point():
@@ -267,21 +276,24 @@ def check(x: Tensor, precision: Any, op: str, sizes_on_last: Sequence[int] | Non
             f"diffcomm.{op}(): precision=Precision(wire={precision.tag}) needs a floating-point x "
             f"(a float wire dtype cannot carry {x.dtype} exactly); got x of dtype {x.dtype}"
         )
-    for p in (precision, precision.transposed()):
+    n = x.shape[-1] if x.ndim else 1
+    for p, (last, chunks), where in (
+        (precision, fwd or (n, None), "forward"),
+        (precision.transposed(), bwd or (n, None), "backward"),
+    ):
         if p.wire not in FP8_MAX or x.ndim == 0:
             continue
-        n = x.shape[-1]
-        b = _block(p, n)
-        if p.block_size is not None and n % b:
+        b = p.block_size or last
+        if p.block_size is not None and last % b:
             raise ValueError(
-                f"diffcomm.{op}(): precision block_size={b} does not divide the last dim of x "
-                f"(x.shape={tuple(x.shape)}); no padding is done: pick a divisor of {n}"
+                f"diffcomm.{op}(): precision ({where}) block_size={b} does not divide the last dim "
+                f"({last}) of what it encodes (x.shape={tuple(x.shape)}); no padding is done: pick a divisor"
             )
-        if sizes_on_last is not None and any(s % b for s in sizes_on_last):
+        if chunks is not None and b and any(c % b for c in chunks):
             why = "" if p.block_size else " (block_size=None means one scale per whole row)"
             raise ValueError(
-                f"diffcomm.{op}(): precision block_size={p.block_size} must divide every chunk "
-                f"{list(sizes_on_last)} the op splits the last dim into{why}"
+                f"diffcomm.{op}(): precision ({where}) block_size={p.block_size} must divide every "
+                f"chunk {list(chunks)} the op splits the last dim into{why}"
             )
     return precision
 
@@ -507,7 +519,10 @@ def reduce_scatter(
     _no_async(async_op, name)
     pg = A.resolve_group(group, name)
     sizes = tuple(A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), name))
-    check(x, precision, name, sizes if dim == x.ndim - 1 else None)
+    if dim == x.ndim - 1:  # forward: splits the last dim; backward: gathers own chunks
+        check(x, precision, name, (x.shape[dim], sizes), (sizes[_rank(pg)], None))
+    else:
+        check(x, precision, name)
     return apply(_QReduceScatter, x, dim, op_name, pg, sizes, precision)
 
 
@@ -519,14 +534,14 @@ def all_gather(
     x = _check_input(x, name)
     dim = A.check_dim(x, dim, name)
     _no_async(async_op, name)
-    check(x, precision, name)
+    check(x, precision, name)  # (types first: before the size exchange communicates)
     pg = A.resolve_group(group, name)
     if split_sizes is not None:
         sizes = tuple(_given_split_sizes(split_sizes, x, dim, pg, name, "split_sizes"))
     else:
         sizes = tuple(_exchanged_split_sizes(x, dim, pg, name))
-    if dim == x.ndim - 1:
-        check(x, precision, name, sizes)
+    if dim == x.ndim - 1:  # pieces of every rank's row; backward splits the gathered row
+        check(x, precision, name, (x.shape[dim], sizes), (sum(sizes), sizes))
     return apply(_QAllGather, x, dim, pg, sizes, precision)
 
 
@@ -550,10 +565,11 @@ def all_to_all(
     pg = A.resolve_group(group, name)
     ins, outs = _all_to_all_split_sizes(x, split_dim, concat_dim, pg, input_split_sizes, output_split_sizes)
     last = x.ndim - 1
-    if split_dim == last:
-        check(x, precision, name, ins)
     if outs is None:
         outs = _all_to_all_received(ins, pg)
-    if concat_dim == last:
-        check(x, precision, name, outs if split_dim == last else [x.shape[last]])
+    n = x.shape[last]
+    out_last = sum(outs) if concat_dim == last else (ins[_rank(pg)] if split_dim == last else n)
+    fwd_chunks = list(ins) if split_dim == last else ([n] if concat_dim == last else None)
+    bwd_chunks = list(outs) if concat_dim == last else None
+    check(x, precision, name, (n, fwd_chunks), (out_last, bwd_chunks))
     return apply(_QAllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(map(int, outs)), precision)
