@@ -529,3 +529,164 @@ def test_precision_options_validated() -> None:
     assert p.transposed().transposed().forward_only() == p.forward_only()
     assert Precision("fp16").accumulate_for(torch.float16) == torch.float32
     assert Precision("fp16").accumulate_for(torch.float64) == torch.float64
+
+
+# --------------------------------------------------------------------------------------
+# the mappings, the coalesced forms and MoE dispatch/combine: the core quantized ops
+# (bound-tested above) on their communicating side, bit for bit
+# --------------------------------------------------------------------------------------
+
+
+def _settings(p: Precision, backward: bool) -> Precision:
+    return backward_settings(p) if backward else Precision(p.wire, p.accumulate, p.block_size)
+
+
+def _mappings(wire: str, back: str) -> list[str]:
+    from diffcomm import parallel as P
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    blk = 2 if wire.startswith("fp8") else None
+    bblk = 2 if back.startswith("fp8") else None
+    p = Precision(wire, block_size=blk, backward=Precision(back, block_size=bblk))
+    pf, pb = _settings(p, False), _settings(p, True)
+    x0 = data(r, (2 * w, 4), 4)  # varying per rank
+    rep = data(99, (2 * w, 4), 4)  # replicated
+    bad = []
+
+    def grad(y: torch.Tensor, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return torch.autograd.grad(y, x, g)[0]
+
+    def same(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        if not torch.equal(a, b):
+            bad.append(f"{name}: max diff {float((a - b).abs().max())}")
+
+    # forward communicates (quantized with pf); backward local (exact) or quantized (pb)
+    x = x0.clone().requires_grad_(True)
+    y = P.reduce_from_region(x, precision=p)
+    same("reduce_from_region fwd", y, dc.all_reduce(x0, precision=pf))
+    g = data(50, tuple(y.shape), 4)  # replicated gradient (the identity backward's premise)
+    same("reduce_from_region bwd", grad(y, x, g), g)
+    xr = rep.clone().requires_grad_(True)
+    y = P.copy_to_region(xr, precision=p)
+    same("copy_to_region fwd", y, rep)
+    g = data(60 + r, tuple(y.shape), 4)
+    same("copy_to_region bwd", grad(y, xr, g), dc.all_reduce(g, precision=pb))
+    for dim in (0, -1):
+        xr = rep.clone().requires_grad_(True)
+        y = P.scatter_to_region(xr, dim=dim, precision=p)
+        same(f"scatter_to_region({dim}) fwd", y, rep.chunk(w, dim)[r])
+        g = data(70 + r, tuple(y.shape), 4)
+        same(f"scatter_to_region({dim}) bwd", grad(y, xr, g), dc.all_gather(g, dim=dim, precision=pb))
+        x = x0.clone().requires_grad_(True)
+        y = P.gather_from_region(x, dim=dim, precision=p)
+        same(f"gather_from_region({dim}) fwd", y, dc.all_gather(x0, dim=dim, precision=pf))
+        g = data(80, tuple(y.shape), 4)
+        same(f"gather_from_region({dim}) bwd", grad(y, x, g), g.chunk(w, dim)[r])
+    x = x0.clone().requires_grad_(True)
+    y = P.reduce_scatter_to_sequence(x, precision=p)
+    same("reduce_scatter_to_sequence fwd", y, dc.reduce_scatter(x0, precision=pf))
+    g = data(90 + r, tuple(y.shape), 4)
+    same("reduce_scatter_to_sequence bwd", grad(y, x, g), dc.all_gather(g, precision=pb))
+    x = x0.clone().requires_grad_(True)
+    y = P.all_gather_from_sequence(x, precision=p)
+    same("all_gather_from_sequence fwd", y, dc.all_gather(x0, precision=pf))
+    g = data(100 + r, tuple(y.shape), 4)
+    same("all_gather_from_sequence bwd", grad(y, x, g), dc.reduce_scatter(g, precision=pb))
+    x = x0.clone().requires_grad_(True)
+    y = P.scatter_to_sequence(x, precision=p)
+    g = data(110 + r, tuple(y.shape), 4)
+    same("scatter_to_sequence bwd", grad(y, x, g), dc.all_gather(g, precision=pb))
+    x = x0.clone().requires_grad_(True)
+    y = P.gather_from_sequence(x, precision=p)
+    same("gather_from_sequence fwd", y, dc.all_gather(x0, precision=pf))
+    x = x0.clone().requires_grad_(True)
+    y = P.all_to_all_region(x, 0, 1, precision=p)
+    same("all_to_all_region fwd", y, dc.all_to_all(x0, 0, 1, precision=pf))
+    g = data(120 + r, tuple(y.shape), 4)
+    same("all_to_all_region bwd", grad(y, x, g), dc.all_to_all(g, 1, 0, precision=pb))
+    return bad
+
+
+@pytest.mark.parametrize("wire,back", [("bf16", "fp8_e4m3"), ("fp8_e5m2", "fp16"), ("fp16", "bf16")])
+def test_mappings_with_precision(world2, wire: str, back: str) -> None:
+    for bad in world2.run(_mappings, wire, back):
+        assert not bad, bad
+
+
+def _coalesced(wire: str) -> list[str]:
+    r = dc.get_rank()
+    w = dc.get_world_size()
+    p = Precision(wire, block_size=2 if wire.startswith("fp8") else None, backward=Precision("bf16"))
+    xs0 = [data(r, (2 * w, 4), 3), data(10 + r, (w, 6), 3).double()]
+    bad = []
+    for name, single, kw in (
+        ("all_reduce", dc.all_reduce, {}),
+        ("all_gather", dc.all_gather, {"dim": 0}),
+        ("reduce_scatter", dc.reduce_scatter, {"dim": 0}),
+    ):
+        xs = [x.clone().requires_grad_(True) for x in xs0]
+        ys = getattr(dc, f"{name}_coalesced")(xs, **kw, precision=p)
+        gs = [data(40 + i + r, tuple(y.shape), 3).to(y.dtype) for i, y in enumerate(ys)]
+        grads = torch.autograd.grad(ys, xs, gs)
+        for i, x0 in enumerate(xs0):
+            xi = x0.clone().requires_grad_(True)
+            yi = single(xi, **kw, precision=p)
+            (gi,) = torch.autograd.grad(yi, xi, gs[i])
+            if not (torch.equal(ys[i], yi) and torch.equal(grads[i], gi)):
+                bad.append(f"{name}[{i}]")
+    return bad
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_coalesced_equal_single_quantized_ops(world2, wire: str) -> None:
+    for bad in world2.run(_coalesced, wire):
+        assert not bad, bad
+
+
+def _moe(wire: str, back: str) -> list[str]:
+    from diffcomm import parallel as P
+
+    r = dc.get_rank()
+    p = Precision(wire, block_size=4 if wire.startswith("fp8") else None)
+    p = Precision(
+        p.wire,
+        block_size=p.block_size,
+        backward=Precision(back, block_size=4 if back.startswith("fp8") else None),
+    )
+    pf, pb = _settings(p, False), _settings(p, True)
+    gen = torch.Generator().manual_seed(r)
+    x0 = torch.randn(5 + r, 8, generator=gen)
+    gate, idx, _ = P.route(torch.randn(5 + r, 4, generator=gen), k=2)
+    bad = []
+    # dispatch: rows move whole, so quantized dispatch == plain dispatch of quantize(x)
+    x = x0.clone().requires_grad_(True)
+    h, plan = P.dispatch(x, idx, num_experts=4, precision=p)
+    h_ref, _ = P.dispatch(quantize(x0, pf), idx, num_experts=4, plan=plan)
+    if not torch.equal(h, h_ref):
+        bad.append("dispatch fwd")
+    g = torch.randn(h.shape, generator=gen)
+    (gx,) = torch.autograd.grad(h, x, g)
+    xr = x0.clone().requires_grad_(True)
+    hr, _ = P.dispatch(xr, idx, num_experts=4, plan=plan)
+    (gx_ref,) = torch.autograd.grad(hr, xr, quantize(g, pb))  # the gradient rows travel in pb
+    if not torch.equal(gx, gx_ref):
+        bad.append("dispatch bwd")
+    # combine: quantized combine == plain combine of quantize(expert rows)
+    e = torch.randn(h.shape, generator=gen).requires_grad_(True)
+    y = P.combine(e, gate, plan, precision=p)
+    y_ref = P.combine(quantize(e.detach(), pf), gate, plan)
+    if not torch.allclose(y, y_ref, rtol=0, atol=0):
+        bad.append("combine fwd")
+    gy = torch.randn(y.shape, generator=gen)
+    (ge,) = torch.autograd.grad(y, e, gy)
+    er = e.detach().clone().requires_grad_(True)
+    (ge_plain,) = torch.autograd.grad(P.combine(er, gate, plan), er, gy)
+    if not torch.equal(ge, quantize(ge_plain, pb)):
+        bad.append("combine bwd")
+    return bad
+
+
+@pytest.mark.parametrize("wire,back", [("bf16", "fp8_e4m3"), ("fp8_e4m3", "bf16"), ("fp8_e5m2", "fp16")])
+def test_moe_dispatch_combine_with_precision(world2, wire: str, back: str) -> None:
+    for bad in world2.run(_moe, wire, back):
+        assert not bad, bad

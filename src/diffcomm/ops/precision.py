@@ -256,7 +256,7 @@ def _scale_sizes(sizes: Sequence[int], dim: int, x: Tensor, p: Precision) -> tup
 # ----------------------------------------------------------------------- validation
 
 
-Layout = tuple[int, "Sequence[int] | None"]
+Layout = tuple[int, Sequence[int] | None]
 
 
 def check(
@@ -573,3 +573,40 @@ def all_to_all(
     bwd_chunks = list(outs) if concat_dim == last else None
     check(x, precision, name, (n, fwd_chunks), (out_last, bwd_chunks))
     return apply(_QAllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(map(int, outs)), precision)
+
+
+# ------------------------------------------------------------------- coalesced lists
+
+
+def coalesced(name: str, tensors: Any, precision: Any, async_op: bool = False, **kw: Any) -> list[Tensor]:
+    """``dc.<name>_coalesced(tensors, ..., precision=...)``: the quantized single op on each
+    tensor, in order (values and gradients equal the single ops'). Not one communication
+    per dtype: each tensor is its own quantized op (fp8: payload and scales). Every
+    tensor is validated before anything is sent."""
+    op = f"{name}_coalesced"
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise TypeError(f"diffcomm.{op}(): tensors must be a non-empty list or tuple, got {tensors!r}")
+    _no_async(async_op, op)
+    split_sizes = kw.pop("split_sizes", None)
+    if split_sizes is not None and len(split_sizes) != len(tensors):
+        raise ValueError(
+            f"diffcomm.{op}(): split_sizes must hold one entry per tensor ({len(tensors)}), "
+            f"got {len(split_sizes)}"
+        )
+    xs = [_check_input(t, op) for t in tensors]
+    for x in xs:
+        check(x, precision, op)
+    if name in ("all_reduce", "reduce_scatter"):
+        _check_linear(A.normalize_op(kw.get("op", "sum"), op, xs[0]), op)
+    outs = []
+    for i, x in enumerate(xs):
+        sizes = None if split_sizes is None else split_sizes[i]
+        if name == "all_reduce":
+            outs.append(all_reduce(x, kw.get("op", "sum"), kw.get("group"), precision))
+        elif name == "all_gather":
+            outs.append(all_gather(x, kw.get("dim", 0), kw.get("group"), sizes, precision))
+        else:
+            outs.append(
+                reduce_scatter(x, kw.get("dim", 0), kw.get("op", "sum"), kw.get("group"), sizes, precision)
+            )
+    return outs

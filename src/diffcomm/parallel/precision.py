@@ -156,6 +156,8 @@ def mapping(name: str, x: Any, group: A.GroupLike, precision: Any, **kw: Any) ->
     dim = M._even_dim(name, x, kw["dim"], world) if splits else A.check_dim(x, kw["dim"], name)
     last = dim == x.ndim - 1
     n = x.shape[dim]
+    split_side: Q.Layout | None
+    gather_side: Q.Layout | None
     if splits:  # the split side: chunks of n / world along dim; the gather side: whole rows
         chunks = [n // world] * world
         split_side = (n, chunks) if last else None

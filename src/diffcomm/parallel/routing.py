@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -27,6 +27,9 @@ from .. import backend as B
 from ..backend import args as A
 from ..ops import collectives as C
 from ._module import check_positive, resolve_parallel_group
+
+if TYPE_CHECKING:
+    from ..ops.precision import Precision
 
 __all__ = ["DispatchPlan", "route", "dispatch", "combine", "load_balancing_loss"]
 
@@ -260,6 +263,7 @@ def dispatch(
     capacity_factor: float | None = None,
     plan: DispatchPlan | None = None,
     async_op: bool = False,
+    precision: Precision | None = None,
 ) -> tuple[Tensor, DispatchPlan]:
     """Send every token to the ranks holding its chosen experts (one uneven all_to_all).
 
@@ -279,6 +283,9 @@ def dispatch(
             recomputation, a second tensor routed alike): reused, nothing exchanged.
         async_op: the all_to_all returns at once (an :class:`~diffcomm.AsyncTensor` that
             waits on first use): compute something else (a shared expert) meanwhile.
+        precision: a :class:`~diffcomm.Precision` for the all_to_all (forward settings)
+            and its backward (``backward`` settings); fp8 blocks run along ``H``
+            (``docs/precision.md``).
 
     Returns:
         ``(expert_inputs, plan)``: ``expert_inputs`` is ``(sum(plan.expert_splits), H)``,
@@ -318,6 +325,10 @@ def dispatch(
         raise A.arg_error(op, "num_experts", f"divisible by the group size {world}", num_experts)
     if capacity_factor is not None and not (float(capacity_factor) > 0):
         raise A.arg_error(op, "capacity_factor", "None or a positive float", capacity_factor)
+    if precision is not None:  # before the counts are exchanged
+        from ..ops.precision import check as _check_precision
+
+        _check_precision(x, precision, op)
     if _config.DEBUG.get():  # the routing's shape must agree (else the splits would not)
         fields = {
             "num_experts": num_experts,
@@ -348,6 +359,7 @@ def dispatch(
             input_split_sizes=plan.send_splits,
             output_split_sizes=plan.recv_splits,
             async_op=async_op,
+            precision=precision,
         )
     if async_op:
         return _Deferred(got, plan), plan  # type: ignore[return-value]
@@ -366,7 +378,9 @@ class _Deferred:
         return _permute(got, p.recv_order, p.recv_inverse, p.source_major)
 
 
-def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) -> Tensor:
+def combine(
+    expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan, *, precision: Precision | None = None
+) -> Tensor:
     """Bring the experts' outputs back to their tokens, weighted by the gate weights.
 
     Args:
@@ -374,6 +388,8 @@ def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) ->
             expert-major as :func:`dispatch` gave the inputs.
         gate_weights: ``(T, k)`` the weight of each chosen expert (from :func:`route`).
         plan: the :class:`DispatchPlan` of the matching :func:`dispatch`.
+        precision: a :class:`~diffcomm.Precision` for the all_to_all back (forward
+            settings) and its backward (``backward`` settings) (``docs/precision.md``).
 
     Returns:
         ``(T, H_out)``: ``y[t] = sum_j gate_weights[t, j] * expert_{index[t, j]}(x[t])`` over
@@ -412,6 +428,7 @@ def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) ->
             group=plan.group,
             input_split_sizes=plan.recv_splits,
             output_split_sizes=plan.send_splits,
+            precision=precision,
         )
     w = gate_weights.reshape(-1).index_select(0, plan.slot_index).to(back.dtype)
     out = back.new_zeros(plan.num_tokens, back.shape[1])
