@@ -136,6 +136,18 @@ class CommsLog:
                 out[key] = out.get(key, 0) + r.nbytes
         return out
 
+    def sent_by_dtype(self, op: str | None = None) -> dict[str, float]:
+        """:meth:`by_dtype` times each op's bus factor (``raw_ops``): the bytes each rank
+        sends (ring / pairwise algorithms), so ops of different kinds compare (an
+        all_reduce sends ``2 (n - 1) / n`` of its payload, an all_gather or all_to_all
+        ``(n - 1) / n``)."""
+        out: dict[str, float] = {}
+        for r in self.records:
+            if op is None or r.op == op:
+                key = r.dtype or "unknown"
+                out[key] = out.get(key, 0.0) + r.nbytes * bus_factor(r.op, r.world)
+        return out
+
     def count(self, op: str | None = None) -> int:
         """Number of raw calls (of ``op`` if given)."""
         return sum(1 for r in self.records if op is None or r.op == op)
