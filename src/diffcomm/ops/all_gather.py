@@ -106,6 +106,9 @@ def all_gather(
             communication on first use (``.wait()`` returns the finished tensor); values
             and gradients equal the blocking op's, and the backward is asynchronous too
             (``docs/async.md``).
+        precision: a :class:`~diffcomm.Precision` (wire dtype, accumulation dtype, fp8
+            block size, backward settings): quantize, communicate, dequantize; the
+            backward is the adjoint in the backward settings (``docs/precision.md``).
 
     Returns:
         A new tensor: ``x.shape`` with ``dim`` of size ``sum(sizes)``; rank ``r``'s block
@@ -214,6 +217,9 @@ def reduce_scatter(
             communication on first use (``.wait()`` returns the finished tensor); values
             and gradients equal the blocking op's, and the backward is asynchronous too
             (``docs/async.md``).
+        precision: a :class:`~diffcomm.Precision` (wire dtype, accumulation dtype, fp8
+            block size, backward settings): quantize, communicate, dequantize; the
+            backward is the adjoint in the backward settings (``docs/precision.md``).
 
     Returns:
         A new tensor: ``x.shape`` with ``dim`` of size ``split_sizes[rank]``.

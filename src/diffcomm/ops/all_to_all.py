@@ -157,6 +157,9 @@ def all_to_all(
             communication on first use (``.wait()`` returns the finished tensor); values
             and gradients equal the blocking op's, and the backward is asynchronous too
             (``docs/async.md``).
+        precision: a :class:`~diffcomm.Precision` (wire dtype, accumulation dtype, fp8
+            block size, backward settings): quantize, communicate, dequantize; the
+            backward is the adjoint in the backward settings (``docs/precision.md``).
 
     Returns:
         A new tensor. ``split_dim == concat_dim == d``: ``x.shape`` with ``d`` of size
