@@ -97,7 +97,8 @@ def main() -> None:
         print(json.dumps({"world": a.world, "rows": a.rows, "cols": a.cols, "results": rows}))
         return
     print(
-        f"world {a.world}, fp32 tensor ({a.rows}, {a.cols}) per rank; bytes per forward call (comms logger)"
+        f"world {a.world}, fp32 tensor ({a.rows}, {a.cols}) per rank; bytes each rank sends per forward "
+        "call (comms logger: payload x bus factor; fp8: payload + float32 scales), x fewer than fp32"
     )
     head = f"{'format':<10}" + "".join(f"{op:>22}" for op in OPS) + f"{'quant+dequant':>15}"
     print(head)
