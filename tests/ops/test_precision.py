@@ -91,7 +91,9 @@ def expect(op: str, kw: dict[str, Any], xs: list[torch.Tensor], p: Precision, r:
     if kw.get("op", "sum") == "avg":
         err = err + U32 * total.abs()
     if op == "reduce_scatter":
-        d = kw["dim"]
+        d, sizes = kw["dim"], kw.get("split_sizes")
+        if sizes is not None:  # uneven
+            return total.split(sizes, d)[r], err.split(sizes, d)[r]
         return chunk(total, d, w, r), chunk(err, d, w, r)
     # all_reduce: the sum is rounded once more, to the wire dtype, for its all_gather phase
     return total, err + qerr(total.abs() + err, p)
@@ -99,9 +101,9 @@ def expect(op: str, kw: dict[str, Any], xs: list[torch.Tensor], p: Precision, r:
 
 def dual(op: str, kw: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if op == "all_gather":
-        return "reduce_scatter", {"dim": kw["dim"]}
+        return "reduce_scatter", {"dim": kw["dim"], "split_sizes": kw.get("split_sizes")}
     if op == "reduce_scatter":
-        return "all_gather", {"dim": kw["dim"]}
+        return "all_gather", {"dim": kw["dim"], "split_sizes": kw.get("split_sizes")}
     if op == "all_to_all":
         return "all_to_all", {"split_dim": kw["concat_dim"], "concat_dim": kw["split_dim"]}
     return "all_reduce", dict(kw)
@@ -121,14 +123,32 @@ def data(seed: int, shape: tuple[int, ...], spread: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 
+def _shape_of(case: dict[str, Any], j: int, side: str, out: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Rank ``j``'s input (``side="in"``) or output-gradient shape; uneven cases differ
+    along ``dim`` (all_gather: the inputs; reduce_scatter: the outputs)."""
+    sizes, op = case.get("sizes"), case["op"]
+    base = list(case["shape"]) if side == "in" else list(out or ())
+    if sizes is None:
+        return tuple(base)
+    d = case["kw"]["dim"]
+    if (op == "all_gather" and side == "in") or (op == "reduce_scatter" and side == "out"):
+        base[d] = sizes[j]
+    return tuple(base)
+
+
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """On every rank: forward, backward, and their excess over the bounds (<= 0 passes)."""
     r, w = dc.get_rank(), dc.get_world_size()
     op, kw, p = case["op"], case["kw"], case["precision"]
-    xs = [data(case["seed"] + j, case["shape"], case["spread"]) for j in range(w)]
+    xs = [data(case["seed"] + j, _shape_of(case, j, "in"), case["spread"]) for j in range(w)]
     x = xs[r].clone().requires_grad_(True)
     y = getattr(dc, op)(x, **kw, precision=p)
-    gs = [data(case["seed"] + 100 + j, tuple(y.shape), case["spread"]) for j in range(w)]
+    gs = [
+        data(case["seed"] + 100 + j, _shape_of(case, j, "out", tuple(y.shape)), case["spread"])
+        for j in range(w)
+    ]
+    if case.get("sizes") is not None and op == "all_gather":  # the dual reduce_scatter's sizes
+        kw = {**kw, "split_sizes": list(case["sizes"])}
     (gx,) = torch.autograd.grad(y, x, gs[r])
     xs64 = [t.to(F64) for t in xs]
     y_ref, y_bound = expect(op, kw, xs64, Precision(p.wire, p.accumulate, p.block_size), r)
@@ -163,9 +183,17 @@ def cases(draw: st.DrawFn, world: int, op: str) -> dict[str, Any]:
     if op in ("reduce_scatter", "all_gather"):
         d = draw(st.integers(0, ndim - 1))
         kw["dim"] = d
+    sizes = None
+    if op in ("reduce_scatter", "all_gather") and draw(st.booleans()):  # uneven per-rank sizes
+        unit_d = unit if (fp8 and d == ndim - 1) else 1
+        sizes = [unit_d * draw(st.integers(0, 2)) for _ in range(world)]
     if op == "reduce_scatter":
         kw["op"] = draw(st.sampled_from(["sum", "avg"]))
-        shape[d] *= world
+        shape[d] = sum(sizes) if sizes is not None else shape[d] * world
+        if sizes is not None:
+            kw["split_sizes"] = sizes
+    if op == "all_gather" and sizes is not None:
+        shape[d] = sizes[0]  # (rank j's input has sizes[j] along dim)
     if op == "all_reduce":
         kw["op"] = draw(st.sampled_from(["sum", "avg"]))
     if op == "all_to_all":
@@ -199,6 +227,7 @@ def cases(draw: st.DrawFn, world: int, op: str) -> dict[str, Any]:
         "precision": p,
         "seed": draw(st.integers(0, 10**6)),
         "spread": spread,
+        "sizes": sizes,
     }
 
 
@@ -220,7 +249,7 @@ def _assert_cases(world: dc.LocalWorld, batch: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("op", OPS)
 def test_values_gradients_and_adjoint_within_bounds(local_worlds, op: str, world_size: int) -> None:
-    check_in_batches(local_worlds(world_size), cases(world_size, op), _assert_cases, max_examples=6)
+    check_in_batches(local_worlds(world_size), cases(world_size, op), _assert_cases, max_examples=10)
 
 
 def _every_wire(op: str, world: int) -> list[dict[str, Any]]:
@@ -369,6 +398,7 @@ def _bytes(wire: str, block: int | None) -> dict[str, dict[str, int]]:
         with B.log_comms() as log:
             call()
         out[name] = log.by_dtype()
+        out[name + " sent"] = {k: int(v) for k, v in log.sent_by_dtype().items()}
     return out
 
 
@@ -390,6 +420,12 @@ def test_bytes_per_call_equal_theory(world2, wire: str, block: int | None) -> No
             if wire.startswith("fp8"):
                 want["torch.float32"] = 4 * (k // 8) * per_scale
             assert row[op] == want, (op, row[op], want)
+        # bytes each rank sends (bus factors): fp32 all_reduce 2 (w-1)/w of 4n; the
+        # quantized one an all_to_all and an all_gather, (w-1)/w of each
+        assert row["fp32 all_reduce sent"] == {"torch.float32": 4 * n}
+        assert row["all_reduce sent"] == {k: v // 2 for k, v in row["all_reduce"].items()}
+        if not wire.startswith("fp8"):
+            assert sum(row["all_reduce sent"].values()) * 2 == 4 * n  # 2x fewer than fp32
 
 
 def _fp8_raw() -> list[float]:
