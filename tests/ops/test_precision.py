@@ -754,3 +754,29 @@ def test_tp_training_example_bf16_wire_tracks_fp32(world2) -> None:
     assert exact[-1] < 0.8 * exact[0] and low[-1] < 0.8 * low[0]
     assert max(abs(u - v) / v for u, v in zip(low, exact)) < 1e-2
     assert low != exact
+
+
+def _spmd_typed() -> list[str]:
+    from diffcomm import parallel as P
+
+    x = torch.randn(4, 4, requires_grad=True)
+    p = Precision("bf16")
+    out = []
+    for name, call in (
+        ("all_reduce", lambda v: dc.all_reduce(v, precision=p)),
+        ("reduce_from_region", lambda v: P.reduce_from_region(v, precision=p)),
+    ):
+        try:
+            with dc.spmd_check():
+                call(dc.spmd.replicated(x))  # a replicated value summed over ranks: 2x
+            out.append(f"{name}: no error")
+        except dc.SPMDTypeError:
+            out.append(f"{name}: SPMDTypeError")
+    return out
+
+
+def test_spmd_check_types_the_quantized_ops(world2) -> None:
+    """``dc.spmd_check`` types a quantized op by the plain op's rule (all_reduce of a
+    replicated value is refused with or without ``precision=``)."""
+    for row in world2.run(_spmd_typed):
+        assert row == ["all_reduce: SPMDTypeError", "reduce_from_region: SPMDTypeError"], row

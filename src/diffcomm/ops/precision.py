@@ -35,9 +35,9 @@ import torch
 from torch import Tensor
 
 from ..backend import args as A
-from .all_gather import raw_all_gather, raw_reduce_scatter
-from .all_reduce import raw_all_reduce
-from .all_to_all import raw_all_to_all
+from .all_gather import _AllGather, _ReduceScatter, raw_all_gather, raw_reduce_scatter
+from .all_reduce import _AllReduce, raw_all_reduce
+from .all_to_all import _AllToAll, raw_all_to_all
 from .base import CommOp, apply, call
 from .validation import PG
 from .validation import all_to_all_received as _all_to_all_received
@@ -401,6 +401,8 @@ class _QAllReduce(CommOp):
     """all_reduce (sum/avg) with a :class:`Precision`; self-adjoint (backward settings)."""
 
     name = "all_reduce"
+    spmd = _AllReduce.spmd  # dc.spmd_check types it as the plain op
+    spmd_same_as = _AllReduce  # (one row in the typing table)
 
     @staticmethod
     def run(x: Tensor, op: str, pg: PG, p: Precision) -> Tensor:
@@ -420,6 +422,8 @@ class _QAllGather(CommOp):
 
     name = "all_gather"
     dims = (0,)
+    spmd = _AllGather.spmd
+    spmd_same_as = _AllGather
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
@@ -439,6 +443,8 @@ class _QReduceScatter(CommOp):
 
     name = "reduce_scatter"
     dims = (0,)
+    spmd = _ReduceScatter.spmd
+    spmd_same_as = _ReduceScatter
 
     @staticmethod
     def run(x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
@@ -459,6 +465,8 @@ class _QAllToAll(CommOp):
 
     name = "all_to_all"
     dims = (0, 1)
+    spmd = _AllToAll.spmd
+    spmd_same_as = _AllToAll
 
     @staticmethod
     def run(

@@ -27,6 +27,8 @@ from . import mappings as M
 
 class _QCopyToRegion(CommOp):
     name = "parallel.copy_to_region"
+    spmd = M._CopyToRegion.spmd  # dc.spmd_check types it as the plain mapping
+    spmd_same_as = M._CopyToRegion
     elementwise = True
 
     @staticmethod
@@ -44,6 +46,8 @@ class _QCopyToRegion(CommOp):
 
 class _QReduceFromRegion(CommOp):
     name = "parallel.reduce_from_region"
+    spmd = M._ReduceFromRegion.spmd  # dc.spmd_check types it as the plain mapping
+    spmd_same_as = M._ReduceFromRegion
 
     @staticmethod
     def run(x: Tensor, pg: PG, p: Q.Precision) -> Tensor:
@@ -62,6 +66,8 @@ class _QKeepChunk(CommOp):
     """scatter_to_region / scatter_to_sequence: keep own chunk; transpose: all_gather."""
 
     name = "parallel.scatter_to_region"
+    spmd = M._ScatterToRegion.spmd  # dc.spmd_check types it as the plain mapping
+    spmd_same_as = M._ScatterToRegion
     dims = (0,)
 
     @staticmethod
@@ -82,6 +88,8 @@ class _QGatherReplicated(CommOp):
     """gather_from_region / gather_from_sequence: all_gather; transpose: keep own chunk."""
 
     name = "parallel.gather_from_region"
+    spmd = M._GatherFromRegion.spmd  # dc.spmd_check types it as the plain mapping
+    spmd_same_as = M._GatherFromRegion
     dims = (0,)
 
     @staticmethod
@@ -99,6 +107,8 @@ class _QGatherReplicated(CommOp):
 
 class _QReduceScatterToSequence(CommOp):
     name = "parallel.reduce_scatter_to_sequence"
+    spmd = M._ReduceScatterToSequence.spmd  # dc.spmd_check types it as the plain mapping
+    spmd_same_as = M._ReduceScatterToSequence
     dims = (0,)
 
     @staticmethod
@@ -116,6 +126,8 @@ class _QReduceScatterToSequence(CommOp):
 
 class _QAllGatherFromSequence(CommOp):
     name = "parallel.all_gather_from_sequence"
+    spmd = M._AllGatherFromSequence.spmd  # dc.spmd_check types it as the plain mapping
+    spmd_same_as = M._AllGatherFromSequence
     dims = (0,)
 
     @staticmethod
