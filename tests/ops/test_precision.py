@@ -780,3 +780,18 @@ def test_spmd_check_types_the_quantized_ops(world2) -> None:
     replicated value is refused with or without ``precision=``)."""
     for row in world2.run(_spmd_typed):
         assert row == ["all_reduce: SPMDTypeError", "reduce_from_region: SPMDTypeError"], row
+
+
+def test_benchmark_reports_2x_and_about_4x_fewer_bytes() -> None:
+    """``benchmarks/bench_precision.py`` (a fresh 2-rank world): bf16/fp16 send 2x fewer
+    bytes than fp32 in every op, fp8 with float32 scales ``4 / (1 + 4 / block)``x."""
+    from _shared import benchmark_json
+
+    out = benchmark_json("bench_precision.py", "--rows", "8", "--cols", "256", "--calls", "2", timeout=300)
+    by = {r["format"]: r for r in out["results"]}
+    want = {"bf16": 2.0, "fp16": 2.0, "e4m3 row": 4 / (1 + 4 / 256), "e4m3/128": 4 / (1 + 4 / 128)}
+    want |= {"e4m3/32": 4 / (1 + 4 / 32), "e5m2/128": 4 / (1 + 4 / 128)}
+    for fmt, ratio in want.items():
+        for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
+            assert by[fmt][f"{op}_ratio"] == pytest.approx(ratio), (fmt, op)
+        assert by[fmt]["quant_dequant_s"] > 0
