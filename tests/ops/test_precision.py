@@ -795,3 +795,35 @@ def test_benchmark_reports_2x_and_about_4x_fewer_bytes() -> None:
         for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
             assert by[fmt][f"{op}_ratio"] == pytest.approx(ratio), (fmt, op)
         assert by[fmt]["quant_dequant_s"] > 0
+
+
+def _empty_and_0dim() -> list[str]:
+    bad = []
+    for wire in WIRES:
+        p = Precision(wire)
+        for name, fn, shape in (
+            ("all_reduce 0-dim", lambda v, p=p: dc.all_reduce(v, precision=p), ()),
+            ("all_reduce (0, 3)", lambda v, p=p: dc.all_reduce(v, precision=p), (0, 3)),
+            ("all_reduce (2, 0)", lambda v, p=p: dc.all_reduce(v, precision=p), (2, 0)),
+            ("all_gather (0, 3)", lambda v, p=p: dc.all_gather(v, precision=p), (0, 3)),
+            ("reduce_scatter (0, 3)", lambda v, p=p: dc.reduce_scatter(v, precision=p), (0, 3)),
+            ("all_to_all (0, 3)", lambda v, p=p: dc.all_to_all(v, precision=p), (0, 3)),
+        ):
+            x = torch.full(shape, 1.5).requires_grad_(True)
+            y = fn(x)
+            (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+            want = 1.5 * dc.get_world_size() if name.startswith("all_reduce") else None
+            if gx.shape != x.shape or (want is not None and y.numel() and not torch.all(y == want)):
+                bad.append(f"{wire} {name}: {tuple(y.shape)} {tuple(gx.shape)}")
+    # vmap of a dim-taking op: one collective per batch, equal to the ops one by one
+    p = Precision("fp8_e5m2", block_size=2)
+    xb = data(dc.get_rank(), (3, 2, 4), 2)
+    yb = torch.func.vmap(lambda v: dc.all_gather(v, dim=1, precision=p))(xb)
+    if not torch.equal(yb, torch.stack([dc.all_gather(v, dim=1, precision=p) for v in xb])):
+        bad.append("vmap all_gather")
+    return bad
+
+
+def test_empty_0dim_and_vmap(world2) -> None:
+    for bad in world2.run(_empty_and_0dim):
+        assert not bad, bad
