@@ -44,6 +44,7 @@ _FAMILIES: dict[str, str] = {
 #: public name -> the submodule defining it
 _EXPORTS: dict[str, str] = {
     "AsyncTensor": "ops.engine",
+    "Precision": "ops.precision",
     "debug": "_config",
     "settings": "_config",
     "timeout": "_config",
@@ -109,6 +110,7 @@ if TYPE_CHECKING:
     from .ops.gather_scatter import gather as gather
     from .ops.gather_scatter import scatter as scatter
     from .ops.p2p import wait_sends
+    from .ops.precision import Precision
     from .ops.send_recv import recv as recv
     from .ops.send_recv import send as send
     from .runtime.world import LocalWorld, get_rank, get_world_size, init, is_initialized, launch
@@ -123,6 +125,7 @@ __all__ = [
     "rng",
     "spmd",
     "AsyncTensor",
+    "Precision",
     "DUALS",
     "OPS",
     "wait_sends",

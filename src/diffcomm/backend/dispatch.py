@@ -123,16 +123,18 @@ def _dispatch_routed(
     logs = _logs()
     if op in _off():
         out = skip(*args)
+        dtype = str(sample.dtype) if sample is not None else None
         for log in logs:
-            log.records.append(CommRecord(op, _LABEL.get(), nbytes, 0.0, _world(group), True))
+            log.records.append(CommRecord(op, _LABEL.get(), nbytes, 0.0, _world(group), True, dtype=dtype))
         return out
     start = time.perf_counter() if logs else 0.0
     out = _run(op, group, run, nbytes, sample, args)
     if logs:
         _sync_if_needed(sample)
         elapsed = time.perf_counter() - start
+        dtype = str(sample.dtype) if sample is not None else None
         for log in logs:
-            log.records.append(CommRecord(op, _LABEL.get(), nbytes, elapsed, _world(group)))
+            log.records.append(CommRecord(op, _LABEL.get(), nbytes, elapsed, _world(group), dtype=dtype))
     return out
 
 

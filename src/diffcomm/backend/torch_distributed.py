@@ -375,7 +375,7 @@ class TorchDistributedBackend(CoalescedOps):
         if even and into_tensor:  # the common case, in few calls
             shape = x.shape  # each .shape builds a torch.Size: read it once
             out = x.new_empty(shape[0] * world, *shape[1:])  # int sizes: torch parses them fastest
-            args = (wire(out), wire(x), group) if x.is_complex() else (out, x, group)
+            args = (wire(out), wire(x), group) if x.dtype in _VIEWED else (out, x, group)
             _dispatch("all_gather", group, out.nbytes, c10d_all_gather, _gather_own, out, args)
             return out
         return self._padded_all_gather(x, group, sizes, world, even, into_tensor)
@@ -549,7 +549,7 @@ class TorchDistributedBackend(CoalescedOps):
         # x's own shape (even); empty_like is the cheapest allocation torch has (any size
         # argument is parsed, a torch.Size worst of all), and x is contiguous, so out is too
         out = torch.empty_like(x)
-        args = (wire(out), wire(x), None, None, group) if x.is_complex() else (out, x, None, None, group)
+        args = (wire(out), wire(x), None, None, group) if x.dtype in _VIEWED else (out, x, None, None, group)
         _dispatch("all_to_all", group, x.nbytes, c10d_all_to_all, _own_chunk, out, args)
         return out
 
@@ -782,6 +782,22 @@ def unpad_rows(chunks: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Te
     return torch.cat([c[:s] for c, s in zip(chunks, sizes)])
 
 
+#: fp8 dtypes: moved (all_gather, all_to_all, gather, scatter, broadcast, p2p) as bytes,
+#: since c10d's gloo has no fp8 type ("Invalid scalar type"); a byte view is exact for any
+#: backend, so it is used everywhere rather than probed. Reductions of fp8 are not offered
+#: (``precision=`` reduces by moving fp8 bytes and summing locally).
+_AS_BYTES = frozenset(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
+)
+#: dtypes :func:`wire` views as another dtype: complex (as real pairs) and fp8 (as bytes)
+_VIEWED = frozenset({torch.complex32, torch.complex64, torch.complex128}) | _AS_BYTES
+
+
 def wire(t: torch.Tensor) -> torch.Tensor:
-    """Complex tensors travel as real views for ops c10d cannot take complex in."""
-    return torch.view_as_real(t) if t.is_complex() else t
+    """The view c10d moves: complex tensors as real pairs (for ops c10d cannot take complex
+    in), fp8 tensors as ``uint8`` bytes (gloo has no fp8 type)."""
+    if t.is_complex():
+        return torch.view_as_real(t)
+    return t.view(torch.uint8) if t.dtype in _AS_BYTES else t

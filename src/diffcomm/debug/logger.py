@@ -98,6 +98,7 @@ class CommRecord:
     world: int
     skipped: bool = False
     parts: int = 1  # raw c10d calls it was made of (a coalesced op: one per dtype)
+    dtype: str | None = None  # the payload's dtype (``"torch.bfloat16"``); None if unknown
 
 
 @dataclass(eq=False)  # identity: nested logs with equal records must stay distinct
@@ -122,6 +123,29 @@ class CommsLog:
             s = row["seconds"]
             row["algbw_GBps"] = row["bytes"] / s / 1e9 if s > 0 else 0.0
             row["busbw_GBps"] = row.pop("busbytes") / s / 1e9 if s > 0 else 0.0
+        return out
+
+    def by_dtype(self, op: str | None = None) -> dict[str, int]:
+        """Bytes per payload dtype (``{"torch.float8_e4m3fn": ..., "torch.float32": ...}``),
+        of ``op`` if given: what low-precision collectives save (fp8 counted as fp8, though
+        it may travel as bytes where the backend has no fp8 type)."""
+        out: dict[str, int] = {}
+        for r in self.records:
+            if op is None or r.op == op:
+                key = r.dtype or "unknown"
+                out[key] = out.get(key, 0) + r.nbytes
+        return out
+
+    def sent_by_dtype(self, op: str | None = None) -> dict[str, float]:
+        """:meth:`by_dtype` times each op's bus factor (``raw_ops``): the bytes each rank
+        sends (ring / pairwise algorithms), so ops of different kinds compare (an
+        all_reduce sends ``2 (n - 1) / n`` of its payload, an all_gather or all_to_all
+        ``(n - 1) / n``)."""
+        out: dict[str, float] = {}
+        for r in self.records:
+            if op is None or r.op == op:
+                key = r.dtype or "unknown"
+                out[key] = out.get(key, 0.0) + r.nbytes * bus_factor(r.op, r.world)
         return out
 
     def count(self, op: str | None = None) -> int:

@@ -6,7 +6,7 @@ sizes (``reduce_scatter`` with max/min/product is composed from
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -28,6 +28,9 @@ from .validation import other_dims as _other_dims
 from .validation import rank as _rank
 from .validation import with_sizes as _with
 from .validation import world as _world
+
+if TYPE_CHECKING:
+    from .precision import Precision
 
 _DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
 _LABELS = op_labels("reduce_scatter")
@@ -86,6 +89,7 @@ def all_gather(
     split_sizes: Sequence[int] | None = None,
     sizes: Sequence[int] | None = None,
     async_op: bool = False,
+    precision: Precision | None = None,
 ) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim``; every rank gets the result.
 
@@ -102,6 +106,9 @@ def all_gather(
             communication on first use (``.wait()`` returns the finished tensor); values
             and gradients equal the blocking op's, and the backward is asynchronous too
             (``docs/async.md``).
+        precision: a :class:`~diffcomm.Precision` (wire dtype, accumulation dtype, fp8
+            block size, backward settings): quantize, communicate, dequantize; the
+            backward is the adjoint in the backward settings (``docs/precision.md``).
 
     Returns:
         A new tensor: ``x.shape`` with ``dim`` of size ``sum(sizes)``; rank ``r``'s block
@@ -117,6 +124,11 @@ def all_gather(
             world.run(lambda: dc.all_gather(torch.full((dc.get_rank() + 1,), 1.0 * dc.get_rank())))
             # [tensor([0., 1., 1.]), tensor([0., 1., 1.])]
     """
+    if precision is not None:
+        from . import precision as _precision
+
+        split_sizes, _ = A.renamed_sizes(split_sizes, sizes, "all_gather")
+        return _precision.all_gather(x, dim, group, split_sizes, precision, async_op)
     x = _check_input(x, "all_gather")
     dim = A.check_dim(x, dim, "all_gather")
     pg = A.resolve_group(group, "all_gather")
@@ -190,6 +202,7 @@ def reduce_scatter(
     split_sizes: Sequence[int] | None = None,
     *,
     async_op: bool = False,
+    precision: Precision | None = None,
 ) -> Tensor:
     """Reduce ``x`` over ranks and give rank ``r`` chunk ``r`` of the result along ``dim``.
 
@@ -204,6 +217,9 @@ def reduce_scatter(
             communication on first use (``.wait()`` returns the finished tensor); values
             and gradients equal the blocking op's, and the backward is asynchronous too
             (``docs/async.md``).
+        precision: a :class:`~diffcomm.Precision` (wire dtype, accumulation dtype, fp8
+            block size, backward settings): quantize, communicate, dequantize; the
+            backward is the adjoint in the backward settings (``docs/precision.md``).
 
     Returns:
         A new tensor: ``x.shape`` with ``dim`` of size ``split_sizes[rank]``.
@@ -218,6 +234,10 @@ def reduce_scatter(
             world.run(lambda: dc.reduce_scatter(torch.arange(4.0)))
             # [tensor([0., 2.]), tensor([4., 6.])]
     """
+    if precision is not None:
+        from . import precision as _precision
+
+        return _precision.reduce_scatter(x, dim, op, group, split_sizes, precision, async_op)
     x = _check_input(x, "reduce_scatter")
     dim = A.check_dim(x, dim, "reduce_scatter")
     op_name = A.normalize_op(op, "reduce_scatter", x)

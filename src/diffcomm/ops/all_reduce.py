@@ -6,7 +6,7 @@ Re-exported by :mod:`diffcomm.ops.collectives` (the collectives' public home).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -21,6 +21,9 @@ from .validation import PG
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check_input as _debug_check_input
+
+if TYPE_CHECKING:
+    from .precision import Precision
 
 _DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
 _LABELS = op_labels("all_reduce")
@@ -147,7 +150,14 @@ def product_weight(zero: Tensor, x_z: Tensor, x_nz: Tensor, count: Tensor, s: Te
     return torch.where(zero, w_z, w_nz)
 
 
-def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None, *, async_op: bool = False) -> Tensor:
+def all_reduce(
+    x: Tensor,
+    op: Any = "sum",
+    group: A.GroupLike = None,
+    *,
+    async_op: bool = False,
+    precision: Precision | None = None,
+) -> Tensor:
     """Reduce ``x`` over the ranks of ``group``; every rank gets the result.
 
     Args:
@@ -160,6 +170,9 @@ def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None, *, async_o
             communication on first use (``.wait()`` returns the finished tensor); values
             and gradients equal the blocking op's, and the backward is asynchronous too
             (``docs/async.md``).
+        precision: a :class:`~diffcomm.Precision` (wire dtype, accumulation dtype,
+            fp8 block size, backward settings; sum/avg only): quantized contributions,
+            summed in the accumulation dtype, rounded once (``docs/precision.md``).
 
     Returns:
         A new tensor of ``x.shape``: the reduction over ranks.
@@ -175,6 +188,10 @@ def all_reduce(x: Tensor, op: Any = "sum", group: A.GroupLike = None, *, async_o
             world.run(lambda: dc.all_reduce(torch.tensor([1.0 + dc.get_rank()])))
             # [tensor([3.]), tensor([3.])]
     """
+    if precision is not None:
+        from . import precision as _precision
+
+        return _precision.all_reduce(x, op, group, precision, async_op)
     x = _check_input(x, "all_reduce")
     op_name = A.normalize_op(op, "all_reduce", x)
     pg = A.resolve_group(group, "all_reduce")

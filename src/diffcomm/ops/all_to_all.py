@@ -6,6 +6,7 @@ swapped; any pair of dims, uneven sizes. Re-exported by :mod:`diffcomm.ops.colle
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -26,6 +27,9 @@ from .validation import other_dims as _other_dims
 from .validation import rank as _rank
 from .validation import with_sizes as _with
 from .validation import world as _world
+
+if TYPE_CHECKING:
+    from .precision import Precision
 
 
 class _AllToAll(CommOp):
@@ -133,6 +137,7 @@ def all_to_all(
     output_split_sizes: Sequence[int] | None = None,
     *,
     async_op: bool = False,
+    precision: Precision | None = None,
 ) -> Tensor:
     """Send chunk ``j`` of ``x`` (along ``split_dim``) to rank ``j``; concatenate what
     arrives from every rank along ``concat_dim``.
@@ -152,6 +157,9 @@ def all_to_all(
             communication on first use (``.wait()`` returns the finished tensor); values
             and gradients equal the blocking op's, and the backward is asynchronous too
             (``docs/async.md``).
+        precision: a :class:`~diffcomm.Precision` (wire dtype, accumulation dtype, fp8
+            block size, backward settings): quantize, communicate, dequantize; the
+            backward is the adjoint in the backward settings (``docs/precision.md``).
 
     Returns:
         A new tensor. ``split_dim == concat_dim == d``: ``x.shape`` with ``d`` of size
@@ -169,6 +177,11 @@ def all_to_all(
             world.run(lambda: dc.all_to_all(torch.arange(2.0) + 2 * dc.get_rank()))
             # [tensor([0., 2.]), tensor([1., 3.])]
     """
+    if precision is not None:
+        from . import precision as _precision
+
+        io = (input_split_sizes, output_split_sizes)
+        return _precision.all_to_all(x, split_dim, concat_dim, group, *io, precision, async_op)
     op = "all_to_all"
     x = _check_input(x, op)
     split_dim = A.check_dim(x, split_dim, op, "split_dim")

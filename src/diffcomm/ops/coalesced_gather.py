@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -38,6 +38,9 @@ from .validation import current_backend as _b
 from .validation import rank as _rank
 from .validation import with_sizes as _with
 from .validation import world as _world
+
+if TYPE_CHECKING:
+    from .precision import Precision
 
 SplitSizes = tuple[tuple[int, ...], ...] | None  # per tensor, every rank's size along its dim
 
@@ -277,6 +280,7 @@ def all_gather_coalesced(
     *,
     split_sizes: Sequence[Sequence[int]] | None = None,
     async_op: bool = False,
+    precision: Precision | None = None,
 ) -> list[Tensor]:
     """Concatenate every rank's ``tensors[i]`` along ``dim``: one communication per dtype.
 
@@ -311,6 +315,11 @@ def all_gather_coalesced(
             world.run(lambda: dc.all_gather_coalesced([torch.ones(dc.get_rank() + 1)]))
             # [[tensor([1., 1., 1.])], [tensor([1., 1., 1.])]]  (rank 0 sent 1 row, rank 1 two)
     """
+    if precision is not None:  # each tensor its own quantized all_gather (docs/precision.md)
+        from . import precision as _precision
+
+        kw = {"dim": dim, "group": group, "split_sizes": split_sizes}
+        return _precision.coalesced("all_gather", tensors, precision, async_op, **kw)
     name = "all_gather_coalesced"
     ts = _check_list(tensors, name)
     dims = _check_dims(ts, dim, name)
@@ -345,6 +354,7 @@ def reduce_scatter_coalesced(
     *,
     split_sizes: Sequence[Sequence[int]] | None = None,
     async_op: bool = False,
+    precision: Precision | None = None,
 ) -> list[Tensor]:
     """Reduce every tensor over ranks and give rank ``r`` chunk ``r`` of each along ``dim``.
 
@@ -379,6 +389,11 @@ def reduce_scatter_coalesced(
             world.run(lambda: dc.reduce_scatter_coalesced([torch.arange(4.0)], split_sizes=[[1, 3]]))
             # [[tensor([0.])], [tensor([2., 4., 6.])]]
     """
+    if precision is not None:  # each tensor its own quantized reduce_scatter (docs/precision.md)
+        from . import precision as _precision
+
+        kw = {"dim": dim, "op": op, "group": group, "split_sizes": split_sizes}
+        return _precision.coalesced("reduce_scatter", tensors, precision, async_op, **kw)
     name = "reduce_scatter_coalesced"
     ts = _check_list(tensors, name)
     dims = _check_dims(ts, dim, name)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -27,6 +27,9 @@ from .validation import PG
 from .validation import current_backend as _b
 from .validation import rank as _rank
 from .validation import world as _world
+
+if TYPE_CHECKING:
+    from .precision import Precision
 
 # ======================================================================================
 # the list ops (one autograd node for the whole list; one raw call per dtype), on the
@@ -208,7 +211,12 @@ class _ReduceList(ListOp):
 
 
 def all_reduce_coalesced(
-    tensors: Sequence[Tensor], op: Any = "sum", group: A.GroupLike = None, *, async_op: bool = False
+    tensors: Sequence[Tensor],
+    op: Any = "sum",
+    group: A.GroupLike = None,
+    *,
+    async_op: bool = False,
+    precision: Precision | None = None,
 ) -> list[Tensor]:
     """Reduce every tensor of ``tensors`` over the ranks: one communication per dtype.
 
@@ -238,6 +246,10 @@ def all_reduce_coalesced(
             world.run(lambda: dc.all_reduce_coalesced([torch.ones(2), torch.arange(3)]))
             # [[tensor([2., 2.]), tensor([0, 2, 4])], ...] on both ranks
     """
+    if precision is not None:  # each tensor its own quantized all_reduce (docs/precision.md)
+        from . import precision as _precision
+
+        return _precision.coalesced("all_reduce", tensors, precision, async_op, op=op, group=group)
     name = "all_reduce_coalesced"
     ts = _check_list(tensors, name)
     op_name = _check_op(op, ts, name)

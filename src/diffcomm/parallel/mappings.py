@@ -53,7 +53,7 @@ naming the argument otherwise, before any communication).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -68,6 +68,9 @@ from ..ops.base import CommOp, apply, call
 from ..ops.registry import SELF, FamilyView, Kwargs
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 from ._coalesced import copy_to_region_coalesced, reduce_from_region_coalesced
+
+if TYPE_CHECKING:
+    from ..ops.precision import Precision
 
 __all__ = [
     "copy_to_region",
@@ -474,7 +477,7 @@ def _gather_replicated(
     return apply(op, x, dim, pg, b.rank(pg), b.world_size(pg), debug)
 
 
-def copy_to_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
+def copy_to_region(x: Tensor, group: A.GroupLike = None, *, precision: Precision | None = None) -> Tensor:
     """Enter a tensor-parallel region with a replicated tensor: identity forward.
 
     Convention (replicated objective): ``x`` is the same on every rank and stands for one
@@ -503,6 +506,10 @@ def copy_to_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
                 return x.grad
             world.run(f)   # [tensor([3., 6.]), tensor([3., 6.])]
     """
+    if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
+        from . import precision as _precision
+
+        return _precision.mapping("copy_to_region", x, group, precision)
     x, pg = _prepare("copy_to_region", x, group)
     debug = _debug()
     if debug:
@@ -510,7 +517,7 @@ def copy_to_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
     return apply(_CopyToRegion, x, pg, debug)
 
 
-def reduce_from_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
+def reduce_from_region(x: Tensor, group: A.GroupLike = None, *, precision: Precision | None = None) -> Tensor:
     """Leave a tensor-parallel region by summing the partial results: all_reduce forward.
 
     Convention (replicated objective): each rank holds a partial sum ``x_r`` (e.g. the
@@ -534,6 +541,10 @@ def reduce_from_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
             world.run(lambda: parallel.reduce_from_region(torch.ones(2)))
             # [tensor([2., 2.]), tensor([2., 2.])]
     """
+    if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
+        from . import precision as _precision
+
+        return _precision.mapping("reduce_from_region", x, group, precision)
     x, pg = _prepare("reduce_from_region", x, group)
     debug = _debug()
     if debug:
@@ -541,7 +552,9 @@ def reduce_from_region(x: Tensor, group: A.GroupLike = None) -> Tensor:
     return apply(_ReduceFromRegion, x, pg, debug)
 
 
-def scatter_to_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Tensor:
+def scatter_to_region(
+    x: Tensor, dim: int = -1, group: A.GroupLike = None, *, precision: Precision | None = None
+) -> Tensor:
     """Enter a tensor-parallel region by keeping this rank's chunk of a replicated tensor.
 
     Convention (replicated objective): ``x`` is the same on every rank; rank ``r``
@@ -566,10 +579,16 @@ def scatter_to_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Te
             world.run(lambda: parallel.scatter_to_region(torch.arange(4.0)))
             # [tensor([0., 1.]), tensor([2., 3.])]
     """
+    if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
+        from . import precision as _precision
+
+        return _precision.mapping("scatter_to_region", x, group, precision, dim=dim)
     return _keep_own_chunk(_ScatterToRegion, "scatter_to_region", x, dim, group)
 
 
-def gather_from_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> Tensor:
+def gather_from_region(
+    x: Tensor, dim: int = -1, group: A.GroupLike = None, *, precision: Precision | None = None
+) -> Tensor:
     """Leave a tensor-parallel region by concatenating every rank's chunk: all_gather.
 
     Convention (replicated objective): rank ``r`` holds chunk ``r`` (e.g. its columns of
@@ -595,10 +614,16 @@ def gather_from_region(x: Tensor, dim: int = -1, group: A.GroupLike = None) -> T
             world.run(lambda: parallel.gather_from_region(torch.tensor([1.0 * dc.get_rank()])))
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
+    if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
+        from . import precision as _precision
+
+        return _precision.mapping("gather_from_region", x, group, precision, dim=dim)
     return _gather_replicated(_GatherFromRegion, "gather_from_region", x, dim, group)
 
 
-def scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
+def scatter_to_sequence(
+    x: Tensor, dim: int = 0, group: A.GroupLike = None, *, precision: Precision | None = None
+) -> Tensor:
     """Enter a sequence-parallel region by keeping this rank's sequence chunk of a
     replicated tensor (Megatron's ``scatter_to_sequence_parallel_region``).
 
@@ -625,10 +650,16 @@ def scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> T
             world.run(lambda: parallel.scatter_to_sequence(torch.arange(4.0)))
             # [tensor([0., 1.]), tensor([2., 3.])]
     """
+    if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
+        from . import precision as _precision
+
+        return _precision.mapping("scatter_to_sequence", x, group, precision, dim=dim)
     return _keep_own_chunk(_ScatterToSequence, "scatter_to_sequence", x, dim, group)
 
 
-def gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
+def gather_from_sequence(
+    x: Tensor, dim: int = 0, group: A.GroupLike = None, *, precision: Precision | None = None
+) -> Tensor:
     """Leave a sequence-parallel region into a replicated one: all_gather, backward keeps
     the own chunk (Megatron's ``gather_from_sequence_parallel_region`` with
     ``tensor_parallel_output_grad=False``).
@@ -659,10 +690,16 @@ def gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> 
             world.run(lambda: parallel.gather_from_sequence(torch.tensor([1.0 * dc.get_rank()])))
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
+    if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
+        from . import precision as _precision
+
+        return _precision.mapping("gather_from_sequence", x, group, precision, dim=dim)
     return _gather_replicated(_GatherFromSequence, "gather_from_sequence", x, dim, group)
 
 
-def reduce_scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
+def reduce_scatter_to_sequence(
+    x: Tensor, dim: int = 0, group: A.GroupLike = None, *, precision: Precision | None = None
+) -> Tensor:
     """Leave a tensor-parallel region into a sequence-parallel one: reduce_scatter.
 
     Convention (replicated objective): each rank holds a partial sum over the full
@@ -689,6 +726,10 @@ def reduce_scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = Non
             world.run(lambda: parallel.reduce_scatter_to_sequence(torch.arange(4.0)))
             # [tensor([0., 2.]), tensor([4., 6.])]
     """
+    if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
+        from . import precision as _precision
+
+        return _precision.mapping("reduce_scatter_to_sequence", x, group, precision, dim=dim)
     x, pg = _prepare("reduce_scatter_to_sequence", x, group)
     world = _b().world_size(pg)
     dim = _even_dim("reduce_scatter_to_sequence", x, dim, world)
@@ -697,7 +738,9 @@ def reduce_scatter_to_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = Non
     return apply(_ReduceScatterToSequence, x, dim, pg, world)
 
 
-def all_gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None) -> Tensor:
+def all_gather_from_sequence(
+    x: Tensor, dim: int = 0, group: A.GroupLike = None, *, precision: Precision | None = None
+) -> Tensor:
     """Enter a tensor-parallel region from a sequence-parallel one: all_gather.
 
     Convention (replicated objective): rank ``r`` holds sequence chunk ``r``; the full
@@ -725,6 +768,10 @@ def all_gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None)
             world.run(lambda: parallel.all_gather_from_sequence(torch.tensor([1.0 * dc.get_rank()])))
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
+    if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
+        from . import precision as _precision
+
+        return _precision.mapping("all_gather_from_sequence", x, group, precision, dim=dim)
     x, pg = _prepare("all_gather_from_sequence", x, group)
     dim = A.check_dim(x, dim, "parallel.all_gather_from_sequence")
     if _debug():
@@ -732,7 +779,14 @@ def all_gather_from_sequence(x: Tensor, dim: int = 0, group: A.GroupLike = None)
     return apply(_AllGatherFromSequence, x, dim, pg, _b().world_size(pg))
 
 
-def all_to_all_region(x: Tensor, split_dim: int, concat_dim: int, group: A.GroupLike = None) -> Tensor:
+def all_to_all_region(
+    x: Tensor,
+    split_dim: int,
+    concat_dim: int,
+    group: A.GroupLike = None,
+    *,
+    precision: Precision | None = None,
+) -> Tensor:
     """Re-shard between two dimensions (Ulysses: sequence-sharded <-> head-sharded).
 
     Rank ``r`` sends chunk ``j`` of ``x`` along ``split_dim`` to rank ``j`` and
@@ -761,6 +815,12 @@ def all_to_all_region(x: Tensor, split_dim: int, concat_dim: int, group: A.Group
             world.run(lambda: parallel.all_to_all_region(torch.zeros(3, 4), 1, 0).shape)
             # [torch.Size([6, 2]), torch.Size([6, 2])]
     """
+    if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
+        from . import precision as _precision
+
+        return _precision.mapping(
+            "all_to_all_region", x, group, precision, split_dim=split_dim, concat_dim=concat_dim
+        )
     x, pg = _prepare("all_to_all_region", x, group)
     world = _b().world_size(pg)
     split_dim = _even_dim("all_to_all_region", x, split_dim, world, "split_dim")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -29,6 +29,9 @@ from ..backend import args as A
 from ..ops import collectives as C
 from ..ops import engine as _async
 from ._module import check_positive, resolve_parallel_group
+
+if TYPE_CHECKING:
+    from ..ops.precision import Precision
 
 __all__ = ["DispatchPlan", "route", "dispatch", "combine", "load_balancing_loss"]
 
@@ -270,6 +273,7 @@ def dispatch(
     capacity_factor: float | None = None,
     plan: DispatchPlan | None = None,
     async_op: bool = False,
+    precision: Precision | None = None,
 ) -> tuple[Tensor, DispatchPlan]:
     """Send every token to the ranks holding its chosen experts (one uneven all_to_all).
 
@@ -293,6 +297,9 @@ def dispatch(
             expert) meanwhile. (Blocking, a plain tensor, where asynchronous ops cannot
             run — ``torch.compile``, ``torch.func`` — and with more than one expert per
             rank under ``dc.spmd_check``, which types the finished rows.)
+        precision: a :class:`~diffcomm.Precision` for the all_to_all (forward settings)
+            and its backward (``backward`` settings); fp8 blocks run along ``H``
+            (``docs/precision.md``).
 
     Returns:
         ``(expert_inputs, plan)``: ``expert_inputs`` is ``(sum(plan.expert_splits), H)``,
@@ -337,6 +344,10 @@ def dispatch(
         raise A.arg_error(op, "num_experts", f"divisible by the group size {world}", num_experts)
     if capacity_factor is not None and not (float(capacity_factor) > 0):
         raise A.arg_error(op, "capacity_factor", "None or a positive float", capacity_factor)
+    if precision is not None:  # before the counts are exchanged
+        from ..ops.precision import check as _check_precision
+
+        _check_precision(x, precision, op)
     if _config.DEBUG.get():  # the routing's shape must agree (else the splits would not)
         fields = {
             "num_experts": num_experts,
@@ -373,6 +384,7 @@ def dispatch(
             input_split_sizes=plan.send_splits,
             output_split_sizes=plan.recv_splits,
             async_op=async_op,
+            precision=precision,
         )
     if isinstance(got, _async.AsyncTensor) and not plan.source_major:
         if HOOK[0] is not None:  # under dc.spmd_check: blocking, so the rows keep their type
@@ -397,7 +409,9 @@ def _permute_async(got: _async.AsyncTensor, plan: DispatchPlan) -> _async.AsyncT
     )
 
 
-def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) -> Tensor:
+def combine(
+    expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan, *, precision: Precision | None = None
+) -> Tensor:
     """Bring the experts' outputs back to their tokens, weighted by the gate weights.
 
     Args:
@@ -405,6 +419,8 @@ def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) ->
             expert-major as :func:`dispatch` gave the inputs.
         gate_weights: ``(T, k)`` the weight of each chosen expert (from :func:`route`).
         plan: the :class:`DispatchPlan` of the matching :func:`dispatch`.
+        precision: a :class:`~diffcomm.Precision` for the all_to_all back (forward
+            settings) and its backward (``backward`` settings) (``docs/precision.md``).
 
     Returns:
         ``(T, H_out)``: ``y[t] = sum_j gate_weights[t, j] * expert_{index[t, j]}(x[t])`` over
@@ -448,6 +464,7 @@ def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) ->
             group=plan.group,
             input_split_sizes=plan.recv_splits,
             output_split_sizes=plan.send_splits,
+            precision=precision,
         )
     w = gate_weights.reshape(-1).index_select(0, plan.slot_index).to(back.dtype)
     out = back.new_zeros(plan.num_tokens, back.shape[1])

@@ -1233,6 +1233,8 @@ def typing_table() -> str:
     rows = []
     for cls in typed_functions():
         rule: Rule = cls.__dict__["spmd"]
+        if getattr(cls, "spmd_same_as", None) is not None:  # a variant typed as its plain op
+            continue
         name = _op_name(cls, qualified=True)
         fwd, grad, refused = rule.describe()
         rows.append((name, fwd, rule.backward or "-", grad, refused, rule.instead or "-"))

@@ -1,0 +1,620 @@
+"""Low-precision collectives: :class:`Precision` and the quantized forms of ``all_reduce``,
+``reduce_scatter``, ``all_gather`` and ``all_to_all`` (``precision=`` on each; see
+``docs/precision.md``).
+
+Semantics, forward: quantize -> communicate -> dequantize. A reduction never lets the
+backend sum in the wire dtype (a bf16 ring rounds at every hop): each rank's quantized
+contribution travels (an ``all_to_all`` of the chunks), is dequantized and summed in the
+accumulation dtype, and the sum is rounded **once** (to the output dtype for
+``reduce_scatter``; to the wire dtype for ``all_reduce``, whose second phase all_gathers
+the reduced chunks in the wire dtype).
+
+Backward: the adjoint of the exact linear map (the quantizer is straight-through), sent
+in the backward's settings (:attr:`Precision.backward`); the backward op is itself a
+quantized op whose own backward uses the forward settings again, so double backward is
+defined. Forward mode (``torch.func.jvp``): the tangent goes through the same quantized
+op with the forward settings. ``vmap``: one collective for the batch (blocks stay along
+the last dim).
+
+Wire formats: ``bfloat16`` / ``float16`` are plain casts (no scales; values beyond the
+dtype's range become inf). ``float8_e4m3fn`` / ``float8_e5m2`` carry one float32 scale
+per block of ``block_size`` elements along the last dim (``None``: one per row, the whole
+last dim): ``scale = amax(|block|) / fp8_max`` (1 for an all-zero block), the payload
+``clamp(x / scale)`` in fp8. The scales travel as a second (float32) communication.
+Where a backend has no fp8 type (gloo) the payload travels as bytes
+(:func:`diffcomm.backend.torch_distributed.wire`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..backend import args as A
+from .all_gather import _AllGather, _ReduceScatter, raw_all_gather, raw_reduce_scatter
+from .all_reduce import _AllReduce, raw_all_reduce
+from .all_to_all import _AllToAll, raw_all_to_all
+from .base import CommOp, apply, call
+from .validation import PG
+from .validation import all_to_all_received as _all_to_all_received
+from .validation import all_to_all_split_sizes as _all_to_all_split_sizes
+from .validation import check_input as _check_input
+from .validation import exchanged_split_sizes as _exchanged_split_sizes
+from .validation import given_split_sizes as _given_split_sizes
+from .validation import rank as _rank
+from .validation import world as _world
+
+__all__ = [
+    "Precision",
+    "WIRE_DTYPES",
+    "FP8_MAX",
+    "unit_roundoff",
+    "encode",
+    "decode",
+    "quantize",
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "all_to_all",
+    "check",
+]
+
+#: The largest finite value of each fp8 wire dtype (the scale maps a block's amax to it).
+FP8_MAX: dict[torch.dtype, float] = {
+    torch.float8_e4m3fn: float(torch.finfo(torch.float8_e4m3fn).max),  # 448
+    torch.float8_e5m2: float(torch.finfo(torch.float8_e5m2).max),  # 57344
+}
+
+#: The wire dtypes :class:`Precision` accepts.
+WIRE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, *FP8_MAX)
+
+_ALIASES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "e4m3": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "e5m2": torch.float8_e5m2,
+    "float8_e5m2": torch.float8_e5m2,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
+
+
+def _dtype(value: Any, arg: str, legal: Sequence[torch.dtype]) -> torch.dtype:
+    got = _ALIASES.get(value.lower()) if isinstance(value, str) else value
+    if not isinstance(got, torch.dtype) or got not in legal:
+        names = ", ".join(str(d).replace("torch.", "") for d in legal)
+        raise ValueError(f"diffcomm.Precision: {arg}={value!r} is not supported; legal: {names}")
+    return got
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a collective's payload travels and is reduced (``precision=`` on the ops).
+
+    Args:
+        wire: the dtype on the wire: ``torch.bfloat16`` / ``"bf16"``, ``torch.float16`` /
+            ``"fp16"``, ``torch.float8_e4m3fn`` / ``"fp8_e4m3"``, ``torch.float8_e5m2`` /
+            ``"fp8_e5m2"``; ``None``: the payload's own dtype, exactly (no quantization:
+            the op's plain path, e.g. an exact backward).
+        accumulate: the dtype a reduction sums the dequantized contributions in;
+            ``None``: ``float32``, or the payload's dtype if wider (``float64``).
+        block_size: fp8 only: elements per scale along the last dim (must divide it, and
+            every chunk an op splits the last dim into); ``None``: one scale per row.
+        backward: the settings of the backward (the gradient's collective); ``None``:
+            the same ``wire`` / ``accumulate`` / ``block_size`` as the forward. Its own
+            ``backward`` is ignored: the backward of the backward (double backward) uses
+            this forward's settings.
+
+    Example::
+
+        p = dc.Precision("bf16", backward=dc.Precision(None))   # bf16 forward, exact grads
+        y = dc.all_gather(x, precision=p)
+    """
+
+    wire: torch.dtype | str | None
+    accumulate: torch.dtype | str | None = None
+    block_size: int | None = None
+    backward: Precision | None = None
+
+    def __post_init__(self) -> None:
+        if self.wire is not None:
+            object.__setattr__(self, "wire", _dtype(self.wire, "wire", WIRE_DTYPES))
+        if self.accumulate is not None:
+            legal = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+            object.__setattr__(self, "accumulate", _dtype(self.accumulate, "accumulate", legal))
+        b = self.block_size
+        if b is not None:
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise ValueError(f"diffcomm.Precision: block_size={b!r} must be a positive int or None")
+            if self.wire not in FP8_MAX:
+                raise ValueError(
+                    f"diffcomm.Precision: block_size={b} applies to fp8 wire dtypes only "
+                    f"(wire={self.wire}: a plain cast, no scales)"
+                )
+        if self.backward is not None and not isinstance(self.backward, Precision):
+            raise TypeError(
+                "diffcomm.Precision: backward must be a Precision or None, got "
+                f"{type(self.backward).__name__}"
+            )
+
+    # -- the settings of each direction ------------------------------------------------
+    def forward_only(self) -> Precision:
+        """These settings without a separate backward."""
+        return Precision(self.wire, self.accumulate, self.block_size)
+
+    def transposed(self) -> Precision:
+        """The settings of the backward op: its forward is this one's ``backward``, its
+        own backward this one's forward (so double backward is defined)."""
+        if self.backward is None:
+            return self
+        b = self.backward
+        return Precision(b.wire, b.accumulate, b.block_size, backward=self.forward_only())
+
+    def accumulate_for(self, dtype: torch.dtype) -> torch.dtype:
+        """The accumulation dtype for a payload of ``dtype``."""
+        if self.accumulate is not None:
+            return self.accumulate  # type: ignore[return-value]
+        return torch.promote_types(dtype, torch.float32)
+
+    @property
+    def tag(self) -> str:
+        """A short name for labels: ``bf16``, ``e4m3/128``, ``exact``."""
+        if self.wire is None:
+            return "exact"
+        names = {
+            torch.bfloat16: "bf16",
+            torch.float16: "fp16",
+            torch.float8_e4m3fn: "e4m3",
+            torch.float8_e5m2: "e5m2",
+        }
+        name = names[self.wire]  # type: ignore[index]
+        return f"{name}/{self.block_size}" if self.block_size else name
+
+
+# ------------------------------------------------------------------------------ codec
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """``u = 2**-(mantissa bits + 1)``: the relative error of rounding to nearest."""
+    return float(torch.finfo(dtype).eps) / 2
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _block(p: Precision, n: int) -> int:
+    return p.block_size or n
+
+
+def encode(x: Tensor, p: Precision) -> tuple[Tensor, Tensor | None]:
+    """``(payload, scales)``: ``x`` in the wire dtype (fp8: divided by its block scales,
+    which are float32 of shape ``(*x.shape[:-1], n // block)``; bf16/fp16: no scales)."""
+    wire: torch.dtype = p.wire  # type: ignore[assignment]
+    if wire not in FP8_MAX:
+        return x.to(wire), None
+    if x.ndim == 0:
+        q, s = encode(x.reshape(1), p)
+        return q.reshape(()), s
+    fmax = FP8_MAX[wire]
+    n = x.shape[-1]
+    b = _block(p, n)
+    nb = n // b if b else 0
+    xc = x.to(_compute_dtype(x.dtype))
+    xr = xc.reshape(*x.shape[:-1], nb, b)
+    if xr.numel() == 0:
+        return x.to(wire), torch.ones((*x.shape[:-1], nb), dtype=torch.float32, device=x.device)
+    amax = xr.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / fmax, torch.ones((), dtype=amax.dtype, device=x.device))
+    scale = scale.to(torch.float32)
+    q = (xr / scale.unsqueeze(-1).to(xc.dtype)).clamp(-fmax, fmax).to(wire)
+    return q.reshape(x.shape), scale
+
+
+def decode(q: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The values ``q`` (and its block ``scale``) stand for, in ``dtype``."""
+    if scale is None:
+        return q.to(dtype)
+    if q.ndim == 0:
+        return decode(q.reshape(1), scale, dtype).reshape(())
+    n = q.shape[-1]
+    nb = scale.shape[-1]
+    b = n // nb if nb else 1
+    c = _compute_dtype(dtype)
+    y = q.to(c).reshape(*q.shape[:-1], nb, b) * scale.to(c).unsqueeze(-1)
+    return y.reshape(q.shape).to(dtype)
+
+
+def quantize(x: Tensor, p: Precision) -> Tensor:
+    """``decode(encode(x))``: what one rank's ``x`` becomes on the wire (the tests' model)."""
+    if p.wire is None:
+        return x
+    q, s = encode(x, p)
+    return decode(q, s, x.dtype)
+
+
+def _scale_sizes(sizes: Sequence[int], dim: int, x: Tensor, p: Precision) -> tuple[int, ...]:
+    """Split sizes of the scales along ``dim`` (divided by the block when ``dim`` is last)."""
+    if dim != x.ndim - 1:
+        return tuple(sizes)
+    b = _block(p, x.shape[-1])
+    return tuple(s // b for s in sizes)
+
+
+# ----------------------------------------------------------------------- validation
+
+
+Layout = tuple[int, Sequence[int] | None]
+
+
+def check(
+    x: Tensor, precision: Any, op: str, fwd: Layout | None = None, bwd: Layout | None = None
+) -> Precision:
+    """Validate ``precision`` for ``x`` before any communication — for the forward **and**
+    the backward (a backward that cannot run must fail here, not after the forward): a
+    :class:`Precision`, a floating (not complex) ``x``, and for fp8 a block size dividing
+    the last dim of what is encoded and every chunk an op splits that dim into.
+
+    ``fwd`` / ``bwd``: ``(last dim, chunks along it or None)`` of the tensor the forward /
+    backward encodes (default: ``x``'s last dim, no split)."""
+    if not isinstance(precision, Precision):
+        raise TypeError(f"diffcomm.{op}(): precision must be a diffcomm.Precision or None, got {precision!r}")
+    if precision.wire is not None and not x.is_floating_point():
+        raise TypeError(
+            f"diffcomm.{op}(): precision=Precision(wire={precision.tag}) needs a floating-point x "
+            f"(a float wire dtype cannot carry {x.dtype} exactly); got x of dtype {x.dtype}"
+        )
+    n = x.shape[-1] if x.ndim else 1
+    for p, (last, chunks), where in (
+        (precision, fwd or (n, None), "forward"),
+        (precision.transposed(), bwd or (n, None), "backward"),
+    ):
+        if p.wire not in FP8_MAX or x.ndim == 0:
+            continue
+        b = p.block_size or last
+        if p.block_size is not None and last % b:
+            raise ValueError(
+                f"diffcomm.{op}(): precision ({where}) block_size={b} does not divide the last dim "
+                f"({last}) of what it encodes (x.shape={tuple(x.shape)}); no padding is done: pick a divisor"
+            )
+        if chunks is not None and b and any(c % b for c in chunks):
+            why = "" if p.block_size else " (block_size=None means one scale per whole row)"
+            raise ValueError(
+                f"diffcomm.{op}(): precision ({where}) block_size={p.block_size} must divide every "
+                f"chunk {list(chunks)} the op splits the last dim into{why}"
+            )
+    return precision
+
+
+def _check_linear(op_name: str, opname: str) -> None:
+    if op_name not in A.LINEAR_OPS:
+        raise ValueError(
+            f"diffcomm.{opname}(): precision= supports op='sum' or 'avg' (a linear reduction), "
+            f"got op={op_name!r}"
+        )
+
+
+def _no_async(async_op: bool, opname: str) -> None:
+    if async_op:
+        raise ValueError(f"diffcomm.{opname}(): async_op=True with precision= is not supported (yet)")
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def _gather_run(x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
+    if p.wire is None:
+        return raw_all_gather(x, dim, pg, sizes)
+    q, s = encode(x, p)
+    out_q = raw_all_gather(q, dim, pg, sizes)
+    out_s = None if s is None else raw_all_gather(s, dim, pg, _scale_sizes(sizes, dim, x, p))
+    return decode(out_q, out_s, x.dtype)
+
+
+def _a2a_run(
+    x: Tensor,
+    split_dim: int,
+    concat_dim: int,
+    pg: PG,
+    ins: tuple[int, ...],
+    outs: tuple[int, ...],
+    p: Precision,
+) -> Tensor:
+    if p.wire is None:
+        return raw_all_to_all(x, split_dim, concat_dim, pg, ins, outs)
+    q, s = encode(x, p)
+    out_q = raw_all_to_all(q, split_dim, concat_dim, pg, ins, outs)
+    if s is None:
+        return decode(out_q, None, x.dtype)
+    s_ins = _scale_sizes(ins, split_dim, x, p)
+    s_outs = _scale_sizes(outs, concat_dim, x, p)
+    return decode(out_q, raw_all_to_all(s, split_dim, concat_dim, pg, s_ins, s_outs), x.dtype)
+
+
+def _reduce_scatter_acc(x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
+    """Chunk ``rank`` of the reduction, in the accumulation dtype (not yet rounded)."""
+    world, rank = _world(pg), _rank(pg)
+    acc = p.accumulate_for(x.dtype)
+    mine = sizes[rank]
+    outs = (mine,) * world
+    q, s = encode(x, p)
+    parts_q = raw_all_to_all(q, dim, dim, pg, tuple(sizes), outs)
+    parts_s = None
+    if s is not None:
+        parts_s = raw_all_to_all(
+            s, dim, dim, pg, _scale_sizes(sizes, dim, x, p), _scale_sizes(outs, dim, x, p)
+        )
+    parts = decode(parts_q, parts_s, acc)  # every rank's chunk ``rank``, along dim
+    total = parts.unflatten(dim, (world, mine)).sum(dim)
+    return total / world if op == "avg" else total
+
+
+def _reduce_scatter_run(x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
+    if p.wire is None:
+        return raw_reduce_scatter(x, dim, op, pg, sizes)
+    return _reduce_scatter_acc(x, dim, op, pg, sizes, p).to(x.dtype)
+
+
+def _all_reduce_run(x: Tensor, op: str, pg: PG, p: Precision) -> Tensor:
+    """Reduce-scatter phase (quantized all_to_all, sum in the accumulation dtype, one
+    rounding to the wire dtype) then all_gather of the reduced rows in the wire dtype.
+    ``x`` is laid out as rows of one block (fp8) or one last-dim row, padded to a
+    multiple of the world size."""
+    if p.wire is None:
+        return raw_all_reduce(x, op, pg)
+    world = _world(pg)
+    shape = x.shape
+    n = shape[-1] if x.ndim else 1
+    width = max(_block(p, n) if p.wire in FP8_MAX else n, 1)
+    flat = x.reshape(-1)
+    rows = -(-flat.numel() // width) if width else 0
+    padded_rows = -(-rows // world) * world
+    pad = padded_rows * width - flat.numel()
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    x2 = flat.reshape(padded_rows, width)
+    chunk = padded_rows // world
+    mine = _reduce_scatter_acc(x2, 0, op, pg, (chunk,) * world, p)
+    q, s = encode(mine, p)  # the one rounding of the sum (to the wire dtype)
+    full_q = raw_all_gather(q, 0, pg, (chunk,) * world)
+    full_s = None if s is None else raw_all_gather(s, 0, pg, (chunk,) * world)
+    full = decode(full_q, full_s, x.dtype).reshape(-1)
+    return full[: x.numel()].reshape(shape)
+
+
+# ------------------------------------------------------------------------ the ops
+
+
+class _QAllReduce(CommOp):
+    """all_reduce (sum/avg) with a :class:`Precision`; self-adjoint (backward settings)."""
+
+    name = "all_reduce"
+    spmd = _AllReduce.spmd  # dc.spmd_check types it as the plain op
+    spmd_same_as = _AllReduce  # (one row in the typing table)
+
+    @staticmethod
+    def run(x: Tensor, op: str, pg: PG, p: Precision) -> Tensor:
+        return _all_reduce_run(x, op, pg, p)
+
+    @staticmethod
+    def label(op: str, pg: PG, p: Precision) -> str:
+        return f"all_reduce({op}, {p.tag})"
+
+    @staticmethod
+    def transpose(g: Tensor, op: str, pg: PG, p: Precision) -> Tensor:
+        return call(_QAllReduce, g, op, pg, p.transposed())
+
+
+class _QAllGather(CommOp):
+    """all_gather with a :class:`Precision`; adjoint: the quantized reduce_scatter(sum)."""
+
+    name = "all_gather"
+    dims = (0,)
+    spmd = _AllGather.spmd
+    spmd_same_as = _AllGather
+
+    @staticmethod
+    def run(x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
+        return _gather_run(x, dim, pg, sizes, p)
+
+    @staticmethod
+    def label(dim: int, pg: PG, sizes: tuple[int, ...], p: Precision) -> str:
+        return f"all_gather({p.tag})"
+
+    @staticmethod
+    def transpose(g: Tensor, dim: int, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
+        return call(_QReduceScatter, g, dim, "sum", pg, sizes, p.transposed())
+
+
+class _QReduceScatter(CommOp):
+    """reduce_scatter (sum/avg) with a :class:`Precision`; adjoint: the quantized all_gather."""
+
+    name = "reduce_scatter"
+    dims = (0,)
+    spmd = _ReduceScatter.spmd
+    spmd_same_as = _ReduceScatter
+
+    @staticmethod
+    def run(x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
+        return _reduce_scatter_run(x, dim, op, pg, sizes, p)
+
+    @staticmethod
+    def label(dim: int, op: str, pg: PG, sizes: tuple[int, ...], p: Precision) -> str:
+        return f"reduce_scatter({op}, {p.tag})"
+
+    @staticmethod
+    def transpose(g: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
+        out = call(_QAllGather, g, dim, pg, sizes, p.transposed())
+        return out / _world(pg) if op == "avg" else out
+
+
+class _QAllToAll(CommOp):
+    """all_to_all with a :class:`Precision`; adjoint: itself with dims and sizes swapped."""
+
+    name = "all_to_all"
+    dims = (0, 1)
+    spmd = _AllToAll.spmd
+    spmd_same_as = _AllToAll
+
+    @staticmethod
+    def run(
+        x: Tensor,
+        split_dim: int,
+        concat_dim: int,
+        pg: PG,
+        ins: tuple[int, ...],
+        outs: tuple[int, ...],
+        p: Precision,
+    ) -> Tensor:
+        return _a2a_run(x, split_dim, concat_dim, pg, ins, outs, p)
+
+    @staticmethod
+    def label(
+        split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...], p: Precision
+    ) -> str:
+        return f"all_to_all({p.tag})"
+
+    @staticmethod
+    def transpose(
+        g: Tensor,
+        split_dim: int,
+        concat_dim: int,
+        pg: PG,
+        ins: tuple[int, ...],
+        outs: tuple[int, ...],
+        p: Precision,
+    ) -> Tensor:
+        return call(_QAllToAll, g, concat_dim, split_dim, pg, outs, ins, p.transposed())
+
+
+# ------------------------------------------------------------- public entry points
+# (called by the public ops when ``precision`` is given; validation first)
+
+
+def all_reduce(x: Any, op: Any, group: A.GroupLike, precision: Any, async_op: bool = False) -> Tensor:
+    """``dc.all_reduce(x, op, group, precision=...)`` (see the module docstring)."""
+    name = "all_reduce"
+    x = _check_input(x, name)
+    p = check(x, precision, name)
+    op_name = A.normalize_op(op, name, x)
+    _check_linear(op_name, name)
+    _no_async(async_op, name)
+    pg = A.resolve_group(group, name)
+    return apply(_QAllReduce, x, op_name, pg, p)
+
+
+def reduce_scatter(
+    x: Any, dim: Any, op: Any, group: A.GroupLike, split_sizes: Any, precision: Any, async_op: bool = False
+) -> Tensor:
+    """``dc.reduce_scatter(..., precision=...)``."""
+    name = "reduce_scatter"
+    x = _check_input(x, name)
+    dim = A.check_dim(x, dim, name)
+    op_name = A.normalize_op(op, name, x)
+    _check_linear(op_name, name)
+    _no_async(async_op, name)
+    pg = A.resolve_group(group, name)
+    sizes = tuple(A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), name))
+    if dim == x.ndim - 1:  # forward: splits the last dim; backward: gathers own chunks
+        check(x, precision, name, (x.shape[dim], sizes), (sizes[_rank(pg)], None))
+    else:
+        check(x, precision, name)
+    return apply(_QReduceScatter, x, dim, op_name, pg, sizes, precision)
+
+
+def all_gather(
+    x: Any, dim: Any, group: A.GroupLike, split_sizes: Any, precision: Any, async_op: bool = False
+) -> Tensor:
+    """``dc.all_gather(..., precision=...)``."""
+    name = "all_gather"
+    x = _check_input(x, name)
+    dim = A.check_dim(x, dim, name)
+    _no_async(async_op, name)
+    check(x, precision, name)  # (types first: before the size exchange communicates)
+    pg = A.resolve_group(group, name)
+    if split_sizes is not None:
+        sizes = tuple(_given_split_sizes(split_sizes, x, dim, pg, name, "split_sizes"))
+    else:
+        sizes = tuple(_exchanged_split_sizes(x, dim, pg, name))
+    if dim == x.ndim - 1:  # pieces of every rank's row; backward splits the gathered row
+        check(x, precision, name, (x.shape[dim], sizes), (sum(sizes), sizes))
+    return apply(_QAllGather, x, dim, pg, sizes, precision)
+
+
+def all_to_all(
+    x: Any,
+    split_dim: Any,
+    concat_dim: Any,
+    group: A.GroupLike,
+    input_split_sizes: Any,
+    output_split_sizes: Any,
+    precision: Any,
+    async_op: bool = False,
+) -> Tensor:
+    """``dc.all_to_all(..., precision=...)``."""
+    name = "all_to_all"
+    x = _check_input(x, name)
+    split_dim = A.check_dim(x, split_dim, name, "split_dim")
+    concat_dim = A.check_dim(x, concat_dim, name, "concat_dim")
+    _no_async(async_op, name)
+    check(x, precision, name)
+    pg = A.resolve_group(group, name)
+    ins, outs = _all_to_all_split_sizes(x, split_dim, concat_dim, pg, input_split_sizes, output_split_sizes)
+    last = x.ndim - 1
+    if outs is None:
+        outs = _all_to_all_received(ins, pg)
+    n = x.shape[last]
+    out_last = sum(outs) if concat_dim == last else (ins[_rank(pg)] if split_dim == last else n)
+    fwd_chunks = list(ins) if split_dim == last else ([n] if concat_dim == last else None)
+    bwd_chunks = list(outs) if concat_dim == last else None
+    check(x, precision, name, (n, fwd_chunks), (out_last, bwd_chunks))
+    return apply(_QAllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(map(int, outs)), precision)
+
+
+# ------------------------------------------------------------------- coalesced lists
+
+
+def coalesced(name: str, tensors: Any, precision: Any, async_op: bool = False, **kw: Any) -> list[Tensor]:
+    """``dc.<name>_coalesced(tensors, ..., precision=...)``: the quantized single op on each
+    tensor, in order (values and gradients equal the single ops'). Not one communication
+    per dtype: each tensor is its own quantized op (fp8: payload and scales). Every
+    tensor is validated before anything is sent."""
+    op = f"{name}_coalesced"
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise TypeError(f"diffcomm.{op}(): tensors must be a non-empty list or tuple, got {tensors!r}")
+    _no_async(async_op, op)
+    split_sizes = kw.pop("split_sizes", None)
+    if split_sizes is not None and len(split_sizes) != len(tensors):
+        raise ValueError(
+            f"diffcomm.{op}(): split_sizes must hold one entry per tensor ({len(tensors)}), "
+            f"got {len(split_sizes)}"
+        )
+    xs = [_check_input(t, op) for t in tensors]
+    for x in xs:
+        check(x, precision, op)
+    if name in ("all_reduce", "reduce_scatter"):
+        _check_linear(A.normalize_op(kw.get("op", "sum"), op, xs[0]), op)
+    outs = []
+    for i, x in enumerate(xs):
+        sizes = None if split_sizes is None else split_sizes[i]
+        if name == "all_reduce":
+            outs.append(all_reduce(x, kw.get("op", "sum"), kw.get("group"), precision))
+        elif name == "all_gather":
+            outs.append(all_gather(x, kw.get("dim", 0), kw.get("group"), sizes, precision))
+        else:
+            outs.append(
+                reduce_scatter(x, kw.get("dim", 0), kw.get("op", "sum"), kw.get("group"), sizes, precision)
+            )
+    return outs
