@@ -69,13 +69,19 @@ _TENSOR_BASE = torch.Tensor.__mro__[1]  # the C tensor class whose methods are t
 class _Cell:
     """The gradient kind shared by a set of replicated values (``None``: not fixed yet)."""
 
-    __slots__ = ("parent", "kind", "why", "epoch")
+    __slots__ = ("parent", "kind", "why", "epoch", "mean", "copy_at")
 
-    def __init__(self, kind: str | None = None, why: str = "") -> None:
+    def __init__(self, kind: str | None = None, why: str = "", mean: bool = False) -> None:
         self.parent: _Cell | None = None
         self.kind = kind
         self.why = why
         self.epoch = _EPOCH[0]  # the backward passes run before it was made
+        #: made by all_reduce(op="avg") of per-rank values: a loss holding it is the mean of
+        #: the per-rank objectives (as a varying loss is their sum), not a replicated objective
+        self.mean = mean
+        #: where a replicated activation met a varying weight (``"linear at f.py:12"``): the
+        #: place a missing copy_to_region belongs
+        self.copy_at: str | None = None
 
     def root(self) -> _Cell:
         c = self
@@ -127,7 +133,7 @@ class _Escape(BaseException):
 class _Rec:
     """One tensor's type under one check."""
 
-    __slots__ = ("t", "cell", "shard", "why", "param", "auto")
+    __slots__ = ("t", "cell", "shard", "why", "param", "auto", "acc", "strict", "rep", "copy_at")
 
     def __init__(self, t: T, cell: _Cell | None = None, shard: int | None = None, why: str = "") -> None:
         self.t = t
@@ -136,6 +142,18 @@ class _Rec:
         self.why = why  # where a partial / varying value came from
         self.param: str | None = None  # the name of a parameter
         self.auto = False  # a parameter typed by default (a layer that owns it may retype it)
+        #: a partial gradient that also holds an already reduced gradient (accumulated onto
+        #: it): where that reduction was; summing it again multiplies that part by the world
+        self.acc: str | None = None
+        #: a partial gradient of a replicated (or partial) objective: its sum over ranks is
+        #: the gradient, so averaging it is wrong (why, for the message)
+        self.strict: str | None = None
+        #: a varying value holding a replicated additive term (where it was added): a sum
+        #: over ranks counts that term world-size times
+        self.rep: str | None = None
+        #: a partial gradient made where a replicated activation met a varying weight: the
+        #: op and line where copy_to_region belongs
+        self.copy_at: str | None = None
 
 
 _ACTIVE: list[SPMDCheck] = []  # the active checks, outermost first
@@ -143,6 +161,7 @@ _PATCHED: dict[type, tuple[Any, Any]] = {}  # class -> (original forward, its __
 _PATCHED_ATTRS: list[tuple[Any, str, Any]] = []  # (module, name, original value)
 _LOCK = threading.Lock()
 _HOOK: Any = None
+_OPT_HOOK: list[Any] = [None]  # the optimizer step pre-hook (check_grads before every step)
 _COUNTER = itertools.count()
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -299,6 +318,17 @@ _SCALING = _names(
     "inner",
     "scaled_dot_product_attention_value",
 )
+#: masked assignment and selection: linear in a partial operand when the other one is zero
+_MASKING = _names("setitem", "where", "masked_fill", "masked_fill_")
+#: products with a weight: a replicated activation meeting a varying weight here is the
+#: entry of a column-parallel region (where copy_to_region belongs)
+_WEIGHTED = _names("linear", "matmul", "mm", "bmm", "einsum", "embedding", "conv1d", "conv2d", "rmatmul")
+#: ops through which a replicated term added to a varying value stays an additive term
+_LINEAR_CHAIN = _STRUCTURAL | _ADDITIVE
+#: the reductions over the group (``op`` sum or avg)
+_SUMMING = _names(
+    "all_reduce", "parallel.reduce_from_region", "reduce_scatter", "parallel.reduce_scatter_to_sequence"
+)
 #: outputs depend only on the values' metadata (never a type error)
 _NO_TYPING = _names("__get__", "__set__", "__delete__", "size", "dim", "numel", "is_floating_point")
 
@@ -390,6 +420,15 @@ def _differentiable(t: Tensor) -> bool:
     return t.dtype.is_floating_point or t.dtype.is_complex
 
 
+def _is_zero(x: Any) -> bool:
+    """``x`` is a constant zero (a Python number, or a 0-d tensor that needs no gradient)."""
+    if isinstance(x, bool | int | float | complex):
+        return x == 0
+    if isinstance(x, Tensor) and x.dim() == 0 and not x.requires_grad:
+        return bool(x == 0)
+    return False
+
+
 # ======================================================================================
 # the check
 # ======================================================================================
@@ -419,6 +458,9 @@ class SPMDCheck(TorchFunctionMode):
         self._modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
         self._check_grads = check_grads
         self._params: dict[int, tuple[Any, str, _Rec]] = {}  # id(param) -> (param, name, rec)
+        #: leaf inputs (not parameters) that require grad: their gradient is checked when
+        #: a backward of a replicated objective finishes
+        self._inputs: dict[int, tuple[Tensor, _Rec]] = {}
         self._typed_modules: set[int] = set()
         self._groups: dict[int, bool] = {}  # id(pg) -> is the checked group
         self.inside = 0  # >0 while a typed op's forward runs (its inner ops are not typed)
@@ -462,6 +504,7 @@ class SPMDCheck(TorchFunctionMode):
                 self.check_grads()
         finally:
             self._params.clear()
+            self._inputs.clear()
 
     # ---------------------------------------------------------------- records
 
@@ -473,6 +516,8 @@ class SPMDCheck(TorchFunctionMode):
             if isinstance(x, torch.nn.Parameter):
                 self._register_param(x, f"a parameter of shape {tuple(x.shape)}", r)
                 r.auto = True
+            elif x.requires_grad and x.grad_fn is None:
+                self._inputs[id(x)] = (x, r)
             x.__dict__[self.key] = r
         return r
 
@@ -482,9 +527,10 @@ class SPMDCheck(TorchFunctionMode):
     def declare(self, x: Tensor, t: T, why: str = "declared") -> Tensor:
         if not isinstance(x, Tensor):
             raise TypeError(f"diffcomm.spmd: expected a tensor to declare {t.value}, got {type(x).__name__}")
-        x.__dict__[self.key] = _Rec(
-            t, _Cell() if (t is R and x.requires_grad) else None, why=f"{why} at {_site()}"
-        )
+        r = _Rec(t, _Cell() if (t is R and x.requires_grad) else None, why=f"{why} at {_site()}")
+        x.__dict__[self.key] = r
+        if r.cell is not None and x.grad_fn is None and not isinstance(x, torch.nn.Parameter):
+            self._inputs[id(x)] = (x, r)
         return x
 
     def _register_param(self, p: Tensor, name: str, r: _Rec) -> None:
@@ -590,8 +636,10 @@ class SPMDCheck(TorchFunctionMode):
         elif name in ("zero_", "fill_"):
             ins = ins[1:]
         extra: T | None = None
+        extra_why = ""
         if name in _RANDOM:
             extra = _random_type()
+            extra_why = f"a random draw on a per-rank RNG stream at {_site()}"
             if not ins or name.endswith("like") or inplace:
                 ins = []  # a draw: its type is the stream's, not its template's
         elif name in _DROPOUT:
@@ -599,8 +647,18 @@ class SPMDCheck(TorchFunctionMode):
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             if training and p:
                 extra = _random_type()
+                extra_why = f"a dropout mask drawn on a per-rank RNG stream at {_site()}"
         if extra is None and _rank_dependent(args):
             extra = V  # an index, slice or scalar computed from the rank
+            extra_why = (
+                f"{name} with an index, slice or scalar computed from the rank (dc.get_rank()) at {_site()}"
+            )
+        if name in _MASKING:
+            masked = self._masked(name, args, kwargs)
+            if masked is not None:  # linear in its partial operand: the rest is zero
+                for o in outs:
+                    o.__dict__[key] = masked
+                return
         recs = [self.rec(t) for t in ins]
         # the special products: a varying weight sharded along the contracted dim
         special_p = False
@@ -622,7 +680,7 @@ class SPMDCheck(TorchFunctionMode):
         if special_p:
             res = _Rec(P, why=f"{name} with a weight sharded along its contracted dim at {_site()}")
         else:
-            res = self._join(name, recs, ins, extra, differentiable)
+            res = self._join(name, recs, ins, extra, differentiable, extra_why)
         for o in outs:
             if o.__dict__.get(key) is not None and o.__dict__[key].param is not None:
                 continue
@@ -630,8 +688,12 @@ class SPMDCheck(TorchFunctionMode):
                 o.__dict__[key] = _Rec(R)
             else:
                 o.__dict__[key] = res
+                if res.cell is not None and o.grad_fn is None and not isinstance(o, torch.nn.Parameter):
+                    self._inputs[id(o)] = (o, res)  # a leaf made to require grad (an input)
 
-    def _join(self, name: str, recs: list[_Rec], ins: list[Tensor], extra: T | None, diff: bool) -> _Rec:
+    def _join(
+        self, name: str, recs: list[_Rec], ins: list[Tensor], extra: T | None, diff: bool, extra_why: str = ""
+    ) -> _Rec:
         has_p = has_v = False
         for r in recs:
             if r.t is P:
@@ -643,16 +705,24 @@ class SPMDCheck(TorchFunctionMode):
         if has_p:
             return self._partial(name, recs, ins, has_v, extra)
         if has_v:
+            vwhy = next((r.why for r in recs if r.t is V), "") or extra_why
             if diff:
-                vwhy = next((r.why for r in recs if r.t is V), "") or "a draw on a per-rank RNG stream"
                 for r, t in zip(recs, ins):
                     if r.t is R and r.cell is not None and t.requires_grad:
                         self._demand(r.cell, PARTIAL, name, f"it meets a varying value ({vwhy})")
-            why = (
-                next((r.why for r in recs if r.t is V), "")
-                or f"random draw on a per-rank RNG stream at {_site()}"
-            )
-            return _Rec(V, why=why)
+                        if (
+                            r.param is None
+                            and name in _WEIGHTED
+                            and any(q.t is V and q.param is not None for q in recs)
+                        ):
+                            r.cell.root().copy_at = f"{name} at {_site()}"
+            out = _Rec(V, why=vwhy)
+            if name in _LINEAR_CHAIN:  # a replicated term added to per-rank values: remembered
+                out.rep = next((r.rep for r in recs if r.t is V and r.rep), None)
+                if out.rep is None and name in _ADDITIVE:
+                    if any(r.t is R and _differentiable(t) for r, t in zip(recs, ins)):
+                        out.rep = f"{name} at {_site()}"
+            return out
         # all replicated: one gradient kind for all that require grad
         if not diff:
             return _Rec(R)
@@ -661,6 +731,37 @@ class SPMDCheck(TorchFunctionMode):
             if r.cell is not None and t.requires_grad:
                 cell = r.cell if cell is None else self._union(cell, r.cell, name)
         return _Rec(R, cell if cell is not None else _Cell())
+
+    def _masked(self, name: str, args: Any, kwargs: Any) -> _Rec | None:
+        """``x[mask] = 0``, ``where(mask, x, 0)``, ``masked_fill(mask, 0)`` of a partial
+        ``x``: linear in ``x`` whatever the mask (a per-rank mask zeroes each rank's share
+        where that rank holds nothing, as Megatron's vocab-parallel embedding does); any
+        other operand must be partial too or zero. ``None``: no partial operand."""
+        if name == "setitem":
+            data = [args[0], args[2] if len(args) > 2 else None]
+        elif name == "where":
+            if len(args) + len(kwargs) < 3:
+                return None
+            data = [
+                args[1] if len(args) > 1 else kwargs.get("input"),
+                args[2] if len(args) > 2 else kwargs.get("other"),
+            ]
+        else:
+            data = [args[0], args[2] if len(args) > 2 else kwargs.get("value")]
+        recs = [self.rec(d) if isinstance(d, Tensor) else None for d in data]
+        part = next((r for r in recs if r is not None and r.t is P), None)
+        if part is None:
+            return None
+        for d, r in zip(data, recs):
+            if (r is not None and r.t is P) or _is_zero(d):
+                continue
+            found = r.t.value if r is not None else repr(d)
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {name} at {_site()}: a partial value ({part.why}) is combined with "
+                f"{found}, expected zero or partial: the other value would be counted once per rank. "
+                "Reduce the partial value first (parallel.reduce_from_region), or mask with zero."
+            )
+        return _Rec(P, why=part.why)
 
     def _partial(self, name: str, recs: list[_Rec], ins: list[Tensor], has_v: bool, extra: T | None) -> _Rec:
         p_rec = next(r for r in recs if r.t is P)
@@ -748,7 +849,19 @@ class SPMDCheck(TorchFunctionMode):
             rule = rule.nonlinear
         site = _site()
         outs: list[T] = []
+        rop = bound.get("op", "sum")
+        summing = name in _SUMMING and rop == "sum"
+        avg = name in _SUMMING and rop == "avg"
+        shares: list[_Cell | None] = []
         for arg, t, r in recs:
+            shares.append(None)
+            if avg and r.t is R:  # the mean of equal values: an identity (gradient averaged)
+                if r.cell is not None and t.requires_grad:
+                    self._demand(r.cell, REPLICATED, name, f"the backward of {name}(op='avg') averages it")
+                    shares[-1] = r.cell
+                outs.append(R)
+                continue
+            self._check_summed(name, arg, r, summing, avg, site)
             out = rule.maps.get(r.t)
             if out is None:
                 expected = " or ".join(x.value for x in rule.maps)
@@ -767,7 +880,35 @@ class SPMDCheck(TorchFunctionMode):
                 )
             outs.append(out)
         grad = any(t.requires_grad for _, t in tensors)
-        return ("ours", name, rule, outs, site, grad)
+        return ("ours", name, rule, outs, site, grad, shares, avg)
+
+    def _check_summed(self, name: str, arg: str, r: _Rec, summing: bool, avg: bool, site: str) -> None:
+        """The reductions' extra rules: a gradient that holds an already reduced part
+        (accumulated onto), a replicated-objective gradient averaged, a replicated term
+        inside a per-rank value summed."""
+        if summing and r.t is P and r.acc:
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {name} at {site}: argument `{arg}` is a partial gradient that "
+                f"already holds a reduced gradient ({r.acc}; this backward accumulated onto it): "
+                "summing it over the ranks again multiplies the reduced part by the world size "
+                "(W*G1 + G2 instead of G1 + G2). Reduce the gradients once, after the last "
+                "micro-batch's backward (or use op='avg' on every micro-batch)."
+            )
+        if avg and r.t is P and r.strict:
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {name}(op='avg') at {site}: argument `{arg}` is partial "
+                f"({r.why}) under {r.strict}: its sum over the ranks is the gradient, the average "
+                "is world-size times too small. Use op='sum' (each rank holds its share of one "
+                "objective, not its own objective)."
+            )
+        if summing and r.t is V and r.rep:
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {name} at {site}: argument `{arg}` is varying but holds a "
+                f"replicated term (added at {r.rep}): summing over the ranks counts that term "
+                "world-size times. Sum only the per-rank terms over the group and add the "
+                "replicated ones after (e.g. a clipping norm: all-reduce the squares of the "
+                "sharded gradients only)."
+            )
 
     def op_after(self, plan: Any, outputs: list[Tensor]) -> None:
         key = self.key
@@ -777,13 +918,16 @@ class SPMDCheck(TorchFunctionMode):
                 src = recs[min(i, len(recs) - 1)][2] if recs else _Rec(R)
                 o.__dict__[key] = _Rec(src.t, src.cell if grad else None, why=src.why)
             return
-        _, name, rule, outs, site, grad = plan
+        _, name, rule, outs, site, grad, shares, avg = plan
         types = list(rule.outputs) if rule.outputs is not None else outs
         for i, o in enumerate(outputs):
             t = types[min(i, len(types) - 1)] if types else R
             if t is None:
                 continue
-            if t is R:
+            share = shares[min(i, len(shares) - 1)] if shares and rule.outputs is None else None
+            if t is R and share is not None:
+                o.__dict__[key] = _Rec(R, share, why=f"the output of {name} at {site}")
+            elif t is R:
                 kind = rule.out_grad
                 why = f"it is the output of {name} at {site}, whose backward " + (
                     "sums its gradient over the ranks (the sum convention)"
@@ -792,7 +936,8 @@ class SPMDCheck(TorchFunctionMode):
                 )
                 if kind == PARTIAL and rule.instead:
                     why += f"; under a replicated objective use {rule.instead}"
-                o.__dict__[key] = _Rec(R, _Cell(kind, why) if grad else None)
+                cell = _Cell(kind, why, mean=avg and kind == PARTIAL) if grad else None
+                o.__dict__[key] = _Rec(R, cell, why=f"the output of {name} at {site}")
             else:
                 o.__dict__[key] = _Rec(t, why=f"the {t.value} output of {name} at {site}")
 
@@ -829,9 +974,18 @@ class SPMDCheck(TorchFunctionMode):
     def _backward(self, func: Any, args: Any, kwargs: Any) -> Any:
         roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
         roots = [roots] if isinstance(roots, Tensor) else list(roots or ())
+        objective: str | None = None
         for root in roots:
             if isinstance(root, Tensor):
-                self._check_objective(root)
+                objective = self._check_objective(root) if objective is None else objective
+        if objective is not None and objective.startswith("a replicated"):
+            self._check_inputs()
+        key = self.key
+        before = {}  # each parameter's gradient before this backward (accumulated onto)
+        for p, _, _r in self._params.values():
+            g = p.grad
+            if g is not None and key in g.__dict__ and bool(g.detach().any()):
+                before[id(p)] = g.__dict__[key]
         self.in_backward += 1
         try:
             out = func(*args, **kwargs)
@@ -839,30 +993,35 @@ class SPMDCheck(TorchFunctionMode):
             self.in_backward -= 1
         if not (kwargs.get("retain_graph") or kwargs.get("create_graph")):
             _EPOCH[0] += 1
-        self._type_grads()
+        strict = objective if objective is not None and not objective.startswith("a varying") else None
+        self._type_grads(before, strict)
         if func is torch.autograd.grad and isinstance(out, tuple):
             inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
             inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs or ())
             for x, g in zip(inputs, out):
                 if isinstance(g, Tensor) and isinstance(x, Tensor):
-                    g.__dict__[self.key] = self._grad_rec(self.rec(x))
+                    g.__dict__[self.key] = self._grad_rec(self.rec(x), strict)
         for _p, _, r in self._params.values():  # the next forward is a new graph
             if r.cell is not None:
                 r.cell = _Cell()
+        self._inputs.clear()
         return out
 
-    def _check_objective(self, loss: Tensor) -> None:
+    def _check_objective(self, loss: Tensor) -> str:
+        """Check the loss; return the objective in words: replicated (counted once), partial
+        (the sum of the per-rank shares), varying (the sum, or by convention the mean, of
+        the per-rank losses)."""
         r = self.rec(loss)
-        if r.t is P:
-            raise SPMDTypeError(
-                f"diffcomm.spmd_check: backward at {_site()}: the loss is partial ({r.why}): each rank "
-                "holds only its share of it, expected replicated or varying. Reduce it first "
-                "(parallel.reduce_from_region for a replicated objective)."
-            )
-        if r.t is R and r.cell is not None:
+        if r.t is P:  # a linear function of partial values: the sum of the shares is the loss
+            return f"a partial loss (the objective is the sum of the ranks' shares; {r.why})"
+        if r.t is V:
+            return "a varying loss (each rank's own objective)"
+        if r.cell is not None:
             root = r.cell.root()
             if root.epoch != _EPOCH[0]:
                 root.kind, root.epoch = None, _EPOCH[0]
+            if root.kind == PARTIAL and root.mean:
+                return "a varying loss (the mean of the per-rank losses, all_reduce(op='avg'))"
             if root.kind == PARTIAL:
                 raise SPMDTypeError(
                     f"diffcomm.spmd_check: backward at {_site()}: the loss is replicated, so this "
@@ -872,35 +1031,70 @@ class SPMDCheck(TorchFunctionMode):
             if root.kind is None:
                 root.kind = REPLICATED
                 root.why = f"the replicated loss at {_site()} (a replicated objective)"
+        return f"a replicated loss (a replicated objective, the loss at {_site()})"
 
-    def _grad_rec(self, r: _Rec) -> _Rec:
+    def _check_inputs(self) -> None:
+        """Before the backward of a replicated objective: no replicated input that requires
+        grad may get a partial gradient (each rank would hold only its share, and nothing
+        sums it: a copy_to_region is missing where it met a varying weight)."""
+        for x, _ in self._inputs.values():
+            r = x.__dict__.get(self.key)
+            if r is None or r.t is not R or r.cell is None or not x.requires_grad:
+                continue
+            root = r.cell.root()
+            if root.epoch != _EPOCH[0] or root.kind != PARTIAL or root.copy_at is None:
+                continue
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: backward at {_site()}: a replicated input of shape "
+                f"{tuple(x.shape)} that requires grad would get a partial gradient ({root.why}): under "
+                "this replicated objective each rank would hold only its share of its gradient, "
+                f"different on every rank. Fix: insert parallel.copy_to_region before the "
+                f"{root.copy_at} (its backward sums the input's gradient over the ranks)."
+            )
+
+    def _grad_rec(self, r: _Rec, strict: str | None = None) -> _Rec:
         if r.t is V:
             return _Rec(V, why="a gradient of a varying value")
         if r.t is P:
             return _Rec(R)
         root = r.cell.root() if r.cell is not None else None
         if root is not None and root.kind == PARTIAL:
-            return _Rec(P, why=f"the gradient of a replicated value; {root.why}")
+            g = _Rec(P, why=f"the gradient of a replicated value; {root.why}")
+            g.strict = strict
+            g.copy_at = root.copy_at
+            return g
         return _Rec(R)
 
-    def _type_grads(self) -> None:
+    def _type_grads(self, before: Mapping[int, _Rec], strict: str | None) -> None:
         key = self.key
         for p, _, r in list(self._params.values()):
             if p.grad is None:
                 continue
             g = p.grad
-            old = g.__dict__.get(key)
-            new = self._grad_rec(r)
+            old = before.get(id(p))
+            new = self._grad_rec(r, strict)
             if old is not None and old.t is P and new.t is R:
+                g.__dict__[key] = old
                 continue  # accumulated onto a partial gradient: still partial
+            if old is not None and new.t is P:
+                if old.t is R:
+                    new.acc = old.why or "a replicated gradient of an earlier backward"
+                elif old.t is P:
+                    new.acc = new.acc or old.acc
+                    new.strict = new.strict or old.strict
             g.__dict__[key] = new
 
-    def check_grads(self) -> None:
-        """Raise :class:`SPMDTypeError` for the first replicated parameter whose gradient is
-        partial (each rank holds its share: a reduction over the group is missing) or
-        varying (changed by a per-rank value after backward)."""
+    def check_grads(self, params: Iterable[Tensor] | None = None) -> None:
+        """Raise :class:`SPMDTypeError` for the first replicated parameter (of ``params``;
+        default: every parameter the check typed) whose gradient is partial (each rank
+        holds its share: a reduction over the group is missing) or varying (changed by a
+        per-rank value after backward). Runs on leaving the block and before every
+        optimizer step inside it."""
         key = self.key
+        only = None if params is None else {id(p) for p in params}
         for p, name, r in self._params.values():
+            if only is not None and id(p) not in only:
+                continue
             if p.grad is None or p.__dict__.get(key, r).t is not R:
                 continue
             g = p.grad.__dict__.get(key)
@@ -912,12 +1106,20 @@ class SPMDCheck(TorchFunctionMode):
                     "gradients computed without an all_reduce) must be made replicated first."
                 )
             if g is not None and g.t is P:
+                if g.copy_at is not None:
+                    fix = (
+                        f"insert parallel.copy_to_region before the {g.copy_at} (its backward sums "
+                        "the gradient of everything upstream, inputs included)"
+                    )
+                else:
+                    fix = (
+                        "sum its gradient over the group: a sequence-parallel LayerNorm is "
+                        "parallel.SequenceParallelLayerNorm; otherwise p.grad = dc.all_reduce(p.grad) "
+                        "after backward"
+                    )
                 raise SPMDTypeError(
                     f"diffcomm.spmd_check: parameter {name} is replicated, but its gradient is "
-                    f"partial ({g.why}): every rank holds only its share. The missing reduction: "
-                    "sum its gradient over the group — use it through parallel.copy_to_region "
-                    "(a ParallelModule's _region_param, SequenceParallelLayerNorm), or "
-                    "p.grad = dc.all_reduce(p.grad) after backward."
+                    f"partial ({g.why}): every rank holds only its share (missing reduction). Fix: {fix}."
                 )
 
 
@@ -1097,6 +1299,17 @@ def _install() -> None:
 
     _HOOK = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
 
+    def step_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        # no wrong gradient reaches an optimizer step inside the block
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for c in _ACTIVE:
+            if not c.off and c._check_grads:
+                c.check_grads(params)
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    _OPT_HOOK[0] = register_optimizer_step_pre_hook(step_pre_hook)
+
 
 class _Hooks:
     """What :data:`diffcomm._replication.HOOK` holds while a check is active."""
@@ -1134,6 +1347,9 @@ def _uninstall() -> None:
     if _HOOK is not None:
         _HOOK.remove()
         _HOOK = None
+    if _OPT_HOOK[0] is not None:
+        _OPT_HOOK[0].remove()
+        _OPT_HOOK[0] = None
 
 
 def _outer_typedness_for_tests() -> dict[str, Any]:
@@ -1192,25 +1408,29 @@ def _current() -> SPMDCheck:
 
 
 def varying(x: Tensor) -> Tensor:
-    """Declare ``x`` per-rank (varying) in the innermost active check; returns ``x``."""
-    return _current().declare(x, V)
+    """Declare ``x`` per-rank (varying) in the innermost active check; returns ``x``.
+    Outside a check a no-op (annotated code runs unchanged with the check off)."""
+    return _ACTIVE[-1].declare(x, V) if _ACTIVE else x
 
 
 def replicated(x: Tensor) -> Tensor:
-    """Declare ``x`` equal on every rank (replicated); returns ``x``."""
-    return _current().declare(x, R)
+    """Declare ``x`` equal on every rank (replicated); returns ``x`` (a no-op outside a check)."""
+    return _ACTIVE[-1].declare(x, R) if _ACTIVE else x
 
 
 def partial(x: Tensor) -> Tensor:
-    """Declare ``x`` partial (its true value is the sum over ranks); returns ``x``."""
-    return _current().declare(x, P)
+    """Declare ``x`` partial (its true value is the sum over ranks); returns ``x`` (a no-op
+    outside a check)."""
+    return _ACTIVE[-1].declare(x, P) if _ACTIVE else x
 
 
 def module(m: torch.nn.Module) -> torch.nn.Module:
     """Type the parameters of ``m`` (and its submodules, named from ``m``) in the innermost
     active check now, as if it had run (for code that uses a layer's parameters
-    functionally); returns ``m``."""
-    check = _current()
+    functionally); returns ``m`` (a no-op outside a check)."""
+    if not _ACTIVE:
+        return m
+    check = _ACTIVE[-1]
     names = {id(p): n for n, p in m.named_parameters()}
     for mod in m.modules():
         check._type_module_params(mod, names)
