@@ -39,6 +39,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterable, Mapping
+from dataclasses import replace as _dc_replace
 from typing import Any
 
 import torch
@@ -52,7 +53,17 @@ from ..backend import args as A
 from ..ops import engine as E
 from ..ops.base import CommOp, ListOp
 
-__all__ = ["SPMDCheck", "spmd_check", "varying", "replicated", "partial", "module", "type_of", "typing_table"]
+__all__ = [
+    "SPMDCheck",
+    "spmd_check",
+    "varying",
+    "replicated",
+    "partial",
+    "module",
+    "type_of",
+    "typing_table",
+    "register_function",
+]
 
 
 # ======================================================================================
@@ -420,6 +431,11 @@ def _differentiable(t: Tensor) -> bool:
     return t.dtype.is_floating_point or t.dtype.is_complex
 
 
+def _is_weight(r: Any, t: Tensor) -> bool:
+    """A varying weight: a varying parameter, or a varying leaf that requires grad."""
+    return r.t is V and (r.param is not None or (t.requires_grad and t.grad_fn is None))
+
+
 def _is_zero(x: Any) -> bool:
     """``x`` is a constant zero (a Python number, or a 0-d tensor that needs no gradient)."""
     if isinstance(x, bool | int | float | complex):
@@ -713,7 +729,7 @@ class SPMDCheck(TorchFunctionMode):
                         if (
                             r.param is None
                             and name in _WEIGHTED
-                            and any(q.t is V and q.param is not None for q in recs)
+                            and any(_is_weight(q, w) for q, w in zip(recs, ins))
                         ):
                             r.cell.root().copy_at = f"{name} at {_site()}"
             out = _Rec(V, why=vwhy)
@@ -843,7 +859,7 @@ class SPMDCheck(TorchFunctionMode):
         name = _op_name(cls)
         group = rule.group(bound) if callable(rule.group) else bound.get(rule.group)
         recs = [(arg, t, self.rec(t)) for arg, t in tensors]
-        if not self._is_group(group):
+        if group is not _CHECKED_GROUP and not self._is_group(group):
             return ("other", recs, any(t.requires_grad for _, t in tensors))
         if rule.nonlinear is not None and bound.get("op") in ("max", "min", "product"):
             rule = rule.nonlinear
@@ -1306,9 +1322,180 @@ def _install() -> None:
             if not c.off and c._check_grads:
                 c.check_grads(params)
 
+    _PATCHED_ATTRS.append((torch.autograd.Function, "apply", torch.autograd.Function.__dict__["apply"]))
+    torch.autograd.Function.apply = _UserApply(torch.autograd.Function.__dict__["apply"])  # type: ignore[method-assign,assignment]
+
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     _OPT_HOOK[0] = register_optimizer_step_pre_hook(step_pre_hook)
+
+
+# ======================================================================================
+# user autograd Functions: a typing rule, or an error naming the Function
+# ======================================================================================
+
+#: the group of a user Function's rule that names none: the checked group
+_CHECKED_GROUP = object()
+#: user Function class -> (its rule, typed argument names, forward's names) (register_function)
+_USER_RULES: dict[type, tuple[Rule, tuple[str, ...]]] = {}
+_GRAD_KINDS = (None, PARTIAL, REPLICATED)
+
+
+def _forward_names(cls: type) -> tuple[tuple[str, ...], bool]:
+    """``cls.forward``'s parameter names (without ``ctx``) and whether it takes ``ctx``."""
+    fn = inspect.getattr_static(cls, "forward")
+    fn = getattr(fn, "__func__", fn)
+    names = tuple(inspect.signature(fn).parameters)
+    base_setup = inspect.getattr_static(torch.autograd.function._SingleLevelFunction, "setup_context")
+    own_setup = inspect.getattr_static(cls, "setup_context") is not base_setup
+    has_ctx = bool(names) and not own_setup  # forward(ctx, ...) unless setup_context takes ctx
+    return (names[1:] if has_ctx else names), has_ctx
+
+
+def _validated(cls: type, rule: Any, args: Iterable[str] | None) -> tuple[Rule, tuple[str, ...]]:
+    """``rule`` checked against ``cls.forward`` (TypeError naming the Function and the
+    argument), with its tensor positions and group resolved."""
+    who = f"diffcomm.spmd.register_function({cls.__name__})"
+    if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+        raise TypeError(
+            f"diffcomm.spmd.register_function: `cls` must be a torch.autograd.Function class, got {cls!r}"
+        )
+    if not isinstance(rule, Rule):
+        raise TypeError(f"{who}: `rule` must be a diffcomm.spmd.Rule, got {type(rule).__name__}")
+    names, _ = _forward_names(cls)
+
+    def types(what: str, values: Iterable[Any], none_ok: bool = False) -> None:
+        for v in values:
+            if not (isinstance(v, T) or (none_ok and v is None)):
+                raise TypeError(
+                    f"{who}: `{what}` holds {v!r}, outside the vocabulary (diffcomm.spmd.R, V, P"
+                    + (", or None" if none_ok else "")
+                    + ")"
+                )
+
+    types("rule.maps", [*rule.maps.keys(), *rule.maps.values()])
+    types("rule.refuse", rule.refuse.keys())
+    types("rule.outputs", rule.outputs or (), none_ok=True)
+    for what, kind in (("rule.out_grad", rule.out_grad), ("rule.in_grad", rule.in_grad)):
+        if kind not in _GRAD_KINDS:
+            raise TypeError(
+                f"{who}: `{what}` is {kind!r}, expected diffcomm.spmd.PARTIAL, REPLICATED or None"
+            )
+    if args is not None:
+        typed = tuple(args)
+        for a in typed:
+            if a not in names:
+                raise TypeError(f"{who}: argument `{a}` is not an argument of {cls.__name__}.forward {names}")
+        rule = _dc_replace(rule, tensors=tuple(names.index(a) for a in typed))
+    else:
+        for i in rule.tensors or (0,):
+            if not 0 <= i < len(names):
+                raise TypeError(
+                    f"{who}: `rule.tensors` names argument {i}; {cls.__name__}.forward takes {names}"
+                )
+    if isinstance(rule.group, str):
+        if rule.group in names:
+            pass
+        elif rule.group == "pg":  # the default, not named by the Function: the checked group
+            rule = _dc_replace(rule, group=lambda b: _CHECKED_GROUP)
+        else:
+            raise TypeError(
+                f"{who}: argument `{rule.group}` (rule.group) is not an argument of "
+                f"{cls.__name__}.forward {names}"
+            )
+    return rule, names
+
+
+def register_function(cls: type, rule: Rule, *, args: Iterable[str] | None = None) -> type:
+    """Give a user ``torch.autograd.Function`` a typing rule for ``dc.spmd_check``.
+
+    The rule is stated in the vocabulary of diffcomm's own ops (:class:`Rule`): accepted
+    input type -> output type, what its backward needs of a replicated output's gradient
+    (``out_grad``) and gives a replicated input (``in_grad``). Inside a check the
+    Function's forward runs untyped and its outputs are typed by the rule; a differentiable
+    user Function with no rule is an :class:`SPMDTypeError` naming it.
+
+    Args:
+        cls: the Function class.
+        rule: its rule; ``rule.group`` names the ``forward`` argument holding the process
+            group (left at its default and not an argument: the checked group).
+        args: the names of the typed tensor arguments of ``forward`` (default: the first,
+            or ``rule.tensors``).
+
+    Returns:
+        ``cls`` (so it also serves as ``cls = register_function(cls, rule)``).
+
+    Raises:
+        TypeError: naming the Function and the argument, now (not at the first checked
+            call), for an argument ``forward`` does not take or a type outside the
+            vocabulary.
+
+    Example::
+
+        class CopyToTP(torch.autograd.Function):   # Megatron's _CopyToModelParallelRegion
+            @staticmethod
+            def forward(ctx, x):
+                return x
+            @staticmethod
+            def backward(ctx, g):
+                return dc.all_reduce(g)
+
+        dc.spmd.register_function(
+            CopyToTP, dc.spmd.Rule({R: R}, out_grad=PARTIAL, in_grad=REPLICATED), args=("x",)
+        )
+    """
+    _USER_RULES[cls] = _validated(cls, rule, args)
+    return cls
+
+
+def _user_rule(cls: type) -> tuple[Rule, tuple[str, ...]] | None:
+    hit = _USER_RULES.get(cls)
+    if hit is None and isinstance(cls.__dict__.get("spmd"), Rule):  # stated on the class
+        hit = _USER_RULES[cls] = _validated(cls, cls.__dict__["spmd"], None)
+    return hit
+
+
+def _is_user_function(cls: type) -> bool:
+    mod = getattr(cls, "__module__", "") or ""
+    return not (mod.startswith(("torch.", "diffcomm.", "spmd_types")) or cls in _PATCHED)
+
+
+class _UserApply:
+    """``torch.autograd.Function.apply`` while a check is active: a user Function is typed
+    by its rule (its forward's own ops untyped), or refused with its name."""
+
+    def __init__(self, orig: Any) -> None:
+        self._orig = orig
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Any:
+        if cls is None and obj is not None:
+            cls = type(obj)
+        bound = self._orig.__get__(obj, cls)
+        if cls is None or not _is_user_function(cls):
+            return bound
+        checks = [c for c in _ACTIVE if not c.off]
+        if not checks:
+            return bound
+
+        def apply(*args: Any, **kwargs: Any) -> Any:
+            hit = _user_rule(cls)
+            if hit is None:
+                if torch.is_grad_enabled() and any(
+                    isinstance(a, Tensor) and a.requires_grad for a in (*args, *kwargs.values())
+                ):
+                    raise SPMDTypeError(
+                        f"diffcomm.spmd_check: {cls.__qualname__} at {_site()}: a differentiable "
+                        "autograd Function with no typing rule (its forward and backward may "
+                        "communicate, so its types cannot be inferred from its inside). Give it one: "
+                        f"dc.spmd.register_function({cls.__name__}, dc.spmd.Rule(...)) "
+                        "(docs/spmd_types.md, 'Rules for your own autograd Functions')."
+                    )
+                return bound(*args, **kwargs)
+            rule, names = hit
+            call = lambda: bound(*args, **kwargs)
+            return _run_typed(checks, cls, rule, names, False, 0, False, args, call)
+
+        return apply
 
 
 class _Hooks:
