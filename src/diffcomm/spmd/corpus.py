@@ -60,6 +60,12 @@ def _w(*shape: int, varying: bool = True) -> torch.Tensor:
     return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
 
 
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad`` (after a backward that reached ``p``)."""
+    assert p.grad is not None
+    return p.grad
+
+
 def _row(out: int = H) -> par.RowParallelLinear:
     """A row-parallel layer, its parameters typed (they are also used functionally)."""
     return dc.spmd.module(par.RowParallelLinear(F_, out, input_is_parallel=True, dtype=torch.float64, seed=0))
@@ -215,7 +221,7 @@ def grad_accumulation_reduced_every_micro_batch(fixed: bool) -> None:
         x = dc.spmd.varying(_shard(3, H) + step)
         lin(x).pow(2).mean().backward()
         for p in lin.parameters():
-            p.grad = dc.all_reduce(p.grad, op="avg") if fixed else dc.all_reduce(p.grad)
+            p.grad = dc.all_reduce(_grad(p), op="avg") if fixed else dc.all_reduce(_grad(p))
 
 
 def input_gradient_without_copy_to_region(fixed: bool) -> None:
@@ -252,7 +258,7 @@ def sequence_parallel_layernorm_grads_averaged(fixed: bool) -> None:
     y = par.gather_from_sequence(ln(dc.spmd.varying(_shard(2, H))))
     y.pow(2).mean().backward()
     for p in ln.parameters():
-        p.grad = dc.all_reduce(p.grad, op="sum" if fixed else "avg")
+        p.grad = dc.all_reduce(_grad(p), op="sum" if fixed else "avg")
 
 
 def clip_norm_all_reduces_replicated_squares(fixed: bool) -> None:
@@ -263,8 +269,8 @@ def clip_norm_all_reduces_replicated_squares(fixed: bool) -> None:
     sharded = [p for n, p in mlp.named_parameters() if n.endswith("weight") or n == "fc1.bias"]
     squares = [p.grad.pow(2).sum() for p in mlp.parameters() if p.grad is not None]
     if fixed:
-        sq_shards = torch.stack([p.grad.pow(2).sum() for p in sharded if p.grad is not None])
-        whole = [p.grad.pow(2).sum() for p in mlp.parameters() if all(p is not q for q in sharded)]
+        sq_shards = torch.stack([_grad(p).pow(2).sum() for p in sharded])
+        whole = [_grad(p).pow(2).sum() for p in mlp.parameters() if all(p is not q for q in sharded)]
         sq = dc.all_reduce(sq_shards.sum()) + torch.stack(whole).sum()
     else:
         sq = dc.all_reduce(torch.stack(squares).sum())
@@ -623,7 +629,7 @@ def mean_loss_then_averaged_gradients() -> None:
     loss = dc.all_reduce(lin(dc.spmd.varying(_shard(3, H))).pow(2).mean(), op="avg")
     loss.backward()
     for p in lin.parameters():
-        p.grad = dc.all_reduce(p.grad, op="avg")
+        p.grad = dc.all_reduce(_grad(p), op="avg")
 
 
 def grad_accumulation_reduced_once() -> None:
@@ -632,7 +638,7 @@ def grad_accumulation_reduced_once() -> None:
     for step in range(2):
         lin(dc.spmd.varying(_shard(3, H) + step)).pow(2).mean().backward()
     for p in lin.parameters():
-        p.grad = dc.all_reduce(p.grad)
+        p.grad = dc.all_reduce(_grad(p))
 
 
 def zeroed_gradients_accumulate_afresh() -> None:
