@@ -116,8 +116,10 @@ def _conflict(op: str, site: str, need: str, have: _Cell, need_why: str) -> SPMD
         text = (
             f"its gradient must be partial here ({need_why}), but it is replicated: "
             f"{have.why}. A replicated-objective value cannot meet a varying one (its "
-            "gradient would differ by rank): make the other operand replicated (e.g. dropout "
-            "on the default RNG stream, not a model-parallel one), or use the sum-convention op"
+            "gradient would differ by rank): a replicated activation entering a matmul with a "
+            "varying weight needs parallel.copy_to_region first (spmd_types: convert(x, src=I, "
+            "dst=R)); otherwise make the other operand replicated (e.g. dropout on the default RNG "
+            "stream, not a model-parallel one), or use the sum-convention op"
         )
     return SPMDTypeError(
         f"diffcomm.spmd_check: {op} at {site}: a replicated value's gradient kind clashes: {text}."
@@ -178,6 +180,7 @@ _COUNTER = itertools.count()
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SPMD_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_SPMD_TYPES = os.sep + "spmd_types" + os.sep  # spmd_types' own frames are not the user's line
 
 
 def _site() -> str:
@@ -188,6 +191,7 @@ def _site() -> str:
         if not (
             fn.startswith(_TORCH)
             or (fn.startswith(_PKG) and not fn.startswith(_SPMD_DIR + os.sep + "corpus"))
+            or (_SPMD_TYPES in fn and "site-packages" in fn)
         ):
             if "<" not in fn or fn.startswith("<ipython") or fn == "<string>":
                 return f"{os.path.basename(fn)}:{f.f_lineno}"
@@ -527,6 +531,8 @@ class SPMDCheck(TorchFunctionMode):
     def rec(self, x: Tensor) -> _Rec:
         """``x``'s record; an untyped tensor is replicated (a parameter is registered)."""
         r = x.__dict__.get(self.key)
+        if r is None and "_local_type" in x.__dict__:  # an spmd_types annotation (assert_type)
+            r = self._from_spmd_types(x)
         if r is None:
             r = _Rec(R, _Cell() if x.requires_grad else None)
             if isinstance(x, torch.nn.Parameter):
@@ -539,6 +545,94 @@ class SPMDCheck(TorchFunctionMode):
 
     def type_of(self, x: Tensor) -> T:
         return self.rec(x).t
+
+    def _world_pg(self) -> Any:
+        import torch.distributed as dist
+
+        return self.pg if self.pg is not None else dist.group.WORLD
+
+    def _from_spmd_types(self, x: Tensor) -> _Rec | None:
+        """``x``'s record from its spmd_types annotation over the checked group, if any."""
+        from . import spmd_types_interop as SI
+
+        t = SI.annotated(x, self._world_pg())
+        if t is None:
+            return None
+        ours, kind, shard = SI.to_dc(t)
+        why = f"annotated {SI.name_of(t)} with spmd_types.assert_type"
+        grad = x.requires_grad
+        r = _Rec(ours, _Cell(kind, f"it is {why}") if ours is R and grad else None, shard=shard, why=why)
+        x.__dict__[self.key] = r
+        if isinstance(x, torch.nn.Parameter):
+            self._register_param(x, f"a parameter of shape {tuple(x.shape)}", r)
+        elif r.cell is not None and x.grad_fn is None:
+            self._inputs[id(x)] = (x, r)
+        return r
+
+    def annotated(self, x: Tensor) -> None:
+        """``spmd_types.assert_type(x, ...)`` ran: a leaf takes the annotated type (a
+        declaration); a computed value is checked against it (I / R fix its gradient kind)."""
+        from . import spmd_types_interop as SI
+
+        r = x.__dict__.get(self.key)
+        if r is None or x.grad_fn is None:
+            x.__dict__.pop(self.key, None)
+            self._from_spmd_types(x)
+            return
+        theirs = SI.annotated(x, self._world_pg())
+        if theirs is None:
+            return
+        t, kind, _ = SI.to_dc(theirs)
+        if t is R and r.t is R:
+            if r.cell is not None and kind is not None:
+                self._demand(r.cell, kind, "spmd_types.assert_type", f"it is annotated {SI.name_of(theirs)}")
+        elif t is not r.t and not (t is V and r.t is P):  # V: spmd_types' local view of a partial
+            origin = f" ({r.why})" if r.why else ""
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: spmd_types.assert_type at {_site()}: the value is "
+                f"{r.t.value}{origin}, annotated {SI.name_of(theirs)} ({t.value})."
+            )
+
+    def _spmd_types_op(self, SI: Any, func: Any, args: Any, kwargs: Any) -> Any:
+        """An spmd_types collective or conversion, typed by its ``src`` / ``dst``."""
+        x, axis, src, dst = SI.bind(func, args, kwargs)
+        name = f"spmd_types.{func.__name__}(src={SI.name_of(src)}, dst={SI.name_of(dst)})"
+        if not isinstance(x, Tensor) or src is None or dst is None:
+            return func(*args, **kwargs)
+        r = self.rec(x)
+        ours = self._is_group(SI.group_of(axis))
+        site = _site()
+        if ours:
+            want, kind, _ = SI.to_dc(src)
+            if not (r.t is want or (want is P and r.t is V)):
+                origin = f" ({r.why})" if r.why else ""
+                hint = f": {T_.TWICE}" if want is not R and r.t is R else ""
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: {name} at {site}: argument `x` is {r.t.value}{origin}, "
+                    f"expected {want.value} (src={SI.name_of(src)}){hint}."
+                )
+            summing = func.__name__ in ("all_reduce", "reduce_scatter")
+            self._check_summed(name, "x", r, summing, False, site)
+            if r.t is R and r.cell is not None and x.requires_grad and kind is not None:
+                self._demand(r.cell, kind, name, f"src={SI.name_of(src)} gives `x` a {kind} gradient")
+        out = func(*args, **kwargs)
+        outs = _flat_tensors([out] if isinstance(out, Tensor) else out, [])
+        if not ours:  # another group: the type passes through
+            for o in outs:
+                o.__dict__[self.key] = _Rec(r.t, r.cell if x.requires_grad else None, r.shard, r.why)
+            return out
+        t, kind, shard = SI.to_dc(dst)
+        for o in outs:
+            if t is R:
+                why = f"it is the output of {name} at {site}, whose backward " + (
+                    "sums its gradient over the ranks (spmd_types R: use dst=I under a replicated objective)"
+                    if kind == PARTIAL
+                    else "passes its gradient on unchanged (spmd_types I)"
+                )
+                o.__dict__[self.key] = _Rec(R, _Cell(kind, why) if x.requires_grad else None, why=why)
+            else:
+                o.__dict__[self.key] = _Rec(t, shard=shard, why=f"the {t.value} output of {name} at {site}")
+        return out
 
     def declare(self, x: Tensor, t: T, why: str = "declared") -> Tensor:
         if not isinstance(x, Tensor):
@@ -620,6 +714,11 @@ class SPMDCheck(TorchFunctionMode):
         name = _fname(func)
         if name == "backward" or func is torch.autograd.backward or func is torch.autograd.grad:
             return self._backward(func, args, kwargs)
+        if (getattr(func, "__module__", None) or "").startswith("spmd_types"):
+            from . import spmd_types_interop as SI
+
+            if SI.is_spmd_types_op(func):
+                return self._spmd_types_op(SI, func, args, kwargs)
         out = func(*args, **kwargs)
         outs: list[Tensor] = []
         if isinstance(out, Tensor):
@@ -1325,6 +1424,9 @@ def _install() -> None:
     _PATCHED_ATTRS.append((torch.autograd.Function, "apply", torch.autograd.Function.__dict__["apply"]))
     torch.autograd.Function.apply = _UserApply(torch.autograd.Function.__dict__["apply"])  # type: ignore[method-assign,assignment]
 
+    if "spmd_types.runtime" in sys.modules:  # its annotations are read (never imported here)
+        _patch_assert_type(sys.modules["spmd_types.runtime"], sys.modules.get("spmd_types"))
+
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     _OPT_HOOK[0] = register_optimizer_step_pre_hook(step_pre_hook)
@@ -1496,6 +1598,26 @@ class _UserApply:
             return _run_typed(checks, cls, rule, names, False, 0, False, args, call)
 
         return apply
+
+
+def _patch_assert_type(runtime: Any, package: Any) -> None:
+    """``spmd_types.assert_type`` while a check is active: also read by the check."""
+    orig = runtime.assert_type
+
+    def assert_type(tensor: Any, *types: Any, **kwargs: Any) -> Any:
+        out = orig(tensor, *types, **kwargs)
+        for c in _ACTIVE:
+            if not c.off:
+                for t in tensor if isinstance(tensor, list | tuple) else (tensor,):
+                    if isinstance(t, Tensor):
+                        c.annotated(t)
+        return out
+
+    assert_type.__doc__ = orig.__doc__
+    for mod in (runtime, package):
+        if mod is not None and getattr(mod, "assert_type", None) is orig:
+            _PATCHED_ATTRS.append((mod, "assert_type", orig))
+            setattr(mod, "assert_type", assert_type)  # noqa: B010
 
 
 class _Hooks:
