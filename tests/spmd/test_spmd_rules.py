@@ -135,14 +135,20 @@ def test_annotations_are_no_ops_outside_a_check() -> None:
         dc.spmd.type_of(x)
 
 
-def test_optimizer_hook_removed_on_exit(world2: dc.LocalWorld) -> None:
-    def body() -> tuple[int, int, int]:
+def test_optimizer_hook_and_apply_patch_removed_on_exit(world2: dc.LocalWorld) -> None:
+    """The optimizer step pre-hook and the user-Function ``apply`` exist only inside."""
+
+    def body() -> tuple[int, int, int, bool, bool]:
         from torch.optim import optimizer as O
 
+        apply = torch.autograd.Function.__dict__["apply"]
         before = len(O._global_optimizer_pre_hooks)
         with dc.spmd_check():
             inside = len(O._global_optimizer_pre_hooks)
-        return before, inside, len(O._global_optimizer_pre_hooks)
+            patched = torch.autograd.Function.__dict__["apply"] is not apply
+        restored = torch.autograd.Function.__dict__["apply"] is apply
+        return before, inside, len(O._global_optimizer_pre_hooks), patched, restored
 
-    for before, inside, after in world2.run(body):
+    for before, inside, after, patched, restored in world2.run(body):
         assert inside == before + 1 and after == before
+        assert patched and restored
