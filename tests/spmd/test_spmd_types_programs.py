@@ -192,3 +192,62 @@ def test_megatron_porting_guide_mappings_pass(world2: dc.LocalWorld) -> None:
         return len(cases)
 
     assert world2.run(body) == [9, 9]
+
+
+def _megatron_pair_with_spmd_types_rules(mode: str) -> str | None:
+    """A hand-written Megatron copy/reduce pair that carries spmd_types rules
+    (``spmd_typecheck``) and no ``dc.spmd`` rule: typed from the spmd_types rules."""
+    import torch.distributed as dist
+    from spmd_types import I, P, R, rules
+
+    class CopyToTP(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):  # type: ignore[no-untyped-def]
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            return dc.all_reduce(g), None
+
+        @staticmethod
+        def spmd_typecheck(*, x, group):  # type: ignore[no-untyped-def]
+            return rules.convert(x, group, src=I, dst=R)
+
+    class ReduceFromTP(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):  # type: ignore[no-untyped-def]
+            return dc.all_reduce(x.detach())
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            return g, None
+
+        @staticmethod
+        def spmd_typecheck(*, x, group):  # type: ignore[no-untyped-def]
+            return rules.all_reduce(x, group, src=P, dst=I)
+
+    pg, rank = dist.group.WORLD, dc.get_rank()
+    x = _randn(3, 4, seed=0).requires_grad_()
+    w1, w2 = nn.Parameter(_randn(6, 4, seed=1 + rank)), nn.Parameter(_randn(4, 6, seed=5 + rank))
+    try:
+        with dc.spmd_check():
+            dc.spmd.varying(w1), dc.spmd.varying(w2)
+            h = x if mode == "no copy" else CopyToTP.apply(x, pg)
+            y = ReduceFromTP.apply(F.linear(F.gelu(F.linear(h, w1)), w2), pg)
+            if mode == "reduced twice":
+                y = ReduceFromTP.apply(y, pg)
+            y.pow(2).mean().backward()
+    except TypeError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_user_function_typed_from_its_spmd_types_rule(world2: dc.LocalWorld) -> None:
+    def body() -> list[str | None]:
+        return [_megatron_pair_with_spmd_types_rules(m) for m in ("correct", "no copy", "reduced twice")]
+
+    for ok, no_copy, twice in world2.run(body):
+        assert ok is None, ok
+        assert no_copy is not None and "insert parallel.copy_to_region before the linear" in no_copy, no_copy
+        assert twice is not None and "ReduceFromTP at test_spmd_types_programs.py:" in twice, twice
+        assert "spmd_types rule (spmd_typecheck) refuses its inputs (replicated)" in twice, twice

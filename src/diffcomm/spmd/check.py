@@ -593,6 +593,48 @@ class SPMDCheck(TorchFunctionMode):
                 f"{r.t.value}{origin}, annotated {SI.name_of(theirs)} ({t.value})."
             )
 
+    def spmd_types_function(self, cls: type, bound: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        """A user Function typed from its spmd_types rule (``spmd_typecheck``): the rule runs
+        on stand-ins of the inputs' types over the checked group; its forward untyped."""
+        from . import spmd_types_interop as SI
+
+        site = _site()
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        recs = [self.rec(t) for t in tensors]
+        kinds = [r.cell.root().kind if r.cell is not None else None for r in recs]
+        options = [SI.candidates(r.t, k, r.shard) for r, k in zip(recs, kinds)]
+        try:
+            chosen, out_types = SI.hook_types(cls, tuple(args), self._world_pg(), options)
+        except Exception as e:  # spmd_types' SpmdTypeError: the rule refuses these types
+            found = ", ".join(f"{r.t.value}" for r in recs)
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {cls.__qualname__} at {site}: its spmd_types rule "
+                f"(spmd_typecheck) refuses its inputs ({found}): {e}"
+            ) from None
+        for t, r, c in zip(tensors, recs, chosen):
+            ours, kind, _ = SI.to_dc(c)
+            if r.t is R and r.cell is not None and t.requires_grad and kind is not None:
+                self._demand(r.cell, kind, cls.__name__, f"its spmd_types rule takes it as {SI.name_of(c)}")
+        self.inside += 1
+        try:
+            out = bound(*args, **kwargs)
+        finally:
+            self.inside -= 1
+        grad = any(t.requires_grad for t in tensors)
+        outs = [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)]
+        outs = [o.view_as(o) if any(o is t for t in tensors) else o for o in outs]
+        for o, st in zip(outs, out_types):
+            if st is None:
+                continue
+            typ, kind, shard = SI.to_dc(st)
+            why = f"the output of {cls.__name__} at {site} (its spmd_types rule: {SI.name_of(st)})"
+            cell = _Cell(kind, why) if typ is R and grad else None
+            o.__dict__[self.key] = _Rec(typ, cell, shard=shard, why=why)
+        if isinstance(out, Tensor):
+            return outs[0]
+        it = iter(outs)
+        return type(out)(next(it) if isinstance(o, Tensor) else o for o in out)
+
     def _spmd_types_op(self, SI: Any, func: Any, args: Any, kwargs: Any) -> Any:
         """An spmd_types collective or conversion, typed by its ``src`` / ``dst``."""
         x, axis, src, dst = SI.bind(func, args, kwargs)
@@ -1581,6 +1623,8 @@ class _UserApply:
 
         def apply(*args: Any, **kwargs: Any) -> Any:
             hit = _user_rule(cls)
+            if hit is None and callable(getattr(cls, "spmd_typecheck", None)) and "spmd_types" in sys.modules:
+                return checks[-1].spmd_types_function(cls, bound, args, kwargs)
             if hit is None:
                 if torch.is_grad_enabled() and any(
                     isinstance(a, Tensor) and a.requires_grad for a in (*args, *kwargs.values())

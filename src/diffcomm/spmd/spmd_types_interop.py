@@ -20,7 +20,7 @@ spmd_types ``dc.spmd_check``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from .._replication import PARTIAL, REPLICATED, P, R, T, V
 
@@ -104,3 +104,82 @@ def group_of(axis: Any) -> Any:
     from spmd_types import _collectives as SC
 
     return SC._pg_for_axis(axis)
+
+
+def hook_types(
+    cls: type, args: tuple[Any, ...], pg: Any, inputs: list[list[Any]]
+) -> tuple[list[Any], list[Any]]:
+    """Run ``cls.spmd_typecheck`` (the type-level form, ``spmd_typecheck(*, x, ...)``) on
+    stand-ins of the tensor arguments typed over ``pg``'s axis, trying for each argument
+    the spmd_types types ``inputs[i]`` allows (a replicated value whose gradient kind is
+    not fixed yet may be ``R`` or ``I``). Returns the input types it accepted and its
+    output types; raises the last ``SpmdTypeError`` when it accepts none."""
+    import itertools
+
+    from spmd_types import rules as SR
+    from spmd_types import types as ST
+    from spmd_types._coverage import _coverage
+
+    returns_types, names = SR.hook_shape(cls)
+    if not returns_types:
+        raise TypeError("only the type-level form spmd_typecheck(*, ...) is read")
+    forward_args = SR.bind_forward_args(cls, args)
+    axis = ST.normalize_axis(pg)
+    positions = [i for i, a in enumerate(args) if hasattr(a, "ndim") and hasattr(a, "dtype")]
+    last: Exception | None = None
+    for choice in itertools.product(*inputs):
+        stand_ins = dict(forward_args)
+        by_id = {id(args[i]): c for i, c in zip(positions, choice)}
+        for name, arg in forward_args.items():
+            value = cast(Any, arg)
+            if id(value) in by_id:
+                t = by_id[id(value)]
+                spec = None
+                if isinstance(t, ST.Shard):
+                    entries: list[Any] = [None] * value.ndim
+                    entries[t.dim] = axis
+                    spec = ST.PartitionSpec(*entries)
+                    t = ST.V
+                stand_ins[name] = SR._make(value.ndim, {axis: t}, spec)
+        kwargs = SR.hook_kwargs(cls, stand_ins, names)
+        try:
+            with _coverage():
+                result = cls.spmd_typecheck(**kwargs)  # type: ignore[attr-defined]
+        except ST.SpmdTypeError as e:
+            last = e
+            continue
+        outs = result if isinstance(result, list | tuple) else [result]
+        return list(choice), [annotated_of(o, axis) for o in outs]
+    assert last is not None
+    raise last
+
+
+def annotated_of(value: Any, axis: Any) -> Any:
+    """The per-axis spmd_types type of a tensor or stand-in (``S(i)`` from its spec)."""
+    from spmd_types import types as ST
+    from spmd_types._type_attr import get_local_type
+    from spmd_types.runtime import get_partition_spec
+
+    t = get_local_type(value).get(axis)
+    if t is ST.V:
+        for dim, entry in enumerate(get_partition_spec(value) or ()):
+            entries = entry if isinstance(entry, tuple) else (entry,)
+            if axis in entries:
+                return ST.Shard(dim)
+    return t
+
+
+def candidates(t: T, kind: str | None, shard: int | None) -> list[Any]:
+    """The spmd_types types a value of our type may be given (``R``/``I`` both while its
+    gradient kind is not fixed; ``V`` also as ``P``, as a reduction reads it)."""
+    from spmd_types import types as ST
+
+    if t is V:  # or read as partial (spmd_types' V -> P reinterpret; our sums take V)
+        return [ST.Shard(shard), ST.V, ST.P] if shard is not None else [ST.V, ST.P]
+    if t is P:
+        return [ST.P]
+    if kind == REPLICATED:
+        return [ST.I]
+    if kind == PARTIAL:
+        return [ST.R]
+    return [ST.R, ST.I]
