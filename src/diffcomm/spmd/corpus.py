@@ -700,4 +700,8 @@ def corpus_markdown() -> str:
         names = ", ".join(f"`{n}`" for n in b.names)
         src = inspect.getsource(b.program).rstrip()
         out.append(f"### {i}. {b.name}\n\n*{b.kind}.* The error names {names}.\n\n```python\n{src}\n```\n")
+    out.append("### Correct programs (each must pass)\n")
+    for name, program in CORRECT.items():
+        src = inspect.getsource(program).rstrip()
+        out.append(f"#### {name}\n\n```python\n{src}\n```\n")
     return "\n".join(out)
