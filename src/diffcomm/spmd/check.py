@@ -14,9 +14,17 @@ How it is put together — nothing of it exists while no check is active:
   ``_shard_dims`` / its :class:`~diffcomm._replication.LayerRule`) and checks the layer's
   input against its rule;
 * ``Tensor.backward`` / ``torch.autograd.backward`` / ``torch.autograd.grad`` check the
-  loss (the objective) before backward starts, and type the parameters' gradients after;
-  :meth:`SPMDCheck.check_grads` (run on leaving the block) checks that every replicated
-  parameter's gradient is replicated.
+  loss (the objective) and the replicated inputs' gradient kinds before backward starts,
+  and type the parameters' gradients after (accumulation onto a reduced gradient is
+  remembered); :meth:`SPMDCheck.check_grads` (run before every optimizer step, through a
+  global optimizer step pre-hook, and on leaving the block) checks that every replicated
+  parameter's gradient is replicated;
+* ``torch.autograd.Function.apply`` is replaced by a descriptor that types a user's own
+  Function by its rule (:func:`register_function`, ``spmd = Rule`` on the class, or its
+  spmd_types ``spmd_typecheck``) or refuses it by name;
+* spmd_types' collectives and conversions (which reach the mode through
+  ``handle_torch_function``) are typed by their ``src`` / ``dst``, its ``assert_type``
+  annotations read (:mod:`diffcomm.spmd.spmd_types_interop`, imported only then).
 
 A replicated value carries a **gradient kind** (partial or replicated), shared by every
 value whose gradient must be of the same kind (union-find cells): the ops that made the
@@ -28,10 +36,11 @@ is no constraint.
 
 from __future__ import annotations
 
-# Size: ~1250 lines, over the ~600 guideline: ruff's formatter writes the op-name sets one
+# Size: ~1850 lines, over the ~600 guideline: ruff's formatter writes the op-name sets one
 # name per line (~200 lines); the rest is the one check — records and cells, the plain-op
-# rules, the typed-op wrapper, the hooks installed on entry and removed on exit — whose
-# parts share the same state, plus the public helpers and the generated docs table.
+# rules, the typed-op wrapper, the hooks installed on entry and removed on exit, the user
+# Functions' rules — whose parts share the same state, plus the public helpers and the
+# generated docs table. Splitting it along those seams (issue 48) is not done yet.
 import importlib
 import inspect
 import itertools
