@@ -158,6 +158,7 @@ def test_docs_table_is_generated_from_the_rules() -> None:
         assert name in table, name
     corpus_page = diffcomm_docs.spmd_corpus_page()
     assert all(b.name in corpus_page for b in corpus.BUGS)
+    assert all(name in corpus_page for name in corpus.CORRECT)
 
 
 # ======================================================================================

@@ -27,7 +27,17 @@ from .._replication import (  # noqa: F401
     varying_parameters,
 )
 
-_CHECK = ("SPMDCheck", "spmd_check", "varying", "replicated", "partial", "module", "type_of", "typing_table")
+_CHECK = (
+    "SPMDCheck",
+    "spmd_check",
+    "varying",
+    "replicated",
+    "partial",
+    "module",
+    "type_of",
+    "typing_table",
+    "register_function",
+)
 
 __all__ = [*PUBLIC, *_CHECK]
 

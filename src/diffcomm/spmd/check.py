@@ -14,9 +14,17 @@ How it is put together — nothing of it exists while no check is active:
   ``_shard_dims`` / its :class:`~diffcomm._replication.LayerRule`) and checks the layer's
   input against its rule;
 * ``Tensor.backward`` / ``torch.autograd.backward`` / ``torch.autograd.grad`` check the
-  loss (the objective) before backward starts, and type the parameters' gradients after;
-  :meth:`SPMDCheck.check_grads` (run on leaving the block) checks that every replicated
-  parameter's gradient is replicated.
+  loss (the objective) and the replicated inputs' gradient kinds before backward starts,
+  and type the parameters' gradients after (accumulation onto a reduced gradient is
+  remembered); :meth:`SPMDCheck.check_grads` (run before every optimizer step, through a
+  global optimizer step pre-hook, and on leaving the block) checks that every replicated
+  parameter's gradient is replicated;
+* ``torch.autograd.Function.apply`` is replaced by a descriptor that types a user's own
+  Function by its rule (:func:`register_function`, ``spmd = Rule`` on the class, or its
+  spmd_types ``spmd_typecheck``) or refuses it by name;
+* spmd_types' collectives and conversions (which reach the mode through
+  ``handle_torch_function``) are typed by their ``src`` / ``dst``, its ``assert_type``
+  annotations read (:mod:`diffcomm.spmd.spmd_types_interop`, imported only then).
 
 A replicated value carries a **gradient kind** (partial or replicated), shared by every
 value whose gradient must be of the same kind (union-find cells): the ops that made the
@@ -28,15 +36,13 @@ is no constraint.
 
 from __future__ import annotations
 
-# Size: ~1250 lines, over the ~600 guideline: ruff's formatter writes the op-name sets one
-# name per line (~200 lines); the rest is the one check — records and cells, the plain-op
-# rules, the typed-op wrapper, the hooks installed on entry and removed on exit — whose
-# parts share the same state, plus the public helpers and the generated docs table.
+# Size: ~1050 lines, over the ~600 guideline: the torch-op name tables are in ``_ops``, the
+# records and cells in ``_records``, what a check installs (and the user Functions' rules)
+# in ``_install``; what is left is the check itself (the plain-op rules, the typed ops, the
+# objective and the gradients), whose parts share its state, plus the public helpers and
+# the generated docs table. Issue 48's <= 700 lines is not reached yet.
 import importlib
-import inspect
 import itertools
-import os
-import sys
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -46,348 +52,55 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .. import _replication as T_
-from .. import rng
 from .._replication import PARTIAL, REPLICATED, LayerRule, P, R, Rule, SPMDTypeError, T, V
 from ..backend import args as A
-from ..ops import engine as E
-from ..ops.base import CommOp, ListOp
+from ._install import (  # what a check installs; the active checks
+    _ACTIVE,
+    _CHECKED_GROUP,
+    _LOCK,
+    _PATCHED,  # noqa: F401  (read by the tests)
+    _install,
+    _op_name,
+    _outer_typedness_for_tests,  # noqa: F401  (read by the tests)
+    _uninstall,
+    register_function,
+    typed_functions,
+    typed_layers,
+)
+from ._ops import (  # the torch-op name tables and argument classifiers
+    _ADDITIVE,
+    _DROPOUT,
+    _LINEAR_CHAIN,
+    _MASKING,
+    _NO_TYPING,
+    _RANDOM,
+    _SCALING,
+    _STRUCTURAL,
+    _SUMMING,
+    _WEIGHTED,
+    _differentiable,
+    _flat_tensors,
+    _is_weight,
+    _is_zero,
+    _random_type,
+    _rank_dependent,
+)
+from ._records import _EPOCH, _TENSOR_BASE, _Cell, _conflict, _Escape, _fname, _Rec, _site
 
-__all__ = ["SPMDCheck", "spmd_check", "varying", "replicated", "partial", "module", "type_of", "typing_table"]
-
-
-# ======================================================================================
-# gradient-kind cells (union-find)
-# ======================================================================================
-
-
-#: backward passes (that freed their graph) so far: a cell fixed before the last one
-#: belongs to a graph whose backward already ran, and constrains nothing any more
-_EPOCH = [0]
-_TENSOR_BASE = torch.Tensor.__mro__[1]  # the C tensor class whose methods are the operators
-
-
-class _Cell:
-    """The gradient kind shared by a set of replicated values (``None``: not fixed yet)."""
-
-    __slots__ = ("parent", "kind", "why", "epoch")
-
-    def __init__(self, kind: str | None = None, why: str = "") -> None:
-        self.parent: _Cell | None = None
-        self.kind = kind
-        self.why = why
-        self.epoch = _EPOCH[0]  # the backward passes run before it was made
-
-    def root(self) -> _Cell:
-        c = self
-        while c.parent is not None:
-            c = c.parent
-        if c is not self:  # path compression
-            x = self
-            while x.parent is not None and x.parent is not c:
-                x.parent, x = c, x.parent
-        return c
-
-
-def _conflict(op: str, site: str, need: str, have: _Cell, need_why: str) -> SPMDTypeError:
-    if have.kind == PARTIAL:  # a sum-convention op made it; a replicated-objective use here
-        text = (
-            f"its gradient must be replicated here ({need_why}), but it is partial: "
-            f"{have.why}. Under this replicated objective, replace that op by its "
-            "diffcomm.parallel mapping (the error names it), or keep this value varying"
-        )
-    else:
-        text = (
-            f"its gradient must be partial here ({need_why}), but it is replicated: "
-            f"{have.why}. A replicated-objective value cannot meet a varying one (its "
-            "gradient would differ by rank): make the other operand replicated (e.g. dropout "
-            "on the default RNG stream, not a model-parallel one), or use the sum-convention op"
-        )
-    return SPMDTypeError(
-        f"diffcomm.spmd_check: {op} at {site}: a replicated value's gradient kind clashes: {text}."
-    )
+__all__ = [
+    "SPMDCheck",
+    "spmd_check",
+    "varying",
+    "replicated",
+    "partial",
+    "module",
+    "type_of",
+    "typing_table",
+    "register_function",
+]
 
 
-# ======================================================================================
-# records
-# ======================================================================================
-
-
-class _Escape(BaseException):
-    """Carries an :class:`SPMDTypeError` out of a Tensor method, which may be an operator
-    (``a * b`` dispatches ``TensorBase.mul``): torch turns a ``TypeError`` raised inside an
-    operator into ``NotImplemented`` (then Python's own "unsupported operand" error). The
-    check's ``__exit__`` raises the error it carries, so outside the block it is the
-    :class:`SPMDTypeError`."""
-
-    def __init__(self, error: SPMDTypeError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-class _Rec:
-    """One tensor's type under one check."""
-
-    __slots__ = ("t", "cell", "shard", "why", "param", "auto")
-
-    def __init__(self, t: T, cell: _Cell | None = None, shard: int | None = None, why: str = "") -> None:
-        self.t = t
-        self.cell = cell
-        self.shard = shard  # the sharded dim of a varying parameter
-        self.why = why  # where a partial / varying value came from
-        self.param: str | None = None  # the name of a parameter
-        self.auto = False  # a parameter typed by default (a layer that owns it may retype it)
-
-
-_ACTIVE: list[SPMDCheck] = []  # the active checks, outermost first
-_PATCHED: dict[type, tuple[Any, Any]] = {}  # class -> (original forward, its __dict__ entry)
-_PATCHED_ATTRS: list[tuple[Any, str, Any]] = []  # (module, name, original value)
-_LOCK = threading.Lock()
-_HOOK: Any = None
 _COUNTER = itertools.count()
-
-_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SPMD_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def _site() -> str:
-    """The user's file:line (the first frame outside diffcomm and torch)."""
-    f: Any = sys._getframe(1)
-    while f is not None:
-        fn = f.f_code.co_filename
-        if not (
-            fn.startswith(_TORCH)
-            or (fn.startswith(_PKG) and not fn.startswith(_SPMD_DIR + os.sep + "corpus"))
-        ):
-            if "<" not in fn or fn.startswith("<ipython") or fn == "<string>":
-                return f"{os.path.basename(fn)}:{f.f_lineno}"
-        f = f.f_back
-    return "<unknown>"
-
-
-def _fname(func: Any) -> str:
-    name = getattr(func, "__name__", None) or str(func)
-    return name.strip("_") if name.startswith("__") else name
-
-
-# ======================================================================================
-# classification of plain torch ops (what a partial value may go through)
-# ======================================================================================
-
-
-def _names(*names: str) -> frozenset[str]:
-    return frozenset(names)
-
-
-#: ops linear in their one tensor input (shape, view, copy, reduction over dims, sign)
-_STRUCTURAL = _names(
-    "view",
-    "view_as",
-    "reshape",
-    "reshape_as",
-    "permute",
-    "transpose",
-    "t",
-    "T",
-    "mT",
-    "contiguous",
-    "clone",
-    "neg",
-    "negative",
-    "sum",
-    "mean",
-    "narrow",
-    "select",
-    "getitem",
-    "unsqueeze",
-    "squeeze",
-    "flatten",
-    "unflatten",
-    "expand",
-    "expand_as",
-    "chunk",
-    "split",
-    "unbind",
-    "movedim",
-    "moveaxis",
-    "index_select",
-    "gather",
-    "to",
-    "float",
-    "double",
-    "half",
-    "bfloat16",
-    "type",
-    "type_as",
-    "cpu",
-    "cuda",
-    "detach",
-    "requires_grad_",
-    "real",
-    "imag",
-    "conj",
-    "flip",
-    "roll",
-    "repeat",
-    "tile",
-    "masked_fill",
-    "diagonal",
-    "tril",
-    "triu",
-    "pad",
-    "split_with_sizes",
-    "tensor_split",
-    "swapaxes",
-    "swapdims",
-    "narrow_copy",
-    "as_strided",
-    "unfold",
-    "cumsum",
-    "trace",
-    "einsum_identity",
-    "positive",
-    "zeros_like",
-    "sum_to_size",
-    "nan_to_num",
-    "data",
-)
-#: sums of their tensor inputs: every float input partial
-_ADDITIVE = _names(
-    "add",
-    "sub",
-    "add_",
-    "sub_",
-    "iadd",
-    "isub",
-    "radd",
-    "rsub",
-    "cat",
-    "concat",
-    "concatenate",
-    "stack",
-    "hstack",
-    "vstack",
-    "subtract",
-)
-#: linear in exactly one partial input, the others replicated (products)
-_SCALING = _names(
-    "mul",
-    "mul_",
-    "imul",
-    "rmul",
-    "div",
-    "div_",
-    "truediv",
-    "itruediv",
-    "true_divide",
-    "multiply",
-    "matmul",
-    "rmatmul",
-    "mm",
-    "bmm",
-    "einsum",
-    "linear",
-    "dropout",
-    "dropout_",
-    "outer",
-    "addcmul",
-    "baddbmm",
-    "tensordot",
-    "kron",
-    "mv",
-    "dot",
-    "inner",
-    "scaled_dot_product_attention_value",
-)
-#: outputs depend only on the values' metadata (never a type error)
-_NO_TYPING = _names("__get__", "__set__", "__delete__", "size", "dim", "numel", "is_floating_point")
-
-_RANDOM = _names(
-    "rand",
-    "randn",
-    "randint",
-    "randperm",
-    "rand_like",
-    "randn_like",
-    "randint_like",
-    "normal",
-    "bernoulli",
-    "multinomial",
-    "uniform_",
-    "normal_",
-    "bernoulli_",
-    "exponential_",
-    "random_",
-    "geometric_",
-    "log_normal_",
-    "cauchy_",
-)
-_DROPOUT = _names(
-    "dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"
-)
-
-
-def _random_type() -> T:
-    """Randomness from a forked named stream of diffcomm.rng is per rank (varying); the
-    default generator is seeded alike on every rank of the group (replicated)."""
-    return V if rng.get_tracker()._active else R
-
-
-class RankInt(int):
-    """The rank, as ``dc.get_rank()`` returns it inside a check: an ``int`` whose arithmetic
-    stays a ``RankInt``, so an index or a slice computed from the rank (``x[r * n:(r + 1) *
-    n]``) marks the result varying. (Comparisons and ``float()`` give plain values.)"""
-
-    def __reduce__(self) -> Any:  # crosses process boundaries as a plain int
-        return (int, (int(self),))
-
-
-def _rank_method(op: str) -> Any:
-    base = getattr(int, op)
-
-    def method(self: int, *a: Any) -> Any:
-        out = base(self, *a)
-        return RankInt(out) if type(out) is int else out
-
-    method.__name__ = op
-    return method
-
-
-for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__",
-            "__rfloordiv__", "__mod__", "__rmod__", "__neg__", "__pos__", "__abs__"):  # fmt: skip
-    setattr(RankInt, _op, _rank_method(_op))
-
-
-def _rank_dependent(args: Iterable[Any]) -> bool:
-    for a in args:
-        t = type(a)
-        if t is RankInt:
-            return True
-        if t is slice:
-            if type(a.start) is RankInt or type(a.stop) is RankInt:
-                return True
-        elif t is tuple or t is list:
-            for b in a:
-                if type(b) is RankInt or (
-                    type(b) is slice and (type(b.start) is RankInt or type(b.stop) is RankInt)
-                ):
-                    return True
-    return False
-
-
-def _flat_tensors(args: Iterable[Any], out: list[Tensor]) -> list[Tensor]:
-    for a in args:
-        if isinstance(a, Tensor):
-            out.append(a)
-        elif isinstance(a, list | tuple):
-            for b in a:
-                if isinstance(b, Tensor):
-                    out.append(b)
-    return out
-
-
-def _differentiable(t: Tensor) -> bool:
-    return t.dtype.is_floating_point or t.dtype.is_complex
 
 
 # ======================================================================================
@@ -419,6 +132,9 @@ class SPMDCheck(TorchFunctionMode):
         self._modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
         self._check_grads = check_grads
         self._params: dict[int, tuple[Any, str, _Rec]] = {}  # id(param) -> (param, name, rec)
+        #: leaf inputs (not parameters) that require grad: their gradient is checked when
+        #: a backward of a replicated objective finishes
+        self._inputs: dict[int, tuple[Tensor, _Rec]] = {}
         self._typed_modules: set[int] = set()
         self._groups: dict[int, bool] = {}  # id(pg) -> is the checked group
         self.inside = 0  # >0 while a typed op's forward runs (its inner ops are not typed)
@@ -462,29 +178,165 @@ class SPMDCheck(TorchFunctionMode):
                 self.check_grads()
         finally:
             self._params.clear()
+            self._inputs.clear()
 
     # ---------------------------------------------------------------- records
 
     def rec(self, x: Tensor) -> _Rec:
         """``x``'s record; an untyped tensor is replicated (a parameter is registered)."""
         r = x.__dict__.get(self.key)
+        if r is None and "_local_type" in x.__dict__:  # an spmd_types annotation (assert_type)
+            r = self._from_spmd_types(x)
         if r is None:
             r = _Rec(R, _Cell() if x.requires_grad else None)
             if isinstance(x, torch.nn.Parameter):
                 self._register_param(x, f"a parameter of shape {tuple(x.shape)}", r)
                 r.auto = True
+            elif x.requires_grad and x.grad_fn is None:
+                self._inputs[id(x)] = (x, r)
             x.__dict__[self.key] = r
         return r
 
     def type_of(self, x: Tensor) -> T:
         return self.rec(x).t
 
+    def _world_pg(self) -> Any:
+        import torch.distributed as dist
+
+        return self.pg if self.pg is not None else dist.group.WORLD
+
+    def _from_spmd_types(self, x: Tensor) -> _Rec | None:
+        """``x``'s record from its spmd_types annotation over the checked group, if any."""
+        from . import spmd_types_interop as SI
+
+        t = SI.annotated(x, self._world_pg())
+        if t is None:
+            return None
+        ours, kind, shard = SI.to_dc(t)
+        why = f"annotated {SI.name_of(t)} with spmd_types.assert_type"
+        grad = x.requires_grad
+        r = _Rec(ours, _Cell(kind, f"it is {why}") if ours is R and grad else None, shard=shard, why=why)
+        x.__dict__[self.key] = r
+        if isinstance(x, torch.nn.Parameter):
+            self._register_param(x, f"a parameter of shape {tuple(x.shape)}", r)
+        elif r.cell is not None and x.grad_fn is None:
+            self._inputs[id(x)] = (x, r)
+        return r
+
+    def annotated(self, x: Tensor) -> None:
+        """``spmd_types.assert_type(x, ...)`` ran: a leaf takes the annotated type (a
+        declaration); a computed value is checked against it (I / R fix its gradient kind)."""
+        from . import spmd_types_interop as SI
+
+        r = x.__dict__.get(self.key)
+        if r is None or x.grad_fn is None:
+            x.__dict__.pop(self.key, None)
+            self._from_spmd_types(x)
+            return
+        theirs = SI.annotated(x, self._world_pg())
+        if theirs is None:
+            return
+        t, kind, _ = SI.to_dc(theirs)
+        if t is R and r.t is R:
+            if r.cell is not None and kind is not None:
+                self._demand(r.cell, kind, "spmd_types.assert_type", f"it is annotated {SI.name_of(theirs)}")
+        elif t is not r.t and not (t is V and r.t is P):  # V: spmd_types' local view of a partial
+            origin = f" ({r.why})" if r.why else ""
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: spmd_types.assert_type at {_site()}: the value is "
+                f"{r.t.value}{origin}, annotated {SI.name_of(theirs)} ({t.value})."
+            )
+
+    def spmd_types_function(self, cls: type, bound: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        """A user Function typed from its spmd_types rule (``spmd_typecheck``): the rule runs
+        on stand-ins of the inputs' types over the checked group; its forward untyped."""
+        from . import spmd_types_interop as SI
+
+        site = _site()
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        recs = [self.rec(t) for t in tensors]
+        kinds = [r.cell.root().kind if r.cell is not None else None for r in recs]
+        options = [SI.candidates(r.t, k, r.shard) for r, k in zip(recs, kinds)]
+        try:
+            chosen, out_types = SI.hook_types(cls, tuple(args), self._world_pg(), options)
+        except Exception as e:  # spmd_types' SpmdTypeError: the rule refuses these types
+            found = ", ".join(f"{r.t.value}" for r in recs)
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {cls.__qualname__} at {site}: its spmd_types rule "
+                f"(spmd_typecheck) refuses its inputs ({found}): {e}"
+            ) from None
+        for t, r, c in zip(tensors, recs, chosen):
+            ours, kind, _ = SI.to_dc(c)
+            if r.t is R and r.cell is not None and t.requires_grad and kind is not None:
+                self._demand(r.cell, kind, cls.__name__, f"its spmd_types rule takes it as {SI.name_of(c)}")
+        self.inside += 1
+        try:
+            out = bound(*args, **kwargs)
+        finally:
+            self.inside -= 1
+        grad = any(t.requires_grad for t in tensors)
+        outs = [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)]
+        outs = [o.view_as(o) if any(o is t for t in tensors) else o for o in outs]
+        for o, st in zip(outs, out_types):
+            if st is None:
+                continue
+            typ, kind, shard = SI.to_dc(st)
+            why = f"the output of {cls.__name__} at {site} (its spmd_types rule: {SI.name_of(st)})"
+            cell = _Cell(kind, why) if typ is R and grad else None
+            o.__dict__[self.key] = _Rec(typ, cell, shard=shard, why=why)
+        if isinstance(out, Tensor):
+            return outs[0]
+        it = iter(outs)
+        return type(out)(next(it) if isinstance(o, Tensor) else o for o in out)
+
+    def _spmd_types_op(self, SI: Any, func: Any, args: Any, kwargs: Any) -> Any:
+        """An spmd_types collective or conversion, typed by its ``src`` / ``dst``."""
+        x, axis, src, dst = SI.bind(func, args, kwargs)
+        name = f"spmd_types.{func.__name__}(src={SI.name_of(src)}, dst={SI.name_of(dst)})"
+        if not isinstance(x, Tensor) or src is None or dst is None:
+            return func(*args, **kwargs)
+        r = self.rec(x)
+        ours = self._is_group(SI.group_of(axis))
+        site = _site()
+        if ours:
+            want, kind, _ = SI.to_dc(src)
+            if not (r.t is want or (want is P and r.t is V)):
+                origin = f" ({r.why})" if r.why else ""
+                hint = f": {T_.TWICE}" if want is not R and r.t is R else ""
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: {name} at {site}: argument `x` is {r.t.value}{origin}, "
+                    f"expected {want.value} (src={SI.name_of(src)}){hint}."
+                )
+            summing = func.__name__ in ("all_reduce", "reduce_scatter")
+            self._check_summed(name, "x", r, summing, False, site)
+            if r.t is R and r.cell is not None and x.requires_grad and kind is not None:
+                self._demand(r.cell, kind, name, f"src={SI.name_of(src)} gives `x` a {kind} gradient")
+        out = func(*args, **kwargs)
+        outs = _flat_tensors([out] if isinstance(out, Tensor) else out, [])
+        if not ours:  # another group: the type passes through
+            for o in outs:
+                o.__dict__[self.key] = _Rec(r.t, r.cell if x.requires_grad else None, r.shard, r.why)
+            return out
+        t, kind, shard = SI.to_dc(dst)
+        for o in outs:
+            if t is R:
+                why = f"it is the output of {name} at {site}, whose backward " + (
+                    "sums its gradient over the ranks (spmd_types R: use dst=I under a replicated objective)"
+                    if kind == PARTIAL
+                    else "passes its gradient on unchanged (spmd_types I)"
+                )
+                o.__dict__[self.key] = _Rec(R, _Cell(kind, why) if x.requires_grad else None, why=why)
+            else:
+                o.__dict__[self.key] = _Rec(t, shard=shard, why=f"the {t.value} output of {name} at {site}")
+        return out
+
     def declare(self, x: Tensor, t: T, why: str = "declared") -> Tensor:
         if not isinstance(x, Tensor):
             raise TypeError(f"diffcomm.spmd: expected a tensor to declare {t.value}, got {type(x).__name__}")
-        x.__dict__[self.key] = _Rec(
-            t, _Cell() if (t is R and x.requires_grad) else None, why=f"{why} at {_site()}"
-        )
+        r = _Rec(t, _Cell() if (t is R and x.requires_grad) else None, why=f"{why} at {_site()}")
+        x.__dict__[self.key] = r
+        if r.cell is not None and x.grad_fn is None and not isinstance(x, torch.nn.Parameter):
+            self._inputs[id(x)] = (x, r)
         return x
 
     def _register_param(self, p: Tensor, name: str, r: _Rec) -> None:
@@ -558,6 +410,11 @@ class SPMDCheck(TorchFunctionMode):
         name = _fname(func)
         if name == "backward" or func is torch.autograd.backward or func is torch.autograd.grad:
             return self._backward(func, args, kwargs)
+        if (getattr(func, "__module__", None) or "").startswith("spmd_types"):
+            from . import spmd_types_interop as SI
+
+            if SI.is_spmd_types_op(func):
+                return self._spmd_types_op(SI, func, args, kwargs)
         out = func(*args, **kwargs)
         outs: list[Tensor] = []
         if isinstance(out, Tensor):
@@ -590,8 +447,10 @@ class SPMDCheck(TorchFunctionMode):
         elif name in ("zero_", "fill_"):
             ins = ins[1:]
         extra: T | None = None
+        extra_why = ""
         if name in _RANDOM:
             extra = _random_type()
+            extra_why = f"a random draw on a per-rank RNG stream at {_site()}"
             if not ins or name.endswith("like") or inplace:
                 ins = []  # a draw: its type is the stream's, not its template's
         elif name in _DROPOUT:
@@ -599,8 +458,18 @@ class SPMDCheck(TorchFunctionMode):
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             if training and p:
                 extra = _random_type()
+                extra_why = f"a dropout mask drawn on a per-rank RNG stream at {_site()}"
         if extra is None and _rank_dependent(args):
             extra = V  # an index, slice or scalar computed from the rank
+            extra_why = (
+                f"{name} with an index, slice or scalar computed from the rank (dc.get_rank()) at {_site()}"
+            )
+        if name in _MASKING:
+            masked = self._masked(name, args, kwargs)
+            if masked is not None:  # linear in its partial operand: the rest is zero
+                for o in outs:
+                    o.__dict__[key] = masked
+                return
         recs = [self.rec(t) for t in ins]
         # the special products: a varying weight sharded along the contracted dim
         special_p = False
@@ -622,7 +491,7 @@ class SPMDCheck(TorchFunctionMode):
         if special_p:
             res = _Rec(P, why=f"{name} with a weight sharded along its contracted dim at {_site()}")
         else:
-            res = self._join(name, recs, ins, extra, differentiable)
+            res = self._join(name, recs, ins, extra, differentiable, extra_why)
         for o in outs:
             if o.__dict__.get(key) is not None and o.__dict__[key].param is not None:
                 continue
@@ -630,8 +499,12 @@ class SPMDCheck(TorchFunctionMode):
                 o.__dict__[key] = _Rec(R)
             else:
                 o.__dict__[key] = res
+                if res.cell is not None and o.grad_fn is None and not isinstance(o, torch.nn.Parameter):
+                    self._inputs[id(o)] = (o, res)  # a leaf made to require grad (an input)
 
-    def _join(self, name: str, recs: list[_Rec], ins: list[Tensor], extra: T | None, diff: bool) -> _Rec:
+    def _join(
+        self, name: str, recs: list[_Rec], ins: list[Tensor], extra: T | None, diff: bool, extra_why: str = ""
+    ) -> _Rec:
         has_p = has_v = False
         for r in recs:
             if r.t is P:
@@ -643,16 +516,24 @@ class SPMDCheck(TorchFunctionMode):
         if has_p:
             return self._partial(name, recs, ins, has_v, extra)
         if has_v:
+            vwhy = next((r.why for r in recs if r.t is V), "") or extra_why
             if diff:
-                vwhy = next((r.why for r in recs if r.t is V), "") or "a draw on a per-rank RNG stream"
                 for r, t in zip(recs, ins):
                     if r.t is R and r.cell is not None and t.requires_grad:
                         self._demand(r.cell, PARTIAL, name, f"it meets a varying value ({vwhy})")
-            why = (
-                next((r.why for r in recs if r.t is V), "")
-                or f"random draw on a per-rank RNG stream at {_site()}"
-            )
-            return _Rec(V, why=why)
+                        if (
+                            r.param is None
+                            and name in _WEIGHTED
+                            and any(_is_weight(q, w) for q, w in zip(recs, ins))
+                        ):
+                            r.cell.root().copy_at = f"{name} at {_site()}"
+            out = _Rec(V, why=vwhy)
+            if name in _LINEAR_CHAIN:  # a replicated term added to per-rank values: remembered
+                out.rep = next((r.rep for r in recs if r.t is V and r.rep), None)
+                if out.rep is None and name in _ADDITIVE:
+                    if any(r.t is R and _differentiable(t) for r, t in zip(recs, ins)):
+                        out.rep = f"{name} at {_site()}"
+            return out
         # all replicated: one gradient kind for all that require grad
         if not diff:
             return _Rec(R)
@@ -661,6 +542,37 @@ class SPMDCheck(TorchFunctionMode):
             if r.cell is not None and t.requires_grad:
                 cell = r.cell if cell is None else self._union(cell, r.cell, name)
         return _Rec(R, cell if cell is not None else _Cell())
+
+    def _masked(self, name: str, args: Any, kwargs: Any) -> _Rec | None:
+        """``x[mask] = 0``, ``where(mask, x, 0)``, ``masked_fill(mask, 0)`` of a partial
+        ``x``: linear in ``x`` whatever the mask (a per-rank mask zeroes each rank's share
+        where that rank holds nothing, as Megatron's vocab-parallel embedding does); any
+        other operand must be partial too or zero. ``None``: no partial operand."""
+        if name == "setitem":
+            data = [args[0], args[2] if len(args) > 2 else None]
+        elif name == "where":
+            if len(args) + len(kwargs) < 3:
+                return None
+            data = [
+                args[1] if len(args) > 1 else kwargs.get("input"),
+                args[2] if len(args) > 2 else kwargs.get("other"),
+            ]
+        else:
+            data = [args[0], args[2] if len(args) > 2 else kwargs.get("value")]
+        recs = [self.rec(d) if isinstance(d, Tensor) else None for d in data]
+        part = next((r for r in recs if r is not None and r.t is P), None)
+        if part is None:
+            return None
+        for d, r in zip(data, recs):
+            if (r is not None and r.t is P) or _is_zero(d):
+                continue
+            found = r.t.value if r is not None else repr(d)
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {name} at {_site()}: a partial value ({part.why}) is combined with "
+                f"{found}, expected zero or partial: the other value would be counted once per rank. "
+                "Reduce the partial value first (parallel.reduce_from_region), or mask with zero."
+            )
+        return _Rec(P, why=part.why)
 
     def _partial(self, name: str, recs: list[_Rec], ins: list[Tensor], has_v: bool, extra: T | None) -> _Rec:
         p_rec = next(r for r in recs if r.t is P)
@@ -742,13 +654,25 @@ class SPMDCheck(TorchFunctionMode):
         name = _op_name(cls)
         group = rule.group(bound) if callable(rule.group) else bound.get(rule.group)
         recs = [(arg, t, self.rec(t)) for arg, t in tensors]
-        if not self._is_group(group):
+        if group is not _CHECKED_GROUP and not self._is_group(group):
             return ("other", recs, any(t.requires_grad for _, t in tensors))
         if rule.nonlinear is not None and bound.get("op") in ("max", "min", "product"):
             rule = rule.nonlinear
         site = _site()
         outs: list[T] = []
+        rop = bound.get("op", "sum")
+        summing = name in _SUMMING and rop == "sum"
+        avg = name in _SUMMING and rop == "avg"
+        shares: list[_Cell | None] = []
         for arg, t, r in recs:
+            shares.append(None)
+            if avg and r.t is R:  # the mean of equal values: an identity (gradient averaged)
+                if r.cell is not None and t.requires_grad:
+                    self._demand(r.cell, REPLICATED, name, f"the backward of {name}(op='avg') averages it")
+                    shares[-1] = r.cell
+                outs.append(R)
+                continue
+            self._check_summed(name, arg, r, summing, avg, site)
             out = rule.maps.get(r.t)
             if out is None:
                 expected = " or ".join(x.value for x in rule.maps)
@@ -767,7 +691,35 @@ class SPMDCheck(TorchFunctionMode):
                 )
             outs.append(out)
         grad = any(t.requires_grad for _, t in tensors)
-        return ("ours", name, rule, outs, site, grad)
+        return ("ours", name, rule, outs, site, grad, shares, avg)
+
+    def _check_summed(self, name: str, arg: str, r: _Rec, summing: bool, avg: bool, site: str) -> None:
+        """The reductions' extra rules: a gradient that holds an already reduced part
+        (accumulated onto), a replicated-objective gradient averaged, a replicated term
+        inside a per-rank value summed."""
+        if summing and r.t is P and r.acc:
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {name} at {site}: argument `{arg}` is a partial gradient that "
+                f"already holds a reduced gradient ({r.acc}; this backward accumulated onto it): "
+                "summing it over the ranks again multiplies the reduced part by the world size "
+                "(W*G1 + G2 instead of G1 + G2). Reduce the gradients once, after the last "
+                "micro-batch's backward (or use op='avg' on every micro-batch)."
+            )
+        if avg and r.t is P and r.strict:
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {name}(op='avg') at {site}: argument `{arg}` is partial "
+                f"({r.why}) under {r.strict}: its sum over the ranks is the gradient, the average "
+                "is world-size times too small. Use op='sum' (each rank holds its share of one "
+                "objective, not its own objective)."
+            )
+        if summing and r.t is V and r.rep:
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {name} at {site}: argument `{arg}` is varying but holds a "
+                f"replicated term (added at {r.rep}): summing over the ranks counts that term "
+                "world-size times. Sum only the per-rank terms over the group and add the "
+                "replicated ones after (e.g. a clipping norm: all-reduce the squares of the "
+                "sharded gradients only)."
+            )
 
     def op_after(self, plan: Any, outputs: list[Tensor]) -> None:
         key = self.key
@@ -777,13 +729,16 @@ class SPMDCheck(TorchFunctionMode):
                 src = recs[min(i, len(recs) - 1)][2] if recs else _Rec(R)
                 o.__dict__[key] = _Rec(src.t, src.cell if grad else None, why=src.why)
             return
-        _, name, rule, outs, site, grad = plan
+        _, name, rule, outs, site, grad, shares, avg = plan
         types = list(rule.outputs) if rule.outputs is not None else outs
         for i, o in enumerate(outputs):
             t = types[min(i, len(types) - 1)] if types else R
             if t is None:
                 continue
-            if t is R:
+            share = shares[min(i, len(shares) - 1)] if shares and rule.outputs is None else None
+            if t is R and share is not None:
+                o.__dict__[key] = _Rec(R, share, why=f"the output of {name} at {site}")
+            elif t is R:
                 kind = rule.out_grad
                 why = f"it is the output of {name} at {site}, whose backward " + (
                     "sums its gradient over the ranks (the sum convention)"
@@ -792,7 +747,8 @@ class SPMDCheck(TorchFunctionMode):
                 )
                 if kind == PARTIAL and rule.instead:
                     why += f"; under a replicated objective use {rule.instead}"
-                o.__dict__[key] = _Rec(R, _Cell(kind, why) if grad else None)
+                cell = _Cell(kind, why, mean=avg and kind == PARTIAL) if grad else None
+                o.__dict__[key] = _Rec(R, cell, why=f"the output of {name} at {site}")
             else:
                 o.__dict__[key] = _Rec(t, why=f"the {t.value} output of {name} at {site}")
 
@@ -829,9 +785,18 @@ class SPMDCheck(TorchFunctionMode):
     def _backward(self, func: Any, args: Any, kwargs: Any) -> Any:
         roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
         roots = [roots] if isinstance(roots, Tensor) else list(roots or ())
+        objective: str | None = None
         for root in roots:
             if isinstance(root, Tensor):
-                self._check_objective(root)
+                objective = self._check_objective(root) if objective is None else objective
+        if objective is not None and objective.startswith("a replicated"):
+            self._check_inputs()
+        key = self.key
+        before = {}  # each parameter's gradient before this backward (accumulated onto)
+        for p, _, _r in self._params.values():
+            g = p.grad
+            if g is not None and key in g.__dict__ and bool(g.detach().any()):
+                before[id(p)] = g.__dict__[key]
         self.in_backward += 1
         try:
             out = func(*args, **kwargs)
@@ -839,30 +804,35 @@ class SPMDCheck(TorchFunctionMode):
             self.in_backward -= 1
         if not (kwargs.get("retain_graph") or kwargs.get("create_graph")):
             _EPOCH[0] += 1
-        self._type_grads()
+        strict = objective if objective is not None and not objective.startswith("a varying") else None
+        self._type_grads(before, strict)
         if func is torch.autograd.grad and isinstance(out, tuple):
             inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
             inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs or ())
             for x, g in zip(inputs, out):
                 if isinstance(g, Tensor) and isinstance(x, Tensor):
-                    g.__dict__[self.key] = self._grad_rec(self.rec(x))
+                    g.__dict__[self.key] = self._grad_rec(self.rec(x), strict)
         for _p, _, r in self._params.values():  # the next forward is a new graph
             if r.cell is not None:
                 r.cell = _Cell()
+        self._inputs.clear()
         return out
 
-    def _check_objective(self, loss: Tensor) -> None:
+    def _check_objective(self, loss: Tensor) -> str:
+        """Check the loss; return the objective in words: replicated (counted once), partial
+        (the sum of the per-rank shares), varying (the sum, or by convention the mean, of
+        the per-rank losses)."""
         r = self.rec(loss)
-        if r.t is P:
-            raise SPMDTypeError(
-                f"diffcomm.spmd_check: backward at {_site()}: the loss is partial ({r.why}): each rank "
-                "holds only its share of it, expected replicated or varying. Reduce it first "
-                "(parallel.reduce_from_region for a replicated objective)."
-            )
-        if r.t is R and r.cell is not None:
+        if r.t is P:  # a linear function of partial values: the sum of the shares is the loss
+            return f"a partial loss (the objective is the sum of the ranks' shares; {r.why})"
+        if r.t is V:
+            return "a varying loss (each rank's own objective)"
+        if r.cell is not None:
             root = r.cell.root()
             if root.epoch != _EPOCH[0]:
                 root.kind, root.epoch = None, _EPOCH[0]
+            if root.kind == PARTIAL and root.mean:
+                return "a varying loss (the mean of the per-rank losses, all_reduce(op='avg'))"
             if root.kind == PARTIAL:
                 raise SPMDTypeError(
                     f"diffcomm.spmd_check: backward at {_site()}: the loss is replicated, so this "
@@ -872,35 +842,70 @@ class SPMDCheck(TorchFunctionMode):
             if root.kind is None:
                 root.kind = REPLICATED
                 root.why = f"the replicated loss at {_site()} (a replicated objective)"
+        return f"a replicated loss (a replicated objective, the loss at {_site()})"
 
-    def _grad_rec(self, r: _Rec) -> _Rec:
+    def _check_inputs(self) -> None:
+        """Before the backward of a replicated objective: no replicated input that requires
+        grad may get a partial gradient (each rank would hold only its share, and nothing
+        sums it: a copy_to_region is missing where it met a varying weight)."""
+        for x, _ in self._inputs.values():
+            r = x.__dict__.get(self.key)
+            if r is None or r.t is not R or r.cell is None or not x.requires_grad:
+                continue
+            root = r.cell.root()
+            if root.epoch != _EPOCH[0] or root.kind != PARTIAL or root.copy_at is None:
+                continue
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: backward at {_site()}: a replicated input of shape "
+                f"{tuple(x.shape)} that requires grad would get a partial gradient ({root.why}): under "
+                "this replicated objective each rank would hold only its share of its gradient, "
+                f"different on every rank. Fix: insert parallel.copy_to_region before the "
+                f"{root.copy_at} (its backward sums the input's gradient over the ranks)."
+            )
+
+    def _grad_rec(self, r: _Rec, strict: str | None = None) -> _Rec:
         if r.t is V:
             return _Rec(V, why="a gradient of a varying value")
         if r.t is P:
             return _Rec(R)
         root = r.cell.root() if r.cell is not None else None
         if root is not None and root.kind == PARTIAL:
-            return _Rec(P, why=f"the gradient of a replicated value; {root.why}")
+            g = _Rec(P, why=f"the gradient of a replicated value; {root.why}")
+            g.strict = strict
+            g.copy_at = root.copy_at
+            return g
         return _Rec(R)
 
-    def _type_grads(self) -> None:
+    def _type_grads(self, before: Mapping[int, _Rec], strict: str | None) -> None:
         key = self.key
         for p, _, r in list(self._params.values()):
             if p.grad is None:
                 continue
             g = p.grad
-            old = g.__dict__.get(key)
-            new = self._grad_rec(r)
+            old = before.get(id(p))
+            new = self._grad_rec(r, strict)
             if old is not None and old.t is P and new.t is R:
+                g.__dict__[key] = old
                 continue  # accumulated onto a partial gradient: still partial
+            if old is not None and new.t is P:
+                if old.t is R:
+                    new.acc = old.why or "a replicated gradient of an earlier backward"
+                elif old.t is P:
+                    new.acc = new.acc or old.acc
+                    new.strict = new.strict or old.strict
             g.__dict__[key] = new
 
-    def check_grads(self) -> None:
-        """Raise :class:`SPMDTypeError` for the first replicated parameter whose gradient is
-        partial (each rank holds its share: a reduction over the group is missing) or
-        varying (changed by a per-rank value after backward)."""
+    def check_grads(self, params: Iterable[Tensor] | None = None) -> None:
+        """Raise :class:`SPMDTypeError` for the first replicated parameter (of ``params``;
+        default: every parameter the check typed) whose gradient is partial (each rank
+        holds its share: a reduction over the group is missing) or varying (changed by a
+        per-rank value after backward). Runs on leaving the block and before every
+        optimizer step inside it."""
         key = self.key
+        only = None if params is None else {id(p) for p in params}
         for p, name, r in self._params.values():
+            if only is not None and id(p) not in only:
+                continue
             if p.grad is None or p.__dict__.get(key, r).t is not R:
                 continue
             g = p.grad.__dict__.get(key)
@@ -912,233 +917,21 @@ class SPMDCheck(TorchFunctionMode):
                     "gradients computed without an all_reduce) must be made replicated first."
                 )
             if g is not None and g.t is P:
+                if g.copy_at is not None:
+                    fix = (
+                        f"insert parallel.copy_to_region before the {g.copy_at} (its backward sums "
+                        "the gradient of everything upstream, inputs included)"
+                    )
+                else:
+                    fix = (
+                        "sum its gradient over the group: a sequence-parallel LayerNorm is "
+                        "parallel.SequenceParallelLayerNorm; otherwise p.grad = dc.all_reduce(p.grad) "
+                        "after backward"
+                    )
                 raise SPMDTypeError(
                     f"diffcomm.spmd_check: parameter {name} is replicated, but its gradient is "
-                    f"partial ({g.why}): every rank holds only its share. The missing reduction: "
-                    "sum its gradient over the group — use it through parallel.copy_to_region "
-                    "(a ParallelModule's _region_param, SequenceParallelLayerNorm), or "
-                    "p.grad = dc.all_reduce(p.grad) after backward."
+                    f"partial ({g.why}): every rank holds only its share (missing reduction). Fix: {fix}."
                 )
-
-
-# ======================================================================================
-# installing the typed forwards and the module hook
-# ======================================================================================
-
-
-def _subclasses(cls: type) -> Iterable[type]:
-    s: type
-    for s in cls.__subclasses__():
-        yield s
-        yield from _subclasses(s)
-
-
-def _op_name(cls: type, qualified: bool = False) -> str:
-    """The op's ``name`` (a CommOp's), else the class's (a plain autograd Function)."""
-    name = getattr(cls, "name", "")
-    if isinstance(name, str) and name:
-        return name
-    if qualified:
-        return f"{cls.__module__.removeprefix('diffcomm.')}.{cls.__name__}"
-    return cls.__name__.lstrip("_")
-
-
-def typed_functions() -> list[type]:
-    """Every autograd Function class of diffcomm that states a :class:`Rule` (``spmd``)."""
-    importlib.import_module("diffcomm.parallel")
-    seen: dict[type, None] = {}
-    for c in _subclasses(torch.autograd.Function):
-        if isinstance(c.__dict__.get("spmd"), Rule) and c.__module__.startswith("diffcomm"):
-            seen[c] = None
-    return list(seen)
-
-
-def typed_layers() -> list[type]:
-    """Every ``nn.Module`` class of diffcomm that states a :class:`LayerRule` (``spmd``)."""
-    importlib.import_module("diffcomm.parallel")
-    return [
-        c
-        for c in dict.fromkeys(_subclasses(torch.nn.Module))
-        if isinstance(c.__dict__.get("spmd"), LayerRule) and c.__module__.startswith("diffcomm")
-    ]
-
-
-def _param_names(cls: type, orig: Any) -> tuple[str, ...]:
-    if issubclass(cls, CommOp | ListOp):
-        run = cls.__dict__["run"].__func__
-        return run.__code__.co_varnames[: run.__code__.co_argcount]
-    return tuple(inspect.signature(orig).parameters)
-
-
-def _make_forward(cls: type, orig: Any, rule: Rule) -> Any:
-    names = _param_names(cls, orig)
-    is_list = issubclass(cls, ListOp)
-    nmeta = getattr(cls, "nmeta", 0)
-    has_ctx = bool(names) and names[0] == "ctx"
-
-    def forward(*args: Any) -> Any:
-        checks = [c for c in _ACTIVE if not c.off]
-        if not checks:
-            return orig(*args)
-        return _run_typed(checks, cls, rule, names, is_list, nmeta, has_ctx, args, lambda: orig(*args))
-
-    forward.__wrapped__ = orig  # type: ignore[attr-defined]
-    forward._spmd_spec = (names, is_list, nmeta, has_ctx)  # type: ignore[attr-defined]
-    return forward
-
-
-def _run_typed(
-    checks: list[SPMDCheck],
-    cls: type,
-    rule: Rule,
-    names: tuple[str, ...],
-    is_list: bool,
-    nmeta: int,
-    has_ctx: bool,
-    args: tuple[Any, ...],
-    call: Any,
-) -> Any:
-    """Check ``rule`` on ``args`` (``cls.forward``'s arguments), run ``call()`` with the
-    inner ops untyped, type its outputs."""
-    if is_list:  # (x0, *meta, *xs[1:]); names = (xs, *meta)
-        bound = dict(zip(names[1:], args[1 : nmeta + 1]))
-        tensors = [(f"{names[0]}[{i}]", t) for i, t in enumerate((args[0], *args[nmeta + 1 :]))]
-    else:
-        a = args[1:] if has_ctx and len(args) == len(names) else args
-        pn = names[1:] if has_ctx else names
-        bound = dict(zip(pn, a))
-        pos = rule.tensors if rule.tensors is not None else (0,)
-        tensors = [(pn[i], a[i]) for i in pos if i < len(a) and isinstance(a[i], Tensor)]
-    plans = [(c, c.op_before(cls, rule, bound, tensors)) for c in checks]
-    for c in checks:
-        c.inside += 1
-    try:
-        out = call()
-    finally:
-        for c in checks:
-            c.inside -= 1
-    ins = {id(t) for _, t in tensors}
-    if isinstance(out, Tensor):
-        if id(out) in ins:
-            out = out.view_as(out)
-        outs: list[Any] = [out]
-    else:
-        out = tuple(o.view_as(o) if isinstance(o, Tensor) and id(o) in ins else o for o in out)
-        outs = list(out) if rule.outputs is not None else [o for o in out if isinstance(o, Tensor)]
-    for c, plan in plans:
-        c.op_after(plan, outs)
-    return out
-
-
-def _typed_launch(orig: Any) -> Any:
-    """``_LaunchFn.forward`` (an asynchronous op launched on the engine): typed by the
-    launched op's rule; its AsyncTensor outputs carry the types (``wait`` passes them on)."""
-
-    def forward(ctx: Any, cls: type, args: tuple[Any, ...], pos: tuple[int, ...], *tensors: Tensor) -> Any:
-        checks = [c for c in _ACTIVE if not c.off]
-        fwd = cls.__dict__.get("forward")
-        spec = getattr(getattr(fwd, "__func__", fwd), "_spmd_spec", None)
-        if not checks or spec is None:
-            return orig(ctx, cls, args, pos, *tensors)
-        names, is_list, nmeta, has_ctx = spec
-        rule = cls.__dict__["spmd"]
-        launch_it = lambda: orig(ctx, cls, args, pos, *tensors)
-        return _run_typed(checks, cls, rule, names, is_list, nmeta, has_ctx, args, launch_it)
-
-    return forward
-
-
-def _install() -> None:
-    global _HOOK
-    for cls in typed_functions():
-        entry = cls.__dict__["forward"]
-        orig = entry.__func__ if isinstance(entry, staticmethod) else entry
-        _PATCHED[cls] = (orig, entry)
-        setattr(cls, "forward", staticmethod(_make_forward(cls, orig, cls.__dict__["spmd"])))  # noqa: B010
-    # the asynchronous ops' mechanism: the launch is typed by the launched op's rule, and
-    # AsyncTensor.wait() passes the type on to the finished tensor
-    launch = E._LaunchFn
-    entry = launch.__dict__["forward"]
-    _PATCHED[launch] = (entry.__func__, entry)
-    setattr(launch, "forward", staticmethod(_typed_launch(entry.__func__)))  # noqa: B010
-    wait_entry = E.AsyncTensor.__dict__["wait"]
-    _PATCHED[E.AsyncTensor] = (wait_entry, wait_entry)
-
-    def wait(self: Any) -> Any:
-        out = wait_entry(self)
-        if out is not self:
-            for c in _ACTIVE:
-                r = self.__dict__.get(c.key)
-                if r is not None:
-                    out.__dict__[c.key] = r
-        return out
-
-    setattr(E.AsyncTensor, "wait", wait)  # noqa: B010 - a method replaced for the check
-    T_.HOOK[0] = _Hooks
-    from ..runtime import world as W
-
-    diffcomm = sys.modules[__name__.split(".")[0]]  # the package (dc.get_rank), imported already
-
-    _PATCHED_ATTRS.append((W, "get_rank", W.get_rank))
-    _PATCHED_ATTRS.append((diffcomm, "get_rank", vars(diffcomm).get("get_rank", W.get_rank)))
-    orig_rank = W.get_rank
-
-    def get_rank(*a: Any, **k: Any) -> int:
-        return RankInt(orig_rank(*a, **k))
-
-    get_rank.__doc__ = orig_rank.__doc__
-    setattr(W, "get_rank", get_rank)  # noqa: B010
-    setattr(diffcomm, "get_rank", get_rank)  # noqa: B010
-
-    def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        for c in _ACTIVE:
-            if not c.off:
-                c.module_pre(module, args)
-
-    _HOOK = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
-
-
-class _Hooks:
-    """What :data:`diffcomm._replication.HOOK` holds while a check is active."""
-
-    @staticmethod
-    def varying(x: Tensor) -> Tensor:
-        for c in _ACTIVE:
-            if not c.off:
-                x.__dict__[c.key] = _Rec(V, why=f"a per-rank value (a layout's shard) at {_site()}")
-        return x
-
-    @staticmethod
-    def varying_params(module: torch.nn.Module, group: Any) -> None:
-        for c in _ACTIVE:
-            if c.off or not c._is_group(group):
-                continue
-            for name, p in module.named_parameters():
-                old = p.__dict__.get(c.key)
-                if old is None or old.param is None or old.auto or old.t is not V:
-                    r = _Rec(V, why=f"this rank's own parameter {name}")
-                    r.param = name
-                    p.__dict__[c.key] = r
-                    c._params[id(p)] = (p, name, r)
-
-
-def _uninstall() -> None:
-    global _HOOK
-    for cls, (_, entry) in _PATCHED.items():
-        setattr(cls, "wait" if cls is E.AsyncTensor else "forward", entry)
-    _PATCHED.clear()
-    for mod, attr, value in reversed(_PATCHED_ATTRS):
-        setattr(mod, attr, value)
-    _PATCHED_ATTRS.clear()
-    T_.HOOK[0] = None
-    if _HOOK is not None:
-        _HOOK.remove()
-        _HOOK = None
-
-
-def _outer_typedness_for_tests() -> dict[str, Any]:
-    """What is installed now (the zero-cost test reads it)."""
-    return {"patched": dict(_PATCHED), "hook": _HOOK, "active": list(_ACTIVE)}
 
 
 # ======================================================================================
@@ -1192,25 +985,29 @@ def _current() -> SPMDCheck:
 
 
 def varying(x: Tensor) -> Tensor:
-    """Declare ``x`` per-rank (varying) in the innermost active check; returns ``x``."""
-    return _current().declare(x, V)
+    """Declare ``x`` per-rank (varying) in the innermost active check; returns ``x``.
+    Outside a check a no-op (annotated code runs unchanged with the check off)."""
+    return _ACTIVE[-1].declare(x, V) if _ACTIVE else x
 
 
 def replicated(x: Tensor) -> Tensor:
-    """Declare ``x`` equal on every rank (replicated); returns ``x``."""
-    return _current().declare(x, R)
+    """Declare ``x`` equal on every rank (replicated); returns ``x`` (a no-op outside a check)."""
+    return _ACTIVE[-1].declare(x, R) if _ACTIVE else x
 
 
 def partial(x: Tensor) -> Tensor:
-    """Declare ``x`` partial (its true value is the sum over ranks); returns ``x``."""
-    return _current().declare(x, P)
+    """Declare ``x`` partial (its true value is the sum over ranks); returns ``x`` (a no-op
+    outside a check)."""
+    return _ACTIVE[-1].declare(x, P) if _ACTIVE else x
 
 
 def module(m: torch.nn.Module) -> torch.nn.Module:
     """Type the parameters of ``m`` (and its submodules, named from ``m``) in the innermost
     active check now, as if it had run (for code that uses a layer's parameters
-    functionally); returns ``m``."""
-    check = _current()
+    functionally); returns ``m`` (a no-op outside a check)."""
+    if not _ACTIVE:
+        return m
+    check = _ACTIVE[-1]
     names = {id(p): n for n, p in m.named_parameters()}
     for mod in m.modules():
         check._type_module_params(mod, names)

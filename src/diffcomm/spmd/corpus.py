@@ -23,7 +23,7 @@ import diffcomm as dc
 from diffcomm import parallel as par
 from diffcomm import rng
 
-__all__ = ["Bug", "BUGS", "run"]
+__all__ = ["Bug", "BUGS", "CORRECT", "run", "run_correct"]
 
 H = 4  # hidden size: a multiple of every world size the tests use (2, 4) ... and 12 for 3
 F_ = 12  # the sharded (feature) size: divisible by 2, 3 and 4
@@ -58,6 +58,12 @@ def _fs() -> int:
 def _w(*shape: int, varying: bool = True) -> torch.Tensor:
     g = torch.Generator().manual_seed(10 + (dc.get_rank() if varying else 0))
     return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad`` (after a backward that reached ``p``)."""
+    assert p.grad is not None
+    return p.grad
 
 
 def _row(out: int = H) -> par.RowParallelLinear:
@@ -195,9 +201,92 @@ def partial_times_partial(fixed: bool) -> None:
     (p * p).sum()
 
 
-def partial_output_as_loss(fixed: bool) -> None:
-    """A row-parallel matmul's partial output summed into the loss without its reduction."""
-    _partial_sums(reduced=fixed).sum().backward()
+def replicated_term_added_to_partial_loss(fixed: bool) -> None:
+    """A loss linear in a row-parallel matmul's partial output is itself partial (right: the
+    sum of the ranks' shares is the loss), but a replicated regularizer added to it is
+    counted once per rank."""
+    x = _x(3, H, grad=True)
+    share = _partial_sums().sum()
+    loss = par.reduce_from_region(share) if fixed else share
+    (loss + x.pow(2).sum()).backward()
+
+
+def grad_accumulation_reduced_every_micro_batch(fixed: bool) -> None:
+    """Data parallel with gradient accumulation: the gradients summed over ranks after every
+    micro-batch's backward: the second backward accumulates onto the already reduced first
+    one, which the next sum multiplies by the world size (W*G1 + G2). op="avg" on every
+    micro-batch is right (mean of G1 + mean of G2)."""
+    lin = nn.Linear(H, 1, dtype=torch.float64)
+    for step in range(2):
+        x = dc.spmd.varying(_shard(3, H) + step)
+        lin(x).pow(2).mean().backward()
+        for p in lin.parameters():
+            p.grad = dc.all_reduce(_grad(p), op="avg") if fixed else dc.all_reduce(_grad(p))
+
+
+def input_gradient_without_copy_to_region(fixed: bool) -> None:
+    """The column->row MLP on an input that requires grad, with no replicated parameter
+    upstream: without copy_to_region only the input's gradient is wrong (each rank's share,
+    different on every rank): caught when backward starts, at the linear."""
+    col, row = _col(), _row()
+    x = _x(3, H, grad=True)
+    h = par.copy_to_region(x) if fixed else x
+    a = F.gelu(F.linear(h, col.weight, col.bias))
+    y = par.reduce_from_region(F.linear(a, row.weight)) + row.bias
+    y.pow(2).mean().backward()
+
+
+def missing_copy_to_region_before_optimizer_step(fixed: bool) -> None:
+    """A LayerNorm upstream of a column-parallel matmul without copy_to_region, and an
+    optimizer step inside the block: caught before the step applies the partial gradient."""
+    ln, col, row = nn.LayerNorm(H, dtype=torch.float64), _col(), _row()
+    opt = torch.optim.SGD(ln.parameters(), lr=0.1)
+    h = ln(_x(3, H))
+    if fixed:
+        h = par.copy_to_region(h)
+    a = F.gelu(F.linear(h, col.weight, col.bias))
+    y = par.reduce_from_region(F.linear(a, row.weight)) + row.bias
+    y.pow(2).mean().backward()
+    opt.step()
+
+
+def sequence_parallel_layernorm_grads_averaged(fixed: bool) -> None:
+    """A plain LayerNorm on sequence shards under a replicated objective, its weight
+    gradients reduced by hand with op="avg": the sum over ranks is the gradient, the
+    average is world-size times too small."""
+    ln = nn.LayerNorm(H, dtype=torch.float64)
+    y = par.gather_from_sequence(ln(dc.spmd.varying(_shard(2, H))))
+    y.pow(2).mean().backward()
+    for p in ln.parameters():
+        p.grad = dc.all_reduce(_grad(p), op="sum" if fixed else "avg")
+
+
+def clip_norm_all_reduces_replicated_squares(fixed: bool) -> None:
+    """A clipping norm that all-reduces the squares of every gradient, the replicated
+    parameters' too: those are counted world-size times (the duplicated-parameter norm)."""
+    mlp = par.ParallelMLP(H, F_, dtype=torch.float64, seed=0)
+    mlp(_x(3, H)).pow(2).mean().backward()
+    sharded = [p for n, p in mlp.named_parameters() if n.endswith("weight") or n == "fc1.bias"]
+    squares = [p.grad.pow(2).sum() for p in mlp.parameters() if p.grad is not None]
+    if fixed:
+        sq_shards = torch.stack([_grad(p).pow(2).sum() for p in sharded])
+        whole = [_grad(p).pow(2).sum() for p in mlp.parameters() if all(p is not q for q in sharded)]
+        sq = dc.all_reduce(sq_shards.sum()) + torch.stack(whole).sum()
+    else:
+        sq = dc.all_reduce(torch.stack(squares).sum())
+    coef = (1e-3 / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+    for p in mlp.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef)
+
+
+def rank_sliced_data_to_column_parallel(fixed: bool) -> None:
+    """Data sliced by the rank (this rank's rows of a batch) passed to a
+    ColumnParallelLinear, which expects the whole (replicated) input."""
+    r, n = dc.get_rank(), 3
+    batch = _x(n * dc.get_world_size(), H)
+    x = batch if fixed else batch[r * n : (r + 1) * n]
+    _row()(F.gelu(_col()(x))).pow(2).mean().backward()
 
 
 def copy_to_region_twice(fixed: bool) -> None:
@@ -376,10 +465,10 @@ BUGS: list[Bug] = [
     ),
     Bug("partial times partial", "partial into nonlinearity", partial_times_partial, ("mul", "partial")),
     Bug(
-        "partial output returned as the loss",
-        "partial output returned as the loss",
-        partial_output_as_loss,
-        ("backward", "loss is partial"),
+        "replicated term added to a partial loss",
+        "partial + replicated",
+        replicated_term_added_to_partial_loss,
+        ("add", "partial"),
     ),
     Bug("copy_to_region twice", "copy_to_region applied twice", copy_to_region_twice, ("copy_to_region",)),
     Bug(
@@ -448,7 +537,145 @@ BUGS: list[Bug] = [
         gather_from_region_of_replicated,
         ("gather_from_region", "`x` is replicated"),
     ),
+    Bug(
+        "gradient accumulation reduced every micro-batch",
+        "a reduction of a gradient that already holds reduced parts",
+        grad_accumulation_reduced_every_micro_batch,
+        ("all_reduce", "already holds a reduced gradient", "after the last micro-batch"),
+    ),
+    Bug(
+        "input gradient without copy_to_region",
+        "missing copy_to_region before a column-parallel matmul (input gradient)",
+        input_gradient_without_copy_to_region,
+        ("backward", "insert parallel.copy_to_region before the linear at corpus.py:"),
+    ),
+    Bug(
+        "missing copy_to_region before an optimizer step",
+        "missing copy_to_region before a column-parallel matmul",
+        missing_copy_to_region_before_optimizer_step,
+        ("LayerNorm.weight", "insert parallel.copy_to_region before the linear at corpus.py:"),
+    ),
+    Bug(
+        "sequence-parallel LayerNorm gradients averaged",
+        "sequence-parallel LayerNorm weights reduced wrongly",
+        sequence_parallel_layernorm_grads_averaged,
+        ("all_reduce(op='avg')", "world-size times too small", "op='sum'"),
+    ),
+    Bug(
+        "clipping norm with the replicated parameters' squares all-reduced",
+        "duplicated-parameter gradient norm",
+        clip_norm_all_reduces_replicated_squares,
+        ("all_reduce", "replicated term", "world-size times"),
+    ),
+    Bug(
+        "rank-sliced data to ColumnParallelLinear",
+        "varying tensor where a layer expects replicated input",
+        rank_sliced_data_to_column_parallel,
+        ("ColumnParallelLinear", "`x` is varying", "computed from the rank"),
+    ),
 ]
+
+
+# ======================================================================================
+# correct programs that an earlier checker refused (each must pass)
+# ======================================================================================
+
+
+def _vocab_embedding_by_hand(use_where: bool) -> None:
+    """Megatron's vocab-parallel embedding written by hand: the rows this rank does not
+    hold are looked up at row 0 and then masked out of the partial sums."""
+    emb = dc.spmd.module(par.VocabParallelEmbedding(4 * dc.get_world_size(), H, dtype=torch.float64, seed=0))
+    ids = torch.arange(2 * dc.get_world_size()).reshape(2, -1) * 2
+    start = dc.get_rank() * emb.per_rank  # a RankInt inside the check: the mask is varying
+    mask = (ids < start) | (ids >= start + emb.per_rank)
+    local = ids - start
+    local[mask] = 0
+    out = F.embedding(local, emb.weight)
+    if use_where:
+        out = torch.where(mask.unsqueeze(-1), 0.0, out)
+    else:
+        out[mask, :] = 0.0
+    par.reduce_from_region(out).pow(2).mean().backward()
+
+
+def vocab_embedding_masked_assignment() -> None:
+    """``out[mask, :] = 0.0`` on the partial lookups (linear in them, whatever the mask)."""
+    _vocab_embedding_by_hand(use_where=False)
+
+
+def vocab_embedding_where_zero() -> None:
+    """``torch.where(mask, 0.0, out)`` on the partial lookups."""
+    _vocab_embedding_by_hand(use_where=True)
+
+
+def all_reduce_avg_of_replicated() -> None:
+    """all_reduce(op="avg") of a replicated value: an identity, its gradient averaged (right
+    when the gradient is replicated: a replicated objective)."""
+    x = _x(3, H, grad=True)
+    dc.all_reduce(x * 2, op="avg").pow(2).mean().backward()
+
+
+def loss_linear_in_a_partial_value() -> None:
+    """A loss linear in a row-parallel matmul's partial output: the sum of the ranks'
+    shares is the loss, and each rank's gradient is exact."""
+    p = _partial_sums()
+    (p * _x(3, H)).sum().backward()
+
+
+def mean_loss_then_averaged_gradients() -> None:
+    """Data parallel: backward through all_reduce(loss, op="avg"), then the gradients
+    averaged over ranks (each rank backpropagates its own loss, as with a varying loss)."""
+    lin = nn.Linear(H, 1, dtype=torch.float64)
+    loss = dc.all_reduce(lin(dc.spmd.varying(_shard(3, H))).pow(2).mean(), op="avg")
+    loss.backward()
+    for p in lin.parameters():
+        p.grad = dc.all_reduce(_grad(p), op="avg")
+
+
+def grad_accumulation_reduced_once() -> None:
+    """Data parallel with gradient accumulation, reduced once after the last micro-batch."""
+    lin = nn.Linear(H, 1, dtype=torch.float64)
+    for step in range(2):
+        lin(dc.spmd.varying(_shard(3, H) + step)).pow(2).mean().backward()
+    for p in lin.parameters():
+        p.grad = dc.all_reduce(_grad(p))
+
+
+def zeroed_gradients_accumulate_afresh() -> None:
+    """Gradients reduced, zeroed in place (``zero_grad(set_to_none=False)``), then the next
+    step's backward: nothing reduced is left in them."""
+    lin = nn.Linear(H, 1, dtype=torch.float64)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    for step in range(2):
+        lin(dc.spmd.varying(_shard(3, H) + step)).pow(2).mean().backward()
+        for p in lin.parameters():
+            assert p.grad is not None
+            p.grad.copy_(dc.all_reduce(p.grad, op="avg"))
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+
+#: correct programs (each once refused by the checker, or a fix's neighbour): name -> program
+CORRECT: dict[str, Callable[[], None]] = {
+    "vocab embedding: masked assignment of a partial value": vocab_embedding_masked_assignment,
+    "vocab embedding: where with a zero branch": vocab_embedding_where_zero,
+    "all_reduce(avg) of a replicated value": all_reduce_avg_of_replicated,
+    "a loss linear in a partial value": loss_linear_in_a_partial_value,
+    "backward through all_reduce(loss, avg), gradients averaged": mean_loss_then_averaged_gradients,
+    "gradient accumulation reduced once": grad_accumulation_reduced_once,
+    "gradients zeroed in place between steps": zeroed_gradients_accumulate_afresh,
+}
+
+
+def run_correct(name: str, group: Any = None) -> tuple[str, str] | None:
+    """Run the correct program ``name`` under ``dc.spmd_check(group)``; ``None`` if it
+    passed, else the error's class name and message."""
+    try:
+        with dc.spmd_check(group):
+            CORRECT[name]()
+    except TypeError as e:
+        return type(e).__name__, str(e)
+    return None
 
 
 def run(name: str, fixed: bool, group: Any = None) -> tuple[str, str] | None:
@@ -473,4 +700,8 @@ def corpus_markdown() -> str:
         names = ", ".join(f"`{n}`" for n in b.names)
         src = inspect.getsource(b.program).rstrip()
         out.append(f"### {i}. {b.name}\n\n*{b.kind}.* The error names {names}.\n\n```python\n{src}\n```\n")
+    out.append("### Correct programs (each must pass)\n")
+    for name, program in CORRECT.items():
+        src = inspect.getsource(program).rstrip()
+        out.append(f"#### {name}\n\n```python\n{src}\n```\n")
     return "\n".join(out)

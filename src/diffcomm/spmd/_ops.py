@@ -1,0 +1,259 @@
+"""The torch-op name tables of ``dc.spmd_check`` (which plain torch ops a partial value may
+go through, which draw randomness, which are products with a weight, ...) and the small
+helpers that classify one call's arguments (the rank as a :class:`RankInt`, zero
+constants, varying weights). Data and pure functions: the check's state lives in
+:mod:`diffcomm.spmd.check`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+
+from .. import rng
+from .._replication import R, T, V
+
+# ======================================================================================
+# classification of plain torch ops (what a partial value may go through)
+# ======================================================================================
+
+
+def _names(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+#: ops linear in their one tensor input (shape, view, copy, reduction over dims, sign)
+_STRUCTURAL = _names(
+    "view",
+    "view_as",
+    "reshape",
+    "reshape_as",
+    "permute",
+    "transpose",
+    "t",
+    "T",
+    "mT",
+    "contiguous",
+    "clone",
+    "neg",
+    "negative",
+    "sum",
+    "mean",
+    "narrow",
+    "select",
+    "getitem",
+    "unsqueeze",
+    "squeeze",
+    "flatten",
+    "unflatten",
+    "expand",
+    "expand_as",
+    "chunk",
+    "split",
+    "unbind",
+    "movedim",
+    "moveaxis",
+    "index_select",
+    "gather",
+    "to",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "type",
+    "type_as",
+    "cpu",
+    "cuda",
+    "detach",
+    "requires_grad_",
+    "real",
+    "imag",
+    "conj",
+    "flip",
+    "roll",
+    "repeat",
+    "tile",
+    "masked_fill",
+    "diagonal",
+    "tril",
+    "triu",
+    "pad",
+    "split_with_sizes",
+    "tensor_split",
+    "swapaxes",
+    "swapdims",
+    "narrow_copy",
+    "as_strided",
+    "unfold",
+    "cumsum",
+    "trace",
+    "einsum_identity",
+    "positive",
+    "zeros_like",
+    "sum_to_size",
+    "nan_to_num",
+    "data",
+)
+#: sums of their tensor inputs: every float input partial
+_ADDITIVE = _names(
+    "add",
+    "sub",
+    "add_",
+    "sub_",
+    "iadd",
+    "isub",
+    "radd",
+    "rsub",
+    "cat",
+    "concat",
+    "concatenate",
+    "stack",
+    "hstack",
+    "vstack",
+    "subtract",
+)
+#: linear in exactly one partial input, the others replicated (products)
+_SCALING = _names(
+    "mul",
+    "mul_",
+    "imul",
+    "rmul",
+    "div",
+    "div_",
+    "truediv",
+    "itruediv",
+    "true_divide",
+    "multiply",
+    "matmul",
+    "rmatmul",
+    "mm",
+    "bmm",
+    "einsum",
+    "linear",
+    "dropout",
+    "dropout_",
+    "outer",
+    "addcmul",
+    "baddbmm",
+    "tensordot",
+    "kron",
+    "mv",
+    "dot",
+    "inner",
+    "scaled_dot_product_attention_value",
+)
+#: masked assignment and selection: linear in a partial operand when the other one is zero
+_MASKING = _names("setitem", "where", "masked_fill", "masked_fill_")
+#: products with a weight: a replicated activation meeting a varying weight here is the
+#: entry of a column-parallel region (where copy_to_region belongs)
+_WEIGHTED = _names("linear", "matmul", "mm", "bmm", "einsum", "embedding", "conv1d", "conv2d", "rmatmul")
+#: ops through which a replicated term added to a varying value stays an additive term
+_LINEAR_CHAIN = _STRUCTURAL | _ADDITIVE
+#: the reductions over the group (``op`` sum or avg)
+_SUMMING = _names(
+    "all_reduce", "parallel.reduce_from_region", "reduce_scatter", "parallel.reduce_scatter_to_sequence"
+)
+#: outputs depend only on the values' metadata (never a type error)
+_NO_TYPING = _names("__get__", "__set__", "__delete__", "size", "dim", "numel", "is_floating_point")
+
+_RANDOM = _names(
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "normal",
+    "bernoulli",
+    "multinomial",
+    "uniform_",
+    "normal_",
+    "bernoulli_",
+    "exponential_",
+    "random_",
+    "geometric_",
+    "log_normal_",
+    "cauchy_",
+)
+_DROPOUT = _names(
+    "dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"
+)
+
+
+def _random_type() -> T:
+    """Randomness from a forked named stream of diffcomm.rng is per rank (varying); the
+    default generator is seeded alike on every rank of the group (replicated)."""
+    return V if rng.get_tracker()._active else R
+
+
+class RankInt(int):
+    """The rank, as ``dc.get_rank()`` returns it inside a check: an ``int`` whose arithmetic
+    stays a ``RankInt``, so an index or a slice computed from the rank (``x[r * n:(r + 1) *
+    n]``) marks the result varying. (Comparisons and ``float()`` give plain values.)"""
+
+    def __reduce__(self) -> Any:  # crosses process boundaries as a plain int
+        return (int, (int(self),))
+
+
+def _rank_method(op: str) -> Any:
+    base = getattr(int, op)
+
+    def method(self: int, *a: Any) -> Any:
+        out = base(self, *a)
+        return RankInt(out) if type(out) is int else out
+
+    method.__name__ = op
+    return method
+
+
+for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__",
+            "__rfloordiv__", "__mod__", "__rmod__", "__neg__", "__pos__", "__abs__"):  # fmt: skip
+    setattr(RankInt, _op, _rank_method(_op))
+
+
+def _rank_dependent(args: Iterable[Any]) -> bool:
+    for a in args:
+        t = type(a)
+        if t is RankInt:
+            return True
+        if t is slice:
+            if type(a.start) is RankInt or type(a.stop) is RankInt:
+                return True
+        elif t is tuple or t is list:
+            for b in a:
+                if type(b) is RankInt or (
+                    type(b) is slice and (type(b.start) is RankInt or type(b.stop) is RankInt)
+                ):
+                    return True
+    return False
+
+
+def _flat_tensors(args: Iterable[Any], out: list[Tensor]) -> list[Tensor]:
+    for a in args:
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif isinstance(a, list | tuple):
+            for b in a:
+                if isinstance(b, Tensor):
+                    out.append(b)
+    return out
+
+
+def _differentiable(t: Tensor) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+def _is_weight(r: Any, t: Tensor) -> bool:
+    """A varying weight: a varying parameter, or a varying leaf that requires grad."""
+    return r.t is V and (r.param is not None or (t.requires_grad and t.grad_fn is None))
+
+
+def _is_zero(x: Any) -> bool:
+    """``x`` is a constant zero (a Python number, or a 0-d tensor that needs no gradient)."""
+    if isinstance(x, bool | int | float | complex):
+        return x == 0
+    if isinstance(x, Tensor) and x.dim() == 0 and not x.requires_grad:
+        return bool(x == 0)
+    return False

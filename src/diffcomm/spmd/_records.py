@@ -1,0 +1,142 @@
+"""The records of ``dc.spmd_check``: the gradient-kind cells (union-find), one tensor's
+record, the error carrier out of operators, and the user's line (``_site``). No check
+state lives here (that is :mod:`diffcomm.spmd.check`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+from .._replication import PARTIAL, SPMDTypeError, T
+
+# ======================================================================================
+# gradient-kind cells (union-find)
+# ======================================================================================
+
+
+#: backward passes (that freed their graph) so far: a cell fixed before the last one
+#: belongs to a graph whose backward already ran, and constrains nothing any more
+_EPOCH = [0]
+_TENSOR_BASE = torch.Tensor.__mro__[1]  # the C tensor class whose methods are the operators
+
+
+class _Cell:
+    """The gradient kind shared by a set of replicated values (``None``: not fixed yet)."""
+
+    __slots__ = ("parent", "kind", "why", "epoch", "mean", "copy_at")
+
+    def __init__(self, kind: str | None = None, why: str = "", mean: bool = False) -> None:
+        self.parent: _Cell | None = None
+        self.kind = kind
+        self.why = why
+        self.epoch = _EPOCH[0]  # the backward passes run before it was made
+        #: made by all_reduce(op="avg") of per-rank values: a loss holding it is the mean of
+        #: the per-rank objectives (as a varying loss is their sum), not a replicated objective
+        self.mean = mean
+        #: where a replicated activation met a varying weight (``"linear at f.py:12"``): the
+        #: place a missing copy_to_region belongs
+        self.copy_at: str | None = None
+
+    def root(self) -> _Cell:
+        c = self
+        while c.parent is not None:
+            c = c.parent
+        if c is not self:  # path compression
+            x = self
+            while x.parent is not None and x.parent is not c:
+                x.parent, x = c, x.parent
+        return c
+
+
+def _conflict(op: str, site: str, need: str, have: _Cell, need_why: str) -> SPMDTypeError:
+    if have.kind == PARTIAL:  # a sum-convention op made it; a replicated-objective use here
+        text = (
+            f"its gradient must be replicated here ({need_why}), but it is partial: "
+            f"{have.why}. Under this replicated objective, replace that op by its "
+            "diffcomm.parallel mapping (the error names it), or keep this value varying"
+        )
+    else:
+        text = (
+            f"its gradient must be partial here ({need_why}), but it is replicated: "
+            f"{have.why}. A replicated-objective value cannot meet a varying one (its "
+            "gradient would differ by rank): a replicated activation entering a matmul with a "
+            "varying weight needs parallel.copy_to_region first (spmd_types: convert(x, src=I, "
+            "dst=R)); otherwise make the other operand replicated (e.g. dropout on the default RNG "
+            "stream, not a model-parallel one), or use the sum-convention op"
+        )
+    return SPMDTypeError(
+        f"diffcomm.spmd_check: {op} at {site}: a replicated value's gradient kind clashes: {text}."
+    )
+
+
+# ======================================================================================
+# records
+# ======================================================================================
+
+
+class _Escape(BaseException):
+    """Carries an :class:`SPMDTypeError` out of a Tensor method, which may be an operator
+    (``a * b`` dispatches ``TensorBase.mul``): torch turns a ``TypeError`` raised inside an
+    operator into ``NotImplemented`` (then Python's own "unsupported operand" error). The
+    check's ``__exit__`` raises the error it carries, so outside the block it is the
+    :class:`SPMDTypeError`."""
+
+    def __init__(self, error: SPMDTypeError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Rec:
+    """One tensor's type under one check."""
+
+    __slots__ = ("t", "cell", "shard", "why", "param", "auto", "acc", "strict", "rep", "copy_at")
+
+    def __init__(self, t: T, cell: _Cell | None = None, shard: int | None = None, why: str = "") -> None:
+        self.t = t
+        self.cell = cell
+        self.shard = shard  # the sharded dim of a varying parameter
+        self.why = why  # where a partial / varying value came from
+        self.param: str | None = None  # the name of a parameter
+        self.auto = False  # a parameter typed by default (a layer that owns it may retype it)
+        #: a partial gradient that also holds an already reduced gradient (accumulated onto
+        #: it): where that reduction was; summing it again multiplies that part by the world
+        self.acc: str | None = None
+        #: a partial gradient of a replicated (or partial) objective: its sum over ranks is
+        #: the gradient, so averaging it is wrong (why, for the message)
+        self.strict: str | None = None
+        #: a varying value holding a replicated additive term (where it was added): a sum
+        #: over ranks counts that term world-size times
+        self.rep: str | None = None
+        #: a partial gradient made where a replicated activation met a varying weight: the
+        #: op and line where copy_to_region belongs
+        self.copy_at: str | None = None
+
+
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SPMD_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_SPMD_TYPES = os.sep + "spmd_types" + os.sep  # spmd_types' own frames are not the user's line
+
+
+def _site() -> str:
+    """The user's file:line (the first frame outside diffcomm and torch)."""
+    f: Any = sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not (
+            fn.startswith(_TORCH)
+            or (fn.startswith(_PKG) and not fn.startswith(_SPMD_DIR + os.sep + "corpus"))
+            or (_SPMD_TYPES in fn and "site-packages" in fn)
+        ):
+            if "<" not in fn or fn.startswith("<ipython") or fn == "<string>":
+                return f"{os.path.basename(fn)}:{f.f_lineno}"
+        f = f.f_back
+    return "<unknown>"
+
+
+def _fname(func: Any) -> str:
+    name = getattr(func, "__name__", None) or str(func)
+    return name.strip("_") if name.startswith("__") else name

@@ -1,0 +1,181 @@
+"""Replication types for a user's own autograd Functions (issue 46, item 3): a rule given
+with ``dc.spmd.register_function`` (or stated on the class as ``spmd``) types the Function
+inside ``dc.spmd_check``; a differentiable Function with none is an error naming it; a bad
+rule is a TypeError naming the Function and the argument at registration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import diffcomm as dc
+from diffcomm.spmd import PARTIAL, REPLICATED, P, R, Rule, V
+
+F64 = torch.float64
+
+
+def _megatron_mlp(mode: str) -> str | None:
+    """A column->row MLP with a hand-written Megatron copy/reduce pair (the functions of
+    Megatron's ``mappings.py``, written on diffcomm's sum-convention all_reduce)."""
+
+    class CopyToTP(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            return dc.all_reduce(g)
+
+    class ReduceFromTP(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return dc.all_reduce(x.detach())
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            return g
+
+    if mode != "no rule":
+        dc.spmd.register_function(CopyToTP, Rule({R: R}, out_grad=PARTIAL, in_grad=REPLICATED), args=("x",))
+        dc.spmd.register_function(ReduceFromTP, Rule({V: R, P: R}, out_grad=REPLICATED), args=("x",))
+    rank = dc.get_rank()
+    x = torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    w1 = torch.nn.Parameter(torch.randn(6, 4, dtype=F64, generator=torch.Generator().manual_seed(1 + rank)))
+    w2 = torch.nn.Parameter(torch.randn(4, 6, dtype=F64, generator=torch.Generator().manual_seed(5 + rank)))
+    try:
+        with dc.spmd_check():
+            dc.spmd.varying(w1), dc.spmd.varying(w2)
+            h = x if mode == "no copy" else CopyToTP.apply(x)
+            y = ReduceFromTP.apply(F.linear(F.gelu(F.linear(h, w1)), w2))
+            if mode == "reduced twice":
+                y = ReduceFromTP.apply(y)
+            y.pow(2).mean().backward()
+    except TypeError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_hand_written_megatron_pair_with_a_rule(world2: dc.LocalWorld) -> None:
+    def body() -> list[str | None]:
+        return [_megatron_mlp(m) for m in ("correct", "no copy", "reduced twice")]
+
+    for ok, no_copy, twice in world2.run(body):
+        assert ok is None, ok
+        assert no_copy is not None and "SPMDTypeError" in no_copy, no_copy
+        assert "insert parallel.copy_to_region before the linear at test_spmd_user_functions.py:" in no_copy
+        assert twice is not None and "ReduceFromTP at test_spmd_user_functions.py:" in twice, twice
+        assert "argument `x` is replicated" in twice, twice
+
+
+def test_user_function_without_a_rule_is_named(world2: dc.LocalWorld) -> None:
+    """A differentiable user Function with no rule is refused by name (no guess); without
+    a gradient to compute it runs as before (its ops typed one by one)."""
+
+    def body() -> tuple[str | None, str | None]:
+        class Scale(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):  # type: ignore[no-untyped-def]
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, g):  # type: ignore[no-untyped-def]
+                return g * 2
+
+        out = []
+        for grad in (True, False):
+            try:
+                with dc.spmd_check():
+                    Scale.apply(torch.ones(2, requires_grad=grad))
+                out.append(None)
+            except dc.SPMDTypeError as e:
+                out.append(str(e))
+        return out[0], out[1]
+
+    for with_grad, without in world2.run(body):
+        assert with_grad is not None and "Scale at test_spmd_user_functions.py:" in with_grad, with_grad
+        assert "no typing rule" in with_grad and "dc.spmd.register_function(Scale" in with_grad
+        assert without is None, without
+
+
+def test_rule_stated_on_the_class_and_a_named_group(world2: dc.LocalWorld) -> None:
+    """``spmd = Rule(...)`` on a user class is read; ``group=`` names the forward argument
+    holding the group (a Function over another group passes types through)."""
+
+    def body() -> tuple[object, str | None]:
+        class ReduceOver(torch.autograd.Function):
+            spmd = dc.spmd.Rule(
+                {dc.spmd.V: dc.spmd.R, dc.spmd.P: dc.spmd.R}, out_grad="replicated", group="group"
+            )
+
+            @staticmethod
+            def forward(ctx, x, group):  # type: ignore[no-untyped-def]
+                return dc.all_reduce(x.detach(), group=group)
+
+            @staticmethod
+            def backward(ctx, g):  # type: ignore[no-untyped-def]
+                return g, None
+
+        with dc.spmd_check():
+            y = ReduceOver.apply(dc.spmd.varying(torch.ones(2, requires_grad=True)), None)
+            t = dc.spmd.type_of(y)
+        try:
+            with dc.spmd_check():
+                ReduceOver.apply(torch.ones(2, requires_grad=True), None)
+            err = None
+        except dc.SPMDTypeError as e:
+            err = str(e)
+        return t, err
+
+    for t, err in world2.run(body):
+        assert t is R
+        assert err is not None and "ReduceOver" in err and "`x` is replicated" in err, err
+
+
+def test_a_torch_internal_function_is_not_a_user_function(world2: dc.LocalWorld) -> None:
+    def body() -> object:
+        from torch.utils.checkpoint import checkpoint
+
+        w = torch.ones(2, requires_grad=True)
+        with dc.spmd_check():
+            y = checkpoint(lambda a: (a * w).sin(), torch.ones(2, requires_grad=True), use_reentrant=True)
+            y.sum().backward()
+        return dc.spmd.R
+
+    assert world2.run(body) == [R, R]
+
+
+class _Fn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg=None):  # type: ignore[no-untyped-def]
+        return x
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g, None
+
+
+@pytest.mark.parametrize(
+    ("rule", "args", "match"),
+    [
+        (Rule({R: R}), ("y",), r"register_function\(_Fn\): argument `y` is not an argument of _Fn.forward"),
+        (Rule({R: R}, group="group"), None, r"register_function\(_Fn\): argument `group` \(rule.group\)"),
+        (Rule({"R": R}), None, r"register_function\(_Fn\): `rule.maps` holds 'R', outside the vocabulary"),  # type: ignore[dict-item]
+        (Rule({R: R}, out_grad="sum"), None, r"register_function\(_Fn\): `rule.out_grad` is 'sum'"),
+        (Rule({R: R}, tensors=(3,)), None, r"register_function\(_Fn\): `rule.tensors` names argument 3"),
+    ],
+)
+def test_a_bad_rule_is_a_type_error_at_registration(
+    rule: Rule, args: tuple[str, ...] | None, match: str
+) -> None:
+    with pytest.raises(TypeError, match=match):
+        dc.spmd.register_function(_Fn, rule, args=args)
+
+
+def test_register_function_takes_only_function_classes_and_rules() -> None:
+    with pytest.raises(TypeError, match="`cls` must be a torch.autograd.Function class"):
+        dc.spmd.register_function(torch.nn.Linear, Rule({R: R}))
+    with pytest.raises(TypeError, match="`rule` must be a diffcomm.spmd.Rule"):
+        dc.spmd.register_function(_Fn, {R: R})  # type: ignore[arg-type]
+    assert dc.spmd.register_function(_Fn, Rule({R: R}), args=("x",)) is _Fn
