@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._replication import LayerRule, R, V
+from .._replication import PARTIAL, LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
 from ..backend import args as A
 from ..ops import coalesced as K
 from ._module import check_positive, init_generator, resolve_parallel_group
@@ -200,6 +200,15 @@ class _DrawnFrom:
             self._devices.__exit__(*exc)
 
 
+_FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_types_checking)
+
+
+def _annotate_for_spmd_types(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook: while spmd_types checks, type the parameters (its LayerRule)."""
+    if spmd_types_checking(_FUNCTION_ATTRS):
+        annotate_params_for_spmd_types(module)
+
+
 class ExpertParallelMoE(nn.Module):
     """Mixture of experts with the experts sharded over an expert-parallel group.
 
@@ -260,6 +269,7 @@ class ExpertParallelMoE(nn.Module):
         why=lambda m: "its tokens",
         params=lambda m: {n: V for n, _ in m.experts.named_parameters(prefix="experts")},
         doc="varying or replicated (its tokens); the experts' parameters varying, the router's replicated",
+        replicated_grad=PARTIAL,
     )
 
     def __init__(
@@ -283,6 +293,7 @@ class ExpertParallelMoE(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        self.register_forward_pre_hook(_annotate_for_spmd_types)
         op = "parallel.ExpertParallelMoE"
         self._pg, self.world, self.rank = resolve_parallel_group(op, group)
         num_experts = check_positive(op, "num_experts", num_experts)
