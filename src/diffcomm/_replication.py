@@ -378,6 +378,31 @@ def spmd_types_checking(attrs: Mapping[str, Any]) -> bool:
     return type(attrs["apply"]) is not classmethod
 
 
+def spmd_types_like(out: Any, src: Any) -> Any:
+    """``out`` (a fresh tensor: zeros a result is accumulated into) with ``src``'s
+    spmd_types type while spmd_types checks (its factories make untyped tensors); ``out``
+    as it is otherwise. Call it under :func:`spmd_types_checking` only."""
+    import sys
+
+    st = sys.modules["spmd_types"]
+    if st.has_local_type(src) and not st.get_local_type(out):
+        st.assert_type(out, dict(st.get_local_type(src)))
+    return out
+
+
+def spmd_types_invariant(x: Any, group: Any) -> Any:
+    """``x`` typed ``I`` over ``group`` for spmd_types (a value made from data every rank
+    holds alike, e.g. exchanged counts, with no gradient). Call it under
+    :func:`spmd_types_checking` only."""
+    import sys
+
+    import torch.distributed as dist
+
+    st = sys.modules["spmd_types"]
+    st.assert_type(x, {group if group is not None else dist.group.WORLD: st.I})
+    return x
+
+
 def annotate_params_for_spmd_types(root: Any) -> None:
     """Give every parameter of the module tree ``root`` its spmd_types type, over its
     layer's group, from the layer's own facts (``_shard_dims`` / its :class:`LayerRule`):
