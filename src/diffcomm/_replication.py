@@ -275,7 +275,9 @@ def _type_for_spmd_types(cls: type, rule: Rule, outputs: Any, args: Mapping[str,
     from spmd_types import rules as st_rules
     from spmd_types.types import normalize_axis
 
-    name = getattr(cls, "name", "") or cls.__name__.lstrip("_")
+    name = getattr(cls, "name", "")  # a CommOp's public name, else module.Class
+    if not isinstance(name, str) or not name:
+        name = f"{cls.__module__.removeprefix('diffcomm.')}.{cls.__name__.lstrip('_')}"
     bound, typed = _logical_args(cls, rule, args)
     group = rule.group(bound) if callable(rule.group) else bound.get(rule.group)
     axis = normalize_axis(group if group is not None else dist.group.WORLD)
