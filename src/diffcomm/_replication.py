@@ -215,6 +215,14 @@ class SpmdTypesRule:
         return hook
 
 
+def _st(sub: str = "") -> Any:
+    """``spmd_types`` (or its submodule ``sub``): only called while spmd_types checks, so
+    it is imported already (typed ``Any``: diffcomm type-checks without it installed)."""
+    import importlib
+
+    return importlib.import_module("spmd_types" + (f".{sub}" if sub else ""))
+
+
 def _forward_names(cls: type) -> tuple[str, ...]:
     """``cls.forward``'s parameter names, without a ``ctx`` (as spmd_types binds them)."""
     import inspect
@@ -269,11 +277,10 @@ def _logical_args(
 def _type_for_spmd_types(cls: type, rule: Rule, outputs: Any, args: Mapping[str, Any]) -> None:
     """Check ``rule`` on one call's arguments in spmd_types' types and type its outputs
     (the body of every ``spmd_typecheck`` made by :class:`SpmdTypesRule`)."""
-    import spmd_types as st
     import torch
     import torch.distributed as dist
-    from spmd_types import rules as st_rules
-    from spmd_types.types import normalize_axis
+
+    st, st_rules, normalize_axis = _st(), _st("rules"), _st("types").normalize_axis
 
     name = getattr(cls, "name", "")  # a CommOp's public name, else module.Class
     if not isinstance(name, str) or not name:
@@ -349,9 +356,9 @@ def _st_names(t: T, grad: str | None) -> str:
 def _stamp(rule: Rule, outputs: Any, results: list[tuple[Any, dict[Any, Any]]], axis: Any) -> None:
     """Stamp ``outputs`` with the types in ``results`` (one per typed input; a single
     output takes the first), or with ``rule.outputs`` where the Function states them."""
-    import spmd_types as st
     import torch
-    from spmd_types import rules as st_rules
+
+    st, st_rules = _st(), _st("rules")
 
     outs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
     base = dict(results[0][1]) if results else {}
@@ -384,9 +391,7 @@ def spmd_types_like(out: Any, src: Any) -> Any:
     """``out`` (a fresh tensor: zeros a result is accumulated into) with ``src``'s
     spmd_types type while spmd_types checks (its factories make untyped tensors); ``out``
     as it is otherwise. Call it under :func:`spmd_types_checking` only."""
-    import sys
-
-    st = sys.modules["spmd_types"]
+    st = _st()
     if st.has_local_type(src) and not st.get_local_type(out):
         st.assert_type(out, dict(st.get_local_type(src)))
     return out
@@ -396,11 +401,9 @@ def spmd_types_invariant(x: Any, group: Any) -> Any:
     """``x`` typed ``I`` over ``group`` for spmd_types (a value made from data every rank
     holds alike, e.g. exchanged counts, with no gradient). Call it under
     :func:`spmd_types_checking` only."""
-    import sys
-
     import torch.distributed as dist
 
-    st = sys.modules["spmd_types"]
+    st = _st()
     st.assert_type(x, {group if group is not None else dist.group.WORLD: st.I})
     return x
 
@@ -412,11 +415,9 @@ def annotate_params_for_spmd_types(root: Any) -> None:
     ``R`` where the rule says their gradient is partial (``replicated_grad``). A parameter
     already typed on that axis (by the user, or earlier) keeps its type. Called by the
     layers' forward pre-hooks while spmd_types checks (never imports it otherwise)."""
-    import sys
-
-    st = sys.modules["spmd_types"]
     import torch.distributed as dist
-    from spmd_types.types import normalize_axis
+
+    st, normalize_axis = _st(), _st("types").normalize_axis
 
     for _, m in reversed(list(root.named_modules())):  # the innermost layer decides
         rule = getattr(type(m), "spmd", None)
