@@ -340,7 +340,10 @@ def _type_for_spmd_types(cls: type, rule: Rule, outputs: Any, args: Mapping[str,
                 )
         if out is R:
             kind = rule.out_grad
-            local[axis] = st.R if kind == PARTIAL else st.I if kind == REPLICATED else have
+            if kind is None:  # the rule needs no gradient kind: an R or I input keeps its own
+                local[axis] = have if have is st.I or have is st.R else st.R
+            else:
+                local[axis] = st.R if kind == PARTIAL else st.I
         else:
             local[axis] = to_st[out]
         results.append((x, local))
@@ -348,9 +351,35 @@ def _type_for_spmd_types(cls: type, rule: Rule, outputs: Any, args: Mapping[str,
 
 
 def _st_names(t: T, grad: str | None) -> str:
+    """spmd_types' name of our type ``t`` as an input whose gradient the rule gives as
+    ``grad`` (``in_grad``), or as an output whose gradient it needs as ``grad``
+    (``out_grad``)."""
     if t is not R:
         return t.name
     return {REPLICATED: "I", PARTIAL: "R"}.get(grad or "", "R or I")
+
+
+def describe_for_spmd_types(rule: Rule) -> str:
+    """``rule`` in spmd_types' types, e.g. ``"V -> I, P -> I"`` (the docs' table; the same
+    translation the hooks apply: :func:`_type_for_spmd_types`)."""
+
+    def one(r: Rule) -> str:
+        parts = []
+        for t, u in r.maps.items():
+            src = _st_names(t, r.in_grad)
+            dst = _st_names(u, r.out_grad)
+            if u is R and r.out_grad is None:  # the gradient kind of an R / I input is kept
+                dst = "R" if t is not R else "R or I (as the input)"
+            parts.append(f"{src} -> {dst}")
+        return ", ".join(parts)
+
+    text = one(rule)
+    if rule.nonlinear is not None:
+        text += f" (max/min/product: {one(rule.nonlinear)})"
+    if rule.outputs is not None:
+        outs = ", ".join("-" if t is None else _st_names(t, rule.out_grad) for t in rule.outputs)
+        text += f"; outputs ({outs})"
+    return text
 
 
 def _stamp(rule: Rule, outputs: Any, results: list[tuple[Any, dict[Any, Any]]], axis: Any) -> None:
@@ -385,6 +414,13 @@ def spmd_types_checking(attrs: Mapping[str, Any]) -> bool:
     ``__dict__``, whose ``apply`` spmd_types replaces while it checks (see
     ``diffcomm.ops.base``). Costs a lookup; imports nothing."""
     return type(attrs["apply"]) is not classmethod
+
+
+def spmd_types_paused() -> Any:
+    """spmd_types' ``no_typecheck()`` block, for diffcomm's own metadata exchanges outside
+    any Function (a receive's shape header): not typed data. Call it under
+    :func:`spmd_types_checking` only."""
+    return _st().no_typecheck()
 
 
 def spmd_types_like(out: Any, src: Any) -> Any:

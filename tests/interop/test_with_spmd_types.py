@@ -287,6 +287,71 @@ def test_llama_style_block_with_ring_attention_and_moe_typechecks(world2: dc.Loc
         assert grads == "grads=True"
 
 
+def _ops_body() -> dict[str, str]:
+    """The core, rooted, coalesced and point-to-point ops under spmd_types' checker: each
+    output typed by its rule (spmd_types has no broadcast, gather, scatter or p2p)."""
+    st, pg = _env()
+    from spmd_types.checker import typecheck
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    t: dict[str, str] = {}
+    with typecheck():
+        v = st.assert_type(_shard(4, 2), {pg: st.V})
+        rep = st.assert_type(_replicated(4, 2), {pg: st.R})  # its gradient partial
+        outs = {
+            "all_reduce": dc.all_reduce(v),
+            "all_gather": dc.all_gather(v),
+            "reduce_scatter": dc.reduce_scatter(v),
+            "all_to_all": dc.all_to_all(v),
+            "broadcast": dc.broadcast(v, src=0),
+            "reduce": dc.reduce(v, dst=0),
+            "gather": dc.gather(v, dst=0),
+            "scatter": dc.scatter(rep, src=0),
+            "shift": dc.shift(v),
+            "ppermute": dc.ppermute(v, [(i, (i + 1) % w) for i in range(w)]),
+            "sendrecv": dc.sendrecv(v, dst=(r + 1) % w, src=(r - 1) % w),
+            "all_reduce_coalesced": dc.all_reduce_coalesced([v, v * 2])[1],
+        }
+        if r == 0:
+            outs["send"] = dc.send(v, dst=1)
+        elif r == 1:
+            outs["recv"] = dc.recv(src=0)
+        t.update({k: repr(st.get_local_type(y)) for k, y in outs.items()})
+        loss = sum(y.sum() for y in outs.values())  # (send's token too: its backward receives)
+        _backward_varying(st, pg, loss)
+        try:
+            dc.all_reduce(st.reinterpret(v, pg, src=st.V, dst=st.P), op="max")
+            t["max of P"] = "not caught"
+        except st.SpmdTypeError as e:
+            t["max of P"] = str(e).splitlines()[0]
+    t["grad"] = repr(v.grad is not None)
+    return t
+
+
+@needs_spmd_types
+def test_core_rooted_coalesced_and_p2p_ops_are_typed_by_their_rules(world2: dc.LocalWorld) -> None:
+    for rank, t in enumerate(world2.run(_ops_body)):
+        for op in ("all_reduce", "all_gather", "broadcast", "all_reduce_coalesced"):
+            assert t[op] == "{default_pg: R}", (op, t[op])  # the sum convention: partial gradient
+        for op in (
+            "reduce_scatter",
+            "all_to_all",
+            "reduce",
+            "gather",
+            "scatter",
+            "shift",
+            "ppermute",
+            "sendrecv",
+        ):
+            assert t[op] == "{default_pg: V}", (op, t[op])
+        # a received value is V; send's token (0 on every rank) is R
+        assert t["send" if rank == 0 else "recv"] == (
+            "{default_pg: R}" if rank == 0 else "{default_pg: V}"
+        ), t
+        assert t["max of P"].startswith("diffcomm.all_reduce: argument 'x' is P"), t["max of P"]
+        assert t["grad"] == "True"
+
+
 # ======================================================================================
 # planted bugs, caught by spmd_types' checker (the list in docs/spmd_types.md)
 # ======================================================================================
