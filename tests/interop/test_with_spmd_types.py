@@ -14,6 +14,8 @@ either way.
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -98,6 +100,25 @@ def test_every_rule_bearing_function_carries_the_spmd_types_rule_made_from_it() 
             return x.view_as(x)
 
     assert isinstance(Mine.__dict__["spmd_typecheck"], SpmdTypesRule)
+
+
+def test_without_spmd_types_the_interop_tests_skip_with_a_reason(tmp_path: Path) -> None:
+    """With spmd_types made unimportable (a module of that name raising ImportError first
+    on the path, inherited by the ranks), this file's spmd_types tests skip, naming the
+    extra, and the others pass."""
+    (tmp_path / "spmd_types.py").write_text("raise ImportError('spmd_types hidden by the test')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__,
+         "-k", "not without_spmd_types"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    counts = re.search(r"(\d+) passed, (\d+) skipped", text)
+    assert counts is not None and "failed" not in text and "error" not in text, text
+    assert int(counts[1]) == 3 and int(counts[2]) >= 19, text  # 13 planted bugs among them
+    assert "spmd-types is not installed (pip install 'diffcomm[spmd-types]')" in text, text
 
 
 def test_fast_path_condition_follows_function_apply() -> None:
