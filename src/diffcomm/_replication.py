@@ -4,6 +4,12 @@ Kept free of every other diffcomm module (only ``torch``-free Python), so each o
 mapping and layer can state its rule beside its other facts (``spmd = Rule(...)``) without
 an import cycle; the checker that reads the rules is :mod:`diffcomm.spmd.check`.
 
+The same rules, translated, are spmd_types' (``spmd_types.checker.typecheck()``): stating
+``spmd = Rule(...)`` also gives the class ``spmd_typecheck`` (:class:`SpmdTypesRule`); the
+helpers at the end let the layers type their parameters for it. ``torch`` and
+``spmd_types`` are imported only inside those, which run only while spmd_types checks
+(see ``docs/with_spmd_types.md``).
+
 The types, per process group (see ``docs/spmd_types.md`` for the reasoning):
 
 ``R`` replicated

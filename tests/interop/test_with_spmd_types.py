@@ -264,7 +264,8 @@ class _LlamaStyleBlock(nn.Module):
             H, H, bias=False, input_is_parallel=True, sequence_parallel=True, dtype=F64, seed=6
         )
         self.mlp = par.ParallelMLP(H, 16, sequence_parallel=True, dtype=F64, seed=1)
-        self.moe = par.ExpertParallelMoE(H, 16, num_experts=4, k=2, dtype=F64, seed=2)
+        # with a shared expert, overlapped with the dispatch (async_op: blocking while checked)
+        self.moe = par.ExpertParallelMoE(H, 16, num_experts=4, k=2, shared_expert_size=8, dtype=F64, seed=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (S / world, B, H)
         x = x + self.attn(self.norm1(x))

@@ -203,12 +203,6 @@ class _DrawnFrom:
 _FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_types_checking)
 
 
-def _annotate_for_spmd_types(module: nn.Module, args: Any) -> None:
-    """Forward pre-hook: while spmd_types checks, type the parameters (its LayerRule)."""
-    if spmd_types_checking(_FUNCTION_ATTRS):
-        annotate_params_for_spmd_types(module)
-
-
 class ExpertParallelMoE(nn.Module):
     """Mixture of experts with the experts sharded over an expert-parallel group.
 
@@ -293,7 +287,6 @@ class ExpertParallelMoE(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.register_forward_pre_hook(_annotate_for_spmd_types)
         op = "parallel.ExpertParallelMoE"
         self._pg, self.world, self.rank = resolve_parallel_group(op, group)
         num_experts = check_positive(op, "num_experts", num_experts)
@@ -395,6 +388,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``x``: ``(..., H)`` this rank's tokens; returns ``(..., H)``."""
+        if spmd_types_checking(_FUNCTION_ATTRS):  # spmd_types' checker: type the parameters
+            annotate_params_for_spmd_types(self)
         x2 = x.reshape(-1, self.hidden_size)
         gate, index, probs = route(self.router(x2), self.k, renormalize=self.renormalize)
         overlap = self.overlap_shared and self.shared_expert is not None
