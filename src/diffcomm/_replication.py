@@ -291,6 +291,11 @@ def _type_for_spmd_types(cls: type, rule: Rule, outputs: Any, args: Mapping[str,
     name = getattr(cls, "name", "")  # a CommOp's public name, else module.Class
     if not isinstance(name, str) or not name:
         name = f"{cls.__module__.removeprefix('diffcomm.')}.{cls.__name__.lstrip('_')}"
+    who = (
+        f"diffcomm.{name}"
+        if cls.__module__.startswith("diffcomm")
+        else f"{cls.__module__}.{cls.__qualname__}"
+    )
     bound, typed = _logical_args(cls, rule, args)
     group = rule.group(bound) if callable(rule.group) else bound.get(rule.group)
     axis = normalize_axis(group if group is not None else dist.group.WORLD)
@@ -305,9 +310,7 @@ def _type_for_spmd_types(cls: type, rule: Rule, outputs: Any, args: Mapping[str,
     st_rules.ignore(*[t for _, t in typed], *[t for _, t in others])
     for n, t in others:  # weights, masks, targets: any type but a partial one
         if axis.size() > 1 and st.get_local_type(t).get(axis) is st.P:
-            raise st.SpmdTypeError(
-                f"diffcomm.{name}: argument {n!r} is P (partial) on axis {axis}: {SHARES}."
-            )
+            raise st.SpmdTypeError(f"{who}: argument {n!r} is P (partial) on axis {axis}: {SHARES}.")
     to_st = {R: None, V: st.V, P: st.P}
     results: list[Any] = []
     for n, x in typed:
@@ -325,7 +328,7 @@ def _type_for_spmd_types(cls: type, rule: Rule, outputs: Any, args: Mapping[str,
             expected = " or ".join(_st_names(t, rule.in_grad) for t in rule.maps)
             why = rule.refuse.get(ours, "")
             raise st.SpmdTypeError(
-                f"diffcomm.{name}: argument {n!r} is {have!r} on axis {axis}, expected {expected}"
+                f"{who}: argument {n!r} is {have!r} on axis {axis}, expected {expected}"
                 + (f": {why}" if why else "")
                 + "."
             )
@@ -334,7 +337,7 @@ def _type_for_spmd_types(cls: type, rule: Rule, outputs: Any, args: Mapping[str,
             want = st.I if rule.in_grad == REPLICATED else st.R
             if have is not want:
                 raise st.SpmdTypeError(
-                    f"diffcomm.{name}: argument {n!r} is {have!r} on axis {axis}, expected {want!r}: "
+                    f"{who}: argument {n!r} is {have!r} on axis {axis}, expected {want!r}: "
                     f"the backward of {name} gives it a {rule.in_grad} gradient, but a "
                     f"{have!r} value's gradient is "
                     + (

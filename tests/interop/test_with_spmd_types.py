@@ -29,7 +29,10 @@ from torch import nn
 
 import diffcomm as dc
 from diffcomm import parallel as par
-from diffcomm._replication import Rule, SpmdTypesRule
+from diffcomm._replication import PARTIAL, REPLICATED, Rule, SpmdTypesRule
+from diffcomm._replication import P as P_
+from diffcomm._replication import R as R_
+from diffcomm._replication import V as V_
 
 try:
     import spmd_types  # noqa: F401
@@ -243,6 +246,39 @@ def test_column_row_mlp_typechecks(world2: dc.LocalWorld) -> None:
         assert types["col.weight"] == types["col.bias"] == types["row.weight"] == "{default_pg: V}", types
         assert types["row.bias"] == "{default_pg: I}", types
         assert types["x.grad"] == "True"
+
+
+def _fused_body() -> dict[str, Any]:
+    """The fused tensor-parallel Functions (``parallel.overlap``: the communication hidden
+    behind the matmul) under spmd_types' checker: a comm-overlapped MLP on a replicated
+    input, a ring-overlapped sequence-parallel MLP on a sequence chunk."""
+    st, pg = _env()
+    from spmd_types.checker import typecheck
+
+    out: dict[str, Any] = {}
+    col = par.ColumnParallelLinear(H, FS, overlap="comm", dtype=F64, seed=0)
+    row = par.RowParallelLinear(FS, H, input_is_parallel=True, dtype=F64, seed=1)
+    scol = par.ColumnParallelLinear(H, FS, sequence_parallel=True, overlap="ring", dtype=F64, seed=0)
+    srow = par.RowParallelLinear(
+        FS, H, input_is_parallel=True, sequence_parallel=True, overlap="ring", dtype=F64, seed=1
+    )
+    with typecheck():
+        x = st.assert_type(_replicated(4, H), {pg: st.I})
+        y = row(F.gelu(col(x)))
+        y.pow(2).mean().backward()
+        out["comm"] = repr(st.get_local_type(y))
+        xs = st.assert_type(_shard(2, 3, H), {pg: st.V})  # (S / world, B, H)
+        ys = srow(F.gelu(scol(xs)))
+        _backward_varying(st, pg, ys.pow(2).sum())
+        out["ring"] = repr(st.get_local_type(ys))
+    out["grads"] = all(p.grad is not None for m in (col, scol, srow) for p in m.parameters())
+    return out
+
+
+@needs_spmd_types
+def test_fused_overlapped_tensor_parallel_functions_typecheck(world2: dc.LocalWorld) -> None:
+    for out in world2.run(_fused_body):
+        assert out == {"comm": "{default_pg: I}", "ring": "{default_pg: V}", "grads": True}, out
 
 
 class _LlamaStyleBlock(nn.Module):
@@ -607,19 +643,35 @@ class _Reduce(torch.autograd.Function):
         return rules.all_reduce(x, group, src=src, dst=I)
 
 
+class _RuledCopy(torch.autograd.Function):
+    """The same copy, its rule stated in diffcomm's vocabulary (``spmd = Rule(...)``): it
+    gets spmd_types' rule made from it."""
+
+    spmd = Rule({R_: R_}, out_grad=PARTIAL, in_grad=REPLICATED, group="group")
+    forward = _Copy.forward
+    backward = _Copy.backward
+
+
+class _RuledReduce(torch.autograd.Function):
+    spmd = Rule({V_: R_, P_: R_}, out_grad=REPLICATED, group="group")
+    forward = _Reduce.forward
+    backward = _Reduce.backward
+
+
 def _megatron_body() -> dict[str, Any]:
     st, pg = _env()
     col = _col()
     row = _row()
     x = _replicated(3, H)
 
-    def mlp(copy_first: bool, reduce_twice: bool, varying_input: bool) -> None:
+    def mlp(copy_first: bool, reduce_twice: bool, varying_input: bool, ruled: bool = False) -> None:
+        copy, reduce = (_RuledCopy, _RuledReduce) if ruled else (_Copy, _Reduce)
         inp = st.assert_type(_shard(3, H) if varying_input else x, {pg: st.V if varying_input else st.I})
-        h = _Copy.apply(inp, pg) if copy_first else inp
+        h = copy.apply(inp, pg) if copy_first else inp
         h = F.gelu(F.linear(h, col.weight, col.bias))
-        y = _Reduce.apply(F.linear(h, row.weight), pg)
+        y = reduce.apply(F.linear(h, row.weight), pg)
         if reduce_twice:
-            y = _Reduce.apply(y, pg)
+            y = reduce.apply(y, pg)
         (y + row.bias).pow(2).mean().backward()
 
     st.assert_type(col.weight, {pg: st.V})
@@ -631,6 +683,10 @@ def _megatron_body() -> dict[str, Any]:
         "copy missing": _checked(lambda: mlp(False, False, False)),
         "reduced twice": _checked(lambda: mlp(True, True, False)),
         "copy of a varying input": _checked(lambda: mlp(True, False, True)),
+        "ruled: correct": _checked(lambda: mlp(True, False, False, ruled=True)),
+        "ruled: copy missing": _checked(lambda: mlp(False, False, False, ruled=True)),
+        "ruled: reduced twice": _checked(lambda: mlp(True, True, False, ruled=True)),
+        "ruled: copy of a varying input": _checked(lambda: mlp(True, False, True, ruled=True)),
         "with diffcomm's ops": _checked(
             lambda: (
                 (row(F.gelu(col(st.assert_type(_replicated(3, H), {pg: st.I})))) + 0).pow(2).mean().backward()
@@ -644,8 +700,12 @@ def test_hand_written_megatron_pair_with_an_spmd_types_rule(world2: dc.LocalWorl
     for res in world2.run(_megatron_body):
         assert res["correct"] is None, res["correct"]
         assert res["with diffcomm's ops"] is None, res["with diffcomm's ops"]
+        assert res["ruled: correct"] is None, res["ruled: correct"]
         for misuse in ("copy missing", "reduced twice", "copy of a varying input"):
-            assert res[misuse] is not None and res[misuse][0] == "SpmdTypeError", (misuse, res[misuse])
+            for key in (misuse, f"ruled: {misuse}"):
+                assert res[key] is not None and res[key][0] == "SpmdTypeError", (key, res[key])
+        assert "_RuledReduce: argument 'x' is I" in res["ruled: reduced twice"][1]
+        assert "_RuledCopy: argument 'x' is V" in res["ruled: copy of a varying input"][1]
 
 
 # ======================================================================================
