@@ -442,6 +442,17 @@ def spmd_types_like(out: Any, src: Any) -> Any:
     return out
 
 
+def spmd_types_varying(x: Any, group: Any) -> Any:
+    """``x`` typed ``V`` over ``group`` for spmd_types (a value made from this rank's
+    number, e.g. the indices of its own heads). Call it under :func:`spmd_types_checking`
+    only."""
+    import torch.distributed as dist
+
+    st = _st()
+    st.assert_type(x, {group if group is not None else dist.group.WORLD: st.V})
+    return x
+
+
 def spmd_types_invariant(x: Any, group: Any) -> Any:
     """``x`` typed ``I`` over ``group`` for spmd_types (a value made from data every rank
     holds alike, e.g. exchanged counts, with no gradient). Call it under

@@ -281,6 +281,22 @@ def test_fused_overlapped_tensor_parallel_functions_typecheck(world2: dc.LocalWo
         assert out == {"comm": "{default_pg: I}", "ring": "{default_pg: V}", "grads": True}, out
 
 
+def _ulysses_body() -> str:
+    st, pg = _env()
+    from spmd_types.checker import typecheck
+
+    with typecheck():
+        q, k, v = (st.assert_type(_shard(1, 4, 3, 8), {pg: st.V}) for _ in range(3))  # sequence chunks
+        out = par.ulysses_attention(q, k, v, causal=True)
+        _backward_varying(st, pg, out.pow(2).sum())
+    return repr(st.get_local_type(out))
+
+
+@needs_spmd_types
+def test_ulysses_attention_typechecks(world2: dc.LocalWorld) -> None:
+    assert world2.run(_ulysses_body) == ["{default_pg: V}"] * 2
+
+
 class _LlamaStyleBlock(nn.Module):
     """Sequence-parallel TP attention (pre-norm), a context-parallel ring-attention
     sublayer (head-sharded projections re-sharded to sequence chunks with
