@@ -15,6 +15,9 @@ On ``builder-inited`` (before Sphinx looks for source files) it writes, under
   rule on every op, mapping and layer class: :func:`diffcomm.spmd.check.typing_table`)
   and the planted-bug corpus (:data:`diffcomm.spmd.corpus.BUGS`), included by
   ``spmd_types.md``;
+* ``spmd_types_table.md`` — every rule-bearing Function's rule in diffcomm's types and in
+  spmd_types' (the translation its ``spmd_typecheck`` applies), included by
+  ``with_spmd_types.md``;
 * ``notebooks/*.ipynb`` — copies of ``notebooks/*.ipynb`` (Sphinx only reads sources
   inside ``docs/``). If ``tests/test_notebooks.py`` has left an executed copy newer than
   the source in ``docs/_build/executed/``, that copy is used, so the rendered pages show
@@ -122,7 +125,29 @@ def spmd_corpus_page() -> str:
     return _table_page("diffcomm.spmd.corpus.BUGS", corpus_markdown())
 
 
+def spmd_types_table_page() -> str:
+    """Every rule-bearing Function's rule in diffcomm's types and in spmd_types' (the
+    same ``Rule`` object, translated by ``diffcomm._replication.describe_for_spmd_types``,
+    the translation its ``spmd_typecheck`` applies), included by ``with_spmd_types.md``."""
+    from diffcomm._replication import describe_for_spmd_types
+    from diffcomm.spmd.check import _op_name, typed_functions
+
+    rows = []
+    for cls in typed_functions():
+        rule = cls.__dict__["spmd"]
+        fwd = rule.describe()[0]
+        rows.append((f"`{_op_name(cls, qualified=True)}`", fwd, describe_for_spmd_types(rule)))
+    rows.sort(key=lambda r: (r[0].count("."), r[0]))
+    lines = ["| Function | diffcomm's rule (R / V / P) | spmd_types' rule (I / R / V / P) |", "|---|---|---|"]
+    lines += ["| " + " | ".join(x.replace("|", "\\|") for x in r) + " |" for r in rows]
+    return _table_page(
+        "the spmd rules of diffcomm's Functions, as diffcomm._replication.SpmdTypesRule translates them",
+        "\n".join(lines),
+    )
+
+
 def generate(app: Any = None) -> None:
+    _write(GENERATED / "spmd_types_table.md", spmd_types_table_page().encode())
     _write(GENERATED / "spmd_table.md", spmd_table_page().encode())
     _write(GENERATED / "spmd_corpus.md", spmd_corpus_page().encode())
     _write(GENERATED / "duals.md", duals_page().encode())

@@ -4,6 +4,12 @@ Kept free of every other diffcomm module (only ``torch``-free Python), so each o
 mapping and layer can state its rule beside its other facts (``spmd = Rule(...)``) without
 an import cycle; the checker that reads the rules is :mod:`diffcomm.spmd.check`.
 
+The same rules, translated, are spmd_types' (``spmd_types.checker.typecheck()``): stating
+``spmd = Rule(...)`` also gives the class ``spmd_typecheck`` (:class:`SpmdTypesRule`); the
+helpers at the end let the layers type their parameters for it. ``torch`` and
+``spmd_types`` are imported only inside those, which run only while spmd_types checks
+(see ``docs/with_spmd_types.md``).
+
 The types, per process group (see ``docs/spmd_types.md`` for the reasoning):
 
 ``R`` replicated
@@ -135,6 +141,12 @@ class Rule:
     group: str | Callable[[Mapping[str, Any]], Any] = "pg"
     outputs: tuple[T | None, ...] | None = None
 
+    def __set_name__(self, owner: type, name: str) -> None:
+        # the class states its rule as ``spmd``: it also carries spmd_types' rule, made from
+        # this one (``owner.spmd_typecheck``, read only by spmd_types' checker)
+        if name == "spmd" and "spmd_typecheck" not in owner.__dict__:
+            owner.spmd_typecheck = SpmdTypesRule(self)  # type: ignore[attr-defined]
+
     def out_type(self, t: T) -> T | None:
         """The output type for input type ``t`` (``None``: refused)."""
         return self.maps.get(t)
@@ -173,3 +185,312 @@ class LayerRule:
     why: Callable[[Any], str] = lambda m: ""
     params: Callable[[Any], Mapping[str, T]] | None = None
     group: Callable[[Any], Any] = lambda m: getattr(m, "_pg", None)
+    #: the gradient of its replicated parameters: ``REPLICATED`` (a replicated objective,
+    #: tensor parallelism) or ``PARTIAL`` (the sum convention: summed over the group after
+    #: backward, e.g. an expert-parallel router); spmd_types' ``I`` or ``R`` for them
+    replicated_grad: str = REPLICATED
+
+
+# ======================================================================================
+# the same rules, for spmd_types' checker
+# ======================================================================================
+
+
+class SpmdTypesRule:
+    """``cls.spmd_typecheck`` of a class stating ``spmd = Rule(...)``: the class's rule in
+    the words of ``spmd_types`` (PyTorch's typed SPMD; ``spmd_types.checker.typecheck()``
+    reads this attribute of every ``torch.autograd.Function`` it sees applied).
+
+    Made from the :class:`Rule` itself (no second table), by the type mapping of
+    ``docs/with_spmd_types.md``: spmd_types' ``I`` (invariant) is our replicated value whose
+    gradient is replicated, its ``R`` a replicated value whose gradient is partial, ``V`` /
+    ``S(i)`` varying, ``P`` partial. A descriptor: the hook (a function whose keyword-only
+    parameters are ``forward``'s, as spmd_types requires) is made on first use per class,
+    and nothing here imports torch or spmd_types until spmd_types calls it.
+    """
+
+    def __init__(self, rule: Rule) -> None:
+        self.rule = rule
+        self._hooks: dict[type, Callable[..., None]] = {}
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Callable[..., None]:
+        owner = cls if cls is not None else type(obj)
+        hook = self._hooks.get(owner)
+        if hook is None:
+            hook = self._hooks[owner] = _spmd_types_hook(owner, self.rule)
+        return hook
+
+
+def _st(sub: str = "") -> Any:
+    """``spmd_types`` (or its submodule ``sub``): only called while spmd_types checks, so
+    it is imported already (typed ``Any``: diffcomm type-checks without it installed)."""
+    import importlib
+
+    return importlib.import_module("spmd_types" + (f".{sub}" if sub else ""))
+
+
+def _forward_names(cls: type) -> tuple[str, ...]:
+    """``cls.forward``'s parameter names, without a ``ctx`` (as spmd_types binds them)."""
+    import inspect
+
+    import torch
+
+    params = list(inspect.signature(cls.forward).parameters)  # type: ignore[attr-defined]
+    if cls.setup_context is torch.autograd.Function.setup_context:  # type: ignore[attr-defined]
+        params = params[1:]  # forward(ctx, ...)
+    return tuple(params)
+
+
+def _spmd_types_hook(cls: type, rule: Rule) -> Callable[..., None]:
+    import inspect
+
+    names = _forward_names(cls)
+
+    def spmd_typecheck(outputs: Any, **args: Any) -> None:
+        _type_for_spmd_types(cls, rule, outputs, args)
+
+    kw = inspect.Parameter.KEYWORD_ONLY
+    spmd_typecheck.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter("outputs", inspect.Parameter.POSITIONAL_ONLY)]
+        + [inspect.Parameter(n, kw) for n in names]
+    )
+    spmd_typecheck.__qualname__ = f"{cls.__qualname__}.spmd_typecheck"
+    return spmd_typecheck
+
+
+def _logical_args(
+    cls: type, rule: Rule, args: Mapping[str, Any]
+) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """``(bound arguments by name, [(name, typed tensor)])`` of one call: a list op's
+    ``forward(x0, *args)`` is ``(xs[0], *meta, *xs[1:])`` (its ``run(xs, *meta)`` names)."""
+    import torch
+
+    nmeta = getattr(cls, "nmeta", None)
+    if nmeta is not None and tuple(args) == ("x0", "args"):
+        run = cls.__dict__["run"].__func__
+        run_names = run.__code__.co_varnames[: run.__code__.co_argcount]
+        rest = tuple(args["args"])
+        xs = (args["x0"], *rest[nmeta:])
+        bound = dict(zip(run_names[1:], rest[:nmeta]))
+        return bound, [(f"{run_names[0]}[{i}]", x) for i, x in enumerate(xs) if isinstance(x, torch.Tensor)]
+    bound = dict(args)
+    names = list(args)
+    pos = rule.tensors if rule.tensors is not None else (0,)
+    typed = [(names[i], args[names[i]]) for i in pos if i < len(names)]
+    return bound, [(n, x) for n, x in typed if isinstance(x, torch.Tensor)]
+
+
+def _type_for_spmd_types(cls: type, rule: Rule, outputs: Any, args: Mapping[str, Any]) -> None:
+    """Check ``rule`` on one call's arguments in spmd_types' types and type its outputs
+    (the body of every ``spmd_typecheck`` made by :class:`SpmdTypesRule`)."""
+    import torch
+    import torch.distributed as dist
+
+    st, st_rules, normalize_axis = _st(), _st("rules"), _st("types").normalize_axis
+
+    name = getattr(cls, "name", "")  # a CommOp's public name, else module.Class
+    if not isinstance(name, str) or not name:
+        name = f"{cls.__module__.removeprefix('diffcomm.')}.{cls.__name__.lstrip('_')}"
+    who = (
+        f"diffcomm.{name}"
+        if cls.__module__.startswith("diffcomm")
+        else f"{cls.__module__}.{cls.__qualname__}"
+    )
+    bound, typed = _logical_args(cls, rule, args)
+    group = rule.group(bound) if callable(rule.group) else bound.get(rule.group)
+    axis = normalize_axis(group if group is not None else dist.group.WORLD)
+    if rule.nonlinear is not None and bound.get("op") in ("max", "min", "product"):
+        rule = rule.nonlinear
+    others = [
+        (n, t)
+        for n, v in args.items()
+        for t in (v if isinstance(v, (tuple, list)) else (v,))
+        if isinstance(t, torch.Tensor) and all(t is not x for _, x in typed)
+    ]
+    st_rules.ignore(*[t for _, t in typed], *[t for _, t in others])
+    for n, t in others:  # weights, masks, targets: any type but a partial one
+        if axis.size() > 1 and st.get_local_type(t).get(axis) is st.P:
+            raise st.SpmdTypeError(f"{who}: argument {n!r} is P (partial) on axis {axis}: {SHARES}.")
+    to_st = {R: None, V: st.V, P: st.P}
+    results: list[Any] = []
+    for n, x in typed:
+        local = dict(st.get_local_type(x))
+        if axis.size() == 1:
+            results.append((x, local))
+            continue
+        have = local.get(axis)
+        if have is None:  # untyped on this axis: the rule's first input type establishes it
+            first = next(iter(rule.maps))
+            have = (st.I if rule.in_grad == REPLICATED else st.R) if first is R else to_st[first]
+        ours = {st.I: R, st.R: R, st.V: V, st.P: P}[have]
+        out = rule.maps.get(ours)
+        if out is None:
+            expected = " or ".join(_st_names(t, rule.in_grad) for t in rule.maps)
+            why = rule.refuse.get(ours, "")
+            raise st.SpmdTypeError(
+                f"{who}: argument {n!r} is {have!r} on axis {axis}, expected {expected}"
+                + (f": {why}" if why else "")
+                + "."
+            )
+        needs_grad = torch.is_grad_enabled() and x.requires_grad
+        if ours is R and rule.in_grad is not None and needs_grad:
+            want = st.I if rule.in_grad == REPLICATED else st.R
+            if have is not want:
+                raise st.SpmdTypeError(
+                    f"{who}: argument {n!r} is {have!r} on axis {axis}, expected {want!r}: "
+                    f"the backward of {name} gives it a {rule.in_grad} gradient, but a "
+                    f"{have!r} value's gradient is "
+                    + (
+                        "partial (summed later over the ranks: it would be summed twice)"
+                        if have is st.R
+                        else "replicated (never summed: each rank's share would be lost)"
+                    )
+                    + "."
+                )
+        if out is R:
+            kind = rule.out_grad
+            if kind is None:  # the rule needs no gradient kind: an R or I input keeps its own
+                local[axis] = have if have is st.I or have is st.R else st.R
+            else:
+                local[axis] = st.R if kind == PARTIAL else st.I
+        else:
+            local[axis] = to_st[out]
+        results.append((x, local))
+    _stamp(rule, outputs, results, axis)
+
+
+def _st_names(t: T, grad: str | None) -> str:
+    """spmd_types' name of our type ``t`` as an input whose gradient the rule gives as
+    ``grad`` (``in_grad``), or as an output whose gradient it needs as ``grad``
+    (``out_grad``)."""
+    if t is not R:
+        return t.name
+    return {REPLICATED: "I", PARTIAL: "R"}.get(grad or "", "R or I")
+
+
+def describe_for_spmd_types(rule: Rule) -> str:
+    """``rule`` in spmd_types' types, e.g. ``"V -> I, P -> I"`` (the docs' table; the same
+    translation the hooks apply: :func:`_type_for_spmd_types`)."""
+
+    def one(r: Rule) -> str:
+        parts = []
+        for t, u in r.maps.items():
+            src = _st_names(t, r.in_grad)
+            dst = _st_names(u, r.out_grad)
+            if u is R and r.out_grad is None:  # the gradient kind of an R / I input is kept
+                dst = "R" if t is not R else "R or I (as the input)"
+            parts.append(f"{src} -> {dst}")
+        return ", ".join(parts)
+
+    text = one(rule)
+    if rule.nonlinear is not None:
+        text += f" (max/min/product: {one(rule.nonlinear)})"
+    if rule.outputs is not None:
+        outs = ", ".join("-" if t is None else _st_names(t, rule.out_grad) for t in rule.outputs)
+        text += f"; outputs ({outs})"
+    return text
+
+
+def _stamp(rule: Rule, outputs: Any, results: list[tuple[Any, dict[Any, Any]]], axis: Any) -> None:
+    """Stamp ``outputs`` with the types in ``results`` (one per typed input; a single
+    output takes the first), or with ``rule.outputs`` where the Function states them."""
+    import torch
+
+    st, st_rules = _st(), _st("rules")
+
+    outs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    base = dict(results[0][1]) if results else {}
+    for i, o in enumerate(outs):
+        if not isinstance(o, torch.Tensor):
+            continue
+        if rule.outputs is not None:
+            t = rule.outputs[min(i, len(rule.outputs) - 1)]
+            local = dict(base)
+            if axis.size() > 1:
+                if t is R:
+                    local[axis] = st.I if rule.out_grad == REPLICATED else st.R
+                elif t is not None:
+                    local[axis] = st.V if t is V else st.P
+        else:
+            local = results[min(i, len(results) - 1)][1] if results else {}
+        typed = st_rules.NdimWithSpmdType(o.ndim)
+        st.assert_type(typed, local)
+        st_rules.output(o, typed)
+
+
+def spmd_types_checking(attrs: Mapping[str, Any]) -> bool:
+    """Whether spmd_types' checker is active: ``attrs`` is ``torch.autograd.Function``'s
+    ``__dict__``, whose ``apply`` spmd_types replaces while it checks (see
+    ``diffcomm.ops.base``). Costs a lookup; imports nothing."""
+    return type(attrs["apply"]) is not classmethod
+
+
+def spmd_types_paused() -> Any:
+    """spmd_types' ``no_typecheck()`` block, for diffcomm's own metadata exchanges outside
+    any Function (a receive's shape header): not typed data. Call it under
+    :func:`spmd_types_checking` only."""
+    return _st().no_typecheck()
+
+
+def spmd_types_like(out: Any, src: Any) -> Any:
+    """``out`` (a fresh tensor: zeros a result is accumulated into) with ``src``'s
+    spmd_types type while spmd_types checks (its factories make untyped tensors); ``out``
+    as it is otherwise. Call it under :func:`spmd_types_checking` only."""
+    st = _st()
+    if st.has_local_type(src) and not st.get_local_type(out):
+        st.assert_type(out, dict(st.get_local_type(src)))
+    return out
+
+
+def spmd_types_varying(x: Any, group: Any) -> Any:
+    """``x`` typed ``V`` over ``group`` for spmd_types (a value made from this rank's
+    number, e.g. the indices of its own heads). Call it under :func:`spmd_types_checking`
+    only."""
+    import torch.distributed as dist
+
+    st = _st()
+    st.assert_type(x, {group if group is not None else dist.group.WORLD: st.V})
+    return x
+
+
+def spmd_types_invariant(x: Any, group: Any) -> Any:
+    """``x`` typed ``I`` over ``group`` for spmd_types (a value made from data every rank
+    holds alike, e.g. exchanged counts, with no gradient). Call it under
+    :func:`spmd_types_checking` only."""
+    import torch.distributed as dist
+
+    st = _st()
+    st.assert_type(x, {group if group is not None else dist.group.WORLD: st.I})
+    return x
+
+
+def annotate_params_for_spmd_types(root: Any) -> None:
+    """Give every parameter of the module tree ``root`` its spmd_types type, over its
+    layer's group, from the layer's own facts (``_shard_dims`` / its :class:`LayerRule`):
+    sharded parameters (and those the rule names) ``V``; the rest replicated: ``I``, or
+    ``R`` where the rule says their gradient is partial (``replicated_grad``). A parameter
+    already typed on that axis (by the user, or earlier) keeps its type. Called by the
+    layers' forward pre-hooks while spmd_types checks (never imports it otherwise)."""
+    import torch.distributed as dist
+
+    st, normalize_axis = _st(), _st("types").normalize_axis
+
+    for _, m in reversed(list(root.named_modules())):  # the innermost layer decides
+        rule = getattr(type(m), "spmd", None)
+        if not isinstance(rule, LayerRule) and not hasattr(m, "_shard_dims"):
+            continue
+        group = rule.group(m) if isinstance(rule, LayerRule) else getattr(m, "_pg", None)
+        axis = normalize_axis(group if group is not None else dist.group.WORLD)
+        if axis.size() == 1:
+            continue
+        declared = rule.params(m) if isinstance(rule, LayerRule) and rule.params is not None else {}
+        dims = getattr(m, "_shard_dims", None) or {}
+        kind = rule.replicated_grad if isinstance(rule, LayerRule) else REPLICATED
+        for pname, p in m.named_parameters():
+            if axis in st.get_local_type(p):
+                continue
+            if declared.get(pname) is V or dims.get(pname) is not None:
+                t = st.V
+            else:
+                t = st.I if kind == REPLICATED else st.R
+            st.assert_type(p, {axis: t})

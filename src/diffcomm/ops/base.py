@@ -95,7 +95,7 @@ class FastFunction(torch.autograd.Function):
         # method. It only enters it as a frame of its own when eager code runs under an
         # active torch.compile (after a graph break), and it cannot trace ``super().apply``
         # ("AutogradFunctionVariable() is not a constant"): so run it eagerly (~1 us).
-        if _transforms_active() or _compiling():
+        if _transforms_active() or _compiling() or type(_FUNCTION_ATTRS["apply"]) is not classmethod:
             return super().apply(*args)
         if _async.launching(cls):  # async_op=True, or an asynchronous op's backward
             return _async.launch_fn(cls, args)
@@ -107,6 +107,12 @@ _c_apply = _torch.c_apply  # the C++ apply, called as (cls, *args)
 _unwrap_if_dead = _torch.unwrap_if_dead
 
 _fwad = torch.autograd.forward_ad
+#: ``torch.autograd.Function``'s own attributes (a live view): while ``spmd_types`` checks
+#: (``spmd_types.checker.typecheck()``), its ``apply`` is spmd_types' descriptor, not the
+#: classmethod, and every apply takes that full path, where spmd_types reads the Function's
+#: ``spmd_typecheck`` rule. One dict lookup and a type test on the hot path otherwise
+#: (``spmd_types`` itself is never imported here).
+_FUNCTION_ATTRS = torch.autograd.Function.__dict__
 _compiling = _torch.compiling  # the one compile check (one frame; dynamo folds it to True)
 _get_label, _set_label, _reset_label = B.LABEL.get, B.LABEL.set, B.LABEL.reset
 _grad_enabled = torch.is_grad_enabled
@@ -134,7 +140,7 @@ def apply(fn_cls: Any, *args: Any, async_op: bool = False) -> Any:
             )
         with _async.async_if(True):
             return apply(fn_cls, *args)
-    if _compiling() or _transforms_active():
+    if _compiling() or _transforms_active() or type(_FUNCTION_ATTRS["apply"]) is not classmethod:
         return fn(fn_cls).apply(*args)
     if _ASYNC_ACTIVE[0] and _async.launching(fn_cls):
         return _async.launch_fn(fn_cls, args)
@@ -484,7 +490,7 @@ class ListOp(_Op):
 
     @classmethod
     def apply(cls, *args: Any) -> Any:  # run eagerly under compile as FastFunction.apply
-        if _transforms_active() or _compiling():
+        if _transforms_active() or _compiling() or type(_FUNCTION_ATTRS["apply"]) is not classmethod:
             return super(FastFunction, cls).apply(*args)
         if _async.launching(cls):
             return _async.launch_fn(cls, args)

@@ -48,6 +48,7 @@ from torch import Tensor
 
 from .. import _config, _lifecycle, _torch
 from .. import backend as B
+from .._replication import spmd_types_checking
 from .._torch import tree_map_only
 from ..accelerator import get_accelerator
 
@@ -204,6 +205,7 @@ def _stop(group: Any, exiting: bool) -> None:
 
 
 _lifecycle.on_destroy("async engine", _stop)
+_FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_types_checking)
 
 
 def available() -> bool:
@@ -211,9 +213,15 @@ def available() -> bool:
 
     Not while ``torch.compile`` traces or a ``torch.func`` transform / forward-mode AD
     level is active: those see through tensors to their values, so there the asynchronous
-    ops run blocking and return plain tensors (same values and gradients).
+    ops run blocking and return plain tensors (same values and gradients). Nor while
+    spmd_types' checker is active (it types each op as it is applied).
     """
-    return not (_torch.compiling() or _torch.transforms_active() or _torch.forward_ad_level() >= 0)
+    return not (
+        _torch.compiling()
+        or _torch.transforms_active()
+        or _torch.forward_ad_level() >= 0
+        or spmd_types_checking(_FUNCTION_ATTRS)
+    )
 
 
 # ======================================================================================

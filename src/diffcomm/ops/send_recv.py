@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .. import _torch
 from .. import backend as B
-from .._replication import PARTIAL, SHARES, P, R, Rule, V
+from .._replication import PARTIAL, SHARES, P, R, Rule, V, spmd_types_checking, spmd_types_paused
 from ..backend import args as A
 from . import wire as T
 from .base import CommOp, batch_first, call
@@ -23,6 +23,7 @@ from .registry import Kwargs
 from .wire import MAX_NDIM, MAX_TAG
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_types_checking)
 PG = Any  # resolved ProcessGroup (or None for the default group)
 
 
@@ -322,7 +323,11 @@ def recv(
     r = _receive(src, shape, dtype, like, group, tag, device, "recv")
     header = torch.zeros(T.HEADER_LEN, dtype=torch.int64, device=B.group_info(r.pg).device)
     with B.label(f"recv(src={r.src}, tag={r.tag}) header"):
-        T.recv_into(header, r.src, r.pg, r.tag)
+        if spmd_types_checking(_FUNCTION_ATTRS):  # metadata, not typed data
+            with spmd_types_paused():
+                T.recv_into(header, r.src, r.pg, r.tag)
+        else:
+            T.recv_into(header, r.src, r.pg, r.tag)
     return _finish_recv(header, r)
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import backend as B
+from .._replication import annotate_params_for_spmd_types, spmd_types_checking
 from ..backend import args as A
 from ..ops import collectives as C
 from .mappings import copy_to_region, copy_to_region_coalesced
@@ -22,6 +23,7 @@ from .mappings import copy_to_region, copy_to_region_coalesced
 __all__ = ["ParallelModule"]
 
 Index = tuple[slice, ...]
+_FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_types_checking)
 
 
 # ======================================================================================
@@ -77,6 +79,8 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     coalesced reduction in backward per group; a lone tensor uses ``copy_to_region``)."""
     if module.__dict__.get("_region_copies") is not None:
         return  # inside an outer ParallelModule's forward: it made the copies
+    if spmd_types_checking(_FUNCTION_ATTRS):
+        annotate_params_for_spmd_types(module)
     members = [m for m in module.modules() if isinstance(m, ParallelModule)]
     groups: list[tuple[Any, list[Tensor]]] = []
     seen: set[int] = set()

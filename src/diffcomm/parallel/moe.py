@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._replication import LayerRule, R, V
+from .._replication import PARTIAL, LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
 from ..backend import args as A
 from ..ops import coalesced as K
 from ..ops import collectives as C
@@ -237,6 +237,9 @@ class _DrawnFrom:
             self._devices.__exit__(*exc)
 
 
+_FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_types_checking)
+
+
 class ExpertParallelMoE(nn.Module):
     """Mixture of experts with the experts sharded over an expert-parallel group.
 
@@ -297,6 +300,7 @@ class ExpertParallelMoE(nn.Module):
         why=lambda m: "its tokens",
         params=lambda m: {n: V for n, _ in m.experts.named_parameters(prefix="experts")},
         doc="varying or replicated (its tokens); the experts' parameters varying, the router's replicated",
+        replicated_grad=PARTIAL,
     )
 
     def __init__(
@@ -513,6 +517,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``x``: ``(..., H)`` this rank's tokens; returns ``(..., H)``."""
+        if spmd_types_checking(_FUNCTION_ATTRS):  # spmd_types' checker: type the parameters
+            annotate_params_for_spmd_types(self)
         x2 = _tokens("parallel.ExpertParallelMoE", x, self.hidden_size)
         gate, index, probs = route(self.router(x2), self.k, renormalize=self.renormalize)
         overlap = self.overlap_shared and self.shared_expert is not None

@@ -15,6 +15,7 @@ of the forward: nothing is exchanged again.
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from .. import _config, _torch
 from .. import backend as B
-from .._replication import HOOK
+from .._replication import HOOK, spmd_types_checking, spmd_types_invariant, spmd_types_like
 from ..backend import args as A
 from ..ops import collectives as C
 from ..ops import engine as _async
@@ -32,6 +33,7 @@ from ._module import check_positive, resolve_parallel_group
 
 if TYPE_CHECKING:
     from ..ops.precision import Precision
+_FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_types_checking)
 
 __all__ = ["DispatchPlan", "route", "dispatch", "combine", "load_balancing_loss"]
 
@@ -246,6 +248,13 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
         return x.index_select(0, perm)
+
+    @staticmethod
+    def spmd_typecheck(*, x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+        """spmd_types' rule (read only by its checker): local, no communication; the
+        output has ``x``'s type (the permutation is this rank's own index data)."""
+        importlib.import_module("spmd_types.rules").ignore(perm, inverse)
+        return x
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -468,6 +477,8 @@ def combine(
         )
     w = gate_weights.reshape(-1).index_select(0, plan.slot_index).to(back.dtype)
     out = back.new_zeros(plan.num_tokens, back.shape[1])
+    if spmd_types_checking(_FUNCTION_ATTRS):
+        spmd_types_like(out, back)
     if _torch.transforms_active():  # (vmap: no in-place into unbatched zeros)
         return out.index_add(0, plan.token_index, back * w.unsqueeze(1))
     # into the fresh zeros in place (autograd records it: the zeros need no gradient)
@@ -504,4 +515,6 @@ def load_balancing_loss(probs: Tensor, plan: DispatchPlan) -> Tensor:
     if plan.total_tokens == 0 or k_total == 0:
         return probs.sum() * 0.0
     f = plan.tokens_per_expert.to(probs.dtype).to(probs.device) / k_total
+    if spmd_types_checking(_FUNCTION_ATTRS):  # the counts were exchanged: alike on every rank
+        spmd_types_invariant(f, plan.group)
     return e * (probs.sum(dim=0) * f).sum() / plan.total_tokens

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..._replication import P, R, Rule, V
+from ..._replication import P, R, Rule, V, spmd_types_checking, spmd_types_invariant, spmd_types_varying
 from ...backend import args as A
 from ...ops import collectives as C
 from .args import check_causal, check_qkv, check_scale
@@ -24,6 +24,8 @@ from .layout import (
     ring_local_len,
 )
 from .ring import ring_attention
+
+_FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_types_checking)
 
 __all__ = ["ulysses_attention", "usp_attention"]
 
@@ -173,6 +175,9 @@ def _ulysses(
     need = [sorted({h // G for h in range(starts[r], starts[r] + hs[r])}) for r in range(world)]
     kv_idx = torch.tensor([h for n in need for h in n], dtype=torch.int64, device=k.device)
     kv_sizes = [len(n) for n in need]
+    checking = spmd_types_checking(_FUNCTION_ATTRS)
+    if checking:  # spmd_types' checker: alike on every rank
+        spmd_types_invariant(kv_idx, pg)
     k_send = k.index_select(1, kv_idx)  # differentiable: replicated heads' grads are summed back
     v_send = v.index_select(1, kv_idx)
     qh = _heads_to_seq(q, hs, lens, pg, rank)
@@ -185,6 +190,8 @@ def _ulysses(
         dtype=torch.int64,
         device=k.device,
     )
+    if checking:  # this rank's own heads
+        spmd_types_varying(local_kv, pg)
     if hs[rank] == 0:
         oh = q.new_zeros(q.shape[0], 0, sum(lens), v.shape[-1]) + 0 * (qh.sum() + kh.sum() + vh.sum())
     else:
