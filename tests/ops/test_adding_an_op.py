@@ -371,15 +371,46 @@ def test_transforms_compile_and_async(world2: dc.LocalWorld) -> None:
         assert res["async_type"] == "AsyncTensor" and res["async"], (r, res)
 
 
-def test_a_built_in_op_is_its_module_alone(tmp_path: Path) -> None:
+#: the names a built-in op adds besides its module: (file, after this line, the lines to add)
+_NAMED = [
+    (
+        "ops/collectives.py",
+        "from .all_to_all import raw_all_to_all\n",
+        "from .stacking import all_stack as all_stack\nfrom .stacking import sum_unstack as sum_unstack\n",
+    ),
+    ("ops/collectives.py", '    "all_to_all",\n', '    "all_stack",\n    "sum_unstack",\n'),
+    ("ops/p2p.py", "from .send_recv import send as send\n", "from .stacking import mirror as mirror\n"),
+    ("ops/p2p.py", '    "ppermute",\n', '    "mirror",\n'),
+    (
+        "__init__.py",
+        "    from .ops.collectives import all_to_all as all_to_all\n",
+        "    from .ops.collectives import all_stack as all_stack\n"
+        "    from .ops.collectives import sum_unstack as sum_unstack\n",
+    ),
+    (
+        "__init__.py",
+        "    from .ops.p2p import ppermute as ppermute\n",
+        "    from .ops.p2p import mirror as mirror\n",
+    ),
+    ("__init__.py", '    "all_to_all",\n', '    "all_stack",\n    "sum_unstack",\n'),
+    ("__init__.py", '    "ppermute",\n', '    "mirror",\n'),
+    (
+        "tools/op_names.py",
+        '        "all_to_all",\n',
+        '        "all_stack",\n        "sum_unstack",\n',
+    ),
+    ("tools/op_names.py", '"ppermute")', '"ppermute", "mirror")'),
+]
+
+
+def test_a_built_in_op_is_its_module_and_its_names(tmp_path: Path) -> None:
     """The same block added to diffcomm itself: written as a new module of ``diffcomm.ops``
-    in a copy of the package, with **no other file edited**, its ops are ``dc.all_stack``
-    / ``dc.mirror`` (and in ``__all__``), attributes of their families' homes
-    (``dc.collectives``, ``dc.p2p``), in the registry and the docs tables, named by
-    ``check --help`` and checked by ``python -m diffcomm check`` without ``--module``.
-    So at run time a new built-in collective or p2p op is its module and its test; the
-    third file is one ``name as name`` line in ``__init__.py``'s ``TYPE_CHECKING`` block,
-    read only by type checkers and IDEs (``test_packaging`` names an op missing there)."""
+    in a copy of the package, its names imported by its family's home (``dc.collectives``,
+    ``dc.p2p``) and by the package face and listed for the command line
+    (``tools/op_names.py``), with **no other file edited**: its ops are ``dc.all_stack`` /
+    ``dc.mirror`` (and in ``__all__``), attributes of their homes, in the registry and the
+    docs tables, named by ``check --help`` and checked by ``python -m diffcomm check``
+    without ``--module``. tests/test_packaging.py names an op missing from one of the lists."""
     import json
     import shutil
 
@@ -390,9 +421,20 @@ def test_a_built_in_op_is_its_module_alone(tmp_path: Path) -> None:
         '"""all_stack / sum_unstack / mirror."""\n\n'
         + re.sub(r"  # noqa: E402.*", "", _block(Path(__file__).read_text()))
     )
+    for rel, anchor, lines in _NAMED:
+        path = src / "diffcomm" / rel
+        text = path.read_text()
+        assert text.count(anchor) == 1, (rel, anchor)
+        path.write_text(text.replace(anchor, anchor + lines if anchor.endswith("\n") else lines))
     before = sorted(p.relative_to(ROOT / "src") for p in (ROOT / "src" / "diffcomm").rglob("*.py"))
     after = sorted(p.relative_to(src) for p in (src / "diffcomm").rglob("*.py"))
-    assert sorted({*before, added.relative_to(src)}) == after  # one file more, nothing else
+    assert sorted({*before, added.relative_to(src)}) == after  # one file more
+    edited = {
+        str(p.relative_to(src / "diffcomm"))
+        for p in (src / "diffcomm").rglob("*.py")
+        if p != added and p.read_text() != (ROOT / "src" / p.relative_to(src)).read_text()
+    }
+    assert edited == {"ops/collectives.py", "ops/p2p.py", "__init__.py", "tools/op_names.py"}
     env = {**os.environ, "PYTHONPATH": str(src)}
     probe = (
         "import json, diffcomm as dc\n"

@@ -39,20 +39,28 @@ prune it and leave the sender waiting); double backward and forward mode through
 Where they live: ``send`` / ``recv`` (and the posted receives and the pipeline runner's
 private entries) in :mod:`diffcomm.ops.send_recv`; ``sendrecv`` / ``shift`` /
 ``ppermute`` in :mod:`diffcomm.ops.exchanges`. This module is their public home, with the
-registry's views of the ``"p2p"`` family: it binds the public function of every op of the
-family (found by :mod:`diffcomm.ops.families`, in the registry's order; no file lists
-them), and an op a user's module defines later is an attribute here too.
+registry's views of the ``"p2p"`` family: it imports each op of the family by name, in the
+registry's order (tests/test_packaging.py checks that every registered built-in op of the
+family is here); an op a user's module defines is in the views, not an attribute here.
 """
 
 from __future__ import annotations
 
-from . import families
+from .exchanges import ppermute as ppermute
+from .exchanges import sendrecv as sendrecv
+from .exchanges import shift as shift
 from .registry import DualsView, FamilyView, markdown
 from .send_recv import RecvHandle, check_tag, irecv, irecv_fused, is_send_node, post_grad_recv, send_owned
+from .send_recv import recv as recv
+from .send_recv import send as send
 from .wire import MAX_NDIM, MAX_TAG, wait_sends
 
 __all__ = [
-    *families.export("p2p", globals()),  # the ops: send, recv, sendrecv, shift, ppermute
+    "send",
+    "recv",
+    "sendrecv",
+    "shift",
+    "ppermute",
     "irecv",
     "RecvHandle",
     "post_grad_recv",
@@ -82,7 +90,3 @@ DUALS = DualsView("p2p")
 def p2p_markdown() -> str:
     """The p2p op -> adjoint table as Markdown (the docs include this)."""
     return markdown("p2p")
-
-
-#: an op of the family a user's module defines later is an attribute too
-__getattr__ = families.late_ops("p2p", __name__)
