@@ -471,3 +471,40 @@ def test_a_built_in_op_is_its_module_and_its_names(tmp_path: Path) -> None:
     out = json.loads(p.stdout)
     assert out["ok"] and [r["op"] for r in out["cases"]].count("all_stack") == 3
     assert {r["op"] for r in out["cases"]} == set(NEW) and len(out["cases"]) == 3 + 2 + 2
+
+
+_MIRROR_DUAL_ARGS = """
+    @staticmethod
+    def dual_args(kw: dict[str, Any], world: int) -> tuple[dict[str, Any], float]:
+        return {}, 1.0
+"""
+_ALL_STACK_REFERENCE = """
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[dict[str, Any]]) -> list[Tensor]:  # serial
+        return [torch.stack(xs, kws[0].get("dim", 0)) for _ in xs]
+"""
+
+
+def test_a_user_op_without_dual_args_is_checked_and_a_missing_reference_named(tmp_path: Path) -> None:
+    """``dual_args`` is optional: ``mirror`` without it passes ``check`` (its backward is
+    compared with the serial reference's gradient; no dot-product test). A collective with
+    ``cases`` but no ``reference`` is refused before any rank starts, by ``verify``'s words."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    block = re.sub(r"  # noqa: E402.*", "", _block(Path(__file__).read_text()))
+    assert block.count(_MIRROR_DUAL_ARGS) == 1 and block.count(_ALL_STACK_REFERENCE) == 1
+    no_dual_args = tmp_path / "no_dual_args.py"
+    no_dual_args.write_text(block.replace(_MIRROR_DUAL_ARGS, ""))
+    p = _python_m_diffcomm(
+        "check", "-n", "2", "--module", str(no_dual_args), "--ops", "mirror", "--json", cwd=tmp_path, env=env
+    )
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    out = json.loads(p.stdout)
+    assert out["ok"] and {r["op"] for r in out["cases"]} == {"mirror"} and len(out["cases"]) == 2
+    assert all(r["adjoint_err"] is None and r["grad_err"] == 0.0 for r in out["cases"]), out["cases"]
+    no_reference = tmp_path / "no_reference.py"
+    no_reference.write_text(block.replace(_ALL_STACK_REFERENCE, ""))
+    p = _python_m_diffcomm("check", "-n", "2", "--module", str(no_reference), cwd=tmp_path, env=env)
+    assert p.returncode == 2, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "all_stack: cases but no reference" in p.stderr, p.stderr[-4000:]

@@ -40,14 +40,12 @@ class _AllGather(CommOp):
     dims = (0,)
     forward_text = "concat of every rank's x along dim"
     backward_text = "reduce_scatter(sum) with the same split"
-    reference = R.all_gather
     spmd = Rule(
         {T.V: T.R, T.R: T.R},
         out_grad=PARTIAL,
         in_grad=PARTIAL,
         refuse={T.P: SHARES},
         instead="parallel.gather_from_region",
-        backward="reduce_scatter of the gradient (sums it over ranks)",
     )
 
     @staticmethod
@@ -67,6 +65,8 @@ class _AllGather(CommOp):
     @staticmethod
     def out_shape(x: Tensor, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
         return _with(x.shape, {dim: sum(split_sizes)})
+
+    reference = R.all_gather
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
@@ -143,8 +143,7 @@ class _ReduceScatter(CommOp):
     dims = (0,)
     forward_text = "chunk r of the reduction"
     backward_text = "all_gather with the same split"
-    reference = R.reduce_scatter
-    spmd = Rule({T.V: T.V, T.P: T.V}, refuse={T.R: TWICE}, backward="all_gather of the gradient")
+    spmd = Rule({T.V: T.V, T.P: T.V}, refuse={T.R: TWICE})
 
     @staticmethod
     def run(x: Tensor, dim: int, op: str, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
@@ -163,6 +162,8 @@ class _ReduceScatter(CommOp):
     @staticmethod
     def out_shape(x: Tensor, dim: int, op: str, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
         return _with(x.shape, {dim: split_sizes[_rank(pg)]})
+
+    reference = R.reduce_scatter
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:

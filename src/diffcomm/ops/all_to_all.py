@@ -36,10 +36,27 @@ class _AllToAll(CommOp):
     dims = (0, 1)
     forward_text = "chunk r of every rank's x, concatenated"
     backward_text = "all_to_all with dims and split sizes swapped"
-    reference = R.all_to_all
-    spmd = Rule(
-        {T.V: T.V, T.R: T.V}, in_grad=PARTIAL, refuse={T.P: SHARES}, backward="all_to_all, dims swapped"
-    )
+    spmd = Rule({T.V: T.V, T.R: T.V}, in_grad=PARTIAL, refuse={T.P: SHARES})
+
+    @staticmethod
+    def run(
+        x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
+    ) -> Tensor:
+        """all_to_all over the raw backend (dim-0, contiguous) for any pair of dims."""
+        if split_dim == concat_dim:
+            x0 = x if split_dim == 0 else x.movedim(split_dim, 0)
+            if ins == outs and ins.count(ins[0]) == len(ins):  # even: the backend's plain all_to_all
+                out = _b().all_to_all(x0, pg)
+            else:
+                out = _b().all_to_all(x0, pg, list(ins), list(outs))
+            return out if split_dim == 0 else out.movedim(0, split_dim)
+        return _across_dims(x, split_dim, concat_dim, pg, ins, outs)
+
+    @staticmethod
+    def transpose(
+        g: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
+    ) -> Tensor:
+        return call(_AllToAll, g, concat_dim, split_dim, pg, outs, ins)
 
     @staticmethod
     def out_shape(
@@ -48,6 +65,8 @@ class _AllToAll(CommOp):
         if split_dim == concat_dim:
             return _with(x.shape, {split_dim: sum(outs)})
         return _with(x.shape, {split_dim: ins[_rank(pg)], concat_dim: sum(outs)})
+
+    reference = R.all_to_all
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
@@ -71,26 +90,6 @@ class _AllToAll(CommOp):
             "kwargs": {"split_dim": 0, "concat_dim": 0, "infer_outputs": True},
             "a2a": a2a,
         }
-
-    @staticmethod
-    def run(
-        x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
-    ) -> Tensor:
-        """all_to_all over the raw backend (dim-0, contiguous) for any pair of dims."""
-        if split_dim == concat_dim:
-            x0 = x if split_dim == 0 else x.movedim(split_dim, 0)
-            if ins == outs and ins.count(ins[0]) == len(ins):  # even: the backend's plain all_to_all
-                out = _b().all_to_all(x0, pg)
-            else:
-                out = _b().all_to_all(x0, pg, list(ins), list(outs))
-            return out if split_dim == 0 else out.movedim(0, split_dim)
-        return _across_dims(x, split_dim, concat_dim, pg, ins, outs)
-
-    @staticmethod
-    def transpose(
-        g: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
-    ) -> Tensor:
-        return call(_AllToAll, g, concat_dim, split_dim, pg, outs, ins)
 
 
 def _across_dims(

@@ -52,35 +52,15 @@ class _AllReduceList(ListOp):
     spmd = replace(
         _AllReduce.spmd,
         instead="parallel.reduce_from_region_coalesced",
-        backward="all_reduce_coalesced of the gradients",
     )
-
-    @staticmethod
-    def out_shape(xs: Sequence[Tensor], op: str, pg: PG) -> list[tuple[int, ...]]:
-        return [tuple(x.shape) for x in xs]
-
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"op": kw.get("op", "sum")}, 1.0
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        mixed, no_int, _ = _case_specs(world)
-        for rop in ("sum", "avg", "max", "min", "product"):
-            yield {"specs": no_int if rop == "avg" else mixed, "kwargs": {"op": rop}}
-        yield {"specs": (((4,), "complex128", True, True), *mixed[:2]), "kwargs": {"op": "sum"}}
-
-    @staticmethod
-    def nonlinear(meta: tuple[Any, ...]) -> bool:
-        return meta[0] not in A.LINEAR_OPS
-
-    @staticmethod
-    def label(op: str, pg: PG) -> str:
-        return f"all_reduce_coalesced({op})"
 
     @staticmethod
     def run(xs: Sequence[Tensor], op: str, pg: PG) -> list[Tensor]:
         return _packed(_b().all_reduce_coalesced, xs, op, pg, owned=True)
+
+    @staticmethod
+    def label(op: str, pg: PG) -> str:
+        return f"all_reduce_coalesced({op})"
 
     @staticmethod
     def transpose(ctx: Any, gs: list[Tensor], idx: list[int], op: str, pg: PG) -> Any:
@@ -99,6 +79,10 @@ class _AllReduceList(ListOp):
         return [g * (m / c).conj() for g, m, c in zip(both[:k], masks, both[k:])]
 
     @staticmethod
+    def nonlinear(meta: tuple[Any, ...]) -> bool:
+        return meta[0] not in A.LINEAR_OPS
+
+    @staticmethod
     def tangent(ctx: Any, ts: list[Tensor], op: str, pg: PG) -> Any:
         n = len(ts)
         saved = ctx.saved_tensors
@@ -109,6 +93,21 @@ class _AllReduceList(ListOp):
             masks = [(x == y).to(x.dtype) for x, y in zip(xs, ys)]
             ws = [m / c for m, c in zip(masks, call(_AllReduceList, *list_args(masks, "sum", pg)))]
         return call(_AllReduceList, *list_args([t * w for t, w in zip(ts, ws)], "sum", pg))
+
+    @staticmethod
+    def out_shape(xs: Sequence[Tensor], op: str, pg: PG) -> list[tuple[int, ...]]:
+        return [tuple(x.shape) for x in xs]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"op": kw.get("op", "sum")}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        mixed, no_int, _ = _case_specs(world)
+        for rop in ("sum", "avg", "max", "min", "product"):
+            yield {"specs": no_int if rop == "avg" else mixed, "kwargs": {"op": rop}}
+        yield {"specs": (((4,), "complex128", True, True), *mixed[:2]), "kwargs": {"op": "sum"}}
 
 
 def _product_weights(xs: Sequence[Tensor], pg: PG, summed: Sequence[Tensor] = ()) -> tuple[list, list]:
@@ -140,7 +139,15 @@ class _BroadcastList(ListOp):
     same_shapes = True
     forward_text = "src's tensors on every rank"
     backward_text = "reduce_coalesced(sum) to src; other ranks exact zeros"
-    spmd = replace(_Broadcast.spmd, backward="reduce_coalesced to src")  # broadcast's, per element
+    spmd = _Broadcast.spmd  # broadcast's, per element
+
+    @staticmethod
+    def run(xs: Sequence[Tensor], src: int, pg: PG) -> list[Tensor]:
+        return _packed(_b().broadcast_coalesced, xs, src, pg, owned=True)
+
+    @staticmethod
+    def transpose(ctx: Any, gs: list[Tensor], idx: list[int], src: int, pg: PG) -> Any:
+        return call(_ReduceList, *list_args(gs, src, "sum", pg))
 
     @staticmethod
     def out_shape(xs: Sequence[Tensor], src: int, pg: PG) -> list[tuple[int, ...]]:
@@ -154,14 +161,6 @@ class _BroadcastList(ListOp):
     def cases(world: int) -> Iterator[Kwargs]:
         yield {"specs": _case_specs(world)[0], "kwargs": {"src": world - 1}}
 
-    @staticmethod
-    def run(xs: Sequence[Tensor], src: int, pg: PG) -> list[Tensor]:
-        return _packed(_b().broadcast_coalesced, xs, src, pg, owned=True)
-
-    @staticmethod
-    def transpose(ctx: Any, gs: list[Tensor], idx: list[int], src: int, pg: PG) -> Any:
-        return call(_ReduceList, *list_args(gs, src, "sum", pg))
-
 
 class _ReduceList(ListOp):
     """Linear (sum/avg) reduce to ``dst``, zeros elsewhere: the dual of broadcast."""
@@ -174,7 +173,23 @@ class _ReduceList(ListOp):
     same_shapes = True
     forward_text = "op over ranks on dst, zeros elsewhere"
     backward_text = "broadcast_coalesced from dst"
-    spmd = replace(_Reduce.spmd, backward="broadcast_coalesced from dst")  # reduce's, per element
+    spmd = _Reduce.spmd  # reduce's, per element
+
+    @staticmethod
+    def run(xs: Sequence[Tensor], dst: int, op: str, pg: PG) -> list[Tensor]:
+        return _packed(_b().reduce_coalesced, xs, dst, op, pg)
+
+    @staticmethod
+    def label(dst: int, op: str, pg: PG) -> str:
+        return f"reduce_coalesced({op})"
+
+    @staticmethod
+    def transpose(ctx: Any, gs: list[Tensor], idx: list[int], dst: int, op: str, pg: PG) -> Any:
+        out = call(_BroadcastList, *list_args(gs, dst, pg))
+        if op != "avg":
+            return out
+        world = _world(pg)
+        return [o / world for o in out]
 
     @staticmethod
     def out_shape(xs: Sequence[Tensor], dst: int, op: str, pg: PG) -> list[tuple[int, ...]]:
@@ -189,22 +204,6 @@ class _ReduceList(ListOp):
         mixed, no_int, _ = _case_specs(world)
         yield {"specs": no_int, "kwargs": {"dst": world // 2, "op": "sum"}}
         yield {"specs": mixed, "kwargs": {"dst": 0, "op": "max"}}
-
-    @staticmethod
-    def label(dst: int, op: str, pg: PG) -> str:
-        return f"reduce_coalesced({op})"
-
-    @staticmethod
-    def run(xs: Sequence[Tensor], dst: int, op: str, pg: PG) -> list[Tensor]:
-        return _packed(_b().reduce_coalesced, xs, dst, op, pg)
-
-    @staticmethod
-    def transpose(ctx: Any, gs: list[Tensor], idx: list[int], dst: int, op: str, pg: PG) -> Any:
-        out = call(_BroadcastList, *list_args(gs, dst, pg))
-        if op != "avg":
-            return out
-        world = _world(pg)
-        return [o / world for o in out]
 
 
 def all_reduce_coalesced(
@@ -265,7 +264,7 @@ def broadcast_coalesced(
         values (``dc.broadcast(tensors[i], src)``).
 
     Gradient:
-        a coalesced ``reduce(sum)`` to ``src`` (one communication per dtype): ``src``
+        ``reduce_coalesced(sum)`` to ``src`` (one communication per dtype): ``src``
         gets the sum of every rank's output gradients, the other ranks exact zeros.
 
     Example::

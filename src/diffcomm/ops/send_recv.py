@@ -68,17 +68,10 @@ class _Send(CommOp):
     name = "send"
     family = "p2p"
     order = 10
+    wire_transpose = True  # receives what the peer's recv transpose sends
     forward_text = "x travels to dst; a 0-dim token"
     backward_text = "token receives the gradient from dst"
-    wire_transpose = True  # receives what the peer's recv transpose sends
-    spmd = Rule({R: R, V: R}, in_grad=PARTIAL, refuse={P: SHARES}, backward="receive the gradient from dst")
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        # checked as a program with recv: send(x, dst=r+1) then recv(src=r-1), the send's
-        # token added to the output (the kit checks it as a ring shift)
-        if world > 1:
-            yield {"op": "send/recv", "shape": (3,), "kwargs": {"offset": 1}}
+    spmd = Rule({R: R, V: R}, in_grad=PARTIAL, refuse={P: SHARES})
 
     @staticmethod
     def run(
@@ -119,6 +112,13 @@ class _Send(CommOp):
         # one message for the whole batch, batch dim first; the token is not batched
         xb = batch_first(x, in_dims[0])
         return call(_Send, xb, *args[:5], xb.shape, *args[6:]), None
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        # checked as a program with recv: send(x, dst=r+1) then recv(src=r-1), the send's
+        # token added to the output (the kit checks it as a ring shift)
+        if world > 1:
+            yield {"op": "send/recv", "shape": (3,), "kwargs": {"offset": 1}}
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -232,10 +232,10 @@ class _Recv(CommOp):
     family = "p2p"
     order = 11
     dual = _Send
+    wire_transpose = True  # sends to the peer's send transpose
     forward_text = "the tensor src sent"
     backward_text = "the gradient is sent to src"
-    wire_transpose = True  # sends to the peer's send transpose
-    spmd = Rule({R: V, V: V}, backward="send the gradient to src")
+    spmd = Rule({R: V, V: V})
 
     @staticmethod
     def run(

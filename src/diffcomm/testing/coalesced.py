@@ -88,10 +88,10 @@ def _sizes(case: CoalescedCase) -> Any:
 
 def _dual_call(case: CoalescedCase, ys: list[Tensor]) -> list[Tensor] | None:
     """``A^T y`` through the dual coalesced op its class names, called with the arguments
-    its ``dual_args`` maps the call's to (linear cases only)."""
-    if case.kwargs.get("op", "sum") not in ("sum", "avg"):
-        return None
+    its ``dual_args`` maps the call's to (linear cases of an op that states it)."""
     op = R.REGISTRY[case.op]
+    if case.kwargs.get("op", "sum") not in ("sum", "avg") or op.dual_args is None:
+        return None
     kw = dict(case.kwargs)
     if "dim" in kw or "split_sizes" in kw:
         kw["split_sizes"] = _sizes(case)
