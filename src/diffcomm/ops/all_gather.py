@@ -13,11 +13,12 @@ from torch import Tensor
 from .. import _config
 from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
-from . import references as R
+from ..backend.args import PG
+from . import references
 from .all_reduce import _AllReduce
 from .base import CommOp, apply, call, op_labels
 from .registry import Kwargs
-from .validation import PG, Learned
+from .validation import Learned
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check as _debug_check
@@ -66,7 +67,7 @@ class _AllGather(CommOp):
     def out_shape(x: Tensor, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
         return _with(x.shape, {dim: sum(split_sizes)})
 
-    reference = R.all_gather
+    reference = references.all_gather
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
@@ -163,11 +164,13 @@ class _ReduceScatter(CommOp):
     def out_shape(x: Tensor, dim: int, op: str, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
         return _with(x.shape, {dim: split_sizes[_rank(pg)]})
 
-    reference = R.reduce_scatter
+    reference = references.reduce_scatter
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, R.avg_scale(kw, world)
+        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, references.avg_scale(
+            kw, world
+        )
 
     @staticmethod
     def cases(world: int) -> Iterator[Kwargs]:

@@ -14,10 +14,10 @@ from torch import Tensor
 from .. import _config
 from .._replication import PARTIAL, TWICE, Rule, T
 from ..backend import args as A
-from . import references as R
+from ..backend.args import PG
+from . import references
 from .base import CommOp, apply, call, op_labels
 from .registry import SELF, Kwargs
-from .validation import PG
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check_input as _debug_check_input
@@ -72,7 +72,7 @@ class _AllReduce(CommOp):
     def out_shape(x: Tensor, op: str, pg: PG) -> tuple[int, ...]:
         return tuple(x.shape)
 
-    reference = R.all_reduce
+    reference = references.all_reduce
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:

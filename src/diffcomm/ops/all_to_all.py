@@ -13,10 +13,10 @@ from torch import Tensor
 from .. import _config
 from .._replication import PARTIAL, SHARES, Rule, T
 from ..backend import args as A
-from . import references as R
+from ..backend.args import PG
+from . import references
 from .base import CommOp, apply, call
 from .registry import SELF, Kwargs
-from .validation import PG
 from .validation import all_to_all_received as _all_to_all_received
 from .validation import all_to_all_split_sizes as _all_to_all_split_sizes
 from .validation import check_input as _check_input
@@ -66,7 +66,7 @@ class _AllToAll(CommOp):
             return _with(x.shape, {split_dim: sum(outs)})
         return _with(x.shape, {split_dim: ins[_rank(pg)], concat_dim: sum(outs)})
 
-    reference = R.all_to_all
+    reference = references.all_to_all
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:

@@ -12,11 +12,11 @@ from torch import Tensor
 from .. import _config
 from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
-from . import references as R
+from ..backend.args import PG
+from . import references
 from .all_reduce import _AllReduce
 from .base import CommOp, apply, call, only_on, op_labels
 from .registry import Kwargs
-from .validation import PG
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check_input as _debug_check_input
@@ -53,7 +53,7 @@ class _Broadcast(CommOp):
     def out_shape(x: Tensor, src: int, pg: PG) -> tuple[int, ...]:
         return tuple(x.shape)
 
-    reference = R.broadcast
+    reference = references.broadcast
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
@@ -126,11 +126,11 @@ class _Reduce(CommOp):
     def out_shape(x: Tensor, dst: int, op: str, pg: PG) -> tuple[int, ...]:
         return tuple(x.shape)
 
-    reference = R.reduce
+    reference = references.reduce
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"src": kw.get("dst", 0)}, R.avg_scale(kw, world)
+        return {"src": kw.get("dst", 0)}, references.avg_scale(kw, world)
 
     @staticmethod
     def cases(world: int) -> Iterator[Kwargs]:

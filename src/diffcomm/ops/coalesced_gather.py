@@ -16,7 +16,8 @@ from torch import Tensor
 from .._torch import compiling
 from ..backend import args as A
 from ..backend import label
-from . import references as R
+from ..backend.args import PG
+from . import references
 from .all_gather import _AllGather, _ReduceScatter
 from .base import ListOp, apply, call, list_args
 from .coalesced_reduce import _AllReduceList
@@ -33,7 +34,7 @@ from .packing import moved as _moved
 from .packing import pack as _pack
 from .packing import unpack as _unpack
 from .registry import Kwargs
-from .validation import PG, Learned
+from .validation import Learned
 from .validation import current_backend as _b
 from .validation import rank as _rank
 from .validation import with_sizes as _with
@@ -218,7 +219,9 @@ class _ReduceScatterList(ListOp):
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, R.avg_scale(kw, world)
+        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, references.avg_scale(
+            kw, world
+        )
 
     @staticmethod
     def cases(world: int) -> Iterator[Kwargs]:

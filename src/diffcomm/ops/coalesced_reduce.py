@@ -12,7 +12,8 @@ from typing import Any
 from torch import Tensor
 
 from ..backend import args as A
-from . import references as R
+from ..backend.args import PG
+from . import references
 from .all_reduce import WEIGHT_DTYPE, _AllReduce, product_parts, product_weight
 from .base import ListOp, apply, call, list_args
 from .base import only_on as _only_on
@@ -23,7 +24,6 @@ from .packing import check_op as _check_op
 from .packing import debug_check as _debug_check
 from .packing import packed as _packed
 from .registry import SELF, Kwargs
-from .validation import PG
 from .validation import current_backend as _b
 from .validation import rank as _rank
 from .validation import world as _world
@@ -197,7 +197,7 @@ class _ReduceList(ListOp):
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"src": kw.get("dst", 0)}, R.avg_scale(kw, world)
+        return {"src": kw.get("dst", 0)}, references.avg_scale(kw, world)
 
     @staticmethod
     def cases(world: int) -> Iterator[Kwargs]:

@@ -14,14 +14,12 @@ from .. import _config
 from .. import backend as B
 from .._replication import PARTIAL, SHARES, P, R, Rule, V
 from ..backend import args as A
-from . import wire as T
+from ..backend.args import PG
+from . import wire
 from .base import CommOp, call
 from .base import apply as _apply
 from .registry import SELF, Kwargs
 from .send_recv import _eager, _expected
-
-PG = Any  # resolved ProcessGroup (or None for the default group)
-
 
 # ======================================================================================
 # sendrecv / shift / ppermute: one batched exchange each
@@ -40,7 +38,7 @@ class _SendRecv(CommOp):
 
     @staticmethod
     def run(x: Tensor, dst: int, src: int, out_shape: torch.Size, in_shape: torch.Size, pg: PG) -> Tensor:
-        return T.exchange(x, dst, src, out_shape, pg, B.group_info(pg).rank)
+        return wire.exchange(x, dst, src, out_shape, pg, B.group_info(pg).rank)
 
     @staticmethod
     def label(dst: int, src: int, *_: Any) -> str:
@@ -137,7 +135,7 @@ class _Shift(CommOp):
     def run(x: Tensor, offset: int, pg: PG) -> Tensor:
         info = B.group_info(pg)
         me, n = info.rank, info.size
-        return T.exchange(x, (me + offset) % n, (me - offset) % n, x.shape, pg, me)
+        return wire.exchange(x, (me + offset) % n, (me - offset) % n, x.shape, pg, me)
 
     @staticmethod
     def label(offset: int, pg: PG) -> str:
@@ -212,7 +210,7 @@ class _PPermute(CommOp):
         me = B.group_info(pg).rank
         dst = next((d for s, d in perm if s == me), None)
         src = next((s for s, d in perm if d == me), None)
-        return T.exchange(x, dst, src, x.shape, pg, me)
+        return wire.exchange(x, dst, src, x.shape, pg, me)
 
     @staticmethod
     def transpose(g: Tensor, perm: tuple[tuple[int, int], ...], pg: PG) -> Tensor:

@@ -12,11 +12,11 @@ from torch import Tensor
 from .. import _config
 from .._replication import PARTIAL, SHARES, Rule, T
 from ..backend import args as A
-from . import references as R
+from ..backend.args import PG
+from . import references
 from .base import CommOp, apply, call
 from .base import movedim0 as _movedim0
 from .registry import Kwargs
-from .validation import PG
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check as _debug_check
@@ -51,7 +51,7 @@ class _Gather(CommOp):
     def out_shape(x: Tensor, dst: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
         return _with(x.shape, {dim: sum(split_sizes)})
 
-    reference = R.gather
+    reference = references.gather
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
@@ -141,7 +141,7 @@ class _Scatter(CommOp):
     def out_shape(x: Tensor, src: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
         return _with(x.shape, {dim: split_sizes[_rank(pg)]})
 
-    reference = R.scatter
+    reference = references.scatter
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:

@@ -55,11 +55,10 @@ from .. import _config
 from .. import backend as B
 from .._errors import CrossRankMismatchError
 from ..backend import args as A
+from ..backend.args import PG
 from ..debug import recorder as _flight
 from .send_queue import SENDS as SENDS
 from .send_queue import wait_sends as wait_sends  # re-exported: p2p.wait_sends
-
-PG = Any  # resolved ProcessGroup (or None for the default group)
 
 #: User tags are in ``[0, MAX_TAG)`` (see the module docstring for the others).
 MAX_TAG = 1 << 16

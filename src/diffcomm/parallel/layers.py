@@ -43,7 +43,6 @@ from .. import _config
 from .. import backend as B
 from .._replication import LayerRule, R, V
 from ..backend import args as A
-from . import overlap as O
 from ._check import check_replicated
 from ._module import (
     ParallelModule,
@@ -60,6 +59,7 @@ from .mappings import (
     reduce_scatter_to_sequence,
     scatter_to_region,
 )
+from .overlap import column_linear, resolve_mode, row_linear_sequence_ring
 
 __all__ = [
     "ParallelModule",
@@ -138,7 +138,7 @@ class _ParallelLinear(ParallelModule):
             shape, self._shard_dims = (out_features, self.in_per_rank), {"weight": 1, "bias": None}
         self.sequence_parallel = bool(sequence_parallel)
         self.sequence_dim = A.check_int(sequence_dim, op, "sequence_dim")
-        self.overlap = O.resolve_mode(op, overlap, self.sequence_parallel)
+        self.overlap = resolve_mode(op, overlap, self.sequence_parallel)
         dtype = dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
         if bias:
@@ -299,7 +299,7 @@ class ColumnParallelLinear(_ParallelLinear):
                 B.get_backend().check_consistent(op, {"shape": tuple(x.shape), "dtype": x.dtype}, self._pg)
         elif _config.DEBUG.get():
             check_replicated(x, op, "the input", "use sequence_parallel=True for a sharded input", self._pg)
-        return O.column_linear(x, self.weight, self.bias, self.overlap, sp_dim, self._pg)  # type: ignore[arg-type]
+        return column_linear(x, self.weight, self.bias, self.overlap, sp_dim, self._pg)  # type: ignore[arg-type]
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -403,7 +403,7 @@ class RowParallelLinear(_ParallelLinear):
             dim = A.check_dim(x, self.sequence_dim, "parallel.RowParallelLinear", "sequence_dim")
             if x.shape[dim] % self.world_size:
                 reduce_scatter_to_sequence(x, dim, self._pg)  # raises the mapping's ValueError
-            y = O.row_linear_sequence_ring(x, self.weight, dim, self._pg)
+            y = row_linear_sequence_ring(x, self.weight, dim, self._pg)
             if self.bias is not None:
                 y = y + self._region_param("bias")
             return y

@@ -62,7 +62,8 @@ from .. import _config
 from .. import backend as B
 from .._replication import PARTIAL, REPLICATED, TWICE, P, R, Rule, V
 from ..backend import args as A
-from ..ops import collectives as C
+from ..backend.args import PG
+from ..ops import collectives
 from ..ops.all_to_all import raw_all_to_all
 from ..ops.base import CommOp, apply, call
 from ..ops.registry import SELF, FamilyView, Kwargs
@@ -90,8 +91,6 @@ __all__ = [
 # (Args / Returns / Gradient / Example, half the file) documents the convention it rests
 # on. Split by pair, the blocks would scatter a table whose point is to be read side by
 # side.
-
-PG = Any  # a resolved ProcessGroup, or None for the default group
 
 
 def _b() -> B.Backend:
@@ -237,7 +236,7 @@ class _ReduceFromRegion(_Mapping):
 
     @staticmethod
     def run(x: Tensor, pg: PG, debug: bool) -> Tensor:
-        return C.raw_all_reduce(x, "sum", pg)
+        return collectives.raw_all_reduce(x, "sum", pg)
 
     @staticmethod
     def transpose(g: Tensor, pg: PG, debug: bool) -> Tensor:
@@ -289,7 +288,7 @@ class _GatherFromRegion(_Mapping):
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
-        return C.raw_all_gather(x, dim, pg, (x.shape[dim],) * world)
+        return collectives.raw_all_gather(x, dim, pg, (x.shape[dim],) * world)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
@@ -353,7 +352,7 @@ class _ReduceScatterToSequence(_Mapping):
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, world: int) -> Tensor:
-        return C.raw_reduce_scatter(x, dim, "sum", pg, (x.shape[dim] // world,) * world)
+        return collectives.raw_reduce_scatter(x, dim, "sum", pg, (x.shape[dim] // world,) * world)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, world: int) -> Tensor:
@@ -384,7 +383,7 @@ class _AllGatherFromSequence(_Mapping):
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, world: int) -> Tensor:
-        return C.raw_all_gather(x, dim, pg, (x.shape[dim],) * world)
+        return collectives.raw_all_gather(x, dim, pg, (x.shape[dim],) * world)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, world: int) -> Tensor:

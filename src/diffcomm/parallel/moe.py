@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from .._replication import LayerRule, R, V
 from ..backend import args as A
-from ..ops import coalesced as K
+from ..ops import coalesced
 from ._module import check_positive, init_generator, resolve_parallel_group
 from .blocks import MLP
 from .routing import DispatchPlan, combine, dispatch, load_balancing_loss, route
@@ -378,7 +378,7 @@ class ExpertParallelMoE(nn.Module):
         if not grads:
             return
         with torch.no_grad():
-            summed = K.all_reduce_coalesced(grads, "sum", self._pg)
+            summed = coalesced.all_reduce_coalesced(grads, "sum", self._pg)
         for p, g in zip(params, summed):
             p.grad = g
 

@@ -25,12 +25,11 @@ from torch import Tensor
 from .. import _config, _torch
 from .. import backend as B
 from ..backend import args as A
-from ..ops import collectives as C
+from ..backend.args import PG
+from ..ops import collectives
 from ._module import check_positive, resolve_parallel_group
 
 __all__ = ["DispatchPlan", "route", "dispatch", "combine", "load_balancing_loss"]
-
-PG = Any
 
 
 # ======================================================================================
@@ -342,7 +341,7 @@ def dispatch(
         )
     rows = x.index_select(0, plan.token_index)
     with B.label("parallel.dispatch"):
-        got = C.all_to_all(
+        got = collectives.all_to_all(
             rows,
             group=pg,
             input_split_sizes=plan.send_splits,
@@ -407,7 +406,7 @@ def combine(expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan) ->
         )
     rows = _permute(expert_outputs, plan.recv_inverse, plan.recv_order, plan.source_major)  # source-major
     with B.label("parallel.combine"):
-        back = C.all_to_all(
+        back = collectives.all_to_all(
             rows,
             group=plan.group,
             input_split_sizes=plan.recv_splits,

@@ -13,11 +13,11 @@ from torch import Tensor
 from ... import backend as B
 from ..._replication import varying_by_construction
 from ...backend import args as A
+from ...backend.args import PG
 from ...ops import collectives as C
 
 __all__ = ["LAYOUTS", "layout_index", "shard", "unshard"]
 
-PG = Any
 #: The layouts of the sequence over the ranks of a context-parallel group.
 LAYOUTS = ("contiguous", "zigzag")
 
