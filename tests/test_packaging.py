@@ -121,6 +121,18 @@ def _defined_in_diffcomm(value: object) -> bool:
     return module.split(".")[0] == "diffcomm"
 
 
+def test_p2p_exports_what_its_docstring_says() -> None:
+    """The names ``diffcomm.ops.p2p``'s docstring calls private are attributes, not exported."""
+    from diffcomm.ops import p2p
+
+    said = re.search(r"private entries, (.*?): attributes here, not exported", p2p.__doc__ or "", re.S)
+    assert said is not None
+    private = re.findall(r"``(\w+)``", said.group(1))
+    assert len(private) == 4 and all(callable(getattr(p2p, n)) for n in private)
+    assert not set(private) & set(p2p.__all__)
+    assert {"send", "recv", "irecv", "post_grad_recv", "wait_sends"} <= set(p2p.__all__)
+
+
 def test_go_to_definition_reaches_the_function(tmp_path: Path) -> None:
     """Static analysis sees ``dc.all_gather`` as the function (its signature), not ``Any``."""
     probe = tmp_path / "probe.py"

@@ -36,8 +36,10 @@ local gradient needs, so run the receiver's backward with ``loss.backward()`` /
 prune it and leave the sender waiting); double backward and forward mode through
 ``send``/``recv`` raise ``NotImplementedError`` — use ``sendrecv``/``ppermute``/``shift``.
 
-Where they live: ``send`` / ``recv`` (and the posted receives and the pipeline runner's
-private entries) in :mod:`diffcomm.ops.send_recv`; ``sendrecv`` / ``shift`` /
+Where they live: ``send`` / ``recv`` (and the posted receives, ``irecv`` /
+``post_grad_recv``, and the pipeline runner's private entries, ``send_owned``,
+``irecv_fused``, ``is_send_node``, ``check_tag``: attributes here, not exported) in
+:mod:`diffcomm.ops.send_recv`; ``sendrecv`` / ``shift`` /
 ``ppermute`` in :mod:`diffcomm.ops.exchanges`. This module is their public home, with the
 registry's views of the ``"p2p"`` family: it imports each op of the family by name, in the
 registry's order (tests/test_packaging.py checks that every registered built-in op of the
@@ -50,11 +52,17 @@ from .exchanges import ppermute as ppermute
 from .exchanges import sendrecv as sendrecv
 from .exchanges import shift as shift
 from .registry import DualsView, FamilyView, markdown
-from .send_recv import RecvHandle, check_tag, irecv, irecv_fused, is_send_node, post_grad_recv, send_owned
+from .send_recv import RecvHandle, irecv, post_grad_recv
+from .send_recv import check_tag as check_tag
+from .send_recv import irecv_fused as irecv_fused
+from .send_recv import is_send_node as is_send_node
 from .send_recv import recv as recv
 from .send_recv import send as send
+from .send_recv import send_owned as send_owned
 from .wire import MAX_NDIM, MAX_TAG, wait_sends
 
+#: the public names; ``check_tag``, ``irecv_fused``, ``is_send_node`` and ``send_owned``
+#: (imported above) are the pipeline runner's private entries, not exported
 __all__ = [
     "send",
     "recv",
@@ -69,10 +77,7 @@ __all__ = [
     "DUALS",
     "MAX_TAG",
     "MAX_NDIM",
-    "send_owned",
-    "irecv_fused",
-    "is_send_node",
-    "check_tag",
+    "p2p_markdown",
 ]
 
 
