@@ -121,6 +121,22 @@ def _defined_in_diffcomm(value: object) -> bool:
     return module.split(".")[0] == "diffcomm"
 
 
+def test_dc_debug_is_the_setting_and_no_package_shadows_it() -> None:
+    """One name, one thing: ``dc.debug`` is the setting (the contract's ``dc.debug(True)``);
+    what diffcomm records of its communication is ``diffcomm.diagnostics``."""
+    import importlib.util
+
+    import diffcomm.diagnostics.recorder
+
+    assert importlib.util.find_spec("diffcomm.debug") is None
+    assert diffcomm.debug is diffcomm._config.debug
+    assert diffcomm.diagnostics.recorder.FlightRecorder is diffcomm.FlightRecorder
+    before = diffcomm.debug()
+    with diffcomm.debug(True):
+        assert diffcomm.debug() is True
+    assert diffcomm.debug() is before
+
+
 def test_p2p_exports_what_its_docstring_says() -> None:
     """The names ``diffcomm.ops.p2p``'s docstring calls private are attributes, not exported."""
     from diffcomm.ops import p2p

@@ -86,8 +86,8 @@ else:
     from ._errors import WorldTimeoutError as WorldTimeoutError
     from ._errors import WorldTooLargeError as WorldTooLargeError
     from ._replication import SPMDTypeError as SPMDTypeError
-    from .debug.recorder import FlightRecorder as FlightRecorder
-    from .debug.recorder import flight_recorder as flight_recorder
+    from .diagnostics.recorder import FlightRecorder as FlightRecorder
+    from .diagnostics.recorder import flight_recorder as flight_recorder
     from .ops import coalesced as coalesced
     from .ops import collectives as collectives
     from .ops import p2p as p2p

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import CrossRankMismatchError
-from ..debug.logger import label
+from ..diagnostics.logger import label
 from .direct_calls import (
     c10d_all_gather,
     c10d_all_reduce,

@@ -10,7 +10,7 @@ asynchronous engine, and the op families.
   name, and the op modules themselves (:mod:`.all_reduce`, :mod:`.all_gather`, ... with
   their serial :mod:`.references`).
 
-Layer: above :mod:`diffcomm.runtime`, :mod:`diffcomm.backend` and :mod:`diffcomm.debug`;
+Layer: above :mod:`diffcomm.runtime`, :mod:`diffcomm.backend` and :mod:`diffcomm.diagnostics`;
 below :mod:`diffcomm.parallel`, :mod:`diffcomm.pipeline`, :mod:`diffcomm.testing` and
 :mod:`diffcomm.tools` (the import-linter contract in ``pyproject.toml``). The public names
 are re-exported by :mod:`diffcomm`; this package itself imports nothing.

@@ -56,7 +56,7 @@ from .. import backend as B
 from .._errors import CrossRankMismatchError
 from ..backend import args as A
 from ..backend.args import PG
-from ..debug import recorder as _flight
+from ..diagnostics import recorder as _flight
 from .send_queue import SENDS as SENDS
 from .send_queue import wait_sends as wait_sends  # re-exported: p2p.wait_sends
 
