@@ -394,12 +394,8 @@ _NAMED = [
     ),
     ("__init__.py", '    "all_to_all",\n', '    "all_stack",\n    "sum_unstack",\n'),
     ("__init__.py", '    "ppermute",\n', '    "mirror",\n'),
-    (
-        "tools/op_names.py",
-        '        "all_to_all",\n',
-        '        "all_stack",\n        "sum_unstack",\n',
-    ),
-    ("tools/op_names.py", '"ppermute")', '"ppermute", "mirror")'),
+    ("tools/op_names.py", 'scatter all_to_all"', 'scatter all_to_all all_stack sum_unstack"'),
+    ("tools/op_names.py", 'shift ppermute"', 'shift ppermute mirror"'),
 ]
 
 

@@ -21,6 +21,7 @@ Each public name is listed below, one `name as name` import each. See ``docs/par
 
 from __future__ import annotations
 
+from . import blocks, context, layers, loss, mappings, moe, routing
 from .blocks import MLP as MLP
 from .blocks import ParallelMLP as ParallelMLP
 from .blocks import ParallelSelfAttention as ParallelSelfAttention
@@ -61,44 +62,13 @@ from .routing import dispatch as dispatch
 from .routing import load_balancing_loss as load_balancing_loss
 from .routing import route as route
 
+#: each module's public names (its own ``__all__``), re-exported by name above
 __all__ = [
-    "copy_to_region",
-    "reduce_from_region",
-    "scatter_to_region",
-    "gather_from_region",
-    "scatter_to_sequence",
-    "gather_from_sequence",
-    "reduce_scatter_to_sequence",
-    "all_gather_from_sequence",
-    "all_to_all_region",
-    "copy_to_region_coalesced",
-    "reduce_from_region_coalesced",
-    "MAPPINGS",
-    "ParallelModule",
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "SequenceParallelLayerNorm",
-    "MLP",
-    "ParallelMLP",
-    "SelfAttention",
-    "ParallelSelfAttention",
-    "vocab_parallel_cross_entropy",
-    "ring_attention",
-    "ulysses_attention",
-    "usp_attention",
-    "shard",
-    "unshard",
-    "layout_index",
-    "ring_attention_work",
-    "attention_reference",
-    "dropout_keep_mask",
-    "LAYOUTS",
-    "DispatchPlan",
-    "route",
-    "dispatch",
-    "combine",
-    "load_balancing_loss",
-    "MoE",
-    "ExpertParallelMoE",
+    *mappings.__all__,
+    *layers.__all__,
+    *blocks.__all__,
+    *loss.__all__,
+    *context.__all__,
+    *routing.__all__,
+    *moe.__all__,
 ]

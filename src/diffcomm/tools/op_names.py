@@ -14,37 +14,18 @@ __all__ = ["FAMILY_ORDER", "BUILTIN_OPS", "builtin_ops"]
 #: the families in the order ``check`` runs them (its standard suite's order)
 FAMILY_ORDER = ("collective", "p2p", "coalesced", "mapping")
 
-#: family -> diffcomm's own ops of it, in the registry's order
+#: family -> diffcomm's own ops of it, in the registry's order (literals, space-separated)
 BUILTIN_OPS: dict[str, tuple[str, ...]] = {
-    "collective": (
-        "all_reduce",
-        "broadcast",
-        "reduce",
-        "all_gather",
-        "reduce_scatter",
-        "gather",
-        "scatter",
-        "all_to_all",
-    ),
-    "p2p": ("send", "recv", "sendrecv", "shift", "ppermute"),
-    "coalesced": (
-        "all_reduce_coalesced",
-        "broadcast_coalesced",
-        "reduce_coalesced",
-        "all_gather_coalesced",
-        "reduce_scatter_coalesced",
-    ),
-    "mapping": (
-        "copy_to_region",
-        "reduce_from_region",
-        "scatter_to_region",
-        "gather_from_region",
-        "scatter_to_sequence",
-        "gather_from_sequence",
-        "reduce_scatter_to_sequence",
-        "all_gather_from_sequence",
-        "all_to_all_region",
-    ),
+    family: tuple(names.split())
+    for family, names in {
+        "collective": "all_reduce broadcast reduce all_gather reduce_scatter gather scatter all_to_all",
+        "p2p": "send recv sendrecv shift ppermute",
+        "coalesced": """all_reduce_coalesced broadcast_coalesced reduce_coalesced all_gather_coalesced
+            reduce_scatter_coalesced""",
+        "mapping": """copy_to_region reduce_from_region scatter_to_region gather_from_region
+            scatter_to_sequence gather_from_sequence reduce_scatter_to_sequence all_gather_from_sequence
+            all_to_all_region""",
+    }.items()
 }
 
 
