@@ -37,6 +37,7 @@ from .context import ulysses_attention as ulysses_attention
 from .context import unshard as unshard
 from .context import usp_attention as usp_attention
 from .layers import ColumnParallelLinear as ColumnParallelLinear
+from .layers import LayerOptions as LayerOptions
 from .layers import ParallelModule as ParallelModule
 from .layers import RowParallelLinear as RowParallelLinear
 from .layers import SequenceParallelLayerNorm as SequenceParallelLayerNorm
