@@ -322,10 +322,7 @@ def recv(
             world.run(step)      # [tensor(0.), tensor([[0., 1., 2.], [3., 4., 5.]])]
     """
     r = _receive(src, shape, dtype, like, group, tag, device, "recv")
-    header = torch.zeros(wire.HEADER_LEN, dtype=torch.int64, device=B.group_info(r.pg).device)
-    with B.label(f"recv(src={r.src}, tag={r.tag}) header"):
-        wire.recv_into(header, r.src, r.pg, r.tag)
-    return _finish_recv(header, r)
+    return _finish_recv(wire.receive_header(r), r)
 
 
 def _receive(
@@ -354,14 +351,7 @@ def _finish_recv(
         if r.want_shape is None:
             raise ValueError("diffcomm.recv(): with comm_off('recv') pass `shape` or `like`")
         return torch.zeros(r.want_shape, dtype=r.want_dtype or torch.float32, device=r.device)
-    shape, dtype, sent_rg, sent_fused = wire.check_header(header, r, posted, fused is not None)
-    data = None
-    if sent_fused and fused is not None:
-        nbytes = shape.numel() * dtype.itemsize
-        data = fused[wire.FUSED_OFFSET : wire.FUSED_OFFSET + nbytes].view(dtype).reshape(shape)
-    elif posted is not None:
-        with B.label(f"recv(src={r.src}, tag={r.tag})"):
-            data = posted.wait().view(dtype).reshape(shape)
+    shape, dtype, sent_rg, data = wire.read(header, r, posted, fused)
     args = (r.src, shape, dtype, r.device, r.pg, r.tag, r.seq, data)
     if sent_rg and torch.is_grad_enabled() and wire.differentiable(dtype):
         return _apply(_Recv, torch.empty(0, requires_grad=True), *args)
@@ -381,25 +371,8 @@ class RecvHandle:
     """
 
     def __init__(self, r: wire.Receive, fused: bool = False) -> None:
-        self._r = r
-        self._data = None
+        self._message = wire.PostedMessage(r, fused)
         self._done = False
-        self._fused: wire.Posted | None = None
-        if fused:  # one receive for header and data (see irecv_fused)
-            assert r.want_shape is not None and r.want_dtype is not None
-            nbytes = wire.FUSED_OFFSET + r.want_shape.numel() * r.want_dtype.itemsize
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=r.device)
-            self._fused = self._header = wire.Posted(buf, r.src, r.pg, r.tag)
-            return
-        header = torch.zeros(wire.HEADER_LEN, dtype=torch.int64, device=B.group_info(r.pg).device)
-        self._header = wire.Posted(header, r.src, r.pg, r.tag)
-        if r.want_shape is not None and r.want_dtype is not None:
-            buf = torch.empty(
-                r.want_shape.numel() * r.want_dtype.itemsize, dtype=torch.uint8, device=r.device
-            )
-            self._data = wire.Posted(buf, r.src, r.pg, r.tag)
-        else:
-            wire.HEADER_FIRST.add(wire.seq_key(r.pg, r.src, r.tag, "recv"))
 
     @_eager
     def wait(self) -> Tensor:
@@ -409,14 +382,8 @@ class RecvHandle:
                 "diffcomm.ops.p2p.RecvHandle.wait(): called twice (it returns the tensor once)"
             )
         self._done = True
-        r = self._r
-        with B.label(f"recv(src={r.src}, tag={r.tag}) header"):
-            header = self._header.wait()
-        if self._fused is not None:  # the header, then (if it says so) the data
-            return _finish_recv(header[: wire.HEADER_LEN * 8].view(torch.int64), r, None, header)
-        if self._data is None:  # the data receive comes next, blocking: the channel is free after
-            wire.HEADER_FIRST.discard(wire.seq_key(r.pg, r.src, r.tag, "recv"))
-        return _finish_recv(header, r, self._data)
+        header, posted, fused = self._message.wait()
+        return _finish_recv(header, self._message.r, posted, fused)
 
 
 @_eager
