@@ -17,7 +17,6 @@ from .._torch import compiling
 from ..backend import args as A
 from ..backend import label
 from ..backend.args import PG
-from . import references
 from .all_gather import _AllGather, _ReduceScatter
 from .base import ListOp, apply, call, list_args
 from .coalesced_reduce import _AllReduceList
@@ -217,11 +216,7 @@ class _ReduceScatterList(ListOp):
             for i, (x, d) in enumerate(zip(xs, dims))
         ]
 
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, references.avg_scale(
-            kw, world
-        )
+    dual_args = staticmethod(_ReduceScatter.dual_args)  # reduce_scatter's, per element
 
     @staticmethod
     def cases(world: int) -> Iterator[Kwargs]:
