@@ -5,7 +5,7 @@ recorder off and on (the order alternates between rounds), and the cost is the p
 difference of that round; the table shows the median over rounds and the spread
 (25th-75th percentile, min-max).
 
-* ``hook``: the recorder's own hot path (:func:`diffcomm.debug.recorder.begin` + ``end``)
+* ``hook``: the recorder's own hot path (:func:`diffcomm.diagnostics.recorder.begin` + ``end``)
   called seven Python frames below a "user" frame, as from ``dc.all_reduce`` -> dynamo's
   wrapper -> autograd ``apply`` -> ``forward`` -> backend op -> ``_dispatch`` -> ``_run``
   (the call-site walk steps over them), recording on and off, each minus the same calls
@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from diffcomm import LocalWorld, _config
-from diffcomm.debug import recorder as _flight
+from diffcomm.diagnostics import recorder as _flight
 
 
 def _stats(diffs: list[float]) -> dict[str, float]:

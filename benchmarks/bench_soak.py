@@ -32,7 +32,7 @@ REDUCE = ("sum", "avg", "max", "min", "product")
 
 def soak(n_ops: int, every: int, seed: int = 0) -> list[dict[str, Any]]:
     """The rank body: ``n_ops`` mixed ops, a sample every ``every`` ops."""
-    from diffcomm.debug import recorder as _flight
+    from diffcomm.diagnostics import recorder as _flight
 
     proc = psutil.Process()
     rng = random.Random(seed)

@@ -152,7 +152,7 @@ def scenario_loop() -> None:
 
 
 def scenario_restart(outdir: str) -> None:
-    from diffcomm.debug import responder as _flight
+    from diffcomm.diagnostics import responder as _flight
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank, world = _init(via_diffcomm=True)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -80,47 +81,99 @@ def test_pytest_hides_torchs_own_jit_deprecation_but_not_others() -> None:
     assert "diffcomm.something is deprecated" in messages
 
 
-def _type_checking_imports() -> dict[str, str]:
-    """name -> submodule of every import under ``if TYPE_CHECKING:`` in ``__init__.py``."""
-    import ast
-
-    tree = ast.parse(Path(diffcomm.__file__).read_text())
-    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
-    names: dict[str, str] = {}
-    for node in block.body:
-        assert isinstance(node, ast.ImportFrom) and node.level == 1
-        for alias in node.names:
-            names[alias.asname or alias.name] = node.module or alias.name
-    return names
-
-
-def test_lazy_exports_all_and_type_checking_imports_agree() -> None:
-    """``__all__``, the export table and the ``TYPE_CHECKING`` imports name the same things;
-    the ops are read off the registry (every op of a family with a public home) and named
-    once more, from their modules, under ``TYPE_CHECKING`` for static analysis."""
-    from diffcomm.ops import families
+def test_every_builtin_op_is_exported_by_its_home() -> None:
+    """Every registered built-in op is bound, by name, in its family's home (``dc.p2p.send``),
+    in the package face (``dc.send``, ``__all__``) and in the command line's literal lists
+    (``tools/op_names.py``, in the registry's order); the face's ``__all__`` is what it binds."""
+    from diffcomm import parallel
+    from diffcomm.ops import coalesced, collectives, p2p
     from diffcomm.ops import registry as R
+    from diffcomm.tools.op_names import builtin_ops
 
-    exports = {**diffcomm._EXPORTS, **{m: m for m in diffcomm._SUBMODULES}}
-    ops = diffcomm._ops()
-    assert ops == {
-        n: f"ops.{families.HOMES[c.family]}"
-        for n, c in R.REGISTRY.items()
-        if R.builtin(c) and c.family in families.HOMES
-    }
-    assert {"all_reduce", "all_to_all", "send", "shift", "reduce_scatter_coalesced"} <= set(ops)
+    homes = {"collective": collectives, "p2p": p2p, "coalesced": coalesced, "mapping": parallel}
+    ops = {f: [n for n, c in R.family(f).items() if R.builtin(c)] for f in homes}
+    for f, names in ops.items():
+        for name in names:
+            fn = R.public_fn(R.REGISTRY[name])
+            assert getattr(homes[f], name, None) is fn and name in homes[f].__all__, (f, name)
+            if f != "mapping":  # the mappings are dc.parallel.<name>
+                assert getattr(diffcomm, name, None) is fn and name in diffcomm.__all__, name
+    assert builtin_ops() == ops
+    # diffcomm.parallel's face imports every public name of its modules by name
+    faces = ("mappings", "layers", "blocks", "loss", "context", "routing", "moe")
+    for module in (getattr(parallel, m) for m in faces):
+        for n in module.__all__:
+            assert n in parallel.__all__ and vars(parallel).get(n) is getattr(module, n), (module.__name__, n)
     assert len(diffcomm.__all__) == len(set(diffcomm.__all__))
-    assert set(diffcomm.__all__) == set(exports) | set(ops) and not set(exports) & set(ops)
-    # static analysis sees each op from its module (the registry runs only at run time)
-    typed_ops = {n: getattr(diffcomm, n).__module__.removeprefix("diffcomm.") for n in ops}
-    assert _type_checking_imports() == {**exports, **typed_ops}
-    assert set(diffcomm.__all__) <= set(dir(diffcomm))
-    for name, mod in {**diffcomm._EXPORTS, **ops}.items():
-        module = sys.modules.get(f"diffcomm.{mod}") or __import__(f"diffcomm.{mod}", fromlist=["_"])
-        assert getattr(diffcomm, name) is getattr(module, name), name
+    # __all__ is what the face binds: every function, class and table of the package it binds
+    ours = {
+        n
+        for n, v in vars(diffcomm).items()
+        if not n.startswith("_") and not isinstance(v, ModuleType) and _defined_in_diffcomm(v)
+    }
+    assert ours <= set(diffcomm.__all__) <= set(vars(diffcomm))
     star: dict[str, object] = {}
     exec("from diffcomm import *", star)
     assert set(diffcomm.__all__) <= set(star)
+
+
+def _defined_in_diffcomm(value: object) -> bool:
+    module = getattr(value, "__module__", None) or type(value).__module__
+    return module.split(".")[0] == "diffcomm"
+
+
+def test_dc_debug_is_the_setting_and_no_package_shadows_it() -> None:
+    """One name, one thing: ``dc.debug`` is the setting (the contract's ``dc.debug(True)``);
+    what diffcomm records of its communication is ``diffcomm.diagnostics``."""
+    import importlib.util
+
+    import diffcomm.diagnostics.recorder
+
+    assert importlib.util.find_spec("diffcomm.debug") is None
+    assert diffcomm.debug is diffcomm._config.debug
+    assert diffcomm.diagnostics.recorder.FlightRecorder is diffcomm.FlightRecorder
+    before = diffcomm.debug()
+    with diffcomm.debug(True):
+        assert diffcomm.debug() is True
+    assert diffcomm.debug() is before
+
+
+def test_p2p_exports_what_its_docstring_says() -> None:
+    """The names ``diffcomm.ops.p2p``'s docstring calls private are attributes, not exported."""
+    from diffcomm.ops import p2p
+
+    said = re.search(r"private entries, (.*?): attributes here, not exported", p2p.__doc__ or "", re.S)
+    assert said is not None
+    private = re.findall(r"``(\w+)``", said.group(1))
+    assert len(private) == 4 and all(callable(getattr(p2p, n)) for n in private)
+    assert not set(private) & set(p2p.__all__)
+    assert {"send", "recv", "irecv", "post_grad_recv", "wait_sends"} <= set(p2p.__all__)
+
+
+def test_go_to_definition_reaches_the_function(tmp_path: Path) -> None:
+    """Static analysis sees ``dc.all_gather`` as the function (its signature), not ``Any``."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import diffcomm as dc\nreveal_type(dc.all_gather)\nreveal_type(dc.send)\n")
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--no-incremental",
+            "--follow-imports=silent",
+            "--cache-dir=/dev/null",
+            "probe.py",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "MYPYPATH": str(ROOT / "src")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    revealed = re.findall(r'Revealed type is "(.*)"', p.stdout)
+    assert len(revealed) == 2, p.stdout + p.stderr
+    assert revealed[0].startswith("def (x: torch._tensor.Tensor, dim: int =, group: "), revealed
+    assert revealed[1].startswith("def (x: torch._tensor.Tensor, dst: int, group: "), revealed
 
 
 def test_import_is_eager_and_only_the_command_line_is_lazy() -> None:

@@ -120,7 +120,9 @@ class Rule:
         refuse: why a refused input type is wrong, and the fix (one line each).
         instead: under a *replicated* objective (a replicated loss), the mapping to use
             instead of this op (its ``R`` output counts the loss ``world`` times there).
-        backward: the backward in words (the docs' table).
+        backward: the backward in words (the docs' table). A registered op's is its
+            ``backward_text`` (set by the registry: the op states it once, there); state
+            it only for a Function that is no registered op.
         nonlinear: the rule for the op's nonlinear reduce ops (``op`` in max/min/product).
         tensors: positions of the typed tensor arguments of ``forward`` (after a ``ctx``);
             ``None``: the first (a CommOp's ``x``) or every list element (a ListOp).

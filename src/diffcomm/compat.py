@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .backend import args as A
-from .ops import collectives as C
+from .ops import collectives
 
 __all__ = [
     "broadcast",
@@ -65,7 +65,7 @@ def _local(group: Any, rank: int, op: str, arg: str) -> int:
 
 def broadcast(tensor: Tensor, src: int, group: Any = dist.group.WORLD) -> Tensor:
     """``src``'s ``tensor`` on every rank. Gradient: reduce(sum) to ``src``."""
-    return C.broadcast(tensor, _local(group, src, "compat.broadcast", "src"), _group(group))
+    return collectives.broadcast(tensor, _local(group, src, "compat.broadcast", "src"), _group(group))
 
 
 def gather(tensor: Tensor, dst: int = 0, group: Any = dist.group.WORLD) -> tuple[Tensor, ...]:
@@ -73,7 +73,7 @@ def gather(tensor: Tensor, dst: int = 0, group: Any = dist.group.WORLD) -> tuple
     g = _group(group)
     world = dist.get_world_size(A.resolve_group(g, "compat.gather"))
     dst_local = _local(group, dst, "compat.gather", "dst")
-    out = C.gather(tensor.unsqueeze(0), dst_local, 0, g, split_sizes=[1] * world)
+    out = collectives.gather(tensor.unsqueeze(0), dst_local, 0, g, split_sizes=[1] * world)
     return tuple(out.unbind(0))
 
 
@@ -89,13 +89,13 @@ def scatter(
         A.check_tensor(t, "compat.scatter", "tensors")
     g = _group(group)
     stacked = torch.stack(list(tensors))
-    out = C.scatter(stacked, _local(group, src, "compat.scatter", "src"), 0, g)
+    out = collectives.scatter(stacked, _local(group, src, "compat.scatter", "src"), 0, g)
     return out.squeeze(0)
 
 
 def reduce(tensor: Tensor, dst: int, op: Any = dist.ReduceOp.SUM, group: Any = dist.group.WORLD) -> Tensor:
     """Reduction on ``dst``, zeros elsewhere. Gradient: broadcast from ``dst`` (op-aware)."""
-    return C.reduce(tensor, _local(group, dst, "compat.reduce", "dst"), op, _group(group))
+    return collectives.reduce(tensor, _local(group, dst, "compat.reduce", "dst"), op, _group(group))
 
 
 def reduce_scatter(
@@ -114,7 +114,7 @@ def reduce_scatter(
         [A.check_tensor(t, "compat.reduce_scatter", "input_list").reshape(-1) for t in input_list]
     )
     sizes = [t.numel() for t in input_list]
-    out = C.reduce_scatter(flat, 0, op, _group(group), split_sizes=sizes)
+    out = collectives.reduce_scatter(flat, 0, op, _group(group), split_sizes=sizes)
     rank = dist.get_rank(A.resolve_group(_group(group), "compat.reduce_scatter"))
     return out.reshape(input_list[rank].shape)
 
@@ -123,7 +123,7 @@ def all_gather(tensor: Tensor, group: Any = dist.group.WORLD) -> tuple[Tensor, .
     """Tuple of every rank's ``tensor``. Gradient: reduce_scatter (one collective)."""
     g = _group(group)
     world = dist.get_world_size(A.resolve_group(g, "compat.all_gather"))
-    out = C.all_gather(
+    out = collectives.all_gather(
         A.check_tensor(tensor, "compat.all_gather", "tensor").unsqueeze(0), 0, g, split_sizes=[1] * world
     )
     return tuple(out.unbind(0))
@@ -133,7 +133,7 @@ def _all_gather_base(output_tensor: Tensor, input_tensor: Tensor, group: Any = d
     """Concatenation along dim 0 of every rank's ``input_tensor``. Gradient: reduce_scatter."""
     g = _group(group)
     world = dist.get_world_size(A.resolve_group(g, "compat._all_gather_base"))
-    return C.all_gather(input_tensor, 0, g, split_sizes=[input_tensor.shape[0]] * world)
+    return collectives.all_gather(input_tensor, 0, g, split_sizes=[input_tensor.shape[0]] * world)
 
 
 def all_to_all(
@@ -148,7 +148,7 @@ def all_to_all(
     flat = torch.cat([A.check_tensor(t, op, "input_tensor_list").reshape(-1) for t in input_tensor_list])
     ins = [t.numel() for t in input_tensor_list]
     outs = [A.check_tensor(t, op, "output_tensor_list").numel() for t in output_tensor_list]
-    y = C.all_to_all(flat, 0, 0, _group(group), ins, outs)
+    y = collectives.all_to_all(flat, 0, 0, _group(group), ins, outs)
     return tuple(p.reshape(o.shape) for p, o in zip(y.split(outs), output_tensor_list))
 
 
@@ -163,13 +163,13 @@ def all_to_all_single(
     if output_split_sizes is None and input_split_sizes is not None:
         world = dist.get_world_size(A.resolve_group(_group(group), "compat.all_to_all_single"))
         output_split_sizes = [output.shape[0] // world] * world if output.shape[0] % world == 0 else None
-    return C.all_to_all(input, 0, 0, _group(group), input_split_sizes, output_split_sizes)
+    return collectives.all_to_all(input, 0, 0, _group(group), input_split_sizes, output_split_sizes)
 
 
 def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = dist.group.WORLD) -> Tensor:
     """Reduction over ranks on every rank. Gradient: correct for every op (sum, avg,
     max/min to the arg-extreme ranks with ties split, zero-safe product)."""
-    return C.all_reduce(tensor, op, _group(group))
+    return collectives.all_reduce(tensor, op, _group(group))
 
 
 def _group(group: Any) -> Any:

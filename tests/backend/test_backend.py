@@ -534,7 +534,7 @@ def test_raw_op_table_is_what_the_backend_dispatches() -> None:
     """One row per raw op: every name passed to ``dispatch`` has a row, every row is
     dispatched, and the logger, the switches and the diagnosis read their facts from it."""
     from diffcomm.backend import RAW_OPS
-    from diffcomm.debug import diagnosis, recorder
+    from diffcomm.diagnostics import diagnosis, recorder
 
     single, coalesced = _dispatched_names()
     assert single and coalesced

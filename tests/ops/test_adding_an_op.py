@@ -371,15 +371,42 @@ def test_transforms_compile_and_async(world2: dc.LocalWorld) -> None:
         assert res["async_type"] == "AsyncTensor" and res["async"], (r, res)
 
 
-def test_a_built_in_op_is_its_module_alone(tmp_path: Path) -> None:
+#: the names a built-in op adds besides its module: (file, after this line, the lines to add)
+_NAMED = [
+    (
+        "ops/collectives.py",
+        "from .all_to_all import raw_all_to_all\n",
+        "from .stacking import all_stack as all_stack\nfrom .stacking import sum_unstack as sum_unstack\n",
+    ),
+    ("ops/collectives.py", '    "all_to_all",\n', '    "all_stack",\n    "sum_unstack",\n'),
+    ("ops/p2p.py", "from .send_recv import send as send\n", "from .stacking import mirror as mirror\n"),
+    ("ops/p2p.py", '    "ppermute",\n', '    "mirror",\n'),
+    (
+        "__init__.py",
+        "    from .ops.collectives import all_to_all as all_to_all\n",
+        "    from .ops.collectives import all_stack as all_stack\n"
+        "    from .ops.collectives import sum_unstack as sum_unstack\n",
+    ),
+    (
+        "__init__.py",
+        "    from .ops.p2p import ppermute as ppermute\n",
+        "    from .ops.p2p import mirror as mirror\n",
+    ),
+    ("__init__.py", '    "all_to_all",\n', '    "all_stack",\n    "sum_unstack",\n'),
+    ("__init__.py", '    "ppermute",\n', '    "mirror",\n'),
+    ("tools/op_names.py", 'scatter all_to_all"', 'scatter all_to_all all_stack sum_unstack"'),
+    ("tools/op_names.py", 'shift ppermute"', 'shift ppermute mirror"'),
+]
+
+
+def test_a_built_in_op_is_its_module_and_its_names(tmp_path: Path) -> None:
     """The same block added to diffcomm itself: written as a new module of ``diffcomm.ops``
-    in a copy of the package, with **no other file edited**, its ops are ``dc.all_stack``
-    / ``dc.mirror`` (and in ``__all__``), attributes of their families' homes
-    (``dc.collectives``, ``dc.p2p``), in the registry and the docs tables, named by
-    ``check --help`` and checked by ``python -m diffcomm check`` without ``--module``.
-    So at run time a new built-in collective or p2p op is its module and its test; the
-    third file is one ``name as name`` line in ``__init__.py``'s ``TYPE_CHECKING`` block,
-    read only by type checkers and IDEs (``test_packaging`` names an op missing there)."""
+    in a copy of the package, its names imported by its family's home (``dc.collectives``,
+    ``dc.p2p``) and by the package face and listed for the command line
+    (``tools/op_names.py``), with **no other file edited**: its ops are ``dc.all_stack`` /
+    ``dc.mirror`` (and in ``__all__``), attributes of their homes, in the registry and the
+    docs tables, named by ``check --help`` and checked by ``python -m diffcomm check``
+    without ``--module``. tests/test_packaging.py names an op missing from one of the lists."""
     import json
     import shutil
 
@@ -390,9 +417,20 @@ def test_a_built_in_op_is_its_module_alone(tmp_path: Path) -> None:
         '"""all_stack / sum_unstack / mirror."""\n\n'
         + re.sub(r"  # noqa: E402.*", "", _block(Path(__file__).read_text()))
     )
+    for rel, anchor, lines in _NAMED:
+        path = src / "diffcomm" / rel
+        text = path.read_text()
+        assert text.count(anchor) == 1, (rel, anchor)
+        path.write_text(text.replace(anchor, anchor + lines if anchor.endswith("\n") else lines))
     before = sorted(p.relative_to(ROOT / "src") for p in (ROOT / "src" / "diffcomm").rglob("*.py"))
     after = sorted(p.relative_to(src) for p in (src / "diffcomm").rglob("*.py"))
-    assert sorted({*before, added.relative_to(src)}) == after  # one file more, nothing else
+    assert sorted({*before, added.relative_to(src)}) == after  # one file more
+    edited = {
+        str(p.relative_to(src / "diffcomm"))
+        for p in (src / "diffcomm").rglob("*.py")
+        if p != added and p.read_text() != (ROOT / "src" / p.relative_to(src)).read_text()
+    }
+    assert edited == {"ops/collectives.py", "ops/p2p.py", "__init__.py", "tools/op_names.py"}
     env = {**os.environ, "PYTHONPATH": str(src)}
     probe = (
         "import json, diffcomm as dc\n"
@@ -429,3 +467,40 @@ def test_a_built_in_op_is_its_module_alone(tmp_path: Path) -> None:
     out = json.loads(p.stdout)
     assert out["ok"] and [r["op"] for r in out["cases"]].count("all_stack") == 3
     assert {r["op"] for r in out["cases"]} == set(NEW) and len(out["cases"]) == 3 + 2 + 2
+
+
+_MIRROR_DUAL_ARGS = """
+    @staticmethod
+    def dual_args(kw: dict[str, Any], world: int) -> tuple[dict[str, Any], float]:
+        return {}, 1.0
+"""
+_ALL_STACK_REFERENCE = """
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[dict[str, Any]]) -> list[Tensor]:  # serial
+        return [torch.stack(xs, kws[0].get("dim", 0)) for _ in xs]
+"""
+
+
+def test_a_user_op_without_dual_args_is_checked_and_a_missing_reference_named(tmp_path: Path) -> None:
+    """``dual_args`` is optional: ``mirror`` without it passes ``check`` (its backward is
+    compared with the serial reference's gradient; no dot-product test). A collective with
+    ``cases`` but no ``reference`` is refused before any rank starts, by ``verify``'s words."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    block = re.sub(r"  # noqa: E402.*", "", _block(Path(__file__).read_text()))
+    assert block.count(_MIRROR_DUAL_ARGS) == 1 and block.count(_ALL_STACK_REFERENCE) == 1
+    no_dual_args = tmp_path / "no_dual_args.py"
+    no_dual_args.write_text(block.replace(_MIRROR_DUAL_ARGS, ""))
+    p = _python_m_diffcomm(
+        "check", "-n", "2", "--module", str(no_dual_args), "--ops", "mirror", "--json", cwd=tmp_path, env=env
+    )
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    out = json.loads(p.stdout)
+    assert out["ok"] and {r["op"] for r in out["cases"]} == {"mirror"} and len(out["cases"]) == 2
+    assert all(r["adjoint_err"] is None and r["grad_err"] == 0.0 for r in out["cases"]), out["cases"]
+    no_reference = tmp_path / "no_reference.py"
+    no_reference.write_text(block.replace(_ALL_STACK_REFERENCE, ""))
+    p = _python_m_diffcomm("check", "-n", "2", "--module", str(no_reference), cwd=tmp_path, env=env)
+    assert p.returncode == 2, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "all_stack: cases but no reference" in p.stderr, p.stderr[-4000:]

@@ -421,3 +421,43 @@ def test_a_plain_container_suggests_parallel_module_or_param_map(world2) -> None
         assert_matches_serial(build(Plain), _SerialTwo(6), _x(6), world=world2)
     msg = str(info.value)
     assert "has no serial_slices()" in msg and "ParallelModule" in msg and "param_map" in msg, msg
+
+
+def _same_options_as_keywords(seed: int) -> list[bool]:
+    """A layer and a block built from keywords equal those built from one LayerOptions."""
+    options = P.LayerOptions(seed=seed, sequence_parallel=True, overlap="comm")
+    pairs = [
+        (
+            P.ColumnParallelLinear(4, 6, seed=seed, sequence_parallel=True, overlap="comm"),
+            P.ColumnParallelLinear(4, 6, options=options),
+        ),
+        (
+            P.ParallelMLP(8, 16, seed=seed, sequence_parallel=True, overlap="comm"),
+            P.ParallelMLP(8, 16, options=options),
+        ),
+        (
+            P.ParallelSelfAttention(8, 4, seed=seed, sequence_parallel=True),
+            P.ParallelSelfAttention(8, 4, options=P.LayerOptions(seed=seed, sequence_parallel=True)),
+        ),
+    ]
+    out = []
+    for a, b in pairs:
+        sa, sb = a.state_dict(), b.state_dict()
+        out.append(
+            sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa) and repr(a) == repr(b)
+        )
+    # keywords given with an options object override its fields
+    out.append(
+        P.ColumnParallelLinear(4, 6, options=options, sequence_parallel=False).sequence_parallel is False
+    )
+    return out
+
+
+def test_layer_options_are_one_object_and_the_old_keywords_still_work(world2) -> None:
+    assert world2.run(_same_options_as_keywords, 3) == [[True] * 4] * 2
+    with pytest.raises(TypeError, match=r"ParallelSelfAttention\(\): unexpected keyword argument 'overlap'"):
+        P.ParallelSelfAttention(8, 4, overlap=True)
+    with pytest.raises(TypeError, match=r"`options.sequence_dim` must be 0 \(it does not take it\)"):
+        P.ParallelSelfAttention(8, 4, options=P.LayerOptions(sequence_dim=1))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sead'"):
+        P.RowParallelLinear(4, 6, sead=0)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import diffcomm as dc
 from diffcomm import _lifecycle, _torch
-from diffcomm.debug import responder
+from diffcomm.diagnostics import responder
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_lifecycle.py"
 _spec = importlib.util.spec_from_file_location("bench_lifecycle", _BENCH)

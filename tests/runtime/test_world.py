@@ -33,7 +33,7 @@ from diffcomm import (
     WorldTimeoutError,
 )
 from diffcomm.backend import get_backend, label
-from diffcomm.debug.responder import _TIMEOUT_MARKERS
+from diffcomm.diagnostics.responder import _TIMEOUT_MARKERS
 
 # ------------------------------------------------------------------------------ helpers
 

@@ -22,7 +22,7 @@ This package is the public home of the layer; the code lives in one module per c
   :class:`~diffcomm.CollectiveTimeoutError` naming the op and how to fix it);
 * :mod:`.sized_gather` — the all_gather whose row counts travel with the rows;
 * :mod:`.args` — argument normalisation shared by every op (groups, reduce ops, ranks);
-* from :mod:`diffcomm.debug`: the **comms logger** (:func:`log_comms`: op, count, bytes,
+* from :mod:`diffcomm.diagnostics`: the **comms logger** (:func:`log_comms`: op, count, bytes,
   time, algorithmic/bus bandwidth; the op :func:`label`) and the **comm-off switches**
   (:func:`comm_off` skips named collectives while still returning correctly shaped
   results, for ablation timing, never for correctness) and the **raw-op table**
@@ -38,11 +38,11 @@ from typing import Any, Protocol
 import torch
 
 from .._torch import compiling
-from ..debug.logger import LABEL as LABEL
-from ..debug.logger import CommRecord, CommsLog, label, log_comms
-from ..debug.raw_ops import OP_NAMES, RAW_OPS, RawOp
-from ..debug.raw_ops import bus_factor as bus_factor
-from ..debug.switches import comm_off, is_off
+from ..diagnostics.logger import LABEL as LABEL
+from ..diagnostics.logger import CommRecord, CommsLog, label, log_comms
+from ..diagnostics.raw_ops import OP_NAMES, RAW_OPS, RawOp
+from ..diagnostics.raw_ops import bus_factor as bus_factor
+from ..diagnostics.switches import comm_off, is_off
 from .compiled import TraceableBackend
 from .direct_calls import all_gather_single as all_gather_single
 from .direct_calls import reduce_scatter_single as reduce_scatter_single

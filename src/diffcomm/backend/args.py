@@ -18,6 +18,9 @@ import torch.distributed as dist
 from .. import _torch
 
 GroupLike = Union[None, "dist.ProcessGroup", tuple[Any, int | str]]
+#: a resolved process group (``None``: the default group), what :func:`resolve_group`
+#: returns: the one alias of the package (``Any``: c10d's group types are not all typed)
+PG = Any
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 LINEAR_OPS = ("sum", "avg")

@@ -1,10 +1,10 @@
 """The one entry point every raw op funnels through: :func:`dispatch`.
 
 For every raw op, in one place so none can forget: the comm-off switches
-(:mod:`diffcomm.debug.switches`), the comms logger (:mod:`diffcomm.debug.logger`), the flight
+(:mod:`diffcomm.diagnostics.switches`), the comms logger (:mod:`diffcomm.diagnostics.logger`), the flight
 recorder and the translation of a backend timeout into
 :class:`~diffcomm.CollectiveTimeoutError` / :class:`~diffcomm.DesyncError` naming the op
-(:mod:`diffcomm.debug.recorder`, :mod:`diffcomm.debug.responder`). Also here: the
+(:mod:`diffcomm.diagnostics.recorder`, :mod:`diffcomm.diagnostics.responder`). Also here: the
 process-wide span recorder the timeline reads (:func:`record_spans`), the program-order
 hook of the asynchronous engine (:func:`set_order_hook`), the coalesced-op record
 (:func:`run_coalesced`) and the hand-over of a thread's logs and switches to the engine
@@ -28,13 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..debug import recorder as _flight
-from ..debug import responder as _responder
-from ..debug.logger import LABEL as _LABEL
-from ..debug.logger import STATE as _local
-from ..debug.logger import CommRecord, CommsLog
-from ..debug.logger import logs as _logs
-from ..debug.switches import off as _off
+from ..diagnostics import recorder as _flight
+from ..diagnostics import responder as _responder
+from ..diagnostics.logger import LABEL as _LABEL
+from ..diagnostics.logger import STATE as _local
+from ..diagnostics.logger import CommRecord, CommsLog
+from ..diagnostics.logger import logs as _logs
+from ..diagnostics.switches import off as _off
 from .groups import ProcessGroup
 from .groups import world as _world
 

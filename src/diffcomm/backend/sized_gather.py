@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from .._errors import CrossRankMismatchError
-from ..debug.logger import label
+from ..diagnostics.logger import label
 from .direct_calls import c10d_all_gather
 from .dispatch import dispatch
 from .groups import GroupInfo

@@ -6,12 +6,11 @@ asynchronous engine, and the op families.
   serial reference), :mod:`.validation` and :mod:`.packing` (checks before any
   communication; coalesced lists packed per dtype), :mod:`.engine` (``async_op=True``);
 * the families' public homes: :mod:`.collectives`, :mod:`.coalesced`, :mod:`.p2p` (over its
-  :mod:`.wire` protocol and :mod:`.send_queue`), each binding the ops of its family that
-  :mod:`.families` finds (every module of this package is imported; an op module is named
-  nowhere else), and the op modules themselves (:mod:`.all_reduce`, :mod:`.all_gather`,
-  ... with their serial :mod:`.references`).
+  :mod:`.wire` protocol and :mod:`.send_queue`), each importing the ops of its family by
+  name, and the op modules themselves (:mod:`.all_reduce`, :mod:`.all_gather`, ... with
+  their serial :mod:`.references`).
 
-Layer: above :mod:`diffcomm.runtime`, :mod:`diffcomm.backend` and :mod:`diffcomm.debug`;
+Layer: above :mod:`diffcomm.runtime`, :mod:`diffcomm.backend` and :mod:`diffcomm.diagnostics`;
 below :mod:`diffcomm.parallel`, :mod:`diffcomm.pipeline`, :mod:`diffcomm.testing` and
 :mod:`diffcomm.tools` (the import-linter contract in ``pyproject.toml``). The public names
 are re-exported by :mod:`diffcomm`; this package itself imports nothing.

@@ -13,11 +13,12 @@ from torch import Tensor
 from .. import _config
 from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
-from . import references as R
+from ..backend.args import PG
+from . import references
 from .all_reduce import _AllReduce
 from .base import CommOp, apply, call, op_labels
 from .registry import Kwargs
-from .validation import PG, Learned
+from .validation import Learned
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check as _debug_check
@@ -43,14 +44,12 @@ class _AllGather(CommOp):
     dims = (0,)
     forward_text = "concat of every rank's x along dim"
     backward_text = "reduce_scatter(sum) with the same split"
-    reference = R.all_gather
     spmd = Rule(
         {T.V: T.R, T.R: T.R},
         out_grad=PARTIAL,
         in_grad=PARTIAL,
         refuse={T.P: SHARES},
         instead="parallel.gather_from_region",
-        backward="reduce_scatter of the gradient (sums it over ranks)",
     )
 
     @staticmethod
@@ -70,6 +69,8 @@ class _AllGather(CommOp):
     @staticmethod
     def out_shape(x: Tensor, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
         return _with(x.shape, {dim: sum(split_sizes)})
+
+    reference = references.all_gather
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
@@ -155,8 +156,7 @@ class _ReduceScatter(CommOp):
     dims = (0,)
     forward_text = "chunk r of the reduction"
     backward_text = "all_gather with the same split"
-    reference = R.reduce_scatter
-    spmd = Rule({T.V: T.V, T.P: T.V}, refuse={T.R: TWICE}, backward="all_gather of the gradient")
+    spmd = Rule({T.V: T.V, T.P: T.V}, refuse={T.R: TWICE})
 
     @staticmethod
     def run(x: Tensor, dim: int, op: str, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
@@ -176,9 +176,13 @@ class _ReduceScatter(CommOp):
     def out_shape(x: Tensor, dim: int, op: str, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
         return _with(x.shape, {dim: split_sizes[_rank(pg)]})
 
+    reference = references.reduce_scatter
+
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, R.avg_scale(kw, world)
+        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, references.avg_scale(
+            kw, world
+        )
 
     @staticmethod
     def cases(world: int) -> Iterator[Kwargs]:

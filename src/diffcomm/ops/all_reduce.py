@@ -14,10 +14,10 @@ from torch import Tensor
 from .. import _config
 from .._replication import PARTIAL, TWICE, Rule, T
 from ..backend import args as A
-from . import references as R
+from ..backend.args import PG
+from . import references
 from .base import CommOp, apply, call, op_labels
 from .registry import SELF, Kwargs
-from .validation import PG
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check_input as _debug_check_input
@@ -39,13 +39,11 @@ class _AllReduce(CommOp):
     elementwise = True
     forward_text = "op over ranks, on every rank"
     backward_text = "all_reduce of grads (max/min: to arg-extreme ranks, ties split; product: zero-safe)"
-    reference = R.all_reduce
     spmd = Rule(
         {T.V: T.R, T.P: T.R},
         out_grad=PARTIAL,
         refuse={T.R: TWICE},
         instead="parallel.reduce_from_region",
-        backward="all_reduce of the gradient (sums it over ranks)",
         nonlinear=Rule(
             {T.V: T.R},
             out_grad=PARTIAL,
@@ -62,8 +60,22 @@ class _AllReduce(CommOp):
         return _LABELS[op]
 
     @staticmethod
+    def transpose(g: Tensor, op: str, pg: PG) -> Tensor:
+        return call(_AllReduce, g, op, pg)
+
+    @staticmethod
+    def linearize(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        return None if args[0] in A.LINEAR_OPS else ("sum", args[1])
+
+    @staticmethod
+    def weight(x: Tensor, y: Tensor, op: str, pg: PG) -> Tensor:
+        return _nonlinear_weight(op, x, y, pg)
+
+    @staticmethod
     def out_shape(x: Tensor, op: str, pg: PG) -> tuple[int, ...]:
         return tuple(x.shape)
+
+    reference = references.all_reduce
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
@@ -77,18 +89,6 @@ class _AllReduce(CommOp):
             yield {"shape": (5,), "dtype": dt, "kwargs": {"op": "sum"}, "ints": dt in ("float16", "bfloat16")}
         yield {"shape": (5,), "dtype": "complex64", "kwargs": {"op": "product"}, "ints": True}
         yield {"shape": (4,), "dtype": "int64", "kwargs": {"op": "sum"}, "ints": True}
-
-    @staticmethod
-    def transpose(g: Tensor, op: str, pg: PG) -> Tensor:
-        return call(_AllReduce, g, op, pg)
-
-    @staticmethod
-    def linearize(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        return None if args[0] in A.LINEAR_OPS else ("sum", args[1])
-
-    @staticmethod
-    def weight(x: Tensor, y: Tensor, op: str, pg: PG) -> Tensor:
-        return _nonlinear_weight(op, x, y, pg)
 
 
 #: The raw forward of ``all_reduce`` (``(x, op, pg) -> Tensor``: no validation, no

@@ -14,10 +14,10 @@ from torch import Tensor
 from .. import _config
 from .._replication import PARTIAL, SHARES, Rule, T
 from ..backend import args as A
-from . import references as R
+from ..backend.args import PG
+from . import references
 from .base import CommOp, apply, call
 from .registry import SELF, Kwargs
-from .validation import PG
 from .validation import all_to_all_received as _all_to_all_received
 from .validation import all_to_all_split_sizes as _all_to_all_split_sizes
 from .validation import check_input as _check_input
@@ -40,10 +40,27 @@ class _AllToAll(CommOp):
     dims = (0, 1)
     forward_text = "chunk r of every rank's x, concatenated"
     backward_text = "all_to_all with dims and split sizes swapped"
-    reference = R.all_to_all
-    spmd = Rule(
-        {T.V: T.V, T.R: T.V}, in_grad=PARTIAL, refuse={T.P: SHARES}, backward="all_to_all, dims swapped"
-    )
+    spmd = Rule({T.V: T.V, T.R: T.V}, in_grad=PARTIAL, refuse={T.P: SHARES})
+
+    @staticmethod
+    def run(
+        x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
+    ) -> Tensor:
+        """all_to_all over the raw backend (dim-0, contiguous) for any pair of dims."""
+        if split_dim == concat_dim:
+            x0 = x if split_dim == 0 else x.movedim(split_dim, 0)
+            if ins == outs and ins.count(ins[0]) == len(ins):  # even: the backend's plain all_to_all
+                out = _b().all_to_all(x0, pg)
+            else:
+                out = _b().all_to_all(x0, pg, list(ins), list(outs))
+            return out if split_dim == 0 else out.movedim(0, split_dim)
+        return _across_dims(x, split_dim, concat_dim, pg, ins, outs)
+
+    @staticmethod
+    def transpose(
+        g: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
+    ) -> Tensor:
+        return call(_AllToAll, g, concat_dim, split_dim, pg, outs, ins)
 
     @staticmethod
     def out_shape(
@@ -52,6 +69,8 @@ class _AllToAll(CommOp):
         if split_dim == concat_dim:
             return _with(x.shape, {split_dim: sum(outs)})
         return _with(x.shape, {split_dim: ins[_rank(pg)], concat_dim: sum(outs)})
+
+    reference = references.all_to_all
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
@@ -75,26 +94,6 @@ class _AllToAll(CommOp):
             "kwargs": {"split_dim": 0, "concat_dim": 0, "infer_outputs": True},
             "a2a": a2a,
         }
-
-    @staticmethod
-    def run(
-        x: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
-    ) -> Tensor:
-        """all_to_all over the raw backend (dim-0, contiguous) for any pair of dims."""
-        if split_dim == concat_dim:
-            x0 = x if split_dim == 0 else x.movedim(split_dim, 0)
-            if ins == outs and ins.count(ins[0]) == len(ins):  # even: the backend's plain all_to_all
-                out = _b().all_to_all(x0, pg)
-            else:
-                out = _b().all_to_all(x0, pg, list(ins), list(outs))
-            return out if split_dim == 0 else out.movedim(0, split_dim)
-        return _across_dims(x, split_dim, concat_dim, pg, ins, outs)
-
-    @staticmethod
-    def transpose(
-        g: Tensor, split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
-    ) -> Tensor:
-        return call(_AllToAll, g, concat_dim, split_dim, pg, outs, ins)
 
 
 def _across_dims(

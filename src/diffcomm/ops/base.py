@@ -53,7 +53,7 @@ from torch import Tensor
 from .. import _torch
 from .. import backend as B
 from ..backend import args as A
-from ..debug.logger import nest as _nest
+from ..diagnostics.logger import nest as _nest
 from . import engine as _async
 from . import registry as _registry
 from .registry import OpFacts

@@ -12,11 +12,11 @@ from torch import Tensor
 from .. import _config
 from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
-from . import references as R
+from ..backend.args import PG
+from . import references
 from .all_reduce import _AllReduce
 from .base import CommOp, apply, call, only_on, op_labels
 from .registry import Kwargs
-from .validation import PG
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check_input as _debug_check_input
@@ -34,13 +34,11 @@ class _Broadcast(CommOp):
     elementwise = True
     forward_text = "src's x on every rank"
     backward_text = "reduce(sum) to src; other ranks exact zeros"
-    reference = R.broadcast
     spmd = Rule(
         {T.R: T.R, T.V: T.R},
         out_grad=PARTIAL,
         in_grad=PARTIAL,
         refuse={T.P: SHARES},
-        backward="reduce to src",
     )
 
     @staticmethod
@@ -48,8 +46,14 @@ class _Broadcast(CommOp):
         return _b().broadcast(x, src, pg)
 
     @staticmethod
+    def transpose(g: Tensor, src: int, pg: PG) -> Tensor:
+        return call(_Reduce, g, src, "sum", pg)
+
+    @staticmethod
     def out_shape(x: Tensor, src: int, pg: PG) -> tuple[int, ...]:
         return tuple(x.shape)
+
+    reference = references.broadcast
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
@@ -58,10 +62,6 @@ class _Broadcast(CommOp):
     @staticmethod
     def cases(world: int) -> Iterator[Kwargs]:
         yield {"shape": (2, 3), "kwargs": {"src": world - 1}}
-
-    @staticmethod
-    def transpose(g: Tensor, src: int, pg: PG) -> Tensor:
-        return call(_Reduce, g, src, "sum", pg)
 
 
 def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None, *, async_op: bool = False) -> Tensor:
@@ -107,8 +107,7 @@ class _Reduce(CommOp):
     elementwise = True
     forward_text = "op over ranks on dst, zeros elsewhere"
     backward_text = "broadcast from dst"
-    reference = R.reduce
-    spmd = Rule({T.V: T.V, T.P: T.V}, refuse={T.R: TWICE}, backward="broadcast from dst")
+    spmd = Rule({T.V: T.V, T.P: T.V}, refuse={T.R: TWICE})
 
     @staticmethod
     def run(x: Tensor, dst: int, op: str, pg: PG) -> Tensor:
@@ -119,22 +118,24 @@ class _Reduce(CommOp):
         return _LABELS[op]
 
     @staticmethod
+    def transpose(g: Tensor, dst: int, op: str, pg: PG) -> Tensor:
+        out = call(_Broadcast, g, dst, pg)
+        return out / _world(pg) if op == "avg" else out
+
+    @staticmethod
     def out_shape(x: Tensor, dst: int, op: str, pg: PG) -> tuple[int, ...]:
         return tuple(x.shape)
 
+    reference = references.reduce
+
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"src": kw.get("dst", 0)}, R.avg_scale(kw, world)
+        return {"src": kw.get("dst", 0)}, references.avg_scale(kw, world)
 
     @staticmethod
     def cases(world: int) -> Iterator[Kwargs]:
         for rop in ("sum", "avg", "max", "product"):
             yield {"shape": (2, 3), "kwargs": {"dst": world // 2, "op": rop}, "ints": rop != "sum"}
-
-    @staticmethod
-    def transpose(g: Tensor, dst: int, op: str, pg: PG) -> Tensor:
-        out = call(_Broadcast, g, dst, pg)
-        return out / _world(pg) if op == "avg" else out
 
 
 def reduce(

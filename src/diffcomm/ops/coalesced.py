@@ -30,20 +30,28 @@ with zeros where an output got no gradient or its input does not require grad.
 
 Where they live: :mod:`diffcomm.ops.coalesced_reduce` (all_reduce / broadcast / reduce),
 :mod:`diffcomm.ops.coalesced_gather` (all_gather / reduce_scatter), the packing and
-validation in :mod:`diffcomm.ops.packing`. This module binds the public function of every
-op of the ``"coalesced"`` family (found by :mod:`diffcomm.ops.families`, in the registry's
-order; no file lists them).
+validation in :mod:`diffcomm.ops.packing`. This module imports each op of the
+``"coalesced"`` family by name, in the registry's order (tests/test_packaging.py checks
+that every registered built-in op of the family is here).
 """
 
 from __future__ import annotations
 
-from . import families
+from .coalesced_gather import all_gather_coalesced as all_gather_coalesced
+from .coalesced_gather import reduce_scatter_coalesced as reduce_scatter_coalesced
 from .coalesced_reduce import _AllReduceList
+from .coalesced_reduce import all_reduce_coalesced as all_reduce_coalesced
+from .coalesced_reduce import broadcast_coalesced as broadcast_coalesced
+from .coalesced_reduce import reduce_coalesced as reduce_coalesced
 from .packing import debug_check as _debug_check
 from .registry import FamilyView, markdown
 
 __all__ = [
-    *families.export("coalesced", globals()),  # all_reduce_coalesced, ..., reduce_scatter_coalesced
+    "all_reduce_coalesced",
+    "broadcast_coalesced",
+    "reduce_coalesced",
+    "all_gather_coalesced",
+    "reduce_scatter_coalesced",
     "COALESCED_OPS",
     "coalesced_markdown",
 ]
@@ -63,7 +71,3 @@ def coalesced_markdown() -> str:
 #: ``diffcomm.parallel`` mappings).
 raw_all_reduce_coalesced = _AllReduceList.run
 check_lists_consistent = _debug_check
-
-
-#: an op of the family a user's module defines later is an attribute too
-__getattr__ = families.late_ops("coalesced", __name__)

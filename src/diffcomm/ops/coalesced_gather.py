@@ -16,7 +16,7 @@ from torch import Tensor
 from .._torch import compiling
 from ..backend import args as A
 from ..backend import label
-from . import references as R
+from ..backend.args import PG
 from .all_gather import _AllGather, _ReduceScatter
 from .base import ListOp, apply, call, list_args
 from .coalesced_reduce import _AllReduceList
@@ -33,7 +33,7 @@ from .packing import moved as _moved
 from .packing import pack as _pack
 from .packing import unpack as _unpack
 from .registry import Kwargs
-from .validation import PG, Learned
+from .validation import Learned
 from .validation import current_backend as _b
 from .validation import rank as _rank
 from .validation import with_sizes as _with
@@ -102,30 +102,7 @@ class _AllGatherList(ListOp):
     forward_text = "each tensor concatenated over ranks along dim"
     backward_text = "reduce_scatter_coalesced(sum)"
     # element i is all_gather(tensors[i]): its rule (no coalesced mapping to name instead)
-    spmd = replace(_AllGather.spmd, instead=None, backward="reduce_scatter_coalesced")
-
-    @staticmethod
-    def out_shape(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG, split_sizes: SplitSizes) -> list[Any]:
-        world = _world(pg)
-        return [
-            _with(x.shape, {d: x.shape[d] * world if split_sizes is None else sum(split_sizes[i])})
-            for i, (x, d) in enumerate(zip(xs, dims))
-        ]
-
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, 1.0
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        w, with_dim = world, _case_specs(world)[2]
-        yield {"specs": with_dim, "kwargs": {"dim": -1}}
-        yield {"specs": with_dim, "kwargs": {"dim": 0}}
-        # split_sizes along dim that differ between ranks: learned (one exchange) or given; a
-        # rank with no rows
-        varied = tuple(tuple((i + r) % 3 if i != 2 else 0 for r in range(w)) for i in range(len(with_dim)))
-        yield {"specs": with_dim, "kwargs": {"dim": 0}, "rank_sizes": varied}
-        yield {"specs": with_dim, "kwargs": {"dim": 0, "split_sizes": varied}, "rank_sizes": varied}
+    spmd = replace(_AllGather.spmd, instead=None)
 
     @staticmethod
     def run(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG, split_sizes: SplitSizes) -> list[Tensor]:
@@ -175,6 +152,29 @@ class _AllGatherList(ListOp):
         part = None if split_sizes is None else _even_or_none(tuple(split_sizes[i] for i in idx))
         return call(_ReduceScatterList, *list_args(gs, tuple(dims[i] for i in idx), "sum", pg, part))
 
+    @staticmethod
+    def out_shape(xs: Sequence[Tensor], dims: tuple[int, ...], pg: PG, split_sizes: SplitSizes) -> list[Any]:
+        world = _world(pg)
+        return [
+            _with(x.shape, {d: x.shape[d] * world if split_sizes is None else sum(split_sizes[i])})
+            for i, (x, d) in enumerate(zip(xs, dims))
+        ]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        w, with_dim = world, _case_specs(world)[2]
+        yield {"specs": with_dim, "kwargs": {"dim": -1}}
+        yield {"specs": with_dim, "kwargs": {"dim": 0}}
+        # split_sizes along dim that differ between ranks: learned (one exchange) or given; a
+        # rank with no rows
+        varied = tuple(tuple((i + r) % 3 if i != 2 else 0 for r in range(w)) for i in range(len(with_dim)))
+        yield {"specs": with_dim, "kwargs": {"dim": 0}, "rank_sizes": varied}
+        yield {"specs": with_dim, "kwargs": {"dim": 0, "split_sizes": varied}, "rank_sizes": varied}
+
 
 class _ReduceScatterList(ListOp):
     """Linear (sum/avg) reduce_scatter of every tensor ``i`` along ``dims[i]``, split
@@ -188,37 +188,7 @@ class _ReduceScatterList(ListOp):
     dims = 0
     forward_text = "chunk r of each tensor's reduction along dim"
     backward_text = "all_gather_coalesced"
-    spmd = replace(_ReduceScatter.spmd, backward="all_gather_coalesced")  # reduce_scatter's, per element
-
-    @staticmethod
-    def out_shape(
-        xs: Sequence[Tensor], dims: tuple[int, ...], op: str, pg: PG, split_sizes: SplitSizes
-    ) -> list[Any]:
-        world, rank = _world(pg), _rank(pg)
-        return [
-            _with(x.shape, {d: x.shape[d] // world if split_sizes is None else split_sizes[i][rank]})
-            for i, (x, d) in enumerate(zip(xs, dims))
-        ]
-
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, R.avg_scale(kw, world)
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        w, with_dim = world, _case_specs(world)[2]
-        no_int_dim = tuple(s for s in with_dim if s[1] != "int64")
-        for rop in ("sum", "avg", "min"):
-            yield {"specs": no_int_dim if rop == "avg" else with_dim, "kwargs": {"dim": 0, "op": rop}}
-        # uneven splits
-        split = tuple(tuple(w if r == i % w else 0 for r in range(w)) for i in range(len(with_dim)))
-        for rop in ("sum", "avg", "max"):
-            specs = no_int_dim if rop == "avg" else with_dim
-            yield {"specs": specs, "kwargs": {"dim": 0, "op": rop, "split_sizes": split[: len(specs)]}}
-
-    @staticmethod
-    def label(dims: tuple[int, ...], op: str, pg: PG, split_sizes: SplitSizes) -> str:
-        return f"reduce_scatter_coalesced({op})"
+    spmd = _ReduceScatter.spmd  # reduce_scatter's, per element
 
     @staticmethod
     def run(
@@ -256,6 +226,10 @@ class _ReduceScatterList(ListOp):
         return _back(_unpack(shapes, groups, parts), dims)
 
     @staticmethod
+    def label(dims: tuple[int, ...], op: str, pg: PG, split_sizes: SplitSizes) -> str:
+        return f"reduce_scatter_coalesced({op})"
+
+    @staticmethod
     def transpose(
         ctx: Any,
         gs: list[Tensor],
@@ -271,6 +245,30 @@ class _ReduceScatterList(ListOp):
             return out
         world = _world(pg)
         return [o / world for o in out]
+
+    @staticmethod
+    def out_shape(
+        xs: Sequence[Tensor], dims: tuple[int, ...], op: str, pg: PG, split_sizes: SplitSizes
+    ) -> list[Any]:
+        world, rank = _world(pg), _rank(pg)
+        return [
+            _with(x.shape, {d: x.shape[d] // world if split_sizes is None else split_sizes[i][rank]})
+            for i, (x, d) in enumerate(zip(xs, dims))
+        ]
+
+    dual_args = staticmethod(_ReduceScatter.dual_args)  # reduce_scatter's, per element
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        w, with_dim = world, _case_specs(world)[2]
+        no_int_dim = tuple(s for s in with_dim if s[1] != "int64")
+        for rop in ("sum", "avg", "min"):
+            yield {"specs": no_int_dim if rop == "avg" else with_dim, "kwargs": {"dim": 0, "op": rop}}
+        # uneven splits
+        split = tuple(tuple(w if r == i % w else 0 for r in range(w)) for i in range(len(with_dim)))
+        for rop in ("sum", "avg", "max"):
+            specs = no_int_dim if rop == "avg" else with_dim
+            yield {"specs": specs, "kwargs": {"dim": 0, "op": rop, "split_sizes": split[: len(specs)]}}
 
 
 def all_gather_coalesced(

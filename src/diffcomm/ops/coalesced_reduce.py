@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from ..backend import args as A
-from . import references as R
+from ..backend.args import PG
+from . import references
 from .all_reduce import WEIGHT_DTYPE, _AllReduce, product_parts, product_weight
 from .base import ListOp, apply, call, list_args
 from .base import only_on as _only_on
@@ -23,7 +24,6 @@ from .packing import check_op as _check_op
 from .packing import debug_check as _debug_check
 from .packing import packed as _packed
 from .registry import SELF, Kwargs
-from .validation import PG
 from .validation import current_backend as _b
 from .validation import rank as _rank
 from .validation import world as _world
@@ -55,35 +55,15 @@ class _AllReduceList(ListOp):
     spmd = replace(
         _AllReduce.spmd,
         instead="parallel.reduce_from_region_coalesced",
-        backward="all_reduce_coalesced of the gradients",
     )
-
-    @staticmethod
-    def out_shape(xs: Sequence[Tensor], op: str, pg: PG) -> list[tuple[int, ...]]:
-        return [tuple(x.shape) for x in xs]
-
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"op": kw.get("op", "sum")}, 1.0
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        mixed, no_int, _ = _case_specs(world)
-        for rop in ("sum", "avg", "max", "min", "product"):
-            yield {"specs": no_int if rop == "avg" else mixed, "kwargs": {"op": rop}}
-        yield {"specs": (((4,), "complex128", True, True), *mixed[:2]), "kwargs": {"op": "sum"}}
-
-    @staticmethod
-    def nonlinear(meta: tuple[Any, ...]) -> bool:
-        return meta[0] not in A.LINEAR_OPS
-
-    @staticmethod
-    def label(op: str, pg: PG) -> str:
-        return f"all_reduce_coalesced({op})"
 
     @staticmethod
     def run(xs: Sequence[Tensor], op: str, pg: PG) -> list[Tensor]:
         return _packed(_b().all_reduce_coalesced, xs, op, pg, owned=True)
+
+    @staticmethod
+    def label(op: str, pg: PG) -> str:
+        return f"all_reduce_coalesced({op})"
 
     @staticmethod
     def transpose(ctx: Any, gs: list[Tensor], idx: list[int], op: str, pg: PG) -> Any:
@@ -102,6 +82,10 @@ class _AllReduceList(ListOp):
         return [g * (m / c).conj() for g, m, c in zip(both[:k], masks, both[k:])]
 
     @staticmethod
+    def nonlinear(meta: tuple[Any, ...]) -> bool:
+        return meta[0] not in A.LINEAR_OPS
+
+    @staticmethod
     def tangent(ctx: Any, ts: list[Tensor], op: str, pg: PG) -> Any:
         n = len(ts)
         saved = ctx.saved_tensors
@@ -112,6 +96,21 @@ class _AllReduceList(ListOp):
             masks = [(x == y).to(x.dtype) for x, y in zip(xs, ys)]
             ws = [m / c for m, c in zip(masks, call(_AllReduceList, *list_args(masks, "sum", pg)))]
         return call(_AllReduceList, *list_args([t * w for t, w in zip(ts, ws)], "sum", pg))
+
+    @staticmethod
+    def out_shape(xs: Sequence[Tensor], op: str, pg: PG) -> list[tuple[int, ...]]:
+        return [tuple(x.shape) for x in xs]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"op": kw.get("op", "sum")}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        mixed, no_int, _ = _case_specs(world)
+        for rop in ("sum", "avg", "max", "min", "product"):
+            yield {"specs": no_int if rop == "avg" else mixed, "kwargs": {"op": rop}}
+        yield {"specs": (((4,), "complex128", True, True), *mixed[:2]), "kwargs": {"op": "sum"}}
 
 
 def _product_weights(xs: Sequence[Tensor], pg: PG, summed: Sequence[Tensor] = ()) -> tuple[list, list]:
@@ -143,7 +142,15 @@ class _BroadcastList(ListOp):
     same_shapes = True
     forward_text = "src's tensors on every rank"
     backward_text = "reduce_coalesced(sum) to src; other ranks exact zeros"
-    spmd = replace(_Broadcast.spmd, backward="reduce_coalesced to src")  # broadcast's, per element
+    spmd = _Broadcast.spmd  # broadcast's, per element
+
+    @staticmethod
+    def run(xs: Sequence[Tensor], src: int, pg: PG) -> list[Tensor]:
+        return _packed(_b().broadcast_coalesced, xs, src, pg, owned=True)
+
+    @staticmethod
+    def transpose(ctx: Any, gs: list[Tensor], idx: list[int], src: int, pg: PG) -> Any:
+        return call(_ReduceList, *list_args(gs, src, "sum", pg))
 
     @staticmethod
     def out_shape(xs: Sequence[Tensor], src: int, pg: PG) -> list[tuple[int, ...]]:
@@ -157,14 +164,6 @@ class _BroadcastList(ListOp):
     def cases(world: int) -> Iterator[Kwargs]:
         yield {"specs": _case_specs(world)[0], "kwargs": {"src": world - 1}}
 
-    @staticmethod
-    def run(xs: Sequence[Tensor], src: int, pg: PG) -> list[Tensor]:
-        return _packed(_b().broadcast_coalesced, xs, src, pg, owned=True)
-
-    @staticmethod
-    def transpose(ctx: Any, gs: list[Tensor], idx: list[int], src: int, pg: PG) -> Any:
-        return call(_ReduceList, *list_args(gs, src, "sum", pg))
-
 
 class _ReduceList(ListOp):
     """Linear (sum/avg) reduce to ``dst``, zeros elsewhere: the dual of broadcast."""
@@ -177,29 +176,15 @@ class _ReduceList(ListOp):
     same_shapes = True
     forward_text = "op over ranks on dst, zeros elsewhere"
     backward_text = "broadcast_coalesced from dst"
-    spmd = replace(_Reduce.spmd, backward="broadcast_coalesced from dst")  # reduce's, per element
-
-    @staticmethod
-    def out_shape(xs: Sequence[Tensor], dst: int, op: str, pg: PG) -> list[tuple[int, ...]]:
-        return [tuple(x.shape) for x in xs]
-
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"src": kw.get("dst", 0)}, R.avg_scale(kw, world)
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        mixed, no_int, _ = _case_specs(world)
-        yield {"specs": no_int, "kwargs": {"dst": world // 2, "op": "sum"}}
-        yield {"specs": mixed, "kwargs": {"dst": 0, "op": "max"}}
-
-    @staticmethod
-    def label(dst: int, op: str, pg: PG) -> str:
-        return f"reduce_coalesced({op})"
+    spmd = _Reduce.spmd  # reduce's, per element
 
     @staticmethod
     def run(xs: Sequence[Tensor], dst: int, op: str, pg: PG) -> list[Tensor]:
         return _packed(_b().reduce_coalesced, xs, dst, op, pg)
+
+    @staticmethod
+    def label(dst: int, op: str, pg: PG) -> str:
+        return f"reduce_coalesced({op})"
 
     @staticmethod
     def transpose(ctx: Any, gs: list[Tensor], idx: list[int], dst: int, op: str, pg: PG) -> Any:
@@ -208,6 +193,20 @@ class _ReduceList(ListOp):
             return out
         world = _world(pg)
         return [o / world for o in out]
+
+    @staticmethod
+    def out_shape(xs: Sequence[Tensor], dst: int, op: str, pg: PG) -> list[tuple[int, ...]]:
+        return [tuple(x.shape) for x in xs]
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"src": kw.get("dst", 0)}, references.avg_scale(kw, world)
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        mixed, no_int, _ = _case_specs(world)
+        yield {"specs": no_int, "kwargs": {"dst": world // 2, "op": "sum"}}
+        yield {"specs": mixed, "kwargs": {"dst": 0, "op": "max"}}
 
 
 def all_reduce_coalesced(
@@ -277,7 +276,7 @@ def broadcast_coalesced(
         values (``dc.broadcast(tensors[i], src)``).
 
     Gradient:
-        a coalesced ``reduce(sum)`` to ``src`` (one communication per dtype): ``src``
+        ``reduce_coalesced(sum)`` to ``src`` (one communication per dtype): ``src``
         gets the sum of every rank's output gradients, the other ranks exact zeros.
 
     Example::

@@ -12,12 +12,12 @@ communication, with the checks the ops share in :mod:`diffcomm.ops.validation`) 
 :class:`~diffcomm.ops.base.CommOp` subclass, which states the raw forward, the transpose
 (the dual op), which arguments are dims, and the facts the registry reads
 (:class:`~diffcomm.ops.registry.OpFacts`: family, place in the table, dual, argument map,
-serial reference, output shape, test cases). No file lists them: this module binds the
-public function of every op of the ``"collective"`` family, found by
-:mod:`diffcomm.ops.families` and listed in the registry's order (the docs' table):
-``all_reduce`` (self-dual), ``broadcast`` / ``reduce``, ``all_gather`` / ``reduce_scatter``,
-``gather`` / ``scatter``, ``all_to_all`` (self-dual) today. An op a user's module defines
-later is an attribute here too (``__getattr__``).
+serial reference, output shape, test cases). This module imports each op of the
+``"collective"`` family by name, in the registry's order (the docs' table): ``all_reduce``
+(self-dual), ``broadcast`` / ``reduce``, ``all_gather`` / ``reduce_scatter``, ``gather`` /
+``scatter``, ``all_to_all`` (self-dual); tests/test_packaging.py checks that every
+registered built-in op of the family is here. An op a user's module defines is in the
+views (:data:`OPS`, :data:`DUALS`), not an attribute here.
 
 Rules that keep the SPMD program deadlock-free: backward rules never branch on
 rank-local facts that could differ between ranks, and only call public diffcomm ops
@@ -26,14 +26,28 @@ rank-local facts that could differ between ranks, and only call public diffcomm 
 
 from __future__ import annotations
 
-from . import families
+from .all_gather import all_gather as all_gather
 from .all_gather import raw_all_gather, raw_reduce_scatter
+from .all_gather import reduce_scatter as reduce_scatter
 from .all_reduce import WEIGHT_DTYPE, product_parts, product_weight, raw_all_reduce
+from .all_reduce import all_reduce as all_reduce
+from .all_to_all import all_to_all as all_to_all
 from .all_to_all import raw_all_to_all
+from .broadcast_reduce import broadcast as broadcast
+from .broadcast_reduce import reduce as reduce
+from .gather_scatter import gather as gather
+from .gather_scatter import scatter as scatter
 from .registry import DualsView, FamilyView, dual, markdown
 
 __all__ = [
-    *families.export("collective", globals()),  # the ops: all_reduce, ..., all_to_all
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "reduce_scatter",
+    "gather",
+    "scatter",
+    "all_to_all",
     "DUALS",
     "OPS",
     "dual",
@@ -60,7 +74,3 @@ DUALS = DualsView("collective")
 def duals_markdown() -> str:
     """The op -> adjoint table as Markdown (the docs include this)."""
     return markdown("collective")
-
-
-#: an op of the family a user's module defines later is an attribute too
-__getattr__ = families.late_ops("collective", __name__)

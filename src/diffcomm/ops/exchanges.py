@@ -14,14 +14,12 @@ from .. import _config
 from .. import backend as B
 from .._replication import PARTIAL, SHARES, P, R, Rule, V
 from ..backend import args as A
-from . import wire as T
+from ..backend.args import PG
+from . import wire
 from .base import CommOp, call
 from .base import apply as _apply
 from .registry import SELF, Kwargs
 from .send_recv import _eager, _expected
-
-PG = Any  # resolved ProcessGroup (or None for the default group)
-
 
 # ======================================================================================
 # sendrecv / shift / ppermute: one batched exchange each
@@ -36,17 +34,11 @@ class _SendRecv(CommOp):
     shapes = (2, 3)  # the received shape and x's
     forward_text = "x to dst, src's x arrives"
     backward_text = "sendrecv(grad, dst=src, src=dst)"
-    spmd = Rule({R: V, V: V}, in_grad=PARTIAL, refuse={P: SHARES}, backward="sendrecv, peers swapped")
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        # sendrecv(x, dst=r+k, src=r-k): checked as the ring shift by k it is
-        if world > 1:
-            yield {"shape": (2, 2), "kwargs": {"offset": 1}}
+    spmd = Rule({R: V, V: V}, in_grad=PARTIAL, refuse={P: SHARES})
 
     @staticmethod
     def run(x: Tensor, dst: int, src: int, out_shape: torch.Size, in_shape: torch.Size, pg: PG) -> Tensor:
-        return T.exchange(x, dst, src, out_shape, pg, B.group_info(pg).rank)
+        return wire.exchange(x, dst, src, out_shape, pg, B.group_info(pg).rank)
 
     @staticmethod
     def label(dst: int, src: int, *_: Any) -> str:
@@ -57,6 +49,12 @@ class _SendRecv(CommOp):
         g: Tensor, dst: int, src: int, out_shape: torch.Size, in_shape: torch.Size, pg: PG
     ) -> Tensor:
         return call(_SendRecv, g, src, dst, in_shape, out_shape, pg)
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        # sendrecv(x, dst=r+k, src=r-k): checked as the ring shift by k it is
+        if world > 1:
+            yield {"shape": (2, 2), "kwargs": {"offset": 1}}
 
 
 @_eager
@@ -131,7 +129,21 @@ class _Shift(CommOp):
     elementwise = True  # a rank-wise permutation: the batch dim is just another dim
     forward_text = "x of rank r - offset (mod n)"
     backward_text = "shift(grad, -offset)"
-    spmd = Rule({R: V, V: V}, in_grad=PARTIAL, refuse={P: SHARES}, backward="shift by -offset")
+    spmd = Rule({R: V, V: V}, in_grad=PARTIAL, refuse={P: SHARES})
+
+    @staticmethod
+    def run(x: Tensor, offset: int, pg: PG) -> Tensor:
+        info = B.group_info(pg)
+        me, n = info.rank, info.size
+        return wire.exchange(x, (me + offset) % n, (me - offset) % n, x.shape, pg, me)
+
+    @staticmethod
+    def label(offset: int, pg: PG) -> str:
+        return f"shift({offset})"
+
+    @staticmethod
+    def transpose(g: Tensor, offset: int, pg: PG) -> Tensor:
+        return call(_Shift, g, -offset, pg)
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
@@ -147,20 +159,6 @@ class _Shift(CommOp):
         if world > 1:
             yield {"shape": (2, 3), "kwargs": {"offset": 1}}
             yield {"shape": (4,), "dtype": "float32", "kwargs": {"offset": -1}}
-
-    @staticmethod
-    def run(x: Tensor, offset: int, pg: PG) -> Tensor:
-        info = B.group_info(pg)
-        me, n = info.rank, info.size
-        return T.exchange(x, (me + offset) % n, (me - offset) % n, x.shape, pg, me)
-
-    @staticmethod
-    def label(offset: int, pg: PG) -> str:
-        return f"shift({offset})"
-
-    @staticmethod
-    def transpose(g: Tensor, offset: int, pg: PG) -> Tensor:
-        return call(_Shift, g, -offset, pg)
 
 
 @_eager
@@ -205,7 +203,18 @@ class _PPermute(CommOp):
     elementwise = True
     forward_text = "x of s for each (s, r) in perm; zeros if none"
     backward_text = "ppermute with the inverse pairs"
-    spmd = Rule({R: V, V: V}, in_grad=PARTIAL, refuse={P: SHARES}, backward="ppermute, pairs inverted")
+    spmd = Rule({R: V, V: V}, in_grad=PARTIAL, refuse={P: SHARES})
+
+    @staticmethod
+    def run(x: Tensor, perm: tuple[tuple[int, int], ...], pg: PG) -> Tensor:
+        me = B.group_info(pg).rank
+        dst = next((d for s, d in perm if s == me), None)
+        src = next((s for s, d in perm if d == me), None)
+        return wire.exchange(x, dst, src, x.shape, pg, me)
+
+    @staticmethod
+    def transpose(g: Tensor, perm: tuple[tuple[int, int], ...], pg: PG) -> Tensor:
+        return call(_PPermute, g, tuple((d, s) for s, d in perm), pg)
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
@@ -222,17 +231,6 @@ class _PPermute(CommOp):
     def cases(world: int) -> Iterator[Kwargs]:
         if world > 1:
             yield {"shape": (3,), "kwargs": {"perm": tuple((r, (r + 1) % world) for r in range(world - 1))}}
-
-    @staticmethod
-    def run(x: Tensor, perm: tuple[tuple[int, int], ...], pg: PG) -> Tensor:
-        me = B.group_info(pg).rank
-        dst = next((d for s, d in perm if s == me), None)
-        src = next((s for s, d in perm if d == me), None)
-        return T.exchange(x, dst, src, x.shape, pg, me)
-
-    @staticmethod
-    def transpose(g: Tensor, perm: tuple[tuple[int, int], ...], pg: PG) -> Tensor:
-        return call(_PPermute, g, tuple((d, s) for s, d in perm), pg)
 
 
 @_eager

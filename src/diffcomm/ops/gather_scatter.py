@@ -12,11 +12,11 @@ from torch import Tensor
 from .. import _config
 from .._replication import PARTIAL, SHARES, Rule, T
 from ..backend import args as A
-from . import references as R
+from ..backend.args import PG
+from . import references
 from .base import CommOp, apply, call
 from .base import movedim0 as _movedim0
 from .registry import Kwargs
-from .validation import PG
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check as _debug_check
@@ -36,21 +36,7 @@ class _Gather(CommOp):
     dims = (1,)
     forward_text = "concat on dst, zeros elsewhere"
     backward_text = "scatter from dst with the same split"
-    reference = R.gather
-    spmd = Rule({T.V: T.V, T.R: T.V}, in_grad=PARTIAL, refuse={T.P: SHARES}, backward="scatter from dst")
-
-    @staticmethod
-    def out_shape(x: Tensor, dst: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
-        return _with(x.shape, {dim: sum(split_sizes)})
-
-    @staticmethod
-    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
-        return {"src": kw.get("dst", 0), "dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, 1.0
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        yield {"shape": (2, 2), "kwargs": {"dst": world - 1, "dim": 1}}
-        yield {"shape": (3, 2), "kwargs": {"dst": 0, "dim": 0}, "sizes": tuple(r + 1 for r in range(world))}
+    spmd = Rule({T.V: T.V, T.R: T.V}, in_grad=PARTIAL, refuse={T.P: SHARES})
 
     @staticmethod
     def run(x: Tensor, dst: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
@@ -60,6 +46,21 @@ class _Gather(CommOp):
     @staticmethod
     def transpose(g: Tensor, dst: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
         return call(_Scatter, g, dst, dim, pg, split_sizes)
+
+    @staticmethod
+    def out_shape(x: Tensor, dst: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
+        return _with(x.shape, {dim: sum(split_sizes)})
+
+    reference = references.gather
+
+    @staticmethod
+    def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
+        return {"src": kw.get("dst", 0), "dim": kw.get("dim", 0), "split_sizes": kw.get("split_sizes")}, 1.0
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        yield {"shape": (2, 2), "kwargs": {"dst": world - 1, "dim": 1}}
+        yield {"shape": (3, 2), "kwargs": {"dst": 0, "dim": 0}, "sizes": tuple(r + 1 for r in range(world))}
 
 
 def gather(
@@ -125,12 +126,22 @@ class _Scatter(CommOp):
     dims = (1,)
     forward_text = "chunk r of src's x"
     backward_text = "gather to src with the same split"
-    reference = R.scatter
-    spmd = Rule({T.R: T.V, T.V: T.V}, in_grad=PARTIAL, refuse={T.P: SHARES}, backward="gather to src")
+    spmd = Rule({T.R: T.V, T.V: T.V}, in_grad=PARTIAL, refuse={T.P: SHARES})
+
+    @staticmethod
+    def run(x: Tensor, src: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
+        out = _b().scatter(_movedim0(x, dim), src, pg, split_sizes)
+        return out if dim == 0 else out.movedim(0, dim)
+
+    @staticmethod
+    def transpose(g: Tensor, src: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
+        return call(_Gather, g, src, dim, pg, split_sizes)
 
     @staticmethod
     def out_shape(x: Tensor, src: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> tuple[int, ...]:
         return _with(x.shape, {dim: split_sizes[_rank(pg)]})
+
+    reference = references.scatter
 
     @staticmethod
     def dual_args(kw: Kwargs, world: int) -> tuple[Kwargs, float]:
@@ -141,15 +152,6 @@ class _Scatter(CommOp):
         uneven = [r + 1 for r in range(world)]
         yield {"shape": (world, 3), "kwargs": {"src": 0, "dim": 0}}
         yield {"shape": (2, sum(uneven)), "kwargs": {"src": world - 1, "dim": 1, "split_sizes": uneven}}
-
-    @staticmethod
-    def run(x: Tensor, src: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
-        out = _b().scatter(_movedim0(x, dim), src, pg, split_sizes)
-        return out if dim == 0 else out.movedim(0, dim)
-
-    @staticmethod
-    def transpose(g: Tensor, src: int, dim: int, pg: PG, split_sizes: tuple[int, ...]) -> Tensor:
-        return call(_Gather, g, src, dim, pg, split_sizes)
 
 
 def scatter(

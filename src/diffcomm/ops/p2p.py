@@ -36,23 +36,39 @@ local gradient needs, so run the receiver's backward with ``loss.backward()`` /
 prune it and leave the sender waiting); double backward and forward mode through
 ``send``/``recv`` raise ``NotImplementedError`` — use ``sendrecv``/``ppermute``/``shift``.
 
-Where they live: ``send`` / ``recv`` (and the posted receives and the pipeline runner's
-private entries) in :mod:`diffcomm.ops.send_recv`; ``sendrecv`` / ``shift`` /
+Where they live: ``send`` / ``recv`` (and the posted receives, ``irecv`` /
+``post_grad_recv``, and the pipeline runner's private entries, ``send_owned``,
+``irecv_fused``, ``is_send_node``, ``check_tag``: attributes here, not exported) in
+:mod:`diffcomm.ops.send_recv`; ``sendrecv`` / ``shift`` /
 ``ppermute`` in :mod:`diffcomm.ops.exchanges`. This module is their public home, with the
-registry's views of the ``"p2p"`` family: it binds the public function of every op of the
-family (found by :mod:`diffcomm.ops.families`, in the registry's order; no file lists
-them), and an op a user's module defines later is an attribute here too.
+registry's views of the ``"p2p"`` family: it imports each op of the family by name, in the
+registry's order (tests/test_packaging.py checks that every registered built-in op of the
+family is here); an op a user's module defines is in the views, not an attribute here.
 """
 
 from __future__ import annotations
 
-from . import families
+from .exchanges import ppermute as ppermute
+from .exchanges import sendrecv as sendrecv
+from .exchanges import shift as shift
 from .registry import DualsView, FamilyView, markdown
-from .send_recv import RecvHandle, check_tag, irecv, irecv_fused, is_send_node, post_grad_recv, send_owned
+from .send_recv import RecvHandle, irecv, post_grad_recv
+from .send_recv import check_tag as check_tag
+from .send_recv import irecv_fused as irecv_fused
+from .send_recv import is_send_node as is_send_node
+from .send_recv import recv as recv
+from .send_recv import send as send
+from .send_recv import send_owned as send_owned
 from .wire import MAX_NDIM, MAX_TAG, wait_sends
 
+#: the public names; ``check_tag``, ``irecv_fused``, ``is_send_node`` and ``send_owned``
+#: (imported above) are the pipeline runner's private entries, not exported
 __all__ = [
-    *families.export("p2p", globals()),  # the ops: send, recv, sendrecv, shift, ppermute
+    "send",
+    "recv",
+    "sendrecv",
+    "shift",
+    "ppermute",
     "irecv",
     "RecvHandle",
     "post_grad_recv",
@@ -61,10 +77,7 @@ __all__ = [
     "DUALS",
     "MAX_TAG",
     "MAX_NDIM",
-    "send_owned",
-    "irecv_fused",
-    "is_send_node",
-    "check_tag",
+    "p2p_markdown",
 ]
 
 
@@ -82,7 +95,3 @@ DUALS = DualsView("p2p")
 def p2p_markdown() -> str:
     """The p2p op -> adjoint table as Markdown (the docs include this)."""
     return markdown("p2p")
-
-
-#: an op of the family a user's module defines later is an attribute too
-__getattr__ = families.late_ops("p2p", __name__)

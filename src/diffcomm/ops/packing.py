@@ -17,7 +17,7 @@ from .. import _config
 from .._errors import CrossRankMismatchError
 from .._torch import compiling
 from ..backend import args as A
-from .validation import PG
+from ..backend.args import PG
 from .validation import current_backend as _b
 from .validation import world as _world
 

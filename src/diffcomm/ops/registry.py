@@ -28,6 +28,7 @@ This module imports nothing from the package: it sits below every op module.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Iterable, Iterator, Mapping
@@ -51,6 +52,8 @@ __all__ = [
     "markdown",
     "with_reference",
     "verify",
+    "MEMBER_ORDER",
+    "member_rank",
 ]
 
 Kwargs = dict[str, Any]
@@ -80,11 +83,14 @@ class OpFacts:
         dual: the dual op's class; ``SELF`` for a self-dual op; set on the partner by
             :func:`add` (name it in the class defined second).
         forward_text / backward_text: the forward and the backward rule in words (the
-            docs' tables).
-        dual_args: ``(kwargs, world) -> (dual_kwargs, scale)``: the adjoint of the public
-            call ``fn(x, **kwargs)`` (a linear reduce op) is ``scale * dual_fn(y,
-            **dual_kwargs)``; ``kwargs`` are the call's keyword arguments on this rank,
-            split sizes spelled out. The testing kit's dot-product test reads it.
+            docs' tables; ``backward_text`` is also the backward of the op's typing rule,
+            ``spmd``, which states none of its own).
+        dual_args: optional (a mapping needs it): ``(kwargs, world) -> (dual_kwargs,
+            scale)``: the adjoint of the public call ``fn(x, **kwargs)`` (a linear reduce
+            op) is ``scale * dual_fn(y, **dual_kwargs)``; ``kwargs`` are the call's keyword
+            arguments on this rank, split sizes spelled out. The testing kit's dot-product
+            test with the dual's public function reads it; without it the kit still
+            compares the backward with the gradient of the serial ``reference``.
         reference: ``(xs, kwargs_per_rank) -> outputs``: every rank's output computed in
             one process with plain torch ops (the testing kit's serial reference).
         out_shape: ``(x, *args) -> shape`` (a list of shapes for a list op, called as
@@ -114,6 +120,38 @@ class OpFacts:
     replicated: ClassVar[tuple[bool, bool] | None] = None
     wire_transpose: ClassVar[bool] = False
     order: ClassVar[float] = math.inf
+
+
+#: The one order of the members of an op block (docs/architecture.md, "The op block";
+#: tests/ops/test_op_blocks.py checks every built-in op): what the op is, how it is called
+#: (``"<attributes>"``: any other data member: ``dims``, ``elementwise``, ...), its words
+#: and typing rule, its math (``"<methods>"``: any other method: ``linearize``, ``jvp``,
+#: ...), then the facts the async engine and the testing kit read.
+MEMBER_ORDER: tuple[str, ...] = (
+    "name",
+    "family",
+    "order",
+    "dual",
+    "<attributes>",
+    "forward_text",
+    "backward_text",
+    "spmd",
+    "run",
+    "label",
+    "transpose",
+    "<methods>",
+    "out_shape",
+    "reference",
+    "dual_args",
+    "cases",
+)
+
+
+def member_rank(name: str, method: bool) -> int:
+    """The place of member ``name`` (a method when ``method``) in :data:`MEMBER_ORDER`."""
+    if name in MEMBER_ORDER:
+        return MEMBER_ORDER.index(name)
+    return MEMBER_ORDER.index("<methods>" if method else "<attributes>")
 
 
 #: public op name -> its class, every family (definition order).
@@ -165,6 +203,9 @@ def add(cls: Any) -> None:
                 f"diffcomm registry: dual({name!r}) = {other!r} but dual({other!r}) = {public_name(back)!r}"
             )
         d.dual = cls
+    rule = cls.__dict__.get("spmd")
+    if dataclasses.is_dataclass(rule) and not isinstance(rule, type) and hasattr(rule, "backward"):
+        cls.spmd = dataclasses.replace(rule, backward=cls.backward_text)  # the typing table's
     REGISTRY[name] = cls
 
 
@@ -273,20 +314,20 @@ def markdown(family_name: str) -> str:
 
 
 def with_reference() -> dict[str, Any]:
-    """Every op the testing kit checks under the sum-of-objectives convention: a dual
-    argument map and a serial reference (the collectives and the symmetric p2p ops)."""
-    return {
-        n: c
-        for n, c in REGISTRY.items()
-        if c.dual_args is not None and c.reference is not None and c.replicated is None
-    }
+    """Every op the testing kit checks under the sum-of-objectives convention: a serial
+    reference (the collectives and the symmetric p2p ops; ``dual_args``, when stated, adds
+    the dot-product test with the dual's function)."""
+    return {n: c for n, c in REGISTRY.items() if c.reference is not None and c.replicated is None}
 
 
 def verify() -> list[str]:
     """What is wrong with the registry (empty when nothing): every op's dual is set,
     paired back (``dual(dual(op)) == op``) and of its family; its ``transpose`` calls the
     dual's class (named in its code, unless ``wire_transpose``); an op of an async family
-    states ``out_shape``; an op with a reference states ``cases``."""
+    states ``out_shape``; an op with a reference states ``cases``, an op with ``cases`` the
+    facts the testing kit checks them with (a collective its ``reference``, a mapping its
+    ``dual_args``); the ``Gradient:`` of its public function's docstring names its dual
+    (or its ``backward_text``'s leading word)."""
     problems = []
     for name, c in REGISTRY.items():
         d = c.dual
@@ -307,11 +348,32 @@ def verify() -> list[str]:
             problems.append(f"{name}: no out_shape (async_op=True would have no output to hand out)")
         if c.reference is not None and c.cases is None:
             problems.append(f"{name}: a reference but no cases")
+        if c.cases is not None and c.family == "collective" and c.reference is None:
+            problems.append(f"{name}: cases but no reference (the testing kit checks them against it)")
+        if c.cases is not None and c.family == "mapping" and c.dual_args is None:
+            problems.append(f"{name}: cases but no dual_args (the testing kit checks a mapping with it)")
         try:
-            public_fn(c)
+            fn = public_fn(c)
         except ValueError as exc:
             problems.append(str(exc).removeprefix("diffcomm registry: "))
+            continue
+        if (wrong := _gradient_line(fn, public_name(d), c.backward_text)) is not None:
+            problems.append(f"{name}: {wrong}")
     return problems
+
+
+def _gradient_line(fn: Any, dual_name: str, backward_text: str) -> str | None:
+    """What is wrong with the ``Gradient:`` part of ``fn``'s docstring (``None``: nothing, or
+    no such part): it must name the dual op or the backward's leading word (``all_gather``,
+    ``identity``), the facts the class states."""
+    doc = fn.__doc__ or ""
+    if "Gradient:" not in doc:
+        return None
+    text = doc.split("Gradient:", 1)[1].strip().split("\n\n", 1)[0]
+    lead = backward_text.split("(", 1)[0].split()[0].strip(",:;")
+    if dual_name in text or lead in text:
+        return None
+    return f"its docstring's Gradient: names neither its dual {dual_name} nor its backward {lead!r}"
 
 
 def _classes_named(rule: Any) -> list[Any]:

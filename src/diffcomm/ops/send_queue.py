@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import _config, _lifecycle
 from .._errors import CollectiveTimeoutError, DiffcommError
-from ..debug import recorder as _flight
+from ..diagnostics import recorder as _flight
 
 #: Posted sends of one message: ``[(work, flight record, what), ...]``.
 Parts = list[tuple[Any, Any, str]]

@@ -16,7 +16,8 @@ from .. import _torch
 from .. import backend as B
 from .._replication import PARTIAL, SHARES, P, R, Rule, V, spmd_types_checking, spmd_types_paused
 from ..backend import args as A
-from . import wire as T
+from ..backend.args import PG
+from . import wire
 from .base import CommOp, batch_first, call
 from .base import apply as _apply
 from .registry import Kwargs
@@ -24,7 +25,6 @@ from .wire import MAX_NDIM, MAX_TAG
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_types_checking)
-PG = Any  # resolved ProcessGroup (or None for the default group)
 
 
 def _eager(fn: _F) -> _F:
@@ -69,17 +69,10 @@ class _Send(CommOp):
     name = "send"
     family = "p2p"
     order = 10
+    wire_transpose = True  # receives what the peer's recv transpose sends
     forward_text = "x travels to dst; a 0-dim token"
     backward_text = "token receives the gradient from dst"
-    wire_transpose = True  # receives what the peer's recv transpose sends
-    spmd = Rule({R: R, V: R}, in_grad=PARTIAL, refuse={P: SHARES}, backward="receive the gradient from dst")
-
-    @staticmethod
-    def cases(world: int) -> Iterator[Kwargs]:
-        # checked as a program with recv: send(x, dst=r+1) then recv(src=r-1), the send's
-        # token added to the output (the kit checks it as a ring shift)
-        if world > 1:
-            yield {"op": "send/recv", "shape": (3,), "kwargs": {"offset": 1}}
+    spmd = Rule({R: R, V: R}, in_grad=PARTIAL, refuse={P: SHARES})
 
     @staticmethod
     def run(
@@ -94,7 +87,7 @@ class _Send(CommOp):
         device: Any,
         mode: str,
     ) -> Tensor:
-        T.post_send(x, dst, pg, tag, requires_grad, seq, mode)
+        wire.post_send(x, dst, pg, tag, requires_grad, seq, mode)
         return torch.zeros((), dtype=x.dtype, device=x.device)
 
     @staticmethod
@@ -106,7 +99,7 @@ class _Send(CommOp):
         dst, pg, tag, seq, _, shape, dtype, device, _ = args  # as for ``run``
         # The token is a local zero: scaling it does not scale the gradient, which is
         # entirely what ``dst`` computed for the received copy of ``x``.
-        gx = T.recv_grad(shape, dtype, device, dst, pg, tag, seq)
+        gx = wire.recv_grad(shape, dtype, device, dst, pg, tag, seq)
         if torch.is_grad_enabled():  # create_graph=True: forbid differentiating through it
             gx = _FirstOrderOnly.apply(gx, torch.zeros((), requires_grad=True))
         return gx
@@ -120,6 +113,13 @@ class _Send(CommOp):
         # one message for the whole batch, batch dim first; the token is not batched
         xb = batch_first(x, in_dims[0])
         return call(_Send, xb, *args[:5], xb.shape, *args[6:]), None
+
+    @staticmethod
+    def cases(world: int) -> Iterator[Kwargs]:
+        # checked as a program with recv: send(x, dst=r+1) then recv(src=r-1), the send's
+        # token added to the output (the kit checks it as a ring shift)
+        if world > 1:
+            yield {"op": "send/recv", "shape": (3,), "kwargs": {"offset": 1}}
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -210,12 +210,14 @@ def _send(x: Tensor, dst: int, group: A.GroupLike, tag: int, mode: str) -> Tenso
     pg = A.resolve_group(group, "send")
     dst = _check_peer(dst, "send", "dst", B.group_info(pg))
     tag = check_tag(tag, "send")
-    if x.dtype not in T.DTYPE_TO_CODE:
-        raise A.arg_error("send", "x", f"a tensor of a dtype in {list(T.DTYPE_TO_CODE)}", x.dtype, TypeError)
+    if x.dtype not in wire.DTYPE_TO_CODE:
+        raise A.arg_error(
+            "send", "x", f"a tensor of a dtype in {list(wire.DTYPE_TO_CODE)}", x.dtype, TypeError
+        )
     if x.ndim > MAX_NDIM:
         raise A.arg_error("send", "x", f"a tensor of at most {MAX_NDIM} dims", f"{x.ndim} dims")
-    seq = T.next_seq(pg, dst, tag, "send")
-    if T.differentiable(x.dtype):
+    seq = wire.next_seq(pg, dst, tag, "send")
+    if wire.differentiable(x.dtype):
         # through the Function even without requires_grad: a forward-mode dual must reach
         # ``jvp`` (an error, not a silently dropped tangent)
         requires_grad = x.requires_grad and torch.is_grad_enabled()
@@ -233,10 +235,10 @@ class _Recv(CommOp):
     family = "p2p"
     order = 11
     dual = _Send
+    wire_transpose = True  # sends to the peer's send transpose
     forward_text = "the tensor src sent"
     backward_text = "the gradient is sent to src"
-    wire_transpose = True  # sends to the peer's send transpose
-    spmd = Rule({R: V, V: V}, backward="send the gradient to src")
+    spmd = Rule({R: V, V: V})
 
     @staticmethod
     def run(
@@ -250,7 +252,7 @@ class _Recv(CommOp):
         seq: int,
         data: Tensor | None,
     ) -> Tensor:
-        return T.recv_data(src, shape, dtype, device, pg, tag) if data is None else data
+        return wire.recv_data(src, shape, dtype, device, pg, tag) if data is None else data
 
     @staticmethod
     def label(src: int, shape: Any, dtype: Any, device: Any, pg: PG, tag: int, *_: Any) -> str:
@@ -262,7 +264,7 @@ class _Recv(CommOp):
     ) -> None:
         # SPMD rule: autograd materialises a zero ``g`` if the output got no gradient, so
         # the sender's token backward always gets its message.
-        T.send_grad(g, src, pg, tag, seq)
+        wire.send_grad(g, src, pg, tag, seq)
 
     @staticmethod
     def jvp(ctx: Any, *_: Any) -> Tensor:
@@ -321,19 +323,17 @@ def recv(
             world.run(step)      # [tensor(0.), tensor([[0., 1., 2.], [3., 4., 5.]])]
     """
     r = _receive(src, shape, dtype, like, group, tag, device, "recv")
-    header = torch.zeros(T.HEADER_LEN, dtype=torch.int64, device=B.group_info(r.pg).device)
-    with B.label(f"recv(src={r.src}, tag={r.tag}) header"):
-        if spmd_types_checking(_FUNCTION_ATTRS):  # metadata, not typed data
-            with spmd_types_paused():
-                T.recv_into(header, r.src, r.pg, r.tag)
-        else:
-            T.recv_into(header, r.src, r.pg, r.tag)
+    if spmd_types_checking(_FUNCTION_ATTRS):  # metadata, not typed data
+        with spmd_types_paused():
+            header = wire.receive_header(r)
+    else:
+        header = wire.receive_header(r)
     return _finish_recv(header, r)
 
 
 def _receive(
     src: Any, shape: Any, dtype: Any, like: Any, group: A.GroupLike, tag: Any, device: Any, op: str
-) -> T.Receive:
+) -> wire.Receive:
     """Validate :func:`recv` / :func:`irecv`'s arguments (before any communication) and
     number the receive on its channel."""
     pg = A.resolve_group(group, op)
@@ -341,14 +341,14 @@ def _receive(
     src = _check_peer(src, op, "src", info)
     tag = check_tag(tag, op)
     want_shape, want_dtype = _expected(shape, dtype, like, op)
-    T.check_channel(pg, src, tag, op)
+    wire.check_channel(pg, src, tag, op)
     if device is None:
         device = like.device if like is not None else info.device
-    return T.Receive(src, pg, tag, T.next_seq(pg, src, tag, "recv"), want_shape, want_dtype, device)
+    return wire.Receive(src, pg, tag, wire.next_seq(pg, src, tag, "recv"), want_shape, want_dtype, device)
 
 
 def _finish_recv(
-    header: Tensor, r: T.Receive, posted: T.Posted | None = None, fused: Tensor | None = None
+    header: Tensor, r: wire.Receive, posted: wire.Posted | None = None, fused: Tensor | None = None
 ) -> Tensor:
     """The rest of :func:`recv` once the header is in: check it, receive the data (or
     wait for the ``posted`` data receive, or take it from the ``fused`` message whose
@@ -357,21 +357,14 @@ def _finish_recv(
         if r.want_shape is None:
             raise ValueError("diffcomm.recv(): with comm_off('recv') pass `shape` or `like`")
         return torch.zeros(r.want_shape, dtype=r.want_dtype or torch.float32, device=r.device)
-    shape, dtype, sent_rg, sent_fused = T.check_header(header, r, posted, fused is not None)
-    data = None
-    if sent_fused and fused is not None:
-        nbytes = shape.numel() * dtype.itemsize
-        data = fused[T.FUSED_OFFSET : T.FUSED_OFFSET + nbytes].view(dtype).reshape(shape)
-    elif posted is not None:
-        with B.label(f"recv(src={r.src}, tag={r.tag})"):
-            data = posted.wait().view(dtype).reshape(shape)
+    shape, dtype, sent_rg, data = wire.read(header, r, posted, fused)
     args = (r.src, shape, dtype, r.device, r.pg, r.tag, r.seq, data)
-    if sent_rg and torch.is_grad_enabled() and T.differentiable(dtype):
+    if sent_rg and torch.is_grad_enabled() and wire.differentiable(dtype):
         return _apply(_Recv, torch.empty(0, requires_grad=True), *args)
     data = _Recv.forward(None, *args)  # no graph
     if sent_rg:  # the sender's token waits for a gradient: none will flow here, send zeros
         with B.label(f"recv(src={r.src}, tag={r.tag}) backward"):
-            T.send_grad(torch.zeros_like(data), r.src, r.pg, r.tag, r.seq)
+            wire.send_grad(torch.zeros_like(data), r.src, r.pg, r.tag, r.seq)
     return data
 
 
@@ -383,26 +376,9 @@ class RecvHandle:
     for what has not arrived yet. Call ``wait`` exactly once.
     """
 
-    def __init__(self, r: T.Receive, fused: bool = False) -> None:
-        self._r = r
-        self._data = None
+    def __init__(self, r: wire.Receive, fused: bool = False) -> None:
+        self._message = wire.PostedMessage(r, fused)
         self._done = False
-        self._fused: T.Posted | None = None
-        if fused:  # one receive for header and data (see irecv_fused)
-            assert r.want_shape is not None and r.want_dtype is not None
-            nbytes = T.FUSED_OFFSET + r.want_shape.numel() * r.want_dtype.itemsize
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=r.device)
-            self._fused = self._header = T.Posted(buf, r.src, r.pg, r.tag)
-            return
-        header = torch.zeros(T.HEADER_LEN, dtype=torch.int64, device=B.group_info(r.pg).device)
-        self._header = T.Posted(header, r.src, r.pg, r.tag)
-        if r.want_shape is not None and r.want_dtype is not None:
-            buf = torch.empty(
-                r.want_shape.numel() * r.want_dtype.itemsize, dtype=torch.uint8, device=r.device
-            )
-            self._data = T.Posted(buf, r.src, r.pg, r.tag)
-        else:
-            T.HEADER_FIRST.add(T.seq_key(r.pg, r.src, r.tag, "recv"))
 
     @_eager
     def wait(self) -> Tensor:
@@ -412,14 +388,8 @@ class RecvHandle:
                 "diffcomm.ops.p2p.RecvHandle.wait(): called twice (it returns the tensor once)"
             )
         self._done = True
-        r = self._r
-        with B.label(f"recv(src={r.src}, tag={r.tag}) header"):
-            header = self._header.wait()
-        if self._fused is not None:  # the header, then (if it says so) the data
-            return _finish_recv(header[: T.HEADER_LEN * 8].view(torch.int64), r, None, header)
-        if self._data is None:  # the data receive comes next, blocking: the channel is free after
-            T.HEADER_FIRST.discard(T.seq_key(r.pg, r.src, r.tag, "recv"))
-        return _finish_recv(header, r, self._data)
+        header, posted, fused = self._message.wait()
+        return _finish_recv(header, self._message.r, posted, fused)
 
 
 @_eager
@@ -502,7 +472,7 @@ def post_grad_recv(token: Tensor) -> bool:
     if not isinstance(ctx, getattr(_Send, "_backward_cls")):  # noqa: B009 - torch sets it per Function
         raise A.arg_error("post_grad_recv", "token", "a dc.send token", type(ctx).__name__, TypeError)
     dst, pg, tag, seq, _, shape, dtype, device, _ = ctx.args
-    return T.post_grad(shape, dtype, device, dst, pg, tag, seq)
+    return wire.post_grad(shape, dtype, device, dst, pg, tag, seq)
 
 
 def is_send_node(node: Any) -> bool:

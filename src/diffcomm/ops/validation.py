@@ -20,10 +20,8 @@ from .. import _config, _torch
 from .. import backend as B
 from .._torch import compiling
 from ..backend import args as A
+from ..backend.args import PG
 from ..backend.sized_gather import exchange_first
-
-PG = Any  # resolved ProcessGroup (or None for the default group)
-
 
 #: The backend adapter the raw ops run on now (see :func:`diffcomm.backend.get_backend`).
 current_backend = B.get_backend

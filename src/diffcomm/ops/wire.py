@@ -1,6 +1,9 @@
 """The point-to-point wire protocol under :mod:`diffcomm.ops.p2p`: tags, headers, sequence
 numbers, the send queue and posted receives. No autograd here: :mod:`diffcomm.ops.p2p` builds
-its differentiable ops on these raw functions.
+its differentiable ops on these raw functions. A message is this module's from header to
+data: the receive side is :func:`receive_header` (or a :class:`PostedMessage`), then
+:func:`read` (the header checked, the data taken from a fused or posted receive), then
+:func:`recv_data` for data not yet in; the ops only validate, number and differentiate.
 
 * **Tags.** User tags are in ``[0, MAX_TAG)``. The batched exchanges (sendrecv, ppermute,
   shift) use tag :data:`BATCH_TAG`; the gradient of the k-th message on a channel
@@ -55,11 +58,10 @@ from .. import _config
 from .. import backend as B
 from .._errors import CrossRankMismatchError
 from ..backend import args as A
-from ..debug import recorder as _flight
+from ..backend.args import PG
+from ..diagnostics import recorder as _flight
 from .send_queue import SENDS as SENDS
 from .send_queue import wait_sends as wait_sends  # re-exported: p2p.wait_sends
-
-PG = Any  # resolved ProcessGroup (or None for the default group)
 
 #: User tags are in ``[0, MAX_TAG)`` (see the module docstring for the others).
 MAX_TAG = 1 << 16
@@ -434,6 +436,66 @@ def _drain(
         recv_data(src, shape, dtype, device, pg, tag)
     elif posted.buf.numel() == shape.numel() * dtype.itemsize:
         posted.wait()
+
+
+def receive_header(r: Receive) -> Tensor:
+    """Receive the header of message ``r`` (blocking)."""
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=B.group_info(r.pg).device)
+    with B.label(f"recv(src={r.src}, tag={r.tag}) header"):
+        return recv_into(header, r.src, r.pg, r.tag)
+
+
+class PostedMessage:
+    """The receives of message ``r`` posted ahead (``irecv``): its header; its data too
+    when the expected shape and dtype are known; or, ``fused``, one receive for both
+    (``send_owned(..., fused=True)``). :meth:`wait` returns the header and what holds the
+    data for :func:`read`."""
+
+    def __init__(self, r: Receive, fused: bool = False) -> None:
+        self.r = r
+        self.data: Posted | None = None
+        self.fused = fused
+        if fused:  # one receive for header and data
+            assert r.want_shape is not None and r.want_dtype is not None
+            nbytes = FUSED_OFFSET + r.want_shape.numel() * r.want_dtype.itemsize
+            self.header = Posted(torch.empty(nbytes, dtype=torch.uint8, device=r.device), r.src, r.pg, r.tag)
+            return
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=B.group_info(r.pg).device)
+        self.header = Posted(header, r.src, r.pg, r.tag)
+        if r.want_shape is not None and r.want_dtype is not None:
+            nbytes = r.want_shape.numel() * r.want_dtype.itemsize
+            self.data = Posted(torch.empty(nbytes, dtype=torch.uint8, device=r.device), r.src, r.pg, r.tag)
+        else:
+            HEADER_FIRST.add(seq_key(r.pg, r.src, r.tag, "recv"))
+
+    def wait(self) -> tuple[Tensor, Posted | None, Tensor | None]:
+        """``(header, posted data receive, fused message)``, the header in (blocking)."""
+        r = self.r
+        with B.label(f"recv(src={r.src}, tag={r.tag}) header"):
+            got = self.header.wait()
+        if self.fused:  # the header, then (if it says so) the data
+            return got[: HEADER_LEN * 8].view(torch.int64), None, got
+        if self.data is None:  # the data receive comes next, blocking: the channel is free after
+            HEADER_FIRST.discard(seq_key(r.pg, r.src, r.tag, "recv"))
+        return got, self.data, None
+
+
+def read(
+    header: Tensor, r: Receive, posted: Posted | None = None, fused: Tensor | None = None
+) -> tuple[torch.Size, torch.dtype, bool, Tensor | None]:
+    """``(shape, dtype, requires_grad, data)`` of message ``r`` whose ``header`` arrived:
+    the header checked (:func:`check_header`), the data taken from the ``fused`` message
+    or waited for on the ``posted`` receive; ``None``: the caller receives it next
+    (:func:`recv_data`, in the op's forward)."""
+    shape, dtype, sent_rg, sent_fused = check_header(header, r, posted, fused is not None)
+    data = None
+    if sent_fused and fused is not None:
+        nbytes = shape.numel() * dtype.itemsize
+        data = fused[FUSED_OFFSET : FUSED_OFFSET + nbytes].view(dtype).reshape(shape)
+    elif posted is not None:
+        with B.label(f"recv(src={r.src}, tag={r.tag})"):
+            data = posted.wait().view(dtype).reshape(shape)
+    return shape, dtype, sent_rg, data
 
 
 # Channels with a receive posted header-first (no shape given) whose data receive is not

@@ -16,20 +16,54 @@
   ``dispatch`` / ``combine``, ``load_balancing_loss``;
 * :mod:`~diffcomm.parallel.moe` — ``ExpertParallelMoE`` and its serial reference ``MoE``.
 
-See ``docs/parallel.md``.
+Each public name is listed below, one `name as name` import each. See ``docs/parallel.md``.
 """
 
 from __future__ import annotations
 
 from . import blocks, context, layers, loss, mappings, moe, routing
-from .blocks import *  # noqa: F403 - the public names are each submodule's __all__
-from .context import *  # noqa: F403
-from .layers import *  # noqa: F403
-from .loss import *  # noqa: F403
-from .mappings import *  # noqa: F403
-from .moe import *  # noqa: F403
-from .routing import *  # noqa: F403
+from .blocks import MLP as MLP
+from .blocks import ParallelMLP as ParallelMLP
+from .blocks import ParallelSelfAttention as ParallelSelfAttention
+from .blocks import SelfAttention as SelfAttention
+from .context import LAYOUTS as LAYOUTS
+from .context import attention_reference as attention_reference
+from .context import dropout_keep_mask as dropout_keep_mask
+from .context import layout_index as layout_index
+from .context import ring_attention as ring_attention
+from .context import ring_attention_work as ring_attention_work
+from .context import shard as shard
+from .context import ulysses_attention as ulysses_attention
+from .context import unshard as unshard
+from .context import usp_attention as usp_attention
+from .layers import ColumnParallelLinear as ColumnParallelLinear
+from .layers import LayerOptions as LayerOptions
+from .layers import ParallelModule as ParallelModule
+from .layers import RowParallelLinear as RowParallelLinear
+from .layers import SequenceParallelLayerNorm as SequenceParallelLayerNorm
+from .layers import VocabParallelEmbedding as VocabParallelEmbedding
+from .loss import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from .mappings import MAPPINGS as MAPPINGS
+from .mappings import all_gather_from_sequence as all_gather_from_sequence
+from .mappings import all_to_all_region as all_to_all_region
+from .mappings import copy_to_region as copy_to_region
+from .mappings import copy_to_region_coalesced as copy_to_region_coalesced
+from .mappings import gather_from_region as gather_from_region
+from .mappings import gather_from_sequence as gather_from_sequence
+from .mappings import reduce_from_region as reduce_from_region
+from .mappings import reduce_from_region_coalesced as reduce_from_region_coalesced
+from .mappings import reduce_scatter_to_sequence as reduce_scatter_to_sequence
+from .mappings import scatter_to_region as scatter_to_region
+from .mappings import scatter_to_sequence as scatter_to_sequence
+from .moe import ExpertParallelMoE as ExpertParallelMoE
+from .moe import MoE as MoE
+from .routing import DispatchPlan as DispatchPlan
+from .routing import combine as combine
+from .routing import dispatch as dispatch
+from .routing import load_balancing_loss as load_balancing_loss
+from .routing import route as route
 
+#: each module's public names (its own ``__all__``), re-exported by name above
 __all__ = [
     *mappings.__all__,
     *layers.__all__,

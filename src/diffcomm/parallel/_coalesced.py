@@ -19,13 +19,12 @@ from torch import Tensor
 from .. import _config
 from .._replication import PARTIAL, REPLICATED, TWICE, P, R, Rule, V
 from ..backend import args as A
-from ..ops import coalesced as K
+from ..backend.args import PG
+from ..ops import coalesced
 from ..ops.base import ListOp, apply, call, list_args
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 
 __all__ = ["copy_to_region_coalesced", "reduce_from_region_coalesced"]
-
-PG = Any
 
 
 def _debug() -> bool:
@@ -66,7 +65,7 @@ class _ReduceFromRegionCoalesced(ListOp):
 
     @staticmethod
     def run(xs: Sequence[Tensor], pg: PG, debug: bool) -> Any:
-        return K.raw_all_reduce_coalesced(xs, "sum", pg)
+        return coalesced.raw_all_reduce_coalesced(xs, "sum", pg)
 
     @staticmethod
     def transpose(ctx: Any, gs: list[Tensor], idx: list[int], pg: PG, debug: bool) -> Any:
@@ -158,5 +157,5 @@ def reduce_from_region_coalesced(tensors: Sequence[Tensor], group: A.GroupLike =
     ts, pg = _prepare_list("reduce_from_region_coalesced", tensors, group)
     debug = _debug()
     if debug:
-        K.check_lists_consistent("parallel.reduce_from_region_coalesced", pg, ts)
+        coalesced.check_lists_consistent("parallel.reduce_from_region_coalesced", pg, ts)
     return list(apply(_ReduceFromRegionCoalesced, *list_args(ts, pg, debug)))

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .. import backend as B
 from .._replication import annotate_params_for_spmd_types, spmd_types_checking
 from ..backend import args as A
-from ..ops import collectives as C
+from ..ops import collectives
 from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
@@ -199,7 +199,7 @@ class ParallelModule(nn.Module):
                 out[name] = p.clone()
             else:
                 world = B.get_backend().world_size(pg)
-                out[name] = C.all_gather(p, dim, pg, split_sizes=[p.shape[dim]] * world)
+                out[name] = collectives.all_gather(p, dim, pg, split_sizes=[p.shape[dim]] * world)
         return out
 
     @torch.no_grad()

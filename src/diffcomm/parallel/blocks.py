@@ -14,6 +14,7 @@ stream of :mod:`diffcomm.rng`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,9 +31,12 @@ from ._module import (
     init_generator,
     resolve_parallel_group,
 )
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers import ColumnParallelLinear, LayerOptions, RowParallelLinear
 
 __all__ = ["MLP", "ParallelMLP", "SelfAttention", "ParallelSelfAttention"]
+
+#: the options self-attention reads (no sequence_dim: ``[s, b, h]``; no overlap)
+_ATTENTION_TAKES = ("sequence_parallel", "group", "seed", "generator", "dtype", "device")
 
 
 # ======================================================================================
@@ -175,31 +179,17 @@ class ParallelMLP(ParallelModule):
         *,
         activation: str | Callable[[Tensor], Tensor] = "gelu",
         dropout: float = 0.0,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 0,
-        group: A.GroupLike = None,
-        overlap: bool | str = False,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        options: LayerOptions | None = None,
         _init: bool = True,
+        **keywords: Any,
     ) -> None:
         super().__init__()
         op = "parallel.ParallelMLP"
-        gen = init_generator(op, seed, generator)
-        common: dict[str, Any] = dict(
-            sequence_parallel=sequence_parallel,
-            sequence_dim=sequence_dim,
-            group=group,
-            overlap=overlap,
-            dtype=dtype,
-            device=device,
-            _init=_init,
-        )
-        self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, generator=gen, **common)
+        opts = LayerOptions.of(op, options, keywords)
+        linears = replace(opts, seed=None, generator=init_generator(op, opts.seed, opts.generator))
+        self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, options=linears, _init=_init)
         self.fc2 = RowParallelLinear(
-            ffn_hidden_size, hidden_size, bias, input_is_parallel=True, generator=gen, **common
+            ffn_hidden_size, hidden_size, bias, input_is_parallel=True, options=linears, _init=_init
         )
         self._pg = self.fc1._pg
         self.activation = activation
@@ -207,7 +197,7 @@ class ParallelMLP(ParallelModule):
         if not 0.0 <= float(dropout) < 1.0:
             raise A.arg_error(op, "dropout", "a probability in [0, 1)", dropout)
         self.dropout = float(dropout)
-        self.sequence_parallel = bool(sequence_parallel)
+        self.sequence_parallel = bool(opts.sequence_parallel)
 
     @classmethod
     def from_serial(  # type: ignore[override]  # a block takes its serial twin, not any module
@@ -349,31 +339,27 @@ class ParallelSelfAttention(ParallelModule):
         *,
         causal: bool = False,
         attention_dropout: float = 0.0,
-        sequence_parallel: bool = False,
-        group: A.GroupLike = None,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        options: LayerOptions | None = None,
         _init: bool = True,
+        **keywords: Any,
     ) -> None:
         super().__init__()
         op = "parallel.ParallelSelfAttention"
-        pg, world, _ = resolve_parallel_group(op, group)
+        opts = LayerOptions.of(op, options, keywords, _ATTENTION_TAKES)
+        pg, world, _ = resolve_parallel_group(op, opts.group)
         check_positive(op, "num_heads", num_heads)
         check_divisible(op, "hidden_size", hidden_size, num_heads, "hidden features (per head)")
         self.heads_per_rank = check_divisible(op, "num_heads", num_heads, world, "heads")
-        gen = init_generator(op, seed, generator)
-        common = dict(sequence_parallel=sequence_parallel, group=pg, dtype=dtype, device=device, _init=_init)
-        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, generator=gen, **common)
+        linears = replace(opts, group=pg, seed=None, generator=init_generator(op, opts.seed, opts.generator))
+        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, options=linears, _init=_init)
         self.proj = RowParallelLinear(
-            hidden_size, hidden_size, bias, input_is_parallel=True, generator=gen, **common
+            hidden_size, hidden_size, bias, input_is_parallel=True, options=linears, _init=_init
         )
         self._pg = pg
         self.num_heads = num_heads
         self.causal = bool(causal)
         self.attention_dropout = float(attention_dropout)
-        self.sequence_parallel = bool(sequence_parallel)
+        self.sequence_parallel = bool(opts.sequence_parallel)
 
     @classmethod
     def from_serial(  # type: ignore[override]  # a layer takes its serial twin, not any module

@@ -33,6 +33,8 @@ otherwise; pad e.g. the vocabulary to a multiple of the group size).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
 import torch
@@ -43,7 +45,6 @@ from .. import _config
 from .. import backend as B
 from .._replication import LayerRule, R, V
 from ..backend import args as A
-from . import overlap as O
 from ._check import check_replicated
 from ._module import (
     ParallelModule,
@@ -60,8 +61,10 @@ from .mappings import (
     reduce_scatter_to_sequence,
     scatter_to_region,
 )
+from .overlap import column_linear, resolve_mode, row_linear_sequence_ring
 
 __all__ = [
+    "LayerOptions",
     "ParallelModule",
     "ColumnParallelLinear",
     "RowParallelLinear",
@@ -69,14 +72,77 @@ __all__ = [
     "SequenceParallelLayerNorm",
 ]
 
-# Size: ~650 lines, over the ~600 guideline on purpose: a third is the public docstrings
+# Size: ~710 lines, over the ~600 guideline on purpose: a third is the public docstrings
 # (four layers, each with Args / Shapes / Gradient / Example); the column and row linears
 # already share one constructor (``_ParallelLinear``), the blocks built from them live in
-# ``blocks``, and ``ParallelModule`` with the argument checks in ``_module``.
+# ``blocks``, and ``ParallelModule`` with the argument checks in ``_module``; the options
+# they all take are one ``LayerOptions``.
 
 # ======================================================================================
 # linear layers
 # ======================================================================================
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """The options the tensor-parallel layers and blocks share (``ColumnParallelLinear``,
+    ``RowParallelLinear``, ``VocabParallelEmbedding``, ``ParallelMLP``,
+    ``ParallelSelfAttention``), stated once: pass them as keywords, as before
+    (``ColumnParallelLinear(4, 6, seed=0, group=tp)``), or as one object
+    (``options=LayerOptions(group=tp, seed=0)``; keywords given too override its fields).
+
+    Args:
+        sequence_parallel: activations are sharded along ``sequence_dim`` between the
+            layers (Megatron's sequence parallelism).
+        sequence_dim: the sequence dimension (default 0, ``[s, b, h]``).
+        group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
+        overlap: hide communication behind computation (the linears and ``ParallelMLP``;
+            see :class:`ColumnParallelLinear`).
+        seed: draw the full initial parameters from ``torch.Generator().manual_seed(seed)``.
+        generator: or from this CPU generator (``None`` and no seed: the default one).
+        dtype: parameter dtype (default: torch's default dtype).
+        device: parameter device (the full parameters are drawn on the CPU).
+    """
+
+    sequence_parallel: bool = False
+    sequence_dim: int = 0
+    group: A.GroupLike = None
+    overlap: bool | str = False
+    seed: int | None = None
+    generator: torch.Generator | None = None
+    dtype: torch.dtype | None = None
+    device: torch.device | str | None = None
+
+    @classmethod
+    def of(
+        cls, op: str, options: LayerOptions | None, keywords: Mapping[str, Any], takes: Collection[str] = ()
+    ) -> LayerOptions:
+        """``options`` (default: every field's default) with ``keywords`` applied, for layer
+        ``op``. ``takes``: the fields the layer reads (all when empty); a keyword it does
+        not take, or a field of ``options`` it would ignore set to other than the
+        default, is a ``TypeError`` naming it."""
+        if options is not None and not isinstance(options, cls):
+            raise A.arg_error(op, "options", "a LayerOptions", options, TypeError)
+        names = [f.name for f in fields(cls)]
+        taken = set(takes or names)
+        for k in keywords:
+            if k not in taken:
+                raise TypeError(f"diffcomm.{op}(): unexpected keyword argument {k!r}")
+        merged = replace(options or cls(), **keywords)
+        for f in fields(cls):
+            if f.name not in taken and getattr(merged, f.name) != f.default:
+                raise A.arg_error(
+                    op,
+                    f"options.{f.name}",
+                    f"{f.default!r} (it does not take it)",
+                    getattr(merged, f.name),
+                    TypeError,
+                )
+        return merged
+
+
+#: the options of a layer that has no communication to overlap
+_NO_OVERLAP = ("sequence_parallel", "sequence_dim", "group", "seed", "generator", "dtype", "device")
 
 
 def _full_linear_init(
@@ -111,19 +177,11 @@ class _ParallelLinear(ParallelModule):
         out_features: int,
         bias: bool,
         shard_dim: int,
-        *,
-        sequence_parallel: bool,
-        sequence_dim: int,
-        group: A.GroupLike,
-        overlap: bool | str,
-        seed: int | None,
-        generator: torch.Generator | None,
-        dtype: torch.dtype | None,
-        device: torch.device | str | None,
+        options: LayerOptions,
         _init: bool,
     ) -> None:
         super().__init__()
-        self._pg, self.world_size, self.rank = resolve_parallel_group(op, group)
+        self._pg, self.world_size, self.rank = resolve_parallel_group(op, options.group)
         self.in_features = check_positive(op, "in_features", in_features)
         self.out_features = check_positive(op, "out_features", out_features)
         if shard_dim == 0:
@@ -136,16 +194,16 @@ class _ParallelLinear(ParallelModule):
                 op, "in_features", in_features, self.world_size, "input features"
             )
             shape, self._shard_dims = (out_features, self.in_per_rank), {"weight": 1, "bias": None}
-        self.sequence_parallel = bool(sequence_parallel)
-        self.sequence_dim = A.check_int(sequence_dim, op, "sequence_dim")
-        self.overlap = O.resolve_mode(op, overlap, self.sequence_parallel)
-        dtype = dtype or torch.get_default_dtype()
+        self.sequence_parallel = bool(options.sequence_parallel)
+        self.sequence_dim = A.check_int(options.sequence_dim, op, "sequence_dim")
+        self.overlap = resolve_mode(op, options.overlap, self.sequence_parallel)
+        dtype, device = options.dtype or torch.get_default_dtype(), options.device
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
         if bias:
             self.bias = nn.Parameter(torch.empty(shape[0], dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
-        gen = init_generator(op, seed, generator)
+        gen = init_generator(op, options.seed, options.generator)
         if _init:
             self.reset_parameters(gen)
 
@@ -202,6 +260,8 @@ class ColumnParallelLinear(_ParallelLinear):
         generator: or from this CPU generator (``None`` and no seed: the default one).
         dtype: parameter dtype (default: torch's default dtype).
         device: parameter device (the full weight is drawn on the CPU).
+        options: the options above as one :class:`LayerOptions` (keywords given too
+            override its fields); every layer and block of this package takes it.
 
     Shapes:
         input ``(*, in)`` (``sequence_parallel``: the local sequence chunk); output
@@ -237,18 +297,13 @@ class ColumnParallelLinear(_ParallelLinear):
         bias: bool = True,
         *,
         gather_output: bool = False,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 0,
-        group: A.GroupLike = None,
-        overlap: bool | str = False,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        options: LayerOptions | None = None,
         _init: bool = True,
+        **keywords: Any,
     ) -> None:
         op = "parallel.ColumnParallelLinear"
-        if gather_output and sequence_parallel:
+        opts = LayerOptions.of(op, options, keywords)
+        if gather_output and opts.sequence_parallel:
             raise A.arg_error(op, "gather_output", "False when sequence_parallel=True", gather_output)
         super().__init__(
             op,
@@ -256,15 +311,8 @@ class ColumnParallelLinear(_ParallelLinear):
             out_features,
             bias,
             0,
-            sequence_parallel=sequence_parallel,
-            sequence_dim=sequence_dim,
-            group=group,
-            overlap=overlap,
-            seed=seed,
-            generator=generator,
-            dtype=dtype,
-            device=device,
-            _init=_init,
+            opts,
+            _init,
         )
         self.gather_output = bool(gather_output)
 
@@ -299,7 +347,7 @@ class ColumnParallelLinear(_ParallelLinear):
                 B.get_backend().check_consistent(op, {"shape": tuple(x.shape), "dtype": x.dtype}, self._pg)
         elif _config.DEBUG.get():
             check_replicated(x, op, "the input", "use sequence_parallel=True for a sharded input", self._pg)
-        return O.column_linear(x, self.weight, self.bias, self.overlap, sp_dim, self._pg)  # type: ignore[arg-type]
+        return column_linear(x, self.weight, self.bias, self.overlap, sp_dim, self._pg)  # type: ignore[arg-type]
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -364,18 +412,13 @@ class RowParallelLinear(_ParallelLinear):
         bias: bool = True,
         *,
         input_is_parallel: bool = False,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 0,
-        group: A.GroupLike = None,
-        overlap: bool | str = False,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        options: LayerOptions | None = None,
         _init: bool = True,
+        **keywords: Any,
     ) -> None:
         op = "parallel.RowParallelLinear"
-        if sequence_parallel and not input_is_parallel:
+        opts = LayerOptions.of(op, options, keywords)
+        if opts.sequence_parallel and not input_is_parallel:
             raise A.arg_error(op, "input_is_parallel", "True when sequence_parallel=True", input_is_parallel)
         super().__init__(
             op,
@@ -383,15 +426,8 @@ class RowParallelLinear(_ParallelLinear):
             out_features,
             bias,
             1,
-            sequence_parallel=sequence_parallel,
-            sequence_dim=sequence_dim,
-            group=group,
-            overlap=overlap,
-            seed=seed,
-            generator=generator,
-            dtype=dtype,
-            device=device,
-            _init=_init,
+            opts,
+            _init,
         )
         self.input_is_parallel = bool(input_is_parallel)
 
@@ -403,7 +439,7 @@ class RowParallelLinear(_ParallelLinear):
             dim = A.check_dim(x, self.sequence_dim, "parallel.RowParallelLinear", "sequence_dim")
             if x.shape[dim] % self.world_size:
                 reduce_scatter_to_sequence(x, dim, self._pg)  # raises the mapping's ValueError
-            y = O.row_linear_sequence_ring(x, self.weight, dim, self._pg)
+            y = row_linear_sequence_ring(x, self.weight, dim, self._pg)
             if self.bias is not None:
                 y = y + self._region_param("bias")
             return y
@@ -503,30 +539,26 @@ class VocabParallelEmbedding(ParallelModule):
         num_embeddings: int,
         embedding_dim: int,
         *,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 0,
-        group: A.GroupLike = None,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        options: LayerOptions | None = None,
         _init: bool = True,
+        **keywords: Any,
     ) -> None:
         super().__init__()
         op = "parallel.VocabParallelEmbedding"
-        self._pg, self.world_size, self.rank = resolve_parallel_group(op, group)
+        opts = LayerOptions.of(op, options, keywords, _NO_OVERLAP)
+        self._pg, self.world_size, self.rank = resolve_parallel_group(op, opts.group)
         self.num_embeddings = check_positive(op, "num_embeddings", num_embeddings)
         self.embedding_dim = check_positive(op, "embedding_dim", embedding_dim)
         self.per_rank = check_divisible(
             op, "num_embeddings", num_embeddings, self.world_size, "vocabulary rows"
         )
         self.vocab_start = self.rank * self.per_rank
-        self.sequence_parallel = bool(sequence_parallel)
-        self.sequence_dim = A.check_int(sequence_dim, op, "sequence_dim")
-        dtype = dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype, device=device))
+        self.sequence_parallel = bool(opts.sequence_parallel)
+        self.sequence_dim = A.check_int(opts.sequence_dim, op, "sequence_dim")
+        dtype = opts.dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype, device=opts.device))
         self._shard_dims = {"weight": 0}
-        gen = init_generator(op, seed, generator)
+        gen = init_generator(op, opts.seed, opts.generator)
         if _init:
             self.reset_parameters(gen)
 

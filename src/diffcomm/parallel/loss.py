@@ -11,13 +11,13 @@ from .. import _config
 from .. import backend as B
 from .._replication import REPLICATED, P, R, Rule, V
 from ..backend import args as A
-from ..ops import collectives as C
+from ..backend.args import PG
+from ..ops import collectives
 from ._check import check_replicated
 from ._once import first_order
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
-PG = Any
 
 _OP = "parallel.vocab_parallel_cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
@@ -57,7 +57,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = rank * v_local
         z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         with B.label(f"{_OP} (max)"):
-            m = C.raw_all_reduce(z.amax(dim=-1), "max", pg)
+            m = collectives.raw_all_reduce(z.amax(dim=-1), "max", pg)
         shifted = z - m.unsqueeze(-1)
         e = shifted.exp()
         here = (target >= start) & (target < start + v_local)
@@ -67,7 +67,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if smoothing > 0.0:
             parts.append(shifted.sum(-1))
         with B.label(f"{_OP} (sums)"):
-            stats = C.raw_all_reduce(torch.stack(parts, dim=-1), "sum", pg)
+            stats = collectives.raw_all_reduce(torch.stack(parts, dim=-1), "sum", pg)
         lse = stats[..., 0].log()
         loss = lse - stats[..., 1]
         if smoothing > 0.0:
@@ -122,7 +122,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = _VocabParallelCrossEntropy._dloss_dlogits(ctx, softmax, local_t, here)
         partial = (grad * t_logits.to(grad.dtype)).sum(-1)
         with B.label(f"{_OP} jvp"):
-            t_loss = C.all_reduce(partial, "sum", ctx.pg)
+            t_loss = collectives.all_reduce(partial, "sum", ctx.pg)
         return (t_loss * valid).to(ctx.dtype), None, None, None, None
 
 

@@ -62,7 +62,8 @@ from .. import _config
 from .. import backend as B
 from .._replication import PARTIAL, REPLICATED, TWICE, P, R, Rule, V
 from ..backend import args as A
-from ..ops import collectives as C
+from ..backend.args import PG
+from ..ops import collectives
 from ..ops.all_to_all import raw_all_to_all
 from ..ops.base import CommOp, apply, call
 from ..ops.registry import SELF, FamilyView, Kwargs
@@ -93,8 +94,6 @@ __all__ = [
 # (Args / Returns / Gradient / Example, half the file) documents the convention it rests
 # on. Split by pair, the blocks would scatter a table whose point is to be read side by
 # side.
-
-PG = Any  # a resolved ProcessGroup, or None for the default group
 
 
 def _b() -> B.Backend:
@@ -197,24 +196,19 @@ class _CopyToRegion(_Mapping):
     """Identity forward; transpose: reduce_from_region (all_reduce of the gradient)."""
 
     name = "parallel.copy_to_region"
+    elementwise = True
     forward_text = "identity"
     backward_text = "all_reduce(sum)"
     spmd = Rule(
         {R: R},
         out_grad=PARTIAL,
         in_grad=REPLICATED,
-        backward="all_reduce: the input gets the whole gradient",
         refuse={
             V: "a varying value needs no copy into the region (its backward would sum the "
             "gradients of different values)",
             P: "reduce it first (reduce_from_region)",
         },
     )
-    elementwise = True
-
-    @staticmethod
-    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-        return [xs[0].clone() for _ in xs]
 
     @staticmethod
     def run(x: Tensor, pg: PG, debug: bool) -> Tensor:
@@ -226,50 +220,47 @@ class _CopyToRegion(_Mapping):
         # under the replicated objective, and checks the replicated grad-of-grad
         return call(_ReduceFromRegion, g, pg, debug)
 
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [xs[0].clone() for _ in xs]
+
 
 class _ReduceFromRegion(_Mapping):
     """all_reduce(sum) forward; transpose: copy_to_region (identity, checked replicated)."""
 
     name = "parallel.reduce_from_region"
     dual = _CopyToRegion
+    elementwise = True
     spmd = Rule(
         {V: R, P: R},
         out_grad=REPLICATED,
-        backward="identity: the gradient must be replicated",
         refuse={R: TWICE},
     )
-    elementwise = True
-
-    @staticmethod
-    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-        return [torch.stack(xs).sum(0) for _ in xs]
 
     @staticmethod
     def run(x: Tensor, pg: PG, debug: bool) -> Tensor:
-        return C.raw_all_reduce(x, "sum", pg)
+        return collectives.raw_all_reduce(x, "sum", pg)
 
     @staticmethod
     def transpose(g: Tensor, pg: PG, debug: bool) -> Tensor:
         _check_identity_backward("reduce_from_region", "diffcomm.all_reduce", g, pg, debug)
         return call(_CopyToRegion, g, pg, False)
 
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [torch.stack(xs).sum(0) for _ in xs]
+
 
 class _ScatterToRegion(_Mapping):
     """Keep chunk ``rank`` along ``dim``; transpose: gather_from_region."""
 
     name = "parallel.scatter_to_region"
-    forward_text = "keep own chunk"
-    backward_text = "all_gather"
-    spmd = Rule(
-        {R: V}, in_grad=REPLICATED, refuse={V: "already a shard", P: "reduce it first"}, backward="all_gather"
-    )
     default_dim = -1
     splits = True
     dims = (0,)
-
-    @classmethod
-    def reference(cls, xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-        return [xs[0].chunk(len(xs), kws[0].get("dim", cls.default_dim))[r].clone() for r in range(len(xs))]
+    forward_text = "keep own chunk"
+    backward_text = "all_gather"
+    spmd = Rule({R: V}, in_grad=REPLICATED, refuse={V: "already a shard", P: "reduce it first"})
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
@@ -280,33 +271,36 @@ class _ScatterToRegion(_Mapping):
     def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
         return call(_GatherFromRegion, g, dim, pg, rank, world, debug)
 
+    @classmethod
+    def reference(cls, xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [xs[0].chunk(len(xs), kws[0].get("dim", cls.default_dim))[r].clone() for r in range(len(xs))]
+
 
 class _GatherFromRegion(_Mapping):
     """all_gather (even chunks) forward; transpose: scatter_to_region (checked replicated)."""
 
     name = "parallel.gather_from_region"
     dual = _ScatterToRegion
+    default_dim = -1
+    dims = (0,)
     spmd = Rule(
         {V: R},
         out_grad=REPLICATED,
         refuse={R: "already whole on every rank", P: "reduce it first"},
-        backward="keep own chunk: the gradient must be replicated",
     )
-    default_dim = -1
-    dims = (0,)
-
-    @classmethod
-    def reference(cls, xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-        return [torch.cat(xs, kws[0].get("dim", cls.default_dim)) for _ in xs]
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
-        return C.raw_all_gather(x, dim, pg, (x.shape[dim],) * world)
+        return collectives.raw_all_gather(x, dim, pg, (x.shape[dim],) * world)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
         _check_identity_backward("gather_from_region", "diffcomm.all_gather", g, pg, debug)
         return call(_ScatterToRegion, g, dim, pg, rank, world, False)
+
+    @classmethod
+    def reference(cls, xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [torch.cat(xs, kws[0].get("dim", cls.default_dim)) for _ in xs]
 
 
 # The sequence pair is the region pair along the sequence dim (Megatron's ``[s, b, h]``:
@@ -324,14 +318,12 @@ class _ScatterToSequence(_ScatterToRegion):
         {R: V},
         in_grad=REPLICATED,
         refuse={V: "already a sequence shard", P: "reduce it first"},
-        backward="all_gather",
     )
+    run = staticmethod(_ScatterToRegion.run)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
         return call(_GatherFromSequence, g, dim, pg, rank, world, debug)
-
-    run = staticmethod(_ScatterToRegion.run)
 
 
 class _GatherFromSequence(_GatherFromRegion):
@@ -342,37 +334,36 @@ class _GatherFromSequence(_GatherFromRegion):
     dual = _ScatterToSequence
     default_dim = 0
     spmd = _GatherFromRegion.spmd
+    run = staticmethod(_GatherFromRegion.run)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, rank: int, world: int, debug: bool) -> Tensor:
         _check_identity_backward("gather_from_sequence", "parallel.all_gather_from_sequence", g, pg, debug)
         return call(_ScatterToSequence, g, dim, pg, rank, world, False)
 
-    run = staticmethod(_GatherFromRegion.run)
-
 
 class _ReduceScatterToSequence(_Mapping):
     """reduce_scatter(sum) (even chunks); transpose: all_gather_from_sequence."""
 
     name = "parallel.reduce_scatter_to_sequence"
-    forward_text = "reduce_scatter(sum)"
-    backward_text = "all_gather"
-    spmd = Rule({V: V, P: V}, refuse={R: TWICE}, backward="all_gather")
     default_dim = 0
     splits = True
     dims = (0,)
-
-    @staticmethod
-    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-        return list(torch.stack(xs).sum(0).chunk(len(xs), kws[0].get("dim", 0)))
+    forward_text = "reduce_scatter(sum)"
+    backward_text = "all_gather"
+    spmd = Rule({V: V, P: V}, refuse={R: TWICE})
 
     @staticmethod
     def run(x: Tensor, dim: int, pg: PG, world: int) -> Tensor:
-        return C.raw_reduce_scatter(x, dim, "sum", pg, (x.shape[dim] // world,) * world)
+        return collectives.raw_reduce_scatter(x, dim, "sum", pg, (x.shape[dim] // world,) * world)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, world: int) -> Tensor:
         return call(_AllGatherFromSequence, g, dim, pg, world)
+
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return list(torch.stack(xs).sum(0).chunk(len(xs), kws[0].get("dim", 0)))
 
 
 class _AllGatherFromSequence(_Mapping):
@@ -387,7 +378,6 @@ class _AllGatherFromSequence(_Mapping):
         {V: R},
         out_grad=PARTIAL,
         instead="parallel.gather_from_sequence",
-        backward="reduce_scatter (sums the gradient over ranks)",
         refuse={
             R: "already whole on every rank (a sequence shard is varying)",
             P: "reduce_scatter it instead",
@@ -395,16 +385,16 @@ class _AllGatherFromSequence(_Mapping):
     )
 
     @staticmethod
-    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
-        return [torch.cat(xs, kws[0].get("dim", 0)) for _ in xs]
-
-    @staticmethod
     def run(x: Tensor, dim: int, pg: PG, world: int) -> Tensor:
-        return C.raw_all_gather(x, dim, pg, (x.shape[dim],) * world)
+        return collectives.raw_all_gather(x, dim, pg, (x.shape[dim],) * world)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, pg: PG, world: int) -> Tensor:
         return call(_ReduceScatterToSequence, g, dim, pg, world)
+
+    @staticmethod
+    def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
+        return [torch.cat(xs, kws[0].get("dim", 0)) for _ in xs]
 
 
 class _AllToAllRegion(_Mapping):
@@ -412,14 +402,23 @@ class _AllToAllRegion(_Mapping):
 
     name = "parallel.all_to_all_region"
     dual = SELF
+    dims = (0, 1)
     forward_text = "all_to_all"
     backward_text = "all_to_all, dims swapped"
     spmd = Rule(
         {V: V},
         refuse={R: "split a replicated value with scatter_to_region first", P: "reduce it first"},
-        backward="all_to_all, dims swapped",
     )
-    dims = (0, 1)
+
+    @staticmethod
+    def run(x: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int) -> Tensor:
+        ins = (x.shape[split_dim] // world,) * world
+        outs = ins if split_dim == concat_dim else (x.shape[concat_dim],) * world
+        return raw_all_to_all(x, split_dim, concat_dim, pg, ins, outs)
+
+    @staticmethod
+    def transpose(g: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int) -> Tensor:
+        return call(_AllToAllRegion, g, concat_dim, split_dim, pg, world)
 
     @staticmethod
     def reference(xs: list[Tensor], kws: list[Kwargs]) -> list[Tensor]:
@@ -433,16 +432,6 @@ class _AllToAllRegion(_Mapping):
     @staticmethod
     def cases(world: int) -> Iterator[Kwargs]:
         yield {"shape": (2 * world, 3 * world), "kwargs": {"split_dim": 1, "concat_dim": 0}}
-
-    @staticmethod
-    def run(x: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int) -> Tensor:
-        ins = (x.shape[split_dim] // world,) * world
-        outs = ins if split_dim == concat_dim else (x.shape[concat_dim],) * world
-        return raw_all_to_all(x, split_dim, concat_dim, pg, ins, outs)
-
-    @staticmethod
-    def transpose(g: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int) -> Tensor:
-        return call(_AllToAllRegion, g, concat_dim, split_dim, pg, world)
 
 
 # ======================================================================================

@@ -52,8 +52,7 @@ from torch import Tensor, nn
 
 from .._replication import PARTIAL, LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
 from ..backend import args as A
-from ..ops import coalesced as K
-from ..ops import collectives as C
+from ..ops import coalesced, collectives
 from ..ops import engine as _async
 from ._module import check_positive, init_generator, resolve_parallel_group
 from .blocks import MLP
@@ -491,7 +490,7 @@ class ExpertParallelMoE(nn.Module):
                 out[names[name]] = p.detach().clone()
         for pname in expert_params[0] if expert_params else {}:
             mine = torch.stack([ps[pname].detach() for ps in expert_params])  # (E / world, ...)
-            full = C.all_gather(mine, 0, self._pg, split_sizes=[per_rank] * self.world)
+            full = collectives.all_gather(mine, 0, self._pg, split_sizes=[per_rank] * self.world)
             for j in range(full.shape[0]):
                 out[f"experts.{j}.{pname}"] = full[j].clone()
         return out
@@ -511,7 +510,7 @@ class ExpertParallelMoE(nn.Module):
         if not grads:
             return
         with torch.no_grad():
-            summed = K.all_reduce_coalesced(grads, "sum", self._pg)
+            summed = coalesced.all_reduce_coalesced(grads, "sum", self._pg)
         for p, g in zip(params, summed):
             p.grad = g
 

@@ -52,11 +52,10 @@ from torch import Tensor
 
 from .. import backend as B
 from .._replication import REPLICATED, P, R, Rule, V
-from ..ops import collectives as C
+from ..backend.args import PG
+from ..ops import collectives
 from ..ops import engine as _async
 from ._once import first_order
-
-PG = Any
 
 #: Modes of the ``overlap=`` argument (``True`` picks ``"ring"`` with sequence
 #: parallelism, ``"comm"`` without).
@@ -176,7 +175,7 @@ class _ColumnComm(torch.autograd.Function):
         else:
             world = B.get_backend().world_size(pg)
             with B.label("parallel.all_gather_from_sequence"):
-                x_in = C.all_gather(x.detach(), sp_dim, pg, split_sizes=[x.shape[sp_dim]] * world)
+                x_in = collectives.all_gather(x.detach(), sp_dim, pg, split_sizes=[x.shape[sp_dim]] * world)
         leaves = [x_in.requires_grad_(ctx.needs_input_grad[0]), w.detach().requires_grad_(w.requires_grad)]
         if b is not None:
             leaves.append(b.detach().requires_grad_(b.requires_grad))
@@ -199,14 +198,20 @@ class _ColumnComm(torch.autograd.Function):
             if dim is None:
                 name = "parallel.copy_to_region backward"
                 gx = _async.launch(
-                    gx_part, name, lambda t: _labelled(name, C.all_reduce, t, "sum", pg), gx_part.shape
+                    gx_part,
+                    name,
+                    lambda t: _labelled(name, collectives.all_reduce, t, "sum", pg),
+                    gx_part.shape,
                 )
             else:
                 name = "parallel.all_gather_from_sequence backward"
                 shape = list(gx_part.shape)
                 shape[dim] //= B.get_backend().world_size(pg)
                 gx = _async.launch(
-                    gx_part, name, lambda t: _labelled(name, C.reduce_scatter, t, dim, "sum", pg), shape
+                    gx_part,
+                    name,
+                    lambda t: _labelled(name, collectives.reduce_scatter, t, dim, "sum", pg),
+                    shape,
                 )
         grads = iter(torch.autograd.grad(y, params, g) if params else ())
         gw = next(grads) if leaves[1].requires_grad else None

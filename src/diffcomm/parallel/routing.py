@@ -27,7 +27,8 @@ from .. import _config, _torch
 from .. import backend as B
 from .._replication import HOOK, spmd_types_checking, spmd_types_invariant, spmd_types_like
 from ..backend import args as A
-from ..ops import collectives as C
+from ..backend.args import PG
+from ..ops import collectives
 from ..ops import engine as _async
 from ._module import check_positive, resolve_parallel_group
 
@@ -36,8 +37,6 @@ if TYPE_CHECKING:
 _FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_types_checking)
 
 __all__ = ["DispatchPlan", "route", "dispatch", "combine", "load_balancing_loss"]
-
-PG = Any
 
 
 # ======================================================================================
@@ -387,7 +386,7 @@ def dispatch(
         )
     rows = x.index_select(0, plan.token_index)
     with B.label("parallel.dispatch"):
-        got = C.all_to_all(
+        got = collectives.all_to_all(
             rows,
             group=pg,
             input_split_sizes=plan.send_splits,
@@ -468,7 +467,7 @@ def combine(
         raise A.arg_error(op, "gate_weights", "a floating-point tensor", gate_weights.dtype, TypeError)
     rows = _permute(expert_outputs, plan.recv_inverse, plan.recv_order, plan.source_major)  # source-major
     with B.label("parallel.combine"):
-        back = C.all_to_all(
+        back = collectives.all_to_all(
             rows,
             group=plan.group,
             input_split_sizes=plan.recv_splits,

@@ -4,6 +4,6 @@ world (:mod:`.processes`), the rank side of a local world (:mod:`.rank_process`)
 travels to a rank with its file and line (:mod:`.shipping`) and what a failed run says
 (:mod:`.reports`).
 
-Layer: above :mod:`diffcomm.backend` and :mod:`diffcomm.debug`, below :mod:`diffcomm.ops`.
+Layer: above :mod:`diffcomm.backend` and :mod:`diffcomm.diagnostics`, below :mod:`diffcomm.ops`.
 This package itself imports nothing.
 """

@@ -29,8 +29,8 @@ import torch.distributed as dist  # noqa: E402
 from diffcomm import _lifecycle  # noqa: E402
 from diffcomm._errors import CollectiveTimeoutError  # noqa: E402
 from diffcomm.accelerator import comm_accelerator  # noqa: E402
-from diffcomm.debug import recorder as _flight  # noqa: E402
-from diffcomm.debug import responder as _responder  # noqa: E402
+from diffcomm.diagnostics import recorder as _flight  # noqa: E402
+from diffcomm.diagnostics import responder as _responder  # noqa: E402
 from diffcomm.runtime import shipping as _ship  # noqa: E402
 from diffcomm.runtime.joining import _STARTUP_TIMEOUT  # noqa: E402
 

@@ -18,9 +18,9 @@ from typing import Any
 import cloudpickle
 
 from .._errors import DesyncError, RankDesyncError
-from ..debug import recorder as _flight
-from ..debug import responder as _responder
-from ..debug.diagnosis import P2P_OPS, diagnose, signature
+from ..diagnostics import recorder as _flight
+from ..diagnostics import responder as _responder
+from ..diagnostics.diagnosis import P2P_OPS, diagnose, signature
 
 
 def exceptions(replies: dict[int, tuple[str, Any]]) -> dict[int, BaseException]:

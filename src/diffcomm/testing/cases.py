@@ -33,7 +33,7 @@ import diffcomm.ops.coalesced
 import diffcomm.ops.p2p
 import diffcomm.parallel
 from diffcomm import backend as B
-from diffcomm.ops import registry as R
+from diffcomm.ops import registry
 
 LINEAR = ("sum", "avg")
 
@@ -178,9 +178,19 @@ AS_SHIFT = ("sendrecv", "send/recv")
 
 
 def _registry() -> dict[str, Any]:
-    """Every op with a dual and a serial reference: the collectives and the symmetric p2p
-    ops, and any a user's module has defined since (name -> op class)."""
-    return R.with_reference()
+    """Every op with a serial reference: the collectives and the symmetric p2p ops, and any
+    a user's module has defined since (name -> op class)."""
+    return registry.with_reference()
+
+
+def _spec(op: str) -> Any:
+    """The class of ``op`` (a case's op), or a ``ValueError`` naming the fact it lacks."""
+    spec = _registry().get("shift" if op in AS_SHIFT else op)
+    if spec is None:
+        cls = registry.REGISTRY.get(op)
+        why = "unknown op" if cls is None else "no serial reference (state `reference` on its class)"
+        raise ValueError(f"{op!r}: {why}")
+    return spec
 
 
 def op_kwargs(case: Case, rank: int) -> dict[str, Any]:
@@ -198,10 +208,7 @@ def op_kwargs(case: Case, rank: int) -> dict[str, Any]:
 def reference_outputs(case: Case, xs: list[Tensor]) -> list[Tensor]:
     """Every rank's output of ``case.op`` computed in one process with plain torch ops
     (the registry entry's serial reference)."""
-    spec = _registry().get("shift" if case.op in AS_SHIFT else case.op)
-    if spec is None:
-        raise ValueError(f"unknown op {case.op!r}")
-    return spec.reference(xs, [op_kwargs(case, r) for r in range(case.world)])
+    return _spec(case.op).reference(xs, [op_kwargs(case, r) for r in range(case.world)])
 
 
 def call(case: Case, x: Tensor) -> Tensor:
@@ -219,17 +226,17 @@ def call(case: Case, x: Tensor) -> Tensor:
             return dc.sendrecv(x, dst=(r + k) % n, src=(r - k) % n)
         token = dc.send(x, dst=(r + k) % n)
         return dc.recv(src=(r - k) % n) + token
-    return R.public_fn(_registry()[case.op])(x, **kw)
+    return registry.public_fn(_spec(case.op))(x, **kw)
 
 
 def call_dual(case: Case, y: Tensor) -> Tensor | None:
-    """Apply the adjoint named by the registry to ``y`` directly (linear cases only)."""
-    if case.kwargs.get("op", "sum") not in LINEAR:
+    """Apply the adjoint named by the registry to ``y`` directly (linear cases of an op that
+    states ``dual_args``; else ``None``: the gradient is checked against the reference's)."""
+    spec = _spec(case.op)
+    if case.kwargs.get("op", "sum") not in LINEAR or spec.dual_args is None:
         return None
-    registry = _registry()
-    spec = registry["shift" if case.op in AS_SHIFT else case.op]
     dual_kwargs, scale = spec.dual_args(op_kwargs(case, dc.get_rank()), case.world)
-    out = R.public_fn(spec.dual)(y, **dual_kwargs)
+    out = registry.public_fn(spec.dual)(y, **dual_kwargs)
     return out * scale if scale != 1.0 else out
 
 
@@ -382,7 +389,7 @@ def registry_cases(world: int, family: str, modules: Sequence[str] = ()) -> Iter
     """The standard cases every op of ``family`` states (its class's ``cases``), in the
     registry's order, for ``world`` ranks: diffcomm's own ops and those of ``modules``
     (the names of the user's modules that define ops)."""
-    for name, cls in R.family(family, modules).items():
+    for name, cls in registry.family(family, modules).items():
         if cls.cases is not None:
             for fields in cls.cases(world):
                 yield Case(**{"op": name, "world": world, **fields})

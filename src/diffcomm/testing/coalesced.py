@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 import diffcomm as dc
-from diffcomm.ops import registry as R
+from diffcomm.ops import registry
 
 from .cases import CaseResult, _inner, _rel, _sum_over_ranks, case_device, tolerance
 
@@ -88,15 +88,15 @@ def _sizes(case: CoalescedCase) -> Any:
 
 def _dual_call(case: CoalescedCase, ys: list[Tensor]) -> list[Tensor] | None:
     """``A^T y`` through the dual coalesced op its class names, called with the arguments
-    its ``dual_args`` maps the call's to (linear cases only)."""
-    if case.kwargs.get("op", "sum") not in ("sum", "avg"):
+    its ``dual_args`` maps the call's to (linear cases of an op that states it)."""
+    op = registry.REGISTRY[case.op]
+    if case.kwargs.get("op", "sum") not in ("sum", "avg") or op.dual_args is None:
         return None
-    op = R.REGISTRY[case.op]
     kw = dict(case.kwargs)
     if "dim" in kw or "split_sizes" in kw:
         kw["split_sizes"] = _sizes(case)
     dual_kwargs, scale = op.dual_args(kw, case.world)
-    out = R.public_fn(op.dual)(ys, **dual_kwargs)
+    out = registry.public_fn(op.dual)(ys, **dual_kwargs)
     return [o * scale for o in out] if scale != 1.0 else out
 
 
@@ -124,7 +124,7 @@ def run_coalesced_case(case: CoalescedCase, double: bool = True) -> CaseResult:
     ]
     res = CaseResult(tol=max(tolerance(d) for _, d, _, _ in case.specs))
     before = [x.detach().clone() for x in xs]
-    fn = R.public_fn(R.REGISTRY[case.op])
+    fn = registry.public_fn(registry.REGISTRY[case.op])
     out = fn(xs, **kw)
     xs1 = [x.detach().clone().requires_grad_(x.requires_grad) for x in xs]
     ref = [_single_op(case, i)(x) for i, x in enumerate(xs1)]
@@ -183,7 +183,7 @@ def standard_coalesced_cases(world: int, modules: Sequence[str] = ()) -> Iterato
     """Every coalesced op's standard cases (the ``cases`` their classes state: every reduce
     op on a mixed list - float64, float32, int64, an empty tensor, a 0-dim one, one not
     requiring grad, one unused output - and sizes that differ between ranks)."""
-    for name, cls in R.family("coalesced", modules).items():
+    for name, cls in registry.family("coalesced", modules).items():
         if cls.cases is not None:
             for fields in cls.cases(world):
                 yield CoalescedCase(**{"op": name, "world": world, **fields})

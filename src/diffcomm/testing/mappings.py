@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 import diffcomm as dc
-from diffcomm.ops import registry as R
+from diffcomm.ops import registry
 
 from .cases import (
     Case,
@@ -55,7 +55,7 @@ def standard_mapping_cases(world: int, modules: Sequence[str] = ()) -> Iterator[
 
 def is_mapping(op: str) -> bool:
     """Whether ``op`` is checked here: a registered op stating which sides are replicated."""
-    cls = R.REGISTRY.get(op)
+    cls = registry.REGISTRY.get(op)
     return cls is not None and cls.replicated is not None
 
 
@@ -71,8 +71,8 @@ def run_mapping_case(case: Case) -> CaseResult:
     rank, w = dc.get_rank(), dc.get_world_size()
     if w != case.world:
         raise ValueError(f"run_mapping_case: case is for world {case.world}, this world has {w} ranks")
-    op = R.REGISTRY[case.op]
-    fn, dual = R.public_fn(op), R.public_fn(op.dual)
+    op = registry.REGISTRY[case.op]
+    fn, dual = registry.public_fn(op), registry.public_fn(op.dual)
     rep_in, rep_out = op.replicated
     res = CaseResult(tol=tolerance(case.dtype))
     dev = case_device()

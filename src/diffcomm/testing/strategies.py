@@ -17,7 +17,7 @@ import torch
 from hypothesis import strategies as st
 
 from ..ops import collectives as _collectives  # noqa: F401 - importing registers the collectives
-from ..ops import registry as R
+from ..ops import registry
 
 __all__ = [
     "world_sizes",
@@ -132,4 +132,4 @@ def dtypes(
 def collective_names() -> st.SearchStrategy[str]:
     """Names of diffcomm's own collectives (the registry's ``"collective"`` family, without
     the ops a user's module adds to ``diffcomm.OPS``)."""
-    return st.sampled_from(sorted(R.family("collective", ())))
+    return st.sampled_from(sorted(registry.family("collective", ())))

@@ -15,11 +15,11 @@ from ... import backend as B
 from ..._replication import varying_by_construction
 from ..._torch import compiling, transforms_active
 from ...backend import args as A
+from ...backend.args import PG
 from ...ops import collectives as C
 
 __all__ = ["LAYOUTS", "DEFAULT_LAYOUT", "Placement", "layout_index", "placement_of", "shard", "unshard"]
 
-PG = Any
 #: The layouts of the sequence over the ranks of a context-parallel group.
 LAYOUTS = ("contiguous", "zigzag")
 #: The one layout every context-parallel entry point (``shard``, ``unshard``,

@@ -1,13 +1,13 @@
 """The answering side of the flight recorder, and the failure path of a raw op.
 
 When a communication fails (a ``DIFFCOMM_TIMEOUT`` timeout, or a peer that vanished),
-the failing rank asks every rank for its recent entries (:mod:`diffcomm.debug.recorder`'s
+the failing rank asks every rank for its recent entries (:mod:`diffcomm.diagnostics.recorder`'s
 ring) through the **rendezvous store** — a TCP key-value store that still works while the
 process group is stuck. Each rank answers from a small daemon thread (:class:`_Responder`,
 started with the default group or a :class:`~diffcomm.LocalWorld` rank, stopped and joined
 when the group is destroyed or the process exits; a rank that exited leaves its last
 entries behind). :func:`failed` turns the answers, through
-:func:`~diffcomm.debug.diagnosis.diagnose`, into :class:`~diffcomm.DesyncError`;
+:func:`~diffcomm.diagnostics.diagnosis.diagnose`, into :class:`~diffcomm.DesyncError`;
 :func:`request_states` is also how :class:`~diffcomm.LocalWorld` notices at once that a
 rank returned while others wait for it.
 """

@@ -15,7 +15,7 @@ that vanished), the failing rank asks every rank for its recent entries through 
 **rendezvous store** — a TCP key-value store that still works while the process group is
 stuck. Each rank answers from a small daemon thread (so a rank blocked in a collective,
 or busy in user code, answers too; a rank that exited leaves its last entries behind at
-exit). From the answers, :func:`diagnose` (in :mod:`diffcomm.debug.diagnosis`, re-exported
+exit). From the answers, :func:`diagnose` (in :mod:`diffcomm.diagnostics.diagnosis`, re-exported
 here) finds the first sequence number where the ranks diverge (a different op, a
 different shape, a rank that never got there) and says what every rank is doing. The
 failing rank raises :class:`~diffcomm.DesyncError` with that text.
@@ -27,7 +27,7 @@ The hot path (:func:`begin` / :func:`end`) costs about a microsecond per op; see
 
 This module is the recorder (the ring buffer and the public snapshot); the asking and
 answering through the store, and the failure path of a raw op, are
-:mod:`diffcomm.debug.responder`.
+:mod:`diffcomm.diagnostics.responder`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ only the op), and what it returns while switched off by
 switched-off result itself is computed by the backend next to the op). A test checks
 that every name the backend dispatches has a row here and every row is dispatched.
 
-Layer: the bottom of :mod:`diffcomm.debug` (imports nothing of diffcomm), so the logger,
+Layer: the bottom of :mod:`diffcomm.diagnostics` (imports nothing of diffcomm), so the logger,
 the switches and the diagnosis read it, and the backend above re-exports it.
 """
 

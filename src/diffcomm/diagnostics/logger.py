@@ -6,7 +6,7 @@ label, bytes, seconds, group size) to every open :class:`CommsLog`. A log prints
 table of count, bytes, time and algorithmic/bus bandwidth per op.
 
 :data:`STATE` is this thread's communication state, shared with the comm-off switches
-(:mod:`diffcomm.debug.switches`) and the dispatch entry point (:mod:`diffcomm.backend.dispatch`):
+(:mod:`diffcomm.diagnostics.switches`) and the dispatch entry point (:mod:`diffcomm.backend.dispatch`):
 attributes ``logs`` (the open logs), ``off`` (the switched-off op names) and
 ``coalescing`` (the coalesced op being run), each made on first use. The dispatch hot
 path reads ``STATE.__dict__`` once: empty means nothing logged, nothing switched off.

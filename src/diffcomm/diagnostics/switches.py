@@ -3,7 +3,7 @@
 A switched-off op still returns a correctly shaped result (what a one-rank world would
 compute from local data), so a training step runs on and its time without that
 communication can be measured. Never for correctness. The switches are per thread
-(:data:`diffcomm.debug.logger.STATE`); the asynchronous engine adopts the launching
+(:data:`diffcomm.diagnostics.logger.STATE`); the asynchronous engine adopts the launching
 thread's switches for each job.
 
 Everything here is re-exported by :mod:`diffcomm.backend`, its public home.

@@ -2,11 +2,11 @@
 flight record.
 
 Pure analysis on the states the ranks answered with (plain dicts, as
-:func:`diffcomm.debug.responder.request_states` returns them): :func:`diagnose` finds the first
+:func:`diffcomm.diagnostics.responder.request_states` returns them): :func:`diagnose` finds the first
 sequence number where the ranks diverge (a different op, a different shape, a rank that
 never got there) and says what every rank is doing. The recorder itself lives in
-:mod:`diffcomm.debug.recorder` (which re-exports :func:`diagnose`), the asking in
-:mod:`diffcomm.debug.responder`.
+:mod:`diffcomm.diagnostics.recorder` (which re-exports :func:`diagnose`), the asking in
+:mod:`diffcomm.diagnostics.responder`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,92 @@
+"""The cross-rank consistency encoding of debug mode: a call's fields (shape, dtype, root,
+...) as one int64 vector, and the message naming what differs between the ranks' vectors.
+
+Only the encoding lives here (no communication): the backend's ``check_consistent``
+gathers the vectors (one all_gather of the widths, one of the vectors padded with
+:data:`PAD`) and raises :class:`~diffcomm.CrossRankMismatchError` with :func:`mismatch`'s
+message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["PAD", "encode", "mismatch"]
+
+#: the value a shorter vector is padded with (no field encodes a leading -7)
+PAD = -7
+
+_WORDS = {
+    "shape": "x.shape",
+    "dtype": "x.dtype",
+    "grad": "x.requires_grad",
+    "other_dims": "x.shape without `dim` (every dim but the one concatenated along)",
+}
+
+
+def _in_user_words(op: str, field: str) -> str:
+    """A debug-mode field's name as the user wrote it (never an internal name)."""
+    if field == "other_dims" and op.startswith("all_to_all"):
+        return "x.shape without `split_dim` and `concat_dim`"
+    return _WORDS.get(field, field)
+
+
+def _encode_field(value: Any) -> list[int]:
+    """Field value -> ints: ``[kind, len, payload...]`` (kinds: int, tuple of ints, str)."""
+    if isinstance(value, bool) or isinstance(value, int):
+        return [0, 1, int(value)]
+    if isinstance(value, torch.dtype):
+        value = str(value)
+    if isinstance(value, torch.Size | tuple | list):
+        vals = [int(v) for v in value]
+        return [1, len(vals), *vals]
+    text = str(value).encode()[:64]
+    return [2, len(text), *text]
+
+
+def _decode_fields(names: list[str], row: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    i = 1
+    for k in names:
+        if i + 1 >= len(row):
+            break
+        kind, n = row[i], row[i + 1]
+        payload = row[i + 2 : i + 2 + n]
+        i += 2 + n
+        if kind == 0:
+            out[k] = payload[0] if payload else None
+        elif kind == 1:
+            out[k] = tuple(payload)
+        else:
+            out[k] = bytes(v % 256 for v in payload).decode(errors="replace")
+    return out
+
+
+def encode(fields: Mapping[str, Any]) -> list[int]:
+    """``fields`` (in their order) as ints: their count, then each field's encoding."""
+    encoded = [_encode_field(v) for v in fields.values()]
+    return [len(encoded)] + [v for e in encoded for v in e]
+
+
+def mismatch(op: str, names: Sequence[str], table: Sequence[Sequence[int]]) -> str | None:
+    """The error message when the ranks' vectors (``table``, one row per group rank) differ,
+    naming each field that differs with every rank's value in the user's words; ``None``
+    when all agree."""
+    if all(row == table[0] for row in table):
+        return None
+    decoded = [_decode_fields(list(names), list(row)) for row in table]
+    diffs = []
+    for k in names:
+        values = [d.get(k) for d in decoded]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            diffs.append(f"{_in_user_words(op, k)} differs ({per_rank})")
+    if not diffs:
+        diffs.append("argument layout differs between ranks")
+    return (
+        f"diffcomm.{op}(): ranks called it with inconsistent arguments (group ranks "
+        f"{list(range(len(table)))}): " + "; ".join(diffs)
+    )
