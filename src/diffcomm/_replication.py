@@ -146,7 +146,10 @@ class Rule:
     def __set_name__(self, owner: type, name: str) -> None:
         # the class states its rule as ``spmd``: it also carries spmd_types' rule, made from
         # this one (``owner.spmd_typecheck``, read only by spmd_types' checker)
-        if name == "spmd" and "spmd_typecheck" not in owner.__dict__:
+        # (a class's own ``spmd_typecheck``, written by hand, is kept; one made from an
+        # earlier rule of the class is remade from this one)
+        mine = owner.__dict__.get("spmd_typecheck")
+        if name == "spmd" and (mine is None or isinstance(mine, SpmdTypesRule)):
             owner.spmd_typecheck = SpmdTypesRule(self)  # type: ignore[attr-defined]
 
     def out_type(self, t: T) -> T | None:
@@ -423,8 +426,13 @@ def _stamp(rule: Rule, outputs: Any, results: list[tuple[Any, dict[Any, Any]]], 
 def spmd_types_checking(attrs: Mapping[str, Any]) -> bool:
     """Whether spmd_types' checker is active: ``attrs`` is ``torch.autograd.Function``'s
     ``__dict__``, whose ``apply`` spmd_types replaces while it checks (see
-    ``diffcomm.ops.base``). Costs a lookup; imports nothing."""
-    return type(attrs["apply"]) is not classmethod
+    ``diffcomm.ops.base``). ``dc.spmd_check`` replaces it too, with a wrapper that names
+    what it wraps (``_diffcomm_wraps``): that one is looked through. Costs a lookup when
+    nothing is replaced; imports nothing."""
+    apply = attrs["apply"]
+    if type(apply) is classmethod:
+        return False
+    return type(getattr(apply, "_diffcomm_wraps", apply)) is not classmethod
 
 
 def spmd_types_paused() -> Any:

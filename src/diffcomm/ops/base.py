@@ -52,6 +52,7 @@ from torch import Tensor
 
 from .. import _torch
 from .. import backend as B
+from .._replication import spmd_types_checking
 from ..backend import args as A
 from ..diagnostics.logger import nest as _nest
 from . import engine as _async
@@ -95,7 +96,13 @@ class FastFunction(torch.autograd.Function):
         # method. It only enters it as a frame of its own when eager code runs under an
         # active torch.compile (after a graph break), and it cannot trace ``super().apply``
         # ("AutogradFunctionVariable() is not a constant"): so run it eagerly (~1 us).
-        if _transforms_active() or _compiling() or type(_FUNCTION_ATTRS["apply"]) is not classmethod:
+        # While spmd_types checks (it replaced ``Function.apply``; dc.spmd_check's own
+        # wrapper is looked through), take the full path, where spmd_types types the op.
+        if (
+            _transforms_active()
+            or _compiling()
+            or (type(_FUNCTION_ATTRS["apply"]) is not classmethod and spmd_types_checking(_FUNCTION_ATTRS))
+        ):
             return super().apply(*args)
         if _async.launching(cls):  # async_op=True, or an asynchronous op's backward
             return _async.launch_fn(cls, args)

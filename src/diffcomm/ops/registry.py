@@ -206,6 +206,7 @@ def add(cls: Any) -> None:
     rule = cls.__dict__.get("spmd")
     if dataclasses.is_dataclass(rule) and not isinstance(rule, type) and hasattr(rule, "backward"):
         cls.spmd = dataclasses.replace(rule, backward=cls.backward_text)  # the typing table's
+        cls.spmd.__set_name__(cls, "spmd")  # its spmd_types rule, made from this one
     REGISTRY[name] = cls
 
 

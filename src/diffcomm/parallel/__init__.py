@@ -26,10 +26,13 @@ from .blocks import MLP as MLP
 from .blocks import ParallelMLP as ParallelMLP
 from .blocks import ParallelSelfAttention as ParallelSelfAttention
 from .blocks import SelfAttention as SelfAttention
+from .context import DEFAULT_LAYOUT as DEFAULT_LAYOUT
 from .context import LAYOUTS as LAYOUTS
+from .context import Placement as Placement
 from .context import attention_reference as attention_reference
 from .context import dropout_keep_mask as dropout_keep_mask
 from .context import layout_index as layout_index
+from .context import placement_of as placement_of
 from .context import ring_attention as ring_attention
 from .context import ring_attention_work as ring_attention_work
 from .context import shard as shard

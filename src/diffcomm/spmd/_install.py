@@ -366,6 +366,7 @@ class _UserApply:
 
     def __init__(self, orig: Any) -> None:
         self._orig = orig
+        self._diffcomm_wraps = orig  # not spmd_types' checker (_replication.spmd_types_checking)
 
     def __get__(self, obj: Any, cls: type | None = None) -> Any:
         if cls is None and obj is not None:
