@@ -548,9 +548,392 @@ CP_PROGRAMS: dict[str, Program] = {
 }
 
 
-# ------------------------------------------------------------------ the test
+# ------------------------------------------------------------------ expert parallelism
 
-MOE_PROGRAMS: dict[str, Program] = {}
+
+def _tokens(counts: list[int], h: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, slice]:
+    """All ranks' tokens (rank 0's first), their cotangents, and this rank's rows."""
+    r = dc.get_rank()
+    g = _gen(seed)
+    n = sum(counts)
+    xs, cot = torch.randn(n, h, dtype=F64, generator=g), torch.randn(n, h, dtype=F64, generator=g)
+    lo = sum(counts[:r])
+    return xs, cot, slice(lo, lo + counts[r])
+
+
+def _ep_vs_serial(
+    counts: list[int],
+    *,
+    e: int = 4,
+    k: int = 2,
+    coef: float = 0.5,
+    build: str = "from_serial",
+    **layer_kw: Any,
+) -> dict[str, float]:
+    """The notebook's comparison: the serial MoE on all tokens, the parallel layer on this
+    rank's, loss ``(y * cot).sum() + coef * aux_loss``; every parameter through the
+    documented serial mapping (``serial_names``), shares summed by
+    ``sync_replicated_grads``."""
+    from diffcomm.parallel import ExpertParallelMoE, MoE
+
+    h = 6
+    serial = MoE(h, 5, e, k, activation="tanh", dtype=F64, seed=0, **layer_kw)
+    if build == "from_serial":
+        ep = ExpertParallelMoE.from_serial(serial)
+    else:  # built on its own, then loaded from the serial state dict
+        ep = ExpertParallelMoE(h, 5, e, k, activation="tanh", dtype=F64, seed=123, **layer_kw)
+        ep.load_serial_state_dict(serial.state_dict())
+    xs, cot, mine = _tokens(counts, h)
+    x_all = xs.clone().requires_grad_()
+    y_all = serial(x_all)
+    ((y_all * cot).sum() + coef * serial.aux_loss).backward()
+    x = xs[mine].clone().requires_grad_()
+    y = ep(x)
+    loss = (y * cot[mine]).sum() + coef * ep.aux_loss
+    loss.backward()
+    ep.sync_replicated_grads()
+    assert x_all.grad is not None
+    out = {
+        "y": _d(y, y_all[mine]),
+        "dx": _d(x.grad, x_all.grad[mine]),
+        "loss": abs(float(dc.all_reduce(loss.detach())) - float((y_all * cot).sum() + coef * serial.aux_loss)),
+    }
+    sp = dict(serial.named_parameters())
+    for name, p in ep.named_parameters():
+        q = sp[ep.serial_names()[name]]
+        out[f"{name}"] = max(_d(p, q), _d(p.grad, q.grad))
+    return out
+
+
+def moe_ep_from_serial_k2() -> dict[str, float]:
+    """The notebook's check: from_serial, k = 2, a shared expert, 7 and 5 tokens."""
+    return _ep_vs_serial([7, 5], shared_expert_size=4)
+
+
+def moe_ep_capacity_drops_w3() -> dict[str, float]:
+    """A capacity factor that drops assignments, world 3, 6 experts."""
+    return _ep_vs_serial([5, 4, 6], e=6, capacity_factor=0.75)
+
+
+def moe_ep_k1_renormalize_empty_rank_w4() -> dict[str, float]:
+    """k = 1, renormalised gates, a rank with no tokens, world 4."""
+    return _ep_vs_serial([3, 0, 4, 2], k=1, renormalize=True)
+
+
+def moe_ep_built_then_loaded() -> dict[str, float]:
+    """Built on its own (another seed), then ``load_serial_state_dict(serial.state_dict())``."""
+    return _ep_vs_serial([4, 6], build="load", shared_expert_size=3)
+
+
+def moe_ep_k_equals_e() -> dict[str, float]:
+    """k = E = 4: every token to every expert, with a capacity factor of 1."""
+    return _ep_vs_serial([3, 5], k=4, capacity_factor=1.0)
+
+
+def moe_ep_assert_matches_serial() -> dict[str, float]:
+    """The docs' one-liner: ``assert_matches_serial`` with no param_map (called on every rank)."""
+    from diffcomm.parallel import ExpertParallelMoE, MoE
+    from diffcomm.testing import Shard, assert_matches_serial, build
+
+    def make_serial() -> Any:
+        return MoE(4, 6, 4, 2, shared_expert_size=5, activation="tanh", dtype=F64, seed=0)
+
+    assert_matches_serial(
+        build(ExpertParallelMoE.from_serial),
+        build(make_serial),
+        lambda: torch.randn(6, 4, dtype=F64),
+        input_specs=[Shard(0)],
+        output_specs=[Shard(0)],
+        rtol=0.0,
+        atol=TOL,
+    )
+    return {"assert_matches_serial": 0.0}
+
+
+def moe_ep_two_sgd_steps_mean_loss() -> dict[str, float]:
+    """Two SGD steps on a mean loss over all tokens (``plan.total_tokens``), the serial MoE
+    beside it; the parameters after the steps through ``to_serial_state_dict``."""
+    from diffcomm.parallel import ExpertParallelMoE, MoE
+
+    counts = [6, 4]
+    serial = MoE(6, 5, 4, 2, shared_expert_size=3, activation="tanh", dtype=F64, seed=0)
+    ep = ExpertParallelMoE.from_serial(serial)
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    opt_p = torch.optim.SGD(ep.parameters(), lr=0.1, momentum=0.9)
+    out = {}
+    for step in range(2):
+        xs, cot, mine = _tokens(counts, 6, seed=10 + step)
+        opt_s.zero_grad()
+        ((serial(xs) - cot).pow(2).sum() / len(xs) + 0.1 * serial.aux_loss).backward()
+        opt_s.step()
+        opt_p.zero_grad()
+        y = ep(xs[mine])
+        ((y - cot[mine]).pow(2).sum() / ep.plan.total_tokens + 0.1 * ep.aux_loss).backward()
+        ep.sync_replicated_grads()
+        opt_p.step()
+    sd = ep.to_serial_state_dict()
+    for name, p in serial.named_parameters():
+        out[name] = _d(sd[name], p.detach())
+    return out
+
+
+def _manual(counts: list[int], *, e: int, k: int, async_op: bool = False, identity: bool = False) -> dict[str, float]:
+    """route -> dispatch -> local experts (tanh(x @ W_e)) -> combine, by hand, against the
+    same computation on all tokens in one process."""
+    from diffcomm import parallel
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    h = 5
+    g = _gen(7)
+    router = torch.randn(h, e, dtype=F64, generator=g)
+    experts = torch.randn(e, h, h, dtype=F64, generator=g) / h**0.5
+    xs, cot, mine = _tokens(counts, h)
+    per = e // w
+    # parallel
+    wr = router.clone().requires_grad_()
+    we = experts[r * per : (r + 1) * per].clone().requires_grad_()
+    x = xs[mine].clone().requires_grad_()
+    gates, index, _ = parallel.route(x @ wr, k)
+    h_in, plan = parallel.dispatch(x, index, e, async_op=async_op)
+    if identity:
+        h_out = h_in * 1.0
+    else:
+        h_out = torch.cat(
+            [torch.tanh(rows @ we[i]) for i, rows in enumerate(h_in.split(list(plan.expert_splits)))]
+        )
+    y = parallel.combine(h_out, gates, plan)
+    (y * cot[mine]).sum().backward()
+    assert wr.grad is not None
+    d_router = dc.all_reduce(wr.grad)
+    # serial
+    wr_s, we_s, x_s = (t.clone().requires_grad_() for t in (router, experts, xs))
+    probs = (x_s @ wr_s).softmax(-1)
+    top, idx = probs.topk(k, -1)
+    y_s = torch.zeros_like(x_s)
+    for j in range(k):
+        f = x_s if identity else torch.tanh(torch.einsum("th,thg->tg", x_s, we_s[idx[:, j]]))
+        y_s = y_s + top[:, j : j + 1] * f
+    (y_s * cot).sum().backward()
+    assert x_s.grad is not None and wr_s.grad is not None
+    out = {"y": _d(y, y_s[mine]), "dx": _d(x.grad, x_s.grad[mine]), "drouter": _d(d_router, wr_s.grad)}
+    if not identity:
+        assert we_s.grad is not None
+        out["dexperts"] = _d(we.grad, we_s.grad[r * per : (r + 1) * per])
+    return out
+
+
+def moe_manual_route_dispatch_combine() -> dict[str, float]:
+    """The pair by hand: 4 experts as weight tensors, 2 per rank, k = 2."""
+    return _manual([5, 7], e=4, k=2)
+
+
+def moe_manual_identity_experts_w3() -> dict[str, float]:
+    """Identity experts: y = sum of the gates times x (world 3, 6 experts, k = 3)."""
+    return _manual([4, 2, 5], e=6, k=3, identity=True)
+
+
+def moe_manual_async_dispatch() -> dict[str, float]:
+    """``dispatch(..., async_op=True)``: the AsyncTensor goes straight into torch ops."""
+    return _manual([6, 3], e=4, k=2, async_op=True)
+
+
+def moe_manual_async_dispatch_one_expert_per_rank_w4() -> dict[str, float]:
+    """Async dispatch, one expert per rank, world 4, k = 1."""
+    return _manual([2, 3, 4, 1], e=4, k=1, async_op=True)
+
+
+def moe_load_balancing_loss() -> dict[str, float]:
+    """``load_balancing_loss`` summed over ranks is the serial Switch loss E * sum_e f_e P_e,
+    its gradient through the router probabilities."""
+    from diffcomm import parallel
+
+    e, k, h, counts = 4, 2, 5, [5, 8]
+    router = torch.randn(h, e, dtype=F64, generator=_gen(4))
+    xs, _, mine = _tokens(counts, h)
+    wr = router.clone().requires_grad_()
+    x = xs[mine]
+    _, index, probs = parallel.route(x @ wr, k)
+    _, plan = parallel.dispatch(x, index, e)
+    lb = parallel.load_balancing_loss(probs, plan)
+    lb.backward()
+    assert wr.grad is not None
+    total, d_router = dc.all_reduce(lb.detach()), dc.all_reduce(wr.grad)
+    wr_s = router.clone().requires_grad_()
+    p_all = (xs @ wr_s).softmax(-1)
+    idx = p_all.topk(k, -1).indices
+    f = torch.bincount(idx.flatten(), minlength=e).to(F64) / (len(xs) * k)
+    lb_s = e * (f * p_all.mean(0)).sum()
+    lb_s.backward()
+    return {"loss": _d(total, lb_s.detach()), "drouter": _d(d_router, wr_s.grad)}
+
+
+def moe_plan_reuse_recompute() -> dict[str, float]:
+    """A recomputed forward (checkpointing) reuses the plan: same values and gradients."""
+    from diffcomm import parallel
+
+    e, k, h, counts = 4, 2, 5, [6, 4]
+    xs, cot, mine = _tokens(counts, h)
+    router = torch.randn(h, e, dtype=F64, generator=_gen(9))
+    x1, x2 = xs[mine].clone().requires_grad_(), xs[mine].clone().requires_grad_()
+    gates, index, _ = parallel.route(xs[mine] @ router, k)
+    h1, plan = parallel.dispatch(x1, index, e)
+    h2, _ = parallel.dispatch(x2, index, e, plan=plan)
+    y1 = parallel.combine(torch.sin(h1), gates, plan)
+    y2 = parallel.combine(torch.sin(h2), gates, plan)
+    (y1 * cot[mine]).sum().backward()
+    (y2 * cot[mine]).sum().backward()
+    return {"y": _d(y1, y2), "dx": _d(x1.grad, x2.grad)}
+
+
+def _routed(k: int = 2, e: int = 4, t: int = 5, h: int = 3) -> tuple[Any, ...]:
+    from diffcomm import parallel
+
+    x = torch.randn(t, h, dtype=F64, generator=_gen(dc.get_rank()))
+    gates, index, probs = parallel.route(torch.randn(t, e, dtype=F64, generator=_gen(1)), k)
+    return x, gates, index, probs
+
+
+def moe_combine_gates_k_plus_1() -> dict[str, float]:
+    """combine given gates of shape (T, k+1) after a k = 2 dispatch: refused."""
+    from diffcomm import parallel
+
+    x, gates, index, _ = _routed()
+    h_in, plan = parallel.dispatch(x, index, 4)
+    parallel.combine(h_in, torch.cat([gates, gates[:, :1]], 1), plan)
+    return {"reached": 1.0}
+
+
+def moe_combine_wrong_rows() -> dict[str, float]:
+    """combine given one row fewer than the dispatch delivered: refused."""
+    from diffcomm import parallel
+
+    x, gates, index, _ = _routed()
+    h_in, plan = parallel.dispatch(x, index, 4)
+    parallel.combine(torch.zeros(h_in.shape[0] + 1, 3, dtype=F64), gates, plan)
+    return {"reached": 1.0}
+
+
+def moe_dispatch_index_out_of_range() -> dict[str, float]:
+    """Expert ids from a router over 8 experts, dispatched over 4: refused."""
+    from diffcomm import parallel
+
+    x, _, index, _ = _routed(e=8)
+    parallel.dispatch(x, index, 4)
+    return {"reached": 1.0}
+
+
+def moe_dispatch_index_1d() -> dict[str, float]:
+    """k = 1 with the index squeezed to (T,): refused (the docs say (T, k))."""
+    from diffcomm import parallel
+
+    x, _, index, _ = _routed(k=1)
+    parallel.dispatch(x, index[:, 0], 4)
+    return {"reached": 1.0}
+
+
+def moe_dispatch_float_index() -> dict[str, float]:
+    """Expert ids as floats: a TypeError naming expert_index."""
+    from diffcomm import parallel
+
+    x, _, index, _ = _routed()
+    parallel.dispatch(x, index.to(F64), 4)
+    return {"reached": 1.0}
+
+
+def moe_num_experts_not_divisible() -> dict[str, float]:
+    """3 experts over 2 ranks: refused, naming num_experts."""
+    from diffcomm import parallel
+
+    x, _, index, _ = _routed(e=3)
+    parallel.dispatch(x, index, 3)
+    return {"reached": 1.0}
+
+
+def moe_plan_reused_with_other_k() -> dict[str, float]:
+    """A plan made with k = 2 reused for a k = 1 dispatch: refused."""
+    from diffcomm import parallel
+
+    x, _, index, _ = _routed()
+    _, plan = parallel.dispatch(x, index, 4)
+    parallel.dispatch(x, index[:, :1], 4, plan=plan)
+    return {"reached": 1.0}
+
+
+def moe_route_k_too_large() -> dict[str, float]:
+    """route(logits over 4 experts, k=5): refused, naming k."""
+    _routed(k=5)
+    return {"reached": 1.0}
+
+
+def moe_layer_wrong_hidden() -> dict[str, float]:
+    """The issue's ExpertParallelMoE(6, 5, 4)(zeros(3, 7)): an error naming x and hidden_size."""
+    from diffcomm.parallel import ExpertParallelMoE
+
+    ExpertParallelMoE(6, 5, num_experts=4, seed=0)(torch.zeros(3, 7))
+    return {"reached": 1.0}
+
+
+def moe_layer_k_too_large() -> dict[str, float]:
+    """ExpertParallelMoE(k=9) over 4 experts: the error names k and the class called."""
+    from diffcomm.parallel import ExpertParallelMoE
+
+    ExpertParallelMoE(6, 5, num_experts=4, k=9, seed=0)
+    return {"reached": 1.0}
+
+
+def moe_layer_3d_input() -> dict[str, float]:
+    """A (batch, seq, hidden) input (the layer takes (..., hidden)) against the serial
+    MoE on the flattened tokens of all ranks."""
+    from diffcomm.parallel import ExpertParallelMoE, MoE
+
+    r = dc.get_rank()
+    serial = MoE(6, 5, 4, 2, shared_expert_size=3, activation="tanh", dtype=F64, seed=0)
+    ep = ExpertParallelMoE.from_serial(serial)
+    xs, cot, _ = _tokens([12, 12], 6)
+    x3, c3 = xs.view(4, 6, 6), cot.view(4, 6, 6)  # 2 sequences of 6 tokens per rank
+    x_all = x3.clone().requires_grad_()
+    ((serial(x_all) * c3).sum() + serial.aux_loss).backward()
+    x = x3[2 * r : 2 * r + 2].clone().requires_grad_()
+    y = ep(x)
+    ((y * c3[2 * r : 2 * r + 2]).sum() + ep.aux_loss).backward()
+    ep.sync_replicated_grads()
+    assert x_all.grad is not None and serial.router.weight.grad is not None
+    return {
+        "y": _d(y, serial(x3)[2 * r : 2 * r + 2]),
+        "dx": _d(x.grad, x_all.grad[2 * r : 2 * r + 2]),
+        "drouter": _d(ep.router.weight.grad, serial.router.weight.grad),
+    }
+
+
+MOE_PROGRAMS: dict[str, Program] = {
+    "ep_from_serial_k2": Program(moe_ep_from_serial_k2),
+    "ep_capacity_drops_w3": Program(moe_ep_capacity_drops_w3, world=3),
+    "ep_k1_renormalize_empty_rank_w4": Program(moe_ep_k1_renormalize_empty_rank_w4, world=4),
+    "ep_built_then_loaded": Program(moe_ep_built_then_loaded),
+    "ep_k_equals_e_capacity": Program(moe_ep_k_equals_e),
+    "ep_assert_matches_serial": Program(moe_ep_assert_matches_serial),
+    "ep_two_sgd_steps_mean_loss": Program(moe_ep_two_sgd_steps_mean_loss),
+    "ep_3d_input": Program(moe_layer_3d_input),
+    "manual_route_dispatch_combine": Program(moe_manual_route_dispatch_combine),
+    "manual_identity_experts_w3": Program(moe_manual_identity_experts_w3, world=3),
+    "manual_async_dispatch": Program(moe_manual_async_dispatch),
+    "manual_async_one_expert_per_rank_w4": Program(moe_manual_async_dispatch_one_expert_per_rank_w4, world=4),
+    "load_balancing_loss": Program(moe_load_balancing_loss),
+    "plan_reuse_recompute": Program(moe_plan_reuse_recompute),
+    "combine_gates_k_plus_1": Program(moe_combine_gates_k_plus_1, error=(ValueError, r"`gate_weights`")),
+    "combine_wrong_rows": Program(moe_combine_wrong_rows, error=(ValueError, r"`expert_outputs`")),
+    "dispatch_index_out_of_range": Program(moe_dispatch_index_out_of_range, error=(ValueError, r"`expert_index`")),
+    "dispatch_index_1d": Program(moe_dispatch_index_1d, error=(ValueError, r"`expert_index`")),
+    "dispatch_float_index": Program(moe_dispatch_float_index, error=(TypeError, r"`expert_index`")),
+    "num_experts_not_divisible": Program(moe_num_experts_not_divisible, error=(ValueError, r"`num_experts`")),
+    "plan_reused_with_other_k": Program(moe_plan_reused_with_other_k, error=(ValueError, r"`plan`")),
+    "route_k_too_large": Program(moe_route_k_too_large, error=(ValueError, r"`k`")),
+    "layer_wrong_hidden": Program(moe_layer_wrong_hidden, error=(ValueError, r"`x`.*hidden_size")),
+    "layer_k_too_large": Program(moe_layer_k_too_large, error=(ValueError, r"ExpertParallelMoE.*`k`")),
+}
+
+
+# ------------------------------------------------------------------ the test
 
 
 def _cases() -> list[Any]:
