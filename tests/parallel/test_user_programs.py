@@ -1031,6 +1031,183 @@ def moe_layer_3d_input() -> dict[str, float]:
     }
 
 
+def moe_manual_capacity_drops() -> dict[str, float]:
+    """dispatch with ``capacity_factor=0.5``: C = ceil(0.5 * N * k / E) per expert, first
+    come first served in the serial order (rank 0's tokens first, token by token), the
+    drop rule written from the docs."""
+    import math
+
+    from diffcomm import parallel
+
+    e, k, h, counts = 4, 2, 3, [6, 5]
+    xs, cot, mine = _tokens(counts, h)
+    router = torch.randn(h, e, dtype=F64, generator=_gen(12))
+    x = xs[mine].clone().requires_grad_()
+    gates, index, _ = parallel.route(x @ router, k)
+    h_in, plan = parallel.dispatch(x, index, e, capacity_factor=0.5)
+    y = parallel.combine(torch.sin(h_in), gates, plan)
+    (y * cot[mine]).sum().backward()
+    x_s = xs.clone().requires_grad_()
+    top, idx = (x_s @ router).softmax(-1).topk(k, -1)
+    cap = math.ceil(0.5 * len(xs) * k / e)
+    taken = [0] * e
+    keep = torch.zeros(len(xs), k, dtype=torch.bool)
+    for t in range(len(xs)):
+        for j in range(k):
+            ex = int(idx[t, j])
+            if taken[ex] < cap:
+                taken[ex] += 1
+                keep[t, j] = True
+    y_s = (top * keep * 1.0).unsqueeze(-1).mul(torch.sin(x_s).unsqueeze(1)).sum(1)
+    (y_s * cot).sum().backward()
+    assert x_s.grad is not None
+    return {"y": _d(y, y_s[mine]), "dx": _d(x.grad, x_s.grad[mine])}
+
+
+def moe_manual_gradient_penalty() -> dict[str, float]:
+    """A gradient penalty through dispatch/combine (the docs: double backward works),
+    against the same program on all tokens in one process."""
+    from diffcomm import parallel
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    e, k, h, counts = 4, 2, 3, [4, 5]
+    g = _gen(13)
+    router = torch.randn(h, e, dtype=F64, generator=g)
+    experts = torch.randn(e, h, h, dtype=F64, generator=g)
+    xs, cot, mine = _tokens(counts, h)
+    per = e // w
+    we = experts[r * per : (r + 1) * per].clone().requires_grad_()
+    x = xs[mine].clone().requires_grad_()
+    gates, index, _ = parallel.route(x @ router, k)
+    h_in, plan = parallel.dispatch(x, index, e)
+    h_out = torch.cat(
+        [torch.tanh(rows @ we[i]) for i, rows in enumerate(h_in.split(list(plan.expert_splits)))]
+    )
+    task = (parallel.combine(h_out, gates, plan) * cot[mine]).sum()
+    (gx,) = torch.autograd.grad(task, x, create_graph=True)
+    (task + gx.square().sum()).backward()
+    we_s, x_s = experts.clone().requires_grad_(), xs.clone().requires_grad_()
+    top, idx = (x_s @ router).softmax(-1).topk(k, -1)
+    y_s = sum(
+        top[:, j : j + 1] * torch.tanh(torch.einsum("th,thg->tg", x_s, we_s[idx[:, j]])) for j in range(k)
+    )
+    t_s = (y_s * cot).sum()
+    (gx_s,) = torch.autograd.grad(t_s, x_s, create_graph=True)
+    (t_s + gx_s.square().sum()).backward()
+    assert x_s.grad is not None and we_s.grad is not None
+    return {"dx": _d(x.grad, x_s.grad[mine]), "dexperts": _d(we.grad, we_s.grad[r * per : (r + 1) * per])}
+
+
+def moe_ep_custom_experts() -> dict[str, float]:
+    """``experts=`` this rank's own modules (nn.Linear + tanh), the serial computation by
+    hand from the layer's router (``moe.router``)."""
+    import copy
+
+    from torch import nn
+
+    from diffcomm.parallel import ExpertParallelMoE
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    e, k, h, counts = 4, 2, 5, [5, 7]
+    torch.manual_seed(0)
+    all_experts = [nn.Sequential(nn.Linear(h, h), nn.Tanh()).to(F64) for _ in range(e)]
+    per = e // w
+    serial_experts = copy.deepcopy(all_experts)
+    moe = ExpertParallelMoE(h, 8, e, k, experts=all_experts[r * per : (r + 1) * per], dtype=F64, seed=0)
+    xs, cot, mine = _tokens(counts, h)
+    x = xs[mine].clone().requires_grad_()
+    y = moe(x)
+    (y * cot[mine]).sum().backward()
+    moe.sync_replicated_grads()
+    router = moe.router.weight.detach().clone().requires_grad_()
+    x_s = xs.clone().requires_grad_()
+    top, idx = (x_s @ router.T).softmax(-1).topk(k, -1)
+    outs = torch.stack([ex(x_s) for ex in serial_experts], 1)  # (N, E, h)
+    y_s = sum(top[:, j : j + 1] * outs[torch.arange(len(xs)), idx[:, j]] for j in range(k))
+    (y_s * cot).sum().backward()
+    assert x_s.grad is not None
+    out = {
+        "y": _d(y, y_s[mine]),
+        "dx": _d(x.grad, x_s.grad[mine]),
+        "drouter": _d(moe.router.weight.grad, router.grad),
+    }
+    for i in range(r * per, (r + 1) * per):
+        for (n, p), q in zip(all_experts[i].named_parameters(), serial_experts[i].parameters()):
+            out[f"expert{i}.{n}"] = _d(p.grad, q.grad)
+    return out
+
+
+def moe_ep_grad_accumulation() -> dict[str, float]:
+    """Two micro-batches, backward each, ``sync_replicated_grads()`` once: the serial MoE
+    over both micro-batches' tokens."""
+    from diffcomm.parallel import ExpertParallelMoE, MoE
+
+    serial = MoE(6, 5, 4, 2, shared_expert_size=3, activation="tanh", dtype=F64, seed=0)
+    ep = ExpertParallelMoE.from_serial(serial)
+    for mb in range(2):
+        xs, cot, mine = _tokens([4, 3] if mb == 0 else [2, 6], 6, seed=20 + mb)
+        ((serial(xs) * cot).sum() + 0.3 * serial.aux_loss).backward()
+        ((ep(xs[mine]) * cot[mine]).sum() + 0.3 * ep.aux_loss).backward()
+    ep.sync_replicated_grads()
+    sp = dict(serial.named_parameters())
+    return {name: _d(p.grad, sp[ep.serial_names()[name]].grad) for name, p in ep.named_parameters()}
+
+
+def moe_ep_on_mesh_with_dp_w4() -> dict[str, float]:
+    """A 2x2 mesh (dp x ep): ``group=(mesh, "ep")``; each EP group is a serial MoE over its
+    own tokens (different data per dp replica)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from diffcomm.parallel import ExpertParallelMoE, MoE
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    dp, ep_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("ep")
+    serial = MoE(6, 5, 4, 2, shared_expert_size=3, activation="tanh", dtype=F64, seed=0)
+    ep = ExpertParallelMoE.from_serial(serial, group=(mesh, "ep"))
+    counts = [3, 5]
+    g = _gen(30 + dp)
+    xs, cot = torch.randn(8, 6, dtype=F64, generator=g), torch.randn(8, 6, dtype=F64, generator=g)
+    mine = slice(sum(counts[:ep_rank]), sum(counts[: ep_rank + 1]))
+    x_all = xs.clone().requires_grad_()
+    ((serial(x_all) * cot).sum() + serial.aux_loss).backward()
+    x = xs[mine].clone().requires_grad_()
+    y = ep(x)
+    ((y * cot[mine]).sum() + ep.aux_loss).backward()
+    ep.sync_replicated_grads()
+    sp = dict(serial.named_parameters())
+    assert x_all.grad is not None
+    out = {"y": _d(y, serial(xs)[mine]), "dx": _d(x.grad, x_all.grad[mine])}
+    out.update({name: _d(p.grad, sp[ep.serial_names()[name]].grad) for name, p in ep.named_parameters()})
+    return out
+
+
+def moe_lb_loss_wrong_probs() -> dict[str, float]:
+    """load_balancing_loss given the probabilities of one token fewer: refused."""
+    from diffcomm import parallel
+
+    x, _, index, probs = _routed()
+    _, plan = parallel.dispatch(x, index, 4)
+    parallel.load_balancing_loss(probs[:-1], plan)
+    return {"reached": 1.0}
+
+
+def moe_dispatch_tokens_mismatch() -> dict[str, float]:
+    """dispatch given x of one token fewer than expert_index: refused."""
+    from diffcomm import parallel
+
+    x, _, index, _ = _routed()
+    parallel.dispatch(x[:-1], index, 4)
+    return {"reached": 1.0}
+
+
+def moe_layer_float32_input() -> dict[str, float]:
+    """A float32 batch into a float64 layer."""
+    from diffcomm.parallel import ExpertParallelMoE
+
+    ExpertParallelMoE(6, 5, 4, dtype=F64, seed=0)(torch.zeros(3, 6))
+    return {"reached": 1.0}
+
+
 MOE_PROGRAMS: dict[str, Program] = {
     "ep_from_serial_k2": Program(moe_ep_from_serial_k2),
     "ep_capacity_drops_w3": Program(moe_ep_capacity_drops_w3, world=3),
@@ -1058,6 +1235,22 @@ MOE_PROGRAMS: dict[str, Program] = {
     "route_k_too_large": Program(moe_route_k_too_large, error=(ValueError, r"`k`")),
     "layer_wrong_hidden": Program(moe_layer_wrong_hidden, error=(ValueError, r"`x`.*hidden_size")),
     "layer_k_too_large": Program(moe_layer_k_too_large, error=(ValueError, r"ExpertParallelMoE.*`k`")),
+    "manual_capacity_drops": Program(moe_manual_capacity_drops),
+    "manual_gradient_penalty": Program(moe_manual_gradient_penalty),
+    "ep_custom_experts": Program(moe_ep_custom_experts),
+    "ep_grad_accumulation": Program(moe_ep_grad_accumulation),
+    "ep_on_mesh_with_dp_w4": Program(moe_ep_on_mesh_with_dp_w4, world=4),
+    "lb_loss_wrong_probs": Program(moe_lb_loss_wrong_probs, error=(ValueError, r"`probs`")),
+    "dispatch_tokens_mismatch": Program(
+        moe_dispatch_tokens_mismatch, error=(ValueError, r"`x`|`expert_index`")
+    ),
+    "layer_float32_input": Program(
+        moe_layer_float32_input,
+        error=(TypeError, r"`x`"),
+        finding="unclear error (minor): a float32 batch into a float64 ExpertParallelMoE raises torch's "
+        "RuntimeError 'expected m1 and m2 to have the same dtype, but got: float != double' from the "
+        "router's matmul, naming neither `x` nor the layer (the serial MoE does the same)",
+    ),
 }
 
 
