@@ -12,6 +12,7 @@ marked ``xfail(strict=True)`` with its symptom.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -605,6 +606,43 @@ def cp_ring_v_head_dim_and_frozen_kv() -> dict[str, float]:
     return {"out": _d(out, ref[:, :, idx]), "dq": _d(ql.grad, qf.grad[:, :, idx])}
 
 
+def cp_unshard_grad_without_layout() -> dict[str, float]:
+    """Zigzag named at shard; the output unsharded without ``layout=`` (it carries it), and
+    so are the gradients ``ql.grad`` (a new tensor that autograd made)."""
+    from diffcomm import parallel
+
+    q, k, v, cot = _qkv(1, 2, 8, 4)
+    ql, kl, vl = (parallel.shard(t, layout="zigzag").requires_grad_() for t in (q, k, v))
+    out = parallel.ring_attention(ql, kl, vl, causal=True)
+    (out * parallel.shard(cot, layout="zigzag")).sum().backward()
+    full, dq = parallel.unshard(out), parallel.unshard(ql.grad)
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = _sdpa(qf, kf, vf, True)
+    (ref * cot).sum().backward()
+    return {"out": _d(full, ref), "dq": _d(dq, qf.grad)}
+
+
+def cp_ring_on_mesh_axis_with_dp_w4() -> dict[str, float]:
+    """A 2x2 mesh (dp x cp): each cp group rings over its own sequence (different data per
+    dp replica), zigzag, ``group=(mesh, "cp")``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from diffcomm import parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    cp = (mesh, "cp")
+    q, k, v, cot = _qkv(1, 2, 8, 4, seed=40 + mesh.get_local_rank("dp"))
+    ql, kl, vl = (parallel.shard(t, 2, cp, layout="zigzag").requires_grad_() for t in (q, k, v))
+    out = parallel.ring_attention(ql, kl, vl, cp, causal=True)
+    (out * parallel.shard(cot, 2, cp, layout="zigzag")).sum().backward()
+    full = parallel.unshard(out, 2, cp)
+    dk = parallel.unshard(kl.grad, 2, cp, layout="zigzag")
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = _sdpa(qf, kf, vf, True)
+    (ref * cot).sum().backward()
+    return {"out": _d(full, ref), "dk": _d(dk, kf.grad)}
+
+
 CP_PROGRAMS: dict[str, Program] = {
     "ring_defaults_causal": Program(cp_ring_defaults_causal),
     "ring_zigzag_in_shard_only": Program(cp_ring_zigzag_in_shard_only),
@@ -667,6 +705,13 @@ CP_PROGRAMS: dict[str, Program] = {
     "ring_dropout_vs_reference_w4": Program(cp_ring_dropout_vs_reference, world=4),
     "ulysses_fewer_heads_than_ranks_w3": Program(cp_ulysses_fewer_heads_than_ranks, world=3),
     "ring_v_head_dim_and_frozen_kv": Program(cp_ring_v_head_dim_and_frozen_kv),
+    "unshard_grad_without_layout": Program(
+        cp_unshard_grad_without_layout,
+        finding="silently wrong: after a zigzag shard, parallel.unshard(ql.grad) without layout= (the grad "
+        "is a new tensor, no placement) unshards as contiguous: dq off by 0.93, no error "
+        "(unshard(out) is right)",
+    ),
+    "ring_on_mesh_axis_with_dp_w4": Program(cp_ring_on_mesh_axis_with_dp_w4, world=4),
 }
 
 
@@ -690,6 +735,7 @@ def _ep_vs_serial(
     k: int = 2,
     coef: float = 0.5,
     build: str = "from_serial",
+    checked: bool = False,
     **layer_kw: Any,
 ) -> dict[str, float]:
     """The notebook's comparison: the serial MoE on all tokens, the parallel layer on this
@@ -710,10 +756,11 @@ def _ep_vs_serial(
     y_all = serial(x_all)
     ((y_all * cot).sum() + coef * serial.aux_loss).backward()
     x = xs[mine].clone().requires_grad_()
-    y = ep(x)
-    loss = (y * cot[mine]).sum() + coef * ep.aux_loss
-    loss.backward()
-    ep.sync_replicated_grads()
+    with dc.spmd_check(varying=[x]) if checked else contextlib.nullcontext():
+        y = ep(x)
+        loss = (y * cot[mine]).sum() + coef * ep.aux_loss
+        loss.backward()
+        ep.sync_replicated_grads()
     assert x_all.grad is not None
     out = {
         "y": _d(y, y_all[mine]),
@@ -1208,6 +1255,46 @@ def moe_layer_float32_input() -> dict[str, float]:
     return {"reached": 1.0}
 
 
+def moe_ep_under_spmd_check() -> dict[str, float]:
+    """The docs' step under ``dc.spmd_check`` (tokens declared varying): no false positive,
+    and the values still equal the serial MoE's."""
+    return _ep_vs_serial([5, 4], checked=True, shared_expert_size=3)
+
+
+def moe_ep_forgot_sync_under_check() -> dict[str, float]:
+    """The same step without ``sync_replicated_grads()`` under ``dc.spmd_check``: the
+    router's gradient is a per-rank share; leaving the block must name it."""
+    from diffcomm.parallel import ExpertParallelMoE
+
+    moe = ExpertParallelMoE(6, 5, 4, 2, dtype=F64, seed=0)
+    x = torch.randn(5, 6, dtype=F64, generator=_gen(dc.get_rank()))
+    with dc.spmd_check(varying=[x]):
+        (moe(x).pow(2).sum() + 0.1 * moe.aux_loss).backward()
+    return {"reached": 1.0}
+
+
+def moe_histogram_and_dropped() -> dict[str, float]:
+    """``tokens_per_expert`` (over the whole group, before dropping) and ``dropped`` against
+    counts by hand from the serial routing and the docs' drop rule."""
+    import math
+
+    from diffcomm.parallel import ExpertParallelMoE, MoE
+
+    e, k, counts, cf = 4, 2, [7, 5], 0.6
+    serial = MoE(6, 5, e, k, capacity_factor=cf, activation="tanh", dtype=F64, seed=0)
+    ep = ExpertParallelMoE.from_serial(serial)
+    xs, _, mine = _tokens(counts, 6)
+    ep(xs[mine])
+    idx = (xs @ serial.router.weight.detach().T).softmax(-1).topk(k, -1).indices
+    hist = torch.bincount(idx.flatten(), minlength=e)
+    cap = math.ceil(cf * len(xs) * k / e)
+    dropped = int((hist - cap).clamp(min=0).sum())
+    return {
+        "tokens_per_expert": _d(torch.as_tensor(ep.tokens_per_expert).to(F64), hist.to(F64)),
+        "dropped": abs(float(ep.dropped) - dropped),
+    }
+
+
 MOE_PROGRAMS: dict[str, Program] = {
     "ep_from_serial_k2": Program(moe_ep_from_serial_k2),
     "ep_capacity_drops_w3": Program(moe_ep_capacity_drops_w3, world=3),
@@ -1244,6 +1331,16 @@ MOE_PROGRAMS: dict[str, Program] = {
     "dispatch_tokens_mismatch": Program(
         moe_dispatch_tokens_mismatch, error=(ValueError, r"`x`|`expert_index`")
     ),
+    "ep_under_spmd_check": Program(moe_ep_under_spmd_check),
+    "ep_forgot_sync_under_check": Program(
+        moe_ep_forgot_sync_under_check,
+        error=(TypeError, r"router\.weight.*sync_replicated_grads"),
+        finding="unclear error (minor): the forgotten sync_replicated_grads() is caught (SPMDTypeError) but "
+        "the message names 'parameter Linear.weight' (router.weight only with spmd_check(modules=moe)) and "
+        "suggests copy_to_region / a ParallelModule's _region_param or p.grad = dc.all_reduce(p.grad), "
+        "not moe.sync_replicated_grads()",
+    ),
+    "histogram_and_dropped": Program(moe_histogram_and_dropped),
     "layer_float32_input": Program(
         moe_layer_float32_input,
         error=(TypeError, r"`x`"),
