@@ -643,6 +643,38 @@ def cp_ring_on_mesh_axis_with_dp_w4() -> dict[str, float]:
     return {"out": _d(full, ref), "dk": _d(dk, kf.grad)}
 
 
+def cp_ring_mixed_dtypes() -> dict[str, float]:
+    """q in float32, k and v in float64 (a half-converted model): refused."""
+    from diffcomm import parallel
+
+    q, k, v, _ = _qkv(1, 2, 8, 4)
+    parallel.ring_attention(parallel.shard(q.float()), parallel.shard(k), parallel.shard(v), causal=True)
+    return {"reached": 1.0}
+
+
+def cp_usp_packed_documents_w4() -> dict[str, float]:
+    """USP on a 2x2 mesh with packed documents ``cu_seqlens=[0, 7, 16]``, zigzag, causal."""
+    from diffcomm import parallel
+
+    mesh = _mesh_2x2()
+    ug, rg = (mesh, "ulysses"), (mesh, "ring")
+    s, cu = 16, [0, 7, 16]
+    q, k, v, cot = _qkv(1, 4, s, 4)
+    kw: dict[str, Any] = {"layout": "zigzag", "cu_seqlens": cu, "ulysses_group": ug}
+    ql, kl, vl = (parallel.shard(t, 2, rg, **kw).requires_grad_() for t in (q, k, v))
+    out = parallel.usp_attention(ql, kl, vl, ug, rg, causal=True, layout="zigzag", cu_seqlens=cu)
+    (out * parallel.shard(cot, 2, rg, **kw)).sum().backward()
+    full = parallel.unshard(out, 2, rg, seq_len=s, **kw)
+    dq = parallel.unshard(ql.grad, 2, rg, seq_len=s, **kw)
+    doc = torch.tensor([0] * 7 + [1] * 9)
+    pos = torch.arange(s)
+    mask = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = _sdpa(qf, kf, vf, attn_mask=mask)
+    (ref * cot).sum().backward()
+    return {"out": _d(full, ref), "dq": _d(dq, qf.grad)}
+
+
 CP_PROGRAMS: dict[str, Program] = {
     "ring_defaults_causal": Program(cp_ring_defaults_causal),
     "ring_zigzag_in_shard_only": Program(cp_ring_zigzag_in_shard_only),
@@ -712,6 +744,8 @@ CP_PROGRAMS: dict[str, Program] = {
         "(unshard(out) is right)",
     ),
     "ring_on_mesh_axis_with_dp_w4": Program(cp_ring_on_mesh_axis_with_dp_w4, world=4),
+    "ring_mixed_dtypes": Program(cp_ring_mixed_dtypes, error=(TypeError, r"`k/v` must be of q.s dtype")),
+    "usp_packed_documents_w4": Program(cp_usp_packed_documents_w4, world=4),
 }
 
 
@@ -1295,6 +1329,39 @@ def moe_histogram_and_dropped() -> dict[str, float]:
     }
 
 
+def moe_async_straight_to_combine_and_linear() -> dict[str, float]:
+    """Async dispatch: the AsyncTensor into an ``nn.Linear`` expert (one expert per rank)
+    and, in a second step, straight into ``combine`` (a skip expert)."""
+    from torch import nn
+
+    from diffcomm import parallel
+
+    r = dc.get_rank()
+    e, k, h, counts = 2, 1, 4, [5, 3]
+    torch.manual_seed(0)
+    experts = [nn.Linear(h, h).to(F64) for _ in range(e)]
+    xs, cot, mine = _tokens(counts, h)
+    router = torch.randn(h, e, dtype=F64, generator=_gen(2))
+    x = xs[mine].clone().requires_grad_()
+    gates, index, _ = parallel.route(x @ router, k)
+    h_in, plan = parallel.dispatch(x, index, e, async_op=True)
+    y = parallel.combine(experts[r](h_in), gates, plan)
+    h_in2, plan2 = parallel.dispatch(x, index, e, async_op=True)
+    y2 = parallel.combine(h_in2, gates, plan2)
+    ((y + y2) * cot[mine]).sum().backward()
+    x_s = xs.clone().requires_grad_()
+    top, idx = (x_s @ router).softmax(-1).topk(k, -1)
+    ys = torch.stack([ex(x_s) for ex in experts], 1)[torch.arange(len(xs)), idx[:, 0]]
+    ((top[:, :1] * (ys + x_s)) * cot).sum().backward()
+    assert x_s.grad is not None
+    return {"y": _d(y + y2, (top[:, :1] * (ys + x_s))[mine]), "dx": _d(x.grad, x_s.grad[mine])}
+
+
+def moe_manual_empty_rank() -> dict[str, float]:
+    """A rank with no tokens (a (0, H) batch) in the hand-written pair."""
+    return _manual([0, 6], e=4, k=2)
+
+
 MOE_PROGRAMS: dict[str, Program] = {
     "ep_from_serial_k2": Program(moe_ep_from_serial_k2),
     "ep_capacity_drops_w3": Program(moe_ep_capacity_drops_w3, world=3),
@@ -1341,6 +1408,8 @@ MOE_PROGRAMS: dict[str, Program] = {
         "not moe.sync_replicated_grads()",
     ),
     "histogram_and_dropped": Program(moe_histogram_and_dropped),
+    "async_straight_to_combine_and_linear": Program(moe_async_straight_to_combine_and_linear),
+    "manual_empty_rank": Program(moe_manual_empty_rank),
     "layer_float32_input": Program(
         moe_layer_float32_input,
         error=(TypeError, r"`x`"),
