@@ -675,6 +675,61 @@ def cp_usp_packed_documents_w4() -> dict[str, float]:
     return {"out": _d(full, ref), "dq": _d(dq, qf.grad)}
 
 
+def cp_ring_zigzag_causal_and_mask_w3() -> dict[str, float]:
+    """Causal and a bool padding-style mask together, zigzag, the mask's rows sharded
+    with the same layout (``shard(mask, dim=2, layout="zigzag")``), world 3."""
+    from diffcomm import parallel
+
+    s = 12
+    q, k, v, cot = _qkv(2, 2, s, 4)
+    mask = torch.ones(2, 1, s, s, dtype=torch.bool)
+    mask[1, :, :, 9:] = False  # the second sequence's last 3 keys are padding
+    ql, kl, vl = (parallel.shard(t, layout="zigzag").requires_grad_() for t in (q, k, v))
+    ml = parallel.shard(mask, dim=2, layout="zigzag")
+    out = parallel.ring_attention(ql, kl, vl, causal=True, attn_mask=ml)
+    (out * parallel.shard(cot, layout="zigzag")).sum().backward()
+    full, dk = parallel.unshard(out), parallel.unshard(kl.grad, layout="zigzag")
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = _sdpa(qf, kf, vf, attn_mask=mask & torch.ones(s, s, dtype=torch.bool).tril())
+    (ref * cot).sum().backward()
+    return {"out": _d(full, ref), "dk": _d(dk, kf.grad)}
+
+
+def cp_ulysses_explicit_seq_lens_w3() -> dict[str, float]:
+    """Ulysses with pieces of 4, 1 and 2 tokens sliced by hand and ``seq_lens=`` given."""
+    from diffcomm import parallel
+
+    r = dc.get_rank()
+    lens = [4, 1, 2]
+    q, k, v, cot = _qkv(1, 3, 7, 4)
+    rows = list(range(sum(lens[:r]), sum(lens[: r + 1])))
+    ql, kl, vl = (t[:, :, rows].clone().requires_grad_() for t in (q, k, v))
+    out = parallel.ulysses_attention(ql, kl, vl, causal=True, seq_lens=lens)
+    (out * cot[:, :, rows]).sum().backward()
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = _sdpa(qf, kf, vf, True)
+    (ref * cot).sum().backward()
+    assert qf.grad is not None and vf.grad is not None
+    return {
+        "out": _d(out, ref[:, :, rows]),
+        "dq": _d(ql.grad, qf.grad[:, :, rows]),
+        "dv": _d(vl.grad, vf.grad[:, :, rows]),
+    }
+
+
+def cp_ring_mask_rows_other_layout() -> dict[str, float]:
+    """q/k/v zigzag, the mask's rows taken with the default (contiguous) shard: refused."""
+    from diffcomm import parallel
+
+    s = 8
+    q, k, v, _ = _qkv(1, 2, s, 4)
+    mask = torch.rand(1, 1, s, s, generator=_gen(5)) > 0.3
+    mask |= torch.eye(s, dtype=torch.bool)
+    ql, kl, vl = (parallel.shard(t, layout="zigzag") for t in (q, k, v))
+    out = parallel.ring_attention(ql, kl, vl, attn_mask=parallel.shard(mask, dim=2))
+    return {"out": _d(parallel.unshard(out), _sdpa(q, k, v, attn_mask=mask))}
+
+
 CP_PROGRAMS: dict[str, Program] = {
     "ring_defaults_causal": Program(cp_ring_defaults_causal),
     "ring_zigzag_in_shard_only": Program(cp_ring_zigzag_in_shard_only),
@@ -746,6 +801,14 @@ CP_PROGRAMS: dict[str, Program] = {
     "ring_on_mesh_axis_with_dp_w4": Program(cp_ring_on_mesh_axis_with_dp_w4, world=4),
     "ring_mixed_dtypes": Program(cp_ring_mixed_dtypes, error=(TypeError, r"`k/v` must be of q.s dtype")),
     "usp_packed_documents_w4": Program(cp_usp_packed_documents_w4, world=4),
+    "ring_zigzag_causal_and_mask_w3": Program(cp_ring_zigzag_causal_and_mask_w3, world=3),
+    "ulysses_explicit_seq_lens_w3": Program(cp_ulysses_explicit_seq_lens_w3, world=3),
+    "ring_mask_rows_other_layout": Program(
+        cp_ring_mask_rows_other_layout,
+        error=(ValueError, r"`attn_mask`"),
+        finding="silently wrong: q/k/v sharded zigzag, the mask's rows with the default shard(mask, dim=2) "
+        "(contiguous): ring_attention takes them as zigzag rows, no error (output off by 1.03)",
+    ),
 }
 
 
