@@ -1425,6 +1425,55 @@ def moe_manual_empty_rank() -> dict[str, float]:
     return _manual([0, 6], e=4, k=2)
 
 
+def moe_plan_reused_after_routing_changed() -> dict[str, float]:
+    """The plan of the previous step reused (to skip the counts exchange) after the router
+    changed the routing, same shapes: must raise naming `plan` or give the fresh
+    dispatch's values and gradients, never send tokens to the old experts."""
+    from diffcomm import parallel
+
+    e, k, h = 4, 2, 3
+    x = torch.randn(6, h, dtype=F64, generator=_gen(dc.get_rank())).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    cot = torch.randn(6, h, dtype=F64, generator=_gen(52))
+    _, index, _ = parallel.route(torch.randn(6, e, dtype=F64, generator=_gen(50)), k)
+    gates2, index2, _ = parallel.route(torch.randn(6, e, dtype=F64, generator=_gen(51)), k)
+    assert not torch.equal(index, index2)
+    _, plan = parallel.dispatch(x, index, e)
+    h_in, plan2 = parallel.dispatch(x, index2, e, plan=plan)
+    first = dc.get_rank() * (e // dc.get_world_size())
+
+    def experts(rows: torch.Tensor, p: Any) -> torch.Tensor:  # expert j: sin((j + 1) * x)
+        parts = rows.split(list(p.expert_splits))
+        return torch.cat([torch.sin((first + i + 1) * part) for i, part in enumerate(parts)])
+
+    y = parallel.combine(experts(h_in, plan2), gates2, plan2)
+    (y * cot).sum().backward()
+    h_ok, plan_ok = parallel.dispatch(x2, index2, e)
+    y_ok = parallel.combine(experts(h_ok, plan_ok), gates2, plan_ok)
+    (y_ok * cot).sum().backward()
+    return {"y": _d(y, y_ok), "dx": _d(x.grad, x2.grad)}
+
+
+def moe_int32_index_duplicate_expert() -> dict[str, float]:
+    """A hand-made int32 index that picks the same expert twice for some tokens: the token
+    gets the sum of both gates times that expert (identity experts)."""
+    from diffcomm import parallel
+
+    r = dc.get_rank()
+    e, k, h = 4, 2, 3
+    x = torch.randn(5, h, dtype=F64, generator=_gen(r)).requires_grad_()
+    index = torch.tensor([[0, 0], [1, 3], [2, 2], [3, 1], [1, 1]], dtype=torch.int32)
+    gates = torch.rand(5, k, dtype=F64, generator=_gen(60)).requires_grad_()
+    h_in, plan = parallel.dispatch(x, index, e)
+    y = parallel.combine(h_in * 2.0, gates, plan)
+    cot = torch.randn(5, h, dtype=F64, generator=_gen(61))
+    (y * cot).sum().backward()
+    x_s, g_s = x.detach().clone().requires_grad_(), gates.detach().clone().requires_grad_()
+    y_s = 2.0 * g_s.sum(1, keepdim=True) * x_s
+    (y_s * cot).sum().backward()
+    return {"y": _d(y, y_s), "dx": _d(x.grad, x_s.grad), "dgates": _d(gates.grad, g_s.grad)}
+
+
 MOE_PROGRAMS: dict[str, Program] = {
     "ep_from_serial_k2": Program(moe_ep_from_serial_k2),
     "ep_capacity_drops_w3": Program(moe_ep_capacity_drops_w3, world=3),
@@ -1473,6 +1522,14 @@ MOE_PROGRAMS: dict[str, Program] = {
     "histogram_and_dropped": Program(moe_histogram_and_dropped),
     "async_straight_to_combine_and_linear": Program(moe_async_straight_to_combine_and_linear),
     "manual_empty_rank": Program(moe_manual_empty_rank),
+    "plan_reused_after_routing_changed": Program(
+        moe_plan_reused_after_routing_changed,
+        finding="silently wrong: dispatch(x, new_index, E, plan=old_plan) with the same shapes but another "
+        "routing is accepted (only tokens, k, experts, ranks are checked) and sends the rows by the old "
+        "plan: output off by 0.53, dx by 3.5, no error (a local check of the index against the plan "
+        "would catch it without communication)",
+    ),
+    "int32_index_duplicate_expert": Program(moe_int32_index_duplicate_expert),
     "layer_float32_input": Program(
         moe_layer_float32_input,
         error=(TypeError, r"`x`"),
