@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .. import _lifecycle, _torch
 from ..accelerator import comm_device, get_accelerator
+from .in_process import per_rank
 
 ProcessGroup = Any  # dist.ProcessGroup | None (None = the default group)
 
@@ -105,6 +106,7 @@ class GroupInfo:
 
 _INFOS: dict[Any, GroupInfo] = {}
 _INFO_WORLD: list[Any] = [None]  # the default group the cached records belong to
+per_rank(_INFOS, _INFO_WORLD)  # a rank's own in an in-process world
 
 
 #: torch's one record of the process groups. ``C10D._default_pg`` is the default group
