@@ -72,6 +72,8 @@ def static_capabilities(name: str) -> Capabilities:
     if name == "gloo":
         new = version >= (2, 6)
         return Capabilities(name, new, new, True, True, True, True)
+    if name == "inproc":  # diffcomm's in-process transport (backend/in_process.py): everything
+        return Capabilities(name, True, True, True, True, True, True)
     if name == "nccl":
         return Capabilities(name, True, True, True, True, True, True)
     return Capabilities(name, False, False, False, True, False, True)

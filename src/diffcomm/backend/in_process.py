@@ -23,6 +23,7 @@ named ``"inproc"`` with every capability (:func:`~diffcomm.backend.groups.static
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -33,7 +34,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from .. import _config
 from .._errors import DiffcommError
+from ..debug import recorder as _flight
 
 NAME = "inproc"
 
@@ -188,22 +191,32 @@ _INITIAL: list[Any] = []
 def per_rank(*boxes: Any) -> None:
     """Register module-level dicts / lists whose contents belong to a rank (see above)."""
     for box in boxes:
-        if not isinstance(box, dict | list | set):
-            raise TypeError(f"per_rank(): a dict, list or set, got {type(box).__name__}")
+        if not isinstance(box, dict | list | set | deque):
+            raise TypeError(f"per_rank(): a dict, list, set or deque, got {type(box).__name__}")
         _STATE.append(box)
         _INITIAL.append(_copy_of(box))
 
 
 def _copy_of(box: Any) -> Any:
-    return type(box)(box)
+    return copy.copy(box)
 
 
 def _restore(box: Any, value: Any) -> None:
     if isinstance(box, list):
         box[:] = value
+    elif isinstance(box, deque):
+        box.clear()
+        box.extend(value)
     else:
         box.clear()
         box.update(value)
+
+
+# The lower layers' per-rank state (they cannot import this module): every setting's
+# value (a `with dc.debug(True)` block on one rank is that rank's), the flight recorder's
+# records and sequence numbers.
+per_rank(*(vars(s) for s in vars(_config).values() if isinstance(s, _config.Setting)))
+per_rank(_flight._RING, _flight._GROUPS, _flight._LAST, _flight._WORLD_PG, _flight._STATUS)
 
 
 # ---- the thread-local torch.distributed world ------------------------------------------
@@ -406,6 +419,10 @@ class InProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"InProcessGroup(rank={self._rank}, size={self._size})"
+
+    @property
+    def group_name(self) -> str:
+        return self._gname()
 
     # the group's name is the same on every rank (torch names groups identically)
     def _gname(self) -> str:

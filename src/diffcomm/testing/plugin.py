@@ -8,8 +8,15 @@ Fixtures:
     tests cost one ``run()`` each, not a process start-up each.
 ``world1`` .. ``world4``
     Shorthands for ``local_worlds(1)`` ... ``local_worlds(4)``.
+``inproc_worlds`` (session), ``inproc_world1`` .. ``inproc_world4``
+    The same, with every rank a thread of the test process
+    (``LocalWorld(n, in_process=True)``, docs/in_process.md): for correctness tests that
+    need no real transport.
 
-Options: ``--diffcomm-timeout SECONDS`` (the ranks' collective timeout, default 30).
+Options: ``--diffcomm-timeout SECONDS`` (the ranks' collective timeout, default 30);
+``--diffcomm-in-process`` (every shared world of the session in-process, ``local_worlds``
+and ``world1`` .. ``world4`` included: a quick run of a suite whose tests need no real
+transport; the default is real processes).
 """
 
 from __future__ import annotations
@@ -30,18 +37,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=30.0,
         help="collective timeout (seconds) of the shared LocalWorld ranks",
     )
+    group.addoption(
+        "--diffcomm-in-process",
+        action="store_true",
+        default=False,
+        help="run every shared LocalWorld in-process (all ranks threads of the test process)",
+    )
 
 
 @pytest.fixture(scope="session")
 def local_worlds(request: pytest.FixtureRequest) -> Iterator[Callable[..., LocalWorld]]:
     """Factory of session-scoped LocalWorlds, one per (world size, backend)."""
-    worlds: dict[tuple[int, str], LocalWorld] = {}
+    worlds: dict[tuple[int, str, bool], LocalWorld] = {}
     timeout = request.config.getoption("--diffcomm-timeout")
+    everything_in_process = request.config.getoption("--diffcomm-in-process")
 
-    def get(n: int, backend: str = "gloo") -> LocalWorld:
-        key = (n, backend)
+    def get(n: int, backend: str = "gloo", in_process: bool = False) -> LocalWorld:
+        in_process = in_process or everything_in_process
+        key = (n, backend, in_process)
         if key not in worlds:
-            worlds[key] = LocalWorld(n, backend=backend, collective_timeout=timeout, timeout=300)
+            worlds[key] = LocalWorld(
+                n, backend=backend, collective_timeout=timeout, timeout=300, in_process=in_process
+            )
         return worlds[key]
 
     yield get
@@ -60,3 +77,20 @@ def _world_fixture(n: int) -> Any:
 
 
 world1, world2, world3, world4 = (_world_fixture(n) for n in (1, 2, 3, 4))
+
+
+@pytest.fixture(scope="session")
+def inproc_worlds(local_worlds: Callable[..., LocalWorld]) -> Callable[[int], LocalWorld]:
+    """``inproc_worlds(n)``: the shared in-process world of ``n`` ranks."""
+    return lambda n: local_worlds(n, in_process=True)
+
+
+def _inproc_fixture(n: int) -> Any:
+    def world(local_worlds: Callable[..., LocalWorld]) -> LocalWorld:
+        return local_worlds(n, in_process=True)
+
+    world.__doc__ = f"The shared in-process {n}-rank LocalWorld (``LocalWorld({n}, in_process=True)``)."
+    return pytest.fixture(name=f"inproc_world{n}")(world)
+
+
+inproc_world1, inproc_world2, inproc_world3, inproc_world4 = (_inproc_fixture(n) for n in (1, 2, 3, 4))
