@@ -32,6 +32,7 @@ This package is the public home of the layer; the code lives in one module per c
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -56,6 +57,7 @@ from .dispatch import set_order_hook as set_order_hook
 from .dispatch import tensor_nbytes as tensor_nbytes
 from .groups import Capabilities, GroupInfo, ProcessGroup, cpu_group, group_info
 from .groups import static_capabilities as static_capabilities
+from .local_tensor import LocalTensorGuard
 from .torch_distributed import CoalescedOps as CoalescedOps
 from .torch_distributed import TorchDistributedBackend
 from .torch_distributed import pad_rows as pad_rows
@@ -157,13 +159,20 @@ class Backend(Protocol):
 DEFAULT: Backend = TorchDistributedBackend()
 INSTALLED: Backend = DEFAULT
 _TRACEABLE = TraceableBackend()
+_MODULES = sys.modules
 
 
 def get_backend() -> Backend:
     """The backend adapter every collective calls (:class:`TraceableBackend` while
-    ``torch.compile`` traces, whatever :func:`set_backend` installed)."""
+    ``torch.compile`` traces, :class:`~diffcomm.backend.local_tensor.LocalTensorGuard`
+    under torch's ``LocalTensorMode``, whatever :func:`set_backend` installed)."""
     if compiling():
         return _TRACEABLE  # type: ignore[return-value]
+    lt = _MODULES.get("torch.distributed._local_tensor")  # imported: a mode may be on
+    if lt is not None and (
+        lt._PROCESS_LOCAL_TENSOR_MODE or getattr(lt._THREAD_LOCAL_TENSOR_MODE, "value", None)
+    ):
+        return LocalTensorGuard(INSTALLED)  # type: ignore[return-value]
     return INSTALLED
 
 

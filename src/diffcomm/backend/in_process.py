@@ -147,10 +147,15 @@ class Hub:
             self.reads[key] = 0
         if slot[rank] is not _EMPTY:  # cannot happen: each rank counts its own calls
             raise InProcessDesyncError(f"{what}: rank {rank} entered collective {seq} twice")
-        slot[rank] = payload
+        slot[rank] = (what, payload)
+        ops = {w for w, _ in (s for s in slot if s is not _EMPTY)}
+        if len(ops) > 1:  # ranks in different collectives: never completes, never mixes data
+            calls = "; ".join(f"rank {r}: {s[0]}" for r, s in enumerate(slot) if s is not _EMPTY)
+            self.fail(f"diffcomm in-process world: a desync in call {seq} on group {group}: {calls}")
+            raise InProcessDesyncError(self.failure or "")
         self.cond.notify_all()
         self.wait_for(rank, f"waits in {what} (group {group}, call {seq})", lambda: _EMPTY not in slot)
-        got = list(slot)
+        got = [s[1] for s in slot]
         self.reads[key] += 1
         if self.reads[key] == size:
             del self.slots[key], self.reads[key]

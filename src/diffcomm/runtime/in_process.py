@@ -21,11 +21,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._errors import RankDesyncError, RankError
+from .._errors import DesyncError, RankDesyncError, RankError
 from ..backend import in_process as _ip
 from . import reports as _report
 
 _RUN_LOCK = threading.Lock()  # one in-process run at a time per process
+#: what a rank raises when its collective can never complete (the backend's own error,
+#: or the same one translated by diffcomm's dispatch into its DesyncError)
+_DESYNC = (_ip.InProcessDesyncError, DesyncError)
 
 
 def run_ranks(
@@ -65,7 +68,7 @@ def _run(world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs:
         except BaseException as exc:
             failures[rank] = traceback.format_exc()
             exceptions[rank] = exc
-            if not isinstance(exc, _ip.InProcessDesyncError):
+            if not isinstance(exc, _DESYNC):
                 hub.fail(f"rank {rank} raised {type(exc).__name__}: {exc}")
         finally:
             hub.release(rank, final=True)
@@ -92,9 +95,7 @@ def _run(world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs:
             _ip._restore(box, value)
     if failures:
         name = getattr(fn, "__name__", "fn")
-        first = {
-            r: tb for r, tb in failures.items() if not isinstance(exceptions[r], _ip.InProcessDesyncError)
-        }
+        first = {r: tb for r, tb in failures.items() if not isinstance(exceptions[r], _DESYNC)}
         if not first:  # only desyncs: every waiting rank names where it waited
             story = next(str(e) for e in exceptions.values())
             raise RankDesyncError(
