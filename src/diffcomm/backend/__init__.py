@@ -172,7 +172,7 @@ def get_backend() -> Backend:
     if lt is not None and (
         lt._PROCESS_LOCAL_TENSOR_MODE or getattr(lt._THREAD_LOCAL_TENSOR_MODE, "value", None)
     ):
-        return LocalTensorGuard(INSTALLED)  # type: ignore[return-value]
+        return LocalTensorGuard(INSTALLED)
     return INSTALLED
 
 

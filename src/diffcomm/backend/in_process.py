@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from .. import _config
@@ -40,7 +39,9 @@ from ..debug import recorder as _flight
 
 NAME = "inproc"
 
-_RED = dist.ReduceOp.RedOpType
+_RED: Any = dist.ReduceOp.RedOpType
+_C10D_C: Any = torch._C._distributed_c10d  # (private names torch does not type)
+_PG: Any = dist.ProcessGroup  # subclassed by a Python group (untyped overrides)
 
 
 class InProcessDesyncError(DiffcommError):
@@ -341,7 +342,7 @@ def current_hub() -> Hub | None:
 def _done(result: Any = None) -> Any:
     fut: Future[Any] = Future()
     fut.set_result(result)
-    return _create_work_from_future(fut)
+    return _C10D_C._create_work_from_future(fut)
 
 
 class _RecvWork(dist.Work):
@@ -397,7 +398,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src.reshape(dst.shape))
 
 
-class InProcessGroup(dist.ProcessGroup):
+class InProcessGroup(_PG):
     """A c10d process group whose ranks are threads of this process (see the module)."""
 
     def __init__(self, rank: int, size: int) -> None:

@@ -79,7 +79,8 @@ def _run(world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs:
         for r in range(world_size)
     ]
     # torch's C++ registry of group names: one per thread while the ranks run
-    isolation = torch._C._distributed_c10d._set_thread_isolation_mode
+    c10d: Any = torch._C._distributed_c10d
+    isolation = c10d._set_thread_isolation_mode
     isolation(True)
     hook = sys.excepthook  # init_process_group wraps it with a "[rankN]" prefix: put back
     try:

@@ -209,7 +209,7 @@ class LocalWorld:
         self._state = _Procs()
         self._closed = False
         self._started = True
-        self._finalizer = weakref.finalize(self, lambda: None)
+        self._finalizer = weakref.finalize(self, _Procs.shutdown, self._state, False)
 
     # ---- lifecycle -----------------------------------------------------------------
     @property
