@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.distributed as dist
 from torch.futures import Future
 
@@ -47,6 +48,10 @@ _PG: Any = dist.ProcessGroup  # subclassed by a Python group (untyped overrides)
 class InProcessDesyncError(DiffcommError):
     """The ranks of an in-process world can never complete a collective (a rank returned
     while others wait in it, or ranks wait in different ops)."""
+
+
+class InProcessUnsupportedError(DiffcommError, NotImplementedError):
+    """Something an in-process world cannot do (named in the message with the way out)."""
 
 
 class Hub:
@@ -108,6 +113,20 @@ class Hub:
         """Wait (run lock held) until ``ready()``, letting the other ranks run meanwhile."""
         if ready():
             return
+        if _profiling():  # torch's profiler is one per process: another rank's would crash it
+            message = (
+                f"diffcomm in-process world: rank {rank} {what} inside torch.profiler; the profiler "
+                "is one per process, and the other ranks cannot run while it records (torch "
+                "crashes). Profile with real processes (dc.LocalWorld(n)), or outside the collectives."
+            )
+            raise InProcessUnsupportedError(message)
+        if _forward_ad.__dict__.get("_current_level", -1) >= 0:  # levels are one stack per process
+            raise InProcessUnsupportedError(
+                f"diffcomm in-process world: rank {rank} {what} inside forward-mode AD "
+                "(torch.func.jvp / jacfwd, torch.autograd.forward_ad.dual_level); its levels are "
+                "one stack per process, which the other ranks would interleave. Run it on real "
+                "processes (dc.LocalWorld(n))."
+            )
         self._swap_out(rank)
         self.status[rank] = what
         self.ready[rank] = ready
@@ -176,6 +195,9 @@ class Hub:
 
 
 _EMPTY = object()
+
+
+_profiling: Callable[[], bool] = torch._C._autograd._profiler_enabled
 
 
 def _fresh_rng() -> torch.Tensor:
