@@ -420,6 +420,29 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src.reshape(dst.shape))
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    t = torch.view_as_real(t) if t.is_complex() else t
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+
+
+def _copy_bytes(out: torch.Tensor, message: torch.Tensor) -> None:
+    """A receive, as c10d's transports do it: the message's bytes fill the front of the
+    receive buffer (a fused receive posts one buffer for messages of any shape)."""
+    got = _bytes(message.contiguous())
+    if got.numel() > out.numel() * out.element_size():
+        raise RuntimeError(
+            f"diffcomm in-process backend: recv: a message of {got.numel()} bytes does not fit "
+            f"the receive buffer of {out.numel() * out.element_size()} bytes"
+        )
+    with torch.no_grad():
+        if out.is_contiguous():
+            _bytes(out)[: got.numel()].copy_(got)
+        else:  # (c10d takes contiguous buffers; kept for safety)
+            flat = out.contiguous()
+            _bytes(flat)[: got.numel()].copy_(got)
+            out.copy_(flat)
+
+
 class InProcessGroup(_PG):
     """A c10d process group whose ranks are threads of this process (see the module)."""
 
@@ -583,7 +606,7 @@ class InProcessGroup(_PG):
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         out, name, me, hub = tensors[0], self._gname(), self._rank, self._hub
-        return _RecvWork(lambda: _copy(out, hub.take(name, src, me, tag, "recv")))
+        return _RecvWork(lambda: _copy_bytes(out, hub.take(name, src, me, tag, "recv")))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
         raise NotImplementedError(

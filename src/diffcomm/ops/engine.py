@@ -50,6 +50,7 @@ from .. import _config, _lifecycle, _torch
 from .. import backend as B
 from .._torch import tree_map_only
 from ..accelerator import get_accelerator
+from ..backend.in_process import current_hub
 
 __all__ = [
     "AsyncTensor",
@@ -211,9 +212,16 @@ def available() -> bool:
 
     Not while ``torch.compile`` traces or a ``torch.func`` transform / forward-mode AD
     level is active: those see through tensors to their values, so there the asynchronous
-    ops run blocking and return plain tensors (same values and gradients).
+    ops run blocking and return plain tensors (same values and gradients). Nor on a rank
+    of an in-process world (``LocalWorld(n, in_process=True)``): its ranks take turns in
+    one process, so there is nothing to overlap, and the engine is one per process.
     """
-    return not (_torch.compiling() or _torch.transforms_active() or _torch.forward_ad_level() >= 0)
+    return not (
+        _torch.compiling()
+        or _torch.transforms_active()
+        or _torch.forward_ad_level() >= 0
+        or current_hub() is not None
+    )
 
 
 # ======================================================================================
