@@ -421,14 +421,18 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of the contiguous ``t`` (a view: writing into it writes ``t``)."""
     t = torch.view_as_real(t) if t.is_complex() else t
-    return t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+    if not t.numel():
+        return t.new_empty(0, dtype=torch.uint8)
+    # contiguous: its elements are dense from its offset (a size-1 dim may have any stride)
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 def _copy_bytes(out: torch.Tensor, message: torch.Tensor) -> None:
     """A receive, as c10d's transports do it: the message's bytes fill the front of the
     receive buffer (a fused receive posts one buffer for messages of any shape)."""
-    got = _bytes(message.contiguous())
+    got = _bytes(message.detach().clone(memory_format=torch.contiguous_format))
     if got.numel() > out.numel() * out.element_size():
         raise RuntimeError(
             f"diffcomm in-process backend: recv: a message of {got.numel()} bytes does not fit "
