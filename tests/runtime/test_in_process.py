@@ -231,3 +231,13 @@ def test_rank_dependent_ops_under_local_tensor_mode_raise_naming_the_op(call) ->
             call(x)
 
     _under_local_tensor_mode(body, 2)
+
+
+@pytest.mark.diffcomm_in_process
+def test_the_marker_makes_a_tests_shared_worlds_in_process(world2, local_worlds) -> None:
+    assert world2.in_process and local_worlds(3).in_process
+    assert not local_worlds(2, in_process=False).in_process
+
+
+def test_an_unmarked_tests_shared_worlds_are_real_processes(world2, local_worlds) -> None:
+    assert not world2.in_process and not local_worlds(3).in_process and world2.pids

@@ -13,6 +13,11 @@ Fixtures:
     (``LocalWorld(n, in_process=True)``, docs/in_process.md): for correctness tests that
     need no real transport.
 
+Marker: ``@pytest.mark.diffcomm_in_process`` (on a test, a class, or a module's
+``pytestmark``): the test's shared worlds (``local_worlds(n)``, ``world1`` .. ``world4``)
+are in-process; ``@pytest.mark.diffcomm_in_process(False)`` on a test of a marked module
+keeps it on real processes (the closest marker wins).
+
 Options: ``--diffcomm-timeout SECONDS`` (the ranks' collective timeout, default 30);
 ``--diffcomm-in-process`` (every shared world of the session in-process, ``local_worlds``
 and ``world1`` .. ``world4`` included: a quick run of a suite whose tests need no real
@@ -45,6 +50,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+_MARKER = "diffcomm_in_process"
+_MARKED: list[bool] = [False]  # the running test's marker (read by the session's factory)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{_MARKER}(on=True): the test's shared LocalWorlds run in-process (diffcomm)"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker(_MARKER)
+    _MARKED[0] = marker is not None and bool(marker.args[0] if marker.args else True)
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    _MARKED[0] = False
+
+
 @pytest.fixture(scope="session")
 def local_worlds(request: pytest.FixtureRequest) -> Iterator[Callable[..., LocalWorld]]:
     """Factory of session-scoped LocalWorlds, one per (world size, backend)."""
@@ -52,8 +77,9 @@ def local_worlds(request: pytest.FixtureRequest) -> Iterator[Callable[..., Local
     timeout = request.config.getoption("--diffcomm-timeout")
     everything_in_process = request.config.getoption("--diffcomm-in-process")
 
-    def get(n: int, backend: str = "gloo", in_process: bool = False) -> LocalWorld:
-        in_process = in_process or everything_in_process
+    def get(n: int, backend: str = "gloo", in_process: bool | None = None) -> LocalWorld:
+        """``in_process=None``: as the running test's marker says (real processes unmarked)."""
+        in_process = (_MARKED[0] if in_process is None else in_process) or everything_in_process
         key = (n, backend, in_process)
         if key not in worlds:
             worlds[key] = LocalWorld(
