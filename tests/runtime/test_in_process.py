@@ -241,3 +241,90 @@ def test_the_marker_makes_a_tests_shared_worlds_in_process(world2, local_worlds)
 
 def test_an_unmarked_tests_shared_worlds_are_real_processes(world2, local_worlds) -> None:
     assert not world2.in_process and not local_worlds(3).in_process and world2.pids
+
+
+# ---- the docs' table: each family's ops, in-process == real processes ----------------------
+
+
+def _rand(*shape: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 7 + dist.get_rank())
+    return torch.randn(*shape, dtype=torch.float64, generator=g).requires_grad_(True)
+
+
+def _outs_and_grads(outs: list[torch.Tensor], ins: list[torch.Tensor]) -> tuple:
+    loss = sum(((o * (i + 1)) ** 2).sum() for i, o in enumerate(outs))
+    grads = torch.autograd.grad(loss, ins, allow_unused=True)
+    return [o.detach() for o in outs], [g if g is None else g.detach() for g in grads]
+
+
+def _family(name: str) -> tuple:
+    from diffcomm import parallel as P
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    x = _rand(2 * n, 2 * n, seed=1)
+    if name == "ppermute":
+        return _outs_and_grads([dc.ppermute(x, [(i, (i + 1) % n) for i in range(n)])], [x])
+    if name == "send_recv":
+        if r == 0:
+            dc.send(x, 1).backward()
+            return None, x.grad.detach()
+        y = dc.recv(0)
+        (y * 3.0).sum().backward()  # the gradient travels back to the sender
+        return y.detach(), None
+    if name.endswith("_coalesced"):
+        y = _rand(n, seed=2)
+        kw = {"src": 1} if name.startswith("broadcast") else {}
+        return _outs_and_grads(list(getattr(dc, name)([x, y], **kw)), [x, y])
+    if name == "all_to_all_region":
+        return _outs_and_grads([P.all_to_all_region(x, 0, 1)], [x])
+    if name in P.MAPPINGS:
+        return _outs_and_grads([getattr(P, name)(x)], [x])
+    if name in ("ring_attention", "ulysses_attention"):
+        q, k, v = (_rand(1, 4, 3, 8, seed=s) for s in (3, 4, 5))
+        return _outs_and_grads([getattr(P, name)(q, k, v, causal=True)], [q, k, v])
+    if name == "moe_dispatch_combine":
+        e = 6
+        gate, idx, _ = P.route(_rand(4, e, seed=6).detach(), 2)
+        h, plan = P.dispatch(x[:4], idx, e)
+        out = P.combine(h * 2.0, gate, plan)
+        return _outs_and_grads([h, out], [x])
+    raise ValueError(name)
+
+
+FAMILY_ROWS = [
+    "ppermute",
+    "send_recv",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+    "reduce_scatter_coalesced",
+    "broadcast_coalesced",
+    "copy_to_region",
+    "reduce_from_region",
+    "scatter_to_region",
+    "gather_from_region",
+    "scatter_to_sequence",
+    "gather_from_sequence",
+    "reduce_scatter_to_sequence",
+    "all_gather_from_sequence",
+    "all_to_all_region",
+    "ring_attention",
+    "ulysses_attention",
+    "moe_dispatch_combine",
+]
+
+
+@pytest.mark.parametrize("name", FAMILY_ROWS)
+def test_family_in_process_equals_real_processes(world2, inproc_world2, name: str) -> None:
+    real, here = world2.run(_family, name), inproc_world2.run(_family, name)
+    for r in range(2):
+        assert _close(here[r], real[r]), (name, r)
+
+
+def test_tp_mlp_assert_matches_serial_in_process(inproc_world2) -> None:
+    from diffcomm.parallel import MLP, ParallelMLP
+    from diffcomm.testing import assert_matches_serial, build
+
+    torch.manual_seed(0)
+    serial = MLP(8, 32, dtype=torch.float64)
+    x = torch.randn(6, 2, 8, dtype=torch.float64)
+    assert_matches_serial(build(ParallelMLP.from_serial), serial, x, world=inproc_world2)
