@@ -38,7 +38,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .._torch import compiling
+from .._torch import LOCAL_TENSOR_MODULE as _LT_NAME
+from .._torch import compiling, local_tensor_mode_on
 from ..debug.logger import LABEL as LABEL
 from ..debug.logger import CommRecord, CommsLog, label, log_comms
 from ..debug.raw_ops import OP_NAMES, RAW_OPS, RawOp
@@ -168,10 +169,7 @@ def get_backend() -> Backend:
     under torch's ``LocalTensorMode``, whatever :func:`set_backend` installed)."""
     if compiling():
         return _TRACEABLE  # type: ignore[return-value]
-    lt = _MODULES.get("torch.distributed._local_tensor")  # imported: a mode may be on
-    if lt is not None and (
-        lt._PROCESS_LOCAL_TENSOR_MODE or getattr(lt._THREAD_LOCAL_TENSOR_MODE, "value", None)
-    ):
+    if _LT_NAME in _MODULES and local_tensor_mode_on():  # (imported: a mode may be on)
         return LocalTensorGuard(INSTALLED)
     return INSTALLED
 

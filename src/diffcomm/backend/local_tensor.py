@@ -1,4 +1,4 @@
-"""diffcomm under torch's ``LocalTensorMode`` (``torch.distributed._local_tensor``).
+"""diffcomm under torch's ``LocalTensorMode`` (torch's local-tensor package).
 
 ``LocalTensorMode(n)`` runs one program for ``n`` simulated ranks at once: every tensor is
 a ``LocalTensor`` holding each rank's values, and torch's fake process group reports

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _torch
 from .._errors import DesyncError, RankDesyncError, RankError
 from ..backend import in_process as _ip
 from . import reports as _report
@@ -79,8 +80,7 @@ def _run(world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs:
         for r in range(world_size)
     ]
     # torch's C++ registry of group names: one per thread while the ranks run
-    c10d: Any = torch._C._distributed_c10d
-    isolation = c10d._set_thread_isolation_mode
+    isolation = _torch.set_thread_isolation
     isolation(True)
     hook = sys.excepthook  # init_process_group wraps it with a "[rankN]" prefix: put back
     try:
