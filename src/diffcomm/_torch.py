@@ -332,3 +332,44 @@ FLASH_ATTENTION_CPU_BACKWARD: Any = getattr(
 def mps_initial_seed() -> int:
     """The initial seed of the default MPS generator."""
     return int(torch.mps._get_default_mps_generator().initial_seed())
+
+
+# ---------------------------------------------------------------- one process, all ranks
+
+#: torch's local-tensor package (``LocalTensorMode``): a mode can be on only once imported.
+LOCAL_TENSOR_MODULE = "torch.distributed._local_tensor"
+
+
+def local_tensor_mode_on() -> bool:
+    """Whether a ``LocalTensorMode`` is on (this process's, or this thread's under
+    ``LocalRunnerMode``)."""
+    lt = sys.modules.get(LOCAL_TENSOR_MODULE)
+    if lt is None:
+        return False
+    return bool(lt._PROCESS_LOCAL_TENSOR_MODE or getattr(lt._THREAD_LOCAL_TENSOR_MODE, "value", None))
+
+
+def completed_work(result: Any) -> Any:
+    """A c10d ``Work`` that is already complete with ``result`` (a Python process group's
+    reply)."""
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(result)
+    c10d: Any = torch._C._distributed_c10d
+    return c10d._create_work_from_future(fut)
+
+
+def profiler_enabled() -> bool:
+    """Whether torch's autograd profiler (``torch.profiler``) records in this process."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+def set_thread_isolation(on: bool) -> None:
+    """Make torch's C++ registry of process-group names one per thread (``on``) or one per
+    process (torch's default): threads that each join a world of their own."""
+    c10d: Any = torch._C._distributed_c10d
+    c10d._set_thread_isolation_mode(on)
+
+
+def world_record_class() -> type:
+    """The class of torch's record of the process groups (``C10D``)."""
+    return dist.distributed_c10d._World

@@ -36,6 +36,7 @@ import torch
 import torch.utils.checkpoint
 
 from .accelerator import Accelerator, get_accelerator
+from .backend.in_process import per_rank
 
 __all__ = [
     "MODEL_PARALLEL_RNG",
@@ -210,6 +211,7 @@ class RNGStatesTracker:
 
 
 _TRACKER = RNGStatesTracker()
+per_rank(_TRACKER._states, _TRACKER._seeds, _TRACKER._active)  # a rank's own, in-process
 
 
 def get_tracker() -> RNGStatesTracker:

@@ -130,16 +130,25 @@ def cases(draw: st.DrawFn, op: str, world: int) -> Case:
 # --------------------------------------------------------------------------------------
 
 
+# Where the ranks run: in-process (LocalWorld(n, in_process=True), the full property test:
+# the values are the same as on processes, tests/runtime/test_in_process.py) and on real
+# gloo processes (fewer examples: the transport, the sizes on the wire).
+WHERE = {"in_process": 12, "processes": 3}
+
+
+@pytest.mark.parametrize("where", list(WHERE))
 @pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("op", list(R.family("collective", ())))  # diffcomm's own
-def test_op_matches_reference(local_worlds, op: str, world_size: int) -> None:
-    check_in_batches(local_worlds(world_size), cases(op, world_size), _assert_ok, max_examples=12)
+def test_op_matches_reference(local_worlds, op: str, world_size: int, where: str) -> None:
+    world = local_worlds(world_size, in_process=where == "in_process")
+    check_in_batches(world, cases(op, world_size), _assert_ok, max_examples=WHERE[where])
 
 
+@pytest.mark.parametrize("where", list(WHERE))
 @pytest.mark.parametrize("world_size", WORLDS)
-def test_standard_cases(local_worlds, world_size: int) -> None:
+def test_standard_cases(local_worlds, world_size: int, where: str) -> None:
     """The fixed case list `python -m diffcomm check` runs (every op, op, dtype, uneven)."""
-    _assert_ok(local_worlds(world_size), list(standard_cases(world_size)))
+    _assert_ok(local_worlds(world_size, in_process=where == "in_process"), list(standard_cases(world_size)))
 
 
 # --------------------------------------------------------------------------------------

@@ -32,12 +32,14 @@ This package is the public home of the layer; the code lives in one module per c
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
-from .._torch import compiling
+from .._torch import LOCAL_TENSOR_MODULE as _LT_NAME
+from .._torch import compiling, local_tensor_mode_on
 from ..diagnostics.logger import LABEL as LABEL
 from ..diagnostics.logger import CommRecord, CommsLog, label, log_comms
 from ..diagnostics.raw_ops import OP_NAMES, RAW_OPS, RawOp
@@ -56,6 +58,7 @@ from .dispatch import set_order_hook as set_order_hook
 from .dispatch import tensor_nbytes as tensor_nbytes
 from .groups import Capabilities, GroupInfo, ProcessGroup, cpu_group, group_info
 from .groups import static_capabilities as static_capabilities
+from .local_tensor import LocalTensorGuard
 from .torch_distributed import CoalescedOps as CoalescedOps
 from .torch_distributed import TorchDistributedBackend
 from .torch_distributed import pad_rows as pad_rows
@@ -157,13 +160,17 @@ class Backend(Protocol):
 DEFAULT: Backend = TorchDistributedBackend()
 INSTALLED: Backend = DEFAULT
 _TRACEABLE = TraceableBackend()
+_MODULES = sys.modules
 
 
 def get_backend() -> Backend:
     """The backend adapter every collective calls (:class:`TraceableBackend` while
-    ``torch.compile`` traces, whatever :func:`set_backend` installed)."""
+    ``torch.compile`` traces, :class:`~diffcomm.backend.local_tensor.LocalTensorGuard`
+    under torch's ``LocalTensorMode``, whatever :func:`set_backend` installed)."""
     if compiling():
         return _TRACEABLE  # type: ignore[return-value]
+    if _LT_NAME in _MODULES and local_tensor_mode_on():  # (imported: a mode may be on)
+        return LocalTensorGuard(INSTALLED)
     return INSTALLED
 
 

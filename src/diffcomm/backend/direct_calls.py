@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .. import _torch
 from .groups import C10D as _C10D
 from .groups import ProcessGroup
+from .in_process import InProcessGroup as _IN_PROCESS
 
 _NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 _COALESCING = _torch.coalescing_state()  # one dict for the life of the process (torch mutates it)
@@ -35,6 +36,8 @@ def _direct_group(t: torch.Tensor, group: ProcessGroup) -> Any:
     """The process group to call directly, or ``None`` where torch's wrapper must run."""
     pg = _C10D._default_pg if group is None else group
     if pg is None or pg is _NON_MEMBER or type(t) is not torch.Tensor or t.is_complex():
+        return None
+    if type(pg) is _IN_PROCESS:  # a Python group: torch's wrapper calls its methods
         return None
     state = _COALESCING
     if state and pg in state:  # inside dist._coalescing_manager: the wrapper records it

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .. import _lifecycle, _torch
 from ..accelerator import comm_device, get_accelerator
+from .in_process import per_rank
 
 ProcessGroup = Any  # dist.ProcessGroup | None (None = the default group)
 
@@ -71,6 +72,8 @@ def static_capabilities(name: str) -> Capabilities:
     if name == "gloo":
         new = version >= (2, 6)
         return Capabilities(name, new, new, True, True, True, True)
+    if name == "inproc":  # diffcomm's in-process transport (backend/in_process.py): everything
+        return Capabilities(name, True, True, True, True, True, True)
     if name == "nccl":
         return Capabilities(name, True, True, True, True, True, True)
     return Capabilities(name, False, False, False, True, False, True)
@@ -105,6 +108,7 @@ class GroupInfo:
 
 _INFOS: dict[Any, GroupInfo] = {}
 _INFO_WORLD: list[Any] = [None]  # the default group the cached records belong to
+per_rank(_INFOS, _INFO_WORLD)  # a rank's own in an in-process world
 
 
 #: torch's one record of the process groups. ``C10D._default_pg`` is the default group

@@ -51,6 +51,7 @@ from .. import backend as B
 from .._replication import spmd_types_checking
 from .._torch import tree_map_only
 from ..accelerator import get_accelerator
+from ..backend.in_process import current_hub
 
 __all__ = [
     "AsyncTensor",
@@ -214,13 +215,16 @@ def available() -> bool:
     Not while ``torch.compile`` traces or a ``torch.func`` transform / forward-mode AD
     level is active: those see through tensors to their values, so there the asynchronous
     ops run blocking and return plain tensors (same values and gradients). Nor while
-    spmd_types' checker is active (it types each op as it is applied).
+    spmd_types' checker is active (it types each op as it is applied), nor on a rank
+    of an in-process world (``LocalWorld(n, in_process=True)``): its ranks take turns in
+    one process, so there is nothing to overlap, and the engine is one per process.
     """
     return not (
         _torch.compiling()
         or _torch.transforms_active()
         or _torch.forward_ad_level() >= 0
         or spmd_types_checking(_FUNCTION_ATTRS)
+        or current_hub() is not None
     )
 
 

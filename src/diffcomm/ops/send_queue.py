@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import _config, _lifecycle
 from .._errors import CollectiveTimeoutError, DiffcommError
+from ..backend.in_process import current_hub
 from ..diagnostics import recorder as _flight
 
 #: Posted sends of one message: ``[(work, flight record, what), ...]``.
@@ -57,6 +58,11 @@ class SendQueue:
         item), keeping ``keep`` alive until all are done; ``private``: the bytes of
         ``keep`` that only these sends use (a copy), which count towards a hand-over."""
         if not parts:  # comm-off switch, or nothing on the wire
+            return
+        if current_hub() is not None:  # in-process: a posted send is done (nothing to reap)
+            for work, rec, _what in parts:
+                work.wait()
+                _flight.end(rec)
             return
         with self._lock:
             held = self._held

@@ -59,6 +59,7 @@ from .. import backend as B
 from .._errors import CrossRankMismatchError
 from ..backend import args as A
 from ..backend.args import PG
+from ..backend.in_process import per_rank
 from ..diagnostics import recorder as _flight
 from .send_queue import SENDS as SENDS
 from .send_queue import wait_sends as wait_sends  # re-exported: p2p.wait_sends
@@ -501,6 +502,7 @@ def read(
 # Channels with a receive posted header-first (no shape given) whose data receive is not
 # posted yet: any other receive on the channel now would be matched to that data.
 HEADER_FIRST: set[tuple[Any, int, int, str]] = set()
+per_rank(SEQ, _GRADS, HEADER_FIRST)  # a rank's own in an in-process world
 
 
 def check_channel(pg: PG, src: int, tag: int, op: str) -> None:

@@ -126,6 +126,13 @@ class LocalWorld:
             (default): ``DIFFCOMM_PROGRESS`` (``auto``, ``1`` or ``0``), whose ``auto``
             prints only when stderr is a terminal; ``False`` (or ``DIFFCOMM_PROGRESS=0``)
             silences it.
+        in_process: run every rank as a thread of this process instead of a process
+            (:mod:`diffcomm.runtime.in_process`; docs/in_process.md): the same
+            :meth:`run`, the same results (each rank its own RNG stream and groups), no
+            start-up, and a desync reported at once. Its limits: no real transport (the
+            ``"inproc"`` backend only; ``backend`` must stay ``"gloo"``), no timeouts
+            (``timeout`` and ``collective_timeout`` do not apply), one rank running at a
+            time, no torchrun. Default ``False``: real processes.
 
     Example::
 
@@ -141,7 +148,14 @@ class LocalWorld:
         collective_timeout: float | None = None,
         allow_oversubscribe: bool | None = None,
         progress: bool | None = None,
+        in_process: bool = False,
     ) -> None:
+        if not isinstance(in_process, bool):
+            raise TypeError(f"LocalWorld(): `in_process` must be a bool, got {in_process!r}")
+        self.in_process = in_process
+        if in_process:
+            self._init_in_process(world_size, backend, timeout, collective_timeout)
+            return
         if progress is not None and not isinstance(progress, bool):
             raise TypeError(f"LocalWorld(): `progress` must be a bool or None, got {progress!r}")
         if progress is None:
@@ -173,6 +187,30 @@ class LocalWorld:
         _LIVE.add(self)
         self._start()
 
+    def _init_in_process(
+        self, world_size: int, backend: str, timeout: float, collective_timeout: float | None
+    ) -> None:
+        """The in-process world: validated like a real one; nothing to start."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"LocalWorld(): `world_size` must be an int >= 1, got {world_size!r}")
+        if backend != "gloo":
+            raise ValueError(
+                f"LocalWorld(in_process=True): `backend` {backend!r} needs real processes; an "
+                "in-process world moves its data in memory (leave `backend` at its default)"
+            )
+        if not timeout > 0:
+            raise ValueError(f"LocalWorld(): `timeout` must be > 0 seconds, got {timeout!r}")
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = float(timeout)
+        self.collective_timeout = float(collective_timeout or DEFAULT_COLLECTIVE_TIMEOUT)
+        self.progress = False
+        self.restarts = 0
+        self._state = _Procs()
+        self._closed = False
+        self._started = True
+        self._finalizer = weakref.finalize(self, _Procs.shutdown, self._state, False)
+
     # ---- lifecycle -----------------------------------------------------------------
     @property
     def pids(self) -> list[int]:
@@ -181,6 +219,8 @@ class LocalWorld:
 
     @property
     def alive(self) -> bool:
+        if self.in_process:
+            return not self._closed
         return self._started and all(p.poll() is None for p in self._state.procs)
 
     def _start(self) -> None:
@@ -267,6 +307,8 @@ class LocalWorld:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._started else "torn down")
+        if self.in_process:
+            return f"LocalWorld(world_size={self.world_size}, in_process=True, {state})"
         return f"LocalWorld(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
     # ---- running -------------------------------------------------------------------
@@ -283,6 +325,10 @@ class LocalWorld:
             raise RuntimeError("LocalWorld.run(): this world is closed")
         if not callable(fn):
             raise TypeError(f"LocalWorld.run(): `fn` must be callable, got {type(fn).__name__}")
+        if self.in_process:
+            from .in_process import run_ranks
+
+            return run_ranks(self.world_size, fn, args, kwargs)
         if not self._started:
             self.restarts += 1
             self._state = _Procs()

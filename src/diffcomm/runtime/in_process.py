@@ -1,0 +1,110 @@
+"""Running every rank in this process: the runner behind ``LocalWorld(n, in_process=True)``.
+
+Each :meth:`~diffcomm.LocalWorld.run` starts one thread per rank; each joins a real
+``torch.distributed`` world of backend ``"inproc"`` (:mod:`diffcomm.backend.in_process`:
+its collectives meet in memory), calls the function, and leaves the world. One rank runs
+at a time (the hand-over happens only inside a collective or a receive), each with its own
+torch RNG stream and its own diffcomm per-rank state, so a run gives what separate
+processes give. Failures are reported as :class:`~diffcomm.LocalWorld` reports them: one
+:class:`~diffcomm.RankError` naming the ranks with their tracebacks (a desync:
+:class:`~diffcomm.RankDesyncError`, found at once instead of after a timeout).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _torch
+from .._errors import DesyncError, RankDesyncError, RankError
+from ..backend import in_process as _ip
+from . import reports as _report
+
+_RUN_LOCK = threading.Lock()  # one in-process run at a time per process
+#: what a rank raises when its collective can never complete (the backend's own error,
+#: or the same one translated by diffcomm's dispatch into its DesyncError)
+_DESYNC = (_ip.InProcessDesyncError, DesyncError)
+
+
+def run_ranks(
+    world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` in-process ranks; results by rank."""
+    if not _RUN_LOCK.acquire(blocking=False):
+        raise RuntimeError(
+            "LocalWorld(in_process=True).run(): an in-process run is already going on in this "
+            "process (a run inside a run, or from two threads); in-process runs do not nest"
+        )
+    try:
+        return _run(world_size, fn, args, kwargs)
+    finally:
+        _RUN_LOCK.release()
+
+
+def _run(world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    hub = _ip.Hub(world_size)
+    store = dist.HashStore()
+    results: list[Any] = [None] * world_size
+    failures: dict[int, str] = {}
+    exceptions: dict[int, BaseException] = {}
+    outer_rng = torch.get_rng_state()
+    outer = [_ip._copy_of(box) for box in _ip._STATE]  # the caller's own, put back after
+
+    def rank_main(rank: int) -> None:
+        _ip.enter_rank(hub, rank)
+        hub.acquire(rank)
+        try:
+            dist.init_process_group(_ip.NAME, store=store, rank=rank, world_size=world_size)
+            try:
+                results[rank] = fn(*args, **kwargs)
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+        except BaseException as exc:
+            failures[rank] = traceback.format_exc()
+            exceptions[rank] = exc
+            if not isinstance(exc, _DESYNC):
+                hub.fail(f"rank {rank} raised {type(exc).__name__}: {exc}")
+        finally:
+            hub.release(rank, final=True)
+            _ip.leave_rank()
+
+    threads = [
+        threading.Thread(target=rank_main, args=(r,), name=f"diffcomm-inproc-rank{r}", daemon=True)
+        for r in range(world_size)
+    ]
+    # torch's C++ registry of group names: one per thread while the ranks run
+    isolation = _torch.set_thread_isolation
+    isolation(True)
+    hook = sys.excepthook  # init_process_group wraps it with a "[rankN]" prefix: put back
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        isolation(False)
+        sys.excepthook = hook
+        torch.set_rng_state(outer_rng)
+        for box, value in zip(_ip._STATE, outer):
+            _ip._restore(box, value)
+    if failures:
+        name = getattr(fn, "__name__", "fn")
+        first = {r: tb for r, tb in failures.items() if not isinstance(exceptions[r], _DESYNC)}
+        if not first:  # only desyncs: every waiting rank names where it waited
+            story = next(str(e) for e in exceptions.values())
+            raise RankDesyncError(
+                f"LocalWorld(in_process=True): the ranks went out of step during `{name}`.\n{story}"
+                + _report.tracebacks(failures),
+                {"op": None},
+                failures,
+                exceptions,
+            )
+        raise RankError(_report.failure_message(first, False), failures, exceptions)
+    return results

@@ -1,0 +1,330 @@
+"""``LocalWorld(n, in_process=True)``: every rank a thread of this process (docs/in_process.md).
+
+The values and gradients of an in-process run equal a run on real gloo processes (float64,
+to 1e-12), for every collective, uneven split sizes and world sizes 1-4 (a hypothesis
+property test against the shared real worlds); failures are reported as on processes,
+a desync at once; each rank has its own RNG stream. Under torch's ``LocalTensorMode``
+the rank-free ops give every simulated rank its real answer and every other op raises
+:class:`~diffcomm.backend.local_tensor.LocalTensorModeError` (never a wrong value).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import diffcomm as dc
+from diffcomm._errors import RankDesyncError, RankError
+
+
+def program(op: str, shape: list[int], splits: list[int] | None, seed: int, kw: dict) -> tuple:
+    """One op forward and backward on seeded per-rank float64 inputs: (output, gradient)."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed * 10 + r)
+    rows = splits[r] if (splits is not None and op == "all_gather") else shape[0]
+    x = torch.randn(rows, *shape[1:], dtype=torch.float64, generator=g, requires_grad=True)
+    if op == "all_reduce":
+        y = dc.all_reduce(x, **kw)
+    elif op == "all_gather":
+        y = dc.all_gather(x, split_sizes=splits) if splits is not None else dc.all_gather(x)
+    elif op == "reduce_scatter":
+        y = dc.reduce_scatter(x, split_sizes=splits, **kw) if splits else dc.reduce_scatter(x, **kw)
+    elif op == "all_to_all":
+        y = dc.all_to_all(x)
+    elif op == "broadcast":
+        y = dc.broadcast(x, src=kw["root"] % n)
+    elif op == "reduce":
+        y = dc.reduce(x, dst=kw["root"] % n)
+    elif op == "shift":
+        y = dc.shift(x, 1)
+    else:
+        raise ValueError(op)
+    y.backward(torch.randn(y.shape, dtype=torch.float64, generator=g))
+    return y.detach(), x.grad
+
+
+@st.composite
+def programs(draw: st.DrawFn) -> tuple:
+    n = draw(st.integers(1, 4))
+    op = draw(
+        st.sampled_from(
+            ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "shift"]
+        )
+    )
+    rest = draw(st.lists(st.integers(1, 3), min_size=0, max_size=2))
+    kw: dict = {"root": draw(st.integers(0, 3))}
+    splits = None
+    rows = n * draw(st.integers(1, 2))
+    if op in ("all_gather", "reduce_scatter") and draw(st.booleans()):
+        splits = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+        rows = sum(splits)
+    if op in ("all_reduce", "reduce_scatter", "reduce"):
+        allowed = ["sum", "avg", "max", "min", "product"] if op != "reduce_scatter" else ["sum", "avg"]
+        kw["op"] = draw(st.sampled_from(allowed))
+    if op in ("broadcast", "reduce"):
+        kw = {"root": kw["root"], **({"op": kw["op"]} if op == "reduce" else {})}
+    if op == "reduce":
+        kw = {"root": kw["root"]} | ({"op": kw["op"]} if "op" in kw else {})
+    return n, op, [rows, *rest], splits, draw(st.integers(0, 999)), kw
+
+
+def _close(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_in_process_equals_real_processes(local_worlds) -> None:
+    """Hypothesis: op x shape x split sizes x world size 1-4, in-process == processes."""
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(programs())
+    def check(p: tuple) -> None:
+        n, op, shape, splits, seed, kw = p
+        kw = {k: v for k, v in kw.items() if k != "root"} | (
+            {"root": kw["root"]} if op in ("broadcast", "reduce") else {}
+        )
+        real = local_worlds(n).run(program, op, shape, splits, seed, kw)
+        here = local_worlds(n, in_process=True).run(program, op, shape, splits, seed, kw)
+        for r in range(n):
+            assert _close(here[r], real[r]), (op, r, here[r], real[r])
+
+    check()
+
+
+def test_a_rank_that_raises_is_named(inproc_world3) -> None:
+    def body() -> None:
+        if dist.get_rank() == 1:
+            raise ValueError("boom on one")
+        dc.all_reduce(torch.ones(2))
+
+    with pytest.raises(RankError, match=r"rank\(s\) \[1\] raised: ValueError: boom on one"):
+        inproc_world3.run(body)
+    assert inproc_world3.run(lambda: dc.all_reduce(torch.ones(1)).item()) == [3.0] * 3  # still usable
+
+
+def test_a_desync_is_reported_at_once(inproc_world2) -> None:
+    def body() -> None:
+        if dist.get_rank() == 0:
+            dc.all_reduce(torch.ones(2))
+
+    t = time.perf_counter()
+    with pytest.raises(RankDesyncError, match=r"rank 0: waits in all_reduce.*rank 1: done"):
+        inproc_world2.run(body)
+    assert time.perf_counter() - t < 5.0
+
+
+def test_each_rank_has_its_own_rng_stream_and_settings(inproc_world2) -> None:
+    def body() -> tuple:
+        torch.manual_seed(dist.get_rank())
+        a = torch.randn(3)
+        dc.all_reduce(torch.ones(1))  # the other rank runs in between
+        b = torch.randn(3)
+        with dc.timeout(10.0 + dist.get_rank()):
+            dc.all_reduce(torch.ones(1))
+            mine = dc.timeout()
+        return a, b, mine
+
+    got = inproc_world2.run(body)
+    for r, (a, b, mine) in enumerate(got):
+        torch.manual_seed(r)
+        assert torch.equal(a, torch.randn(3)) and torch.equal(b, torch.randn(3))
+        assert mine == 10.0 + r
+    assert dc.timeout() != 10.0 and dc.timeout() != 11.0
+
+
+def test_the_keyword_is_validated_and_shown() -> None:
+    with pytest.raises(TypeError, match="`in_process` must be a bool"):
+        dc.LocalWorld(2, in_process=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`backend` 'nccl' needs real processes"):
+        dc.LocalWorld(2, in_process=True, backend="nccl")
+    w = dc.LocalWorld(2, in_process=True)
+    assert "in_process=True" in repr(w) and w.pids == []
+    w.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        w.run(lambda: None)
+
+
+# ---- torch's LocalTensorMode -----------------------------------------------------------
+
+
+def _under_local_tensor_mode(body, n: int):
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    try:
+        with LocalTensorMode(n) as mode:
+            return body(mode)
+    finally:
+        dist.destroy_process_group()
+
+
+def _ltm_program(op: str, kw: dict):
+    def body(mode):
+        n = len(mode.ranks)
+        x = mode.rank_map(
+            lambda r: torch.randn(2 * n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
+        )
+        x.requires_grad_(True)
+        y = dc.all_reduce(x, **kw) if op == "all_reduce" else dc.all_to_all(x)
+        ct = mode.rank_map(
+            lambda r: torch.randn(
+                2 * n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(50 + r)
+            )
+        )
+        y.backward(ct)
+        return [(y._local_tensors[r].detach(), x.grad._local_tensors[r]) for r in range(n)]
+
+    return body
+
+
+def _real_program(op: str, kw: dict) -> tuple:
+    r, n = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(2 * n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(r)).requires_grad_(
+        True
+    )
+    y = dc.all_reduce(x, **kw) if op == "all_reduce" else dc.all_to_all(x)
+    y.backward(torch.randn(2 * n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(50 + r)))
+    return y.detach(), x.grad
+
+
+@pytest.mark.parametrize(
+    ("op", "kw"),
+    [("all_reduce", {"op": o}) for o in ("sum", "avg", "max", "min", "product")] + [("all_to_all", {})],
+)
+def test_rank_free_ops_under_local_tensor_mode_equal_real_ranks(inproc_world3, op: str, kw: dict) -> None:
+    got = _under_local_tensor_mode(_ltm_program(op, kw), 3)
+    want = inproc_world3.run(_real_program, op, kw)
+    for r in range(3):
+        assert _close(tuple(got[r]), tuple(want[r])), (op, r)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: dc.reduce_scatter(x),  # was silently wrong: rank 1 got rank 0's chunk
+        lambda x: dc.all_gather(x),
+        lambda x: dc.broadcast(x, src=1),
+        lambda x: dc.reduce(x, dst=1),
+        lambda x: dc.scatter(x, src=0),
+        lambda x: dc.shift(x, 1),
+        lambda x: dc.all_to_all(x, input_split_sizes=[1, 3], output_split_sizes=[1, 3]),
+    ],
+    ids=["reduce_scatter", "all_gather", "broadcast", "reduce", "scatter", "shift", "uneven_all_to_all"],
+)
+def test_rank_dependent_ops_under_local_tensor_mode_raise_naming_the_op(call) -> None:
+    from diffcomm.backend.local_tensor import LocalTensorModeError
+
+    def body(mode):
+        x = mode.rank_map(lambda r: torch.arange(4.0) + 10 * r)
+        with pytest.raises(
+            LocalTensorModeError, match=r"under torch's LocalTensorMode is not supported.*in_process=True"
+        ):
+            call(x)
+
+    _under_local_tensor_mode(body, 2)
+
+
+@pytest.mark.diffcomm_in_process
+def test_the_marker_makes_a_tests_shared_worlds_in_process(world2, local_worlds) -> None:
+    assert world2.in_process and local_worlds(3).in_process
+    assert not local_worlds(2, in_process=False).in_process
+
+
+def test_an_unmarked_tests_shared_worlds_are_real_processes(world2, local_worlds) -> None:
+    assert not world2.in_process and not local_worlds(3).in_process and world2.pids
+
+
+# ---- the docs' table: each family's ops, in-process == real processes ----------------------
+
+
+def _rand(*shape: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 7 + dist.get_rank())
+    return torch.randn(*shape, dtype=torch.float64, generator=g).requires_grad_(True)
+
+
+def _outs_and_grads(outs: list[torch.Tensor], ins: list[torch.Tensor]) -> tuple:
+    loss = sum(((o * (i + 1)) ** 2).sum() for i, o in enumerate(outs))
+    grads = torch.autograd.grad(loss, ins, allow_unused=True)
+    return [o.detach() for o in outs], [g if g is None else g.detach() for g in grads]
+
+
+def _family(name: str) -> tuple:
+    from diffcomm import parallel as P
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    x = _rand(2 * n, 2 * n, seed=1)
+    if name == "ppermute":
+        return _outs_and_grads([dc.ppermute(x, [(i, (i + 1) % n) for i in range(n)])], [x])
+    if name == "send_recv":
+        if r == 0:
+            dc.send(x, 1).backward()
+            return None, x.grad.detach()
+        y = dc.recv(0)
+        (y * 3.0).sum().backward()  # the gradient travels back to the sender
+        return y.detach(), None
+    if name.endswith("_coalesced"):
+        y = _rand(n, seed=2)
+        kw = {"src": 1} if name.startswith("broadcast") else {}
+        return _outs_and_grads(list(getattr(dc, name)([x, y], **kw)), [x, y])
+    if name == "all_to_all_region":
+        return _outs_and_grads([P.all_to_all_region(x, 0, 1)], [x])
+    if name in P.MAPPINGS:
+        return _outs_and_grads([getattr(P, name)(x)], [x])
+    if name in ("ring_attention", "ulysses_attention"):
+        q, k, v = (_rand(1, 4, 3, 8, seed=s) for s in (3, 4, 5))
+        return _outs_and_grads([getattr(P, name)(q, k, v, causal=True)], [q, k, v])
+    if name == "moe_dispatch_combine":
+        e = 6
+        gate, idx, _ = P.route(_rand(4, e, seed=6).detach(), 2)
+        h, plan = P.dispatch(x[:4], idx, e)
+        out = P.combine(h * 2.0, gate, plan)
+        return _outs_and_grads([h, out], [x])
+    raise ValueError(name)
+
+
+FAMILY_ROWS = [
+    "ppermute",
+    "send_recv",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+    "reduce_scatter_coalesced",
+    "broadcast_coalesced",
+    "copy_to_region",
+    "reduce_from_region",
+    "scatter_to_region",
+    "gather_from_region",
+    "scatter_to_sequence",
+    "gather_from_sequence",
+    "reduce_scatter_to_sequence",
+    "all_gather_from_sequence",
+    "all_to_all_region",
+    "ring_attention",
+    "ulysses_attention",
+    "moe_dispatch_combine",
+]
+
+
+@pytest.mark.parametrize("name", FAMILY_ROWS)
+def test_family_in_process_equals_real_processes(world2, inproc_world2, name: str) -> None:
+    real, here = world2.run(_family, name), inproc_world2.run(_family, name)
+    for r in range(2):
+        assert _close(here[r], real[r]), (name, r)
+
+
+def test_tp_mlp_assert_matches_serial_in_process(inproc_world2) -> None:
+    from diffcomm.parallel import MLP, ParallelMLP
+    from diffcomm.testing import assert_matches_serial, build
+
+    torch.manual_seed(0)
+    serial = MLP(8, 32, dtype=torch.float64)
+    x = torch.randn(6, 2, 8, dtype=torch.float64)
+    assert_matches_serial(build(ParallelMLP.from_serial), serial, x, world=inproc_world2)
