@@ -22,6 +22,7 @@ import datetime
 import functools
 import importlib.abc
 import importlib.util
+import inspect
 import sys
 import types
 from collections.abc import Callable
@@ -373,3 +374,10 @@ def set_thread_isolation(on: bool) -> None:
 def world_record_class() -> type:
     """The class of torch's record of the process groups (``C10D``)."""
     return dist.distributed_c10d._World
+
+
+def base_setup_context() -> Any:
+    """``torch.autograd.Function``'s own ``setup_context`` (the unoverridden one, on its
+    private base ``_SingleLevelFunction``): a Function whose ``setup_context`` is this one
+    takes ``ctx`` as ``forward``'s first argument."""
+    return inspect.getattr_static(torch.autograd.function._SingleLevelFunction, "setup_context")

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from _shared import check_in_batches
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import diffcomm as dc
@@ -363,6 +363,8 @@ def test_one_final_rounding_vs_fp64_oracle(local_worlds, world_size: int) -> Non
     def check(dtype: torch.dtype, xs: list[list[float]]) -> None:
         if dtype == torch.float16:
             xs = [[v * 8 for v in row] for row in xs]  # 11-bit integers
+        # the bound is for sums the dtype can hold (fp16 overflows past 65504: inf either way)
+        assume(max(abs(sum(col)) for col in zip(*xs)) <= torch.finfo(dtype).max / 2)
         for row in world.run(_once, xs, dtype):
             assert all(row), (dtype, xs, row)
 

@@ -17,6 +17,7 @@ from ..backend.args import PG
 from . import references
 from .all_reduce import _AllReduce
 from .base import CommOp, apply, call, op_labels
+from .precision_format import quantized
 from .registry import Kwargs
 from .validation import Learned
 from .validation import check_input as _check_input
@@ -31,7 +32,7 @@ from .validation import with_sizes as _with
 from .validation import world as _world
 
 if TYPE_CHECKING:
-    from .precision import Precision
+    from .precision_format import Precision
 
 _DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
 _LABELS = op_labels("reduce_scatter")
@@ -126,10 +127,8 @@ def all_gather(
             # [tensor([0., 1., 1.]), tensor([0., 1., 1.])]
     """
     if precision is not None:
-        from . import precision as _precision
-
         split_sizes, _ = A.renamed_sizes(split_sizes, sizes, "all_gather")
-        return _precision.all_gather(x, dim, group, split_sizes, precision, async_op)
+        return quantized("all_gather")(x, dim, group, split_sizes, precision, async_op)
     x = _check_input(x, "all_gather")
     dim = A.check_dim(x, dim, "all_gather")
     pg = A.resolve_group(group, "all_gather")
@@ -239,9 +238,7 @@ def reduce_scatter(
             # [tensor([0., 2.]), tensor([4., 6.])]
     """
     if precision is not None:
-        from . import precision as _precision
-
-        return _precision.reduce_scatter(x, dim, op, group, split_sizes, precision, async_op)
+        return quantized("reduce_scatter")(x, dim, op, group, split_sizes, precision, async_op)
     x = _check_input(x, "reduce_scatter")
     dim = A.check_dim(x, dim, "reduce_scatter")
     op_name = A.normalize_op(op, "reduce_scatter", x)

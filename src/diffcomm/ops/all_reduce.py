@@ -17,13 +17,14 @@ from ..backend import args as A
 from ..backend.args import PG
 from . import references
 from .base import CommOp, apply, call, op_labels
+from .precision_format import quantized
 from .registry import SELF, Kwargs
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check_input as _debug_check_input
 
 if TYPE_CHECKING:
-    from .precision import Precision
+    from .precision_format import Precision
 
 _DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
 _LABELS = op_labels("all_reduce")
@@ -189,9 +190,7 @@ def all_reduce(
             # [tensor([3.]), tensor([3.])]
     """
     if precision is not None:
-        from . import precision as _precision
-
-        return _precision.all_reduce(x, op, group, precision, async_op)
+        return quantized("all_reduce")(x, op, group, precision, async_op)
     x = _check_input(x, "all_reduce")
     op_name = A.normalize_op(op, "all_reduce", x)
     pg = A.resolve_group(group, "all_reduce")

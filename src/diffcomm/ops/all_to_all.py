@@ -17,6 +17,7 @@ from ..backend import args as A
 from ..backend.args import PG
 from . import references
 from .base import CommOp, apply, call
+from .precision_format import quantized
 from .registry import SELF, Kwargs
 from .validation import all_to_all_received as _all_to_all_received
 from .validation import all_to_all_split_sizes as _all_to_all_split_sizes
@@ -29,7 +30,7 @@ from .validation import with_sizes as _with
 from .validation import world as _world
 
 if TYPE_CHECKING:
-    from .precision import Precision
+    from .precision_format import Precision
 
 
 class _AllToAll(CommOp):
@@ -177,10 +178,8 @@ def all_to_all(
             # [tensor([0., 2.]), tensor([1., 3.])]
     """
     if precision is not None:
-        from . import precision as _precision
-
         io = (input_split_sizes, output_split_sizes)
-        return _precision.all_to_all(x, split_dim, concat_dim, group, *io, precision, async_op)
+        return quantized("all_to_all")(x, split_dim, concat_dim, group, *io, precision, async_op)
     op = "all_to_all"
     x = _check_input(x, op)
     split_dim = A.check_dim(x, split_dim, op, "split_dim")

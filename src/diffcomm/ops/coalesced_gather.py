@@ -32,6 +32,7 @@ from .packing import even_or_none as _even_or_none
 from .packing import moved as _moved
 from .packing import pack as _pack
 from .packing import unpack as _unpack
+from .precision_format import quantized
 from .registry import Kwargs
 from .validation import Learned
 from .validation import current_backend as _b
@@ -40,7 +41,7 @@ from .validation import with_sizes as _with
 from .validation import world as _world
 
 if TYPE_CHECKING:
-    from .precision import Precision
+    from .precision_format import Precision
 
 SplitSizes = tuple[tuple[int, ...], ...] | None  # per tensor, every rank's size along its dim
 
@@ -314,10 +315,8 @@ def all_gather_coalesced(
             # [[tensor([1., 1., 1.])], [tensor([1., 1., 1.])]]  (rank 0 sent 1 row, rank 1 two)
     """
     if precision is not None:  # each tensor its own quantized all_gather (docs/precision.md)
-        from . import precision as _precision
-
         kw = {"dim": dim, "group": group, "split_sizes": split_sizes}
-        return _precision.coalesced("all_gather", tensors, precision, async_op, **kw)
+        return quantized("coalesced")("all_gather", tensors, precision, async_op, **kw)
     name = "all_gather_coalesced"
     ts = _check_list(tensors, name)
     dims = _check_dims(ts, dim, name)
@@ -388,10 +387,8 @@ def reduce_scatter_coalesced(
             # [[tensor([0.])], [tensor([2., 4., 6.])]]
     """
     if precision is not None:  # each tensor its own quantized reduce_scatter (docs/precision.md)
-        from . import precision as _precision
-
         kw = {"dim": dim, "op": op, "group": group, "split_sizes": split_sizes}
-        return _precision.coalesced("reduce_scatter", tensors, precision, async_op, **kw)
+        return quantized("coalesced")("reduce_scatter", tensors, precision, async_op, **kw)
     name = "reduce_scatter_coalesced"
     ts = _check_list(tensors, name)
     dims = _check_dims(ts, dim, name)

@@ -23,13 +23,14 @@ from .packing import check_list as _check_list
 from .packing import check_op as _check_op
 from .packing import debug_check as _debug_check
 from .packing import packed as _packed
+from .precision_format import quantized
 from .registry import SELF, Kwargs
 from .validation import current_backend as _b
 from .validation import rank as _rank
 from .validation import world as _world
 
 if TYPE_CHECKING:
-    from .precision import Precision
+    from .precision_format import Precision
 
 # ======================================================================================
 # the list ops (one autograd node for the whole list; one raw call per dtype), on the
@@ -246,9 +247,7 @@ def all_reduce_coalesced(
             # [[tensor([2., 2.]), tensor([0, 2, 4])], ...] on both ranks
     """
     if precision is not None:  # each tensor its own quantized all_reduce (docs/precision.md)
-        from . import precision as _precision
-
-        return _precision.coalesced("all_reduce", tensors, precision, async_op, op=op, group=group)
+        return quantized("coalesced")("all_reduce", tensors, precision, async_op, op=op, group=group)
     name = "all_reduce_coalesced"
     ts = _check_list(tensors, name)
     op_name = _check_op(op, ts, name)

@@ -27,8 +27,6 @@ Where a backend has no fp8 type (gloo) the payload travels as bytes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +37,38 @@ from .all_gather import _AllGather, _ReduceScatter, raw_all_gather, raw_reduce_s
 from .all_reduce import _AllReduce, raw_all_reduce
 from .all_to_all import _AllToAll, raw_all_to_all
 from .base import CommOp, apply, call
+from .precision_format import (  # the option and its wire formats (no import cycle)
+    FP8_MAX as FP8_MAX,
+)
+from .precision_format import (
+    QUANTIZED,
+    _block,
+    _scale_sizes,
+)
+from .precision_format import (
+    WIRE_DTYPES as WIRE_DTYPES,
+)
+from .precision_format import (
+    Layout as Layout,
+)
+from .precision_format import (
+    Precision as Precision,
+)
+from .precision_format import (
+    check as check,
+)
+from .precision_format import (
+    decode as decode,
+)
+from .precision_format import (
+    encode as encode,
+)
+from .precision_format import (
+    quantize as quantize,
+)
+from .precision_format import (
+    unit_roundoff as unit_roundoff,
+)
 from .validation import PG
 from .validation import all_to_all_received as _all_to_all_received
 from .validation import all_to_all_split_sizes as _all_to_all_split_sizes
@@ -62,240 +92,6 @@ __all__ = [
     "all_to_all",
     "check",
 ]
-
-#: The largest finite value of each fp8 wire dtype (the scale maps a block's amax to it).
-FP8_MAX: dict[torch.dtype, float] = {
-    torch.float8_e4m3fn: float(torch.finfo(torch.float8_e4m3fn).max),  # 448
-    torch.float8_e5m2: float(torch.finfo(torch.float8_e5m2).max),  # 57344
-}
-
-#: The wire dtypes :class:`Precision` accepts.
-WIRE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, *FP8_MAX)
-
-_ALIASES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "e4m3": torch.float8_e4m3fn,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-    "e5m2": torch.float8_e5m2,
-    "float8_e5m2": torch.float8_e5m2,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-}
-
-
-def _dtype(value: Any, arg: str, legal: Sequence[torch.dtype]) -> torch.dtype:
-    got = _ALIASES.get(value.lower()) if isinstance(value, str) else value
-    if not isinstance(got, torch.dtype) or got not in legal:
-        names = ", ".join(str(d).replace("torch.", "") for d in legal)
-        raise ValueError(f"diffcomm.Precision: {arg}={value!r} is not supported; legal: {names}")
-    return got
-
-
-@dataclass(frozen=True)
-class Precision:
-    """How a collective's payload travels and is reduced (``precision=`` on the ops).
-
-    Args:
-        wire: the dtype on the wire: ``torch.bfloat16`` / ``"bf16"``, ``torch.float16`` /
-            ``"fp16"``, ``torch.float8_e4m3fn`` / ``"fp8_e4m3"``, ``torch.float8_e5m2`` /
-            ``"fp8_e5m2"``; ``None``: the payload's own dtype, exactly (no quantization:
-            the op's plain path, e.g. an exact backward).
-        accumulate: the dtype a reduction sums the dequantized contributions in;
-            ``None``: ``float32``, or the payload's dtype if wider (``float64``).
-        block_size: fp8 only: elements per scale along the last dim (must divide it, and
-            every chunk an op splits the last dim into); ``None``: one scale per row.
-        backward: the settings of the backward (the gradient's collective); ``None``:
-            the same ``wire`` / ``accumulate`` / ``block_size`` as the forward. Its own
-            ``backward`` is ignored: the backward of the backward (double backward) uses
-            this forward's settings.
-
-    Example::
-
-        p = dc.Precision("bf16", backward=dc.Precision(None))   # bf16 forward, exact grads
-        y = dc.all_gather(x, precision=p)
-    """
-
-    wire: torch.dtype | str | None
-    accumulate: torch.dtype | str | None = None
-    block_size: int | None = None
-    backward: Precision | None = None
-
-    def __post_init__(self) -> None:
-        if self.wire is not None:
-            object.__setattr__(self, "wire", _dtype(self.wire, "wire", WIRE_DTYPES))
-        if self.accumulate is not None:
-            legal = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-            object.__setattr__(self, "accumulate", _dtype(self.accumulate, "accumulate", legal))
-        b = self.block_size
-        if b is not None:
-            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-                raise ValueError(f"diffcomm.Precision: block_size={b!r} must be a positive int or None")
-            if self.wire not in FP8_MAX:
-                raise ValueError(
-                    f"diffcomm.Precision: block_size={b} applies to fp8 wire dtypes only "
-                    f"(wire={self.wire}: a plain cast, no scales)"
-                )
-        if self.backward is not None and not isinstance(self.backward, Precision):
-            raise TypeError(
-                "diffcomm.Precision: backward must be a Precision or None, got "
-                f"{type(self.backward).__name__}"
-            )
-
-    # -- the settings of each direction ------------------------------------------------
-    def forward_only(self) -> Precision:
-        """These settings without a separate backward."""
-        return Precision(self.wire, self.accumulate, self.block_size)
-
-    def transposed(self) -> Precision:
-        """The settings of the backward op: its forward is this one's ``backward``, its
-        own backward this one's forward (so double backward is defined)."""
-        if self.backward is None:
-            return self
-        b = self.backward
-        return Precision(b.wire, b.accumulate, b.block_size, backward=self.forward_only())
-
-    def accumulate_for(self, dtype: torch.dtype) -> torch.dtype:
-        """The accumulation dtype for a payload of ``dtype``."""
-        if self.accumulate is not None:
-            return self.accumulate  # type: ignore[return-value]
-        return torch.promote_types(dtype, torch.float32)
-
-    @property
-    def tag(self) -> str:
-        """A short name for labels: ``bf16``, ``e4m3/128``, ``exact``."""
-        if self.wire is None:
-            return "exact"
-        names = {
-            torch.bfloat16: "bf16",
-            torch.float16: "fp16",
-            torch.float8_e4m3fn: "e4m3",
-            torch.float8_e5m2: "e5m2",
-        }
-        name = names[self.wire]  # type: ignore[index]
-        return f"{name}/{self.block_size}" if self.block_size else name
-
-
-# ------------------------------------------------------------------------------ codec
-
-
-def unit_roundoff(dtype: torch.dtype) -> float:
-    """``u = 2**-(mantissa bits + 1)``: the relative error of rounding to nearest."""
-    return float(torch.finfo(dtype).eps) / 2
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _block(p: Precision, n: int) -> int:
-    return p.block_size or n
-
-
-def encode(x: Tensor, p: Precision) -> tuple[Tensor, Tensor | None]:
-    """``(payload, scales)``: ``x`` in the wire dtype (fp8: divided by its block scales,
-    which are float32 of shape ``(*x.shape[:-1], n // block)``; bf16/fp16: no scales)."""
-    wire: torch.dtype = p.wire  # type: ignore[assignment]
-    if wire not in FP8_MAX:
-        return x.to(wire), None
-    if x.ndim == 0:
-        q, s = encode(x.reshape(1), p)
-        return q.reshape(()), s
-    fmax = FP8_MAX[wire]
-    n = x.shape[-1]
-    b = _block(p, n)
-    nb = n // b if b else 0
-    xc = x.to(_compute_dtype(x.dtype))
-    xr = xc.reshape(*x.shape[:-1], nb, b)
-    if xr.numel() == 0:
-        return x.to(wire), torch.ones((*x.shape[:-1], nb), dtype=torch.float32, device=x.device)
-    amax = xr.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / fmax, torch.ones((), dtype=amax.dtype, device=x.device))
-    scale = scale.to(torch.float32)
-    q = (xr / scale.unsqueeze(-1).to(xc.dtype)).clamp(-fmax, fmax).to(wire)
-    return q.reshape(x.shape), scale
-
-
-def decode(q: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """The values ``q`` (and its block ``scale``) stand for, in ``dtype``."""
-    if scale is None:
-        return q.to(dtype)
-    if q.ndim == 0:
-        return decode(q.reshape(1), scale, dtype).reshape(())
-    n = q.shape[-1]
-    nb = scale.shape[-1]
-    b = n // nb if nb else 1
-    c = _compute_dtype(dtype)
-    y = q.to(c).reshape(*q.shape[:-1], nb, b) * scale.to(c).unsqueeze(-1)
-    return y.reshape(q.shape).to(dtype)
-
-
-def quantize(x: Tensor, p: Precision) -> Tensor:
-    """``decode(encode(x))``: what one rank's ``x`` becomes on the wire (the tests' model)."""
-    if p.wire is None:
-        return x
-    q, s = encode(x, p)
-    return decode(q, s, x.dtype)
-
-
-def _scale_sizes(sizes: Sequence[int], dim: int, x: Tensor, p: Precision) -> tuple[int, ...]:
-    """Split sizes of the scales along ``dim`` (divided by the block when ``dim`` is last)."""
-    if dim != x.ndim - 1:
-        return tuple(sizes)
-    b = _block(p, x.shape[-1])
-    return tuple(s // b for s in sizes)
-
-
-# ----------------------------------------------------------------------- validation
-
-
-Layout = tuple[int, Sequence[int] | None]
-
-
-def check(
-    x: Tensor, precision: Any, op: str, fwd: Layout | None = None, bwd: Layout | None = None
-) -> Precision:
-    """Validate ``precision`` for ``x`` before any communication — for the forward **and**
-    the backward (a backward that cannot run must fail here, not after the forward): a
-    :class:`Precision`, a floating (not complex) ``x``, and for fp8 a block size dividing
-    the last dim of what is encoded and every chunk an op splits that dim into.
-
-    ``fwd`` / ``bwd``: ``(last dim, chunks along it or None)`` of the tensor the forward /
-    backward encodes (default: ``x``'s last dim, no split)."""
-    if not isinstance(precision, Precision):
-        raise TypeError(f"diffcomm.{op}(): precision must be a diffcomm.Precision or None, got {precision!r}")
-    if precision.wire is not None and not x.is_floating_point():
-        raise TypeError(
-            f"diffcomm.{op}(): precision=Precision(wire={precision.tag}) needs a floating-point x "
-            f"(a float wire dtype cannot carry {x.dtype} exactly); got x of dtype {x.dtype}"
-        )
-    n = x.shape[-1] if x.ndim else 1
-    for p, (last, chunks), where in (
-        (precision, fwd or (n, None), "forward"),
-        (precision.transposed(), bwd or (n, None), "backward"),
-    ):
-        if p.wire not in FP8_MAX or x.ndim == 0:
-            continue
-        b = p.block_size or last
-        if p.block_size is not None and last % b:
-            raise ValueError(
-                f"diffcomm.{op}(): precision ({where}) block_size={b} does not divide the last dim "
-                f"({last}) of what it encodes (x.shape={tuple(x.shape)}); no padding is done: pick a divisor"
-            )
-        if chunks is not None and b and any(c % b for c in chunks):
-            why = "" if p.block_size else " (block_size=None means one scale per whole row)"
-            raise ValueError(
-                f"diffcomm.{op}(): precision ({where}) block_size={p.block_size} must divide every "
-                f"chunk {list(chunks)} the op splits the last dim into{why}"
-            )
-    return precision
 
 
 def _check_linear(op_name: str, opname: str) -> None:
@@ -618,3 +414,12 @@ def coalesced(name: str, tensors: Any, precision: Any, async_op: bool = False, *
                 reduce_scatter(x, kw.get("dim", 0), kw.get("op", "sum"), kw.get("group"), sizes, precision)
             )
     return outs
+
+
+QUANTIZED.update(
+    all_reduce=all_reduce,
+    reduce_scatter=reduce_scatter,
+    all_gather=all_gather,
+    all_to_all=all_to_all,
+    coalesced=coalesced,
+)

@@ -22,6 +22,7 @@ Each public name is listed below, one `name as name` import each. See ``docs/par
 from __future__ import annotations
 
 from . import blocks, context, layers, loss, mappings, moe, routing
+from . import precision as _precision  # noqa: F401  (registers the mappings' precision= forms)
 from .blocks import MLP as MLP
 from .blocks import ParallelMLP as ParallelMLP
 from .blocks import ParallelSelfAttention as ParallelSelfAttention

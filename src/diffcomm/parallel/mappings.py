@@ -66,12 +66,13 @@ from ..backend.args import PG
 from ..ops import collectives
 from ..ops.all_to_all import raw_all_to_all
 from ..ops.base import CommOp, apply, call
+from ..ops.precision_format import quantized
 from ..ops.registry import SELF, FamilyView, Kwargs
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 from ._coalesced import copy_to_region_coalesced, reduce_from_region_coalesced
 
 if TYPE_CHECKING:
-    from ..ops.precision import Precision
+    from ..ops.precision_format import Precision
 
 __all__ = [
     "copy_to_region",
@@ -496,9 +497,7 @@ def copy_to_region(x: Tensor, group: A.GroupLike = None, *, precision: Precision
             world.run(f)   # [tensor([3., 6.]), tensor([3., 6.])]
     """
     if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
-        from . import precision as _precision
-
-        return _precision.mapping("copy_to_region", x, group, precision)
+        return quantized("mapping")("copy_to_region", x, group, precision)
     x, pg = _prepare("copy_to_region", x, group)
     debug = _debug()
     if debug:
@@ -531,9 +530,7 @@ def reduce_from_region(x: Tensor, group: A.GroupLike = None, *, precision: Preci
             # [tensor([2., 2.]), tensor([2., 2.])]
     """
     if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
-        from . import precision as _precision
-
-        return _precision.mapping("reduce_from_region", x, group, precision)
+        return quantized("mapping")("reduce_from_region", x, group, precision)
     x, pg = _prepare("reduce_from_region", x, group)
     debug = _debug()
     if debug:
@@ -569,9 +566,7 @@ def scatter_to_region(
             # [tensor([0., 1.]), tensor([2., 3.])]
     """
     if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
-        from . import precision as _precision
-
-        return _precision.mapping("scatter_to_region", x, group, precision, dim=dim)
+        return quantized("mapping")("scatter_to_region", x, group, precision, dim=dim)
     return _keep_own_chunk(_ScatterToRegion, "scatter_to_region", x, dim, group)
 
 
@@ -604,9 +599,7 @@ def gather_from_region(
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
     if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
-        from . import precision as _precision
-
-        return _precision.mapping("gather_from_region", x, group, precision, dim=dim)
+        return quantized("mapping")("gather_from_region", x, group, precision, dim=dim)
     return _gather_replicated(_GatherFromRegion, "gather_from_region", x, dim, group)
 
 
@@ -640,9 +633,7 @@ def scatter_to_sequence(
             # [tensor([0., 1.]), tensor([2., 3.])]
     """
     if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
-        from . import precision as _precision
-
-        return _precision.mapping("scatter_to_sequence", x, group, precision, dim=dim)
+        return quantized("mapping")("scatter_to_sequence", x, group, precision, dim=dim)
     return _keep_own_chunk(_ScatterToSequence, "scatter_to_sequence", x, dim, group)
 
 
@@ -680,9 +671,7 @@ def gather_from_sequence(
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
     if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
-        from . import precision as _precision
-
-        return _precision.mapping("gather_from_sequence", x, group, precision, dim=dim)
+        return quantized("mapping")("gather_from_sequence", x, group, precision, dim=dim)
     return _gather_replicated(_GatherFromSequence, "gather_from_sequence", x, dim, group)
 
 
@@ -716,9 +705,7 @@ def reduce_scatter_to_sequence(
             # [tensor([0., 2.]), tensor([4., 6.])]
     """
     if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
-        from . import precision as _precision
-
-        return _precision.mapping("reduce_scatter_to_sequence", x, group, precision, dim=dim)
+        return quantized("mapping")("reduce_scatter_to_sequence", x, group, precision, dim=dim)
     x, pg = _prepare("reduce_scatter_to_sequence", x, group)
     world = _b().world_size(pg)
     dim = _even_dim("reduce_scatter_to_sequence", x, dim, world)
@@ -758,9 +745,7 @@ def all_gather_from_sequence(
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
     if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
-        from . import precision as _precision
-
-        return _precision.mapping("all_gather_from_sequence", x, group, precision, dim=dim)
+        return quantized("mapping")("all_gather_from_sequence", x, group, precision, dim=dim)
     x, pg = _prepare("all_gather_from_sequence", x, group)
     dim = A.check_dim(x, dim, "parallel.all_gather_from_sequence")
     if _debug():
@@ -805,9 +790,7 @@ def all_to_all_region(
             # [torch.Size([6, 2]), torch.Size([6, 2])]
     """
     if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
-        from . import precision as _precision
-
-        return _precision.mapping(
+        return quantized("mapping")(
             "all_to_all_region", x, group, precision, split_dim=split_dim, concat_dim=concat_dim
         )
     x, pg = _prepare("all_to_all_region", x, group)

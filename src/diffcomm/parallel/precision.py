@@ -190,3 +190,6 @@ def mapping(name: str, x: Any, group: A.GroupLike, precision: Any, **kw: Any) ->
     # gather_from_*: forward all_gather; backward keeps own chunk (local)
     p = Q.check(x, precision, f"parallel.{name}", gather_side, None)
     return apply(_QGatherReplicated, x, dim, pg, rank, world, p)
+
+
+Q.QUANTIZED["mapping"] = mapping  # copy_to_region(..., precision=...) and the other mappings

@@ -13,22 +13,20 @@ import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import replace as _dc_replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import _replication as T_
+from .. import _torch
 from .._replication import PARTIAL, REPLICATED, LayerRule, Rule, SPMDTypeError, T, V
 from ..ops import engine as E
 from ..ops.base import CommOp, ListOp
 from ._ops import RankInt
 from ._records import _Rec, _site
 
-if TYPE_CHECKING:
-    from .check import SPMDCheck
-
-_ACTIVE: list[SPMDCheck] = []  # the active checks, outermost first  # the active checks, outermost first
+_ACTIVE: list[Any] = []  # the active checks (SPMDCheck), outermost first
 _PATCHED: dict[type, tuple[Any, Any]] = {}  # class -> (original forward, its __dict__ entry)
 _PATCHED_ATTRS: list[tuple[Any, str, Any]] = []  # (module, name, original value)
 _LOCK = threading.Lock()
@@ -103,7 +101,7 @@ def _make_forward(cls: type, orig: Any, rule: Rule) -> Any:
 
 
 def _run_typed(
-    checks: list[SPMDCheck],
+    checks: list[Any],  # SPMDCheck (spmd.check imports this module)
     cls: type,
     rule: Rule,
     names: tuple[str, ...],
@@ -246,7 +244,7 @@ def _forward_names(cls: type) -> tuple[tuple[str, ...], bool]:
     fn = inspect.getattr_static(cls, "forward")
     fn = getattr(fn, "__func__", fn)
     names = tuple(inspect.signature(fn).parameters)
-    base_setup = inspect.getattr_static(torch.autograd.function._SingleLevelFunction, "setup_context")
+    base_setup = _torch.base_setup_context()
     own_setup = inspect.getattr_static(cls, "setup_context") is not base_setup
     has_ctx = bool(names) and not own_setup  # forward(ctx, ...) unless setup_context takes ctx
     return (names[1:] if has_ctx else names), has_ctx
