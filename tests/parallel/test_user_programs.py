@@ -223,6 +223,24 @@ def cp_ring_uneven_chunks_misuse() -> dict[str, float]:
     return {"out": float(out.abs().sum()) * 0.0 + 1.0}  # reaching here is a finding
 
 
+def cp_ring_uneven_chunks_misuse_debug() -> dict[str, float]:
+    """The same misuse in debug mode (``dc.debug(True)``): the cross-rank check of the
+    ring's arguments names the ranks whose ``q`` differs, before the ring's first hop."""
+    with dc.debug(True):
+        return cp_ring_uneven_chunks_misuse()
+
+
+def cp_ring_seq_len_contradicts_shard() -> dict[str, float]:
+    """S = 10 sharded (the placement records 10), ``seq_len=12`` told to the ring: refused
+    (a length other than the one the tensors were sharded from is never a value)."""
+    from diffcomm import parallel
+
+    q, k, v, _ = _qkv(1, 2, 10, 4)
+    ql, kl, vl = (parallel.shard(t, layout="zigzag") for t in (q, k, v))
+    parallel.ring_attention(ql, kl, vl, causal=True, seq_len=12)
+    return {"reached": 1.0}
+
+
 def cp_ring_packed_documents() -> dict[str, float]:
     """Packed documents ``cu_seqlens=[0, 5, 11]`` (the docs' picture), zigzag, causal."""
     from diffcomm import parallel
@@ -739,17 +757,27 @@ CP_PROGRAMS: dict[str, Program] = {
     "ring_chunk_by_hand": Program(cp_ring_chunk_by_hand),
     "ring_layout_index_by_hand_unnamed": Program(
         cp_ring_layout_index_by_hand_unnamed,
-        finding="silently wrong: zigzag shards taken with layout_index and ring_attention without layout= "
-        "run as contiguous (output off by 0.97, dq by 0.81); the docs warn (name it everywhere or nowhere) "
-        "but nothing raises",
+        finding="silently wrong (not fixed): zigzag shards taken with layout_index and ring_attention "
+        "without layout= run as contiguous (output off by 0.97, dq by 0.81); the docs warn (name it "
+        "everywhere or nowhere). A plain indexed tensor carries no placement; remembering 'a zigzag "
+        "index was made on this group' in process state would leak into unrelated later code (shared "
+        "worlds, two models), so it was not done",
     ),
     "ring_uneven_length_seq_len_w4": Program(cp_ring_uneven_length_seq_len, world=4),
     "ring_uneven_chunks_misuse_w4": Program(
         cp_ring_uneven_chunks_misuse,
         world=4,
         error=(ValueError, r"`q`"),
-        finding="unclear error: shards of unequal length (chunk of S=10 over 4: 3,3,3,1) are not checked; "
-        "the ring's hops mismatch and gloo aborts a rank (RankDiedError, 'aborted by the backend')",
+        finding="unclear error: shards of unequal length (chunk of S=10 over 4: 3,3,3,1) without seq_len= "
+        "cannot be seen by one rank (each takes W * its own length as S; a given seq_len is checked "
+        "locally); outside debug mode the ring's hops mismatch and gloo aborts a rank (RankDiedError). "
+        "Not fixed: a check would cost an exchange per call; dc.debug(True) catches it (next program)",
+    ),
+    "ring_uneven_chunks_misuse_debug_w4": Program(
+        cp_ring_uneven_chunks_misuse_debug, world=4, error=(ValueError, r"ring_attention.*\bq\b")
+    ),
+    "ring_seq_len_contradicts_shard": Program(
+        cp_ring_seq_len_contradicts_shard, error=(ValueError, r"`seq_len` must be 10 \(or None\)")
     ),
     "ring_packed_documents": Program(cp_ring_packed_documents),
     "ring_bool_mask_rows": Program(cp_ring_bool_mask_rows),
@@ -770,8 +798,10 @@ CP_PROGRAMS: dict[str, Program] = {
     "block_projections_named_everywhere": Program(cp_block_projections_named_everywhere),
     "block_projections_named_at_shard_only": Program(
         cp_block_projections_named_at_shard_only,
-        finding="silently wrong: x sharded zigzag, the q/k/v projections drop the placement, ring_attention "
-        "falls back to contiguous (output off by 0.92, dx 0.92, weight grads up to 2.5); no error",
+        finding="silently wrong (not fixed): x sharded zigzag, the q/k/v projections drop the placement, "
+        "ring_attention falls back to contiguous (output off by 0.92, dx 0.92, weight grads up to 2.5); "
+        "carrying a placement through matmul/reshape needs a tensor subclass or a torch_function mode, "
+        "and a process-wide 'zigzag was used' flag is unsound (see ring_layout_index_by_hand_unnamed)",
     ),
     "unshard_with_other_layout": Program(cp_unshard_with_other_layout, error=(ValueError, r"`layout`")),
     "ring_forgot_seq_len_w4": Program(cp_ring_forgot_seq_len, world=4),
