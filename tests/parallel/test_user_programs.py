@@ -1399,9 +1399,12 @@ def moe_histogram_and_dropped() -> dict[str, float]:
     hist = torch.bincount(idx.flatten(), minlength=e)
     cap = math.ceil(cf * len(xs) * k / e)
     dropped = int((hist - cap).clamp(min=0).sum())
+    serial(xs)  # the serial layer on all ranks' tokens: the same count (docs/moe.md)
+    assert dropped > 0
     return {
         "tokens_per_expert": _d(torch.as_tensor(ep.tokens_per_expert).to(F64), hist.to(F64)),
         "dropped": abs(float(ep.dropped) - dropped),
+        "serial_dropped": abs(float(serial.dropped) - dropped),
     }
 
 
@@ -1465,6 +1468,26 @@ def moe_plan_reused_after_routing_changed() -> dict[str, float]:
     y_ok = parallel.combine(experts(h_ok, plan_ok), gates2, plan_ok)
     (y_ok * cot).sum().backward()
     return {"y": _d(y, y_ok), "dx": _d(x.grad, x2.grad)}
+
+
+def moe_plan_reused_with_other_capacity() -> dict[str, float]:
+    """The plan of a dropless dispatch reused with ``capacity_factor=`` (same routing): the
+    plan would not drop; must raise naming ``plan``."""
+    from diffcomm import parallel
+
+    x = torch.randn(6, 3, dtype=F64, generator=_gen(dc.get_rank()))
+    _, index, _ = parallel.route(torch.randn(6, 4, dtype=F64, generator=_gen(50)), 2)
+    _, plan = parallel.dispatch(x, index, 4)
+    parallel.dispatch(x, index, 4, capacity_factor=0.5, plan=plan)
+    return {"reached": 1.0}
+
+
+def moe_serial_layer_float32_input() -> dict[str, float]:
+    """A float32 batch into the float64 serial MoE: named as the parallel layer names it."""
+    from diffcomm.parallel import MoE
+
+    MoE(6, 5, 4, dtype=F64, seed=0)(torch.zeros(3, 6))
+    return {"reached": 1.0}
 
 
 def moe_int32_index_duplicate_expert() -> dict[str, float]:
@@ -1533,6 +1556,13 @@ MOE_PROGRAMS: dict[str, Program] = {
     "manual_empty_rank": Program(moe_manual_empty_rank),
     "plan_reused_after_routing_changed": Program(
         moe_plan_reused_after_routing_changed, error=(ValueError, r"`plan`.*routing changed")
+    ),
+    "plan_reused_with_other_capacity": Program(
+        moe_plan_reused_with_other_capacity, error=(ValueError, r"`plan`.*capacity_factor")
+    ),
+    "serial_layer_float32_input": Program(
+        moe_serial_layer_float32_input,
+        error=(TypeError, r"parallel\.MoE\(\): `x` must be of the layer's dtype"),
     ),
     "int32_index_duplicate_expert": Program(moe_int32_index_duplicate_expert),
     "layer_float32_input": Program(
