@@ -136,8 +136,8 @@ class SPMDCheck(TorchFunctionMode):
         #: a backward of a replicated objective finishes
         self._inputs: dict[int, tuple[Tensor, _Rec]] = {}
         self._typed_modules: set[int] = set()
-        #: id(param) -> (dotted name from the rule-bearing layer that holds it, the fix of
-        #: a partial gradient that layer offers, e.g. its sync_replicated_grads())
+        #: id(param) -> (dotted name from the layer that holds it, the fix of a partial
+        #: gradient that layer offers: its sync_replicated_grads())
         self._owners: dict[int, tuple[str, str | None]] = {}
         self._groups: dict[int, bool] = {}  # id(pg) -> is the checked group
         self.inside = 0  # >0 while a typed op's forward runs (its inner ops are not typed)
@@ -356,13 +356,14 @@ class SPMDCheck(TorchFunctionMode):
         declared = (
             rule.params(module) if isinstance(rule, LayerRule) and rule.params is not None and ours else {}
         )
-        if isinstance(rule, LayerRule) and ours:  # name its submodules' parameters from it
+        if isinstance(rule, LayerRule) and ours and callable(getattr(module, "sync_replicated_grads", None)):
+            # a layer that sums its replicated parameters' gradients itself (the
+            # expert-parallel MoE's router): name its submodules' parameters from it, and
+            # a partial gradient's fix is that call
             owner = type(module).__name__
             sync = (
                 f"call {owner}.sync_replicated_grads() after backward (it sums the replicated "
                 "parameters' gradients over the group)"
-                if callable(getattr(module, "sync_replicated_grads", None))
-                else None
             )
             for n, q in module.named_parameters():
                 self._owners.setdefault(id(q), (f"{owner}.{n}", sync))
