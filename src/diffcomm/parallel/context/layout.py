@@ -125,7 +125,8 @@ def placed_seq_len(op: str, tensors: dict[str, Any], seq_len: Any, cu_seqlens: A
             raise A.arg_error(
                 op,
                 "cu_seqlens",
-                f"ending at {known[0]}, the length the sequence had when parallel.shard placed it",
+                f"cumulative lengths ending at {known[0]}, the length the sequence had when "
+                "parallel.shard placed it",
                 cu,
             )
         return None
