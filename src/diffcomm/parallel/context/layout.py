@@ -81,7 +81,7 @@ def _tag_grad_of(x: Tensor) -> None:
     uses ``x``'s layout instead of the default."""
     if compiling() or transforms_active() or not (x.is_leaf and x.requires_grad):
         return
-    if getattr(x, _GRAD_TAGGED, False):
+    if getattr(x, _GRAD_TAGGED, None) == id(x):  # (a deepcopy has the mark, not the hook)
         return
 
     def tag(t: Tensor) -> None:
@@ -91,7 +91,7 @@ def _tag_grad_of(x: Tensor) -> None:
 
     try:
         x.register_post_accumulate_grad_hook(tag)
-        setattr(x, _GRAD_TAGGED, True)
+        setattr(x, _GRAD_TAGGED, id(x))
     except (AttributeError, RuntimeError, TypeError):  # a tensor type without hooks
         pass
 
