@@ -306,6 +306,9 @@ def dispatch(
         plan: the :class:`DispatchPlan` of an earlier dispatch of the **same routing**
             (``expert_index`` and ``capacity_factor`` unchanged: activation
             recomputation, a second tensor routed alike): reused, nothing exchanged.
+            The plan keeps a copy of its ``expert_index``: a different index (or
+            ``capacity_factor``) raises ``ValueError`` naming ``plan`` (a local
+            comparison: one device-to-host read of a bool, no communication).
         async_op: ``expert_inputs`` is returned at once as an
             :class:`~diffcomm.AsyncTensor` that waits on first use (usable in any torch
             op; ``.wait()`` gives the finished tensor): compute something else (a shared
