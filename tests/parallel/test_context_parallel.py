@@ -662,3 +662,52 @@ def test_ulysses_refuses_the_whole_sequence_under_the_check_as_the_ring_does(wor
     for res in world2.run(body):
         assert "RingAttention" in res["ring"] and "replicated" in res["ring"], res
         assert "UlyssesAttention" in res["ulysses"] and "not the whole sequence" in res["ulysses"], res
+
+
+def _placed_grads_and_lengths() -> dict[str, Any]:
+    """The gradient of a placed leaf carries its placement after every accumulation (one
+    hook however many calls); a padded shard's recorded length reaches unshard of the
+    output and of the gradient; a cu_seqlens that contradicts it is refused."""
+    w = dc.get_world_size()
+    s = 5 * w  # padded under zigzag (2W chunks of ceil(5/2)=3)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, s, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    ql, kl, vl = (parallel.shard(t, layout="zigzag").requires_grad_() for t in (q, k, v))
+    for _ in range(2):  # two backwards: the grad accumulates, and stays tagged
+        parallel.ring_attention(ql, kl, vl, causal=True).sum().backward()
+    assert ql.grad is not None
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    (2 * parallel.attention_reference(qf, kf, vf, causal=True).sum()).backward()
+    hooks = len(getattr(ql, "_post_accumulate_grad_hooks", None) or {})
+    out: dict[str, Any] = {
+        "dq": float((parallel.unshard(ql.grad) - qf.grad).abs().max()),
+        "placement": cp.placement_of(ql.grad),
+        "hooks": hooks,
+    }
+    try:
+        parallel.ring_attention(ql, kl, vl, cu_seqlens=[0, 2, s + 1])
+    except ValueError as exc:
+        out["cu"] = str(exc)
+    return out
+
+
+def test_placed_gradients_and_the_recorded_length(world2: dc.LocalWorld) -> None:
+    for res in world2.run(_placed_grads_and_lengths):
+        assert res["dq"] < 1e-12
+        assert res["placement"] == cp.Placement("zigzag", 2)
+        assert res["hooks"] == 1
+        assert "`cu_seqlens` must be cumulative lengths ending at 10" in res["cu"]
+
+
+def test_attention_reference_takes_sdpa_is_causal() -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(parallel.attention_reference(q, k, v, is_causal=True), want, atol=1e-12)
+    assert torch.allclose(
+        parallel.attention_reference(q, k, v, causal=True, is_causal=True), want, atol=1e-12
+    )
+    with pytest.raises(ValueError, match="`is_causal`"):
+        parallel.attention_reference(q, k, v, causal=True, is_causal=False)
+    with pytest.raises(TypeError, match="`is_causal`"):
+        parallel.attention_reference(q, k, v, is_causal=1)  # type: ignore[arg-type]

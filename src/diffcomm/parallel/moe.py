@@ -129,15 +129,20 @@ def _check_sizes(
     return hidden_size, num_experts, k, None if capacity_factor is None else float(capacity_factor)
 
 
-def _tokens(op: str, x: Any, hidden_size: int) -> Tensor:
+def _tokens(op: str, x: Any, hidden_size: int, dtype: torch.dtype | None = None) -> Tensor:
     """``x`` (``(..., H)``) as ``(N, H)`` rows; anything else is named before any
-    communication."""
+    communication. ``dtype``: the layer's parameter dtype, which ``x`` must have (outside
+    autocast, where torch's matmul would fail later without naming ``x``)."""
     if not isinstance(x, Tensor):
         raise A.arg_error(op, "x", "a tensor", type(x).__name__, TypeError)
     if x.ndim < 1 or x.shape[-1] != hidden_size:
         raise A.arg_error(op, "x", f"a (..., hidden_size={hidden_size}) tensor", f"shape {tuple(x.shape)}")
     if not x.dtype.is_floating_point:
         raise A.arg_error(op, "x", "a floating-point tensor", x.dtype, TypeError)
+    if dtype is not None and x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+        raise A.arg_error(
+            op, "x", f"of the layer's dtype {dtype} (cast the batch or the layer)", x.dtype, TypeError
+        )
     return x.reshape(-1, hidden_size)
 
 
@@ -162,7 +167,8 @@ class MoE(nn.Module):
         seed, generator, dtype, device: initialisation as the parallel layers.
 
     After ``forward``: ``self.aux_loss`` (the Switch load-balancing loss, a 0-dim tensor
-    in the graph) and ``self.tokens_per_expert`` (``(E,)`` int64, the routing histogram).
+    in the graph), ``self.tokens_per_expert`` (``(E,)`` int64, the routing histogram) and
+    ``self.dropped`` (assignments dropped by the capacity, 0 when dropless).
     """
 
     def __init__(
@@ -206,16 +212,22 @@ class MoE(nn.Module):
             self.to(device)
         self.aux_loss: Tensor | None = None
         self.tokens_per_expert: Tensor | None = None
+        self.dropped = 0
 
     def forward(self, x: Tensor) -> Tensor:
         """``x``: ``(..., H)``; returns ``(..., H)``."""
-        x2 = _tokens("parallel.MoE", x, self.hidden_size)
+        x2 = _tokens("parallel.MoE", x, self.hidden_size, self.router.weight.dtype)
         y, aux, counts = _serial_forward(
             x2, self.router, list(self.experts), self.k, self.capacity_factor, self.renormalize
         )
         if self.shared_expert is not None:
             y = y + self.shared_expert(x2)
         self.aux_loss, self.tokens_per_expert = aux, counts
+        if self.capacity_factor is None:
+            self.dropped = 0
+        else:  # the assignments past each expert's capacity (ExpertParallelMoE's rule)
+            cap = math.ceil(self.capacity_factor * x2.shape[0] * self.k / self.num_experts)
+            self.dropped = int((counts - cap).clamp(min=0).sum())
         return y.reshape(x.shape[:-1] + (y.shape[-1],))
 
 
@@ -518,7 +530,7 @@ class ExpertParallelMoE(nn.Module):
         """``x``: ``(..., H)`` this rank's tokens; returns ``(..., H)``."""
         if spmd_types_checking(_FUNCTION_ATTRS):  # spmd_types' checker: type the parameters
             annotate_params_for_spmd_types(self)
-        x2 = _tokens("parallel.ExpertParallelMoE", x, self.hidden_size)
+        x2 = _tokens("parallel.ExpertParallelMoE", x, self.hidden_size, self.router.weight.dtype)
         gate, index, probs = route(self.router(x2), self.k, renormalize=self.renormalize)
         overlap = self.overlap_shared and self.shared_expert is not None
         h, plan = dispatch(

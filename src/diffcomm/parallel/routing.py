@@ -108,6 +108,9 @@ class DispatchPlan:
         group: the resolved group.
         k: experts per token (the columns of ``expert_index``; ``combine``'s
             ``gate_weights`` must have as many).
+        routing: ``(T, k)`` int64, a copy of the ``expert_index`` the plan was made from
+            (a reused plan is checked against the new index locally, no communication).
+        capacity_factor: the ``capacity_factor`` the plan was made with.
     """
 
     num_experts: int
@@ -128,6 +131,8 @@ class DispatchPlan:
     total_tokens: int
     group: PG
     k: int = 1
+    routing: Tensor | None = None
+    capacity_factor: float | None = None
 
     @property
     def tokens_per_expert(self) -> Tensor:
@@ -217,6 +222,8 @@ def _plan(expert_index: Tensor, num_experts: int, pg: PG, capacity_factor: float
         total_tokens=total,
         group=pg,
         k=k,
+        routing=expert_index.detach().clone(),
+        capacity_factor=capacity_factor,
     )
 
 
@@ -299,6 +306,9 @@ def dispatch(
         plan: the :class:`DispatchPlan` of an earlier dispatch of the **same routing**
             (``expert_index`` and ``capacity_factor`` unchanged: activation
             recomputation, a second tensor routed alike): reused, nothing exchanged.
+            The plan keeps a copy of its ``expert_index``: a different index (or
+            ``capacity_factor``) raises ``ValueError`` naming ``plan`` (a local
+            comparison: one device-to-host read of a bool, no communication).
         async_op: ``expert_inputs`` is returned at once as an
             :class:`~diffcomm.AsyncTensor` that waits on first use (usable in any torch
             op; ``.wait()`` gives the finished tensor): compute something else (a shared
@@ -383,6 +393,25 @@ def dispatch(
             f"a plan of the same routing ({x.shape[0]} tokens, k={expert_index.shape[1]}, "
             f"{num_experts} experts, {world} ranks)",
             f"a plan of {plan.num_tokens} tokens, k={plan.k}, {plan.num_experts} experts, {plan.world} ranks",
+        )
+    elif plan.routing is not None and not torch.equal(
+        plan.routing, expert_index.to(device=plan.routing.device, dtype=torch.int64)
+    ):  # a local comparison: the plan would send the rows by the old routing
+        raise A.arg_error(
+            op,
+            "plan",
+            "the plan of this same `expert_index` (the routing changed since the plan was made: "
+            "dispatch without plan= to make a new one)",
+            "a plan of another routing",
+        )
+    elif plan.routing is not None and plan.capacity_factor != (
+        None if capacity_factor is None else float(capacity_factor)
+    ):
+        raise A.arg_error(
+            op,
+            "plan",
+            f"a plan made with capacity_factor={capacity_factor}",
+            f"a plan made with capacity_factor={plan.capacity_factor}",
         )
     rows = x.index_select(0, plan.token_index)
     with B.label("parallel.dispatch"):

@@ -136,6 +136,9 @@ class SPMDCheck(TorchFunctionMode):
         #: a backward of a replicated objective finishes
         self._inputs: dict[int, tuple[Tensor, _Rec]] = {}
         self._typed_modules: set[int] = set()
+        #: id(param) -> (dotted name from the layer that holds it, the fix of a partial
+        #: gradient that layer offers: its sync_replicated_grads())
+        self._owners: dict[int, tuple[str, str | None]] = {}
         self._groups: dict[int, bool] = {}  # id(pg) -> is the checked group
         self.inside = 0  # >0 while a typed op's forward runs (its inner ops are not typed)
         self.in_backward = 0
@@ -353,6 +356,17 @@ class SPMDCheck(TorchFunctionMode):
         declared = (
             rule.params(module) if isinstance(rule, LayerRule) and rule.params is not None and ours else {}
         )
+        if isinstance(rule, LayerRule) and ours and callable(getattr(module, "sync_replicated_grads", None)):
+            # a layer that sums its replicated parameters' gradients itself (the
+            # expert-parallel MoE's router): name its submodules' parameters from it, and
+            # a partial gradient's fix is that call
+            owner = type(module).__name__
+            sync = (
+                f"call {owner}.sync_replicated_grads() after backward (it sums the replicated "
+                "parameters' gradients over the group)"
+            )
+            for n, q in module.named_parameters():
+                self._owners.setdefault(id(q), (f"{owner}.{n}", sync))
         named = list(module.named_parameters(recurse=False))
         if declared:  # a rule may name parameters of submodules (dotted names)
             named += [(n, p) for n, p in module.named_parameters() if n in declared and "." in n]
@@ -360,7 +374,11 @@ class SPMDCheck(TorchFunctionMode):
             old = p.__dict__.get(self.key)
             if old is not None and old.param is not None and not old.auto:
                 continue  # typed already by its layer (or declared)
-            name = (names or {}).get(id(p)) or f"{type(module).__name__}.{pname}"
+            name = (
+                (names or {}).get(id(p))
+                or self._owners.get(id(p), (None, None))[0]
+                or f"{type(module).__name__}.{pname}"
+            )
             if pname in declared:
                 t, shard = declared[pname], None
             elif dims is not None and dims.get(pname) is not None:
@@ -917,7 +935,10 @@ class SPMDCheck(TorchFunctionMode):
                     "gradients computed without an all_reduce) must be made replicated first."
                 )
             if g is not None and g.t is P:
-                if g.copy_at is not None:
+                sync = self._owners.get(id(p), (None, None))[1]
+                if sync is not None:
+                    fix = sync
+                elif g.copy_at is not None:
                     fix = (
                         f"insert parallel.copy_to_region before the {g.copy_at} (its backward sums "
                         "the gradient of everything upstream, inputs included)"

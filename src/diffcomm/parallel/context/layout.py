@@ -5,7 +5,7 @@ move tensors in and out of them (:func:`shard`, :func:`unshard`). See
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,11 +40,15 @@ class Placement:
         world: the ranks of the (ring) group the sequence is split over.
         ulysses: the ranks of the Ulysses group of a :func:`usp_attention` placement
             (``shard(..., ulysses_group=)``), ``None`` for a plain placement.
+        seq_len: the true global length ``S`` of the sequence (``shard`` records it, so a
+            padded placement needs no ``seq_len=`` later); ``None``: unknown. Not part of
+            the comparison of two placements.
     """
 
     layout: str
     world: int
     ulysses: int | None = None
+    seq_len: int | None = field(default=None, compare=False)
 
     def describe(self) -> str:
         usp = "" if self.ulysses is None else f", split over a Ulysses group of {self.ulysses}"
@@ -66,6 +70,67 @@ def placed(x: Tensor, placement: Placement) -> Tensor:
     except (AttributeError, RuntimeError, TypeError):  # a tensor type that takes no attributes
         pass
     return x
+
+
+_GRAD_TAGGED = "_diffcomm_placement_grad_hook"
+
+
+def _tag_grad_of(x: Tensor) -> None:
+    """Once per leaf ``x`` that requires grad: after each accumulation into ``x.grad``,
+    attach ``placement`` to the gradient (it is placed like ``x``), so ``unshard(x.grad)``
+    uses ``x``'s layout instead of the default."""
+    if compiling() or transforms_active() or not (x.is_leaf and x.requires_grad):
+        return
+    if getattr(x, _GRAD_TAGGED, None) == id(x):  # (a deepcopy has the mark, not the hook)
+        return
+
+    def tag(t: Tensor) -> None:
+        p = placement_of(t)
+        if t.grad is not None and p is not None:
+            placed(t.grad, p)
+
+    try:
+        x.register_post_accumulate_grad_hook(tag)
+        setattr(x, _GRAD_TAGGED, id(x))
+    except (AttributeError, RuntimeError, TypeError):  # a tensor type without hooks
+        pass
+
+
+def placed_seq_len(op: str, tensors: dict[str, Any], seq_len: Any, cu_seqlens: Any) -> Any:
+    """``seq_len`` as an op uses it: given, or else (without ``cu_seqlens``) the true length
+    the tensors' placement recorded (``shard`` of a padded sequence). A given length (or
+    ``cu_seqlens[-1]``) that contradicts the recorded one raises ``ValueError`` naming
+    ``seq_len`` (or ``cu_seqlens``), before any communication."""
+    known = None
+    for t in tensors.values():
+        p = placement_of(t)
+        if p is not None and p.seq_len is not None:
+            known = (p.seq_len, p)
+            break
+    if known is None:
+        return seq_len
+    if seq_len is not None:
+        given = A.check_int(seq_len, op, "seq_len")
+        if given != known[0]:
+            raise A.arg_error(
+                op,
+                "seq_len",
+                f"{known[0]} (or None), the length the sequence had when parallel.shard placed it",
+                given,
+            )
+        return given
+    cu = check_cu_seqlens(cu_seqlens, op)
+    if cu is not None:
+        if cu[-1] != known[0]:
+            raise A.arg_error(
+                op,
+                "cu_seqlens",
+                f"cumulative lengths ending at {known[0]}, the length the sequence had when "
+                "parallel.shard placed it",
+                cu,
+            )
+        return None
+    return known[0]
 
 
 def placement_of(x: Any) -> Placement | None:
@@ -100,6 +165,7 @@ def resolve_layout(
         p = placement_of(t)
         if p is None:
             continue
+        _tag_grad_of(t)
         if first is not None and p != first[1]:
             raise A.arg_error(
                 op,
@@ -355,7 +421,7 @@ def shard(
         sizes = even_sizes(idx.numel(), uworld)
         idx = idx[sum(sizes[:urank]) : sum(sizes[: urank + 1])]
     out = varying_by_construction(_select(x, dim, idx.to(x.device), pad_value))
-    return placed(out, Placement(layout, world, uworld))
+    return placed(out, Placement(layout, world, uworld, seq_len=x.shape[dim]))
 
 
 def _select(x: Tensor, dim: int, idx: Tensor, pad_value: float) -> Tensor:
@@ -389,8 +455,10 @@ def unshard(
             (:class:`Placement`, from :func:`shard` or an attention op), else
             :data:`DEFAULT_LAYOUT`. One that disagrees with ``x``'s placement raises.
         cu_seqlens: cumulative document lengths of a packed sequence, or ``None``.
-        seq_len: the global length when the parts are padded (default:
-            ``cu_seqlens[-1]``, else ``world * seq_local``).
+        seq_len: the global length when the parts are padded (default: the length
+            ``x``'s placement recorded (``shard`` of the whole sequence, or an attention
+            op's output), else ``cu_seqlens[-1]``, else ``world * seq_local``); one that
+            contradicts the recorded length raises.
 
     Returns:
         A new tensor: ``x.shape`` with ``dim`` of size ``S``, in sequence order, the same on
@@ -412,6 +480,7 @@ def unshard(
     pg, _, world = group_rank_world(group, op)
     uworld = None if ulysses_group is None else group_rank_world(ulysses_group, op)[2]
     layout = resolve_layout(op, layout, {"x": x}, world, uworld)
+    seq_len = placed_seq_len(op, {"x": x}, seq_len, cu_seqlens)
     if ulysses_group is not None:
         upg, _, uworld = group_rank_world(ulysses_group, op)
         if seq_len is None and cu_seqlens is None:

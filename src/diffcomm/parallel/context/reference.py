@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...backend import args as A
 from .args import check_qkv, check_scale
 from .layout import check_cu_seqlens, doc_ids
 
@@ -76,6 +77,7 @@ def attention_reference(
     dropout_p: float = 0.0,
     dropout_seed: int = 0,
     cu_seqlens: Any = None,
+    is_causal: bool | None = None,
 ) -> Tensor:
     """Single-process attention with the semantics of :func:`ring_attention` on the whole
     sequence (dense, O(S^2) memory): the serial reference for tests.
@@ -84,8 +86,18 @@ def attention_reference(
     (``(batch, heads, S, head_dim)``, ``attn_mask`` broadcastable to ``(batch, heads, S,
     S)``). Rows that may attend nothing are zero (where SDPA returns NaN). Differentiable
     by autograd (double backward included).
+
+    ``is_causal``: SDPA's name for ``causal`` (so this function is an ``attn_fn`` of
+    :func:`ulysses_attention`, which calls ``attn_fn(q, k, v, is_causal=, scale=)``);
+    given both, they must agree.
     """
     op = "parallel.attention_reference"
+    if is_causal is not None:
+        if not isinstance(is_causal, bool):
+            raise A.arg_error(op, "is_causal", "a bool or None", type(is_causal).__name__, TypeError)
+        if causal and not is_causal:
+            raise A.arg_error(op, "is_causal", "equal to `causal` when both are given", is_causal)
+        causal = is_causal
     q, k, v = check_qkv(q, k, v, op)
     S = q.shape[2]
     cu = check_cu_seqlens(cu_seqlens, op, S)

@@ -22,7 +22,17 @@ from ...backend import args as A
 from ...ops import engine as _async
 from .._once import first_order
 from .args import check_causal, check_qkv, check_scale
-from .layout import PG, Placement, doc_ids, group_rank_world, placed, resolve_layout, resolve_seq
+from .layout import (
+    PG,
+    Placement,
+    doc_ids,
+    group_rank_world,
+    placed,
+    placed_seq_len,
+    placement_of,
+    resolve_layout,
+    resolve_seq,
+)
 from .plan import BlockPlan, put_add, take
 from .reference import dropout_keep_mask
 
@@ -497,6 +507,8 @@ def ring_attention(
         attn_mask: optional, this rank's rows of the mask: broadcastable to
             ``(batch, heads, seq_local, S)`` with columns in global order; bool (``True``
             = attend) or additive float (receives its gradient). Combined with ``causal``.
+            Rows taken with :func:`shard` carry their placement: one other than q's
+            layout raises ``ValueError``.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         dropout_p: attention dropout probability (on the softmax weights, as SDPA).
         dropout_seed: the dropout seed, the same on every rank of the group; ``None``:
@@ -511,8 +523,10 @@ def ring_attention(
             tensors' placement, or tensors placed differently, raise ``ValueError``.
         cu_seqlens: cumulative lengths of packed documents (``[0, ..., S]``): attention
             stays inside each document (plus ``causal``); the layout balances each document.
-        seq_len: the global length ``S`` when the shards are padded (default
-            ``cu_seqlens[-1]``, else ``W * seq_local``).
+        seq_len: the global length ``S`` when the shards are padded (default: the
+            length ``q``/``k``/``v``'s placement recorded (:func:`shard` of the whole
+            sequence), else ``cu_seqlens[-1]``, else ``W * seq_local``). One that
+            contradicts the recorded length raises ``ValueError``.
 
     Returns:
         ``(batch, heads, seq_local, head_dim_v)``: this rank's rows of attention over the
@@ -545,6 +559,16 @@ def ring_attention(
     p = _check_dropout(dropout_p, op)
     pg, rank, world = group_rank_world(group, op)
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, world)
+    mp = placement_of(attn_mask)  # the mask's rows, when parallel.shard took them
+    if mp is not None and (mp.layout, mp.world) != (layout, world):
+        raise A.arg_error(
+            op,
+            "attn_mask",
+            f"this rank's rows under q's layout ({layout!r} over {world} ranks): "
+            f"parallel.shard(mask, dim=-2, layout={layout!r})",
+            f"rows placed with {mp.describe()}",
+        )
+    seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
     total, cu, table = resolve_seq(op, q.shape[2], world, layout, cu_seqlens, seq_len, "q")
     mask = _check_mask(attn_mask, q, total, op)
     seed = _draw_seed(dropout_seed, p, op)
@@ -569,4 +593,4 @@ def ring_attention(
     plan = _Plan(
         pg, rank, world, table, doc_ids(table, total, cu), causal, sc, p, seed, q.shape[1], k.shape[1]
     )
-    return placed(_RingAttention.apply(q, k, v, mask, plan), Placement(layout, world))
+    return placed(_RingAttention.apply(q, k, v, mask, plan), Placement(layout, world, seq_len=total))

@@ -20,6 +20,7 @@ from .layout import (
     even_sizes,
     group_rank_world,
     placed,
+    placed_seq_len,
     resolve_layout,
     ring_local_len,
 )
@@ -154,7 +155,7 @@ def ulysses_attention(
 
     out = _ulysses(*_pieces(q, k, v, pg), pg, rank, world, lens, local)
     # equal pieces are the contiguous layout (unshard takes them without `layout`)
-    return placed(out, Placement("contiguous", world)) if len(set(lens)) == 1 else out
+    return placed(out, Placement("contiguous", world, seq_len=sum(lens))) if len(set(lens)) == 1 else out
 
 
 def _ulysses(
@@ -255,7 +256,8 @@ def usp_attention(
         ulysses_group, ring_group: the two groups (``ProcessGroup`` or ``(DeviceMesh,
             axis)``); every rank belongs to one of each, they cross.
         causal, scale, layout, cu_seqlens, seq_len: as in :func:`ring_attention`
-            (``seq_len`` default: ``U * R * seq_local``; ``layout`` default: the one the
+            (``seq_len`` default: the length ``shard`` recorded, else ``U * R *
+            seq_local``; ``layout`` default: the one the
             tensors were placed with by ``shard(..., ulysses_group=)``, else
             ``"contiguous"``).
 
@@ -270,6 +272,7 @@ def usp_attention(
     upg, urank, uworld = group_rank_world(ulysses_group, op)
     rpg, _, rworld = group_rank_world(ring_group, op)
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, rworld, uworld)
+    seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
     n_ring = ring_local_len(op, q.shape[2], uworld, rworld, layout, cu_seqlens, seq_len)
     lens = even_sizes(n_ring, uworld)
     if lens[urank] != q.shape[2]:
@@ -285,4 +288,4 @@ def usp_attention(
         )
 
     out = _ulysses(*_pieces(q, k, v, upg), upg, urank, uworld, lens, local)
-    return placed(out, Placement(layout, rworld, uworld))
+    return placed(out, Placement(layout, rworld, uworld, seq_len=seq_len))
