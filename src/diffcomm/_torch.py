@@ -80,7 +80,12 @@ def coalescing_state() -> dict[Any, Any]:
 
 
 def set_pg_timeout(seconds: float, group: Any = None) -> None:
-    """Set ``group``'s (``None``: the default group's) collective timeout to ``seconds``."""
+    """Set ``group``'s (``None``: the default group's) collective timeout to ``seconds``.
+    torch sets it only on nccl and gloo (it warns and does nothing elsewhere): a group on
+    another backend (an in-process world's ``inproc``, mpi, ...) keeps its own."""
+    backend = str(dist.get_backend(group))
+    if "nccl" not in backend and "gloo" not in backend:
+        return
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
