@@ -27,7 +27,7 @@ Where a backend has no fp8 type (gloo) the payload travels as bytes
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -69,6 +69,7 @@ from .precision_format import (
 from .precision_format import (
     unit_roundoff as unit_roundoff,
 )
+from .registry import SELF
 from .validation import PG
 from .validation import all_to_all_received as _all_to_all_received
 from .validation import all_to_all_split_sizes as _all_to_all_split_sizes
@@ -78,19 +79,15 @@ from .validation import given_split_sizes as _given_split_sizes
 from .validation import rank as _rank
 from .validation import world as _world
 
+#: this module's own names; the option and its wire formats (``Precision``, ``encode`` ...)
+#: are re-exported above, listed in their home's ``__all__`` (:mod:`.precision_format`)
 __all__ = [
-    "Precision",
-    "WIRE_DTYPES",
-    "FP8_MAX",
-    "unit_roundoff",
-    "encode",
-    "decode",
-    "quantize",
+    "QuantizedOp",
     "all_reduce",
     "reduce_scatter",
     "all_gather",
     "all_to_all",
-    "check",
+    "coalesced",
 ]
 
 
@@ -193,62 +190,106 @@ def _all_reduce_run(x: Tensor, op: str, pg: PG, p: Precision) -> Tensor:
 # ------------------------------------------------------------------------ the ops
 
 
-class _QAllReduce(CommOp):
+class QuantizedOp(CommOp):
+    """Base of the quantized ops and mappings: a plain op with a :class:`Precision`.
+
+    A subclass states ``plain`` (the plain op's class: the quantized op takes its
+    ``name`` and ``dims``, and ``dc.spmd_check`` types it as the plain op, one row in the
+    typing table), ``run`` (the quantized forward, ``(x, *args, p)`` with ``p`` the
+    :class:`Precision` last), ``elementwise`` as any :class:`CommOp`, ``op_at`` (the
+    position in ``args`` of the reduce op the label shows, if any) and its adjoint:
+    ``adjoint`` is the quantized op the transpose applies (``SELF`` for a self-adjoint op;
+    the class defined second of a pair names the first, which gets it too),
+    ``adjoint_args(*args)`` maps the arguments (default: the same). The base writes
+    ``spmd``, ``label`` (``"name(op, tag)"``) and ``transpose``: the adjoint applied to
+    the gradient with the backward settings (``p.transposed()``), whose own transpose
+    uses the forward settings again (double backward). An op whose adjoint is more than
+    that states its ``transpose`` itself. :meth:`of` makes one from a line of a table.
+    """
+
+    plain: ClassVar[type[CommOp]]
+    adjoint: ClassVar[Any] = None
+    op_at: ClassVar[int | None] = None
+    _adjoint: ClassVar[list[Any]]  # [the adjoint's class], filled in by the second of a pair
+
+    @staticmethod
+    def adjoint_args(*args: Any) -> tuple[Any, ...]:
+        return args
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        if "plain" not in cls.__dict__:  # the compile twin (a subclass of an op): nothing new
+            super().__init_subclass__(**kwargs)
+            return
+        op: Any = cls  # the generated members, written as _derive_rules writes its own
+        plain = cls.__dict__["plain"]
+        op.name, op.dims = plain.name, plain.dims
+        op.spmd = plain.spmd  # dc.spmd_check types it as the plain op
+        plain.spmd.__set_name__(cls, "spmd")
+        op.spmd_same_as = plain  # (one row in the typing table)
+        adjoint = cls.__dict__.get("adjoint")
+        op._adjoint = [cls if adjoint is SELF else adjoint]  # a cell: the first of a pair
+        if isinstance(adjoint, type) and issubclass(adjoint, QuantizedOp):  # learns it here
+            adjoint._adjoint[0] = cls
+        if "label" not in cls.__dict__:
+            op.label = staticmethod(_label(cls.name, cls.op_at))
+        if "transpose" not in cls.__dict__:
+            op.transpose = staticmethod(_transpose(op._adjoint, cls.adjoint_args))
+        super().__init_subclass__(**kwargs)
+
+    @classmethod
+    def of(
+        cls, plain: type[CommOp], run: Any, *, adjoint: Any = None, elementwise: bool = False
+    ) -> type[QuantizedOp]:
+        """The quantized form of ``plain`` with forward ``run`` (a module-level function,
+        whose module the class reports), named ``_Q<plain's name>``."""
+        members = {"plain": plain, "run": staticmethod(run), "adjoint": adjoint, "elementwise": elementwise}
+        members |= {"__module__": run.__module__, "__doc__": f"{plain.name} with a Precision."}
+        return type(f"_Q{plain.__name__.lstrip('_')}", (cls,), members)
+
+
+def _label(name: str, op_at: int | None) -> Any:
+    def label(*args: Any) -> str:
+        p = args[-1]
+        return f"{name}({p.tag})" if op_at is None else f"{name}({args[op_at]}, {p.tag})"
+
+    return label
+
+
+def _transpose(adjoint: list[Any], adjoint_args: Any) -> Any:
+    def transpose(g: Tensor, *args: Any) -> Tensor:
+        return call(adjoint[0], g, *adjoint_args(*args[:-1]), args[-1].transposed())
+
+    return transpose
+
+
+class _QAllReduce(QuantizedOp):
     """all_reduce (sum/avg) with a :class:`Precision`; self-adjoint (backward settings)."""
 
-    name = "all_reduce"
-    spmd = _AllReduce.spmd  # dc.spmd_check types it as the plain op
-    spmd_same_as = _AllReduce  # (one row in the typing table)
-
-    @staticmethod
-    def run(x: Tensor, op: str, pg: PG, p: Precision) -> Tensor:
-        return _all_reduce_run(x, op, pg, p)
-
-    @staticmethod
-    def label(op: str, pg: PG, p: Precision) -> str:
-        return f"all_reduce({op}, {p.tag})"
-
-    @staticmethod
-    def transpose(g: Tensor, op: str, pg: PG, p: Precision) -> Tensor:
-        return call(_QAllReduce, g, op, pg, p.transposed())
+    plain = _AllReduce
+    adjoint = SELF
+    op_at = 0
+    run = staticmethod(_all_reduce_run)
 
 
-class _QAllGather(CommOp):
+class _QAllGather(QuantizedOp):
     """all_gather with a :class:`Precision`; adjoint: the quantized reduce_scatter(sum)."""
 
-    name = "all_gather"
-    dims = (0,)
-    spmd = _AllGather.spmd
-    spmd_same_as = _AllGather
+    plain = _AllGather
+    run = staticmethod(_gather_run)
 
     @staticmethod
-    def run(x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
-        return _gather_run(x, dim, pg, sizes, p)
-
-    @staticmethod
-    def label(dim: int, pg: PG, sizes: tuple[int, ...], p: Precision) -> str:
-        return f"all_gather({p.tag})"
-
-    @staticmethod
-    def transpose(g: Tensor, dim: int, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
-        return call(_QReduceScatter, g, dim, "sum", pg, sizes, p.transposed())
+    def adjoint_args(dim: int, pg: PG, sizes: tuple[int, ...]) -> tuple[Any, ...]:
+        return dim, "sum", pg, sizes
 
 
-class _QReduceScatter(CommOp):
-    """reduce_scatter (sum/avg) with a :class:`Precision`; adjoint: the quantized all_gather."""
+class _QReduceScatter(QuantizedOp):
+    """reduce_scatter (sum/avg) with a :class:`Precision`; adjoint: the quantized all_gather
+    (divided by the world size for avg)."""
 
-    name = "reduce_scatter"
-    dims = (0,)
-    spmd = _ReduceScatter.spmd
-    spmd_same_as = _ReduceScatter
-
-    @staticmethod
-    def run(x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
-        return _reduce_scatter_run(x, dim, op, pg, sizes, p)
-
-    @staticmethod
-    def label(dim: int, op: str, pg: PG, sizes: tuple[int, ...], p: Precision) -> str:
-        return f"reduce_scatter({op}, {p.tag})"
+    plain = _ReduceScatter
+    adjoint = _QAllGather
+    op_at = 1
+    run = staticmethod(_reduce_scatter_run)
 
     @staticmethod
     def transpose(g: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
@@ -256,43 +297,18 @@ class _QReduceScatter(CommOp):
         return out / _world(pg) if op == "avg" else out
 
 
-class _QAllToAll(CommOp):
+class _QAllToAll(QuantizedOp):
     """all_to_all with a :class:`Precision`; adjoint: itself with dims and sizes swapped."""
 
-    name = "all_to_all"
-    dims = (0, 1)
-    spmd = _AllToAll.spmd
-    spmd_same_as = _AllToAll
+    plain = _AllToAll
+    adjoint = SELF
+    run = staticmethod(_a2a_run)
 
     @staticmethod
-    def run(
-        x: Tensor,
-        split_dim: int,
-        concat_dim: int,
-        pg: PG,
-        ins: tuple[int, ...],
-        outs: tuple[int, ...],
-        p: Precision,
-    ) -> Tensor:
-        return _a2a_run(x, split_dim, concat_dim, pg, ins, outs, p)
-
-    @staticmethod
-    def label(
-        split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...], p: Precision
-    ) -> str:
-        return f"all_to_all({p.tag})"
-
-    @staticmethod
-    def transpose(
-        g: Tensor,
-        split_dim: int,
-        concat_dim: int,
-        pg: PG,
-        ins: tuple[int, ...],
-        outs: tuple[int, ...],
-        p: Precision,
-    ) -> Tensor:
-        return call(_QAllToAll, g, concat_dim, split_dim, pg, outs, ins, p.transposed())
+    def adjoint_args(
+        split_dim: int, concat_dim: int, pg: PG, ins: tuple[int, ...], outs: tuple[int, ...]
+    ) -> tuple[Any, ...]:
+        return concat_dim, split_dim, pg, outs, ins
 
 
 # ------------------------------------------------------------- public entry points
