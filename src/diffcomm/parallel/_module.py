@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import backend as B
-from .._replication import annotate_params_for_spmd_types, spmd_types_checking
+from .._replication import LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
 from ..backend import args as A
 from ..ops import collectives
 from .mappings import copy_to_region, copy_to_region_coalesced
@@ -29,6 +29,16 @@ _FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_typ
 # ======================================================================================
 # argument checks shared by the layers and blocks
 # ======================================================================================
+
+
+def varying_with(flag: str, part: str) -> LayerRule:
+    """The typing rule of a layer whose input is replicated, or varying (``part``, this
+    rank's part of it) when the layer's attribute ``flag`` is true."""
+    return LayerRule(
+        lambda m: V if getattr(m, flag) else R,
+        why=lambda m: f"{part} ({flag}=True)" if getattr(m, flag) else "the whole input",
+        doc=f"replicated; varying ({part}) with {flag}",
+    )
 
 
 def check_positive(op: str, arg: str, value: Any) -> int:

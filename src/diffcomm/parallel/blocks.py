@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import rng
-from .._replication import LayerRule, R, V
 from ..backend import args as A
 from ._module import (
     ParallelModule,
@@ -30,6 +29,7 @@ from ._module import (
     check_positive,
     init_generator,
     resolve_parallel_group,
+    varying_with,
 )
 from .layers import ColumnParallelLinear, LayerOptions, RowParallelLinear
 
@@ -80,6 +80,18 @@ def _dropout(x: Tensor, p: float, training: bool, sharded: bool) -> Tensor:
         return F.dropout(x, p, True)
     with _model_parallel_stream():
         return F.dropout(x, p, True)
+
+
+def _linears(
+    op: str, opts: LayerOptions, size: int, column_out: int, row_in: int, bias: bool, _init: bool
+) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+    """A block's two linears, ``size -> column_out`` (column-parallel) and ``row_in ->
+    size`` (row-parallel, fed the column's shards), with the block's options; both draw
+    from one generator (seeded from ``opts.seed``), the column's parameters first."""
+    linears = replace(opts, seed=None, generator=init_generator(op, opts.seed, opts.generator))
+    column = ColumnParallelLinear(size, column_out, bias, options=linears, _init=_init)
+    row = RowParallelLinear(row_in, size, bias, input_is_parallel=True, options=linears, _init=_init)
+    return column, row
 
 
 # ======================================================================================
@@ -166,10 +178,7 @@ class ParallelMLP(ParallelModule):
             world.run(f)   # [torch.Size([5, 2, 8]), torch.Size([5, 2, 8])]
     """
 
-    spmd = LayerRule(
-        lambda m: V if m.sequence_parallel else R,
-        doc="replicated; varying (a sequence chunk) with sequence_parallel",
-    )
+    spmd = varying_with("sequence_parallel", "a sequence chunk")
 
     def __init__(
         self,
@@ -186,11 +195,7 @@ class ParallelMLP(ParallelModule):
         super().__init__()
         op = "parallel.ParallelMLP"
         opts = LayerOptions.of(op, options, keywords)
-        linears = replace(opts, seed=None, generator=init_generator(op, opts.seed, opts.generator))
-        self.fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, options=linears, _init=_init)
-        self.fc2 = RowParallelLinear(
-            ffn_hidden_size, hidden_size, bias, input_is_parallel=True, options=linears, _init=_init
-        )
+        self.fc1, self.fc2 = _linears(op, opts, hidden_size, ffn_hidden_size, ffn_hidden_size, bias, _init)
         self._pg = self.fc1._pg
         self.activation = activation
         self._act = _activation(op, activation)
@@ -326,10 +331,7 @@ class ParallelSelfAttention(ParallelModule):
             world.run(f)   # [torch.Size([5, 2, 8]), torch.Size([5, 2, 8])]
     """
 
-    spmd = LayerRule(
-        lambda m: V if m.sequence_parallel else R,
-        doc="replicated; varying (a sequence chunk) with sequence_parallel",
-    )
+    spmd = varying_with("sequence_parallel", "a sequence chunk")
 
     def __init__(
         self,
@@ -350,11 +352,8 @@ class ParallelSelfAttention(ParallelModule):
         check_positive(op, "num_heads", num_heads)
         check_divisible(op, "hidden_size", hidden_size, num_heads, "hidden features (per head)")
         self.heads_per_rank = check_divisible(op, "num_heads", num_heads, world, "heads")
-        linears = replace(opts, group=pg, seed=None, generator=init_generator(op, opts.seed, opts.generator))
-        self.qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size, bias, options=linears, _init=_init)
-        self.proj = RowParallelLinear(
-            hidden_size, hidden_size, bias, input_is_parallel=True, options=linears, _init=_init
-        )
+        opts = replace(opts, group=pg)
+        self.qkv, self.proj = _linears(op, opts, hidden_size, 3 * hidden_size, hidden_size, bias, _init)
         self._pg = pg
         self.num_heads = num_heads
         self.causal = bool(causal)

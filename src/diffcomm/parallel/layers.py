@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,7 @@ from ._module import (
     check_positive,
     init_generator,
     resolve_parallel_group,
+    varying_with,
 )
 from .mappings import (
     all_gather_from_sequence,
@@ -169,22 +170,32 @@ class _ParallelLinear(ParallelModule):
 
     in_features: int
     out_features: int
+    #: ``(the layer's own keyword, default False; its value with sequence_parallel=True)``
+    _sequence_parallel_needs: ClassVar[tuple[str, bool]]
+    _shard_dim: ClassVar[int]  #: the weight dim split across the group (see above)
 
     def __init__(
         self,
-        op: str,
         in_features: int,
         out_features: int,
-        bias: bool,
-        shard_dim: int,
-        options: LayerOptions,
-        _init: bool,
+        bias: bool = True,
+        *,
+        options: LayerOptions | None = None,
+        _init: bool = True,
+        **keywords: Any,
     ) -> None:
         super().__init__()
+        op = f"parallel.{type(self).__name__}"
+        flag_name, needed = self._sequence_parallel_needs
+        flag = keywords.pop(flag_name, False)
+        options = LayerOptions.of(op, options, keywords)
+        if options.sequence_parallel and bool(flag) != needed:
+            raise A.arg_error(op, flag_name, f"{needed} when sequence_parallel=True", flag)
+        setattr(self, flag_name, bool(flag))
         self._pg, self.world_size, self.rank = resolve_parallel_group(op, options.group)
         self.in_features = check_positive(op, "in_features", in_features)
         self.out_features = check_positive(op, "out_features", out_features)
-        if shard_dim == 0:
+        if self._shard_dim == 0:
             self.out_per_rank = check_divisible(
                 op, "out_features", out_features, self.world_size, "output features"
             )
@@ -282,39 +293,11 @@ class ColumnParallelLinear(_ParallelLinear):
             world.run(f)   # [torch.Size([3, 6]), torch.Size([3, 6])]
     """
 
-    spmd = LayerRule(
-        lambda m: V if m.sequence_parallel else R,
-        why=lambda m: (
-            "the sequence chunk (sequence_parallel=True)" if m.sequence_parallel else "the whole input"
-        ),
-        doc="replicated; varying (this rank's sequence chunk) with sequence_parallel",
-    )
+    spmd = varying_with("sequence_parallel", "this rank's sequence chunk")
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        *,
-        gather_output: bool = False,
-        options: LayerOptions | None = None,
-        _init: bool = True,
-        **keywords: Any,
-    ) -> None:
-        op = "parallel.ColumnParallelLinear"
-        opts = LayerOptions.of(op, options, keywords)
-        if gather_output and opts.sequence_parallel:
-            raise A.arg_error(op, "gather_output", "False when sequence_parallel=True", gather_output)
-        super().__init__(
-            op,
-            in_features,
-            out_features,
-            bias,
-            0,
-            opts,
-            _init,
-        )
-        self.gather_output = bool(gather_output)
+    _sequence_parallel_needs = ("gather_output", False)
+    _shard_dim = 0
+    gather_output: bool
 
     def forward(self, x: Tensor) -> Tensor:
         if self.overlap is not None:
@@ -397,39 +380,11 @@ class RowParallelLinear(_ParallelLinear):
             world.run(f)   # [torch.Size([3, 6]), torch.Size([3, 6])]
     """
 
-    spmd = LayerRule(
-        lambda m: V if m.input_is_parallel else R,
-        why=lambda m: (
-            "this rank's feature shard (input_is_parallel=True)" if m.input_is_parallel else "the whole input"
-        ),
-        doc="varying (this rank's feature shard) with input_is_parallel, else replicated",
-    )
+    spmd = varying_with("input_is_parallel", "this rank's feature shard")
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        *,
-        input_is_parallel: bool = False,
-        options: LayerOptions | None = None,
-        _init: bool = True,
-        **keywords: Any,
-    ) -> None:
-        op = "parallel.RowParallelLinear"
-        opts = LayerOptions.of(op, options, keywords)
-        if opts.sequence_parallel and not input_is_parallel:
-            raise A.arg_error(op, "input_is_parallel", "True when sequence_parallel=True", input_is_parallel)
-        super().__init__(
-            op,
-            in_features,
-            out_features,
-            bias,
-            1,
-            opts,
-            _init,
-        )
-        self.input_is_parallel = bool(input_is_parallel)
+    _sequence_parallel_needs = ("input_is_parallel", True)
+    _shard_dim = 1
+    input_is_parallel: bool
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_features(x)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -56,9 +57,14 @@ from ..ops import coalesced, collectives
 from ..ops import engine as _async
 from ._module import check_positive, init_generator, resolve_parallel_group
 from .blocks import MLP
+from .layers import LayerOptions
 from .routing import DispatchPlan, combine, dispatch, load_balancing_loss, route
 
 __all__ = ["MoE", "ExpertParallelMoE"]
+
+#: the :class:`~diffcomm.parallel.LayerOptions` both MoE layers read: how the parameters
+#: are drawn and where they live (the expert-parallel layer also its ``group``)
+_INIT_OPTIONS = ("seed", "generator", "dtype", "device")
 
 
 # ======================================================================================
@@ -165,6 +171,9 @@ class MoE(nn.Module):
             (``None``: none).
         bias, activation: of the expert MLPs.
         seed, generator, dtype, device: initialisation as the parallel layers.
+        options: those four as one :class:`~diffcomm.parallel.LayerOptions` (keywords
+            given too override its fields; the fields it does not read must keep their
+            defaults), as every layer of this package takes it.
 
     After ``forward``: ``self.aux_loss`` (the Switch load-balancing loss, a 0-dim tensor
     in the graph), ``self.tokens_per_expert`` (``(E,)`` int64, the routing histogram) and
@@ -183,20 +192,21 @@ class MoE(nn.Module):
         shared_expert_size: int | None = None,
         bias: bool = True,
         activation: str | Callable[[Tensor], Tensor] = "gelu",
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        options: LayerOptions | None = None,
+        **keywords: Any,
     ) -> None:
         super().__init__()
+        op = "parallel.MoE"
+        opts = LayerOptions.of(op, options, keywords, _INIT_OPTIONS)
         hidden_size, num_experts, self.k, capacity_factor = _check_sizes(
-            "parallel.MoE", hidden_size, ffn_hidden_size, num_experts, k, capacity_factor, shared_expert_size
+            op, hidden_size, ffn_hidden_size, num_experts, k, capacity_factor, shared_expert_size
         )
         self.capacity_factor = capacity_factor
         self.renormalize = bool(renormalize)
         self.num_experts = num_experts
         self.hidden_size = hidden_size
-        gen = init_generator("parallel.MoE", seed, generator)
+        gen = init_generator(op, opts.seed, opts.generator)
+        dtype = opts.dtype
         with _DrawnFrom(gen):  # drawn on the CPU (the same numbers on any device), then moved
             self.router = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
             self.experts = nn.ModuleList(
@@ -208,8 +218,8 @@ class MoE(nn.Module):
                 if shared_expert_size is None
                 else MLP(hidden_size, shared_expert_size, bias, activation=activation, dtype=dtype)
             )
-        if device is not None:
-            self.to(device)
+        if opts.device is not None:
+            self.to(opts.device)
         self.aux_loss: Tensor | None = None
         self.tokens_per_expert: Tensor | None = None
         self.dropped = 0
@@ -282,6 +292,8 @@ class ExpertParallelMoE(nn.Module):
             own; for experts too large for that, pass ``experts=``.) With neither
             ``seed`` nor ``generator`` the global RNG draws, and it must then be in the
             same state on every rank: the router and shared expert are replicas.
+        options: ``group`` and those four as one :class:`~diffcomm.parallel.LayerOptions`
+            (as :class:`MoE`; a ``group`` given too overrides its field).
 
     Shapes:
         input ``(..., H)``, this rank's tokens (the token count may differ between ranks);
@@ -329,16 +341,17 @@ class ExpertParallelMoE(nn.Module):
         activation: str | Callable[[Tensor], Tensor] = "gelu",
         experts: Sequence[nn.Module] | None = None,
         overlap_shared: bool = True,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        options: LayerOptions | None = None,
+        **keywords: Any,
     ) -> None:
         super().__init__()
         op = "parallel.ExpertParallelMoE"
+        if group is not None:  # (positional, as before LayerOptions; it overrides options.group)
+            keywords["group"] = group
+        opts = LayerOptions.of(op, options, keywords, ("group", *_INIT_OPTIONS))
         _check_sizes(op, hidden_size, ffn_hidden_size, num_experts, k, capacity_factor, shared_expert_size)
-        init_generator(op, seed, generator)  # checked here, so an error names this class
-        self._pg, self.world, self.rank = resolve_parallel_group(op, group)
+        init_generator(op, opts.seed, opts.generator)  # checked here, so an error names this class
+        self._pg, self.world, self.rank = resolve_parallel_group(op, opts.group)
         if num_experts % self.world:
             raise A.arg_error(
                 op,
@@ -356,10 +369,7 @@ class ExpertParallelMoE(nn.Module):
             shared_expert_size=shared_expert_size,
             bias=bias,
             activation=activation,
-            seed=seed,
-            generator=generator,
-            dtype=dtype,
-            device=device,
+            options=replace(opts, group=None),
         )
         self._adopt(full, experts)
         self.overlap_shared = bool(overlap_shared)
