@@ -19,6 +19,7 @@ from .all_reduce import _AllReduce
 from .base import CommOp, apply, call, op_labels
 from .precision_format import quantized
 from .registry import Kwargs
+from .shared_args import shared_args
 from .validation import Learned
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
@@ -83,6 +84,7 @@ class _AllGather(CommOp):
         yield {"shape": (4, 2), "kwargs": {"dim": 0}, "sizes": tuple(r % 3 + 1 for r in range(world))}
 
 
+@shared_args
 def all_gather(
     x: Tensor,
     dim: int = 0,
@@ -104,13 +106,8 @@ def all_gather(
             on a CPU channel) or, once the group has gathered such rows, sent with the
             rows (CPU groups, up to 256 KiB per rank; ``diffcomm.backend.sized_gather``).
         sizes: the old name of ``split_sizes`` (works, with a ``DeprecationWarning``).
-        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
-            communication on first use (``.wait()`` returns the finished tensor); values
-            and gradients equal the blocking op's, and the backward is asynchronous too
-            (``docs/async.md``).
-        precision: a :class:`~diffcomm.Precision` (wire dtype, accumulation dtype, fp8
-            block size, backward settings): quantize, communicate, dequantize; the
-            backward is the adjoint in the backward settings (``docs/precision.md``).
+        async_op: {async_op}
+        precision: {precision}
 
     Returns:
         A new tensor: ``x.shape`` with ``dim`` of size ``sum(sizes)``; rank ``r``'s block
@@ -197,6 +194,7 @@ raw_all_gather = _AllGather.run
 raw_reduce_scatter = _ReduceScatter.run
 
 
+@shared_args
 def reduce_scatter(
     x: Tensor,
     dim: int = 0,
@@ -216,13 +214,8 @@ def reduce_scatter(
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         split_sizes: per-rank chunk sizes along ``dim`` (summing to ``x.shape[dim]``);
             ``None`` splits evenly (then ``x.shape[dim]`` must divide by the group size).
-        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
-            communication on first use (``.wait()`` returns the finished tensor); values
-            and gradients equal the blocking op's, and the backward is asynchronous too
-            (``docs/async.md``).
-        precision: a :class:`~diffcomm.Precision` (wire dtype, accumulation dtype, fp8
-            block size, backward settings): quantize, communicate, dequantize; the
-            backward is the adjoint in the backward settings (``docs/precision.md``).
+        async_op: {async_op}
+        precision: {precision}
 
     Returns:
         A new tensor: ``x.shape`` with ``dim`` of size ``split_sizes[rank]``.

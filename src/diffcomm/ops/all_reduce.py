@@ -19,6 +19,7 @@ from . import references
 from .base import CommOp, apply, call, op_labels
 from .precision_format import quantized
 from .registry import SELF, Kwargs
+from .shared_args import shared_args
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check_input as _debug_check_input
@@ -151,6 +152,7 @@ def product_weight(zero: Tensor, x_z: Tensor, x_nz: Tensor, count: Tensor, s: Te
     return torch.where(zero, w_z, w_nz)
 
 
+@shared_args
 def all_reduce(
     x: Tensor,
     op: Any = "sum",
@@ -167,10 +169,7 @@ def all_reduce(
             ``torch.distributed.ReduceOp``. ``max``/``min`` need a real dtype; ``avg`` a
             floating or complex one.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
-            communication on first use (``.wait()`` returns the finished tensor); values
-            and gradients equal the blocking op's, and the backward is asynchronous too
-            (``docs/async.md``).
+        async_op: {async_op}
         precision: a :class:`~diffcomm.Precision` (wire dtype, accumulation dtype,
             fp8 block size, backward settings; sum/avg only): quantized contributions,
             summed in the accumulation dtype, rounded once (``docs/precision.md``).

@@ -19,6 +19,7 @@ from . import references
 from .base import CommOp, apply, call
 from .precision_format import quantized
 from .registry import SELF, Kwargs
+from .shared_args import shared_args
 from .validation import all_to_all_received as _all_to_all_received
 from .validation import all_to_all_split_sizes as _all_to_all_split_sizes
 from .validation import check_input as _check_input
@@ -128,6 +129,7 @@ def _across_dims(
 raw_all_to_all = _AllToAll.run
 
 
+@shared_args
 def all_to_all(
     x: Tensor,
     split_dim: int = 0,
@@ -153,13 +155,8 @@ def all_to_all(
             rank. ``None``: inferred — exchanged when ``split_dim == concat_dim`` and
             ``input_split_sizes`` is given, else ``x``'s size (even split) or
             ``x.shape[concat_dim]`` (different dims).
-        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
-            communication on first use (``.wait()`` returns the finished tensor); values
-            and gradients equal the blocking op's, and the backward is asynchronous too
-            (``docs/async.md``).
-        precision: a :class:`~diffcomm.Precision` (wire dtype, accumulation dtype, fp8
-            block size, backward settings): quantize, communicate, dequantize; the
-            backward is the adjoint in the backward settings (``docs/precision.md``).
+        async_op: {async_op}
+        precision: {precision}
 
     Returns:
         A new tensor. ``split_dim == concat_dim == d``: ``x.shape`` with ``d`` of size

@@ -17,6 +17,7 @@ from . import references
 from .all_reduce import _AllReduce
 from .base import CommOp, apply, call, only_on, op_labels
 from .registry import Kwargs
+from .shared_args import shared_args
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check_input as _debug_check_input
@@ -64,6 +65,7 @@ class _Broadcast(CommOp):
         yield {"shape": (2, 3), "kwargs": {"src": world - 1}}
 
 
+@shared_args
 def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None, *, async_op: bool = False) -> Tensor:
     """Every rank gets rank ``src``'s ``x``.
 
@@ -71,10 +73,7 @@ def broadcast(x: Tensor, src: int = 0, group: A.GroupLike = None, *, async_op: b
         x: tensor of the same shape and dtype on every rank (only ``src``'s values matter).
         src: group-local rank whose tensor is sent.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
-            communication on first use (``.wait()`` returns the finished tensor); values
-            and gradients equal the blocking op's, and the backward is asynchronous too
-            (``docs/async.md``).
+        async_op: {async_op}
 
     Returns:
         A new tensor of ``x.shape`` holding ``src``'s values.
@@ -138,6 +137,7 @@ class _Reduce(CommOp):
             yield {"shape": (2, 3), "kwargs": {"dst": world // 2, "op": rop}, "ints": rop != "sum"}
 
 
+@shared_args
 def reduce(
     x: Tensor, dst: int = 0, op: Any = "sum", group: A.GroupLike = None, *, async_op: bool = False
 ) -> Tensor:
@@ -148,10 +148,7 @@ def reduce(
         dst: group-local rank that receives the reduction.
         op: reduce op as for :func:`all_reduce`.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
-            communication on first use (``.wait()`` returns the finished tensor); values
-            and gradients equal the blocking op's, and the backward is asynchronous too
-            (``docs/async.md``).
+        async_op: {async_op}
 
     Returns:
         A new tensor of ``x.shape``: the reduction on ``dst``, zeros elsewhere (uniform

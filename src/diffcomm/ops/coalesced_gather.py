@@ -34,6 +34,7 @@ from .packing import pack as _pack
 from .packing import unpack as _unpack
 from .precision_format import quantized
 from .registry import Kwargs
+from .shared_args import shared_args
 from .validation import Learned
 from .validation import current_backend as _b
 from .validation import rank as _rank
@@ -272,6 +273,7 @@ class _ReduceScatterList(ListOp):
             yield {"specs": specs, "kwargs": {"dim": 0, "op": rop, "split_sizes": split[: len(specs)]}}
 
 
+@shared_args
 def all_gather_coalesced(
     tensors: Sequence[Tensor],
     dim: int = 0,
@@ -294,9 +296,7 @@ def all_gather_coalesced(
             it the sizes are learned with **one** small exchange of host integers for the
             whole list (never one per tensor). Under ``torch.compile`` nothing can be
             exchanged: without ``split_sizes`` the sizes are taken to be equal on every rank.
-        async_op: return at once a list of :class:`~diffcomm.AsyncTensor` that wait for
-            the one communication on first use; values and gradients equal the blocking
-            op's, and the backward is asynchronous too (``docs/async.md``).
+        async_op: {async_op_list}
 
     Returns:
         A list of new tensors: ``out[i]`` is ``tensors[i].shape`` with ``dim`` of size
@@ -343,6 +343,7 @@ def all_gather_coalesced(
     return list(apply(_AllGatherList, *list_args(ts, tuple(dims), pg, meta), async_op=async_op))
 
 
+@shared_args
 def reduce_scatter_coalesced(
     tensors: Sequence[Tensor],
     dim: int = 0,
@@ -365,9 +366,7 @@ def reduce_scatter_coalesced(
             (summing to ``tensors[i].shape[dim]``; the same on every rank), so rank
             ``r``'s chunk sizes may differ from the others'. ``None``: every tensor splits
             evenly (each ``shape[dim]`` divisible by the group size).
-        async_op: return at once a list of :class:`~diffcomm.AsyncTensor` that wait for
-            the one communication on first use; values and gradients equal the blocking
-            op's, and the backward is asynchronous too (``docs/async.md``).
+        async_op: {async_op_list}
 
     Returns:
         A list of new tensors: ``out[i]`` is ``tensors[i].shape`` with ``dim`` of size

@@ -25,6 +25,7 @@ from .packing import debug_check as _debug_check
 from .packing import packed as _packed
 from .precision_format import quantized
 from .registry import SELF, Kwargs
+from .shared_args import shared_args
 from .validation import current_backend as _b
 from .validation import rank as _rank
 from .validation import world as _world
@@ -210,6 +211,7 @@ class _ReduceList(ListOp):
         yield {"specs": mixed, "kwargs": {"dst": 0, "op": "max"}}
 
 
+@shared_args
 def all_reduce_coalesced(
     tensors: Sequence[Tensor],
     op: Any = "sum",
@@ -225,9 +227,7 @@ def all_reduce_coalesced(
             device); the same list (length, shapes, dtypes) on every rank.
         op: reduce op as for :func:`diffcomm.all_reduce` (checked against every dtype).
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        async_op: return at once a list of :class:`~diffcomm.AsyncTensor` that wait for
-            the one communication on first use; values and gradients equal the blocking
-            op's, and the backward is asynchronous too (``docs/async.md``).
+        async_op: {async_op_list}
 
     Returns:
         A list of new tensors, ``out[i]`` of ``tensors[i].shape`` equal to
@@ -256,6 +256,7 @@ def all_reduce_coalesced(
     return list(apply(_AllReduceList, *list_args(ts, op_name, pg), async_op=async_op))
 
 
+@shared_args
 def broadcast_coalesced(
     tensors: Sequence[Tensor], src: int = 0, group: A.GroupLike = None, *, async_op: bool = False
 ) -> list[Tensor]:
@@ -266,9 +267,7 @@ def broadcast_coalesced(
             device), same shapes and dtypes on every rank (only ``src``'s values matter).
         src: group-local rank whose tensors are sent.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        async_op: return at once a list of :class:`~diffcomm.AsyncTensor` that wait for
-            the one communication on first use; values and gradients equal the blocking
-            op's, and the backward is asynchronous too (``docs/async.md``).
+        async_op: {async_op_list}
 
     Returns:
         A list of new tensors, ``out[i]`` of ``tensors[i].shape`` holding ``src``'s
@@ -292,6 +291,7 @@ def broadcast_coalesced(
     return list(apply(_BroadcastList, *list_args(ts, src, pg), async_op=async_op))
 
 
+@shared_args
 def reduce_coalesced(
     tensors: Sequence[Tensor],
     dst: int = 0,
@@ -309,9 +309,7 @@ def reduce_coalesced(
         dst: group-local rank that receives the reductions.
         op: reduce op as for :func:`diffcomm.all_reduce`.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
-        async_op: return at once a list of :class:`~diffcomm.AsyncTensor` that wait for
-            the one communication on first use; values and gradients equal the blocking
-            op's, and the backward is asynchronous too (``docs/async.md``).
+        async_op: {async_op_list}
 
     Returns:
         A list of new tensors, ``out[i]`` of ``tensors[i].shape``: ``dc.reduce(tensors[i],

@@ -17,6 +17,7 @@ from . import references
 from .base import CommOp, apply, call
 from .base import movedim0 as _movedim0
 from .registry import Kwargs
+from .shared_args import shared_args
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check as _debug_check
@@ -63,6 +64,7 @@ class _Gather(CommOp):
         yield {"shape": (3, 2), "kwargs": {"dst": 0, "dim": 0}, "sizes": tuple(r + 1 for r in range(world))}
 
 
+@shared_args
 def gather(
     x: Tensor,
     dst: int = 0,
@@ -82,10 +84,7 @@ def gather(
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         split_sizes: keyword-only; every rank's ``x.shape[dim]`` if known (else exchanged).
         sizes: the old name of ``split_sizes`` (works, with a ``DeprecationWarning``).
-        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
-            communication on first use (``.wait()`` returns the finished tensor); values
-            and gradients equal the blocking op's, and the backward is asynchronous too
-            (``docs/async.md``).
+        async_op: {async_op}
 
     Returns:
         A new tensor of ``x.shape`` with ``dim`` of size ``sum(sizes)``: the concatenation
@@ -154,6 +153,7 @@ class _Scatter(CommOp):
         yield {"shape": (2, sum(uneven)), "kwargs": {"src": world - 1, "dim": 1, "split_sizes": uneven}}
 
 
+@shared_args
 def scatter(
     x: Tensor,
     src: int = 0,
@@ -172,10 +172,7 @@ def scatter(
         dim: the dimension to split.
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         split_sizes: per-rank chunk sizes along ``dim``; ``None`` splits evenly.
-        async_op: return at once an :class:`~diffcomm.AsyncTensor` that waits for the
-            communication on first use (``.wait()`` returns the finished tensor); values
-            and gradients equal the blocking op's, and the backward is asynchronous too
-            (``docs/async.md``).
+        async_op: {async_op}
 
     Returns:
         A new tensor: ``x.shape`` with ``dim`` of size ``split_sizes[rank]``.

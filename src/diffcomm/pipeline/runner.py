@@ -92,6 +92,20 @@ class _Stash:
     local: bool = False  # the next virtual stage is on this rank (V placement's turn)
 
 
+@dataclass
+class _Batch:
+    """One :meth:`PipelineRunner.step`'s state, read by every step it runs."""
+
+    steps: list[Step]  # this rank's steps, Overlaps unfolded
+    fused: list[bool]  # per step: part of an Overlap (its timeline entry says so)
+    in_chunks: list[Tensor] | None  # the first stage's micro-batches
+    tgt_chunks: list[Tensor] | None  # the last stage's targets, per micro-batch
+    n_micro: int
+    input_grad: bool  # keep the gradient of the inputs (step(..., input_grad=True))
+    total: Tensor  # the sum of the micro-batch losses, float64 (added to in place)
+    stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)  # (micro, chunk) in flight
+
+
 class _LocalSend(torch.autograd.Function):
     """The token of an activation handed to the next virtual stage on the same rank (the
     V placement's turn at rank ``p - 1``): its backward returns the gradient that stage's
@@ -408,10 +422,9 @@ class PipelineRunner:
         self._fresh_in = set(range(self.n_chunks))  # channels with no activation in yet this step
         self._fresh_out = set(range(self.n_chunks))  # channels with none sent yet this step
         self._split_b = cooldown(steps) if self.grad_first == "cooldown" else None
-        stash: dict[tuple[int, int], _Stash] = {}
         total = torch.zeros((), dtype=torch.float64)
         try:
-            self._run_steps(steps, in_chunks, tgt_chunks, n_micro, stash, input_grad, total, fused)
+            self._run_steps(_Batch(steps, fused, in_chunks, tgt_chunks, n_micro, input_grad, total))
             inputs_kept = self._inputs_kept
         except BaseException:
             self._sent.clear()  # this rank's next activations go plainly: any receive takes them
@@ -431,21 +444,12 @@ class PipelineRunner:
             self._measure()
         return total if self.is_last else None
 
-    def _run_steps(
-        self,
-        steps: list[Step],
-        in_chunks: list[Tensor] | None,
-        tgt_chunks: list[Tensor] | None,
-        n_micro: int,
-        stash: dict[tuple[int, int], _Stash],
-        input_grad: bool,
-        total: Tensor,
-        fused: list[bool],
-    ) -> None:
+    def _run_steps(self, batch: _Batch) -> None:
+        steps, fused = batch.steps, batch.fused
         inner: list[TimelineEntry] = []  # the entry of a backward run inside a phased forward
 
         def run_inner(k: int) -> None:  # the backward of an Overlap, run between the forward's phases
-            self._run_one(k, steps, in_chunks, tgt_chunks, n_micro, stash, input_grad, total, fused, None)
+            self._run_one(k, batch, None)
             inner.append(self.timeline.pop())
 
         k = 0
@@ -458,10 +462,7 @@ class PipelineRunner:
                 and k + 1 < len(steps)
                 and (steps[k + 1].micro, steps[k + 1].chunk) != (st.micro, st.chunk)
             )
-            self._run_one(
-                k, steps, in_chunks, tgt_chunks, n_micro, stash, input_grad, total, fused,
-                functools.partial(run_inner, k + 1) if phased else None,
-            )  # fmt: skip
+            self._run_one(k, batch, functools.partial(run_inner, k + 1) if phased else None)
             if phased:
                 e = self.timeline[-1]  # the forward's busy time excludes the backward inside it
                 b = inner.pop()
@@ -471,21 +472,10 @@ class PipelineRunner:
             k += 1
         p2p.wait_sends()
 
-    def _run_one(
-        self,
-        k: int,
-        steps: list[Step],
-        in_chunks: list[Tensor] | None,
-        tgt_chunks: list[Tensor] | None,
-        n_micro: int,
-        stash: dict[tuple[int, int], _Stash],
-        input_grad: bool,
-        total: Tensor,
-        fused: list[bool],
-        between: Callable[[], None] | None,
-    ) -> None:
+    def _run_one(self, k: int, batch: _Batch, between: Callable[[], None] | None) -> None:
         """Run step ``k`` and append its timeline entry; ``between``: run it between the
         phases of a forward whose chunk has ``forward_phases`` (the overlap hook)."""
+        steps, stash, total = batch.steps, batch.stash, batch.total
         st = steps[k]
         nxt = steps[k + 1] if k + 1 < len(steps) else None
         # the receive waits by the host clock (no comms logger: it would synchronise
@@ -494,7 +484,7 @@ class PipelineRunner:
         self._grad_sent_at = None
         start = time.perf_counter()
         if st.kind == "F":
-            loss_m = self._forward(st, in_chunks, tgt_chunks, n_micro, stash, input_grad, nxt, between)
+            loss_m = self._forward(st, batch, nxt, between)
             if loss_m is not None:
                 total += loss_m.detach().to(total.device, torch.float64)
         else:
@@ -509,7 +499,8 @@ class PipelineRunner:
         wait = _recv_wait_seconds() - waited
         # a split B's receives all come before its input gradient leaves (W receives nothing)
         sent = None if self._grad_sent_at is None else max(0.0, self._grad_sent_at - start - wait)
-        self.timeline.append(TimelineEntry(st.kind, st.micro, start, end, wait, st.chunk, sent, fused[k]))
+        entry = TimelineEntry(st.kind, st.micro, start, end, wait, st.chunk, sent, batch.fused[k])
+        self.timeline.append(entry)
 
     def _split(self, t: Tensor | None, n_micro: int, arg: str) -> list[Tensor]:
         if t is None:
@@ -547,23 +538,16 @@ class PipelineRunner:
 
     # ---- forward ---------------------------------------------------------------------
     def _forward(
-        self,
-        st: Step,
-        in_chunks: list[Tensor] | None,
-        tgt_chunks: list[Tensor] | None,
-        n_micro: int,
-        stash: dict[tuple[int, int], _Stash],
-        input_grad: bool,
-        nxt: Step | None,
-        between: Callable[[], None] | None = None,
+        self, st: Step, batch: _Batch, nxt: Step | None, between: Callable[[], None] | None = None
     ) -> Tensor | None:
         m, c = st.micro, st.chunk
+        in_chunks, tgt_chunks, stash = batch.in_chunks, batch.tgt_chunks, batch.stash
         g = self._g(c)
         kept = _Stash(handle=torch.zeros(()), nbytes=0)
         if g == 0:
             assert in_chunks is not None
             x = in_chunks[m]
-            if input_grad:
+            if batch.input_grad:
                 x = x.detach().requires_grad_()
                 self._inputs_kept.append(x)
         elif self._src(c) is None:  # the V turn: the previous virtual stage is this rank's
@@ -620,7 +604,7 @@ class PipelineRunner:
                 assert self.loss_fn is not None
                 tgt = None if tgt_chunks is None else tgt_chunks[m]
                 loss = self.loss_fn(y) if tgt is None else self.loss_fn(y, tgt)
-                kept.handle = loss / n_micro
+                kept.handle = loss / batch.n_micro
             elif self._dst(c) is None:  # the next virtual stage is this rank's (the V turn)
                 nxt_in = y.detach().requires_grad_(y.requires_grad)
                 self._local[m] = nxt_in

@@ -26,14 +26,15 @@ data, tests check it) — and the ideal bubble (uniform stages, free messages):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..backend import args as A
 
-# Size: ~650 lines, over the ~600 guideline: every generator (six schedules) with its docstring
-# and the W-placement simulation they share; a third is the public docstrings.
+# Size: ~700 lines, over the ~600 guideline: every generator (six schedules) with its docstring,
+# the W-placement they share and the one simulation of a schedule (``needs`` / ``makes`` /
+# ``walk``, also the validator's and the replayed bubble's); a third is the public docstrings.
 
 __all__ = [
     "Step",
@@ -129,6 +130,61 @@ def stage_owner(stage: int, n_stages: int, placement: str = "loop") -> tuple[int
     if placement == "v":
         return (stage, 0) if stage < n_stages else (2 * n_stages - 1 - stage, 1)
     return stage % n_stages, stage // n_stages
+
+
+def halves(st: Any) -> tuple[Any, ...]:
+    """An :class:`Overlap`'s forward and backward; any other step alone."""
+    return (st.forward, st.backward) if isinstance(st, Overlap) else (st,)
+
+
+def needs(r: int, st: Any, p: int, last: int, placement: str = "loop") -> tuple[str, int, int] | None:
+    """What step ``st`` (a :class:`Step` or anything with its ``kind``, ``micro`` and
+    ``chunk``) of rank ``r`` waits for from another rank: ``("F", g, m)``, the activation
+    of micro-batch ``m`` from virtual stage ``g``, or ``("G", g, m)``, its gradient;
+    ``None`` for a step that needs nothing (``last``: the last virtual stage)."""
+    g = virtual_stage(r, st.chunk, p, placement)
+    if st.kind == "F":
+        return None if g == 0 else ("F", g - 1, st.micro)
+    if st.kind in ("B", "I"):
+        return None if g == last else ("G", g + 1, st.micro)
+    return None
+
+
+def makes(r: int, st: Any, p: int, placement: str = "loop") -> tuple[str, int, int] | None:
+    """What step ``st`` of rank ``r`` sends on (the key :func:`needs` names it by)."""
+    if st.kind == "W":
+        return None
+    return ("F" if st.kind == "F" else "G", virtual_stage(r, st.chunk, p, placement), st.micro)
+
+
+def walk(
+    schedule: Sequence[Sequence[Any]],
+    p: int,
+    last: int,
+    done: Container[tuple[str, int, int]],
+    run: Callable[[int, Any, tuple[str, int, int] | None], None],
+    placement: str = "loop",
+) -> list[int]:
+    """Run every rank's steps in its order, each as soon as what it :func:`needs` is in
+    ``done`` (which ``run(rank, step, needed)`` adds to); returns each rank's position
+    where it stopped (its length when it ran every step). The one simulation of a
+    schedule (the validator's deadlock check, the W placement's step time, the replayed
+    bubble). An :class:`Overlap` is one step: it runs when what both its halves need is
+    in ``done`` (``needed``: ``None`` for it)."""
+    pc = [0] * p
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while pc[r] < len(schedule[r]):
+                st = schedule[r][pc[r]]
+                deps = [needs(r, x, p, last, placement) for x in halves(st)]
+                if any(d is not None and d not in done for d in deps):
+                    break
+                run(r, st, deps[0] if len(deps) == 1 else None)
+                pc[r] += 1
+                moved = True
+    return pc
 
 
 def schedule_placement(fn: Any) -> Placement:
@@ -372,26 +428,16 @@ def _place_w(
 
 def _makespan(sched: list[list[Step]], p: int, v: int, cost: list[dict[str, float]], placement: str) -> float:
     """When the last rank finishes ``sched`` with step times ``cost`` and free messages."""
-    last = p * v - 1
-    done: dict[tuple[str, int, int], float] = {}
-    free, pc = [0.0] * p, [0] * p
-    moved = True
-    while moved:
-        moved = False
-        for r in range(p):
-            while pc[r] < len(sched[r]):
-                st = sched[r][pc[r]]
-                g = virtual_stage(r, st.chunk, p, placement)
-                dep = ("F", g - 1, st.micro) if st.kind == "F" and g else None
-                if st.kind in ("I", "B") and g < last:
-                    dep = ("I", g + 1, st.micro)
-                if dep is not None and dep not in done:
-                    break
-                free[r] = max(free[r], done[dep] if dep else 0.0) + cost[r][st.kind]
-                if st.kind != "W":
-                    done[("F" if st.kind == "F" else "I", g, st.micro)] = free[r]
-                pc[r] += 1
-                moved = True
+    done: dict[tuple[str, int, int], float] = {}  # what each step makes: when it is made
+    free = [0.0] * p
+
+    def run(r: int, st: Step, dep: tuple[str, int, int] | None) -> None:
+        free[r] = max(free[r], done[dep] if dep else 0.0) + cost[r][st.kind]
+        out = makes(r, st, p, placement)
+        if out is not None:
+            done[out] = free[r]
+
+    walk(sched, p, p * v - 1, done, run, placement)
     return max(free)
 
 

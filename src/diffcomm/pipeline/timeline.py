@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .validate import makes, walk
+from .schedules import makes, walk
 
 __all__ = ["TimelineEntry", "bubble_fraction", "replayed_bubble"]
 

@@ -7,11 +7,11 @@ is a :class:`ScheduleError` naming the stage and the step, never a hang.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ..backend import args as A
-from .schedules import Overlap, Step, stage_owner, virtual_stage
+from .schedules import Overlap, Step, halves, makes, needs, stage_owner, walk
 
 __all__ = ["ScheduleError", "check_schedule"]
 
@@ -138,85 +138,30 @@ def _check_chunk(s: int, c: int, steps: list[tuple[int, Step]], n_micro: int) ->
             )
 
 
-def needs(r: int, st: Any, p: int, last: int, placement: str = "loop") -> tuple[str, int, int] | None:
-    """What step ``st`` (a :class:`Step` or anything with its ``kind``, ``micro`` and
-    ``chunk``) of rank ``r`` waits for from another rank: ``("F", g, m)``, the activation
-    of micro-batch ``m`` from virtual stage ``g``, or ``("G", g, m)``, its gradient;
-    ``None`` for a step that needs nothing (``last``: the last virtual stage)."""
-    g = virtual_stage(r, st.chunk, p, placement)
-    if st.kind == "F":
-        return None if g == 0 else ("F", g - 1, st.micro)
-    if st.kind in ("B", "I"):
-        return None if g == last else ("G", g + 1, st.micro)
-    return None
-
-
-def makes(r: int, st: Any, p: int, placement: str = "loop") -> tuple[str, int, int] | None:
-    """What step ``st`` of rank ``r`` sends on (the key :func:`needs` names it by)."""
-    if st.kind == "W":
-        return None
-    return ("F" if st.kind == "F" else "G", virtual_stage(r, st.chunk, p, placement), st.micro)
-
-
-def walk(
-    schedule: Sequence[Sequence[Any]],
-    p: int,
-    last: int,
-    done: Container[tuple[str, int, int]],
-    run: Callable[[int, Any, tuple[str, int, int] | None], None],
-    placement: str = "loop",
-) -> list[int]:
-    """Run every rank's steps in its order, each as soon as what it :func:`needs` is in
-    ``done`` (which ``run(rank, step, needed)`` adds to); returns each rank's position
-    where it stopped (its length when it ran every step)."""
-    pc = [0] * p
-    moved = True
-    while moved:
-        moved = False
-        for r in range(p):
-            while pc[r] < len(schedule[r]):
-                st = schedule[r][pc[r]]
-                dep = needs(r, st, p, last, placement)
-                if dep is not None and dep not in done:
-                    break
-                run(r, st, dep)
-                pc[r] += 1
-                moved = True
-    return pc
-
-
 def _check_no_deadlock(schedule: Sequence[Sequence[Step | Overlap]], p: int, v: int, placement: str) -> None:
     """Simulate the ranks; an :class:`Overlap` is one step: it starts when what both its
     halves need is there, and what both make leaves at its end (torch's ``OVERLAP_F_B``;
     the runner may run the backward between the forward's phases)."""
     last = p * v - 1
     done: set[tuple[str, int, int]] = set()  # ("F" | "G", virtual stage, micro); G: gradient sent
-    pc = [0] * p
-    moved = True
-    while moved:
-        moved = False
-        for r in range(p):
-            while pc[r] < len(schedule[r]):
-                st = schedule[r][pc[r]]
-                parts = (st.forward, st.backward) if isinstance(st, Overlap) else (st,)
-                deps = [needs(r, x, p, last, placement) for x in parts]
-                if any(d is not None and d not in done for d in deps):
-                    break
-                for x in parts:
-                    out = makes(r, x, p, placement)
-                    if out is not None:
-                        done.add(out)
-                pc[r] += 1
-                moved = True
+
+    def run(r: int, st: Step | Overlap, _: Any) -> None:
+        for x in halves(st):
+            out = makes(r, x, p, placement)
+            if out is not None:
+                done.add(out)
+
+    pc = walk(schedule, p, last, done, run, placement)
     stuck = [r for r in range(p) if pc[r] < len(schedule[r])]
     if not stuck:
         return
     lines = []
     for r in stuck:
         st = schedule[r][pc[r]]
-        parts = (st.forward, st.backward) if isinstance(st, Overlap) else (st,)
         dep = next(
-            d for d in (needs(r, x, p, last, placement) for x in parts) if d is not None and d not in done
+            d
+            for d in (needs(r, x, p, last, placement) for x in halves(st))
+            if d is not None and d not in done
         )
         what, g, m = dep
         src = stage_owner(g, p, placement)[0]
