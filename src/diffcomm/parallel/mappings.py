@@ -440,9 +440,14 @@ class _AllToAllRegion(_Mapping):
 # ======================================================================================
 
 
-def _keep_own_chunk(op: type[_ScatterToRegion], name: str, x: Any, dim: Any, group: A.GroupLike) -> Tensor:
+def _keep_own_chunk(
+    op: type[_ScatterToRegion], name: str, x: Any, dim: Any, group: A.GroupLike, precision: Any
+) -> Tensor:
     """The call of scatter_to_region / scatter_to_sequence (``op``, public ``name``):
-    validate, check in debug mode that ``x`` is replicated, apply."""
+    validate, check in debug mode that ``x`` is replicated, apply (with ``precision``:
+    the quantized mapping, :mod:`diffcomm.parallel.precision`)."""
+    if precision is not None:
+        return quantized("mapping")(name, x, group, precision, dim=dim)
     x, pg = _prepare(name, x, group)
     b = _b()
     world = b.world_size(pg)
@@ -454,10 +459,13 @@ def _keep_own_chunk(op: type[_ScatterToRegion], name: str, x: Any, dim: Any, gro
 
 
 def _gather_replicated(
-    op: type[_GatherFromRegion], name: str, x: Any, dim: Any, group: A.GroupLike
+    op: type[_GatherFromRegion], name: str, x: Any, dim: Any, group: A.GroupLike, precision: Any
 ) -> Tensor:
     """The call of gather_from_region / gather_from_sequence (``op``, public ``name``):
-    validate, check the shapes in debug mode, apply (the transpose checks the gradient)."""
+    validate, check the shapes in debug mode, apply (the transpose checks the gradient;
+    with ``precision``: the quantized mapping, :mod:`diffcomm.parallel.precision`)."""
+    if precision is not None:
+        return quantized("mapping")(name, x, group, precision, dim=dim)
     x, pg = _prepare(name, x, group)
     dim = A.check_dim(x, dim, op.name)
     debug = _debug()
@@ -565,9 +573,7 @@ def scatter_to_region(
             world.run(lambda: parallel.scatter_to_region(torch.arange(4.0)))
             # [tensor([0., 1.]), tensor([2., 3.])]
     """
-    if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
-        return quantized("mapping")("scatter_to_region", x, group, precision, dim=dim)
-    return _keep_own_chunk(_ScatterToRegion, "scatter_to_region", x, dim, group)
+    return _keep_own_chunk(_ScatterToRegion, "scatter_to_region", x, dim, group, precision)
 
 
 def gather_from_region(
@@ -598,9 +604,7 @@ def gather_from_region(
             world.run(lambda: parallel.gather_from_region(torch.tensor([1.0 * dc.get_rank()])))
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
-    if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
-        return quantized("mapping")("gather_from_region", x, group, precision, dim=dim)
-    return _gather_replicated(_GatherFromRegion, "gather_from_region", x, dim, group)
+    return _gather_replicated(_GatherFromRegion, "gather_from_region", x, dim, group, precision)
 
 
 def scatter_to_sequence(
@@ -632,9 +636,7 @@ def scatter_to_sequence(
             world.run(lambda: parallel.scatter_to_sequence(torch.arange(4.0)))
             # [tensor([0., 1.]), tensor([2., 3.])]
     """
-    if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
-        return quantized("mapping")("scatter_to_sequence", x, group, precision, dim=dim)
-    return _keep_own_chunk(_ScatterToSequence, "scatter_to_sequence", x, dim, group)
+    return _keep_own_chunk(_ScatterToSequence, "scatter_to_sequence", x, dim, group, precision)
 
 
 def gather_from_sequence(
@@ -670,9 +672,7 @@ def gather_from_sequence(
             world.run(lambda: parallel.gather_from_sequence(torch.tensor([1.0 * dc.get_rank()])))
             # [tensor([0., 1.]), tensor([0., 1.])]
     """
-    if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
-        return quantized("mapping")("gather_from_sequence", x, group, precision, dim=dim)
-    return _gather_replicated(_GatherFromSequence, "gather_from_sequence", x, dim, group)
+    return _gather_replicated(_GatherFromSequence, "gather_from_sequence", x, dim, group, precision)
 
 
 def reduce_scatter_to_sequence(
