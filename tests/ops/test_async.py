@@ -13,26 +13,28 @@ import torch
 
 import diffcomm as dc
 from diffcomm import backend as B
-from diffcomm.ops import engine as X
+from diffcomm.ops import engine
 from diffcomm.runtime.world import LocalWorld
 
 
 def _ar(x: torch.Tensor) -> torch.Tensor:
     """An asynchronous, differentiable all_reduce(sum) (its own adjoint)."""
-    return X.launch(x, "all_reduce(sum)", lambda t: B.get_backend().all_reduce(t, "sum", None), x.shape, _ar)
+    return engine.launch(
+        x, "all_reduce(sum)", lambda t: B.get_backend().all_reduce(t, "sum", None), x.shape, _ar
+    )
 
 
 def _ag(x: torch.Tensor) -> torch.Tensor:
     """Asynchronous all_gather along dim 0 (backward: asynchronous reduce_scatter)."""
     n = dc.get_world_size()
-    return X.launch(
+    return engine.launch(
         x, "all_gather", lambda t: B.get_backend().all_gather(t, None), (n * x.shape[0], *x.shape[1:]), _rs
     )
 
 
 def _rs(x: torch.Tensor) -> torch.Tensor:
     n = dc.get_world_size()
-    return X.launch(
+    return engine.launch(
         x,
         "reduce_scatter(sum)",
         lambda t: B.get_backend().reduce_scatter(t, "sum", None),
@@ -43,7 +45,7 @@ def _rs(x: torch.Tensor) -> torch.Tensor:
 
 def _delay_engine(seconds: float) -> None:
     """Keep this rank's communication engine busy (a stand-in for a slow earlier job)."""
-    X.submit(lambda: time.sleep(seconds), "delay")
+    engine.submit(lambda: time.sleep(seconds), "delay")
 
 
 # ------------------------------------------------------------------ values and gradients
@@ -150,7 +152,7 @@ def test_blocking_op_queues_behind_pending_async_ops(world2) -> None:
             pending or r != 0,
             torch.equal(b, torch.full((6,), 2.0 * n, dtype=torch.float64)),
             torch.equal(a.wait(), torch.full((4,), float(n), dtype=torch.float64)),
-            not X.engine_busy(),
+            not engine.engine_busy(),
         ]
 
     assert world2.run(blocking_behind_async_rank) == [[True] * 4] * 2
@@ -196,7 +198,7 @@ def test_a_gradient_is_never_read_before_its_communication_completed(world2) -> 
             _delay_engine(0.4)
         w = torch.arange(1000, dtype=torch.float64) + r
         (gx,) = torch.autograd.grad((y * w).sum(), x)
-        in_flight = isinstance(gx, X.AsyncTensor) and not gx.done()
+        in_flight = isinstance(gx, engine.AsyncTensor) and not gx.done()
         expected = sum(torch.arange(1000, dtype=torch.float64) + j for j in range(n))
         ok_grad = torch.equal(gx, expected)
         # the same through .backward() and a leaf's .grad
@@ -243,7 +245,7 @@ def test_pickle_and_repr_wait(world2) -> None:
         return {
             "pickle": type(back).__name__,
             "repr": repr(y).startswith("AsyncTensor(tensor("),
-            "wait_plain": type(X.wait(torch.ones(1))).__name__,
+            "wait_plain": type(engine.wait(torch.ones(1))).__name__,
             "logged": None,
         }
 

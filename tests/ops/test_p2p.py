@@ -18,8 +18,7 @@ import torch.distributed as dist
 import diffcomm as dc
 from diffcomm import backend as B
 from diffcomm._errors import CrossRankMismatchError
-from diffcomm.ops import p2p
-from diffcomm.ops import wire as T
+from diffcomm.ops import p2p, wire
 
 DTYPES = [
     torch.float16,
@@ -163,11 +162,11 @@ def test_send_recv_out_of_step_is_an_error(world2: dc.LocalWorld) -> None:
         if _rank() == 0:
             p2p.send(torch.ones(1), 1, tag=11)
             p2p.send(torch.ones(2), 1, tag=11)
-            T.SEQ[(None, 1, 12, "send")] = T.SEQ.get((None, 1, 12, "send"), 0) + 3
+            wire.SEQ[(None, 1, 12, "send")] = wire.SEQ.get((None, 1, 12, "send"), 0) + 3
             p2p.send(torch.ones(3), 1, tag=12)
             p2p.send(torch.ones(4), 1, tag=12)
         else:
-            T.SEQ[(None, 0, 11, "recv")] = T.SEQ.get((None, 0, 11, "recv"), 0) + 5
+            wire.SEQ[(None, 0, 11, "recv")] = wire.SEQ.get((None, 0, 11, "recv"), 0) + 5
             with pytest.raises(CrossRankMismatchError, match=r"out of step: this is receive #\d+ on rank 1"):
                 p2p.recv(0, tag=11)
             assert p2p.recv(0, tag=11).shape == (2,)  # back in step
@@ -201,7 +200,7 @@ def test_sends_are_asynchronous_so_neighbours_do_not_deadlock(world2: dc.LocalWo
         p2p.send(x + 10, other)
         a, b = p2p.recv(other), p2p.recv(other)
         p2p.wait_sends()
-        assert T.SENDS.pending() == 0
+        assert wire.SENDS.pending() == 0
         return float(a[0] + b[-1])
 
     assert world2.run(both_send_then_receive, 1 << 18) == [1.0 + 11.0, 0.0 + 10.0]
@@ -238,7 +237,7 @@ def test_send_owned_sends_the_callers_tensor_with_sends_header_and_gradient(worl
             sent.append(buf.untyped_storage().data_ptr())
             post0(parts, buf, *args)
 
-        post0, T._post = T._post, post
+        post0, wire._post = wire._post, post
         try:
             if _rank() == 0:
                 x = torch.arange(12.0, dtype=torch.float64).reshape(3, 4).requires_grad_()
@@ -257,7 +256,7 @@ def test_send_owned_sends_the_callers_tensor_with_sends_header_and_gradient(worl
             ((a * a).sum() + (3 * b).sum() + c.sum()).backward()
             return [torch.stack([a.detach(), b.detach().t(), c.detach()])]
         finally:
-            T._post = post0
+            wire._post = post0
             p2p.wait_sends()
 
     (g,), (ys,) = world2.run(send_owned_sends_x_itself)
@@ -300,7 +299,7 @@ def test_a_message_that_is_not_a_send_header_is_an_error(world2: dc.LocalWorld) 
     def mismatched_pairing_is_detected() -> None:
         # rank 0 sends raw data where rank 1 expects a diffcomm header
         if _rank() == 0:
-            dist.send(torch.zeros(T.HEADER_LEN, dtype=torch.int64), 1, tag=9)
+            dist.send(torch.zeros(wire.HEADER_LEN, dtype=torch.int64), 1, tag=9)
         else:
             with pytest.raises(CrossRankMismatchError, match="not a diffcomm.send header.*ranks 0 and 1"):
                 p2p.recv(0, tag=9)

@@ -20,7 +20,7 @@ from _shared import fullgraph_error
 from torch import Tensor
 
 import diffcomm as dc
-from diffcomm.ops import wire as T
+from diffcomm.ops import wire
 
 F64 = torch.float64
 
@@ -60,12 +60,12 @@ def test_p2p_under_compile_equals_eager(world2: dc.LocalWorld, name: str) -> Non
         (ye * cot).sum().backward()
         assert xc.grad is not None and xe.grad is not None
         y_nograd = compiled(x)  # inputs without grad: the other autograd path
-        T.wait_sends()
+        wire.wait_sends()
         return {
             "fwd": float((yc - ye).abs().max()),
             "grad": float((xc.grad - xe.grad).abs().max()),
             "nograd": float((y_nograd - ye).abs().max()),
-            "pending": float(T.SENDS.pending()),
+            "pending": float(wire.SENDS.pending()),
         }
 
     for res in world2.run(compiled_vs_eager, name):
@@ -104,7 +104,7 @@ def test_send_recv_under_compile_on_both_ranks(world2: dc.LocalWorld) -> None:
                 # d/dv of the peer's sum(y * y * v) with y = 2 sin(v): 2 y v * 2 cos(v)
                 y = 2 * x.sin()
                 errs[f"exact{i}"] = float((xc.grad - 2 * y * x * 2 * x.cos()).abs().max())
-        T.wait_sends()
+        wire.wait_sends()
         return errs
 
     for res in world2.run(send_recv_compiled):

@@ -21,7 +21,7 @@ from torch import nn
 
 import diffcomm as dc
 from diffcomm import backend as B
-from diffcomm.ops import wire as T
+from diffcomm.ops import wire
 from diffcomm.pipeline import (
     SCHEDULES,
     PipelineRunner,
@@ -180,7 +180,7 @@ def _parity(schedule: str, n_micro: int, batch: int, input_grad: bool) -> dict[s
     else:
         assert runner.input_grad is None
     assert [(e.kind, e.micro) for e in runner.timeline] == [(s.kind, s.micro) for s in runner.steps(n_micro)]
-    assert T.SENDS.pending() == 0
+    assert wire.SENDS.pending() == 0
     return {"loss": float(loss), "params": len(pairs), "peak": runner.peak_activation_bytes}
 
 
@@ -788,7 +788,7 @@ def _parity_all(schedule: str, v: int, grad_first: bool | str | None = None) -> 
             torch.testing.assert_close(runner.input_grad, xs.grad, rtol=1e-12, atol=1e-14)
         got = [(e.kind, e.micro, e.chunk) for e in runner.timeline]
         assert got == [(s.kind, s.micro, s.chunk) for s in runner.steps(n_micro)]
-        assert T.SENDS.pending() == 0
+        assert wire.SENDS.pending() == 0
         peaks.append(runner.peak_activation_bytes)
     return peaks
 
@@ -898,17 +898,17 @@ def test_b_sends_the_input_gradient_before_the_weight_gradients(
         hooks = [
             p.register_post_accumulate_grad_hook(lambda _: events.append("W")) for p in stage.parameters()
         ]
-        orig = T.send_grad
+        orig = wire.send_grad
 
         def send_grad(*args: object, **kwargs: object) -> None:
             events.append("send")
             orig(*args, **kwargs)  # type: ignore[arg-type]
 
-        T.send_grad = send_grad  # type: ignore[assignment]
+        wire.send_grad = send_grad  # type: ignore[assignment]
         try:
             runner.step(torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64), 2)
         finally:
-            T.send_grad = orig
+            wire.send_grad = orig
             for h in hooks:
                 h.remove()
         k = len(list(stage.parameters())) + 1  # events per B step

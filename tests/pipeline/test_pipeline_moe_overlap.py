@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import diffcomm as dc
-from diffcomm.ops import wire as T
+from diffcomm.ops import wire
 from diffcomm.parallel import ExpertParallelMoE, MoE
 from diffcomm.pipeline import (
     MoEStage,
@@ -100,7 +100,7 @@ def _moe_pipeline(n_micro: int, schedule: str) -> dict[str, object]:
     ):
         for a, b in zip(a_exp.parameters(), b_exp.parameters(), strict=True):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-11, atol=1e-13)
-    assert T.SENDS.pending() == 0
+    assert wire.SENDS.pending() == 0
     overlapped = [(e.kind, e.micro) for e in runner.timeline if e.overlap]
     return {"phased": seen[0], "overlapped": overlapped, "busy_ok": all(e.busy >= 0 for e in runner.timeline)}
 

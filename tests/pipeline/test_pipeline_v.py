@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import diffcomm as dc
-from diffcomm.ops import wire as T
+from diffcomm.ops import wire
 from diffcomm.pipeline import (
     SCHEDULES,
     Overlap,
@@ -229,7 +229,7 @@ def _parity_v(schedule: str, ms: list[int], costs: object = None) -> list[int]:
         fused = {(s.kind, s.micro, s.chunk) for o in ran if isinstance(o, Overlap)
                  for s in (o.forward, o.backward)}  # fmt: skip
         assert {(e.kind, e.micro, e.chunk) for e in runner.timeline if e.overlap} == fused
-        assert T.SENDS.pending() == 0
+        assert wire.SENDS.pending() == 0
         if costs == "measure":
             assert runner._measured is not None and len(runner._measured) == p
         peaks.append(runner.peak_activation_bytes)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from .. import backend as B
 from .._errors import CrossRankMismatchError
 from ..backend import args as A
-from ..ops import collectives as C
+from ..ops import collectives
 from ..parallel._check import check_replicated
 from ..runtime.world import LocalWorld
 
@@ -242,7 +242,7 @@ def _compare_on_rank(
     partial = set(parallel_fn.partial_gradients()) if hasattr(parallel_fn, "partial_gradients") else set()
     for (name, p), g in zip(p_params.items(), p_grads[len(p_in_idx) :]):
         if name in partial:  # a per-rank share of the gradient (sum convention): sum it
-            g = C.all_reduce(torch.zeros_like(p) if g is None else g.detach(), "sum", pg)
+            g = collectives.all_reduce(torch.zeros_like(p) if g is None else g.detach(), "sum", pg)
         if param_map is not None and name in param_map:
             s_name, index = param_map[name]
         else:
