@@ -709,3 +709,49 @@ def test_async_dispatch_keeps_its_replication_type_under_the_check(world2) -> No
 
     for types in world2.run(body):
         assert types == ["V"] * 4, types
+
+
+def test_moe_layers_take_the_shared_layer_options(world2) -> None:
+    """``MoE`` and ``ExpertParallelMoE`` take ``options=LayerOptions(...)`` like the other
+    layers: the same draws as the old keywords (which keep working and override it), the
+    group from the options, and a field they do not read (sequence parallelism) or a
+    keyword they do not take is a ``TypeError`` naming it, before any communication."""
+
+    def body() -> list[Any]:
+        from diffcomm import backend as B
+        from diffcomm.parallel import ExpertParallelMoE, LayerOptions, MoE
+
+        opts = LayerOptions(seed=5, dtype=F64)
+        by_keywords = MoE(4, 6, 4, 2, shared_expert_size=3, seed=5, dtype=F64)
+        by_options = MoE(4, 6, 4, 2, shared_expert_size=3, options=opts)
+        overridden = MoE(4, 6, 4, 2, shared_expert_size=3, options=LayerOptions(seed=1), seed=5, dtype=F64)
+        same = [
+            all(torch.equal(a, b) for a, b in zip(by_keywords.parameters(), m.parameters()))
+            for m in (by_options, overridden)
+        ]
+        ep_keywords = ExpertParallelMoE(4, 6, 4, 2, None, seed=5, dtype=F64)
+        ep_options = ExpertParallelMoE(4, 6, 4, 2, options=LayerOptions(group=None, seed=5, dtype=F64))
+        same.append(all(torch.equal(a, b) for a, b in zip(ep_keywords.parameters(), ep_options.parameters())))
+        same.append(ep_options.router.weight.dtype == F64)
+        errors = []
+        for fn in (
+            lambda: MoE(4, 6, 4, options=LayerOptions(sequence_parallel=True)),
+            lambda: ExpertParallelMoE(4, 6, 4, options=LayerOptions(overlap=True)),
+            lambda: MoE(4, 6, 4, group=None),
+            lambda: ExpertParallelMoE(4, 6, 4, options={"seed": 0}),
+        ):
+            with B.log_comms() as log:
+                try:
+                    fn()
+                    errors.append("no error")
+                except TypeError as exc:
+                    errors.append(f"{exc} [{log.count()} comms]")
+        return [same, errors]
+
+    for same, errors in world2.run(body):
+        assert same == [True, True, True, True], same
+        assert "diffcomm.parallel.MoE(): `options.sequence_parallel`" in errors[0], errors
+        assert "diffcomm.parallel.ExpertParallelMoE(): `options.overlap`" in errors[1], errors
+        assert "unexpected keyword argument 'group'" in errors[2], errors
+        assert "`options` must be a LayerOptions" in errors[3], errors
+        assert all(e.endswith("[0 comms]") for e in errors), errors
