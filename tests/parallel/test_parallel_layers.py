@@ -439,6 +439,10 @@ def _same_options_as_keywords(seed: int) -> list[bool]:
             P.ParallelSelfAttention(8, 4, seed=seed, sequence_parallel=True),
             P.ParallelSelfAttention(8, 4, options=P.LayerOptions(seed=seed, sequence_parallel=True)),
         ),
+        (
+            P.SequenceParallelLayerNorm(4, dtype=torch.float64),
+            P.SequenceParallelLayerNorm(4, options=P.LayerOptions(dtype=torch.float64)),
+        ),
     ]
     out = []
     for a, b in pairs:
@@ -450,14 +454,18 @@ def _same_options_as_keywords(seed: int) -> list[bool]:
     out.append(
         P.ColumnParallelLinear(4, 6, options=options, sequence_parallel=False).sequence_parallel is False
     )
+    norm = P.SequenceParallelLayerNorm(4, options=P.LayerOptions(dtype=torch.float64))
+    out.append(norm.weight.dtype == torch.float64)
     return out
 
 
 def test_layer_options_are_one_object_and_the_old_keywords_still_work(world2) -> None:
-    assert world2.run(_same_options_as_keywords, 3) == [[True] * 4] * 2
+    assert world2.run(_same_options_as_keywords, 3) == [[True] * 6] * 2
     with pytest.raises(TypeError, match=r"ParallelSelfAttention\(\): unexpected keyword argument 'overlap'"):
         P.ParallelSelfAttention(8, 4, overlap=True)
     with pytest.raises(TypeError, match=r"`options.sequence_dim` must be 0 \(it does not take it\)"):
         P.ParallelSelfAttention(8, 4, options=P.LayerOptions(sequence_dim=1))
     with pytest.raises(TypeError, match="unexpected keyword argument 'sead'"):
         P.RowParallelLinear(4, 6, sead=0)
+    with pytest.raises(TypeError, match=r"SequenceParallelLayerNorm\(\): `options.seed` must be None"):
+        P.SequenceParallelLayerNorm(4, options=P.LayerOptions(seed=0))

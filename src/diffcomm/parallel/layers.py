@@ -86,11 +86,13 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LayerOptions:
-    """The options the tensor-parallel layers and blocks share (``ColumnParallelLinear``,
-    ``RowParallelLinear``, ``VocabParallelEmbedding``, ``ParallelMLP``,
-    ``ParallelSelfAttention``), stated once: pass them as keywords, as before
-    (``ColumnParallelLinear(4, 6, seed=0, group=tp)``), or as one object
-    (``options=LayerOptions(group=tp, seed=0)``; keywords given too override its fields).
+    """The options the layers and blocks of this package share (``ColumnParallelLinear``,
+    ``RowParallelLinear``, ``VocabParallelEmbedding``, ``SequenceParallelLayerNorm``,
+    ``ParallelMLP``, ``ParallelSelfAttention``, ``MoE``, ``ExpertParallelMoE``), stated
+    once: pass them as keywords, as before (``ColumnParallelLinear(4, 6, seed=0,
+    group=tp)``), or as one object (``options=LayerOptions(group=tp, seed=0)``; keywords
+    given too override its fields). A layer reads the fields that apply to it and refuses
+    the others set to other than their defaults.
 
     Args:
         sequence_parallel: activations are sharded along ``sequence_dim`` between the
@@ -589,6 +591,9 @@ class SequenceParallelLayerNorm(ParallelModule):
         bias: learn a bias (with ``elementwise_affine``).
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         dtype, device: of the parameters.
+        options: those three as one :class:`LayerOptions` (keywords given too override
+            its fields; it always works on sequence chunks, so the sequence and
+            initialisation fields keep their defaults).
 
     Shapes:
         input and output ``(*, normalized_shape)``: this rank's sequence chunk.
@@ -617,17 +622,17 @@ class SequenceParallelLayerNorm(ParallelModule):
         elementwise_affine: bool = True,
         bias: bool = True,
         *,
-        group: A.GroupLike = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        options: LayerOptions | None = None,
+        **keywords: Any,
     ) -> None:
         super().__init__()
         op = "parallel.SequenceParallelLayerNorm"
-        self._pg, self.world_size, self.rank = resolve_parallel_group(op, group)
+        opts = LayerOptions.of(op, options, keywords, ("group", "dtype", "device"))
+        self._pg, self.world_size, self.rank = resolve_parallel_group(op, opts.group)
         self.normalized_shape = (check_positive(op, "normalized_shape", normalized_shape),)
         self.eps = float(eps)
         self.elementwise_affine = bool(elementwise_affine)
-        kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        kw: dict[str, Any] = {"dtype": opts.dtype, "device": opts.device}
         if self.elementwise_affine:
             self.weight = nn.Parameter(torch.ones(self.normalized_shape, **kw))
             self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **kw)) if bias else None
