@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -82,16 +82,51 @@ def _dropout(x: Tensor, p: float, training: bool, sharded: bool) -> Tensor:
         return F.dropout(x, p, True)
 
 
-def _linears(
-    op: str, opts: LayerOptions, size: int, column_out: int, row_in: int, bias: bool, _init: bool
-) -> tuple[ColumnParallelLinear, RowParallelLinear]:
-    """A block's two linears, ``size -> column_out`` (column-parallel) and ``row_in ->
-    size`` (row-parallel, fed the column's shards), with the block's options; both draw
-    from one generator (seeded from ``opts.seed``), the column's parameters first."""
-    linears = replace(opts, seed=None, generator=init_generator(op, opts.seed, opts.generator))
-    column = ColumnParallelLinear(size, column_out, bias, options=linears, _init=_init)
-    row = RowParallelLinear(row_in, size, bias, input_is_parallel=True, options=linears, _init=_init)
-    return column, row
+class _Block(ParallelModule):
+    """What the tensor-parallel blocks share: a column-parallel linear, local work on its
+    output features' shards, a row-parallel linear fed those shards (built by
+    :meth:`_linears`), and ``from_serial`` from the serial twin (``_serial_args``: its
+    size arguments; ``_serial_keywords``: its attributes that are the block's own
+    keywords, such as the activation)."""
+
+    _serial_keywords: ClassVar[tuple[str, ...]]
+
+    def _linears(
+        self, op: str, opts: LayerOptions, size: int, column_out: int, row_in: int, bias: bool, _init: bool
+    ) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+        """The two linears, ``size -> column_out`` (column-parallel) and ``row_in -> size``
+        (row-parallel), with the block's options; both draw from one generator (seeded
+        from ``opts.seed``), the column's parameters first. Sets the block's ``_pg`` and
+        ``sequence_parallel``."""
+        linears = replace(opts, seed=None, generator=init_generator(op, opts.seed, opts.generator))
+        column = ColumnParallelLinear(size, column_out, bias, options=linears, _init=_init)
+        row = RowParallelLinear(row_in, size, bias, input_is_parallel=True, options=linears, _init=_init)
+        self._pg = column._pg
+        self.sequence_parallel = bool(opts.sequence_parallel)
+        return column, row
+
+    @staticmethod
+    def _serial_args(serial: Any) -> tuple[int, int, bool]:  # pragma: no cover - per block
+        raise NotImplementedError
+
+    @classmethod
+    def from_serial(  # a block takes its serial twin, not any module
+        cls: type[_B], serial: nn.Module, group: A.GroupLike = None, **kwargs: Any
+    ) -> _B:
+        """This rank's shards of the serial block (:class:`MLP` for :class:`ParallelMLP`,
+        :class:`SelfAttention` for :class:`ParallelSelfAttention`; same activation and
+        dropout, or the same causal mask and attention dropout).
+
+        Args:
+            serial: the serial block (same on every rank).
+            group: the tensor-parallel group.
+            **kwargs: ``sequence_parallel`` (and ``sequence_dim`` for the MLP).
+        """
+        own = {k: getattr(serial, k) for k in cls._serial_keywords}
+        return cls._from_serial(serial, *cls._serial_args(serial), group=group, **own, **kwargs)
+
+
+_B = TypeVar("_B", bound=_Block)
 
 
 # ======================================================================================
@@ -133,7 +168,7 @@ class MLP(nn.Module):
         return self.fc2(_dropout(self._act(self.fc1(x)), self.dropout, self.training, sharded=False))
 
 
-class ParallelMLP(ParallelModule):
+class ParallelMLP(_Block):
     """Tensor-parallel MLP: ``ColumnParallelLinear -> act -> dropout -> RowParallelLinear``.
 
     The inner activation stays sharded (``ffn_hidden_size / world`` features per rank),
@@ -179,6 +214,7 @@ class ParallelMLP(ParallelModule):
     """
 
     spmd = varying_with("sequence_parallel", "a sequence chunk")
+    _serial_keywords = ("activation", "dropout")
 
     def __init__(
         self,
@@ -195,31 +231,18 @@ class ParallelMLP(ParallelModule):
         super().__init__()
         op = "parallel.ParallelMLP"
         opts = LayerOptions.of(op, options, keywords)
-        self.fc1, self.fc2 = _linears(op, opts, hidden_size, ffn_hidden_size, ffn_hidden_size, bias, _init)
-        self._pg = self.fc1._pg
+        self.fc1, self.fc2 = self._linears(
+            op, opts, hidden_size, ffn_hidden_size, ffn_hidden_size, bias, _init
+        )
         self.activation = activation
         self._act = _activation(op, activation)
         if not 0.0 <= float(dropout) < 1.0:
             raise A.arg_error(op, "dropout", "a probability in [0, 1)", dropout)
         self.dropout = float(dropout)
-        self.sequence_parallel = bool(opts.sequence_parallel)
 
-    @classmethod
-    def from_serial(  # type: ignore[override]  # a block takes its serial twin, not any module
-        cls, mlp: MLP, group: A.GroupLike = None, **kwargs: Any
-    ) -> ParallelMLP:
-        """This rank's shards of the serial :class:`MLP` (same activation and dropout).
-
-        Args:
-            mlp: the serial MLP (same on every rank).
-            group: the tensor-parallel group.
-            **kwargs: ``sequence_parallel``, ``sequence_dim``.
-        """
-        fc1 = mlp.fc1
-        options = {"activation": mlp.activation, "dropout": mlp.dropout, "group": group}
-        return cls._from_serial(
-            mlp, fc1.in_features, fc1.out_features, fc1.bias is not None, **options, **kwargs
-        )
+    @staticmethod
+    def _serial_args(mlp: MLP) -> tuple[int, int, bool]:
+        return mlp.fc1.in_features, mlp.fc1.out_features, mlp.fc1.bias is not None
 
     def forward(self, x: Tensor) -> Tensor:
         h = self._act(self.fc1(x))
@@ -294,7 +317,7 @@ class SelfAttention(nn.Module):
         return self.proj(y)
 
 
-class ParallelSelfAttention(ParallelModule):
+class ParallelSelfAttention(_Block):
     """Tensor-parallel self-attention: heads split across the group.
 
     ``qkv`` is a :class:`ColumnParallelLinear` (rank ``r`` holds the q/k/v projections of
@@ -332,6 +355,7 @@ class ParallelSelfAttention(ParallelModule):
     """
 
     spmd = varying_with("sequence_parallel", "a sequence chunk")
+    _serial_keywords = ("causal", "attention_dropout")
 
     def __init__(
         self,
@@ -353,33 +377,14 @@ class ParallelSelfAttention(ParallelModule):
         check_divisible(op, "hidden_size", hidden_size, num_heads, "hidden features (per head)")
         self.heads_per_rank = check_divisible(op, "num_heads", num_heads, world, "heads")
         opts = replace(opts, group=pg)
-        self.qkv, self.proj = _linears(op, opts, hidden_size, 3 * hidden_size, hidden_size, bias, _init)
-        self._pg = pg
+        self.qkv, self.proj = self._linears(op, opts, hidden_size, 3 * hidden_size, hidden_size, bias, _init)
         self.num_heads = num_heads
         self.causal = bool(causal)
         self.attention_dropout = float(attention_dropout)
-        self.sequence_parallel = bool(opts.sequence_parallel)
 
-    @classmethod
-    def from_serial(  # type: ignore[override]  # a layer takes its serial twin, not any module
-        cls, attention: SelfAttention, group: A.GroupLike = None, **kwargs: Any
-    ) -> ParallelSelfAttention:
-        """This rank's heads of the serial :class:`SelfAttention`.
-
-        Args:
-            attention: the serial module (same on every rank).
-            group: the tensor-parallel group.
-            **kwargs: ``sequence_parallel``.
-        """
-        qkv = attention.qkv
-        options = {
-            "causal": attention.causal,
-            "attention_dropout": attention.attention_dropout,
-            "group": group,
-        }
-        return cls._from_serial(
-            attention, qkv.in_features, attention.num_heads, qkv.bias is not None, **options, **kwargs
-        )
+    @staticmethod
+    def _serial_args(attention: SelfAttention) -> tuple[int, int, bool]:
+        return attention.qkv.in_features, attention.num_heads, attention.qkv.bias is not None
 
     def forward(self, x: Tensor) -> Tensor:
         y = _attention(
