@@ -299,6 +299,20 @@ class ColumnParallelLinear(_ParallelLinear):
 
     _sequence_parallel_needs = ("gather_output", False)
     _shard_dim = 0
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        gather_output: bool = False,
+        options: LayerOptions | None = None,
+        **keywords: Any,
+    ) -> None:
+        keywords["gather_output"] = gather_output
+        super().__init__(in_features, out_features, bias, options=options, **keywords)
+
     gather_output: bool
 
     def forward(self, x: Tensor) -> Tensor:
@@ -386,6 +400,20 @@ class RowParallelLinear(_ParallelLinear):
 
     _sequence_parallel_needs = ("input_is_parallel", True)
     _shard_dim = 1
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        input_is_parallel: bool = False,
+        options: LayerOptions | None = None,
+        **keywords: Any,
+    ) -> None:
+        keywords["input_is_parallel"] = input_is_parallel
+        super().__init__(in_features, out_features, bias, options=options, **keywords)
+
     input_is_parallel: bool
 
     def forward(self, x: Tensor) -> Tensor:
