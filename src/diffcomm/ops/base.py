@@ -432,12 +432,12 @@ def batch_first(x: Tensor, bdim: int | None) -> Tensor:
     return x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
 
 
-def only_on(x: Tensor, keep: bool) -> Tensor:
-    """``x`` where ``keep`` else exact zeros — still connected to ``x``'s graph, so the
+def only_on(x: Tensor, keep: bool | Tensor) -> Tensor:
+    """``x`` where ``keep`` (a bool, or a 0-dim bool tensor: one per simulated rank under
+    ``LocalTensorMode``) else exact zeros — still connected to ``x``'s graph, so the
     backward of whatever produced ``x`` runs on every rank (the SPMD rule)."""
-    return torch.where(
-        torch.tensor(keep, device=x.device), x, torch.zeros((), dtype=x.dtype, device=x.device)
-    )
+    mask = keep if isinstance(keep, Tensor) else torch.tensor(keep, device=x.device)
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 # ======================================================================================

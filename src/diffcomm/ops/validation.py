@@ -31,9 +31,29 @@ _group_info = B.group_info
 def rank(pg: PG) -> int:
     """This process's rank in ``pg``: ``current_backend().rank(pg)``; eagerly, with the
     default adapter, read straight off the group record (two call frames fewer)."""
-    if compiling() or B.INSTALLED is not B.DEFAULT:
-        return current_backend().rank(pg)
+    b = current_backend()
+    if b is not B.DEFAULT:  # compiling, another adapter installed, or LocalTensorMode on
+        return b.rank(pg)
     return _group_info(pg).rank
+
+
+def rank_is(pg: PG, r: int, device: torch.device) -> Tensor:
+    """A 0-dim bool tensor: whether this rank is group rank ``r`` (under torch's
+    ``LocalTensorMode`` one per simulated rank, where a Python bool cannot say it)."""
+    per_rank = getattr(current_backend(), "rank_is", None)
+    if per_rank is not None:
+        return per_rank(pg, r, device)
+    return torch.tensor(rank(pg) == r, device=device)
+
+
+def own_slice(sizes: Sequence[int], pg: PG) -> tuple[int, int]:
+    """(start, length) of this rank's chunk of a dim split into ``sizes``: under torch's
+    ``LocalTensorMode`` ints that hold one value per simulated rank (for ``narrow``)."""
+    per_rank = getattr(current_backend(), "own_slice", None)
+    if per_rank is not None:
+        return per_rank(sizes, pg)
+    r = rank(pg)
+    return sum(sizes[:r]), sizes[r]
 
 
 def world(pg: PG) -> int:
