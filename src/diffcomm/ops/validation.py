@@ -56,6 +56,13 @@ def own_slice(sizes: Sequence[int], pg: PG) -> tuple[int, int]:
     return sum(sizes[:r]), sizes[r]
 
 
+def rank_index(pg: PG) -> int:
+    """This rank in ``pg``, to index or slice tensors with (``narrow``): under torch's
+    ``LocalTensorMode`` an int holding each simulated rank's own; never to compare (a
+    comparison of it is one answer for every rank: compare with :func:`rank_is`)."""
+    return own_slice([1] * world(pg), pg)[0]
+
+
 def world(pg: PG) -> int:
     """The size of ``pg``: ``current_backend().world_size(pg)``, read as :func:`rank`."""
     if compiling() or B.INSTALLED is not B.DEFAULT:
