@@ -63,7 +63,7 @@ def refuse(op: str, why: str) -> LocalTensorModeError:
     )
 
 
-_RANK_WHY = (
+RANK_WHY = (
     "it reads this rank as a Python int, and one program holds one int for every simulated "
     "rank (torch's fake process group says 0 on each: every rank would get rank 0's answer)"
 )
@@ -145,7 +145,7 @@ class LocalTensorBackend(CoalescedOps):
 
     # ---- the rank, checks ------------------------------------------------------------
     def rank(self, group: Any) -> int:
-        raise refuse("rank (the group rank)", _RANK_WHY)
+        raise refuse("rank (the group rank)", RANK_WHY)
 
     def rank_is(self, group: Any, r: int, device: torch.device) -> torch.Tensor:
         """A 0-dim bool tensor, per simulated rank: whether it is group rank ``r``."""
@@ -309,5 +309,5 @@ class LocalTensorBackend(CoalescedOps):
 
 def _all_to_all_parts(ts: list[torch.Tensor], n: int) -> list[torch.Tensor]:
     """The even all_to_all of the group's tensors ``ts``: chunk ``j`` of each to rank ``j``."""
-    chunks = [t.split(t.shape[0] // n) if n else [] for t in ts]
+    chunks = [t.tensor_split(n) for t in ts]  # n equal chunks (also of an empty t)
     return [torch.cat([chunks[i][j] for i in range(n)]) for j in range(n)]
