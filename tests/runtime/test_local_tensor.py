@@ -293,7 +293,9 @@ def _cases(draw: st.DrawFn) -> tuple:
     rest = draw(st.lists(st.integers(1, 3), min_size=0, max_size=2))
     rows = n * draw(st.integers(0, 2))
     splits = None
-    if op in ("reduce_scatter", "scatter", "all_gather_uneven") and (op == "all_gather_uneven" or draw(st.booleans())):
+    if op in ("reduce_scatter", "scatter", "all_gather_uneven") and (
+        op == "all_gather_uneven" or draw(st.booleans())
+    ):
         splits = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
         rows = sum(splits)
     kw = {"op": draw(st.sampled_from(list(_REDUCE_OPS))), "root": draw(st.integers(0, 4))}
@@ -306,7 +308,7 @@ def _cases(draw: st.DrawFn) -> tuple:
 def test_property_local_tensor_mode_equals_in_process_world(inproc_worlds: Callable[[int], Any]) -> None:
     """Hypothesis: op x shape x split sizes x reduce op x root x world 1-4."""
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
     @given(_cases())
     def check(case: tuple) -> None:
         op, n, *rest = case
