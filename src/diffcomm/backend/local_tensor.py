@@ -93,10 +93,6 @@ class LocalTensorBackend(CoalescedOps):
     """The backend adapter while a ``LocalTensorMode`` is on: every raw op computed per
     simulated rank from the ``LocalTensor``'s values (see the module)."""
 
-    #: every rank of the program is simulated here (ops whose pairs are rank-free ask for
-    #: :meth:`ppermute` instead of computing a peer from the rank)
-    simulates_ranks = True
-
     def __init__(self, inner: Any) -> None:
         self._inner = inner
 
@@ -185,7 +181,7 @@ class LocalTensorBackend(CoalescedOps):
     def broadcast(self, x: torch.Tensor, src: int, group: Any) -> torch.Tensor:
         return self._each([x], group, lambda ts: [ts[src].clone() for _ in ts])
 
-    _broadcast_into = broadcast  # type: ignore[assignment]
+    _broadcast_into = broadcast
 
     def reduce(self, x: torch.Tensor, dst: int, op: str, group: Any) -> torch.Tensor:
         def fn(ts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -136,8 +136,8 @@ class _Shift(CommOp):
     def run(x: Tensor, offset: int, pg: PG) -> Tensor:
         info = B.group_info(pg)
         me, n = info.rank, info.size
-        if simulated():  # every rank in this program: the pairs, not this rank's peers
-            return B.get_backend().ppermute(x, [(r, (r + offset) % n) for r in range(n)], pg)
+        if (every := simulated()) is not None:  # every rank in this program: the pairs
+            return every.ppermute(x, [(r, (r + offset) % n) for r in range(n)], pg)
         return wire.exchange(x, (me + offset) % n, (me - offset) % n, x.shape, pg, me)
 
     @staticmethod
@@ -210,8 +210,8 @@ class _PPermute(CommOp):
 
     @staticmethod
     def run(x: Tensor, perm: tuple[tuple[int, int], ...], pg: PG) -> Tensor:
-        if simulated():  # every rank in this program: the pairs, not this rank's peers
-            return B.get_backend().ppermute(x, perm, pg)
+        if (every := simulated()) is not None:  # every rank in this program: the pairs
+            return every.ppermute(x, perm, pg)
         me = B.group_info(pg).rank
         dst = next((d for s, d in perm if s == me), None)
         src = next((s for s, d in perm if d == me), None)

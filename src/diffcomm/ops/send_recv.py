@@ -17,7 +17,7 @@ from .. import backend as B
 from .._replication import PARTIAL, SHARES, P, R, Rule, V, spmd_types_checking, spmd_types_paused
 from ..backend import args as A
 from ..backend.args import PG
-from ..backend.local_tensor import PEER_WHY, refuse
+from ..backend.local_tensor import PEER_WHY, LocalTensorBackend, refuse
 from . import wire
 from .base import CommOp, batch_first, call
 from .base import apply as _apply
@@ -486,15 +486,16 @@ def is_send_node(node: Any) -> bool:
 # ======================================================================================
 
 
-def simulated() -> bool:
-    """Whether the backend runs every rank in this one program (torch's
-    ``LocalTensorMode``), where a peer computed from this rank is rank 0's."""
-    return getattr(B.get_backend(), "simulates_ranks", False)
+def simulated() -> LocalTensorBackend | None:
+    """The backend, when it runs every rank in this one program (torch's
+    ``LocalTensorMode``, where a peer computed from this rank is rank 0's); else ``None``."""
+    be = B.get_backend()
+    return be if isinstance(be, LocalTensorBackend) else None
 
 
 def refuse_peers(op: str) -> None:
     """Under torch's ``LocalTensorMode``: refuse ``op``, whose peers are per-rank ints."""
-    if simulated():
+    if simulated() is not None:
         raise refuse(op, PEER_WHY)
 
 
