@@ -219,6 +219,16 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
     "send / recv": (_send_recv, 2, r"`send` .*its peers are per-rank Python ints"),
     "sendrecv": (_sendrecv, 2, r"`sendrecv` .*its peers are per-rank Python ints"),
     "get_rank": (lambda: dc.get_rank(), 2, r"`get_rank` .*reads this rank as a Python int"),
+    "all_reduce(async_op=True)": (
+        _one(lambda x: dc.all_reduce(x, async_op=True), 2, 3),
+        2,
+        r"`all_reduce\(async_op=True\)` .*communication thread",
+    ),
+    "reduce_scatter_coalesced(async_op=True)": (
+        _coalesced(lambda xs: dc.reduce_scatter_coalesced(xs, async_op=True)),
+        3,
+        r"async_op=True\)` .*communication thread",
+    ),
     "all_gather[split_sizes]": (
         _ragged(lambda x: dc.all_gather(x, split_sizes=[1, 2])),
         2,

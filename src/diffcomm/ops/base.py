@@ -57,6 +57,7 @@ from .. import _torch
 from .. import backend as B
 from .._replication import spmd_types_checking
 from ..backend import args as A
+from ..backend.local_tensor import refuse
 from ..diagnostics.logger import nest as _nest
 from . import engine as _async
 from . import registry as _registry
@@ -147,6 +148,12 @@ def apply(fn_cls: Any, *args: Any, async_op: bool = False) -> Any:
             raise TypeError(
                 f"diffcomm.{fn_cls.name}(): async_op=True needs the op's output shape before it "
                 f"communicates; {fn_cls.__qualname__} states no `out_shape`"
+            )
+        if _torch.local_tensor_mode_on():
+            raise refuse(
+                f"{fn_cls.name}(async_op=True)",
+                "an asynchronous op runs on diffcomm's communication thread, and the "
+                "simulated ranks have no transport to overlap (call it with async_op=False)",
             )
         with _async.async_if(True):
             return apply(fn_cls, *args)
