@@ -72,14 +72,16 @@ def assert_equal_both_ways(inproc_world: Any, n: int, fn: Callable[..., Any], *a
         assert _close(here[r], want[r]), (r, here[r], want[r])
 
 
-def per_rank(seed: int, *shape: int, rows: Callable[[int], int] | None = None) -> torch.Tensor:
+def per_rank(
+    seed: int, *shape: int, rows: Callable[[int], int] | None = None, same: bool = False
+) -> torch.Tensor:
     """A float64 input that requires grad, different on every rank (``rows(r)``: rank
-    ``r``'s length along dim 0 instead of ``shape[0]``)."""
+    ``r``'s length along dim 0 instead of ``shape[0]``; ``same``: equal on every rank)."""
     from torch.distributed._local_tensor import rank_map
 
     def make(r: int) -> torch.Tensor:
         dims = (rows(r), *shape[1:]) if rows is not None else shape
-        g = torch.Generator().manual_seed(seed * 1000 + r)
+        g = torch.Generator().manual_seed(seed * 1000 + (0 if same else r))
         return torch.randn(*dims, dtype=torch.float64, generator=g)
 
     return rank_map(make).requires_grad_(True)
@@ -174,6 +176,32 @@ def _sendrecv() -> Any:
     return dc.sendrecv(per_rank(12, 3), dst=1, src=1)
 
 
+def _tp_mlp_by_mappings() -> tuple:
+    """A Megatron MLP written with the mappings: column shard, tanh, row shard."""
+    x = per_rank(14, 6, 8, same=True)  # replicated input
+    w1, w2 = per_rank(15, 8, 4), per_rank(16, 4, 8)  # each rank's shards
+    y = P.reduce_from_region(torch.tanh(P.copy_to_region(x) @ w1) @ w2)
+    return outs_and_grads([y], [x, w1, w2])
+
+
+def _compat(name: str) -> Callable[[], tuple]:
+    from diffcomm import compat as C
+
+    calls: dict[str, Callable[[torch.Tensor], Any]] = {
+        "all_reduce": lambda x: C.all_reduce(x, op=dist.ReduceOp.MAX),
+        "broadcast": lambda x: C.broadcast(x, src=1),
+        "reduce": lambda x: C.reduce(x, dst=1),
+        "all_gather": C.all_gather,
+        "gather": lambda x: C.gather(x, dst=1),
+        "scatter": lambda x: C.scatter(list(x.unbind(0)), src=1),
+        "reduce_scatter": lambda x: C.reduce_scatter(x[0], list(x.unbind(0))),
+        "_all_gather_base": lambda x: C._all_gather_base(None, x),  # type: ignore[arg-type]
+        "all_to_all": lambda x: C.all_to_all(list(x.unbind(0)), list(x.unbind(0))),
+        "all_to_all_single": lambda x: C.all_to_all_single(torch.empty_like(x), x),
+    }
+    return _one(calls[name], 3, 4)
+
+
 def _mapping(name: str) -> Callable[[], tuple]:
     if name == "all_to_all_region":
         return _one(lambda x: P.all_to_all_region(x, 0, 1), 4, 4)
@@ -186,6 +214,7 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "all_gather": (_one(dc.all_gather, 2, 3), 3),
     "all_gather[dim=1]": (_one(lambda x: dc.all_gather(x, dim=1), 2, 3), 3),
     "all_gather[uneven]": (_ragged(dc.all_gather), 3),
+    "all_gather[split_sizes]": (_ragged(lambda x: dc.all_gather(x, split_sizes=[1, 2, 3])), 3),
     **{
         f"reduce_scatter[{o}]": (_one(lambda x, o=o: dc.reduce_scatter(x, op=o), 6, 2), 3)
         for o in _REDUCE_OPS
@@ -212,6 +241,22 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "broadcast_coalesced": (_coalesced(lambda xs: dc.broadcast_coalesced(xs, src=2)), 3),
     "reduce_coalesced": (_coalesced(lambda xs: dc.reduce_coalesced(xs, dst=1)), 3),
     **{name: (_mapping(name), 2) for name in P.MAPPINGS},
+    "TP MLP by the mappings": (_tp_mlp_by_mappings, 2),
+    **{
+        f"compat.{name}": (_compat(name), 3)
+        for name in (
+            "all_reduce",
+            "broadcast",
+            "reduce",
+            "all_gather",
+            "gather",
+            "scatter",
+            "reduce_scatter",
+            "_all_gather_base",
+            "all_to_all",
+            "all_to_all_single",
+        )
+    },
 }
 
 #: row -> (program, world, the words the error must contain)
@@ -228,11 +273,6 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         _coalesced(lambda xs: dc.reduce_scatter_coalesced(xs, async_op=True)),
         3,
         r"async_op=True\)` .*communication thread",
-    ),
-    "all_gather[split_sizes]": (
-        _ragged(lambda x: dc.all_gather(x, split_sizes=[1, 2])),
-        2,
-        r"`rank \(the group rank\)` .*reads this rank",
     ),
     "all_gather_coalesced[uneven]": (_ragged(lambda x: dc.all_gather_coalesced([x])), 2, r"reads this rank"),
     "ParallelMLP": (_tp_mlp, 2, r"reads this rank"),
@@ -344,3 +384,17 @@ def test_a_plain_tensor_is_every_ranks_and_groups_of_a_mesh_run_per_copy(
         )
 
     assert_equal_both_ways(inproc_worlds(4), 4, program)
+
+
+def test_split_sizes_are_checked_on_every_simulated_rank() -> None:
+    """A ``split_sizes`` that one simulated rank's length contradicts is the ValueError
+    real processes give (naming the argument), not rank 0's check alone."""
+
+    def program() -> Any:
+        x = per_rank(17, 0, 3, rows=lambda r: r + 1)  # 1, 2, 3 rows
+        return dc.all_gather(x, split_sizes=[1, 2, 2])  # rank 2 holds 3 rows
+
+    with pytest.raises(
+        ValueError, match=r"`split_sizes` must be to list x.shape\[0\]=.*at this rank's position"
+    ):
+        run_under_local_tensor_mode(3, program)

@@ -110,7 +110,7 @@ def given_split_sizes(sizes: Sequence[int], x: Tensor, dim: int, pg: PG, op: str
     b = current_backend()
     total = sum(sizes) if A.plain_ints(sizes) else sum(int(s) for s in sizes)
     sizes = A.check_split_sizes(sizes, total, b.world_size(pg), op, arg)
-    if sizes[b.rank(pg)] != x.shape[dim]:
+    if own_slice(sizes, pg)[1] != x.shape[dim]:  # (per simulated rank: true if any differs)
         raise A.arg_error(op, arg, f"to list x.shape[{dim}]={x.shape[dim]} at this rank's position", sizes)
     return sizes
 
@@ -186,7 +186,7 @@ def all_to_all_split_sizes(
     if output_split_sizes is None:
         return ins, [x.shape[concat_dim]] * size
     outs = _output_sizes(output_split_sizes, size)
-    if outs[rank(pg)] != x.shape[concat_dim]:
+    if own_slice(outs, pg)[1] != x.shape[concat_dim]:  # (as given_split_sizes)
         raise A.arg_error(
             op,
             "output_split_sizes",
