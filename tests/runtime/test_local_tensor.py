@@ -274,6 +274,11 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         3,
         r"async_op=True\)` .*communication thread",
     ),
+    "all_to_all[input_split_sizes]": (
+        _one(lambda x: dc.all_to_all(x, input_split_sizes=[1, 3]), 4, 2),
+        2,
+        r"`all_to_all` .*the sizes each rank receives differ",
+    ),
     "all_gather_coalesced[uneven]": (_ragged(lambda x: dc.all_gather_coalesced([x])), 2, r"reads this rank"),
     "ParallelMLP": (_tp_mlp, 2, r"reads this rank"),
     "ring_attention": (_attention("ring_attention"), 2, r"reads this rank"),

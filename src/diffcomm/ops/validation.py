@@ -21,6 +21,7 @@ from .. import backend as B
 from .._torch import compiling
 from ..backend import args as A
 from ..backend.args import PG
+from ..backend.local_tensor import refuse
 from ..backend.sized_gather import exchange_first
 
 #: The backend adapter the raw ops run on now (see :func:`diffcomm.backend.get_backend`).
@@ -215,4 +216,11 @@ def all_to_all_received(ins: Sequence[int], pg: PG) -> list[int]:
     size = world(pg)
     with B.label("all_to_all (size exchange)"):
         sent = torch.tensor(list(ins), dtype=torch.int64, device=current_backend().comm_device(pg))
-        return current_backend().all_to_all(sent, pg, [1] * size, [1] * size).tolist()
+        got = current_backend().all_to_all(sent, pg, [1] * size, [1] * size).tolist()
+    if not A.plain_ints(got):  # under torch's LocalTensorMode: one int per simulated rank
+        raise refuse(
+            "all_to_all",
+            "the sizes each rank receives differ between the simulated ranks, and the op's "
+            "shapes are read as one program's Python ints",
+        )
+    return got
