@@ -116,8 +116,9 @@ class LocalTensorBackend(CoalescedOps):
         return {r: x for r in self._mode().ranks}
 
     def _each(self, xs: Sequence[torch.Tensor], group: Any, fn: Callable[..., list[torch.Tensor]]) -> Any:
-        """Run ``fn(position, [every group rank's tensor of each x])`` -> one output per
-        group rank, for every copy of ``group``; the outputs as one ``LocalTensor``."""
+        """Run ``fn(*[every group rank's tensor of each x])`` -> one output per group rank
+        (in group-rank order), for every copy of ``group``; the outputs as one
+        ``LocalTensor``."""
         lt = local_tensor_api()
         mode = self._mode()
         values = [self._values(x) for x in xs]
@@ -125,7 +126,7 @@ class LocalTensorBackend(CoalescedOps):
         with mode.disable():
             for members in local_group_instances(group):
                 if not all(r in v for v in values for r in members):
-                    continue
+                    raise refuse("a collective", f"the tensor holds no values for some of ranks {members}")
                 got = fn(*[[v[r].detach() for r in members] for v in values])
                 for r, y in zip(members, got, strict=True):
                     out[r] = y
@@ -152,8 +153,10 @@ class LocalTensorBackend(CoalescedOps):
 
     def own_slice(self, sizes: Sequence[int], group: Any) -> tuple[Any, Any]:
         """(start, length) of this rank's chunk of ``sizes`` along a dim, each an int per
-        simulated rank (a ``SymInt`` where they differ): to ``narrow`` with, never to
-        compare (compare with :meth:`rank_is`)."""
+        simulated rank (a ``SymInt`` where they differ): to ``narrow`` with. Compared,
+        such an int is one answer for all ranks — ``!=`` true where any rank differs (a
+        mismatch check), ``==`` only where all agree —, so never branch on it to pick a
+        rank's value (:meth:`rank_is` gives that per rank)."""
         starts: dict[int, int] = {}
         lengths: dict[int, int] = {}
         for members in local_group_instances(group):
