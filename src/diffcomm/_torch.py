@@ -355,6 +355,33 @@ def local_tensor_mode_on() -> bool:
     return bool(lt._PROCESS_LOCAL_TENSOR_MODE or getattr(lt._THREAD_LOCAL_TENSOR_MODE, "value", None))
 
 
+def local_tensor_api() -> Any:
+    """torch's local-tensor package (imported on first use; only read while a mode is on)."""
+    import torch.distributed._local_tensor as lt
+
+    return lt
+
+
+def local_group_instances(group: Any) -> list[list[int]]:
+    """The global ranks of every copy of ``group`` under ``LocalTensorMode``, each list in
+    group-rank order: torch's fake process group stands for one group of each shape, and
+    its local collectives run it once per copy (``_prepare_collective_groups``)."""
+    from torch.distributed._local_tensor import _c10d
+
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    ranks, offsets, _ = _c10d._prepare_collective_groups(pg)
+    return [[o + r for r in ranks] for o in offsets]
+
+
+def local_int(value: Any, rank: int) -> int:
+    """``value`` (an int, or a ``SymInt`` holding one int per simulated rank) on ``rank``."""
+    lt = local_tensor_api()
+    node = getattr(value, "node", None)
+    if node is None:
+        return int(value)
+    return int(lt._int_on_rank(node, rank))
+
+
 def completed_work(result: Any) -> Any:
     """A c10d ``Work`` that is already complete with ``result`` (a Python process group's
     reply)."""

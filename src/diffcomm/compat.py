@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .backend import args as A
 from .ops import collectives
+from .ops.validation import rank as _group_rank
 
 __all__ = [
     "broadcast",
@@ -115,7 +116,9 @@ def reduce_scatter(
     )
     sizes = [t.numel() for t in input_list]
     out = collectives.reduce_scatter(flat, 0, op, _group(group), split_sizes=sizes)
-    rank = dist.get_rank(A.resolve_group(_group(group), "compat.reduce_scatter"))
+    if all(t.shape == input_list[0].shape for t in input_list):  # (no rank to read)
+        return out.reshape(input_list[0].shape)
+    rank = _group_rank(A.resolve_group(_group(group), "compat.reduce_scatter"))
     return out.reshape(input_list[rank].shape)
 
 

@@ -58,7 +58,7 @@ from .dispatch import set_order_hook as set_order_hook
 from .dispatch import tensor_nbytes as tensor_nbytes
 from .groups import Capabilities, GroupInfo, ProcessGroup, cpu_group, group_info
 from .groups import static_capabilities as static_capabilities
-from .local_tensor import LocalTensorGuard
+from .local_tensor import LocalTensorBackend
 from .torch_distributed import CoalescedOps as CoalescedOps
 from .torch_distributed import TorchDistributedBackend
 from .torch_distributed import pad_rows as pad_rows
@@ -165,12 +165,12 @@ _MODULES = sys.modules
 
 def get_backend() -> Backend:
     """The backend adapter every collective calls (:class:`TraceableBackend` while
-    ``torch.compile`` traces, :class:`~diffcomm.backend.local_tensor.LocalTensorGuard`
+    ``torch.compile`` traces, :class:`~diffcomm.backend.local_tensor.LocalTensorBackend`
     under torch's ``LocalTensorMode``, whatever :func:`set_backend` installed)."""
     if compiling():
         return _TRACEABLE  # type: ignore[return-value]
     if _LT_NAME in _MODULES and local_tensor_mode_on():  # (imported: a mode may be on)
-        return LocalTensorGuard(INSTALLED)
+        return LocalTensorBackend(INSTALLED)
     return INSTALLED
 
 

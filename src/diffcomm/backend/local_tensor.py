@@ -2,29 +2,41 @@
 
 ``LocalTensorMode(n)`` runs one program for ``n`` simulated ranks at once: every tensor is
 a ``LocalTensor`` holding each rank's values, and torch's fake process group reports
-**rank 0 on every simulated rank**. A diffcomm op whose raw ops do not depend on the rank
-gives each simulated rank exactly what a real rank gets; one whose result depends on the
-rank (its own chunk of a reduce_scatter, the root of a reduce, a peer of a send) would
-give every rank rank 0's answer, silently. :class:`LocalTensorGuard` is the backend
-adapter :func:`~diffcomm.backend.get_backend` returns while such a mode is on: it passes
-the rank-free raw ops through (``all_reduce`` with every reduce op, its coalesced form,
-the even ``all_to_all``; each checked against real processes in
-tests/runtime/test_in_process.py) and refuses every other one with an error naming the
-op and why, before any communication. For every op, run the ranks with
-``dc.LocalWorld(n, in_process=True)`` instead (docs/in_process.md).
+**rank 0 on every simulated rank**. A raw op whose result depends on the rank (its own
+chunk of a reduce_scatter, the root of a reduce, a peer of a send) would give every rank
+rank 0's answer if it ran on that fake group. :class:`LocalTensorBackend` is the backend
+adapter :func:`~diffcomm.backend.get_backend` returns while such a mode is on: it computes
+every collective **per simulated rank** from the ``LocalTensor``'s per-rank values (for
+each copy of the group, in group-rank order), exactly what each real rank gets:
+
+* reductions combine the ranks' tensors **in rank order** (``avg``: the sum, then divided
+  by the group size), as an in-process world does;
+* a rooted op reads the root's tensor and gives the other ranks exact zeros;
+* uneven sizes (a ``LocalTensor`` whose ranks hold different lengths) travel as they are;
+* ``shift`` / ``ppermute`` (whose pairs are the same on every rank) move each rank's
+  tensor to its peer (:meth:`LocalTensorBackend.ppermute`).
+
+What cannot be one program for every rank raises :class:`LocalTensorModeError` naming the
+op and why, before any communication: reading the rank as a Python int (it differs per
+simulated rank, one program holds one int), ``send`` / ``recv`` / ``sendrecv`` (peers are
+per-rank ints), split sizes that differ between ranks in a way plain ints cannot hold.
+The comms logger, flight recorder and comm-off switches do not see these ops (there is no
+transport to log or switch off). docs/in_process.md has the table, op by op.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .._errors import DiffcommError
+from .._torch import local_group_instances, local_int, local_tensor_api
+from .torch_distributed import CoalescedOps
 
-#: The raw ops that are rank-free (the same on every rank given each rank's values).
-PASSED = frozenset({"all_reduce", "all_reduce_coalesced", "all_to_all"})
 _HELPERS = frozenset(
     {
         "world_size",
@@ -33,7 +45,6 @@ _HELPERS = frozenset(
         "comm_device",
         "global_rank",
         "overrides",
-        "check_consistent",
     }
 )
 
@@ -43,22 +54,179 @@ class LocalTensorModeError(DiffcommError, NotImplementedError):
     ``LocalTensorMode`` (see :mod:`diffcomm.backend.local_tensor`)."""
 
 
-def _refuse(op: str) -> LocalTensorModeError:
+def refuse(op: str, why: str) -> LocalTensorModeError:
+    """The error for ``op`` under ``LocalTensorMode``: what it is, why, what to do."""
     return LocalTensorModeError(
-        f"diffcomm: raw op `{op}` under torch's LocalTensorMode is not supported: its result "
-        "depends on the rank, and torch's fake process group reports rank 0 on every "
-        "simulated rank (every rank would get rank 0's answer). Run the ranks with "
-        "dc.LocalWorld(n, in_process=True) instead: the same values as real processes, in "
-        "this process (docs/in_process.md)."
+        f"diffcomm: `{op}` under torch's LocalTensorMode is not supported: {why}. Run the "
+        "ranks with dc.LocalWorld(n, in_process=True) instead: the same values as real "
+        "processes, in this process (docs/in_process.md)."
     )
 
 
-class LocalTensorGuard:
-    """The backend adapter while a ``LocalTensorMode`` is on: rank-free ops through,
-    every other raw op refused (see the module)."""
+RANK_WHY = (
+    "it reads this rank as a Python int, and one program holds one int for every simulated "
+    "rank (torch's fake process group says 0 on each: every rank would get rank 0's answer)"
+)
+PEER_WHY = (
+    "its peers are per-rank Python ints, and one program holds rank 0's (use dc.shift or "
+    "dc.ppermute, whose pairs are the same on every rank)"
+)
+
+Ranked = dict[int, torch.Tensor]  # one tensor per simulated (global) rank
+
+
+def _reduce(op: str, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``ts`` reduced in rank order (what an in-process world and gloo give, to rounding)."""
+    if op in ("sum", "avg"):
+        out = functools.reduce(operator.add, ts)
+        return out / len(ts) if op == "avg" else out
+    if op == "product":
+        return functools.reduce(operator.mul, ts)
+    if op == "max":
+        return functools.reduce(torch.maximum, ts)
+    if op == "min":
+        return functools.reduce(torch.minimum, ts)
+    raise ValueError(f"diffcomm.backend: unknown reduce op {op!r}")
+
+
+class LocalTensorBackend(CoalescedOps):
+    """The backend adapter while a ``LocalTensorMode`` is on: every raw op computed per
+    simulated rank from the ``LocalTensor``'s values (see the module)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _HELPERS:
+            return getattr(self._inner, name)
+        raise refuse(name, "diffcomm has no per-rank form of this raw op")
+
+    # ---- the per-rank machinery --------------------------------------------------------
+    @staticmethod
+    def _mode() -> Any:
+        mode = local_tensor_api().local_tensor_mode()
+        assert mode is not None  # (this adapter is only returned while a mode is on)
+        return mode
+
+    def _values(self, x: torch.Tensor) -> Ranked:
+        """Each simulated rank's tensor of ``x`` (a plain tensor is every rank's)."""
+        local = getattr(x, "_local_tensors", None)
+        if local is not None:
+            return dict(local)
+        return {r: x for r in self._mode().ranks}
+
+    def _each(self, xs: Sequence[torch.Tensor], group: Any, fn: Callable[..., list[torch.Tensor]]) -> Any:
+        """Run ``fn(*[every group rank's tensor of each x])`` -> one output per group rank
+        (in group-rank order), for every copy of ``group``; the outputs as one
+        ``LocalTensor``."""
+        lt = local_tensor_api()
+        mode = self._mode()
+        values = [self._values(x) for x in xs]
+        out: Ranked = {}
+        with mode.disable():
+            for members in local_group_instances(group):
+                if not all(r in v for v in values for r in members):
+                    raise refuse("a collective", f"the tensor holds no values for some of ranks {members}")
+                got = fn(*[[v[r].detach() for r in members] for v in values])
+                for r, y in zip(members, got, strict=True):
+                    out[r] = y
+            return lt.LocalTensor(out)
+
+    def _ints(self, n: Any, group: Any) -> list[int]:
+        """Every group rank's value of the int ``n`` (one per simulated rank; the same
+        list in every copy of the group, else refused)."""
+        rows = {tuple(local_int(n, r) for r in members) for members in local_group_instances(group)}
+        if len(rows) != 1:
+            raise refuse("size exchange", "the copies of the group hold different sizes")
+        return list(rows.pop())
+
+    # ---- the rank, checks ------------------------------------------------------------
+    def rank(self, group: Any) -> int:
+        raise refuse("rank (the group rank)", RANK_WHY)
+
+    def rank_is(self, group: Any, r: int, device: torch.device) -> torch.Tensor:
+        """A 0-dim bool tensor, per simulated rank: whether it is group rank ``r``."""
+        proto = torch.empty(0, device=device)
+        return self._each(
+            [proto], group, lambda ps: [torch.tensor(i == r, device=device) for i in range(len(ps))]
+        )
+
+    def own_slice(self, sizes: Sequence[int], group: Any) -> tuple[Any, Any]:
+        """(start, length) of this rank's chunk of ``sizes`` along a dim, each an int per
+        simulated rank (a ``SymInt`` where they differ): to ``narrow`` with. Compared,
+        such an int is one answer for all ranks — ``!=`` true where any rank differs (a
+        mismatch check), ``==`` only where all agree —, so never branch on it to pick a
+        rank's value (:meth:`rank_is` gives that per rank)."""
+        starts: dict[int, int] = {}
+        lengths: dict[int, int] = {}
+        for members in local_group_instances(group):
+            for i, r in enumerate(members):
+                starts[r], lengths[r] = sum(sizes[:i]), sizes[i]
+        lt = local_tensor_api()
+        ranks = sorted(self._mode().ranks)
+        return (
+            lt._combine_int_rank_results({r: starts[r] for r in ranks}),
+            lt._combine_int_rank_results({r: lengths[r] for r in ranks}),
+        )
+
+    def check_consistent(self, op: str, fields: dict[str, Any], group: Any) -> None:
+        """Nothing to compare: one program states one value for every rank."""
+
+    def barrier(self, group: Any) -> None:
+        """The simulated ranks run in lockstep: nothing to wait for."""
+
+    # ---- collectives -----------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, op: str, group: Any) -> torch.Tensor:
+        return self._each([x], group, lambda ts: [_reduce(op, ts) for _ in ts])
+
+    _all_reduce_into = all_reduce
+
+    def broadcast(self, x: torch.Tensor, src: int, group: Any) -> torch.Tensor:
+        return self._each([x], group, lambda ts: [ts[src].clone() for _ in ts])
+
+    _broadcast_into = broadcast
+
+    def reduce(self, x: torch.Tensor, dst: int, op: str, group: Any) -> torch.Tensor:
+        def fn(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+            red = _reduce(op, ts)
+            return [red if i == dst else torch.zeros_like(red) for i in range(len(ts))]
+
+        return self._each([x], group, fn)
+
+    def all_gather(self, x: torch.Tensor, group: Any, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        return self._each([x], group, lambda ts: [torch.cat(ts) for _ in ts])
+
+    def all_gather_unsized(self, x: torch.Tensor, group: Any, dim: int = 0) -> tuple[torch.Tensor, list[int]]:
+        return self.all_gather(x, group), self._ints(x.shape[0], group)
+
+    def reduce_scatter(
+        self, x: torch.Tensor, op: str, group: Any, split_sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        def fn(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+            red = _reduce(op, ts)
+            sizes = list(split_sizes) if split_sizes is not None else [red.shape[0] // len(ts)] * len(ts)
+            return [c.clone() for c in red.split(sizes)]
+
+        return self._each([x], group, fn)
+
+    def gather(
+        self, x: torch.Tensor, dst: int, group: Any, sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        def fn(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+            full = torch.cat(ts)
+            return [full if i == dst else torch.zeros_like(full) for i in range(len(ts))]
+
+        return self._each([x], group, fn)
+
+    def scatter(
+        self, x: torch.Tensor, src: int, group: Any, split_sizes: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        def fn(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+            n = ts[src].shape[0]
+            sizes = list(split_sizes) if split_sizes is not None else [n // len(ts)] * len(ts)
+            return [c.clone() for c in ts[src].split(sizes)]
+
+        return self._each([x], group, fn)
 
     def all_to_all(
         self,
@@ -67,13 +235,78 @@ class LocalTensorGuard:
         input_split_sizes: Sequence[int] | None = None,
         output_split_sizes: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        if input_split_sizes is not None or output_split_sizes is not None:
-            raise _refuse("all_to_all with split sizes")
-        return self._inner.all_to_all(x, group)
+        """Chunk ``j`` of rank ``i``'s ``x`` to rank ``j``. Split sizes may be ``SymInt``s
+        holding one int per simulated rank; ``output_split_sizes`` must agree with what
+        arrives (checked per rank)."""
+        if input_split_sizes is None and output_split_sizes is None:
+            return self._each([x], group, lambda ts: _all_to_all_parts(ts, len(ts)))
+        groups = local_group_instances(group)
+        values = self._values(x)
+        ins: dict[int, list[int]] = {}
+        for members in groups:
+            for r in members:
+                if input_split_sizes is None:
+                    ins[r] = [values[r].shape[0] // len(members)] * len(members)
+                else:
+                    ins[r] = [local_int(s, r) for s in input_split_sizes]
+        lt = local_tensor_api()
+        out: Ranked = {}
+        with self._mode().disable():
+            for members in groups:
+                sent = {r: values[r].detach().split(ins[r]) for r in members}
+                for j, r in enumerate(members):
+                    parts = [sent[s][j] for s in members]
+                    if output_split_sizes is not None:
+                        want = [local_int(s, r) for s in output_split_sizes]
+                        if want != [p.shape[0] for p in parts]:
+                            raise refuse(
+                                "all_to_all",
+                                f"rank {r}'s output_split_sizes {want} disagree with the sizes the "
+                                f"ranks send it {[p.shape[0] for p in parts]}",
+                            )
+                    out[r] = torch.cat(parts)
+            return lt.LocalTensor(out)
 
-    def __getattr__(self, name: str) -> Any:
-        if name in PASSED or name in _HELPERS:
-            return getattr(self._inner, name)
-        if name == "rank":
-            raise _refuse("rank (the group rank)")
-        raise _refuse(name)
+    def ppermute(self, x: torch.Tensor, perm: Sequence[tuple[int, int]], group: Any) -> torch.Tensor:
+        """Group rank ``d`` gets rank ``s``'s ``x`` for each ``(s, d)``; zeros if none."""
+
+        def fn(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+            src = {d: s for s, d in perm}
+            return [ts[src[i]].clone() if i in src else torch.zeros_like(ts[i]) for i in range(len(ts))]
+
+        return self._each([x], group, fn)
+
+    # ---- host integers -----------------------------------------------------------------
+    def exchange_sizes(self, n: int, group: Any) -> list[int]:
+        return self._ints(n, group)
+
+    def exchange_size_lists(self, ns: Sequence[int], group: Any) -> list[list[int]]:
+        cols = [self._ints(n, group) for n in ns]
+        size = len(local_group_instances(group)[0])
+        return [[c[i] for c in cols] for i in range(size)]
+
+    exchange_records = exchange_size_lists
+
+    def all_gather_coalesced_unsized(
+        self,
+        bufs: Sequence[torch.Tensor],
+        counts: list[int],
+        lengths: Callable[[int, list[int]], int],
+        key: Any,
+        group: Any,
+    ) -> tuple[list[torch.Tensor], list[list[int]]]:
+        table = self.exchange_size_lists(counts, group)
+        return [self.all_gather(b, group) for b in bufs], table
+
+    # ---- point to point: peers are per-rank ints ----------------------------------------
+    def recv(self, out: torch.Tensor, src: int, group: Any, tag: int = 0) -> torch.Tensor:
+        raise refuse("recv", PEER_WHY)
+
+    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]], group: Any) -> None:
+        raise refuse("send/recv (batch_p2p)", PEER_WHY)
+
+
+def _all_to_all_parts(ts: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """The even all_to_all of the group's tensors ``ts``: chunk ``j`` of each to rank ``j``."""
+    chunks = [t.tensor_split(n) for t in ts]  # n equal chunks (also of an empty t)
+    return [torch.cat([chunks[i][j] for i in range(n)]) for j in range(n)]

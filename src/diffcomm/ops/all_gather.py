@@ -28,6 +28,7 @@ from .validation import debug_check_input as _debug_check_input
 from .validation import gathered_split_sizes as _gathered_split_sizes
 from .validation import given_split_sizes as _given_split_sizes
 from .validation import other_dims as _other_dims
+from .validation import own_slice as _own_slice
 from .validation import rank as _rank
 from .validation import with_sizes as _with
 from .validation import world as _world
@@ -242,5 +243,5 @@ def reduce_scatter(
     if op_name in A.LINEAR_OPS:
         return apply(_ReduceScatter, x, dim, op_name, pg, tuple(split_sizes), async_op=async_op)
     full = apply(_AllReduce, x, op_name, pg, async_op=async_op)
-    rank = _rank(pg)
-    return full.narrow(dim, sum(split_sizes[:rank]), split_sizes[rank])
+    start, length = _own_slice(split_sizes, pg)
+    return full.narrow(dim, start, length)

@@ -106,13 +106,13 @@ def _across_dims(
     # split along split_dim, concatenate along concat_dim. Chunks travel flat in the layout
     # (concat_dim, split_dim, other dims...); every rank sends me a chunk of split size
     # ins[me] (validated equal across ranks) whose concat_dim size is outs[j].
-    world, rank = _world(pg), _rank(pg)
+    world = _world(pg)
     order = [concat_dim, split_dim] + [i for i in range(x.ndim) if i not in (split_dim, concat_dim)]
     rest = [x.shape[i] for i in order[2:]]
     rest_n = 1
     for s in rest:
         rest_n *= s
-    c_in = ins[rank]
+    c_in = ins[0]  # ins are equal here (validated, or the even split): no rank read
     send = x.permute(order).split(list(ins), dim=1)
     flat_in = torch.cat([ch.reshape(-1) for ch in send]) if world > 1 else send[0].reshape(-1)
     in_counts = [ins[j] * x.shape[concat_dim] * rest_n for j in range(world)]

@@ -57,6 +57,7 @@ from .. import _torch
 from .. import backend as B
 from .._replication import spmd_types_checking
 from ..backend import args as A
+from ..backend.local_tensor import refuse
 from ..diagnostics.logger import nest as _nest
 from . import engine as _async
 from . import registry as _registry
@@ -147,6 +148,12 @@ def apply(fn_cls: Any, *args: Any, async_op: bool = False) -> Any:
             raise TypeError(
                 f"diffcomm.{fn_cls.name}(): async_op=True needs the op's output shape before it "
                 f"communicates; {fn_cls.__qualname__} states no `out_shape`"
+            )
+        if _torch.local_tensor_mode_on():
+            raise refuse(
+                f"{fn_cls.name}(async_op=True)",
+                "an asynchronous op runs on diffcomm's communication thread, and the "
+                "simulated ranks have no transport to overlap (call it with async_op=False)",
             )
         with _async.async_if(True):
             return apply(fn_cls, *args)
@@ -432,12 +439,12 @@ def batch_first(x: Tensor, bdim: int | None) -> Tensor:
     return x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
 
 
-def only_on(x: Tensor, keep: bool) -> Tensor:
-    """``x`` where ``keep`` else exact zeros — still connected to ``x``'s graph, so the
+def only_on(x: Tensor, keep: bool | Tensor) -> Tensor:
+    """``x`` where ``keep`` (a bool, or a 0-dim bool tensor: one per simulated rank under
+    ``LocalTensorMode``) else exact zeros — still connected to ``x``'s graph, so the
     backward of whatever produced ``x`` runs on every rank (the SPMD rule)."""
-    return torch.where(
-        torch.tensor(keep, device=x.device), x, torch.zeros((), dtype=x.dtype, device=x.device)
-    )
+    mask = keep if isinstance(keep, Tensor) else torch.tensor(keep, device=x.device)
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 # ======================================================================================

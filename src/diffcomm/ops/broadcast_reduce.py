@@ -21,7 +21,7 @@ from .shared_args import shared_args
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check_input as _debug_check_input
-from .validation import rank as _rank
+from .validation import rank_is as _rank_is
 from .validation import world as _world
 
 _DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
@@ -173,4 +173,5 @@ def reduce(
     if op_name in A.LINEAR_OPS:
         return apply(_Reduce, x, dst, op_name, pg, async_op=async_op)
     # max/min/product: every rank needs the extreme/product for its gradient anyway
-    return only_on(apply(_AllReduce, x, op_name, pg, async_op=async_op), _rank(pg) == dst)
+    y = apply(_AllReduce, x, op_name, pg, async_op=async_op)
+    return only_on(y, _rank_is(pg, dst, y.device))

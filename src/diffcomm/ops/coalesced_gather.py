@@ -37,6 +37,7 @@ from .registry import Kwargs
 from .shared_args import shared_args
 from .validation import Learned
 from .validation import current_backend as _b
+from .validation import own_slice as _own_slice
 from .validation import rank as _rank
 from .validation import with_sizes as _with
 from .validation import world as _world
@@ -393,7 +394,7 @@ def reduce_scatter_coalesced(
     dims = _check_dims(ts, dim, name)
     op_name = _check_op(op, ts, name)
     pg = A.resolve_group(group, name)
-    world, rank = _world(pg), _rank(pg)
+    world = _world(pg)
     if split_sizes is None:
         for i, (t, d) in enumerate(zip(ts, dims)):
             if t.shape[d] % world:
@@ -405,7 +406,7 @@ def reduce_scatter_coalesced(
                 )
         sizes = tuple((t.shape[d] // world,) * world for t, d in zip(ts, dims))
     else:
-        sizes = _check_sizes(split_sizes, ts, dims, world, name, False, rank)
+        sizes = _check_sizes(split_sizes, ts, dims, world, name, False, _rank(pg))
     flat = () if split_sizes is None else tuple(v for s in sizes for v in s)
     _debug_check(name, pg, ts, op=op_name, dim=dim, split_sizes=flat)
     if op_name in A.LINEAR_OPS:
@@ -413,4 +414,4 @@ def reduce_scatter_coalesced(
         return list(apply(_ReduceScatterList, *args, async_op=async_op))
     # max/min/product: reduce everything, keep the own chunk (as dc.reduce_scatter)
     full = apply(_AllReduceList, *list_args(ts, op_name, pg), async_op=async_op)
-    return [y.narrow(d, sum(s[:rank]), s[rank]) for y, d, s in zip(full, dims, sizes)]
+    return [y.narrow(d, *_own_slice(s, pg)) for y, d, s in zip(full, dims, sizes)]

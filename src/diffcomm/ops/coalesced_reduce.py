@@ -27,7 +27,7 @@ from .precision_format import quantized
 from .registry import SELF, Kwargs
 from .shared_args import shared_args
 from .validation import current_backend as _b
-from .validation import rank as _rank
+from .validation import rank_is as _rank_is
 from .validation import world as _world
 
 if TYPE_CHECKING:
@@ -336,4 +336,5 @@ def reduce_coalesced(
         return list(apply(_ReduceList, *list_args(ts, dst, op_name, pg), async_op=async_op))
     # max/min/product: every rank needs the result for its gradient anyway (as dc.reduce)
     full = apply(_AllReduceList, *list_args(ts, op_name, pg), async_op=async_op)
-    return [_only_on(y, _rank(pg) == dst) for y in full]
+    keep = _rank_is(pg, dst, full[0].device) if full else False
+    return [_only_on(y, keep) for y in full]

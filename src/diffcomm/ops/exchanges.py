@@ -19,7 +19,7 @@ from . import wire
 from .base import CommOp, call
 from .base import apply as _apply
 from .registry import SELF, Kwargs
-from .send_recv import _eager, _expected
+from .send_recv import _eager, _expected, refuse_peers, simulated
 
 # ======================================================================================
 # sendrecv / shift / ppermute: one batched exchange each
@@ -101,6 +101,7 @@ def sendrecv(
     x = A.check_tensor(x, "sendrecv", "x")
     A.check_grad_dtype(x, "sendrecv", "x")
     pg = A.resolve_group(group, "sendrecv")
+    refuse_peers("sendrecv")
     info = B.group_info(pg)
     me = info.rank
     dst = A.check_rank(dst, "sendrecv", "dst", info.size)
@@ -135,6 +136,8 @@ class _Shift(CommOp):
     def run(x: Tensor, offset: int, pg: PG) -> Tensor:
         info = B.group_info(pg)
         me, n = info.rank, info.size
+        if (every := simulated()) is not None:  # every rank in this program: the pairs
+            return every.ppermute(x, [(r, (r + offset) % n) for r in range(n)], pg)
         return wire.exchange(x, (me + offset) % n, (me - offset) % n, x.shape, pg, me)
 
     @staticmethod
@@ -207,6 +210,8 @@ class _PPermute(CommOp):
 
     @staticmethod
     def run(x: Tensor, perm: tuple[tuple[int, int], ...], pg: PG) -> Tensor:
+        if (every := simulated()) is not None:  # every rank in this program: the pairs
+            return every.ppermute(x, perm, pg)
         me = B.group_info(pg).rank
         dst = next((d for s, d in perm if s == me), None)
         src = next((s for s, d in perm if d == me), None)

@@ -17,6 +17,7 @@ from .. import backend as B
 from .._replication import PARTIAL, SHARES, P, R, Rule, V, spmd_types_checking, spmd_types_paused
 from ..backend import args as A
 from ..backend.args import PG
+from ..backend.local_tensor import PEER_WHY, LocalTensorBackend, refuse
 from . import wire
 from .base import CommOp, batch_first, call
 from .base import apply as _apply
@@ -485,7 +486,21 @@ def is_send_node(node: Any) -> bool:
 # ======================================================================================
 
 
+def simulated() -> LocalTensorBackend | None:
+    """The backend, when it runs every rank in this one program (torch's
+    ``LocalTensorMode``, where a peer computed from this rank is rank 0's); else ``None``."""
+    be = B.get_backend()
+    return be if isinstance(be, LocalTensorBackend) else None
+
+
+def refuse_peers(op: str) -> None:
+    """Under torch's ``LocalTensorMode``: refuse ``op``, whose peers are per-rank ints."""
+    if simulated() is not None:
+        raise refuse(op, PEER_WHY)
+
+
 def _check_peer(peer: Any, op: str, arg: str, info: B.GroupInfo) -> int:
+    refuse_peers(op)
     peer = A.check_rank(peer, op, arg, info.size)
     if peer == info.rank:
         raise A.arg_error(op, arg, f"a group-local rank other than this rank ({info.rank})", peer)

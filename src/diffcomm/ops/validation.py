@@ -21,6 +21,7 @@ from .. import backend as B
 from .._torch import compiling
 from ..backend import args as A
 from ..backend.args import PG
+from ..backend.local_tensor import refuse
 from ..backend.sized_gather import exchange_first
 
 #: The backend adapter the raw ops run on now (see :func:`diffcomm.backend.get_backend`).
@@ -31,9 +32,36 @@ _group_info = B.group_info
 def rank(pg: PG) -> int:
     """This process's rank in ``pg``: ``current_backend().rank(pg)``; eagerly, with the
     default adapter, read straight off the group record (two call frames fewer)."""
-    if compiling() or B.INSTALLED is not B.DEFAULT:
-        return current_backend().rank(pg)
+    b = current_backend()
+    if b is not B.DEFAULT:  # compiling, another adapter installed, or LocalTensorMode on
+        return b.rank(pg)
     return _group_info(pg).rank
+
+
+def rank_is(pg: PG, r: int, device: torch.device) -> Tensor:
+    """A 0-dim bool tensor: whether this rank is group rank ``r`` (under torch's
+    ``LocalTensorMode`` one per simulated rank, where a Python bool cannot say it)."""
+    per_rank = getattr(current_backend(), "rank_is", None)
+    if per_rank is not None:
+        return per_rank(pg, r, device)
+    return torch.tensor(rank(pg) == r, device=device)
+
+
+def own_slice(sizes: Sequence[int], pg: PG) -> tuple[int, int]:
+    """(start, length) of this rank's chunk of a dim split into ``sizes``: under torch's
+    ``LocalTensorMode`` ints that hold one value per simulated rank (for ``narrow``)."""
+    per_rank = getattr(current_backend(), "own_slice", None)
+    if per_rank is not None:
+        return per_rank(sizes, pg)
+    r = rank(pg)
+    return sum(sizes[:r]), sizes[r]
+
+
+def rank_index(pg: PG) -> int:
+    """This rank in ``pg``, to index or slice tensors with (``narrow``): under torch's
+    ``LocalTensorMode`` an int holding each simulated rank's own; never to compare (a
+    comparison of it is one answer for every rank: compare with :func:`rank_is`)."""
+    return own_slice([1] * world(pg), pg)[0]
 
 
 def world(pg: PG) -> int:
@@ -83,7 +111,7 @@ def given_split_sizes(sizes: Sequence[int], x: Tensor, dim: int, pg: PG, op: str
     b = current_backend()
     total = sum(sizes) if A.plain_ints(sizes) else sum(int(s) for s in sizes)
     sizes = A.check_split_sizes(sizes, total, b.world_size(pg), op, arg)
-    if sizes[b.rank(pg)] != x.shape[dim]:
+    if own_slice(sizes, pg)[1] != x.shape[dim]:  # (per simulated rank: true if any differs)
         raise A.arg_error(op, arg, f"to list x.shape[{dim}]={x.shape[dim]} at this rank's position", sizes)
     return sizes
 
@@ -159,7 +187,7 @@ def all_to_all_split_sizes(
     if output_split_sizes is None:
         return ins, [x.shape[concat_dim]] * size
     outs = _output_sizes(output_split_sizes, size)
-    if outs[rank(pg)] != x.shape[concat_dim]:
+    if own_slice(outs, pg)[1] != x.shape[concat_dim]:  # (as given_split_sizes)
         raise A.arg_error(
             op,
             "output_split_sizes",
@@ -188,4 +216,11 @@ def all_to_all_received(ins: Sequence[int], pg: PG) -> list[int]:
     size = world(pg)
     with B.label("all_to_all (size exchange)"):
         sent = torch.tensor(list(ins), dtype=torch.int64, device=current_backend().comm_device(pg))
-        return current_backend().all_to_all(sent, pg, [1] * size, [1] * size).tolist()
+        got = current_backend().all_to_all(sent, pg, [1] * size, [1] * size).tolist()
+    if not A.plain_ints(got):  # under torch's LocalTensorMode: one int per simulated rank
+        raise refuse(
+            "all_to_all",
+            "the sizes each rank receives differ between the simulated ranks, and the op's "
+            "shapes are read as one program's Python ints",
+        )
+    return got

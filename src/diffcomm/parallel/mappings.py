@@ -68,6 +68,7 @@ from ..ops.all_to_all import raw_all_to_all
 from ..ops.base import CommOp, apply, call
 from ..ops.precision_format import quantized
 from ..ops.registry import SELF, FamilyView, Kwargs
+from ..ops.validation import rank_index
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 from ._coalesced import copy_to_region_coalesced, reduce_from_region_coalesced
 
@@ -455,7 +456,7 @@ def _keep_own_chunk(
     debug = _debug()
     if debug:
         check_replicated(x, op.name, "the input", COPY_HINT, pg)
-    return apply(op, x, dim, pg, b.rank(pg), world, debug)
+    return apply(op, x, dim, pg, rank_index(pg), world, debug)
 
 
 def _gather_replicated(
@@ -472,7 +473,7 @@ def _gather_replicated(
     if debug:
         _check_shape(name, x, pg)
     b = _b()
-    return apply(op, x, dim, pg, b.rank(pg), b.world_size(pg), debug)
+    return apply(op, x, dim, pg, rank_index(pg), b.world_size(pg), debug)
 
 
 def copy_to_region(x: Tensor, group: A.GroupLike = None, *, precision: Precision | None = None) -> Tensor:

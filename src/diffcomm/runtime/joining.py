@@ -24,9 +24,15 @@ _STARTUP_TIMEOUT = 120.0  # seconds for every rank to start (import torch) and r
 
 
 def get_rank(group: Any = None) -> int:
-    """This process's rank in ``group`` (group-local), 0 when not distributed."""
+    """This process's rank in ``group`` (group-local), 0 when not distributed. Under
+    torch's ``LocalTensorMode`` a :class:`~diffcomm.backend.local_tensor.LocalTensorModeError`
+    (one program for every simulated rank has no one rank; torch's fake group says 0)."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0
+    if _torch.local_tensor_mode_on():
+        from ..backend.local_tensor import RANK_WHY, refuse
+
+        raise refuse("get_rank", RANK_WHY)
     from ..backend.args import resolve_group
 
     return dist.get_rank(resolve_group(group, "get_rank"))

@@ -1,0 +1,405 @@
+"""Every diffcomm op under torch's ``LocalTensorMode``: equal to the in-process world, or a
+clear error (docs/in_process.md, "Under torch's LocalTensorMode": each row of its table is
+a case here).
+
+One program runs both ways: in ``LocalWorld(n, in_process=True)`` (each rank a thread
+with its own ``dist.get_rank()``: the reference, itself equal to gloo processes, see
+tests/runtime/test_in_process.py) and once under ``LocalTensorMode(n)`` with torch's fake
+process group, where every tensor holds all ranks' values. Inputs are made per rank with
+torch's ``rank_map`` (``cb(dist.get_rank())`` in a rank, one ``LocalTensor`` under the
+mode), so the program is the same code in both. Values and gradients must agree to 1e-12
+in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import diffcomm as dc
+from diffcomm import parallel as P
+from diffcomm.backend.local_tensor import LocalTensorModeError
+
+_REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+# ---- running one program both ways -----------------------------------------------------
+
+
+def run_under_local_tensor_mode(n: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """``fn(*args)`` under ``LocalTensorMode(n)`` (torch's fake process group); the result
+    split into each rank's (a plain tensor is every rank's)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    try:
+        with LocalTensorMode(n):
+            got = fn(*args)
+        return [_on_rank(got, r) for r in range(n)]
+    finally:
+        dist.destroy_process_group()
+
+
+def _on_rank(obj: Any, r: int) -> Any:
+    if isinstance(obj, torch.Tensor):
+        local = getattr(obj, "_local_tensors", None)
+        return (local[r] if local is not None else obj).detach()
+    if isinstance(obj, list | tuple):
+        return [_on_rank(o, r) for o in obj]
+    return obj
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def assert_equal_both_ways(inproc_world: Any, n: int, fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)`` under ``LocalTensorMode(n)`` == in ``inproc_world`` (an n-rank
+    in-process ``LocalWorld``), rank by rank."""
+    here = run_under_local_tensor_mode(n, fn, *args)
+    want = inproc_world.run(fn, *args)
+    for r in range(n):
+        assert _close(here[r], want[r]), (r, here[r], want[r])
+
+
+def per_rank(
+    seed: int, *shape: int, rows: Callable[[int], int] | None = None, same: bool = False
+) -> torch.Tensor:
+    """A float64 input that requires grad, different on every rank (``rows(r)``: rank
+    ``r``'s length along dim 0 instead of ``shape[0]``; ``same``: equal on every rank)."""
+    from torch.distributed._local_tensor import rank_map
+
+    def make(r: int) -> torch.Tensor:
+        dims = (rows(r), *shape[1:]) if rows is not None else shape
+        g = torch.Generator().manual_seed(seed * 1000 + (0 if same else r))
+        return torch.randn(*dims, dtype=torch.float64, generator=g)
+
+    return rank_map(make).requires_grad_(True)
+
+
+def outs_and_grads(outs: list[torch.Tensor], ins: list[torch.Tensor]) -> tuple:
+    """The outputs and the gradients of every input of a loss weighting each output
+    differently (a per-rank loss: the sum convention)."""
+    loss = sum(((o * (i + 1)) ** 2).sum() for i, o in enumerate(outs))
+    grads = torch.autograd.grad(loss, ins, allow_unused=True)
+    return [o.detach() for o in outs], [g if g is None else g.detach() for g in grads]
+
+
+# ---- the table's rows: one program per op ------------------------------------------------
+
+
+def _one(op: Callable[[torch.Tensor], Any], *shape: int) -> Callable[[], tuple]:
+    def program() -> tuple:
+        x = per_rank(1, *shape)
+        y = op(x)
+        return outs_and_grads(list(y) if isinstance(y, list | tuple) else [y], [x])
+
+    return program
+
+
+def _ragged(op: Callable[[torch.Tensor], Any]) -> Callable[[], tuple]:
+    def program() -> tuple:
+        x = per_rank(2, 0, 3, rows=lambda r: r + 1)  # rank r holds r + 1 rows
+        y = op(x)
+        return outs_and_grads(list(y) if isinstance(y, list | tuple) else [y], [x])
+
+    return program
+
+
+def _coalesced(op: Callable[[list[torch.Tensor]], Any]) -> Callable[[], tuple]:
+    def program() -> tuple:
+        x, y = per_rank(3, 6, 4), per_rank(4, 3)
+        return outs_and_grads(list(op([x, y])), [x, y])
+
+    return program
+
+
+def _tp_mlp() -> tuple:
+    from diffcomm.parallel import MLP, ParallelMLP
+
+    torch.manual_seed(0)
+    serial = MLP(8, 32, dtype=torch.float64)
+    par = ParallelMLP.from_serial(serial)
+    x = per_rank(5, 6, 8)
+    return outs_and_grads([par(x)], [x, *par.parameters()])
+
+
+def _attention(name: str) -> Callable[[], tuple]:
+    def program() -> tuple:
+        q, k, v = (per_rank(s, 1, 4, 3, 8) for s in (6, 7, 8))
+        return outs_and_grads([getattr(P, name)(q, k, v, causal=True)], [q, k, v])
+
+    return program
+
+
+def _usp() -> tuple:
+    q, k, v = (per_rank(s, 1, 4, 3, 8) for s in (6, 7, 8))
+    return outs_and_grads([P.usp_attention(q, k, v, None, None, causal=True)], [q, k, v])
+
+
+def _moe() -> tuple:
+    x = per_rank(9, 4, 6)
+    gate, idx, _ = P.route(per_rank(10, 4, 6).detach(), 2)
+    h, plan = P.dispatch(x, idx, 6)
+    return outs_and_grads([h, P.combine(h * 2.0, gate, plan)], [x])
+
+
+def _pipeline() -> tuple:
+    from torch import nn
+
+    from diffcomm.pipeline import PipelineRunner, partition
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    stage = partition(model, dc.get_world_size())[dc.get_rank()]
+    runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    return runner.step(x, y, n_micro=2)
+
+
+def _send_recv() -> Any:
+    x = per_rank(11, 3)
+    return dc.send(x, 1)
+
+
+def _sendrecv() -> Any:
+    return dc.sendrecv(per_rank(12, 3), dst=1, src=1)
+
+
+def _tp_mlp_by_mappings() -> tuple:
+    """A Megatron MLP written with the mappings: column shard, tanh, row shard."""
+    x = per_rank(14, 6, 8, same=True)  # replicated input
+    w1, w2 = per_rank(15, 8, 4), per_rank(16, 4, 8)  # each rank's shards
+    y = P.reduce_from_region(torch.tanh(P.copy_to_region(x) @ w1) @ w2)
+    return outs_and_grads([y], [x, w1, w2])
+
+
+def _compat(name: str) -> Callable[[], tuple]:
+    from diffcomm import compat as C
+
+    calls: dict[str, Callable[[torch.Tensor], Any]] = {
+        "all_reduce": lambda x: C.all_reduce(x, op=dist.ReduceOp.MAX),
+        "broadcast": lambda x: C.broadcast(x, src=1),
+        "reduce": lambda x: C.reduce(x, dst=1),
+        "all_gather": C.all_gather,
+        "gather": lambda x: C.gather(x, dst=1),
+        "scatter": lambda x: C.scatter(list(x.unbind(0)), src=1),
+        "reduce_scatter": lambda x: C.reduce_scatter(x[0], list(x.unbind(0))),
+        "_all_gather_base": lambda x: C._all_gather_base(None, x),  # type: ignore[arg-type]
+        "all_to_all": lambda x: C.all_to_all(list(x.unbind(0)), list(x.unbind(0))),
+        "all_to_all_single": lambda x: C.all_to_all_single(torch.empty_like(x), x),
+    }
+    return _one(calls[name], 3, 4)
+
+
+def _mapping(name: str) -> Callable[[], tuple]:
+    if name == "all_to_all_region":
+        return _one(lambda x: P.all_to_all_region(x, 0, 1), 4, 4)
+    return _one(getattr(P, name), 4, 4)
+
+
+#: row -> (program, world): equal under LocalTensorMode and in the in-process world
+EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
+    **{f"all_reduce[{o}]": (_one(lambda x, o=o: dc.all_reduce(x, op=o), 4, 3), 3) for o in _REDUCE_OPS},
+    "all_gather": (_one(dc.all_gather, 2, 3), 3),
+    "all_gather[dim=1]": (_one(lambda x: dc.all_gather(x, dim=1), 2, 3), 3),
+    "all_gather[uneven]": (_ragged(dc.all_gather), 3),
+    "all_gather[split_sizes]": (_ragged(lambda x: dc.all_gather(x, split_sizes=[1, 2, 3])), 3),
+    **{
+        f"reduce_scatter[{o}]": (_one(lambda x, o=o: dc.reduce_scatter(x, op=o), 6, 2), 3)
+        for o in _REDUCE_OPS
+    },
+    "reduce_scatter[split_sizes]": (_one(lambda x: dc.reduce_scatter(x, split_sizes=[1, 0, 5]), 6, 2), 3),
+    "broadcast": (_one(lambda x: dc.broadcast(x, src=2), 2, 3), 3),
+    **{f"reduce[{o}]": (_one(lambda x, o=o: dc.reduce(x, dst=1, op=o), 2, 3), 3) for o in _REDUCE_OPS},
+    "gather": (_one(lambda x: dc.gather(x, dst=1), 2, 3), 3),
+    "gather[uneven]": (_ragged(lambda x: dc.gather(x, dst=2)), 3),
+    "scatter": (_one(lambda x: dc.scatter(x, src=1), 6, 2), 3),
+    "scatter[split_sizes]": (_one(lambda x: dc.scatter(x, src=2, split_sizes=[2, 4, 0]), 6, 2), 3),
+    "all_to_all": (_one(dc.all_to_all, 6, 2), 3),
+    "all_to_all[split_dim=1]": (_one(lambda x: dc.all_to_all(x, split_dim=1, concat_dim=0), 2, 6), 3),
+    "shift[+1]": (_one(lambda x: dc.shift(x, 1), 2, 3), 3),
+    "shift[-2]": (_one(lambda x: dc.shift(x, -2), 2, 3), 4),
+    "ppermute": (_one(lambda x: dc.ppermute(x, [(0, 2), (2, 1)]), 2, 3), 3),
+    "all_reduce_coalesced": (_coalesced(lambda xs: dc.all_reduce_coalesced(xs, op="max")), 3),
+    "all_gather_coalesced": (_coalesced(dc.all_gather_coalesced), 3),
+    "reduce_scatter_coalesced": (_coalesced(dc.reduce_scatter_coalesced), 3),
+    "reduce_scatter_coalesced[product]": (
+        _coalesced(lambda xs: dc.reduce_scatter_coalesced(xs, op="product")),
+        3,
+    ),
+    "broadcast_coalesced": (_coalesced(lambda xs: dc.broadcast_coalesced(xs, src=2)), 3),
+    "reduce_coalesced": (_coalesced(lambda xs: dc.reduce_coalesced(xs, dst=1)), 3),
+    **{name: (_mapping(name), 2) for name in P.MAPPINGS},
+    "TP MLP by the mappings": (_tp_mlp_by_mappings, 2),
+    **{
+        f"compat.{name}": (_compat(name), 3)
+        for name in (
+            "all_reduce",
+            "broadcast",
+            "reduce",
+            "all_gather",
+            "gather",
+            "scatter",
+            "reduce_scatter",
+            "_all_gather_base",
+            "all_to_all",
+            "all_to_all_single",
+        )
+    },
+}
+
+#: row -> (program, world, the words the error must contain)
+REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
+    "send / recv": (_send_recv, 2, r"`send` .*its peers are per-rank Python ints"),
+    "sendrecv": (_sendrecv, 2, r"`sendrecv` .*its peers are per-rank Python ints"),
+    "get_rank": (lambda: dc.get_rank(), 2, r"`get_rank` .*reads this rank as a Python int"),
+    "all_reduce(async_op=True)": (
+        _one(lambda x: dc.all_reduce(x, async_op=True), 2, 3),
+        2,
+        r"`all_reduce\(async_op=True\)` .*communication thread",
+    ),
+    "reduce_scatter_coalesced(async_op=True)": (
+        _coalesced(lambda xs: dc.reduce_scatter_coalesced(xs, async_op=True)),
+        3,
+        r"async_op=True\)` .*communication thread",
+    ),
+    "all_to_all[input_split_sizes]": (
+        _one(lambda x: dc.all_to_all(x, input_split_sizes=[1, 3]), 4, 2),
+        2,
+        r"`all_to_all` .*the sizes each rank receives differ",
+    ),
+    "all_gather_coalesced[uneven]": (_ragged(lambda x: dc.all_gather_coalesced([x])), 2, r"reads this rank"),
+    "ParallelMLP": (_tp_mlp, 2, r"reads this rank"),
+    "ring_attention": (_attention("ring_attention"), 2, r"reads this rank"),
+    "ulysses_attention": (_attention("ulysses_attention"), 2, r"reads this rank"),
+    "usp_attention": (_usp, 2, r"reads this rank"),
+    "moe dispatch / combine": (_moe, 2, r"reads this rank"),
+    "pipeline (PipelineRunner)": (_pipeline, 2, r"`get_rank` .*reads this rank"),
+}
+
+
+@pytest.mark.parametrize("row", list(EQUAL))
+def test_equal_under_local_tensor_mode(row: str, inproc_worlds: Callable[[int], Any]) -> None:
+    program, n = EQUAL[row]
+    assert_equal_both_ways(inproc_worlds(n), n, program)
+
+
+@pytest.mark.parametrize("row", list(REFUSED))
+def test_refused_under_local_tensor_mode_naming_the_op(row: str) -> None:
+    program, n, words = REFUSED[row]
+    with pytest.raises(LocalTensorModeError, match=words + r".*in_process=True"):
+        run_under_local_tensor_mode(n, program)
+
+
+# ---- hypothesis: ops x shapes x split sizes x worlds 1-4 ---------------------------------
+
+_OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter"]
+_OPS += ["all_to_all", "shift", "ppermute", "all_gather_uneven", "scatter_to_region"]
+
+
+def _program(op: str, n: int, rows: int, rest: list[int], splits: list[int] | None, kw: dict) -> tuple:
+    """One op forward and backward on per-rank inputs (the same code both ways)."""
+    if op == "all_gather_uneven":
+        assert splits is not None
+        x = per_rank(kw["seed"], 0, *rest, rows=lambda r: splits[r])
+        return outs_and_grads([dc.all_gather(x, dim=0)], [x])
+    x = per_rank(kw["seed"], rows, *rest)
+    root = kw["root"] % n
+    if op == "all_reduce":
+        y = dc.all_reduce(x, op=kw["op"])
+    elif op == "all_gather":
+        y = dc.all_gather(x, dim=len(rest))
+    elif op == "reduce_scatter":
+        y = dc.reduce_scatter(x, op=kw["op"], split_sizes=splits)
+    elif op == "broadcast":
+        y = dc.broadcast(x, src=root)
+    elif op == "reduce":
+        y = dc.reduce(x, dst=root, op=kw["op"])
+    elif op == "gather":
+        y = dc.gather(x, dst=root)
+    elif op == "scatter":
+        y = dc.scatter(x, src=root, split_sizes=splits)
+    elif op == "all_to_all":
+        y = dc.all_to_all(x)
+    elif op == "shift":
+        y = dc.shift(x, kw["root"] - 2)
+    elif op == "ppermute":
+        y = dc.ppermute(x, [(r, (r + kw["root"]) % n) for r in range(n - 1)])
+    else:
+        y = P.scatter_to_region(x, dim=0)
+    return outs_and_grads([y], [x])
+
+
+@st.composite
+def _cases(draw: st.DrawFn) -> tuple:
+    n = draw(st.integers(1, 4))
+    op = draw(st.sampled_from(_OPS))
+    rest = draw(st.lists(st.integers(1, 3), min_size=0, max_size=2))
+    rows = n * draw(st.integers(0, 2))
+    splits = None
+    if op in ("reduce_scatter", "scatter", "all_gather_uneven") and (
+        op == "all_gather_uneven" or draw(st.booleans())
+    ):
+        splits = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+        rows = sum(splits)
+    kw = {"op": draw(st.sampled_from(list(_REDUCE_OPS))), "root": draw(st.integers(0, 4))}
+    kw["seed"] = draw(st.integers(0, 999))
+    if op == "reduce_scatter" and splits is not None:
+        kw["op"] = draw(st.sampled_from(["sum", "avg"]))  # (nonlinear uneven: see the table)
+    return op, n, rows, rest, splits, kw
+
+
+def test_property_local_tensor_mode_equals_in_process_world(inproc_worlds: Callable[[int], Any]) -> None:
+    """Hypothesis: op x shape x split sizes x reduce op x root x world 1-4."""
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_cases())
+    def check(case: tuple) -> None:
+        op, n, *rest = case
+        assert_equal_both_ways(inproc_worlds(n), n, _program, op, n, *rest)
+
+    check()
+
+
+def test_a_plain_tensor_is_every_ranks_and_groups_of_a_mesh_run_per_copy(
+    inproc_worlds: Callable[[int], Any],
+) -> None:
+    """A tensor made outside ``rank_map`` holds the same values on every rank; a subgroup
+    (each copy of a 2 x 2 mesh's axis) reduces within its own copy."""
+
+    def program() -> tuple:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        x = per_rank(13, 4, 2)
+        same = torch.arange(8.0, dtype=torch.float64).reshape(4, 2)
+        return outs_and_grads(
+            [dc.all_reduce(x, group=(mesh, "tp")), dc.reduce_scatter(x, group=(mesh, "dp")) + same[:2]], [x]
+        )
+
+    assert_equal_both_ways(inproc_worlds(4), 4, program)
+
+
+def test_split_sizes_are_checked_on_every_simulated_rank() -> None:
+    """A ``split_sizes`` that one simulated rank's length contradicts is the ValueError
+    real processes give (naming the argument), not rank 0's check alone."""
+
+    def program() -> Any:
+        x = per_rank(17, 0, 3, rows=lambda r: r + 1)  # 1, 2, 3 rows
+        return dc.all_gather(x, split_sizes=[1, 2, 2])  # rank 2 holds 3 rows
+
+    with pytest.raises(
+        ValueError, match=r"`split_sizes` must be to list x.shape\[0\]=.*at this rank's position"
+    ):
+        run_under_local_tensor_mode(3, program)
