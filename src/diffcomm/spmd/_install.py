@@ -358,6 +358,24 @@ def _is_user_function(cls: type) -> bool:
     return not (mod.startswith(("torch.", "diffcomm.", "spmd_types")) or cls in _PATCHED)
 
 
+def _untyped(bound: Any) -> Any:
+    """``bound`` run with every check of this thread off: under a torch.func transform a
+    Function's ``forward`` runs one interpreter level down, where the transform no longer
+    shows, on unwrapped tensors whose types are not their wrappers'."""
+
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        checks = [c for c in _ACTIVE if c.thread == threading.get_ident()]
+        for c in checks:
+            c.inside += 1
+        try:
+            return bound(*args, **kwargs)
+        finally:
+            for c in checks:
+                c.inside -= 1
+
+    return apply
+
+
 class _UserApply:
     """``torch.autograd.Function.apply`` while a check is active: a user Function is typed
     by its rule (its forward's own ops untyped), or refused with its name."""
@@ -370,6 +388,8 @@ class _UserApply:
         if cls is None and obj is not None:
             cls = type(obj)
         bound = self._orig.__get__(obj, cls)
+        if _torch.transforms_active():  # torch.func: nothing typed (docs/spmd_types.md, Limits)
+            return _untyped(bound)
         if cls is None or not _is_user_function(cls):
             return bound
         checks = [c for c in _ACTIVE if not c.off]

@@ -92,7 +92,7 @@ class _Escape(BaseException):
 class _Rec:
     """One tensor's type under one check."""
 
-    __slots__ = ("t", "cell", "shard", "why", "param", "auto", "acc", "strict", "rep", "copy_at")
+    __slots__ = ("t", "cell", "shard", "why", "param", "auto", "acc", "strict", "rep", "rep_elem", "copy_at")
 
     def __init__(self, t: T, cell: _Cell | None = None, shard: int | None = None, why: str = "") -> None:
         self.t = t
@@ -110,6 +110,9 @@ class _Rec:
         #: a varying value holding a replicated additive term (where it was added): a sum
         #: over ranks counts that term world-size times
         self.rep: str | None = None
+        #: that replicated term is an element of its own (stacked / concatenated beside the
+        #: per-rank ones), so it survives elementwise maps (``pow``) and norms
+        self.rep_elem = False
         #: a partial gradient made where a replicated activation met a varying weight: the
         #: op and line where copy_to_region belongs
         self.copy_at: str | None = None
