@@ -679,6 +679,99 @@ def zero_shard_without_reduce_scatter(checked: bool) -> dict[str, float]:
     return _zero(checked, bug=True)
 
 
+def _dp_steps(checked: bool, raw: bool) -> dict[str, float]:
+    """Data parallel, two Adam steps inside the block (the optimizer's step pre-hook checks
+    the gradients): per-rank batches declared, the gradients summed then divided by the
+    world in place, torch's clip_grad_norm_ on the (replicated) averaged gradients."""
+    r, w, n = dc.get_rank(), dc.get_world_size(), 3
+    model, serial = _dp_model(), _dp_model()
+    opt, opt_s = torch.optim.Adam(model.parameters(), lr=0.01), torch.optim.Adam(serial.parameters(), lr=0.01)
+    for step in range(2):
+        with _check(checked):
+            xb, yb, _ = _dp_batch(r + 10 * step, n)
+            F.mse_loss(model(dc.spmd.varying(xb)), dc.spmd.varying(yb)).backward()
+            for p in model.parameters():
+                assert p.grad is not None
+                if raw:  # torch.distributed's own in-place all_reduce
+                    torch.distributed.all_reduce(p.grad)
+                else:
+                    p.grad = dc.all_reduce(p.grad)
+                p.grad.div_(w)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, foreach=False)
+            opt.step()
+            opt.zero_grad()
+        batches = [_dp_batch(q + 10 * step, n) for q in range(w)]
+        xa, ya = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        F.mse_loss(serial(xa), ya).backward()
+        torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.5, foreach=False)
+        opt_s.step()
+        opt_s.zero_grad()
+    sp = dict(serial.named_parameters())
+    return {n_: _d(p, sp[n_]) for n_, p in model.named_parameters()}
+
+
+def dp_raw_all_reduce_every_micro_batch(checked: bool) -> dict[str, float]:
+    """Planted: gradient accumulation with torch.distributed.all_reduce(p.grad) after every
+    micro-batch's backward and one division by the world at the end: W * G1 + G2."""
+    r, w, n, micro = dc.get_rank(), dc.get_world_size(), 3, 2
+    model = _dp_model()
+    serial = copy.deepcopy(model)
+    with _check(checked):
+        for m in range(micro):
+            xb, yb, _ = _dp_batch(r + 10 * m, n)
+            (F.mse_loss(model(dc.spmd.varying(xb)), dc.spmd.varying(yb)) / micro).backward()
+            for p in model.parameters():
+                torch.distributed.all_reduce(p.grad)  # type: ignore[arg-type]
+        for p in model.parameters():
+            p.grad.div_(w)  # type: ignore[union-attr]
+    for m in range(micro):
+        batches = [_dp_batch(q + 10 * m, n) for q in range(w)]
+        xa, ya = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        (F.mse_loss(serial(xa), ya) / micro).backward()
+    return _plain_grads(model, serial)
+
+
+def dp_adam_steps_in_block_clip(checked: bool) -> dict[str, float]:
+    return _dp_steps(checked, raw=False)
+
+
+def dp_raw_torch_distributed_all_reduce(checked: bool) -> dict[str, float]:
+    """The same with torch.distributed.all_reduce(p.grad) (in place, not diffcomm's)."""
+    return _dp_steps(checked, raw=True)
+
+
+def tp_checkpointed_mlp_on_new_group(checked: bool) -> dict[str, float]:
+    """Activation checkpointing (torch.utils.checkpoint, non-reentrant) around a TP MLP
+    built on a group from torch.distributed.new_group (all ranks), checked over it."""
+    group = torch.distributed.new_group(list(range(dc.get_world_size())))
+    ln_s, fc1_s, fc2_s = _serial_mlp()
+    col = par.ColumnParallelLinear.from_serial(fc1_s, group=group)
+    row = par.RowParallelLinear.from_serial(fc2_s, input_is_parallel=True, group=group)
+    xs = _randn(5, H, seed=17)
+    with _check(checked, group):
+        x = xs.clone().requires_grad_()
+        y = torch.utils.checkpoint.checkpoint(lambda t: row(F.gelu(col(t))), x, use_reentrant=False)
+        y.pow(2).mean().backward()
+    xr = xs.clone().requires_grad_()
+    fc2_s(F.gelu(fc1_s(xr))).pow(2).mean().backward()
+    return {"dx": _d(x.grad, xr.grad), **_param_diffs(col, fc1_s, "fc1."), **_param_diffs(row, fc2_s, "fc2.")}
+
+
+def tp_gathered_logits_cross_entropy(checked: bool) -> dict[str, float]:
+    """ColumnParallelLinear(gather_output=True) as the LM head, plain F.cross_entropy on the
+    whole (replicated) logits."""
+    torch.manual_seed(18)
+    head_s = nn.Linear(H, F_, dtype=F64)
+    head = par.ColumnParallelLinear.from_serial(head_s, gather_output=True)
+    xs, tgt = _randn(5, H, seed=19), torch.tensor([0, 3, 11, 7, 5])
+    with _check(checked):
+        x = xs.clone().requires_grad_()
+        F.cross_entropy(head(x), tgt).backward()
+    xr = xs.clone().requires_grad_()
+    F.cross_entropy(head_s(xr), tgt).backward()
+    return {"dx": _d(x.grad, xr.grad), **_param_diffs(head, head_s)}
+
+
 # ====================================================================== expert parallel
 
 
@@ -762,6 +855,31 @@ def ring_attention_projections(checked: bool) -> dict[str, float]:
 def ring_attention_projection_grads_not_reduced(checked: bool) -> dict[str, float]:
     """Planted: the projections' gradients (each rank's sequence chunk only) not summed."""
     return _ring(checked, bug=True)
+
+
+def ring_loss_on_unsharded_output(checked: bool) -> dict[str, float]:
+    """Planted: the loss computed on the whole output after unshard (the same on every
+    rank: a replicated objective), but unshard's backward sums the gradient over the ranks
+    (the sum convention): every gradient world-size times too large."""
+    heads = 2
+    torch.manual_seed(42)
+    proj = nn.ModuleList(nn.Linear(H, H, bias=False, dtype=F64) for _ in range(4))
+    proj_s = copy.deepcopy(proj)
+    xs = _randn(1, S, H, seed=43)
+
+    def block(x: torch.Tensor, ps: nn.ModuleList, attn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (ps[i](x).view(b, s, heads, H // heads).transpose(1, 2) for i in range(3))
+        return ps[3](attn(q, k, v).transpose(1, 2).reshape(b, s, H))
+
+    with _check(checked):
+        xl = par.shard(xs, dim=1, layout="zigzag")
+        y = block(xl, proj, lambda q, k, v: par.ring_attention(q, k, v, causal=True, layout="zigzag"))
+        full = par.unshard(y, dim=1, layout="zigzag")
+        full.pow(2).sum().backward()
+    ref = block(xs, proj_s, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    ref.pow(2).sum().backward()
+    return {"out": _d(full, ref), **_plain_grads(proj, proj_s)}
 
 
 # ====================================================================== DP x TP on a mesh
@@ -882,6 +1000,20 @@ PROGRAMS: dict[str, Program] = {
     "ring_attention_projections": Program(ring_attention_projections),
     "ring_attention_projection_grads_not_reduced": Program(
         ring_attention_projection_grads_not_reduced, buggy=True, names=("missing reduction",)
+    ),
+    "dp_adam_steps_in_block_clip": Program(dp_adam_steps_in_block_clip),
+    "dp_raw_torch_distributed_all_reduce": Program(dp_raw_torch_distributed_all_reduce),
+    "dp_raw_all_reduce_every_micro_batch": Program(
+        dp_raw_all_reduce_every_micro_batch,
+        buggy=True,
+        names=("torch.distributed.all_reduce", "already holds a reduced gradient"),
+    ),
+    "tp_checkpointed_mlp_on_new_group": Program(tp_checkpointed_mlp_on_new_group),
+    "tp_gathered_logits_cross_entropy": Program(tp_gathered_logits_cross_entropy),
+    "ring_loss_on_unsharded_output": Program(
+        ring_loss_on_unsharded_output,
+        buggy=True,
+        names=("backward", "all_gather", "world-size times too large"),
     ),
     "mesh_dp_tp_mlp_w4": Program(mesh_dp_tp_mlp, worlds=(4,)),
     "mesh_dp_grads_reduced_over_tp_w4": Program(

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .. import _replication as T_
 from .. import _torch
-from .._replication import PARTIAL, REPLICATED, LayerRule, Rule, SPMDTypeError, T, V
+from .._replication import PARTIAL, REPLICATED, LayerRule, R, Rule, SPMDTypeError, T, V
 from ..ops import engine as E
 from ..ops.base import CommOp, ListOp
 from ._ops import RankInt
@@ -202,6 +202,7 @@ def _install() -> None:
     get_rank.__doc__ = orig_rank.__doc__
     setattr(W, "get_rank", get_rank)  # noqa: B010
     setattr(diffcomm, "get_rank", get_rank)  # noqa: B010
+    _patch_raw_all_reduce()
 
     def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         for c in _ACTIVE:
@@ -461,6 +462,44 @@ class _Hooks:
                     r.param = name
                     p.__dict__[c.key] = r
                     c._params[id(p)] = (p, name, r)
+
+
+def _patch_raw_all_reduce() -> None:
+    """``torch.distributed.all_reduce`` (in place, not differentiable: a user's gradient
+    reduction, ``dist.all_reduce(p.grad)``) types its tensor as diffcomm's all_reduce would:
+    a partial or varying value over the checked group becomes replicated, under the same
+    reduction rules (a gradient that already holds a reduced part summed again, a
+    replicated objective's gradient averaged, a replicated term summed). Untyped tensors
+    (diffcomm's own raw calls) and other groups are left alone."""
+    import torch.distributed as dist
+
+    orig = dist.all_reduce
+    _PATCHED_ATTRS.append((dist, "all_reduce", orig))
+
+    def all_reduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(tensor, *args, **kwargs)
+        for c in _ACTIVE:
+            r = tensor.__dict__.get(c.key) if isinstance(tensor, Tensor) else None
+            if c.off or r is None or r.t is R:
+                continue
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            if not c._is_group(group):
+                continue
+            op = kwargs.get("op", args[0] if args else dist.ReduceOp.SUM)
+            site = _site()
+            c._check_summed(
+                "torch.distributed.all_reduce",
+                "tensor",
+                r,
+                op == dist.ReduceOp.SUM,
+                op == dist.ReduceOp.AVG,
+                site,
+            )
+            tensor.__dict__[c.key] = _Rec(R, why=f"the output of torch.distributed.all_reduce at {site}")
+        return out
+
+    all_reduce.__wrapped__ = orig  # type: ignore[attr-defined]
+    dist.all_reduce = all_reduce  # type: ignore[assignment]
 
 
 def _uninstall() -> None:
