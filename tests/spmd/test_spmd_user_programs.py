@@ -772,6 +772,127 @@ def tp_gathered_logits_cross_entropy(checked: bool) -> dict[str, float]:
     return {"dx": _d(x.grad, xr.grad), **_param_diffs(head, head_s)}
 
 
+class _PreNormBlock(par.ParallelModule):
+    """A sequence-parallel pre-norm transformer block (a ParallelModule container, so the
+    replicated parameters' gradients are reduced in one coalesced call)."""
+
+    def __init__(self, serial: nn.ModuleDict) -> None:
+        super().__init__()
+        self.ln1 = par.SequenceParallelLayerNorm.from_serial(serial["ln1"])
+        self.attn = par.ParallelSelfAttention.from_serial(serial["attn"], sequence_parallel=True)
+        self.ln2 = par.SequenceParallelLayerNorm.from_serial(serial["ln2"])
+        self.mlp = par.ParallelMLP.from_serial(serial["mlp"], sequence_parallel=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def sp_prenorm_block(checked: bool) -> dict[str, float]:
+    """ParallelSelfAttention + ParallelMLP, sequence parallel, SequenceParallelLayerNorms,
+    in a ParallelModule; the input [s, b, h] scattered along the sequence, a per-rank loss
+    on the chunk (the objective: the sum over the sequence)."""
+    torch.manual_seed(60)
+    serial = nn.ModuleDict(
+        {
+            "ln1": nn.LayerNorm(F_, dtype=F64),
+            "attn": par.SelfAttention(F_, 6, causal=True, dtype=F64),
+            "ln2": nn.LayerNorm(F_, dtype=F64),
+            "mlp": par.MLP(F_, 2 * F_, dtype=F64),
+        }
+    )
+    block = _PreNormBlock(serial)
+    xs = _randn(S, 2, F_, seed=61)
+    with _check(checked):
+        x = xs.clone().requires_grad_()
+        y = block(par.scatter_to_sequence(x))
+        par.gather_from_sequence(y).pow(2).sum().backward()
+
+    def ref(t: torch.Tensor) -> torch.Tensor:
+        t = t + serial["attn"](serial["ln1"](t))
+        return t + serial["mlp"](serial["ln2"](t))
+
+    xr = xs.clone().requires_grad_()
+    ref(xr).pow(2).sum().backward()
+    return {"dx": _d(x.grad, xr.grad), **_param_diffs(block, serial)}
+
+
+def _dp_sync_styles(checked: bool, style: str) -> dict[str, float]:
+    """Data parallel, the gradients averaged in one of the styles found in real code."""
+    r, w, n = dc.get_rank(), dc.get_world_size(), 3
+    model, serial = _dp_model(), _dp_model()
+    batches = [_dp_batch(q, n) for q in range(w)]
+    with _check(checked):
+        xb, yb = dc.spmd.varying(batches[r][0]), dc.spmd.varying(batches[r][1])
+        loss = F.mse_loss(model(xb), yb)
+        params = list(model.parameters())
+        if style == "autograd.grad":  # a functional loop: grads returned, then assigned
+            for p, g in zip(params, torch.autograd.grad(loss, params)):
+                p.grad = dc.all_reduce(g, op="avg")
+        else:
+            loss.backward()
+            if style == "no_grad copy_":
+                with torch.no_grad():
+                    for p in params:
+                        p.grad.copy_(dc.all_reduce(p.grad, op="avg"))  # type: ignore[union-attr]
+            elif style == ".data":
+                for p in params:
+                    p.grad.data = dc.all_reduce(p.grad.data, op="avg")  # type: ignore[union-attr]
+            elif style == "flat bucket":  # DDP's bucket: flatten, one all_reduce, copy back
+                grads = [p.grad for p in params]
+                flat = dc.all_reduce(torch.cat([g.reshape(-1) for g in grads]), op="avg")  # type: ignore[union-attr]
+                for g, synced in zip(grads, flat.split([g.numel() for g in grads])):  # type: ignore[union-attr]
+                    g.copy_(synced.view_as(g))  # type: ignore[union-attr]
+    xa, ya = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    F.mse_loss(serial(xa), ya).backward()
+    return _plain_grads(model, serial)
+
+
+def dp_grads_autograd_grad_then_assigned(checked: bool) -> dict[str, float]:
+    return _dp_sync_styles(checked, "autograd.grad")
+
+
+def dp_grads_averaged_under_no_grad_copy(checked: bool) -> dict[str, float]:
+    return _dp_sync_styles(checked, "no_grad copy_")
+
+
+def dp_grads_averaged_through_data(checked: bool) -> dict[str, float]:
+    return _dp_sync_styles(checked, ".data")
+
+
+def dp_grads_flat_bucket(checked: bool) -> dict[str, float]:
+    return _dp_sync_styles(checked, "flat bucket")
+
+
+def _masked_vocab_logits(checked: bool, bug: bool) -> dict[str, float]:
+    """A vocab-parallel head computed as partial sums (the hidden state sharded along its
+    features, the head row-parallel), some vocabulary entries masked before the reduction:
+    zeroed (right), or set to a logit penalty of -2 (wrong: each rank adds it)."""
+    torch.manual_seed(62)
+    head_s = nn.Linear(F_, 6, bias=False, dtype=F64)
+    head = dc.spmd.module(par.RowParallelLinear.from_serial(head_s, input_is_parallel=True))
+    xs = _randn(5, F_, seed=63)
+    banned = torch.tensor([False, True, False, False, True, False])
+    tgt = torch.tensor([0, 2, 3, 5, 0])
+    with _check(checked):
+        dc.spmd.module(head)
+        x_l = par.scatter_to_region(xs.clone().requires_grad_())
+        p = F.linear(x_l, head.weight)
+        p = p.masked_fill(banned, -2.0 if bug else 0.0)
+        F.cross_entropy(par.reduce_from_region(p), tgt).backward()
+    F.cross_entropy(head_s(xs).masked_fill(banned, -2.0 if bug else 0.0), tgt).backward()
+    return _param_diffs(head, head_s)
+
+
+def partial_logits_masked_with_zero(checked: bool) -> dict[str, float]:
+    return _masked_vocab_logits(checked, bug=False)
+
+
+def partial_logits_masked_with_a_penalty(checked: bool) -> dict[str, float]:
+    """Planted: masked_fill(mask, -2.0) on partial logits: the sum over ranks is -2 W."""
+    return _masked_vocab_logits(checked, bug=True)
+
+
 # ====================================================================== expert parallel
 
 
@@ -1014,6 +1135,17 @@ PROGRAMS: dict[str, Program] = {
         ring_loss_on_unsharded_output,
         buggy=True,
         names=("backward", "all_gather", "world-size times too large"),
+    ),
+    "sp_prenorm_block": Program(sp_prenorm_block),
+    "dp_grads_autograd_grad_then_assigned": Program(dp_grads_autograd_grad_then_assigned),
+    "dp_grads_averaged_under_no_grad_copy": Program(dp_grads_averaged_under_no_grad_copy),
+    "dp_grads_averaged_through_data": Program(dp_grads_averaged_through_data),
+    "dp_grads_flat_bucket": Program(dp_grads_flat_bucket),
+    "partial_logits_masked_with_zero": Program(partial_logits_masked_with_zero),
+    "partial_logits_masked_with_a_penalty": Program(
+        partial_logits_masked_with_a_penalty,
+        buggy=True,
+        names=("masked_fill", "expected zero or partial"),
     ),
     "mesh_dp_tp_mlp_w4": Program(mesh_dp_tp_mlp, worlds=(4,)),
     "mesh_dp_grads_reduced_over_tp_w4": Program(

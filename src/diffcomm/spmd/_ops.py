@@ -94,7 +94,10 @@ _STRUCTURAL = _names(
     "sum_to_size",
     "nan_to_num",
     "data",
+    "copy_",
 )
+#: their second tensor is only a template (shape, dtype): typed by the first alone
+_TEMPLATE_2ND = _names("view_as", "reshape_as", "expand_as", "type_as")
 #: sums of their tensor inputs: every float input partial
 _ADDITIVE = _names(
     "add",

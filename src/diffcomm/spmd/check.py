@@ -80,6 +80,7 @@ from ._ops import (  # the torch-op name tables and argument classifiers
     _STACKING,
     _STRUCTURAL,
     _SUMMING,
+    _TEMPLATE_2ND,
     _WEIGHTED,
     _differentiable,
     _flat_tensors,
@@ -442,6 +443,8 @@ class SPMDCheck(TorchFunctionMode):
             return func(*args, **kwargs)
         raw = getattr(func, "__name__", "")
         if raw in _NO_TYPING:
+            if raw == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+                self._set_data(args)  # `t.data = other`: t takes other's type
             return func(*args, **kwargs)
         name = _fname(func)
         if name == "backward" or func is torch.autograd.backward or func is torch.autograd.grad:
@@ -470,6 +473,20 @@ class SPMDCheck(TorchFunctionMode):
             raise
         return out
 
+    def _set_data(self, args: Any) -> None:
+        """``t.data = other`` (``p.grad.data = dc.all_reduce(p.grad.data)``): ``t`` takes
+        ``other``'s type (a parameter keeps its own)."""
+        if len(args) < 2 or not isinstance(args[0], Tensor) or not isinstance(args[1], Tensor):
+            return
+        old = args[0].__dict__.get(self.key)
+        if old is not None and old.param is not None:
+            return
+        new = args[1].__dict__.get(self.key)
+        if new is not None:
+            args[0].__dict__[self.key] = new
+        elif old is not None:
+            del args[0].__dict__[self.key]
+
     def _type_plain(self, func: Any, name: str, args: Any, kwargs: Any, outs: list[Tensor]) -> None:
         key = self.key
         ins = _flat_tensors(args, [])
@@ -480,6 +497,8 @@ class SPMDCheck(TorchFunctionMode):
             return  # an update of a parameter (init, optimizer step) keeps its type
         if name == "copy_" and len(ins) >= 2:  # the target takes the source's type
             ins = ins[1:]
+        elif name in _TEMPLATE_2ND and len(ins) >= 2:  # `other` gives a shape, not values
+            ins = ins[:1]
         elif name in ("zero_", "fill_"):
             ins = ins[1:]
         extra: T | None = None
