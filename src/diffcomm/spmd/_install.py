@@ -499,7 +499,7 @@ def _patch_raw_all_reduce() -> None:
         return out
 
     all_reduce.__wrapped__ = orig  # type: ignore[attr-defined]
-    dist.all_reduce = all_reduce  # type: ignore[assignment]
+    dist.all_reduce = all_reduce
 
 
 def _uninstall() -> None:
