@@ -939,6 +939,71 @@ def moe_router_grad_not_reduced(checked: bool) -> dict[str, float]:
     return _moe(checked, bug=True)
 
 
+def _ep_layer(checked: bool, bug: bool) -> dict[str, float]:
+    """ExpertParallelMoE from the serial MoE, each rank's tokens declared varying, the
+    docs' step (sync_replicated_grads after backward); the bug: a data-parallel habit,
+    every parameter's gradient all-reduced afterwards, the experts' too."""
+    r, w, e, h = dc.get_rank(), dc.get_world_size(), 2 * dc.get_world_size(), 6
+    serial = par.MoE(h, 5, e, 2, activation="tanh", dtype=F64, seed=0)
+    ep = par.ExpertParallelMoE.from_serial(serial)
+    xs = _randn(4 * w, h, seed=33)
+    with _check(checked):
+        x = dc.spmd.varying(xs[4 * r : 4 * r + 4].clone().requires_grad_())
+        ep(x).pow(2).sum().backward()
+        ep.sync_replicated_grads()
+        if bug:
+            for p in ep.experts.parameters():
+                p.grad = dc.all_reduce(p.grad)  # type: ignore[arg-type]
+    x_all = xs.clone().requires_grad_()
+    serial(x_all).pow(2).sum().backward()
+    sp = dict(serial.named_parameters())
+    out = {"dx": _d(x.grad, x_all.grad[4 * r : 4 * r + 4])}  # type: ignore[index]
+    for name, p in ep.named_parameters():
+        out[name] = _d(p.grad, sp[ep.serial_names()[name]].grad)
+    return out
+
+
+def moe_expert_parallel_layer(checked: bool) -> dict[str, float]:
+    return _ep_layer(checked, bug=False)
+
+
+def moe_expert_grads_all_reduced(checked: bool) -> dict[str, float]:
+    """Planted: the experts' gradients (each rank's own experts) summed over the group."""
+    return _ep_layer(checked, bug=True)
+
+
+def _per_rank_token_loss(checked: bool, sum_convention: bool) -> dict[str, float]:
+    """A TP MLP's output (the same on every rank), then each rank's loss on its own tokens
+    (a sequence split after the block). Its objective is the sum of the per-rank losses:
+    the sum-convention all_reduce is the right reduction; reduce_from_region (whose identity
+    backward assumes one replicated loss) hands each rank only its own tokens' gradient.
+    The replicated bias's gradient is each rank's tokens' share: summed by hand."""
+    w, n = dc.get_world_size(), 2
+    ln_s, fc1_s, fc2_s = _serial_mlp()
+    col = par.ColumnParallelLinear.from_serial(fc1_s)
+    row = dc.spmd.module(par.RowParallelLinear.from_serial(fc2_s, input_is_parallel=True))
+    xs = _randn(n * w, H, seed=34)
+    with _check(checked):
+        dc.spmd.module(row)
+        r = dc.get_rank()
+        p = F.linear(F.gelu(col(xs)), row.weight)
+        y = (dc.all_reduce(p) if sum_convention else par.reduce_from_region(p)) + row.bias
+        y[r * n : (r + 1) * n].pow(2).sum().backward()
+        row.bias.grad = dc.all_reduce(row.bias.grad)  # type: ignore[arg-type]  # each rank's tokens' share
+    fc2_s(F.gelu(fc1_s(xs))).pow(2).sum().backward()
+    return {**_param_diffs(col, fc1_s, "fc1."), **_param_diffs(row, fc2_s, "fc2.")}
+
+
+def tp_all_reduce_then_per_rank_token_loss(checked: bool) -> dict[str, float]:
+    return _per_rank_token_loss(checked, sum_convention=True)
+
+
+def tp_reduce_from_region_then_per_rank_token_loss(checked: bool) -> dict[str, float]:
+    """Planted: reduce_from_region before per-rank losses (each rank's weight shards see
+    only its own tokens' gradient)."""
+    return _per_rank_token_loss(checked, sum_convention=False)
+
+
 # ====================================================================== context parallel
 
 
@@ -1146,6 +1211,16 @@ PROGRAMS: dict[str, Program] = {
         partial_logits_masked_with_a_penalty,
         buggy=True,
         names=("masked_fill", "expected zero or partial"),
+    ),
+    "moe_expert_parallel_layer": Program(moe_expert_parallel_layer),
+    "moe_expert_grads_all_reduced": Program(
+        moe_expert_grads_all_reduced, buggy=True, names=("is varying", "reduced over the group it varies on")
+    ),
+    "tp_all_reduce_then_per_rank_token_loss": Program(tp_all_reduce_then_per_rank_token_loss),
+    "tp_reduce_from_region_then_per_rank_token_loss": Program(
+        tp_reduce_from_region_then_per_rank_token_loss,
+        buggy=True,
+        names=("reduce_from_region", "a per-rank loss", "dc.all_reduce"),
     ),
     "mesh_dp_tp_mlp_w4": Program(mesh_dp_tp_mlp, worlds=(4,)),
     "mesh_dp_grads_reduced_over_tp_w4": Program(

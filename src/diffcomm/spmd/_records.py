@@ -51,12 +51,29 @@ class _Cell:
         return c
 
 
+#: products with a weight, where a replicated activation needs copy_to_region (as ``_ops``'s
+#: ``_WEIGHTED``; the other ops' clashes get the per-rank-use message)
+_WEIGHTED_OPS = frozenset(
+    ("linear", "matmul", "mm", "bmm", "einsum", "embedding", "conv1d", "conv2d", "rmatmul")
+)
+
+
 def _conflict(op: str, site: str, need: str, have: _Cell, need_why: str) -> SPMDTypeError:
     if have.kind == PARTIAL:  # a sum-convention op made it; a replicated-objective use here
         text = (
             f"its gradient must be replicated here ({need_why}), but it is partial: "
             f"{have.why}. Under this replicated objective, replace that op by its "
             "diffcomm.parallel mapping (the error names it), or keep this value varying"
+        )
+    elif op not in _WEIGHTED_OPS:  # not a matmul with a weight: a per-rank use of the value
+        text = (
+            f"its gradient must be partial here ({need_why}), but it is replicated: "
+            f"{have.why}. A replicated-objective value cannot meet a varying one (its "
+            "gradient would differ by rank): if each rank's use of it is that rank's own part of "
+            "the objective (a per-rank loss, a slice or mask by rank), make the value with the "
+            "sum-convention op (dc.all_reduce / dc.all_gather, whose backward sums the ranks' "
+            "gradients); otherwise make the other operand replicated (e.g. dropout on the "
+            "default RNG stream, not a model-parallel one)"
         )
     else:
         text = (
