@@ -422,6 +422,45 @@ def tp_detached_target_and_logged_loss(checked: bool) -> dict[str, float]:
     return {"logged": _d(logged, ref), **_param_diffs(mlp_c, fc1_s, "fc1.")}
 
 
+def tp_gradient_penalty(checked: bool) -> dict[str, float]:
+    """A gradient penalty through a ParallelMLP: autograd.grad(create_graph=True) of the
+    replicated loss for the input, its square added, backward (double backward through the
+    mappings, which the docs promise right under the replicated objective)."""
+    torch.manual_seed(70)
+    serial = par.MLP(H, F_, dtype=F64)
+    mlp = par.ParallelMLP.from_serial(serial)
+    xs = _randn(5, H, seed=71)
+
+    def step(model: nn.Module, x: torch.Tensor) -> None:
+        task = model(x).pow(2).mean()
+        (gx,) = torch.autograd.grad(task, x, create_graph=True)
+        (task + gx.pow(2).sum()).backward()
+
+    with _check(checked):
+        x = xs.clone().requires_grad_()
+        step(mlp, x)
+    xr = xs.clone().requires_grad_()
+    step(serial, xr)
+    return {"dx": _d(x.grad, xr.grad), **_param_diffs(mlp, serial)}
+
+
+def tp_tied_replicated_embedding_around_mlp(checked: bool) -> dict[str, float]:
+    """A replicated nn.Embedding whose table is also the output projection (weight tying)
+    around a ParallelMLP: the table is replicated and used identically on every rank, so
+    its gradient needs no reduction."""
+    torch.manual_seed(72)
+    emb = nn.Embedding(10, H, dtype=F64)
+    serial = par.MLP(H, F_, dtype=F64)
+    emb_s, mlp = copy.deepcopy(emb), par.ParallelMLP.from_serial(serial)
+    ids, tgt = torch.tensor([1, 4, 9, 4]), torch.tensor([2, 2, 0, 7])
+    with _check(checked):
+        h = emb(ids)
+        F.cross_entropy(F.linear(h + mlp(h), emb.weight), tgt).backward()
+    hs = emb_s(ids)
+    F.cross_entropy(F.linear(hs + serial(hs), emb_s.weight), tgt).backward()
+    return {**_plain_grads(emb, emb_s, "emb."), **_param_diffs(mlp, serial)}
+
+
 # ---------------------------------------------------------------- user autograd Functions
 
 
@@ -1091,6 +1130,37 @@ def _mesh_dp_tp(checked: bool, bug: bool) -> dict[str, float]:
     return _param_diffs(mlp, serial)
 
 
+def _mesh_two_checks(checked: bool, bug: bool) -> dict[str, float]:
+    """The DP x TP step under two checks at once, one per mesh axis (each types its own
+    group); the bug: the data-parallel gradient average forgotten."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = (mesh, "tp"), (mesh, "dp")
+    d = mesh.get_local_rank("dp")
+    torch.manual_seed(52)
+    serial = par.MLP(H, F_, dtype=F64)
+    mlp = par.ParallelMLP.from_serial(serial, group=tp)
+    xs = _randn(2, 5, H, seed=53)
+    with _check(checked, tp), _check(checked, dp):
+        mlp(dc.spmd.varying(xs[d]) if checked else xs[d]).pow(2).mean().backward()
+        if not bug:
+            for p in mlp.parameters():
+                p.grad = dc.all_reduce(p.grad, op="avg", group=dp)  # type: ignore[arg-type]
+    (serial(xs[0]).pow(2).mean() + serial(xs[1]).pow(2).mean()).div(2).backward()
+    return _param_diffs(mlp, serial)
+
+
+def mesh_two_checks(checked: bool) -> dict[str, float]:
+    return _mesh_two_checks(checked, bug=False)
+
+
+def mesh_two_checks_dp_average_forgotten(checked: bool) -> dict[str, float]:
+    """Planted: no data-parallel gradient average: the dp check must see the partial
+    gradients (the tp check cannot: over tp they are right)."""
+    return _mesh_two_checks(checked, bug=True)
+
+
 def mesh_dp_tp_mlp(checked: bool) -> dict[str, float]:
     return _mesh_dp_tp(checked, bug=False)
 
@@ -1221,6 +1291,12 @@ PROGRAMS: dict[str, Program] = {
         tp_reduce_from_region_then_per_rank_token_loss,
         buggy=True,
         names=("reduce_from_region", "a per-rank loss", "dc.all_reduce"),
+    ),
+    "tp_gradient_penalty": Program(tp_gradient_penalty),
+    "tp_tied_replicated_embedding_around_mlp": Program(tp_tied_replicated_embedding_around_mlp),
+    "mesh_two_checks_w4": Program(mesh_two_checks, worlds=(4,)),
+    "mesh_two_checks_dp_average_forgotten_w4": Program(
+        mesh_two_checks_dp_average_forgotten, buggy=True, names=("missing reduction",), worlds=(4,)
     ),
     "mesh_dp_tp_mlp_w4": Program(mesh_dp_tp_mlp, worlds=(4,)),
     "mesh_dp_grads_reduced_over_tp_w4": Program(
