@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .. import _replication as T_
 from .. import _torch
-from .._replication import PARTIAL, REPLICATED, LayerRule, Rule, SPMDTypeError, T, V
+from .._replication import PARTIAL, REPLICATED, LayerRule, R, Rule, SPMDTypeError, T, V
 from ..ops import engine as E
 from ..ops.base import CommOp, ListOp
 from ._ops import RankInt
@@ -202,6 +202,7 @@ def _install() -> None:
     get_rank.__doc__ = orig_rank.__doc__
     setattr(W, "get_rank", get_rank)  # noqa: B010
     setattr(diffcomm, "get_rank", get_rank)  # noqa: B010
+    _patch_raw_all_reduce()
 
     def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         for c in _ACTIVE:
@@ -358,6 +359,24 @@ def _is_user_function(cls: type) -> bool:
     return not (mod.startswith(("torch.", "diffcomm.", "spmd_types")) or cls in _PATCHED)
 
 
+def _untyped(bound: Any) -> Any:
+    """``bound`` run with every check of this thread off: under a torch.func transform a
+    Function's ``forward`` runs one interpreter level down, where the transform no longer
+    shows, on unwrapped tensors whose types are not their wrappers'."""
+
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        checks = [c for c in _ACTIVE if c.thread == threading.get_ident()]
+        for c in checks:
+            c.inside += 1
+        try:
+            return bound(*args, **kwargs)
+        finally:
+            for c in checks:
+                c.inside -= 1
+
+    return apply
+
+
 class _UserApply:
     """``torch.autograd.Function.apply`` while a check is active: a user Function is typed
     by its rule (its forward's own ops untyped), or refused with its name."""
@@ -370,6 +389,8 @@ class _UserApply:
         if cls is None and obj is not None:
             cls = type(obj)
         bound = self._orig.__get__(obj, cls)
+        if _torch.transforms_active():  # torch.func: nothing typed (docs/spmd_types.md, Limits)
+            return _untyped(bound)
         if cls is None or not _is_user_function(cls):
             return bound
         checks = [c for c in _ACTIVE if not c.off]
@@ -441,6 +462,44 @@ class _Hooks:
                     r.param = name
                     p.__dict__[c.key] = r
                     c._params[id(p)] = (p, name, r)
+
+
+def _patch_raw_all_reduce() -> None:
+    """``torch.distributed.all_reduce`` (in place, not differentiable: a user's gradient
+    reduction, ``dist.all_reduce(p.grad)``) types its tensor as diffcomm's all_reduce would:
+    a partial or varying value over the checked group becomes replicated, under the same
+    reduction rules (a gradient that already holds a reduced part summed again, a
+    replicated objective's gradient averaged, a replicated term summed). Untyped tensors
+    (diffcomm's own raw calls) and other groups are left alone."""
+    import torch.distributed as dist
+
+    orig = dist.all_reduce
+    _PATCHED_ATTRS.append((dist, "all_reduce", orig))
+
+    def all_reduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(tensor, *args, **kwargs)
+        for c in _ACTIVE:
+            r = tensor.__dict__.get(c.key) if isinstance(tensor, Tensor) else None
+            if c.off or r is None or r.t is R:
+                continue
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            if not c._is_group(group):
+                continue
+            op = kwargs.get("op", args[0] if args else dist.ReduceOp.SUM)
+            site = _site()
+            c._check_summed(
+                "torch.distributed.all_reduce",
+                "tensor",
+                r,
+                op == dist.ReduceOp.SUM,
+                op == dist.ReduceOp.AVG,
+                site,
+            )
+            tensor.__dict__[c.key] = _Rec(R, why=f"the output of torch.distributed.all_reduce at {site}")
+        return out
+
+    all_reduce.__wrapped__ = orig  # type: ignore[attr-defined]
+    dist.all_reduce = all_reduce
 
 
 def _uninstall() -> None:

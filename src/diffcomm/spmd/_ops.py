@@ -94,7 +94,10 @@ _STRUCTURAL = _names(
     "sum_to_size",
     "nan_to_num",
     "data",
+    "copy_",
 )
+#: their second tensor is only a template (shape, dtype): typed by the first alone
+_TEMPLATE_2ND = _names("view_as", "reshape_as", "expand_as", "type_as")
 #: sums of their tensor inputs: every float input partial
 _ADDITIVE = _names(
     "add",
@@ -150,6 +153,24 @@ _MASKING = _names("setitem", "where", "masked_fill", "masked_fill_")
 _WEIGHTED = _names("linear", "matmul", "mm", "bmm", "einsum", "embedding", "conv1d", "conv2d", "rmatmul")
 #: ops through which a replicated term added to a varying value stays an additive term
 _LINEAR_CHAIN = _STRUCTURAL | _ADDITIVE
+#: ops that put a replicated value beside per-rank ones as an element of its own
+_STACKING = _names("cat", "concat", "concatenate", "stack", "hstack", "vstack")
+#: elementwise maps and norms: a replicated *element* (stacked, not broadcast into every
+#: element) stays one through them: the squares of stacked per-tensor norms, their norm
+_ELEMENTWISE = _names(
+    "pow",
+    "pow_",
+    "square",
+    "square_",
+    "abs",
+    "abs_",
+    "sqrt",
+    "sqrt_",
+    "float_power",
+    "norm",
+    "vector_norm",
+    "linalg_vector_norm",
+)
 #: the reductions over the group (``op`` sum or avg)
 _SUMMING = _names(
     "all_reduce", "parallel.reduce_from_region", "reduce_scatter", "parallel.reduce_scatter_to_sequence"

@@ -51,12 +51,29 @@ class _Cell:
         return c
 
 
+#: products with a weight, where a replicated activation needs copy_to_region (as ``_ops``'s
+#: ``_WEIGHTED``; the other ops' clashes get the per-rank-use message)
+_WEIGHTED_OPS = frozenset(
+    ("linear", "matmul", "mm", "bmm", "einsum", "embedding", "conv1d", "conv2d", "rmatmul")
+)
+
+
 def _conflict(op: str, site: str, need: str, have: _Cell, need_why: str) -> SPMDTypeError:
     if have.kind == PARTIAL:  # a sum-convention op made it; a replicated-objective use here
         text = (
             f"its gradient must be replicated here ({need_why}), but it is partial: "
             f"{have.why}. Under this replicated objective, replace that op by its "
             "diffcomm.parallel mapping (the error names it), or keep this value varying"
+        )
+    elif op not in _WEIGHTED_OPS:  # not a matmul with a weight: a per-rank use of the value
+        text = (
+            f"its gradient must be partial here ({need_why}), but it is replicated: "
+            f"{have.why}. A replicated-objective value cannot meet a varying one (its "
+            "gradient would differ by rank): if each rank's use of it is that rank's own part of "
+            "the objective (a per-rank loss, a slice or mask by rank), make the value with the "
+            "sum-convention op (dc.all_reduce / dc.all_gather, whose backward sums the ranks' "
+            "gradients); otherwise make the other operand replicated (e.g. dropout on the "
+            "default RNG stream, not a model-parallel one)"
         )
     else:
         text = (
@@ -92,7 +109,7 @@ class _Escape(BaseException):
 class _Rec:
     """One tensor's type under one check."""
 
-    __slots__ = ("t", "cell", "shard", "why", "param", "auto", "acc", "strict", "rep", "copy_at")
+    __slots__ = ("t", "cell", "shard", "why", "param", "auto", "acc", "strict", "rep", "rep_elem", "copy_at")
 
     def __init__(self, t: T, cell: _Cell | None = None, shard: int | None = None, why: str = "") -> None:
         self.t = t
@@ -110,6 +127,9 @@ class _Rec:
         #: a varying value holding a replicated additive term (where it was added): a sum
         #: over ranks counts that term world-size times
         self.rep: str | None = None
+        #: that replicated term is an element of its own (stacked / concatenated beside the
+        #: per-rank ones), so it survives elementwise maps (``pow``) and norms
+        self.rep_elem = False
         #: a partial gradient made where a replicated activation met a varying weight: the
         #: op and line where copy_to_region belongs
         self.copy_at: str | None = None

@@ -52,6 +52,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .. import _replication as T_
+from .. import _torch
 from .._replication import PARTIAL, REPLICATED, LayerRule, P, R, Rule, SPMDTypeError, T, V
 from ..backend import args as A
 from ._install import (  # what a check installs; the active checks
@@ -70,13 +71,16 @@ from ._install import (  # what a check installs; the active checks
 from ._ops import (  # the torch-op name tables and argument classifiers
     _ADDITIVE,
     _DROPOUT,
+    _ELEMENTWISE,
     _LINEAR_CHAIN,
     _MASKING,
     _NO_TYPING,
     _RANDOM,
     _SCALING,
+    _STACKING,
     _STRUCTURAL,
     _SUMMING,
+    _TEMPLATE_2ND,
     _WEIGHTED,
     _differentiable,
     _flat_tensors,
@@ -101,6 +105,14 @@ __all__ = [
 
 
 _COUNTER = itertools.count()
+
+#: why a tensor nothing in the check made is replicated (the fix, if it is per-rank data)
+_UNDECLARED = (
+    " (no per-rank source: a tensor entering the block is replicated unless declared, and so "
+    "is what plain ops make of replicated values; if it differs by rank (per-rank data, rows "
+    "sliced with a rank taken before the check), declare it with dc.spmd.varying(x), or take "
+    "the rank with dc.get_rank() inside the check)"
+)
 
 
 # ======================================================================================
@@ -414,16 +426,25 @@ class SPMDCheck(TorchFunctionMode):
 
     @property
     def off(self) -> bool:
-        return self.inside > 0 or self.in_backward > 0 or threading.get_ident() != self.thread
+        return (
+            self.inside > 0
+            or self.in_backward > 0
+            or threading.get_ident() != self.thread
+            or _torch.transforms_active()  # torch.func: not typed (docs: Limits)
+        )
 
     # ---------------------------------------------------------------- plain torch ops
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.inside or self.in_backward:
+        if self.inside or self.in_backward or _torch.transforms_active():
+            # under a torch.func transform the values are functorch wrappers (a parameter's
+            # type is not theirs) and no Tensor.backward runs: not typed (docs: Limits)
             return func(*args, **kwargs)
         raw = getattr(func, "__name__", "")
         if raw in _NO_TYPING:
+            if raw == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+                self._set_data(args)  # `t.data = other`: t takes other's type
             return func(*args, **kwargs)
         name = _fname(func)
         if name == "backward" or func is torch.autograd.backward or func is torch.autograd.grad:
@@ -452,6 +473,20 @@ class SPMDCheck(TorchFunctionMode):
             raise
         return out
 
+    def _set_data(self, args: Any) -> None:
+        """``t.data = other`` (``p.grad.data = dc.all_reduce(p.grad.data)``): ``t`` takes
+        ``other``'s type (a parameter keeps its own)."""
+        if len(args) < 2 or not isinstance(args[0], Tensor) or not isinstance(args[1], Tensor):
+            return
+        old = args[0].__dict__.get(self.key)
+        if old is not None and old.param is not None:
+            return
+        new = args[1].__dict__.get(self.key)
+        if new is not None:
+            args[0].__dict__[self.key] = new
+        elif old is not None:
+            del args[0].__dict__[self.key]
+
     def _type_plain(self, func: Any, name: str, args: Any, kwargs: Any, outs: list[Tensor]) -> None:
         key = self.key
         ins = _flat_tensors(args, [])
@@ -462,6 +497,8 @@ class SPMDCheck(TorchFunctionMode):
             return  # an update of a parameter (init, optimizer step) keeps its type
         if name == "copy_" and len(ins) >= 2:  # the target takes the source's type
             ins = ins[1:]
+        elif name in _TEMPLATE_2ND and len(ins) >= 2:  # `other` gives a shape, not values
+            ins = ins[:1]
         elif name in ("zero_", "fill_"):
             ins = ins[1:]
         extra: T | None = None
@@ -546,11 +583,13 @@ class SPMDCheck(TorchFunctionMode):
                         ):
                             r.cell.root().copy_at = f"{name} at {_site()}"
             out = _Rec(V, why=vwhy)
-            if name in _LINEAR_CHAIN:  # a replicated term added to per-rank values: remembered
-                out.rep = next((r.rep for r in recs if r.t is V and r.rep), None)
-                if out.rep is None and name in _ADDITIVE:
+            if name in _LINEAR_CHAIN or name in _ELEMENTWISE:  # a replicated term: remembered
+                src = next((r for r in recs if r.t is V and r.rep), None)
+                if src is not None and (name in _LINEAR_CHAIN or src.rep_elem):
+                    out.rep, out.rep_elem = src.rep, src.rep_elem
+                elif src is None and name in _ADDITIVE:
                     if any(r.t is R and _differentiable(t) for r, t in zip(recs, ins)):
-                        out.rep = f"{name} at {_site()}"
+                        out.rep, out.rep_elem = f"{name} at {_site()}", name in _STACKING
             return out
         # all replicated: one gradient kind for all that require grad
         if not diff:
@@ -696,6 +735,8 @@ class SPMDCheck(TorchFunctionMode):
                 expected = " or ".join(x.value for x in rule.maps)
                 why = rule.refuse.get(r.t, "")
                 origin = f" (it is {r.why})" if r.why else ""
+                if r.t is R and not r.why and r.param is None:
+                    origin = _UNDECLARED
                 raise SPMDTypeError(
                     f"diffcomm.spmd_check: {name} at {site}: argument `{arg}` is {r.t.value}{origin}, "
                     f"expected {expected}" + (f": {why}" if why else "") + "."
@@ -917,16 +958,28 @@ class SPMDCheck(TorchFunctionMode):
         """Raise :class:`SPMDTypeError` for the first replicated parameter (of ``params``;
         default: every parameter the check typed) whose gradient is partial (each rank
         holds its share: a reduction over the group is missing) or varying (changed by a
-        per-rank value after backward). Runs on leaving the block and before every
-        optimizer step inside it."""
+        per-rank value after backward), or a varying parameter whose gradient was reduced over
+        the checked group (a sharded weight's gradient mixed with the other shards'). Runs
+        on leaving the block and before every optimizer step inside it."""
         key = self.key
         only = None if params is None else {id(p) for p in params}
         for p, name, r in self._params.values():
             if only is not None and id(p) not in only:
                 continue
-            if p.grad is None or p.__dict__.get(key, r).t is not R:
+            if p.grad is None:
                 continue
             g = p.grad.__dict__.get(key)
+            if p.__dict__.get(key, r).t is V:
+                if g is not None and g.t is R and g.why:
+                    raise SPMDTypeError(
+                        f"diffcomm.spmd_check: parameter {name} is varying (each rank holds its own "
+                        f"shard or copy), but its gradient is replicated ({g.why}): reduced over the "
+                        "group it varies on, it mixes the ranks' different gradients. Reduce it only "
+                        "over another group (the data-parallel one), or not at all."
+                    )
+                continue
+            if p.__dict__.get(key, r).t is not R:
+                continue
             if g is not None and g.t is V:
                 raise SPMDTypeError(
                     f"diffcomm.spmd_check: parameter {name} is replicated, but its gradient varies by "

@@ -11,7 +11,7 @@ what happened on this rank (``None``, or the error's class name and message).
 
 from __future__ import annotations
 
-# Size: ~710 lines, over the ~600 guideline: a table of small programs (data, one
+# Size: ~815 lines, over the ~600 guideline: a table of small programs (data, one
 # function per bug), read in order by the docs and the tests; nothing in it is logic to split.
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -402,6 +402,44 @@ def clip_grad_norm_without_all_reduce(fixed: bool) -> None:
         g.mul_(coef)
 
 
+def clip_norm_of_stacked_norms(fixed: bool) -> None:
+    """torch's clipping recipe (the norm of the stacked per-tensor norms) with every
+    squared norm all-reduced, the replicated fc2.bias's too: counted world-size times (the
+    replicated element survives the squares)."""
+    mlp = par.ParallelMLP(H, F_, dtype=torch.float64, seed=0)
+    mlp(_x(3, H)).pow(2).mean().backward()
+    grads = {n: _grad(p) for n, p in mlp.named_parameters()}
+    if fixed:
+        sharded = torch.stack([g.norm(2) for n, g in grads.items() if n != "fc2.bias"])
+        sq = dc.all_reduce(sharded.pow(2).sum()) + grads["fc2.bias"].pow(2).sum()
+    else:
+        sq = dc.all_reduce(torch.stack([g.norm(2) for g in grads.values()]).pow(2).sum())
+    coef = (1e-3 / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+    for g in grads.values():
+        g.mul_(coef)
+
+
+def sharded_gradient_reduced_over_its_group(fixed: bool) -> None:
+    """The gradient of a tensor-parallel (sharded) weight averaged over the tensor-parallel
+    group, as if it were the data-parallel one: it mixes the ranks' different shards."""
+    mlp = par.ParallelMLP(H, F_, dtype=torch.float64, seed=0)
+    mlp(_x(3, H)).pow(2).mean().backward()
+    if not fixed:
+        mlp.fc1.weight.grad = dc.all_reduce(_grad(mlp.fc1.weight), op="avg")
+
+
+def raw_all_reduce_every_micro_batch(fixed: bool) -> None:
+    """Gradient accumulation with ``torch.distributed.all_reduce(p.grad)`` (in place, not
+    diffcomm's) after every micro-batch: W*G1 + G2; averaging every micro-batch is right."""
+    import torch.distributed as dist
+
+    lin = nn.Linear(H, 1, dtype=torch.float64)
+    for step in range(2):
+        lin(dc.spmd.varying(_shard(3, H) + step)).pow(2).mean().backward()
+        for p in lin.parameters():
+            dist.all_reduce(_grad(p), op=dist.ReduceOp.AVG if fixed else dist.ReduceOp.SUM)
+
+
 BUGS: list[Bug] = [
     Bug(
         "all_reduce under a replicated objective",
@@ -570,6 +608,24 @@ BUGS: list[Bug] = [
         ("all_reduce", "replicated term", "world-size times"),
     ),
     Bug(
+        "clipping norm of the stacked per-tensor norms",
+        "duplicated-parameter gradient norm",
+        clip_norm_of_stacked_norms,
+        ("all_reduce", "replicated term", "world-size times"),
+    ),
+    Bug(
+        "sharded gradient reduced over its own group",
+        "a varying parameter's gradient reduced over the group it varies on",
+        sharded_gradient_reduced_over_its_group,
+        ("ColumnParallelLinear.weight is varying", "reduced over the group it varies on"),
+    ),
+    Bug(
+        "torch.distributed.all_reduce every micro-batch",
+        "a reduction of a gradient that already holds reduced parts",
+        raw_all_reduce_every_micro_batch,
+        ("torch.distributed.all_reduce", "already holds a reduced gradient"),
+    ),
+    Bug(
         "rank-sliced data to ColumnParallelLinear",
         "varying tensor where a layer expects replicated input",
         rank_sliced_data_to_column_parallel,
@@ -657,6 +713,54 @@ def zeroed_gradients_accumulate_afresh() -> None:
         opt.zero_grad(set_to_none=False)
 
 
+def torch_func_grad_of_a_parallel_mlp() -> None:
+    """``torch.func.grad`` of a loss through ``functional_call`` of a ParallelMLP: not
+    typed under the transform (it was refused: the functorch wrappers looked replicated)."""
+    mlp = par.ParallelMLP(H, F_, dtype=torch.float64, seed=0)
+    x = _x(3, H)
+
+    def loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(mlp, params, (x,)).pow(2).mean()
+
+    torch.func.grad(loss)(dict(mlp.named_parameters()))
+
+
+def gradients_reduced_with_torch_distributed() -> None:
+    """Data parallel, the gradients summed with ``torch.distributed.all_reduce`` (in place)
+    and divided by the world, then torch's ``clip_grad_norm_`` and an optimizer step (the
+    raw reduction was not seen: the gradients stayed partial)."""
+    import torch.distributed as dist
+
+    lin = nn.Linear(H, 1, dtype=torch.float64)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    lin(dc.spmd.varying(_shard(3, H))).pow(2).mean().backward()
+    for p in lin.parameters():
+        dist.all_reduce(_grad(p))
+        _grad(p).div_(dc.get_world_size())
+    torch.nn.utils.clip_grad_norm_(lin.parameters(), 0.5, foreach=False)
+    opt.step()
+
+
+def gradients_averaged_through_data() -> None:
+    """``p.grad.data = dc.all_reduce(p.grad.data, op="avg")`` (older data-parallel code):
+    the gradient takes the reduced value's type (``.data`` assignment was not typed)."""
+    lin = nn.Linear(H, 1, dtype=torch.float64)
+    lin(dc.spmd.varying(_shard(3, H))).pow(2).mean().backward()
+    for p in lin.parameters():
+        _grad(p).data = dc.all_reduce(_grad(p).data, op="avg")
+
+
+def gradients_averaged_in_a_flat_bucket() -> None:
+    """DDP's bucket: the gradients flattened, one all_reduce, each copied back with
+    ``g.copy_(synced.view_as(g))`` (``view_as``'s template was typed as an operand)."""
+    lin = nn.Linear(H, 1, dtype=torch.float64)
+    lin(dc.spmd.varying(_shard(3, H))).pow(2).mean().backward()
+    grads = [_grad(p) for p in lin.parameters()]
+    flat = dc.all_reduce(torch.cat([g.reshape(-1) for g in grads]), op="avg")
+    for g, synced in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(synced.view_as(g))
+
+
 #: correct programs (each once refused by the checker, or a fix's neighbour): name -> program
 CORRECT: dict[str, Callable[[], None]] = {
     "vocab embedding: masked assignment of a partial value": vocab_embedding_masked_assignment,
@@ -666,6 +770,10 @@ CORRECT: dict[str, Callable[[], None]] = {
     "backward through all_reduce(loss, avg), gradients averaged": mean_loss_then_averaged_gradients,
     "gradient accumulation reduced once": grad_accumulation_reduced_once,
     "gradients zeroed in place between steps": zeroed_gradients_accumulate_afresh,
+    "torch.func.grad of a ParallelMLP": torch_func_grad_of_a_parallel_mlp,
+    "gradients reduced with torch.distributed.all_reduce": gradients_reduced_with_torch_distributed,
+    "gradients averaged through .data": gradients_averaged_through_data,
+    "gradients averaged in a flat bucket": gradients_averaged_in_a_flat_bucket,
 }
 
 
