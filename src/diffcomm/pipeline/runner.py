@@ -502,7 +502,11 @@ class PipelineRunner:
             if st.kind == "B":
                 self._backward(st, stash)
             elif st.kind == "I":
-                self._backward_input(st, stash)
+                # an I whose W is the very next step holds its gradients no longer than a
+                # split B does: a backward's transient buffers, not held memory (so ZB-V's
+                # steady-state I W pairs count as 1F1B's B; see docs/pipeline.md)
+                own_w = nxt is not None and (nxt.kind, nxt.micro, nxt.chunk) == ("W", st.micro, st.chunk)
+                self._backward_input(st, stash, hold=not own_w)
             else:
                 self._backward_weight(st, stash)
         end = time.perf_counter()
