@@ -48,7 +48,6 @@ rank sends (its next activations go plainly, which any receive takes).
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -110,6 +109,74 @@ class _LocalSend(torch.autograd.Function):
         if g is None:
             g = torch.zeros(ctx.shape, dtype=ctx.dtype)  # type: ignore[attr-defined]
         return g, None
+
+
+class _Inner:
+    """The backward of an :class:`Overlap` run in pieces between the phases of its
+    forward (the overlap hook): each call runs the next piece — a ``B`` that can split
+    runs its ``I`` (the input gradient leaves) then, at the forward's next ``yield``, its
+    ``W``; an ``I``, or a ``B`` that cannot split, is one piece — so a chunk whose forward
+    yields twice (:class:`~diffcomm.pipeline.MoEStage`: dispatch, then combine in flight)
+    hides both communications under the other micro-batch's compute. :meth:`finish`
+    runs what the forward's phases left; :meth:`entry` is the step's timeline entry (its
+    pieces' busy time, from the first piece's start)."""
+
+    def __init__(
+        self,
+        runner: PipelineRunner,
+        k: int,
+        steps: list[Step],
+        stash: dict[tuple[int, int], _Stash],
+        fused: list[bool],
+    ) -> None:
+        self.runner, self.k, self.steps, self.stash, self.fused = runner, k, steps, stash, fused
+        self.start: float | None = None
+        self.span = self.wait = 0.0
+        self.sent: float | None = None
+        self.pieces = [self._first, self._weight]
+
+    def __call__(self) -> None:
+        if self.pieces:
+            piece = self.pieces.pop(0)
+            waited = _recv_wait_seconds()
+            t0 = time.perf_counter()
+            piece()
+            self.span += time.perf_counter() - t0
+            self.wait += _recv_wait_seconds() - waited
+            if self.start is None:
+                self.start = t0
+            if piece == self._first and self.pieces:  # a split B: its input gradient has left
+                self.sent = max(0.0, self.span - self.wait)
+
+    def finish(self) -> None:
+        while self.pieces:
+            self()
+
+    def _first(self) -> None:
+        run, st = self.runner, self.steps[self.k]
+        nxt = self.steps[self.k + 1] if self.k + 1 < len(self.steps) else None
+        run._prepost(nxt, self.stash)
+        kept = self.stash[(st.micro, st.chunk)]
+        if st.kind == "B" and kept.handle.requires_grad:
+            # (a chunk whose input needs no gradient: I takes the output gradient, W the
+            # whole backward, so the second communication still has compute to hide under)
+            run._backward_input(st, self.stash, hold=False)  # the W piece comes next
+            return
+        self.pieces.clear()  # one piece: the whole step
+        if st.kind == "B":
+            run._backward(st, self.stash)
+        else:
+            own_w = nxt is not None and (nxt.kind, nxt.micro, nxt.chunk) == ("W", st.micro, st.chunk)
+            run._backward_input(st, self.stash, hold=not own_w)
+
+    def _weight(self) -> None:
+        self.runner._backward_weight(self.steps[self.k], self.stash)
+
+    def entry(self) -> TimelineEntry:
+        st, start = self.steps[self.k], self.start if self.start is not None else time.perf_counter()
+        return TimelineEntry(
+            st.kind, st.micro, start, start + self.span, self.wait, st.chunk, self.sent, self.fused[self.k]
+        )
 
 
 class PipelineRunner:
@@ -442,12 +509,6 @@ class PipelineRunner:
         total: Tensor,
         fused: list[bool],
     ) -> None:
-        inner: list[TimelineEntry] = []  # the entry of a backward run inside a phased forward
-
-        def run_inner(k: int) -> None:  # the backward of an Overlap, run between the forward's phases
-            self._run_one(k, steps, in_chunks, tgt_chunks, n_micro, stash, input_grad, total, fused, None)
-            inner.append(self.timeline.pop())
-
         k = 0
         while k < len(steps):
             st = steps[k]
@@ -458,15 +519,14 @@ class PipelineRunner:
                 and k + 1 < len(steps)
                 and (steps[k + 1].micro, steps[k + 1].chunk) != (st.micro, st.chunk)
             )
-            self._run_one(
-                k, steps, in_chunks, tgt_chunks, n_micro, stash, input_grad, total, fused,
-                functools.partial(run_inner, k + 1) if phased else None,
-            )  # fmt: skip
-            if phased:
+            inner = _Inner(self, k + 1, steps, stash, fused) if phased else None
+            self._run_one(k, steps, in_chunks, tgt_chunks, n_micro, stash, input_grad, total, fused, inner)
+            if inner is not None:
                 e = self.timeline[-1]  # the forward's busy time excludes the backward inside it
-                b = inner.pop()
-                e.start, e.wait = min(e.end, e.start + (b.end - b.start)), max(0.0, e.wait - b.wait)
-                self.timeline.append(b)
+                span, waited = inner.span, inner.wait
+                inner.finish()  # what the forward's phases left of the backward
+                e.start, e.wait = min(e.end, e.start + span), max(0.0, e.wait - waited)
+                self.timeline.append(inner.entry())
                 k += 1
             k += 1
         p2p.wait_sends()
@@ -615,8 +675,8 @@ class PipelineRunner:
                 phases = self.chunks[c].forward_phases(x)  # type: ignore[operator]
                 try:
                     next(phases)
-                    between()  # a backward saves no tensors: the hooks see nothing of it
-                    while True:
+                    while True:  # at every yield, the next piece of the other backward
+                        between()  # a backward saves no tensors: the hooks see nothing of it
                         next(phases)
                 except StopIteration as done:
                     y = done.value
