@@ -938,9 +938,9 @@ def test_zb_h1_computes_weight_gradients_in_w_only(world2: dc.LocalWorld) -> Non
         orig_i, orig_w = runner._backward_input, runner._backward_weight
 
         def tagged(kind: str, fn: Callable) -> Callable:
-            def run(st: Step, stash: dict) -> None:
+            def run(st: Step, stash: dict, **kw: bool) -> None:
                 runner._current = kind
-                fn(st, stash)
+                fn(st, stash, **kw)
                 runner._current = "-"
 
             return run
