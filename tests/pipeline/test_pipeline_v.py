@@ -378,3 +378,21 @@ def test_zbv_peak_is_1f1b_rank0_plus_the_loss_and_the_cooldown_gradients(
             assert extra == 2 * unit  # the loss's input and target, one micro-batch
         else:
             assert 0 <= extra <= (2 * rank - 1) * unit  # the cool-down's kept gradients
+
+
+def test_placement_from_times_keeps_the_standard_order_unless_it_gains() -> None:
+    # equal times (any scale), or a 0.1 % wobble on them: the simulated gain of another
+    # placement is below MIN_GAIN, so the standard order stays (a placement chosen on
+    # one step's noise lost in the next steps: docs/pipeline.md)
+    from diffcomm.pipeline.schedules import MIN_GAIN
+
+    assert MIN_GAIN == 0.005
+    for p, m in [(2, 8), (4, 8)]:
+        for scale in (1.0, 7.5):
+            same = {"F": scale, "I": scale, "W": scale}
+            wobble = [
+                {"F": scale * (1 + 1e-3 * r), "I": scale, "W": scale * (1 - 1e-3 * r)} for r in range(p)
+            ]
+            for costs in (same, wobble):
+                assert zb_h1_schedule(p, m, costs=costs) == zb_h1_schedule(p, m)
+                assert zbv_schedule(p, m, costs=costs) == zbv_schedule(p, m)

@@ -221,8 +221,9 @@ class PipelineRunner:
             ``"zbv"``): ``None`` (unit times; ZB-V: torch's order), a mapping (or one per
             rank) ``{"F", "I", "W"}``, or ``"measure"``: the first step (the warm-up, run
             with unit times) measures every rank's median busy time per kind (one small
-            all-reduce, once), and every later step's ``W`` steps are placed by them
-            (:meth:`remeasure` profiles again on the next step).
+            all-reduce), the second (placed by those) measures again, warm, and every
+            later step's ``W`` steps are placed by the second's times
+            (:meth:`remeasure` profiles again on the next two steps).
 
     Attributes:
         timeline: after a step, a list of :class:`TimelineEntry`, one per executed step.
@@ -312,6 +313,8 @@ class PipelineRunner:
             )
         self.costs = costs
         self._measured: list[dict[str, float]] | None = None
+        # steps left to measure: the first (cold: one-time costs) and the second (warm)
+        self._measures_left = 2
         self._validated: dict[tuple[int, str], list[list[Step | Overlap]]] = {}
         if self.is_last and loss_fn is None:
             raise A.arg_error(
@@ -401,8 +404,9 @@ class PipelineRunner:
 
     def remeasure(self) -> None:
         """Profile the step times again: the next step runs with unit-time placement and
-        measures; the steps after it place ``W`` by the new times (``costs="measure"``)."""
-        self._measured = None
+        measures, the one after it measures again (a warm step), and the steps after
+        those place ``W`` by the last times measured (``costs="measure"``)."""
+        self._measured, self._measures_left = None, 2
 
     def _measure(self) -> None:
         """Every rank's median busy time per step kind (``F``, ``I``, ``W``) of the step
@@ -415,6 +419,7 @@ class PipelineRunner:
         allr = be.all_reduce(row.to(be.comm_device(self.pg)), "sum", self.pg).cpu()
         if bool((allr > 0).all()):
             self._measured = [dict(zip("FIW", map(float, allr[r]))) for r in range(self.n_stages)]
+            self._measures_left -= 1
 
     # ---- one step --------------------------------------------------------------------
     def step(
@@ -491,10 +496,10 @@ class PipelineRunner:
         if self.broadcast_loss and self.n_stages > 1:
             be = B.get_backend()
             out = be.broadcast(total.to(be.comm_device(self.pg)), self.last_rank, self.pg)
-            if self.costs == "measure" and self._measured is None:
+            if self.costs == "measure" and self._measures_left > 0:
                 self._measure()
             return out.cpu()
-        if self.costs == "measure" and self._measured is None and self.n_stages > 1:
+        if self.costs == "measure" and self._measures_left > 0 and self.n_stages > 1:
             self._measure()
         return total if self.is_last else None
 
