@@ -13,8 +13,12 @@ reports, for diffcomm's :class:`~diffcomm.pipeline.PipelineRunner`:
   **replay** (:func:`~diffcomm.pipeline.replayed_bubble`, median over rounds): the same
   steps with their measured busy times replayed on the schedule's dependencies with free
   communication, the bubble the schedule implies for these stage times (equal to the
-  theory when stages are uniform). ``bubble - replay`` is what messages and the runtime
-  cost; ``replay - theory`` what unequal stage times cost (stage 0's backward has no input
+  theory when stages are uniform); and the **bound**
+  (:func:`~diffcomm.pipeline.bubble_bound`, median over rounds): the least bubble any order
+  of the same steps on the same ranks could have with these busy times (a schedule whose
+  replay equals it is optimal for them). ``bubble - replay`` is what messages and the
+  runtime cost; ``replay - bound`` what the schedule's order costs; ``bound - theory`` what
+  unequal stage times cost (stage 0's backward has no input
   gradient to compute, the last stage computes the loss, and two ranks computing at once
   on a small machine each run slower than one alone);
 * the **peak activation memory** per stage (bytes of saved-for-backward tensors alive at
@@ -75,6 +79,7 @@ from diffcomm import backend as B
 from diffcomm.pipeline import (
     PipelineRunner,
     TimelineEntry,
+    bubble_bound,
     bubble_fraction,
     partition,
     replayed_bubble,
@@ -286,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (after 1 warm-up)")
     ap.add_argument("--json", action="store_true", help="also print the rows as JSON (last line)")
     ap.add_argument(
+        "--dump", default=None, help="write every round's timelines of every row as JSON (offline analysis)"
+    )
+    ap.add_argument(
         "--pin", action="store_true", help="pin rank r (all its threads) to core r %% cores (Linux)"
     )
     ap.add_argument(
@@ -303,12 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cores: {os.cpu_count()}; torch {torch.__version__}; {args.rounds} rounds per row{pinned}\n")
     head = (
         f"{'p':>2} {'m':>2} {'schedule':<17} {'bubble':>6} {'best':>6} {'theory':>6} {'replay':>6} "
+        f"{'bound':>6} "
         f"{'ms/step':>8} {'vs torch':>17} {'grad diff':>9} {'calls':>6}  peak activation MiB per stage"
     )
     print(head)
     print("-" * len(head))
     plots: dict[str, tuple[list[list[TimelineEntry]], str]] = {}
     rows: list[dict[str, Any]] = []
+    dumped: list[dict[str, Any]] = []
     for p in args.stages:
         with dc.LocalWorld(p) as world:
             for m in args.micro:
@@ -326,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
                         replayed_bubble([_entries(r["bubble"][i]) for r in res], placement)
                         for i in range(args.rounds)
                     ]
+                    bounds = [
+                        bubble_bound([_entries(r["bubble"][i]) for r in res], placement)
+                        for i in range(args.rounds)
+                    ]
                     mid = sorted(range(args.rounds), key=lambda i: bubbles[i])[args.rounds // 2]
                     timelines = [_entries(r["bubble"][mid]) for r in res]  # the median round
                     if schedule in V_SCHEDULES or schedule == "zb-h1-placed":
@@ -340,6 +354,13 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     else:
                         theory = theoretical_bubble(p, m, v)
+                    dumped.append(
+                        {"p": p, "m": m, "schedule": schedule, "placement": placement,
+                         "rounds": [[r["bubble"][i] for r in res] for i in range(args.rounds)]}
+                    )  # fmt: skip
+                    if args.dump:  # after every row: a run cut short keeps what it measured
+                        with open(args.dump, "w") as f:
+                            json.dump(dumped, f)
                     errs = {r.get("torch_error") for r in res} - {None}
                     ratios: list[float] = []
                     if errs:
@@ -360,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                             "best": min(bubbles),
                             "theory": theory,
                             "replay": statistics.median(replays),
+                            "bound": statistics.median(bounds),
                             "ms_per_step": statistics.median(t_dc) * 1e3,
                             "vs_torch": statistics.median(ratios) if ratios else None,
                             "torch_error": sorted(errs) or None,
@@ -372,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                     peaks = " ".join(f"{r['peak'] / 2**20:6.1f}" for r in res)
                     print(
                         f"{p:>2} {m:>2} {schedule:<17} {statistics.median(bubbles):6.3f} {min(bubbles):6.3f} "
-                        f"{theory:6.3f} {statistics.median(replays):6.3f} "
+                        f"{theory:6.3f} {statistics.median(replays):6.3f} {statistics.median(bounds):6.3f} "
                         f"{statistics.median(t_dc) * 1e3:8.1f} {vs:>17} {diff_s} "
                         f"{res[0]['calls']:6d}  {peaks}",
                         flush=True,

@@ -21,6 +21,7 @@ from torch import nn
 import diffcomm as dc
 from diffcomm.ops import wire
 from diffcomm.parallel import ExpertParallelMoE, MoE
+from diffcomm.parallel.routing import combine, dispatch, route
 from diffcomm.pipeline import (
     MoEStage,
     Overlap,
@@ -32,6 +33,7 @@ from diffcomm.pipeline import (
     one_f_one_b_overlap_schedule,
     one_f_one_b_schedule,
 )
+from diffcomm.pipeline import overlap as overlap_module
 
 F64 = torch.float64
 H, E, K = 4, 4, 2
@@ -70,6 +72,15 @@ def _moe_pipeline(n_micro: int, schedule: str) -> dict[str, object]:
     else:
         stage = MoEStage(nn.Identity(), ExpertParallelMoE.from_serial(s1[0], ep), s1[1])
     seen = _phases_seen(stage)
+    combines: list[bool] = []  # per combine of the phased path: returned asynchronously?
+    plain_combine = overlap_module.combine
+
+    def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = plain_combine(*args, **kwargs)
+        combines.append(isinstance(out, dc.AsyncTensor))
+        return out
+
+    overlap_module.combine = recorded  # type: ignore[assignment]
     fn = one_f_one_b_overlap_schedule if schedule == "overlap" else one_f_one_b_schedule
     runner = PipelineRunner(stage, fn, group=pp, loss_fn=nn.functional.mse_loss, broadcast_loss=False)
     xs = [torch.randn(2 * n_micro, 3, dtype=F64, generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
@@ -77,14 +88,20 @@ def _moe_pipeline(n_micro: int, schedule: str) -> dict[str, object]:
         torch.randn(2 * n_micro, 2, dtype=F64, generator=torch.Generator().manual_seed(10 + s))
         for s in (0, 1)
     ]
-    runner.step(xs[shard], ys[shard], n_micro=n_micro)
+    try:
+        # input_grad: stage 0's B has an input path, so a fused B splits into I (under the
+        # dispatch) and W (under the combine); without it stage 0's B is one piece
+        runner.step(xs[shard], ys[shard], n_micro=n_micro, input_grad=schedule == "overlap")
+    finally:
+        overlap_module.combine = plain_combine  # type: ignore[assignment]
     # the replicated parameters (Linear, router): sum over the data shards
     stage.moe.sync_replicated_grads()
     for q in [*stage.pre.parameters(), *stage.post.parameters()]:
         assert q.grad is not None
         q.grad = dc.all_reduce(q.grad, "sum", ep)
     # the serial model over both shards, the two losses summed
-    loss = sum(nn.functional.mse_loss(ref1(ref0(x)), y) for x, y in zip(xs, ys))
+    xs_ref = [x.clone().requires_grad_() for x in xs]
+    loss = sum(nn.functional.mse_loss(ref1(ref0(x)), y) for x, y in zip(xs_ref, ys))
     loss.backward()  # type: ignore[union-attr]
     ref_stage = ref0 if stage_id == 0 else ref1
     ref_moe = ref_stage[1] if stage_id == 0 else ref_stage[0]
@@ -100,9 +117,20 @@ def _moe_pipeline(n_micro: int, schedule: str) -> dict[str, object]:
     ):
         for a, b in zip(a_exp.parameters(), b_exp.parameters(), strict=True):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-11, atol=1e-13)
+    if stage_id == 0 and schedule == "overlap":
+        torch.testing.assert_close(runner.input_grad, xs_ref[shard].grad, rtol=1e-11, atol=1e-13)
     assert wire.SENDS.pending() == 0
     overlapped = [(e.kind, e.micro) for e in runner.timeline if e.overlap]
-    return {"phased": seen[0], "overlapped": overlapped, "busy_ok": all(e.busy >= 0 for e in runner.timeline)}
+    # the fused B ran as I (under the dispatch; its input gradient left: sent) then W
+    # (under the combine): every overlapped B's entry has its sent mark
+    split = all(e.sent is not None for e in runner.timeline if e.overlap and e.kind == "B")
+    return {
+        "phased": seen[0],
+        "overlapped": overlapped,
+        "busy_ok": all(e.busy >= 0 for e in runner.timeline),
+        "async_combines": combines,
+        "split": split,
+    }
 
 
 @pytest.mark.parametrize("schedule", ["overlap", "plain"])
@@ -119,6 +147,35 @@ def test_moe_dispatch_overlaps_another_micro_batchs_backward(
         assert o["phased"] == (n_overlaps if schedule == "overlap" else 0)
         assert len(o["overlapped"]) == (2 * n_overlaps if schedule == "overlap" else 0)
         assert o["busy_ok"]
+        # the combine all_to_all was posted asynchronously in every phased forward (the
+        # other micro-batch's W ran while it travelled), and the fused B was split
+        assert o["async_combines"] == [True] * (n_overlaps if schedule == "overlap" else 0)
+        assert o["split"]
+
+
+def _combine_async_equals_blocking() -> None:
+    torch.manual_seed(dist.get_rank())
+    x = torch.randn(6, H, dtype=F64, requires_grad=True)
+    logits = torch.randn(6, E, dtype=F64, requires_grad=True)
+    expert = nn.Linear(H, 3, dtype=F64)
+    results = []
+    for async_op in (False, True):
+        gate, index, _ = route(logits, K)
+        h, plan = dispatch(x, index, E, None)
+        y = combine(expert(h), gate, plan, async_op=async_op)
+        assert isinstance(y, dc.AsyncTensor) == async_op
+        y = y.wait() if async_op else y  # type: ignore[attr-defined]
+        g = torch.randn(y.shape, dtype=F64, generator=torch.Generator().manual_seed(5))
+        # first and second order: the gradient's norm differentiated again
+        gx, gl = torch.autograd.grad(y, [x, logits], g, create_graph=True)
+        gg = torch.autograd.grad((gx.square().sum() + gl.square().sum()), [x, logits, expert.weight])
+        results.append([y.detach(), gx.detach(), gl.detach(), *gg])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14)
+
+
+def test_combine_async_equals_the_blocking_combine(world2: dc.LocalWorld) -> None:
+    world2.run(_combine_async_equals_blocking)
 
 
 def test_overlap_schedule_is_1f1b_with_fused_pairs() -> None:

@@ -447,7 +447,12 @@ def _permute_async(got: _async.AsyncTensor, plan: DispatchPlan) -> _async.AsyncT
 
 
 def combine(
-    expert_outputs: Tensor, gate_weights: Tensor, plan: DispatchPlan, *, precision: Precision | None = None
+    expert_outputs: Tensor,
+    gate_weights: Tensor,
+    plan: DispatchPlan,
+    *,
+    precision: Precision | None = None,
+    async_op: bool = False,
 ) -> Tensor:
     """Bring the experts' outputs back to their tokens, weighted by the gate weights.
 
@@ -458,6 +463,12 @@ def combine(
         plan: the :class:`DispatchPlan` of the matching :func:`dispatch`.
         precision: a :class:`~diffcomm.Precision` for the all_to_all back (forward
             settings) and its backward (``backward`` settings) (``docs/precision.md``).
+        async_op: the result is returned at once as an :class:`~diffcomm.AsyncTensor`
+            (the all_to_all and then the weighting run on the communication engine; the
+            first use waits): compute something else meanwhile, as with
+            :func:`dispatch`. Values and gradients equal the blocking call's. (Blocking
+            where asynchronous ops cannot run: under ``torch.func`` transforms and
+            ``dc.spmd_check``.)
 
     Returns:
         ``(T, H_out)``: ``y[t] = sum_j gate_weights[t, j] * expert_{index[t, j]}(x[t])`` over
@@ -495,6 +506,7 @@ def combine(
     if not (gate_weights.dtype.is_floating_point or gate_weights.dtype.is_complex):
         raise A.arg_error(op, "gate_weights", "a floating-point tensor", gate_weights.dtype, TypeError)
     rows = _permute(expert_outputs, plan.recv_inverse, plan.recv_order, plan.source_major)  # source-major
+    run_async = bool(async_op) and HOOK[0] is None and not _torch.transforms_active()
     with B.label("parallel.combine"):
         back = collectives.all_to_all(
             rows,
@@ -502,8 +514,11 @@ def combine(
             input_split_sizes=plan.recv_splits,
             output_split_sizes=plan.send_splits,
             precision=precision,
+            async_op=run_async,
         )
     w = gate_weights.reshape(-1).index_select(0, plan.slot_index).to(back.dtype)
+    if isinstance(back, _async.AsyncTensor):
+        return _WeighAsync.apply(back, w, plan.token_index, plan.num_tokens)
     out = back.new_zeros(plan.num_tokens, back.shape[1])
     if spmd_types_checking(_FUNCTION_ATTRS):
         spmd_types_like(out, back)
@@ -511,6 +526,34 @@ def combine(
         return out.index_add(0, plan.token_index, back * w.unsqueeze(1))
     # into the fresh zeros in place (autograd records it: the zeros need no gradient)
     return out.index_add_(0, plan.token_index, back * w.unsqueeze(1))
+
+
+class _WeighAsync(torch.autograd.Function):
+    """``y = index_add(zeros(T, H), token_index, back * w)`` of an asynchronous combine's
+    rows ``back`` (an :class:`~diffcomm.AsyncTensor`), run on the communication engine
+    right after the all_to_all (jobs run in launch order), so the result is itself an
+    AsyncTensor. Backward: ``back`` gets ``grad[token_index] * w``, the gate weights ``w``
+    get ``<grad[token_index], back>`` (the blocking path's gradients; differentiable ops,
+    so double backward works)."""
+
+    @staticmethod
+    def forward(ctx: Any, back: Tensor, w: Tensor, token_index: Tensor, num_tokens: int) -> Tensor:
+        # kept on ctx, not saved tensors: a saved-tensor hook would read the AsyncTensor
+        ctx.back, ctx.w, ctx.token_index = back, w, token_index
+        w_col = w.detach().unsqueeze(1)
+        return _async.launch(
+            back,
+            "parallel.combine (token order)",
+            lambda t: t.new_zeros(num_tokens, t.shape[1]).index_add_(0, token_index, t * w_col),
+            (num_tokens, back.shape[1]),
+        )
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        g_rows = g.index_select(0, ctx.token_index)
+        g_back = g_rows * ctx.w.unsqueeze(1) if ctx.needs_input_grad[0] else None
+        g_w = (g_rows * _async.wait(ctx.back)).sum(1) if ctx.needs_input_grad[1] else None
+        return g_back, g_w, None, None
 
 
 def load_balancing_loss(probs: Tensor, plan: DispatchPlan) -> Tensor:

@@ -1,14 +1,16 @@
-"""The expert-parallel overlap hook: a stage's forward split around its MoE dispatch.
+"""The expert-parallel overlap hook: a stage's forward split around its MoE all_to_alls.
 
 A chunk with a ``forward_phases(x)`` generator method (``yield`` where a communication
 is in flight, ``return`` the output) is run by :class:`~diffcomm.pipeline.PipelineRunner`
 in phases when its forward is the ``F`` of an :class:`~diffcomm.pipeline.Overlap` step:
-the first phase (up to the first ``yield``), then the step's backward (another
-micro-batch's), then the rest. :class:`MoEStage` is such a chunk: ``pre``, an
+the first phase (up to the first ``yield``), then a piece of the step's backward
+(another micro-batch's: its ``I``, then at the next ``yield`` its ``W``), then the rest.
+:class:`MoEStage` is such a chunk: ``pre``, an
 :class:`~diffcomm.parallel.ExpertParallelMoE`, ``post``; its first phase routes and posts
-the dispatch all_to_all (``async_op``), so one micro-batch's dispatch travels while
-another micro-batch's backward computes (the pattern torchtitan and Megatron use for
-MoE pipelines). Outside an ``Overlap`` (or with ``forward``) it runs in one go.
+the dispatch all_to_all (``async_op``), its second the combine's, so one micro-batch's
+dispatch travels while another micro-batch's input gradient computes and its combine
+while that micro-batch's weight gradients compute (the pattern torchtitan and Megatron
+use for MoE pipelines). Outside an ``Overlap`` (or with ``forward``) it runs in one go.
 :func:`one_f_one_b_overlap_schedule` is 1F1B with every steady-state ``F, B`` pair fused
 into an ``Overlap``.
 """
@@ -57,9 +59,11 @@ class MoEStage(nn.Module):
         return self.post(self.moe(self.pre(x)))
 
     def forward_phases(self, x: Tensor) -> Generator[None, None, Tensor]:
-        """The forward in two phases: ``pre``, routing and the posted dispatch
-        all_to_all (then ``yield``: the all_to_all is in flight); the wait, the
-        experts, the combine and ``post``."""
+        """The forward in three phases: ``pre``, routing and the posted dispatch
+        all_to_all (then ``yield``: the all_to_all is in flight); the wait, the experts
+        and the posted combine all_to_all (``yield`` again); the shared expert's sum and
+        ``post``. In an :class:`~diffcomm.pipeline.Overlap` the runner runs the other
+        micro-batch's ``I`` at the first ``yield`` and its ``W`` at the second."""
         moe = self.moe
         h0 = self.pre(x)
         x2 = h0.reshape(-1, moe.hidden_size)
@@ -71,10 +75,12 @@ class MoEStage(nn.Module):
         yield  # the dispatch travels while the runner computes another micro-batch's step
         h = h.wait()  # type: ignore[attr-defined]
         outs = [expert(part) for expert, part in zip(moe.experts, h.split(list(plan.expert_splits)))]
-        y = combine(torch.cat(outs) if outs else h, gate, plan)
+        y = combine(torch.cat(outs) if outs else h, gate, plan, async_op=True)
+        moe.aux_loss = load_balancing_loss(probs, plan)  # (local: no communication)
+        yield  # the combine travels while the runner computes another micro-batch's W
+        y = y.wait()  # type: ignore[attr-defined]
         if shared is not None:
             y = y + shared
-        moe.aux_loss = load_balancing_loss(probs, plan)
         moe.tokens_per_expert, moe.dropped, moe.plan = plan.tokens_per_expert, plan.dropped, plan
         return self.post(y.reshape(h0.shape[:-1] + (y.shape[-1],)))
 

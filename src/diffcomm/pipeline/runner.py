@@ -48,7 +48,6 @@ rank sends (its next activations go plainly, which any receive takes).
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -126,6 +125,74 @@ class _LocalSend(torch.autograd.Function):
         return g, None
 
 
+class _Inner:
+    """The backward of an :class:`Overlap` run in pieces between the phases of its
+    forward (the overlap hook): each call runs the next piece — a ``B`` that can split
+    runs its ``I`` (the input gradient leaves) then, at the forward's next ``yield``, its
+    ``W``; an ``I``, or a ``B`` that cannot split, is one piece — so a chunk whose forward
+    yields twice (:class:`~diffcomm.pipeline.MoEStage`: dispatch, then combine in flight)
+    hides both communications under the other micro-batch's compute. :meth:`finish`
+    runs what the forward's phases left; :meth:`entry` is the step's timeline entry (its
+    pieces' busy time, from the first piece's start)."""
+
+    def __init__(
+        self,
+        runner: PipelineRunner,
+        k: int,
+        steps: list[Step],
+        stash: dict[tuple[int, int], _Stash],
+        fused: list[bool],
+    ) -> None:
+        self.runner, self.k, self.steps, self.stash, self.fused = runner, k, steps, stash, fused
+        self.start: float | None = None
+        self.span = self.wait = 0.0
+        self.sent: float | None = None
+        self.pieces = [self._first, self._weight]
+
+    def __call__(self) -> None:
+        if self.pieces:
+            piece = self.pieces.pop(0)
+            waited = _recv_wait_seconds()
+            t0 = time.perf_counter()
+            piece()
+            self.span += time.perf_counter() - t0
+            self.wait += _recv_wait_seconds() - waited
+            if self.start is None:
+                self.start = t0
+            if piece == self._first and self.pieces:  # a split B: its input gradient has left
+                self.sent = max(0.0, self.span - self.wait)
+
+    def finish(self) -> None:
+        while self.pieces:
+            self()
+
+    def _first(self) -> None:
+        run, st = self.runner, self.steps[self.k]
+        nxt = self.steps[self.k + 1] if self.k + 1 < len(self.steps) else None
+        run._prepost(nxt, self.stash)
+        kept = self.stash[(st.micro, st.chunk)]
+        if st.kind == "B" and kept.handle.requires_grad:
+            # (a chunk whose input needs no gradient: I takes the output gradient, W the
+            # whole backward, so the second communication still has compute to hide under)
+            run._backward_input(st, self.stash, hold=False)  # the W piece comes next
+            return
+        self.pieces.clear()  # one piece: the whole step
+        if st.kind == "B":
+            run._backward(st, self.stash)
+        else:
+            own_w = nxt is not None and (nxt.kind, nxt.micro, nxt.chunk) == ("W", st.micro, st.chunk)
+            run._backward_input(st, self.stash, hold=not own_w)
+
+    def _weight(self) -> None:
+        self.runner._backward_weight(self.steps[self.k], self.stash)
+
+    def entry(self) -> TimelineEntry:
+        st, start = self.steps[self.k], self.start if self.start is not None else time.perf_counter()
+        return TimelineEntry(
+            st.kind, st.micro, start, start + self.span, self.wait, st.chunk, self.sent, self.fused[self.k]
+        )
+
+
 class PipelineRunner:
     """Run one pipeline rank: micro-batched forward and backward under a schedule.
 
@@ -168,8 +235,9 @@ class PipelineRunner:
             ``"zbv"``): ``None`` (unit times; ZB-V: torch's order), a mapping (or one per
             rank) ``{"F", "I", "W"}``, or ``"measure"``: the first step (the warm-up, run
             with unit times) measures every rank's median busy time per kind (one small
-            all-reduce, once), and every later step's ``W`` steps are placed by them
-            (:meth:`remeasure` profiles again on the next step).
+            all-reduce), the second (placed by those) measures again, warm, and every
+            later step's ``W`` steps are placed by the second's times
+            (:meth:`remeasure` profiles again on the next two steps).
 
     Attributes:
         timeline: after a step, a list of :class:`TimelineEntry`, one per executed step.
@@ -259,6 +327,8 @@ class PipelineRunner:
             )
         self.costs = costs
         self._measured: list[dict[str, float]] | None = None
+        # steps left to measure: the first (cold: one-time costs) and the second (warm)
+        self._measures_left = 2
         self._validated: dict[tuple[int, str], list[list[Step | Overlap]]] = {}
         if self.is_last and loss_fn is None:
             raise A.arg_error(
@@ -348,8 +418,9 @@ class PipelineRunner:
 
     def remeasure(self) -> None:
         """Profile the step times again: the next step runs with unit-time placement and
-        measures; the steps after it place ``W`` by the new times (``costs="measure"``)."""
-        self._measured = None
+        measures, the one after it measures again (a warm step), and the steps after
+        those place ``W`` by the last times measured (``costs="measure"``)."""
+        self._measured, self._measures_left = None, 2
 
     def _measure(self) -> None:
         """Every rank's median busy time per step kind (``F``, ``I``, ``W``) of the step
@@ -362,6 +433,7 @@ class PipelineRunner:
         allr = be.all_reduce(row.to(be.comm_device(self.pg)), "sum", self.pg).cpu()
         if bool((allr > 0).all()):
             self._measured = [dict(zip("FIW", map(float, allr[r]))) for r in range(self.n_stages)]
+            self._measures_left -= 1
 
     # ---- one step --------------------------------------------------------------------
     def step(
@@ -437,21 +509,15 @@ class PipelineRunner:
         if self.broadcast_loss and self.n_stages > 1:
             be = B.get_backend()
             out = be.broadcast(total.to(be.comm_device(self.pg)), self.last_rank, self.pg)
-            if self.costs == "measure" and self._measured is None:
+            if self.costs == "measure" and self._measures_left > 0:
                 self._measure()
             return out.cpu()
-        if self.costs == "measure" and self._measured is None and self.n_stages > 1:
+        if self.costs == "measure" and self._measures_left > 0 and self.n_stages > 1:
             self._measure()
         return total if self.is_last else None
 
     def _run_steps(self, batch: _Batch) -> None:
         steps, fused = batch.steps, batch.fused
-        inner: list[TimelineEntry] = []  # the entry of a backward run inside a phased forward
-
-        def run_inner(k: int) -> None:  # the backward of an Overlap, run between the forward's phases
-            self._run_one(k, batch, None)
-            inner.append(self.timeline.pop())
-
         k = 0
         while k < len(steps):
             st = steps[k]
@@ -462,12 +528,14 @@ class PipelineRunner:
                 and k + 1 < len(steps)
                 and (steps[k + 1].micro, steps[k + 1].chunk) != (st.micro, st.chunk)
             )
-            self._run_one(k, batch, functools.partial(run_inner, k + 1) if phased else None)
-            if phased:
+            inner = _Inner(self, k + 1, steps, batch.stash, fused) if phased else None
+            self._run_one(k, batch, inner)
+            if inner is not None:
                 e = self.timeline[-1]  # the forward's busy time excludes the backward inside it
-                b = inner.pop()
-                e.start, e.wait = min(e.end, e.start + (b.end - b.start)), max(0.0, e.wait - b.wait)
-                self.timeline.append(b)
+                span, waited = inner.span, inner.wait
+                inner.finish()  # what the forward's phases left of the backward
+                e.start, e.wait = min(e.end, e.start + span), max(0.0, e.wait - waited)
+                self.timeline.append(inner.entry())
                 k += 1
             k += 1
         p2p.wait_sends()
@@ -492,7 +560,11 @@ class PipelineRunner:
             if st.kind == "B":
                 self._backward(st, stash)
             elif st.kind == "I":
-                self._backward_input(st, stash)
+                # an I whose W is the very next step holds its gradients no longer than a
+                # split B does: a backward's transient buffers, not held memory (so ZB-V's
+                # steady-state I W pairs count as 1F1B's B; see docs/pipeline.md)
+                own_w = nxt is not None and (nxt.kind, nxt.micro, nxt.chunk) == ("W", st.micro, st.chunk)
+                self._backward_input(st, stash, hold=not own_w)
             else:
                 self._backward_weight(st, stash)
         end = time.perf_counter()
@@ -595,8 +667,8 @@ class PipelineRunner:
                 phases = self.chunks[c].forward_phases(x)  # type: ignore[operator]
                 try:
                     next(phases)
-                    between()  # a backward saves no tensors: the hooks see nothing of it
-                    while True:
+                    while True:  # at every yield, the next piece of the other backward
+                        between()  # a backward saves no tensors: the hooks see nothing of it
                         next(phases)
                 except StopIteration as done:
                     y = done.value

@@ -13,12 +13,13 @@ compute that runs slower while every rank computes at once).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .schedules import makes, walk
+from .schedules import makes, needs, stage_owner, walk
 
-__all__ = ["TimelineEntry", "bubble_fraction", "replayed_bubble"]
+__all__ = ["TimelineEntry", "bubble_fraction", "replayed_bubble", "bubble_bound"]
 
 
 @dataclass
@@ -112,3 +113,92 @@ def replayed_bubble(timelines: Sequence[Sequence[TimelineEntry]], placement: str
             f"schedule on every rank; these steps wait for data no rank makes: {', '.join(stuck)}"
         )
     return bubble_fraction([tl for tl in replay if tl])
+
+
+def bubble_bound(timelines: Sequence[Sequence[TimelineEntry]], placement: str = "loop") -> float:
+    """The least bubble **any order** of these steps on their ranks can have, free messages.
+
+    ``timelines`` as for :func:`replayed_bubble`: every step keeps its rank and its
+    measured ``busy`` time, and its data dependencies (``F`` after the previous virtual
+    stage's ``F``; ``B``/``I`` after the next stage's ``B``/``I`` — or ``sent`` seconds
+    into it — and after its own ``F``; ``W`` after its own ``I``); the rank's order and
+    any memory bound are dropped. Then no schedule can end before
+
+    * the critical path (the longest chain of dependent steps), nor
+    * for every rank ``r``: ``head_r + busy_r + tail_r`` — the earliest any of its steps
+      can start (the forward chain of micro-batch 0 to it), all its busy time, and the
+      least work that must still follow its last step (the gradient chain back to stage
+      0, unless a ``W`` can end the rank),
+
+    the classic lower bound of a makespan with precedences on dedicated machines. The
+    returned bubble is :func:`bubble_fraction` of a step of that length: with uniform
+    stages it is the schedule family's theory (1F1B's ``(p-1)/(m+p-1)``; ZB-H1's
+    ``(p-1)F / (3mF + (p-1)F)`` at ``F = I = W``); with unequal stages it counts what the
+    imbalance costs — rank ``r``'s ``busy_r`` below the busiest rank's is idle in every
+    order. A schedule whose :func:`replayed_bubble` equals this bound is optimal for these
+    step times: no ``W`` placement (nor any other order) can do better.
+    """
+    p = len(timelines)
+    last = p * (1 + max((e.chunk for tl in timelines for e in tl), default=0)) - 1
+    nodes = [(r, e) for r in range(p) for e in timelines[r]]
+    maker: dict[tuple[str, int, int], tuple[int, TimelineEntry]] = {}
+    own: dict[tuple[int, str, int, int], TimelineEntry] = {}  # (rank, kind, micro, chunk)
+    for r, e in nodes:
+        out = makes(r, e, p, placement)
+        if out is not None:
+            maker[out] = (r, e)
+        own[(r, e.kind, e.micro, e.chunk)] = e
+
+    def release(e: TimelineEntry) -> float:  # when what e sends has left, from e's start
+        return e.busy if e.sent is None else min(e.sent, e.busy)
+
+    preds: dict[int, list[tuple[TimelineEntry, float]]] = {id(e): [] for _, e in nodes}
+    succs: dict[int, list[tuple[TimelineEntry, float]]] = {id(e): [] for _, e in nodes}
+
+    def edge(a: TimelineEntry, b: TimelineEntry, lag: float) -> None:  # b starts >= a's start + lag
+        preds[id(b)].append((a, lag))
+        succs[id(a)].append((b, lag))
+
+    for r, e in nodes:
+        dep = needs(r, e, p, last, placement)
+        if dep is not None:
+            if dep not in maker:
+                raise ValueError(
+                    "diffcomm.pipeline.bubble_bound(): `timelines` must be one step of a valid schedule "
+                    f"on every rank; rank {r}'s {e.kind}{e.micro} needs {dep}, which rank "
+                    f"{stage_owner(dep[1], p, placement)[0]} never makes"
+                )
+            a = maker[dep][1]
+            edge(a, e, release(a))
+        first = {"B": "F", "I": "F", "W": "I"}.get(e.kind)
+        if first is not None and (r, first, e.micro, e.chunk) in own:
+            a = own[(r, first, e.micro, e.chunk)]
+            edge(a, e, a.busy)
+    head: dict[int, float] = {}  # earliest start
+    rest: dict[int, float] = {}  # longest chain from the start to the end of everything after
+
+    def earliest(e: TimelineEntry) -> float:
+        if id(e) not in head:
+            head[id(e)] = max((earliest(a) + lag for a, lag in preds[id(e)]), default=0.0)
+        return head[id(e)]
+
+    def longest(e: TimelineEntry) -> float:
+        if id(e) not in rest:
+            rest[id(e)] = max([e.busy] + [lag + longest(b) for b, lag in succs[id(e)]])
+        return rest[id(e)]
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10 * len(nodes) + 100))
+    try:
+        span = max((earliest(e) + longest(e) for _, e in nodes), default=0.0)
+        busy = [sum(e.busy for e in tl) for tl in timelines]
+        for r in range(p):
+            if timelines[r]:
+                h = min(earliest(e) for e in timelines[r])
+                t = min(longest(e) - e.busy for e in timelines[r])
+                span = max(span, h + busy[r] + t)
+    finally:
+        sys.setrecursionlimit(limit)
+    if span <= 0:
+        return 0.0
+    return sum(1.0 - b / span for b in busy) / p
