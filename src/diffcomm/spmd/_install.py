@@ -23,7 +23,7 @@ from .. import _torch
 from .._replication import PARTIAL, REPLICATED, LayerRule, Rule, SPMDTypeError, T, V
 from ..ops import engine as E
 from ..ops.base import CommOp, ListOp
-from ._ops import RankInt
+from ._ops import SEEDED_BY_RANK, RankInt, _rank_dependent
 from ._records import _Rec, _site
 
 _ACTIVE: list[Any] = []  # the active checks (SPMDCheck), outermost first
@@ -219,6 +219,17 @@ def _install() -> None:
 
     _PATCHED_ATTRS.append((torch.autograd.Function, "apply", torch.autograd.Function.__dict__["apply"]))
     torch.autograd.Function.apply = _UserApply(torch.autograd.Function.__dict__["apply"])  # type: ignore[method-assign,assignment]
+
+    # a default generator seeded from the rank draws per-rank values (varying)
+    orig_seed = torch.manual_seed
+    _PATCHED_ATTRS.append((torch, "manual_seed", orig_seed))
+
+    def manual_seed(seed: Any) -> Any:
+        SEEDED_BY_RANK[0] = _rank_dependent((seed,))
+        return orig_seed(seed)
+
+    manual_seed.__doc__ = orig_seed.__doc__
+    torch.manual_seed = manual_seed
 
     if "spmd_types.runtime" in sys.modules:  # its annotations are read (never imported here)
         _patch_assert_type(sys.modules["spmd_types.runtime"], sys.modules.get("spmd_types"))
@@ -445,6 +456,7 @@ class _Hooks:
 
 def _uninstall() -> None:
     global _HOOK
+    SEEDED_BY_RANK[0] = False
     for cls, (_, entry) in _PATCHED.items():
         setattr(cls, "wait" if cls is E.AsyncTensor else "forward", entry)
     _PATCHED.clear()

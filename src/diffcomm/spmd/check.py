@@ -52,6 +52,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .. import _replication as T_
+from .. import _torch
 from .._replication import PARTIAL, REPLICATED, LayerRule, P, R, Rule, SPMDTypeError, T, V
 from ..backend import args as A
 from ._install import (  # what a check installs; the active checks
@@ -188,6 +189,12 @@ class SPMDCheck(TorchFunctionMode):
     def rec(self, x: Tensor) -> _Rec:
         """``x``'s record; an untyped tensor is replicated (a parameter is registered)."""
         r = x.__dict__.get(self.key)
+        if r is None and _torch.transforms_active():  # a torch.func wrapper: its base's type
+            base = _torch.functorch_unwrapped(x)
+            if base is not x:
+                r = base.__dict__.get(self.key)
+        if r is None and x._base is not None:  # a view made outside the mode (a forward-AD dual)
+            r = x._base.__dict__.get(self.key)
         if r is None and "_local_type" in x.__dict__:  # an spmd_types annotation (assert_type)
             r = self._from_spmd_types(x)
         if r is None:
@@ -379,6 +386,12 @@ class SPMDCheck(TorchFunctionMode):
                 or self._owners.get(id(p), (None, None))[0]
                 or f"{type(module).__name__}.{pname}"
             )
+            if pname not in declared and "_local_type" in p.__dict__:
+                # annotated with spmd_types.assert_type (its type over the checked group)
+                spmd_rec = self._from_spmd_types(p)
+                if spmd_rec is not None:
+                    self._register_param(p, name, spmd_rec)
+                    continue
             if pname in declared:
                 t, shard = declared[pname], None
             elif dims is not None and dims.get(pname) is not None:
@@ -467,7 +480,7 @@ class SPMDCheck(TorchFunctionMode):
         extra: T | None = None
         extra_why = ""
         if name in _RANDOM:
-            extra = _random_type()
+            extra = _random_type((kwargs or {}).get("generator") is None)
             extra_why = f"a random draw on a per-rank RNG stream at {_site()}"
             if not ins or name.endswith("like") or inplace:
                 ins = []  # a draw: its type is the stream's, not its template's
@@ -548,7 +561,9 @@ class SPMDCheck(TorchFunctionMode):
             out = _Rec(V, why=vwhy)
             if name in _LINEAR_CHAIN:  # a replicated term added to per-rank values: remembered
                 out.rep = next((r.rep for r in recs if r.t is V and r.rep), None)
-                if out.rep is None and name in _ADDITIVE:
+                # (only beside a varying tensor: a replicated tensor plus a number computed
+                # from the rank, ``arange(4) + 10 * r``, is per-rank data, not a sum of parts)
+                if out.rep is None and name in _ADDITIVE and any(r.t is V for r in recs):
                     if any(r.t is R and _differentiable(t) for r, t in zip(recs, ins)):
                         out.rep = f"{name} at {_site()}"
             return out

@@ -657,6 +657,31 @@ def zeroed_gradients_accumulate_afresh() -> None:
         opt.zero_grad(set_to_none=False)
 
 
+def per_rank_data_from_the_rank_summed() -> None:
+    """Per-rank data made from a replicated tensor and a number computed from the rank (as
+    notebook 01 makes it), summed over the ranks: not a replicated term summed W times."""
+    x = torch.arange(4.0, dtype=torch.float64) + 10 * dc.get_rank()
+    dc.all_reduce(x)
+
+
+def default_generator_seeded_from_the_rank() -> None:
+    """``torch.manual_seed(1 + rank)``, then a weight drawn on the default generator: a
+    per-rank shard (docs/testing.md's gradcheck example); a draw on an explicit generator
+    seeded alike stays replicated."""
+    x = torch.randn(2, H, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1 + dc.get_rank())
+    w = torch.randn(3, H, dtype=torch.float64, requires_grad=True)
+    par.reduce_from_region(torch.tanh(par.copy_to_region(x.requires_grad_()) @ w.T)).sum().backward()
+
+
+def forward_mode_through_a_collective() -> None:
+    """``torch.func.jvp`` of an all_reduce at a per-rank point (docs/transforms.md): the
+    forward-AD dual of a varying value is varying."""
+    x = dc.spmd.varying(torch.randn(4, 3, dtype=torch.float64))
+    t = dc.spmd.varying(torch.randn(4, 3, dtype=torch.float64))
+    torch.func.jvp(lambda y: dc.all_reduce(y), (x,), (t,))
+
+
 #: correct programs (each once refused by the checker, or a fix's neighbour): name -> program
 CORRECT: dict[str, Callable[[], None]] = {
     "vocab embedding: masked assignment of a partial value": vocab_embedding_masked_assignment,
@@ -666,6 +691,9 @@ CORRECT: dict[str, Callable[[], None]] = {
     "backward through all_reduce(loss, avg), gradients averaged": mean_loss_then_averaged_gradients,
     "gradient accumulation reduced once": grad_accumulation_reduced_once,
     "gradients zeroed in place between steps": zeroed_gradients_accumulate_afresh,
+    "per-rank data made from the rank, summed": per_rank_data_from_the_rank_summed,
+    "the default generator seeded from the rank": default_generator_seeded_from_the_rank,
+    "forward mode through a collective at a per-rank point": forward_mode_through_a_collective,
 }
 
 
