@@ -31,7 +31,8 @@ class _Gradients(_CheckState):
             self._check_inputs()
         key = self.key
         before = {}  # each parameter's gradient before this backward (accumulated onto)
-        for p, _, _r in self._params.values():
+        for entry in self._params.values():
+            p = entry.param
             g = p.grad
             if g is not None and key in g.__dict__ and bool(g.detach().any()):
                 before[id(p)] = g.__dict__[key]
@@ -50,7 +51,8 @@ class _Gradients(_CheckState):
             for x, g in zip(inputs, out):
                 if isinstance(g, Tensor) and isinstance(x, Tensor):
                     g.__dict__[self.key] = self._grad_rec(self.rec(x), strict)
-        for _p, _, r in self._params.values():  # the next forward is a new graph
+        for entry in self._params.values():  # the next forward is a new graph
+            r = entry.rec
             if r.cell is not None:
                 r.cell = _Cell()
         self._inputs.clear()
@@ -116,7 +118,8 @@ class _Gradients(_CheckState):
 
     def _type_grads(self, before: Mapping[int, _Rec], strict: str | None) -> None:
         key = self.key
-        for p, _, r in list(self._params.values()):
+        for entry in list(self._params.values()):
+            p, r = entry.param, entry.rec
             if p.grad is None:
                 continue
             g = p.grad
@@ -141,7 +144,8 @@ class _Gradients(_CheckState):
         optimizer step inside it."""
         key = self.key
         only = None if params is None else {id(p) for p in params}
-        for p, name, r in self._params.values():
+        for entry in self._params.values():
+            p, name, r = entry.param, entry.name, entry.rec
             if only is not None and id(p) not in only:
                 continue
             if p.grad is None or p.__dict__.get(key, r).t is not R:
@@ -155,7 +159,8 @@ class _Gradients(_CheckState):
                     "gradients computed without an all_reduce) must be made replicated first."
                 )
             if g is not None and g.t is P:
-                sync = self._owners.get(id(p), (None, None))[1]
+                owner = self._owners.get(id(p))
+                sync = owner.sync if owner is not None else None
                 if sync is not None:
                     fix = sync
                 elif g.copy_at is not None:

@@ -24,7 +24,7 @@ from .._replication import PARTIAL, REPLICATED, LayerRule, Rule, SPMDTypeError, 
 from ..ops import engine as E
 from ..ops.base import CommOp, ListOp
 from ._ops import SEEDED_BY_RANK, RankInt, _rank_dependent
-from ._records import _Rec, _site
+from ._records import _Param, _Rec, _site
 
 _ACTIVE: list[Any] = []  # the active checks (SPMDCheck), outermost first
 _PATCHED: dict[type, tuple[Any, Any]] = {}  # class -> (original forward, its __dict__ entry)
@@ -451,7 +451,7 @@ class _Hooks:
                     r = _Rec(V, why=f"this rank's own parameter {name}")
                     r.param = name
                     p.__dict__[c.key] = r
-                    c._params[id(p)] = (p, name, r)
+                    c._params[id(p)] = _Param(p, name, r)
 
 
 def _uninstall() -> None:

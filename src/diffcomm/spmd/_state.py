@@ -12,7 +12,7 @@ from typing import Any
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from ._records import _Cell, _Rec
+from ._records import _Cell, _Owner, _Param, _Rec
 
 
 class _CheckState(TorchFunctionMode):
@@ -22,14 +22,13 @@ class _CheckState(TorchFunctionMode):
     key: str
     #: the checked process group (resolved on entry)
     pg: Any
-    #: id(param) -> (param, name, rec) (held until the block ends: the gradient check)
-    _params: dict[int, tuple[Any, str, _Rec]]
+    #: id(param) -> its entry (held until the block ends: the gradient check)
+    _params: dict[int, _Param]
     #: leaf inputs (not parameters) that require grad: their gradient is checked when a
     #: backward of a replicated objective finishes
     _inputs: dict[int, tuple[Tensor, _Rec]]
-    #: id(param) -> (dotted name from the layer that holds it, the fix of a partial gradient
-    #: that layer offers: its sync_replicated_grads())
-    _owners: dict[int, tuple[str, str | None]]
+    #: id(param) -> the layer that holds it (a name from it, its fix of a partial gradient)
+    _owners: dict[int, _Owner]
     #: >0 while a typed op's forward runs (its inner ops are not typed)
     inside: int
     #: >0 while a backward runs

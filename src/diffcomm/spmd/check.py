@@ -75,7 +75,7 @@ from ._ops import (  # the torch-op name tables and argument classifiers
     _SUMMING,
     _flat_tensors,
 )
-from ._records import _TENSOR_BASE, _Cell, _Escape, _fname, _Rec, _site
+from ._records import _TENSOR_BASE, _Cell, _Escape, _fname, _OpPlan, _Owner, _Param, _PassThrough, _Rec, _site
 from ._with_spmd_types import _WithSpmdTypes
 
 __all__ = [
@@ -122,14 +122,14 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         self._declared = (list(varying), list(partial))
         self._modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
         self._check_grads = check_grads
-        self._params: dict[int, tuple[Any, str, _Rec]] = {}  # id(param) -> (param, name, rec)
+        self._params: dict[int, _Param] = {}  # id(param) -> its entry
         #: leaf inputs (not parameters) that require grad: their gradient is checked when
         #: a backward of a replicated objective finishes
         self._inputs: dict[int, tuple[Tensor, _Rec]] = {}
         self._typed_modules: set[int] = set()
         #: id(param) -> (dotted name from the layer that holds it, the fix of a partial
         #: gradient that layer offers: its sync_replicated_grads())
-        self._owners: dict[int, tuple[str, str | None]] = {}
+        self._owners: dict[int, _Owner] = {}
         self._groups: dict[int, bool] = {}  # id(pg) -> is the checked group
         self.inside = 0  # >0 while a typed op's forward runs (its inner ops are not typed)
         self.in_backward = 0
@@ -216,7 +216,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
 
     def _register_param(self, p: Tensor, name: str, r: _Rec) -> None:
         r.param = name
-        self._params[id(p)] = (p, name, r)  # held until the block ends (the grad check)
+        self._params[id(p)] = _Param(p, name, r)  # held until the block ends (the grad check)
 
     def _type_module_params(self, module: torch.nn.Module, names: Mapping[int, str] | None = None) -> None:
         if id(module) in self._typed_modules:
@@ -238,7 +238,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
                 "parameters' gradients over the group)"
             )
             for n, q in module.named_parameters():
-                self._owners.setdefault(id(q), (f"{owner}.{n}", sync))
+                self._owners.setdefault(id(q), _Owner(f"{owner}.{n}", sync))
         named = list(module.named_parameters(recurse=False))
         if declared:  # a rule may name parameters of submodules (dotted names)
             named += [(n, p) for n, p in module.named_parameters() if n in declared and "." in n]
@@ -248,7 +248,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
                 continue  # typed already by its layer (or declared)
             name = (
                 (names or {}).get(id(p))
-                or self._owners.get(id(p), (None, None))[0]
+                or getattr(self._owners.get(id(p)), "name", None)
                 or f"{type(module).__name__}.{pname}"
             )
             if pname not in declared and "_local_type" in p.__dict__:
@@ -340,7 +340,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         group = rule.group(bound) if callable(rule.group) else bound.get(rule.group)
         recs = [(arg, t, self.rec(t)) for arg, t in tensors]
         if group is not _CHECKED_GROUP and not self._is_group(group):
-            return ("other", recs, any(t.requires_grad for _, t in tensors))
+            return _PassThrough(recs, any(t.requires_grad for _, t in tensors))
         if rule.nonlinear is not None and bound.get("op") in ("max", "min", "product"):
             rule = rule.nonlinear
         site = _site()
@@ -376,17 +376,18 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
                 )
             outs.append(out)
         grad = any(t.requires_grad for _, t in tensors)
-        return ("ours", name, rule, outs, site, grad, shares, avg)
+        return _OpPlan(name, rule, outs, site, grad, shares, avg)
 
-    def op_after(self, plan: Any, outputs: list[Tensor]) -> None:
+    def op_after(self, plan: _OpPlan | _PassThrough, outputs: list[Tensor]) -> None:
         key = self.key
-        if plan[0] == "other":  # an op on another group: types pass through (per element)
-            recs, grad = plan[1], plan[2]
+        if isinstance(plan, _PassThrough):  # an op on another group: types pass through
+            recs, grad = plan.recs, plan.grad
             for i, o in enumerate(outputs):
                 src = recs[min(i, len(recs) - 1)][2] if recs else _Rec(R)
                 o.__dict__[key] = _Rec(src.t, src.cell if grad else None, why=src.why)
             return
-        _, name, rule, outs, site, grad, shares, avg = plan
+        name, rule, outs, site = plan.name, plan.rule, plan.outs, plan.site
+        grad, shares, avg = plan.grad, plan.shares, plan.avg
         types = list(rule.outputs) if rule.outputs is not None else outs
         for i, o in enumerate(outputs):
             t = types[min(i, len(types) - 1)] if types else R
