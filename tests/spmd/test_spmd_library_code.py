@@ -74,9 +74,9 @@ _SUM_OF_CONSTANT = (
     "('the reduction would run twice'); the sum of the ranks' copies is the page's point"
 )
 _TRANSFORMS = (
-    "a collective inside a torch.func transform whose inner tensors the check does not type "
-    "(vmap's per-sample values, the tangent of jvp through a nonlinear all_reduce): they are "
-    "taken as replicated (not fixed; the wrapped inputs and forward-AD duals are typed)"
+    "jvp through all_reduce(max): the tangent's all_reduce is computed from intermediates the "
+    "check does not type (the op's forward-mode rule runs outside the mode), taken as "
+    "replicated (not fixed; the wrapped inputs and forward-AD duals themselves are typed)"
 )
 _NOT_SEEN_PER_RANK = (
     "per-rank data the check cannot see as such (a torch.Generator seeded from the rank, a "
@@ -150,8 +150,9 @@ NOTEBOOK_RUNS: dict[str, dict[str, object]] = {
         "calls": [
             Call("forward_all"),
             Call("matrix_blocks", ("'all_gather'",)),
-            Call("matrix_blocks", ("'all_reduce'",), refused="already replicated", why=_TRANSFORMS),
-            Call("matrix_blocks", ("'reduce_scatter'",), refused="already replicated", why=_TRANSFORMS),
+            # (the vjp at the replicated point zeros: a sum of a replicated value)
+            Call("matrix_blocks", ("'all_reduce'",), refused="already replicated", why=_SUM_OF_CONSTANT),
+            Call("matrix_blocks", ("'reduce_scatter'",), refused="already replicated", why=_SUM_OF_CONSTANT),
             Call("dot_test", ("'all_reduce max'",), refused="already replicated", why=_NOT_SEEN_PER_RANK),
             Call("dot_test", ("'broadcast'",), refused="already replicated", why=_NOT_SEEN_PER_RANK),
             Call("check_all_gather", refused="the loss is replicated", why=_DEFAULT_RNG),
