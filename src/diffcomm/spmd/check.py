@@ -184,7 +184,10 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
             if base is not x:
                 r = base.__dict__.get(self.key)
         if r is None and x._base is not None:  # a view made outside the mode (a forward-AD dual)
-            r = x._base.__dict__.get(self.key)
+            b = x._base.__dict__.get(self.key)
+            if b is not None:  # its base's type (a view of a parameter is not the parameter)
+                r = x.__dict__[self.key] = _Rec(b.t, b.cell, b.shard, b.why)
+                r.rep = b.rep
         if r is None and "_local_type" in x.__dict__:  # an spmd_types annotation (assert_type)
             r = self._from_spmd_types(x)
         if r is None:
