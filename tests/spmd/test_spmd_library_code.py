@@ -1,6 +1,8 @@
 """The library's own code under the replication-type check: every example, every notebook's
 parallel code and every docs page's runnable parallel code runs inside ``dc.spmd_check``
-with no error (issue 45: no false positive on our own programs).
+with no error (issue 45: no false positive on our own programs) — or, where listed with
+``refused=``, with the error of a documented rule of the check, and ``why`` it applies
+(the report of issue 45 lists them; docs/spmd_types.md, "Limits").
 
 Each is listed explicitly below — what runs, or why it does not (a reason) — and
 :func:`test_every_example_notebook_and_docs_block_is_listed` fails when a file, a
@@ -591,6 +593,10 @@ def test_every_example_notebook_and_docs_block_is_listed() -> None:
         assert _notebook_rank_code(name) == listed, name
     blocks = {(p.name, i) for p in sorted(DOCS.glob("*.md")) for i in range(len(_doc_blocks(p.name)))}
     assert blocks == set(DOC_RUNS), (sorted(blocks - set(DOC_RUNS)), sorted(set(DOC_RUNS) - blocks))
+    calls = [c for v in EXAMPLE_RUNS.values() if isinstance(v, list) for c in v]
+    calls += [c for spec in NOTEBOOK_RUNS.values() for c in spec["calls"]]  # type: ignore[attr-defined]
+    calls += [c for v in DOC_RUNS.values() if isinstance(v, DocRun) for c in (v, *v.calls)]
+    assert all(len(c.why) > 20 for c in calls if c.refused), "a refusal without its reason"
     for entry in [*EXAMPLE_RUNS.values(), *DOC_RUNS.values()]:
         if isinstance(entry, Skip):
             assert len(entry.reason) > 20, entry
