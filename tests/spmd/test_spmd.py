@@ -6,7 +6,6 @@ parallel code and a Llama-style tensor-parallel model."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -381,7 +380,8 @@ def test_pipeline_runner_passes(world2: dc.LocalWorld, schedule: str) -> None:
 
 
 # ======================================================================================
-# no false positive: a Llama-style TP model, the notebooks
+# no false positive: a Llama-style TP model (the notebooks, examples and docs pages:
+# test_spmd_library_code.py)
 # ======================================================================================
 
 
@@ -443,79 +443,3 @@ def test_hf_llama_tensor_parallel_passes(world2: dc.LocalWorld) -> None:
 
     losses = world2.run(body)
     assert losses[0] == pytest.approx(losses[1])
-
-
-# the notebooks' rank functions (and their arguments) that run parallel code; not listed:
-# 03's ``two_stages_by_hand`` (every rank holds the whole model and runs a different half
-# of it, then compares its gradients with the serial ones — under the types those
-# gradients are partial, and comparing a partial value with a replicated one is an error)
-# and 06's ``train`` (150 optimizer steps; ``compare`` runs the same layer)
-_NOTEBOOK_FUNCS = {
-    "02_tensor_parallel_mlp": [("tp_mlp_grads", ("mappings",))],
-    "03_pipeline": [("pipelined_step", ("1f1b",)), ("pipelined_step", ("gpipe",))],
-    "04_ring_attention": [("shift_demo", ()), ("compare", (True,)), ("library", ("zigzag",))],
-    "06_expert_parallel_moe": [("compare", ())],
-}
-
-
-def _notebook_defs(name: str) -> str:
-    """The notebook's definitions (imports, constants, functions, classes), without the
-    statements that start worlds, run them or plot."""
-    import ast
-
-    cells = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"]
-    keep = []
-    for c in cells:
-        if c["cell_type"] != "code":
-            continue
-        for node in ast.parse("".join(c["source"])).body:
-            text = ast.unparse(node)
-            simple = isinstance(node, ast.Assign) and not any(isinstance(n, ast.Call) for n in ast.walk(node))
-            simple = simple and "world" not in text
-            if simple or isinstance(node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef):
-                keep.append(text)
-    return "\n\n".join(keep)
-
-
-@pytest.mark.parametrize("name", sorted(_NOTEBOOK_FUNCS))
-def test_notebooks_parallel_code_passes(local_worlds: object, name: str) -> None:
-    src = _notebook_defs(name)
-    funcs = _NOTEBOOK_FUNCS[name]
-    n = 4 if name == "04_ring_attention" else 2
-
-    examples = str(ROOT / "examples")
-
-    def body() -> list[str]:
-        if examples not in sys.path:
-            sys.path.insert(0, examples)
-        scope: dict[str, object] = {"__name__": "notebook", "n": dc.get_world_size()}
-        exec(compile(src, name, "exec"), scope)
-        scope.update(WIDTH=16, BATCH=16)  # 03's pipeline at a test's size
-        ran = []
-        for f, args in funcs:
-            with dc.spmd_check():
-                scope[f](*args)  # type: ignore[operator]
-            ran.append(f)
-        return ran
-
-    for ran in local_worlds(n).run(body):  # type: ignore[operator]
-        assert ran == [f for f, _ in funcs]
-
-
-def test_notebook_plain_all_reduce_mlp_is_caught(world2: dc.LocalWorld) -> None:
-    """Notebook 02's deliberate bug (the sum-convention all_reduce in a TP MLP with a
-    replicated loss): the check names the all_reduce and the mapping to use."""
-    src = _notebook_defs("02_tensor_parallel_mlp")
-
-    def body() -> str:
-        scope: dict[str, object] = {"__name__": "notebook"}
-        exec(compile(src, "02", "exec"), scope)
-        try:
-            with dc.spmd_check():
-                scope["tp_mlp_grads"]("plain all_reduce")  # type: ignore[operator]
-        except dc.SPMDTypeError as e:
-            return str(e)
-        return "no error"
-
-    for msg in world2.run(body):
-        assert "all_reduce at 02:" in msg and "parallel.reduce_from_region" in msg, msg

@@ -23,8 +23,8 @@ from .. import _torch
 from .._replication import PARTIAL, REPLICATED, LayerRule, R, Rule, SPMDTypeError, T, V
 from ..ops import engine as E
 from ..ops.base import CommOp, ListOp
-from ._ops import RankInt
-from ._records import _Rec, _site
+from ._ops import SEEDED_BY_RANK, RankInt, _rank_dependent
+from ._records import _Param, _Rec, _site
 
 _ACTIVE: list[Any] = []  # the active checks (SPMDCheck), outermost first
 _PATCHED: dict[type, tuple[Any, Any]] = {}  # class -> (original forward, its __dict__ entry)
@@ -220,6 +220,17 @@ def _install() -> None:
 
     _PATCHED_ATTRS.append((torch.autograd.Function, "apply", torch.autograd.Function.__dict__["apply"]))
     torch.autograd.Function.apply = _UserApply(torch.autograd.Function.__dict__["apply"])  # type: ignore[method-assign,assignment]
+
+    # a default generator seeded from the rank draws per-rank values (varying)
+    orig_seed = torch.manual_seed
+    _PATCHED_ATTRS.append((torch, "manual_seed", orig_seed))
+
+    def manual_seed(seed: Any) -> Any:
+        SEEDED_BY_RANK[0] = _rank_dependent((seed,))
+        return orig_seed(seed)
+
+    manual_seed.__doc__ = orig_seed.__doc__
+    torch.manual_seed = manual_seed
 
     if "spmd_types.runtime" in sys.modules:  # its annotations are read (never imported here)
         _patch_assert_type(sys.modules["spmd_types.runtime"], sys.modules.get("spmd_types"))
@@ -461,7 +472,7 @@ class _Hooks:
                     r = _Rec(V, why=f"this rank's own parameter {name}")
                     r.param = name
                     p.__dict__[c.key] = r
-                    c._params[id(p)] = (p, name, r)
+                    c._params[id(p)] = _Param(p, name, r)
 
 
 def _patch_raw_all_reduce() -> None:
@@ -504,6 +515,7 @@ def _patch_raw_all_reduce() -> None:
 
 def _uninstall() -> None:
     global _HOOK
+    SEEDED_BY_RANK[0] = False
     for cls, (_, entry) in _PATCHED.items():
         setattr(cls, "wait" if cls is E.AsyncTensor else "forward", entry)
     _PATCHED.clear()

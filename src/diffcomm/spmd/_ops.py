@@ -203,10 +203,17 @@ _DROPOUT = _names(
 )
 
 
-def _random_type() -> T:
+#: ``[True]`` while the default generator was last seeded, inside a check, from the rank
+#: (``torch.manual_seed(1 + dc.get_rank())``): its draws are per rank (set by the
+#: installed ``torch.manual_seed``)
+SEEDED_BY_RANK = [False]
+
+
+def _random_type(default_generator: bool = True) -> T:
     """Randomness from a forked named stream of diffcomm.rng is per rank (varying); the
-    default generator is seeded alike on every rank of the group (replicated)."""
-    return V if rng.get_tracker()._active else R
+    default generator is seeded alike on every rank of the group (replicated) unless it was
+    seeded from the rank inside the check; an explicit ``generator=`` is replicated."""
+    return V if rng.get_tracker()._active or (default_generator and SEEDED_BY_RANK[0]) else R
 
 
 class RankInt(int):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -160,3 +161,48 @@ def _site() -> str:
 def _fname(func: Any) -> str:
     name = getattr(func, "__name__", None) or str(func)
     return name.strip("_") if name.startswith("__") else name
+
+
+# ======================================================================================
+# the check's internal plans and entries
+# ======================================================================================
+
+
+@dataclass
+class _Param:
+    """A parameter the check typed: held until the block ends (the gradient check)."""
+
+    param: Any
+    name: str
+    rec: _Rec
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """The layer that holds a parameter: the parameter's dotted name from it, and the fix
+    of a partial gradient that layer offers (its ``sync_replicated_grads()``)."""
+
+    name: str
+    sync: str | None
+
+
+@dataclass
+class _OpPlan:
+    """What a typed op on the checked group found before it ran (``op_before``), read when
+    its outputs are typed (``op_after``)."""
+
+    name: str
+    rule: Any  # the op's Rule (its nonlinear variant for max / min / product)
+    outs: list[T]  # the output type of each input
+    site: str
+    grad: bool  # an input requires grad
+    shares: list[_Cell | None]  # per input: the cell an avg reduction of a replicated input shares
+    avg: bool  # an op="avg" reduction
+
+
+@dataclass
+class _PassThrough:
+    """A typed op on another group: its outputs take their inputs' types (per element)."""
+
+    recs: list[tuple[str, Any, _Rec]]  # (argument, tensor, record) per tensor input
+    grad: bool

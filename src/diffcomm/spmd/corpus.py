@@ -761,6 +761,31 @@ def gradients_averaged_in_a_flat_bucket() -> None:
         g.copy_(synced.view_as(g))
 
 
+def per_rank_data_from_the_rank_summed() -> None:
+    """Per-rank data made from a replicated tensor and a number computed from the rank (as
+    notebook 01 makes it), summed over the ranks: not a replicated term summed W times."""
+    x = torch.arange(4.0, dtype=torch.float64) + 10 * dc.get_rank()
+    dc.all_reduce(x)
+
+
+def default_generator_seeded_from_the_rank() -> None:
+    """``torch.manual_seed(1 + rank)``, then a weight drawn on the default generator: a
+    per-rank shard (docs/testing.md's gradcheck example); a draw on an explicit generator
+    seeded alike stays replicated."""
+    x = torch.randn(2, H, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1 + dc.get_rank())
+    w = torch.randn(3, H, dtype=torch.float64, requires_grad=True)
+    par.reduce_from_region(torch.tanh(par.copy_to_region(x.requires_grad_()) @ w.T)).sum().backward()
+
+
+def forward_mode_through_a_collective() -> None:
+    """``torch.func.jvp`` of an all_reduce at a per-rank point (docs/transforms.md): the
+    forward-AD dual of a varying value is varying."""
+    x = dc.spmd.varying(torch.randn(4, 3, dtype=torch.float64))
+    t = dc.spmd.varying(torch.randn(4, 3, dtype=torch.float64))
+    torch.func.jvp(lambda y: dc.all_reduce(y), (x,), (t,))
+
+
 #: correct programs (each once refused by the checker, or a fix's neighbour): name -> program
 CORRECT: dict[str, Callable[[], None]] = {
     "vocab embedding: masked assignment of a partial value": vocab_embedding_masked_assignment,
@@ -774,6 +799,9 @@ CORRECT: dict[str, Callable[[], None]] = {
     "gradients reduced with torch.distributed.all_reduce": gradients_reduced_with_torch_distributed,
     "gradients averaged through .data": gradients_averaged_through_data,
     "gradients averaged in a flat bucket": gradients_averaged_in_a_flat_bucket,
+    "per-rank data made from the rank, summed": per_rank_data_from_the_rank_summed,
+    "the default generator seeded from the rank": default_generator_seeded_from_the_rank,
+    "forward mode through a collective at a per-rank point": forward_mode_through_a_collective,
 }
 
 

@@ -1,0 +1,192 @@
+"""``dc.spmd_check`` at backward: the objective (the loss's type) and the replicated
+inputs' gradient kinds checked before backward starts, the parameters' gradients typed
+after it (accumulation onto a reduced gradient remembered), and the gradient check run
+before every optimizer step and on leaving the block. A part of
+:class:`diffcomm.spmd.check.SPMDCheck`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._replication import PARTIAL, REPLICATED, P, R, SPMDTypeError, V
+from ._records import _EPOCH, _Cell, _Rec, _site
+from ._state import _CheckState
+
+
+class _Gradients(_CheckState):
+    """Backward and the gradient check (a part of the check)."""
+
+    def _backward(self, func: Any, args: Any, kwargs: Any) -> Any:
+        roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
+        roots = [roots] if isinstance(roots, Tensor) else list(roots or ())
+        objective: str | None = None
+        for root in roots:
+            if isinstance(root, Tensor):
+                objective = self._check_objective(root) if objective is None else objective
+        if objective is not None and objective.startswith("a replicated"):
+            self._check_inputs()
+        key = self.key
+        before = {}  # each parameter's gradient before this backward (accumulated onto)
+        for entry in self._params.values():
+            p = entry.param
+            g = p.grad
+            if g is not None and key in g.__dict__ and bool(g.detach().any()):
+                before[id(p)] = g.__dict__[key]
+        self.in_backward += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.in_backward -= 1
+        if not (kwargs.get("retain_graph") or kwargs.get("create_graph")):
+            _EPOCH[0] += 1
+        strict = objective if objective is not None and not objective.startswith("a varying") else None
+        self._type_grads(before, strict)
+        if func is torch.autograd.grad and isinstance(out, tuple):
+            inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+            inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs or ())
+            for x, g in zip(inputs, out):
+                if isinstance(g, Tensor) and isinstance(x, Tensor):
+                    g.__dict__[self.key] = self._grad_rec(self.rec(x), strict)
+        for entry in self._params.values():  # the next forward is a new graph
+            r = entry.rec
+            if r.cell is not None:
+                r.cell = _Cell()
+        self._inputs.clear()
+        return out
+
+    def _check_objective(self, loss: Tensor) -> str:
+        """Check the loss; return the objective in words: replicated (counted once), partial
+        (the sum of the per-rank shares), varying (the sum, or by convention the mean, of
+        the per-rank losses)."""
+        r = self.rec(loss)
+        if r.t is P:  # a linear function of partial values: the sum of the shares is the loss
+            return f"a partial loss (the objective is the sum of the ranks' shares; {r.why})"
+        if r.t is V:
+            return "a varying loss (each rank's own objective)"
+        if r.cell is not None:
+            root = r.cell.root()
+            if root.epoch != _EPOCH[0]:
+                root.kind, root.epoch = None, _EPOCH[0]
+            if root.kind == PARTIAL and root.mean:
+                return "a varying loss (the mean of the per-rank losses, all_reduce(op='avg'))"
+            if root.kind == PARTIAL:
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: backward at {_site()}: the loss is replicated, so this "
+                    f"objective is replicated (counted once), but its gradient would be summed over "
+                    f"the ranks: {root.why}. The gradients would be world-size times too large."
+                )
+            if root.kind is None:
+                root.kind = REPLICATED
+                root.why = f"the replicated loss at {_site()} (a replicated objective)"
+        return f"a replicated loss (a replicated objective, the loss at {_site()})"
+
+    def _check_inputs(self) -> None:
+        """Before the backward of a replicated objective: no replicated input that requires
+        grad may get a partial gradient (each rank would hold only its share, and nothing
+        sums it: a copy_to_region is missing where it met a varying weight)."""
+        for x, _ in self._inputs.values():
+            r = x.__dict__.get(self.key)
+            if r is None or r.t is not R or r.cell is None or not x.requires_grad:
+                continue
+            root = r.cell.root()
+            if root.epoch != _EPOCH[0] or root.kind != PARTIAL or root.copy_at is None:
+                continue
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: backward at {_site()}: a replicated input of shape "
+                f"{tuple(x.shape)} that requires grad would get a partial gradient ({root.why}): under "
+                "this replicated objective each rank would hold only its share of its gradient, "
+                f"different on every rank. Fix: insert parallel.copy_to_region before the "
+                f"{root.copy_at} (its backward sums the input's gradient over the ranks)."
+            )
+
+    def _grad_rec(self, r: _Rec, strict: str | None = None) -> _Rec:
+        if r.t is V:
+            return _Rec(V, why="a gradient of a varying value")
+        if r.t is P:
+            return _Rec(R)
+        root = r.cell.root() if r.cell is not None else None
+        if root is not None and root.kind == PARTIAL:
+            g = _Rec(P, why=f"the gradient of a replicated value; {root.why}")
+            g.strict = strict
+            g.copy_at = root.copy_at
+            return g
+        return _Rec(R)
+
+    def _type_grads(self, before: Mapping[int, _Rec], strict: str | None) -> None:
+        key = self.key
+        for entry in list(self._params.values()):
+            p, r = entry.param, entry.rec
+            if p.grad is None:
+                continue
+            g = p.grad
+            old = before.get(id(p))
+            new = self._grad_rec(r, strict)
+            if old is not None and old.t is P and new.t is R:
+                g.__dict__[key] = old
+                continue  # accumulated onto a partial gradient: still partial
+            if old is not None and new.t is P:
+                if old.t is R:
+                    new.acc = old.why or "a replicated gradient of an earlier backward"
+                elif old.t is P:
+                    new.acc = new.acc or old.acc
+                    new.strict = new.strict or old.strict
+            g.__dict__[key] = new
+
+    def check_grads(self, params: Iterable[Tensor] | None = None) -> None:
+        """Raise :class:`SPMDTypeError` for the first replicated parameter (of ``params``;
+        default: every parameter the check typed) whose gradient is partial (each rank
+        holds its share: a reduction over the group is missing) or varying (changed by a
+        per-rank value after backward), or a varying parameter whose gradient was reduced over
+        the checked group (a sharded weight's gradient mixed with the other shards'). Runs
+        on leaving the block and before every optimizer step inside it."""
+        key = self.key
+        only = None if params is None else {id(p) for p in params}
+        for entry in self._params.values():
+            p, name, r = entry.param, entry.name, entry.rec
+            if only is not None and id(p) not in only:
+                continue
+            if p.grad is None:
+                continue
+            g = p.grad.__dict__.get(key)
+            if p.__dict__.get(key, r).t is V:
+                if g is not None and g.t is R and g.why:
+                    raise SPMDTypeError(
+                        f"diffcomm.spmd_check: parameter {name} is varying (each rank holds its own "
+                        f"shard or copy), but its gradient is replicated ({g.why}): reduced over the "
+                        "group it varies on, it mixes the ranks' different gradients. Reduce it only "
+                        "over another group (the data-parallel one), or not at all."
+                    )
+                continue
+            if p.__dict__.get(key, r).t is not R:
+                continue
+            if g is not None and g.t is V:
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: parameter {name} is replicated, but its gradient varies by "
+                    f"rank ({g.why or 'changed by a per-rank value after backward'}): the replicas "
+                    "would drift apart. A per-rank factor (e.g. a gradient-clipping norm of sharded "
+                    "gradients computed without an all_reduce) must be made replicated first."
+                )
+            if g is not None and g.t is P:
+                owner = self._owners.get(id(p))
+                sync = owner.sync if owner is not None else None
+                if sync is not None:
+                    fix = sync
+                elif g.copy_at is not None:
+                    fix = (
+                        f"insert parallel.copy_to_region before the {g.copy_at} (its backward sums "
+                        "the gradient of everything upstream, inputs included)"
+                    )
+                else:
+                    fix = (
+                        "sum its gradient over the group: a sequence-parallel LayerNorm is "
+                        "parallel.SequenceParallelLayerNorm; otherwise p.grad = dc.all_reduce(p.grad) "
+                        "after backward"
+                    )
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: parameter {name} is replicated, but its gradient is "
+                    f"partial ({g.why}): every rank holds only its share (missing reduction). Fix: {fix}."
+                )
