@@ -11,11 +11,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ... import _lifecycle
 from ... import backend as B
 from ..._replication import varying_by_construction
 from ..._torch import compiling, transforms_active
 from ...backend import args as A
 from ...backend.args import PG
+from ...backend.in_process import per_rank
 from ...ops import collectives as C
 
 __all__ = ["LAYOUTS", "DEFAULT_LAYOUT", "Placement", "layout_index", "placement_of", "shard", "unshard"]
@@ -96,6 +98,48 @@ def _tag_grad_of(x: Tensor) -> None:
         pass
 
 
+# ======================================================================================
+# layouts in use: an unplaced tensor's layout is ambiguous once another one is in play
+# ======================================================================================
+
+#: ``{(W, layout): how}``: the layouts other than :data:`DEFAULT_LAYOUT` this program has
+#: used over ``W`` ranks (``W > 1``), and the first call that used each. Forgotten when a
+#: ``LocalWorld`` rank starts a new ``run`` (an in-process rank starts each run empty).
+_IN_USE: dict[tuple[int, str], str] = {}
+per_rank(_IN_USE)  # a rank's own in an in-process world
+_lifecycle.on_program_start("parallel.context layouts", _IN_USE.clear)
+
+
+def note_layout(layout: str, world: int, how: str) -> None:
+    """Remember that this program used ``layout`` over ``world`` ranks (by ``how``: the
+    call). Only ever makes :func:`resolve_layout` raise for unplaced tensors given no
+    ``layout``, never changes a value."""
+    if layout != DEFAULT_LAYOUT and world > 1 and not compiling():
+        _IN_USE.setdefault((world, layout), how)
+
+
+def _ambiguous(op: str, names: list[str], world: int) -> None:
+    """Raise when ``names`` carry no placement, no ``layout`` was given and this program
+    used a layout other than the default over ``world`` ranks: the default would be a
+    guess (zigzag shards taken by hand with ``layout_index``, or q/k/v projected from a
+    zigzag-sharded ``x``, would silently run as contiguous)."""
+    used = {lay: how for (w, lay), how in _IN_USE.items() if w == world}
+    if not used:
+        return
+    args = ", ".join(f"`{n}`" for n in names)
+    seen = "; ".join(f"layout={lay!r} by {how}" for lay, how in used.items())
+    raise A.arg_error(
+        op,
+        "layout",
+        f"named (layout={DEFAULT_LAYOUT!r} or one of {LAYOUTS}): {args} carry no placement "
+        "(taken by hand, e.g. with parallel.layout_index, or made by an op that drops it: a "
+        f"projection, a reshape, detach()) and this program used another layout over {world} ranks "
+        f"({seen}), so the default {DEFAULT_LAYOUT!r} would be a guess: a sequence used with "
+        "another layout than it was placed with gives wrong attention",
+        "None",
+    )
+
+
 def placed_seq_len(op: str, tensors: dict[str, Any], seq_len: Any, cu_seqlens: Any) -> Any:
     """``seq_len`` as an op uses it: given, or else (without ``cu_seqlens``) the true length
     the tensors' placement recorded (``shard`` of a padded sequence). A given length (or
@@ -157,6 +201,12 @@ def resolve_layout(
     tensors placed differently, a placement over another number of ranks, or a Ulysses
     split where none is expected (or the reverse) raise ``ValueError`` naming the argument
     (``takes_layout=False``: the op has no ``layout`` argument, ``layout`` is its only order).
+
+    Tensors with no placement and no ``layout`` get :data:`DEFAULT_LAYOUT`, unless this
+    program has used another layout over ``world`` ranks (``shard``, ``layout_index``, an
+    op given ``layout=``): then the default would be a guess, and it raises ``ValueError``
+    naming ``layout`` (a rule that only ever raises: a false alarm asks to name the
+    layout, it never changes a value).
     """
     if layout is not None:
         layout = check_layout(layout, op)
@@ -201,8 +251,13 @@ def resolve_layout(
             )
             raise A.arg_error(op, name, want, f"a tensor placed with {p.describe()}")
     if layout is not None:
+        note_layout(layout, world, f"{op}(layout={layout!r})")
         return layout
-    return first[1].layout if first is not None else DEFAULT_LAYOUT
+    if first is not None:
+        return first[1].layout
+    if world > 1:
+        _ambiguous(op, [n for n, t in tensors.items() if isinstance(t, Tensor)], world)
+    return DEFAULT_LAYOUT
 
 
 # ======================================================================================
@@ -324,7 +379,10 @@ def layout_index(seq_len: int, world: int, *, layout: str = DEFAULT_LAYOUT, cu_s
     world = A.check_int(world, op, "world")
     if seq_len < 0 or world < 1:
         raise A.arg_error(op, "seq_len/world", "seq_len >= 0 and world >= 1", (seq_len, world))
-    return index_table(seq_len, world, check_layout(layout, op), check_cu_seqlens(cu_seqlens, op, seq_len))
+    layout = check_layout(layout, op)
+    table = index_table(seq_len, world, layout, check_cu_seqlens(cu_seqlens, op, seq_len))
+    note_layout(layout, world, f"{op}(layout={layout!r})")  # its rows index shards by hand
+    return table
 
 
 def group_rank_world(group: A.GroupLike, op: str) -> tuple[PG, int, int]:
@@ -421,6 +479,7 @@ def shard(
         sizes = even_sizes(idx.numel(), uworld)
         idx = idx[sum(sizes[:urank]) : sum(sizes[: urank + 1])]
     out = varying_by_construction(_select(x, dim, idx.to(x.device), pad_value))
+    note_layout(layout, world, f"{op}(layout={layout!r})")
     return placed(out, Placement(layout, world, uworld, seq_len=x.shape[dim]))
 
 
