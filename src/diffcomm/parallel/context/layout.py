@@ -202,11 +202,8 @@ def resolve_layout(
     split where none is expected (or the reverse) raise ``ValueError`` naming the argument
     (``takes_layout=False``: the op has no ``layout`` argument, ``layout`` is its only order).
 
-    Tensors with no placement and no ``layout`` get :data:`DEFAULT_LAYOUT`, unless this
-    program has used another layout over ``world`` ranks (``shard``, ``layout_index``, an
-    op given ``layout=``): then the default would be a guess, and it raises ``ValueError``
-    naming ``layout`` (a rule that only ever raises: a false alarm asks to name the
-    layout, it never changes a value).
+    Tensors with no placement and no ``layout`` get :data:`DEFAULT_LAYOUT`; whether that
+    is a guess is :func:`require_layout_known`'s to say.
     """
     if layout is not None:
         layout = check_layout(layout, op)
@@ -253,11 +250,19 @@ def resolve_layout(
     if layout is not None:
         note_layout(layout, world, f"{op}(layout={layout!r})")
         return layout
-    if first is not None:
-        return first[1].layout
-    if world > 1:
-        _ambiguous(op, [n for n, t in tensors.items() if isinstance(t, Tensor)], world)
-    return DEFAULT_LAYOUT
+    return first[1].layout if first is not None else DEFAULT_LAYOUT
+
+
+def require_layout_known(op: str, layout: Any, tensors: dict[str, Any], world: int) -> None:
+    """Raise when the layout an op would use is a guess: no ``layout`` given, no tensor of
+    ``tensors`` placed, and this program used another layout than :data:`DEFAULT_LAYOUT`
+    over ``world`` ranks (``shard``, ``layout_index``, an op given ``layout=``). A rule
+    that only ever raises (a false alarm asks to name the layout; it never changes a
+    value). Called by every op that reads a layout after its other argument checks,
+    before its first communication."""
+    if layout is not None or world <= 1 or any(placement_of(t) is not None for t in tensors.values()):
+        return
+    _ambiguous(op, [n for n, t in tensors.items() if isinstance(t, Tensor)], world)
 
 
 # ======================================================================================
@@ -538,8 +543,10 @@ def unshard(
     dim = A.check_dim(x, dim, op)
     pg, _, world = group_rank_world(group, op)
     uworld = None if ulysses_group is None else group_rank_world(ulysses_group, op)[2]
+    given = layout
     layout = resolve_layout(op, layout, {"x": x}, world, uworld)
     seq_len = placed_seq_len(op, {"x": x}, seq_len, cu_seqlens)
+    require_layout_known(op, given, {"x": x}, world)
     if ulysses_group is not None:
         upg, _, uworld = group_rank_world(ulysses_group, op)
         if seq_len is None and cu_seqlens is None:

@@ -30,6 +30,7 @@ from .layout import (
     placed,
     placed_seq_len,
     placement_of,
+    require_layout_known,
     resolve_layout,
     resolve_seq,
 )
@@ -584,6 +585,7 @@ def ring_attention(
     sc = check_scale(scale, q.shape[-1], op)
     p = _check_dropout(dropout_p, op)
     pg, rank, world = group_rank_world(group, op)
+    given = layout
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, world)
     mp = placement_of(attn_mask)  # the mask's rows, when parallel.shard took them
     if mp is not None and (mp.layout, mp.world) != (layout, world):
@@ -599,8 +601,6 @@ def ring_attention(
     total, cu, table = resolve_seq(op, q.shape[2], world, layout, cu_seqlens, seq_len, "q")
     mask = _check_mask(attn_mask, q, total, op)
     seed = _draw_seed(dropout_seed, p, op)
-    if inferred and world > 1 and not _config.DEBUG.get():
-        _check_equal_lengths(op, q.shape[2], pg)
     if _config.DEBUG.get():
         B.get_backend().check_consistent(
             op,
@@ -619,6 +619,11 @@ def ring_attention(
             },
             pg,
         )
+    # after the debug check (which names arguments that differ between ranks), before the
+    # first exchange
+    require_layout_known(op, given, {"q": q, "k": k, "v": v}, world)
+    if inferred and world > 1 and not _config.DEBUG.get():
+        _check_equal_lengths(op, q.shape[2], pg)
     plan = _Plan(
         pg, rank, world, table, doc_ids(table, total, cu), causal, sc, p, seed, q.shape[1], k.shape[1]
     )

@@ -21,6 +21,7 @@ from .layout import (
     group_rank_world,
     placed,
     placed_seq_len,
+    require_layout_known,
     resolve_layout,
     ring_local_len,
 )
@@ -271,6 +272,7 @@ def usp_attention(
     q, k, v = check_qkv(q, k, v, op)
     upg, urank, uworld = group_rank_world(ulysses_group, op)
     rpg, _, rworld = group_rank_world(ring_group, op)
+    given = layout
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, rworld, uworld)
     seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
     n_ring = ring_local_len(op, q.shape[2], uworld, rworld, layout, cu_seqlens, seq_len)
@@ -279,6 +281,7 @@ def usp_attention(
         raise A.arg_error(
             op, "q", f"{lens[urank]} local positions (of {n_ring} on this ring rank)", q.shape[2]
         )
+    require_layout_known(op, given, {"q": q, "k": k, "v": v}, rworld)
     if seq_len is None and cu_seqlens is None:
         seq_len = n_ring * rworld
 
