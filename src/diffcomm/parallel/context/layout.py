@@ -131,11 +131,11 @@ def _ambiguous(op: str, names: list[str], world: int) -> None:
     raise A.arg_error(
         op,
         "layout",
-        f"named (layout={DEFAULT_LAYOUT!r} or one of {LAYOUTS}): {args} carry no placement "
-        "(taken by hand, e.g. with parallel.layout_index, or made by an op that drops it: a "
-        f"projection, a reshape, detach()) and this program used another layout over {world} ranks "
-        f"({seen}), so the default {DEFAULT_LAYOUT!r} would be a guess: a sequence used with "
-        "another layout than it was placed with gives wrong attention",
+        f"named, one of {LAYOUTS}: {args} carry no placement (taken by hand, e.g. with "
+        "parallel.layout_index, or made by an op that drops it: a projection, a reshape, detach()) "
+        f"and this program used another layout over {world} ranks ({seen}), so the default "
+        f"{DEFAULT_LAYOUT!r} would be a guess (a sequence used with another layout than it was "
+        "placed with gives wrong attention)",
         "None",
     )
 
@@ -368,6 +368,10 @@ def layout_index(seq_len: int, world: int, *, layout: str = DEFAULT_LAYOUT, cu_s
         cu_seqlens: cumulative document lengths of a packed sequence (``[0, L_0,
             L_0+L_1, ..., S]``); ``None``: one document.
 
+    A non-default ``layout`` is recorded for the program: the ops that read a layout then
+    refuse tensors with no placement and no ``layout=`` over ``world`` ranks (shards
+    indexed with this table carry none) instead of guessing the default.
+
     Returns:
         ``(W, seq_local)`` int64 tensor; entry ``[r, i]`` is the global position held by
         slot ``i`` of rank ``r``, or ``-1`` for padding. Every position appears once.
@@ -458,7 +462,8 @@ def shard(
         ``ulysses_attention`` / ``unshard`` given it (or the tensor ``requires_grad_()``
         returns) use that layout when given none, and raise when told another. Ops that
         make a new tensor (a projection, a reshape, ``detach()``) drop it; then the
-        defaults, which agree, apply.
+        default applies, unless this program used another layout over as many ranks (a
+        zigzag ``shard`` does): then the ops refuse to guess and ask for ``layout=``.
 
     Gradient:
         local: the gradient of slot ``i`` goes to the position it holds; other positions
@@ -517,7 +522,9 @@ def unshard(
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         layout: ``"contiguous"`` or ``"zigzag"``; ``None``: the layout ``x`` carries
             (:class:`Placement`, from :func:`shard` or an attention op), else
-            :data:`DEFAULT_LAYOUT`. One that disagrees with ``x``'s placement raises.
+            :data:`DEFAULT_LAYOUT` -- refused (``ValueError`` naming ``layout``) once this
+            program used another layout over as many ranks, as a guess. One that
+            disagrees with ``x``'s placement raises.
         cu_seqlens: cumulative document lengths of a packed sequence, or ``None``.
         seq_len: the global length when the parts are padded (default: the length
             ``x``'s placement recorded (``shard`` of the whole sequence, or an attention

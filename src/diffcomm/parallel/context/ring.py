@@ -547,13 +547,18 @@ def ring_attention(
             layout ``q``/``k``/``v`` were placed with by :func:`shard` (their
             :class:`Placement`), else ``"contiguous"`` (:data:`DEFAULT_LAYOUT`, the
             default of every context-parallel entry point). A layout other than the
-            tensors' placement, or tensors placed differently, raise ``ValueError``.
+            tensors' placement, or tensors placed differently, raise ``ValueError``; so
+            does ``None`` with unplaced tensors once this program used another layout over
+            ``W`` ranks (``shard``, ``layout_index``, ``layout=``): the default would be a
+            guess.
         cu_seqlens: cumulative lengths of packed documents (``[0, ..., S]``): attention
             stays inside each document (plus ``causal``); the layout balances each document.
         seq_len: the global length ``S`` when the shards are padded (default: the
             length ``q``/``k``/``v``'s placement recorded (:func:`shard` of the whole
             sequence), else ``cu_seqlens[-1]``, else ``W * seq_local``). One that
-            contradicts the recorded length raises ``ValueError``.
+            contradicts the recorded length raises ``ValueError``. In the last case the
+            ranks first exchange their ``seq_local`` (one small all_gather): shards of
+            unequal length raise ``ValueError`` naming ``q`` and every rank's length.
 
     Returns:
         ``(batch, heads, seq_local, head_dim_v)``: this rank's rows of attention over the

@@ -260,7 +260,8 @@ def usp_attention(
             (``seq_len`` default: the length ``shard`` recorded, else ``U * R *
             seq_local``; ``layout`` default: the one the
             tensors were placed with by ``shard(..., ulysses_group=)``, else
-            ``"contiguous"``).
+            ``"contiguous"``, refused as a guess once this program used another layout
+            over ``R`` ranks).
 
     Returns:
         ``(batch, heads, seq_local, head_dim_v)``.
