@@ -248,3 +248,33 @@ def test_placed_or_given_lengths_skip_the_exchange(local_worlds: Any) -> None:
 
     for counts in local_worlds(3).run(body):
         assert counts == [2, 2], counts
+
+
+def _usp_uneven(lens: list[int]) -> tuple[str, Any, int]:
+    """usp_attention on the 2x2 mesh of :func:`_usp_grid`, contiguous over the ring, each
+    rank's piece cut by hand with length ``lens[rank]``, no ``seq_len``."""
+    r = dc.get_rank()
+    pairs = [dist.new_group(g) for g in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    ug, rg = pairs[r // 2], pairs[2 + r % 2]
+    # contiguous over the ring (ring rank r // 2), each ring rank's positions split in
+    # order over its Ulysses pair (rank r % 2): the pieces of ranks 0, 1, 2, 3 in order
+    q, k, v, _ = _inputs(sum(lens))
+    lo = sum(lens[:r])
+    ql, kl, vl = (t[:, :, lo : lo + lens[r]] for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, lo : lo + lens[r]]
+    return _attempt(
+        lambda: float((parallel.usp_attention(ql, kl, vl, ug, rg, causal=True) - ref).abs().max())
+    )
+
+
+def test_usp_unequal_lengths_are_a_value_error_on_every_rank(local_worlds: Any) -> None:
+    """The same for usp_attention: every rank of both groups raises (the mismatch is in
+    one Ulysses group and one ring group only); equal lengths are right."""
+    world = local_worlds(4)
+    for lens in ([2, 2, 2, 1], [3, 2, 2, 2], [2, 1, 1, 2]):
+        for rank, (kind, msg, _) in enumerate(world.run(_usp_uneven, lens)):
+            assert kind == "err", (lens, rank, msg)
+            assert "usp_attention(): `q` must be of the same length" in msg, (lens, msg)
+            assert f"lengths from {min(lens)} to {max(lens)}" in msg, (lens, msg)
+    for rank, (kind, err, _) in enumerate(world.run(_usp_uneven, [2, 2, 2, 2])):
+        assert kind == "ok" and err <= TOL, (rank, err)

@@ -25,6 +25,7 @@ from .args import check_causal, check_qkv, check_scale
 from .layout import (
     PG,
     Placement,
+    check_equal_lengths,
     doc_ids,
     group_rank_world,
     placed,
@@ -472,32 +473,6 @@ def _check_mask(mask: Any, q: Tensor, total: int, op: str) -> Tensor | None:
     return mask.reshape(shape)
 
 
-def _check_equal_lengths(op: str, seq_local: int, pg: PG) -> None:
-    """Every rank's ``seq_local`` is the same, or ``ValueError`` naming ``q`` and the ranks.
-
-    Needed only where the global length is inferred (``W * seq_local``: no placement that
-    recorded it, no ``seq_len``, no ``cu_seqlens``): shards of unequal length
-    (``x.chunk(W, 2)[rank]`` with ``S % W != 0``) look right to each rank alone, and the
-    ring's hops would then carry blocks of different sizes (gloo aborts a rank). No hop
-    can carry the check: a rank must know the size of the block it receives before
-    receiving it, and a ring hop tells a rank only its neighbour's length. So it costs one
-    small exchange of host integers (one all_gather of one int64 per rank on the CPU side
-    channel, measured in docs/context_parallel.md); a given ``seq_len`` (or a
-    :func:`shard` placement) makes the lengths known and skips it. In debug mode the
-    cross-rank check of the arguments covers it."""
-    lens = B.get_backend().exchange_sizes(seq_local, pg)
-    if len(set(lens)) > 1:
-        got = ", ".join(f"rank {r}: {n}" for r, n in enumerate(lens))
-        raise A.arg_error(
-            op,
-            "q",
-            "of the same length along the sequence dim (2) on every rank when no `seq_len` is given "
-            "(pad the shards to the layout's length and pass seq_len=S, or use parallel.shard, "
-            "which pads and records S)",
-            f"lengths {got}",
-        )
-
-
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -628,7 +603,7 @@ def ring_attention(
     # first exchange
     require_layout_known(op, given, {"q": q, "k": k, "v": v}, world)
     if inferred and world > 1 and not _config.DEBUG.get():
-        _check_equal_lengths(op, q.shape[2], pg)
+        check_equal_lengths(op, q.shape[2], pg)
     plan = _Plan(
         pg, rank, world, table, doc_ids(table, total, cu), causal, sc, p, seed, q.shape[1], k.shape[1]
     )

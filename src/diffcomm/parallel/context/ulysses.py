@@ -17,6 +17,7 @@ from .args import check_causal, check_qkv, check_scale
 from .layout import (
     PG,
     Placement,
+    check_equal_lengths,
     even_sizes,
     group_rank_world,
     placed,
@@ -284,6 +285,9 @@ def usp_attention(
         )
     require_layout_known(op, given, {"q": q, "k": k, "v": v}, rworld)
     if seq_len is None and cu_seqlens is None:
+        # the length is inferred from this rank's alone: unequal shards would mismatch the
+        # all_to_alls and the hops, so every rank's is compared first (two small exchanges)
+        check_equal_lengths(op, q.shape[2], upg, rpg)
         seq_len = n_ring * rworld
 
     def local(qh: Tensor, kh: Tensor, vh: Tensor) -> Tensor:
