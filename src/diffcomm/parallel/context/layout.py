@@ -112,8 +112,8 @@ _lifecycle.on_program_start("parallel.context layouts", _IN_USE.clear)
 
 def note_layout(layout: str, world: int, how: str) -> None:
     """Remember that this program used ``layout`` over ``world`` ranks (by ``how``: the
-    call). Only ever makes :func:`resolve_layout` raise for unplaced tensors given no
-    ``layout``, never changes a value."""
+    call). Only ever makes :func:`require_layout_known` raise for unplaced tensors given
+    no ``layout``, never changes a value."""
     if layout != DEFAULT_LAYOUT and world > 1 and not compiling():
         _IN_USE.setdefault((world, layout), how)
 
@@ -567,43 +567,6 @@ def unshard(
     real = flat >= 0
     inv[flat[real]] = torch.arange(flat.numel())[real]
     return full.index_select(dim, inv.to(x.device))
-
-
-def check_equal_lengths(op: str, seq_local: int, pg: PG, across: PG | None = None) -> None:
-    """Every rank's ``seq_local`` is the same, or ``ValueError`` naming ``q`` and the
-    lengths, on every rank (``across``: a second group crossing ``pg``, for
-    :func:`usp_attention`: then over all ranks of both).
-
-    Needed only where the global length is inferred (``W * seq_local``: no placement that
-    recorded it, no ``seq_len``, no ``cu_seqlens``): shards of unequal length
-    (``x.chunk(W, 2)[rank]`` with ``S % W != 0``) look right to each rank alone, and the
-    ring's hops would then carry blocks of different sizes (gloo aborts a rank). No hop
-    can carry the check: a rank must know the size of the block it receives before
-    receiving it, and a hop tells a rank only its neighbour's length. So it costs one
-    small exchange of host integers (an all_gather of one int64 per rank on the CPU side
-    channel; measured in docs/context_parallel.md), two across two groups; a given
-    ``seq_len`` (or a :func:`shard` placement) makes the lengths known and skips it."""
-    b = B.get_backend()
-    lens = b.exchange_sizes(seq_local, pg)
-    lo, hi = min(lens), max(lens)
-    if across is not None:  # every row's extremes over the crossing group: all ranks'
-        rows = b.exchange_size_lists([lo, hi], across)
-        lo, hi = min(r[0] for r in rows), max(r[1] for r in rows)
-    if lo == hi:
-        return
-    got = ", ".join(f"rank {r}: {n}" for r, n in enumerate(lens))
-    if across is not None:
-        got = f"lengths from {lo} to {hi} (in this rank's group {got})"
-    else:
-        got = f"lengths {got}"
-    raise A.arg_error(
-        op,
-        "q",
-        "of the same length along the sequence dim (2) on every rank when no `seq_len` is given "
-        "(pad the shards to the layout's length and pass seq_len=S, or use parallel.shard, "
-        "which pads and records S)",
-        got,
-    )
 
 
 def even_sizes(n: int, world: int) -> list[int]:

@@ -13,11 +13,10 @@ from torch import Tensor
 from ..._replication import P, R, Rule, V, spmd_types_checking, spmd_types_invariant, spmd_types_varying
 from ...backend import args as A
 from ...ops import collectives as C
-from .args import check_causal, check_qkv, check_scale
+from .args import check_causal, check_equal_lengths, check_qkv, check_scale
 from .layout import (
     PG,
     Placement,
-    check_equal_lengths,
     even_sizes,
     group_rank_world,
     placed,
