@@ -20,6 +20,11 @@ Four measurements (``diffcomm.parallel.context``), float32, ``(batch, heads, S, 
   score-entry counts (``ring_attention_work``, proportional to FLOPs).
 * **memory** — peak RSS growth of one rank during forward + backward at world 4 for
   growing ``S`` (per-rank O(S/W): K/V blocks, saved tensors and one query tile of scores).
+* **lengths** — the price of the equal-length check: shards cut by hand (no placement)
+  and no ``seq_len=`` cost one small exchange of every rank's length before the ring;
+  forward + backward with it against the same call given ``seq_len=`` (no exchange),
+  interleaved in paired rounds, slowest rank per pass, at world 2 and 4; and the
+  exchange alone (median of 200 calls).
 
 It also tries ``torch.distributed.tensor.experimental.context_parallel`` (PyTorch's own
 ring attention for SDPA) on the same gloo ranks and reports whether it runs.
@@ -49,7 +54,7 @@ from diffcomm.parallel.context import layout as cpl
 from diffcomm.parallel.context import ring as cpr
 
 D = 64
-SECTIONS = ("torch", "speed", "timeline", "balance", "memory")
+SECTIONS = ("torch", "speed", "timeline", "balance", "memory", "lengths")
 
 
 def _inputs(S: int, H: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -301,6 +306,64 @@ def torch_context_parallel() -> str:
         return world.run(_torch_cp)[0]
 
 
+# --------------------------------------------------------------------------- lengths
+
+
+def _lengths_round(S: int, H: int, reps: int) -> dict[str, list[float]]:
+    """On every rank: ``reps`` paired passes (order alternating) of forward + backward on
+    contiguous shards cut by hand, without ``seq_len=`` (the length exchange runs) and with
+    it (no exchange); and 200 timed length exchanges alone."""
+    import torch.distributed as dist
+
+    from diffcomm import backend as B
+
+    torch.set_num_threads(1)
+    r, w = dist.get_rank(), dist.get_world_size()
+    q, k, v = (t.chunk(w, 2)[r].clone().requires_grad_() for t in _inputs(S, H))
+    res: dict[str, list[float]] = {"checked (no seq_len)": [], "seq_len given": [], "exchange alone": []}
+    for i in range(reps + 1):
+        order = (
+            ("checked (no seq_len)", "seq_len given")
+            if i % 2 == 0
+            else ("seq_len given", "checked (no seq_len)")
+        )
+        for what in order:
+            kw = {"seq_len": S} if what == "seq_len given" else {}
+            dist.barrier()
+            t0 = time.perf_counter()
+            cp.ring_attention(q, k, v, causal=True, layout="contiguous", **kw).sum().backward()
+            if i:
+                res[what].append(time.perf_counter() - t0)
+            q.grad = k.grad = v.grad = None
+    b = B.get_backend()
+    dist.barrier()
+    for _ in range(200):
+        t0 = time.perf_counter()
+        b.exchange_sizes(q.shape[2], None)
+        res["exchange alone"].append(time.perf_counter() - t0)
+    return res
+
+
+def lengths(seqs: list[int], H: int, rounds: int, reps: int, worlds: tuple[int, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for W in worlds:
+        with dc.LocalWorld(W) as world:
+            for S in seqs:
+                got: dict[str, list[float]] = {}
+                for _ in range(rounds):
+                    per_rank = world.run(_lengths_round, S, H, reps)
+                    for key in per_rank[0]:
+                        # slowest rank per pass (per exchange for the exchange alone)
+                        got.setdefault(key, []).extend(max(ts) for ts in zip(*(p[key] for p in per_rank)))
+                cell: dict[str, Any] = {k: _stats(v) for k, v in got.items()}
+                diffs = [a - b for a, b in zip(got["checked (no seq_len)"], got["seq_len given"])]
+                cell["paired difference (s)"] = _stats(diffs)
+                cell["exchange alone (us)"] = round(1e6 * statistics.median(got["exchange alone"]), 1)
+                del cell["exchange alone"]
+                out[f"world {W}, S={S}"] = cell
+    return out
+
+
 # ------------------------------------------------------------------------------ main
 
 
@@ -344,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         res["memory"] = memory(seqs, H, 4)
         for S_, cell in res["memory"].items():
             print(f"memory S={S_}: {json.dumps(cell)}")
+    if "lengths" in a.only:
+        res["lengths"] = lengths(sorted({256, S}), H, rounds, a.reps, (2, 4))
+        for key, cell in res["lengths"].items():
+            print(f"lengths {key}: {json.dumps(cell)}")
     if a.json:
         print(json.dumps(res))
     return 0

@@ -42,12 +42,22 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["on_destroy", "on_init", "stop_all", "diffcomm_threads", "install", "exiting"]
+__all__ = [
+    "on_destroy",
+    "on_init",
+    "on_program_start",
+    "program_start",
+    "stop_all",
+    "diffcomm_threads",
+    "install",
+    "exiting",
+]
 
 # (name, stop(group, exiting)), called in reverse registration order: the owners that
 # depend on others (the engine runs ops that the recorder records) stop first
 _STOPS: list[tuple[str, Callable[[Any, bool], None]]] = []
 _INITS: list[tuple[str, Callable[[], None]]] = []
+_PROGRAM_STARTS: list[tuple[str, Callable[[], None]]] = []
 _EXITING = [False]
 _LOCK = threading.RLock()
 
@@ -65,6 +75,23 @@ def on_destroy(name: str, stop: Callable[[Any, bool], None]) -> None:
 def on_init(name: str, start: Callable[[], None]) -> None:
     """Register ``start()``, called right after a new default process group exists."""
     _INITS.append((name, start))
+
+
+def on_program_start(name: str, reset: Callable[[], None]) -> None:
+    """Register ``reset()``: forget what the owner remembers of the program this process
+    ran before (called by a ``LocalWorld`` rank before each ``run``; an in-process rank
+    starts every run from a fresh process's state anyway). It must not raise."""
+    _PROGRAM_STARTS.append((name, reset))
+
+
+def program_start() -> None:
+    """Run every registered program-start reset (a long-lived rank is about to run a new
+    program: a ``LocalWorld.run``)."""
+    for _name, reset in _PROGRAM_STARTS:
+        try:
+            reset()
+        except Exception:  # a reset never keeps the program from running
+            pass
 
 
 def exiting() -> bool:

@@ -175,7 +175,9 @@ def cp_ring_chunk_by_hand() -> dict[str, float]:
 
 def cp_ring_layout_index_by_hand_unnamed() -> dict[str, float]:
     """Shard by hand with ``layout_index(..., layout="zigzag")`` and call the ring without
-    ``layout=`` (the docs: name it everywhere or nowhere; here it is named in one place)."""
+    ``layout=`` (named in one place only): the shards carry no placement and the program
+    used zigzag, so the default would be a guess: refused, naming ``layout`` (on main it
+    ran as contiguous: output off by 0.97, dq by 0.81)."""
     from diffcomm import parallel
 
     r, w = dc.get_rank(), dc.get_world_size()
@@ -212,8 +214,9 @@ def cp_ring_uneven_length_seq_len() -> dict[str, float]:
 
 
 def cp_ring_uneven_chunks_misuse() -> dict[str, float]:
-    """S = 10 over 4 ranks cut with ``chunk`` (3, 3, 3, 1 rows): must raise, not hang or
-    give a wrong value."""
+    """S = 10 over 4 ranks cut with ``chunk`` (3, 3, 3, 1 rows): must raise on every rank,
+    naming ``q`` and the lengths, not hang, kill a rank or give a wrong value (on main
+    gloo aborted a rank: RankDiedError)."""
     from diffcomm import parallel
 
     r, w = dc.get_rank(), dc.get_world_size()
@@ -502,7 +505,8 @@ def cp_block_projections_named_everywhere() -> dict[str, float]:
 
 def cp_block_projections_named_at_shard_only() -> dict[str, float]:
     """The block with zigzag named at shard/unshard only: the projections make new tensors,
-    the placement is lost, the ring falls back to contiguous."""
+    the placement is lost; the program used zigzag, so the ring refuses to guess, naming
+    ``layout`` (on main it fell back to contiguous: output off by 0.92, weight grads 2.5)."""
     return _block_program(named_at_op=False)
 
 
@@ -756,22 +760,13 @@ CP_PROGRAMS: dict[str, Program] = {
     "ring_gqa_w3": Program(cp_ring_gqa_world3, world=3),
     "ring_chunk_by_hand": Program(cp_ring_chunk_by_hand),
     "ring_layout_index_by_hand_unnamed": Program(
-        cp_ring_layout_index_by_hand_unnamed,
-        finding="silently wrong (not fixed): zigzag shards taken with layout_index and ring_attention "
-        "without layout= run as contiguous (output off by 0.97, dq by 0.81); the docs warn (name it "
-        "everywhere or nowhere). A plain indexed tensor carries no placement; remembering 'a zigzag "
-        "index was made on this group' in process state would leak into unrelated later code (shared "
-        "worlds, two models), so it was not done",
+        cp_ring_layout_index_by_hand_unnamed, error=(ValueError, r"`layout` must be named.*'zigzag'")
     ),
     "ring_uneven_length_seq_len_w4": Program(cp_ring_uneven_length_seq_len, world=4),
     "ring_uneven_chunks_misuse_w4": Program(
         cp_ring_uneven_chunks_misuse,
         world=4,
-        error=(ValueError, r"`q`"),
-        finding="unclear error: shards of unequal length (chunk of S=10 over 4: 3,3,3,1) without seq_len= "
-        "cannot be seen by one rank (each takes W * its own length as S; a given seq_len is checked "
-        "locally); outside debug mode the ring's hops mismatch and gloo aborts a rank (RankDiedError). "
-        "Not fixed: a check would cost an exchange per call; dc.debug(True) catches it (next program)",
+        error=(ValueError, r"ring_attention\(\): `q` must be of the same length.*rank 2: 3, rank 3: 1"),
     ),
     "ring_uneven_chunks_misuse_debug_w4": Program(
         cp_ring_uneven_chunks_misuse_debug, world=4, error=(ValueError, r"ring_attention.*\bq\b")
@@ -797,11 +792,7 @@ CP_PROGRAMS: dict[str, Program] = {
     "q_and_k_placed_differently": Program(cp_q_and_k_placed_differently, error=(ValueError, r"`k`|`q`")),
     "block_projections_named_everywhere": Program(cp_block_projections_named_everywhere),
     "block_projections_named_at_shard_only": Program(
-        cp_block_projections_named_at_shard_only,
-        finding="silently wrong (not fixed): x sharded zigzag, the q/k/v projections drop the placement, "
-        "ring_attention falls back to contiguous (output off by 0.92, dx 0.92, weight grads up to 2.5); "
-        "carrying a placement through matmul/reshape needs a tensor subclass or a torch_function mode, "
-        "and a process-wide 'zigzag was used' flag is unsound (see ring_layout_index_by_hand_unnamed)",
+        cp_block_projections_named_at_shard_only, error=(ValueError, r"`layout` must be named.*'zigzag'")
     ),
     "unshard_with_other_layout": Program(cp_unshard_with_other_layout, error=(ValueError, r"`layout`")),
     "ring_forgot_seq_len_w4": Program(cp_ring_forgot_seq_len, world=4),

@@ -106,6 +106,7 @@ def _worker_main(
             for p in paths:
                 if p not in sys.path:
                     sys.path.append(p)
+            _lifecycle.program_start()  # a new program: nothing of the last one's is remembered
             _flight.set_status("running")
             try:
                 result = fn(*args, **kwargs)

@@ -28,7 +28,9 @@ and are attended by nothing (their output is zero, their gradient zero).
 layout. ``docs/context_parallel.md`` draws them. Every entry point defaults to
 ``"contiguous"`` (:data:`DEFAULT_LAYOUT`); :func:`shard` and the attention ops attach a
 :class:`Placement` to what they return, which the ops use when given no layout and which
-makes a sequence placed one way and used another a ``ValueError``.
+makes a sequence placed one way and used another a ``ValueError``. Tensors that lost
+their placement get the default, unless the program used another layout over as many
+ranks: then the default would be a guess, and the ops ask for ``layout=`` instead.
 
 **Gradient convention.** ``ring_attention`` and friends are ordinary SPMD functions
 under the sum-of-per-rank-objectives convention of the core collectives: with

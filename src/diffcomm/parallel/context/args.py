@@ -1,17 +1,21 @@
 """The argument checks shared by the context-parallel ops (:func:`ring_attention`,
 :func:`ulysses_attention`, :func:`usp_attention`, :func:`attention_reference`): public
-to the sibling modules, so none reaches into another's privates."""
+to the sibling modules, so none reaches into another's privates. All local, except
+:func:`check_equal_lengths` (one small exchange, where only the ranks together can tell)."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from ... import backend as B
 from ...backend import args as A
+from ...backend.args import PG
 
-__all__ = ["check_qkv", "check_scale", "check_causal"]
+__all__ = ["check_qkv", "check_scale", "check_causal", "check_dropout", "draw_seed", "check_equal_lengths"]
 
 
 def check_qkv(q: Any, k: Any, v: Any, op: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -58,3 +62,58 @@ def check_causal(causal: Any, op: str) -> bool:
     if not isinstance(causal, bool):
         raise A.arg_error(op, "causal", "a bool", type(causal).__name__, TypeError)
     return causal
+
+
+def check_dropout(p: Any, op: str) -> float:
+    """The attention dropout probability, a float in ``[0, 1)``."""
+    if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p < 1:
+        raise A.arg_error(op, "dropout_p", "a float in [0, 1)", repr(p))
+    return float(p)
+
+
+def draw_seed(seed: Any, p: float, op: str) -> int:
+    """The dropout seed: ``seed``, or drawn from the default generator (0 without dropout)."""
+    if p == 0:
+        return 0
+    if seed is None:
+        return int(torch.randint(0, 1 << 62, (1,)).item())
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise A.arg_error(op, "dropout_seed", "an int or None", type(seed).__name__, TypeError)
+    return seed
+
+
+def check_equal_lengths(op: str, seq_local: int, pg: PG, across: PG | None = None) -> None:
+    """Every rank's ``seq_local`` is the same, or ``ValueError`` naming ``q`` and the
+    lengths, on every rank (``across``: a second group crossing ``pg``, for
+    :func:`usp_attention`: then over all ranks of both).
+
+    Needed only where the global length is inferred (``W * seq_local``: no placement that
+    recorded it, no ``seq_len``, no ``cu_seqlens``): shards of unequal length
+    (``x.chunk(W, 2)[rank]`` with ``S % W != 0``) look right to each rank alone, and the
+    ring's hops would then carry blocks of different sizes (gloo aborts a rank). No hop
+    can carry the check: a rank must know the size of the block it receives before
+    receiving it, and a hop tells a rank only its neighbour's length. So it costs one
+    small exchange of host integers (an all_gather of one int64 per rank on the CPU side
+    channel; measured in docs/context_parallel.md), two across two groups; a given
+    ``seq_len`` (or a :func:`shard` placement) makes the lengths known and skips it."""
+    b = B.get_backend()
+    lens = b.exchange_sizes(seq_local, pg)
+    lo, hi = min(lens), max(lens)
+    if across is not None:  # every row's extremes over the crossing group: all ranks'
+        rows = b.exchange_size_lists([lo, hi], across)
+        lo, hi = min(r[0] for r in rows), max(r[1] for r in rows)
+    if lo == hi:
+        return
+    got = ", ".join(f"rank {r}: {n}" for r, n in enumerate(lens))
+    if across is not None:
+        got = f"lengths from {lo} to {hi} (in this rank's group {got})"
+    else:
+        got = f"lengths {got}"
+    raise A.arg_error(
+        op,
+        "q",
+        "of the same length along the sequence dim (2) on every rank when no `seq_len` is given "
+        "(pad the shards to the layout's length and pass seq_len=S, or use parallel.shard, "
+        "which pads and records S)",
+        got,
+    )

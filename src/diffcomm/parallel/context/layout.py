@@ -11,11 +11,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ... import _lifecycle
 from ... import backend as B
 from ..._replication import varying_by_construction
 from ..._torch import compiling, transforms_active
 from ...backend import args as A
 from ...backend.args import PG
+from ...backend.in_process import per_rank
 from ...ops import collectives as C
 
 __all__ = ["LAYOUTS", "DEFAULT_LAYOUT", "Placement", "layout_index", "placement_of", "shard", "unshard"]
@@ -96,6 +98,48 @@ def _tag_grad_of(x: Tensor) -> None:
         pass
 
 
+# ======================================================================================
+# layouts in use: an unplaced tensor's layout is ambiguous once another one is in play
+# ======================================================================================
+
+#: ``{(W, layout): how}``: the layouts other than :data:`DEFAULT_LAYOUT` this program has
+#: used over ``W`` ranks (``W > 1``), and the first call that used each. Forgotten when a
+#: ``LocalWorld`` rank starts a new ``run`` (an in-process rank starts each run empty).
+_IN_USE: dict[tuple[int, str], str] = {}
+per_rank(_IN_USE)  # a rank's own in an in-process world
+_lifecycle.on_program_start("parallel.context layouts", _IN_USE.clear)
+
+
+def note_layout(layout: str, world: int, how: str) -> None:
+    """Remember that this program used ``layout`` over ``world`` ranks (by ``how``: the
+    call). Only ever makes :func:`require_layout_known` raise for unplaced tensors given
+    no ``layout``, never changes a value."""
+    if layout != DEFAULT_LAYOUT and world > 1 and not compiling():
+        _IN_USE.setdefault((world, layout), how)
+
+
+def _ambiguous(op: str, names: list[str], world: int) -> None:
+    """Raise when ``names`` carry no placement, no ``layout`` was given and this program
+    used a layout other than the default over ``world`` ranks: the default would be a
+    guess (zigzag shards taken by hand with ``layout_index``, or q/k/v projected from a
+    zigzag-sharded ``x``, would silently run as contiguous)."""
+    used = {lay: how for (w, lay), how in _IN_USE.items() if w == world}
+    if not used:
+        return
+    args = ", ".join(f"`{n}`" for n in names)
+    seen = "; ".join(f"layout={lay!r} by {how}" for lay, how in used.items())
+    raise A.arg_error(
+        op,
+        "layout",
+        f"named, one of {LAYOUTS}: {args} carry no placement (taken by hand, e.g. with "
+        "parallel.layout_index, or made by an op that drops it: a projection, a reshape, detach()) "
+        f"and this program used another layout over {world} ranks ({seen}), so the default "
+        f"{DEFAULT_LAYOUT!r} would be a guess (a sequence used with another layout than it was "
+        "placed with gives wrong attention)",
+        "None",
+    )
+
+
 def placed_seq_len(op: str, tensors: dict[str, Any], seq_len: Any, cu_seqlens: Any) -> Any:
     """``seq_len`` as an op uses it: given, or else (without ``cu_seqlens``) the true length
     the tensors' placement recorded (``shard`` of a padded sequence). A given length (or
@@ -157,6 +201,9 @@ def resolve_layout(
     tensors placed differently, a placement over another number of ranks, or a Ulysses
     split where none is expected (or the reverse) raise ``ValueError`` naming the argument
     (``takes_layout=False``: the op has no ``layout`` argument, ``layout`` is its only order).
+
+    Tensors with no placement and no ``layout`` get :data:`DEFAULT_LAYOUT`; whether that
+    is a guess is :func:`require_layout_known`'s to say.
     """
     if layout is not None:
         layout = check_layout(layout, op)
@@ -201,8 +248,21 @@ def resolve_layout(
             )
             raise A.arg_error(op, name, want, f"a tensor placed with {p.describe()}")
     if layout is not None:
+        note_layout(layout, world, f"{op}(layout={layout!r})")
         return layout
     return first[1].layout if first is not None else DEFAULT_LAYOUT
+
+
+def require_layout_known(op: str, layout: Any, tensors: dict[str, Any], world: int) -> None:
+    """Raise when the layout an op would use is a guess: no ``layout`` given, no tensor of
+    ``tensors`` placed, and this program used another layout than :data:`DEFAULT_LAYOUT`
+    over ``world`` ranks (``shard``, ``layout_index``, an op given ``layout=``). A rule
+    that only ever raises (a false alarm asks to name the layout; it never changes a
+    value). Called by every op that reads a layout after its other argument checks,
+    before its first communication."""
+    if layout is not None or world <= 1 or any(placement_of(t) is not None for t in tensors.values()):
+        return
+    _ambiguous(op, [n for n, t in tensors.items() if isinstance(t, Tensor)], world)
 
 
 # ======================================================================================
@@ -308,6 +368,10 @@ def layout_index(seq_len: int, world: int, *, layout: str = DEFAULT_LAYOUT, cu_s
         cu_seqlens: cumulative document lengths of a packed sequence (``[0, L_0,
             L_0+L_1, ..., S]``); ``None``: one document.
 
+    A non-default ``layout`` is recorded for the program: the ops that read a layout then
+    refuse tensors with no placement and no ``layout=`` over ``world`` ranks (shards
+    indexed with this table carry none) instead of guessing the default.
+
     Returns:
         ``(W, seq_local)`` int64 tensor; entry ``[r, i]`` is the global position held by
         slot ``i`` of rank ``r``, or ``-1`` for padding. Every position appears once.
@@ -324,7 +388,10 @@ def layout_index(seq_len: int, world: int, *, layout: str = DEFAULT_LAYOUT, cu_s
     world = A.check_int(world, op, "world")
     if seq_len < 0 or world < 1:
         raise A.arg_error(op, "seq_len/world", "seq_len >= 0 and world >= 1", (seq_len, world))
-    return index_table(seq_len, world, check_layout(layout, op), check_cu_seqlens(cu_seqlens, op, seq_len))
+    layout = check_layout(layout, op)
+    table = index_table(seq_len, world, layout, check_cu_seqlens(cu_seqlens, op, seq_len))
+    note_layout(layout, world, f"{op}(layout={layout!r})")  # its rows index shards by hand
+    return table
 
 
 def group_rank_world(group: A.GroupLike, op: str) -> tuple[PG, int, int]:
@@ -395,7 +462,8 @@ def shard(
         ``ulysses_attention`` / ``unshard`` given it (or the tensor ``requires_grad_()``
         returns) use that layout when given none, and raise when told another. Ops that
         make a new tensor (a projection, a reshape, ``detach()``) drop it; then the
-        defaults, which agree, apply.
+        default applies, unless this program used another layout over as many ranks (a
+        zigzag ``shard`` does): then the ops refuse to guess and ask for ``layout=``.
 
     Gradient:
         local: the gradient of slot ``i`` goes to the position it holds; other positions
@@ -421,6 +489,7 @@ def shard(
         sizes = even_sizes(idx.numel(), uworld)
         idx = idx[sum(sizes[:urank]) : sum(sizes[: urank + 1])]
     out = varying_by_construction(_select(x, dim, idx.to(x.device), pad_value))
+    note_layout(layout, world, f"{op}(layout={layout!r})")
     return placed(out, Placement(layout, world, uworld, seq_len=x.shape[dim]))
 
 
@@ -453,7 +522,9 @@ def unshard(
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         layout: ``"contiguous"`` or ``"zigzag"``; ``None``: the layout ``x`` carries
             (:class:`Placement`, from :func:`shard` or an attention op), else
-            :data:`DEFAULT_LAYOUT`. One that disagrees with ``x``'s placement raises.
+            :data:`DEFAULT_LAYOUT` -- refused (``ValueError`` naming ``layout``) once this
+            program used another layout over as many ranks, as a guess. One that
+            disagrees with ``x``'s placement raises.
         cu_seqlens: cumulative document lengths of a packed sequence, or ``None``.
         seq_len: the global length when the parts are padded (default: the length
             ``x``'s placement recorded (``shard`` of the whole sequence, or an attention
@@ -479,8 +550,10 @@ def unshard(
     dim = A.check_dim(x, dim, op)
     pg, _, world = group_rank_world(group, op)
     uworld = None if ulysses_group is None else group_rank_world(ulysses_group, op)[2]
+    given = layout
     layout = resolve_layout(op, layout, {"x": x}, world, uworld)
     seq_len = placed_seq_len(op, {"x": x}, seq_len, cu_seqlens)
+    require_layout_known(op, given, {"x": x}, world)
     if ulysses_group is not None:
         upg, _, uworld = group_rank_world(ulysses_group, op)
         if seq_len is None and cu_seqlens is None:

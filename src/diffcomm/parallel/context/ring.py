@@ -21,7 +21,7 @@ from ..._replication import P, R, Rule, V
 from ...backend import args as A
 from ...ops import engine as _async
 from .._once import first_order
-from .args import check_causal, check_qkv, check_scale
+from .args import check_causal, check_dropout, check_equal_lengths, check_qkv, check_scale, draw_seed
 from .layout import (
     PG,
     Placement,
@@ -30,6 +30,7 @@ from .layout import (
     placed,
     placed_seq_len,
     placement_of,
+    require_layout_known,
     resolve_layout,
     resolve_seq,
 )
@@ -425,22 +426,6 @@ def _mask_grad(dmask: Tensor, ds: Tensor, rows: slice | Tensor, kpos: Tensor) ->
         dmask.index_copy_(3, rows.to(dmask.device), sub)
 
 
-def _check_dropout(p: Any, op: str) -> float:
-    if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p < 1:
-        raise A.arg_error(op, "dropout_p", "a float in [0, 1)", repr(p))
-    return float(p)
-
-
-def _draw_seed(seed: Any, p: float, op: str) -> int:
-    if p == 0:
-        return 0
-    if seed is None:
-        return int(torch.randint(0, 1 << 62, (1,)).item())
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise A.arg_error(op, "dropout_seed", "an int or None", type(seed).__name__, TypeError)
-    return seed
-
-
 def _check_mask(mask: Any, q: Tensor, total: int, op: str) -> Tensor | None:
     if mask is None:
         return None
@@ -520,13 +505,15 @@ def ring_attention(
             layout ``q``/``k``/``v`` were placed with by :func:`shard` (their
             :class:`Placement`), else ``"contiguous"`` (:data:`DEFAULT_LAYOUT`, the
             default of every context-parallel entry point). A layout other than the
-            tensors' placement, or tensors placed differently, raise ``ValueError``.
+            tensors' placement, tensors placed differently, or unplaced ones once the
+            program used another layout over ``W`` ranks (a guess) raise ``ValueError``.
         cu_seqlens: cumulative lengths of packed documents (``[0, ..., S]``): attention
             stays inside each document (plus ``causal``); the layout balances each document.
         seq_len: the global length ``S`` when the shards are padded (default: the
             length ``q``/``k``/``v``'s placement recorded (:func:`shard` of the whole
             sequence), else ``cu_seqlens[-1]``, else ``W * seq_local``). One that
-            contradicts the recorded length raises ``ValueError``.
+            contradicts the recorded length raises ``ValueError``; so do unequal lengths
+            in the last case (the ranks compare them first: one small exchange).
 
     Returns:
         ``(batch, heads, seq_local, head_dim_v)``: this rank's rows of attention over the
@@ -556,8 +543,9 @@ def ring_attention(
     q, k, v = check_qkv(q, k, v, op)
     causal = check_causal(causal, op)
     sc = check_scale(scale, q.shape[-1], op)
-    p = _check_dropout(dropout_p, op)
+    p = check_dropout(dropout_p, op)
     pg, rank, world = group_rank_world(group, op)
+    given = layout
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, world)
     mp = placement_of(attn_mask)  # the mask's rows, when parallel.shard took them
     if mp is not None and (mp.layout, mp.world) != (layout, world):
@@ -571,7 +559,7 @@ def ring_attention(
     seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
     total, cu, table = resolve_seq(op, q.shape[2], world, layout, cu_seqlens, seq_len, "q")
     mask = _check_mask(attn_mask, q, total, op)
-    seed = _draw_seed(dropout_seed, p, op)
+    seed = draw_seed(dropout_seed, p, op)
     if _config.DEBUG.get():
         B.get_backend().check_consistent(
             op,
@@ -590,6 +578,9 @@ def ring_attention(
             },
             pg,
         )
+    require_layout_known(op, given, {"q": q, "k": k, "v": v}, world)  # after the debug check
+    if seq_len is None and cu is None and world > 1 and not _config.DEBUG.get():  # S inferred
+        check_equal_lengths(op, q.shape[2], pg)
     plan = _Plan(
         pg, rank, world, table, doc_ids(table, total, cu), causal, sc, p, seed, q.shape[1], k.shape[1]
     )

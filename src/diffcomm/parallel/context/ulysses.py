@@ -13,7 +13,7 @@ from torch import Tensor
 from ..._replication import P, R, Rule, V, spmd_types_checking, spmd_types_invariant, spmd_types_varying
 from ...backend import args as A
 from ...ops import collectives as C
-from .args import check_causal, check_qkv, check_scale
+from .args import check_causal, check_equal_lengths, check_qkv, check_scale
 from .layout import (
     PG,
     Placement,
@@ -21,6 +21,7 @@ from .layout import (
     group_rank_world,
     placed,
     placed_seq_len,
+    require_layout_known,
     resolve_layout,
     ring_local_len,
 )
@@ -259,7 +260,8 @@ def usp_attention(
             (``seq_len`` default: the length ``shard`` recorded, else ``U * R *
             seq_local``; ``layout`` default: the one the
             tensors were placed with by ``shard(..., ulysses_group=)``, else
-            ``"contiguous"``).
+            ``"contiguous"``, refused as a guess once this program used another layout
+            over ``R`` ranks).
 
     Returns:
         ``(batch, heads, seq_local, head_dim_v)``.
@@ -271,6 +273,7 @@ def usp_attention(
     q, k, v = check_qkv(q, k, v, op)
     upg, urank, uworld = group_rank_world(ulysses_group, op)
     rpg, _, rworld = group_rank_world(ring_group, op)
+    given = layout
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, rworld, uworld)
     seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
     n_ring = ring_local_len(op, q.shape[2], uworld, rworld, layout, cu_seqlens, seq_len)
@@ -279,7 +282,11 @@ def usp_attention(
         raise A.arg_error(
             op, "q", f"{lens[urank]} local positions (of {n_ring} on this ring rank)", q.shape[2]
         )
+    require_layout_known(op, given, {"q": q, "k": k, "v": v}, rworld)
     if seq_len is None and cu_seqlens is None:
+        # the length is inferred from this rank's alone: unequal shards would mismatch the
+        # all_to_alls and the hops, so every rank's is compared first (two small exchanges)
+        check_equal_lengths(op, q.shape[2], upg, rpg)
         seq_len = n_ring * rworld
 
     def local(qh: Tensor, kh: Tensor, vh: Tensor) -> Tensor:
