@@ -57,8 +57,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFCOMM_TIMEOUT": str(TIMEOUT), "LIFECYCLE_REDIRECT": "1"}
+def _env(timeout: float = TIMEOUT) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFCOMM_TIMEOUT": str(timeout), "LIFECYCLE_REDIRECT": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), *[p for p in sys.path if p]])
     env.pop("DIFFCOMM_DEBUG", None)
     return env
@@ -130,13 +130,20 @@ def _sigterm(out: Path, world: int, proc: subprocess.Popen[str]) -> dict[str, An
 
 
 def run_once(
-    launcher: str, scenario: str, world: int, limit: float = 300.0, keep: str | None = None
+    launcher: str,
+    scenario: str,
+    world: int,
+    limit: float = 300.0,
+    keep: str | None = None,
+    timeout: float = TIMEOUT,
 ) -> dict[str, Any]:
     """One repetition of a cell: exit codes, every rank's facts and stderr, timings; with
-    ``keep``, the ranks' files are copied to a new folder under it."""
+    ``keep``, the ranks' files are copied to a new folder under it. ``timeout``: the
+    collective timeout (``DIFFCOMM_TIMEOUT``) of the job's ranks (the suite's ``reinit``
+    cells, which wait for it, use a shorter one)."""
     with tempfile.TemporaryDirectory(prefix="diffcomm-lifecycle-") as d:
         out = Path(d)
-        env = _env()
+        env = _env(timeout)
         env["LIFECYCLE_PORTS"] = ",".join(str(_free_port()) for _ in range(3))
         job = "loop" if scenario == "sigterm" else scenario
         t0 = time.monotonic()
@@ -179,6 +186,7 @@ def run_once(
         "launcher": launcher,
         "scenario": scenario,
         "world": world,
+        "timeout": timeout,
         "rc": proc.returncode,
         "rank_codes": codes,
         "ranks": ranks,
@@ -243,7 +251,7 @@ def judge(r: dict[str, Any]) -> tuple[bool, str, float | None]:
                 tails = [e[-600:] for e in errs if e.strip()]
                 return False, f"a survivor did not name the rank: {f}, codes {r['rank_codes']}, {tails}", None
             times.append(float(f["raised_after"]))
-        if max(times) > TIMEOUT + 2:
+        if max(times) > r.get("timeout", TIMEOUT) + 2:
             return False, f"raised after {max(times)} s", None
         if r["launcher"] == "spawn" and any(c in ("0", "hung") for i, c in enumerate(r["rank_codes"])):
             return False, f"exit codes {r['rank_codes']}", None

@@ -11,6 +11,12 @@ import os
 
 from hypothesis import settings
 
+# The suite starts a few hundred fresh interpreters (ranks, the command line, benchmarks,
+# notebook kernels). Where the environment sets PYTHONDONTWRITEBYTECODE, none of them
+# keeps the bytecode it compiles, so each recompiled diffcomm (~0.2 s of CPU apiece):
+# the suite's subprocesses write and reuse it, as Python does by default.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("dev", deadline=None, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")

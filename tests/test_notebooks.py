@@ -4,12 +4,18 @@ Each notebook starts its own ``dc.LocalWorld`` (real gloo ranks on this machine)
 run top to bottom without a cell error in about a minute. Notebooks are committed without
 outputs; the executed copies are written to ``docs/_build/executed/`` (git-ignored), and
 a docs build that runs afterwards renders those, with their plots.
+
+The selected notebooks run two at a time (each in its own kernel, as a user's), started
+by the first notebook test: one notebook mostly keeps one core busy (its kernel, then its
+ranks, in turn), so on two cores the second runs in the other's idle time.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,6 +30,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXECUTED = ROOT / "docs" / "_build" / "executed"
 KERNEL = "python3"  # the kernelspec ipykernel installs (`jupyter kernelspec list`)
 CELL_TIMEOUT = 120  # seconds per cell
+AT_ONCE = 2  # notebooks executing side by side
 
 
 def test_notebooks_exist() -> None:
@@ -38,8 +45,10 @@ def test_notebook_is_committed_without_outputs(path: Path) -> None:
     assert not dirty, f"{path.name}: cells {dirty} carry outputs; strip them before committing"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path: Path) -> None:
+def _execute(path: Path) -> float:
+    """Run the notebook at ``path`` top to bottom in a fresh kernel; write the executed copy
+    to ``EXECUTED``; the seconds it took. A failing cell raises ``CellExecutionError``
+    with the cell's source and traceback."""
     nb = nbformat.read(path, as_version=4)
     env = dict(os.environ)
     env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"  # plots land in the outputs
@@ -53,10 +62,31 @@ def test_notebook_runs(path: Path) -> None:
     )
     start = time.perf_counter()
     try:
-        # a failing cell raises CellExecutionError with the cell's source and traceback
         client.execute(env=env)
     finally:
         EXECUTED.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, EXECUTED / path.name)
-    seconds = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def notebook_runs(request: pytest.FixtureRequest) -> Iterator[dict[Path, Future[float]]]:
+    """Every selected notebook's run, started at once, ``AT_ONCE`` at a time, in order."""
+    selected = [
+        item.callspec.params["path"]
+        for item in request.session.items
+        if isinstance(item, pytest.Function)
+        and item.originalname == "test_notebook_runs"
+        and item.path == request.path
+    ]
+    with ThreadPoolExecutor(max_workers=AT_ONCE, thread_name_prefix="notebook") as pool:
+        runs = {path: pool.submit(_execute, path) for path in selected}
+        yield runs
+        for run in runs.values():  # a test that stopped early (-x) leaves none running
+            run.cancel()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path: Path, notebook_runs: dict[Path, Future[float]]) -> None:
+    seconds = notebook_runs[path].result()  # re-raises the run's CellExecutionError
     print(f"{path.name}: executed in {seconds:.1f} s")

@@ -44,21 +44,27 @@ def normalise(block: str) -> str:
     )
 
 
-def run_blocks(tmp: Path, n: int, names: list[str]) -> list[str]:
+def start_blocks(tmp: Path, n: int, names: list[str]) -> subprocess.Popen[str]:
+    """Start ``python train.py N NAMES...`` in ``tmp`` (read its blocks with :func:`blocks_of`)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), *sys.path]))
-    p = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "train.py", str(n), *names],
         cwd=tmp,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
         stdin=subprocess.DEVNULL,
     )
-    assert p.returncode == 0, p.stderr
-    blocks = re.split(r"^(?=# \w+Error after )", p.stdout, flags=re.M)
+
+
+def blocks_of(p: subprocess.Popen[str], names: list[str]) -> list[str]:
+    """The output blocks of a run started by :func:`start_blocks`, one per name."""
+    stdout, stderr = p.communicate(timeout=600)
+    assert p.returncode == 0, stderr
+    blocks = re.split(r"^(?=# \w+Error after )", stdout, flags=re.M)
     blocks = [b for b in blocks if b.strip()]
-    assert len(blocks) == len(names), p.stdout
+    assert len(blocks) == len(names), stdout
     return blocks
 
 
@@ -72,9 +78,18 @@ def test_the_debugging_pages_messages_are_what_its_script_prints(tmp_path: Path)
     for m in marks:
         by_size.setdefault(int(m.group(1)), []).append(m.group(2))
     real: dict[tuple[int, str], str] = {}
-    for n, names in by_size.items():
-        for name, block in zip(names, run_blocks(tmp_path, n, names), strict=True):
-            real[(n, name)] = block
+    # one world per size, the sizes run side by side: most of each run is waiting for
+    # the script's 2 s timeouts
+    runs = {n: start_blocks(tmp_path, n, names) for n, names in by_size.items()}
+    try:
+        for n, names in by_size.items():
+            for name, block in zip(names, blocks_of(runs[n], names), strict=True):
+                real[(n, name)] = block
+    finally:
+        for p in runs.values():
+            if p.poll() is None:  # a failed or timed-out run: no script left behind
+                p.kill()
+                p.communicate()
     if os.environ.get("DIFFCOMM_REGENERATE_DOCS") == "1":
         out = MARK.sub(
             lambda m: m.group(0).replace(m.group(3), real[(int(m.group(1)), m.group(2))]),

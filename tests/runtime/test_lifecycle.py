@@ -33,9 +33,15 @@ _spec.loader.exec_module(bench)
 needs_torchrun = pytest.mark.skipif(shutil.which("torchrun") is None, reason="no `torchrun` on PATH")
 
 
-def _holds(launcher: str, scenario: str, world: int, reps: int = 1) -> None:
+#: the collective timeout of the cells that wait for it to fire (``reinit``: the third
+#: group's desync; the culprit sleeps it + 3 s): short, as the desync worlds of
+#: tests/debug/test_flight.py; the benchmark runs them at ``bench.TIMEOUT`` (5 s)
+WAITED_TIMEOUT = 2.0
+
+
+def _holds(launcher: str, scenario: str, world: int, reps: int = 1, timeout: float = bench.TIMEOUT) -> None:
     for _ in range(reps):
-        r = bench.run_once(launcher, scenario, world, limit=150)
+        r = bench.run_once(launcher, scenario, world, limit=150, timeout=timeout)
         ok, why, _t = bench.judge(r)
         assert ok, f"{launcher}:{scenario}:{world}: {why}\nlauncher stderr:\n{r['launcher_stderr'][-3000:]}"
 
@@ -59,17 +65,17 @@ def test_orderly_exit_of_a_local_world() -> None:
 def test_three_groups_in_a_row_get_the_full_diagnosis() -> None:
     # the desync in the third group names the culprit and the sequence number: the
     # recorder follows the current default group (store, counters, answering thread)
-    _holds("spawn", "reinit", 2)
+    _holds("spawn", "reinit", 2, timeout=WAITED_TIMEOUT)
 
 
 @needs_torchrun
 def test_three_groups_in_a_row_under_torchrun() -> None:
     # dc.init() keys each group's rendezvous apart on torchrun's agent store
-    _holds("torchrun", "reinit", 2)
+    _holds("torchrun", "reinit", 2, timeout=WAITED_TIMEOUT)
 
 
 def test_three_local_worlds_in_a_row_get_the_full_diagnosis() -> None:
-    _holds("localworld", "reinit", 2)
+    _holds("localworld", "reinit", 2, timeout=WAITED_TIMEOUT)
 
 
 def test_sigkill_of_one_rank_names_it_on_every_survivor() -> None:

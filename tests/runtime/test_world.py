@@ -167,19 +167,30 @@ for arg in sys.argv[1:]:
 """
 
 
-def _progress_lines(tmp_path: Path, tty: bool, *cases: str) -> dict[str, list[str]]:
-    """Run ``_PROGRESS_SCRIPT`` with stderr a pipe or a terminal (a pty); the diffcomm
-    lines it printed per case."""
+def _progress_lines(
+    tmp_path: Path, piped_cases: tuple[str, ...], tty_cases: tuple[str, ...]
+) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Run ``_PROGRESS_SCRIPT`` twice, side by side (each mostly waits for its rank to
+    start): once with stderr a pipe, once with stderr a terminal (a pty); the diffcomm
+    lines each printed per case."""
     import pty
 
     script = tmp_path / "progress.py"
     script.write_text(_PROGRESS_SCRIPT)
     full_env = dict(os.environ)
     full_env.pop("DIFFCOMM_PROGRESS", None)
-    if tty:
+    piped = subprocess.Popen(
+        [sys.executable, str(script), *piped_cases],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env=full_env,
+    )
+    try:
         main, sub = pty.openpty()
         proc = subprocess.Popen(
-            [sys.executable, str(script), *cases], stderr=sub, stdin=subprocess.DEVNULL, env=full_env
+            [sys.executable, str(script), *tty_cases], stderr=sub, stdin=subprocess.DEVNULL, env=full_env
         )
         os.close(sub)
         chunks = []
@@ -193,31 +204,31 @@ def _progress_lines(tmp_path: Path, tty: bool, *cases: str) -> dict[str, list[st
             chunks.append(data)
         os.close(main)
         assert proc.wait(timeout=300) == 0
-        err = b"".join(chunks).decode().replace("\r\n", "\n")
-    else:
-        proc2 = subprocess.run(
-            [sys.executable, str(script), *cases],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            stdin=subprocess.DEVNULL,
-            env=full_env,
-        )
-        assert proc2.returncode == 0, proc2.stderr
-        err = proc2.stderr
-    out: dict[str, list[str]] = {}
-    for block in err.split("== ")[1:]:
-        name, _, rest = block.partition("\n")
-        out[name] = [ln for ln in rest.splitlines() if ln.startswith("diffcomm: LocalWorld(1)")]
-    return out
+        tty_err = b"".join(chunks).decode().replace("\r\n", "\n")
+        _, piped_err = piped.communicate(timeout=300)
+        assert piped.returncode == 0, piped_err
+    finally:
+        if piped.poll() is None:
+            piped.kill()
+            piped.communicate()
+
+    def lines(err: str) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for block in err.split("== ")[1:]:
+            name, _, rest = block.partition("\n")
+            out[name] = [ln for ln in rest.splitlines() if ln.startswith("diffcomm: LocalWorld(1)")]
+        return out
+
+    return lines(piped_err), lines(tty_err)
 
 
 def test_start_up_progress_only_on_a_terminal_or_when_asked(tmp_path: Path) -> None:
-    piped = _progress_lines(tmp_path, False, "default", "on", "DIFFCOMM_PROGRESS=1")
+    piped, on_terminal = _progress_lines(
+        tmp_path, ("default", "on", "DIFFCOMM_PROGRESS=1"), ("default", "off", "DIFFCOMM_PROGRESS=0")
+    )
     assert piped["default"] == []  # stderr is a pipe: nothing mixed into the user's output
     for asked in ("on", "DIFFCOMM_PROGRESS=1"):
         assert piped[asked] and piped[asked][-1].startswith("diffcomm: LocalWorld(1) ready after")
-    on_terminal = _progress_lines(tmp_path, True, "default", "off", "DIFFCOMM_PROGRESS=0")
     assert on_terminal["default"] and "starting: 0/1 ranks ready after" in on_terminal["default"][0]
     assert on_terminal["off"] == []
     assert on_terminal["DIFFCOMM_PROGRESS=0"] == []  # the one switch (or progress=False)
