@@ -13,7 +13,7 @@ On ``builder-inited`` (before Sphinx looks for source files) it writes, under
   :data:`diffcomm.parallel.MAPPINGS`);
 * ``spmd_table.md`` and ``spmd_corpus.md`` — the replication-typing table (the ``spmd``
   rule on every op, mapping and layer class: :func:`diffcomm.spmd.check.typing_table`)
-  and the planted-bug corpus (:data:`diffcomm.spmd.corpus.BUGS`), included by
+  and the planted-bug corpus (:data:`diffcomm.testing.spmd_corpus.BUGS`), included by
   ``spmd_types.md``;
 * ``spmd_types_table.md`` — every rule-bearing Function's rule in diffcomm's types and in
   spmd_types' (the translation its ``spmd_typecheck`` applies), included by
@@ -120,9 +120,9 @@ def spmd_table_page() -> str:
 
 
 def spmd_corpus_page() -> str:
-    from diffcomm.spmd.corpus import corpus_markdown
+    from diffcomm.testing.spmd_corpus import corpus_markdown
 
-    return _table_page("diffcomm.spmd.corpus.BUGS", corpus_markdown())
+    return _table_page("diffcomm.testing.spmd_corpus.BUGS", corpus_markdown())
 
 
 def spmd_types_table_page() -> str:

@@ -16,7 +16,7 @@ from torch import nn
 
 import diffcomm as dc
 from diffcomm import parallel as par
-from diffcomm.spmd import corpus
+from diffcomm.testing import spmd_corpus as corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 F64 = torch.float64

@@ -13,7 +13,7 @@ from torch import nn
 
 import diffcomm as dc
 from diffcomm import parallel as par
-from diffcomm.spmd import corpus
+from diffcomm.testing import spmd_corpus as corpus
 
 F64 = torch.float64
 

@@ -138,6 +138,8 @@ class _Rec:
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SPMD_DIR = os.path.dirname(os.path.abspath(__file__))
+#: the planted-bug corpus (diffcomm.testing.spmd_corpus): its lines are the user's lines
+_CORPUS = os.path.join(os.path.dirname(_SPMD_DIR), "testing", "spmd_corpus.py")
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _SPMD_TYPES = os.sep + "spmd_types" + os.sep  # spmd_types' own frames are not the user's line
 
@@ -149,7 +151,7 @@ def _site() -> str:
         fn = f.f_code.co_filename
         if not (
             fn.startswith(_TORCH)
-            or (fn.startswith(_PKG) and not fn.startswith(_SPMD_DIR + os.sep + "corpus"))
+            or (fn.startswith(_PKG) and fn != _CORPUS)
             or (_SPMD_TYPES in fn and "site-packages" in fn)
         ):
             if "<" not in fn or fn.startswith("<ipython") or fn == "<string>":
