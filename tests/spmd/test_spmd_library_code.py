@@ -354,6 +354,10 @@ DOC_RUNS: dict[tuple[str, int], DocRun | Skip | Elsewhere] = {
         "every line after the first raises (the layout errors the page lists): "
         "tests/parallel/test_context_parallel.py checks them"
     ),
+    ("context_parallel.md", 2): Skip(
+        "its last line raises (the unnamed-layout error the page shows): "
+        "tests/parallel/test_context_ambiguity.py checks it"
+    ),
     ("debugging.md", 0): DocRun(
         top=True,
         prelude="x = dc.spmd.varying(torch.ones(3, requires_grad=True))\n",

@@ -112,7 +112,9 @@ def _across_dims(
     rest_n = 1
     for s in rest:
         rest_n *= s
-    c_in = ins[0]  # ins are equal here (validated, or the even split): no rank read
+    # the chunk every rank sends me: ins[me] (read without the rank when the split is even,
+    # as under torch's LocalTensorMode, where an uneven all_to_all is refused before this)
+    c_in = ins[0] if len(set(ins)) == 1 else ins[_rank(pg)]
     send = x.permute(order).split(list(ins), dim=1)
     flat_in = torch.cat([ch.reshape(-1) for ch in send]) if world > 1 else send[0].reshape(-1)
     in_counts = [ins[j] * x.shape[concat_dim] * rest_n for j in range(world)]
