@@ -66,23 +66,19 @@ _SUM_CONVENTION = (
     "a gradient summed over the ranks; under the contract's sum convention the page's result "
     "is right, and the check cannot tell it from the Megatron 2x bug"
 )
-_DEFAULT_RNG = (
-    "per-rank data drawn from the default generator, which the check takes as seeded alike on "
-    "every rank (docs/spmd_types.md, 'randomness'); unseeded processes draw differently, so "
-    "the page's loss is in fact varying (sum convention)"
-)
 _SUM_OF_CONSTANT = (
     "all_reduce of a value equal on every rank: the check refuses summing a replicated value "
     "('the reduction would run twice'); the sum of the ranks' copies is the page's point"
 )
 _NOT_SEEN_PER_RANK = (
-    "per-rank data the check cannot see as such (a torch.Generator seeded from the rank, a "
-    "Python list picked by the rank): taken as replicated, as docs/spmd_types.md says; "
-    "declare it with dc.spmd.varying"
+    "per-rank data the check cannot see as such (a Python dict picked by the rank: "
+    "`{0: [...], 1: [...]}[r]` looks the RankInt up by hash and returns a plain list): taken "
+    "as replicated, as docs/spmd_types.md says; declare it with dc.spmd.varying"
 )
 _FLOAT_FROM_RANK = (
-    "a value computed from the rank by float arithmetic (`1.0 + r`): a RankInt cannot stay "
-    "one on the right of a float, so the value is taken as replicated and its sum refused"
+    "a value computed from the rank by float arithmetic (`1.0 + r`): Python computes "
+    "float + int by float.__add__ without asking the RankInt, so the value is a plain float, "
+    "taken as replicated, and its sum refused"
 )
 
 
