@@ -27,7 +27,8 @@ class _Gradients(_CheckState):
         cotangents = self._cotangents(func, args, kwargs, len(roots))
         for root, cot in zip(roots, cotangents, strict=True):
             if isinstance(root, Tensor) and objective is None:
-                if isinstance(cot, Tensor) and self.rec(cot).t is V:
+                cot_rec = cot.__dict__.get(self.key) if isinstance(cot, Tensor) else None
+                if cot_rec is not None and cot_rec.t is V:
                     # the objective is <root, cot>: a per-rank cotangent makes it per rank
                     objective = f"a varying loss (a varying gradient argument at {_site()})"
                 else:
