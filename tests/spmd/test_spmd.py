@@ -443,3 +443,34 @@ def test_hf_llama_tensor_parallel_passes(world2: dc.LocalWorld) -> None:
 
     losses = world2.run(body)
     assert losses[0] == pytest.approx(losses[1])
+
+
+def test_default_generator_type_follows_the_evidence_at_entry(world2: dc.LocalWorld) -> None:
+    """The default generator's draws: varying when its state differed between the ranks
+    as the check began (unseeded processes), until it is seeded alike inside the block
+    (``torch.manual_seed(0)`` or :func:`diffcomm.rng.model_parallel_seed`); replicated when
+    the ranks were seeded alike before the block (the Megatron 2x bug on such data is
+    still caught)."""
+
+    def body() -> list[object]:
+        out: list[object] = []
+        torch.manual_seed(1 + dc.get_rank())  # before the block: the states differ
+        with dc.spmd_check() as c:
+            out.append(c.type_of(torch.randn(3)).value)
+            dc.rng.model_parallel_seed(7, tp_rank=dc.get_rank())  # seeds it alike
+            out.append(c.type_of(torch.randn(3)).value)
+        torch.manual_seed(5)  # before the block: alike
+        with dc.spmd_check() as c:
+            out.append(c.type_of(torch.randn(3)).value)
+        torch.manual_seed(5)
+        try:
+            with dc.spmd_check():
+                x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+                dc.all_gather(x, dim=0).pow(2).sum().backward()
+            out.append("no error")
+        except dc.SPMDTypeError as e:
+            out.append("gather_from_region" in str(e))
+        return out
+
+    for got in world2.run(body):
+        assert got == ["varying", "replicated", "replicated", True], got

@@ -24,9 +24,15 @@ class _Gradients(_CheckState):
         roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
         roots = [roots] if isinstance(roots, Tensor) else list(roots or ())
         objective: str | None = None
-        for root in roots:
-            if isinstance(root, Tensor):
-                objective = self._check_objective(root) if objective is None else objective
+        cotangents = self._cotangents(func, args, kwargs, len(roots))
+        for root, cot in zip(roots, cotangents, strict=True):
+            if isinstance(root, Tensor) and objective is None:
+                cot_rec = cot.__dict__.get(self.key) if isinstance(cot, Tensor) else None
+                if cot_rec is not None and cot_rec.t is V:
+                    # the objective is <root, cot>: a per-rank cotangent makes it per rank
+                    objective = f"a varying loss (a varying gradient argument at {_site()})"
+                else:
+                    objective = self._check_objective(root)
         if objective is not None and objective.startswith("a replicated"):
             self._check_inputs()
         key = self.key
@@ -57,6 +63,20 @@ class _Gradients(_CheckState):
                 r.cell = _Cell()
         self._inputs.clear()
         return out
+
+    @staticmethod
+    def _cotangents(func: Any, args: Any, kwargs: Any, n: int) -> list[Any]:
+        """The gradient arguments of a backward (``Tensor.backward(gradient)``,
+        ``torch.autograd.backward(tensors, grad_tensors)``, ``torch.autograd.grad(outputs,
+        inputs, grad_outputs)``), one per root (``None`` where none is given)."""
+        if func is torch.autograd.grad:
+            cot = args[2] if len(args) > 2 else kwargs.get("grad_outputs")
+        elif func is torch.autograd.backward:
+            cot = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
+        else:
+            cot = args[1] if len(args) > 1 else kwargs.get("gradient")
+        cots = [cot] if cot is None or isinstance(cot, Tensor) else list(cot)
+        return (cots + [None] * n)[:n]
 
     def _check_objective(self, loss: Tensor) -> str:
         """Check the loss; return the objective in words: replicated (counted once), partial

@@ -23,7 +23,7 @@ from .. import _torch
 from .._replication import PARTIAL, REPLICATED, LayerRule, R, Rule, SPMDTypeError, T, V
 from ..ops import engine as E
 from ..ops.base import CommOp, ListOp
-from ._ops import SEEDED_BY_RANK, RankInt, _rank_dependent
+from ._ops import SEEDED_BY_RANK, RankGenerator, RankInt, _rank_dependent
 from ._records import _Param, _Rec, _site
 
 _ACTIVE: list[Any] = []  # the active checks (SPMDCheck), outermost first
@@ -231,6 +231,18 @@ def _install() -> None:
 
     manual_seed.__doc__ = orig_seed.__doc__
     torch.manual_seed = manual_seed
+    orig_nondet = torch.seed  # a non-deterministic seed: different on every rank
+    _PATCHED_ATTRS.append((torch, "seed", orig_nondet))
+
+    def seed() -> int:
+        SEEDED_BY_RANK[0] = True
+        return orig_nondet()
+
+    seed.__doc__ = orig_nondet.__doc__
+    torch.seed = seed
+    # a torch.Generator made inside the check remembers whether it was seeded from the rank
+    _PATCHED_ATTRS.append((torch, "Generator", torch.Generator))
+    torch.Generator = RankGenerator  # type: ignore[misc]
 
     if "spmd_types.runtime" in sys.modules:  # its annotations are read (never imported here)
         _patch_assert_type(sys.modules["spmd_types.runtime"], sys.modules.get("spmd_types"))
@@ -515,7 +527,7 @@ def _patch_raw_all_reduce() -> None:
 
 def _uninstall() -> None:
     global _HOOK
-    SEEDED_BY_RANK[0] = False
+    SEEDED_BY_RANK[0] = None
     for cls, (_, entry) in _PATCHED.items():
         setattr(cls, "wait" if cls is E.AsyncTensor else "forward", entry)
     _PATCHED.clear()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import rng
 from .._replication import PARTIAL, REPLICATED, P, R, SPMDTypeError, T, V
 from ._ops import (
     _ADDITIVE,
@@ -23,6 +24,7 @@ from ._ops import (
     _STRUCTURAL,
     _TEMPLATE_2ND,
     _WEIGHTED,
+    SEEDED_BY_RANK,
     _differentiable,
     _flat_tensors,
     _is_weight,
@@ -54,15 +56,23 @@ class _Lattice(_CheckState):
         extra: T | None = None
         extra_why = ""
         if name in _RANDOM:
-            extra = _random_type((kwargs or {}).get("generator") is None)
+            gen = (kwargs or {}).get("generator")
+            extra = _random_type(gen, *self._rng_entry)
             extra_why = f"a random draw on a per-rank RNG stream at {_site()}"
+            if gen is not None:
+                extra_why = f"a random draw on a torch.Generator seeded from the rank at {_site()}"
+            elif extra is V and not rng.get_tracker()._active and SEEDED_BY_RANK[0] is None:
+                extra_why = (
+                    f"a random draw on the default generator, whose state differed between the "
+                    f"ranks when the check began (not seeded alike) at {_site()}"
+                )
             if not ins or name.endswith("like") or inplace:
                 ins = []  # a draw: its type is the stream's, not its template's
         elif name in _DROPOUT:
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             if training and p:
-                extra = _random_type()
+                extra = _random_type(None, *self._rng_entry)
                 extra_why = f"a dropout mask drawn on a per-rank RNG stream at {_site()}"
         if extra is None and _rank_dependent(args):
             extra = V  # an index, slice or scalar computed from the rank

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .. import rng
@@ -203,17 +204,50 @@ _DROPOUT = _names(
 )
 
 
-#: ``[True]`` while the default generator was last seeded, inside a check, from the rank
-#: (``torch.manual_seed(1 + dc.get_rank())``): its draws are per rank (set by the
-#: installed ``torch.manual_seed``)
-SEEDED_BY_RANK = [False]
+#: how the default generator was last seeded inside the check (set by the installed
+#: ``torch.manual_seed``): ``True`` from the rank (``torch.manual_seed(1 + dc.get_rank())``:
+#: its draws are per rank), ``False`` from a value equal on every rank, ``None`` not seeded
+#: inside the check (the evidence taken when the check was entered decides)
+SEEDED_BY_RANK: list[bool | None] = [None]
+
+#: the attribute a :class:`RankGenerator` seeded from the rank carries
+_RANK_SEEDED = "_dc_spmd_rank_seeded"
 
 
-def _random_type(default_generator: bool = True) -> T:
-    """Randomness from a forked named stream of diffcomm.rng is per rank (varying); the
-    default generator is seeded alike on every rank of the group (replicated) unless it was
-    seeded from the rank inside the check; an explicit ``generator=`` is replicated."""
-    return V if rng.get_tracker()._active or (default_generator and SEEDED_BY_RANK[0]) else R
+class RankGenerator(torch.Generator):
+    """``torch.Generator`` as a check installs it: it remembers whether it was seeded from
+    the rank (``torch.Generator().manual_seed(seed + 100 * dc.get_rank())``) or with
+    :meth:`seed` (a non-deterministic seed, different on every rank): draws on it are
+    then per rank (varying). A generator made before the check, or seeded with a value
+    equal on every rank, draws alike on every rank (replicated)."""
+
+    def manual_seed(self, seed: Any) -> RankGenerator:
+        setattr(self, _RANK_SEEDED, _rank_dependent((seed,)))
+        super().manual_seed(seed)
+        return self
+
+    def seed(self) -> int:
+        setattr(self, _RANK_SEEDED, True)
+        return super().seed()
+
+
+def _random_type(generator: Any = None, default_differs: bool = False, entry_seed: int | None = None) -> T:
+    """Randomness from a forked named stream of diffcomm.rng is per rank (varying). An
+    explicit ``generator=`` is varying when it was seeded from the rank inside the check
+    (:class:`RankGenerator`), else replicated. The default generator is varying when it was
+    last seeded from the rank inside the check, replicated when it was seeded from a value
+    equal on every rank inside the check (also by a path the check does not see, such as
+    :func:`diffcomm.rng.model_parallel_seed`: its initial seed is no longer
+    ``entry_seed``), and otherwise as found when the check was entered
+    (``default_differs``: its state differed between the ranks)."""
+    if rng.get_tracker()._active:
+        return V
+    if generator is not None:
+        return V if getattr(generator, _RANK_SEEDED, False) else R
+    seeded = SEEDED_BY_RANK[0]
+    if seeded is None:
+        seeded = default_differs and (entry_seed is None or torch.initial_seed() == entry_seed)
+    return V if seeded else R
 
 
 class RankInt(int):

@@ -33,6 +33,9 @@ class _CheckState(TorchFunctionMode):
     inside: int
     #: >0 while a backward runs
     in_backward: int
+    #: (the default generator's state differed between the ranks when the check was
+    #: entered, its initial seed then)
+    _rng_entry: tuple[bool, int | None]
 
     @abstractmethod
     def rec(self, x: Tensor) -> _Rec:

@@ -440,6 +440,31 @@ def raw_all_reduce_every_micro_batch(fixed: bool) -> None:
             dist.all_reduce(_grad(p), op=dist.ReduceOp.AVG if fixed else dist.ReduceOp.SUM)
 
 
+def all_gather_of_draws_seeded_alike(fixed: bool) -> None:
+    """Data drawn on the default generator seeded alike inside the block
+    (``torch.manual_seed(0)`` on every rank) and on a ``torch.Generator`` seeded with a
+    constant: replicated, even where the process's generator differed between the ranks
+    when the check began; gathered with the sum-convention all_gather into a replicated
+    loss (world-size times too large)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, H, dtype=torch.float64)
+    w = torch.randn(H, H, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    h = dc.spmd.varying(_shard(3, H)) @ w + x
+    y = par.gather_from_region(h, dim=-1) if fixed else dc.all_gather(h, dim=-1)
+    y.pow(2).mean().backward()
+
+
+def all_gather_with_a_replicated_cotangent(fixed: bool) -> None:
+    """``torch.autograd.grad`` through a sum-convention all_gather with a gradient argument
+    equal on every rank: the objective ``<y, c>`` is replicated (counted once), so the
+    gradient is world-size times too large; a per-rank ``c`` would make it varying."""
+    w = _w(H, H)
+    y_in = dc.spmd.varying(_shard(3, H)) @ w
+    y = par.gather_from_region(y_in, dim=-1) if fixed else dc.all_gather(y_in, dim=-1)
+    c = _x(*y.shape)
+    torch.autograd.grad(y, w, grad_outputs=c)
+
+
 BUGS: list[Bug] = [
     Bug(
         "all_reduce under a replicated objective",
@@ -626,6 +651,18 @@ BUGS: list[Bug] = [
         ("torch.distributed.all_reduce", "already holds a reduced gradient"),
     ),
     Bug(
+        "all_gather of draws on a generator seeded alike, under a replicated objective",
+        "sum-convention all_gather under a replicated objective",
+        all_gather_of_draws_seeded_alike,
+        ("all_gather", "gather_from_region"),
+    ),
+    Bug(
+        "all_gather in torch.autograd.grad with a replicated gradient argument",
+        "sum-convention all_gather under a replicated objective",
+        all_gather_with_a_replicated_cotangent,
+        ("all_gather", "gather_from_region"),
+    ),
+    Bug(
         "rank-sliced data to ColumnParallelLinear",
         "varying tensor where a layer expects replicated input",
         rank_sliced_data_to_column_parallel,
@@ -778,6 +815,34 @@ def default_generator_seeded_from_the_rank() -> None:
     par.reduce_from_region(torch.tanh(par.copy_to_region(x.requires_grad_()) @ w.T)).sum().backward()
 
 
+def generator_seeded_from_the_rank_summed() -> None:
+    """A ``torch.Generator`` made and seeded from the rank inside the block (notebook 01's
+    dot-product test): its draws are per rank, and their sum over the ranks is arithmetic,
+    not a replicated term summed W times."""
+    gen = torch.Generator().manual_seed(100 * dc.get_rank())
+    x = torch.randn(3, dtype=torch.float64, generator=gen)
+    dc.all_reduce(x)
+
+
+def default_generator_seeded_non_deterministically() -> None:
+    """``torch.seed()`` (a non-deterministic seed: a different one on every rank, as an
+    unseeded process has), then draws on the default generator gathered under the sum
+    convention, times a per-rank weight: a per-rank loss (docs/async.md's program)."""
+    torch.seed()
+    x = torch.randn(3, H, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(H, 2, dtype=torch.float64)
+    (dc.all_gather(x, dim=0) @ w).sum().backward()
+
+
+def vjp_with_a_per_rank_cotangent() -> None:
+    """The adjoint test of all_gather (docs/testing.md's ``check_adjoint``): autograd's vjp
+    with a per-rank cotangent, ``<all_gather(x), y>`` summed over the ranks. The objective
+    is varying (each rank's own inner product), so the sum-convention backward is right."""
+    x = dc.spmd.varying(torch.randn(3, dtype=torch.float64)).requires_grad_()
+    y = dc.spmd.varying(torch.randn(3 * dc.get_world_size(), dtype=torch.float64))
+    torch.autograd.grad(dc.all_gather(x), x, grad_outputs=y)
+
+
 def forward_mode_through_a_collective() -> None:
     """``torch.func.jvp`` of an all_reduce at a per-rank point (docs/transforms.md): the
     forward-AD dual of a varying value is varying."""
@@ -802,6 +867,9 @@ CORRECT: dict[str, Callable[[], None]] = {
     "per-rank data made from the rank, summed": per_rank_data_from_the_rank_summed,
     "the default generator seeded from the rank": default_generator_seeded_from_the_rank,
     "forward mode through a collective at a per-rank point": forward_mode_through_a_collective,
+    "a torch.Generator seeded from the rank, summed": generator_seeded_from_the_rank_summed,
+    "the default generator seeded non-deterministically": default_generator_seeded_non_deterministically,
+    "a vjp with a per-rank cotangent": vjp_with_a_per_rank_cotangent,
 }
 
 
