@@ -61,6 +61,10 @@ class _UlyssesAttention(IdentityFunction):
     )
 
     @staticmethod
+    def forward(x: Tensor, pg: PG) -> Tensor:  # named: the typing rule reads ``pg`` by name
+        return x.view_as(x)
+
+    @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
         return g, None
 
