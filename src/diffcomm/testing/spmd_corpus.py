@@ -587,13 +587,13 @@ BUGS: list[Bug] = [
         "input gradient without copy_to_region",
         "missing copy_to_region before a column-parallel matmul (input gradient)",
         input_gradient_without_copy_to_region,
-        ("backward", "insert parallel.copy_to_region before the linear at corpus.py:"),
+        ("backward", "insert parallel.copy_to_region before the linear at spmd_corpus.py:"),
     ),
     Bug(
         "missing copy_to_region before an optimizer step",
         "missing copy_to_region before a column-parallel matmul",
         missing_copy_to_region_before_optimizer_step,
-        ("LayerNorm.weight", "insert parallel.copy_to_region before the linear at corpus.py:"),
+        ("LayerNorm.weight", "insert parallel.copy_to_region before the linear at spmd_corpus.py:"),
     ),
     Bug(
         "sequence-parallel LayerNorm gradients averaged",
