@@ -14,8 +14,8 @@ from typing import Any
 import psutil
 import torch
 
-from .base import DeviceLike, _SampledPeak
-from .device_module import TorchModuleAccelerator
+from .base import DeviceLike
+from .device_module import OneDeviceAccelerator
 
 # ----------------------------------------------------------------------------- host memory
 
@@ -212,7 +212,7 @@ class CPUStream(torch.cpu.Stream):
         return f"<CPUStream priority={self.priority}>"
 
 
-class CPUAccelerator(TorchModuleAccelerator):
+class CPUAccelerator(OneDeviceAccelerator):
     """The CPU: one device (all cores), synchronous streams, real RNG and memory numbers.
 
     - **RNG** is torch's default CPU generator (``torch.default_generator``), the one
@@ -228,19 +228,13 @@ class CPUAccelerator(TorchModuleAccelerator):
     """
 
     name = "cpu"
-    _communication_backend = "gloo"
     _stream_class = CPUStream
     _event_class = CPUEvent
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._default = CPUStream()
-        self._peak = _SampledPeak(lambda: _process().memory_info().rss)
+    def _bytes_in_use(self) -> int:
+        return int(_process().memory_info().rss)
 
     # devices: torch.cpu answers is_available/device_count/set_device/synchronize
-    def current_device(self) -> int:
-        return 0  # torch.cpu.current_device() returns the string "cpu"
-
     def device(self, index: DeviceLike = None) -> torch.device:
         self._index(index)
         return torch.device("cpu")
@@ -250,10 +244,6 @@ class CPUAccelerator(TorchModuleAccelerator):
         self._index(device)
         current = torch.cpu.current_stream()
         return current if isinstance(current, CPUStream) else self._default
-
-    def default_stream(self, device: DeviceLike = None) -> CPUStream:
-        self._index(device)
-        return self._default
 
     def started_stream(self) -> None:
         return None  # CPU work is synchronous: nothing for another thread to order after
@@ -266,9 +256,6 @@ class CPUAccelerator(TorchModuleAccelerator):
     # RNG: torch's default CPU generator
     def manual_seed(self, seed: int) -> None:
         torch.default_generator.manual_seed(int(seed))
-
-    def manual_seed_all(self, seed: int) -> None:
-        self.manual_seed(seed)
 
     def initial_seed(self) -> int:
         return int(torch.default_generator.initial_seed())

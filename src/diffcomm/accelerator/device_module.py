@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .base import Accelerator, DeviceLike
+from .base import Accelerator, DeviceLike, _SampledPeak
 
 
 class TorchModuleAccelerator(Accelerator):
@@ -143,3 +143,31 @@ class XPUAccelerator(TorchModuleAccelerator):
 
     name = "xpu"
     _communication_backend = "xccl"
+
+
+class OneDeviceAccelerator(TorchModuleAccelerator):
+    """A :class:`TorchModuleAccelerator` with one device (index 0) and one default stream
+    of its own ``_stream_class``, communicating over ``gloo``, whose peak memory is
+    sampled from ``_bytes_in_use()`` (:class:`CPUAccelerator`, :class:`MPSAccelerator`)."""
+
+    _communication_backend = "gloo"
+    _stream_class: type
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._default = self._stream_class()
+        self._peak = _SampledPeak(self._bytes_in_use)
+
+    def _bytes_in_use(self) -> int:
+        """The memory in use now, the number the peak is sampled from."""
+        raise NotImplementedError
+
+    def current_device(self) -> int:
+        return 0  # (torch.cpu.current_device() returns the string "cpu")
+
+    def default_stream(self, device: DeviceLike = None) -> Any:
+        self._index(device)
+        return self._default
+
+    def manual_seed_all(self, seed: int) -> None:
+        self.manual_seed(seed)  # one device: all of them is this one

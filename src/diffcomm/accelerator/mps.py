@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from .. import _torch
-from .base import DeviceLike, _SampledPeak
-from .device_module import TorchModuleAccelerator
+from .base import DeviceLike
+from .device_module import OneDeviceAccelerator
 
 # -------------------------------------------------------------------------------- MPS
 
@@ -72,7 +72,7 @@ class _MPSStream:
         return event
 
 
-class MPSAccelerator(TorchModuleAccelerator):
+class MPSAccelerator(OneDeviceAccelerator):
     """Apple-silicon GPUs over ``torch.mps``: one device and one stream (command queue).
 
     ``torch.mps`` has no peak-memory counter, so :meth:`max_memory_allocated` is
@@ -81,20 +81,14 @@ class MPSAccelerator(TorchModuleAccelerator):
     """
 
     name = "mps"
-    _communication_backend = "gloo"
     _stream_class = _MPSStream
     _event_class = _MPSEvent
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._stream = _MPSStream()
-        self._peak = _SampledPeak(lambda: int(torch.mps.current_allocated_memory()))
+    def _bytes_in_use(self) -> int:
+        return int(torch.mps.current_allocated_memory())
 
     def is_available(self) -> bool:
         return bool(torch.backends.mps.is_available())
-
-    def current_device(self) -> int:
-        return 0
 
     def set_device(self, index: DeviceLike) -> None:
         self._index(index)
@@ -105,20 +99,13 @@ class MPSAccelerator(TorchModuleAccelerator):
 
     def current_stream(self, device: DeviceLike = None) -> Any:
         self._index(device)
-        return self._stream
-
-    def default_stream(self, device: DeviceLike = None) -> Any:
-        self._index(device)
-        return self._stream
+        return self._default
 
     def started_stream(self) -> None:
         return None  # one command queue: nothing to switch to
 
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext(stream)  # one queue: nothing to switch
-
-    def manual_seed_all(self, seed: int) -> None:
-        self.manual_seed(seed)
 
     def initial_seed(self) -> int:
         return _torch.mps_initial_seed()

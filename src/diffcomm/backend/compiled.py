@@ -16,7 +16,16 @@ from .. import _torch
 from .._torch import compiling
 from ..accelerator import comm_device
 from .groups import Capabilities, ProcessGroup, group_info, static_capabilities
-from .torch_distributed import CoalescedOps, own_rows, pad_chunks, pad_rows, split_rows, unpad_rows, wire
+from .torch_distributed import (
+    CoalescedOps,
+    Sizes,
+    own_rows,
+    pad_chunks,
+    pad_rows,
+    split_rows,
+    unpad_rows,
+    wire,
+)
 
 
 class TraceableBackend(CoalescedOps):
@@ -167,12 +176,11 @@ class TraceableBackend(CoalescedOps):
         outs = [sizes[rank] if j == src else 0 for j in range(world)]
         return self.all_to_all(x if rank == src else x[:0], group, ins, outs)
 
-    def all_to_all(
-        self,
-        x: torch.Tensor,
-        group: ProcessGroup,
-        input_split_sizes: Sequence[int] | None = None,
-        output_split_sizes: Sequence[int] | None = None,
+    def _even_all_to_all(self, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        return self._uneven_all_to_all(x, group, None, None)
+
+    def _uneven_all_to_all(
+        self, x: torch.Tensor, group: ProcessGroup, input_split_sizes: Sizes, output_split_sizes: Sizes
     ) -> torch.Tensor:
         world = self.world_size(group)
         x = x.contiguous()

@@ -35,7 +35,7 @@ import torch
 
 from .._errors import DiffcommError
 from .._torch import local_group_instances, local_int, local_tensor_api
-from .torch_distributed import CoalescedOps
+from .torch_distributed import CoalescedOps, Sizes
 
 _HELPERS = frozenset(
     {
@@ -228,18 +228,16 @@ class LocalTensorBackend(CoalescedOps):
 
         return self._each([x], group, fn)
 
-    def all_to_all(
-        self,
-        x: torch.Tensor,
-        group: Any,
-        input_split_sizes: Sequence[int] | None = None,
-        output_split_sizes: Sequence[int] | None = None,
+    def _even_all_to_all(self, x: torch.Tensor, group: Any) -> torch.Tensor:
+        """Chunk ``j`` of rank ``i``'s ``x`` to rank ``j`` (equal chunks)."""
+        return self._each([x], group, lambda ts: _all_to_all_parts(ts, len(ts)))
+
+    def _uneven_all_to_all(
+        self, x: torch.Tensor, group: Any, input_split_sizes: Sizes, output_split_sizes: Sizes
     ) -> torch.Tensor:
         """Chunk ``j`` of rank ``i``'s ``x`` to rank ``j``. Split sizes may be ``SymInt``s
         holding one int per simulated rank; ``output_split_sizes`` must agree with what
         arrives (checked per rank)."""
-        if input_split_sizes is None and output_split_sizes is None:
-            return self._each([x], group, lambda ts: _all_to_all_parts(ts, len(ts)))
         groups = local_group_instances(group)
         values = self._values(x)
         ins: dict[int, list[int]] = {}

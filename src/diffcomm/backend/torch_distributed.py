@@ -58,6 +58,13 @@ _TORCH_OPS = {
 }
 
 
+def _opening(x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, GroupInfo, int, int]:
+    """A raw op's first lines: the contiguous ``x``, the group's record, its size and this
+    rank."""
+    info = group_info(group)
+    return x.contiguous(), info, info.size, info.rank
+
+
 def _broadcast_into(out: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
     """broadcast into ``out`` (contiguous, owned by the caller) in place; returns it (a
     module function: the hot path calls it without a method lookup)."""
@@ -66,10 +73,16 @@ def _broadcast_into(out: torch.Tensor, src: int, group: ProcessGroup) -> torch.T
     return out
 
 
+#: split sizes along dim 0, one per rank (``None``: even)
+Sizes = Sequence[int] | None
+
+
 class CoalescedOps:
-    """The coalesced raw ops: a list of flat buffers (one per dtype, packed by the caller),
-    one raw call each, logged as **one** op (``<op>_coalesced``, total bytes, ``parts`` =
-    the raw calls). Each buffer follows the single op's rules (dim 0, out-of-place)."""
+    """The raw ops every adapter shares: the :meth:`all_to_all` entry point (even or uneven,
+    each adapter's own), and the coalesced raw ops: a list of flat buffers (one per dtype,
+    packed by the caller), one raw call each, logged as **one** op (``<op>_coalesced``,
+    total bytes, ``parts`` = the raw calls). Each buffer follows the single op's rules
+    (dim 0, out-of-place)."""
 
     if TYPE_CHECKING:  # the single ops the subclasses provide
 
@@ -88,6 +101,25 @@ class CoalescedOps:
         ) -> torch.Tensor: ...
         def world_size(self, group: ProcessGroup) -> int: ...
         def comm_device(self, group: ProcessGroup) -> torch.device: ...
+
+        def _even_all_to_all(self, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor: ...
+        def _uneven_all_to_all(
+            self, x: torch.Tensor, group: ProcessGroup, input_split_sizes: Sizes, output_split_sizes: Sizes
+        ) -> torch.Tensor: ...
+
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        group: ProcessGroup,
+        input_split_sizes: Sequence[int] | None = None,
+        output_split_sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Send chunk ``j`` of ``x`` (dim 0) to rank ``j``; concatenate what arrives. Every
+        adapter's entry point: no split sizes is the even exchange (``_even_all_to_all``, the
+        common case), else ``_uneven_all_to_all`` (the sizes as given)."""
+        if input_split_sizes is None and output_split_sizes is None:
+            return self._even_all_to_all(x, group)
+        return self._uneven_all_to_all(x, group, input_split_sizes, output_split_sizes)
 
     def coalesced(
         self, op: str, group: ProcessGroup, xs: Sequence[torch.Tensor], fn: Callable[[torch.Tensor], Any]
@@ -369,9 +401,7 @@ class TorchDistributedBackend(CoalescedOps):
         self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Concatenate every rank's ``x`` along dim 0. ``sizes``: every rank's ``x.shape[0]``."""
-        info = group_info(group)
-        world = info.size
-        x = x.contiguous()
+        x, info, world, _ = _opening(x, group)
         even = sizes is None or sizes.count(sizes[0]) == world
         into_tensor = (self._caps(info) if self.overrides else info.caps).all_gather_into_tensor
         if even and into_tensor:  # the common case, in few calls
@@ -410,9 +440,7 @@ class TorchDistributedBackend(CoalescedOps):
         self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Chunk ``rank`` (along dim 0) of the reduction over ranks of ``x``."""
-        info = group_info(group)
-        world, rank = info.size, info.rank
-        x = x.contiguous()
+        x, info, world, rank = _opening(x, group)
         even = split_sizes is None or split_sizes.count(split_sizes[0]) == world
         caps = self._caps(info) if self.overrides else info.caps  # (no call without overrides)
         if not caps.reduce_scatter or op not in ("sum", "avg"):
@@ -447,9 +475,7 @@ class TorchDistributedBackend(CoalescedOps):
         self, x: torch.Tensor, dst: int, group: ProcessGroup, sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Concatenation along dim 0 on ``dst``; zeros of the same shape elsewhere."""
-        info = group_info(group)
-        world, rank = info.size, info.rank
-        x = x.contiguous()
+        x, info, world, rank = _opening(x, group)
         if sizes is None:
             sizes = [x.shape[0]] * world
         if not self._caps(info).gather_scatter:  # no native gather: every rank gathers
@@ -469,9 +495,7 @@ class TorchDistributedBackend(CoalescedOps):
         self, x: torch.Tensor, src: int, group: ProcessGroup, split_sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Chunk ``rank`` (along dim 0) of ``src``'s ``x`` (``x`` has one shape on every rank)."""
-        info = group_info(group)
-        world, rank = info.size, info.rank
-        x = x.contiguous()
+        x, info, world, rank = _opening(x, group)
         rest = tuple(x.shape[1:])
         sizes = split_rows(split_sizes, x.shape[0], world)
         if not self._caps(info).gather_scatter:  # no native scatter: broadcast, keep own chunk
@@ -492,29 +516,11 @@ class TorchDistributedBackend(CoalescedOps):
         )
         return out if sizes[rank] == m else out[: sizes[rank]].clone()
 
-    def all_to_all(
-        self,
-        x: torch.Tensor,
-        group: ProcessGroup,
-        input_split_sizes: Sequence[int] | None = None,
-        output_split_sizes: Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        """Send chunk ``j`` of ``x`` (dim 0) to rank ``j``; concatenate what arrives."""
-        x = x.contiguous()
-        if input_split_sizes is None and output_split_sizes is None:  # even: the common case
-            return self._even_all_to_all(x, group)
-        return self._uneven_all_to_all(x, group, group_info(group), input_split_sizes, output_split_sizes)
-
     def _uneven_all_to_all(
-        self,
-        x: torch.Tensor,
-        group: ProcessGroup,
-        info: GroupInfo,
-        input_split_sizes: Sequence[int] | None,
-        output_split_sizes: Sequence[int] | None,
+        self, x: torch.Tensor, group: ProcessGroup, input_split_sizes: Sizes, output_split_sizes: Sizes
     ) -> torch.Tensor:
-        """:meth:`all_to_all` of the contiguous ``x`` with split sizes given."""
-        world, rank = info.size, info.rank
+        """:meth:`all_to_all` with split sizes given."""
+        x, info, world, rank = _opening(x, group)
         rest = tuple(x.shape[1:])
         ins = list(input_split_sizes) if input_split_sizes is not None else None
         outs = list(output_split_sizes) if output_split_sizes is not None else None
@@ -546,8 +552,9 @@ class TorchDistributedBackend(CoalescedOps):
         return out
 
     def _even_all_to_all(self, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        """:meth:`all_to_all` of the contiguous ``x`` in equal chunks, one per rank (gloo's
-        alltoall, not its alltoallv)."""
+        """:meth:`all_to_all` of ``x`` in equal chunks, one per rank (gloo's alltoall, not
+        its alltoallv)."""
+        x = x.contiguous()
         # x's own shape (even); empty_like is the cheapest allocation torch has (any size
         # argument is parsed, a torch.Size worst of all), and x is contiguous, so out is too
         out = torch.empty_like(x)

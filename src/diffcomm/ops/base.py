@@ -75,7 +75,22 @@ __all__ = [
     "batch_first",
     "movedim0",
     "op_labels",
+    "IdentityFunction",
 ]
+
+
+class IdentityFunction(torch.autograd.Function):
+    """An identity in forward (a view of the first input; the other inputs only ride
+    along) that exists for its ``backward``: a subclass states only that (a mark on a
+    gradient, an entry that states a typing rule). Not a communication op."""
+
+    @staticmethod
+    def forward(x: Tensor, *args: Any) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        pass
 
 
 class FastFunction(torch.autograd.Function):

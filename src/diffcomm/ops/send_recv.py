@@ -19,7 +19,7 @@ from ..backend import args as A
 from ..backend.args import PG
 from ..backend.local_tensor import PEER_WHY, LocalTensorBackend, refuse
 from . import wire
-from .base import CommOp, batch_first, call
+from .base import CommOp, IdentityFunction, batch_first, call
 from .base import apply as _apply
 from .registry import Kwargs
 from .wire import MAX_NDIM, MAX_TAG
@@ -123,19 +123,11 @@ class _Send(CommOp):
             yield {"op": "send/recv", "shape": (3,), "kwargs": {"offset": 1}}
 
 
-class _FirstOrderOnly(torch.autograd.Function):
-    """Marks a gradient that came through send/recv: using it in a second backward is an
-    error (the peer's half of the second-order term cannot be reached), never a silent
-    omission. (Not a communication op, so not a ``CommOp``: an identity whose backward
-    raises.)"""
-
-    @staticmethod
-    def forward(g: Tensor, anchor: Tensor) -> Tensor:
-        return g.view_as(g)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        pass
+class _FirstOrderOnly(IdentityFunction):
+    """Marks a gradient ``g`` (applied as ``(g, anchor)``) that came through send/recv:
+    using it in a second backward is an error (the peer's half of the second-order term
+    cannot be reached), never a silent omission. (Not a communication op, so not a
+    ``CommOp``: an identity whose backward raises.)"""
 
     @staticmethod
     def backward(ctx: Any, gg: Tensor) -> tuple[None, None]:

@@ -403,30 +403,32 @@ def zb_h1_schedule(
     base = one_f_one_b_schedule(n_stages, n_micro, n_chunks)
     bounds = [max_in_flight(steps) for steps in base]
     caps = [max(bounds)] * n_stages if memory == "peak" else bounds
-    return _place_w(base, n_stages, n_chunks, caps, cost, "loop", costs is not None)
+    return _place_w(_WFill(base, n_stages, n_chunks, caps, "loop"), cost, costs is not None)
 
 
-def _place_w(
-    base: list[list[Step]],
-    p: int,
-    v: int,
-    cap: list[int],
-    cost: list[dict[str, float]],
-    placement: str,
-    tune: bool,
-) -> list[list[Step]]:
+@dataclass(frozen=True)
+class _WFill:
+    """What a ``W`` placement fills: a ``base`` schedule of ``p`` ranks with ``v`` chunks
+    each, whose ``B`` steps split into ``I`` + ``W``; rank ``r`` never holds more than
+    ``cap[r]`` forwards without their ``W``; the stages placed by ``placement``."""
+
+    base: list[list[Step]]
+    p: int
+    v: int
+    cap: list[int]
+    placement: str
+
+
+def _place_w(job: _WFill, cost: list[dict[str, float]], tune: bool) -> list[list[Step]]:
     """The ``W`` placement of :func:`_fill_with_w`; with ``tune`` (given step times) the
     best, by the simulated step time under ``cost``, of three greedy rules: ``W`` in every
     hole by unit times, by these times, and by these times only where it fits the hole."""
+    unit = [{"F": 1.0, "I": 1.0, "W": 1.0}] * job.p
+    plain = _fill_with_w(job, unit)
     if not tune:
-        return _fill_with_w(base, p, v, cap, [{"F": 1.0, "I": 1.0, "W": 1.0}] * p, placement)
-    unit = [{"F": 1.0, "I": 1.0, "W": 1.0}] * p
-    plain = _fill_with_w(base, p, v, cap, unit, placement)
-    cands = [
-        _fill_with_w(base, p, v, cap, cost, placement),
-        _fill_with_w(base, p, v, cap, cost, placement, fit=True),
-    ]
-    return _prefer(plain, cands, p, v, cost, placement)
+        return plain
+    cands = [_fill_with_w(job, cost), _fill_with_w(job, cost, fit=True)]
+    return _prefer(plain, cands, job.p, job.v, cost, job.placement)
 
 
 #: A placement from step times replaces the standard one only if its simulated step is
@@ -465,20 +467,13 @@ def _makespan(sched: list[list[Step]], p: int, v: int, cost: list[dict[str, floa
     return max(free)
 
 
-def _fill_with_w(
-    base: list[list[Step]],
-    p: int,
-    v: int,
-    cap: list[int],
-    cost: list[dict[str, float]],
-    placement: str = "loop",
-    fit: bool = False,
-) -> list[list[Step]]:
-    """Split every ``B`` of ``base`` into ``I`` + ``W`` (dropping the ``W`` it has), placing
-    each ``W`` by simulating the steps with times ``cost``; rank ``r`` never holds more
-    than ``cap[r]`` forwards without their ``W``. ``fit``: a ``W`` goes before a step that
-    waits only if it ends by the time that step can start (or that step's input is not
-    due yet)."""
+def _fill_with_w(job: _WFill, cost: list[dict[str, float]], fit: bool = False) -> list[list[Step]]:
+    """Split every ``B`` of ``job.base`` into ``I`` + ``W`` (dropping the ``W`` it has),
+    placing each ``W`` by simulating the steps with times ``cost``; rank ``r`` never holds
+    more than ``job.cap[r]`` forwards without their ``W``. ``fit``: a ``W`` goes before a
+    step that waits only if it ends by the time that step can start (or that step's input
+    is not due yet)."""
+    base, p, v, cap, placement = job.base, job.p, job.v, job.cap, job.placement
     last = p * v - 1
     order = [
         [Step("I", s.micro, s.chunk) if s.kind == "B" else s for s in steps if s.kind != "W"]
@@ -580,7 +575,7 @@ def zbv_schedule(
     if costs is None:
         return out
     caps = [max(max_in_flight(steps) for steps in out)] * p
-    placed = _place_w(out, p, 2, caps, cost, "v", True)
+    placed = _place_w(_WFill(out, p, 2, caps, "v"), cost, True)
     return _prefer(out, [placed], p, 2, cost, "v")  # torch's order unless placing gains
 
 

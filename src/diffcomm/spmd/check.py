@@ -55,6 +55,7 @@ from torch import Tensor
 from .. import _torch
 from .._replication import PARTIAL, REPLICATED, LayerRule, P, R, Rule, SPMDTypeError, T, V
 from ..backend import args as A
+from . import _CHECK
 from ._gradients import _Gradients
 from ._install import (  # what a check installs; the active checks
     _ACTIVE,
@@ -65,7 +66,7 @@ from ._install import (  # what a check installs; the active checks
     _op_name,
     _outer_typedness_for_tests,  # noqa: F401  (read by the tests)
     _uninstall,
-    register_function,
+    register_function,  # noqa: F401  (a public name: __all__)
     typed_functions,
     typed_layers,
 )
@@ -78,17 +79,8 @@ from ._ops import (  # the torch-op name tables and argument classifiers
 from ._records import _TENSOR_BASE, _Cell, _Escape, _fname, _OpPlan, _Owner, _Param, _PassThrough, _Rec, _site
 from ._with_spmd_types import _WithSpmdTypes
 
-__all__ = [
-    "SPMDCheck",
-    "spmd_check",
-    "varying",
-    "replicated",
-    "partial",
-    "module",
-    "type_of",
-    "typing_table",
-    "register_function",
-]
+#: this module's public names: the list the package face loads on first use (one list, there)
+__all__ = list(_CHECK)
 
 
 _COUNTER = itertools.count()

@@ -13,6 +13,7 @@ from torch import Tensor
 from ..._replication import P, R, Rule, V, spmd_types_checking, spmd_types_invariant, spmd_types_varying
 from ...backend import args as A
 from ...ops import collectives as C
+from ...ops.base import IdentityFunction
 from .args import check_causal, check_equal_lengths, check_qkv, check_scale
 from .layout import (
     PG,
@@ -40,7 +41,7 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
-class _UlyssesAttention(torch.autograd.Function):
+class _UlyssesAttention(IdentityFunction):
     """The entry of Ulysses (and USP) attention: identity on this rank's sequence piece,
     stating the typing rule the all_to_alls after it cannot: ``q``, ``k``, ``v`` are this
     rank's *piece* of the sequence (varying). The whole sequence on every rank
@@ -60,12 +61,8 @@ class _UlyssesAttention(torch.autograd.Function):
     )
 
     @staticmethod
-    def forward(x: Tensor, pg: PG) -> Tensor:
+    def forward(x: Tensor, pg: PG) -> Tensor:  # named: the typing rule reads ``pg`` by name
         return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-        pass
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
