@@ -319,3 +319,31 @@ def _is_zero(x: Any) -> bool:
     if isinstance(x, Tensor) and x.dim() == 0 and not x.requires_grad:
         return bool(x == 0)
     return False
+
+
+def _default_rng_differs(pg: Any) -> bool:
+    """Whether the default CPU generator's state differs between the ranks of ``pg`` (one
+    raw all_gather of an 8-byte digest of it, when the check is entered): evidence, in the
+    process, of how it was seeded. Equal states (``torch.manual_seed(0)`` on every rank,
+    :func:`diffcomm.rng.model_parallel_seed`) draw alike (replicated); different states
+    (unseeded processes, a per-rank seed) draw per-rank values (varying). Without an
+    initialised torch.distributed (the in-process backend: one generator for all ranks)
+    the check keeps its assumption, seeded alike."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    group = pg if pg is not None else dist.group.WORLD
+    n = dist.get_world_size(group)
+    if n <= 1:
+        return False
+    digest = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8).digest()
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(every, mine, group=group)
+    return any(not torch.equal(t, mine) for t in every)
