@@ -1,0 +1,84 @@
+"""Start-up cost of a LocalWorld rank process and of ``LocalWorld(2)`` (issue 47, item 4).
+
+    python benchmarks/bench_boot.py [--rounds 5] [--bytecode]
+
+Prints, median of ``--rounds`` (each round one fresh interpreter):
+
+- ``rank import``: a fresh interpreter running what a rank's boot imports before it
+  rendezvous (``diffcomm.runtime.rank_process``'s imports), its CPU (user+sys) and wall;
+- ``import torch`` alone, the same way (the floor any fresh rank pays);
+- ``LocalWorld(2) start``: wall from the constructor to every rank ready, and the CPU the
+  two rank processes used until then, in a caller that has already imported diffcomm.
+
+``--bytecode`` lets the measured interpreters cache bytecode (unsets
+PYTHONDONTWRITEBYTECODE, as tests/conftest.py does for the suite); without it the
+environment's setting holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+_RANK_IMPORTS = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\nimport diffcomm.runtime.rank_process\n"
+)
+
+
+def _child_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _fresh(code: str, env: dict[str, str]) -> tuple[float, float]:
+    """(CPU, wall) seconds of one fresh interpreter running ``code``."""
+    cpu0, t0 = _child_cpu(), time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    return _child_cpu() - cpu0, time.perf_counter() - t0
+
+
+def _world_start(env: dict[str, str]) -> tuple[float, float]:
+    """(CPU of the ranks, wall) of one ``LocalWorld(2)`` start, in a fresh caller."""
+    code = (
+        "import time, resource, diffcomm as dc\n"
+        "def cpu():\n"
+        "    r = resource.getrusage(resource.RUSAGE_CHILDREN); return r.ru_utime + r.ru_stime\n"
+        "c0, t0 = cpu(), time.perf_counter()\n"
+        "w = dc.LocalWorld(2); w.run(lambda: None)\n"
+        "t1 = time.perf_counter(); w.close(); c1 = cpu()\n"
+        "print(c1 - c0, t1 - t0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    cpu, wall = map(float, out.stdout.split())
+    return cpu, wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5, help="fresh interpreters per row (>= 1)")
+    ap.add_argument("--bytecode", action="store_true", help="let the interpreters cache bytecode")
+    a = ap.parse_args()
+    env = dict(os.environ)
+    if a.bytecode:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        _fresh(_RANK_IMPORTS, env)  # writes the cache once
+    names = ("import torch", "rank import", "LocalWorld(2) start")
+    rows: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    for _ in range(a.rounds):  # interleaved, so a change in the machine's load hits every row alike
+        rows["import torch"].append(_fresh("import torch", env))
+        rows["rank import"].append(_fresh(_RANK_IMPORTS, env))
+        rows["LocalWorld(2) start"].append(_world_start(env))
+    print(f"median of {a.rounds}, load average {os.getloadavg()[0]:.2f}, bytecode cached: {a.bytecode}")
+    for name, vals in rows.items():
+        cpu = statistics.median(v[0] for v in vals)
+        wall = statistics.median(v[1] for v in vals)
+        print(f"  {name:<22} CPU {cpu:6.2f} s   wall {wall:6.2f} s")
+
+
+if __name__ == "__main__":
+    main()
