@@ -4,8 +4,8 @@
 
 Prints, median of ``--rounds`` (each round one fresh interpreter):
 
-- ``rank import``: a fresh interpreter running what a rank's boot imports before it
-  rendezvous (``diffcomm.runtime.rank_process``'s imports), its CPU (user+sys) and wall;
+- ``rank import``: a fresh interpreter running a rank's boot (``_WORKER_BOOT``) to the end
+  of its imports, before it would rendezvous: its CPU (user+sys) and wall;
 - ``import torch`` alone, the same way (the floor any fresh rank pays);
 - ``LocalWorld(2) start``: wall from the constructor to every rank ready, and the CPU the
   two rank processes used until then, in a caller that has already imported diffcomm.
@@ -25,9 +25,11 @@ import subprocess
 import sys
 import time
 
-_RANK_IMPORTS = (
-    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\nimport diffcomm.runtime.rank_process\n"
-)
+from diffcomm.runtime.world import _WORKER_BOOT
+
+#: a rank's boot up to the end of its imports: ``_WORKER_BOOT`` with the rank module run
+#: under another name than ``__main__`` (so it stops before the rendezvous)
+_RANK_IMPORTS = _WORKER_BOOT.replace("run_name='__main__'", "run_name='bench_boot'")
 
 
 def _child_cpu() -> float:
@@ -63,6 +65,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="fresh interpreters per row (>= 1)")
     ap.add_argument("--bytecode", action="store_true", help="let the interpreters cache bytecode")
     a = ap.parse_args()
+    assert _RANK_IMPORTS != _WORKER_BOOT, "the boot changed: update _RANK_IMPORTS"
     env = dict(os.environ)
     if a.bytecode:
         env.pop("PYTHONDONTWRITEBYTECODE", None)

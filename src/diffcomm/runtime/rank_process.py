@@ -13,10 +13,10 @@ import sys
 # without this, each rank would print its own KeyboardInterrupt traceback.
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-# No garbage collection while the rank imports (torch and diffcomm create ~10^6 objects
-# and nothing to collect: the three full collections an import triggers took about half of
-# diffcomm's own import CPU, ~0.1 s per rank); after the imports, everything imported is
-# frozen out of the collector, so a rank's later full collections do not re-walk torch.
+# No garbage collection while the rank imports (also when started as a module: a rank
+# from LocalWorld has it off from its first line, ``_WORKER_BOOT``, as the package imports
+# before this body runs); after the imports, everything imported is frozen out of the
+# collector, so a rank's later full collections do not re-walk torch's objects either.
 import gc  # noqa: E402
 
 gc.disable()
