@@ -5,10 +5,12 @@
 Prints, median of ``--rounds`` (each round one fresh interpreter):
 
 - ``rank import``: a fresh interpreter running a rank's boot (``_WORKER_BOOT``) to the end
-  of its imports, before it would rendezvous: its CPU (user+sys) and wall;
+  of its imports, before it would rendezvous: its CPU (user+sys, exit not counted) and
+  wall (start to exit);
 - ``import torch`` alone, the same way (the floor any fresh rank pays);
-- ``LocalWorld(2) start``: wall from the constructor to every rank ready, and the CPU the
-  two rank processes used until then, in a caller that has already imported diffcomm.
+- ``LocalWorld(2) start``: wall from the constructor to the end of a first (empty) run,
+  in a caller that has already imported diffcomm, and the CPU of the two rank processes
+  from start to their orderly exit (``os._exit``) at ``close()``.
 
 ``--bytecode`` lets the measured interpreters cache bytecode (unsets
 PYTHONDONTWRITEBYTECODE, as tests/conftest.py does for the suite); without it the
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -32,16 +33,18 @@ from diffcomm.runtime.world import _WORKER_BOOT
 _RANK_IMPORTS = _WORKER_BOOT.replace("run_name='__main__'", "run_name='bench_boot'")
 
 
-def _child_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def _fresh(code: str, env: dict[str, str]) -> tuple[float, float]:
-    """(CPU, wall) seconds of one fresh interpreter running ``code``."""
-    cpu0, t0 = _child_cpu(), time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], env=env, check=True)
-    return _child_cpu() - cpu0, time.perf_counter() - t0
+    """(CPU, wall) seconds of one fresh interpreter running ``code`` and leaving at once.
+
+    The CPU is the interpreter's own at the end of ``code`` (its exit is not counted: a
+    rank leaves with ``os._exit``, and an interpreter's normal exit runs a full garbage
+    collection that depends on what was frozen); the wall includes start and exit.
+    """
+    tail = "; import os, time; print(time.process_time(), flush=True); os._exit(0)"
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-c", code + tail]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    return float(out.stdout.split()[-1]), time.perf_counter() - t0
 
 
 def _world_start(env: dict[str, str]) -> tuple[float, float]:
