@@ -13,6 +13,14 @@ import sys
 # without this, each rank would print its own KeyboardInterrupt traceback.
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 
+# No garbage collection while the rank imports (also when started as a module: a rank
+# from LocalWorld has it off from its first line, ``_WORKER_BOOT``, as the package imports
+# before this body runs); after the imports, everything imported is frozen out of the
+# collector, so a rank's later full collections do not re-walk torch's objects either.
+import gc  # noqa: E402
+
+gc.disable()
+
 import datetime  # noqa: E402
 import faulthandler  # noqa: E402
 import multiprocessing.connection as mpc  # noqa: E402
@@ -33,6 +41,9 @@ from diffcomm.diagnostics import recorder as _flight  # noqa: E402
 from diffcomm.diagnostics import responder as _responder  # noqa: E402
 from diffcomm.runtime import shipping as _ship  # noqa: E402
 from diffcomm.runtime.joining import _STARTUP_TIMEOUT  # noqa: E402
+
+gc.freeze()
+gc.enable()
 
 
 def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
