@@ -124,14 +124,85 @@ def _coalesced(op: Callable[[list[torch.Tensor]], Any]) -> Callable[[], tuple]:
     return program
 
 
-def _tp_mlp() -> tuple:
-    from diffcomm.parallel import MLP, ParallelMLP
+def _layer(make: Callable[[], torch.nn.Module], ids: bool = False, **shape: int) -> Callable[[], tuple]:
+    """A TP layer or block made on every rank from one seed (its serial twin's shards),
+    run forward and backward on a replicated input (``ids``: token ids) or, with
+    ``shape['chunk']`` rows, on this rank's sequence chunk."""
 
-    torch.manual_seed(0)
-    serial = MLP(8, 32, dtype=torch.float64)
-    par = ParallelMLP.from_serial(serial)
-    x = per_rank(5, 6, 8)
-    return outs_and_grads([par(x)], [x, *par.parameters()])
+    def program() -> tuple:
+        torch.manual_seed(0)
+        layer = make()
+        params = list(layer.parameters())
+        if ids:
+            x = torch.tensor([[0, 7, 3], [5, 2, 4]])
+            return outs_and_grads([layer(x)], params)
+        rows = shape.get("chunk", 6)
+        x = per_rank(18, rows, 2, shape["h"], same="chunk" not in shape)
+        return outs_and_grads([layer(x)], [x, *params])
+
+    return program
+
+
+def _tp(name: str) -> Callable[[], tuple]:
+    f64 = {"dtype": torch.float64}
+    makes: dict[str, Callable[[], tuple]] = {
+        "ColumnParallelLinear": _layer(lambda: P.ColumnParallelLinear(8, 6, seed=3, **f64), h=8),
+        "ColumnParallelLinear[gather_output]": _layer(
+            lambda: P.ColumnParallelLinear(8, 6, gather_output=True, seed=3, **f64), h=8
+        ),
+        "ColumnParallelLinear[sequence_parallel]": _layer(
+            lambda: P.ColumnParallelLinear(8, 6, sequence_parallel=True, seed=3, **f64), h=8, chunk=2
+        ),
+        "RowParallelLinear": _layer(lambda: P.RowParallelLinear(8, 6, seed=3, **f64), h=8),
+        "RowParallelLinear[sequence_parallel]": _layer(
+            lambda: P.RowParallelLinear(8, 6, input_is_parallel=True, sequence_parallel=True, seed=3, **f64),
+            h=4,
+        ),
+        "VocabParallelEmbedding": _layer(lambda: P.VocabParallelEmbedding(8, 3, seed=3, **f64), ids=True),
+        "VocabParallelEmbedding[sequence_parallel]": _layer(
+            lambda: P.VocabParallelEmbedding(8, 3, sequence_parallel=True, seed=3, **f64), ids=True
+        ),
+        "SequenceParallelLayerNorm": _layer(
+            lambda: P.SequenceParallelLayerNorm.from_serial(torch.nn.LayerNorm(8, dtype=torch.float64)),
+            h=8,
+            chunk=3,
+        ),
+        "ParallelMLP": _layer(lambda: P.ParallelMLP.from_serial(P.MLP(8, 32, dtype=torch.float64)), h=8),
+        "ParallelMLP[sequence_parallel]": _layer(
+            lambda: P.ParallelMLP(8, 32, sequence_parallel=True, seed=4, **f64), h=8, chunk=3
+        ),
+        "ParallelSelfAttention": _layer(
+            lambda: P.ParallelSelfAttention.from_serial(
+                P.SelfAttention(8, 4, causal=True, dtype=torch.float64)
+            ),
+            h=8,
+        ),
+    }
+    return makes[name]
+
+
+_TP_ROWS = (
+    "ColumnParallelLinear",
+    "ColumnParallelLinear[gather_output]",
+    "ColumnParallelLinear[sequence_parallel]",
+    "RowParallelLinear",
+    "RowParallelLinear[sequence_parallel]",
+    "VocabParallelEmbedding",
+    "VocabParallelEmbedding[sequence_parallel]",
+    "SequenceParallelLayerNorm",
+    "ParallelMLP",
+    "ParallelMLP[sequence_parallel]",
+    "ParallelSelfAttention",
+)
+
+
+def _cross_entropy(**kw: Any) -> Callable[[], tuple]:
+    def program() -> tuple:
+        logits = per_rank(19, 5, 4)  # this rank's 4 of the vocabulary's 4 * world classes
+        target = torch.tensor([0, 3, 6, 7, -100])
+        return outs_and_grads([P.vocab_parallel_cross_entropy(logits, target, **kw)], [logits])
+
+    return program
 
 
 def _attention(name: str) -> Callable[[], tuple]:
@@ -242,6 +313,13 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "reduce_coalesced": (_coalesced(lambda xs: dc.reduce_coalesced(xs, dst=1)), 3),
     **{name: (_mapping(name), 2) for name in P.MAPPINGS},
     "TP MLP by the mappings": (_tp_mlp_by_mappings, 2),
+    **{f"parallel.{name}": (_tp(name), 2) for name in _TP_ROWS},
+    "ParallelMLP[world=4]": (_tp("ParallelMLP"), 4),
+    "vocab_parallel_cross_entropy": (_cross_entropy(), 2),
+    "vocab_parallel_cross_entropy[smoothing, sum]": (
+        _cross_entropy(label_smoothing=0.1, reduction="sum"),
+        2,
+    ),
     **{
         f"compat.{name}": (_compat(name), 3)
         for name in (
@@ -280,7 +358,6 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         r"`all_to_all` .*the sizes each rank receives differ",
     ),
     "all_gather_coalesced[uneven]": (_ragged(lambda x: dc.all_gather_coalesced([x])), 2, r"reads this rank"),
-    "ParallelMLP": (_tp_mlp, 2, r"reads this rank"),
     "ring_attention": (_attention("ring_attention"), 2, r"reads this rank"),
     "ulysses_attention": (_attention("ulysses_attention"), 2, r"reads this rank"),
     "usp_attention": (_usp, 2, r"reads this rank"),
