@@ -14,6 +14,7 @@ in float64.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -480,3 +481,40 @@ def test_split_sizes_are_checked_on_every_simulated_rank() -> None:
         ValueError, match=r"`split_sizes` must be to list x.shape\[0\]=.*at this rank's position"
     ):
         run_under_local_tensor_mode(3, program)
+
+
+# ---- planted bugs: the layer rows catch a rank read as rank 0's, or an init drawn per rank
+
+
+def _rank_zero(*args: Any) -> int:
+    return 0  # what torch's fake process group says on every simulated rank
+
+
+#: (row, module, attribute, planted replacement): each makes the row's program wrong under
+#: LocalTensorMode only (the reference is run first, unpatched: its ranks share the module)
+_PLANTED: list[tuple[str, str, str, Any]] = [
+    ("parallel.ColumnParallelLinear", "diffcomm.parallel._module", "rank_index", _rank_zero),
+    ("parallel.RowParallelLinear", "diffcomm.parallel._module", "rank_index", _rank_zero),
+    ("parallel.ParallelMLP", "diffcomm.parallel._module", "rank_index", _rank_zero),
+    ("parallel.ParallelSelfAttention", "diffcomm.parallel._module", "rank_index", _rank_zero),
+    ("parallel.VocabParallelEmbedding", "diffcomm.parallel.layers", "rank_start", _rank_zero),
+    ("vocab_parallel_cross_entropy", "diffcomm.parallel.loss", "rank_start", _rank_zero),
+    ("parallel.ColumnParallelLinear", "diffcomm.parallel.layers", "local_tensor_mode_off", nullcontext),
+    ("parallel.VocabParallelEmbedding", "diffcomm.parallel.layers", "local_tensor_mode_off", nullcontext),
+]
+
+
+@pytest.mark.parametrize(("row", "module", "attr", "bug"), _PLANTED, ids=lambda v: getattr(v, "__name__", v))
+def test_a_layer_row_fails_under_a_planted_bug(
+    row: str, module: str, attr: str, bug: Any, inproc_worlds: Callable[[int], Any], monkeypatch: Any
+) -> None:
+    """The row's check (:func:`assert_equal_both_ways`) fails when the layer reads the
+    rank as rank 0's (the fake group's answer) or draws its seeded full init per simulated
+    rank (each rank then gets the generator's next values)."""
+    import importlib
+
+    program, n = EQUAL[row]
+    want = inproc_worlds(n).run(program)
+    monkeypatch.setattr(importlib.import_module(module), attr, bug)
+    here = run_under_local_tensor_mode(n, program)
+    assert not all(_close(here[r], want[r]) for r in range(n))
