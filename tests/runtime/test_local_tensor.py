@@ -214,6 +214,15 @@ def _attention(name: str) -> Callable[[], tuple]:
     return program
 
 
+def _ulysses_gqa(heads: int, kv_heads: int) -> Callable[[], tuple]:
+    def program() -> tuple:
+        q = per_rank(6, 1, heads, 3, 8)
+        k, v = (per_rank(s, 1, kv_heads, 3, 8) for s in (7, 8))
+        return outs_and_grads([P.ulysses_attention(q, k, v, causal=True)], [q, k, v])
+
+    return program
+
+
 def _usp() -> tuple:
     q, k, v = (per_rank(s, 1, 4, 3, 8) for s in (6, 7, 8))
     return outs_and_grads([P.usp_attention(q, k, v, None, None, causal=True)], [q, k, v])
@@ -316,6 +325,9 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "TP MLP by the mappings": (_tp_mlp_by_mappings, 2),
     **{f"parallel.{name}": (_tp(name), 2) for name in _TP_ROWS},
     "ParallelMLP[world=4]": (_tp("ParallelMLP"), 4),
+    "ulysses_attention": (_attention("ulysses_attention"), 2),
+    "ulysses_attention[world=4]": (_attention("ulysses_attention"), 4),
+    "ulysses_attention[gqa]": (_ulysses_gqa(4, 2), 2),
     "vocab_parallel_cross_entropy": (_cross_entropy(), 2),
     "vocab_parallel_cross_entropy[smoothing, sum]": (
         _cross_entropy(label_smoothing=0.1, reduction="sum"),
@@ -360,7 +372,16 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
     ),
     "all_gather_coalesced[uneven]": (_ragged(lambda x: dc.all_gather_coalesced([x])), 2, r"reads this rank"),
     "ring_attention": (_attention("ring_attention"), 2, r"reads this rank"),
-    "ulysses_attention": (_attention("ulysses_attention"), 2, r"reads this rank"),
+    "ulysses_attention[3 heads over 2 ranks]": (
+        _ulysses_gqa(3, 3),
+        2,
+        r"`parallel.ulysses_attention` .*reads this rank.*query heads \[2, 1\] differ",
+    ),
+    "ulysses_attention[gqa, KV heads differing per rank]": (
+        _ulysses_gqa(6, 3),  # rank 0's query heads use KV heads (0, 0, 1), rank 1's (1, 2, 2)
+        2,
+        r"`parallel.ulysses_attention` .*reads this rank",
+    ),
     "usp_attention": (_usp, 2, r"reads this rank"),
     "moe dispatch / combine": (_moe, 2, r"reads this rank"),
     "pipeline (PipelineRunner)": (_pipeline, 2, r"`get_rank` .*reads this rank"),
@@ -499,6 +520,13 @@ _PLANTED: list[tuple[str, str, str, Any]] = [
     ("parallel.ParallelSelfAttention", "diffcomm.parallel._module", "rank_index", _rank_zero),
     ("parallel.VocabParallelEmbedding", "diffcomm.parallel.layers", "rank_start", _rank_zero),
     ("vocab_parallel_cross_entropy", "diffcomm.parallel.loss", "rank_start", _rank_zero),
+    # Ulysses whose ranks map query to KV heads differently, rank 0's map standing for all
+    (
+        "ulysses_attention[gqa, KV heads differing per rank]",
+        "diffcomm.parallel.context.ulysses",
+        "_rank_for_all",
+        _rank_zero,
+    ),
     ("parallel.ColumnParallelLinear", "diffcomm.parallel.layers", "local_tensor_mode_off", nullcontext),
     ("parallel.VocabParallelEmbedding", "diffcomm.parallel.layers", "local_tensor_mode_off", nullcontext),
 ]
@@ -510,10 +538,12 @@ def test_a_layer_row_fails_under_a_planted_bug(
 ) -> None:
     """The row's check (:func:`assert_equal_both_ways`) fails when the layer reads the
     rank as rank 0's (the fake group's answer) or draws its seeded full init per simulated
-    rank (each rank then gets the generator's next values)."""
+    rank (each rank then gets the generator's next values); Ulysses whose ranks
+    map query heads to KV heads differently gives wrong values if rank 0's map stands for
+    every rank unchecked (so it is refused)."""
     import importlib
 
-    program, n = EQUAL[row]
+    program, n = EQUAL[row] if row in EQUAL else REFUSED[row][:2]
     want = inproc_worlds(n).run(program)
     monkeypatch.setattr(importlib.import_module(module), attr, bug)
     here = run_under_local_tensor_mode(n, program)
