@@ -166,14 +166,21 @@ def ulysses_attention(
     return placed(out, Placement("contiguous", world, seq_len=sum(lens))) if len(set(lens)) == 1 else out
 
 
-def _local_kv_heads(Hq: int, Hk: int, world: int, rank: int) -> list[int]:
-    """For each query head of ``rank`` (after the heads <-> sequence exchange), the index
-    of its KV head among the KV heads that rank receives."""
+def _head_plan(Hq: int, Hk: int, world: int) -> tuple[list[int], list[int], list[list[int]]]:
+    """Every rank's query-head count and first head, and the KV heads each rank needs
+    (those of its query heads ``[starts[r], starts[r] + hs[r])``)."""
     G = Hq // Hk
     hs = even_sizes(Hq, world)
-    start = sum(hs[:rank])
-    mine = sorted({h // G for h in range(start, start + hs[rank])})
-    return [mine.index(h // G) for h in range(start, start + hs[rank])]
+    starts = [sum(hs[:r]) for r in range(world)]
+    need = [sorted({h // G for h in range(starts[r], starts[r] + hs[r])}) for r in range(world)]
+    return hs, starts, need
+
+
+def _local_kv_heads(G: int, hs: list[int], starts: list[int], need: list[list[int]], rank: int) -> list[int]:
+    """For each query head of ``rank`` (after the heads <-> sequence exchange), the index
+    of its KV head among the KV heads that rank receives."""
+    mine = need[rank]
+    return [mine.index(h // G) for h in range(starts[rank], starts[rank] + hs[rank])]
 
 
 def _group_rank_world(group: A.GroupLike, op: str) -> tuple[PG, int | None, int]:
@@ -190,8 +197,8 @@ def _rank_for_all(op: str, Hq: int, Hk: int, world: int, lens: list[int]) -> int
     reads the rank only through the sizes of its pieces and heads and its local head map,
     so it runs when those are alike on every rank (equal sequence pieces, heads in equal
     shares) with rank 0's values standing for all; otherwise it refuses."""
-    hs = even_sizes(Hq, world)
-    facts = {(lens[r], hs[r], tuple(_local_kv_heads(Hq, Hk, world, r))) for r in range(world)}
+    hs, starts, need = _head_plan(Hq, Hk, world)
+    facts = {(lens[r], hs[r], tuple(_local_kv_heads(Hq // Hk, hs, starts, need, r))) for r in range(world)}
     if len(facts) != 1:
         raise refuse(
             op,
@@ -213,10 +220,7 @@ def _ulysses(
 ) -> Tensor:
     Hq, Hk = q.shape[1], k.shape[1]
     G = Hq // Hk
-    hs = even_sizes(Hq, world)
-    starts = [sum(hs[:r]) for r in range(world)]
-    # the KV heads rank r needs: those of its query heads [starts[r], starts[r] + hs[r])
-    need = [sorted({h // G for h in range(starts[r], starts[r] + hs[r])}) for r in range(world)]
+    hs, starts, need = _head_plan(Hq, Hk, world)
     kv_idx = torch.tensor([h for n in need for h in n], dtype=torch.int64, device=k.device)
     kv_sizes = [len(n) for n in need]
     checking = spmd_types_checking(_FUNCTION_ATTRS)
@@ -228,7 +232,7 @@ def _ulysses(
     kh = _heads_to_seq(k_send, kv_sizes, lens, pg, rank)
     vh = _heads_to_seq(v_send, kv_sizes, lens, pg, rank)
     # local query head -> local KV head (one-to-one for attn_fn)
-    local_kv = torch.tensor(_local_kv_heads(Hq, Hk, world, rank), dtype=torch.int64, device=k.device)
+    local_kv = torch.tensor(_local_kv_heads(G, hs, starts, need, rank), dtype=torch.int64, device=k.device)
     if checking:  # this rank's own heads
         spmd_types_varying(local_kv, pg)
     if hs[rank] == 0:
