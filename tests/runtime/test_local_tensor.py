@@ -235,6 +235,12 @@ def _moe() -> tuple:
     return outs_and_grads([h, P.combine(h * 2.0, gate, plan)], [x])
 
 
+def _expert_parallel_moe() -> tuple:
+    layer = P.ExpertParallelMoE(6, 8, 4, seed=0, dtype=torch.float64)
+    x = per_rank(20, 5, 6)
+    return outs_and_grads([layer(x)], [x])
+
+
 def _pipeline() -> tuple:
     from torch import nn
 
@@ -384,6 +390,11 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
     ),
     "usp_attention": (_usp, 2, r"reads this rank"),
     "moe dispatch / combine": (_moe, 2, r"reads this rank"),
+    "ExpertParallelMoE": (
+        _expert_parallel_moe,
+        2,
+        r"`parallel.ExpertParallelMoE` .*sizes differ between the simulated ranks",
+    ),
     "pipeline (PipelineRunner)": (_pipeline, 2, r"`get_rank` .*reads this rank"),
 }
 
