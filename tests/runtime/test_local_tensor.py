@@ -235,6 +235,13 @@ def _moe() -> tuple:
     return outs_and_grads([h, P.combine(h * 2.0, gate, plan)], [x])
 
 
+def _route() -> tuple:
+    logits = per_rank(10, 4, 6)
+    gate, idx, probs = P.route(logits, 2)
+    outs, grads = outs_and_grads([gate, probs], [logits])
+    return [*outs, idx], grads
+
+
 def _expert_parallel_moe() -> tuple:
     layer = P.ExpertParallelMoE(6, 8, 4, seed=0, dtype=torch.float64)
     x = per_rank(20, 5, 6)
@@ -334,6 +341,7 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "ulysses_attention": (_attention("ulysses_attention"), 2),
     "ulysses_attention[world=4]": (_attention("ulysses_attention"), 4),
     "ulysses_attention[gqa]": (_ulysses_gqa(4, 2), 2),
+    "moe route": (_route, 2),
     "vocab_parallel_cross_entropy": (_cross_entropy(), 2),
     "vocab_parallel_cross_entropy[smoothing, sum]": (
         _cross_entropy(label_smoothing=0.1, reduction="sum"),
