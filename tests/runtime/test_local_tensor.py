@@ -567,3 +567,48 @@ def test_a_layer_row_fails_under_a_planted_bug(
     monkeypatch.setattr(importlib.import_module(module), attr, bug)
     here = run_under_local_tensor_mode(n, program)
     assert not all(_close(here[r], want[r]) for r in range(n))
+
+
+# ---- hypothesis: the TP layers and the vocab-parallel loss x sizes x worlds 1-4 ---------
+
+
+def _layer_program(kind: str, n: int, h: int, o: int, rows: int, seed: int) -> tuple:
+    """One TP layer (seeded: each rank its shard of one full init) or the vocab-parallel
+    loss, forward and backward on a replicated input (the same code both ways)."""
+    f64 = {"dtype": torch.float64, "seed": seed}
+    if kind == "cross_entropy":
+        logits = per_rank(seed, rows, o)
+        target = torch.arange(rows) * 7 % (o * n)
+        return outs_and_grads([P.vocab_parallel_cross_entropy(logits, target)], [logits])
+    if kind == "embedding":
+        layer: torch.nn.Module = P.VocabParallelEmbedding(o * n, h, **f64)
+        return outs_and_grads([layer(torch.arange(rows) * 5 % (o * n))], list(layer.parameters()))
+    if kind == "column":
+        layer = P.ColumnParallelLinear(h, o * n, gather_output=True, **f64)
+    elif kind == "row":
+        layer = P.RowParallelLinear(h * n, o, **f64)
+    else:
+        layer = P.ParallelMLP(h, o * n, **f64)
+    x = per_rank(seed, rows, layer.in_features if kind == "row" else h, same=True)  # type: ignore[arg-type]
+    return outs_and_grads([layer(x)], [x, *layer.parameters()])
+
+
+def test_property_tp_layers_under_local_tensor_mode_equal_in_process_world(
+    inproc_worlds: Callable[[int], Any],
+) -> None:
+    """Hypothesis: layer (column, row, MLP, embedding, vocab-parallel loss) x sizes x
+    world 1-4; every value and gradient equal to the in-process world's."""
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        st.sampled_from(["column", "row", "mlp", "embedding", "cross_entropy"]),
+        st.integers(1, 4),
+        st.integers(1, 5),
+        st.integers(1, 3),
+        st.integers(1, 4),
+        st.integers(0, 999),
+    )
+    def check(kind: str, n: int, h: int, o: int, rows: int, seed: int) -> None:
+        assert_equal_both_ways(inproc_worlds(n), n, _layer_program, kind, n, h, o, rows, seed)
+
+    check()
