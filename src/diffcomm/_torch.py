@@ -18,6 +18,7 @@ Layer: a core module (beside ``_config`` and ``_errors``); it imports only torch
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import importlib.abc
@@ -25,7 +26,7 @@ import importlib.util
 import inspect
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -353,6 +354,30 @@ def local_tensor_mode_on() -> bool:
     if lt is None:
         return False
     return bool(lt._PROCESS_LOCAL_TENSOR_MODE or getattr(lt._THREAD_LOCAL_TENSOR_MODE, "value", None))
+
+
+@contextlib.contextmanager
+def local_tensor_mode_off() -> Iterator[None]:
+    """A ``with`` block where tensors are plain again if a ``LocalTensorMode`` is on: for
+    a value every simulated rank computes alike (a full weight drawn from one seeded
+    generator: under the mode each rank would draw the generator's next values)."""
+    if not local_tensor_mode_on():
+        yield
+        return
+    mode = local_tensor_api().local_tensor_mode()
+    with mode.disable():
+        yield
+
+
+def every_rank(x: Any) -> Any:
+    """``x`` as every simulated rank's tensor (a ``LocalTensor`` holding ``x`` on each) if
+    a ``LocalTensorMode`` is on and ``x`` is plain, else ``x``: a plain tensor is every
+    rank's for ordinary ops, but ``narrow`` at a per-rank offset needs the ``LocalTensor``."""
+    if not local_tensor_mode_on() or not isinstance(x, torch.Tensor) or hasattr(x, "_local_tensors"):
+        return x
+    lt = local_tensor_api()
+    mode = lt.local_tensor_mode()
+    return lt.LocalTensor({r: x for r in mode.ranks})
 
 
 def local_tensor_api() -> Any:

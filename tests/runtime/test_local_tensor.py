@@ -14,6 +14,7 @@ in float64.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -124,20 +125,100 @@ def _coalesced(op: Callable[[list[torch.Tensor]], Any]) -> Callable[[], tuple]:
     return program
 
 
-def _tp_mlp() -> tuple:
-    from diffcomm.parallel import MLP, ParallelMLP
+def _layer(make: Callable[[], torch.nn.Module], ids: bool = False, **shape: int) -> Callable[[], tuple]:
+    """A TP layer or block made on every rank from one seed (its serial twin's shards),
+    run forward and backward on a replicated input (``ids``: token ids) or, with
+    ``shape['chunk']`` rows, on this rank's sequence chunk."""
 
-    torch.manual_seed(0)
-    serial = MLP(8, 32, dtype=torch.float64)
-    par = ParallelMLP.from_serial(serial)
-    x = per_rank(5, 6, 8)
-    return outs_and_grads([par(x)], [x, *par.parameters()])
+    def program() -> tuple:
+        torch.manual_seed(0)
+        layer = make()
+        params = list(layer.parameters())
+        if ids:
+            x = torch.tensor([[0, 7, 3], [5, 2, 4]])
+            return outs_and_grads([layer(x)], params)
+        rows = shape.get("chunk", 6)
+        x = per_rank(18, rows, 2, shape["h"], same="chunk" not in shape)
+        return outs_and_grads([layer(x)], [x, *params])
+
+    return program
+
+
+def _tp(name: str) -> Callable[[], tuple]:
+    f64 = {"dtype": torch.float64}
+    makes: dict[str, Callable[[], tuple]] = {
+        "ColumnParallelLinear": _layer(lambda: P.ColumnParallelLinear(8, 6, seed=3, **f64), h=8),
+        "ColumnParallelLinear[gather_output]": _layer(
+            lambda: P.ColumnParallelLinear(8, 6, gather_output=True, seed=3, **f64), h=8
+        ),
+        "ColumnParallelLinear[sequence_parallel]": _layer(
+            lambda: P.ColumnParallelLinear(8, 6, sequence_parallel=True, seed=3, **f64), h=8, chunk=2
+        ),
+        "RowParallelLinear": _layer(lambda: P.RowParallelLinear(8, 6, seed=3, **f64), h=8),
+        "RowParallelLinear[sequence_parallel]": _layer(
+            lambda: P.RowParallelLinear(8, 6, input_is_parallel=True, sequence_parallel=True, seed=3, **f64),
+            h=4,
+        ),
+        "VocabParallelEmbedding": _layer(lambda: P.VocabParallelEmbedding(8, 3, seed=3, **f64), ids=True),
+        "VocabParallelEmbedding[sequence_parallel]": _layer(
+            lambda: P.VocabParallelEmbedding(8, 3, sequence_parallel=True, seed=3, **f64), ids=True
+        ),
+        "SequenceParallelLayerNorm": _layer(
+            lambda: P.SequenceParallelLayerNorm.from_serial(torch.nn.LayerNorm(8, dtype=torch.float64)),
+            h=8,
+            chunk=3,
+        ),
+        "ParallelMLP": _layer(lambda: P.ParallelMLP.from_serial(P.MLP(8, 32, dtype=torch.float64)), h=8),
+        "ParallelMLP[sequence_parallel]": _layer(
+            lambda: P.ParallelMLP(8, 32, sequence_parallel=True, seed=4, **f64), h=8, chunk=3
+        ),
+        "ParallelSelfAttention": _layer(
+            lambda: P.ParallelSelfAttention.from_serial(
+                P.SelfAttention(8, 4, causal=True, dtype=torch.float64)
+            ),
+            h=8,
+        ),
+    }
+    return makes[name]
+
+
+_TP_ROWS = (
+    "ColumnParallelLinear",
+    "ColumnParallelLinear[gather_output]",
+    "ColumnParallelLinear[sequence_parallel]",
+    "RowParallelLinear",
+    "RowParallelLinear[sequence_parallel]",
+    "VocabParallelEmbedding",
+    "VocabParallelEmbedding[sequence_parallel]",
+    "SequenceParallelLayerNorm",
+    "ParallelMLP",
+    "ParallelMLP[sequence_parallel]",
+    "ParallelSelfAttention",
+)
+
+
+def _cross_entropy(**kw: Any) -> Callable[[], tuple]:
+    def program() -> tuple:
+        logits = per_rank(19, 5, 4)  # this rank's 4 of the vocabulary's 4 * world classes
+        target = torch.tensor([0, 3, 6, 7, -100])
+        return outs_and_grads([P.vocab_parallel_cross_entropy(logits, target, **kw)], [logits])
+
+    return program
 
 
 def _attention(name: str) -> Callable[[], tuple]:
     def program() -> tuple:
         q, k, v = (per_rank(s, 1, 4, 3, 8) for s in (6, 7, 8))
         return outs_and_grads([getattr(P, name)(q, k, v, causal=True)], [q, k, v])
+
+    return program
+
+
+def _ulysses_gqa(heads: int, kv_heads: int) -> Callable[[], tuple]:
+    def program() -> tuple:
+        q = per_rank(6, 1, heads, 3, 8)
+        k, v = (per_rank(s, 1, kv_heads, 3, 8) for s in (7, 8))
+        return outs_and_grads([P.ulysses_attention(q, k, v, causal=True)], [q, k, v])
 
     return program
 
@@ -152,6 +233,19 @@ def _moe() -> tuple:
     gate, idx, _ = P.route(per_rank(10, 4, 6).detach(), 2)
     h, plan = P.dispatch(x, idx, 6)
     return outs_and_grads([h, P.combine(h * 2.0, gate, plan)], [x])
+
+
+def _route() -> tuple:
+    logits = per_rank(10, 4, 6)
+    gate, idx, probs = P.route(logits, 2)
+    outs, grads = outs_and_grads([gate, probs], [logits])
+    return [*outs, idx], grads
+
+
+def _expert_parallel_moe() -> tuple:
+    layer = P.ExpertParallelMoE(6, 8, 4, seed=0, dtype=torch.float64)
+    x = per_rank(20, 5, 6)
+    return outs_and_grads([layer(x)], [x])
 
 
 def _pipeline() -> tuple:
@@ -242,6 +336,17 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "reduce_coalesced": (_coalesced(lambda xs: dc.reduce_coalesced(xs, dst=1)), 3),
     **{name: (_mapping(name), 2) for name in P.MAPPINGS},
     "TP MLP by the mappings": (_tp_mlp_by_mappings, 2),
+    **{f"parallel.{name}": (_tp(name), 2) for name in _TP_ROWS},
+    "ParallelMLP[world=4]": (_tp("ParallelMLP"), 4),
+    "ulysses_attention": (_attention("ulysses_attention"), 2),
+    "ulysses_attention[world=4]": (_attention("ulysses_attention"), 4),
+    "ulysses_attention[gqa]": (_ulysses_gqa(4, 2), 2),
+    "moe route": (_route, 2),
+    "vocab_parallel_cross_entropy": (_cross_entropy(), 2),
+    "vocab_parallel_cross_entropy[smoothing, sum]": (
+        _cross_entropy(label_smoothing=0.1, reduction="sum"),
+        2,
+    ),
     **{
         f"compat.{name}": (_compat(name), 3)
         for name in (
@@ -280,11 +385,24 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         r"`all_to_all` .*the sizes each rank receives differ",
     ),
     "all_gather_coalesced[uneven]": (_ragged(lambda x: dc.all_gather_coalesced([x])), 2, r"reads this rank"),
-    "ParallelMLP": (_tp_mlp, 2, r"reads this rank"),
     "ring_attention": (_attention("ring_attention"), 2, r"reads this rank"),
-    "ulysses_attention": (_attention("ulysses_attention"), 2, r"reads this rank"),
+    "ulysses_attention[3 heads over 2 ranks]": (
+        _ulysses_gqa(3, 3),
+        2,
+        r"`parallel.ulysses_attention` .*reads this rank.*query heads \[2, 1\] differ",
+    ),
+    "ulysses_attention[gqa, KV heads differing per rank]": (
+        _ulysses_gqa(6, 3),  # rank 0's query heads use KV heads (0, 0, 1), rank 1's (1, 2, 2)
+        2,
+        r"`parallel.ulysses_attention` .*reads this rank",
+    ),
     "usp_attention": (_usp, 2, r"reads this rank"),
     "moe dispatch / combine": (_moe, 2, r"reads this rank"),
+    "ExpertParallelMoE": (
+        _expert_parallel_moe,
+        2,
+        r"`parallel.ExpertParallelMoE` .*sizes differ between the simulated ranks",
+    ),
     "pipeline (PipelineRunner)": (_pipeline, 2, r"`get_rank` .*reads this rank"),
 }
 
@@ -403,3 +521,94 @@ def test_split_sizes_are_checked_on_every_simulated_rank() -> None:
         ValueError, match=r"`split_sizes` must be to list x.shape\[0\]=.*at this rank's position"
     ):
         run_under_local_tensor_mode(3, program)
+
+
+# ---- planted bugs: the layer rows catch a rank read as rank 0's, or an init drawn per rank
+
+
+def _rank_zero(*args: Any) -> int:
+    return 0  # what torch's fake process group says on every simulated rank
+
+
+#: (row, module, attribute, planted replacement): each makes the row's program wrong under
+#: LocalTensorMode only (the reference is run first, unpatched: its ranks share the module)
+_PLANTED: list[tuple[str, str, str, Any]] = [
+    ("parallel.ColumnParallelLinear", "diffcomm.parallel._module", "rank_index", _rank_zero),
+    ("parallel.RowParallelLinear", "diffcomm.parallel._module", "rank_index", _rank_zero),
+    ("parallel.ParallelMLP", "diffcomm.parallel._module", "rank_index", _rank_zero),
+    ("parallel.ParallelSelfAttention", "diffcomm.parallel._module", "rank_index", _rank_zero),
+    ("parallel.VocabParallelEmbedding", "diffcomm.parallel.layers", "rank_start", _rank_zero),
+    ("vocab_parallel_cross_entropy", "diffcomm.parallel.loss", "rank_start", _rank_zero),
+    # Ulysses whose ranks map query to KV heads differently, rank 0's map standing for all
+    (
+        "ulysses_attention[gqa, KV heads differing per rank]",
+        "diffcomm.parallel.context.ulysses",
+        "_rank_for_all",
+        _rank_zero,
+    ),
+    ("parallel.ColumnParallelLinear", "diffcomm.parallel.layers", "local_tensor_mode_off", nullcontext),
+    ("parallel.VocabParallelEmbedding", "diffcomm.parallel.layers", "local_tensor_mode_off", nullcontext),
+]
+
+
+@pytest.mark.parametrize(("row", "module", "attr", "bug"), _PLANTED, ids=lambda v: getattr(v, "__name__", v))
+def test_a_layer_row_fails_under_a_planted_bug(
+    row: str, module: str, attr: str, bug: Any, inproc_worlds: Callable[[int], Any], monkeypatch: Any
+) -> None:
+    """The row's check (:func:`assert_equal_both_ways`) fails when the layer reads the
+    rank as rank 0's (the fake group's answer) or draws its seeded full init per simulated
+    rank (each rank then gets the generator's next values); Ulysses whose ranks
+    map query heads to KV heads differently gives wrong values if rank 0's map stands for
+    every rank unchecked (so it is refused)."""
+    import importlib
+
+    program, n = EQUAL[row] if row in EQUAL else REFUSED[row][:2]
+    want = inproc_worlds(n).run(program)
+    monkeypatch.setattr(importlib.import_module(module), attr, bug)
+    here = run_under_local_tensor_mode(n, program)
+    assert not all(_close(here[r], want[r]) for r in range(n))
+
+
+# ---- hypothesis: the TP layers and the vocab-parallel loss x sizes x worlds 1-4 ---------
+
+
+def _layer_program(kind: str, n: int, h: int, o: int, rows: int, seed: int) -> tuple:
+    """One TP layer (seeded: each rank its shard of one full init) or the vocab-parallel
+    loss, forward and backward on a replicated input (the same code both ways)."""
+    f64 = {"dtype": torch.float64, "seed": seed}
+    if kind == "cross_entropy":
+        logits = per_rank(seed, rows, o)
+        target = torch.arange(rows) * 7 % (o * n)
+        return outs_and_grads([P.vocab_parallel_cross_entropy(logits, target)], [logits])
+    if kind == "embedding":
+        layer: torch.nn.Module = P.VocabParallelEmbedding(o * n, h, **f64)
+        return outs_and_grads([layer(torch.arange(rows) * 5 % (o * n))], list(layer.parameters()))
+    if kind == "column":
+        layer = P.ColumnParallelLinear(h, o * n, gather_output=True, **f64)
+    elif kind == "row":
+        layer = P.RowParallelLinear(h * n, o, **f64)
+    else:
+        layer = P.ParallelMLP(h, o * n, **f64)
+    x = per_rank(seed, rows, layer.in_features if kind == "row" else h, same=True)  # type: ignore[arg-type]
+    return outs_and_grads([layer(x)], [x, *layer.parameters()])
+
+
+def test_property_tp_layers_under_local_tensor_mode_equal_in_process_world(
+    inproc_worlds: Callable[[int], Any],
+) -> None:
+    """Hypothesis: layer (column, row, MLP, embedding, vocab-parallel loss) x sizes x
+    world 1-4; every value and gradient equal to the in-process world's."""
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        st.sampled_from(["column", "row", "mlp", "embedding", "cross_entropy"]),
+        st.integers(1, 4),
+        st.integers(1, 5),
+        st.integers(1, 3),
+        st.integers(1, 4),
+        st.integers(0, 999),
+    )
+    def check(kind: str, n: int, h: int, o: int, rows: int, seed: int) -> None:
+        assert_equal_both_ways(inproc_worlds(n), n, _layer_program, kind, n, h, o, rows, seed)
+
+    check()

@@ -151,6 +151,12 @@ class LocalTensorBackend(CoalescedOps):
             [proto], group, lambda ps: [torch.tensor(i == r, device=device) for i in range(len(ps))]
         )
 
+    def rank_tensor(self, group: Any, device: torch.device) -> torch.Tensor:
+        """A 0-dim int64 tensor, per simulated rank: its group rank (to compute with,
+        e.g. ``ids - rank * rows``, where an int holding one value per rank cannot go)."""
+        proto = torch.empty(0, device=device)
+        return self._each([proto], group, lambda ps: [torch.tensor(i, device=device) for i in range(len(ps))])
+
     def own_slice(self, sizes: Sequence[int], group: Any) -> tuple[Any, Any]:
         """(start, length) of this rank's chunk of ``sizes`` along a dim, each an int per
         simulated rank (a ``SymInt`` where they differ): to ``narrow`` with. Compared,

@@ -47,6 +47,20 @@ def rank_is(pg: PG, r: int, device: torch.device) -> Tensor:
     return torch.tensor(rank(pg) == r, device=device)
 
 
+def rank_start(pg: PG, size: int, device: torch.device) -> int | Tensor:
+    """``rank * size``: where this rank's block of ``size`` rows starts, to compute with
+    (``ids - start``, ``ids >= start``). An int, read as :func:`rank`; under torch's
+    ``LocalTensorMode`` a 0-dim int64 tensor holding each simulated rank's own (an int
+    cannot hold one value per rank in tensor arithmetic)."""
+    b = current_backend()
+    if b is B.DEFAULT:
+        return _group_info(pg).rank * size
+    per_rank = getattr(b, "rank_tensor", None)
+    if per_rank is not None:
+        return per_rank(pg, device) * size
+    return b.rank(pg) * size
+
+
 def own_slice(sizes: Sequence[int], pg: PG) -> tuple[int, int]:
     """(start, length) of this rank's chunk of a dim split into ``sizes``: under torch's
     ``LocalTensorMode`` ints that hold one value per simulated rank (for ``narrow``)."""

@@ -16,8 +16,10 @@ from torch import Tensor, nn
 
 from .. import backend as B
 from .._replication import LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
+from .._torch import every_rank
 from ..backend import args as A
 from ..ops import collectives
+from ..ops.validation import rank_index
 from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
@@ -73,9 +75,11 @@ def init_generator(op: str, seed: int | None, generator: torch.Generator | None)
 
 
 def resolve_parallel_group(op: str, group: A.GroupLike) -> tuple[Any, int, int]:
+    """``(process group, its size, this rank in it)``. The rank is
+    :func:`~diffcomm.ops.validation.rank_index`'s: under torch's ``LocalTensorMode`` an
+    int holding each simulated rank's own, to slice shards with (never to compare)."""
     pg = A.resolve_group(group, op)
-    backend = B.get_backend()
-    return pg, backend.world_size(pg), backend.rank(pg)
+    return pg, B.get_backend().world_size(pg), rank_index(pg)
 
 
 # ======================================================================================
@@ -178,7 +182,6 @@ class ParallelModule(nn.Module):
             ``{name: index}``: ``serial_param[index]`` has this rank's parameter's shape
             and values (a tuple of slices; full slices for replicated parameters).
         """
-        backend = B.get_backend()
         out: dict[str, Index] = {}
         params = dict(self.named_parameters())
         for name, (dim, pg) in self._param_specs().items():
@@ -186,7 +189,7 @@ class ParallelModule(nn.Module):
             index = [slice(None)] * p.dim()
             if dim is not None:
                 n = p.shape[dim]
-                r = backend.rank(pg)
+                r = rank_index(pg)  # (per simulated rank under LocalTensorMode)
                 index[dim] = slice(r * n, (r + 1) * n)
             out[name] = tuple(index)
         return out
@@ -236,7 +239,7 @@ class ParallelModule(nn.Module):
         for name, p in params.items():
             if name not in state_dict:
                 continue
-            src = state_dict[name][slices[name]]
+            src = _cut(state_dict[name], slices[name])
             if src.shape != p.shape:
                 raise ValueError(
                     f"{type(self).__name__}.load_serial_state_dict(): `{name}` of serial shape "
@@ -276,3 +279,15 @@ class ParallelModule(nn.Module):
 
 
 _M = TypeVar("_M", bound=ParallelModule)
+
+
+def _cut(full: Tensor, index: Index) -> Tensor:
+    """``full[index]`` for :meth:`ParallelModule.serial_slices`'s index, by ``narrow``
+    (under torch's ``LocalTensorMode`` a slice's bounds hold one int per simulated rank,
+    which ``narrow`` takes and tuple indexing does not)."""
+    for dim, part in enumerate(index):
+        if part.start is not None:
+            if not isinstance(part.start, int):
+                full = every_rank(full)
+            full = full.narrow(dim, part.start, part.stop - part.start)
+    return full

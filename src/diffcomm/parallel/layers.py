@@ -44,7 +44,9 @@ from torch import Tensor, nn
 from .. import _config
 from .. import backend as B
 from .._replication import LayerRule, R, V
+from .._torch import local_tensor_mode_off
 from ..backend import args as A
+from ..ops.validation import rank_start
 from ._check import check_replicated
 from ._module import (
     ParallelModule,
@@ -151,14 +153,16 @@ _NO_OVERLAP = ("sequence_parallel", "sequence_dim", "group", "seed", "generator"
 def _full_linear_init(
     out_features: int, in_features: int, bias: bool, dtype: torch.dtype, gen: torch.Generator | None
 ) -> tuple[Tensor, Tensor | None]:
-    """``nn.Linear``'s ``reset_parameters``, on the CPU, drawing from ``gen``."""
-    w = torch.empty(out_features, in_features, dtype=dtype)
-    nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=gen)
-    b = None
-    if bias:
-        bound = 1 / math.sqrt(in_features) if in_features > 0 else 0.0
-        b = torch.empty(out_features, dtype=dtype)
-        nn.init.uniform_(b, -bound, bound, generator=gen)
+    """``nn.Linear``'s ``reset_parameters``, on the CPU, drawing from ``gen`` (the same
+    full tensors on every rank; plain tensors under torch's ``LocalTensorMode``)."""
+    with local_tensor_mode_off():
+        w = torch.empty(out_features, in_features, dtype=dtype)
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=gen)
+        b = None
+        if bias:
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0.0
+            b = torch.empty(out_features, dtype=dtype)
+            nn.init.uniform_(b, -bound, bound, generator=gen)
     return w, b
 
 
@@ -550,9 +554,10 @@ class VocabParallelEmbedding(ParallelModule):
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Draw the full ``nn.Embedding`` init (``normal_``) on the CPU; keep this shard."""
-        w = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype)
-        nn.init.normal_(w, generator=generator)
-        self.weight.copy_(w[self.vocab_start : self.vocab_start + self.per_rank])
+        with local_tensor_mode_off():  # (the same full table on every rank)
+            w = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype)
+            nn.init.normal_(w, generator=generator)
+        self.load_serial_state_dict({"weight": w})
 
     @classmethod
     def from_serial(  # type: ignore[override]  # a layer takes its serial twin, not any module
@@ -583,8 +588,11 @@ class VocabParallelEmbedding(ParallelModule):
                 "Every rank of the tensor-parallel group must look up the same ids.",
                 self._pg,
             )
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.per_rank)
-        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        start = self.vocab_start
+        if not isinstance(start, int):  # LocalTensorMode: one start per simulated rank
+            start = rank_start(self._pg, self.per_rank, ids.device)
+        outside = (ids < start) | (ids >= start + self.per_rank)
+        local = (ids - start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.sequence_dim, self._pg)

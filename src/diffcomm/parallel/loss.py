@@ -13,6 +13,7 @@ from .._replication import REPLICATED, P, R, Rule, V
 from ..backend import args as A
 from ..backend.args import PG
 from ..ops import collectives
+from ..ops.validation import rank_start
 from ._check import check_replicated
 from ._once import first_order
 
@@ -51,10 +52,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits: Tensor, target: Tensor, ignore_index: int, smoothing: float, pg: PG, debug: bool
     ) -> tuple[Tensor, ...]:
         backend = B.get_backend()
-        world, rank = backend.world_size(pg), backend.rank(pg)
+        world = backend.world_size(pg)
         v_local = logits.shape[-1]
         vocab = v_local * world
-        start = rank * v_local
+        start = rank_start(pg, v_local, logits.device)  # (a tensor under LocalTensorMode)
         z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         with B.label(f"{_OP} (max)"):
             m = collectives.raw_all_reduce(z.amax(dim=-1), "max", pg)

@@ -52,7 +52,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._replication import PARTIAL, LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
+from .._torch import local_tensor_mode_on
 from ..backend import args as A
+from ..backend.local_tensor import refuse
 from ..ops import coalesced, collectives
 from ..ops import engine as _async
 from ._module import check_positive, init_generator, resolve_parallel_group
@@ -150,6 +152,18 @@ def _tokens(op: str, x: Any, hidden_size: int, dtype: torch.dtype | None = None)
             op, "x", f"of the layer's dtype {dtype} (cast the batch or the layer)", x.dtype, TypeError
         )
     return x.reshape(-1, hidden_size)
+
+
+def _expert_group(op: str, group: A.GroupLike) -> tuple[Any, int, int]:
+    """``(group, size, this rank)`` of an expert-parallel layer; refused under torch's
+    ``LocalTensorMode``, before any parameter is made (see the error's words)."""
+    if local_tensor_mode_on():
+        raise refuse(
+            op,
+            "its routing sends each rank a data-dependent number of tokens: an all_to_all whose "
+            "sizes differ between the simulated ranks, which one program's Python ints cannot hold",
+        )
+    return resolve_parallel_group(op, group)
 
 
 class MoE(nn.Module):
@@ -351,7 +365,7 @@ class ExpertParallelMoE(nn.Module):
         opts = LayerOptions.of(op, options, keywords, ("group", *_INIT_OPTIONS))
         _check_sizes(op, hidden_size, ffn_hidden_size, num_experts, k, capacity_factor, shared_expert_size)
         init_generator(op, opts.seed, opts.generator)  # checked here, so an error names this class
-        self._pg, self.world, self.rank = resolve_parallel_group(op, opts.group)
+        self._pg, self.world, self.rank = _expert_group(op, opts.group)
         if num_experts % self.world:
             raise A.arg_error(
                 op,
@@ -411,7 +425,7 @@ class ExpertParallelMoE(nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         op = "parallel.ExpertParallelMoE.from_serial"
-        self._pg, self.world, self.rank = resolve_parallel_group(op, group)
+        self._pg, self.world, self.rank = _expert_group(op, group)
         if moe.num_experts % self.world:
             raise A.arg_error(
                 op, "moe", f"num_experts divisible by the group size {self.world}", moe.num_experts

@@ -10,8 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ... import backend as B
 from ..._replication import P, R, Rule, V, spmd_types_checking, spmd_types_invariant, spmd_types_varying
+from ..._torch import local_tensor_mode_on
 from ...backend import args as A
+from ...backend.local_tensor import RANK_WHY, refuse
 from ...ops import collectives as C
 from ...ops.base import IdentityFunction
 from .args import check_causal, check_equal_lengths, check_qkv, check_scale
@@ -137,15 +140,19 @@ def ulysses_attention(
     q, k, v = check_qkv(q, k, v, op)
     sc = check_scale(scale, q.shape[-1], op)
     causal = check_causal(causal, op)
-    pg, rank, world = group_rank_world(group, op)
+    pg, rank, world = _group_rank_world(group, op)
     # pieces in rank order: the contiguous layout; a tensor placed otherwise is refused
     resolve_layout(op, "contiguous", {"q": q, "k": k, "v": v}, world, takes_layout=False)
     if seq_lens is None:
         lens = _gathered_sizes(q.shape[2], pg, world)
     else:
         lens = [int(s) for s in seq_lens]
-        if len(lens) != world or lens[rank] != q.shape[2] or min(lens) < 0:
+        if len(lens) != world or min(lens) < 0:
             raise A.arg_error(op, "seq_lens", f"{world} lengths with this rank's = {q.shape[2]}", seq_lens)
+    if rank is None:  # torch's LocalTensorMode: one rank must stand for every simulated one
+        rank = _rank_for_all(op, q.shape[1], k.shape[1], world, lens)
+    if lens[rank] != q.shape[2]:
+        raise A.arg_error(op, "seq_lens", f"{world} lengths with this rank's = {q.shape[2]}", seq_lens)
     fn = attn_fn if attn_fn is not None else _sdpa
 
     def local(qh: Tensor, kh: Tensor, vh: Tensor) -> Tensor:
@@ -154,6 +161,48 @@ def ulysses_attention(
     out = _ulysses(*_pieces(q, k, v, pg), pg, rank, world, lens, local)
     # equal pieces are the contiguous layout (unshard takes them without `layout`)
     return placed(out, Placement("contiguous", world, seq_len=sum(lens))) if len(set(lens)) == 1 else out
+
+
+def _head_plan(Hq: int, Hk: int, world: int) -> tuple[list[int], list[int], list[list[int]]]:
+    """Every rank's query-head count and first head, and the KV heads each rank needs
+    (those of its query heads ``[starts[r], starts[r] + hs[r])``)."""
+    G = Hq // Hk
+    hs = even_sizes(Hq, world)
+    starts = [sum(hs[:r]) for r in range(world)]
+    need = [sorted({h // G for h in range(starts[r], starts[r] + hs[r])}) for r in range(world)]
+    return hs, starts, need
+
+
+def _local_kv_heads(G: int, hs: list[int], starts: list[int], need: list[list[int]], rank: int) -> list[int]:
+    """For each query head of ``rank`` (after the heads <-> sequence exchange), the index
+    of its KV head among the KV heads that rank receives."""
+    mine = need[rank]
+    return [mine.index(h // G) for h in range(starts[rank], starts[rank] + hs[rank])]
+
+
+def _group_rank_world(group: A.GroupLike, op: str) -> tuple[PG, int | None, int]:
+    """``(group, this rank, its size)``; the rank ``None`` under torch's
+    ``LocalTensorMode`` (see :func:`_rank_for_all`)."""
+    if not local_tensor_mode_on():
+        return group_rank_world(group, op)
+    pg = A.resolve_group(group, op)
+    return pg, None, B.get_backend().world_size(pg)
+
+
+def _rank_for_all(op: str, Hq: int, Hk: int, world: int, lens: list[int]) -> int:
+    """Under torch's ``LocalTensorMode`` (one program for every simulated rank): Ulysses
+    reads the rank only through the sizes of its pieces and heads and its local head map,
+    so it runs when those are alike on every rank (equal sequence pieces, heads in equal
+    shares) with rank 0's values standing for all; otherwise it refuses."""
+    hs, starts, need = _head_plan(Hq, Hk, world)
+    facts = {(lens[r], hs[r], tuple(_local_kv_heads(Hq // Hk, hs, starts, need, r))) for r in range(world)}
+    if len(facts) != 1:
+        raise refuse(
+            op,
+            f"{RANK_WHY}; here the ranks' sequence pieces {lens} or query heads {hs} differ "
+            "(equal pieces and a head count divisible by the group size run)",
+        )
+    return 0
 
 
 def _ulysses(
@@ -168,10 +217,7 @@ def _ulysses(
 ) -> Tensor:
     Hq, Hk = q.shape[1], k.shape[1]
     G = Hq // Hk
-    hs = even_sizes(Hq, world)
-    starts = [sum(hs[:r]) for r in range(world)]
-    # the KV heads rank r needs: those of its query heads [starts[r], starts[r] + hs[r])
-    need = [sorted({h // G for h in range(starts[r], starts[r] + hs[r])}) for r in range(world)]
+    hs, starts, need = _head_plan(Hq, Hk, world)
     kv_idx = torch.tensor([h for n in need for h in n], dtype=torch.int64, device=k.device)
     kv_sizes = [len(n) for n in need]
     checking = spmd_types_checking(_FUNCTION_ATTRS)
@@ -183,12 +229,7 @@ def _ulysses(
     kh = _heads_to_seq(k_send, kv_sizes, lens, pg, rank)
     vh = _heads_to_seq(v_send, kv_sizes, lens, pg, rank)
     # local query head -> local KV head (one-to-one for attn_fn)
-    mine = need[rank]
-    local_kv = torch.tensor(
-        [mine.index(h // G) for h in range(starts[rank], starts[rank] + hs[rank])],
-        dtype=torch.int64,
-        device=k.device,
-    )
+    local_kv = torch.tensor(_local_kv_heads(G, hs, starts, need, rank), dtype=torch.int64, device=k.device)
     if checking:  # this rank's own heads
         spmd_types_varying(local_kv, pg)
     if hs[rank] == 0:
