@@ -505,11 +505,8 @@ class LocalWorld:
         return replies
 
 
-# Ignore SIGINT before anything else (importing diffcomm imports torch: seconds), so a
-# Ctrl-C in the caller's terminal never prints a traceback per rank. Import with the
-# garbage collector off: the imports (diffcomm's package first, then rank_process's body,
-# which turns it back on) make ~10^6 objects and no garbage, and the full collections they
-# triggered cost ~0.2-0.3 s of CPU per rank (docs/performance.md, "A rank's start-up").
+# Ignore SIGINT first (a Ctrl-C in the caller's terminal prints no traceback per rank);
+# import with the GC off (rank_process turns it on): -0.2 s CPU a rank (docs/performance.md).
 _WORKER_BOOT = (
     "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import gc; gc.disable(); "
     "import runpy; runpy.run_module('diffcomm.runtime.rank_process', run_name='__main__', alter_sys=True)"
