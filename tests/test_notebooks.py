@@ -60,12 +60,16 @@ def _execute(path: Path) -> float:
         kernel_name=KERNEL,
         resources={"metadata": {"path": str(path.parent)}},
     )
+    EXECUTED.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    try:
-        client.execute(env=env)
-    finally:
-        EXECUTED.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, EXECUTED / path.name)
+    # the kernel's own stderr (its start-up banner and warnings) goes to a log beside the
+    # executed copy: a kernel started between two tests' capture windows would otherwise
+    # print to the terminal (cell errors come through the messaging protocol, not stderr)
+    with open(EXECUTED / f"{path.stem}.kernel.log", "wb") as log:
+        try:
+            client.execute(env=env, stderr=log)
+        finally:
+            nbformat.write(nb, EXECUTED / path.name)
     return time.perf_counter() - start
 
 
