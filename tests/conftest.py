@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import settings
+
+from diffcomm import _lifecycle
 
 # The suite starts a few hundred fresh interpreters (ranks, the command line, benchmarks,
 # notebook kernels). Where the environment sets PYTHONDONTWRITEBYTECODE, none of them
@@ -26,3 +29,11 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     """Build the docs last, so they render the notebooks that test_notebooks.py executed
     (with their real plots) instead of bare code cells."""
     items.sort(key=lambda item: item.nodeid.startswith("tests/test_docs.py"))
+
+
+@pytest.fixture(autouse=True)
+def _each_test_is_a_program() -> None:
+    """Every test is a program of its own in this process too (as each ``LocalWorld.run``
+    is on its ranks): what one test's program recorded (the context-parallel layouts it
+    used) does not make another test's unplaced sequence ambiguous."""
+    _lifecycle.program_start()

@@ -278,3 +278,55 @@ def test_usp_unequal_lengths_are_a_value_error_on_every_rank(local_worlds: Any) 
             assert f"lengths from {min(lens)} to {max(lens)}" in msg, (lens, msg)
     for rank, (kind, err, _) in enumerate(world.run(_usp_uneven, [2, 2, 2, 2])):
         assert kind == "ok" and err <= TOL, (rank, err)
+
+
+def _ulysses_grid(w: int) -> dict[str, tuple[str, Any, int]]:
+    """ulysses_attention (no ring: the pieces gathered in rank order) over both layouts,
+    shards placed / by hand / projected, ``layout=`` named or not, causal or not."""
+    r = dc.get_rank()
+    s = 4 * w
+    q, k, v, _ = _inputs(s)
+    res: dict[str, tuple[str, Any, int]] = {}
+    for layout, how, named, causal in itertools.product(
+        ("contiguous", "zigzag"), ("shard", "layout_index", "dropped"), (True, False), (True, False)
+    ):
+        _lifecycle.program_start()
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        kw = {"layout": layout} if named else {}
+        ql, kl, vl = _shards((q, k, v), how, layout, w, r)
+        pos = _positions(s, w, r, layout)
+
+        def uly(
+            ql: Any = ql,
+            kl: Any = kl,
+            vl: Any = vl,
+            kw: Any = kw,
+            want: Any = ref[:, :, pos],
+            c: bool = causal,
+        ) -> float:
+            out = parallel.ulysses_attention(ql, kl, vl, causal=c, **kw)
+            return float((out - want).abs().max())
+
+        res[f"ulysses {layout} {how} named={named} causal={causal}"] = _attempt(uly)
+    return res
+
+
+@pytest.mark.parametrize("w", [2, 3])
+def test_ulysses_refuses_a_guessed_or_zigzag_order(local_worlds: Any, w: int) -> None:
+    """Ulysses takes only the contiguous order: zigzag shards are refused when placed or
+    named, and (causal, the program used zigzag) when they carry no placement and no
+    ``layout``; without a mask the order does not matter and the value is right. Every
+    refusal comes before any communication; every value that comes is right."""
+    for rank, res in enumerate(local_worlds(w).run(_ulysses_grid, w)):
+        assert len(res) == 2 * 3 * 2 * 2
+        for case, (kind, value, comms) in res.items():
+            _, layout, how, named, causal = case.split()
+            if layout == "zigzag" and named == "named=True":
+                assert kind == "err" and "`layout`" in value and comms == 0, (rank, case, value, comms)
+            elif layout == "zigzag" and how == "shard":  # placed zigzag: refused by its placement
+                assert kind == "err" and "`q` must be placed" in value and comms == 0, (rank, case, value)
+            elif layout == "zigzag" and causal == "causal=True":
+                assert kind == "err" and NAMED in value and comms == 0, (rank, case, value, comms)
+            else:
+                assert kind == "ok", (rank, case, value)
+                assert value <= TOL, f"rank {rank} {case}: silently wrong by {value}"

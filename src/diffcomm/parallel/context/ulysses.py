@@ -19,8 +19,10 @@ from ...ops import collectives as C
 from ...ops.base import IdentityFunction
 from .args import check_causal, check_equal_lengths, check_qkv, check_scale
 from .layout import (
+    DEFAULT_LAYOUT,
     PG,
     Placement,
+    check_layout,
     even_sizes,
     group_rank_world,
     placed,
@@ -95,6 +97,7 @@ def ulysses_attention(
     scale: float | None = None,
     attn_fn: Callable[..., Tensor] | None = None,
     seq_lens: Sequence[int] | None = None,
+    layout: str | None = None,
 ) -> Tensor:
     """Attention with the sequence split across ``group`` by all_to_all (DeepSpeed-Ulysses).
 
@@ -121,6 +124,13 @@ def ulysses_attention(
             scale=scale)`` on ``(batch, local_heads, S, head_dim)`` tensors with as many KV
             heads as query heads; default :func:`torch.nn.functional.scaled_dot_product_attention`.
         seq_lens: every rank's ``seq_local`` (default: exchanged, one small all_gather).
+        layout: ``None`` or ``"contiguous"``, the one order Ulysses takes (pieces in rank
+            order). Naming it says that unplaced pieces are in that order: once this
+            program used another layout over as many ranks (a zigzag ``shard``,
+            ``layout_index``, an op given ``layout="zigzag"``), a causal call on pieces that
+            carry no placement and no ``layout`` raises ``ValueError`` (the order would be a
+            guess), as :func:`ring_attention` does. ``"zigzag"`` raises: zigzag shards go to
+            :func:`ring_attention` or :func:`usp_attention`.
 
     Returns:
         ``(batch, heads, seq_local, head_dim_v)``: this rank's rows of the attention.
@@ -141,8 +151,18 @@ def ulysses_attention(
     sc = check_scale(scale, q.shape[-1], op)
     causal = check_causal(causal, op)
     pg, rank, world = _group_rank_world(group, op)
+    if layout is not None and check_layout(layout, op) != DEFAULT_LAYOUT:
+        raise A.arg_error(
+            op,
+            "layout",
+            f"{DEFAULT_LAYOUT!r} (Ulysses takes the pieces in rank order; zigzag shards go to "
+            "parallel.ring_attention or parallel.usp_attention)",
+            repr(layout),
+        )
     # pieces in rank order: the contiguous layout; a tensor placed otherwise is refused
-    resolve_layout(op, "contiguous", {"q": q, "k": k, "v": v}, world, takes_layout=False)
+    resolve_layout(op, DEFAULT_LAYOUT, {"q": q, "k": k, "v": v}, world, takes_layout=False)
+    if causal:  # (without a mask the order of the pieces does not change the result)
+        require_layout_known(op, layout, {"q": q, "k": k, "v": v}, world)
     if seq_lens is None:
         lens = _gathered_sizes(q.shape[2], pg, world)
     else:
