@@ -401,7 +401,8 @@ class TorchDistributedBackend(CoalescedOps):
         self, x: torch.Tensor, group: ProcessGroup, sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Concatenate every rank's ``x`` along dim 0. ``sizes``: every rank's ``x.shape[0]``."""
-        x, info, world, _ = _opening(x, group)
+        x, info = x.contiguous(), group_info(group)  # (_opening's lines, inline on this hot path)
+        world = info.size
         even = sizes is None or sizes.count(sizes[0]) == world
         into_tensor = (self._caps(info) if self.overrides else info.caps).all_gather_into_tensor
         if even and into_tensor:  # the common case, in few calls
@@ -440,7 +441,8 @@ class TorchDistributedBackend(CoalescedOps):
         self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Chunk ``rank`` (along dim 0) of the reduction over ranks of ``x``."""
-        x, info, world, rank = _opening(x, group)
+        x, info = x.contiguous(), group_info(group)  # (_opening's lines, inline on this hot path)
+        world, rank = info.size, info.rank
         even = split_sizes is None or split_sizes.count(split_sizes[0]) == world
         caps = self._caps(info) if self.overrides else info.caps  # (no call without overrides)
         if not caps.reduce_scatter or op not in ("sum", "avg"):
