@@ -16,11 +16,12 @@ from diffcomm._config import (
     DEBUG,
     FLIGHT,
     FLIGHT_SIZE,
+    RANK_START,
     TIMEOUT,
     Setting,
 )
 
-SETTINGS = (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIBE)
+SETTINGS = (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIBE, RANK_START)
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +51,7 @@ def test_defaults_without_environment() -> None:
         "flight_size": 1024,
         "allow_oversubscribe": False,
         "progress": None,
+        "rank_start": "fork",
     }
     assert dc.debug() is False and dc.timeout() is None
 
@@ -92,6 +94,11 @@ def test_accelerator_parses_names(monkeypatch: pytest.MonkeyPatch, raw: str, val
             "tpu",
             r"DIFFCOMM_ACCELERATOR='tpu' is not a known accelerator; "
             r"legal values: \('cpu', 'cuda', 'mps', 'xpu'\)",
+        ),
+        (
+            RANK_START,
+            "thread",
+            r"DIFFCOMM_RANK_START='thread' is not a way to start a rank; use 'fork' or 'spawn'",
         ),
     ],
 )
@@ -164,6 +171,8 @@ def test_timeout_converts_ints_and_allows_none() -> None:
         (lambda: dc.timeout([1]), ValueError, r"got \[1\]"),
         (lambda: dc.timeout("never"), ValueError, r"timeout='never' is not a number of seconds"),
         (lambda: ACCELERATOR.set("tpu"), ValueError, r"legal values: \('cpu', 'cuda', 'mps', 'xpu'\)"),
+        (lambda: RANK_START.set(1), TypeError, "rank_start must be the str 'fork' or 'spawn', got int"),
+        (lambda: RANK_START.set("forkserver"), ValueError, "rank_start='forkserver' is not a way to start"),
     ],
 )
 def test_bad_values_set_in_code_are_rejected(call: Any, error: type[Exception], match: str) -> None:

@@ -11,6 +11,9 @@ setting                    environment variable   meaning
 ``allow_oversubscribe``    ``DIFFCOMM_ALLOW_OVERSUBSCRIBE``  start a LocalWorld the machine cannot hold
 ``progress``               ``DIFFCOMM_PROGRESS``  LocalWorld start-up progress on stderr: ``auto``
                                                  (default: when stderr is a terminal), 1 or 0
+``rank_start``             ``DIFFCOMM_RANK_START``  how a LocalWorld rank starts: ``fork`` (default
+                                                 on Linux: forked by a fork server that imported
+                                                 torch once) or ``spawn`` (a fresh interpreter)
 =========================  =====================  ==========================================
 
 Usage::
@@ -76,6 +79,13 @@ def _parse_accelerator(name: str, raw: str) -> str | None:
     if value not in _ACCELERATORS:
         raise ValueError(f"{name}={raw!r} is not a known accelerator; legal values: {_ACCELERATORS}")
     return value
+
+
+def _parse_rank_start(name: str, raw: str) -> str:
+    how = raw.strip().lower()
+    if how not in ("fork", "spawn"):
+        raise ValueError(f"{name}={raw!r} is not a way to start a rank; use 'fork' or 'spawn'")
+    return how
 
 
 def _parse_size(name: str, raw: str) -> int:
@@ -160,6 +170,9 @@ class Setting(Generic[T]):
         elif self._parse is _parse_size:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{self.name} must be an int >= 1, got {value!r}")
+        elif self._parse is _parse_rank_start:
+            if not isinstance(value, str):
+                raise TypeError(f"{self.name} must be the str 'fork' or 'spawn', got {type(value).__name__}")
         elif self._parse is _parse_accelerator:
             if value is not None:
                 value = _parse_accelerator(self.name, str(value))
@@ -179,6 +192,7 @@ ALLOW_OVERSUBSCRIBE: Setting[bool] = Setting(
     "allow_oversubscribe", "DIFFCOMM_ALLOW_OVERSUBSCRIBE", _parse_bool, False
 )
 PROGRESS: Setting[bool | None] = Setting("progress", "DIFFCOMM_PROGRESS", _parse_progress, None)
+RANK_START: Setting[str] = Setting("rank_start", "DIFFCOMM_RANK_START", _parse_rank_start, "fork")
 
 
 def debug(enabled: bool | None = None) -> Any:
@@ -203,5 +217,5 @@ def timeout(seconds: float | None | str = "__get__") -> Any:
 
 def settings() -> dict[str, Any]:
     """All current settings as a dict (for ``python -m diffcomm info``)."""
-    every = (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIBE, PROGRESS)
+    every = (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIBE, PROGRESS, RANK_START)
     return {s.name: s.get() for s in every}

@@ -391,15 +391,20 @@ def test_ctrl_c_gives_one_short_message_and_no_rank_left(tmp_path, moment: str) 
 _CTRL_C_MID_SPAWN = """
 import os, signal, subprocess, sys
 import diffcomm as dc
-real_popen, spawned = subprocess.Popen, []
-def popen(*args, **kwargs):  # the second rank started, then a Ctrl-C at once
-    p = real_popen(*args, **kwargs)
+from diffcomm.runtime import forkserver
+spawned = []
+def started(p):  # the second rank started, then a Ctrl-C at once
     spawned.append(p.pid)
     print("PID", p.pid, flush=True)
     if len(spawned) == 2:
         os.kill(os.getpid(), signal.SIGINT)
     return p
-subprocess.Popen = popen
+if sys.argv[1] == "spawn":  # a rank is a Popen
+    real_popen = subprocess.Popen
+    subprocess.Popen = lambda *args, **kwargs: started(real_popen(*args, **kwargs))
+else:  # a rank is forked by the fork server (itself a Popen, not counted)
+    real_fork = forkserver._Server.fork
+    forkserver._Server.fork = lambda self, *args: started(real_fork(self, *args))
 try:
     dc.LocalWorld(3)
 except KeyboardInterrupt:
@@ -408,17 +413,26 @@ except KeyboardInterrupt:
 """
 
 
-def test_ctrl_c_between_spawning_two_ranks_leaves_no_rank(tmp_path) -> None:
-    """A Ctrl-C landing right after a rank's Popen returns (deterministic, unlike the
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_ctrl_c_between_spawning_two_ranks_leaves_no_rank(tmp_path, start: str) -> None:
+    """A Ctrl-C landing right after a rank's start returns (deterministic, unlike the
     test above, which hit this window once in CI): held until every started rank is
-    recorded, then raised and torn down; no orphan rank prints a traceback later."""
+    recorded, then raised and torn down; no orphan rank prints a traceback later. Both
+    ways a rank starts: spawned (a Popen), and forked by the fork server."""
+    import os
     import subprocess
     import sys
 
     script = tmp_path / "ctrl_c_mid_spawn.py"
     script.write_text(_CTRL_C_MID_SPAWN)
+    env = {**os.environ, "DIFFCOMM_RANK_START": start}
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120
+        [sys.executable, str(script), start],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+        env=env,
     )
     assert proc.returncode == 130, (proc.stdout, proc.stderr)
     pids = [int(ln.split()[1]) for ln in proc.stdout.splitlines() if ln.startswith("PID ")]
@@ -432,7 +446,9 @@ def test_start_up_shows_progress(capfd) -> None:
     import diffcomm.runtime.world as W
 
     old = W._PROGRESS_AFTER
-    W._PROGRESS_AFTER = 0.05  # print from the first tick (starting 2 ranks takes > 0.05 s)
+    # print from the first tick (before the first wait: even ranks forked from a warm fork
+    # server take a rendezvous and a process group's set-up, > 10 ms, to be ready)
+    W._PROGRESS_AFTER = 0.0
     try:
         with LocalWorld(2, collective_timeout=T, progress=True):  # asked for (stderr is no terminal)
             pass

@@ -147,7 +147,7 @@ def test_ranks_collect_garbage_after_a_start_up_without_it(world2: LocalWorld) -
 def test_a_rank_boot_imports_without_a_full_garbage_collection() -> None:
     """The rank's boot line turns the collector off before the package imports (the
     imports ran three full collections, ~0.2-0.3 s of CPU per rank, for no garbage)."""
-    from diffcomm.runtime.world import _WORKER_BOOT
+    from diffcomm.runtime.forkserver import _WORKER_BOOT
 
     boot = _WORKER_BOOT.replace("run_name='__main__'", "run_name='imports_only'")
     assert boot != _WORKER_BOOT
@@ -464,11 +464,13 @@ def test_garbage_collected_world_kills_its_ranks() -> None:
 _CALLER = textwrap.dedent(
     """
     import sys, time
+    import psutil
     import diffcomm as dc
 
     world = dc.LocalWorld(2 if sys.argv[1] == "sigint" else 1)
     world.run(time.sleep, 0)
-    print("PIDS", *world.pids, flush=True)
+    # the ranks and, when ranks are forked, the fork server: every process this caller made
+    print("PIDS", *[p.pid for p in psutil.Process().children(recursive=True)], flush=True)
     if sys.argv[1] == "exit":
         sys.exit(0)             # no close(): interpreter exit must clean up
     if sys.argv[1] == "sigkill":
@@ -478,11 +480,12 @@ _CALLER = textwrap.dedent(
 )
 
 
-def _start_caller(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], list[int]]:
+def _start_caller(tmp_path: Path, mode: str, start: str) -> tuple[subprocess.Popen[str], list[int]]:
     script = tmp_path / "caller.py"
     script.write_text(_CALLER)
     proc = subprocess.Popen(
         [sys.executable, str(script), mode],
+        env={**os.environ, "DIFFCOMM_RANK_START": start},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -502,9 +505,13 @@ def _start_caller(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], lis
     return proc, pids
 
 
-def test_ctrl_c_in_caller_during_run_kills_ranks(tmp_path: Path) -> None:
+_STARTS = pytest.mark.parametrize("start", ["fork", "spawn"])  # ranks forked, or fresh interpreters
+
+
+@_STARTS
+def test_ctrl_c_in_caller_during_run_kills_ranks(tmp_path: Path, start: str) -> None:
     """Ctrl-C in a terminal: SIGINT to the caller's whole process group, ranks included."""
-    proc, pids = _start_caller(tmp_path, "sigint")
+    proc, pids = _start_caller(tmp_path, "sigint", start)
     time.sleep(0.5)  # let the run reach the ranks
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=20)
@@ -513,15 +520,17 @@ def test_ctrl_c_in_caller_during_run_kills_ranks(tmp_path: Path) -> None:
     assert _still_alive(pids) == []
 
 
-def test_sigkill_of_caller_kills_ranks(tmp_path: Path) -> None:
-    proc, pids = _start_caller(tmp_path, "sigkill")
+@_STARTS
+def test_sigkill_of_caller_kills_ranks(tmp_path: Path, start: str) -> None:
+    proc, pids = _start_caller(tmp_path, "sigkill", start)
     proc.kill()
     proc.communicate(timeout=10)
     assert _still_alive(pids, within=5.0) == []
 
 
-def test_interpreter_exit_without_close_kills_ranks(tmp_path: Path) -> None:
-    proc, pids = _start_caller(tmp_path, "exit")
+@_STARTS
+def test_interpreter_exit_without_close_kills_ranks(tmp_path: Path, start: str) -> None:
+    proc, pids = _start_caller(tmp_path, "exit", start)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert _still_alive(pids) == []

@@ -38,7 +38,6 @@ import multiprocessing.connection as mpc
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,6 +58,7 @@ from .._errors import (
     WorldTimeoutError,
     WorldTooLargeError,
 )
+from . import forkserver as _forkserver
 from . import reports as _report
 from . import shipping as _ship
 from .joining import _STARTUP_TIMEOUT, get_rank, get_world_size, init, is_initialized
@@ -235,8 +235,9 @@ class LocalWorld:
             wait_for_workers=False,
         )
         port = st.store.port
-        # Plain subprocesses (not multiprocessing): the caller's __main__ is never
-        # re-imported, so scripts without a `__main__` guard and notebooks just work.
+        # Ranks are forked by a fork server or spawned (never a fork of the caller, nor
+        # multiprocessing): the caller's __main__ is never re-imported, so scripts
+        # without a `__main__` guard and notebooks just work.
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -264,26 +265,10 @@ class LocalWorld:
             )
 
     def _spawn(self, rank: int, port: int, env: dict[str, str]) -> None:
-        parent_sock, child_sock = socket.socketpair()
-        fd = child_sock.fileno()
-        cmd = [
-            sys.executable,
-            "-c",
-            _WORKER_BOOT,
-            str(rank),
-            str(self.world_size),
-            self.backend,
-            str(port),
-            str(fd),
-            repr(self.collective_timeout),
-            str(os.getpid()),
-        ]
-        if os.name == "posix":  # ignore SIGINT from exec on: even Python's own start-up
-            cmd = ["/bin/sh", "-c", 'trap "" INT; exec "$0" "$@"', *cmd]
-        p = subprocess.Popen(cmd, pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL)
-        child_sock.close()
-        self._state.procs.append(p)
-        self._state.conns.append(mpc.Connection(parent_sock.detach()))
+        args = (rank, self.world_size, self.backend, port, self.collective_timeout)
+        proc, conn = _forkserver.start_rank(args, env, max(_STARTUP_TIMEOUT, self.timeout))
+        self._state.procs.append(proc)
+        self._state.conns.append(conn)
 
     def _teardown(self) -> None:
         self._state.shutdown(graceful=False)
@@ -505,14 +490,6 @@ class LocalWorld:
         return replies
 
 
-# Ignore SIGINT first (a Ctrl-C in the caller's terminal prints no traceback per rank);
-# import with the GC off (rank_process turns it on): -0.2 s CPU a rank (docs/performance.md).
-_WORKER_BOOT = (
-    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import gc; gc.disable(); "
-    "import runpy; runpy.run_module('diffcomm.runtime.rank_process', run_name='__main__', alter_sys=True)"
-)
-
-
 def check_world_fits(world_size: int, override: str | None = None) -> None:
     """Raise :class:`~diffcomm.WorldTooLargeError` if this machine cannot hold the world.
 
@@ -561,7 +538,9 @@ def launch(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh local ranks; return their results.
 
     Starts a :class:`LocalWorld`, runs once and closes it. For many calls, keep a
-    ``LocalWorld`` instead (start-up costs about a second per rank).
+    ``LocalWorld`` instead (a start costs a rendezvous, tens of ms, once the program's
+    fork server is up; its first start, or each start with ranks spawned, about a second
+    per rank).
 
     Args:
         fn: the function every rank runs.
