@@ -147,11 +147,12 @@ class _Rec:
         #: a partial gradient made where a replicated activation met a varying weight: the
         #: op and line where copy_to_region belongs
         self.copy_at: str | None = None
-        #: a replicated value that already holds a sum over the ranks (in words): the result
-        #: of a reduction over the group, a value made from one by plain ops, or a gradient
-        #: of a replicated objective (whole on every rank). Summing it again counts that sum
-        #: world-size times, with or without a gradient; a replicated value that holds no
-        #: such sum and requires no grad may be summed (``W * x``: arithmetic)
+        #: a replicated value that already holds the ranks' values combined (in words): the
+        #: result of a communication op over the group (a reduction, a gather, a broadcast),
+        #: a value plain ops made from one, or a gradient of a replicated objective (whole on
+        #: every rank). Summing it again counts what it holds world-size times, with or
+        #: without a gradient; a replicated value that holds none of these and requires no
+        #: grad may be summed (``W * x``: arithmetic on equal values)
         self.reduced: str | None = None
 
 

@@ -405,9 +405,10 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
             out = rule.maps.get(r.t)
             free = rule.no_grad if not t.requires_grad and not r.reduced else None
             if out is None and r.t is R and free is not None:
-                # a sum of equal values that nothing differentiates through and that holds no
-                # reduction: arithmetic (W * x, `dc.all_reduce(torch.ones(3))`); one that
-                # requires grad, or that was reduced already (reduced twice), is refused
+                # a sum of equal values that nothing differentiates through and that no
+                # communication over the group made: arithmetic (W * x, `dc.all_reduce(
+                # torch.ones(3))`); one that requires grad, or holds a reduction, a gather, a
+                # broadcast or a replicated objective's gradient, is refused
                 outs.append(free)
                 continue
             if out is None:
@@ -440,6 +441,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
             for i, o in enumerate(outputs):
                 src = recs[min(i, len(recs) - 1)][2] if recs else _Rec(R)
                 o.__dict__[key] = _Rec(src.t, src.cell if grad else None, why=src.why)
+                o.__dict__[key].reduced = src.reduced
             return
         name, rule, outs, site = plan.name, plan.rule, plan.outs, plan.site
         grad, shares, avg = plan.grad, plan.shares, plan.avg
@@ -463,8 +465,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
                     why += f"; under a replicated objective use {rule.instead}"
                 cell = _Cell(kind, why, mean=avg and kind == PARTIAL) if grad else None
                 o.__dict__[key] = _Rec(R, cell, why=f"the output of {name} at {site}")
-                if name in _SUMMING:  # summed again, it would be reduced twice
-                    o.__dict__[key].reduced = f"the result of {name} at {site}"
+                o.__dict__[key].reduced = f"the result of {name} at {site}"  # combined over the ranks
             else:
                 o.__dict__[key] = _Rec(t, why=f"the {t.value} output of {name} at {site}")
 

@@ -466,6 +466,15 @@ def all_reduce_after_row_parallel_without_grad(fixed: bool) -> None:
             y = dc.all_reduce(y)
 
 
+def gathered_norm_all_reduced(fixed: bool) -> None:
+    """A global norm made by gathering the ranks' squared norms and summing them (no
+    gradient), then all-reduced as well: every rank's part counted world-size times."""
+    total = dc.all_gather(dc.spmd.varying(_shard(1)).pow(2)).sum()
+    if not fixed:
+        total = dc.all_reduce(total)
+    total.sqrt()
+
+
 def replicated_gradient_reduced_again(fixed: bool) -> None:
     """A replicated parameter's gradient under a replicated objective (a RowParallelLinear's
     bias: whole on every rank, no gradient flows through its reduction) all-reduced over the
@@ -699,6 +708,12 @@ BUGS: list[Bug] = [
         "reduction done twice",
         all_reduce_after_row_parallel_without_grad,
         ("all_reduce", "reduce_from_region", "twice"),
+    ),
+    Bug(
+        "all_reduce of a gathered norm, without a gradient",
+        "reduction done twice",
+        gathered_norm_all_reduced,
+        ("all_reduce", "the result of all_gather", "twice"),
     ),
     Bug(
         "replicated-objective gradient all-reduced again",
