@@ -131,11 +131,12 @@ class Rule:
         outputs: the output types for a Function with several outputs (``None`` entries
             untyped); ``maps`` then only checks the inputs.
         no_grad: the output type for an ``R`` input that ``maps`` refuses but that does
-            not require grad: the op's arithmetic on equal values (``all_reduce`` sums
-            them: ``W * x``, replicated) is legal when no gradient flows back through it
-            (the world-size error of a sum of a replicated value is in its backward); an
-            ``R`` input that requires grad is refused as ``refuse`` says. ``None``: every
-            ``R`` input is refused.
+            not require grad and that no communication over the group made: the op's
+            arithmetic on equal values (``all_reduce`` sums them: ``W * x``, replicated)
+            is legal when no gradient flows back through it (the world-size error of a sum
+            of a replicated value is in its backward, or in summing what already holds the
+            ranks' values); any other ``R`` input is refused as ``refuse`` says. ``None``:
+            every ``R`` input is refused.
     """
 
     maps: Mapping[T, T]
@@ -173,7 +174,7 @@ class Rule:
             grad.append(f"R input's gradient comes back {self.in_grad}")
         if self.nonlinear is not None:
             fwd += f" (max/min/product: {', '.join(f'{a} -> {b}' for a, b in self.nonlinear.maps.items())})"
-        free = f" (without a gradient: R -> {self.no_grad})" if self.no_grad is not None else ""
+        free = f" (no gradient, made by no communication: R -> {self.no_grad})" if self.no_grad else ""
         refused = "; ".join(f"{t}: {why}" + (free if t is R else "") for t, why in self.refuse.items())
         return fwd, "; ".join(grad) or "-", refused or "-"
 
