@@ -165,13 +165,14 @@ class _Gradients(_CheckState):
             g.copy_at = root.copy_at
             return g
         g = _Rec(R)  # whole on every rank: summing it again would count it world-size times
-        g.reduced = (
-            "the gradient of a partial value, whole on every rank"
-            if r.t is P
-            else "a gradient of a replicated objective, whole on every rank"
-            + (f" ({root.why})" if root is not None and root.why else "")
-            + _PER_RANK_LOSS
-        )
+        if r.t is P:
+            g.reduced = "the gradient of a partial value, whole on every rank"
+        elif root is not None and root.kind == REPLICATED:
+            g.reduced = (
+                f"a gradient of a replicated objective, whole on every rank ({root.why}){_PER_RANK_LOSS}"
+            )
+        else:
+            g.reduced = f"a replicated gradient, whole on every rank{_PER_RANK_LOSS}"
         return g
 
     def _type_grads(self, before: Mapping[int, _Rec], strict: str | None) -> None:
