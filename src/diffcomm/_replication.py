@@ -130,6 +130,13 @@ class Rule:
             of the bound arguments returning it).
         outputs: the output types for a Function with several outputs (``None`` entries
             untyped); ``maps`` then only checks the inputs.
+        no_grad: the output type for an ``R`` input that ``maps`` refuses but that does
+            not require grad and that no communication over the group made: the op's
+            arithmetic on equal values (``all_reduce`` sums them: ``W * x``, replicated)
+            is legal when no gradient flows back through it (the world-size error of a sum
+            of a replicated value is in its backward, or in summing what already holds the
+            ranks' values); any other ``R`` input is refused as ``refuse`` says. ``None``:
+            every ``R`` input is refused.
     """
 
     maps: Mapping[T, T]
@@ -142,6 +149,7 @@ class Rule:
     tensors: tuple[int, ...] | None = None
     group: str | Callable[[Mapping[str, Any]], Any] = "pg"
     outputs: tuple[T | None, ...] | None = None
+    no_grad: T | None = None
 
     def __set_name__(self, owner: type, name: str) -> None:
         # the class states its rule as ``spmd``: it also carries spmd_types' rule, made from
@@ -166,7 +174,8 @@ class Rule:
             grad.append(f"R input's gradient comes back {self.in_grad}")
         if self.nonlinear is not None:
             fwd += f" (max/min/product: {', '.join(f'{a} -> {b}' for a, b in self.nonlinear.maps.items())})"
-        refused = "; ".join(f"{t}: {why}" for t, why in self.refuse.items())
+        free = f" (no gradient, made by no communication: R -> {self.no_grad})" if self.no_grad else ""
+        refused = "; ".join(f"{t}: {why}" + (free if t is R else "") for t, why in self.refuse.items())
         return fwd, "; ".join(grad) or "-", refused or "-"
 
 

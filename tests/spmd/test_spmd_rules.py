@@ -152,3 +152,74 @@ def test_optimizer_hook_and_apply_patch_removed_on_exit(world2: dc.LocalWorld) -
     for before, inside, after, patched, restored in world2.run(body):
         assert inside == before + 1 and after == before
         assert patched and restored
+
+
+def _index_demo(objective: str) -> tuple[str | None, bool]:
+    """docs/index.md's program (a per-rank x gathered, a replicated loss ``(y ** 2).sum()``)
+    under ``dc.spmd_check(objective=...)``: the error, and whether ``x.grad`` is the sum
+    convention's gradient ``2 * W * x`` (the objective summed over the ranks' copies)."""
+    gen = torch.Generator().manual_seed(5 + dc.get_rank())
+    x = torch.randn(4, dtype=F64, generator=gen, requires_grad=True)
+    try:
+        with dc.spmd_check(objective=objective):
+            dc.spmd.varying(x)
+            y = dc.all_gather(x)
+            (y**2).sum().backward()
+    except dc.SPMDTypeError as e:
+        return str(e), False
+    assert x.grad is not None
+    return None, bool(torch.allclose(x.grad, 2 * dc.get_world_size() * x.detach()))
+
+
+def test_objective_sum_reads_a_replicated_loss_as_the_sum_convention(world2: dc.LocalWorld) -> None:
+    """The same program is the contract's sum-convention demo and Megatron's 2x bug (corpus:
+    "all_gather under a replicated objective"); the check cannot tell them apart, so by
+    default a replicated loss is a replicated objective (refused here), and
+    ``objective="sum"`` says the sum convention is meant: it passes, with the gradient the
+    sum convention defines."""
+    for default, summed in world2.run(lambda: (_index_demo("loss"), _index_demo("sum"))):
+        assert default[0] is not None and "the loss is replicated" in default[0], default
+        assert summed == (None, True), summed
+    assert world2.run(corpus.run, "all_gather under a replicated objective", False)[0] is not None
+
+
+def test_objective_sum_refuses_the_replicated_objective_mappings(world2: dc.LocalWorld) -> None:
+    """Under ``objective="sum"`` a replicated loss is the sum of the ranks' copies: a value
+    whose backward passes its gradient on unchanged (a ParallelMLP's reduce_from_region)
+    would give world-size times too small gradients (an error before backward), and a
+    replicated parameter's gradient is partial (each rank's own contribution): it must be
+    summed over the ranks, or the block's exit refuses it."""
+
+    def body() -> list[str | None]:
+        out: list[str | None] = []
+        try:
+            with dc.spmd_check(objective="sum"):
+                par.ParallelMLP(4, 8, dtype=F64, seed=0)(torch.ones(3, 4, dtype=F64)).sum().backward()
+            out.append(None)
+        except dc.SPMDTypeError as e:
+            out.append(str(e))
+        for fixed in (False, True):
+            try:
+                with dc.spmd_check(objective="sum"):
+                    lin = nn.Linear(4 * dc.get_world_size(), 1, dtype=F64)
+                    x = dc.spmd.varying(torch.full((4,), 1.0 + dc.get_rank(), dtype=F64))
+                    lin(dc.all_gather(x)).sum().backward()
+                    if fixed:
+                        for p in lin.parameters():
+                            assert p.grad is not None
+                            p.grad = dc.all_reduce(p.grad)
+                out.append(None)
+            except dc.SPMDTypeError as e:
+                out.append(str(e))
+        return out
+
+    for mapping, param, fixed in world2.run(body):
+        assert mapping is not None and "objective='sum'" in mapping, mapping
+        assert "world-size times too small" in mapping and "reduce_from_region" in mapping, mapping
+        assert param is not None and "missing reduction" in param and "Linear.weight" in param, param
+        assert fixed is None, fixed
+
+
+def test_objective_is_validated_before_anything() -> None:
+    with pytest.raises(ValueError, match="`objective`.*'loss', 'sum'.*'mean'"):
+        dc.spmd_check(objective="mean")

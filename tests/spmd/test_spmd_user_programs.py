@@ -1241,10 +1241,12 @@ PROGRAMS: dict[str, Program] = {
         dp_masked_tokens_rank_taken_before_check,
         finding=(
             "false positive (documented limit): the mask rows sliced with a rank taken before the "
-            "check are typed replicated, so all_reduce(mask.sum()) is refused as 'the reduction "
-            "would run twice'. Not fixable without knowing the data; the message now says why "
-            "the value is replicated and names the fix (dc.spmd.varying(x), or dc.get_rank() "
-            "inside the check): test_undeclared_replicated_message_names_the_fix."
+            "check are typed replicated, so the loss is a replicated objective and the gradients' "
+            "all_reduce is refused as 'the reduction would run twice' (all_reduce(mask.sum()), no "
+            "gradient and no reduction in it, is arithmetic and passes). Not fixable without "
+            "knowing the data; the message says why the value is replicated and names the fix "
+            "(dc.spmd.varying(x), or dc.get_rank() inside the check): "
+            "test_undeclared_replicated_message_names_the_fix."
         ),
     ),
     "zero_reduce_scatter_step": Program(zero_reduce_scatter_step),

@@ -45,11 +45,13 @@ class _AllReduce(CommOp):
         {T.V: T.R, T.P: T.R},
         out_grad=PARTIAL,
         refuse={T.R: TWICE},
+        no_grad=T.R,
         instead="parallel.reduce_from_region",
         nonlinear=Rule(
             {T.V: T.R},
             out_grad=PARTIAL,
             refuse={T.R: TWICE, T.P: "max/min/product of the shares is not that of the sum: reduce first"},
+            no_grad=T.R,
         ),
     )
 

@@ -16,6 +16,14 @@ from .._replication import PARTIAL, REPLICATED, P, R, SPMDTypeError, V
 from ._records import _EPOCH, _Cell, _Rec, _site
 from ._state import _CheckState
 
+#: the hint of a replicated-objective gradient summed again (the loss was replicated only
+#: because per-rank data was not seen as such)
+_PER_RANK_LOSS = (
+    "; if the loss differs by rank (per-rank data, rows sliced with a rank taken before the "
+    "check), declare the data with dc.spmd.varying(x), or take the rank with dc.get_rank() "
+    "inside the check"
+)
+
 
 class _Gradients(_CheckState):
     """Backward and the gradient check (a part of the check)."""
@@ -87,6 +95,8 @@ class _Gradients(_CheckState):
             return f"a partial loss (the objective is the sum of the ranks' shares; {r.why})"
         if r.t is V:
             return "a varying loss (each rank's own objective)"
+        if self.objective == "sum":
+            return self._sum_objective(r)
         if r.cell is not None:
             root = r.cell.root()
             if root.epoch != _EPOCH[0]:
@@ -103,6 +113,28 @@ class _Gradients(_CheckState):
                 root.kind = REPLICATED
                 root.why = f"the replicated loss at {_site()} (a replicated objective)"
         return f"a replicated loss (a replicated objective, the loss at {_site()})"
+
+    def _sum_objective(self, r: _Rec) -> str:
+        """A replicated loss under ``spmd_check(objective="sum")``: the objective is the sum
+        of the ranks' copies (the contract's sum convention), so the loss's gradient is each
+        rank's own contribution (partial); a value whose backward passes its gradient on
+        unchanged (a replicated-objective mapping) is an error."""
+        if r.cell is not None:
+            root = r.cell.root()
+            if root.epoch != _EPOCH[0]:
+                root.kind, root.epoch = None, _EPOCH[0]
+            if root.kind == REPLICATED:
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: backward at {_site()}: under objective='sum' the loss is "
+                    f"the sum of the ranks' copies, so its gradient must be summed over the ranks, "
+                    f"but it would not be: {root.why}. The gradients would be world-size times too "
+                    "small: use the sum-convention op (dc.all_reduce / dc.all_gather), or leave "
+                    "objective='sum' out for a replicated objective."
+                )
+            if root.kind is None:
+                root.kind = PARTIAL
+                root.why = f"the loss at {_site()} under objective='sum' (the sum of the per-rank losses)"
+        return f"a varying loss (objective='sum': the sum of the per-rank losses, the loss at {_site()})"
 
     def _check_inputs(self) -> None:
         """Before the backward of a replicated objective: no replicated input that requires
@@ -126,15 +158,22 @@ class _Gradients(_CheckState):
     def _grad_rec(self, r: _Rec, strict: str | None = None) -> _Rec:
         if r.t is V:
             return _Rec(V, why="a gradient of a varying value")
-        if r.t is P:
-            return _Rec(R)
         root = r.cell.root() if r.cell is not None else None
-        if root is not None and root.kind == PARTIAL:
+        if r.t is R and root is not None and root.kind == PARTIAL:
             g = _Rec(P, why=f"the gradient of a replicated value; {root.why}")
             g.strict = strict
             g.copy_at = root.copy_at
             return g
-        return _Rec(R)
+        g = _Rec(R)  # whole on every rank: summing it again would count it world-size times
+        if r.t is P:
+            g.reduced = "the gradient of a partial value, whole on every rank"
+        elif root is not None and root.kind == REPLICATED:
+            g.reduced = (
+                f"a gradient of a replicated objective, whole on every rank ({root.why}){_PER_RANK_LOSS}"
+            )
+        else:
+            g.reduced = f"a replicated gradient, whole on every rank{_PER_RANK_LOSS}"
+        return g
 
     def _type_grads(self, before: Mapping[int, _Rec], strict: str | None) -> None:
         key = self.key

@@ -518,7 +518,9 @@ def _patch_raw_all_reduce() -> None:
                 op == dist.ReduceOp.AVG,
                 site,
             )
-            tensor.__dict__[c.key] = _Rec(R, why=f"the output of torch.distributed.all_reduce at {site}")
+            done = _Rec(R, why=f"the output of torch.distributed.all_reduce at {site}")
+            done.reduced = f"the result of torch.distributed.all_reduce at {site}"
+            tensor.__dict__[c.key] = done
         return out
 
     all_reduce.__wrapped__ = orig  # type: ignore[attr-defined]

@@ -112,6 +112,7 @@ class _Lattice(_CheckState):
                 continue
             if res.t is R and res.cell is not None and not o.requires_grad:
                 o.__dict__[key] = _Rec(R)
+                o.__dict__[key].reduced = res.reduced
             else:
                 o.__dict__[key] = res
                 if res.cell is not None and o.grad_fn is None and not isinstance(o, torch.nn.Parameter):
@@ -154,13 +155,14 @@ class _Lattice(_CheckState):
                         out.rep, out.rep_elem = f"{name} at {_site()}", name in _STACKING
             return out
         # all replicated: one gradient kind for all that require grad
-        if not diff:
-            return _Rec(R)
         cell = None
-        for r, t in zip(recs, ins):
-            if r.cell is not None and t.requires_grad:
-                cell = r.cell if cell is None else self._union(cell, r.cell, name)
-        return _Rec(R, cell if cell is not None else _Cell())
+        if diff:
+            for r, t in zip(recs, ins):
+                if r.cell is not None and t.requires_grad:
+                    cell = r.cell if cell is None else self._union(cell, r.cell, name)
+        out = _Rec(R, cell if cell is not None or not diff else _Cell())
+        out.reduced = next((r.reduced for r in recs if r.reduced), None)  # made from a reduction
+        return out
 
     def _masked(self, name: str, args: Any, kwargs: Any) -> _Rec | None:
         """``x[mask] = 0``, ``where(mask, x, 0)``, ``masked_fill(mask, 0)`` of a partial

@@ -110,7 +110,20 @@ class _Escape(BaseException):
 class _Rec:
     """One tensor's type under one check."""
 
-    __slots__ = ("t", "cell", "shard", "why", "param", "auto", "acc", "strict", "rep", "rep_elem", "copy_at")
+    __slots__ = (
+        "t",
+        "cell",
+        "shard",
+        "why",
+        "param",
+        "auto",
+        "acc",
+        "strict",
+        "rep",
+        "rep_elem",
+        "copy_at",
+        "reduced",
+    )
 
     def __init__(self, t: T, cell: _Cell | None = None, shard: int | None = None, why: str = "") -> None:
         self.t = t
@@ -134,6 +147,13 @@ class _Rec:
         #: a partial gradient made where a replicated activation met a varying weight: the
         #: op and line where copy_to_region belongs
         self.copy_at: str | None = None
+        #: a replicated value that already holds the ranks' values combined (in words): the
+        #: result of a communication op over the group (a reduction, a gather, a broadcast),
+        #: a value plain ops made from one, or a gradient of a replicated objective (whole on
+        #: every rank). Summing it again counts what it holds world-size times, with or
+        #: without a gradient; a replicated value that holds none of these and requires no
+        #: grad may be summed (``W * x``: arithmetic on equal values)
+        self.reduced: str | None = None
 
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,6 +22,9 @@ class _CheckState(TorchFunctionMode):
     key: str
     #: the checked process group (resolved on entry)
     pg: Any
+    #: ``"loss"`` (the loss's type decides the objective) or ``"sum"`` (every objective is
+    #: the sum of the per-rank objectives: the contract's sum convention)
+    objective: str
     #: id(param) -> its entry (held until the block ends: the gradient check)
     _params: dict[int, _Param]
     #: leaf inputs (not parameters) that require grad: their gradient is checked when a

@@ -86,6 +86,11 @@ __all__ = list(_CHECK)
 
 _COUNTER = itertools.count()
 
+#: what a backward differentiates: ``"loss"``, the loss's type decides (a replicated loss
+#: is a replicated objective, counted once); ``"sum"``, the contract's sum convention for
+#: every loss (the sum of the per-rank losses, a replicated one included)
+_OBJECTIVES = ("loss", "sum")
+
 #: why a tensor nothing in the check made is replicated (the fix, if it is per-rank data)
 _UNDECLARED = (
     " (no per-rank source: a tensor entering the block is replicated unless declared, and so "
@@ -115,8 +120,15 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         partial: Iterable[Tensor] = (),
         modules: Iterable[torch.nn.Module] | torch.nn.Module = (),
         check_grads: bool = True,
+        objective: str = "loss",
     ) -> None:
         super().__init__()
+        if objective not in _OBJECTIVES:
+            raise ValueError(
+                "diffcomm.spmd_check: argument `objective` must be one of "
+                f"{', '.join(map(repr, _OBJECTIVES))}, got {objective!r}"
+            )
+        self.objective = objective
         self.group = group
         self.pg: Any = None
         self.key = f"_dc_spmd{next(_COUNTER)}"
@@ -193,7 +205,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
             b = x._base.__dict__.get(self.key)
             if b is not None:  # its base's type (a view of a parameter is not the parameter)
                 r = x.__dict__[self.key] = _Rec(b.t, b.cell, b.shard, b.why)
-                r.rep = b.rep
+                r.rep, r.reduced = b.rep, b.reduced
         if r is None and "_local_type" in x.__dict__:  # an spmd_types annotation (assert_type)
             r = self._from_spmd_types(x)
         if r is None:
@@ -391,11 +403,21 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
                 continue
             self._check_summed(name, arg, r, summing, avg, site)
             out = rule.maps.get(r.t)
+            free = rule.no_grad if not t.requires_grad and not r.reduced else None
+            if out is None and r.t is R and free is not None:
+                # a sum of equal values that nothing differentiates through and that no
+                # communication over the group made: arithmetic (W * x, `dc.all_reduce(
+                # torch.ones(3))`); one that requires grad, or holds a reduction, a gather, a
+                # broadcast or a replicated objective's gradient, is refused
+                outs.append(free)
+                continue
             if out is None:
                 expected = " or ".join(x.value for x in rule.maps)
                 why = rule.refuse.get(r.t, "")
                 origin = f" (it is {r.why})" if r.why else ""
-                if r.t is R and not r.why and r.param is None:
+                if r.t is R and r.reduced:
+                    origin = f" (it holds {r.reduced})"
+                elif r.t is R and not r.why and r.param is None:
                     origin = _UNDECLARED
                 raise SPMDTypeError(
                     f"diffcomm.spmd_check: {name} at {site}: argument `{arg}` is {r.t.value}{origin}, "
@@ -419,6 +441,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
             for i, o in enumerate(outputs):
                 src = recs[min(i, len(recs) - 1)][2] if recs else _Rec(R)
                 o.__dict__[key] = _Rec(src.t, src.cell if grad else None, why=src.why)
+                o.__dict__[key].reduced = src.reduced
             return
         name, rule, outs, site = plan.name, plan.rule, plan.outs, plan.site
         grad, shares, avg = plan.grad, plan.shares, plan.avg
@@ -430,6 +453,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
             share = shares[min(i, len(shares) - 1)] if shares and rule.outputs is None else None
             if t is R and share is not None:
                 o.__dict__[key] = _Rec(R, share, why=f"the output of {name} at {site}")
+                o.__dict__[key].reduced = f"the result of {name} at {site}"
             elif t is R:
                 kind = rule.out_grad
                 why = f"it is the output of {name} at {site}, whose backward " + (
@@ -441,6 +465,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
                     why += f"; under a replicated objective use {rule.instead}"
                 cell = _Cell(kind, why, mean=avg and kind == PARTIAL) if grad else None
                 o.__dict__[key] = _Rec(R, cell, why=f"the output of {name} at {site}")
+                o.__dict__[key].reduced = f"the result of {name} at {site}"  # combined over the ranks
             else:
                 o.__dict__[key] = _Rec(t, why=f"the {t.value} output of {name} at {site}")
 
@@ -485,6 +510,7 @@ def spmd_check(
     partial: Iterable[Tensor] = (),
     modules: Iterable[torch.nn.Module] | torch.nn.Module = (),
     check_grads: bool = True,
+    objective: str = "loss",
 ) -> SPMDCheck:
     """Check replication types over ``group`` in a ``with`` block, without communicating.
 
@@ -501,6 +527,16 @@ def spmd_check(
             the block are typed when they run.
         check_grads: on leaving the block, check that every replicated parameter's
             gradient is replicated (:meth:`SPMDCheck.check_grads`).
+        objective: what a backward differentiates. ``"loss"`` (default): the loss's type
+            decides: a replicated loss is a replicated objective (counted once, Megatron's
+            convention), a varying one the sum of the per-rank losses. ``"sum"``: every
+            objective is the sum of the per-rank objectives (the contract's sum
+            convention), a replicated loss included: its gradient is each rank's own
+            contribution, so the sum-convention ops (``dc.all_gather`` into
+            ``(y ** 2).sum()``) pass and the replicated-objective mappings
+            (``parallel.reduce_from_region``) are errors. The check cannot tell the two
+            conventions apart from the program (``dc.all_gather`` into a replicated loss is
+            the sum convention's demo and Megatron's 2x bug alike): say which one is meant.
 
     Returns:
         The check (a context manager; ``check.type_of(x)``, ``check.check_grads()``).
@@ -514,7 +550,9 @@ def spmd_check(
         with dc.LocalWorld(2) as world:
             world.run(step)
     """
-    return SPMDCheck(group, varying=varying, partial=partial, modules=modules, check_grads=check_grads)
+    return SPMDCheck(
+        group, varying=varying, partial=partial, modules=modules, check_grads=check_grads, objective=objective
+    )
 
 
 def _current() -> SPMDCheck:

@@ -454,6 +454,47 @@ def all_gather_of_draws_seeded_alike(fixed: bool) -> None:
     y.pow(2).mean().backward()
 
 
+def all_reduce_after_row_parallel_without_grad(fixed: bool) -> None:
+    """dc.all_reduce on a RowParallelLinear's output in evaluation (``torch.no_grad()``):
+    no gradient flows, but the value was reduced inside the layer; summed again it is
+    world-size times too large (a replicated value is summable without a gradient only when
+    it holds no reduction)."""
+    row = _row()
+    with torch.no_grad():
+        y = row(dc.spmd.varying(_shard(3, _fs())))
+        if not fixed:
+            y = dc.all_reduce(y)
+
+
+def gathered_norm_all_reduced(fixed: bool) -> None:
+    """A global norm made by gathering the ranks' squared norms and summing them (no
+    gradient), then all-reduced as well: every rank's part counted world-size times."""
+    total = dc.all_gather(dc.spmd.varying(_shard(1)).pow(2)).sum()
+    if not fixed:
+        total = dc.all_reduce(total)
+    total.sqrt()
+
+
+def replicated_gradient_reduced_again(fixed: bool) -> None:
+    """A replicated parameter's gradient under a replicated objective (a RowParallelLinear's
+    bias: whole on every rank, no gradient flows through its reduction) all-reduced over the
+    tensor-parallel group after backward: world-size times too large."""
+    row = _row()
+    row(dc.spmd.varying(_shard(3, _fs()))).pow(2).mean().backward()
+    if not fixed:
+        row.bias.grad = dc.all_reduce(_grad(row.bias))
+
+
+def replicated_activation_all_reduced(fixed: bool) -> None:
+    """An activation every rank computes whole (a replicated LayerNorm's output, which
+    requires grad) summed over the ranks as if it were partial: world-size times too large,
+    forward and backward."""
+    h = nn.LayerNorm(H, dtype=torch.float64)(_x(3, H))
+    if not fixed:
+        h = dc.all_reduce(h)
+    h.pow(2).mean().backward()
+
+
 def all_gather_with_a_replicated_cotangent(fixed: bool) -> None:
     """``torch.autograd.grad`` through a sum-convention all_gather with a gradient argument
     equal on every rank: the objective ``<y, c>`` is replicated (counted once), so the
@@ -663,6 +704,30 @@ BUGS: list[Bug] = [
         ("all_gather", "gather_from_region"),
     ),
     Bug(
+        "all_reduce after a row-parallel layer, without a gradient",
+        "reduction done twice",
+        all_reduce_after_row_parallel_without_grad,
+        ("all_reduce", "reduce_from_region", "twice"),
+    ),
+    Bug(
+        "all_reduce of a gathered norm, without a gradient",
+        "reduction done twice",
+        gathered_norm_all_reduced,
+        ("all_reduce", "the result of all_gather", "twice"),
+    ),
+    Bug(
+        "replicated-objective gradient all-reduced again",
+        "reduction done twice",
+        replicated_gradient_reduced_again,
+        ("all_reduce", "gradient of a replicated objective", "twice"),
+    ),
+    Bug(
+        "all_reduce of a replicated activation that requires grad",
+        "reduction of a replicated value",
+        replicated_activation_all_reduced,
+        ("all_reduce", "`x` is replicated", "twice"),
+    ),
+    Bug(
         "rank-sliced data to ColumnParallelLinear",
         "varying tensor where a layer expects replicated input",
         rank_sliced_data_to_column_parallel,
@@ -843,6 +908,16 @@ def vjp_with_a_per_rank_cotangent() -> None:
     torch.autograd.grad(dc.all_gather(x), x, grad_outputs=y)
 
 
+def all_reduce_of_a_replicated_constant() -> None:
+    """A sum of a value equal on every rank that nothing differentiates through and that
+    holds no reduction (docs/install.md's ``dc.all_reduce(torch.ones(3))``, a count of the
+    ranks): arithmetic, ``W * x``, replicated; max of equal values is the value."""
+    n = dc.all_reduce(torch.ones((), dtype=torch.float64))
+    assert n.item() == dc.get_world_size()
+    assert torch.equal(dc.all_reduce(_x(3), "max"), _x(3))
+    (n * _x(3, H, grad=True)).pow(2).sum().backward()
+
+
 def forward_mode_through_a_collective() -> None:
     """``torch.func.jvp`` of an all_reduce at a per-rank point (docs/transforms.md): the
     forward-AD dual of a varying value is varying."""
@@ -870,6 +945,7 @@ CORRECT: dict[str, Callable[[], None]] = {
     "a torch.Generator seeded from the rank, summed": generator_seeded_from_the_rank_summed,
     "the default generator seeded non-deterministically": default_generator_seeded_non_deterministically,
     "a vjp with a per-rank cotangent": vjp_with_a_per_rank_cotangent,
+    "all_reduce of a replicated constant (no gradient)": all_reduce_of_a_replicated_constant,
 }
 
 
