@@ -82,9 +82,10 @@ def test_pytest_hides_torchs_own_jit_deprecation_but_not_others() -> None:
 
 
 def test_every_builtin_op_is_exported_by_its_home() -> None:
-    """Every registered built-in op is bound, by name, in its family's home (``dc.p2p.send``),
-    in the package face (``dc.send``, ``__all__``) and in the command line's literal lists
-    (``tools/op_names.py``, in the registry's order); the face's ``__all__`` is what it binds."""
+    """Every registered built-in op is bound, by name, in its family's home (``dc.p2p.send``)
+    and listed in the home's first literal ``__all__`` in the registry's order (what the
+    command line reads, ``tools/op_names.py``); the package face re-exports every name of
+    the homes' ``__all__`` (``dc.send``, ``__all__``); the face's ``__all__`` is what it binds."""
     from diffcomm import parallel
     from diffcomm.ops import coalesced, collectives, p2p
     from diffcomm.ops import registry as R
@@ -99,6 +100,9 @@ def test_every_builtin_op_is_exported_by_its_home() -> None:
             if f != "mapping":  # the mappings are dc.parallel.<name>
                 assert getattr(diffcomm, name, None) is fn and name in diffcomm.__all__, name
     assert builtin_ops() == ops
+    for home in (collectives, p2p, coalesced):  # the face re-exports each home's __all__
+        for name in home.__all__:
+            assert getattr(diffcomm, name) is getattr(home, name) and name in diffcomm.__all__, name
     # diffcomm.parallel's face imports every public name of its modules by name
     faces = ("mappings", "layers", "blocks", "loss", "context", "routing", "moe")
     for module in (getattr(parallel, m) for m in faces):
