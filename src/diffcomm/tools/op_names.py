@@ -12,6 +12,7 @@ which are not ops. tests/test_packaging.py checks the lists against the registry
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 __all__ = ["FAMILY_ORDER", "HOMES", "builtin_ops", "family_ops"]
@@ -30,10 +31,16 @@ HOMES = {
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 
+#: the first line of a module-level ``__all__ = [`` / ``__all__: list[str] = [``
+_ALL = re.compile(r"__all__\s*(?::[^=]*)?=\s*\[")
+
 
 def family_ops(family: str) -> list[str]:
     """The public names of diffcomm's own ops of ``family``, in the registry's order: the
     first ``__all__ = [...]`` (or ``__all__: list[str] = [...]``) of its home's source.
+
+    Only that statement is parsed (from its first line to the line that completes it), not
+    the whole module: ``check --help`` reads four homes, one of them 800 lines long.
 
     Raises:
         ValueError: ``family`` is not one of :data:`FAMILY_ORDER`.
@@ -42,18 +49,21 @@ def family_ops(family: str) -> list[str]:
     if family not in HOMES:
         raise ValueError(f"family: expected one of {', '.join(FAMILY_ORDER)}, got {family!r}")
     path = _PACKAGE / HOMES[family]
-    for node in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-        elif isinstance(node, ast.AnnAssign) and node.value is not None:
-            target, value = node.target, node.value
-        else:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for start, line in enumerate(lines):
+        if _ALL.match(line) is None:
             continue
-        if isinstance(target, ast.Name) and target.id == "__all__":
+        for end in range(start + 1, len(lines) + 1):
+            try:
+                (node,) = ast.parse("\n".join(lines[start:end])).body
+            except SyntaxError:
+                continue
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
             names = ast.literal_eval(value) if isinstance(value, ast.List) else None
-            if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-                break
-            return names
+            if isinstance(names, list) and all(isinstance(n, str) for n in names):
+                return names
+            break
+        break
     raise RuntimeError(f"{path}: no literal `__all__ = [...]` list of the {family!r} family's ops")
 
 
