@@ -229,7 +229,18 @@ def test_import_is_eager_and_only_the_command_line_is_lazy() -> None:
         "except AttributeError as exc:\n"
         "    print(exc)\n"
     )
-    for code, expected in ((eager, []), (lazy, [diffcomm.__version__, _NO_SUCH_NAME])):
+    # a star import is a first use too: the lazy package's ``__all__`` is the whole face
+    lazy_star = (
+        "import sys\n"
+        "sys.argv[0] = 'diffcomm'\n"
+        "import diffcomm as dc\n"
+        "assert 'torch' not in sys.modules, 'the command line imported torch'\n"
+        "star = {}\n"
+        "exec('from diffcomm import *', star)\n"
+        "del star['__builtins__']\n"
+        "assert {'all_gather', 'send', 'DUALS', 'LocalWorld'} <= set(star) == set(dc.__all__)\n"
+    )
+    for code, expected in ((eager, []), (lazy, [diffcomm.__version__, _NO_SUCH_NAME]), (lazy_star, [])):
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr
         assert p.stdout.splitlines() == expected
