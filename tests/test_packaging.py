@@ -174,9 +174,13 @@ follow_imports = silent
 
 
 def test_go_to_definition_reaches_the_function(tmp_path: Path) -> None:
-    """Static analysis sees ``dc.all_gather`` as the function (its signature), not ``Any``."""
+    """Static analysis sees ``dc.all_gather`` as the function (its signature), not ``Any``:
+    one op of each family home the face re-exports (``from .ops.<home> import *``)."""
     probe = tmp_path / "probe.py"
-    probe.write_text("import diffcomm as dc\nreveal_type(dc.all_gather)\nreveal_type(dc.send)\n")
+    probe.write_text(
+        "import diffcomm as dc\n"
+        "reveal_type(dc.all_gather)\nreveal_type(dc.send)\nreveal_type(dc.all_reduce_coalesced)\n"
+    )
     (tmp_path / "mypy.ini").write_text(_PROBE_MYPY_INI)
     p = subprocess.run(
         [
@@ -195,9 +199,10 @@ def test_go_to_definition_reaches_the_function(tmp_path: Path) -> None:
         timeout=600,
     )
     revealed = re.findall(r'Revealed type is "(.*)"', p.stdout)
-    assert len(revealed) == 2, p.stdout + p.stderr
+    assert len(revealed) == 3, p.stdout + p.stderr
     assert revealed[0].startswith("def (x: torch._tensor.Tensor, dim: int =, group: "), revealed
     assert revealed[1].startswith("def (x: torch._tensor.Tensor, dst: int, group: "), revealed
+    assert revealed[2].startswith("def (tensors: typing.Sequence[torch._tensor.Tensor], op: "), revealed
 
 
 def test_import_is_eager_and_only_the_command_line_is_lazy() -> None:

@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 # is lazy: while ``python -m diffcomm`` or the ``diffcomm`` console script starts, nothing
 # here imports torch, so ``--help`` answers at once and each subcommand imports what it
 # needs; a first use of a public name (``dc.LocalWorld``, or ``__all__``) then runs this
-# file again with the imports (``_lazy_face``).
+# file again with the imports (``__getattr__`` below).
 
 
 def _cli_starting() -> bool:
