@@ -82,9 +82,10 @@ def test_pytest_hides_torchs_own_jit_deprecation_but_not_others() -> None:
 
 
 def test_every_builtin_op_is_exported_by_its_home() -> None:
-    """Every registered built-in op is bound, by name, in its family's home (``dc.p2p.send``),
-    in the package face (``dc.send``, ``__all__``) and in the command line's literal lists
-    (``tools/op_names.py``, in the registry's order); the face's ``__all__`` is what it binds."""
+    """Every registered built-in op is bound, by name, in its family's home (``dc.p2p.send``)
+    and listed in the home's first literal ``__all__`` in the registry's order (what the
+    command line reads, ``tools/op_names.py``); the package face re-exports every name of
+    the homes' ``__all__`` (``dc.send``, ``__all__``); the face's ``__all__`` is what it binds."""
     from diffcomm import parallel
     from diffcomm.ops import coalesced, collectives, p2p
     from diffcomm.ops import registry as R
@@ -99,6 +100,9 @@ def test_every_builtin_op_is_exported_by_its_home() -> None:
             if f != "mapping":  # the mappings are dc.parallel.<name>
                 assert getattr(diffcomm, name, None) is fn and name in diffcomm.__all__, name
     assert builtin_ops() == ops
+    for home in (collectives, p2p, coalesced):  # the face re-exports each home's __all__
+        for name in home.__all__:
+            assert getattr(diffcomm, name) is getattr(home, name) and name in diffcomm.__all__, name
     # diffcomm.parallel's face imports every public name of its modules by name
     faces = ("mappings", "layers", "blocks", "loss", "context", "routing", "moe")
     for module in (getattr(parallel, m) for m in faces):
@@ -170,9 +174,13 @@ follow_imports = silent
 
 
 def test_go_to_definition_reaches_the_function(tmp_path: Path) -> None:
-    """Static analysis sees ``dc.all_gather`` as the function (its signature), not ``Any``."""
+    """Static analysis sees ``dc.all_gather`` as the function (its signature), not ``Any``:
+    one op of each family home the face re-exports (``from .ops.<home> import *``)."""
     probe = tmp_path / "probe.py"
-    probe.write_text("import diffcomm as dc\nreveal_type(dc.all_gather)\nreveal_type(dc.send)\n")
+    probe.write_text(
+        "import diffcomm as dc\n"
+        "reveal_type(dc.all_gather)\nreveal_type(dc.send)\nreveal_type(dc.all_reduce_coalesced)\n"
+    )
     (tmp_path / "mypy.ini").write_text(_PROBE_MYPY_INI)
     p = subprocess.run(
         [
@@ -191,9 +199,10 @@ def test_go_to_definition_reaches_the_function(tmp_path: Path) -> None:
         timeout=600,
     )
     revealed = re.findall(r'Revealed type is "(.*)"', p.stdout)
-    assert len(revealed) == 2, p.stdout + p.stderr
+    assert len(revealed) == 3, p.stdout + p.stderr
     assert revealed[0].startswith("def (x: torch._tensor.Tensor, dim: int =, group: "), revealed
     assert revealed[1].startswith("def (x: torch._tensor.Tensor, dst: int, group: "), revealed
+    assert revealed[2].startswith("def (tensors: typing.Sequence[torch._tensor.Tensor], op: "), revealed
 
 
 def test_import_is_eager_and_only_the_command_line_is_lazy() -> None:
@@ -225,7 +234,18 @@ def test_import_is_eager_and_only_the_command_line_is_lazy() -> None:
         "except AttributeError as exc:\n"
         "    print(exc)\n"
     )
-    for code, expected in ((eager, []), (lazy, [diffcomm.__version__, _NO_SUCH_NAME])):
+    # a star import is a first use too: the lazy package's ``__all__`` is the whole face
+    lazy_star = (
+        "import sys\n"
+        "sys.argv[0] = 'diffcomm'\n"
+        "import diffcomm as dc\n"
+        "assert 'torch' not in sys.modules, 'the command line imported torch'\n"
+        "star = {}\n"
+        "exec('from diffcomm import *', star)\n"
+        "del star['__builtins__']\n"
+        "assert {'all_gather', 'send', 'DUALS', 'LocalWorld'} <= set(star) == set(dc.__all__)\n"
+    )
+    for code, expected in ((eager, []), (lazy, [diffcomm.__version__, _NO_SUCH_NAME]), (lazy_star, [])):
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr
         assert p.stdout.splitlines() == expected

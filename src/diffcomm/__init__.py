@@ -13,19 +13,22 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# The public names, each listed once below as ``from .module import name as name`` (as
-# JAX's ``lax/__init__.py``): an IDE or mypy goes from ``dc.all_gather`` to its function.
-# ``__all__`` is these names (tests/test_packaging.py checks that the face, ``__all__``,
-# the families' homes and the registry agree; a built-in op is one line in its family's
-# home, one here and one in ``tools/op_names.py``).
+# The public names, each listed once (as JAX's ``lax/__init__.py``): a name of the package
+# is one ``from .module import name as name`` line below and one entry of ``__all__``; an op
+# family's names (its ops and tables) are listed in its home's ``__all__``
+# (``ops/collectives.py``, ``ops/p2p.py``, ``ops/coalesced.py``) and re-exported here by
+# ``from .ops.<home> import *`` and ``__all__ += <home>.__all__``, forms mypy and IDEs read
+# statically (``dc.all_gather`` goes to its function). So a built-in op is its module, its
+# import line and ``__all__`` entry in its family's home, and its test; tests/test_packaging.py
+# checks that the face, ``__all__``, the homes and the registry agree.
 #
 # A plain ``import diffcomm`` imports every submodule at once (the imports below), so the
 # import cost (torch: seconds) is paid there, never inside a user's first collective, where
 # one rank still importing would look like a desync to the others. Only the command line
 # is lazy: while ``python -m diffcomm`` or the ``diffcomm`` console script starts, nothing
 # here imports torch, so ``--help`` answers at once and each subcommand imports what it
-# needs; a first use of a public name (``dc.LocalWorld``) then runs this file again with
-# the imports (``_lazy_face``).
+# needs; a first use of a public name (``dc.LocalWorld``, or ``__all__``) then runs this
+# file again with the imports (``__getattr__`` below).
 
 
 def _cli_starting() -> bool:
@@ -52,8 +55,9 @@ if not TYPE_CHECKING and _lazy:
     def __getattr__(name: str) -> Any:
         """The command line's lazy package: a submodule imports alone (a module being
         imported may ask for a sibling, ``from .. import rng``, while others are
-        half-initialized); any other public name runs this file again, with its imports."""
-        if name.startswith("__"):
+        half-initialized); any other public name (``__all__`` too: the families' names are
+        their homes') runs this file again, with its imports."""
+        if name.startswith("__") and name != "__all__":
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         if importlib.util.find_spec(f"{__name__}.{name}") is not None:
             return importlib.import_module(f"{__name__}.{name}")
@@ -64,8 +68,9 @@ if not TYPE_CHECKING and _lazy:
 else:
     # one line per public name, by module: the layers and tools (``dc.parallel``), the op
     # families' homes by their old top-level names (``dc.p2p.irecv``,
-    # ``dc.collectives.duals_markdown``, ``dc.world``), the ops (docs: the homes), the
-    # settings, errors, asynchronous results, flight recorder and the SPMD type check
+    # ``dc.collectives.duals_markdown``, ``dc.world``), each family's ops and tables (a
+    # star import of its home's ``__all__``; docs: the homes), the settings, errors,
+    # asynchronous results, flight recorder and the SPMD type check
     from . import accelerator as accelerator
     from . import backend as backend
     from . import compat as compat
@@ -91,29 +96,10 @@ else:
     from .ops import coalesced as coalesced
     from .ops import collectives as collectives
     from .ops import p2p as p2p
-    from .ops.coalesced import all_gather_coalesced as all_gather_coalesced
-    from .ops.coalesced import all_reduce_coalesced as all_reduce_coalesced
-    from .ops.coalesced import broadcast_coalesced as broadcast_coalesced
-    from .ops.coalesced import reduce_coalesced as reduce_coalesced
-    from .ops.coalesced import reduce_scatter_coalesced as reduce_scatter_coalesced
-    from .ops.collectives import DUALS as DUALS
-    from .ops.collectives import OPS as OPS
-    from .ops.collectives import all_gather as all_gather
-    from .ops.collectives import all_reduce as all_reduce
-    from .ops.collectives import all_to_all as all_to_all
-    from .ops.collectives import broadcast as broadcast
-    from .ops.collectives import dual as dual
-    from .ops.collectives import gather as gather
-    from .ops.collectives import reduce as reduce
-    from .ops.collectives import reduce_scatter as reduce_scatter
-    from .ops.collectives import scatter as scatter
+    from .ops.coalesced import *  # noqa: F403 - the family's names: its home's __all__
+    from .ops.collectives import *  # noqa: F403 - the family's names: its home's __all__
     from .ops.engine import AsyncTensor as AsyncTensor
-    from .ops.p2p import ppermute as ppermute
-    from .ops.p2p import recv as recv
-    from .ops.p2p import send as send
-    from .ops.p2p import sendrecv as sendrecv
-    from .ops.p2p import shift as shift
-    from .ops.p2p import wait_sends as wait_sends
+    from .ops.p2p import *  # noqa: F403 - the family's names: its home's __all__
     from .ops.precision import Precision as Precision
     from .runtime import world as world
     from .runtime.world import LocalWorld as LocalWorld
@@ -124,58 +110,39 @@ else:
     from .runtime.world import launch as launch
     from .spmd.check import spmd_check as spmd_check
 
-__all__ = [
-    "accelerator",
-    "all_gather",
-    "all_gather_coalesced",
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_to_all",
-    "AsyncTensor",
-    "backend",
-    "broadcast",
-    "broadcast_coalesced",
-    "CollectiveTimeoutError",
-    "compat",
-    "CrossRankMismatchError",
-    "debug",
-    "DesyncError",
-    "DiffcommError",
-    "dual",
-    "DUALS",
-    "flight_recorder",
-    "FlightRecorder",
-    "gather",
-    "get_rank",
-    "get_world_size",
-    "init",
-    "is_initialized",
-    "launch",
-    "LocalWorld",
-    "OPS",
-    "parallel",
-    "pipeline",
-    "ppermute",
-    "Precision",
-    "RankDesyncError",
-    "RankDiedError",
-    "RankError",
-    "recv",
-    "reduce",
-    "reduce_coalesced",
-    "reduce_scatter",
-    "reduce_scatter_coalesced",
-    "rng",
-    "scatter",
-    "send",
-    "sendrecv",
-    "settings",
-    "shift",
-    "spmd",
-    "spmd_check",
-    "SPMDTypeError",
-    "timeout",
-    "wait_sends",
-    "WorldTimeoutError",
-    "WorldTooLargeError",
-]
+    __all__ = [
+        "accelerator",
+        "AsyncTensor",
+        "backend",
+        "CollectiveTimeoutError",
+        "compat",
+        "CrossRankMismatchError",
+        "debug",
+        "DesyncError",
+        "DiffcommError",
+        "flight_recorder",
+        "FlightRecorder",
+        "get_rank",
+        "get_world_size",
+        "init",
+        "is_initialized",
+        "launch",
+        "LocalWorld",
+        "parallel",
+        "pipeline",
+        "Precision",
+        "RankDesyncError",
+        "RankDiedError",
+        "RankError",
+        "rng",
+        "settings",
+        "spmd",
+        "spmd_check",
+        "SPMDTypeError",
+        "timeout",
+        "WorldTimeoutError",
+        "WorldTooLargeError",
+    ]
+    __all__ += collectives.__all__
+    __all__ += p2p.__all__
+    __all__ += coalesced.__all__

@@ -371,42 +371,30 @@ def test_transforms_compile_and_async(world2: dc.LocalWorld) -> None:
         assert res["async_type"] == "AsyncTensor" and res["async"], (r, res)
 
 
-#: the names a built-in op adds besides its module: (file, after this line, the lines to add)
+#: the lines a built-in op adds besides its module and its test, all in its family's home:
+#: (file, after this line, the lines to add) - its ``name as name`` import and its entry in
+#: the home's first ``__all__`` (the face re-exports it; the command line reads it as data)
 _NAMED = [
     (
         "ops/collectives.py",
-        "from .all_to_all import raw_all_to_all\n",
+        "from .all_to_all import raw_all_to_all as raw_all_to_all\n",
         "from .stacking import all_stack as all_stack\nfrom .stacking import sum_unstack as sum_unstack\n",
     ),
     ("ops/collectives.py", '    "all_to_all",\n', '    "all_stack",\n    "sum_unstack",\n'),
     ("ops/p2p.py", "from .send_recv import send as send\n", "from .stacking import mirror as mirror\n"),
     ("ops/p2p.py", '    "ppermute",\n', '    "mirror",\n'),
-    (
-        "__init__.py",
-        "    from .ops.collectives import all_to_all as all_to_all\n",
-        "    from .ops.collectives import all_stack as all_stack\n"
-        "    from .ops.collectives import sum_unstack as sum_unstack\n",
-    ),
-    (
-        "__init__.py",
-        "    from .ops.p2p import ppermute as ppermute\n",
-        "    from .ops.p2p import mirror as mirror\n",
-    ),
-    ("__init__.py", '    "all_to_all",\n', '    "all_stack",\n    "sum_unstack",\n'),
-    ("__init__.py", '    "ppermute",\n', '    "mirror",\n'),
-    ("tools/op_names.py", 'scatter all_to_all"', 'scatter all_to_all all_stack sum_unstack"'),
-    ("tools/op_names.py", 'shift ppermute"', 'shift ppermute mirror"'),
 ]
 
 
 def test_a_built_in_op_is_its_module_and_its_names(tmp_path: Path) -> None:
     """The same block added to diffcomm itself: written as a new module of ``diffcomm.ops``
-    in a copy of the package, its names imported by its family's home (``dc.collectives``,
-    ``dc.p2p``) and by the package face and listed for the command line
-    (``tools/op_names.py``), with **no other file edited**: its ops are ``dc.all_stack`` /
-    ``dc.mirror`` (and in ``__all__``), attributes of their homes, in the registry and the
-    docs tables, named by ``check --help`` and checked by ``python -m diffcomm check``
-    without ``--module``. tests/test_packaging.py names an op missing from one of the lists."""
+    in a copy of the package, its names imported (and listed in ``__all__``) by its family's
+    home (``ops/collectives.py``, ``ops/p2p.py``), with **no other file edited** (not the
+    package face, not the command line, not docs/api.md): its ops are ``dc.all_stack`` /
+    ``dc.mirror`` (and in ``__all__``), attributes of their homes, in the registry, the
+    docs tables and the API page, named by ``check --help`` and checked by
+    ``python -m diffcomm check`` without ``--module``. tests/test_packaging.py names an op
+    missing from its home."""
     import json
     import shutil
 
@@ -421,7 +409,7 @@ def test_a_built_in_op_is_its_module_and_its_names(tmp_path: Path) -> None:
         path = src / "diffcomm" / rel
         text = path.read_text()
         assert text.count(anchor) == 1, (rel, anchor)
-        path.write_text(text.replace(anchor, anchor + lines if anchor.endswith("\n") else lines))
+        path.write_text(text.replace(anchor, anchor + lines))
     before = sorted(p.relative_to(ROOT / "src") for p in (ROOT / "src" / "diffcomm").rglob("*.py"))
     after = sorted(p.relative_to(src) for p in (src / "diffcomm").rglob("*.py"))
     assert sorted({*before, added.relative_to(src)}) == after  # one file more
@@ -430,11 +418,14 @@ def test_a_built_in_op_is_its_module_and_its_names(tmp_path: Path) -> None:
         for p in (src / "diffcomm").rglob("*.py")
         if p != added and p.read_text() != (ROOT / "src" / p.relative_to(src)).read_text()
     }
-    assert edited == {"ops/collectives.py", "ops/p2p.py", "__init__.py", "tools/op_names.py"}
+    assert edited == {"ops/collectives.py", "ops/p2p.py"}  # the homes, one per family
     env = {**os.environ, "PYTHONPATH": str(src)}
     probe = (
-        "import json, diffcomm as dc\n"
+        "import json, sys, diffcomm as dc\n"
         "from diffcomm.ops import registry as R\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from test_docs import _documented  # what docs/api.md documents, as its test reads it\n"
+        f"api = _documented(open({str(ROOT / 'docs' / 'api.md')!r}).read())\n"
         "from diffcomm.tools.commands import check_ops\n"
         "print(json.dumps({\n"
         "    'file': dc.__file__,\n"
@@ -446,6 +437,8 @@ def test_a_built_in_op_is_its_module_and_its_names(tmp_path: Path) -> None:
         "    'docs': ['| `sum_unstack` |' in dc.collectives.duals_markdown(),\n"
         "             '| `mirror` |' in dc.p2p.p2p_markdown()],\n"
         "    'check_ops': [n for n in check_ops() if n in ('all_stack', 'sum_unstack', 'mirror')],\n"
+        "    'api': [n for n in ('all_stack', 'sum_unstack', 'mirror') if any(\n"
+        "        getattr(sys.modules.get(m), n, None) is getattr(dc, n) for m, k in api if k == n)],\n"
         "}))\n"
     )
     p = subprocess.run(
@@ -457,7 +450,7 @@ def test_a_built_in_op_is_its_module_and_its_names(tmp_path: Path) -> None:
     assert got["module"] == ["diffcomm.ops.stacking"] * 3
     assert got["all"] == list(NEW) and got["homes"] == [True, True]
     assert got["duals"] == ["sum_unstack", "mirror"] and got["builtin"] and got["docs"] == [True, True]
-    assert got["check_ops"] == list(NEW)
+    assert got["check_ops"] == list(NEW) and got["api"] == list(NEW)
     # the command line knows them before torch is imported (a typo is refused at once) ...
     p = _python_m_diffcomm("check", "--ops", "all_stak", cwd=tmp_path, env=env, timeout=300)
     assert p.returncode == 2 and "(did you mean all_stack?)" in p.stderr, p.stderr[-2000:]

@@ -46,14 +46,17 @@ from .coalesced_reduce import reduce_coalesced as reduce_coalesced
 from .packing import debug_check as _debug_check
 from .registry import FamilyView, markdown
 
-__all__ = [
+#: The family's ops, in the registry's order: one ``name as name`` import above and one
+#: entry here per op. The package face re-exports this module's ``__all__``
+#: (``dc.all_reduce_coalesced``), and the command line reads this list as data, without
+#: importing torch (:mod:`diffcomm.tools.op_names`). The family's table
+#: (``COALESCED_OPS``, :func:`coalesced_markdown`) and the raw forward are attributes here.
+__all__: list[str] = [
     "all_reduce_coalesced",
     "broadcast_coalesced",
     "reduce_coalesced",
     "all_gather_coalesced",
     "reduce_scatter_coalesced",
-    "COALESCED_OPS",
-    "coalesced_markdown",
 ]
 
 #: coalesced op name -> its registry entry, read off its class (a live view of the

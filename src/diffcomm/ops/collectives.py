@@ -27,19 +27,27 @@ rank-local facts that could differ between ranks, and only call public diffcomm 
 from __future__ import annotations
 
 from .all_gather import all_gather as all_gather
-from .all_gather import raw_all_gather, raw_reduce_scatter
+from .all_gather import raw_all_gather as raw_all_gather
+from .all_gather import raw_reduce_scatter as raw_reduce_scatter
 from .all_gather import reduce_scatter as reduce_scatter
-from .all_reduce import WEIGHT_DTYPE, product_parts, product_weight, raw_all_reduce
+from .all_reduce import WEIGHT_DTYPE as WEIGHT_DTYPE
 from .all_reduce import all_reduce as all_reduce
+from .all_reduce import product_parts as product_parts
+from .all_reduce import product_weight as product_weight
+from .all_reduce import raw_all_reduce as raw_all_reduce
 from .all_to_all import all_to_all as all_to_all
-from .all_to_all import raw_all_to_all
+from .all_to_all import raw_all_to_all as raw_all_to_all
 from .broadcast_reduce import broadcast as broadcast
 from .broadcast_reduce import reduce as reduce
 from .gather_scatter import gather as gather
 from .gather_scatter import scatter as scatter
 from .registry import DualsView, FamilyView, dual, markdown
 
-__all__ = [
+#: The family's ops, in the registry's order: one ``name as name`` import above and one
+#: entry here per op. The package face re-exports this module's ``__all__``
+#: (``dc.all_gather``), and the command line reads this first list as data, without
+#: importing torch (:mod:`diffcomm.tools.op_names`).
+__all__: list[str] = [
     "all_reduce",
     "broadcast",
     "reduce",
@@ -48,19 +56,12 @@ __all__ = [
     "gather",
     "scatter",
     "all_to_all",
-    "DUALS",
-    "OPS",
-    "dual",
-    "duals_markdown",
-    # the raw forwards and the product rule, for the op families built on them (parallel)
-    "raw_all_reduce",
-    "raw_all_gather",
-    "raw_reduce_scatter",
-    "raw_all_to_all",
-    "WEIGHT_DTYPE",
-    "product_parts",
-    "product_weight",
 ]
+#: the family's tables, also on the package face (``dc.DUALS``); the raw forwards and the
+#: product rule (``raw_all_reduce``, ``WEIGHT_DTYPE``, ``product_parts``, ...) and
+#: :func:`duals_markdown` are attributes here, for the op families built on them
+#: (``diffcomm.parallel``) and the docs, not on the face
+__all__ += ["DUALS", "OPS", "dual"]
 
 #: op name -> its :class:`~diffcomm.ops.registry.Entry` (public function, dual, rules in
 #: words, the op class), read off the class: a live view of the registry's ``"collective"``

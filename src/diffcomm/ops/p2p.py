@@ -59,26 +59,27 @@ from .send_recv import is_send_node as is_send_node
 from .send_recv import recv as recv
 from .send_recv import send as send
 from .send_recv import send_owned as send_owned
-from .wire import MAX_NDIM, MAX_TAG, wait_sends
+from .wire import MAX_NDIM as MAX_NDIM
+from .wire import MAX_TAG as MAX_TAG
+from .wire import wait_sends
 
-#: the public names; ``check_tag``, ``irecv_fused``, ``is_send_node`` and ``send_owned``
-#: (imported above) are the pipeline runner's private entries, not exported
-__all__ = [
+#: The family's ops, in the registry's order: one ``name as name`` import above and one
+#: entry here per op. The package face re-exports this module's ``__all__`` (``dc.send``),
+#: and the command line reads this first list as data, without importing torch
+#: (:mod:`diffcomm.tools.op_names`).
+__all__: list[str] = [
     "send",
     "recv",
     "sendrecv",
     "shift",
     "ppermute",
-    "irecv",
-    "RecvHandle",
-    "post_grad_recv",
-    "wait_sends",
-    "OPS",
-    "DUALS",
-    "MAX_TAG",
-    "MAX_NDIM",
-    "p2p_markdown",
 ]
+#: the posted receives and ``wait_sends``, also on the package face. ``check_tag``,
+#: ``irecv_fused``, ``is_send_node`` and ``send_owned`` (imported above) are the pipeline
+#: runner's private entries, not exported; the family's tables (``OPS``, ``DUALS``,
+#: :func:`p2p_markdown`) and the wire's limits (``MAX_TAG``, ``MAX_NDIM``) are attributes
+#: here (``dc.p2p.DUALS``), not on the face (``dc.DUALS`` is the collectives')
+__all__ += ["irecv", "RecvHandle", "post_grad_recv", "wait_sends"]
 
 
 # ======================================================================================

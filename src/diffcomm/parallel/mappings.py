@@ -75,7 +75,9 @@ from ._coalesced import copy_to_region_coalesced, reduce_from_region_coalesced
 if TYPE_CHECKING:
     from ..ops.precision_format import Precision
 
-__all__ = [
+#: The ``"mapping"`` family's ops, in the registry's order (the command line reads this
+#: first list as data, without importing torch: :mod:`diffcomm.tools.op_names`)
+__all__: list[str] = [
     "copy_to_region",
     "reduce_from_region",
     "scatter_to_region",
@@ -85,10 +87,9 @@ __all__ = [
     "reduce_scatter_to_sequence",
     "all_gather_from_sequence",
     "all_to_all_region",
-    "copy_to_region_coalesced",
-    "reduce_from_region_coalesced",
-    "MAPPINGS",
 ]
+#: the coalesced forms (ops of no registry family) and the table
+__all__ += ["copy_to_region_coalesced", "reduce_from_region_coalesced", "MAPPINGS"]
 
 # Size: ~780 lines, over the ~600 guideline on purpose: nine mappings, each one block (its
 # CommOp class with the facts the registry reads that are its own: conjugate, reference,

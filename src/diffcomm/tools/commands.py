@@ -32,9 +32,10 @@ _CHECK_ALIASES = {"send": "send/recv", "recv": "send/recv"}
 
 def check_ops() -> list[str]:
     """The built-in ops ``check`` covers, in its cases' order (family by family:
-    collective, p2p, coalesced, mapping), from the literal lists of
-    :mod:`diffcomm.tools.op_names` (no torch import), so ``--help`` lists them and a bad
-    ``--ops`` is refused at once. With ``--module``, the names are read off the registry."""
+    collective, p2p, coalesced, mapping), from the families' homes' literal ``__all__``
+    lists, read as data by :mod:`diffcomm.tools.op_names` (no torch import), so ``--help``
+    lists them and a bad ``--ops`` is refused at once. With ``--module``, the names are read
+    off the registry."""
     from diffcomm.tools.op_names import builtin_ops
 
     names = [_CHECK_ALIASES.get(n, n) for ops in builtin_ops().values() for n in ops]

@@ -1,35 +1,73 @@
-"""diffcomm's own op names, as literals: the command line reads them without importing torch.
+"""diffcomm's own op names, read as data: the command line lists them without importing torch.
 
 ``python -m diffcomm check --help`` lists the ops and a bad ``--ops`` is refused at once,
-before torch is imported (seconds). The lists below are the registry's built-in ops,
-family by family, in each family's ``order`` (the order ``check`` runs them);
-tests/test_packaging.py checks them against the registry (and the families' homes), so a
-new built-in op that is missing here is named there.
+before torch is imported (seconds). Each op family's home lists its ops once, as the
+first literal ``__all__`` list of its source (in the registry's order, each bound by its
+``name as name`` import above it); this module reads that list with
+:func:`ast.literal_eval`, without importing the home (no module walk, no reading of class
+bodies). A later ``__all__ += [...]`` in a home adds its other names (tables, helpers),
+which are not ops. tests/test_packaging.py checks the lists against the registry.
 """
 
 from __future__ import annotations
 
-__all__ = ["FAMILY_ORDER", "BUILTIN_OPS", "builtin_ops"]
+import ast
+import re
+from pathlib import Path
+
+__all__ = ["FAMILY_ORDER", "HOMES", "builtin_ops", "family_ops"]
 
 #: the families in the order ``check`` runs them (its standard suite's order)
 FAMILY_ORDER = ("collective", "p2p", "coalesced", "mapping")
 
-#: family -> diffcomm's own ops of it, in the registry's order (literals, space-separated)
-BUILTIN_OPS: dict[str, tuple[str, ...]] = {
-    family: tuple(names.split())
-    for family, names in {
-        "collective": "all_reduce broadcast reduce all_gather reduce_scatter gather scatter all_to_all",
-        "p2p": "send recv sendrecv shift ppermute",
-        "coalesced": """all_reduce_coalesced broadcast_coalesced reduce_coalesced all_gather_coalesced
-            reduce_scatter_coalesced""",
-        "mapping": """copy_to_region reduce_from_region scatter_to_region gather_from_region
-            scatter_to_sequence gather_from_sequence reduce_scatter_to_sequence all_gather_from_sequence
-            all_to_all_region""",
-    }.items()
+#: family -> the source of its home (relative to the package), whose first ``__all__``
+#: lists the family's ops
+HOMES = {
+    "collective": "ops/collectives.py",
+    "p2p": "ops/p2p.py",
+    "coalesced": "ops/coalesced.py",
+    "mapping": "parallel/mappings.py",
 }
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+#: the first line of a module-level ``__all__ = [`` / ``__all__: list[str] = [``
+_ALL = re.compile(r"__all__\s*(?::[^=]*)?=\s*\[")
+
+
+def family_ops(family: str) -> list[str]:
+    """The public names of diffcomm's own ops of ``family``, in the registry's order: the
+    first ``__all__ = [...]`` (or ``__all__: list[str] = [...]``) of its home's source.
+
+    Only that statement is parsed (from its first line to the line that completes it), not
+    the whole module: ``check --help`` reads four homes, one of them 800 lines long.
+
+    Raises:
+        ValueError: ``family`` is not one of :data:`FAMILY_ORDER`.
+        RuntimeError: the home has no literal ``__all__`` list of strings (a broken home).
+    """
+    if family not in HOMES:
+        raise ValueError(f"family: expected one of {', '.join(FAMILY_ORDER)}, got {family!r}")
+    path = _PACKAGE / HOMES[family]
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for start, line in enumerate(lines):
+        if _ALL.match(line) is None:
+            continue
+        for end in range(start + 1, len(lines) + 1):
+            try:
+                (node,) = ast.parse("\n".join(lines[start:end])).body
+            except SyntaxError:
+                continue
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            names = ast.literal_eval(value) if isinstance(value, ast.List) else None
+            if isinstance(names, list) and all(isinstance(n, str) for n in names):
+                return names
+            break
+        break
+    raise RuntimeError(f"{path}: no literal `__all__ = [...]` list of the {family!r} family's ops")
 
 
 def builtin_ops() -> dict[str, list[str]]:
     """family -> the public names of diffcomm's own ops of it, in the registry's order
-    (families in :data:`FAMILY_ORDER`)."""
-    return {f: list(BUILTIN_OPS[f]) for f in FAMILY_ORDER}
+    (families in :data:`FAMILY_ORDER`), read from the homes' sources (no import)."""
+    return {f: family_ops(f) for f in FAMILY_ORDER}
