@@ -336,6 +336,30 @@ def test_float32_forward_is_close(world2) -> None:
     assert_close(torch.zeros(1), torch.zeros(1))
 
 
+def _linear_reprs() -> list[str]:
+    return [
+        repr(P.ColumnParallelLinear(4, 6, seed=0)),
+        repr(P.ColumnParallelLinear(4, 6, bias=False, gather_output=True, seed=0, overlap=True)),
+        repr(P.RowParallelLinear(4, 6, seed=0)),
+        repr(P.RowParallelLinear(4, 6, seed=0, input_is_parallel=True, sequence_parallel=True)),
+    ]
+
+
+def test_the_linears_repr_names_the_split_side_and_their_own_keyword(world2) -> None:
+    """One ``extra_repr`` for both linears: the per-rank count sits on the split side (out
+    for the column, in for the row), then the layer's own keyword."""
+    assert world2.run(_linear_reprs)[1] == [
+        "ColumnParallelLinear(in_features=4, out_features=6 (3 per rank), bias=True, "
+        "gather_output=False, sequence_parallel=False)",
+        "ColumnParallelLinear(in_features=4, out_features=6 (3 per rank), bias=False, "
+        "gather_output=True, sequence_parallel=False, overlap='comm')",
+        "RowParallelLinear(in_features=4 (2 per rank), out_features=6, bias=True, "
+        "input_is_parallel=False, sequence_parallel=False)",
+        "RowParallelLinear(in_features=4 (2 per rank), out_features=6, bias=True, "
+        "input_is_parallel=True, sequence_parallel=True)",
+    ]
+
+
 # ======================================================================================
 # column -> row by hand: the slip (a shard into a layer that expects the whole input) is
 # named with its fix; ParallelModule's from_serial; a plain container's shape message

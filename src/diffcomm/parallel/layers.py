@@ -232,6 +232,18 @@ class _ParallelLinear(ParallelModule):
         )
         self.load_serial_state_dict({"weight": w} if b is None else {"weight": w, "bias": b})
 
+    def extra_repr(self) -> str:
+        """Sizes (the split one with its per-rank count), bias, the layer's own keyword,
+        ``sequence_parallel`` and ``overlap`` when on."""
+        sizes = [f"in_features={self.in_features}", f"out_features={self.out_features}"]
+        sizes[1 - self._shard_dim] += f" ({self.weight.shape[self._shard_dim]} per rank)"
+        flag = self._sequence_parallel_needs[0]
+        return (
+            f"{sizes[0]}, {sizes[1]}, bias={self.bias is not None}, "
+            f"{flag}={getattr(self, flag)}, sequence_parallel={self.sequence_parallel}"
+            + (f", overlap={self.overlap!r}" if self.overlap else "")
+        )
+
     @classmethod
     def from_serial(  # type: ignore[override]  # a layer takes its serial twin, not any module
         cls: type[_L], linear: nn.Linear, group: A.GroupLike = None, **kwargs: Any
@@ -331,14 +343,6 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.gather_output:
             y = gather_from_region(y, -1, self._pg)
         return y
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features} "
-            f"({self.out_per_rank} per rank), bias={self.bias is not None}, "
-            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
-            + (f", overlap={self.overlap!r}" if self.overlap else "")
-        )
 
     def _overlapped(self, x: Tensor) -> Tensor:
         op = "parallel.ColumnParallelLinear"
@@ -471,14 +475,6 @@ class RowParallelLinear(_ParallelLinear):
 
     def _partial_grad_params(self) -> tuple[str, ...]:
         return ("bias",) if self.sequence_parallel and self.bias is not None else ()
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features} ({self.in_per_rank} per rank), "
-            f"out_features={self.out_features}, bias={self.bias is not None}, "
-            f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}"
-            + (f", overlap={self.overlap!r}" if self.overlap else "")
-        )
 
 
 # ======================================================================================
