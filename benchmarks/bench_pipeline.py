@@ -202,23 +202,47 @@ def _rank_profile(
     }
 
 
+def _model_widths(width: int, depth: int, p: int, layout: str) -> list[int]:
+    """Stage widths from an explicit cost model: a stage's ``F + I + W`` per micro-batch is
+    its multiply-adds (``F``, ``I`` and ``W`` each one product per Linear), less the first
+    Linear's input gradient on stage 0 (its input needs none); the loss and the
+    element-wise work are left out. Every rank gets the same total, the widths keep their
+    sum (``width / 2`` per stage on average)."""
+    n = p * (1 if layout == "plain" else 2)
+    per = depth // n
+    # in units of rows x width: a plain block costs 3 width, the sizing block 6 h
+    fixed = [3 * width * (per - 1) - (width if g == 0 and per > 1 else 0) for g in range(n)]
+    mine = [_rank_stages(r, p, layout) for r in range(p)]
+    c = [sum(fixed[g] for g in gs) for gs in mine]
+    total_h = n * width // 2
+    widths = [width // 2] * n
+    for r, gs in enumerate(mine):
+        h_rank = (6 * total_h + sum(c) - p * c[r]) / (6 * p)  # equal c_r + 6 h_rank on every rank
+        for g in gs:
+            widths[g] = max(8, int(round(h_rank / len(gs) / 8)) * 8)
+    if per == 1:  # stage 0's only Linear with an input is Linear(width, h): its missing I is width x h
+        widths[0] = max(8, int(round(widths[0] * 6 / 5 / 8)) * 8)
+    return widths
+
+
 def _calibrate(
     world: Any, args: argparse.Namespace, p: int, m: int, layout: str
 ) -> tuple[list[int], list[list[float]]]:
     """Stage widths that give every rank the same ``F + I + W`` per micro-batch.
 
-    Start at ``width / 2`` everywhere; profile (:func:`_rank_profile`); model rank ``r``'s
-    time per micro-batch as linear in the widths of its stages, with the slope from its
-    own measured time per multiply-add (``3 (F, I, W) x 2 (the sizing block's two Linear)
-    x rows x width`` per unit of ``h``); move every rank's widths so that its time meets
-    the ranks' mean; repeat until the spread (max / min - 1) is under ``--balance-tol`` or
-    ``--balance-iters`` profiles ran. Returns the widths and the last profile's per-rank
+    Start at :func:`_model_widths` (the multiply-add count); profile
+    (:func:`_rank_profile`); model rank ``r``'s time per micro-batch as linear in the
+    widths of its stages, with the slope from its own measured time per multiply-add
+    (``3 (F, I, W) x 2 (the sizing block's two Linear) x rows x width`` per unit of
+    ``h``); move every rank's widths so that its time meets the ranks' mean; repeat until
+    the spread (max / min - 1) is under ``--balance-tol`` or ``--balance-iters`` profiles
+    ran. Returns the widths of the profile with the least spread and its per-rank
     ``[F, I, W]`` seconds per micro-batch."""
     v = 1 if layout == "plain" else 2
     n = p * v
     w, rows = args.width, args.batch // m
     per = args.depth // n
-    widths = [w // 2] * n
+    widths = _model_widths(w, args.depth, p, layout)
     best: tuple[float, list[int], list[list[float]]] | None = None
     for it in range(args.balance_iters):
         prof = world.run(
@@ -448,10 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (after 1 warm-up)")
     ap.add_argument(
         "--balance",
-        choices=["measure", "none"],
+        choices=["measure", "model", "none"],
         default="measure",
         help="measure (default): size each stage so that every rank's F+I+W per micro-batch is equal, "
-        "calibrated per layout and m from profiled steps (see _calibrate); none: the plain model, "
+        "calibrated per layout and m from profiled steps, starting from the cost model (see _calibrate); "
+        "model: the multiply-add cost model only (_model_widths; no calibration); none: the plain model, "
         "equal layers per stage (stage 0 has no input gradient, the last stage the loss)",
     )
     ap.add_argument(
@@ -481,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         import matplotlib  # noqa: F401 - fail before measuring, not after
 
-    balanced = args.balance == "measure"
+    balanced = args.balance != "none"
     fixed: dict[tuple[str, int, int], list[int]] = {}
     for spec in args.widths:
         try:
@@ -520,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
                 if balanced:
                     for layout in dict.fromkeys(_placement(s) for s in args.schedules):
                         given = fixed.get((layout, p, m))
+                        if given is None and args.balance == "model":
+                            given = _model_widths(args.width, args.depth, p, layout)
                         if given is not None:
                             prof = world.run(
                                 _rank_profile, args.width, args.depth, args.batch, m, layout, given,
