@@ -268,7 +268,9 @@ def _calibrate(
             slope = t[r] / macs * 6 * rows * w  # seconds per unit of h on one of its stages
             dh = (target - t[r]) / slope / len(mine)
             for g in mine:
-                new[g] = max(8, int(round((widths[g] + dh) / 8)) * 8)
+                new[g] = max(8, round(widths[g] + dh))
+        if new == widths:
+            break  # within one unit of width: nothing left to move
         widths = new
     assert best is not None
     return best[1], best[2]
