@@ -133,7 +133,7 @@ def test_bench_pipeline_runs_the_v_schedules_and_placed_w_against_torch() -> Non
         assert r["torch_error"] is None and r["grad_diff"] is not None and r["grad_diff"] < 1e-5
         assert 0.0 <= r["theory"] < 1.0 and 0.0 <= r["replay"] < 1.0 and 0.0 <= r["bubble"] < 1.0
         assert r["calls"] > 0 and len(r["peak_bytes"]) == 2
-        assert len(r["widths"]) == 4  # V placement: 2p sized stages
+        assert len(r["widths"]) == (2 if r["schedule"] == "zb-h1-placed" else 4)  # V placement: 2p stages
 
 
 def test_bench_pipeline_unbalanced_runs_the_plain_model() -> None:
