@@ -1,7 +1,17 @@
 """Pipeline benchmark: GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV vs torch.distributed.pipelining.
 
 Model: ``depth`` x (Linear(width, width) + GELU), float32, MSE loss, batch ``batch``, on
-``p`` local gloo ranks (CPU, one thread each). For every ``p``, ``m`` and schedule it
+``p`` local gloo ranks (CPU, one thread each). **Balanced stages** (``--balance measure``,
+the default): every stage's last block is a sizing block Linear(width, h) + GELU +
+Linear(h, width) + GELU whose width ``h`` is chosen per stage so that every *rank* does
+the same ``F + I + W`` per micro-batch — stage 0 computes no input gradient and the last
+stage the loss, so equal layers are unequal work — for the layout the schedule runs on
+(``plain``: rank ``r`` holds stage ``r``; ``loop``: ``r`` and ``r + p``; ``v``: ``r`` and
+``2p-1-r``). The widths start from a multiply-add cost model (``--balance model`` stops
+there) and are calibrated from profiled split steps (ZB-H1, or ZB-V for the V layout)
+until the ranks are within ``--balance-tol``; the widths and each rank's ``F / I / W``
+per micro-batch are printed, and ``--widths`` replays given widths. ``--balance none``
+is the plain model with equal layers per stage. For every ``p``, ``m`` and schedule it
 reports, for diffcomm's :class:`~diffcomm.pipeline.PipelineRunner`:
 
 * the **bubble fraction** measured from the per-step timelines (time blocked in receives
@@ -16,9 +26,13 @@ reports, for diffcomm's :class:`~diffcomm.pipeline.PipelineRunner`:
   theory when stages are uniform); and the **bound**
   (:func:`~diffcomm.pipeline.bubble_bound`, median over rounds): the least bubble any order
   of the same steps on the same ranks could have with these busy times (a schedule whose
-  replay equals it is optimal for them). ``bubble - replay`` is what messages and the
-  runtime cost; ``replay - bound`` what the schedule's order costs; ``bound - theory`` what
-  unequal stage times cost (stage 0's backward has no input
+  replay equals it is optimal for them); ``th-meas``, the theory for these measured
+  stage times: the schedule's order replayed with every step at the median busy time of
+  its rank, chunk and kind over all rounds (steady stage times, free messages); and
+  ``imbal``, the spread (max / min - 1) of the ranks' busy time per step.
+  ``bubble - replay`` is what messages and the runtime cost; ``replay - bound`` what the
+  schedule's order costs; ``bound - theory`` what unequal stage times cost (stage 0's
+  backward has no input
   gradient to compute, the last stage computes the loss, and two ranks computing at once
   on a small machine each run slower than one alone);
 * the **peak activation memory** per stage (bytes of saved-for-backward tensors alive at
@@ -51,6 +65,8 @@ every step of a kind taking the round's mean time of that kind (``F``, ``I``, ``
 (``sys.setprofile``, one extra step after the timed rounds).
 
     python benchmarks/bench_pipeline.py                         # p=2, m=4 and 8
+    python benchmarks/bench_pipeline.py --stages 2 4 --micro 8 --rounds 7 \
+        --schedules 1f1b interleaved zb-h1 zb-h1-placed zbv dualpipev   # the bubble table
     python benchmarks/bench_pipeline.py --stages 2 4 --plot docs/_static/pipeline_timeline.png
     python benchmarks/bench_pipeline.py --schedules gpipe 1f1b interleaved zb-h1 --rounds 21 --pin
 
