@@ -523,6 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.plot:
         import matplotlib  # noqa: F401 - fail before measuring, not after
+    for p in args.stages:
+        n = max(p * SCHEDULES[s][0] for s in args.schedules)
+        if args.balance != "none" and args.depth % n:
+            ap.error(f"--depth {args.depth}: balanced stages need a multiple of {n} (stages x chunks)")
 
     balanced = args.balance != "none"
     fixed: dict[tuple[str, int, int], list[int]] = {}
