@@ -433,14 +433,16 @@ def _uniform_theory(timelines: list[list[TimelineEntry]], placement: str) -> flo
 def _steady_theory(rounds: list[list[list[TimelineEntry]]], placement: str) -> float:
     """The schedule's bubble for **these measured stage times**, without step-to-step
     noise: every step replaced by the median busy time, over all rounds, of the steps of
-    its rank, chunk and kind (``sent`` likewise), then replayed with free messages
+    its rank, chunk and kind (a split ``B``, which sends early, apart from a plain one;
+    ``sent`` likewise), then replayed with free messages
     (:func:`~diffcomm.pipeline.replayed_bubble`); the median over the rounds' orders."""
-    busy: dict[tuple[int, int, str, bool], list[float]] = {}
-    sent: dict[tuple[int, int, str, bool], list[float]] = {}
+    Key = tuple[int, int, str, bool, bool]  # rank, chunk, kind, overlapped, split (sent early)
+    busy: dict[Key, list[float]] = {}
+    sent: dict[Key, list[float]] = {}
     for tls in rounds:
         for r, tl in enumerate(tls):
             for e in tl:
-                key = (r, e.chunk, e.kind, e.overlap)
+                key = (r, e.chunk, e.kind, e.overlap, e.sent is not None)
                 busy.setdefault(key, []).append(e.busy)
                 if e.sent is not None:
                     sent.setdefault(key, []).append(e.sent)
@@ -451,8 +453,9 @@ def _steady_theory(rounds: list[list[list[TimelineEntry]]], placement: str) -> f
         steady = [
             [
                 TimelineEntry(
-                    e.kind, e.micro, 0.0, med[(r, e.chunk, e.kind, e.overlap)], 0.0, e.chunk,
-                    None if e.sent is None else med_sent[(r, e.chunk, e.kind, e.overlap)], e.overlap,
+                    e.kind, e.micro, 0.0, med[(r, e.chunk, e.kind, e.overlap, e.sent is not None)], 0.0,
+                    e.chunk, None if e.sent is None else med_sent[(r, e.chunk, e.kind, e.overlap, True)],
+                    e.overlap,
                 )
                 for e in tl
             ]
