@@ -567,6 +567,11 @@ def main(argv: list[str] | None = None) -> int:
         with dc.LocalWorld(p) as world:
             for m in args.micro:
                 sizes: dict[str, tuple[list[int], list[list[float]]]] = {}
+                if args.balance == "measure" and p > (os.cpu_count() or 1) and m == args.micro[0]:
+                    print(
+                        f"   note: {p} ranks on {os.cpu_count()} cores time-share them; the calibration "
+                        "measures that sharing too (--balance model: the cost model's widths alone)"
+                    )
                 if balanced:
                     for layout in dict.fromkeys(_placement(s) for s in args.schedules):
                         given = fixed.get((layout, p, m))
