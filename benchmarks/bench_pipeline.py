@@ -1,7 +1,17 @@
 """Pipeline benchmark: GPipe, 1F1B, interleaved, ZB-H1, ZB-V, DualPipeV vs torch.distributed.pipelining.
 
 Model: ``depth`` x (Linear(width, width) + GELU), float32, MSE loss, batch ``batch``, on
-``p`` local gloo ranks (CPU, one thread each). For every ``p``, ``m`` and schedule it
+``p`` local gloo ranks (CPU, one thread each). **Balanced stages** (``--balance measure``,
+the default): every stage's last block is a sizing block Linear(width, h) + GELU +
+Linear(h, width) + GELU whose width ``h`` is chosen per stage so that every *rank* does
+the same ``F + I + W`` per micro-batch — stage 0 computes no input gradient and the last
+stage the loss, so equal layers are unequal work — for the layout the schedule runs on
+(``plain``: rank ``r`` holds stage ``r``; ``loop``: ``r`` and ``r + p``; ``v``: ``r`` and
+``2p-1-r``). The widths start from a multiply-add cost model (``--balance model`` stops
+there) and are calibrated from profiled split steps (ZB-H1, or ZB-V for the V layout)
+until the ranks are within ``--balance-tol``; the widths and each rank's ``F / I / W``
+per micro-batch are printed, and ``--widths`` replays given widths. ``--balance none``
+is the plain model with equal layers per stage. For every ``p``, ``m`` and schedule it
 reports, for diffcomm's :class:`~diffcomm.pipeline.PipelineRunner`:
 
 * the **bubble fraction** measured from the per-step timelines (time blocked in receives
@@ -16,9 +26,13 @@ reports, for diffcomm's :class:`~diffcomm.pipeline.PipelineRunner`:
   theory when stages are uniform); and the **bound**
   (:func:`~diffcomm.pipeline.bubble_bound`, median over rounds): the least bubble any order
   of the same steps on the same ranks could have with these busy times (a schedule whose
-  replay equals it is optimal for them). ``bubble - replay`` is what messages and the
-  runtime cost; ``replay - bound`` what the schedule's order costs; ``bound - theory`` what
-  unequal stage times cost (stage 0's backward has no input
+  replay equals it is optimal for them); ``th-meas``, the theory for these measured
+  stage times: the schedule's order replayed with every step at the median busy time of
+  its rank, chunk and kind over all rounds (steady stage times, free messages); and
+  ``imbal``, the spread (max / min - 1) of the ranks' busy time per step.
+  ``bubble - replay`` is what messages and the runtime cost; ``replay - bound`` what the
+  schedule's order costs; ``bound - theory`` what unequal stage times cost (stage 0's
+  backward has no input
   gradient to compute, the last stage computes the loss, and two ranks computing at once
   on a small machine each run slower than one alone);
 * the **peak activation memory** per stage (bytes of saved-for-backward tensors alive at
@@ -51,6 +65,8 @@ every step of a kind taking the round's mean time of that kind (``F``, ``I``, ``
 (``sys.setprofile``, one extra step after the timed rounds).
 
     python benchmarks/bench_pipeline.py                         # p=2, m=4 and 8
+    python benchmarks/bench_pipeline.py --stages 2 4 --micro 8 --rounds 7 \
+        --schedules 1f1b interleaved zb-h1 zb-h1-placed zbv dualpipev   # the bubble table
     python benchmarks/bench_pipeline.py --stages 2 4 --plot docs/_static/pipeline_timeline.png
     python benchmarks/bench_pipeline.py --schedules gpipe 1f1b interleaved zb-h1 --rounds 21 --pin
 
@@ -104,8 +120,36 @@ SCHEDULES = {
 V_SCHEDULES = ("zbv", "dualpipev")
 
 
-def make_model(width: int, depth: int) -> nn.Sequential:
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
+def make_model(width: int, depth: int, widths: list[int] | None = None) -> nn.Sequential:
+    """``depth`` x (Linear(width, width) + GELU); with ``widths`` (one per virtual stage,
+    ``depth`` divisible by their number) a **sized** model of ``len(widths)`` stages, one
+    child each (so ``partition(model, len(widths))`` cuts between them): stage ``s`` is
+    ``depth / len(widths) - 1`` blocks Linear(width, width) + GELU, then one sizing block
+    Linear(width, h) + GELU + Linear(h, width) + GELU with ``h = widths[s]`` — at ``h =
+    width / 2`` the sizing block has one plain block's multiply-adds, and a stage's
+    F + I + W grows linearly in ``h``."""
+    if widths is None:
+        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
+    per = depth // len(widths)
+    stages = []
+    for h in widths:
+        plain = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(per - 1)]
+        sizer = nn.Sequential(nn.Linear(width, h), nn.GELU(), nn.Linear(h, width), nn.GELU())
+        stages.append(nn.Sequential(*plain, sizer))
+    return nn.Sequential(*stages)
+
+
+def _placement(schedule: str) -> str:
+    """The stage layout a schedule runs on: ``"plain"`` (stage ``r`` on rank ``r``),
+    ``"loop"`` (2 chunks, stages ``r`` and ``r + p``) or ``"v"`` (``r`` and ``2p-1-r``)."""
+    if schedule in V_SCHEDULES:
+        return "v"
+    return "loop" if SCHEDULES[schedule][0] > 1 else "plain"
+
+
+def _rank_stages(rank: int, p: int, layout: str) -> list[int]:
+    """The virtual stages rank ``rank`` holds in ``layout`` (see :func:`_placement`)."""
+    return {"plain": [rank], "loop": [rank, rank + p], "v": [rank, 2 * p - 1 - rank]}[layout]
 
 
 def _torch_schedule(name: str, model: nn.Sequential, v: int, m: int, loss_fn: Any, vshape: bool) -> Any:
@@ -132,8 +176,131 @@ def _pin() -> None:
         os.sched_setaffinity(int(tid), cpu)
 
 
+#: the split schedule that profiles each layout's F, I, W (the calibration's warm-up)
+PROFILE = {"plain": "zb-h1", "loop": "zb-h1", "v": "zbv"}
+
+
+def _rank_profile(
+    width: int, depth: int, batch: int, m: int, layout: str, widths: list[int], steps: int, pin: bool = False
+) -> dict[str, list[float]]:
+    """This rank's busy seconds per micro-batch of ``F``, ``I``, ``W`` (``B`` counted as
+    ``I``), summed over its chunks: the lower quartile of each chunk's steps of a kind in
+    ``steps`` pipeline steps (after one warm-up) of ``PROFILE[layout]`` on the model sized
+    by ``widths`` (the quartile, not the median: a step slowed by other jobs on the cores
+    says nothing about the stage's work); and per chunk."""
+    torch.set_num_threads(1)
+    if pin:
+        _pin()
+    rank, p = dc.get_rank(), dc.get_world_size()
+    torch.manual_seed(0)
+    parts = partition(make_model(width, depth, widths), len(widths))
+    mine = [parts[g] for g in _rank_stages(rank, p, layout)]
+    runner = PipelineRunner(
+        mine if len(mine) > 1 else mine[0], PROFILE[layout], loss_fn=nn.functional.mse_loss
+    )
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    busy: dict[tuple[int, str], list[float]] = {}
+    for i in range(steps + 1):
+        for mod in mine:
+            mod.zero_grad(set_to_none=True)
+        runner.step(x, y, m)
+        if i == 0:
+            continue  # warm-up: one-time costs
+        for e in runner.timeline:
+            busy.setdefault((e.chunk, "I" if e.kind == "B" else e.kind), []).append(e.busy)
+    per_chunk = {
+        f"{k}{c}": statistics.quantiles(t, n=4)[0] if len(t) > 1 else t[0] for (c, k), t in busy.items()
+    }
+    total = {k: sum(v for n, v in per_chunk.items() if n[0] == k) for k in "FIW"}
+    return {
+        "total": [total["F"], total["I"], total["W"]],
+        "chunks": [per_chunk.get(n, 0.0) for n in sorted(per_chunk)],
+    }
+
+
+def _model_widths(width: int, depth: int, p: int, layout: str) -> list[int]:
+    """Stage widths from an explicit cost model: a stage's ``F + I + W`` per micro-batch is
+    its multiply-adds (``F``, ``I`` and ``W`` each one product per Linear), less the first
+    Linear's input gradient on stage 0 (its input needs none); the loss and the
+    element-wise work are left out. Every rank gets the same total, the widths keep their
+    sum (``width / 2`` per stage on average)."""
+    n = p * (1 if layout == "plain" else 2)
+    per = depth // n
+    # in units of rows x width: a plain block costs 3 width, the sizing block 6 h
+    fixed = [3 * width * (per - 1) - (width if g == 0 and per > 1 else 0) for g in range(n)]
+    mine = [_rank_stages(r, p, layout) for r in range(p)]
+    c = [sum(fixed[g] for g in gs) for gs in mine]
+    total_h = n * width // 2
+    widths = [width // 2] * n
+    for r, gs in enumerate(mine):
+        h_rank = (6 * total_h + sum(c) - p * c[r]) / (6 * p)  # equal c_r + 6 h_rank on every rank
+        for g in gs:
+            widths[g] = max(8, int(round(h_rank / len(gs) / 8)) * 8)
+    if per == 1:  # stage 0's only Linear with an input is Linear(width, h): its missing I is width x h
+        widths[0] = max(8, int(round(widths[0] * 6 / 5 / 8)) * 8)
+    return widths
+
+
+def _calibrate(
+    world: Any, args: argparse.Namespace, p: int, m: int, layout: str
+) -> tuple[list[int], list[list[float]]]:
+    """Stage widths that give every rank the same ``F + I + W`` per micro-batch.
+
+    Start at :func:`_model_widths` (the multiply-add count); profile
+    (:func:`_rank_profile`); model rank ``r``'s time per micro-batch as linear in the
+    widths of its stages, with the slope from its own measured time per multiply-add
+    (``3 (F, I, W) x 2 (the sizing block's two Linear) x rows x width`` per unit of
+    ``h``); move every rank's widths so that its time meets the ranks' mean; repeat until
+    the spread (max / min - 1) is under ``--balance-tol`` or ``--balance-iters`` profiles
+    ran. Returns the widths of the profile with the least spread and its per-rank
+    ``[F, I, W]`` seconds per micro-batch."""
+    v = 1 if layout == "plain" else 2
+    n = p * v
+    w, rows = args.width, args.batch // m
+    per = args.depth // n
+    widths = _model_widths(w, args.depth, p, layout)
+    best: tuple[float, list[int], list[list[float]]] | None = None
+    for it in range(args.balance_iters):
+        prof = world.run(
+            _rank_profile, w, args.depth, args.batch, m, layout, widths, args.balance_steps, args.pin
+        )
+        t = [sum(r["total"]) for r in prof]
+        spread = max(t) / min(t) - 1
+        print(
+            f"   balance {layout:<5} p={p} iter {it}: widths {widths}; F+I+W ms per micro-batch by rank "
+            + " ".join(f"{x * 1e3:.2f}" for x in t)
+            + f"; spread {spread * 100:.1f} %",
+            flush=True,
+        )
+        if best is None or spread < best[0]:
+            best = (spread, list(widths), [r["total"] for r in prof])
+        if spread < args.balance_tol or it == args.balance_iters - 1:
+            break
+        target = statistics.mean(t)
+        new = list(widths)
+        for r in range(p):
+            mine = _rank_stages(r, p, layout)
+            macs = sum(3 * rows * w * (w * (per - 1) + 2 * widths[g]) for g in mine)
+            slope = t[r] / macs * 6 * rows * w  # seconds per unit of h on one of its stages
+            dh = (target - t[r]) / slope / len(mine)
+            for g in mine:
+                new[g] = max(8, round(widths[g] + dh))
+        if new == widths:
+            break  # within one unit of width: nothing left to move
+        widths = new
+    assert best is not None
+    return best[1], best[2]
+
+
 def _rank_bench(
-    width: int, depth: int, batch: int, m: int, schedule: str, rounds: int, pin: bool = False
+    width: int,
+    depth: int,
+    batch: int,
+    m: int,
+    schedule: str,
+    rounds: int,
+    pin: bool = False,
+    widths: list[int] | None = None,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     if pin:
@@ -141,12 +308,12 @@ def _rank_bench(
     rank, p = dc.get_rank(), dc.get_world_size()
     v, torch_name = SCHEDULES[schedule]
     torch.manual_seed(0)
-    model = make_model(width, depth)
+    model = make_model(width, depth, widths)
     twin = copy.deepcopy(model)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     vshape = schedule in V_SCHEDULES
     parts = partition(model, p * v)
-    mine = [parts[rank], parts[2 * p - 1 - rank]] if vshape else parts[rank::p]
+    mine = [parts[g] for g in _rank_stages(rank, p, _placement(schedule))]
     grad_first: bool | str | None = {
         "1f1b-plainB": False,
         "1f1b-split": True,
@@ -263,6 +430,41 @@ def _uniform_theory(timelines: list[list[TimelineEntry]], placement: str) -> flo
     return replayed_bubble(uni, placement)
 
 
+def _steady_theory(rounds: list[list[list[TimelineEntry]]], placement: str) -> float:
+    """The schedule's bubble for **these measured stage times**, without step-to-step
+    noise: every step replaced by the median busy time, over all rounds, of the steps of
+    its rank, chunk and kind (a split ``B``, which sends early, apart from a plain one;
+    ``sent`` likewise), then replayed with free messages
+    (:func:`~diffcomm.pipeline.replayed_bubble`); the median over the rounds' orders."""
+    Key = tuple[int, int, str, bool, bool]  # rank, chunk, kind, overlapped, split (sent early)
+    busy: dict[Key, list[float]] = {}
+    sent: dict[Key, list[float]] = {}
+    for tls in rounds:
+        for r, tl in enumerate(tls):
+            for e in tl:
+                key = (r, e.chunk, e.kind, e.overlap, e.sent is not None)
+                busy.setdefault(key, []).append(e.busy)
+                if e.sent is not None:
+                    sent.setdefault(key, []).append(e.sent)
+    med = {k: statistics.median(v) for k, v in busy.items()}
+    med_sent = {k: statistics.median(v) for k, v in sent.items()}
+    out = []
+    for tls in rounds:
+        steady = [
+            [
+                TimelineEntry(
+                    e.kind, e.micro, 0.0, med[(r, e.chunk, e.kind, e.overlap, e.sent is not None)], 0.0,
+                    e.chunk, None if e.sent is None else med_sent[(r, e.chunk, e.kind, e.overlap, True)],
+                    e.overlap,
+                )
+                for e in tl
+            ]
+            for r, tl in enumerate(tls)
+        ]  # fmt: skip
+        out.append(replayed_bubble(steady, placement))
+    return statistics.median(out)
+
+
 def _entries(raw: list[tuple]) -> list[TimelineEntry]:
     return [TimelineEntry(*e) for e in raw]
 
@@ -289,6 +491,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (after 1 warm-up)")
+    ap.add_argument(
+        "--balance",
+        choices=["measure", "model", "none"],
+        default="measure",
+        help="measure (default): size each stage so that every rank's F+I+W per micro-batch is equal, "
+        "calibrated per layout and m from profiled steps, starting from the cost model (see _calibrate); "
+        "model: the multiply-add cost model only (_model_widths; no calibration); none: the plain model, "
+        "equal layers per stage (stage 0 has no input gradient, the last stage the loss)",
+    )
+    ap.add_argument(
+        "--widths",
+        nargs="+",
+        default=[],
+        metavar="LAYOUT:P:M=H,H,..",
+        help="explicit stage widths instead of calibrating, e.g. plain:2:8=680,368 v:2:8=592,464,464,592 "
+        "(layouts: plain, loop, v; one width per virtual stage) — the widths a calibration printed",
+    )
+    ap.add_argument("--balance-iters", type=int, default=4, help="most profiles per layout (default 4)")
+    ap.add_argument("--balance-steps", type=int, default=3, help="timed steps per profile (default 3)")
+    ap.add_argument(
+        "--balance-tol", type=float, default=0.02, help="stop when max/min - 1 of the ranks' F+I+W is below"
+    )
     ap.add_argument("--json", action="store_true", help="also print the rows as JSON (last line)")
     ap.add_argument(
         "--dump", default=None, help="write every round's timelines of every row as JSON (offline analysis)"
@@ -302,16 +526,36 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.plot:
         import matplotlib  # noqa: F401 - fail before measuring, not after
+    for p in args.stages:
+        n = max(p * SCHEDULES[s][0] for s in args.schedules)
+        if args.balance != "none" and args.depth % n:
+            ap.error(f"--depth {args.depth}: balanced stages need a multiple of {n} (stages x chunks)")
 
+    balanced = args.balance != "none"
+    fixed: dict[tuple[str, int, int], list[int]] = {}
+    for spec in args.widths:
+        try:
+            key, hs = spec.split("=")
+            layout, p_s, m_s = key.split(":")
+            ws = [int(h) for h in hs.split(",")]
+            n = int(p_s) * (1 if layout == "plain" else 2)
+            int(m_s)
+        except ValueError:
+            ap.error(f"--widths: expected LAYOUT:P:M=H,H,.., got {spec!r}")
+        if layout not in ("plain", "loop", "v") or len(ws) != n or min(ws) < 1:
+            ap.error(f"--widths: {spec!r} needs a layout plain/loop/v and {n} positive widths")
+        fixed[(layout, int(p_s), int(m_s))] = ws
     print(
         f"model: {args.depth} x (Linear({args.width}) + GELU), batch {args.batch}, float32, MSE; "
         f"gloo, CPU, one thread per rank"
-    )
+        + ("; stages balanced (each stage's last block sized: Linear(w, h) + GELU + Linear(h, w) + GELU)"
+           if balanced else "; equal layers per stage (unbalanced)")
+    )  # fmt: skip
     pinned = "; ranks pinned to cores" if args.pin else ""
     print(f"cores: {os.cpu_count()}; torch {torch.__version__}; {args.rounds} rounds per row{pinned}\n")
     head = (
-        f"{'p':>2} {'m':>2} {'schedule':<17} {'bubble':>6} {'best':>6} {'theory':>6} {'replay':>6} "
-        f"{'bound':>6} "
+        f"{'p':>2} {'m':>2} {'schedule':<17} {'bubble':>6} {'best':>6} {'theory':>6} {'th-meas':>7} "
+        f"{'replay':>6} {'bound':>6} {'imbal':>6} "
         f"{'ms/step':>8} {'vs torch':>17} {'grad diff':>9} {'calls':>6}  peak activation MiB per stage"
     )
     print(head)
@@ -322,11 +566,42 @@ def main(argv: list[str] | None = None) -> int:
     for p in args.stages:
         with dc.LocalWorld(p) as world:
             for m in args.micro:
+                sizes: dict[str, tuple[list[int], list[list[float]]]] = {}
+                if args.balance == "measure" and p > (os.cpu_count() or 1) and m == args.micro[0]:
+                    print(
+                        f"   note: {p} ranks on {os.cpu_count()} cores time-share them; the calibration "
+                        "measures that sharing too (--balance model: the cost model's widths alone)"
+                    )
+                if balanced:
+                    for layout in dict.fromkeys(_placement(s) for s in args.schedules):
+                        given = fixed.get((layout, p, m))
+                        if given is None and args.balance == "model":
+                            given = _model_widths(args.width, args.depth, p, layout)
+                        if given is not None:
+                            prof = world.run(
+                                _rank_profile, args.width, args.depth, args.batch, m, layout, given,
+                                args.balance_steps, args.pin,
+                            )  # fmt: skip
+                            sizes[layout] = (given, [r["total"] for r in prof])
+                        else:
+                            sizes[layout] = _calibrate(world, args, p, m, layout)
+                        ws, fiw = sizes[layout]
+                        print(
+                            f"   {layout} layout, p={p} m={m}: stage widths {ws}; per rank F / I / W ms per "
+                            "micro-batch: "
+                            + ", ".join(
+                                f"{f * 1e3:.1f} / {i * 1e3:.1f} / {w * 1e3:.1f} (= {(f + i + w) * 1e3:.1f})"
+                                for f, i, w in fiw
+                            ),
+                            flush=True,
+                        )
                 for schedule in args.schedules:
                     v = SCHEDULES[schedule][0]
+                    widths = sizes[_placement(schedule)][0] if balanced else None
                     res = world.run(
-                        _rank_bench, args.width, args.depth, args.batch, m, schedule, args.rounds, args.pin
-                    )
+                        _rank_bench, args.width, args.depth, args.batch, m, schedule, args.rounds, args.pin,
+                        widths,
+                    )  # fmt: skip
                     t_dc = [max(r["dc"][i] for r in res) for i in range(args.rounds)]
                     bubbles = [
                         bubble_fraction([_entries(r["bubble"][i]) for r in res]) for i in range(args.rounds)
@@ -354,8 +629,16 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     else:
                         theory = theoretical_bubble(p, m, v)
+                    rounds_tl = [[_entries(r["bubble"][i]) for r in res] for i in range(args.rounds)]
+                    steady = _steady_theory(rounds_tl, placement)
+                    # each rank's busy time per micro-batch (median over rounds), and their spread
+                    rank_ms = [
+                        statistics.median(sum(e.busy for e in tls[r]) for tls in rounds_tl) / m * 1e3
+                        for r in range(p)
+                    ]
+                    imbal = max(rank_ms) / min(rank_ms) - 1
                     dumped.append(
-                        {"p": p, "m": m, "schedule": schedule, "placement": placement,
+                        {"p": p, "m": m, "schedule": schedule, "placement": placement, "widths": widths,
                          "rounds": [[r["bubble"][i] for r in res] for i in range(args.rounds)]}
                     )  # fmt: skip
                     if args.dump:  # after every row: a run cut short keeps what it measured
@@ -380,6 +663,10 @@ def main(argv: list[str] | None = None) -> int:
                             "bubble": statistics.median(bubbles),
                             "best": min(bubbles),
                             "theory": theory,
+                            "theory_measured": steady,
+                            "rank_ms_per_micro": rank_ms,
+                            "imbalance": imbal,
+                            "widths": widths,
                             "replay": statistics.median(replays),
                             "bound": statistics.median(bounds),
                             "ms_per_step": statistics.median(t_dc) * 1e3,
@@ -394,7 +681,8 @@ def main(argv: list[str] | None = None) -> int:
                     peaks = " ".join(f"{r['peak'] / 2**20:6.1f}" for r in res)
                     print(
                         f"{p:>2} {m:>2} {schedule:<17} {statistics.median(bubbles):6.3f} {min(bubbles):6.3f} "
-                        f"{theory:6.3f} {statistics.median(replays):6.3f} {statistics.median(bounds):6.3f} "
+                        f"{theory:6.3f} {steady:7.3f} {statistics.median(replays):6.3f} "
+                        f"{statistics.median(bounds):6.3f} {imbal * 100:5.1f}% "
                         f"{statistics.median(t_dc) * 1e3:8.1f} {vs:>17} {diff_s} "
                         f"{res[0]['calls']:6d}  {peaks}",
                         flush=True,

@@ -2,13 +2,100 @@
 
 A tiny model (width 32, 2 ranks, 2 micro-batches, 2 rounds) in a subprocess; the checks
 are on what does not depend on timing: equal gradients to torch.distributed.pipelining,
-the textbook theory, and that the replayed bubble (free communication) is a bubble.
+the textbook theory, and that the replayed bubble (free communication) is a bubble. The
+stage balancing (the sized model, its cost model and the calibration loop) is checked in
+this process on counted multiply-adds and synthetic step times.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import statistics
+from types import ModuleType
+from typing import Any
+
 import pytest
-from _shared import benchmark_json
+from _shared import BENCHMARKS, benchmark_json
+from torch import nn
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_pipeline", BENCHMARKS / "bench_pipeline.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _stage_macs(bench: ModuleType, width: int, depth: int, widths: list[int]) -> list[int]:
+    """Multiply-adds of F + I + W per row of every stage of the sized model, counted from
+    its Linear layers (three products each; stage 0's first Linear has no input gradient)."""
+    parts = bench.partition(bench.make_model(width, depth, widths), len(widths))
+    out = []
+    for g, part in enumerate(parts):
+        lins = [mod for mod in part.modules() if isinstance(mod, nn.Linear)]
+        macs = sum(3 * lin.in_features * lin.out_features for lin in lins)
+        out.append(macs - (lins[0].in_features * lins[0].out_features if g == 0 else 0))
+    return out
+
+
+@pytest.mark.parametrize("depth", [8, 16])
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("layout", ["plain", "loop", "v"])
+def test_cost_model_widths_give_every_rank_the_same_multiply_adds(layout: str, p: int, depth: int) -> None:
+    bench = _bench()
+    widths = bench._model_widths(1024, depth, p, layout)
+    stage = _stage_macs(bench, 1024, depth, widths)
+    per_rank = [sum(stage[g] for g in bench._rank_stages(r, p, layout)) for r in range(p)]
+    assert max(per_rank) / min(per_rank) - 1 < 0.01, (widths, per_rank)
+    # without the sizing, stage 0's missing input gradient leaves rank 0 light
+    even = _stage_macs(bench, 1024, depth, [512] * len(widths))
+    even_rank = [sum(even[g] for g in bench._rank_stages(r, p, layout)) for r in range(p)]
+    assert max(even_rank) / min(even_rank) - 1 > 0.02
+
+
+class _SyntheticWorld:
+    """Stands in for a LocalWorld running ``_rank_profile``: rank ``r``'s F + I + W per
+    micro-batch is its stages' multiply-adds at ``speed[r]`` plus a fixed ``extra[r]``
+    (the loss, the runtime), split 1 : 1 : 1 into F, I, W."""
+
+    def __init__(self, bench: ModuleType, p: int, speed: list[float], extra: list[float]) -> None:
+        self.bench, self.p, self.speed, self.extra = bench, p, speed, extra
+        self.calls = 0
+
+    def t(self, width: int, depth: int, layout: str, widths: list[int]) -> list[float]:
+        stage = _stage_macs(self.bench, width, depth, widths)
+        return [
+            self.speed[r] * sum(stage[g] for g in self.bench._rank_stages(r, self.p, layout)) * 1e-9
+            + self.extra[r]
+            for r in range(self.p)
+        ]
+
+    def run(self, fn: Any, width: int, depth: int, batch: int, m: int, layout: str, widths: list[int],
+            *rest: Any) -> list[dict[str, Any]]:  # fmt: skip
+        assert fn is self.bench._rank_profile
+        self.calls += 1
+        return [{"total": [x / 3] * 3} for x in self.t(width, depth, layout, widths)]
+
+
+@pytest.mark.parametrize("layout", ["plain", "v"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_calibration_equalises_ranks_whose_speed_and_fixed_costs_differ(layout: str, p: int) -> None:
+    bench = _bench()
+    speed = [1.0 + 0.15 * r for r in range(p)]
+    extra = [0.0] * (p - 1) + [0.002]  # e.g. the loss on the last rank
+    world = _SyntheticWorld(bench, p, speed, extra)
+    args = argparse.Namespace(width=1024, depth=8, batch=512, balance_iters=8, balance_steps=1,
+                              balance_tol=0.01, pin=False)  # fmt: skip
+    start = world.t(1024, 8, layout, bench._model_widths(1024, 8, p, layout))
+    assert max(start) / min(start) - 1 > 0.1  # the cost model alone does not know the speeds
+    widths, fiw = bench._calibrate(world, args, p, 8, layout)
+    t = world.t(1024, 8, layout, widths)
+    assert max(t) / min(t) - 1 < 0.01, (widths, t)
+    assert [sum(x) for x in fiw] == pytest.approx(t)  # the profile returned is that of `widths`
+    assert world.calls < args.balance_iters  # stopped at the tolerance
+    assert statistics.mean(widths) == pytest.approx(512, rel=0.25)
 
 
 def test_bench_pipeline_reports_every_column() -> None:
@@ -21,12 +108,24 @@ def test_bench_pipeline_reports_every_column() -> None:
         assert 0.0 <= r["replay"] < 1.0 and 0.0 <= r["bubble"] < 1.0
         assert r["ms_per_step"] > 0 and r["vs_torch"] > 0
         assert len(r["peak_bytes"]) == 2
+        assert (
+            0.0 <= r["theory_measured"] < 1.0 and r["imbalance"] >= 0.0 and len(r["rank_ms_per_micro"]) == 2
+        )
+        assert r["widths"] is not None and len(r["widths"]) == 2  # balanced by default, one per stage
 
 
 def test_bench_pipeline_runs_the_v_schedules_and_placed_w_against_torch() -> None:
     args = ("--width", "32", "--depth", "4", "--batch", "8", "--micro", "4", "--rounds", "2")
     rows = benchmark_json(
-        "bench_pipeline.py", *args, "--schedules", "zb-h1-placed", "zbv", "dualpipev", timeout=300
+        "bench_pipeline.py",
+        *args,
+        "--schedules",
+        "zb-h1-placed",
+        "zbv",
+        "dualpipev",
+        "--balance",
+        "model",
+        timeout=300,
     )
     assert [r["schedule"] for r in rows] == ["zb-h1-placed", "zbv", "dualpipev"]
     for r in rows:
@@ -34,3 +133,10 @@ def test_bench_pipeline_runs_the_v_schedules_and_placed_w_against_torch() -> Non
         assert r["torch_error"] is None and r["grad_diff"] is not None and r["grad_diff"] < 1e-5
         assert 0.0 <= r["theory"] < 1.0 and 0.0 <= r["replay"] < 1.0 and 0.0 <= r["bubble"] < 1.0
         assert r["calls"] > 0 and len(r["peak_bytes"]) == 2
+        assert len(r["widths"]) == (2 if r["schedule"] == "zb-h1-placed" else 4)  # V placement: 2p stages
+
+
+def test_bench_pipeline_unbalanced_runs_the_plain_model() -> None:
+    args = ("--width", "32", "--depth", "4", "--batch", "8", "--micro", "2", "--rounds", "2")
+    rows = benchmark_json("bench_pipeline.py", *args, "--schedules", "1f1b", "--balance", "none", timeout=300)
+    assert rows[0]["widths"] is None and rows[0]["grad_diff"] < 1e-5
