@@ -27,8 +27,12 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Build the docs last, so they render the notebooks that test_notebooks.py executed
-    (with their real plots) instead of bare code cells."""
+    (with their real plots) instead of bare code cells; under pytest-xdist both run on one
+    worker (one ``xdist_group``, kept in this order by ``--dist loadgroup``)."""
     items.sort(key=lambda item: item.nodeid.startswith("tests/test_docs.py"))
+    for item in items:
+        if item.nodeid.startswith(("tests/test_docs.py", "tests/test_notebooks.py")):
+            item.add_marker(pytest.mark.xdist_group("notebooks_then_docs"))
 
 
 @pytest.fixture(autouse=True)

@@ -80,6 +80,11 @@ from ._ops import (  # the torch-op name tables and argument classifiers
 from ._records import _TENSOR_BASE, _Cell, _Escape, _fname, _OpPlan, _Owner, _Param, _PassThrough, _Rec, _site
 from ._with_spmd_types import _WithSpmdTypes
 
+# Size: ~630 lines, over the ~600 guideline (issue 48 bounds it at 700): what is left here
+# is the public check itself, one piece: the context manager and its entry/exit, the typing
+# of tensors as they meet the check, and the rule of an op applied at its call (the lattice,
+# the gradient kinds, the torch-op tables, installation and spmd_types live beside it).
+
 #: this module's public names: the list the package face loads on first use (one list, there)
 __all__ = list(_CHECK)
 
