@@ -22,8 +22,10 @@ then the process tree killed; a death seen as end-of-file and its exit code) hol
   server waits a moment for its ranks to end on their own (they see their own sockets
   close), kills the rest, and exits. Each rank watches the server, as a spawned rank
   watches its caller.
-* Linux only; elsewhere, or with ``DIFFCOMM_RANK_START=spawn`` (the ``rank_start``
-  setting), ranks are started as fresh interpreters (:func:`start_rank`).
+* Linux and gloo ranks only; elsewhere, for another backend (nccl: a GPU runtime must
+  never be initialised in a process that forks ranks), or with
+  ``DIFFCOMM_RANK_START=spawn`` (the ``rank_start`` setting), ranks are started as fresh
+  interpreters (:func:`start_rank`).
 """
 
 from __future__ import annotations
@@ -71,13 +73,15 @@ _WORKER_BOOT = (
 def start_rank(args: tuple[Any, ...], env: dict[str, str], timeout: float) -> tuple[Any, mpc.Connection]:
     """Start one rank running ``rank_process._worker_main`` with ``args`` (rank, world
     size, backend, store port, collective timeout) in ``env``: forked by the fork server
-    (:func:`enabled`) or spawned as a fresh interpreter. Returns the process (a
-    :class:`subprocess.Popen` or a :class:`ForkedRank`) and the caller's end of the
-    rank's socket."""
+    (:func:`enabled`; gloo ranks) or spawned as a fresh interpreter (another backend).
+    Returns the process (a :class:`subprocess.Popen` or a :class:`ForkedRank`) and the
+    caller's end of the rank's socket."""
     parent_sock, child_sock = socket.socketpair()
     fd = child_sock.fileno()
     try:
-        if enabled():
+        # gloo ranks only: an accelerator's ranks (nccl) are spawned, so no rank ever
+        # inherits a process in which a GPU runtime might have been initialised
+        if enabled() and args[2] == "gloo":
             proc: Any = server_for(env).fork(args, fd, env, timeout)
         else:
             rank, world_size, backend, port, collective_timeout = args
