@@ -99,3 +99,19 @@ def test_an_unknown_way_to_start_ranks_is_refused_before_any_rank_starts(monkeyp
         _config.RANK_START.reload()
     time.sleep(0.2)
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def _draws() -> tuple[int, float, float]:
+    import random
+
+    return torch.initial_seed(), torch.rand(1).item(), random.random()
+
+
+def test_each_forked_rank_draws_its_own_random_numbers_as_a_fresh_interpreter_does(forked: None) -> None:
+    """A fresh interpreter seeds torch's default generator (and Python's `random`) from
+    the OS's entropy; a forked rank must too, or every rank and every world would draw the
+    server's numbers (unseeded dropout masks, `torch.randn` inputs alike on every rank)."""
+    with dc.LocalWorld(2) as a, dc.LocalWorld(2) as b:
+        draws = a.run(_draws) + b.run(_draws)
+    for column in zip(*draws):
+        assert len(set(column)) == 4, draws

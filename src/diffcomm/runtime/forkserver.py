@@ -377,6 +377,13 @@ def _fork_rank(
         os.close(wake_w)
         os.environ.clear()
         os.environ.update(env)
+        # a fresh interpreter seeds torch's default generator from the OS's entropy: so
+        # does a forked rank (else every rank, and every world, would draw the same
+        # numbers: the server's state). Python's `random` reseeds itself after a fork.
+        rank_process.torch.seed()
+        legacy_numpy = sys.modules.get("numpy.random")  # not imported by a rank's boot today
+        if legacy_numpy is not None:
+            legacy_numpy.seed()
         rank, world_size, backend, port, timeout = args
         # the rank watches its parent, this server (which watches the caller)
         rank_process._worker_main(rank, world_size, backend, port, conn_fd, timeout, os.getppid())
