@@ -26,12 +26,17 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """Build the docs last, so they render the notebooks that test_notebooks.py executed
-    (with their real plots) instead of bare code cells; under pytest-xdist both run on one
-    worker (one ``xdist_group``, kept in this order by ``--dist loadgroup``)."""
-    items.sort(key=lambda item: item.nodeid.startswith("tests/test_docs.py"))
+    """The notebooks first, then the docs build, so the docs render the notebooks that
+    test_notebooks.py executed (with their real plots) instead of bare code cells. Under
+    pytest-xdist both run on one worker, in this order (one ``xdist_group``, kept by
+    ``--dist loadgroup``), and first: the other worker runs the rest meanwhile, instead
+    of waiting at the end of the run for this minute-long group."""
+    first = ("tests/test_notebooks.py", "tests/test_docs.py")
+    items.sort(
+        key=lambda item: next((i for i, f in enumerate(first) if item.nodeid.startswith(f)), len(first))
+    )
     for item in items:
-        if item.nodeid.startswith(("tests/test_docs.py", "tests/test_notebooks.py")):
+        if item.nodeid.startswith(first):
             item.add_marker(pytest.mark.xdist_group("notebooks_then_docs"))
 
 
