@@ -263,10 +263,6 @@ _SERVER_BOOT = (
 )
 
 
-def _status_code(status: int) -> int:
-    return os.waitstatus_to_exitcode(status)
-
-
 def serve(fd: int, caller_pid: int) -> None:
     """The fork server's loop: fork a rank per request, report each rank's exit."""
     from diffcomm.runtime import rank_process  # torch and everything a rank imports
@@ -298,7 +294,7 @@ def serve(fd: int, caller_pid: int) -> None:
             if pid == 0:
                 return
             children.discard(pid)
-            send(("exited", pid, _status_code(status)))
+            send(("exited", pid, os.waitstatus_to_exitcode(status)))  # -N: signal N
 
     while True:
         reap()
