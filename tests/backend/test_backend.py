@@ -24,6 +24,12 @@ from diffcomm import CrossRankMismatchError, LocalWorld
 from diffcomm.backend import OP_NAMES, comm_off, get_backend, is_off, log_comms
 from diffcomm.backend.args import normalize_op, resolve_group
 
+# The backend adapter's raw ops need no real transport: this module's shared worlds are in-process
+# (the same values as gloo processes: tests/runtime/test_in_process.py). A test that needs a process
+# per rank says why and stays on processes.
+pytestmark = pytest.mark.diffcomm_in_process
+
+
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 DTYPES = (
     torch.float32,
@@ -579,6 +585,8 @@ def test_check_consistent_passes_when_ranks_agree(world: LocalWorld) -> None:
         ("src", r"src differs \(rank 0: 0, rank 1: 1, rank 2: 2\)"),
     ],
 )
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_check_consistent_names_ranks_and_field(world3: LocalWorld, case: str, detail: str) -> None:
     for err in world3.run(_rank_check_consistent, case):
         assert err is not None and err[0] == CrossRankMismatchError.__name__
@@ -609,6 +617,8 @@ def _subgroup(ranks: tuple[int, ...]) -> Any:
     return _GROUPS[ranks]
 
 
+# on processes: the test caches its groups in a module dict: one per process, not per rank
+@pytest.mark.diffcomm_in_process(False)
 def test_device_mesh_axis_resolves_to_its_group(world4: LocalWorld) -> None:
     def rank_mesh_groups() -> dict[str, Any]:
         be = get_backend()
@@ -654,6 +664,8 @@ def test_device_mesh_axis_resolves_to_its_group(world4: LocalWorld) -> None:
 
 
 @pytest.mark.parametrize(("n", "members"), [(3, (0, 2)), (4, (1, 3)), (4, (0, 1, 3))])
+# on processes: the test caches its groups in a module dict: one per process, not per rank
+@pytest.mark.diffcomm_in_process(False)
 def test_subgroup_from_new_group(
     local_worlds: Callable[..., LocalWorld], n: int, members: tuple[int, ...]
 ) -> None:

@@ -30,6 +30,12 @@ from diffcomm import backend as B
 from diffcomm.ops.coalesced import COALESCED_OPS, coalesced_markdown
 from diffcomm.testing.coalesced import CoalescedCase, run_coalesced_case, standard_coalesced_cases
 
+# The coalesced ops' values and gradients need no real transport: this module's shared worlds are in-
+# process (the same values as gloo processes: tests/runtime/test_in_process.py). A test that needs a
+# process per rank says why and stays on processes.
+pytestmark = pytest.mark.diffcomm_in_process
+
+
 WORLDS = [1, 2, 3, 4]
 F64 = torch.float64
 DTYPES = ["float64", "float32", "float16", "bfloat16", "complex128", "int64"]
@@ -197,6 +203,8 @@ BWD_NAME = {
         ("reduce_scatter", {}),
     ],
 )
+# on processes: counts communications with torch.profiler: one profiler per process
+@pytest.mark.diffcomm_in_process(False)
 def test_one_communication_per_dtype_forward_and_backward(local_worlds, op, kw, world_size) -> None:
     def count_comms(op: str, kw: dict[str, Any]) -> dict[str, Any]:
         from torch.profiler import ProfilerActivity, profile
@@ -246,6 +254,8 @@ def test_one_communication_per_dtype_forward_and_backward(local_worlds, op, kw, 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("op,given", [("all_gather", False), ("all_gather", True), ("reduce_scatter", True)])
+# on processes: counts communications with torch.profiler: one profiler per process
+@pytest.mark.diffcomm_in_process(False)
 def test_variable_sizes_one_communication_per_dtype(local_worlds, op, given, world_size) -> None:
     """Sizes that differ between ranks: one data communication per dtype forward (3) and
     backward (2: the float32 and float64 gradients), counted by the comms logger and by
@@ -315,6 +325,8 @@ def test_variable_sizes_one_communication_per_dtype(local_worlds, op, given, wor
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
+# on processes: forward-mode AD (one stack of dual levels per process) and async_op=True
+@pytest.mark.diffcomm_in_process(False)
 def test_variable_sizes_torch_func_and_async(local_worlds, world_size) -> None:
     def varied_transforms() -> dict[str, Any]:
         """torch.func and async_op on sizes that differ between ranks, against the single ops."""
@@ -387,6 +399,8 @@ def test_variable_sizes_torch_func_and_async(local_worlds, world_size) -> None:
         assert e["vmap_calls"] == [("all_gather", 1), ("all_gather_coalesced", 2)], e
 
 
+# on processes: counts communications with torch.profiler: one profiler per process
+@pytest.mark.diffcomm_in_process(False)
 def test_product_backward_costs_one_more_collective_per_dtype(world2) -> None:
     """An all_reduce of the gradients (with the zero counts in the same buffers) and a
     product all_reduce of the non-zero inputs (zero-safe product of the others), each one
@@ -433,6 +447,8 @@ def _prog_single(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return total + (g1.cos().sum() + g2.sum().to(a.dtype)) + (r1 * r1).sum() + (r2 * r2).sum().to(a.dtype)
 
 
+# on processes: forward-mode AD: one stack of dual levels per process (docs/in_process.md, Limits)
+@pytest.mark.diffcomm_in_process(False)
 def test_torch_func_grad_vjp_jvp_vmap(world2) -> None:
     def func_transforms() -> dict[str, Any]:
         from torch.func import grad, jvp, vjp, vmap
@@ -503,7 +519,7 @@ def test_torch_compile_fullgraph(world2) -> None:
         y_ref = _prog(a, b)
         ra, rb = torch.autograd.grad(y_ref, (a, b))
         return {
-            "value": float((y - y_ref).abs()),
+            "value": (y - y_ref).abs().item(),
             "grad_a": float((ga - ra).abs().max()),
             "grad_b": float((gb - rb).abs().max()),
         }
@@ -643,6 +659,8 @@ def _in_debug_mode(call: Callable[[], object]) -> str:
         ("dtype", r"first at position 2 .*ranks \[0, 2\]: shape \[1\] dtype float64.*ranks \[1\]: .*float32"),
     ],
 )
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_debug_mode_names_ranks_and_first_differing_position(world3, kind, pattern) -> None:
     def mismatch(kind: str) -> str:
         r = dc.get_rank()
@@ -659,6 +677,23 @@ def test_debug_mode_names_ranks_and_first_differing_position(world3, kind, patte
         assert re.search(pattern, msg), msg
 
 
+def test_dtype_codes_differ_and_every_rank_names_every_dtype() -> None:
+    """Debug mode's per-tensor rows carry a dtype code: the same on every rank, one per torch
+    dtype, and named by a rank that never used that dtype itself. (The codes were once a sum
+    of the name's bytes, alike for float8_e4m3fnuz / float8_e5m2fnuz, and their names a table
+    each process filled as it went: a rank that had never sent float64 printed a number.)"""
+    from diffcomm.ops import packing
+
+    dtypes = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    codes = {packing._dtype_code(d) for d in dtypes}
+    assert len(codes) == len({str(d) for d in dtypes}), "two dtypes share a code"
+    names = packing._dtype_names()
+    for d in dtypes:
+        assert names[packing._dtype_code(d)] == str(d).replace("torch.", "")
+    row = [packing._dtype_code(torch.float8_e5m2fnuz), 0, 1, -1, 3]
+    assert packing._decode(row, 1)[0][1] == "shape [3] dtype float8_e5m2fnuz requires_grad=False"
+
+
 @pytest.mark.parametrize(
     "kind,pattern",
     [
@@ -671,6 +706,8 @@ def test_debug_mode_names_ranks_and_first_differing_position(world3, kind, patte
         ("split_sizes", r"split_sizes differs \(rank 0: \(3, 0, 3\), rank 1: \(2, 1, 3\), rank 2"),
     ],
 )
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_debug_mode_accepts_variable_sizes_and_names_wrong_position(world3, kind, pattern) -> None:
     def debug_varied(kind: str) -> str:
         """Debug mode with sizes along dim that differ between ranks: correct calls pass,

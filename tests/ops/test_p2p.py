@@ -20,6 +20,12 @@ from diffcomm import backend as B
 from diffcomm._errors import CrossRankMismatchError
 from diffcomm.ops import p2p, wire
 
+# The point-to-point ops' values and gradients need no real transport: this module's shared worlds are
+# in-process (the same values as gloo processes: tests/runtime/test_in_process.py). A test that needs
+# a process per rank says why and stays on processes.
+pytestmark = pytest.mark.diffcomm_in_process
+
+
 DTYPES = [
     torch.float16,
     torch.bfloat16,
@@ -156,6 +162,8 @@ def test_gradients_pair_with_their_messages_whatever_the_backward_order(world2: 
     world2.run(backward_order_differs)
 
 
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_send_recv_out_of_step_is_an_error(world2: dc.LocalWorld) -> None:
     def out_of_step() -> None:
         # simulate a rank that skipped messages: first the receiver, then the sender is ahead
@@ -267,6 +275,8 @@ def test_send_owned_sends_the_callers_tensor_with_sends_header_and_gradient(worl
 
 
 @pytest.mark.parametrize("kind", ["shape", "dtype", "like"])
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_mismatched_send_recv_is_an_error_naming_the_ranks(world2: dc.LocalWorld, kind: str) -> None:
     def mismatch_clean(kind: str) -> None:
         x = torch.zeros(3, 4)
@@ -295,6 +305,8 @@ def test_mismatched_send_recv_is_an_error_naming_the_ranks(world2: dc.LocalWorld
     world2.run(mismatch_clean, kind)
 
 
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_a_message_that_is_not_a_send_header_is_an_error(world2: dc.LocalWorld) -> None:
     def mismatched_pairing_is_detected() -> None:
         # rank 0 sends raw data where rank 1 expects a diffcomm header
@@ -307,6 +319,8 @@ def test_a_message_that_is_not_a_send_header_is_an_error(world2: dc.LocalWorld) 
     world2.run(mismatched_pairing_is_detected)
 
 
+# on processes: forward-mode AD (one stack of dual levels per process)
+@pytest.mark.diffcomm_in_process(False)
 def test_send_recv_higher_order_and_forward_mode_are_errors_not_silent(world2: dc.LocalWorld) -> None:
     def send_recv_higher_order() -> None:
         if _rank() == 0:
@@ -486,6 +500,8 @@ def test_sendrecv_with_a_different_received_shape(world2: dc.LocalWorld) -> None
 
 
 @pytest.mark.parametrize("op", ["shift", "sendrecv", "ppermute", "ppermute-partial"])
+# on processes: forward-mode AD: one stack of dual levels per process (docs/in_process.md, Limits)
+@pytest.mark.diffcomm_in_process(False)
 def test_torch_func_grad_vjp_jvp_vmap(world3: dc.LocalWorld, op: str) -> None:
     def torch_func(op: str) -> int:
         me = _rank()
@@ -538,6 +554,8 @@ def test_torch_func_grad_vjp_jvp_vmap(world3: dc.LocalWorld, op: str) -> None:
 
 
 @pytest.mark.parametrize("op", ["shift", "sendrecv", "ppermute"])
+# on processes: forward-mode AD: one stack of dual levels per process (docs/in_process.md, Limits)
+@pytest.mark.diffcomm_in_process(False)
 def test_jacrev_equals_jacfwd(world3: dc.LocalWorld, op: str) -> None:
     def jacobians(op: str) -> None:
         x = torch.randn(4, dtype=torch.float64)
@@ -588,6 +606,8 @@ def test_backward_runs_with_zero_gradient_on_one_rank(world2: dc.LocalWorld) -> 
     assert world2.run(zero_gradient_still_runs_backward) == [0.0, 2.0]
 
 
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_debug_mode_turns_cross_rank_mismatches_into_errors(world2: dc.LocalWorld) -> None:
     def debug_mismatch() -> None:
         me = _rank()
@@ -611,6 +631,8 @@ def test_debug_mode_turns_cross_rank_mismatches_into_errors(world2: dc.LocalWorl
     world2.run(debug_mismatch)
 
 
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_debug_mode_with_a_self_pair(world3: dc.LocalWorld) -> None:
     def debug_self_pair() -> list[float]:
         me = _rank()
@@ -703,6 +725,8 @@ def test_irecv_wait_equals_recv_and_post_grad_recv_feeds_the_token(world2: dc.Lo
     torch.testing.assert_close(g, 1 + 8 * x)
 
 
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_irecv_checks_the_expected_shape_and_keeps_the_channel_clean(world2: dc.LocalWorld) -> None:
     def irecv_mismatch() -> float:
         if _rank() == 0:
@@ -762,6 +786,8 @@ def test_fused_messages_carry_every_dtype_and_shape_and_their_gradient(world2: d
     world2.run(fused_roundtrip)
 
 
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_a_fused_receive_takes_a_plain_send_of_any_shape(world2: dc.LocalWorld) -> None:
     def fused_receive_takes_a_plain_send() -> list[Any]:
         if _rank() == 0:
@@ -814,6 +840,8 @@ def test_the_reference_checker_passes_p2p_and_mapping_cases(local_worlds, world_
     assert per_rank == [[]] * world_size, per_rank
 
 
+# on processes: it patches a module attribute in its rank function (one module per process)
+@pytest.mark.diffcomm_in_process(False)
 def test_the_mapping_checker_catches_a_wrong_backward(world2: dc.LocalWorld) -> None:
     # the checker is not vacuous: a copy_to_region whose backward forgot the all_reduce
     # (the classic halved-gradient bug) fails its gradient check

@@ -29,6 +29,12 @@ import diffcomm as dc
 from diffcomm import backend as B
 from diffcomm.ops.precision import FP8_MAX, Precision, encode, quantize, unit_roundoff
 
+# The low-precision ops' values and gradients need no real transport: this module's shared worlds are
+# in-process (the same values as gloo processes: tests/runtime/test_in_process.py). A test that needs
+# a process per rank says why and stays on processes.
+pytestmark = pytest.mark.diffcomm_in_process
+
+
 F64 = torch.float64
 WIRES = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2"]
 OPS = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all"]
@@ -476,6 +482,8 @@ def _transforms() -> list[bool]:
     return ok
 
 
+# on processes: forward-mode AD: one stack of dual levels per process (docs/in_process.md, Limits)
+@pytest.mark.diffcomm_in_process(False)
 def test_jvp_vmap_and_double_backward(world2) -> None:
     for row in world2.run(_transforms):
         assert all(row), row

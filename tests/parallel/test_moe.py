@@ -24,6 +24,12 @@ from hypothesis import strategies as st
 
 import diffcomm as dc
 
+# The expert-parallel values and gradients need no real transport: this module's shared worlds are in-
+# process (the same values as gloo processes: tests/runtime/test_in_process.py). A test that needs a
+# process per rank says why and stays on processes.
+pytestmark = pytest.mark.diffcomm_in_process
+
+
 F64 = torch.float64
 
 
@@ -102,8 +108,8 @@ def _moe_vs_serial(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "cfg": cfg,
                 "out": err(y_mine.detach(), y_all.detach()[lo : lo + tokens[r]]),
-                "loss": abs(float(loss_sum) - float(loss)),
-                "aux": abs(float(dc.all_reduce(ep.aux_loss.detach())) - float(serial.aux_loss)),
+                "loss": abs(loss_sum.item() - loss.item()),
+                "aux": abs(float(dc.all_reduce(ep.aux_loss.detach())) - serial.aux_loss.item()),
                 "x_grad": err(x_mine.grad, x_all.grad[lo : lo + tokens[r]]),
                 "experts": max(expert_errs, default=0.0),
                 "replicated": max(repl, default=0.0),
@@ -490,6 +496,8 @@ def test_dispatch_reuses_a_given_plan(world2) -> None:
         assert "`plan` must be a plan of the same routing (2 tokens" in res["refused"], res
 
 
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_debug_mode_names_a_routing_mismatch(world2) -> None:
     def debug_mismatch() -> str:
         from diffcomm.parallel import dispatch
@@ -508,6 +516,8 @@ def test_debug_mode_names_a_routing_mismatch(world2) -> None:
         assert "parallel.dispatch()" in msg and "k differs (rank 0: 1, rank 1: 2)" in msg, msg
 
 
+# on processes: forward-mode AD: one stack of dual levels per process (docs/in_process.md, Limits)
+@pytest.mark.diffcomm_in_process(False)
 def test_torch_func_grad_jvp_vmap(world2) -> None:
     def func_transforms() -> dict[str, float]:
         """torch.func.grad / jvp / vmap through dispatch and combine (the routing fixed)."""
@@ -545,6 +555,8 @@ def test_torch_func_grad_jvp_vmap(world2) -> None:
 # --------------------------------------------------------------------------------------
 
 
+# on processes: the asynchronous path (the communication thread) needs a process per rank
+@pytest.mark.diffcomm_in_process(False)
 def test_async_dispatch_returns_an_async_tensor_usable_in_torch_ops(world2) -> None:
     """``dispatch(..., async_op=True)`` returns the documented ``AsyncTensor`` (it was an
     internal wrapper: ``torch.tanh(h)`` raised TypeError); values and gradients equal the
@@ -690,6 +702,8 @@ def test_expert_parallel_moe_has_the_serial_mapping(world2) -> None:
         assert row[2] and row[3] == 0.0 and row[4] == ["router.weight"], row
 
 
+# on processes: the asynchronous path (the communication thread) needs a process per rank
+@pytest.mark.diffcomm_in_process(False)
 def test_async_dispatch_keeps_its_replication_type_under_the_check(world2) -> None:
     """Under ``dc.spmd_check`` the asynchronous dispatch's rows are typed as the blocking
     dispatch's (varying), with one and with two experts per rank."""

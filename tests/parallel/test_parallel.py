@@ -23,6 +23,12 @@ from diffcomm.backend import log_comms
 from diffcomm.parallel import MAPPINGS
 from diffcomm.testing import Shard, assert_matches_serial, build
 
+# The mappings' and layers' values and gradients need no real transport: this module's shared worlds
+# are in-process (the same values as gloo processes: tests/runtime/test_in_process.py). A test that
+# needs a process per rank says why and stays on processes.
+pytestmark = pytest.mark.diffcomm_in_process
+
+
 F64 = torch.float64
 
 
@@ -99,6 +105,8 @@ def test_mapping_matches_its_definition(world, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(MAPPINGS))
+# on processes: forward-mode AD: one stack of dual levels per process (docs/in_process.md, Limits)
+@pytest.mark.diffcomm_in_process(False)
 def test_mapping_jvp_and_vmap(world2, name: str) -> None:
     def check_transforms(name: str) -> dict[str, int]:
         """jvp = the forward map on the tangent; vmap = per-sample results with one collective."""
@@ -267,6 +275,8 @@ def _expect_mismatch(fn: Callable[[], object]) -> str:
     return "no error"
 
 
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_debug_copy_forwards_check_the_input_is_replicated(world3) -> None:
     def debug_forwards() -> dict[str, str]:
         differs = torch.full((2, 6), float(dc.get_rank() == 1))  # rank 1 differs from the others
@@ -288,6 +298,8 @@ def test_debug_copy_forwards_check_the_input_is_replicated(world3) -> None:
     assert "parallel.scatter_to_sequence" in out["scatter_seq"] and "ranks [1]" in out["scatter_seq"]
 
 
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_debug_identity_backwards_check_the_gradient_is_replicated(world3) -> None:
     def debug_backwards() -> dict[str, str]:
         r, w = dc.get_rank(), dc.get_world_size()
@@ -332,6 +344,8 @@ def test_debug_names_ranks_with_different_shapes(world2) -> None:
     assert "rank 0: (2, 1)" in msg and "rank 1: (2, 2)" in msg
 
 
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_debug_tolerates_rounding_noise(world2) -> None:
     def debug_rounding_noise_passes() -> bool:
         x = torch.ones(4, dtype=torch.float32) + dc.get_rank() * 1e-7  # reduction-order noise
@@ -362,6 +376,8 @@ class _HandTPMLP(torch.nn.Module):
 
 
 @pytest.mark.parametrize("which", ["reduce_at_entry", "copy_at_exit"])
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_planted_wrong_mapping_in_tp_mlp_raises_in_debug_mode(world2, which: str) -> None:
     def planted(which: str) -> dict:
         torch.manual_seed(0)
@@ -405,6 +421,8 @@ def test_uneven_split_is_a_value_error_before_communicating(world2) -> None:
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("ignore", [False, True], ids=["all", "ignore_index"])
+# on processes: forward-mode AD: one stack of dual levels per process (docs/in_process.md, Limits)
+@pytest.mark.diffcomm_in_process(False)
 def test_vocab_parallel_cross_entropy_equals_f_cross_entropy(world, reduction, smoothing, ignore) -> None:
     def ce_case(reduction: str, smoothing: float, ignore: bool) -> bool:
         r, w = dc.get_rank(), dc.get_world_size()
@@ -513,6 +531,8 @@ def test_vocab_parallel_embedding_matches_nn_embedding(world, sequence_parallel:
     )
 
 
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_debug_equality_is_per_element_in_bfloat16(world2) -> None:
     def debug_per_element(case: str) -> str:
         """bfloat16: one huge channel beside ordinary values; rank 1 doubles the ordinary ones."""

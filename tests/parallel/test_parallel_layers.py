@@ -21,6 +21,12 @@ from diffcomm.accelerator import set_accelerator
 from diffcomm.backend import log_comms
 from diffcomm.testing import Shard, assert_matches_serial, build
 
+# The layers' values and gradients need no real transport: this module's shared worlds are in-process
+# (the same values as gloo processes: tests/runtime/test_in_process.py). A test that needs a process
+# per rank says why and stays on processes.
+pytestmark = pytest.mark.diffcomm_in_process
+
+
 F64 = torch.float64
 SEQ, BATCH = 12, 2  # 12 splits over 2, 3 and 4 ranks
 
@@ -392,6 +398,8 @@ def test_column_then_row_by_hand_names_input_is_parallel(world2) -> None:
         assert "the whole input" in wrong_parallel and "input_is_parallel=False" in wrong_parallel
 
 
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_the_copy_hint_names_input_is_parallel_with_one_period(world2) -> None:
     def rank_body() -> None:
         with dc.debug(True):

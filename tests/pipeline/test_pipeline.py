@@ -39,6 +39,12 @@ from diffcomm.pipeline import (
     zb_h1_schedule,
 )
 
+# The schedules' values and gradients need no real transport: this module's shared worlds are in-
+# process (the same values as gloo processes: tests/runtime/test_in_process.py). A test that needs a
+# process per rank says why and stays on processes.
+pytestmark = pytest.mark.diffcomm_in_process
+
+
 # ======================================================================================
 # schedules are data
 # ======================================================================================
@@ -251,6 +257,8 @@ def test_activations_whose_shape_varies_within_a_step(world2: dc.LocalWorld, pre
     world2.run(varying_shapes, prepost)
 
 
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_debug_mode_checks_that_ranks_agree_on_the_step(world2: dc.LocalWorld) -> None:
     def debug_checks_n_micro() -> None:
         runner = PipelineRunner(nn.Linear(2, 2), loss_fn=nn.functional.mse_loss)

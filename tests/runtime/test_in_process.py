@@ -141,6 +141,28 @@ def test_each_rank_has_its_own_rng_stream_and_settings(inproc_world2) -> None:
     assert dc.timeout() != 10.0 and dc.timeout() != 11.0
 
 
+def test_async_op_returns_a_finished_async_tensor_in_process(local_worlds) -> None:
+    """``async_op=True`` on an in-process rank: the same AsyncTensor as on processes (its
+    ``.wait()``, first use, backward), already done; the same values and gradients. (It
+    once returned a plain tensor, so ``.wait()`` raised AttributeError in-process only.)"""
+
+    def body() -> tuple:
+        r = dist.get_rank()
+        x = torch.arange(4.0, dtype=torch.float64, requires_grad=True)
+        y = dc.all_gather(x * (r + 1), async_op=True)
+        kind = type(y).__name__
+        done_in_process = y.done()
+        z = dc.reduce_scatter(y.wait() * y, async_op=True)  # first use and .wait()
+        z.wait().pow(2).sum().backward()
+        return kind, done_in_process, z.wait().detach(), x.grad
+
+    here = local_worlds(3, in_process=True).run(body)
+    real = local_worlds(3).run(body)
+    for (k1, done, v1, g1), (k2, _, v2, g2) in zip(here, real, strict=True):
+        assert k1 == k2 == "AsyncTensor" and done
+        assert torch.allclose(v1, v2, rtol=1e-12, atol=0) and torch.allclose(g1, g2, rtol=1e-12, atol=0)
+
+
 def test_the_keyword_is_validated_and_shown() -> None:
     with pytest.raises(TypeError, match="`in_process` must be a bool"):
         dc.LocalWorld(2, in_process=1)  # type: ignore[arg-type]

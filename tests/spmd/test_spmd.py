@@ -7,6 +7,7 @@ parallel code and a Llama-style tensor-parallel model."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,14 +44,17 @@ def test_planted_bug_raises_at_its_op_and_its_fix_passes(world2: dc.LocalWorld, 
         assert good is None, good
 
 
-def test_corpus_on_three_ranks(world3: dc.LocalWorld) -> None:
-    """Every bug of the corpus on 3 ranks (odd world: no even-split assumption)."""
+@pytest.mark.parametrize("in_process", [False, True], ids=["processes", "in_process"])
+def test_corpus_on_three_ranks(local_worlds: Callable[..., dc.LocalWorld], in_process: bool) -> None:
+    """Every bug of the corpus on 3 ranks (odd world: no even-split assumption), also in an
+    in-process world, whose ranks' checks are active at once in one process (each rank's
+    declarations go to its own check: once they went to the last rank's)."""
 
     def body() -> list[tuple[str, object, object]]:
         return [(b.name, corpus.run(b.name, False), corpus.run(b.name, True)) for b in corpus.BUGS]
 
     assert len(corpus.BUGS) >= 20
-    for per_rank in world3.run(body):
+    for per_rank in local_worlds(3, in_process=in_process).run(body):
         for (name, bad, good), bug in zip(per_rank, corpus.BUGS, strict=True):
             assert bad is not None and bad[0] == "SPMDTypeError", (name, bad)
             assert all(part in bad[1] for part in bug.names), (name, bad)

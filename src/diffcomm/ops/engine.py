@@ -119,8 +119,21 @@ class _Engine:
         return self._ident is not None and threading.get_ident() == self._ident
 
     def submit(self, fn: Callable[[], Any], name: str) -> Handle:
-        """Queue ``fn`` (run with the caller's diffcomm labels, logs and switches)."""
+        """Queue ``fn`` (run with the caller's diffcomm labels, logs and switches).
+
+        On a rank of an in-process world (``LocalWorld(n, in_process=True)``) ``fn`` runs
+        at once on the caller's thread: the ranks take turns in one process, so there is
+        nothing to overlap, and the engine is one per process. The handle is then done,
+        and the op's result is the same :class:`AsyncTensor` as on processes."""
         handle = Handle(name)
+        if current_hub() is not None:
+            try:
+                with torch.no_grad():
+                    handle._result = fn()
+            except BaseException as err:  # re-raised by Handle.wait, as on the engine
+                handle._error = err
+            handle._event.set()
+            return handle
         # the job runs on this thread's device and stream: its work is queued after
         # what this thread queued before the launch (a side stream included), and
         # "the current device" means the same in the job
@@ -215,16 +228,14 @@ def available() -> bool:
     Not while ``torch.compile`` traces or a ``torch.func`` transform / forward-mode AD
     level is active: those see through tensors to their values, so there the asynchronous
     ops run blocking and return plain tensors (same values and gradients). Nor while
-    spmd_types' checker is active (it types each op as it is applied), nor on a rank
-    of an in-process world (``LocalWorld(n, in_process=True)``): its ranks take turns in
-    one process, so there is nothing to overlap, and the engine is one per process.
+    spmd_types' checker is active (it types each op as it is applied). (On a rank of an
+    in-process world the job runs at once: :meth:`_Engine.submit`.)
     """
     return not (
         _torch.compiling()
         or _torch.transforms_active()
         or _torch.forward_ad_level() >= 0
         or spmd_types_checking(_FUNCTION_ATTRS)
-        or current_hub() is not None
     )
 
 

@@ -7,6 +7,7 @@ list ops and the public functions.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,11 +134,18 @@ def check_op(op_arg: Any, ts: Sequence[Tensor], opname: str) -> str:
     return name
 
 
-_DTYPE_CODES: dict[torch.dtype, int] = {}
-
-
 def _dtype_code(d: torch.dtype) -> int:
-    return _DTYPE_CODES.setdefault(d, sum(str(d).encode()) * 131 + len(str(d)))
+    """The same int for ``d`` on every rank, computed from its name (not from this
+    process's history), and different for every torch dtype (a sum of the name's bytes
+    made float8_e4m3fnuz and float8_e5m2fnuz alike: ``test_dtype_codes_differ_...``)."""
+    return zlib.crc32(str(d).encode())
+
+
+def _dtype_names() -> dict[int, str]:
+    """Every torch dtype by its code: a rank names the dtypes other ranks sent, also one
+    it never used itself."""
+    dtypes = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    return {_dtype_code(d): str(d).replace("torch.", "") for d in dtypes}
 
 
 def debug_check(
@@ -185,7 +193,7 @@ def debug_check(
 
 def _decode(row: list[int], n: int) -> list[tuple[Any, str]]:
     """Per tensor: ``(what must agree, its description)``."""
-    names = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
+    names = _dtype_names()
     out, i = [], 0
     for _ in range(n):
         code, grad, nd, vary = row[i], row[i + 1], row[i + 2], row[i + 3]

@@ -560,36 +560,47 @@ def spmd_check(
     )
 
 
+def _innermost() -> SPMDCheck | None:
+    """This thread's innermost active check: the checks of an in-process world's ranks
+    (one thread each) are active at once, and each rank declares into its own."""
+    me = threading.get_ident()
+    return next((c for c in reversed(_ACTIVE) if c.thread == me), None)
+
+
 def _current() -> SPMDCheck:
-    if not _ACTIVE:
+    check = _innermost()
+    if check is None:
         raise RuntimeError("diffcomm.spmd: no active spmd_check block (use `with dc.spmd_check(group): ...`)")
-    return _ACTIVE[-1]
+    return check
 
 
 def varying(x: Tensor) -> Tensor:
     """Declare ``x`` per-rank (varying) in the innermost active check; returns ``x``.
     Outside a check a no-op (annotated code runs unchanged with the check off)."""
-    return _ACTIVE[-1].declare(x, V) if _ACTIVE else x
+    check = _innermost()
+    return check.declare(x, V) if check is not None else x
 
 
 def replicated(x: Tensor) -> Tensor:
     """Declare ``x`` equal on every rank (replicated); returns ``x`` (a no-op outside a check)."""
-    return _ACTIVE[-1].declare(x, R) if _ACTIVE else x
+    check = _innermost()
+    return check.declare(x, R) if check is not None else x
 
 
 def partial(x: Tensor) -> Tensor:
     """Declare ``x`` partial (its true value is the sum over ranks); returns ``x`` (a no-op
     outside a check)."""
-    return _ACTIVE[-1].declare(x, P) if _ACTIVE else x
+    check = _innermost()
+    return check.declare(x, P) if check is not None else x
 
 
 def module(m: torch.nn.Module) -> torch.nn.Module:
     """Type the parameters of ``m`` (and its submodules, named from ``m``) in the innermost
     active check now, as if it had run (for code that uses a layer's parameters
     functionally); returns ``m`` (a no-op outside a check)."""
-    if not _ACTIVE:
+    check = _innermost()
+    if check is None:
         return m
-    check = _ACTIVE[-1]
     names = {id(p): n for n, p in m.named_parameters()}
     for mod in m.modules():
         check._type_module_params(mod, names)
