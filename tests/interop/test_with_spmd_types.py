@@ -112,8 +112,8 @@ def test_without_spmd_types_the_interop_tests_skip_with_a_reason(tmp_path: Path)
     (tmp_path / "spmd_types.py").write_text("raise ImportError('spmd_types hidden by the test')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__,
-         "-k", "not without_spmd_types"],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-n", "0", "-p", "no:cacheprovider", __file__,
+         "-k", "not without_spmd_types"],  # (-n 0: one process; the README's -n 2 adds two)
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
     )  # fmt: skip
     text = out.stdout + out.stderr
