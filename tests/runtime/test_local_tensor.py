@@ -223,9 +223,60 @@ def _ulysses_gqa(heads: int, kv_heads: int) -> Callable[[], tuple]:
     return program
 
 
-def _usp() -> tuple:
-    q, k, v = (per_rank(s, 1, 4, 3, 8) for s in (6, 7, 8))
-    return outs_and_grads([P.usp_attention(q, k, v, None, None, causal=True)], [q, k, v])
+def _ring(
+    rows: int, heads: int = 4, kv_heads: int = 4, mask: str | None = None, **kw: Any
+) -> Callable[[], tuple]:
+    """``ring_attention`` on this rank's ``rows`` of q, k, v (``mask``: an additive float
+    or a bool ``attn_mask`` of this rank's rows, all global columns) with ``kw``."""
+
+    def program() -> tuple:
+        q = per_rank(6, 2, heads, rows, 4)
+        k, v = (per_rank(s, 2, kv_heads, rows, 4) for s in (7, 8))
+        ins, call = [q, k, v], dict(kw)
+        if mask is not None:
+            total = kw.get("seq_len") or (
+                kw["cu_seqlens"][-1] if "cu_seqlens" in kw else rows * dc.get_world_size()
+            )
+            m = per_rank(5, 1, heads, rows, total)
+            if mask == "bool":
+                call["attn_mask"] = m.detach() > -1.0  # about 1 in 6 pairs masked
+            else:
+                call["attn_mask"] = m
+                ins.append(m)
+        return outs_and_grads([P.ring_attention(q, k, v, **call)], ins)
+
+    return program
+
+
+def _usp(layout: str, causal: bool) -> Callable[[], tuple]:
+    """``usp_attention`` on a 2 x 2 mesh (Ulysses x ring), q, k, v taken from one whole
+    sequence with ``shard`` (each simulated rank its own piece) and put back with
+    ``unshard``."""
+
+    def program() -> tuple:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring"))
+        ug, rg = (mesh, "ulysses"), (mesh, "ring")
+        full = [per_rank(s, 1, 4, 8, 4, same=True).detach() for s in (21, 22, 23)]  # the whole sequence
+        q, k, v = (P.shard(t, 2, rg, layout=layout, ulysses_group=ug).requires_grad_() for t in full)
+        out = P.usp_attention(q, k, v, ug, rg, causal=causal)
+        return outs_and_grads([out, P.unshard(out, 2, rg, ulysses_group=ug)], [q, k, v])
+
+    return program
+
+
+def _shard_unshard(layout: str, **kw: Any) -> Callable[[], tuple]:
+    def program() -> tuple:
+        x = torch.arange(2.0 * 11, dtype=torch.float64).view(2, 11).requires_grad_()
+        part = P.shard(x, 1, layout=layout, **kw)
+        return outs_and_grads([part, P.unshard(part * part, 1, layout=layout, **kw)], [x])
+
+    return program
+
+
+def _zigzag_cu() -> dict[str, Any]:
+    return {"layout": "zigzag", "cu_seqlens": [0, 3, 11]}
 
 
 def _moe() -> tuple:
@@ -341,6 +392,26 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "ulysses_attention": (_attention("ulysses_attention"), 2),
     "ulysses_attention[world=4]": (_attention("ulysses_attention"), 4),
     "ulysses_attention[gqa]": (_ulysses_gqa(4, 2), 2),
+    "ring_attention": (_attention("ring_attention"), 2),
+    "ring_attention[world=1]": (_ring(3, causal=True), 1),
+    "ring_attention[not causal, world=3]": (_ring(3), 3),
+    "ring_attention[zigzag, world=4]": (_ring(4, causal=True, layout="zigzag"), 4),
+    "ring_attention[gqa, zigzag]": (_ring(4, 4, 2, causal=True, layout="zigzag"), 3),
+    "ring_attention[padded: seq_len]": (_ring(3, causal=True, seq_len=7), 3),
+    "ring_attention[cu_seqlens, zigzag]": (
+        _ring(6, 2, 1, causal=True, layout="zigzag", cu_seqlens=[0, 3, 8]),
+        2,
+    ),
+    "ring_attention[attn_mask]": (_ring(3, causal=True, mask="float"), 3),
+    "ring_attention[attn_mask bool, zigzag]": (_ring(4, mask="bool", layout="zigzag"), 2),
+    "ring_attention[dropout, zigzag]": (
+        _ring(4, causal=True, layout="zigzag", dropout_p=0.3, dropout_seed=5),
+        3,
+    ),
+    "usp_attention": (_usp("contiguous", True), 4),
+    "usp_attention[zigzag]": (_usp("zigzag", True), 4),
+    "shard / unshard": (_shard_unshard("contiguous"), 3),
+    "shard / unshard[zigzag, cu_seqlens]": (_shard_unshard(**_zigzag_cu()), 3),
     "moe route": (_route, 2),
     "vocab_parallel_cross_entropy": (_cross_entropy(), 2),
     "vocab_parallel_cross_entropy[smoothing, sum]": (
@@ -385,7 +456,6 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         r"`all_to_all` .*the sizes each rank receives differ",
     ),
     "all_gather_coalesced[uneven]": (_ragged(lambda x: dc.all_gather_coalesced([x])), 2, r"reads this rank"),
-    "ring_attention": (_attention("ring_attention"), 2, r"reads this rank"),
     "ulysses_attention[3 heads over 2 ranks]": (
         _ulysses_gqa(3, 3),
         2,
@@ -396,7 +466,6 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         2,
         r"`parallel.ulysses_attention` .*reads this rank",
     ),
-    "usp_attention": (_usp, 2, r"reads this rank"),
     "moe dispatch / combine": (_moe, 2, r"reads this rank"),
     "ExpertParallelMoE": (
         _expert_parallel_moe,
