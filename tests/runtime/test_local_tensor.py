@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import diffcomm as dc
 from diffcomm import parallel as P
 from diffcomm.backend.local_tensor import LocalTensorModeError
+from diffcomm.parallel.context import ring as _ring_module
 
 _REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -599,6 +600,18 @@ def _rank_zero(*args: Any) -> int:
     return 0  # what torch's fake process group says on every simulated rank
 
 
+def _row_zero(table: torch.Tensor, *args: Any) -> torch.Tensor:
+    return table[0]  # rank 0's row of a layout table standing for every simulated rank's
+
+
+class _ReversedHopPlan(_ring_module._LocalPlan):
+    """The ring's plan under the mode with its hop the wrong way round (to rank-1)."""
+
+    def hop(self, x: torch.Tensor, name: str, j: int | None) -> torch.Tensor:
+        w = self.world
+        return self.every.ppermute(x, [(r, (r - 1) % w) for r in range(w)], self.pg)
+
+
 #: (row, module, attribute, planted replacement): each makes the row's program wrong under
 #: LocalTensorMode only (the reference is run first, unpatched: its ranks share the module)
 _PLANTED: list[tuple[str, str, str, Any]] = [
@@ -615,6 +628,16 @@ _PLANTED: list[tuple[str, str, str, Any]] = [
         "_rank_for_all",
         _rank_zero,
     ),
+    # the ring's positions (its causal masks, padding, documents, dropout) read as rank 0's
+    ("ring_attention[zigzag, world=4]", "diffcomm.parallel.context.ring", "rank_positions", _row_zero),
+    ("ring_attention[padded: seq_len]", "diffcomm.parallel.context.ring", "rank_positions", _row_zero),
+    ("ring_attention[dropout, zigzag]", "diffcomm.parallel.context.ring", "rank_positions", _row_zero),
+    ("usp_attention[zigzag]", "diffcomm.parallel.context.ring", "rank_positions", _row_zero),
+    # the hop the wrong way round: each rank then masks a block as another rank's (causal:
+    # a non-causal ring without a mask sums the same blocks in any order, to rounding)
+    ("ring_attention[padded: seq_len]", "diffcomm.parallel.context.ring", "_LocalPlan", _ReversedHopPlan),
+    ("ring_attention[attn_mask]", "diffcomm.parallel.context.ring", "_LocalPlan", _ReversedHopPlan),
+    ("shard / unshard[zigzag, cu_seqlens]", "diffcomm.parallel.context.layout", "rank_positions", _row_zero),
     ("parallel.ColumnParallelLinear", "diffcomm.parallel.layers", "local_tensor_mode_off", nullcontext),
     ("parallel.VocabParallelEmbedding", "diffcomm.parallel.layers", "local_tensor_mode_off", nullcontext),
 ]
@@ -636,6 +659,73 @@ def test_a_layer_row_fails_under_a_planted_bug(
     monkeypatch.setattr(importlib.import_module(module), attr, bug)
     here = run_under_local_tensor_mode(n, program)
     assert not all(_close(here[r], want[r]) for r in range(n))
+
+
+# ---- hypothesis: ring attention x layouts x shapes x masks x worlds 1-4 -------------------
+
+
+def _ring_program(
+    n: int,
+    layout: str,
+    causal: bool,
+    hk: int,
+    g: int,
+    total: int,
+    cut: int | None,
+    mask: str,
+    p: float,
+    seed: int,
+) -> tuple:
+    """``ring_attention`` forward and backward on each rank's rows of a sequence of
+    ``total`` positions (padded shards; ``cut``: two packed documents), the same code both
+    ways."""
+    cu = None if cut is None else [0, cut, total]
+    rows = P.layout_index(total, n, layout=layout, cu_seqlens=cu).shape[1]
+    q = per_rank(seed, 1, hk * g, rows, 3)
+    k, v = (per_rank(seed + i, 1, hk, rows, 3) for i in (1, 2))
+    ins = [q, k, v]
+    kw: dict[str, Any] = {"causal": causal, "layout": layout, "seq_len": total, "cu_seqlens": cu}
+    if mask != "none":
+        m = per_rank(seed + 3, 1, 1, rows, total)
+        kw["attn_mask"] = m.detach() > -0.5 if mask == "bool" else m
+        if mask == "float":
+            ins.append(m)
+    if p > 0:
+        kw.update(dropout_p=p, dropout_seed=seed)
+    return outs_and_grads([P.ring_attention(q, k, v, **kw)], ins)
+
+
+def test_property_ring_attention_under_local_tensor_mode_equals_in_process_world(
+    inproc_worlds: Callable[[int], Any],
+) -> None:
+    """Hypothesis: layout (contiguous, zigzag) x causal x GQA x padded length x packed
+    documents x attn_mask (none, additive, bool) x dropout x world 1-4; the output and
+    the q, k, v (and additive mask) gradients equal the in-process world's."""
+
+    @st.composite
+    def cases(draw: st.DrawFn) -> tuple:
+        n = draw(st.integers(1, 4))
+        total = draw(st.integers(1, 3 * n))
+        cut = draw(st.one_of(st.none(), st.integers(1, total))) if total > 1 else None
+        return (
+            n,
+            draw(st.sampled_from(["contiguous", "zigzag"])),
+            draw(st.booleans()),
+            draw(st.integers(1, 2)),
+            draw(st.integers(1, 2)),
+            total,
+            None if cut == total else cut,
+            draw(st.sampled_from(["none", "float", "bool"])),
+            draw(st.sampled_from([0.0, 0.0, 0.3])),
+            draw(st.integers(0, 999)),
+        )
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def check(case: tuple) -> None:
+        assert_equal_both_ways(inproc_worlds(case[0]), case[0], _ring_program, *case)
+
+    check()
 
 
 # ---- hypothesis: the TP layers and the vocab-parallel loss x sizes x worlds 1-4 ---------
