@@ -249,7 +249,7 @@ def _ring(
     return program
 
 
-def _usp(layout: str, causal: bool) -> Callable[[], tuple]:
+def _usp(layout: str, causal: bool, heads: int = 4) -> Callable[[], tuple]:
     """``usp_attention`` on a 2 x 2 mesh (Ulysses x ring), q, k, v taken from one whole
     sequence with ``shard`` (each simulated rank its own piece) and put back with
     ``unshard``."""
@@ -259,7 +259,7 @@ def _usp(layout: str, causal: bool) -> Callable[[], tuple]:
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring"))
         ug, rg = (mesh, "ulysses"), (mesh, "ring")
-        full = [per_rank(s, 1, 4, 8, 4, same=True).detach() for s in (21, 22, 23)]  # the whole sequence
+        full = [per_rank(s, 1, heads, 8, 4, same=True).detach() for s in (21, 22, 23)]  # the whole sequence
         q, k, v = (P.shard(t, 2, rg, layout=layout, ulysses_group=ug).requires_grad_() for t in full)
         out = P.usp_attention(q, k, v, ug, rg, causal=causal)
         return outs_and_grads([out, P.unshard(out, 2, rg, ulysses_group=ug)], [q, k, v])
@@ -466,6 +466,11 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         _ulysses_gqa(6, 3),  # rank 0's query heads use KV heads (0, 0, 1), rank 1's (1, 2, 2)
         2,
         r"`parallel.ulysses_attention` .*reads this rank",
+    ),
+    "usp_attention[3 heads over a Ulysses group of 2]": (
+        _usp("contiguous", True, heads=3),
+        4,
+        r"`parallel.usp_attention` .*reads this rank.*query heads \[2, 1\] differ",
     ),
     "moe dispatch / combine": (_moe, 2, r"reads this rank"),
     "ExpertParallelMoE": (

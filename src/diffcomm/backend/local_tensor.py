@@ -14,7 +14,9 @@ each copy of the group, in group-rank order), exactly what each real rank gets:
 * a rooted op reads the root's tensor and gives the other ranks exact zeros;
 * uneven sizes (a ``LocalTensor`` whose ranks hold different lengths) travel as they are;
 * ``shift`` / ``ppermute`` (whose pairs are the same on every rank) move each rank's
-  tensor to its peer (:meth:`LocalTensorBackend.ppermute`).
+  tensor to its peer (:meth:`LocalTensorBackend.ppermute`); so does the ring of
+  ``ring_attention`` / ``usp_attention``, whose positions and masks are computed per rank
+  from :meth:`LocalTensorBackend.rank_tensor`.
 
 What cannot be one program for every rank raises :class:`LocalTensorModeError` naming the
 op and why, before any communication: reading the rank as a Python int (it differs per

@@ -2,8 +2,10 @@
 the fused-kernel path and the argument checks of :func:`ring_attention`. The block plan
 (which queries meet which keys) is :mod:`~diffcomm.parallel.context.plan`, the serial
 reference and the dropout mask :mod:`~diffcomm.parallel.context.reference`, the checks
-shared with Ulysses :mod:`~diffcomm.parallel.context.args`. See
-:mod:`diffcomm.parallel.context`."""
+shared with Ulysses :mod:`~diffcomm.parallel.context.args`. Under torch's
+``LocalTensorMode`` the same ring runs as one program for every simulated rank
+(:class:`_LocalPlan`: the hop a per-rank ``ppermute``, positions and masks per rank, every
+block whole with its mask; chosen once per call). See :mod:`diffcomm.parallel.context`."""
 
 from __future__ import annotations
 
