@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import diffcomm as dc
 from diffcomm import parallel as P
 from diffcomm.backend.local_tensor import LocalTensorModeError
+from diffcomm.parallel import routing as _routing_module
 from diffcomm.parallel.context import ring as _ring_module
 
 _REDUCE_OPS = ("sum", "avg", "max", "min", "product")
@@ -287,6 +288,18 @@ def _moe() -> tuple:
     return outs_and_grads([h, P.combine(h * 2.0, gate, plan)], [x])
 
 
+def _moe_program(tokens: list[int], e: int, k: int, capacity_factor: float | None, seed: int) -> tuple:
+    """MoE routing, dispatch, a nonlinear expert and combine, forward and backward (the
+    router's gradient too) on ``tokens[r]`` tokens of rank ``r`` (the same code both
+    ways)."""
+    x = per_rank(seed, 0, 3, rows=lambda r: tokens[r])
+    logits = per_rank(seed + 1, 0, e, rows=lambda r: tokens[r])
+    gate, idx, _ = P.route(logits, k)
+    h, plan = P.dispatch(x, idx, e, capacity_factor=capacity_factor)
+    y = P.combine(torch.tanh(h) * 2.0, gate, plan)
+    return outs_and_grads([h, y], [x, logits])
+
+
 def _route() -> tuple:
     logits = per_rank(10, 4, 6)
     gate, idx, probs = P.route(logits, 2)
@@ -348,6 +361,17 @@ def _compat(name: str) -> Callable[[], tuple]:
     return _one(calls[name], 3, 4)
 
 
+def _a2a_per_rank_splits() -> tuple:
+    """An uneven all_to_all whose split sizes differ per rank (under the mode: ints each
+    simulated rank holds its own of, from ``tolist()`` of a per-rank tensor), output
+    sizes exchanged."""
+    from torch.distributed._local_tensor import rank_map
+
+    x = per_rank(24, 0, 2, rows=lambda r: 2 * r + 1)  # 1, 3, 5 rows
+    ins = rank_map(lambda r: torch.tensor([[1, 0, 0], [0, 2, 1], [3, 0, 2]][r])).tolist()
+    return outs_and_grads([dc.all_to_all(x, input_split_sizes=ins)], [x])
+
+
 def _mapping(name: str) -> Callable[[], tuple]:
     if name == "all_to_all_region":
         return _one(lambda x: P.all_to_all_region(x, 0, 1), 4, 4)
@@ -374,6 +398,8 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "scatter[split_sizes]": (_one(lambda x: dc.scatter(x, src=2, split_sizes=[2, 4, 0]), 6, 2), 3),
     "all_to_all": (_one(dc.all_to_all, 6, 2), 3),
     "all_to_all[split_dim=1]": (_one(lambda x: dc.all_to_all(x, split_dim=1, concat_dim=0), 2, 6), 3),
+    "all_to_all[input_split_sizes]": (_one(lambda x: dc.all_to_all(x, input_split_sizes=[1, 3]), 4, 2), 2),
+    "all_to_all[split sizes differing per rank]": (_a2a_per_rank_splits, 3),
     "shift[+1]": (_one(lambda x: dc.shift(x, 1), 2, 3), 3),
     "shift[-2]": (_one(lambda x: dc.shift(x, -2), 2, 3), 4),
     "ppermute": (_one(lambda x: dc.ppermute(x, [(0, 2), (2, 1)]), 2, 3), 3),
@@ -414,6 +440,15 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "shard / unshard": (_shard_unshard("contiguous"), 3),
     "shard / unshard[zigzag, cu_seqlens]": (_shard_unshard(**_zigzag_cu()), 3),
     "moe route": (_route, 2),
+    "moe dispatch / combine": (_moe, 2),
+    "moe dispatch / combine[tokens differing per rank, capacity_factor, world=3]": (
+        lambda: _moe_program([5, 0, 3], 6, 2, 0.8, 30),
+        3,
+    ),
+    "moe dispatch / combine[one expert per rank, world=4]": (
+        lambda: _moe_program([3, 4, 2, 3], 4, 1, None, 31),
+        4,
+    ),
     "vocab_parallel_cross_entropy": (_cross_entropy(), 2),
     "vocab_parallel_cross_entropy[smoothing, sum]": (
         _cross_entropy(label_smoothing=0.1, reduction="sum"),
@@ -451,10 +486,10 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         3,
         r"async_op=True\)` .*communication thread",
     ),
-    "all_to_all[input_split_sizes]": (
-        _one(lambda x: dc.all_to_all(x, input_split_sizes=[1, 3]), 4, 2),
+    "all_to_all[output_split_sizes contradicting what arrives]": (
+        _one(lambda x: dc.all_to_all(x, input_split_sizes=[1, 3], output_split_sizes=[1, 3]), 4, 2),
         2,
-        r"`all_to_all` .*the sizes each rank receives differ",
+        r"`all_to_all` .*output_split_sizes \[1, 3\] disagree with the sizes the ranks send it \[1, 1\]",
     ),
     "all_gather_coalesced[uneven]": (_ragged(lambda x: dc.all_gather_coalesced([x])), 2, r"reads this rank"),
     "ulysses_attention[3 heads over 2 ranks]": (
@@ -472,7 +507,6 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         4,
         r"`parallel.usp_attention` .*reads this rank.*query heads \[2, 1\] differ",
     ),
-    "moe dispatch / combine": (_moe, 2, r"reads this rank"),
     "ExpertParallelMoE": (
         _expert_parallel_moe,
         2,
@@ -598,6 +632,22 @@ def test_split_sizes_are_checked_on_every_simulated_rank() -> None:
         run_under_local_tensor_mode(3, program)
 
 
+def test_split_sizes_differing_per_rank_are_a_type_error_outside_all_to_all() -> None:
+    """Only ``all_to_all`` takes split sizes that differ between the simulated ranks (each
+    rank's own); where every rank must pass the same sizes (``reduce_scatter``,
+    ``scatter``) they are a ``TypeError`` naming the argument, never rank 0's read for all."""
+    from torch.distributed._local_tensor import rank_map
+
+    def program(op: str) -> Any:
+        x = per_rank(25, 4, 2)
+        sizes = rank_map(lambda r: torch.tensor([[1, 3], [2, 2]][r])).tolist()
+        return getattr(dc, op)(x, split_sizes=sizes)
+
+    for op in ("reduce_scatter", "scatter"):
+        with pytest.raises(TypeError, match=r"`split_sizes` must be an int"):
+            run_under_local_tensor_mode(2, program, op)
+
+
 # ---- planted bugs: the layer rows catch a rank read as rank 0's, or an init drawn per rank
 
 
@@ -615,6 +665,13 @@ class _ReversedHopPlan(_ring_module._LocalPlan):
     def hop(self, x: torch.Tensor, name: str, j: int | None) -> torch.Tensor:
         w = self.world
         return self.every.ppermute(x, [(r, (r - 1) % w) for r in range(w)], self.pg)
+
+
+_RANK_PART = _routing_module._rank_part  # (the real one, before a test patches it)
+
+
+def _rank_part_of_rank_zero(rank: int, *args: Any) -> tuple:
+    return _RANK_PART(0, *args)  # every rank's plan made as rank 0's
 
 
 #: (row, module, attribute, planted replacement): each makes the row's program wrong under
@@ -731,6 +788,54 @@ def test_property_ring_attention_under_local_tensor_mode_equals_in_process_world
         assert_equal_both_ways(inproc_worlds(case[0]), case[0], _ring_program, *case)
 
     check()
+
+
+# ---- hypothesis: MoE dispatch / combine x tokens x experts x k x capacity x worlds 1-4 ----
+
+
+def test_property_moe_dispatch_combine_under_local_tensor_mode_equals_in_process_world(
+    inproc_worlds: Callable[[int], Any],
+) -> None:
+    """Hypothesis: tokens per rank (0-5, differing), experts per rank, k, capacity factor
+    (dropless or dropping), world 1-4: the dispatched rows, the combined output and the
+    gradients of the tokens and the router's logits equal the in-process world's."""
+
+    @st.composite
+    def cases(draw: st.DrawFn) -> tuple:
+        n = draw(st.integers(1, 4))
+        e = n * draw(st.integers(1, 3))
+        return (
+            draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)),
+            e,
+            draw(st.integers(1, min(e, 3))),
+            draw(st.sampled_from([None, None, 0.5, 1.0, 1.5])),
+            draw(st.integers(0, 999)),
+        )
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def check(case: tuple) -> None:
+        n = len(case[0])
+        assert_equal_both_ways(inproc_worlds(n), n, _moe_program, *case)
+
+    check()
+
+
+def test_the_moe_row_fails_when_every_rank_plans_as_rank_0(
+    inproc_worlds: Callable[[int], Any], monkeypatch: Any
+) -> None:
+    """Every simulated rank's routing plan made as rank 0's (from its own routing): its
+    split sizes then contradict its rows or what arrives, and the all_to_all's per-rank
+    checks say so (an error naming the op and argument, not a wrong value)."""
+    for row in ("moe dispatch / combine", "moe dispatch / combine[one expert per rank, world=4]"):
+        program, n = EQUAL[row]
+        inproc_worlds(n).run(program)
+        monkeypatch.setattr(_routing_module, "_rank_part", _rank_part_of_rank_zero)
+        with pytest.raises(
+            (LocalTensorModeError, ValueError), match=r"all_to_all.*(output|input)_split_sizes"
+        ):
+            run_under_local_tensor_mode(n, program)
+        monkeypatch.undo()
 
 
 # ---- hypothesis: the TP layers and the vocab-parallel loss x sizes x worlds 1-4 ---------

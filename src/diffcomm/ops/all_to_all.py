@@ -113,7 +113,7 @@ def _across_dims(
     for s in rest:
         rest_n *= s
     # the chunk every rank sends me: ins[me] (read without the rank when the split is even,
-    # as under torch's LocalTensorMode, where an uneven all_to_all is refused before this)
+    # as under torch's LocalTensorMode, where it must be: there the rank is no int)
     c_in = ins[0] if len(set(ins)) == 1 else ins[_rank(pg)]
     send = x.permute(order).split(list(ins), dim=1)
     flat_in = torch.cat([ch.reshape(-1) for ch in send]) if world > 1 else send[0].reshape(-1)
@@ -198,6 +198,4 @@ def all_to_all(
         )
     if outs is None:
         outs = _all_to_all_received(ins, pg)
-    return apply(
-        _AllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(map(int, outs)), async_op=async_op
-    )
+    return apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(outs), async_op=async_op)

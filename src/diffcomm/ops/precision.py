@@ -392,7 +392,7 @@ def all_to_all(
     fwd_chunks = list(ins) if split_dim == last else ([n] if concat_dim == last else None)
     bwd_chunks = list(outs) if concat_dim == last else None
     check(x, precision, name, (n, fwd_chunks), (out_last, bwd_chunks))
-    return apply(_QAllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(map(int, outs)), precision)
+    return apply(_QAllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(outs), precision)
 
 
 # ------------------------------------------------------------------- coalesced lists

@@ -160,8 +160,10 @@ def _expert_group(op: str, group: A.GroupLike) -> tuple[Any, int, int]:
     if local_tensor_mode_on():
         raise refuse(
             op,
-            "its routing sends each rank a data-dependent number of tokens: an all_to_all whose "
-            "sizes differ between the simulated ranks, which one program's Python ints cannot hold",
+            "it holds this rank's experts as modules picked by its rank as a Python int (one "
+            "program holds one int for every simulated rank) and runs each on a number of rows "
+            "whose sizes differ between the simulated ranks (parallel.dispatch / parallel.combine "
+            "themselves run under the mode)",
         )
     return resolve_parallel_group(op, group)
 
