@@ -211,8 +211,10 @@ def all_to_all_split_sizes(
 
 
 def _output_sizes(sizes: Sequence[int], size: int) -> list[int]:
-    # (a SymInt holding one int per simulated rank sums as one; see A.check_split_sizes)
-    total = sum(s if isinstance(s, torch.SymInt) else int(s) for s in sizes)
+    if A.plain_ints(sizes):
+        total = sum(sizes)
+    else:  # (a SymInt holding one int per simulated rank sums as one; see A.check_split_sizes)
+        total = sum(s if isinstance(s, torch.SymInt) else int(s) for s in sizes)
     return A.check_split_sizes(sizes, total, size, "all_to_all", "output_split_sizes", True)
 
 
