@@ -723,6 +723,48 @@ def test_a_layer_row_fails_under_a_planted_bug(
     assert not all(_close(here[r], want[r]) for r in range(n))
 
 
+# ---- hypothesis: uneven all_to_all, split sizes differing per rank x worlds 1-4 ----------
+
+
+def _uneven_all_to_all_program(table: list[list[int]], rest: list[int], given: bool, seed: int) -> tuple:
+    """Rank ``r`` sends ``table[r][j]`` rows to rank ``j`` (its sizes, one list per rank:
+    under the mode ints each simulated rank holds its own of); the output sizes given
+    (each rank's column of the table) or exchanged."""
+    from torch.distributed._local_tensor import rank_map
+
+    n = len(table)
+    x = per_rank(seed, 0, *rest, rows=lambda r: sum(table[r]))
+    ins = rank_map(lambda r: torch.tensor(table[r])).tolist()
+    outs = rank_map(lambda r: torch.tensor([table[s][r] for s in range(n)])).tolist() if given else None
+    return outs_and_grads([dc.all_to_all(x, input_split_sizes=ins, output_split_sizes=outs)], [x])
+
+
+def test_property_uneven_all_to_all_under_local_tensor_mode_equals_in_process_world(
+    inproc_worlds: Callable[[int], Any],
+) -> None:
+    """Hypothesis: a table of split sizes (each rank's own sizes, differing per rank) x
+    trailing shape x output sizes given or exchanged x world 1-4."""
+
+    @st.composite
+    def cases(draw: st.DrawFn) -> tuple:
+        n = draw(st.integers(1, 4))
+        row = st.lists(st.integers(0, 3), min_size=n, max_size=n)
+        return (
+            draw(st.lists(row, min_size=n, max_size=n)),
+            draw(st.lists(st.integers(1, 3), min_size=0, max_size=2)),
+            draw(st.booleans()),
+            draw(st.integers(0, 999)),
+        )
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def check(case: tuple) -> None:
+        n = len(case[0])
+        assert_equal_both_ways(inproc_worlds(n), n, _uneven_all_to_all_program, *case)
+
+    check()
+
+
 # ---- hypothesis: ring attention x layouts x shapes x masks x worlds 1-4 -------------------
 
 
