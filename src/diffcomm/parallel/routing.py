@@ -112,6 +112,11 @@ class DispatchPlan:
         routing: ``(T, k)`` int64, a copy of the ``expert_index`` the plan was made from
             (a reused plan is checked against the new index locally, no communication).
         capacity_factor: the ``capacity_factor`` the plan was made with.
+
+    Under torch's ``LocalTensorMode`` (one program for every simulated rank) the
+    rank's own fields hold each simulated rank's: ``rank``, the splits and
+    ``num_tokens`` as ints that differ per rank (``SymInt`` s), the index tensors as
+    ``LocalTensor`` s.
     """
 
     num_experts: int
