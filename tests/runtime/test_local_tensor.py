@@ -824,7 +824,7 @@ def test_property_ring_attention_under_local_tensor_mode_equals_in_process_world
             draw(st.integers(0, 999)),
         )
 
-    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
     @given(cases())
     def check(case: tuple) -> None:
         assert_equal_both_ways(inproc_worlds(case[0]), case[0], _ring_program, *case)
