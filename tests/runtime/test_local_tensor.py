@@ -307,10 +307,23 @@ def _route() -> tuple:
     return [*outs, idx], grads
 
 
-def _expert_parallel_moe() -> tuple:
-    layer = P.ExpertParallelMoE(6, 8, 4, seed=0, dtype=torch.float64)
-    x = per_rank(20, 5, 6)
-    return outs_and_grads([layer(x)], [x])
+def _expert_parallel_moe(world: int = 2, from_serial: bool = False, **kw: Any) -> Callable[[], tuple]:
+    """An ``ExpertParallelMoE`` (seeded: each rank its experts of one full init; or
+    ``from_serial`` of a serial ``MoE``), forward and backward on per-rank tokens, with
+    the gradients of the tokens and every parameter (this rank's experts, the replicas'
+    shares) and the aux loss."""
+
+    def program() -> tuple:
+        if from_serial:
+            torch.manual_seed(0)
+            layer = P.ExpertParallelMoE.from_serial(P.MoE(6, 8, 2 * world, dtype=torch.float64, **kw))
+        else:
+            layer = P.ExpertParallelMoE(6, 8, 2 * world, seed=0, dtype=torch.float64, **kw)
+        x = per_rank(20, 0, 6, rows=lambda r: 5 - r % 3)
+        y = layer(x)
+        return outs_and_grads([y, layer.aux_loss], [x, *layer.parameters()])
+
+    return program
 
 
 def _pipeline() -> tuple:
@@ -441,6 +454,12 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "shard / unshard[zigzag, cu_seqlens]": (_shard_unshard(**_zigzag_cu()), 3),
     "moe route": (_route, 2),
     "moe dispatch / combine": (_moe, 2),
+    "ExpertParallelMoE": (_expert_parallel_moe(), 2),
+    "ExpertParallelMoE[world=4, k=1, capacity_factor, shared expert]": (
+        _expert_parallel_moe(4, k=1, capacity_factor=0.9, shared_expert_size=4),
+        4,
+    ),
+    "ExpertParallelMoE.from_serial": (_expert_parallel_moe(3, from_serial=True), 3),
     "moe dispatch / combine[tokens differing per rank, capacity_factor, world=3]": (
         lambda: _moe_program([5, 0, 3], 6, 2, 0.8, 30),
         3,
@@ -507,10 +526,10 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         4,
         r"`parallel.usp_attention` .*reads this rank.*query heads \[2, 1\] differ",
     ),
-    "ExpertParallelMoE": (
-        _expert_parallel_moe,
+    "ExpertParallelMoE.serial_names": (
+        lambda: P.ExpertParallelMoE(6, 8, 4, seed=0).serial_names(),
         2,
-        r"`parallel.ExpertParallelMoE` .*sizes differ between the simulated ranks",
+        r"`parallel.ExpertParallelMoE.serial_names` .*reads this rank",
     ),
     "pipeline (PipelineRunner)": (_pipeline, 2, r"`get_rank` .*reads this rank"),
 }
@@ -667,6 +686,10 @@ class _ReversedHopPlan(_ring_module._LocalPlan):
         return self.every.ppermute(x, [(r, (r - 1) % w) for r in range(w)], self.pg)
 
 
+def _experts_of_rank_zero(full: Any, per_rank: int, pg: Any) -> list:
+    return list(full.experts)[:per_rank]  # rank 0's experts standing for every rank's
+
+
 _RANK_PART = _routing_module._rank_part  # (the real one, before a test patches it)
 
 
@@ -700,6 +723,9 @@ _PLANTED: list[tuple[str, str, str, Any]] = [
     ("ring_attention[padded: seq_len]", "diffcomm.parallel.context.ring", "_LocalPlan", _ReversedHopPlan),
     ("ring_attention[attn_mask]", "diffcomm.parallel.context.ring", "_LocalPlan", _ReversedHopPlan),
     ("shard / unshard[zigzag, cu_seqlens]", "diffcomm.parallel.context.layout", "rank_positions", _row_zero),
+    # ExpertParallelMoE: every simulated rank holding rank 0's experts
+    ("ExpertParallelMoE", "diffcomm.parallel.moe", "_experts_per_rank", _experts_of_rank_zero),
+    ("ExpertParallelMoE.from_serial", "diffcomm.parallel.moe", "_experts_per_rank", _experts_of_rank_zero),
     ("parallel.ColumnParallelLinear", "diffcomm.parallel.layers", "local_tensor_mode_off", nullcontext),
     ("parallel.VocabParallelEmbedding", "diffcomm.parallel.layers", "local_tensor_mode_off", nullcontext),
 ]
