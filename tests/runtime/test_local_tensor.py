@@ -531,6 +531,11 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         2,
         r"`parallel.ExpertParallelMoE.serial_names` .*reads this rank",
     ),
+    "ExpertParallelMoE(experts=...)": (
+        lambda: P.ExpertParallelMoE(6, 8, 4, experts=[P.MLP(6, 8) for _ in range(2)]),
+        2,
+        r"`parallel.ExpertParallelMoE\(experts=...\)` .*reads this rank",
+    ),
     "pipeline (PipelineRunner)": (_pipeline, 2, r"`get_rank` .*reads this rank"),
 }
 
