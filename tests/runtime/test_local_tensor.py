@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 import diffcomm as dc
 from diffcomm import parallel as P
 from diffcomm.backend.local_tensor import LocalTensorModeError
+from diffcomm.parallel import routing as _routing_module
+from diffcomm.parallel.context import ring as _ring_module
 
 _REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -223,9 +225,60 @@ def _ulysses_gqa(heads: int, kv_heads: int) -> Callable[[], tuple]:
     return program
 
 
-def _usp() -> tuple:
-    q, k, v = (per_rank(s, 1, 4, 3, 8) for s in (6, 7, 8))
-    return outs_and_grads([P.usp_attention(q, k, v, None, None, causal=True)], [q, k, v])
+def _ring(
+    rows: int, heads: int = 4, kv_heads: int = 4, mask: str | None = None, **kw: Any
+) -> Callable[[], tuple]:
+    """``ring_attention`` on this rank's ``rows`` of q, k, v (``mask``: an additive float
+    or a bool ``attn_mask`` of this rank's rows, all global columns) with ``kw``."""
+
+    def program() -> tuple:
+        q = per_rank(6, 2, heads, rows, 4)
+        k, v = (per_rank(s, 2, kv_heads, rows, 4) for s in (7, 8))
+        ins, call = [q, k, v], dict(kw)
+        if mask is not None:
+            total = kw.get("seq_len") or (
+                kw["cu_seqlens"][-1] if "cu_seqlens" in kw else rows * dc.get_world_size()
+            )
+            m = per_rank(5, 1, heads, rows, total)
+            if mask == "bool":
+                call["attn_mask"] = m.detach() > -1.0  # about 1 in 6 pairs masked
+            else:
+                call["attn_mask"] = m
+                ins.append(m)
+        return outs_and_grads([P.ring_attention(q, k, v, **call)], ins)
+
+    return program
+
+
+def _usp(layout: str, causal: bool, heads: int = 4) -> Callable[[], tuple]:
+    """``usp_attention`` on a 2 x 2 mesh (Ulysses x ring), q, k, v taken from one whole
+    sequence with ``shard`` (each simulated rank its own piece) and put back with
+    ``unshard``."""
+
+    def program() -> tuple:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring"))
+        ug, rg = (mesh, "ulysses"), (mesh, "ring")
+        full = [per_rank(s, 1, heads, 8, 4, same=True).detach() for s in (21, 22, 23)]  # the whole sequence
+        q, k, v = (P.shard(t, 2, rg, layout=layout, ulysses_group=ug).requires_grad_() for t in full)
+        out = P.usp_attention(q, k, v, ug, rg, causal=causal)
+        return outs_and_grads([out, P.unshard(out, 2, rg, ulysses_group=ug)], [q, k, v])
+
+    return program
+
+
+def _shard_unshard(layout: str, **kw: Any) -> Callable[[], tuple]:
+    def program() -> tuple:
+        x = torch.arange(2.0 * 11, dtype=torch.float64).view(2, 11).requires_grad_()
+        part = P.shard(x, 1, layout=layout, **kw)
+        return outs_and_grads([part, P.unshard(part * part, 1, layout=layout, **kw)], [x])
+
+    return program
+
+
+def _zigzag_cu() -> dict[str, Any]:
+    return {"layout": "zigzag", "cu_seqlens": [0, 3, 11]}
 
 
 def _moe() -> tuple:
@@ -235,6 +288,18 @@ def _moe() -> tuple:
     return outs_and_grads([h, P.combine(h * 2.0, gate, plan)], [x])
 
 
+def _moe_program(tokens: list[int], e: int, k: int, capacity_factor: float | None, seed: int) -> tuple:
+    """MoE routing, dispatch, a nonlinear expert and combine, forward and backward (the
+    router's gradient too) on ``tokens[r]`` tokens of rank ``r`` (the same code both
+    ways)."""
+    x = per_rank(seed, 0, 3, rows=lambda r: tokens[r])
+    logits = per_rank(seed + 1, 0, e, rows=lambda r: tokens[r])
+    gate, idx, _ = P.route(logits, k)
+    h, plan = P.dispatch(x, idx, e, capacity_factor=capacity_factor)
+    y = P.combine(torch.tanh(h) * 2.0, gate, plan)
+    return outs_and_grads([h, y], [x, logits])
+
+
 def _route() -> tuple:
     logits = per_rank(10, 4, 6)
     gate, idx, probs = P.route(logits, 2)
@@ -242,10 +307,23 @@ def _route() -> tuple:
     return [*outs, idx], grads
 
 
-def _expert_parallel_moe() -> tuple:
-    layer = P.ExpertParallelMoE(6, 8, 4, seed=0, dtype=torch.float64)
-    x = per_rank(20, 5, 6)
-    return outs_and_grads([layer(x)], [x])
+def _expert_parallel_moe(world: int = 2, from_serial: bool = False, **kw: Any) -> Callable[[], tuple]:
+    """An ``ExpertParallelMoE`` (seeded: each rank its experts of one full init; or
+    ``from_serial`` of a serial ``MoE``), forward and backward on per-rank tokens, with
+    the gradients of the tokens and every parameter (this rank's experts, the replicas'
+    shares) and the aux loss."""
+
+    def program() -> tuple:
+        if from_serial:
+            torch.manual_seed(0)
+            layer = P.ExpertParallelMoE.from_serial(P.MoE(6, 8, 2 * world, dtype=torch.float64, **kw))
+        else:
+            layer = P.ExpertParallelMoE(6, 8, 2 * world, seed=0, dtype=torch.float64, **kw)
+        x = per_rank(20, 0, 6, rows=lambda r: 5 - r % 3)
+        y = layer(x)
+        return outs_and_grads([y, layer.aux_loss], [x, *layer.parameters()])
+
+    return program
 
 
 def _pipeline() -> tuple:
@@ -296,6 +374,17 @@ def _compat(name: str) -> Callable[[], tuple]:
     return _one(calls[name], 3, 4)
 
 
+def _a2a_per_rank_splits() -> tuple:
+    """An uneven all_to_all whose split sizes differ per rank (under the mode: ints each
+    simulated rank holds its own of, from ``tolist()`` of a per-rank tensor), output
+    sizes exchanged."""
+    from torch.distributed._local_tensor import rank_map
+
+    x = per_rank(24, 0, 2, rows=lambda r: 2 * r + 1)  # 1, 3, 5 rows
+    ins = rank_map(lambda r: torch.tensor([[1, 0, 0], [0, 2, 1], [3, 0, 2]][r])).tolist()
+    return outs_and_grads([dc.all_to_all(x, input_split_sizes=ins)], [x])
+
+
 def _mapping(name: str) -> Callable[[], tuple]:
     if name == "all_to_all_region":
         return _one(lambda x: P.all_to_all_region(x, 0, 1), 4, 4)
@@ -322,6 +411,8 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "scatter[split_sizes]": (_one(lambda x: dc.scatter(x, src=2, split_sizes=[2, 4, 0]), 6, 2), 3),
     "all_to_all": (_one(dc.all_to_all, 6, 2), 3),
     "all_to_all[split_dim=1]": (_one(lambda x: dc.all_to_all(x, split_dim=1, concat_dim=0), 2, 6), 3),
+    "all_to_all[input_split_sizes]": (_one(lambda x: dc.all_to_all(x, input_split_sizes=[1, 3]), 4, 2), 2),
+    "all_to_all[split sizes differing per rank]": (_a2a_per_rank_splits, 3),
     "shift[+1]": (_one(lambda x: dc.shift(x, 1), 2, 3), 3),
     "shift[-2]": (_one(lambda x: dc.shift(x, -2), 2, 3), 4),
     "ppermute": (_one(lambda x: dc.ppermute(x, [(0, 2), (2, 1)]), 2, 3), 3),
@@ -341,7 +432,42 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "ulysses_attention": (_attention("ulysses_attention"), 2),
     "ulysses_attention[world=4]": (_attention("ulysses_attention"), 4),
     "ulysses_attention[gqa]": (_ulysses_gqa(4, 2), 2),
+    "ring_attention": (_attention("ring_attention"), 2),
+    "ring_attention[world=1]": (_ring(3, causal=True), 1),
+    "ring_attention[not causal, world=3]": (_ring(3), 3),
+    "ring_attention[zigzag, world=4]": (_ring(4, causal=True, layout="zigzag"), 4),
+    "ring_attention[gqa, zigzag]": (_ring(4, 4, 2, causal=True, layout="zigzag"), 3),
+    "ring_attention[padded: seq_len]": (_ring(3, causal=True, seq_len=7), 3),
+    "ring_attention[cu_seqlens, zigzag]": (
+        _ring(6, 2, 1, causal=True, layout="zigzag", cu_seqlens=[0, 3, 8]),
+        2,
+    ),
+    "ring_attention[attn_mask]": (_ring(3, causal=True, mask="float"), 3),
+    "ring_attention[attn_mask bool, zigzag]": (_ring(4, mask="bool", layout="zigzag"), 2),
+    "ring_attention[dropout, zigzag]": (
+        _ring(4, causal=True, layout="zigzag", dropout_p=0.3, dropout_seed=5),
+        3,
+    ),
+    "usp_attention": (_usp("contiguous", True), 4),
+    "usp_attention[zigzag]": (_usp("zigzag", True), 4),
+    "shard / unshard": (_shard_unshard("contiguous"), 3),
+    "shard / unshard[zigzag, cu_seqlens]": (_shard_unshard(**_zigzag_cu()), 3),
     "moe route": (_route, 2),
+    "moe dispatch / combine": (_moe, 2),
+    "ExpertParallelMoE": (_expert_parallel_moe(), 2),
+    "ExpertParallelMoE[world=4, k=1, capacity_factor, shared expert]": (
+        _expert_parallel_moe(4, k=1, capacity_factor=0.9, shared_expert_size=4),
+        4,
+    ),
+    "ExpertParallelMoE.from_serial": (_expert_parallel_moe(3, from_serial=True), 3),
+    "moe dispatch / combine[tokens differing per rank, capacity_factor, world=3]": (
+        lambda: _moe_program([5, 0, 3], 6, 2, 0.8, 30),
+        3,
+    ),
+    "moe dispatch / combine[one expert per rank, world=4]": (
+        lambda: _moe_program([3, 4, 2, 3], 4, 1, None, 31),
+        4,
+    ),
     "vocab_parallel_cross_entropy": (_cross_entropy(), 2),
     "vocab_parallel_cross_entropy[smoothing, sum]": (
         _cross_entropy(label_smoothing=0.1, reduction="sum"),
@@ -379,13 +505,12 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         3,
         r"async_op=True\)` .*communication thread",
     ),
-    "all_to_all[input_split_sizes]": (
-        _one(lambda x: dc.all_to_all(x, input_split_sizes=[1, 3]), 4, 2),
+    "all_to_all[output_split_sizes contradicting what arrives]": (
+        _one(lambda x: dc.all_to_all(x, input_split_sizes=[1, 3], output_split_sizes=[1, 3]), 4, 2),
         2,
-        r"`all_to_all` .*the sizes each rank receives differ",
+        r"`all_to_all` .*output_split_sizes \[1, 3\] disagree with the sizes the ranks send it \[1, 1\]",
     ),
     "all_gather_coalesced[uneven]": (_ragged(lambda x: dc.all_gather_coalesced([x])), 2, r"reads this rank"),
-    "ring_attention": (_attention("ring_attention"), 2, r"reads this rank"),
     "ulysses_attention[3 heads over 2 ranks]": (
         _ulysses_gqa(3, 3),
         2,
@@ -396,12 +521,20 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         2,
         r"`parallel.ulysses_attention` .*reads this rank",
     ),
-    "usp_attention": (_usp, 2, r"reads this rank"),
-    "moe dispatch / combine": (_moe, 2, r"reads this rank"),
-    "ExpertParallelMoE": (
-        _expert_parallel_moe,
+    "usp_attention[3 heads over a Ulysses group of 2]": (
+        _usp("contiguous", True, heads=3),
+        4,
+        r"`parallel.usp_attention` .*reads this rank.*query heads \[2, 1\] differ",
+    ),
+    "ExpertParallelMoE.serial_names": (
+        lambda: P.ExpertParallelMoE(6, 8, 4, seed=0).serial_names(),
         2,
-        r"`parallel.ExpertParallelMoE` .*sizes differ between the simulated ranks",
+        r"`parallel.ExpertParallelMoE.serial_names` .*reads this rank",
+    ),
+    "ExpertParallelMoE(experts=...)": (
+        lambda: P.ExpertParallelMoE(6, 8, 4, experts=[P.MLP(6, 8) for _ in range(2)]),
+        2,
+        r"`parallel.ExpertParallelMoE\(experts=...\)` .*reads this rank",
     ),
     "pipeline (PipelineRunner)": (_pipeline, 2, r"`get_rank` .*reads this rank"),
 }
@@ -523,11 +656,50 @@ def test_split_sizes_are_checked_on_every_simulated_rank() -> None:
         run_under_local_tensor_mode(3, program)
 
 
+def test_split_sizes_differing_per_rank_are_a_type_error_outside_all_to_all() -> None:
+    """Only ``all_to_all`` takes split sizes that differ between the simulated ranks (each
+    rank's own); where every rank must pass the same sizes (``reduce_scatter``,
+    ``scatter``) they are a ``TypeError`` naming the argument, never rank 0's read for all."""
+    from torch.distributed._local_tensor import rank_map
+
+    def program(op: str) -> Any:
+        x = per_rank(25, 4, 2)
+        sizes = rank_map(lambda r: torch.tensor([[1, 3], [2, 2]][r])).tolist()
+        return getattr(dc, op)(x, split_sizes=sizes)
+
+    for op in ("reduce_scatter", "scatter"):
+        with pytest.raises(TypeError, match=r"`split_sizes` must be an int"):
+            run_under_local_tensor_mode(2, program, op)
+
+
 # ---- planted bugs: the layer rows catch a rank read as rank 0's, or an init drawn per rank
 
 
 def _rank_zero(*args: Any) -> int:
     return 0  # what torch's fake process group says on every simulated rank
+
+
+def _row_zero(table: torch.Tensor, *args: Any) -> torch.Tensor:
+    return table[0]  # rank 0's row of a layout table standing for every simulated rank's
+
+
+class _ReversedHopPlan(_ring_module._LocalPlan):
+    """The ring's plan under the mode with its hop the wrong way round (to rank-1)."""
+
+    def hop(self, x: torch.Tensor, name: str, j: int | None) -> torch.Tensor:
+        w = self.world
+        return self.every.ppermute(x, [(r, (r - 1) % w) for r in range(w)], self.pg)
+
+
+def _experts_of_rank_zero(full: Any, per_rank: int, pg: Any) -> list:
+    return list(full.experts)[:per_rank]  # rank 0's experts standing for every rank's
+
+
+_RANK_PART = _routing_module._rank_part  # (the real one, before a test patches it)
+
+
+def _rank_part_of_rank_zero(rank: int, *args: Any) -> tuple:
+    return _RANK_PART(0, *args)  # every rank's plan made as rank 0's
 
 
 #: (row, module, attribute, planted replacement): each makes the row's program wrong under
@@ -546,6 +718,19 @@ _PLANTED: list[tuple[str, str, str, Any]] = [
         "_rank_for_all",
         _rank_zero,
     ),
+    # the ring's positions (its causal masks, padding, documents, dropout) read as rank 0's
+    ("ring_attention[zigzag, world=4]", "diffcomm.parallel.context.ring", "rank_positions", _row_zero),
+    ("ring_attention[padded: seq_len]", "diffcomm.parallel.context.ring", "rank_positions", _row_zero),
+    ("ring_attention[dropout, zigzag]", "diffcomm.parallel.context.ring", "rank_positions", _row_zero),
+    ("usp_attention[zigzag]", "diffcomm.parallel.context.ring", "rank_positions", _row_zero),
+    # the hop the wrong way round: each rank then masks a block as another rank's (causal:
+    # a non-causal ring without a mask sums the same blocks in any order, to rounding)
+    ("ring_attention[padded: seq_len]", "diffcomm.parallel.context.ring", "_LocalPlan", _ReversedHopPlan),
+    ("ring_attention[attn_mask]", "diffcomm.parallel.context.ring", "_LocalPlan", _ReversedHopPlan),
+    ("shard / unshard[zigzag, cu_seqlens]", "diffcomm.parallel.context.layout", "rank_positions", _row_zero),
+    # ExpertParallelMoE: every simulated rank holding rank 0's experts
+    ("ExpertParallelMoE", "diffcomm.parallel.moe", "_experts_per_rank", _experts_of_rank_zero),
+    ("ExpertParallelMoE.from_serial", "diffcomm.parallel.moe", "_experts_per_rank", _experts_of_rank_zero),
     ("parallel.ColumnParallelLinear", "diffcomm.parallel.layers", "local_tensor_mode_off", nullcontext),
     ("parallel.VocabParallelEmbedding", "diffcomm.parallel.layers", "local_tensor_mode_off", nullcontext),
 ]
@@ -567,6 +752,163 @@ def test_a_layer_row_fails_under_a_planted_bug(
     monkeypatch.setattr(importlib.import_module(module), attr, bug)
     here = run_under_local_tensor_mode(n, program)
     assert not all(_close(here[r], want[r]) for r in range(n))
+
+
+# ---- hypothesis: uneven all_to_all, split sizes differing per rank x worlds 1-4 ----------
+
+
+def _uneven_all_to_all_program(table: list[list[int]], rest: list[int], given: bool, seed: int) -> tuple:
+    """Rank ``r`` sends ``table[r][j]`` rows to rank ``j`` (its sizes, one list per rank:
+    under the mode ints each simulated rank holds its own of); the output sizes given
+    (each rank's column of the table) or exchanged."""
+    from torch.distributed._local_tensor import rank_map
+
+    n = len(table)
+    x = per_rank(seed, 0, *rest, rows=lambda r: sum(table[r]))
+    ins = rank_map(lambda r: torch.tensor(table[r])).tolist()
+    outs = rank_map(lambda r: torch.tensor([table[s][r] for s in range(n)])).tolist() if given else None
+    return outs_and_grads([dc.all_to_all(x, input_split_sizes=ins, output_split_sizes=outs)], [x])
+
+
+def test_property_uneven_all_to_all_under_local_tensor_mode_equals_in_process_world(
+    inproc_worlds: Callable[[int], Any],
+) -> None:
+    """Hypothesis: a table of split sizes (each rank's own sizes, differing per rank) x
+    trailing shape x output sizes given or exchanged x world 1-4."""
+
+    @st.composite
+    def cases(draw: st.DrawFn) -> tuple:
+        n = draw(st.integers(1, 4))
+        row = st.lists(st.integers(0, 3), min_size=n, max_size=n)
+        return (
+            draw(st.lists(row, min_size=n, max_size=n)),
+            draw(st.lists(st.integers(1, 3), min_size=0, max_size=2)),
+            draw(st.booleans()),
+            draw(st.integers(0, 999)),
+        )
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def check(case: tuple) -> None:
+        n = len(case[0])
+        assert_equal_both_ways(inproc_worlds(n), n, _uneven_all_to_all_program, *case)
+
+    check()
+
+
+# ---- hypothesis: ring attention x layouts x shapes x masks x worlds 1-4 -------------------
+
+
+def _ring_program(
+    n: int,
+    layout: str,
+    causal: bool,
+    hk: int,
+    g: int,
+    total: int,
+    cut: int | None,
+    mask: str,
+    p: float,
+    seed: int,
+) -> tuple:
+    """``ring_attention`` forward and backward on each rank's rows of a sequence of
+    ``total`` positions (padded shards; ``cut``: two packed documents), the same code both
+    ways."""
+    cu = None if cut is None else [0, cut, total]
+    rows = P.layout_index(total, n, layout=layout, cu_seqlens=cu).shape[1]
+    q = per_rank(seed, 1, hk * g, rows, 3)
+    k, v = (per_rank(seed + i, 1, hk, rows, 3) for i in (1, 2))
+    ins = [q, k, v]
+    kw: dict[str, Any] = {"causal": causal, "layout": layout, "seq_len": total, "cu_seqlens": cu}
+    if mask != "none":
+        m = per_rank(seed + 3, 1, 1, rows, total)
+        kw["attn_mask"] = m.detach() > -0.5 if mask == "bool" else m
+        if mask == "float":
+            ins.append(m)
+    if p > 0:
+        kw.update(dropout_p=p, dropout_seed=seed)
+    return outs_and_grads([P.ring_attention(q, k, v, **kw)], ins)
+
+
+def test_property_ring_attention_under_local_tensor_mode_equals_in_process_world(
+    inproc_worlds: Callable[[int], Any],
+) -> None:
+    """Hypothesis: layout (contiguous, zigzag) x causal x GQA x padded length x packed
+    documents x attn_mask (none, additive, bool) x dropout x world 1-4; the output and
+    the q, k, v (and additive mask) gradients equal the in-process world's."""
+
+    @st.composite
+    def cases(draw: st.DrawFn) -> tuple:
+        n = draw(st.integers(1, 4))
+        total = draw(st.integers(1, 3 * n))
+        cut = draw(st.one_of(st.none(), st.integers(1, total))) if total > 1 else None
+        return (
+            n,
+            draw(st.sampled_from(["contiguous", "zigzag"])),
+            draw(st.booleans()),
+            draw(st.integers(1, 2)),
+            draw(st.integers(1, 2)),
+            total,
+            None if cut == total else cut,
+            draw(st.sampled_from(["none", "float", "bool"])),
+            draw(st.sampled_from([0.0, 0.0, 0.3])),
+            draw(st.integers(0, 999)),
+        )
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def check(case: tuple) -> None:
+        assert_equal_both_ways(inproc_worlds(case[0]), case[0], _ring_program, *case)
+
+    check()
+
+
+# ---- hypothesis: MoE dispatch / combine x tokens x experts x k x capacity x worlds 1-4 ----
+
+
+def test_property_moe_dispatch_combine_under_local_tensor_mode_equals_in_process_world(
+    inproc_worlds: Callable[[int], Any],
+) -> None:
+    """Hypothesis: tokens per rank (0-5, differing), experts per rank, k, capacity factor
+    (dropless or dropping), world 1-4: the dispatched rows, the combined output and the
+    gradients of the tokens and the router's logits equal the in-process world's."""
+
+    @st.composite
+    def cases(draw: st.DrawFn) -> tuple:
+        n = draw(st.integers(1, 4))
+        e = n * draw(st.integers(1, 3))
+        return (
+            draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)),
+            e,
+            draw(st.integers(1, min(e, 3))),
+            draw(st.sampled_from([None, None, 0.5, 1.0, 1.5])),
+            draw(st.integers(0, 999)),
+        )
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(cases())
+    def check(case: tuple) -> None:
+        n = len(case[0])
+        assert_equal_both_ways(inproc_worlds(n), n, _moe_program, *case)
+
+    check()
+
+
+def test_the_moe_row_fails_when_every_rank_plans_as_rank_0(
+    inproc_worlds: Callable[[int], Any], monkeypatch: Any
+) -> None:
+    """Every simulated rank's routing plan made as rank 0's (from its own routing): its
+    split sizes then contradict its rows or what arrives, and the all_to_all's per-rank
+    checks say so (an error naming the op and argument, not a wrong value)."""
+    for row in ("moe dispatch / combine", "moe dispatch / combine[one expert per rank, world=4]"):
+        program, n = EQUAL[row]
+        inproc_worlds(n).run(program)
+        monkeypatch.setattr(_routing_module, "_rank_part", _rank_part_of_rank_zero)
+        with pytest.raises(
+            (LocalTensorModeError, ValueError), match=r"all_to_all.*(output|input)_split_sizes"
+        ):
+            run_under_local_tensor_mode(n, program)
+        monkeypatch.undo()
 
 
 # ---- hypothesis: the TP layers and the vocab-parallel loss x sizes x worlds 1-4 ---------

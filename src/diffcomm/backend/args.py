@@ -178,9 +178,12 @@ def plain_ints(v: Any) -> bool:
 
 
 def check_split_sizes(
-    split_sizes: Any, total: int, world: int, op: str, arg: str = "split_sizes"
+    split_sizes: Any, total: int, world: int, op: str, arg: str = "split_sizes", per_rank: bool = False
 ) -> list[int]:
-    """Per-rank split sizes along a dim of size ``total``; ``None`` means an even split."""
+    """Per-rank split sizes along a dim of size ``total``; ``None`` means an even split.
+    ``per_rank``: sizes that differ between the simulated ranks of torch's
+    ``LocalTensorMode`` (``SymInt`` s) are taken, each rank's checked (``all_to_all``,
+    whose sizes are each rank's own); elsewhere they are a ``TypeError``."""
     if split_sizes is None:
         if total % world != 0:
             raise arg_error(
@@ -197,6 +200,12 @@ def check_split_sizes(
             split_sizes = split_sizes.tolist()
         if not isinstance(split_sizes, Sequence) or isinstance(split_sizes, str):
             raise arg_error(op, arg, f"a list of {world} ints", type(split_sizes).__name__, TypeError)
+        if (
+            per_rank
+            and _torch.local_tensor_mode_on()
+            and any(isinstance(s, torch.SymInt) for s in split_sizes)
+        ):
+            return _per_rank_split_sizes(split_sizes, total, world, op, arg)
         sizes = []
         for s in split_sizes:  # a loop, not a comprehension: no closure cells on every call
             sizes.append(check_int(s, op, arg))
@@ -209,6 +218,17 @@ def check_split_sizes(
             op, arg, f"sizes summing to {total} (the size along the split dim)", f"{sizes} (sum {sum(sizes)})"
         )
     return sizes
+
+
+def _per_rank_split_sizes(split_sizes: Sequence[Any], total: Any, world: int, op: str, arg: str) -> list[Any]:
+    """Split sizes holding one int per simulated rank (under torch's ``LocalTensorMode``:
+    ``SymInt`` s over its ``LocalIntNode``, e.g. from ``LocalTensor.tolist()``): each
+    simulated rank's sizes checked as plain ints against its own ``total``; kept as given
+    (the backend's per-rank ``all_to_all`` reads each rank's)."""
+    for r in sorted(_torch.local_tensor_api().local_tensor_mode().ranks):
+        mine = [_torch.local_int(s, r) for s in split_sizes]
+        check_split_sizes(mine, _torch.local_int(total, r), world, op, arg)
+    return list(split_sizes)
 
 
 def check_grad_dtype(x: torch.Tensor, op: str, arg: str = "x") -> None:

@@ -14,12 +14,18 @@ each copy of the group, in group-rank order), exactly what each real rank gets:
 * a rooted op reads the root's tensor and gives the other ranks exact zeros;
 * uneven sizes (a ``LocalTensor`` whose ranks hold different lengths) travel as they are;
 * ``shift`` / ``ppermute`` (whose pairs are the same on every rank) move each rank's
-  tensor to its peer (:meth:`LocalTensorBackend.ppermute`).
+  tensor to its peer (:meth:`LocalTensorBackend.ppermute`); so does the ring of
+  ``ring_attention`` / ``usp_attention``, whose positions and masks are computed per rank
+  from :meth:`LocalTensorBackend.rank_tensor`.
+
+* an uneven ``all_to_all`` takes split sizes that differ per simulated rank (``SymInt`` s
+  over torch's ``LocalIntNode``), each rank's own; host-side plans computed from each
+  rank's data (MoE routing) run per rank (:meth:`LocalTensorBackend.each_rank`).
 
 What cannot be one program for every rank raises :class:`LocalTensorModeError` naming the
 op and why, before any communication: reading the rank as a Python int (it differs per
 simulated rank, one program holds one int), ``send`` / ``recv`` / ``sendrecv`` (peers are
-per-rank ints), split sizes that differ between ranks in a way plain ints cannot hold.
+per-rank ints), output split sizes that contradict what the ranks send.
 The comms logger, flight recorder and comm-off switches do not see these ops (there is no
 transport to log or switch off). docs/in_process.md has the table, op by op.
 """
@@ -156,6 +162,49 @@ class LocalTensorBackend(CoalescedOps):
         e.g. ``ids - rank * rows``, where an int holding one value per rank cannot go)."""
         proto = torch.empty(0, device=device)
         return self._each([proto], group, lambda ps: [torch.tensor(i, device=device) for i in range(len(ps))])
+
+    def each_rank(self, group: Any, fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
+        """``fn(group rank, each x's tensor on that rank)`` run for every simulated rank
+        (the mode off: plain tensors and ints, so ``fn`` may branch on them), its results
+        combined field by field: tensors into one ``LocalTensor`` (their sizes may differ
+        per rank), ints into one int holding each rank's (a ``SymInt`` where they differ),
+        tuples field by field; other values must be alike on every rank. For host-side
+        plans computed from each rank's data (MoE routing)."""
+        lt = local_tensor_api()
+        mode = self._mode()
+        values = [self._values(x) for x in xs]
+        got: dict[int, Any] = {}
+        with mode.disable():
+            for members in local_group_instances(group):
+                for i, r in enumerate(members):
+                    got[r] = fn(i, *[v[r].detach() for v in values])
+        ranks = sorted(got)
+
+        def combine(items: dict[int, Any]) -> Any:
+            first = items[ranks[0]]
+            if isinstance(first, torch.Tensor):
+                return lt.LocalTensor(items)
+            if isinstance(first, tuple):
+                return tuple(combine({r: items[r][j] for r in ranks}) for j in range(len(first)))
+            if isinstance(first, int) and not isinstance(first, bool):
+                return lt._combine_int_rank_results(items)
+            if any(items[r] != first for r in ranks):
+                raise refuse("a per-rank plan", f"its {type(first).__name__} values differ per rank")
+            return first
+
+        return combine(got)
+
+    def ints_tensor(self, ns: Sequence[Any], device: torch.device) -> torch.Tensor:
+        """A 1-D int64 tensor of ``ns`` (ints, or ``SymInt`` s holding one int per
+        simulated rank): each simulated rank's own values."""
+        lt = local_tensor_api()
+        with self._mode().disable():
+            return lt.LocalTensor(
+                {
+                    r: torch.tensor([local_int(n, r) for n in ns], dtype=torch.int64, device=device)
+                    for r in self._mode().ranks
+                }
+            )
 
     def own_slice(self, sizes: Sequence[int], group: Any) -> tuple[Any, Any]:
         """(start, length) of this rank's chunk of ``sizes`` along a dim, each an int per

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .. import _config
+from .. import _config, _torch
 from .._replication import PARTIAL, SHARES, Rule, T
 from ..backend import args as A
 from ..backend.args import PG
@@ -113,7 +113,7 @@ def _across_dims(
     for s in rest:
         rest_n *= s
     # the chunk every rank sends me: ins[me] (read without the rank when the split is even,
-    # as under torch's LocalTensorMode, where an uneven all_to_all is refused before this)
+    # as under torch's LocalTensorMode, where it must be: there the rank is no int)
     c_in = ins[0] if len(set(ins)) == 1 else ins[_rank(pg)]
     send = x.permute(order).split(list(ins), dim=1)
     flat_in = torch.cat([ch.reshape(-1) for ch in send]) if world > 1 else send[0].reshape(-1)
@@ -198,6 +198,10 @@ def all_to_all(
         )
     if outs is None:
         outs = _all_to_all_received(ins, pg)
-    return apply(
-        _AllToAll, x, split_dim, concat_dim, pg, tuple(ins), tuple(map(int, outs)), async_op=async_op
-    )
+    try:
+        out_sizes = tuple(map(int, outs))
+    except AttributeError:  # (ints holding one value per simulated rank: torch's LocalTensorMode)
+        if not _torch.local_tensor_mode_on():
+            raise
+        out_sizes = tuple(outs)
+    return apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), out_sizes, async_op=async_op)

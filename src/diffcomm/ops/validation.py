@@ -21,7 +21,6 @@ from .. import backend as B
 from .._torch import compiling
 from ..backend import args as A
 from ..backend.args import PG
-from ..backend.local_tensor import refuse
 from ..backend.sized_gather import exchange_first
 
 #: The backend adapter the raw ops run on now (see :func:`diffcomm.backend.get_backend`).
@@ -185,7 +184,7 @@ def all_to_all_split_sizes(
     sizes are ``None`` when they must be exchanged (:func:`all_to_all_received`)."""
     op = "all_to_all"
     size = world(pg)
-    ins = A.check_split_sizes(input_split_sizes, x.shape[split_dim], size, op, "input_split_sizes")
+    ins = A.check_split_sizes(input_split_sizes, x.shape[split_dim], size, op, "input_split_sizes", True)
     if split_dim == concat_dim:
         if output_split_sizes is not None:
             return ins, _output_sizes(output_split_sizes, size)
@@ -212,8 +211,11 @@ def all_to_all_split_sizes(
 
 
 def _output_sizes(sizes: Sequence[int], size: int) -> list[int]:
-    total = sum(int(s) for s in sizes)
-    return A.check_split_sizes(sizes, total, size, "all_to_all", "output_split_sizes")
+    if A.plain_ints(sizes):
+        total = sum(sizes)
+    else:  # (a SymInt holding one int per simulated rank sums as one; see A.check_split_sizes)
+        total = sum(s if isinstance(s, torch.SymInt) else int(s) for s in sizes)
+    return A.check_split_sizes(sizes, total, size, "all_to_all", "output_split_sizes", True)
 
 
 def all_to_all_received(ins: Sequence[int], pg: PG) -> list[int]:
@@ -229,12 +231,12 @@ def all_to_all_received(ins: Sequence[int], pg: PG) -> list[int]:
         )
     size = world(pg)
     with B.label("all_to_all (size exchange)"):
-        sent = torch.tensor(list(ins), dtype=torch.int64, device=current_backend().comm_device(pg))
-        got = current_backend().all_to_all(sent, pg, [1] * size, [1] * size).tolist()
-    if not A.plain_ints(got):  # under torch's LocalTensorMode: one int per simulated rank
-        raise refuse(
-            "all_to_all",
-            "the sizes each rank receives differ between the simulated ranks, and the op's "
-            "shapes are read as one program's Python ints",
+        b, dev = current_backend(), current_backend().comm_device(pg)
+        per_rank = None if A.plain_ints(ins) else getattr(b, "ints_tensor", None)
+        sent = (
+            torch.tensor(list(ins), dtype=torch.int64, device=dev) if per_rank is None else per_rank(ins, dev)
         )
+        got = b.all_to_all(sent, pg, [1] * size, [1] * size).tolist()
+    # (under torch's LocalTensorMode, sizes that differ between the simulated ranks are
+    # SymInts holding each rank's: the backend's per-rank all_to_all takes them as they are)
     return got

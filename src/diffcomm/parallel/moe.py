@@ -42,6 +42,7 @@ exactly the tokens the serial one drops. ``None`` (the default) is dropless.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -51,10 +52,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import backend as B
 from .._replication import PARTIAL, LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
-from .._torch import local_tensor_mode_on
+from .._torch import local_tensor_mode_off, local_tensor_mode_on
 from ..backend import args as A
-from ..backend.local_tensor import refuse
+from ..backend.local_tensor import RANK_WHY, LocalTensorBackend, refuse
 from ..ops import coalesced, collectives
 from ..ops import engine as _async
 from ._module import check_positive, init_generator, resolve_parallel_group
@@ -154,16 +156,39 @@ def _tokens(op: str, x: Any, hidden_size: int, dtype: torch.dtype | None = None)
     return x.reshape(-1, hidden_size)
 
 
-def _expert_group(op: str, group: A.GroupLike) -> tuple[Any, int, int]:
-    """``(group, size, this rank)`` of an expert-parallel layer; refused under torch's
-    ``LocalTensorMode``, before any parameter is made (see the error's words)."""
+def _expert_group(op: str, group: A.GroupLike) -> tuple[Any, int, int | None]:
+    """``(group, size, this rank)`` of an expert-parallel layer; the rank ``None`` under
+    torch's ``LocalTensorMode`` (each simulated rank's experts: :func:`_experts_per_rank`)."""
     if local_tensor_mode_on():
-        raise refuse(
-            op,
-            "its routing sends each rank a data-dependent number of tokens: an all_to_all whose "
-            "sizes differ between the simulated ranks, which one program's Python ints cannot hold",
-        )
+        pg = A.resolve_group(group, op)
+        return pg, B.get_backend().world_size(pg), None
     return resolve_parallel_group(op, group)
+
+
+def _experts_per_rank(full: MoE, per_rank: int, pg: Any) -> list[nn.Module]:
+    """Under torch's ``LocalTensorMode``: local expert ``i`` of every simulated rank as one
+    module, each parameter a ``LocalTensor`` holding rank ``r``'s own (the serial expert
+    ``g * per_rank + i`` of ``r``'s serial layer, ``g`` its group rank)."""
+    every = B.get_backend()
+    assert isinstance(every, LocalTensorBackend)  # (the adapter while a mode is on)
+    names = [n for n, _ in full.experts[0].named_parameters()]
+    m = len(names)
+    every_param = [p for e in full.experts for _, p in e.named_parameters()]  # (each rank's)
+    out = []
+    for i in range(per_rank):
+
+        def mine(g: int, *ps: Tensor, i: int = i) -> tuple[Tensor, ...]:
+            first = (g * per_rank + i) * m
+            return tuple(ps[first : first + m])
+
+        values = every.each_rank(pg, mine, *every_param)
+        with local_tensor_mode_off():
+            local = copy.deepcopy(full.experts[i])
+        for n, v in zip(names, values, strict=True):
+            mod, _, attr = n.rpartition(".")
+            setattr(local.get_submodule(mod), attr, nn.Parameter(v))
+        out.append(local)
+    return out
 
 
 class MoE(nn.Module):
@@ -299,7 +324,8 @@ class ExpertParallelMoE(nn.Module):
         experts: this rank's experts, if not the MLPs drawn from ``seed`` (e.g.
             tensor-parallel :class:`~diffcomm.parallel.ParallelMLP` over another axis);
             ``E / world`` modules mapping ``(n, H) -> (n, H)``.
-        overlap_shared: run the shared expert while the dispatch is in flight.
+        overlap_shared: run the shared expert while the dispatch is in flight (not under
+            torch's ``LocalTensorMode``: no communication thread there).
         seed, generator, dtype, device: the parameters are this rank's part of
             ``MoE(..., seed=seed)`` (the same draws), so a serial MoE built with the same
             seed is the reference. (Every rank draws all the experts once and keeps its
@@ -373,20 +399,23 @@ class ExpertParallelMoE(nn.Module):
                 f"divisible by the group size {self.world} (experts are split evenly)",
                 num_experts,
             )
-        full = MoE(
-            hidden_size,
-            ffn_hidden_size,
-            num_experts,
-            k,
-            capacity_factor=capacity_factor,
-            renormalize=renormalize,
-            shared_expert_size=shared_expert_size,
-            bias=bias,
-            activation=activation,
-            options=replace(opts, group=None),
-        )
+        with local_tensor_mode_off():  # (under torch's LocalTensorMode: drawn once, plain)
+            full = MoE(
+                hidden_size,
+                ffn_hidden_size,
+                num_experts,
+                k,
+                capacity_factor=capacity_factor,
+                renormalize=renormalize,
+                shared_expert_size=shared_expert_size,
+                bias=bias,
+                activation=activation,
+                options=replace(opts, group=None),
+            )
         self._adopt(full, experts)
-        self.overlap_shared = bool(overlap_shared)
+        self.overlap_shared = (
+            bool(overlap_shared) and self.rank is not None
+        )  # (no async under LocalTensorMode)
 
     def _adopt(self, full: MoE, experts: Sequence[nn.Module] | None) -> None:
         per_rank = full.num_experts // self.world
@@ -394,10 +423,14 @@ class ExpertParallelMoE(nn.Module):
         self.hidden_size = full.hidden_size
         self.capacity_factor, self.renormalize = full.capacity_factor, full.renormalize
         self.experts_per_rank = per_rank
-        self.first_expert = self.rank * per_rank
+        self.first_expert = None if self.rank is None else self.rank * per_rank
         self.router = full.router
         self.shared_expert = full.shared_expert
-        if experts is None:
+        if self.first_expert is None:  # torch's LocalTensorMode: every simulated rank's own
+            if experts is not None:
+                raise refuse("parallel.ExpertParallelMoE(experts=...)", RANK_WHY)
+            local = _experts_per_rank(full, per_rank, self._pg)
+        elif experts is None:
             local = list(full.experts)[self.first_expert : self.first_expert + per_rank]
         else:
             local = list(experts)
@@ -437,7 +470,9 @@ class ExpertParallelMoE(nn.Module):
         for p in full.parameters():
             p.grad = None
         self._adopt(full, None)
-        self.overlap_shared = bool(overlap_shared)
+        self.overlap_shared = (
+            bool(overlap_shared) and self.rank is not None
+        )  # (no async under LocalTensorMode)
         return self
 
     # ---- the serial mapping (as the tensor-parallel layers' ParallelModule) -----------
@@ -452,11 +487,14 @@ class ExpertParallelMoE(nn.Module):
             :func:`diffcomm.testing.assert_matches_serial` and the state-dict helpers use,
             so a comparison needs no hand-written map).
         """
+        first = self.first_expert
+        if first is None:  # torch's LocalTensorMode: the expert's serial name differs per rank
+            raise refuse("parallel.ExpertParallelMoE.serial_names", RANK_WHY)
         out = {}
         for name, _ in self.named_parameters():
             if name.startswith("experts."):
                 i, rest = name[len("experts.") :].split(".", 1)
-                out[name] = f"experts.{self.first_expert + int(i)}.{rest}"
+                out[name] = f"experts.{first + int(i)}.{rest}"
             else:
                 out[name] = name
         return out

@@ -28,6 +28,7 @@ from .. import backend as B
 from .._replication import HOOK, spmd_types_checking, spmd_types_invariant, spmd_types_like
 from ..backend import args as A
 from ..backend.args import PG
+from ..backend.local_tensor import LocalTensorBackend
 from ..ops import collectives
 from ..ops import engine as _async
 from ._module import check_positive, resolve_parallel_group
@@ -111,6 +112,11 @@ class DispatchPlan:
         routing: ``(T, k)`` int64, a copy of the ``expert_index`` the plan was made from
             (a reused plan is checked against the new index locally, no communication).
         capacity_factor: the ``capacity_factor`` the plan was made with.
+
+    Under torch's ``LocalTensorMode`` (one program for every simulated rank) the
+    rank's own fields hold each simulated rank's: ``rank``, the splits and
+    ``num_tokens`` as ints that differ per rank (``SymInt`` s), the index tensors as
+    ``LocalTensor`` s.
     """
 
     num_experts: int
@@ -149,7 +155,7 @@ class DispatchPlan:
 def _plan(expert_index: Tensor, num_experts: int, pg: PG, capacity_factor: float | None) -> DispatchPlan:
     """The routing plan: one exchange of this rank's per-expert counts and token count."""
     b = B.get_backend()
-    world, rank = b.world_size(pg), b.rank(pg)
+    world = b.world_size(pg)
     t, k = expert_index.shape
     e = num_experts
     per_rank = e // world
@@ -171,6 +177,51 @@ def _plan(expert_index: Tensor, num_experts: int, pg: PG, capacity_factor: float
             taken = [a + g for a, g in zip(taken, got)]
             acc.append(got)
         accepted = tuple(acc)
+    plan = (world, e, k, counts, accepted, capacity)
+    if isinstance(b, LocalTensorBackend):  # torch's LocalTensorMode: each simulated rank's
+        part = b.each_rank(pg, lambda r, f: _rank_part(r, f, *plan), flat)  # from its routing
+    else:
+        part = _rank_part(b.rank(pg), flat, *plan)
+    rank, send, recv, expert_splits, token_index, order, recv_order, recv_inverse = part
+    return DispatchPlan(
+        num_experts=e,
+        world=world,
+        rank=rank,
+        counts=counts,
+        accepted=accepted,
+        capacity=capacity,
+        send_splits=send,
+        recv_splits=recv,
+        expert_splits=expert_splits,
+        token_index=token_index.to(dev),
+        slot_index=order.to(dev),
+        recv_order=recv_order.to(dev),
+        recv_inverse=recv_inverse.to(dev),
+        source_major=per_rank == 1 or world == 1,
+        num_tokens=t,
+        total_tokens=total,
+        group=pg,
+        k=k,
+        routing=expert_index.detach().clone(),
+        capacity_factor=capacity_factor,
+    )
+
+
+def _rank_part(
+    rank: int,
+    flat: Tensor,
+    world: int,
+    e: int,
+    k: int,
+    counts: tuple[tuple[int, ...], ...],
+    accepted: tuple[tuple[int, ...], ...],
+    capacity: int | None,
+) -> tuple[Any, ...]:
+    """Rank ``rank``'s part of the plan from its flattened routing ``flat`` and the
+    exchanged tables: ``(rank, send, recv, expert_splits, token_index, slot_index,
+    recv_order, recv_inverse)``."""
+    per_rank = e // world
+    dev = flat.device
     # this rank's assignments sorted by expert (stable: token order within an expert)
     order = torch.sort(flat, stable=True).indices
     keep_n = accepted[rank]
@@ -203,28 +254,7 @@ def _plan(expert_index: Tensor, num_experts: int, pg: PG, capacity_factor: float
     recv_inverse = torch.empty_like(recv_order)
     recv_inverse[recv_order] = torch.arange(recv_order.numel())
     expert_splits = tuple(sum(accepted[s][mine_lo + j] for s in range(world)) for j in range(per_rank))
-    return DispatchPlan(
-        num_experts=e,
-        world=world,
-        rank=rank,
-        counts=counts,
-        accepted=accepted,
-        capacity=capacity,
-        send_splits=send,
-        recv_splits=recv,
-        expert_splits=expert_splits,
-        token_index=token_index.to(dev),
-        slot_index=order.to(dev),
-        recv_order=recv_order.to(dev),
-        recv_inverse=recv_inverse.to(dev),
-        source_major=per_rank == 1 or world == 1,
-        num_tokens=t,
-        total_tokens=total,
-        group=pg,
-        k=k,
-        routing=expert_index.detach().clone(),
-        capacity_factor=capacity_factor,
-    )
+    return rank, send, recv, expert_splits, token_index, order, recv_order, recv_inverse
 
 
 def _local_counts(flat: Tensor, e: int) -> list[int]:

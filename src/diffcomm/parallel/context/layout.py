@@ -14,11 +14,13 @@ from torch import Tensor
 from ... import _lifecycle
 from ... import backend as B
 from ..._replication import varying_by_construction
-from ..._torch import compiling, transforms_active
+from ..._torch import compiling, local_tensor_mode_on, transforms_active
 from ...backend import args as A
 from ...backend.args import PG
 from ...backend.in_process import per_rank
+from ...backend.local_tensor import LocalTensorBackend
 from ...ops import collectives as C
+from ...ops.validation import own_slice
 
 __all__ = ["LAYOUTS", "DEFAULT_LAYOUT", "Placement", "layout_index", "placement_of", "shard", "unshard"]
 
@@ -400,6 +402,26 @@ def group_rank_world(group: A.GroupLike, op: str) -> tuple[PG, int, int]:
     return pg, b.rank(pg), b.world_size(pg)
 
 
+def group_rank_world_or_local(group: A.GroupLike, op: str) -> tuple[PG, int | None, int]:
+    """``(group, this rank, its size)``; the rank ``None`` under torch's
+    ``LocalTensorMode``, where one program runs for every simulated rank and an int cannot
+    say which (the caller then reads the rank per simulated rank, or refuses)."""
+    if not local_tensor_mode_on():
+        return group_rank_world(group, op)
+    pg = A.resolve_group(group, op)
+    return pg, None, B.get_backend().world_size(pg)
+
+
+def rank_positions(table: Tensor, pg: PG) -> Tensor:
+    """Row ``rank`` of a layout table (``(world, n)``) under torch's ``LocalTensorMode``:
+    a ``LocalTensor`` holding each simulated rank's own row (selected by its group rank
+    as a tensor, never by one Python int for every rank)."""
+    every = B.get_backend()
+    assert isinstance(every, LocalTensorBackend)  # (the adapter while a mode is on)
+    r = every.rank_tensor(pg, table.device)
+    return table.index_select(0, r.view(1)).view(-1)
+
+
 def resolve_seq(
     op: str, seq_local: int, world: int, layout: str, cu_seqlens: Any, seq_len: Any, arg: str
 ) -> tuple[int, tuple[int, ...] | None, Tensor]:
@@ -480,23 +502,29 @@ def shard(
     x = A.check_tensor(x, op, "x")
     dim = A.check_dim(x, dim, op)
     layout = check_layout(DEFAULT_LAYOUT if layout is None else layout, op)
-    _, rank, world = group_rank_world(group, op)
+    pg, rank, world = group_rank_world_or_local(group, op)
     cu = check_cu_seqlens(cu_seqlens, op, x.shape[dim])
-    idx = index_table(x.shape[dim], world, layout, cu)[rank]
+    table = index_table(x.shape[dim], world, layout, cu)
+    # (under torch's LocalTensorMode, rank None: each simulated rank's row, and its
+    # Ulysses piece, selected per rank)
+    idx = table[rank] if rank is not None else rank_positions(table, pg)
     uworld = None
     if ulysses_group is not None:
-        _, urank, uworld = group_rank_world(ulysses_group, op)
-        sizes = even_sizes(idx.numel(), uworld)
-        idx = idx[sum(sizes[:urank]) : sum(sizes[: urank + 1])]
-    out = varying_by_construction(_select(x, dim, idx.to(x.device), pad_value))
+        upg, urank, uworld = group_rank_world_or_local(ulysses_group, op)
+        sizes = even_sizes(table.shape[1], uworld)
+        if urank is not None:
+            idx = idx[sum(sizes[:urank]) : sum(sizes[: urank + 1])]
+        else:
+            idx = idx.narrow(0, *own_slice(sizes, upg))
+    out = varying_by_construction(_select(x, dim, idx.to(x.device), pad_value, rank is None))
     note_layout(layout, world, f"{op}(layout={layout!r})")
     return placed(out, Placement(layout, world, uworld, seq_len=x.shape[dim]))
 
 
-def _select(x: Tensor, dim: int, idx: Tensor, pad_value: float) -> Tensor:
+def _select(x: Tensor, dim: int, idx: Tensor, pad_value: float, always: bool = False) -> Tensor:
     out = x.index_select(dim, idx.clamp(min=0))
     pad = idx < 0
-    if bool(pad.any()):
+    if always or bool(pad.any()):  # (always per simulated rank: no one bool says it for all)
         shape = [1] * x.dim()
         shape[dim] = idx.numel()
         out = out.masked_fill(pad.view(shape), pad_value)
@@ -548,14 +576,14 @@ def unshard(
     op = "parallel.unshard"
     x = A.check_tensor(x, op, "x")
     dim = A.check_dim(x, dim, op)
-    pg, _, world = group_rank_world(group, op)
-    uworld = None if ulysses_group is None else group_rank_world(ulysses_group, op)[2]
+    pg, _, world = group_rank_world_or_local(group, op)
+    uworld = None if ulysses_group is None else group_rank_world_or_local(ulysses_group, op)[2]
     given = layout
     layout = resolve_layout(op, layout, {"x": x}, world, uworld)
     seq_len = placed_seq_len(op, {"x": x}, seq_len, cu_seqlens)
     require_layout_known(op, given, {"x": x}, world)
     if ulysses_group is not None:
-        upg, _, uworld = group_rank_world(ulysses_group, op)
+        upg, _, uworld = group_rank_world_or_local(ulysses_group, op)
         if seq_len is None and cu_seqlens is None:
             seq_len = uworld * world * x.shape[dim]
         n_ring = ring_local_len(op, x.shape[dim], uworld, world, layout, cu_seqlens, seq_len)

@@ -2,8 +2,10 @@
 the fused-kernel path and the argument checks of :func:`ring_attention`. The block plan
 (which queries meet which keys) is :mod:`~diffcomm.parallel.context.plan`, the serial
 reference and the dropout mask :mod:`~diffcomm.parallel.context.reference`, the checks
-shared with Ulysses :mod:`~diffcomm.parallel.context.args`. See
-:mod:`diffcomm.parallel.context`."""
+shared with Ulysses :mod:`~diffcomm.parallel.context.args`. Under torch's
+``LocalTensorMode`` the same ring runs as one program for every simulated rank
+(:class:`_LocalPlan`: the hop a per-rank ``ppermute``, positions and masks per rank, every
+block whole with its mask; chosen once per call). See :mod:`diffcomm.parallel.context`."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from ... import _config, _torch
 from ... import backend as B
 from ..._replication import P, R, Rule, V
 from ...backend import args as A
+from ...backend.local_tensor import LocalTensorBackend
 from ...ops import engine as _async
 from .._once import first_order
 from .args import check_causal, check_dropout, check_equal_lengths, check_qkv, check_scale, draw_seed
@@ -26,10 +29,11 @@ from .layout import (
     PG,
     Placement,
     doc_ids,
-    group_rank_world,
+    group_rank_world_or_local,
     placed,
     placed_seq_len,
     placement_of,
+    rank_positions,
     require_layout_known,
     resolve_layout,
     resolve_seq,
@@ -83,6 +87,47 @@ class _Plan(BlockPlan):
         x = _async.wait(x)
         _record("wait", t0)
         return x
+
+
+class _LocalPlan(_Plan):
+    """The plan under torch's ``LocalTensorMode``: one program for every simulated rank,
+    so nothing reads the rank as a Python int (``plan.rank`` is 0 and stands for no rank).
+
+    * The hop (send to rank+1, receive from rank-1) is the same pairing on every rank: the
+      backend's per-rank ``ppermute``.
+    * At step ``i`` the ring loop (:func:`_ring`, run with rank 0) names block ``j =
+      -i mod W``; simulated rank ``r`` holds block ``(r + j) mod W``, a per-rank tensor.
+    * A block's positions are the layout table's rows selected by those per-rank tensors,
+      and its allowed pairs (documents, padding, causal) are computed elementwise from
+      them. Which blocks a rank skips and how it trims them differ per rank, so every block
+      is one piece with its mask: a fully masked row adds exactly nothing in the online
+      softmax (its log-sum-exp is ``-inf``, its weight 0) and gets exactly zero gradient.
+    """
+
+    def __init__(self, pg: PG, world: int, table: Tensor, docs: Tensor, causal: bool, *rest: Any) -> None:
+        super().__init__(pg, 0, world, table, docs, causal, *rest)
+        every = B.get_backend()
+        assert isinstance(every, LocalTensorBackend)  # (the adapter while a mode is on)
+        self.every = every
+
+    def hop(self, x: Tensor, name: str, j: int | None) -> Tensor:
+        W = self.world
+        return self.every.ppermute(x.contiguous(), [(r, (r + 1) % W) for r in range(W)], self.pg)
+
+    def block(self, j: int, device: torch.device) -> list[tuple[Any, ...]]:
+        n = self.table.shape[1]
+        if n == 0:
+            return []
+        qi, qd = rank_positions(self.table, self.pg), rank_positions(self.docs, self.pg)
+        kj = (self.every.rank_tensor(self.pg, self.table.device) + j).view(1) % self.world
+        ki, kd = self.table.index_select(0, kj).view(-1), self.docs.index_select(0, kj).view(-1)
+        allowed = (qd.view(-1, 1) == kd.view(1, -1)) & (qd.view(-1, 1) >= 0)
+        if self.causal:
+            allowed &= ki.view(1, -1) <= qi.view(-1, 1)
+        # (padding's positions read as 0: masked, never attended; the user mask's and the
+        # dropout hash's columns need a real position)
+        qpos, kpos = qi.clamp(min=0).to(device), ki.clamp(min=0).to(device)
+        return [(slice(0, n), slice(0, n), allowed.to(device), qpos, kpos, False)]
 
 
 #: A list while :func:`_trace` is active: ``(kind, start, end)`` of every ring step's
@@ -544,7 +589,7 @@ def ring_attention(
     causal = check_causal(causal, op)
     sc = check_scale(scale, q.shape[-1], op)
     p = check_dropout(dropout_p, op)
-    pg, rank, world = group_rank_world(group, op)
+    pg, rank, world = group_rank_world_or_local(group, op)  # (rank None: see _LocalPlan)
     given = layout
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, world)
     mp = placement_of(attn_mask)  # the mask's rows, when parallel.shard took them
@@ -581,7 +626,9 @@ def ring_attention(
     require_layout_known(op, given, {"q": q, "k": k, "v": v}, world)  # after the debug check
     if seq_len is None and cu is None and world > 1 and not _config.DEBUG.get():  # S inferred
         check_equal_lengths(op, q.shape[2], pg)
-    plan = _Plan(
-        pg, rank, world, table, doc_ids(table, total, cu), causal, sc, p, seed, q.shape[1], k.shape[1]
-    )
+    docs = doc_ids(table, total, cu)
+    if rank is None:  # torch's LocalTensorMode
+        plan: _Plan = _LocalPlan(pg, world, table, docs, causal, sc, p, seed, q.shape[1], k.shape[1])
+    else:
+        plan = _Plan(pg, rank, world, table, docs, causal, sc, p, seed, q.shape[1], k.shape[1])
     return placed(_RingAttention.apply(q, k, v, mask, plan), Placement(layout, world, seq_len=total))

@@ -10,9 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ... import backend as B
 from ..._replication import P, R, Rule, V, spmd_types_checking, spmd_types_invariant, spmd_types_varying
-from ..._torch import local_tensor_mode_on
 from ...backend import args as A
 from ...backend.local_tensor import RANK_WHY, refuse
 from ...ops import collectives as C
@@ -24,7 +22,7 @@ from .layout import (
     Placement,
     check_layout,
     even_sizes,
-    group_rank_world,
+    group_rank_world_or_local,
     placed,
     placed_seq_len,
     require_layout_known,
@@ -150,7 +148,7 @@ def ulysses_attention(
     q, k, v = check_qkv(q, k, v, op)
     sc = check_scale(scale, q.shape[-1], op)
     causal = check_causal(causal, op)
-    pg, rank, world = _group_rank_world(group, op)
+    pg, rank, world = group_rank_world_or_local(group, op)  # (rank None: see _rank_for_all)
     if layout is not None and check_layout(layout, op) != DEFAULT_LAYOUT:
         raise A.arg_error(
             op,
@@ -198,15 +196,6 @@ def _local_kv_heads(G: int, hs: list[int], starts: list[int], need: list[list[in
     of its KV head among the KV heads that rank receives."""
     mine = need[rank]
     return [mine.index(h // G) for h in range(starts[rank], starts[rank] + hs[rank])]
-
-
-def _group_rank_world(group: A.GroupLike, op: str) -> tuple[PG, int | None, int]:
-    """``(group, this rank, its size)``; the rank ``None`` under torch's
-    ``LocalTensorMode`` (see :func:`_rank_for_all`)."""
-    if not local_tensor_mode_on():
-        return group_rank_world(group, op)
-    pg = A.resolve_group(group, op)
-    return pg, None, B.get_backend().world_size(pg)
 
 
 def _rank_for_all(op: str, Hq: int, Hk: int, world: int, lens: list[int]) -> int:
@@ -329,13 +318,15 @@ def usp_attention(
     """
     op = "parallel.usp_attention"
     q, k, v = check_qkv(q, k, v, op)
-    upg, urank, uworld = group_rank_world(ulysses_group, op)
-    rpg, _, rworld = group_rank_world(ring_group, op)
+    upg, urank, uworld = group_rank_world_or_local(ulysses_group, op)
+    rpg, _, rworld = group_rank_world_or_local(ring_group, op)
     given = layout
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, rworld, uworld)
     seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
     n_ring = ring_local_len(op, q.shape[2], uworld, rworld, layout, cu_seqlens, seq_len)
     lens = even_sizes(n_ring, uworld)
+    if urank is None:  # torch's LocalTensorMode: the Ulysses pieces alike on every rank
+        urank = _rank_for_all(op, q.shape[1], k.shape[1], uworld, lens)
     if lens[urank] != q.shape[2]:
         raise A.arg_error(
             op, "q", f"{lens[urank]} local positions (of {n_ring} on this ring rank)", q.shape[2]
