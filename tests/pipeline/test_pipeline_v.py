@@ -39,6 +39,11 @@ from diffcomm.pipeline import (
     zbv_schedule,
 )
 
+# The V schedules' values and gradients need no real transport: this module's shared worlds are in-
+# process (the same values as gloo processes: tests/runtime/test_in_process.py). A test that needs a
+# process per rank says why and stays on processes.
+pytestmark = pytest.mark.diffcomm_in_process
+
 
 def _mlp(width: int = 5, depth: int = 4) -> nn.Sequential:
     layers: list[nn.Module] = []

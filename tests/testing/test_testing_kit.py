@@ -20,6 +20,12 @@ from diffcomm import parallel as P
 from diffcomm.testing import Shard, assert_matches_serial, build, check_adjoint, gradcheck
 from diffcomm.testing import strategies as dst
 
+# The testing kit's checks need no real transport: this module's shared worlds are in-process (the
+# same values as gloo processes: tests/runtime/test_in_process.py). A test that needs a process per
+# rank says why and stays on processes.
+pytestmark = pytest.mark.diffcomm_in_process
+
+
 F64 = torch.float64
 
 
