@@ -119,19 +119,19 @@ class _Engine:
         return self._ident is not None and threading.get_ident() == self._ident
 
     def submit(self, fn: Callable[[], Any], name: str) -> Handle:
-        """Queue ``fn`` (run with the caller's diffcomm labels, logs and switches).
-
-        On a rank of an in-process world (``LocalWorld(n, in_process=True)``) ``fn`` runs
-        at once on the caller's thread: the ranks take turns in one process, so there is
-        nothing to overlap, and the engine is one per process. The handle is then done,
-        and the op's result is the same :class:`AsyncTensor` as on processes."""
+        """Queue ``fn`` (run with the caller's diffcomm labels, logs and switches). On an
+        in-process rank it runs at once on the caller's thread (the ranks take turns:
+        nothing to overlap): the handle is done, the result the same AsyncTensor."""
         handle = Handle(name)
         if current_hub() is not None:
+            was, _MODE.on = getattr(_MODE, "on", False), False  # (a job's ops never launch)
             try:
                 with torch.no_grad():
                     handle._result = fn()
             except BaseException as err:  # re-raised by Handle.wait, as on the engine
                 handle._error = err
+            finally:
+                _MODE.on = was
             handle._event.set()
             return handle
         # the job runs on this thread's device and stream: its work is queued after
@@ -228,8 +228,7 @@ def available() -> bool:
     Not while ``torch.compile`` traces or a ``torch.func`` transform / forward-mode AD
     level is active: those see through tensors to their values, so there the asynchronous
     ops run blocking and return plain tensors (same values and gradients). Nor while
-    spmd_types' checker is active (it types each op as it is applied). (On a rank of an
-    in-process world the job runs at once: :meth:`_Engine.submit`.)
+    spmd_types' checker is active (it types each op as it is applied).
     """
     return not (
         _torch.compiling()

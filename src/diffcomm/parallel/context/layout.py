@@ -2,6 +2,9 @@
 move tensors in and out of them (:func:`shard`, :func:`unshard`). See
 :mod:`diffcomm.parallel.context`."""
 
+# Size: ~615 lines, over the ~600 guideline: the layouts' index tables, the placement
+# record that travels with a sharded tensor, and shard/unshard, which read both.
+
 from __future__ import annotations
 
 from collections.abc import Sequence
