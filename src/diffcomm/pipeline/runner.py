@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from .. import _config
 from .. import backend as B
@@ -486,7 +486,12 @@ class PipelineRunner:
                 self.pg,
             )
         self.timeline, self.peak_activation_bytes, self.input_grad = [], 0, None
-        self._param_storages = {p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()}
+        params = [list(c.parameters()) for c in self.chunks]  # once per step, not per I step
+        self._param_storages = {p.untyped_storage().data_ptr() for ps in params for p in ps}
+        self._grad_params = [[p for p in ps if p.requires_grad] for ps in params]
+        # per chunk, its parameters' gradient nodes (found at the step's first I; held for the
+        # step so every micro-batch's graph meets the same AccumulateGrad nodes)
+        self._param_nodes: list[list[Node] | None] = [None] * self.n_chunks
         self._live_bytes = 0
         self._inputs_kept: list[Tensor] = []
         self._posted: dict[tuple[int, int], p2p.RecvHandle] = {}
@@ -503,6 +508,7 @@ class PipelineRunner:
             raise
         finally:
             self._inputs_kept, self._posted, self._local = [], {}, {}
+            self._param_nodes = [None] * self.n_chunks
         if input_grad and self.is_first:
             grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in inputs_kept]
             self.input_grad = torch.cat(grads)
@@ -732,9 +738,14 @@ class PipelineRunner:
         if not root.requires_grad:
             kept.full_in_w = True  # nothing flows back at all
             return
-        params = [p for p in self.chunks[st.chunk].parameters() if p.requires_grad]
         target = input_edge(kept.input)
-        plan = None if target is None else weight_plan(root, target, params)
+        plan = None
+        if target is not None:
+            param_nodes = self._param_nodes[st.chunk]
+            if param_nodes is None:
+                param_nodes = [get_gradient_edge(q).node for q in self._grad_params[st.chunk]]
+                self._param_nodes[st.chunk] = param_nodes
+            plan = weight_plan(root, target, param_nodes)
         if plan is None:
             # no input path to split off (stage 0, or an unusual graph): take the output
             # gradient now, as every I does, and run the whole backward in W
