@@ -548,8 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         help="explicit stage widths instead of calibrating, e.g. plain:2:8=680,368 v:2:8=592,464,464,592 "
         "(layouts: plain, loop, v; one width per virtual stage) — the widths a calibration printed",
     )
-    ap.add_argument("--balance-iters", type=int, default=4, help="most profiles per layout (default 4)")
-    ap.add_argument("--balance-steps", type=int, default=3, help="timed steps per profile (default 3)")
+    ap.add_argument("--balance-iters", type=int, default=5, help="most profiles per layout (default 5)")
+    ap.add_argument("--balance-steps", type=int, default=5, help="timed steps per profile (default 5)")
     ap.add_argument(
         "--balance-tol",
         type=float,

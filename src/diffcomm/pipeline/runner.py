@@ -105,6 +105,11 @@ class _Batch:
     stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)  # (micro, chunk) in flight
 
 
+#: one rank's steps (Overlaps unfolded), per step whether it is half of an Overlap, and the
+#: B steps that split (None: all, by grad_first) — see PipelineRunner._plan
+_Plan = tuple[list[Step], list[bool], set[tuple[int, int]] | None]
+
+
 class _LocalSend(torch.autograd.Function):
     """The token of an activation handed to the next virtual stage on the same rank (the
     V placement's turn at rank ``p - 1``): its backward returns the gradient that stage's
@@ -330,6 +335,7 @@ class PipelineRunner:
         # steps left to measure: the first (cold: one-time costs) and the second (warm)
         self._measures_left = 2
         self._validated: dict[tuple[int, str], list[list[Step | Overlap]]] = {}
+        self._planned: tuple[tuple[int, str], _Plan] | None = None  # the last _plan, by its key
         if self.is_last and loss_fn is None:
             raise A.arg_error(
                 "PipelineRunner", "loss_fn", "a loss function on the last stage", None, TypeError
@@ -371,13 +377,18 @@ class PipelineRunner:
     def schedule(self, n_micro: int) -> list[list[Step | Overlap]]:
         """Every rank's steps for ``n_micro`` micro-batches, validated by
         :func:`~diffcomm.pipeline.check_schedule` (a ``ScheduleError`` names the step)."""
+        return [list(steps) for steps in self._schedule(n_micro)[1]]
+
+    def _schedule(self, n_micro: int) -> tuple[tuple[int, str] | None, list[list[Step | Overlap]]]:
+        """The validated schedule (not to be modified) and its cache key (``None``: a
+        user's function, generated and validated on every call)."""
         costs = self._measured if self.costs == "measure" else self.costs
         kw = {} if costs is None else {"costs": costs}
         builtin = self._schedule_fn in SCHEDULES.values()
         # a built-in generator is a pure function of its arguments: validated once per key
         key = (n_micro, repr(costs)) if builtin else None
         if key is not None and key in self._validated:
-            return [list(steps) for steps in self._validated[key]]
+            return key, self._validated[key]
         if self.n_chunks == 1 and not builtin:
             sched = self._schedule_fn(self.n_stages, n_micro, **kw)  # a user's (p, m) function
         else:
@@ -385,11 +396,26 @@ class PipelineRunner:
         check_schedule(sched, self.n_stages, n_micro, self.n_chunks, self.placement)
         if key is not None:
             self._validated = {key: sched}  # the last one only (n_micro may change every step)
-        return sched
+        return key, sched
 
     def steps(self, n_micro: int) -> list[Step | Overlap]:
         """This rank's steps for ``n_micro`` micro-batches (validated)."""
         return list(self.schedule(n_micro)[self.rank])
+
+    def _plan(self, n_micro: int) -> _Plan:
+        """What :meth:`step` runs: this rank's steps with every ``Overlap`` unfolded, per
+        step whether it is half of one, and the ``B`` steps that split (``None``: all, by
+        ``grad_first``). Derived from the validated schedule, and reused with it while the
+        schedule is (a built-in one, same ``n_micro`` and costs): read-only to the step."""
+        key, sched = self._schedule(n_micro)
+        if key is not None and self._planned is not None and self._planned[0] == key:
+            return self._planned[1]
+        raw = sched[self.rank]
+        steps = expand_steps(raw)
+        fused = [part for st in raw for part in ((True, True) if isinstance(st, Overlap) else (False,))]
+        plan = (steps, fused, cooldown(steps) if self.grad_first == "cooldown" else None)
+        self._planned = None if key is None else (key, plan)
+        return plan
 
     # ---- virtual stages --------------------------------------------------------------
     def _g(self, chunk: int) -> int:
@@ -476,9 +502,7 @@ class PipelineRunner:
         tgt_chunks = (
             self._split(targets, n_micro, "targets") if self.is_last and targets is not None else None
         )
-        raw = self.steps(n_micro)
-        steps = expand_steps(raw)
-        fused = [part for st in raw for part in ((True, True) if isinstance(st, Overlap) else (False,))]
+        steps, fused, split_b = self._plan(n_micro)
         if _config.DEBUG.get():
             B.get_backend().check_consistent(
                 "PipelineRunner.step",
@@ -498,7 +522,7 @@ class PipelineRunner:
         self._local: dict[int, Tensor] = {}  # micro -> the V turn's input leaf (rank p-1's chunk 1)
         self._fresh_in = set(range(self.n_chunks))  # channels with no activation in yet this step
         self._fresh_out = set(range(self.n_chunks))  # channels with none sent yet this step
-        self._split_b = cooldown(steps) if self.grad_first == "cooldown" else None
+        self._split_b = split_b
         total = torch.zeros((), dtype=torch.float64)
         try:
             self._run_steps(_Batch(steps, fused, in_chunks, tgt_chunks, n_micro, input_grad, total))
