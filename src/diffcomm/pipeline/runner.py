@@ -27,7 +27,15 @@ message it hides (see ``docs/pipeline.md``); it is the default.
 Pre-posted receives: before computing step ``k`` the runner posts the receive step
 ``k + 1`` will need (the next activation with :func:`diffcomm.ops.p2p.irecv`, or the next
 gradient with :func:`diffcomm.ops.p2p.post_grad_recv`), so that message travels while step
-``k`` computes.
+``k`` computes. Earlier still: a sent activation's gradient receive is posted at the send,
+and a channel's next activation receive as soon as the previous one arrived (one per
+channel, so they complete in order), so the peer's message finds its receive posted even
+when the peer sends it before this rank reaches step ``k``: a gloo message that finds no
+receive posted waits for the sender's side to answer the receive once it is posted,
+which a sender busy computing does late (in the V schedules 16-40 ms on the loaded
+2-core machine, where step ``k`` was long; docs/pipeline.md). A step that raises leaves
+its posted activation receives to the next step's first receives on their channels (a
+posted receive cannot be taken back, and takes its channel's next message).
 
 One message per activation: the first activation on a channel goes as
 :func:`diffcomm.send` does (a header, then the data; the receiver learns the shape), every
@@ -89,6 +97,7 @@ class _Stash:
     full_in_w: bool = False
     grad_bytes: int = 0
     local: bool = False  # the next virtual stage is on this rank (V placement's turn)
+    grad_posted: bool = False  # the receive of the output's gradient is posted
 
 
 @dataclass
@@ -105,9 +114,10 @@ class _Batch:
     stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)  # (micro, chunk) in flight
 
 
-#: one rank's steps (Overlaps unfolded), per step whether it is half of an Overlap, and the
-#: B steps that split (None: all, by grad_first) — see PipelineRunner._plan
-_Plan = tuple[list[Step], list[bool], set[tuple[int, int]] | None]
+#: one rank's steps (Overlaps unfolded), per step whether it is half of an Overlap, the B
+#: steps that split (None: all, by grad_first), and per F step (micro, chunk) the next F on
+#: its chunk — see PipelineRunner._plan
+_Plan = tuple[list[Step], list[bool], set[tuple[int, int]] | None, dict[tuple[int, int], Step]]
 
 
 class _LocalSend(torch.autograd.Function):
@@ -336,6 +346,8 @@ class PipelineRunner:
         self._measures_left = 2
         self._validated: dict[tuple[int, str], list[list[Step | Overlap]]] = {}
         self._planned: tuple[tuple[int, str], _Plan] | None = None  # the last _plan, by its key
+        # per chunk, receives a step that raised had posted ahead (still posted, in order)
+        self._carried: dict[int, list[p2p.RecvHandle]] = {}
         if self.is_last and loss_fn is None:
             raise A.arg_error(
                 "PipelineRunner", "loss_fn", "a loss function on the last stage", None, TypeError
@@ -355,6 +367,11 @@ class PipelineRunner:
                 f"an int <= {p2p.MAX_TAG - self.n_chunks} ({self.n_chunks} chunks)",
                 tag,
             )
+        # per chunk: its virtual stage's neighbours, (rank, tag) or None (this rank: the V
+        # turn), and the last virtual stage — looked up on every step, computed once here
+        self._srcs = [self._src(c) for c in range(self.n_chunks)]
+        self._dsts = [self._dst(c) for c in range(self.n_chunks)]
+        self._last = self._last_g()
         self.prepost = bool(prepost)
         if grad_first is None:
             grad_first = "cooldown"
@@ -413,7 +430,15 @@ class PipelineRunner:
         raw = sched[self.rank]
         steps = expand_steps(raw)
         fused = [part for st in raw for part in ((True, True) if isinstance(st, Overlap) else (False,))]
-        plan = (steps, fused, cooldown(steps) if self.grad_first == "cooldown" else None)
+        next_f: dict[tuple[int, int], Step] = {}
+        last_f: dict[int, Step] = {}  # chunk -> its F steps so far, the last one
+        for st in steps:
+            if st.kind == "F":
+                prev = last_f.get(st.chunk)
+                if prev is not None:
+                    next_f[(prev.micro, prev.chunk)] = st
+                last_f[st.chunk] = st
+        plan = (steps, fused, cooldown(steps) if self.grad_first == "cooldown" else None, next_f)
         self._planned = None if key is None else (key, plan)
         return plan
 
@@ -502,7 +527,7 @@ class PipelineRunner:
         tgt_chunks = (
             self._split(targets, n_micro, "targets") if self.is_last and targets is not None else None
         )
-        steps, fused, split_b = self._plan(n_micro)
+        steps, fused, split_b, self._next_f = self._plan(n_micro)
         if _config.DEBUG.get():
             B.get_backend().check_consistent(
                 "PipelineRunner.step",
@@ -529,6 +554,10 @@ class PipelineRunner:
             inputs_kept = self._inputs_kept
         except BaseException:
             self._sent.clear()  # this rank's next activations go plainly: any receive takes them
+            # a receive posted ahead stays posted (gloo cannot take it back) and takes its
+            # channel's next message: the next step's first receive there is that one
+            for (_, c), handle in self._posted.items():  # in the order they were posted
+                self._carried.setdefault(c, []).append(handle)
             raise
         finally:
             self._inputs_kept, self._posted, self._local = [], {}, {}
@@ -623,8 +652,12 @@ class PipelineRunner:
         if st is None or not self.prepost:
             return
         if st.kind == "F":
-            where = self._src(st.chunk)
-            if self._g(st.chunk) == 0 or where is None or (st.micro, st.chunk) in self._posted:
+            where = self._srcs[st.chunk]
+            if self._gs[st.chunk] == 0 or where is None or (st.micro, st.chunk) in self._posted:
+                return
+            carried = self._carried.get(st.chunk)
+            if carried:  # posted by a step that raised: it takes this channel's next message
+                self._posted[(st.micro, st.chunk)] = carried.pop(0)
                 return
             src, tag = where
             like = self._like.get(st.chunk)
@@ -635,8 +668,13 @@ class PipelineRunner:
             self._posted[(st.micro, st.chunk)] = handle
         elif st.kind in ("B", "I"):
             kept = stash.get((st.micro, st.chunk))
-            if kept is not None and not kept.local and self._g(st.chunk) != self._last_g():
-                p2p.post_grad_recv(kept.handle)
+            if (
+                kept is not None
+                and not kept.grad_posted
+                and not kept.local
+                and self._gs[st.chunk] != self._last
+            ):
+                kept.grad_posted = p2p.post_grad_recv(kept.handle)
 
     # ---- forward ---------------------------------------------------------------------
     def _forward(
@@ -644,7 +682,7 @@ class PipelineRunner:
     ) -> Tensor | None:
         m, c = st.micro, st.chunk
         in_chunks, tgt_chunks, stash = batch.in_chunks, batch.tgt_chunks, batch.stash
-        g = self._g(c)
+        g = self._gs[c]
         kept = _Stash(handle=torch.zeros(()), nbytes=0)
         if g == 0:
             assert in_chunks is not None
@@ -652,14 +690,16 @@ class PipelineRunner:
             if batch.input_grad:
                 x = x.detach().requires_grad_()
                 self._inputs_kept.append(x)
-        elif self._src(c) is None:  # the V turn: the previous virtual stage is this rank's
+        elif self._srcs[c] is None:  # the V turn: the previous virtual stage is this rank's
             x = self._local.pop(m)
         else:
             handle = self._posted.pop((m, c), None)
+            if handle is None and self._carried.get(c):
+                handle = self._carried[c].pop(0)
             if handle is not None:
                 x = handle.wait()
             else:
-                src, tag = self._src(c)  # type: ignore[misc]
+                src, tag = self._srcs[c]  # type: ignore[misc]
                 like = self._like.get(c)
                 if like is None:
                     x = p2p.recv(src, group=self.pg, tag=tag)
@@ -669,8 +709,15 @@ class PipelineRunner:
                 self._fresh_in.discard(c)
                 # shape, dtype and device only: a zero-stride tensor of one element
                 self._like[c] = torch.empty_strided(x.shape, (0,) * x.ndim, dtype=x.dtype, device=x.device)
-        # the previous receive on every channel is complete: post the next step's now
+        # the previous receive on every channel is complete: post the next step's now, and
+        # this channel's next activation (its sender may send it before this rank reaches
+        # the step before it; a message whose receive is posted is written at once, one
+        # that finds none waits for the sender's side to answer the receive: see the
+        # module docstring)
         self._prepost(nxt, stash)
+        nxt_f = self._next_f.get((m, c))
+        if nxt_f is not nxt:
+            self._prepost(nxt_f, stash)
         kept.input = x
 
         # The hook holds nothing of the graph: a saved tensor keeps its pack hook (and what
@@ -702,18 +749,18 @@ class PipelineRunner:
                         next(phases)
                 except StopIteration as done:
                     y = done.value
-            if g == self._last_g():
+            if g == self._last:
                 assert self.loss_fn is not None
                 tgt = None if tgt_chunks is None else tgt_chunks[m]
                 loss = self.loss_fn(y) if tgt is None else self.loss_fn(y, tgt)
                 kept.handle = loss / batch.n_micro
-            elif self._dst(c) is None:  # the next virtual stage is this rank's (the V turn)
+            elif self._dsts[c] is None:  # the next virtual stage is this rank's (the V turn)
                 nxt_in = y.detach().requires_grad_(y.requires_grad)
                 self._local[m] = nxt_in
                 kept.handle = _LocalSend.apply(y, [nxt_in]) if y.requires_grad else y.new_zeros(())
                 kept.output, kept.local = y, True
             else:
-                dst, dtag = self._dst(c)  # type: ignore[misc]
+                dst, dtag = self._dsts[c]  # type: ignore[misc]
                 # y is ours and nothing writes to it before wait_sends() at the end of
                 # the step: send it without the private copy dc.send makes; fused with
                 # its header when it has the channel's agreed shape (see the module
@@ -725,11 +772,13 @@ class PipelineRunner:
                     self._sent[c] = sent
                 kept.handle = p2p.send_owned(y, dst, group=self.pg, tag=dtag, fused=fused)
                 kept.output = y
+                if self.prepost:  # its gradient's receive, now: posted whenever the peer sends
+                    kept.grad_posted = p2p.post_grad_recv(kept.handle)
         kept.nbytes = nbytes[0]
         stash[(m, c)] = kept
         self._live_bytes += kept.nbytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, self._live_bytes)
-        return kept.handle if g == self._last_g() else None
+        return kept.handle if g == self._last else None
 
     # ---- backward ----------------------------------------------------------------------
     def _backward(self, st: Step, stash: dict[tuple[int, int], _Stash]) -> None:
@@ -737,7 +786,7 @@ class PipelineRunner:
         split = self.grad_first is True or (
             self._split_b is not None and (st.micro, st.chunk) in self._split_b
         )
-        if split and self._g(st.chunk) != 0 and kept.handle.requires_grad:
+        if split and self._gs[st.chunk] != 0 and kept.handle.requires_grad:
             # the input gradient first (its recv-backward sends it upstream at once), then
             # the weight gradients while it travels: the same work as one backward, but the
             # previous stage's wait no longer includes this stage's weight gradients
