@@ -421,9 +421,10 @@ class PipelineRunner:
 
     def _plan(self, n_micro: int) -> _Plan:
         """What :meth:`step` runs: this rank's steps with every ``Overlap`` unfolded, per
-        step whether it is half of one, and the ``B`` steps that split (``None``: all, by
-        ``grad_first``). Derived from the validated schedule, and reused with it while the
-        schedule is (a built-in one, same ``n_micro`` and costs): read-only to the step."""
+        step whether it is half of one, the ``B`` steps that split (``None``: all, by
+        ``grad_first``), and for every ``F`` the next ``F`` on its chunk (whose receive it
+        posts). Derived from the validated schedule, and reused with it while the schedule
+        is (a built-in one, same ``n_micro`` and costs): read-only to the step."""
         key, sched = self._schedule(n_micro)
         if key is not None and self._planned is not None and self._planned[0] == key:
             return self._planned[1]
