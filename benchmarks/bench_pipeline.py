@@ -3,14 +3,18 @@
 Model: ``depth`` x (Linear(width, width) + GELU), float32, MSE loss, batch ``batch``, on
 ``p`` local gloo ranks (CPU, one thread each). **Balanced stages** (``--balance measure``,
 the default): every stage's last block is a sizing block Linear(width, h) + GELU +
-Linear(h, width) + GELU whose width ``h`` is chosen per stage so that every *rank* does
-the same ``F + I + W`` per micro-batch — stage 0 computes no input gradient and the last
-stage the loss, so equal layers are unequal work — for the layout the schedule runs on
-(``plain``: rank ``r`` holds stage ``r``; ``loop``: ``r`` and ``r + p``; ``v``: ``r`` and
-``2p-1-r``). The widths start from a multiply-add cost model (``--balance model`` stops
-there) and are calibrated from profiled split steps (ZB-H1, or ZB-V for the V layout)
-until the ranks are within ``--balance-tol``; the widths and each rank's ``F / I / W``
-per micro-batch are printed, and ``--widths`` replays given widths. ``--balance none``
+Linear(h, width) + GELU whose width ``h`` is chosen per stage so that every *rank*
+(``plain``, ``loop``) or every *stage* (``v``) does the same ``F + I + W`` per
+micro-batch — stage 0 computes no input gradient and the last stage the loss, so equal
+layers are unequal work — for the layout the schedule runs on (``plain``: rank ``r``
+holds stage ``r``, so ranks and stages are one; ``loop``: ``r`` and ``r + p``, sized per
+rank; ``v``: ``r`` and ``2p-1-r``, sized per **stage**, since a V schedule's theory
+assumes a rank's two stages equal, and equal rank totals leave stage 0 (no input
+gradient) and the loss stage, both on rank 0, unequal). The widths start from a
+multiply-add cost model (``--balance model`` stops there) and are calibrated from
+profiled split steps (ZB-H1, or ZB-V for the V layout) until the ranks (stages) are
+within ``--balance-tol``; the widths and each rank's ``F / I / W`` per micro-batch are
+printed, and ``--widths`` replays given widths. ``--balance none``
 is the plain model with equal layers per stage. For every ``p``, ``m`` and schedule it
 reports, for diffcomm's :class:`~diffcomm.pipeline.PipelineRunner`:
 
@@ -215,59 +219,94 @@ def _rank_profile(
     return {
         "total": [total["F"], total["I"], total["W"]],
         "chunks": [per_chunk.get(n, 0.0) for n in sorted(per_chunk)],
+        # virtual stage -> its F + I + W per micro-batch (what per-stage sizing equalises)
+        "stages": {
+            g: sum(per_chunk.get(f"{k}{c}", 0.0) for k in "FIW")
+            for c, g in enumerate(_rank_stages(rank, p, layout))
+        },
     }
+
+
+#: what ``--balance`` equalises per layout: every rank's ``F + I + W`` (``plain``: one stage
+#: per rank, so also every stage's; ``loop``) or every *stage*'s (``v``: a V schedule's theory
+#: assumes its two stages on a rank equal, and equal rank totals leave them unequal — stage 0
+#: computes no input gradient, the last stage, on the same rank, the loss)
+SIZED_BY = {"plain": "rank", "loop": "rank", "v": "stage"}
+
+
+def _units(p: int, layout: str) -> list[list[int]]:
+    """The groups of virtual stages whose ``F + I + W`` the sizing makes equal: one per rank
+    (its stages) or one per stage, by :data:`SIZED_BY`."""
+    if SIZED_BY[layout] == "stage":
+        return [[g] for g in range(p * (1 if layout == "plain" else 2))]
+    return [_rank_stages(r, p, layout) for r in range(p)]
 
 
 def _model_widths(width: int, depth: int, p: int, layout: str) -> list[int]:
     """Stage widths from an explicit cost model: a stage's ``F + I + W`` per micro-batch is
     its multiply-adds (``F``, ``I`` and ``W`` each one product per Linear), less the first
     Linear's input gradient on stage 0 (its input needs none); the loss and the
-    element-wise work are left out. Every rank gets the same total, the widths keep their
-    sum (``width / 2`` per stage on average)."""
+    element-wise work are left out. Every rank (``v`` layout: every stage, see
+    :data:`SIZED_BY`) gets the same total, the widths keep their sum (``width / 2`` per
+    stage on average)."""
     n = p * (1 if layout == "plain" else 2)
     per = depth // n
     # in units of rows x width: a plain block costs 3 width, the sizing block 6 h
     fixed = [3 * width * (per - 1) - (width if g == 0 and per > 1 else 0) for g in range(n)]
-    mine = [_rank_stages(r, p, layout) for r in range(p)]
-    c = [sum(fixed[g] for g in gs) for gs in mine]
+    units = _units(p, layout)
+    c = [sum(fixed[g] for g in gs) for gs in units]
     total_h = n * width // 2
     widths = [width // 2] * n
-    for r, gs in enumerate(mine):
-        h_rank = (6 * total_h + sum(c) - p * c[r]) / (6 * p)  # equal c_r + 6 h_rank on every rank
+    u = len(units)
+    for i, gs in enumerate(units):
+        h_unit = (6 * total_h + sum(c) - u * c[i]) / (6 * u)  # equal c_i + 6 h_unit in every unit
         for g in gs:
-            widths[g] = max(8, int(round(h_rank / len(gs) / 8)) * 8)
+            widths[g] = max(8, int(round(h_unit / len(gs) / 8)) * 8)
     if per == 1:  # stage 0's only Linear with an input is Linear(width, h): its missing I is width x h
         widths[0] = max(8, int(round(widths[0] * 6 / 5 / 8)) * 8)
     return widths
 
 
+def _unit_times(prof: list[dict[str, Any]], p: int, layout: str) -> list[float]:
+    """Each sizing unit's (:func:`_units`) ``F + I + W`` seconds per micro-batch in a
+    profile (:func:`_rank_profile`'s per-rank results)."""
+    if SIZED_BY[layout] == "rank":
+        return [sum(r["total"]) for r in prof]
+    stage = {int(g): t for r in prof for g, t in r["stages"].items()}
+    return [sum(stage[g] for g in gs) for gs in _units(p, layout)]
+
+
 def _calibrate(
     world: Any, args: argparse.Namespace, p: int, m: int, layout: str
 ) -> tuple[list[int], list[list[float]]]:
-    """Stage widths that give every rank the same ``F + I + W`` per micro-batch.
+    """Stage widths that give every rank (``v`` layout: every stage; :data:`SIZED_BY`) the
+    same ``F + I + W`` per micro-batch.
 
     Start at :func:`_model_widths` (the multiply-add count); profile
-    (:func:`_rank_profile`); model rank ``r``'s time per micro-batch as linear in the
-    widths of its stages, with the slope from its own measured time per multiply-add
-    (``3 (F, I, W) x 2 (the sizing block's two Linear) x rows x width`` per unit of
-    ``h``); move every rank's widths so that its time meets the ranks' mean; repeat until
-    the spread (max / min - 1) is under ``--balance-tol`` or ``--balance-iters`` profiles
-    ran. Returns the widths of the profile with the least spread and its per-rank
+    (:func:`_rank_profile`); model each unit's (rank's, or stage's) time per micro-batch as
+    linear in the widths of its stages, with the slope from its own measured time per
+    multiply-add (``3 (F, I, W) x 2 (the sizing block's two Linear) x rows x width`` per
+    unit of ``h``); move every unit's widths so that its time meets the units' mean; repeat
+    until the spread (max / min - 1) is under ``--balance-tol`` or ``--balance-iters``
+    profiles ran. Returns the widths of the profile with the least spread and its per-rank
     ``[F, I, W]`` seconds per micro-batch."""
     v = 1 if layout == "plain" else 2
     n = p * v
     w, rows = args.width, args.batch // m
     per = args.depth // n
     widths = _model_widths(w, args.depth, p, layout)
+    units = _units(p, layout)
     best: tuple[float, list[int], list[list[float]]] | None = None
     for it in range(args.balance_iters):
         prof = world.run(
             _rank_profile, w, args.depth, args.batch, m, layout, widths, args.balance_steps, args.pin
         )
-        t = [sum(r["total"]) for r in prof]
+        t = _unit_times(prof, p, layout)
         spread = max(t) / min(t) - 1
         print(
-            f"   balance {layout:<5} p={p} iter {it}: widths {widths}; F+I+W ms per micro-batch by rank "
+            f"   balance {layout:<5} p={p} iter {it}: widths {widths}; F+I+W ms per micro-batch by "
+            + SIZED_BY[layout]
+            + " "
             + " ".join(f"{x * 1e3:.2f}" for x in t)
             + f"; spread {spread * 100:.1f} %",
             flush=True,
@@ -278,12 +317,11 @@ def _calibrate(
             break
         target = statistics.mean(t)
         new = list(widths)
-        for r in range(p):
-            mine = _rank_stages(r, p, layout)
-            macs = sum(3 * rows * w * (w * (per - 1) + 2 * widths[g]) for g in mine)
-            slope = t[r] / macs * 6 * rows * w  # seconds per unit of h on one of its stages
-            dh = (target - t[r]) / slope / len(mine)
-            for g in mine:
+        for i, gs in enumerate(units):
+            macs = sum(3 * rows * w * (w * (per - 1) + 2 * widths[g]) for g in gs)
+            slope = t[i] / macs * 6 * rows * w  # seconds per unit of h on one of its stages
+            dh = (target - t[i]) / slope / len(gs)
+            for g in gs:
                 new[g] = max(8, round(widths[g] + dh))
         if new == widths:
             break  # within one unit of width: nothing left to move
@@ -495,7 +533,9 @@ def main(argv: list[str] | None = None) -> int:
         "--balance",
         choices=["measure", "model", "none"],
         default="measure",
-        help="measure (default): size each stage so that every rank's F+I+W per micro-batch is equal, "
+        help="measure (default): size each stage so that every rank's F+I+W per micro-batch is equal "
+        "(layouts plain and loop; plain has one stage per rank) or every stage's "
+        "(layout v: ZB-V, DualPipeV), "
         "calibrated per layout and m from profiled steps, starting from the cost model (see _calibrate); "
         "model: the multiply-add cost model only (_model_widths; no calibration); none: the plain model, "
         "equal layers per stage (stage 0 has no input gradient, the last stage the loss)",
@@ -508,10 +548,13 @@ def main(argv: list[str] | None = None) -> int:
         help="explicit stage widths instead of calibrating, e.g. plain:2:8=680,368 v:2:8=592,464,464,592 "
         "(layouts: plain, loop, v; one width per virtual stage) — the widths a calibration printed",
     )
-    ap.add_argument("--balance-iters", type=int, default=4, help="most profiles per layout (default 4)")
-    ap.add_argument("--balance-steps", type=int, default=3, help="timed steps per profile (default 3)")
+    ap.add_argument("--balance-iters", type=int, default=5, help="most profiles per layout (default 5)")
+    ap.add_argument("--balance-steps", type=int, default=5, help="timed steps per profile (default 5)")
     ap.add_argument(
-        "--balance-tol", type=float, default=0.02, help="stop when max/min - 1 of the ranks' F+I+W is below"
+        "--balance-tol",
+        type=float,
+        default=0.02,
+        help="stop when max/min - 1 of the ranks' (layout v: stages') F+I+W is below",
     )
     ap.add_argument("--json", action="store_true", help="also print the rows as JSON (last line)")
     ap.add_argument(

@@ -1004,3 +1004,45 @@ def test_b_sends_the_input_gradient_before_the_weight_gradients(
         # plain backward reaches the receive's node last ("cooldown": only B1, after
         # the last F, splits)
         assert b.index("send") == (0 if first else n_weights), b
+
+
+def test_receives_are_posted_before_the_peer_sends(world2: dc.LocalWorld) -> None:
+    """A sent activation's gradient is received into a receive posted at the send, and a
+    channel's next activation into one posted when the previous arrived — not only one
+    step ahead: a message that finds its receive posted is written at once, one that does
+    not waits for the sender's side to answer the receive (tens of ms on a loaded machine,
+    where the sender computes; docs/pipeline.md, "Where the gap is")."""
+
+    def posted_at_each_forward(schedule: str) -> list[tuple[list[tuple[int, int]], int]]:
+        rank = dist.get_rank()
+        torch.manual_seed(3)
+        seen: list[tuple[list[tuple[int, int]], int]] = []
+        grads0 = [0]
+
+        class Spy(nn.Module):
+            def __init__(self, inner: nn.Module) -> None:
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                # the activation receives posted, and the gradient receives posted this step
+                seen.append((sorted(runner._posted), len(wire._GRADS) - grads0[0]))
+                return self.inner(x)
+
+        runner = PipelineRunner(
+            Spy(partition(_mlp(width=4, depth=4), 2)[rank]), schedule, loss_fn=nn.functional.mse_loss
+        )
+        x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+        for _ in range(2):  # the second step: the activations' shape agreed (fused receives)
+            grads0[0] = len(wire._GRADS)
+            runner.step(x, y, 4)
+        return seen[4:]
+
+    r0, _ = world2.run(posted_at_each_forward, "gpipe")
+    # rank 0 under GPipe (F0 F1 F2 F3 B0 ..): at micro k's forward the gradients of the k
+    # activations sent before it are posted (one step ahead only: none before B0's turn)
+    assert [g for _, g in r0] == [0, 1, 2, 3]
+    _, r1 = world2.run(posted_at_each_forward, "1f1b")
+    # rank 1 (the last) under 1F1B (F0 B0 F1 B1 ..): at micro k's forward micro k + 1's
+    # activation is posted (one step ahead only: never, a B comes next)
+    assert [p for p, _ in r1] == [[(1, 0)], [(2, 0)], [(3, 0)], []]

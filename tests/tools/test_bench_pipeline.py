@@ -56,30 +56,44 @@ def test_cost_model_widths_give_every_rank_the_same_multiply_adds(layout: str, p
 
 
 class _SyntheticWorld:
-    """Stands in for a LocalWorld running ``_rank_profile``: rank ``r``'s F + I + W per
-    micro-batch is its stages' multiply-adds at ``speed[r]`` plus a fixed ``extra[r]``
-    (the loss, the runtime), split 1 : 1 : 1 into F, I, W."""
+    """Stands in for a LocalWorld running ``_rank_profile``: stage ``g``'s F + I + W per
+    micro-batch is its multiply-adds at its rank's ``speed[r]``, plus a fixed ``extra[r]``
+    (the loss, the runtime) on rank ``r``'s last stage; split 1 : 1 : 1 into F, I, W."""
 
     def __init__(self, bench: ModuleType, p: int, speed: list[float], extra: list[float]) -> None:
         self.bench, self.p, self.speed, self.extra = bench, p, speed, extra
         self.calls = 0
 
+    def stages(self, width: int, depth: int, layout: str, widths: list[int]) -> dict[int, float]:
+        """Every virtual stage's F + I + W seconds per micro-batch."""
+        macs = _stage_macs(self.bench, width, depth, widths)
+        out = {}
+        for r in range(self.p):
+            mine = self.bench._rank_stages(r, self.p, layout)
+            for g in mine:
+                out[g] = self.speed[r] * macs[g] * 1e-9 + (self.extra[r] if g == mine[-1] else 0.0)
+        return out
+
     def t(self, width: int, depth: int, layout: str, widths: list[int]) -> list[float]:
-        stage = _stage_macs(self.bench, width, depth, widths)
-        return [
-            self.speed[r] * sum(stage[g] for g in self.bench._rank_stages(r, self.p, layout)) * 1e-9
-            + self.extra[r]
-            for r in range(self.p)
-        ]
+        """Every rank's F + I + W seconds per micro-batch."""
+        stage = self.stages(width, depth, layout, widths)
+        return [sum(stage[g] for g in self.bench._rank_stages(r, self.p, layout)) for r in range(self.p)]
 
     def run(self, fn: Any, width: int, depth: int, batch: int, m: int, layout: str, widths: list[int],
             *rest: Any) -> list[dict[str, Any]]:  # fmt: skip
         assert fn is self.bench._rank_profile
         self.calls += 1
-        return [{"total": [x / 3] * 3} for x in self.t(width, depth, layout, widths)]
+        stage = self.stages(width, depth, layout, widths)
+        return [
+            {
+                "total": [x / 3] * 3,
+                "stages": {g: stage[g] for g in self.bench._rank_stages(r, self.p, layout)},
+            }
+            for r, x in enumerate(self.t(width, depth, layout, widths))
+        ]
 
 
-@pytest.mark.parametrize("layout", ["plain", "v"])
+@pytest.mark.parametrize("layout", ["plain", "loop", "v"])
 @pytest.mark.parametrize("p", [2, 4])
 def test_calibration_equalises_ranks_whose_speed_and_fixed_costs_differ(layout: str, p: int) -> None:
     bench = _bench()
@@ -96,6 +110,34 @@ def test_calibration_equalises_ranks_whose_speed_and_fixed_costs_differ(layout: 
     assert [sum(x) for x in fiw] == pytest.approx(t)  # the profile returned is that of `widths`
     assert world.calls < args.balance_iters  # stopped at the tolerance
     assert statistics.mean(widths) == pytest.approx(512, rel=0.25)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_v_layout_is_sized_per_stage_so_a_ranks_two_stages_are_equal(
+    p: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A V schedule's theory assumes equal stages: the V layout sizes every stage, not only
+    every rank, even where one stage of a rank carries a fixed cost (the loss on the last
+    stage) and stage 0 computes no input gradient; the other layouts size ranks."""
+    bench = _bench()
+    assert bench.SIZED_BY == {"plain": "rank", "loop": "rank", "v": "stage"}
+    # the cost model alone: equal multiply-adds per stage (stage 0 lacks an input gradient)
+    macs = _stage_macs(bench, 1024, 8, bench._model_widths(1024, 8, p, "v"))
+    assert max(macs) / min(macs) - 1 < 0.01, macs
+    speed = [1.0 + 0.15 * r for r in range(p)]
+    extra = [0.002] + [0.0] * (p - 1)  # rank 0's last stage (2p - 1) computes the loss
+    world = _SyntheticWorld(bench, p, speed, extra)
+    args = argparse.Namespace(width=1024, depth=8, batch=512, balance_iters=8, balance_steps=1,
+                              balance_tol=0.01, pin=False)  # fmt: skip
+    widths, _ = bench._calibrate(world, args, p, 8, "v")
+    stage = world.stages(1024, 8, "v", widths)
+    assert max(stage.values()) / min(stage.values()) - 1 < 0.01, (widths, stage)
+    assert widths[0] > widths[2 * p - 1]  # the loss stage gets the narrower sizing block
+    # sized per rank instead (as before), rank 0's two stages differ by the loss
+    monkeypatch.setitem(bench.SIZED_BY, "v", "rank")
+    by_rank, _ = bench._calibrate(world, args, p, 8, "v")
+    stage = world.stages(1024, 8, "v", by_rank)
+    assert max(stage.values()) / min(stage.values()) - 1 > 0.05, (by_rank, stage)
 
 
 def test_bench_pipeline_reports_every_column() -> None:

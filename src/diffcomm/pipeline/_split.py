@@ -40,11 +40,13 @@ def input_edge(x: Tensor | None) -> Tensor | None:
 
 
 def weight_plan(
-    root: Tensor, target: Tensor, params: Sequence[Tensor]
+    root: Tensor, target: Tensor, param_nodes: Sequence[Node]
 ) -> list[tuple[Node, list[Node]]] | None:
     """``[(node, param nodes), ...]``: the nodes on the path from ``root`` to ``target``
     at which a parameter's branch leaves that path (as in torch.distributed.pipelining's
-    ``stage_backward_input``), or ``None`` when there is no such split."""
+    ``stage_backward_input``), or ``None`` when there is no such split. ``param_nodes``:
+    the parameters' gradient nodes (``get_gradient_edge(p).node``, their
+    ``AccumulateGrad``; the caller finds them once per step, not per micro-batch)."""
     root_node = root.grad_fn
     if root_node is None:
         return None
@@ -68,8 +70,7 @@ def weight_plan(
                 on_path.add(par)
                 todo.append(par)
     plan: dict[Node, list[Node]] = {}
-    for p in params:
-        pn = get_gradient_edge(p).node
+    for pn in param_nodes:
         if pn not in seen:
             continue  # not used by this micro-batch's graph
         meet: set[Node] = set()

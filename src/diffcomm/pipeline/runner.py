@@ -27,7 +27,15 @@ message it hides (see ``docs/pipeline.md``); it is the default.
 Pre-posted receives: before computing step ``k`` the runner posts the receive step
 ``k + 1`` will need (the next activation with :func:`diffcomm.ops.p2p.irecv`, or the next
 gradient with :func:`diffcomm.ops.p2p.post_grad_recv`), so that message travels while step
-``k`` computes.
+``k`` computes. Earlier still: a sent activation's gradient receive is posted at the send,
+and a channel's next activation receive as soon as the previous one arrived (one per
+channel, so they complete in order), so the peer's message finds its receive posted even
+when the peer sends it before this rank reaches step ``k``: a gloo message that finds no
+receive posted waits for the sender's side to answer the receive once it is posted,
+which a sender busy computing does late (in the V schedules 16-40 ms on the loaded
+2-core machine, where step ``k`` was long; docs/pipeline.md). A step that raises leaves
+its posted activation receives to the next step's first receives on their channels (a
+posted receive cannot be taken back, and takes its channel's next message).
 
 One message per activation: the first activation on a channel goes as
 :func:`diffcomm.send` does (a header, then the data; the receiver learns the shape), every
@@ -54,7 +62,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from .. import _config
 from .. import backend as B
@@ -89,6 +97,7 @@ class _Stash:
     full_in_w: bool = False
     grad_bytes: int = 0
     local: bool = False  # the next virtual stage is on this rank (V placement's turn)
+    grad_posted: bool = False  # the receive of the output's gradient is posted
 
 
 @dataclass
@@ -103,6 +112,12 @@ class _Batch:
     input_grad: bool  # keep the gradient of the inputs (step(..., input_grad=True))
     total: Tensor  # the sum of the micro-batch losses, float64 (added to in place)
     stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)  # (micro, chunk) in flight
+
+
+#: one rank's steps (Overlaps unfolded), per step whether it is half of an Overlap, the B
+#: steps that split (None: all, by grad_first), and per F step (micro, chunk) the next F on
+#: its chunk — see PipelineRunner._plan
+_Plan = tuple[list[Step], list[bool], set[tuple[int, int]] | None, dict[tuple[int, int], Step]]
 
 
 class _LocalSend(torch.autograd.Function):
@@ -330,6 +345,9 @@ class PipelineRunner:
         # steps left to measure: the first (cold: one-time costs) and the second (warm)
         self._measures_left = 2
         self._validated: dict[tuple[int, str], list[list[Step | Overlap]]] = {}
+        self._planned: tuple[tuple[int, str], _Plan] | None = None  # the last _plan, by its key
+        # per chunk, receives a step that raised had posted ahead (still posted, in order)
+        self._carried: dict[int, list[p2p.RecvHandle]] = {}
         if self.is_last and loss_fn is None:
             raise A.arg_error(
                 "PipelineRunner", "loss_fn", "a loss function on the last stage", None, TypeError
@@ -349,6 +367,11 @@ class PipelineRunner:
                 f"an int <= {p2p.MAX_TAG - self.n_chunks} ({self.n_chunks} chunks)",
                 tag,
             )
+        # per chunk: its virtual stage's neighbours, (rank, tag) or None (this rank: the V
+        # turn), and the last virtual stage — looked up on every step, computed once here
+        self._srcs = [self._src(c) for c in range(self.n_chunks)]
+        self._dsts = [self._dst(c) for c in range(self.n_chunks)]
+        self._last = self._last_g()
         self.prepost = bool(prepost)
         if grad_first is None:
             grad_first = "cooldown"
@@ -371,13 +394,18 @@ class PipelineRunner:
     def schedule(self, n_micro: int) -> list[list[Step | Overlap]]:
         """Every rank's steps for ``n_micro`` micro-batches, validated by
         :func:`~diffcomm.pipeline.check_schedule` (a ``ScheduleError`` names the step)."""
+        return [list(steps) for steps in self._schedule(n_micro)[1]]
+
+    def _schedule(self, n_micro: int) -> tuple[tuple[int, str] | None, list[list[Step | Overlap]]]:
+        """The validated schedule (not to be modified) and its cache key (``None``: a
+        user's function, generated and validated on every call)."""
         costs = self._measured if self.costs == "measure" else self.costs
         kw = {} if costs is None else {"costs": costs}
         builtin = self._schedule_fn in SCHEDULES.values()
         # a built-in generator is a pure function of its arguments: validated once per key
         key = (n_micro, repr(costs)) if builtin else None
         if key is not None and key in self._validated:
-            return [list(steps) for steps in self._validated[key]]
+            return key, self._validated[key]
         if self.n_chunks == 1 and not builtin:
             sched = self._schedule_fn(self.n_stages, n_micro, **kw)  # a user's (p, m) function
         else:
@@ -385,11 +413,35 @@ class PipelineRunner:
         check_schedule(sched, self.n_stages, n_micro, self.n_chunks, self.placement)
         if key is not None:
             self._validated = {key: sched}  # the last one only (n_micro may change every step)
-        return sched
+        return key, sched
 
     def steps(self, n_micro: int) -> list[Step | Overlap]:
         """This rank's steps for ``n_micro`` micro-batches (validated)."""
         return list(self.schedule(n_micro)[self.rank])
+
+    def _plan(self, n_micro: int) -> _Plan:
+        """What :meth:`step` runs: this rank's steps with every ``Overlap`` unfolded, per
+        step whether it is half of one, the ``B`` steps that split (``None``: all, by
+        ``grad_first``), and for every ``F`` the next ``F`` on its chunk (whose receive it
+        posts). Derived from the validated schedule, and reused with it while the schedule
+        is (a built-in one, same ``n_micro`` and costs): read-only to the step."""
+        key, sched = self._schedule(n_micro)
+        if key is not None and self._planned is not None and self._planned[0] == key:
+            return self._planned[1]
+        raw = sched[self.rank]
+        steps = expand_steps(raw)
+        fused = [part for st in raw for part in ((True, True) if isinstance(st, Overlap) else (False,))]
+        next_f: dict[tuple[int, int], Step] = {}
+        last_f: dict[int, Step] = {}  # chunk -> its F steps so far, the last one
+        for st in steps:
+            if st.kind == "F":
+                prev = last_f.get(st.chunk)
+                if prev is not None:
+                    next_f[(prev.micro, prev.chunk)] = st
+                last_f[st.chunk] = st
+        plan = (steps, fused, cooldown(steps) if self.grad_first == "cooldown" else None, next_f)
+        self._planned = None if key is None else (key, plan)
+        return plan
 
     # ---- virtual stages --------------------------------------------------------------
     def _g(self, chunk: int) -> int:
@@ -476,9 +528,7 @@ class PipelineRunner:
         tgt_chunks = (
             self._split(targets, n_micro, "targets") if self.is_last and targets is not None else None
         )
-        raw = self.steps(n_micro)
-        steps = expand_steps(raw)
-        fused = [part for st in raw for part in ((True, True) if isinstance(st, Overlap) else (False,))]
+        steps, fused, split_b, self._next_f = self._plan(n_micro)
         if _config.DEBUG.get():
             B.get_backend().check_consistent(
                 "PipelineRunner.step",
@@ -486,23 +536,33 @@ class PipelineRunner:
                 self.pg,
             )
         self.timeline, self.peak_activation_bytes, self.input_grad = [], 0, None
-        self._param_storages = {p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters()}
+        params = [list(c.parameters()) for c in self.chunks]  # once per step, not per I step
+        self._param_storages = {p.untyped_storage().data_ptr() for ps in params for p in ps}
+        self._grad_params = [[p for p in ps if p.requires_grad] for ps in params]
+        # per chunk, its parameters' gradient nodes (found at the step's first I; held for the
+        # step so every micro-batch's graph meets the same AccumulateGrad nodes)
+        self._param_nodes: list[list[Node] | None] = [None] * self.n_chunks
         self._live_bytes = 0
         self._inputs_kept: list[Tensor] = []
         self._posted: dict[tuple[int, int], p2p.RecvHandle] = {}
         self._local: dict[int, Tensor] = {}  # micro -> the V turn's input leaf (rank p-1's chunk 1)
         self._fresh_in = set(range(self.n_chunks))  # channels with no activation in yet this step
         self._fresh_out = set(range(self.n_chunks))  # channels with none sent yet this step
-        self._split_b = cooldown(steps) if self.grad_first == "cooldown" else None
+        self._split_b = split_b
         total = torch.zeros((), dtype=torch.float64)
         try:
             self._run_steps(_Batch(steps, fused, in_chunks, tgt_chunks, n_micro, input_grad, total))
             inputs_kept = self._inputs_kept
         except BaseException:
             self._sent.clear()  # this rank's next activations go plainly: any receive takes them
+            # a receive posted ahead stays posted (gloo cannot take it back) and takes its
+            # channel's next message: the next step's first receive there is that one
+            for (_, c), handle in self._posted.items():  # in the order they were posted
+                self._carried.setdefault(c, []).append(handle)
             raise
         finally:
             self._inputs_kept, self._posted, self._local = [], {}, {}
+            self._param_nodes = [None] * self.n_chunks
         if input_grad and self.is_first:
             grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in inputs_kept]
             self.input_grad = torch.cat(grads)
@@ -593,8 +653,12 @@ class PipelineRunner:
         if st is None or not self.prepost:
             return
         if st.kind == "F":
-            where = self._src(st.chunk)
-            if self._g(st.chunk) == 0 or where is None or (st.micro, st.chunk) in self._posted:
+            where = self._srcs[st.chunk]
+            if self._gs[st.chunk] == 0 or where is None or (st.micro, st.chunk) in self._posted:
+                return
+            carried = self._carried.get(st.chunk)
+            if carried:  # posted by a step that raised: it takes this channel's next message
+                self._posted[(st.micro, st.chunk)] = carried.pop(0)
                 return
             src, tag = where
             like = self._like.get(st.chunk)
@@ -605,8 +669,13 @@ class PipelineRunner:
             self._posted[(st.micro, st.chunk)] = handle
         elif st.kind in ("B", "I"):
             kept = stash.get((st.micro, st.chunk))
-            if kept is not None and not kept.local and self._g(st.chunk) != self._last_g():
-                p2p.post_grad_recv(kept.handle)
+            if (
+                kept is not None
+                and not kept.grad_posted
+                and not kept.local
+                and self._gs[st.chunk] != self._last
+            ):
+                kept.grad_posted = p2p.post_grad_recv(kept.handle)
 
     # ---- forward ---------------------------------------------------------------------
     def _forward(
@@ -614,7 +683,7 @@ class PipelineRunner:
     ) -> Tensor | None:
         m, c = st.micro, st.chunk
         in_chunks, tgt_chunks, stash = batch.in_chunks, batch.tgt_chunks, batch.stash
-        g = self._g(c)
+        g = self._gs[c]
         kept = _Stash(handle=torch.zeros(()), nbytes=0)
         if g == 0:
             assert in_chunks is not None
@@ -622,14 +691,16 @@ class PipelineRunner:
             if batch.input_grad:
                 x = x.detach().requires_grad_()
                 self._inputs_kept.append(x)
-        elif self._src(c) is None:  # the V turn: the previous virtual stage is this rank's
+        elif self._srcs[c] is None:  # the V turn: the previous virtual stage is this rank's
             x = self._local.pop(m)
         else:
             handle = self._posted.pop((m, c), None)
+            if handle is None and self._carried.get(c):
+                handle = self._carried[c].pop(0)
             if handle is not None:
                 x = handle.wait()
             else:
-                src, tag = self._src(c)  # type: ignore[misc]
+                src, tag = self._srcs[c]  # type: ignore[misc]
                 like = self._like.get(c)
                 if like is None:
                     x = p2p.recv(src, group=self.pg, tag=tag)
@@ -639,8 +710,15 @@ class PipelineRunner:
                 self._fresh_in.discard(c)
                 # shape, dtype and device only: a zero-stride tensor of one element
                 self._like[c] = torch.empty_strided(x.shape, (0,) * x.ndim, dtype=x.dtype, device=x.device)
-        # the previous receive on every channel is complete: post the next step's now
+        # the previous receive on every channel is complete: post the next step's now, and
+        # this channel's next activation (its sender may send it before this rank reaches
+        # the step before it; a message whose receive is posted is written at once, one
+        # that finds none waits for the sender's side to answer the receive: see the
+        # module docstring)
         self._prepost(nxt, stash)
+        nxt_f = self._next_f.get((m, c))
+        if nxt_f is not nxt:
+            self._prepost(nxt_f, stash)
         kept.input = x
 
         # The hook holds nothing of the graph: a saved tensor keeps its pack hook (and what
@@ -672,18 +750,18 @@ class PipelineRunner:
                         next(phases)
                 except StopIteration as done:
                     y = done.value
-            if g == self._last_g():
+            if g == self._last:
                 assert self.loss_fn is not None
                 tgt = None if tgt_chunks is None else tgt_chunks[m]
                 loss = self.loss_fn(y) if tgt is None else self.loss_fn(y, tgt)
                 kept.handle = loss / batch.n_micro
-            elif self._dst(c) is None:  # the next virtual stage is this rank's (the V turn)
+            elif self._dsts[c] is None:  # the next virtual stage is this rank's (the V turn)
                 nxt_in = y.detach().requires_grad_(y.requires_grad)
                 self._local[m] = nxt_in
                 kept.handle = _LocalSend.apply(y, [nxt_in]) if y.requires_grad else y.new_zeros(())
                 kept.output, kept.local = y, True
             else:
-                dst, dtag = self._dst(c)  # type: ignore[misc]
+                dst, dtag = self._dsts[c]  # type: ignore[misc]
                 # y is ours and nothing writes to it before wait_sends() at the end of
                 # the step: send it without the private copy dc.send makes; fused with
                 # its header when it has the channel's agreed shape (see the module
@@ -695,11 +773,13 @@ class PipelineRunner:
                     self._sent[c] = sent
                 kept.handle = p2p.send_owned(y, dst, group=self.pg, tag=dtag, fused=fused)
                 kept.output = y
+                if self.prepost:  # its gradient's receive, now: posted whenever the peer sends
+                    kept.grad_posted = p2p.post_grad_recv(kept.handle)
         kept.nbytes = nbytes[0]
         stash[(m, c)] = kept
         self._live_bytes += kept.nbytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, self._live_bytes)
-        return kept.handle if g == self._last_g() else None
+        return kept.handle if g == self._last else None
 
     # ---- backward ----------------------------------------------------------------------
     def _backward(self, st: Step, stash: dict[tuple[int, int], _Stash]) -> None:
@@ -707,7 +787,7 @@ class PipelineRunner:
         split = self.grad_first is True or (
             self._split_b is not None and (st.micro, st.chunk) in self._split_b
         )
-        if split and self._g(st.chunk) != 0 and kept.handle.requires_grad:
+        if split and self._gs[st.chunk] != 0 and kept.handle.requires_grad:
             # the input gradient first (its recv-backward sends it upstream at once), then
             # the weight gradients while it travels: the same work as one backward, but the
             # previous stage's wait no longer includes this stage's weight gradients
@@ -732,9 +812,14 @@ class PipelineRunner:
         if not root.requires_grad:
             kept.full_in_w = True  # nothing flows back at all
             return
-        params = [p for p in self.chunks[st.chunk].parameters() if p.requires_grad]
         target = input_edge(kept.input)
-        plan = None if target is None else weight_plan(root, target, params)
+        plan = None
+        if target is not None:
+            param_nodes = self._param_nodes[st.chunk]
+            if param_nodes is None:
+                param_nodes = [get_gradient_edge(q).node for q in self._grad_params[st.chunk]]
+                self._param_nodes[st.chunk] = param_nodes
+            plan = weight_plan(root, target, param_nodes)
         if plan is None:
             # no input path to split off (stage 0, or an unusual graph): take the output
             # gradient now, as every I does, and run the whole backward in W
