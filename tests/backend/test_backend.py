@@ -236,6 +236,8 @@ def test_all_gather(world: LocalWorld, layout: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("fallback", [False, True], ids=["native", "fallback"])
 @pytest.mark.parametrize("layout", ["even", "uneven"])
 @pytest.mark.parametrize("op", REDUCE_OPS)
+# on processes: it switches capabilities off on the process's one backend adapter
+@pytest.mark.diffcomm_in_process(False)
 def test_reduce_scatter(world: LocalWorld, op: str, layout: str, fallback: bool) -> None:
     def rank_reduce_scatter(op: str, split_sizes: list[int] | None, fallback: bool) -> Counted:
         be = get_backend()
@@ -260,6 +262,8 @@ def test_reduce_scatter(world: LocalWorld, op: str, layout: str, fallback: bool)
 
 @pytest.mark.parametrize("fallback", [False, True], ids=["native", "no-gather-scatter"])
 @pytest.mark.parametrize("layout", ["even", "uneven"])
+# on processes: it switches capabilities off on the process's one backend adapter
+@pytest.mark.diffcomm_in_process(False)
 def test_gather(world: LocalWorld, layout: str, fallback: bool) -> None:
     n = world.world_size
     sizes, rows = _layout(layout, n)
@@ -281,6 +285,8 @@ def test_gather(world: LocalWorld, layout: str, fallback: bool) -> None:
 
 @pytest.mark.parametrize("fallback", [False, True], ids=["native", "no-gather-scatter"])
 @pytest.mark.parametrize("layout", ["even", "uneven"])
+# on processes: it switches capabilities off on the process's one backend adapter
+@pytest.mark.diffcomm_in_process(False)
 def test_scatter(world: LocalWorld, layout: str, fallback: bool) -> None:
     def rank_scatter(src: int, split_sizes: list[int] | None, fallback: bool = False) -> Counted:
         n = dc.get_world_size()
@@ -301,6 +307,8 @@ def test_scatter(world: LocalWorld, layout: str, fallback: bool) -> None:
 @pytest.mark.parametrize("fallback", [False, True], ids=["native", "no-uneven-a2a"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64], ids=str)
 @pytest.mark.parametrize("mode", ["even", "given", "inferred"])
+# on processes: it switches capabilities off on the process's one backend adapter
+@pytest.mark.diffcomm_in_process(False)
 def test_all_to_all(world: LocalWorld, mode: str, dtype: torch.dtype, fallback: bool) -> None:
     def rank_all_to_all(mode: str, dtype: torch.dtype, fallback: bool = False) -> Counted:
         rank, n = dc.get_rank(), dc.get_world_size()
