@@ -237,6 +237,8 @@ def test_the_caller_may_reuse_x_as_soon_as_send_returns(world2: dc.LocalWorld) -
     assert world2.run(reuse_after_send)[1] == [1.0, 1.0]
 
 
+# on processes: it patches a module attribute in its rank function (one module per process)
+@pytest.mark.diffcomm_in_process(False)
 def test_send_owned_sends_the_callers_tensor_with_sends_header_and_gradient(world2: dc.LocalWorld) -> None:
     def send_owned_sends_x_itself() -> list[Any]:
         sent: list[int] = []  # storages of the data buffers posted

@@ -451,6 +451,8 @@ class _Slow(nn.Module):
         return self.lin(x)
 
 
+# on processes: it patches a module attribute in its rank function (one module per process)
+@pytest.mark.diffcomm_in_process(False)
 def test_receive_waits_are_timed_by_the_host_clock_without_the_comms_logger(world2: dc.LocalWorld) -> None:
     def waits_without_the_logger() -> list[tuple[str, float, float]]:
         from diffcomm import backend as B
@@ -965,6 +967,8 @@ def test_zb_h1_computes_weight_gradients_in_w_only(world2: dc.LocalWorld) -> Non
     ("grad_first", "split"),
     [(True, [True, True]), (False, [False, False]), ("cooldown", [False, True])],
 )
+# on processes: it patches a module attribute in its rank function (one module per process)
+@pytest.mark.diffcomm_in_process(False)
 def test_b_sends_the_input_gradient_before_the_weight_gradients(
     world2: dc.LocalWorld, grad_first: bool | str, split: list[bool]
 ) -> None:
