@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -116,9 +118,50 @@ def diffcomm_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
 
 
+def _native_threads_running() -> bool:
+    """Whether a thread Python did not start (a c10d / gloo worker) is runnable now
+    (Linux: ``/proc``; elsewhere ``False``)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    mine = {t.native_id for t in threading.enumerate()}
+    for tid in tids:
+        if int(tid) in mine:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state == b"R":
+            return True
+    return False
+
+
+def _let_native_threads_settle(limit: float = 0.25) -> None:
+    """Before the interpreter finalizes: give torch's own threads the GIL for a moment.
+
+    A process group's worker thread drops its finished work (and with it the last
+    reference to a tensor the op no longer needs) just *after* the work is marked done;
+    if that drop needs the GIL once the interpreter is finalizing, the thread is unwound
+    through C++ and the process dies of ``SIGABRT`` ("terminate called without an active
+    exception": 1 in ~40 runs of a rank that finished its script while its peer still
+    waited, under load). Sleeping releases the GIL, so such a thread finishes now; we wait
+    while one is still runnable, at most ``limit`` seconds."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    deadline = time.monotonic() + limit
+    while True:
+        time.sleep(0.002)
+        if not _native_threads_running() or time.monotonic() > deadline:
+            return
+
+
 def _at_exit() -> None:
     _EXITING[0] = True
     stop_all(None, exiting=True)
+    _let_native_threads_settle()
 
 
 def install() -> None:
