@@ -118,14 +118,15 @@ def diffcomm_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
 
 
-def _native_threads_running() -> bool:
-    """Whether a thread Python did not start (a c10d / gloo worker) is runnable now
-    (Linux: ``/proc``; elsewhere ``False``)."""
+def runnable_native_threads() -> list[int]:
+    """The ids of the runnable threads Python did not start (c10d / gloo workers, OpenMP
+    threads), from ``/proc`` (Linux; elsewhere none)."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
-        return False
+        return []
     mine = {t.native_id for t in threading.enumerate()}
+    out = []
     for tid in tids:
         if int(tid) in mine:
             continue
@@ -135,8 +136,8 @@ def _native_threads_running() -> bool:
         except (OSError, IndexError):
             continue
         if state == b"R":
-            return True
-    return False
+            out.append(int(tid))
+    return out
 
 
 def _let_native_threads_settle(limit: float = 0.25) -> None:
@@ -154,7 +155,7 @@ def _let_native_threads_settle(limit: float = 0.25) -> None:
     deadline = time.monotonic() + limit
     while True:
         time.sleep(0.002)
-        if not _native_threads_running() or time.monotonic() > deadline:
+        if not runnable_native_threads() or time.monotonic() > deadline:
             return
 
 
