@@ -51,6 +51,11 @@ def _ops_of_every_kind(rank: int, world: int) -> None:
     ts = [torch.ones(3, requires_grad=True), torch.ones(2, 2, dtype=torch.float64, requires_grad=True)]
     sum(t.sum() for t in dc.all_reduce_coalesced(ts)).backward()  # coalesced
     dc.shift(x.detach().requires_grad_(), 1).sum().backward()  # point-to-point ring
+    sub = dist.new_group(list(range(world)))  # a subgroup's collectives and channels too
+    (dc.all_gather(x, group=sub).sum() + dc.shift(x, 1, group=sub).sum()).backward()
+    if world > 1:  # a numbered send/recv channel on it
+        dc.send(x.detach(), (rank + 1) % world, group=sub)
+        dc.recv(src=(rank - 1) % world, group=sub)
     if world > 1:  # one 1F1B step over a two-layer model split across the ranks
         from diffcomm.pipeline import PipelineRunner
 
@@ -83,6 +88,25 @@ def scenario_exit(control: bool = False) -> None:
     if alive:  # stderr: the driver counts any line there as a failure
         print(f"diffcomm threads alive after destroy_process_group: {alive}", file=sys.stderr)
     _say("threads_after_destroy", len(alive))
+    gloo = _gloo_threads()  # the group itself is freed: nothing of ours holds it
+    if gloo:
+        print(f"{gloo} gloo worker thread(s) alive after destroy_process_group", file=sys.stderr)
+
+
+def _gloo_threads() -> int:
+    """How many of gloo's own threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) run."""
+    n = 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:  # not Linux: nothing to count
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().startswith(("pt_gloo", "gloo_"))
+        except OSError:  # a thread that ended while we looked
+            pass
+    return n
 
 
 def scenario_reinit() -> None:

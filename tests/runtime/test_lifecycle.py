@@ -177,6 +177,46 @@ def test_no_diffcomm_thread_outlives_its_group_in_process() -> None:
         assert _lifecycle.diffcomm_threads() == [], threading.enumerate()
 
 
+def _gloo_threads() -> int:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended while we looked
+            pass
+    return sum(n.startswith(("pt_gloo", "gloo_")) for n in names)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="names threads from /proc/self/task")
+def test_destroy_process_group_frees_the_groups_diffcomm_used() -> None:
+    # the group records kept the default group (and its gloo worker threads) alive past
+    # destroy_process_group() until the interpreter finalized, where a worker needing the
+    # GIL aborted the process (SIGABRT under torchrun, 1 CI run in ~10)
+    import gc
+    import weakref
+
+    before = _gloo_threads()
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        sub = dist.new_group([0])
+        x = torch.ones(3, requires_grad=True)
+        (dc.all_gather(x) + dc.all_reduce(x, group=sub) + dc.all_gather(x, async_op=True)).sum().backward()
+        dc.all_to_all(torch.ones(2, 3), input_split_sizes=[2], output_split_sizes=[2])
+        refs = [weakref.ref(dist.group.WORLD), weakref.ref(sub)]
+        assert _gloo_threads() > before
+        dist.destroy_process_group(sub)
+        del sub
+        gc.collect()
+        assert refs[1]() is None, gc.get_referrers(refs[1]())
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert [r() for r in refs] == [None, None], gc.get_referrers(refs[0]())
+    assert _gloo_threads() == before
+
+
 def _sockets() -> int:
     n = 0
     for fd in os.listdir("/proc/self/fd"):

@@ -1,7 +1,7 @@
 """The group record: what diffcomm needs to know about a process group, probed once.
 
 :func:`group_info` returns a :class:`GroupInfo` cached per group (and dropped when the
-default group changes): the group, this rank, the size, the name of the c10d backend
+group is destroyed or the default group changes): the group, this rank, the size, the name of the c10d backend
 that moves its data (asked of the group itself: :func:`data_backend`), that backend's
 :class:`Capabilities`, and the device small metadata tensors live on (asked of the
 accelerator). The backends' ``rank`` / ``world_size`` / ``backend_name`` /
@@ -138,6 +138,24 @@ def _probe_default_group() -> None:
 
 
 _lifecycle.on_init("group record", _probe_default_group)
+
+
+def _forget(group: ProcessGroup, exiting: bool) -> None:
+    """Drop the records of a group torch is about to destroy (``None``: every group).
+
+    A record holds its group: kept, it would keep torch's ``ProcessGroupGloo`` (and its
+    worker threads) alive past ``destroy_process_group()`` until the interpreter
+    finalizes, where a worker that needs the GIL aborts the process."""
+    if group is None:
+        _INFOS.clear()
+        _INFO_WORLD[0] = None
+        return
+    for key, info in list(_INFOS.items()):
+        if key is group or info.group is group:
+            del _INFOS[key]
+
+
+_lifecycle.on_destroy("group record", _forget)
 
 
 @_torch.compiler_disable  # reads the group's C++ object: dynamo cannot trace it

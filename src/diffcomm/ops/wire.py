@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import _config
+from .. import _config, _lifecycle
 from .. import backend as B
 from .._errors import CrossRankMismatchError
 from ..backend import args as A
@@ -503,6 +503,19 @@ def read(
 # posted yet: any other receive on the channel now would be matched to that data.
 HEADER_FIRST: set[tuple[Any, int, int, str]] = set()
 per_rank(SEQ, _GRADS, HEADER_FIRST)  # a rank's own in an in-process world
+
+
+def _forget_channels(group: PG, exiting: bool) -> None:
+    """A destroyed group (``None``: every group) takes its channels' numbers, marks and
+    posted receives along: kept, they kept it (and its gloo threads) alive to the exit."""
+    for key in [k for k in SEQ if group is None or k[0] is group]:
+        del SEQ[key]
+    HEADER_FIRST.difference_update([k for k in HEADER_FIRST if group is None or k[0] is group])
+    for gkey in [k for k in _GRADS if group is None or k[0][0] is group]:
+        del _GRADS[gkey]
+
+
+_lifecycle.on_destroy("p2p channels", _forget_channels)
 
 
 def check_channel(pg: PG, src: int, tag: int, op: str) -> None:
