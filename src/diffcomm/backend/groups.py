@@ -151,7 +151,7 @@ def _forget(group: ProcessGroup, exiting: bool) -> None:
         _INFO_WORLD[0] = None
         return
     for key, info in list(_INFOS.items()):
-        if key is group or info.group is group:
+        if key is group or info.pg is group:
             del _INFOS[key]
 
 
