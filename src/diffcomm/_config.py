@@ -98,6 +98,15 @@ def _parse_size(name: str, raw: str) -> int:
     return value
 
 
+#: Per parser, the types a value set in code (not parsed from a string) must have, and
+#: how the error names them (:meth:`Setting.validate`).
+_TYPES: dict[Callable[..., Any], tuple[tuple[type, ...], str]] = {
+    _parse_bool: ((bool,), "a bool"),
+    _parse_progress: ((bool, type(None)), "a bool or None (auto)"),
+    _parse_rank_start: ((str,), "the str 'fork' or 'spawn'"),
+}
+
+
 class _Restore:
     """Returned by a setting's setter: already applied; as a ``with`` block, restores."""
 
@@ -154,13 +163,10 @@ class Setting(Generic[T]):
         return _Restore(self, old)
 
     def validate(self, value: Any) -> T:
-        if self._parse is _parse_progress:
-            if value is not None and not isinstance(value, bool):
-                raise TypeError(f"{self.name} must be a bool or None (auto), got {type(value).__name__}")
-        elif self._parse is _parse_bool:
-            if not isinstance(value, bool):
-                raise TypeError(f"{self.name} must be a bool, got {type(value).__name__}")
-        elif self._parse is _parse_timeout:
+        wanted = _TYPES.get(self._parse)
+        if wanted is not None and not isinstance(value, wanted[0]):
+            raise TypeError(f"{self.name} must be {wanted[1]}, got {type(value).__name__}")
+        if self._parse is _parse_timeout:
             if value is not None:
                 if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                     raise ValueError(
@@ -170,9 +176,6 @@ class Setting(Generic[T]):
         elif self._parse is _parse_size:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{self.name} must be an int >= 1, got {value!r}")
-        elif self._parse is _parse_rank_start:
-            if not isinstance(value, str):
-                raise TypeError(f"{self.name} must be the str 'fork' or 'spawn', got {type(value).__name__}")
         elif self._parse is _parse_accelerator:
             if value is not None:
                 value = _parse_accelerator(self.name, str(value))

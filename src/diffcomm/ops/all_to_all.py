@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .. import _config, _torch
+from .. import _config
 from .._replication import PARTIAL, SHARES, Rule, T
 from ..backend import args as A
 from ..backend.args import PG
@@ -198,10 +198,4 @@ def all_to_all(
         )
     if outs is None:
         outs = _all_to_all_received(ins, pg)
-    try:
-        out_sizes = tuple(map(int, outs))
-    except AttributeError:  # (ints holding one value per simulated rank: torch's LocalTensorMode)
-        if not _torch.local_tensor_mode_on():
-            raise
-        out_sizes = tuple(outs)
-    return apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), out_sizes, async_op=async_op)
+    return apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), outs, async_op=async_op)

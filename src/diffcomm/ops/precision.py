@@ -32,7 +32,6 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .. import _torch
 from ..backend import args as A
 from .all_gather import _AllGather, _ReduceScatter, raw_all_gather, raw_reduce_scatter
 from .all_reduce import _AllReduce, raw_all_reduce
@@ -393,13 +392,7 @@ def all_to_all(
     fwd_chunks = list(ins) if split_dim == last else ([n] if concat_dim == last else None)
     bwd_chunks = list(outs) if concat_dim == last else None
     check(x, precision, name, (n, fwd_chunks), (out_last, bwd_chunks))
-    try:
-        out_sizes = tuple(map(int, outs))
-    except AttributeError:  # (ints holding one value per simulated rank: torch's LocalTensorMode)
-        if not _torch.local_tensor_mode_on():
-            raise
-        out_sizes = tuple(outs)
-    return apply(_QAllToAll, x, split_dim, concat_dim, pg, tuple(ins), out_sizes, precision)
+    return apply(_QAllToAll, x, split_dim, concat_dim, pg, tuple(ins), outs, precision)
 
 
 # ------------------------------------------------------------------- coalesced lists

@@ -179,17 +179,21 @@ def all_to_all_split_sizes(
     pg: PG,
     input_split_sizes: Sequence[int] | None,
     output_split_sizes: Sequence[int] | None,
-) -> tuple[list[int], list[int] | None]:
-    """``all_to_all``'s validated ``(input split sizes, output split sizes)``; the output
-    sizes are ``None`` when they must be exchanged (:func:`all_to_all_received`)."""
+) -> tuple[list[int], tuple[int, ...] | None]:
+    """``all_to_all``'s validated ``(input split sizes, output split sizes)``, the output
+    sizes as the tuple of ints the op runs with; they are ``None`` when they must be
+    exchanged (:func:`all_to_all_received`, after the caller's debug check)."""
     op = "all_to_all"
     size = world(pg)
     ins = A.check_split_sizes(input_split_sizes, x.shape[split_dim], size, op, "input_split_sizes", True)
     if split_dim == concat_dim:
         if output_split_sizes is not None:
-            return ins, _output_sizes(output_split_sizes, size)
-        return ins, (list(ins) if input_split_sizes is None else None)  # None: exchanged later
-    if input_split_sizes is not None and ins and ins.count(ins[0]) != len(ins):
+            outs = _output_sizes(output_split_sizes, size)
+        elif input_split_sizes is None:
+            outs = ins
+        else:
+            return ins, None  # exchanged later
+    elif input_split_sizes is not None and ins and ins.count(ins[0]) != len(ins):
         raise A.arg_error(
             op,
             "input_split_sizes",
@@ -197,17 +201,23 @@ def all_to_all_split_sizes(
             "another dim, so their split_dim sizes must agree)",
             list(ins),
         )
-    if output_split_sizes is None:
-        return ins, [x.shape[concat_dim]] * size
-    outs = _output_sizes(output_split_sizes, size)
-    if own_slice(outs, pg)[1] != x.shape[concat_dim]:  # (as given_split_sizes)
-        raise A.arg_error(
-            op,
-            "output_split_sizes",
-            f"to list this rank's x.shape[concat_dim]={x.shape[concat_dim]} at its own position",
-            outs,
-        )
-    return ins, outs
+    elif output_split_sizes is None:
+        outs = [x.shape[concat_dim]] * size
+    else:
+        outs = _output_sizes(output_split_sizes, size)
+        if own_slice(outs, pg)[1] != x.shape[concat_dim]:  # (as given_split_sizes)
+            raise A.arg_error(
+                op,
+                "output_split_sizes",
+                f"to list this rank's x.shape[concat_dim]={x.shape[concat_dim]} at its own position",
+                outs,
+            )
+    try:
+        return ins, tuple(map(int, outs))
+    except AttributeError:  # (ints holding one value per simulated rank: torch's LocalTensorMode)
+        if not _torch.local_tensor_mode_on():
+            raise
+        return ins, tuple(outs)
 
 
 def _output_sizes(sizes: Sequence[int], size: int) -> list[int]:
@@ -218,9 +228,10 @@ def _output_sizes(sizes: Sequence[int], size: int) -> list[int]:
     return A.check_split_sizes(sizes, total, size, "all_to_all", "output_split_sizes", True)
 
 
-def all_to_all_received(ins: Sequence[int], pg: PG) -> list[int]:
+def all_to_all_received(ins: Sequence[int], pg: PG) -> tuple[int, ...]:
     """The sizes every rank sends this one (an uneven ``all_to_all`` along one dim without
-    ``output_split_sizes``): the send sizes exchanged as a tiny all_to_all."""
+    ``output_split_sizes``): the send sizes exchanged as a tiny all_to_all, as a tuple (of
+    ints, as :func:`all_to_all_split_sizes` gives the output sizes)."""
     if compiling():
         raise A.arg_error(
             "all_to_all",
@@ -239,4 +250,4 @@ def all_to_all_received(ins: Sequence[int], pg: PG) -> list[int]:
         got = b.all_to_all(sent, pg, [1] * size, [1] * size).tolist()
     # (under torch's LocalTensorMode, sizes that differ between the simulated ranks are
     # SymInts holding each rank's: the backend's per-rank all_to_all takes them as they are)
-    return got
+    return tuple(got)
