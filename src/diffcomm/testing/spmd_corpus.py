@@ -77,6 +77,14 @@ def _col(inp: int = H) -> par.ColumnParallelLinear:
     return dc.spmd.module(par.ColumnParallelLinear(inp, F_, dtype=torch.float64, seed=0))
 
 
+def _mlp_by_hand(h: torch.Tensor) -> torch.Tensor:
+    """The column->row MLP on ``h`` written with the layers' parameters (used
+    functionally): column-parallel linear, GELU, row-parallel linear reduced, its bias."""
+    col, row = _col(), _row()
+    a = F.gelu(F.linear(h, col.weight, col.bias))
+    return par.reduce_from_region(F.linear(a, row.weight)) + row.bias
+
+
 def _partial_sums(reduced: bool = False) -> torch.Tensor:
     """A row-parallel matmul's output (this rank's feature shard times its rows of the
     weight): partial sums, or their sum over ranks when ``reduced`` (reduce_from_region)."""
@@ -126,13 +134,10 @@ def broadcast_under_replicated_objective(fixed: bool) -> None:
 def missing_copy_to_region(fixed: bool) -> None:
     """A replicated activation (after a replicated LayerNorm) enters a column-parallel
     matmul without copy_to_region: the LayerNorm's gradient stays partial."""
-    ln, col, row = nn.LayerNorm(H, dtype=torch.float64), _col(), _row()
-    h = ln(_x(3, H))
+    h = nn.LayerNorm(H, dtype=torch.float64)(_x(3, H))
     if fixed:
         h = par.copy_to_region(h)
-    a = F.gelu(F.linear(h, col.weight, col.bias))
-    y = par.reduce_from_region(F.linear(a, row.weight)) + row.bias
-    y.pow(2).mean().backward()
+    _mlp_by_hand(h).pow(2).mean().backward()
 
 
 def sequence_parallel_layernorm_not_reduced(fixed: bool) -> None:
@@ -230,25 +235,20 @@ def input_gradient_without_copy_to_region(fixed: bool) -> None:
     """The column->row MLP on an input that requires grad, with no replicated parameter
     upstream: without copy_to_region only the input's gradient is wrong (each rank's share,
     different on every rank): caught when backward starts, at the linear."""
-    col, row = _col(), _row()
     x = _x(3, H, grad=True)
     h = par.copy_to_region(x) if fixed else x
-    a = F.gelu(F.linear(h, col.weight, col.bias))
-    y = par.reduce_from_region(F.linear(a, row.weight)) + row.bias
-    y.pow(2).mean().backward()
+    _mlp_by_hand(h).pow(2).mean().backward()
 
 
 def missing_copy_to_region_before_optimizer_step(fixed: bool) -> None:
     """A LayerNorm upstream of a column-parallel matmul without copy_to_region, and an
     optimizer step inside the block: caught before the step applies the partial gradient."""
-    ln, col, row = nn.LayerNorm(H, dtype=torch.float64), _col(), _row()
+    ln = nn.LayerNorm(H, dtype=torch.float64)
     opt = torch.optim.SGD(ln.parameters(), lr=0.1)
     h = ln(_x(3, H))
     if fixed:
         h = par.copy_to_region(h)
-    a = F.gelu(F.linear(h, col.weight, col.bias))
-    y = par.reduce_from_region(F.linear(a, row.weight)) + row.bias
-    y.pow(2).mean().backward()
+    _mlp_by_hand(h).pow(2).mean().backward()
     opt.step()
 
 
