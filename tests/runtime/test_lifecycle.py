@@ -217,6 +217,30 @@ def test_destroy_process_group_frees_the_groups_diffcomm_used() -> None:
     assert _gloo_threads() == before
 
 
+def _a_destroyed_subgroup_is_freed() -> bool:
+    import gc
+    import weakref
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sub = dist.new_group(list(range(world)))
+    x = torch.ones(3, requires_grad=True)
+    dc.all_gather(x, group=sub).sum().backward()
+    dc.send(x.detach(), (rank + 1) % world, group=sub)
+    dc.recv(src=(rank - 1) % world, group=sub)
+    dc.wait_sends()
+    ref = weakref.ref(sub)
+    dist.destroy_process_group(sub)
+    del sub
+    gc.collect()
+    dc.all_reduce(torch.ones(2))  # the default group goes on
+    return ref() is None
+
+
+def test_a_destroyed_subgroup_is_freed_by_diffcomm(world2: dc.LocalWorld) -> None:
+    # its group record and its p2p channel numbers held it (and its gloo threads)
+    assert world2.run(_a_destroyed_subgroup_is_freed) == [True, True]
+
+
 def _sockets() -> int:
     n = 0
     for fd in os.listdir("/proc/self/fd"):
