@@ -61,6 +61,9 @@ _STOPS: list[tuple[str, Callable[[Any, bool], None]]] = []
 _INITS: list[tuple[str, Callable[[], None]]] = []
 _PROGRAM_STARTS: list[tuple[str, Callable[[], None]]] = []
 _EXITING = [False]
+#: a default process group was made in this process (a subgroup the user still holds keeps
+#: its gloo threads after ``destroy_process_group()``)
+_HAD_GROUP = [False]
 _LOCK = threading.RLock()
 
 #: names of the threads diffcomm starts (each owner names its thread with this prefix)
@@ -150,8 +153,8 @@ def _let_native_threads_settle(limit: float = 0.25) -> None:
     exception": 1 in ~40 runs of a rank that finished its script while its peer still
     waited, under load). Sleeping releases the GIL, so such a thread finishes now; we wait
     while one is still runnable, at most ``limit`` seconds."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
+    if not (dist.is_available() and (dist.is_initialized() or _HAD_GROUP[0])):
+        return  # no process group, no worker threads (OpenMP's may spin: not worth a wait)
     deadline = time.monotonic() + limit
     while True:
         time.sleep(0.002)
@@ -189,6 +192,7 @@ def install() -> None:
         @functools.wraps(init)
         def init_process_group(*args: Any, **kwargs: Any) -> Any:
             out = init(*args, **kwargs)
+            _HAD_GROUP[0] = True
             for _name, start in _INITS:
                 try:
                     start()
