@@ -304,33 +304,42 @@ def test_scatter(world: LocalWorld, layout: str, fallback: bool) -> None:
             assert counts == ({"broadcast": 1} if fallback else {"scatter": 1}), f"rank {r}"
 
 
+def _a2a_mixed(world: int) -> list[list[int]]:
+    """As :func:`_a2a_matrix`, but rank 0 sends and receives 2 rows per rank: its own
+    split is even (the op passes it no sizes), its peers' are not."""
+    m = _a2a_matrix(world)
+    for r in range(world):
+        m[0][r] = m[r][0] = 2
+    return m
+
+
 @pytest.mark.parametrize("fallback", [False, True], ids=["native", "no-uneven-a2a"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64], ids=str)
-@pytest.mark.parametrize("mode", ["even", "given", "inferred"])
+@pytest.mark.parametrize("mode", ["even", "given", "inferred", "mixed"])
 # on processes: it switches capabilities off on the process's one backend adapter
 @pytest.mark.diffcomm_in_process(False)
 def test_all_to_all(world: LocalWorld, mode: str, dtype: torch.dtype, fallback: bool) -> None:
+    # "mixed": rank 0's split is even, so it calls with no sizes (as the op does) while its
+    # peers give theirs: without uneven support every rank must still take the padded path
     def rank_all_to_all(mode: str, dtype: torch.dtype, fallback: bool = False) -> Counted:
         rank, n = dc.get_rank(), dc.get_world_size()
-        if mode == "even":
-            m = [[2] * n for _ in range(n)]
-        else:
-            m = _a2a_matrix(n)
+        m = {"even": [[2] * n for _ in range(n)], "mixed": _a2a_mixed(n)}.get(mode) or _a2a_matrix(n)
         x = torch.cat([_a2a_rows(rank, dst, m[rank][dst]) for dst in range(n)]).to(dtype)
-        ins = None if mode == "even" else m[rank]
-        outs = [m[src][rank] for src in range(n)] if mode == "given" else None
+        plain = mode == "even" or (mode == "mixed" and rank == 0)
+        ins = None if plain else m[rank]
+        outs = [m[src][rank] for src in range(n)] if mode in ("given", "mixed") and not plain else None
         cap = "uneven_all_to_all" if fallback else None
         return _without(cap, lambda: _checked(lambda t: get_backend().all_to_all(t, None, ins, outs), x))
 
     n = world.world_size
-    m = [[2] * n for _ in range(n)] if mode == "even" else _a2a_matrix(n)
+    m = {"even": [[2] * n for _ in range(n)], "mixed": _a2a_mixed(n)}.get(mode) or _a2a_matrix(n)
     for dst, (o, counts) in enumerate(world.run(rank_all_to_all, mode, dtype, fallback)):
         expected = torch.cat([_a2a_rows(src, dst, m[src][dst]) for src in range(n)]).to(dtype)
         assert torch.equal(o, expected), f"rank {dst}"
-        # split sizes given: without uneven support, a one-integer max all_reduce agrees on
-        # the padding, then one even all_to_all (none when every chunk is empty);
-        # inferred output sizes cost one all_to_all more
-        padded = fallback and mode != "even"
+        # without uneven support, a one-integer max all_reduce agrees on the padding, then
+        # one even all_to_all (none when every chunk is empty), even where this rank's own
+        # split is even (a peer's may not be); inferred output sizes cost one all_to_all more
+        padded = fallback
         data = 0 if padded and max(map(max, m)) == 0 else 1
         expected_counts = {"all_to_all": data + (mode == "inferred")}
         if padded:

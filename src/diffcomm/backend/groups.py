@@ -40,7 +40,8 @@ class Capabilities:
       its chunk);
     * ``all_gather_into_tensor``: one flat output tensor (else a list of outputs);
     * ``uneven_all_to_all``: split sizes that differ (else every chunk padded to the
-      largest, agreed by a one-integer max all_reduce, and an even all_to_all);
+      largest, agreed by a one-integer max all_reduce, and an even all_to_all; every
+      all_to_all then pads, since a rank cannot see whether its peers' splits are even);
     * ``complex_reduce``: complex sum/avg (else the real view travels);
     * ``gather_scatter``: native gather and scatter (else an all_gather that every rank
       receives, and a broadcast of which each rank keeps its chunk).

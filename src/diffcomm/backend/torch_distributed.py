@@ -529,7 +529,8 @@ class TorchDistributedBackend(CoalescedOps):
         if outs is None:
             outs = [x.shape[0] // world] * world if ins is None else None
         if outs is None:  # infer: what rank j sends me is its ins[me]; exchange the matrix
-            outs = self.all_to_all(torch.tensor(ins, dtype=torch.int64, device=info.device), group).tolist()
+            sizes = torch.tensor(ins, dtype=torch.int64, device=info.device)
+            outs = self._even_all_to_all(sizes, group, False).tolist()  # every rank infers: even
         if (ins is not None or output_split_sizes is not None) and not self._caps(info).uneven_all_to_all:
             return self._padded_all_to_all(x, group, split_rows(ins, x.shape[0], world), outs, info)
         out = torch.empty((sum(outs), *rest), dtype=x.dtype, device=x.device)
@@ -553,9 +554,12 @@ class TorchDistributedBackend(CoalescedOps):
         )
         return out
 
-    def _even_all_to_all(self, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    def _even_all_to_all(self, x: torch.Tensor, group: ProcessGroup, padding: bool = True) -> torch.Tensor:
         """:meth:`all_to_all` of ``x`` in equal chunks, one per rank (gloo's alltoall, not
-        its alltoallv)."""
+        its alltoallv). Where uneven ones are padded (``padding``: unless this is the padded
+        exchange itself), a peer whose own split is uneven pads: so does this rank."""
+        if self.overrides and padding and not self._caps(group_info(group)).uneven_all_to_all:
+            return self._even_as_padded(x, group)
         x = x.contiguous()
         # x's own shape (even); empty_like is the cheapest allocation torch has (any size
         # argument is parsed, a torch.Size worst of all), and x is contiguous, so out is too
@@ -564,18 +568,26 @@ class TorchDistributedBackend(CoalescedOps):
         _dispatch("all_to_all", group, x.nbytes, c10d_all_to_all, _own_chunk, out, args)
         return out
 
+    def _even_as_padded(self, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        """The padded path (its max all_reduce first) with this rank's even chunks as the
+        sizes: the op passes no sizes when a rank's own split is even, its peers' may not be."""
+        world = group_info(group).size
+        sizes = [x.shape[0] // world] * world
+        return self._uneven_all_to_all(x, group, sizes, sizes)
+
     def _padded_all_to_all(
         self, x: torch.Tensor, group: ProcessGroup, ins: list[int], outs: list[int], info: GroupInfo
     ) -> torch.Tensor:
         """Uneven all_to_all on a backend without one: every chunk padded to the largest
         chunk any rank sends (one tiny max all_reduce), an even all_to_all, the padding cut.
-        Every rank of the call takes this path (it depends on the call's arguments and the
-        group's capabilities only), so the all_reduce lines up."""
+        Every rank of the call takes this path (it depends on the group's capabilities
+        only: a rank whose own split is even, called with no sizes, pads too), so the
+        all_reduce lines up."""
         biggest = torch.tensor([max(ins + outs)], dtype=torch.int64, device=info.device)
         m = int(self.all_reduce(biggest, "max", group).item())
         if m == 0:  # nothing travels anywhere
             return x.new_empty((0, *x.shape[1:]))
-        got = self.all_to_all(torch.cat(pad_chunks(x, ins, m)), group).split(m)
+        got = self._even_all_to_all(torch.cat(pad_chunks(x, ins, m)), group, False).split(m)
         return unpad_rows(got, outs)
 
     # ---- point to point ------------------------------------------------------------
