@@ -88,12 +88,12 @@ def scenario_exit(control: bool = False) -> None:
     if alive:  # stderr: the driver counts any line there as a failure
         print(f"diffcomm threads alive after destroy_process_group: {alive}", file=sys.stderr)
     _say("threads_after_destroy", len(alive))
-    gloo = _gloo_threads()  # the group itself is freed: nothing of ours holds it
+    gloo = gloo_threads()  # the group itself is freed: nothing of ours holds it
     if gloo:
         print(f"{gloo} gloo worker thread(s) alive after destroy_process_group", file=sys.stderr)
 
 
-def _gloo_threads() -> int:
+def gloo_threads() -> int:
     """How many of gloo's own threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) run."""
     n = 0
     try:

@@ -30,6 +30,10 @@ assert _spec is not None and _spec.loader is not None
 bench = importlib.util.module_from_spec(_spec)
 sys.modules["bench_lifecycle"] = bench
 _spec.loader.exec_module(bench)
+_job_spec = importlib.util.spec_from_file_location("lifecycle_job", bench.JOB)
+assert _job_spec is not None and _job_spec.loader is not None
+job = importlib.util.module_from_spec(_job_spec)  # the rank program (its thread count)
+_job_spec.loader.exec_module(job)
 
 needs_torchrun = pytest.mark.skipif(shutil.which("torchrun") is None, reason="no `torchrun` on PATH")
 
@@ -181,17 +185,6 @@ def test_no_diffcomm_thread_outlives_its_group_in_process() -> None:
         assert _lifecycle.diffcomm_threads() == [], threading.enumerate()
 
 
-def _gloo_threads() -> int:
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:  # a thread that ended while we looked
-            pass
-    return sum(n.startswith(("pt_gloo", "gloo_")) for n in names)
-
-
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="names threads from /proc/self/task")
 def test_destroy_process_group_frees_the_groups_diffcomm_used() -> None:
     # the group records kept the default group (and its gloo worker threads) alive past
@@ -200,7 +193,7 @@ def test_destroy_process_group_frees_the_groups_diffcomm_used() -> None:
     import gc
     import weakref
 
-    before = _gloo_threads()
+    before = job.gloo_threads()
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
@@ -209,7 +202,7 @@ def test_destroy_process_group_frees_the_groups_diffcomm_used() -> None:
         (dc.all_gather(x) + dc.all_reduce(x, group=sub) + dc.all_gather(x, async_op=True)).sum().backward()
         dc.all_to_all(torch.ones(2, 3), input_split_sizes=[2], output_split_sizes=[2])
         refs = [weakref.ref(dist.group.WORLD), weakref.ref(sub)]
-        assert _gloo_threads() > before
+        assert job.gloo_threads() > before
         dist.destroy_process_group(sub)
         del sub
         gc.collect()
@@ -218,7 +211,7 @@ def test_destroy_process_group_frees_the_groups_diffcomm_used() -> None:
         dist.destroy_process_group()
     gc.collect()
     assert [r() for r in refs] == [None, None], gc.get_referrers(refs[0]())
-    assert _gloo_threads() == before
+    assert job.gloo_threads() == before
 
 
 def _a_destroyed_subgroup_is_freed() -> bool:

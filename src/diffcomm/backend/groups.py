@@ -1,10 +1,10 @@
 """The group record: what diffcomm needs to know about a process group, probed once.
 
-:func:`group_info` returns a :class:`GroupInfo` cached per group (and dropped when the
-group is destroyed or the default group changes): the group, this rank, the size, the name of the c10d backend
-that moves its data (asked of the group itself: :func:`data_backend`), that backend's
-:class:`Capabilities`, and the device small metadata tensors live on (asked of the
-accelerator). The backends' ``rank`` / ``world_size`` / ``backend_name`` /
+:func:`group_info` returns a :class:`GroupInfo` cached per group (dropped when the group
+is destroyed or the default group changes): the group, this rank, the size, the name of
+the c10d backend that moves its data (asked of the group itself: :func:`data_backend`),
+that backend's :class:`Capabilities`, and the device small metadata tensors live on
+(asked of the accelerator). The backends' ``rank`` / ``world_size`` / ``backend_name`` /
 ``capabilities`` / ``comm_device`` read it, so a call asks ``torch.distributed`` nothing
 twice. :func:`cpu_group` is the channel host-side integers (sizes) travel on.
 
@@ -150,10 +150,8 @@ def _forget(group: ProcessGroup, exiting: bool) -> None:
     if group is None:
         _INFOS.clear()
         _INFO_WORLD[0] = None
-        return
-    for key, info in list(_INFOS.items()):
-        if key is group or info.pg is group:
-            del _INFOS[key]
+    else:
+        _INFOS.pop(group, None)  # (a record is keyed by its group)
 
 
 _lifecycle.on_destroy("group record", _forget)
