@@ -523,6 +523,54 @@ def test_quantize_model_is_what_travels() -> None:
     assert torch.equal(quantize(x, Precision("bf16")), x.bfloat16().float())
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("wire", ["fp8_e4m3", "fp8_e5m2"])
+def test_a_non_finite_value_makes_its_whole_fp8_block_nan(wire: str) -> None:
+    """docs/precision.md: "A non-finite value makes its whole fp8 block NaN" -- never a
+    finite number. (A NaN once made the block's scale 1, so its other values were clamped
+    to 448 and an inf became 448; an inf alone made the scale inf, so the block's finite
+    values came out 0.) The other blocks keep their own scales and values; a float64
+    block whose scale overflows float32 is not finite either."""
+    p = Precision(wire, block_size=2)
+    x = torch.tensor(
+        [[1e3, NAN, 1.0, 2.0], [INF, 5.0, 3.0, -1.0], [-INF, 7.0, 0.0, 0.0], [1e3, -2e3, INF, -INF]]
+    )
+    y = quantize(x, p)
+    for row, col in ((0, 0), (1, 0), (2, 0), (3, 2)):  # the blocks with a non-finite value
+        assert y[row, col : col + 2].isnan().all(), (row, col, y)
+    finite = torch.stack([y[0, 2:], y[1, 2:], y[2, 2:], y[3, :2]])
+    alone = torch.tensor([[1.0, 2.0], [3.0, -1.0], [0.0, 0.0], [1e3, -2e3]])
+    assert torch.equal(finite, quantize(alone, p))  # each finite block as if alone
+    big = torch.tensor([[1e300, 1.0]], dtype=F64)  # amax / fp8_max beyond float32
+    assert quantize(big, p).isnan().all()
+    tiny = torch.tensor([[1e-300, 0.0]], dtype=F64)  # a scale below float32: rounds to 0, not NaN
+    assert torch.equal(quantize(tiny, p), torch.zeros_like(tiny))
+
+
+def _non_finite(wire: str) -> list[torch.Tensor]:
+    r = dc.get_rank()
+    x = torch.tensor([[1.0 + r, 2.0, 4.0, 8.0, 16.0, 32.0]])
+    if r == 0:
+        x[0, 2:4] = torch.tensor([NAN, 1e3])  # rank 0's second block is not finite
+    else:
+        x[0, 1] = INF  # rank 1's first block is not finite
+    p = Precision(wire, block_size=2)
+    return [dc.all_reduce(x, precision=p), dc.all_gather(x, dim=0, precision=p)]
+
+
+@pytest.mark.parametrize("wire", ["fp8_e4m3", "fp8_e5m2"])
+def test_an_infinite_contribution_is_nan_in_its_block_on_every_rank(world2, wire: str) -> None:
+    """The sum's blocks with a non-finite contribution are NaN on every rank (rank 0's
+    1000 beside its NaN is not clamped to 448); the finite block is exact."""
+    for total, gathered in world2.run(_non_finite, wire):
+        assert total[0, :4].isnan().all() and torch.equal(total[0, 4:], torch.tensor([32.0, 64.0])), total
+        assert gathered[0, 2:4].isnan().all() and gathered[1, :2].isnan().all(), gathered
+        assert torch.equal(gathered[:, 4:], torch.tensor([[16.0, 32.0], [16.0, 32.0]])), gathered
+        assert torch.equal(gathered[[0, 1], [0, 2]], torch.tensor([1.0, 4.0])), gathered
+
+
 def _bad(kind: str) -> str:
     x = torch.ones(4, 6)
     calls = {

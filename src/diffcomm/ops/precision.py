@@ -20,7 +20,9 @@ Wire formats: ``bfloat16`` / ``float16`` are plain casts (no scales; values beyo
 dtype's range become inf). ``float8_e4m3fn`` / ``float8_e5m2`` carry one float32 scale
 per block of ``block_size`` elements along the last dim (``None``: one per row, the whole
 last dim): ``scale = amax(|block|) / fp8_max`` (1 for an all-zero block), the payload
-``clamp(x / scale)`` in fp8. The scales travel as a second (float32) communication.
+``clamp(x / scale)`` in fp8. A block with a non-finite value (or a float64 block whose
+scale overflows float32) gets a NaN scale, so all of it decodes to NaN, never to a
+finite number. The scales travel as a second (float32) communication.
 Where a backend has no fp8 type (gloo) the payload travels as bytes
 (:func:`diffcomm.backend.torch_distributed.wire`).
 """

@@ -190,9 +190,13 @@ def encode(x: Tensor, p: Precision) -> tuple[Tensor, Tensor | None]:
     xr = xc.reshape(*x.shape[:-1], nb, b)
     if xr.numel() == 0:
         return x.to(wire), torch.ones((*x.shape[:-1], nb), dtype=torch.float32, device=x.device)
-    amax = xr.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / fmax, torch.ones((), dtype=amax.dtype, device=x.device))
-    scale = scale.to(torch.float32)
+    scale = (xr.abs().amax(-1) / fmax).to(torch.float32)
+    # scale 1 for an all-zero block, or a float64 one below float32's range (it rounds to 0)
+    scale = torch.where(scale == 0, torch.ones((), device=x.device), scale)
+    # a NaN scale (never 1: ``amax > 0`` is false for a NaN amax) for a block with a
+    # non-finite value or a float64 amax beyond float32's range: all of it decodes to NaN,
+    # never to a finite number
+    scale = torch.where(scale.isinf(), torch.full((), torch.nan, device=x.device), scale)
     q = (xr / scale.unsqueeze(-1).to(xc.dtype)).clamp(-fmax, fmax).to(wire)
     return q.reshape(x.shape), scale
 
