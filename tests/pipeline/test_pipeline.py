@@ -684,6 +684,26 @@ def test_runner_rejects_bad_arguments_before_communicating(world2: dc.LocalWorld
     world2.run(runner_bad_args)
 
 
+class _TwoOutputs(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x + 1
+
+
+def test_a_stage_returning_a_tuple_is_named(world2: dc.LocalWorld) -> None:
+    """A stage other than the last returns one tensor (its activation travels); a tuple
+    is an error naming the stage, not an AttributeError from inside the runner."""
+
+    def tuple_stage() -> None:
+        rank = dist.get_rank()
+        stage = _TwoOutputs() if rank == 0 else nn.Identity()
+        runner = PipelineRunner(stage, "gpipe", loss_fn=lambda out: out.sum(), prepost=False)
+        if rank == 0:  # it raises at its first forward, before sending anything
+            with pytest.raises(TypeError, match=r"`the output of stage 0` must be one tensor .*got a tuple"):
+                runner.step(torch.ones(4, 2), None, 2)
+
+    world2.run(tuple_stage)
+
+
 # ======================================================================================
 # interleaved 1F1B and ZB-H1: schedules, bounds, the validator
 # ======================================================================================

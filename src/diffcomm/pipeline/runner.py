@@ -750,6 +750,15 @@ class PipelineRunner:
                         next(phases)
                 except StopIteration as done:
                     y = done.value
+            if g != self._last and not isinstance(y, Tensor):
+                raise A.arg_error(
+                    "PipelineRunner.step",
+                    f"the output of stage {g}",
+                    "one tensor (the activation the next stage receives; only the last "
+                    "stage's output goes to loss_fn as it is)",
+                    f"a {type(y).__name__}",
+                    TypeError,
+                )
             if g == self._last:
                 assert self.loss_fn is not None
                 tgt = None if tgt_chunks is None else tgt_chunks[m]
