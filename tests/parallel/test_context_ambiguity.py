@@ -16,6 +16,7 @@ holds, written here from the docs' pictures (not read from the library).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -329,4 +330,91 @@ def test_ulysses_refuses_a_guessed_or_zigzag_order(local_worlds: Any, w: int) ->
                 assert kind == "err" and NAMED in value and comms == 0, (rank, case, value, comms)
             else:
                 assert kind == "ok", (rank, case, value)
+                assert value <= TOL, f"rank {rank} {case}: silently wrong by {value}"
+
+
+# ======================================================================================
+# a padded sequence: the length is the placement's, or given, never the shards' guess
+# ======================================================================================
+
+SEQ_LEN = "`seq_len` must be given"
+
+
+def _padded_case(
+    op: str,
+    causal: bool,
+    kw: dict[str, Any],
+    lay: dict[str, Any],
+    ts: list[torch.Tensor],
+    cot: torch.Tensor,
+    ref: torch.Tensor,
+    gref: torch.Tensor,
+    idx: torch.Tensor,
+) -> float:
+    """The largest difference from serial of one padded case: the true positions' values
+    (and gradient of ``q``) against SDPA's, the padding slots' against zero."""
+    ql, kl, vl, cl = ts
+    if op == "unshard":
+        return float((parallel.unshard(cl, **lay, **kw) - cot).abs().max())
+    attn = parallel.ring_attention if op == "ring" else parallel.ulysses_attention
+    out = attn(ql, kl, vl, causal=causal, **lay, **kw)
+    (g,) = torch.autograd.grad((out * cl).sum(), ql)
+    real = idx >= 0
+    err = (out[:, :, real] - ref[:, :, idx[real]]).abs().max()
+    gerr = (g[:, :, real] - gref[:, :, idx[real]]).abs().max()
+    pads = torch.cat([g[:, :, ~real].flatten(), out[:, :, ~real].flatten(), torch.zeros(1, dtype=F64)])
+    return float(max(err, gerr, pads.abs().max()))
+
+
+def _padded_grid(w: int) -> dict[str, tuple[str, Any, int]]:
+    """A sequence of a length the layout does not divide (``shard`` pads it), through
+    ring_attention (both layouts), ulysses_attention (its order) and unshard: placed, made
+    unplaced by an op (``* 1.0``) with no ``seq_len``, or unplaced with ``seq_len=S``; the
+    attention with and without a causal mask. Values of the true positions and, for the
+    attention, the gradient of ``q`` (zero in the padding slots)."""
+    r = dc.get_rank()
+    s = 4 * w - 1  # no layout divides it: the last chunks are padded
+    q, k, v, cot = _inputs(s)
+    res: dict[str, tuple[str, Any, int]] = {}
+    for op, layout, causal, how in itertools.product(
+        ("ring", "ulysses", "unshard"),
+        ("contiguous", "zigzag"),
+        (False, True),
+        ("shard", "dropped", "dropped+seq_len"),
+    ):
+        if (op == "ulysses" and layout == "zigzag") or (op == "unshard" and causal):
+            continue  # ulysses takes the contiguous order; unshard has no mask
+        _lifecycle.program_start()
+        qr = q.clone().requires_grad_()
+        ref = F.scaled_dot_product_attention(qr, k, v, is_causal=causal)
+        (gref,) = torch.autograd.grad((ref * cot).sum(), qr)
+        idx = parallel.layout_index(s, w, layout=layout)[r]
+        ts = [parallel.shard(t, 2, layout=layout) for t in (q, k, v, cot)]
+        if how != "shard":
+            ts = [t * 1.0 for t in ts]
+        ts[0].requires_grad_()  # q: its gradient is checked too
+        kw: dict[str, Any] = {"seq_len": s} if how == "dropped+seq_len" else {}
+        lay = {"layout": layout} if op != "ulysses" else {}
+        case = functools.partial(_padded_case, op, causal, kw, lay, ts, cot, ref.detach(), gref, idx)
+        res[f"{op} {layout} causal={causal} {how}"] = _attempt(case)
+    return res
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_a_padded_length_is_never_inferred_from_the_shards(local_worlds: Any, w: int) -> None:
+    """``shard`` pads a length its layout does not divide and records it. Once an op drops
+    the placement (a projection), inferring ``W * seq_local`` would count the padding as
+    tokens: ring_attention, ulysses_attention and unshard raise ``ValueError`` asking for
+    ``seq_len`` before any communication (before, ring attention was wrong by up to 0.6 and
+    unshard returned the padding). ulysses_attention on placed padded pieces attended the
+    padding (wrong by 0.22, non-causal): it now takes the recorded length. Every case that
+    raises nothing equals SDPA, values and the gradient of ``q``."""
+    for rank, res in enumerate(local_worlds(w, in_process=True).run(_padded_grid, w)):
+        assert len(res) == 2 * 2 * 3 + 2 * 3 + 2 * 3
+        for case, (kind, value, comms) in res.items():
+            if case.endswith(" dropped"):
+                assert kind == "err" and SEQ_LEN in value and f"seq_len={4 * w - 1}" in value, (case, value)
+                assert comms == 0, f"rank {rank} {case}: {comms} communications before the error"
+            else:
+                assert kind == "ok", f"rank {rank} {case}: {value}"
                 assert value <= TOL, f"rank {rank} {case}: silently wrong by {value}"

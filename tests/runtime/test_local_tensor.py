@@ -272,7 +272,9 @@ def _shard_unshard(layout: str, **kw: Any) -> Callable[[], tuple]:
     def program() -> tuple:
         x = torch.arange(2.0 * 11, dtype=torch.float64).view(2, 11).requires_grad_()
         part = P.shard(x, 1, layout=layout, **kw)
-        return outs_and_grads([part, P.unshard(part * part, 1, layout=layout, **kw)], [x])
+        # `part * part` carries no placement: the padded length is given (or in cu_seqlens)
+        length = {} if "cu_seqlens" in kw else {"seq_len": 11}
+        return outs_and_grads([part, P.unshard(part * part, 1, layout=layout, **kw, **length)], [x])
 
     return program
 

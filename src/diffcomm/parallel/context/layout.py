@@ -145,6 +145,57 @@ def _ambiguous(op: str, names: list[str], world: int) -> None:
     )
 
 
+#: ``{(W, Ulysses W, padded local length): (S, how)}``: every sequence of length ``S`` this
+#: program's :func:`shard` padded to that local length over ``W`` ranks, and the call.
+#: Forgotten as :data:`_IN_USE` is.
+_PADDED: dict[tuple[int, int | None, int], tuple[int, str]] = {}
+per_rank(_PADDED)
+_lifecycle.on_program_start("parallel.context padding", _PADDED.clear)
+
+
+def note_padding(world: int, uworld: int | None, local: int, seq_len: int, how: str) -> None:
+    """Remember that this program's ``shard`` padded a sequence of ``seq_len`` to ``local``
+    positions per rank (only ever makes :func:`require_seq_len_known` raise)."""
+    if world > 1 and not compiling():
+        _PADDED.setdefault((world, uworld, local), (seq_len, how))
+
+
+def require_seq_len_known(
+    op: str,
+    tensors: dict[str, Any],
+    seq_len: Any,
+    cu_seqlens: Any,
+    world: int,
+    uworld: int | None,
+    local: int,
+) -> None:
+    """Raise when the length an op would infer is a guess: no ``seq_len`` / ``cu_seqlens``
+    (nor a placement that recorded one) for tensors of ``local`` positions per rank, and
+    this program's :func:`shard` padded a sequence to that many over ``world`` ranks: the
+    inferred ``W * local`` would count the padding slots as tokens (wrong attention). A
+    rule that only ever raises (a false alarm asks for ``seq_len=``); before any
+    communication."""
+    if seq_len is not None or cu_seqlens is not None or world <= 1:
+        return
+    if any(placement_of(t) is not None for t in tensors.values()):
+        return
+    hit = _PADDED.get((world, uworld, local))
+    if hit is None:
+        return
+    true, how = hit
+    args = ", ".join(f"`{n}`" for n in tensors)
+    raise A.arg_error(
+        op,
+        "seq_len",
+        f"given: {args} carry no placement (made by an op that drops it: a projection, a "
+        f"reshape, detach()), and this program padded a sequence of length {true} to {local} "
+        f"positions per rank over {world} ranks ({how}), so the length {world * local} "
+        f"inferred from the shards would count its padding as tokens (wrong attention); pass "
+        f"seq_len={true} (or the cu_seqlens given to shard)",
+        "None",
+    )
+
+
 def placed_seq_len(op: str, tensors: dict[str, Any], seq_len: Any, cu_seqlens: Any) -> Any:
     """``seq_len`` as an op uses it: given, or else (without ``cu_seqlens``) the true length
     the tensors' placement recorded (``shard`` of a padded sequence). A given length (or
@@ -521,6 +572,9 @@ def shard(
             idx = idx.narrow(0, *own_slice(sizes, upg))
     out = varying_by_construction(_select(x, dim, idx.to(x.device), pad_value, rank is None))
     note_layout(layout, world, f"{op}(layout={layout!r})")
+    local = out.shape[dim]
+    if isinstance(local, int) and bool((table < 0).any()):  # padded: the length is not the shards'
+        note_padding(world, uworld, local, x.shape[dim], f"{op} of a length-{x.shape[dim]} dim")
     return placed(out, Placement(layout, world, uworld, seq_len=x.shape[dim]))
 
 
@@ -584,6 +638,7 @@ def unshard(
     given = layout
     layout = resolve_layout(op, layout, {"x": x}, world, uworld)
     seq_len = placed_seq_len(op, {"x": x}, seq_len, cu_seqlens)
+    require_seq_len_known(op, {"x": x}, seq_len, cu_seqlens, world, uworld, x.shape[dim])
     require_layout_known(op, given, {"x": x}, world)
     if ulysses_group is not None:
         upg, _, uworld = group_rank_world_or_local(ulysses_group, op)

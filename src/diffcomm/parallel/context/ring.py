@@ -39,6 +39,7 @@ from .layout import (
     placement_of,
     rank_positions,
     require_layout_known,
+    require_seq_len_known,
     resolve_layout,
     resolve_seq,
 )
@@ -606,6 +607,7 @@ def ring_attention(
             f"rows placed with {mp.describe()}",
         )
     seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
+    require_seq_len_known(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens, world, None, q.shape[2])
     total, cu, table = resolve_seq(op, q.shape[2], world, layout, cu_seqlens, seq_len, "q")
     mask = _check_mask(attn_mask, q, total, op)
     seed = draw_seed(dropout_seed, p, op)

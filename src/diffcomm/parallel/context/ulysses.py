@@ -26,6 +26,7 @@ from .layout import (
     placed,
     placed_seq_len,
     require_layout_known,
+    require_seq_len_known,
     resolve_layout,
     ring_local_len,
 )
@@ -96,6 +97,7 @@ def ulysses_attention(
     attn_fn: Callable[..., Tensor] | None = None,
     seq_lens: Sequence[int] | None = None,
     layout: str | None = None,
+    seq_len: int | None = None,
 ) -> Tensor:
     """Attention with the sequence split across ``group`` by all_to_all (DeepSpeed-Ulysses).
 
@@ -129,6 +131,13 @@ def ulysses_attention(
             carry no placement and no ``layout`` raises ``ValueError`` (the order would be a
             guess), as :func:`ring_attention` does. ``"zigzag"`` raises: zigzag shards go to
             :func:`ring_attention` or :func:`usp_attention`.
+        seq_len: the true length ``S`` when the pieces end in padding (:func:`shard` of a
+            length the group size does not divide pads the last pieces): the first ``S``
+            positions in rank order are tokens, the rest attend to nothing and nothing
+            attends to them (their rows and gradients are zero). Default: the length the
+            pieces' placement recorded, else the sum of the pieces; a value contradicting
+            the placement raises ``ValueError``, and so do unplaced pieces of a padded
+            length this program sharded (the length would be a guess).
 
     Returns:
         ``(batch, heads, seq_local, head_dim_v)``: this rank's rows of the attention.
@@ -161,6 +170,10 @@ def ulysses_attention(
     resolve_layout(op, DEFAULT_LAYOUT, {"q": q, "k": k, "v": v}, world, takes_layout=False)
     if causal:  # (without a mask the order of the pieces does not change the result)
         require_layout_known(op, layout, {"q": q, "k": k, "v": v}, world)
+    # the true length: given, or the one shard recorded (padding slots are no tokens)
+    true = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, None)
+    true = None if true is None else A.check_int(true, op, "seq_len")
+    require_seq_len_known(op, {"q": q, "k": k, "v": v}, true, None, world, None, q.shape[2])
     if seq_lens is None:
         lens = _gathered_sizes(q.shape[2], pg, world)
     else:
@@ -171,14 +184,24 @@ def ulysses_attention(
         rank = _rank_for_all(op, q.shape[1], k.shape[1], world, lens)
     if lens[rank] != q.shape[2]:
         raise A.arg_error(op, "seq_lens", f"{world} lengths with this rank's = {q.shape[2]}", seq_lens)
+    total = sum(lens)
+    if true is not None and not 0 <= true <= total:
+        raise A.arg_error(op, "seq_len", f"a length in [0, {total}] (the pieces' total)", true)
     fn = attn_fn if attn_fn is not None else _sdpa
+    pad = 0 if true is None else total - true
 
     def local(qh: Tensor, kh: Tensor, vh: Tensor) -> Tensor:
-        return fn(qh, kh, vh, is_causal=causal, scale=sc)
+        if not pad:
+            return fn(qh, kh, vh, is_causal=causal, scale=sc)
+        # the padding slots (the last, in rank order) leave the attention: zero rows
+        end = total - pad
+        out = fn(qh[:, :, :end], kh[:, :, :end], vh[:, :, :end], is_causal=causal, scale=sc)
+        return torch.nn.functional.pad(out, (0, 0, 0, pad))
 
     out = _ulysses(*_pieces(q, k, v, pg), pg, rank, world, lens, local)
     # equal pieces are the contiguous layout (unshard takes them without `layout`)
-    return placed(out, Placement("contiguous", world, seq_len=sum(lens))) if len(set(lens)) == 1 else out
+    seq = total if true is None else true
+    return placed(out, Placement("contiguous", world, seq_len=seq)) if len(set(lens)) == 1 else out
 
 
 def _head_plan(Hq: int, Hk: int, world: int) -> tuple[list[int], list[int], list[list[int]]]:
@@ -323,6 +346,7 @@ def usp_attention(
     given = layout
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, rworld, uworld)
     seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
+    require_seq_len_known(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens, rworld, uworld, q.shape[2])
     n_ring = ring_local_len(op, q.shape[2], uworld, rworld, layout, cu_seqlens, seq_len)
     lens = even_sizes(n_ring, uworld)
     if urank is None:  # torch's LocalTensorMode: the Ulysses pieces alike on every rank
