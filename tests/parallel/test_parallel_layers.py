@@ -238,6 +238,67 @@ def test_initialisation_equals_the_serial_layers(world3) -> None:
         assert result == dict.fromkeys(result, True), result
 
 
+def _unseeded(seeds: str) -> dict[str, str]:
+    """Layers drawn with seed=None from the global generator, seeded per rank as ``seeds``
+    says (``"alike"``, ``"per_rank"``); each layer's first forward (and second) outcome
+    and the communications of the first forward."""
+    rank = dc.get_rank()
+    out: dict[str, str] = {}
+
+    def attempt(name: str, make: Callable[[], nn.Module], x: torch.Tensor) -> None:
+        torch.manual_seed(0 if seeds == "alike" else rank)
+        layer = make()
+        with log_comms() as log:
+            try:
+                layer(x)
+            except dc.CrossRankMismatchError as exc:
+                out[name] = f"error: {exc}"
+                return
+        layer(x)  # checked once: the second forward runs as it is
+        out[name] = f"ok, {log.count()} comms"
+
+    attempt("row", lambda: P.RowParallelLinear(6, 4, dtype=F64), torch.ones(2, 6, dtype=F64))
+    attempt("mlp", lambda: P.ParallelMLP(8, 16, dtype=F64), torch.ones(3, 1, 8, dtype=F64))
+    attempt(
+        "moe",
+        lambda: P.ExpertParallelMoE(8, 16, num_experts=4, k=2, shared_expert_size=8, dtype=F64),
+        torch.ones(3, 8, dtype=F64),
+    )
+    attempt("column", lambda: P.ColumnParallelLinear(6, 4, dtype=F64), torch.ones(2, 6, dtype=F64))
+
+    def loaded() -> nn.Module:  # drawn per rank, then loaded from one serial layer
+        layer = P.RowParallelLinear(6, 4, dtype=F64)
+        layer.load_serial_state_dict(_serial_row().state_dict())
+        return layer
+
+    attempt("loaded", loaded, torch.ones(2, 6, dtype=F64))
+    return out
+
+
+def _serial_row() -> nn.Linear:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(42)
+        return nn.Linear(6, 4, dtype=F64)
+
+
+@pytest.mark.diffcomm_in_process(False)  # per-rank global generators: one per process
+def test_replicas_drawn_unseeded_must_agree_at_the_first_forward(world2) -> None:
+    """seed=None draws from the global generator, which each process seeds on its own:
+    the replicated parameters (a row-parallel bias, a router, a shared expert) differed
+    between ranks with no error, so the "replicated" outputs did too. Now the first
+    forward compares them (one fingerprint all_gather) and raises
+    CrossRankMismatchError naming them and the fix; seeded alike, loaded from one
+    checkpoint, or with nothing replicated (ColumnParallelLinear) the layers run."""
+    for res in world2.run(_unseeded, "per_rank"):
+        for name in ("row", "mlp", "moe"):
+            assert res[name].startswith("error:") and "pass seed=" in res[name], (name, res[name])
+        assert "(bias)" in res["row"] and "fc2.bias" in res["mlp"] and "router.weight" in res["moe"]
+        # nothing replicated: no check, no communication; loaded: the check (+1) passes
+        assert res["column"] == "ok, 0 comms" and res["loaded"] == "ok, 2 comms", res
+    for res in world2.run(_unseeded, "alike"):
+        assert all(v.startswith("ok") for v in res.values()), res
+
+
 def test_indivisible_sizes_and_bad_combinations_are_value_errors(world4) -> None:
     def validation_errors() -> dict[str, str]:
         cases = {

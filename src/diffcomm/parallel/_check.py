@@ -26,6 +26,7 @@ because every branch depends only on data all ranks received):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -160,3 +161,27 @@ def _classes(full: Tensor, rtol: float) -> list[list[int]]:
             reps.append(r)
             classes.append([r])
     return classes
+
+
+#: why replicated parameters drawn from the global generator must agree (the message of
+#: :func:`check_replicas_agree`)
+UNSEEDED_HINT = (
+    "They were drawn with seed=None from the global CPU generator, whose state differs "
+    "between ranks unless every rank seeds it alike (each process starts from its own): "
+    "pass seed= (or generator=) to the layer, seed every rank alike before building it "
+    "(torch.manual_seed(s) or diffcomm.rng.model_parallel_seed), or load the weights "
+    "from one checkpoint."
+)
+
+
+def check_replicas_agree(named: Sequence[tuple[str, Tensor]], where: str, group: Any) -> None:
+    """Raise :class:`~diffcomm.CrossRankMismatchError` unless the replicated parameters
+    ``named`` (``(name, parameter)``) are equal on every rank of ``group``: one fingerprint
+    all_gather (:func:`check_replicated`). Skipped on meta tensors, while compiling and
+    under torch's ``LocalTensorMode`` (one program draws for every simulated rank)."""
+    named = [(n, p) for n, p in named if p.device.type != "meta"]
+    if not named or _torch.compiling() or _torch.local_tensor_mode_on():
+        return
+    flat = torch.cat([_as_real64(plain(p)).reshape(-1) for _, p in named])
+    names = ", ".join(n for n, _ in named)
+    check_replicated(flat, where, f"the replicated parameters ({names})", UNSEEDED_HINT, group)

@@ -16,10 +16,12 @@ from torch import Tensor, nn
 
 from .. import backend as B
 from .._replication import LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
+from .._torch import compiling as _compiling
 from .._torch import every_rank
 from ..backend import args as A
 from ..ops import collectives
 from ..ops.validation import rank_index
+from ._check import check_replicas_agree
 from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
@@ -96,6 +98,8 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     if spmd_types_checking(_FUNCTION_ATTRS):
         annotate_params_for_spmd_types(module)
     members = [m for m in module.modules() if isinstance(m, ParallelModule)]
+    if any(m.__dict__.get("_replicas_unchecked") for m in members):
+        _check_unseeded(module)
     groups: list[tuple[Any, list[Tensor]]] = []
     seen: set[int] = set()
     for m in members:
@@ -117,6 +121,34 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     for m in members:
         m.__dict__["_region_copies"] = copies
     module.__dict__["_region_root"] = True
+
+
+def note_drawn(module: nn.Module, generator: torch.Generator | None) -> None:
+    """After ``module`` drew its initial weights from ``generator``: with ``None`` (the
+    global generator) its replicated parameters are checked to agree across its group at
+    its first forward (:func:`check_unseeded_replicas`)."""
+    if generator is None:
+        module.__dict__["_replicas_unchecked"] = True
+
+
+def _check_unseeded(root: nn.Module) -> None:
+    """The first-forward check of every ParallelModule under ``root`` whose weights were
+    drawn from the global generator: its replicated parameters (bias of a row-parallel
+    linear, ...) agree on every rank of its group (one fingerprint all_gather per group),
+    else :class:`~diffcomm.CrossRankMismatchError` before the forward runs. Once."""
+    if _compiling():
+        return
+    groups: dict[int, tuple[Any, list[tuple[str, Tensor]]]] = {}
+    for prefix, m in root.named_modules():
+        if not (isinstance(m, ParallelModule) and m.__dict__.pop("_replicas_unchecked", False)):
+            continue
+        dims = m._shard_dims
+        for name, p in m.named_parameters(recurse=False):
+            if dims.get(name) is None:
+                full = f"{prefix}.{name}" if prefix else name
+                groups.setdefault(id(m._pg), (m._pg, []))[1].append((full, p))
+    for pg, named in groups.values():
+        check_replicas_agree(named, f"{type(root).__name__} (first forward)", pg)
 
 
 def _leave_region(module: ParallelModule, args: Any, output: Any) -> None:

@@ -53,6 +53,7 @@ from ._module import (
     check_divisible,
     check_positive,
     init_generator,
+    note_drawn,
     resolve_parallel_group,
     varying_with,
 )
@@ -223,6 +224,7 @@ class _ParallelLinear(ParallelModule):
         gen = init_generator(op, options.seed, options.generator)
         if _init:
             self.reset_parameters(gen)
+            note_drawn(self, gen)
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -546,6 +548,7 @@ class VocabParallelEmbedding(ParallelModule):
         gen = init_generator(op, opts.seed, opts.generator)
         if _init:
             self.reset_parameters(gen)
+            note_drawn(self, gen)
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:

@@ -62,7 +62,8 @@ from ..backend import args as A
 from ..backend.local_tensor import RANK_WHY, LocalTensorBackend, refuse
 from ..ops import coalesced, collectives
 from ..ops import engine as _async
-from ._module import check_positive, init_generator, resolve_parallel_group
+from ._check import check_replicas_agree
+from ._module import check_positive, init_generator, note_drawn, resolve_parallel_group
 from .blocks import MLP
 from .layers import LayerOptions
 from .routing import DispatchPlan, combine, dispatch, load_balancing_loss, route
@@ -393,7 +394,7 @@ class ExpertParallelMoE(nn.Module):
             keywords["group"] = group
         opts = LayerOptions.of(op, options, keywords, ("group", *_INIT_OPTIONS))
         _check_sizes(op, hidden_size, ffn_hidden_size, num_experts, k, capacity_factor, shared_expert_size)
-        init_generator(op, opts.seed, opts.generator)  # checked here, so an error names this class
+        note_drawn(self, init_generator(op, opts.seed, opts.generator))  # (checked: names this class)
         self._pg, self.world, self.rank = _expert_group(op, opts.group)
         if num_experts % self.world:
             raise A.arg_error(
@@ -596,6 +597,15 @@ class ExpertParallelMoE(nn.Module):
         if spmd_types_checking(_FUNCTION_ATTRS):  # spmd_types' checker: type the parameters
             annotate_params_for_spmd_types(self)
         x2 = _tokens("parallel.ExpertParallelMoE", x, self.hidden_size, self.router.weight.dtype)
+        if self.__dict__.pop("_replicas_unchecked", False):  # drawn unseeded: once, they agree
+            replicas = [self.router, self.shared_expert]
+            named = [
+                (f"{n}.{k}", p)
+                for n, m in zip(("router", "shared_expert"), replicas)
+                if m is not None
+                for k, p in m.named_parameters()
+            ]
+            check_replicas_agree(named, "ExpertParallelMoE (first forward)", self._pg)
         gate, index, probs = route(self.router(x2), self.k, renormalize=self.renormalize)
         overlap = self.overlap_shared and self.shared_expert is not None
         h, plan = dispatch(
