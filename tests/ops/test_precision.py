@@ -579,6 +579,9 @@ def _bad(kind: str) -> str:
         "chunk": lambda: dc.reduce_scatter(x, dim=1, precision=Precision("fp8_e4m3")),
         "op": lambda: dc.all_reduce(x, op="max", precision=Precision("bf16")),
         "type": lambda: dc.all_to_all(x, precision="bf16"),
+        "coalesced_int": lambda: dc.all_reduce_coalesced(
+            [x, torch.ones(2, dtype=torch.int64)], precision=Precision("bf16")
+        ),
         "back_block": lambda: dc.all_gather(
             x, precision=Precision("bf16", backward=Precision("fp8_e5m2", block_size=4))
         ),
@@ -600,6 +603,11 @@ def _bad(kind: str) -> str:
         ("op", "ValueError", "op='max'"),
         ("type", "TypeError", "precision must be"),
         ("back_block", "ValueError", "block_size=4"),
+        (
+            "coalesced_int",
+            "TypeError",
+            "floating-point tensors[1] (a float wire dtype cannot carry torch.int64",
+        ),
     ],
 )
 def test_bad_input_before_any_communication(world2, kind: str, error: str, names: str) -> None:

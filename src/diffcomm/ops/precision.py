@@ -416,8 +416,8 @@ def coalesced(name: str, tensors: Any, precision: Any, async_op: bool = False, *
             f"got {len(split_sizes)}"
         )
     xs = [_check_input(t, op) for t in tensors]
-    for x in xs:
-        check(x, precision, op)
+    for i, x in enumerate(xs):
+        check(x, precision, op, arg=f"tensors[{i}]")
     if name in ("all_reduce", "reduce_scatter"):
         _check_linear(A.normalize_op(kw.get("op", "sum"), op, xs[0]), op)
     outs = []

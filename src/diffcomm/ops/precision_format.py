@@ -238,7 +238,12 @@ Layout = tuple[int, Sequence[int] | None]
 
 
 def check(
-    x: Tensor, precision: Any, op: str, fwd: Layout | None = None, bwd: Layout | None = None
+    x: Tensor,
+    precision: Any,
+    op: str,
+    fwd: Layout | None = None,
+    bwd: Layout | None = None,
+    arg: str = "x",
 ) -> Precision:
     """Validate ``precision`` for ``x`` before any communication — for the forward **and**
     the backward (a backward that cannot run must fail here, not after the forward): a
@@ -246,13 +251,14 @@ def check(
     the last dim of what is encoded and every chunk an op splits that dim into.
 
     ``fwd`` / ``bwd``: ``(last dim, chunks along it or None)`` of the tensor the forward /
-    backward encodes (default: ``x``'s last dim, no split)."""
+    backward encodes (default: ``x``'s last dim, no split). ``arg``: the argument ``x``
+    is, for the messages (a coalesced op's ``tensors[i]``)."""
     if not isinstance(precision, Precision):
         raise TypeError(f"diffcomm.{op}(): precision must be a diffcomm.Precision or None, got {precision!r}")
     if precision.wire is not None and not x.is_floating_point():
         raise TypeError(
-            f"diffcomm.{op}(): precision=Precision(wire={precision.tag}) needs a floating-point x "
-            f"(a float wire dtype cannot carry {x.dtype} exactly); got x of dtype {x.dtype}"
+            f"diffcomm.{op}(): precision=Precision(wire={precision.tag}) needs a floating-point {arg} "
+            f"(a float wire dtype cannot carry {x.dtype} exactly); got {arg} of dtype {x.dtype}"
         )
     n = x.shape[-1] if x.ndim else 1
     for p, (last, chunks), where in (
@@ -265,7 +271,8 @@ def check(
         if p.block_size is not None and last % b:
             raise ValueError(
                 f"diffcomm.{op}(): precision ({where}) block_size={b} does not divide the last dim "
-                f"({last}) of what it encodes (x.shape={tuple(x.shape)}); no padding is done: pick a divisor"
+                f"({last}) of what it encodes ({arg}.shape={tuple(x.shape)}); no padding is done: "
+                "pick a divisor"
             )
         if chunks is not None and b and any(c % b for c in chunks):
             why = "" if p.block_size else " (block_size=None means one scale per whole row)"
