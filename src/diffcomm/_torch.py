@@ -58,7 +58,13 @@ __all__ = [
     "FLASH_ATTENTION_CPU",
     "FLASH_ATTENTION_CPU_BACKWARD",
     "mps_initial_seed",
+    "assert_async",
 ]
+
+#: ``assert_async(condition, message)``: raise ``RuntimeError(message)`` unless the 0-dim
+#: bool tensor ``condition`` is true, without a host sync on an accelerator (a device-side
+#: assert there, as ``nn.Embedding``'s index check); traced by torch.compile.
+assert_async: Callable[[torch.Tensor, str], None] = torch._assert_async
 
 # ---------------------------------------------------------------- torch.distributed (c10d)
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import _config
+from .. import _config, _torch
 from .. import backend as B
 from .._replication import LayerRule, R, V
 from .._torch import local_tensor_mode_off
@@ -502,8 +502,10 @@ class VocabParallelEmbedding(ParallelModule):
             ``nn.Embedding``'s ``normal_(0, 1)`` of the full table).
 
     Shapes:
-        ids ``(*)`` integer, the same on every rank; output ``(*, embedding_dim)``
-        (with ``sequence_parallel``: ``sequence_dim`` divided by the group size).
+        ids ``(*)`` integer in ``[0, num_embeddings)``, the same on every rank (an id
+        outside raises ``RuntimeError``, as ``nn.Embedding`` raises ``IndexError``; a
+        device-side assert on an accelerator); output ``(*, embedding_dim)`` (with
+        ``sequence_parallel``: ``sequence_dim`` divided by the group size).
 
     Gradient:
         replicated objective: the weight gradient is this rank's rows of the serial one
@@ -545,6 +547,11 @@ class VocabParallelEmbedding(ParallelModule):
         dtype = opts.dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype, device=opts.device))
         self._shard_dims = {"weight": 0}
+        self._range_message = (
+            f"diffcomm.{op}(): every id must be in [0, {num_embeddings}) (the vocabulary "
+            "size); an id outside it would be a row of zeros on every rank (nn.Embedding "
+            "raises IndexError)"
+        )
         gen = init_generator(op, opts.seed, opts.generator)
         if _init:
             self.reset_parameters(gen)
@@ -587,6 +594,10 @@ class VocabParallelEmbedding(ParallelModule):
                 "Every rank of the tensor-parallel group must look up the same ids.",
                 self._pg,
             )
+        # an id outside the vocabulary is an error, as in nn.Embedding: every rank would
+        # take it for another rank's and the sum would be a row of zeros (no host sync on
+        # an accelerator: a device-side assert there)
+        _torch.assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(), self._range_message)
         start = self.vocab_start
         if not isinstance(start, int):  # LocalTensorMode: one start per simulated rank
             start = rank_start(self._pg, self.per_rank, ids.device)
