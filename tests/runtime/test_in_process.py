@@ -122,6 +122,32 @@ def test_a_desync_is_reported_at_once(inproc_world2) -> None:
     assert time.perf_counter() - t < 5.0
 
 
+def _mismatched(case: str) -> str:
+    r = dist.get_rank()
+    try:
+        if case == "reduce_scatter":  # each rank's split sizes, right for its own chunk only
+            dc.reduce_scatter(torch.ones(4, 2), 0, split_sizes=[1, 3] if r == 0 else [2, 2])
+        else:  # a receiver's tensor of another shape than the source's
+            dc.broadcast(torch.ones(2 + r), 0)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["reduce_scatter", "broadcast"])
+def test_arguments_that_differ_between_ranks_are_an_error_not_a_slice(inproc_world2, case: str) -> None:
+    """A reduce_scatter whose ranks disagree on the split sizes took the wrong slices of
+    the other ranks' inputs with no error in process (gloo aborts a rank); a broadcast into
+    a larger buffer is torch's reshape error there (gloo leaves the extra elements as they
+    were). Now the in-process backend names the op and the sizes."""
+    msgs = inproc_world2.run(_mismatched, case)
+    ranks = [0, 1] if case == "reduce_scatter" else [1]  # (broadcast: the receiver)
+    for r in ranks:
+        assert f"in-process backend: {case}:" in msgs[r] and "different shapes or split sizes" in msgs[r], (
+            msgs
+        )
+
+
 def test_each_rank_has_its_own_rng_stream_and_settings(inproc_world2) -> None:
     def body() -> tuple:
         torch.manual_seed(dist.get_rank())

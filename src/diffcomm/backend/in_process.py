@@ -416,7 +416,20 @@ def _reduce(op: Any, parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+#: what a size mismatch between ranks does on real processes (the in-process message)
+_MISMATCH = (
+    "the ranks called it with different shapes or split sizes; on real processes gloo "
+    "aborts a rank that receives more than it expects and leaves a larger buffer's extra "
+    "elements as they were (DIFFCOMM_DEBUG=1 compares the arguments before any data moves)"
+)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, what: str = "collective") -> None:
+    if dst.numel() != src.numel():
+        raise RuntimeError(
+            f"diffcomm in-process backend: {what}: this rank's buffer holds {dst.numel()} "
+            f"elements, the data for it {src.numel()}: {_MISMATCH}"
+        )
     with torch.no_grad():
         dst.copy_(src.reshape(dst.shape))
 
@@ -498,7 +511,7 @@ class InProcessGroup(_PG):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         got = self._all("all_reduce", [t.detach().clone() for t in tensors])
         for i, t in enumerate(tensors):
-            _copy(t, _reduce(op, [g[i] for g in got]))
+            _copy(t, _reduce(op, [g[i] for g in got]), "all_reduce")
         return _done(tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -508,14 +521,14 @@ class InProcessGroup(_PG):
         got = self._all("reduce", [t.detach().clone() for t in tensors])
         if self._rank == opts.rootRank:
             for i, t in enumerate(tensors):
-                _copy(t, _reduce(opts.reduceOp, [g[i] for g in got]))
+                _copy(t, _reduce(opts.reduceOp, [g[i] for g in got]), "reduce")
         return _done(tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         mine = [t.detach().clone() for t in tensors] if self._rank == opts.rootRank else None
         got = self._all("broadcast", mine)[opts.rootRank]
         for t, g in zip(tensors, got):
-            _copy(t, g)
+            _copy(t, g, "broadcast")
         return _done(tensors)
 
     def allgather(
@@ -524,7 +537,7 @@ class InProcessGroup(_PG):
         got = self._all("all_gather", [t.detach().clone() for t in inputs])
         for i, outs in enumerate(outputs):
             for r, o in enumerate(outs):
-                _copy(o, got[r][i])
+                _copy(o, got[r][i], "all_gather")
         return _done(outputs)
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
@@ -532,7 +545,7 @@ class InProcessGroup(_PG):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         got = self._all("all_gather", input.detach().clone())
-        _copy(output, torch.cat([g.reshape(-1) for g in got]))
+        _copy(output, torch.cat([g.reshape(-1) for g in got]), "all_gather")
         return _done(output)
 
     _allgather_base = all_gather_single
@@ -545,14 +558,21 @@ class InProcessGroup(_PG):
     def reduce_scatter(self, output: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Any:
         got = self._all("reduce_scatter", [[t.detach().clone() for t in ts] for ts in inputs])
         for i, o in enumerate(output):
-            _copy(o, _reduce(opts.reduceOp, [g[i][self._rank] for g in got]))
+            _copy(o, _reduce(opts.reduceOp, [g[i][self._rank] for g in got]), "reduce_scatter")
         return _done(output)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
         got = self._all("reduce_scatter", input.detach().clone())
         n = output.numel()
+        if any(g.numel() != n * self._size for g in got):  # (a slice would silently fit)
+            sizes = ", ".join(f"rank {r}: {g.numel()}" for r, g in enumerate(got))
+            raise RuntimeError(
+                f"diffcomm in-process backend: reduce_scatter: this rank's output holds {n} "
+                f"elements of {self._size}, so every input {n * self._size}; the inputs hold "
+                f"{sizes}: {_MISMATCH}"
+            )
         mine = [g.reshape(-1)[self._rank * n : (self._rank + 1) * n] for g in got]
-        _copy(output, _reduce(opts.reduceOp, mine))
+        _copy(output, _reduce(opts.reduceOp, mine), "reduce_scatter")
         return _done(output)
 
     _reduce_scatter_base = reduce_scatter_single
@@ -576,7 +596,7 @@ class InProcessGroup(_PG):
         got = self._all("all_to_all", chunks)
         mine = [g[self._rank] for g in got]
         if mine and mine[0].dim():
-            _copy(output, torch.cat(mine))
+            _copy(output, torch.cat(mine), "all_to_all")
         return _done(output)
 
     alltoall_base = all_to_all_single
@@ -584,20 +604,20 @@ class InProcessGroup(_PG):
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         got = self._all("all_to_all", [t.detach().clone() for t in inputs])
         for r, o in enumerate(outputs):
-            _copy(o, got[r][self._rank])
+            _copy(o, got[r][self._rank], "all_to_all")
         return _done(outputs)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
         got = self._all("gather", [t.detach().clone() for t in inputs])
         if self._rank == opts.rootRank:
             for r, o in enumerate(outputs[0]):
-                _copy(o, got[r][0])
+                _copy(o, got[r][0], "gather")
         return _done(outputs)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Any:
         mine = [t.detach().clone() for t in inputs[0]] if self._rank == opts.rootRank else None
         got = self._all("scatter", mine)[opts.rootRank]
-        _copy(outputs[0], got[self._rank])
+        _copy(outputs[0], got[self._rank], "scatter")
         return _done(outputs)
 
     def barrier(self, opts: Any = None) -> Any:
