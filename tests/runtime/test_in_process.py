@@ -127,6 +127,9 @@ def _mismatched(case: str) -> str:
     try:
         if case == "reduce_scatter":  # each rank's split sizes, right for its own chunk only
             dc.reduce_scatter(torch.ones(4, 2), 0, split_sizes=[1, 3] if r == 0 else [2, 2])
+        elif case == "all_to_all":  # output sizes that are not what the peers send
+            x = torch.ones(4, 1)
+            dc.all_to_all(x, 0, 0, input_split_sizes=[2, 2], output_split_sizes=[1, 3])
         else:  # a receiver's tensor of another shape than the source's
             dc.broadcast(torch.ones(2 + r), 0)
     except RuntimeError as exc:
@@ -134,10 +137,11 @@ def _mismatched(case: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("case", ["reduce_scatter", "broadcast"])
+@pytest.mark.parametrize("case", ["reduce_scatter", "all_to_all", "broadcast"])
 def test_arguments_that_differ_between_ranks_are_an_error_not_a_slice(inproc_world2, case: str) -> None:
     """A reduce_scatter whose ranks disagree on the split sizes took the wrong slices of
-    the other ranks' inputs with no error in process (gloo aborts a rank); a broadcast into
+    the other ranks' inputs with no error in process (gloo aborts a rank), and so did an
+    all_to_all whose output sizes are not what the peers send (gloo: a desync); a broadcast into
     a larger buffer is torch's reshape error there (gloo leaves the extra elements as they
     were). Now the in-process backend names the op and the sizes."""
     msgs = inproc_world2.run(_mismatched, case)

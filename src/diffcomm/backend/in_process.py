@@ -595,6 +595,13 @@ class InProcessGroup(_PG):
         chunks = [c.clone() for c in input.detach().split(ins)] if input.dim() else [input] * n
         got = self._all("all_to_all", chunks)
         mine = [g[self._rank] for g in got]
+        outs = list(output_split_sizes)
+        if outs and mine and mine[0].dim() and [m.shape[0] for m in mine] != outs:
+            sent = ", ".join(f"rank {r}: {m.shape[0]}" for r, m in enumerate(mine))
+            raise RuntimeError(
+                f"diffcomm in-process backend: all_to_all: this rank expects {outs} rows from "
+                f"the ranks, they send {sent}: {_MISMATCH}"
+            )
         if mine and mine[0].dim():
             _copy(output, torch.cat(mine), "all_to_all")
         return _done(output)
