@@ -535,6 +535,9 @@ def test_not_initialised_is_a_clear_error() -> None:
         ("root", "src differs"),
         ("op", "op differs"),
         ("grad", "grad differs"),
+        # every rank's own length right, another rank's wrong: the buffers fit each other,
+        # so without the check a rank read a padding row as data (debug mode missed it)
+        ("gather_sizes", "split_sizes differs"),
     ],
 )
 def test_debug_mode_names_mismatched_ranks(world3, kind: str, field: str) -> None:
@@ -552,6 +555,8 @@ def test_debug_mode_names_mismatched_ranks(world3, kind: str, field: str) -> Non
                     dc.all_reduce(torch.ones(2), "sum" if r else "max")
                 elif kind == "grad":
                     dc.all_reduce(torch.ones(2, requires_grad=r == 0))
+                elif kind == "gather_sizes":  # rank r holds r + 1 rows; rank 2 thinks rank 0 has 2
+                    dc.all_gather(torch.ones(r + 1, 2), split_sizes=[2, 2, 3] if r == 2 else [1, 2, 3])
             except dc.CrossRankMismatchError as exc:
                 return type(exc).__name__, str(exc)
         return "none", ""

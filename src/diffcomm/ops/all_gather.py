@@ -135,7 +135,17 @@ def all_gather(
         split_sizes = _given_split_sizes(split_sizes, x, dim, pg, "all_gather", arg)
     if _DEBUG.value if _DEBUG.loaded else _DEBUG.get():
         rest = _other_dims(x, dim)
-        _debug_check("all_gather", pg, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
+        # split_sizes lists every rank's length: the same list on every rank (or on none)
+        sizes_given = None if split_sizes is None else tuple(split_sizes)
+        _debug_check(
+            "all_gather",
+            pg,
+            dim=dim,
+            other_dims=rest,
+            dtype=x.dtype,
+            grad=x.requires_grad,
+            split_sizes=sizes_given,
+        )
     if split_sizes is None:  # learned with the rows where the backend can, else exchanged first
         split_sizes = _gathered_split_sizes(x, dim, pg, async_op)
     else:
