@@ -566,6 +566,31 @@ def test_debug_mode_names_mismatched_ranks(world3, kind: str, field: str) -> Non
         assert field in msg and "rank 0:" in msg and "rank 2:" in msg
 
 
+def _a2a_sizes(expect: list[list[int]]) -> str:
+    r = dc.get_rank()
+    sends = [[1, 1, 2], [0, 2, 2], [3, 0, 1]][r]  # rank r sends sends[j] rows to rank j
+    x = torch.ones(sum(sends), 2)
+    with dc.debug(True):
+        try:
+            y = dc.all_to_all(x, input_split_sizes=sends, output_split_sizes=expect[r])
+        except dc.CrossRankMismatchError as exc:
+            return str(exc)
+    return f"ok {tuple(y.shape)}"
+
+
+def test_debug_mode_names_all_to_all_sizes_its_peers_do_not_send(world3) -> None:
+    """all_to_all's split sizes differ between ranks by design, so the field comparison
+    cannot check them: debug mode checks rank r's output size j against rank j's input
+    size r (gloo said only "enforce fail ... inLengthPerRank"; a padded or in-process
+    exchange could misplace rows)."""
+    right = [[1, 0, 3], [1, 2, 0], [2, 2, 1]]
+    assert world3.run(_a2a_sizes, right) == ["ok (4, 2)", "ok (3, 2)", "ok (5, 2)"]
+    wrong = [[1, 0, 3], [1, 2, 0], [2, 1, 2]]  # rank 2 expects 1 from rank 1 (sent 2), 2 from itself (1)
+    for msg in world3.run(_a2a_sizes, wrong):
+        assert "inconsistent split sizes: rank 2 expects 1 from rank 1, which sends it 2" in msg, msg
+        assert "rank 2 expects 2 from rank 2, which sends it 1" in msg, msg
+
+
 def test_debug_mode_accepts_legal_uneven(world3) -> None:
     def legal_uneven() -> tuple[str, str]:
         with dc.debug(True):

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import _config
+from .._errors import CrossRankMismatchError
 from .._replication import PARTIAL, SHARES, Rule, T
 from ..backend import args as A
 from ..backend.args import PG
@@ -131,6 +132,25 @@ def _across_dims(
 raw_all_to_all = _AllToAll.run
 
 
+def _debug_check_transposed(op: str, pg: PG, ins: Sequence[int], outs: Sequence[int]) -> None:
+    """Debug mode: rank ``r``'s ``output_split_sizes[j]`` equals rank ``j``'s
+    ``input_split_sizes[r]`` (one small exchange), else ``CrossRankMismatchError`` on every
+    rank naming the pairs. (The sizes legitimately differ between ranks, so the field
+    comparison cannot check them.)"""
+    table = _b().exchange_size_lists([*ins, *outs], pg)
+    n = len(table)
+    bad = [
+        f"rank {r} expects {table[r][n + j]} from rank {j}, which sends it {table[j][r]}"
+        for r in range(n)
+        for j in range(n)
+        if table[r][n + j] != table[j][r]
+    ]
+    if bad:
+        raise CrossRankMismatchError(
+            f"diffcomm.{op}(): ranks called it with inconsistent split sizes: " + "; ".join(bad[:6])
+        )
+
+
 @shared_args
 def all_to_all(
     x: Tensor,
@@ -196,6 +216,8 @@ def all_to_all(
             dtype=x.dtype,
             grad=x.requires_grad,
         )
+        if outs is not None:  # what each rank expects must be what its peers send it
+            _debug_check_transposed(op, pg, ins, outs)
     if outs is None:
         outs = _all_to_all_received(ins, pg)
     return apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), outs, async_op=async_op)
