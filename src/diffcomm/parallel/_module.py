@@ -126,7 +126,7 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
 def note_drawn(module: nn.Module, generator: torch.Generator | None) -> None:
     """After ``module`` drew its initial weights from ``generator``: with ``None`` (the
     global generator) its replicated parameters are checked to agree across its group at
-    its first forward (:func:`check_unseeded_replicas`)."""
+    its first forward (:func:`_check_unseeded`)."""
     if generator is None:
         module.__dict__["_replicas_unchecked"] = True
 
@@ -136,7 +136,7 @@ def _check_unseeded(root: nn.Module) -> None:
     drawn from the global generator: its replicated parameters (bias of a row-parallel
     linear, ...) agree on every rank of its group (one fingerprint all_gather per group),
     else :class:`~diffcomm.CrossRankMismatchError` before the forward runs. Once."""
-    if _compiling():
+    if _compiling():  # (the flags stay for the first eager forward)
         return
     groups: dict[int, tuple[Any, list[tuple[str, Tensor]]]] = {}
     for prefix, m in root.named_modules():
