@@ -70,6 +70,28 @@ def test_a_changed_environment_gets_its_own_server_and_the_old_one_ends(monkeypa
     old.wait(10)  # its last rank ended: so did it
 
 
+def _current_test() -> str | None:
+    return os.environ.get("PYTEST_CURRENT_TEST")
+
+
+def test_the_test_pytest_is_running_is_no_reason_for_a_new_server(monkeypatch, forked: None) -> None:
+    """pytest sets ``PYTEST_CURRENT_TEST`` per test phase; keyed on its value, nearly every
+    world of a suite started a fork server of its own (82 in one run of ours, a second of
+    CPU each). Its value reaches the ranks after the fork; only its presence keys."""
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "a.py::one (call)")
+    with dc.LocalWorld(2) as first:
+        assert first.run(_current_test) == ["a.py::one (call)"] * 2
+        server = _server_of(first.pids)
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "a.py::two (setup)")
+    with dc.LocalWorld(2) as second:
+        assert second.run(_current_test) == ["a.py::two (setup)"] * 2
+        assert _server_of(second.pids) == server
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")  # its presence does key a server
+    with dc.LocalWorld(2) as third:
+        assert third.run(_current_test) == [None, None]
+        assert _server_of(third.pids) != server
+
+
 def test_a_rank_killed_reports_its_signal_through_the_server(forked: None) -> None:
     with dc.LocalWorld(2) as world:
         victim = world.pids[1]

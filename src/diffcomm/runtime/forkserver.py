@@ -16,8 +16,12 @@ then the process tree killed; a death seen as end-of-file and its exit code) hol
 
 * The environment a rank imports under is the fork server's: a server serves only
   callers whose environment, ``sys.path`` and working directory equal those it started
-  with (``DIFFCOMM_FAULT_DIR``, set per world, aside); after a change a new server starts
-  and the old one ends once its last rank has.
+  with; after a change a new server starts and the old one ends once its last rank has.
+  Two entries are no reason for a new server, only their presence is: each rank gets the
+  caller's value after the fork, and nothing reads them at import —
+  ``DIFFCOMM_FAULT_DIR`` (set per world) and ``PYTEST_CURRENT_TEST`` (pytest sets it per
+  test phase: keyed on its value, a suite started a server, a second of CPU, for nearly
+  every world).
 * The server watches the caller: when the caller goes away (its socket closes), the
   server waits a moment for its ranks to end on their own (they see their own sockets
   close), kills the rest, and exits. Each rank watches the server, as a spawned rank
@@ -46,8 +50,9 @@ from .. import _config
 
 #: seconds the server gives its ranks to end on their own once the caller has gone
 _ORPHAN_GRACE = 3.0
-#: the environment entries set per world (not a reason for a new server)
-_PER_WORLD_ENV = ("DIFFCOMM_FAULT_DIR",)
+#: the environment entries whose value changes per world or per test and that nothing
+#: reads at import: their presence keys a server, their value does not (the fork applies it)
+_PER_WORLD_ENV = ("DIFFCOMM_FAULT_DIR", "PYTEST_CURRENT_TEST")
 _MAX_MESSAGE = 1 << 20
 
 
@@ -132,7 +137,7 @@ class ForkedRank:
 
 
 def _key(env: dict[str, str]) -> tuple[Any, ...]:
-    env = {k: v for k, v in env.items() if k not in _PER_WORLD_ENV}
+    env = {k: "" if k in _PER_WORLD_ENV else v for k, v in env.items()}
     return (sys.executable, tuple(sorted(env.items())), os.getcwd())
 
 
