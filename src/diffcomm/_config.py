@@ -25,8 +25,9 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -181,6 +182,11 @@ class Setting(Generic[T]):
                 value = _parse_accelerator(self.name, str(value))
         return value
 
+    def from_environment(self) -> T:
+        """What a fresh process reads: the environment's value, or the default."""
+        raw = os.environ.get(self.env)
+        return self._default if raw is None else self._parse(self.env, raw)
+
     def reload(self) -> None:
         """Forget the cached value; the next :meth:`get` reads the environment again."""
         self.loaded = False
@@ -209,6 +215,30 @@ def debug(enabled: bool | None = None) -> Any:
     if enabled is None:
         return DEBUG.get()
     return DEBUG.set(enabled)
+
+
+#: The settings a ``LocalWorld`` run carries from its caller to every rank. A rank is a
+#: process of its own (or, in-process, has its own settings, as a fresh process does): it
+#: reads the environment, so a ``dc.debug(True)`` in a notebook, or a ``with`` block
+#: around ``world.run``, would not reach the ranks it runs, and the checks the user
+#: switched on would silently not run there.
+_CARRIED = (DEBUG,)
+
+
+def carried() -> dict[str, Any]:
+    """The carried settings the caller holds otherwise than its environment says (what a
+    rank would read), by name: what :func:`applied` sets on each rank for a run."""
+    return {s.name: v for s in _CARRIED if (v := s.get()) != s.from_environment()}
+
+
+@contextlib.contextmanager
+def applied(values: Mapping[str, Any]) -> Iterator[None]:
+    """The settings ``values`` (from :func:`carried`) in force for the block."""
+    by_name = {s.name: s for s in _CARRIED}
+    with contextlib.ExitStack() as stack:
+        for name, value in values.items():
+            stack.enter_context(by_name[name].set(value))
+        yield
 
 
 def timeout(seconds: float | None | str = "__get__") -> Any:

@@ -171,6 +171,43 @@ def test_each_rank_has_its_own_rng_stream_and_settings(inproc_world2) -> None:
     assert dc.timeout() != 10.0 and dc.timeout() != 11.0
 
 
+def _debug_on_the_rank() -> bool:
+    return dc.debug()
+
+
+def _grad_on_rank_0_only() -> list[float]:
+    """A rank-dependent ``requires_grad``: rank 0's backward runs an all_reduce that rank 1
+    never calls, so it pairs with rank 1's next all_reduce (the same shape) and both ranks
+    get a wrong number with no error; debug mode compares ``requires_grad`` at the op."""
+    r = dist.get_rank()
+    x = torch.ones(3, dtype=torch.float64, requires_grad=r == 0)
+    y = dc.all_reduce(x)
+    if y.requires_grad:
+        y.sum().backward()
+    z = dc.all_reduce(torch.full((3,), 10.0 * (r + 1), dtype=torch.float64))
+    if r == 1:
+        dc.all_reduce(z)
+    return z.tolist()
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_the_callers_debug_setting_reaches_every_rank(local_worlds, monkeypatch, in_process: bool) -> None:
+    """``dc.debug(True)`` in the caller (a notebook, a test) holds on every rank of a run:
+    a rank reads its own environment, so before, the checks the user switched on silently
+    did not run (the program below gave 31 and 21 for 30 on the ranks, in debug mode too)."""
+    monkeypatch.delenv("DIFFCOMM_DEBUG", raising=False)
+    world = local_worlds(2, in_process=in_process)
+    assert world.run(_debug_on_the_rank) == [False, False]
+    with dc.debug(True):
+        assert world.run(_debug_on_the_rank) == [True, True]
+        with pytest.raises(RankError, match=r"x.requires_grad differs \(rank 0: 1, rank 1: 0\)"):
+            world.run(_grad_on_rank_0_only)
+    assert world.run(_debug_on_the_rank) == [False, False]  # the block ended: so did it
+    # outside debug mode the program is the silent wrong answer the check exists for
+    # (both ranks should read 30: rank 0's backward took rank 1's all_reduce)
+    assert world.run(_grad_on_rank_0_only) == [[31.0] * 3, [21.0] * 3]
+
+
 def test_async_op_returns_a_finished_async_tensor_in_process(local_worlds) -> None:
     """``async_op=True`` on an in-process rank: the same AsyncTensor as on processes (its
     ``.wait()``, first use, backward), already done; the same values and gradients. (It

@@ -15,13 +15,13 @@ from __future__ import annotations
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .. import _torch
+from .. import _config, _torch
 from .._errors import DesyncError, RankDesyncError, RankError
 from ..backend import in_process as _ip
 from . import reports as _report
@@ -33,21 +33,32 @@ _DESYNC = (_ip.InProcessDesyncError, DesyncError)
 
 
 def run_ranks(
-    world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    world_size: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    carried: Mapping[str, Any] | None = None,
 ) -> list[Any]:
-    """Call ``fn(*args, **kwargs)`` on ``world_size`` in-process ranks; results by rank."""
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` in-process ranks; results by rank.
+    ``carried``: the caller's settings every rank runs under (``_config.carried()``)."""
     if not _RUN_LOCK.acquire(blocking=False):
         raise RuntimeError(
             "LocalWorld(in_process=True).run(): an in-process run is already going on in this "
             "process (a run inside a run, or from two threads); in-process runs do not nest"
         )
     try:
-        return _run(world_size, fn, args, kwargs)
+        return _run(world_size, fn, args, kwargs, carried or {})
     finally:
         _RUN_LOCK.release()
 
 
-def _run(world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+def _run(
+    world_size: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    carried: Mapping[str, Any],
+) -> list[Any]:
     hub = _ip.Hub(world_size)
     store = dist.HashStore()
     results: list[Any] = [None] * world_size
@@ -62,7 +73,8 @@ def _run(world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs:
         try:
             dist.init_process_group(_ip.NAME, store=store, rank=rank, world_size=world_size)
             try:
-                results[rank] = fn(*args, **kwargs)
+                with _config.applied(carried):
+                    results[rank] = fn(*args, **kwargs)
             finally:
                 if dist.is_initialized():
                     dist.destroy_process_group()

@@ -34,7 +34,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from diffcomm import _lifecycle  # noqa: E402
+from diffcomm import _config, _lifecycle  # noqa: E402
 from diffcomm._errors import CollectiveTimeoutError  # noqa: E402
 from diffcomm.accelerator import comm_accelerator  # noqa: E402
 from diffcomm.diagnostics import recorder as _flight  # noqa: E402
@@ -113,14 +113,15 @@ def _worker_main(
         if kind == "stop":
             break
         try:
-            fn, args, kwargs, paths = _ship.loads(payload)
+            fn, args, kwargs, paths, carried = _ship.loads(payload)
             for p in paths:
                 if p not in sys.path:
                     sys.path.append(p)
             _lifecycle.program_start()  # a new program: nothing of the last one's is remembered
             _flight.set_status("running")
             try:
-                result = fn(*args, **kwargs)
+                with _config.applied(carried):  # the caller's settings (dc.debug(True))
+                    result = fn(*args, **kwargs)
             finally:
                 _flight.set_status("returned")
             reply = pickle.dumps(("ok", cloudpickle.dumps(result)))

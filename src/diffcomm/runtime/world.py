@@ -310,10 +310,11 @@ class LocalWorld:
             raise RuntimeError("LocalWorld.run(): this world is closed")
         if not callable(fn):
             raise TypeError(f"LocalWorld.run(): `fn` must be callable, got {type(fn).__name__}")
+        carried = _config.carried()  # e.g. the caller's dc.debug(True): every rank's too
         if self.in_process:
             from .in_process import run_ranks
 
-            return run_ranks(self.world_size, fn, args, kwargs)
+            return run_ranks(self.world_size, fn, args, kwargs, carried)
         if not self._started:
             self.restarts += 1
             self._state = _Procs()
@@ -321,7 +322,7 @@ class LocalWorld:
             self._finalizer = weakref.finalize(self, _Procs.shutdown, self._state, False)
             self._start()
         try:
-            payload = _ship.dumps((fn, args, kwargs, list(sys.path)))
+            payload = _ship.dumps((fn, args, kwargs, list(sys.path), carried))
         except Exception as exc:
             raise TypeError(f"LocalWorld.run(): cannot pickle the function or its arguments: {exc}") from exc
         msg = pickle.dumps(("run", payload))
