@@ -591,6 +591,32 @@ def test_debug_mode_names_all_to_all_sizes_its_peers_do_not_send(world3) -> None
         assert "rank 2 expects 2 from rank 2, which sends it 1" in msg, msg
 
 
+def _a2a_other_dim(concat: list[int], split: list[int], expect: list[list[int]] | None) -> str:
+    r = dc.get_rank()
+    x = torch.ones(3 * split[r], concat[r])  # split along dim 0, concatenated along dim 1
+    with dc.debug(True):
+        try:
+            y = dc.all_to_all(x, split_dim=0, concat_dim=1, output_split_sizes=expect and expect[r])
+        except dc.CrossRankMismatchError as exc:
+            return str(exc)
+    return f"ok {tuple(y.shape)}"
+
+
+def test_debug_mode_checks_all_to_all_across_two_dims_by_what_each_dim_carries(world3) -> None:
+    """With ``split_dim != concat_dim`` the output sizes are the senders'
+    ``x.shape[concat_dim]``, not their split sizes: debug mode compared the two and refused
+    every correct even all_to_all across two dims (so did 183 tests of the suite under
+    DIFFCOMM_DEBUG=1). It now checks each dim by what it carries."""
+    assert world3.run(_a2a_other_dim, [2, 2, 2], [1, 1, 1], None) == ["ok (1, 6)"] * 3
+    uneven = [[2, 1, 3]] * 3  # every rank's x.shape[1], listed: legal
+    assert world3.run(_a2a_other_dim, [2, 1, 3], [1, 1, 1], uneven) == ["ok (1, 6)"] * 3
+    wrong = [[2, 1, 3], [2, 1, 3], [1, 2, 3]]  # rank 2 swaps rank 0's and rank 1's
+    for msg in world3.run(_a2a_other_dim, [2, 1, 3], [1, 1, 1], wrong):
+        assert "rank 2 expects 1 along concat_dim from rank 0, whose x.shape[concat_dim] is 2" in msg, msg
+    for msg in world3.run(_a2a_other_dim, [2, 2, 2], [1, 2, 1], None):  # rank 1 sends 2 rows
+        assert "rank 0 would receive chunks of split_dim sizes [1, 2, 1] from ranks 0..2" in msg, msg
+
+
 def test_debug_mode_accepts_legal_uneven(world3) -> None:
     def legal_uneven() -> tuple[str, str]:
         with dc.debug(True):

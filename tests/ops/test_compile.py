@@ -419,6 +419,28 @@ def test_without_fullgraph_untraceable_parts_run_eagerly(world2) -> None:
     assert world2.run(graph_break_falls_back_to_eager) == [0.0, 0.0]
 
 
+def test_debug_mode_under_compile_checks_eagerly_or_not_at_all(world2) -> None:
+    """Debug mode and torch.compile together: with ``fullgraph=True`` the cross-rank checks
+    are skipped (they need a host read), all_to_all's transposed size check too (it raised
+    the all_gather "cannot be exchanged" error); without, the field check runs eagerly at
+    a graph break (traced, dynamo failed on the symbolic width it gathers)."""
+
+    def body() -> list[float]:
+        r = dc.get_rank()
+        x = torch.arange(8.0, dtype=F64).reshape(2, 4) + 10 * r
+        a2a = lambda v: dc.all_to_all(v * 2, split_dim=1, concat_dim=0)
+        y = torch.full((1 + r, 2), float(r), dtype=F64)
+        gather = lambda v: dc.all_gather(v * 2, 0)
+        with dc.debug(True):
+            full = torch.compile(a2a, backend="eager", fullgraph=True)(x)
+            gather(y)  # warm: the next gather speculates (numpy, host-side)
+            torch._dynamo.reset()
+            broken = torch.compile(gather, backend="eager")(y)
+        return [float((full - a2a(x)).abs().max()), float((broken - gather(y)).abs().max())]
+
+    assert world2.run(body) == [[0.0, 0.0], [0.0, 0.0]]
+
+
 # --------------------------------------------------------------------------------------
 # PyTorch limitations (strict xfails: they start passing when PyTorch lifts them)
 # --------------------------------------------------------------------------------------

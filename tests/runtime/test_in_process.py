@@ -191,21 +191,21 @@ def _grad_on_rank_0_only() -> list[float]:
 
 
 @pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
-def test_the_callers_debug_setting_reaches_every_rank(local_worlds, monkeypatch, in_process: bool) -> None:
-    """``dc.debug(True)`` in the caller (a notebook, a test) holds on every rank of a run:
-    a rank reads its own environment, so before, the checks the user switched on silently
-    did not run (the program below gave 31 and 21 for 30 on the ranks, in debug mode too)."""
-    monkeypatch.delenv("DIFFCOMM_DEBUG", raising=False)
+def test_the_callers_debug_setting_reaches_every_rank(local_worlds, in_process: bool) -> None:
+    """``dc.debug(True)`` or ``dc.debug(False)`` in the caller (a notebook, a test) holds on
+    every rank of a run, whatever the environment says: a rank reads its own environment,
+    so before, the checks the user switched on silently did not run (the program below
+    gave 31 and 21 for 30 on the ranks, in debug mode too)."""
     world = local_worlds(2, in_process=in_process)
-    assert world.run(_debug_on_the_rank) == [False, False]
+    with dc.debug(False):
+        assert world.run(_debug_on_the_rank) == [False, False]
+        # outside debug mode the program is the silent wrong answer the check exists for
+        # (both ranks should read 30: rank 0's backward took rank 1's all_reduce)
+        assert world.run(_grad_on_rank_0_only) == [[31.0] * 3, [21.0] * 3]
     with dc.debug(True):
         assert world.run(_debug_on_the_rank) == [True, True]
         with pytest.raises(RankError, match=r"x.requires_grad differs \(rank 0: 1, rank 1: 0\)"):
             world.run(_grad_on_rank_0_only)
-    assert world.run(_debug_on_the_rank) == [False, False]  # the block ended: so did it
-    # outside debug mode the program is the silent wrong answer the check exists for
-    # (both ranks should read 30: rank 0's backward took rank 1's all_reduce)
-    assert world.run(_grad_on_rank_0_only) == [[31.0] * 3, [21.0] * 3]
 
 
 def test_async_op_returns_a_finished_async_tensor_in_process(local_worlds) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .. import _torch
 from .._errors import CrossRankMismatchError
 from ..diagnostics.logger import label
 from .consistency import PAD, encode, mismatch
@@ -634,6 +635,10 @@ class TorchDistributedBackend(CoalescedOps):
         _dispatch("barrier", group, 0, lambda: dist.barrier(group=group), lambda: None)
 
     # ---- debug-mode consistency check ----------------------------------------------
+    # Run eagerly under torch.compile without fullgraph (a graph break): traced, the
+    # gather of a width it just read back is symbolic and dynamo failed on it (the check
+    # in compiled code is the compiled adapter's, which skips it).
+    @_torch.compiler_disable
     def check_consistent(self, op: str, fields: dict[str, Any], group: ProcessGroup) -> None:
         """Compare ``fields`` across the ranks of ``group``; raise naming who differs.
 

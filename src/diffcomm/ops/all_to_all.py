@@ -14,6 +14,7 @@ from torch import Tensor
 from .. import _config
 from .._errors import CrossRankMismatchError
 from .._replication import PARTIAL, SHARES, Rule, T
+from .._torch import compiling
 from ..backend import args as A
 from ..backend.args import PG
 from . import references
@@ -132,19 +133,44 @@ def _across_dims(
 raw_all_to_all = _AllToAll.run
 
 
-def _debug_check_transposed(op: str, pg: PG, ins: Sequence[int], outs: Sequence[int]) -> None:
-    """Debug mode: rank ``r``'s ``output_split_sizes[j]`` equals rank ``j``'s
-    ``input_split_sizes[r]`` (one small exchange), else ``CrossRankMismatchError`` on every
-    rank naming the pairs. (The sizes legitimately differ between ranks, so the field
-    comparison cannot check them.)"""
-    table = _b().exchange_size_lists([*ins, *outs], pg)
+def _debug_check_transposed(
+    op: str, pg: PG, ins: Sequence[int], outs: Sequence[int], split_dim: int, concat_dim: int, x: Tensor
+) -> None:
+    """Debug mode: what each rank expects is what its peers send it (one small exchange),
+    else ``CrossRankMismatchError`` on every rank naming the pairs. (The sizes legitimately
+    differ between ranks, so the field comparison cannot check them.)
+
+    With ``split_dim == concat_dim``, rank ``r``'s ``output_split_sizes[j]`` is rank
+    ``j``'s ``input_split_sizes[r]``. Otherwise the chunks are concatenated along another
+    dim: rank ``r``'s ``output_split_sizes[j]`` is rank ``j``'s ``x.shape[concat_dim]``,
+    and the chunks rank ``r`` receives agree in their ``split_dim`` size.
+
+    Skipped inside compiled code, as the field comparison is (the exchange is a host read)."""
+    if compiling():
+        return
+    table = _b().exchange_size_lists([*ins, *outs, x.shape[concat_dim]], pg)
     n = len(table)
-    bad = [
-        f"rank {r} expects {table[r][n + j]} from rank {j}, which sends it {table[j][r]}"
-        for r in range(n)
-        for j in range(n)
-        if table[r][n + j] != table[j][r]
-    ]
+    if split_dim == concat_dim:
+        bad = [
+            f"rank {r} expects {table[r][n + j]} from rank {j}, which sends it {table[j][r]}"
+            for r in range(n)
+            for j in range(n)
+            if table[r][n + j] != table[j][r]
+        ]
+    else:
+        bad = [
+            f"rank {r} expects {table[r][n + j]} along concat_dim from rank {j}, whose "
+            f"x.shape[concat_dim] is {table[j][2 * n]}"
+            for r in range(n)
+            for j in range(n)
+            if table[r][n + j] != table[j][2 * n]
+        ]
+        bad += [
+            f"rank {r} would receive chunks of split_dim sizes {[table[j][r] for j in range(n)]} "
+            f"from ranks 0..{n - 1} (they are concatenated along concat_dim, so they must agree)"
+            for r in range(n)
+            if len({table[j][r] for j in range(n)}) > 1
+        ]
     if bad:
         raise CrossRankMismatchError(
             f"diffcomm.{op}(): ranks called it with inconsistent split sizes: " + "; ".join(bad[:6])
@@ -217,7 +243,7 @@ def all_to_all(
             grad=x.requires_grad,
         )
         if outs is not None:  # what each rank expects must be what its peers send it
-            _debug_check_transposed(op, pg, ins, outs)
+            _debug_check_transposed(op, pg, ins, outs, split_dim, concat_dim, x)
     if outs is None:
         outs = _all_to_all_received(ins, pg)
     return apply(_AllToAll, x, split_dim, concat_dim, pg, tuple(ins), outs, async_op=async_op)
