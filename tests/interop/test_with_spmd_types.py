@@ -724,6 +724,18 @@ def test_hand_written_megatron_pair_with_an_spmd_types_rule(world2: dc.LocalWorl
         assert "_RuledCopy: argument 'x' is V" in res["ruled: copy of a varying input"][1]
 
 
+@needs_spmd_types
+def test_debug_modes_own_checks_are_invisible_to_spmd_types(world2: dc.LocalWorld) -> None:
+    """Debug mode's replication check of a mapping computes a fingerprint of the typed
+    tensor; under spmd_types' checker that arithmetic raised SpmdTypeError ("args[1]
+    missing axis default_pg") on a correct program. It runs with spmd_types paused."""
+    with dc.debug(True):
+        for res in world2.run(_megatron_body):
+            assert res["correct"] is None, res["correct"]
+            assert res["with diffcomm's ops"] is None, res["with diffcomm's ops"]
+            assert res["copy missing"] is not None and res["copy missing"][0] == "SpmdTypeError"
+
+
 # ======================================================================================
 # the example mixing both libraries
 # ======================================================================================

@@ -35,6 +35,10 @@ from torch import Tensor
 from .. import _torch
 from .. import backend as B
 from .._errors import CrossRankMismatchError
+from .._replication import spmd_types_checking, spmd_types_paused
+
+#: (see _replication.spmd_types_checking)
+_FUNCTION_ATTRS = torch.autograd.Function.__dict__
 
 #: why a copy forward needs a replicated input (the message of its debug check)
 COPY_HINT = (
@@ -102,6 +106,13 @@ def check_replicated(t: Tensor, where: str, subject: str, hint: str, group: Any)
         hint: why it must be replicated and what to do instead.
         group: the resolved process group (``None``: the default group).
     """
+    if spmd_types_checking(_FUNCTION_ATTRS):  # the check's arithmetic is not typed data
+        with spmd_types_paused():
+            return _check_replicated(t, where, subject, hint, group)
+    return _check_replicated(t, where, subject, hint, group)
+
+
+def _check_replicated(t: Tensor, where: str, subject: str, hint: str, group: Any) -> None:
     backend = B.get_backend()
     world = backend.world_size(group)
     if world == 1:
