@@ -122,6 +122,18 @@ def test_a_desync_is_reported_at_once(inproc_world2) -> None:
     assert time.perf_counter() - t < 5.0
 
 
+def test_a_desync_in_debug_mode_names_the_users_op_not_the_checks_gather(inproc_world2) -> None:
+    def body() -> None:
+        if dist.get_rank() == 0:
+            dc.all_reduce(torch.ones(2))
+
+    with (
+        dc.debug(True),
+        pytest.raises(RankDesyncError, match=r"`all_reduce \(debug check\)` \(raw all_gather"),
+    ):
+        inproc_world2.run(body)
+
+
 def _mismatched(case: str) -> str:
     r = dist.get_rank()
     try:

@@ -651,11 +651,14 @@ class TorchDistributedBackend(CoalescedOps):
             return
         names = list(fields)
         flat = encode(fields)
-        width_t = torch.tensor([len(flat)], dtype=torch.int64, device=group_info(group).device)
-        m = max(self.all_gather(width_t, group).tolist())
-        vec = torch.full((m,), PAD, dtype=torch.int64, device=width_t.device)
-        vec[: len(flat)] = torch.tensor(flat, dtype=torch.int64)
-        table = self.all_gather(vec.reshape(1, m), group).cpu().tolist()
+        # named as the user's op (a desync here reads "all_reduce (debug check)", not a
+        # raw all_gather the user never called)
+        with label(f"{op} (debug check)"):
+            width_t = torch.tensor([len(flat)], dtype=torch.int64, device=group_info(group).device)
+            m = max(self.all_gather(width_t, group).tolist())
+            vec = torch.full((m,), PAD, dtype=torch.int64, device=width_t.device)
+            vec[: len(flat)] = torch.tensor(flat, dtype=torch.int64)
+            table = self.all_gather(vec.reshape(1, m), group).cpu().tolist()
         if (message := mismatch(op, names, table)) is not None:
             raise CrossRankMismatchError(message)
 
