@@ -266,7 +266,11 @@ def test_dispatch_combine_adjoint(local_worlds, world_size) -> None:
         assert max(res.values()) < 1e-12, res
 
 
-def test_bad_input_raises_before_any_communication(world2) -> None:
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug_mode"])
+def test_bad_input_raises_before_any_communication(world2, debug: bool) -> None:
+    """Debug mode too: its cross-rank check runs after the local checks (it ran first, so
+    an id out of range was named after 2 communications)."""
+
     def bad() -> list[str]:
         from diffcomm import backend as B
         from diffcomm.parallel import ExpertParallelMoE, combine, dispatch
@@ -307,7 +311,9 @@ def test_bad_input_raises_before_any_communication(world2) -> None:
     ]
     import re
 
-    for msgs in world2.run(bad):
+    with dc.debug(debug):
+        per_rank = world2.run(bad)
+    for msgs in per_rank:
         for pat, msg in zip(patterns, msgs):
             assert re.search(pat, msg) and msg.endswith("[0 comms]"), (pat, msg)
 
@@ -592,7 +598,8 @@ def test_async_dispatch_returns_an_async_tensor_usable_in_torch_ops(world2) -> N
             assert kind == "AsyncTensor" and dy == 0.0 and dg == 0.0, per_rank
 
 
-def test_every_documented_shape_is_checked_before_communication(world2) -> None:
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug_mode"])
+def test_every_documented_shape_is_checked_before_communication(world2, debug: bool) -> None:
     """combine's ``gate_weights`` must be ``(T, k)`` of the dispatch (``(T, k+1)`` was
     accepted and gave a silently wrong result); a hidden-size mismatch names ``x`` and
     the layer; ``ExpertParallelMoE``'s own arguments name ``ExpertParallelMoE``."""
@@ -651,7 +658,9 @@ def test_every_documented_shape_is_checked_before_communication(world2) -> None:
     ]
     import re
 
-    for msgs in world2.run(bad):
+    with dc.debug(debug):
+        per_rank = world2.run(bad)
+    for msgs in per_rank:
         assert len(msgs) == len(patterns)
         for pat, msg in zip(patterns, msgs):
             assert re.search(pat, msg) and msg.endswith("[0 comms]"), (pat, msg)

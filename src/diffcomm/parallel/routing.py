@@ -155,8 +155,15 @@ class DispatchPlan:
         return sum(map(sum, self.counts)) - sum(map(sum, self.accepted))
 
 
-def _plan(expert_index: Tensor, num_experts: int, pg: PG, capacity_factor: float | None) -> DispatchPlan:
-    """The routing plan: one exchange of this rank's per-expert counts and token count."""
+def _plan(
+    expert_index: Tensor,
+    num_experts: int,
+    pg: PG,
+    capacity_factor: float | None,
+    mine: list[int] | None = None,
+) -> DispatchPlan:
+    """The routing plan: one exchange of this rank's per-expert counts (``mine``, when
+    the caller counted them) and token count."""
     b = B.get_backend()
     world = b.world_size(pg)
     t, k = expert_index.shape
@@ -164,7 +171,8 @@ def _plan(expert_index: Tensor, num_experts: int, pg: PG, capacity_factor: float
     per_rank = e // world
     flat = expert_index.reshape(-1)
     dev = flat.device
-    mine = _local_counts(flat, e)  # the host read the exchange needs anyway
+    if mine is None:
+        mine = _local_counts(flat, e)  # the host read the exchange needs anyway
     with B.label("parallel.dispatch (counts exchange)"):  # the step's one exchange
         table = b.exchange_size_lists([*mine, t], pg)
     counts = tuple(tuple(row[:e]) for row in table)
@@ -399,17 +407,9 @@ def dispatch(
         from ..ops.precision import check as _check_precision
 
         _check_precision(x, precision, op)
-    if _config.DEBUG.get():  # the routing's shape must agree (else the splits would not)
-        fields = {
-            "num_experts": num_experts,
-            "k": expert_index.shape[1],
-            "capacity_factor": str(capacity_factor),
-        }
-        fields.update(hidden=tuple(x.shape[1:]), dtype=x.dtype, plan_given=plan is not None)
-        B.get_backend().check_consistent(op, fields, pg)
-    if plan is None:
-        factor = None if capacity_factor is None else float(capacity_factor)
-        plan = _plan(expert_index.long(), num_experts, pg, factor)
+    mine = None
+    if plan is None:  # ids out of range are named here, before any communication
+        mine = _local_counts(expert_index.long().reshape(-1), num_experts)
     elif not isinstance(plan, DispatchPlan):
         raise A.arg_error(
             op, "plan", "None or a DispatchPlan from dispatch()", type(plan).__name__, TypeError
@@ -446,6 +446,17 @@ def dispatch(
             f"a plan made with capacity_factor={capacity_factor}",
             f"a plan made with capacity_factor={plan.capacity_factor}",
         )
+    if _config.DEBUG.get():  # the routing's shape must agree (else the splits would not)
+        fields = {
+            "num_experts": num_experts,
+            "k": expert_index.shape[1],
+            "capacity_factor": str(capacity_factor),
+        }
+        fields.update(hidden=tuple(x.shape[1:]), dtype=x.dtype, plan_given=plan is not None)
+        B.get_backend().check_consistent(op, fields, pg)
+    if plan is None:
+        factor = None if capacity_factor is None else float(capacity_factor)
+        plan = _plan(expert_index.long(), num_experts, pg, factor, mine)
     rows = x.index_select(0, plan.token_index)
     with B.label("parallel.dispatch"):
         got = collectives.all_to_all(
