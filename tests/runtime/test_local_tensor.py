@@ -555,6 +555,16 @@ def test_refused_under_local_tensor_mode_naming_the_op(row: str) -> None:
         run_under_local_tensor_mode(n, program)
 
 
+def test_debug_mode_under_local_tensor_mode_refuses_as_without() -> None:
+    """Debug mode's coalesced list check encoded each tensor's shape as ints; under
+    LocalTensorMode an uneven shape holds one size per rank, and it failed with torch's
+    AttributeError ('LocalIntNode' object has no attribute 'guard_int'). It is skipped
+    there, as the field check is: the op's own refusal names it."""
+    program, n, words = REFUSED["all_gather_coalesced[uneven]"]
+    with dc.debug(True), pytest.raises(LocalTensorModeError, match=words + r".*in_process=True"):
+        run_under_local_tensor_mode(n, program)
+
+
 # ---- hypothesis: ops x shapes x split sizes x worlds 1-4 ---------------------------------
 
 _OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter"]
