@@ -407,9 +407,10 @@ def dispatch(
         from ..ops.precision import check as _check_precision
 
         _check_precision(x, precision, op)
-    mine = None
+    ids, mine = expert_index, None
     if plan is None:  # ids out of range are named here, before any communication
-        mine = _local_counts(expert_index.long().reshape(-1), num_experts)
+        ids = expert_index.long()
+        mine = _local_counts(ids.reshape(-1), num_experts)
     elif not isinstance(plan, DispatchPlan):
         raise A.arg_error(
             op, "plan", "None or a DispatchPlan from dispatch()", type(plan).__name__, TypeError
@@ -456,7 +457,7 @@ def dispatch(
         B.get_backend().check_consistent(op, fields, pg)
     if plan is None:
         factor = None if capacity_factor is None else float(capacity_factor)
-        plan = _plan(expert_index.long(), num_experts, pg, factor, mine)
+        plan = _plan(ids, num_experts, pg, factor, mine)
     rows = x.index_select(0, plan.token_index)
     with B.label("parallel.dispatch"):
         got = collectives.all_to_all(
