@@ -299,9 +299,9 @@ def test_replicas_drawn_unseeded_must_agree_at_the_first_forward(world2) -> None
         assert all(v.startswith("ok") for v in res.values()), res
 
 
-def _ids_outside(ids: list[int]) -> str:
+def _ids_outside(ids: list[int], debug: bool) -> str:
     emb = P.VocabParallelEmbedding(12, 3, seed=0)
-    with log_comms() as log:
+    with dc.debug(debug), log_comms() as log:
         try:
             emb(torch.tensor(ids))
         except RuntimeError as exc:
@@ -309,13 +309,15 @@ def _ids_outside(ids: list[int]) -> str:
     return "no error"
 
 
+@pytest.mark.parametrize("debug", [False, True], ids=["", "debug"])
 @pytest.mark.parametrize("ids", [[12], [-1], [3, 100, 5]])
-def test_an_id_outside_the_vocabulary_is_an_error_not_a_zero_row(world3, ids: list[int]) -> None:
+def test_an_id_outside_the_vocabulary_is_an_error_not_a_zero_row(world3, ids: list[int], debug: bool) -> None:
     """nn.Embedding raises IndexError for an id outside [0, num_embeddings); the parallel
     table masked it on every rank as another rank's and summed a row of zeros, silently.
     Now a RuntimeError (a device-side assert on an accelerator: no host sync), before the
-    layer's reduction."""
-    for msg in world3.run(_ids_outside, ids):
+    layer's reduction, and in debug mode before its cross-rank check of the ids (a local
+    check before any communication: it ran after that exchange before)."""
+    for msg in world3.run(_ids_outside, ids, debug):
         assert "every id must be in [0, 12) (the vocabulary size)" in msg and msg.endswith("comms=0"), msg
 
 

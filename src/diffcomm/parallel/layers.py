@@ -586,6 +586,11 @@ class VocabParallelEmbedding(ParallelModule):
         ids = A.check_tensor(ids, op, "ids")
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise A.arg_error(op, "ids", "an integer tensor", str(ids.dtype), TypeError)
+        # an id outside the vocabulary is an error, as in nn.Embedding: every rank would
+        # take it for another rank's and the sum would be a row of zeros (no host sync on
+        # an accelerator: a device-side assert there); a local check, so before debug mode's
+        # cross-rank one
+        _torch.assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(), self._range_message)
         if _config.DEBUG.get():
             check_replicated(
                 ids,
@@ -594,10 +599,6 @@ class VocabParallelEmbedding(ParallelModule):
                 "Every rank of the tensor-parallel group must look up the same ids.",
                 self._pg,
             )
-        # an id outside the vocabulary is an error, as in nn.Embedding: every rank would
-        # take it for another rank's and the sum would be a row of zeros (no host sync on
-        # an accelerator: a device-side assert there)
-        _torch.assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(), self._range_message)
         start = self.vocab_start
         if not isinstance(start, int):  # LocalTensorMode: one start per simulated rank
             start = rank_start(self._pg, self.per_rank, ids.device)
