@@ -84,8 +84,8 @@ def on_init(name: str, start: Callable[[], None]) -> None:
 
 def on_program_start(name: str, reset: Callable[[], None]) -> None:
     """Register ``reset()``: forget what the owner remembers of the program this process
-    ran before (called by a ``LocalWorld`` rank before each ``run``; an in-process rank
-    starts every run from a fresh process's state anyway). It must not raise."""
+    ran before (called by a ``LocalWorld`` rank, on a process or in-process, before each
+    ``run``). It must not raise."""
     _PROGRAM_STARTS.append((name, reset))
 
 

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import diffcomm as dc
+from diffcomm import rng
 from diffcomm._errors import RankDesyncError, RankError
 
 
@@ -218,6 +219,70 @@ def test_the_callers_debug_setting_reaches_every_rank(local_worlds, in_process: 
         assert world.run(_debug_on_the_rank) == [True, True]
         with pytest.raises(RankError, match=r"x.requires_grad differs \(rank 0: 1, rank 1: 0\)"):
             world.run(_grad_on_rank_0_only)
+
+
+def _accumulate_into_the_arguments(w: torch.Tensor, x: torch.Tensor) -> tuple:
+    """Rank r: d((r + 1) * sum(w * x)) / dw = (r + 1) * x, accumulated into the ``w`` it was
+    given; then ``x`` changed in place."""
+    r = dist.get_rank()
+    ((r + 1) * (w * x).sum()).backward()
+    x.add_(100.0)
+    return w.grad.clone(), x.clone()
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_each_rank_has_its_own_copy_of_the_arguments(local_worlds, in_process: bool) -> None:
+    """The arguments of ``run`` reach each rank as a copy, in-process as on processes: a
+    rank's ``.grad`` accumulation or in-place change reaches neither another rank nor the
+    caller. (In-process ranks once shared the caller's objects: rank 1 read w.grad =
+    [203, 206] for [2, 4], the caller's w.grad was set and its x changed, silently.)"""
+    w = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    got = local_worlds(2, in_process=in_process).run(_accumulate_into_the_arguments, w, x)
+    for r, (grad, x_seen) in enumerate(got):
+        assert grad.tolist() == [r + 1.0, 2.0 * (r + 1)], (r, grad)
+        assert x_seen.tolist() == [101.0, 102.0], (r, x_seen)  # its own x, changed once
+    assert w.grad is None and x.tolist() == [1.0, 2.0]
+
+
+def _seed_and_set(seed: int) -> bool:
+    """Seed the default generator and a named stream, switch debug mode on (no ``with``:
+    the rank's own setting from now on); return the setting it found."""
+    before = dc.debug()
+    torch.manual_seed(seed)
+    rng.get_tracker().reset()
+    rng.get_tracker().add("tp", seed + 1 + dist.get_rank())
+    dc.debug(True)
+    return before
+
+
+def _draw_and_restore(before: bool) -> tuple:
+    """What the rank kept from the last run: the two streams' next draws and the setting."""
+    a = torch.rand(2)
+    with rng.get_tracker().fork("tp"):
+        b = torch.rand(2)
+    kept = dc.debug()
+    dc.debug(before)
+    rng.get_tracker().reset()
+    return a, b, kept
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_a_ranks_state_carries_from_one_run_to_the_next(local_worlds, in_process: bool) -> None:
+    """A rank keeps its process state between runs of one world, in-process as on processes:
+    the torch RNG stream after ``manual_seed``, named RNG streams, ``dc.debug`` set inside the
+    rank. (In-process ranks once started every run afresh: seeded in one run, the next run's
+    draws were unseeded random numbers, the named stream was gone and debug mode was off.)"""
+    world = local_worlds(2, in_process=in_process)
+    before = world.run(_seed_and_set, 7)
+    got = world.run(_draw_and_restore, before[0])
+    for r, (a, b, kept) in enumerate(got):
+        torch.manual_seed(7)
+        assert torch.equal(a, torch.rand(2)), (r, a)
+        torch.manual_seed(7 + 1 + r)
+        assert torch.equal(b, torch.rand(2)), (r, b)
+        assert kept is True
+    assert world.run(_debug_on_the_rank) == before
 
 
 def test_async_op_returns_a_finished_async_tensor_in_process(local_worlds) -> None:

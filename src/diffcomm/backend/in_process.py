@@ -57,6 +57,25 @@ class InProcessUnsupportedError(DiffcommError, NotImplementedError):
     """Something an in-process world cannot do (named in the message with the way out)."""
 
 
+class RankStates:
+    """Every rank's process state between the runs of one in-process world: its CPU RNG
+    state and the contents of the per-rank boxes (:func:`per_rank`: settings such as
+    ``dc.debug`` set inside a rank, named RNG streams, the flight recorder). A process
+    keeps these from one ``LocalWorld.run`` to the next, so the world keeps them here
+    (:meth:`reset`: a fresh process's, as a world restarted after a failure)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.rng: dict[int, torch.Tensor] = {}
+        self.saved: dict[int, list[Any]] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        for r in range(self.world_size):
+            self.rng[r] = _fresh_rng()
+            self.saved[r] = [_copy_of(c) for c in _INITIAL]
+
+
 class Hub:
     """The meeting point of one in-process world's ranks: the run lock, every group's
     pending collectives and every point-to-point mailbox.
@@ -67,7 +86,7 @@ class Hub:
     holds, every waiting rank raises :class:`InProcessDesyncError` naming who waits where.
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, states: RankStates | None = None) -> None:
         self.world_size = world_size
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
@@ -78,10 +97,10 @@ class Hub:
         self.mail: dict[tuple[str, int, int, int], deque[torch.Tensor]] = {}
         self.failure: str | None = None
         # every rank's CPU RNG state and process state (:func:`per_rank`), swapped with
-        # the run lock; each starts as a fresh process's
-        self.rng: dict[int, torch.Tensor] = {r: _fresh_rng() for r in range(world_size)}
-        self.saved: dict[int, list[Any]] = {r: [_copy_of(c) for c in _INITIAL] for r in range(world_size)}
-        self.outer: list[Any] = []
+        # the run lock: the world's, kept from its last run (a fresh process's at first)
+        states = states if states is not None else RankStates(world_size)
+        self.rng = states.rng
+        self.saved = states.saved
 
     def _swap_in(self, rank: int) -> None:
         torch.set_rng_state(self.rng[rank])

@@ -4,8 +4,10 @@ Each :meth:`~diffcomm.LocalWorld.run` starts one thread per rank; each joins a r
 ``torch.distributed`` world of backend ``"inproc"`` (:mod:`diffcomm.backend.in_process`:
 its collectives meet in memory), calls the function, and leaves the world. One rank runs
 at a time (the hand-over happens only inside a collective or a receive), each with its own
-torch RNG stream and its own diffcomm per-rank state, so a run gives what separate
-processes give. Failures are reported as :class:`~diffcomm.LocalWorld` reports them: one
+torch RNG stream and its own diffcomm per-rank state (kept from run to run, as a process
+keeps it: :class:`~diffcomm.backend.in_process.RankStates`), and its own unpickled copy of
+the function and arguments, so a run gives what separate processes give.
+Failures are reported as :class:`~diffcomm.LocalWorld` reports them: one
 :class:`~diffcomm.RankError` naming the ranks with their tracebacks (a desync:
 :class:`~diffcomm.RankDesyncError`, found at once instead of after a timeout).
 """
@@ -21,10 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _config, _torch
+from .. import _config, _lifecycle, _torch
 from .._errors import DesyncError, RankDesyncError, RankError
 from ..backend import in_process as _ip
+from ..backend.in_process import RankStates
 from . import reports as _report
+from . import shipping as _ship
 
 _RUN_LOCK = threading.Lock()  # one in-process run at a time per process
 #: what a rank raises when its collective can never complete (the backend's own error,
@@ -38,28 +42,39 @@ def run_ranks(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     carried: Mapping[str, Any] | None = None,
+    state: RankStates | None = None,
 ) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` in-process ranks; results by rank.
-    ``carried``: the caller's settings every rank runs under (``_config.carried()``)."""
+    ``carried``: the caller's settings every rank runs under (``_config.carried()``);
+    ``state``: the world's ranks' process state, kept from run to run (a fresh one if
+    ``None``; reset to a fresh process's after a desync, which restarts a world of processes).
+
+    The function and its arguments travel to each rank as they travel to a process: pickled
+    once here, unpickled by every rank, so each rank has its own copies (a rank's
+    ``.grad`` accumulation or in-place change never reaches another rank or the caller)."""
+    try:
+        payload = _ship.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(f"LocalWorld.run(): cannot pickle the function or its arguments: {exc}") from exc
     if not _RUN_LOCK.acquire(blocking=False):
         raise RuntimeError(
             "LocalWorld(in_process=True).run(): an in-process run is already going on in this "
             "process (a run inside a run, or from two threads); in-process runs do not nest"
         )
     try:
-        return _run(world_size, fn, args, kwargs, carried or {})
+        return _run(world_size, getattr(fn, "__name__", "fn"), payload, carried or {}, state)
     finally:
         _RUN_LOCK.release()
 
 
 def _run(
     world_size: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    name: str,
+    payload: bytes,
     carried: Mapping[str, Any],
+    state: RankStates | None,
 ) -> list[Any]:
-    hub = _ip.Hub(world_size)
+    hub = _ip.Hub(world_size, state)
     store = dist.HashStore()
     results: list[Any] = [None] * world_size
     failures: dict[int, str] = {}
@@ -73,6 +88,8 @@ def _run(
         try:
             dist.init_process_group(_ip.NAME, store=store, rank=rank, world_size=world_size)
             try:
+                _lifecycle.program_start()  # a new program, as a process rank's run (its own state)
+                fn, args, kwargs = _ship.loads(payload)
                 with _config.applied(carried):
                     results[rank] = fn(*args, **kwargs)
             finally:
@@ -107,9 +124,10 @@ def _run(
         for box, value in zip(_ip._STATE, outer):
             _ip._restore(box, value)
     if failures:
-        name = getattr(fn, "__name__", "fn")
         first = {r: tb for r, tb in failures.items() if not isinstance(exceptions[r], _DESYNC)}
         if not first:  # only desyncs: every waiting rank names where it waited
+            if state is not None:  # processes restart after a desync: fresh ranks
+                state.reset()
             story = next(str(e) for e in exceptions.values())
             raise RankDesyncError(
                 f"LocalWorld(in_process=True): the ranks went out of step during `{name}`.\n{story}"

@@ -207,6 +207,7 @@ class LocalWorld:
         self.progress = False
         self.restarts = 0
         self._state = _Procs()
+        self._ranks: Any = None  # the ranks' RankStates, made at the first run
         self._closed = False
         self._started = True
         self._finalizer = weakref.finalize(self, _Procs.shutdown, self._state, False)
@@ -312,9 +313,11 @@ class LocalWorld:
             raise TypeError(f"LocalWorld.run(): `fn` must be callable, got {type(fn).__name__}")
         carried = _config.carried()  # e.g. the caller's dc.debug(True): every rank's too
         if self.in_process:
-            from .in_process import run_ranks
+            from .in_process import RankStates, run_ranks
 
-            return run_ranks(self.world_size, fn, args, kwargs, carried)
+            if self._ranks is None:  # each rank's state, kept from run to run as a process's
+                self._ranks = RankStates(self.world_size)
+            return run_ranks(self.world_size, fn, args, kwargs, carried, self._ranks)
         if not self._started:
             self.restarts += 1
             self._state = _Procs()

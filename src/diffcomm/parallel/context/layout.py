@@ -109,7 +109,7 @@ def _tag_grad_of(x: Tensor) -> None:
 
 #: ``{(W, layout): how}``: the layouts other than :data:`DEFAULT_LAYOUT` this program has
 #: used over ``W`` ranks (``W > 1``), and the first call that used each. Forgotten when a
-#: ``LocalWorld`` rank starts a new ``run`` (an in-process rank starts each run empty).
+#: ``LocalWorld`` rank starts a new ``run`` (on a process or in-process).
 _IN_USE: dict[tuple[int, str], str] = {}
 per_rank(_IN_USE)  # a rank's own in an in-process world
 _lifecycle.on_program_start("parallel.context layouts", _IN_USE.clear)
