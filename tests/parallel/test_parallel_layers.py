@@ -321,6 +321,57 @@ def test_an_id_outside_the_vocabulary_is_an_error_not_a_zero_row(world3, ids: li
         assert "every id must be in [0, 12) (the vocabulary size)" in msg and msg.endswith("comms=0"), msg
 
 
+def _embedding_sequence_dim(dim: int) -> tuple:
+    """ids ``[b=2, s=9]`` (``dim`` 1 or -1) or ``[s=9, b=2]`` (0 or -2) through a
+    sequence-parallel table (the objective: the sum over ranks, the serial one over the
+    whole output): this rank's output and weight gradient, and the serial ones' parts of
+    this rank (the sequence chunk along the ids' ``dim``; the vocabulary shard)."""
+    torch.manual_seed(0)
+    serial = nn.Embedding(12, 4).double()
+    emb = P.VocabParallelEmbedding.from_serial(serial, sequence_parallel=True, sequence_dim=dim)
+    ids = torch.arange(18).reshape(2, 9) % 12
+    if dim in (0, -2):
+        ids = ids.T.contiguous()
+    r, w = dc.get_rank(), dc.get_world_size()
+    scale = torch.linspace(0.5, 2.0, 4, dtype=torch.float64)
+    out = emb(ids)
+    (out * scale).sum().backward()
+    full = serial(ids)
+    (full * scale).sum().backward()
+    return out, full.chunk(w, dim % 2)[r], emb.weight.grad, serial.weight.grad.chunk(w)[r]
+
+
+@pytest.mark.parametrize("dim", [1, -1, 0, -2])
+def test_the_embeddings_sequence_dim_is_a_dimension_of_the_ids(world3, dim: int) -> None:
+    """``sequence_dim`` names the ids' sequence dimension (the docs): a negative one counts
+    from the ids' last. It was applied to the output, which has one more dimension (hidden):
+    ids ``[b, s]`` with ``sequence_dim=-1`` reduce-scattered the hidden size, silently."""
+    for out, ref, grad, ref_grad in world3.run(_embedding_sequence_dim, dim):
+        assert out.shape == ref.shape == ((2, 3, 4) if dim % 2 else (3, 2, 4))
+        assert_close(out, ref, rtol=1e-12, atol=0)
+        assert_close(grad, ref_grad, rtol=1e-12, atol=0)
+
+
+def _embedding_bad_sequence_dim(dim: int, debug: bool) -> str:
+    emb = P.VocabParallelEmbedding(12, 4, seed=0, sequence_parallel=True, sequence_dim=dim)
+    with dc.debug(debug), log_comms() as log:
+        try:
+            emb(torch.zeros(6, 2, dtype=torch.long))
+        except ValueError as exc:
+            return f"{exc} | comms={log.count()}"
+    return "no error"
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["", "debug"])
+@pytest.mark.parametrize("dim", [2, -3])
+def test_an_embedding_sequence_dim_outside_the_ids_is_an_error(world2, dim: int, debug: bool) -> None:
+    """ids ``[s, b]`` with ``sequence_dim=2``: the output's hidden dimension was split between
+    the ranks with no error. Now a ValueError naming the ids' range, before any communication."""
+    for msg in world2.run(_embedding_bad_sequence_dim, dim, debug):
+        assert "`sequence_dim` must be a dimension in [-2, 2) for a 2-dim tensor" in msg, msg
+        assert msg.endswith("comms=0"), msg
+
+
 def test_indivisible_sizes_and_bad_combinations_are_value_errors(world4) -> None:
     def validation_errors() -> dict[str, str]:
         cases = {

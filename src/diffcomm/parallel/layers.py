@@ -496,7 +496,8 @@ class VocabParallelEmbedding(ParallelModule):
         num_embeddings: vocabulary size; divisible by the group size (pad the vocabulary).
         embedding_dim: embedding size.
         sequence_parallel: give each rank only its sequence chunk of the output.
-        sequence_dim: the sequence dimension of the ids (default 0, ``[s, b]``).
+        sequence_dim: the sequence dimension of the ids (default 0, ``[s, b]``; a
+            negative one counts from the ids' last, ``-1`` for ``[b, s]``).
         group: ``None`` (world), a ``ProcessGroup`` or ``(DeviceMesh, axis)``.
         seed, generator, dtype, device: as :class:`ColumnParallelLinear` (init:
             ``nn.Embedding``'s ``normal_(0, 1)`` of the full table).
@@ -586,6 +587,11 @@ class VocabParallelEmbedding(ParallelModule):
         ids = A.check_tensor(ids, op, "ids")
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise A.arg_error(op, "ids", "an integer tensor", str(ids.dtype), TypeError)
+        seq_dim = None
+        if self.sequence_parallel:  # a dim of the ids (the output has one more: hidden)
+            if ids.ndim == 0:
+                raise A.arg_error(op, "ids", "ids with a sequence dimension (sequence_parallel)", "0-dim ids")
+            seq_dim = A.check_dim(ids, self.sequence_dim, op, "sequence_dim")
         # an id outside the vocabulary is an error, as in nn.Embedding: every rank would
         # take it for another rank's and the sum would be a row of zeros (no host sync on
         # an accelerator: a device-side assert there); a local check, so before debug mode's
@@ -605,8 +611,8 @@ class VocabParallelEmbedding(ParallelModule):
         outside = (ids < start) | (ids >= start + self.per_rank)
         local = (ids - start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence(out, self.sequence_dim, self._pg)
+        if seq_dim is not None:
+            return reduce_scatter_to_sequence(out, seq_dim, self._pg)
         return reduce_from_region(out, self._pg)
 
     def extra_repr(self) -> str:
