@@ -507,6 +507,39 @@ def test_empty_batch_and_empty_sequence(world2: dc.LocalWorld) -> None:
 # ----------------------------------------------------- issue 45: no silent wrong answer
 
 
+def _ring_under_torch_func(debug: bool) -> list[str]:
+    from torch.func import grad, jvp, vmap
+
+    from diffcomm.backend import log_comms
+
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64) for _ in range(3))
+    calls = {
+        "grad": lambda: grad(lambda qq: cp.ring_attention(qq, k, v, layout="contiguous").sum())(q),
+        "vmap": lambda: vmap(lambda qq: cp.ring_attention(qq, k, v, layout="contiguous"))(q[None]),
+        "jvp": lambda: jvp(lambda qq: cp.ring_attention(qq, k, v, layout="contiguous"), (q,), (q,)),
+    }
+    msgs = []
+    with dc.debug(debug), log_comms() as log:
+        for call in calls.values():
+            try:
+                call()
+                msgs.append("no error")
+            except RuntimeError as exc:
+                msgs.append(f"{exc} | comms={log.count()}")
+    return msgs
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["", "debug"])
+def test_ring_attention_under_torch_func_is_a_clear_error(local_worlds, debug: bool) -> None:
+    """Ring attention's fused ring cannot run under ``torch.func`` (its first-order backward
+    is its own): ``grad``, ``vmap`` and ``jvp`` raise naming the op and the ways out, before
+    any communication. Before: torch's "must override the setup_context staticmethod"."""
+    for msgs in local_worlds(2, in_process=True).run(_ring_under_torch_func, debug):
+        for m in msgs:
+            assert "parallel.ring_attention(): cannot run under a torch.func transform" in m, m
+            assert "ulysses_attention" in m and m.endswith("comms=0"), m
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_ring_attention_gradient_penalty_raises_even_with_a_linear_loss(
     local_worlds: Callable[[int], dc.LocalWorld], n: int

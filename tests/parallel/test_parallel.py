@@ -512,6 +512,66 @@ def test_vocab_parallel_cross_entropy_is_stable_and_validates(world2) -> None:
     assert "vocab_parallel_cross_entropy has a first-order backward only" in out["double"], out["double"]
 
 
+def _ce_under_torch_func(smoothing: float) -> dict:
+    """``vocab_parallel_cross_entropy`` under ``torch.func`` (3 examples of 4 tokens, vocabulary
+    4 * world, one ignored target) against the same math by autograd, example by example."""
+    from torch.func import grad, vmap
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(3, 4, 4 * w, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 4 * w, (3, 4), generator=g)
+    target[1, 2] = -100
+    z = full.chunk(w, -1)[r].contiguous()
+
+    def ce(zz: torch.Tensor, tt: torch.Tensor) -> torch.Tensor:
+        return P.vocab_parallel_cross_entropy(zz, tt, label_smoothing=smoothing)
+
+    ref_loss, ref_grad = [], []
+    for i in range(3):
+        zi = z[i].clone().requires_grad_()
+        loss = ce(zi, target[i])
+        loss.backward()
+        ref_loss.append(loss.detach())
+        ref_grad.append(zi.grad)
+    out = {
+        "grad": (grad(ce)(z[0], target[0]), ref_grad[0]),
+        "vmap": (vmap(ce)(z, target), torch.stack(ref_loss)),
+        "vmap_grad": (vmap(grad(ce))(z, target), torch.stack(ref_grad)),
+        "vmap_shared_target": (vmap(ce, in_dims=(0, None))(z, target[0]), None),
+    }
+    shared = [ce(z[i], target[0]) for i in range(3)]
+    out["vmap_shared_target"] = (out["vmap_shared_target"][0], torch.stack(shared))
+    # second order through the first-order backward: an error, never a silent zero
+    calls = {
+        "grad_of_grad": lambda: grad(lambda y: grad(ce)(y, target[0]).square().sum())(z[0]),
+        "autograd_over_grad": lambda: torch.autograd.grad(
+            grad(ce)(zz := z[0].clone().requires_grad_(), target[0]).square().sum(), zz
+        ),
+    }
+    out.update(outcomes(calls, RuntimeError))
+    bad = target.clone()
+    bad[2, 1] = 4 * w  # outside the vocabulary, in one example of the batch
+    out.update(outcomes({"range": lambda: vmap(ce)(z, bad)}, ValueError))
+    return out
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_vocab_parallel_cross_entropy_under_torch_func(world3, smoothing: float) -> None:
+    """``torch.func.grad``, ``vmap`` and per-example gradients (``vmap(grad)``) equal autograd
+    example by example; second order through the first-order backward raises its
+    documented error (in ``grad(grad)`` and autograd over ``grad`` too). Before: ``grad``
+    failed in torch (``requires_grad_()`` inside a transform, from the first-order marker),
+    ``vmap`` failed in the target check (``.item()``) and then for want of a vmap rule; a
+    target outside the vocabulary under vmap is still the ValueError."""
+    for out in world3.run(_ce_under_torch_func, smoothing):
+        for key in ("grad", "vmap", "vmap_grad", "vmap_shared_target"):
+            assert_close(*out[key], rtol=1e-12, atol=1e-15, msg=key)
+        for key in ("grad_of_grad", "autograd_over_grad"):
+            assert "vocab_parallel_cross_entropy has a first-order backward only" in out[key], out[key]
+        assert "class ids in [0, 12)" in out["range"] and "id 12" in out["range"], out["range"]
+
+
 # ======================================================================================
 # vocab-parallel embedding
 # ======================================================================================

@@ -163,3 +163,45 @@ def test_gradient_penalty_through_an_overlapped_layer_with_a_linear_loss_raises(
     for msgs in world2.run(penalty_rank):
         assert "ColumnParallelLinear(overlap='comm') has a first-order backward only" in msgs[0], msgs
         assert "ColumnParallelLinear(overlap='ring') has a first-order backward only" in msgs[1], msgs
+
+
+def _func_grad_and_retained(sp: bool, mode: object) -> dict[str, list[bool]]:
+    """The overlapped MLP against the blocking one (one serial MLP): ``torch.func.grad`` of
+    the parameters and the input, and two backwards of one retained graph."""
+    from torch.func import functional_call, grad
+
+    r, n = dc.get_rank(), dc.get_world_size()
+    blocking, overlapped = _mlp_pair(sp, mode, False, "gelu")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(SEQ, BATCH, H, generator=g, dtype=torch.float64)
+    w = torch.randn(SEQ, BATCH, H, generator=g, dtype=torch.float64)
+    if sp:
+        x, w = x.chunk(n)[r], w.chunk(n)[r]
+    grads = []
+    for mlp in (blocking, overlapped):
+        params = {k: v.detach() for k, v in mlp.named_parameters()}
+        loss = lambda p, xx, m=mlp: (functional_call(m, p, (xx,)) * w).sum()
+        gp, gx = grad(loss, argnums=(0, 1))(params, x)
+        grads.append([gx, *(gp[k] for k in sorted(gp))])
+    retained = []
+    for mlp in (blocking, overlapped):
+        xx = x.clone().requires_grad_()
+        loss = (mlp(xx) * w).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        retained.append([xx.grad, *(p.grad for p in mlp.parameters())])
+    close = [torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(*grads)]
+    # ("ring" adds in ring order: equal to a few ulps on random data, as above)
+    again = [torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(*retained)]
+    return {"func_grad": close, "retained": again}
+
+
+@pytest.mark.parametrize(("sp", "mode"), [(False, "comm"), (True, "comm"), (True, "ring")])
+def test_overlap_under_torch_func_and_with_a_retained_graph(world3, sp: bool, mode: str) -> None:
+    """Under ``torch.func.grad`` an overlapped layer runs the blocking mappings (the same
+    gradients); a retained graph's second backward runs as the blocking path's. Before:
+    torch.func raised torch's "must override the setup_context staticmethod" from inside
+    the layer, and ``overlap="comm"``'s second backward raised AttributeError ('graph':
+    the first one deleted the inner graph it kept on ctx)."""
+    for res in world3.run(_func_grad_and_retained, sp, mode):
+        assert all(res["func_grad"]) and all(res["retained"]), res

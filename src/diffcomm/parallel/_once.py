@@ -9,6 +9,14 @@ not require grad"). ``first_order`` attaches the error node to every gradient th
 backward returns whenever the graph of the backward is being built (``create_graph=True``),
 whatever the incoming gradient: any attempt to differentiate it again raises
 :data:`MESSAGE`, naming the op.
+
+Under a ``torch.func`` transform (``grad``, ``vjp``, ``vmap(grad)``) a constant gradient
+cannot be made tracked (``requires_grad_`` is refused there); the marker then hangs on an
+*anchor*: a scalar the Function took as an extra input, computed from its differentiable
+inputs (``x.sum() * 0``), so the marker is recorded at every level that tracks them
+(``grad(grad(f))``, ``torch.autograd`` over ``torch.func.grad``). A Function without an
+anchor raises a clear error there instead of returning an unmarked gradient (which
+``grad(grad(f))`` would silently differentiate to zero).
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MESSAGE", "first_order"]
+from .. import _torch
+
+__all__ = ["MESSAGE", "UNDER_TRANSFORM", "first_order"]
 
 #: the error of every first-order-only backward of diffcomm (``{op}``, ``{hint}`` filled in)
 MESSAGE = (
@@ -36,7 +46,7 @@ class _Refuse(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, message: str) -> Tensor:
+    def forward(x: Tensor, message: str, anchor: Tensor | None = None) -> Tensor:
         return x.clone()
 
     @staticmethod
@@ -44,19 +54,34 @@ class _Refuse(torch.autograd.Function):
         ctx.message = inputs[1]
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[None, None]:
+    def backward(ctx: Any, g: Tensor) -> tuple[None, None, None]:
         raise RuntimeError(ctx.message)
 
 
-def _mark(t: Any, message: str) -> Any:
+#: the refusal of a first-order backward without an anchor under a torch.func transform
+UNDER_TRANSFORM = (
+    "diffcomm: {op} has a first-order backward only, and no derivative of it can be marked "
+    "under a torch.func transform (grad / vjp / vmap), which differentiates through every "
+    "backward. Use torch.autograd (loss.backward(), torch.autograd.grad)."
+)
+
+
+def _mark(t: Any, message: str, anchor: Tensor | None, op: str) -> Any:
     if not isinstance(t, Tensor) or not (t.dtype.is_floating_point or t.dtype.is_complex):
         return t
-    if not t.requires_grad:  # a constant incoming gradient (linear loss): make it tracked
-        t = t.detach().requires_grad_()
-    return _Refuse.apply(t, message)
+    if t.requires_grad:
+        return _Refuse.apply(t, message)
+    if _torch.transforms_active():  # a torch.func transform: hang the marker on the anchor
+        if anchor is None:
+            raise RuntimeError(UNDER_TRANSFORM.format(op=op))
+        return _Refuse.apply(t, message, anchor)
+    # a constant incoming gradient (linear loss): make it tracked
+    return _Refuse.apply(t.detach().requires_grad_(), message)
 
 
-def first_order(op: str, hint: str = "") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def first_order(
+    op: str, hint: str = "", anchor: Callable[[Any], Tensor | None] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator of an autograd Function's ``backward`` (in place of
     ``once_differentiable``): the backward runs under ``no_grad``; when the backward graph
     is being built (``create_graph=True``) every gradient it returns carries a node whose
@@ -66,6 +91,9 @@ def first_order(op: str, hint: str = "") -> Callable[[Callable[..., Any]], Calla
     Args:
         op: the public op, for the message (``"parallel.ring_attention"``).
         hint: what to use instead (one sentence).
+        anchor: ``anchor(ctx)``: the Function's anchor (see the module docstring), or
+            ``None``; without it the backward refuses to run under a ``torch.func``
+            transform, with a message naming ``op``.
     """
     message = MESSAGE.format(op=op, hint=hint).rstrip()
 
@@ -73,13 +101,14 @@ def first_order(op: str, hint: str = "") -> Callable[[Callable[..., Any]], Calla
         @functools.wraps(backward)
         def wrapper(ctx: Any, *grads: Any) -> Any:
             building = torch.is_grad_enabled()
+            a = anchor(ctx) if building and anchor is not None else None
             with torch.no_grad():
                 out = backward(ctx, *grads)
             if not building:
                 return out
             if isinstance(out, tuple):
-                return tuple(_mark(t, message) for t in out)
-            return _mark(out, message)
+                return tuple(_mark(t, message, a, op) for t in out)
+            return _mark(out, message, a, op)
 
         return wrapper
 

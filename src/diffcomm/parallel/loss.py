@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import _config
+from .. import _config, _torch
 from .. import backend as B
 from .._replication import REPLICATED, P, R, Rule, V
 from ..backend import args as A
@@ -49,7 +49,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        logits: Tensor, target: Tensor, ignore_index: int, smoothing: float, pg: PG, debug: bool
+        logits: Tensor,
+        target: Tensor,
+        ignore_index: int,
+        smoothing: float,
+        pg: PG,
+        debug: bool,
+        anchor: Tensor | None = None,
     ) -> tuple[Tensor, ...]:
         backend = B.get_backend()
         world = backend.world_size(pg)
@@ -80,11 +86,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-        logits, _, _, smoothing, pg, debug = inputs
+        logits, _, _, smoothing, pg, debug, anchor = inputs
         _, softmax, local_t, here, valid = output
         ctx.mark_non_differentiable(*output[1:])
-        ctx.save_for_backward(softmax, local_t, here, valid)
-        ctx.save_for_forward(softmax, local_t, here, valid)
+        ctx.save_for_backward(softmax, local_t, here, valid, anchor)
+        ctx.save_for_forward(softmax, local_t, here, valid, anchor)
         ctx.smoothing, ctx.pg, ctx.debug = smoothing, pg, debug
         ctx.vocab = logits.shape[-1] * B.get_backend().world_size(pg)
         ctx.dtype = logits.dtype
@@ -101,7 +107,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad
 
     @staticmethod
-    @first_order(_OP)
+    def vmap(
+        info: Any,
+        in_dims: tuple[Any, ...],
+        logits: Tensor,
+        target: Tensor,
+        ignore_index: int,
+        smoothing: float,
+        pg: PG,
+        debug: bool,
+        anchor: Tensor | None = None,
+    ) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
+        """A batch of losses is one loss over more tokens: the batch dim first (the class
+        dim stays last), one call (the same two all_reduces, over the whole batch)."""
+
+        def first(t: Tensor, d: int | None) -> Tensor:
+            return t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)
+
+        out = _VocabParallelCrossEntropy.apply(
+            first(logits, in_dims[0]), first(target, in_dims[1]), ignore_index, smoothing, pg, debug
+        )
+        return out, (0, 0, 0, 0, 0)
+
+    @staticmethod
+    @first_order(_OP, anchor=lambda ctx: ctx.saved_tensors[4])
     def backward(ctx: Any, g_loss: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         if ctx.debug or _config.DEBUG.get():
             check_replicated(
@@ -112,14 +141,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 "consumed identically on every rank (replicated objective).",
                 ctx.pg,
             )
-        softmax, local_t, here, valid = ctx.saved_tensors
+        softmax, local_t, here, valid, _anchor = ctx.saved_tensors
         grad = _VocabParallelCrossEntropy._dloss_dlogits(ctx, softmax, local_t, here)
-        grad.mul_((g_loss.to(grad.dtype) * valid).unsqueeze(-1))
-        return grad.to(ctx.dtype), None, None, None, None, None
+        scale = (g_loss.to(grad.dtype) * valid).unsqueeze(-1)
+        grad = grad * scale if _torch.transforms_active() else grad.mul_(scale)  # (vmap: out of place)
+        return grad.to(ctx.dtype), None, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, t_logits: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
-        softmax, local_t, here, valid = ctx.saved_tensors
+        softmax, local_t, here, valid, _anchor = ctx.saved_tensors
         grad = _VocabParallelCrossEntropy._dloss_dlogits(ctx, softmax, local_t, here)
         partial = (grad * t_logits.to(grad.dtype)).sum(-1)
         with B.label(f"{_OP} jvp"):
@@ -166,7 +196,8 @@ def vocab_parallel_cross_entropy(
         replicated objective: ``dL/dz_j = g * (softmax_j - (1-eps) [j == t] - eps / V)``
         for this rank's classes ``j``; no communication. Debug mode checks that the
         incoming loss gradient is equal on every rank. Once differentiable (double
-        backward raises); forward mode (``torch.func.jvp``) works.
+        backward raises, under ``torch.func`` too); forward mode (``torch.func.jvp``),
+        ``torch.func.grad``, ``vmap`` and ``vmap(grad)`` work.
 
     Example::
 
@@ -199,9 +230,11 @@ def vocab_parallel_cross_entropy(
     ignore_index = A.check_int(ignore_index, _OP, "ignore_index")
     pg = A.resolve_group(group, _OP)
     vocab = logits.shape[-1] * B.get_backend().world_size(pg)
-    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    # under vmap the ids' values are every batch entry's (their unwrapped tensor)
+    ids = _torch.functorch_unwrapped(target) if _torch.transforms_active() else target
+    bad = (ids != ignore_index) & ((ids < 0) | (ids >= vocab))
     if bool(bad.any()):
-        first = target[bad].reshape(-1)[0].item()
+        first = ids[bad].reshape(-1)[0].item()
         raise A.arg_error(
             _OP, "target", f"class ids in [0, {vocab}) or ignore_index={ignore_index}", f"id {first}"
         )
@@ -217,9 +250,12 @@ def vocab_parallel_cross_entropy(
             "Every rank of the tensor-parallel group must pass the same target ids.",
             pg,
         )
-    loss = _VocabParallelCrossEntropy.apply(logits, target, ignore_index, float(label_smoothing), pg, debug)[
-        0
-    ]
+    # under a torch.func transform the first-order marker of the backward hangs on a scalar
+    # that depends on the logits (parallel/_once.py), computed only then
+    anchor = logits.sum() * 0 if _torch.transforms_active() else None
+    loss = _VocabParallelCrossEntropy.apply(
+        logits, target, ignore_index, float(label_smoothing), pg, debug, anchor
+    )[0]
     if reduction == "none":
         return loss
     total = loss.sum()

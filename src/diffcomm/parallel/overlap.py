@@ -9,7 +9,7 @@ their communication on the communication engine of :mod:`diffcomm.ops.engine`:
 (the ``copy_to_region`` all_reduce, or with sequence parallelism the
 ``all_gather_from_sequence`` reduce_scatter) **before** the weight-gradient matmul and
 waits where the input gradient is consumed (the previous layer's backward). Every
-computation is the blocking path's own (the local linear's autograd graph, evaluated in
+computation is the blocking path's own (the local linear's backward matmuls, evaluated in
 two parts) and the collective is the same raw op on the same data, so outputs and
 gradients are **bit-identical** to ``overlap=False``.
 
@@ -27,8 +27,10 @@ block of rows may round differently from the same rows of the full matmul. On ex
 representable data (integers in floating point) the two paths agree bit for bit; on
 random data to a few ulps.
 
-Both modes support first-order gradients (``backward()``, ``torch.autograd.grad``);
-double backward through an overlapped layer raises (use ``overlap=False``).
+Both modes support first-order gradients (``backward()``, ``torch.autograd.grad``, a
+retained graph's second backward); double backward through an overlapped layer raises
+(use ``overlap=False``). Under a ``torch.func`` transform (``grad``, ``vmap``, ...) the
+layers run the blocking mappings instead: the same values and gradients.
 
 The three autograd Functions here (``_ColumnComm``, ``_ColumnRing``, ``_RowRing``) are
 not ``diffcomm.ops.base.CommOp`` / ``ListOp`` ops: that base derives
@@ -50,11 +52,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _torch
 from .. import backend as B
 from .._replication import REPLICATED, P, R, Rule, V
 from ..backend.args import PG
 from ..ops import collectives
 from ..ops import engine as _async
+from . import mappings
 from ._once import first_order
 
 #: Modes of the ``overlap=`` argument (``True`` picks ``"ring"`` with sequence
@@ -176,24 +180,21 @@ class _ColumnComm(torch.autograd.Function):
             world = B.get_backend().world_size(pg)
             with B.label("parallel.all_gather_from_sequence"):
                 x_in = collectives.all_gather(x.detach(), sp_dim, pg, split_sizes=[x.shape[sp_dim]] * world)
-        leaves = [x_in.requires_grad_(ctx.needs_input_grad[0]), w.detach().requires_grad_(w.requires_grad)]
-        if b is not None:
-            leaves.append(b.detach().requires_grad_(b.requires_grad))
-        with torch.enable_grad():
-            y = F.linear(leaves[0], leaves[1], leaves[2] if b is not None else None)
-        ctx.graph = (y, leaves)
-        ctx.sp_dim, ctx.pg = sp_dim, pg
-        return y.detach()
+        w_ = w.detach()
+        y = F.linear(x_in, w_, None if b is None else b.detach())
+        # saved (not an inner graph kept on ctx): autograd's checks of in-place changes,
+        # and a retained graph (backward(retain_graph=True)) runs its backward twice
+        ctx.save_for_backward(x_in, w_)
+        ctx.sp_dim, ctx.pg, ctx.has_bias = sp_dim, pg, b is not None
+        return y
 
     @staticmethod
     @first_order("parallel.ColumnParallelLinear(overlap='comm')", _HINT)
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
-        y, leaves = ctx.graph
-        del ctx.graph
+        x_in, w = ctx.saved_tensors
         gx = None
-        params = [t for t in leaves[1:] if t.requires_grad]
         if ctx.needs_input_grad[0]:
-            (gx_part,) = torch.autograd.grad(y, leaves[0], g, retain_graph=bool(params))
+            gx_part = g.matmul(w)
             pg, dim = ctx.pg, ctx.sp_dim
             if dim is None:
                 name = "parallel.copy_to_region backward"
@@ -213,9 +214,10 @@ class _ColumnComm(torch.autograd.Function):
                     lambda t: _labelled(name, collectives.reduce_scatter, t, dim, "sum", pg),
                     shape,
                 )
-        grads = iter(torch.autograd.grad(y, params, g) if params else ())
-        gw = next(grads) if leaves[1].requires_grad else None
-        gb = next(grads) if len(leaves) > 2 and leaves[2].requires_grad else None
+        # the weight and bias gradients while the input gradient's communication runs
+        g2 = g.reshape(-1, g.shape[-1])
+        gw = g2.t().mm(x_in.reshape(-1, x_in.shape[-1])) if ctx.needs_input_grad[1] else None
+        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None
 
 
@@ -275,7 +277,13 @@ class _ColumnRing(torch.autograd.Function):
 
 
 def column_linear(x: Tensor, w: Tensor, b: Tensor | None, mode: str, sp_dim: int | None, pg: PG) -> Tensor:
-    """The overlapped ``ColumnParallelLinear`` forward (before any ``gather_output``)."""
+    """The overlapped ``ColumnParallelLinear`` forward (before any ``gather_output``);
+    under a ``torch.func`` transform, the blocking mappings (the same values and
+    gradients: the transforms see every op, and nothing runs behind them to overlap)."""
+    if _torch.transforms_active():
+        if sp_dim is None:
+            return F.linear(mappings.copy_to_region(x, pg), w, b)
+        return F.linear(mappings.all_gather_from_sequence(x, sp_dim, pg), w, b)
     if mode == "ring" and sp_dim is not None:
         return _ColumnRing.apply(x, w, b, sp_dim, pg)
     return _ColumnComm.apply(x, w, b, sp_dim, pg)
@@ -326,5 +334,8 @@ class _RowRing(torch.autograd.Function):
 
 
 def row_linear_sequence_ring(x: Tensor, w: Tensor, dim: int, pg: PG) -> Tensor:
-    """The overlapped sequence-parallel ``RowParallelLinear`` matmul + reduce_scatter."""
+    """The overlapped sequence-parallel ``RowParallelLinear`` matmul + reduce_scatter
+    (under a ``torch.func`` transform the blocking mapping, as :func:`column_linear`)."""
+    if _torch.transforms_active():
+        return mappings.reduce_scatter_to_sequence(F.linear(x, w), dim, pg)
     return _RowRing.apply(x, w, dim, pg)

@@ -611,6 +611,13 @@ def ring_attention(
     total, cu, table = resolve_seq(op, q.shape[2], world, layout, cu_seqlens, seq_len, "q")
     mask = _check_mask(attn_mask, q, total, op)
     seed = draw_seed(dropout_seed, p, op)
+    if _torch.transforms_active():  # before any communication
+        raise RuntimeError(
+            f"diffcomm.{op}(): cannot run under a torch.func transform (grad, vjp, vmap, jvp): "
+            "its fused ring has a first-order backward of its own, which torch.func cannot "
+            "transform. Use torch.autograd (loss.backward(), torch.autograd.grad), or "
+            "parallel.ulysses_attention, which runs under torch.func."
+        )
     if _config.DEBUG.get():
         B.get_backend().check_consistent(
             op,
