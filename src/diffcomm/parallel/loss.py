@@ -107,27 +107,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad
 
     @staticmethod
-    def vmap(
-        info: Any,
-        in_dims: tuple[Any, ...],
-        logits: Tensor,
-        target: Tensor,
-        ignore_index: int,
-        smoothing: float,
-        pg: PG,
-        debug: bool,
-        anchor: Tensor | None = None,
-    ) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
-        """A batch of losses is one loss over more tokens: the batch dim first (the class
-        dim stays last), one call (the same two all_reduces, over the whole batch)."""
+    def vmap(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
+        """A batch of losses is one loss over more tokens: the batch dim of the logits and
+        the target first (the class dim stays last), one call (the same two all_reduces,
+        over the whole batch); the anchor is not needed below the transform."""
 
         def first(t: Tensor, d: int | None) -> Tensor:
             return t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)
 
-        out = _VocabParallelCrossEntropy.apply(
-            first(logits, in_dims[0]), first(target, in_dims[1]), ignore_index, smoothing, pg, debug
-        )
-        return out, (0, 0, 0, 0, 0)
+        logits, target = (first(t, d) for t, d in zip(args[:2], in_dims[:2], strict=True))
+        return _VocabParallelCrossEntropy.apply(logits, target, *args[2:6]), (0, 0, 0, 0, 0)
 
     @staticmethod
     @first_order(_OP, anchor=lambda ctx: ctx.saved_tensors[4])

@@ -184,8 +184,7 @@ class _ColumnComm(torch.autograd.Function):
         y = F.linear(x_in, w_, None if b is None else b.detach())
         # saved (not an inner graph kept on ctx): autograd's checks of in-place changes,
         # and a retained graph (backward(retain_graph=True)) runs its backward twice
-        ctx.save_for_backward(x_in, w_)
-        ctx.sp_dim, ctx.pg, ctx.has_bias = sp_dim, pg, b is not None
+        _keep(ctx, x_in, w_, sp_dim, pg, b)
         return y
 
     @staticmethod
@@ -195,7 +194,7 @@ class _ColumnComm(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             gx_part = g.matmul(w)
-            pg, dim = ctx.pg, ctx.sp_dim
+            pg, dim = ctx.pg, ctx.dim
             if dim is None:
                 name = "parallel.copy_to_region backward"
                 gx = _async.launch(
@@ -215,10 +214,23 @@ class _ColumnComm(torch.autograd.Function):
                     shape,
                 )
         # the weight and bias gradients while the input gradient's communication runs
-        g2 = g.reshape(-1, g.shape[-1])
-        gw = g2.t().mm(x_in.reshape(-1, x_in.shape[-1])) if ctx.needs_input_grad[1] else None
-        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None
+        return (gx, *_weight_and_bias_grads(ctx, g, x_in), None, None)
+
+
+def _keep(ctx: Any, x: Tensor | None, w: Tensor, dim: int | None, pg: PG, b: Tensor | None) -> None:
+    """What a column linear's backward reads: the (gathered) input and the weight, saved;
+    the sequence dim, the group and whether there is a bias."""
+    ctx.save_for_backward(x, w)
+    ctx.dim, ctx.pg, ctx.has_bias = dim, pg, b is not None
+
+
+def _weight_and_bias_grads(ctx: Any, g: Tensor, x: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """A column linear's weight and bias gradients from the output gradient ``g`` and the
+    (gathered) input ``x``, those its inputs 1 and 2 need."""
+    g2 = g.reshape(-1, g.shape[-1])
+    gw = g2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+    gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return gw, gb
 
 
 def _labelled(name: str, fn: Any, *args: Any) -> Tensor:
@@ -254,8 +266,7 @@ class _ColumnRing(torch.autograd.Function):
             "parallel.all_gather_from_sequence",
             keep_gathered=True,
         )
-        ctx.save_for_backward(x_full, w_)
-        ctx.dim, ctx.pg, ctx.has_bias = dim, pg, b is not None
+        _keep(ctx, x_full, w_, dim, pg, b)
         return y
 
     @staticmethod
@@ -270,10 +281,7 @@ class _ColumnRing(torch.autograd.Function):
             gx = ring_matmul_reduce_scatter(
                 lambda j: g_blocks[j].matmul(w), pg, "parallel.all_gather_from_sequence backward"
             )
-        g2 = g.reshape(-1, g.shape[-1])
-        gw = g2.t().mm(x_full.reshape(-1, x_full.shape[-1])) if ctx.needs_input_grad[1] else None
-        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None
+        return (gx, *_weight_and_bias_grads(ctx, g, x_full), None, None)
 
 
 def column_linear(x: Tensor, w: Tensor, b: Tensor | None, mode: str, sp_dim: int | None, pg: PG) -> Tensor:
