@@ -35,6 +35,10 @@ collectives.
 
 from __future__ import annotations
 
+# Size: ~700 lines, over the ~600 guideline: the engine, the tensor that waits and the
+# differentiable bridge share one protocol (a job's handle, its result's versions, the
+# in-place checks of the inputs and outputs a job or a backward reads); split, each part
+# would reach into the others' privates.
 import contextlib
 import contextvars
 import queue
@@ -72,15 +76,19 @@ __all__ = [
 
 
 class Handle:
-    """One launched job: ``done()``, ``wait()`` (its result, or its exception re-raised)."""
+    """One launched job: ``done()``, ``wait()`` (its result, or its exception re-raised).
 
-    __slots__ = ("_event", "_result", "_error", "name")
+    ``versions``: the ``_version`` of the result (a tuple of them for a tuple result) as
+    the job left it — what an in-place modification of the result is measured against."""
+
+    __slots__ = ("_event", "_result", "_error", "name", "versions")
 
     def __init__(self, name: str) -> None:
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
         self.name = name
+        self.versions: Any = None
 
     def done(self) -> bool:
         """Whether the job has finished (successfully or not)."""
@@ -128,6 +136,7 @@ class _Engine:
             try:
                 with torch.no_grad():
                     handle._result = fn()
+                handle.versions = _versions_of(handle._result)
             except BaseException as err:  # re-raised by Handle.wait, as on the engine
                 handle._error = err
             finally:
@@ -160,6 +169,7 @@ class _Engine:
             try:
                 with torch.no_grad(), acc.stream_context(stream) if acc is not None else _NO_STREAM:
                     handle._result = ctx.run(fn)
+                handle.versions = _versions_of(handle._result)
             except BaseException as err:  # re-raised by Handle.wait on the caller
                 handle._error = err
             finally:
@@ -186,6 +196,15 @@ class _Engine:
 
 
 _ENGINE = _Engine()
+
+
+def _versions_of(result: Any) -> Any:
+    """``Handle.versions`` of a job's result."""
+    if isinstance(result, Tensor):
+        return result._version
+    if isinstance(result, (tuple, list)):
+        return tuple(r._version if isinstance(r, Tensor) else None for r in result)
+    return None
 
 
 def submit(fn: Callable[[], Any], name: str = "job") -> Handle:
@@ -303,6 +322,10 @@ class AsyncTensor(Tensor):
     def done(self) -> bool:
         """Whether the communication has completed (never blocks)."""
         return self._elem is not None or self._handle.done()
+
+    def _born(self) -> int:
+        """The finished tensor's ``_version`` as its job left it (the job has run)."""
+        return int(self._handle.versions)
 
     def wait(self) -> Tensor:
         """Block until the communication finished; return the finished (plain) tensor.
@@ -499,6 +522,44 @@ class _Part:
     def wait(self) -> Any:
         return self.handle.wait()[self.i]
 
+    @property
+    def versions(self) -> Any:
+        return self.handle.versions[self.i]
+
+
+def _stamp(t: Tensor) -> tuple[int, int | None]:
+    """``t``'s version now and, for an :class:`AsyncTensor` already waited for, its finished
+    tensor's (``None``: not handed out yet, so still as its job leaves it). Both count: an
+    in-place op on the AsyncTensor bumps the wrapper's version, one on what ``.wait()``
+    returned the finished tensor's."""
+    if isinstance(t, AsyncTensor):
+        return t._version, (t._elem._version if t._elem is not None else None)
+    return t._version, None
+
+
+def _changed(t: Tensor, stamp: tuple[int, int | None]) -> tuple[int, int] | None:
+    """``(expected, now)`` of the first version of ``t`` that moved since ``stamp``, or
+    ``None`` (``t``'s job, if it is an AsyncTensor, has run: called in a later job or in
+    backward)."""
+    version, inner = stamp
+    if t._version != version:
+        return version, t._version
+    if isinstance(t, AsyncTensor):
+        expected = t._born() if inner is None else inner
+        now = t._finished()._version
+        if now != expected:
+            return expected, now
+    return None
+
+
+def _inplace_error(what: str, name: str, versions: tuple[int, int]) -> RuntimeError:
+    return RuntimeError(
+        f"diffcomm: one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: {what} of asynchronous {name} is at version {versions[1]}; expected "
+        f"version {versions[0]} instead (its backward reads it: do not modify it in place before "
+        "backward, or modify a clone)"
+    )
+
 
 class _Ctx:
     """The autograd context a Function's ``setup_context`` / ``backward`` see when an
@@ -535,7 +596,6 @@ class _LaunchFn(torch.autograd.Function):
         pos: tuple[int, ...],
         *tensors: Tensor,
     ) -> Any:
-        # (the outputs are not kept on ctx: backward reads the finished ones from the handle)
         shapes = cls.shapes_for(args)  # type: ignore[attr-defined]  # the op's out_shape
         multi = isinstance(shapes, list)
         name = getattr(cls, "name", "") or cls.__name__.lstrip("_")
@@ -562,17 +622,20 @@ class _LaunchFn(torch.autograd.Function):
             )
         else:
             outs = AsyncTensor(handle, shapes, first.dtype, first.device)
-        ctx.cls, ctx.args, ctx.pos, ctx.handle = cls, args, pos, handle
+        ctx.cls, ctx.args, ctx.pos, ctx.handle, ctx.name = cls, args, pos, handle, name
         if multi:
             nondiff = [o for o in outs if not (o.dtype.is_floating_point or o.dtype.is_complex)]
             if nondiff:
                 ctx.mark_non_differentiable(*nondiff)
+        if not isinstance(ctx, _NoCtx):
+            _save_what_backward_reads(ctx, cls, args, outs)
         return outs
 
     @staticmethod
     def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
         cls, args, pos = ctx.cls, ctx.args, ctx.pos
         outs = ctx.handle.wait()  # finished long ago: backward runs after the forward's use
+        _check_what_backward_reads(ctx, outs)
         needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         c = _Ctx(needs)
         cls.setup_context(c, args, outs)
@@ -581,6 +644,48 @@ class _LaunchFn(torch.autograd.Function):
         if not isinstance(grads, tuple):
             grads = (grads,)
         return (None, None, None, *(grads[i] for i in pos))
+
+
+def _save_what_backward_reads(ctx: Any, cls: Any, args: tuple[Any, ...], outs: Any) -> None:
+    """Save on ``ctx`` the inputs and outputs ``cls``'s backward rule reads (what its
+    ``setup_context`` saves: max / min / product keep both), so that autograd's saved-tensor
+    check refuses them modified in place, as for the blocking op. Backward replays the
+    rule on the finished tensors, which autograd does not see: :func:`_check_what_backward_reads`
+    checks those against the versions their jobs left (``Handle.versions``) or, for an
+    input already waited for, noted here."""
+    probe = _Ctx(tuple(isinstance(a, Tensor) and a.requires_grad for a in args))
+    cls.setup_context(probe, args, outs)  # (reads no values of outs: only their shapes)
+    read = probe.saved_tensors
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    ctx.outs_read = tuple(i for i, o in enumerate(outs) if any(t is o for t in read))
+    ctx.args_read = tuple(
+        (i, _stamp(a)) for i, a in enumerate(args) if isinstance(a, AsyncTensor) and any(t is a for t in read)
+    )
+    kept = tuple(t for t in read if any(t is o for o in (*outs, *args)))
+    ctx.saved_some = bool(kept)  # (else nothing to check: a linear op may backward twice)
+    if kept:
+        ctx.save_for_backward(*kept)
+
+
+def _check_what_backward_reads(ctx: Any, outs: Any) -> None:
+    """Refuse, as autograd does for a blocking op, a backward whose rule would read an input or
+    output modified in place since the forward: through the tensors themselves (autograd's
+    check of the saved tensors), or through the finished tensor ``.wait()`` returned."""
+    if not ctx.saved_some:
+        return
+    try:
+        ctx.saved_tensors  # noqa: B018  # (unpacking is autograd's version check)
+    except RuntimeError as err:
+        raise RuntimeError(f"diffcomm: asynchronous {ctx.name}: {err}") from None
+    finished = outs if isinstance(outs, tuple) else (outs,)
+    born = ctx.handle.versions if isinstance(outs, tuple) else (ctx.handle.versions,)
+    for i in ctx.outs_read:
+        if finished[i]._version != born[i]:
+            raise _inplace_error(f"output {i} (through .wait())", ctx.name, (born[i], finished[i]._version))
+    for i, stamp in ctx.args_read:
+        moved = _changed(ctx.args[i], stamp)
+        if moved is not None:
+            raise _inplace_error(f"input {i}", ctx.name, moved)
 
 
 def launch_fn(cls: type[torch.autograd.Function], args: tuple[Any, ...]) -> Any:
