@@ -236,6 +236,30 @@ def test_input_modified_in_place_before_the_launch_ran_is_an_error(world2) -> No
     assert "modified in place after the op was launched" in out[0]
 
 
+@pytest.mark.parametrize("second", ["launch", "all_reduce"])
+def test_waited_input_modified_in_place_before_the_launch_ran_is_an_error(world2, second) -> None:
+    def modified_waited_input_rank() -> str:
+        """``a`` is an earlier asynchronous result passed into a second op ``b``; rank 0
+        modifies the tensor ``a.wait()`` returned while ``b`` is queued (behind a delay).
+        That changes the finished tensor, not the AsyncTensor wrapper: ``b``'s job must
+        still refuse to send it (before: it sent the modified data)."""
+        r = dc.get_rank()
+        a = _ar(torch.full((4,), 1.0 + r))
+        if r == 0:
+            _delay_engine(0.3)
+        b = _ar(a) if second == "launch" else dc.all_reduce(a, async_op=True)
+        if r == 0:
+            a.wait().add_(100.0)  # a is done; b waits behind the delay
+        try:
+            return str(b.wait().tolist())
+        except RuntimeError as err:
+            dc.all_reduce(torch.ones(4))  # keep the ranks in step: the peer's b needs a partner
+            return str(err)
+
+    out = world2.run(modified_waited_input_rank)
+    assert "modified in place after the op was launched" in out[0], out
+
+
 def test_pickle_and_repr_wait(world2) -> None:
     def misc_rank() -> dict[str, object]:
         y = _ar(torch.ones(2, 3))

@@ -384,6 +384,31 @@ def _plain(t: Tensor) -> Tensor:
     return t._finished() if isinstance(t, AsyncTensor) else t
 
 
+def _stamp(t: Tensor) -> tuple[int, int | None]:
+    """``t``'s version now and, for an :class:`AsyncTensor` already waited for, its finished
+    tensor's (``None``: not handed out yet, so still as its job leaves it). Both count: an
+    in-place op on the AsyncTensor bumps the wrapper's version, one on what ``.wait()``
+    returned the finished tensor's."""
+    if isinstance(t, AsyncTensor):
+        return t._version, (t._elem._version if t._elem is not None else None)
+    return t._version, None
+
+
+def _changed(t: Tensor, stamp: tuple[int, int | None]) -> tuple[int, int] | None:
+    """``(expected, now)`` of the first version of ``t`` that moved since ``stamp``, or
+    ``None`` (``t``'s job, if it is an AsyncTensor, has run: called in a later job or in
+    backward)."""
+    version, inner = stamp
+    if t._version != version:
+        return version, t._version
+    if isinstance(t, AsyncTensor):
+        expected = t._born() if inner is None else inner
+        now = t._finished()._version
+        if now != expected:
+            return expected, now
+    return None
+
+
 class _Launch(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -407,11 +432,12 @@ class _Launch(torch.autograd.Function):
 
 def _submit_checked(x: Tensor, name: str, raw: Callable[[Tensor], Tensor]) -> Handle:
     """Submit ``raw(x)``; the job refuses to read ``x`` if it was modified in place since
-    the launch (the input is read by the engine later, not copied at the launch)."""
-    version = x._version
+    the launch (the input is read by the engine later, not copied at the launch), also
+    through the tensor an AsyncTensor ``x``'s ``.wait()`` returned."""
+    stamp = _stamp(x)
 
     def job() -> Tensor:
-        if x._version != version:
+        if _changed(x, stamp) is not None:
             raise RuntimeError(
                 f"diffcomm: the input of asynchronous {name} was modified in place after the op was "
                 "launched and before its communication ran; wait for the result (or use it) "
@@ -527,31 +553,6 @@ class _Part:
         return self.handle.versions[self.i]
 
 
-def _stamp(t: Tensor) -> tuple[int, int | None]:
-    """``t``'s version now and, for an :class:`AsyncTensor` already waited for, its finished
-    tensor's (``None``: not handed out yet, so still as its job leaves it). Both count: an
-    in-place op on the AsyncTensor bumps the wrapper's version, one on what ``.wait()``
-    returned the finished tensor's."""
-    if isinstance(t, AsyncTensor):
-        return t._version, (t._elem._version if t._elem is not None else None)
-    return t._version, None
-
-
-def _changed(t: Tensor, stamp: tuple[int, int | None]) -> tuple[int, int] | None:
-    """``(expected, now)`` of the first version of ``t`` that moved since ``stamp``, or
-    ``None`` (``t``'s job, if it is an AsyncTensor, has run: called in a later job or in
-    backward)."""
-    version, inner = stamp
-    if t._version != version:
-        return version, t._version
-    if isinstance(t, AsyncTensor):
-        expected = t._born() if inner is None else inner
-        now = t._finished()._version
-        if now != expected:
-            return expected, now
-    return None
-
-
 def _inplace_error(what: str, name: str, versions: tuple[int, int]) -> RuntimeError:
     return RuntimeError(
         f"diffcomm: one of the variables needed for gradient computation has been modified by an "
@@ -599,11 +600,11 @@ class _LaunchFn(torch.autograd.Function):
         shapes = cls.shapes_for(args)  # type: ignore[attr-defined]  # the op's out_shape
         multi = isinstance(shapes, list)
         name = getattr(cls, "name", "") or cls.__name__.lstrip("_")
-        versions = [(t, t._version) for t in tensors]
+        stamps = [(t, _stamp(t)) for t in tensors]
 
         def job() -> Any:
-            for t, v in versions:
-                if t._version != v:
+            for t, stamp in stamps:
+                if _changed(t, stamp) is not None:
                     raise RuntimeError(
                         f"diffcomm: an input of asynchronous {name} was modified in place after the op was "
                         "launched and before its communication ran; wait for the result (or use it) "
