@@ -277,6 +277,49 @@ def test_pickle_and_repr_wait(world2) -> None:
         assert res["pickle"] == "Tensor" and res["repr"] and res["wait_plain"] == "Tensor"
 
 
+def test_non_tensor_results_wait(world2) -> None:
+    def python_values_rank() -> dict[str, object]:
+        """``.tolist()``, ``.item()``, ``.numpy()`` / ``np.asarray`` and format specs read an
+        AsyncTensor like any other operation: they wait, then give the finished tensor's
+        value (before: ``.tolist()`` and ``.numpy()`` raised "not supported for tensor
+        subclasses", a format spec a TypeError). The peer's engine is delayed, so the
+        first read finds the communication still running."""
+        import numpy as np
+
+        if dc.get_rank() == 1:
+            _delay_engine(0.2)
+        y = _ar(torch.arange(3.0))
+        pending = not y.done()
+        z = _ar(torch.ones((), dtype=torch.float64, requires_grad=True))
+        try:
+            z.numpy()
+            grad_numpy = "no error"
+        except RuntimeError as err:  # as for a plain tensor that requires grad
+            grad_numpy = str(err)
+        return {
+            "pending": pending or dc.get_rank() == 1,
+            "tolist": y.tolist(),
+            "item": _ar(torch.ones(1)).item(),
+            "numpy": _ar(torch.arange(3.0)).numpy().tolist(),
+            "asarray": np.asarray(_ar(torch.arange(3.0))).tolist(),
+            "format": f"{z:.1f}",
+            "grad_numpy": "requires grad" in grad_numpy,
+            "z_numpy": z.detach().numpy().tolist(),
+        }
+
+    for res in world2.run(python_values_rank):
+        assert res == {
+            "pending": True,
+            "tolist": [0.0, 2.0, 4.0],
+            "item": 2.0,
+            "numpy": [0.0, 2.0, 4.0],
+            "asarray": [0.0, 2.0, 4.0],
+            "format": "2.0",
+            "grad_numpy": True,
+            "z_numpy": 2.0,
+        }
+
+
 def test_engine_jobs_are_logged_and_recorded_with_their_thread(world2) -> None:
     def logged_rank() -> tuple[int, int, list[str]]:
         with B.log_comms() as log, B.record_spans() as spans:

@@ -275,9 +275,9 @@ class AsyncTensor(Tensor):
 
     It has the shape, dtype and device of the finished tensor, so it can be passed around
     (and into other asynchronous ops) without waiting. Any operation on it — arithmetic,
-    indexing, printing, ``.tolist()``, autograd using it — first waits for the
-    communication (``__torch_dispatch__``) and then runs on the finished tensor; its
-    results are plain tensors.
+    indexing, printing, ``.tolist()`` / ``.item()`` / ``.numpy()``, autograd using it —
+    first waits for the communication (``__torch_dispatch__``) and then runs on the
+    finished tensor; its results are plain tensors.
 
     ``wait()`` returns the finished tensor (connected to autograd like the async tensor
     was); ``done()`` says whether the communication has completed.
@@ -344,6 +344,23 @@ class AsyncTensor(Tensor):
     ) -> Any:
         args, kwargs = tree_map_only(AsyncTensor, AsyncTensor._finished, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+    # Methods that return no tensor never reach ``__torch_dispatch__`` (torch refuses them for
+    # a subclass, or formats the wrapper): they wait here. ``np.asarray`` calls ``numpy()``.
+    def tolist(self) -> Any:
+        return self._finished().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        if self.requires_grad and not force:  # as for a plain tensor
+            raise RuntimeError(
+                "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead."
+            )
+        return self._finished().numpy(force=force)
+
+    def __format__(self, format_spec: str) -> str:
+        if self.dim() == 0:  # a plain 0-dim tensor formats its value
+            return self._finished().__format__(format_spec)
+        return super().__format__(format_spec)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"AsyncTensor({self._finished()!r}, {self._handle.name})"
