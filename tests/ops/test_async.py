@@ -236,6 +236,30 @@ def test_input_modified_in_place_before_the_launch_ran_is_an_error(world2) -> No
     assert "modified in place after the op was launched" in out[0]
 
 
+@pytest.mark.parametrize("second", ["launch", "all_reduce"])
+def test_waited_input_modified_in_place_before_the_launch_ran_is_an_error(world2, second) -> None:
+    def modified_waited_input_rank() -> str:
+        """``a`` is an earlier asynchronous result passed into a second op ``b``; rank 0
+        modifies the tensor ``a.wait()`` returned while ``b`` is queued (behind a delay).
+        That changes the finished tensor, not the AsyncTensor wrapper: ``b``'s job must
+        still refuse to send it (before: it sent the modified data)."""
+        r = dc.get_rank()
+        a = _ar(torch.full((4,), 1.0 + r))
+        if r == 0:
+            _delay_engine(0.3)
+        b = _ar(a) if second == "launch" else dc.all_reduce(a, async_op=True)
+        if r == 0:
+            a.wait().add_(100.0)  # a is done; b waits behind the delay
+        try:
+            return str(b.wait().tolist())
+        except RuntimeError as err:
+            dc.all_reduce(torch.ones(4))  # keep the ranks in step: the peer's b needs a partner
+            return str(err)
+
+    out = world2.run(modified_waited_input_rank)
+    assert "modified in place after the op was launched" in out[0], out
+
+
 def test_pickle_and_repr_wait(world2) -> None:
     def misc_rank() -> dict[str, object]:
         y = _ar(torch.ones(2, 3))
@@ -251,6 +275,49 @@ def test_pickle_and_repr_wait(world2) -> None:
 
     for res in world2.run(misc_rank):
         assert res["pickle"] == "Tensor" and res["repr"] and res["wait_plain"] == "Tensor"
+
+
+def test_non_tensor_results_wait(world2) -> None:
+    def python_values_rank() -> dict[str, object]:
+        """``.tolist()``, ``.item()``, ``.numpy()`` / ``np.asarray`` and format specs read an
+        AsyncTensor like any other operation: they wait, then give the finished tensor's
+        value (before: ``.tolist()`` and ``.numpy()`` raised "not supported for tensor
+        subclasses", a format spec a TypeError). The peer's engine is delayed, so the
+        first read finds the communication still running."""
+        import numpy as np
+
+        if dc.get_rank() == 1:
+            _delay_engine(0.2)
+        y = _ar(torch.arange(3.0))
+        pending = not y.done()
+        z = _ar(torch.ones((), dtype=torch.float64, requires_grad=True))
+        try:
+            z.numpy()
+            grad_numpy = "no error"
+        except RuntimeError as err:  # as for a plain tensor that requires grad
+            grad_numpy = str(err)
+        return {
+            "pending": pending or dc.get_rank() == 1,
+            "tolist": y.tolist(),
+            "item": _ar(torch.ones(1)).item(),
+            "numpy": _ar(torch.arange(3.0)).numpy().tolist(),
+            "asarray": np.asarray(_ar(torch.arange(3.0))).tolist(),
+            "format": f"{z:.1f}",
+            "grad_numpy": "requires grad" in grad_numpy,
+            "z_numpy": z.detach().numpy().tolist(),
+        }
+
+    for res in world2.run(python_values_rank):
+        assert res == {
+            "pending": True,
+            "tolist": [0.0, 2.0, 4.0],
+            "item": 2.0,
+            "numpy": [0.0, 2.0, 4.0],
+            "asarray": [0.0, 2.0, 4.0],
+            "format": "2.0",
+            "grad_numpy": True,
+            "z_numpy": 2.0,
+        }
 
 
 def test_engine_jobs_are_logged_and_recorded_with_their_thread(world2) -> None:

@@ -181,3 +181,74 @@ def test_async_op_without_autograd(world2) -> None:
         return [type(y).__name__ == "AsyncTensor", not y.requires_grad, torch.equal(z.wait(), torch.ones(2))]
 
     assert world2.run(no_grad_rank) == [[True, True, True]] * 2
+
+
+# the ops whose backward reads their input and output (max / min / product: the weight
+# dy/dx; reduce(max) its input), and two whose backward reads neither (no in-place error,
+# blocking or not)
+SAVING = {
+    "all_reduce(max)": lambda x, a: dc.all_reduce(x, "max", async_op=a),
+    "all_reduce(min)": lambda x, a: dc.all_reduce(x, "min", async_op=a),
+    "all_reduce(product)": lambda x, a: dc.all_reduce(x, "product", async_op=a),
+    "reduce_scatter(max)": lambda x, a: dc.reduce_scatter(x, 0, "max", async_op=a),
+    "all_reduce_coalesced(max)": lambda x, a: dc.all_reduce_coalesced([x], "max", async_op=a)[0],
+    "reduce(max)": lambda x, a: dc.reduce(x, 0, "max", async_op=a),
+    "all_reduce(sum)": lambda x, a: dc.all_reduce(x, async_op=a),
+    "all_gather": lambda x, a: dc.all_gather(x, async_op=a),
+}
+INPLACE = "modified by an inplace operation"
+
+
+def _grad_after_inplace(fn, async_op: bool, where: str) -> object:
+    """The gradient of ``fn`` when, after the result was used, ``where`` is modified in
+    place: the output itself, the tensor ``.wait()`` returned, or the input (under
+    ``no_grad``, an input that came from an earlier asynchronous op); the error text if
+    backward refuses."""
+    r = dc.get_rank()
+    x = torch.tensor([1.0 + r, 5.0 - r, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    h = dc.all_reduce(x * 1, "avg", async_op=async_op) if where == "async input" else x * 1
+    y = fn(h, async_op)
+    used = y + 0  # the result is used: its communication has finished
+    if where == "output":
+        y.mul_(2)
+    elif where == "waited output":
+        y = dc.ops.engine.wait(y)
+        y.mul_(2)
+    else:
+        with torch.no_grad():
+            (dc.ops.engine.wait(h) if where == "async input" else h).add_(10.0 * (r == 0))
+    try:
+        (gx,) = torch.autograd.grad(((y + used) * torch.arange(1.0, y.numel() + 1)).sum(), x)
+    except RuntimeError as err:
+        return ("error", INPLACE in str(err), str(err))
+    return ("grad", gx.tolist())
+
+
+def test_async_op_refuses_a_backward_that_reads_a_tensor_modified_in_place(world2) -> None:
+    """The backward of max / min / product reads its input and output: a blocking op's
+    backward refuses them modified in place (autograd's saved-tensor check), and so must
+    the asynchronous op's, also where the modification went through ``.wait()``'s result
+    or an input that was itself asynchronous; an op whose backward reads neither never
+    refuses. (Before: the asynchronous backward read the modified values — NaN or wrong
+    gradients.)"""
+
+    def inplace_rank() -> dict[str, object]:
+        out = {}
+        for name, fn in SAVING.items():
+            for where in ("output", "waited output", "input", "async input"):
+                blocking = _grad_after_inplace(fn, False, where)
+                asynchronous = _grad_after_inplace(fn, True, where)
+                out[f"{name} {where}"] = (blocking, asynchronous)
+        return out
+
+    results = _every_rank(world2, inplace_rank)
+    for name, (blocking, asynchronous) in results:
+        assert blocking[:2] == asynchronous[:2], (name, blocking, asynchronous)
+        if asynchronous[0] == "error":  # the message names the op (reduce_scatter(max) runs one)
+            assert "asynchronous all_reduce" in asynchronous[2], (name, asynchronous[2])
+    refused = {name for name, (b, _) in results if b[0] == "error"}
+    assert {"all_reduce(max) output", "all_reduce(product) input", "reduce_scatter(max) output"} <= refused
+    # (reduce(max) keeps the all_reduce's result on dst: its output is a new tensor)
+    assert not {
+        name for name in refused if name.startswith(("all_reduce(sum)", "all_gather", "reduce(max) output"))
+    }

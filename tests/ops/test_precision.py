@@ -893,3 +893,56 @@ def _empty_and_0dim() -> list[str]:
 def test_empty_0dim_and_vmap(world2) -> None:
     for bad in world2.run(_empty_and_0dim):
         assert not bad, bad
+
+
+def _fp8_row_scales_empty_and_uneven() -> list[str]:
+    bad = []
+    r = dc.get_rank()
+    for wire in ("fp8_e4m3", "fp8_e5m2"):
+        p = Precision(wire)  # block_size=None: one scale per row
+        # an empty last dim: values and gradients empty, shaped as without precision=
+        for name, fn in (
+            ("all_reduce", lambda v, p: dc.all_reduce(v, precision=p)),
+            ("reduce_scatter", lambda v, p: dc.reduce_scatter(v, dim=-1, precision=p)),
+            ("all_gather", lambda v, p: dc.all_gather(v, dim=-1, precision=p)),
+            ("all_to_all", lambda v, p: dc.all_to_all(v, -1, -1, precision=p)),
+        ):
+            for shape in ((0,), (2, 0)):
+                try:
+                    x = torch.zeros(shape, requires_grad=True)
+                    y, y_exact = fn(x, p), fn(x, None)
+                    (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+                    (gx_exact,) = torch.autograd.grad(y_exact, x, torch.ones_like(y_exact))
+                    if y.shape != y_exact.shape or gx.shape != gx_exact.shape or y.numel() or gx.numel():
+                        bad.append(f"{wire} {name} {shape}: {tuple(y.shape)} {tuple(gx.shape)}")
+                except Exception as err:
+                    bad.append(f"{wire} {name} {shape}: {type(err).__name__}: {err}")
+        # one rank's row empty (or of another length): each nonzero piece is one sender's
+        # whole row, with its one scale
+        x = data(r, (2, 3 * r), 3)
+        try:
+            y = dc.all_gather(x, dim=-1, precision=p)
+            want = torch.cat([quantize(data(j, (2, 3 * j), 3), p) for j in range(dc.get_world_size())], -1)
+            if not torch.equal(y, want):
+                bad.append(f"{wire} all_gather of a row empty on rank 0")
+        except Exception as err:
+            bad.append(f"{wire} all_gather of a row empty on rank 0: {type(err).__name__}: {err}")
+        x = data(r, (2, 2 + 2 * r), 3)  # rank 0 sends its row of 2 to rank 1, rank 1 its row of 4 to rank 0
+        try:
+            want = quantize(data(1 - r, (2, 4 - 2 * r), 3), p)
+            y = dc.all_to_all(x, -1, -1, input_split_sizes=[0, 2] if r == 0 else [4, 0], precision=p)
+            if not torch.equal(y, want):
+                bad.append(f"{wire} all_to_all of rows of different lengths")
+        except Exception as err:
+            bad.append(f"{wire} all_to_all of rows of different lengths: {type(err).__name__}: {err}")
+    return bad
+
+
+def test_fp8_row_scales_of_an_empty_or_uneven_last_dim(world2) -> None:
+    """fp8 with ``block_size=None`` (one scale per row) on a last dim that is empty, or
+    whose pieces differ between the ranks: an empty tensor works like any other shape
+    (values and gradients empty, as without ``precision=``), and each received piece
+    carries its sender's one scale (before: ZeroDivisionError for the empty last dim, and
+    a mismatched scale exchange for rows of different lengths)."""
+    for bad in world2.run(_fp8_row_scales_empty_and_uneven):
+        assert not bad, bad

@@ -35,6 +35,10 @@ collectives.
 
 from __future__ import annotations
 
+# Size: ~700 lines, over the ~600 guideline: the engine, the tensor that waits and the
+# differentiable bridge share one protocol (a job's handle, its result's versions, the
+# in-place checks of the inputs and outputs a job or a backward reads); split, each part
+# would reach into the others' privates.
 import contextlib
 import contextvars
 import queue
@@ -72,15 +76,19 @@ __all__ = [
 
 
 class Handle:
-    """One launched job: ``done()``, ``wait()`` (its result, or its exception re-raised)."""
+    """One launched job: ``done()``, ``wait()`` (its result, or its exception re-raised).
 
-    __slots__ = ("_event", "_result", "_error", "name")
+    ``versions``: the ``_version`` of the result (a tuple of them for a tuple result) as
+    the job left it — what an in-place modification of the result is measured against."""
+
+    __slots__ = ("_event", "_result", "_error", "name", "versions")
 
     def __init__(self, name: str) -> None:
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
         self.name = name
+        self.versions: Any = None
 
     def done(self) -> bool:
         """Whether the job has finished (successfully or not)."""
@@ -128,6 +136,7 @@ class _Engine:
             try:
                 with torch.no_grad():
                     handle._result = fn()
+                handle.versions = _versions_of(handle._result)
             except BaseException as err:  # re-raised by Handle.wait, as on the engine
                 handle._error = err
             finally:
@@ -160,6 +169,7 @@ class _Engine:
             try:
                 with torch.no_grad(), acc.stream_context(stream) if acc is not None else _NO_STREAM:
                     handle._result = ctx.run(fn)
+                handle.versions = _versions_of(handle._result)
             except BaseException as err:  # re-raised by Handle.wait on the caller
                 handle._error = err
             finally:
@@ -186,6 +196,15 @@ class _Engine:
 
 
 _ENGINE = _Engine()
+
+
+def _versions_of(result: Any) -> Any:
+    """``Handle.versions`` of a job's result."""
+    if isinstance(result, Tensor):
+        return result._version
+    if isinstance(result, (tuple, list)):
+        return tuple(r._version if isinstance(r, Tensor) else None for r in result)
+    return None
 
 
 def submit(fn: Callable[[], Any], name: str = "job") -> Handle:
@@ -256,9 +275,9 @@ class AsyncTensor(Tensor):
 
     It has the shape, dtype and device of the finished tensor, so it can be passed around
     (and into other asynchronous ops) without waiting. Any operation on it — arithmetic,
-    indexing, printing, ``.tolist()``, autograd using it — first waits for the
-    communication (``__torch_dispatch__``) and then runs on the finished tensor; its
-    results are plain tensors.
+    indexing, printing, ``.tolist()`` / ``.item()`` / ``.numpy()``, autograd using it —
+    first waits for the communication (``__torch_dispatch__``) and then runs on the
+    finished tensor; its results are plain tensors.
 
     ``wait()`` returns the finished tensor (connected to autograd like the async tensor
     was); ``done()`` says whether the communication has completed.
@@ -304,6 +323,10 @@ class AsyncTensor(Tensor):
         """Whether the communication has completed (never blocks)."""
         return self._elem is not None or self._handle.done()
 
+    def _born(self) -> int:
+        """The finished tensor's ``_version`` as its job left it (the job has run)."""
+        return int(self._handle.versions)
+
     def wait(self) -> Tensor:
         """Block until the communication finished; return the finished (plain) tensor.
 
@@ -321,6 +344,23 @@ class AsyncTensor(Tensor):
     ) -> Any:
         args, kwargs = tree_map_only(AsyncTensor, AsyncTensor._finished, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+    # Methods that return no tensor never reach ``__torch_dispatch__`` (torch refuses them for
+    # a subclass, or formats the wrapper): they wait here. ``np.asarray`` calls ``numpy()``.
+    def tolist(self) -> Any:
+        return self._finished().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        if self.requires_grad and not force:  # as for a plain tensor
+            raise RuntimeError(
+                "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead."
+            )
+        return self._finished().numpy(force=force)
+
+    def __format__(self, format_spec: str) -> str:
+        if self.dim() == 0:  # a plain 0-dim tensor formats its value
+            return self._finished().__format__(format_spec)
+        return super().__format__(format_spec)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"AsyncTensor({self._finished()!r}, {self._handle.name})"
@@ -361,6 +401,31 @@ def _plain(t: Tensor) -> Tensor:
     return t._finished() if isinstance(t, AsyncTensor) else t
 
 
+def _stamp(t: Tensor) -> tuple[int, int | None]:
+    """``t``'s version now and, for an :class:`AsyncTensor` already waited for, its finished
+    tensor's (``None``: not handed out yet, so still as its job leaves it). Both count: an
+    in-place op on the AsyncTensor bumps the wrapper's version, one on what ``.wait()``
+    returned the finished tensor's."""
+    if isinstance(t, AsyncTensor):
+        return t._version, (t._elem._version if t._elem is not None else None)
+    return t._version, None
+
+
+def _changed(t: Tensor, stamp: tuple[int, int | None]) -> tuple[int, int] | None:
+    """``(expected, now)`` of the first version of ``t`` that moved since ``stamp``, or
+    ``None`` (``t``'s job, if it is an AsyncTensor, has run: called in a later job or in
+    backward)."""
+    version, inner = stamp
+    if t._version != version:
+        return version, t._version
+    if isinstance(t, AsyncTensor):
+        expected = t._born() if inner is None else inner
+        now = t._finished()._version
+        if now != expected:
+            return expected, now
+    return None
+
+
 class _Launch(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -384,11 +449,12 @@ class _Launch(torch.autograd.Function):
 
 def _submit_checked(x: Tensor, name: str, raw: Callable[[Tensor], Tensor]) -> Handle:
     """Submit ``raw(x)``; the job refuses to read ``x`` if it was modified in place since
-    the launch (the input is read by the engine later, not copied at the launch)."""
-    version = x._version
+    the launch (the input is read by the engine later, not copied at the launch), also
+    through the tensor an AsyncTensor ``x``'s ``.wait()`` returned."""
+    stamp = _stamp(x)
 
     def job() -> Tensor:
-        if x._version != version:
+        if _changed(x, stamp) is not None:
             raise RuntimeError(
                 f"diffcomm: the input of asynchronous {name} was modified in place after the op was "
                 "launched and before its communication ran; wait for the result (or use it) "
@@ -499,6 +565,19 @@ class _Part:
     def wait(self) -> Any:
         return self.handle.wait()[self.i]
 
+    @property
+    def versions(self) -> Any:
+        return self.handle.versions[self.i]
+
+
+def _inplace_error(what: str, name: str, versions: tuple[int, int]) -> RuntimeError:
+    return RuntimeError(
+        f"diffcomm: one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: {what} of asynchronous {name} is at version {versions[1]}; expected "
+        f"version {versions[0]} instead (its backward reads it: do not modify it in place before "
+        "backward, or modify a clone)"
+    )
+
 
 class _Ctx:
     """The autograd context a Function's ``setup_context`` / ``backward`` see when an
@@ -535,15 +614,14 @@ class _LaunchFn(torch.autograd.Function):
         pos: tuple[int, ...],
         *tensors: Tensor,
     ) -> Any:
-        # (the outputs are not kept on ctx: backward reads the finished ones from the handle)
         shapes = cls.shapes_for(args)  # type: ignore[attr-defined]  # the op's out_shape
         multi = isinstance(shapes, list)
         name = getattr(cls, "name", "") or cls.__name__.lstrip("_")
-        versions = [(t, t._version) for t in tensors]
+        stamps = [(t, _stamp(t)) for t in tensors]
 
         def job() -> Any:
-            for t, v in versions:
-                if t._version != v:
+            for t, stamp in stamps:
+                if _changed(t, stamp) is not None:
                     raise RuntimeError(
                         f"diffcomm: an input of asynchronous {name} was modified in place after the op was "
                         "launched and before its communication ran; wait for the result (or use it) "
@@ -562,17 +640,20 @@ class _LaunchFn(torch.autograd.Function):
             )
         else:
             outs = AsyncTensor(handle, shapes, first.dtype, first.device)
-        ctx.cls, ctx.args, ctx.pos, ctx.handle = cls, args, pos, handle
+        ctx.cls, ctx.args, ctx.pos, ctx.handle, ctx.name = cls, args, pos, handle, name
         if multi:
             nondiff = [o for o in outs if not (o.dtype.is_floating_point or o.dtype.is_complex)]
             if nondiff:
                 ctx.mark_non_differentiable(*nondiff)
+        if not isinstance(ctx, _NoCtx):
+            _save_what_backward_reads(ctx, cls, args, outs)
         return outs
 
     @staticmethod
     def backward(ctx: Any, *gs: Tensor) -> tuple[Any, ...]:
         cls, args, pos = ctx.cls, ctx.args, ctx.pos
         outs = ctx.handle.wait()  # finished long ago: backward runs after the forward's use
+        _check_what_backward_reads(ctx, outs)
         needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         c = _Ctx(needs)
         cls.setup_context(c, args, outs)
@@ -581,6 +662,48 @@ class _LaunchFn(torch.autograd.Function):
         if not isinstance(grads, tuple):
             grads = (grads,)
         return (None, None, None, *(grads[i] for i in pos))
+
+
+def _save_what_backward_reads(ctx: Any, cls: Any, args: tuple[Any, ...], outs: Any) -> None:
+    """Save on ``ctx`` the inputs and outputs ``cls``'s backward rule reads (what its
+    ``setup_context`` saves: max / min / product keep both), so that autograd's saved-tensor
+    check refuses them modified in place, as for the blocking op. Backward replays the
+    rule on the finished tensors, which autograd does not see: :func:`_check_what_backward_reads`
+    checks those against the versions their jobs left (``Handle.versions``) or, for an
+    input already waited for, noted here."""
+    probe = _Ctx(tuple(isinstance(a, Tensor) and a.requires_grad for a in args))
+    cls.setup_context(probe, args, outs)  # (reads no values of outs: only their shapes)
+    read = probe.saved_tensors
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    ctx.outs_read = tuple(i for i, o in enumerate(outs) if any(t is o for t in read))
+    ctx.args_read = tuple(
+        (i, _stamp(a)) for i, a in enumerate(args) if isinstance(a, AsyncTensor) and any(t is a for t in read)
+    )
+    kept = tuple(t for t in read if any(t is o for o in (*outs, *args)))
+    ctx.saved_some = bool(kept)  # (else nothing to check: a linear op may backward twice)
+    if kept:
+        ctx.save_for_backward(*kept)
+
+
+def _check_what_backward_reads(ctx: Any, outs: Any) -> None:
+    """Refuse, as autograd does for a blocking op, a backward whose rule would read an input or
+    output modified in place since the forward: through the tensors themselves (autograd's
+    check of the saved tensors), or through the finished tensor ``.wait()`` returned."""
+    if not ctx.saved_some:
+        return
+    try:
+        ctx.saved_tensors  # noqa: B018  # (unpacking is autograd's version check)
+    except RuntimeError as err:
+        raise RuntimeError(f"diffcomm: asynchronous {ctx.name}: {err}") from None
+    finished = outs if isinstance(outs, tuple) else (outs,)
+    born = ctx.handle.versions if isinstance(outs, tuple) else (ctx.handle.versions,)
+    for i in ctx.outs_read:
+        if finished[i]._version != born[i]:
+            raise _inplace_error(f"output {i} (through .wait())", ctx.name, (born[i], finished[i]._version))
+    for i, stamp in ctx.args_read:
+        moved = _changed(ctx.args[i], stamp)
+        if moved is not None:
+            raise _inplace_error(f"input {i}", ctx.name, moved)
 
 
 def launch_fn(cls: type[torch.autograd.Function], args: tuple[Any, ...]) -> Any:

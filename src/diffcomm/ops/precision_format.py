@@ -224,11 +224,17 @@ def quantize(x: Tensor, p: Precision) -> Tensor:
 
 
 def _scale_sizes(sizes: Sequence[int], dim: int, x: Tensor, p: Precision) -> tuple[int, ...]:
-    """Split sizes of the scales along ``dim`` (divided by the block when ``dim`` is last)."""
+    """Split sizes of the scales along ``dim``: the same when ``dim`` is not last; else a
+    piece of ``s`` elements carries ``s // block_size`` scales, or with ``block_size=None``
+    one scale if it is not empty. (One scale per row: :func:`check` lets the last dim be
+    split only into empty pieces and one whole row, so every nonempty piece is one
+    sender's whole row, whatever its length — a length this rank may not share: its own
+    row may be empty, or longer.)"""
     if dim != x.ndim - 1:
         return tuple(sizes)
-    b = _block(p, x.shape[-1])
-    return tuple(s // b for s in sizes)
+    if p.block_size:
+        return tuple(s // p.block_size for s in sizes)
+    return tuple(1 if s else 0 for s in sizes)
 
 
 # ----------------------------------------------------------------------- validation
