@@ -194,14 +194,21 @@ class RNGStatesTracker:
             if not isinstance(name, str) or not isinstance(state, torch.Tensor):
                 raise TypeError("states must map str names to state tensors")
             new[name] = state.clone()
-        self._states = new
+        # in place: the dict is a rank's own in an in-process world (registered per rank)
+        self._states.clear()
+        self._states.update(new)
 
     def _swap(
         self, states: dict[str, torch.Tensor], active: set[str]
     ) -> tuple[dict[str, torch.Tensor], set[str]]:
-        """Install ``states`` / ``active`` as they are (no copy); return the old ones."""
-        old = (self._states, self._active)
-        self._states, self._active = states, active
+        """Install the contents of ``states`` / ``active``; return the old contents. In
+        place: the dict and the set are a rank's own in an in-process world (registered
+        per rank; a new object would be every rank's, and the ranks' streams one)."""
+        old = (dict(self._states), set(self._active))
+        self._states.clear()
+        self._states.update(states)
+        self._active.clear()
+        self._active.update(active)
         return old
 
     def reset(self) -> None:

@@ -285,6 +285,42 @@ def test_a_ranks_state_carries_from_one_run_to_the_next(local_worlds, in_process
     assert world.run(_debug_on_the_rank) == before
 
 
+def _streams_after_set_states_and_a_checkpoint() -> tuple:
+    """Rank r's named stream (seed 10 + r) after ``set_states`` and a checkpointed dropout's
+    recomputation (the tracker's states swapped in and back), with hand-overs in between."""
+    tracker = rng.get_tracker()
+    tracker.reset()
+    tracker.add("tp", 10 + dist.get_rank())
+    tracker.set_states(tracker.get_states())
+    dc.all_reduce(torch.ones(1))  # the other rank runs in between
+
+    def dropped(x: torch.Tensor) -> torch.Tensor:
+        with tracker.fork("tp"):
+            return torch.nn.functional.dropout(x, 0.5)
+
+    x = torch.ones(8, requires_grad=True)
+    rng.checkpoint(dropped, x).sum().backward()  # the backward recomputes under _swap
+    dc.all_reduce(torch.ones(1))
+    with tracker.fork("tp"):
+        after = torch.rand(2)
+    tracker.reset()
+    return x.grad, after
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_named_streams_stay_a_ranks_own_after_set_states(local_worlds, in_process: bool) -> None:
+    """``set_states`` and ``rng.checkpoint``'s replay installed new dicts in the tracker, so in
+    an in-process world the ranks' named streams became one (the dicts registered per rank
+    were no longer the tracker's): rank 1's ``add("tp")`` found rank 0's stream, and one
+    rank's ``reset()`` removed the other's. Now they change the registered dicts in place."""
+    got = local_worlds(2, in_process=in_process).run(_streams_after_set_states_and_a_checkpoint)
+    for r, (grad, after) in enumerate(got):
+        torch.manual_seed(10 + r)
+        mask = torch.nn.functional.dropout(torch.ones(8), 0.5)
+        assert torch.equal(grad, mask), (r, grad, mask)
+        assert torch.equal(after, torch.rand(2)), (r, after)
+
+
 def test_async_op_returns_a_finished_async_tensor_in_process(local_worlds) -> None:
     """``async_op=True`` on an in-process rank: the same AsyncTensor as on processes (its
     ``.wait()``, first use, backward), already done; the same values and gradients. (It
