@@ -181,11 +181,10 @@ class _ColumnComm(torch.autograd.Function):
             with B.label("parallel.all_gather_from_sequence"):
                 x_in = collectives.all_gather(x.detach(), sp_dim, pg, split_sizes=[x.shape[sp_dim]] * world)
         w_ = w.detach()
-        y = F.linear(x_in, w_, None if b is None else b.detach())
         # saved (not an inner graph kept on ctx): autograd's checks of in-place changes,
         # and a retained graph (backward(retain_graph=True)) runs its backward twice
         _keep(ctx, x_in, w_, sp_dim, pg, b)
-        return y
+        return F.linear(x_in, w_, None if b is None else b.detach())
 
     @staticmethod
     @first_order("parallel.ColumnParallelLinear(overlap='comm')", _HINT)
