@@ -321,6 +321,37 @@ def test_named_streams_stay_a_ranks_own_after_set_states(local_worlds, in_proces
         assert torch.equal(after, torch.rand(2)), (r, after)
 
 
+def _own_stream_across_subgroup_waits() -> list[torch.Tensor]:
+    """Rank r seeds 100 + r and draws after each wait on a subgroup whose group ranks are
+    not the world's (groups {0, 1} and {2, 3}; then {0, 2} and {1, 3}): a collective, a
+    send/recv."""
+    r = dist.get_rank()
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    torch.manual_seed(100 + r)
+    draws = [torch.rand(2)]
+    dc.all_reduce(torch.ones(1), group=halves[r // 2])
+    draws.append(torch.rand(2))
+    if r < 2:  # group rank 0 of its pair sends to group rank 1 (diffcomm's p2p: group ranks)
+        dc.send(torch.ones(2), 1, group=pairs[r % 2])
+    else:
+        dc.recv(0, group=pairs[r % 2])
+    draws.append(torch.rand(2))
+    return draws
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_a_rank_keeps_its_own_state_while_it_waits_on_a_subgroup(local_worlds, in_process: bool) -> None:
+    """An in-process rank that waited in a subgroup's collective or receive swapped its state
+    out and in under its rank in the *group* (world rank 2 is rank 0 of {2, 3}): rank 0 went
+    on with rank 2's RNG stream (and named streams, settings, p2p counters), silently; two
+    pipelines on subgroups then failed with a wrong "out of step" error."""
+    got = local_worlds(4, in_process=in_process).run(_own_stream_across_subgroup_waits)
+    for r, draws in enumerate(got):
+        torch.manual_seed(100 + r)
+        assert all(torch.equal(d, torch.rand(2)) for d in draws), (r, draws)
+
+
 def test_async_op_returns_a_finished_async_tensor_in_process(local_worlds) -> None:
     """``async_op=True`` on an in-process rank: the same AsyncTensor as on processes (its
     ``.wait()``, first use, backward), already done; the same values and gradients. (It

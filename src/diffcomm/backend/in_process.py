@@ -196,7 +196,7 @@ class Hub:
             self.fail(f"diffcomm in-process world: a desync in call {seq} on group {group}: {calls}")
             raise InProcessDesyncError(self.failure or "")
         self.cond.notify_all()
-        self.wait_for(rank, f"waits in {what} (group {group}, call {seq})", lambda: _EMPTY not in slot)
+        self.wait_for(_me(rank), f"waits in {what} (group {group}, call {seq})", lambda: _EMPTY not in slot)
         got = [s[1] for s in slot]
         self.reads[key] += 1
         if self.reads[key] == size:
@@ -211,7 +211,7 @@ class Hub:
     def take(self, group: str, src: int, dst: int, tag: int, what: str) -> torch.Tensor:
         box = self.mail.setdefault((group, src, dst, tag), deque())
         self.wait_for(
-            dst, f"waits in {what} from group rank {src} (group {group}, tag {tag})", lambda: bool(box)
+            _me(dst), f"waits in {what} from group rank {src} (group {group}, tag {tag})", lambda: bool(box)
         )
         return box.popleft()
 
@@ -300,6 +300,14 @@ class _RankWorld:
 
 def _rank_world() -> _RankWorld | None:
     return getattr(_LOCAL, "world", None)
+
+
+def _me(group_rank: int) -> int:
+    """The calling rank thread's **global** rank: what the hub's per-rank state, status and
+    run lock are kept by (``group_rank``, a slot of a subgroup's collective, is not: world
+    rank 2 is rank 0 of the group {2, 3}, and waited under it swapped rank 0's state in)."""
+    w = _rank_world()
+    return w.rank if w is not None else group_rank
 
 
 def _field(name: str) -> property:
