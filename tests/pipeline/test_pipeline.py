@@ -11,6 +11,7 @@ import copy
 import functools
 import gc
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -127,6 +128,47 @@ def test_partition_by_parameter_count_and_by_balance() -> None:
     assert [len(s) for s in partition(model, 3, balance=[2, 2, 1])] == [2, 2, 1]
     assert [len(s) for s in partition(list(model), 5)] == [1] * 5
     assert sum(len(s) for s in partition(_mlp(depth=6), 4)) == 11
+
+
+def _shared_activation_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    act = nn.Tanh()  # one activation object at three positions
+    return nn.Sequential(
+        nn.Linear(4, 4), act, nn.Linear(4, 4), act, nn.Linear(4, 4), act, nn.Linear(4, 1)
+    ).double()
+
+
+def _shared_activation_pipeline() -> tuple[float, float]:
+    model = _shared_activation_model()
+    g = torch.Generator().manual_seed(1)
+    x, y = (
+        torch.randn(8, 4, dtype=torch.float64, generator=g),
+        torch.randn(8, 1, dtype=torch.float64, generator=g),
+    )
+    ref = nn.functional.mse_loss(copy.deepcopy(model)(x), y)
+    stage = partition(model, dc.get_world_size())[dc.get_rank()]
+    loss = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss).step(x, y, n_micro=2)
+    return float(loss), float(ref)
+
+
+def test_partition_keeps_every_use_of_a_module_used_twice(world2: dc.LocalWorld) -> None:
+    """A module at several positions of an ``nn.Sequential`` (a shared activation): partition
+    walked ``children()``, which lists it once, so the 7 layers became 4 over the stages and
+    the pipeline trained another model, silently (loss 2.019 for the serial 1.880). A module
+    *with parameters* in two stages warns: on different ranks its gradient is split."""
+    model = _shared_activation_model()
+    stages = partition(model, 2)
+    assert sum(len(s) for s in stages) == 7
+    x = torch.randn(5, 4, dtype=torch.float64)
+    assert torch.equal(nn.Sequential(*stages)(x), model(x))
+    for loss, ref in world2.run(_shared_activation_pipeline):
+        assert loss == pytest.approx(ref, rel=1e-12)
+    shared = nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match=r"Linear with parameters is used in stages 0 and 1"):
+        partition(nn.Sequential(shared, nn.Tanh(), nn.Linear(4, 4), shared), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        partition(nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 4)), 2, balance=[3, 1])
 
 
 @pytest.mark.parametrize(

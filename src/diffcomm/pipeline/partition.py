@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 from torch import nn
@@ -28,7 +29,9 @@ def partition(
 
     Returns:
         ``n_stages`` ``nn.Sequential`` s sharing the model's modules (no copies), so the
-        parameters of stage ``s`` are the model's own.
+        parameters of stage ``s`` are the model's own. A module used at several positions
+        keeps every use; one with parameters used in two stages gives a ``UserWarning``
+        (on different ranks, each holds a part of its gradient).
 
     Example::
 
@@ -36,7 +39,9 @@ def partition(
         stages = partition(model, 2)       # [Linear, ReLU, Linear] | [ReLU, Linear] (by params)
         stage = stages[dc.get_rank()]
     """
-    layers = list(model.children()) if isinstance(model, nn.Sequential) else list(model)
+    # every position, as nn.Sequential runs them: children() lists a module used twice
+    # (a shared activation, a weight-shared block) once, and the stages lost its second use
+    layers = list(model._modules.values()) if isinstance(model, nn.Sequential) else list(model)
     if not all(isinstance(m, nn.Module) for m in layers):
         raise A.arg_error("partition", "model", "an nn.Sequential or a list of nn.Modules", model, TypeError)
     n_stages = A.check_int(n_stages, "partition", "n_stages")
@@ -55,7 +60,26 @@ def partition(
     for size in sizes:
         out.append(nn.Sequential(*layers[start : start + size]))
         start += size
+    _warn_shared_across_stages(out)
     return out
+
+
+def _warn_shared_across_stages(stages: list[nn.Sequential]) -> None:
+    """Warn of a module with parameters used in more than one stage: on different ranks
+    each holds a part of its gradient (the serial one is their sum)."""
+    seen: dict[int, int] = {}
+    for s, stage in enumerate(stages):
+        for m in stage:
+            if _n_params(m) and seen.setdefault(id(m), s) != s:
+                warnings.warn(
+                    f"partition(): {type(m).__name__} with parameters is used in stages {seen[id(m)]} "
+                    f"and {s}; where those stages run on different ranks, each rank gets only its "
+                    "stages' part of its gradient (sum it across them, e.g. dc.all_reduce(p.grad, "
+                    "group=...), as for tied embeddings), or keep its uses in one stage (balance=)",
+                    UserWarning,
+                    stacklevel=3,
+                )
+                return
 
 
 def _balanced_sizes(costs: list[int], k: int) -> list[int]:
