@@ -797,10 +797,25 @@ def test_every_schedule_is_valid_for_every_shape(make: Callable, p: int, m: int,
         assert len(steps) == m * v * (3 if make is zb_h1_schedule else 2)
 
 
-@pytest.mark.parametrize(("p", "m", "v"), [(2, 4, 2), (2, 8, 2), (4, 4, 2), (4, 8, 2), (4, 2, 2), (3, 7, 3)])
+def test_interleaved_schedules_are_valid_when_p_does_not_divide_m() -> None:
+    """The interleaved order grouped the micro-batches by ``p`` with a smaller last group:
+    for 22 shapes up to p = 6 (p = 4, v = 3, m = 5 among them) the built-in schedule was a
+    deadlock its own validator refused (``step`` raised ScheduleError). Now torch's rounds:
+    ``max(1, m // p)`` groups, the larger first (torch refuses m not a multiple of them)."""
+    for p in range(2, 7):
+        for v in (2, 3, 4):
+            for m in range(1, 13):
+                for make in (interleaved_1f1b_schedule, zb_h1_schedule):
+                    check_schedule(make(p, m, v), p, m, v)
+
+
+@pytest.mark.parametrize(
+    ("p", "m", "v"), [(2, 4, 2), (2, 8, 2), (4, 4, 2), (4, 8, 2), (4, 2, 2), (3, 7, 3), (4, 5, 3), (4, 10, 2)]
+)
 def test_interleaved_memory_bound_and_zb_h1_keeps_its_base_bound(p: int, m: int, v: int) -> None:
+    group = -(-m // max(1, m // p))  # the first (largest) group of micro-batches: min(p, m) if p | m
     for r, steps in enumerate(interleaved_1f1b_schedule(p, m, v)):
-        assert max_in_flight(steps) == min(2 * (p - r - 1) + (v - 1) * min(p, m) + 1, v * m)
+        assert max_in_flight(steps) == min(2 * (p - r - 1) + (v - 1) * group + 1, v * m)
     for v_ in (1, v):
         base = one_f_one_b_schedule(p, m, v_)
         for zb, b in zip(zb_h1_schedule(p, m, v_, memory="rank"), base, strict=True):

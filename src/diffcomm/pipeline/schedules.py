@@ -15,7 +15,8 @@ data, tests check it) — and the ideal bubble (uniform stages, free messages):
 
 * ``gpipe``: all ``v*m``; bubble ``(p-1) / (v*m + p-1)``.
 * ``1f1b`` (``v = 1``): ``min(p - r, m)``; bubble ``(p-1) / (m + p-1)``.
-* ``interleaved``: ``min(2(p-r-1) + (v-1)*min(p, m) + 1, v*m)`` chunk-sized activations
+* ``interleaved``: ``min(2(p-r-1) + (v-1)*G + 1, v*m)`` chunk-sized activations (``G``:
+  the first group of micro-batches, ``min(p, m)`` when ``p`` divides ``m``)
   (each ``1/v`` of a stage's); bubble ``(p-1) / (v*m + p-1)`` when ``p`` divides ``m``.
 * ``zb-h1``: the bound of its base's busiest rank on every rank (1F1B: ``min(p, m)``;
   ``memory="rank"``: each rank's own base bound), counted until ``W``, plus the
@@ -207,13 +208,27 @@ def _check_counts(n_stages: Any, n_micro: Any, n_chunks: Any, op: str) -> tuple[
     return n_stages, n_micro, n_chunks
 
 
+def _micro_groups(n_stages: int, n_micro: int) -> list[range]:
+    """The micro-batches in ``max(1, m // p)`` consecutive groups (torch's rounds), the
+    larger first: each holds at least ``min(p, m)``, so a micro-batch's output of one chunk
+    is back on rank 0 before its next chunk (``p`` groups of ``p`` when ``p`` divides ``m``;
+    a last group smaller than ``p`` deadlocked, e.g. p = 4, v = 3, m = 5)."""
+    rounds = max(1, n_micro // n_stages)
+    base, extra = divmod(n_micro, rounds)
+    out, start = [], 0
+    for i in range(rounds):
+        size = base + (i < extra)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
 def _micro_order(n_stages: int, n_micro: int, n_chunks: int, backward: bool) -> list[tuple[int, int]]:
-    """``(micro, chunk)`` in the order one rank runs them: micro-batches in groups of
-    ``min(p, m)``, each group through every chunk (ascending forward, descending backward)."""
-    group = min(n_stages, n_micro)
+    """``(micro, chunk)`` in the order one rank runs them: micro-batches in the groups of
+    :func:`_micro_groups`, each group through every chunk (ascending forward, descending
+    backward)."""
     out: list[tuple[int, int]] = []
-    for g0 in range(0, n_micro, group):
-        micros = range(g0, min(n_micro, g0 + group))
+    for micros in _micro_groups(n_stages, n_micro):
         chunks = reversed(range(n_chunks)) if backward else range(n_chunks)
         for c in chunks:
             out += [(m, c) for m in micros]
@@ -286,9 +301,11 @@ def one_f_one_b_schedule(n_stages: int, n_micro: int, n_chunks: int = 1) -> list
 def interleaved_1f1b_schedule(n_stages: int, n_micro: int, n_chunks: int = 2) -> list[list[Step]]:
     """Interleaved 1F1B (Megatron-LM's virtual pipeline): ``n_chunks`` stages per rank.
 
-    Each rank runs its ``(micro, chunk)`` forwards in groups of ``min(p, m)`` micro-batches,
-    each group through chunk 0, 1, ..; rank ``r`` warms up with ``2(p - r - 1) + (v - 1) *
-    min(p, m)`` forwards, then alternates one forward and one backward, then drains. A
+    Each rank runs its ``(micro, chunk)`` forwards in groups of micro-batches (torch's
+    rounds: ``max(1, m // p)`` groups of ``G = min(p, m)`` when ``p`` divides ``m``, else
+    of sizes that differ by one, the larger ``G`` first), each group through chunk 0, 1,
+    ..; rank ``r`` warms up with ``2(p - r - 1) + (v - 1) * G`` forwards, then alternates
+    one forward and one backward, then drains. A
     chunk is ``1/v`` of a stage, so the ramp-up and drain shrink ``v``-fold: the ideal
     bubble is ``(p - 1) / (v*m + p - 1)`` when ``p`` divides ``m`` (more otherwise), for
     ``v`` times as many messages.
@@ -300,7 +317,7 @@ def interleaved_1f1b_schedule(n_stages: int, n_micro: int, n_chunks: int = 2) ->
 
     Returns:
         One list of steps per rank; rank ``r`` holds at most ``min(2(p-r-1) + (v-1) *
-        min(p, m) + 1, v*m)`` (micro-batch, chunk) activations.
+        G + 1, v*m)`` (micro-batch, chunk) activations.
 
     Example::
 
@@ -312,7 +329,7 @@ def interleaved_1f1b_schedule(n_stages: int, n_micro: int, n_chunks: int = 2) ->
         return one_f_one_b_schedule(n_stages, n_micro)
     fwd = _micro_order(n_stages, n_micro, n_chunks, backward=False)
     bwd = _micro_order(n_stages, n_micro, n_chunks, backward=True)
-    group = min(n_stages, n_micro)
+    group = len(_micro_groups(n_stages, n_micro)[0])  # min(p, m) when p divides m
     out = []
     for r in range(n_stages):
         warm = min(2 * (n_stages - r - 1) + (n_chunks - 1) * group, n_micro * n_chunks)
