@@ -614,7 +614,9 @@ def test_a_sequence_placed_one_way_and_used_another_raises(world4: dc.LocalWorld
     """Every wrong combination of a placement and a use is a ``ValueError`` naming the
     argument, before any communication: an explicit layout against the shards', q and k
     placed differently, an output unsharded with another layout, a zigzag shard or a USP
-    shard fed to Ulysses, a USP shard fed to the ring, a placement over another group size."""
+    shard fed to Ulysses, a USP shard fed to the ring, a placement over another group size,
+    and over another group of the same size (usp_attention's two groups swapped, another
+    mesh axis: those ran, with wrong attention, 1.56 and 2.87 off SDPA)."""
 
     def body() -> dict[str, str]:
         import torch.distributed as dist
@@ -642,6 +644,11 @@ def test_a_sequence_placed_one_way_and_used_another_raises(world4: dc.LocalWorld
             "usp plain": lambda: parallel.usp_attention(pair, pair, pair, ug, rg),
             "world": lambda: parallel.ring_attention(pair, pair, pair),
             "unshard usp": lambda: parallel.unshard(usp, 2, rg),
+            # over another group of as many ranks (issue 45: once silently wrong attention)
+            "usp swapped": lambda: parallel.usp_attention(usp, usp, usp, rg, ug),
+            "other axis": lambda: parallel.ring_attention(pair, pair, pair, ring_g[r % 2]),
+            "unshard other axis": lambda: parallel.unshard(pair, group=ring_g[r % 2]),
+            "q vs k groups": lambda: parallel.ring_attention(pair, parallel.shard(x, group=rg), pair, ug),
         }
         res = {}
         for key, fn in calls.items():
@@ -665,6 +672,10 @@ def test_a_sequence_placed_one_way_and_used_another_raises(world4: dc.LocalWorld
         "usp plain": "usp_attention(): `q` must be placed for usp_attention with a Ulysses group of 2",
         "world": "parallel.ring_attention(): `q` must be placed over this group's 4 ranks",
         "unshard usp": "parallel.unshard(): `x` must be placed without a Ulysses split",
+        "usp swapped": "usp_attention(): `q` must be placed over this op's group, ranks",
+        "other axis": "ring_attention(): `q` must be placed over this op's group, ranks",
+        "unshard other axis": "unshard(): `x` must be placed over this op's group, ranks",
+        "q vs k groups": "`k` must be placed like `q` (layout='contiguous' over 2 ranks [",
     }
     for res in world4.run(body):
         for key, want in expect.items():

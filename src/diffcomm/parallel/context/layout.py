@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ... import _lifecycle
@@ -50,16 +51,45 @@ class Placement:
         seq_len: the true global length ``S`` of the sequence (``shard`` records it, so a
             padded placement needs no ``seq_len=`` later); ``None``: unknown. Not part of
             the comparison of two placements.
+        ranks, uranks: the global ranks of the (ring) group and of the Ulysses group
+            (``None``: not known, e.g. under torch's ``LocalTensorMode``): a sequence
+            placed over one group and used over another group of as many ranks (another
+            mesh axis, usp's two groups swapped) is refused, not attended in wrong order.
     """
 
     layout: str
     world: int
     ulysses: int | None = None
     seq_len: int | None = field(default=None, compare=False)
+    ranks: tuple[int, ...] | None = field(default=None, compare=False)
+    uranks: tuple[int, ...] | None = field(default=None, compare=False)
 
-    def describe(self) -> str:
+    def describe(self, ranks: bool = False) -> str:
+        on = f" {list(self.ranks)}" if ranks and self.ranks is not None else ""
         usp = "" if self.ulysses is None else f", split over a Ulysses group of {self.ulysses}"
-        return f"layout={self.layout!r} over {self.world} ranks{usp}"
+        if ranks and self.ulysses is not None and self.uranks is not None:
+            usp += f" {list(self.uranks)}"
+        return f"layout={self.layout!r} over {self.world} ranks{on}{usp}"
+
+    def other_ranks(self, ranks: tuple[int, ...] | None, uranks: tuple[int, ...] | None) -> str | None:
+        """Which of this placement's groups has other ranks than ``ranks`` / ``uranks``
+        (``"group"``, ``"Ulysses group"``), or ``None`` (the same, or not known). Not part
+        of ``==`` (``None`` is unknown, not different)."""
+        for mine, theirs, which in ((self.ranks, ranks, "group"), (self.uranks, uranks, "Ulysses group")):
+            if mine is not None and theirs is not None and mine != theirs:
+                return which
+        return None
+
+
+def group_ranks(pg: Any) -> tuple[int, ...] | None:
+    """The global ranks of ``pg`` (``None``: the world's) for a :class:`Placement`; ``None``
+    where they cannot be had (no process group, ``torch.compile``)."""
+    if compiling() or not dist.is_initialized():
+        return None
+    try:
+        return tuple(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
+    except Exception:  # a group that cannot say (torch's fake group): not compared
+        return None
 
 
 _TAG = "_diffcomm_placement"
@@ -250,12 +280,15 @@ def resolve_layout(
     ulysses: int | None = None,
     *,
     takes_layout: bool = True,
+    ranks: tuple[int, ...] | None = None,
+    uranks: tuple[int, ...] | None = None,
 ) -> str:
     """The layout an op uses: ``layout`` if given, else the one its tensors were placed
     with, else :data:`DEFAULT_LAYOUT`. A sequence placed one way and used another is an
     error, never a value: an explicit ``layout`` other than a tensor's placement, two
-    tensors placed differently, a placement over another number of ranks, or a Ulysses
-    split where none is expected (or the reverse) raise ``ValueError`` naming the argument
+    tensors placed differently, a placement over another number of ranks or other ranks
+    (``ranks`` / ``uranks``: the op's groups', :func:`group_ranks`), or a Ulysses split
+    where none is expected (or the reverse) raise ``ValueError`` naming the argument
     (``takes_layout=False``: the op has no ``layout`` argument, ``layout`` is its only order).
 
     Tensors with no placement and no ``layout`` get :data:`DEFAULT_LAYOUT`; whether that
@@ -269,12 +302,13 @@ def resolve_layout(
         if p is None:
             continue
         _tag_grad_of(t)
-        if first is not None and p != first[1]:
+        if first is not None and (p != first[1] or first[1].other_ranks(p.ranks, p.uranks)):
+            show = p == first[1]  # (only the ranks differ: name them)
             raise A.arg_error(
                 op,
                 name,
-                f"placed like `{first[0]}` ({first[1].describe()})",
-                f"a tensor placed with {p.describe()}",
+                f"placed like `{first[0]}` ({first[1].describe(show)})",
+                f"a tensor placed with {p.describe(show)}",
             )
         first = first or (name, p)
         if layout is not None and p.layout != layout and not takes_layout:  # the op's own order
@@ -303,6 +337,17 @@ def resolve_layout(
                 else f"placed for usp_attention with a Ulysses group of {ulysses} (shard(ulysses_group=))"
             )
             raise A.arg_error(op, name, want, f"a tensor placed with {p.describe()}")
+        which = p.other_ranks(ranks, uranks)
+        if which is not None:
+            mine = ranks if which == "group" else uranks
+            raise A.arg_error(
+                op,
+                name,
+                f"placed over this op's {which}, ranks {list(mine or ())} (a sequence split over "
+                "one group and used over another gives wrong attention: another mesh axis, or "
+                "usp_attention's (ulysses_group, ring_group) swapped)",
+                f"a tensor placed with {p.describe(ranks=True)}",
+            )
     if layout is not None:
         note_layout(layout, world, f"{op}(layout={layout!r})")
         return layout
@@ -562,9 +607,10 @@ def shard(
     # (under torch's LocalTensorMode, rank None: each simulated rank's row, and its
     # Ulysses piece, selected per rank)
     idx = table[rank] if rank is not None else rank_positions(table, pg)
-    uworld = None
+    uworld, uranks = None, None
     if ulysses_group is not None:
         upg, urank, uworld = group_rank_world_or_local(ulysses_group, op)
+        uranks = group_ranks(upg)
         sizes = even_sizes(table.shape[1], uworld)
         if urank is not None:
             idx = idx[sum(sizes[:urank]) : sum(sizes[: urank + 1])]
@@ -575,7 +621,8 @@ def shard(
     local = out.shape[dim]
     if isinstance(local, int) and bool((table < 0).any()):  # padded: the length is not the shards'
         note_padding(world, uworld, local, x.shape[dim], f"{op} of a length-{x.shape[dim]} dim")
-    return placed(out, Placement(layout, world, uworld, seq_len=x.shape[dim]))
+    placement = Placement(layout, world, uworld, seq_len=x.shape[dim], ranks=group_ranks(pg), uranks=uranks)
+    return placed(out, placement)
 
 
 def _select(x: Tensor, dim: int, idx: Tensor, pad_value: float, always: bool = False) -> Tensor:
@@ -634,9 +681,12 @@ def unshard(
     x = A.check_tensor(x, op, "x")
     dim = A.check_dim(x, dim, op)
     pg, _, world = group_rank_world_or_local(group, op)
-    uworld = None if ulysses_group is None else group_rank_world_or_local(ulysses_group, op)[2]
+    uworld, uranks = None, None
+    if ulysses_group is not None:
+        upg = group_rank_world_or_local(ulysses_group, op)
+        uworld, uranks = upg[2], group_ranks(upg[0])
     given = layout
-    layout = resolve_layout(op, layout, {"x": x}, world, uworld)
+    layout = resolve_layout(op, layout, {"x": x}, world, uworld, ranks=group_ranks(pg), uranks=uranks)
     seq_len = placed_seq_len(op, {"x": x}, seq_len, cu_seqlens)
     require_seq_len_known(op, {"x": x}, seq_len, cu_seqlens, world, uworld, x.shape[dim])
     require_layout_known(op, given, {"x": x}, world)

@@ -34,6 +34,7 @@ from .layout import (
     Placement,
     doc_ids,
     group_rank_world_or_local,
+    group_ranks,
     placed,
     placed_seq_len,
     placement_of,
@@ -595,10 +596,11 @@ def ring_attention(
     sc = check_scale(scale, q.shape[-1], op)
     p = check_dropout(dropout_p, op)
     pg, rank, world = group_rank_world_or_local(group, op)  # (rank None: see _LocalPlan)
+    ranks = group_ranks(pg)
     given = layout
-    layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, world)
+    layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, world, ranks=ranks)
     mp = placement_of(attn_mask)  # the mask's rows, when parallel.shard took them
-    if mp is not None and (mp.layout, mp.world) != (layout, world):
+    if mp is not None and ((mp.layout, mp.world) != (layout, world) or mp.other_ranks(ranks, None)):
         raise A.arg_error(
             op,
             "attn_mask",
@@ -644,4 +646,5 @@ def ring_attention(
         plan: _Plan = _LocalPlan(pg, world, table, docs, causal, sc, p, seed, q.shape[1], k.shape[1])
     else:
         plan = _Plan(pg, rank, world, table, docs, causal, sc, p, seed, q.shape[1], k.shape[1])
-    return placed(_RingAttention.apply(q, k, v, mask, plan), Placement(layout, world, seq_len=total))
+    out = _RingAttention.apply(q, k, v, mask, plan)
+    return placed(out, Placement(layout, world, seq_len=total, ranks=ranks))

@@ -23,6 +23,7 @@ from .layout import (
     check_layout,
     even_sizes,
     group_rank_world_or_local,
+    group_ranks,
     placed,
     placed_seq_len,
     require_layout_known,
@@ -167,7 +168,8 @@ def ulysses_attention(
             repr(layout),
         )
     # pieces in rank order: the contiguous layout; a tensor placed otherwise is refused
-    resolve_layout(op, DEFAULT_LAYOUT, {"q": q, "k": k, "v": v}, world, takes_layout=False)
+    ranks = group_ranks(pg)
+    resolve_layout(op, DEFAULT_LAYOUT, {"q": q, "k": k, "v": v}, world, takes_layout=False, ranks=ranks)
     if causal:  # (without a mask the order of the pieces does not change the result)
         require_layout_known(op, layout, {"q": q, "k": k, "v": v}, world)
     # the true length: given, or the one shard recorded (padding slots are no tokens)
@@ -201,7 +203,9 @@ def ulysses_attention(
     out = _ulysses(*_pieces(q, k, v, pg), pg, rank, world, lens, local)
     # equal pieces are the contiguous layout (unshard takes them without `layout`)
     seq = total if true is None else true
-    return placed(out, Placement("contiguous", world, seq_len=seq)) if len(set(lens)) == 1 else out
+    if len(set(lens)) > 1:
+        return out
+    return placed(out, Placement("contiguous", world, seq_len=seq, ranks=ranks))
 
 
 def _head_plan(Hq: int, Hk: int, world: int) -> tuple[list[int], list[int], list[list[int]]]:
@@ -344,7 +348,8 @@ def usp_attention(
     upg, urank, uworld = group_rank_world_or_local(ulysses_group, op)
     rpg, _, rworld = group_rank_world_or_local(ring_group, op)
     given = layout
-    layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, rworld, uworld)
+    ranks, uranks = group_ranks(rpg), group_ranks(upg)
+    layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, rworld, uworld, ranks=ranks, uranks=uranks)
     seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
     require_seq_len_known(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens, rworld, uworld, q.shape[2])
     n_ring = ring_local_len(op, q.shape[2], uworld, rworld, layout, cu_seqlens, seq_len)
@@ -368,4 +373,4 @@ def usp_attention(
         )
 
     out = _ulysses(*_pieces(q, k, v, upg), upg, urank, uworld, lens, local)
-    return placed(out, Placement(layout, rworld, uworld, seq_len=seq_len))
+    return placed(out, Placement(layout, rworld, uworld, seq_len=seq_len, ranks=ranks, uranks=uranks))
