@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _torch
 from .backend import args as A
 from .ops import collectives
 from .ops.validation import rank as _group_rank
@@ -56,6 +57,13 @@ def _local(group: Any, rank: int, op: str, arg: str) -> int:
     rank = A.check_int(rank, op, arg)
     if pg is None:
         return rank
+    if _torch.local_tensor_mode_on():  # the fake group is rank 0's: ask every copy of it
+        copies = _torch.local_group_instances(pg)
+        outside = [c for c in copies if rank not in c]
+        if outside:  # as real ranks: the ranks of a copy without it raise
+            want = f"a global rank that belongs to the group {outside[0]} (of every copy: {copies})"
+            raise A.arg_error(op, arg, want, rank)
+        return copies[0].index(rank)
     try:
         return dist.get_group_rank(pg, rank)
     except (ValueError, RuntimeError):

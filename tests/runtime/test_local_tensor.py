@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import diffcomm as dc
 from diffcomm import parallel as P
+from diffcomm._errors import RankError
 from diffcomm.backend.local_tensor import LocalTensorModeError
 from diffcomm.parallel import routing as _routing_module
 from diffcomm.parallel.context import ring as _ring_module
@@ -563,6 +564,27 @@ def test_debug_mode_under_local_tensor_mode_refuses_as_without() -> None:
     program, n, words = REFUSED["all_gather_coalesced[uneven]"]
     with dc.debug(True), pytest.raises(LocalTensorModeError, match=words + r".*in_process=True"):
         run_under_local_tensor_mode(n, program)
+
+
+def _compat_broadcast_from_global_rank_2() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from diffcomm import compat
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return compat.broadcast(torch.ones(2), src=2, group=mesh.get_group("dp"))
+
+
+def test_a_compat_global_rank_outside_a_copy_of_the_group_raises_as_on_real_ranks(inproc_world4) -> None:
+    """``compat.broadcast(x, src=2, group=<dp axis>)`` on a 2 x 2 mesh: rank 2 is in the dp
+    group {0, 2}, not in {1, 3}, so ranks 1 and 3 raise ValueError. Under LocalTensorMode
+    the global rank was translated with the fake group (rank 0's) for every copy, and
+    ranks 1 and 3 silently took rank 3's tensor."""
+    with pytest.raises(RankError) as real:
+        inproc_world4.run(_compat_broadcast_from_global_rank_2)
+    assert sorted(real.value.failures) == [1, 3], real.value.failures
+    with pytest.raises(ValueError, match=r"`src` must be a global rank that belongs to the group \[1, 3\]"):
+        run_under_local_tensor_mode(4, _compat_broadcast_from_global_rank_2)
 
 
 # ---- hypothesis: ops x shapes x split sizes x worlds 1-4 ---------------------------------
