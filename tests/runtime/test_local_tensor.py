@@ -587,6 +587,40 @@ def test_a_compat_global_rank_outside_a_copy_of_the_group_raises_as_on_real_rank
         run_under_local_tensor_mode(4, _compat_broadcast_from_global_rank_2)
 
 
+class _GatherWithAWrongBackward(torch.autograd.Function):
+    """all_gather whose backward keeps the first rows of its own gradient (not the adjoint)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return dc.all_gather(x.detach())
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g[: g.shape[0] // 2].clone()
+
+
+def _adjoint_test(wrong: bool) -> float:
+    from diffcomm.testing import check_adjoint
+
+    x, y = per_rank(1, 3), per_rank(2, 6)
+    op = _GatherWithAWrongBackward.apply if wrong else dc.all_gather
+    return check_adjoint(op, x, y)
+
+
+def test_check_adjoint_under_local_tensor_mode_equals_in_process(inproc_world2) -> None:
+    """``testing.check_adjoint`` under LocalTensorMode read each rank's inner product with
+    ``.item()`` and failed inside torch ("Non Tensor or int rank results must be equal for
+    all ranks"); it sums them as a tensor first now: the same error as in-process ranks,
+    and the same failure for a wrong backward."""
+    here = run_under_local_tensor_mode(2, _adjoint_test, False)
+    assert here[0] == pytest.approx(inproc_world2.run(_adjoint_test, False)[0], abs=1e-15) and here[0] < 1e-12
+    wrong = r"check_adjoint: sum_r <A x_r, y_r> = .* but sum_r <x_r, A\^T y_r>"
+    with pytest.raises(AssertionError, match=wrong):
+        run_under_local_tensor_mode(2, _adjoint_test, True)
+    with pytest.raises(RankError, match=r"check_adjoint: sum_r <A x_r, y_r>"):
+        inproc_world2.run(_adjoint_test, True)
+
+
 # ---- hypothesis: ops x shapes x split sizes x worlds 1-4 ---------------------------------
 
 _OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter"]

@@ -123,7 +123,10 @@ def check_adjoint(
             raise A.arg_error(
                 "testing.check_adjoint", "dual_op", f"to return x's shape {tuple(x.shape)}", tuple(aty.shape)
             )
-    lhs, rhs = _sum_over_ranks([_inner(ax, y).item(), _inner(x.detach(), aty.detach()).item()], pg).tolist()
+    # (summed as a tensor, read after the sum: equal on every rank, so one program for all
+    # under torch's LocalTensorMode too, where a per-rank .item() cannot be read)
+    both = torch.stack([_inner(ax, y), _inner(x.detach(), aty.detach())])
+    lhs, rhs = _sum_over_ranks(both, pg).tolist()
     scale = max(abs(lhs), abs(rhs))
     err = abs(lhs - rhs) / scale if scale > 0 else 0.0
     rtol = _default_rtol(x.dtype) if rtol is None else rtol
