@@ -691,6 +691,21 @@ def test_stage_without_parameters_and_loss_without_targets(world2: dc.LocalWorld
     assert a == b
 
 
+def _unreduced_loss() -> None:
+    stage = nn.Linear(2, 2)
+    runner = PipelineRunner(stage, "1f1b", loss_fn=nn.MSELoss(reduction="none"))
+    runner.step(torch.ones(4, 2), torch.zeros(4, 2), n_micro=2)
+
+
+def test_a_loss_fn_that_returns_no_scalar_is_named(world2: dc.LocalWorld) -> None:
+    """``loss_fn`` with ``reduction="none"``: the last stage failed inside the runner's sum
+    with torch's "output with shape [] doesn't match the broadcast shape [2, 2]"; now a
+    TypeError naming ``loss_fn`` and what it returned."""
+    want = r"rank\(s\) \[1\] raised: TypeError: .*`loss_fn` must be a function returning a scalar tensor"
+    with pytest.raises(dc.RankError, match=want + r".*got Tensor of shape \(2, 2\)"):
+        world2.run(_unreduced_loss)
+
+
 def test_runner_rejects_bad_arguments_before_communicating(world2: dc.LocalWorld) -> None:
     def runner_bad_args() -> None:
         rank = dist.get_rank()

@@ -763,6 +763,16 @@ class PipelineRunner:
                 assert self.loss_fn is not None
                 tgt = None if tgt_chunks is None else tgt_chunks[m]
                 loss = self.loss_fn(y) if tgt is None else self.loss_fn(y, tgt)
+                if not isinstance(loss, Tensor) or loss.numel() != 1:
+                    raise A.arg_error(
+                        "PipelineRunner.step",
+                        "loss_fn",
+                        "a function returning a scalar tensor (reduce it: reduction='mean' or 'sum')",
+                        f"{type(loss).__name__} of shape {tuple(loss.shape)}"
+                        if isinstance(loss, Tensor)
+                        else type(loss).__name__,
+                        TypeError,
+                    )
                 kept.handle = loss / batch.n_micro
             elif self._dsts[c] is None:  # the next virtual stage is this rank's (the V turn)
                 nxt_in = y.detach().requires_grad_(y.requires_grad)
