@@ -935,6 +935,37 @@ def _fp8_row_scales_empty_and_uneven() -> list[str]:
                 bad.append(f"{wire} all_to_all of rows of different lengths")
         except Exception as err:
             bad.append(f"{wire} all_to_all of rows of different lengths: {type(err).__name__}: {err}")
+        # rows of different lengths *joined* along the last dim: each piece decoded with
+        # its own sender's scale (decoded as equal blocks before: 73.76 came back as 60.14)
+        bad += _joined_rows_of_different_lengths(dc.Precision(wire, backward=dc.Precision("bf16")))
+    return bad
+
+
+def _joined_rows_of_different_lengths(p: dc.Precision) -> list[str]:
+    """Rank j's rows have 2 + 2j values (one scale each); all_gather and all_to_all (split
+    dim 0, concat the last) join them along the last dim (an fp8 backward would split
+    that dim unevenly: refused, so the backward is bf16 here)."""
+    r, world = dc.get_rank(), dc.get_world_size()
+    rows = [data(j, (2 * world, 2 + 2 * j), 3) for j in range(world)]
+    joined = {
+        "all_gather": (
+            lambda: dc.all_gather(rows[r], dim=-1, precision=p),
+            torch.cat([quantize(x, p) for x in rows], -1),
+        ),
+        "all_to_all 0 -> -1": (
+            lambda: dc.all_to_all(
+                rows[r], 0, -1, output_split_sizes=[2 + 2 * j for j in range(world)], precision=p
+            ),
+            torch.cat([quantize(x, p).chunk(world, 0)[r] for x in rows], -1),
+        ),
+    }
+    bad = []
+    for name, (call, want) in joined.items():
+        try:
+            if not torch.equal(call(), want):
+                bad.append(f"{p.wire} {name} of rows of different lengths, joined")
+        except Exception as err:
+            bad.append(f"{p.wire} {name} of rows of different lengths, joined: {type(err).__name__}: {err}")
     return bad
 
 

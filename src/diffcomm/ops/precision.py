@@ -46,6 +46,7 @@ from .precision_format import (
     QUANTIZED,
     _block,
     _scale_sizes,
+    block_widths,
 )
 from .precision_format import (
     WIRE_DTYPES as WIRE_DTYPES,
@@ -115,7 +116,7 @@ def _gather_run(x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...], p: Precisio
     q, s = encode(x, p)
     out_q = raw_all_gather(q, dim, pg, sizes)
     out_s = None if s is None else raw_all_gather(s, dim, pg, _scale_sizes(sizes, dim, x, p))
-    return decode(out_q, out_s, x.dtype)
+    return decode(out_q, out_s, x.dtype, block_widths(sizes, dim, x, p))
 
 
 def _a2a_run(
@@ -135,7 +136,8 @@ def _a2a_run(
         return decode(out_q, None, x.dtype)
     s_ins = _scale_sizes(ins, split_dim, x, p)
     s_outs = _scale_sizes(outs, concat_dim, x, p)
-    return decode(out_q, raw_all_to_all(s, split_dim, concat_dim, pg, s_ins, s_outs), x.dtype)
+    out_s = raw_all_to_all(s, split_dim, concat_dim, pg, s_ins, s_outs)
+    return decode(out_q, out_s, x.dtype, block_widths(outs, concat_dim, x, p))
 
 
 def _reduce_scatter_acc(x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
@@ -363,7 +365,10 @@ def all_gather(
     else:
         sizes = tuple(_exchanged_split_sizes(x, dim, pg, name))
     if dim == x.ndim - 1:  # pieces of every rank's row; backward splits the gathered row
-        check(x, precision, name, (x.shape[dim], sizes), (sum(sizes), sizes))
+        # (forward: every rank's piece a whole number of blocks, so all ranks refuse alike;
+        # one scale per row, block_size=None, fits rows of any lengths)
+        pieces = sizes if precision.block_size else None
+        check(x, precision, name, (x.shape[dim], pieces), (sum(sizes), sizes))
     return apply(_QAllGather, x, dim, pg, sizes, precision)
 
 

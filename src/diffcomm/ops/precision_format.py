@@ -201,12 +201,20 @@ def encode(x: Tensor, p: Precision) -> tuple[Tensor, Tensor | None]:
     return q.reshape(x.shape), scale
 
 
-def decode(q: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """The values ``q`` (and its block ``scale``) stand for, in ``dtype``."""
+def decode(
+    q: Tensor, scale: Tensor | None, dtype: torch.dtype, widths: Sequence[int] | None = None
+) -> Tensor:
+    """The values ``q`` (and its block ``scale``) stand for, in ``dtype``. ``widths``: the
+    last-dim width of each scale's block where they differ (rows of different lengths
+    joined along the last dim, one scale each: ``block_size=None``); else equal blocks."""
     if scale is None:
         return q.to(dtype)
     if q.ndim == 0:
         return decode(q.reshape(1), scale, dtype).reshape(())
+    if widths is not None and len(set(widths)) > 1:
+        c = _compute_dtype(dtype)
+        reps = torch.tensor(list(widths), device=scale.device)
+        return (q.to(c) * scale.to(c).repeat_interleave(reps, dim=-1)).to(dtype)
     n = q.shape[-1]
     nb = scale.shape[-1]
     b = n // nb if nb else 1
@@ -221,6 +229,15 @@ def quantize(x: Tensor, p: Precision) -> Tensor:
         return x
     q, s = encode(x, p)
     return decode(q, s, x.dtype)
+
+
+def block_widths(sizes: Sequence[int], dim: int, x: Tensor, p: Precision) -> list[int] | None:
+    """The width of each received scale's block when pieces of ``sizes`` are joined along
+    ``x``'s last dim with one scale per piece (``block_size=None``; rows of different
+    lengths: :func:`decode` cannot assume equal blocks), else ``None``."""
+    if dim != x.ndim - 1 or p.block_size:
+        return None
+    return [s for s in sizes if s]
 
 
 def _scale_sizes(sizes: Sequence[int], dim: int, x: Tensor, p: Precision) -> tuple[int, ...]:
