@@ -848,6 +848,50 @@ def test_spmd_check_types_the_quantized_ops(world2) -> None:
         assert row == ["all_reduce: SPMDTypeError", "reduce_from_region: SPMDTypeError"], row
 
 
+def _spmd_outcomes_of_every_mapping() -> dict[str, tuple[str, str]]:
+    """Each mapping under ``dc.spmd_check`` on a replicated and on a varying input (its
+    backward run too): the outcome without and with ``precision=``."""
+    from diffcomm import parallel as P
+
+    calls = {
+        "copy_to_region": lambda v, p: P.copy_to_region(v, precision=p),
+        "reduce_from_region": lambda v, p: P.reduce_from_region(v, precision=p),
+        "scatter_to_region": lambda v, p: P.scatter_to_region(v, precision=p),
+        "gather_from_region": lambda v, p: P.gather_from_region(v, precision=p),
+        "scatter_to_sequence": lambda v, p: P.scatter_to_sequence(v, 0, precision=p),
+        "gather_from_sequence": lambda v, p: P.gather_from_sequence(v, 0, precision=p),
+        "reduce_scatter_to_sequence": lambda v, p: P.reduce_scatter_to_sequence(v, 0, precision=p),
+        "all_gather_from_sequence": lambda v, p: P.all_gather_from_sequence(v, 0, precision=p),
+        "all_to_all_region": lambda v, p: P.all_to_all_region(v, 0, 1, precision=p),
+    }
+    out = {}
+    for name, call in calls.items():
+        for kind in ("replicated", "varying"):
+            seen = []
+            for p in (None, Precision("bf16")):
+                x = torch.randn(4, 4, requires_grad=True)
+                try:
+                    with dc.spmd_check():
+                        y = call(getattr(dc.spmd, kind)(x), p)
+                        y.float().square().sum().backward()
+                    seen.append("ok")
+                except dc.SPMDTypeError:
+                    seen.append("SPMDTypeError")
+            out[f"{name} {kind}"] = tuple(seen)
+    return out
+
+
+def test_spmd_check_types_every_quantized_mapping_as_the_plain_one(world2) -> None:
+    """Every mapping is typed the same with ``precision=`` as without, on a replicated and a
+    varying input. ``all_to_all_region(precision=)`` ran the core quantized all_to_all,
+    typed by the core op's rule: a replicated input, refused without ``precision=``,
+    passed with it."""
+    for out in world2.run(_spmd_outcomes_of_every_mapping):
+        differ = {k: v for k, v in out.items() if v[0] != v[1]}
+        assert not differ, differ
+        assert out["all_to_all_region replicated"] == ("SPMDTypeError", "SPMDTypeError")
+
+
 def test_benchmark_reports_2x_and_about_4x_fewer_bytes() -> None:
     """``benchmarks/bench_precision.py`` (a fresh 2-rank world): bf16/fp16 send 2x fewer
     bytes than fp32 in every op, fp8 with float32 scales ``4 / (1 + 4 / block)``x."""

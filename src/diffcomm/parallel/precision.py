@@ -25,12 +25,13 @@ from ..ops.precision import (
     Layout,
     Precision,
     QuantizedOp,
+    _a2a_run,
     _all_reduce_run,
     _gather_run,
     _reduce_scatter_run,
-    all_to_all,
 )
 from ..ops.precision import check as check_precision
+from ..ops.registry import SELF
 from ..ops.validation import PG
 from . import mappings
 
@@ -75,6 +76,29 @@ _QAllGatherFromSequence = QuantizedOp.of(
 )
 
 
+def _region_a2a(x: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int, p: Precision) -> Tensor:
+    ins, outs = _region_a2a_sizes(x, split_dim, concat_dim, world)
+    return _a2a_run(x, split_dim, concat_dim, pg, ins, outs, p)
+
+
+def _region_a2a_sizes(x: Tensor, split_dim: int, concat_dim: int, world: int) -> tuple[tuple[int, ...], ...]:
+    ins = (x.shape[split_dim] // world,) * world
+    return ins, ins if split_dim == concat_dim else (x.shape[concat_dim],) * world
+
+
+class _QAllToAllRegion(QuantizedOp):
+    """all_to_all_region with a :class:`Precision` (typed as the mapping: ``{V: V}``);
+    adjoint: itself with the dims swapped."""
+
+    plain = mappings._AllToAllRegion
+    adjoint = SELF
+    run = staticmethod(_region_a2a)
+
+    @staticmethod
+    def adjoint_args(split_dim: int, concat_dim: int, pg: PG, world: int) -> tuple[Any, ...]:
+        return concat_dim, split_dim, pg, world
+
+
 # ------------------------------------------------------------------ entry points
 
 
@@ -88,8 +112,16 @@ def mapping(name: str, x: Any, group: args.GroupLike, precision: Any, **kw: Any)
     x, pg = mappings._prepare(name, x, group)
     b = mappings._b()
     world, rank = b.world_size(pg), b.rank(pg)
-    if name == "all_to_all_region":
-        return all_to_all(x, kw["split_dim"], kw["concat_dim"], pg, None, None, precision)
+    if name == "all_to_all_region":  # the mapping's own op (its typing rule, even chunks)
+        split_dim = mappings._even_dim(name, x, kw["split_dim"], world, "split_dim")
+        concat_dim = args.check_dim(x, kw["concat_dim"], f"parallel.{name}", "concat_dim")
+        ins, outs = _region_a2a_sizes(x, split_dim, concat_dim, world)
+        end, n = x.ndim - 1, _last(x)
+        fwd = (n, list(ins) if split_dim == end else ([n] if concat_dim == end else None))
+        out_last = sum(outs) if concat_dim == end else (ins[rank] if split_dim == end else n)
+        bwd = (out_last, list(outs) if concat_dim == end else None)
+        p = check_precision(x, precision, f"parallel.{name}", fwd, bwd)
+        return apply(_QAllToAllRegion, x, split_dim, concat_dim, pg, world, p)
     if name in ("copy_to_region", "reduce_from_region"):
         p = check_precision(x, precision, f"parallel.{name}")
         fn = _QCopyToRegion if name == "copy_to_region" else _QReduceFromRegion
