@@ -333,3 +333,31 @@ def test_engine_jobs_are_logged_and_recorded_with_their_thread(world2) -> None:
     for count, n_spans, threads in world2.run(logged_rank):
         assert count == 2 and n_spans == 2
         assert "diffcomm-comm" in threads
+
+
+def _under_inference_mode() -> tuple:
+    from diffcomm.parallel import ExpertParallelMoE
+
+    r = dc.get_rank()
+    x = torch.arange(4.0) * (r + 1)
+    with torch.inference_mode():
+        y = dc.all_reduce(x, async_op=True)
+        z = dc.all_gather(y, 0, async_op=True) + 0  # an async input, then first use
+    moe = ExpertParallelMoE(16, 32, num_experts=4, k=2, shared_expert_size=32, seed=0)
+    tokens = torch.randn(10, 16, generator=torch.Generator().manual_seed(r))
+    with torch.no_grad():
+        ref = moe(tokens)
+    with torch.inference_mode():
+        got = moe(tokens)  # overlap_shared: its dispatch runs asynchronously
+    return y.wait(), z, torch.equal(got, ref)
+
+
+def test_async_ops_under_inference_mode(world2) -> None:
+    """``torch.inference_mode()``: an async op read its input's version counter, which an
+    inference tensor does not have (torch's "Inference tensors do not track version
+    counter"), so ``async_op=True`` and the documented MoE example with a shared expert
+    failed there (they ran under ``no_grad``)."""
+    w = 2
+    for y, z, same in world2.run(_under_inference_mode):
+        total = torch.arange(4.0) * sum(range(1, w + 1))
+        assert torch.equal(y, total) and torch.equal(z, torch.cat([total] * w)) and same

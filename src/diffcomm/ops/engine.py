@@ -148,7 +148,11 @@ class _Engine:
         # "the current device" means the same in the job
         acc = get_accelerator()
         stream = acc.started_stream()
-        state = (contextvars.copy_context(), B.comm_state(), acc if stream is not None else None, stream)
+        # (and under the caller's inference mode: a job writes into tensors the caller made,
+        # which are inference tensors inside torch.inference_mode, writable only there)
+        inference = torch.is_inference_mode_enabled()
+        on = acc if stream is not None else None
+        state = (contextvars.copy_context(), B.comm_state(), on, stream, inference)
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="diffcomm-comm", daemon=True)
@@ -164,10 +168,14 @@ class _Engine:
             item = self._q.get()
             if item is None:  # stop(): everything queued before it has run
                 return
-            fn, handle, (ctx, comm, acc, stream) = item
+            fn, handle, (ctx, comm, acc, stream, inference) = item
             B.adopt_comm_state(comm)
             try:
-                with torch.no_grad(), acc.stream_context(stream) if acc is not None else _NO_STREAM:
+                with (
+                    torch.inference_mode(inference),
+                    torch.no_grad(),
+                    acc.stream_context(stream) if acc is not None else _NO_STREAM,
+                ):
                     handle._result = ctx.run(fn)
                 handle.versions = _versions_of(handle._result)
             except BaseException as err:  # re-raised by Handle.wait on the caller
@@ -198,12 +206,18 @@ class _Engine:
 _ENGINE = _Engine()
 
 
+def _ver(t: Tensor) -> int:
+    """``t._version``; 0 for an inference tensor (``torch.inference_mode``), which has no
+    version counter to read (torch tracks no in-place change of it either)."""
+    return 0 if t.is_inference() else t._version
+
+
 def _versions_of(result: Any) -> Any:
     """``Handle.versions`` of a job's result."""
     if isinstance(result, Tensor):
-        return result._version
+        return _ver(result)
     if isinstance(result, (tuple, list)):
-        return tuple(r._version if isinstance(r, Tensor) else None for r in result)
+        return tuple(_ver(r) if isinstance(r, Tensor) else None for r in result)
     return None
 
 
@@ -407,8 +421,8 @@ def _stamp(t: Tensor) -> tuple[int, int | None]:
     in-place op on the AsyncTensor bumps the wrapper's version, one on what ``.wait()``
     returned the finished tensor's."""
     if isinstance(t, AsyncTensor):
-        return t._version, (t._elem._version if t._elem is not None else None)
-    return t._version, None
+        return _ver(t), (_ver(t._elem) if t._elem is not None else None)
+    return _ver(t), None
 
 
 def _changed(t: Tensor, stamp: tuple[int, int | None]) -> tuple[int, int] | None:
@@ -416,11 +430,11 @@ def _changed(t: Tensor, stamp: tuple[int, int | None]) -> tuple[int, int] | None
     ``None`` (``t``'s job, if it is an AsyncTensor, has run: called in a later job or in
     backward)."""
     version, inner = stamp
-    if t._version != version:
-        return version, t._version
+    if _ver(t) != version:
+        return version, _ver(t)
     if isinstance(t, AsyncTensor):
         expected = t._born() if inner is None else inner
-        now = t._finished()._version
+        now = _ver(t._finished())
         if now != expected:
             return expected, now
     return None
@@ -698,8 +712,8 @@ def _check_what_backward_reads(ctx: Any, outs: Any) -> None:
     finished = outs if isinstance(outs, tuple) else (outs,)
     born = ctx.handle.versions if isinstance(outs, tuple) else (ctx.handle.versions,)
     for i in ctx.outs_read:
-        if finished[i]._version != born[i]:
-            raise _inplace_error(f"output {i} (through .wait())", ctx.name, (born[i], finished[i]._version))
+        if _ver(finished[i]) != born[i]:
+            raise _inplace_error(f"output {i} (through .wait())", ctx.name, (born[i], _ver(finished[i])))
     for i, stamp in ctx.args_read:
         moved = _changed(ctx.args[i], stamp)
         if moved is not None:
