@@ -794,6 +794,39 @@ def test_moe_dispatch_combine_with_precision(world2, wire: str, back: str) -> No
         assert not bad, bad
 
 
+def _moe_async_with_precision() -> dict[str, str]:
+    from diffcomm import parallel as P
+    from diffcomm.backend import log_comms
+
+    x = torch.randn(6, 8)
+    gate, idx, _ = P.route(torch.randn(6, 4), k=2)
+    h, plan = P.dispatch(x, idx, num_experts=4)
+    p = Precision("bf16")
+    calls = {
+        "dispatch": lambda: P.dispatch(x, idx, num_experts=4, precision=p, async_op=True),
+        "combine": lambda: P.combine(h, gate, plan, precision=p, async_op=True),
+    }
+    out = {}
+    for name, call in calls.items():
+        with log_comms() as log:
+            try:
+                call()
+                out[name] = "no error"
+            except ValueError as exc:
+                out[name] = f"{exc} [{log.count()} comms]"
+    return out
+
+
+def test_moe_async_with_precision_is_refused_naming_the_op_before_communicating(world2) -> None:
+    """``dispatch(async_op=True, precision=)`` exchanged the counts and then failed in the
+    inner all_to_all, naming ``all_to_all``; ``combine`` named it too. Now both name their
+    own op and ``async_op``, with no communication (docs/precision.md: refused before any)."""
+    for out in world2.run(_moe_async_with_precision):
+        for name in ("dispatch", "combine"):
+            assert f"parallel.{name}(): `async_op` must be False with precision=" in out[name], out
+            assert out[name].endswith("[0 comms]"), out
+
+
 # --------------------------------------------------------------------------------------
 # examples/precision_tp_training.py: bf16 wire / fp32 accumulation next to fp32
 # --------------------------------------------------------------------------------------

@@ -282,6 +282,13 @@ def _local_counts(flat: Tensor, e: int) -> list[int]:
     return mine
 
 
+def _no_async_precision(op: str, async_op: Any) -> None:
+    """``async_op=True`` with ``precision=`` (not supported: the quantized all_to_all is
+    blocking), refused naming ``op`` before any communication."""
+    if async_op:
+        raise A.arg_error(op, "async_op", "False with precision= (not supported yet)", async_op)
+
+
 class _Permute(torch.autograd.Function):
     """Rows of ``x`` in the order ``perm`` (a permutation, ``inverse`` its inverse).
 
@@ -407,6 +414,7 @@ def dispatch(
         from ..ops.precision import check as _check_precision
 
         _check_precision(x, precision, op)
+        _no_async_precision(op, async_op)
     ids, mine = expert_index, None
     if plan is None:  # ids out of range are named here, before any communication
         ids = expert_index.long()
@@ -550,6 +558,8 @@ def combine(
         )
     if not (gate_weights.dtype.is_floating_point or gate_weights.dtype.is_complex):
         raise A.arg_error(op, "gate_weights", "a floating-point tensor", gate_weights.dtype, TypeError)
+    if precision is not None:
+        _no_async_precision(op, async_op)
     rows = _permute(expert_outputs, plan.recv_inverse, plan.recv_order, plan.source_major)  # source-major
     run_async = bool(async_op) and HOOK[0] is None and not _torch.transforms_active()
     with B.label("parallel.combine"):
