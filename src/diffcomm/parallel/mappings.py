@@ -400,6 +400,13 @@ class _AllGatherFromSequence(_Mapping):
         return [torch.cat(xs, kws[0].get("dim", 0)) for _ in xs]
 
 
+def region_a2a_sizes(x: Tensor, split_dim: int, concat_dim: int, world: int) -> tuple[tuple[int, ...], ...]:
+    """``all_to_all_region``'s input and output split sizes (even chunks; also its
+    quantized form's, :mod:`diffcomm.parallel.precision`)."""
+    ins = (x.shape[split_dim] // world,) * world
+    return ins, ins if split_dim == concat_dim else (x.shape[concat_dim],) * world
+
+
 class _AllToAllRegion(_Mapping):
     """all_to_all (even chunks); transpose: itself with the dims swapped."""
 
@@ -415,8 +422,7 @@ class _AllToAllRegion(_Mapping):
 
     @staticmethod
     def run(x: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int) -> Tensor:
-        ins = (x.shape[split_dim] // world,) * world
-        outs = ins if split_dim == concat_dim else (x.shape[concat_dim],) * world
+        ins, outs = region_a2a_sizes(x, split_dim, concat_dim, world)
         return raw_all_to_all(x, split_dim, concat_dim, pg, ins, outs)
 
     @staticmethod

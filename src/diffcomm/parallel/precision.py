@@ -77,13 +77,8 @@ _QAllGatherFromSequence = QuantizedOp.of(
 
 
 def _region_a2a(x: Tensor, split_dim: int, concat_dim: int, pg: PG, world: int, p: Precision) -> Tensor:
-    ins, outs = _region_a2a_sizes(x, split_dim, concat_dim, world)
+    ins, outs = mappings.region_a2a_sizes(x, split_dim, concat_dim, world)
     return _a2a_run(x, split_dim, concat_dim, pg, ins, outs, p)
-
-
-def _region_a2a_sizes(x: Tensor, split_dim: int, concat_dim: int, world: int) -> tuple[tuple[int, ...], ...]:
-    ins = (x.shape[split_dim] // world,) * world
-    return ins, ins if split_dim == concat_dim else (x.shape[concat_dim],) * world
 
 
 class _QAllToAllRegion(QuantizedOp):
@@ -115,7 +110,7 @@ def mapping(name: str, x: Any, group: args.GroupLike, precision: Any, **kw: Any)
     if name == "all_to_all_region":  # the mapping's own op (its typing rule, even chunks)
         split_dim = mappings._even_dim(name, x, kw["split_dim"], world, "split_dim")
         concat_dim = args.check_dim(x, kw["concat_dim"], f"parallel.{name}", "concat_dim")
-        ins, outs = _region_a2a_sizes(x, split_dim, concat_dim, world)
+        ins, outs = mappings.region_a2a_sizes(x, split_dim, concat_dim, world)
         end, n = x.ndim - 1, _last(x)
         fwd = (n, list(ins) if split_dim == end else ([n] if concat_dim == end else None))
         out_last = sum(outs) if concat_dim == end else (ins[rank] if split_dim == end else n)
