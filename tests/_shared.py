@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+if TYPE_CHECKING:
+    import pytest
 
 T = TypeVar("T")
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -28,6 +32,23 @@ def benchmark_json(script: str, *args: str, timeout: float = 600) -> Any:
     )
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def benchmark_json_here(
+    script: str, *args: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Any:
+    """:func:`benchmark_json` run in this test's process (``runpy``, as ``__main__``): the
+    worlds it starts come from this worker's fork server, with no fresh interpreter that
+    imports torch again. Only for a benchmark whose main process changes no global state
+    (it starts ``dc.LocalWorld`` objects; its ranks set their own threads)."""
+    monkeypatch.setattr(sys, "argv", [script, "--json", *args])
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    capsys.readouterr()  # what the test printed before
+    try:
+        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    except SystemExit as exc:  # a main that ends in sys.exit(main())
+        assert exc.code in (0, None), f"{script} exited with {exc.code}"
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 def outcomes(calls: dict[str, Callable[[], object]], error: type[BaseException]) -> dict[str, str]:

@@ -290,7 +290,9 @@ def test_diffcomm_timeout_bounds_the_users_own_default_group(tmp_path) -> None:
         subprocess.Popen([sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE, text=True)
         for r in (0, 1)
     ]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    out0 = procs[0].communicate(timeout=120)[0]
+    procs[1].kill()  # it sleeps past rank 0's diagnosis, which has been printed now
+    outs = [out0, procs[1].communicate(timeout=120)[0]]
     head = outs[0].splitlines()
     assert head and head[0].startswith("DESYNC"), outs
     _, seconds, *rest = head[0].split(" ", 2)

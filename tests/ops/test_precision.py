@@ -925,12 +925,15 @@ def test_spmd_check_types_every_quantized_mapping_as_the_plain_one(world2) -> No
         assert out["all_to_all_region replicated"] == ("SPMDTypeError", "SPMDTypeError")
 
 
-def test_benchmark_reports_2x_and_about_4x_fewer_bytes() -> None:
-    """``benchmarks/bench_precision.py`` (a fresh 2-rank world): bf16/fp16 send 2x fewer
-    bytes than fp32 in every op, fp8 with float32 scales ``4 / (1 + 4 / block)``x."""
-    from _shared import benchmark_json
+def test_benchmark_reports_2x_and_about_4x_fewer_bytes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``benchmarks/bench_precision.py`` (a fresh 2-rank world, run in this process): bf16/fp16
+    send 2x fewer bytes than fp32 in every op, fp8 with float32 scales ``4 / (1 + 4 / block)``x."""
+    from _shared import benchmark_json_here
 
-    out = benchmark_json("bench_precision.py", "--rows", "8", "--cols", "256", "--calls", "2", timeout=300)
+    args = ("--rows", "8", "--cols", "256", "--calls", "2")
+    out = benchmark_json_here("bench_precision.py", *args, monkeypatch=monkeypatch, capsys=capsys)
     by = {r["format"]: r for r in out["results"]}
     want = {"bf16": 2.0, "fp16": 2.0, "e4m3 row": 4 / (1 + 4 / 256), "e4m3/128": 4 / (1 + 4 / 128)}
     want |= {"e4m3/32": 4 / (1 + 4 / 32), "e5m2/128": 4 / (1 + 4 / 128)}

@@ -1,6 +1,7 @@
 """``benchmarks/bench_pipeline.py`` stays runnable and reports what it claims.
 
-A tiny model (width 32, 2 ranks, 2 micro-batches, 2 rounds) in a subprocess; the checks
+A tiny model (width 32, 2 ranks, 2 micro-batches, 2 rounds), run as ``__main__`` in the
+test's process (its worlds from the worker's fork server); the checks
 are on what does not depend on timing: equal gradients to torch.distributed.pipelining,
 the textbook theory, and that the replayed bubble (free communication) is a bubble. The
 stage balancing (the sized model, its cost model and the calibration loop) is checked in
@@ -16,7 +17,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from _shared import BENCHMARKS, benchmark_json
+from _shared import BENCHMARKS, benchmark_json_here
 from torch import nn
 
 
@@ -140,9 +141,13 @@ def test_v_layout_is_sized_per_stage_so_a_ranks_two_stages_are_equal(
     assert max(stage.values()) / min(stage.values()) - 1 > 0.05, (by_rank, stage)
 
 
-def test_bench_pipeline_reports_every_column() -> None:
+def test_bench_pipeline_reports_every_column(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     args = ("--width", "32", "--depth", "4", "--batch", "8", "--micro", "2", "--rounds", "2")
-    rows = benchmark_json("bench_pipeline.py", *args, "--schedules", "1f1b", "zb-h1", timeout=300)
+    rows = benchmark_json_here(
+        "bench_pipeline.py", *args, "--schedules", "1f1b", "zb-h1", monkeypatch=monkeypatch, capsys=capsys
+    )
     assert [(r["p"], r["m"], r["schedule"]) for r in rows] == [(2, 2, "1f1b"), (2, 2, "zb-h1")]
     assert rows[0]["theory"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
     for r in rows:
@@ -156,9 +161,11 @@ def test_bench_pipeline_reports_every_column() -> None:
         assert r["widths"] is not None and len(r["widths"]) == 2  # balanced by default, one per stage
 
 
-def test_bench_pipeline_runs_the_v_schedules_and_placed_w_against_torch() -> None:
+def test_bench_pipeline_runs_the_v_schedules_and_placed_w_against_torch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     args = ("--width", "32", "--depth", "4", "--batch", "8", "--micro", "4", "--rounds", "2")
-    rows = benchmark_json(
+    rows = benchmark_json_here(
         "bench_pipeline.py",
         *args,
         "--schedules",
@@ -167,7 +174,8 @@ def test_bench_pipeline_runs_the_v_schedules_and_placed_w_against_torch() -> Non
         "dualpipev",
         "--balance",
         "model",
-        timeout=300,
+        monkeypatch=monkeypatch,
+        capsys=capsys,
     )
     assert [r["schedule"] for r in rows] == ["zb-h1-placed", "zbv", "dualpipev"]
     for r in rows:
@@ -178,7 +186,14 @@ def test_bench_pipeline_runs_the_v_schedules_and_placed_w_against_torch() -> Non
         assert len(r["widths"]) == (2 if r["schedule"] == "zb-h1-placed" else 4)  # V placement: 2p stages
 
 
-def test_bench_pipeline_unbalanced_runs_the_plain_model() -> None:
+def test_bench_pipeline_unbalanced_runs_the_plain_model(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     args = ("--width", "32", "--depth", "4", "--batch", "8", "--micro", "2", "--rounds", "2")
-    rows = benchmark_json("bench_pipeline.py", *args, "--schedules", "1f1b", "--balance", "none", timeout=300)
+    rows = benchmark_json_here(
+        "bench_pipeline.py",
+        *(*args, "--schedules", "1f1b", "--balance", "none"),
+        monkeypatch=monkeypatch,
+        capsys=capsys,
+    )
     assert rows[0]["widths"] is None and rows[0]["grad_diff"] < 1e-5
