@@ -320,6 +320,38 @@ def test_non_tensor_results_wait(world2) -> None:
         }
 
 
+def test_layout_and_storage_read_before_the_wait_are_the_finished_tensors(world2) -> None:
+    def layout_rank() -> dict[str, object]:
+        """An AsyncTensor's strides are fixed at the launch: they were contiguous while some
+        ops return a view (``all_gather``/``reduce_scatter``/``scatter``/``gather`` along
+        dim > 0, ``all_to_all``), so ``stride()`` changed at the wait and ``view`` on a
+        tensor that said it was contiguous failed. ``data_ptr()`` read 0 for every pending
+        result (two results "aliased") and ``untyped_storage()`` raised "data is not
+        allocated yet"."""
+        x = torch.arange(24.0).reshape(2, 4, 3)
+        made = {
+            "all_gather": lambda: dc.all_gather(x, dim=1, async_op=True),
+            "reduce_scatter": lambda: dc.reduce_scatter(x, dim=1, async_op=True),
+            "scatter": lambda: dc.scatter(x, dim=1, async_op=True),
+            "gather": lambda: dc.gather(x, dim=2, async_op=True),
+            "all_to_all": lambda: dc.all_to_all(x, split_dim=1, concat_dim=2, async_op=True),
+            "coalesced": lambda: dc.all_gather_coalesced([x, x], dim=1, async_op=True)[1],
+        }
+        out: dict[str, object] = {}
+        for name, make in made.items():
+            y = make()
+            before = (y.stride(), y.is_contiguous())
+            flat = y.view(-1)  # contiguous, as it says
+            out[name] = before == (y.wait().stride(), y.wait().is_contiguous()) and flat.numel() == y.numel()
+        a, b = _ar(torch.ones(3)), _ar(torch.ones(3))
+        out["data_ptr"] = a.data_ptr() == a.wait().data_ptr() != 0 and a.data_ptr() != b.data_ptr()
+        out["storage"] = a.untyped_storage().data_ptr() == a.wait().untyped_storage().data_ptr()
+        return out
+
+    for res in world2.run(layout_rank):
+        assert all(res.values()), res
+
+
 def test_engine_jobs_are_logged_and_recorded_with_their_thread(world2) -> None:
     def logged_rank() -> tuple[int, int, list[str]]:
         with B.log_comms() as log, B.record_spans() as spans:

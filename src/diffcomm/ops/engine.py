@@ -287,8 +287,8 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 class AsyncTensor(Tensor):
     """The result of an asynchronous op: waits for its communication on first use.
 
-    It has the shape, dtype and device of the finished tensor, so it can be passed around
-    (and into other asynchronous ops) without waiting. Any operation on it — arithmetic,
+    It has the shape, dtype and device of the finished tensor, which is contiguous, so it
+    can be passed around (and into other asynchronous ops) without waiting. Any operation on it — arithmetic,
     indexing, printing, ``.tolist()`` / ``.item()`` / ``.numpy()``, autograd using it —
     first waits for the communication (``__torch_dispatch__``) and then runs on the
     finished tensor; its results are plain tensors.
@@ -360,7 +360,8 @@ class AsyncTensor(Tensor):
         return func(*args, **kwargs)
 
     # Methods that return no tensor never reach ``__torch_dispatch__`` (torch refuses them for
-    # a subclass, or formats the wrapper): they wait here. ``np.asarray`` calls ``numpy()``.
+    # a subclass, formats the wrapper, or reads the wrapper's missing storage): they wait
+    # here. ``np.asarray`` calls ``numpy()``.
     def tolist(self) -> Any:
         return self._finished().tolist()
 
@@ -370,6 +371,12 @@ class AsyncTensor(Tensor):
                 "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead."
             )
         return self._finished().numpy(force=force)
+
+    def data_ptr(self) -> int:  # the wrapper has no storage (its own pointer reads 0)
+        return self._finished().data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        return self._finished().untyped_storage()
 
     def __format__(self, format_spec: str) -> str:
         if self.dim() == 0:  # a plain 0-dim tensor formats its value
@@ -461,6 +468,14 @@ class _Launch(torch.autograd.Function):
         return ctx.backward_fn(g), None, None, None, None
 
 
+def _contiguous(t: Any) -> Any:
+    """A job's result as its :class:`AsyncTensor` describes it: contiguous (the wrapper's
+    strides are fixed at the launch, before the result exists; an op may return a view,
+    e.g. ``all_gather`` along dim 1), so ``stride()`` / ``is_contiguous()`` read before and
+    after the wait agree, and ``view`` works on what the wrapper calls contiguous."""
+    return t.contiguous() if isinstance(t, Tensor) and not t.is_contiguous() else t
+
+
 def _submit_checked(x: Tensor, name: str, raw: Callable[[Tensor], Tensor]) -> Handle:
     """Submit ``raw(x)``; the job refuses to read ``x`` if it was modified in place since
     the launch (the input is read by the engine later, not copied at the launch), also
@@ -474,7 +489,7 @@ def _submit_checked(x: Tensor, name: str, raw: Callable[[Tensor], Tensor]) -> Ha
                 "launched and before its communication ran; wait for the result (or use it) "
                 "before modifying the input, or pass a copy"
             )
-        return raw(_plain(x).detach())
+        return _contiguous(raw(_plain(x).detach()))
 
     return _ENGINE.submit(job, name)
 
@@ -643,7 +658,7 @@ class _LaunchFn(torch.autograd.Function):
                     )
             plain = tuple(_plain(a).detach() if isinstance(a, Tensor) else a for a in args)
             out = cls.forward(*plain)
-            return tuple(out) if multi else out
+            return tuple(_contiguous(o) for o in out) if multi else _contiguous(out)
 
         handle = _ENGINE.submit(job, name)
         first = tensors[0]
