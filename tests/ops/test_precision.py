@@ -615,6 +615,36 @@ def test_bad_input_before_any_communication(world2, kind: str, error: str, names
         assert msg.startswith(error) and names in msg and msg.endswith("comms=0"), msg
 
 
+def _one_rank_cannot_encode(block: int | None) -> str:
+    """Rank 1's last dim (6), which ``all_to_all`` splits, is no whole number of fp8 blocks
+    of 4; rank 0's (8) is. One scale per row (``None``): rank 1 splits its row, rank 0
+    sends its whole row to rank 1 and receives a single piece."""
+    r = dc.get_rank()
+    if block is None:
+        ins = [0, 8] if r == 0 else [3, 3]
+    else:
+        ins = [4, 4] if r == 0 else [4, 2]
+    x = torch.randn(2, sum(ins), dtype=torch.float64, requires_grad=True)
+    p = Precision("fp8_e4m3", block_size=block)
+    try:
+        dc.all_to_all(x, split_dim=1, concat_dim=1, input_split_sizes=ins, precision=p)
+    except ValueError as err:
+        return f"ValueError: {err}"
+    except Exception as err:  # a desync (the other rank went on into the exchange)
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+@pytest.mark.parametrize("block", [4, None])
+def test_a_refusal_that_differs_between_ranks_is_every_ranks(world2, block: int | None) -> None:
+    """What fp8 blocks encode along a last dim that ``all_to_all`` splits differs between
+    ranks: rank 1 refused, rank 0 went on into the size exchange and waited for it (a
+    DesyncError in-process, a timeout on processes). Now the ranks agree first."""
+    mine, other = world2.run(_one_rank_cannot_encode, block)[::-1]
+    assert mine.startswith("ValueError: diffcomm.all_to_all(): precision (forward)"), mine
+    assert other.startswith("ValueError: diffcomm.all_to_all(): group rank(s) [1] cannot encode"), other
+
+
 def test_precision_options_validated() -> None:
     with pytest.raises(ValueError, match="wire='int8'"):
         Precision("int8")

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .. import backend as B
 from ..backend import args as A
 from .all_gather import _AllGather, _ReduceScatter, raw_all_gather, raw_reduce_scatter
 from .all_reduce import _AllReduce, raw_all_reduce
@@ -388,18 +389,62 @@ def all_to_all(
     split_dim = A.check_dim(x, split_dim, name, "split_dim")
     concat_dim = A.check_dim(x, concat_dim, name, "concat_dim")
     _no_async(async_op, name)
-    check(x, precision, name)
+    last = x.ndim - 1
+    # fp8 blocks along a last dim the op splits or joins: what each rank encodes differs
+    # between ranks (its own sizes), so one rank may refuse where the others would not: the
+    # ranks agree (one tiny exchange) and all refuse together, never one alone (a desync)
+    per_rank = x.ndim > 0 and last in (split_dim, concat_dim) and _blocks(precision)
+    refused = _refusal(lambda: check(x, precision, name), per_rank)
     pg = A.resolve_group(group, name)
     ins, outs = _all_to_all_split_sizes(x, split_dim, concat_dim, pg, input_split_sizes, output_split_sizes)
-    last = x.ndim - 1
     if outs is None:
         outs = _all_to_all_received(ins, pg)
     n = x.shape[last]
     out_last = sum(outs) if concat_dim == last else (ins[_rank(pg)] if split_dim == last else n)
     fwd_chunks = list(ins) if split_dim == last else ([n] if concat_dim == last else None)
     bwd_chunks = list(outs) if concat_dim == last else None
-    check(x, precision, name, (n, fwd_chunks), (out_last, bwd_chunks))
+    if refused is None:
+        layouts = ((n, fwd_chunks), (out_last, bwd_chunks))
+        refused = _refusal(lambda: check(x, precision, name, *layouts), per_rank)
+    if per_rank:
+        _refuse_together(refused, pg, name)
     return apply(_QAllToAll, x, split_dim, concat_dim, pg, tuple(ins), outs, precision)
+
+
+def _blocks(precision: Any) -> bool:
+    """Whether ``precision`` encodes fp8 blocks (forward or backward)."""
+    if not isinstance(precision, Precision):
+        return False
+    return bool(FP8_MAX.keys() & {precision.wire, precision.transposed().wire})
+
+
+def _refusal(run_check: Any, per_rank: bool) -> ValueError | None:
+    """``run_check()``'s ValueError where ranks may differ in it (``per_rank``: kept for
+    :func:`_refuse_together`); else it propagates at once, as do its TypeErrors (the same
+    on every rank)."""
+    try:
+        run_check()
+    except ValueError as err:
+        if not per_rank:
+            raise
+        return err
+    return None
+
+
+def _refuse_together(refused: ValueError | None, pg: PG, name: str) -> None:
+    """Every rank of ``pg`` raises if any refused: the refusing ranks their own error, the
+    others one naming them (one small all_gather of a flag, before the op's data moves)."""
+    with B.label(f"{name} (precision check)"):
+        flags = B.get_backend().exchange_size_lists([int(refused is not None)], pg)
+    bad = [r for r, (flag,) in enumerate(flags) if flag]
+    if refused is not None:
+        raise refused
+    if bad:
+        raise ValueError(
+            f"diffcomm.{name}(): group rank(s) {bad} cannot encode their part with this precision "
+            "(fp8 blocks along the last dim, which the op splits or joins; their error says why), so "
+            "every rank refuses the op"
+        )
 
 
 # ------------------------------------------------------------------- coalesced lists
