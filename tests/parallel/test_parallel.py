@@ -420,6 +420,30 @@ def test_uneven_split_is_a_value_error_before_communicating(world2) -> None:
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_vocab_parallel_cross_entropy_of_only_ignored_tokens(world, reduction, smoothing) -> None:
+    """An all-padding micro-batch: ``"mean"`` is NaN as in torch, and the gradient is 0 as in
+    torch (it was NaN on every logit: the mean's inf times the ignored tokens' 0)."""
+
+    def all_ignored(reduction: str, smoothing: float) -> tuple[bool, bool]:
+        r, w = dc.get_rank(), dc.get_world_size()
+        logits, target = _data(5, -1, 3, 4 * w), torch.full((3,), -100)
+        full = logits.clone().requires_grad_()
+        shard = logits[:, 4 * r : 4 * (r + 1)].clone().requires_grad_()
+        ref = F.cross_entropy(full, target, label_smoothing=smoothing, reduction=reduction)
+        loss = P.vocab_parallel_cross_entropy(shard, target, label_smoothing=smoothing, reduction=reduction)
+        loss.sum().backward()
+        ref.sum().backward()
+        same_loss = torch.equal(loss.nan_to_num(), ref.nan_to_num()) and torch.equal(
+            loss.isnan(), ref.isnan()
+        )
+
+        return same_loss, torch.equal(shard.grad, full.grad[:, 4 * r : 4 * (r + 1)])
+
+    assert all(all(res) for res in world.run(all_ignored, reduction, smoothing))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("ignore", [False, True], ids=["all", "ignore_index"])
 # on processes: forward-mode AD: one stack of dual levels per process (docs/in_process.md, Limits)
 @pytest.mark.diffcomm_in_process(False)

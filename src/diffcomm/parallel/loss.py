@@ -132,7 +132,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             )
         softmax, local_t, here, valid, _anchor = ctx.saved_tensors
         grad = _VocabParallelCrossEntropy._dloss_dlogits(ctx, softmax, local_t, here)
-        scale = (g_loss.to(grad.dtype) * valid).unsqueeze(-1)
+        # an ignored token's gradient is 0 whatever reaches it (``where``, not a product: a
+        # mean over no counted token sends it inf, and torch's gradient there is 0, not NaN)
+        scale = torch.where(valid, g_loss.to(grad.dtype), 0.0).unsqueeze(-1)
         grad = grad * scale if _torch.transforms_active() else grad.mul_(scale)  # (vmap: out of place)
         return grad.to(ctx.dtype), None, None, None, None, None, None
 
