@@ -267,12 +267,42 @@ def test_checkpoint_replays_named_streams(tracker: RNGStatesTracker) -> None:
     assert torch.equal(state_ckpt, state_plain)  # recomputation did not disturb the stream
 
 
-def test_torch_checkpoint_alone_would_not(tracker: RNGStatesTracker) -> None:
-    """Why rng.checkpoint exists: torch's recomputation draws a different stream mask."""
-    grad_plain, state_plain = _train_step("plain", tracker)
-    grad_torch, state_torch = _train_step("torch", tracker)
-    assert not torch.equal(grad_torch, grad_plain)
-    assert not torch.equal(state_torch, state_plain)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_checkpoint_alone_would_not_and_is_refused(tracker: RNGStatesTracker, reentrant: bool) -> None:
+    """Why rng.checkpoint exists: torch's recomputation would draw another stream mask (the
+    stream has moved on since the forward). That gave a wrong gradient with no error; a
+    stream drawn from during backward, outside rng.checkpoint's replay, is now refused."""
+    match = r"drawn from during backward.*diffcomm\.rng\.checkpoint"
+    if not reentrant:
+        with pytest.raises(RuntimeError, match=match):
+            _train_step("torch", tracker)
+    else:  # (the reentrant variant needs an input that requires grad, and passes no keywords)
+        tracker.add("s", 5)
+        x = torch.randn(4, 8, requires_grad=True)
+
+        def layer(h: torch.Tensor) -> torch.Tensor:
+            with tracker.fork("s"):
+                return F.dropout(torch.tanh(h), 0.5)
+
+        out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)
+        with pytest.raises(RuntimeError, match=match):
+            out.sum().backward()
+    assert not tracker._active  # the refused fork left no stream marked active
+
+
+def test_a_stream_drawn_from_in_a_backward_hook_is_refused(tracker: RNGStatesTracker) -> None:
+    tracker.add("s", 3)
+    x = torch.ones(4, requires_grad=True)
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        with tracker.fork("s"):
+            return F.dropout(g, 0.5)
+
+    x.register_hook(hook)
+    with pytest.raises(RuntimeError, match="drawn from during backward"):
+        (2 * x).sum().backward()
+    with tracker.fork("s"):  # outside backward: as before
+        F.dropout(x, 0.5)
 
 
 def test_checkpoint_replays_on_every_recomputation(acc: Accelerator, tracker: RNGStatesTracker) -> None:

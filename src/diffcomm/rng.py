@@ -90,6 +90,7 @@ class RNGStatesTracker:
         self._states: dict[str, torch.Tensor] = {}
         self._seeds: dict[int, str] = {}
         self._active: set[str] = set()
+        self._replaying: list[int] = []  # one entry per rng.checkpoint recomputation running
 
     @property
     def accelerator(self) -> Accelerator:
@@ -154,12 +155,21 @@ class RNGStatesTracker:
         Raises:
             KeyError: no stream has that name.
             RuntimeError: the block is already inside ``fork(name)`` (re-entering the same
-                stream would lose the outer block's draws).
+                stream would lose the outer block's draws); or it runs during backward
+                outside :func:`checkpoint`'s replay (``torch.utils.checkpoint``'s
+                recomputation would draw other numbers than the forward did).
         """
         if name not in self._states:
             raise KeyError(f"no RNG stream named {name!r}; known streams: {self.names}")
         if name in self._active:
             raise RuntimeError(f"RNG stream {name!r} is already forked in an enclosing block")
+        if not self._replaying and _in_backward():
+            raise RuntimeError(
+                f"RNG stream {name!r} drawn from during backward: a recomputation "
+                "(torch.utils.checkpoint?) would draw other random numbers than the forward did "
+                "(the stream has moved on since), so dropout's mask and the gradient would be wrong. "
+                "Checkpoint with diffcomm.rng.checkpoint(fn, *args), which replays the streams."
+            )
         acc = self.accelerator
         outer = acc.get_rng_state()
         acc.set_rng_state(self._states[name])
@@ -217,8 +227,15 @@ class RNGStatesTracker:
         self._seeds.clear()
 
 
+def _in_backward() -> bool:
+    """Whether this thread runs inside the autograd engine (a backward pass)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 _TRACKER = RNGStatesTracker()
-per_rank(_TRACKER._states, _TRACKER._seeds, _TRACKER._active)  # a rank's own, in-process
+# a rank's own, in-process
+per_rank(_TRACKER._states, _TRACKER._seeds, _TRACKER._active, _TRACKER._replaying)
 
 
 def get_tracker() -> RNGStatesTracker:
@@ -327,9 +344,11 @@ def checkpoint(
         # fresh copies of the forward-time states, then put back the current ones.
         replay = {name: state.clone() for name, state in states_at_forward.items()}
         saved = tracker._swap(replay, set())
+        tracker._replaying.append(1)
         try:
             return fn(*fn_args, **fn_kwargs)
         finally:
+            tracker._replaying.pop()
             tracker._swap(*saved)
 
     return torch.utils.checkpoint.checkpoint(replaying_fn, *args, use_reentrant=use_reentrant, **kwargs)
