@@ -572,6 +572,124 @@ def test_a_parallel_module_of_your_own_inherits_from_serial(world3) -> None:
     assert_matches_serial(build(lambda s: _TwoLayers.from_serial(s, 6)), serial, _x(6), world=world3)
 
 
+class _ShardedMask(P.ParallelModule):
+    """A layer of one's own that declares its buffer sharded: ``mask`` is this rank's
+    part (dim 0) of a serial ``mask`` of ``size`` entries."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self._shard_dims = {"mask": 0}
+        self.register_buffer("mask", torch.ones(size // dc.get_world_size(), dtype=F64))
+
+
+class _SerialWithBuffers(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, 2 * hidden, dtype=F64)
+        self.fc2 = nn.Linear(2 * hidden, hidden, dtype=F64)
+        self.register_buffer("scale", torch.ones(hidden, dtype=F64))
+        self.register_buffer("scratch", torch.zeros(1), persistent=False)
+        self.sharded = nn.Module()
+        self.sharded.register_buffer("mask", torch.ones(2 * hidden, dtype=F64))
+
+
+class _WithBuffers(P.ParallelModule):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = P.ColumnParallelLinear(hidden, 2 * hidden, seed=1, dtype=F64)
+        self.fc2 = P.RowParallelLinear(2 * hidden, hidden, seed=2, input_is_parallel=True, dtype=F64)
+        self.register_buffer("scale", torch.ones(hidden, dtype=F64))  # replicated
+        self.register_buffer("scratch", torch.zeros(1), persistent=False)  # in no state dict
+        self.sharded = _ShardedMask(2 * hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)) * self.sharded.mask) * self.scale
+
+
+def test_buffers_travel_with_the_serial_state_dicts(world2) -> None:
+    """A persistent buffer is loaded and gathered like a parameter: replicated unless its
+    layer declares it sharded; a non-persistent one is in no state dict. (Before, buffers
+    were outside the mapping: from_serial raised on the unexpected key, strict=False left
+    the buffer at its initial value, to_serial_state_dict left it out.)"""
+
+    def rank_body() -> dict[str, bool]:
+        torch.manual_seed(0)
+        serial = _SerialWithBuffers(6)
+        serial.scale.uniform_(1, 3)
+        serial.sharded.mask.uniform_(0, 1)
+        x = torch.randn(4, 6, dtype=F64)
+        want = serial.fc2(torch.tanh(serial.fc1(x)) * serial.sharded.mask) * serial.scale
+        model = _WithBuffers.from_serial(serial, 6)
+        fresh = _WithBuffers(6)
+        fresh.load_serial_state_dict(serial.state_dict(), strict=False)
+        full = model.to_serial_state_dict()
+        back = _SerialWithBuffers(6)
+        result = back.load_state_dict(full)
+        ref = serial.state_dict()
+        return {
+            "from_serial": torch.allclose(model(x), want),
+            "non_strict": torch.equal(fresh.scale, serial.scale) and torch.allclose(fresh(x), want),
+            "sharded_buffer": torch.equal(model.sharded.mask, serial.sharded.mask.chunk(2)[dc.get_rank()]),
+            "keys": list(full) == list(ref) and "scratch" not in full,
+            "values": all(torch.equal(full[k], ref[k]) for k in ref),
+            "loads": not result.missing_keys and not result.unexpected_keys,
+        }
+
+    for result in world2.run(rank_body):
+        assert result == dict.fromkeys(result, True), result
+
+
+class _SerialTiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 4, dtype=F64)
+        self.head = nn.Linear(4, 8, bias=False, dtype=F64)
+        self.head.weight = self.emb.weight
+
+
+class _TiedLM(P.ParallelModule):
+    def __init__(self, replicated_head: bool = False) -> None:
+        super().__init__()
+        self.emb = P.VocabParallelEmbedding(8, 4, seed=0, dtype=F64)
+        self.head = (
+            nn.Linear(4, 8, bias=False) if replicated_head else P.ColumnParallelLinear(4, 8, bias=False)
+        )
+        self.head.weight = self.emb.weight  # weight tying (the same shard layout: dim 0)
+
+
+def test_tied_parameters_in_the_serial_mapping(world2) -> None:
+    """A parameter reachable under two names is under both in the serial mapping, as in
+    torch's state dict (before: a bare KeyError 'head.weight'); names whose layers shard
+    it differently are a ValueError naming both."""
+
+    def rank_body() -> dict[str, bool]:
+        torch.manual_seed(0)
+        serial = _SerialTiedLM()
+        model = _TiedLM.from_serial(serial)
+        slices = model.serial_slices()
+        full = model.to_serial_state_dict()
+        back = _SerialTiedLM()
+        result = back.load_state_dict(full)
+        out = {
+            "loaded": torch.equal(model.emb.weight, serial.emb.weight.chunk(2)[dc.get_rank()]),
+            "slices": slices["emb.weight"]
+            == slices["head.weight"]
+            == (slice(4 * dc.get_rank(), 4 * dc.get_rank() + 4), slice(None)),
+            "keys": list(full) == list(serial.state_dict()) and full["emb.weight"] is full["head.weight"],
+            "round_trip": torch.equal(back.head.weight, serial.emb.weight) and not result.missing_keys,
+        }
+        try:
+            _TiedLM(replicated_head=True).serial_slices()
+            out["conflict"] = False
+        except ValueError as exc:
+            msg = str(exc)
+            out["conflict"] = "`emb.weight` and `head.weight`" in msg and "replicated" in msg
+        return out
+
+    for result in world2.run(rank_body):
+        assert result == dict.fromkeys(result, True), result
+
+
 def test_a_plain_container_suggests_parallel_module_or_param_map(world2) -> None:
     class Plain(nn.Module):  # the same layers, not a ParallelModule: no serial_slices()
         def __init__(self, serial: nn.Module) -> None:

@@ -161,9 +161,10 @@ def _leave_region(module: ParallelModule, args: Any, output: Any) -> None:
 class ParallelModule(nn.Module):
     """A module whose parameters are shards or replicas of a serial module's.
 
-    Leaf layers declare ``_shard_dims = {param_name: dim or None}`` (``None``: replicated)
-    and hold their process group in ``_pg``; parameters of submodules that declare
-    nothing are replicated. Everything below is derived from that.
+    Leaf layers declare ``_shard_dims = {param_name: dim or None}`` (``None``: replicated;
+    a persistent buffer may be declared the same way) and hold their process group in
+    ``_pg``; parameters and buffers of submodules that declare nothing are replicated.
+    Everything below is derived from that.
     """
 
     _shard_dims: dict[str, int | None] = {}
@@ -197,14 +198,41 @@ class ParallelModule(nn.Module):
             return copies[id(p)]
         return copy_to_region(p, self._pg)
 
-    def _param_specs(self) -> dict[str, tuple[int | None, Any]]:
-        """``{full param name: (shard dim or None, group)}`` over the whole module tree."""
-        specs: dict[str, tuple[int | None, Any]] = {}
-        for prefix, module in self.named_modules():
+    def _serial_specs(self, op: str, buffers: bool) -> dict[str, tuple[Tensor, int | None, Any]]:
+        """``{full name: (tensor, shard dim or None, group)}`` over the whole module tree,
+        with the names and in the order of ``state_dict()``: every parameter and (with
+        ``buffers``) every persistent buffer, under **each** name it is reachable by (a
+        tied parameter, ``head.weight = emb.weight``, or a module held twice, appears
+        under both, as in torch's state dict).
+
+        A tensor's spec is its layer's ``_shard_dims`` entry (parameters and buffers
+        alike) and ``_pg``; a tensor the layer does not declare, or of a module that is no
+        :class:`ParallelModule`, is replicated.
+
+        Raises:
+            ValueError: one tensor reachable under two names with different specs.
+        """
+        specs: dict[str, tuple[Tensor, int | None, Any]] = {}
+        first: dict[int, str] = {}  # id(tensor) -> the first name it was met under
+        for prefix, module in self.named_modules(remove_duplicate=False):
             dims = getattr(module, "_shard_dims", {}) if isinstance(module, ParallelModule) else {}
-            for name, _ in module.named_parameters(recurse=False):
+            pg = getattr(module, "_pg", None)
+            own = [(n, t) for n, t in module._parameters.items() if t is not None]
+            if buffers:
+                skip = module._non_persistent_buffers_set
+                own += [(n, t) for n, t in module._buffers.items() if t is not None and n not in skip]
+            for name, t in own:
                 full = f"{prefix}.{name}" if prefix else name
-                specs[full] = (dims.get(name), getattr(module, "_pg", None))
+                spec = (t, dims.get(name), pg if dims.get(name) is not None else None)
+                seen = first.setdefault(id(t), full)
+                if seen != full and not _same_spec(specs[seen], spec):
+                    raise ValueError(
+                        f"{type(self).__name__}.{op}(): `{seen}` and `{full}` are one tied tensor "
+                        f"with different shard specs ({_describe(specs[seen])} vs "
+                        f"{_describe(spec)}); tie only tensors sharded alike (the same dim "
+                        "and group), or replicated in both layers"
+                    )
+                specs[full] = spec
         return specs
 
     def serial_slices(self) -> dict[str, Index]:
@@ -212,73 +240,82 @@ class ParallelModule(nn.Module):
 
         Returns:
             ``{name: index}``: ``serial_param[index]`` has this rank's parameter's shape
-            and values (a tuple of slices; full slices for replicated parameters).
+            and values (a tuple of slices; full slices for replicated parameters). A tied
+            parameter appears under each of its names, as in ``state_dict()``.
+
+        Raises:
+            ValueError: a tied parameter's names have different shard specs.
         """
-        out: dict[str, Index] = {}
-        params = dict(self.named_parameters())
-        for name, (dim, pg) in self._param_specs().items():
-            p = params[name]
-            index = [slice(None)] * p.dim()
-            if dim is not None:
-                n = p.shape[dim]
-                r = rank_index(pg)  # (per simulated rank under LocalTensorMode)
-                index[dim] = slice(r * n, (r + 1) * n)
-            out[name] = tuple(index)
-        return out
+        specs = self._serial_specs("serial_slices", buffers=False)
+        return {name: _index(t, dim, pg) for name, (t, dim, pg) in specs.items()}
 
     @torch.no_grad()
     def to_serial_state_dict(self) -> dict[str, Tensor]:
-        """The serial module's state dict (full parameters), on every rank.
+        """The serial module's state dict (full parameters and persistent buffers), on
+        every rank.
 
-        Communicates (one all_gather per sharded parameter, in the same order on every
-        rank), so call it on every rank.
+        Communicates (one all_gather per sharded tensor, in the same order on every
+        rank), so call it on every rank. Buffers a layer does not declare sharded are
+        replicas and are copied; a tied tensor is gathered once and appears under each of
+        its names (one tensor, as in the tied serial module's ``state_dict()``).
 
         Returns:
             ``{name: full tensor}``, loadable with ``serial.load_state_dict(...)``.
+
+        Raises:
+            ValueError: a tied tensor's names have different shard specs.
         """
-        params = dict(self.named_parameters())
         out: dict[str, Tensor] = {}
-        for name, (dim, pg) in self._param_specs().items():
-            p = params[name].detach()
-            if dim is None:
-                out[name] = p.clone()
-            else:
-                world = B.get_backend().world_size(pg)
-                out[name] = collectives.all_gather(p, dim, pg, split_sizes=[p.shape[dim]] * world)
+        done: dict[int, Tensor] = {}
+        for name, (t, dim, pg) in self._serial_specs("to_serial_state_dict", buffers=True).items():
+            if id(t) not in done:
+                local = t.detach()
+                if dim is None:
+                    done[id(t)] = local.clone()
+                else:
+                    world = B.get_backend().world_size(pg)
+                    done[id(t)] = collectives.all_gather(
+                        local, dim, pg, split_sizes=[local.shape[dim]] * world
+                    )
+            out[name] = done[id(t)]
         return out
 
     @torch.no_grad()
     def load_serial_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
         """Copy this rank's shards out of a serial module's state dict (no communication).
 
+        Parameters and persistent buffers are loaded alike (a buffer a layer does not
+        declare sharded is a replica: copied whole); a tied parameter is expected under
+        each of its names, as ``nn.Module.load_state_dict`` expects it.
+
         Args:
-            state_dict: the serial module's ``state_dict()`` (full parameters).
+            state_dict: the serial module's ``state_dict()`` (full parameters and buffers).
             strict: raise ``KeyError`` for missing or unexpected keys.
 
         Raises:
             KeyError: with ``strict``, keys missing from or unknown to this module.
-            ValueError: a serial tensor's shape does not fit this rank's shard.
+            ValueError: a serial tensor's shape does not fit this rank's shard; a tied
+                tensor's names have different shard specs.
         """
-        params = dict(self.named_parameters())
-        slices = self.serial_slices()
-        missing = [k for k in params if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in params]
+        specs = self._serial_specs("load_serial_state_dict", buffers=True)
+        missing = [k for k in specs if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in specs]
         if strict and (missing or unexpected):
             raise KeyError(
                 f"{type(self).__name__}.load_serial_state_dict(): missing keys {missing}, "
                 f"unexpected keys {unexpected}"
             )
-        for name, p in params.items():
+        for name, (t, dim, pg) in specs.items():
             if name not in state_dict:
                 continue
-            src = _cut(state_dict[name], slices[name])
-            if src.shape != p.shape:
+            src = _cut(state_dict[name], _index(t, dim, pg))
+            if src.shape != t.shape:
                 raise ValueError(
                     f"{type(self).__name__}.load_serial_state_dict(): `{name}` of serial shape "
                     f"{tuple(state_dict[name].shape)} gives a shard of shape {tuple(src.shape)}, "
-                    f"this rank's parameter has shape {tuple(p.shape)}"
+                    f"this rank's tensor has shape {tuple(t.shape)}"
                 )
-            p.copy_(src)
+            t.copy_(src)
 
     @classmethod
     def from_serial(cls: type[_M], serial: Any, *args: Any, **kwargs: Any) -> _M:
@@ -311,6 +348,28 @@ class ParallelModule(nn.Module):
 
 
 _M = TypeVar("_M", bound=ParallelModule)
+
+
+def _same_spec(a: tuple[Tensor, int | None, Any], b: tuple[Tensor, int | None, Any]) -> bool:
+    return a[1] == b[1] and a[2] is b[2]
+
+
+def _describe(spec: tuple[Tensor, int | None, Any]) -> str:
+    _, dim, pg = spec
+    if dim is None:
+        return "replicated"
+    return f"sharded along dim {dim} over {'the default group' if pg is None else f'group {pg!r}'}"
+
+
+def _index(t: Tensor, dim: int | None, pg: Any) -> Index:
+    """The part of the serial tensor that ``t`` (sharded along ``dim`` over ``pg``, or
+    replicated) is on this rank."""
+    index = [slice(None)] * t.dim()
+    if dim is not None:
+        n = t.shape[dim]
+        r = rank_index(pg)  # (per simulated rank under LocalTensorMode)
+        index[dim] = slice(r * n, (r + 1) * n)
+    return tuple(index)
 
 
 def _cut(full: Tensor, index: Index) -> Tensor:
