@@ -18,6 +18,7 @@ from _shared import check_in_batches
 from hypothesis import strategies as st
 
 import diffcomm as dc
+from diffcomm import backend as B
 from diffcomm import parallel
 from diffcomm.parallel import context as cp
 from diffcomm.parallel.context import plan, ring
@@ -755,3 +756,51 @@ def test_attention_reference_takes_sdpa_is_causal() -> None:
         parallel.attention_reference(q, k, v, causal=True, is_causal=False)
     with pytest.raises(TypeError, match="`is_causal`"):
         parallel.attention_reference(q, k, v, is_causal=1)  # type: ignore[arg-type]
+
+
+def _packed_zigzag(s: int, cu: list[int]) -> dict[str, Any]:
+    """Packed documents under zigzag: each document is zigzagged on its own, so the
+    documents are part of the layout. The output's placement did not record them:
+    ``unshard(out)`` used the plain zigzag table (3.16 off the document-causal attention,
+    the gradient 0.98 off), and an attention call told other documents (or none) than the
+    sequence was placed with read its positions in a wrong order, all without an error."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, s, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    ql, kl, vl = (parallel.shard(t, layout="zigzag", cu_seqlens=cu).requires_grad_() for t in (q, k, v))
+    out = parallel.ring_attention(ql, kl, vl, causal=True, cu_seqlens=cu)
+    out.sum().backward()
+    qf = q.clone().requires_grad_()
+    ref = parallel.attention_reference(qf, k, v, causal=True, cu_seqlens=cu)
+    ref.sum().backward()  # (the sum of the ranks' objectives: the whole output's sum)
+    res: dict[str, Any] = {
+        "out": float((parallel.unshard(out) - ref).abs().max()),
+        "dq": float((parallel.unshard(ql.grad) - qf.grad).abs().max()),
+    }
+    plain = [parallel.shard(t, layout="zigzag") for t in (q, k, v)]
+    calls = {
+        "no_cu": lambda: parallel.ring_attention(ql, kl, vl, causal=True),
+        "other_cu": lambda: parallel.ring_attention(ql, kl, vl, causal=True, cu_seqlens=[0, 2, s]),
+        "cu_on_plain": lambda: parallel.ring_attention(*plain, causal=True, cu_seqlens=cu),
+        "unshard_other": lambda: parallel.unshard(out, cu_seqlens=[0, 2, s]),
+    }
+    for name, call in calls.items():
+        with B.log_comms() as log:
+            try:
+                call()
+                res[name] = "no error"
+            except ValueError as exc:
+                res[name] = f"{exc} | comms={log.count()}"
+    # one document is no packing: the same table as none
+    res["one_doc"] = parallel.ring_attention(*plain, causal=True, cu_seqlens=[0, s]).shape == plain[0].shape
+    return res
+
+
+@pytest.mark.parametrize(("s", "cu"), [(8, [0, 4, 8]), (11, [0, 5, 11])])
+def test_packed_documents_are_part_of_a_zigzag_placement(
+    world2: dc.LocalWorld, s: int, cu: list[int]
+) -> None:
+    for res in world2.run(_packed_zigzag, s, cu):
+        assert res["out"] < 1e-12 and res["dq"] < 1e-12, res
+        for name in ("no_cu", "other_cu", "cu_on_plain", "unshard_other"):
+            assert "`cu_seqlens` must be the documents" in res[name] and res[name].endswith("comms=0"), res
+        assert res["one_doc"]

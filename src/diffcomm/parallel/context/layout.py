@@ -51,6 +51,10 @@ class Placement:
         seq_len: the true global length ``S`` of the sequence (``shard`` records it, so a
             padded placement needs no ``seq_len=`` later); ``None``: unknown. Not part of
             the comparison of two placements.
+        cu: the packed documents' ``cu_seqlens`` the sequence was placed with (``None``:
+            one sequence). Under ``"zigzag"`` it is part of the layout (each document is
+            zigzagged on its own): an op told other documents (or none) raises. Not part
+            of the comparison of two placements.
         ranks, uranks: the global ranks of the (ring) group and of the Ulysses group
             (``None``: not known, e.g. under torch's ``LocalTensorMode``): a sequence
             placed over one group and used over another group of as many ranks (another
@@ -63,6 +67,7 @@ class Placement:
     seq_len: int | None = field(default=None, compare=False)
     ranks: tuple[int, ...] | None = field(default=None, compare=False)
     uranks: tuple[int, ...] | None = field(default=None, compare=False)
+    cu: tuple[int, ...] | None = field(default=None, compare=False)
 
     def describe(self, ranks: bool = False) -> str:
         on = f" {list(self.ranks)}" if ranks and self.ranks is not None else ""
@@ -261,6 +266,42 @@ def placed_seq_len(op: str, tensors: dict[str, Any], seq_len: Any, cu_seqlens: A
             )
         return None
     return known[0]
+
+
+def _documents(cu: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """``cu`` as the layout sees it: ``None`` for one document (empty ones dropped)."""
+    if cu is None:
+        return None
+    bounds = tuple(sorted(set(cu)))
+    return bounds if len(bounds) > 2 else None
+
+
+def placed_cu_seqlens(op: str, tensors: dict[str, Any], cu_seqlens: Any, default: bool) -> Any:
+    """``cu_seqlens`` as an op uses it, checked against the documents a ``"zigzag"``
+    placement of the tensors recorded (there each document is zigzagged on its own, so
+    other documents, or none, would read the positions in a wrong order). ``default``
+    (:func:`unshard`, the layout's inverse): ``None`` takes the recorded ones. Raises
+    ``ValueError`` naming ``cu_seqlens`` before any communication."""
+    for name, t in tensors.items():
+        p = placement_of(t)
+        if p is None or p.layout != "zigzag":
+            continue
+        if cu_seqlens is None and default:
+            return p.cu
+        given = check_cu_seqlens(cu_seqlens, op)
+        recorded = _documents(p.cu)
+        if _documents(given) != recorded:
+            placed_as = f"cu_seqlens={list(p.cu or ())}" if recorded else "no cu_seqlens (one sequence)"
+            raise A.arg_error(
+                op,
+                "cu_seqlens",
+                f"the documents `{name}` was placed with ({placed_as}): under layout='zigzag' each "
+                "document is zigzagged on its own, so other documents read its positions in a wrong "
+                "order",
+                None if given is None else list(given),
+            )
+        return cu_seqlens
+    return cu_seqlens
 
 
 def placement_of(x: Any) -> Placement | None:
@@ -621,7 +662,9 @@ def shard(
     local = out.shape[dim]
     if isinstance(local, int) and bool((table < 0).any()):  # padded: the length is not the shards'
         note_padding(world, uworld, local, x.shape[dim], f"{op} of a length-{x.shape[dim]} dim")
-    placement = Placement(layout, world, uworld, seq_len=x.shape[dim], ranks=group_ranks(pg), uranks=uranks)
+    placement = Placement(
+        layout, world, uworld, seq_len=x.shape[dim], ranks=group_ranks(pg), uranks=uranks, cu=cu
+    )
     return placed(out, placement)
 
 
@@ -687,6 +730,7 @@ def unshard(
         uworld, uranks = upg[2], group_ranks(upg[0])
     given = layout
     layout = resolve_layout(op, layout, {"x": x}, world, uworld, ranks=group_ranks(pg), uranks=uranks)
+    cu_seqlens = placed_cu_seqlens(op, {"x": x}, cu_seqlens, default=True)
     seq_len = placed_seq_len(op, {"x": x}, seq_len, cu_seqlens)
     require_seq_len_known(op, {"x": x}, seq_len, cu_seqlens, world, uworld, x.shape[dim])
     require_layout_known(op, given, {"x": x}, world)

@@ -36,6 +36,7 @@ from .layout import (
     group_rank_world_or_local,
     group_ranks,
     placed,
+    placed_cu_seqlens,
     placed_seq_len,
     placement_of,
     rank_positions,
@@ -609,6 +610,7 @@ def ring_attention(
             f"rows placed with {mp.describe()}",
         )
     seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
+    cu_seqlens = placed_cu_seqlens(op, {"q": q, "k": k, "v": v}, cu_seqlens, default=False)
     require_seq_len_known(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens, world, None, q.shape[2])
     total, cu, table = resolve_seq(op, q.shape[2], world, layout, cu_seqlens, seq_len, "q")
     mask = _check_mask(attn_mask, q, total, op)
@@ -647,4 +649,4 @@ def ring_attention(
     else:
         plan = _Plan(pg, rank, world, table, docs, causal, sc, p, seed, q.shape[1], k.shape[1])
     out = _RingAttention.apply(q, k, v, mask, plan)
-    return placed(out, Placement(layout, world, seq_len=total, ranks=ranks))
+    return placed(out, Placement(layout, world, seq_len=total, ranks=ranks, cu=cu))

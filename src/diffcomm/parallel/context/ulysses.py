@@ -20,11 +20,13 @@ from .layout import (
     DEFAULT_LAYOUT,
     PG,
     Placement,
+    check_cu_seqlens,
     check_layout,
     even_sizes,
     group_rank_world_or_local,
     group_ranks,
     placed,
+    placed_cu_seqlens,
     placed_seq_len,
     require_layout_known,
     require_seq_len_known,
@@ -351,6 +353,7 @@ def usp_attention(
     ranks, uranks = group_ranks(rpg), group_ranks(upg)
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, rworld, uworld, ranks=ranks, uranks=uranks)
     seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
+    cu_seqlens = placed_cu_seqlens(op, {"q": q, "k": k, "v": v}, cu_seqlens, default=False)
     require_seq_len_known(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens, rworld, uworld, q.shape[2])
     n_ring = ring_local_len(op, q.shape[2], uworld, rworld, layout, cu_seqlens, seq_len)
     lens = even_sizes(n_ring, uworld)
@@ -373,4 +376,5 @@ def usp_attention(
         )
 
     out = _ulysses(*_pieces(q, k, v, upg), upg, urank, uworld, lens, local)
-    return placed(out, Placement(layout, rworld, uworld, seq_len=seq_len, ranks=ranks, uranks=uranks))
+    cu = check_cu_seqlens(cu_seqlens, op)
+    return placed(out, Placement(layout, rworld, uworld, seq_len=seq_len, ranks=ranks, uranks=uranks, cu=cu))
