@@ -352,6 +352,25 @@ def test_a_rank_keeps_its_own_state_while_it_waits_on_a_subgroup(local_worlds, i
         assert all(torch.equal(d, torch.rand(2)) for d in draws), (r, draws)
 
 
+def _ranks_1_and_3_raise_while_0_and_2_reduce() -> float:
+    pair = dist.new_group([0, 2])
+    if dc.get_rank() % 2:
+        raise ValueError(f"planted on rank {dc.get_rank()}")
+    return float(dc.all_reduce(torch.ones(1), group=pair))
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_a_rank_raising_stops_only_the_ranks_that_wait_for_it(local_worlds, in_process: bool) -> None:
+    """Ranks 0 and 2 reduce over {0, 2} while ranks 1 and 3 raise: on processes the pair
+    completes and only 1 and 3 fail. In-process a raising rank aborted the whole world:
+    rank 0, waiting in the pair's all_reduce for rank 2, raised too (when rank 1 raised
+    first; a failure that came and went with the order the ranks ran in)."""
+    for _ in range(3 if in_process else 1):
+        with pytest.raises(RankError) as info:
+            local_worlds(4, in_process=in_process).run(_ranks_1_and_3_raise_while_0_and_2_reduce)
+        assert sorted(info.value.failures) == [1, 3], info.value.failures
+
+
 def test_async_op_returns_a_finished_async_tensor_in_process(local_worlds) -> None:
     """``async_op=True`` on an in-process rank: the same AsyncTensor as on processes (its
     ``.wait()``, first use, backward), already done; the same values and gradients. (It

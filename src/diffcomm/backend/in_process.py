@@ -118,10 +118,10 @@ class Hub:
         self.status[rank] = "running"
         self._swap_in(rank)
 
-    def release(self, rank: int, final: bool) -> None:
-        """Give the run lock up for good (``rank`` returned or raised)."""
+    def release(self, rank: int, final: bool, outcome: str = "done") -> None:
+        """Give the run lock up for good (``rank`` returned, or raised: ``outcome``)."""
         self._swap_out(rank)
-        self.status[rank] = "done" if final else "running"
+        self.status[rank] = outcome if final else "running"
         self.cond.notify_all()
         self.lock.release()
 
