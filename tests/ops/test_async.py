@@ -352,6 +352,44 @@ def test_layout_and_storage_read_before_the_wait_are_the_finished_tensors(world2
         assert all(res.values()), res
 
 
+def test_an_in_place_shape_change_of_a_pending_result_is_refused(world2) -> None:
+    def reshaped_rank() -> dict[str, str]:
+        """``h.t_()`` / ``unsqueeze_`` changed the finished tensor under a wrapper whose shape
+        was fixed at the launch: ``h.shape`` stayed (2, 3) over (3, 2) data, and backward
+        failed with torch's "invalid gradient ... got [3, 2]". Now a clear error; values
+        changed in place (``add_``) and shape changes after ``.wait()`` work as before."""
+        out = {}
+        for name, change in {
+            "t_": lambda h: h.t_(),
+            "unsqueeze_": lambda h: h.unsqueeze_(0),
+            "transpose_": lambda h: h.transpose_(0, 1),
+            "squeeze_": lambda h: h.squeeze_(),
+        }.items():
+            x = torch.arange(6.0).reshape(2, 3).requires_grad_()
+            h = _ar(x * 1)
+            try:
+                change(h)
+                out[name] = "no error"
+            except RuntimeError as err:
+                out[name] = str(err)
+        x = torch.arange(6.0).reshape(2, 3).requires_grad_()
+        h = _ar(x * 1)
+        w = h.wait()
+        w.t_()
+        (w * torch.ones(3, 2)).sum().backward()
+        out["after_wait"] = str(x.grad.tolist())
+        v = _ar(torch.ones(3))
+        v.add_(1)
+        out["add_"] = str(v.tolist())
+        return out
+
+    for res in world2.run(reshaped_rank):
+        for name in ("t_", "unsqueeze_", "transpose_", "squeeze_"):
+            assert res[name].startswith(f"diffcomm: {name}() changes the shape"), res
+            assert ".wait()" in res[name]
+        assert res["after_wait"] == str([[2.0] * 3] * 2) and res["add_"] == "[3.0, 3.0, 3.0]", res
+
+
 def test_engine_jobs_are_logged_and_recorded_with_their_thread(world2) -> None:
     def logged_rank() -> tuple[int, int, list[str]]:
         with B.log_comms() as log, B.record_spans() as spans:

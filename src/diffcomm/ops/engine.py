@@ -356,6 +356,15 @@ class AsyncTensor(Tensor):
     def __torch_dispatch__(  # type: ignore[override]  # torch's stub declares it an instance method
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
+        if torch.Tag.inplace_view in func.tags and args and isinstance(args[0], AsyncTensor):
+            # (t_, unsqueeze_, transpose_, resize_ ...: the wrapper's shape was fixed at the
+            # launch; changed underneath it, .shape and autograd would read the old one)
+            raise RuntimeError(
+                f"diffcomm: {func.__name__.split('.')[0]}() changes the shape of the asynchronous "
+                f"{args[0]._handle.name} result in place, which an AsyncTensor cannot follow; use the "
+                f"out-of-place form ({func.__name__.split('.')[0].rstrip('_')}()), or call .wait() "
+                "first and change the tensor it returns"
+            )
         args, kwargs = tree_map_only(AsyncTensor, AsyncTensor._finished, (args, kwargs or {}))
         return func(*args, **kwargs)
 
