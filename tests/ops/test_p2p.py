@@ -164,6 +164,27 @@ def test_gradients_pair_with_their_messages_whatever_the_backward_order(world2: 
 
 # on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
 @pytest.mark.diffcomm_in_process(False)
+@pytest.mark.parametrize("in_dims", [0, 1])
+def test_a_send_inside_vmap_gets_its_gradient_back(world2: dc.LocalWorld, in_dims: int) -> None:
+    def vmapped_send(in_dims: int) -> list[list[float]] | bool:
+        """The header said requires_grad=False for a batch sent inside ``vmap`` (the batched
+        tensor reads False there): the receiver's output took no gradient while the
+        sender's token waited for one, until the timeout."""
+        xs = (torch.arange(6.0) + 1).reshape(3, 2).movedim(0, in_dims).requires_grad_()
+        if _rank() == 0:
+            tok = torch.func.vmap(lambda v: dc.send(2 * v, dst=1), in_dims=in_dims)(xs)
+            tok.sum().backward()
+            assert xs.grad is not None
+            return xs.grad.movedim(in_dims, 0).tolist()
+        y = dc.recv(src=0)  # the whole batch, batch dim first
+        (y * y).sum().backward()
+        return y.requires_grad
+
+    grad, received_requires_grad = world2.run(vmapped_send, in_dims)
+    assert received_requires_grad is True
+    assert grad == [[8.0, 16.0], [24.0, 32.0], [40.0, 48.0]]  # 2 * (2 * y), y = 2 * x
+
+
 def test_send_recv_out_of_step_is_an_error(world2: dc.LocalWorld) -> None:
     def out_of_step() -> None:
         # simulate a rank that skipped messages: first the receiver, then the sender is ahead

@@ -111,9 +111,13 @@ class _Send(CommOp):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, *args: Any) -> tuple[Tensor, None]:
-        # one message for the whole batch, batch dim first; the token is not batched
+        # one message for the whole batch, batch dim first; the token is not batched. The
+        # header's requires_grad is the batch's: the batched tensor's own read False (vmap
+        # hides the autograd level outside it), so the receiver's output took no gradient
+        # while the token waited for one
         xb = batch_first(x, in_dims[0])
-        return call(_Send, xb, *args[:5], xb.shape, *args[6:]), None
+        requires_grad = xb.requires_grad and torch.is_grad_enabled()
+        return call(_Send, xb, *args[:4], requires_grad, xb.shape, *args[6:]), None
 
     @staticmethod
     def cases(world: int) -> Iterator[Kwargs]:
