@@ -242,6 +242,63 @@ def test_assert_matches_serial_catches_a_wrong_shard_mapping(world2) -> None:
     assert "rank 0" not in text
 
 
+class _NormThenMLP(torch.nn.Module):
+    """A LayerNorm (with or without its bias) before the serial MLP."""
+
+    def __init__(self, bias: bool, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(4, bias=bias, dtype=F64)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln(x))
+
+
+def _parallel_without_the_norms_bias(serial: _NormThenMLP) -> P.ParallelModule:
+    class Model(P.ParallelModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(4, bias=False, dtype=F64)
+            self.mlp = P.ParallelMLP.from_serial(serial.mlp)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(self.ln(x))
+
+    return Model()
+
+
+def test_assert_matches_serial_catches_a_serial_parameter_nothing_stands_for(world2) -> None:
+    """The parallel model lacks the serial LayerNorm's bias, which starts at zero, so every
+    value matched: the kit compared only the parallel model's parameters and passed, while
+    the serial bias's gradient was never compared (the parallel model would not train it)."""
+    x = torch.randn(6, 2, 4, dtype=F64)
+    serial = _NormThenMLP(True, _serial_mlp())
+    with pytest.raises(AssertionError, match=r"serial parameter 'ln.bias' has no parallel counterpart"):
+        assert_matches_serial(build(_parallel_without_the_norms_bias), serial, x, world=world2)
+    # the same parallel model against a serial one without the bias passes
+    assert_matches_serial(
+        build(_parallel_without_the_norms_bias), _NormThenMLP(False, _serial_mlp()), x, world=world2
+    )
+
+
+def test_assert_matches_serial_compares_a_frozen_parameter_by_value(world2) -> None:
+    """A frozen parameter (``requires_grad=False``) failed with torch's "One of the
+    differentiated Tensors does not require grad"; now its value is compared (a frozen
+    parallel parameter whose serial twin trains is a gradient mismatch, named)."""
+    x = torch.randn(6, 2, 4, dtype=F64)
+    serial = _serial_mlp()
+    serial.fc1.bias.requires_grad_(False)
+
+    def frozen(s: P.MLP) -> P.ParallelMLP:
+        m = P.ParallelMLP.from_serial(s)
+        m.fc1.bias.requires_grad_(False)
+        return m
+
+    assert_matches_serial(build(frozen), serial, x, world=world2)
+    with pytest.raises(AssertionError, match=r"gradient of parameter 'fc1.bias'"):
+        assert_matches_serial(build(frozen), _serial_mlp(), x, world=world2)
+
+
 def test_assert_matches_serial_catches_a_missing_sharded_output_spec(world2) -> None:
     x = torch.randn(6, 2, 4, dtype=F64)
     with pytest.raises(AssertionError, match=r"output 0 has shape \(3, 2, 4\), expected \(6, 2, 4\)"):

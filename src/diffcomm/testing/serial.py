@@ -182,14 +182,16 @@ def _compare_on_rank(
                 else None
             )
         s_roots = [(o, c) for o, c in zip(s_out, cot) if c is not None and o.requires_grad]
-        s_leaves = [t for t in s_in if _differentiable(t)] + list(s_params.values())
+        # (a frozen parameter, requires_grad=False, is compared by value only)
+        s_train = [n for n, t in s_params.items() if t.requires_grad]
+        s_leaves = [t for t in s_in if _differentiable(t)] + [s_params[n] for n in s_train]
         s_grads = (
             torch.autograd.grad([o for o, _ in s_roots], s_leaves, [c for _, c in s_roots], allow_unused=True)
             if s_roots
             else [None] * len(s_leaves)
         )
     s_in_grads = dict(zip([i for i, t in enumerate(s_in) if _differentiable(t)], s_grads))
-    s_param_grads = dict(zip(s_params, s_grads[len(s_in_grads) :]))
+    s_param_grads = dict(zip(s_train, s_grads[len(s_in_grads) :]))
 
     # ---- parallel side ----------------------------------------------------------------
     p_in = [
@@ -221,7 +223,8 @@ def _compare_on_rank(
                 # a wrong shape is reported above; backward still runs (with zeros) so every
                 # rank runs the collectives of the backward pass (the SPMD rule)
                 p_roots.append((o, c if c.shape == o.shape else torch.zeros_like(o)))
-        p_leaves = [t for t in p_in if _differentiable(t)] + list(p_params.values())
+        p_train = [n for n, t in p_params.items() if t.requires_grad]
+        p_leaves = [t for t in p_in if _differentiable(t)] + [p_params[n] for n in p_train]
         p_grads = (
             torch.autograd.grad([o for o, _ in p_roots], p_leaves, [c for _, c in p_roots], allow_unused=True)
             if p_roots
@@ -240,7 +243,10 @@ def _compare_on_rank(
     slices = parallel_fn.serial_slices() if hasattr(parallel_fn, "serial_slices") else {}
     names = parallel_fn.serial_names() if hasattr(parallel_fn, "serial_names") else {}
     partial = set(parallel_fn.partial_gradients()) if hasattr(parallel_fn, "partial_gradients") else set()
-    for (name, p), g in zip(p_params.items(), p_grads[len(p_in_idx) :]):
+    p_param_grads = dict(zip(p_train, p_grads[len(p_in_idx) :]))
+    covered: set[str] = set()
+    for name, p in p_params.items():
+        g = p_param_grads.get(name)
         if name in partial:  # a per-rank share of the gradient (sum convention): sum it
             g = collectives.all_reduce(torch.zeros_like(p) if g is None else g.detach(), "sum", pg)
         if param_map is not None and name in param_map:
@@ -253,6 +259,7 @@ def _compare_on_rank(
                 f"(serial parameters: {sorted(s_params)}); pass param_map"
             )
             continue
+        covered.add(s_name)
         index = index if isinstance(index, tuple) else (index,)
         s_value, s_grad = s_params[s_name].detach()[index], s_param_grads.get(s_name)
         label = f"parameter {name!r} (serial {s_name!r}{_fmt_index(index)})"
@@ -277,6 +284,23 @@ def _compare_on_rank(
         ):
             if msg:
                 failures.append(msg)
+    # a serial parameter that takes part in the serial computation but that no parallel
+    # parameter stands for: its gradient was never compared (a parallel model missing a
+    # trainable parameter, e.g. a bias left out, which starts at zero, passed)
+    # (over every rank: an expert-parallel rank stands for its own experts only). A
+    # parallel_fn that is no module has no parameters to compare: its weights are constants
+    if not isinstance(parallel_fn, nn.Module):
+        return failures
+    if s_params:
+        mine = torch.tensor([float(n in covered) for n in s_params], dtype=torch.float64)
+        covered = {n for n, c in zip(s_params, collectives.all_reduce(mine, "max", pg).tolist()) if c}
+    for s_name in s_params:
+        if s_name not in covered and s_param_grads.get(s_name) is not None:
+            failures.append(
+                f"rank {rank}: serial parameter {s_name!r} has no parallel counterpart (it has a "
+                "gradient, which nothing was compared with: the parallel model would not train it); "
+                "add it to the parallel model, or map a parallel parameter to it with param_map"
+            )
     return failures
 
 
@@ -322,7 +346,10 @@ def assert_matches_serial(
       module's ``serial_names()`` (``ExpertParallelMoE``: local expert ``i`` is the serial
       ``experts.{rank * E / world + i}``) gives the serial name, and the gradients of the
       parameters its ``partial_gradients()`` names (per-rank shares under the sum
-      convention) are summed over ``group`` before the comparison.
+      convention) are summed over ``group`` before the comparison. Every serial
+      parameter that has a gradient must be stood for by a parallel parameter on some
+      rank (else the parallel model would not train it: a failure naming it); a frozen
+      parameter (``requires_grad=False``) is compared by value.
 
     Args:
         parallel_fn: callable or module (``build(factory)`` to create it inside the ranks).
