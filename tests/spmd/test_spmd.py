@@ -478,3 +478,20 @@ def test_default_generator_type_follows_the_evidence_at_entry(world2: dc.LocalWo
 
     for got in world2.run(body):
         assert got == ["varying", "replicated", "replicated", True], got
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "arg"),
+    [
+        ({"modules": None}, "modules"),
+        ({"modules": [torch.nn.Linear(2, 2), 3]}, "modules"),
+        ({"varying": None}, "varying"),
+        ({"partial": 3}, "partial"),
+        ({"varying": [torch.ones(1), "x"]}, "varying"),
+    ],
+)
+def test_spmd_check_arguments_are_checked_by_name(kwargs: dict, arg: str) -> None:
+    """``spmd_check(modules=None)`` failed with "'NoneType' object is not iterable"; a
+    non-module in ``modules`` or a non-tensor in ``varying`` reached the check's internals."""
+    with pytest.raises(TypeError, match=rf"diffcomm.spmd_check: argument `{arg}` must be an iterable of"):
+        dc.spmd_check(**kwargs)

@@ -134,6 +134,22 @@ def test_check_adjoint_catches_a_wrong_adjoint(world2) -> None:
         assert "relative error" in out[0][key]
 
 
+def test_check_adjoint_refuses_an_op_that_returns_no_single_tensor(world2) -> None:
+    def tuple_op() -> dict[str, str]:
+        """An op returning a tuple failed with "'tuple' object has no attribute 'shape'"."""
+        x, y = _rand(1, 3), _rand(2, 3)
+        calls = {
+            "op": lambda: check_adjoint(lambda t: (dc.all_reduce(t),), x=x, y=y),
+            "dual_op": lambda: check_adjoint(dc.all_reduce, x=x, y=y, dual_op=lambda g: [dc.all_reduce(g)]),
+        }
+        return outcomes(calls, TypeError)
+
+    for out in world2.run(tuple_op):
+        assert "`op` must be a function returning one tensor" in out["op"], out
+        assert "got a function returning tuple" in out["op"], out
+        assert "`dual_op` must be a function returning one tensor" in out["dual_op"], out
+
+
 # ======================================================================================
 # gradcheck
 # ======================================================================================

@@ -110,6 +110,19 @@ _UNDECLARED = (
 # ======================================================================================
 
 
+def _tensors(items: Any, arg: str, kind: type, what: str) -> list[Any]:
+    """``items`` (an iterable of ``kind``) as a list; else a ``TypeError`` naming ``arg``."""
+    try:
+        out = list(items)
+    except TypeError:
+        out = None
+    if out is None or not all(isinstance(i, kind) for i in out):
+        raise TypeError(
+            f"diffcomm.spmd_check: argument `{arg}` must be an iterable of {what}, got {type(items).__name__}"
+        )
+    return out
+
+
 class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
     """The active replication-type check of one process group (``dc.spmd_check``).
 
@@ -137,8 +150,12 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         self.group = group
         self.pg: Any = None
         self.key = f"_dc_spmd{next(_COUNTER)}"
-        self._declared = (list(varying), list(partial))
-        self._modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+        self._declared = (
+            _tensors(varying, "varying", Tensor, "tensors"),
+            _tensors(partial, "partial", Tensor, "tensors"),
+        )
+        modules = [modules] if isinstance(modules, torch.nn.Module) else modules
+        self._modules = _tensors(modules, "modules", torch.nn.Module, "torch.nn.Module objects")
         self._check_grads = check_grads
         self._params: dict[int, _Param] = {}  # id(param) -> its entry
         #: leaf inputs (not parameters) that require grad: their gradient is checked when

@@ -51,6 +51,19 @@ def _gather_rows(row: Tensor, pg: Any) -> Tensor:
         return B.get_backend().all_gather(t, pg).cpu()
 
 
+def _one_tensor(out: Any, arg: str) -> Tensor:
+    """What ``op`` / ``dual_op`` returned, which must be one tensor (a linear map of one)."""
+    if not isinstance(out, Tensor):
+        raise A.arg_error(
+            "testing.check_adjoint",
+            arg,
+            "a function returning one tensor (wrap an op with several outputs to return one)",
+            f"a function returning {type(out).__name__}",
+            TypeError,
+        )
+    return out
+
+
 def check_adjoint(
     op: Callable[[Tensor], Tensor],
     x: Tensor,
@@ -100,7 +113,7 @@ def check_adjoint(
     if dual_op is None:
         xg = x.detach().clone().requires_grad_(True)
         with torch.enable_grad():
-            ax = op(xg)
+            ax = _one_tensor(op(xg), "op")
             if tuple(ax.shape) != tuple(y.shape):
                 raise A.arg_error(
                     "testing.check_adjoint", "y", f"of op(x)'s shape {tuple(ax.shape)}", tuple(y.shape)
@@ -113,12 +126,12 @@ def check_adjoint(
         aty = torch.zeros_like(x) if aty is None else aty
     else:
         with torch.no_grad():
-            ax = op(x)
+            ax = _one_tensor(op(x), "op")
             if tuple(ax.shape) != tuple(y.shape):
                 raise A.arg_error(
                     "testing.check_adjoint", "y", f"of op(x)'s shape {tuple(ax.shape)}", tuple(y.shape)
                 )
-            aty = dual_op(y)
+            aty = _one_tensor(dual_op(y), "dual_op")
         if tuple(aty.shape) != tuple(x.shape):
             raise A.arg_error(
                 "testing.check_adjoint", "dual_op", f"to return x's shape {tuple(x.shape)}", tuple(aty.shape)
