@@ -321,6 +321,13 @@ def only_grad_transform() -> bool:
     return bool(level.key() == TransformType.Grad and level.level() == 1)
 
 
+def in_backward() -> bool:
+    """Whether this thread runs inside the autograd engine (a backward pass, including a
+    ``torch.utils.checkpoint`` recomputation)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def functorch_unwrapped(t: torch.Tensor) -> torch.Tensor:
     """``t`` without its functorch wrappers (every vmap/grad/jvp level)."""
     from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor

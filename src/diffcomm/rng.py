@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from . import _torch
 from .accelerator import Accelerator, get_accelerator
 from .backend.in_process import per_rank
 
@@ -163,7 +164,7 @@ class RNGStatesTracker:
             raise KeyError(f"no RNG stream named {name!r}; known streams: {self.names}")
         if name in self._active:
             raise RuntimeError(f"RNG stream {name!r} is already forked in an enclosing block")
-        if not self._replaying and _in_backward():
+        if not self._replaying and _torch.in_backward():
             raise RuntimeError(
                 f"RNG stream {name!r} drawn from during backward: a recomputation "
                 "(torch.utils.checkpoint?) would draw other random numbers than the forward did "
@@ -225,12 +226,6 @@ class RNGStatesTracker:
         """Remove every stream (names and seeds can be added again)."""
         self._states.clear()
         self._seeds.clear()
-
-
-def _in_backward() -> bool:
-    """Whether this thread runs inside the autograd engine (a backward pass)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
 
 
 _TRACKER = RNGStatesTracker()
