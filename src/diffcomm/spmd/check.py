@@ -494,7 +494,13 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
     # ---------------------------------------------------------------- layers
 
     def module_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        self._type_module_params(module)
+        if id(module) not in self._typed_modules:
+            # the whole tree at its root's first call, as modules= does at the entry: a
+            # forward may use a sub-layer's weights without calling it (F.linear(x,
+            # self.fc1.weight)), which left them untyped (replicated) and the check asking
+            # to drop a reduction the program needs
+            for mod in module.modules():
+                self._type_module_params(mod)
         rule = getattr(type(module), "spmd", None)
         if not isinstance(rule, LayerRule) or not args or not isinstance(args[0], Tensor):
             return

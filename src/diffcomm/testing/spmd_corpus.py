@@ -926,6 +926,27 @@ def forward_mode_through_a_collective() -> None:
     torch.func.jvp(lambda y: dc.all_reduce(y), (x,), (t,))
 
 
+class _LayersUsedByTheirWeights(par.ParallelModule):
+    """A ParallelModule whose forward uses its sub-layers' weights without calling them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = par.ColumnParallelLinear(H, 12, seed=0, dtype=torch.float64)  # (12: worlds 1-4)
+        self.fc2 = par.RowParallelLinear(12, H, seed=1, input_is_parallel=True, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(F.linear(par.copy_to_region(x), self.fc1.weight, self.fc1.bias))
+        return par.reduce_from_region(F.linear(h, self.fc2.weight)) + self.fc2.bias
+
+
+def sub_layer_weights_used_functionally() -> None:
+    """``F.linear(x, self.fc1.weight)`` inside a ParallelModule's forward, no
+    ``modules=``: the sub-layers were never called, so their shards stayed untyped
+    (replicated) and the check asked to drop the ``reduce_from_region`` the program
+    needs. A module's whole tree is typed at its first call now, as ``modules=`` does."""
+    _LayersUsedByTheirWeights()(_x(3, H, grad=True)).sum().backward()
+
+
 #: correct programs (each once refused by the checker, or a fix's neighbour): name -> program
 CORRECT: dict[str, Callable[[], None]] = {
     "vocab embedding: masked assignment of a partial value": vocab_embedding_masked_assignment,
@@ -946,6 +967,7 @@ CORRECT: dict[str, Callable[[], None]] = {
     "the default generator seeded non-deterministically": default_generator_seeded_non_deterministically,
     "a vjp with a per-rank cotangent": vjp_with_a_per_rank_cotangent,
     "all_reduce of a replicated constant (no gradient)": all_reduce_of_a_replicated_constant,
+    "a parallel module using its sub-layers' weights uncalled": sub_layer_weights_used_functionally,
 }
 
 
