@@ -551,8 +551,8 @@ def spmd_check(
         group: the process group whose replication is checked (``None``: the world).
         varying: per-rank inputs (everything else entering the block is replicated).
         partial: inputs whose true value is their sum over ranks.
-        modules: models whose parameters are typed (and named) at the entry; layers met in
-            the block are typed when they run.
+        modules: models whose parameters are typed (and named) at the entry; modules met
+            in the block are typed, with their whole tree, when they first run.
         check_grads: on leaving the block, check that every replicated parameter's
             gradient is replicated (:meth:`SPMDCheck.check_grads`).
         objective: what a backward differentiates. ``"loss"`` (default): the loss's type
