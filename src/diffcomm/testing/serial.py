@@ -131,6 +131,23 @@ def _close(what: str, actual: Tensor | None, expected: Tensor | None, rtol: Any,
     return None
 
 
+def _gradients(
+    roots: list[tuple[Tensor, Tensor]], inputs: Sequence[Any], params: Mapping[str, Tensor]
+) -> tuple[list[Tensor | None], dict[str, Tensor | None]]:
+    """The gradients of ``roots`` (outputs with their cotangents): of each differentiable
+    input, in order, and of each trainable parameter by name (a frozen parameter,
+    ``requires_grad=False``, has none: it is compared by value only)."""
+    train = [n for n, t in params.items() if t.requires_grad]
+    ins = [t for t in inputs if _differentiable(t)]
+    leaves = ins + [params[n] for n in train]
+    grads: list[Tensor | None] = [None] * len(leaves)
+    if roots:
+        grads = list(
+            torch.autograd.grad([o for o, _ in roots], leaves, [c for _, c in roots], allow_unused=True)
+        )
+    return grads[: len(ins)], dict(zip(train, grads[len(ins) :]))
+
+
 def _compare_on_rank(
     parallel_fn: Any,
     serial_fn: Any,
@@ -182,16 +199,8 @@ def _compare_on_rank(
                 else None
             )
         s_roots = [(o, c) for o, c in zip(s_out, cot) if c is not None and o.requires_grad]
-        # (a frozen parameter, requires_grad=False, is compared by value only)
-        s_train = [n for n, t in s_params.items() if t.requires_grad]
-        s_leaves = [t for t in s_in if _differentiable(t)] + [s_params[n] for n in s_train]
-        s_grads = (
-            torch.autograd.grad([o for o, _ in s_roots], s_leaves, [c for _, c in s_roots], allow_unused=True)
-            if s_roots
-            else [None] * len(s_leaves)
-        )
+        s_grads, s_param_grads = _gradients(s_roots, s_in, s_params)
     s_in_grads = dict(zip([i for i, t in enumerate(s_in) if _differentiable(t)], s_grads))
-    s_param_grads = dict(zip(s_train, s_grads[len(s_in_grads) :]))
 
     # ---- parallel side ----------------------------------------------------------------
     p_in = [
@@ -223,13 +232,7 @@ def _compare_on_rank(
                 # a wrong shape is reported above; backward still runs (with zeros) so every
                 # rank runs the collectives of the backward pass (the SPMD rule)
                 p_roots.append((o, c if c.shape == o.shape else torch.zeros_like(o)))
-        p_train = [n for n, t in p_params.items() if t.requires_grad]
-        p_leaves = [t for t in p_in if _differentiable(t)] + [p_params[n] for n in p_train]
-        p_grads = (
-            torch.autograd.grad([o for o, _ in p_roots], p_leaves, [c for _, c in p_roots], allow_unused=True)
-            if p_roots
-            else [None] * len(p_leaves)
-        )
+        p_grads, p_param_grads = _gradients(p_roots, p_in, p_params)
     p_in_idx = [i for i, t in enumerate(p_in) if _differentiable(t)]
     for i, g in zip(p_in_idx, p_grads):
         s_grad_in = s_in_grads.get(i)
@@ -243,7 +246,6 @@ def _compare_on_rank(
     slices = parallel_fn.serial_slices() if hasattr(parallel_fn, "serial_slices") else {}
     names = parallel_fn.serial_names() if hasattr(parallel_fn, "serial_names") else {}
     partial = set(parallel_fn.partial_gradients()) if hasattr(parallel_fn, "partial_gradients") else set()
-    p_param_grads = dict(zip(p_train, p_grads[len(p_in_idx) :]))
     covered: set[str] = set()
     for name, p in p_params.items():
         g = p_param_grads.get(name)
