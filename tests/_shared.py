@@ -51,6 +51,22 @@ def benchmark_json_here(
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+def refusals(calls: dict[str, Callable[[], object]], comms: str = "[{} comms]") -> dict[str, str]:
+    """Each call's ``ValueError`` message followed by ``comms`` formatted with how many
+    communications ran before it (diffcomm's comms log), or ``"no error"``."""
+    from diffcomm import backend as B
+
+    out = {}
+    for key, call in calls.items():
+        with B.log_comms() as log:
+            try:
+                call()
+                out[key] = "no error"
+            except ValueError as exc:
+                out[key] = f"{exc} {comms.format(log.count())}"
+    return out
+
+
 def outcomes(calls: dict[str, Callable[[], object]], error: type[BaseException]) -> dict[str, str]:
     """Each call's outcome by key: ``"no error"``, or the message of the ``error`` it raised
     (any other exception propagates, so a wrong error type fails the test)."""

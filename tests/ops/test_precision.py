@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from _shared import check_in_batches
+from _shared import check_in_batches, refusals
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -826,7 +826,6 @@ def test_moe_dispatch_combine_with_precision(world2, wire: str, back: str) -> No
 
 def _moe_async_with_precision() -> dict[str, str]:
     from diffcomm import parallel as P
-    from diffcomm.backend import log_comms
 
     x = torch.randn(6, 8)
     gate, idx, _ = P.route(torch.randn(6, 4), k=2)
@@ -836,15 +835,7 @@ def _moe_async_with_precision() -> dict[str, str]:
         "dispatch": lambda: P.dispatch(x, idx, num_experts=4, precision=p, async_op=True),
         "combine": lambda: P.combine(h, gate, plan, precision=p, async_op=True),
     }
-    out = {}
-    for name, call in calls.items():
-        with log_comms() as log:
-            try:
-                call()
-                out[name] = "no error"
-            except ValueError as exc:
-                out[name] = f"{exc} [{log.count()} comms]"
-    return out
+    return refusals(calls)
 
 
 def test_moe_async_with_precision_is_refused_naming_the_op_before_communicating(world2) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _shared import check_in_batches
+from _shared import check_in_batches, refusals
 from hypothesis import strategies as st
 
 import diffcomm as dc
@@ -201,7 +201,6 @@ def test_ring_attention_overlaps_and_stays_local(world4: dc.LocalWorld) -> None:
     each one K/V block (O(S/W) bytes) sent and one received."""
 
     def body() -> dict[str, Any]:
-        from diffcomm import backend as B
 
         q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
         with B.log_comms() as log:
@@ -622,8 +621,6 @@ def test_a_sequence_placed_one_way_and_used_another_raises(world4: dc.LocalWorld
     def body() -> dict[str, str]:
         import torch.distributed as dist
 
-        from diffcomm import backend as B
-
         r = dc.get_rank()
         x = torch.randn(1, 2, 16, 4, dtype=torch.float64)
         zig = parallel.shard(x, layout="zigzag")
@@ -651,15 +648,7 @@ def test_a_sequence_placed_one_way_and_used_another_raises(world4: dc.LocalWorld
             "unshard other axis": lambda: parallel.unshard(pair, group=ring_g[r % 2]),
             "q vs k groups": lambda: parallel.ring_attention(pair, parallel.shard(x, group=rg), pair, ug),
         }
-        res = {}
-        for key, fn in calls.items():
-            with B.log_comms() as log:
-                try:
-                    fn()
-                    res[key] = "no error"
-                except ValueError as exc:
-                    res[key] = f"{exc} [{log.count()} comms]"
-        return res
+        return refusals(calls)
 
     expect = {
         "ring explicit": "`layout` must be 'zigzag', the layout `q` was placed with",
@@ -783,13 +772,7 @@ def _packed_zigzag(s: int, cu: list[int]) -> dict[str, Any]:
         "cu_on_plain": lambda: parallel.ring_attention(*plain, causal=True, cu_seqlens=cu),
         "unshard_other": lambda: parallel.unshard(out, cu_seqlens=[0, 2, s]),
     }
-    for name, call in calls.items():
-        with B.log_comms() as log:
-            try:
-                call()
-                res[name] = "no error"
-            except ValueError as exc:
-                res[name] = f"{exc} | comms={log.count()}"
+    res.update(refusals(calls, "| comms={}"))
     # one document is no packing: the same table as none
     res["one_doc"] = parallel.ring_attention(*plain, causal=True, cu_seqlens=[0, s]).shape == plain[0].shape
     return res
