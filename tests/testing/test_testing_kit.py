@@ -178,6 +178,32 @@ def test_gradcheck_passes_correct_code(world2) -> None:
     assert world2.run(gradcheck_passes) == [[True] * 5] * 2
 
 
+# on processes: warnings.catch_warnings is one per process, which in-process ranks would share
+@pytest.mark.diffcomm_in_process(False)
+def test_gradcheck_warns_of_a_replicated_input_left_out_of_replicated(world2) -> None:
+    def unlisted() -> list[str]:
+        """x, the same on every rank, left out of ``replicated=``: checked as each rank's own
+        variable, a correct TP program failed and one missing copy_to_region passed, with
+        no word. Now a warning names the input; per-rank inputs (the shards) get none."""
+        import warnings
+
+        xr = _rand(1, 2, 4, rank=-1).requires_grad_()
+        w1 = _rand(2, 3, 4).requires_grad_()
+
+        def missing_copy(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return P.reduce_from_region(torch.tanh(x @ w.T))
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gradcheck(missing_copy, (xr, w1), objective="replicated")
+        return [str(w.message) for w in caught if "gradcheck" in str(w.message)]
+
+    for messages in world2.run(unlisted):
+        assert len(messages) == 1, messages
+        assert "inputs[0] is the same on every rank but not in `replicated`" in messages[0]
+        assert "replicated=[0, ...]" in messages[0]
+
+
 def test_gradcheck_catches_planted_bugs(world2) -> None:
     def gradcheck_failures() -> dict[str, str]:
         xr = _rand(1, 2, 4, rank=-1).requires_grad_()

@@ -7,6 +7,7 @@ backend ops only, so they add nothing to the graphs they check.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -172,6 +173,29 @@ def _weights(outs: Sequence[Tensor], seed: int) -> list[Tensor]:
     return ws
 
 
+def _warn_unlisted_replicated(
+    inputs: Sequence[Any], diff: list[int], rep: set[int], numels: list[list[int]], pg: Any, op: str
+) -> None:
+    """Warn about a differentiable input equal on every rank but not in ``replicated``:
+    under ``objective="replicated"`` it is then each rank's own variable, which reverses
+    the verdict for a replicated activation (a correct tensor-parallel program fails, one
+    missing ``copy_to_region`` passes). One small exchange per such input."""
+    for i_pos, i in enumerate(diff):
+        if i in rep or any(n[i_pos] != numels[0][i_pos] for n in numels):
+            continue
+        try:
+            check_replicated(inputs[i].detach(), op, f"inputs[{i}]", "", pg)
+        except CrossRankMismatchError:
+            continue  # per-rank data: each rank's own variable, as unlisted
+        warnings.warn(
+            f"diffcomm.{op}(objective='replicated'): inputs[{i}] is the same on every rank but not "
+            f"in `replicated`, so it is checked as each rank's own variable; if it stands for one "
+            f"value held by every rank (a replicated activation or weight), pass replicated=[{i}, ...]",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def gradcheck(
     fn: Callable[..., Any],
     inputs: Tensor | Sequence[Any],
@@ -213,7 +237,9 @@ def gradcheck(
         group: the group the objective is summed over.
         objective: ``"sum"`` or ``"replicated"`` (see above).
         replicated: indices into ``inputs`` of the tensors that are the same on every rank
-            and stand for one variable.
+            and stand for one variable. Under ``objective="replicated"``, an input that is
+            the same on every rank but not listed gets a ``UserWarning`` (it is checked as
+            each rank's own variable, which reverses the verdict for a replicated activation).
         seed: seed of the weights ``w``.
 
     Returns:
@@ -274,6 +300,9 @@ def gradcheck(
                 "the same size on every rank (it is replicated)",
                 [n[i_pos] for n in numels],
             )
+
+    if objective == "replicated" and world > 1:
+        _warn_unlisted_replicated(inputs, diff, rep, numels, pg, op)
 
     base = [
         t.detach().clone(memory_format=torch.contiguous_format) if isinstance(t, Tensor) else t
