@@ -29,6 +29,7 @@ Where a backend has no fp8 type (gloo) the payload travels as bytes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -418,7 +419,7 @@ def _blocks(precision: Any) -> bool:
     return bool(FP8_MAX.keys() & {precision.wire, precision.transposed().wire})
 
 
-def _refusal(run_check: Any, per_rank: bool) -> ValueError | None:
+def _refusal(run_check: Callable[[], object], per_rank: bool) -> ValueError | None:
     """``run_check()``'s ValueError where ranks may differ in it (``per_rank``: kept for
     :func:`_refuse_together`); else it propagates at once, as do its TypeErrors (the same
     on every rank)."""

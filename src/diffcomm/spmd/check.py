@@ -110,7 +110,7 @@ _UNDECLARED = (
 # ======================================================================================
 
 
-def _tensors(items: Any, arg: str, kind: type, what: str) -> list[Any]:
+def _list_of(items: Any, arg: str, kind: type, what: str) -> list[Any]:
     """``items`` (an iterable of ``kind``) as a list; else a ``TypeError`` naming ``arg``."""
     try:
         out = list(items)
@@ -151,11 +151,11 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         self.pg: Any = None
         self.key = f"_dc_spmd{next(_COUNTER)}"
         self._declared = (
-            _tensors(varying, "varying", Tensor, "tensors"),
-            _tensors(partial, "partial", Tensor, "tensors"),
+            _list_of(varying, "varying", Tensor, "tensors"),
+            _list_of(partial, "partial", Tensor, "tensors"),
         )
         modules = [modules] if isinstance(modules, torch.nn.Module) else modules
-        self._modules = _tensors(modules, "modules", torch.nn.Module, "torch.nn.Module objects")
+        self._modules = _list_of(modules, "modules", torch.nn.Module, "torch.nn.Module objects")
         self._check_grads = check_grads
         self._params: dict[int, _Param] = {}  # id(param) -> its entry
         #: leaf inputs (not parameters) that require grad: their gradient is checked when
