@@ -8,7 +8,9 @@ values and gradients from a **float64 serial reference** (so its label is itself
 verified: a correct program matches, a buggy one does not), and once inside
 ``dc.spmd_check`` (``checked=True``). A correct program must pass the check (an error is a
 false positive); a program with a planted bug must raise ``SPMDTypeError`` naming the
-cause (no error is a silent miss). A finding the checker cannot handle yet stays here,
+cause (no error is a silent miss). A program the checker does not type (code under a
+``torch.func`` transform) must say so: one ``UserWarning`` per check block, matching the
+program's ``warns``. A finding the checker cannot handle yet stays here,
 ``xfail(strict=True)`` with its symptom.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,31 +45,38 @@ S = 12  # a sequence length divisible by 2 * 2 and 2 * 3 (zigzag)
 class Program:
     """One user program: ``fn(checked) -> {name: difference from the serial reference}``,
     whether it holds a planted bug, the regexes the checker's message must match, the
-    world sizes it runs at, and a finding (the checker's symptom) when it is known wrong."""
+    regexes of the warning of a program the checker does not type (``warns``: it passes
+    through, and says so), the world sizes it runs at, and a finding (the checker's
+    symptom) when it is known wrong."""
 
     fn: Callable[[bool], dict[str, float]]
     buggy: bool = False
     names: tuple[str, ...] = ()
+    warns: tuple[str, ...] = ()
     worlds: tuple[int, ...] = (2, 3)
     finding: str | None = None
     marks: list[Any] = field(default_factory=list)
 
 
-def _run_both(fn: Callable[[bool], dict[str, float]]) -> tuple[Any, str | None]:
-    """This rank's (truth, checker): the differences of the plain run (or the exception
-    as text), and the checked run's error message (``None``: it passed)."""
+def _run_both(fn: Callable[[bool], dict[str, float]]) -> tuple[Any, str | None, list[str]]:
+    """This rank's (truth, checker, warnings): the differences of the plain run (or the
+    exception as text), the checked run's error message (``None``: it passed) and the
+    check's warnings in the checked run."""
     try:
         truth: Any = fn(False)
     except Exception as exc:  # the plain program must run: reported, not raised
         truth = f"plain run raised {type(exc).__name__}: {exc}"
-    try:
-        fn(True)
-        err = None
-    except dc.SPMDTypeError as exc:
-        err = str(exc)
-    except Exception as exc:  # anything else from the checked run is a finding too
-        err = f"NOT SPMDTypeError: {type(exc).__name__}: {exc}"
-    return truth, err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fn(True)
+            err = None
+        except dc.SPMDTypeError as exc:
+            err = str(exc)
+        except Exception as exc:  # anything else from the checked run is a finding too
+            err = f"NOT SPMDTypeError: {type(exc).__name__}: {exc}"
+    said = [str(w.message) for w in caught if str(w.message).startswith("diffcomm.spmd_check")]
+    return truth, err, said
 
 
 @contextlib.contextmanager
@@ -550,6 +560,15 @@ def _func_grad(checked: bool, bug: bool) -> dict[str, float]:
         "w2": _d(grads["w2"], fc2_s.weight.grad[sl2["weight"]]),  # type: ignore[index]
         "b2": _d(grads["b2"], fc2_s.bias.grad),
     }
+
+
+#: the check's warning for code under torch.func: the op, the user's line, what and why
+_FUNC_WARNING = (
+    r"parallel\.copy_to_region at test_spmd_user_programs\.py:\d+ runs under a torch\.func transform",
+    "not checked",
+    "functorch wrappers",
+    "not by Tensor.backward",
+)
 
 
 def torch_func_grad_tp_mlp(checked: bool) -> dict[str, float]:
@@ -1209,18 +1228,13 @@ PROGRAMS: dict[str, Program] = {
     "custom_function_reduce_twice": Program(
         custom_function_reduce_twice, buggy=True, names=("ReduceFromTP",)
     ),
-    "torch_func_grad_tp_mlp": Program(torch_func_grad_tp_mlp),
+    # under a torch.func transform nothing is typed and no Tensor.backward runs (docs:
+    # Limits): the correct program and the one with the sum-convention all_reduce under a
+    # replicated objective (gradients world-size times too large) both pass the check, and
+    # it says so (it passed silently: a miss that looked like a verdict)
+    "torch_func_grad_tp_mlp": Program(torch_func_grad_tp_mlp, warns=_FUNC_WARNING),
     "torch_func_grad_all_reduce_replicated_objective": Program(
-        torch_func_grad_all_reduce_replicated_objective,
-        buggy=True,
-        names=("all_reduce",),
-        finding=(
-            "silent miss (documented limit): under a torch.func transform nothing is typed and no "
-            "Tensor.backward runs, so the sum-convention all_reduce under a replicated objective "
-            "passes (its gradients world-size times too large). Before the fix the check typed "
-            "the functorch wrappers as replicated and refused every correct torch.func program "
-            "(torch_func_grad_tp_mlp) with a wrong reason, which made this one look caught."
-        ),
+        torch_func_grad_all_reduce_replicated_objective, buggy=True, warns=_FUNC_WARNING
     ),
     "dp_grad_accumulation_avg_once": Program(dp_grad_accumulation_avg_once),
     "dp_biases_not_reduced": Program(dp_biases_not_reduced, buggy=True, names=("bias",)),
@@ -1324,7 +1338,7 @@ def _cases() -> list[Any]:
 def test_undeclared_replicated_message_names_the_fix(world2: dc.LocalWorld) -> None:
     """The false positive kept above gets a message that says why the value is replicated
     and how to declare per-rank data (it said only "the reduction would run twice")."""
-    for _, err in world2.run(_run_both, dp_masked_tokens_rank_taken_before_check):
+    for _, err, _ in world2.run(_run_both, dp_masked_tokens_rank_taken_before_check):
         assert err is not None and "all_reduce" in err, err
         assert "dc.spmd.varying(x)" in err and "dc.get_rank() inside the check" in err, err
 
@@ -1336,14 +1350,21 @@ def test_spmd_user_program(prog: Program, world: int, local_worlds: Callable[...
     a buggy one raises ``SPMDTypeError`` naming its cause."""
     results = local_worlds(world).run(_run_both, prog.fn)
     worst = 0.0
-    for rank, (truth, _) in enumerate(results):
+    for rank, (truth, _, _) in enumerate(results):
         assert isinstance(truth, dict) and truth, f"rank {rank}: {truth}"
         worst = max(worst, *truth.values())
         if not prog.buggy:
             assert max(truth.values()) <= TOL, f"rank {rank}: the correct program is wrong: {truth}"
     if prog.buggy:
-        assert worst > WRONG, f"the planted bug changes nothing: {[t for t, _ in results]}"
-    for rank, (_, err) in enumerate(results):
+        assert worst > WRONG, f"the planted bug changes nothing: {[t for t, _, _ in results]}"
+    for rank, (_, err, said) in enumerate(results):
+        if prog.warns:  # not typed: it passes through, and says so once
+            assert err is None, f"rank {rank}: {err}"
+            assert len(said) == 1, f"rank {rank}: expected one warning of the check, got {said}"
+            for pattern in prog.warns:
+                assert re.search(pattern, said[0]), f"rank {rank}: the warning lacks {pattern!r}: {said[0]}"
+            continue
+        assert not said, f"rank {rank}: the check warned: {said}"
         if prog.buggy:
             assert err is not None, f"rank {rank}: silent miss (no SPMDTypeError)"
             assert not err.startswith("NOT SPMDTypeError"), f"rank {rank}: {err}"

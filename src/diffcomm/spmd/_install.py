@@ -11,6 +11,7 @@ import importlib
 import inspect
 import sys
 import threading
+import warnings
 from collections.abc import Iterable
 from dataclasses import replace as _dc_replace
 from typing import Any
@@ -24,7 +25,7 @@ from .._replication import PARTIAL, REPLICATED, LayerRule, R, Rule, SPMDTypeErro
 from ..ops import engine as E
 from ..ops.base import CommOp, ListOp
 from ._ops import SEEDED_BY_RANK, RankGenerator, RankInt, _rank_dependent
-from ._records import _Param, _Rec, _site
+from ._records import _Param, _Rec, _site, _user_frame
 
 _ACTIVE: list[Any] = []  # the active checks (SPMDCheck), outermost first
 _PATCHED: dict[type, tuple[Any, Any]] = {}  # class -> (original forward, its __dict__ entry)
@@ -400,6 +401,36 @@ def _untyped(bound: Any) -> Any:
     return apply
 
 
+def untyped_under_transform(op: str) -> None:
+    """Warn that code under a torch.func transform is not checked: once per check block
+    of this thread, at the first diffcomm op (or plain op of the user's) met under one.
+
+    Why it is not typed: under ``torch.func.grad`` / ``vjp`` / ``jacrev`` / ``vmap`` the
+    values are functorch wrappers, made and unwrapped by the transform (a parameter's type
+    is not its wrapper's), and the gradient is taken inside the transform, not by
+    ``Tensor.backward`` / ``torch.autograd.grad``, where the check reads the objective. A
+    pass through such code would look like a verdict; the warning says it is none."""
+    me = threading.get_ident()
+    checks = [c for c in _ACTIVE if c.thread == me and not (c.inside or c.in_backward or c.transform_warned)]
+    if not checks:
+        return
+    for c in checks:
+        c.transform_warned = True
+    frame, up = _user_frame()
+    warnings.warn(
+        f"diffcomm.spmd_check: {op} at {_site()} runs under a torch.func transform "
+        "(torch.func.grad, vjp, jacrev, jvp or vmap), and code under torch.func is not checked: "
+        "its tensors are functorch wrappers, which carry no replication types, and its gradients "
+        "are taken inside the transform, not by Tensor.backward or torch.autograd.grad, where "
+        "the check reads the objective; a wrong collective or mapping in it (dc.all_reduce where "
+        "reduce_from_region belongs: gradients world-size times too large) passes unseen. To "
+        "check this code, run it with loss.backward() in the check, outside torch.func "
+        "(docs/spmd_types.md, Limits).",
+        UserWarning,
+        stacklevel=up if frame is not None else 2,
+    )
+
+
 class _UserApply:
     """``torch.autograd.Function.apply`` while a check is active: a user Function is typed
     by its rule (its forward's own ops untyped), or refused with its name."""
@@ -413,6 +444,8 @@ class _UserApply:
             cls = type(obj)
         bound = self._orig.__get__(obj, cls)
         if _torch.transforms_active():  # torch.func: nothing typed (docs/spmd_types.md, Limits)
+            if cls is not None and _ACTIVE and not cls.__module__.startswith("torch."):
+                untyped_under_transform(_op_name(cls, qualified=not issubclass(cls, CommOp | ListOp)))
             return _untyped(bound)
         if cls is None or not _is_user_function(cls):
             return bound

@@ -161,23 +161,51 @@ _SPMD_DIR = os.path.dirname(os.path.abspath(__file__))
 #: the planted-bug corpus (diffcomm.testing.spmd_corpus): its lines are the user's lines
 _CORPUS = os.path.join(os.path.dirname(_SPMD_DIR), "testing", "spmd_corpus.py")
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_FUNCTORCH = os.path.join(_TORCH, "_functorch") + os.sep  # torch.func's own code
 _SPMD_TYPES = os.sep + "spmd_types" + os.sep  # spmd_types' own frames are not the user's line
+
+
+def _is_user_file(fn: str) -> bool:
+    """Whether code in file ``fn`` is the user's (not diffcomm's, torch's or spmd_types')."""
+    if (
+        fn.startswith(_TORCH)
+        or (fn.startswith(_PKG) and fn != _CORPUS)
+        or (_SPMD_TYPES in fn and "site-packages" in fn)
+    ):
+        return False
+    return "<" not in fn or fn.startswith("<ipython") or fn == "<string>"
+
+
+def _user_frame() -> tuple[Any, int]:
+    """The user's frame (the first outside diffcomm and torch) above the caller, and how
+    many frames up it is (``warnings.warn``'s ``stacklevel`` in the caller); ``(None, 0)``
+    when there is none."""
+    f: Any = sys._getframe(1)
+    up = 1
+    while f is not None:
+        if _is_user_file(f.f_code.co_filename):
+            return f, up
+        f, up = f.f_back, up + 1
+    return None, 0
+
+
+def _op_by_user(f: Any) -> bool:
+    """Whether the op whose call reached frame ``f`` was called by the user's code (and not
+    by torch.func's own machinery or by diffcomm, which name their ops themselves)."""
+    while f is not None:
+        fn = f.f_code.co_filename
+        if _is_user_file(fn):
+            return True
+        if fn.startswith(_FUNCTORCH) or (fn.startswith(_PKG) and fn != _CORPUS):
+            return False
+        f = f.f_back
+    return False
 
 
 def _site() -> str:
     """The user's file:line (the first frame outside diffcomm and torch)."""
-    f: Any = sys._getframe(1)
-    while f is not None:
-        fn = f.f_code.co_filename
-        if not (
-            fn.startswith(_TORCH)
-            or (fn.startswith(_PKG) and fn != _CORPUS)
-            or (_SPMD_TYPES in fn and "site-packages" in fn)
-        ):
-            if "<" not in fn or fn.startswith("<ipython") or fn == "<string>":
-                return f"{os.path.basename(fn)}:{f.f_lineno}"
-        f = f.f_back
-    return "<unknown>"
+    f, _ = _user_frame()
+    return "<unknown>" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
 
 
 def _fname(func: Any) -> str:

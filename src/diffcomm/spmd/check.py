@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import sys
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -69,6 +70,7 @@ from ._install import (  # what a check installs; the active checks
     register_function,  # noqa: F401  (a public name: __all__)
     typed_functions,
     typed_layers,
+    untyped_under_transform,
 )
 from ._lattice import _Lattice
 from ._ops import (  # the torch-op name tables and argument classifiers
@@ -77,7 +79,19 @@ from ._ops import (  # the torch-op name tables and argument classifiers
     _default_rng_differs,
     _flat_tensors,
 )
-from ._records import _TENSOR_BASE, _Cell, _Escape, _fname, _OpPlan, _Owner, _Param, _PassThrough, _Rec, _site
+from ._records import (
+    _TENSOR_BASE,
+    _Cell,
+    _Escape,
+    _fname,
+    _op_by_user,
+    _OpPlan,
+    _Owner,
+    _Param,
+    _PassThrough,
+    _Rec,
+    _site,
+)
 from ._with_spmd_types import _WithSpmdTypes
 
 # Size: ~630 lines, over the ~600 guideline (issue 48 bounds it at 700): what is left here
@@ -168,6 +182,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         self._groups: dict[int, bool] = {}  # id(pg) -> is the checked group
         self.inside = 0  # >0 while a typed op's forward runs (its inner ops are not typed)
         self.in_backward = 0
+        self.transform_warned = False  # code under torch.func met (and said untyped) in this block
         self.thread = threading.get_ident()
         #: whether the default generator's state differed between the ranks when the check
         #: was entered (unseeded processes: its draws are varying until it is seeded
@@ -179,6 +194,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
     def __enter__(self) -> SPMDCheck:
         self.pg = A.resolve_group(self.group, "spmd_check")
         self.thread = threading.get_ident()
+        self.transform_warned = False
         importlib.import_module("diffcomm.parallel")  # every rule-bearing class is defined
         self._rng_entry = (_default_rng_differs(self.pg), torch.initial_seed())
         with _LOCK:
@@ -360,9 +376,14 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.inside or self.in_backward or _torch.transforms_active():
+        if self.inside or self.in_backward:
+            return func(*args, **kwargs)
+        if _torch.transforms_active():
             # under a torch.func transform the values are functorch wrappers (a parameter's
-            # type is not theirs) and no Tensor.backward runs: not typed (docs: Limits)
+            # type is not theirs) and no Tensor.backward runs: not typed, and said so once
+            # (docs: Limits)
+            if not self.transform_warned and _op_by_user(sys._getframe(1)):
+                untyped_under_transform(_fname(func))
             return func(*args, **kwargs)
         raw = getattr(func, "__name__", "")
         if raw in _NO_TYPING:
