@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import diffcomm as dc
+from diffcomm import parallel
 
 F64 = torch.float64
 TOL = 1e-10
@@ -1562,12 +1563,441 @@ MOE_PROGRAMS: dict[str, Program] = {
 }
 
 
+# ------------------------------------------------------------------ where two APIs meet
+#
+# Written from docs/precision.md, docs/async.md, docs/in_process.md, docs/rng.md,
+# docs/context_parallel.md and docs/spmd_types.md: precision= with the mappings and MoE,
+# asynchronous results fed to other ops (the check, the ring, an optimizer), the RNG
+# streams with context parallelism, the replication-type check with asynchronous and
+# quantized ops. Each also runs in the in-process world (test_seam_program_in_process):
+# the same ending there as on processes.
+
+
+def _ints(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Small integers as float64: exact on a bf16 / fp16 wire and in every sum here, so a
+    quantized program's values and gradients equal the float64 reference exactly."""
+    return torch.randint(-4, 5, shape, generator=_gen(seed)).to(F64)
+
+
+def seam_precision_all_gather_bf16_fp16_backward() -> dict[str, float]:
+    """all_gather on a bf16 wire with an fp16 backward; each rank's own loss."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    xs = _ints(w, 3, 4, seed=1)
+    x = xs[r].clone().requires_grad_()
+    y = dc.all_gather(x, precision=dc.Precision("bf16", backward=dc.Precision("fp16")))
+    (y * _ints(3 * w, 4, seed=10 + r)).sum().backward()
+    xf = xs.clone().requires_grad_()
+    yf = torch.cat(list(xf))
+    sum((yf * _ints(3 * w, 4, seed=10 + j)).sum() for j in range(w)).backward()
+    assert xf.grad is not None
+    return {"y": _d(y, yf), "dx": _d(x.grad, xf.grad[r])}
+
+
+def seam_precision_wire_none_uneven_avg_reduce_scatter() -> dict[str, float]:
+    """Precision(None) (the payload's own dtype, exactly) on an uneven avg reduce_scatter
+    of random float64 data."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    sizes = [5 - (w - 1)] + [1] * (w - 1)
+    xs = torch.randn(w, 5, 3, dtype=F64, generator=_gen(2))
+    cots = torch.randn(w, 5, 3, dtype=F64, generator=_gen(3))
+    x = xs[r].clone().requires_grad_()
+    y = dc.reduce_scatter(x, op="avg", split_sizes=sizes, precision=dc.Precision(None))
+    own = slice(sum(sizes[:r]), sum(sizes[: r + 1]))
+    (y * cots[r][own]).sum().backward()
+    xf = xs.clone().requires_grad_()
+    mean = xf.mean(0)
+    loss = sum(
+        (mean[sum(sizes[:j]) : sum(sizes[: j + 1])] * cots[j][sum(sizes[:j]) : sum(sizes[: j + 1])]).sum()
+        for j in range(w)
+    )
+    loss.backward()
+    assert xf.grad is not None
+    return {"y": _d(y, mean[own]), "dx": _d(x.grad, xf.grad[r])}
+
+
+def seam_precision_row_parallel_reduce_bf16_backward() -> dict[str, float]:
+    """A row-parallel linear leaving the region with reduce_from_region, forward exact
+    (wire None) and backward on a bf16 wire; replicated loss (the mapping's convention)."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    wt, x, c = _ints(4, 2 * w, seed=3), _ints(3, 2 * w, seed=4), _ints(3, 4, seed=5)
+    cols = slice(2 * r, 2 * r + 2)
+    wl = wt[:, cols].clone().requires_grad_()
+    p = dc.Precision(None, backward=dc.Precision("bf16"))
+    y = parallel.reduce_from_region(x[:, cols] @ wl.T, precision=p)
+    (y * c).sum().backward()
+    wf = wt.clone().requires_grad_()
+    (x @ wf.T * c).sum().backward()
+    assert wf.grad is not None
+    return {"y": _d(y, x @ wt.T), "dw": _d(wl.grad, wf.grad[:, cols])}
+
+
+def seam_precision_as_a_string() -> dict[str, float]:
+    """precision="bf16" (a string, not a dc.Precision)."""
+    dc.all_reduce(torch.ones(3, dtype=F64), precision="bf16")  # type: ignore[arg-type]
+    return {}
+
+
+def seam_precision_with_async_op() -> dict[str, float]:
+    """precision= and async_op=True together (documented as not supported)."""
+    dc.all_reduce(torch.ones(3, dtype=F64), precision=dc.Precision("bf16"), async_op=True)
+    return {}
+
+
+def seam_precision_moe_empty_rank() -> dict[str, float]:
+    """dispatch / combine with precision=Precision(None), k=2, rank 1 holding no tokens,
+    experts that scale their rows; against the serial mixture."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    e, h, k = 2 * w, 3, 2
+    counts = [5, 0] + [2] * (w - 2)
+    g = _gen(7)
+    xs = torch.randn(sum(counts), h, dtype=F64, generator=g)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(sum(counts))])
+    gates = torch.rand(sum(counts), k, dtype=F64, generator=g)
+    cots = torch.randn(sum(counts), h, dtype=F64, generator=g)
+    mine = slice(sum(counts[:r]), sum(counts[: r + 1]))
+    x, gate = xs[mine].clone().requires_grad_(), gates[mine].clone().requires_grad_()
+    p = dc.Precision(None)
+    rows, plan = parallel.dispatch(x, idx[mine], e, precision=p)
+    scale = torch.arange(1.0, e + 1, dtype=F64)
+    parts = rows.split(plan.expert_splits)
+    outs = torch.cat([part * scale[r * (e // w) + i] for i, part in enumerate(parts)])
+    y = parallel.combine(outs, gate, plan, precision=p)
+    (y * cots[mine]).sum().backward()
+    xf, gf = xs.clone().requires_grad_(), gates.clone().requires_grad_()
+    yf = sum(gf[:, j : j + 1] * xf * scale[idx[:, j]][:, None] for j in range(k))
+    (yf * cots).sum().backward()
+    assert xf.grad is not None and gf.grad is not None
+    return {"y": _d(y, yf[mine]), "dx": _d(x.grad, xf.grad[mine]), "dgate": _d(gate.grad, gf.grad[mine])}
+
+
+def seam_async_gather_into_reduce_scatter() -> dict[str, float]:
+    """An AsyncTensor from all_gather, scaled, into a blocking reduce_scatter."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    xs = torch.randn(w, 2, 3, dtype=F64, generator=_gen(1))
+    cots = torch.randn(w, 2, 3, dtype=F64, generator=_gen(2))
+    x = xs[r].clone().requires_grad_()
+    z = dc.reduce_scatter(dc.all_gather(x, async_op=True) * 2)
+    (z * cots[r]).sum().backward()
+    xf = xs.clone().requires_grad_()
+    (2 * w * xf * cots).sum().backward()  # z_j = sum over ranks of 2 x_j
+    assert xf.grad is not None
+    return {"z": _d(z, 2 * w * xs[r]), "dx": _d(x.grad, xf.grad[r])}
+
+
+def seam_async_averaged_grads_into_sgd() -> dict[str, float]:
+    """Data parallel: p.grad = dc.all_reduce(p.grad, op="avg", async_op=True) for each
+    parameter, then torch's clip_grad_norm_ and SGD, two steps; against the serial model
+    trained on the whole batch."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2, dtype=F64)
+    ser = torch.nn.Linear(3, 2, dtype=F64)
+    ser.load_state_dict(lin.state_dict())
+    xs = 3 * torch.randn(2 * w, 3, dtype=F64, generator=_gen(2))
+    opt, opt_s = torch.optim.SGD(lin.parameters(), lr=0.5), torch.optim.SGD(ser.parameters(), lr=0.5)
+    out = {}
+    for step in range(2):
+        opt.zero_grad()
+        lin(xs[2 * r : 2 * r + 2]).pow(2).mean().backward()
+        for p in lin.parameters():
+            p.grad = dc.all_reduce(p.grad, op="avg", async_op=True)  # type: ignore[arg-type]
+        norm = torch.nn.utils.clip_grad_norm_(lin.parameters(), 0.5)
+        opt.step()
+        opt_s.zero_grad()
+        ser(xs).pow(2).mean().backward()
+        out[f"norm{step}"] = _d(norm, torch.nn.utils.clip_grad_norm_(ser.parameters(), 0.5))
+        opt_s.step()
+    return out | {n: _d(p, q) for (n, p), q in zip(lin.named_parameters(), ser.parameters())}
+
+
+def seam_async_result_changed_in_place() -> dict[str, float]:
+    """h = all_reduce(..., async_op=True); h.mul_(2) before any other use."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    x = torch.full((3,), float(r + 1), dtype=F64, requires_grad=True)
+    h = dc.all_reduce(x * 1, async_op=True)
+    h.mul_(2)
+    (h * torch.arange(3.0, dtype=F64)).sum().backward()
+    total = w * (w + 1) / 2
+    return {
+        "h": _d(h.detach(), torch.full((3,), 2 * total, dtype=F64)),
+        "dx": _d(x.grad, 2 * w * torch.arange(3.0, dtype=F64)),
+    }
+
+
+def seam_async_coalesced_into_async_all_gather() -> dict[str, float]:
+    """all_reduce_coalesced(async_op=True) results concatenated into an asynchronous
+    all_gather; each rank's own loss."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    a = torch.full((2,), float(r + 1), dtype=F64, requires_grad=True)
+    b = torch.full((3,), float(2 * r), dtype=F64, requires_grad=True)
+    ha, hb = dc.all_reduce_coalesced([a, b], async_op=True)
+    z = dc.all_gather(torch.cat([ha, hb]), async_op=True)
+    (z * (torch.arange(5.0 * w, dtype=F64) + r)).sum().backward()
+    sa, sb = w * (w + 1) / 2, float(w * (w - 1))
+    want = torch.tensor([sa, sa, sb, sb, sb], dtype=F64).repeat(w)
+    # d(sum of the ranks' losses)/dy_j = the sum over ranks of their cotangents' chunk j,
+    # and every y_j holds the sums of a and b: each a gets the sum over the chunks
+    g = sum(torch.arange(5.0 * w, dtype=F64) + j for j in range(w)).reshape(w, 5).sum(0)
+    return {"z": _d(z, want), "da": _d(a.grad, g[:2]), "db": _d(b.grad, g[2:])}
+
+
+def seam_async_broadcast_then_shard_ring() -> dict[str, float]:
+    """Rank 0 holds the batch and broadcasts it asynchronously; every rank shards the
+    AsyncTensor (zigzag) and runs causal ring attention."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    q, k, v, _ = _qkv(1, 2, 4 * w, 4)
+    qkv = torch.stack([q, k, v])
+    full = dc.broadcast(qkv if r == 0 else torch.zeros_like(qkv), src=0, async_op=True)
+    ql, kl, vl = (parallel.shard(full[i], layout="zigzag") for i in range(3))
+    out = parallel.unshard(parallel.ring_attention(ql, kl, vl, causal=True))
+    return {"out": _d(out, _sdpa(q, k, v, causal=True))}
+
+
+def seam_async_counts_then_spmd_check() -> dict[str, float]:
+    """A pending asynchronous all_gather of token counts (one int64 per rank) when a
+    dc.spmd_check block is entered, rank 0 a little late (docs/async.md: launch order is
+    issue order; a blocking op queues behind pending ones)."""
+    import time
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    if r == 0:
+        time.sleep(0.5)
+    big = dc.all_reduce(torch.full((200, 50), float(r + 1), dtype=F64), async_op=True)
+    counts = dc.all_gather(torch.tensor([10 * (r + 1)]), async_op=True)
+    if r == 0:
+        time.sleep(0.5)
+    with dc.spmd_check():
+        y = dc.all_gather(dc.spmd.varying(torch.full((2,), float(r), dtype=F64)))
+    want = torch.tensor([10 * (j + 1) for j in range(w)])
+    return {
+        "counts": _d(counts, want),
+        "big": _d(big, torch.full((200, 50), w * (w + 1) / 2, dtype=F64)),
+        "y": _d(y, torch.arange(float(w), dtype=F64).repeat_interleave(2)),
+    }
+
+
+def seam_cp_rope_positions_sharded() -> dict[str, float]:
+    """Rotary embeddings from position ids sharded with the sequence (zigzag), causal ring
+    attention; against SDPA over the whole sequence."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    s, d = 8 * w, 4
+    q, k, v, cot = _qkv(1, 2, s, d, seed=3)
+    pos = torch.arange(s)
+
+    def rope(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        ang = p.to(F64)[:, None] / (10000 ** (torch.arange(0, d, 2, dtype=F64) / d))[None]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * ang.cos() - x2 * ang.sin(), x1 * ang.sin() + x2 * ang.cos()], -1).flatten(-2)
+
+    ql, kl, vl = (parallel.shard(t, layout="zigzag").requires_grad_() for t in (q, k, v))
+    pl = parallel.shard(pos, dim=0, layout="zigzag")
+    out = parallel.ring_attention(rope(ql, pl), rope(kl, pl), vl, causal=True, layout="zigzag")
+    (out * parallel.shard(cot, layout="zigzag")).sum().backward()
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(rope(qf, pos), rope(kf, pos), vf, is_causal=True)
+    (ref * cot).sum().backward()
+    idx = _idx(s, w, r, "zigzag")
+    assert qf.grad is not None and kf.grad is not None and vf.grad is not None
+    return {
+        "out": _d(parallel.unshard(out, layout="zigzag"), ref),
+        "dq": _d(ql.grad, qf.grad[:, :, idx]),
+        "dk": _d(kl.grad, kf.grad[:, :, idx]),
+        "dv": _d(vl.grad, vf.grad[:, :, idx]),
+    }
+
+
+def seam_cp_dropout_seed_per_rank() -> dict[str, float]:
+    """Ring attention with dropout and a different dropout_seed on every rank: each rank's
+    rows take its own seed's mask (the mask is a hash of global coordinates), forward and
+    backward; against attention_reference with each rank's seed for its rows."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    s = 4 * w
+    q, k, v, cot = _qkv(1, 2, s, 4, seed=3)
+    seeds = [11 + 7 * j for j in range(w)]
+    ql, kl, vl = (parallel.shard(t, layout="zigzag").requires_grad_() for t in (q, k, v))
+    out = parallel.ring_attention(ql, kl, vl, causal=True, dropout_p=0.4, dropout_seed=seeds[r])
+    (out * parallel.shard(cot, layout="zigzag")).sum().backward()
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    refs = [
+        parallel.attention_reference(qf, kf, vf, causal=True, dropout_p=0.4, dropout_seed=seeds[j])[
+            :, :, _idx(s, w, j, "zigzag")
+        ]
+        for j in range(w)
+    ]
+    sum((ref * cot[:, :, _idx(s, w, j, "zigzag")]).sum() for j, ref in enumerate(refs)).backward()
+    idx = _idx(s, w, r, "zigzag")
+    assert qf.grad is not None and kf.grad is not None and vf.grad is not None
+    return {
+        "out": _d(out, refs[r]),
+        "dq": _d(ql.grad, qf.grad[:, :, idx]),
+        "dk": _d(kl.grad, kf.grad[:, :, idx]),
+        "dv": _d(vl.grad, vf.grad[:, :, idx]),
+    }
+
+
+def seam_cp_dropout_seed_from_forked_stream() -> dict[str, float]:
+    """dropout_seed=None inside rng's model-parallel stream (a different seed on every
+    rank), debug mode on."""
+    from diffcomm import rng
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    rng.model_parallel_seed(1234, tp_rank=r)
+    q, k, v, _ = _qkv(1, 2, 4 * w, 4)
+    ql, kl, vl = (parallel.shard(t) for t in (q, k, v))
+    with dc.debug(True), rng.get_tracker().fork():
+        parallel.ring_attention(ql, kl, vl, dropout_p=0.5)
+    return {}
+
+
+def seam_cp_checkpointed_ring_dropout() -> dict[str, float]:
+    """rng.checkpoint around ring attention with dropout, the seed drawn from the default
+    generator inside the checkpointed function: the recomputation gives the forward's
+    gradients."""
+    from diffcomm import rng
+
+    q, k, v, cot = _qkv(1, 2, 4 * dc.get_world_size(), 4, seed=3)
+
+    def run(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(5)
+        ql, kl, vl = (parallel.shard(t).requires_grad_() for t in (q, k, v))
+
+        def attend(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            return parallel.ring_attention(a * 1, b * 1, c * 1, dropout_p=0.3)
+
+        out = rng.checkpoint(attend, ql, kl, vl) if checkpointed else attend(ql, kl, vl)
+        (out * parallel.shard(cot)).sum().backward()
+        assert ql.grad is not None and kl.grad is not None and vl.grad is not None
+        return [out, ql.grad, kl.grad, vl.grad]
+
+    return {n: _d(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), run(True), run(False))}
+
+
+def _tp_under_check(reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+    """A column -> row TP MLP by hand, its leaving reduction given, in dc.spmd_check."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    x = torch.randn(3, 4, dtype=F64, generator=_gen(1))
+    w1 = torch.randn(2 * w, 4, dtype=F64, generator=_gen(2))[2 * r : 2 * r + 2].requires_grad_()
+    w2 = torch.randn(4, 2 * w, dtype=F64, generator=_gen(3))[:, 2 * r : 2 * r + 2].clone().requires_grad_()
+    with dc.spmd_check(varying=[w1, w2]):
+        h = torch.tanh(parallel.copy_to_region(x) @ w1.T)
+        reduce(h @ w2.T).pow(2).mean().backward()
+    return {"unreachable": float("inf")}  # the check raises at the backward
+
+
+def seam_check_quantized_all_reduce_under_replicated_objective() -> dict[str, float]:
+    """dc.all_reduce(precision=...) where reduce_from_region belongs (Megatron's 2x),
+    inside the check."""
+    return _tp_under_check(lambda p: dc.all_reduce(p, precision=dc.Precision(None)))
+
+
+def seam_check_async_all_reduce_under_replicated_objective() -> dict[str, float]:
+    """dc.all_reduce(async_op=True) where reduce_from_region belongs, inside the check."""
+    return _tp_under_check(lambda p: dc.all_reduce(p, async_op=True))
+
+
+def _dp_async_under_check(forget_biases: bool) -> dict[str, float]:
+    w = dc.get_world_size()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2, dtype=F64)
+    ser = torch.nn.Linear(3, 2, dtype=F64)
+    ser.load_state_dict(lin.state_dict())
+    xs = torch.randn(2 * w, 3, dtype=F64, generator=_gen(2))
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    with dc.spmd_check():
+        rr = dc.get_rank()
+        lin(xs[2 * rr : 2 * rr + 2]).pow(2).mean().backward()
+        for p in lin.parameters():
+            if not (forget_biases and p.dim() == 1):
+                p.grad = dc.all_reduce(p.grad, op="avg", async_op=True)  # type: ignore[arg-type]
+        opt.step()
+    ser(xs).pow(2).mean().backward()
+    torch.optim.SGD(ser.parameters(), lr=0.5).step()
+    return {n: _d(p, q) for (n, p), q in zip(lin.named_parameters(), ser.parameters())}
+
+
+def seam_check_dp_async_averaged_grads() -> dict[str, float]:
+    """Data parallel in the check, gradients averaged asynchronously before the step."""
+    return _dp_async_under_check(forget_biases=False)
+
+
+def seam_check_dp_async_biases_forgotten() -> dict[str, float]:
+    """The same with the biases' gradients left per rank: caught before the step."""
+    return _dp_async_under_check(forget_biases=True)
+
+
+def seam_check_moe_async_dispatch_router_not_summed() -> dict[str, float]:
+    """Manual MoE (route, dispatch(async_op=True), combine) in the check, the router's
+    gradient not summed over the ranks."""
+    w = dc.get_world_size()
+    e, h, k = 4, 3, 2
+    router = torch.nn.Linear(h, e, bias=False, dtype=F64)
+    xs = torch.randn(3 * w, h, dtype=F64, generator=_gen(5))
+    with dc.spmd_check():
+        rr = dc.get_rank()
+        x = xs[3 * rr : 3 * rr + 3]
+        gate, idx, _ = parallel.route(router(x), k)
+        rows, plan = parallel.dispatch(x, idx, e, async_op=True)
+        outs = torch.cat(
+            [torch.tanh(part) * (i + 1) for i, part in enumerate(rows.split(plan.expert_splits))]
+        )
+        parallel.combine(outs, gate, plan).pow(2).sum().backward()
+    return {"unreachable": float("inf")}
+
+
+SEAM_PROGRAMS: dict[str, Program] = {
+    "precision_all_gather_bf16_fp16_backward": Program(seam_precision_all_gather_bf16_fp16_backward),
+    "precision_all_gather_bf16_fp16_backward_w3": Program(
+        seam_precision_all_gather_bf16_fp16_backward, world=3
+    ),
+    "precision_wire_none_uneven_avg_reduce_scatter_w3": Program(
+        seam_precision_wire_none_uneven_avg_reduce_scatter, world=3
+    ),
+    "precision_row_parallel_reduce_bf16_backward": Program(seam_precision_row_parallel_reduce_bf16_backward),
+    "precision_as_a_string": Program(
+        seam_precision_as_a_string, error=(TypeError, r"precision must be a diffcomm\.Precision")
+    ),
+    "precision_with_async_op": Program(
+        seam_precision_with_async_op, error=(ValueError, r"async_op=True with precision=")
+    ),
+    "precision_moe_empty_rank_w3": Program(seam_precision_moe_empty_rank, world=3),
+    "async_gather_into_reduce_scatter": Program(seam_async_gather_into_reduce_scatter),
+    "async_averaged_grads_into_sgd_w3": Program(seam_async_averaged_grads_into_sgd, world=3),
+    "async_result_changed_in_place": Program(seam_async_result_changed_in_place),
+    "async_coalesced_into_async_all_gather": Program(seam_async_coalesced_into_async_all_gather),
+    "async_broadcast_then_shard_ring": Program(seam_async_broadcast_then_shard_ring),
+    "async_counts_then_spmd_check": Program(seam_async_counts_then_spmd_check),
+    "cp_rope_positions_sharded": Program(seam_cp_rope_positions_sharded),
+    "cp_dropout_seed_per_rank_w3": Program(seam_cp_dropout_seed_per_rank, world=3),
+    "cp_dropout_seed_from_forked_stream": Program(
+        seam_cp_dropout_seed_from_forked_stream, error=(ValueError, r"dropout_seed differs")
+    ),
+    "cp_checkpointed_ring_dropout": Program(seam_cp_checkpointed_ring_dropout),
+    "check_quantized_all_reduce_under_replicated_objective": Program(
+        seam_check_quantized_all_reduce_under_replicated_objective,
+        error=(TypeError, r"the loss is replicated.*all_reduce"),
+    ),
+    "check_async_all_reduce_under_replicated_objective": Program(
+        seam_check_async_all_reduce_under_replicated_objective,
+        error=(TypeError, r"the loss is replicated.*all_reduce"),
+    ),
+    "check_dp_async_averaged_grads": Program(seam_check_dp_async_averaged_grads),
+    "check_dp_async_biases_forgotten": Program(
+        seam_check_dp_async_biases_forgotten,
+        error=(TypeError, r"Linear\.bias is replicated, but its gradient is partial"),
+    ),
+    "check_moe_async_dispatch_router_not_summed": Program(
+        seam_check_moe_async_dispatch_router_not_summed,
+        error=(TypeError, r"Linear\.weight is replicated, but its gradient is partial"),
+    ),
+}
+
+
 # ------------------------------------------------------------------ the test
 
 
 def _cases() -> list[Any]:
     cases = []
-    for area, table in (("cp", CP_PROGRAMS), ("moe", MOE_PROGRAMS)):
+    for area, table in (("cp", CP_PROGRAMS), ("moe", MOE_PROGRAMS), ("seam", SEAM_PROGRAMS)):
         for name, prog in table.items():
             marks = list(prog.marks)
             if prog.finding is not None:
@@ -1580,7 +2010,16 @@ def _cases() -> list[Any]:
 def test_user_program(prog: Program, local_worlds: Callable[..., Any]) -> None:
     """The program ends right (every value and gradient equals the float64 serial
     reference of the whole SPMD program) or in the documented error naming the argument."""
-    results = local_worlds(prog.world).run(_guarded, prog.fn)
+    _assert_ends_as_expected(prog, local_worlds(prog.world).run(_guarded, prog.fn))
+
+
+@pytest.mark.parametrize("prog", [pytest.param(p, id=n) for n, p in SEAM_PROGRAMS.items()])
+def test_seam_program_in_process(prog: Program, local_worlds: Callable[..., Any]) -> None:
+    """All ranks in one process (docs/in_process.md): the same ending as on processes."""
+    _assert_ends_as_expected(prog, local_worlds(prog.world, in_process=True).run(_guarded, prog.fn))
+
+
+def _assert_ends_as_expected(prog: Program, results: list[tuple[str, Any, str]]) -> None:
     for rank, (kind, value, msg) in enumerate(results):
         if prog.error is None:
             assert kind == "ok", f"rank {rank} raised {value[0]}: {msg}"

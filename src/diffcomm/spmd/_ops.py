@@ -323,27 +323,28 @@ def _is_zero(x: Any) -> bool:
 
 def _default_rng_differs(pg: Any) -> bool:
     """Whether the default CPU generator's state differs between the ranks of ``pg`` (one
-    raw all_gather of an 8-byte digest of it, when the check is entered): evidence, in the
+    small exchange of an 8-byte digest of it, when the check is entered): evidence, in the
     process, of how it was seeded. Equal states (``torch.manual_seed(0)`` on every rank,
     :func:`diffcomm.rng.model_parallel_seed`) draw alike (replicated); different states
     (unseeded processes, a per-rank seed) draw per-rank values (varying). Without an
-    initialised torch.distributed (the in-process backend: one generator for all ranks)
-    the check keeps its assumption, seeded alike."""
+    initialised torch.distributed the check keeps its assumption, seeded alike.
+
+    The exchange goes through the backend adapter, as every communication diffcomm runs:
+    queued behind the asynchronous ops still pending (a raw ``dist.all_gather`` overtook
+    them, so a pending ``dc.all_gather(counts, async_op=True)`` of one int64 paired with
+    the digest's on another rank and returned it as a count, silently), bounded by
+    ``DIFFCOMM_TIMEOUT`` and recorded by the flight recorder."""
     import hashlib
 
     import torch.distributed as dist
 
+    from ..backend import get_backend
+
     if not dist.is_available() or not dist.is_initialized():
         return False
     group = pg if pg is not None else dist.group.WORLD
-    n = dist.get_world_size(group)
-    if n <= 1:
+    if dist.get_world_size(group) <= 1:
         return False
     digest = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8).digest()
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(every, mine, group=group)
-    return any(not torch.equal(t, mine) for t in every)
+    mine = int.from_bytes(digest, "little", signed=True)
+    return any(d != mine for d in get_backend().exchange_sizes(mine, group))
