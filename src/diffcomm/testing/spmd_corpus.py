@@ -1,18 +1,21 @@
 """The planted-bug corpus of ``dc.spmd_check``: small SPMD programs, each with one classic
 parallel-gradient bug, and the same program fixed.
 
-Each entry is data — ``Bug(name, kind, program, names)`` — and each program takes
-``fixed`` (``False``: the bug, ``True``: the fix) and runs on every rank of a world of any
-size >= 2 (the tests run them under ``LocalWorld``; ``docs/spmd_types.md`` shows them).
-The check must raise :class:`~diffcomm.SPMDTypeError` at the first wrong op, with a message
-containing every string of ``names``; the fixed program must pass. :func:`run` returns
-what happened on this rank (``None``, or the error's class name and message).
+Each entry is a program with its facts stated right above it, ``@_bug(name, kind,
+*names)``, which adds ``Bug(name, kind, program, names)`` to :data:`BUGS` (in the file's
+order). Each program takes ``fixed`` (``False``: the bug, ``True``: the fix) and runs on
+every rank of a world of any size >= 2 (the tests run them under ``LocalWorld``;
+``docs/spmd_types.md`` shows them). The check must raise
+:class:`~diffcomm.SPMDTypeError` at the first wrong op, with a message containing every
+string of ``names``; the fixed program must pass. :func:`run` returns what happened on
+this rank (``None``, or the error's class name and message).
 """
 
 from __future__ import annotations
 
-# Size: ~815 lines, over the ~600 guideline: a table of small programs (data, one
-# function per bug), read in order by the docs and the tests; nothing in it is logic to split.
+# Size: ~1000 lines, over the ~600 guideline: a table of small programs (one function per
+# bug, its facts in the @_bug line above it), read in order by the docs and the tests;
+# nothing in it is logic to split.
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +43,21 @@ class Bug:
     kind: str
     program: Callable[[bool], None]
     names: tuple[str, ...]
+
+
+#: the corpus, in the file's order: each entry is added by :func:`_bug` above its program
+BUGS: list[Bug] = []
+
+
+def _bug(name: str, kind: str, *names: str) -> Callable[[Callable[[bool], None]], Callable[[bool], None]]:
+    """Add the program below to :data:`BUGS` as the bug ``name`` of class ``kind``; the
+    check's error message must contain every string of ``names``."""
+
+    def add(program: Callable[[bool], None]) -> Callable[[bool], None]:
+        BUGS.append(Bug(name, kind, program, names))
+        return program
+
+    return add
 
 
 def _x(*shape: int, grad: bool = False) -> torch.Tensor:
@@ -97,6 +115,12 @@ def _partial_sums(reduced: bool = False) -> torch.Tensor:
 # ======================================================================================
 
 
+@_bug(
+    "all_reduce under a replicated objective",
+    "all_reduce with the wrong backward under a replicated objective",
+    "all_reduce",
+    "reduce_from_region",
+)
 def all_reduce_under_replicated_objective(fixed: bool) -> None:
     """A row-parallel output reduced with the sum-convention all_reduce, then a replicated
     loss: its backward all-reduces the gradient again (world-size times too large)."""
@@ -106,6 +130,12 @@ def all_reduce_under_replicated_objective(fixed: bool) -> None:
     y.pow(2).mean().backward()
 
 
+@_bug(
+    "all_gather under a replicated objective",
+    "sum-convention all_gather under a replicated objective",
+    "all_gather",
+    "gather_from_region",
+)
 def all_gather_under_replicated_objective(fixed: bool) -> None:
     """A shard gathered with the sum-convention all_gather feeding a replicated loss."""
     x = dc.spmd.varying(_shard(3, H)) @ _w(H, H)
@@ -113,6 +143,12 @@ def all_gather_under_replicated_objective(fixed: bool) -> None:
     y.pow(2).mean().backward()
 
 
+@_bug(
+    "all_gather_from_sequence into a replicated loss",
+    "sum-convention all_gather under a replicated objective",
+    "all_gather_from_sequence",
+    "gather_from_sequence",
+)
 def all_gather_from_sequence_under_replicated_objective(fixed: bool) -> None:
     """Sequence shards gathered with all_gather_from_sequence (its backward
     reduce-scatters: sums over ranks) straight into a replicated loss."""
@@ -121,6 +157,7 @@ def all_gather_from_sequence_under_replicated_objective(fixed: bool) -> None:
     y.pow(2).mean().backward()
 
 
+@_bug("broadcast under a replicated objective", "sum-convention op under a replicated objective", "broadcast")
 def broadcast_under_replicated_objective(fixed: bool) -> None:
     """A broadcast value consumed by a replicated loss: reduce(sum) in backward counts the
     loss once per rank."""
@@ -131,6 +168,13 @@ def broadcast_under_replicated_objective(fixed: bool) -> None:
     loss.backward()
 
 
+@_bug(
+    "missing copy_to_region",
+    "missing copy_to_region before a column-parallel matmul",
+    "LayerNorm.weight",
+    "linear",
+    "copy_to_region",
+)
 def missing_copy_to_region(fixed: bool) -> None:
     """A replicated activation (after a replicated LayerNorm) enters a column-parallel
     matmul without copy_to_region: the LayerNorm's gradient stays partial."""
@@ -140,6 +184,13 @@ def missing_copy_to_region(fixed: bool) -> None:
     _mlp_by_hand(h).pow(2).mean().backward()
 
 
+@_bug(
+    "sequence-parallel LayerNorm not reduced",
+    "sequence-parallel LayerNorm weights not reduced",
+    "LayerNorm.weight",
+    "layer_norm",
+    "missing reduction",
+)
 def sequence_parallel_layernorm_not_reduced(fixed: bool) -> None:
     """A plain LayerNorm on sequence shards: each rank's weight gradient is a partial sum
     that nobody reduces (SequenceParallelLayerNorm reduces it)."""
@@ -149,6 +200,12 @@ def sequence_parallel_layernorm_not_reduced(fixed: bool) -> None:
     ln(dc.spmd.varying(_shard(2, H))).pow(2).sum().backward()
 
 
+@_bug(
+    "shared embedding/output weight not reduced",
+    "shared embedding/output weight gradients not reduced",
+    "parameter",
+    "missing reduction",
+)
 def shared_embedding_not_reduced(fixed: bool) -> None:
     """A weight shared by an embedding (rank 0) and an output projection (the last rank),
     as between the first and the last pipeline stage: its gradient must be summed."""
@@ -162,6 +219,7 @@ def shared_embedding_not_reduced(fixed: bool) -> None:
         w.grad = dc.all_reduce(w.grad)
 
 
+@_bug("reduce_from_region twice", "reduction done twice", "reduce_from_region", "twice")
 def reduction_done_twice(fixed: bool) -> None:
     """A row-parallel layer's output (already reduced inside the layer) reduced again."""
     row = _row()
@@ -171,6 +229,7 @@ def reduction_done_twice(fixed: bool) -> None:
     y.pow(2).mean().backward()
 
 
+@_bug("all_reduce after a row-parallel layer", "reduction done twice", "all_reduce", "twice")
 def all_reduce_after_row_parallel(fixed: bool) -> None:
     """dc.all_reduce on a RowParallelLinear's (already replicated) output."""
     y = _row()(dc.spmd.varying(_shard(3, _fs())))
@@ -179,11 +238,13 @@ def all_reduce_after_row_parallel(fixed: bool) -> None:
     y.pow(2).mean().backward()
 
 
+@_bug("partial into GELU", "partial into nonlinearity", "gelu", "partial")
 def partial_into_nonlinearity(fixed: bool) -> None:
     """A row-parallel matmul's partial sums fed to GELU before their reduction."""
     F.gelu(_partial_sums(reduced=fixed)).pow(2).mean().backward()
 
 
+@_bug("bias added before the reduction", "partial + replicated", "linear", "bias")
 def bias_before_reduction(fixed: bool) -> None:
     """The bias added inside the row-parallel matmul: added once per rank."""
     row = _row()
@@ -195,6 +256,7 @@ def bias_before_reduction(fixed: bool) -> None:
     y.pow(2).mean().backward()
 
 
+@_bug("residual added to a partial sum", "partial + replicated", "add", "partial")
 def partial_plus_replicated_residual(fixed: bool) -> None:
     """The residual added to the partial output before the reduction."""
     x, p = _x(3, H, grad=True), _partial_sums()
@@ -202,12 +264,14 @@ def partial_plus_replicated_residual(fixed: bool) -> None:
     y.pow(2).mean().backward()
 
 
+@_bug("partial times partial", "partial into nonlinearity", "mul", "partial")
 def partial_times_partial(fixed: bool) -> None:
     """The product of two partial sums is not the partial sum of the product."""
     p = _partial_sums(reduced=fixed)
     (p * p).sum()
 
 
+@_bug("replicated term added to a partial loss", "partial + replicated", "add", "partial")
 def replicated_term_added_to_partial_loss(fixed: bool) -> None:
     """A loss linear in a row-parallel matmul's partial output is itself partial (right: the
     sum of the ranks' shares is the loss), but a replicated regularizer added to it is
@@ -218,6 +282,13 @@ def replicated_term_added_to_partial_loss(fixed: bool) -> None:
     (loss + x.pow(2).sum()).backward()
 
 
+@_bug(
+    "gradient accumulation reduced every micro-batch",
+    "a reduction of a gradient that already holds reduced parts",
+    "all_reduce",
+    "already holds a reduced gradient",
+    "after the last micro-batch",
+)
 def grad_accumulation_reduced_every_micro_batch(fixed: bool) -> None:
     """Data parallel with gradient accumulation: the gradients summed over ranks after every
     micro-batch's backward: the second backward accumulates onto the already reduced first
@@ -231,6 +302,12 @@ def grad_accumulation_reduced_every_micro_batch(fixed: bool) -> None:
             p.grad = dc.all_reduce(_grad(p), op="avg") if fixed else dc.all_reduce(_grad(p))
 
 
+@_bug(
+    "input gradient without copy_to_region",
+    "missing copy_to_region before a column-parallel matmul (input gradient)",
+    "backward",
+    "insert parallel.copy_to_region before the linear at spmd_corpus.py:",
+)
 def input_gradient_without_copy_to_region(fixed: bool) -> None:
     """The column->row MLP on an input that requires grad, with no replicated parameter
     upstream: without copy_to_region only the input's gradient is wrong (each rank's share,
@@ -240,6 +317,12 @@ def input_gradient_without_copy_to_region(fixed: bool) -> None:
     _mlp_by_hand(h).pow(2).mean().backward()
 
 
+@_bug(
+    "missing copy_to_region before an optimizer step",
+    "missing copy_to_region before a column-parallel matmul",
+    "LayerNorm.weight",
+    "insert parallel.copy_to_region before the linear at spmd_corpus.py:",
+)
 def missing_copy_to_region_before_optimizer_step(fixed: bool) -> None:
     """A LayerNorm upstream of a column-parallel matmul without copy_to_region, and an
     optimizer step inside the block: caught before the step applies the partial gradient."""
@@ -252,6 +335,13 @@ def missing_copy_to_region_before_optimizer_step(fixed: bool) -> None:
     opt.step()
 
 
+@_bug(
+    "sequence-parallel LayerNorm gradients averaged",
+    "sequence-parallel LayerNorm weights reduced wrongly",
+    "all_reduce(op='avg')",
+    "world-size times too small",
+    "op='sum'",
+)
 def sequence_parallel_layernorm_grads_averaged(fixed: bool) -> None:
     """A plain LayerNorm on sequence shards under a replicated objective, its weight
     gradients reduced by hand with op="avg": the sum over ranks is the gradient, the
@@ -263,6 +353,13 @@ def sequence_parallel_layernorm_grads_averaged(fixed: bool) -> None:
         p.grad = dc.all_reduce(_grad(p), op="sum" if fixed else "avg")
 
 
+@_bug(
+    "clipping norm with the replicated parameters' squares all-reduced",
+    "duplicated-parameter gradient norm",
+    "all_reduce",
+    "replicated term",
+    "world-size times",
+)
 def clip_norm_all_reduces_replicated_squares(fixed: bool) -> None:
     """A clipping norm that all-reduces the squares of every gradient, the replicated
     parameters' too: those are counted world-size times (the duplicated-parameter norm)."""
@@ -282,6 +379,13 @@ def clip_norm_all_reduces_replicated_squares(fixed: bool) -> None:
             p.grad.mul_(coef)
 
 
+@_bug(
+    "rank-sliced data to ColumnParallelLinear",
+    "varying tensor where a layer expects replicated input",
+    "ColumnParallelLinear",
+    "`x` is varying",
+    "computed from the rank",
+)
 def rank_sliced_data_to_column_parallel(fixed: bool) -> None:
     """Data sliced by the rank (this rank's rows of a batch) passed to a
     ColumnParallelLinear, which expects the whole (replicated) input."""
@@ -291,6 +395,7 @@ def rank_sliced_data_to_column_parallel(fixed: bool) -> None:
     _row()(F.gelu(_col()(x))).pow(2).mean().backward()
 
 
+@_bug("copy_to_region twice", "copy_to_region applied twice", "copy_to_region")
 def copy_to_region_twice(fixed: bool) -> None:
     """copy_to_region applied twice: the gradient is all-reduced twice."""
     x = _x(3, H, grad=True)
@@ -301,6 +406,12 @@ def copy_to_region_twice(fixed: bool) -> None:
     par.reduce_from_region(F.linear(F.linear(h, col.weight, col.bias), _row().weight)).sum().backward()
 
 
+@_bug(
+    "copy_to_region of a varying tensor",
+    "varying tensor where replicated is expected",
+    "copy_to_region",
+    "`x` is varying",
+)
 def copy_to_region_of_varying(fixed: bool) -> None:
     """copy_to_region of per-rank data (its backward would sum different gradients)."""
     x = dc.spmd.varying(_shard(3, H).requires_grad_())
@@ -308,6 +419,13 @@ def copy_to_region_of_varying(fixed: bool) -> None:
     (h * _w(H)).sum().backward()
 
 
+@_bug(
+    "reduce_scatter whose gradient is expected replicated",
+    "reduce-scatter whose gradient is expected replicated",
+    "mul",
+    "reduce_scatter",
+    "reduce_from_region",
+)
 def reduce_scatter_gradient_expected_replicated(fixed: bool) -> None:
     """A reduce-scatter's (varying) output scaled by a replicated-objective value: that
     value's gradient is expected replicated but arrives different on every rank."""
@@ -319,6 +437,7 @@ def reduce_scatter_gradient_expected_replicated(fixed: bool) -> None:
     (y * scale).sum().backward()
 
 
+@_bug("reduce_scatter of a replicated tensor", "reduction done twice", "reduce_scatter", "twice")
 def reduce_scatter_of_replicated(fixed: bool) -> None:
     """reduce_scatter of a replicated tensor: the reduction sums world copies."""
     x = _x(4 * dc.get_world_size(), H)
@@ -326,18 +445,37 @@ def reduce_scatter_of_replicated(fixed: bool) -> None:
     y.sum()
 
 
+@_bug(
+    "varying input to ColumnParallelLinear",
+    "varying tensor where a layer expects replicated input",
+    "ColumnParallelLinear",
+    "`x` is varying",
+    "expected replicated",
+)
 def varying_input_to_column_parallel(fixed: bool) -> None:
     """Per-rank data passed to a ColumnParallelLinear that expects a replicated input."""
     x = _x(3, H) if fixed else dc.spmd.varying(_shard(3, H))
     _row()(F.gelu(_col()(x))).pow(2).mean().backward()
 
 
+@_bug(
+    "replicated input to RowParallelLinear(input_is_parallel)",
+    "replicated tensor where a layer expects a shard",
+    "RowParallelLinear",
+    "expected varying",
+)
 def replicated_input_to_row_parallel(fixed: bool) -> None:
     """A whole (replicated) input passed to RowParallelLinear(input_is_parallel=True)."""
     x = dc.spmd.varying(_shard(3, _fs())) if fixed else _x(3, _fs())
     _row()(x).pow(2).mean().backward()
 
 
+@_bug(
+    "replicated input to SequenceParallelLayerNorm",
+    "sequence-parallel LayerNorm weights reduced wrongly",
+    "SequenceParallelLayerNorm",
+    "expected varying",
+)
 def replicated_input_to_sequence_parallel_layernorm(fixed: bool) -> None:
     """A replicated tensor fed to SequenceParallelLayerNorm: its weight gradient (summed
     over ranks) would be world-size times too large."""
@@ -345,6 +483,12 @@ def replicated_input_to_sequence_parallel_layernorm(fixed: bool) -> None:
     par.SequenceParallelLayerNorm(H, dtype=torch.float64)(x).pow(2).sum().backward()
 
 
+@_bug(
+    "per-rank dropout on a replicated activation",
+    "varying randomness on a replicated-objective value",
+    "dropout",
+    "replicated",
+)
 def per_rank_dropout_on_replicated(fixed: bool) -> None:
     """Dropout on the model-parallel (per-rank) RNG stream applied to a replicated
     activation: the masks differ by rank, so the replicated-objective gradient is wrong."""
@@ -358,6 +502,7 @@ def per_rank_dropout_on_replicated(fixed: bool) -> None:
     y.pow(2).mean().backward()
 
 
+@_bug("all_reduce(max) of partial sums", "partial into nonlinearity", "all_reduce", "max/min/product")
 def max_of_partial(fixed: bool) -> None:
     """all_reduce(max) of partial sums: the max of the shares is not the max of the sum."""
     p = F.linear(dc.spmd.varying(_shard(3, _fs())), _row().weight)
@@ -368,6 +513,12 @@ def max_of_partial(fixed: bool) -> None:
         dc.all_reduce(p, "max")
 
 
+@_bug(
+    "vocab-parallel cross entropy on whole logits",
+    "replicated tensor where a shard is expected",
+    "vocab",
+    "`logits` is replicated",
+)
 def vocab_parallel_cross_entropy_on_whole_logits(fixed: bool) -> None:
     """vocab_parallel_cross_entropy given the whole (replicated) logits, not the shard."""
     w = dc.get_world_size()
@@ -375,12 +526,24 @@ def vocab_parallel_cross_entropy_on_whole_logits(fixed: bool) -> None:
     par.vocab_parallel_cross_entropy(logits.requires_grad_(), torch.tensor([0, 1, 2]))
 
 
+@_bug(
+    "gather_from_region of a replicated tensor",
+    "replicated tensor where a shard is expected",
+    "gather_from_region",
+    "`x` is replicated",
+)
 def gather_from_region_of_replicated(fixed: bool) -> None:
     """gather_from_region of a value that is already whole on every rank."""
     x = dc.spmd.varying(_shard(3, H)) if fixed else _x(3, H)
     par.gather_from_region(x, dim=-1)
 
 
+@_bug(
+    "gradient clipping with a per-rank norm",
+    "replicated parameter whose gradient is not replicated",
+    "RowParallelLinear.bias",
+    "varies by rank",
+)
 def clip_grad_norm_without_all_reduce(fixed: bool) -> None:
     """Gradient clipping with the norm of this rank's gradient shards only: the clipping
     factor differs by rank, so the replicated parameters' replicas drift apart."""
@@ -402,6 +565,13 @@ def clip_grad_norm_without_all_reduce(fixed: bool) -> None:
         g.mul_(coef)
 
 
+@_bug(
+    "clipping norm of the stacked per-tensor norms",
+    "duplicated-parameter gradient norm",
+    "all_reduce",
+    "replicated term",
+    "world-size times",
+)
 def clip_norm_of_stacked_norms(fixed: bool) -> None:
     """torch's clipping recipe (the norm of the stacked per-tensor norms) with every
     squared norm all-reduced, the replicated fc2.bias's too: counted world-size times (the
@@ -419,6 +589,12 @@ def clip_norm_of_stacked_norms(fixed: bool) -> None:
         g.mul_(coef)
 
 
+@_bug(
+    "sharded gradient reduced over its own group",
+    "a varying parameter's gradient reduced over the group it varies on",
+    "ColumnParallelLinear.weight is varying",
+    "reduced over the group it varies on",
+)
 def sharded_gradient_reduced_over_its_group(fixed: bool) -> None:
     """The gradient of a tensor-parallel (sharded) weight averaged over the tensor-parallel
     group, as if it were the data-parallel one: it mixes the ranks' different shards."""
@@ -428,6 +604,12 @@ def sharded_gradient_reduced_over_its_group(fixed: bool) -> None:
         mlp.fc1.weight.grad = dc.all_reduce(_grad(mlp.fc1.weight), op="avg")
 
 
+@_bug(
+    "torch.distributed.all_reduce every micro-batch",
+    "a reduction of a gradient that already holds reduced parts",
+    "torch.distributed.all_reduce",
+    "already holds a reduced gradient",
+)
 def raw_all_reduce_every_micro_batch(fixed: bool) -> None:
     """Gradient accumulation with ``torch.distributed.all_reduce(p.grad)`` (in place, not
     diffcomm's) after every micro-batch: W*G1 + G2; averaging every micro-batch is right."""
@@ -440,6 +622,12 @@ def raw_all_reduce_every_micro_batch(fixed: bool) -> None:
             dist.all_reduce(_grad(p), op=dist.ReduceOp.AVG if fixed else dist.ReduceOp.SUM)
 
 
+@_bug(
+    "all_gather of draws on a generator seeded alike, under a replicated objective",
+    "sum-convention all_gather under a replicated objective",
+    "all_gather",
+    "gather_from_region",
+)
 def all_gather_of_draws_seeded_alike(fixed: bool) -> None:
     """Data drawn on the default generator seeded alike inside the block
     (``torch.manual_seed(0)`` on every rank) and on a ``torch.Generator`` seeded with a
@@ -454,6 +642,13 @@ def all_gather_of_draws_seeded_alike(fixed: bool) -> None:
     y.pow(2).mean().backward()
 
 
+@_bug(
+    "all_reduce after a row-parallel layer, without a gradient",
+    "reduction done twice",
+    "all_reduce",
+    "reduce_from_region",
+    "twice",
+)
 def all_reduce_after_row_parallel_without_grad(fixed: bool) -> None:
     """dc.all_reduce on a RowParallelLinear's output in evaluation (``torch.no_grad()``):
     no gradient flows, but the value was reduced inside the layer; summed again it is
@@ -466,6 +661,13 @@ def all_reduce_after_row_parallel_without_grad(fixed: bool) -> None:
             y = dc.all_reduce(y)
 
 
+@_bug(
+    "all_reduce of a gathered norm, without a gradient",
+    "reduction done twice",
+    "all_reduce",
+    "the result of all_gather",
+    "twice",
+)
 def gathered_norm_all_reduced(fixed: bool) -> None:
     """A global norm made by gathering the ranks' squared norms and summing them (no
     gradient), then all-reduced as well: every rank's part counted world-size times."""
@@ -475,6 +677,13 @@ def gathered_norm_all_reduced(fixed: bool) -> None:
     total.sqrt()
 
 
+@_bug(
+    "replicated-objective gradient all-reduced again",
+    "reduction done twice",
+    "all_reduce",
+    "gradient of a replicated objective",
+    "twice",
+)
 def replicated_gradient_reduced_again(fixed: bool) -> None:
     """A replicated parameter's gradient under a replicated objective (a RowParallelLinear's
     bias: whole on every rank, no gradient flows through its reduction) all-reduced over the
@@ -485,6 +694,13 @@ def replicated_gradient_reduced_again(fixed: bool) -> None:
         row.bias.grad = dc.all_reduce(_grad(row.bias))
 
 
+@_bug(
+    "all_reduce of a replicated activation that requires grad",
+    "reduction of a replicated value",
+    "all_reduce",
+    "`x` is replicated",
+    "twice",
+)
 def replicated_activation_all_reduced(fixed: bool) -> None:
     """An activation every rank computes whole (a replicated LayerNorm's output, which
     requires grad) summed over the ranks as if it were partial: world-size times too large,
@@ -495,6 +711,12 @@ def replicated_activation_all_reduced(fixed: bool) -> None:
     h.pow(2).mean().backward()
 
 
+@_bug(
+    "all_gather in torch.autograd.grad with a replicated gradient argument",
+    "sum-convention all_gather under a replicated objective",
+    "all_gather",
+    "gather_from_region",
+)
 def all_gather_with_a_replicated_cotangent(fixed: bool) -> None:
     """``torch.autograd.grad`` through a sum-convention all_gather with a gradient argument
     equal on every rank: the objective ``<y, c>`` is replicated (counted once), so the
@@ -504,236 +726,6 @@ def all_gather_with_a_replicated_cotangent(fixed: bool) -> None:
     y = par.gather_from_region(y_in, dim=-1) if fixed else dc.all_gather(y_in, dim=-1)
     c = _x(*y.shape)
     torch.autograd.grad(y, w, grad_outputs=c)
-
-
-BUGS: list[Bug] = [
-    Bug(
-        "all_reduce under a replicated objective",
-        "all_reduce with the wrong backward under a replicated objective",
-        all_reduce_under_replicated_objective,
-        ("all_reduce", "reduce_from_region"),
-    ),
-    Bug(
-        "all_gather under a replicated objective",
-        "sum-convention all_gather under a replicated objective",
-        all_gather_under_replicated_objective,
-        ("all_gather", "gather_from_region"),
-    ),
-    Bug(
-        "all_gather_from_sequence into a replicated loss",
-        "sum-convention all_gather under a replicated objective",
-        all_gather_from_sequence_under_replicated_objective,
-        ("all_gather_from_sequence", "gather_from_sequence"),
-    ),
-    Bug(
-        "broadcast under a replicated objective",
-        "sum-convention op under a replicated objective",
-        broadcast_under_replicated_objective,
-        ("broadcast",),
-    ),
-    Bug(
-        "missing copy_to_region",
-        "missing copy_to_region before a column-parallel matmul",
-        missing_copy_to_region,
-        ("LayerNorm.weight", "linear", "copy_to_region"),
-    ),
-    Bug(
-        "sequence-parallel LayerNorm not reduced",
-        "sequence-parallel LayerNorm weights not reduced",
-        sequence_parallel_layernorm_not_reduced,
-        ("LayerNorm.weight", "layer_norm", "missing reduction"),
-    ),
-    Bug(
-        "shared embedding/output weight not reduced",
-        "shared embedding/output weight gradients not reduced",
-        shared_embedding_not_reduced,
-        ("parameter", "missing reduction"),
-    ),
-    Bug(
-        "reduce_from_region twice",
-        "reduction done twice",
-        reduction_done_twice,
-        ("reduce_from_region", "twice"),
-    ),
-    Bug(
-        "all_reduce after a row-parallel layer",
-        "reduction done twice",
-        all_reduce_after_row_parallel,
-        ("all_reduce", "twice"),
-    ),
-    Bug("partial into GELU", "partial into nonlinearity", partial_into_nonlinearity, ("gelu", "partial")),
-    Bug("bias added before the reduction", "partial + replicated", bias_before_reduction, ("linear", "bias")),
-    Bug(
-        "residual added to a partial sum",
-        "partial + replicated",
-        partial_plus_replicated_residual,
-        ("add", "partial"),
-    ),
-    Bug("partial times partial", "partial into nonlinearity", partial_times_partial, ("mul", "partial")),
-    Bug(
-        "replicated term added to a partial loss",
-        "partial + replicated",
-        replicated_term_added_to_partial_loss,
-        ("add", "partial"),
-    ),
-    Bug("copy_to_region twice", "copy_to_region applied twice", copy_to_region_twice, ("copy_to_region",)),
-    Bug(
-        "copy_to_region of a varying tensor",
-        "varying tensor where replicated is expected",
-        copy_to_region_of_varying,
-        ("copy_to_region", "`x` is varying"),
-    ),
-    Bug(
-        "reduce_scatter whose gradient is expected replicated",
-        "reduce-scatter whose gradient is expected replicated",
-        reduce_scatter_gradient_expected_replicated,
-        ("mul", "reduce_scatter", "reduce_from_region"),
-    ),
-    Bug(
-        "reduce_scatter of a replicated tensor",
-        "reduction done twice",
-        reduce_scatter_of_replicated,
-        ("reduce_scatter", "twice"),
-    ),
-    Bug(
-        "varying input to ColumnParallelLinear",
-        "varying tensor where a layer expects replicated input",
-        varying_input_to_column_parallel,
-        ("ColumnParallelLinear", "`x` is varying", "expected replicated"),
-    ),
-    Bug(
-        "replicated input to RowParallelLinear(input_is_parallel)",
-        "replicated tensor where a layer expects a shard",
-        replicated_input_to_row_parallel,
-        ("RowParallelLinear", "expected varying"),
-    ),
-    Bug(
-        "replicated input to SequenceParallelLayerNorm",
-        "sequence-parallel LayerNorm weights reduced wrongly",
-        replicated_input_to_sequence_parallel_layernorm,
-        ("SequenceParallelLayerNorm", "expected varying"),
-    ),
-    Bug(
-        "per-rank dropout on a replicated activation",
-        "varying randomness on a replicated-objective value",
-        per_rank_dropout_on_replicated,
-        ("dropout", "replicated"),
-    ),
-    Bug(
-        "all_reduce(max) of partial sums",
-        "partial into nonlinearity",
-        max_of_partial,
-        ("all_reduce", "max/min/product"),
-    ),
-    Bug(
-        "vocab-parallel cross entropy on whole logits",
-        "replicated tensor where a shard is expected",
-        vocab_parallel_cross_entropy_on_whole_logits,
-        ("vocab", "`logits` is replicated"),
-    ),
-    Bug(
-        "gradient clipping with a per-rank norm",
-        "replicated parameter whose gradient is not replicated",
-        clip_grad_norm_without_all_reduce,
-        ("RowParallelLinear.bias", "varies by rank"),
-    ),
-    Bug(
-        "gather_from_region of a replicated tensor",
-        "replicated tensor where a shard is expected",
-        gather_from_region_of_replicated,
-        ("gather_from_region", "`x` is replicated"),
-    ),
-    Bug(
-        "gradient accumulation reduced every micro-batch",
-        "a reduction of a gradient that already holds reduced parts",
-        grad_accumulation_reduced_every_micro_batch,
-        ("all_reduce", "already holds a reduced gradient", "after the last micro-batch"),
-    ),
-    Bug(
-        "input gradient without copy_to_region",
-        "missing copy_to_region before a column-parallel matmul (input gradient)",
-        input_gradient_without_copy_to_region,
-        ("backward", "insert parallel.copy_to_region before the linear at spmd_corpus.py:"),
-    ),
-    Bug(
-        "missing copy_to_region before an optimizer step",
-        "missing copy_to_region before a column-parallel matmul",
-        missing_copy_to_region_before_optimizer_step,
-        ("LayerNorm.weight", "insert parallel.copy_to_region before the linear at spmd_corpus.py:"),
-    ),
-    Bug(
-        "sequence-parallel LayerNorm gradients averaged",
-        "sequence-parallel LayerNorm weights reduced wrongly",
-        sequence_parallel_layernorm_grads_averaged,
-        ("all_reduce(op='avg')", "world-size times too small", "op='sum'"),
-    ),
-    Bug(
-        "clipping norm with the replicated parameters' squares all-reduced",
-        "duplicated-parameter gradient norm",
-        clip_norm_all_reduces_replicated_squares,
-        ("all_reduce", "replicated term", "world-size times"),
-    ),
-    Bug(
-        "clipping norm of the stacked per-tensor norms",
-        "duplicated-parameter gradient norm",
-        clip_norm_of_stacked_norms,
-        ("all_reduce", "replicated term", "world-size times"),
-    ),
-    Bug(
-        "sharded gradient reduced over its own group",
-        "a varying parameter's gradient reduced over the group it varies on",
-        sharded_gradient_reduced_over_its_group,
-        ("ColumnParallelLinear.weight is varying", "reduced over the group it varies on"),
-    ),
-    Bug(
-        "torch.distributed.all_reduce every micro-batch",
-        "a reduction of a gradient that already holds reduced parts",
-        raw_all_reduce_every_micro_batch,
-        ("torch.distributed.all_reduce", "already holds a reduced gradient"),
-    ),
-    Bug(
-        "all_gather of draws on a generator seeded alike, under a replicated objective",
-        "sum-convention all_gather under a replicated objective",
-        all_gather_of_draws_seeded_alike,
-        ("all_gather", "gather_from_region"),
-    ),
-    Bug(
-        "all_gather in torch.autograd.grad with a replicated gradient argument",
-        "sum-convention all_gather under a replicated objective",
-        all_gather_with_a_replicated_cotangent,
-        ("all_gather", "gather_from_region"),
-    ),
-    Bug(
-        "all_reduce after a row-parallel layer, without a gradient",
-        "reduction done twice",
-        all_reduce_after_row_parallel_without_grad,
-        ("all_reduce", "reduce_from_region", "twice"),
-    ),
-    Bug(
-        "all_reduce of a gathered norm, without a gradient",
-        "reduction done twice",
-        gathered_norm_all_reduced,
-        ("all_reduce", "the result of all_gather", "twice"),
-    ),
-    Bug(
-        "replicated-objective gradient all-reduced again",
-        "reduction done twice",
-        replicated_gradient_reduced_again,
-        ("all_reduce", "gradient of a replicated objective", "twice"),
-    ),
-    Bug(
-        "all_reduce of a replicated activation that requires grad",
-        "reduction of a replicated value",
-        replicated_activation_all_reduced,
-        ("all_reduce", "`x` is replicated", "twice"),
-    ),
-    Bug(
-        "rank-sliced data to ColumnParallelLinear",
-        "varying tensor where a layer expects replicated input",
-        rank_sliced_data_to_column_parallel,
-        ("ColumnParallelLinear", "`x` is varying", "computed from the rank"),
-    ),
-]
 
 
 # ======================================================================================
@@ -1003,6 +995,7 @@ def corpus_markdown() -> str:
     for i, b in enumerate(BUGS, 1):
         names = ", ".join(f"`{n}`" for n in b.names)
         src = inspect.getsource(b.program).rstrip()
+        src = src[src.index("\ndef ") + 1 :]  # the program without its @_bug line (said above)
         out.append(f"### {i}. {b.name}\n\n*{b.kind}.* The error names {names}.\n\n```python\n{src}\n```\n")
     out.append("### Correct programs (each must pass)\n")
     for name, program in CORRECT.items():
