@@ -8,6 +8,7 @@ locally they are random, so every developer run explores new examples. The share
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 from hypothesis import settings
@@ -19,6 +20,13 @@ from diffcomm import _lifecycle
 # keeps the bytecode it compiles, so each recompiled diffcomm (~0.2 s of CPU apiece):
 # the suite's subprocesses write and reuse it, as Python does by default.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+# The Ctrl-C tests send SIGINT to programs that must behave as in a terminal. A runner that
+# starts pytest with SIGINT ignored (a background job of a non-interactive shell, nohup)
+# would hand SIG_IGN down to every child, and those programs would never see the Ctrl-C:
+# the suite's processes get a terminal's handler back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("dev", deadline=None, print_blob=True)
