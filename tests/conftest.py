@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings
@@ -33,19 +34,44 @@ settings.register_profile("dev", deadline=None, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
-def pytest_collection_modifyitems(session, config, items) -> None:
-    """The notebooks first, then the docs build, so the docs render the notebooks that
-    test_notebooks.py executed (with their real plots) instead of bare code cells. Under
-    pytest-xdist both run on one worker, in this order (one ``xdist_group``, kept by
-    ``--dist loadgroup``), and first: the other worker runs the rest meanwhile, instead
-    of waiting at the end of the run for this minute-long group."""
+_FIRST = ("tests/test_notebooks.py", "tests/test_docs.py")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(items) -> Iterator[None]:
+    """The order the two workers take the tests in.
+
+    - The notebooks, then the docs build, as one ``xdist_group`` (kept on one worker by
+      ``--dist loadgroup``; marked before pytest-xdist's own hook reads the marks), first:
+      the docs render the notebooks that test_notebooks.py executed (with their real
+      plots) instead of bare code cells, and the other worker runs the rest meanwhile
+      instead of waiting for this minute-long group at the end of the run.
+    - The tests marked ``waits`` (most of their time a rank or a clock is waited for: a
+      collective timeout, a desync diagnosis) spread evenly over the rest, after pytest's
+      own ordering by fixtures: the workers take neighbouring tests at the same time, so a
+      waiting test runs beside computing ones instead of beside another waiting one (in
+      file order the flight recorder's desync scenarios ran on both workers at once, the
+      machine 60 % idle).
+    """
     first = ("tests/test_notebooks.py", "tests/test_docs.py")
-    items.sort(
-        key=lambda item: next((i for i, f in enumerate(first) if item.nodeid.startswith(f)), len(first))
-    )
     for item in items:
         if item.nodeid.startswith(first):
             item.add_marker(pytest.mark.xdist_group("notebooks_then_docs"))
+    yield
+    grouped = sorted(
+        (item for item in items if item.nodeid.startswith(first)),
+        key=lambda item: next(i for i, f in enumerate(first) if item.nodeid.startswith(f)),
+    )
+    rest = [item for item in items if not item.nodeid.startswith(first)]
+    waiting = [item for item in rest if item.get_closest_marker("waits") is not None]
+    computing = [item for item in rest if item.get_closest_marker("waits") is None]
+    stride = max(1, len(computing) // (len(waiting) + 1))
+    spread: list[pytest.Item] = []
+    for i, item in enumerate(computing):
+        if i and i % stride == 0 and waiting:
+            spread.append(waiting.pop(0))
+        spread.append(item)
+    items[:] = grouped + spread + waiting
 
 
 @pytest.fixture(autouse=True)

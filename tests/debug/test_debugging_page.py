@@ -68,6 +68,7 @@ def blocks_of(p: subprocess.Popen[str], names: list[str]) -> list[str]:
     return blocks
 
 
+@pytest.mark.waits
 @pytest.mark.slow
 def test_the_debugging_pages_messages_are_what_its_script_prints(tmp_path: Path) -> None:
     text = PAGE.read_text()

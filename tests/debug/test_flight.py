@@ -193,6 +193,7 @@ def test_rank_skips_a_collective(desync_world: LocalWorld, tmp_path: Path) -> No
     assert "Under autograd" not in text and "is a backward" not in text
 
 
+@pytest.mark.waits
 def test_rank_calls_a_different_op(desync_world: LocalWorld) -> None:
     v, err = _culprit_timed_out(desync_world, calls_another_op)
     assert err.facts["seq"] == 0
@@ -203,6 +204,7 @@ def test_rank_calls_a_different_op(desync_world: LocalWorld) -> None:
     assert remote and all(e.facts["seq"] == 0 and e.facts["culprits"] == [v] for e in remote)
 
 
+@pytest.mark.waits
 def test_rank_calls_with_a_different_shape(desync_world: LocalWorld) -> None:
     v = victim(desync_world.world_size)
     err, elapsed, _ = _provoke(desync_world, calls_another_shape, v)
@@ -232,6 +234,7 @@ def test_rank_returns_early(desync_world: LocalWorld, tmp_path: Path) -> None:
     assert "Under autograd" not in text and "is a backward" not in text
 
 
+@pytest.mark.waits
 def test_rank_hangs_in_user_code(desync_world: LocalWorld) -> None:
     v, err = _culprit_timed_out(desync_world, hangs_in_user_code)
     assert err.facts["seq"] == 1
@@ -276,6 +279,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.waits
 def test_diffcomm_timeout_bounds_the_users_own_default_group(tmp_path) -> None:
     import socket
     import subprocess
@@ -538,6 +542,7 @@ def test_oversized_world_override(monkeypatch) -> None:
         _config.ALLOW_OVERSUBSCRIBE.reload()
 
 
+@pytest.mark.waits
 def test_p2p_wait_is_not_mistaken_for_a_collective_desync() -> None:
     def recv_never_sent() -> str:
         if dc.get_rank() == 1:
@@ -557,6 +562,7 @@ def test_p2p_wait_is_not_mistaken_for_a_collective_desync() -> None:
     assert "rank 0: returned from the function" in text
 
 
+@pytest.mark.waits
 def test_diffcomm_timeout_bounds_a_group_the_user_created() -> None:
     def desync_on_own_subgroup() -> None:
         import datetime

@@ -158,6 +158,7 @@ def test_blocking_op_queues_behind_pending_async_ops(world2) -> None:
     assert world2.run(blocking_behind_async_rank) == [[True] * 4] * 2
 
 
+@pytest.mark.waits
 def test_launch_order_differing_between_ranks_ends_in_an_error_not_a_hang() -> None:
     """Rule 1 broken on purpose: rank 0 launches all_reduce then all_gather, rank 1 the
     other way round. The engine does not reorder, so this desyncs like the same blocking

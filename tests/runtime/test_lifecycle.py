@@ -67,26 +67,31 @@ def test_orderly_exit_of_a_local_world() -> None:
     _holds("localworld", "exit", 2)
 
 
+@pytest.mark.waits
 def test_three_groups_in_a_row_get_the_full_diagnosis() -> None:
     # the desync in the third group names the culprit and the sequence number: the
     # recorder follows the current default group (store, counters, answering thread)
     _holds("spawn", "reinit", 2, timeout=WAITED_TIMEOUT)
 
 
+@pytest.mark.waits
 @needs_torchrun
 def test_three_groups_in_a_row_under_torchrun() -> None:
     # dc.init() keys each group's rendezvous apart on torchrun's agent store
     _holds("torchrun", "reinit", 2, timeout=WAITED_TIMEOUT)
 
 
+@pytest.mark.waits
 def test_three_local_worlds_in_a_row_get_the_full_diagnosis() -> None:
     _holds("localworld", "reinit", 2, timeout=WAITED_TIMEOUT)
 
 
+@pytest.mark.waits
 def test_sigkill_of_one_rank_names_it_on_every_survivor() -> None:
     _holds("spawn", "kill", 3)
 
 
+@pytest.mark.waits
 def test_sigkill_of_a_local_world_rank_names_it() -> None:
     _holds("localworld", "kill", 2)
 
@@ -107,6 +112,7 @@ def test_a_rank_raising_in_user_code_is_named_by_the_others() -> None:
     _holds("torchrun", "raise", 2)
 
 
+@pytest.mark.waits
 def test_a_local_world_rank_raising_is_named() -> None:
     _holds("localworld", "raise", 2)
 

@@ -338,6 +338,7 @@ def test_rank_death_is_reported_fast_and_world_restarts(fragile: LocalWorld) -> 
     assert not set(fragile.pids) & set(pids)
 
 
+@pytest.mark.waits
 def test_hanging_rank_is_a_timeout_naming_busy_ranks(fragile: LocalWorld) -> None:
     fragile.run(_sleep_on, 0, 0)
     pids, restarts = fragile.pids, fragile.restarts
@@ -367,6 +368,7 @@ def test_raise_while_others_wait_in_collective_is_fast(fragile: LocalWorld) -> N
     assert fragile.run(_sleep_on, 0, 0) == [0, 1]
 
 
+@pytest.mark.waits
 def test_collective_timeout_names_raw_op_and_fix(fragile: LocalWorld) -> None:
     def skip_all_reduce_on(rank: int) -> torch.Tensor | None:
         if dc.get_rank() == rank:
