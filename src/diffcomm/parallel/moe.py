@@ -40,7 +40,7 @@ rank computes the same drops from the one exchanged table, so the parallel layer
 exactly the tokens the serial one drops. ``None`` (the default) is dropless.
 """
 
-# Size: ~615 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
+# Size: ~640 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
 # name maps between them (serial_names, from_serial, state dicts) are read together.
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from ._check import check_replicas_agree
 from ._module import check_positive, init_generator, note_drawn, resolve_parallel_group
 from .blocks import MLP
 from .layers import LayerOptions
-from .routing import DispatchPlan, combine, dispatch, load_balancing_loss, route
+from .routing import DispatchPlan, check_positions, combine, dispatch, load_balancing_loss, route
 
 __all__ = ["MoE", "ExpertParallelMoE"]
 
@@ -592,11 +592,22 @@ class ExpertParallelMoE(nn.Module):
         for p, g in zip(params, summed):
             p.grad = g
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``x``: ``(..., H)`` this rank's tokens; returns ``(..., H)``."""
+    def forward(self, x: Tensor, *, positions: Tensor | None = None) -> Tensor:
+        """``x``: ``(..., H)`` this rank's tokens; returns ``(..., H)``.
+
+        ``positions``: ``None`` or each token's index in the serial model's token order,
+        shaped ``x.shape[:-1]`` or flat ``(T,)`` (for a ``(B, S_local, H)`` sequence shard
+        of a ``(B, S, H)`` activation: ``b * S + s`` of each local token), distinct over
+        the ranks. With a capacity factor the drops then follow the serial MoE on the
+        tokens in that order (see :func:`~diffcomm.parallel.dispatch`); without, rank
+        order (right when the ranks hold consecutive runs of the serial tokens)."""
         if spmd_types_checking(_FUNCTION_ATTRS):  # spmd_types' checker: type the parameters
             annotate_params_for_spmd_types(self)
         x2 = _tokens("parallel.ExpertParallelMoE", x, self.hidden_size, self.router.weight.dtype)
+        if positions is not None:  # before any communication (the replicas' check, the dispatch)
+            if isinstance(positions, Tensor) and positions.ndim > 1 and positions.shape == x.shape[:-1]:
+                positions = positions.reshape(-1)
+            check_positions("parallel.ExpertParallelMoE", positions, x2)
         if self.__dict__.pop("_replicas_unchecked", False):  # drawn unseeded: once, they agree
             replicas = [self.router, self.shared_expert]
             named = [
@@ -609,7 +620,13 @@ class ExpertParallelMoE(nn.Module):
         gate, index, probs = route(self.router(x2), self.k, renormalize=self.renormalize)
         overlap = self.overlap_shared and self.shared_expert is not None
         h, plan = dispatch(
-            x2, index, self.num_experts, self._pg, capacity_factor=self.capacity_factor, async_op=overlap
+            x2,
+            index,
+            self.num_experts,
+            self._pg,
+            capacity_factor=self.capacity_factor,
+            async_op=overlap,
+            positions=positions,
         )
         shared = self.shared_expert(x2) if self.shared_expert is not None else None  # overlaps the dispatch
         if overlap:

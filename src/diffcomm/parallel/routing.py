@@ -13,8 +13,9 @@ the dispatch is a combine and the backward of the combine a dispatch, with the c
 of the forward: nothing is exchanged again.
 """
 
-# Size: ~635 lines, over the ~600 guideline: route, the dispatch plan, dispatch and combine
-# with their asynchronous variants are one data flow (the plan travels between them).
+# Size: ~755 lines, over the ~600 guideline: route, the dispatch plan (with the drops by
+# position), dispatch and combine with their asynchronous variants are one data flow (the
+# plan travels between them).
 
 from __future__ import annotations
 
@@ -115,6 +116,8 @@ class DispatchPlan:
         routing: ``(T, k)`` int64, a copy of the ``expert_index`` the plan was made from
             (a reused plan is checked against the new index locally, no communication).
         capacity_factor: the ``capacity_factor`` the plan was made with.
+        positions: ``(T,)`` int64, a copy of the ``positions`` the plan was made with
+            (``None``: none; the drops then follow rank order).
 
     Under torch's ``LocalTensorMode`` (one program for every simulated rank) the
     rank's own fields hold each simulated rank's: ``rank``, the splits and
@@ -142,6 +145,7 @@ class DispatchPlan:
     k: int = 1
     routing: Tensor | None = None
     capacity_factor: float | None = None
+    positions: Tensor | None = None
 
     @property
     def tokens_per_expert(self) -> Tensor:
@@ -161,9 +165,11 @@ def _plan(
     pg: PG,
     capacity_factor: float | None,
     mine: list[int] | None = None,
+    positions: Tensor | None = None,
 ) -> DispatchPlan:
     """The routing plan: one exchange of this rank's per-expert counts (``mine``, when
-    the caller counted them) and token count."""
+    the caller counted them) and token count; with ``positions`` and a capacity, a second
+    one of every rank's positions and expert ids (:func:`_drops_by_position`)."""
     b = B.get_backend()
     world = b.world_size(pg)
     t, k = expert_index.shape
@@ -188,11 +194,26 @@ def _plan(
             taken = [a + g for a, g in zip(taken, got)]
             acc.append(got)
         accepted = tuple(acc)
-    plan = (world, e, k, counts, accepted, capacity)
-    if isinstance(b, LocalTensorBackend):  # torch's LocalTensorMode: each simulated rank's
-        part = b.each_rank(pg, lambda r, f: _rank_part(r, f, *plan), flat)  # from its routing
+    if capacity is not None and positions is not None:  # the serial order is the positions'
+        sizes = [row[e] for row in table]
+        mine_rows = torch.cat([positions.long().unsqueeze(1), expert_index.long()], 1)
+        with B.label("parallel.dispatch (positions exchange)"):
+            every = b.all_gather(mine_rows, pg, sizes)
+
+        def part_of(r: int, f: Tensor, g: Tensor) -> tuple[Any, ...]:
+            acc, keep = _drops_by_position(g, sizes, r, k, e, capacity)
+            return acc, _rank_part(r, f, world, e, k, counts, acc, capacity, keep.to(f.device))
+
+        if isinstance(b, LocalTensorBackend):
+            accepted, part = b.each_rank(pg, part_of, flat, every)
+        else:
+            accepted, part = part_of(b.rank(pg), flat, every)
     else:
-        part = _rank_part(b.rank(pg), flat, *plan)
+        plan = (world, e, k, counts, accepted, capacity)
+        if isinstance(b, LocalTensorBackend):  # torch's LocalTensorMode: each simulated rank's
+            part = b.each_rank(pg, lambda r, f: _rank_part(r, f, *plan), flat)  # from its routing
+        else:
+            part = _rank_part(b.rank(pg), flat, *plan)
     rank, send, recv, expert_splits, token_index, order, recv_order, recv_inverse = part
     return DispatchPlan(
         num_experts=e,
@@ -215,7 +236,46 @@ def _plan(
         k=k,
         routing=expert_index.detach().clone(),
         capacity_factor=capacity_factor,
+        positions=None if positions is None else positions.detach().to(torch.int64, copy=True),
     )
+
+
+def _drops_by_position(
+    every: Tensor, sizes: list[int], rank: int, k: int, e: int, capacity: int
+) -> tuple[tuple[tuple[int, ...], ...], Tensor]:
+    """The capacity drops in the serial order given by the positions: ``every`` is the
+    ``(N, 1 + k)`` rows ``[position, expert ids]`` of all ranks' tokens (rank-major,
+    ``sizes[s]`` rows of rank ``s``). Each expert keeps its first ``capacity`` assignments
+    sorted by (position, slot) — the serial MoE's order on its tokens in position order,
+    flattened ``(N, k)``. Returns ``(accepted (world, E), keep (T_rank * k,) bool)``: the
+    kept assignments per rank and expert, and which of this rank's flattened assignments
+    are kept. A position given twice raises ``ValueError`` (on every rank: all see it)."""
+    every = every.cpu()
+    n, world = every.shape[0], len(sizes)
+    pos = every[:, 0]
+    if pos.unique().numel() != n:
+        raise A.arg_error(
+            "parallel.dispatch",
+            "positions",
+            "distinct global token positions over all ranks (one per token)",
+            f"{n - pos.unique().numel()} position(s) given more than once",
+        )
+    ids = every[:, 1:].reshape(-1)
+    by_token = torch.sort(pos, stable=True).indices  # the serial token order
+    serial = (by_token.unsqueeze(1) * k + torch.arange(k)).reshape(-1)  # then slot order
+    ids_serial = ids[serial]
+    by_expert = torch.sort(ids_serial, stable=True).indices
+    per_expert = torch.bincount(ids_serial, minlength=e)
+    starts = torch.cumsum(per_expert, 0) - per_expert
+    within = torch.empty_like(by_expert)
+    within[by_expert] = torch.arange(ids.numel()) - starts[ids_serial[by_expert]]
+    keep = torch.empty(ids.numel(), dtype=torch.bool)
+    keep[serial] = within < capacity
+    source = torch.arange(world).repeat_interleave(torch.tensor(sizes, dtype=torch.int64) * k)
+    table = torch.bincount(source * e + ids, weights=keep.double(), minlength=world * e)
+    accepted = tuple(tuple(int(v) for v in row) for row in table.view(world, e).tolist())
+    lo = sum(sizes[:rank]) * k
+    return accepted, keep[lo : lo + sizes[rank] * k]
 
 
 def _rank_part(
@@ -227,16 +287,20 @@ def _rank_part(
     counts: tuple[tuple[int, ...], ...],
     accepted: tuple[tuple[int, ...], ...],
     capacity: int | None,
+    keep: Tensor | None = None,
 ) -> tuple[Any, ...]:
     """Rank ``rank``'s part of the plan from its flattened routing ``flat`` and the
     exchanged tables: ``(rank, send, recv, expert_splits, token_index, slot_index,
-    recv_order, recv_inverse)``."""
+    recv_order, recv_inverse)``. ``keep``: which of ``flat`` are kept (the drops by
+    position); without it an expert keeps a prefix of this rank's assignments."""
     per_rank = e // world
     dev = flat.device
     # this rank's assignments sorted by expert (stable: token order within an expert)
     order = torch.sort(flat, stable=True).indices
     keep_n = accepted[rank]
-    if capacity is not None and flat.numel():
+    if keep is not None:
+        order = order[keep[order]]
+    elif capacity is not None and flat.numel():
         sorted_e = flat[order]
         starts = torch.tensor([sum(counts[rank][:j]) for j in range(e)], dtype=torch.int64, device=dev)
         pos = torch.arange(flat.numel(), device=dev) - starts[sorted_e]
@@ -280,6 +344,29 @@ def _local_counts(flat: Tensor, e: int) -> list[int]:
     if len(mine) > e:
         raise A.arg_error("parallel.dispatch", "expert_index", f"expert ids in [0, {e})", "ids out of range")
     return mine
+
+
+def check_positions(op: str, positions: Any, x: Tensor) -> None:
+    """``positions`` of :func:`dispatch`: ``(T,)`` integers on ``x``'s device (checked
+    before any communication; duplicates over the ranks only after the exchange)."""
+    if not isinstance(positions, Tensor):
+        raise A.arg_error(op, "positions", "None or a tensor", type(positions).__name__, TypeError)
+    if positions.ndim != 1 or positions.shape[0] != x.shape[0]:
+        want = f"a ({x.shape[0]},) tensor (one per token of x)"
+        raise A.arg_error(op, "positions", want, f"shape {list(positions.shape)}")
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise A.arg_error(op, "positions", "an integer tensor", positions.dtype, TypeError)
+    if positions.device != x.device:
+        raise A.arg_error(op, "positions", f"a tensor on x's device {x.device}", positions.device)
+
+
+def _same_positions(made: Tensor | None, given: Tensor | None) -> bool:
+    """Whether a reused plan's ``positions`` are the ones given now (a local comparison)."""
+    if made is None or given is None:
+        return made is None and given is None
+    return tuple(made.shape) == tuple(given.shape) and torch.equal(
+        made, given.to(device=made.device, dtype=torch.int64)
+    )
 
 
 def _no_async_precision(op: str, async_op: Any) -> None:
@@ -337,6 +424,7 @@ def dispatch(
     plan: DispatchPlan | None = None,
     async_op: bool = False,
     precision: Precision | None = None,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, DispatchPlan]:
     """Send every token to the ranks holding its chosen experts (one uneven all_to_all).
 
@@ -350,12 +438,14 @@ def dispatch(
             ``(DeviceMesh, axis)``.
         capacity_factor: ``None`` (dropless) or a positive float: each expert takes at
             most ``ceil(capacity_factor * N * k / E)`` assignments of the ``N`` tokens of
-            all ranks, in rank order then token order; the rest are dropped.
+            all ranks, first come first served in the serial order: rank order then token
+            order (the serial MoE's when the ranks hold consecutive runs of its tokens),
+            or by ``positions``; the rest are dropped.
         plan: the :class:`DispatchPlan` of an earlier dispatch of the **same routing**
-            (``expert_index`` and ``capacity_factor`` unchanged: activation
+            (``expert_index``, ``capacity_factor`` and ``positions`` unchanged: activation
             recomputation, a second tensor routed alike): reused, nothing exchanged.
-            The plan keeps a copy of its ``expert_index``: a different index (or
-            ``capacity_factor``) raises ``ValueError`` naming ``plan`` (a local
+            The plan keeps a copy of its ``expert_index`` and ``positions``: a different
+            one (or ``capacity_factor``) raises ``ValueError`` naming ``plan`` (a local
             comparison: one device-to-host read of a bool, no communication).
         async_op: ``expert_inputs`` is returned at once as an
             :class:`~diffcomm.AsyncTensor` that waits on first use (usable in any torch
@@ -366,6 +456,16 @@ def dispatch(
         precision: a :class:`~diffcomm.Precision` for the all_to_all (forward settings)
             and its backward (``backward`` settings); fp8 blocks run along ``H``
             (``docs/precision.md``).
+        positions: ``(T,)`` integer tensor (on ``x``'s device), each token's index in
+            the serial model's token order (for a ``(B, S, H)`` activation sharded along
+            ``S``: ``b * S + s``), distinct over all ranks. With ``capacity_factor`` the
+            drops follow it: each expert keeps the ``C`` assignments first by (position,
+            then the token's ``k`` slots in order), exactly the serial MoE's drops on the
+            tokens in position order, whatever the ranks hold (a context-parallel sequence
+            shard). Costs a second exchange (``T * (k + 1)`` ints per rank, labelled
+            ``parallel.dispatch (positions exchange)``); a position given twice raises
+            ``ValueError`` on every rank. ``None``: rank order. (Dropless: not exchanged,
+            the order does not matter.)
 
     Returns:
         ``(expert_inputs, plan)``: ``expert_inputs`` is ``(sum(plan.expert_splits), H)``,
@@ -415,6 +515,8 @@ def dispatch(
 
         _check_precision(x, precision, op)
         _no_async_precision(op, async_op)
+    if positions is not None:
+        check_positions(op, positions, x)
     ids, mine = expert_index, None
     if plan is None:  # ids out of range are named here, before any communication
         ids = expert_index.long()
@@ -455,17 +557,25 @@ def dispatch(
             f"a plan made with capacity_factor={capacity_factor}",
             f"a plan made with capacity_factor={plan.capacity_factor}",
         )
+    elif plan.routing is not None and not _same_positions(plan.positions, positions):
+        raise A.arg_error(
+            op,
+            "plan",
+            "the plan of these same `positions` (dispatch without plan= to make a new one)",
+            "a plan made with " + ("no positions" if plan.positions is None else "other positions"),
+        )
     if _config.DEBUG.get():  # the routing's shape must agree (else the splits would not)
         fields = {
             "num_experts": num_experts,
             "k": expert_index.shape[1],
             "capacity_factor": str(capacity_factor),
+            "positions_given": positions is not None,
         }
         fields.update(hidden=tuple(x.shape[1:]), dtype=x.dtype, plan_given=plan is not None)
         B.get_backend().check_consistent(op, fields, pg)
     if plan is None:
         factor = None if capacity_factor is None else float(capacity_factor)
-        plan = _plan(ids, num_experts, pg, factor, mine)
+        plan = _plan(ids, num_experts, pg, factor, mine, positions)
     rows = x.index_select(0, plan.token_index)
     with B.label("parallel.dispatch"):
         got = collectives.all_to_all(
