@@ -1944,24 +1944,43 @@ def seam_check_moe_async_dispatch_router_not_summed() -> dict[str, float]:
     return {"unreachable": float("inf")}
 
 
-def _cp_tokens_into_ep_moe(capacity_factor: float | None) -> dict[str, float]:
+def _cp_tokens_into_ep_moe(
+    capacity_factor: float | None, layout: str = "zigzag", positions: bool = True
+) -> dict[str, float]:
     """Context parallel meets expert parallel: a (batch 2, sequence, hidden) activation
-    sharded along the sequence (zigzag) goes through ExpertParallelMoE.from_serial over
-    the same group; against the serial MoE on the whole sequence, rows and gradients."""
+    sharded along the sequence goes through ExpertParallelMoE.from_serial over the same
+    group, with each token's serial position (``b * S + s``, sharded alike: docs/moe.md,
+    "Capacity and dropping"); against the serial MoE on the whole sequence, rows and
+    gradients. Without ``positions`` the documented rule instead: the serial MoE on the
+    tokens in rank order (rank 0's local tokens, then rank 1's, ...)."""
     r, w = dc.get_rank(), dc.get_world_size()
     s, h = 8 * w, 4
     x = torch.randn(2, s, h, dtype=F64, generator=_gen(0))
     cot = torch.randn(2, s, h, dtype=F64, generator=_gen(1))
-    serial = parallel.MoE(h, 6, num_experts=4, k=1, capacity_factor=capacity_factor, seed=0, dtype=F64)
+    serial = parallel.MoE(h, 6, num_experts=2 * w, k=1, capacity_factor=capacity_factor, seed=0, dtype=F64)
     moe = parallel.ExpertParallelMoE.from_serial(serial)
-    xl = parallel.shard(x, dim=1, layout="zigzag").requires_grad_()
-    (moe(xl) * parallel.shard(cot, dim=1, layout="zigzag")).sum().backward()
-    xf = x.clone().requires_grad_()
+    xl = parallel.shard(x, dim=1, layout=layout).requires_grad_()
+    pos = parallel.shard(torch.arange(2 * s).reshape(2, s), dim=1, layout=layout) if positions else None
+    y_l = moe(xl, positions=pos)
+    (y_l * parallel.shard(cot, dim=1, layout=layout)).sum().backward()
+    idx = [_idx(s, w, q, layout) for q in range(w)]
+    if positions:  # the serial model's token order
+        order = torch.arange(2 * s).reshape(2, s)
+    else:  # rank order: every rank's (2, S / w) tokens flattened, rank after rank
+        order = torch.cat([torch.arange(2 * s).reshape(2, s)[:, i].reshape(-1) for i in idx])
+    xf = x.reshape(-1, h)[order.reshape(-1)].clone().requires_grad_()
     y = serial(xf)
-    (y * cot).sum().backward()
-    idx = _idx(s, w, r, "zigzag")
+    (y * cot.reshape(-1, h)[order.reshape(-1)]).sum().backward()
     assert xf.grad is not None
-    return {"y": _d(moe(xl), y[:, idx]), "dx": _d(xl.grad, xf.grad[:, idx])}
+    if positions:
+        y_ref, g_ref = y.reshape(2, s, h)[:, idx[r]], xf.grad.reshape(2, s, h)[:, idx[r]]
+    else:
+        lo, n = r * 2 * len(idx[r]), 2 * len(idx[r])
+        y_ref, g_ref = (t[lo : lo + n].reshape(2, -1, h) for t in (y, xf.grad))
+    got = {"y": _d(y_l.detach(), y_ref), "dx": _d(xl.grad, g_ref)}
+    if capacity_factor is not None:  # the capacity really dropped some (else nothing is shown)
+        got["nothing_dropped"] = float(moe.dropped == 0)
+    return got
 
 
 def seam_cp_tokens_into_ep_moe_dropless() -> dict[str, float]:
@@ -1970,6 +1989,14 @@ def seam_cp_tokens_into_ep_moe_dropless() -> dict[str, float]:
 
 def seam_cp_tokens_into_ep_moe_capacity() -> dict[str, float]:
     return _cp_tokens_into_ep_moe(1.0)
+
+
+def seam_cp_tokens_into_ep_moe_capacity_contiguous() -> dict[str, float]:
+    return _cp_tokens_into_ep_moe(0.75, layout="contiguous")
+
+
+def seam_cp_tokens_into_ep_moe_capacity_rank_order() -> dict[str, float]:
+    return _cp_tokens_into_ep_moe(1.0, positions=False)
 
 
 SEAM_PROGRAMS: dict[str, Program] = {
@@ -2001,19 +2028,10 @@ SEAM_PROGRAMS: dict[str, Program] = {
     ),
     "cp_checkpointed_ring_dropout": Program(seam_cp_checkpointed_ring_dropout),
     "cp_tokens_into_ep_moe_dropless": Program(seam_cp_tokens_into_ep_moe_dropless),
-    "cp_tokens_into_ep_moe_capacity": Program(
-        seam_cp_tokens_into_ep_moe_capacity,
-        finding=(
-            "silently wrong: with a capacity factor, ExpertParallelMoE drops assignments "
-            "first come first served in rank order (rank 0's tokens, then rank 1's; docs/moe.md), "
-            "which is not the serial model's token order once the tokens are a sequence shard "
-            "(zigzag, or contiguous with batch > 1): rows differ from the serial MoE on the whole "
-            "sequence by up to 0.31 and input gradients by 0.17 (world 2), with no error. The "
-            "layer cannot know the tokens' serial positions (the placement is lost at the "
-            "first projection); needs a design (token positions given to dispatch / the "
-            "layer, or a refusal)"
-        ),
-    ),
+    "cp_tokens_into_ep_moe_capacity": Program(seam_cp_tokens_into_ep_moe_capacity),
+    "cp_tokens_into_ep_moe_capacity_w3": Program(seam_cp_tokens_into_ep_moe_capacity, world=3),
+    "cp_tokens_into_ep_moe_capacity_contiguous": Program(seam_cp_tokens_into_ep_moe_capacity_contiguous),
+    "cp_tokens_into_ep_moe_capacity_rank_order": Program(seam_cp_tokens_into_ep_moe_capacity_rank_order),
     "check_quantized_all_reduce_under_replicated_objective": Program(
         seam_check_quantized_all_reduce_under_replicated_objective,
         error=(TypeError, r"the loss is replicated.*all_reduce"),

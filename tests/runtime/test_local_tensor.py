@@ -13,6 +13,7 @@ in float64.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -291,14 +292,23 @@ def _moe() -> tuple:
     return outs_and_grads([h, P.combine(h * 2.0, gate, plan)], [x])
 
 
-def _moe_program(tokens: list[int], e: int, k: int, capacity_factor: float | None, seed: int) -> tuple:
+def _moe_program(
+    tokens: list[int], e: int, k: int, capacity_factor: float | None, seed: int, positions: bool = False
+) -> tuple:
     """MoE routing, dispatch, a nonlinear expert and combine, forward and backward (the
     router's gradient too) on ``tokens[r]`` tokens of rank ``r`` (the same code both
-    ways)."""
+    ways); ``positions``: the drops by a random permutation of the tokens' positions."""
+    from torch.distributed._local_tensor import rank_map
+
     x = per_rank(seed, 0, 3, rows=lambda r: tokens[r])
     logits = per_rank(seed + 1, 0, e, rows=lambda r: tokens[r])
     gate, idx, _ = P.route(logits, k)
-    h, plan = P.dispatch(x, idx, e, capacity_factor=capacity_factor)
+    perm = random.Random(seed).sample(range(sum(tokens)), sum(tokens))  # (host: alike both ways)
+    pos = None
+    if positions:
+        starts = [sum(tokens[:r]) for r in range(len(tokens) + 1)]
+        pos = rank_map(lambda r: torch.tensor(perm[starts[r] : starts[r + 1]], dtype=torch.int64))
+    h, plan = P.dispatch(x, idx, e, capacity_factor=capacity_factor, positions=pos)
     y = P.combine(torch.tanh(h) * 2.0, gate, plan)
     return outs_and_grads([h, y], [x, logits])
 
@@ -465,6 +475,10 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "ExpertParallelMoE.from_serial": (_expert_parallel_moe(3, from_serial=True), 3),
     "moe dispatch / combine[tokens differing per rank, capacity_factor, world=3]": (
         lambda: _moe_program([5, 0, 3], 6, 2, 0.8, 30),
+        3,
+    ),
+    "moe dispatch / combine[positions, tokens differing per rank, capacity_factor, world=3]": (
+        lambda: _moe_program([5, 0, 3], 6, 2, 0.8, 32, positions=True),
         3,
     ),
     "moe dispatch / combine[one expert per rank, world=4]": (
