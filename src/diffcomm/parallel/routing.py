@@ -562,7 +562,11 @@ def dispatch(
             op,
             "plan",
             "the plan of these same `positions` (dispatch without plan= to make a new one)",
-            "a plan made with " + ("no positions" if plan.positions is None else "other positions"),
+            "a plan made without positions"
+            if plan.positions is None
+            else "a plan made with positions (none given now)"
+            if positions is None
+            else "a plan made with other positions",
         )
     if _config.DEBUG.get():  # the routing's shape must agree (else the splits would not)
         fields = {
