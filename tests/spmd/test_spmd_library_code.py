@@ -381,6 +381,7 @@ DOC_RUNS: dict[tuple[str, int], DocRun | Skip | Elsewhere] = {
         "a testing-kit call whose `build` and `world` the page's prose defines: "
         "tests/parallel/test_moe.py runs the comparison"
     ),
+    ("moe.md", 2): DocRun(),
     ("p2p.md", 0): DocRun(calls=(Call("ring"),)),
     ("p2p.md", 1): DocRun(calls=(Call("step"),)),
     ("parallel.md", 0): DocRun(

@@ -34,10 +34,12 @@ expert) get on each rank that rank's share, which sum to the serial gradient
 
 Capacity: with ``capacity_factor`` each expert takes at most
 ``C = ceil(capacity_factor * N * k / E)`` tokens, ``N`` the tokens of **all** ranks, in the
-order of the serial MoE (rank 0's tokens first, then token by token); the rest of that
-expert's assignments are dropped (their tokens get nothing from that expert). Every
-rank computes the same drops from the one exchanged table, so the parallel layer drops
-exactly the tokens the serial one drops. ``None`` (the default) is dropless.
+order of the serial MoE (rank 0's tokens first, then token by token; or, given
+``positions=`` — each token's serial index, for a context-parallel sequence shard — by
+position); the rest of that expert's assignments are dropped (their tokens get nothing
+from that expert). Every rank computes the same drops from the exchanged tables, so the
+parallel layer drops exactly the tokens the serial one drops. ``None`` (the default) is
+dropless.
 """
 
 # Size: ~640 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
