@@ -293,3 +293,23 @@ def test_positions_cost_one_more_exchange_only_with_a_capacity(world2) -> None:
         assert rec["bwd"] == ["all_to_all", "all_to_all"], rec
     for rec in world2.run(count, None):  # dropless: the order does not matter, nothing more
         assert rec["fwd"] == [counts, *a2a], rec
+
+
+# on processes: a cross-rank diagnosis (debug mode) needs per-rank state (tests/parallel/test_moe.py)
+@pytest.mark.diffcomm_in_process(False)
+def test_debug_mode_names_positions_given_on_some_ranks_only(world2) -> None:
+    def mismatch() -> str:
+        from diffcomm.parallel import dispatch
+
+        r = dc.get_rank()
+        x = torch.randn(3, 4)
+        idx = torch.zeros(3, 1, dtype=torch.int64)
+        with dc.debug(True):
+            try:  # rank 0 would exchange positions, rank 1 not: a hang without the check
+                dispatch(x, idx, 2, capacity_factor=1.0, positions=torch.arange(3) if r == 0 else None)
+            except dc.CrossRankMismatchError as exc:
+                return str(exc)
+        return "no error"
+
+    for msg in world2.run(mismatch):
+        assert "parallel.dispatch()" in msg and "positions differs (rank 0: given, rank 1: None)" in msg, msg

@@ -573,7 +573,7 @@ def dispatch(
             "num_experts": num_experts,
             "k": expert_index.shape[1],
             "capacity_factor": str(capacity_factor),
-            "positions_given": positions is not None,
+            "positions": "None" if positions is None else "given",
         }
         fields.update(hidden=tuple(x.shape[1:]), dtype=x.dtype, plan_given=plan is not None)
         B.get_backend().check_consistent(op, fields, pg)
