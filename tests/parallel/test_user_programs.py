@@ -1,6 +1,7 @@
-"""Realistic user programs of context parallelism and expert parallelism, written from the
-docs (docs/context_parallel.md, docs/moe.md, notebooks 04 and 06, examples/), not from the
-implementation (issue 45, "Done when").
+"""Realistic user programs of context parallelism, expert parallelism, their seams, and
+pipeline parallelism, written from the docs (docs/context_parallel.md, docs/moe.md,
+docs/pipeline.md, notebooks 03, 04 and 06, examples/), not from the implementation
+(issue 45, "Done when").
 
 Each program runs on every rank of a shared ``LocalWorld`` and must end either **right**
 (its values and every gradient equal a single-process float64 reference of the whole SPMD
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -2034,12 +2036,375 @@ SEAM_PROGRAMS: dict[str, Program] = {
 }
 
 
+# ------------------------------------------------------------------ pipeline parallelism
+# Pipeline programs (docs/pipeline.md): slightly unusual user models through the runner,
+# each compared with the serial float64 model on the whole batch (the loss the runner
+# returns is the mean over micro-batches of ``loss_fn``; .grad holds its gradient).
+
+
+def _mlp(
+    widths: list[int], seed: int = 0, act: Callable[[], torch.nn.Module] = torch.nn.Tanh
+) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [torch.nn.Linear(a, b, dtype=F64), act()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _serial_loss(
+    model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor | None, n_micro: int, loss_fn: Callable[..., Any]
+) -> torch.Tensor:
+    """The serial program the runner promises: mean over micro-batches of loss_fn."""
+    xs = x.chunk(n_micro)
+    ts = [None] * n_micro if t is None else list(t.chunk(n_micro))
+    outs = [model(xm) for xm in xs]
+    return sum(loss_fn(o) if tm is None else loss_fn(o, tm) for o, tm in zip(outs, ts)) / n_micro
+
+
+def _grads_vs(
+    model: torch.nn.Module, ref: torch.nn.Module, stages: list[torch.nn.Module]
+) -> dict[str, float]:
+    """Each parameter of this rank's stages against the same parameter of ``ref`` (a
+    second copy of ``model``); a parameter that requires no grad must have none."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    ref_ps = list(ref.parameters())
+    out: dict[str, float] = {}
+    seen: set[int] = set()
+    for s in stages:
+        for name, p in s.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            rp = ref_ps[index[id(p)]]
+            if not p.requires_grad:
+                out[f"{name} (frozen)"] = 0.0 if p.grad is None else float("inf")
+            elif rp.grad is None:  # serially no gradient reaches it: none, or zeros
+                out[name] = 0.0 if p.grad is None else float(p.grad.abs().max())
+            else:
+                out[name] = _d(p.grad, rp.grad)
+    return out
+
+
+def _pp_run(
+    build: Callable[[], torch.nn.Module],
+    *,
+    schedule: str = "1f1b",
+    n_micro: int = 4,
+    batch: int = 8,
+    d_in: int = 4,
+    d_out: int = 2,
+    chunks: int = 1,
+    balance: list[int] | None = None,
+    loss_fn: Callable[..., Any] = F.mse_loss,
+    with_targets: bool = True,
+    steps: int = 1,
+) -> dict[str, float]:
+    """The docs' recipe: partition, runner.step; ``steps`` steps accumulate into .grad."""
+    from diffcomm.pipeline import PipelineRunner, partition
+
+    r, p = dc.get_rank(), dc.get_world_size()
+    model, ref = build(), build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tied-module warning
+        parts = partition(model, p * chunks, balance=balance)
+    if schedule in ("zbv", "dualpipev"):
+        stages: list[torch.nn.Module] = [parts[r], parts[2 * p - 1 - r]]
+    else:
+        stages = list(parts[r::p])
+    runner = PipelineRunner(stages if chunks > 1 else stages[0], schedule=schedule, loss_fn=loss_fn)
+    g = _gen(5)
+    out: dict[str, float] = {}
+    for i in range(steps):
+        x = torch.randn(batch, d_in, dtype=F64, generator=g)
+        t = torch.randn(batch, d_out, dtype=F64, generator=g) if with_targets else None
+        loss = runner.step(x, t, n_micro=n_micro)
+        ref_loss = _serial_loss(ref, x, t, n_micro, loss_fn)
+        ref_loss.backward()
+        out[f"loss{i}"] = _d(loss, ref_loss.detach())
+    out.update(_grads_vs(model, ref, stages))
+    return out
+
+
+def pp_stage_without_parameters_w3() -> dict[str, float]:
+    """The middle rank's stage is a lone activation (no parameters), 1F1B."""
+    return _pp_run(lambda: _mlp([4, 6, 2]), balance=[1, 1, 1])
+
+
+def pp_frozen_first_stage() -> dict[str, float]:
+    """Stage 0 frozen (fine-tuning the head): its output needs no grad, the next stage's
+    recv returns a tensor that needs none; the head's gradients are right, stage 0 has none."""
+
+    def build() -> torch.nn.Module:
+        m = _mlp([4, 8, 8, 2])
+        for q in m[0].parameters():
+            q.requires_grad_(False)
+        return m
+
+    return _pp_run(build, balance=[2, 3])
+
+
+def pp_frozen_middle_stage_w3() -> dict[str, float]:
+    """Stage 1 of 3 frozen; gradients still flow through it to stage 0."""
+
+    def build() -> torch.nn.Module:
+        m = _mlp([4, 6, 6, 2])
+        for q in m[2].parameters():
+            q.requires_grad_(False)
+        return m
+
+    return _pp_run(build, balance=[2, 2, 1])
+
+
+def pp_gpipe_three_micro_batches() -> dict[str, float]:
+    return _pp_run(lambda: _mlp([4, 8, 8, 2]), schedule="gpipe", n_micro=3, batch=9)
+
+
+def pp_interleaved_odd_micro_batches_w3() -> dict[str, float]:
+    """Interleaved, 2 chunks per rank, 5 micro-batches over 3 ranks (p does not divide m)."""
+    return _pp_run(lambda: _mlp([4, 5, 5, 5, 5, 5, 2]), schedule="interleaved", chunks=2, n_micro=5, batch=10)
+
+
+def pp_zbh1_seven_micro_batches() -> dict[str, float]:
+    return _pp_run(lambda: _mlp([4, 8, 8, 2]), schedule="zb-h1", n_micro=7, batch=7)
+
+
+def pp_zbv_odd_micro_batches() -> dict[str, float]:
+    """ZB-V at p = 2 with m = 5 (2p + 1)."""
+    return _pp_run(lambda: _mlp([4, 5, 5, 5, 2]), schedule="zbv", chunks=2, n_micro=5, batch=10)
+
+
+def pp_dualpipev_too_few_micro_batches() -> dict[str, float]:
+    """DualPipeV needs m >= 2p: m = 3 at p = 2 is refused before any message."""
+    return _pp_run(lambda: _mlp([4, 5, 5, 5, 2]), schedule="dualpipev", chunks=2, n_micro=3, batch=6)
+
+
+def pp_batch_not_divisible() -> dict[str, float]:
+    return _pp_run(lambda: _mlp([4, 8, 2]), n_micro=3, batch=8)
+
+
+class _DictHead(torch.nn.Module):
+    """A last stage returning a dict (its output goes to loss_fn as it is, docs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 2, dtype=F64)
+        self.b = torch.nn.Linear(8, 3, dtype=F64)
+
+    def forward(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.a(h), "aux": self.b(h)}
+
+
+def pp_last_stage_returns_dict_loss_ignores_aux() -> dict[str, float]:
+    """The head returns {logits, aux}; the loss reads only logits (aux's weights get none:
+    a zero or missing gradient, like the serial model's None)."""
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8, dtype=F64), torch.nn.Tanh(), _DictHead())
+
+    def loss_fn(out: dict[str, torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out["logits"], t)
+
+    return _pp_run(build, balance=[2, 1], loss_fn=loss_fn)
+
+
+def pp_loss_ignores_some_columns_zbh1() -> dict[str, float]:
+    """The model outputs 3 columns, the loss uses the first only (no targets: loss_fn(out))."""
+    return _pp_run(
+        lambda: _mlp([4, 8, 8, 3]),
+        schedule="zb-h1",
+        d_out=3,
+        loss_fn=lambda o: o[:, 0].square().mean(),
+        with_targets=False,
+    )
+
+
+def _tied(p: int) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        emb = torch.nn.Linear(4, 4, dtype=F64)  # used first and last (tied)
+        mids = [torch.nn.Linear(4, 4, dtype=F64) for _ in range(2 * p - 2)]
+        return torch.nn.Sequential(
+            emb, torch.nn.Tanh(), *[m for lin in mids for m in (lin, torch.nn.Tanh())], emb
+        )
+
+    return build
+
+
+def pp_tied_first_last_zbv() -> dict[str, float]:
+    """A weight tied between the first and the last layer under ZB-V: the V placement puts
+    both stages on rank 0, which so holds the tied weight's whole gradient."""
+    p = dc.get_world_size()
+    n = 2 * (2 * p - 1) + 1
+    balance = [2] * (2 * p - 1) + [n - 2 * (2 * p - 1)]
+    return _pp_run(_tied(p), schedule="zbv", chunks=2, d_out=4, balance=balance)
+
+
+def pp_tied_first_last_1f1b_summed() -> dict[str, float]:
+    """The same tied weight under 1F1B: the first and last stage are on ranks 0 and p-1;
+    as the docs say, each holds a part of its gradient: the user sums them."""
+    from diffcomm.pipeline import PipelineRunner, partition
+
+    r, p = dc.get_rank(), dc.get_world_size()
+    build = _tied(2)  # emb, tanh, (lin, tanh) x 2, emb: 7 layers
+    model, ref = build(), build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stage = partition(model, p, balance=[3, 4])[r]
+    runner = PipelineRunner(stage, schedule="1f1b", loss_fn=F.mse_loss)
+    g = _gen(5)
+    x, t = torch.randn(8, 4, dtype=F64, generator=g), torch.randn(8, 4, dtype=F64, generator=g)
+    loss = runner.step(x, t, n_micro=4)
+    emb = model[0]
+    for q in emb.parameters():
+        q.grad = dc.all_reduce(q.grad)  # both ranks hold emb
+    ref_loss = _serial_loss(ref, x, t, 4, F.mse_loss)
+    ref_loss.backward()
+    return {"loss": _d(loss, ref_loss.detach()), **_grads_vs(model, ref, [stage])}
+
+
+def pp_two_steps_accumulate_1f1b() -> dict[str, float]:
+    """Gradient accumulation over two runner steps (no zero_grad between them)."""
+    return _pp_run(lambda: _mlp([4, 8, 8, 2]), steps=2)
+
+
+def pp_two_steps_accumulate_zbv() -> dict[str, float]:
+    return _pp_run(lambda: _mlp([4, 5, 5, 5, 2]), schedule="zbv", chunks=2, steps=2)
+
+
+def pp_two_steps_accumulate_interleaved_other_n_micro() -> dict[str, float]:
+    """Two steps with different n_micro (4, then 2) on one runner, interleaved."""
+    from diffcomm.pipeline import PipelineRunner, partition
+
+    r, p = dc.get_rank(), dc.get_world_size()
+    build = lambda: _mlp([4, 5, 5, 5, 2])
+    model, ref = build(), build()
+    stages = list(partition(model, 2 * p)[r::p])
+    runner = PipelineRunner(stages, schedule="interleaved", loss_fn=F.mse_loss)
+    g = _gen(5)
+    out: dict[str, float] = {}
+    for i, m in enumerate((4, 2)):
+        x, t = torch.randn(8, 4, dtype=F64, generator=g), torch.randn(8, 2, dtype=F64, generator=g)
+        loss = runner.step(x, t, n_micro=m)
+        ref_loss = _serial_loss(ref, x, t, m, F.mse_loss)
+        ref_loss.backward()
+        out[f"loss{i}"] = _d(loss, ref_loss.detach())
+    return {**out, **_grads_vs(model, ref, stages)}
+
+
+class _DropStage(torch.nn.Module):
+    """Linear then dropout drawn on the tracker's model-parallel stream."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(a, b, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from diffcomm import rng
+
+        with rng.get_tracker().fork():
+            return F.dropout(torch.tanh(self.lin(x)), 0.5)
+
+
+def _dropout_program(schedule: str) -> dict[str, float]:
+    """Dropout under the RNG tracker, seeded per stage (pp_rank). The reference replays
+    each stage's stream in the order its rank runs the forwards (micro-batch order)."""
+    from diffcomm import rng
+    from diffcomm.pipeline import PipelineRunner
+
+    r, p = dc.get_rank(), dc.get_world_size()
+    torch.manual_seed(0)
+    stages = (
+        [_DropStage(4, 6)] + [_DropStage(6, 6) for _ in range(p - 2)] + [torch.nn.Linear(6, 2, dtype=F64)]
+    )
+    torch.manual_seed(0)
+    refs = [_DropStage(4, 6)] + [_DropStage(6, 6) for _ in range(p - 2)] + [torch.nn.Linear(6, 2, dtype=F64)]
+    g = _gen(5)
+    x, t = torch.randn(8, 4, dtype=F64, generator=g), torch.randn(8, 2, dtype=F64, generator=g)
+    rng.model_parallel_seed(7, tp_rank=0, pp_rank=r)
+    runner = PipelineRunner(stages[r], schedule=schedule, loss_fn=F.mse_loss)
+    loss = runner.step(x, t, n_micro=4)
+    hs = list(x.chunk(4))
+    for s, st in enumerate(refs):  # stage by stage, each with its rank's seeds
+        rng.model_parallel_seed(7, tp_rank=0, pp_rank=s)
+        hs = [st(h) for h in hs]
+    ref_loss = sum(F.mse_loss(h, tm) for h, tm in zip(hs, t.chunk(4))) / 4
+    ref_loss.backward()
+    out = {"loss": _d(loss, ref_loss.detach())}
+    for (n, q), rq in zip(stages[r].named_parameters(), refs[r].parameters()):
+        out[n] = _d(q.grad, rq.grad)
+    return out
+
+
+def pp_dropout_tracker_1f1b_w3() -> dict[str, float]:
+    return _dropout_program("1f1b")
+
+
+def pp_dropout_tracker_zbh1() -> dict[str, float]:
+    return _dropout_program("zb-h1")
+
+
+def pp_input_grad_frozen_model() -> dict[str, float]:
+    """input_grad=True on a fully frozen model (an adversarial-input program): stage 0's
+    runner.input_grad is the gradient of the loss w.r.t. inputs."""
+    from diffcomm.pipeline import PipelineRunner, partition
+
+    r, p = dc.get_rank(), dc.get_world_size()
+    model = _mlp([4, 8, 8, 2])
+    for q in model.parameters():
+        q.requires_grad_(False)
+    runner = PipelineRunner(partition(model, p)[r], schedule="1f1b", loss_fn=F.mse_loss)
+    g = _gen(5)
+    x, t = torch.randn(8, 4, dtype=F64, generator=g), torch.randn(8, 2, dtype=F64, generator=g)
+    loss = runner.step(x, t, n_micro=4, input_grad=True)
+    xf = x.clone().requires_grad_()
+    ref_loss = _serial_loss(model, xf, t, 4, F.mse_loss)
+    ref_loss.backward()
+    out = {"loss": _d(loss, ref_loss.detach())}
+    if r == 0:
+        out["dx"] = _d(runner.input_grad, xf.grad)
+    return out
+
+
+PP_PROGRAMS: dict[str, Program] = {
+    "stage_without_parameters_w3": Program(pp_stage_without_parameters_w3, world=3),
+    "frozen_first_stage": Program(pp_frozen_first_stage),
+    "frozen_middle_stage_w3": Program(pp_frozen_middle_stage_w3, world=3),
+    "gpipe_three_micro_batches": Program(pp_gpipe_three_micro_batches),
+    "interleaved_odd_micro_batches_w3": Program(pp_interleaved_odd_micro_batches_w3, world=3),
+    "zbh1_seven_micro_batches": Program(pp_zbh1_seven_micro_batches),
+    "zbv_odd_micro_batches": Program(pp_zbv_odd_micro_batches),
+    "dualpipev_too_few_micro_batches": Program(
+        pp_dualpipev_too_few_micro_batches, error=(ValueError, r"n_micro")
+    ),
+    "batch_not_divisible": Program(pp_batch_not_divisible, error=(ValueError, r"n_micro")),
+    "last_stage_returns_dict_loss_ignores_aux": Program(pp_last_stage_returns_dict_loss_ignores_aux),
+    "loss_ignores_some_columns_zbh1": Program(pp_loss_ignores_some_columns_zbh1),
+    "tied_first_last_zbv": Program(pp_tied_first_last_zbv),
+    "tied_first_last_1f1b_summed": Program(pp_tied_first_last_1f1b_summed),
+    "two_steps_accumulate_1f1b": Program(pp_two_steps_accumulate_1f1b),
+    "two_steps_accumulate_zbv": Program(pp_two_steps_accumulate_zbv),
+    "two_steps_accumulate_interleaved_other_n_micro": Program(
+        pp_two_steps_accumulate_interleaved_other_n_micro
+    ),
+    "dropout_tracker_1f1b_w3": Program(pp_dropout_tracker_1f1b_w3, world=3),
+    "dropout_tracker_zbh1": Program(pp_dropout_tracker_zbh1),
+    "input_grad_frozen_model": Program(pp_input_grad_frozen_model),
+}
+
+
 # ------------------------------------------------------------------ the test
 
 
 def _cases() -> list[Any]:
     cases = []
-    for area, table in (("cp", CP_PROGRAMS), ("moe", MOE_PROGRAMS), ("seam", SEAM_PROGRAMS)):
+    for area, table in (
+        ("cp", CP_PROGRAMS),
+        ("moe", MOE_PROGRAMS),
+        ("seam", SEAM_PROGRAMS),
+        ("pp", PP_PROGRAMS),
+    ):
         for name, prog in table.items():
             marks = list(prog.marks)
             if prog.finding is not None:
