@@ -2367,7 +2367,53 @@ def pp_input_grad_frozen_model() -> dict[str, float]:
     return out
 
 
+class _NoGradMiddle(torch.nn.Module):
+    """A stage computed without autograd (a frozen feature block under ``torch.no_grad``)
+    or on a detached input (``x.detach()``, a stop-gradient): its output does not carry a
+    gradient back to its input."""
+
+    def __init__(self, detach: bool) -> None:
+        super().__init__()
+        self.lin, self.detach = torch.nn.Linear(4, 4, dtype=F64), detach
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.detach:
+            return torch.tanh(self.lin(x.detach()))
+        with torch.no_grad():
+            return torch.tanh(self.lin(x))
+
+
+def _stop_gradient_program(detach: bool, schedule: str) -> dict[str, float]:
+    """Stage 1 of 3 passes no gradient back to stage 0: serially stage 0's parameters get
+    none. On main the runner's stage 1 never ran its receive's backward, and stage 0 waited
+    for that gradient until the timeout (a DesyncError about a peer that "never ran the
+    matching call")."""
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        lin = lambda a, b: torch.nn.Linear(a, b, dtype=F64)
+        return torch.nn.Sequential(lin(4, 4), _NoGradMiddle(detach), lin(4, 2))
+
+    with dc.timeout(10):
+        return _pp_run(build, schedule=schedule, balance=[1, 1, 1])
+
+
+def pp_no_grad_middle_stage_1f1b_w3() -> dict[str, float]:
+    return _stop_gradient_program(False, "1f1b")
+
+
+def pp_detached_input_middle_stage_zbh1_w3() -> dict[str, float]:
+    return _stop_gradient_program(True, "zb-h1")
+
+
+def pp_detached_input_middle_stage_gpipe_w3() -> dict[str, float]:
+    return _stop_gradient_program(True, "gpipe")
+
+
 PP_PROGRAMS: dict[str, Program] = {
+    "no_grad_middle_stage_1f1b_w3": Program(pp_no_grad_middle_stage_1f1b_w3, world=3),
+    "detached_input_middle_stage_zbh1_w3": Program(pp_detached_input_middle_stage_zbh1_w3, world=3),
+    "detached_input_middle_stage_gpipe_w3": Program(pp_detached_input_middle_stage_gpipe_w3, world=3),
     "stage_without_parameters_w3": Program(pp_stage_without_parameters_w3, world=3),
     "frozen_first_stage": Program(pp_frozen_first_stage),
     "frozen_middle_stage_w3": Program(pp_frozen_middle_stage_w3, world=3),

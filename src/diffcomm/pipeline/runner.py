@@ -98,6 +98,9 @@ class _Stash:
     grad_bytes: int = 0
     local: bool = False  # the next virtual stage is on this rank (V placement's turn)
     grad_posted: bool = False  # the receive of the output's gradient is posted
+    # a received input that requires grad: [True] once its gradient was computed (the
+    # receive's backward, which sends it upstream, ran)
+    reached: list[bool] | None = None
 
 
 @dataclass
@@ -706,6 +709,9 @@ class PipelineRunner:
                     x = p2p.recv(src, group=self.pg, tag=tag)
                 else:
                     x = p2p.irecv_fused(src, like, group=self.pg, tag=tag).wait()
+            if x.requires_grad:  # the previous stage waits for this input's gradient
+                kept.reached = reached = [False]
+                x.register_hook(lambda _, reached=reached: reached.__setitem__(0, True))
             if c in self._fresh_in:  # the step's first activation here: the agreed shape now
                 self._fresh_in.discard(c)
                 # shape, dtype and device only: a zero-stride tensor of one element
@@ -821,6 +827,7 @@ class PipelineRunner:
         # stage made the same decision from the header, so skipping here is symmetric
         if kept.handle.requires_grad:
             kept.handle.backward()
+        _send_unreached(kept)
         self._live_bytes -= kept.nbytes
 
     def _backward_input(self, st: Step, stash: dict[tuple[int, int], _Stash], hold: bool = True) -> None:
@@ -830,6 +837,7 @@ class PipelineRunner:
         root = kept.handle
         if not root.requires_grad:
             kept.full_in_w = True  # nothing flows back at all
+            _send_unreached(kept)
             return
         target = input_edge(kept.input)
         plan = None
@@ -854,6 +862,7 @@ class PipelineRunner:
         finally:
             for h in hooks:
                 h.remove()
+        _send_unreached(kept)
         groups = []
         for nodes, param_nodes in group_plan(plan):
             groups.append((nodes, [captured.get(n, ()) for n in nodes], param_nodes))
@@ -875,6 +884,7 @@ class PipelineRunner:
                 torch.autograd.backward(kept.output, kept.d_output)
             elif kept.handle.requires_grad and kept.output is None:
                 kept.handle.backward()  # the last virtual stage with no input path
+            _send_unreached(kept)
         elif kept.groups:
             for i, (nodes, grads, param_nodes) in enumerate(kept.groups):
                 edges, seeds = [], []
@@ -905,3 +915,16 @@ class PipelineRunner:
 
 def _unpack(t: Tensor) -> Tensor:
     return t
+
+
+def _send_unreached(kept: _Stash) -> None:
+    """A received input that the chunk's backward did not reach — its output does not
+    depend on it (a ``detach``, a ``torch.no_grad`` block, an unused input) or needs no
+    gradient — still owes the previous stage its gradient, which that stage's token is
+    waiting for: run the receive's backward with zeros (the previous stages' parameters
+    get zero gradients; serially they get none). Without this the previous stage waits
+    until the timeout."""
+    if kept.reached is not None and not kept.reached[0]:
+        kept.reached[0] = True
+        assert kept.input is not None  # (reached is set for a received input)
+        torch.autograd.backward(kept.input, torch.zeros_like(kept.input))
