@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import diffcomm as dc
-from diffcomm import parallel
+from diffcomm import parallel, testing
 
 F64 = torch.float64
 TOL = 1e-10
@@ -2440,6 +2440,334 @@ PP_PROGRAMS: dict[str, Program] = {
 }
 
 
+# ------------------------------------------------------------------ the testing kit
+# diffcomm.testing (docs/testing.md) on user-written ops and on sequence-parallel layers:
+# a correct program passes the kit's check; a wrong one fails it with the documented
+# AssertionError (a check that passes a wrong program is the silent wrong answer here).
+
+
+def _ok(check: Callable[[], Any]) -> dict[str, float]:
+    """The check passes: 0; its AssertionError: inf (a false alarm)."""
+    try:
+        check()
+    except AssertionError as exc:
+        return {f"false alarm: {str(exc)[:200]}": float("inf")}
+    return {"passed": 0.0}
+
+
+def _caught(check: Callable[[], Any], pattern: str) -> dict[str, float]:
+    """The check must fail with an AssertionError matching ``pattern``: 0; a pass: inf."""
+    try:
+        check()
+    except AssertionError as exc:
+        return {"caught": 0.0 if re.search(pattern, str(exc)) else float("inf")}
+    return {"missed (the check passed a wrong program)": float("inf")}
+
+
+class _MyGather(torch.autograd.Function):
+    """A user's all_gather along dim 0, backward written by hand (``wrong``: the classic
+    slip of keeping this rank's slice of its own gradient, with no sum over ranks)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, wrong: bool) -> torch.Tensor:
+        ctx.wrong, ctx.n = wrong, x.shape[0]
+        return dc.all_gather(x.detach())
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        r, n = dc.get_rank(), ctx.n
+        if ctx.wrong:
+            return g[r * n : (r + 1) * n].clone(), None
+        return dc.reduce_scatter(g.contiguous()), None
+
+
+def kit_check_adjoint_user_gather_right() -> dict[str, float]:
+    x = torch.randn(3, 2, dtype=F64, generator=_gen(dc.get_rank()))
+    y = torch.randn(3 * dc.get_world_size(), 2, dtype=F64, generator=_gen(9 + dc.get_rank()))
+    return _ok(lambda: testing.check_adjoint(lambda t: _MyGather.apply(t, False), x, y))
+
+
+def kit_check_adjoint_user_gather_wrong_backward() -> dict[str, float]:
+    x = torch.randn(3, 2, dtype=F64, generator=_gen(dc.get_rank()))
+    y = torch.randn(3 * dc.get_world_size(), 2, dtype=F64, generator=_gen(9 + dc.get_rank()))
+    return _caught(lambda: testing.check_adjoint(lambda t: _MyGather.apply(t, True), x, y), r".")
+
+
+def kit_gradcheck_user_gather_wrong_backward() -> dict[str, float]:
+    x = torch.randn(2, 2, dtype=F64, generator=_gen(dc.get_rank()), requires_grad=True)
+    return _caught(lambda: testing.gradcheck(lambda t: torch.tanh(_MyGather.apply(t, True)), (x,)), r"differ")
+
+
+def kit_gradcheck_user_gather_right_replicated_input() -> dict[str, float]:
+    """A replicated input (the same on every rank) listed in ``replicated``."""
+    x = torch.randn(2, 2, dtype=F64, generator=_gen(0), requires_grad=True)  # same everywhere
+    w = torch.randn(2, 2, dtype=F64, generator=_gen(1 + dc.get_rank()), requires_grad=True)
+    fn = lambda x, w: torch.tanh(_MyGather.apply(x @ w, False))
+    return _ok(lambda: testing.gradcheck(fn, (x, w), replicated=[0]))
+
+
+def kit_check_adjoint_dual_op_wrong_scale() -> dict[str, float]:
+    """A user states the dual of all_reduce(avg) as all_reduce(sum) (the 1/W forgotten)."""
+    x = torch.randn(4, dtype=F64, generator=_gen(dc.get_rank()))
+    y = torch.randn(4, dtype=F64, generator=_gen(5 + dc.get_rank()))
+    return _caught(
+        lambda: testing.check_adjoint(
+            lambda t: dc.all_reduce(t, op="avg"), x, y, dual_op=lambda g: dc.all_reduce(g)
+        ),
+        r".",
+    )
+
+
+def kit_gradcheck_float32_input() -> dict[str, float]:
+    """The docs: the inputs that require grad must be float64."""
+    x = torch.randn(3, generator=_gen(0)).requires_grad_()
+    testing.gradcheck(lambda t: dc.all_reduce(t), (x,))
+    return {"ran": 0.0}
+
+
+def _sp_mlp_matches(specs: bool, seq: int = 6) -> dict[str, float]:
+    """docs/testing.md's sequence-parallel example, called inside the rank (no ``world=``)."""
+    from diffcomm.testing import Shard, assert_matches_serial
+
+    torch.manual_seed(0)
+    serial = parallel.MLP(8, 12, dtype=F64)
+    x = torch.randn(seq, 2, 8, dtype=F64)
+    sp = parallel.ParallelMLP.from_serial(serial, sequence_parallel=True)
+    kw: dict[str, Any] = {"input_specs": [Shard(0)], "output_specs": [Shard(0)]} if specs else {}
+    return {"check": lambda: assert_matches_serial(sp, serial, x, **kw)}  # type: ignore[dict-item]
+
+
+def kit_assert_matches_serial_sp_mlp_w3() -> dict[str, float]:
+    return _ok(_sp_mlp_matches(True)["check"])  # type: ignore[arg-type]
+
+
+def kit_assert_matches_serial_sp_mlp_forgot_specs() -> dict[str, float]:
+    """The Shard(0) specs left out: the layer gets the whole sequence as its shard; the
+    check must not pass."""
+    return _caught(_sp_mlp_matches(False)["check"], r".")  # type: ignore[arg-type]
+
+
+class _NoCopyTP(torch.nn.Module):
+    """A user's column -> row MLP with ``copy_to_region`` left out: the input gradient is
+    one rank's part, not the sum (the parameters' gradients are right)."""
+
+    def __init__(self, serial: Any) -> None:
+        super().__init__()
+        r, w = dc.get_rank(), dc.get_world_size()
+        h = serial.fc1.weight.shape[0] // w
+        self.w1 = torch.nn.Parameter(serial.fc1.weight.detach()[r * h : (r + 1) * h].clone())
+        self.w2 = torch.nn.Parameter(serial.fc2.weight.detach()[:, r * h : (r + 1) * h].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return parallel.reduce_from_region(torch.tanh(x @ self.w1.T) @ self.w2.T)
+
+
+def kit_assert_matches_serial_missing_copy_input_grad() -> dict[str, float]:
+    from diffcomm.testing import assert_matches_serial
+
+    torch.manual_seed(0)
+    fc1, fc2 = torch.nn.Linear(6, 8, bias=False, dtype=F64), torch.nn.Linear(8, 6, bias=False, dtype=F64)
+    serial = torch.nn.Module()
+    serial.fc1, serial.fc2 = fc1, fc2
+    serial.forward = lambda x: fc2(torch.tanh(fc1(x)))  # type: ignore[method-assign]
+    x = torch.randn(3, 6, dtype=F64).requires_grad_()
+    names = {"w1": ("fc1.weight", None), "w2": ("fc2.weight", None)}
+    tp = _NoCopyTP(serial)
+    r, w = dc.get_rank(), dc.get_world_size()
+    h = 8 // w
+    names = {
+        "w1": ("fc1.weight", slice(r * h, (r + 1) * h)),
+        "w2": ("fc2.weight", (slice(None), slice(r * h, (r + 1) * h))),
+    }
+    return _caught(lambda: assert_matches_serial(tp, serial, x, param_map=names), r"gradient of inputs\[0\]")
+
+
+KIT_PROGRAMS: dict[str, Program] = {
+    "check_adjoint_user_gather_right": Program(kit_check_adjoint_user_gather_right),
+    "check_adjoint_user_gather_wrong_backward_w3": Program(
+        kit_check_adjoint_user_gather_wrong_backward, world=3
+    ),
+    "gradcheck_user_gather_wrong_backward": Program(kit_gradcheck_user_gather_wrong_backward),
+    "gradcheck_user_gather_right_replicated_input": Program(kit_gradcheck_user_gather_right_replicated_input),
+    "check_adjoint_dual_op_wrong_scale": Program(kit_check_adjoint_dual_op_wrong_scale),
+    "gradcheck_float32_input": Program(
+        kit_gradcheck_float32_input, error=(ValueError, r"`inputs\[0\]` must be float64")
+    ),
+    "assert_matches_serial_sp_mlp_w3": Program(kit_assert_matches_serial_sp_mlp_w3, world=3),
+    "assert_matches_serial_sp_mlp_forgot_specs": Program(kit_assert_matches_serial_sp_mlp_forgot_specs),
+    "assert_matches_serial_missing_copy_input_grad": Program(
+        kit_assert_matches_serial_missing_copy_input_grad
+    ),
+}
+
+
+# ------------------------------------------------------------------ interop and subgroups
+# diffcomm ops on torch.distributed subgroups (group-local src/dst, ranks outside the
+# group), DeviceMesh axes, DTensor inputs and torch.distributed.nn / dc.compat mixed with
+# diffcomm ops. The reference simulates every rank in one process in float64.
+
+
+def _xs(w: int, shape: tuple[int, ...] = (2, 3), seed: int = 0) -> list[torch.Tensor]:
+    """Every rank's tensor (rank r's from seed + r): each rank can build all of them."""
+    return [torch.randn(*shape, dtype=F64, generator=_gen(seed + r)) for r in range(w)]
+
+
+def io_subgroup_members_only_w3() -> dict[str, float]:
+    """all_reduce on new_group([0, 2]); rank 1 runs no collective on it."""
+    import torch.distributed as dist
+
+    r = dc.get_rank()
+    g = dist.new_group([0, 2])
+    xs, cs = _xs(3), _xs(3, seed=100)
+    if r == 1:
+        return {"outside": 0.0}
+    x = xs[r].clone().requires_grad_()
+    y = dc.all_reduce(x * (r + 1), group=g)
+    (y * cs[r]).sum().backward()
+    return {"y": _d(y, xs[0] + 3 * xs[2]), "dx": _d(x.grad, (r + 1) * (cs[0] + cs[2]))}
+
+
+def io_subgroup_non_member_calls_w3() -> dict[str, float]:
+    """Rank 1, outside new_group([0, 2]), calls the op on it by mistake: a clear error
+    naming `group` on rank 1; ranks 0 and 2 get their right answer."""
+    import torch.distributed as dist
+
+    r = dc.get_rank()
+    g = dist.new_group([0, 2])
+    xs = _xs(3)
+    if r == 1:
+        try:
+            dc.all_reduce(xs[1], group=g)
+        except (ValueError, TypeError) as exc:
+            return {"clear error": 0.0 if "`group`" in str(exc) else float("inf")}
+        except Exception as exc:
+            return {f"{type(exc).__name__}: {str(exc)[:150]}": float("inf")}
+        return {"no error": float("inf")}
+    return {"y": _d(dc.all_reduce(xs[r], group=g), xs[0] + xs[2])}
+
+
+def io_subgroup_broadcast_group_local_src_w3() -> dict[str, float]:
+    """broadcast(src=0) on new_group([1, 2]): src is group-local, global rank 1."""
+    import torch.distributed as dist
+
+    r = dc.get_rank()
+    g = dist.new_group([1, 2])
+    xs, cs = _xs(3), _xs(3, seed=100)
+    if r == 0:
+        return {"outside": 0.0}
+    x = xs[r].clone().requires_grad_()
+    y = dc.broadcast(x, src=0, group=g)
+    (y * cs[r]).sum().backward()
+    return {"y": _d(y, xs[1]), "dx": _d(x.grad, cs[1] + cs[2] if r == 1 else torch.zeros_like(x))}
+
+
+def io_subgroup_send_recv_group_local_w3() -> dict[str, float]:
+    """send(dst=1) / recv(src=0) on new_group([1, 2]): group-local peers."""
+    import torch.distributed as dist
+
+    r = dc.get_rank()
+    g = dist.new_group([1, 2])
+    xs, cs = _xs(3), _xs(3, seed=100)
+    if r == 0:
+        return {"outside": 0.0}
+    if r == 1:
+        x = xs[1].clone().requires_grad_()
+        dc.send(x, dst=1, group=g).backward()
+        return {"dx": _d(x.grad, cs[2])}
+    z = dc.recv(src=0, group=g)
+    (z * cs[2]).sum().backward()
+    return {"z": _d(z, xs[1])}
+
+
+def io_group_as_rank_list() -> dict[str, float]:
+    """A list of ranks is not a group (the contract: None, a ProcessGroup, (mesh, axis))."""
+    dc.all_reduce(torch.ones(2, dtype=F64), group=[0, 1])  # type: ignore[arg-type]
+    return {"ran": 0.0}
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def io_mesh_axes_gather_then_reduce_scatter_w4() -> dict[str, float]:
+    """2 x 2 mesh (dp, tp): all_gather on ("tp" by name), reduce_scatter on dim index 0
+    (dp), vs a simulation of the four ranks (row-major mesh: rank = 2 dp + tp)."""
+    r = dc.get_rank()
+    mesh = _mesh((2, 2), ("dp", "tp"))
+    xs, cs = _xs(4, (2, 3)), _xs(4, (2, 3), seed=100)
+    x = xs[r].clone().requires_grad_()
+    z = dc.reduce_scatter(dc.all_gather(x, group=(mesh, "tp")), group=(mesh, 0))
+    (z * cs[r]).sum().backward()
+    sx = [t.clone().requires_grad_() for t in xs]
+    ys = [torch.cat([sx[2 * (s // 2)], sx[2 * (s // 2) + 1]]) for s in range(4)]
+    zs = [(ys[s % 2] + ys[s % 2 + 2]).chunk(2)[s // 2] for s in range(4)]
+    sum((zz * c).sum() for zz, c in zip(zs, cs)).backward()
+    return {"z": _d(z, zs[r]), "dx": _d(x.grad, sx[r].grad)}
+
+
+def io_mesh_unknown_axis_name_w4() -> dict[str, float]:
+    mesh = _mesh((2, 2), ("dp", "tp"))
+    dc.all_reduce(torch.ones(2, dtype=F64), group=(mesh, "pp"))
+    return {"ran": 0.0}
+
+
+def io_compat_and_torch_nn_mixed_with_dc() -> dict[str, float]:
+    """dc.compat.all_gather (torch.distributed.nn's signature: a tuple) -> cat ->
+    torch.distributed.nn's all_reduce -> dc.reduce_scatter, vs the simulation."""
+    from torch.distributed.nn import functional as tdnn
+
+    from diffcomm import compat
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    xs, cs = _xs(w), _xs(w, (2 * w // w, 3), seed=100)
+    x = xs[r].clone().requires_grad_()
+    y = torch.cat(compat.all_gather(x))
+    z = dc.reduce_scatter(tdnn.all_reduce(torch.tanh(y)))
+    (z * cs[r]).sum().backward()
+    sx = [t.clone().requires_grad_() for t in xs]
+    full = torch.tanh(torch.cat(sx))
+    zs = (w * full).chunk(w)  # all_reduce of w equal copies, then reduce_scatter sums w of them
+    zs = [(w * zz) for zz in zs]
+    sum((zz * c).sum() for zz, c in zip(zs, cs)).backward()
+    return {"z": _d(z, zs[r]), "dx": _d(x.grad, sx[r].grad)}
+
+
+def io_pipeline_on_mesh_with_dp_w4() -> dict[str, float]:
+    """A 2 x 2 mesh (dp, pp): the runner on the pp axis, each dp replica on its half of the
+    batch, gradients averaged over dp: the serial model on the whole batch."""
+    from diffcomm.pipeline import PipelineRunner, partition
+
+    mesh = _mesh((2, 2), ("dp", "pp"))
+    dp, pp = mesh.get_coordinate()
+    model, ref = _mlp([4, 8, 8, 2]), _mlp([4, 8, 8, 2])
+    stage = partition(model, 2)[pp]
+    runner = PipelineRunner(stage, schedule="1f1b", group=(mesh, "pp"), loss_fn=F.mse_loss)
+    g = _gen(5)
+    x, t = torch.randn(8, 4, dtype=F64, generator=g), torch.randn(8, 2, dtype=F64, generator=g)
+    loss = runner.step(x.chunk(2)[dp], t.chunk(2)[dp], n_micro=2)
+    loss = dc.all_reduce(loss, op="avg", group=(mesh, "dp"))
+    for q in stage.parameters():
+        q.grad = dc.all_reduce(q.grad, op="avg", group=(mesh, "dp"))
+    ref_loss = F.mse_loss(ref(x), t)
+    ref_loss.backward()
+    return {"loss": _d(loss, ref_loss.detach()), **_grads_vs(model, ref, [stage])}
+
+
+IO_PROGRAMS: dict[str, Program] = {
+    "subgroup_members_only_w3": Program(io_subgroup_members_only_w3, world=3),
+    "subgroup_non_member_calls_w3": Program(io_subgroup_non_member_calls_w3, world=3),
+    "subgroup_broadcast_group_local_src_w3": Program(io_subgroup_broadcast_group_local_src_w3, world=3),
+    "subgroup_send_recv_group_local_w3": Program(io_subgroup_send_recv_group_local_w3, world=3),
+    "group_as_rank_list": Program(io_group_as_rank_list, error=(TypeError, r"`group`")),
+    "mesh_axes_gather_then_reduce_scatter_w4": Program(io_mesh_axes_gather_then_reduce_scatter_w4, world=4),
+    "mesh_unknown_axis_name_w4": Program(io_mesh_unknown_axis_name_w4, world=4, error=(ValueError, r"pp")),
+    "compat_and_torch_nn_mixed_with_dc": Program(io_compat_and_torch_nn_mixed_with_dc),
+    "pipeline_on_mesh_with_dp_w4": Program(io_pipeline_on_mesh_with_dp_w4, world=4),
+}
+
+
 # ------------------------------------------------------------------ the test
 
 
@@ -2450,6 +2778,8 @@ def _cases() -> list[Any]:
         ("moe", MOE_PROGRAMS),
         ("seam", SEAM_PROGRAMS),
         ("pp", PP_PROGRAMS),
+        ("kit", KIT_PROGRAMS),
+        ("io", IO_PROGRAMS),
     ):
         for name, prog in table.items():
             marks = list(prog.marks)
