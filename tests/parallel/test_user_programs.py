@@ -2713,6 +2713,38 @@ def io_mesh_unknown_axis_name_w4() -> dict[str, float]:
     return {"ran": 0.0}
 
 
+def io_dtensor_into_all_reduce() -> dict[str, float]:
+    """A DTensor (sharded on a 1-D mesh) given to dc.all_reduce: the per-rank meaning is
+    its local shard's, the global one a different tensor: the right answer or an error
+    naming `x`."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = dc.get_world_size()
+    mesh = _mesh((w,), ("dp",))
+    full = torch.arange(4.0 * w, dtype=F64).reshape(2 * w, 2)
+    xd = distribute_tensor(full, mesh, [Shard(0)])
+    y = dc.all_reduce(xd)
+    local = y.to_local() if hasattr(y, "to_local") else y
+    return {"y vs sum of shards": _d(local, sum(full.chunk(w)))}
+
+
+def io_dtensor_to_local_into_all_gather() -> dict[str, float]:
+    """What the error says to do: to_local() into dc, the gradient back on the shard."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = dc.get_world_size()
+    mesh = _mesh((w,), ("dp",))
+    full = torch.arange(4.0 * w, dtype=F64).reshape(2 * w, 2).requires_grad_()
+    xd = distribute_tensor(full.detach(), mesh, [Shard(0)]).requires_grad_()
+    y = dc.all_gather(xd.to_local())
+    (y * full.detach()).sum().backward()  # sum over ranks: w * <full, full>
+    assert xd.grad is not None
+    return {
+        "y": _d(y, full.detach()),
+        "dx": _d(xd.grad.to_local(), w * full.detach().chunk(w)[dc.get_rank()]),
+    }
+
+
 def io_compat_and_torch_nn_mixed_with_dc() -> dict[str, float]:
     """dc.compat.all_gather (torch.distributed.nn's signature: a tuple) -> cat ->
     torch.distributed.nn's all_reduce -> dc.reduce_scatter, vs the simulation."""
@@ -2763,6 +2795,11 @@ IO_PROGRAMS: dict[str, Program] = {
     "group_as_rank_list": Program(io_group_as_rank_list, error=(TypeError, r"`group`")),
     "mesh_axes_gather_then_reduce_scatter_w4": Program(io_mesh_axes_gather_then_reduce_scatter_w4, world=4),
     "mesh_unknown_axis_name_w4": Program(io_mesh_unknown_axis_name_w4, world=4, error=(ValueError, r"pp")),
+    "dtensor_into_all_reduce": Program(
+        io_dtensor_into_all_reduce,
+        error=(TypeError, r"`x` must be a plain torch.Tensor.*to_local.*got a DTensor"),
+    ),
+    "dtensor_to_local_into_all_gather": Program(io_dtensor_to_local_into_all_gather),
     "compat_and_torch_nn_mixed_with_dc": Program(io_compat_and_torch_nn_mixed_with_dc),
     "pipeline_on_mesh_with_dp_w4": Program(io_pipeline_on_mesh_with_dp_w4, world=4),
 }
