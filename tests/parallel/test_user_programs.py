@@ -2294,20 +2294,32 @@ def pp_two_steps_accumulate_interleaved_other_n_micro() -> dict[str, float]:
 
 
 class _DropStage(torch.nn.Module):
-    """Linear then dropout drawn on the tracker's model-parallel stream."""
+    """Linear then dropout drawn on the tracker's model-parallel stream (recomputed in
+    backward under ``rng.checkpoint`` when ``ckpt``)."""
+
+    ckpt = False
 
     def __init__(self, a: int, b: int) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(a, b, dtype=F64)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def block(self, x: torch.Tensor) -> torch.Tensor:
         from diffcomm import rng
 
         with rng.get_tracker().fork():
             return F.dropout(torch.tanh(self.lin(x)), 0.5)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from diffcomm import rng
 
-def _dropout_program(schedule: str) -> dict[str, float]:
+        return rng.checkpoint(self.block, x) if self.ckpt else self.block(x)
+
+
+class _DropStageCkpt(_DropStage):
+    ckpt = True
+
+
+def _dropout_program(schedule: str, stage: type[_DropStage] = _DropStage) -> dict[str, float]:
     """Dropout under the RNG tracker, seeded per stage (pp_rank). The reference replays
     each stage's stream in the order its rank runs the forwards (micro-batch order)."""
     from diffcomm import rng
@@ -2315,9 +2327,7 @@ def _dropout_program(schedule: str) -> dict[str, float]:
 
     r, p = dc.get_rank(), dc.get_world_size()
     torch.manual_seed(0)
-    stages = (
-        [_DropStage(4, 6)] + [_DropStage(6, 6) for _ in range(p - 2)] + [torch.nn.Linear(6, 2, dtype=F64)]
-    )
+    stages = [stage(4, 6)] + [stage(6, 6) for _ in range(p - 2)] + [torch.nn.Linear(6, 2, dtype=F64)]
     torch.manual_seed(0)
     refs = [_DropStage(4, 6)] + [_DropStage(6, 6) for _ in range(p - 2)] + [torch.nn.Linear(6, 2, dtype=F64)]
     g = _gen(5)
@@ -2343,6 +2353,12 @@ def pp_dropout_tracker_1f1b_w3() -> dict[str, float]:
 
 def pp_dropout_tracker_zbh1() -> dict[str, float]:
     return _dropout_program("zb-h1")
+
+
+def pp_dropout_tracker_checkpointed_zbh1_w3() -> dict[str, float]:
+    """The dropout stages under rng.checkpoint, their backward split into I and W: the
+    recomputation draws the forward's masks."""
+    return _dropout_program("zb-h1", _DropStageCkpt)
 
 
 def pp_input_grad_frozen_model() -> dict[str, float]:
@@ -2410,7 +2426,70 @@ def pp_detached_input_middle_stage_gpipe_w3() -> dict[str, float]:
     return _stop_gradient_program(True, "gpipe")
 
 
+def _reverse_b(p: int, m: int) -> list[list[Any]]:
+    """A user's schedule: every forward, then the backwards newest first (GPipe reversed)."""
+    from diffcomm.pipeline import Step
+
+    return [[Step("F", i) for i in range(m)] + [Step("B", i) for i in reversed(range(m))] for _ in range(p)]
+
+
+def _reverse_i_then_w(p: int, m: int) -> list[list[Any]]:
+    from diffcomm.pipeline import Step
+
+    steps = [Step("F", i) for i in range(m)] + [Step("I", i) for i in reversed(range(m))]
+    return [steps + [Step("W", i) for i in range(m)] for _ in range(p)]
+
+
+def _w_before_i(p: int, m: int) -> list[list[Any]]:
+    from diffcomm.pipeline import Step
+
+    steps = [Step("F", i) for i in range(m)]
+    return [steps + [s for i in range(m) for s in (Step("W", i), Step("I", i))] for _ in range(p)]
+
+
+def pp_custom_schedule_backwards_reversed() -> dict[str, float]:
+    return _pp_run(lambda: _mlp([4, 8, 8, 2]), schedule=_reverse_b)  # type: ignore[arg-type]
+
+
+def pp_custom_schedule_split_reversed_w3() -> dict[str, float]:
+    return _pp_run(lambda: _mlp([4, 8, 8, 2]), schedule=_reverse_i_then_w, balance=[2, 2, 1])  # type: ignore[arg-type]
+
+
+def pp_custom_schedule_w_before_i() -> dict[str, float]:
+    return _pp_run(lambda: _mlp([4, 8, 8, 2]), schedule=_w_before_i)  # type: ignore[arg-type]
+
+
+def pp_zbv_input_grad_and_loss_on_rank0_only() -> dict[str, float]:
+    """ZB-V with input_grad=True and broadcast_loss=False: rank 0 holds the first and the
+    last stage, so it returns the loss and the input gradient; the other ranks None."""
+    from diffcomm.pipeline import PipelineRunner, partition
+
+    r, p = dc.get_rank(), dc.get_world_size()
+    model, ref = _mlp([4, 5, 5, 5, 2]), _mlp([4, 5, 5, 5, 2])
+    parts = partition(model, 2 * p)
+    stages = [parts[r], parts[2 * p - 1 - r]]
+    runner = PipelineRunner(stages, schedule="zbv", loss_fn=F.mse_loss, broadcast_loss=False)
+    g = _gen(5)
+    x, t = torch.randn(8, 4, dtype=F64, generator=g), torch.randn(8, 2, dtype=F64, generator=g)
+    loss = runner.step(x, t, n_micro=4, input_grad=True)
+    xf = x.clone().requires_grad_()
+    ref_loss = _serial_loss(ref, xf, t, 4, F.mse_loss)
+    ref_loss.backward()
+    out = _grads_vs(model, ref, stages)
+    if r == 0:
+        out.update(loss=_d(loss, ref_loss.detach()), dx=_d(runner.input_grad, xf.grad))
+    else:
+        out["loss is None"] = 0.0 if loss is None else float("inf")
+    return out
+
+
 PP_PROGRAMS: dict[str, Program] = {
+    "custom_schedule_backwards_reversed": Program(pp_custom_schedule_backwards_reversed),
+    "custom_schedule_split_reversed_w3": Program(pp_custom_schedule_split_reversed_w3, world=3),
+    "custom_schedule_w_before_i": Program(
+        pp_custom_schedule_w_before_i, error=(ValueError, r"`schedule` must be each I before its W")
+    ),
+    "zbv_input_grad_and_loss_on_rank0_only": Program(pp_zbv_input_grad_and_loss_on_rank0_only),
     "no_grad_middle_stage_1f1b_w3": Program(pp_no_grad_middle_stage_1f1b_w3, world=3),
     "detached_input_middle_stage_zbh1_w3": Program(pp_detached_input_middle_stage_zbh1_w3, world=3),
     "detached_input_middle_stage_gpipe_w3": Program(pp_detached_input_middle_stage_gpipe_w3, world=3),
@@ -2436,6 +2515,7 @@ PP_PROGRAMS: dict[str, Program] = {
     ),
     "dropout_tracker_1f1b_w3": Program(pp_dropout_tracker_1f1b_w3, world=3),
     "dropout_tracker_zbh1": Program(pp_dropout_tracker_zbh1),
+    "dropout_tracker_checkpointed_zbh1_w3": Program(pp_dropout_tracker_checkpointed_zbh1_w3, world=3),
     "input_grad_frozen_model": Program(pp_input_grad_frozen_model),
 }
 
@@ -2582,7 +2662,70 @@ def kit_assert_matches_serial_missing_copy_input_grad() -> dict[str, float]:
     return _caught(lambda: assert_matches_serial(tp, serial, x, param_map=names), r"gradient of inputs\[0\]")
 
 
+class _SerialTwice(torch.nn.Module):
+    """A serial pre-norm residual block applied twice with the same weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.ln = torch.nn.LayerNorm(8, dtype=F64)
+        with torch.no_grad():
+            self.ln.weight.uniform_(0.5, 1.5)
+            self.ln.bias.uniform_(-0.5, 0.5)
+        self.mlp = parallel.MLP(8, 12, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            x = x + self.mlp(self.ln(x))
+        return x
+
+
+def _sp_twice(container: type[torch.nn.Module]) -> dict[str, float]:
+    """The block's sequence-parallel twin (SequenceParallelLayerNorm + ParallelMLP with
+    sequence_parallel=True) in the user's container, checked by assert_matches_serial."""
+    from diffcomm.testing import Shard, assert_matches_serial
+
+    serial = _SerialTwice()
+
+    class Twice(container):  # type: ignore[valid-type, misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = parallel.SequenceParallelLayerNorm.from_serial(serial.ln)
+            self.mlp = parallel.ParallelMLP.from_serial(serial.mlp, sequence_parallel=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(2):
+                x = x + self.mlp(self.ln(x))
+            return x
+
+    sp = Twice()
+    param_map = {
+        f"{m}.{k}": (f"{m}.{k}", v) for m in ("ln", "mlp") for k, v in getattr(sp, m).serial_slices().items()
+    }
+    x = torch.randn(6, 2, 8, dtype=F64, generator=_gen(3))
+    return _ok(
+        lambda: assert_matches_serial(
+            sp, serial, x, input_specs=[Shard(0)], output_specs=[Shard(0)], param_map=param_map
+        )
+    )
+
+
+def kit_sp_block_applied_twice_parallel_module_w3() -> dict[str, float]:
+    """The container a ParallelModule: the replicated LN/bias gradients coalesced once for
+    the whole forward, whose layers run twice."""
+    return _sp_twice(parallel.ParallelModule)
+
+
+def kit_sp_block_applied_twice_plain_module() -> dict[str, float]:
+    """The container a plain nn.Module: each layer reduces its own replicated gradients."""
+    return _sp_twice(torch.nn.Module)
+
+
 KIT_PROGRAMS: dict[str, Program] = {
+    "sp_block_applied_twice_parallel_module_w3": Program(
+        kit_sp_block_applied_twice_parallel_module_w3, world=3
+    ),
+    "sp_block_applied_twice_plain_module": Program(kit_sp_block_applied_twice_plain_module),
     "check_adjoint_user_gather_right": Program(kit_check_adjoint_user_gather_right),
     "check_adjoint_user_gather_wrong_backward_w3": Program(
         kit_check_adjoint_user_gather_wrong_backward, world=3
@@ -2787,7 +2930,54 @@ def io_pipeline_on_mesh_with_dp_w4() -> dict[str, float]:
     return {"loss": _d(loss, ref_loss.detach()), **_grads_vs(model, ref, [stage])}
 
 
+def io_subgroup_unsorted_ranks_reduce_w3() -> dict[str, float]:
+    """new_group([2, 0]) (ranks listed out of order): reduce(dst=1) and scatter(src=0) use
+    the group-local ranks torch gives the group (dist.get_global_rank)."""
+    import torch.distributed as dist
+
+    r = dc.get_rank()
+    g = dist.new_group([2, 0])
+    xs, cs = _xs(3, (4, 3)), _xs(3, (4, 3), seed=100)
+    if r == 1:
+        return {"outside": 0.0}
+    dst, src = dist.get_global_rank(g, 1), dist.get_global_rank(g, 0)
+    me = dist.get_group_rank(g, r)
+    x = xs[r].clone().requires_grad_()
+    y = dc.reduce(x, dst=1, group=g)
+    z = dc.scatter(x, src=0, group=g)
+    ((y * cs[r]).sum() + (z * cs[r][:2]).sum()).backward()
+    y_ref = xs[0] + xs[2] if r == dst else torch.zeros(4, 3, dtype=F64)
+    z_ref = xs[src].chunk(2)[me]
+    dx_ref = cs[dst] + (
+        torch.cat([cs[q][:2] for q in sorted((0, 2), key=lambda q: dist.get_group_rank(g, q))])
+        if r == src
+        else 0
+    )
+    return {"y": _d(y, y_ref), "z": _d(z, z_ref), "dx": _d(x.grad, dx_ref)}
+
+
+def io_mesh_column_major_broadcast_and_shift_w4() -> dict[str, float]:
+    """A DeviceMesh over [[0, 2], [1, 3]]: on axis "b", rank 0's peer is 2. broadcast(src=1)
+    on that axis is the axis' second member; shift(1) on axis "a" rotates 0 <-> 1, 2 <-> 3."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    r = dc.get_rank()
+    mesh = DeviceMesh("cpu", torch.tensor([[0, 2], [1, 3]]), mesh_dim_names=("a", "b"))
+    row = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}[r]
+    col = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}[r]
+    xs, cs = _xs(4), _xs(4, seed=100)
+    x = xs[r].clone().requires_grad_()
+    y = dc.broadcast(x, src=1, group=(mesh, "b"))
+    z = dc.shift(x, 1, group=(mesh, "a"))
+    ((y * cs[r]).sum() + (z * cs[r]).sum()).backward()
+    other = col[1 - col.index(r)]
+    dx = (cs[row[0]] + cs[row[1]] if r == row[1] else 0) + cs[other]
+    return {"y": _d(y, xs[row[1]]), "z": _d(z, xs[other]), "dx": _d(x.grad, dx)}
+
+
 IO_PROGRAMS: dict[str, Program] = {
+    "subgroup_unsorted_ranks_reduce_w3": Program(io_subgroup_unsorted_ranks_reduce_w3, world=3),
+    "mesh_column_major_broadcast_and_shift_w4": Program(io_mesh_column_major_broadcast_and_shift_w4, world=4),
     "subgroup_members_only_w3": Program(io_subgroup_members_only_w3, world=3),
     "subgroup_non_member_calls_w3": Program(io_subgroup_non_member_calls_w3, world=3),
     "subgroup_broadcast_group_local_src_w3": Program(io_subgroup_broadcast_group_local_src_w3, world=3),
