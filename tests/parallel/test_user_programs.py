@@ -2426,6 +2426,29 @@ def pp_detached_input_middle_stage_gpipe_w3() -> dict[str, float]:
     return _stop_gradient_program(True, "gpipe")
 
 
+def _inplace_relu_stages(schedule: str) -> dict[str, float]:
+    """``nn.Sequential(Linear, ReLU(inplace=True), Linear)`` cut after the first Linear: the
+    second stage starts with an in-place ReLU on the received activation. On main torch
+    refused it ("Output 0 of _Recv is a view and is being modified inplace") on rank 1,
+    and rank 0 waited for its gradient until the timeout."""
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        lin = lambda a, b: torch.nn.Linear(a, b, dtype=F64)
+        return torch.nn.Sequential(lin(4, 8), torch.nn.ReLU(inplace=True), lin(8, 2))
+
+    with dc.timeout(10):
+        return _pp_run(build, schedule=schedule, balance=[1, 2])
+
+
+def pp_inplace_relu_on_received_activation_1f1b() -> dict[str, float]:
+    return _inplace_relu_stages("1f1b")
+
+
+def pp_inplace_relu_on_received_activation_zbh1() -> dict[str, float]:
+    return _inplace_relu_stages("zb-h1")
+
+
 def _reverse_b(p: int, m: int) -> list[list[Any]]:
     """A user's schedule: every forward, then the backwards newest first (GPipe reversed)."""
     from diffcomm.pipeline import Step
@@ -2484,6 +2507,8 @@ def pp_zbv_input_grad_and_loss_on_rank0_only() -> dict[str, float]:
 
 
 PP_PROGRAMS: dict[str, Program] = {
+    "inplace_relu_on_received_activation_1f1b": Program(pp_inplace_relu_on_received_activation_1f1b),
+    "inplace_relu_on_received_activation_zbh1": Program(pp_inplace_relu_on_received_activation_zbh1),
     "custom_schedule_backwards_reversed": Program(pp_custom_schedule_backwards_reversed),
     "custom_schedule_split_reversed_w3": Program(pp_custom_schedule_split_reversed_w3, world=3),
     "custom_schedule_w_before_i": Program(
@@ -2975,7 +3000,26 @@ def io_mesh_column_major_broadcast_and_shift_w4() -> dict[str, float]:
     return {"y": _d(y, xs[row[1]]), "z": _d(z, xs[other]), "dx": _d(x.grad, dx)}
 
 
+def io_results_changed_in_place_w3() -> dict[str, float]:
+    """Results changed in place, as any torch result may be: all_gather along dim 1 then
+    ``mul_``, a received tensor then ``relu_`` (ring: each rank receives from r - 1)."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    xs, cs = _xs(w, (2, 3)), _xs(w, (2, 3 * w), seed=100)
+    x = xs[r].clone().requires_grad_()
+    y = dc.all_gather(torch.tanh(x), dim=1).mul_(2.0)
+    tok = dc.send(x * 1.0, dst=(r + 1) % w)  # sends do not block (docs/p2p.md)
+    z = dc.recv(src=(r - 1) % w)
+    z = z.relu_()
+    ((y * cs[r]).sum() + (z * cs[r][:, :3]).sum() + tok).backward()
+    sx = [t.clone().requires_grad_() for t in xs]
+    ys = [2.0 * torch.cat([torch.tanh(t) for t in sx], dim=1) for _ in range(w)]
+    zs = [torch.relu(sx[(q - 1) % w]) for q in range(w)]
+    sum((ys[q] * cs[q]).sum() + (zs[q] * cs[q][:, :3]).sum() for q in range(w)).backward()
+    return {"y": _d(y, ys[r]), "z": _d(z, zs[r]), "dx": _d(x.grad, sx[r].grad)}
+
+
 IO_PROGRAMS: dict[str, Program] = {
+    "results_changed_in_place_w3": Program(io_results_changed_in_place_w3, world=3),
     "subgroup_unsorted_ranks_reduce_w3": Program(io_subgroup_unsorted_ranks_reduce_w3, world=3),
     "mesh_column_major_broadcast_and_shift_w4": Program(io_mesh_column_major_broadcast_and_shift_w4, world=4),
     "subgroup_members_only_w3": Program(io_subgroup_members_only_w3, world=3),
