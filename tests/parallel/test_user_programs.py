@@ -2071,8 +2071,9 @@ def _grads_vs(
     ref_ps = list(ref.parameters())
     out: dict[str, float] = {}
     seen: set[int] = set()
-    for s in stages:
-        for name, p in s.named_parameters():
+    for i, s in enumerate(stages):
+        for local, p in s.named_parameters():
+            name = f"chunk{i}.{local}"
             if id(p) in seen:
                 continue
             seen.add(id(p))
@@ -2449,6 +2450,60 @@ def pp_inplace_relu_on_received_activation_zbh1() -> dict[str, float]:
     return _inplace_relu_stages("zb-h1")
 
 
+def _runner_for(schedule: str, model: torch.nn.Module) -> tuple[Any, list[torch.nn.Module]]:
+    """The docs' placement for ``schedule`` (V for zbv/dualpipev, loop for interleaved)."""
+    from diffcomm.pipeline import PipelineRunner, partition
+
+    r, p = dc.get_rank(), dc.get_world_size()
+    v = schedule in ("zbv", "dualpipev", "interleaved")
+    parts = partition(model, 2 * p if v else p)
+    if schedule in ("zbv", "dualpipev"):
+        stages = [parts[r], parts[2 * p - 1 - r]]
+    else:
+        stages = list(parts[r::p])
+    runner = PipelineRunner(stages if v else stages[0], schedule=schedule, loss_fn=F.mse_loss)
+    return runner, stages
+
+
+def _eval_step(schedule: str) -> dict[str, float]:
+    """A validation loss: ``runner.step`` under ``torch.no_grad()`` returns the serial loss
+    and leaves every ``.grad`` as it was (None)."""
+    model = _mlp([4, 5, 5, 5, 2])
+    runner, _ = _runner_for(schedule, model)
+    g = _gen(5)
+    x, t = torch.randn(8, 4, dtype=F64, generator=g), torch.randn(8, 2, dtype=F64, generator=g)
+    with torch.no_grad():
+        loss = runner.step(x, t, n_micro=4)
+        ref = _serial_loss(model, x, t, 4, F.mse_loss)
+    touched = [q for q in model.parameters() if q.grad is not None]
+    return {"loss": _d(loss, ref), "grads left alone": 0.0 if not touched else float("inf")}
+
+
+def pp_eval_step_under_no_grad_1f1b() -> dict[str, float]:
+    return _eval_step("1f1b")
+
+
+def pp_eval_step_under_no_grad_zbv() -> dict[str, float]:
+    return _eval_step("zbv")
+
+
+def pp_inputs_require_grad_without_input_grad_zbh1() -> dict[str, float]:
+    """The user's batch requires grad (input_grad=False): stage 0 accumulates the loss's
+    gradient into ``x.grad`` as the serial ``loss.backward()`` does."""
+    model, ref = _mlp([4, 5, 5, 5, 2]), _mlp([4, 5, 5, 5, 2])
+    runner, stages = _runner_for("zb-h1", model)
+    g = _gen(5)
+    x, t = torch.randn(8, 4, dtype=F64, generator=g), torch.randn(8, 2, dtype=F64, generator=g)
+    xg, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    loss = runner.step(xg, t, n_micro=4)
+    ref_loss = _serial_loss(ref, xf, t, 4, F.mse_loss)
+    ref_loss.backward()
+    out = {"loss": _d(loss, ref_loss.detach()), **_grads_vs(model, ref, stages)}
+    if dc.get_rank() == 0:
+        out["x.grad"] = _d(xg.grad, xf.grad)
+    return out
+
+
 def _reverse_b(p: int, m: int) -> list[list[Any]]:
     """A user's schedule: every forward, then the backwards newest first (GPipe reversed)."""
     from diffcomm.pipeline import Step
@@ -2507,6 +2562,9 @@ def pp_zbv_input_grad_and_loss_on_rank0_only() -> dict[str, float]:
 
 
 PP_PROGRAMS: dict[str, Program] = {
+    "eval_step_under_no_grad_1f1b": Program(pp_eval_step_under_no_grad_1f1b),
+    "eval_step_under_no_grad_zbv": Program(pp_eval_step_under_no_grad_zbv),
+    "inputs_require_grad_without_input_grad_zbh1": Program(pp_inputs_require_grad_without_input_grad_zbh1),
     "inplace_relu_on_received_activation_1f1b": Program(pp_inplace_relu_on_received_activation_1f1b),
     "inplace_relu_on_received_activation_zbh1": Program(pp_inplace_relu_on_received_activation_zbh1),
     "custom_schedule_backwards_reversed": Program(pp_custom_schedule_backwards_reversed),
@@ -3018,7 +3076,31 @@ def io_results_changed_in_place_w3() -> dict[str, float]:
     return {"y": _d(y, ys[r]), "z": _d(z, zs[r]), "dx": _d(x.grad, sx[r].grad)}
 
 
+def io_checkpointed_collectives_and_sendrecv() -> dict[str, float]:
+    """torch.utils.checkpoint (non-reentrant) around all_reduce(max), sendrecv and
+    all_gather: every rank recomputes them in backward, in the same order."""
+    import torch.utils.checkpoint as ckpt
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    xs, cs = _xs(w), _xs(w, (2 * w, 3), seed=100)
+    x = xs[r].clone().requires_grad_()
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        m = dc.all_reduce(t, op="max")
+        nb = dc.sendrecv(torch.tanh(t), dst=(r + 1) % w, src=(r - 1) % w)
+        return torch.tanh(dc.all_gather(m * nb))
+
+    y = ckpt.checkpoint(block, x, use_reentrant=False)
+    (y * cs[r]).sum().backward()
+    sx = [t.clone().requires_grad_() for t in xs]
+    m = torch.stack(sx).amax(0)
+    full = torch.tanh(torch.cat([m * torch.tanh(sx[(q - 1) % w]) for q in range(w)]))
+    sum((full * cs[q]).sum() for q in range(w)).backward()
+    return {"y": _d(y, full), "dx": _d(x.grad, sx[r].grad)}
+
+
 IO_PROGRAMS: dict[str, Program] = {
+    "checkpointed_collectives_and_sendrecv_w3": Program(io_checkpointed_collectives_and_sendrecv, world=3),
     "results_changed_in_place_w3": Program(io_results_changed_in_place_w3, world=3),
     "subgroup_unsorted_ranks_reduce_w3": Program(io_subgroup_unsorted_ranks_reduce_w3, world=3),
     "mesh_column_major_broadcast_and_shift_w4": Program(io_mesh_column_major_broadcast_and_shift_w4, world=4),
