@@ -2504,6 +2504,59 @@ def pp_inputs_require_grad_without_input_grad_zbh1() -> dict[str, float]:
     return out
 
 
+class _DataDependentRows(torch.nn.Module):
+    """A stage whose activation's shape differs between micro-batches: it keeps the rows
+    whose first feature is positive (``reshape``: the same numel, laid out (-1, 8) or
+    (-1, 4) by the micro-batch's first value)."""
+
+    def __init__(self, reshape: bool) -> None:
+        super().__init__()
+        self.lin, self.reshape = torch.nn.Linear(4, 4, dtype=F64), reshape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        if self.reshape:
+            return h.reshape(-1, 8) if x[0, 0] > 0 else h
+        return h[h[:, 0] > 0]
+
+
+class _ScaleTanh(torch.nn.Module):
+    def __init__(self, w: float) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((1,), w, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.w)
+
+
+def _variable_shapes(reshape: bool, schedule: str) -> dict[str, float]:
+    """Activations of other shapes in every micro-batch, over two steps (the runner's
+    agreed shape per channel, fused messages and pre-posted receives all see them)."""
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(_DataDependentRows(reshape), _ScaleTanh(1.3), _ScaleTanh(0.7))
+
+    return _pp_run(
+        build,
+        schedule=schedule,
+        balance=[1, 1, 1],
+        loss_fn=lambda o: o.square().sum(),
+        with_targets=False,
+        batch=16,
+        n_micro=8,
+        steps=2,
+    )
+
+
+def pp_variable_rows_per_micro_batch_1f1b_w3() -> dict[str, float]:
+    return _variable_shapes(False, "1f1b")
+
+
+def pp_variable_layout_per_micro_batch_zbh1_w3() -> dict[str, float]:
+    return _variable_shapes(True, "zb-h1")
+
+
 def _reverse_b(p: int, m: int) -> list[list[Any]]:
     """A user's schedule: every forward, then the backwards newest first (GPipe reversed)."""
     from diffcomm.pipeline import Step
@@ -2562,6 +2615,8 @@ def pp_zbv_input_grad_and_loss_on_rank0_only() -> dict[str, float]:
 
 
 PP_PROGRAMS: dict[str, Program] = {
+    "variable_rows_per_micro_batch_1f1b_w3": Program(pp_variable_rows_per_micro_batch_1f1b_w3, world=3),
+    "variable_layout_per_micro_batch_zbh1_w3": Program(pp_variable_layout_per_micro_batch_zbh1_w3, world=3),
     "eval_step_under_no_grad_1f1b": Program(pp_eval_step_under_no_grad_1f1b),
     "eval_step_under_no_grad_zbv": Program(pp_eval_step_under_no_grad_zbv),
     "inputs_require_grad_without_input_grad_zbh1": Program(pp_inputs_require_grad_without_input_grad_zbh1),
