@@ -2557,6 +2557,44 @@ def pp_variable_layout_per_micro_batch_zbh1_w3() -> dict[str, float]:
     return _variable_shapes(True, "zb-h1")
 
 
+def _misplaced(kind: str) -> dict[str, float]:
+    """Chunks from partition() given to the runner in another placement than the schedule's
+    (docs: interleaved takes parts[r::p], the V schedules [parts[r], parts[2p-1-r]])."""
+    from diffcomm.pipeline import PipelineRunner, partition
+
+    r, p = dc.get_rank(), dc.get_world_size()
+    model, ref = _mlp([4] * 8 + [2]), _mlp([4] * 8 + [2])
+    if kind == "interleaved_contiguous":  # the natural guess: rank r takes parts 2r, 2r+1
+        stages, schedule = list(partition(model, 2 * p)[2 * r : 2 * r + 2]), "interleaved"
+    elif kind == "zbv_loop":
+        stages, schedule = list(partition(model, 2 * p)[r::p]), "zbv"
+    else:  # 1F1B with the ranks reversed
+        stages, schedule = [partition(model, p)[p - 1 - r]], "1f1b"
+    runner = PipelineRunner(stages if len(stages) > 1 else stages[0], schedule=schedule, loss_fn=F.mse_loss)
+    g = _gen(5)
+    x, t = torch.randn(8, 4, dtype=F64, generator=g), torch.randn(8, 2, dtype=F64, generator=g)
+    loss = runner.step(x, t, n_micro=4)
+    ref_loss = _serial_loss(ref, x, t, 4, F.mse_loss)
+    ref_loss.backward()
+    return {"loss": _d(loss, ref_loss.detach()), **_grads_vs(model, ref, stages)}
+
+
+def pp_interleaved_chunks_taken_contiguously() -> dict[str, float]:
+    """On main: it ran the model in the order 0, 2, 1, 3, silently (loss off by 0.049,
+    gradients by up to 0.04)."""
+    return _misplaced("interleaved_contiguous")
+
+
+def pp_zbv_chunks_in_loop_placement() -> dict[str, float]:
+    """On main: a shape error from inside the wrong stage on one rank, a timeout on the other."""
+    return _misplaced("zbv_loop")
+
+
+def pp_1f1b_stages_reversed() -> dict[str, float]:
+    """On main: both ranks waited until the timeout (a DesyncError)."""
+    return _misplaced("1f1b_reversed")
+
+
 def _reverse_b(p: int, m: int) -> list[list[Any]]:
     """A user's schedule: every forward, then the backwards newest first (GPipe reversed)."""
     from diffcomm.pipeline import Step
@@ -2615,6 +2653,13 @@ def pp_zbv_input_grad_and_loss_on_rank0_only() -> dict[str, float]:
 
 
 PP_PROGRAMS: dict[str, Program] = {
+    "interleaved_chunks_taken_contiguously": Program(
+        pp_interleaved_chunks_taken_contiguously, error=(ValueError, r"`stage`.*parts\[\d::2\]")
+    ),
+    "zbv_chunks_in_loop_placement": Program(
+        pp_zbv_chunks_in_loop_placement, error=(ValueError, r"`stage`.*\[parts\[\d\], parts\[\d\]\]")
+    ),
+    "1f1b_stages_reversed": Program(pp_1f1b_stages_reversed, error=(ValueError, r"`stage`.*parts\[\d\]")),
     "variable_rows_per_micro_batch_1f1b_w3": Program(pp_variable_rows_per_micro_batch_1f1b_w3, world=3),
     "variable_layout_per_micro_batch_zbh1_w3": Program(pp_variable_layout_per_micro_batch_zbh1_w3, world=3),
     "eval_step_under_no_grad_1f1b": Program(pp_eval_step_under_no_grad_1f1b),

@@ -359,6 +359,7 @@ class PipelineRunner:
             raise A.arg_error("PipelineRunner", "loss_fn", "callable", type(loss_fn).__name__, TypeError)
         self.chunks = chunks
         self._gs = [virtual_stage(self.rank, c, self.n_stages, self.placement) for c in range(self.n_chunks)]
+        self._check_positions()
         self.stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         self.loss_fn = loss_fn
         self.broadcast_loss = bool(broadcast_loss)
@@ -394,6 +395,29 @@ class PipelineRunner:
         self.input_grad: Tensor | None = None
 
     # ---- the schedule --------------------------------------------------------------
+    def _check_positions(self) -> None:
+        """A chunk cut by :func:`partition` must be the virtual stage the placement runs it
+        as: chunk ``c`` of rank ``r`` is stage ``r + c p`` (loop) or ``r`` / ``2p-1-r`` (V)."""
+        n = self.n_stages * self.n_chunks
+        for c, chunk in enumerate(self.chunks):
+            pos = getattr(chunk, "partition_position", None)
+            if pos is None or pos == (self._gs[c], n):
+                continue
+            p, r = self.n_stages, self.rank
+            give = (
+                f"[parts[{r}], parts[{2 * p - 1 - r}]]"
+                if self.placement == "v"
+                else (f"parts[{r}::{p}]" if self.n_chunks > 1 else f"parts[{r}]")
+            )
+            raise A.arg_error(
+                "PipelineRunner",
+                "stage",
+                f"this rank's stages in the schedule's {self.placement} placement: chunk {c} "
+                f"of rank {r} runs virtual stage {self._gs[c]} of {n} (with parts = "
+                f"partition(model, {n}), give rank {r} {give})",
+                f"partition's stage {pos[0]} of {pos[1]} as chunk {c}",
+            )
+
     def schedule(self, n_micro: int) -> list[list[Step | Overlap]]:
         """Every rank's steps for ``n_micro`` micro-batches, validated by
         :func:`~diffcomm.pipeline.check_schedule` (a ``ScheduleError`` names the step)."""
