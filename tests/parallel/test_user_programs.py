@@ -3199,7 +3199,54 @@ def io_checkpointed_collectives_and_sendrecv() -> dict[str, float]:
     return {"y": _d(y, full), "dx": _d(x.grad, sx[r].grad)}
 
 
+def _pipeline_under_check(schedule: str) -> dict[str, float]:
+    """A training step of a pipeline under dc.spmd_check (docs/spmd_types.md: a stage's
+    parameters are its own): no false positive, and the step is still right."""
+    model, ref = _mlp([4, 5, 5, 5, 2]), _mlp([4, 5, 5, 5, 2])
+    runner, stages = _runner_for(schedule, model)
+    g = _gen(5)
+    x, t = torch.randn(8, 4, dtype=F64, generator=g), torch.randn(8, 2, dtype=F64, generator=g)
+    with dc.spmd_check():
+        loss = runner.step(x, t, n_micro=4)
+        torch.optim.SGD([q for st in stages for q in st.parameters()], lr=0.0).step()
+    ref_loss = _serial_loss(ref, x, t, 4, F.mse_loss)
+    ref_loss.backward()
+    return {"loss": _d(loss, ref_loss.detach()), **_grads_vs(model, ref, stages)}
+
+
+def io_pipeline_interleaved_under_spmd_check() -> dict[str, float]:
+    return _pipeline_under_check("interleaved")
+
+
+def io_pipeline_dualpipev_under_spmd_check() -> dict[str, float]:
+    return _pipeline_under_check("dualpipev")
+
+
+def io_pipeline_on_mesh_forgot_dp_sync_under_check_w4() -> dict[str, float]:
+    """The (dp, pp) mesh program checked over the dp axis, with the dp gradient average
+    left out: the replicas would drift apart; the check names the parameter."""
+    from diffcomm.pipeline import PipelineRunner, partition
+
+    mesh = _mesh((2, 2), ("dp", "pp"))
+    dp, pp = mesh.get_coordinate()
+    stage = partition(_mlp([4, 8, 8, 2]), 2)[pp]
+    runner = PipelineRunner(stage, schedule="1f1b", group=(mesh, "pp"), loss_fn=F.mse_loss)
+    g = _gen(5)
+    x, t = torch.randn(8, 4, dtype=F64, generator=g), torch.randn(8, 2, dtype=F64, generator=g)
+    with dc.spmd_check(group=(mesh, "dp")):
+        runner.step(dc.spmd.varying(x.chunk(2)[dp]), dc.spmd.varying(t.chunk(2)[dp]), n_micro=2)
+        torch.optim.SGD(stage.parameters(), lr=0.1).step()
+    return {"ran": 0.0}
+
+
 IO_PROGRAMS: dict[str, Program] = {
+    "pipeline_interleaved_under_spmd_check": Program(io_pipeline_interleaved_under_spmd_check),
+    "pipeline_dualpipev_under_spmd_check": Program(io_pipeline_dualpipev_under_spmd_check),
+    "pipeline_on_mesh_forgot_dp_sync_under_check_w4": Program(
+        io_pipeline_on_mesh_forgot_dp_sync_under_check_w4,
+        world=4,
+        error=(TypeError, r"Linear\.weight is replicated, but its gradient is partial"),
+    ),
     "checkpointed_collectives_and_sendrecv_w3": Program(io_checkpointed_collectives_and_sendrecv, world=3),
     "results_changed_in_place_w3": Program(io_results_changed_in_place_w3, world=3),
     "subgroup_unsorted_ranks_reduce_w3": Program(io_subgroup_unsorted_ranks_reduce_w3, world=3),
