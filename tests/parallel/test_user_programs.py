@@ -2415,6 +2415,29 @@ def _stop_gradient_program(detach: bool, schedule: str) -> dict[str, float]:
         return _pp_run(build, schedule=schedule, balance=[1, 1, 1])
 
 
+def _stop_gradient_v(detach: bool, schedule: str, pos: int) -> dict[str, float]:
+    """The stop-gradient layer as virtual stage ``pos`` of 4 under a two-chunk schedule."""
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        mods: list[torch.nn.Module] = [torch.nn.Linear(4, 4, dtype=F64) for _ in range(3)]
+        mods[pos] = _NoGradMiddle(detach)
+        return torch.nn.Sequential(*mods, torch.nn.Linear(4, 2, dtype=F64))
+
+    with dc.timeout(10):
+        return _pp_run(build, schedule=schedule, chunks=2, balance=[1, 1, 1, 1])
+
+
+def pp_no_grad_stage_at_the_v_turn_zbv() -> dict[str, float]:
+    """Virtual stage 1 (rank 1's first chunk) under no_grad: its input came from rank 0."""
+    return _stop_gradient_v(False, "zbv", 1)
+
+
+def pp_detached_stage_after_the_v_turn_dualpipev() -> dict[str, float]:
+    """Virtual stage 2 (rank 1's second chunk, fed locally at the turn) detaches its input."""
+    return _stop_gradient_v(True, "dualpipev", 2)
+
+
 def pp_no_grad_middle_stage_1f1b_w3() -> dict[str, float]:
     return _stop_gradient_program(False, "1f1b")
 
@@ -2674,6 +2697,8 @@ PP_PROGRAMS: dict[str, Program] = {
     ),
     "zbv_input_grad_and_loss_on_rank0_only": Program(pp_zbv_input_grad_and_loss_on_rank0_only),
     "no_grad_middle_stage_1f1b_w3": Program(pp_no_grad_middle_stage_1f1b_w3, world=3),
+    "no_grad_stage_at_the_v_turn_zbv": Program(pp_no_grad_stage_at_the_v_turn_zbv),
+    "detached_stage_after_the_v_turn_dualpipev": Program(pp_detached_stage_after_the_v_turn_dualpipev),
     "detached_input_middle_stage_zbh1_w3": Program(pp_detached_input_middle_stage_zbh1_w3, world=3),
     "detached_input_middle_stage_gpipe_w3": Program(pp_detached_input_middle_stage_gpipe_w3, world=3),
     "stage_without_parameters_w3": Program(pp_stage_without_parameters_w3, world=3),
