@@ -2929,7 +2929,33 @@ def kit_sp_block_applied_twice_plain_module() -> dict[str, float]:
     return _sp_twice(torch.nn.Module)
 
 
+def kit_on_a_subgroup_w3() -> dict[str, float]:
+    """The kit on new_group([0, 1]) while rank 2 does something else: assert_matches_serial
+    of a tensor-parallel MLP, gradcheck and check_adjoint, each given ``group=``."""
+    import torch.distributed as dist
+
+    from diffcomm.testing import assert_matches_serial
+
+    r = dc.get_rank()
+    g = dist.new_group([0, 1])
+    if r == 2:
+        return {"outside": 0.0}
+    torch.manual_seed(0)
+    serial = parallel.MLP(8, 12, dtype=F64)
+    x = torch.randn(3, 8, dtype=F64)
+    tp = parallel.ParallelMLP.from_serial(serial, group=g)
+    xs = torch.randn(2, 2, dtype=F64, generator=_gen(r), requires_grad=True)
+    y = torch.randn(4, 2, dtype=F64, generator=_gen(7 + r))
+    out = _ok(lambda: assert_matches_serial(tp, serial, x, group=g))
+    out.update(
+        _ok(lambda: testing.gradcheck(lambda t: torch.tanh(dc.all_gather(t, group=g)), (xs,), group=g))
+    )
+    out["adjoint"] = testing.check_adjoint(lambda t: dc.all_gather(t, group=g), xs.detach(), y, group=g)
+    return out
+
+
 KIT_PROGRAMS: dict[str, Program] = {
+    "on_a_subgroup_w3": Program(kit_on_a_subgroup_w3, world=3),
     "sp_block_applied_twice_parallel_module_w3": Program(
         kit_sp_block_applied_twice_parallel_module_w3, world=3
     ),
