@@ -3290,7 +3290,32 @@ def io_pipeline_on_mesh_forgot_dp_sync_under_check_w4() -> dict[str, float]:
     return {"ran": 0.0}
 
 
+def io_submesh_alone_as_group_w4() -> dict[str, float]:
+    """``mesh["tp"]`` (a 1-D DeviceMesh, DTensor's habit) passed as the group by itself."""
+    mesh = _mesh((2, 2), ("dp", "tp"))
+    dc.all_reduce(torch.ones(1, dtype=F64), group=mesh["tp"])
+    return {"ran": 0.0}
+
+
+def io_submesh_pair_and_get_group_w4() -> dict[str, float]:
+    """(mesh["tp"], 0), (mesh["tp"], "tp") and mesh.get_group("tp"): the same tp group."""
+    r = dc.get_rank()
+    mesh = _mesh((2, 2), ("dp", "tp"))
+    x = torch.full((1,), float(r), dtype=F64)
+    want = float(2 * (r // 2) + 2 * (r // 2) + 1)  # the two ranks of this rank's tp row
+    return {
+        str(k): abs(float(dc.all_reduce(x, group=g)) - want)
+        for k, g in enumerate([(mesh["tp"], 0), (mesh["tp"], "tp"), mesh.get_group("tp"), (mesh, "tp")])
+    }
+
+
 IO_PROGRAMS: dict[str, Program] = {
+    "submesh_alone_as_group_w4": Program(
+        io_submesh_alone_as_group_w4,
+        world=4,
+        error=(TypeError, r"`group` must be .*\(DeviceMesh, axis\) pair"),
+    ),
+    "submesh_pair_and_get_group_w4": Program(io_submesh_pair_and_get_group_w4, world=4),
     "pipeline_interleaved_under_spmd_check": Program(io_pipeline_interleaved_under_spmd_check),
     "pipeline_dualpipev_under_spmd_check": Program(io_pipeline_dualpipev_under_spmd_check),
     "pipeline_on_mesh_forgot_dp_sync_under_check_w4": Program(
