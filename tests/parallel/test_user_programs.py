@@ -2618,6 +2618,40 @@ def pp_1f1b_stages_reversed() -> dict[str, float]:
     return _misplaced("1f1b_reversed")
 
 
+def _measured(schedule: str) -> dict[str, float]:
+    """costs="measure": the W steps placed from measured times (they change between steps,
+    and again after remeasure()), four steps accumulating into .grad."""
+    from diffcomm.pipeline import PipelineRunner, partition
+
+    r, p = dc.get_rank(), dc.get_world_size()
+    model, ref = _mlp([4, 5, 5, 5, 2]), _mlp([4, 5, 5, 5, 2])
+    v = schedule == "zbv"
+    parts = partition(model, 2 * p if v else p)
+    stages = [parts[r], parts[2 * p - 1 - r]] if v else [parts[r]]
+    runner = PipelineRunner(
+        stages if v else stages[0], schedule=schedule, loss_fn=F.mse_loss, costs="measure"
+    )
+    g = _gen(5)
+    out: dict[str, float] = {}
+    for i in range(4):
+        x, t = torch.randn(8, 4, dtype=F64, generator=g), torch.randn(8, 2, dtype=F64, generator=g)
+        loss = runner.step(x, t, n_micro=4)
+        ref_loss = _serial_loss(ref, x, t, 4, F.mse_loss)
+        ref_loss.backward()
+        out[f"loss{i}"] = _d(loss, ref_loss.detach())
+        if i == 1:
+            runner.remeasure()
+    return {**out, **_grads_vs(model, ref, stages)}
+
+
+def pp_measured_w_placement_zbh1() -> dict[str, float]:
+    return _measured("zb-h1")
+
+
+def pp_measured_w_placement_zbv() -> dict[str, float]:
+    return _measured("zbv")
+
+
 def _reverse_b(p: int, m: int) -> list[list[Any]]:
     """A user's schedule: every forward, then the backwards newest first (GPipe reversed)."""
     from diffcomm.pipeline import Step
@@ -2676,6 +2710,8 @@ def pp_zbv_input_grad_and_loss_on_rank0_only() -> dict[str, float]:
 
 
 PP_PROGRAMS: dict[str, Program] = {
+    "measured_w_placement_zbh1": Program(pp_measured_w_placement_zbh1),
+    "measured_w_placement_zbv": Program(pp_measured_w_placement_zbv),
     "interleaved_chunks_taken_contiguously": Program(
         pp_interleaved_chunks_taken_contiguously, error=(ValueError, r"`stage`.*parts\[\d::2\]")
     ),
