@@ -2990,7 +2990,28 @@ def kit_on_a_subgroup_w3() -> dict[str, float]:
     return out
 
 
+def kit_gradcheck_sequence_parallel_layernorm_w3() -> dict[str, float]:
+    """gradcheck of SequenceParallelLayerNorm with its parameters as inputs
+    (functional_call, docs/testing.md), output gathered along the sequence so the objective
+    is replicated; the sequence shard is each rank's own input, the parameters replicated."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    ln = parallel.SequenceParallelLayerNorm(3, dtype=F64)
+    torch.manual_seed(0)
+    ps = [torch.randn(3, dtype=F64).requires_grad_() for _ in range(2)]  # weight, bias: the same everywhere
+    x = torch.randn(2 * w, 2, 3, dtype=F64).chunk(w)[r].clone().requires_grad_()
+    names = [n for n, _ in ln.named_parameters()]
+
+    def fn(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        y = torch.func.functional_call(ln, dict(zip(names, params)), (x,))
+        return parallel.gather_from_sequence(torch.tanh(y), dim=0)
+
+    return _ok(lambda: testing.gradcheck(fn, (x, *ps), objective="replicated", replicated=[1, 2]))
+
+
 KIT_PROGRAMS: dict[str, Program] = {
+    "gradcheck_sequence_parallel_layernorm_w3": Program(
+        kit_gradcheck_sequence_parallel_layernorm_w3, world=3
+    ),
     "on_a_subgroup_w3": Program(kit_on_a_subgroup_w3, world=3),
     "sp_block_applied_twice_parallel_module_w3": Program(
         kit_sp_block_applied_twice_parallel_module_w3, world=3
