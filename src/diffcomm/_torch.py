@@ -59,12 +59,31 @@ __all__ = [
     "FLASH_ATTENTION_CPU_BACKWARD",
     "mps_initial_seed",
     "assert_async",
+    "not_a_view",
 ]
 
 #: ``assert_async(condition, message)``: raise ``RuntimeError(message)`` unless the 0-dim
 #: bool tensor ``condition`` is true, without a host sync on an accelerator (a device-side
 #: assert there, as ``nn.Embedding``'s index check); traced by torch.compile.
 assert_async: Callable[[torch.Tensor, str], None] = torch._assert_async
+
+
+def not_a_view(out: Any, x: Any) -> Any:
+    """``out`` itself, or — when it is a plain tensor that is a view (``out._base``) of a
+    buffer the op made (the bytes of a received message, a gathered buffer moved to
+    ``dim``) — an alias of the same memory that is not a view. torch refuses an in-place
+    change of an autograd Function's output that is a view (its view+inplace logic would
+    replace the Function's backward), so without this ``dc.recv(...).relu_()`` or
+    ``dc.all_gather(x, dim=1).mul_(2)`` raised where the same code on any torch result
+    works. A view of the input ``x`` is kept as it is (autograd must see that aliasing;
+    diffcomm's results never alias their input)."""
+    if type(out) is torch.Tensor:
+        base = out._base
+        if base is not None and base is not x and (x is None or base is not x._base):
+            alias = torch.empty(0, dtype=out.dtype, device=out.device)
+            return alias.set_(out.untyped_storage(), out.storage_offset(), out.size(), out.stride())
+    return out
+
 
 # ---------------------------------------------------------------- torch.distributed (c10d)
 

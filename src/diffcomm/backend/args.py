@@ -112,6 +112,19 @@ def renamed_sizes(split_sizes: Any, sizes: Any, op: str) -> tuple[Any, str]:
 def check_tensor(x: Any, op: str, arg: str = "x") -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise arg_error(op, arg, "a torch.Tensor", type(x).__name__, TypeError)
+    if type(x) is not torch.Tensor and _is_dtensor(x):
+        # A DTensor is one global tensor; diffcomm's ops act on each rank's own tensor.
+        # Given one, torch's dispatch raised deep in the call (no sharding strategy for
+        # the raw c10d op), naming neither the argument nor the way out.
+        raise arg_error(
+            op,
+            arg,
+            "a plain torch.Tensor (this rank's own data: diffcomm's ops act on per-rank "
+            "tensors; pass `x.to_local()`, this rank's shard, and rebuild with "
+            "`DTensor.from_local` if needed)",
+            f"a DTensor with placements {tuple(getattr(x, 'placements', ()))}",
+            TypeError,
+        )
     if x.is_sparse:
         raise arg_error(op, arg, "a dense (strided) tensor", "a sparse tensor", TypeError)
     return x
@@ -235,3 +248,13 @@ def check_grad_dtype(x: torch.Tensor, op: str, arg: str = "x") -> None:
     """Only floating and complex tensors can carry gradients (torch enforces it too)."""
     if x.requires_grad and not (x.is_floating_point() or x.is_complex()):
         raise arg_error(op, arg, "a floating or complex tensor to require grad", str(x.dtype), TypeError)
+
+
+def _is_dtensor(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (imported only when a tensor
+    subclass comes by)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed tensors
+        return False
+    return isinstance(x, DTensor)

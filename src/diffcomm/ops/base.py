@@ -365,12 +365,13 @@ def _labelled_forward(run: Any, params: tuple[str, ...], name: str, label: Any) 
         f"    outer = _get()\n"  # nest_label, inline
         f"    token = _set(outer + ' -> ' + text if outer else text)\n"
         f"    try:\n"
-        f"        return _run({args})\n"
+        f"        return _own(_run({args}), {params[0]})\n"
         f"    finally:\n"
         f"        _reset(token)\n"
     )
     scope = {
         "_run": run,
+        "_own": _torch.not_a_view,  # a result the user may change in place
         "_label": label,
         "_name": name,
         "_get": B.LABEL.get,

@@ -29,7 +29,9 @@ def partition(
 
     Returns:
         ``n_stages`` ``nn.Sequential`` s sharing the model's modules (no copies), so the
-        parameters of stage ``s`` are the model's own. A module used at several positions
+        parameters of stage ``s`` are the model's own. Each records
+        ``partition_position = (s, n_stages)``, which :class:`PipelineRunner` checks
+        against the virtual stage it runs the chunk as. A module used at several positions
         keeps every use; one with parameters used in two stages gives a ``UserWarning``
         (on different ranks, each holds a part of its gradient).
 
@@ -57,8 +59,13 @@ def partition(
     else:
         sizes = _balanced_sizes([_n_params(m) for m in layers], n_stages)
     out, start = [], 0
-    for size in sizes:
-        out.append(nn.Sequential(*layers[start : start + size]))
+    for i, size in enumerate(sizes):
+        stage = nn.Sequential(*layers[start : start + size])
+        # where the stage sits in the model: the runner checks it against the virtual stage
+        # its placement gives the chunk (a chunk given to the wrong rank or slot ran another
+        # model, silently, when the widths allowed it)
+        stage.__dict__["partition_position"] = (i, n_stages)
+        out.append(stage)
         start += size
     _warn_shared_across_stages(out)
     return out

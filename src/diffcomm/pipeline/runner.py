@@ -75,7 +75,7 @@ from .schedules import SCHEDULES, Overlap, ScheduleFn, Step, expand_steps, sched
 from .timeline import TimelineEntry
 from .validate import check_schedule
 
-# Size: ~750 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# Size: ~950 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
 # split backward, pre-posted receives, the V placement's local turn and the phased forward of
 # an Overlap share one step's state.
 
@@ -98,6 +98,9 @@ class _Stash:
     grad_bytes: int = 0
     local: bool = False  # the next virtual stage is on this rank (V placement's turn)
     grad_posted: bool = False  # the receive of the output's gradient is posted
+    # a received input that requires grad: [True] once its gradient was computed (the
+    # receive's backward, which sends it upstream, ran)
+    reached: list[bool] | None = None
 
 
 @dataclass
@@ -356,6 +359,7 @@ class PipelineRunner:
             raise A.arg_error("PipelineRunner", "loss_fn", "callable", type(loss_fn).__name__, TypeError)
         self.chunks = chunks
         self._gs = [virtual_stage(self.rank, c, self.n_stages, self.placement) for c in range(self.n_chunks)]
+        self._check_positions()
         self.stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         self.loss_fn = loss_fn
         self.broadcast_loss = bool(broadcast_loss)
@@ -391,6 +395,29 @@ class PipelineRunner:
         self.input_grad: Tensor | None = None
 
     # ---- the schedule --------------------------------------------------------------
+    def _check_positions(self) -> None:
+        """A chunk cut by :func:`partition` must be the virtual stage the placement runs it
+        as: chunk ``c`` of rank ``r`` is stage ``r + c p`` (loop) or ``r`` / ``2p-1-r`` (V)."""
+        n = self.n_stages * self.n_chunks
+        for c, chunk in enumerate(self.chunks):
+            pos = getattr(chunk, "partition_position", None)
+            if pos is None or pos == (self._gs[c], n):
+                continue
+            p, r = self.n_stages, self.rank
+            give = (
+                f"[parts[{r}], parts[{2 * p - 1 - r}]]"
+                if self.placement == "v"
+                else (f"parts[{r}::{p}]" if self.n_chunks > 1 else f"parts[{r}]")
+            )
+            raise A.arg_error(
+                "PipelineRunner",
+                "stage",
+                f"this rank's stages in the schedule's {self.placement} placement: chunk {c} "
+                f"of rank {r} runs virtual stage {self._gs[c]} of {n} (with parts = "
+                f"partition(model, {n}), give rank {r} {give})",
+                f"partition's stage {pos[0]} of {pos[1]} as chunk {c}",
+            )
+
     def schedule(self, n_micro: int) -> list[list[Step | Overlap]]:
         """Every rank's steps for ``n_micro`` micro-batches, validated by
         :func:`~diffcomm.pipeline.check_schedule` (a ``ScheduleError`` names the step)."""
@@ -706,6 +733,9 @@ class PipelineRunner:
                     x = p2p.recv(src, group=self.pg, tag=tag)
                 else:
                     x = p2p.irecv_fused(src, like, group=self.pg, tag=tag).wait()
+            if x.requires_grad:  # the previous stage waits for this input's gradient
+                kept.reached = reached = [False]
+                x.register_hook(lambda _, reached=reached: reached.__setitem__(0, True))
             if c in self._fresh_in:  # the step's first activation here: the agreed shape now
                 self._fresh_in.discard(c)
                 # shape, dtype and device only: a zero-stride tensor of one element
@@ -821,6 +851,7 @@ class PipelineRunner:
         # stage made the same decision from the header, so skipping here is symmetric
         if kept.handle.requires_grad:
             kept.handle.backward()
+        _send_unreached(kept)
         self._live_bytes -= kept.nbytes
 
     def _backward_input(self, st: Step, stash: dict[tuple[int, int], _Stash], hold: bool = True) -> None:
@@ -830,6 +861,7 @@ class PipelineRunner:
         root = kept.handle
         if not root.requires_grad:
             kept.full_in_w = True  # nothing flows back at all
+            _send_unreached(kept)
             return
         target = input_edge(kept.input)
         plan = None
@@ -854,6 +886,7 @@ class PipelineRunner:
         finally:
             for h in hooks:
                 h.remove()
+        _send_unreached(kept)
         groups = []
         for nodes, param_nodes in group_plan(plan):
             groups.append((nodes, [captured.get(n, ()) for n in nodes], param_nodes))
@@ -875,6 +908,7 @@ class PipelineRunner:
                 torch.autograd.backward(kept.output, kept.d_output)
             elif kept.handle.requires_grad and kept.output is None:
                 kept.handle.backward()  # the last virtual stage with no input path
+            _send_unreached(kept)
         elif kept.groups:
             for i, (nodes, grads, param_nodes) in enumerate(kept.groups):
                 edges, seeds = [], []
@@ -905,3 +939,16 @@ class PipelineRunner:
 
 def _unpack(t: Tensor) -> Tensor:
     return t
+
+
+def _send_unreached(kept: _Stash) -> None:
+    """A received input that the chunk's backward did not reach — its output does not
+    depend on it (a ``detach``, a ``torch.no_grad`` block, an unused input) or needs no
+    gradient — still owes the previous stage its gradient, which that stage's token is
+    waiting for: run the receive's backward with zeros (the previous stages' parameters
+    get zero gradients; serially they get none). Without this the previous stage waits
+    until the timeout."""
+    if kept.reached is not None and not kept.reached[0]:
+        kept.reached[0] = True
+        assert kept.input is not None  # (reached is set for a received input)
+        torch.autograd.backward(kept.input, torch.zeros_like(kept.input))
