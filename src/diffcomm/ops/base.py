@@ -365,13 +365,19 @@ def _labelled_forward(run: Any, params: tuple[str, ...], name: str, label: Any) 
         f"    outer = _get()\n"  # nest_label, inline
         f"    token = _set(outer + ' -> ' + text if outer else text)\n"
         f"    try:\n"
-        f"        return _own(_run({args}), {params[0]})\n"
+        f"        out = _run({args})\n"
+        # a view of a buffer the op made becomes an alias the user may change in place
+        # (_torch.not_a_view); tested inline: most results are no view (no call at all)
+        f"        if type(out) is _Tensor and out._base is not None:\n"
+        f"            return _own(out, {params[0]})\n"
+        f"        return out\n"
         f"    finally:\n"
         f"        _reset(token)\n"
     )
     scope = {
         "_run": run,
-        "_own": _torch.not_a_view,  # a result the user may change in place
+        "_own": _torch.not_a_view,
+        "_Tensor": torch.Tensor,
         "_label": label,
         "_name": name,
         "_get": B.LABEL.get,
