@@ -1239,15 +1239,13 @@ PROGRAMS: dict[str, Program] = {
     "dp_grad_accumulation_avg_once": Program(dp_grad_accumulation_avg_once),
     "dp_biases_not_reduced": Program(dp_biases_not_reduced, buggy=True, names=("bias",)),
     "dp_biases_not_reduced_rank_taken_before_check": Program(
+        # rows sliced with r = dc.get_rank() taken before the check (a plain int) are typed
+        # replicated, so the loss is taken as a replicated objective and the biases'
+        # per-rank gradients as replicated; the loss's value differs between the ranks,
+        # which the check compares when the block ends (it was a silent miss)
         dp_biases_not_reduced_rank_taken_before_check,
         buggy=True,
-        names=("bias",),
-        finding=(
-            "silent miss (documented limit): rows sliced with r = dc.get_rank() taken before the "
-            "check (a plain int) are typed replicated, so the loss is taken as a replicated "
-            "objective and the biases' per-rank gradients as replicated; the same program with "
-            "the rank taken inside the check (dp_biases_not_reduced) is caught."
-        ),
+        names=("typed replicated", "differs between the ranks", r"dc\.get_rank\(\) inside the check"),
     ),
     "dp_sync_batch_norm_statistics": Program(dp_sync_batch_norm_statistics),
     "dp_masked_tokens_global_count": Program(dp_masked_tokens_global_count),

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .._replication import PARTIAL, REPLICATED, P, R, SPMDTypeError, V
+from ._ops import _replicated_values_differ
 from ._records import _EPOCH, _Cell, _Rec, _site
 from ._state import _CheckState
 
@@ -112,6 +113,8 @@ class _Gradients(_CheckState):
             if root.kind is None:
                 root.kind = REPLICATED
                 root.why = f"the replicated loss at {_site()} (a replicated objective)"
+        if type(loss) is Tensor:  # its value, compared between the ranks when the block ends
+            self._replicated_losses.append((_site(), float(loss.detach().double().sum())))
         return f"a replicated loss (a replicated objective, the loss at {_site()})"
 
     def _sum_objective(self, r: _Rec) -> str:
@@ -194,6 +197,25 @@ class _Gradients(_CheckState):
                     new.acc = new.acc or old.acc
                     new.strict = new.strict or old.strict
             g.__dict__[key] = new
+
+    def _check_replicated_losses(self) -> None:
+        """Every loss typed replicated must be equal on every rank: one that differs was
+        computed from per-rank data the check could not see (rows sliced with a rank taken
+        before the check), so the gradient rules checked under it assumed a replicated
+        objective that was not one (a gradient reduction left out passed in silence)."""
+        found = _replicated_values_differ(self.pg, self._replicated_losses)
+        if found is None:
+            return
+        i, values = found
+        shown = ", ".join(f"rank {r}: {v:.6g}" for r, v in enumerate(values))
+        raise SPMDTypeError(
+            f"diffcomm.spmd_check: the loss at {self._replicated_losses[i][0]} was typed "
+            f"replicated (no per-rank data was seen in it), so its objective was counted once "
+            f"and the gradients checked against that; but its value differs between the ranks "
+            f"({shown}): it was computed from per-rank data the check could not see, and its "
+            "gradient checks do not hold. Declare such data with dc.spmd.varying(x), or take the "
+            "rank with dc.get_rank() inside the check (a rank taken before it is a plain int)"
+        )
 
     def check_grads(self, params: Iterable[Tensor] | None = None) -> None:
         """Raise :class:`SPMDTypeError` for the first replicated parameter (of ``params``;

@@ -6,6 +6,7 @@ constants, varying weights). Data and pure functions: the check's state lives in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -336,15 +337,66 @@ def _default_rng_differs(pg: Any) -> bool:
     ``DIFFCOMM_TIMEOUT`` and recorded by the flight recorder."""
     import hashlib
 
-    import torch.distributed as dist
-
     from ..backend import get_backend
 
-    if not dist.is_available() or not dist.is_initialized():
-        return False
-    group = pg if pg is not None else dist.group.WORLD
-    if dist.get_world_size(group) <= 1:
+    group = _several_ranks(pg)
+    if group is None:
         return False
     digest = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8).digest()
     mine = int.from_bytes(digest, "little", signed=True)
     return any(d != mine for d in get_backend().exchange_sizes(mine, group))
+
+
+def _several_ranks(pg: Any) -> Any:
+    """The group the check's exchanges run on (``pg``, or the default group), or ``None``
+    where there is nothing to exchange: no initialised torch.distributed, or one rank."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    group = pg if pg is not None else dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def _replicated_values_differ(pg: Any, losses: list[tuple[str, float]]) -> tuple[int, list[float]] | None:
+    """The first of ``losses`` (``(the user's line, the loss's sum)``, one a backward of a
+    replicated objective, in order) that differs between the ranks of ``pg`` where every
+    rank took it at the same line, and every rank's value of it; or ``None``. Backwards
+    taken at different lines (a pipeline's stages: a send token on one rank, the loss on
+    another) are not compared. Two small exchanges through the backend adapter when the
+    check is left (the number of losses, then each one's line digest and value bits), so a
+    rank-dependent backward cannot hang one; a rank with fewer backwards compares the ones
+    it has."""
+    import hashlib
+    import struct
+
+    from ..backend import get_backend
+
+    group = _several_ranks(pg)
+    if group is None:
+        return None
+    backend = get_backend()
+    n = min(backend.exchange_sizes(len(losses), group))
+    if n == 0:
+        return None
+    mine: list[int] = []
+    for site, value in losses[:n]:
+        line = hashlib.blake2b(site.encode(), digest_size=8).digest()
+        bits = struct.unpack("<q", struct.pack("<d", value))[0]
+        mine += [int.from_bytes(line, "little", signed=True), bits]
+    rows = backend.exchange_size_lists(mine, group)
+    for i in range(n):
+        if len({row[2 * i] for row in rows}) > 1:  # taken at different lines
+            continue
+        column = [struct.unpack("<d", struct.pack("<q", row[2 * i + 1]))[0] for row in rows]
+        if not all(_close(v, column[0]) for v in column):
+            return i, column
+    return None
+
+
+def _close(a: float, b: float) -> bool:
+    """Equal up to rounding (a replicated loss computed alike on every rank is equal to the
+    bit; the tolerance leaves room for a reduction whose order differs by rank)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b or abs(a - b) <= 1e-6 * max(abs(a), abs(b)) + 1e-12

@@ -39,6 +39,9 @@ class _CheckState(TorchFunctionMode):
     #: (the default generator's state differed between the ranks when the check was
     #: entered, its initial seed then)
     _rng_entry: tuple[bool, int | None]
+    #: (the user's line, the value's sum) of each loss typed replicated, in order: equal on
+    #: every rank, or the data was per-rank where the check saw none (checked on leaving)
+    _replicated_losses: list[tuple[str, float]]
 
     @abstractmethod
     def rec(self, x: Tensor) -> _Rec:

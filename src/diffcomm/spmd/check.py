@@ -188,6 +188,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         #: was entered (unseeded processes: its draws are varying until it is seeded
         #: inside), and its initial seed then
         self._rng_entry: tuple[bool, int | None] = (False, None)
+        self._replicated_losses: list[tuple[str, float]] = []
 
     # ---------------------------------------------------------------- enter / exit
 
@@ -226,9 +227,12 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         try:
             if exc_type is None and self._check_grads:
                 self.check_grads()
+            if exc_type is None:
+                self._check_replicated_losses()
         finally:
             self._params.clear()
             self._inputs.clear()
+            self._replicated_losses.clear()
 
     # ---------------------------------------------------------------- records
 
