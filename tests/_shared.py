@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import runpy
 import subprocess
 import sys
@@ -65,6 +66,31 @@ def refusals(calls: dict[str, Callable[[], object]], comms: str = "[{} comms]") 
             except ValueError as exc:
                 out[key] = f"{exc} {comms.format(log.count())}"
     return out
+
+
+def refusal_messages(calls: list[Callable[[], object]]) -> list[str]:
+    """Each call's ``"Type: message [N comms]"`` (its ``ValueError`` or ``TypeError`` and
+    how many communications ran before it, diffcomm's comms log), or ``"no error"``."""
+    from diffcomm import backend as B
+
+    out = []
+    for call in calls:
+        with B.log_comms() as log:
+            try:
+                call()
+                out.append("no error")
+            except (ValueError, TypeError) as exc:
+                out.append(f"{type(exc).__name__}: {exc} [{log.count()} comms]")
+    return out
+
+
+def assert_refused_before_communicating(per_rank: list[list[str]], patterns: list[str]) -> None:
+    """Every rank's messages (``"Type: message [N comms]"``, one a bad call) match
+    ``patterns`` one by one, each refused with no communication before it."""
+    for msgs in per_rank:
+        assert len(msgs) == len(patterns)
+        for pat, msg in zip(patterns, msgs):
+            assert re.search(pat, msg) and msg.endswith("[0 comms]"), (pat, msg)
 
 
 def outcomes(calls: dict[str, Callable[[], object]], error: type[BaseException]) -> dict[str, str]:

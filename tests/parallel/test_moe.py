@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from _shared import assert_refused_before_communicating, refusal_messages
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -272,7 +273,6 @@ def test_bad_input_raises_before_any_communication(world2, debug: bool) -> None:
     an id out of range was named after 2 communications)."""
 
     def bad() -> list[str]:
-        from diffcomm import backend as B
         from diffcomm.parallel import ExpertParallelMoE, combine, dispatch
 
         x = torch.randn(3, 4)
@@ -288,15 +288,7 @@ def test_bad_input_raises_before_any_communication(world2, debug: bool) -> None:
             lambda: ExpertParallelMoE(4, 8, num_experts=3),
             lambda: ExpertParallelMoE(4, 8, num_experts=4, k=5),
         ]
-        out = []
-        for fn in calls:
-            with B.log_comms() as log:
-                try:
-                    fn()
-                    out.append("no error")
-                except (ValueError, TypeError) as exc:
-                    out.append(f"{type(exc).__name__}: {exc} [{log.count()} comms]")
-        return out
+        return refusal_messages(calls)
 
     patterns = [
         r"`num_experts` must be divisible by the group size 2",
@@ -605,7 +597,6 @@ def test_every_documented_shape_is_checked_before_communication(world2, debug: b
     the layer; ``ExpertParallelMoE``'s own arguments name ``ExpertParallelMoE``."""
 
     def bad() -> list[str]:
-        from diffcomm import backend as B
         from diffcomm.parallel import ExpertParallelMoE, MoE, combine, dispatch, load_balancing_loss, route
 
         x = torch.randn(3, 4)
@@ -628,15 +619,7 @@ def test_every_documented_shape_is_checked_before_communication(world2, debug: b
             lambda: ep(torch.zeros(3, 6, dtype=torch.int64)),
             lambda: ExpertParallelMoE(6, 5, num_experts=4, seed=0, generator=torch.Generator()),
         ]
-        out = []
-        for fn in calls:
-            with B.log_comms() as log:
-                try:
-                    fn()
-                    out.append("no error")
-                except (ValueError, TypeError) as exc:
-                    out.append(f"{type(exc).__name__}: {exc} [{log.count()} comms]")
-        return out
+        return refusal_messages(calls)
 
     patterns = [
         r"ValueError: diffcomm.parallel.combine\(\): `gate_weights` must be a \(3, 2\) tensor",
@@ -656,14 +639,10 @@ def test_every_documented_shape_is_checked_before_communication(world2, debug: b
         r"TypeError: diffcomm.parallel.ExpertParallelMoE\(\): `x` must be a floating-point tensor",
         r"ValueError: diffcomm.parallel.ExpertParallelMoE\(\): `seed` must be None when `generator` is given",
     ]
-    import re
 
     with dc.debug(debug):
         per_rank = world2.run(bad)
-    for msgs in per_rank:
-        assert len(msgs) == len(patterns)
-        for pat, msg in zip(patterns, msgs):
-            assert re.search(pat, msg) and msg.endswith("[0 comms]"), (pat, msg)
+    assert_refused_before_communicating(per_rank, patterns)
 
 
 def test_expert_parallel_moe_has_the_serial_mapping(world2) -> None:

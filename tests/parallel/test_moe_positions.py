@@ -15,11 +15,11 @@ given twice is named on every rank; a reused plan keeps its positions; the commu
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import pytest
 import torch
+from _shared import assert_refused_before_communicating, refusal_messages
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -164,7 +164,6 @@ def test_the_positions_make_the_difference(world2) -> None:
 @pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug_mode"])
 def test_bad_positions_raise_before_any_communication(world2, debug: bool) -> None:
     def bad() -> list[str]:
-        from diffcomm import backend as B
         from diffcomm.parallel import ExpertParallelMoE, dispatch
 
         x = torch.randn(3, 4)
@@ -181,15 +180,7 @@ def test_bad_positions_raise_before_any_communication(world2, debug: bool) -> No
             lambda: moe(x, positions=pos.double()),
             lambda: moe(x.reshape(1, 3, 4), positions=pos.reshape(3, 1)),
         ]
-        out = []
-        for fn in calls:
-            with B.log_comms() as log:
-                try:
-                    fn()
-                    out.append("no error")
-                except (ValueError, TypeError) as exc:
-                    out.append(f"{type(exc).__name__}: {exc} [{log.count()} comms]")
-        return out
+        return refusal_messages(calls)
 
     patterns = [
         r"TypeError: .*dispatch.*`positions` must be an integer tensor",
@@ -203,10 +194,7 @@ def test_bad_positions_raise_before_any_communication(world2, debug: bool) -> No
     ]
     with dc.debug(debug):
         per_rank = world2.run(bad)
-    for msgs in per_rank:
-        assert len(msgs) == len(patterns)
-        for pat, msg in zip(patterns, msgs):
-            assert re.search(pat, msg) and msg.endswith("[0 comms]"), (pat, msg)
+    assert_refused_before_communicating(per_rank, patterns)
 
 
 def test_a_position_given_twice_is_named_on_every_rank(world2) -> None:
