@@ -79,7 +79,7 @@ def not_a_view(out: Any, x: Any) -> Any:
     diffcomm's results never alias their input)."""
     if type(out) is torch.Tensor:
         base = out._base
-        if base is not None and base is not x and (x is None or base is not x._base):
+        if base is not None and base is not x and base is not getattr(x, "_base", None):
             alias = torch.empty(0, dtype=out.dtype, device=out.device)
             return alias.set_(out.untyped_storage(), out.storage_offset(), out.size(), out.stride())
     return out

@@ -113,9 +113,10 @@ class _Gradients(_CheckState):
             if root.kind is None:
                 root.kind = REPLICATED
                 root.why = f"the replicated loss at {_site()} (a replicated objective)"
+        site = _site()
         if type(loss) is Tensor:  # its value, compared between the ranks when the block ends
-            self._replicated_losses.append((_site(), float(loss.detach().double().sum())))
-        return f"a replicated loss (a replicated objective, the loss at {_site()})"
+            self._replicated_losses.append((site, float(loss.detach().double().sum())))
+        return f"a replicated loss (a replicated objective, the loss at {site})"
 
     def _sum_objective(self, r: _Rec) -> str:
         """A replicated loss under ``spmd_check(objective="sum")``: the objective is the sum
