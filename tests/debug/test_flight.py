@@ -92,6 +92,45 @@ def test_recorder_entries_have_op_seq_group_shape_direction_state_site(world2, t
     assert [e["seq"] for e in outs[0]["entries"][-4:]] == [e["seq"] for e in outs[1]["entries"][-4:]]
 
 
+def test_two_groups_over_the_same_ranks_keep_apart_in_the_early_desync_check(world4) -> None:
+    """A program that made a second group over every rank (``new_group``, a DeviceMesh)
+    and two ranks that finished the default group's last collective a moment before the
+    other two: the busy ranks are slower, not in desync. (The counters were keyed by the
+    ranks, so one group's count hid the other's: a false RankDesyncError under load.)"""
+
+    def two_groups_over_every_rank() -> dict:
+        import torch.distributed as dist
+
+        from diffcomm.diagnostics import responder
+
+        everyone = dist.new_group([0, 1, 2, 3])
+        dc.all_reduce(torch.ones(2), group=everyone)
+        for _ in range(3):
+            dc.all_reduce(torch.ones(2))
+        dc.all_reduce(torch.ones(2), group=dist.group.WORLD)  # the default group by name
+        state = responder._state()
+        dist.destroy_process_group(everyone)
+        return state
+
+    from diffcomm.runtime.reports import stuck
+
+    states = dict(enumerate(world4.run(two_groups_over_every_rank)))
+    last = states[0]["recent"][-1]
+    assert [e["seq"] for e in states[0]["recent"][-4:]] == [last["seq"] - 3 + i for i in range(4)], (
+        "the default group as None and by name: one counter"
+    )
+    assert len({e["gid"] for e in states[0]["recent"][-5:]}) == 2
+    for r in (0, 3):  # as when ranks 0 and 3 are still inside the last all_reduce
+        mine = states[r]["recent"][-1]
+        states[r] = {**states[r], "inflight": [{**mine, "state": "started"}]}
+        states[r]["counts"] = {**states[r]["counts"], mine["gid"]: mine["seq"] + 1}
+    assert stuck(states, [1, 2], [0, 3], "two_groups_over_every_rank") is None
+    # a returned rank that never reached it is still a desync
+    states[1] = {**states[1], "counts": {**states[1]["counts"], last["gid"]: last["seq"]}}
+    err = stuck(states, [1, 2], [0, 3], "two_groups_over_every_rank")
+    assert err is not None and "rank(s) [1] returned" in str(err)
+
+
 def test_recorder_can_be_switched_off_and_keeps_only_the_last_n(world2) -> None:
     def recorder_off_then_ring_size() -> tuple[int, int, int]:
         before = len(dc.flight_recorder())

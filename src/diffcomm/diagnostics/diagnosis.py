@@ -32,11 +32,9 @@ def _desc(e: dict[str, Any], with_shape: bool = True) -> str:
     return f"`{e['op']}` #{e['seq']}{shape}{site}"
 
 
-def _group_entries(state: dict[str, Any], group: list[int], p2p: bool) -> dict[int, dict[str, Any]]:
+def _group_entries(state: dict[str, Any], gid: str, p2p: bool) -> dict[int, dict[str, Any]]:
     return {
-        e["seq"]: e
-        for e in state.get("recent", [])
-        if e["group"] == group and (e["raw_op"] in P2P_OPS) == p2p
+        e["seq"]: e for e in state.get("recent", []) if e["gid"] == gid and (e["raw_op"] in P2P_OPS) == p2p
     }
 
 
@@ -64,9 +62,8 @@ def diagnose(
     group = list(focus["group"])
     p2p = focus["raw_op"] in P2P_OPS
     answered = {r: s for r in group if (s := states.get(r))}
-    hist = {r: _group_entries(s, group, p2p) for r, s in answered.items()}
-    counts_key = ",".join(map(str, group)) + ("/p2p" if p2p else "")
-    reached = {r: s.get("counts", {}).get(counts_key, 0) for r, s in answered.items()}
+    hist = {r: _group_entries(s, focus["gid"], p2p) for r, s in answered.items()}
+    reached = {r: s.get("counts", {}).get(focus["gid"], 0) for r, s in answered.items()}
     # first sequence number where the ranks differ: a different op/shape or a rank missing
     lo = min((min(h) for h in hist.values() if h), default=focus["seq"])
     hi = max((max(h) for h in hist.values() if h), default=focus["seq"])

@@ -58,7 +58,7 @@ __all__ = ["FlightRecorder", "Entry", "flight_recorder", "diagnose"]
 # One recorded communication is a plain list (the cheapest object to build on the hot
 # path), indexed by these constants; :func:`_as_dict` turns it into the public dict.
 OP, LABEL, GROUP, SEQ, SHAPE, DTYPE, NBYTES, SITE, STATE, T0, T1 = range(11)
-Entry = list  # [op, label, group ranks, seq, shape, dtype, nbytes, site, state, t0, t1]
+Entry = list  # [op, label, group record, seq, shape, dtype, nbytes, site, state, t0, t1]
 
 
 def _direction(label: str | None) -> str:
@@ -73,7 +73,8 @@ def _as_dict(e: Entry, now: float | None = None) -> dict[str, Any]:
         "op": e[LABEL] or e[OP],
         "raw_op": e[OP],
         "seq": e[SEQ],
-        "group": list(e[GROUP]),
+        "group": list(e[GROUP].ranks),
+        "gid": e[GROUP].name,
         "shape": None if shape is None else list(shape),
         "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
         "nbytes": e[NBYTES],
@@ -118,12 +119,19 @@ def fmt_site(site: tuple[Any, int] | None) -> str | None:
 
 
 class _Group:
-    __slots__ = ("ranks", "next", "timeout")
+    """One sequence counter: a process group's (or its point-to-point messages').
 
-    def __init__(self, ranks: tuple[int, ...]) -> None:
+    ``name`` is the same on every rank and tells apart two groups over the same ranks
+    (torch's group name; the default group used as ``None`` and passed by name is one
+    group, one counter)."""
+
+    __slots__ = ("ranks", "next", "timeout", "name")
+
+    def __init__(self, ranks: tuple[int, ...], name: str) -> None:
         self.ranks = ranks
         self.next = 0
         self.timeout: float | None = None
+        self.name = name
 
 
 _TIMEOUT, _FLIGHT = _config.TIMEOUT, _config.FLIGHT  # fixed objects (their values change)
@@ -210,18 +218,25 @@ def _site(key: Any) -> tuple[Any, int] | None:
 
 def _group(group: Any) -> _Group:
     key = group
-    if group is None:
-        pg = _torch.default_pg()
-        if pg is not _WORLD_PG[0]:  # a new default group: forget the old one's counters
-            _WORLD_PG[0] = pg
-            _GROUPS.pop(None, None)
+    world = _torch.default_pg()
+    if group is None and world is not _WORLD_PG[0]:  # a new default group: forget the old one's counters
+        _WORLD_PG[0] = world
+        _GROUPS.pop(None, None)
     g = _GROUPS.get(key)
     if g is None:
         if dist.is_initialized():
-            ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+            pg = world if group is None else group
+            g = None
+            if pg is world:  # the default group as None and named explicitly: one counter
+                g = _GROUPS.get(world) if group is None else None
+                if group is not None and _WORLD_PG[0] is world:
+                    g = _GROUPS.get(None)
+            if g is None:
+                ranks = tuple(dist.get_process_group_ranks(pg))
+                g = _Group(ranks, str(getattr(pg, "group_name", None) or ",".join(map(str, ranks))))
         else:
-            ranks = (0,)
-        g = _GROUPS[key] = _Group(ranks)
+            g = _Group((0,), "0")
+        _GROUPS[key] = g
         configure()
         for hook in ON_NEW_GROUP:
             hook()
@@ -257,7 +272,7 @@ def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: 
     e = [
         op,
         label,
-        g.ranks,
+        g,
         seq,
         None if sample is None else sample.shape,
         None if sample is None else sample.dtype,
@@ -274,10 +289,10 @@ def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: 
 
 def _p2p_group(group: Any, g: _Group) -> _Group:
     # point-to-point messages have their own counter: they pair up two ranks, not a group
-    key = ("p2p", group)
+    key = ("p2p", g)
     p = _GROUPS.get(key)
     if p is None:
-        p = _GROUPS[key] = _Group(g.ranks)
+        p = _GROUPS[key] = _Group(g.ranks, g.name + "/p2p")
     return p
 
 

@@ -58,10 +58,7 @@ def _state(recent: int = 64) -> dict[str, Any]:
     busy = [e for e in entries if e[STATE] == "started"]
     if not busy and entries and entries[-1][STATE] == "failed":
         busy = [entries[-1]]  # it just gave up on this one (its own timeout)
-    counts = {
-        ",".join(map(str, g.ranks)) + ("/p2p" if isinstance(k, tuple) else ""): g.next
-        for k, g in list(_GROUPS.items())
-    }
+    counts = {g.name: g.next for g in list(_GROUPS.values())}
     return {
         "rank": _global_rank(),
         "pid": os.getpid(),
@@ -202,8 +199,8 @@ def _stop(group: Any, exiting: bool) -> None:
     group (or the exit) stops its answering thread and ends its history (the next group's
     sequence numbers start at 0, and a diagnosis never sees the old group's entries)."""
     if group is not None:  # a subgroup: its counters go with it
-        _GROUPS.pop(group, None)
-        _GROUPS.pop(("p2p", group), None)
+        g = _GROUPS.pop(group, None)
+        _GROUPS.pop(("p2p", g), None)
         return
     cur = _RESPONDER[0]
     if cur is not None and (exiting or not cur.pinned):
@@ -292,7 +289,7 @@ def failed(
     backward = (label or "").find("backward") >= 0
     how = "timed out" if timeout else "failed (a peer closed its connection mid-op)"
     head = f"diffcomm: `{what}` (raw {op}"
-    head += f", sequence number #{e[SEQ]} on group {list(e[GROUP])}" if e is not None else ""
+    head += f", sequence number #{e[SEQ]} on group {list(e[GROUP].ranks)}" if e is not None else ""
     head += f") {how} on global rank {rank}"
     if diagnosis:
         msg = f"{head}: {diagnosis}\nBackend error: {err}"

@@ -132,16 +132,23 @@ def desync_check(
         states = _responder.request_states(store, list(range(world_size)), wait=0.5)
     except Exception:  # no answers, no early diagnosis (the timeout still applies)
         return None
+    return stuck(states, returned, busy, what)
+
+
+def stuck(
+    states: dict[int, dict[str, Any] | None], returned: list[int], busy: list[int], what: str
+) -> RankDesyncError | None:
+    """:func:`desync_check` on the ranks' recorded states (``{rank: state}``): a busy rank
+    waits in a collective that a returned rank never reached, or finished as another op."""
     for p in busy:
         s = states.get(p)
         for e in (s or {}).get("inflight", []):
             if e["raw_op"] in P2P_OPS:
                 continue  # p2p counters are per sender/receiver pair, not aligned across ranks
-            key = ",".join(map(str, e["group"]))
             gone = [
                 q
                 for q in returned
-                if q in e["group"] and (st := states.get(q)) and st["counts"].get(key, 0) <= e["seq"]
+                if q in e["group"] and (st := states.get(q)) and st["counts"].get(e["gid"], 0) <= e["seq"]
             ]
             sig = signature(e)
             # a returned rank that did complete this sequence number, but as another
@@ -152,7 +159,7 @@ def desync_check(
                 if q in e["group"]
                 and q not in gone
                 and any(
-                    x["group"] == e["group"] and x["seq"] == e["seq"] and signature(x) != sig
+                    x["gid"] == e["gid"] and x["seq"] == e["seq"] and signature(x) != sig
                     for x in (states.get(q) or {}).get("recent", [])
                 )
             ]
