@@ -331,7 +331,7 @@ def all_gather_coalesced(
     meta: Any = _even_or_none(sizes)
     if sizes is None and world > 1 and not compiling():
         b = _b()
-        if async_op or not hasattr(b, "all_gather_coalesced_unsized"):
+        if async_op or getattr(b, "all_gather_coalesced_unsized", None) is None:
             # the output shapes are needed before the op runs: exchanged first, once
             with label(f"{name} (size exchange)"):
                 table = b.exchange_size_lists([t.shape[d] for t, d in zip(ts, dims)], pg)
