@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,7 +32,7 @@ from .packing import even_or_none as _even_or_none
 from .packing import moved as _moved
 from .packing import pack as _pack
 from .packing import unpack as _unpack
-from .precision_format import quantized
+from .precision_format import Precision, quantized
 from .registry import Kwargs
 from .shared_args import shared_args
 from .validation import Learned
@@ -41,9 +41,6 @@ from .validation import own_slice as _own_slice
 from .validation import rank as _rank
 from .validation import with_sizes as _with
 from .validation import world as _world
-
-if TYPE_CHECKING:
-    from .precision_format import Precision
 
 SplitSizes = tuple[tuple[int, ...], ...] | None  # per tensor, every rank's size along its dim
 
