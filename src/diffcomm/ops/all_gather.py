@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .. import _config
+from .._config import DEBUG as _DEBUG
 from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
 from ..backend.args import PG
@@ -33,7 +33,6 @@ from .validation import rank as _rank
 from .validation import with_sizes as _with
 from .validation import world as _world
 
-_DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
 _LABELS = op_labels("reduce_scatter")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import _config
+from .._config import DEBUG as _DEBUG
 from .._replication import PARTIAL, TWICE, Rule, T
 from ..backend import args as A
 from ..backend.args import PG
@@ -24,7 +24,6 @@ from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check_input as _debug_check_input
 
-_DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
 _LABELS = op_labels("all_reduce")
 
 
