@@ -340,16 +340,9 @@ class LocalTensorBackend(CoalescedOps):
 
     exchange_records = exchange_size_lists
 
-    def all_gather_coalesced_unsized(
-        self,
-        bufs: Sequence[torch.Tensor],
-        counts: list[int],
-        lengths: Callable[[int, list[int]], int],
-        key: Any,
-        group: Any,
-    ) -> tuple[list[torch.Tensor], list[list[int]]]:
-        table = self.exchange_size_lists(counts, group)
-        return [self.all_gather(b, group) for b in bufs], table
+    #: no counted gather (the sizes travelling with the data): ``all_gather_coalesced``
+    #: exchanges the sizes first, as for any adapter without one
+    all_gather_coalesced_unsized = None
 
     # ---- point to point: peers are per-rank ints ----------------------------------------
     def recv(self, out: torch.Tensor, src: int, group: Any, tag: int = 0) -> torch.Tensor:

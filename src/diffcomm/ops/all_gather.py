@@ -6,18 +6,18 @@ sizes (``reduce_scatter`` with max/min/product is composed from
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
-from .. import _config
+from .._config import DEBUG as _DEBUG
 from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
 from ..backend.args import PG
 from . import references
 from .all_reduce import _AllReduce
 from .base import CommOp, apply, call, op_labels
-from .precision_format import quantized
+from .precision_format import Precision, quantized
 from .registry import Kwargs
 from .shared_args import shared_args
 from .validation import Learned
@@ -33,10 +33,6 @@ from .validation import rank as _rank
 from .validation import with_sizes as _with
 from .validation import world as _world
 
-if TYPE_CHECKING:
-    from .precision_format import Precision
-
-_DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
 _LABELS = op_labels("reduce_scatter")
 
 

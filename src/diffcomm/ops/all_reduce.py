@@ -6,28 +6,24 @@ Re-exported by :mod:`diffcomm.ops.collectives` (the collectives' public home).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .. import _config
+from .._config import DEBUG as _DEBUG
 from .._replication import PARTIAL, TWICE, Rule, T
 from ..backend import args as A
 from ..backend.args import PG
 from . import references
 from .base import CommOp, apply, call, op_labels
-from .precision_format import quantized
+from .precision_format import Precision, quantized
 from .registry import SELF, Kwargs
 from .shared_args import shared_args
 from .validation import check_input as _check_input
 from .validation import current_backend as _b
 from .validation import debug_check_input as _debug_check_input
 
-if TYPE_CHECKING:
-    from .precision_format import Precision
-
-_DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
 _LABELS = op_labels("all_reduce")
 
 

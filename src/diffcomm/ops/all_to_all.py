@@ -6,7 +6,6 @@ swapped; any pair of dims, uneven sizes. Re-exported by :mod:`diffcomm.ops.colle
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -19,7 +18,7 @@ from ..backend import args as A
 from ..backend.args import PG
 from . import references
 from .base import CommOp, apply, call
-from .precision_format import quantized
+from .precision_format import Precision, quantized
 from .registry import SELF, Kwargs
 from .shared_args import shared_args
 from .validation import all_to_all_received as _all_to_all_received
@@ -31,9 +30,6 @@ from .validation import other_dims as _other_dims
 from .validation import rank as _rank
 from .validation import with_sizes as _with
 from .validation import world as _world
-
-if TYPE_CHECKING:
-    from .precision_format import Precision
 
 
 class _AllToAll(CommOp):

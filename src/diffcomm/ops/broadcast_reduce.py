@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .. import _config
+from .._config import DEBUG as _DEBUG
 from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
 from ..backend.args import PG
@@ -24,7 +24,6 @@ from .validation import debug_check_input as _debug_check_input
 from .validation import rank_is as _rank_is
 from .validation import world as _world
 
-_DEBUG = _config.DEBUG  # read inline as ``value if loaded else get()`` (the hot path)
 _LABELS = op_labels("reduce")
 
 

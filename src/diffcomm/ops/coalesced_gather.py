@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,7 +32,7 @@ from .packing import even_or_none as _even_or_none
 from .packing import moved as _moved
 from .packing import pack as _pack
 from .packing import unpack as _unpack
-from .precision_format import quantized
+from .precision_format import Precision, quantized
 from .registry import Kwargs
 from .shared_args import shared_args
 from .validation import Learned
@@ -41,9 +41,6 @@ from .validation import own_slice as _own_slice
 from .validation import rank as _rank
 from .validation import with_sizes as _with
 from .validation import world as _world
-
-if TYPE_CHECKING:
-    from .precision_format import Precision
 
 SplitSizes = tuple[tuple[int, ...], ...] | None  # per tensor, every rank's size along its dim
 
@@ -331,7 +328,7 @@ def all_gather_coalesced(
     meta: Any = _even_or_none(sizes)
     if sizes is None and world > 1 and not compiling():
         b = _b()
-        if async_op or not hasattr(b, "all_gather_coalesced_unsized"):
+        if async_op or getattr(b, "all_gather_coalesced_unsized", None) is None:
             # the output shapes are needed before the op runs: exchanged first, once
             with label(f"{name} (size exchange)"):
                 table = b.exchange_size_lists([t.shape[d] for t, d in zip(ts, dims)], pg)

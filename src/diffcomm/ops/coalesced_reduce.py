@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
@@ -23,15 +23,12 @@ from .packing import check_list as _check_list
 from .packing import check_op as _check_op
 from .packing import debug_check as _debug_check
 from .packing import packed as _packed
-from .precision_format import quantized
+from .precision_format import Precision, quantized
 from .registry import SELF, Kwargs
 from .shared_args import shared_args
 from .validation import current_backend as _b
 from .validation import rank_is as _rank_is
 from .validation import world as _world
-
-if TYPE_CHECKING:
-    from .precision_format import Precision
 
 # ======================================================================================
 # the list ops (one autograd node for the whole list; one raw call per dtype), on the

@@ -53,7 +53,7 @@ naming the argument otherwise, before any communication).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -66,14 +66,11 @@ from ..backend.args import PG
 from ..ops import collectives
 from ..ops.all_to_all import raw_all_to_all
 from ..ops.base import CommOp, apply, call
-from ..ops.precision_format import quantized
+from ..ops.precision_format import Precision, quantized
 from ..ops.registry import SELF, FamilyView, Kwargs
 from ..ops.validation import rank_index
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 from ._coalesced import copy_to_region_coalesced, reduce_from_region_coalesced
-
-if TYPE_CHECKING:
-    from ..ops.precision_format import Precision
 
 #: The ``"mapping"`` family's ops, in the registry's order (the command line reads this
 #: first list as data, without importing torch: :mod:`diffcomm.tools.op_names`)
