@@ -41,37 +41,34 @@ _FIRST = ("tests/test_notebooks.py", "tests/test_docs.py")
 def pytest_collection_modifyitems(items) -> Iterator[None]:
     """The order the two workers take the tests in.
 
-    - The notebooks, then the docs build, as one ``xdist_group`` (kept on one worker by
-      ``--dist loadgroup``; marked before pytest-xdist's own hook reads the marks), first:
-      the docs render the notebooks that test_notebooks.py executed (with their real
-      plots) instead of bare code cells, and the other worker runs the rest meanwhile
-      instead of waiting for this minute-long group at the end of the run.
-    - The tests marked ``waits`` (most of their time a rank or a clock is waited for: a
-      collective timeout, a desync diagnosis) spread evenly over the rest, after pytest's
-      own ordering by fixtures: the workers take neighbouring tests at the same time, so a
-      waiting test runs beside computing ones instead of beside another waiting one (in
-      file order the flight recorder's desync scenarios ran on both workers at once, the
-      machine 60 % idle).
+    One ``xdist_group`` (kept on one worker by ``--dist loadgroup``, which hands out the
+    largest group first; marked before pytest-xdist's own hook reads the marks) holds, in
+    this order:
+
+    - the notebooks, then the docs build: the docs render the notebooks that
+      test_notebooks.py executed (with their real plots) instead of bare code cells;
+    - the tests marked ``waits`` (most of their time a rank or a clock is waited for: a
+      collective timeout, a desync diagnosis), one after another.
+
+    So what leaves a core idle runs on one worker, one at a time, and never two timeouts
+    at once. (Spread over the order instead, two still met: the workers do not keep pace.
+    The idle core-seconds are about the same either way, ~55 of ~530 CPU-seconds: a
+    waiting test idles one core beside a computing one, or two beside another waiting
+    one for half as long. A third worker fills them but costs ~40 CPU-seconds of its own
+    ranks: the same wall time on two cores, 316 s and 317 s on 2026-12-03.)
     """
     first = ("tests/test_notebooks.py", "tests/test_docs.py")
+
+    def place(item: pytest.Item) -> int:
+        path = next((i for i, f in enumerate(first) if item.nodeid.startswith(f)), None)
+        return path if path is not None else len(first) if item.get_closest_marker("waits") else -1
+
     for item in items:
-        if item.nodeid.startswith(first):
-            item.add_marker(pytest.mark.xdist_group("notebooks_then_docs"))
+        if place(item) >= 0:
+            item.add_marker(pytest.mark.xdist_group("serial"))
     yield
-    grouped = sorted(
-        (item for item in items if item.nodeid.startswith(first)),
-        key=lambda item: next(i for i, f in enumerate(first) if item.nodeid.startswith(f)),
-    )
-    rest = [item for item in items if not item.nodeid.startswith(first)]
-    waiting = [item for item in rest if item.get_closest_marker("waits") is not None]
-    computing = [item for item in rest if item.get_closest_marker("waits") is None]
-    stride = max(1, len(computing) // (len(waiting) + 1))
-    spread: list[pytest.Item] = []
-    for i, item in enumerate(computing):
-        if i and i % stride == 0 and waiting:
-            spread.append(waiting.pop(0))
-        spread.append(item)
-    items[:] = grouped + spread + waiting
+    grouped = sorted((item for item in items if place(item) >= 0), key=place)
+    items[:] = grouped + [item for item in items if place(item) < 0]
 
 
 @pytest.fixture(autouse=True)

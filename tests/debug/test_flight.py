@@ -148,6 +148,7 @@ def test_recorder_can_be_switched_off_and_keeps_only_the_last_n(world2) -> None:
         assert small == 3
 
 
+@pytest.mark.waits
 def test_async_sends_are_queued_until_received(world2) -> None:
     def p2p_states() -> dict[str, list[tuple[str, str]]]:
         def last_two() -> list[tuple[str, str]]:
@@ -522,6 +523,7 @@ def test_cli_check_json_includes_the_flight_recorder(capsys) -> None:
 
 
 @pytest.mark.skipif(__import__("shutil").which("torchrun") is None, reason="`torchrun` is not on PATH")
+@pytest.mark.waits
 @pytest.mark.parametrize("scenario", ["skip", "different_op"])
 def test_desync_under_torchrun(tmp_path, scenario: str) -> None:
     import os

@@ -474,6 +474,7 @@ _ALL_STACK_REFERENCE = """
 """
 
 
+@pytest.mark.waits
 def test_a_user_op_without_dual_args_is_checked_and_a_missing_reference_named(tmp_path: Path) -> None:
     """``dual_args`` is optional: ``mirror`` without it passes ``check`` (its backward is
     compared with the serial reference's gradient; no dot-product test). A collective with
