@@ -131,3 +131,30 @@ def test_torch_has_a_gloo_gap_that_compat_fills(world2) -> None:
 
     # the reason compat exists: torch.distributed.nn's _all_gather_base backward is NCCL-only
     assert world2.run(torch_gloo_gap) == ["Backend not supported!"] * 2
+
+
+_IMPORTED_AFTER_INIT = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+import diffcomm.compat as compat  # first imported with a group alive (a model's module)
+dist.destroy_process_group()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+x = torch.ones(2, requires_grad=True)
+compat.all_reduce(x).sum().backward()
+print(compat.broadcast(x, src=0).tolist(), x.grad.tolist())
+dist.destroy_process_group()
+"""
+
+
+def test_default_group_is_the_current_one_after_a_new_init() -> None:
+    """The default ``group`` means the default group at call time: compat imported while a
+    first world was alive still works in the next world (torch's ``group.WORLD`` bound at
+    import named the destroyed group: a ``KeyError`` of its ProcessGroup)."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-c", _IMPORTED_AFTER_INIT], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split("\n")[-2] == "[1.0, 1.0] [1.0, 1.0]"

@@ -72,12 +72,12 @@ def _local(group: Any, rank: int, op: str, arg: str) -> int:
         ) from None
 
 
-def broadcast(tensor: Tensor, src: int, group: Any = dist.group.WORLD) -> Tensor:
+def broadcast(tensor: Tensor, src: int, group: Any = None) -> Tensor:
     """``src``'s ``tensor`` on every rank. Gradient: reduce(sum) to ``src``."""
     return collectives.broadcast(tensor, _local(group, src, "compat.broadcast", "src"), _group(group))
 
 
-def gather(tensor: Tensor, dst: int = 0, group: Any = dist.group.WORLD) -> tuple[Tensor, ...]:
+def gather(tensor: Tensor, dst: int = 0, group: Any = None) -> tuple[Tensor, ...]:
     """Tuple of every rank's ``tensor`` on ``dst`` (zeros elsewhere). Gradient: scatter."""
     g = _group(group)
     world = dist.get_world_size(A.resolve_group(g, "compat.gather"))
@@ -86,9 +86,7 @@ def gather(tensor: Tensor, dst: int = 0, group: Any = dist.group.WORLD) -> tuple
     return tuple(out.unbind(0))
 
 
-def scatter(
-    tensors: list[Tensor] | tuple[Tensor, ...], src: int = 0, group: Any = dist.group.WORLD
-) -> Tensor:
+def scatter(tensors: list[Tensor] | tuple[Tensor, ...], src: int = 0, group: Any = None) -> Tensor:
     """Tensor ``tensors[rank]`` of ``src``. Gradient: gather to ``src``."""
     if not isinstance(tensors, list | tuple) or not tensors:
         raise A.arg_error(
@@ -102,13 +100,13 @@ def scatter(
     return out.squeeze(0)
 
 
-def reduce(tensor: Tensor, dst: int, op: Any = dist.ReduceOp.SUM, group: Any = dist.group.WORLD) -> Tensor:
+def reduce(tensor: Tensor, dst: int, op: Any = dist.ReduceOp.SUM, group: Any = None) -> Tensor:
     """Reduction on ``dst``, zeros elsewhere. Gradient: broadcast from ``dst`` (op-aware)."""
     return collectives.reduce(tensor, _local(group, dst, "compat.reduce", "dst"), op, _group(group))
 
 
 def reduce_scatter(
-    output: Tensor, input_list: list[Tensor], op: Any = dist.ReduceOp.SUM, group: Any = dist.group.WORLD
+    output: Tensor, input_list: list[Tensor], op: Any = dist.ReduceOp.SUM, group: Any = None
 ) -> Tensor:
     """Reduction of ``input_list[rank]`` over ranks. Gradient: all_gather."""
     if not isinstance(input_list, list | tuple) or not input_list:
@@ -130,7 +128,7 @@ def reduce_scatter(
     return out.reshape(input_list[rank].shape)
 
 
-def all_gather(tensor: Tensor, group: Any = dist.group.WORLD) -> tuple[Tensor, ...]:
+def all_gather(tensor: Tensor, group: Any = None) -> tuple[Tensor, ...]:
     """Tuple of every rank's ``tensor``. Gradient: reduce_scatter (one collective)."""
     g = _group(group)
     world = dist.get_world_size(A.resolve_group(g, "compat.all_gather"))
@@ -140,7 +138,7 @@ def all_gather(tensor: Tensor, group: Any = dist.group.WORLD) -> tuple[Tensor, .
     return tuple(out.unbind(0))
 
 
-def _all_gather_base(output_tensor: Tensor, input_tensor: Tensor, group: Any = dist.group.WORLD) -> Tensor:
+def _all_gather_base(output_tensor: Tensor, input_tensor: Tensor, group: Any = None) -> Tensor:
     """Concatenation along dim 0 of every rank's ``input_tensor``. Gradient: reduce_scatter."""
     g = _group(group)
     world = dist.get_world_size(A.resolve_group(g, "compat._all_gather_base"))
@@ -148,7 +146,7 @@ def _all_gather_base(output_tensor: Tensor, input_tensor: Tensor, group: Any = d
 
 
 def all_to_all(
-    output_tensor_list: list[Tensor], input_tensor_list: list[Tensor], group: Any = dist.group.WORLD
+    output_tensor_list: list[Tensor], input_tensor_list: list[Tensor], group: Any = None
 ) -> tuple[Tensor, ...]:
     """``input_tensor_list[j]`` goes to rank ``j``; returns what arrives, shaped like
     ``output_tensor_list``. Gradient: all_to_all back."""
@@ -168,7 +166,7 @@ def all_to_all_single(
     input: Tensor,  # torch's name
     output_split_sizes: list[int] | None = None,
     input_split_sizes: list[int] | None = None,
-    group: Any = dist.group.WORLD,
+    group: Any = None,
 ) -> Tensor:
     """all_to_all along dim 0 with optional split sizes. Gradient: all_to_all with splits swapped."""
     if output_split_sizes is None and input_split_sizes is not None:
@@ -177,14 +175,17 @@ def all_to_all_single(
     return collectives.all_to_all(input, 0, 0, _group(group), input_split_sizes, output_split_sizes)
 
 
-def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = dist.group.WORLD) -> Tensor:
+def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> Tensor:
     """Reduction over ranks on every rank. Gradient: correct for every op (sum, avg,
     max/min to the arg-extreme ranks with ties split, zero-safe product)."""
     return collectives.all_reduce(tensor, op, _group(group))
 
 
 def _group(group: Any) -> Any:
-    """torch's default argument is ``group.WORLD`` (the default group object or None)."""
+    """``None`` for the default group, however named (``group.WORLD``). The functions'
+    default is ``None``, not torch's ``group.WORLD``: that is read once, when the module is
+    imported, and imported after ``init_process_group`` it names a group that a later
+    ``destroy_process_group`` / ``init_process_group`` leaves destroyed."""
     if group is dist.group.WORLD or group is None:
         return None
     return group

@@ -2001,6 +2001,73 @@ def seam_cp_tokens_into_ep_moe_capacity_rank_order() -> dict[str, float]:
     return _cp_tokens_into_ep_moe(1.0, positions=False)
 
 
+# One group named two ways (the default group as ``None`` and as ``dist.group.WORLD``),
+# and two groups over the same ranks (a new group of every rank, a mesh dim spanning
+# them): what diffcomm keeps per group (row sizes learnt by all_gather, p2p message
+# numbers, the flight recorder's counters) is one group's, never mixed across names.
+
+
+def _gathers(group_of_step: Callable[[int], Any], steps: int = 3) -> dict[str, float]:
+    """Uneven all_gathers without split sizes (and a coalesced one) on each step's group;
+    values and gradients against the serial concatenation."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    out: dict[str, float] = {}
+    for step in range(steps):
+        grp = group_of_step(step)
+        xs = [_ints(1 + (j + step) % 3, 3, seed=20 * step + j) for j in range(w)]
+        x = xs[r].clone().requires_grad_()
+        y = dc.all_gather(x, group=grp)
+        cs = [_ints(*y.shape, seed=90 + 10 * step + j) for j in range(w)]
+        (y * cs[r]).sum().backward()
+        off = sum(t.shape[0] for t in xs[:r])
+        out[f"y{step}"] = _d(y, torch.cat(xs))
+        out[f"dx{step}"] = _d(x.grad, sum(cs)[off : off + xs[r].shape[0]])
+        a, b = _ints(1 + (r + step) % 2, 2, seed=60 + r), _ints(2, 1 + r % 2, seed=70 + r)
+        ya, yb = dc.all_gather_coalesced([a, b.T], group=grp)
+        out[f"coalesced{step}"] = max(
+            _d(ya, torch.cat([_ints(1 + (j + step) % 2, 2, seed=60 + j) for j in range(w)])),
+            _d(yb, torch.cat([_ints(2, 1 + j % 2, seed=70 + j).T for j in range(w)])),
+        )
+    return out
+
+
+def seam_default_group_named_two_ways() -> dict[str, float]:
+    """Rank 0 names the default group ``None``, the other ranks ``dist.group.WORLD`` (the
+    same group), after the group learnt its row sizes under the name ``None`` only."""
+    import torch.distributed as dist
+    from _shared import forget_gathered_sizes
+
+    forget_gathered_sizes()
+    dc.all_gather(torch.zeros(2, 3, dtype=F64))
+    dc.all_gather_coalesced([torch.zeros(2, 2, dtype=F64), torch.zeros(1, 2, dtype=F64)])
+    world = None if dc.get_rank() == 0 else dist.group.WORLD
+    return _gathers(lambda step: world)
+
+
+def seam_groups_over_the_same_ranks() -> dict[str, float]:
+    """The default group, a new group of every rank and a mesh dim spanning them, in
+    turns; p2p messages on two of them received in the other order."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    every = dist.new_group(list(range(w)))
+    mesh = init_device_mesh("cpu", (1, w), mesh_dim_names=("dp", "tp"))
+    groups = [None, every, (mesh, "tp"), dist.group.WORLD]
+    out = _gathers(lambda step: groups[step % 4], steps=8)
+    m = [_ints(4, seed=40 + k) for k in range(2)]
+    if r == 0:
+        a, b = m[0].clone().requires_grad_(), m[1].clone().requires_grad_()
+        (dc.send(a, 1, group=every) + dc.send(b, 1)).backward()
+        out["da"], out["db"] = _d(a.grad, 2 * m[0]), _d(b.grad, 3 * m[1])
+    elif r == 1:
+        v = dc.recv(0, group=dist.group.WORLD)  # sent second, on the default group
+        u = dc.recv(0, group=every)
+        (2 * u * m[0] + 3 * v * m[1]).sum().backward()
+        out["u"], out["v"] = _d(u, m[0]), _d(v, m[1])
+    return out
+
+
 SEAM_PROGRAMS: dict[str, Program] = {
     "precision_all_gather_bf16_fp16_backward": Program(seam_precision_all_gather_bf16_fp16_backward),
     "precision_all_gather_bf16_fp16_backward_w3": Program(
@@ -2051,6 +2118,8 @@ SEAM_PROGRAMS: dict[str, Program] = {
         seam_check_moe_async_dispatch_router_not_summed,
         error=(TypeError, r"Linear\.weight is replicated, but its gradient is partial"),
     ),
+    "default_group_named_two_ways_w3": Program(seam_default_group_named_two_ways, world=3),
+    "groups_over_the_same_ranks": Program(seam_groups_over_the_same_ranks),
 }
 
 

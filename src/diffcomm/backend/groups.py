@@ -127,7 +127,10 @@ def group_info(group: ProcessGroup) -> GroupInfo:
         _INFO_WORLD[0] = default
     info = _INFOS.get(group)
     if info is None:
-        info = _INFOS[group] = _probe(group)
+        # the default group passed by name (``dist.group.WORLD``, a 1-d mesh's group) is
+        # the group ``None`` names: one record, so one row budget whichever name a rank uses
+        same = group is not None and group is default
+        info = _INFOS[group] = group_info(None) if same else _probe(group)
     return info
 
 
