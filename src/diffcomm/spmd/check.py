@@ -179,7 +179,8 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         #: id(param) -> (dotted name from the layer that holds it, the fix of a partial
         #: gradient that layer offers: its sync_replicated_grads())
         self._owners: dict[int, _Owner] = {}
-        self._groups: dict[int, bool] = {}  # id(pg) -> is the checked group
+        #: pg -> is the checked group (keyed by the object, held: no reuse of a dead one's id)
+        self._groups: dict[Any, bool] = {}
         self.inside = 0  # >0 while a typed op's forward runs (its inner ops are not typed)
         self.in_backward = 0
         self.transform_warned = False  # code under torch.func met (and said untyped) in this block
@@ -333,7 +334,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
     def _is_group(self, pg: Any) -> bool:
         if pg is self.pg:
             return True
-        k = id(pg)
+        k = pg
         hit = self._groups.get(k)
         if hit is None:
             import torch.distributed as dist
