@@ -9,6 +9,7 @@ output does not alias it.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -564,6 +565,42 @@ def test_debug_mode_names_mismatched_ranks(world3, kind: str, field: str) -> Non
     for name, msg in world3.run(mismatch, kind):
         assert name == "CrossRankMismatchError"
         assert field in msg and "rank 0:" in msg and "rank 2:" in msg
+
+
+def _grad_mode_off_on_rank_1(op: str, mode: str) -> str:
+    r = dc.get_rank()
+    x = torch.ones(3, 2, requires_grad=True)
+    off = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    calls = {
+        "all_reduce": lambda: dc.all_reduce(x),
+        "all_gather": lambda: dc.all_gather(x),
+        "all_to_all": lambda: dc.all_to_all(x),
+        "gather": lambda: dc.gather(x),
+        "broadcast": lambda: dc.broadcast(x),
+        "all_reduce_coalesced": lambda: dc.all_reduce_coalesced([x, x]),
+    }
+    with dc.debug(True):
+        try:
+            with off() if r == 1 else contextlib.nullcontext():
+                calls[op]()
+        except dc.CrossRankMismatchError as exc:
+            return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize(
+    "op", ["all_reduce", "all_gather", "all_to_all", "gather", "broadcast", "all_reduce_coalesced"]
+)
+def test_debug_mode_names_grad_mode_off_on_one_rank(world3, op: str, mode: str) -> None:
+    """``torch.no_grad()`` / ``torch.inference_mode()`` on one rank records no backward
+    there while the others' records one: the same desync as a rank-dependent
+    ``requires_grad`` (the others' backward collective pairs with that rank's next op: a
+    wrong number). Debug mode compared ``x.requires_grad`` alone, True on every rank, and
+    let it through; it now compares whether the call records a backward."""
+    for msg in world3.run(_grad_mode_off_on_rank_1, op, mode):
+        assert "requires_grad" in msg and "differ" in msg, msg
+        assert "rank 1: 0" in msg or "ranks [1]: shape [3, 2] dtype float32 requires_grad=False" in msg, msg
 
 
 def _a2a_sizes(expect: list[list[int]]) -> str:

@@ -22,7 +22,7 @@ PAD = -7
 _WORDS = {
     "shape": "x.shape",
     "dtype": "x.dtype",
-    "grad": "x.requires_grad",
+    "grad": "torch.is_grad_enabled() and x.requires_grad",
     "other_dims": "x.shape without `dim` (every dim but the one concatenated along)",
 }
 

@@ -30,6 +30,7 @@ from .validation import given_split_sizes as _given_split_sizes
 from .validation import other_dims as _other_dims
 from .validation import own_slice as _own_slice
 from .validation import rank as _rank
+from .validation import records_grad as _records_grad
 from .validation import with_sizes as _with
 from .validation import world as _world
 
@@ -139,7 +140,7 @@ def all_gather(
             dim=dim,
             other_dims=rest,
             dtype=x.dtype,
-            grad=x.requires_grad,
+            grad=_records_grad(x),
             split_sizes=sizes_given,
         )
     if split_sizes is None:  # learned with the rows where the backend can, else exchanged first

@@ -28,6 +28,7 @@ from .validation import current_backend as _b
 from .validation import debug_check as _debug_check
 from .validation import other_dims as _other_dims
 from .validation import rank as _rank
+from .validation import records_grad as _records_grad
 from .validation import with_sizes as _with
 from .validation import world as _world
 
@@ -236,7 +237,7 @@ def all_to_all(
             concat_dim=concat_dim,
             other_dims=rest,
             dtype=x.dtype,
-            grad=x.requires_grad,
+            grad=_records_grad(x),
         )
         if outs is not None:  # what each rank expects must be what its peers send it
             _debug_check_transposed(op, pg, ins, outs, split_dim, concat_dim, x)

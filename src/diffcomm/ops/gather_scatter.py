@@ -26,6 +26,7 @@ from .validation import exchanged_split_sizes as _exchanged_split_sizes
 from .validation import given_split_sizes as _given_split_sizes
 from .validation import other_dims as _other_dims
 from .validation import rank as _rank
+from .validation import records_grad as _records_grad
 from .validation import with_sizes as _with
 from .validation import world as _world
 
@@ -111,7 +112,7 @@ def gather(
         split_sizes = _given_split_sizes(split_sizes, x, dim, pg, "gather", arg)
     if _config.DEBUG.get():
         rest = _other_dims(x, dim)
-        _debug_check("gather", pg, dst=dst, dim=dim, other_dims=rest, dtype=x.dtype, grad=x.requires_grad)
+        _debug_check("gather", pg, dst=dst, dim=dim, other_dims=rest, dtype=x.dtype, grad=_records_grad(x))
     if split_sizes is None:
         split_sizes = _exchanged_split_sizes(x, dim, pg, "gather")
     return apply(_Gather, x, dst, dim, pg, tuple(split_sizes), async_op=async_op)

@@ -167,8 +167,15 @@ def debug_check(
     if world == 1:
         return
     row: list[int] = []
+    grad_mode = torch.is_grad_enabled()  # under no_grad a rank records no backward
     for i, t in enumerate(ts):
-        row += [_dtype_code(t.dtype), int(t.requires_grad), t.ndim, -1 if vary is None else vary[i], *t.shape]
+        row += [
+            _dtype_code(t.dtype),
+            int(t.requires_grad and grad_mode),
+            t.ndim,
+            -1 if vary is None else vary[i],
+            *t.shape,
+        ]
     device = _b().comm_device(pg)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     width = int(b.all_gather(torch.tensor([mine.numel()], dtype=torch.int64, device=device), pg).max())

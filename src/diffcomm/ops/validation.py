@@ -95,8 +95,16 @@ def debug_check_input(opname: str, pg: PG, x: Tensor, /, **fields: Any) -> None:
     grad (nothing is computed outside debug mode)."""
     debug = _config.DEBUG
     if debug.value if debug.loaded else debug.get():
-        fields.update(shape=tuple(x.shape), dtype=x.dtype, grad=x.requires_grad)
+        fields.update(shape=tuple(x.shape), dtype=x.dtype, grad=records_grad(x))
         current_backend().check_consistent(opname, fields, pg)
+
+
+def records_grad(x: Tensor) -> bool:
+    """Whether this call records ``x``'s op for backward: ``x.requires_grad`` under grad
+    mode. Debug mode compares this across the ranks, not ``x.requires_grad`` alone: a rank
+    inside ``torch.no_grad()`` / ``torch.inference_mode()`` records nothing, so it skips
+    the backward collective the other ranks run, as a rank whose ``x`` needs no grad does."""
+    return x.requires_grad and torch.is_grad_enabled()
 
 
 def check_input(x: Any, op: str) -> Tensor:
