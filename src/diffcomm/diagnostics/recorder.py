@@ -227,10 +227,9 @@ def _group(group: Any) -> _Group:
         if dist.is_initialized():
             pg = world if group is None else group
             g = None
-            if pg is world:  # the default group as None and named explicitly: one counter
-                g = _GROUPS.get(world) if group is None else None
-                if group is not None and _WORLD_PG[0] is world:
-                    g = _GROUPS.get(None)
+            if pg is world and (group is None or _WORLD_PG[0] is world):
+                # the default group as None and named explicitly: one counter
+                g = _GROUPS.get(world if group is None else None)
             if g is None:
                 ranks = tuple(dist.get_process_group_ranks(pg))
                 g = _Group(ranks, str(getattr(pg, "group_name", None) or ",".join(map(str, ranks))))

@@ -20,6 +20,7 @@ from .._torch import compiling, local_tensor_mode_on
 from ..backend import args as A
 from ..backend.args import PG
 from .validation import current_backend as _b
+from .validation import records_grad
 from .validation import world as _world
 
 # --------------------------------------------------------------------------------------
@@ -167,15 +168,8 @@ def debug_check(
     if world == 1:
         return
     row: list[int] = []
-    grad_mode = torch.is_grad_enabled()  # under no_grad a rank records no backward
     for i, t in enumerate(ts):
-        row += [
-            _dtype_code(t.dtype),
-            int(t.requires_grad and grad_mode),
-            t.ndim,
-            -1 if vary is None else vary[i],
-            *t.shape,
-        ]
+        row += [_dtype_code(t.dtype), int(records_grad(t)), t.ndim, -1 if vary is None else vary[i], *t.shape]
     device = _b().comm_device(pg)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     width = int(b.all_gather(torch.tensor([mine.numel()], dtype=torch.int64, device=device), pg).max())
