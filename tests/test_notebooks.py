@@ -13,6 +13,7 @@ ranks, in turn), so on two cores the second runs in the other's idle time.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,7 @@ nbformat = pytest.importorskip("nbformat", reason="notebook tests need nbformat 
 nbclient = pytest.importorskip("nbclient", reason="notebook tests need nbclient (the `test` extra)")
 pytest.importorskip("ipykernel", reason="notebook tests need ipykernel (the `test` extra)")
 pytest.importorskip("matplotlib", reason="the notebooks plot with matplotlib (the `test` extra)")
+KernelManager = pytest.importorskip("jupyter_client.manager").KernelManager
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -65,7 +67,14 @@ def _execute(path: Path) -> float:
     # the kernel's own stderr (its start-up banner and warnings) goes to a log beside the
     # executed copy: a kernel started between two tests' capture windows would otherwise
     # print to the terminal (cell errors come through the messaging protocol, not stderr)
-    with open(EXECUTED / f"{path.stem}.kernel.log", "wb") as log:
+    # IPC sockets in a directory of their own, not TCP ports: a port picked free and bound
+    # by the kernel a moment later was once taken in between (another kernel, a rank's
+    # connection): "Address already in use", the kernel died before it answered
+    with (
+        tempfile.TemporaryDirectory(prefix="dcnb") as ipc,
+        open(EXECUTED / f"{path.stem}.kernel.log", "wb") as log,
+    ):
+        client.km = KernelManager(kernel_name=KERNEL, transport="ipc", ip=os.path.join(ipc, "k"))
         try:
             client.execute(env=env, stderr=log)
         finally:
