@@ -583,24 +583,107 @@ def test_oversized_world_override(monkeypatch) -> None:
         _config.ALLOW_OVERSUBSCRIBE.reload()
 
 
+def _recv_never_sent(stamp: str) -> str:
+    if dc.get_rank() == 1:
+        dc.recv(src=0)  # rank 0 never sends
+    else:
+        Path(stamp).write_text(repr(time.monotonic()))
+    return "returned"
+
+
+def _recv_one_too_many(stamp: str) -> None:
+    if dc.get_rank() == 0:
+        dc.send(torch.ones(3), 1)
+        dc.send(torch.ones(3), 1, tag=1)
+        Path(stamp).write_text(repr(time.monotonic()))
+    else:
+        dc.recv(0, like=torch.ones(3))
+        dc.recv(0, like=torch.ones(3), tag=1)
+        dc.irecv(0, like=torch.ones(3)).wait()  # a posted receive: one more than was sent
+
+
+def _shift_once_too_often(stamp: str) -> None:
+    x = torch.ones(3)
+    dc.shift(x, 1)  # one batched send and receive per rank
+    if dc.get_rank() == 1:
+        dc.shift(x, 1)
+    else:
+        Path(stamp).write_text(repr(time.monotonic()))
+
+
+def _sent_on_another_tag(stamp: str) -> None:
+    if dc.get_rank() == 0:
+        dc.send(torch.ones(3), 1, tag=5)
+        Path(stamp).write_text(repr(time.monotonic()))
+    else:
+        dc.recv(0, like=torch.ones(3), tag=6)
+
+
+def _late_and_queued_sends(_: str) -> list[float]:
+    # rank 0 returns with its sends still queued; rank 1 reaches its receives later, one
+    # of them only after waiting in it: slower, not in desync
+    if dc.get_rank() == 0:
+        for i in range(4):
+            dc.send(torch.full((64, 1024), float(i)), 1)  # queued: it returns at once
+        return []
+    time.sleep(0.4)
+    got = [float(dc.recv(0).mean()) for _ in range(3)]
+    time.sleep(0.4)
+    return [*got, float(dc.recv(0).mean())]
+
+
+@pytest.mark.waits
+def test_a_receive_a_returned_peer_never_sends_is_a_desync_at_once(tmp_path: Path) -> None:
+    """A rank that returned while its peer waits in a receive it never sent: the peer's
+    ``k``-th receive from it (tag, group) needs its ``k``-th send, and the flight recorder
+    counts both, so the caller hears of it within a second of the return (it waited for
+    the collective timeout before). Blocking, posted and batched receives; a send on
+    another tag is no match. Sends still queued when their sender returned, and receives
+    reached late, are not a desync (right values)."""
+    stamp = tmp_path / "returned_at"
+    with LocalWorld(2, timeout=60, collective_timeout=T) as world:
+        for fn, op, tag in (
+            (_recv_never_sent, "recv(src=0, tag=0)", 0),
+            (_recv_one_too_many, "recv(src=0, tag=0) header", 0),  # irecv: the header first
+            (_shift_once_too_often, "shift(1)", None),
+            (_sent_on_another_tag, "recv(src=0, tag=6)", 6),
+        ):
+            world.run(time.sleep, 0)  # a live world (restarted after the previous one)
+            with pytest.raises(RankDesyncError) as info:
+                world.run(fn, str(stamp))
+            elapsed = time.monotonic() - float(stamp.read_text())
+            err, text = info.value, str(info.value)
+            assert elapsed < 1.0, (fn.__name__, elapsed, text)
+            assert err.facts["culprits"] == [0] and err.facts["returned"] == [0], (fn.__name__, err.facts)
+            lead = f"LocalWorld: rank 0 returned from `{fn.__name__}` and sends rank 1 nothing more"
+            assert text.startswith(lead), text
+            assert f"while rank 1 waits in `{op}" in text, (fn.__name__, text)
+            assert tag is None or f"(tag {tag} on group [0, 1]" in text, (fn.__name__, text)
+            assert "test_flight.py:" in text and "never reached" not in text, text
+        assert world.run(_late_and_queued_sends, "") == [[], [0.0, 1.0, 2.0, 3.0]]
+
+
 @pytest.mark.waits
 def test_p2p_wait_is_not_mistaken_for_a_collective_desync() -> None:
-    def recv_never_sent() -> str:
+    def recv_from_a_busy_rank() -> str:
         if dc.get_rank() == 1:
             dc.recv(src=0)  # rank 0 never sends
+        else:
+            time.sleep(T + 3)  # busy in user code, then returns: too late
         return "returned"
 
-    # a rank returned while its peer waits in recv: no collective sequence to compare; the
-    # recv times out and names the point-to-point op (no false "never reached #n" claim)
+    # a peer busy in user code while a rank waits in recv: no collective sequence to
+    # compare; the recv times out and names the point-to-point op (no false "never
+    # reached #n" claim)
     with LocalWorld(2, timeout=60, collective_timeout=T) as world:
         start = time.monotonic()
         with pytest.raises(RankDesyncError) as info:
-            world.run(recv_never_sent)
+            world.run(recv_from_a_busy_rank)
         assert time.monotonic() - start < T + 2
     text = str(info.value)
     assert "the point-to-point `recv" in text and "did not complete" in text
     assert "never reached" not in text
-    assert "rank 0: returned from the function" in text
+    assert "rank 0: busy in user code" in text, text
 
 
 @pytest.mark.waits

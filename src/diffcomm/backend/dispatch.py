@@ -34,6 +34,7 @@ from ..diagnostics.logger import LABEL as _LABEL
 from ..diagnostics.logger import STATE as _local
 from ..diagnostics.logger import CommRecord, CommsLog
 from ..diagnostics.logger import logs as _logs
+from ..diagnostics.recorder import Messages
 from ..diagnostics.switches import off as _off
 from .groups import ProcessGroup
 from .groups import world as _world
@@ -63,6 +64,7 @@ def dispatch(
     sample: torch.Tensor | None = None,
     args: tuple[Any, ...] = (),
     here: bool = False,
+    messages: Messages | None = None,
 ) -> Any:
     """Run one raw op: comm-off switch, logging, flight recorder, timeout diagnosis — for
     every op (a timeout becomes :class:`~diffcomm.DesyncError` with the cross-rank story).
@@ -75,6 +77,10 @@ def dispatch(
     logged on its own (the coalesced op is logged once, with the parts' total bytes) and
     is skipped when either its own name or the coalesced op's is off.
 
+    A point-to-point op passes its ``messages`` (``((kind, peer, tag), ...)``, peers as
+    group ranks): the flight recorder counts them per peer, which lets a world tell a
+    receive that can never complete from a slow one.
+
     The hot path (nothing logged, switched off, queued or spanned) runs the op right here,
     in this frame (a call frame fewer on every raw op); ``here=True`` (:func:`_run_here`)
     skips the routing, for the other paths once they have decided to run the op.
@@ -82,12 +88,12 @@ def dispatch(
     if not here:
         state = _local.__dict__  # this thread's logs / switches / coalescing record
         if state and (state.get("logs") or state.get("off") or state.get("coalescing") is not None):
-            return _dispatch_routed(op, group, nbytes, run, skip, sample, args, state)
+            return _dispatch_routed(op, group, nbytes, run, skip, sample, args, state, messages)
         hook = _ORDER_HOOK
         if (hook is not None and hook[2].pending and hook[0]()) or _SPANS is not None:
-            return _run(op, group, run, nbytes, sample, args)
+            return _run(op, group, run, nbytes, sample, args, messages)
     label = _get_label()
-    rec = _begin(op, group, nbytes, sample, label)
+    rec = _begin(op, group, nbytes, sample, label, messages)
     try:
         out = run(*args)
     except (RuntimeError, dist.DistError) as err:  # DistBackendError is a RuntimeError
@@ -110,6 +116,7 @@ def _dispatch_routed(
     sample: Sample,
     args: Args,
     state: dict[str, Any],
+    messages: Messages | None = None,
 ) -> Any:
     """:func:`dispatch` while this thread logs, has ops switched off or coalesces."""
     part_of = state.get("coalescing")
@@ -119,7 +126,7 @@ def _dispatch_routed(
         if op in _off() or part_of.op in _off():
             part_of.skipped = True
             return skip(*args)
-        return _run(op, group, run, nbytes, sample, args)
+        return _run(op, group, run, nbytes, sample, args, messages)
     logs = _logs()
     if op in _off():
         out = skip(*args)
@@ -128,7 +135,7 @@ def _dispatch_routed(
             log.records.append(CommRecord(op, _LABEL.get(), nbytes, 0.0, _world(group), True, dtype=dtype))
         return out
     start = time.perf_counter() if logs else 0.0
-    out = _run(op, group, run, nbytes, sample, args)
+    out = _run(op, group, run, nbytes, sample, args, messages)
     if logs:
         _sync_if_needed(sample)
         elapsed = time.perf_counter() - start
@@ -168,30 +175,42 @@ def record_spans() -> Iterator[list[tuple[str, str | None, str, float, float]]]:
 
 
 def _run(
-    op: str, group: ProcessGroup, run: Fn, nbytes: int = 0, sample: Sample = None, args: Args = ()
+    op: str,
+    group: ProcessGroup,
+    run: Fn,
+    nbytes: int = 0,
+    sample: Sample = None,
+    args: Args = (),
+    messages: Messages | None = None,
 ) -> Any:
     """``run(*args)`` recorded by the flight recorder; a timeout (or a peer gone mid-op) becomes
     :class:`~diffcomm.DesyncError` carrying the cross-rank diagnosis."""
     hook = _ORDER_HOOK
     if hook is not None and hook[0]():
-        return hook[1](lambda: _run(op, group, run, nbytes, sample, args), op)
+        return hook[1](lambda: _run(op, group, run, nbytes, sample, args, messages), op)
     spans = _SPANS
     if spans is not None:
         t0 = time.perf_counter()
         try:
-            return _run_here(op, group, run, nbytes, sample, args)
+            return _run_here(op, group, run, nbytes, sample, args, messages)
         finally:
             _sync_if_needed(sample)
             spans.append((op, _LABEL.get(), threading.current_thread().name, t0, time.perf_counter()))
-    return _run_here(op, group, run, nbytes, sample, args)
+    return _run_here(op, group, run, nbytes, sample, args, messages)
 
 
 def _run_here(
-    op: str, group: ProcessGroup, run: Fn, nbytes: int = 0, sample: Sample = None, args: Args = ()
+    op: str,
+    group: ProcessGroup,
+    run: Fn,
+    nbytes: int = 0,
+    sample: Sample = None,
+    args: Args = (),
+    messages: Messages | None = None,
 ) -> Any:
     """``run(*args)`` with the flight record and the error mapping, no routing (see
     :func:`dispatch`)."""
-    return dispatch(op, group, nbytes, run, run, sample, args, True)  # (skip unused here)
+    return dispatch(op, group, nbytes, run, run, sample, args, True, messages)  # (skip unused here)
 
 
 @dataclass

@@ -601,6 +601,7 @@ class TorchDistributedBackend(CoalescedOps):
             lambda: dist.recv(wire(out), group_src=src, group=group, tag=tag),
             lambda: out.zero_(),
             out,
+            messages=(("recv", src, tag),),
         )
         return out
 
@@ -629,7 +630,8 @@ class TorchDistributedBackend(CoalescedOps):
                     t.zero_()
 
         nbytes = sum(_nbytes(t) for _, t, _, _ in ops)
-        _dispatch("batch_p2p", group, nbytes, run, skip, ops[0][1])
+        messages = tuple((kind, peer, tag) for kind, _, peer, tag in ops)
+        _dispatch("batch_p2p", group, nbytes, run, skip, ops[0][1], messages=messages)
 
     def barrier(self, group: ProcessGroup) -> None:
         _dispatch("barrier", group, 0, lambda: dist.barrier(group=group), lambda: None)

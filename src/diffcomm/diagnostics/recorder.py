@@ -57,8 +57,12 @@ __all__ = ["FlightRecorder", "Entry", "flight_recorder", "diagnose"]
 
 # One recorded communication is a plain list (the cheapest object to build on the hot
 # path), indexed by these constants; :func:`_as_dict` turns it into the public dict.
-OP, LABEL, GROUP, SEQ, SHAPE, DTYPE, NBYTES, SITE, STATE, T0, T1 = range(11)
-Entry = list  # [op, label, group record, seq, shape, dtype, nbytes, site, state, t0, t1]
+OP, LABEL, GROUP, SEQ, SHAPE, DTYPE, NBYTES, SITE, STATE, T0, T1, PEERS = range(12)
+Entry = list  # [op, label, group record, seq, shape, dtype, nbytes, site, state, t0, t1, peers]
+
+#: A point-to-point op's messages as the backend passes them to :func:`begin`:
+#: ``(("send" | "recv", peer's rank in the group, tag), ...)``.
+Messages = tuple[tuple[str, int, int], ...]
 
 
 def _direction(label: str | None) -> str:
@@ -69,7 +73,7 @@ def _as_dict(e: Entry, now: float | None = None) -> dict[str, Any]:
     now = time.perf_counter() if now is None else now
     end = e[T1] if e[T1] else now
     shape, dtype = e[SHAPE], e[DTYPE]
-    return {
+    d = {
         "op": e[LABEL] or e[OP],
         "raw_op": e[OP],
         "seq": e[SEQ],
@@ -83,6 +87,9 @@ def _as_dict(e: Entry, now: float | None = None) -> dict[str, Any]:
         "duration_s": round(end - e[T0], 6),
         "site": fmt_site(e[SITE]),
     }
+    if e[PEERS] is not None:  # point to point: [kind, peer's global rank, tag, message number]
+        d["peers"] = [list(m) for m in e[PEERS]]
+    return d
 
 
 _LINES: dict[tuple[Any, int], int | None] = {}
@@ -123,15 +130,20 @@ class _Group:
 
     ``name`` is the same on every rank and tells apart two groups over the same ranks
     (torch's group name; the default group used as ``None`` and passed by name is one
-    group, one counter)."""
+    group, one counter). A point-to-point record also counts its messages per
+    ``(kind, peer's global rank, tag)`` in ``messages``: the ``k``-th receive from a peer
+    is matched by that peer's ``k``-th send to this rank with the same tag (the backend
+    pairs them in that order), so a returned peer that sent fewer can never complete it
+    (:func:`diffcomm.runtime.reports.stuck`)."""
 
-    __slots__ = ("ranks", "next", "timeout", "name")
+    __slots__ = ("ranks", "next", "timeout", "name", "messages")
 
     def __init__(self, ranks: tuple[int, ...], name: str) -> None:
         self.ranks = ranks
         self.next = 0
         self.timeout: float | None = None
         self.name = name
+        self.messages: dict[tuple[str, int, int], int] = {}
 
 
 _TIMEOUT, _FLIGHT = _config.TIMEOUT, _config.FLIGHT  # fixed objects (their values change)
@@ -242,8 +254,17 @@ def _group(group: Any) -> _Group:
     return g
 
 
-def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: str | None) -> Entry | None:
-    """Record the start of a raw op (and apply ``DIFFCOMM_TIMEOUT`` to its group)."""
+def begin(
+    op: str,
+    group: Any,
+    nbytes: int,
+    sample: torch.Tensor | None,
+    label: str | None,
+    messages: Messages | None = None,
+) -> Entry | None:
+    """Record the start of a raw op (and apply ``DIFFCOMM_TIMEOUT`` to its group);
+    ``messages``: a point-to-point op's messages, counted per peer and tag whether or not
+    the recorder is on (a count that skipped some would name a desync that is not one)."""
     g = _GROUPS.get(group)
     if g is None or (group is None and _C10D._default_pg is not _WORLD_PG[0]):
         g = _group(group)
@@ -252,10 +273,16 @@ def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: 
     if timeout != g.timeout:
         _apply_timeout(group, g, timeout)
     flight = _FLIGHT
-    if not (flight.value if flight.loaded else flight.get()):
-        return None
+    on = flight.value if flight.loaded else flight.get()
+    numbered = None
     if op in P2P_OPS:
+        if not on and messages is None:
+            return None
         g = _p2p_group(group, g)
+        if messages is not None:
+            numbered = _number(g, messages)
+    if not on:
+        return None
     seq = g.next
     g.next = seq + 1
     # _site()'s cache hit, inline (a call frame fewer on every op): the frame at the depth
@@ -280,6 +307,7 @@ def begin(op: str, group: Any, nbytes: int, sample: torch.Tensor | None, label: 
         "started",
         _perf(),
         0.0,
+        numbered,
     ]
     _RING.append(e)
     _LAST[0] = e
@@ -293,6 +321,18 @@ def _p2p_group(group: Any, g: _Group) -> _Group:
     if p is None:
         p = _GROUPS[key] = _Group(g.ranks, g.name + "/p2p")
     return p
+
+
+def _number(g: _Group, messages: Messages) -> tuple[tuple[str, int, int, int], ...]:
+    """Count ``messages`` on ``g``: each as ``(kind, peer's global rank, tag, k)``, the
+    ``k``-th of its kind between this rank and that peer with that tag."""
+    counts, ranks, out = g.messages, g.ranks, []
+    for kind, peer, tag in messages:
+        key = (kind, ranks[peer], tag)
+        k = counts.get(key, 0) + 1
+        counts[key] = k
+        out.append((*key, k))
+    return tuple(out)
 
 
 def end(e: Entry | None) -> None:
@@ -350,7 +390,8 @@ class FlightRecorder:
     sequence number, the same on every rank for the same call), ``group`` (global ranks),
     ``shape``, ``dtype``, ``nbytes``, ``direction`` (``forward``/``backward``), ``state``
     (``started``/``queued``/``completed``/``failed``), ``duration_s`` and ``site`` (the
-    user's ``file:line``).
+    user's ``file:line``); a point-to-point entry also ``peers``: ``[kind, peer's global
+    rank, tag, k]`` per message, the ``k``-th of its kind between the two with that tag.
     """
 
     def __init__(self, entries: list[dict[str, Any]], rank: int, enabled: bool) -> None:

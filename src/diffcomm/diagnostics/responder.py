@@ -58,7 +58,13 @@ def _state(recent: int = 64) -> dict[str, Any]:
     busy = [e for e in entries if e[STATE] == "started"]
     if not busy and entries and entries[-1][STATE] == "failed":
         busy = [entries[-1]]  # it just gave up on this one (its own timeout)
-    counts = {g.name: g.next for g in list(_GROUPS.values())}
+    groups = list(_GROUPS.values())
+    counts = {g.name: g.next for g in groups}
+    # point-to-point messages begun per group, "kind|peer|tag" -> count (a newer group of
+    # the same name, inserted later, wins as in ``counts``)
+    messages = {
+        g.name: {f"{k}|{q}|{t}": n for (k, q, t), n in g.messages.items()} for g in groups if g.messages
+    }
     return {
         "rank": _global_rank(),
         "pid": os.getpid(),
@@ -66,6 +72,7 @@ def _state(recent: int = 64) -> dict[str, Any]:
         "inflight": [_as_dict(e, now) for e in busy],
         "recent": [_as_dict(e, now) for e in entries[-recent:]],
         "counts": counts,
+        "messages": messages,
     }
 
 

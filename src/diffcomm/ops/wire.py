@@ -140,6 +140,7 @@ def _post(parts: list[tuple[Any, Any, str]], buf: Tensor, dst: int, pg: PG, tag:
         lambda: dist.isend(wire, group_dst=dst, group=pg, tag=tag),
         lambda: None,
         None,
+        messages=(("send", dst, tag),),
     )
     if work is not None:
         rec = _flight.take_last("send")  # the flight record: queued until the peer has it
@@ -189,7 +190,7 @@ class Posted:
 
     def __init__(self, buf: Tensor, src: int, pg: PG, tag: int) -> None:
         SENDS.check()
-        self.buf, self.pg = buf, pg
+        self.buf, self.pg, self.src, self.tag = buf, pg, src, tag
         self.work = None
         if buf.numel() and not B.is_off("recv"):
             self.work = dist.irecv(B.wire(buf), group_src=src, group=pg, tag=tag)
@@ -205,6 +206,7 @@ class Posted:
                 "recv", self.pg, buf.numel() * buf.element_size(),
                 (lambda: work.wait()) if work is not None else (lambda: buf.zero_()),
                 lambda: buf.zero_(), buf,
+                messages=None if work is None else (("recv", self.src, self.tag),),
             )  # fmt: skip
         finally:
             _waited(t0)

@@ -144,7 +144,10 @@ def stuck(
         s = states.get(p)
         for e in (s or {}).get("inflight", []):
             if e["raw_op"] in P2P_OPS:
-                continue  # p2p counters are per sender/receiver pair, not aligned across ranks
+                found = _unsent(states, returned, p, e, what)
+                if found is not None:
+                    return found
+                continue  # p2p sequence numbers are per process, not aligned across ranks
             gone = [
                 q
                 for q in returned
@@ -187,4 +190,48 @@ def stuck(
                 f"down (it restarts at the next run).\n{text}",
                 facts,
             )
+    return None
+
+
+#: seconds a receive waits before a returned peer's missing send is called a desync (the
+#: counts already prove it; this only keeps a raw ``torch.distributed`` send, which the
+#: recorder does not count, from being overtaken by the check while still in flight)
+_P2P_SETTLE = 0.1
+
+
+def _unsent(
+    states: dict[int, dict[str, Any] | None], returned: list[int], p: int, e: dict[str, Any], what: str
+) -> RankDesyncError | None:
+    """A receive of busy rank ``p`` that a returned peer never sent: the ``k``-th receive
+    from a peer (tag, group) waits for that peer's ``k``-th send to ``p``, and a peer that
+    returned after ``n < k`` of them sends no more. (The count of receives begun is never
+    above the message's place in the backend's order, so a count can only miss a desync,
+    never invent one.)"""
+    if e.get("state") != "started" or e.get("duration_s", 0.0) < _P2P_SETTLE:
+        return None
+    for kind, q, tag, k in e.get("peers") or ():
+        if kind != "recv" or q not in returned or not (st := states.get(q)):
+            continue
+        sent = (st.get("messages") or {}).get(e["gid"], {}).get(f"send|{p}|{tag}", 0)
+        if sent >= k:
+            continue
+        site = f" (from {e['site']})" if e.get("site") else ""
+        group = list(e["group"])
+        facts = {
+            "group": group,
+            "seq": None,
+            "culprits": [q],
+            "op": e["op"],
+            "direction": e.get("direction"),
+            "idle": [q],
+            "returned": [q],
+        }
+        return RankDesyncError(
+            f"LocalWorld: rank {q} returned from `{what}` and sends rank {p} nothing more (tag "
+            f"{tag} on group {group}: {sent} message(s) sent, all received), while rank {p} "
+            f"waits in `{e['op']}`{site} for one more from it — a desync (a send missing on rank "
+            f"{q}, or a receive too many on rank {p}); the world was torn down (it restarts at "
+            f"the next run).",
+            facts,
+        )
     return None
