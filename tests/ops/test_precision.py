@@ -573,6 +573,7 @@ def test_an_infinite_contribution_is_nan_in_its_block_on_every_rank(world2, wire
 
 def _bad(kind: str) -> str:
     x = torch.ones(4, 6)
+    z = torch.ones(4, 6, dtype=torch.complex64, requires_grad=True)
     calls = {
         "int": lambda: dc.all_reduce(torch.ones(4, dtype=torch.int64), precision=Precision("bf16")),
         "block": lambda: dc.all_gather(x, precision=Precision("fp8_e4m3", block_size=4)),
@@ -584,6 +585,11 @@ def _bad(kind: str) -> str:
         ),
         "back_block": lambda: dc.all_gather(
             x, precision=Precision("bf16", backward=Precision("fp8_e5m2", block_size=4))
+        ),
+        # an exact forward, a bf16 backward: the complex gradient would lose its imaginary part
+        "complex_back": lambda: dc.all_reduce(z, precision=Precision(None, backward=Precision("bf16"))),
+        "complex_back_mapping": lambda: dc.parallel.copy_to_region(
+            z, precision=Precision(None, backward=Precision("fp8_e4m3"))
         ),
     }
     with B.log_comms() as log:
@@ -603,6 +609,8 @@ def _bad(kind: str) -> str:
         ("op", "ValueError", "op='max'"),
         ("type", "TypeError", "precision must be"),
         ("back_block", "ValueError", "block_size=4"),
+        ("complex_back", "TypeError", "backward=bf16) sends the gradient in a real float dtype"),
+        ("complex_back_mapping", "TypeError", "parallel.copy_to_region(): precision=Precision(wire=exact"),
         (
             "coalesced_int",
             "TypeError",

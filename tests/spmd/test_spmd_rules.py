@@ -96,6 +96,41 @@ def test_input_gradient_error_comes_before_backward(world2: dc.LocalWorld) -> No
         assert "_region_param" not in msg, msg
 
 
+_WEIGHT_FORMS = {
+    "linear": lambda x, w: F.linear(x, w),
+    "matmul_of_T": lambda x, w: x @ w.T,
+    "mm_of_t": lambda x, w: torch.mm(x, w.t()),
+    "matmul_of_transpose": lambda x, w: torch.matmul(x, w.transpose(0, 1)),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_WEIGHT_FORMS))
+@pytest.mark.parametrize("weight", ["parameter", "varying_leaf"])
+def test_input_gradient_error_for_a_weight_used_through_a_view(
+    world2: dc.LocalWorld, form: str, weight: str
+) -> None:
+    """``x @ w.T`` meets the weight through a view (the transpose is no leaf): the dropped
+    copy_to_region was accepted and ``x.grad`` was each rank's share, silently."""
+
+    def body() -> str:
+        col = par.ColumnParallelLinear(4, 8, bias=False, dtype=F64, seed=0)
+        row = par.RowParallelLinear(8, 4, input_is_parallel=True, dtype=F64, seed=0)
+        x = torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        w = col.weight.detach().clone().requires_grad_()
+        try:
+            with dc.spmd_check(varying=[w] if weight == "varying_leaf" else ()):
+                dc.spmd.module(col), dc.spmd.module(row)
+                a = F.gelu(_WEIGHT_FORMS[form](x, col.weight if weight == "parameter" else w))
+                par.reduce_from_region(F.linear(a, row.weight)).pow(2).mean().backward()
+        except dc.SPMDTypeError as e:
+            return str(e)
+        return "no error"
+
+    for msg in world2.run(body):
+        assert "backward at test_spmd_rules.py:" in msg and "input of shape (3, 4)" in msg, msg
+        assert "insert parallel.copy_to_region before the" in msg, msg
+
+
 def test_rank_slice_message_names_the_rank_not_a_random_draw(world2: dc.LocalWorld) -> None:
     def body() -> object:
         return corpus.run("rank-sliced data to ColumnParallelLinear", False)

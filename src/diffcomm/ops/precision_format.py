@@ -299,6 +299,13 @@ def check(
             f"diffcomm.{op}(): precision=Precision(wire={precision.tag}) needs a floating-point {arg} "
             f"(a float wire dtype cannot carry {x.dtype} exactly); got {arg} of dtype {x.dtype}"
         )
+    back = precision.transposed()
+    if back.wire is not None and x.is_complex():  # its gradient is complex: a real wire
+        raise TypeError(  # would drop the imaginary part, silently (integers have none)
+            f"diffcomm.{op}(): precision=Precision(wire={precision.tag}, backward={back.tag}) sends the "
+            f"gradient in a real float dtype, which cannot carry the complex gradient of {arg} "
+            f"(dtype {x.dtype}); got {arg} of dtype {x.dtype}"
+        )
     n = x.shape[-1] if x.ndim else 1
     for p, (last, chunks), where in (
         (precision, fwd or (n, None), "forward"),

@@ -309,8 +309,16 @@ def _differentiable(t: Tensor) -> bool:
 
 
 def _is_weight(r: Any, t: Tensor) -> bool:
-    """A varying weight: a varying parameter, or a varying leaf that requires grad."""
-    return r.t is V and (r.param is not None or (t.requires_grad and t.grad_fn is None))
+    """A varying weight: a varying parameter, or a varying leaf that requires grad, or a
+    view of one (``x @ w.T``: the transpose is no leaf, but the weight it shows is)."""
+    if r.t is not V:
+        return False
+    if r.param is not None:
+        return True
+    if t.requires_grad and t.grad_fn is None:
+        return True
+    base = t._base  # (a view of a view has the root as its base)
+    return base is not None and base.requires_grad and base.grad_fn is None
 
 
 def _is_zero(x: Any) -> bool:
