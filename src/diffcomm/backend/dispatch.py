@@ -82,7 +82,7 @@ def dispatch(
     receive that can never complete from a slow one.
 
     The hot path (nothing logged, switched off, queued or spanned) runs the op right here,
-    in this frame (a call frame fewer on every raw op); ``here=True`` (:func:`_run_here`)
+    in this frame (a call frame fewer on every raw op); ``here=True`` (:func:`_run`)
     skips the routing, for the other paths once they have decided to run the op.
     """
     if not here:
@@ -192,25 +192,12 @@ def _run(
     if spans is not None:
         t0 = time.perf_counter()
         try:
-            return _run_here(op, group, run, nbytes, sample, args, messages)
+            return dispatch(op, group, nbytes, run, run, sample, args, True, messages)
         finally:
             _sync_if_needed(sample)
             spans.append((op, _LABEL.get(), threading.current_thread().name, t0, time.perf_counter()))
-    return _run_here(op, group, run, nbytes, sample, args, messages)
-
-
-def _run_here(
-    op: str,
-    group: ProcessGroup,
-    run: Fn,
-    nbytes: int = 0,
-    sample: Sample = None,
-    args: Args = (),
-    messages: Messages | None = None,
-) -> Any:
-    """``run(*args)`` with the flight record and the error mapping, no routing (see
-    :func:`dispatch`)."""
-    return dispatch(op, group, nbytes, run, run, sample, args, True, messages)  # (skip unused here)
+    # the flight record and the error mapping, no routing (``skip`` is unused with here=True)
+    return dispatch(op, group, nbytes, run, run, sample, args, True, messages)
 
 
 @dataclass
