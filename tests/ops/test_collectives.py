@@ -367,6 +367,46 @@ def test_integer_bool_complex_forward(world3) -> None:
         assert p == [complex(6.0)]
 
 
+def test_conjugate_and_negative_views_are_read_as_their_values(world3) -> None:
+    # A lazy conjugate (``z.conj()``) or negative view keeps its bit through contiguous()
+    # while the transport reads the raw memory: scatter sent a negative view's values
+    # negated (silently), the complex gathers raised view_as_real's error on some ranks
+    # (the others hung); and the gradient of a loss that reads ``y.conj()`` arrives as a
+    # conjugate view, which the duals (reduce_scatter, scatter, gather...) refused likewise.
+    def lazy_views() -> list[str]:
+        r, w = dc.get_rank(), dc.get_world_size()
+        ops = {
+            "all_reduce": lambda x: dc.all_reduce(x),
+            "all_reduce(product)": lambda x: dc.all_reduce(x, "product"),
+            "broadcast": lambda x: dc.broadcast(x, src=w - 1),
+            "reduce": lambda x: dc.reduce(x, dst=w - 1),
+            "all_gather": lambda x: dc.all_gather(x),
+            "all_gather(split_sizes)": lambda x: dc.all_gather(x, dim=-1, split_sizes=[3] * w),
+            "reduce_scatter": lambda x: dc.reduce_scatter(x),
+            "gather": lambda x: dc.gather(x, dst=w - 1),
+            "scatter": lambda x: dc.scatter(x, src=w - 1),
+            "all_to_all": lambda x: dc.all_to_all(x, 0, 1),
+        }
+        bad = []
+        g = torch.Generator().manual_seed(r)
+        for name, f in ops.items():
+            z = torch.randn(2 * w, 3, generator=g, dtype=torch.complex128)
+            re = torch.randn(2 * w, 3, generator=g, dtype=torch.float64)
+            for view, plain in ((z.conj(), z.conj().resolve_conj()), (torch._neg_view(re), -re)):
+                if not torch.equal(f(view), f(plain)):
+                    bad.append(f"{name} of a {'conjugate' if view.is_conj() else 'negative'} view")
+            x1, x2 = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+            y1, y2 = f(x1), f(x2)
+            c = torch.randn(y1.shape, generator=g, dtype=torch.complex128)
+            (y1.conj() * c).real.sum().backward()  # the gradient reaches the op as y1.grad.conj()
+            (y2 * c.conj()).real.sum().backward()  # the same loss, no conjugate view
+            if not torch.allclose(x1.grad, x2.grad):
+                bad.append(f"{name}: gradient through y.conj()")
+        return bad
+
+    assert world3.run(lazy_views) == [[], [], []]
+
+
 def test_subgroups_and_device_mesh(world4) -> None:
     def subgroups() -> list:
         import torch.distributed as dist

@@ -452,6 +452,31 @@ def test_values_of_shift_sendrecv_ppermute(world3: dc.LocalWorld) -> None:
     assert out == [[2.0, 2.0, 1.0, 0.0], [0.0, 0.0, 2.0, 2.0], [1.0, 1.0, 0.0, 0.0]]
 
 
+# on processes: what is pinned down is what the transport reads from the tensor's memory
+@pytest.mark.diffcomm_in_process(False)
+def test_a_conjugate_view_travels_as_its_value_and_gradient(world3: dc.LocalWorld) -> None:
+    # ``z.conj()`` keeps its lazy bit through contiguous(): the exchange raised
+    # view_as_real's error instead of sending it, forward and (for a loss that reads
+    # ``y.conj()``) backward.
+    def conjugate_views() -> list[str]:
+        me = _rank()
+        g = torch.Generator().manual_seed(me)
+        bad = []
+        for op in ("shift", "shift-2", "sendrecv", "ppermute", "ppermute-partial"):
+            z = torch.randn(2, 3, generator=g, dtype=torch.complex128)
+            if not torch.equal(_apply(op, z.conj()), _apply(op, z.conj().resolve_conj())):
+                bad.append(f"{op}: value")
+            x1, x2 = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+            c = torch.randn(2, 3, generator=g, dtype=torch.complex128)
+            (_apply(op, x1).conj() * c).real.sum().backward()
+            (_apply(op, x2) * c.conj()).real.sum().backward()
+            if not torch.allclose(x1.grad, x2.grad):
+                bad.append(f"{op}: gradient")
+        return bad
+
+    assert world3.run(conjugate_views) == [[], [], []]
+
+
 # shared rank body of the two dot-product adjoint tests below (real: every op and world; complex)
 def _adjoint_rank_body(op: str, dtype: torch.dtype) -> tuple[float, float]:
     me = _rank()

@@ -365,6 +365,12 @@ def _labelled_forward(run: Any, params: tuple[str, ...], name: str, label: Any) 
         f"    outer = _get()\n"  # nest_label, inline
         f"    token = _set(outer + ' -> ' + text if outer else text)\n"
         f"    try:\n"
+        # a conjugate / negative view (``z.conj()``, or the gradient of a loss that reads
+        # ``y.conj()``) keeps its lazy bit through ``contiguous()``, and the transport
+        # reads the raw memory: resolved here, once for every op and every dual (``recv``'s
+        # anchor may be ``None``)
+        f"        if {params[0]} is not None and ({params[0]}.is_conj() or {params[0]}.is_neg()):\n"
+        f"            {params[0]} = {params[0]}.resolve_conj().resolve_neg()\n"
         f"        out = _run({args})\n"
         # a view of a buffer the op made becomes an alias the user may change in place
         # (_torch.not_a_view); tested inline: most results are no view (no call at all)
