@@ -224,7 +224,8 @@ def test_input_modified_in_place_before_the_launch_ran_is_an_error(world2) -> No
             _delay_engine(0.2)
         x = torch.ones(3)
         y = _ar(x)
-        x.add_(1.0)  # before rank 0's engine read it
+        if dc.get_rank() == 0:  # (rank 1 changing its own would race with its send)
+            x.add_(1.0)  # before rank 0's engine read it
         try:
             y.wait()
         except RuntimeError as err:
@@ -235,6 +236,34 @@ def test_input_modified_in_place_before_the_launch_ran_is_an_error(world2) -> No
 
     out = world2.run(modified_input_rank)
     assert "modified in place after the op was launched" in out[0]
+    assert out[1] == "no error"
+
+
+def test_input_modified_in_place_while_its_communication_ran_is_an_error(world2) -> None:
+    """The check before the job runs cannot see a change made while the job waits for its
+    peers: rank 1's job is inside the all_reduce (rank 0's engine is busy) when rank 1
+    changes the input. What it sent may mix old and new values: its result is refused,
+    checked once the op is done (before: the changed data was sent, silently). The op
+    completed on both ranks, so no partner call is needed."""
+
+    def modified_while_sent() -> str:
+        r = dc.get_rank()
+        if r == 0:
+            _delay_engine(0.6)
+        x = torch.ones(3)
+        y = _ar(x)
+        if r == 1:
+            time.sleep(0.2)  # its job runs by now, waiting in the all_reduce for rank 0
+            x.fill_(-7.0)
+        try:
+            return str(y.wait().tolist())
+        except RuntimeError as err:
+            return str(err)
+
+    out = world2.run(modified_while_sent)
+    assert out[0].startswith("[") and "modified in place while its communication ran" in out[1], out
+    assert "no call is missing" in out[1]
+    assert world2.run(lambda: dc.all_reduce(torch.ones(2)).tolist()) == [[2.0, 2.0]] * 2  # in step
 
 
 @pytest.mark.parametrize("second", ["launch", "all_reduce"])
@@ -254,11 +283,17 @@ def test_waited_input_modified_in_place_before_the_launch_ran_is_an_error(world2
         try:
             return str(b.wait().tolist())
         except RuntimeError as err:
-            dc.all_reduce(torch.ones(4))  # keep the ranks in step: the peer's b needs a partner
+            if "before its communication ran" in str(err):  # b never ran: the peer's b needs a partner
+                dc.all_reduce(torch.ones(4))
             return str(err)
 
     out = world2.run(modified_waited_input_rank)
-    assert "modified in place after the op was launched" in out[0], out
+    # refused, never sent silently: before b's job ran (the delay is for that), or, where the
+    # machine is slow enough that rank 0 reached the change only once b's job was inside its
+    # all_reduce, once b was done
+    assert "modified in place after the op was launched" in out[0] or (
+        "modified in place while its communication ran" in out[0]
+    ), out
 
 
 def test_pickle_and_repr_wait(world2) -> None:

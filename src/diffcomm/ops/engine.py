@@ -456,6 +456,19 @@ def _changed(t: Tensor, stamp: tuple[int, int | None]) -> tuple[int, int] | None
     return None
 
 
+def _changed_while_sent(name: str) -> RuntimeError:
+    """An input modified in place while its job's communication ran (checked once the op
+    is done; the check before it runs cannot see a change made during it): what was sent
+    may mix old and new values, so the result is refused. The op itself completed on
+    every rank, so the ranks are still in step."""
+    return RuntimeError(
+        f"diffcomm: an input of asynchronous {name} was modified in place while its communication "
+        "ran: what this rank sent may mix the old and the new values, so its result is refused (the "
+        "op completed on every rank: no call is missing). Wait for the result (or use it) before "
+        "modifying the input, or pass a copy"
+    )
+
+
 class _Launch(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -498,7 +511,10 @@ def _submit_checked(x: Tensor, name: str, raw: Callable[[Tensor], Tensor]) -> Ha
                 "launched and before its communication ran; wait for the result (or use it) "
                 "before modifying the input, or pass a copy"
             )
-        return _contiguous(raw(_plain(x).detach()))
+        out = _contiguous(raw(_plain(x).detach()))
+        if _changed(x, stamp) is not None:
+            raise _changed_while_sent(name)
+        return out
 
     return _ENGINE.submit(job, name)
 
@@ -667,6 +683,8 @@ class _LaunchFn(torch.autograd.Function):
                     )
             plain = tuple(_plain(a).detach() if isinstance(a, Tensor) else a for a in args)
             out = cls.forward(*plain)
+            if any(_changed(t, stamp) is not None for t, stamp in stamps):
+                raise _changed_while_sent(name)
             return tuple(_contiguous(o) for o in out) if multi else _contiguous(out)
 
         handle = _ENGINE.submit(job, name)
