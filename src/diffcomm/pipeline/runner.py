@@ -70,7 +70,7 @@ from .._replication import varying_parameters
 from ..backend import args as A
 from ..ops import p2p
 from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
-from ._split import capture, cooldown, group_plan, input_edge, weight_plan
+from ._split import capture, cooldown, group_plan, input_edge, reaches, weight_plan
 from .schedules import SCHEDULES, Overlap, ScheduleFn, Step, expand_steps, schedule_placement, virtual_stage
 from .timeline import TimelineEntry
 from .validate import check_schedule
@@ -875,6 +875,11 @@ class PipelineRunner:
             # no input path to split off (stage 0, or an unusual graph): take the output
             # gradient now, as every I does, and run the whole backward in W
             kept.full_in_w = True
+            if target is not None and not reaches(root, target):
+                # the output does not depend on the received input: its (zero) gradient
+                # leaves now, as an I's would — in W it came after steps that wait for it
+                # (a deadlock in ZB-V, where the upstream rank's I waits for this one)
+                _send_unreached(kept)
             if kept.output is not None and kept.output.requires_grad:
                 (kept.d_output,) = torch.autograd.grad(root, [kept.output])
             return
