@@ -171,6 +171,41 @@ def test_partition_keeps_every_use_of_a_module_used_twice(world2: dc.LocalWorld)
         partition(nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 4)), 2, balance=[3, 1])
 
 
+class _TiedHead(nn.Module):
+    """An output projection reusing the input embedding's weight (tied weights)."""
+
+    def __init__(self, emb: nn.Linear) -> None:
+        super().__init__()
+        self.emb = emb
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.emb.weight
+
+
+def test_partition_warns_of_a_weight_tied_between_two_stages() -> None:
+    """A weight tied between two modules (the classic input embedding reused as the output
+    projection) in the first and the last stage: each rank gets only its stage's part of
+    the gradient, as for a module used twice — but partition compared modules, not
+    parameters, so it said nothing and the pipeline's gradients were silently partial."""
+    emb = nn.Linear(3, 4, bias=False)
+    model = nn.Sequential(emb, nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), _TiedHead(emb))
+    want = (
+        r"a parameter is tied between Linear \(\.weight, stage 0\) and _TiedHead \(\.emb\.weight, stage 1\)"
+    )
+    with pytest.warns(UserWarning, match=want):
+        partition(model, 2)
+    head = nn.Linear(4, 3, bias=False)
+    head.weight = nn.Parameter(torch.randn(3, 4))
+    twin = nn.Linear(4, 3, bias=False)
+    twin.weight = head.weight  # the same Parameter in two Linear modules
+    with pytest.warns(UserWarning, match=r"tied between Linear \(\.weight, stage 0\) and Linear"):
+        partition(nn.Sequential(head, nn.Linear(3, 4), twin), 2, balance=[1, 2])
+    with warnings.catch_warnings():  # both uses in one stage: nothing to sum
+        warnings.simplefilter("error")
+        square = nn.Linear(4, 4, bias=False)
+        partition(nn.Sequential(nn.Tanh(), square, nn.Tanh(), _TiedHead(square)), 2, balance=[1, 3])
+
+
 @pytest.mark.parametrize(
     ("args", "exc", "match"),
     [
