@@ -776,6 +776,24 @@ def test_runner_rejects_bad_arguments_before_communicating(world2: dc.LocalWorld
     world2.run(runner_bad_args)
 
 
+def _integer_inputs_with_input_grad() -> None:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    stage = nn.Embedding(10, 2, dtype=torch.float64) if rank == 0 else nn.Linear(2, 2, dtype=torch.float64)
+    runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss)
+    ids, y = torch.randint(0, 10, (4,)), torch.zeros(4, 2, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"`input_grad` must be False for inputs that cannot have a gradient"):
+        runner.step(ids, y, 2, input_grad=True)
+    runner.step(ids, y, 2)  # nobody is left waiting: a real step still works
+
+
+def test_input_grad_of_integer_inputs_is_refused_before_communicating(world2: dc.LocalWorld) -> None:
+    """Token ids into a first-stage embedding with ``input_grad=True``: rank 0 raised
+    torch's "only Tensors of floating point dtype can require gradients" at its first
+    forward, naming no argument, and rank 1 waited for its activation until the timeout."""
+    world2.run(_integer_inputs_with_input_grad)
+
+
 class _TwoOutputs(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x * 2, x + 1

@@ -535,7 +535,8 @@ class PipelineRunner:
                 ``None`` when ``loss_fn`` takes only the output.
             n_micro: number of micro-batches; must divide the batch size.
             input_grad: rank 0 keeps the gradient of the loss w.r.t. ``inputs`` in
-                :attr:`input_grad`.
+                :attr:`input_grad` (floating-point ``inputs`` only: integer ones are a
+                ``TypeError`` on every rank given them, before any communication).
 
         Returns:
             The step loss — the **mean over micro-batches** of ``loss_fn(out_m,
@@ -551,6 +552,21 @@ class PipelineRunner:
         varying_parameters(self.stage, self.pg)  # each stage's own (dc.spmd_check; else a no-op)
         if n_micro < 1:
             raise A.arg_error("PipelineRunner.step", "n_micro", "an int >= 1", n_micro)
+        if (
+            input_grad
+            and isinstance(inputs, Tensor)
+            and not (inputs.is_floating_point() or inputs.is_complex())
+        ):
+            # (checked on every rank given the inputs: the first one raised torch's
+            # RuntimeError at its first forward, and the others waited for its activation)
+            raise A.arg_error(
+                "PipelineRunner.step",
+                "input_grad",
+                "False for inputs that cannot have a gradient (integer ids: take the gradient "
+                "of the embedding's output in the stage instead)",
+                f"True with inputs of dtype {inputs.dtype}",
+                TypeError,
+            )
         in_chunks = self._split(inputs, n_micro, "inputs") if self.is_first else None
         tgt_chunks = (
             self._split(targets, n_micro, "targets") if self.is_last and targets is not None else None
