@@ -89,6 +89,9 @@ class _Stash:
     handle: Tensor  # the send token, or the scaled loss on the last virtual stage
     nbytes: int
     input: Tensor | None = None  # the chunk's input (received, or a stage-0 leaf)
+    # the leaf its gradient flows into (input_edge), found before the chunk ran: a chunk
+    # that modifies its input in place (nn.ReLU(inplace=True) first) moves its grad_fn
+    target: Tensor | None = None
     output: Tensor | None = None  # the sent output (kept only for a split backward)
     storages: set[tuple[int, int, torch.dtype]] = field(default_factory=set)
     # after I: what W needs
@@ -141,6 +144,23 @@ class _LocalSend(torch.autograd.Function):
         if g is None:
             g = torch.zeros(ctx.shape, dtype=ctx.dtype)  # type: ignore[attr-defined]
         return g, None
+
+
+class _TurnInput(torch.autograd.Function):
+    """The V turn's input as chunk 1 sees it: an alias of the leaf whose ``.grad``
+    :class:`_LocalSend` returns, made by a node (as a received input is made by the
+    receive's) so that the chunk may modify it in place — a leaf that requires grad
+    refuses that (an ``nn.ReLU(inplace=True)`` first in the chunk raised on rank ``p-1``
+    where the serial model ran). It aliases the previous chunk's output, as the serial
+    model's next layer does."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, leaf: Tensor) -> Tensor:
+        return leaf.detach()
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
+        return grad
 
 
 class _Inner:
@@ -736,6 +756,8 @@ class PipelineRunner:
                 self._inputs_kept.append(x)
         elif self._srcs[c] is None:  # the V turn: the previous virtual stage is this rank's
             x = self._local.pop(m)
+            if x.requires_grad:
+                x = _TurnInput.apply(x)
         else:
             handle = self._posted.pop((m, c), None)
             if handle is None and self._carried.get(c):
@@ -765,7 +787,7 @@ class PipelineRunner:
         nxt_f = self._next_f.get((m, c))
         if nxt_f is not nxt:
             self._prepost(nxt_f, stash)
-        kept.input = x
+        kept.input, kept.target = x, input_edge(x)
 
         # The hook holds nothing of the graph: a saved tensor keeps its pack hook (and what
         # the hook returned) until its node is released, and a node that only ran in a
@@ -879,7 +901,7 @@ class PipelineRunner:
             kept.full_in_w = True  # nothing flows back at all
             _send_unreached(kept)
             return
-        target = input_edge(kept.input)
+        target = kept.target
         plan = None
         if target is not None:
             param_nodes = self._param_nodes[st.chunk]
