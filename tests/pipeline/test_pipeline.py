@@ -171,6 +171,41 @@ def test_partition_keeps_every_use_of_a_module_used_twice(world2: dc.LocalWorld)
         partition(nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 4)), 2, balance=[3, 1])
 
 
+class _TiedHead(nn.Module):
+    """An output projection reusing the input embedding's weight (tied weights)."""
+
+    def __init__(self, emb: nn.Linear) -> None:
+        super().__init__()
+        self.emb = emb
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.emb.weight
+
+
+def test_partition_warns_of_a_weight_tied_between_two_stages() -> None:
+    """A weight tied between two modules (the classic input embedding reused as the output
+    projection) in the first and the last stage: each rank gets only its stage's part of
+    the gradient, as for a module used twice — but partition compared modules, not
+    parameters, so it said nothing and the pipeline's gradients were silently partial."""
+    emb = nn.Linear(3, 4, bias=False)
+    model = nn.Sequential(emb, nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), _TiedHead(emb))
+    want = (
+        r"a parameter is tied between Linear \(\.weight, stage 0\) and _TiedHead \(\.emb\.weight, stage 1\)"
+    )
+    with pytest.warns(UserWarning, match=want):
+        partition(model, 2)
+    head = nn.Linear(4, 3, bias=False)
+    head.weight = nn.Parameter(torch.randn(3, 4))
+    twin = nn.Linear(4, 3, bias=False)
+    twin.weight = head.weight  # the same Parameter in two Linear modules
+    with pytest.warns(UserWarning, match=r"tied between Linear \(\.weight, stage 0\) and Linear"):
+        partition(nn.Sequential(head, nn.Linear(3, 4), twin), 2, balance=[1, 2])
+    with warnings.catch_warnings():  # both uses in one stage: nothing to sum
+        warnings.simplefilter("error")
+        square = nn.Linear(4, 4, bias=False)
+        partition(nn.Sequential(nn.Tanh(), square, nn.Tanh(), _TiedHead(square)), 2, balance=[1, 3])
+
+
 @pytest.mark.parametrize(
     ("args", "exc", "match"),
     [
@@ -739,6 +774,24 @@ def test_runner_rejects_bad_arguments_before_communicating(world2: dc.LocalWorld
         runner.step(torch.zeros(4, 2), torch.zeros(4, 2), 2)
 
     world2.run(runner_bad_args)
+
+
+def _integer_inputs_with_input_grad() -> None:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    stage = nn.Embedding(10, 2, dtype=torch.float64) if rank == 0 else nn.Linear(2, 2, dtype=torch.float64)
+    runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss)
+    ids, y = torch.randint(0, 10, (4,)), torch.zeros(4, 2, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"`input_grad` must be False for inputs that cannot have a gradient"):
+        runner.step(ids, y, 2, input_grad=True)
+    runner.step(ids, y, 2)  # nobody is left waiting: a real step still works
+
+
+def test_input_grad_of_integer_inputs_is_refused_before_communicating(world2: dc.LocalWorld) -> None:
+    """Token ids into a first-stage embedding with ``input_grad=True``: rank 0 raised
+    torch's "only Tensors of floating point dtype can require gradients" at its first
+    forward, naming no argument, and rank 1 waited for its activation until the timeout."""
+    world2.run(_integer_inputs_with_input_grad)
 
 
 class _TwoOutputs(nn.Module):

@@ -284,6 +284,78 @@ def test_zb_h1_with_measured_times_matches_the_serial_model(world2: dc.LocalWorl
     world2.run(_parity_zb_measured)
 
 
+class _IgnoresItsInput(nn.Module):
+    """A stage whose output does not depend on its input (a learned constant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach() * 0 + self.b
+
+
+def _turn_stage_ignores_its_input(schedule: str) -> None:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    layers = [nn.Linear(3, 4)] + [nn.Tanh()] * (p - 2) + [_IgnoresItsInput()]
+    layers += [nn.Tanh()] * (p - 1) + [nn.Linear(4, 2)]
+    model = nn.Sequential(*layers).double()  # 2p layers: the constant is stage p - 1 (the turn)
+    serial = copy.deepcopy(model)
+    x, y = torch.randn(4 * p, 3, dtype=torch.float64), torch.randn(4 * p, 2, dtype=torch.float64)
+    parts = partition(model, 2 * p, balance=[1] * (2 * p))
+    mine = [parts[rank], parts[2 * p - 1 - rank]]
+    loss = PipelineRunner(mine, schedule, loss_fn=nn.functional.mse_loss).step(x, y, n_micro=2 * p)
+    ref = nn.functional.mse_loss(serial(x), y)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-13, atol=1e-15)
+    theirs = partition(serial, 2 * p, balance=[1] * (2 * p))
+    for chunk, ref_chunk in zip(mine, [theirs[rank], theirs[2 * p - 1 - rank]], strict=True):
+        for a, b in zip(chunk.parameters(), ref_chunk.parameters(), strict=True):
+            # the first stage's: zeros, serially None (docs/pipeline.md)
+            want = torch.zeros_like(a) if b.grad is None else b.grad
+            torch.testing.assert_close(a.grad, want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_a_turn_stage_whose_output_ignores_its_input(world3: dc.LocalWorld, schedule: str) -> None:
+    """The V turn's first chunk (rank p-1, stage p-1) ignores its received input: its I sent
+    the input's zero gradient only in its W, after steps that wait for the upstream rank's
+    I, which waits for that gradient: every rank timed out (ZB-V and DualPipeV at p = 3)."""
+    world3.run(_turn_stage_ignores_its_input, schedule)
+
+
+def _turn_chunk_starts_in_place(schedule: str) -> None:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(3, 4), nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4), nn.Linear(4, 2)
+    ).double()
+    serial = copy.deepcopy(model)
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    parts = partition(model, 4, balance=[1, 1, 2, 1])  # stage 2 (rank 1's chunk 1) starts with ReLU_
+    mine = [parts[rank], parts[3 - rank]]
+    loss = PipelineRunner(mine, schedule, loss_fn=nn.functional.mse_loss).step(x, y, n_micro=4)
+    ref = nn.functional.mse_loss(serial(x), y)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-13, atol=1e-15)
+    theirs = partition(serial, 4, balance=[1, 1, 2, 1])
+    for chunk, ref_chunk in zip(mine, [theirs[rank], theirs[3 - rank]], strict=True):
+        for a, b in zip(chunk.parameters(), ref_chunk.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_the_turn_chunk_may_modify_its_input_in_place(world2: dc.LocalWorld, schedule: str) -> None:
+    """``nn.ReLU(inplace=True)`` first in the V turn's second chunk (rank p-1): its input
+    was a leaf that requires grad, which refuses an in-place op ("a leaf Variable that
+    requires grad is being used in an in-place operation") where the serial model ran.
+    And a chunk's input modified in place moved its ``grad_fn``, so ``I`` no longer found
+    the input's edge and left the whole backward to ``W``: at the turn the previous
+    chunk's ``I`` read no gradient yet and sent zeros (gradients 5 % off, silently)."""
+    world2.run(_turn_chunk_starts_in_place, schedule)
+
+
 def _v_runner_refuses_one_chunk() -> None:
     with pytest.raises(ValueError, match=r"`stage` must be 2 chunks per rank .* got 1 chunk\(s\) on 2 rank"):
         PipelineRunner(nn.Linear(2, 2), "zbv", loss_fn=nn.functional.mse_loss)

@@ -39,6 +39,24 @@ def input_edge(x: Tensor | None) -> Tensor | None:
     return None
 
 
+def reaches(root: Tensor, target: Tensor) -> bool:
+    """Whether ``root``'s backward reaches ``target``'s gradient edge (the chunk's output
+    depends on its input)."""
+    if root.grad_fn is None:
+        return False
+    target_node = get_gradient_edge(target).node
+    seen, todo = {root.grad_fn}, collections.deque([root.grad_fn])
+    while todo:
+        n = todo.popleft()
+        if n is target_node:
+            return True
+        for nxt, _ in n.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return False
+
+
 def weight_plan(
     root: Tensor, target: Tensor, param_nodes: Sequence[Node]
 ) -> list[tuple[Node, list[Node]]] | None:

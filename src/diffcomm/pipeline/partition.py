@@ -32,8 +32,9 @@ def partition(
         parameters of stage ``s`` are the model's own. Each records
         ``partition_position = (s, n_stages)``, which :class:`PipelineRunner` checks
         against the virtual stage it runs the chunk as. A module used at several positions
-        keeps every use; one with parameters used in two stages gives a ``UserWarning``
-        (on different ranks, each holds a part of its gradient).
+        keeps every use; a parameter used in two stages (a module used twice, or a weight
+        tied between two modules) gives a ``UserWarning`` (on different ranks, each holds
+        a part of its gradient).
 
     Example::
 
@@ -72,17 +73,28 @@ def partition(
 
 
 def _warn_shared_across_stages(stages: list[nn.Sequential]) -> None:
-    """Warn of a module with parameters used in more than one stage: on different ranks
-    each holds a part of its gradient (the serial one is their sum)."""
-    seen: dict[int, int] = {}
+    """Warn of a parameter used in more than one stage — a module with parameters used
+    twice, or a parameter tied between two modules (an input embedding reused as the
+    output projection): on different ranks each holds a part of its gradient (the serial
+    one is their sum)."""
+    seen: dict[int, tuple[int, nn.Module, str]] = {}  # id(parameter) -> first stage, module, name
     for s, stage in enumerate(stages):
         for m in stage:
-            if _n_params(m) and seen.setdefault(id(m), s) != s:
+            for name, q in m.named_parameters():
+                first = seen.setdefault(id(q), (s, m, name))
+                if first[0] == s:
+                    continue
+                what = (
+                    f"{type(m).__name__} with parameters is used"
+                    if first[1] is m
+                    else f"a parameter is tied between {type(first[1]).__name__} (.{first[2]}, "
+                    f"stage {first[0]}) and {type(m).__name__} (.{name}, stage {s}): it is used"
+                )
                 warnings.warn(
-                    f"partition(): {type(m).__name__} with parameters is used in stages {seen[id(m)]} "
-                    f"and {s}; where those stages run on different ranks, each rank gets only its "
-                    "stages' part of its gradient (sum it across them, e.g. dc.all_reduce(p.grad, "
-                    "group=...), as for tied embeddings), or keep its uses in one stage (balance=)",
+                    f"partition(): {what} in stages {first[0]} and {s}; where those stages run on "
+                    "different ranks, each rank gets only its stages' part of its gradient (sum "
+                    "it across them, e.g. dc.all_reduce(p.grad, group=...), as for tied "
+                    "embeddings), or keep its uses in one stage (balance=)",
                     UserWarning,
                     stacklevel=3,
                 )

@@ -70,7 +70,7 @@ from .._replication import varying_parameters
 from ..backend import args as A
 from ..ops import p2p
 from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
-from ._split import capture, cooldown, group_plan, input_edge, weight_plan
+from ._split import capture, cooldown, group_plan, input_edge, reaches, weight_plan
 from .schedules import SCHEDULES, Overlap, ScheduleFn, Step, expand_steps, schedule_placement, virtual_stage
 from .timeline import TimelineEntry
 from .validate import check_schedule
@@ -89,6 +89,9 @@ class _Stash:
     handle: Tensor  # the send token, or the scaled loss on the last virtual stage
     nbytes: int
     input: Tensor | None = None  # the chunk's input (received, or a stage-0 leaf)
+    # the leaf its gradient flows into (input_edge), found before the chunk ran: a chunk
+    # that modifies its input in place (nn.ReLU(inplace=True) first) moves its grad_fn
+    target: Tensor | None = None
     output: Tensor | None = None  # the sent output (kept only for a split backward)
     storages: set[tuple[int, int, torch.dtype]] = field(default_factory=set)
     # after I: what W needs
@@ -141,6 +144,23 @@ class _LocalSend(torch.autograd.Function):
         if g is None:
             g = torch.zeros(ctx.shape, dtype=ctx.dtype)  # type: ignore[attr-defined]
         return g, None
+
+
+class _TurnInput(torch.autograd.Function):
+    """The V turn's input as chunk 1 sees it: an alias of the leaf whose ``.grad``
+    :class:`_LocalSend` returns, made by a node (as a received input is made by the
+    receive's) so that the chunk may modify it in place — a leaf that requires grad
+    refuses that (an ``nn.ReLU(inplace=True)`` first in the chunk raised on rank ``p-1``
+    where the serial model ran). It aliases the previous chunk's output, as the serial
+    model's next layer does."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, leaf: Tensor) -> Tensor:
+        return leaf.detach()
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
+        return grad
 
 
 class _Inner:
@@ -535,7 +555,8 @@ class PipelineRunner:
                 ``None`` when ``loss_fn`` takes only the output.
             n_micro: number of micro-batches; must divide the batch size.
             input_grad: rank 0 keeps the gradient of the loss w.r.t. ``inputs`` in
-                :attr:`input_grad`.
+                :attr:`input_grad` (floating-point ``inputs`` only: integer ones are a
+                ``TypeError`` on every rank given them, before any communication).
 
         Returns:
             The step loss — the **mean over micro-batches** of ``loss_fn(out_m,
@@ -551,6 +572,21 @@ class PipelineRunner:
         varying_parameters(self.stage, self.pg)  # each stage's own (dc.spmd_check; else a no-op)
         if n_micro < 1:
             raise A.arg_error("PipelineRunner.step", "n_micro", "an int >= 1", n_micro)
+        if (
+            input_grad
+            and isinstance(inputs, Tensor)
+            and not (inputs.is_floating_point() or inputs.is_complex())
+        ):
+            # (checked on every rank given the inputs: the first one raised torch's
+            # RuntimeError at its first forward, and the others waited for its activation)
+            raise A.arg_error(
+                "PipelineRunner.step",
+                "input_grad",
+                "False for inputs that cannot have a gradient (integer ids: take the gradient "
+                "of the embedding's output in the stage instead)",
+                f"True with inputs of dtype {inputs.dtype}",
+                TypeError,
+            )
         in_chunks = self._split(inputs, n_micro, "inputs") if self.is_first else None
         tgt_chunks = (
             self._split(targets, n_micro, "targets") if self.is_last and targets is not None else None
@@ -720,6 +756,8 @@ class PipelineRunner:
                 self._inputs_kept.append(x)
         elif self._srcs[c] is None:  # the V turn: the previous virtual stage is this rank's
             x = self._local.pop(m)
+            if x.requires_grad:
+                x = _TurnInput.apply(x)
         else:
             handle = self._posted.pop((m, c), None)
             if handle is None and self._carried.get(c):
@@ -749,7 +787,7 @@ class PipelineRunner:
         nxt_f = self._next_f.get((m, c))
         if nxt_f is not nxt:
             self._prepost(nxt_f, stash)
-        kept.input = x
+        kept.input, kept.target = x, input_edge(x)
 
         # The hook holds nothing of the graph: a saved tensor keeps its pack hook (and what
         # the hook returned) until its node is released, and a node that only ran in a
@@ -863,7 +901,7 @@ class PipelineRunner:
             kept.full_in_w = True  # nothing flows back at all
             _send_unreached(kept)
             return
-        target = input_edge(kept.input)
+        target = kept.target
         plan = None
         if target is not None:
             param_nodes = self._param_nodes[st.chunk]
@@ -875,6 +913,11 @@ class PipelineRunner:
             # no input path to split off (stage 0, or an unusual graph): take the output
             # gradient now, as every I does, and run the whole backward in W
             kept.full_in_w = True
+            if target is not None and not reaches(root, target):
+                # the output does not depend on the received input: its (zero) gradient
+                # leaves now, as an I's would — in W it came after steps that wait for it
+                # (a deadlock in ZB-V, where the upstream rank's I waits for this one)
+                _send_unreached(kept)
             if kept.output is not None and kept.output.requires_grad:
                 (kept.d_output,) = torch.autograd.grad(root, [kept.output])
             return
