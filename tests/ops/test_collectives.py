@@ -367,6 +367,80 @@ def test_integer_bool_complex_forward(world3) -> None:
         assert p == [complex(6.0)]
 
 
+_NARROW_BITS = {"int16": (16, True), "uint16": (16, False), "uint32": (32, False), "uint64": (64, False)}
+
+
+def _narrow_values(name: str, r: int) -> list[int]:
+    """Per rank: the dtype's extremes, values that overflow a sum or product, and ``r``."""
+    bits, signed = _NARROW_BITS[name]
+    lo, hi = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
+    return [lo, hi, hi - 3 * r, lo + 7 * r, 3 + r, 2 ** (bits // 2) + r]
+
+
+def _wrap(v: int, name: str) -> int:
+    bits, signed = _NARROW_BITS[name]
+    v %= 2**bits
+    return v - 2**bits if signed and v >= 2 ** (bits - 1) else v
+
+
+def test_integer_dtypes_gloo_cannot_take_move_and_reduce_exactly(world3) -> None:
+    """int16 / uint16 / uint32 / uint64: c10d's gloo raised "Invalid scalar type" in every
+    op (all_gather of int16 but not of uint16...), and fp8 broadcast too. They move as
+    bytes now, and reduce in a wider dtype (uint64: its bits as int64, the sign bit flipped
+    for max/min), with the dtype's own wrap-around for sum and product; an fp8 reduction
+    is a TypeError naming the op, on every rank, before any communication."""
+
+    def narrow(name: str) -> dict[str, list[int] | str]:
+        dtype = getattr(torch, name)
+        r = dc.get_rank()
+        x = torch.tensor(_narrow_values(name, r), dtype=dtype)
+        out: dict[str, list[int] | str] = {
+            op: dc.all_reduce(x, op).tolist() for op in ("sum", "max", "min", "product")
+        }
+        out["reduce"] = dc.reduce(x, dst=1, op="sum").tolist()
+        out["reduce_scatter"] = dc.reduce_scatter(x, op="max").tolist()
+        out["all_gather"] = dc.all_gather(x).tolist()
+        out["broadcast"] = dc.broadcast(x, src=2).tolist()
+        out["all_to_all"] = dc.all_to_all(x).tolist()
+        out["scatter"] = dc.scatter(x, src=1).tolist()
+        out["shift"] = dc.shift(x, 1).tolist()
+        out["coalesced"] = dc.all_reduce_coalesced([x, x[:2]], "sum")[1].tolist()
+        f8 = torch.ones(3).to(torch.float8_e4m3fn)
+        out["fp8 broadcast"] = dc.broadcast(f8, src=0).float().tolist()
+        for op in ("all_reduce", "reduce_scatter"):
+            try:
+                getattr(dc, op)(f8)
+                out[f"fp8 {op}"] = "no error"
+            except TypeError as err:
+                out[f"fp8 {op}"] = str(err)
+        return out
+
+    for name in _NARROW_BITS:
+        if not hasattr(torch, name):
+            continue
+        vals = [_narrow_values(name, r) for r in range(3)]
+        cols = list(zip(*vals))
+        want = {
+            "sum": [_wrap(sum(c), name) for c in cols],
+            "max": [max(c) for c in cols],
+            "min": [min(c) for c in cols],
+            "product": [_wrap(c[0] * c[1] * c[2], name) for c in cols],
+        }
+        for r, got in enumerate(world3.run(narrow, name)):
+            for op in ("sum", "max", "min", "product"):
+                assert got[op] == want[op], (name, op, got[op], want[op])
+            assert got["reduce"] == (want["sum"] if r == 1 else [0] * 6), (name, got["reduce"])
+            assert got["reduce_scatter"] == want["max"][2 * r : 2 * r + 2], name
+            assert got["all_gather"] == [v for row in vals for v in row], name
+            assert got["broadcast"] == vals[2] and got["scatter"] == vals[1][2 * r : 2 * r + 2], name
+            assert got["all_to_all"] == [vals[q][2 * r + i] for q in range(3) for i in range(2)], name
+            assert got["shift"] == vals[(r - 1) % 3] and got["coalesced"] == want["sum"][:2], name
+            assert got["fp8 broadcast"] == [1.0] * 3
+            for op in ("all_reduce", "reduce_scatter"):
+                lead = f"diffcomm.{op}(): a float8_e4m3fn tensor cannot be reduced"
+                assert got[f"fp8 {op}"].startswith(lead), got[f"fp8 {op}"]
+
+
 def test_conjugate_and_negative_views_are_read_as_their_values(world3) -> None:
     # A lazy conjugate (``z.conj()``) or negative view keeps its bit through contiguous()
     # while the transport reads the raw memory: scatter sent a negative view's values

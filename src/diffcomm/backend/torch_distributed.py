@@ -69,8 +69,8 @@ def _opening(x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, GroupI
 def _broadcast_into(out: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
     """broadcast into ``out`` (contiguous, owned by the caller) in place; returns it (a
     module function: the hot path calls it without a method lookup)."""
-    wire = torch.view_as_real(out) if out.is_complex() else out
-    _dispatch("broadcast", group, out.nbytes, c10d_broadcast, _keep, out, (wire, src, group))
+    w = wire(out) if out.dtype in _VIEWED else out  # complex as real pairs, fp8 etc. as bytes
+    _dispatch("broadcast", group, out.nbytes, c10d_broadcast, _keep, out, (w, src, group))
     return out
 
 
@@ -244,6 +244,8 @@ class TorchDistributedBackend(CoalescedOps):
     def _all_reduce_into(self, out: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
         """all_reduce of ``out`` (contiguous, owned by the caller) in place; returns it."""
         x = out
+        if x.dtype in _NARROW:
+            return _narrow_reduce(out, op, lambda w: self._all_reduce_into(w, op, group), "all_reduce")
         torch_op = _TORCH_OPS.get(op) if op != "avg" and not x.is_complex() else None
         if torch_op is not None:  # the common case, without further calls
             divide, wire = False, out
@@ -263,6 +265,8 @@ class TorchDistributedBackend(CoalescedOps):
 
     def reduce(self, x: torch.Tensor, dst: int, op: str, group: ProcessGroup) -> torch.Tensor:
         out = x.clone(memory_format=torch.contiguous_format)
+        if out.dtype in _NARROW:
+            return _narrow_reduce(out, op, lambda w: self.reduce(w, dst, op, group), "reduce")
         torch_op = _TORCH_OPS.get(op) if op != "avg" and not out.is_complex() else None
         if torch_op is not None:  # the common case, without further calls (as all_reduce)
             divide, wire = False, out
@@ -446,8 +450,11 @@ class TorchDistributedBackend(CoalescedOps):
         world, rank = info.size, info.rank
         even = split_sizes is None or split_sizes.count(split_sizes[0]) == world
         caps = self._caps(info) if self.overrides else info.caps  # (no call without overrides)
-        if not caps.reduce_scatter or op not in ("sum", "avg"):
-            # gap filled: reduce everything, keep own chunk (2x traffic, documented)
+        if not caps.reduce_scatter or op not in ("sum", "avg") or x.dtype in _NARROW:
+            # gap filled: reduce everything, keep own chunk (2x traffic, documented; a
+            # dtype c10d cannot reduce is reduced by all_reduce in a wider one)
+            if x.dtype in _NARROW and x.dtype not in _WIDER and x.dtype != _UINT64:
+                raise _unreducible(x.dtype, "reduce_scatter")
             sizes = split_rows(split_sizes, x.shape[0], world)
             return own_rows(self.all_reduce(x, op, group), sizes, rank).clone()
         if even:
@@ -762,8 +769,56 @@ _AS_BYTES = frozenset(
     for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, name)
 )
+#: integer dtypes c10d's gloo cannot move or reduce ("Invalid scalar type"; nccl lacks
+#: int16): moved as bytes too, and reduced in a wider dtype (:func:`_narrow_reduce`)
+_NARROW_INTS = frozenset(
+    getattr(torch, name) for name in ("int16", "uint16", "uint32", "uint64") if hasattr(torch, name)
+)
+_AS_BYTES = _AS_BYTES | _NARROW_INTS
 #: dtypes :func:`wire` views as another dtype: complex (as real pairs) and fp8 (as bytes)
 _VIEWED = frozenset({torch.complex32, torch.complex64, torch.complex128}) | _AS_BYTES
+#: dtypes the reductions treat apart (:func:`_narrow_reduce`)
+_NARROW = _AS_BYTES
+
+#: the wider dtype each narrow integer dtype is reduced in: exact for max/min (every value
+#: fits), and for sum/product the wider result cast back keeps its low bits, which is the
+#: narrow dtype's own wrap-around arithmetic
+_WIDER = {torch.int16: torch.int32}
+for _name, _wide in (("uint16", torch.int32), ("uint32", torch.int64)):
+    if hasattr(torch, _name):
+        _WIDER[getattr(torch, _name)] = _wide
+_UINT64 = getattr(torch, "uint64", None)
+_SIGN_BIT = -(2**63)
+
+
+def _narrow_reduce(
+    out: torch.Tensor, op: str, reduce: Callable[[torch.Tensor], torch.Tensor], name: str
+) -> torch.Tensor:
+    """Reduce ``out`` (a fresh buffer) in a dtype c10d can reduce, by ``reduce`` (the
+    reduction applied to that buffer, in place or not), and return the result in
+    ``out``'s dtype. fp8 has no exact reduction and is refused (before any communication,
+    alike on every rank: the dtype is the ranks' common one); ``precision=`` reduces fp8
+    on the wire with a float accumulator."""
+    dtype = out.dtype
+    if dtype in _WIDER:
+        return reduce(out.to(_WIDER[dtype])).to(dtype)
+    if dtype == _UINT64:  # no wider integer: int64's bits (sum, product: the same bits mod 2^64)
+        bits = out.view(torch.int64)
+        if op in (
+            "max",
+            "min",
+        ):  # the unsigned order is the signed order of the bits with the sign bit flipped
+            return reduce(bits ^ _SIGN_BIT).bitwise_xor_(_SIGN_BIT).view(dtype)
+        return reduce(bits).view(dtype)
+    raise _unreducible(dtype, name)
+
+
+def _unreducible(dtype: torch.dtype, name: str) -> TypeError:
+    return TypeError(
+        f"diffcomm.{name}(): a {str(dtype).replace('torch.', '')} tensor cannot be reduced (c10d has "
+        "no reduction of it, and summing in it would round at every step); reduce it in a float "
+        "dtype, or reduce a float tensor with precision=diffcomm.Precision(...) for an fp8 wire"
+    )
 
 
 def wire(t: torch.Tensor) -> torch.Tensor:
