@@ -237,6 +237,18 @@ def test_layout_index_is_a_padded_permutation(layout: str) -> None:
     assert cp.layout_index(8, 2, layout="zigzag").tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
 
 
+def test_cu_seqlens_of_any_integer_dtype_or_device_and_meta_refused() -> None:
+    """int32 and int64 ``cu_seqlens`` give the same table; one on the meta device (no
+    values) is a ``ValueError`` naming ``cu_seqlens``, not torch's bare
+    ``NotImplementedError: Cannot copy out of meta tensor``."""
+    want = cp.layout_index(9, 2, layout="zigzag", cu_seqlens=[0, 3, 9])
+    for dt in (torch.int32, torch.int64):
+        got = cp.layout_index(9, 2, layout="zigzag", cu_seqlens=torch.tensor([0, 3, 9], dtype=dt))
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="`cu_seqlens` must be a tensor with values"):
+        cp.layout_index(9, 2, layout="zigzag", cu_seqlens=torch.tensor([0, 3, 9], device="meta"))
+
+
 def test_zigzag_balances_causal_work() -> None:
     """Per-rank computed score entries (proportional to FLOPs) of causal ring attention:
     zigzag within 5 % of the mean at every world size (plain ring far from it)."""

@@ -430,6 +430,8 @@ def check_cu_seqlens(cu: Any, op: str, seq_len: int | None = None) -> tuple[int,
                 "a 1-D integer tensor or a sequence of ints",
                 f"{cu.dtype} {tuple(cu.shape)}",
             )
+        if cu.device.type == "meta":  # (no values to read: torch's NotImplementedError named nothing)
+            raise A.arg_error(op, "cu_seqlens", "a tensor with values (not on the meta device)", cu.device)
         vals = tuple(int(c) for c in cu.tolist())
     elif isinstance(cu, Sequence) and all(isinstance(c, int) and not isinstance(c, bool) for c in cu):
         vals = tuple(int(c) for c in cu)
