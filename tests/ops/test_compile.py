@@ -460,6 +460,35 @@ def test_without_fullgraph_untraceable_parts_run_eagerly(world2) -> None:
     assert world2.run(graph_break_falls_back_to_eager) == [0.0, 0.0]
 
 
+def test_an_asynchronous_gradient_flows_into_a_compiled_backward(world2) -> None:
+    """An asynchronous op run eagerly between compiled graphs (here inside a
+    ``torch.compiler.disable``'d function) returns its gradient as an ``AsyncTensor``; that
+    gradient is the tangent of the compiled graph before it, and AOTAutograd refused it
+    ("we guessed its metadata incorrectly"): now it waits and hands over the tensor."""
+
+    def async_between_graphs() -> list[float]:
+        r = dc.get_rank()
+        x = _data((3, 2), 70 + r)
+
+        @torch.compiler.disable
+        def launch(v: Tensor) -> Tensor:
+            return dc.all_gather(v, 0, async_op=True)
+
+        def fn(v: Tensor) -> Tensor:
+            return launch(v * 2).cos() * v.sum()
+
+        torch._dynamo.reset()
+        xc, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        yc, ye = torch.compile(fn, backend="aot_eager")(xc), fn(xe)
+        cot = _data(ye.shape, 80 + r)
+        (yc * cot).sum().backward()
+        (ye * cot).sum().backward()
+        return [float((yc - ye).abs().max()), float((xc.grad - xe.grad).abs().max())]
+
+    for errs in world2.run(async_between_graphs):
+        assert max(errs) <= 1e-12, errs
+
+
 def test_debug_mode_under_compile_checks_eagerly_or_not_at_all(world2) -> None:
     """Debug mode and torch.compile together: with ``fullgraph=True`` the cross-rank checks
     are skipped (they need a host read), all_to_all's transposed size check too (it raised

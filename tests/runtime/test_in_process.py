@@ -135,6 +135,28 @@ def test_a_desync_in_debug_mode_names_the_users_op_not_the_checks_gather(inproc_
         inproc_world2.run(body)
 
 
+def _different_collectives(path: str) -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(2))
+        with open(path, "w") as f:  # must never run: rank 1 is in another collective
+            f.write("rank 0 went on")
+    else:
+        dist.reduce(torch.ones(2), 0)
+
+
+def test_a_rank_waiting_in_a_collective_does_not_go_on_when_its_peer_is_in_another(
+    inproc_world2, tmp_path
+) -> None:
+    """Rank 0 waits in all_reduce; rank 1 enters reduce, finds the desync and fails the
+    world, but it had already put its data in the slot: rank 0 woke, saw the slot full and
+    went on with reduce's data (with a debug check on rank 0 only: an AttributeError
+    instead of the desync). Now the waiting rank raises the desync."""
+    path = tmp_path / "went_on"
+    with pytest.raises(RankDesyncError, match=r"rank 0: all_reduce; rank 1: reduce"):
+        inproc_world2.run(_different_collectives, str(path))
+    assert not path.exists()
+
+
 def _mismatched(case: str) -> str:
     r = dist.get_rank()
     try:

@@ -153,7 +153,10 @@ class Hub:
         self.status[rank] = what
         self.ready[rank] = ready
         try:
-            while not ready():
+            # the failure first: a rank that finds the ranks in different collectives fills
+            # its slot before it fails the world, and a waiting rank must not take that
+            # slot as a completed collective (it went on with the other op's data)
+            while self.failure is not None or not ready():
                 if self.failure is not None:
                     raise InProcessDesyncError(self.failure)
                 if self._stuck():

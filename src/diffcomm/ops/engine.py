@@ -333,6 +333,16 @@ class AsyncTensor(Tensor):
             self._elem = elem
         return self._elem
 
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata: Any, expected_type: Any = Tensor) -> Any:
+        """The finished tensor, where a compiled backward expects a plain tensor.
+
+        An asynchronous op's backward returns its gradient as an ``AsyncTensor``; when
+        that gradient flows into the backward of a ``torch.compile``'d graph (the op ran
+        eagerly between compiled graphs), AOTAutograd asks the tangent to become the plain
+        tensor it traced with, and without this it raised "we guessed its metadata
+        incorrectly" (``test_an_asynchronous_gradient_flows_into_a_compiled_backward``)."""
+        return self.wait() if expected_type is Tensor else None  # (wait keeps its autograd history)
+
     def done(self) -> bool:
         """Whether the communication has completed (never blocks)."""
         return self._elem is not None or self._handle.done()
