@@ -131,6 +131,147 @@ def test_input_gradient_error_for_a_weight_used_through_a_view(
         assert "insert parallel.copy_to_region before the" in msg, msg
 
 
+def _to_dtype_of_x(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    return F.linear(x, w.to(x.dtype))  # manual mixed precision
+
+
+#: a weight reaching the matmul through a cast, a copy or a scaling (no view of the leaf)
+_DERIVED_WEIGHT_FORMS = {
+    "float": lambda x, w: F.linear(x.float(), w.float()),
+    "to_dtype_of_x": _to_dtype_of_x,
+    "float_then_T": lambda x, w: x.float() @ w.float().T,
+    "bfloat16_then_t": lambda x, w: torch.mm(x.bfloat16(), w.bfloat16().t()),
+    "half_and_back": lambda x, w: F.linear(x, w.half().double()),
+    "to_device_copy": lambda x, w: F.linear(x, w.to("cpu", copy=True)),
+    "contiguous_of_T": lambda x, w: x @ w.T.contiguous(),
+    "clone": lambda x, w: F.linear(x, w.clone()),
+    "times_one_then_T": lambda x, w: x @ (w * 1).T,
+    "divided_by_two": lambda x, w: F.linear(x, w / 2),
+    "times_replicated_scalar": lambda x, w: F.linear(x, w * torch.tensor(0.5, dtype=F64)),
+}
+
+
+def _derived_weight_program(form: str, weight: str, copy: bool) -> tuple[str, torch.Tensor | None]:
+    col = par.ColumnParallelLinear(4, 8, bias=False, dtype=F64, seed=0)
+    row = par.RowParallelLinear(8, 4, input_is_parallel=True, dtype=F64, seed=0)
+    x = torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    w = col.weight.detach().clone().requires_grad_()
+    try:
+        with dc.spmd_check(varying=[w] if weight == "varying_leaf" else ()):
+            dc.spmd.module(col), dc.spmd.module(row)
+            h = par.copy_to_region(x) if copy else x
+            a = F.gelu(_DERIVED_WEIGHT_FORMS[form](h, col.weight if weight == "parameter" else w)).to(F64)
+            par.reduce_from_region(F.linear(a, row.weight)).pow(2).mean().backward()
+    except dc.SPMDTypeError as e:
+        return str(e), x.grad
+    return "no error", x.grad
+
+
+@pytest.mark.parametrize("form", sorted(_DERIVED_WEIGHT_FORMS))
+@pytest.mark.parametrize("weight", ["parameter", "varying_leaf"])
+def test_input_gradient_error_for_a_weight_used_through_a_cast_or_scaling(
+    world2: dc.LocalWorld, form: str, weight: str
+) -> None:
+    """``x @ w.float().T``, ``F.linear(x, w.to(x.dtype))``, ``x @ (w * 1).T``: the weight
+    reaches the matmul through an op that is no view (a cast, a copy, a scaling by a
+    replicated factor), so the matmul's operand was no weight to the check: the dropped
+    copy_to_region was accepted and ``x.grad`` was each rank's share, silently."""
+    for msg, grad in world2.run(_derived_weight_program, form, weight, False):
+        assert "backward at test_spmd_rules.py:" in msg and "input of shape (3, 4)" in msg, msg
+        assert "insert parallel.copy_to_region before the" in msg, msg
+        assert grad is None, msg  # raised before the backward ran
+
+
+@pytest.mark.parametrize("form", sorted(_DERIVED_WEIGHT_FORMS))
+@pytest.mark.parametrize("weight", ["parameter", "varying_leaf"])
+def test_a_weight_used_through_a_cast_or_scaling_after_copy_to_region_passes(
+    world2: dc.LocalWorld, form: str, weight: str
+) -> None:
+    """The same programs with copy_to_region before the matmul: no error, and ``x.grad``
+    is whole (equal on every rank)."""
+    (msg0, g0), (msg1, g1) = world2.run(_derived_weight_program, form, weight, True)
+    assert msg0 == msg1 == "no error", (msg0, msg1)
+    assert g0 is not None and g1 is not None and torch.equal(g0, g1)
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["no_copy", "copy_to_region"])
+@pytest.mark.parametrize("weight", ["parameter", "varying_leaf"])
+def test_input_gradient_rule_under_cpu_autocast(world2: dc.LocalWorld, weight: str, copy: bool) -> None:
+    """Under ``torch.autocast`` the check sees the op as called (``linear(x, w)`` with the
+    float32 weight; autocast casts below the torch-function layer): the missing
+    copy_to_region is the input-gradient error; with it, and through the layers themselves,
+    no error."""
+
+    def body() -> str:
+        col = par.ColumnParallelLinear(4, 8, bias=False, seed=0)
+        row = par.RowParallelLinear(8, 4, input_is_parallel=True, seed=0)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        x2 = x.detach().clone().requires_grad_()
+        w = col.weight.detach().clone().requires_grad_()
+        try:
+            with dc.spmd_check(varying=[w] if weight == "varying_leaf" else ()):
+                dc.spmd.module(col), dc.spmd.module(row)
+                with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+                    h = par.copy_to_region(x) if copy else x
+                    y = F.linear(F.gelu(F.linear(h, col.weight if weight == "parameter" else w)), row.weight)
+                    y = par.reduce_from_region(y)
+                    assert y.dtype == torch.bfloat16
+                    z = row(F.gelu(col(x2)))  # the layers: copy_to_region inside
+                (y.float().pow(2).mean() + z.float().pow(2).mean()).backward()
+        except dc.SPMDTypeError as e:
+            return str(e)
+        return "no error"
+
+    for msg in world2.run(body):
+        if copy:
+            assert msg == "no error", msg
+        else:
+            assert "input of shape (3, 4)" in msg and "insert parallel.copy_to_region before the" in msg, msg
+
+
+_ROW_FORMS = {
+    "float": lambda a, w: F.linear(a, w.double().float()),
+    "times_half": lambda a, w: F.linear(a, w * 0.5),
+    "T": lambda a, w: a @ w.T,
+    "transpose": lambda a, w: torch.matmul(a, w.transpose(0, 1)),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_ROW_FORMS))
+def test_a_row_parallel_weight_through_a_cast_or_transpose_stays_row_parallel(
+    world2: dc.LocalWorld, form: str
+) -> None:
+    """``F.linear(a, row.weight.float())`` and ``a @ row.weight.T`` are row-parallel
+    products (partial) as ``F.linear(a, row.weight)`` is: the sharded dim goes through
+    the cast (and is swapped by the transpose), so GELU of the partial sums before their
+    reduction is an error, and the reduction first passes."""
+
+    def body() -> list[str]:
+        out = []
+        for bug in (False, True):
+            col = par.ColumnParallelLinear(4, 8, bias=False, seed=0)
+            row = par.RowParallelLinear(8, 4, input_is_parallel=True, seed=0)
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+            try:
+                with dc.spmd_check():
+                    dc.spmd.module(col), dc.spmd.module(row)
+                    a = F.gelu(F.linear(par.copy_to_region(x), col.weight))
+                    y = _ROW_FORMS[form](a, row.weight)
+                    out.append(dc.spmd.type_of(y).value)
+                    y = F.gelu(y) if bug else F.gelu(par.reduce_from_region(y))
+                    y.pow(2).mean().backward()
+                out.append("no error")
+            except dc.SPMDTypeError as e:
+                out.append(str(e))
+        return out
+
+    for typ, fixed, typ_bug, bug in world2.run(body):
+        assert typ == typ_bug == "partial", (typ, typ_bug)
+        assert fixed == "no error", fixed
+        assert "gelu" in bug and "partial" in bug, bug
+
+
 def test_rank_slice_message_names_the_rank_not_a_random_draw(world2: dc.LocalWorld) -> None:
     def body() -> object:
         return corpus.run("rank-sliced data to ColumnParallelLinear", False)

@@ -29,8 +29,10 @@ from ._ops import (
     _flat_tensors,
     _is_weight,
     _is_zero,
+    _keeps_weight,
     _random_type,
     _rank_dependent,
+    _weight_shard,
 )
 from ._records import _EPOCH, _Cell, _conflict, _Rec, _site
 from ._state import _CheckState
@@ -106,7 +108,9 @@ class _Lattice(_CheckState):
         if special_p:
             res = _Rec(P, why=f"{name} with a weight sharded along its contracted dim at {_site()}")
         else:
-            res = self._join(name, recs, ins, extra, differentiable, extra_why)
+            res = self._join(name, recs, ins, extra, differentiable, extra_why, args)
+            if res.weight and len(outs) == 1:  # a weight's sharded dim, through a cast or a transpose
+                res.shard = _weight_shard(name, args, recs, ins, outs[0])
         for o in outs:
             if o.__dict__.get(key) is not None and o.__dict__[key].param is not None:
                 continue
@@ -119,7 +123,14 @@ class _Lattice(_CheckState):
                     self._inputs[id(o)] = (o, res)  # a leaf made to require grad (an input)
 
     def _join(
-        self, name: str, recs: list[_Rec], ins: list[Tensor], extra: T | None, diff: bool, extra_why: str = ""
+        self,
+        name: str,
+        recs: list[_Rec],
+        ins: list[Tensor],
+        extra: T | None,
+        diff: bool,
+        extra_why: str = "",
+        args: Any = (),
     ) -> _Rec:
         has_p = has_v = False
         for r in recs:
@@ -144,6 +155,7 @@ class _Lattice(_CheckState):
                         ):
                             r.cell.root().copy_at = f"{name} at {_site()}"
             out = _Rec(V, why=vwhy)
+            out.weight = _keeps_weight(name, args, recs, ins)
             if name in _LINEAR_CHAIN or name in _ELEMENTWISE:  # a replicated term: remembered
                 src = next((r for r in recs if r.t is V and r.rep), None)
                 if src is not None and (name in _LINEAR_CHAIN or src.rep_elem):

@@ -153,6 +153,61 @@ _MASKING = _names("setitem", "where", "masked_fill", "masked_fill_")
 #: products with a weight: a replicated activation meeting a varying weight here is the
 #: entry of a column-parallel region (where copy_to_region belongs)
 _WEIGHTED = _names("linear", "matmul", "mm", "bmm", "einsum", "embedding", "conv1d", "conv2d", "rmatmul")
+#: ops whose output is still the weight they are given, for the input-gradient rule (a
+#: replicated activation meeting a varying weight needs copy_to_region): value-preserving
+#: casts and copies, views, and the scalings of ``_WEIGHT_SCALING`` (manual mixed precision,
+#: ``F.linear(x, w.to(x.dtype))``, ``x @ w.float().T``, ``x @ (w * s).T``)
+_WEIGHT_KEEPING = _names(
+    "to",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "type",
+    "type_as",
+    "cpu",
+    "cuda",
+    "contiguous",
+    "clone",
+    "detach",
+    "requires_grad_",
+    "view",
+    "view_as",
+    "reshape",
+    "reshape_as",
+    "permute",
+    "transpose",
+    "t",
+    "T",
+    "mT",
+    "unsqueeze",
+    "squeeze",
+    "flatten",
+    "unflatten",
+    "expand",
+    "expand_as",
+    "narrow",
+    "select",
+    "getitem",
+    "chunk",
+    "split",
+    "split_with_sizes",
+    "tensor_split",
+    "unbind",
+    "movedim",
+    "moveaxis",
+    "swapaxes",
+    "swapdims",
+    "neg",
+    "negative",
+    "positive",
+)
+#: elementwise products and quotients: the weight stays one when it is scaled by replicated
+#: factors (a Python number, a replicated tensor); for a quotient, it must be the dividend
+_WEIGHT_SCALING = _names(
+    "mul", "mul_", "imul", "rmul", "multiply", "div", "div_", "truediv", "itruediv", "true_divide", "divide"
+)
+_WEIGHT_DIVIDING = _names("div", "div_", "truediv", "itruediv", "true_divide", "divide")
 #: ops through which a replicated term added to a varying value stays an additive term
 _LINEAR_CHAIN = _STRUCTURAL | _ADDITIVE
 #: ops that put a replicated value beside per-rank ones as an element of its own
@@ -310,15 +365,88 @@ def _differentiable(t: Tensor) -> bool:
 
 def _is_weight(r: Any, t: Tensor) -> bool:
     """A varying weight: a varying parameter, or a varying leaf that requires grad, or a
-    view of one (``x @ w.T``: the transpose is no leaf, but the weight it shows is)."""
+    view of one (``x @ w.T``: the transpose is no leaf, but the weight it shows is), or
+    one seen through value-preserving ops (``r.weight``: ``w.float()``, ``w.to(x.dtype)``,
+    ``(w * 0.5).T``; see ``_WEIGHT_KEEPING``)."""
     if r.t is not V:
         return False
-    if r.param is not None:
+    if r.param is not None or r.weight:
         return True
     if t.requires_grad and t.grad_fn is None:
         return True
     base = t._base  # (a view of a view has the root as its base)
     return base is not None and base.requires_grad and base.grad_fn is None
+
+
+def _keeps_weight(name: str, args: Any, recs: list[Any], ins: list[Tensor]) -> bool:
+    """Whether the varying output of op ``name`` is still a varying weight (``_is_weight``)
+    of its inputs: a cast, copy or view of one (``_WEIGHT_KEEPING``), or one multiplied
+    or divided by replicated factors (``_WEIGHT_SCALING``: Python numbers, replicated
+    tensors). Anything else varying beside it (a per-rank mask) makes it per-rank data."""
+    if name in _WEIGHT_KEEPING:
+        return bool(recs) and _is_weight(recs[0], ins[0])
+    if name not in _WEIGHT_SCALING:
+        return False
+    found = False
+    for r, t in zip(recs, ins):
+        if _is_weight(r, t):
+            if name in _WEIGHT_DIVIDING and not (args and args[0] is t):
+                return False  # ``s / w``: a reciprocal, not a scaled weight
+            found = True
+        elif r.t is not R:
+            return False
+    return found
+
+
+#: the ops of ``_WEIGHT_KEEPING`` / ``_WEIGHT_SCALING`` that keep every element where it
+#: was (a cast, a copy, an elementwise scaling): a weight's sharded dim stays its sharded dim
+_SAME_PLACE = _WEIGHT_SCALING | _names(
+    "to", "float", "double", "half", "bfloat16", "type", "type_as", "cpu", "cuda", "contiguous", "clone",
+    "detach", "requires_grad_", "neg", "negative", "positive",
+)  # fmt: skip
+
+
+def _weight_shard(name: str, args: Any, recs: list[Any], ins: list[Tensor], out: Tensor) -> int | None:
+    """The sharded dim of a varying weight seen through op ``name`` (``_keeps_weight``), so
+    that ``F.linear(a, row.weight.float())`` is a row-parallel product (partial) as
+    ``F.linear(a, row.weight)`` is: kept by a cast, copy or scaling of the same shape, swapped
+    by a transpose (``w.T``, ``w.t()``, ``w.mT``, ``w.transpose(0, 1)``); else ``None``."""
+    i = next((i for i, (r, t) in enumerate(zip(recs, ins)) if _is_weight(r, t)), None)
+    if i is None or recs[i].shard is None:
+        return None
+    w, shard = ins[i], recs[i].shard
+    if name in _SAME_PLACE:
+        return shard if tuple(out.shape) == tuple(w.shape) else None
+    n = w.dim()
+    if (name in ("t", "T") and n == 2) or (name == "mT" and n >= 2):
+        pair = (n - 2, n - 1)
+    elif name in ("transpose", "swapaxes", "swapdims") and len(args) >= 3 and _ints(args[1:3]):
+        pair = (args[1] % n, args[2] % n)
+    else:
+        return None
+    return pair[1] if shard == pair[0] else pair[0] if shard == pair[1] else shard
+
+
+def _view_shard(shard: int | None, view: Tensor, base: Tensor) -> int | None:
+    """The sharded dim of a view made outside the check's mode (``w.T``, ``w.mT``: a
+    property's getter) of a base sharded along ``shard``: swapped when the view is its
+    base with the last two dims swapped (``a @ row.weight.T`` is a row-parallel product);
+    otherwise the base's."""
+    n = base.dim()
+    if shard is None or n < 2 or view.dim() != n or shard < n - 2:
+        return shard
+    swap = list(range(n - 2)) + [n - 1, n - 2]
+    if view.shape == base.shape and view.stride() == base.stride():
+        return shard
+    if list(view.shape) == [base.shape[i] for i in swap] and list(view.stride()) == [
+        base.stride()[i] for i in swap
+    ]:
+        return 2 * n - 3 - shard
+    return shard
+
+
+def _ints(xs: Iterable[Any]) -> bool:
+    return all(isinstance(x, int) for x in xs)
 
 
 def _is_zero(x: Any) -> bool:

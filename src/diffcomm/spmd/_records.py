@@ -123,6 +123,7 @@ class _Rec:
         "rep_elem",
         "copy_at",
         "reduced",
+        "weight",
     )
 
     def __init__(self, t: T, cell: _Cell | None = None, shard: int | None = None, why: str = "") -> None:
@@ -154,6 +155,11 @@ class _Rec:
         #: without a gradient; a replicated value that holds none of these and requires no
         #: grad may be summed (``W * x``: arithmetic on equal values)
         self.reduced: str | None = None
+        #: a varying value that is a varying weight seen through value-preserving ops (a
+        #: cast, a copy, a view, a scaling by a replicated factor: ``w.float()``,
+        #: ``w.to(x.dtype)``, ``(w * s).T``): a replicated activation meeting it in a matmul
+        #: is the entry of a column-parallel region, as with the weight itself
+        self.weight = False
 
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -78,6 +78,7 @@ from ._ops import (  # the torch-op name tables and argument classifiers
     _SUMMING,
     _default_rng_differs,
     _flat_tensors,
+    _view_shard,
 )
 from ._records import (
     _TENSOR_BASE,
@@ -247,8 +248,8 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         if r is None and x._base is not None:  # a view made outside the mode (a forward-AD dual)
             b = x._base.__dict__.get(self.key)
             if b is not None:  # its base's type (a view of a parameter is not the parameter)
-                r = x.__dict__[self.key] = _Rec(b.t, b.cell, b.shard, b.why)
-                r.rep, r.reduced = b.rep, b.reduced
+                r = x.__dict__[self.key] = _Rec(b.t, b.cell, _view_shard(b.shard, x, x._base), b.why)
+                r.rep, r.reduced, r.weight = b.rep, b.reduced, b.weight
         if r is None and "_local_type" in x.__dict__:  # an spmd_types annotation (assert_type)
             r = self._from_spmd_types(x)
         if r is None:
