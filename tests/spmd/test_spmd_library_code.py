@@ -437,6 +437,7 @@ DOC_RUNS: dict[tuple[str, int], DocRun | Skip | Elsewhere] = {
         calls=(Call("_use_copy_reduce"),),
         prelude=(
             "def _use_copy_reduce():\n"
+            "    torch.manual_seed(0)  # seeded alike (a shared world's ranks may hold any states)\n"
             "    x = torch.randn(3, 4, requires_grad=True)\n"
             "    w = dc.spmd.varying(torch.randn(4, 2, requires_grad=True))\n"
             "    ReduceFromTP.apply(CopyToTP.apply(x) @ w).pow(2).mean().backward()\n"

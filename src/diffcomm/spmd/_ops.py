@@ -25,78 +25,52 @@ def _names(*names: str) -> frozenset[str]:
     return frozenset(names)
 
 
+#: value-preserving casts and copies (dtype, device, autograd flags): every element kept
+_CASTS = _names(
+    "to", "float", "double", "half", "bfloat16", "type", "type_as", "cpu", "cuda", "detach", "requires_grad_"
+)
+#: copies and signs: every element where it was
+_COPIES = _names("contiguous", "clone", "neg", "negative", "positive")
+#: views and splits: the same elements, laid out anew
+_VIEWS = _names(
+    "view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "T", "mT", "unsqueeze",
+    "squeeze", "flatten", "unflatten", "expand", "expand_as", "narrow", "select", "getitem", "chunk",
+    "split", "split_with_sizes", "tensor_split", "unbind", "movedim", "moveaxis", "swapaxes", "swapdims",
+)  # fmt: skip
 #: ops linear in their one tensor input (shape, view, copy, reduction over dims, sign)
-_STRUCTURAL = _names(
-    "view",
-    "view_as",
-    "reshape",
-    "reshape_as",
-    "permute",
-    "transpose",
-    "t",
-    "T",
-    "mT",
-    "contiguous",
-    "clone",
-    "neg",
-    "negative",
-    "sum",
-    "mean",
-    "narrow",
-    "select",
-    "getitem",
-    "unsqueeze",
-    "squeeze",
-    "flatten",
-    "unflatten",
-    "expand",
-    "expand_as",
-    "chunk",
-    "split",
-    "unbind",
-    "movedim",
-    "moveaxis",
-    "index_select",
-    "gather",
-    "to",
-    "float",
-    "double",
-    "half",
-    "bfloat16",
-    "type",
-    "type_as",
-    "cpu",
-    "cuda",
-    "detach",
-    "requires_grad_",
-    "real",
-    "imag",
-    "conj",
-    "flip",
-    "roll",
-    "repeat",
-    "tile",
-    "masked_fill",
-    "diagonal",
-    "tril",
-    "triu",
-    "pad",
-    "split_with_sizes",
-    "tensor_split",
-    "swapaxes",
-    "swapdims",
-    "narrow_copy",
-    "as_strided",
-    "unfold",
-    "cumsum",
-    "trace",
-    "einsum_identity",
-    "positive",
-    "zeros_like",
-    "sum_to_size",
-    "nan_to_num",
-    "data",
-    "copy_",
+_STRUCTURAL = (
+    _CASTS
+    | _COPIES
+    | _VIEWS
+    | _names(
+        "sum",
+        "mean",
+        "index_select",
+        "gather",
+        "real",
+        "imag",
+        "conj",
+        "flip",
+        "roll",
+        "repeat",
+        "tile",
+        "masked_fill",
+        "diagonal",
+        "tril",
+        "triu",
+        "pad",
+        "narrow_copy",
+        "as_strided",
+        "unfold",
+        "cumsum",
+        "trace",
+        "einsum_identity",
+        "zeros_like",
+        "sum_to_size",
+        "nan_to_num",
+        "data",
+        "copy_",
+    )  # fmt: skip
 )
 #: their second tensor is only a template (shape, dtype): typed by the first alone
 _TEMPLATE_2ND = _names("view_as", "reshape_as", "expand_as", "type_as")
@@ -157,51 +131,7 @@ _WEIGHTED = _names("linear", "matmul", "mm", "bmm", "einsum", "embedding", "conv
 #: replicated activation meeting a varying weight needs copy_to_region): value-preserving
 #: casts and copies, views, and the scalings of ``_WEIGHT_SCALING`` (manual mixed precision,
 #: ``F.linear(x, w.to(x.dtype))``, ``x @ w.float().T``, ``x @ (w * s).T``)
-_WEIGHT_KEEPING = _names(
-    "to",
-    "float",
-    "double",
-    "half",
-    "bfloat16",
-    "type",
-    "type_as",
-    "cpu",
-    "cuda",
-    "contiguous",
-    "clone",
-    "detach",
-    "requires_grad_",
-    "view",
-    "view_as",
-    "reshape",
-    "reshape_as",
-    "permute",
-    "transpose",
-    "t",
-    "T",
-    "mT",
-    "unsqueeze",
-    "squeeze",
-    "flatten",
-    "unflatten",
-    "expand",
-    "expand_as",
-    "narrow",
-    "select",
-    "getitem",
-    "chunk",
-    "split",
-    "split_with_sizes",
-    "tensor_split",
-    "unbind",
-    "movedim",
-    "moveaxis",
-    "swapaxes",
-    "swapdims",
-    "neg",
-    "negative",
-    "positive",
-)
+_WEIGHT_KEEPING = _CASTS | _COPIES | _VIEWS
 #: elementwise products and quotients: the weight stays one when it is scaled by replicated
 #: factors (a Python number, a replicated tensor); for a quotient, it must be the dividend
 _WEIGHT_SCALING = _names(
@@ -400,10 +330,7 @@ def _keeps_weight(name: str, args: Any, recs: list[Any], ins: list[Tensor]) -> b
 
 #: the ops of ``_WEIGHT_KEEPING`` / ``_WEIGHT_SCALING`` that keep every element where it
 #: was (a cast, a copy, an elementwise scaling): a weight's sharded dim stays its sharded dim
-_SAME_PLACE = _WEIGHT_SCALING | _names(
-    "to", "float", "double", "half", "bfloat16", "type", "type_as", "cpu", "cuda", "contiguous", "clone",
-    "detach", "requires_grad_", "neg", "negative", "positive",
-)  # fmt: skip
+_SAME_PLACE = _WEIGHT_SCALING | _CASTS | _COPIES
 
 
 def _weight_shard(name: str, args: Any, recs: list[Any], ins: list[Tensor], out: Tensor) -> int | None:
