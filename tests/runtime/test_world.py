@@ -436,6 +436,35 @@ def test_bad_arguments_are_value_errors(kwargs: dict[str, object], match: str) -
         LocalWorld(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("in_process", [False, True])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"allow_oversubscribe": "no"},
+            TypeError,
+            "`allow_oversubscribe` must be a bool or None, got str 'no'",
+        ),
+        ({"allow_oversubscribe": 0}, TypeError, "`allow_oversubscribe` must be a bool or None, got int 0"),
+        ({"progress": "no"}, TypeError, "`progress` must be a bool or None, got str 'no'"),
+        ({"collective_timeout": True}, TypeError, "`collective_timeout` must be a number of seconds or None"),
+        ({"collective_timeout": "5"}, TypeError, "`collective_timeout` must be a number of seconds or None"),
+        ({"collective_timeout": -1}, ValueError, "`collective_timeout` must be > 0 seconds"),
+        ({"collective_timeout": float("inf")}, ValueError, "`collective_timeout` must be a finite number"),
+        ({"timeout": True}, TypeError, "`timeout` must be a number of seconds, got bool True"),
+        ({"timeout": "5"}, TypeError, "`timeout` must be a number of seconds, got str '5'"),
+        ({"timeout": float("inf")}, ValueError, "`timeout` must be a finite number of seconds, got inf"),
+    ],
+)
+def test_settings_of_a_wrong_type_are_refused_on_both_kinds_of_world(
+    kwargs: dict[str, object], error: type[Exception], match: str, in_process: bool
+) -> None:
+    # a "no" (truthy) allowed oversubscription, a True timeout was 1 s, an in-process
+    # world took any collective_timeout: now each is an error naming the setting
+    with pytest.raises(error, match=match):
+        LocalWorld(1, in_process=in_process, **kwargs)  # type: ignore[arg-type]
+
+
 def test_run_rejects_a_non_callable(world1: LocalWorld) -> None:
     with pytest.raises(TypeError, match="`fn` must be callable, got int"):
         world1.run(3)  # type: ignore[arg-type]
