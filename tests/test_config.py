@@ -169,6 +169,11 @@ def test_timeout_converts_ints_and_allows_none() -> None:
             "timeout must be a positive number of seconds or None, got True",
         ),
         (lambda: dc.timeout([1]), ValueError, r"got \[1\]"),
+        (
+            lambda: dc.timeout(float("nan")),
+            ValueError,
+            "timeout must be a positive number of seconds or None, got nan",
+        ),
         (lambda: dc.timeout("never"), ValueError, r"timeout='never' is not a number of seconds"),
         (lambda: ACCELERATOR.set("tpu"), ValueError, r"legal values: \('cpu', 'cuda', 'mps', 'xpu'\)"),
         (lambda: RANK_START.set(1), TypeError, "rank_start must be the str 'fork' or 'spawn', got int"),

@@ -169,7 +169,7 @@ class Setting(Generic[T]):
             raise TypeError(f"{self.name} must be {wanted[1]}, got {type(value).__name__}")
         if self._parse is _parse_timeout:
             if value is not None:
-                if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                     raise ValueError(
                         f"{self.name} must be a positive number of seconds or None, got {value!r}"
                     )
