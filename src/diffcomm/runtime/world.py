@@ -103,7 +103,7 @@ def _check_seconds(name: str, value: Any, optional: bool) -> float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         want = "a number of seconds" + (" or None" if optional else "")
         raise TypeError(f"LocalWorld(): `{name}` must be {want}, got {type(value).__name__} {value!r}")
-    if not value > 0:
+    if not float(value) > 0:
         none = " or None" if optional else ""
         raise ValueError(f"LocalWorld(): `{name}` must be > 0 seconds{none}, got {value!r}")
     if not math.isfinite(value):
