@@ -133,6 +133,31 @@ def test_torch_has_a_gloo_gap_that_compat_fills(world2) -> None:
     assert world2.run(torch_gloo_gap) == ["Backend not supported!"] * 2
 
 
+def test_out_parameters_give_the_results_shape_or_are_an_error(world2) -> None:
+    def shapes() -> list[object]:
+        w = dc.get_world_size()
+        x = torch.arange(4.0, dtype=torch.float64, requires_grad=True)
+        out: list[object] = [
+            # torch returns the out-parameter itself: its shape, not the input's
+            tuple(compat._all_gather_base(torch.empty(w, 4, dtype=x.dtype), x).shape),
+            tuple(compat.all_to_all_single(torch.empty(2, 2, dtype=x.dtype), x).shape),
+            tuple(compat.reduce_scatter(torch.empty(2, 2, dtype=x.dtype), [x] * w).shape),
+        ]
+        bad = [
+            lambda: compat._all_gather_base(torch.empty(9, dtype=x.dtype), x),
+            lambda: compat.all_to_all_single(torch.empty(4, 5, dtype=x.dtype), x),
+            lambda: compat.all_to_all_single(torch.empty(4, dtype=torch.float32), x),
+            lambda: compat.reduce_scatter(torch.empty(7, dtype=x.dtype), [x] * w),
+        ]
+        for call in bad:  # before any communication: the world stays in step
+            with pytest.raises(ValueError, match=r"`output(_tensor)?` must be a torch.float64 tensor of"):
+                call()
+        return out
+
+    # were (8,), (4,), (4,): a result of another shape than torch's, silently
+    assert world2.run(shapes) == [[(2, 4), (2, 2), (2, 2)]] * 2
+
+
 _IMPORTED_AFTER_INIT = """
 import torch, torch.distributed as dist
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -15,7 +15,8 @@ Differences from torch that a drop-in user should know (all deliberate):
   ops take group-local ranks); they are translated with ``get_group_rank``.
 * ``reduce`` returns zeros on non-destination ranks (torch returns unspecified data).
 * Out-parameters (``output``, ``output_tensor``, ``output_tensor_list``) give the result's
-  shape and dtype and are **not written to**: the result is the returned tensor(s), which
+  shape and dtype (one that cannot hold the result is a ``ValueError``) and are **not
+  written to**: the result is the returned tensor(s), which
   is what torch's autograd path returns too. Nothing is modified in place.
 
 Example::
@@ -26,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -70,6 +72,18 @@ def _local(group: Any, rank: int, op: str, arg: str) -> int:
         raise A.arg_error(
             op, arg, f"a global rank that belongs to the group {dist.get_process_group_ranks(pg)}", rank
         ) from None
+
+
+def _out(op: str, arg: str, out: Any, like: Tensor, numel: int) -> torch.Size:
+    """The shape of the result, which ``out`` (torch's out-parameter) gives: it must be a
+    tensor of the input's dtype holding ``numel`` elements, else the result would silently
+    have another shape than the one torch returns (``out`` itself). Before any
+    communication."""
+    A.check_tensor(out, op, arg)
+    if out.dtype != like.dtype or out.numel() != numel:
+        want = f"a {like.dtype} tensor of {numel} elements (the result's), as torch requires"
+        raise A.arg_error(op, arg, want, f"{out.dtype} {tuple(out.shape)}")
+    return out.shape
 
 
 def broadcast(tensor: Tensor, src: int, group: Any = None) -> Tensor:
@@ -121,11 +135,9 @@ def reduce_scatter(
         [A.check_tensor(t, "compat.reduce_scatter", "input_list").reshape(-1) for t in input_list]
     )
     sizes = [t.numel() for t in input_list]
-    out = collectives.reduce_scatter(flat, 0, op, _group(group), split_sizes=sizes)
-    if all(t.shape == input_list[0].shape for t in input_list):  # (no rank to read)
-        return out.reshape(input_list[0].shape)
     rank = _group_rank(A.resolve_group(_group(group), "compat.reduce_scatter"))
-    return out.reshape(input_list[rank].shape)
+    shape = _out("compat.reduce_scatter", "output", output, flat, sizes[rank])
+    return collectives.reduce_scatter(flat, 0, op, _group(group), split_sizes=sizes).reshape(shape)
 
 
 def all_gather(tensor: Tensor, group: Any = None) -> tuple[Tensor, ...]:
@@ -142,7 +154,12 @@ def _all_gather_base(output_tensor: Tensor, input_tensor: Tensor, group: Any = N
     """Concatenation along dim 0 of every rank's ``input_tensor``. Gradient: reduce_scatter."""
     g = _group(group)
     world = dist.get_world_size(A.resolve_group(g, "compat._all_gather_base"))
-    return collectives.all_gather(input_tensor, 0, g, split_sizes=[input_tensor.shape[0]] * world)
+    A.check_tensor(input_tensor, "compat._all_gather_base", "input_tensor")
+    shape = _out(
+        "compat._all_gather_base", "output_tensor", output_tensor, input_tensor, world * input_tensor.numel()
+    )
+    y = collectives.all_gather(input_tensor, 0, g, split_sizes=[input_tensor.shape[0]] * world)
+    return y.reshape(shape)
 
 
 def all_to_all(
@@ -172,7 +189,16 @@ def all_to_all_single(
     if output_split_sizes is None and input_split_sizes is not None:
         world = dist.get_world_size(A.resolve_group(_group(group), "compat.all_to_all_single"))
         output_split_sizes = [output.shape[0] // world] * world if output.shape[0] % world == 0 else None
-    return collectives.all_to_all(input, 0, 0, _group(group), input_split_sizes, output_split_sizes)
+    op = "compat.all_to_all_single"
+    A.check_tensor(input, op, "input")
+    row = math.prod(input.shape[1:])
+    rows = sum(output_split_sizes) if output_split_sizes is not None else None
+    if rows is None and input_split_sizes is None:
+        rows = input.shape[0]
+    if rows is not None:
+        _out(op, "output", output, input, rows * row)
+    y = collectives.all_to_all(input, 0, 0, _group(group), input_split_sizes, output_split_sizes)
+    return y.reshape(_out(op, "output", output, input, y.numel()))
 
 
 def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> Tensor:
