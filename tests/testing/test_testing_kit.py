@@ -54,6 +54,24 @@ class _AllGatherOwnChunkBackward(torch.autograd.Function):
         return g[r * ctx.n : (r + 1) * ctx.n]
 
 
+class _AllGatherStridedBackward(torch.autograd.Function):
+    """all_gather along dim 0 whose backward is 2x too large only when the incoming
+    gradient is not contiguous (right for every contiguous cotangent)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return dc.all_gather(x, 0)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        out = dc.reduce_scatter(g.contiguous(), 0)
+        return out if g.is_contiguous() else 2 * out
+
+
 class _CopyIdentityBackward(torch.autograd.Function):
     """copy_to_region whose backward is the identity (should be an all_reduce)."""
 
@@ -132,6 +150,44 @@ def test_check_adjoint_catches_a_wrong_adjoint(world2) -> None:
     for key in ("autograd", "dual_op"):
         assert "sum_r <A x_r, y_r> = " in out[0][key] and "sum_r <x_r, A^T y_r> = " in out[0][key]
         assert "relative error" in out[0][key]
+
+
+def test_check_adjoint_catches_a_backward_wrong_only_for_a_strided_gradient(world2) -> None:
+    # with a contiguous y (what a test passes) the planted backward is right: check_adjoint
+    # also applies A^T to the same y laid out non-contiguously
+    def strided_bug() -> dict[str, str]:
+        x, y = _rand(1, 2, 3), _rand(2, 2 * dc.get_world_size(), 3)
+        calls = {
+            "autograd": lambda: check_adjoint(_AllGatherStridedBackward.apply, x=x, y=y),
+            "dual_op": lambda: check_adjoint(
+                lambda t: dc.all_gather(t, 0),
+                dual_op=lambda g: dc.reduce_scatter(g.contiguous(), 0) * (1 if g.is_contiguous() else 2),
+                x=x,
+                y=y,
+            ),
+        }
+        return outcomes(calls, AssertionError)
+
+    out = world2.run(strided_bug)
+    assert out[0] == out[1]
+    for key in ("autograd", "dual_op"):
+        assert "with y non-contiguous" in out[0][key]
+
+
+def test_run_case_catches_a_backward_wrong_only_for_a_strided_gradient(world2, monkeypatch) -> None:
+    # `python -m diffcomm check`'s checker also differentiates with a non-contiguous input
+    # and cotangent; the planted op stands in for all_gather through the module's `call`
+    # (this module's worlds are in-process: the patch reaches every rank)
+    from diffcomm.testing import cases as C
+
+    monkeypatch.setattr(C, "call", lambda case, x: _AllGatherStridedBackward.apply(x))
+
+    def run() -> tuple[float, bool]:
+        res = C.run_case(C.Case("all_gather", 2, (2, 3)), double=False)
+        return res.grad_err, res.ok
+
+    for grad_err, ok in world2.run(run):
+        assert grad_err > 0.5 and not ok
 
 
 def test_check_adjoint_refuses_an_op_that_returns_no_single_tensor(world2) -> None:

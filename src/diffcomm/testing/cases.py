@@ -281,6 +281,11 @@ def _sum_over_ranks(*vs: float) -> Any:
     return out[0] if len(vs) == 1 else out
 
 
+def _strided(t: Tensor) -> Tensor:
+    """``t``'s values in a non-contiguous layout (every other element of a larger buffer)."""
+    return torch.stack([t, torch.zeros_like(t)], -1).select(-1, 0)
+
+
 def _differentiable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
@@ -327,6 +332,13 @@ def run_case(case: Case, double: bool = True) -> CaseResult:
     ref_g = torch.autograd.grad(ref_loss, xs_ref, create_graph=double, allow_unused=True)
     ref_gx = ref_g[rank] if ref_g[rank] is not None else torch.zeros_like(xs_ref[rank])
     res.grad_err = _rel(gx, ref_gx)
+    if case.op != "send/recv":
+        # again with a non-contiguous input and cotangent (the same values): a backward that
+        # is wrong only for a strided gradient is a classic silent bug, and every tensor
+        # above is contiguous
+        x_nc = _strided(xs[rank].to(dev)).requires_grad_(True)
+        (gx_nc,) = torch.autograd.grad(call(case, x_nc), x_nc, grad_outputs=_strided(cots[rank].to(dev)))
+        res.grad_err = max(res.grad_err, _rel(gx_nc, ref_gx))
     # dot-product test with the dual op from the table (linear ops)
     with torch.no_grad():
         y = cots[rank].to(dev)

@@ -40,6 +40,11 @@ def _inner(a: Tensor, b: Tensor) -> Tensor:
     return (a.to(torch.float64) * b.to(torch.float64)).sum()
 
 
+def _strided(t: Tensor) -> Tensor:
+    """``t``'s values in a non-contiguous layout (every other element of a larger buffer)."""
+    return torch.stack([t, torch.zeros_like(t)], -1).select(-1, 0)
+
+
 def _sum_over_ranks(values: Sequence[float] | Tensor, pg: Any) -> Tensor:
     t = torch.as_tensor(values, dtype=torch.float64).reshape(-1).to(B.get_backend().comm_device(pg))
     with B.label("diffcomm.testing (sum over ranks)"):
@@ -119,12 +124,15 @@ def check_adjoint(
                 raise A.arg_error(
                     "testing.check_adjoint", "y", f"of op(x)'s shape {tuple(ax.shape)}", tuple(y.shape)
                 )
+            vjps: list[Tensor | None] = [None, None]
             if ax.requires_grad:
-                (aty,) = torch.autograd.grad(ax, xg, grad_outputs=y.to(ax.dtype), allow_unused=True)
-            else:
-                aty = None
+                yd = y.to(ax.dtype)
+                for k, cot in enumerate((yd, _strided(yd))):
+                    (vjps[k],) = torch.autograd.grad(
+                        ax, xg, grad_outputs=cot, retain_graph=k == 0, allow_unused=True
+                    )
         ax = ax.detach()
-        aty = torch.zeros_like(x) if aty is None else aty
+        aty, aty_nc = (torch.zeros_like(x) if v is None else v for v in vjps)
     else:
         with torch.no_grad():
             ax = _one_tensor(op(x), "op")
@@ -133,23 +141,35 @@ def check_adjoint(
                     "testing.check_adjoint", "y", f"of op(x)'s shape {tuple(ax.shape)}", tuple(y.shape)
                 )
             aty = _one_tensor(dual_op(y), "dual_op")
-        if tuple(aty.shape) != tuple(x.shape):
-            raise A.arg_error(
-                "testing.check_adjoint", "dual_op", f"to return x's shape {tuple(x.shape)}", tuple(aty.shape)
-            )
-    # (summed as a tensor, read after the sum: equal on every rank, so one program for all
-    # under torch's LocalTensorMode too, where a per-rank .item() cannot be read)
-    both = torch.stack([_inner(ax, y), _inner(x.detach(), aty.detach())])
-    lhs, rhs = _sum_over_ranks(both, pg).tolist()
-    scale = max(abs(lhs), abs(rhs))
-    err = abs(lhs - rhs) / scale if scale > 0 else 0.0
+            aty_nc = _one_tensor(dual_op(_strided(y)), "dual_op")
+        for got in (aty, aty_nc):
+            if tuple(got.shape) != tuple(x.shape):
+                raise A.arg_error(
+                    "testing.check_adjoint",
+                    "dual_op",
+                    f"to return x's shape {tuple(x.shape)}",
+                    tuple(got.shape),
+                )
+    # A^T y twice: with y as given and with the same values in a non-contiguous layout (a
+    # backward wrong only for a strided gradient is a classic silent bug; a test's y is
+    # almost always contiguous). Summed as a tensor, read after the sum: equal on every
+    # rank, so one program for all under torch's LocalTensorMode too, where a per-rank
+    # .item() cannot be read.
+    xd = x.detach()
+    terms = torch.stack([_inner(ax, y), _inner(xd, aty.detach()), _inner(xd, aty_nc.detach())])
+    lhs, rhs, rhs_nc = _sum_over_ranks(terms, pg).tolist()
     rtol = _default_rtol(x.dtype) if rtol is None else rtol
-    if not abs(lhs - rhs) <= atol + rtol * scale:
-        raise AssertionError(
-            f"diffcomm.testing.check_adjoint: sum_r <A x_r, y_r> = {lhs!r} but "
-            f"sum_r <x_r, A^T y_r> = {rhs!r} (relative error {err:.3g}, rtol {rtol:g}, atol {atol:g}); "
-            f"A^T from {'dual_op' if dual_op is not None else 'autograd (vjp of op)'}"
-        )
+    err = 0.0
+    for side, how in ((rhs, ""), (rhs_nc, " (with y non-contiguous: the same values, strided)")):
+        scale = max(abs(lhs), abs(side))
+        err = max(err, abs(lhs - side) / scale if scale > 0 else 0.0)
+        if not abs(lhs - side) <= atol + rtol * scale:
+            rel = abs(lhs - side) / scale
+            raise AssertionError(
+                f"diffcomm.testing.check_adjoint: sum_r <A x_r, y_r> = {lhs!r} but "
+                f"sum_r <x_r, A^T y_r> = {side!r}{how} (relative error {rel:.3g}, rtol {rtol:g}, "
+                f"atol {atol:g}); A^T from {'dual_op' if dual_op is not None else 'autograd (vjp of op)'}"
+            )
     return err
 
 
