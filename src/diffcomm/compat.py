@@ -74,11 +74,13 @@ def _local(group: Any, rank: int, op: str, arg: str) -> int:
         ) from None
 
 
-def _out(op: str, arg: str, out: Any, like: Tensor, numel: int) -> torch.Size:
+def _out(op: str, arg: str, out: Any, like: Tensor, numel: int, default: Any = None) -> Any:
     """The shape of the result, which ``out`` (torch's out-parameter) gives: it must be a
     tensor of the input's dtype holding ``numel`` elements, else the result would silently
     have another shape than the one torch returns (``out`` itself). Before any
-    communication."""
+    communication. ``None`` (not torch's API; accepted as before) gives ``default``."""
+    if out is None:
+        return default
     A.check_tensor(out, op, arg)
     if out.dtype != like.dtype or out.numel() != numel:
         want = f"a {like.dtype} tensor of {numel} elements (the result's), as torch requires"
@@ -135,8 +137,11 @@ def reduce_scatter(
         [A.check_tensor(t, "compat.reduce_scatter", "input_list").reshape(-1) for t in input_list]
     )
     sizes = [t.numel() for t in input_list]
-    rank = _group_rank(A.resolve_group(_group(group), "compat.reduce_scatter"))
-    shape = _out("compat.reduce_scatter", "output", output, flat, sizes[rank])
+    if all(t.shape == input_list[0].shape for t in input_list):  # (no rank to read)
+        mine = input_list[0].shape
+    else:
+        mine = input_list[_group_rank(A.resolve_group(_group(group), "compat.reduce_scatter"))].shape
+    shape = _out("compat.reduce_scatter", "output", output, flat, math.prod(mine), mine)
     return collectives.reduce_scatter(flat, 0, op, _group(group), split_sizes=sizes).reshape(shape)
 
 
@@ -155,11 +160,10 @@ def _all_gather_base(output_tensor: Tensor, input_tensor: Tensor, group: Any = N
     g = _group(group)
     world = dist.get_world_size(A.resolve_group(g, "compat._all_gather_base"))
     A.check_tensor(input_tensor, "compat._all_gather_base", "input_tensor")
-    shape = _out(
-        "compat._all_gather_base", "output_tensor", output_tensor, input_tensor, world * input_tensor.numel()
-    )
+    numel = world * input_tensor.numel()
+    shape = _out("compat._all_gather_base", "output_tensor", output_tensor, input_tensor, numel)
     y = collectives.all_gather(input_tensor, 0, g, split_sizes=[input_tensor.shape[0]] * world)
-    return y.reshape(shape)
+    return y if shape is None else y.reshape(shape)
 
 
 def all_to_all(
@@ -198,7 +202,7 @@ def all_to_all_single(
     if rows is not None:
         _out(op, "output", output, input, rows * row)
     y = collectives.all_to_all(input, 0, 0, _group(group), input_split_sizes, output_split_sizes)
-    return y.reshape(_out(op, "output", output, input, y.numel()))
+    return y.reshape(_out(op, "output", output, input, y.numel(), y.shape))
 
 
 def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> Tensor:
