@@ -8,6 +8,8 @@ lives here and nowhere else.
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from collections.abc import Sequence
 from typing import Any, Union
@@ -258,3 +260,29 @@ def _is_dtensor(x: torch.Tensor) -> bool:
     except ImportError:  # a torch built without distributed tensors
         return False
     return isinstance(x, DTensor)
+
+
+def check_seconds(op: str, name: str, value: Any, optional: bool) -> float | None:
+    """A number of seconds (``None`` too where ``optional``) for setting ``name`` of
+    ``op`` (``"LocalWorld()"``): ``True`` (1 s) or ``"5"`` is a type error, never a
+    timeout that silently differs from the one meant."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        want = "a number of seconds" + (" or None" if optional else "")
+        raise TypeError(f"{op}: `{name}` must be {want}, got {type(value).__name__} {value!r}")
+    if not float(value) > 0:
+        none = " or None" if optional else ""
+        raise ValueError(f"{op}: `{name}` must be > 0 seconds{none}, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{op}: `{name}` must be a finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def check_flag(op: str, name: str, value: Any) -> bool | None:
+    """A bool or ``None`` (the environment's value) for setting ``name`` of ``op``: a
+    string such as ``"no"`` is truthy and would silently switch the setting on."""
+    if value is not None and not isinstance(value, bool):
+        got = f"{type(value).__name__} {value!r}"
+        raise TypeError(f"{op}: `{name}` must be a bool or None, got {got}")
+    return value

@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import math
 import multiprocessing.connection as mpc
-import numbers
 import os
 import pickle
 import signal
@@ -60,6 +58,7 @@ from .._errors import (
     WorldTimeoutError,
     WorldTooLargeError,
 )
+from ..backend.args import check_flag, check_seconds
 from . import forkserver as _forkserver
 from . import reports as _report
 from . import shipping as _ship
@@ -93,31 +92,6 @@ _PROGRESS_AFTER = 2.0  # seconds of start-up before progress is printed
 
 
 _LIVE: weakref.WeakSet[LocalWorld] = weakref.WeakSet()
-
-
-def _check_seconds(name: str, value: Any, optional: bool) -> float | None:
-    """A number of seconds (``None`` too where ``optional``): ``True`` (1 s) or ``"5"`` is
-    a type error, never a timeout that silently differs from the one meant."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        want = "a number of seconds" + (" or None" if optional else "")
-        raise TypeError(f"LocalWorld(): `{name}` must be {want}, got {type(value).__name__} {value!r}")
-    if not float(value) > 0:
-        none = " or None" if optional else ""
-        raise ValueError(f"LocalWorld(): `{name}` must be > 0 seconds{none}, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"LocalWorld(): `{name}` must be a finite number of seconds, got {value!r}")
-    return float(value)
-
-
-def _check_flag(name: str, value: Any) -> bool | None:
-    """A bool or ``None`` (the environment's value): a string such as ``"no"`` is truthy
-    and would silently switch the setting on."""
-    if value is not None and not isinstance(value, bool):
-        got = f"{type(value).__name__} {value!r}"
-        raise TypeError(f"LocalWorld(): `{name}` must be a bool or None, got {got}")
-    return value
 
 
 def _stderr_is_a_terminal() -> bool:
@@ -180,10 +154,10 @@ class LocalWorld:
         if not isinstance(in_process, bool):
             raise TypeError(f"LocalWorld(): `in_process` must be a bool, got {in_process!r}")
         # every setting validated on both kinds of world (a wrong one is never ignored)
-        _check_seconds("timeout", timeout, optional=False)
-        _check_seconds("collective_timeout", collective_timeout, optional=True)
-        _check_flag("allow_oversubscribe", allow_oversubscribe)
-        _check_flag("progress", progress)
+        check_seconds("LocalWorld()", "timeout", timeout, optional=False)
+        check_seconds("LocalWorld()", "collective_timeout", collective_timeout, optional=True)
+        check_flag("LocalWorld()", "allow_oversubscribe", allow_oversubscribe)
+        check_flag("LocalWorld()", "progress", progress)
         self.in_process = in_process
         if in_process:
             self._init_in_process(world_size, backend, timeout, collective_timeout)
