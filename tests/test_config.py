@@ -89,6 +89,7 @@ def test_accelerator_parses_names(monkeypatch: pytest.MonkeyPatch, raw: str, val
         (TIMEOUT, "0", r"DIFFCOMM_TIMEOUT='0' must be a positive number of seconds"),
         (TIMEOUT, "-3", r"DIFFCOMM_TIMEOUT='-3' must be a positive number of seconds"),
         (TIMEOUT, "nan", r"DIFFCOMM_TIMEOUT='nan' must be a positive number of seconds"),
+        (TIMEOUT, "inf", r"DIFFCOMM_TIMEOUT='inf' must be a finite number of seconds \(none: no timeout\)"),
         (
             ACCELERATOR,
             "tpu",
@@ -173,6 +174,11 @@ def test_timeout_converts_ints_and_allows_none() -> None:
             lambda: dc.timeout(float("nan")),
             ValueError,
             "timeout must be a positive number of seconds or None, got nan",
+        ),
+        (
+            lambda: dc.timeout(float("inf")),  # (a LocalWorld then ended in an OverflowError)
+            ValueError,
+            "timeout must be a finite number of seconds or None, got inf",
         ),
         (lambda: dc.timeout("never"), ValueError, r"timeout='never' is not a number of seconds"),
         (lambda: ACCELERATOR.set("tpu"), ValueError, r"legal values: \('cpu', 'cuda', 'mps', 'xpu'\)"),

@@ -67,6 +67,8 @@ def _parse_timeout(name: str, raw: str) -> float | None:
         raise ValueError(f"{name}={raw!r} is not a number of seconds (e.g. 30 or 2.5)") from None
     if not seconds > 0:
         raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
+    if seconds == float("inf"):  # (torch's timedelta overflows; no timeout is spelled none)
+        raise ValueError(f"{name}={raw!r} must be a finite number of seconds (none: no timeout)")
     return seconds
 
 
@@ -173,6 +175,8 @@ class Setting(Generic[T]):
                     raise ValueError(
                         f"{self.name} must be a positive number of seconds or None, got {value!r}"
                     )
+                if value == float("inf"):  # (torch's timedelta overflows: None is no timeout)
+                    raise ValueError(f"{self.name} must be a finite number of seconds or None, got {value!r}")
                 value = float(value)
         elif self._parse is _parse_size:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
