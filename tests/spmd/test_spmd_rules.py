@@ -112,21 +112,7 @@ def test_input_gradient_error_for_a_weight_used_through_a_view(
     """``x @ w.T`` meets the weight through a view (the transpose is no leaf): the dropped
     copy_to_region was accepted and ``x.grad`` was each rank's share, silently."""
 
-    def body() -> str:
-        col = par.ColumnParallelLinear(4, 8, bias=False, dtype=F64, seed=0)
-        row = par.RowParallelLinear(8, 4, input_is_parallel=True, dtype=F64, seed=0)
-        x = torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(0)).requires_grad_()
-        w = col.weight.detach().clone().requires_grad_()
-        try:
-            with dc.spmd_check(varying=[w] if weight == "varying_leaf" else ()):
-                dc.spmd.module(col), dc.spmd.module(row)
-                a = F.gelu(_WEIGHT_FORMS[form](x, col.weight if weight == "parameter" else w))
-                par.reduce_from_region(F.linear(a, row.weight)).pow(2).mean().backward()
-        except dc.SPMDTypeError as e:
-            return str(e)
-        return "no error"
-
-    for msg in world2.run(body):
+    for msg, _ in world2.run(_weight_program, form, weight, False):
         assert "backward at test_spmd_rules.py:" in msg and "input of shape (3, 4)" in msg, msg
         assert "insert parallel.copy_to_region before the" in msg, msg
 
@@ -150,9 +136,12 @@ _DERIVED_WEIGHT_FORMS = {
     "divided_by_two": lambda x, w: F.linear(x, w / 2),
     "times_replicated_scalar": lambda x, w: F.linear(x, w * torch.tensor(0.5, dtype=F64)),
 }
+_ALL_WEIGHT_FORMS = {**_WEIGHT_FORMS, **_DERIVED_WEIGHT_FORMS}
 
 
-def _derived_weight_program(form: str, weight: str, copy: bool) -> tuple[str, torch.Tensor | None]:
+def _weight_program(form: str, weight: str, copy: bool) -> tuple[str, torch.Tensor | None]:
+    """A column- then row-parallel pair whose first matmul meets the weight in ``form``
+    (with ``copy_to_region`` before it or not): the check's message and ``x.grad``."""
     col = par.ColumnParallelLinear(4, 8, bias=False, dtype=F64, seed=0)
     row = par.RowParallelLinear(8, 4, input_is_parallel=True, dtype=F64, seed=0)
     x = torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(0)).requires_grad_()
@@ -161,7 +150,7 @@ def _derived_weight_program(form: str, weight: str, copy: bool) -> tuple[str, to
         with dc.spmd_check(varying=[w] if weight == "varying_leaf" else ()):
             dc.spmd.module(col), dc.spmd.module(row)
             h = par.copy_to_region(x) if copy else x
-            a = F.gelu(_DERIVED_WEIGHT_FORMS[form](h, col.weight if weight == "parameter" else w)).to(F64)
+            a = F.gelu(_ALL_WEIGHT_FORMS[form](h, col.weight if weight == "parameter" else w)).to(F64)
             par.reduce_from_region(F.linear(a, row.weight)).pow(2).mean().backward()
     except dc.SPMDTypeError as e:
         return str(e), x.grad
@@ -177,7 +166,7 @@ def test_input_gradient_error_for_a_weight_used_through_a_cast_or_scaling(
     reaches the matmul through an op that is no view (a cast, a copy, a scaling by a
     replicated factor), so the matmul's operand was no weight to the check: the dropped
     copy_to_region was accepted and ``x.grad`` was each rank's share, silently."""
-    for msg, grad in world2.run(_derived_weight_program, form, weight, False):
+    for msg, grad in world2.run(_weight_program, form, weight, False):
         assert "backward at test_spmd_rules.py:" in msg and "input of shape (3, 4)" in msg, msg
         assert "insert parallel.copy_to_region before the" in msg, msg
         assert grad is None, msg  # raised before the backward ran
@@ -190,7 +179,7 @@ def test_a_weight_used_through_a_cast_or_scaling_after_copy_to_region_passes(
 ) -> None:
     """The same programs with copy_to_region before the matmul: no error, and ``x.grad``
     is whole (equal on every rank)."""
-    (msg0, g0), (msg1, g1) = world2.run(_derived_weight_program, form, weight, True)
+    (msg0, g0), (msg1, g1) = world2.run(_weight_program, form, weight, True)
     assert msg0 == msg1 == "no error", (msg0, msg1)
     assert g0 is not None and g1 is not None and torch.equal(g0, g1)
 

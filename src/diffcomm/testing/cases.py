@@ -35,6 +35,8 @@ import diffcomm.parallel
 from diffcomm import backend as B
 from diffcomm.ops import registry
 
+from .checks import strided as _strided
+
 LINEAR = ("sum", "avg")
 
 
@@ -279,11 +281,6 @@ def _sum_over_ranks(*vs: float) -> Any:
     t = torch.tensor(vs, dtype=torch.float64, device=case_device())
     out = B.get_backend().all_reduce(t, "sum", None).tolist()
     return out[0] if len(vs) == 1 else out
-
-
-def _strided(t: Tensor) -> Tensor:
-    """``t``'s values in a non-contiguous layout (every other element of a larger buffer)."""
-    return torch.stack([t, torch.zeros_like(t)], -1).select(-1, 0)
 
 
 def _differentiable(dtype: torch.dtype) -> bool:

@@ -40,8 +40,9 @@ def _inner(a: Tensor, b: Tensor) -> Tensor:
     return (a.to(torch.float64) * b.to(torch.float64)).sum()
 
 
-def _strided(t: Tensor) -> Tensor:
-    """``t``'s values in a non-contiguous layout (every other element of a larger buffer)."""
+def strided(t: Tensor) -> Tensor:
+    """``t``'s values in a non-contiguous layout (every other element of a larger buffer;
+    also the case runner's, :mod:`.cases`)."""
     return torch.stack([t, torch.zeros_like(t)], -1).select(-1, 0)
 
 
@@ -127,7 +128,7 @@ def check_adjoint(
             vjps: list[Tensor | None] = [None, None]
             if ax.requires_grad:
                 yd = y.to(ax.dtype)
-                for k, cot in enumerate((yd, _strided(yd))):
+                for k, cot in enumerate((yd, strided(yd))):
                     (vjps[k],) = torch.autograd.grad(
                         ax, xg, grad_outputs=cot, retain_graph=k == 0, allow_unused=True
                     )
@@ -141,7 +142,7 @@ def check_adjoint(
                     "testing.check_adjoint", "y", f"of op(x)'s shape {tuple(ax.shape)}", tuple(y.shape)
                 )
             aty = _one_tensor(dual_op(y), "dual_op")
-            aty_nc = _one_tensor(dual_op(_strided(y)), "dual_op")
+            aty_nc = _one_tensor(dual_op(strided(y)), "dual_op")
         for got in (aty, aty_nc):
             if tuple(got.shape) != tuple(x.shape):
                 raise A.arg_error(
