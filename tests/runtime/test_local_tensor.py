@@ -635,6 +635,29 @@ def test_check_adjoint_under_local_tensor_mode_equals_in_process(inproc_world2) 
         inproc_world2.run(_adjoint_test, True)
 
 
+def _adjoint_test_x_zero_on(ranks: tuple[int, ...]) -> float:
+    from torch.distributed._local_tensor import rank_map
+
+    from diffcomm.testing import check_adjoint
+
+    x = rank_map(
+        lambda r: torch.zeros(3, dtype=torch.float64) if r in ranks else torch.ones(3, dtype=torch.float64)
+    )
+    return check_adjoint(dc.all_gather, x, per_rank(2, 6))
+
+
+def test_check_adjoint_refuses_an_x_zero_on_every_rank_under_local_tensor_mode(inproc_world2) -> None:
+    """The vacuity check reads only the sums over ranks (a per-rank value cannot be read
+    under LocalTensorMode): x zero on every rank is refused as in-process, zero on one
+    rank is a real test."""
+    vacuous = r"check_adjoint\(\): the dot-product test is vacuous: `x` is zero on every rank"
+    with pytest.raises(ValueError, match=vacuous):
+        run_under_local_tensor_mode(2, _adjoint_test_x_zero_on, (0, 1))
+    with pytest.raises(RankError, match=vacuous):
+        inproc_world2.run(_adjoint_test_x_zero_on, (0, 1))
+    assert run_under_local_tensor_mode(2, _adjoint_test_x_zero_on, (0,))[0] < 1e-12
+
+
 # ---- hypothesis: ops x shapes x split sizes x worlds 1-4 ---------------------------------
 
 _OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter"]

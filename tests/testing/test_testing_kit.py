@@ -1,8 +1,9 @@
 """diffcomm.testing: the kit passes correct code and catches planted bugs.
 
-Planted bugs: an all_gather whose backward keeps only its own chunk (wrong adjoint), and
-a copy_to_region whose backward is the identity (the classic missing all_reduce of
-tensor parallelism).
+Planted bugs: an all_gather whose backward keeps only its own chunk (wrong adjoint), a
+copy_to_region whose backward is the identity (the classic missing all_reduce of
+tensor parallelism), and backwards wrong only for a non-contiguous gradient or by a
+factor of 2 (the latter hidden by an x or y of zeros).
 """
 
 from __future__ import annotations
@@ -70,6 +71,39 @@ class _AllGatherStridedBackward(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         out = dc.reduce_scatter(g.contiguous(), 0)
         return out if g.is_contiguous() else 2 * out
+
+
+class _AllReduceDoubledBackward(torch.autograd.Function):
+    """all_reduce whose backward is 2x too large (wrong for every cotangent)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return dc.all_reduce(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return 2 * dc.all_reduce(g)
+
+
+class _DoubledIfStrided(torch.autograd.Function):
+    """The identity, whose backward doubles a non-contiguous gradient: after an op's output,
+    that op's backward is wrong only for a strided gradient."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g if g.is_contiguous() else 2 * g
 
 
 class _CopyIdentityBackward(torch.autograd.Function):
@@ -188,6 +222,81 @@ def test_run_case_catches_a_backward_wrong_only_for_a_strided_gradient(world2, m
 
     for grad_err, ok in world2.run(run):
         assert grad_err > 0.5 and not ok
+
+
+def test_check_adjoint_refuses_an_x_or_y_zero_on_every_rank(world2) -> None:
+    # x (or y) zero on every rank makes both sides 0 whatever the backward: the planted
+    # 2x backward passed. Refused on every rank alike (decided from the sums over ranks);
+    # zero on one rank only is still a real test
+    def zeros() -> dict[str, str]:
+        x, y = _rand(1, 2, 3), _rand(2, 2, 3)
+        zero_here = torch.zeros_like(x) if dc.get_rank() == 0 else x
+        wrong = _AllReduceDoubledBackward.apply
+        calls = {
+            "x zero": lambda: check_adjoint(wrong, torch.zeros_like(x), y),
+            "y zero": lambda: check_adjoint(wrong, x, torch.zeros_like(y)),
+            "both zero": lambda: check_adjoint(dc.all_reduce, torch.zeros_like(x), torch.zeros_like(y)),
+            "x zero, dual_op": lambda: check_adjoint(dc.all_reduce, torch.zeros_like(x), y, dual_op=wrong),
+        }
+        refused = outcomes(calls, ValueError)
+        caught = outcomes({"wrong": lambda: check_adjoint(wrong, zero_here, y)}, AssertionError)
+        return {**refused, **caught, "correct": check_adjoint(dc.all_reduce, zero_here, y)}
+
+    out = world2.run(zeros)
+    assert out[0] == out[1]  # every rank raises, with the same message
+    vacuous = "diffcomm.testing.check_adjoint(): the dot-product test is vacuous: "
+    assert out[0]["x zero"] == out[0]["x zero, dual_op"]
+    assert out[0]["x zero"].startswith(vacuous + "`x` is zero on every rank"), out[0]
+    assert out[0]["y zero"].startswith(vacuous + "`y` is zero on every rank"), out[0]
+    assert out[0]["both zero"].startswith(vacuous + "`x` and `y` are zero on every rank"), out[0]
+    assert out[0]["correct"] < 1e-12
+    assert "relative error" in out[0]["wrong"], out[0]
+
+
+def test_mapping_and_coalesced_runners_catch_a_backward_wrong_only_for_a_strided_gradient(
+    world2, monkeypatch
+) -> None:
+    # `python -m diffcomm check`'s mapping and coalesced runners also differentiate with
+    # the cotangents' values laid out non-contiguously. The bug is planted in the public
+    # functions the runners look up (registry.public_fn), reduce_from_region's and
+    # all_reduce_coalesced's; the runs before the patch are the control
+    import sys
+
+    from diffcomm.ops import registry
+    from diffcomm.testing.cases import Case
+    from diffcomm.testing.coalesced import CoalescedCase, run_coalesced_case
+    from diffcomm.testing.mappings import run_mapping_case
+
+    mapping = Case("reduce_from_region", 2, (2, 3))
+    f64 = ((2, 3), "float64", True, True)
+    coalesced = CoalescedCase("all_reduce_coalesced", 2, (f64, ((4,), "float64", True, True), f64))
+
+    def run() -> list[tuple[float, bool]]:
+        results = [
+            run_mapping_case(mapping),
+            run_coalesced_case(coalesced),
+            run_coalesced_case(coalesced, False),
+        ]
+        return [(r.grad_err, r.ok) for r in results]
+
+    for per_rank in world2.run(run):
+        assert all(ok and err < 1e-12 for err, ok in per_rank), per_rank
+    reduce_from_region = registry.public_fn(registry.REGISTRY["reduce_from_region"])
+    all_reduce_coalesced = registry.public_fn(registry.REGISTRY["all_reduce_coalesced"])
+
+    def reduce_from_region_bug(x: torch.Tensor, **kw: Any) -> torch.Tensor:
+        return _DoubledIfStrided.apply(reduce_from_region(x, **kw))
+
+    def all_reduce_coalesced_bug(xs: list[torch.Tensor], **kw: Any) -> list[torch.Tensor]:
+        return [_DoubledIfStrided.apply(o) for o in all_reduce_coalesced(xs, **kw)]
+
+    for name, bug in (
+        ("reduce_from_region", reduce_from_region_bug),
+        ("all_reduce_coalesced", all_reduce_coalesced_bug),
+    ):
+        monkeypatch.setattr(sys.modules[registry.REGISTRY[name].__module__], name, bug)
+    for per_rank in world2.run(run):
+        assert all(not ok and err > 0.5 for err, ok in per_rank), per_rank
 
 
 def test_check_adjoint_refuses_an_op_that_returns_no_single_tensor(world2) -> None:

@@ -86,8 +86,8 @@ def check_adjoint(
     ``A`` is the linear map ``op`` makes on the concatenation of all ranks' tensors; its
     transpose is what autograd computes (the vjp of ``op`` at ``x`` with cotangent ``y``,
     i.e. the sum-of-per-rank-objectives convention of the core collectives), or
-    ``dual_op(y)`` when given. Both sums over ranks go through one raw all_reduce of two
-    float64 scalars. Call on every rank.
+    ``dual_op(y)`` when given. The sums over ranks (both sides, and the sizes of ``x``
+    and ``y``) go through one raw all_reduce of a few float64 scalars. Call on every rank.
 
     Args:
         op: the (linear) op, ``x -> A x``; run on every rank.
@@ -104,7 +104,10 @@ def check_adjoint(
 
     Raises:
         AssertionError: with both numbers, when ``|lhs - rhs| > atol + rtol * max(|lhs|, |rhs|)``.
-        ValueError: ``y``'s shape differs from ``op(x)``'s.
+        ValueError: ``y``'s shape differs from ``op(x)``'s; or ``x`` (or ``y``) is zero on
+            every rank, where the test is vacuous (both sides are 0 for any backward), on
+            every rank alike (decided from the sums over ranks; zero on some ranks only is
+            a real test).
 
     Example::
 
@@ -155,10 +158,22 @@ def check_adjoint(
     # backward wrong only for a strided gradient is a classic silent bug; a test's y is
     # almost always contiguous). Summed as a tensor, read after the sum: equal on every
     # rank, so one program for all under torch's LocalTensorMode too, where a per-rank
-    # .item() cannot be read.
-    xd = x.detach()
-    terms = torch.stack([_inner(ax, y), _inner(xd, aty.detach()), _inner(xd, aty_nc.detach())])
-    lhs, rhs, rhs_nc = _sum_over_ranks(terms, pg).tolist()
+    # .item() cannot be read. The sizes of x and y (sums of |entries|) ride along in the
+    # same sum: one zero on every rank makes both sides 0 whatever the backward (a vacuous
+    # pass), which only the sums over ranks tell (zero on some ranks is still a real test),
+    # and so every rank refuses alike.
+    xd, yd = x.detach(), y.detach()
+    sides = [_inner(ax, yd), _inner(xd, aty.detach()), _inner(xd, aty_nc.detach())]
+    sizes = [t.abs().to(torch.float64).sum() for t in (xd, yd)]
+    lhs, rhs, rhs_nc, x_size, y_size = _sum_over_ranks(torch.stack([*sides, *sizes]), pg).tolist()
+    zero = [name for name, size in (("x", x_size), ("y", y_size)) if size == 0.0]
+    if zero:
+        which = " and ".join(f"`{name}`" for name in zero)
+        raise ValueError(
+            f"diffcomm.testing.check_adjoint(): the dot-product test is vacuous: {which} "
+            f"{'is' if len(zero) == 1 else 'are'} zero on every rank, so sum_r <A x_r, y_r> and "
+            "sum_r <x_r, A^T y_r> are both 0 whatever A^T is; pass random values (e.g. torch.randn)"
+        )
     rtol = _default_rtol(x.dtype) if rtol is None else rtol
     err = 0.0
     for side, how in ((rhs, ""), (rhs_nc, " (with y non-contiguous: the same values, strided)")):

@@ -7,7 +7,8 @@ runs it on this rank and measures, like :func:`diffcomm.testing.cases.run_case`:
 * **forward** — each output against the single-tensor op applied to that tensor alone
   (integer-valued data, so the comparison is exact whatever the reduction order);
 * **gradient** and **double backward** — of ``sum_i <out_i, cot_i>`` (used outputs only)
-  against the same objective through the single ops;
+  against the same objective through the single ops (the gradient also with the
+  cotangents' values laid out non-contiguously);
 * **adjoint** — the dot-product test ``sum_r sum_i <A x_i, y_i> == sum_r sum_i <x_i,
   A^T y_i>`` with ``A^T`` the **dual coalesced op** the op's class names (its ``dual``
   and ``dual_args``), called directly (linear cases);
@@ -30,6 +31,7 @@ import diffcomm as dc
 from diffcomm.ops import registry
 
 from .cases import CaseResult, _inner, _rel, _sum_over_ranks, case_device, tolerance
+from .checks import strided
 
 Spec = tuple[tuple[int, ...], str, bool, bool]  # shape, dtype, requires_grad, output used
 
@@ -161,8 +163,21 @@ def run_coalesced_case(case: CoalescedCase, double: bool = True) -> CaseResult:
     if not wanted:
         res.seconds = time.perf_counter() - start
         return res
+    # also with the same cotangent values laid out non-contiguously (first order only, the
+    # graph kept for the pass below): a backward wrong only for a strided gradient is a
+    # classic silent bug, and the cotangents are contiguous
+    roots = [i for i in used if out[i].requires_grad]
+    g_nc: tuple[Any, ...] = (None,) * len(wanted)
+    if roots:
+        g_nc = torch.autograd.grad(
+            [out[i] for i in roots],
+            [xs[i] for i in wanted],
+            [strided(cots[i].detach()) for i in roots],
+            retain_graph=True,
+            allow_unused=True,
+        )
     g_co, g_ref = grads(out, xs), grads(ref, xs1)
-    res.grad_err = max(_rel(a, b) for a, b in zip(g_co, g_ref))
+    res.grad_err = max(_rel(a, b) for a, b in [*zip(g_co, g_ref), *zip(g_nc, g_ref)])
     if double:
         ws = [_values(tuple(xs[i].shape), xs[i].dtype, gen, -2, 2).to(dev) for i in wanted]
         extra = [i for i in used if cots[i].requires_grad]

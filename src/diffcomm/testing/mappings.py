@@ -11,7 +11,8 @@ is checked here, on every rank, for:
   (replicated inputs: rank 0's, on every rank);
 * **gradient** - autograd's gradient of ``<M(x), c>`` is the conjugate mapping its class
   names (``dual``, called with ``dual_args``) applied to ``c`` directly (``c`` replicated
-  where ``M``'s output is; which sides are replicated: the class's ``replicated``);
+  where ``M``'s output is; which sides are replicated: the class's ``replicated``), also
+  with ``c``'s values laid out non-contiguously;
 * **adjoint** - ``<M x, y> == <x, M* y>`` in the replicated inner product (a replicated
   pair counts once, a per-rank pair is summed over ranks);
 * **double backward** - the gradient of ``<grad_x, w>`` with respect to ``c`` is ``M(w)``;
@@ -40,6 +41,7 @@ from .cases import (
     registry_cases,
     tolerance,
 )
+from .checks import strided
 
 #: mappings whose forward returns ``x`` itself, as documented (identity forward: a view)
 VIEWS = ("copy_to_region",)
@@ -97,7 +99,11 @@ def run_mapping_case(case: Case) -> CaseResult:
     dual_kwargs, scale = op.dual_args(case.kwargs, w)
     with torch.no_grad():
         aty = dual(cot.detach(), **dual_kwargs) * scale
-    res.grad_err = _rel(gx, aty)
+    # again with the same cotangent values laid out non-contiguously (first order only): a
+    # backward wrong only for a strided gradient is a classic silent bug, and cot above is
+    # contiguous
+    (gx_nc,) = torch.autograd.grad(out, x, grad_outputs=strided(cot.detach()), retain_graph=True)
+    res.grad_err = max(_rel(gx, aty), _rel(gx_nc, aty))
     o = out.detach()
     lhs, rhs, lhs_abs, rhs_abs = _sum_over_ranks(
         _rep_inner(o, cot.detach(), rep_out, w),
