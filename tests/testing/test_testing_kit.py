@@ -343,6 +343,41 @@ def test_gradcheck_passes_correct_code(world2) -> None:
     assert world2.run(gradcheck_passes) == [[True] * 5] * 2
 
 
+def test_gradcheck_refuses_to_check_nothing(world2) -> None:
+    """No input requiring grad, or only empty ones on every rank: nothing would be probed
+    and ``True`` came back for any backward (a wrong one too). Refused on every rank alike,
+    as ``torch.autograd.gradcheck`` refuses; one rank's non-empty input is a real check."""
+
+    doubled = _AllReduceDoubledBackward.apply  # a backward wrong by a factor 2
+
+    def nothing() -> dict[str, str]:
+        x = _rand(1, 2, 3)
+        out = {}
+        cases = {
+            "no requires_grad": (x,),
+            "empty": (torch.zeros(0, 3, dtype=torch.float64, requires_grad=True),),
+        }
+        for name, args in cases.items():
+            try:
+                gradcheck(doubled, args)
+                out[name] = "no error"
+            except ValueError as exc:
+                out[name] = str(exc)
+        # empty on rank 0 only: rank 1's elements are probed, and the bug is found
+        mine = torch.zeros(0 if dc.get_rank() == 0 else 2, dtype=torch.float64, requires_grad=True)
+        try:
+            gradcheck(lambda t: doubled(dc.all_gather(t, 0, split_sizes=[0, 2])), (mine,))
+            out["one rank empty"] = "no error"
+        except AssertionError:
+            out["one rank empty"] = "caught"
+        return out
+
+    for out in world2.run(nothing):
+        assert "at least one tensor with requires_grad=True" in out["no requires_grad"], out
+        assert "with an element on some rank" in out["empty"], out
+        assert out["one rank empty"] == "caught", out
+
+
 # on processes: warnings.catch_warnings is one per process, which in-process ranks would share
 @pytest.mark.diffcomm_in_process(False)
 def test_gradcheck_warns_of_a_replicated_input_left_out_of_replicated(world2) -> None:

@@ -285,7 +285,8 @@ def gradcheck(
         AssertionError: on every rank, naming the rank(s), input and index of the first
             mismatches with the analytic and numerical values.
         ValueError / TypeError: bad arguments (non-float64 input, unknown objective, the
-            ranks disagreeing on the inputs).
+            ranks disagreeing on the inputs, no input requiring grad or only empty ones:
+            nothing to check).
 
     Example::
 
@@ -326,8 +327,22 @@ def gradcheck(
                 "the same arguments on every rank (count, which require grad, which are replicated)",
                 f"{layout.tolist()} (one row per rank)",
             )
+    if not diff:  # the ranks agree on it (compared just above): every rank refuses alike
+        raise A.arg_error(
+            op,
+            "inputs",
+            "at least one tensor with requires_grad=True (the ones checked; with none, nothing is)",
+            "no input requiring grad",
+        )
     numels_rows = _gather_rows(torch.tensor([inputs[i].numel() for i in diff], dtype=torch.float64), pg)
     numels = numels_rows.to(torch.int64).tolist()
+    if not any(any(row) for row in numels):
+        raise A.arg_error(
+            op,
+            "inputs",
+            "a differentiable input with an element on some rank (with none, nothing is checked)",
+            "every differentiable input empty on every rank",
+        )
     for i_pos, i in enumerate(diff):
         if i in rep and any(numels[q][i_pos] != numels[0][i_pos] for q in range(world)):
             raise A.arg_error(
