@@ -412,6 +412,43 @@ def test_ulysses_double_backward(world3: dc.LocalWorld) -> None:
     assert max(world3.run(body)) < 1e-10
 
 
+def _forward_ad_attention() -> dict[str, Any]:
+    from torch.autograd import forward_ad as fwad
+
+    from diffcomm.backend import log_comms
+
+    r = dc.get_rank()
+    g = torch.Generator().manual_seed(3)
+    q, k, v, tq, tk, tv = (torch.randn(1, 2, 8, 4, dtype=torch.float64, generator=g) for _ in range(6))
+    _, want = torch.func.jvp(
+        lambda a, b, c: cp.attention_reference(a, b, c, causal=True), (q, k, v), (tq, tk, tv)
+    )
+    mine = slice(4 * r, 4 * r + 4)
+    with fwad.dual_level():
+        ql, kl, vl = (fwad.make_dual(a[:, :, mine], t[:, :, mine]) for a, t in ((q, tq), (k, tk), (v, tv)))
+        out = parallel.ulysses_attention(ql, kl, vl, causal=True, attn_fn=cp.attention_reference)
+        err = float((fwad.unpack_dual(out).tangent - want[:, :, mine]).abs().max())
+        with log_comms() as log:
+            try:
+                parallel.ring_attention(ql, kl, vl, causal=True)
+                msg = "no error"
+            except RuntimeError as exc:
+                msg = f"{exc} | comms={log.count()}"
+    return {"ulysses": err, "ring": msg}
+
+
+def test_forward_mode_ad_through_ulysses_and_a_clear_error_from_the_ring(world2: dc.LocalWorld) -> None:
+    """``torch.autograd.forward_ad`` (dual tensors): Ulysses gives the serial tangent; ring
+    attention (no forward-mode rule) raises naming the op, before any communication.
+    Before: Ulysses raised torch's "forward is returning a view ... but the jvp is not
+    returning a view" (its entry's jvp returned the tangent itself), the ring torch's
+    "You must implement the jvp function", naming no op."""
+    for res in world2.run(_forward_ad_attention):
+        assert res["ulysses"] < 1e-12, res
+        assert "parallel.ring_attention(): has no forward-mode derivative" in res["ring"], res
+        assert res["ring"].endswith("comms=0"), res
+
+
 # --------------------------------------------------------------------------------- USP
 
 

@@ -205,3 +205,34 @@ def test_overlap_under_torch_func_and_with_a_retained_graph(world3, sp: bool, mo
     the first one deleted the inner graph it kept on ctx)."""
     for res in world3.run(_func_grad_and_retained, sp, mode):
         assert all(res["func_grad"]) and all(res["retained"]), res
+
+
+def _forward_ad_tangents(sp: bool, mode: object) -> list[bool]:
+    """The overlapped MLP's output tangent under ``torch.autograd.forward_ad`` (dual
+    input and parameters) against the blocking MLP's."""
+    from torch.autograd import forward_ad as fwad
+
+    r, n = dc.get_rank(), dc.get_world_size()
+    blocking, overlapped = _mlp_pair(sp, mode, False, "gelu")
+    g = torch.Generator().manual_seed(7)
+    x, t = (torch.randn(SEQ, BATCH, H, generator=g, dtype=torch.float64) for _ in range(2))
+    if sp:
+        x, t = x.chunk(n)[r], t.chunk(n)[r]
+    tangents = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in blocking.parameters()]
+    out = []
+    for mlp in (blocking, overlapped):
+        params = {k: v.detach() for k, v in mlp.named_parameters()}
+        with fwad.dual_level():
+            duals = {k: fwad.make_dual(v, tv) for (k, v), tv in zip(params.items(), tangents)}
+            y = torch.func.functional_call(mlp, duals, (fwad.make_dual(x, t),))
+            out.append(fwad.unpack_dual(y).tangent)
+    return [out[1] is not None and torch.allclose(out[0], out[1], rtol=1e-12, atol=1e-12)]
+
+
+@pytest.mark.parametrize(("sp", "mode"), [(False, "comm"), (True, "comm"), (True, "ring")])
+def test_overlap_under_forward_mode_ad(world2, sp: bool, mode: str) -> None:
+    """Forward-mode AD through an overlapped layer runs the blocking mappings, as a
+    ``torch.func`` transform does: the blocking path's tangent. Before: torch's "You must
+    implement the jvp function for custom autograd.Function" from the fused Functions."""
+    for res in world2.run(_forward_ad_tangents, sp, mode):
+        assert all(res), res

@@ -29,8 +29,9 @@ random data to a few ulps.
 
 Both modes support first-order gradients (``backward()``, ``torch.autograd.grad``, a
 retained graph's second backward); double backward through an overlapped layer raises
-(use ``overlap=False``). Under a ``torch.func`` transform (``grad``, ``vmap``, ...) the
-layers run the blocking mappings instead: the same values and gradients.
+(use ``overlap=False``). Under a ``torch.func`` transform (``grad``, ``vmap``, ...) or
+forward-mode AD (``torch.autograd.forward_ad``) the layers run the blocking mappings
+instead: the same values and gradients.
 
 The three autograd Functions here (``_ColumnComm``, ``_ColumnRing``, ``_RowRing``) are
 not ``diffcomm.ops.base.CommOp`` / ``ListOp`` ops: that base derives
@@ -283,11 +284,18 @@ class _ColumnRing(torch.autograd.Function):
         return (gx, *_weight_and_bias_grads(ctx, g, x_full), None, None)
 
 
+def _blocking() -> bool:
+    """Whether to run the blocking mappings: a ``torch.func`` transform or a forward-mode
+    AD level (``torch.autograd.forward_ad.dual_level()``) is active."""
+    return _torch.transforms_active() or _torch.forward_ad_level() >= 0
+
+
 def column_linear(x: Tensor, w: Tensor, b: Tensor | None, mode: str, sp_dim: int | None, pg: PG) -> Tensor:
     """The overlapped ``ColumnParallelLinear`` forward (before any ``gather_output``);
-    under a ``torch.func`` transform, the blocking mappings (the same values and
-    gradients: the transforms see every op, and nothing runs behind them to overlap)."""
-    if _torch.transforms_active():
+    under a ``torch.func`` transform or forward-mode AD, the blocking mappings (the same
+    values and gradients: the transforms see every op, and nothing runs behind them to
+    overlap; the fused Functions here have no forward-mode rule)."""
+    if _blocking():
         if sp_dim is None:
             return F.linear(mappings.copy_to_region(x, pg), w, b)
         return F.linear(mappings.all_gather_from_sequence(x, sp_dim, pg), w, b)
@@ -342,7 +350,8 @@ class _RowRing(torch.autograd.Function):
 
 def row_linear_sequence_ring(x: Tensor, w: Tensor, dim: int, pg: PG) -> Tensor:
     """The overlapped sequence-parallel ``RowParallelLinear`` matmul + reduce_scatter
-    (under a ``torch.func`` transform the blocking mapping, as :func:`column_linear`)."""
-    if _torch.transforms_active():
+    (under a ``torch.func`` transform or forward-mode AD the blocking mapping, as
+    :func:`column_linear`)."""
+    if _blocking():
         return mappings.reduce_scatter_to_sequence(F.linear(x, w), dim, pg)
     return _RowRing.apply(x, w, dim, pg)

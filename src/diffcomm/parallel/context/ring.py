@@ -7,7 +7,7 @@ shared with Ulysses :mod:`~diffcomm.parallel.context.args`. Under torch's
 (:class:`_LocalPlan`: the hop a per-rank ``ppermute``, positions and masks per rank, every
 block whole with its mask; chosen once per call). See :mod:`diffcomm.parallel.context`."""
 
-# Size: ~630 lines, over the ~600 guideline: the ring's autograd Function (forward and
+# Size: ~660 lines, over the ~600 guideline: the ring's autograd Function (forward and
 # backward rings, fused and masked block paths) and its per-simulated-rank plan under
 # LocalTensorMode read the same block loop; the block plan itself is in plan.py.
 
@@ -621,6 +621,14 @@ def ring_attention(
             "its fused ring has a first-order backward of its own, which torch.func cannot "
             "transform. Use torch.autograd (loss.backward(), torch.autograd.grad), or "
             "parallel.ulysses_attention, which runs under torch.func."
+        )
+    if _torch.forward_ad_level() >= 0 and any(
+        t is not None and _torch.FORWARD_AD.unpack_dual(t).tangent is not None for t in (q, k, v, attn_mask)
+    ):  # (torch's own error names no op)
+        raise RuntimeError(
+            f"diffcomm.{op}(): has no forward-mode derivative (torch.autograd.forward_ad dual "
+            "tensors): its fused ring has a first-order backward only. Use "
+            "parallel.ulysses_attention, which supports forward mode."
         )
     if _config.DEBUG.get():
         B.get_backend().check_consistent(

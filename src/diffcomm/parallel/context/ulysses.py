@@ -77,7 +77,7 @@ class _UlyssesAttention(IdentityFunction):
 
     @staticmethod
     def jvp(ctx: Any, t: Tensor, _: Any) -> Tensor:
-        return t
+        return t.view_as(t)  # a view, as the forward's output (forward-mode AD requires it)
 
 
 def _pieces(q: Tensor, k: Tensor, v: Tensor, pg: PG) -> tuple[Tensor, Tensor, Tensor]:
