@@ -444,6 +444,43 @@ def test_dropout_in_parallel_mlp_differs_across_tp_ranks(world2) -> None:
     assert "model_parallel_seed" in out[0]["missing"]
 
 
+def test_a_rank_in_eval_mode_is_named_in_debug_mode(world2) -> None:
+    """A block whose ranks disagree on train() / eval() masks some shards and not others:
+    no collective notices, and the output is no serial model's (silently). Debug mode
+    compares the dropout in effect across the group and names it."""
+
+    def mixed_modes() -> list[str]:
+        r = dc.get_rank()
+        tracker = rng.get_tracker()
+        saved = tracker.get_states()
+        msgs = []
+        try:
+            with set_accelerator("cpu"), torch.random.fork_rng(devices=[]):
+                rng.model_parallel_seed(1234, tp_rank=r)
+                blocks = [
+                    P.ParallelMLP(4, 8, dropout=0.5, seed=0),
+                    P.ParallelSelfAttention(4, 2, attention_dropout=0.5, seed=0),
+                ]
+                for block in blocks:
+                    block.train(r == 0)
+                    with dc.debug(True):
+                        try:
+                            block(torch.ones(3, 2, 4))
+                            msgs.append("no error")
+                        except dc.CrossRankMismatchError as exc:
+                            msgs.append(str(exc))
+                    block.eval()(torch.ones(3, 2, 4))  # the same mode everywhere: no error
+        finally:
+            tracker.reset()
+            tracker.set_states(saved)
+        return msgs
+
+    for msgs in world2.run(mixed_modes):
+        assert "parallel.ParallelMLP()" in msgs[0] and "parallel.ParallelSelfAttention()" in msgs[1], msgs
+        for m in msgs:
+            assert "dropout in effect (p in train(), 0 in eval()) differs (rank 0: 0.5, rank 1: 0.0)" in m, m
+
+
 # ======================================================================================
 # communication per step
 # ======================================================================================

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import rng
+from .. import _config, rng
+from .. import backend as B
 from ..backend import args as A
 from ._module import (
     ParallelModule,
@@ -70,6 +71,16 @@ def _model_parallel_stream() -> Any:
             "is not set up; call diffcomm.rng.model_parallel_seed(seed, tp_rank=...) first"
         )
     return tracker.fork()
+
+
+def _check_dropout_agrees(op: str, p: float, training: bool, pg: Any) -> None:
+    """Debug mode: the dropout in effect (``p`` in ``train()``, 0 in ``eval()``) is the same
+    on every rank of the block's group. A rank left in another mode (``model.eval()`` on
+    one rank only) masks its shard while the others do not: no collective notices, and the
+    block computes no serial model's output, silently."""
+    if _config.DEBUG.get():
+        field = "dropout in effect (p in train(), 0 in eval())"
+        B.get_backend().check_consistent(op, {field: repr(p if training else 0.0)}, pg)
 
 
 def _dropout(x: Tensor, p: float, training: bool, sharded: bool) -> Tensor:
@@ -245,6 +256,7 @@ class ParallelMLP(_Block):
         return mlp.fc1.in_features, mlp.fc1.out_features, mlp.fc1.bias is not None
 
     def forward(self, x: Tensor) -> Tensor:
+        _check_dropout_agrees("parallel.ParallelMLP", self.dropout, self.training, self._pg)
         h = self._act(self.fc1(x))
         h = _dropout(h, self.dropout, self.training, sharded=True)
         return self.fc2(h)
@@ -387,6 +399,9 @@ class ParallelSelfAttention(_Block):
         return attention.qkv.in_features, attention.num_heads, attention.qkv.bias is not None
 
     def forward(self, x: Tensor) -> Tensor:
+        _check_dropout_agrees(
+            "parallel.ParallelSelfAttention", self.attention_dropout, self.training, self._pg
+        )
         y = _attention(
             self.qkv(x), self.heads_per_rank, self.causal, self.attention_dropout, self.training, True
         )

@@ -42,7 +42,7 @@ parallel layer drops exactly the tokens the serial one drops. ``None`` (the defa
 dropless.
 """
 
-# Size: ~640 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
+# Size: ~650 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
 # name maps between them (serial_names, from_serial, state dicts) are read together.
 
 from __future__ import annotations
@@ -584,7 +584,11 @@ class ExpertParallelMoE(nn.Module):
 
     def sync_replicated_grads(self) -> None:
         """Sum the replicated parameters' gradients over the group (one coalesced
-        all_reduce): afterwards they equal the serial MoE's gradients on every rank."""
+        all_reduce): afterwards they equal the serial MoE's gradients on every rank.
+
+        Call it once per optimizer step, after the last backward: it sums the gradients
+        as they are, so with gradient accumulation a call after every micro-batch's
+        backward would count the earlier micro-batches ``world`` times again."""
         params = [p for p in self.replicated_parameters() if p.grad is not None]
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
