@@ -223,15 +223,24 @@ def debug(enabled: bool | None = None) -> Any:
 
 #: The settings a ``LocalWorld`` run carries from its caller to every rank. A rank is a
 #: process of its own (or, in-process, has its own settings, as a fresh process does): it
-#: reads the environment, so a ``dc.debug(True)`` in a notebook, or a ``with`` block
-#: around ``world.run``, would not reach the ranks it runs, and the checks the user
-#: switched on would silently not run there.
-_CARRIED = (DEBUG,)
+#: reads the environment, so a ``dc.debug(True)`` or ``dc.timeout(2)`` in a notebook, or
+#: a ``with`` block around ``world.run``, would not reach the ranks it runs: the checks
+#: the user switched on would silently not run there, and a collective would wait the
+#: world's timeout, not the one asked for. (``timeout`` takes effect on a running rank:
+#: the flight recorder sets it on a group before each raw op, :mod:`diffcomm.diagnostics.recorder`.)
+#: The others are not carried: ``accelerator``, ``flight`` and ``flight_size`` are set
+#: by the environment only (a rank gets the caller's environment when its world starts;
+#: ``set_accelerator``, the accelerator chosen in code, travels with the run:
+#: :mod:`diffcomm.runtime.shipping`), and ``allow_oversubscribe``, ``progress`` and
+#: ``rank_start`` are the caller's own (how a world starts).
+_CARRIED = (DEBUG, TIMEOUT)
 
 
 def carried() -> dict[str, Any]:
-    """The carried settings the caller holds otherwise than its environment says (what a
-    rank would read), by name: what :func:`applied` sets on each rank for a run."""
+    """The carried settings the caller's code set (it holds them otherwise than its
+    environment says), by name: what :func:`applied` sets on each rank for a run, over
+    the rank's own environment (a ``LocalWorld`` rank's ``DIFFCOMM_TIMEOUT`` is the
+    world's ``collective_timeout``)."""
     return {s.name: v for s in _CARRIED if (v := s.get()) != s.from_environment()}
 
 
@@ -246,7 +255,12 @@ def applied(values: Mapping[str, Any]) -> Iterator[None]:
 
 
 def timeout(seconds: float | None | str = "__get__") -> Any:
-    """Read (no argument) or set the collective timeout in seconds; a ``with`` block restores."""
+    """Read (no argument) or set the collective timeout in seconds; a ``with`` block restores.
+
+    It bounds every collective diffcomm runs from then on, on any group (the flight
+    recorder sets it on the group before each op). Around :meth:`~diffcomm.LocalWorld.run`
+    it holds on every rank of that run, over the world's ``collective_timeout``.
+    """
     if seconds == "__get__":
         return TIMEOUT.get()
     return TIMEOUT.set(seconds)  # type: ignore[arg-type]

@@ -473,13 +473,15 @@ def test_set_accelerator_overrides_and_restores(env_accelerator) -> None:
     env_accelerator("")
     original = get_accelerator()
     custom = CPUAccelerator()
+    assert accelerator.selected() is None
     with set_accelerator(custom) as selected:
         assert selected is custom
-        assert get_accelerator() is custom
+        assert get_accelerator() is custom and accelerator.selected() is custom
         with set_accelerator("cpu"):
             assert get_accelerator() is get_accelerator("cpu")
+            assert accelerator.selected() == "cpu"  # a kind's shared instance: its name
         assert get_accelerator() is custom
-    assert get_accelerator() is original
+    assert get_accelerator() is original and accelerator.selected() is None
     with pytest.raises(TypeError, match="accelerator must be"):
         set_accelerator(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="legal values"):

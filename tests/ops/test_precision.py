@@ -583,6 +583,23 @@ def _bad(kind: str) -> str:
         "coalesced_int": lambda: dc.all_reduce_coalesced(
             [x, torch.ones(2, dtype=torch.int64)], precision=Precision("bf16")
         ),
+        # a coalesced list whose tensors[1] only its own op's checks refuse: each was once
+        # checked in its turn, after tensors[0] had moved (comms=1 or 2 at the error)
+        "coalesced_chunk": lambda: dc.reduce_scatter_coalesced(  # 12 splits into 6 + 6: no 4-blocks
+            [torch.ones(4, 8), torch.ones(4, 12)], dim=1, precision=Precision("fp8_e4m3", block_size=4)
+        ),
+        "coalesced_rows": lambda: dc.reduce_scatter_coalesced(
+            [x, torch.ones(3, 6)], precision=Precision("bf16")
+        ),
+        "coalesced_dim": lambda: dc.all_gather_coalesced(
+            [x, torch.ones(6)], dim=1, precision=Precision("bf16")
+        ),
+        "coalesced_sizes": lambda: dc.all_gather_coalesced(
+            [x, torch.ones(3, 6)], split_sizes=[[4, 4], [2, 2]], precision=Precision("bf16")
+        ),
+        "coalesced_op": lambda: dc.all_reduce_coalesced(
+            [x, torch.ones(2, dtype=torch.int64)], op="avg", precision=Precision(None)
+        ),
         "back_block": lambda: dc.all_gather(
             x, precision=Precision("bf16", backward=Precision("fp8_e5m2", block_size=4))
         ),
@@ -616,6 +633,15 @@ def _bad(kind: str) -> str:
             "TypeError",
             "floating-point tensors[1] (a float wire dtype cannot carry torch.int64",
         ),
+        ("coalesced_chunk", "ValueError", "chunk [6, 6] the op splits the last dim of tensors[1] into"),
+        (
+            "coalesced_rows",
+            "ValueError",
+            "reduce_scatter_coalesced(): `tensors[1]` must be of a size along dim 0",
+        ),
+        ("coalesced_dim", "ValueError", "all_gather_coalesced(): `dim` must be a dimension in [-1, 1)"),
+        ("coalesced_sizes", "ValueError", "`split_sizes[1]` must be to list tensors[1].shape[0]=3"),
+        ("coalesced_op", "ValueError", "(for tensors[1], dtype torch.int64)"),
     ],
 )
 def test_bad_input_before_any_communication(world2, kind: str, error: str, names: str) -> None:

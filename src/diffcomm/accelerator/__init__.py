@@ -52,6 +52,7 @@ __all__ = [
     "CPUEvent",
     "get_accelerator",
     "set_accelerator",
+    "selected",
     "available_accelerators",
     "comm_accelerator",
     "comm_device",
@@ -193,6 +194,21 @@ def set_accelerator(accelerator: str | Accelerator) -> _AcceleratorRestore:
     with _lock:
         old, _override = _override, new
     return _AcceleratorRestore(new, old)
+
+
+def selected() -> str | Accelerator | None:
+    """What :func:`set_accelerator` selected now, as it would be passed to it again.
+
+    Returns:
+        A kind's name (``"cpu"``) when its shared instance is selected, another
+        :class:`Accelerator` as itself, ``None`` when nothing is (the environment or
+        detection decides). A :class:`~diffcomm.LocalWorld` run carries it to its ranks.
+    """
+    with _lock:
+        chosen = _override
+    if chosen is None:
+        return None
+    return chosen.name if _instances.get(chosen.name) is chosen else chosen
 
 
 # ---------------------------------------------------------------------- communication

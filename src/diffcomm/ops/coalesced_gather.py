@@ -29,6 +29,7 @@ from .packing import check_op as _check_op
 from .packing import check_split_sizes_list as _check_sizes
 from .packing import debug_check as _debug_check
 from .packing import even_or_none as _even_or_none
+from .packing import even_split_sizes as _even_sizes
 from .packing import moved as _moved
 from .packing import pack as _pack
 from .packing import unpack as _unpack
@@ -393,15 +394,7 @@ def reduce_scatter_coalesced(
     pg = A.resolve_group(group, name)
     world = _world(pg)
     if split_sizes is None:
-        for i, (t, d) in enumerate(zip(ts, dims)):
-            if t.shape[d] % world:
-                raise A.arg_error(
-                    name,
-                    f"tensors[{i}]",
-                    f"of a size along dim {d} divisible by the group size {world} (or pass `split_sizes`)",
-                    f"shape {list(t.shape)}",
-                )
-        sizes = tuple((t.shape[d] // world,) * world for t, d in zip(ts, dims))
+        sizes = _even_sizes(ts, dims, world, name)
     else:
         sizes = _check_sizes(split_sizes, ts, dims, world, name, False, _rank(pg))
     flat = () if split_sizes is None else tuple(v for s in sizes for v in s)

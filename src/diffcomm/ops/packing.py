@@ -258,6 +258,22 @@ def check_split_sizes_list(
     return tuple(out)
 
 
+def even_split_sizes(
+    ts: Sequence[Tensor], dims: Sequence[int], world: int, op: str
+) -> tuple[tuple[int, ...], ...]:
+    """The even split of each ``tensors[i]`` along its dim over ``world`` ranks (a coalesced
+    scatter given no ``split_sizes``); a size that does not divide is an error naming it."""
+    for i, (t, d) in enumerate(zip(ts, dims)):
+        if t.shape[d] % world:
+            raise A.arg_error(
+                op,
+                f"tensors[{i}]",
+                f"of a size along dim {d} divisible by the group size {world} (or pass `split_sizes`)",
+                f"shape {list(t.shape)}",
+            )
+    return tuple((t.shape[d] // world,) * world for t, d in zip(ts, dims))
+
+
 def even_or_none(sizes: tuple[tuple[int, ...], ...] | None) -> tuple[tuple[int, ...], ...] | None:
     """``None`` when every tensor's per-rank sizes are equal (the even path), else ``sizes``."""
     if sizes is None or all(s.count(s[0]) == len(s) for s in sizes if s):

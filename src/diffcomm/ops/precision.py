@@ -41,6 +41,11 @@ from .all_gather import _AllGather, _ReduceScatter, raw_all_gather, raw_reduce_s
 from .all_reduce import _AllReduce, raw_all_reduce
 from .all_to_all import _AllToAll, raw_all_to_all
 from .base import CommOp, apply, call
+from .packing import check_dims as _check_dims
+from .packing import check_list as _check_list
+from .packing import check_op as _check_op
+from .packing import check_split_sizes_list as _check_sizes
+from .packing import even_split_sizes as _even_sizes
 from .precision_format import (  # the option and its wire formats (no import cycle)
     FP8_MAX as FP8_MAX,
 )
@@ -345,10 +350,7 @@ def reduce_scatter(
     _no_async(async_op, name)
     pg = A.resolve_group(group, name)
     sizes = tuple(A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), name))
-    if dim == x.ndim - 1:  # forward: splits the last dim; backward: gathers own chunks
-        check(x, precision, name, (x.shape[dim], sizes), (sizes[_rank(pg)], None))
-    else:
-        check(x, precision, name)
+    check(x, precision, name, *_scatter_layouts(x, dim, sizes, pg))
     return apply(_QReduceScatter, x, dim, op_name, pg, sizes, precision)
 
 
@@ -366,12 +368,32 @@ def all_gather(
         sizes = tuple(_given_split_sizes(split_sizes, x, dim, pg, name, "split_sizes"))
     else:
         sizes = tuple(_exchanged_split_sizes(x, dim, pg, name))
-    if dim == x.ndim - 1:  # pieces of every rank's row; backward splits the gathered row
-        # (forward: every rank's piece a whole number of blocks, so all ranks refuse alike;
-        # one scale per row, block_size=None, fits rows of any lengths)
-        pieces = sizes if precision.block_size else None
-        check(x, precision, name, (x.shape[dim], pieces), (sum(sizes), sizes))
+    fwd, bwd = _gather_layouts(x, dim, sizes, precision)
+    if fwd is not None:  # (else checked above)
+        check(x, precision, name, fwd, bwd)
     return apply(_QAllGather, x, dim, pg, sizes, precision)
+
+
+Layouts = tuple[Layout | None, Layout | None]  # what the forward and the backward encode
+
+
+def _scatter_layouts(x: Tensor, dim: int, sizes: tuple[int, ...], pg: PG) -> Layouts:
+    """What a reduce_scatter of ``x`` along ``dim`` encodes, for :func:`check`: along the
+    last dim, the forward splits it into ``sizes`` and the backward gathers this rank's
+    chunks; along another dim, ``x``'s own last dim both ways (``None``)."""
+    if dim != x.ndim - 1:
+        return None, None
+    return (x.shape[dim], sizes), (sizes[_rank(pg)], None)
+
+
+def _gather_layouts(x: Tensor, dim: int, sizes: tuple[int, ...], p: Precision) -> Layouts:
+    """What an all_gather of ``x`` along ``dim`` encodes, for :func:`check`: along the last
+    dim, the pieces of every rank's row, and the backward splits the gathered row (forward:
+    every rank's piece a whole number of blocks, so all ranks refuse alike; one scale per
+    row, ``block_size=None``, fits rows of any lengths); along another dim ``None``."""
+    if dim != x.ndim - 1:
+        return None, None
+    return (x.shape[dim], sizes if p.block_size else None), (sum(sizes), sizes)
 
 
 def all_to_all(
@@ -454,35 +476,47 @@ def _refuse_together(refused: ValueError | None, pg: PG, name: str) -> None:
 def coalesced(name: str, tensors: Any, precision: Any, async_op: bool = False, **kw: Any) -> list[Tensor]:
     """``dc.<name>_coalesced(tensors, ..., precision=...)``: the quantized single op on each
     tensor, in order (values and gradients equal the single ops'). Not one communication
-    per dtype: each tensor is its own quantized op (fp8: payload and scales). Every
-    tensor is validated before anything is sent."""
+    per dtype: each tensor is its own quantized op (fp8: payload and scales).
+
+    Every tensor is validated before the first one is sent, as a list (the errors name
+    ``tensors[i]`` / ``split_sizes[i]``): its dtype for the wire, the reduce op, ``dim``,
+    the split sizes and the fp8 blocks of what each direction encodes. (Each tensor's
+    single op once checked its own dim, sizes and blocks in its turn, after the tensors
+    before it had moved.) An ``all_gather`` without ``split_sizes`` first exchanges every
+    tensor's sizes; its fp8 blocks along a last dim whose pieces come from the other ranks
+    are checked then, on every rank alike, before any data moves."""
     op = f"{name}_coalesced"
-    if not isinstance(tensors, (list, tuple)) or not tensors:
-        raise TypeError(f"diffcomm.{op}(): tensors must be a non-empty list or tuple, got {tensors!r}")
+    xs = _check_list(tensors, op)
     _no_async(async_op, op)
-    split_sizes = kw.pop("split_sizes", None)
-    if split_sizes is not None and len(split_sizes) != len(tensors):
-        raise ValueError(
-            f"diffcomm.{op}(): split_sizes must hold one entry per tensor ({len(tensors)}), "
-            f"got {len(split_sizes)}"
-        )
-    xs = [_check_input(t, op) for t in tensors]
     for i, x in enumerate(xs):
         check(x, precision, op, arg=f"tensors[{i}]")
-    if name in ("all_reduce", "reduce_scatter"):
-        _check_linear(A.normalize_op(kw.get("op", "sum"), op, xs[0]), op)
-    outs = []
-    for i, x in enumerate(xs):
-        sizes = None if split_sizes is None else split_sizes[i]
-        if name == "all_reduce":
-            outs.append(all_reduce(x, kw.get("op", "sum"), kw.get("group"), precision))
-        elif name == "all_gather":
-            outs.append(all_gather(x, kw.get("dim", 0), kw.get("group"), sizes, precision))
+    pg = A.resolve_group(kw.get("group"), op)
+    if name == "all_reduce":
+        op_name = _check_op(kw.get("op", "sum"), xs, op)
+        _check_linear(op_name, op)
+        return [apply(_QAllReduce, x, op_name, pg, precision) for x in xs]
+    dims = _check_dims(xs, kw.get("dim", 0), op)
+    world, split_sizes = _world(pg), kw.get("split_sizes")
+    if name == "reduce_scatter":
+        op_name = _check_op(kw.get("op", "sum"), xs, op)
+        _check_linear(op_name, op)
+        if split_sizes is None:
+            sizes = _even_sizes(xs, dims, world, op)
         else:
-            outs.append(
-                reduce_scatter(x, kw.get("dim", 0), kw.get("op", "sum"), kw.get("group"), sizes, precision)
-            )
-    return outs
+            sizes = _check_sizes(split_sizes, xs, dims, world, op, False, _rank(pg))
+        for i, (x, d, s) in enumerate(zip(xs, dims, sizes)):
+            fwd, bwd = _scatter_layouts(x, d, s, pg)
+            check(x, precision, op, fwd, bwd, arg=f"tensors[{i}]")
+        return [apply(_QReduceScatter, x, d, op_name, pg, s, precision) for x, d, s in zip(xs, dims, sizes)]
+    if split_sizes is not None:
+        sizes = _check_sizes(split_sizes, xs, dims, world, op, True, _rank(pg))
+    else:  # every tensor's sizes, exchanged before any data moves
+        sizes = tuple(tuple(_exchanged_split_sizes(x, d, pg, op)) for x, d in zip(xs, dims))
+    for i, (x, d, s) in enumerate(zip(xs, dims, sizes)):
+        fwd, bwd = _gather_layouts(x, d, s, precision)
+        if fwd is not None:  # (else checked above)
+            check(x, precision, op, fwd, bwd, arg=f"tensors[{i}]")
+    return [apply(_QAllGather, x, d, pg, s, precision) for x, d, s in zip(xs, dims, sizes)]
 
 
 QUANTIZED.update(

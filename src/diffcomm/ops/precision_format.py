@@ -324,6 +324,7 @@ def check(
             why = "" if p.block_size else " (block_size=None means one scale per whole row)"
             raise ValueError(
                 f"diffcomm.{op}(): precision ({where}) block_size={p.block_size} must divide every "
-                f"chunk {list(chunks)} the op splits the last dim into{why}"
+                f"chunk {list(chunks)} the op splits the last dim of {arg} into{why} "
+                f"({arg}.shape={tuple(x.shape)})"
             )
     return precision

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _config, _lifecycle, _torch
+from .. import _lifecycle, _torch
 from .._errors import DesyncError, RankDesyncError, RankError
 from ..backend import in_process as _ip
 from ..backend.in_process import RankStates
@@ -45,7 +45,7 @@ def run_ranks(
     state: RankStates | None = None,
 ) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` in-process ranks; results by rank.
-    ``carried``: the caller's settings every rank runs under (``_config.carried()``);
+    ``carried``: the caller's settings every rank runs under (``shipping.carried``);
     ``state``: the world's ranks' process state, kept from run to run (a fresh one if
     ``None``; reset to a fresh process's after a desync, which restarts a world of processes).
 
@@ -91,7 +91,7 @@ def _run(
             try:
                 _lifecycle.program_start()  # a new program, as a process rank's run (its own state)
                 fn, args, kwargs = _ship.loads(payload)
-                with _config.applied(carried):
+                with _ship.applied(carried):
                     results[rank] = fn(*args, **kwargs)
             finally:
                 if dist.is_initialized():

@@ -34,7 +34,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from diffcomm import _config, _lifecycle  # noqa: E402
+from diffcomm import _lifecycle  # noqa: E402
 from diffcomm._errors import CollectiveTimeoutError  # noqa: E402
 from diffcomm.accelerator import comm_accelerator  # noqa: E402
 from diffcomm.diagnostics import recorder as _flight  # noqa: E402
@@ -120,7 +120,7 @@ def _worker_main(
             _lifecycle.program_start()  # a new program: nothing of the last one's is remembered
             _flight.set_status("running")
             try:
-                with _config.applied(carried):  # the caller's settings (dc.debug(True))
+                with _ship.applied(carried):  # the caller's settings (dc.debug(True), dc.timeout(2))
                     result = fn(*args, **kwargs)
             finally:
                 _flight.set_status("returned")

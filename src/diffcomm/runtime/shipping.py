@@ -16,21 +16,32 @@ notebook cell, ``<stdin>``), the caller's ``linecache`` lines travel too, and
 :func:`loads` registers them in the rank's ``linecache``, so tracebacks show the line.
 Functions pickled by reference (importable modules) are untouched: the rank imports them
 and reads their files itself.
+
+The caller's settings travel with the function (:func:`carried`, applied on the rank for
+the run by :func:`applied`): what its code set with ``dc.debug`` and ``dc.timeout``
+(:func:`diffcomm._config.carried`) and the accelerator chosen with
+:func:`~diffcomm.accelerator.set_accelerator`. What cannot take effect on a rank process
+is refused before the run starts, never dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import linecache
 import os
 import pickle
 import types
 from collections import ChainMap
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import cloudpickle
 
-__all__ = ["dumps", "loads"]
+from .. import _config
+from .. import accelerator as _acc
+
+__all__ = ["dumps", "loads", "carried", "applied"]
 
 # cloudpickle 3.x exports ``Pickler``; 2.x ``CloudPickler`` (3.x keeps it as an alias)
 _Base: Any = getattr(cloudpickle, "Pickler", None) or cloudpickle.CloudPickler
@@ -85,3 +96,52 @@ def loads(data: bytes) -> Any:
         # mtime None: linecache.checkcache() keeps the entry (it has no file to check)
         linecache.cache[f] = (sum(map(len, lines)), None, lines, f)
     return cloudpickle.loads(payload)
+
+
+_ACCELERATOR = "set_accelerator"  # the carried selection's key (the settings' are their names)
+
+
+def carried(collective_timeout: float | None) -> dict[str, Any]:
+    """What a run carries from its caller to every rank, by name: the settings its code set
+    (``dc.debug``, ``dc.timeout``) and its ``set_accelerator`` choice.
+
+    ``collective_timeout``: the world's, for ranks that are processes; ``None`` for an
+    in-process world (its ranks share this process: anything travels, and there is no
+    timeout to set). What would not take effect on a rank process is refused here, before
+    the run: ``dc.timeout(None)`` (the ranks' collectives always wait at most the world's
+    ``collective_timeout``) and an :class:`~diffcomm.accelerator.Accelerator` object of
+    the caller's own (it cannot be pickled; a kind's name travels).
+    """
+    values = _config.carried()
+    chosen = _acc.selected()
+    if chosen is not None:
+        values[_ACCELERATOR] = chosen
+    if collective_timeout is None:
+        return values
+    if "timeout" in values and values["timeout"] is None:
+        raise ValueError(
+            "LocalWorld.run(): dc.timeout() is None here (no collective timeout), which does not "
+            "reach the ranks: their collectives always wait at most the world's collective_timeout "
+            f"({collective_timeout:g} s). Set seconds for the run (`with dc.timeout(600): "
+            "world.run(...)`) or for the world (`LocalWorld(..., collective_timeout=600)`)"
+        )
+    if chosen is not None and not isinstance(chosen, str):
+        raise TypeError(
+            f"LocalWorld.run(): set_accelerator() selected an accelerator object of its own "
+            f"({type(chosen).__name__}), which cannot travel to the rank processes (a kind's name "
+            "can: set_accelerator('cpu')). Select it inside the function the ranks run, or run "
+            "in this process: LocalWorld(..., in_process=True)"
+        )
+    return values
+
+
+@contextlib.contextmanager
+def applied(values: Mapping[str, Any]) -> Iterator[None]:
+    """The caller's settings ``values`` (from :func:`carried`) in force on this rank for the block."""
+    settings = dict(values)
+    chosen = settings.pop(_ACCELERATOR, None)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_config.applied(settings))
+        if chosen is not None:
+            stack.enter_context(_acc.set_accelerator(chosen))
+        yield

@@ -117,7 +117,10 @@ class LocalWorld:
             the world is torn down.
         collective_timeout: seconds a single collective may wait for its peers before it
             raises :class:`~diffcomm.CollectiveTimeoutError` on that rank (the ranks'
-            ``DIFFCOMM_TIMEOUT``); default ``DIFFCOMM_TIMEOUT`` if set, else 30.
+            ``DIFFCOMM_TIMEOUT``); default ``DIFFCOMM_TIMEOUT`` if set, else 30. As
+            ``DIFFCOMM_TIMEOUT`` in any program, a ``dc.timeout(seconds)`` set in the
+            caller's code (a ``with`` block around :meth:`run`) overrides it for a run:
+            the run carries it, with ``dc.debug`` and ``set_accelerator``, to every rank.
         allow_oversubscribe: start even if the machine cannot hold the world (more than
             8 ranks per core, or more estimated memory than available); default
             ``DIFFCOMM_ALLOW_OVERSUBSCRIBE``. Otherwise such a world is refused with
@@ -310,12 +313,15 @@ class LocalWorld:
                 ``.exceptions`` the exception objects where they could be pickled).
             RankDiedError: a rank's process died (``.exitcodes``).
             WorldTimeoutError: not done after ``timeout`` seconds (``.busy_ranks``).
+            ValueError, TypeError: a setting of the caller's that cannot reach rank processes
+                (``dc.timeout(None)``, an accelerator object of its own), before anything runs.
         """
         if self._closed:
             raise RuntimeError("LocalWorld.run(): this world is closed")
         if not callable(fn):
             raise TypeError(f"LocalWorld.run(): `fn` must be callable, got {type(fn).__name__}")
-        carried = _config.carried()  # e.g. the caller's dc.debug(True): every rank's too
+        # the caller's dc.debug(True), dc.timeout(2), set_accelerator: every rank's too
+        carried = _ship.carried(None if self.in_process else self.collective_timeout)
         if self.in_process:
             from .in_process import RankStates, run_ranks
 

@@ -1,0 +1,129 @@
+"""What a ``LocalWorld`` run carries from its caller to every rank (runtime/shipping.py).
+
+The caller's code sets ``dc.debug`` (tests/runtime/test_in_process.py), ``dc.timeout`` and
+``set_accelerator`` around ``world.run``; a rank is a process of its own (or, in-process,
+has its own settings), so without the run carrying them they silently did not hold on the
+ranks. What cannot take effect on a rank process is refused before the run, never dropped.
+The other settings are the environment's (``flight``, ``flight_size``, ``accelerator``:
+a rank gets the caller's environment when its world starts) or the caller's own
+(``allow_oversubscribe``, ``progress``, ``rank_start``: how a world starts).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import diffcomm as dc
+from diffcomm import LocalWorld, RankError, _config
+from diffcomm._errors import DiffcommError
+from diffcomm.accelerator import CPUAccelerator, available_accelerators, get_accelerator, set_accelerator
+from diffcomm.backend import get_backend
+
+IN_PROCESS = pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+
+
+class _OwnCPU(CPUAccelerator):
+    """An accelerator object of the caller's own (a subclass, as docs/accelerator.md shows)."""
+
+
+# ----------------------------------------------------------------------------- timeout
+
+
+@IN_PROCESS
+def test_the_callers_timeout_reaches_every_rank(local_worlds, in_process: bool) -> None:
+    """``with dc.timeout(4.5): world.run(fn)``: every rank's ``dc.timeout()`` is 4.5 for the
+    run, then its own again (on processes, the world's ``collective_timeout``). Before,
+    the ranks kept the world's: a hang lasted the old timeout."""
+    world = local_worlds(2, in_process=in_process)
+    own = _config.TIMEOUT.from_environment() if in_process else world.collective_timeout
+    assert own != 4.5
+    with dc.timeout(4.5):
+        assert world.run(dc.timeout) == [4.5, 4.5]
+    assert world.run(dc.timeout) == [own, own]
+
+
+@pytest.mark.waits
+def test_a_timeout_set_around_run_bounds_the_ranks_collectives() -> None:
+    """The carried timeout takes effect: on a world whose collectives wait up to 60 s,
+    rank 1 waits in an all_reduce rank 0 never joins (it is busy for 3 s), and the error
+    naming rank 1's timed-out op comes after ~1 s, the timeout around the run. (Before:
+    rank 1 waited on; at 3 s rank 0 returned and the world named it as a desync.)"""
+
+    def skip_all_reduce_on_rank_0() -> torch.Tensor | None:
+        if dc.get_rank() == 0:
+            time.sleep(3.0)  # busy in user code (a rank that returns is noticed at once)
+            return None
+        return get_backend().all_reduce(torch.ones(3), "sum", None)
+
+    with LocalWorld(2, timeout=10, collective_timeout=60) as world:
+        start = time.monotonic()
+        with dc.timeout(1), pytest.raises(RankError, match=r"timed out on global rank 1") as info:
+            world.run(skip_all_reduce_on_rank_0)
+        elapsed = time.monotonic() - start
+        assert 0.9 < elapsed < 2.8, elapsed  # (before: ~3.2 s, rank 0 named as returned)
+        assert list(info.value.failures) == [1]
+        assert world.run(dc.timeout) == [60.0, 60.0]  # the world's own again (restarted)
+
+
+def test_no_timeout_is_refused_before_a_run_on_processes(world2: LocalWorld) -> None:
+    """``dc.timeout(None)`` (no timeout) where the environment sets one: a rank process's
+    collectives always wait at most the world's ``collective_timeout``, so the run is refused
+    with the way to set one, before anything runs (the world is untouched). In-process,
+    where no timeout applies, the ranks read None."""
+    pids = world2.pids
+    with pytest.MonkeyPatch.context() as env, dc.timeout(None):
+        env.setenv("DIFFCOMM_TIMEOUT", "5")
+        with pytest.raises(ValueError, match=r"dc.timeout\(\) is None here .* collective_timeout"):
+            world2.run(dc.timeout)
+        assert dc.LocalWorld(2, in_process=True).run(dc.timeout) == [None, None]
+    assert world2.pids == pids and world2.run(dc.get_rank) == [0, 1]
+
+
+# ------------------------------------------------------------------------- accelerator
+
+
+def _accelerator_under(name: str) -> str:
+    """``get_accelerator()`` on a rank whose environment asks for ``name``, an accelerator
+    this machine lacks: the caller's ``set_accelerator`` wins over it, else it is refused."""
+    os.environ["DIFFCOMM_ACCELERATOR"] = name
+    _config.ACCELERATOR.reload()
+    try:
+        return get_accelerator().name
+    except DiffcommError as err:
+        return f"DiffcommError: {err}"
+    finally:
+        del os.environ["DIFFCOMM_ACCELERATOR"]
+        _config.ACCELERATOR.reload()
+
+
+@IN_PROCESS
+def test_the_callers_accelerator_reaches_every_rank(local_worlds, in_process: bool) -> None:
+    """``with set_accelerator("cpu"): world.run(fn)``: every rank's ``get_accelerator()`` is
+    the CPU, over the rank's environment. (Before, rank processes ignored the caller's
+    choice: their environment or detection decided.)"""
+    lacking = next(n for n in ("xpu", "mps", "cuda") if n not in available_accelerators())
+    world = local_worlds(2, in_process=in_process)
+    with set_accelerator("cpu"):
+        assert world.run(_accelerator_under, lacking) == ["cpu", "cpu"]
+    for seen in world.run(_accelerator_under, lacking):
+        assert seen.startswith(f"DiffcommError: DIFFCOMM_ACCELERATOR='{lacking}' was requested"), seen
+
+
+def _accelerator_type() -> str:
+    return type(get_accelerator()).__name__
+
+
+def test_an_accelerator_object_of_the_callers_own_is_refused_on_processes(world2: LocalWorld) -> None:
+    """An Accelerator object of the caller's own cannot be pickled to a rank process: the
+    run is refused with the ways out, before anything runs (before: the ranks silently
+    used their own). In-process ranks share it."""
+    pids = world2.pids
+    with set_accelerator(_OwnCPU()):
+        with pytest.raises(TypeError, match=r"accelerator object of its own \(_OwnCPU\).*in_process=True"):
+            world2.run(_accelerator_type)
+        assert dc.LocalWorld(2, in_process=True).run(_accelerator_type) == ["_OwnCPU", "_OwnCPU"]
+    assert world2.pids == pids and world2.run(_accelerator_type) == ["CPUAccelerator"] * 2
