@@ -115,6 +115,20 @@ def set_pg_timeout(seconds: float, group: Any = None) -> None:
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
+def pg_timeout(group: Any = None) -> float | None:
+    """``group``'s (``None``: the default group's) collective timeout in seconds, as its
+    backend holds it now; ``None`` where no backend of the group tells it."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        for device in pg._device_types:
+            options = getattr(pg._get_backend(device), "options", None)
+            if options is not None and getattr(options, "_timeout", None) is not None:
+                return float(options._timeout.total_seconds())
+    except Exception:  # a backend without readable options
+        pass
+    return None
+
+
 def default_store() -> Any:
     """The key-value store of the default group."""
     return dist.distributed_c10d._get_default_store()

@@ -710,3 +710,24 @@ def test_diffcomm_timeout_bounds_a_group_the_user_created() -> None:
     assert info.value.facts["culprits"] == [1] and info.value.facts["seq"] == 1
     head = "`all_reduce(sum)` (raw all_reduce, sequence number #1 on group [0, 1]) timed out"
     assert head in str(info.value)
+
+
+def _a_slow_collective_after_a_short_timeout_block() -> str:
+    """A plain program's timeout (``None``: the group's own) around a ``with dc.timeout(0.5)``
+    block; after the block, an all_reduce that rank 1 joins 1.2 s late."""
+    x = torch.ones(3)
+    with dc.timeout(None):
+        with dc.timeout(0.5):
+            dc.all_reduce(x)
+        if dc.get_rank() == 1:
+            time.sleep(1.2)
+        return str(dc.all_reduce(x).tolist())
+
+
+@pytest.mark.waits
+@pytest.mark.diffcomm_in_process(False)  # gloo: a group timeout torch sets and enforces
+def test_a_timeout_block_ending_gives_the_group_its_own_timeout_back(world2: LocalWorld) -> None:
+    """After ``with dc.timeout(0.5)`` returns to ``None`` (a plain program's default), the
+    group waits its own timeout again. Before, it kept the block's 0.5 s: a later collective
+    a rank joined 1.2 s late timed out, long after the block asked for it."""
+    assert world2.run(_a_slow_collective_after_a_short_timeout_block) == ["[2.0, 2.0, 2.0]"] * 2

@@ -136,12 +136,13 @@ class _Group:
     pairs them in that order), so a returned peer that sent fewer can never complete it
     (:func:`diffcomm.runtime.reports.stuck`)."""
 
-    __slots__ = ("ranks", "next", "timeout", "name", "messages")
+    __slots__ = ("ranks", "next", "timeout", "own", "name", "messages")
 
     def __init__(self, ranks: tuple[int, ...], name: str) -> None:
         self.ranks = ranks
         self.next = 0
-        self.timeout: float | None = None
+        self.timeout: float | None = None  # the setting last applied (None: the group's own)
+        self.own: float | None = None  # the group's own timeout, read before the first change
         self.name = name
         self.messages: dict[tuple[str, int, int], int] = {}
 
@@ -355,12 +356,19 @@ def take_last(op: str) -> Entry | None:
 
 
 def _apply_timeout(group: Any, g: _Group, timeout: float | None) -> None:
-    """``DIFFCOMM_TIMEOUT`` bounds every group diffcomm talks on, also the user's own."""
-    g.timeout = timeout
-    if timeout is None or not dist.is_initialized():
+    """``DIFFCOMM_TIMEOUT`` / ``dc.timeout`` bounds every group diffcomm talks on, also the
+    user's own; back to ``None`` (a ``with dc.timeout(1)`` block ended), the group's own
+    timeout again (the one it had before the first change), not the last one set."""
+    before, g.timeout = g.timeout, timeout
+    if not dist.is_initialized():
+        return
+    if before is None:
+        g.own = _torch.pg_timeout(group)
+    seconds = g.own if timeout is None else timeout
+    if seconds is None:
         return
     try:
-        _torch.set_pg_timeout(timeout, group)
+        _torch.set_pg_timeout(seconds, group)
     except Exception:  # a backend without settable timeouts keeps its own
         pass
 
