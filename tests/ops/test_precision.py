@@ -679,6 +679,35 @@ def test_a_refusal_that_differs_between_ranks_is_every_ranks(world2, block: int 
     assert other.startswith("ValueError: diffcomm.all_to_all(): group rank(s) [1] cannot encode"), other
 
 
+def _one_rank_cannot_gather(split_sizes: bool) -> str:
+    """fp8 blocks of 4 along the gathered last dim: rank 0's row (6) is no whole number of
+    blocks, rank 1's (8) is."""
+    r = dc.get_rank()
+    x = torch.randn(2, 6 if r == 0 else 8, dtype=torch.float64, requires_grad=True)
+    try:
+        dc.all_gather(
+            x,
+            dim=1,
+            split_sizes=[6, 8] if split_sizes else None,
+            precision=Precision("fp8_e4m3", block_size=4),
+        )
+    except ValueError as err:
+        return f"ValueError: {err}"
+    except Exception as err:  # a desync (the other rank went on into the exchange)
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+@pytest.mark.parametrize("split_sizes", [False, True], ids=["exchanged", "given"])
+def test_an_all_gather_refusal_of_one_ranks_row_is_every_ranks(world2, split_sizes: bool) -> None:
+    """The same for ``all_gather`` along the last dim: rank 0 refused its own row before
+    the size exchange, rank 1 went on into it and waited (a DesyncError in-process, a
+    timeout on processes). Now every rank refuses."""
+    mine, other = world2.run(_one_rank_cannot_gather, split_sizes)
+    assert mine.startswith("ValueError: diffcomm.all_gather(): precision (forward) block_size=4"), mine
+    assert other.startswith("ValueError: diffcomm.all_gather(): "), other
+
+
 def test_precision_options_validated() -> None:
     with pytest.raises(ValueError, match="wire='int8'"):
         Precision("int8")

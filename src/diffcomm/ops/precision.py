@@ -362,15 +362,21 @@ def all_gather(
     x = _check_input(x, name)
     dim = A.check_dim(x, dim, name)
     _no_async(async_op, name)
-    check(x, precision, name)  # (types first: before the size exchange communicates)
+    # types first, before the size exchange communicates; fp8 blocks along the last dim
+    # (the one gathered) see this rank's own row length, which may differ between ranks:
+    # such a refusal is every rank's, agreed first (as all_to_all's), never one alone
+    per_rank = dim == x.ndim - 1 and _blocks(precision)
+    refused = _refusal(lambda: check(x, precision, name), per_rank)
     pg = A.resolve_group(group, name)
     if split_sizes is not None:
         sizes = tuple(_given_split_sizes(split_sizes, x, dim, pg, name, "split_sizes"))
     else:
         sizes = tuple(_exchanged_split_sizes(x, dim, pg, name))
     fwd, bwd = _gather_layouts(x, dim, sizes, precision)
-    if fwd is not None:  # (else checked above)
-        check(x, precision, name, fwd, bwd)
+    if fwd is not None and refused is None:  # (else checked above)
+        refused = _refusal(lambda: check(x, precision, name, fwd, bwd), per_rank)
+    if per_rank:
+        _refuse_together(refused, pg, name)
     return apply(_QAllGather, x, dim, pg, sizes, precision)
 
 
