@@ -127,3 +127,30 @@ def test_an_accelerator_object_of_the_callers_own_is_refused_on_processes(world2
             world2.run(_accelerator_type)
         assert dc.LocalWorld(2, in_process=True).run(_accelerator_type) == ["_OwnCPU", "_OwnCPU"]
     assert world2.pids == pids and world2.run(_accelerator_type) == ["CPUAccelerator"] * 2
+
+
+# ------------------------------------------------------------------ ablation switches
+
+
+def _all_reduce_of_rank() -> float:
+    """Rank r's all_reduce of r + 1: 3.0 on both ranks, or its own r + 1 when switched off."""
+    return float(dc.all_reduce(torch.full((2,), dc.get_rank() + 1.0))[0])
+
+
+@IN_PROCESS
+def test_comm_off_around_a_run_holds_on_every_rank(local_worlds, in_process: bool) -> None:
+    """``with comm_off("all_reduce"): world.run(step)`` (an ablation timed around the run):
+    the ranks skip the op. Before, they ran it: the "without communication" time silently
+    included it."""
+    world = local_worlds(2, in_process=in_process)
+    with dc.backend.comm_off("all_reduce"):
+        assert world.run(_all_reduce_of_rank) == [1.0, 2.0]
+    assert world.run(_all_reduce_of_rank) == [3.0, 3.0]
+
+
+def test_log_comms_around_a_run_is_warned_of(world2: LocalWorld) -> None:
+    """``log_comms`` records its own thread only: open around ``world.run`` it would stay
+    empty while the ranks communicate, so the run warns (at the caller's line)."""
+    with dc.backend.log_comms() as log, pytest.warns(UserWarning, match=r"log_comms\(\) is open") as seen:
+        world2.run(_all_reduce_of_rank)
+    assert seen[0].filename == __file__ and len(log.records) == 0

@@ -19,9 +19,10 @@ and reads their files itself.
 
 The caller's settings travel with the function (:func:`carried`, applied on the rank for
 the run by :func:`applied`): what its code set with ``dc.debug`` and ``dc.timeout``
-(:func:`diffcomm._config.carried`) and the accelerator chosen with
-:func:`~diffcomm.accelerator.set_accelerator`. What cannot take effect on a rank process
-is refused before the run starts, never dropped.
+(:func:`diffcomm._config.carried`), the accelerator chosen with
+:func:`~diffcomm.accelerator.set_accelerator` and the ``comm_off`` ablation switches.
+What cannot take effect on a rank process is refused before the run starts, never
+dropped; an open ``log_comms``, which records only its own thread, is warned of.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import linecache
 import os
 import pickle
 import types
+import warnings
 from collections import ChainMap
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -40,6 +42,8 @@ import cloudpickle
 
 from .. import _config
 from .. import accelerator as _acc
+from ..diagnostics import logger as _logger
+from ..diagnostics import switches as _switches
 
 __all__ = ["dumps", "loads", "carried", "applied"]
 
@@ -99,11 +103,14 @@ def loads(data: bytes) -> Any:
 
 
 _ACCELERATOR = "set_accelerator"  # the carried selection's key (the settings' are their names)
+_COMM_OFF = "comm_off"  # the carried ablation switches' key
 
 
 def carried(collective_timeout: float | None) -> dict[str, Any]:
     """What a run carries from its caller to every rank, by name: the settings its code set
-    (``dc.debug``, ``dc.timeout``) and its ``set_accelerator`` choice.
+    (``dc.debug``, ``dc.timeout``), its ``set_accelerator`` choice and its ``comm_off``
+    switches (an ablation timed around ``world.run`` holds on the ranks, which run the
+    communications). An open ``log_comms`` is warned of: it records this thread only.
 
     ``collective_timeout``: the world's, for ranks that are processes; ``None`` for an
     in-process world (its ranks share this process: anything travels, and there is no
@@ -116,6 +123,17 @@ def carried(collective_timeout: float | None) -> dict[str, Any]:
     chosen = _acc.selected()
     if chosen is not None:
         values[_ACCELERATOR] = chosen
+    switched = sorted(_switches.off())
+    if switched:  # `with comm_off(...)` around a run: the ablation holds on every rank
+        values[_COMM_OFF] = switched
+    if _logger.logs():
+        warnings.warn(
+            "diffcomm: log_comms() is open around LocalWorld.run(): it records this thread's "
+            "communications only, not the ranks'; open it inside the function the ranks run "
+            "(and return what it recorded)",
+            UserWarning,
+            stacklevel=3,
+        )
     if collective_timeout is None:
         return values
     if "timeout" in values and values["timeout"] is None:
@@ -140,8 +158,11 @@ def applied(values: Mapping[str, Any]) -> Iterator[None]:
     """The caller's settings ``values`` (from :func:`carried`) in force on this rank for the block."""
     settings = dict(values)
     chosen = settings.pop(_ACCELERATOR, None)
+    switched = settings.pop(_COMM_OFF, ())
     with contextlib.ExitStack() as stack:
         stack.enter_context(_config.applied(settings))
         if chosen is not None:
             stack.enter_context(_acc.set_accelerator(chosen))
+        if switched:
+            stack.enter_context(_switches.comm_off(*switched))
         yield
