@@ -747,8 +747,10 @@ def test_gradcheck_every_coalesced_op(world3) -> None:
 
         r, w = dc.get_rank(), dc.get_world_size()
         gen = torch.Generator().manual_seed(r)
-        a = torch.randn(w, 3, dtype=F64, generator=gen) + 3.0  # away from ties and zeros
-        b = torch.randn(2 * w, dtype=F64, generator=gen) + 3.0
+        # away from ties and zeros; requiring grad, or gradcheck checks nothing (it now refuses:
+        # this test checked nothing before)
+        a = (torch.randn(w, 3, dtype=F64, generator=gen) + 3.0).requires_grad_()
+        b = (torch.randn(2 * w, dtype=F64, generator=gen) + 3.0).requires_grad_()
         programs = {
             "all_reduce sum": lambda x, y: dc.all_reduce_coalesced([x, y]),
             "all_reduce max": lambda x, y: dc.all_reduce_coalesced([x, y], "max"),
