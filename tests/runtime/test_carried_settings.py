@@ -20,7 +20,13 @@ import torch
 import diffcomm as dc
 from diffcomm import LocalWorld, RankError, _config
 from diffcomm._errors import DiffcommError
-from diffcomm.accelerator import CPUAccelerator, available_accelerators, get_accelerator, set_accelerator
+from diffcomm.accelerator import (
+    CPUAccelerator,
+    available_accelerators,
+    get_accelerator,
+    selected,
+    set_accelerator,
+)
 from diffcomm.backend import get_backend
 
 IN_PROCESS = pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
@@ -111,6 +117,33 @@ def test_the_callers_accelerator_reaches_every_rank(local_worlds, in_process: bo
         assert world.run(_accelerator_under, lacking) == ["cpu", "cpu"]
     for seen in world.run(_accelerator_under, lacking):
         assert seen.startswith(f"DiffcommError: DIFFCOMM_ACCELERATOR='{lacking}' was requested"), seen
+
+
+def _cpu_around_a_collective() -> str | None:
+    with set_accelerator("cpu"):
+        dc.all_reduce(torch.ones(1))  # in-process, the ranks take turns here
+    return selected()
+
+
+def _plain_cpu_on_rank_0() -> str | None:
+    if dc.get_rank() == 0:
+        set_accelerator("cpu")  # a plain call: it stays on, in this rank's process
+    dc.all_reduce(torch.ones(1))
+    return selected()
+
+
+def test_in_process_ranks_each_have_their_own_accelerator_choice() -> None:
+    """An in-process rank's ``set_accelerator`` is its own, as a rank process's is. It was
+    one process global: ranks taking turns in a ``with set_accelerator("cpu")`` block
+    restored each other's ``old`` (the last restore put back another rank's "cpu"), and the
+    choice stayed on in the caller for the rest of the process; a plain call on one rank
+    selected it for every rank and for the caller."""
+    world = dc.LocalWorld(2, in_process=True)
+    assert world.run(_cpu_around_a_collective) == [None, None]
+    assert selected() is None
+    assert world.run(_plain_cpu_on_rank_0) == ["cpu", None]
+    assert selected() is None
+    assert world.run(selected) == ["cpu", None]  # kept from run to run, as a process keeps it
 
 
 def _accelerator_type() -> str:

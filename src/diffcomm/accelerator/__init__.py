@@ -72,7 +72,9 @@ _DETECTION_ORDER = ("cuda", "xpu", "mps", "cpu")
 _lock = threading.RLock()
 _instances: dict[str, Accelerator] = {}
 _detected: str | None = None
-_override: Accelerator | None = None
+#: the selection of :func:`set_accelerator` (a box: one per rank in an in-process world,
+#: as a rank process has its own; ``diffcomm.backend.in_process`` registers it)
+_OVERRIDE: list[Accelerator | None] = [None]
 
 
 def _instance(name: str) -> Accelerator:
@@ -124,8 +126,9 @@ def get_accelerator(name: str | None = None) -> Accelerator:
         x = torch.randn(3, device=acc.device())
     """
     if name is None:
-        if _override is not None:
-            return _override
+        chosen = _OVERRIDE[0]
+        if chosen is not None:
+            return chosen
         name = _config.ACCELERATOR.get()  # raises ValueError with the legal values
         if name is None:
             return _instance(_detect())
@@ -157,9 +160,8 @@ class _AcceleratorRestore:
         return self._new
 
     def __exit__(self, *exc: object) -> None:
-        global _override
         with _lock:
-            _override = self._old
+            _OVERRIDE[0] = self._old
 
     def __repr__(self) -> str:
         return f"<set_accelerator {self._new.name!r}>"
@@ -184,7 +186,6 @@ def set_accelerator(accelerator: str | Accelerator) -> _AcceleratorRestore:
         DiffcommError: the named accelerator is not available here.
         TypeError: neither a str nor an Accelerator.
     """
-    global _override
     if isinstance(accelerator, str):
         new = get_accelerator(accelerator)
     elif isinstance(accelerator, Accelerator):
@@ -192,7 +193,7 @@ def set_accelerator(accelerator: str | Accelerator) -> _AcceleratorRestore:
     else:
         raise TypeError(f"accelerator must be a name or an Accelerator, got {type(accelerator).__name__}")
     with _lock:
-        old, _override = _override, new
+        old, _OVERRIDE[0] = _OVERRIDE[0], new
     return _AcceleratorRestore(new, old)
 
 
@@ -205,7 +206,7 @@ def selected() -> str | Accelerator | None:
         detection decides). A :class:`~diffcomm.LocalWorld` run carries it to its ranks.
     """
     with _lock:
-        chosen = _override
+        chosen = _OVERRIDE[0]
     if chosen is None:
         return None
     return chosen.name if _instances.get(chosen.name) is chosen else chosen

@@ -34,6 +34,7 @@ import torch.autograd.forward_ad as _forward_ad
 import torch.distributed as dist
 
 from .. import _config, _torch
+from .. import accelerator as _accelerator
 from .._errors import DiffcommError
 from ..diagnostics import recorder as _flight
 
@@ -267,9 +268,10 @@ def _restore(box: Any, value: Any) -> None:
 
 # The lower layers' per-rank state (they cannot import this module): every setting's
 # value (a `with dc.debug(True)` block on one rank is that rank's), the flight recorder's
-# records and sequence numbers.
+# records and sequence numbers, the accelerator set_accelerator selected.
 per_rank(*(vars(s) for s in vars(_config).values() if isinstance(s, _config.Setting)))
 per_rank(_flight._RING, _flight._GROUPS, _flight._LAST, _flight._WORLD_PG, _flight._STATUS)
+per_rank(_accelerator._OVERRIDE)
 
 
 # ---- the thread-local torch.distributed world ------------------------------------------

@@ -120,9 +120,6 @@ def carried(collective_timeout: float | None) -> dict[str, Any]:
     the caller's own (it cannot be pickled; a kind's name travels).
     """
     values = _config.carried()
-    chosen = _acc.selected()
-    if chosen is not None:
-        values[_ACCELERATOR] = chosen
     switched = sorted(_switches.off())
     if switched:  # `with comm_off(...)` around a run: the ablation holds on every rank
         values[_COMM_OFF] = switched
@@ -134,6 +131,9 @@ def carried(collective_timeout: float | None) -> dict[str, Any]:
             UserWarning,
             stacklevel=3,
         )
+    chosen = _acc.selected()
+    if chosen is not None:
+        values[_ACCELERATOR] = chosen
     if collective_timeout is None:
         return values
     if "timeout" in values and values["timeout"] is None:
