@@ -14,19 +14,23 @@
   ``ulysses_attention``, ``usp_attention`` and the layout helpers ``shard`` / ``unshard``.
 * :mod:`~diffcomm.parallel.routing` — expert-parallel token routing: ``route``,
   ``dispatch`` / ``combine``, ``load_balancing_loss``;
-* :mod:`~diffcomm.parallel.moe` — ``ExpertParallelMoE`` and its serial reference ``MoE``.
+* :mod:`~diffcomm.parallel.moe` — ``ExpertParallelMoE`` and its serial reference ``MoE``;
+* :mod:`~diffcomm.parallel.clipping` — ``grad_norm`` and ``clip_grad_norm_``: the serial
+  model's gradient norm, and clipping by it, on every rank.
 
 Each public name is listed below, one `name as name` import each. See ``docs/parallel.md``.
 """
 
 from __future__ import annotations
 
-from . import blocks, context, layers, loss, mappings, moe, routing
+from . import blocks, clipping, context, layers, loss, mappings, moe, routing
 from . import precision as _precision  # noqa: F401  (registers the mappings' precision= forms)
 from .blocks import MLP as MLP
 from .blocks import ParallelMLP as ParallelMLP
 from .blocks import ParallelSelfAttention as ParallelSelfAttention
 from .blocks import SelfAttention as SelfAttention
+from .clipping import clip_grad_norm_ as clip_grad_norm_
+from .clipping import grad_norm as grad_norm
 from .context import DEFAULT_LAYOUT as DEFAULT_LAYOUT
 from .context import LAYOUTS as LAYOUTS
 from .context import Placement as Placement
@@ -76,4 +80,5 @@ __all__ = [
     *context.__all__,
     *routing.__all__,
     *moe.__all__,
+    *clipping.__all__,
 ]

@@ -1,0 +1,262 @@
+"""The serial model's gradient norm, and gradient clipping by it, for a parallel model.
+
+``torch.nn.utils.clip_grad_norm_`` on a tensor-parallel model sees only this rank's
+shards: the norm it computes is no rank's serial norm, each rank computes a different one,
+and so each rank scales its **replicated** parameters (a row-parallel bias, a layer norm,
+an expert-parallel router) by a different factor — their replicas silently drift apart.
+:func:`grad_norm` and :func:`clip_grad_norm_` read each parameter's layout from the layers
+themselves (the facts ``serial_slices()`` and the replication typing rest on: a
+:class:`~diffcomm.parallel.ParallelModule`'s ``_shard_dims``, a layer's ``spmd`` rule),
+sum the sharded parameters' part over the group (one scalar all_reduce) and count every
+replicated parameter once: the serial model's norm, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .. import _config
+from .. import backend as B
+from .._replication import LayerRule, V
+from ..backend import args as A
+from ..ops import collectives
+from ._check import check_replicated
+
+__all__ = ["grad_norm", "clip_grad_norm_"]
+
+#: why a replicated parameter's gradient must be equal on every rank (debug mode's check)
+_REPLICATED_HINT = (
+    "A replicated parameter's gradient must be equal on every rank before its norm is taken "
+    "(it is counted once). An ExpertParallelMoE's router and shared expert hold each rank's "
+    "share until sync_replicated_grads() sums them: call it before the norm. A plain module "
+    "fed each rank's own chunk (a sequence shard) gets a partial gradient: use the parallel "
+    "layer (e.g. SequenceParallelLayerNorm) or sum the gradient over the group first."
+)
+
+
+def _same_group(a: Any, b: Any) -> bool:
+    world = dist.group.WORLD
+    return (world if a is None else a) is (world if b is None else b)
+
+
+def _layout(op: str, module: Any, group: Any) -> tuple[Any, list[nn.Parameter], list[nn.Parameter]]:
+    """``(group, sharded, replicated)`` of ``module``'s parameters, no communication.
+
+    Each parameter's layout is decided by the innermost layer that states one (a
+    ``_shard_dims`` entry that is not ``None``, or the ``V`` of its ``spmd`` rule's
+    ``params``: a part that differs by rank — a shard, an expert — summed over the layer's
+    group); the parameters no layer declares sharded are replicated (counted once).
+
+    Raises:
+        TypeError: ``module`` is no ``nn.Module`` (a parameter list does not say which
+            parameters are shards).
+        ValueError: layers over different groups, or a layer's group is not ``group``.
+    """
+    if not isinstance(module, nn.Module):
+        raise A.arg_error(
+            op,
+            "module",
+            "the model, an nn.Module (a list of parameters does not say which are shards: pass "
+            "the module whose layers hold them, e.g. `model` instead of `model.parameters()`)",
+            type(module).__name__,
+            TypeError,
+        )
+    pg = A.resolve_group(group, op) if group is not None else None
+    owner: dict[int, tuple[bool, Any, str]] = {}  # id(param) -> (varying, group, layer)
+    layers: list[tuple[str, Any]] = []  # (layer, group) of every layer deciding a parameter
+    params = dict(module.named_parameters())
+    for prefix, m in reversed(list(module.named_modules())):  # the innermost layer decides
+        rule = getattr(type(m), "spmd", None)
+        if not isinstance(rule, LayerRule) and not hasattr(m, "_shard_dims"):
+            continue
+        m_pg = rule.group(m) if isinstance(rule, LayerRule) else getattr(m, "_pg", None)
+        declared = rule.params(m) if isinstance(rule, LayerRule) and rule.params is not None else {}
+        dims = getattr(m, "_shard_dims", None) or {}
+        name = prefix or type(m).__name__
+        decided = False
+        for pname, p in m.named_parameters():
+            varying = declared.get(pname) is V or dims.get(pname) is not None
+            inner = owner.get(id(p))
+            if inner is None:
+                owner[id(p)] = (varying, m_pg, name)
+                decided = True
+            elif varying and not (inner[0] and _same_group(inner[1], m_pg)):
+                raise A.arg_error(
+                    op,
+                    "module",
+                    "a model whose parameters are each split over one group",
+                    f"`{prefix}.{pname}` split by `{inner[2]}` and again by `{name}` over another "
+                    "group (nested parallel layers; sum their norms by hand)",
+                )
+        if decided:
+            layers.append((name, m_pg))
+    if group is not None:
+        wrong = [(n, g) for n, g in layers if not _same_group(g, pg)]
+        if wrong:
+            raise A.arg_error(
+                op, "group", f"the group of every parallel layer in `module` ({wrong[0][0]}'s)", group
+            )
+    elif layers:
+        pg = layers[0][1]
+        wrong = [(n, g) for n, g in layers if not _same_group(g, pg)]
+        if wrong:
+            raise A.arg_error(
+                op,
+                "module",
+                "a model whose parallel layers share one group",
+                f"`{layers[0][0]}` and `{wrong[0][0]}` over different groups",
+            )
+    sharded = [p for p in params.values() if owner.get(id(p), (False,))[0]]
+    replicated = [p for p in params.values() if not owner.get(id(p), (False,))[0]]
+    return pg, sharded, replicated
+
+
+def _norm_type(op: str, norm_type: Any) -> float:
+    """``norm_type`` as torch reads it (``float(norm_type)``: ``"inf"`` too), positive."""
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        p = None
+    if p is None or isinstance(norm_type, bool):
+        raise A.arg_error(op, "norm_type", "a positive float or inf", repr(norm_type), TypeError)
+    if not p > 0:
+        raise A.arg_error(op, "norm_type", "a positive float or inf", norm_type)
+    return p
+
+
+@torch.no_grad()
+def _total_norm(op: str, module: Any, norm_type: Any, group: Any) -> Tensor:
+    p_norm = _norm_type(op, norm_type)
+    pg, sharded, replicated = _layout(op, module, group)
+    grads = [[p.grad for p in ps if p.grad is not None] for ps in (sharded, replicated)]
+    dtypes = [g.dtype for gs in grads for g in gs]
+    dtype = dtypes[0] if dtypes else torch.get_default_dtype()
+    for d in dtypes[1:]:
+        dtype = torch.promote_types(dtype, d)
+    device = next((g.device for gs in grads for g in gs), torch.device("cpu"))
+    if grads[1] and _config.DEBUG.get():
+        flat = torch.cat([g.detach().reshape(-1).to(torch.float64) for g in grads[1]])
+        check_replicated(flat, op, "the replicated parameters' gradients", _REPLICATED_HINT, pg)
+    inf = math.isinf(p_norm)
+
+    def part(gs: list[Tensor]) -> Tensor:
+        norms = [torch.linalg.vector_norm(g, p_norm).to(dtype=dtype, device=device) for g in gs]
+        if not norms:
+            return torch.zeros((), dtype=dtype, device=device)
+        stacked = torch.stack(norms)
+        return stacked.max() if inf else stacked.pow(p_norm).sum()
+
+    total_sharded, total_replicated = part(grads[0]), part(grads[1])
+    if sharded:  # (the layout is the same on every rank: all of them communicate, or none)
+        with B.label(op):
+            total_sharded = collectives.raw_all_reduce(total_sharded, "max" if inf else "sum", pg)
+    if inf:
+        return torch.maximum(total_sharded, total_replicated)
+    return (total_sharded + total_replicated).pow(1.0 / p_norm)
+
+
+def grad_norm(module: nn.Module, norm_type: float = 2.0, group: A.GroupLike = None) -> Tensor:
+    """The norm of the serial model's gradient, from a parallel model's shards.
+
+    What ``torch.nn.utils.get_total_norm`` of the serial model's gradients would return:
+    every sharded parameter's (a ``_shard_dims`` shard, an expert) part summed over the
+    group, every replicated one's (a row-parallel bias, a layer norm, a router) counted
+    once. Call it on every rank of the group: one scalar all_reduce (none when the model
+    holds no sharded parameter). Parameters without a gradient are skipped, as by torch.
+
+    Args:
+        module: the model (an ``nn.Module``, e.g. a :class:`ParallelMLP`, a model made of
+            parallel layers, an :class:`ExpertParallelMoE`, or one of them wrapped in
+            ``DistributedDataParallel`` over another mesh axis). Parameters of plain
+            modules are replicas.
+        norm_type: ``p`` of the p-norm, a positive float or ``inf`` (or ``"inf"``, as torch).
+        group: ``None`` (the group of the model's parallel layers) or that group; a layer
+            over another group is a ``ValueError`` (before any communication).
+
+    Returns:
+        0-dim tensor, the same on every rank, in the promoted dtype of the gradients.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` (a parameter list does not say which
+            parameters are shards); ``norm_type`` is not a number.
+        ValueError: ``norm_type`` not positive; the model's layers over different groups, or
+            not over ``group``; parallel layers nested over two groups.
+
+    An :class:`ExpertParallelMoE`'s replicated parameters (router, shared expert) hold
+    each rank's share of their gradient until ``sync_replicated_grads()``: call that first.
+    Debug mode checks that the replicated parameters' gradients agree on every rank.
+
+    Gradient:
+        none (computed under ``torch.no_grad``).
+
+    Example::
+
+        def f():
+            mlp = dc.parallel.ParallelMLP(8, 32, seed=0)
+            mlp(torch.ones(5, 8)).sum().backward()
+            return dc.parallel.grad_norm(mlp)
+        with dc.LocalWorld(2) as world:
+            world.run(f)   # equal on both ranks: the serial MLP's gradient norm
+    """
+    return _total_norm("parallel.grad_norm", module, norm_type, group)
+
+
+def clip_grad_norm_(
+    module: nn.Module,
+    max_norm: float,
+    norm_type: float = 2.0,
+    group: A.GroupLike = None,
+    error_if_nonfinite: bool = False,
+) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` of the serial model, on a parallel model.
+
+    Scales every gradient of ``module`` in place by ``min(1, max_norm / (total + 1e-6))``,
+    ``total`` being :func:`grad_norm` — the serial model's norm — so every rank scales by
+    the same factor the serial clipping does, and replicated parameters stay replicas.
+
+    Args:
+        module: the model, as :func:`grad_norm`.
+        max_norm: the largest norm allowed.
+        norm_type: as :func:`grad_norm`.
+        group: as :func:`grad_norm`.
+        error_if_nonfinite: raise ``RuntimeError`` when the total norm is nan or inf (on
+            every rank alike: the norm is the same everywhere).
+
+    Returns:
+        The total norm before clipping (0-dim, the same on every rank), as torch's.
+
+    Raises:
+        as :func:`grad_norm`; ``TypeError`` for a ``max_norm`` that is not a number.
+
+    Gradient:
+        none (modifies ``.grad`` in place, under ``torch.no_grad``).
+
+    Example::
+
+        def f():
+            mlp = dc.parallel.ParallelMLP(8, 32, seed=0)
+            mlp(torch.ones(5, 8)).sum().backward()
+            return dc.parallel.clip_grad_norm_(mlp, 0.5)
+        with dc.LocalWorld(2) as world:
+            world.run(f)   # the serial norm on both ranks; gradients clipped alike
+    """
+    op = "parallel.clip_grad_norm_"
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float | Tensor):
+        raise A.arg_error(op, "max_norm", "a float", repr(max_norm), TypeError)
+    total = _total_norm(op, module, norm_type, group)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"diffcomm.{op}(): the total norm of order {float(norm_type)} of the gradients is "
+            f"{float(total)}; pass error_if_nonfinite=False to clip anyway"
+        )
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device))
+    return total

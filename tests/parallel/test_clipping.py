@@ -1,0 +1,223 @@
+"""``diffcomm.parallel.grad_norm`` / ``clip_grad_norm_`` against torch's clipping of the
+serial float64 model (docs/parallel.md, "Gradient clipping"): the same total norm on every
+rank and every gradient clipped by the serial factor — a ParallelMLP, a sequence-parallel
+block (layer norm + MLP), an ExpertParallelMoE, worlds 2 and 3, norms 2, inf and 1; bad
+input refused before any communication."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _shared import assert_refused_before_communicating, refusal_messages
+from torch import nn
+
+import diffcomm as dc
+
+pytestmark = pytest.mark.diffcomm_in_process
+
+F64 = torch.float64
+INF = float("inf")
+
+
+class _SerialBlock(nn.Module):
+    def __init__(self) -> None:
+        from diffcomm.parallel import MLP
+
+        super().__init__()
+        self.ln, self.mlp = nn.LayerNorm(6, dtype=F64), MLP(6, 12, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln(x))
+
+
+def _trained(kind: str) -> tuple[nn.Module, nn.Module, dict[str, str], dict[str, Any]]:
+    """``(parallel, serial, serial name of each parameter, its serial slice)`` after one
+    backward of the same loss (a ParallelMLP, a sequence-parallel block whose layer norm's
+    and fc2 bias's gradients meet sequence chunks, or an ExpertParallelMoE with a shared
+    expert, its replicated gradients synced)."""
+    from diffcomm import parallel as par
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    torch.manual_seed(0)
+    if kind == "mlp":
+        ser: nn.Module = par.MLP(6, 12, dtype=F64)
+        mod: nn.Module = par.ParallelMLP.from_serial(ser)
+        x = torch.randn(5, 6, dtype=F64)
+        x_mine = x
+    elif kind == "sequence_parallel":
+        ser = _SerialBlock()
+        mod = nn.Sequential(
+            par.SequenceParallelLayerNorm.from_serial(ser.ln),
+            par.ParallelMLP.from_serial(ser.mlp, sequence_parallel=True),
+        )
+        x = torch.randn(2 * w, 3, 6, dtype=F64)
+        x_mine = x.chunk(w)[r]
+    else:
+        ser = par.MoE(6, 8, num_experts=6, k=2, shared_expert_size=4, dtype=F64)
+        mod = par.ExpertParallelMoE.from_serial(ser)
+        x = torch.randn(4 * w, 6, dtype=F64)
+        x_mine = x.chunk(w)[r]
+    mod(x_mine).pow(2).sum().backward()
+    ser(x).pow(2).sum().backward()
+    if kind == "moe":
+        mod.sync_replicated_grads()
+        return mod, ser, mod.serial_names(), mod.serial_slices()
+    slices = {n: (slice(None),) * p.dim() for n, p in mod.named_parameters()}
+    inner = mod[1] if kind == "sequence_parallel" else mod
+    prefix = "1." if kind == "sequence_parallel" else ""
+    slices.update({prefix + n: s for n, s in inner.serial_slices().items()})
+    serial_module = {"0": "ln", "1": "mlp"}  # (the Sequential's children: the serial block's)
+    names = {n: f"{serial_module[n[0]]}{n[1:]}" if prefix else n for n in slices}
+    return mod, ser, names, slices
+
+
+def _clipped(kind: str, norm_type: float, max_norm: float) -> dict[str, float]:
+    from diffcomm import parallel as par
+
+    mod, ser, names, slices = _trained(kind)
+    total = par.clip_grad_norm_(mod, max_norm, norm_type=norm_type)
+    ref = torch.nn.utils.clip_grad_norm_(ser.parameters(), max_norm, norm_type=norm_type)
+    serial = dict(ser.named_parameters())
+    grads = max(
+        float((p.grad - serial[names[n]].grad[slices[n]]).abs().max())  # type: ignore[index, operator]
+        for n, p in mod.named_parameters()
+    )
+    return {"norm": float((total - ref).abs() / ref), "grads": grads, "clipped": float(ref > max_norm)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("kind", ["mlp", "sequence_parallel", "moe"])
+def test_clip_grad_norm_is_the_serial_models(local_worlds, world: int, kind: str) -> None:
+    for norm_type in (2.0, INF, 1.0):
+        for res in local_worlds(world).run(_clipped, kind, norm_type, 0.05):
+            assert res["clipped"] == 1.0  # the factor is < 1: the test compares a clipping
+            assert res["norm"] < 1e-12 and res["grads"] < 1e-12, (norm_type, res)
+
+
+def _torch_clip_on_shards() -> tuple[float, float, float]:
+    """torch's clip_grad_norm_ on a ParallelMLP: this rank's norm, the serial norm, and
+    this rank's fc2.bias (a replica) after clipping."""
+
+    mod, ser, _, _ = _trained("mlp")
+    norm = torch.nn.utils.clip_grad_norm_(mod.parameters(), 0.05)
+    ref = torch.nn.utils.clip_grad_norm_(ser.parameters(), 0.05)
+    return float(norm), float(ref), float(mod.fc2.bias.grad[0])  # type: ignore[union-attr, index]
+
+
+def test_torch_clip_grad_norm_on_shards_is_silently_wrong(world2) -> None:
+    """What the functions are for (docs/parallel.md): torch's clipping sees this rank's
+    shards: a norm that is not the serial one and differs by rank, so the replicated
+    bias's replicas are scaled differently."""
+    (n0, ref, b0), (n1, _, b1) = world2.run(_torch_clip_on_shards)
+    assert abs(n0 - ref) > 1e-3 and abs(n0 - n1) > 1e-3 and abs(b0 - b1) > 1e-6
+
+
+def _unsynced_moe_in_debug() -> str:
+    from diffcomm import parallel as par
+
+    torch.manual_seed(0)
+    moe = par.ExpertParallelMoE(6, 8, num_experts=4, k=2, dtype=F64, seed=0)
+    moe(torch.randn(5, 6, dtype=F64) + dc.get_rank()).pow(2).sum().backward()
+    with dc.debug(True):
+        try:
+            par.clip_grad_norm_(moe, 1.0)
+        except dc.CrossRankMismatchError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_debug_mode_names_unsynced_replicated_grads(world2) -> None:
+    for msg in world2.run(_unsynced_moe_in_debug):
+        assert "replicated parameters' gradients" in msg and "sync_replicated_grads" in msg, msg
+
+
+def _nonfinite() -> list[str]:
+    from diffcomm import parallel as par
+
+    mod, _, _, _ = _trained("mlp")
+    mod.fc1.weight.grad[0, 0] = float("nan")  # type: ignore[index, union-attr]
+    out = []
+    for flag in (False, True):
+        try:
+            out.append(str(float(par.clip_grad_norm_(mod, 1.0, error_if_nonfinite=flag))))
+        except RuntimeError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_error_if_nonfinite_raises_on_every_rank(world2) -> None:
+    """A nan on rank 0 only: the total norm is nan on every rank, and every rank raises."""
+    for plain, raised in world2.run(_nonfinite):
+        assert plain == "nan" and "error_if_nonfinite=False" in raised
+
+
+def _bad_calls() -> list[str]:
+    import torch.distributed as dist
+
+    from diffcomm import parallel as par
+
+    other = dist.new_group(list(range(dc.get_world_size())))
+    mlp = par.ParallelMLP(4, 6, seed=0)
+    col = par.ColumnParallelLinear(4, 6, group=other, seed=1)
+    return refusal_messages(
+        [
+            lambda: par.clip_grad_norm_(list(mlp.parameters()), 1.0),
+            lambda: par.grad_norm(mlp, group=other),
+            lambda: par.grad_norm(nn.ModuleList([mlp, col])),
+            lambda: par.clip_grad_norm_(mlp, "1"),
+            lambda: par.grad_norm(mlp, 0),
+            lambda: par.grad_norm(mlp, "two"),
+        ]
+    )
+
+
+def test_bad_input_refused_before_communicating(world2) -> None:
+    assert_refused_before_communicating(
+        world2.run(_bad_calls),
+        [
+            r"TypeError: .*`module` must be the model, an nn.Module .*`model.parameters\(\)`.*got list",
+            r"ValueError: .*`group` must be the group of every parallel layer in `module`",
+            r"ValueError: .*`module` must be a model whose parallel layers share one group",
+            r"TypeError: .*`max_norm` must be a float",
+            r"ValueError: .*`norm_type` must be a positive float or inf, got 0",
+            r"TypeError: .*`norm_type` must be a positive float or inf, got 'two'",
+        ],
+    )
+
+
+def _ddp_step() -> dict[str, float]:
+    """World 4 as a 2 x 2 mesh: a ParallelMLP over the ``tp`` axis in torch's
+    DistributedDataParallel over ``dp``, each replica its own batch, then clipping; against
+    the serial MLP's gradient of the replicas' mean loss, clipped."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from diffcomm import parallel as par
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    ser = par.MLP(4, 6, dtype=F64)
+    model = par.ParallelMLP.from_serial(ser, group=(mesh, "tp"))
+    ddp = DistributedDataParallel(model, process_group=mesh.get_group("dp"))
+    xs = torch.randn(2, 5, 4, dtype=F64)
+    ddp(xs[mesh.get_local_rank("dp")]).pow(2).sum().backward()
+    for x in xs:
+        ser(x).pow(2).sum().div(2).backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+    total = par.clip_grad_norm_(ddp, 0.05, group=(mesh, "tp"))
+    ref = torch.nn.utils.clip_grad_norm_(ser.parameters(), 0.05)
+    slices, serial = model.serial_slices(), dict(ser.named_parameters())
+    out = {"norm": float((total - ref).abs())}
+    for n, p in model.named_parameters():
+        out[n] = float((p.grad - serial[n].grad[slices[n]]).abs().max())  # type: ignore[index, operator]
+        out[n + " clipped"] = float(before[n].abs().max() - p.grad.abs().max())  # type: ignore[union-attr]
+    return out
+
+
+@pytest.mark.diffcomm_in_process(False)  # torch's DistributedDataParallel: real process groups
+def test_under_ddp_over_the_other_mesh_axis(world4) -> None:
+    for res in world4.run(_ddp_step):
+        assert all(v < 1e-12 for k, v in res.items() if not k.endswith("clipped")), res
+        assert all(v > 0 for k, v in res.items() if k.endswith("clipped")), res
