@@ -47,6 +47,7 @@ from .._replication import LayerRule, R, V
 from .._torch import local_tensor_mode_off
 from ..backend import args as A
 from ..ops.validation import rank_start
+from ._autocast import like_output
 from ._check import check_replicated
 from ._module import (
     ParallelModule,
@@ -436,17 +437,17 @@ class RowParallelLinear(_ParallelLinear):
                 reduce_scatter_to_sequence(x, dim, self._pg)  # raises the mapping's ValueError
             y = row_linear_sequence_ring(x, self.weight, dim, self._pg)
             if self.bias is not None:
-                y = y + self._region_param("bias")
+                y = y + like_output(self._region_param("bias"), y)
             return y
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.sequence_dim, self._pg)
             if self.bias is not None:
-                y = y + self._region_param("bias")
+                y = y + like_output(self._region_param("bias"), y)
         else:
             y = reduce_from_region(y, self._pg)
             if self.bias is not None:
-                y = y + self.bias
+                y = y + like_output(self.bias, y)
         return y
 
     def _check_features(self, x: Tensor) -> None:

@@ -14,6 +14,7 @@ from ..backend import args as A
 from ..backend.args import PG
 from ..ops import collectives
 from ..ops.validation import rank_start
+from ._autocast import autocast_dtype
 from ._check import check_replicated
 from ._once import first_order
 
@@ -181,7 +182,8 @@ def vocab_parallel_cross_entropy(
 
     Returns:
         The loss, equal on every rank: a scalar, or ``(*)`` with ``reduction="none"``;
-        dtype of ``logits``.
+        dtype of ``logits`` (float32 for half-precision logits under ``torch.autocast``,
+        as ``F.cross_entropy``'s there).
 
     Gradient:
         replicated objective: ``dL/dz_j = g * (softmax_j - (1-eps) [j == t] - eps / V)``
@@ -241,6 +243,11 @@ def vocab_parallel_cross_entropy(
             "Every rank of the tensor-parallel group must pass the same target ids.",
             pg,
         )
+    if logits.dtype in (torch.float16, torch.bfloat16) and autocast_dtype(logits) is not None:
+        # autocast runs torch's cross entropy in float32 (log_softmax, nll_loss: its float32
+        # list), so the serial loss is float32: the same here, and the gradient returns to
+        # the logits' dtype through the cast, as the serial one does
+        logits = logits.float()
     # under a torch.func transform the first-order marker of the backward hangs on a scalar
     # that depends on the logits (parallel/_once.py), computed only then
     anchor = logits.sum() * 0 if _torch.transforms_active() else None

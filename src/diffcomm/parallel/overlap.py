@@ -60,6 +60,7 @@ from ..backend.args import PG
 from ..ops import collectives
 from ..ops import engine as _async
 from . import mappings
+from ._autocast import autocast_dtype, run_lowered
 from ._once import first_order
 
 #: Modes of the ``overlap=`` argument (``True`` picks ``"ring"`` with sequence
@@ -174,13 +175,16 @@ class _ColumnComm(torch.autograd.Function):
     )
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, sp_dim: int | None, pg: PG) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, sp_dim: int | None, pg: PG, low: torch.dtype | None
+    ) -> Tensor:
         if sp_dim is None:
             x_in = x.detach()
         else:
             world = B.get_backend().world_size(pg)
             with B.label("parallel.all_gather_from_sequence"):
                 x_in = collectives.all_gather(x.detach(), sp_dim, pg, split_sizes=[x.shape[sp_dim]] * world)
+        x_in = _lower(ctx, x_in, low)
         w_ = w.detach()
         # saved (not an inner graph kept on ctx): autograd's checks of in-place changes,
         # and a retained graph (backward(retain_graph=True)) runs its backward twice
@@ -193,7 +197,7 @@ class _ColumnComm(torch.autograd.Function):
         x_in, w = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:
-            gx_part = g.matmul(w)
+            gx_part = g.matmul(w).to(ctx.x_dtype)  # (communicated in the input's dtype)
             pg, dim = ctx.pg, ctx.dim
             if dim is None:
                 name = "parallel.copy_to_region backward"
@@ -214,7 +218,7 @@ class _ColumnComm(torch.autograd.Function):
                     shape,
                 )
         # the weight and bias gradients while the input gradient's communication runs
-        return (gx, *_weight_and_bias_grads(ctx, g, x_in), None, None)
+        return (gx, *_weight_and_bias_grads(ctx, g, x_in), None, None, None)
 
 
 def _keep(ctx: Any, x: Tensor | None, w: Tensor, dim: int | None, pg: PG, b: Tensor | None) -> None:
@@ -222,6 +226,14 @@ def _keep(ctx: Any, x: Tensor | None, w: Tensor, dim: int | None, pg: PG, b: Ten
     the sequence dim, the group and whether there is a bias."""
     ctx.save_for_backward(x, w)
     ctx.dim, ctx.pg, ctx.has_bias = dim, pg, b is not None
+
+
+def _lower(ctx: Any, x: Tensor, low: torch.dtype | None) -> Tensor:
+    """``x`` in ``low`` (the autocast dtype, or ``None``) for the matmul, as autocast casts
+    ``F.linear``'s input; ``ctx.x_dtype``: the input's own dtype, in which the input
+    gradient is communicated (as the blocking mapping before ``F.linear`` does)."""
+    ctx.x_dtype = x.dtype
+    return x if low is None else x.to(low)
 
 
 def _weight_and_bias_grads(ctx: Any, g: Tensor, x: Tensor) -> tuple[Tensor | None, Tensor | None]:
@@ -256,17 +268,20 @@ class _ColumnRing(torch.autograd.Function):
     spmd = _ring_rule("sequence chunk", "ring matmul -> reduce_scatter")
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, dim: int, pg: PG) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, dim: int, pg: PG, low: torch.dtype | None
+    ) -> Tensor:
         x, w_, b_ = x.detach(), w.detach(), None if b is None else b.detach()
         y, x_full = ring_all_gather_matmul(
             x,
-            lambda xj: F.linear(xj, w_, b_),
+            lambda xj: F.linear(xj if low is None else xj.to(low), w_, b_),
             dim,
             pg,
             "parallel.all_gather_from_sequence",
             keep_gathered=True,
         )
-        _keep(ctx, x_full, w_, dim, pg, b)
+        assert x_full is not None
+        _keep(ctx, _lower(ctx, x_full, low), w_, dim, pg, b)
         return y
 
     @staticmethod
@@ -278,10 +293,10 @@ class _ColumnRing(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             g_blocks = _chunks(g, dim, world)
-            gx = ring_matmul_reduce_scatter(
-                lambda j: g_blocks[j].matmul(w), pg, "parallel.all_gather_from_sequence backward"
-            )
-        return (gx, *_weight_and_bias_grads(ctx, g, x_full), None, None)
+            name = "parallel.all_gather_from_sequence backward"
+            # summed in the input's dtype
+            gx = ring_matmul_reduce_scatter(lambda j: g_blocks[j].matmul(w).to(ctx.x_dtype), pg, name)
+        return (gx, *_weight_and_bias_grads(ctx, g, x_full), None, None, None)
 
 
 def _blocking() -> bool:
@@ -299,9 +314,14 @@ def column_linear(x: Tensor, w: Tensor, b: Tensor | None, mode: str, sp_dim: int
         if sp_dim is None:
             return F.linear(mappings.copy_to_region(x, pg), w, b)
         return F.linear(mappings.all_gather_from_sequence(x, sp_dim, pg), w, b)
-    if mode == "ring" and sp_dim is not None:
-        return _ColumnRing.apply(x, w, b, sp_dim, pg)
-    return _ColumnComm.apply(x, w, b, sp_dim, pg)
+    fused = _ColumnRing if mode == "ring" and sp_dim is not None else _ColumnComm
+    low = autocast_dtype(x)
+    if low is None:
+        return fused.apply(x, w, b, sp_dim, pg, None)
+    # under autocast, as the blocking path: the input communicated in its own dtype, the
+    # matmuls in autocast's (torch's autocast does not see into the Function)
+    with torch.autocast(x.device.type, enabled=False):
+        return fused.apply(x, w.to(low), None if b is None else b.to(low), sp_dim, pg, low)
 
 
 # ======================================================================================
@@ -354,4 +374,4 @@ def row_linear_sequence_ring(x: Tensor, w: Tensor, dim: int, pg: PG) -> Tensor:
     :func:`column_linear`)."""
     if _blocking():
         return mappings.reduce_scatter_to_sequence(F.linear(x, w), dim, pg)
-    return _RowRing.apply(x, w, dim, pg)
+    return run_lowered(_RowRing.apply, (x, w), dim, pg)  # (under autocast: as F.linear)
