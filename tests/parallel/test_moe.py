@@ -690,6 +690,33 @@ def test_expert_parallel_moe_has_the_serial_mapping(world2) -> None:
         assert row[2] and row[3] == 0.0 and row[4] == ["router.weight"], row
 
 
+def _load_with_unexpected_keys() -> list[str]:
+    from diffcomm.parallel import ExpertParallelMoE, MoE
+
+    with_shared = MoE(4, 6, 4, 2, shared_expert_size=3, dtype=F64, seed=0).state_dict()
+    extra = dict(MoE(4, 6, 4, 2, dtype=F64, seed=0).state_dict())
+    extra["experts.7.fc1.weight"] = extra["experts.0.fc1.weight"]
+    moe = ExpertParallelMoE(4, 6, 4, 2, dtype=F64, seed=1)  # no shared expert
+    out = []
+    for sd in (with_shared, extra):
+        try:
+            moe.load_serial_state_dict(sd)
+            out.append("no error")
+        except KeyError as exc:
+            out.append(str(exc))
+    moe.load_serial_state_dict(with_shared, strict=False)  # ignores them, as torch's
+    return out
+
+
+def test_load_serial_state_dict_refuses_unexpected_keys(world2) -> None:
+    """With ``strict`` (the default) a serial key the layer does not shard is a KeyError,
+    as ``ParallelModule.load_serial_state_dict`` and torch's ``load_state_dict``: a serial
+    MoE with a shared expert loaded into one without was silently loaded without it."""
+    for shared, expert in world2.run(_load_with_unexpected_keys):
+        assert "unexpected keys ['shared_expert.fc1.bias'" in shared, shared
+        assert "unexpected keys ['experts.7.fc1.weight']" in expert, expert
+
+
 # on processes: the asynchronous path (the communication thread) needs a process per rank
 @pytest.mark.diffcomm_in_process(False)
 def test_async_dispatch_keeps_its_replication_type_under_the_check(world2) -> None:

@@ -42,7 +42,7 @@ parallel layer drops exactly the tokens the serial one drops. ``None`` (the defa
 dropless.
 """
 
-# Size: ~650 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
+# Size: ~660 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
 # name maps between them (serial_names, from_serial, state dicts) are read together.
 
 from __future__ import annotations
@@ -533,11 +533,23 @@ class ExpertParallelMoE(nn.Module):
         router, shared expert and this rank's experts; no communication).
 
         Raises:
-            KeyError: with ``strict``, a serial name this rank needs is missing.
+            KeyError: with ``strict``, a serial name this rank needs is missing, or a key
+                is no parameter of the serial MoE this layer shards (e.g. a shared expert
+                this layer lacks: silently dropped before), as ``load_state_dict``.
             ValueError: a serial tensor's shape does not fit.
         """
         op = "parallel.ExpertParallelMoE.load_serial_state_dict"
         names, slices = self.serial_names(), self.serial_slices()
+        if strict:
+            local = [n.split(".", 2)[2] for n in names if n.startswith("experts.0.")]
+            known = {s for n, s in names.items() if not n.startswith("experts.")}
+            known |= {f"experts.{j}.{n}" for j in range(self.num_experts) for n in local}
+            unexpected = sorted(k for k in state_dict if k not in known)
+            if unexpected:
+                raise KeyError(
+                    f"diffcomm.{op}(): unexpected keys {unexpected}: not parameters of the serial "
+                    f"MoE this layer shards (pass strict=False to ignore them)"
+                )
         for name, p in self.named_parameters():
             s_name = names[name]
             if s_name not in state_dict:
