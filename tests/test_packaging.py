@@ -104,7 +104,7 @@ def test_every_builtin_op_is_exported_by_its_home() -> None:
         for name in home.__all__:
             assert getattr(diffcomm, name) is getattr(home, name) and name in diffcomm.__all__, name
     # diffcomm.parallel's face imports every public name of its modules by name
-    faces = ("mappings", "layers", "blocks", "loss", "context", "routing", "moe", "clipping")
+    faces = ("mappings", "layers", "blocks", "loss", "context", "routing", "moe", "grads")
     for module in (getattr(parallel, m) for m in faces):
         for n in module.__all__:
             assert n in parallel.__all__ and vars(parallel).get(n) is getattr(module, n), (module.__name__, n)

@@ -484,3 +484,18 @@ def base_setup_context() -> Any:
     private base ``_SingleLevelFunction``): a Function whose ``setup_context`` is this one
     takes ``ctx`` as ``forward``'s first argument."""
     return inspect.getattr_static(torch.autograd.function._SingleLevelFunction, "setup_context")
+
+
+def grad_scaler_found_inf(scaler: Any, optimizer: Any) -> tuple[dict[Any, torch.Tensor], torch.device] | None:
+    """The ``{device: found_inf}`` flags ``scaler.unscale_(optimizer)`` recorded (what
+    ``scaler.step`` and ``scaler.update`` read: a nonzero flag skips the step and lowers
+    the scale) — the dict itself, torch's private per-optimizer state, to write in place —
+    and the scaler's device; ``None`` when ``unscale_`` has not run for ``optimizer``
+    since the last ``update()``."""
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    if state is None or state["stage"] is not OptState.UNSCALED:
+        return None
+    found: dict[Any, torch.Tensor] = state["found_inf_per_device"]
+    return found, torch.device(scaler._device)

@@ -15,22 +15,21 @@
 * :mod:`~diffcomm.parallel.routing` — expert-parallel token routing: ``route``,
   ``dispatch`` / ``combine``, ``load_balancing_loss``;
 * :mod:`~diffcomm.parallel.moe` — ``ExpertParallelMoE`` and its serial reference ``MoE``;
-* :mod:`~diffcomm.parallel.clipping` — ``grad_norm`` and ``clip_grad_norm_``: the serial
-  model's gradient norm, and clipping by it, on every rank.
+* :mod:`~diffcomm.parallel.grads` — before the optimizer step: ``grad_norm`` and
+  ``clip_grad_norm_`` (the serial model's gradient norm, and clipping by it, on every
+  rank), ``sync_found_inf`` (a ``GradScaler``'s skip decision, the same on every rank).
 
 Each public name is listed below, one `name as name` import each. See ``docs/parallel.md``.
 """
 
 from __future__ import annotations
 
-from . import blocks, clipping, context, layers, loss, mappings, moe, routing
+from . import blocks, context, grads, layers, loss, mappings, moe, routing
 from . import precision as _precision  # noqa: F401  (registers the mappings' precision= forms)
 from .blocks import MLP as MLP
 from .blocks import ParallelMLP as ParallelMLP
 from .blocks import ParallelSelfAttention as ParallelSelfAttention
 from .blocks import SelfAttention as SelfAttention
-from .clipping import clip_grad_norm_ as clip_grad_norm_
-from .clipping import grad_norm as grad_norm
 from .context import DEFAULT_LAYOUT as DEFAULT_LAYOUT
 from .context import LAYOUTS as LAYOUTS
 from .context import Placement as Placement
@@ -44,6 +43,9 @@ from .context import shard as shard
 from .context import ulysses_attention as ulysses_attention
 from .context import unshard as unshard
 from .context import usp_attention as usp_attention
+from .grads import clip_grad_norm_ as clip_grad_norm_
+from .grads import grad_norm as grad_norm
+from .grads import sync_found_inf as sync_found_inf
 from .layers import ColumnParallelLinear as ColumnParallelLinear
 from .layers import LayerOptions as LayerOptions
 from .layers import ParallelModule as ParallelModule
@@ -80,5 +82,5 @@ __all__ = [
     *context.__all__,
     *routing.__all__,
     *moe.__all__,
-    *clipping.__all__,
+    *grads.__all__,
 ]

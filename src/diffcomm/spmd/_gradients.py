@@ -250,7 +250,8 @@ class _Gradients(_CheckState):
                     f"diffcomm.spmd_check: parameter {name} is replicated, but its gradient varies by "
                     f"rank ({g.why or 'changed by a per-rank value after backward'}): the replicas "
                     "would drift apart. A per-rank factor (e.g. a gradient-clipping norm of sharded "
-                    "gradients computed without an all_reduce) must be made replicated first."
+                    "gradients computed without an all_reduce) must be made replicated first: "
+                    "for clipping, diffcomm.parallel.clip_grad_norm_(model, max_norm)."
                 )
             if g is not None and g.t is P:
                 owner = self._owners.get(id(p))

@@ -303,5 +303,5 @@ class _Lattice(_CheckState):
                 f"replicated term (added at {r.rep}): summing over the ranks counts that term "
                 "world-size times. Sum only the per-rank terms over the group and add the "
                 "replicated ones after (e.g. a clipping norm: all-reduce the squares of the "
-                "sharded gradients only)."
+                "sharded gradients only, as diffcomm.parallel.grad_norm does)."
             )

@@ -1,8 +1,9 @@
 """``diffcomm.parallel.grad_norm`` / ``clip_grad_norm_`` against torch's clipping of the
-serial float64 model (docs/parallel.md, "Gradient clipping"): the same total norm on every
-rank and every gradient clipped by the serial factor — a ParallelMLP, a sequence-parallel
-block (layer norm + MLP), an ExpertParallelMoE, worlds 2 and 3, norms 2, inf and 1; bad
-input refused before any communication."""
+serial float64 model (docs/parallel.md, "Gradient clipping and loss scaling"): the same
+total norm on every rank and every gradient clipped by the serial factor — a ParallelMLP,
+a sequence-parallel block (layer norm + MLP), an ExpertParallelMoE, worlds 2 and 3, norms
+2, inf and 1, a ParallelMLP in DDP; ``sync_found_inf``: a GradScaler's skip decision the
+same on every rank; bad input refused before any communication."""
 
 from __future__ import annotations
 
@@ -221,3 +222,77 @@ def test_under_ddp_over_the_other_mesh_axis(world4) -> None:
     for res in world4.run(_ddp_step):
         assert all(v < 1e-12 for k, v in res.items() if not k.endswith("clipped")), res
         assert all(v > 0 for k, v in res.items() if k.endswith("clipped")), res
+
+
+def _scaled_steps(sync: bool) -> dict[str, Any]:
+    """Two fp16-autocast steps of a ParallelMLP with torch's GradScaler; in the first an
+    overflow (inf) in rank 0's fc1 shard only, as the serial model's gradient would hold."""
+    from diffcomm import parallel as par
+
+    torch.manual_seed(0)
+    mod = par.ParallelMLP(4, 6, seed=0)
+    start = mod.fc2.bias.detach().clone()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    out: dict[str, Any] = {"skipped": []}
+    for step in range(2):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = mod(torch.randn(5, 4)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if dc.get_rank() == 0 and step == 0:
+            mod.fc1.weight.grad[0, 0] = float("inf")  # type: ignore[index]
+        scaler.unscale_(opt)
+        if sync:
+            out["skipped"].append(par.sync_found_inf(scaler, opt))
+        scaler.step(opt)
+        scaler.update()
+        out[f"bias{step}"] = mod.fc2.bias.detach().clone()
+        out[f"scale{step}"] = scaler.get_scale()
+    out["start"] = start
+    return out
+
+
+def test_torch_grad_scaler_on_shards_skips_on_one_rank_only(world2) -> None:
+    """What sync_found_inf is for: torch's GradScaler finds the overflow on rank 0 only,
+    which skips its step and halves its scale while rank 1 steps: the replicated fc2.bias
+    and the scales differ between the ranks."""
+    r0, r1 = world2.run(_scaled_steps, False)
+    assert (r0["scale0"], r1["scale0"]) == (2.0**15, 2.0**16)
+    assert not torch.equal(r0["bias1"], r1["bias1"])
+
+
+def test_sync_found_inf_skips_on_every_rank(world2) -> None:
+    """With sync_found_inf every rank skips the overflowing step (the parameters stay
+    as they were, as the serial model's would) and halves its scale, then every rank takes
+    the next step: replicas and scales stay equal."""
+    r0, r1 = world2.run(_scaled_steps, True)
+    for r in (r0, r1):
+        assert r["skipped"] == [True, False] and (r["scale0"], r["scale1"]) == (2.0**15, 2.0**15)
+        assert torch.equal(r["bias0"], r["start"]) and not torch.equal(r["bias1"], r["start"])
+    assert torch.equal(r0["bias1"], r1["bias1"])
+
+
+def _bad_scaler_calls() -> list[str]:
+    from diffcomm import parallel as par
+
+    mod = par.ParallelMLP(4, 6, seed=0)
+    opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    return refusal_messages(
+        [
+            lambda: par.sync_found_inf(object(), opt),
+            lambda: par.sync_found_inf(scaler, opt),  # unscale_ not called
+        ]
+    )
+
+
+def test_sync_found_inf_refuses_before_communicating(world2) -> None:
+    assert_refused_before_communicating(
+        world2.run(_bad_scaler_calls),
+        [
+            r"TypeError: .*`scaler` must be a torch.amp.GradScaler, got object",
+            r"ValueError: .*`optimizer` must be an optimizer scaler.unscale_\(\) ran for .*call "
+            r"scaler.unscale_\(optimizer\) first",
+        ],
+    )

@@ -1,4 +1,5 @@
-"""The serial model's gradient norm, and gradient clipping by it, for a parallel model.
+"""Before the optimizer step of a parallel model: the serial model's gradient norm,
+clipping by it, and a ``GradScaler``'s skip decision taken alike on every rank.
 
 ``torch.nn.utils.clip_grad_norm_`` on a tensor-parallel model sees only this rank's
 shards: the norm it computes is no rank's serial norm, each rank computes a different one,
@@ -9,6 +10,10 @@ themselves (the facts ``serial_slices()`` and the replication typing rest on: a
 :class:`~diffcomm.parallel.ParallelModule`'s ``_shard_dims``, a layer's ``spmd`` rule),
 sum the sharded parameters' part over the group (one scalar all_reduce) and count every
 replicated parameter once: the serial model's norm, the same on every rank.
+
+``torch.amp.GradScaler`` decides per rank too: an overflow in one rank's gradient shard
+makes that rank skip the step and halve its scale while the others step —
+:func:`sync_found_inf` makes the decision the serial model's (skip if any rank overflowed).
 """
 
 from __future__ import annotations
@@ -20,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import _config
+from .. import _config, _torch
 from .. import backend as B
 from .._replication import LayerRule, V
 from ..backend import args as A
 from ..ops import collectives
 from ._check import check_replicated
 
-__all__ = ["grad_norm", "clip_grad_norm_"]
+__all__ = ["grad_norm", "clip_grad_norm_", "sync_found_inf"]
 
 #: why a replicated parameter's gradient must be equal on every rank (debug mode's check)
 _REPLICATED_HINT = (
@@ -260,3 +265,65 @@ def clip_grad_norm_(
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.device))
     return total
+
+
+def sync_found_inf(scaler: Any, optimizer: torch.optim.Optimizer, group: A.GroupLike = None) -> bool:
+    """Make a ``torch.amp.GradScaler``'s skip decision the same on every rank.
+
+    ``scaler.unscale_(optimizer)`` checks this rank's gradients for inf/nan only; on a
+    parallel model an overflow in one rank's shard makes that rank skip the step (and lower
+    its scale) while the others step: the replicated parameters and the scales silently
+    drift apart. Called after ``unscale_`` and before ``scaler.step``, this takes the
+    maximum of every rank's flag (one scalar all_reduce), so every rank skips when the
+    serial model's gradient holds an inf or nan, and steps otherwise::
+
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        dc.parallel.sync_found_inf(scaler, optimizer)      # (clip_grad_norm_ here if wanted)
+        scaler.step(optimizer)
+        scaler.update()
+
+    Args:
+        scaler: the ``torch.amp.GradScaler`` (a disabled one: nothing to do, no communication).
+        optimizer: the optimizer ``scaler.unscale_`` was called with.
+        group: the ranks whose decision must agree: ``None`` (the world: right for any
+            mix of tensor, expert and data parallelism), or a ``ProcessGroup`` /
+            ``(DeviceMesh, axis)``.
+
+    Returns:
+        Whether the step will be skipped (the same on every rank).
+
+    Raises:
+        TypeError: ``scaler`` is not a ``GradScaler``.
+        ValueError: ``scaler.unscale_(optimizer)`` has not run since the last ``update()``
+            (before any communication).
+
+    Gradient:
+        none.
+    """
+    op = "parallel.sync_found_inf"
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise A.arg_error(op, "scaler", "a torch.amp.GradScaler", type(scaler).__name__, TypeError)
+    if not scaler.is_enabled():
+        return False
+    unscaled = _torch.grad_scaler_found_inf(scaler, optimizer)
+    if unscaled is None:
+        raise A.arg_error(
+            op,
+            "optimizer",
+            "an optimizer scaler.unscale_() ran for since the last update() (call "
+            "scaler.unscale_(optimizer) first)",
+            type(optimizer).__name__,
+        )
+    pg = A.resolve_group(group, op)
+    found, device = unscaled
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    for v in found.values():
+        flag = torch.maximum(flag, v.to(flag.device, torch.float32))
+    with torch.no_grad(), B.label(op):
+        flag = collectives.raw_all_reduce(flag, "max", pg)
+    if not found:  # a rank with no gradients: the flag still decides its step
+        found[flag.device] = flag.clone()
+    for v in found.values():
+        v.copy_(flag)
+    return bool(flag > 0)
