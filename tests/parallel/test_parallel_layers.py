@@ -790,3 +790,35 @@ def test_layer_options_are_one_object_and_the_old_keywords_still_work(world2) ->
         P.RowParallelLinear(4, 6, sead=0)
     with pytest.raises(TypeError, match=r"SequenceParallelLayerNorm\(\): `options.seed` must be None"):
         P.SequenceParallelLayerNorm(4, options=P.LayerOptions(seed=0))
+
+
+def _copies_over_a_subgroup() -> dict[str, object]:
+    """copy.deepcopy and torch's AveragedModel (an EMA copy) of a ParallelMLP and of an
+    ExpertParallelMoE over a group made with new_group: the copy computes what the model
+    computes, over the same group, with parameters of its own."""
+    import copy
+
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(dc.get_world_size())))
+    mlp = P.ParallelMLP(4, 6, group=group, dtype=F64, seed=0)
+    moe = P.ExpertParallelMoE(4, 6, 4, 2, group, dtype=F64, seed=0)
+    x = torch.randn(5, 4, dtype=F64)
+    out: dict[str, object] = {}
+    for name, model in (("mlp", mlp), ("moe", moe)):
+        twin = copy.deepcopy(model)
+        ema = torch.optim.swa_utils.AveragedModel(model)
+        out[name] = (
+            float((twin(x) - model(x)).abs().max()),
+            float((ema(x) - model(x)).abs().max()),
+            all(p is not q for p, q in zip(twin.parameters(), model.parameters())),
+            twin.fc1._pg is group if name == "mlp" else twin._pg is group,
+        )
+    return out
+
+
+def test_deepcopy_keeps_the_process_group(world2) -> None:
+    """A layer over a process group other than the default one could not be copied
+    (torch's "cannot pickle 'ProcessGroup' object"): no EMA / AveragedModel of it."""
+    for res in world2.run(_copies_over_a_subgroup):
+        assert res == {"mlp": (0.0, 0.0, True, True), "moe": (0.0, 0.0, True, True)}, res

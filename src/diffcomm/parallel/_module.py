@@ -8,6 +8,7 @@ private).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -151,6 +152,21 @@ def _check_unseeded(root: nn.Module) -> None:
         check_replicas_agree(named, f"{type(root).__name__} (first forward)", pg)
 
 
+def deepcopy_sharing_groups(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """``copy.deepcopy(module)`` whose layers keep their process groups (``_pg``): a
+    ``ProcessGroup`` cannot be copied (torch's pickling refuses it), and a copy of a
+    parallel model (an EMA, ``torch.optim.swa_utils.AveragedModel``, a frozen reference)
+    communicates over the same ranks. Parameters and buffers are copied as usual."""
+    for m in module.modules():
+        pg = m.__dict__.get("_pg")
+        if pg is not None:
+            memo.setdefault(id(pg), pg)
+    new = type(module).__new__(type(module))
+    memo[id(module)] = new
+    new.__setstate__(copy.deepcopy(module.__dict__, memo))
+    return new
+
+
 def _leave_region(module: ParallelModule, args: Any, output: Any) -> None:
     """Forward hook (always called): the outermost module drops the copies again."""
     if module.__dict__.pop("_region_root", False):
@@ -175,6 +191,9 @@ class ParallelModule(nn.Module):
         # one coalesced reduction per step for the partial-gradient replicas (see below)
         self.register_forward_pre_hook(_enter_region)
         self.register_forward_hook(_leave_region, always_call=True)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ParallelModule:
+        return deepcopy_sharing_groups(self, memo)  # type: ignore[return-value]
 
     def _partial_grad_params(self) -> tuple[str, ...]:
         """Names of this module's own parameters that are replicated but receive a

@@ -42,7 +42,7 @@ parallel layer drops exactly the tokens the serial one drops. ``None`` (the defa
 dropless.
 """
 
-# Size: ~660 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
+# Size: ~670 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
 # name maps between them (serial_names, from_serial, state dicts) are read together.
 
 from __future__ import annotations
@@ -65,7 +65,13 @@ from ..backend.local_tensor import RANK_WHY, LocalTensorBackend, refuse
 from ..ops import coalesced, collectives
 from ..ops import engine as _async
 from ._check import check_replicas_agree
-from ._module import check_positive, init_generator, note_drawn, resolve_parallel_group
+from ._module import (
+    check_positive,
+    deepcopy_sharing_groups,
+    init_generator,
+    note_drawn,
+    resolve_parallel_group,
+)
 from .blocks import MLP
 from .layers import LayerOptions
 from .routing import DispatchPlan, check_positions, combine, dispatch, load_balancing_loss, route
@@ -480,6 +486,10 @@ class ExpertParallelMoE(nn.Module):
             bool(overlap_shared) and self.rank is not None
         )  # (no async under LocalTensorMode)
         return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ExpertParallelMoE:
+        """A copy over the same group (see :class:`~diffcomm.parallel.ParallelModule`)."""
+        return deepcopy_sharing_groups(self, memo)  # type: ignore[return-value]
 
     # ---- the serial mapping (as the tensor-parallel layers' ParallelModule) -----------
 
