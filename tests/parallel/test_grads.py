@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _shared import assert_refused_before_communicating, refusal_messages
 from torch import nn
 
@@ -296,3 +297,63 @@ def test_sync_found_inf_refuses_before_communicating(world2) -> None:
             r"scaler.unscale_\(optimizer\) first",
         ],
     )
+
+
+class _SerialLM(nn.Module):
+    """A tiny LM: embedding (tied to the head), a scale of its own, attention, MLP."""
+
+    def __init__(self) -> None:
+        from diffcomm.parallel import MLP, SelfAttention
+
+        super().__init__()
+        self.emb = nn.Embedding(8, 4, dtype=F64)
+        self.scale = nn.Parameter(torch.full((4,), 1.5, dtype=F64))
+        self.att, self.mlp = SelfAttention(4, 2, dtype=F64), MLP(4, 8, dtype=F64)
+        self.head = nn.Linear(4, 8, bias=False, dtype=F64)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids).unsqueeze(1) * self.scale
+        h = h + self.att(h)
+        return self.head(h + self.mlp(h))
+
+
+def _lm_of_your_own() -> dict[str, float]:
+    """The tiny LM as a ParallelModule of your own over a group made with new_group (its
+    own `scale` replicated, the container naming no group), against the serial LM."""
+    import torch.distributed as dist
+
+    from diffcomm import parallel as par
+
+    class ParallelLM(par.ParallelModule):
+        def __init__(self, serial: _SerialLM, group: Any) -> None:
+            super().__init__()
+            self.emb = par.VocabParallelEmbedding.from_serial(serial.emb, group=group)
+            self.scale = nn.Parameter(serial.scale.detach().clone())
+            self.att = par.ParallelSelfAttention.from_serial(serial.att, group=group)
+            self.mlp = par.ParallelMLP.from_serial(serial.mlp, group=group)
+            self.head = par.ColumnParallelLinear.from_serial(serial.head, group=group)
+            self.head.weight = self.emb.weight
+
+        forward = _SerialLM.forward
+
+    group = dist.new_group(list(range(dc.get_world_size())))
+    torch.manual_seed(0)
+    serial = _SerialLM()
+    model = ParallelLM(serial, group)
+    ids, target = torch.randint(0, 8, (5,)), torch.randint(0, 8, (5, 1))
+    par.vocab_parallel_cross_entropy(model(ids), target, group=group).backward()
+    F.cross_entropy(serial(ids).reshape(-1, 8), target.reshape(-1)).backward()
+    ref = torch.nn.utils.get_total_norm([p.grad for p in serial.parameters()])  # type: ignore[misc]
+    return {
+        "default group": float((par.grad_norm(model) - ref).abs()),
+        "group=": float((par.clip_grad_norm_(model, 1e-3, group=group) - ref).abs()),
+    }
+
+
+def test_a_model_of_your_own_with_tied_vocab_layers(world2) -> None:
+    """A tied embedding/head (one parameter, counted once), a replicated parameter of the
+    container (which names no group: it was taken for a layer over the default group, a
+    ValueError 'over different groups'), attention and MLP over a new_group group."""
+    for res in world2.run(_lm_of_your_own):
+        assert all(v < 1e-12 for v in res.values()), res

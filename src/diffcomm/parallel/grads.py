@@ -73,7 +73,9 @@ def _layout(op: str, module: Any, group: Any) -> tuple[Any, list[nn.Parameter], 
         )
     pg = A.resolve_group(group, op) if group is not None else None
     owner: dict[int, tuple[bool, Any, str]] = {}  # id(param) -> (varying, group, layer)
-    layers: list[tuple[str, Any]] = []  # (layer, group) of every layer deciding a parameter
+    # (layer, group) of every layer deciding a sharded parameter (the group a replica's
+    # layer names does not matter: it is counted once; a container's may be unset)
+    layers: list[tuple[str, Any]] = []
     params = dict(module.named_parameters())
     for prefix, m in reversed(list(module.named_modules())):  # the innermost layer decides
         rule = getattr(type(m), "spmd", None)
@@ -89,7 +91,7 @@ def _layout(op: str, module: Any, group: Any) -> tuple[Any, list[nn.Parameter], 
             inner = owner.get(id(p))
             if inner is None:
                 owner[id(p)] = (varying, m_pg, name)
-                decided = True
+                decided = decided or varying
             elif varying and not (inner[0] and _same_group(inner[1], m_pg)):
                 raise A.arg_error(
                     op,
