@@ -163,6 +163,7 @@ def _bad_calls() -> list[str]:
     other = dist.new_group(list(range(dc.get_world_size())))
     mlp = par.ParallelMLP(4, 6, seed=0)
     col = par.ColumnParallelLinear(4, 6, group=other, seed=1)
+    nested = par.ExpertParallelMoE(4, 6, 2, 2, experts=[par.ParallelMLP(4, 6, group=other, seed=2)], seed=0)
     return refusal_messages(
         [
             lambda: par.clip_grad_norm_(list(mlp.parameters()), 1.0),
@@ -171,6 +172,7 @@ def _bad_calls() -> list[str]:
             lambda: par.clip_grad_norm_(mlp, "1"),
             lambda: par.grad_norm(mlp, 0),
             lambda: par.grad_norm(mlp, "two"),
+            lambda: par.grad_norm(nested),
         ]
     )
 
@@ -185,6 +187,8 @@ def test_bad_input_refused_before_communicating(world2) -> None:
             r"TypeError: .*`max_norm` must be a float",
             r"ValueError: .*`norm_type` must be a positive float or inf, got 0",
             r"TypeError: .*`norm_type` must be a positive float or inf, got 'two'",
+            r"ValueError: .*`module` must be a model whose parameters are each split over one group, "
+            r"got `experts.0.fc1.weight` split by `experts.0.fc1` and again by `ExpertParallelMoE`",
         ],
     )
 

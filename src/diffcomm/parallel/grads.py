@@ -97,7 +97,8 @@ def _layout(op: str, module: Any, group: Any) -> tuple[Any, list[nn.Parameter], 
                     op,
                     "module",
                     "a model whose parameters are each split over one group",
-                    f"`{prefix}.{pname}` split by `{inner[2]}` and again by `{name}` over another "
+                    f"`{prefix + '.' if prefix else ''}{pname}` split by `{inner[2]}` and again by "
+                    f"`{name}` over another "
                     "group (nested parallel layers; sum their norms by hand)",
                 )
         if decided:
