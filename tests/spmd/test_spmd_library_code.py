@@ -392,6 +392,14 @@ DOC_RUNS: dict[tuple[str, int], DocRun | Skip | Elsewhere] = {
     ("parallel.md", 3): DocRun(
         top=True,
         prelude=(
+            "model = par.ParallelMLP(16, 32, seed=0)\n"
+            "model(torch.ones(3, 16)).square().sum().backward()\n"
+            "max_norm = 1e-3\n"
+        ),
+    ),
+    ("parallel.md", 4): DocRun(
+        top=True,
+        prelude=(
             "V = 4 * dc.get_world_size()\n"
             "logits_shard = dc.spmd.varying(torch.randn(5, 4, requires_grad=True))\n"
             "target = torch.randint(0, V, (5,))\n"

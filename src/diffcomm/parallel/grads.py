@@ -162,7 +162,7 @@ def _total_norm(op: str, module: Any, norm_type: Any, group: Any) -> Tensor:
     total_sharded, total_replicated = part(grads[0]), part(grads[1])
     if sharded:  # (the layout is the same on every rank: all of them communicate, or none)
         with B.label(op):
-            total_sharded = collectives.raw_all_reduce(total_sharded, "max" if inf else "sum", pg)
+            total_sharded = collectives.all_reduce(total_sharded, "max" if inf else "sum", pg)
     if inf:
         return torch.maximum(total_sharded, total_replicated)
     return (total_sharded + total_replicated).pow(1.0 / p_norm)
@@ -324,7 +324,7 @@ def sync_found_inf(scaler: Any, optimizer: torch.optim.Optimizer, group: A.Group
     for v in found.values():
         flag = torch.maximum(flag, v.to(flag.device, torch.float32))
     with torch.no_grad(), B.label(op):
-        flag = collectives.raw_all_reduce(flag, "max", pg)
+        flag = collectives.all_reduce(flag, "max", pg)
     if not found:  # a rank with no gradients: the flag still decides its step
         found[flag.device] = flag.clone()
     for v in found.values():
