@@ -822,3 +822,49 @@ def test_deepcopy_keeps_the_process_group(world2) -> None:
     (torch's "cannot pickle 'ProcessGroup' object"): no EMA / AveragedModel of it."""
     for res in world2.run(_copies_over_a_subgroup):
         assert res == {"mlp": (0.0, 0.0, True, True), "moe": (0.0, 0.0, True, True)}, res
+
+
+def _load_the_other_ranks_state_dict(folder: str) -> dict[str, str]:
+    """Every layer saves its state dict to a file per rank; then each rank loads its own,
+    the other rank's, and the other's as a plain dict (no torch metadata)."""
+    import io
+    from pathlib import Path
+
+    r = dc.get_rank()
+    layers = {
+        "ParallelMLP": P.ParallelMLP(4, 8, seed=0, dtype=torch.float64),
+        "VocabParallelEmbedding": P.VocabParallelEmbedding(6, 4, seed=0, dtype=torch.float64),
+        "ExpertParallelMoE": P.ExpertParallelMoE(4, 8, 4, k=2, seed=0, dtype=torch.float64),
+    }
+    for name, layer in layers.items():
+        buf = io.BytesIO()
+        torch.save(layer.state_dict(), buf)
+        (Path(folder) / f"{name}.{r}.pt").write_bytes(buf.getvalue())
+    dc.all_reduce(torch.ones(1))  # every file written
+    out = {}
+    for name, layer in layers.items():
+        own = torch.load(Path(folder) / f"{name}.{r}.pt")
+        other = torch.load(Path(folder) / f"{name}.{1 - r}.pt")
+        layer.load_state_dict(own)
+        try:
+            layer.load_state_dict(other)
+            out[name] = "no error"
+        except RuntimeError as exc:
+            out[name] = str(exc)
+        layer.load_state_dict(dict(other))  # torch's metadata dropped: loads as before
+        mismatch = any(not torch.equal(v, layer.state_dict()[k]) for k, v in other.items())
+        out[name + " plain"] = "loaded" if not mismatch else "not loaded"
+    return out
+
+
+def test_another_ranks_state_dict_of_shards_is_refused(world2, tmp_path) -> None:
+    """With even splits every rank's shards have the same shapes: rank 1's state dict
+    loaded on rank 0 went in without an error, and the layer computed no serial model's
+    output. The state dict now notes whose shards it holds (in torch's metadata, which
+    ``torch.save`` keeps) and ``load_state_dict`` refuses another rank's, naming both; one
+    without the note loads as before."""
+    for r, out in enumerate(world2.run(_load_the_other_ranks_state_dict, str(tmp_path))):
+        for name in ("ParallelMLP", "VocabParallelEmbedding", "ExpertParallelMoE"):
+            assert f"holds the shards of group rank {1 - r} of 2" in out[name], (name, out[name])
+            assert f"this is group rank {r} of 2" in out[name], out[name]
+            assert out[name + " plain"] == "loaded", out

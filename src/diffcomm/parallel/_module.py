@@ -167,6 +167,67 @@ def deepcopy_sharing_groups(module: nn.Module, memo: dict[int, Any]) -> nn.Modul
     return new
 
 
+#: the key of a sharded module's state-dict metadata (``state_dict()._metadata[prefix]``,
+#: which ``torch.save`` keeps): the group rank and size whose shards the state dict holds
+SHARD_KEY = "diffcomm_shard"
+
+
+def _group_position(pg: Any) -> tuple[int, int] | None:
+    """``(group rank, group size)`` of this process in ``pg``; ``None`` where it cannot be
+    told (no process group any more, or all ranks in one program under LocalTensorMode)."""
+    try:
+        backend = B.get_backend()
+        rank, world = backend.rank(pg), backend.world_size(pg)
+    except Exception:
+        return None
+    return (rank, world) if isinstance(rank, int) and isinstance(world, int) else None
+
+
+def guard_shard_loading(module: nn.Module, position: Callable[[Any], tuple[int, int] | None]) -> None:
+    """Make ``module``'s ``state_dict()`` note whose shards it holds (``position(module)``:
+    this process's ``(group rank, group size)``, ``None`` for a module holding no shard), and its
+    ``load_state_dict`` refuse another rank's: with even splits every shard has the same
+    shape, so rank 1's state dict loaded on rank 0 went in without an error and computed
+    no serial model's output. A state dict without the note (saved before it existed, or
+    through a format that drops torch's metadata) loads as before."""
+
+    def note(m: nn.Module, state_dict: Any, prefix: str, local_metadata: dict[str, Any]) -> None:
+        where = position(m)
+        if where is not None:
+            local_metadata[SHARD_KEY] = where
+
+    def check(
+        m: nn.Module,
+        state_dict: Any,
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing: list[str],
+        unexpected: list[str],
+        errors: list[str],
+    ) -> None:
+        saved, here = local_metadata.get(SHARD_KEY), position(m)
+        if saved is None or here is None or tuple(saved) == here:
+            return
+        name = prefix.rstrip(".") or type(m).__name__
+        errors.append(
+            f"diffcomm: `{name}` ({type(m).__name__}) holds the shards of group rank "
+            f"{saved[0]} of {saved[1]} in this state dict, but this is group rank {here[0]} of "
+            f"{here[1]}: load the state dict this rank saved, or reshard through the serial one "
+            "(to_serial_state_dict / load_serial_state_dict)."
+        )
+
+    module.register_state_dict_post_hook(note)
+    module.register_load_state_dict_pre_hook(check)
+
+
+def _sharded_position(module: ParallelModule) -> tuple[int, int] | None:
+    """This process's place in a leaf layer's group, if the layer holds a shard."""
+    if not any(d is not None for d in module._shard_dims.values()):
+        return None
+    return _group_position(module._pg)
+
+
 def _leave_region(module: ParallelModule, args: Any, output: Any) -> None:
     """Forward hook (always called): the outermost module drops the copies again."""
     if module.__dict__.pop("_region_root", False):
@@ -191,6 +252,8 @@ class ParallelModule(nn.Module):
         # one coalesced reduction per step for the partial-gradient replicas (see below)
         self.register_forward_pre_hook(_enter_region)
         self.register_forward_hook(_leave_region, always_call=True)
+        # a state dict of shards remembers whose they are; another rank's is refused
+        guard_shard_loading(self, _sharded_position)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ParallelModule:
         return deepcopy_sharing_groups(self, memo)  # type: ignore[return-value]

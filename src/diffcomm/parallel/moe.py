@@ -42,7 +42,7 @@ parallel layer drops exactly the tokens the serial one drops. ``None`` (the defa
 dropless.
 """
 
-# Size: ~670 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
+# Size: ~680 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
 # name maps between them (serial_names, from_serial, state dicts) are read together.
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from ._check import check_replicas_agree
 from ._module import (
     check_positive,
     deepcopy_sharing_groups,
+    guard_shard_loading,
     init_generator,
     note_drawn,
     resolve_parallel_group,
@@ -404,6 +405,7 @@ class ExpertParallelMoE(nn.Module):
         _check_sizes(op, hidden_size, ffn_hidden_size, num_experts, k, capacity_factor, shared_expert_size)
         note_drawn(self, init_generator(op, opts.seed, opts.generator))  # (checked: names this class)
         self._pg, self.world, self.rank = _expert_group(op, opts.group)
+        guard_shard_loading(self, ExpertParallelMoE._experts_position)  # another rank's experts: refused
         if num_experts % self.world:
             raise A.arg_error(
                 op,
@@ -471,6 +473,7 @@ class ExpertParallelMoE(nn.Module):
         nn.Module.__init__(self)
         op = "parallel.ExpertParallelMoE.from_serial"
         self._pg, self.world, self.rank = _expert_group(op, group)
+        guard_shard_loading(self, ExpertParallelMoE._experts_position)  # another rank's experts: refused
         if moe.num_experts % self.world:
             raise A.arg_error(
                 op, "moe", f"num_experts divisible by the group size {self.world}", moe.num_experts
@@ -603,6 +606,12 @@ class ExpertParallelMoE(nn.Module):
         if self.shared_expert is not None:
             params += list(self.shared_expert.parameters())
         return params
+
+    def _experts_position(self) -> tuple[int, int] | None:
+        """Whose experts this module holds: ``(rank, world)`` of its group (``None`` where
+        the rank is no plain int: all ranks in one program under LocalTensorMode)."""
+        rank, world = self.rank, self.world
+        return (rank, world) if isinstance(rank, int) and isinstance(world, int) else None
 
     def sync_replicated_grads(self) -> None:
         """Sum the replicated parameters' gradients over the group (one coalesced
