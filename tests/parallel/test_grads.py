@@ -173,6 +173,7 @@ def _bad_calls() -> list[str]:
             lambda: par.grad_norm(mlp, 0),
             lambda: par.grad_norm(mlp, "two"),
             lambda: par.grad_norm(nested),
+            lambda: par.clip_grad_norm_(mlp, 1.0, pipeline_group=dist.group.WORLD),  # the layers' own
         ]
     )
 
@@ -189,6 +190,7 @@ def test_bad_input_refused_before_communicating(world2) -> None:
             r"TypeError: .*`norm_type` must be a positive float or inf, got 'two'",
             r"ValueError: .*`module` must be a model whose parameters are each split over one group, "
             r"got `experts.0.fc1.weight` split by `experts.0.fc1` and again by `ExpertParallelMoE`",
+            r"ValueError: .*`pipeline_group` must be the group over the pipeline's stages, not the layers'",
         ],
     )
 
@@ -361,3 +363,49 @@ def test_a_model_of_your_own_with_tied_vocab_layers(world2) -> None:
     ValueError 'over different groups'), attention and MLP over a new_group group."""
     for res in world2.run(_lm_of_your_own):
         assert all(v < 1e-12 for v in res.values()), res
+
+
+def _pipeline_stage_clipped() -> dict[str, float]:
+    """World 4 as a 2 x 2 mesh: stage s (the ``pp`` axis) holds serial block s as a
+    ParallelMLP over ``tp``; the loss is the serial model's (block 1 after block 0), each
+    stage's gradient computed as a pipeline would; clipped by the whole model's norm."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from diffcomm import parallel as par
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    stage = mesh.get_local_rank("pp")
+    torch.manual_seed(0)
+    blocks = [par.MLP(4, 6, dtype=F64), par.MLP(4, 6, dtype=F64)]
+    serial = nn.Sequential(*blocks)
+    x = torch.randn(5, 4, dtype=F64)
+    serial(x).pow(2).sum().backward()
+    mine = par.ParallelMLP.from_serial(blocks[stage], group=(mesh, "tp"))
+    h = blocks[0](x).detach().requires_grad_(stage == 1)
+    if stage == 0:  # the gradient stage 1 sends back: d loss / d h
+        h1 = h.clone().requires_grad_()
+        blocks[1](h1).pow(2).sum().backward(inputs=[h1])
+        mine(x).backward(h1.grad)
+    else:
+        mine(h).pow(2).sum().backward()
+    whole = par.grad_norm(mine, group=(mesh, "tp"), pipeline_group=(mesh, "pp"))
+    alone = par.grad_norm(mine, group=(mesh, "tp"))
+    total = par.clip_grad_norm_(mine, 0.05, group=(mesh, "tp"), pipeline_group=(mesh, "pp"))
+    ref = torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.05)
+    slices, ser = mine.serial_slices(), dict(blocks[stage].named_parameters())
+    grads = max(float((p.grad - ser[n].grad[slices[n]]).abs().max()) for n, p in mine.named_parameters())  # type: ignore[index, operator]
+    return {
+        "norm": float((total - ref).abs()),
+        "whole": float((whole - ref).abs()),
+        "grads": grads,
+        "alone": float((alone - ref).abs()),
+    }
+
+
+def test_a_pipeline_stage_clips_by_the_whole_models_norm(local_worlds) -> None:
+    """Each stage holds other parameters: ``pipeline_group`` sums the stages' parts, so
+    every rank clips by the serial model's norm (without it, each stage's own norm: no
+    serial clipping)."""
+    for res in local_worlds(4).run(_pipeline_stage_clipped):
+        assert res["whole"] < 1e-12 and res["norm"] < 1e-12 and res["grads"] < 1e-12, res
+        assert res["alone"] > 1e-3, res  # a stage's own norm is not the model's

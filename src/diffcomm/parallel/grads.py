@@ -138,9 +138,20 @@ def _norm_type(op: str, norm_type: Any) -> float:
 
 
 @torch.no_grad()
-def _total_norm(op: str, module: Any, norm_type: Any, group: Any) -> Tensor:
+def _total_norm(op: str, module: Any, norm_type: Any, group: Any, pipeline_group: Any) -> Tensor:
     p_norm = _norm_type(op, norm_type)
     pg, sharded, replicated = _layout(op, module, group)
+    stages = None
+    if pipeline_group is not None:
+        stages = A.resolve_group(pipeline_group, op)
+        if sharded and _same_group(stages, pg):
+            raise A.arg_error(
+                op,
+                "pipeline_group",
+                "the group over the pipeline's stages, not the layers' own (their shards are "
+                "summed over that one already; summed twice, they would count twice)",
+                pipeline_group,
+            )
     grads = [[p.grad for p in ps if p.grad is not None] for ps in (sharded, replicated)]
     dtypes = [g.dtype for gs in grads for g in gs]
     dtype = dtypes[0] if dtypes else torch.get_default_dtype()
@@ -163,12 +174,20 @@ def _total_norm(op: str, module: Any, norm_type: Any, group: Any) -> Tensor:
     if sharded:  # (the layout is the same on every rank: all of them communicate, or none)
         with B.label(op):
             total_sharded = collectives.all_reduce(total_sharded, "max" if inf else "sum", pg)
-    if inf:
-        return torch.maximum(total_sharded, total_replicated)
-    return (total_sharded + total_replicated).pow(1.0 / p_norm)
+    total = torch.maximum(total_sharded, total_replicated) if inf else total_sharded + total_replicated
+    if stages is not None:  # every stage's part: the whole model's (each stage holds its own)
+        with B.label(op):
+            total = collectives.all_reduce(total, "max" if inf else "sum", stages)
+    return total if inf else total.pow(1.0 / p_norm)
 
 
-def grad_norm(module: nn.Module, norm_type: float = 2.0, group: A.GroupLike = None) -> Tensor:
+def grad_norm(
+    module: nn.Module,
+    norm_type: float = 2.0,
+    group: A.GroupLike = None,
+    *,
+    pipeline_group: A.GroupLike = None,
+) -> Tensor:
     """The norm of the serial model's gradient, from a parallel model's shards.
 
     What ``torch.nn.utils.get_total_norm`` of the serial model's gradients would return:
@@ -185,6 +204,13 @@ def grad_norm(module: nn.Module, norm_type: float = 2.0, group: A.GroupLike = No
         norm_type: ``p`` of the p-norm, a positive float or ``inf`` (or ``"inf"``, as torch).
         group: ``None`` (the group of the model's parallel layers) or that group; a layer
             over another group is a ``ValueError`` (before any communication).
+        pipeline_group: with pipeline parallelism, ``module`` is this rank's stage and the
+            model's norm takes every stage's part: the group over the stages (one rank per
+            stage, e.g. a mesh's ``pp`` axis), over which the stage's part is summed (one
+            more scalar all_reduce). ``None``: ``module`` is the whole model. Without it,
+            each stage would clip by its own norm, no serial clipping. (A weight tied
+            between two stages counts on both: :func:`diffcomm.pipeline.partition` warns
+            of one.)
 
     Returns:
         0-dim tensor, the same on every rank, in the promoted dtype of the gradients.
@@ -193,7 +219,8 @@ def grad_norm(module: nn.Module, norm_type: float = 2.0, group: A.GroupLike = No
         TypeError: ``module`` is not an ``nn.Module`` (a parameter list does not say which
             parameters are shards); ``norm_type`` is not a number.
         ValueError: ``norm_type`` not positive; the model's layers over different groups, or
-            not over ``group``; parallel layers nested over two groups.
+            not over ``group``; parallel layers nested over two groups; ``pipeline_group``
+            the layers' own group.
 
     An :class:`ExpertParallelMoE`'s replicated parameters (router, shared expert) hold
     each rank's share of their gradient until ``sync_replicated_grads()``: call that first.
@@ -211,7 +238,7 @@ def grad_norm(module: nn.Module, norm_type: float = 2.0, group: A.GroupLike = No
         with dc.LocalWorld(2) as world:
             world.run(f)   # equal on both ranks: the serial MLP's gradient norm
     """
-    return _total_norm("parallel.grad_norm", module, norm_type, group)
+    return _total_norm("parallel.grad_norm", module, norm_type, group, pipeline_group)
 
 
 def clip_grad_norm_(
@@ -220,6 +247,8 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     group: A.GroupLike = None,
     error_if_nonfinite: bool = False,
+    *,
+    pipeline_group: A.GroupLike = None,
 ) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` of the serial model, on a parallel model.
 
@@ -232,6 +261,7 @@ def clip_grad_norm_(
         max_norm: the largest norm allowed.
         norm_type: as :func:`grad_norm`.
         group: as :func:`grad_norm`.
+        pipeline_group: as :func:`grad_norm`.
         error_if_nonfinite: raise ``RuntimeError`` when the total norm is nan or inf (on
             every rank alike: the norm is the same everywhere).
 
@@ -256,7 +286,7 @@ def clip_grad_norm_(
     op = "parallel.clip_grad_norm_"
     if isinstance(max_norm, bool) or not isinstance(max_norm, int | float | Tensor):
         raise A.arg_error(op, "max_norm", "a float", repr(max_norm), TypeError)
-    total = _total_norm(op, module, norm_type, group)
+    total = _total_norm(op, module, norm_type, group, pipeline_group)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
             f"diffcomm.{op}(): the total norm of order {float(norm_type)} of the gradients is "
