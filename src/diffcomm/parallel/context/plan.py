@@ -142,6 +142,7 @@ def take(x: Tensor, idx: slice | Tensor, dim: int) -> Tensor:
 
 
 def put_add(dst: Tensor, idx: slice | Tensor, dim: int, val: Tensor) -> None:
+    val = val.to(dst.dtype)  # (a 16-bit piece into a float32 accumulator)
     if isinstance(idx, slice):
         dst.narrow(dim, idx.start, idx.stop - idx.start).add_(val)
     else:

@@ -226,6 +226,14 @@ def _apply_masks(s: Tensor, allowed: Tensor | None, um: Tensor | None, is_bool: 
     return s
 
 
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ring accumulates in: float32 for 16-bit inputs, as a flash kernel does.
+    The output and log-sum-exp merged over ``W`` blocks (and the dQ/dK/dV summed over them,
+    dK/dV carried around the ring) would round at every block in bfloat16: 10-50x SDPA's
+    own error on the same inputs at world 3."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 def _keep(plan: _Plan, qpos: Tensor, kpos: Tensor, B_: int) -> Tensor:
     keep = dropout_keep_mask(plan.seed, B_, plan.heads, qpos, kpos, plan.dropout_p)
     g = plan.heads // plan.kv_heads
@@ -254,8 +262,9 @@ class _RingAttention(torch.autograd.Function):
         q5 = q.detach().reshape(Bq, Hk, G, Sl, D)
         k_, v_ = k.detach(), v.detach()
         um = None if mask is None else _Mask(mask.detach(), Hq, Hk)
-        out = torch.zeros(Bq, Hk, G, Sl, Dv, dtype=q.dtype, device=q.device)
-        lse = torch.full((Bq, Hk, G, Sl), float("-inf"), dtype=q.dtype, device=q.device)
+        acc = _accumulator(q.dtype)
+        out = torch.zeros(Bq, Hk, G, Sl, Dv, dtype=acc, device=q.device)
+        lse = torch.full((Bq, Hk, G, Sl), float("-inf"), dtype=acc, device=q.device)
         fast = _fusable(q, v, mask, plan)
         label = f"parallel.ring_attention step {{}}/{plan.world - 1}"
         for _, j, (kj, vj), t0 in _ring(plan, _pack(k_, v_), (k_, v_), label):
@@ -265,7 +274,7 @@ class _RingAttention(torch.autograd.Function):
                     o_b, lse_b = _fused_fwd(qs, take(kj, cols, 2), take(vj, cols, 2), tril, plan.scale)
                     _merge(out, lse, rows, o_b, lse_b)
                     continue
-                s = _scores(qs, take(kj, cols, 2), plan.scale)
+                s = _scores(qs.to(acc), take(kj, cols, 2).to(acc), plan.scale)
                 s = _apply_masks(
                     s, allowed, None if um is None else um.cols(rows, kpos), bool(um and um.is_bool)
                 )
@@ -276,13 +285,13 @@ class _RingAttention(torch.autograd.Function):
                 lse_b = (m + torch.log(l_)).squeeze(-1)
                 if plan.dropout_p > 0:
                     p = p * _keep(plan, qpos, kpos, Bq) / (1 - plan.dropout_p)
-                o_b = torch.matmul(p, take(vj, cols, 2).unsqueeze(2))
+                o_b = torch.matmul(p, take(vj, cols, 2).to(acc).unsqueeze(2))
                 o_b = o_b / torch.where(l_ > 0, l_, torch.ones_like(l_))
                 _merge(out, lse, rows, o_b, lse_b)
             _record("compute", t0)
-        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.save_for_backward(q, k, v, mask, out, lse)  # (out and lse in the accumulator dtype)
         ctx.plan = plan
-        return out.view(Bq, Hq, Sl, Dv)
+        return out.view(Bq, Hq, Sl, Dv).to(q.dtype)
 
     @staticmethod
     @first_order(
@@ -297,19 +306,20 @@ class _RingAttention(torch.autograd.Function):
         G = Hq // Hk
         q5 = q.reshape(Bq, Hk, G, Sl, D)
         do = g.reshape(Bq, Hk, G, Sl, Dv)
-        delta = (do * out).sum(-1)  # (B, Hk, G, Sl)
+        wide = out.dtype  # the accumulator dtype (float32 for 16-bit inputs)
+        delta = (do.to(wide) * out).sum(-1)  # (B, Hk, G, Sl)
         lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
         um = None if mask is None else _Mask(mask, Hq, Hk)
         dmask = None
         if mask is not None and ctx.needs_input_grad[3]:
-            dmask = torch.zeros_like(um.m)  # type: ignore[union-attr]
-        dq = torch.zeros_like(q5)
+            dmask = torch.zeros_like(um.m, dtype=wide)  # type: ignore[union-attr]
+        dq = torch.zeros_like(q5, dtype=wide)
         world = plan.world
         fast = _fusable(q, v, mask, plan)
         dkv: Tensor | None = None
         label = f"parallel.ring_attention backward step {{}}/{world}"
         for name, j, (kj, vj), t0 in _ring(plan, _pack(k, v), (k, v), label):
-            dk_j, dv_j = torch.zeros_like(k), torch.zeros_like(v)
+            dk_j, dv_j = torch.zeros_like(k, dtype=wide), torch.zeros_like(v, dtype=wide)
             for rows, cols, allowed, qpos, kpos, tril in plan.block(j, q.device):
                 qs = take(q5, rows, 3)
                 kc, vc = take(kj, cols, 2), take(vj, cols, 2)
@@ -319,7 +329,7 @@ class _RingAttention(torch.autograd.Function):
                         qs,
                         kc,
                         vc,
-                        take(out, rows, 3),
+                        take(out, rows, 3).to(q.dtype),
                         take(lse, rows, 3),
                         tril,
                         plan.scale,
@@ -328,12 +338,13 @@ class _RingAttention(torch.autograd.Function):
                     put_add(dk_j, cols, 2, dk_b)
                     put_add(dv_j, cols, 2, dv_b)
                     continue
+                qs, kc, vc = qs.to(wide), kc.to(wide), vc.to(wide)
                 s = _scores(qs, kc, plan.scale)
                 s = _apply_masks(
                     s, allowed, None if um is None else um.cols(rows, kpos), bool(um and um.is_bool)
                 )
                 p = torch.exp(s - take(lse_safe, rows, 3).unsqueeze(-1))
-                dos = take(do, rows, 3)
+                dos = take(do, rows, 3).to(wide)
                 dp = torch.matmul(dos, vc.unsqueeze(2).transpose(-1, -2))
                 if plan.dropout_p > 0:
                     keep = _keep(plan, qpos, kpos, Bq).to(p.dtype) / (1 - plan.dropout_p)
@@ -356,8 +367,9 @@ class _RingAttention(torch.autograd.Function):
         dk, dv = _unpack(plan.wait(dkv), (k, v))
         dm = None
         if dmask is not None:
-            dm = dmask.reshape(mask.shape)
-        return dq.view(Bq, Hq, Sl, D), dk.clone(), dv.clone(), dm, None
+            dm = dmask.reshape(mask.shape).to(mask.dtype)
+        dq_out = dq.view(Bq, Hq, Sl, D).to(q.dtype)
+        return dq_out, dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True), dm, None
 
 
 def _ring(
@@ -433,7 +445,7 @@ def _fused_fwd(qs: Tensor, kc: Tensor, vc: Tensor, causal: bool, scale: float) -
     o, lse = _FLASH_CPU(
         qs.reshape(Bn, Hk * G, n, D), _expand_kv(kc, G), _expand_kv(vc, G), 0.0, causal, scale=scale
     )
-    return o.view(Bn, Hk, G, n, D), lse.to(qs.dtype).view(Bn, Hk, G, n)
+    return o.view(Bn, Hk, G, n, D), lse.to(_accumulator(qs.dtype)).view(Bn, Hk, G, n)
 
 
 def _fused_bwd(
