@@ -7,7 +7,7 @@ shared with Ulysses :mod:`~diffcomm.parallel.context.args`. Under torch's
 (:class:`_LocalPlan`: the hop a per-rank ``ppermute``, positions and masks per rank, every
 block whole with its mask; chosen once per call). See :mod:`diffcomm.parallel.context`."""
 
-# Size: ~660 lines, over the ~600 guideline: the ring's autograd Function (forward and
+# Size: ~670 lines, over the ~600 guideline: the ring's autograd Function (forward and
 # backward rings, fused and masked block paths) and its per-simulated-rank plan under
 # LocalTensorMode read the same block loop; the block plan itself is in plan.py.
 
