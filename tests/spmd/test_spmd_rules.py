@@ -224,6 +224,11 @@ _ROW_FORMS = {
     "times_half": lambda a, w: F.linear(a, w * 0.5),
     "T": lambda a, w: a @ w.T,
     "transpose": lambda a, w: torch.matmul(a, w.transpose(0, 1)),
+    # the same product as an einsum or a tensordot (once typed varying: GELU passed)
+    "einsum": lambda a, w: torch.einsum("bf,hf->bh", a, w),
+    "einsum_implicit": lambda a, w: torch.einsum("bf,hf", a, w),
+    "tensordot": lambda a, w: torch.tensordot(a, w, dims=([1], [1])),
+    "tensordot_T": lambda a, w: torch.tensordot(a, w.T, dims=1),
 }
 
 
@@ -259,6 +264,46 @@ def test_a_row_parallel_weight_through_a_cast_or_transpose_stays_row_parallel(
         assert typ == typ_bug == "partial", (typ, typ_bug)
         assert fixed == "no error", fixed
         assert "gelu" in bug and "partial" in bug, bug
+
+
+#: a constant added to partial sums before their reduction (each rank adds it: world-size
+#: times in the sum), as a Python number, through a reflected operator, in place, as an
+#: integer tensor; ``None``: zero, which adds nothing (passes)
+_CONSTANT_FORMS = {
+    "add": (lambda p: p + 1.0, "add"),
+    "rsub": (lambda p: 1.0 - p, "rsub"),
+    "add_": (lambda p: p.add_(1.0), "add_"),
+    "int_tensor": (lambda p: p + torch.tensor(1), "add"),
+    "zero": (lambda p: p + 0.0, None),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_CONSTANT_FORMS))
+def test_a_constant_added_to_partial_sums_is_an_error(world2: dc.LocalWorld, form: str) -> None:
+    """``reduce_from_region(p + 1.0)`` holds the constant world-size times (each rank's share
+    has it); the check passed it, as a Python number is no tensor operand. ``1.0 - p`` (a
+    ``Tensor.__rsub__`` torch defines in Python, which turns a ``TypeError`` into
+    ``NotImplemented``) raised Python's "unsupported operand" instead of the check's error."""
+    shift, op = _CONSTANT_FORMS[form]
+
+    def body() -> str:
+        row = par.RowParallelLinear(8, 4, input_is_parallel=True, seed=0, bias=False)
+        g = torch.Generator().manual_seed(1 + dc.get_rank())
+        a = torch.randn(3, 8 // dc.get_world_size(), generator=g)
+        try:
+            with dc.spmd_check():
+                dc.spmd.module(row)
+                p = F.linear(dc.spmd.varying(a), row.weight)
+                par.reduce_from_region(shift(p)).pow(2).mean().backward()
+        except dc.SPMDTypeError as e:
+            return str(e)
+        return "no error"
+
+    for msg in world2.run(body):
+        if op is None:
+            assert msg == "no error", msg
+        else:
+            assert f"{op} at" in msg and "once per rank" in msg, msg
 
 
 def test_rank_slice_message_names_the_rank_not_a_random_draw(world2: dc.LocalWorld) -> None:

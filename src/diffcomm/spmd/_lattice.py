@@ -25,8 +25,10 @@ from ._ops import (
     _TEMPLATE_2ND,
     _WEIGHTED,
     SEEDED_BY_RANK,
+    _contracts_shard,
     _differentiable,
     _flat_tensors,
+    _is_number,
     _is_weight,
     _is_zero,
     _keeps_weight,
@@ -104,6 +106,8 @@ class _Lattice(_CheckState):
                     )
         elif name == "embedding" and len(recs) >= 2 and recs[1].t is V and recs[1].shard == 0:
             special_p = True
+        elif name in ("einsum", "tensordot") and _contracts_shard(name, args, kwargs, recs, ins):
+            special_p = True  # a row-parallel product written as an einsum or a tensordot
         differentiable = any(_differentiable(o) for o in outs)
         if special_p:
             res = _Rec(P, why=f"{name} with a weight sharded along its contracted dim at {_site()}")
@@ -141,7 +145,7 @@ class _Lattice(_CheckState):
         if extra is V:
             has_v = True
         if has_p:
-            return self._partial(name, recs, ins, has_v, extra)
+            return self._partial(name, recs, ins, has_v, extra, args)
         if has_v:
             vwhy = next((r.why for r in recs if r.t is V), "") or extra_why
             if diff:
@@ -207,7 +211,9 @@ class _Lattice(_CheckState):
             )
         return _Rec(P, why=part.why)
 
-    def _partial(self, name: str, recs: list[_Rec], ins: list[Tensor], has_v: bool, extra: T | None) -> _Rec:
+    def _partial(
+        self, name: str, recs: list[_Rec], ins: list[Tensor], has_v: bool, extra: T | None, args: Any = ()
+    ) -> _Rec:
         p_rec = next(r for r in recs if r.t is P)
         origin = p_rec.why
         fix = "reduce it first (parallel.reduce_from_region, or dc.all_reduce under the sum convention)"
@@ -224,13 +230,18 @@ class _Lattice(_CheckState):
         if name in _STRUCTURAL:
             ok = True
         elif name in _ADDITIVE:
-            ok = all(r.t is P for r, _ in floats)
-            if not ok:
+            # every term partial; a constant (a Python number, an integer tensor) is replicated
+            # too: ``p + 1`` adds it once per rank (zero adds nothing)
+            term = next((repr(a) for a in args if _is_number(a) and not _is_zero(a)), None)
+            if term is None:
+                term = next((r.t.value for r, t in zip(recs, ins) if r.t is not P and not _is_zero(t)), None)
+            if term is not None:
                 raise SPMDTypeError(
-                    f"diffcomm.spmd_check: {name} at {_site()}: argument is replicated, added to a "
+                    f"diffcomm.spmd_check: {name} at {_site()}: argument is {term}, added to a "
                     f"partial value ({origin}): it would be added once per rank (found partial + "
                     f"replicated, expected partial + partial). Fix: {fix}, or add it after the reduction."
                 )
+            ok = True
         elif name in _SCALING:
             ok = n_p == 1 and not (name in ("div", "div_", "truediv", "true_divide") and recs[0].t is not P)
             if ok:

@@ -354,6 +354,40 @@ def _weight_shard(name: str, args: Any, recs: list[Any], ins: list[Tensor], out:
     return pair[1] if shard == pair[0] else pair[0] if shard == pair[1] else shard
 
 
+def _contracts_shard(name: str, args: Any, kwargs: Any, recs: list[Any], ins: list[Tensor]) -> bool:
+    """Whether ``einsum`` / ``tensordot`` of a varying activation and a varying weight sums
+    over the weight's sharded dim (``einsum("bf,hf->bh", a, row.weight)``,
+    ``tensordot(a, row.weight, dims=([1], [1]))``): a row-parallel product, partial as
+    ``F.linear(a, row.weight)`` is. Two operands only; anything unread is ``False``."""
+    if len(ins) != 2 or not all(r.t is V for r in recs):
+        return False
+    w = next((i for i, r in enumerate(recs) if r.shard is not None), None)
+    if w is None:
+        return False
+    n, shard = ins[w].dim(), recs[w].shard
+    if name == "einsum":
+        eq = args[0] if args and isinstance(args[0], str) else None
+        if eq is None or "..." in eq:
+            return False
+        eq = eq.replace(" ", "")
+        lhs, _, out = eq.partition("->")
+        specs = lhs.split(",")
+        if len(specs) != 2 or len(specs[w]) != n:
+            return False
+        if "->" not in eq:  # implicit output: the letters seen once
+            out = "".join(c for c in lhs if c != "," and lhs.count(c) == 1)
+        letter = specs[w][shard % n]
+        return letter not in out and letter in specs[1 - w]
+    dims = (kwargs or {}).get("dims", args[2] if len(args) > 2 else 2)
+    if isinstance(dims, int):
+        mine = list(range(n - dims, n)) if w == 0 else list(range(dims))
+    elif isinstance(dims, list | tuple) and len(dims) == 2:
+        mine = [dims[w]] if isinstance(dims[w], int) else list(dims[w])
+    else:
+        return False
+    return _ints(mine) and shard % n in [d % n for d in mine]
+
+
 def _view_shard(shard: int | None, view: Tensor, base: Tensor) -> int | None:
     """The sharded dim of a view made outside the check's mode (``w.T``, ``w.mT``: a
     property's getter) of a base sharded along ``shard``: swapped when the view is its
@@ -374,6 +408,11 @@ def _view_shard(shard: int | None, view: Tensor, base: Tensor) -> int | None:
 
 def _ints(xs: Iterable[Any]) -> bool:
     return all(isinstance(x, int) for x in xs)
+
+
+def _is_number(x: Any) -> bool:
+    """``x`` is a Python number (an operand a torch op takes as a constant)."""
+    return isinstance(x, bool | int | float | complex)
 
 
 def _is_zero(x: Any) -> bool:

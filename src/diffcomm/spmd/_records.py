@@ -219,6 +219,13 @@ def _fname(func: Any) -> str:
     return name.strip("_") if name.startswith("__") else name
 
 
+def _reflected(func: Any) -> bool:
+    """``func`` is an operator torch defines in Python (``Tensor.__rsub__``,
+    ``__rtruediv__``, ``__rpow__``, ``__rmatmul__``, ``__floordiv__``): torch turns a
+    ``TypeError`` raised inside it into ``NotImplemented``, as for the C operators."""
+    return getattr(func, "__qualname__", "").startswith("Tensor.__")
+
+
 # ======================================================================================
 # the check's internal plans and entries
 # ======================================================================================

@@ -91,6 +91,7 @@ from ._records import (
     _Param,
     _PassThrough,
     _Rec,
+    _reflected,
     _site,
 )
 from ._with_spmd_types import _WithSpmdTypes
@@ -418,7 +419,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         try:
             self._type_plain(func, name, args, kwargs, outs)
         except SPMDTypeError as e:
-            if getattr(func, "__objclass__", None) is _TENSOR_BASE:  # maybe an operator
+            if getattr(func, "__objclass__", None) is _TENSOR_BASE or _reflected(func):  # maybe an operator
                 raise _Escape(e) from None
             raise
         return out

@@ -13,7 +13,7 @@ this rank (``None``, or the error's class name and message).
 
 from __future__ import annotations
 
-# Size: ~1000 lines, over the ~600 guideline: a table of small programs (one function per
+# Size: ~1030 lines, over the ~600 guideline: a table of small programs (one function per
 # bug, its facts in the @_bug line above it), read in order by the docs and the tests;
 # nothing in it is logic to split.
 from collections.abc import Callable
@@ -726,6 +726,27 @@ def all_gather_with_a_replicated_cotangent(fixed: bool) -> None:
     y = par.gather_from_region(y_in, dim=-1) if fixed else dc.all_gather(y_in, dim=-1)
     c = _x(*y.shape)
     torch.autograd.grad(y, w, grad_outputs=c)
+
+
+@_bug("constant added to a partial sum", "partial + replicated", "add", "1.0", "once per rank")
+def constant_added_to_partial(fixed: bool) -> None:
+    """A Python constant added to a row-parallel matmul's partial sums before their
+    reduction (a shift, a ``+ 1`` of a gate): each rank adds it, so the sum holds it
+    world-size times. A constant is replicated, as a replicated tensor is."""
+    p = _partial_sums()
+    y = par.reduce_from_region(p) + 1.0 if fixed else par.reduce_from_region(p + 1.0)
+    y.pow(2).mean().backward()
+
+
+@_bug("row-parallel einsum into GELU", "partial into nonlinearity", "gelu", "einsum")
+def row_parallel_einsum_into_nonlinearity(fixed: bool) -> None:
+    """A row-parallel matmul written as an einsum (this rank's feature shard contracted
+    with its columns of the weight) is partial, as ``F.linear`` is: GELU before the
+    reduction applies it to each rank's share."""
+    row = _row()
+    p = torch.einsum("bf,hf->bh", dc.spmd.varying(_shard(3, _fs())), row.weight)
+    y = F.gelu(par.reduce_from_region(p)) if fixed else par.reduce_from_region(F.gelu(p))
+    y.pow(2).mean().backward()
 
 
 # ======================================================================================
