@@ -75,7 +75,7 @@ from .schedules import SCHEDULES, Overlap, ScheduleFn, Step, expand_steps, sched
 from .timeline import TimelineEntry
 from .validate import check_schedule
 
-# Size: ~950 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# Size: ~1000 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
 # split backward, pre-posted receives, the V placement's local turn and the phased forward of
 # an Overlap share one step's state.
 
@@ -550,7 +550,9 @@ class PipelineRunner:
         zero them between steps) and are those of the step loss.
 
         Args:
-            inputs: the batch (rank 0): a tensor split along dim 0.
+            inputs: the batch (rank 0): a tensor split along dim 0. One that requires grad
+                (a leaf, or the output of layers run before the step) gets the loss's
+                gradient after the step, once, as ``loss.backward()`` gives it.
             targets: the targets (last rank), split along dim 0 like ``inputs``; or
                 ``None`` when ``loss_fn`` takes only the output.
             n_micro: number of micro-batches; must divide the batch size.
@@ -560,7 +562,9 @@ class PipelineRunner:
 
         Returns:
             The step loss — the **mean over micro-batches** of ``loss_fn(out_m,
-            target_m)``, equal to ``loss_fn`` on the full batch for a mean-reduced loss —
+            target_m)``, equal to ``loss_fn`` on the full batch for a mean over samples of
+            equal weight (not for a mean whose denominator depends on the micro-batch:
+            ``ignore_index``, class weights, a mask; see ``docs/pipeline.md``) —
             as a detached 0-dim tensor: on every rank with ``broadcast_loss``, else on the
             last rank (``None`` elsewhere).
 
@@ -588,6 +592,12 @@ class PipelineRunner:
                 TypeError,
             )
         in_chunks = self._split(inputs, n_micro, "inputs") if self.is_first else None
+        # inputs made by a graph outside the pipeline (an embedding applied before step):
+        # its micro-batches become leaves, and their gradients go into that graph once,
+        # after the step — each micro-batch's backward through the shared graph freed it
+        # for the next ("backward through the graph a second time" on stage 0)
+        outer = in_chunks is not None and isinstance(inputs, Tensor) and inputs.requires_grad
+        outer = outer and torch.is_grad_enabled()
         tgt_chunks = (
             self._split(targets, n_micro, "targets") if self.is_last and targets is not None else None
         )
@@ -614,7 +624,7 @@ class PipelineRunner:
         self._split_b = split_b
         total = torch.zeros((), dtype=torch.float64)
         try:
-            self._run_steps(_Batch(steps, fused, in_chunks, tgt_chunks, n_micro, input_grad, total))
+            self._run_steps(_Batch(steps, fused, in_chunks, tgt_chunks, n_micro, input_grad or outer, total))
             inputs_kept = self._inputs_kept
         except BaseException:
             self._sent.clear()  # this rank's next activations go plainly: any receive takes them
@@ -626,9 +636,14 @@ class PipelineRunner:
         finally:
             self._inputs_kept, self._posted, self._local = [], {}, {}
             self._param_nodes = [None] * self.n_chunks
-        if input_grad and self.is_first:
+        if (input_grad or outer) and self.is_first:
             grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in inputs_kept]
-            self.input_grad = torch.cat(grads)
+            g_full = torch.cat(grads)
+            if input_grad:
+                self.input_grad = g_full
+            if outer:
+                assert isinstance(inputs, Tensor)  # (outer: a tensor that requires grad)
+                torch.autograd.backward(inputs, g_full)
         if self.broadcast_loss and self.n_stages > 1:
             be = B.get_backend()
             out = be.broadcast(total.to(be.comm_device(self.pg)), self.last_rank, self.pg)
@@ -841,7 +856,9 @@ class PipelineRunner:
                         else type(loss).__name__,
                         TypeError,
                     )
-                kept.handle = loss / batch.n_micro
+                # a one-element loss of any shape (1,), (1, 1) is a scalar to backward;
+                # the step's 0-dim float64 sum refused it (torch's broadcast error)
+                kept.handle = loss.reshape(()) / batch.n_micro
             elif self._dsts[c] is None:  # the next virtual stage is this rank's (the V turn)
                 nxt_in = y.detach().requires_grad_(y.requires_grad)
                 self._local[m] = nxt_in

@@ -1,0 +1,150 @@
+"""Unusual but legitimate programs under :class:`~diffcomm.pipeline.PipelineRunner`, each
+against the float64 serial model on the full batch: inputs made by a graph outside the
+pipeline, a one-element loss that is not 0-dim, and the loss convention over
+micro-batches (the mean of ``loss_fn`` per micro-batch) with a loss whose mean is not
+over equal micro-batches (``ignore_index``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+import diffcomm as dc
+from diffcomm.pipeline import PipelineRunner, partition
+
+pytestmark = pytest.mark.diffcomm_in_process
+
+SCHEDULES_PARTS = {"1f1b": 1, "zb-h1": 1, "interleaved": 2, "zbv": 2}
+
+
+def _model(out: int = 2) -> nn.Sequential:
+    f64 = torch.float64
+    return nn.Sequential(
+        nn.Linear(3, 5, dtype=f64), nn.Tanh(), nn.Linear(5, 5, dtype=f64), nn.Tanh(),
+        nn.Linear(5, 5, dtype=f64), nn.Tanh(), nn.Linear(5, out, dtype=f64),
+    )  # fmt: skip
+
+
+def _stages(model: nn.Sequential, schedule: str) -> list[nn.Sequential]:
+    """This rank's chunks of ``model`` in ``schedule``'s placement."""
+    r, p = dist.get_rank(), dist.get_world_size()
+    v = SCHEDULES_PARTS[schedule]
+    parts = partition(model, p * v)
+    if schedule == "zbv":
+        return [parts[r], parts[2 * p - 1 - r]]
+    return parts[r::p] if v > 1 else [parts[r]]
+
+
+def _grad_diff(stages: Sequence[nn.Module], serial: Sequence[nn.Module]) -> float:
+    pairs = [
+        pair for s, t in zip(stages, serial, strict=True) for pair in zip(s.parameters(), t.parameters())
+    ]
+    return max(float((a.grad - b.grad).abs().max()) for a, b in pairs)
+
+
+def _outer_graph_inputs(schedule: str) -> tuple[float, float, float, float]:
+    """The inputs come out of a Linear applied before ``step`` (an embedding outside the
+    pipeline): the loss, the serial loss, this rank's largest gradient difference and the
+    outer Linear's (on rank 0, which holds the inputs)."""
+    torch.manual_seed(0)
+    model, outer = _model(), nn.Linear(3, 3, dtype=torch.float64)
+    serial, serial_outer = copy.deepcopy(model), copy.deepcopy(outer)
+    stages, serial_stages = _stages(model, schedule), _stages(serial, schedule)
+    runner = PipelineRunner(stages if len(stages) > 1 else stages[0], schedule, loss_fn=F.mse_loss)
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    loss = runner.step(outer(x), y, n_micro=4)
+    ref = F.mse_loss(serial(serial_outer(x)), y)
+    ref.backward()
+    outer_diff = 0.0
+    if dist.get_rank() == 0:
+        assert outer.weight.grad is not None
+        outer_diff = _grad_diff([outer], [serial_outer])
+    assert loss is not None
+    return float(loss), float(ref), _grad_diff(stages, serial_stages), outer_diff
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved", "zbv"])
+def test_inputs_made_by_a_graph_outside_the_pipeline_get_their_gradient(
+    world2: dc.LocalWorld, schedule: str
+) -> None:
+    """``step(outer(x), ...)``: every micro-batch's backward ran through the graph the
+    micro-batches share (the split of ``outer(x)``), so the second one raised torch's
+    "Trying to backward through the graph a second time" on rank 0 where the serial
+    model runs. Now the micro-batches are leaves and their gradient goes into the outer
+    graph once, after the step: the outer Linear's gradient is the serial one's."""
+    for loss, ref, diff, outer_diff in world2.run(_outer_graph_inputs, schedule):
+        assert loss == pytest.approx(ref, rel=1e-13)
+        assert diff < 1e-13 and outer_diff < 1e-13
+
+
+def _loss_of_shape_1(schedule: str) -> tuple[float, float, float]:
+    torch.manual_seed(0)
+    model = _model()
+    serial = copy.deepcopy(model)
+    stages, serial_stages = _stages(model, schedule), _stages(serial, schedule)
+
+    def loss_fn(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, tgt).reshape(1)  # one element, not 0-dim (a keepdim sum)
+
+    runner = PipelineRunner(stages if len(stages) > 1 else stages[0], schedule, loss_fn=loss_fn)
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    loss = runner.step(x, y, n_micro=3)
+    ref = loss_fn(serial(x), y)
+    ref.backward()
+    assert loss is not None and loss.shape == ()
+    return float(loss), float(ref), _grad_diff(stages, serial_stages)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_one_element_loss_that_is_not_0_dim_is_a_scalar(world2: dc.LocalWorld, schedule: str) -> None:
+    """A ``loss_fn`` returning shape ``(1,)`` passed the scalar check (one element) and
+    then failed on the last stage inside the runner's sum with torch's "output with shape
+    [] doesn't match the broadcast shape [1]"; ``loss.backward()`` takes it serially."""
+    for loss, ref, diff in world2.run(_loss_of_shape_1, schedule):
+        assert loss == pytest.approx(ref, rel=1e-13)
+        assert diff < 1e-13
+
+
+def _ignore_index_losses() -> tuple[float, float, float, float]:
+    """Cross-entropy with ``ignore_index``, 3 of the first micro-batch's 4 targets ignored:
+    the step loss as documented (the mean over micro-batches), the full-batch loss, and
+    with a sum-reduced loss over the batch's count of kept targets: its loss and gradient
+    difference against the full batch's."""
+    torch.manual_seed(0)
+    model = _model(out=4)
+    serial = copy.deepcopy(model)
+    stages, serial_stages = _stages(model, "1f1b"), _stages(serial, "1f1b")
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 4, (8,))
+    y[:3] = -100
+    m = 2
+    plain = PipelineRunner(stages[0], "1f1b", loss_fn=F.cross_entropy)
+    per_micro = plain.step(x, y, n_micro=m)
+    model.zero_grad()
+    kept = int((y != -100).sum())  # of the whole batch, known on the last stage
+
+    def token_mean(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        # the step divides by n_micro: undo it, and divide by the batch's kept targets
+        return F.cross_entropy(out, tgt, reduction="sum") * m / kept
+
+    loss = PipelineRunner(stages[0], "1f1b", loss_fn=token_mean).step(x, y, n_micro=m)
+    ref = F.cross_entropy(serial(x), y)
+    ref.backward()
+    assert per_micro is not None and loss is not None
+    return float(per_micro), float(ref), float(loss) - float(ref), _grad_diff(stages, serial_stages)
+
+
+def test_a_mean_over_unequal_micro_batches_is_the_mean_of_their_means(world2: dc.LocalWorld) -> None:
+    """The step loss is the mean over micro-batches of ``loss_fn``: for a mean whose
+    denominator differs per micro-batch (``ignore_index``, class weights, a mask) that is
+    not the full-batch loss (1.085 against 1.157 here, with no error). A sum-reduced
+    ``loss_fn`` scaled by ``n_micro`` over the batch's count gives the full batch's."""
+    for per_micro, ref, diff, grad_diff in world2.run(_ignore_index_losses):
+        assert abs(per_micro - ref) > 0.01
+        assert abs(diff) < 1e-13 and grad_diff < 1e-13
