@@ -580,6 +580,38 @@ def test_debug_mode_under_local_tensor_mode_refuses_as_without() -> None:
         run_under_local_tensor_mode(n, program)
 
 
+#: case -> (op, each rank's rows, the raw op named): real ranks' buffers must agree
+_SHAPES_DIFFER: dict[str, tuple[Callable[[torch.Tensor], Any], list[int], str]] = {
+    "all_reduce": (dc.all_reduce, [1, 2], "all_reduce"),  # (was: rank 0's row broadcast)
+    "reduce": (lambda x: dc.reduce(x, dst=0, op="max"), [1, 2], "all_reduce"),
+    "broadcast": (lambda x: dc.broadcast(x, src=1), [2, 4], "broadcast"),
+    "all_to_all": (dc.all_to_all, [2, 4], "all_to_all"),
+    "shift": (lambda x: dc.shift(x, 1), [2, 2, 4], "ppermute"),
+    "gather_from_region": (P.gather_from_region, [1, 2, 2], "all_gather"),  # (no size exchange)
+    "all_gather_from_sequence": (P.all_gather_from_sequence, [2, 4], "all_gather"),
+}
+
+
+@pytest.mark.parametrize("case", list(_SHAPES_DIFFER))
+def test_shapes_that_differ_per_rank_where_the_op_needs_one_are_an_error(
+    case: str, inproc_worlds: Callable[[int], Any]
+) -> None:
+    """A tensor whose shape differs between the simulated ranks, given to an op whose
+    ranks must agree (no size exchange): real and in-process ranks fail; under the mode
+    the per-rank result was computed anyway — all_reduce broadcast a one-row tensor,
+    broadcast gave every rank the root's shape, all_gather / shift joined any lengths — a
+    value no real run gives, with no error."""
+    fn, rows, raw = _SHAPES_DIFFER[case]
+
+    def program() -> Any:
+        return fn(per_rank(5, 0, 2, rows=lambda r: rows[r]))
+
+    with pytest.raises(RankError):
+        inproc_worlds(len(rows)).run(program)
+    with pytest.raises(RuntimeError, match=rf"LocalTensorMode: {raw}: the simulated ranks hold tensors of "):
+        run_under_local_tensor_mode(len(rows), program)
+
+
 def _compat_broadcast_from_global_rank_2() -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -12,7 +12,9 @@ each copy of the group, in group-rank order), exactly what each real rank gets:
 * reductions combine the ranks' tensors **in rank order** (``avg``: the sum, then divided
   by the group size), as an in-process world does;
 * a rooted op reads the root's tensor and gives the other ranks exact zeros;
-* uneven sizes (a ``LocalTensor`` whose ranks hold different lengths) travel as they are;
+* uneven sizes (a ``LocalTensor`` whose ranks hold different lengths) travel as they are
+  where the op takes them (all_gather / gather with sizes, uneven all_to_all); elsewhere a
+  shape that differs per rank is the RuntimeError real ranks' mismatch is (:func:`_check_alike`);
 * ``shift`` / ``ppermute`` (whose pairs are the same on every rank) move each rank's
   tensor to its peer (:meth:`LocalTensorBackend.ppermute`); so does the ring of
   ``ring_attention`` / ``usp_attention``, whose positions and masks are computed per rank
@@ -121,10 +123,19 @@ class LocalTensorBackend(CoalescedOps):
             return dict(local)
         return {r: x for r in self._mode().ranks}
 
-    def _each(self, xs: Sequence[torch.Tensor], group: Any, fn: Callable[..., list[torch.Tensor]]) -> Any:
+    def _each(
+        self,
+        xs: Sequence[torch.Tensor],
+        group: Any,
+        fn: Callable[..., list[torch.Tensor]],
+        alike: str | None = None,
+        rows: Sequence[int] | None = None,
+    ) -> Any:
         """Run ``fn(*[every group rank's tensor of each x])`` -> one output per group rank
         (in group-rank order), for every copy of ``group``; the outputs as one
-        ``LocalTensor``."""
+        ``LocalTensor``. ``alike``: the op's name, whose ranks must hold the first x in one
+        shape (``rows``: dim 0 may differ, group rank ``i``'s must be ``rows[i]``), as real
+        processes' buffers must (:func:`_check_alike`)."""
         lt = local_tensor_api()
         mode = self._mode()
         values = [self._values(x) for x in xs]
@@ -133,6 +144,8 @@ class LocalTensorBackend(CoalescedOps):
             for members in local_group_instances(group):
                 if not all(r in v for v in values for r in members):
                     raise refuse("a collective", f"the tensor holds no values for some of ranks {members}")
+                if alike is not None:
+                    _check_alike(alike, {r: values[0][r].shape for r in members}, rows)
                 got = fn(*[[v[r].detach() for r in members] for v in values])
                 for r, y in zip(members, got, strict=True):
                     out[r] = y
@@ -232,12 +245,12 @@ class LocalTensorBackend(CoalescedOps):
 
     # ---- collectives -----------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: str, group: Any) -> torch.Tensor:
-        return self._each([x], group, lambda ts: [_reduce(op, ts) for _ in ts])
+        return self._each([x], group, lambda ts: [_reduce(op, ts) for _ in ts], "all_reduce")
 
     _all_reduce_into = all_reduce
 
     def broadcast(self, x: torch.Tensor, src: int, group: Any) -> torch.Tensor:
-        return self._each([x], group, lambda ts: [ts[src].clone() for _ in ts])
+        return self._each([x], group, lambda ts: [ts[src].clone() for _ in ts], "broadcast")
 
     _broadcast_into = broadcast
 
@@ -246,13 +259,14 @@ class LocalTensorBackend(CoalescedOps):
             red = _reduce(op, ts)
             return [red if i == dst else torch.zeros_like(red) for i in range(len(ts))]
 
-        return self._each([x], group, fn)
+        return self._each([x], group, fn, "reduce")
 
     def all_gather(self, x: torch.Tensor, group: Any, sizes: Sequence[int] | None = None) -> torch.Tensor:
-        return self._each([x], group, lambda ts: [torch.cat(ts) for _ in ts])
+        return self._each([x], group, lambda ts: [torch.cat(ts) for _ in ts], "all_gather", sizes)
 
     def all_gather_unsized(self, x: torch.Tensor, group: Any, dim: int = 0) -> tuple[torch.Tensor, list[int]]:
-        return self.all_gather(x, group), self._ints(x.shape[0], group)
+        sizes = self._ints(x.shape[0], group)
+        return self.all_gather(x, group, sizes), sizes
 
     def reduce_scatter(
         self, x: torch.Tensor, op: str, group: Any, split_sizes: Sequence[int] | None = None
@@ -262,7 +276,7 @@ class LocalTensorBackend(CoalescedOps):
             sizes = list(split_sizes) if split_sizes is not None else [red.shape[0] // len(ts)] * len(ts)
             return [c.clone() for c in red.split(sizes)]
 
-        return self._each([x], group, fn)
+        return self._each([x], group, fn, "reduce_scatter")
 
     def gather(
         self, x: torch.Tensor, dst: int, group: Any, sizes: Sequence[int] | None = None
@@ -271,7 +285,7 @@ class LocalTensorBackend(CoalescedOps):
             full = torch.cat(ts)
             return [full if i == dst else torch.zeros_like(full) for i in range(len(ts))]
 
-        return self._each([x], group, fn)
+        return self._each([x], group, fn, "gather", sizes)
 
     def scatter(
         self, x: torch.Tensor, src: int, group: Any, split_sizes: Sequence[int] | None = None
@@ -285,7 +299,7 @@ class LocalTensorBackend(CoalescedOps):
 
     def _even_all_to_all(self, x: torch.Tensor, group: Any) -> torch.Tensor:
         """Chunk ``j`` of rank ``i``'s ``x`` to rank ``j`` (equal chunks)."""
-        return self._each([x], group, lambda ts: _all_to_all_parts(ts, len(ts)))
+        return self._each([x], group, lambda ts: _all_to_all_parts(ts, len(ts)), "all_to_all")
 
     def _uneven_all_to_all(
         self, x: torch.Tensor, group: Any, input_split_sizes: Sizes, output_split_sizes: Sizes
@@ -325,6 +339,8 @@ class LocalTensorBackend(CoalescedOps):
 
         def fn(ts: list[torch.Tensor]) -> list[torch.Tensor]:
             src = {d: s for s, d in perm}
+            for d, s in src.items():  # (a receiver's buffer is its own x: the sender's shape)
+                _check_alike("ppermute", {s: ts[s].shape, d: ts[d].shape}, None, group_ranks=True)
             return [ts[src[i]].clone() if i in src else torch.zeros_like(ts[i]) for i in range(len(ts))]
 
         return self._each([x], group, fn)
@@ -350,6 +366,30 @@ class LocalTensorBackend(CoalescedOps):
 
     def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]], group: Any) -> None:
         raise refuse("send/recv (batch_p2p)", PEER_WHY)
+
+
+def _check_alike(
+    op: str, shapes: dict[int, torch.Size], rows: Sequence[int] | None, group_ranks: bool = False
+) -> None:
+    """Refuse tensors whose shapes differ between the simulated ranks where ``op`` needs
+    one shape (``rows``: dim 0 may differ, the ``i``-th rank's must be ``rows[i]``). Real
+    processes' buffers are sized from each rank's own tensor: there gloo aborts or leaves
+    garbage, and the in-process world raises; computed per rank here, ``torch.add`` would
+    broadcast a one-row tensor and ``cat`` join any lengths, a value no real run gives."""
+    got = list(shapes.values())
+    rest = {s[1:] for s in got} if rows is not None else set(got)
+    lengths_ok = rows is None or all(len(s) > 0 and s[0] == n for s, n in zip(got, rows, strict=True))
+    if len(rest) == 1 and lengths_ok:
+        return
+    who = "group rank" if group_ranks else "rank"
+    held = ", ".join(f"{who} {r}: {tuple(s)}" for r, s in shapes.items())
+    want = "one shape" if rows is None else f"dim 0 of {list(rows)} rows and one shape beyond it"
+    raise RuntimeError(
+        f"diffcomm under torch's LocalTensorMode: {op}: the simulated ranks hold tensors of "
+        f"{held}, where the op needs {want}: the ranks called it with different shapes or "
+        "split sizes (on real processes gloo aborts a rank that receives more than it "
+        "expects, or leaves garbage; LocalWorld(n, in_process=True) raises)"
+    )
 
 
 def _all_to_all_parts(ts: list[torch.Tensor], n: int) -> list[torch.Tensor]:
