@@ -176,6 +176,14 @@ def _tp(name: str) -> Callable[[], tuple]:
         "ParallelMLP[sequence_parallel]": _layer(
             lambda: P.ParallelMLP(8, 32, sequence_parallel=True, seed=4, **f64), h=8, chunk=3
         ),
+        # overlap=: the blocking mappings under the mode (as under torch.func), against the
+        # fused ring / comm Functions in the in-process world (the ring re-associates sums)
+        "ParallelMLP[sequence_parallel, overlap='ring']": _layer(
+            lambda: P.ParallelMLP(8, 32, sequence_parallel=True, overlap="ring", seed=4, **f64), h=8, chunk=3
+        ),
+        "ParallelMLP[overlap='comm']": _layer(
+            lambda: P.ParallelMLP(8, 32, overlap="comm", seed=4, **f64), h=8
+        ),
         "ParallelSelfAttention": _layer(
             lambda: P.ParallelSelfAttention.from_serial(
                 P.SelfAttention(8, 4, causal=True, dtype=torch.float64)
@@ -197,6 +205,8 @@ _TP_ROWS = (
     "SequenceParallelLayerNorm",
     "ParallelMLP",
     "ParallelMLP[sequence_parallel]",
+    "ParallelMLP[sequence_parallel, overlap='ring']",
+    "ParallelMLP[overlap='comm']",
     "ParallelSelfAttention",
 )
 
@@ -554,6 +564,16 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         r"`parallel.ExpertParallelMoE\(experts=...\)` .*reads this rank",
     ),
     "pipeline (PipelineRunner)": (_pipeline, 2, r"`get_rank` .*reads this rank"),
+    "all_reduce(precision=bf16)": (
+        _one(lambda x: dc.all_reduce(x, precision=dc.Precision("bf16")), 2, 3),
+        2,
+        r"`all_reduce\(precision=...\)` .*quantized wire reads this rank",
+    ),
+    "reduce_from_region(precision=bf16)": (
+        _one(lambda x: P.reduce_from_region(x, precision=dc.Precision("bf16")), 2, 3),
+        2,
+        r"`parallel.reduce_from_region\(precision=...\)` .*quantized wire reads this rank",
+    ),
 }
 
 

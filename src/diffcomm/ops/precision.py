@@ -35,8 +35,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .. import _torch
 from .. import backend as B
 from ..backend import args as A
+from ..backend.local_tensor import RANK_WHY, refuse
 from .all_gather import _AllGather, _ReduceScatter, raw_all_gather, raw_reduce_scatter
 from .all_reduce import _AllReduce, raw_all_reduce
 from .all_to_all import _AllToAll, raw_all_to_all
@@ -110,8 +112,13 @@ def _check_linear(op_name: str, opname: str) -> None:
 
 
 def _no_async(async_op: bool, opname: str) -> None:
+    """What a quantized op does not run with: ``async_op=True``, and torch's
+    ``LocalTensorMode`` (each rank encodes its own chunk, read with this rank as a Python
+    int: refused naming the op, before any communication)."""
     if async_op:
         raise ValueError(f"diffcomm.{opname}(): async_op=True with precision= is not supported (yet)")
+    if _torch.local_tensor_mode_on():
+        raise refuse(f"{opname}(precision=...)", f"its quantized wire {RANK_WHY[3:]}")
 
 
 # ----------------------------------------------------------------------------- runs

@@ -301,8 +301,10 @@ class _ColumnRing(torch.autograd.Function):
 
 def _blocking() -> bool:
     """Whether to run the blocking mappings: a ``torch.func`` transform or a forward-mode
-    AD level (``torch.autograd.forward_ad.dual_level()``) is active."""
-    return _torch.transforms_active() or _torch.forward_ad_level() >= 0
+    AD level (``torch.autograd.forward_ad.dual_level()``) is active, or torch's
+    ``LocalTensorMode`` (one program for every rank: no transport to overlap, and the ring
+    reads this rank as a Python int)."""
+    return _torch.transforms_active() or _torch.forward_ad_level() >= 0 or _torch.local_tensor_mode_on()
 
 
 def column_linear(x: Tensor, w: Tensor, b: Tensor | None, mode: str, sp_dim: int | None, pg: PG) -> Tensor:

@@ -18,7 +18,9 @@ from typing import Any
 
 from torch import Tensor
 
+from .. import _torch
 from ..backend import args
+from ..backend.local_tensor import RANK_WHY, refuse
 from ..ops.base import apply
 from ..ops.precision import (
     QUANTIZED,
@@ -105,6 +107,8 @@ def mapping(name: str, x: Any, group: args.GroupLike, precision: Any, **kw: Any)
     """``parallel.<name>(x, ..., precision=...)``: validate (forward and backward
     layouts, before any communication), then apply the quantized mapping."""
     x, pg = mappings._prepare(name, x, group)
+    if _torch.local_tensor_mode_on():  # (as the core quantized ops: named, before any exchange)
+        raise refuse(f"parallel.{name}(precision=...)", f"its quantized wire {RANK_WHY[3:]}")
     b = mappings._b()
     world, rank = b.world_size(pg), b.rank(pg)
     if name == "all_to_all_region":  # the mapping's own op (its typing rule, even chunks)
