@@ -415,6 +415,15 @@ def local_tensor_mode_off() -> Iterator[None]:
         yield
 
 
+def functorch_off() -> Any:
+    """A ``with`` block where torch.func's transforms do not see the tensors made (torch's
+    ``_DisableFuncTorch``): for a per-rank constant made under ``LocalTensorMode`` inside
+    ``torch.func.jvp`` — one made at the transform's level fails when mixed with its
+    tensors, inside torch ("Cannot access data pointer of Tensor that doesn't have
+    storage"), while one made outside the level is a constant, as it should be."""
+    return torch._C._DisableFuncTorch()
+
+
 def every_rank(x: Any) -> Any:
     """``x`` as every simulated rank's tensor (a ``LocalTensor`` holding ``x`` on each) if
     a ``LocalTensorMode`` is on and ``x`` is plain, else ``x``: a plain tensor is every

@@ -710,6 +710,33 @@ def test_check_adjoint_refuses_an_x_zero_on_every_rank_under_local_tensor_mode(i
     assert run_under_local_tensor_mode(2, _adjoint_test_x_zero_on, (0,))[0] < 1e-12
 
 
+def _forward_mode(op: str, how: str) -> list[torch.Tensor]:
+    """``reduce(x, dst=1, op=op)``'s value and tangent by forward-mode AD (``how``: torch's
+    ``forward_ad`` dual tensors or ``torch.func.jvp``)."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, t = per_rank(26, 2, 3).detach(), per_rank(27, 2, 3).detach()
+    if how == "func":
+        return list(torch.func.jvp(lambda u: dc.reduce(u, dst=1, op=op), (x,), (t,)))
+    with fwAD.dual_level():
+        return list(fwAD.unpack_dual(dc.reduce(fwAD.make_dual(x, t), dst=1, op=op)))
+
+
+@pytest.mark.parametrize("how", ["forward_ad", "func"])
+@pytest.mark.parametrize("op", ["min", "max", "product", "sum"])
+def test_forward_mode_of_reduce_under_local_tensor_mode_equals_real_processes(
+    op: str, how: str, world3: Any
+) -> None:
+    """``jvp`` of ``reduce`` (the in-process world refuses forward-mode AD: compared with
+    real processes). max/min/product keep the root's value by a per-rank mask; that was
+    ``torch.where``, whose forward-mode rule crashes under the mode (a segfault, or
+    "Cannot access data pointer of Tensor that doesn't have storage")."""
+    here = run_under_local_tensor_mode(3, _forward_mode, op, how)
+    want = world3.run(_forward_mode, op, how)
+    for r in range(3):
+        assert _close(here[r], want[r]), (r, here[r], want[r])
+
+
 # ---- hypothesis: ops x shapes x split sizes x worlds 1-4 ---------------------------------
 
 _OPS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter"]

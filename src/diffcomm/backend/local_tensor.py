@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from .._errors import DiffcommError
-from .._torch import local_group_instances, local_int, local_tensor_api
+from .._torch import functorch_off, local_group_instances, local_int, local_tensor_api
 from .torch_distributed import CoalescedOps, Sizes
 
 _HELPERS = frozenset(
@@ -165,16 +165,20 @@ class LocalTensorBackend(CoalescedOps):
 
     def rank_is(self, group: Any, r: int, device: torch.device) -> torch.Tensor:
         """A 0-dim bool tensor, per simulated rank: whether it is group rank ``r``."""
-        proto = torch.empty(0, device=device)
-        return self._each(
-            [proto], group, lambda ps: [torch.tensor(i == r, device=device) for i in range(len(ps))]
-        )
+        with functorch_off():  # (a constant, also inside torch.func.jvp: see functorch_off)
+            proto = torch.empty(0, device=device)
+            return self._each(
+                [proto], group, lambda ps: [torch.tensor(i == r, device=device) for i in range(len(ps))]
+            )
 
     def rank_tensor(self, group: Any, device: torch.device) -> torch.Tensor:
         """A 0-dim int64 tensor, per simulated rank: its group rank (to compute with,
         e.g. ``ids - rank * rows``, where an int holding one value per rank cannot go)."""
-        proto = torch.empty(0, device=device)
-        return self._each([proto], group, lambda ps: [torch.tensor(i, device=device) for i in range(len(ps))])
+        with functorch_off():  # (a constant, also inside torch.func.jvp: see functorch_off)
+            proto = torch.empty(0, device=device)
+            return self._each(
+                [proto], group, lambda ps: [torch.tensor(i, device=device) for i in range(len(ps))]
+            )
 
     def each_rank(self, group: Any, fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
         """``fn(group rank, each x's tensor on that rank)`` run for every simulated rank
@@ -211,7 +215,7 @@ class LocalTensorBackend(CoalescedOps):
         """A 1-D int64 tensor of ``ns`` (ints, or ``SymInt`` s holding one int per
         simulated rank): each simulated rank's own values."""
         lt = local_tensor_api()
-        with self._mode().disable():
+        with functorch_off(), self._mode().disable():
             return lt.LocalTensor(
                 {
                     r: torch.tensor([local_int(n, r) for n in ns], dtype=torch.int64, device=device)

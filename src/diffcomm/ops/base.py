@@ -45,7 +45,7 @@ or ``None`` when ``args`` already describe a linear op; ``weight(x, y, *args)`` 
 
 from __future__ import annotations
 
-# Size: ~610 lines, over the ~600 guideline: the op base is one piece (the facts an op
+# Size: ~655 lines, over the ~600 guideline: the op base is one piece (the facts an op
 # states, and forward, backward, jvp, vmap and the compile twin derived from them, with
 # the fast path and the spmd_types path of ``apply``); split, each half would need the other.
 from typing import Any, ClassVar
@@ -470,9 +470,13 @@ def batch_first(x: Tensor, bdim: int | None) -> Tensor:
 def only_on(x: Tensor, keep: bool | Tensor) -> Tensor:
     """``x`` where ``keep`` (a bool, or a 0-dim bool tensor: one per simulated rank under
     ``LocalTensorMode``) else exact zeros — still connected to ``x``'s graph, so the
-    backward of whatever produced ``x`` runs on every rank (the SPMD rule)."""
+    backward of whatever produced ``x`` runs on every rank (the SPMD rule).
+
+    ``masked_fill``, not ``torch.where``: under ``LocalTensorMode`` forward-mode AD of
+    ``where`` crashes inside torch (a segfault, or "Cannot access data pointer of Tensor
+    that doesn't have storage"), so ``jvp`` of ``reduce(op="min")`` could not run there."""
     mask = keep if isinstance(keep, Tensor) else torch.tensor(keep, device=x.device)
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x.masked_fill(~mask, 0)
 
 
 # ======================================================================================
