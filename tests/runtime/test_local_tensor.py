@@ -632,6 +632,64 @@ def test_shapes_that_differ_per_rank_where_the_op_needs_one_are_an_error(
         run_under_local_tensor_mode(len(rows), program)
 
 
+#: case -> (op, each rank's rows, the error's words): a size that differs per rank where
+#: the op sizes its buffers from this rank's x (the ragged cases an earlier probe found)
+_SIZES_DIFFER: dict[str, tuple[Callable[[torch.Tensor], Any], list[int], str]] = {
+    # (was torch's "unhashable type: non-nested SymInt")
+    "all_to_all_region": (
+        lambda x: P.all_to_all_region(x, 0, 1),
+        [2, 4],
+        r"parallel.all_to_all_region\(\): `x` must be of one size along dim 0 on every rank.*"
+        r"\(rank 0: 2, rank 1: 4\)",
+    ),
+    # (was torch's "SymIntArrayRef expected to contain only concrete integers")
+    "scatter": (
+        lambda x: dc.scatter(x, src=1),
+        [3, 3, 6],
+        r"diffcomm.scatter\(\): `x` must be of one size along the split dim on every rank.*rank 2: 6\)$",
+    ),
+    "reduce_scatter": (dc.reduce_scatter, [2, 4], r"diffcomm.reduce_scatter\(\): `x` must be of one size"),
+    # the backward's all_gather: the raw op's per-rank check
+    "scatter_to_region (backward)": (
+        P.scatter_to_region,
+        [2, 4],
+        r"LocalTensorMode: all_gather: the simulated",
+    ),
+    "scatter_to_sequence (backward)": (
+        P.scatter_to_sequence,
+        [2, 4],
+        r"LocalTensorMode: all_gather: the simulated",
+    ),
+    "broadcast_coalesced": (
+        lambda x: dc.broadcast_coalesced([x], src=1),
+        [2, 4],
+        r"LocalTensorMode: broadcast: the simulated ranks hold",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_SIZES_DIFFER))
+def test_sizes_that_differ_per_rank_are_a_diffcomm_error_naming_the_op(
+    case: str, inproc_worlds: Callable[[int], Any]
+) -> None:
+    """Ragged inputs (rank ``r``'s rows differ) to ops whose ranks must agree on a size:
+    the in-process world's ranks fail at the exchange ("called it with different shapes");
+    under the mode the error is diffcomm's, naming the op and each rank's size, before
+    any exchange where the op reads its sizes from ``x`` (all_to_all_region and scatter
+    failed inside torch: "unhashable type: non-nested SymInt", "SymIntArrayRef expected
+    to contain only concrete integers")."""
+    fn, rows, words = _SIZES_DIFFER[case]
+
+    def program() -> Any:
+        x = per_rank(5, 0, 4, rows=lambda r: rows[r])
+        return outs_and_grads([fn(x)], [x])
+
+    with pytest.raises(RankError):
+        inproc_worlds(len(rows)).run(program)
+    with pytest.raises((ValueError, RuntimeError), match=words):
+        run_under_local_tensor_mode(len(rows), program)
+
+
 def _compat_broadcast_from_global_rank_2() -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -39,7 +39,7 @@ _REDUCE_OP_NAMES = {
 
 
 def _where() -> str:
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and not _torch.local_tensor_mode_on():
         return f" (rank {dist.get_rank()})"
     return ""
 
@@ -200,6 +200,8 @@ def check_split_sizes(
     ``LocalTensorMode`` (``SymInt`` s) are taken, each rank's checked (``all_to_all``,
     whose sizes are each rank's own); elsewhere they are a ``TypeError``."""
     if split_sizes is None:
+        if type(total) is not int and not per_rank:  # (a SymInt: torch.compile or LocalTensorMode)
+            check_one_size(total, op, "x", "the split dim")
         if total % world != 0:
             raise arg_error(
                 op,
@@ -233,6 +235,38 @@ def check_split_sizes(
             op, arg, f"sizes summing to {total} (the size along the split dim)", f"{sizes} (sum {sum(sizes)})"
         )
     return sizes
+
+
+def per_rank_sizes(n: Any) -> dict[int, int] | None:
+    """Each simulated rank's value of the size ``n`` where it differs between them under
+    torch's ``LocalTensorMode`` (a ``SymInt`` over torch's ``LocalIntNode``), else ``None``."""
+    if type(n) is int or not _torch.local_tensor_mode_on():
+        return None
+    got = {r: _torch.local_int(n, r) for r in sorted(_torch.local_tensor_api().local_tensor_mode().ranks)}
+    return got if len(set(got.values())) > 1 else None
+
+
+def check_one_size(n: Any, op: str, arg: str, where: str) -> None:
+    """A size of ``arg`` along ``where`` that must be the same on every rank (each rank's
+    buffers are sized from its own): under torch's ``LocalTensorMode`` one that differs
+    between the simulated ranks is this ValueError naming the op, not torch's error inside
+    the per-rank computation (real and in-process ranks fail at the exchange: the ranks
+    called the op with different shapes)."""
+    got = per_rank_sizes(n)
+    if got is not None:
+        held = ", ".join(f"rank {r}: {v}" for r, v in got.items())
+        raise arg_error(
+            op,
+            arg,
+            f"of one size along {where} on every rank (each rank's buffers are sized from its own)",
+            f"sizes that differ per simulated rank ({held})",
+        )
+
+
+def check_one_shape(x: torch.Tensor, op: str, arg: str = "x") -> None:
+    """:func:`check_one_size` for every dim of ``x``."""
+    for d, n in enumerate(x.shape):
+        check_one_size(n, op, arg, f"dim {d}")
 
 
 def _per_rank_split_sizes(split_sizes: Sequence[Any], total: Any, world: int, op: str, arg: str) -> list[Any]:

@@ -799,6 +799,7 @@ def all_to_all_region(
             "all_to_all_region", x, group, precision, split_dim=split_dim, concat_dim=concat_dim
         )
     x, pg = _prepare("all_to_all_region", x, group)
+    A.check_one_shape(x, "parallel.all_to_all_region")  # (its sizes are read from this rank's x)
     world = _b().world_size(pg)
     split_dim = _even_dim("all_to_all_region", x, split_dim, world, "split_dim")
     concat_dim = A.check_dim(x, concat_dim, "parallel.all_to_all_region", "concat_dim")
