@@ -262,15 +262,17 @@ def _ring(
     return program
 
 
-def _usp(layout: str, causal: bool, heads: int = 4) -> Callable[[], tuple]:
-    """``usp_attention`` on a 2 x 2 mesh (Ulysses x ring), q, k, v taken from one whole
-    sequence with ``shard`` (each simulated rank its own piece) and put back with
+def _usp(
+    layout: str, causal: bool, heads: int = 4, mesh_shape: tuple[int, int] = (2, 2)
+) -> Callable[[], tuple]:
+    """``usp_attention`` on a ``mesh_shape`` mesh (Ulysses x ring), q, k, v taken from one
+    whole sequence with ``shard`` (each simulated rank its own piece) and put back with
     ``unshard``."""
 
     def program() -> tuple:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses", "ring"))
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("ulysses", "ring"))
         ug, rg = (mesh, "ulysses"), (mesh, "ring")
         full = [per_rank(s, 1, heads, 8, 4, same=True).detach() for s in (21, 22, 23)]  # the whole sequence
         q, k, v = (P.shard(t, 2, rg, layout=layout, ulysses_group=ug).requires_grad_() for t in full)
@@ -360,6 +362,12 @@ def _pipeline() -> tuple:
     runner = PipelineRunner(stage, "1f1b", loss_fn=nn.functional.mse_loss)
     x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
     return runner.step(x, y, n_micro=2)
+
+
+def _gradcheck() -> Any:
+    from diffcomm.testing import gradcheck
+
+    return gradcheck(dc.all_gather, per_rank(1, 3))
 
 
 def _send_recv() -> Any:
@@ -473,6 +481,11 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     ),
     "usp_attention": (_usp("contiguous", True), 4),
     "usp_attention[zigzag]": (_usp("zigzag", True), 4),
+    "usp_attention[zigzag, 4 x 1 mesh: Ulysses only]": (_usp("zigzag", True, mesh_shape=(4, 1)), 4),
+    "usp_attention[zigzag, 1 x 4 mesh: ring only]": (_usp("zigzag", True, mesh_shape=(1, 4)), 4),
+    "usp_attention[not causal, 1 x 2 mesh]": (_usp("contiguous", False, mesh_shape=(1, 2)), 2),
+    "testing.check_adjoint[world=3]": (lambda: _adjoint_test(False, 3), 3),
+    "testing.check_adjoint[world=4]": (lambda: _adjoint_test(False, 4), 4),
     "shard / unshard": (_shard_unshard("contiguous"), 3),
     "shard / unshard[zigzag, cu_seqlens]": (_shard_unshard(**_zigzag_cu()), 3),
     "moe route": (_route, 2),
@@ -564,6 +577,11 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
         r"`parallel.ExpertParallelMoE\(experts=...\)` .*reads this rank",
     ),
     "pipeline (PipelineRunner)": (_pipeline, 2, r"`get_rank` .*reads this rank"),
+    "testing.gradcheck": (
+        _gradcheck,
+        2,
+        r"`testing.gradcheck` .*each probe moves one element of one rank's input",
+    ),
     "all_reduce(precision=bf16)": (
         _one(lambda x: dc.all_reduce(x, precision=dc.Precision("bf16")), 2, 3),
         2,
@@ -723,10 +741,10 @@ class _GatherWithAWrongBackward(torch.autograd.Function):
         return g[: g.shape[0] // 2].clone()
 
 
-def _adjoint_test(wrong: bool) -> float:
+def _adjoint_test(wrong: bool, n: int = 2) -> float:
     from diffcomm.testing import check_adjoint
 
-    x, y = per_rank(1, 3), per_rank(2, 6)
+    x, y = per_rank(1, 3), per_rank(2, 3 * n)
     op = _GatherWithAWrongBackward.apply if wrong else dc.all_gather
     return check_adjoint(op, x, y)
 

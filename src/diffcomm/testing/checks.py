@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import _torch
 from .. import backend as B
 from .._errors import CrossRankMismatchError
 from ..backend import args as A
@@ -232,6 +233,14 @@ def _warn_unlisted_replicated(
         )
 
 
+#: why :func:`gradcheck` cannot run under torch's ``LocalTensorMode``
+_PROBE_WHY = (
+    "each probe moves one element of one rank's input while the others stay put, and "
+    "compares with that rank's gradient: it branches on this rank as a Python int, which "
+    "one program holds once for every simulated rank (check_adjoint runs under the mode)"
+)
+
+
 def gradcheck(
     fn: Callable[..., Any],
     inputs: Tensor | Sequence[Any],
@@ -314,6 +323,10 @@ def gradcheck(
         if i not in diff:
             raise A.arg_error(op, "replicated", "indices of inputs that require grad", sorted(rep))
     pg = A.resolve_group(group, op)
+    if _torch.local_tensor_mode_on():
+        from ..backend.local_tensor import refuse
+
+        raise refuse(op, _PROBE_WHY)
     backend = B.get_backend()
     world, rank = backend.world_size(pg), backend.rank(pg)
 
