@@ -130,3 +130,61 @@ def test_init_sets_the_local_device_or_says_why_it_cannot(monkeypatch: pytest.Mo
     assert "--nproc-per-node=1" in str(err.value) and "backend='gloo'" in str(err.value)
     assert "set_device=False" in str(err.value)  # the way out when each process sees one GPU
     assert acc.set_to == [0] and not dc.is_initialized()
+
+
+_ONE_JOB = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+@pytest.mark.parametrize(
+    ("changed", "match"),
+    [
+        # a rank outside the world: before, the rendezvous waited 120 s for peers never coming
+        ({"RANK": "3"}, r"RANK='3' must be an integer >= 0 and < 2 \(WORLD_SIZE\)"),
+        ({"RANK": "-1"}, r"RANK='-1' must be an integer >= 0 and < 2"),
+        # no integer: before, a bare int() error naming no variable
+        ({"RANK": "abc"}, r"RANK='abc' must be an integer"),
+        ({"WORLD_SIZE": "two"}, r"WORLD_SIZE='two' must be an integer >= 1"),
+        ({"WORLD_SIZE": "0"}, r"WORLD_SIZE='0' must be an integer >= 1"),
+        ({"MASTER_PORT": "http"}, r"MASTER_PORT='http' must be an integer >= 1 and < 65536"),
+        # the local rank: before, read only on a GPU machine (a bare int() error there)
+        ({"LOCAL_RANK": "abc"}, r"LOCAL_RANK='abc' must be an integer >= 0 and < 2 \(WORLD_SIZE\)"),
+        (
+            {"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+            r"LOCAL_RANK='2' must be an integer >= 0 and < 2 \(LOCAL_WORLD_SIZE\)",
+        ),
+        (
+            {"LOCAL_WORLD_SIZE": "4"},
+            r"LOCAL_WORLD_SIZE='4' must be an integer >= 1 and < 3 \(at most WORLD_SIZE\)",
+        ),
+    ],
+)
+def test_init_refuses_a_launcher_environment_that_describes_no_job_before_any_rendezvous(
+    monkeypatch: pytest.MonkeyPatch, changed: dict[str, str], match: str
+) -> None:
+    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_PORT`` set inconsistently (a
+    hand-written launcher, a SLURM script): a ValueError naming the variable, at once."""
+    for key in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {**_ONE_JOB, **changed}.items():
+        monkeypatch.setenv(key, value)
+    with set_accelerator("cpu"), pytest.raises(ValueError, match=r"diffcomm.init\(\): " + match):
+        dc.init()
+    assert not dc.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"timeout": True}, TypeError, r"`timeout` must be a number of seconds or None, got bool"),
+        ({"timeout": "5"}, TypeError, r"`timeout` must be a number of seconds or None, got str"),
+        ({"timeout": -1}, ValueError, r"`timeout` must be > 0 seconds or None, got -1"),
+        ({"set_device": "no"}, TypeError, r"`set_device` must be a bool, got str"),
+        ({"backend": 1}, TypeError, r"`backend` must be a str or None, got int"),
+    ],
+)
+def test_init_refuses_wrong_arguments(kwargs: dict, error: type[Exception], match: str) -> None:
+    """Before, ``timeout=True`` was 1 s, ``timeout=-1`` a collective timeout torch refused
+    and ``init`` silently dropped (the 120 s rendezvous timeout held), ``set_device="no"``
+    set the device."""
+    with pytest.raises(error, match=r"diffcomm.init\(\): " + match):
+        dc.init(**kwargs)

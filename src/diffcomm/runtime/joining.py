@@ -68,6 +68,13 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
     every collective, while the rendezvous itself may take up to 120 s (ranks still
     starting). Calling it again is a no-op.
 
+    Raises:
+        ValueError: before any rendezvous, where the launcher's variables do not describe
+            one job (``RANK`` outside ``[0, WORLD_SIZE)``, ``LOCAL_RANK`` outside
+            ``[0, LOCAL_WORLD_SIZE)``, a value that is no integer, ``MASTER_PORT`` outside
+            1..65535), naming the variable; or a ``DIFFCOMM_*`` variable is malformed.
+        TypeError: ``backend``, ``timeout`` or ``set_device`` of a wrong type.
+
     Example::
 
         # torchrun --standalone --nproc-per-node=2 train.py
@@ -75,6 +82,13 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
         dc.init()
         y = dc.all_reduce(torch.ones(3))
     """
+    from ..backend.args import check_seconds
+
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"diffcomm.init(): `backend` must be a str or None, got {type(backend).__name__}")
+    check_seconds("diffcomm.init()", "timeout", timeout, optional=True)
+    if not isinstance(set_device, bool):  # a string such as "no" would be truthy
+        raise TypeError(f"diffcomm.init(): `set_device` must be a bool, got {type(set_device).__name__}")
     if dist.is_initialized():
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -83,6 +97,8 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
             f"diffcomm.init(): environment variables {missing} are not set; run the script under "
             "`torchrun --nproc-per-node=N script.py`, or use diffcomm.launch / LocalWorld locally"
         )
+    _check_launcher_environment()
+    _config.check_environment()
     from ..accelerator import get_accelerator
 
     acc = get_accelerator()
@@ -104,6 +120,41 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
             _torch.set_pg_timeout(seconds, None)
         except Exception:  # a backend without settable timeouts keeps its own
             pass
+
+
+def _launcher_int(name: str, low: int, high: int | None = None, what: str = "") -> int | None:
+    """The environment's integer ``name`` (``None`` if unset), in ``[low, high)``."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value >= high):
+        bound = f"an integer >= {low}" + (f" and < {high}{what}" if high is not None else "")
+        raise ValueError(
+            f"diffcomm.init(): {name}={raw!r} must be {bound}; the launcher's environment "
+            "(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_PORT) does not describe one "
+            "job: run the script under `torchrun --nproc-per-node=N script.py`"
+        )
+    return value
+
+
+def _check_launcher_environment() -> None:
+    """The launcher's variables describe one job, said before any rendezvous: a rank
+    outside the world (``RANK=3 WORLD_SIZE=2``, ``RANK=-1``) waited the whole rendezvous
+    timeout (120 s) for peers that never come, and ``RANK=abc`` or ``MASTER_PORT=abc``
+    was a bare ``int()`` error naming no variable."""
+    world = _launcher_int("WORLD_SIZE", 1)
+    assert world is not None  # (init checked it is set)
+    _launcher_int("RANK", 0, world, " (WORLD_SIZE)")
+    local_world = _launcher_int("LOCAL_WORLD_SIZE", 1, world + 1, " (at most WORLD_SIZE)")
+    if local_world is not None:
+        _launcher_int("LOCAL_RANK", 0, local_world, " (LOCAL_WORLD_SIZE)")
+    else:
+        _launcher_int("LOCAL_RANK", 0, world, " (WORLD_SIZE)")
+    _launcher_int("MASTER_PORT", 1, 65536)
 
 
 _INITS = [0]  # default groups this process has joined through init()
