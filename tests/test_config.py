@@ -3,6 +3,7 @@ settable, and restored by a ``with`` block."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,13 +28,13 @@ SETTINGS = (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIB
 @pytest.fixture(autouse=True)
 def _isolated_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test starts from an environment without DIFFCOMM_* and leaves things as they were."""
-    saved = [(s.value, s.loaded) for s in SETTINGS]
+    saved = [dict(vars(s)) for s in SETTINGS]  # value, loaded, in_code
     for s in SETTINGS:
         monkeypatch.delenv(s.env, raising=False)
         s.reload()
     yield
-    for s, (value, loaded) in zip(SETTINGS, saved):
-        s.value, s.loaded = value, loaded
+    for s, state in zip(SETTINGS, saved):
+        vars(s).update(state)
 
 
 def _from_env(monkeypatch: pytest.MonkeyPatch, setting: Setting[Any], raw: str) -> Any:
@@ -245,3 +246,72 @@ def test_the_fast_read_agrees_with_get(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TIMEOUT.env, "9")
     TIMEOUT.reload()
     assert fast(TIMEOUT) == TIMEOUT.get() == 9.0
+
+
+# ------------------------------------------------------ the environment, checked at a start
+
+
+@pytest.mark.parametrize(
+    ("env", "raw", "match"),
+    [
+        # read on a rank only at its first op (a RankError then), or by nothing at all on
+        # gloo ranks (the accelerator): before, silently ignored
+        ("DIFFCOMM_ACCELERATOR", "tpu", r"DIFFCOMM_ACCELERATOR='tpu' is not a known accelerator"),
+        ("DIFFCOMM_FLIGHT", "maybe", r"DIFFCOMM_FLIGHT='maybe' is not a boolean"),
+        ("DIFFCOMM_FLIGHT_SIZE", "abc", r"DIFFCOMM_FLIGHT_SIZE='abc' is not an integer"),
+        ("DIFFCOMM_RANK_START", "thread", r"DIFFCOMM_RANK_START='thread' is not a way to start a rank"),
+    ],
+)
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_a_malformed_variable_is_refused_when_a_world_starts(
+    monkeypatch: pytest.MonkeyPatch, env: str, raw: str, match: str, in_process: bool
+) -> None:
+    """Every ``DIFFCOMM_*`` setting is parsed when a ``LocalWorld`` starts, before any rank:
+    a malformed one is a ValueError naming it, also one that nothing reads there."""
+    monkeypatch.setenv(env, raw)
+    with pytest.raises(ValueError, match=match):
+        dc.LocalWorld(2, in_process=in_process)
+
+
+def test_an_unknown_diffcomm_variable_is_warned_of_naming_the_closest_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A misspelled ``DIFFCOMM_TIMOUT=5`` changed nothing, silently; now a world's start
+    warns of it (once per process), naming ``DIFFCOMM_TIMEOUT``; a name like no setting is
+    warned of without a guess; diffcomm's own ``DIFFCOMM_FAULT_DIR`` is no mistake."""
+    monkeypatch.setattr(_config, "_WARNED", set())
+    monkeypatch.setenv("DIFFCOMM_TIMOUT", "5")
+    monkeypatch.setenv("DIFFCOMM_COLOUR", "1")
+    monkeypatch.setenv("DIFFCOMM_FAULT_DIR", "/tmp")
+    with pytest.warns(UserWarning) as record:
+        dc.LocalWorld(2, in_process=True).close()
+    said = sorted(str(w.message) for w in record if "no diffcomm setting" in str(w.message))
+    assert len(said) == 2, said
+    assert said[0].startswith(
+        "diffcomm: the environment variable DIFFCOMM_COLOUR is no diffcomm setting and is ignored ("
+    )
+    assert said[1].startswith(
+        "diffcomm: the environment variable DIFFCOMM_TIMOUT is no diffcomm setting and is ignored; "
+        "did you mean DIFFCOMM_TIMEOUT?"
+    )
+    assert record[0].filename == __file__  # points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dc.LocalWorld(2, in_process=True).close()  # once per process
+
+
+def test_a_setting_set_in_code_is_carried_also_where_it_equals_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``with dc.timeout(60)`` under ``DIFFCOMM_TIMEOUT=60`` travels to the ranks, whose
+    ``DIFFCOMM_TIMEOUT`` is the world's ``collective_timeout`` (before: nothing travelled,
+    and the ranks silently kept the world's); the ``with`` block's end takes it back."""
+    monkeypatch.setenv(TIMEOUT.env, "60")
+    TIMEOUT.reload()
+    assert _config.carried() == {}
+    with dc.timeout(60):
+        assert _config.carried() == {"timeout": 60.0}
+        with dc.debug(False):
+            assert _config.carried() == {"timeout": 60.0, "debug": False}
+        assert _config.carried() == {"timeout": 60.0}
+    assert _config.carried() == {}

@@ -26,7 +26,9 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -116,12 +118,14 @@ class _Restore:
     def __init__(self, setting: Setting[Any], old: Any) -> None:
         self._setting = setting
         self._old = old
+        self._old_in_code = setting.in_code
 
     def __enter__(self) -> _Restore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._setting.value = self._old
+        self._setting.in_code = self._old_in_code
 
     def __repr__(self) -> str:
         return f"<{self._setting.name}={self._setting.get()!r}>"
@@ -149,6 +153,10 @@ class Setting(Generic[T]):
         self.loaded = False
         #: The current value once ``loaded`` (the default before).
         self.value: T = default
+        #: Whether the program's code set the value (:meth:`set`; a ``with`` block restores
+        #: it): a value set in code is carried to a ``LocalWorld``'s ranks even where it
+        #: equals the environment's, which a rank's world may override (:func:`carried`).
+        self.in_code = False
 
     def get(self) -> T:
         """The current value (the environment is read the first time)."""
@@ -163,7 +171,9 @@ class Setting(Generic[T]):
         if isinstance(value, str):
             value = self._parse(self.name, value)
         self.value = self.validate(value)
-        return _Restore(self, old)
+        restore = _Restore(self, old)
+        self.in_code = True
+        return restore
 
     def validate(self, value: Any) -> T:
         wanted = _TYPES.get(self._parse)
@@ -194,6 +204,7 @@ class Setting(Generic[T]):
     def reload(self) -> None:
         """Forget the cached value; the next :meth:`get` reads the environment again."""
         self.loaded = False
+        self.in_code = False
 
 
 DEBUG: Setting[bool] = Setting("debug", "DIFFCOMM_DEBUG", _parse_bool, False)
@@ -206,6 +217,42 @@ ALLOW_OVERSUBSCRIBE: Setting[bool] = Setting(
 )
 PROGRESS: Setting[bool | None] = Setting("progress", "DIFFCOMM_PROGRESS", _parse_progress, None)
 RANK_START: Setting[str] = Setting("rank_start", "DIFFCOMM_RANK_START", _parse_rank_start, "fork")
+
+#: Every setting, in the order of the table above.
+EVERY = (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIBE, PROGRESS, RANK_START)
+#: ``DIFFCOMM_*`` names that are no setting and still no mistake: diffcomm's own
+#: (``DIFFCOMM_FAULT_DIR``, set on each ``LocalWorld`` rank) and its docs' tooling.
+_NOT_SETTINGS = ("DIFFCOMM_FAULT_DIR", "DIFFCOMM_REGENERATE_DOCS")
+_WARNED: set[str] = set()  # the unknown names already warned of (once per process)
+
+
+def check_environment(stacklevel: int = 2) -> None:
+    """Check every ``DIFFCOMM_*`` variable when a world starts (``LocalWorld``, ``launch``,
+    ``init``): nothing else would, as each is read only when first needed.
+
+    A malformed value of a setting (``DIFFCOMM_FLIGHT_SIZE=abc``) is a ``ValueError``
+    naming the variable, now, in the caller: else the first rank op to read it raised,
+    or, where nothing read it (``DIFFCOMM_ACCELERATOR=tpu`` on gloo ranks), it was
+    silently ignored. A ``DIFFCOMM_*`` name that is no setting (``DIFFCOMM_TIMOUT=5``, a
+    misspelling that would otherwise silently change nothing) is warned of, once per
+    process, naming the closest setting's variable.
+    """
+    for s in EVERY:
+        s.from_environment()
+    known = {s.env for s in EVERY}
+    for name in sorted(os.environ):
+        if not name.startswith("DIFFCOMM_") or name in known or name in _NOT_SETTINGS or name in _WARNED:
+            continue
+        _WARNED.add(name)
+        # (compared without the prefix, which every name shares)
+        close = difflib.get_close_matches(name[9:], sorted(k[9:] for k in known), n=1, cutoff=0.7)
+        warnings.warn(
+            f"diffcomm: the environment variable {name} is no diffcomm setting and is ignored"
+            + (f"; did you mean DIFFCOMM_{close[0]}?" if close else "")
+            + f" (the settings: {', '.join(s.env for s in EVERY)})",
+            UserWarning,
+            stacklevel=stacklevel + 1,
+        )
 
 
 def debug(enabled: bool | None = None) -> Any:
@@ -237,11 +284,13 @@ _CARRIED = (DEBUG, TIMEOUT)
 
 
 def carried() -> dict[str, Any]:
-    """The carried settings the caller's code set (it holds them otherwise than its
-    environment says), by name: what :func:`applied` sets on each rank for a run, over
-    the rank's own environment (a ``LocalWorld`` rank's ``DIFFCOMM_TIMEOUT`` is the
-    world's ``collective_timeout``)."""
-    return {s.name: v for s in _CARRIED if (v := s.get()) != s.from_environment()}
+    """The carried settings the caller's code set (with :meth:`Setting.set`, or it holds
+    them otherwise than its environment says), by name: what :func:`applied` sets on each
+    rank for a run, over the rank's own environment. A value set in code travels also
+    where it equals the caller's environment: a ``LocalWorld`` rank's ``DIFFCOMM_TIMEOUT``
+    is the world's ``collective_timeout``, so ``with dc.timeout(60)`` under
+    ``DIFFCOMM_TIMEOUT=60`` must reach it (it silently did not)."""
+    return {s.name: v for s in _CARRIED if (v := s.get()) != s.from_environment() or s.in_code}
 
 
 @contextlib.contextmanager
@@ -268,5 +317,4 @@ def timeout(seconds: float | None | str = "__get__") -> Any:
 
 def settings() -> dict[str, Any]:
     """All current settings as a dict (for ``python -m diffcomm info``)."""
-    every = (DEBUG, TIMEOUT, ACCELERATOR, FLIGHT, FLIGHT_SIZE, ALLOW_OVERSUBSCRIBE, PROGRESS, RANK_START)
-    return {s.name: s.get() for s in every}
+    return {s.name: s.get() for s in EVERY}

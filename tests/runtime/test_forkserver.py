@@ -22,7 +22,7 @@ def _where() -> tuple[int, int, str | None, float]:
     return (
         os.getpid(),
         os.getppid(),
-        os.environ.get("DIFFCOMM_TEST_MARK"),
+        os.environ.get("FORKSERVER_TEST_MARK"),
         dc.all_reduce(torch.ones(1)).item(),
     )
 
@@ -57,11 +57,11 @@ def test_a_changed_environment_gets_its_own_server_and_the_old_one_ends(monkeypa
     """A rank imports under the server's environment, so a caller whose environment
     changed gets a new server (its ranks see the change); the old server stops forking
     and ends once its last rank has."""
-    monkeypatch.setenv("DIFFCOMM_TEST_MARK", "one")
+    monkeypatch.setenv("FORKSERVER_TEST_MARK", "one")
     with dc.LocalWorld(2) as first:
         assert [o[2] for o in first.run(_where)] == ["one", "one"]
         old = psutil.Process(_server_of(first.pids))
-        monkeypatch.setenv("DIFFCOMM_TEST_MARK", "two")
+        monkeypatch.setenv("FORKSERVER_TEST_MARK", "two")
         with dc.LocalWorld(2) as second:
             assert [o[2] for o in second.run(_where)] == ["two", "two"]
             assert _server_of(second.pids) != old.pid

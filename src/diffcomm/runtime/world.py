@@ -161,6 +161,8 @@ class LocalWorld:
         check_seconds("LocalWorld()", "collective_timeout", collective_timeout, optional=True)
         check_flag("LocalWorld()", "allow_oversubscribe", allow_oversubscribe)
         check_flag("LocalWorld()", "progress", progress)
+        # every DIFFCOMM_* variable: a malformed value refused, an unknown name warned of
+        _config.check_environment()
         self.in_process = in_process
         if in_process:
             self._init_in_process(world_size, backend, timeout, collective_timeout)
