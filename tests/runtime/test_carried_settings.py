@@ -52,6 +52,25 @@ def test_the_callers_timeout_reaches_every_rank(local_worlds, in_process: bool) 
     assert world.run(dc.timeout) == [own, own]
 
 
+def test_a_timeout_set_in_code_reaches_the_ranks_also_where_it_equals_the_environment(
+    world2: LocalWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``with dc.timeout(s): world.run(fn)`` where the caller's ``DIFFCOMM_TIMEOUT`` is
+    ``s`` too: the ranks' is the world's ``collective_timeout``, so ``s`` must travel.
+    Before, a value equal to the environment's counted as not set in code: the ranks
+    silently kept the world's."""
+    own = world2.collective_timeout
+    monkeypatch.setenv("DIFFCOMM_TIMEOUT", str(own + 17))
+    _config.TIMEOUT.reload()
+    try:
+        with dc.timeout(own + 17):
+            assert world2.run(dc.timeout) == [own + 17] * 2
+        assert world2.run(dc.timeout) == [own] * 2
+    finally:
+        monkeypatch.undo()
+        _config.TIMEOUT.reload()
+
+
 @pytest.mark.waits
 def test_a_timeout_set_around_run_bounds_the_ranks_collectives() -> None:
     """The carried timeout takes effect: on a world whose collectives wait up to 60 s,
