@@ -90,8 +90,8 @@ class _Lattice(_CheckState):
             extra_why = (
                 f"{name} with an index, slice or scalar computed from the rank (dc.get_rank()) at {_site()}"
             )
-        if param_update and target is not None:  # a parameter's update (init, optimizer step)
-            # keeps its type (an init drawn in place is not per-rank evidence: the default generator's state
+        if param_update:  # an update of a parameter (init, optimizer step) keeps its type
+            # (an init drawn in place is not per-rank evidence: the default generator's state
             # at the entry is indirect, and a replica sync may follow; docs: Limits)
             drawn = name in _RANDOM
             others = [self.rec(t) for t in ins if t is not outs[0]]
