@@ -27,6 +27,7 @@ from ..._replication import P, R, Rule, V
 from ...backend import args as A
 from ...backend.local_tensor import LocalTensorBackend
 from ...ops import engine as _async
+from .._autocast import run_lowered
 from .._once import first_order
 from .args import check_causal, check_dropout, check_equal_lengths, check_qkv, check_scale, draw_seed
 from .layout import (
@@ -582,7 +583,9 @@ def ring_attention(
     Returns:
         ``(batch, heads, seq_local, head_dim_v)``: this rank's rows of attention over the
         whole sequence (zero for padding and for rows that may attend nothing), carrying
-        the :class:`Placement` of its rows (so :func:`unshard` needs no ``layout``).
+        the :class:`Placement` of its rows (so :func:`unshard` needs no ``layout``); of
+        ``q``'s dtype, or under ``torch.autocast`` of the autocast dtype (``q``, ``k``,
+        ``v`` cast as autocast casts SDPA; the gradients return in their own dtypes).
 
     Gradient:
         a backward ring: K/V travel again, with their gradient accumulators one hop
@@ -668,5 +671,7 @@ def ring_attention(
         plan: _Plan = _LocalPlan(pg, world, table, docs, causal, sc, p, seed, q.shape[1], k.shape[1])
     else:
         plan = _Plan(pg, rank, world, table, docs, causal, sc, p, seed, q.shape[1], k.shape[1])
-    out = _RingAttention.apply(q, k, v, mask, plan)
+    # under torch.autocast: q, k, v (and a float mask) cast as autocast casts SDPA (its
+    # lower-precision list), the fused ring run with autocast off
+    out = run_lowered(_RingAttention.apply, (q, k, v, mask), plan)
     return placed(out, Placement(layout, world, seq_len=total, ranks=ranks, cu=cu))
