@@ -141,6 +141,12 @@ def _tied_counted_elsewhere(module: nn.Module) -> set[int]:
     return out
 
 
+def _wide(device: torch.device) -> torch.dtype:
+    """The dtype the stages' parts of a norm are summed in: float64 (exact for every
+    floating dtype's part), float32 on MPS (which has no float64)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def _norm_type(op: str, norm_type: Any) -> float:
     """``norm_type`` as torch reads it (``float(norm_type)``: ``"inf"`` too), positive."""
     try:
@@ -182,6 +188,14 @@ def _total_norm(op: str, module: Any, norm_type: Any, group: Any, pipeline_group
     for g in every[1:]:
         dtype = torch.promote_types(dtype, g.dtype)
     device = every[0].device if every else torch.device("cpu")
+    if stages is not None and not every:
+        # a stage without gradients (no parameters, or frozen) knows neither the other
+        # stages' dtype nor their device: its zero part goes to the sum below in the
+        # stages' common dtype, on the group's device, and it returns that sum (it computed
+        # float32 zeros on the CPU: gloo aborted the process, a float32 among float64s;
+        # in one process it returned a float32 norm)
+        device = B.get_backend().comm_device(stages)
+        dtype = _wide(device)
     if grads[1] and _config.DEBUG.get():
         flat = torch.cat([g.detach().reshape(-1).to(torch.float64) for g in grads[1]])
         check_replicated(flat, op, "the replicated parameters' gradients", _REPLICATED_HINT, pg)
@@ -200,8 +214,10 @@ def _total_norm(op: str, module: Any, norm_type: Any, group: Any, pipeline_group
             total_sharded = collectives.all_reduce(total_sharded, "max" if inf else "sum", pg)
     total = torch.maximum(total_sharded, total_replicated) if inf else total_sharded + total_replicated
     if stages is not None:  # every stage's part: the whole model's (each stage holds its own)
+        # in one dtype on every stage (each may hold another: see above), exact for each
         with B.label(op):
-            total = collectives.all_reduce(total, "max" if inf else "sum", stages)
+            total = collectives.all_reduce(total.to(_wide(device)), "max" if inf else "sum", stages)
+        total = total.to(dtype)
     return total if inf else total.pow(1.0 / p_norm)
 
 
