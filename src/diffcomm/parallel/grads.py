@@ -196,7 +196,10 @@ def _total_norm(op: str, module: Any, norm_type: Any, group: Any, pipeline_group
         # in one process it returned a float32 norm)
         device = B.get_backend().comm_device(stages)
         dtype = _wide(device)
-    if grads[1] and _config.DEBUG.get():
+    # (with pipeline_group and no layers' group, the replicated parameters are this stage's
+    # own: replicas over no group; compared over the world, every pipeline failed the check)
+    replicas_over = stages is None or (pg is not None and not _same_group(pg, stages))
+    if grads[1] and _config.DEBUG.get() and replicas_over:
         flat = torch.cat([g.detach().reshape(-1).to(torch.float64) for g in grads[1]])
         check_replicated(flat, op, "the replicated parameters' gradients", _REPLICATED_HINT, pg)
     inf = math.isinf(p_norm)
