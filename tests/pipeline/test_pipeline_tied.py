@@ -72,7 +72,18 @@ def _mine(parts: list[nn.Sequential], schedule: str, rank: int, n: int) -> list[
     return parts[rank::n]
 
 
-def _tied_training(schedule: str, v: int) -> dict[int, torch.Tensor]:
+class _Wrapper(nn.Module):
+    """A stage inside a module of the user's (as a wrapper holds it): the tie is still found."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def _tied_training(schedule: str, v: int, wrap: bool = False) -> dict[int, torch.Tensor]:
     """Two optimizer steps, each of two accumulated runner steps, against the serial model:
     every gradient, the clipped norm, and the parameters after each optimizer step. Returns
     the tied parameters this rank holds (by tie), for the copies to be compared."""
@@ -82,8 +93,9 @@ def _tied_training(schedule: str, v: int) -> dict[int, torch.Tensor]:
     serial = copy.deepcopy(model)  # (keeps the ties)
     mine = _mine(_parts(model, n_stages), schedule, rank, n)
     ref = _mine(_parts(serial, n_stages), schedule, rank, n)
-    runner = PipelineRunner(mine if len(mine) > 1 else mine[0], schedule, loss_fn=_lm_loss)
-    stage, serial_stage = nn.ModuleList(mine), nn.ModuleList(ref)
+    run: list[nn.Module] = [_Wrapper(c) for c in mine] if wrap else list(mine)
+    runner = PipelineRunner(run if len(run) > 1 else run[0], schedule, loss_fn=_lm_loss)
+    stage, serial_stage = nn.ModuleList(run), nn.ModuleList(ref)
     opt = torch.optim.SGD(stage.parameters(), lr=0.5, momentum=0.9)
     opt_ref = torch.optim.SGD(serial.parameters(), lr=0.5, momentum=0.9)
     g = torch.Generator().manual_seed(7)
@@ -175,3 +187,31 @@ def test_a_tied_weight_is_exchanged_between_processes(world2: dc.LocalWorld) -> 
     and no send left pending."""
     held = world2.run(_tied_training, "1f1b", 1)
     assert torch.equal(held[0][0], held[1][0])
+
+
+def test_a_stage_inside_a_wrapper_still_sums_its_tie(world2: dc.LocalWorld) -> None:
+    """The runner finds partition's record inside a module wrapping the stage, as
+    grad_norm does (otherwise grad_norm counted the weight once while the runner left each
+    rank its part: a silently wrong norm and gradient)."""
+    held = world2.run(_tied_training, "1f1b", 1, True)
+    assert torch.equal(held[0][0], held[1][0])
+
+
+def _stages_at_other_positions() -> str:
+    model = _tied_lm(4)
+    parts = _parts(model, 4)
+    r = dist.get_rank()
+    try:  # two partition stages in one chunk: their stages are no placement's
+        PipelineRunner(nn.Sequential(parts[2 * r], parts[2 * r + 1]), "1f1b", loss_fn=_lm_loss)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_tie_in_stages_the_placement_does_not_run_is_refused(world2: dc.LocalWorld) -> None:
+    """A tie recorded by partition(model, 4) in a chunk that joins two of its stages, on 2
+    ranks: its stages cannot be mapped to ranks; a ValueError before any communication
+    (instead of a guess at which ranks hold it)."""
+    for msg in world2.run(_stages_at_other_positions):
+        assert "`stage` must be chunks that are partition(model, 2) stages" in msg, msg
+        assert "partition's stage 0 of 4 in chunk 0" in msg or "partition's stage 2 of 4" in msg, msg

@@ -459,11 +459,26 @@ class PipelineRunner:
         rank), ``ranks`` the ranks holding its stages (ascending, this one among them).
         Uses within one rank need nothing: autograd adds them up in the one ``.grad``."""
         ties: dict[int, tuple[int, int, str, tuple[int, ...]]] = {}
+        n = self.n_stages * self.n_chunks
         for c, chunk in enumerate(self.chunks):
-            for tie, stages, name in getattr(chunk, "partition_ties", ()):
-                ranks = tuple(sorted({stage_owner(s, self.n_stages, self.placement)[0] for s in stages}))
-                if len(ranks) > 1 and tie not in ties:
-                    ties[tie] = (tie, c, name, ranks)
+            # the partition stage itself, or inside a wrapper (as parallel.grad_norm finds it)
+            for prefix, m in chunk.named_modules():
+                if "partition_ties" not in m.__dict__:
+                    continue
+                pos = m.__dict__.get("partition_position")
+                if m.__dict__["partition_ties"] and pos != (self._gs[c], n):
+                    raise A.arg_error(
+                        "PipelineRunner",
+                        "stage",
+                        f"chunks that are partition(model, {n}) stages, each at its virtual stage "
+                        f"(chunk {c} of rank {self.rank}: stage {self._gs[c]}), to place the "
+                        "weights tied across stages",
+                        f"partition's stage {pos[0]} of {pos[1]} in chunk {c}" if pos else pos,
+                    )
+                for tie, stages, name in m.__dict__["partition_ties"]:
+                    ranks = tuple(sorted({stage_owner(s, self.n_stages, self.placement)[0] for s in stages}))
+                    if len(ranks) > 1 and tie not in ties:
+                        ties[tie] = (tie, c, f"{prefix}.{name}" if prefix else name, ranks)
         return [ties[t] for t in sorted(ties)]
 
     def _sync_tied(self, held: list[Tensor | None]) -> None:
