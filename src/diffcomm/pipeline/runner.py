@@ -492,20 +492,21 @@ class PipelineRunner:
             q = self.chunks[c].get_parameter(name)
             part = q.grad if q.grad is not None else torch.zeros_like(q)
             with torch.no_grad():
+                # (an embedding is large: its part goes without a copy and the sum is made in
+                # the buffers at hand, in rank order on every rank)
                 for r in ranks:
                     if r != self.rank:
-                        p2p.send(part, r, group=self.pg, tag=tag)
-                parts = [
-                    part if r == self.rank else p2p.recv(r, like=part, group=self.pg, tag=tag) for r in ranks
-                ]
-                total = parts[0]
-                for other in parts[1:]:
-                    total = total + other
+                        p2p.send_owned(part, r, group=self.pg, tag=tag)
+                got = {r: p2p.recv(r, like=part, group=self.pg, tag=tag) for r in ranks if r != self.rank}
+                p2p.wait_sends()  # part is on the wire until then
+                got[self.rank] = part
+                total = got[ranks[0]]
+                for r in ranks[1:]:
+                    total.add_(got[r])
                 if old is not None:
                     total = old.add_(total)
             if q.requires_grad:
                 q.grad = total
-        p2p.wait_sends()
 
     def schedule(self, n_micro: int) -> list[list[Step | Overlap]]:
         """Every rank's steps for ``n_micro`` micro-batches, validated by
