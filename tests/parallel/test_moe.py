@@ -807,12 +807,27 @@ def _tp_experts_serial_state_dict() -> dict[str, Any]:
     sd, want = moe.to_serial_state_dict(), serial.state_dict()
     fresh = MoE(h, 6, e, k, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed + 1)
     fresh.load_state_dict(sd)  # the serial shapes: torch's loader takes them
+    other = ExpertParallelMoE(  # and back: a TP-expert layer loads the serial state dict
+        h,
+        6,
+        e,
+        k,
+        ep,
+        shared_expert_size=3,
+        activation="tanh",
+        dtype=F64,
+        seed=seed + 2,
+        experts=[ParallelMLP.from_serial(fresh.experts[first + j], group=tp) for j in range(e // 2)],
+    )
+    other.load_serial_state_dict(want)
+    back = other.to_serial_state_dict()
     return {
         "keys": sorted(sd) == sorted(want),
         "shapes": {
             n: (tuple(sd[n].shape), tuple(want[n].shape)) for n in want if sd[n].shape != want[n].shape
         },
         "err": max(float((sd[n] - want[n]).abs().max()) for n in want),
+        "back": max(float((back[n] - want[n]).abs().max()) for n in want),
     }
 
 
@@ -822,4 +837,4 @@ def test_to_serial_state_dict_gathers_tensor_parallel_experts(world4) -> None:
     name (``experts.0.fc1.weight`` of shape (3, 4) for the serial (6, 4) at TP 2), a
     checkpoint that was no serial MoE's. Now every tensor is the serial one, loadable."""
     for res in world4.run(_tp_experts_serial_state_dict):
-        assert res["keys"] and res["shapes"] == {} and res["err"] == 0.0, res
+        assert res["keys"] and res["shapes"] == {} and res["err"] == 0.0 and res["back"] == 0.0, res
