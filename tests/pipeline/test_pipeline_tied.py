@@ -215,3 +215,21 @@ def test_a_tie_in_stages_the_placement_does_not_run_is_refused(world2: dc.LocalW
     for msg in world2.run(_stages_at_other_positions):
         assert "`stage` must be chunks that are partition(model, 2) stages" in msg, msg
         assert "partition's stage 0 of 4 in chunk 0" in msg or "partition's stage 2 of 4" in msg, msg
+
+
+def _top_tag() -> str:
+    r, n = dist.get_rank(), dist.get_world_size()
+    mine = _parts(_tied_lm(n), n)[r]  # 4 ranks: the embedding's tie on ranks 0 and 3 only
+    try:
+        PipelineRunner(mine, "1f1b", loss_fn=_lm_loss, tag=wire.MAX_TAG - 1)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_the_tied_weights_tag_is_refused_on_every_rank(world4: dc.LocalWorld) -> None:
+    """The tag after the chunks' carries the tied weights' gradients; the largest ``tag``
+    is refused on every rank, also on those holding no tie (a bound only the ranks
+    holding one knew would leave the others running into the step, waiting)."""
+    for msg in world4.run(_top_tag):
+        assert f"`tag` must be an int <= {wire.MAX_TAG - 2}" in msg, msg

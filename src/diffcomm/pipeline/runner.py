@@ -266,8 +266,9 @@ class PipelineRunner:
         broadcast_loss: return the loss on every rank (one small broadcast per step);
             otherwise other ranks return ``None``.
         tag: p2p tag of this pipeline's messages; chunk ``c`` sends on ``tag + c`` (two
-            pipelines on one group need disjoint ranges); with a weight tied across
-            ranks' stages (see :func:`partition`), its gradients go on ``tag + n_chunks``.
+            pipelines on one group need disjoint ranges, ``tag`` to ``tag + n_chunks``:
+            the gradients of a weight tied across ranks' stages, see :func:`partition`, go
+            on ``tag + n_chunks``).
         prepost: post the next step's receive before computing the current step
             (default); ``False`` receives only when a step needs the data.
         grad_first: in a ``B`` step, compute the input gradient first and send it
@@ -394,17 +395,18 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.broadcast_loss = bool(broadcast_loss)
         self.tag = p2p.check_tag(tag, "PipelineRunner")
-        self._ties = self._tied_across_ranks()
-        # the tags used: one per chunk, and one more for the tied weights' gradients
-        n_tags = self.n_chunks + (1 if self._ties else 0)
+        # the tags used: one per chunk, and one for the gradients of weights tied across
+        # ranks (reserved on every rank: a bound that only the ranks holding a tie knew
+        # would refuse the tag on those while the others went on and waited)
+        n_tags = self.n_chunks + 1
         if self.tag + n_tags > p2p.MAX_TAG:
             raise A.arg_error(
                 "PipelineRunner",
                 "tag",
-                f"an int <= {p2p.MAX_TAG - n_tags} ({self.n_chunks} chunks"
-                + (", and the tied weights' gradients)" if self._ties else ")"),
+                f"an int <= {p2p.MAX_TAG - n_tags} ({self.n_chunks} chunk(s), tied weights' gradients)",
                 tag,
             )
+        self._ties = self._tied_across_ranks()
         # per chunk: its virtual stage's neighbours, (rank, tag) or None (this rank: the V
         # turn), and the last virtual stage — looked up on every step, computed once here
         self._srcs = [self._src(c) for c in range(self.n_chunks)]
