@@ -233,3 +233,35 @@ def test_the_tied_weights_tag_is_refused_on_every_rank(world4: dc.LocalWorld) ->
     holding one knew would leave the others running into the step, waiting)."""
     for msg in world4.run(_top_tag):
         assert f"`tag` must be an int <= {wire.MAX_TAG - 2}" in msg, msg
+
+
+def _three_uses(schedule: str) -> float:
+    """One Linear at stages 0, 2 and 3 of 4 on 2 ranks: two of its uses on one rank (summed
+    there by autograd, once), the third on the other."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    a = nn.Linear(4, 4, dtype=torch.float64)
+    model = nn.Sequential(
+        a, nn.Tanh(), nn.Linear(4, 4, dtype=torch.float64), nn.Tanh(), a, nn.Tanh(), a, nn.Tanh()
+    )
+    serial = copy.deepcopy(model)
+    mine = _mine(_parts(model, 4), schedule, r, n)
+    ref = _mine(_parts(serial, 4), schedule, r, n)
+    runner = PipelineRunner(mine, schedule, loss_fn=nn.functional.mse_loss)
+    g = torch.Generator().manual_seed(3)
+    x, y = (
+        torch.randn(8, 4, dtype=torch.float64, generator=g),
+        torch.randn(8, 4, dtype=torch.float64, generator=g),
+    )
+    runner.step(x, y, n_micro=2)
+    nn.functional.mse_loss(serial(x), y).backward()
+    pairs = zip(nn.ModuleList(mine).parameters(), nn.ModuleList(ref).parameters(), strict=True)
+    return max(float((p.grad - q.grad).abs().max()) for p, q in pairs)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_a_weight_used_twice_on_one_rank_and_once_on_another(world2: dc.LocalWorld, schedule: str) -> None:
+    """Exchanged once per rank, not per use: rank 0 (interleaved: stages 0, 2; ZB-V: 0, 3)
+    sends the sum of its two uses, rank 1 its one; both get the serial gradient."""
+    for err in world2.run(_three_uses, schedule):
+        assert err < 1e-12, err
