@@ -265,3 +265,59 @@ def test_a_weight_used_twice_on_one_rank_and_once_on_another(world2: dc.LocalWor
     sends the sum of its two uses, rank 1 its one; both get the serial gradient."""
     for err in world2.run(_three_uses, schedule):
         assert err < 1e-12, err
+
+
+class _SerialVocabLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 4, dtype=torch.float64)
+        self.mid = nn.Linear(4, 4, dtype=torch.float64)
+        self.head = nn.Linear(4, 8, bias=False, dtype=torch.float64)
+        self.head.weight = self.emb.weight
+
+
+def _tensor_parallel_tie() -> dict[str, float]:
+    """World 4 as pp x tp = 2 x 2: a vocab-parallel embedding (stage 0) tied to a
+    column-parallel head (stage 1), each a shard over tp; the pipelines run over pp."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    tp, pp = (mesh, "tp"), (mesh, "pp")
+    torch.manual_seed(0)
+    serial = _SerialVocabLM()
+    emb = par.VocabParallelEmbedding.from_serial(serial.emb, group=tp)
+    head = par.ColumnParallelLinear.from_serial(serial.head, group=tp)
+    head.weight = emb.weight
+    stage = _parts(nn.Sequential(emb, nn.Tanh(), copy.deepcopy(serial.mid), head), 2)[
+        mesh.get_local_rank("pp")
+    ]
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return par.vocab_parallel_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group=tp
+        )
+
+    runner = PipelineRunner(stage, "1f1b", group=pp, loss_fn=loss_fn)
+    g = torch.Generator().manual_seed(1)
+    ids, tgt = torch.randint(8, (4, 3), generator=g), torch.randint(8, (4, 3), generator=g)
+    loss = runner.step(ids, tgt, n_micro=2)
+    logits = nn.functional.linear(serial.mid(torch.tanh(serial.emb(ids))), serial.emb.weight)
+    ref = nn.functional.cross_entropy(logits.reshape(-1, 8), tgt.reshape(-1))
+    ref.backward()
+    t = mesh.get_local_rank("tp")
+    tied = emb.weight if mesh.get_local_rank("pp") == 0 else head.weight
+    norm = par.grad_norm(stage, group=tp, pipeline_group=pp)
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in serial.parameters() if p.grad is not None])
+    return {
+        "loss": float((loss - ref.detach()).abs()),
+        "tied": float((tied.grad - serial.emb.weight.grad[4 * t : 4 * (t + 1)]).abs().max()),  # type: ignore[index, operator]
+        "norm": float((norm - ref_norm).abs()),
+    }
+
+
+def test_a_tensor_parallel_weight_tied_across_stages(local_worlds: Callable[[int], dc.LocalWorld]) -> None:
+    """The tied LM with tensor parallelism inside the stages: each tp rank's shard of the
+    tied weight is summed over its pipeline (pp) ranks, and the norm (sharded over tp,
+    staged over pp) counts it once: the serial model's, to 1e-12."""
+    for res in local_worlds(4).run(_tensor_parallel_tie):
+        assert max(res.values()) < 1e-12, res
