@@ -409,3 +409,50 @@ def test_a_pipeline_stage_clips_by_the_whole_models_norm(local_worlds) -> None:
     for res in local_worlds(4).run(_pipeline_stage_clipped):
         assert res["whole"] < 1e-12 and res["norm"] < 1e-12 and res["grads"] < 1e-12, res
         assert res["alone"] > 1e-3, res  # a stage's own norm is not the model's
+
+
+def _stage_without_gradients(frozen: bool, debug: bool = False) -> dict[str, Any]:
+    """A 3-stage float64 pipeline whose middle stage has no parameters (two activations),
+    or whose first stage is frozen: that stage has no gradient to take a dtype from."""
+    import copy
+
+    import torch.distributed as dist
+
+    from diffcomm import parallel as par
+    from diffcomm.pipeline import PipelineRunner, partition
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Tanh(), nn.Linear(4, 2)).double()
+    if frozen:
+        model[0].requires_grad_(False)
+    serial = copy.deepcopy(model)
+    stage = partition(model, 3, balance=[1, 2, 1])[dist.get_rank()]
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    PipelineRunner(stage, "1f1b", loss_fn=F.mse_loss).step(x, y, n_micro=2)
+    F.mse_loss(serial(x), y).backward()
+    with dc.debug(debug):
+        norm = par.grad_norm(stage, pipeline_group=dist.group.WORLD)
+        total = par.clip_grad_norm_(stage, 0.1, pipeline_group=dist.group.WORLD)
+    ref = torch.nn.utils.clip_grad_norm_([p for p in serial.parameters() if p.requires_grad], 0.1)
+    return {"dtypes": {norm.dtype, total.dtype}, "err": max(float((t - ref).abs()) for t in (norm, total))}
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_pipeline_stage_without_gradients_sums_in_the_others_dtype(local_worlds, frozen: bool) -> None:
+    """A stage with no gradient (no parameters, or frozen) took float32 zeros on the CPU into
+    the stages' float64 all_reduce: gloo aborted the process ("receives more bytes than it
+    expects"); in one process that rank returned a float32 norm (0.6078450679779053 for the
+    serial 0.6078450641133442). Now every rank returns the serial float64 norm."""
+    for res in local_worlds(3).run(_stage_without_gradients, frozen):
+        assert res["dtypes"] == {torch.float64} and res["err"] < 1e-12, res
+
+
+def test_debug_mode_accepts_a_plain_pipeline(local_worlds) -> None:
+    """Debug mode checks that the replicated parameters' gradients agree over the layers'
+    group; a pipeline of plain modules has none, and the check compared the stages'
+    different parameters over the world: every plain pipeline's grad_norm(pipeline_group=)
+    raised in debug mode (CrossRankMismatchError, shapes (16,) and (30,), for a 2-stage MLP;
+    here the middle stage had nothing to check and the others' check desynced). Now a
+    stage's own parameters are checked over no group, and the norm is the serial one."""
+    for res in local_worlds(3).run(_stage_without_gradients, False, True):
+        assert res["dtypes"] == {torch.float64} and res["err"] < 1e-12, res

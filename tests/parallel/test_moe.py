@@ -784,3 +784,57 @@ def test_moe_layers_take_the_shared_layer_options(world2) -> None:
         assert "unexpected keyword argument 'group'" in errors[2], errors
         assert "`options` must be a LayerOptions" in errors[3], errors
         assert all(e.endswith("[0 comms]") for e in errors), errors
+
+
+def _tp_experts_serial_state_dict() -> dict[str, Any]:
+    """World 4 as 2 x 2: EP over {0,1} / {2,3}, each expert a ParallelMLP over the TP
+    group {0,2} / {1,3}, built from one serial MoE."""
+    import torch.distributed as dist
+
+    from diffcomm.parallel import ExpertParallelMoE, MoE, ParallelMLP
+
+    r = dc.get_rank()
+    g01, g23 = dist.new_group([0, 1]), dist.new_group([2, 3])
+    g02, g13 = dist.new_group([0, 2]), dist.new_group([1, 3])
+    ep, tp = (g01 if r < 2 else g23), (g02 if r % 2 == 0 else g13)
+    e, k, h, seed = 4, 2, 4, 11
+    serial = MoE(h, 6, e, k, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed)
+    first = (r % 2) * (e // 2)
+    local = [ParallelMLP.from_serial(serial.experts[first + j], group=tp) for j in range(e // 2)]
+    moe = ExpertParallelMoE(
+        h, 6, e, k, ep, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed, experts=local
+    )
+    sd, want = moe.to_serial_state_dict(), serial.state_dict()
+    fresh = MoE(h, 6, e, k, shared_expert_size=3, activation="tanh", dtype=F64, seed=seed + 1)
+    fresh.load_state_dict(sd)  # the serial shapes: torch's loader takes them
+    other = ExpertParallelMoE(  # and back: a TP-expert layer loads the serial state dict
+        h,
+        6,
+        e,
+        k,
+        ep,
+        shared_expert_size=3,
+        activation="tanh",
+        dtype=F64,
+        seed=seed + 2,
+        experts=[ParallelMLP.from_serial(fresh.experts[first + j], group=tp) for j in range(e // 2)],
+    )
+    other.load_serial_state_dict(want)
+    back = other.to_serial_state_dict()
+    return {
+        "keys": sorted(sd) == sorted(want),
+        "shapes": {
+            n: (tuple(sd[n].shape), tuple(want[n].shape)) for n in want if sd[n].shape != want[n].shape
+        },
+        "err": max(float((sd[n] - want[n]).abs().max()) for n in want),
+        "back": max(float((back[n] - want[n]).abs().max()) for n in want),
+    }
+
+
+def test_to_serial_state_dict_gathers_tensor_parallel_experts(world4) -> None:
+    """Experts that are tensor-parallel shards (a ParallelMLP over another group passed as
+    ``experts=``): ``to_serial_state_dict`` returned each expert's shard under the serial
+    name (``experts.0.fc1.weight`` of shape (3, 4) for the serial (6, 4) at TP 2), a
+    checkpoint that was no serial MoE's. Now every tensor is the serial one, loadable."""
+    for res in world4.run(_tp_experts_serial_state_dict):
+        assert res["keys"] and res["shapes"] == {} and res["err"] == 0.0 and res["back"] == 0.0, res

@@ -2330,8 +2330,10 @@ def pp_tied_first_last_zbv() -> dict[str, float]:
 
 
 def pp_tied_first_last_1f1b_summed() -> dict[str, float]:
-    """The same tied weight under 1F1B: the first and last stage are on ranks 0 and p-1;
-    as the docs say, each holds a part of its gradient: the user sums them."""
+    """The same tied weight under 1F1B: the first and last stage are on ranks 0 and p-1,
+    each backward fills its part of the gradient, and the runner sums them over the two
+    ranks (partition recorded the tie). The user sums nothing: the docs' recipe before
+    (``dc.all_reduce(q.grad)`` after the step) would now count the weight twice."""
     from diffcomm.pipeline import PipelineRunner, partition
 
     r, p = dc.get_rank(), dc.get_world_size()
@@ -2343,10 +2345,7 @@ def pp_tied_first_last_1f1b_summed() -> dict[str, float]:
     runner = PipelineRunner(stage, schedule="1f1b", loss_fn=F.mse_loss)
     g = _gen(5)
     x, t = torch.randn(8, 4, dtype=F64, generator=g), torch.randn(8, 4, dtype=F64, generator=g)
-    loss = runner.step(x, t, n_micro=4)
-    emb = model[0]
-    for q in emb.parameters():
-        q.grad = dc.all_reduce(q.grad)  # both ranks hold emb
+    loss = runner.step(x, t, n_micro=4)  # both ranks hold emb: its gradient is summed
     ref_loss = _serial_loss(ref, x, t, 4, F.mse_loss)
     ref_loss.backward()
     return {"loss": _d(loss, ref_loss.detach()), **_grads_vs(model, ref, [stage])}

@@ -124,6 +124,29 @@ def _layout(op: str, module: Any, group: Any) -> tuple[Any, list[nn.Parameter], 
     return pg, sharded, replicated
 
 
+def _tied_counted_elsewhere(module: nn.Module) -> set[int]:
+    """``id`` of every parameter of ``module`` that :func:`diffcomm.pipeline.partition`
+    recorded as used by several stages (``partition_ties``: ``(tie, stages, name)``) whose
+    first stage is none of this rank's (the chunks in ``module``, by their
+    ``partition_position``): after ``PipelineRunner.step`` every rank holding it holds its
+    whole gradient, counted once, by the rank holding ``stages[0]``. (Read off the chunks'
+    attributes: this layer does not import the pipeline.)"""
+    chunks = [m for m in module.modules() if "partition_ties" in m.__dict__]
+    here = {m.__dict__["partition_position"][0] for m in chunks if "partition_position" in m.__dict__}
+    out: set[int] = set()
+    for m in chunks:
+        for _, stages, name in m.__dict__["partition_ties"]:
+            if stages[0] not in here:
+                out.add(id(m.get_parameter(name)))
+    return out
+
+
+def _wide(device: torch.device) -> torch.dtype:
+    """The dtype the stages' parts of a norm are summed in: float64 (exact for every
+    floating dtype's part), float32 on MPS (which has no float64)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def _norm_type(op: str, norm_type: Any) -> float:
     """``norm_type`` as torch reads it (``float(norm_type)``: ``"inf"`` too), positive."""
     try:
@@ -152,13 +175,31 @@ def _total_norm(op: str, module: Any, norm_type: Any, group: Any, pipeline_group
                 "summed over that one already; summed twice, they would count twice)",
                 pipeline_group,
             )
+        # a weight tied across stages (pipeline.partition's ties): the runner left the
+        # whole gradient on every rank holding it; counted by the one with its first stage
+        elsewhere = _tied_counted_elsewhere(module)
+        sharded = [p for p in sharded if id(p) not in elsewhere]
+        replicated = [p for p in replicated if id(p) not in elsewhere]
     grads = [[p.grad for p in ps if p.grad is not None] for ps in (sharded, replicated)]
-    dtypes = [g.dtype for gs in grads for g in gs]
-    dtype = dtypes[0] if dtypes else torch.get_default_dtype()
-    for d in dtypes[1:]:
-        dtype = torch.promote_types(dtype, d)
-    device = next((g.device for gs in grads for g in gs), torch.device("cpu"))
-    if grads[1] and _config.DEBUG.get():
+    # the dtype of every gradient here, the tied ones counted elsewhere too (a stage whose
+    # only parameter is one: its zero part in its dtype, as the rank counting it)
+    every = [p.grad for p in module.parameters() if p.grad is not None]
+    dtype = every[0].dtype if every else torch.get_default_dtype()
+    for g in every[1:]:
+        dtype = torch.promote_types(dtype, g.dtype)
+    device = every[0].device if every else torch.device("cpu")
+    if stages is not None and not every:
+        # a stage without gradients (no parameters, or frozen) knows neither the other
+        # stages' dtype nor their device: its zero part goes to the sum below in the
+        # stages' common dtype, on the group's device, and it returns that sum (it computed
+        # float32 zeros on the CPU: gloo aborted the process, a float32 among float64s;
+        # in one process it returned a float32 norm)
+        device = B.get_backend().comm_device(stages)
+        dtype = _wide(device)
+    # (with pipeline_group and no layers' group, the replicated parameters are this stage's
+    # own: replicas over no group; compared over the world, every pipeline failed the check)
+    replicas_over = stages is None or (pg is not None and not _same_group(pg, stages))
+    if grads[1] and _config.DEBUG.get() and replicas_over:
         flat = torch.cat([g.detach().reshape(-1).to(torch.float64) for g in grads[1]])
         check_replicated(flat, op, "the replicated parameters' gradients", _REPLICATED_HINT, pg)
     inf = math.isinf(p_norm)
@@ -176,8 +217,10 @@ def _total_norm(op: str, module: Any, norm_type: Any, group: Any, pipeline_group
             total_sharded = collectives.all_reduce(total_sharded, "max" if inf else "sum", pg)
     total = torch.maximum(total_sharded, total_replicated) if inf else total_sharded + total_replicated
     if stages is not None:  # every stage's part: the whole model's (each stage holds its own)
+        # in one dtype on every stage (each may hold another: see above), exact for each
         with B.label(op):
-            total = collectives.all_reduce(total, "max" if inf else "sum", stages)
+            total = collectives.all_reduce(total.to(_wide(device)), "max" if inf else "sum", stages)
+        total = total.to(dtype)
     return total if inf else total.pow(1.0 / p_norm)
 
 
@@ -208,9 +251,10 @@ def grad_norm(
             model's norm takes every stage's part: the group over the stages (one rank per
             stage, e.g. a mesh's ``pp`` axis), over which the stage's part is summed (one
             more scalar all_reduce). ``None``: ``module`` is the whole model. Without it,
-            each stage would clip by its own norm, no serial clipping. (A weight tied
-            between two stages counts on both: :func:`diffcomm.pipeline.partition` warns
-            of one.)
+            each stage would clip by its own norm, no serial clipping. A weight tied
+            between stages (recorded by :func:`diffcomm.pipeline.partition`, whose
+            ``PipelineRunner`` leaves its whole gradient on every rank holding it) is
+            counted once, by the rank holding its first stage.
 
     Returns:
         0-dim tensor, the same on every rank, in the promoted dtype of the gradients.

@@ -580,16 +580,27 @@ class ExpertParallelMoE(nn.Module):
     def to_serial_state_dict(self) -> dict[str, Tensor]:
         """The serial :class:`MoE`'s parameters, on every rank: the experts all_gathered
         over the group (one all_gather per parameter of an expert, in the same order on
-        every rank, so call it on every rank), the replicas copied.
+        every rank, so call it on every rank), the replicas copied. Experts that are
+        shards themselves (a tensor-parallel ``ParallelMLP`` passed as ``experts=``) are
+        first made whole by their own ``to_serial_state_dict()`` (over their own group:
+        call it on every rank of both groups).
 
         Returns:
-            ``{serial name: tensor}``, loadable with ``MoE.load_state_dict(...)`` (for
-            experts that are shards themselves, gather them over their own group first).
+            ``{serial name: tensor}``, the serial shapes, loadable with
+            ``MoE.load_state_dict(...)``.
         """
         out: dict[str, Tensor] = {}
         names = self.serial_names()
         per_rank = self.experts_per_rank
-        expert_params = [dict(e.named_parameters()) for e in self.experts]
+        # each local expert's whole tensors: a sharded expert's gathered over its group (its
+        # shards under the serial names were returned before: fc1.weight (3, H) for the
+        # serial (6, H) at TP 2, silently)
+        expert_params: list[dict[str, Tensor]] = []
+        for e in self.experts:
+            whole = getattr(e, "to_serial_state_dict", None)
+            expert_params.append(
+                whole() if callable(whole) else {n: p.detach() for n, p in e.named_parameters()}
+            )
         for name, p in self.named_parameters():
             if not name.startswith("experts."):
                 out[names[name]] = p.detach().clone()

@@ -32,9 +32,14 @@ def partition(
         parameters of stage ``s`` are the model's own. Each records
         ``partition_position = (s, n_stages)``, which :class:`PipelineRunner` checks
         against the virtual stage it runs the chunk as. A module used at several positions
-        keeps every use; a parameter used in two stages (a module used twice, or a weight
-        tied between two modules) gives a ``UserWarning`` (on different ranks, each holds
-        a part of its gradient).
+        keeps every use. A parameter used in several stages (a module with parameters
+        used twice, or a weight tied between two modules: an input embedding reused as the
+        output projection) is recorded on each of them (``partition_ties``): a
+        :class:`PipelineRunner` sums its gradient over the ranks holding those stages after
+        every step (each copy then holds the serial gradient), and
+        :func:`diffcomm.parallel.grad_norm` with ``pipeline_group=`` counts it once. A
+        ``UserWarning`` says so (a loop of one's own must sum it; the runner's users must
+        not sum it again).
 
     Example::
 
@@ -68,15 +73,43 @@ def partition(
         stage.__dict__["partition_position"] = (i, n_stages)
         out.append(stage)
         start += size
+    _record_ties(out)
     _warn_shared_across_stages(out)
     return out
+
+
+def _record_ties(stages: list[nn.Sequential]) -> None:
+    """Record on each stage the parameters it shares with other stages:
+    ``stage.partition_ties``, a tuple of ``(tie, stages, name)`` — ``tie`` numbers the
+    shared parameters in the order the model first uses them (the same on every rank that
+    partitions the same model), ``stages`` the stages using it (ascending), ``name`` its
+    name in this stage (``stage.get_parameter(name)``). The runner sums each one's gradient
+    over the ranks holding ``stages``; ``parallel.grad_norm`` counts it on the rank holding
+    ``stages[0]`` only."""
+    users: dict[int, list[int]] = {}  # id(parameter) -> the stages using it, in order
+    order: list[int] = []
+    for s, stage in enumerate(stages):
+        for q in stage.parameters():  # (each parameter once per stage)
+            if id(q) not in users:
+                users[id(q)] = []
+                order.append(id(q))
+            users[id(q)].append(s)
+    tie_of = {key: t for t, key in enumerate(k for k in order if len(users[k]) > 1)}
+    for stage in stages:
+        ties = tuple(
+            (tie_of[id(q)], tuple(users[id(q)]), name)
+            for name, q in stage.named_parameters()
+            if id(q) in tie_of
+        )
+        stage.__dict__["partition_ties"] = ties
 
 
 def _warn_shared_across_stages(stages: list[nn.Sequential]) -> None:
     """Warn of a parameter used in more than one stage — a module with parameters used
     twice, or a parameter tied between two modules (an input embedding reused as the
     output projection): on different ranks each holds a part of its gradient (the serial
-    one is their sum)."""
+    one is their sum), which the runner sums (:func:`_record_ties`) and a loop of one's
+    own must."""
     seen: dict[int, tuple[int, nn.Module, str]] = {}  # id(parameter) -> first stage, module, name
     for s, stage in enumerate(stages):
         for m in stage:
@@ -92,9 +125,11 @@ def _warn_shared_across_stages(stages: list[nn.Sequential]) -> None:
                 )
                 warnings.warn(
                     f"partition(): {what} in stages {first[0]} and {s}; where those stages run on "
-                    "different ranks, each rank gets only its stages' part of its gradient (sum "
-                    "it across them, e.g. dc.all_reduce(p.grad, group=...), as for tied "
-                    "embeddings), or keep its uses in one stage (balance=)",
+                    "different ranks, each holds a part of its gradient: PipelineRunner.step sums "
+                    "it over those ranks (each copy then holds the serial gradient) and "
+                    "parallel.grad_norm/clip_grad_norm_(..., pipeline_group=) count it once, so do "
+                    "not all-reduce it again (it would count twice); a training loop without "
+                    "PipelineRunner must sum it itself",
                     UserWarning,
                     stacklevel=3,
                 )

@@ -71,13 +71,22 @@ from ..backend import args as A
 from ..ops import p2p
 from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
 from ._split import capture, cooldown, group_plan, input_edge, reaches, weight_plan
-from .schedules import SCHEDULES, Overlap, ScheduleFn, Step, expand_steps, schedule_placement, virtual_stage
+from .schedules import (
+    SCHEDULES,
+    Overlap,
+    ScheduleFn,
+    Step,
+    expand_steps,
+    schedule_placement,
+    stage_owner,
+    virtual_stage,
+)
 from .timeline import TimelineEntry
 from .validate import check_schedule
 
-# Size: ~1000 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# Size: ~1080 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
 # split backward, pre-posted receives, the V placement's local turn and the phased forward of
-# an Overlap share one step's state.
+# an Overlap share one step's state (and the tied weights' gradients, summed at its end).
 
 __all__ = ["PipelineRunner"]
 
@@ -257,7 +266,9 @@ class PipelineRunner:
         broadcast_loss: return the loss on every rank (one small broadcast per step);
             otherwise other ranks return ``None``.
         tag: p2p tag of this pipeline's messages; chunk ``c`` sends on ``tag + c`` (two
-            pipelines on one group need disjoint ranges).
+            pipelines on one group need disjoint ranges, ``tag`` to ``tag + n_chunks``:
+            the gradients of a weight tied across ranks' stages, see :func:`partition`, go
+            on ``tag + n_chunks``).
         prepost: post the next step's receive before computing the current step
             (default); ``False`` receives only when a step needs the data.
         grad_first: in a ``B`` step, compute the input gradient first and send it
@@ -384,13 +395,18 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.broadcast_loss = bool(broadcast_loss)
         self.tag = p2p.check_tag(tag, "PipelineRunner")
-        if self.tag + self.n_chunks > p2p.MAX_TAG:
+        # the tags used: one per chunk, and one for the gradients of weights tied across
+        # ranks (reserved on every rank: a bound that only the ranks holding a tie knew
+        # would refuse the tag on those while the others went on and waited)
+        n_tags = self.n_chunks + 1
+        if self.tag + n_tags > p2p.MAX_TAG:
             raise A.arg_error(
                 "PipelineRunner",
                 "tag",
-                f"an int <= {p2p.MAX_TAG - self.n_chunks} ({self.n_chunks} chunks)",
+                f"an int <= {p2p.MAX_TAG - n_tags} ({self.n_chunks} chunk(s), tied weights' gradients)",
                 tag,
             )
+        self._ties = self._tied_across_ranks()
         # per chunk: its virtual stage's neighbours, (rank, tag) or None (this rank: the V
         # turn), and the last virtual stage — looked up on every step, computed once here
         self._srcs = [self._src(c) for c in range(self.n_chunks)]
@@ -437,6 +453,62 @@ class PipelineRunner:
                 f"partition(model, {n}), give rank {r} {give})",
                 f"partition's stage {pos[0]} of {pos[1]} as chunk {c}",
             )
+
+    def _tied_across_ranks(self) -> list[tuple[int, int, str, tuple[int, ...]]]:
+        """The parameters :func:`partition` found shared by stages that run on different
+        ranks, and used by this rank: ``(tie, chunk, name, ranks)`` per tie (once, however
+        many of this rank's chunks use it), in the order of ``tie`` (the same on every
+        rank), ``ranks`` the ranks holding its stages (ascending, this one among them).
+        Uses within one rank need nothing: autograd adds them up in the one ``.grad``."""
+        ties: dict[int, tuple[int, int, str, tuple[int, ...]]] = {}
+        n = self.n_stages * self.n_chunks
+        for c, chunk in enumerate(self.chunks):
+            # the partition stage itself, or inside a wrapper (as parallel.grad_norm finds it)
+            for prefix, m in chunk.named_modules():
+                if "partition_ties" not in m.__dict__:
+                    continue
+                pos = m.__dict__.get("partition_position")
+                if m.__dict__["partition_ties"] and pos != (self._gs[c], n):
+                    raise A.arg_error(
+                        "PipelineRunner",
+                        "stage",
+                        f"chunks that are partition(model, {n}) stages, each at its virtual stage "
+                        f"(chunk {c} of rank {self.rank}: stage {self._gs[c]}), to place the "
+                        "weights tied across stages",
+                        f"partition's stage {pos[0]} of {pos[1]} in chunk {c}" if pos else pos,
+                    )
+                for tie, stages, name in m.__dict__["partition_ties"]:
+                    ranks = tuple(sorted({stage_owner(s, self.n_stages, self.placement)[0] for s in stages}))
+                    if len(ranks) > 1 and tie not in ties:
+                        ties[tie] = (tie, c, f"{prefix}.{name}" if prefix else name, ranks)
+        return [ties[t] for t in sorted(ties)]
+
+    def _sync_tied(self, held: list[Tensor | None]) -> None:
+        """Sum this step's part of every tied weight's gradient over the ranks holding it
+        (each sends its part to the others; every rank adds the parts in rank order, so the
+        copies are bitwise equal), then add the sum to the gradient held before the step
+        (``held``, taken off in :meth:`step`): accumulation over steps counts every part
+        once. Called on every holder after the step, in the same order."""
+        tag = self.tag + self.n_chunks
+        for (_, c, name, ranks), old in zip(self._ties, held):
+            q = self.chunks[c].get_parameter(name)
+            part = q.grad if q.grad is not None else torch.zeros_like(q)
+            with torch.no_grad():
+                # (an embedding is large: its part goes without a copy and the sum is made in
+                # the buffers at hand, in rank order on every rank)
+                for r in ranks:
+                    if r != self.rank:
+                        p2p.send_owned(part, r, group=self.pg, tag=tag)
+                got = {r: p2p.recv(r, like=part, group=self.pg, tag=tag) for r in ranks if r != self.rank}
+                p2p.wait_sends()  # part is on the wire until then
+                got[self.rank] = part
+                total = got[ranks[0]]
+                for r in ranks[1:]:
+                    total.add_(got[r])
+                if old is not None:
+                    total = old.add_(total)
+            if q.requires_grad:
+                q.grad = total
 
     def schedule(self, n_micro: int) -> list[list[Step | Overlap]]:
         """Every rank's steps for ``n_micro`` micro-batches, validated by
@@ -547,7 +619,11 @@ class PipelineRunner:
         Every rank may pass the same ``inputs``/``targets`` (SPMD style): rank 0 uses
         only ``inputs``, the last rank only ``targets``; others may pass ``None``.
         Parameter gradients **accumulate** into ``.grad`` (as ``loss.backward()`` does;
-        zero them between steps) and are those of the step loss.
+        zero them between steps) and are those of the step loss. A weight
+        :func:`partition` found tied between stages on several ranks (a tied LM's
+        embedding and head) gets the sum of every stage's part on every rank holding it,
+        as serially: the step's parts are exchanged between those ranks at its end (do not
+        sum them again).
 
         Args:
             inputs: the batch (rank 0): a tensor split along dim 0. One that requires grad
@@ -623,10 +699,21 @@ class PipelineRunner:
         self._fresh_out = set(range(self.n_chunks))  # channels with none sent yet this step
         self._split_b = split_b
         total = torch.zeros((), dtype=torch.float64)
+        # a tied weight's gradient before the step, taken off so that .grad holds this
+        # step's part alone, which _sync_tied sums over its ranks and adds back
+        held = [self.chunks[c].get_parameter(name) for _, c, name, _ in self._ties]
+        held_grads = [q.grad for q in held]
+        for q in held:
+            q.grad = None
         try:
             self._run_steps(_Batch(steps, fused, in_chunks, tgt_chunks, n_micro, input_grad or outer, total))
             inputs_kept = self._inputs_kept
         except BaseException:
+            for q, old in zip(held, held_grads):  # as without the tie: the parts accumulate
+                if old is not None and q.grad is not None:
+                    q.grad = old.add_(q.grad)
+                elif old is not None:
+                    q.grad = old
             self._sent.clear()  # this rank's next activations go plainly: any receive takes them
             # a receive posted ahead stays posted (gloo cannot take it back) and takes its
             # channel's next message: the next step's first receive there is that one
@@ -644,6 +731,8 @@ class PipelineRunner:
             if outer:
                 assert isinstance(inputs, Tensor)  # (outer: a tensor that requires grad)
                 torch.autograd.backward(inputs, g_full)
+        if self._ties:  # (the same on every rank holding one: all of them exchange)
+            self._sync_tied(held_grads)
         if self.broadcast_loss and self.n_stages > 1:
             be = B.get_backend()
             out = be.broadcast(total.to(be.comm_device(self.pg)), self.last_rank, self.pg)

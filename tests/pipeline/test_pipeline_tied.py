@@ -1,0 +1,323 @@
+"""A weight shared by pipeline stages (the tied LM: the input embedding's weight reused as
+the output projection) against the serial float64 model.
+
+``partition`` records the parameters several stages use; the runner sums their gradients
+over the ranks holding those stages after every step (a use inside one rank is already
+summed by autograd, and must not be summed twice), and ``grad_norm`` / ``clip_grad_norm_``
+with ``pipeline_group=`` count them once. Before, each rank kept its own part of the
+gradient (the embedding's or the head's), the norm counted the weight on both ranks, and
+the copies drifted apart after the first optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import diffcomm as dc
+from diffcomm import parallel as par
+from diffcomm.ops import wire
+from diffcomm.pipeline import PipelineRunner, partition
+
+pytestmark = pytest.mark.diffcomm_in_process
+
+VOCAB, DIM = 11, 6
+
+
+class _Head(nn.Module):
+    """The output projection: the embedding's weight, transposed (a tied LM head)."""
+
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self.emb = emb
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.emb.weight)
+
+
+def _tied_lm(n_stages: int) -> nn.Sequential:
+    """``2 * n_stages`` layers, two per stage: the embedding in stage 0, its head in the
+    last; with 4 stages or more also a ``Linear`` (``shared``) used in stage 0 and in stage
+    ``n_stages - 2`` (a module used twice)."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(VOCAB, DIM, dtype=torch.float64)
+    shared = nn.Linear(DIM, DIM, dtype=torch.float64)
+    layers: list[nn.Module] = [emb, shared]
+    for s in range(1, n_stages - 1):
+        inner = shared if s == n_stages - 2 else nn.Linear(DIM, DIM, dtype=torch.float64)
+        layers += [nn.Tanh(), inner]
+    layers += [nn.Tanh(), _Head(emb)]
+    return nn.Sequential(*layers)
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def _parts(model: nn.Sequential, n_stages: int) -> list[nn.Sequential]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the tie's warning (its own test below)
+        return partition(model, n_stages, balance=[2] * n_stages)
+
+
+def _mine(parts: list[nn.Sequential], schedule: str, rank: int, n: int) -> list[nn.Sequential]:
+    if schedule == "zbv":
+        return [parts[rank], parts[2 * n - 1 - rank]]
+    return parts[rank::n]
+
+
+class _Wrapper(nn.Module):
+    """A stage inside a module of the user's (as a wrapper holds it): the tie is still found."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def _tied_training(schedule: str, v: int, wrap: bool = False) -> dict[int, torch.Tensor]:
+    """Two optimizer steps, each of two accumulated runner steps, against the serial model:
+    every gradient, the clipped norm, and the parameters after each optimizer step. Returns
+    the tied parameters this rank holds (by tie), for the copies to be compared."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    n_stages = n * v
+    model = _tied_lm(n_stages)
+    serial = copy.deepcopy(model)  # (keeps the ties)
+    mine = _mine(_parts(model, n_stages), schedule, rank, n)
+    ref = _mine(_parts(serial, n_stages), schedule, rank, n)
+    run: list[nn.Module] = [_Wrapper(c) for c in mine] if wrap else list(mine)
+    runner = PipelineRunner(run if len(run) > 1 else run[0], schedule, loss_fn=_lm_loss)
+    stage, serial_stage = nn.ModuleList(run), nn.ModuleList(ref)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.5, momentum=0.9)
+    opt_ref = torch.optim.SGD(serial.parameters(), lr=0.5, momentum=0.9)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        ids = torch.randint(VOCAB, (8, 5), generator=g)
+        tgt = torch.randint(VOCAB, (8, 5), generator=g)
+        for half in (slice(0, 4), slice(4, 8)):  # gradients accumulate over two steps
+            loss = runner.step(ids[half], tgt[half], n_micro=2)
+            ref_loss = _lm_loss(serial(ids[half]), tgt[half])
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-13, atol=1e-15)
+        for (name, p), q in zip(stage.named_parameters(), serial_stage.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=f"{name}'s gradient")
+        norm = par.grad_norm(stage, pipeline_group=dist.group.WORLD)
+        total = par.clip_grad_norm_(stage, 0.05, pipeline_group=dist.group.WORLD)
+        ref_total = torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.05)
+        torch.testing.assert_close(norm, ref_total, rtol=1e-12, atol=0)
+        torch.testing.assert_close(total, ref_total, rtol=1e-12, atol=0)
+        for p, q in zip(stage.parameters(), serial_stage.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        for p, q in zip(stage.parameters(), serial_stage.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    assert wire.SENDS.pending() == 0
+    held: dict[int, torch.Tensor] = {}
+    for chunk in mine:
+        for tie, _, name in chunk.partition_ties:
+            held[tie] = chunk.get_parameter(name).detach().clone()
+    return held
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v", "n"),
+    [
+        ("1f1b", 1, 2),  # the embedding on rank 0, the head on rank 1
+        ("1f1b", 1, 4),  # embedding: ranks 0 and 3; the shared Linear: ranks 0 and 2
+        ("zb-h1", 1, 2),  # the backward split into I and W
+        ("interleaved", 2, 2),  # embedding: ranks 0 and 1; the Linear: stages 0 and 2, both rank 0
+        ("interleaved", 2, 4),  # embedding: stages 0 and 7 (ranks 0, 3); Linear: 0 and 6 (ranks 0, 2)
+        ("zbv", 2, 2),  # embedding: stages 0 and 3, both rank 0; the Linear: ranks 0 and 1
+    ],
+)
+def test_a_weight_tied_across_stages_gets_the_serial_gradient(
+    local_worlds: Callable[[int], dc.LocalWorld], schedule: str, v: int, n: int
+) -> None:
+    """Each copy of a tied weight holds the serial gradient after every step (the sum of
+    its stages' parts, accumulated over steps with each part counted once), a use within
+    one rank is not summed twice, the norm counts it once (torch's clip_grad_norm_ of the
+    serial model to 1e-12), and the copies stay bitwise equal after optimizer steps.
+    Before: 1f1b at 2 ranks left the embedding's gradient on rank 0 and the head's on rank
+    1 (neither the serial sum), and the norm counted the weight twice."""
+    held = local_worlds(n).run(_tied_training, schedule, v)
+    by_tie: dict[int, list[torch.Tensor]] = {}
+    for per_rank in held:
+        for tie, value in per_rank.items():
+            by_tie.setdefault(tie, []).append(value)
+    assert by_tie, "the model has tied weights"
+    for tie, copies in by_tie.items():
+        assert all(torch.equal(c, copies[0]) for c in copies), f"tie {tie}: copies differ"
+
+
+def test_partition_records_ties_and_its_warning_says_what_the_runner_does() -> None:
+    """The tie is recorded on every stage using it (the runner and grad_norm read it), and
+    the warning no longer tells the runner's users to all-reduce the gradient by hand —
+    which, now that the runner sums it, would count it twice."""
+    model = _tied_lm(4)
+    with pytest.warns(UserWarning) as record:
+        parts = partition(model, 4, balance=[2] * 4)
+    text = str(record[0].message)
+    assert "PipelineRunner.step sums it over those ranks" in text
+    assert "do not all-reduce it again" in text
+    assert "dc.all_reduce(p.grad" not in text
+    emb, shared = model[0].weight, model[1].weight
+    assert [(t, s) for t, s, _ in parts[0].partition_ties] == [(0, (0, 3)), (1, (0, 2)), (2, (0, 2))]
+    assert parts[0].get_parameter(parts[0].partition_ties[0][2]) is emb
+    assert parts[0].get_parameter(parts[0].partition_ties[1][2]) is shared
+    assert [(t, s) for t, s, _ in parts[1].partition_ties] == []
+    assert [(t, s) for t, s, _ in parts[2].partition_ties] == [(1, (0, 2)), (2, (0, 2))]
+    assert [(t, s) for t, s, _ in parts[3].partition_ties] == [(0, (0, 3))]
+    assert parts[3].get_parameter(parts[3].partition_ties[0][2]) is emb
+
+
+@pytest.mark.diffcomm_in_process(False)
+def test_a_tied_weight_is_exchanged_between_processes(world2: dc.LocalWorld) -> None:
+    """The exchange over real transport (gloo processes): the same numbers as in-process,
+    and no send left pending."""
+    held = world2.run(_tied_training, "1f1b", 1)
+    assert torch.equal(held[0][0], held[1][0])
+
+
+def test_a_stage_inside_a_wrapper_still_sums_its_tie(world2: dc.LocalWorld) -> None:
+    """The runner finds partition's record inside a module wrapping the stage, as
+    grad_norm does (otherwise grad_norm counted the weight once while the runner left each
+    rank its part: a silently wrong norm and gradient)."""
+    held = world2.run(_tied_training, "1f1b", 1, True)
+    assert torch.equal(held[0][0], held[1][0])
+
+
+def _stages_at_other_positions() -> str:
+    model = _tied_lm(4)
+    parts = _parts(model, 4)
+    r = dist.get_rank()
+    try:  # two partition stages in one chunk: their stages are no placement's
+        PipelineRunner(nn.Sequential(parts[2 * r], parts[2 * r + 1]), "1f1b", loss_fn=_lm_loss)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_tie_in_stages_the_placement_does_not_run_is_refused(world2: dc.LocalWorld) -> None:
+    """A tie recorded by partition(model, 4) in a chunk that joins two of its stages, on 2
+    ranks: its stages cannot be mapped to ranks; a ValueError before any communication
+    (instead of a guess at which ranks hold it)."""
+    for msg in world2.run(_stages_at_other_positions):
+        assert "`stage` must be chunks that are partition(model, 2) stages" in msg, msg
+        assert "partition's stage 0 of 4 in chunk 0" in msg or "partition's stage 2 of 4" in msg, msg
+
+
+def _top_tag() -> str:
+    r, n = dist.get_rank(), dist.get_world_size()
+    mine = _parts(_tied_lm(n), n)[r]  # 4 ranks: the embedding's tie on ranks 0 and 3 only
+    try:
+        PipelineRunner(mine, "1f1b", loss_fn=_lm_loss, tag=wire.MAX_TAG - 1)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_the_tied_weights_tag_is_refused_on_every_rank(world4: dc.LocalWorld) -> None:
+    """The tag after the chunks' carries the tied weights' gradients; the largest ``tag``
+    is refused on every rank, also on those holding no tie (a bound only the ranks
+    holding one knew would leave the others running into the step, waiting)."""
+    for msg in world4.run(_top_tag):
+        assert f"`tag` must be an int <= {wire.MAX_TAG - 2}" in msg, msg
+
+
+def _three_uses(schedule: str) -> float:
+    """One Linear at stages 0, 2 and 3 of 4 on 2 ranks: two of its uses on one rank (summed
+    there by autograd, once), the third on the other."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    a = nn.Linear(4, 4, dtype=torch.float64)
+    model = nn.Sequential(
+        a, nn.Tanh(), nn.Linear(4, 4, dtype=torch.float64), nn.Tanh(), a, nn.Tanh(), a, nn.Tanh()
+    )
+    serial = copy.deepcopy(model)
+    mine = _mine(_parts(model, 4), schedule, r, n)
+    ref = _mine(_parts(serial, 4), schedule, r, n)
+    runner = PipelineRunner(mine, schedule, loss_fn=nn.functional.mse_loss)
+    g = torch.Generator().manual_seed(3)
+    x, y = (
+        torch.randn(8, 4, dtype=torch.float64, generator=g),
+        torch.randn(8, 4, dtype=torch.float64, generator=g),
+    )
+    runner.step(x, y, n_micro=2)
+    nn.functional.mse_loss(serial(x), y).backward()
+    pairs = zip(nn.ModuleList(mine).parameters(), nn.ModuleList(ref).parameters(), strict=True)
+    return max(float((p.grad - q.grad).abs().max()) for p, q in pairs)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_a_weight_used_twice_on_one_rank_and_once_on_another(world2: dc.LocalWorld, schedule: str) -> None:
+    """Exchanged once per rank, not per use: rank 0 (interleaved: stages 0, 2; ZB-V: 0, 3)
+    sends the sum of its two uses, rank 1 its one; both get the serial gradient."""
+    for err in world2.run(_three_uses, schedule):
+        assert err < 1e-12, err
+
+
+class _SerialVocabLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 4, dtype=torch.float64)
+        self.mid = nn.Linear(4, 4, dtype=torch.float64)
+        self.head = nn.Linear(4, 8, bias=False, dtype=torch.float64)
+        self.head.weight = self.emb.weight
+
+
+def _tensor_parallel_tie() -> dict[str, float]:
+    """World 4 as pp x tp = 2 x 2: a vocab-parallel embedding (stage 0) tied to a
+    column-parallel head (stage 1), each a shard over tp; the pipelines run over pp."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    tp, pp = (mesh, "tp"), (mesh, "pp")
+    torch.manual_seed(0)
+    serial = _SerialVocabLM()
+    emb = par.VocabParallelEmbedding.from_serial(serial.emb, group=tp)
+    head = par.ColumnParallelLinear.from_serial(serial.head, group=tp)
+    head.weight = emb.weight
+    stage = _parts(nn.Sequential(emb, nn.Tanh(), copy.deepcopy(serial.mid), head), 2)[
+        mesh.get_local_rank("pp")
+    ]
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return par.vocab_parallel_cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group=tp
+        )
+
+    runner = PipelineRunner(stage, "1f1b", group=pp, loss_fn=loss_fn)
+    g = torch.Generator().manual_seed(1)
+    ids, tgt = torch.randint(8, (4, 3), generator=g), torch.randint(8, (4, 3), generator=g)
+    loss = runner.step(ids, tgt, n_micro=2)
+    logits = nn.functional.linear(serial.mid(torch.tanh(serial.emb(ids))), serial.emb.weight)
+    ref = nn.functional.cross_entropy(logits.reshape(-1, 8), tgt.reshape(-1))
+    ref.backward()
+    t = mesh.get_local_rank("tp")
+    tied = emb.weight if mesh.get_local_rank("pp") == 0 else head.weight
+    norm = par.grad_norm(stage, group=tp, pipeline_group=pp)
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in serial.parameters() if p.grad is not None])
+    return {
+        "loss": float((loss - ref.detach()).abs()),
+        "tied": float((tied.grad - serial.emb.weight.grad[4 * t : 4 * (t + 1)]).abs().max()),  # type: ignore[index, operator]
+        "norm": float((norm - ref_norm).abs()),
+    }
+
+
+def test_a_tensor_parallel_weight_tied_across_stages(local_worlds: Callable[[int], dc.LocalWorld]) -> None:
+    """The tied LM with tensor parallelism inside the stages: each tp rank's shard of the
+    tied weight is summed over its pipeline (pp) ranks, and the norm (sharded over tp,
+    staged over pp) counts it once: the serial model's, to 1e-12."""
+    for res in local_worlds(4).run(_tensor_parallel_tie):
+        assert max(res.values()) < 1e-12, res
