@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -134,9 +135,10 @@ class LocalWorld:
             (:mod:`diffcomm.runtime.in_process`; docs/in_process.md): the same
             :meth:`run`, the same results (each rank its own RNG stream and groups), no
             start-up, and a desync reported at once. Its limits: no real transport (the
-            ``"inproc"`` backend only; ``backend`` must stay ``"gloo"``), no timeouts
-            (``timeout`` and ``collective_timeout`` do not apply), one rank running at a
-            time, no torchrun. Default ``False``: real processes.
+            ``"inproc"`` backend only; ``backend`` must stay ``"gloo"``), no timeouts, one
+            rank running at a time, no torchrun. ``timeout``, ``collective_timeout``,
+            ``allow_oversubscribe`` and ``progress`` do not apply: given (other than their
+            defaults), each is named in a ``UserWarning``. Default ``False``: real processes.
 
     Example::
 
@@ -166,6 +168,7 @@ class LocalWorld:
         self.in_process = in_process
         if in_process:
             self._init_in_process(world_size, backend, timeout, collective_timeout)
+            _warn_not_in_process(timeout, collective_timeout, allow_oversubscribe, progress)
             return
         if progress is None:
             progress = _config.PROGRESS.get()
@@ -212,7 +215,8 @@ class LocalWorld:
         self.world_size = world_size
         self.backend = backend
         self.timeout = float(timeout)
-        self.collective_timeout = float(collective_timeout or DEFAULT_COLLECTIVE_TIMEOUT)
+        ct = collective_timeout if collective_timeout is not None else _config.TIMEOUT.get()
+        self.collective_timeout = float(ct if ct is not None else DEFAULT_COLLECTIVE_TIMEOUT)
         self.progress = False
         self.restarts = 0
         self._state = _Procs()
@@ -307,8 +311,10 @@ class LocalWorld:
         return f"LocalWorld(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
     # ---- running -------------------------------------------------------------------
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank at once; return the results by rank.
+
+        ``fn`` is positional-only, so every keyword reaches ``fn``: also one named ``fn``.
 
         Raises:
             RankError: a rank raised (``.failures`` has the remote tracebacks,
@@ -506,6 +512,40 @@ class LocalWorld:
         return replies
 
 
+def _warn_not_in_process(
+    timeout: float, collective_timeout: float | None, allow_oversubscribe: bool | None, progress: bool | None
+) -> None:
+    """Name the settings given to an in-process world that cannot apply there (they were
+    silently ignored): how rank processes start, and the timeouts of a real world."""
+    given = {
+        "timeout": timeout if timeout != DEFAULT_RUN_TIMEOUT else None,
+        "collective_timeout": collective_timeout,
+        "allow_oversubscribe": allow_oversubscribe,
+        "progress": progress,
+    }
+    named = [f"`{k}={v!r}`" for k, v in given.items() if v is not None]
+    if not named:
+        return
+    verb = (
+        "does not apply to an in-process world and is"
+        if len(named) == 1
+        else "do not apply to an in-process world and are"
+    )
+    # the user's frame: above LocalWorld.__init__ (and launch, where it made the world)
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    warnings.warn(
+        f"LocalWorld(in_process=True): {', '.join(named)} {verb} ignored: "
+        "`allow_oversubscribe` and `progress` concern starting rank processes (an in-process "
+        "world starts none); `timeout` and `collective_timeout` bound the waits of "
+        "real processes (in-process, a rank stuck in a collective is found at once, and a run "
+        "is not bounded in time). Leave them out with in_process=True (docs/in_process.md)",
+        UserWarning,
+        stacklevel=level,
+    )
+
+
 def check_world_fits(world_size: int, override: str | None = None) -> None:
     """Raise :class:`~diffcomm.WorldTooLargeError` if this machine cannot hold the world.
 
@@ -548,6 +588,7 @@ def launch(
     collective_timeout: float | None = None,
     allow_oversubscribe: bool | None = None,
     progress: bool | None = None,
+    in_process: bool = False,
     fn_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
@@ -562,8 +603,9 @@ def launch(
         fn: the function every rank runs.
         world_size: number of ranks.
         *args: ``fn``'s positional arguments.
-        backend, timeout, collective_timeout, allow_oversubscribe, progress:
-            :class:`LocalWorld`'s settings, by name.
+        backend, timeout, collective_timeout, allow_oversubscribe, progress, in_process:
+            :class:`LocalWorld`'s settings, by name (``in_process=True``: every rank a
+            thread of this process, docs/in_process.md); never passed to ``fn``.
         fn_kwargs: keyword arguments for ``fn`` whose names are one of the settings above
             (``fn_kwargs={"timeout": 5}`` calls ``fn(timeout=5)``).
         **kwargs: every other keyword goes to ``fn``.
@@ -591,5 +633,6 @@ def launch(
         collective_timeout=collective_timeout,
         allow_oversubscribe=allow_oversubscribe,
         progress=progress,
+        in_process=in_process,
     ) as world:
         return world.run(fn, *args, **kwargs)
