@@ -61,7 +61,8 @@ class InProcessUnsupportedError(DiffcommError, NotImplementedError):
 class RankStates:
     """Every rank's process state between the runs of one in-process world: its CPU RNG
     state, the contents of the per-rank boxes (:func:`per_rank`: settings such as
-    ``dc.debug`` set inside a rank, named RNG streams) and its comm-off switches. A process
+    ``dc.debug`` set inside a rank, named RNG streams), its comm-off switches and its flight
+    recorder's history. A process
     keeps these from one ``LocalWorld.run`` to the next, so the world keeps them here
     (:meth:`reset`: a fresh process's, as a world restarted after a failure)."""
 
@@ -71,6 +72,8 @@ class RankStates:
         self.saved: dict[int, list[Any]] = {}
         #: each rank's comm-off switches (per thread: kept here between its runs' threads)
         self.switched: dict[int, set[str]] = {}
+        #: each rank's flight-recorder history (its run's group is destroyed at the run's end)
+        self.history: dict[int, Any] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -78,6 +81,7 @@ class RankStates:
             self.rng[r] = _fresh_rng()
             self.saved[r] = [_copy_of(c) for c in _INITIAL]
             self.switched[r] = set()
+            self.history[r] = None
 
 
 class Hub:

@@ -28,6 +28,7 @@ from .._errors import DesyncError, RankDesyncError, RankError
 from ..backend import in_process as _ip
 from ..backend.in_process import RankStates
 from ..diagnostics import logger as _logger
+from ..diagnostics import recorder as _flight
 from . import reports as _report
 from . import shipping as _ship
 
@@ -93,6 +94,8 @@ def _run(
             _logger.STATE.off = set(state.switched[rank])
         try:
             dist.init_process_group(_ip.NAME, store=store, rank=rank, world_size=world_size)
+            if state is not None and state.history[rank] is not None:
+                _flight.resume(state.history[rank])  # the world's group, as a process keeps it
             try:
                 _lifecycle.program_start()  # a new program, as a process rank's run (its own state)
                 fn, args, kwargs = _ship.loads(payload)
@@ -100,6 +103,8 @@ def _run(
                     results[rank] = fn(*args, **kwargs)
             finally:
                 if dist.is_initialized():
+                    if state is not None:  # (destroying the group ends its history)
+                        state.history[rank] = _flight.history()
                     dist.destroy_process_group()
         except BaseException as exc:
             failures[rank] = traceback.format_exc()
