@@ -396,6 +396,9 @@ def resume(kept: tuple[list[Entry], _Group | None, _Group | None]) -> None:
         _GROUPS[None] = g
         if p2p is not None:
             _GROUPS[("p2p", g)] = p2p
+        configure()  # as a group first recorded (:func:`_group`)
+        for hook in ON_NEW_GROUP:
+            hook()
 
 
 def reset() -> None:
