@@ -731,3 +731,107 @@ def test_a_timeout_block_ending_gives_the_group_its_own_timeout_back(world2: Loc
     group waits its own timeout again. Before, it kept the block's 0.5 s: a later collective
     a rank joined 1.2 s late timed out, long after the block asked for it."""
     assert world2.run(_a_slow_collective_after_a_short_timeout_block) == ["[2.0, 2.0, 2.0]"] * 2
+
+
+def _everyone_receives_first() -> None:
+    r, n = dc.get_rank(), dc.get_world_size()
+    dc.recv((r - 1) % n, like=torch.ones(3))  # a ring where nobody sends
+
+
+def _two_receive_first_while_a_third_computes() -> str:
+    r = dc.get_rank()
+    if r == 2:
+        time.sleep(6.0)  # user code, then returns: it was never part of the deadlock
+        return "returned"
+    dc.recv(1 - r, like=torch.ones(3))
+    return "received"
+
+
+def _one_send_each_then_two_receives() -> None:
+    other = 1 - dc.get_rank()
+    dc.send(torch.ones(3), other)  # queued: counted, and received below
+    dc.recv(other, like=torch.ones(3))
+    dc.recv(other, like=torch.ones(3))  # one more than the peer sends
+
+
+def _a_ring_started_late(_: object = None) -> list[float]:
+    # every rank but 0 waits in a receive for 2.5 s (rank 0 computes first): slow, no deadlock
+    r, n = dc.get_rank(), dc.get_world_size()
+    if r == 0:
+        time.sleep(2.5)
+        dc.send(torch.full((3,), 1.0), 1)
+        return dc.recv(n - 1, like=torch.ones(3)).tolist()
+    x = dc.recv(r - 1, like=torch.ones(3))
+    dc.send(x + 1, (r + 1) % n)
+    return x.tolist()
+
+
+@pytest.mark.waits
+def test_ranks_all_waiting_in_receives_nobody_sends_are_a_deadlock_at_once() -> None:
+    """Every rank blocked in a receive that no rank can send any more (each awaited peer
+    has begun fewer sends to it, and is itself blocked in such a receive) is a
+    ``RankDesyncError`` within about a second and a half, naming every such rank and its
+    call site. Before, the world waited the collective timeout (here 60 s). Sends queued
+    count; ranks outside the deadlock (in user code) are not named; a slow ring, every
+    rank but one waiting in a receive for seconds, is no deadlock (right values)."""
+    with LocalWorld(3, timeout=60, collective_timeout=60) as world:
+        for fn, ranks, waits in (
+            (_everyone_receives_first, [0, 1, 2], ["#1 from rank 2", "#1 from rank 0", "#1 from rank 1"]),
+            (_two_receive_first_while_a_third_computes, [0, 1], ["#1 from rank 1", "#1 from rank 0"]),
+        ):
+            start = time.monotonic()
+            with pytest.raises(RankDesyncError) as info:
+                world.run(fn)
+            elapsed, text = time.monotonic() - start, str(info.value)
+            assert elapsed < 4.0, (fn.__name__, elapsed, text)
+            assert info.value.facts["deadlock"] == ranks, info.value.facts
+            assert text.startswith(
+                f"LocalWorld: rank(s) {ranks} all wait in a receive during `{fn.__name__}`"
+            )
+            for r, wait in zip(ranks, waits):
+                assert (
+                    f"  rank {r}: waits in `recv(src=" in text
+                    and f"for message {wait} on tag 0, which has sent it 0" in text
+                ), text
+            assert text.count("test_flight.py:") == len(ranks), text
+            assert "dc.sendrecv" in text
+        assert world.run(_a_ring_started_late) == [[3.0] * 3, [1.0] * 3, [2.0] * 3]
+    with LocalWorld(2, timeout=60, collective_timeout=60) as world:
+        start = time.monotonic()
+        with pytest.raises(
+            RankDesyncError, match=r"for message #3 from rank 1 on tag 0, which has sent it 2"
+        ):
+            world.run(_one_send_each_then_two_receives)
+        assert time.monotonic() - start < 4.0
+
+
+def _recv_state(rank: int, peer: int, k: int, sent_to_peer: int, duration: float = 1.0) -> dict:
+    entry = {
+        "op": f"recv(src={peer}, tag=0)",
+        "raw_op": "recv",
+        "group": [0, 1],
+        "gid": "0/p2p",
+        "seq": k - 1,
+        "state": "started",
+        "duration_s": duration,
+        "peers": [["recv", peer, 0, k]],
+    }
+    messages = {"0/p2p": {f"send|{peer}|0": sent_to_peer}} if sent_to_peer else {}
+    return {"inflight": [entry], "messages": messages}
+
+
+def test_a_deadlock_is_never_invented() -> None:
+    """The verdict on recorded states: a message begun (queued or in flight) counts as
+    coming; a rank that does anything else, a receive younger than the settling time or a
+    rank that did not answer give no verdict."""
+    from diffcomm.runtime.reports import deadlock
+
+    stuck = {0: _recv_state(0, 1, 1, 0), 1: _recv_state(1, 0, 1, 0)}
+    assert deadlock(stuck, [0, 1]) is not None and sorted(deadlock(stuck, [0, 1])[1]) == [0, 1]
+    # rank 1 has begun its send to rank 0 (queued): rank 0 will get it, then send
+    assert deadlock({0: _recv_state(0, 1, 1, 0), 1: _recv_state(1, 0, 1, 1)}, [0, 1]) is None
+    # rank 1 in user code (nothing in flight) might still send
+    assert deadlock({0: _recv_state(0, 1, 1, 0), 1: {"inflight": [], "messages": {}}}, [0, 1]) is None
+    # a receive just begun (a raw torch send, uncounted, may be arriving)
+    assert deadlock({0: _recv_state(0, 1, 1, 0), 1: _recv_state(1, 0, 1, 0, duration=0.1)}, [0, 1]) is None
+    assert deadlock({0: _recv_state(0, 1, 1, 0), 1: None}, [0, 1]) is None

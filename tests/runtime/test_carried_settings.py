@@ -206,3 +206,26 @@ def test_log_comms_around_a_run_is_warned_of(world2: LocalWorld) -> None:
     with dc.backend.log_comms() as log, pytest.warns(UserWarning, match=r"log_comms\(\) is open") as seen:
         world2.run(_all_reduce_of_rank)
     assert seen[0].filename == __file__ and len(log.records) == 0
+
+
+def _switch_broadcast_off() -> None:
+    dc.backend.comm_off("broadcast")  # a plain call: on until restored, in this rank's process
+
+
+def _broadcast_of_rank() -> float:
+    """Rank r's broadcast of r + 1 from rank 0: 1.0 on both ranks, its own r + 1 when off."""
+    return float(dc.broadcast(torch.full((1,), dc.get_rank() + 1.0))[0])
+
+
+@IN_PROCESS
+def test_a_ranks_own_comm_off_stays_on_from_run_to_run(in_process: bool) -> None:
+    """``comm_off("broadcast")`` called plainly inside a run stays on in that rank for the
+    next runs, as a rank process keeps it (a world of its own: the switch stays on there).
+    In-process, the switches are per thread and each run's ranks are new threads: before,
+    the next run communicated again (an ablation silently measured the communication)."""
+    with dc.LocalWorld(2, in_process=in_process) as world:
+        assert world.run(_broadcast_of_rank) == [1.0, 1.0]
+        world.run(_switch_broadcast_off)
+        assert world.run(_broadcast_of_rank) == [1.0, 2.0]
+        assert world.run(_all_reduce_of_rank) == [3.0, 3.0]  # only what was switched off
+    assert not dc.backend.is_off("broadcast")  # the ranks' switch, not the caller's

@@ -596,3 +596,20 @@ def test_tp_mlp_assert_matches_serial_in_process(inproc_world2) -> None:
     serial = MLP(8, 32, dtype=torch.float64)
     x = torch.randn(6, 2, 8, dtype=torch.float64)
     assert_matches_serial(build(ParallelMLP.from_serial), serial, x, world=inproc_world2)
+
+
+def _all_reduce_then_history() -> list[tuple[str, int, str]]:
+    dc.all_reduce(torch.ones(1))
+    return [(e["op"], e["seq"], e["state"]) for e in dc.flight_recorder()]
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_the_flight_recorder_keeps_a_ranks_history_from_run_to_run(in_process: bool) -> None:
+    """A rank's flight recorder holds its earlier runs' communications, numbered on, as a
+    rank process's does (its group lives on). In-process, each run's ranks join a new group
+    and destroying it ended its history: before, the second run's recorder held only its own
+    all_reduce, numbered 0 again."""
+    with dc.LocalWorld(2, in_process=in_process) as world:
+        world.run(_all_reduce_then_history)
+        seen = world.run(_all_reduce_then_history)
+    assert seen == [[("all_reduce(sum)", 0, "completed"), ("all_reduce(sum)", 1, "completed")]] * 2

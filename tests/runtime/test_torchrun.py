@@ -7,7 +7,9 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -188,3 +190,122 @@ def test_init_refuses_wrong_arguments(kwargs: dict, error: type[Exception], matc
     set the device."""
     with pytest.raises(error, match=r"diffcomm.init\(\): " + match):
         dc.init(**kwargs)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def one_rank_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A launcher environment of a one-rank job; the group and the settings undone after."""
+    import torch.distributed as dist
+
+    from diffcomm import _config
+
+    job = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    for key, value in job.items():
+        monkeypatch.setenv(key, value)
+    for key in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE", "DIFFCOMM_TIMEOUT"):
+        monkeypatch.delenv(key, raising=False)
+    assert not dist.is_initialized()
+    _config.TIMEOUT.reload()
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        joining._JOINED[:] = [None, True]
+        _config.TIMEOUT.reload()
+
+
+def test_a_second_init_asking_another_backend_or_timeout_is_an_error(one_rank_job: None) -> None:
+    """Before, a second ``init`` returned at once whatever it asked: ``init(backend="nccl")``
+    or ``init(timeout=5)`` in a process running a gloo group with a 20 s timeout silently
+    kept gloo and 20 s. The same arguments (or none) are still a no-op."""
+    import torch
+
+    dc.init(backend="gloo", timeout=20)
+    for same in ({}, {"backend": "gloo"}, {"backend": "GLOO"}, {"timeout": 20}, {"timeout": 20.0}):
+        dc.init(**same)
+    with pytest.raises(ValueError) as err:
+        dc.init(backend="nccl")
+    assert "backend 'gloo', but `backend='nccl'` was asked" in str(err.value)
+    assert "destroy_process_group()" in str(err.value)
+    with pytest.raises(ValueError) as err:
+        dc.init(timeout=5)
+    assert "collectives wait 20 s, but `timeout=5` was asked" in str(err.value)
+    assert "dc.timeout(5)" in str(err.value)
+    with dc.timeout(5):  # what the collectives wait now is the running value
+        dc.init(timeout=5)
+        with pytest.raises(ValueError, match="collectives wait 5 s, but `timeout=20` was asked"):
+            dc.init(timeout=20)
+    assert dc.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]  # the group is untouched
+
+
+def test_init_timeout_holds_over_the_environments(
+    one_rank_job: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``init(timeout=5)`` under ``DIFFCOMM_TIMEOUT=60``: before, the group got 5 s at
+    ``init`` and 60 s at its first op (diffcomm applies the setting before each op)."""
+    import torch
+
+    from diffcomm import _config, _torch
+
+    monkeypatch.setenv("DIFFCOMM_TIMEOUT", "60")
+    _config.TIMEOUT.reload()
+    dc.init(backend="gloo", timeout=5)
+    dc.all_reduce(torch.ones(1))
+    assert _torch.pg_timeout() == 5.0 and dc.timeout() == 5.0
+
+
+def test_a_second_init_asking_another_set_device_is_an_error(one_rank_job: None) -> None:
+    """On a GPU machine, ``init(set_device=False)`` then ``init()``: before, the second
+    call's ``set_device=True`` was silently ignored (no device set)."""
+    acc = _OneGPU()
+    with set_accelerator(acc):
+        dc.init(backend="gloo", set_device=False)
+        dc.init(backend="gloo", set_device=False)
+        with pytest.raises(
+            ValueError, match=r"joined its group with `set_device=False`, but `set_device=True`"
+        ):
+            dc.init(backend="gloo")
+    assert acc.set_to == []
+
+
+def _init_again(timeout: float) -> list[str]:
+    out = []
+    for kwargs in ({}, {"backend": "gloo"}, {"backend": "nccl"}, {"timeout": timeout}, {"timeout": 7}):
+        try:
+            dc.init(**kwargs)
+            out.append("ok")
+        except ValueError as exc:
+            out.append(str(exc).split(";")[0])
+    return out
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["processes", "in_process"])
+def test_init_inside_a_local_world_rank(local_worlds: Any, in_process: bool) -> None:
+    """A rank of either kind of world already belongs to its group: ``init()`` with its
+    backend (the in-process ``inproc`` group stands for gloo) is a no-op, another backend an
+    error; a timeout is compared on processes (the world's ``collective_timeout``) and not
+    in-process, which has no timeouts (docs/in_process.md)."""
+    world = local_worlds(2, in_process=in_process)
+    (a, b) = world.run(_init_again, world.collective_timeout)
+    assert a == b
+    running = "'inproc'" if in_process else "'gloo'"
+    assert a[:3] == [
+        "ok",
+        "ok",
+        "diffcomm.init(): this process already belongs to a process group of backend "
+        f"{running}, but `backend='nccl'` was asked",
+    ]
+    assert a[3] == "ok"
+    if in_process:
+        assert a[4] == "ok"
+    else:
+        assert a[4].endswith(f"collectives wait {world.collective_timeout:g} s, but `timeout=7` was asked")

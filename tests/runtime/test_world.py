@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -575,3 +577,71 @@ def test_local_worlds_fixture_shares_one_world_per_size(
 ) -> None:
     assert local_worlds(2) is world2
     assert world2.world_size == 2 and world2.backend == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"progress": True}, "`progress=True` does not apply to an in-process world and is ignored"),
+        ({"progress": False}, "`progress=False` does not apply"),
+        ({"allow_oversubscribe": True}, "`allow_oversubscribe=True` does not apply"),
+        ({"allow_oversubscribe": False}, "`allow_oversubscribe=False` does not apply"),
+        ({"timeout": 10}, "`timeout=10` does not apply"),
+        ({"collective_timeout": 5}, "`collective_timeout=5` does not apply"),
+        (
+            {"timeout": 10, "progress": True},
+            "`timeout=10`, `progress=True` do not apply to an in-process world and are",
+        ),
+    ],
+)
+def test_settings_that_do_not_apply_in_process_are_warned_of(kwargs: dict[str, object], named: str) -> None:
+    """``LocalWorld(n, in_process=True, progress=True)`` (or ``allow_oversubscribe``,
+    ``timeout``, ``collective_timeout``): before, silently ignored; now a warning naming
+    each, pointing at the caller's line. The defaults warn of nothing."""
+    with pytest.warns(UserWarning, match=re.escape(named)) as seen:
+        LocalWorld(2, in_process=True, **kwargs).close()  # type: ignore[arg-type]
+    assert [w.filename for w in seen] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LocalWorld(2, in_process=True).close()
+        LocalWorld(2, in_process=True, backend="gloo", timeout=300.0, collective_timeout=None).close()
+
+
+def _args_and_kwargs(*args: object, **kwargs: object) -> tuple[tuple[object, ...], dict[str, object]]:
+    return args, kwargs
+
+
+_LAUNCH_SETTINGS = (
+    "backend",
+    "timeout",
+    "collective_timeout",
+    "allow_oversubscribe",
+    "progress",
+    "in_process",
+)
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["processes", "in_process"])
+def test_launch_settings_never_reach_fn_and_fn_kwargs_of_their_names_do(in_process: bool) -> None:
+    """Every setting of ``launch`` by name configures the world and never lands in ``fn``'s
+    kwargs, on both kinds of world; a kwarg of ``fn`` named like one goes through
+    ``fn_kwargs``. Before, ``launch(fn, 2, in_process=True)`` called ``fn(in_process=True)``
+    on rank processes (and there was no in-process launch)."""
+    settings = {"backend": "gloo", "timeout": 120, "collective_timeout": 9, "allow_oversubscribe": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # in-process: the settings that do not apply are warned of
+        out = dc.launch(
+            _args_and_kwargs, 2, 1, "a", **settings, progress=False, in_process=in_process, steps=3
+        )
+    assert out == [((1, "a"), {"steps": 3})] * 2
+    own = {name: f"fn's {name}" for name in (*_LAUNCH_SETTINGS, "fn", "world_size", "fn_kwargs")}
+    out = dc.launch(_args_and_kwargs, 2, in_process=in_process, fn_kwargs=own)
+    assert out == [((), own)] * 2
+    ranks = dc.launch(_rank_kind, 2, in_process=in_process)
+    assert ranks == [(r, "inproc" if in_process else "gloo") for r in range(2)]
+
+
+def _rank_kind() -> tuple[int, str]:
+    import torch.distributed as dist
+
+    return dc.get_rank(), str(dist.get_backend())

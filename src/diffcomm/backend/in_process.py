@@ -60,8 +60,9 @@ class InProcessUnsupportedError(DiffcommError, NotImplementedError):
 
 class RankStates:
     """Every rank's process state between the runs of one in-process world: its CPU RNG
-    state and the contents of the per-rank boxes (:func:`per_rank`: settings such as
-    ``dc.debug`` set inside a rank, named RNG streams, the flight recorder). A process
+    state, the contents of the per-rank boxes (:func:`per_rank`: settings such as
+    ``dc.debug`` set inside a rank, named RNG streams), its comm-off switches and its flight
+    recorder's history. A process
     keeps these from one ``LocalWorld.run`` to the next, so the world keeps them here
     (:meth:`reset`: a fresh process's, as a world restarted after a failure)."""
 
@@ -69,12 +70,18 @@ class RankStates:
         self.world_size = world_size
         self.rng: dict[int, torch.Tensor] = {}
         self.saved: dict[int, list[Any]] = {}
+        #: each rank's comm-off switches (per thread: kept here between its runs' threads)
+        self.switched: dict[int, set[str]] = {}
+        #: each rank's flight-recorder history (its run's group is destroyed at the run's end)
+        self.history: dict[int, Any] = {}
         self.reset()
 
     def reset(self) -> None:
         for r in range(self.world_size):
             self.rng[r] = _fresh_rng()
             self.saved[r] = [_copy_of(c) for c in _INITIAL]
+            self.switched[r] = set()
+            self.history[r] = None
 
 
 class Hub:

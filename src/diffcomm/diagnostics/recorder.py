@@ -378,6 +378,29 @@ def set_status(status: str) -> None:
     _STATUS[0] = status
 
 
+def history() -> tuple[list[Entry], _Group | None, _Group | None]:
+    """The default group's history: every entry, and its sequence and message counters
+    (an in-process world's ranks join a new default group at each run, standing for the
+    same world: :func:`resume` gives the next run's group this history, as a rank process
+    keeps its group from run to run)."""
+    g = _GROUPS.get(None) if _WORLD_PG[0] is _torch.default_pg() else None
+    return list(_RING), g, (_GROUPS.get(("p2p", g)) if g is not None else None)
+
+
+def resume(kept: tuple[list[Entry], _Group | None, _Group | None]) -> None:
+    """Continue :func:`history` ``kept`` on the default group just made (before its first op)."""
+    entries, g, p2p = kept
+    _RING.extend(entries)
+    if g is not None:
+        _WORLD_PG[0] = _torch.default_pg()
+        _GROUPS[None] = g
+        if p2p is not None:
+            _GROUPS[("p2p", g)] = p2p
+        configure()  # as a group first recorded (:func:`_group`)
+        for hook in ON_NEW_GROUP:
+            hook()
+
+
 def reset() -> None:
     """Forget every entry and counter (a fresh process group)."""
     _RING.clear()

@@ -27,6 +27,8 @@ from .. import _lifecycle, _torch
 from .._errors import DesyncError, RankDesyncError, RankError
 from ..backend import in_process as _ip
 from ..backend.in_process import RankStates
+from ..diagnostics import logger as _logger
+from ..diagnostics import recorder as _flight
 from . import reports as _report
 from . import shipping as _ship
 
@@ -86,8 +88,14 @@ def _run(
         _ip.enter_rank(hub, rank)
         hub.acquire(rank)
         outcome = "done"
+        # the comm-off switches are per thread: a rank's own (`comm_off("all_reduce")` as a
+        # plain call) stays on from run to run, as in a rank process (it ended with the run)
+        if state is not None and state.switched[rank]:
+            _logger.STATE.off = set(state.switched[rank])
         try:
             dist.init_process_group(_ip.NAME, store=store, rank=rank, world_size=world_size)
+            if state is not None and state.history[rank] is not None:
+                _flight.resume(state.history[rank])  # the world's group, as a process keeps it
             try:
                 _lifecycle.program_start()  # a new program, as a process rank's run (its own state)
                 fn, args, kwargs = _ship.loads(payload)
@@ -95,6 +103,8 @@ def _run(
                     results[rank] = fn(*args, **kwargs)
             finally:
                 if dist.is_initialized():
+                    if state is not None:  # (destroying the group ends its history)
+                        state.history[rank] = _flight.history()
                     dist.destroy_process_group()
         except BaseException as exc:
             failures[rank] = traceback.format_exc()
@@ -103,6 +113,8 @@ def _run(
             # one complete it; those waiting for it are found stuck, the story naming it)
             outcome = f"raised {type(exc).__name__}: {exc}"
         finally:
+            if state is not None:
+                state.switched[rank] = set(getattr(_logger.STATE, "off", ()))
             hub.release(rank, final=True, outcome=outcome)
             _ip.leave_rank()
 

@@ -65,11 +65,21 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
     the local device is set from ``LOCAL_RANK`` (with more local ranks than devices, a
     gloo job leaves the device alone; the device's own backend raises ``ValueError``).
     ``timeout`` (seconds) defaults to ``DIFFCOMM_TIMEOUT`` or torch's default; it bounds
-    every collective, while the rendezvous itself may take up to 120 s (ranks still
-    starting). Calling it again is a no-op.
+    every collective (given here, it holds over ``DIFFCOMM_TIMEOUT``, as ``dc.timeout``
+    set in code does), while the rendezvous itself may take up to 120 s (ranks still
+    starting).
+
+    Calling it again in a process that already belongs to a default group (an earlier
+    ``init``, the user's own ``init_process_group``, a ``LocalWorld`` rank) is a no-op
+    when it asks nothing else: ``backend`` and ``timeout`` left at ``None`` or equal to the
+    running group's, ``set_device`` as the earlier ``init`` had it. A different value is a
+    ``ValueError`` naming the argument, the running value and the asked one (it was
+    silently ignored). In an in-process world (``LocalWorld(..., in_process=True)``) the
+    ranks' ``"inproc"`` group stands for ``"gloo"`` and has no timeout to compare.
 
     Raises:
-        ValueError: before any rendezvous, where the launcher's variables do not describe
+        ValueError: a second call asks for another ``backend``, ``timeout`` or ``set_device``
+            than the running group's; before any rendezvous, where the launcher's variables do not describe
             one job (``RANK`` outside ``[0, WORLD_SIZE)``, ``LOCAL_RANK`` outside
             ``[0, LOCAL_WORLD_SIZE)``, a value that is no integer, ``MASTER_PORT`` outside
             1..65535), naming the variable; or a ``DIFFCOMM_*`` variable is malformed.
@@ -90,6 +100,7 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
     if not isinstance(set_device, bool):  # a string such as "no" would be truthy
         raise TypeError(f"diffcomm.init(): `set_device` must be a bool, got {type(set_device).__name__}")
     if dist.is_initialized():
+        _check_same_group(backend, timeout, set_device)
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
@@ -120,6 +131,57 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
             _torch.set_pg_timeout(seconds, None)
         except Exception:  # a backend without settable timeouts keeps its own
             pass
+    if timeout is not None:
+        # the argument holds over DIFFCOMM_TIMEOUT (which diffcomm applies to a group before
+        # each op): under DIFFCOMM_TIMEOUT=60, init(timeout=5) waited 60 s from the first op
+        _config.TIMEOUT.set(float(timeout))
+    _JOINED[:] = [_torch.default_pg(), set_device]
+
+
+#: The default group the last :func:`init` joined, and its ``set_device``.
+_JOINED: list[Any] = [None, True]
+
+
+def _check_same_group(backend: str | None, timeout: float | None, set_device: bool) -> None:
+    """A second :func:`init` asks what the running default group is, or is an error naming
+    the argument: it used to return silently, the group keeping its own backend and timeout.
+    ``None`` asks nothing; the in-process world's ``"inproc"`` group stands for ``"gloo"``
+    (``LocalWorld(in_process=True)`` is a gloo world run in memory) and has no timeout."""
+    from ..backend.in_process import NAME as INPROC
+
+    running = str(dist.get_backend())
+    names = {part.split(":")[-1].strip().lower() for part in running.split(",")}
+    how = (
+        "a process joins one default group: leave the argument out (or pass the running "
+        "value), or call torch.distributed.destroy_process_group() first to join anew"
+    )
+    if INPROC in names:
+        names.add("gloo")
+    if backend is not None and backend.strip().lower() not in names:
+        raise ValueError(
+            f"diffcomm.init(): this process already belongs to a process group of backend "
+            f"{running!r}, but `backend={backend!r}` was asked; {how}"
+        )
+    if timeout is not None and INPROC not in names:
+        now = _config.TIMEOUT.get()
+        if now is None:
+            now = _torch.pg_timeout()
+        if now is None or abs(now - float(timeout)) > 1e-9 * max(now, 1.0):
+            told = "unknown (its backend does not tell it)" if now is None else f"{now:g} s"
+            raise ValueError(
+                f"diffcomm.init(): this process already belongs to a process group whose "
+                f"collectives wait {told}, but `timeout={timeout!r}` was asked; to change "
+                f"the timeout of a running group use dc.timeout({timeout!r}); {how}"
+            )
+    pg, had = _JOINED
+    if pg is not None and pg is _torch.default_pg() and set_device != had:
+        from ..accelerator import get_accelerator
+
+        if get_accelerator().name != "cpu":
+            raise ValueError(
+                f"diffcomm.init(): this process joined its group with `set_device={had}`, but "
+                f"`set_device={set_device}` was asked; {how}"
+            )
 
 
 def _launcher_int(name: str, low: int, high: int | None = None, what: str = "") -> int | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -235,3 +236,120 @@ def _unsent(
             facts,
         )
     return None
+
+
+#: seconds a receive must have waited before it counts in :func:`deadlock` (a raw
+#: ``torch.distributed`` send, which the recorder does not count, has long arrived by then)
+_DEADLOCK_SETTLE = 0.5
+#: seconds between the two looks :func:`deadlock_check` compares
+_DEADLOCK_RELOOK = 0.2
+
+
+def deadlock_check(store: Any, world_size: int, what: str) -> RankDesyncError | None:
+    """A :class:`RankDesyncError` if ranks wait in receives that no rank can serve any more
+    (:func:`deadlock`), seen alike in two looks at the ranks' flight records; else None."""
+    if store is None:
+        return None
+    ranks = list(range(world_size))
+    try:
+        first = _responder.request_states(store, ranks, wait=0.5)
+        if deadlock(first, ranks) is None:
+            return None
+        time.sleep(_DEADLOCK_RELOOK)
+        second = _responder.request_states(store, ranks, wait=0.5)
+    except Exception:  # no answers, no early diagnosis (the timeout still applies)
+        return None
+    found = deadlock(second, ranks)
+    if found is None or found[0] != deadlock(first, ranks)[0]:  # type: ignore[index]
+        return None  # a rank moved between the looks: no verdict
+    return _deadlock_error(found[1], what)
+
+
+def deadlock(
+    states: dict[int, dict[str, Any] | None], ranks: list[int]
+) -> tuple[tuple[Any, ...], dict[int, tuple[dict[str, Any], list[tuple[int, int, int, int]]]]] | None:
+    """The ranks stuck in receives that can never complete, or None.
+
+    A rank counts when its one communication in flight is a receive (started at least
+    ``_DEADLOCK_SETTLE`` s ago: the thread is blocked in it) of the ``k``-th message from a
+    peer that has begun fewer than ``k`` sends to it (sends queued or in flight count: the
+    counter moves when a send begins). Ranks whose awaited peers are all such ranks can
+    never be served: nobody among them can send again. A rank that does anything else
+    (runs user code, waits in a collective or a send) might still send, and so might
+    free the ranks waiting on it: they are not counted (no deadlock is ever invented).
+
+    Returns ``(key, {rank: (entry, [(peer, tag, k, sent), ...])})``: ``key`` identifies
+    the situation (each stuck rank's receive and the counts), to compare two looks.
+    """
+    waits: dict[int, tuple[dict[str, Any], list[tuple[int, int, int, int]]]] = {}
+    for p in ranks:
+        s = states.get(p)
+        if s is None:
+            return None  # a rank that did not answer: no verdict
+        inflight = s.get("inflight") or []
+        if len(inflight) != 1:
+            continue
+        e = inflight[0]
+        peers = e.get("peers") or []
+        if (
+            e.get("raw_op") != "recv"
+            or e.get("state") != "started"
+            or e.get("duration_s", 0.0) < _DEADLOCK_SETTLE
+            or not peers
+            or any(m[0] != "recv" for m in peers)
+        ):
+            continue
+        missing = []
+        for _kind, q, tag, k in peers:
+            sent = ((states.get(q) or {}).get("messages") or {}).get(e["gid"], {}).get(f"send|{p}|{tag}", 0)
+            missing.append((q, tag, k, sent))
+        if all(sent < k for _q, _tag, k, sent in missing):
+            waits[p] = (e, missing)
+    stuck = set(waits)
+    changed = True
+    while changed:  # keep the ranks whose every awaited peer is stuck too
+        changed = False
+        for p in sorted(stuck):
+            if any(q not in stuck for q, *_ in waits[p][1]):
+                stuck.discard(p)
+                changed = True
+    if not stuck:
+        return None
+    found = {p: waits[p] for p in sorted(stuck)}
+    key = tuple((p, e["gid"], e.get("seq"), tuple(map(tuple, m))) for p, (e, m) in found.items())
+    return key, found
+
+
+def _deadlock_error(
+    found: dict[int, tuple[dict[str, Any], list[tuple[int, int, int, int]]]], what: str
+) -> RankDesyncError:
+    lines = []
+    for p, (e, missing) in found.items():
+        site = f" from {e['site']}" if e.get("site") else ""
+        waits_for = "; ".join(
+            f"message #{k} from rank {q} on tag {tag}, which has sent it {sent}"
+            for q, tag, k, sent in missing
+        )
+        lines.append(f"  rank {p}: waits in `{e['op']}`{site} for {waits_for}")
+    ranks = sorted(found)
+    first = found[ranks[0]][0]
+    facts = {
+        "group": list(first["group"]),
+        "seq": None,
+        "culprits": ranks,
+        "op": first["op"],
+        "direction": first.get("direction"),
+        "idle": [],
+        "returned": [],
+        "deadlock": ranks,
+    }
+    return RankDesyncError(
+        f"LocalWorld: rank(s) {ranks} all wait in a receive during `{what}` and none of them "
+        "can send any more: a point-to-point deadlock (every rank receives first, nobody "
+        "sends); the world was torn down (it restarts at the next run).\n"
+        + "\n".join(lines)
+        + "\n(Messages count per peer and tag, a tensor's header and data apart.) Post the send "
+        "before the receive on one side, or use dc.sendrecv (send and "
+        "receive at once, deadlock-free).",
+        facts,
+    )

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -75,6 +76,8 @@ __all__ = ["LocalWorld", "launch", "init", "get_rank", "get_world_size", "is_ini
 # ``diffcomm.runtime.joining``, the processes' state ``diffcomm.runtime.processes``, the
 # rank process ``diffcomm.runtime.rank_process``, the failure messages and early
 # diagnoses ``diffcomm.runtime.reports``.
+# Size: ~650 lines, over the ~600 guideline: LocalWorld's two kinds share one front door
+# (the settings checked and warned of once for both) and the watch loop is one piece.
 
 DEFAULT_COLLECTIVE_TIMEOUT = 30.0  # seconds; LocalWorld's default for DIFFCOMM_TIMEOUT
 DEFAULT_RUN_TIMEOUT = 300.0
@@ -84,6 +87,8 @@ _RANK_MEMORY = 350 * 2**20  # bytes one idle gloo rank holds (torch imported), m
 _FIRST_CHECK = 0.15  # seconds after a rank returned before asking the busy ranks what they do
 _RECHECK = 0.3
 _PROGRESS_AFTER = 2.0  # seconds of start-up before progress is printed
+_STALL_FIRST = 1.0  # seconds into a run, no rank returned, before asking for a p2p deadlock
+_STALL_MAX = 8.0  # the asking slows down to once per this many seconds
 
 
 # --------------------------------------------------------------------------------------
@@ -134,9 +139,10 @@ class LocalWorld:
             (:mod:`diffcomm.runtime.in_process`; docs/in_process.md): the same
             :meth:`run`, the same results (each rank its own RNG stream and groups), no
             start-up, and a desync reported at once. Its limits: no real transport (the
-            ``"inproc"`` backend only; ``backend`` must stay ``"gloo"``), no timeouts
-            (``timeout`` and ``collective_timeout`` do not apply), one rank running at a
-            time, no torchrun. Default ``False``: real processes.
+            ``"inproc"`` backend only; ``backend`` must stay ``"gloo"``), no timeouts, one
+            rank running at a time, no torchrun. ``timeout``, ``collective_timeout``,
+            ``allow_oversubscribe`` and ``progress`` do not apply: given (other than their
+            defaults), each is named in a ``UserWarning``. Default ``False``: real processes.
 
     Example::
 
@@ -166,6 +172,7 @@ class LocalWorld:
         self.in_process = in_process
         if in_process:
             self._init_in_process(world_size, backend, timeout, collective_timeout)
+            _warn_not_in_process(timeout, collective_timeout, allow_oversubscribe, progress)
             return
         if progress is None:
             progress = _config.PROGRESS.get()
@@ -212,7 +219,8 @@ class LocalWorld:
         self.world_size = world_size
         self.backend = backend
         self.timeout = float(timeout)
-        self.collective_timeout = float(collective_timeout or DEFAULT_COLLECTIVE_TIMEOUT)
+        ct = collective_timeout if collective_timeout is not None else _config.TIMEOUT.get()
+        self.collective_timeout = float(ct if ct is not None else DEFAULT_COLLECTIVE_TIMEOUT)
         self.progress = False
         self.restarts = 0
         self._state = _Procs()
@@ -307,8 +315,10 @@ class LocalWorld:
         return f"LocalWorld(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
     # ---- running -------------------------------------------------------------------
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank at once; return the results by rank.
+
+        ``fn`` is positional-only, so every keyword reaches ``fn``: also one named ``fn``.
 
         Raises:
             RankError: a rank raised (``.failures`` has the remote tracebacks,
@@ -390,6 +400,10 @@ class LocalWorld:
         grace_deadline: float | None = None
         check_at: float | None = None
         progress_at = start + _PROGRESS_AFTER if what == "start-up" and self.progress else None
+        # every rank busy: are some all blocked in receives nobody can serve? (a deadlock,
+        # else found only by the collective timeout)
+        stall_every = _STALL_FIRST
+        stall_at = start + stall_every if what != "start-up" else None
         printed = False
         by_conn = {st.conns[r]: r for r in pending}
         died: dict[int, int | None] = {}
@@ -398,7 +412,7 @@ class LocalWorld:
             limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
             if now >= limit:
                 break
-            wake = min(t for t in (limit, check_at, progress_at) if t is not None)
+            wake = min(t for t in (limit, check_at, progress_at, stall_at) if t is not None)
             ready = mpc.wait([st.conns[r] for r in pending], timeout=max(0.0, wake - now))
             for obj in ready:
                 r = by_conn[obj]  # type: ignore[index]
@@ -434,6 +448,13 @@ class LocalWorld:
                 continue
             returned = sorted(r for r, v in replies.items() if v[0] == "ok")
             if not returned:
+                if stall_at is not None and now >= stall_at:
+                    stuck = _report.deadlock_check(self._state.store, self.world_size, what)
+                    if stuck is not None:
+                        self._teardown()
+                        raise stuck
+                    stall_every = min(2 * stall_every, _STALL_MAX)
+                    stall_at = time.monotonic() + stall_every
                 continue
             if check_at is None:
                 check_at = now + _FIRST_CHECK
@@ -506,6 +527,40 @@ class LocalWorld:
         return replies
 
 
+def _warn_not_in_process(
+    timeout: float, collective_timeout: float | None, allow_oversubscribe: bool | None, progress: bool | None
+) -> None:
+    """Name the settings given to an in-process world that cannot apply there (they were
+    silently ignored): how rank processes start, and the timeouts of a real world."""
+    given = {
+        "timeout": timeout if timeout != DEFAULT_RUN_TIMEOUT else None,
+        "collective_timeout": collective_timeout,
+        "allow_oversubscribe": allow_oversubscribe,
+        "progress": progress,
+    }
+    named = [f"`{k}={v!r}`" for k, v in given.items() if v is not None]
+    if not named:
+        return
+    verb = (
+        "does not apply to an in-process world and is"
+        if len(named) == 1
+        else "do not apply to an in-process world and are"
+    )
+    # the user's frame: above LocalWorld.__init__ (and launch, where it made the world)
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    warnings.warn(
+        f"LocalWorld(in_process=True): {', '.join(named)} {verb} ignored: "
+        "`allow_oversubscribe` and `progress` concern starting rank processes (an in-process "
+        "world starts none); `timeout` and `collective_timeout` bound the waits of "
+        "real processes (in-process, a rank stuck in a collective is found at once, and a run "
+        "is not bounded in time). Leave them out with in_process=True (docs/in_process.md)",
+        UserWarning,
+        stacklevel=level,
+    )
+
+
 def check_world_fits(world_size: int, override: str | None = None) -> None:
     """Raise :class:`~diffcomm.WorldTooLargeError` if this machine cannot hold the world.
 
@@ -548,6 +603,7 @@ def launch(
     collective_timeout: float | None = None,
     allow_oversubscribe: bool | None = None,
     progress: bool | None = None,
+    in_process: bool = False,
     fn_kwargs: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
@@ -562,8 +618,9 @@ def launch(
         fn: the function every rank runs.
         world_size: number of ranks.
         *args: ``fn``'s positional arguments.
-        backend, timeout, collective_timeout, allow_oversubscribe, progress:
-            :class:`LocalWorld`'s settings, by name.
+        backend, timeout, collective_timeout, allow_oversubscribe, progress, in_process:
+            :class:`LocalWorld`'s settings, by name (``in_process=True``: every rank a
+            thread of this process, docs/in_process.md); never passed to ``fn``.
         fn_kwargs: keyword arguments for ``fn`` whose names are one of the settings above
             (``fn_kwargs={"timeout": 5}`` calls ``fn(timeout=5)``).
         **kwargs: every other keyword goes to ``fn``.
@@ -591,5 +648,6 @@ def launch(
         collective_timeout=collective_timeout,
         allow_oversubscribe=allow_oversubscribe,
         progress=progress,
+        in_process=in_process,
     ) as world:
         return world.run(fn, *args, **kwargs)

@@ -82,9 +82,9 @@ def local_worlds(request: pytest.FixtureRequest) -> Iterator[Callable[..., Local
         in_process = (_MARKED[0] if in_process is None else in_process) or everything_in_process
         key = (n, backend, in_process)
         if key not in worlds:
-            worlds[key] = LocalWorld(
-                n, backend=backend, collective_timeout=timeout, timeout=300, in_process=in_process
-            )
+            # (an in-process world has no timeouts: given one, it warns that it does not apply)
+            timeouts = {} if in_process else {"collective_timeout": timeout, "timeout": 300}
+            worlds[key] = LocalWorld(n, backend=backend, in_process=in_process, **timeouts)
         return worlds[key]
 
     yield get
