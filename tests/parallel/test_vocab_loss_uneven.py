@@ -15,6 +15,7 @@ summed over the group) then this rank's rows, as a ColumnParallelLinear without
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -326,3 +327,43 @@ def test_shard_sizes_travel_in_the_max_all_reduce(world3) -> None:
         assert world3.run(_comms, sizes, vocab_size) == [two] * 3, (sizes, vocab_size)
     three = [two[0], ("all_reduce", "parallel.vocab_parallel_cross_entropy (max, uneven padded)"), two[1]]
     assert world3.run(_comms, [4, 3, 2], 8) == [three] * 3
+
+
+def _under_torch_func(sizes: list[int], vocab_size: int | None) -> dict[str, bool]:
+    from torch.func import grad, jvp, vmap
+
+    r, s = dc.get_rank(), sum(sizes[: dc.get_rank()])
+    v = vocab_size or sum(sizes)
+    g = torch.Generator().manual_seed(1)
+    full = torch.randn(3, 4, sum(sizes), generator=g, dtype=F64)
+    target = torch.randint(0, v, (3, 4), generator=g)
+    target[1, 2] = -100
+    z = full[..., s : s + sizes[r]].contiguous()
+
+    def ce(zz: torch.Tensor, tt: torch.Tensor) -> torch.Tensor:
+        padding = {} if vocab_size is None else {"vocab_size": vocab_size}
+        return P.vocab_parallel_cross_entropy(zz, tt, label_smoothing=0.1, **padding)
+
+    def ref(ff: torch.Tensor, tt: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(ff[..., :v].reshape(-1, v), tt.reshape(-1), label_smoothing=0.1)
+
+    g_ref = torch.stack([grad(ref)(full[i], target[i])[..., s : s + sizes[r]] for i in range(3)])
+    tangent = torch.randn(full.shape, generator=g, dtype=F64)
+    _, t_loss = jvp(lambda zz: ce(zz, target), (z,), (tangent[..., s : s + sizes[r]].contiguous(),))
+    _, t_ref = jvp(lambda ff: ref(ff, target), (full,), (tangent,))
+    close = functools.partial(torch.allclose, rtol=1e-10, atol=1e-12)
+    return {
+        "vmap": close(vmap(ce)(z, target), torch.stack([ref(full[i], target[i]) for i in range(3)])),
+        "vmap_grad": close(vmap(grad(ce))(z, target), g_ref),
+        "jvp": close(t_loss, t_ref),
+    }
+
+
+# on processes: forward-mode AD: one stack of dual levels per process (docs/in_process.md, Limits)
+@pytest.mark.diffcomm_in_process(False)
+def test_uneven_and_padded_under_torch_func(world3) -> None:
+    """``vmap``, per-example gradients (``vmap(grad)``) and ``jvp`` with uneven shards (one
+    empty) and with ``vocab_size`` padding (even and uneven) equal the serial model's."""
+    for sizes, vocab_size in (([4, 3, 3], None), ([4, 0, 6], None), ([4, 3, 2], 8), ([3, 3, 3], 8)):
+        for out in world3.run(_under_torch_func, sizes, vocab_size):
+            assert out == dict.fromkeys(out, True), (sizes, vocab_size, out)
