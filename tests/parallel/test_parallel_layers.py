@@ -676,6 +676,40 @@ def test_buffers_travel_with_the_serial_state_dicts(world2) -> None:
         assert result == dict.fromkeys(result, True), result
 
 
+class _UnevenRows(P.ParallelModule):
+    """A layer of one's own whose weight rows are uneven across ranks (``sizes[r]`` on rank
+    ``r``; e.g. a vocabulary head cut with ``torch.tensor_split``)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__()
+        self._shard_dims = {"weight": 0}
+        self.weight = nn.Parameter(torch.zeros(sizes[dc.get_rank()], 2, dtype=F64))
+
+
+def _load_uneven(sizes: list[int]) -> dict[str, str]:
+    serial = nn.Linear(2, sum(sizes), bias=False, dtype=F64)
+    calls = {
+        "load_serial_state_dict": lambda: _UnevenRows(sizes).load_serial_state_dict(serial.state_dict()),
+        "from_serial": lambda: _UnevenRows.from_serial(serial, sizes),
+    }
+    return outcomes(calls, ValueError)
+
+
+def test_uneven_shards_of_a_layer_of_ones_own_are_refused_when_loading(world3) -> None:
+    """A ParallelModule's state-dict mapping cuts even shards (rank r: ``[r*n, (r+1)*n)``):
+    a layer of one's own with uneven shards (``[4, 3, 3]`` of 10 rows) is a ValueError naming
+    the tensor, no communication. Before, every rank loaded without an error: rank 1 got rows
+    3-5 for its 4-6, rank 2 rows 6-8 for 7-9 (row 9 nowhere)."""
+    for rank, out in enumerate(world3.run(_load_uneven, [4, 3, 3])):
+        n = [4, 3, 3][rank]
+        for key, msg in out.items():
+            assert "_UnevenRows.load_serial_state_dict(): `weight` of serial shape (10, 2)" in msg, (
+                key,
+                msg,
+            )
+            assert f"{n} * 3 = {3 * n} != 10" in msg and "shards are even" in msg, (key, msg)
+
+
 class _SerialTiedLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -220,6 +220,22 @@ def _cross_entropy(**kw: Any) -> Callable[[], tuple]:
     return program
 
 
+def _cross_entropy_uneven(sizes: list[int], **kw: Any) -> Callable[[], tuple]:
+    """Vocabulary shards of ``sizes`` (contiguous in rank order; one may be empty): the
+    logits' last dim differs per simulated rank."""
+
+    def program() -> tuple:
+        from torch.distributed._local_tensor import rank_map
+
+        full = torch.randn(5, sum(sizes), generator=torch.Generator().manual_seed(23), dtype=torch.float64)
+        starts = [sum(sizes[:r]) for r in range(len(sizes))]
+        logits = rank_map(lambda r: full[:, starts[r] : starts[r] + sizes[r]].clone()).requires_grad_(True)
+        target = torch.tensor([0, 3, 6, 7, -100])
+        return outs_and_grads([P.vocab_parallel_cross_entropy(logits, target, **kw)], [logits])
+
+    return program
+
+
 def _attention(name: str) -> Callable[[], tuple]:
     def program() -> tuple:
         q, k, v = (per_rank(s, 1, 4, 3, 8) for s in (6, 7, 8))
@@ -512,6 +528,19 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     "vocab_parallel_cross_entropy[smoothing, sum]": (
         _cross_entropy(label_smoothing=0.1, reduction="sum"),
         2,
+    ),
+    "vocab_parallel_cross_entropy[uneven shards]": (_cross_entropy_uneven([4, 3, 3]), 3),
+    "vocab_parallel_cross_entropy[uneven shards, an empty one, smoothing]": (
+        _cross_entropy_uneven([4, 0, 6], label_smoothing=0.1),
+        3,
+    ),
+    "vocab_parallel_cross_entropy[vocab_size: padding]": (
+        _cross_entropy_uneven([3, 3, 3], label_smoothing=0.1, vocab_size=8),
+        3,
+    ),
+    "vocab_parallel_cross_entropy[vocab_size: uneven shards with padding]": (
+        _cross_entropy_uneven([4, 3, 2], label_smoothing=0.1, vocab_size=8),
+        3,
     ),
     **{
         f"compat.{name}": (_compat(name), 3)
@@ -939,6 +968,10 @@ def _rank_zero(*args: Any) -> int:
     return 0  # what torch's fake process group says on every simulated rank
 
 
+def _start_of_rank_zero(sizes: torch.Tensor, *args: Any) -> torch.Tensor:
+    return sizes[:0].sum()  # rank 0's first class (0), as the 0-dim tensor the mode's start is
+
+
 def _row_zero(table: torch.Tensor, *args: Any) -> torch.Tensor:
     return table[0]  # rank 0's row of a layout table standing for every simulated rank's
 
@@ -971,6 +1004,13 @@ _PLANTED: list[tuple[str, str, str, Any]] = [
     ("parallel.ParallelSelfAttention", "diffcomm.parallel._module", "rank_index", _rank_zero),
     ("parallel.VocabParallelEmbedding", "diffcomm.parallel.layers", "rank_start", _rank_zero),
     ("vocab_parallel_cross_entropy", "diffcomm.parallel.loss", "rank_start", _rank_zero),
+    # every simulated rank's classes taken to start where rank 0's do
+    (
+        "vocab_parallel_cross_entropy[uneven shards]",
+        "diffcomm.parallel.loss",
+        "_own_start",
+        _start_of_rank_zero,
+    ),
     # Ulysses whose ranks map query to KV heads differently, rank 0's map standing for all
     (
         "ulysses_attention[gqa, KV heads differing per rank]",
@@ -996,6 +1036,13 @@ _PLANTED: list[tuple[str, str, str, Any]] = [
 ]
 
 
+#: planted rows whose bug ends in a ``ValueError`` (matching this) instead of other values:
+#: the vocab-parallel loss learns every shard's size from each rank's own position in the max
+#: all_reduce, so every rank read as rank 0 leaves the other positions empty, and the
+#: target ids past that too-small vocabulary are refused on every rank
+_PLANTED_REFUSED = {("vocab_parallel_cross_entropy", "rank_start"): r"class ids in \[0, 4\).*got id 7"}
+
+
 @pytest.mark.parametrize(("row", "module", "attr", "bug"), _PLANTED, ids=lambda v: getattr(v, "__name__", v))
 def test_a_layer_row_fails_under_a_planted_bug(
     row: str, module: str, attr: str, bug: Any, inproc_worlds: Callable[[int], Any], monkeypatch: Any
@@ -1010,6 +1057,11 @@ def test_a_layer_row_fails_under_a_planted_bug(
     program, n = EQUAL[row] if row in EQUAL else REFUSED[row][:2]
     want = inproc_worlds(n).run(program)
     monkeypatch.setattr(importlib.import_module(module), attr, bug)
+    refused = _PLANTED_REFUSED.get((row, attr))
+    if refused is not None:  # the planted bug is an error (louder than a wrong value)
+        with pytest.raises(ValueError, match=refused):
+            run_under_local_tensor_mode(n, program)
+        return
     here = run_under_local_tensor_mode(n, program)
     assert not all(_close(here[r], want[r]) for r in range(n))
 

@@ -318,7 +318,8 @@ class ParallelModule(nn.Module):
         return specs
 
     def serial_slices(self) -> dict[str, Index]:
-        """Which part of each serial parameter this rank's parameter is.
+        """Which part of each serial parameter this rank's parameter is (shards are even:
+        rank ``r``'s ``k`` entries along the shard dim are ``[r*k, (r+1)*k)``).
 
         Returns:
             ``{name: index}``: ``serial_param[index]`` has this rank's parameter's shape
@@ -390,6 +391,7 @@ class ParallelModule(nn.Module):
         for name, (t, dim, pg) in specs.items():
             if name not in state_dict:
                 continue
+            _check_even(type(self).__name__, name, state_dict[name], t, dim, pg)
             src = _cut(state_dict[name], _index(t, dim, pg))
             if src.shape != t.shape:
                 raise ValueError(
@@ -452,6 +454,24 @@ def _index(t: Tensor, dim: int | None, pg: Any) -> Index:
         r = rank_index(pg)  # (per simulated rank under LocalTensorMode)
         index[dim] = slice(r * n, (r + 1) * n)
     return tuple(index)
+
+
+def _check_even(owner: str, name: str, full: Tensor, t: Tensor, dim: int | None, pg: Any) -> None:
+    """A sharded tensor's shards are even (rank ``r`` holds ``[r*n, (r+1)*n)``, what
+    :func:`_index` cuts): a serial size along ``dim`` other than ``n * world`` is a
+    ``ValueError`` (no communication). Uneven shards of a layer of one's own would else load
+    other ranks' rows without an error: ``[4, 3, 3]`` of 10 rows gave rank 1 rows 3-5 for
+    4-6. (A rank whose ``n * world`` happens to match raises nothing; the others do.)"""
+    if dim is None or full.dim() <= dim:
+        return  # (a wrong rank: the shape check after the cut names it)
+    n, world = t.shape[dim], B.get_backend().world_size(pg)
+    if isinstance(n, int) and full.shape[dim] != n * world:
+        raise ValueError(
+            f"{owner}.load_serial_state_dict(): `{name}` of serial shape {tuple(full.shape)} is not "
+            f"{world} even shards of this rank's {n} along dim {dim} ({n} * {world} = {n * world} "
+            f"!= {full.shape[dim]}); a ParallelModule's shards are even (rank r holds "
+            f"[r*{n}, (r+1)*{n})): pad the serial dimension to a multiple of {world}"
+        )
 
 
 def _cut(full: Tensor, index: Index) -> Tensor:
