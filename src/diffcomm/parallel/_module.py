@@ -228,6 +228,23 @@ def _sharded_position(module: ParallelModule) -> tuple[int, int] | None:
     return _group_position(module._pg)
 
 
+def check_serial_value(op: str, name: str, value: Any) -> None:
+    """A serial state dict's ``value`` for ``name`` is a plain tensor, before anything is
+    copied: a ``DTensor`` (a state dict of torch's tensor parallelism, or DCP's
+    ``get_model_state_dict`` of one) failed inside ``copy_`` with torch's "mixed
+    torch.Tensor and DTensor", naming neither the key nor the way out."""
+    if isinstance(value, Tensor) and type(value) is not Tensor and A.is_dtensor(value):
+        raise A.arg_error(
+            op,
+            f"state_dict[{name!r}]",
+            "a full (serial) tensor: a DTensor's global value needs communication; pass "
+            "`{k: v.full_tensor() for k, v in sd.items()}` (on every rank), or load a DCP "
+            "checkpoint with `dcp.load(parallel.dcp_state_dict(model), ...)`",
+            f"a DTensor with placements {tuple(getattr(value, 'placements', ()))}",
+            TypeError,
+        )
+
+
 def _leave_region(module: ParallelModule, args: Any, output: Any) -> None:
     """Forward hook (always called): the outermost module drops the copies again."""
     if module.__dict__.pop("_region_root", False):
@@ -387,6 +404,9 @@ class ParallelModule(nn.Module):
                 f"{type(self).__name__}.load_serial_state_dict(): missing keys {missing}, "
                 f"unexpected keys {unexpected}"
             )
+        for name in specs:
+            if name in state_dict:
+                check_serial_value(f"{type(self).__name__}.load_serial_state_dict", name, state_dict[name])
         for name, (t, dim, pg) in specs.items():
             if name not in state_dict:
                 continue

@@ -67,6 +67,7 @@ from ..ops import engine as _async
 from ._check import check_replicas_agree
 from ._module import (
     check_positive,
+    check_serial_value,
     deepcopy_sharing_groups,
     guard_shard_loading,
     init_generator,
@@ -156,8 +157,7 @@ def _tokens(op: str, x: Any, hidden_size: int, dtype: torch.dtype | None = None)
     """``x`` (``(..., H)``) as ``(N, H)`` rows; anything else is named before any
     communication. ``dtype``: the layer's parameter dtype, which ``x`` must have (outside
     autocast, where torch's matmul would fail later without naming ``x``)."""
-    if not isinstance(x, Tensor):
-        raise A.arg_error(op, "x", "a tensor", type(x).__name__, TypeError)
+    A.check_tensor(x, op, "x")  # (a DTensor too: this rank's tokens are a plain tensor)
     if x.ndim < 1 or x.shape[-1] != hidden_size:
         raise A.arg_error(op, "x", f"a (..., hidden_size={hidden_size}) tensor", f"shape {tuple(x.shape)}")
     if not x.dtype.is_floating_point:
@@ -563,6 +563,9 @@ class ExpertParallelMoE(nn.Module):
                     f"diffcomm.{op}(): unexpected keys {unexpected}: not parameters of the serial "
                     f"MoE this layer shards (pass strict=False to ignore them)"
                 )
+        for s_name in names.values():
+            if s_name in state_dict:
+                check_serial_value(op, s_name, state_dict[s_name])
         for name, p in self.named_parameters():
             s_name = names[name]
             if s_name not in state_dict:
