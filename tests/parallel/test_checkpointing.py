@@ -5,6 +5,7 @@ loaded it silently), and optimizer state. Every value against a float64 serial m
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from pathlib import Path
 
@@ -313,5 +314,35 @@ def test_dcp_optimizer_state_of_expert_parallel_moe(
     after = serial.state_dict()
     inproc_worlds(2).run(_moe_adam_save, str(tmp_path))
     for full in inproc_worlds(3).run(_moe_adam_load_and_step, str(tmp_path)):
+        for k in after:
+            assert_close(full[k], after[k], rtol=1e-12, atol=1e-12, msg=k)
+
+
+def _adam_per_rank_round_trip() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    model = Parallel(Serial(0))
+    adam = torch.optim.Adam(model.parameters(), **ADAM)
+    _adam_steps(model, adam, 2)
+    blob = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": adam.state_dict()}, blob)
+    model = Parallel(Serial(1))
+    adam = torch.optim.Adam(model.parameters(), lr=0.5, eps=1e-3)
+    saved = torch.load(io.BytesIO(blob.getvalue()), weights_only=True)
+    model.load_state_dict(saved["model"])
+    adam.load_state_dict(saved["optim"])
+    y = _adam_steps(model, adam, 1)
+    return model.to_serial_state_dict(), y
+
+
+def test_per_rank_optimizer_state_restores_on_the_same_layout(inproc_world2: dc.LocalWorld) -> None:
+    """The flow without DCP (docs/parallel.md): each rank saves its model and optimizer
+    state dicts and loads its own on the same layout; the next Adam step equals the serial
+    model's third."""
+    serial = Serial(0)
+    adam = torch.optim.Adam(serial.parameters(), **ADAM)
+    _adam_steps(serial, adam, 2)
+    y_ref = _adam_steps(serial, adam, 1)
+    after = serial.state_dict()
+    for full, y in inproc_world2.run(_adam_per_rank_round_trip):
+        assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
         for k in after:
             assert_close(full[k], after[k], rtol=1e-12, atol=1e-12, msg=k)
