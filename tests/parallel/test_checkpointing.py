@@ -346,3 +346,27 @@ def test_per_rank_optimizer_state_restores_on_the_same_layout(inproc_world2: dc.
         assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
         for k in after:
             assert_close(full[k], after[k], rtol=1e-12, atol=1e-12, msg=k)
+
+
+def _fully_sharded_tp() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mlp = P.ParallelMLP(8, 16, seed=0, group=(mesh, "tp"))
+    fully_shard(mlp, mesh=mesh["dp"])
+    try:
+        P.dcp_state_dict(mlp)
+    except TypeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_dcp_state_dict_refuses_fsdp2_over_tensor_parallel_shards(inproc_world4: dc.LocalWorld) -> None:
+    """FSDP2's ``fully_shard`` over the ``dp`` axis makes each tensor-parallel shard a DTensor
+    whose global shape is the shard's ((8, 8) for the serial (16, 8)): DCP would keep one
+    tensor-parallel rank's copy. ``dcp_state_dict`` says so instead of torch's "local_tensor
+    argument only accepts torch.Tensor"."""
+    for message in inproc_world4.run(_fully_sharded_tp):
+        assert message.startswith("diffcomm.parallel.dcp_state_dict(): `fc1.weight` is a shard of a"), message
+        assert "fully_shard" in message and "not supported yet" in message, message

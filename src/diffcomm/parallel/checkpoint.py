@@ -52,7 +52,9 @@ def dcp_state_dict(module: nn.Module) -> dict[str, Any]:
         ``{serial name: DTensor or tensor}``.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
+        TypeError: ``module`` is not an ``nn.Module``; a shard that torch has made a
+            ``DTensor`` as well (FSDP2's ``fully_shard`` over another mesh axis: not
+            supported yet, where plain DCP would keep one tensor-parallel rank's copy).
         ValueError: a persistent buffer inside an ``ExpertParallelMoE``'s experts (it has
             no serial name; its key would be the same on every rank).
 
@@ -67,7 +69,7 @@ def dcp_state_dict(module: nn.Module) -> dict[str, Any]:
     layout = _Layout("parallel.dcp_state_dict", module)
     out: dict[str, Any] = {}
     for key, t in module.state_dict(keep_vars=True).items():
-        out[layout.serial_name(key)] = layout.global_view(t, t)
+        out[layout.serial_name(key)] = layout.global_view(f"`{key}`", t, t)
     return out
 
 
@@ -148,17 +150,27 @@ class _Layout:
             )
         return self.renamed.get(name, name)
 
-    def global_view(self, t: Tensor, owner: Tensor) -> Any:
+    def global_view(self, what: str, t: Tensor, owner: Tensor) -> Any:
         """``t`` (detached, sharing storage) as DCP must see it: a ``DTensor`` sharded as
-        ``owner`` (a parameter or buffer) where ``owner`` is a shard, else ``t`` itself."""
+        ``owner`` (a parameter or buffer) where ``owner`` is a shard, else ``t`` itself.
+        ``what``: ``t`` in an error message."""
         local = t.detach()
         spec = self.sharded.get(id(owner))
         if spec is None:
-            return local
+            return local  # (a DTensor of torch's own, e.g. FSDP2's, describes itself)
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor, Shard
 
         dim, pg = spec
+        if isinstance(local, DTensor):
+            raise TypeError(
+                f"diffcomm.{self.op}(): {what} is a shard of a diffcomm layer (dim {dim}) that "
+                f"torch has made a DTensor too (placements {tuple(local.placements)}, e.g. FSDP2's "
+                "fully_shard over another mesh axis): its global tensor would be the shard, and "
+                "DCP would keep one tensor-parallel rank's copy. A checkpoint of diffcomm's "
+                "tensor parallelism composed with FSDP2 is not supported yet; shard the "
+                "data-parallel axis with diffcomm (or save before fully_shard)"
+            )
         where = (id(pg), local.device.type)
         if where not in self.meshes:
             import torch.distributed as dist
@@ -206,7 +218,7 @@ class _OptimizerState:
                         f"{tuple(v.shape)}, neither the shard's {tuple(p.shape)} nor a scalar: it "
                         "cannot be resharded"
                     )
-                v = self._layout.global_view(v, p)
+                v = self._layout.global_view(f"optimizer state `{entry}` of `{name}`", v, p)
             out[serial_key] = v
         return out
 
