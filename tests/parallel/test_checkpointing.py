@@ -370,3 +370,27 @@ def test_dcp_state_dict_refuses_fsdp2_over_tensor_parallel_shards(inproc_world4:
     for message in inproc_world4.run(_fully_sharded_tp):
         assert message.startswith("diffcomm.parallel.dcp_state_dict(): `fc1.weight` is a shard of a"), message
         assert "fully_shard" in message and "not supported yet" in message, message
+
+
+def test_dcp_state_dict_under_local_tensor_mode_is_refused() -> None:
+    """Under torch's ``LocalTensorMode`` one program stands for every rank: ``dcp.save``
+    of its shards failed in torch ("LocalTensor does not support MPMD operations like
+    gather"); now diffcomm's refusal names the call and the in-process world instead."""
+    import torch.distributed as dist
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from diffcomm.backend.local_tensor import LocalTensorModeError
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with LocalTensorMode(2):
+            layer = P.ColumnParallelLinear(4, 6, seed=0, dtype=F64)
+            with pytest.raises(
+                LocalTensorModeError, match=r"`parallel.dcp_state_dict` under torch's LocalTensorMode"
+            ):
+                P.dcp_state_dict(layer)
+            with pytest.raises(LocalTensorModeError, match=r"`parallel.dcp_optimizer_state` under"):
+                P.dcp_optimizer_state(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
+    finally:
+        dist.destroy_process_group()

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._torch import local_tensor_mode_on
 from ..backend import args as A
+from ..backend.local_tensor import refuse
 from ._module import ParallelModule
 from .moe import ExpertParallelMoE
 
@@ -52,6 +54,8 @@ def dcp_state_dict(module: nn.Module) -> dict[str, Any]:
         ``{serial name: DTensor or tensor}``.
 
     Raises:
+        LocalTensorModeError: under torch's ``LocalTensorMode`` (run the ranks with
+            ``dc.LocalWorld(n, in_process=True)``).
         TypeError: ``module`` is not an ``nn.Module``; a shard that torch has made a
             ``DTensor`` as well (FSDP2's ``fully_shard`` over another mesh axis: not
             supported yet, where plain DCP would keep one tensor-parallel rank's copy).
@@ -125,6 +129,8 @@ class _Layout:
     def __init__(self, op: str, module: nn.Module) -> None:
         if not isinstance(module, nn.Module):
             raise A.arg_error(op, "module", "an nn.Module", type(module).__name__, TypeError)
+        if local_tensor_mode_on():
+            raise refuse(op, "a checkpoint is written by each process, and one program stands for every rank")
         self.op = op
         self.sharded: dict[int, tuple[int, Any]] = {}  # id(tensor) -> (dim, group)
         self.renamed: dict[str, str] = {}  # local name -> serial name
