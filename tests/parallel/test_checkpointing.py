@@ -394,3 +394,50 @@ def test_dcp_state_dict_under_local_tensor_mode_is_refused() -> None:
                 P.dcp_optimizer_state(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
     finally:
         dist.destroy_process_group()
+
+
+# ======================================================================================
+# load_serial_state_dict: the whole serial shape
+# ======================================================================================
+
+
+def _load_serial(kind: str) -> str:
+    layer: P.ParallelModule
+    if kind.startswith("embedding"):
+        layer = P.VocabParallelEmbedding(24, 6, seed=1, dtype=F64)
+        rows = 32 if kind == "embedding-larger" else 20
+        sd = {"weight": torch.randn(rows, 6, dtype=F64)}
+    else:  # the weight fits, the bias (sharded by the column layer, replicated by the row) does not
+        cls = P.ColumnParallelLinear if kind == "column-bias" else P.RowParallelLinear
+        layer = cls(4, 6, seed=1, dtype=F64)
+        sd = {"weight": torch.randn(6, 4, dtype=F64), "bias": torch.randn(8, dtype=F64)}
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    try:
+        layer.load_serial_state_dict(sd)
+    except ValueError as e:
+        untouched = all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+        return f"{e} untouched={untouched}"
+    return "loaded"
+
+
+@pytest.mark.parametrize(
+    ("kind", "key", "serial", "want"),
+    [
+        ("embedding-larger", "weight", "(32, 6)", "(24, 6)"),
+        ("embedding-smaller", "weight", "(20, 6)", "(24, 6)"),
+        ("column-bias", "bias", "(8,)", "(6,)"),
+        ("row-bias", "bias", "(8,)", "(6,)"),
+    ],
+)
+def test_load_serial_state_dict_checks_the_whole_serial_shape(
+    kind: str, key: str, serial: str, want: str, inproc_world2: dc.LocalWorld
+) -> None:
+    """Only this rank's cut was compared with its shard: a 32-row serial embedding (a padded
+    vocabulary) loaded into a 24-row TP=2 layer on both ranks with no error (rows 24-31
+    dropped), and so did an 8-element bias into a 6-feature column-parallel layer (elements
+    6, 7 dropped); a 20-row embedding failed on rank 1 only (torch's narrow error); a row
+    layer's replicated bias that does not fit raised after the weight had been copied. Now
+    every rank raises, naming the serial shapes, before any copy."""
+    for message in inproc_world2.run(_load_serial, kind):
+        assert f"load_serial_state_dict(): `{key}` of serial shape {serial} does not fit" in message, message
+        assert f"a serial tensor of shape {want}" in message and message.endswith("untouched=True"), message

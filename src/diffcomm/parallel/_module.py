@@ -393,8 +393,10 @@ class ParallelModule(nn.Module):
 
         Raises:
             KeyError: with ``strict``, keys missing from or unknown to this module.
-            ValueError: a serial tensor's shape does not fit this rank's shard; a tied
-                tensor's names have different shard specs.
+            ValueError: a serial tensor's shape is not the serial shape this module
+                shards (checked for every key before any is copied); a tied tensor's names
+                have different shard specs.
+            TypeError: a value is a ``DTensor`` (pass its ``full_tensor()``).
         """
         specs = self._serial_specs("load_serial_state_dict", buffers=True)
         missing = [k for k in specs if k not in state_dict]
@@ -404,20 +406,28 @@ class ParallelModule(nn.Module):
                 f"{type(self).__name__}.load_serial_state_dict(): missing keys {missing}, "
                 f"unexpected keys {unexpected}"
             )
-        for name in specs:
-            if name in state_dict:
-                check_serial_value(f"{type(self).__name__}.load_serial_state_dict", name, state_dict[name])
-        for name, (t, dim, pg) in specs.items():
+        op = f"{type(self).__name__}.load_serial_state_dict"
+        for name, (t, dim, pg) in specs.items():  # every key checked before any is copied
             if name not in state_dict:
                 continue
-            src = _cut(state_dict[name], _index(t, dim, pg))
-            if src.shape != t.shape:
+            check_serial_value(op, name, state_dict[name])
+            serial = list(t.shape)
+            if dim is not None:
+                serial[dim] *= B.get_backend().world_size(pg)
+            if tuple(state_dict[name].shape) != tuple(serial):
+                # The whole serial shape, not only this rank's cut: a larger serial tensor (a
+                # padded vocabulary) gave every rank a shard that fits, silently dropping its
+                # tail; a smaller one failed on the last ranks only.
                 raise ValueError(
-                    f"{type(self).__name__}.load_serial_state_dict(): `{name}` of serial shape "
-                    f"{tuple(state_dict[name].shape)} gives a shard of shape {tuple(src.shape)}, "
-                    f"this rank's tensor has shape {tuple(t.shape)}"
+                    f"{op}(): `{name}` of serial shape {tuple(state_dict[name].shape)} does not "
+                    f"fit: this layer holds shards of a serial tensor of shape {tuple(serial)} "
+                    f"({tuple(t.shape)} on each rank"
+                    + ("" if dim is None else f", split along dim {dim}")
+                    + ")"
                 )
-            t.copy_(src)
+        for name, (t, dim, pg) in specs.items():
+            if name in state_dict:
+                t.copy_(_cut(state_dict[name], _index(t, dim, pg)))
 
     @classmethod
     def from_serial(cls: type[_M], serial: Any, *args: Any, **kwargs: Any) -> _M:
