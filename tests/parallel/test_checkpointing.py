@@ -46,14 +46,23 @@ class Serial(nn.Module):
 class Parallel(P.ParallelModule):
     """Its tensor-parallel twin (every layer kind), over ``group``."""
 
-    def __init__(self, serial: Serial, group: object = None) -> None:
+    def __init__(self, serial: Serial, group: object = None, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.emb = P.VocabParallelEmbedding.from_serial(serial.emb, group)
-        self.mlp = P.ParallelMLP.from_serial(serial.mlp, group)
-        self.attn = P.ParallelSelfAttention.from_serial(serial.attn, group)
-        self.head = P.ColumnParallelLinear.from_serial(serial.head, group, gather_output=True)
+        sp = {"sequence_parallel": sequence_parallel}
+        self.emb = P.VocabParallelEmbedding.from_serial(serial.emb, group, **sp)
+        self.mlp = P.ParallelMLP.from_serial(serial.mlp, group, **sp)
+        self.attn = P.ParallelSelfAttention.from_serial(serial.attn, group, **sp)
+        if sequence_parallel:  # the head gathers the sequence, the output stays sharded
+            self.head = P.ColumnParallelLinear.from_serial(serial.head, group, **sp)
+        else:
+            self.head = P.ColumnParallelLinear.from_serial(serial.head, group, gather_output=True)
+        self.sequence_parallel = sequence_parallel
 
-    forward = Serial.forward
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        y = Serial.forward(self, ids)  # type: ignore[arg-type]
+        if self.sequence_parallel:  # (s, b, vocab / world) -> the whole output, every rank
+            y = P.gather_from_region(y, -1, self.head._pg)
+        return y
 
 
 def _ids() -> torch.Tensor:
@@ -127,6 +136,42 @@ def test_dcp_checkpoint_loads_at_every_size(
     dcp.load(into, checkpoint_id=str(tmp_path), no_dist=True)
     for k in after_one:
         assert_close(into[k], after_one[k], rtol=1e-12, atol=1e-12, msg=k)
+
+
+def _serial_after_a_step(sequence_parallel: bool) -> dict[str, torch.Tensor]:
+    model = Parallel(Serial(0), sequence_parallel=sequence_parallel)
+    _sgd_step(model, _ids())
+    return model.to_serial_state_dict()
+
+
+def _serial_load_and_step(
+    full: dict[str, torch.Tensor], sequence_parallel: bool
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    model = Parallel(Serial(1), sequence_parallel=sequence_parallel)
+    model.load_serial_state_dict(full)
+    y = _sgd_step(model, _ids())
+    return model.to_serial_state_dict(), y
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sequence_parallel"])
+def test_serial_state_dict_loads_at_every_size(
+    sequence_parallel: bool, inproc_worlds: Callable[[int], dc.LocalWorld]
+) -> None:
+    """The serial flow: one step at TP=2, ``to_serial_state_dict``, ``load_serial_state_dict``
+    at TP 1, 3 and 4: the serial model's weights, outputs and next step (float64)."""
+    serial, ids = Serial(0), _ids()
+    _sgd_step(serial, ids)
+    after_one = {k: v.clone() for k, v in serial.state_dict().items()}
+    y_ref = _sgd_step(serial, ids)
+    after_two = serial.state_dict()
+    full = inproc_worlds(2).run(_serial_after_a_step, sequence_parallel)[0]
+    for k in after_one:
+        assert_close(full[k], after_one[k], rtol=1e-12, atol=1e-12, msg=k)
+    for n in (1, 3, 4):
+        for got, y in inproc_worlds(n).run(_serial_load_and_step, full, sequence_parallel):
+            assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+            for k in after_two:
+                assert_close(got[k], after_two[k], rtol=1e-12, atol=1e-12, msg=f"TP={n} {k}")
 
 
 def _moe_save(path: str) -> None:
