@@ -486,3 +486,25 @@ def test_load_serial_state_dict_checks_the_whole_serial_shape(
     for message in inproc_world2.run(_load_serial, kind):
         assert f"load_serial_state_dict(): `{key}` of serial shape {serial} does not fit" in message, message
         assert f"a serial tensor of shape {want}" in message and message.endswith("untouched=True"), message
+
+
+def _moe_load_misfit() -> str:
+    torch.manual_seed(0)
+    serial = P.MoE(4, 6, 4, k=1, dtype=F64).state_dict()
+    serial["experts.3.fc2.bias"] = torch.zeros(5, dtype=F64)  # rank 1's last expert: 4 features
+    moe = P.ExpertParallelMoE(4, 6, num_experts=4, k=1, seed=3, dtype=F64)
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    try:
+        moe.load_serial_state_dict(serial)
+    except ValueError as e:
+        return f"{e} untouched={all(torch.equal(v, moe.state_dict()[k]) for k, v in before.items())}"
+    return "loaded"
+
+
+def test_expert_parallel_load_serial_state_dict_checks_before_copying(inproc_world2: dc.LocalWorld) -> None:
+    """A serial expert tensor that does not fit raised on the rank holding that expert only
+    (rank 0 loaded), after the router and the earlier experts had been copied (rank 1's
+    layer half loaded); now every rank checks every expert, before any copy."""
+    for message in inproc_world2.run(_moe_load_misfit):
+        assert "`state_dict` must be 'experts.3.fc2.bias' of shape (4,), got (5,)" in message, message
+        assert message.endswith("untouched=True"), message

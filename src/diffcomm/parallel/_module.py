@@ -411,10 +411,8 @@ class ParallelModule(nn.Module):
             if name not in state_dict:
                 continue
             check_serial_value(op, name, state_dict[name])
-            serial = list(t.shape)
-            if dim is not None:
-                serial[dim] *= B.get_backend().world_size(pg)
-            if tuple(state_dict[name].shape) != tuple(serial):
+            serial = serial_shape(t, dim, pg)
+            if tuple(state_dict[name].shape) != serial:
                 # The whole serial shape, not only this rank's cut: a larger serial tensor (a
                 # padded vocabulary) gave every rank a shard that fits, silently dropping its
                 # tail; a smaller one failed on the last ranks only.
@@ -460,6 +458,15 @@ class ParallelModule(nn.Module):
 
 
 _M = TypeVar("_M", bound=ParallelModule)
+
+
+def serial_shape(t: Tensor, dim: int | None, pg: Any) -> tuple[int, ...]:
+    """The serial tensor's shape of ``t``, sharded evenly along ``dim`` over ``pg`` (or
+    replicated)."""
+    shape = list(t.shape)
+    if dim is not None:
+        shape[dim] *= B.get_backend().world_size(pg)
+    return tuple(shape)
 
 
 def _same_spec(a: tuple[Tensor, int | None, Any], b: tuple[Tensor, int | None, Any]) -> bool:

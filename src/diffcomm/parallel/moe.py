@@ -42,7 +42,7 @@ parallel layer drops exactly the tokens the serial one drops. ``None`` (the defa
 dropless.
 """
 
-# Size: ~680 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
+# Size: ~700 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
 # name maps between them (serial_names, from_serial, state dicts) are read together.
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from ..ops import coalesced, collectives
 from ..ops import engine as _async
 from ._check import check_replicas_agree
 from ._module import (
+    ParallelModule,
     check_positive,
     check_serial_value,
     deepcopy_sharing_groups,
@@ -73,6 +74,7 @@ from ._module import (
     init_generator,
     note_drawn,
     resolve_parallel_group,
+    serial_shape,
 )
 from .blocks import MLP
 from .layers import LayerOptions
@@ -563,20 +565,35 @@ class ExpertParallelMoE(nn.Module):
                     f"diffcomm.{op}(): unexpected keys {unexpected}: not parameters of the serial "
                     f"MoE this layer shards (pass strict=False to ignore them)"
                 )
-        for s_name in names.values():
-            if s_name in state_dict:
-                check_serial_value(op, s_name, state_dict[s_name])
+        # every key checked before any is copied (a misfit raised after the router was copied)
+        shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
+        for i, expert in enumerate(self.experts):  # experts that are shards themselves
+            if isinstance(expert, ParallelModule):
+                for n, (t, dim, pg) in expert._serial_specs(op, buffers=False).items():
+                    shapes[f"experts.{i}.{n}"] = serial_shape(t, dim, pg)
+        for name, shape in list(shapes.items()):  # every rank checks every expert: all agree
+            if name.startswith("experts.0."):
+                rest = name[len("experts.0.") :]
+                for j in range(self.num_experts):
+                    other = state_dict.get(f"experts.{j}.{rest}")
+                    if isinstance(other, Tensor) and tuple(other.shape) != shape:
+                        raise A.arg_error(
+                            op, "state_dict", f"'experts.{j}.{rest}' of shape {shape}", tuple(other.shape)
+                        )
+        copies = []
         for name, p in self.named_parameters():
             s_name = names[name]
             if s_name not in state_dict:
                 if strict:
                     raise KeyError(f"diffcomm.{op}(): serial key {s_name!r} (for {name!r}) is missing")
                 continue
-            src = state_dict[s_name][slices[name]]
-            if src.shape != p.shape:
+            check_serial_value(op, s_name, state_dict[s_name])
+            if tuple(state_dict[s_name].shape) != shapes[name]:
                 raise A.arg_error(
-                    op, "state_dict", f"{s_name!r} giving shape {tuple(p.shape)}", tuple(src.shape)
+                    op, "state_dict", f"{s_name!r} of shape {shapes[name]}", tuple(state_dict[s_name].shape)
                 )
+            copies.append((p, state_dict[s_name][slices[name]]))
+        for p, src in copies:
             p.copy_(src)
 
     @torch.no_grad()
