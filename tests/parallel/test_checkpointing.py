@@ -1,7 +1,7 @@
 """Saving, resharding and restoring diffcomm-parallel models: the serial state dict across
 world sizes, ``torch.distributed.checkpoint`` through ``parallel.dcp_state_dict``
-(``dcp.save(model.state_dict())`` kept one rank's shard of every key: every other rank
-loaded it silently), and optimizer state. Every value against a float64 serial model."""
+(``dcp.save(model.state_dict())`` wrote one rank's shard per key, and every rank loaded
+that one, with no error), and optimizer state. Every value against a float64 serial model."""
 
 from __future__ import annotations
 
