@@ -114,7 +114,7 @@ def renamed_sizes(split_sizes: Any, sizes: Any, op: str) -> tuple[Any, str]:
 def check_tensor(x: Any, op: str, arg: str = "x") -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise arg_error(op, arg, "a torch.Tensor", type(x).__name__, TypeError)
-    if type(x) is not torch.Tensor and _is_dtensor(x):
+    if type(x) is not torch.Tensor and is_dtensor(x):
         # A DTensor is one global tensor; diffcomm's ops act on each rank's own tensor.
         # Given one, torch's dispatch raised deep in the call (no sharding strategy for
         # the raw c10d op), naming neither the argument nor the way out.
@@ -286,7 +286,7 @@ def check_grad_dtype(x: torch.Tensor, op: str, arg: str = "x") -> None:
         raise arg_error(op, arg, "a floating or complex tensor to require grad", str(x.dtype), TypeError)
 
 
-def _is_dtensor(x: torch.Tensor) -> bool:
+def is_dtensor(x: torch.Tensor) -> bool:
     """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (imported only when a tensor
     subclass comes by)."""
     try:

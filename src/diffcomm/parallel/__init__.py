@@ -18,18 +18,23 @@
 * :mod:`~diffcomm.parallel.grads` — before the optimizer step: ``grad_norm`` and
   ``clip_grad_norm_`` (the serial model's gradient norm, and clipping by it, on every
   rank), ``sync_found_inf`` (a ``GradScaler``'s skip decision, the same on every rank).
+* :mod:`~diffcomm.parallel.checkpoint` — ``dcp_state_dict`` and ``dcp_optimizer_state``:
+  the model and optimizer state to give ``torch.distributed.checkpoint`` (the serial
+  names, every shard a ``DTensor``).
 
 Each public name is listed below, one `name as name` import each. See ``docs/parallel.md``.
 """
 
 from __future__ import annotations
 
-from . import blocks, context, grads, layers, loss, mappings, moe, routing
+from . import blocks, checkpoint, context, grads, layers, loss, mappings, moe, routing
 from . import precision as _precision  # noqa: F401  (registers the mappings' precision= forms)
 from .blocks import MLP as MLP
 from .blocks import ParallelMLP as ParallelMLP
 from .blocks import ParallelSelfAttention as ParallelSelfAttention
 from .blocks import SelfAttention as SelfAttention
+from .checkpoint import dcp_optimizer_state as dcp_optimizer_state
+from .checkpoint import dcp_state_dict as dcp_state_dict
 from .context import DEFAULT_LAYOUT as DEFAULT_LAYOUT
 from .context import LAYOUTS as LAYOUTS
 from .context import Placement as Placement
@@ -83,4 +88,5 @@ __all__ = [
     *routing.__all__,
     *moe.__all__,
     *grads.__all__,
+    *checkpoint.__all__,
 ]

@@ -228,6 +228,23 @@ def _sharded_position(module: ParallelModule) -> tuple[int, int] | None:
     return _group_position(module._pg)
 
 
+def check_serial_value(op: str, name: str, value: Any) -> None:
+    """A serial state dict's ``value`` for ``name`` is a plain tensor, before anything is
+    copied: a ``DTensor`` (a state dict of torch's tensor parallelism, or DCP's
+    ``get_model_state_dict`` of one) failed inside ``copy_`` with torch's "mixed
+    torch.Tensor and DTensor", naming neither the key nor the way out."""
+    if isinstance(value, Tensor) and type(value) is not Tensor and A.is_dtensor(value):
+        raise A.arg_error(
+            op,
+            f"state_dict[{name!r}]",
+            "a full (serial) tensor: a DTensor's global value needs communication; pass "
+            "`{k: v.full_tensor() for k, v in sd.items()}` (on every rank), or load a DCP "
+            "checkpoint with `dcp.load(parallel.dcp_state_dict(model), ...)`",
+            f"a DTensor with placements {tuple(getattr(value, 'placements', ()))}",
+            TypeError,
+        )
+
+
 def _leave_region(module: ParallelModule, args: Any, output: Any) -> None:
     """Forward hook (always called): the outermost module drops the copies again."""
     if module.__dict__.pop("_region_root", False):
@@ -377,8 +394,10 @@ class ParallelModule(nn.Module):
 
         Raises:
             KeyError: with ``strict``, keys missing from or unknown to this module.
-            ValueError: a serial tensor's shape does not fit this rank's shard; a tied
-                tensor's names have different shard specs.
+            ValueError: a serial tensor's shape is not the serial shape this module
+                shards (checked for every key before any is copied); a tied tensor's names
+                have different shard specs.
+            TypeError: a value is a ``DTensor`` (pass its ``full_tensor()``).
         """
         specs = self._serial_specs("load_serial_state_dict", buffers=True)
         missing = [k for k in specs if k not in state_dict]
@@ -388,18 +407,27 @@ class ParallelModule(nn.Module):
                 f"{type(self).__name__}.load_serial_state_dict(): missing keys {missing}, "
                 f"unexpected keys {unexpected}"
             )
-        for name, (t, dim, pg) in specs.items():
+        op = f"{type(self).__name__}.load_serial_state_dict"
+        for name, (t, dim, pg) in specs.items():  # every key checked before any is copied
             if name not in state_dict:
                 continue
-            _check_even(type(self).__name__, name, state_dict[name], t, dim, pg)
-            src = _cut(state_dict[name], _index(t, dim, pg))
-            if src.shape != t.shape:
+            check_serial_value(op, name, state_dict[name])
+            serial = serial_shape(t, dim, pg)
+            if tuple(state_dict[name].shape) != serial:
+                # The whole serial shape, not only this rank's cut: a larger serial tensor (a
+                # padded vocabulary) gave every rank a shard that fits, silently dropping its
+                # tail; a smaller one failed on the last ranks only.
                 raise ValueError(
-                    f"{type(self).__name__}.load_serial_state_dict(): `{name}` of serial shape "
-                    f"{tuple(state_dict[name].shape)} gives a shard of shape {tuple(src.shape)}, "
-                    f"this rank's tensor has shape {tuple(t.shape)}"
+                    f"{op}(): `{name}` of serial shape {tuple(state_dict[name].shape)} does not "
+                    f"fit: this layer holds shards of a serial tensor of shape {tuple(serial)} "
+                    f"({tuple(t.shape)} on each rank"
+                    + ("" if dim is None else f", split along dim {dim}")
+                    + ")"
+                    + _uneven_note(state_dict[name], t, dim, pg)
                 )
-            t.copy_(src)
+        for name, (t, dim, pg) in specs.items():
+            if name in state_dict:
+                t.copy_(_cut(state_dict[name], _index(t, dim, pg)))
 
     @classmethod
     def from_serial(cls: type[_M], serial: Any, *args: Any, **kwargs: Any) -> _M:
@@ -434,6 +462,15 @@ class ParallelModule(nn.Module):
 _M = TypeVar("_M", bound=ParallelModule)
 
 
+def serial_shape(t: Tensor, dim: int | None, pg: Any) -> tuple[int, ...]:
+    """The serial tensor's shape of ``t``, sharded evenly along ``dim`` over ``pg`` (or
+    replicated)."""
+    shape = list(t.shape)
+    if dim is not None:
+        shape[dim] *= B.get_backend().world_size(pg)
+    return tuple(shape)
+
+
 def _same_spec(a: tuple[Tensor, int | None, Any], b: tuple[Tensor, int | None, Any]) -> bool:
     return a[1] == b[1] and a[2] is b[2]
 
@@ -456,22 +493,20 @@ def _index(t: Tensor, dim: int | None, pg: Any) -> Index:
     return tuple(index)
 
 
-def _check_even(owner: str, name: str, full: Tensor, t: Tensor, dim: int | None, pg: Any) -> None:
-    """A sharded tensor's shards are even (rank ``r`` holds ``[r*n, (r+1)*n)``, what
-    :func:`_index` cuts): a serial size along ``dim`` other than ``n * world`` is a
-    ``ValueError`` (no communication). Uneven shards of a layer of one's own would else load
-    other ranks' rows without an error: ``[4, 3, 3]`` of 10 rows gave rank 1 rows 3-5 for
-    4-6. (A rank whose ``n * world`` happens to match raises nothing; the others do.)"""
+def _uneven_note(full: Tensor, t: Tensor, dim: int | None, pg: Any) -> str:
+    """What a serial size along the split ``dim`` other than ``n * world`` means: a
+    ParallelModule's shards are even (rank ``r`` holds ``[r*n, (r+1)*n)``, what
+    :func:`_index` cuts). Uneven shards of a layer of one's own would else load other ranks'
+    rows: ``[4, 3, 3]`` of 10 rows gave rank 1 rows 3-5 for 4-6. Empty where even."""
     if dim is None or full.dim() <= dim:
-        return  # (a wrong rank: the shape check after the cut names it)
+        return ""
     n, world = t.shape[dim], B.get_backend().world_size(pg)
-    if isinstance(n, int) and full.shape[dim] != n * world:
-        raise ValueError(
-            f"{owner}.load_serial_state_dict(): `{name}` of serial shape {tuple(full.shape)} is not "
-            f"{world} even shards of this rank's {n} along dim {dim} ({n} * {world} = {n * world} "
-            f"!= {full.shape[dim]}); a ParallelModule's shards are even (rank r holds "
-            f"[r*{n}, (r+1)*{n})): pad the serial dimension to a multiple of {world}"
-        )
+    if not isinstance(n, int) or full.shape[dim] == n * world:
+        return ""
+    return (
+        f"; {n} * {world} = {n * world} != {full.shape[dim]}: a ParallelModule's shards are "
+        f"even (rank r holds [r*{n}, (r+1)*{n})): pad the serial dimension to a multiple of {world}"
+    )
 
 
 def _cut(full: Tensor, index: Index) -> Tensor:

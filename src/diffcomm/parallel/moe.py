@@ -42,7 +42,7 @@ parallel layer drops exactly the tokens the serial one drops. ``None`` (the defa
 dropless.
 """
 
-# Size: ~680 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
+# Size: ~700 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
 # name maps between them (serial_names, from_serial, state dicts) are read together.
 
 from __future__ import annotations
@@ -66,12 +66,15 @@ from ..ops import coalesced, collectives
 from ..ops import engine as _async
 from ._check import check_replicas_agree
 from ._module import (
+    ParallelModule,
     check_positive,
+    check_serial_value,
     deepcopy_sharing_groups,
     guard_shard_loading,
     init_generator,
     note_drawn,
     resolve_parallel_group,
+    serial_shape,
 )
 from .blocks import MLP
 from .layers import LayerOptions
@@ -156,8 +159,7 @@ def _tokens(op: str, x: Any, hidden_size: int, dtype: torch.dtype | None = None)
     """``x`` (``(..., H)``) as ``(N, H)`` rows; anything else is named before any
     communication. ``dtype``: the layer's parameter dtype, which ``x`` must have (outside
     autocast, where torch's matmul would fail later without naming ``x``)."""
-    if not isinstance(x, Tensor):
-        raise A.arg_error(op, "x", "a tensor", type(x).__name__, TypeError)
+    A.check_tensor(x, op, "x")  # (a DTensor too: this rank's tokens are a plain tensor)
     if x.ndim < 1 or x.shape[-1] != hidden_size:
         raise A.arg_error(op, "x", f"a (..., hidden_size={hidden_size}) tensor", f"shape {tuple(x.shape)}")
     if not x.dtype.is_floating_point:
@@ -563,17 +565,35 @@ class ExpertParallelMoE(nn.Module):
                     f"diffcomm.{op}(): unexpected keys {unexpected}: not parameters of the serial "
                     f"MoE this layer shards (pass strict=False to ignore them)"
                 )
+        # every key checked before any is copied (a misfit raised after the router was copied)
+        shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
+        for i, expert in enumerate(self.experts):  # experts that are shards themselves
+            if isinstance(expert, ParallelModule):
+                for n, (t, dim, pg) in expert._serial_specs(op, buffers=False).items():
+                    shapes[f"experts.{i}.{n}"] = serial_shape(t, dim, pg)
+        for name, shape in list(shapes.items()):  # every rank checks every expert: all agree
+            if name.startswith("experts.0."):
+                rest = name[len("experts.0.") :]
+                for j in range(self.num_experts):
+                    other = state_dict.get(f"experts.{j}.{rest}")
+                    if isinstance(other, Tensor) and tuple(other.shape) != shape:
+                        raise A.arg_error(
+                            op, "state_dict", f"'experts.{j}.{rest}' of shape {shape}", tuple(other.shape)
+                        )
+        copies = []
         for name, p in self.named_parameters():
             s_name = names[name]
             if s_name not in state_dict:
                 if strict:
                     raise KeyError(f"diffcomm.{op}(): serial key {s_name!r} (for {name!r}) is missing")
                 continue
-            src = state_dict[s_name][slices[name]]
-            if src.shape != p.shape:
+            check_serial_value(op, s_name, state_dict[s_name])
+            if tuple(state_dict[s_name].shape) != shapes[name]:
                 raise A.arg_error(
-                    op, "state_dict", f"{s_name!r} giving shape {tuple(p.shape)}", tuple(src.shape)
+                    op, "state_dict", f"{s_name!r} of shape {shapes[name]}", tuple(state_dict[s_name].shape)
                 )
+            copies.append((p, state_dict[s_name][slices[name]]))
+        for p, src in copies:
             p.copy_(src)
 
     @torch.no_grad()

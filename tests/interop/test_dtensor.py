@@ -1,0 +1,126 @@
+"""Where diffcomm meets torch's DTensor. A DTensor is one global tensor; diffcomm's ops,
+mappings and layers act on each rank's own plain tensor. Every entry point given a DTensor
+raises a ``TypeError`` naming itself and the argument, and saying what to pass
+(``x.to_local()``, ``v.full_tensor()``), before any communication: never the local shard
+read as if global, nor torch's "mixed torch.Tensor and DTensor" from deep inside.
+(Checkpoints through DCP, which reads shards as DTensors: tests/parallel/test_checkpointing.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import diffcomm as dc
+from diffcomm import parallel as P
+
+pytestmark = pytest.mark.diffcomm_in_process
+
+F64 = torch.float64
+
+
+def _dtensor(local: torch.Tensor, shard: int | None = None) -> DTensor:
+    mesh = init_device_mesh("cpu", (dc.get_world_size(),))
+    return DTensor.from_local(local, mesh, [Replicate() if shard is None else Shard(shard)])
+
+
+def _x(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=F64)
+
+
+# (the call given a DTensor, the name its error must start with, the argument)
+_CALLS: dict[str, tuple[Callable[[], Any], str, str]] = {
+    "all_reduce": (lambda: dc.all_reduce(_dtensor(_x(2, 3), 0)), "all_reduce", "x"),
+    "all_gather": (lambda: dc.all_gather(_dtensor(_x(2, 3))), "all_gather", "x"),
+    "compat.all_reduce": (lambda: dc.compat.all_reduce(_dtensor(_x(2, 3))), "all_reduce", "x"),
+    "send": (lambda: dc.send(_dtensor(_x(2)), 1 - dc.get_rank()), "send", "x"),
+    "copy_to_region": (lambda: P.copy_to_region(_dtensor(_x(2, 4))), "parallel.copy_to_region", "x"),
+    "gather_from_region": (
+        lambda: P.gather_from_region(_dtensor(_x(2, 4), 1)),
+        "parallel.gather_from_region",
+        "x",
+    ),
+    "ColumnParallelLinear": (
+        lambda: P.ColumnParallelLinear(4, 6, seed=0, dtype=F64)(_dtensor(_x(3, 4))),
+        "parallel.copy_to_region",
+        "x",
+    ),
+    "RowParallelLinear": (
+        lambda: P.RowParallelLinear(4, 6, seed=0, dtype=F64)(_dtensor(_x(3, 4))),
+        "parallel.scatter_to_region",
+        "x",
+    ),
+    "VocabParallelEmbedding": (
+        lambda: P.VocabParallelEmbedding(8, 4, seed=0)(_dtensor(torch.tensor([[1, 5]]))),
+        "parallel.VocabParallelEmbedding",
+        "ids",
+    ),
+    "ExpertParallelMoE": (
+        lambda: P.ExpertParallelMoE(4, 6, num_experts=2, k=1, seed=0, dtype=F64)(_dtensor(_x(3, 4), 0)),
+        "parallel.ExpertParallelMoE",
+        "x",
+    ),
+    "shard": (lambda: P.shard(_dtensor(_x(1, 2, 8, 4)), 2), "parallel.shard", "x"),
+    "ring_attention": (
+        lambda: P.ring_attention(*[_dtensor(_x(1, 2, 4, 4), 2)] * 3),
+        "parallel.ring_attention",
+        "q",
+    ),
+    "vocab_parallel_cross_entropy": (
+        lambda: P.vocab_parallel_cross_entropy(_dtensor(_x(3, 4), 1), torch.tensor([0, 1, 2])),
+        "parallel.vocab_parallel_cross_entropy",
+        "logits",
+    ),
+}
+
+
+def _raises(name: str) -> str:
+    call, _, _ = _CALLS[name]
+    try:
+        call()
+    except TypeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("name", list(_CALLS))
+def test_dtensor_input_is_a_type_error_naming_the_call(name: str, inproc_world2: dc.LocalWorld) -> None:
+    """ExpertParallelMoE raised torch's RuntimeError "aten.mm.default got mixed
+    torch.Tensor and DTensor" from its router, naming neither the layer nor ``x``."""
+    _, op, arg = _CALLS[name]
+    for message in inproc_world2.run(_raises, name):
+        assert message.startswith(f"diffcomm.{op}(): `{arg}` must be a plain torch.Tensor"), message
+        assert "to_local()" in message and "a DTensor with placements" in message
+
+
+def _load_dtensor_state_dict(kind: str) -> str:
+    torch.manual_seed(0)
+    if kind == "moe":
+        serial: torch.nn.Module = P.MoE(4, 6, 4, k=1, dtype=F64)
+        layer: Any = P.ExpertParallelMoE(4, 6, num_experts=4, k=1, seed=3, dtype=F64)
+    else:
+        serial = torch.nn.Linear(4, 6, dtype=F64)
+        layer = P.ColumnParallelLinear(4, 6, seed=3, dtype=F64)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    sd = {k: _dtensor(v.detach()) for k, v in serial.state_dict().items()}
+    try:
+        layer.load_serial_state_dict(sd)
+    except TypeError as e:
+        untouched = all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+        return f"{e} untouched={untouched}"
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["column", "moe"])
+def test_load_serial_state_dict_of_dtensors_names_the_key(kind: str, inproc_world2: dc.LocalWorld) -> None:
+    """A serial state dict holding DTensors (torch's tensor parallelism, DCP's
+    ``get_model_state_dict``) failed inside ``copy_`` with torch's RuntimeError "mixed
+    torch.Tensor and DTensor", after some keys had been copied, naming no key; now a
+    TypeError naming the key and ``full_tensor()`` before anything is copied."""
+    for message in inproc_world2.run(_load_dtensor_state_dict, kind):
+        assert "load_serial_state_dict(): `state_dict[" in message, message
+        assert "full_tensor()" in message and message.endswith("untouched=True"), message
