@@ -177,7 +177,10 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         #: leaf inputs (not parameters) that require grad: their gradient is checked when
         #: a backward of a replicated objective finishes
         self._inputs: dict[int, tuple[Tensor, _Rec]] = {}
-        self._typed_modules: set[int] = set()
+        #: id(module) -> the module, held until the block ends: an id is one object's only
+        #: while it lives (a freed layer's id, reused by a new layer, left that one untyped
+        #: on a rank whose allocator reused it: a verdict that differed between the ranks)
+        self._typed_modules: dict[int, torch.nn.Module] = {}
         #: id(param) -> (dotted name from the layer that holds it, the fix of a partial
         #: gradient that layer offers: its sync_replicated_grads())
         self._owners: dict[int, _Owner] = {}
@@ -224,6 +227,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
                 _ACTIVE.remove(self)
             if not _ACTIVE:
                 _uninstall()
+        self._typed_modules.clear()
         if isinstance(exc, _Escape):
             self._params.clear()
             raise exc.error from None
@@ -287,7 +291,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
     def _type_module_params(self, module: torch.nn.Module, names: Mapping[int, str] | None = None) -> None:
         if id(module) in self._typed_modules:
             return
-        self._typed_modules.add(id(module))
+        self._typed_modules[id(module)] = module
         rule = getattr(type(module), "spmd", None)
         ours = self._is_group(getattr(module, "_pg", None)) if hasattr(module, "_pg") else False
         dims = getattr(module, "_shard_dims", None) if ours else None
