@@ -97,6 +97,34 @@ def test_a_layer_made_where_a_freed_typed_layer_was_is_typed_by_its_rule(
         assert all(kind == "varying" for kind, _ in kinds), kinds  # (kind, at a dropped layer's id)
 
 
+@pytest.mark.parametrize("in_process", [False, True], ids=["processes", "in_process"])
+def test_another_ranks_backward_does_not_reset_this_ranks_gradient_kinds(
+    local_worlds: Callable[..., dc.LocalWorld], in_process: bool
+) -> None:
+    """A gradient kind fixed after a backward (for the next graph) stays fixed when another
+    rank's backward ends later. The count of backward passes that retires the kinds of a
+    graph already backpropagated was one per process: in an in-process world every rank's
+    backward advanced it, so the rank that left its backward first, and fixed a kind before
+    the next collective, saw it retired and missed the clash the other rank raised (it
+    raised only at the gradient check on leaving: verdicts that differed between ranks)."""
+
+    def body() -> str:
+        try:
+            with dc.spmd_check():
+                w = nn.Parameter(torch.ones(H, H, dtype=F64))
+                x = dc.spmd.varying(torch.full((3, H), 1.0 + dc.get_rank(), dtype=F64))
+                (dc.all_reduce(x @ w) * x).sum().backward()  # a varying loss; a collective in backward
+                _ = x @ w  # w's gradient partial: it meets a varying value
+                dc.all_reduce(dc.spmd.varying(torch.ones(1)))  # a collective between
+                par.copy_to_region(w)  # w's gradient replicated: a clash
+        except dc.SPMDTypeError as e:
+            return str(e)
+        return "no error"
+
+    for msg in local_worlds(2, in_process=in_process).run(body):
+        assert msg.startswith("diffcomm.spmd_check: parallel.copy_to_region at") and "clashes" in msg, msg
+
+
 def test_error_is_a_type_error_naming_op_argument_types_and_fix(world2: dc.LocalWorld) -> None:
     def body() -> str:
         x = torch.ones(3)

@@ -260,8 +260,8 @@ class _Lattice(_CheckState):
 
     def _demand(self, cell: _Cell, kind: str, op: str, why: str) -> None:
         root = cell.root()
-        if root.epoch != _EPOCH[0]:  # its graph was backpropagated already: a fresh start
-            root.kind, root.epoch = None, _EPOCH[0]
+        if root.epoch != _EPOCH.n:  # its graph was backpropagated already: a fresh start
+            root.kind, root.epoch = None, _EPOCH.n
         if root.kind is None:
             root.kind = kind
             root.why = f"{why} in {op} at {_site()}"
@@ -273,8 +273,8 @@ class _Lattice(_CheckState):
         if ra is rb:
             return ra
         for r in (ra, rb):
-            if r.epoch != _EPOCH[0]:  # its graph was backpropagated already: a fresh start
-                r.kind, r.epoch = None, _EPOCH[0]
+            if r.epoch != _EPOCH.n:  # its graph was backpropagated already: a fresh start
+                r.kind, r.epoch = None, _EPOCH.n
         if ra.kind is not None and rb.kind is not None and ra.kind != rb.kind:
             rep, par = (ra, rb) if ra.kind == REPLICATED else (rb, ra)
             raise SPMDTypeError(
