@@ -134,6 +134,7 @@ class _Rec:
         "copy_at",
         "reduced",
         "weight",
+        "drift",
     )
 
     def __init__(self, t: T, cell: _Cell | None = None, shard: int | None = None, why: str = "") -> None:
@@ -170,6 +171,9 @@ class _Rec:
         #: ``w.to(x.dtype)``, ``(w * s).T``): a replicated activation meeting it in a matmul
         #: is the entry of a column-parallel region, as with the weight itself
         self.weight = False
+        #: a replicated parameter updated in place with per-rank data (where, in words):
+        #: its replicas differ, until overwritten with replicated data (a broadcast copied in)
+        self.drift: str | None = None
 
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

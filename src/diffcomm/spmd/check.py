@@ -334,6 +334,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
             else:
                 t, shard = R, None
             r = _Rec(t, _Cell() if t is R else None, shard=shard, why=f"the {t.value} parameter {name}")
+            r.drift = old.drift if old is not None and t is R else None  # updated with per-rank data
             self._register_param(p, name, r)
             p.__dict__[self.key] = r
 
@@ -371,20 +372,6 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
 
     # ---------------------------------------------------------------- plain torch ops
 
-    def _set_data(self, args: Any) -> None:
-        """``t.data = other`` (``p.grad.data = dc.all_reduce(p.grad.data)``): ``t`` takes
-        ``other``'s type (a parameter keeps its own)."""
-        if len(args) < 2 or not isinstance(args[0], Tensor) or not isinstance(args[1], Tensor):
-            return
-        old = args[0].__dict__.get(self.key)
-        if old is not None and old.param is not None:
-            return
-        new = args[1].__dict__.get(self.key)
-        if new is not None:
-            args[0].__dict__[self.key] = new
-        elif old is not None:
-            del args[0].__dict__[self.key]
-
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.inside or self.in_backward:
@@ -398,9 +385,10 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
             return func(*args, **kwargs)
         raw = getattr(func, "__name__", "")
         if raw in _NO_TYPING:
-            if raw == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data":
-                self._set_data(args)  # `t.data = other`: t takes other's type
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+                self._data_access(raw, args, out)  # `t.data`, `t.data = other`: typed as data
+            return out
         name = _fname(func)
         if name == "backward" or func is torch.autograd.backward or func is torch.autograd.grad:
             return self._backward(func, args, kwargs)
