@@ -21,6 +21,7 @@ from diffcomm.testing import spmd_corpus as corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 F64 = torch.float64
+H = 4  # hidden size
 
 
 # ======================================================================================
@@ -59,6 +60,69 @@ def test_corpus_on_three_ranks(local_worlds: Callable[..., dc.LocalWorld], in_pr
             assert bad is not None and bad[0] == "SPMDTypeError", (name, bad)
             assert all(part in bad[1] for part in bug.names), (name, bad)
             assert good is None, (name, good)
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["processes", "in_process"])
+def test_a_layer_made_where_a_freed_typed_layer_was_is_typed_by_its_rule(
+    local_worlds: Callable[..., dc.LocalWorld], in_process: bool
+) -> None:
+    """A layer the check typed, dropped inside the block, and a new layer that CPython may
+    put at its address (the same ``id()``): the new layer's parameters are typed by its own
+    rule (a column-parallel weight is varying). The check kept the ids of the layers it had
+    typed, not the layers: a new layer at a freed one's address passed for typed and its
+    weight for an untyped replicated parameter. Whether an address is reused depends on the
+    allocator and the garbage collector, which differ between the ranks: in
+    test_corpus_on_three_ranks one rank raised where the others did not ('missing
+    copy_to_region', whose LayerNorm is dropped before its ColumnParallelLinear is made) and
+    the ranks desynced. Here each layer is made right after a typed one is dropped, where
+    CPython reuses the address (it did on every rank before the fix)."""
+
+    def body() -> list[tuple[str, bool]]:
+        x = torch.zeros(2, H, dtype=F64)
+        kinds = []
+        with dc.spmd_check():
+            dropped: set[int] = set()
+            kept: list[nn.Module] = []  # each new layer stays alive: the next takes a new place
+            for _ in range(5):
+                ln = nn.LayerNorm(H, dtype=F64)
+                ln(x)  # typed at its call
+                dropped.add(id(ln))
+                del ln
+                col = par.ColumnParallelLinear(H, 2 * H, dtype=F64, seed=0)
+                kinds.append((dc.spmd.type_of(dc.spmd.module(col).weight).value, id(col) in dropped))
+                kept.append(col)
+        return kinds
+
+    for kinds in local_worlds(2, in_process=in_process).run(body):
+        assert all(kind == "varying" for kind, _ in kinds), kinds  # (kind, at a dropped layer's id)
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["processes", "in_process"])
+def test_another_ranks_backward_does_not_reset_this_ranks_gradient_kinds(
+    local_worlds: Callable[..., dc.LocalWorld], in_process: bool
+) -> None:
+    """A gradient kind fixed after a backward (for the next graph) stays fixed when another
+    rank's backward ends later. The count of backward passes that retires the kinds of a
+    graph already backpropagated was one per process: in an in-process world every rank's
+    backward advanced it, so the rank that left its backward first, and fixed a kind before
+    the next collective, saw it retired and missed the clash the other rank raised (it
+    raised only at the gradient check on leaving: verdicts that differed between ranks)."""
+
+    def body() -> str:
+        try:
+            with dc.spmd_check():
+                w = nn.Parameter(torch.ones(H, H, dtype=F64))
+                x = dc.spmd.varying(torch.full((3, H), 1.0 + dc.get_rank(), dtype=F64))
+                (dc.all_reduce(x @ w) * x).sum().backward()  # a varying loss; a collective in backward
+                _ = x @ w  # w's gradient partial: it meets a varying value
+                dc.all_reduce(dc.spmd.varying(torch.ones(1)))  # a collective between
+                par.copy_to_region(w)  # w's gradient replicated: a clash
+        except dc.SPMDTypeError as e:
+            return str(e)
+        return "no error"
+
+    for msg in local_worlds(2, in_process=in_process).run(body):
+        assert msg.startswith("diffcomm.spmd_check: parallel.copy_to_region at") and "clashes" in msg, msg
 
 
 def test_error_is_a_type_error_naming_op_argument_types_and_fix(world2: dc.LocalWorld) -> None:

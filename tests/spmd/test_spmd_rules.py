@@ -440,3 +440,44 @@ def test_objective_sum_refuses_the_replicated_objective_mappings(world2: dc.Loca
 def test_objective_is_validated_before_anything() -> None:
     with pytest.raises(ValueError, match="`objective`.*'loss', 'sum'.*'mean'"):
         dc.spmd_check(objective="mean")
+
+
+#: in-place updates of a replicated weight with per-rank data (the op named in the message)
+_DRIFT_FORMS = {
+    "masked_fill_": lambda w, v: w.masked_fill_(v > 0, 0.0),
+    "add_": lambda w, v: w.add_(v),
+    "index_add_": lambda w, v: w.index_add_(1, torch.tensor([dc.get_rank()]), v[:, :1]),
+    "setitem": lambda w, v: w.__setitem__((0, dc.get_rank()), 0.0),
+    "copy_": lambda w, v: w.copy_(v),
+    ".data =": lambda w, v: setattr(w, "data", v),
+    ".data.copy_": lambda w, v: w.data.copy_(v),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_DRIFT_FORMS))
+def test_a_replicated_weight_updated_with_per_rank_data_is_an_error(world2: dc.LocalWorld, form: str) -> None:
+    """A replicated parameter updated in place with per-rank data (a pruning mask, noise, a
+    row picked by the rank, a per-rank value copied in) keeps its replicated type, so its
+    replicas differed in silence where no replicated loss showed it (data parallel: each
+    rank's loss is its own). Its next use is an error, naming the update."""
+
+    def body() -> str:
+        lin = nn.Linear(4, 1, bias=False, dtype=F64)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(1, 4, generator=torch.Generator().manual_seed(0), dtype=F64))
+        try:
+            with dc.spmd_check():
+                g = torch.Generator().manual_seed(1 + dc.get_rank())  # per rank (inside the check)
+                v, x = torch.randn(1, 4, generator=g, dtype=F64), torch.randn(3, 4, generator=g, dtype=F64)
+                with torch.no_grad():
+                    _DRIFT_FORMS[form](lin.weight, v)
+                lin(x).pow(2).mean().backward()  # each rank's own loss (data parallel)
+                assert lin.weight.grad is not None
+                lin.weight.grad = dc.all_reduce(lin.weight.grad, op="avg")
+        except dc.SPMDTypeError as e:
+            return str(e)
+        return "no error"
+
+    op = {".data =": "copy_", ".data.copy_": "copy_"}.get(form, form)
+    for msg in world2.run(body):
+        assert "linear at" in msg and "updated in place with per-rank data" in msg and f"({op} at" in msg, msg

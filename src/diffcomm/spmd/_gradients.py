@@ -57,7 +57,7 @@ class _Gradients(_CheckState):
         finally:
             self.in_backward -= 1
         if not (kwargs.get("retain_graph") or kwargs.get("create_graph")):
-            _EPOCH[0] += 1
+            _EPOCH.n += 1
         strict = objective if objective is not None and not objective.startswith("a varying") else None
         self._type_grads(before, strict)
         if func is torch.autograd.grad and isinstance(out, tuple):
@@ -100,8 +100,8 @@ class _Gradients(_CheckState):
             return self._sum_objective(r)
         if r.cell is not None:
             root = r.cell.root()
-            if root.epoch != _EPOCH[0]:
-                root.kind, root.epoch = None, _EPOCH[0]
+            if root.epoch != _EPOCH.n:
+                root.kind, root.epoch = None, _EPOCH.n
             if root.kind == PARTIAL and root.mean:
                 return "a varying loss (the mean of the per-rank losses, all_reduce(op='avg'))"
             if root.kind == PARTIAL:
@@ -125,8 +125,8 @@ class _Gradients(_CheckState):
         unchanged (a replicated-objective mapping) is an error."""
         if r.cell is not None:
             root = r.cell.root()
-            if root.epoch != _EPOCH[0]:
-                root.kind, root.epoch = None, _EPOCH[0]
+            if root.epoch != _EPOCH.n:
+                root.kind, root.epoch = None, _EPOCH.n
             if root.kind == REPLICATED:
                 raise SPMDTypeError(
                     f"diffcomm.spmd_check: backward at {_site()}: under objective='sum' the loss is "
@@ -149,7 +149,7 @@ class _Gradients(_CheckState):
             if r is None or r.t is not R or r.cell is None or not x.requires_grad:
                 continue
             root = r.cell.root()
-            if root.epoch != _EPOCH[0] or root.kind != PARTIAL or root.copy_at is None:
+            if root.epoch != _EPOCH.n or root.kind != PARTIAL or root.copy_at is None:
                 continue
             raise SPMDTypeError(
                 f"diffcomm.spmd_check: backward at {_site()}: a replicated input of shape "

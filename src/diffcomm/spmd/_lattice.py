@@ -23,6 +23,7 @@ from ._ops import (
     _STACKING,
     _STRUCTURAL,
     _TEMPLATE_2ND,
+    _WEIGHT_KEEPING,
     _WEIGHTED,
     SEEDED_BY_RANK,
     _contracts_shard,
@@ -39,6 +40,10 @@ from ._ops import (
 from ._records import _EPOCH, _Cell, _conflict, _Rec, _site
 from ._state import _CheckState
 
+#: in-place ops whose result does not read the old value: they make a drifted parameter
+#: replicated again when what they write is replicated
+_OVERWRITES = _RANDOM | {"copy_", "fill_", "zero_"}
+
 
 class _Lattice(_CheckState):
     """The plain-op rules and the gradient-kind cells (a part of the check)."""
@@ -49,8 +54,10 @@ class _Lattice(_CheckState):
         if kwargs:
             _flat_tensors(kwargs.values(), ins)
         inplace = name.endswith("_") or name == "setitem"
-        if inplace and outs[0].__dict__.get(key) is not None and outs[0].__dict__[key].param is not None:
-            return  # an update of a parameter (init, optimizer step) keeps its type
+        if inplace and isinstance(outs[0], torch.nn.Parameter):
+            self.rec(outs[0])  # registered: its updates are tracked (``_param_update``)
+        target = outs[0].__dict__.get(key) if inplace else None
+        param_update = target is not None and target.param is not None
         if name == "copy_" and len(ins) >= 2:  # the target takes the source's type
             ins = ins[1:]
         elif name in _TEMPLATE_2ND and len(ins) >= 2:  # `other` gives a shape, not values
@@ -83,6 +90,13 @@ class _Lattice(_CheckState):
             extra_why = (
                 f"{name} with an index, slice or scalar computed from the rank (dc.get_rank()) at {_site()}"
             )
+        if param_update and target is not None:  # a parameter's update (init, optimizer step)
+            # keeps its type (an init drawn in place is not per-rank evidence: the default generator's state
+            # at the entry is indirect, and a replica sync may follow; docs: Limits)
+            drawn = name in _RANDOM
+            others = [self.rec(t) for t in ins if t is not outs[0]]
+            self._param_update(name, target, others, None if drawn else extra, extra_why)
+            return
         if name in _MASKING:
             masked = self._masked(name, args, kwargs)
             if masked is not None:  # linear in its partial operand: the rest is zero
@@ -90,6 +104,15 @@ class _Lattice(_CheckState):
                     o.__dict__[key] = masked
                 return
         recs = [self.rec(t) for t in ins]
+        drift = next((r.drift for r in recs if r.drift), None)
+        if drift is not None and name not in _WEIGHT_KEEPING:
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {name} at {_site()}: a replicated parameter was updated in "
+                f"place with per-rank data ({drift}), so its replicas differ between the ranks: "
+                "the program computes with a different model on every rank. Update it with "
+                "replicated data (reduce or broadcast the update first), or make it equal again "
+                "before using it (p.data.copy_(dc.broadcast(p.detach(), src=0)))."
+            )
         # the special products: a varying weight sharded along the contracted dim
         special_p = False
         if name in ("linear", "matmul", "mm", "bmm", "rmatmul") and len(recs) >= 2:
@@ -115,6 +138,7 @@ class _Lattice(_CheckState):
             res = self._join(name, recs, ins, extra, differentiable, extra_why, args)
             if res.weight and len(outs) == 1:  # a weight's sharded dim, through a cast or a transpose
                 res.shard = _weight_shard(name, args, recs, ins, outs[0])
+        res.drift = drift  # a cast, copy or view of a drifted parameter: still drifted
         for o in outs:
             if o.__dict__.get(key) is not None and o.__dict__[key].param is not None:
                 continue
@@ -125,6 +149,45 @@ class _Lattice(_CheckState):
                 o.__dict__[key] = res
                 if res.cell is not None and o.grad_fn is None and not isinstance(o, torch.nn.Parameter):
                     self._inputs[id(o)] = (o, res)  # a leaf made to require grad (an input)
+
+    def _param_update(self, name: str, target: _Rec, others: list[_Rec], extra: T | None, why: str) -> None:
+        """An in-place update of a parameter keeps its type. A replicated one updated with
+        per-rank data (a pruning mask, noise, an init drawn on a per-rank stream, a value
+        set at a row computed from the rank) drifts: its replicas differ, and its next use
+        is an error (``_type_plain``); an overwrite with replicated data (``copy_`` of a
+        broadcast, a draw alike on every rank) makes it replicated again."""
+        if target.t is not R:
+            return
+        bad = next((r for r in others if r.t is not R), None)
+        if bad is not None or extra is V:
+            found = f"{bad.t.value} data: {bad.why}" if bad is not None else why
+            target.drift = f"{name} at {_site()}, with {found}"
+        elif name in _OVERWRITES:
+            target.drift = None
+
+    def _data_access(self, op: str, args: Any, out: Any) -> None:
+        """``t.data`` is ``t``'s data: the same record (a parameter's updates through it are
+        the parameter's; ``p.data.norm()`` of a partial value is partial). ``t.data = other``:
+        ``t`` takes ``other``'s type; a parameter keeps its own (drifted by per-rank data)."""
+        key = self.key
+        if args and isinstance(args[0], torch.nn.Parameter):
+            self.rec(args[0])  # registered: its updates through .data are tracked
+        if op == "__get__" and args and isinstance(args[0], Tensor) and isinstance(out, Tensor):
+            r = args[0].__dict__.get(key)
+            if r is not None:
+                out.__dict__[key] = r
+            return
+        if op != "__set__" or len(args) < 2 or not all(isinstance(a, Tensor) for a in args[:2]):
+            return
+        old = args[0].__dict__.get(key)
+        if old is not None and old.param is not None:
+            self._param_update("copy_", old, [self.rec(args[1])], None, "")
+            return
+        new = args[1].__dict__.get(key)
+        if new is not None:
+            args[0].__dict__[key] = new
+        elif old is not None:
+            del args[0].__dict__[key]
 
     def _join(
         self,
@@ -260,8 +323,8 @@ class _Lattice(_CheckState):
 
     def _demand(self, cell: _Cell, kind: str, op: str, why: str) -> None:
         root = cell.root()
-        if root.epoch != _EPOCH[0]:  # its graph was backpropagated already: a fresh start
-            root.kind, root.epoch = None, _EPOCH[0]
+        if root.epoch != _EPOCH.n:  # its graph was backpropagated already: a fresh start
+            root.kind, root.epoch = None, _EPOCH.n
         if root.kind is None:
             root.kind = kind
             root.why = f"{why} in {op} at {_site()}"
@@ -273,8 +336,8 @@ class _Lattice(_CheckState):
         if ra is rb:
             return ra
         for r in (ra, rb):
-            if r.epoch != _EPOCH[0]:  # its graph was backpropagated already: a fresh start
-                r.kind, r.epoch = None, _EPOCH[0]
+            if r.epoch != _EPOCH.n:  # its graph was backpropagated already: a fresh start
+                r.kind, r.epoch = None, _EPOCH.n
         if ra.kind is not None and rb.kind is not None and ra.kind != rb.kind:
             rep, par = (ra, rb) if ra.kind == REPLICATED else (rb, ra)
             raise SPMDTypeError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +19,18 @@ from .._replication import PARTIAL, SPMDTypeError, T
 # ======================================================================================
 
 
-#: backward passes (that freed their graph) so far: a cell fixed before the last one
-#: belongs to a graph whose backward already ran, and constrains nothing any more
-_EPOCH = [0]
+class _Epoch(threading.local):
+    """The backward passes (that freed their graph) this rank has run (``n``): a cell fixed
+    before the last one belongs to a graph whose backward already ran, and constrains
+    nothing any more. One count per thread, as a rank's check runs on its own thread
+    (``SPMDCheck.thread``): the ranks of an in-process world are threads of one process,
+    and one count for all of them let a rank's backward retire the kinds another rank had
+    fixed since its own (a clash missed on that rank alone)."""
+
+    n = 0
+
+
+_EPOCH = _Epoch()
 _TENSOR_BASE = torch.Tensor.__mro__[1]  # the C tensor class whose methods are the operators
 
 
@@ -33,7 +43,7 @@ class _Cell:
         self.parent: _Cell | None = None
         self.kind = kind
         self.why = why
-        self.epoch = _EPOCH[0]  # the backward passes run before it was made
+        self.epoch = _EPOCH.n  # the backward passes run before it was made
         #: made by all_reduce(op="avg") of per-rank values: a loss holding it is the mean of
         #: the per-rank objectives (as a varying loss is their sum), not a replicated objective
         self.mean = mean
@@ -124,6 +134,7 @@ class _Rec:
         "copy_at",
         "reduced",
         "weight",
+        "drift",
     )
 
     def __init__(self, t: T, cell: _Cell | None = None, shard: int | None = None, why: str = "") -> None:
@@ -160,6 +171,9 @@ class _Rec:
         #: ``w.to(x.dtype)``, ``(w * s).T``): a replicated activation meeting it in a matmul
         #: is the entry of a column-parallel region, as with the weight itself
         self.weight = False
+        #: a replicated parameter updated in place with per-rank data (where, in words):
+        #: its replicas differ, until overwritten with replicated data (a broadcast copied in)
+        self.drift: str | None = None
 
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -177,7 +177,10 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         #: leaf inputs (not parameters) that require grad: their gradient is checked when
         #: a backward of a replicated objective finishes
         self._inputs: dict[int, tuple[Tensor, _Rec]] = {}
-        self._typed_modules: set[int] = set()
+        #: id(module) -> the module, held until the block ends: an id is one object's only
+        #: while it lives (a freed layer's id, reused by a new layer, left that one untyped
+        #: on a rank whose allocator reused it: a verdict that differed between the ranks)
+        self._typed_modules: dict[int, torch.nn.Module] = {}
         #: id(param) -> (dotted name from the layer that holds it, the fix of a partial
         #: gradient that layer offers: its sync_replicated_grads())
         self._owners: dict[int, _Owner] = {}
@@ -224,6 +227,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
                 _ACTIVE.remove(self)
             if not _ACTIVE:
                 _uninstall()
+        self._typed_modules.clear()
         if isinstance(exc, _Escape):
             self._params.clear()
             raise exc.error from None
@@ -287,7 +291,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
     def _type_module_params(self, module: torch.nn.Module, names: Mapping[int, str] | None = None) -> None:
         if id(module) in self._typed_modules:
             return
-        self._typed_modules.add(id(module))
+        self._typed_modules[id(module)] = module
         rule = getattr(type(module), "spmd", None)
         ours = self._is_group(getattr(module, "_pg", None)) if hasattr(module, "_pg") else False
         dims = getattr(module, "_shard_dims", None) if ours else None
@@ -330,6 +334,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
             else:
                 t, shard = R, None
             r = _Rec(t, _Cell() if t is R else None, shard=shard, why=f"the {t.value} parameter {name}")
+            r.drift = old.drift if old is not None and t is R else None  # updated with per-rank data
             self._register_param(p, name, r)
             p.__dict__[self.key] = r
 
@@ -367,20 +372,6 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
 
     # ---------------------------------------------------------------- plain torch ops
 
-    def _set_data(self, args: Any) -> None:
-        """``t.data = other`` (``p.grad.data = dc.all_reduce(p.grad.data)``): ``t`` takes
-        ``other``'s type (a parameter keeps its own)."""
-        if len(args) < 2 or not isinstance(args[0], Tensor) or not isinstance(args[1], Tensor):
-            return
-        old = args[0].__dict__.get(self.key)
-        if old is not None and old.param is not None:
-            return
-        new = args[1].__dict__.get(self.key)
-        if new is not None:
-            args[0].__dict__[self.key] = new
-        elif old is not None:
-            del args[0].__dict__[self.key]
-
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.inside or self.in_backward:
@@ -394,9 +385,10 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
             return func(*args, **kwargs)
         raw = getattr(func, "__name__", "")
         if raw in _NO_TYPING:
-            if raw == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data":
-                self._set_data(args)  # `t.data = other`: t takes other's type
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+                self._data_access(raw, args, out)  # `t.data`, `t.data = other`: typed as data
+            return out
         name = _fname(func)
         if name == "backward" or func is torch.autograd.backward or func is torch.autograd.grad:
             return self._backward(func, args, kwargs)

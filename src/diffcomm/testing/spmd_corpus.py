@@ -13,7 +13,7 @@ this rank (``None``, or the error's class name and message).
 
 from __future__ import annotations
 
-# Size: ~1030 lines, over the ~600 guideline: a table of small programs (one function per
+# Size: ~1070 lines, over the ~600 guideline: a table of small programs (one function per
 # bug, its facts in the @_bug line above it), read in order by the docs and the tests;
 # nothing in it is logic to split.
 from collections.abc import Callable
@@ -749,6 +749,42 @@ def row_parallel_einsum_into_nonlinearity(fixed: bool) -> None:
     y.pow(2).mean().backward()
 
 
+@_bug(
+    "replicated weight pruned with a per-rank mask",
+    "replicated parameter updated in place with per-rank data",
+    "linear",
+    "masked_fill_",
+    "updated in place with per-rank data",
+)
+def replicated_weight_pruned_with_per_rank_mask(fixed: bool) -> None:
+    """Data parallel: a replicated weight pruned under no_grad with a mask scored on this
+    rank's own batch. Each rank zeroes different entries, so the replicas differ and every
+    later step trains a different model on each rank; each rank's loss is its own (varying),
+    so no replicated loss shows it. The score must be reduced over the ranks first."""
+    w = nn.Parameter(_x(1, H))
+    x = dc.spmd.varying(_shard(3, H))
+    score = x.abs().mean(0, keepdim=True)  # this rank's batch
+    if fixed:
+        score = dc.all_reduce(score, op="avg")
+    with torch.no_grad():
+        w.masked_fill_(score < score.median(), 0.0)
+    F.linear(x, w).pow(2).mean().backward()
+    w.grad = dc.all_reduce(_grad(w), op="avg")
+
+
+@_bug("partial sums read through .data", "partial into nonlinearity", "norm", "argument is partial")
+def partial_read_through_data(fixed: bool) -> None:
+    """A scale taken through ``.data`` (outside autograd, as a statistic) of a row-parallel
+    matmul's partial sums: the norm of this rank's share is not the norm of the sum. The
+    loss is per rank (data parallel), so no replicated loss shows it. ``t.data`` is typed
+    as ``t``."""
+    p = _partial_sums()
+    s = (par.reduce_from_region(p).data if fixed else p.data).norm()  # e.g. a loss scale
+    w = nn.Parameter(_x(H))
+    (dc.spmd.varying(_shard(3, H)) @ w / s).pow(2).mean().backward()
+    w.grad = dc.all_reduce(_grad(w), op="avg")
+
+
 # ======================================================================================
 # correct programs that an earlier checker refused (each must pass)
 # ======================================================================================
@@ -779,6 +815,16 @@ def vocab_embedding_masked_assignment() -> None:
 def vocab_embedding_where_zero() -> None:
     """``torch.where(mask, 0.0, out)`` on the partial lookups."""
     _vocab_embedding_by_hand(use_where=True)
+
+
+def replicas_made_equal_by_a_broadcast() -> None:
+    """A replicated weight updated in place with per-rank data (noise drawn per rank),
+    then made equal again by copying in rank 0's copy: used afterwards, it is replicated."""
+    lin = nn.Linear(H, 1, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        lin.weight.add_(dc.spmd.varying(_shard(1, H)))
+    lin.weight.data.copy_(dc.broadcast(lin.weight.detach(), src=0))
+    lin(_x(3, H)).pow(2).mean().backward()
 
 
 def all_reduce_avg_of_replicated() -> None:
@@ -981,6 +1027,7 @@ CORRECT: dict[str, Callable[[], None]] = {
     "a vjp with a per-rank cotangent": vjp_with_a_per_rank_cotangent,
     "all_reduce of a replicated constant (no gradient)": all_reduce_of_a_replicated_constant,
     "a parallel module using its sub-layers' weights uncalled": sub_layer_weights_used_functionally,
+    "replicas made equal by a broadcast after a per-rank update": replicas_made_equal_by_a_broadcast,
 }
 
 
