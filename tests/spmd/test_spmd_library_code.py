@@ -389,7 +389,12 @@ DOC_RUNS: dict[tuple[str, int], DocRun | Skip | Elsewhere] = {
     ),
     ("parallel.md", 1): DocRun(),
     ("parallel.md", 2): DocRun(top=True, sizes=(("512, 2048", "16, 32"), ("512, 2048", "16, 32"))),
-    ("parallel.md", 3): DocRun(
+    ("parallel.md", 3): Skip(
+        "a checkpoint written to and read from a directory (no computation to type) with "
+        "`build`, `adam` and `path` from the prose: tests/parallel/test_checkpointing.py::"
+        "test_dcp_optimizer_state_reshards_adam_moments runs it"
+    ),
+    ("parallel.md", 4): DocRun(
         top=True,
         prelude=(
             "model = par.ParallelMLP(16, 32, seed=0)\n"
@@ -397,7 +402,7 @@ DOC_RUNS: dict[tuple[str, int], DocRun | Skip | Elsewhere] = {
             "max_norm = 1e-3\n"
         ),
     ),
-    ("parallel.md", 4): DocRun(
+    ("parallel.md", 5): DocRun(
         top=True,
         prelude=(
             "V = 4 * dc.get_world_size()\n"
