@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from .. import backend as B
 from .._replication import LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
@@ -90,12 +91,48 @@ def resolve_parallel_group(op: str, group: A.GroupLike) -> tuple[Any, int, int]:
 # ======================================================================================
 
 
+def check_shards_plain(root: nn.Module, op: str) -> None:
+    """Raise ``ValueError`` when a layer under ``root`` no longer holds one of its sharded
+    parameters (or buffers) itself: ``torch.nn.utils.parametrize`` (``weight_norm``,
+    ``spectral_norm``, ``orthogonal``, a user's parametrization), the older hook-based
+    ``weight_norm`` / ``spectral_norm`` or ``torch.nn.utils.prune`` replaced it with a
+    tensor computed from new parameters in every forward. That computation sees only this
+    rank's shard: one that reduces over the split dimension (a norm over it, a largest
+    singular value, an orthogonalisation, the smallest magnitudes) gives another weight
+    than the serial model's, with no error; and the new parameters are not the serial
+    ones this layer's bookkeeping knows (``serial_slices``, state dicts, ``grad_norm``
+    would take a shard for a replica). No communication."""
+    for prefix, m in root.named_modules():
+        if not isinstance(m, ParallelModule):
+            continue
+        for name, dim in m._shard_dims.items():
+            if dim is None or name in m._parameters or name in m._buffers:
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            how = "a parametrization" if parametrize.is_parametrized(m, name) else "a forward pre-hook"
+            raise ValueError(
+                f"diffcomm.{op}(): `{full}` is this rank's shard (dim {dim}) of the serial "
+                f"`{name}`, but {type(m).__name__} no longer holds it as a parameter: {how} "
+                "(torch.nn.utils.parametrize, weight_norm, spectral_norm, prune) computes it "
+                "from other tensors in every forward, seeing only this rank's shard. One that "
+                "reduces over the split dimension computes another weight than the serial "
+                "model's, and the new parameters are unknown to the layer's shard bookkeeping "
+                "(serial_slices, state dicts, grad_norm). Remove it (torch.nn.utils.parametrize."
+                "remove_parametrizations, torch.nn.utils.remove_weight_norm, prune.remove), or "
+                "compute the reparametrized weight over the whole weight yourself with "
+                "diffcomm's collectives (docs/parallel.md: 'Parametrizations of a sharded weight')"
+            )
+
+
 def _enter_region(module: ParallelModule, args: Any) -> None:
     """Forward pre-hook of every ParallelModule; acts in the outermost one only: copies
     every partial-gradient replica of the module tree into the region at once (one
-    coalesced reduction in backward per group; a lone tensor uses ``copy_to_region``)."""
+    coalesced reduction in backward per group; a lone tensor uses ``copy_to_region``).
+    First, before any communication, it refuses a sharded parameter replaced by a
+    parametrization (:func:`check_shards_plain`)."""
     if module.__dict__.get("_region_copies") is not None:
         return  # inside an outer ParallelModule's forward: it made the copies
+    check_shards_plain(module, f"parallel.{type(module).__name__}")
     if spmd_types_checking(_FUNCTION_ATTRS):
         annotate_params_for_spmd_types(module)
     members = [m for m in module.modules() if isinstance(m, ParallelModule)]
@@ -311,6 +348,7 @@ class ParallelModule(nn.Module):
         Raises:
             ValueError: one tensor reachable under two names with different specs.
         """
+        check_shards_plain(self, f"parallel.{type(self).__name__}.{op}")
         specs: dict[str, tuple[Tensor, int | None, Any]] = {}
         first: dict[int, str] = {}  # id(tensor) -> the first name it was met under
         for prefix, module in self.named_modules(remove_duplicate=False):
