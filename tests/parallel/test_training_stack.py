@@ -1,7 +1,12 @@
 """diffcomm's parallel layers inside the rest of a PyTorch training stack, against a serial
-float64 model trained on the concatenated batch (docs/parallel.md, "In a training stack"):
-parametrizations of a sharded weight refused before any communication, and the
-shard-aware weight norm of the docs equal to torch's on the serial weight."""
+float64 model trained on the concatenated batch, the loss the mean over it
+(docs/parallel.md, "In a training stack"): parametrizations of a sharded weight refused
+before any communication, and the docs' shard-aware weight norm equal to torch's on the
+serial weight; torch's DDP (find_unused_parameters, no_sync, gradient_as_bucket_view,
+static_graph), ZeroRedundancyOptimizer and FSDP2 over the data-parallel axis of a 2 x 2
+mesh with a ParallelMLP, a sequence-parallel block and an ExpertParallelMoE inside;
+clipping and GradScaler's skip decision there; activation checkpointing of every kind of
+layer, attention and MoE, both variants, overlapped and asynchronous communication."""
 
 from __future__ import annotations
 
@@ -134,3 +139,240 @@ def test_weight_norm_over_the_split_dim_recipe_matches_serial(local_worlds, n: i
     """The docs' workaround: weight norm over the split dim with the norm over the whole
     row, after two SGD steps equal to torch's weight_norm of the serial layer."""
     assert max(local_worlds(n).run(_weight_norm_recipe)) < 1e-12
+
+
+# ======================================================================================
+# torch's data parallelism over the other axis of a 2 x 2 mesh (real process groups)
+# ======================================================================================
+
+H, S, B = 8, 8, 2
+
+
+class _SerialBlock(nn.Module):
+    """A pre-norm transformer block: the serial reference of ``_SequenceParallelBlock``."""
+
+    def __init__(self) -> None:
+        from diffcomm import parallel as par
+
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(H, dtype=F64), par.SelfAttention(H, 4, dtype=F64)
+        self.ln2, self.mlp = nn.LayerNorm(H, dtype=F64), par.MLP(H, 16, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def _sp_block_class() -> type:
+    from diffcomm import parallel as par
+
+    class _SequenceParallelBlock(par.ParallelModule):
+        """``_SerialBlock`` with sequence parallelism over ``tp`` (input and output the
+        whole sequence, replicated); ``ckpt``: how each sublayer is called."""
+
+        def __init__(self, tp: object = None, ckpt: object = None) -> None:
+            super().__init__()
+            self.tp, self.ckpt = tp, ckpt
+            kw = {"group": tp, "dtype": F64}
+            self.ln1 = par.SequenceParallelLayerNorm(H, **kw)
+            self.attn = par.ParallelSelfAttention(H, 4, sequence_parallel=True, seed=0, **kw)
+            self.ln2 = par.SequenceParallelLayerNorm(H, **kw)
+            self.mlp = par.ParallelMLP(H, 16, sequence_parallel=True, seed=0, **kw)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            call = self.ckpt or (lambda f, *a: f(*a))
+            x = par.scatter_to_sequence(x, 0, self.tp)
+            x = x + call(self.attn, self.ln1(x))
+            x = x + call(self.mlp, self.ln2(x))
+            return par.gather_from_sequence(x, 0, self.tp)
+
+    return _SequenceParallelBlock
+
+
+def _models(kind: str, tp: object) -> tuple[nn.Module, nn.Module]:
+    """``(serial, this rank's parallel model)`` of one kind, the same weights."""
+    from diffcomm import parallel as par
+
+    torch.manual_seed(0)
+    if kind == "mlp":
+        ser: nn.Module = par.MLP(H, 16, dtype=F64)
+        return ser, par.ParallelMLP.from_serial(ser, group=tp)
+    if kind == "block":
+        ser = _SerialBlock()
+        return ser, _sp_block_class().from_serial(ser, tp)
+    ser = par.MoE(H, 6, 4, 2, shared_expert_size=5, activation="tanh", dtype=F64, seed=3)
+    return ser, par.ExpertParallelMoE.from_serial(ser, tp)
+
+
+def _worst_param(par_model: nn.Module, ser: nn.Module) -> float:
+    """The largest difference of a parameter from its part of the serial one."""
+    from torch.distributed.tensor import DTensor
+
+    slices = par_model.serial_slices()
+    names = par_model.serial_names() if hasattr(par_model, "serial_names") else {}
+    serial = dict(ser.named_parameters())
+    worst = 0.0
+    for n, p in par_model.named_parameters():
+        mine = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+        worst = max(worst, float((mine - serial[names.get(n, n)].detach()[slices[n]]).abs().max()))
+    return worst
+
+
+def _train(kind: str, wrap: str, accum: int) -> float:
+    """Two SGD-with-momentum steps of a model of diffcomm layers over the ``tp`` axis of a
+    (dp, tp) = 2 x 2 mesh, data-parallel over ``dp`` by ``wrap`` (DDP with options, ZeRO,
+    FSDP2), ``accum`` micro-batches per step (``no_sync`` under DDP); against the serial
+    model on the concatenated batch, the loss the mean over it. The worst difference of
+    the losses and parameters. The MoE's ``tp`` axis is its expert-parallel group, each
+    rank with its own tokens (half of its data-parallel replica's)."""
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_pg, dp, tp = mesh.get_group("dp"), mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    ser, par = _models(kind, (mesh, "tp"))
+    if wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        model: nn.Module = fully_shard(par, mesh=mesh["dp"])
+    else:
+        options = {
+            "": {},
+            "unused": {"find_unused_parameters": True},
+            "view": {"gradient_as_bucket_view": True},
+            "static": {"static_graph": True},
+        }
+        model = DDP(par, process_group=dp_pg, **options[wrap[4:] if wrap != "zero" else ""])
+    if wrap == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, process_group=dp_pg, lr=0.1, momentum=0.9
+        )
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    serial_opt = torch.optim.SGD(ser.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for _ in range(2):
+        xs = torch.randn(accum, 2, S, B, H, dtype=F64, generator=g)  # [micro, dp replica, S, B, H]
+        ts = torch.randn(accum, 2, S, B, H, dtype=F64, generator=g)
+        opt.zero_grad()
+        serial_opt.zero_grad()
+        for m in range(accum):
+            x, t = torch.cat(list(xs[m]), 1), torch.cat(list(ts[m]), 1)  # the global batch
+            xl, tl = xs[m, dp], ts[m, dp]
+            if kind == "moe":  # tokens: each dp replica's, batch-major; each ep rank half of them
+                x, t = (a.transpose(0, 1).reshape(-1, H) for a in (x, t))
+                xl, tl = (a.transpose(0, 1).reshape(-1, H).chunk(2)[tp] for a in (xl, tl))
+            ref = F.mse_loss(ser(x), t) / accum
+            ref.backward()
+            quiet = model.no_sync() if m < accum - 1 else contextlib.nullcontext()
+            with quiet:  # type: ignore[attr-defined]
+                loss = F.mse_loss(model(xl), tl) / accum / (2 if kind == "moe" else 1)
+                loss.backward()
+            # the global batch's mean: each replica's over its tensor-parallel group (the MoE's
+            # ranks hold their halves' shares) averaged over the data-parallel replicas
+            mean = dc.all_reduce(loss.detach(), "sum") / (2 if kind == "moe" else 4)
+            worst = max(worst, float((mean - ref.detach()).abs()))
+        if kind == "moe":
+            par.sync_replicated_grads()
+        opt.step()
+        serial_opt.step()
+        worst = max(worst, _worst_param(par, ser))
+    return worst
+
+
+_STACK = [
+    ("mlp", "ddp:", 2),
+    ("mlp", "ddp:unused", 2),
+    ("mlp", "ddp:view", 2),
+    ("mlp", "ddp:static", 1),
+    ("block", "ddp:", 2),
+    ("block", "ddp:unused", 1),
+    ("block", "ddp:view", 2),
+    ("block", "ddp:static", 1),
+    ("moe", "ddp:", 2),
+    ("moe", "ddp:unused", 1),
+    ("moe", "ddp:view", 2),
+    ("moe", "ddp:static", 1),
+    ("mlp", "zero", 1),
+    ("block", "zero", 2),
+    ("mlp", "fsdp2", 1),
+    ("block", "fsdp2", 1),
+]
+
+
+def _stack() -> dict[str, float]:
+    return {f"{k} {w} x{a}": _train(k, w, a) for k, w, a in _STACK}
+
+
+@pytest.mark.diffcomm_in_process(False)  # torch's DDP, ZeRO and FSDP2: real process groups
+def test_data_parallel_wrappers_over_the_other_mesh_axis_match_serial(world4) -> None:
+    for res in world4.run(_stack):
+        assert max(res.values()) < 1e-10, res
+
+
+def _clip_and_scale(wrap: str) -> dict[str, float]:
+    """The sequence-parallel block over ``tp``, data-parallel over ``dp`` (DDP or FSDP2,
+    whose gradients are DTensors sharded over ``dp``), with torch's GradScaler: one scaled
+    backward, ``unscale_``, ``sync_found_inf``, ``clip_grad_norm_``, the step; against
+    torch's clipping of the serial model on the concatenated batch. Then a step with an
+    inf in rank 3's gradient shard only: skipped on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from diffcomm import parallel as par
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_local_rank("dp")
+    ser, mine = _models("block", (mesh, "tp"))
+    if wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        model: nn.Module = fully_shard(mine, mesh=mesh["dp"])
+    else:
+        model = DDP(mine, process_group=mesh.get_group("dp"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    serial_opt = torch.optim.SGD(ser.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for step in range(2):
+        xs, ts = (torch.randn(2, S, B, H, dtype=F64, generator=g) for _ in range(2))
+        opt.zero_grad()
+        scaler.scale(F.mse_loss(model(xs[dp]), ts[dp])).backward()
+        if step == 1 and dc.get_rank() == 3:  # an overflow in one rank's shard only
+            grad = next(iter(mine.parameters())).grad
+            (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = float("inf")
+        scaler.unscale_(opt)
+        skipped = par.sync_found_inf(scaler, opt)
+        if step == 0:
+            serial_opt.zero_grad()
+            F.mse_loss(ser(torch.cat(list(xs), 1)), torch.cat(list(ts), 1)).backward()
+            ref = torch.nn.utils.clip_grad_norm_(ser.parameters(), 0.05)
+            out["norm"] = float((par.clip_grad_norm_(model, 0.05, group=(mesh, "tp")) - ref).abs())
+            serial_opt.step()
+        before = _worst_param(mine, ser)
+        scaler.step(opt)
+        scaler.update()
+        out[f"skipped {step}"] = float(skipped)
+        out[f"params {step}"] = _worst_param(mine, ser)
+        out["unchanged"] = before
+    out["scale"] = scaler.get_scale()
+    return out
+
+
+@pytest.mark.diffcomm_in_process(False)
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_clipping_and_loss_scaling_under_data_parallel_wrappers(world4, wrap: str) -> None:
+    """Before, ``clip_grad_norm_`` / ``grad_norm`` of an FSDP2 model raised a TypeError from
+    an internal all_reduce (its per-parameter norms were DTensors); now the serial norm
+    (to 1e-12) and the serial clipped step; a one-rank overflow skips the step on all."""
+    for res in world4.run(_clip_and_scale, wrap):
+        assert res["norm"] < 1e-12 and res["params 0"] < 1e-10, res
+        assert res["skipped 0"] == 0 and res["skipped 1"] == 1, res
+        assert res["params 1"] == res["unchanged"] and res["scale"] == 4.0, res

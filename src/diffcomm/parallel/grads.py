@@ -147,6 +147,20 @@ def _wide(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+def _local(g: Tensor) -> Tensor:
+    """This rank's part of a gradient: a ``DTensor``'s (FSDP2's ``fully_shard`` over a
+    data-parallel mesh axis holds each gradient as one) local shard, which in-place ops
+    on it write through (under ``no_grad``); a plain tensor itself."""
+    return g.to_local() if A._is_dtensor(g) else g
+
+
+def _whole(n: Tensor) -> Tensor:
+    """A per-parameter norm as a plain tensor: a ``DTensor`` gradient's norm is a
+    ``DTensor`` over its mesh (torch reduces its shards' parts), the same on every rank
+    of that mesh; its value is the norm of the whole gradient."""
+    return n.full_tensor() if A._is_dtensor(n) else n
+
+
 def _norm_type(op: str, norm_type: Any) -> float:
     """``norm_type`` as torch reads it (``float(norm_type)``: ``"inf"`` too), positive."""
     try:
@@ -200,12 +214,12 @@ def _total_norm(op: str, module: Any, norm_type: Any, group: Any, pipeline_group
     # own: replicas over no group; compared over the world, every pipeline failed the check)
     replicas_over = stages is None or (pg is not None and not _same_group(pg, stages))
     if grads[1] and _config.DEBUG.get() and replicas_over:
-        flat = torch.cat([g.detach().reshape(-1).to(torch.float64) for g in grads[1]])
+        flat = torch.cat([_local(g).detach().reshape(-1).to(torch.float64) for g in grads[1]])
         check_replicated(flat, op, "the replicated parameters' gradients", _REPLICATED_HINT, pg)
     inf = math.isinf(p_norm)
 
     def part(gs: list[Tensor]) -> Tensor:
-        norms = [torch.linalg.vector_norm(g, p_norm).to(dtype=dtype, device=device) for g in gs]
+        norms = [_whole(torch.linalg.vector_norm(g, p_norm)).to(dtype=dtype, device=device) for g in gs]
         if not norms:
             return torch.zeros((), dtype=dtype, device=device)
         stacked = torch.stack(norms)
@@ -242,8 +256,9 @@ def grad_norm(
     Args:
         module: the model (an ``nn.Module``, e.g. a :class:`ParallelMLP`, a model made of
             parallel layers, an :class:`ExpertParallelMoE`, or one of them wrapped in
-            ``DistributedDataParallel`` over another mesh axis). Parameters of plain
-            modules are replicas.
+            ``DistributedDataParallel`` or sharded by FSDP2's ``fully_shard`` over another
+            mesh axis: a ``DTensor`` gradient's norm is its whole tensor's, torch reducing
+            over its mesh). Parameters of plain modules are replicas.
         norm_type: ``p`` of the p-norm, a positive float or ``inf`` (or ``"inf"``, as torch).
         group: ``None`` (the group of the model's parallel layers) or that group; a layer
             over another group is a ``ValueError`` (before any communication).
@@ -340,7 +355,7 @@ def clip_grad_norm_(
     with torch.no_grad():
         for p in module.parameters():
             if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device))
+                _local(p.grad).mul_(coef.to(p.grad.device))
     return total
 
 
