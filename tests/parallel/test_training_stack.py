@@ -376,3 +376,125 @@ def test_clipping_and_loss_scaling_under_data_parallel_wrappers(world4, wrap: st
         assert res["norm"] < 1e-12 and res["params 0"] < 1e-10, res
         assert res["skipped 0"] == 0 and res["skipped 1"] == 1, res
         assert res["params 1"] == res["unchanged"] and res["scale"] == 4.0, res
+
+
+# ======================================================================================
+# activation checkpointing: the recomputation re-runs the communication
+# ======================================================================================
+
+
+def _grads(fn: object, inputs: list[torch.Tensor], params: list[torch.Tensor], weight: torch.Tensor) -> list:
+    """``[output, input grads..., param grads...]`` of ``<fn(*inputs), weight>``."""
+    for p in params:
+        p.grad = None
+    ins = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*ins)  # type: ignore[operator]
+    (out * weight).sum().backward()
+    return [out.detach()] + [t.grad for t in ins] + [p.grad.clone() for p in params]
+
+
+def _apart(a: list, b: list) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def _checkpointed(reentrant: bool) -> dict[str, float]:
+    """Each kind of layer under ``torch.utils.checkpoint`` (world 2: tensor, sequence,
+    context and expert parallelism over the world) against its serial float64 reference,
+    or (dropout, asynchronous ops) the same program without checkpointing."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    from diffcomm import parallel as par
+    from diffcomm import rng
+
+    ck = functools.partial(checkpoint, use_reentrant=reentrant)
+    r, out = dc.get_rank(), {}
+    gen = torch.Generator().manual_seed(2)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=F64, generator=gen)
+
+    x, wx = rand(S, B, H), rand(S, B, H)
+    mlps = [("mlp", False, False), ("mlp comm", False, "comm"), ("mlp sp", True, False)]
+    for name, sp, overlap in [*mlps, ("mlp sp ring", True, "ring")]:
+        ser, mlp = _models("mlp", None)
+        mlp = par.ParallelMLP.from_serial(ser, sequence_parallel=sp, overlap=overlap)
+
+        def f(x: torch.Tensor, mlp: nn.Module = mlp, sp: bool = sp) -> torch.Tensor:
+            y = ck(mlp, par.scatter_to_sequence(x, 0) if sp else x)
+            return par.gather_from_sequence(y, 0) if sp else y
+
+        ser_grads = _grads(ser, [x], list(ser.parameters()), wx)
+        slices, named = mlp.serial_slices(), dict(ser.named_parameters())
+        ref = ser_grads[:2] + [named[n].grad[slices[n]] for n, _ in mlp.named_parameters()]
+        out[name] = _apart(_grads(f, [x], list(mlp.parameters()), wx), ref)
+    for inner in (False, True):
+        ser, blk = _models("block", None)
+        if inner:  # each sublayer checkpointed inside the block's forward (its region copies)
+            blk.ckpt = ck
+        ser_grads = _grads(ser, [x], list(ser.parameters()), wx)
+        slices, named = blk.serial_slices(), dict(ser.named_parameters())
+        ref = ser_grads[:2] + [named[n].grad[slices[n]] for n, _ in blk.named_parameters()]
+        got = _grads(blk if inner else functools.partial(ck, blk), [x], list(blk.parameters()), wx)
+        out[f"block {'inner' if inner else 'whole'}"] = _apart(got, ref)
+    q, k, v, wq = (rand(1, 4, 8, 4) for _ in range(4))
+    whole = functools.partial(F.scaled_dot_product_attention, is_causal=True)
+    serial = _grads(whole, [q, k, v], [], wq)
+    for attend, layout in [(par.ring_attention, "zigzag"), (par.ulysses_attention, "contiguous")]:
+        # layout named: the reentrant variant recomputes from detached inputs (no placement)
+        attention = functools.partial(ck, functools.partial(attend, causal=True, layout=layout))
+        shards = [par.shard(t, layout=layout) for t in (q, k, v, wq)]
+        mine = _grads(attention, shards[:3], [], shards[3])
+        out[attend.__name__] = _apart(mine, [par.shard(t, layout=layout) for t in serial])
+    for cap, overlap in [(None, False), (None, True), (1.0, False)]:
+        ser = par.MoE(
+            H, 6, 4, 2, capacity_factor=cap, shared_expert_size=5, activation="tanh", dtype=F64, seed=3
+        )
+        moe = par.ExpertParallelMoE.from_serial(ser, overlap_shared=overlap)
+        tokens, wt = rand(12, H), rand(12, H)
+        ser_grads = _grads(ser, [tokens], list(ser.parameters()), wt)
+        mine = _grads(
+            functools.partial(ck, moe), [tokens.chunk(2)[r]], list(moe.parameters()), wt.chunk(2)[r]
+        )
+        moe.sync_replicated_grads()
+        mine[2:] = [p.grad for p in moe.parameters()]
+        named, names = dict(ser.named_parameters()), moe.serial_names()
+        ref = [ser_grads[0].chunk(2)[r], ser_grads[1].chunk(2)[r]]
+        ref += [named[names[n]].grad for n, _ in moe.named_parameters()]
+        out[f"moe capacity={cap} overlap={overlap}"] = _apart(mine, ref)
+    w = rand(H, H).requires_grad_()
+
+    def gathered(x: torch.Tensor) -> torch.Tensor:
+        y = dc.all_gather(x @ w, 0, async_op=True)
+        z = dc.all_reduce(x.sin(), async_op=True)
+        return y.wait().tanh().sum(0) * z.wait().sum(0)
+
+    xa, wa = rand(4, H), rand(H)
+    out["async ops"] = _apart(
+        _grads(functools.partial(ck, gathered), [xa], [w], wa), _grads(gathered, [xa], [w], wa)
+    )
+    rng.model_parallel_seed(5, tp_rank=r)
+    for name, layer in [
+        ("mlp dropout", par.ParallelMLP(H, 16, seed=0, dropout=0.5, dtype=F64)),
+        ("attention dropout", par.ParallelSelfAttention(H, 4, seed=0, attention_dropout=0.5, dtype=F64)),
+    ]:
+        states, cpu = rng.get_tracker().get_states(), torch.get_rng_state()
+        replaying = functools.partial(rng.checkpoint, layer, use_reentrant=reentrant)
+        replayed = _grads(replaying, [x], list(layer.parameters()), wx)
+        rng.get_tracker().set_states(states)
+        torch.set_rng_state(cpu)
+        out[name] = _apart(replayed, _grads(layer, [x], list(layer.parameters()), wx))
+        try:  # torch's own checkpoint would draw other masks in the recomputation: refused
+            _grads(functools.partial(ck, layer), [x], list(layer.parameters()), wx)
+            out[name + " torch"] = 1.0
+        except RuntimeError as exc:
+            out[name + " torch"] = 0.0 if "drawn from during backward" in str(exc) else 1.0
+    return out
+
+
+@pytest.mark.diffcomm_in_process(False)  # overlapped and asynchronous ops: a communication thread
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_matches_serial(world2, reentrant: bool) -> None:
+    for res in world2.run(_checkpointed, reentrant):
+        assert max(res.values()) < 1e-12, res
