@@ -60,6 +60,7 @@ __all__ = [
     "mps_initial_seed",
     "assert_async",
     "not_a_view",
+    "active_ddp",
 ]
 
 #: ``assert_async(condition, message)``: raise ``RuntimeError(message)`` unless the 0-dim
@@ -508,3 +509,14 @@ def grad_scaler_found_inf(scaler: Any, optimizer: Any) -> tuple[dict[Any, torch.
         return None
     found: dict[Any, torch.Tensor] = state["found_inf_per_device"]
     return found, torch.device(scaler._device)
+
+
+def active_ddp() -> tuple[Any, Any, frozenset[str]] | None:
+    """``(module, process group, names of the parameters it ignores)`` of torch's
+    ``DistributedDataParallel`` whose forward is running in this thread (what TorchDynamo
+    asks it too: ``_get_active_ddp_module``, set while DDP runs its module's forward);
+    ``None`` outside one (or under DDP's Python reducer, which does not set it)."""
+    ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+    if ddp is None:
+        return None
+    return ddp.module, ddp.process_group, frozenset(getattr(ddp, "parameters_to_ignore", ()))

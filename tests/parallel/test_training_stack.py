@@ -498,3 +498,36 @@ def _checkpointed(reentrant: bool) -> dict[str, float]:
 def test_activation_checkpointing_matches_serial(world2, reentrant: bool) -> None:
     for res in world2.run(_checkpointed, reentrant):
         assert max(res.values()) < 1e-12, res
+
+
+def _ddp_over_the_shards() -> list[str]:
+    """torch's DDP with its default group (the world) around a model whose layers are
+    sharded over the ``tp`` axis of a 2 x 2 mesh: the forward refuses, before any of
+    diffcomm's communication; over the ``dp`` axis it runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tokens = {"mlp": torch.randn(S, B, H, dtype=F64), "block": torch.randn(S, B, H, dtype=F64)}
+    tokens["moe"] = torch.randn(5, H, dtype=F64)
+    models = {kind: _models(kind, (mesh, "tp"))[1] for kind in tokens}
+    calls = [lambda k=k: DDP(nn.Sequential(models[k]))(tokens[k]) for k in tokens]
+    calls += [lambda k=k: DDP(models[k], process_group=mesh.get_group("dp"))(tokens[k]) for k in tokens]
+    return refusal_messages(calls)
+
+
+@pytest.mark.diffcomm_in_process(False)
+def test_ddp_over_the_tensor_parallel_ranks_refused(world4) -> None:
+    """Before, ``DDP(model)`` (the world) around a ParallelMLP over ``tp`` overwrote tp rank
+    1's shards with rank 0's at construction (0.66 off the serial weights; an
+    ExpertParallelMoE's experts 0.80 off) and trained on with no error."""
+    msg = (
+        r"ValueError: diffcomm\.parallel\.{}\(\): `{}` differs between the ranks \[\d, \d\].*DistributedData"
+    )
+    per_rank = world4.run(_ddp_over_the_shards)
+    assert_refused_before_communicating(
+        [msgs[:3] for msgs in per_rank],
+        [msg.format("ParallelMLP", "fc1.weight"), msg.format("_SequenceParallelBlock", "attn.qkv.weight")]
+        + [msg.format("ExpertParallelMoE", r"experts\.0\.fc1\.weight")],
+    )
+    assert all(msgs[3:] == ["no error"] * 3 for msgs in per_rank), per_rank

@@ -9,17 +9,19 @@ private).
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from .. import backend as B
 from .._replication import LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
+from .._torch import active_ddp, every_rank
 from .._torch import compiling as _compiling
-from .._torch import every_rank
 from ..backend import args as A
 from ..ops import collectives
 from ..ops.validation import rank_index
@@ -124,6 +126,46 @@ def check_shards_plain(root: nn.Module, op: str) -> None:
             )
 
 
+def _ranks(pg: Any) -> set[int]:
+    return set(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
+
+
+def check_not_synced_by_ddp(root: nn.Module, op: str, varying: list[tuple[str, Tensor, Any]]) -> None:
+    """Inside the forward of torch's ``DistributedDataParallel``: raise ``ValueError`` when
+    DDP's group holds two ranks of the group of one of ``varying`` — ``(name, parameter,
+    group)``, a parameter that differs between the ranks of ``group`` (a shard, an
+    expert) — that DDP does not ignore. DDP over such ranks broadcast its rank 0's
+    parameters at construction, overwriting the other ranks' shards with its own, and
+    averages the gradients of different shards: a wrong model with no error (``DDP(model)``
+    with the default group, the world, around a tensor-parallel model). Once per DDP
+    module; no communication."""
+    found = active_ddp()
+    if found is None or not varying or _compiling():
+        return
+    ddp_module, ddp_pg, ignored = found
+    seen = root.__dict__.get("_ddp_checked")
+    if seen is not None and seen() is ddp_module:
+        return
+    names = {id(p): n for n, p in ddp_module.named_parameters(remove_duplicate=False)}
+    ddp_ranks = _ranks(ddp_pg)
+    for name, p, pg in varying:
+        if id(p) not in names or names[id(p)] in ignored:
+            continue
+        mine = _ranks(pg)
+        both = sorted(mine & ddp_ranks)
+        if len(both) > 1:
+            raise ValueError(
+                f"diffcomm.{op}(): `{name}` differs between the ranks {sorted(mine)} (each holds its "
+                f"own shard or experts), but torch's DistributedDataParallel around it runs over the "
+                f"ranks {sorted(ddp_ranks)}, which include {both} of them: DDP broadcast its first "
+                "rank's parameters over those at construction (overwriting the other ranks' shards) "
+                "and averages different shards' gradients. Give DDP the data-parallel group only, "
+                "one rank of each tensor/expert-parallel group: "
+                "DistributedDataParallel(model, process_group=mesh.get_group('dp'))"
+            )
+    root.__dict__["_ddp_checked"] = weakref.ref(ddp_module)
+
+
 def _enter_region(module: ParallelModule, args: Any) -> None:
     """Forward pre-hook of every ParallelModule; acts in the outermost one only: copies
     every partial-gradient replica of the module tree into the region at once (one
@@ -133,6 +175,8 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     if module.__dict__.get("_region_copies") is not None:
         return  # inside an outer ParallelModule's forward: it made the copies
     check_shards_plain(module, f"parallel.{type(module).__name__}")
+    if active_ddp() is not None:
+        check_not_synced_by_ddp(module, f"parallel.{type(module).__name__}", _sharded_params(module))
     if spmd_types_checking(_FUNCTION_ATTRS):
         annotate_params_for_spmd_types(module)
     members = [m for m in module.modules() if isinstance(m, ParallelModule)]
@@ -280,6 +324,18 @@ def check_serial_value(op: str, name: str, value: Any) -> None:
             f"a DTensor with placements {tuple(getattr(value, 'placements', ()))}",
             TypeError,
         )
+
+
+def _sharded_params(root: nn.Module) -> list[tuple[str, Tensor, Any]]:
+    """``(name, parameter, group)`` of every sharded parameter of the layers under ``root``."""
+    out = []
+    for prefix, m in root.named_modules():
+        if isinstance(m, ParallelModule):
+            for name, dim in m._shard_dims.items():
+                p = m._parameters.get(name)
+                if dim is not None and p is not None:
+                    out.append((f"{prefix}.{name}" if prefix else name, p, m._pg))
+    return out
 
 
 def _leave_region(module: ParallelModule, args: Any, output: Any) -> None:

@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from .. import backend as B
 from .._replication import PARTIAL, LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
-from .._torch import local_tensor_mode_off, local_tensor_mode_on
+from .._torch import active_ddp, local_tensor_mode_off, local_tensor_mode_on
 from ..backend import args as A
 from ..backend.local_tensor import RANK_WHY, LocalTensorBackend, refuse
 from ..ops import coalesced, collectives
@@ -67,6 +67,7 @@ from ..ops import engine as _async
 from ._check import check_replicas_agree
 from ._module import (
     ParallelModule,
+    check_not_synced_by_ddp,
     check_positive,
     check_serial_value,
     deepcopy_sharing_groups,
@@ -676,6 +677,9 @@ class ExpertParallelMoE(nn.Module):
             if isinstance(positions, Tensor) and positions.ndim > 1 and positions.shape == x.shape[:-1]:
                 positions = positions.reshape(-1)
             check_positions("parallel.ExpertParallelMoE", positions, x2)
+        if active_ddp() is not None:  # torch's DDP over ranks holding other experts: refused
+            experts = [(n, p, self._pg) for n, p in self.experts.named_parameters(prefix="experts")]
+            check_not_synced_by_ddp(self, "parallel.ExpertParallelMoE", experts)
         if self.__dict__.pop("_replicas_unchecked", False):  # drawn unseeded: once, they agree
             replicas = [self.router, self.shared_expert]
             named = [
