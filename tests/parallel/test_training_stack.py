@@ -269,7 +269,9 @@ def _train(kind: str, wrap: str, accum: int) -> float:
                 xl, tl = (a.transpose(0, 1).reshape(-1, H).chunk(2)[tp] for a in (xl, tl))
             ref = F.mse_loss(ser(x), t) / accum
             ref.backward()
-            quiet = model.no_sync() if m < accum - 1 else contextlib.nullcontext()
+            if wrap == "fsdp2":  # FSDP2's accumulation: no reduce-scatter but the last's
+                model.set_requires_gradient_sync(m == accum - 1)  # type: ignore[operator]
+            quiet = model.no_sync() if m < accum - 1 and wrap != "fsdp2" else contextlib.nullcontext()
             with quiet:  # type: ignore[attr-defined]
                 loss = F.mse_loss(model(xl), tl) / accum / (2 if kind == "moe" else 1)
                 loss.backward()
@@ -301,7 +303,8 @@ _STACK = [
     ("mlp", "zero", 1),
     ("block", "zero", 2),
     ("mlp", "fsdp2", 1),
-    ("block", "fsdp2", 1),
+    ("block", "fsdp2", 2),
+    ("moe", "fsdp2", 2),
 ]
 
 

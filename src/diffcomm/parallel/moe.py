@@ -651,15 +651,22 @@ class ExpertParallelMoE(nn.Module):
 
         Call it once per optimizer step, after the last backward: it sums the gradients
         as they are, so with gradient accumulation a call after every micro-batch's
-        backward would count the earlier micro-batches ``world`` times again."""
+        backward would count the earlier micro-batches ``world`` times again. Under FSDP2's
+        ``fully_shard`` over another mesh axis each gradient is a ``DTensor``: its local
+        shards are summed, in place."""
         params = [p for p in self.replicated_parameters() if p.grad is not None]
-        grads = [p.grad for p in params if p.grad is not None]
+        # a DTensor gradient (FSDP2's fully_shard over another mesh axis): its local shard,
+        # the same part of the parameter on every rank of this group, summed in place
+        grads = [p.grad.to_local() if A._is_dtensor(p.grad) else p.grad for p in params if p.grad is not None]
         if not grads:
             return
         with torch.no_grad():
             summed = coalesced.all_reduce_coalesced(grads, "sum", self._pg)
-        for p, g in zip(params, summed):
-            p.grad = g
+            for p, g, total in zip(params, grads, summed):
+                if g is p.grad:
+                    p.grad = total
+                else:
+                    g.copy_(total)
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None) -> Tensor:
         """``x``: ``(..., H)`` this rank's tokens; returns ``(..., H)``.
