@@ -450,6 +450,12 @@ def _checkpointed(reentrant: bool) -> dict[str, float]:
         shards = [par.shard(t, layout=layout) for t in (q, k, v, wq)]
         mine = _grads(attention, shards[:3], [], shards[3])
         out[attend.__name__] = _apart(mine, [par.shard(t, layout=layout) for t in serial])
+    placed = [par.shard(t, layout="zigzag").requires_grad_() for t in (q, k, v)]
+    try:  # no layout=: the reentrant recomputation's detached inputs carry no placement
+        ck(functools.partial(par.ring_attention, causal=True), *placed).sum().backward()
+        out["placement kept"] = 1.0 if reentrant else 0.0
+    except ValueError as exc:
+        out["placement kept"] = 0.0 if reentrant and "use_reentrant=True" in str(exc) else 1.0
     for cap, overlap in [(None, False), (None, True), (1.0, False)]:
         ser = par.MoE(
             H, 6, 4, 2, capacity_factor=cap, shared_expert_size=5, activation="tanh", dtype=F64, seed=3

@@ -172,7 +172,8 @@ def _ambiguous(op: str, names: list[str], world: int) -> None:
         op,
         "layout",
         f"named, one of {LAYOUTS}: {args} carry no placement (taken by hand, e.g. with "
-        "parallel.layout_index, or made by an op that drops it: a projection, a reshape, detach()) "
+        "parallel.layout_index, or made by an op that drops it: a projection, a reshape, detach(), "
+        "the recomputation of torch.utils.checkpoint(use_reentrant=True)) "
         f"and this program used another layout over {world} ranks ({seen}), so the default "
         f"{DEFAULT_LAYOUT!r} would be a guess (a sequence used with another layout than it was "
         "placed with gives wrong attention)",
@@ -223,7 +224,8 @@ def require_seq_len_known(
         op,
         "seq_len",
         f"given: {args} carry no placement (made by an op that drops it: a projection, a "
-        f"reshape, detach()), and this program padded a sequence of length {true} to {local} "
+        f"reshape, detach(), the recomputation of torch.utils.checkpoint(use_reentrant=True)), "
+        f"and this program padded a sequence of length {true} to {local} "
         f"positions per rank over {world} ranks ({how}), so the length {world * local} "
         f"inferred from the shards would count its padding as tokens (wrong attention); pass "
         f"seq_len={true} (or the cu_seqlens given to shard)",
