@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -130,7 +130,7 @@ def _ranks(pg: Any) -> set[int]:
     return set(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
 
 
-def check_not_synced_by_ddp(root: nn.Module, op: str, varying: list[tuple[str, Tensor, Any]]) -> None:
+def check_not_synced_by_ddp(root: nn.Module, op: str, varying: Sequence[tuple[str, Tensor, Any]]) -> None:
     """Inside the forward of torch's ``DistributedDataParallel``: raise ``ValueError`` when
     DDP's group holds two ranks of the group of one of ``varying`` — ``(name, parameter,
     group)``, a parameter that differs between the ranks of ``group`` (a shard, an
@@ -328,7 +328,7 @@ def check_serial_value(op: str, name: str, value: Any) -> None:
 
 def _sharded_params(root: nn.Module) -> list[tuple[str, Tensor, Any]]:
     """``(name, parameter, group)`` of every sharded parameter of the layers under ``root``."""
-    out = []
+    out: list[tuple[str, Tensor, Any]] = []
     for prefix, m in root.named_modules():
         if isinstance(m, ParallelModule):
             for name, dim in m._shard_dims.items():

@@ -19,7 +19,7 @@ makes that rank skip the step and halve its scale while the others step —
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -151,14 +151,14 @@ def _local(g: Tensor) -> Tensor:
     """This rank's part of a gradient: a ``DTensor``'s (FSDP2's ``fully_shard`` over a
     data-parallel mesh axis holds each gradient as one) local shard, which in-place ops
     on it write through (under ``no_grad``); a plain tensor itself."""
-    return g.to_local() if A._is_dtensor(g) else g
+    return cast(Any, g).to_local() if A._is_dtensor(g) else g
 
 
 def _whole(n: Tensor) -> Tensor:
     """A per-parameter norm as a plain tensor: a ``DTensor`` gradient's norm is a
     ``DTensor`` over its mesh (torch reduces its shards' parts), the same on every rank
     of that mesh; its value is the norm of the whole gradient."""
-    return n.full_tensor() if A._is_dtensor(n) else n
+    return cast(Any, n).full_tensor() if A._is_dtensor(n) else n
 
 
 def _norm_type(op: str, norm_type: Any) -> float:

@@ -657,7 +657,8 @@ class ExpertParallelMoE(nn.Module):
         params = [p for p in self.replicated_parameters() if p.grad is not None]
         # a DTensor gradient (FSDP2's fully_shard over another mesh axis): its local shard,
         # the same part of the parameter on every rank of this group, summed in place
-        grads = [p.grad.to_local() if A._is_dtensor(p.grad) else p.grad for p in params if p.grad is not None]
+        grads: list[Any] = [p.grad for p in params]
+        grads = [g.to_local() if A._is_dtensor(g) else g for g in grads]
         if not grads:
             return
         with torch.no_grad():
