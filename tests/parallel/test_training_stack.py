@@ -10,6 +10,8 @@ layer, attention and MoE, both variants, overlapped and asynchronous communicati
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -540,3 +542,39 @@ def test_ddp_over_the_tensor_parallel_ranks_refused(world4) -> None:
         + [msg.format("ExpertParallelMoE", r"experts\.0\.fc1\.weight")],
     )
     assert all(msgs[3:] == ["no error"] * 3 for msgs in per_rank), per_rank
+
+
+def _fsdp_over_the_shards() -> list[str]:
+    """FSDP2 over the whole world (a 1-D mesh of 4) around a ParallelMLP over the ``tp``
+    axis of a 2 x 2 mesh: its output is off the serial one (FSDP assembled each weight
+    from different ranks' shards; diffcomm sees only the assembled tensor), and clipping
+    refuses, before any of diffcomm's communication; over the ``dp`` axis it clips."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from diffcomm import parallel as par
+
+    mesh, world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), init_device_mesh("cpu", (4,))
+    out = []
+    for fsdp_mesh in (world, mesh["dp"]):
+        ser, mlp = _models("mlp", (mesh, "tp"))
+        model = fully_shard(mlp, mesh=fsdp_mesh)
+        x = torch.randn(S, B, H, dtype=F64, generator=torch.Generator().manual_seed(0))
+        y = model(x)
+        out.append(f"off {float((y - ser(x)).abs().max()) > 0.1}")
+        y.sum().backward()
+        out += refusal_messages([lambda model=model: par.clip_grad_norm_(model, 1.0)])
+    return out
+
+
+@pytest.mark.diffcomm_in_process(False)
+def test_fsdp2_over_the_tensor_parallel_ranks_refused_by_clipping(world4) -> None:
+    """Before, ``clip_grad_norm_`` of a model sharded by FSDP2 over the ranks holding
+    different shards returned a norm and clipped (the model 0.79 off the serial one)."""
+    for msgs in world4.run(_fsdp_over_the_shards):
+        assert msgs[0] == "off True" and msgs[2:] == ["off False", "no error"], msgs
+        assert re.search(
+            r"ValueError: .*`module` must be a model sharded by FSDP2 over the data-parallel", msgs[1]
+        )
+        assert re.search(r"`fc1.weight`, this rank's shard over the ranks \[\d, \d\]", msgs[1])
+        assert msgs[1].endswith("[0 comms]"), msgs

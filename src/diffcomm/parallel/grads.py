@@ -174,6 +174,32 @@ def _norm_type(op: str, norm_type: Any) -> float:
     return p
 
 
+def _check_dtensor_meshes(op: str, module: nn.Module, sharded: list[nn.Parameter], pg: Any) -> None:
+    """Raise ``ValueError`` when a sharded parameter's gradient is a ``DTensor`` (FSDP2's
+    ``fully_shard``) over a mesh holding two ranks of the layers' group: FSDP2 over ranks
+    with different shards assembled each weight from different ranks' shards in every
+    forward (a wrong model; diffcomm's layers only see the assembled plain tensor). No
+    communication."""
+    found = [p for p in sharded if p.grad is not None and A._is_dtensor(p.grad)]
+    if not found:
+        return
+    mine = set(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
+    names = {id(p): n for n, p in module.named_parameters()}
+    for p in found:
+        mesh = set(cast(Any, p.grad).device_mesh.mesh.flatten().tolist())
+        both = sorted(mine & mesh)
+        if len(both) > 1:
+            raise A.arg_error(
+                op,
+                "module",
+                "a model sharded by FSDP2 over the data-parallel axis only (one rank of each "
+                "tensor-parallel group: fully_shard(model, mesh=mesh['dp']))",
+                f"`{names.get(id(p), '?')}`, this rank's shard over the ranks {sorted(mine)}, with a "
+                f"gradient over the FSDP mesh of ranks {sorted(mesh)}, which include {both}: FSDP "
+                "assembled each weight from different ranks' shards",
+            )
+
+
 @torch.no_grad()
 def _total_norm(op: str, module: Any, norm_type: Any, group: Any, pipeline_group: Any) -> Tensor:
     p_norm = _norm_type(op, norm_type)
@@ -194,6 +220,7 @@ def _total_norm(op: str, module: Any, norm_type: Any, group: Any, pipeline_group
         elsewhere = _tied_counted_elsewhere(module)
         sharded = [p for p in sharded if id(p) not in elsewhere]
         replicated = [p for p in replicated if id(p) not in elsewhere]
+    _check_dtensor_meshes(op, module, sharded, pg)
     grads = [[p.grad for p in ps if p.grad is not None] for ps in (sharded, replicated)]
     # the dtype of every gradient here, the tied ones counted elsewhere too (a stage whose
     # only parameter is one: its zero part in its dtype, as the rank counting it)
