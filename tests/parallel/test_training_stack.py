@@ -578,3 +578,41 @@ def test_fsdp2_over_the_tensor_parallel_ranks_refused_by_clipping(world4) -> Non
         )
         assert re.search(r"`fc1.weight`, this rank's shard over the ranks \[\d, \d\]", msgs[1])
         assert msgs[1].endswith("[0 comms]"), msgs
+
+
+def _reducing_optimizers() -> list[str]:
+    """torch's optimizers whose step is not elementwise, over a ParallelMLP's shards:
+    refused before they change anything; over what is whole on this rank (biases for
+    Adafactor, a plain layer) they run."""
+    from diffcomm import parallel as par
+
+    mlp, plain = par.ParallelMLP(H, 16, seed=0, dtype=F64), nn.Linear(H, H, dtype=F64)
+    x = torch.randn(5, H, dtype=F64)
+    (mlp(x).square().sum() + plain(x).sum()).backward()
+    matrices = [mlp.fc1.weight, mlp.fc2.weight]
+    before = [w.detach().clone() for w in matrices]
+    msgs = refusal_messages(
+        [
+            lambda: torch.optim.Adafactor(mlp.parameters(), lr=0.1).step(),
+            lambda: torch.optim.Muon(matrices, lr=0.1).step(),
+            lambda: torch.optim.LBFGS(mlp.parameters()).step(lambda: mlp(x).sum()),
+            lambda: torch.optim.Adafactor([mlp.fc1.bias, mlp.fc2.bias], lr=0.1).step(),
+            lambda: torch.optim.Adafactor(plain.parameters(), lr=0.1).step(),
+        ]
+    )
+    unchanged = all(
+        bool((a == b).all()) for a, b in zip(before[:2], [mlp.fc1.weight, mlp.fc2.weight], strict=False)
+    )
+    return [*msgs, f"unchanged {unchanged}"]
+
+
+def test_reducing_optimizers_over_shards_refused(world2) -> None:
+    """Before, torch.optim.Adafactor and Muon stepped a ParallelMLP's shards with no error
+    (after two steps at lr 0.01 the weights were 0.004 and 0.008 off those of the same
+    optimizer on the serial MLP, against 6e-17 for Adam)."""
+    msg = r"ValueError: diffcomm\.parallel: torch\.optim\.{} .*shard of the serial `ColumnParallel"
+    for msgs in world2.run(_reducing_optimizers):
+        assert msgs[3:] == ["no error", "no error", "unchanged True"], msgs
+        assert_refused_before_communicating(
+            [msgs[:3]], [msg.format("Adafactor"), msg.format("Muon"), msg.format("LBFGS")]
+        )

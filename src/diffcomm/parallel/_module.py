@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import backend as B
 from .._replication import LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
@@ -166,6 +167,52 @@ def check_not_synced_by_ddp(root: nn.Module, op: str, varying: Sequence[tuple[st
     root.__dict__["_ddp_checked"] = weakref.ref(ddp_module)
 
 
+#: torch's optimizers whose step is not elementwise: on a shard they compute another step
+#: than on the serial weight. ``{class name: (what reduces, smallest ndim it reduces)}``.
+_REDUCING_OPTIMIZERS = {
+    "Adafactor": ("factors each matrix's second moment over its rows and columns", 2),
+    "Muon": ("orthogonalises each matrix's update", 2),
+    "LBFGS": ("takes dot products and norms over all its parameters together", 1),
+}
+#: the attribute naming the layer and parameter a shard belongs to (set by its forward)
+_SHARD_NOTE = "_diffcomm_shard_of"
+
+
+def _note_shards(root: nn.Module) -> None:
+    """Mark every sharded parameter under ``root`` (``_SHARD_NOTE``) for
+    :func:`_refuse_reducing_optimizer`; each forward (a copy's parameters are new)."""
+    for m in root.modules():
+        if isinstance(m, ParallelModule):
+            for name, dim in m._shard_dims.items():
+                p = m._parameters.get(name)
+                if dim is not None and p is not None and _SHARD_NOTE not in p.__dict__:
+                    p.__dict__[_SHARD_NOTE] = f"{type(m).__name__}.{name}"
+
+
+def _refuse_reducing_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook (every optimizer; a dict lookup for the others):
+    refuse a step of an optimizer in :data:`_REDUCING_OPTIMIZERS` over a parallel
+    layer's shard, before it changes anything: it would see only this rank's part of
+    the serial weight and take another step than the serial model's optimizer."""
+    how = _REDUCING_OPTIMIZERS.get(type(optimizer).__name__)
+    if how is None or type(optimizer) is not getattr(torch.optim, type(optimizer).__name__, None):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            where = p.__dict__.get(_SHARD_NOTE)
+            if where is not None and p.ndim >= how[1]:
+                raise ValueError(
+                    f"diffcomm.parallel: torch.optim.{type(optimizer).__name__} {how[0]}, but one of "
+                    f"its parameters ({tuple(p.shape)}) is this rank's shard of the serial "
+                    f"`{where}`: its step would see only the shard and differ from the serial "
+                    "model's (no error otherwise). Use an elementwise optimizer (SGD, Adam, AdamW, "
+                    "...) for the sharded parameters, e.g. a second optimizer over the others"
+                )
+
+
+register_optimizer_step_pre_hook(_refuse_reducing_optimizer)
+
+
 def _enter_region(module: ParallelModule, args: Any) -> None:
     """Forward pre-hook of every ParallelModule; acts in the outermost one only: copies
     every partial-gradient replica of the module tree into the region at once (one
@@ -175,6 +222,7 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     if module.__dict__.get("_region_copies") is not None:
         return  # inside an outer ParallelModule's forward: it made the copies
     check_shards_plain(module, f"parallel.{type(module).__name__}")
+    _note_shards(module)
     if active_ddp() is not None:
         check_not_synced_by_ddp(module, f"parallel.{type(module).__name__}", _sharded_params(module))
     if spmd_types_checking(_FUNCTION_ATTRS):
