@@ -9,15 +9,11 @@ private).
 from __future__ import annotations
 
 import copy
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import backend as B
 from .._replication import LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
@@ -27,6 +23,7 @@ from ..backend import args as A
 from ..ops import collectives
 from ..ops.validation import rank_index
 from ._check import check_replicas_agree
+from ._seams import check_not_synced_by_ddp, check_shards_plain, note_shards, sharded_params
 from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
@@ -94,125 +91,6 @@ def resolve_parallel_group(op: str, group: A.GroupLike) -> tuple[Any, int, int]:
 # ======================================================================================
 
 
-def check_shards_plain(root: nn.Module, op: str) -> None:
-    """Raise ``ValueError`` when a layer under ``root`` no longer holds one of its sharded
-    parameters (or buffers) itself: ``torch.nn.utils.parametrize`` (``weight_norm``,
-    ``spectral_norm``, ``orthogonal``, a user's parametrization), the older hook-based
-    ``weight_norm`` / ``spectral_norm`` or ``torch.nn.utils.prune`` replaced it with a
-    tensor computed from new parameters in every forward. That computation sees only this
-    rank's shard: one that reduces over the split dimension (a norm over it, a largest
-    singular value, an orthogonalisation, the smallest magnitudes) gives another weight
-    than the serial model's, with no error; and the new parameters are not the serial
-    ones this layer's bookkeeping knows (``serial_slices``, state dicts, ``grad_norm``
-    would take a shard for a replica). No communication."""
-    for prefix, m in root.named_modules():
-        if not isinstance(m, ParallelModule):
-            continue
-        for name, dim in m._shard_dims.items():
-            if dim is None or name in m._parameters or name in m._buffers:
-                continue
-            full = f"{prefix}.{name}" if prefix else name
-            how = "a parametrization" if parametrize.is_parametrized(m, name) else "a forward pre-hook"
-            raise ValueError(
-                f"diffcomm.{op}(): `{full}` is this rank's shard (dim {dim}) of the serial "
-                f"`{name}`, but {type(m).__name__} no longer holds it as a parameter: {how} "
-                "(torch.nn.utils.parametrize, weight_norm, spectral_norm, prune) computes it "
-                "from other tensors in every forward, seeing only this rank's shard. One that "
-                "reduces over the split dimension computes another weight than the serial "
-                "model's, and the new parameters are unknown to the layer's shard bookkeeping "
-                "(serial_slices, state dicts, grad_norm). Remove it (torch.nn.utils.parametrize."
-                "remove_parametrizations, torch.nn.utils.remove_weight_norm, prune.remove), or "
-                "compute the reparametrized weight over the whole weight yourself with "
-                "diffcomm's collectives (docs/parallel.md: 'Parametrizations of a sharded weight')"
-            )
-
-
-def _ranks(pg: Any) -> set[int]:
-    return set(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
-
-
-def check_not_synced_by_ddp(root: nn.Module, op: str, varying: Sequence[tuple[str, Tensor, Any]]) -> None:
-    """Inside the forward of torch's ``DistributedDataParallel``: raise ``ValueError`` when
-    DDP's group holds two ranks of the group of one of ``varying`` — ``(name, parameter,
-    group)``, a parameter that differs between the ranks of ``group`` (a shard, an
-    expert) — that DDP does not ignore. DDP over such ranks broadcast its rank 0's
-    parameters at construction, overwriting the other ranks' shards with its own, and
-    averages the gradients of different shards: a wrong model with no error (``DDP(model)``
-    with the default group, the world, around a tensor-parallel model). Once per DDP
-    module; no communication."""
-    found = active_ddp()
-    if found is None or not varying or _compiling():
-        return
-    ddp_module, ddp_pg, ignored = found
-    seen = root.__dict__.get("_ddp_checked")
-    if seen is not None and seen() is ddp_module:
-        return
-    names = {id(p): n for n, p in ddp_module.named_parameters(remove_duplicate=False)}
-    ddp_ranks = _ranks(ddp_pg)
-    for name, p, pg in varying:
-        if id(p) not in names or names[id(p)] in ignored:
-            continue
-        mine = _ranks(pg)
-        both = sorted(mine & ddp_ranks)
-        if len(both) > 1:
-            raise ValueError(
-                f"diffcomm.{op}(): `{name}` differs between the ranks {sorted(mine)} (each holds its "
-                f"own shard or experts), but torch's DistributedDataParallel around it runs over the "
-                f"ranks {sorted(ddp_ranks)}, which include {both} of them: DDP broadcast its first "
-                "rank's parameters over those at construction (overwriting the other ranks' shards) "
-                "and averages different shards' gradients. Give DDP the data-parallel group only, "
-                "one rank of each tensor/expert-parallel group: "
-                "DistributedDataParallel(model, process_group=mesh.get_group('dp'))"
-            )
-    root.__dict__["_ddp_checked"] = weakref.ref(ddp_module)
-
-
-#: torch's optimizers whose step is not elementwise: on a shard they compute another step
-#: than on the serial weight. ``{class name: (what reduces, smallest ndim it reduces)}``.
-_REDUCING_OPTIMIZERS = {
-    "Adafactor": ("factors each matrix's second moment over its rows and columns", 2),
-    "Muon": ("orthogonalises each matrix's update", 2),
-    "LBFGS": ("takes dot products and norms over all its parameters together", 1),
-}
-#: the attribute naming the layer and parameter a shard belongs to (set by its forward)
-_SHARD_NOTE = "_diffcomm_shard_of"
-
-
-def _note_shards(root: nn.Module) -> None:
-    """Mark every sharded parameter under ``root`` (``_SHARD_NOTE``) for
-    :func:`_refuse_reducing_optimizer`; each forward (a copy's parameters are new)."""
-    for m in root.modules():
-        if isinstance(m, ParallelModule):
-            for name, dim in m._shard_dims.items():
-                p = m._parameters.get(name)
-                if dim is not None and p is not None and _SHARD_NOTE not in p.__dict__:
-                    p.__dict__[_SHARD_NOTE] = f"{type(m).__name__}.{name}"
-
-
-def _refuse_reducing_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Global optimizer step pre-hook (every optimizer; a dict lookup for the others):
-    refuse a step of an optimizer in :data:`_REDUCING_OPTIMIZERS` over a parallel
-    layer's shard, before it changes anything: it would see only this rank's part of
-    the serial weight and take another step than the serial model's optimizer."""
-    how = _REDUCING_OPTIMIZERS.get(type(optimizer).__name__)
-    if how is None or type(optimizer) is not getattr(torch.optim, type(optimizer).__name__, None):
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            where = p.__dict__.get(_SHARD_NOTE)
-            if where is not None and p.ndim >= how[1]:
-                raise ValueError(
-                    f"diffcomm.parallel: torch.optim.{type(optimizer).__name__} {how[0]}, but one of "
-                    f"its parameters ({tuple(p.shape)}) is this rank's shard of the serial "
-                    f"`{where}`: its step would see only the shard and differ from the serial "
-                    "model's (no error otherwise). Use an elementwise optimizer (SGD, Adam, AdamW, "
-                    "...) for the sharded parameters, e.g. a second optimizer over the others"
-                )
-
-
-register_optimizer_step_pre_hook(_refuse_reducing_optimizer)
-
-
 def _enter_region(module: ParallelModule, args: Any) -> None:
     """Forward pre-hook of every ParallelModule; acts in the outermost one only: copies
     every partial-gradient replica of the module tree into the region at once (one
@@ -222,9 +100,9 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     if module.__dict__.get("_region_copies") is not None:
         return  # inside an outer ParallelModule's forward: it made the copies
     check_shards_plain(module, f"parallel.{type(module).__name__}")
-    _note_shards(module)
+    note_shards(module)
     if active_ddp() is not None:
-        check_not_synced_by_ddp(module, f"parallel.{type(module).__name__}", _sharded_params(module))
+        check_not_synced_by_ddp(module, f"parallel.{type(module).__name__}", sharded_params(module))
     if spmd_types_checking(_FUNCTION_ATTRS):
         annotate_params_for_spmd_types(module)
     members = [m for m in module.modules() if isinstance(m, ParallelModule)]
@@ -372,18 +250,6 @@ def check_serial_value(op: str, name: str, value: Any) -> None:
             f"a DTensor with placements {tuple(getattr(value, 'placements', ()))}",
             TypeError,
         )
-
-
-def _sharded_params(root: nn.Module) -> list[tuple[str, Tensor, Any]]:
-    """``(name, parameter, group)`` of every sharded parameter of the layers under ``root``."""
-    out: list[tuple[str, Tensor, Any]] = []
-    for prefix, m in root.named_modules():
-        if isinstance(m, ParallelModule):
-            for name, dim in m._shard_dims.items():
-                p = m._parameters.get(name)
-                if dim is not None and p is not None:
-                    out.append((f"{prefix}.{name}" if prefix else name, p, m._pg))
-    return out
 
 
 def _leave_region(module: ParallelModule, args: Any, output: Any) -> None:

@@ -67,7 +67,6 @@ from ..ops import engine as _async
 from ._check import check_replicas_agree
 from ._module import (
     ParallelModule,
-    check_not_synced_by_ddp,
     check_positive,
     check_serial_value,
     deepcopy_sharing_groups,
@@ -77,6 +76,7 @@ from ._module import (
     resolve_parallel_group,
     serial_shape,
 )
+from ._seams import check_not_synced_by_ddp
 from .blocks import MLP
 from .layers import LayerOptions
 from .routing import DispatchPlan, check_positions, combine, dispatch, load_balancing_loss, route
