@@ -61,6 +61,8 @@ __all__ = [
     "assert_async",
     "not_a_view",
     "active_ddp",
+    "dispatch_modes",
+    "outside_checkpoint_caching",
 ]
 
 #: ``assert_async(condition, message)``: raise ``RuntimeError(message)`` unless the 0-dim
@@ -520,3 +522,35 @@ def active_ddp() -> tuple[Any, Any, frozenset[str]] | None:
     if ddp is None:
         return None
     return ddp.module, ddp.process_group, frozenset(getattr(ddp, "parameters_to_ignore", ()))
+
+
+#: ``dispatch_modes()``: how many ``TorchDispatchMode``\ s are active in this thread (a C
+#: call; 0 almost always), read before every raw op.
+dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
+
+
+def outside_checkpoint_caching(run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``run(*args)`` (a raw c10d op) with the dispatch modes of selective activation
+    checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) taken
+    off the top of this thread's mode stack for the call.
+
+    Those modes see every op and, for one the user's policy saves, return the forward's
+    cached outputs in the recomputation instead of running it. diffcomm's raw ops are
+    c10d's in-place ops writing into a buffer made anew in each run: a cached c10d op
+    left the recomputation's buffer unwritten (uninitialised memory: gradients off by
+    1e32, no error). Hidden from the modes, the communication runs again in the
+    recomputation, on every rank alike, as under a policy that recomputes it."""
+    from torch.utils import checkpoint as ckpt
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
+
+    sac = (ckpt._CachingTorchDispatchMode, ckpt._CachedTorchDispatchMode)
+    stack = _get_current_dispatch_mode_stack()
+    n = 0
+    while n < len(stack) and isinstance(stack[-1 - n], sac):
+        n += 1
+    if n == 0:
+        return run(*args)
+    with contextlib.ExitStack() as popped:
+        for _ in range(n):
+            popped.enter_context(_pop_mode_temporarily())
+        return run(*args)

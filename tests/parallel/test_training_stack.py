@@ -402,6 +402,16 @@ def _apart(a: list, b: list) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
 
+def _save_matmuls_and_communication(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+    """A selective-checkpointing policy that saves the matmuls' and c10d's outputs."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    if op in (aten.mm.default, aten.addmm.default) or "c10d" in str(op):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _checkpointed(reentrant: bool) -> dict[str, float]:
     """Each kind of layer under ``torch.utils.checkpoint`` (world 2: tensor, sequence,
     context and expert parallelism over the world) against its serial float64 reference,
@@ -446,6 +456,24 @@ def _checkpointed(reentrant: bool) -> dict[str, float]:
     q, k, v, wq = (rand(1, 4, 8, 4) for _ in range(4))
     whole = functools.partial(F.scaled_dot_product_attention, is_causal=True)
     serial = _grads(whole, [q, k, v], [], wq)
+    if not reentrant:  # selective checkpointing, its policy saving the communication too
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        for sp in (False, True):
+            ser, mlp = _models("mlp", None)
+            mlp = par.ParallelMLP.from_serial(ser, sequence_parallel=sp)
+            sac = functools.partial(create_selective_checkpoint_contexts, _save_matmuls_and_communication)
+
+            def g(x: torch.Tensor, mlp: nn.Module = mlp, sp: bool = sp, sac: object = sac) -> torch.Tensor:
+                y = checkpoint(
+                    mlp, par.scatter_to_sequence(x, 0) if sp else x, use_reentrant=False, context_fn=sac
+                )
+                return par.gather_from_sequence(y, 0) if sp else y
+
+            ser_grads = _grads(ser, [x], list(ser.parameters()), wx)
+            slices, named = mlp.serial_slices(), dict(ser.named_parameters())
+            ref = ser_grads[:2] + [named[n].grad[slices[n]] for n, _ in mlp.named_parameters()]
+            out[f"mlp sp={sp} selective"] = _apart(_grads(g, [x], list(mlp.parameters()), wx), ref)
     for attend, layout in [(par.ring_attention, "zigzag"), (par.ulysses_attention, "contiguous")]:
         # layout named: the reentrant variant recomputes from detached inputs (no placement)
         attention = functools.partial(ck, functools.partial(attend, causal=True, layout=layout))

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._torch import dispatch_modes as _dispatch_modes
+from .._torch import outside_checkpoint_caching as _outside_checkpoint_caching
 from ..diagnostics import recorder as _flight
 from ..diagnostics import responder as _responder
 from ..diagnostics.logger import LABEL as _LABEL
@@ -94,8 +96,8 @@ def dispatch(
             return _run(op, group, run, nbytes, sample, args, messages)
     label = _get_label()
     rec = _begin(op, group, nbytes, sample, label, messages)
-    try:
-        out = run(*args)
+    try:  # (under a dispatch mode: selective checkpointing's must not cache the op)
+        out = run(*args) if not _dispatch_modes() else _outside_checkpoint_caching(run, args)
     except (RuntimeError, dist.DistError) as err:  # DistBackendError is a RuntimeError
         mapped = _responder.failed(rec, op, group, err, label)
         if mapped is not None:
