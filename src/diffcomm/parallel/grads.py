@@ -151,14 +151,14 @@ def _local(g: Tensor) -> Tensor:
     """This rank's part of a gradient: a ``DTensor``'s (FSDP2's ``fully_shard`` over a
     data-parallel mesh axis holds each gradient as one) local shard, which in-place ops
     on it write through (under ``no_grad``); a plain tensor itself."""
-    return cast(Any, g).to_local() if A._is_dtensor(g) else g
+    return cast(Any, g).to_local() if A.is_dtensor(g) else g
 
 
 def _whole(n: Tensor) -> Tensor:
     """A per-parameter norm as a plain tensor: a ``DTensor`` gradient's norm is a
     ``DTensor`` over its mesh (torch reduces its shards' parts), the same on every rank
     of that mesh; its value is the norm of the whole gradient."""
-    return cast(Any, n).full_tensor() if A._is_dtensor(n) else n
+    return cast(Any, n).full_tensor() if A.is_dtensor(n) else n
 
 
 def _norm_type(op: str, norm_type: Any) -> float:
@@ -180,7 +180,7 @@ def _check_dtensor_meshes(op: str, module: nn.Module, sharded: list[nn.Parameter
     with different shards assembled each weight from different ranks' shards in every
     forward (a wrong model; diffcomm's layers only see the assembled plain tensor). No
     communication."""
-    found = [p for p in sharded if p.grad is not None and A._is_dtensor(p.grad)]
+    found = [p for p in sharded if p.grad is not None and A.is_dtensor(p.grad)]
     if not found:
         return
     mine = set(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))

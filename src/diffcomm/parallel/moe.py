@@ -658,7 +658,7 @@ class ExpertParallelMoE(nn.Module):
         # a DTensor gradient (FSDP2's fully_shard over another mesh axis): its local shard,
         # the same part of the parameter on every rank of this group, summed in place
         grads: list[Any] = [p.grad for p in params]
-        grads = [g.to_local() if A._is_dtensor(g) else g for g in grads]
+        grads = [g.to_local() if A.is_dtensor(g) else g for g in grads]
         if not grads:
             return
         with torch.no_grad():
