@@ -13,6 +13,10 @@ import diffcomm as dc
 
 EXAMPLES = str(Path(__file__).resolve().parents[2] / "examples")
 
+# numerics only (values and gradients against full attention): no real transport needed,
+# so the shared worlds are in-process (docs/in_process.md)
+pytestmark = pytest.mark.diffcomm_in_process
+
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -3508,7 +3508,23 @@ def _cases() -> list[Any]:
     return cases
 
 
-@pytest.mark.parametrize("prog", _cases())
+#: the programs that stay on gloo processes: the seam programs (each also runs in-process
+#: in test_seam_program_in_process: the pair checks that both worlds end alike) and the one
+#: that calls torch.distributed.nn (its ops look the group up in torch's world group map,
+#: which the in-process world does not fill). The others need no real transport
+#: (docs/in_process.md: the same values, errors and gradients), so they run in-process.
+_ON_PROCESSES = ("seam-", "io-compat_and_torch_nn_mixed_with_dc")
+
+
+def _in_process_unless_kept(cases: list[Any]) -> list[Any]:
+    inproc = pytest.mark.diffcomm_in_process
+    return [
+        c if c.id.startswith(_ON_PROCESSES) else pytest.param(*c.values, id=c.id, marks=[*c.marks, inproc])
+        for c in cases
+    ]
+
+
+@pytest.mark.parametrize("prog", _in_process_unless_kept(_cases()))
 def test_user_program(prog: Program, local_worlds: Callable[..., Any]) -> None:
     """The program ends right (every value and gradient equals the float64 serial
     reference of the whole SPMD program) or in the documented error naming the argument."""
