@@ -406,6 +406,8 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         elif name.endswith("_") or name in ("setitem", "iadd", "isub", "imul", "itruediv"):
             if args and isinstance(args[0], Tensor):
                 outs.append(args[0])
+            elif name == "_foreach_zero_" and args:  # zero_grad(set_to_none=False), foreach
+                self._zeroed(args[0])
         if not outs:
             return out
         try:
