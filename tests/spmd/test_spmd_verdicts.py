@@ -208,3 +208,57 @@ def test_a_masked_operand_zero_by_construction_passes(world2: dc.LocalWorld, for
             assert "expected zero or partial" in msg, msg
         else:
             assert msg == "no error", msg
+
+
+@_WORLDS
+def test_a_ranks_seeding_does_not_type_another_ranks_draws(
+    local_worlds: Callable[..., dc.LocalWorld], in_process: bool
+) -> None:
+    """Draws on the default generator seeded alike (replicated), then the generator seeded
+    from the rank, then alike again, a collective between: every draw seeded alike is
+    replicated on every rank. How the generator was last seeded inside the check was one
+    value for the process: in an in-process world (the ranks are threads) rank 1's seeding
+    from the rank typed rank 0's next draw varying, rank 0 alone raised at copy_to_region,
+    and the ranks desynced."""
+
+    def body() -> list[str]:
+        _from_this_tree()
+        t = torch.ones(1)
+        kinds = []
+        with dc.spmd_check():
+            torch.manual_seed(0)
+            for _ in range(3):
+                dc.all_reduce(t)
+                x = torch.randn(3, H, requires_grad=True)
+                kinds.append(dc.spmd.type_of(x).value)
+                par.copy_to_region(x).sum()
+                torch.manual_seed(1 + dc.get_rank())  # its draws are per rank (none is made)
+                dc.all_reduce(t)
+                torch.manual_seed(0)
+        return kinds
+
+    for kinds in local_worlds(2, in_process=in_process).run(body):
+        assert kinds == ["replicated"] * 3, kinds
+
+
+@_WORLDS
+def test_a_seed_set_through_torch_random_is_seen(
+    local_worlds: Callable[..., dc.LocalWorld], in_process: bool
+) -> None:
+    """The generator seeded per rank before the check (``torch.manual_seed(rank)``: a plain
+    int), then alike inside it through ``torch.random.manual_seed(0)`` (the same function
+    as ``torch.manual_seed``, under its other name): its draws are replicated on every rank.
+    Unseen, the seeding was inferred by comparing the initial seed with this rank's own at
+    the entry: rank 0's entry seed was 0, so rank 0 alone typed the draw varying and raised
+    at copy_to_region (a desync)."""
+
+    def body() -> str:
+        _from_this_tree()
+        torch.manual_seed(dc.get_rank())
+        with dc.spmd_check():
+            torch.random.manual_seed(0)
+            x = torch.randn(3, H, requires_grad=True)
+            par.copy_to_region(x).sum()
+            return dc.spmd.type_of(x).value
+
+    assert local_worlds(2, in_process=in_process).run(body) == ["replicated", "replicated"]

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .. import rng
 from .._replication import R, T, V
+from ..backend.in_process import per_rank
 
 # ======================================================================================
 # classification of plain torch ops (what a partial value may go through)
@@ -195,6 +196,9 @@ _DROPOUT = _names(
 #: its draws are per rank), ``False`` from a value equal on every rank, ``None`` not seeded
 #: inside the check (the evidence taken when the check was entered decides)
 SEEDED_BY_RANK: list[bool | None] = [None]
+# a rank's own in an in-process world (its ranks are threads of one process): one value for
+# all of them typed a rank's draws by another rank's seeding (a verdict that differed by rank)
+per_rank(SEEDED_BY_RANK)
 
 #: the attribute a :class:`RankGenerator` seeded from the rank carries
 _RANK_SEEDED = "_dc_spmd_rank_seeded"

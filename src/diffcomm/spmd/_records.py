@@ -265,10 +265,13 @@ class _Param:
 @dataclass(frozen=True)
 class _Owner:
     """The layer that holds a parameter: the parameter's dotted name from it, and the fix
-    of a partial gradient that layer offers (its ``sync_replicated_grads()``)."""
+    of a partial gradient that layer offers (its ``sync_replicated_grads()``). The entry
+    holds the parameter (the check keys it by ``id()``: held, no other parameter can take
+    that id while the check runs)."""
 
     name: str
     sync: str | None
+    param: Any = None
 
 
 @dataclass
