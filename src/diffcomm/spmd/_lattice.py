@@ -173,7 +173,7 @@ class _Lattice(_CheckState):
             target.drift = None
 
     def _zeroed(self, tensors: Any) -> None:
-        """``torch._foreach_zero_(tensors)`` (``optimizer.zero_grad(set_to_none=False)``
+        """``_foreach_zero_(tensors)`` (``optimizer.zero_grad(set_to_none=False)``
         with ``foreach``): each tensor typed as ``t.zero_()`` types it."""
         for t in tensors if isinstance(tensors, list | tuple) else ():
             r = t.__dict__.get(self.key) if isinstance(t, Tensor) else None
