@@ -46,11 +46,19 @@ class _Gradients(_CheckState):
             self._check_inputs()
         key = self.key
         before = {}  # each parameter's gradient before this backward (accumulated onto)
+        #: the gradients zeroed (``zero_grad(set_to_none=False)``): nothing is accumulated
+        #: onto them, and one this backward leaves alone (the same tensor, not written since)
+        #: stays zero. Decided by the ops that made them zero, never by their values: a
+        #: per-rank gradient zero on one rank only made that rank alone skip the rule
+        zeroed = {}
         for entry in self._params.values():
             p = entry.param
             g = p.grad
-            if g is not None and key in g.__dict__ and bool(g.detach().any()):
-                before[id(p)] = g.__dict__[key]
+            old = g.__dict__.get(key) if g is not None else None
+            if g is not None and old is not None and old.zero:
+                zeroed[id(p)] = (g, g._version)
+            elif old is not None:
+                before[id(p)] = old
         self.in_backward += 1
         try:
             out = func(*args, **kwargs)
@@ -59,7 +67,7 @@ class _Gradients(_CheckState):
         if not (kwargs.get("retain_graph") or kwargs.get("create_graph")):
             _EPOCH.n += 1
         strict = objective if objective is not None and not objective.startswith("a varying") else None
-        self._type_grads(before, strict)
+        self._type_grads(before, strict, zeroed)
         if func is torch.autograd.grad and isinstance(out, tuple):
             inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
             inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs or ())
@@ -179,13 +187,18 @@ class _Gradients(_CheckState):
             g.reduced = f"a replicated gradient, whole on every rank{_PER_RANK_LOSS}"
         return g
 
-    def _type_grads(self, before: Mapping[int, _Rec], strict: str | None) -> None:
+    def _type_grads(
+        self, before: Mapping[int, _Rec], strict: str | None, zeroed: Mapping[int, tuple[Tensor, int]]
+    ) -> None:
         key = self.key
         for entry in list(self._params.values()):
             p, r = entry.param, entry.rec
             if p.grad is None:
                 continue
             g = p.grad
+            z = zeroed.get(id(p))
+            if z is not None and z[0] is g and g._version == z[1]:
+                continue  # a zeroed gradient this backward did not reach: still zero
             old = before.get(id(p))
             new = self._grad_rec(r, strict)
             if old is not None and old.t is P and new.t is R:
@@ -234,6 +247,8 @@ class _Gradients(_CheckState):
             if p.grad is None:
                 continue
             g = p.grad.__dict__.get(key)
+            if g is not None and g.zero:  # zeroed (zero_grad(set_to_none=False)): nothing to sum
+                continue
             if p.__dict__.get(key, r).t is V:
                 if g is not None and g.t is R and g.why:
                     raise SPMDTypeError(

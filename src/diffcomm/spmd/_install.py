@@ -232,6 +232,11 @@ def _install() -> None:
 
     manual_seed.__doc__ = orig_seed.__doc__
     torch.manual_seed = manual_seed
+    # (the same function as torch.random.manual_seed: a seed set there, unseen, was judged by
+    # comparing the initial seed with this rank's own at the entry: per-rank values, so a seed
+    # equal to one rank's entry seed typed that rank's draws varying alone)
+    _PATCHED_ATTRS.append((torch.random, "manual_seed", torch.random.manual_seed))
+    torch.random.manual_seed = manual_seed
     orig_nondet = torch.seed  # a non-deterministic seed: different on every rank
     _PATCHED_ATTRS.append((torch, "seed", orig_nondet))
 

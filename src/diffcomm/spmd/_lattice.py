@@ -33,6 +33,7 @@ from ._ops import (
     _is_weight,
     _is_zero,
     _keeps_weight,
+    _makes_zero,
     _random_type,
     _rank_dependent,
     _weight_shard,
@@ -62,8 +63,13 @@ class _Lattice(_CheckState):
             ins = ins[1:]
         elif name in _TEMPLATE_2ND and len(ins) >= 2:  # `other` gives a shape, not values
             ins = ins[:1]
-        elif name in ("zero_", "fill_"):
-            ins = ins[1:]
+        elif name in ("zero_", "fill_", "_foreach_zero_"):
+            ins = ins[1:] if name != "_foreach_zero_" else []
+        zero = _makes_zero(name, args, kwargs, ins, self.rec)  # by the op, not by the values
+        for o in outs if inplace else ():
+            base = o.__dict__.get(f"{key}.data")
+            if base is not None and base.param is None:  # `t.data.zero_()` zeroes t (one record)
+                base.zero = zero
         extra: T | None = None
         extra_why = ""
         if name in _RANDOM:
@@ -139,12 +145,13 @@ class _Lattice(_CheckState):
             if res.weight and len(outs) == 1:  # a weight's sharded dim, through a cast or a transpose
                 res.shard = _weight_shard(name, args, recs, ins, outs[0])
         res.drift = drift  # a cast, copy or view of a drifted parameter: still drifted
+        res.zero = zero
         for o in outs:
             if o.__dict__.get(key) is not None and o.__dict__[key].param is not None:
                 continue
             if res.t is R and res.cell is not None and not o.requires_grad:
                 o.__dict__[key] = _Rec(R)
-                o.__dict__[key].reduced = res.reduced
+                o.__dict__[key].reduced, o.__dict__[key].zero = res.reduced, zero
             else:
                 o.__dict__[key] = res
                 if res.cell is not None and o.grad_fn is None and not isinstance(o, torch.nn.Parameter):
@@ -165,6 +172,18 @@ class _Lattice(_CheckState):
         elif name in _OVERWRITES:
             target.drift = None
 
+    def _zeroed(self, tensors: Any) -> None:
+        """``_foreach_zero_(tensors)`` (``optimizer.zero_grad(set_to_none=False)``
+        with ``foreach``): each tensor typed as ``t.zero_()`` types it."""
+        for t in tensors if isinstance(tensors, list | tuple) else ():
+            r = t.__dict__.get(self.key) if isinstance(t, Tensor) else None
+            if isinstance(t, Tensor) and (r is None or r.param is None):
+                t.__dict__[self.key] = _Rec(R)
+                t.__dict__[self.key].zero = True
+                base = t.__dict__.get(f"{self.key}.data")
+                if base is not None and base.param is None:
+                    base.zero = True
+
     def _data_access(self, op: str, args: Any, out: Any) -> None:
         """``t.data`` is ``t``'s data: the same record (a parameter's updates through it are
         the parameter's; ``p.data.norm()`` of a partial value is partial). ``t.data = other``:
@@ -176,6 +195,7 @@ class _Lattice(_CheckState):
             r = args[0].__dict__.get(key)
             if r is not None:
                 out.__dict__[key] = r
+                out.__dict__[f"{key}.data"] = r  # t's record: in-place zeroing through it zeroes t
             return
         if op != "__set__" or len(args) < 2 or not all(isinstance(a, Tensor) for a in args[:2]):
             return
@@ -264,7 +284,7 @@ class _Lattice(_CheckState):
         if part is None:
             return None
         for d, r in zip(data, recs):
-            if (r is not None and r.t is P) or _is_zero(d):
+            if (r is not None and r.t is P) or _is_zero(d, r):
                 continue
             found = r.t.value if r is not None else repr(d)
             raise SPMDTypeError(
@@ -297,7 +317,9 @@ class _Lattice(_CheckState):
             # too: ``p + 1`` adds it once per rank (zero adds nothing)
             term = next((repr(a) for a in args if _is_number(a) and not _is_zero(a)), None)
             if term is None:
-                term = next((r.t.value for r, t in zip(recs, ins) if r.t is not P and not _is_zero(t)), None)
+                term = next(
+                    (r.t.value for r, t in zip(recs, ins) if r.t is not P and not _is_zero(t, r)), None
+                )
             if term is not None:
                 raise SPMDTypeError(
                     f"diffcomm.spmd_check: {name} at {_site()}: argument is {term}, added to a "

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .. import rng
 from .._replication import R, T, V
+from ..backend.in_process import per_rank
 
 # ======================================================================================
 # classification of plain torch ops (what a partial value may go through)
@@ -195,6 +196,9 @@ _DROPOUT = _names(
 #: its draws are per rank), ``False`` from a value equal on every rank, ``None`` not seeded
 #: inside the check (the evidence taken when the check was entered decides)
 SEEDED_BY_RANK: list[bool | None] = [None]
+# a rank's own in an in-process world (its ranks are threads of one process): one value for
+# all of them typed a rank's draws by another rank's seeding (a verdict that differed by rank)
+per_rank(SEEDED_BY_RANK)
 
 #: the attribute a :class:`RankGenerator` seeded from the rank carries
 _RANK_SEEDED = "_dc_spmd_rank_seeded"
@@ -415,12 +419,45 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, bool | int | float | complex)
 
 
-def _is_zero(x: Any) -> bool:
-    """``x`` is a constant zero (a Python number, or a 0-d tensor that needs no gradient)."""
+def _is_zero(x: Any, rec: Any = None) -> bool:
+    """``x`` is a constant zero: a Python number equal to zero (a constant, as every Python
+    number the check meets, except the rank: a :class:`RankInt` is per-rank data, zero on
+    one rank only), or a tensor that needs no gradient and is zero by construction
+    (``rec.zero``). Never read from a tensor's values: a per-rank value zero on some ranks
+    only made the ranks' verdicts differ (one raised and left the block while the others
+    waited in the next collective)."""
     if isinstance(x, bool | int | float | complex):
-        return x == 0
-    if isinstance(x, Tensor) and x.dim() == 0 and not x.requires_grad:
-        return bool(x == 0)
+        return type(x) is not RankInt and x == 0
+    return isinstance(x, Tensor) and rec is not None and rec.zero and not x.requires_grad
+
+
+#: ops whose output is zeros whatever their inputs' values
+_ZEROS = _names("zero_", "_foreach_zero_", "zeros", "zeros_like", "new_zeros")
+#: ops filling their output with one value: (position, keyword) of that value
+_FILLS = {
+    "fill_": (1, "value"),
+    "full": (1, "fill_value"),
+    "full_like": (1, "fill_value"),
+    "new_full": (2, "fill_value"),
+    "tensor": (0, "data"),
+    "scalar_tensor": (0, "s"),
+    "as_tensor": (0, "data"),
+}
+
+
+def _makes_zero(name: str, args: Any, kwargs: Any, ins: list[Tensor], rec: Any) -> bool:
+    """Whether op ``name``'s output is zero by construction (``_Rec.zero``): a zeroing op,
+    a fill with a constant zero, or a value-preserving op (a cast, a copy, a view,
+    ``copy_`` of its source) of inputs that are all zero. Decided from the op and its
+    constant arguments (``ins``: the inputs that give the values; ``rec``: a tensor's record)."""
+    if name in _ZEROS:
+        return True
+    if name in _FILLS:
+        pos, kw = _FILLS[name]
+        value = args[pos] if len(args) > pos else (kwargs or {}).get(kw)
+        return _is_zero(value, rec(value) if isinstance(value, Tensor) else None)
+    if name in _CASTS or name in _COPIES or name in _VIEWS or name == "copy_":
+        return bool(ins) and all(rec(t).zero for t in ins)
     return False
 
 

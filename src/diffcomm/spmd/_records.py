@@ -135,6 +135,7 @@ class _Rec:
         "reduced",
         "weight",
         "drift",
+        "zero",
     )
 
     def __init__(self, t: T, cell: _Cell | None = None, shard: int | None = None, why: str = "") -> None:
@@ -174,6 +175,13 @@ class _Rec:
         #: a replicated parameter updated in place with per-rank data (where, in words):
         #: its replicas differ, until overwritten with replicated data (a broadcast copied in)
         self.drift: str | None = None
+        #: all zeros by construction, whatever the ranks' data (made by ``zeros`` /
+        #: ``zeros_like`` / ``full(.., 0)``, zeroed in place by ``zero_`` / ``fill_(0)`` /
+        #: ``_foreach_zero_``, or a copy, cast or view of such a value): decided from the ops
+        #: and their constant arguments, never from the values, so every rank decides alike.
+        #: A gradient so marked holds nothing of an earlier backward; a masked or added
+        #: operand so marked adds nothing to a partial value
+        self.zero = False
 
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,10 +265,13 @@ class _Param:
 @dataclass(frozen=True)
 class _Owner:
     """The layer that holds a parameter: the parameter's dotted name from it, and the fix
-    of a partial gradient that layer offers (its ``sync_replicated_grads()``)."""
+    of a partial gradient that layer offers (its ``sync_replicated_grads()``). The entry
+    holds the parameter (the check keys it by ``id()``: held, no other parameter can take
+    that id while the check runs)."""
 
     name: str
     sync: str | None
+    param: Any = None
 
 
 @dataclass

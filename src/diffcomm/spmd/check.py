@@ -239,6 +239,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         finally:
             self._params.clear()
             self._inputs.clear()
+            self._owners.clear()
             self._replicated_losses.clear()
 
     # ---------------------------------------------------------------- records
@@ -308,7 +309,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
                 "parameters' gradients over the group)"
             )
             for n, q in module.named_parameters():
-                self._owners.setdefault(id(q), _Owner(f"{owner}.{n}", sync))
+                self._owners.setdefault(id(q), _Owner(f"{owner}.{n}", sync, q))
         named = list(module.named_parameters(recurse=False))
         if declared:  # a rule may name parameters of submodules (dotted names)
             named += [(n, p) for n, p in module.named_parameters() if n in declared and "." in n]
@@ -406,6 +407,8 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         elif name.endswith("_") or name in ("setitem", "iadd", "isub", "imul", "itruediv"):
             if args and isinstance(args[0], Tensor):
                 outs.append(args[0])
+            elif name == "_foreach_zero_" and args:  # zero_grad(set_to_none=False), foreach
+                self._zeroed(args[0])
         if not outs:
             return out
         try:
