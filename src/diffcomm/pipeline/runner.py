@@ -84,7 +84,7 @@ from .schedules import (
 from .timeline import TimelineEntry
 from .validate import check_schedule
 
-# Size: ~1120 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# Size: ~1160 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
 # split backward, pre-posted receives, the V placement's local turn and the phased forward of
 # an Overlap share one step's state (and the tied weights' gradients, summed at its end).
 
@@ -493,11 +493,22 @@ class PipelineRunner:
         and over the ranks holding it (each sends its part to the others; every rank adds
         the parts in rank order, so the copies are bitwise equal), then add the sum to each
         copy's gradient held before the step (``held``, taken off in :meth:`step`):
-        accumulation over steps counts every part once. Called on every holder after the
-        step, in the same order."""
+        accumulation over steps counts every part once. A tie that got no gradient on any
+        of its ranks this step keeps the gradient it held (``None`` stays ``None``, as
+        serially: an optimizer skips a parameter without one, where a zero gradient
+        would still decay and move it): the ranks first tell each other which ties got a
+        part (:meth:`_tied_parts_anywhere`). Called on every holder after the step, in the
+        same order."""
         tag = self.tag + self.n_chunks
-        for (_, copies, ranks), olds in zip(self._ties, held):
-            qs = [self.chunks[c].get_parameter(name) for c, name in copies]
+        copies_of = [
+            [self.chunks[c].get_parameter(name) for c, name in copies] for _, copies, _ in self._ties
+        ]
+        anywhere = self._tied_parts_anywhere([any(q.grad is not None for q in qs) for qs in copies_of], tag)
+        for (_, _, ranks), qs, olds, some in zip(self._ties, copies_of, held, anywhere, strict=True):
+            if not some:  # (the same verdict on every rank holding it: no exchange)
+                for q, old in zip(qs, olds):
+                    q.grad = old
+                continue
             with torch.no_grad():
                 part = qs[0].grad if qs[0].grad is not None else torch.zeros_like(qs[0])
                 for q in qs[1:]:  # (copies apart on this rank: autograd did not add them up)
@@ -521,6 +532,33 @@ class PipelineRunner:
             for q, g in zip(qs, news):
                 if q.requires_grad:
                     q.grad = g
+
+    def _tied_parts_anywhere(self, mine: list[bool], tag: int) -> list[bool]:
+        """Per tie, whether any rank holding it got a part of its gradient this step
+        (``mine``: this rank's), from one small message to each rank sharing a tie with
+        this one (the flags of the ties they share, in tie order)."""
+        peers = sorted({r for _, _, ranks in self._ties for r in ranks if r != self.rank})
+        if not peers:
+            return mine
+        shared = {r: [i for i, (_, _, ranks) in enumerate(self._ties) if r in ranks] for r in peers}
+        with torch.no_grad():
+            for r in peers:
+                flags = torch.tensor([float(mine[i]) for i in shared[r]], device=self._tie_device())
+                p2p.send_owned(flags, r, group=self.pg, tag=tag)
+            like = {r: torch.zeros(len(shared[r]), device=self._tie_device()) for r in peers}
+            got = {r: p2p.recv(r, like=like[r], group=self.pg, tag=tag).tolist() for r in peers}
+            p2p.wait_sends()
+        out = list(mine)
+        for r in peers:
+            for i, flag in zip(shared[r], got[r], strict=True):
+                out[i] = out[i] or flag > 0
+        return out
+
+    def _tie_device(self) -> torch.device:
+        """Where the tied weights' flags travel: the first tied parameter's device."""
+        _, copies, _ = self._ties[0]
+        c, name = copies[0]
+        return self.chunks[c].get_parameter(name).device
 
     def schedule(self, n_micro: int) -> list[list[Step | Overlap]]:
         """Every rank's steps for ``n_micro`` micro-batches, validated by
