@@ -321,3 +321,97 @@ def test_a_tensor_parallel_weight_tied_across_stages(local_worlds: Callable[[int
     staged over pp) counts it once: the serial model's, to 1e-12."""
     for res in local_worlds(4).run(_tensor_parallel_tie):
         assert max(res.values()) < 1e-12, res
+
+
+def _chunks_copied_apart(schedule: str) -> list[float]:
+    """One Linear used at all 4 stages of 2 ranks, each rank's two chunks deep-copied one by
+    one (as to move each to its device): on a rank, the tie is two parameter objects that
+    autograd does not add up. Returns the largest gradient error and the norm's error."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    a = nn.Linear(4, 4, dtype=torch.float64)
+    model = nn.Sequential(*[m for _ in range(4) for m in (a, nn.Tanh())])
+    serial = copy.deepcopy(model)
+    mine = [copy.deepcopy(c) for c in _mine(_parts(model, 4), schedule, r, n)]
+    ref = _mine(_parts(serial, 4), schedule, r, n)
+    runner = PipelineRunner(mine, schedule, loss_fn=nn.functional.mse_loss)
+    g = torch.Generator().manual_seed(3)
+    x, y = (torch.randn(8, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    for half in (slice(0, 4), slice(4, 8)):  # accumulated over two steps
+        runner.step(x[half], y[half], n_micro=2)
+        nn.functional.mse_loss(serial(x[half]), y[half]).backward()
+    pairs = [(p, q) for c, s in zip(mine, ref) for p, q in zip(c.parameters(), s.parameters(), strict=True)]
+    norm = par.grad_norm(nn.ModuleList(mine), pipeline_group=dist.group.WORLD)
+    ref_norm = torch.nn.utils.get_total_norm([q.grad for q in serial.parameters()])
+    return [max(float((p.grad - q.grad).abs().max()) for p, q in pairs), float((norm - ref_norm).abs())]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_chunks_copied_apart_on_one_rank_still_sum_their_tie(world2: dc.LocalWorld, schedule: str) -> None:
+    """Each copy of the tie on a rank gets the serial gradient and the norm counts it once.
+    Before: the runner summed only the first chunk's copy, the second kept its own part
+    (gradient error 0.83 after two accumulated steps, interleaved and ZB-V alike; 1.2 in
+    the parameters after two SGD steps), and grad_norm counted the second copy again."""
+    for grad_err, norm_err in world2.run(_chunks_copied_apart, schedule):
+        assert grad_err < 1e-12, grad_err
+        assert norm_err < 1e-12, norm_err
+
+
+class _SideBranch(nn.Module):
+    """``x + a(x)``, the branch without gradient when ``off`` (its module's forward under
+    ``torch.no_grad``, as a weight frozen for some steps): the tied ``a`` gets none."""
+
+    def __init__(self, a: nn.Module) -> None:
+        super().__init__()
+        self.a, self.off = a, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.off):
+            y = self.a(x)
+        return x + y
+
+
+def _tie_without_gradient_for_a_step() -> dict[str, object]:
+    """A Linear tied between stages 0 and 1 of 2 ranks, without gradient anywhere at the
+    second of two AdamW steps: its gradient stays None (AdamW skips it, as serially)."""
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    a = nn.Linear(4, 4, dtype=torch.float64)
+    model = nn.Sequential(
+        _SideBranch(a),
+        nn.Linear(4, 4, dtype=torch.float64),
+        _SideBranch(a),
+        nn.Linear(4, 4, dtype=torch.float64),
+    )
+    serial = copy.deepcopy(model)
+    mine, ref = _parts(model, 2)[r], _parts(serial, 2)[r]
+    runner = PipelineRunner(mine, "1f1b", loss_fn=nn.functional.mse_loss)
+    opt, opt_ref = (
+        torch.optim.AdamW(mine.parameters(), lr=0.1),
+        torch.optim.AdamW(serial.parameters(), lr=0.1),
+    )
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):
+        for m in [*model.modules(), *serial.modules()]:
+            if isinstance(m, _SideBranch):
+                m.off = step == 1
+        x, y = (torch.randn(4, 4, dtype=torch.float64, generator=g) for _ in range(2))
+        runner.step(x, y, n_micro=2)
+        nn.functional.mse_loss(serial(x), y).backward()
+        grads = {n: p.grad is None for n, p in mine.named_parameters() if ".a." in f".{n}"}
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    err = max(float((p - q).abs().max()) for p, q in zip(mine.parameters(), ref.parameters(), strict=True))
+    return {"tied grad is None at step 2": grads, "weights": err}
+
+
+def test_a_tie_without_gradient_anywhere_keeps_none(world2: dc.LocalWorld) -> None:
+    """Before: the runner gave the tie a zero gradient on every rank holding it (each sent
+    zeros for its missing part), so AdamW decayed and moved the tied weight (0.067 from the
+    serial model after the step) where the serial model's gradient is None and AdamW skips
+    it. Now the ranks tell each other first which ties got a part."""
+    for res in world2.run(_tie_without_gradient_for_a_step):
+        assert all(res["tied grad is None at step 2"].values()), res  # type: ignore[attr-defined]
+        assert res["weights"] < 1e-12, res

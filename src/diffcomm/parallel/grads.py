@@ -126,19 +126,25 @@ def _layout(op: str, module: Any, group: Any) -> tuple[Any, list[nn.Parameter], 
 
 def _tied_counted_elsewhere(module: nn.Module) -> set[int]:
     """``id`` of every parameter of ``module`` that :func:`diffcomm.pipeline.partition`
-    recorded as used by several stages (``partition_ties``: ``(tie, stages, name)``) whose
-    first stage is none of this rank's (the chunks in ``module``, by their
-    ``partition_position``): after ``PipelineRunner.step`` every rank holding it holds its
-    whole gradient, counted once, by the rank holding ``stages[0]``. (Read off the chunks'
-    attributes: this layer does not import the pipeline.)"""
-    chunks = [m for m in module.modules() if "partition_ties" in m.__dict__]
-    here = {m.__dict__["partition_position"][0] for m in chunks if "partition_position" in m.__dict__}
-    out: set[int] = set()
-    for m in chunks:
+    recorded as used by several stages (``partition_ties``: ``(tie, stages, name)``) and
+    that this rank does not count: after ``PipelineRunner.step`` every copy of it holds its
+    whole gradient, counted once, by the copy in the chunk at ``stages[0]`` (on the rank
+    holding that stage; the chunks in ``module``, by their ``partition_position``). A copy
+    in another chunk is the same parameter (counted by ``parameters()`` once), or one the
+    chunks were copied apart into (``copy.deepcopy`` of each chunk): not counted again.
+    (Read off the chunks' attributes: this layer does not import the pipeline.)"""
+    tied: set[int] = set()
+    counted: set[int] = set()
+    for m in module.modules():
+        if "partition_ties" not in m.__dict__:
+            continue
+        pos = m.__dict__.get("partition_position")
         for _, stages, name in m.__dict__["partition_ties"]:
-            if stages[0] not in here:
-                out.add(id(m.get_parameter(name)))
-    return out
+            key = id(m.get_parameter(name))
+            tied.add(key)
+            if pos is not None and pos[0] == stages[0]:
+                counted.add(key)
+    return tied - counted
 
 
 def _wide(device: torch.device) -> torch.dtype:

@@ -84,7 +84,7 @@ from .schedules import (
 from .timeline import TimelineEntry
 from .validate import check_schedule
 
-# Size: ~1080 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# Size: ~1160 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
 # split backward, pre-posted receives, the V placement's local turn and the phased forward of
 # an Overlap share one step's state (and the tied weights' gradients, summed at its end).
 
@@ -454,13 +454,16 @@ class PipelineRunner:
                 f"partition's stage {pos[0]} of {pos[1]} as chunk {c}",
             )
 
-    def _tied_across_ranks(self) -> list[tuple[int, int, str, tuple[int, ...]]]:
-        """The parameters :func:`partition` found shared by stages that run on different
-        ranks, and used by this rank: ``(tie, chunk, name, ranks)`` per tie (once, however
-        many of this rank's chunks use it), in the order of ``tie`` (the same on every
-        rank), ``ranks`` the ranks holding its stages (ascending, this one among them).
-        Uses within one rank need nothing: autograd adds them up in the one ``.grad``."""
-        ties: dict[int, tuple[int, int, str, tuple[int, ...]]] = {}
+    def _tied_across_ranks(self) -> list[tuple[int, list[tuple[int, str]], tuple[int, ...]]]:
+        """The parameters :func:`partition` found shared by stages, used by this rank, that
+        need summing: ``(tie, copies, ranks)`` per tie, in the order of ``tie`` (the same
+        on every rank), ``copies`` the ``(chunk, name)`` of each distinct parameter object
+        holding it here (one, unless chunks were copied apart, e.g. ``copy.deepcopy`` of
+        each chunk), ``ranks`` the ranks holding its stages (ascending, this one among
+        them). A tie with one copy on one rank needs nothing: autograd adds its uses up in
+        the one ``.grad``."""
+        ties: dict[int, tuple[int, list[tuple[int, str]], tuple[int, ...]]] = {}
+        objects: dict[int, set[int]] = {}  # tie -> id() of the copies found
         n = self.n_stages * self.n_chunks
         for c, chunk in enumerate(self.chunks):
             # the partition stage itself, or inside a wrapper (as parallel.grad_norm finds it)
@@ -479,36 +482,83 @@ class PipelineRunner:
                     )
                 for tie, stages, name in m.__dict__["partition_ties"]:
                     ranks = tuple(sorted({stage_owner(s, self.n_stages, self.placement)[0] for s in stages}))
-                    if len(ranks) > 1 and tie not in ties:
-                        ties[tie] = (tie, c, f"{prefix}.{name}" if prefix else name, ranks)
-        return [ties[t] for t in sorted(ties)]
+                    entry = ties.setdefault(tie, (tie, [], ranks))
+                    if id(m.get_parameter(name)) not in objects.setdefault(tie, set()):
+                        objects[tie].add(id(m.get_parameter(name)))
+                        entry[1].append((c, f"{prefix}.{name}" if prefix else name))
+        return [ties[t] for t in sorted(ties) if len(ties[t][2]) > 1 or len(ties[t][1]) > 1]
 
-    def _sync_tied(self, held: list[Tensor | None]) -> None:
-        """Sum this step's part of every tied weight's gradient over the ranks holding it
-        (each sends its part to the others; every rank adds the parts in rank order, so the
-        copies are bitwise equal), then add the sum to the gradient held before the step
-        (``held``, taken off in :meth:`step`): accumulation over steps counts every part
-        once. Called on every holder after the step, in the same order."""
+    def _sync_tied(self, held: list[list[Tensor | None]]) -> None:
+        """Sum this step's part of every tied weight's gradient over its copies on this rank
+        and over the ranks holding it (each sends its part to the others; every rank adds
+        the parts in rank order, so the copies are bitwise equal), then add the sum to each
+        copy's gradient held before the step (``held``, taken off in :meth:`step`):
+        accumulation over steps counts every part once. A tie that got no gradient on any
+        of its ranks this step keeps the gradient it held (``None`` stays ``None``, as
+        serially: an optimizer skips a parameter without one, where a zero gradient
+        would still decay and move it): the ranks first tell each other which ties got a
+        part (:meth:`_tied_parts_anywhere`). Called on every holder after the step, in the
+        same order."""
         tag = self.tag + self.n_chunks
-        for (_, c, name, ranks), old in zip(self._ties, held):
-            q = self.chunks[c].get_parameter(name)
-            part = q.grad if q.grad is not None else torch.zeros_like(q)
+        copies_of = [
+            [self.chunks[c].get_parameter(name) for c, name in copies] for _, copies, _ in self._ties
+        ]
+        anywhere = self._tied_parts_anywhere([any(q.grad is not None for q in qs) for qs in copies_of], tag)
+        for (_, _, ranks), qs, olds, some in zip(self._ties, copies_of, held, anywhere, strict=True):
+            if not some:  # (the same verdict on every rank holding it: no exchange)
+                for q, old in zip(qs, olds):
+                    q.grad = old
+                continue
             with torch.no_grad():
+                part = qs[0].grad if qs[0].grad is not None else torch.zeros_like(qs[0])
+                for q in qs[1:]:  # (copies apart on this rank: autograd did not add them up)
+                    if q.grad is not None:
+                        part.add_(q.grad)
                 # (an embedding is large: its part goes without a copy and the sum is made in
                 # the buffers at hand, in rank order on every rank)
                 for r in ranks:
                     if r != self.rank:
                         p2p.send_owned(part, r, group=self.pg, tag=tag)
                 got = {r: p2p.recv(r, like=part, group=self.pg, tag=tag) for r in ranks if r != self.rank}
-                p2p.wait_sends()  # part is on the wire until then
+                if got:
+                    p2p.wait_sends()  # part is on the wire until then
                 got[self.rank] = part
                 total = got[ranks[0]]
                 for r in ranks[1:]:
                     total.add_(got[r])
-                if old is not None:
-                    total = old.add_(total)
-            if q.requires_grad:
-                q.grad = total
+                # each copy its own tensor (clip_grad_norm_ scales each .grad in place)
+                news = [total] + [total.clone() for _ in qs[1:]]
+                news = [new if old is None else old.add_(new) for old, new in zip(olds, news)]
+            for q, g in zip(qs, news):
+                if q.requires_grad:
+                    q.grad = g
+
+    def _tied_parts_anywhere(self, mine: list[bool], tag: int) -> list[bool]:
+        """Per tie, whether any rank holding it got a part of its gradient this step
+        (``mine``: this rank's), from one small message to each rank sharing a tie with
+        this one (the flags of the ties they share, in tie order)."""
+        peers = sorted({r for _, _, ranks in self._ties for r in ranks if r != self.rank})
+        if not peers:
+            return mine
+        shared = {r: [i for i, (_, _, ranks) in enumerate(self._ties) if r in ranks] for r in peers}
+        with torch.no_grad():
+            for r in peers:
+                flags = torch.tensor([float(mine[i]) for i in shared[r]], device=self._tie_device())
+                p2p.send_owned(flags, r, group=self.pg, tag=tag)
+            like = {r: torch.zeros(len(shared[r]), device=self._tie_device()) for r in peers}
+            got = {r: p2p.recv(r, like=like[r], group=self.pg, tag=tag).tolist() for r in peers}
+            p2p.wait_sends()
+        out = list(mine)
+        for r in peers:
+            for i, flag in zip(shared[r], got[r], strict=True):
+                out[i] = out[i] or flag > 0
+        return out
+
+    def _tie_device(self) -> torch.device:
+        """Where the tied weights' flags travel: the first tied parameter's device."""
+        _, copies, _ = self._ties[0]
+        c, name = copies[0]
+        return self.chunks[c].get_parameter(name).device
 
     def schedule(self, n_micro: int) -> list[list[Step | Overlap]]:
         """Every rank's steps for ``n_micro`` micro-batches, validated by
@@ -701,7 +751,9 @@ class PipelineRunner:
         total = torch.zeros((), dtype=torch.float64)
         # a tied weight's gradient before the step, taken off so that .grad holds this
         # step's part alone, which _sync_tied sums over its ranks and adds back
-        held = [self.chunks[c].get_parameter(name) for _, c, name, _ in self._ties]
+        held = [
+            q for _, copies, _ in self._ties for q in (self.chunks[c].get_parameter(n) for c, n in copies)
+        ]
         held_grads = [q.grad for q in held]
         for q in held:
             q.grad = None
@@ -732,7 +784,8 @@ class PipelineRunner:
                 assert isinstance(inputs, Tensor)  # (outer: a tensor that requires grad)
                 torch.autograd.backward(inputs, g_full)
         if self._ties:  # (the same on every rank holding one: all of them exchange)
-            self._sync_tied(held_grads)
+            olds = iter(held_grads)
+            self._sync_tied([[next(olds) for _ in copies] for _, copies, _ in self._ties])
         if self.broadcast_loss and self.n_stages > 1:
             be = B.get_backend()
             out = be.broadcast(total.to(be.comm_device(self.pg)), self.last_rank, self.pg)
