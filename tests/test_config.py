@@ -3,6 +3,8 @@ settable, and restored by a ``with`` block."""
 
 from __future__ import annotations
 
+import datetime
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -148,6 +150,17 @@ def test_setters_accept_strings_like_the_environment() -> None:
     with ACCELERATOR.set("CPU"):
         assert ACCELERATOR.get() == "cpu"
     assert ACCELERATOR.get() is None
+
+
+def test_timeout_takes_a_timedelta_as_seconds() -> None:
+    """``init_process_group`` takes a ``datetime.timedelta``; ``dc.timeout`` refused one."""
+    with dc.timeout(datetime.timedelta(seconds=2.5)):
+        assert dc.timeout() == 2.5 and isinstance(dc.timeout(), float)
+    assert dc.timeout() is None
+    for bad in (datetime.timedelta(0), datetime.timedelta(seconds=-1)):
+        with pytest.raises(ValueError, match=re.escape(f"positive number of seconds or None, got {bad!r}")):
+            dc.timeout(bad)
+    assert dc.timeout() is None
 
 
 def test_timeout_converts_ints_and_allows_none() -> None:

@@ -26,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import datetime
 import difflib
 import os
 import warnings
@@ -180,13 +181,17 @@ class Setting(Generic[T]):
         if wanted is not None and not isinstance(value, wanted[0]):
             raise TypeError(f"{self.name} must be {wanted[1]}, got {type(value).__name__}")
         if self._parse is _parse_timeout:
+            given = value
+            if isinstance(value, datetime.timedelta):  # (what init_process_group takes)
+                value = value.total_seconds()
             if value is not None:
                 if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                     raise ValueError(
-                        f"{self.name} must be a positive number of seconds or None, got {value!r}"
+                        f"{self.name} must be a positive number of seconds or None, got {given!r}"
+                        " (a datetime.timedelta is taken too)"
                     )
                 if value == float("inf"):  # (torch's timedelta overflows: None is no timeout)
-                    raise ValueError(f"{self.name} must be a finite number of seconds or None, got {value!r}")
+                    raise ValueError(f"{self.name} must be a finite number of seconds or None, got {given!r}")
                 value = float(value)
         elif self._parse is _parse_size:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -303,8 +308,11 @@ def applied(values: Mapping[str, Any]) -> Iterator[None]:
         yield
 
 
-def timeout(seconds: float | None | str = "__get__") -> Any:
+def timeout(seconds: float | datetime.timedelta | None | str = "__get__") -> Any:
     """Read (no argument) or set the collective timeout in seconds; a ``with`` block restores.
+
+    ``seconds`` may be a ``datetime.timedelta``, as ``init_process_group`` takes; it reads
+    back as a float of seconds.
 
     It bounds every collective diffcomm runs from then on, on any group (the flight
     recorder sets it on the group before each op). Around :meth:`~diffcomm.LocalWorld.run`

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
@@ -180,6 +181,11 @@ def test_init_refuses_a_launcher_environment_that_describes_no_job_before_any_re
         ({"timeout": True}, TypeError, r"`timeout` must be a number of seconds or None, got bool"),
         ({"timeout": "5"}, TypeError, r"`timeout` must be a number of seconds or None, got str"),
         ({"timeout": -1}, ValueError, r"`timeout` must be > 0 seconds or None, got -1"),
+        (
+            {"timeout": datetime.timedelta(0)},
+            ValueError,
+            r"`timeout` must be > 0 seconds or None, got datetime",
+        ),
         ({"set_device": "no"}, TypeError, r"`set_device` must be a bool, got str"),
         ({"backend": 1}, TypeError, r"`backend` must be a str or None, got int"),
     ],
@@ -261,6 +267,24 @@ def test_init_timeout_holds_over_the_environments(
     dc.init(backend="gloo", timeout=5)
     dc.all_reduce(torch.ones(1))
     assert _torch.pg_timeout() == 5.0 and dc.timeout() == 5.0
+
+
+def test_init_takes_a_timedelta_as_torch_does(one_rank_job: None) -> None:
+    """``init_process_group(timeout=datetime.timedelta(...))`` is torch's spelling; before,
+    ``dc.init`` refused it with a TypeError."""
+    import torch
+
+    from diffcomm import _torch
+
+    dc.init(backend="gloo", timeout=datetime.timedelta(seconds=20))
+    dc.all_reduce(torch.ones(1))
+    assert _torch.pg_timeout() == 20.0 and dc.timeout() == 20.0
+    dc.init(timeout=20)  # the same timeout: a no-op
+    dc.init(timeout=datetime.timedelta(seconds=20))
+    with pytest.raises(
+        ValueError, match=r"collectives wait 20 s, but `timeout=datetime.timedelta\(seconds=5\)`"
+    ):
+        dc.init(timeout=datetime.timedelta(seconds=5))
 
 
 def test_a_second_init_asking_another_set_device_is_an_error(one_rank_job: None) -> None:

@@ -8,6 +8,7 @@ checked with psutil against the pids the ranks really had.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
 import re
@@ -456,6 +457,12 @@ def test_bad_arguments_are_value_errors(kwargs: dict[str, object], match: str) -
         ({"timeout": True}, TypeError, "`timeout` must be a number of seconds, got bool True"),
         ({"timeout": "5"}, TypeError, "`timeout` must be a number of seconds, got str '5'"),
         ({"timeout": float("inf")}, ValueError, "`timeout` must be a finite number of seconds, got inf"),
+        ({"timeout": datetime.timedelta(0)}, ValueError, "`timeout` must be > 0 seconds, got datetime"),
+        (
+            {"collective_timeout": datetime.timedelta(seconds=-5)},
+            ValueError,
+            "`collective_timeout` must be > 0 seconds or None, got datetime",
+        ),
     ],
 )
 def test_settings_of_a_wrong_type_are_refused_on_both_kinds_of_world(
@@ -465,6 +472,14 @@ def test_settings_of_a_wrong_type_are_refused_on_both_kinds_of_world(
     # world took any collective_timeout: now each is an error naming the setting
     with pytest.raises(error, match=match):
         LocalWorld(1, in_process=in_process, **kwargs)  # type: ignore[arg-type]
+
+
+def test_timeouts_may_be_timedeltas() -> None:
+    """``init_process_group`` takes a ``datetime.timedelta``; LocalWorld refused one."""
+    seconds = datetime.timedelta
+    with LocalWorld(1, timeout=seconds(minutes=2), collective_timeout=seconds(seconds=7.5)) as world:
+        assert (world.timeout, world.collective_timeout) == (120.0, 7.5)
+        assert world.run(dc.timeout) == [7.5]  # the ranks' DIFFCOMM_TIMEOUT
 
 
 def test_run_rejects_a_non_callable(world1: LocalWorld) -> None:

@@ -8,11 +8,12 @@ lives here and nowhere else.
 
 from __future__ import annotations
 
+import datetime
 import math
 import numbers
 import warnings
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, Literal, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -296,21 +297,30 @@ def is_dtensor(x: torch.Tensor) -> bool:
     return isinstance(x, DTensor)
 
 
+@overload
+def check_seconds(op: str, name: str, value: Any, optional: Literal[False]) -> float: ...
+@overload
+def check_seconds(op: str, name: str, value: Any, optional: bool) -> float | None: ...
 def check_seconds(op: str, name: str, value: Any, optional: bool) -> float | None:
-    """A number of seconds (``None`` too where ``optional``) for setting ``name`` of
-    ``op`` (``"LocalWorld()"``): ``True`` (1 s) or ``"5"`` is a type error, never a
-    timeout that silently differs from the one meant."""
+    """A number of seconds or a ``datetime.timedelta`` (what ``init_process_group`` takes;
+    ``None`` too where ``optional``) for setting ``name`` of ``op`` (``"LocalWorld()"``),
+    as a float of seconds: ``True`` (1 s) or ``"5"`` is a type error, never a timeout that
+    silently differs from the one meant."""
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
         want = "a number of seconds" + (" or None" if optional else "")
-        raise TypeError(f"{op}: `{name}` must be {want}, got {type(value).__name__} {value!r}")
-    if not float(value) > 0:
+        raise TypeError(
+            f"{op}: `{name}` must be {want}, got {type(value).__name__} {value!r} "
+            "(a datetime.timedelta is taken too)"
+        )
+    if not float(seconds) > 0:
         none = " or None" if optional else ""
         raise ValueError(f"{op}: `{name}` must be > 0 seconds{none}, got {value!r}")
-    if not math.isfinite(value):
+    if not math.isfinite(seconds):
         raise ValueError(f"{op}: `{name}` must be a finite number of seconds, got {value!r}")
-    return float(value)
+    return float(seconds)
 
 
 def check_flag(op: str, name: str, value: Any) -> bool | None:

@@ -57,14 +57,17 @@ def is_initialized() -> bool:
 # --------------------------------------------------------------------------------------
 
 
-def init(backend: str | None = None, timeout: float | None = None, set_device: bool = True) -> None:
+def init(
+    backend: str | None = None, timeout: float | datetime.timedelta | None = None, set_device: bool = True
+) -> None:
     """Join the process group described by the environment (torchrun, SLURM via torchrun).
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
     ``backend=None`` picks the accelerator's default (gloo on CPU, nccl on CUDA, ...), and
     the local device is set from ``LOCAL_RANK`` (with more local ranks than devices, a
     gloo job leaves the device alone; the device's own backend raises ``ValueError``).
-    ``timeout`` (seconds) defaults to ``DIFFCOMM_TIMEOUT`` or torch's default; it bounds
+    ``timeout`` (seconds, or a ``datetime.timedelta`` as ``init_process_group`` takes)
+    defaults to ``DIFFCOMM_TIMEOUT`` or torch's default; it bounds
     every collective (given here, it holds over ``DIFFCOMM_TIMEOUT``, as ``dc.timeout``
     set in code does), while the rendezvous itself may take up to 120 s (ranks still
     starting).
@@ -96,11 +99,11 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
 
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"diffcomm.init(): `backend` must be a str or None, got {type(backend).__name__}")
-    check_seconds("diffcomm.init()", "timeout", timeout, optional=True)
+    asked = check_seconds("diffcomm.init()", "timeout", timeout, optional=True)
     if not isinstance(set_device, bool):  # a string such as "no" would be truthy
         raise TypeError(f"diffcomm.init(): `set_device` must be a bool, got {type(set_device).__name__}")
     if dist.is_initialized():
-        _check_same_group(backend, timeout, set_device)
+        _check_same_group(backend, timeout, asked, set_device)
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
@@ -114,7 +117,7 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
 
     acc = get_accelerator()
     name = backend or acc.communication_backend_name()
-    seconds = timeout if timeout is not None else _config.TIMEOUT.get()
+    seconds = asked if asked is not None else _config.TIMEOUT.get()
     kwargs: dict[str, Any] = {}
     if seconds is not None:
         # the rendezvous (every rank importing torch, then connecting) gets the start-up
@@ -131,10 +134,10 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
             _torch.set_pg_timeout(seconds, None)
         except Exception:  # a backend without settable timeouts keeps its own
             pass
-    if timeout is not None:
+    if asked is not None:
         # the argument holds over DIFFCOMM_TIMEOUT (which diffcomm applies to a group before
         # each op): under DIFFCOMM_TIMEOUT=60, init(timeout=5) waited 60 s from the first op
-        _config.TIMEOUT.set(float(timeout))
+        _config.TIMEOUT.set(asked)
     _JOINED[:] = [_torch.default_pg(), set_device]
 
 
@@ -142,11 +145,12 @@ def init(backend: str | None = None, timeout: float | None = None, set_device: b
 _JOINED: list[Any] = [None, True]
 
 
-def _check_same_group(backend: str | None, timeout: float | None, set_device: bool) -> None:
+def _check_same_group(backend: str | None, timeout: Any, asked: float | None, set_device: bool) -> None:
     """A second :func:`init` asks what the running default group is, or is an error naming
     the argument: it used to return silently, the group keeping its own backend and timeout.
-    ``None`` asks nothing; the in-process world's ``"inproc"`` group stands for ``"gloo"``
-    (``LocalWorld(in_process=True)`` is a gloo world run in memory) and has no timeout."""
+    ``None`` asks nothing (``asked``: ``timeout`` in seconds); the in-process world's
+    ``"inproc"`` group stands for ``"gloo"`` (``LocalWorld(in_process=True)`` is a gloo
+    world run in memory) and has no timeout."""
     from ..backend.in_process import NAME as INPROC
 
     running = str(dist.get_backend())
@@ -162,11 +166,11 @@ def _check_same_group(backend: str | None, timeout: float | None, set_device: bo
             f"diffcomm.init(): this process already belongs to a process group of backend "
             f"{running!r}, but `backend={backend!r}` was asked; {how}"
         )
-    if timeout is not None and INPROC not in names:
+    if asked is not None and INPROC not in names:
         now = _config.TIMEOUT.get()
         if now is None:
             now = _torch.pg_timeout()
-        if now is None or abs(now - float(timeout)) > 1e-9 * max(now, 1.0):
+        if now is None or abs(now - asked) > 1e-9 * max(now, 1.0):
             told = "unknown (its backend does not tell it)" if now is None else f"{now:g} s"
             raise ValueError(
                 f"diffcomm.init(): this process already belongs to a process group whose "

@@ -119,7 +119,8 @@ class LocalWorld:
         world_size: number of ranks (>= 1).
         backend: c10d backend (``"gloo"`` on CPU; ``"nccl"`` with one GPU per rank).
         timeout: seconds one :meth:`run` may take before the busy ranks are named and
-            the world is torn down.
+            the world is torn down. It and ``collective_timeout`` may each be a
+            ``datetime.timedelta`` too, as ``init_process_group`` takes.
         collective_timeout: seconds a single collective may wait for its peers before it
             raises :class:`~diffcomm.CollectiveTimeoutError` on that rank (the ranks'
             ``DIFFCOMM_TIMEOUT``); default ``DIFFCOMM_TIMEOUT`` if set, else 30. As
@@ -154,8 +155,8 @@ class LocalWorld:
         self,
         world_size: int,
         backend: str = "gloo",
-        timeout: float = DEFAULT_RUN_TIMEOUT,
-        collective_timeout: float | None = None,
+        timeout: float | datetime.timedelta = DEFAULT_RUN_TIMEOUT,
+        collective_timeout: float | datetime.timedelta | None = None,
         allow_oversubscribe: bool | None = None,
         progress: bool | None = None,
         in_process: bool = False,
@@ -163,8 +164,11 @@ class LocalWorld:
         if not isinstance(in_process, bool):
             raise TypeError(f"LocalWorld(): `in_process` must be a bool, got {in_process!r}")
         # every setting validated on both kinds of world (a wrong one is never ignored)
-        check_seconds("LocalWorld()", "timeout", timeout, optional=False)
-        check_seconds("LocalWorld()", "collective_timeout", collective_timeout, optional=True)
+        # (a datetime.timedelta, as init_process_group takes, becomes seconds here)
+        timeout = check_seconds("LocalWorld()", "timeout", timeout, optional=False)
+        collective_timeout = check_seconds(
+            "LocalWorld()", "collective_timeout", collective_timeout, optional=True
+        )
         check_flag("LocalWorld()", "allow_oversubscribe", allow_oversubscribe)
         check_flag("LocalWorld()", "progress", progress)
         # every DIFFCOMM_* variable: a malformed value refused, an unknown name warned of
@@ -599,8 +603,8 @@ def launch(
     world_size: int,
     *args: Any,
     backend: str = "gloo",
-    timeout: float = DEFAULT_RUN_TIMEOUT,
-    collective_timeout: float | None = None,
+    timeout: float | datetime.timedelta = DEFAULT_RUN_TIMEOUT,
+    collective_timeout: float | datetime.timedelta | None = None,
     allow_oversubscribe: bool | None = None,
     progress: bool | None = None,
     in_process: bool = False,
