@@ -415,3 +415,62 @@ def test_a_tie_without_gradient_anywhere_keeps_none(world2: dc.LocalWorld) -> No
     for res in world2.run(_tie_without_gradient_for_a_step):
         assert all(res["tied grad is None at step 2"].values()), res  # type: ignore[attr-defined]
         assert res["weights"] < 1e-12, res
+
+
+def _tie_frozen_on_one_rank(n: int) -> dict[str, object]:
+    """The embedding tied between the first and the last stage, frozen (``requires_grad=
+    False``) on the last rank only: the step is refused on both holders, after its loss
+    broadcast (no rank waits); frozen on both, the next step trains the rest as serially."""
+    rank = dist.get_rank()
+    model = _tied_lm(n)
+    serial = copy.deepcopy(model)
+    mine, ref = _parts(model, n)[rank], _parts(serial, n)[rank]
+    runner = PipelineRunner(mine, "1f1b", loss_fn=_lm_loss)
+    tied = {name for _, _, name in mine.partition_ties if mine.get_parameter(name) is model[0].weight}
+    g = torch.Generator().manual_seed(3)
+    ids, tgt = torch.randint(VOCAB, (4, 5), generator=g), torch.randint(VOCAB, (4, 5), generator=g)
+    if rank == n - 1:
+        for name in tied:
+            mine.get_parameter(name).requires_grad_(False)
+    error = None
+    try:
+        runner.step(ids, tgt, n_micro=2)
+    except ValueError as e:
+        error = str(e)
+    for p in [*model.parameters(), *serial.parameters()]:
+        p.grad = None
+    model[0].weight.requires_grad_(False)  # the embedding, now frozen on every rank
+    serial[0].weight.requires_grad_(False)
+    loss = runner.step(ids, tgt, n_micro=2)
+    _lm_loss(serial(ids), tgt).backward()
+    err = (
+        max(
+            float((p.grad - q.grad).abs().max())
+            for p, q in zip(mine.parameters(), ref.parameters(), strict=True)
+            if q.grad is not None
+        )
+        if any(q.grad is not None for q in ref.parameters())
+        else 0.0
+    )
+    frozen = [mine.get_parameter(name).grad is None for name in tied]
+    return {"error": error, "loss": float(loss), "grads": err, "frozen tie without grad": frozen}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_tie_frozen_on_one_rank_only_is_refused_on_every_holder(n: int) -> None:
+    """Before: the frozen copy (the head's, rank ``n-1``) kept its weight while rank 0's
+    copy got the summed gradient and moved: the copies drifted apart silently. Now every
+    rank holding the tie raises a ValueError naming it, and the ranks stay in step."""
+    with dc.LocalWorld(n, in_process=True) as world:
+        results = world.run(_tie_frozen_on_one_rank, n)
+    for rank, res in enumerate(results):
+        if rank in (0, n - 1):
+            error = str(res["error"])
+            assert "`requires_grad` must be the same on every copy of a weight tied across stages" in error
+            assert f"tie 0 (held by ranks [0, {n - 1}]" in error, error
+            assert f"requires grad on rank(s) [0] and is frozen on rank(s) [{n - 1}]" in error, error
+        else:  # (holds no tie: it finished its step)
+            assert res["error"] is None, res
+        assert res["grads"] < 1e-12, res
+        assert all(res["frozen tie without grad"]), res  # type: ignore[attr-defined]
+    assert len({r["loss"] for r in results}) == 1

@@ -84,7 +84,7 @@ from .schedules import (
 from .timeline import TimelineEntry
 from .validate import check_schedule
 
-# Size: ~1160 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# Size: ~1210 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
 # split backward, pre-posted receives, the V placement's local turn and the phased forward of
 # an Overlap share one step's state (and the tied weights' gradients, summed at its end).
 
@@ -488,7 +488,7 @@ class PipelineRunner:
                         entry[1].append((c, f"{prefix}.{name}" if prefix else name))
         return [ties[t] for t in sorted(ties) if len(ties[t][2]) > 1 or len(ties[t][1]) > 1]
 
-    def _sync_tied(self, held: list[list[Tensor | None]]) -> None:
+    def _sync_tied(self, held: list[list[Tensor | None]]) -> Exception | None:
         """Sum this step's part of every tied weight's gradient over its copies on this rank
         and over the ranks holding it (each sends its part to the others; every rank adds
         the parts in rank order, so the copies are bitwise equal), then add the sum to each
@@ -497,14 +497,47 @@ class PipelineRunner:
         of its ranks this step keeps the gradient it held (``None`` stays ``None``, as
         serially: an optimizer skips a parameter without one, where a zero gradient
         would still decay and move it): the ranks first tell each other which ties got a
-        part (:meth:`_tied_parts_anywhere`). Called on every holder after the step, in the
-        same order."""
+        part, and whether their copies require grad (:meth:`_tie_flags`). Called on every
+        holder after the step, in the same order.
+
+        Returns the error :meth:`step` raises once its communication is done (``None``: no
+        error): a tie whose copies require grad on some of its ranks (or copies) and are
+        frozen (``requires_grad=False``) on others. Serially the tie is one parameter,
+        trained or frozen; here the trained copies would move and the frozen ones not,
+        drifting apart silently. Such a tie is left out of the exchange on every rank
+        holding it (the same verdict everywhere: each has every holder's flags), its
+        copies keeping their own parts added to the gradient held, as without a tie."""
         tag = self.tag + self.n_chunks
         copies_of = [
             [self.chunks[c].get_parameter(name) for c, name in copies] for _, copies, _ in self._ties
         ]
-        anywhere = self._tied_parts_anywhere([any(q.grad is not None for q in qs) for qs in copies_of], tag)
-        for (_, _, ranks), qs, olds, some in zip(self._ties, copies_of, held, anywhere, strict=True):
+        flags = self._tie_flags(
+            [
+                (any(q.grad is not None for q in qs), [q.requires_grad for q in qs].count(True), len(qs))
+                for qs in copies_of
+            ],
+            tag,
+        )
+        mixed: list[str] = []
+        for (tie, copies, ranks), qs, olds, (some, trained) in zip(
+            self._ties, copies_of, held, flags, strict=True
+        ):
+            if 0 < sum(n for n, _ in trained.values()) < sum(k for _, k in trained.values()):
+                # (the same verdict on every rank holding it: no exchange)
+                for q, old in zip(qs, olds):
+                    if old is not None:
+                        q.grad = old if q.grad is None else old.add_(q.grad)
+                on = [r for r in ranks if trained[r][0] > 0]
+                off = [r for r in ranks if trained[r][0] < trained[r][1]]
+                mine = ", ".join(
+                    f"chunk {c} `{name}` ({'trained' if q.requires_grad else 'frozen'})"
+                    for (c, name), q in zip(copies, qs)
+                )
+                mixed.append(
+                    f"tie {tie} (held by ranks {list(ranks)}; here: {mine}) requires grad on "
+                    f"rank(s) {on} and is frozen on rank(s) {off}"
+                )
+                continue
             if not some:  # (the same verdict on every rank holding it: no exchange)
                 for q, old in zip(qs, olds):
                     q.grad = old
@@ -532,26 +565,44 @@ class PipelineRunner:
             for q, g in zip(qs, news):
                 if q.requires_grad:
                     q.grad = g
+        if not mixed:
+            return None
+        return A.arg_error(
+            "PipelineRunner.step",
+            "requires_grad",
+            "the same on every copy of a weight tied across stages (it is one parameter: "
+            "freeze it on every rank holding it, or on none), else the trained copies move "
+            "and the frozen ones do not",
+            "; ".join(mixed) + "; its gradient was not exchanged",
+        )
 
-    def _tied_parts_anywhere(self, mine: list[bool], tag: int) -> list[bool]:
-        """Per tie, whether any rank holding it got a part of its gradient this step
-        (``mine``: this rank's), from one small message to each rank sharing a tie with
-        this one (the flags of the ties they share, in tie order)."""
+    def _tie_flags(
+        self, mine: list[tuple[bool, int, int]], tag: int
+    ) -> list[tuple[bool, dict[int, tuple[int, int]]]]:
+        """Per tie, whether any rank holding it got a part of its gradient this step, and
+        per rank holding it how many of its copies there require grad, of how many
+        (``mine``: this rank's, as ``(got a part, copies requiring grad, copies)``), from
+        one small message to each rank sharing a tie with this one (the flags of the ties
+        they share, in tie order)."""
+        out = [(got, {self.rank: (n, k)}) for got, n, k in mine]
         peers = sorted({r for _, _, ranks in self._ties for r in ranks if r != self.rank})
         if not peers:
-            return mine
+            return out
         shared = {r: [i for i, (_, _, ranks) in enumerate(self._ties) if r in ranks] for r in peers}
         with torch.no_grad():
             for r in peers:
-                flags = torch.tensor([float(mine[i]) for i in shared[r]], device=self._tie_device())
+                flags = torch.tensor(
+                    [float(v) for i in shared[r] for v in mine[i]], device=self._tie_device()
+                )
                 p2p.send_owned(flags, r, group=self.pg, tag=tag)
-            like = {r: torch.zeros(len(shared[r]), device=self._tie_device()) for r in peers}
+            like = {r: torch.zeros(3 * len(shared[r]), device=self._tie_device()) for r in peers}
             got = {r: p2p.recv(r, like=like[r], group=self.pg, tag=tag).tolist() for r in peers}
             p2p.wait_sends()
-        out = list(mine)
         for r in peers:
-            for i, flag in zip(shared[r], got[r], strict=True):
-                out[i] = out[i] or flag > 0
+            for j, i in enumerate(shared[r]):
+                some, n, k = got[r][3 * j : 3 * j + 3]
+                out[i][1][r] = (int(n), int(k))
+                out[i] = (out[i][0] or some > 0, out[i][1])
         return out
 
     def _tie_device(self) -> torch.device:
@@ -673,7 +724,9 @@ class PipelineRunner:
         :func:`partition` found tied between stages on several ranks (a tied LM's
         embedding and head) gets the sum of every stage's part on every rank holding it,
         as serially: the step's parts are exchanged between those ranks at its end (do not
-        sum them again).
+        sum them again). Such a weight frozen (``requires_grad=False``) on some of those
+        ranks and not on others is a ``ValueError`` naming ``requires_grad`` on each of
+        them, at the end of the step (its copies would drift apart).
 
         Args:
             inputs: the batch (rank 0): a tensor split along dim 0. One that requires grad
@@ -783,18 +836,19 @@ class PipelineRunner:
             if outer:
                 assert isinstance(inputs, Tensor)  # (outer: a tensor that requires grad)
                 torch.autograd.backward(inputs, g_full)
+        refused = None
         if self._ties:  # (the same on every rank holding one: all of them exchange)
             olds = iter(held_grads)
-            self._sync_tied([[next(olds) for _ in copies] for _, copies, _ in self._ties])
+            refused = self._sync_tied([[next(olds) for _ in copies] for _, copies, _ in self._ties])
+        out: Tensor | None = total if self.is_last else None
         if self.broadcast_loss and self.n_stages > 1:
             be = B.get_backend()
-            out = be.broadcast(total.to(be.comm_device(self.pg)), self.last_rank, self.pg)
-            if self.costs == "measure" and self._measures_left > 0:
-                self._measure()
-            return out.cpu()
+            out = be.broadcast(total.to(be.comm_device(self.pg)), self.last_rank, self.pg).cpu()
         if self.costs == "measure" and self._measures_left > 0 and self.n_stages > 1:
             self._measure()
-        return total if self.is_last else None
+        if refused is not None:  # (raised once the step's communication is done: no rank waits)
+            raise refused
+        return out
 
     def _run_steps(self, batch: _Batch) -> None:
         steps, fused = batch.steps, batch.fused
