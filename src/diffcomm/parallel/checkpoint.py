@@ -92,7 +92,9 @@ def dcp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> 
     ``dcp.load`` fills it and calls its ``load_state_dict``, which gives each rank's own
     shards to ``set_optimizer_state_dict``. So the moments load at any tensor- or
     expert-parallel size, as the model does; ``optimizer.state_dict()`` itself holds shards
-    and loads only on the rank and layout that saved it.
+    and loads only on the rank and layout that saved it. A parameter without optimizer
+    state at the save (no gradient yet) loads without state, as saved (torch's own flow
+    failed there with "Missing key in checkpoint state_dict").
 
     Args:
         module: the model ``optimizer`` updates (diffcomm layers inside).
@@ -186,8 +188,24 @@ class _Layout:
         return DTensor.from_local(local, self.meshes[where], [Shard(dim)], run_check=False)
 
 
+#: What a checkpoint holds for each state entry of a parameter without optimizer state
+#: (no gradient before the save): a load finds it there and leaves that parameter without
+#: state, as saved (:class:`_OptimizerState`).
+_NO_STATE = "diffcomm: no optimizer state (the parameter had no gradient before the save)"
+
+
 class _OptimizerState:
-    """:func:`dcp_optimizer_state`'s ``Stateful``."""
+    """:func:`dcp_optimizer_state`'s ``Stateful``.
+
+    A parameter that got no gradient before the save has no optimizer state: torch's state
+    dict has no key for it, while a fresh optimizer (given a state by a zero step, as
+    ``get_optimizer_state_dict`` does before a load) asks for its keys, and ``dcp.load``
+    failed ("Missing key in checkpoint state_dict"). Tolerating the missing keys would not
+    do either: the fresh optimizer would keep the zero step's state for it (Adam's
+    ``step`` 1, another bias correction at the next step than serially). So the save
+    writes :data:`_NO_STATE` under each key the load will ask for (the entries of a
+    parameter with state of the same group and rank, else of the group, else any), and
+    the load leaves every parameter found so without state, as saved."""
 
     def __init__(self, layout: _Layout, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._layout, self._module, self._optimizer = layout, module, optimizer
@@ -212,11 +230,14 @@ class _OptimizerState:
         self._names = sorted(params, key=len, reverse=True)
         out: dict[str, Any] = {}
         self._local_key = {}
+        entries: dict[str, list[str]] = {}  # parameter name -> its state's entries
         for key, v in flat.items():
             kind, name, entry = self._split(key)
             serial_key = f"{kind}.{self._layout.serial_name(name)}.{entry}"
             self._local_key[serial_key] = key
             p = params[name]
+            if kind == "state":
+                entries.setdefault(name, []).append(entry)
             if kind == "state" and isinstance(v, Tensor) and id(p) in self._layout.sharded and v.dim():
                 if v.shape != p.shape:
                     raise ValueError(
@@ -226,6 +247,34 @@ class _OptimizerState:
                     )
                 v = self._layout.global_view(f"optimizer state `{entry}` of `{name}`", v, p)
             out[serial_key] = v
+        for name, like in self._without_state(params, entries).items():
+            for entry in entries[like]:
+                serial_key = f"state.{self._layout.serial_name(name)}.{entry}"
+                self._local_key[serial_key] = f"state.{name}.{entry}"
+                out[serial_key] = _NO_STATE
+        return out
+
+    def _without_state(
+        self, params: dict[str, nn.Parameter], entries: dict[str, list[str]]
+    ) -> dict[str, str]:
+        """The parameters (requiring grad) without optimizer state, each with the parameter
+        whose state's entries a fresh optimizer's would have: one with state in the same
+        group and of the same number of dims, else in the same group, else any."""
+        name_of = {id(p): n for n, p in params.items()}
+        anyone = next(iter(entries), None)
+        out: dict[str, str] = {}
+        for group in self._optimizer.param_groups:
+            names = [name_of[id(p)] for p in group["params"] if id(p) in name_of]
+            having = [n for n in names if n in entries]
+            for n in names:
+                p = params[n]
+                if n in entries or not p.requires_grad:
+                    continue
+                like = next(
+                    (m for m in having if params[m].dim() == p.dim()), having[0] if having else anyone
+                )
+                if like is not None:  # (none: no parameter has state, and torch saves none)
+                    out[n] = like
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -234,8 +283,18 @@ class _OptimizerState:
 
         if not self._local_key:  # (dcp.load calls state_dict() first; a direct call did not)
             self.state_dict()
-        local: Any = {  # (torch types the flattened form as the nested one)
-            self._local_key[k]: (v.to_local() if isinstance(v, DTensor) else v) for k, v in state_dict.items()
-        }
+        local: Any = {}  # (torch types the flattened form as the nested one)
+        stateless: set[str] = set()  # saved without state
+        for k, v in state_dict.items():
+            if isinstance(v, str) and v == _NO_STATE:
+                stateless.add(self._split(self._local_key[k])[1])
+            else:
+                local[self._local_key[k]] = v.to_local() if isinstance(v, DTensor) else v
+        params = dict(self._module.named_parameters())
+        for name in stateless:  # (torch loads the state it has; taken off after)
+            for entry, v in self._optimizer.state[params[name]].items():
+                local[f"state.{name}.{entry}"] = v
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         set_optimizer_state_dict(self._module, self._optimizer, local, options=options)
+        for name in stateless:
+            self._optimizer.state.pop(params[name], None)
