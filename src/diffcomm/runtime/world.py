@@ -76,7 +76,7 @@ __all__ = ["LocalWorld", "launch", "init", "get_rank", "get_world_size", "is_ini
 # ``diffcomm.runtime.joining``, the processes' state ``diffcomm.runtime.processes``, the
 # rank process ``diffcomm.runtime.rank_process``, the failure messages and early
 # diagnoses ``diffcomm.runtime.reports``.
-# Size: ~650 lines, over the ~600 guideline: LocalWorld's two kinds share one front door
+# Size: ~660 lines, over the ~600 guideline: LocalWorld's two kinds share one front door
 # (the settings checked and warned of once for both) and the watch loop is one piece.
 
 DEFAULT_COLLECTIVE_TIMEOUT = 30.0  # seconds; LocalWorld's default for DIFFCOMM_TIMEOUT
@@ -165,6 +165,7 @@ class LocalWorld:
             raise TypeError(f"LocalWorld(): `in_process` must be a bool, got {in_process!r}")
         # every setting validated on both kinds of world (a wrong one is never ignored)
         # (a datetime.timedelta, as init_process_group takes, becomes seconds here)
+        asked = (timeout, collective_timeout)  # (as given: the in-process warning names them)
         timeout = check_seconds("LocalWorld()", "timeout", timeout, optional=False)
         collective_timeout = check_seconds(
             "LocalWorld()", "collective_timeout", collective_timeout, optional=True
@@ -176,7 +177,9 @@ class LocalWorld:
         self.in_process = in_process
         if in_process:
             self._init_in_process(world_size, backend, timeout, collective_timeout)
-            _warn_not_in_process(timeout, collective_timeout, allow_oversubscribe, progress)
+            _warn_not_in_process(
+                asked[0] if timeout != DEFAULT_RUN_TIMEOUT else None, asked[1], allow_oversubscribe, progress
+            )
             return
         if progress is None:
             progress = _config.PROGRESS.get()
@@ -532,12 +535,13 @@ class LocalWorld:
 
 
 def _warn_not_in_process(
-    timeout: float, collective_timeout: float | None, allow_oversubscribe: bool | None, progress: bool | None
+    timeout: object, collective_timeout: object, allow_oversubscribe: bool | None, progress: bool | None
 ) -> None:
     """Name the settings given to an in-process world that cannot apply there (they were
-    silently ignored): how rank processes start, and the timeouts of a real world."""
+    silently ignored): how rank processes start, and the timeouts of a real world (as the
+    caller gave them; ``timeout`` ``None`` where it is the default)."""
     given = {
-        "timeout": timeout if timeout != DEFAULT_RUN_TIMEOUT else None,
+        "timeout": timeout,
         "collective_timeout": collective_timeout,
         "allow_oversubscribe": allow_oversubscribe,
         "progress": progress,
