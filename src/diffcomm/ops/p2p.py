@@ -38,12 +38,13 @@ prune it and leave the sender waiting); double backward and forward mode through
 
 Where they live: ``send`` / ``recv`` (and the posted receives, ``irecv`` /
 ``post_grad_recv``, and the pipeline runner's private entries, ``send_owned``,
-``irecv_fused``, ``is_send_node``, ``check_tag``: attributes here, not exported) in
-:mod:`diffcomm.ops.send_recv`; ``sendrecv`` / ``shift`` /
-``ppermute`` in :mod:`diffcomm.ops.exchanges`. This module is their public home, with the
-registry's views of the ``"p2p"`` family: it imports each op of the family by name, in the
-registry's order (tests/test_packaging.py checks that every registered built-in op of the
-family is here); an op a user's module defines is in the views, not an attribute here.
+``irecv_fused``, ``is_send_node``, ``check_tag``, ``send_no_grad``,
+``NoGradient``: attributes here, not exported) in :mod:`diffcomm.ops.send_recv`;
+``sendrecv`` / ``shift`` / ``ppermute`` in :mod:`diffcomm.ops.exchanges`. This module is
+their public home, with the registry's views of the ``"p2p"`` family: it imports each op
+of the family by name, in the registry's order (tests/test_packaging.py checks that every
+registered built-in op of the family is here); an op a user's module defines is in the
+views, not an attribute here.
 """
 
 from __future__ import annotations
@@ -52,12 +53,14 @@ from .exchanges import ppermute as ppermute
 from .exchanges import sendrecv as sendrecv
 from .exchanges import shift as shift
 from .registry import DualsView, FamilyView, markdown
+from .send_recv import NoGradient as NoGradient
 from .send_recv import RecvHandle, irecv, post_grad_recv
 from .send_recv import check_tag as check_tag
 from .send_recv import irecv_fused as irecv_fused
 from .send_recv import is_send_node as is_send_node
 from .send_recv import recv as recv
 from .send_recv import send as send
+from .send_recv import send_no_grad as send_no_grad
 from .send_recv import send_owned as send_owned
 from .wire import MAX_NDIM as MAX_NDIM
 from .wire import MAX_TAG as MAX_TAG
@@ -75,10 +78,11 @@ __all__: list[str] = [
     "ppermute",
 ]
 #: the posted receives and ``wait_sends``, also on the package face. ``check_tag``,
-#: ``irecv_fused``, ``is_send_node`` and ``send_owned`` (imported above) are the pipeline
-#: runner's private entries, not exported; the family's tables (``OPS``, ``DUALS``,
-#: :func:`p2p_markdown`) and the wire's limits (``MAX_TAG``, ``MAX_NDIM``) are attributes
-#: here (``dc.p2p.DUALS``), not on the face (``dc.DUALS`` is the collectives')
+#: ``irecv_fused``, ``is_send_node``, ``NoGradient``, ``send_no_grad`` and ``send_owned``
+#: (imported above) are the pipeline runner's private entries, not exported; the family's
+#: tables (``OPS``, ``DUALS``, :func:`p2p_markdown`) and the wire's limits (``MAX_TAG``,
+#: ``MAX_NDIM``) are attributes here (``dc.p2p.DUALS``), not on the face (``dc.DUALS`` is
+#: the collectives')
 __all__ += ["irecv", "RecvHandle", "post_grad_recv", "wait_sends"]
 
 

@@ -97,10 +97,13 @@ class _Send(CommOp):
 
     @staticmethod
     def transpose(g: Tensor, *args: Any) -> Tensor:
-        dst, pg, tag, seq, _, shape, dtype, device, _ = args  # as for ``run``
+        dst, pg, tag, seq, _, shape, dtype, device, mode = args  # as for ``run``
         # The token is a local zero: scaling it does not scale the gradient, which is
         # entirely what ``dst`` computed for the received copy of ``x``.
-        gx = wire.recv_grad(shape, dtype, device, dst, pg, tag, seq)
+        buf = wire.recv_grad(shape, dtype, device, dst, pg, tag, seq)
+        if mode != "copy" and wire.no_grad(buf):  # (the runner's sends: see NoGradient)
+            raise NoGradient(f"send(dst={dst}, tag={tag}) #{seq}: the peer's copy got no gradient")
+        gx = wire.grad_data(buf, shape, dtype)
         if torch.is_grad_enabled():  # create_graph=True: forbid differentiating through it
             gx = _FirstOrderOnly.apply(gx, torch.zeros((), requires_grad=True))
         return gx
@@ -470,6 +473,30 @@ def post_grad_recv(token: Tensor) -> bool:
         raise A.arg_error("post_grad_recv", "token", "a dc.send token", type(ctx).__name__, TypeError)
     dst, pg, tag, seq, _, shape, dtype, device, _ = ctx.args
     return wire.post_grad(shape, dtype, device, dst, pg, tag, seq)
+
+
+class NoGradient(Exception):
+    """Raised by the backward of a :func:`send_owned` token (the pipeline runner's) whose
+    peer answered with :func:`send_no_grad`: before anything else of the backward ran
+    (the send's node is the first), so the runner catches it, runs nothing for that
+    micro-batch and the parameters before keep ``.grad`` as it was (``None`` stays
+    ``None``, as serially). Not exported."""
+
+
+@_eager
+def send_no_grad(node: Any) -> None:
+    """Answer the receive whose autograd node is ``node`` (a received tensor's
+    ``grad_fn``, taken before anything modified it in place) with "no gradient": its
+    output fed nothing that needed one. The sender's token backward raises
+    :class:`NoGradient` for a :func:`send_owned` token (a :func:`send` token takes the
+    zeros that come with it). The pipeline runner's private entry; not exported."""
+    if not isinstance(node, getattr(_Recv, "_backward_cls")):  # noqa: B009
+        raise A.arg_error(
+            "send_no_grad", "node", "a dc.recv output's grad_fn", type(node).__name__, TypeError
+        )
+    src, shape, dtype, device, pg, tag, seq, _ = node.args
+    with B.label(f"recv(src={src}, tag={tag}) backward"):
+        wire.send_no_grad(src, shape, dtype, device, pg, tag, seq)
 
 
 def is_send_node(node: Any) -> bool:

@@ -18,7 +18,10 @@ data: the receive side is :func:`receive_header` (or a :class:`PostedMessage`), 
   (no pickle on the wire) and a mismatch with what it expected is a
   :class:`~diffcomm.CrossRankMismatchError` naming both ranks (:func:`check_header`). The
   receiver drains the data before raising, so the channel stays clean. Gradients going
-  back need no header (both sides know the shape).
+  back need no header (both sides know the shape): a gradient message is the data and
+  one byte after it, ``0`` a gradient, ``1`` none (:func:`send_no_grad`: the pipeline
+  runner's received input got no gradient; the data zeros), which the backward of the
+  runner's own sends reads (:func:`no_grad`); a plain send's backward takes the data.
 * **Fused messages.** Where both ends know, by construction, that the receiver expects
   the shape and dtype of the message (the pipeline runner: every activation after the
   first on its channel in a step, see ``p2p.send_owned``), the header and the data
@@ -63,6 +66,9 @@ from ..backend.in_process import per_rank
 from ..diagnostics import recorder as _flight
 from .send_queue import SENDS as SENDS
 from .send_queue import wait_sends as wait_sends  # re-exported: p2p.wait_sends
+
+# Size: ~630 lines, over the ~600 guideline: the wire protocol of a message (tags, numbers,
+# header, fused form, posted receives, the gradient and its "none" byte) in one place.
 
 #: User tags are in ``[0, MAX_TAG)`` (see the module docstring for the others).
 MAX_TAG = 1 << 16
@@ -192,14 +198,16 @@ class Posted:
         SENDS.check()
         self.buf, self.pg, self.src, self.tag = buf, pg, src, tag
         self.work = None
+        self.done = False
         if buf.numel() and not B.is_off("recv"):
             self.work = dist.irecv(B.wire(buf), group_src=src, group=pg, tag=tag)
 
     def wait(self) -> Tensor:
+        """The received ``buf`` (blocking until it is in; again at once when waited)."""
         buf, work = self.buf, self.work
-        if buf.numel() == 0:
+        if buf.numel() == 0 or self.done:
             return buf
-        self.work = None
+        self.work, self.done = None, True
         t0 = time.perf_counter()
         try:
             B.dispatch(
@@ -328,9 +336,35 @@ def post_send(
 
 
 def send_grad(g: Tensor, src: int, pg: PG, tag: int, seq: int) -> None:
-    """Send the gradient of the ``seq``-th message received from ``src`` back to it."""
-    buf = g.detach().clone(memory_format=torch.contiguous_format)
+    """Send the gradient of the ``seq``-th message received from ``src`` back to it (its
+    bytes, then the byte ``0``: a gradient; see the module docstring)."""
+    n = g.numel() * g.element_size()
+    buf = torch.empty(n + 1, dtype=torch.uint8, device=g.device)
+    buf[:n].view(g.dtype).view(g.shape).copy_(g.detach())
+    buf[n:].zero_()
     isend(buf, src, pg, grad_tag(tag, seq), f"gradient of recv(src={src}, tag={tag}) #{seq}")
+
+
+def send_no_grad(
+    src: int, shape: torch.Size, dtype: torch.dtype, device: Any, pg: PG, tag: int, seq: int
+) -> None:
+    """Tell ``src`` that the ``seq``-th message received from it got no gradient: zeros of
+    its size, then the byte ``1`` (:func:`no_grad`)."""
+    n = shape.numel() * dtype.itemsize
+    buf = torch.zeros(n + 1, dtype=torch.uint8, device=device)
+    buf[n:].fill_(1)
+    isend(buf, src, pg, grad_tag(tag, seq), f"no gradient of recv(src={src}, tag={tag}) #{seq}")
+
+
+def grad_data(buf: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """The gradient in a gradient message (all but its last byte)."""
+    return buf[:-1].view(dtype).view(shape)
+
+
+def no_grad(buf: Tensor) -> bool:
+    """Whether the gradient message ``buf`` says "no gradient" (:func:`send_no_grad`); its
+    last byte, read on the host (a device synchronisation where it is on an accelerator)."""
+    return int(buf[-1]) != 0
 
 
 def recv_data(src: int, shape: torch.Size, dtype: torch.dtype, device: Any, pg: PG, tag: int) -> Tensor:
@@ -355,7 +389,7 @@ def post_grad(
     key = (seq_key(pg, dst, tag, "send"), seq)
     if key in _GRADS:
         return False
-    buf = torch.empty(shape, dtype=dtype, device=device)
+    buf = torch.empty(shape.numel() * dtype.itemsize + 1, dtype=torch.uint8, device=device)
     _GRADS[key] = Posted(buf, dst, pg, grad_tag(tag, seq))
     return True
 
@@ -363,12 +397,14 @@ def post_grad(
 def recv_grad(
     shape: torch.Size, dtype: torch.dtype, device: Any, dst: int, pg: PG, tag: int, seq: int
 ) -> Tensor:
-    """The gradient of message ``seq`` sent to ``dst`` (what the receiver's backward sent):
-    from its posted receive if there is one, else received now."""
+    """The gradient message of message ``seq`` sent to ``dst`` (what the receiver's backward
+    sent; :func:`grad_data` and :func:`no_grad` read it): from its posted receive if there
+    is one, else received now."""
     posted = _GRADS.pop((seq_key(pg, dst, tag, "send"), seq), None)
     if posted is not None:
         return posted.wait()
-    return recv_into(torch.empty(shape, dtype=dtype, device=device), dst, pg, grad_tag(tag, seq))
+    buf = torch.empty(shape.numel() * dtype.itemsize + 1, dtype=torch.uint8, device=device)
+    return recv_into(buf, dst, pg, grad_tag(tag, seq))
 
 
 class Receive(NamedTuple):

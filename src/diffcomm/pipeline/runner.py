@@ -5,7 +5,11 @@ activation with :func:`diffcomm.recv` (it requires grad), runs the chunk and sen
 output with :func:`diffcomm.send`, keeping the token (the last virtual stage keeps its
 scaled loss instead). ``B`` is ``token.backward()``: the send's backward receives the
 output gradient, autograd carries it into the parameters and into the input, whose
-recv-backward sends it on. No gradient is handled by hand.
+recv-backward sends it on. No gradient is handled by hand; where none exists (a
+received input the backward did not reach) the runner answers "no gradient"
+(``p2p.send_no_grad``, one byte in the gradient message), the upstream token's backward
+raises ``p2p.NoGradient`` before anything else ran, and that micro-batch runs no backward
+there: the parameters keep ``.grad`` as serially (``None`` stays ``None``).
 
 The zero-bubble split: ``I`` runs the same backward restricted to the input
 (``torch.autograd.backward(token, inputs=[the receive's input edge])``, graph retained),
@@ -84,7 +88,7 @@ from .schedules import (
 from .timeline import TimelineEntry
 from .validate import check_schedule
 
-# Size: ~1210 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# Size: ~1240 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
 # split backward, pre-posted receives, the V placement's local turn and the phased forward of
 # an Overlap share one step's state (and the tied weights' gradients, summed at its end).
 
@@ -111,8 +115,11 @@ class _Stash:
     local: bool = False  # the next virtual stage is on this rank (V placement's turn)
     grad_posted: bool = False  # the receive of the output's gradient is posted
     # a received input that requires grad: [True] once its gradient was computed (the
-    # receive's backward, which sends it upstream, ran)
+    # receive's backward, which sends it upstream, ran), and the receive's node (taken
+    # before the chunk could modify the input in place), to answer "no gradient"
     reached: list[bool] | None = None
+    recv_node: Node | None = None
+    given: bool = True  # False: the output got no gradient downstream (p2p.NoGradient)
 
 
 @dataclass
@@ -139,19 +146,19 @@ class _LocalSend(torch.autograd.Function):
     """The token of an activation handed to the next virtual stage on the same rank (the
     V placement's turn at rank ``p - 1``): its backward returns the gradient that stage's
     backward left in its input leaf (``box[0].grad``), as a send token's backward returns
-    the gradient it receives."""
+    the gradient it receives, and raises ``p2p.NoGradient`` where it left none, as a
+    send token's does on "no gradient"."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, y: Tensor, box: list[Tensor]) -> Tensor:
         ctx.box = box  # type: ignore[attr-defined]
-        ctx.shape, ctx.dtype = y.shape, y.dtype  # type: ignore[attr-defined]
         return y.new_zeros(())
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, _: Tensor) -> tuple[Tensor, None]:
         g = ctx.box[0].grad  # type: ignore[attr-defined]
-        if g is None:
-            g = torch.zeros(ctx.shape, dtype=ctx.dtype)  # type: ignore[attr-defined]
+        if g is None:  # (nothing else of the backward ran: this node is its first)
+            raise p2p.NoGradient("the V turn's next chunk left its input no gradient")
         return g, None
 
 
@@ -720,7 +727,9 @@ class PipelineRunner:
         Every rank may pass the same ``inputs``/``targets`` (SPMD style): rank 0 uses
         only ``inputs``, the last rank only ``targets``; others may pass ``None``.
         Parameter gradients **accumulate** into ``.grad`` (as ``loss.backward()`` does;
-        zero them between steps) and are those of the step loss. A weight
+        zero them between steps) and are those of the step loss; a parameter the loss
+        does not reach in any micro-batch (a later stage's use under ``torch.no_grad``)
+        keeps its ``.grad``, ``None`` included, as serially. A weight
         :func:`partition` found tied between stages on several ranks (a tied LM's
         embedding and head) gets the sum of every stage's part on every rank holding it,
         as serially: the step's parts are exchanged between those ranks at its end (do not
@@ -833,7 +842,9 @@ class PipelineRunner:
             g_full = torch.cat(grads)
             if input_grad:
                 self.input_grad = g_full
-            if outer:
+            # (no micro-batch's gradient reached the inputs: the graph outside keeps its
+            # parameters' .grad, None included, as serially)
+            if outer and any(s.grad is not None for s in inputs_kept):
                 assert isinstance(inputs, Tensor)  # (outer: a tensor that requires grad)
                 torch.autograd.backward(inputs, g_full)
         refused = None
@@ -984,6 +995,7 @@ class PipelineRunner:
                     x = p2p.irecv_fused(src, like, group=self.pg, tag=tag).wait()
             if x.requires_grad:  # the previous stage waits for this input's gradient
                 kept.reached = reached = [False]
+                kept.recv_node = x.grad_fn
                 x.register_hook(lambda _, reached=reached: reached.__setitem__(0, True))
             if c in self._fresh_in:  # the step's first activation here: the agreed shape now
                 self._fresh_in.discard(c)
@@ -1101,7 +1113,10 @@ class PipelineRunner:
         # the token (or loss) requires grad iff anything upstream does; recv on the next
         # stage made the same decision from the header, so skipping here is symmetric
         if kept.handle.requires_grad:
-            kept.handle.backward()
+            try:
+                kept.handle.backward()
+            except p2p.NoGradient:  # nothing ran: see _send_unreached
+                pass
         _send_unreached(kept)
         self._live_bytes -= kept.nbytes
 
@@ -1132,13 +1147,21 @@ class PipelineRunner:
                 # (a deadlock in ZB-V, where the upstream rank's I waits for this one)
                 _send_unreached(kept)
             if kept.output is not None and kept.output.requires_grad:
-                (kept.d_output,) = torch.autograd.grad(root, [kept.output])
+                try:
+                    (kept.d_output,) = torch.autograd.grad(root, [kept.output])
+                except p2p.NoGradient:  # W has nothing to do
+                    kept.given = False
+                    _send_unreached(kept)
             return
         assert target is not None  # (a plan needs the input's edge)
         captured: dict[Node, tuple[Tensor | None, ...]] = {}
         hooks = [n.register_prehook(capture(captured, n)) for n, _ in plan]
         try:
             torch.autograd.backward(root, inputs=[target], retain_graph=True)
+        except p2p.NoGradient:  # nothing ran (the send's node is the first): W has nothing to do
+            kept.full_in_w, kept.given = True, False
+            _send_unreached(kept)
+            return
         finally:
             for h in hooks:
                 h.remove()
@@ -1159,7 +1182,9 @@ class PipelineRunner:
         """``W``: the parameters' gradients from what ``I`` kept (accumulated in ``.grad``)."""
         kept = stash.pop((st.micro, st.chunk))
         if kept.full_in_w:
-            if kept.d_output is not None:
+            if not kept.given:
+                pass  # no gradient downstream: nothing to run
+            elif kept.d_output is not None:
                 assert kept.output is not None  # (d_output is its gradient)
                 torch.autograd.backward(kept.output, kept.d_output)
             elif kept.handle.requires_grad and kept.output is None:
@@ -1199,12 +1224,13 @@ def _unpack(t: Tensor) -> Tensor:
 
 def _send_unreached(kept: _Stash) -> None:
     """A received input that the chunk's backward did not reach — its output does not
-    depend on it (a ``detach``, a ``torch.no_grad`` block, an unused input) or needs no
-    gradient — still owes the previous stage its gradient, which that stage's token is
-    waiting for: run the receive's backward with zeros (the previous stages' parameters
-    get zero gradients; serially they get none). Without this the previous stage waits
-    until the timeout."""
+    depend on it (a ``detach``, a ``torch.no_grad`` block, an unused input), needs no
+    gradient, or got none downstream — still owes the previous stage a message, which
+    that stage's token is waiting for: "no gradient" (``p2p.send_no_grad``), so that
+    stage runs no backward for this micro-batch and its parameters keep ``.grad`` as it
+    was (``None`` included), as serially; zeros would be a gradient (AdamW's weight
+    decay moves a parameter with a zero gradient and skips one with ``None``). Without
+    the message the previous stage waits until the timeout."""
     if kept.reached is not None and not kept.reached[0]:
         kept.reached[0] = True
-        assert kept.input is not None  # (reached is set for a received input)
-        torch.autograd.backward(kept.input, torch.zeros_like(kept.input))
+        p2p.send_no_grad(kept.recv_node)
