@@ -23,7 +23,7 @@ from ..backend import args as A
 from ..ops import collectives
 from ..ops.validation import rank_index
 from ._check import check_replicas_agree
-from ._seams import check_not_synced_by_ddp, check_shards_plain, note_shards, sharded_params
+from ._seams import check_not_synced_by_ddp, check_shards_plain, sharded_params
 from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
@@ -99,8 +99,7 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     parametrization (:func:`check_shards_plain`)."""
     if module.__dict__.get("_region_copies") is not None:
         return  # inside an outer ParallelModule's forward: it made the copies
-    check_shards_plain(module, f"parallel.{type(module).__name__}")
-    note_shards(module)
+    check_shards_plain(module, f"parallel.{type(module).__name__}", note=True)
     if active_ddp() is not None:
         check_not_synced_by_ddp(module, f"parallel.{type(module).__name__}", sharded_params(module))
     if spmd_types_checking(_FUNCTION_ATTRS):

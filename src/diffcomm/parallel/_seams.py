@@ -33,7 +33,7 @@ def _shard_dims(m: nn.Module) -> dict[str, int | None]:
     return dims if isinstance(dims, dict) else {}
 
 
-def check_shards_plain(root: nn.Module, op: str) -> None:
+def check_shards_plain(root: nn.Module, op: str, *, note: bool = False) -> None:
     """Raise ``ValueError`` when a layer under ``root`` no longer holds one of its sharded
     parameters (or buffers) itself: ``torch.nn.utils.parametrize`` (``weight_norm``,
     ``spectral_norm``, ``orthogonal``, a user's parametrization), the older hook-based
@@ -43,11 +43,20 @@ def check_shards_plain(root: nn.Module, op: str) -> None:
     singular value, an orthogonalisation, the smallest magnitudes) gives another weight
     than the serial model's, with no error; and the new parameters are not the serial
     ones this layer's bookkeeping knows (``serial_slices``, state dicts, ``grad_norm``
-    would take a shard for a replica). No communication."""
-    for prefix, m in root.named_modules():
+    would take a shard for a replica). With ``note``, also marks each sharded parameter
+    for the optimizer check (:func:`note_shards`, in the same walk). No communication."""
+    for m in root.modules():  # (one walk per forward: the names only on the error path)
         for name, dim in _shard_dims(m).items():
-            if dim is None or name in m._parameters or name in m._buffers:
+            if dim is None:
                 continue
+            if name in m._parameters:
+                p = m._parameters[name]
+                if note and p is not None and _SHARD_NOTE not in p.__dict__:  # (note_shards's work)
+                    p.__dict__[_SHARD_NOTE] = f"{type(m).__name__}.{name}"
+                continue
+            if name in m._buffers:
+                continue
+            prefix = next(n for n, sub in root.named_modules() if sub is m)
             full = f"{prefix}.{name}" if prefix else name
             how = "a parametrization" if parametrize.is_parametrized(m, name) else "a forward pre-hook"
             raise ValueError(
