@@ -93,6 +93,21 @@ def assert_refused_before_communicating(per_rank: list[list[str]], patterns: lis
             assert re.search(pat, msg) and msg.endswith("[0 comms]"), (pat, msg)
 
 
+def load_serial_refusal(layer: Any, state_dict: dict[str, Any], error: type[BaseException]) -> str:
+    """``layer.load_serial_state_dict(state_dict)``'s ``error`` message followed by
+    ``untouched=<whether every tensor of the layer kept its value>``; ``"loaded"`` if it
+    raised nothing (a test asserting the message then fails on it)."""
+    import torch
+
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    try:
+        layer.load_serial_state_dict(state_dict)
+    except error as e:
+        untouched = all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+        return f"{e} untouched={untouched}"
+    return "loaded"
+
+
 def outcomes(calls: dict[str, Callable[[], object]], error: type[BaseException]) -> dict[str, str]:
     """Each call's outcome by key: ``"no error"``, or the message of the ``error`` it raised
     (any other exception propagates, so a wrong error type fails the test)."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from _shared import load_serial_refusal
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -105,14 +106,8 @@ def _load_dtensor_state_dict(kind: str) -> str:
     else:
         serial = torch.nn.Linear(4, 6, dtype=F64)
         layer = P.ColumnParallelLinear(4, 6, seed=3, dtype=F64)
-    before = {k: v.clone() for k, v in layer.state_dict().items()}
     sd = {k: _dtensor(v.detach()) for k, v in serial.state_dict().items()}
-    try:
-        layer.load_serial_state_dict(sd)
-    except TypeError as e:
-        untouched = all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
-        return f"{e} untouched={untouched}"
-    return "no error"
+    return load_serial_refusal(layer, sd, TypeError)
 
 
 @pytest.mark.parametrize("kind", ["column", "moe"])
