@@ -73,7 +73,8 @@ def check_shards_plain(root: nn.Module, op: str, *, note: bool = False) -> None:
             )
 
 
-def _ranks(pg: Any) -> set[int]:
+def ranks_of(pg: Any) -> set[int]:
+    """The global ranks of ``pg`` (``None``: the world)."""
     return set(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
 
 
@@ -94,11 +95,11 @@ def check_not_synced_by_ddp(root: nn.Module, op: str, varying: Sequence[tuple[st
     if seen is not None and seen() is ddp_module:
         return
     names = {id(p): n for n, p in ddp_module.named_parameters(remove_duplicate=False)}
-    ddp_ranks = _ranks(ddp_pg)
+    ddp_ranks = ranks_of(ddp_pg)
     for name, p, pg in varying:
         if id(p) not in names or names[id(p)] in ignored:
             continue
-        mine = _ranks(pg)
+        mine = ranks_of(pg)
         both = sorted(mine & ddp_ranks)
         if len(both) > 1:
             raise ValueError(

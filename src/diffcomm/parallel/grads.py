@@ -31,6 +31,7 @@ from .._replication import LayerRule, V
 from ..backend import args as A
 from ..ops import collectives
 from ._check import check_replicated
+from ._seams import ranks_of
 
 __all__ = ["grad_norm", "clip_grad_norm_", "sync_found_inf"]
 
@@ -189,7 +190,7 @@ def _check_dtensor_meshes(op: str, module: nn.Module, sharded: list[nn.Parameter
     found = [p for p in sharded if p.grad is not None and A.is_dtensor(p.grad)]
     if not found:
         return
-    mine = set(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
+    mine = ranks_of(pg)
     names = {id(p): n for n, p in module.named_parameters()}
     for p in found:
         mesh = set(cast(Any, p.grad).device_mesh.mesh.flatten().tolist())
