@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -138,10 +139,11 @@ def init(
         # the argument holds over DIFFCOMM_TIMEOUT (which diffcomm applies to a group before
         # each op): under DIFFCOMM_TIMEOUT=60, init(timeout=5) waited 60 s from the first op
         _config.TIMEOUT.set(asked)
-    _JOINED[:] = [_torch.default_pg(), set_device]
+    joined = _torch.default_pg()  # (a weak reference: destroy_process_group must free it)
+    _JOINED[:] = [weakref.ref(joined) if joined is not None else None, set_device]
 
 
-#: The default group the last :func:`init` joined, and its ``set_device``.
+#: The default group the last :func:`init` joined (a weak reference), and its ``set_device``.
 _JOINED: list[Any] = [None, True]
 
 
@@ -177,7 +179,8 @@ def _check_same_group(backend: str | None, timeout: Any, asked: float | None, se
                 f"collectives wait {told}, but `timeout={timeout!r}` was asked; to change "
                 f"the timeout of a running group use dc.timeout({timeout!r}); {how}"
             )
-    pg, had = _JOINED
+    ref, had = _JOINED
+    pg = ref() if ref is not None else None
     if pg is not None and pg is _torch.default_pg() and set_device != had:
         from ..accelerator import get_accelerator
 
