@@ -311,6 +311,32 @@ def test_megatron_accumulation_vector(world4) -> None:
             assert rs == [want] and ar == [want] * 4 and run == [running]
 
 
+def _summed_in(acc: torch.dtype, big: float) -> list[list[float]]:
+    """Megatron's vector (``big, 1, 1, 1``, float32) on an ``acc`` wire summed in ``acc``:
+    forward (reduce_scatter, all_reduce) and a backward in those settings (all_gather's
+    gradient, a reduce_scatter)."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    v = torch.full((w,), big if r == 0 else 1.0)
+    p = Precision(acc, accumulate=acc)
+    rs = dc.reduce_scatter(v, precision=p)
+    ar = dc.all_reduce(v, precision=p)
+    x = torch.zeros(1, requires_grad=True)
+    y = dc.all_gather(x, precision=Precision("fp16", backward=p))
+    (gx,) = torch.autograd.grad(y, x, v)
+    return [rs.tolist(), ar.tolist(), gx.tolist()]
+
+
+def test_a_half_precision_accumulation_dtype_is_what_sums(world4) -> None:
+    """``accumulate=bf16`` / ``fp16``: the contributions add in that dtype, rank by rank (a
+    bf16 running sum: 1000 + 1 + 1 + 1 stays 1000; fp16: 2048 stays 2048), forward and
+    in the backward's own settings. torch's ``sum`` adds bf16 / fp16 in float32, so they
+    were summed in float32 and rounded once (1004, 2052): the dtype asked for was not the
+    one that summed."""
+    for acc, big in ((torch.bfloat16, 1000.0), (torch.float16, 2048.0)):
+        for rs, ar, gx in world4.run(_summed_in, acc, big):
+            assert rs == [big] and ar == [big] * 4 and gx == [big], (acc, rs, ar, gx)
+
+
 def _megatron_random(n: int) -> tuple[bool, bool, bool]:
     r, w = dc.get_rank(), dc.get_world_size()
     xs = [
@@ -724,6 +750,26 @@ def test_precision_options_validated() -> None:
     assert p.transposed().transposed().forward_only() == p.forward_only()
     assert Precision("fp16").accumulate_for(torch.float16) == torch.float32
     assert Precision("fp16").accumulate_for(torch.float64) == torch.float64
+
+
+def test_an_accumulate_that_would_be_ignored_is_refused() -> None:
+    """``Precision(None, accumulate=float64)`` ran the plain op, which sums in the payload's
+    dtype: an all_reduce of 1, 2^-24, 2^-24 (float32, 3 ranks) came back 1.0, not the
+    1 + 2^-23 a float64 sum gives, silently. Refused at ``Precision(...)``."""
+    with pytest.raises(ValueError, match="accumulate=torch.float64 applies to a quantized wire only"):
+        Precision(None, accumulate=torch.float64)
+    assert Precision("bf16", accumulate=torch.float64).accumulate == torch.float64
+
+
+def test_a_backwards_own_backward_that_would_be_ignored_is_refused() -> None:
+    """A backward's own ``backward`` was ignored: double backward used the forward settings
+    (bf16 here, not the fp8 asked for), silently. Refused; the forward's own settings as
+    that inner backward (what ``transposed`` makes) say nothing new and are accepted."""
+    with pytest.raises(ValueError, match=r"backward=Precision\(fp16, backward=Precision\(e4m3\)\)"):
+        Precision("bf16", backward=Precision("fp16", backward=Precision("fp8_e4m3")))
+    p = Precision("bf16", backward=Precision("fp16", backward=Precision("bf16")))
+    assert p.transposed().transposed() == Precision("bf16", backward=Precision("fp16"))
+    assert Precision("fp16", backward=Precision("bf16")).transposed().backward == Precision("fp16")
 
 
 # --------------------------------------------------------------------------------------
