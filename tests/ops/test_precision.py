@@ -854,6 +854,55 @@ def test_mappings_with_precision(world2, wire: str, back: str) -> None:
         assert not bad, bad
 
 
+def _wrong_mapping_in_debug_mode(kind: str, precision: Precision | None) -> str:
+    """A mapping whose premise is broken (a varying input copied into the region; an
+    output consumed differently on each rank, so the gradient reaching an identity
+    backward is partial), in debug mode."""
+    from diffcomm import parallel as P
+
+    r = dc.get_rank()
+    x = (torch.arange(4.0) + r).reshape(2, 2).requires_grad_(True)  # varying
+    calls = {
+        "copy_to_region": lambda: P.copy_to_region(x, precision=precision),
+        "scatter_to_region": lambda: P.scatter_to_region(x, dim=0, precision=precision),
+        "scatter_to_sequence": lambda: P.scatter_to_sequence(x, precision=precision),
+        "reduce_from_region": lambda: P.reduce_from_region(x, precision=precision),
+        "gather_from_region": lambda: P.gather_from_region(x, dim=0, precision=precision),
+        "gather_from_sequence": lambda: P.gather_from_sequence(x, precision=precision),
+    }
+    with dc.debug(True):
+        try:
+            y = calls[kind]()
+            (y * (r + 1)).sum().backward()  # each rank consumes it differently
+        except dc.CrossRankMismatchError as err:
+            return f"CrossRankMismatchError: {err}"
+    return f"no error; x.grad={x.grad.flatten().tolist() if x.grad is not None else None}"
+
+
+@pytest.mark.parametrize(
+    "kind,where",
+    [
+        ("copy_to_region", "parallel.copy_to_region"),
+        ("scatter_to_region", "parallel.scatter_to_region"),
+        ("scatter_to_sequence", "parallel.scatter_to_sequence"),
+        ("reduce_from_region", "parallel.reduce_from_region backward"),
+        ("gather_from_region", "parallel.gather_from_region backward"),
+        ("gather_from_sequence", "parallel.gather_from_sequence backward"),
+    ],
+)
+@pytest.mark.parametrize("precision", [None, Precision("bf16")], ids=["plain", "bf16"])
+def test_debug_mode_checks_a_quantized_mapping_as_the_plain_one(
+    world2, kind: str, where: str, precision: Precision | None
+) -> None:
+    """Debug mode checks each mapping's premise (CONTRACT: a wrong choice of mapping is an
+    error, not a silent 2x). With ``precision=`` the checks did not run: a
+    reduce_from_region whose output each rank consumed differently (loss weights 1, 2)
+    gave x.grad 1 on rank 0 and 2 on rank 1, where the sum-of-objectives gradient is 3,
+    silently. Now the quantized mapping checks what the plain one does."""
+    for msg in world2.run(_wrong_mapping_in_debug_mode, kind, precision):
+        assert msg.startswith("CrossRankMismatchError") and where in msg, msg
+
+
 def _coalesced(wire: str) -> list[str]:
     r = dc.get_rank()
     w = dc.get_world_size()
