@@ -311,6 +311,32 @@ def test_megatron_accumulation_vector(world4) -> None:
             assert rs == [want] and ar == [want] * 4 and run == [running]
 
 
+def _summed_in(acc: torch.dtype, big: float) -> list[list[float]]:
+    """Megatron's vector (``big, 1, 1, 1``, float32) on an ``acc`` wire summed in ``acc``:
+    forward (reduce_scatter, all_reduce) and a backward in those settings (all_gather's
+    gradient, a reduce_scatter)."""
+    r, w = dc.get_rank(), dc.get_world_size()
+    v = torch.full((w,), big if r == 0 else 1.0)
+    p = Precision(acc, accumulate=acc)
+    rs = dc.reduce_scatter(v, precision=p)
+    ar = dc.all_reduce(v, precision=p)
+    x = torch.zeros(1, requires_grad=True)
+    y = dc.all_gather(x, precision=Precision("fp16", backward=p))
+    (gx,) = torch.autograd.grad(y, x, v)
+    return [rs.tolist(), ar.tolist(), gx.tolist()]
+
+
+def test_a_half_precision_accumulation_dtype_is_what_sums(world4) -> None:
+    """``accumulate=bf16`` / ``fp16``: the contributions add in that dtype, rank by rank (a
+    bf16 running sum: 1000 + 1 + 1 + 1 stays 1000; fp16: 2048 stays 2048), forward and
+    in the backward's own settings. torch's ``sum`` adds bf16 / fp16 in float32, so they
+    were summed in float32 and rounded once (1004, 2052): the dtype asked for was not the
+    one that summed."""
+    for acc, big in ((torch.bfloat16, 1000.0), (torch.float16, 2048.0)):
+        for rs, ar, gx in world4.run(_summed_in, acc, big):
+            assert rs == [big] and ar == [big] * 4 and gx == [big], (acc, rs, ar, gx)
+
+
 def _megatron_random(n: int) -> tuple[bool, bool, bool]:
     r, w = dc.get_rank(), dc.get_world_size()
     xs = [
@@ -726,6 +752,26 @@ def test_precision_options_validated() -> None:
     assert Precision("fp16").accumulate_for(torch.float64) == torch.float64
 
 
+def test_an_accumulate_that_would_be_ignored_is_refused() -> None:
+    """``Precision(None, accumulate=float64)`` ran the plain op, which sums in the payload's
+    dtype: an all_reduce of 1, 2^-24, 2^-24 (float32, 3 ranks) came back 1.0, not the
+    1 + 2^-23 a float64 sum gives, silently. Refused at ``Precision(...)``."""
+    with pytest.raises(ValueError, match="accumulate=torch.float64 applies to a quantized wire only"):
+        Precision(None, accumulate=torch.float64)
+    assert Precision("bf16", accumulate=torch.float64).accumulate == torch.float64
+
+
+def test_a_backwards_own_backward_that_would_be_ignored_is_refused() -> None:
+    """A backward's own ``backward`` was ignored: double backward used the forward settings
+    (bf16 here, not the fp8 asked for), silently. Refused; the forward's own settings as
+    that inner backward (what ``transposed`` makes) say nothing new and are accepted."""
+    with pytest.raises(ValueError, match=r"backward=Precision\(fp16, backward=Precision\(e4m3\)\)"):
+        Precision("bf16", backward=Precision("fp16", backward=Precision("fp8_e4m3")))
+    p = Precision("bf16", backward=Precision("fp16", backward=Precision("bf16")))
+    assert p.transposed().transposed() == Precision("bf16", backward=Precision("fp16"))
+    assert Precision("fp16", backward=Precision("bf16")).transposed().backward == Precision("fp16")
+
+
 # --------------------------------------------------------------------------------------
 # the mappings, the coalesced forms and MoE dispatch/combine: the core quantized ops
 # (bound-tested above) on their communicating side, bit for bit
@@ -806,6 +852,55 @@ def _mappings(wire: str, back: str) -> list[str]:
 def test_mappings_with_precision(world2, wire: str, back: str) -> None:
     for bad in world2.run(_mappings, wire, back):
         assert not bad, bad
+
+
+def _wrong_mapping_in_debug_mode(kind: str, precision: Precision | None) -> str:
+    """A mapping whose premise is broken (a varying input copied into the region; an
+    output consumed differently on each rank, so the gradient reaching an identity
+    backward is partial), in debug mode."""
+    from diffcomm import parallel as P
+
+    r = dc.get_rank()
+    x = (torch.arange(4.0) + r).reshape(2, 2).requires_grad_(True)  # varying
+    calls = {
+        "copy_to_region": lambda: P.copy_to_region(x, precision=precision),
+        "scatter_to_region": lambda: P.scatter_to_region(x, dim=0, precision=precision),
+        "scatter_to_sequence": lambda: P.scatter_to_sequence(x, precision=precision),
+        "reduce_from_region": lambda: P.reduce_from_region(x, precision=precision),
+        "gather_from_region": lambda: P.gather_from_region(x, dim=0, precision=precision),
+        "gather_from_sequence": lambda: P.gather_from_sequence(x, precision=precision),
+    }
+    with dc.debug(True):
+        try:
+            y = calls[kind]()
+            (y * (r + 1)).sum().backward()  # each rank consumes it differently
+        except dc.CrossRankMismatchError as err:
+            return f"CrossRankMismatchError: {err}"
+    return f"no error; x.grad={x.grad.flatten().tolist() if x.grad is not None else None}"
+
+
+@pytest.mark.parametrize(
+    "kind,where",
+    [
+        ("copy_to_region", "parallel.copy_to_region"),
+        ("scatter_to_region", "parallel.scatter_to_region"),
+        ("scatter_to_sequence", "parallel.scatter_to_sequence"),
+        ("reduce_from_region", "parallel.reduce_from_region backward"),
+        ("gather_from_region", "parallel.gather_from_region backward"),
+        ("gather_from_sequence", "parallel.gather_from_sequence backward"),
+    ],
+)
+@pytest.mark.parametrize("precision", [None, Precision("bf16")], ids=["plain", "bf16"])
+def test_debug_mode_checks_a_quantized_mapping_as_the_plain_one(
+    world2, kind: str, where: str, precision: Precision | None
+) -> None:
+    """Debug mode checks each mapping's premise (CONTRACT: a wrong choice of mapping is an
+    error, not a silent 2x). With ``precision=`` the checks did not run: a
+    reduce_from_region whose output each rank consumed differently (loss weights 1, 2)
+    gave x.grad 1 on rank 0 and 2 on rank 1, where the sum-of-objectives gradient is 3,
+    silently. Now the quantized mapping checks what the plain one does."""
+    for msg in world2.run(_wrong_mapping_in_debug_mode, kind, precision):
+        assert msg.startswith("CrossRankMismatchError") and where in msg, msg
 
 
 def _coalesced(wire: str) -> list[str]:

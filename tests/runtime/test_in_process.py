@@ -101,6 +101,27 @@ def test_in_process_equals_real_processes(local_worlds) -> None:
     check()
 
 
+def _under_autocast() -> dict[str, list]:
+    x = torch.arange(6.0).reshape(6, 1).add(dist.get_rank())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float16 payloads under CPU autocast
+        return {
+            "all_gather": dc.all_gather(x.half()).tolist(),
+            "all_to_all": dc.all_to_all(x.half()).tolist(),
+            "all_reduce, fp16 wire": dc.all_reduce(x, precision=dc.Precision("fp16")).tolist(),
+        }
+
+
+def test_under_autocast_in_process_equals_real_processes(local_worlds) -> None:
+    """The in-process transport joined the ranks' pieces with ``torch.cat`` under the
+    caller's autocast, which on CPU refuses float16: every float16 all_gather / all_to_all
+    (and ``precision=Precision("fp16")``, whose wire is float16) raised "Unexpected
+    floating ScalarType in at::autocast::prioritize" in-process, where gloo processes
+    move the bytes. Now it moves them as a transport does, outside autocast."""
+    real = local_worlds(2).run(_under_autocast)
+    here = local_worlds(2, in_process=True).run(_under_autocast)
+    assert here == real
+
+
 def test_a_rank_that_raises_is_named(inproc_world3) -> None:
     def body() -> None:
         if dist.get_rank() == 1:

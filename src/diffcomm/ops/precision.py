@@ -167,8 +167,13 @@ def _reduce_scatter_acc(x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, 
         parts_s = raw_all_to_all(
             s, dim, dim, pg, _scale_sizes(sizes, dim, x, p), _scale_sizes(outs, dim, x, p)
         )
-    parts = decode(parts_q, parts_s, acc)  # every rank's chunk ``rank``, along dim
-    total = parts.unflatten(dim, (world, mine)).sum(dim)
+    parts = decode(parts_q, parts_s, acc).unflatten(dim, (world, mine))  # every rank's chunk
+    if acc.itemsize >= 4:
+        total = parts.sum(dim)
+    else:  # torch sums bf16 / fp16 in float32: add in ``acc`` itself, rank by rank
+        total = parts.select(dim, 0)
+        for j in range(1, world):
+            total = total + parts.select(dim, j)
     return total / world if op == "avg" else total
 
 

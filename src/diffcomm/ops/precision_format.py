@@ -98,14 +98,16 @@ class Precision:
             ``"fp16"``, ``torch.float8_e4m3fn`` / ``"fp8_e4m3"``, ``torch.float8_e5m2`` /
             ``"fp8_e5m2"``; ``None``: the payload's own dtype, exactly (no quantization:
             the op's plain path, e.g. an exact backward).
-        accumulate: the dtype a reduction sums the dequantized contributions in;
-            ``None``: ``float32``, or the payload's dtype if wider (``float64``).
+        accumulate: the dtype a reduction sums the dequantized contributions in (rank
+            by rank, each addition rounded to it); ``None``: ``float32``, or the payload's
+            dtype if wider (``float64``). A quantized ``wire`` only (``None`` runs the
+            plain op, which reduces in the payload's dtype).
         block_size: fp8 only: elements per scale along the last dim (must divide it, and
             every chunk an op splits the last dim into); ``None``: one scale per row.
         backward: the settings of the backward (the gradient's collective); ``None``:
-            the same ``wire`` / ``accumulate`` / ``block_size`` as the forward. Its own
-            ``backward`` is ignored: the backward of the backward (double backward) uses
-            this forward's settings.
+            the same ``wire`` / ``accumulate`` / ``block_size`` as the forward. The
+            backward of the backward (double backward) uses this forward's settings, so
+            its own ``backward`` must be ``None`` (or those settings).
 
     Example::
 
@@ -133,10 +135,26 @@ class Precision:
                     f"diffcomm.Precision: block_size={b} applies to fp8 wire dtypes only "
                     f"(wire={self.wire}: a plain cast, no scales)"
                 )
+        if self.wire is None and self.accumulate is not None:
+            # (the plain op reduces in the payload's own dtype: it would be ignored, silently)
+            raise ValueError(
+                f"diffcomm.Precision: accumulate={self.accumulate} applies to a quantized wire "
+                "only; wire=None runs the plain op, which reduces in the payload's own dtype "
+                "(a bf16 payload summed in float32: Precision('bf16'))"
+            )
         if self.backward is not None and not isinstance(self.backward, Precision):
             raise TypeError(
                 "diffcomm.Precision: backward must be a Precision or None, got "
                 f"{type(self.backward).__name__}"
+            )
+        back = self.backward
+        if back is not None and back.backward is not None and back.backward != self.forward_only():
+            # double backward uses this forward's settings (``transposed``), never back.backward
+            raise ValueError(
+                f"diffcomm.Precision: backward=Precision({back.tag}, backward="
+                f"Precision({back.backward.tag})): that inner backward would be ignored, the "
+                f"backward of the backward (double backward) uses the forward settings "
+                f"({self.tag}); leave the backward's own backward None"
             )
 
     # -- the settings of each direction ------------------------------------------------
