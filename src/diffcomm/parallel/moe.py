@@ -76,7 +76,7 @@ from ._module import (
     resolve_parallel_group,
     serial_shape,
 )
-from ._seams import check_not_synced_by_ddp
+from ._seams import VARIES_NOTE, check_not_synced_by_ddp, note_varying
 from .blocks import MLP
 from .layers import LayerOptions
 from .routing import DispatchPlan, check_positions, combine, dispatch, load_balancing_loss, route
@@ -685,6 +685,9 @@ class ExpertParallelMoE(nn.Module):
             if isinstance(positions, Tensor) and positions.ndim > 1 and positions.shape == x.shape[:-1]:
                 positions = positions.reshape(-1)
             check_positions("parallel.ExpertParallelMoE", positions, x2)
+        if any(VARIES_NOTE not in p.__dict__ for p in self.experts.parameters()):
+            for n, p in self.experts.named_parameters(prefix="experts"):  # for the ZeRO check
+                note_varying(p, f"ExpertParallelMoE.{n}", self._pg)
         if active_ddp() is not None:  # torch's DDP over ranks holding other experts: refused
             experts = [(n, p, self._pg) for n, p in self.experts.named_parameters(prefix="experts")]
             check_not_synced_by_ddp(self, "parallel.ExpertParallelMoE", experts)
