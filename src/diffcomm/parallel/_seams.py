@@ -9,6 +9,9 @@ that turn a silent wrong model into an error (docs/parallel.md, "In a training s
   ``ZeroRedundancyOptimizer`` over ranks holding different shards or experts (a global
   optimizer step pre-hook, registered on import; shards noted by the layers' forward,
   :func:`check_shards_plain` and :func:`note_varying`).
+- a replicated gradient summed over its group again after a backward added onto the last
+  sum (``ExpertParallelMoE.sync_replicated_grads`` per micro-batch: :func:`grads_to_sum`,
+  :func:`note_summed`).
 
 None of them communicates. Private to :mod:`diffcomm.parallel`.
 """
@@ -28,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._torch import active_ddp
 from .._torch import compiling as _compiling
+from ..backend import args as A
 
 
 def _shard_dims(m: nn.Module) -> dict[str, int | None]:
@@ -219,6 +223,74 @@ def _check_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     :func:`_refuse_zero_over_varying`."""
     _refuse_reducing_optimizer(optimizer, args, kwargs)
     _refuse_zero_over_varying(optimizer)
+
+
+#: a replicated parameter's gradient as the last sum over its group left it:
+#: ``(weakref to that .grad, its version)``; and, the same way, as a backward that added
+#: onto such a gradient left it (valid while the gradient is not zeroed or replaced)
+_SUMMED = "_diffcomm_grad_summed"
+_ADDED_ONTO_SUM = "_diffcomm_added_onto_sum"
+
+
+def _unchanged(p: Tensor, mark: tuple[Any, int] | None) -> bool:
+    """``p.grad`` is the tensor ``mark`` names, not changed in place since."""
+    return mark is not None and p.grad is not None and p.grad is mark[0]() and p.grad._version == mark[1]
+
+
+def _watch_accumulation(p: Tensor) -> None:
+    """Hooks of a replicated parameter around each backward's accumulation into ``.grad``:
+    before it, whether ``.grad`` is still the sum (or a sum added onto) untouched — not
+    zeroed, not set to ``None``; after it, that gradient is marked ``_ADDED_ONTO_SUM``."""
+    ref = weakref.ref(p)
+
+    def before(grad: Tensor) -> None:
+        q = ref()
+        if q is not None:
+            d = q.__dict__
+            d["_diffcomm_onto_sum"] = _unchanged(q, d.get(_SUMMED)) or _unchanged(q, d.get(_ADDED_ONTO_SUM))
+
+    def after(q: Tensor) -> None:
+        if q.__dict__.pop("_diffcomm_onto_sum", False) and q.grad is not None:
+            q.__dict__[_ADDED_ONTO_SUM] = (weakref.ref(q.grad), q.grad._version)
+
+    p.__dict__["_diffcomm_sum_hooks"] = (p.register_hook(before), p.register_post_accumulate_grad_hook(after))
+
+
+def grads_to_sum(op: str, named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
+    """Of replicated parameters whose (plain tensor) gradients ``op`` sums over a group:
+    those still to sum — not one whose ``.grad`` the last sum left untouched (summing it
+    again would multiply it by the group size; skipped: the call is idempotent). Raises
+    ``ValueError``, before any communication, when a backward added onto a summed gradient
+    since the last sum (a sum per micro-batch: the earlier micro-batches' parts, already
+    summed, would count again: group size times)."""
+    out = []
+    for name, p in named:
+        if p.grad is None:
+            continue
+        if _unchanged(p, p.__dict__.get(_ADDED_ONTO_SUM)):
+            raise ValueError(
+                f"diffcomm.{op}(): `{name}`'s gradient was summed over the group by the last call, "
+                "and a backward has added this rank's share onto it since (no zero_grad between): "
+                "summing it again would count the earlier backward's part once per rank. Call it "
+                "once per optimizer step, after the last accumulated backward (or zero the "
+                "gradients after the call)"
+            )
+        if _unchanged(p, p.__dict__.get(_SUMMED)):
+            continue  # already the sum: nothing new to add
+        out.append(p)
+    return out
+
+
+def note_summed(params: Sequence[Tensor]) -> None:
+    """After ``params``' gradients were summed over their group: remember each ``.grad``
+    as the sum left it, and watch the next backwards (:func:`_watch_accumulation`)."""
+    for p in params:
+        if p.grad is None or A.is_dtensor(p.grad):  # (FSDP2's: it accumulates on its own)
+            continue
+        p.__dict__.pop(_ADDED_ONTO_SUM, None)
+        p.__dict__[_SUMMED] = (weakref.ref(p.grad), p.grad._version)
+        if "_diffcomm_sum_hooks" not in p.__dict__:
+            _watch_accumulation(p)
 
 
 def sharded_params(root: nn.Module) -> list[tuple[str, Tensor, Any]]:
