@@ -838,3 +838,59 @@ def test_to_serial_state_dict_gathers_tensor_parallel_experts(world4) -> None:
     checkpoint that was no serial MoE's. Now every tensor is the serial one, loadable."""
     for res in world4.run(_tp_experts_serial_state_dict):
         assert res["keys"] and res["shapes"] == {} and res["err"] == 0.0 and res["back"] == 0.0, res
+
+
+def _sync_per_micro_batch() -> dict[str, Any]:
+    """Two micro-batches of this rank's tokens accumulated into the replicated gradients,
+    ``sync_replicated_grads`` after each (the documented misuse); a second call with no
+    backward between; ``zero_grad(set_to_none=False)`` between steps. Against the serial
+    MoE on every rank's tokens."""
+    from diffcomm import backend as B
+    from diffcomm.parallel import ExpertParallelMoE, MoE
+
+    w, r = dc.get_world_size(), dc.get_rank()
+    serial = MoE(8, 6, 4, 2, shared_expert_size=5, activation="tanh", dtype=F64, seed=3)
+    ep = ExpertParallelMoE.from_serial(serial)
+    xs = torch.randn(2, w, 3, 8, dtype=F64, generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {}
+
+    def worst() -> float:
+        mine = dict(ep.named_parameters())
+        return max(
+            float((mine[n].grad - q.grad).abs().max())
+            for n, q in serial.named_parameters()
+            if n in mine and n.startswith(("router", "shared"))
+        )
+
+    for m in range(2):
+        serial(xs[m].reshape(-1, 8)).sum().backward()
+    ep(xs[0, r]).sum().backward()
+    ep.sync_replicated_grads()
+    ep(xs[1, r]).sum().backward()
+    with B.log_comms() as log:
+        try:
+            ep.sync_replicated_grads()
+            out["per micro-batch"] = f"no error, {worst():.2g} off"
+        except ValueError as e:
+            out["per micro-batch"] = f"{e} [{log.count()} comms]"
+    for mod in (ep, serial):
+        mod.zero_grad(set_to_none=False)  # (kept tensors, zeroed in place)
+    for m in range(2):
+        serial(xs[m].reshape(-1, 8)).sum().backward()
+        ep(xs[m, r]).sum().backward()
+    ep.sync_replicated_grads()
+    ep.sync_replicated_grads()  # nothing new: sums nothing again
+    out["once per step, called twice"] = worst()
+    return out
+
+
+def test_sync_replicated_grads_per_micro_batch_refused(world2) -> None:
+    """Before, a call after each of two micro-batches counted the first one's part twice at
+    world 2 (router and shared expert gradients off by up to ~1, no error), and a second
+    call with no backward between doubled the gradients again. Now the first is a
+    ValueError before any communication and the second sums nothing."""
+    for res in world2.run(_sync_per_micro_batch):
+        msg = res["per micro-batch"]
+        assert "sync_replicated_grads(): `router.weight`'s gradient was summed" in msg, res
+        assert msg.endswith("[0 comms]"), res
+        assert res["once per step, called twice"] < 1e-12, res

@@ -572,6 +572,68 @@ def test_ddp_over_the_tensor_parallel_ranks_refused(world4) -> None:
     assert all(msgs[3:] == ["no error"] * 3 for msgs in per_rank), per_rank
 
 
+def _zero_over_the_shards() -> list[str]:
+    """torch's ZeroRedundancyOptimizer over the world and over the ``tp`` axis of a 2 x 2
+    mesh (ranks holding different shards or experts), the models in DDP over ``dp``:
+    the step refuses on every rank, before it changes or sends anything; over ``dp`` it
+    steps, and equals the serial model's step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    out = []
+    for kind in ("mlp", "moe"):
+        for where in (None, mesh.get_group("tp"), mesh.get_group("dp")):
+            ser, mine = _models(kind, (mesh, "tp"))
+            model = DDP(mine, process_group=mesh.get_group("dp"))
+            opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=where, lr=0.1)
+            sopt = torch.optim.SGD(ser.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(1)
+            x, t = (torch.randn(2, S, B, H, dtype=F64, generator=g) for _ in range(2))
+            xl, tl = x[dp], t[dp]
+            x, t = torch.cat(list(x), 1), torch.cat(list(t), 1)
+            if kind == "moe":  # each ep rank half of its dp replica's tokens
+                x, t = (a.transpose(0, 1).reshape(-1, H) for a in (x, t))
+                xl, tl = (a.transpose(0, 1).reshape(-1, H).chunk(2)[tp] for a in (xl, tl))
+            (F.mse_loss(model(xl), tl) / (2 if kind == "moe" else 1)).backward()
+            F.mse_loss(ser(x), t).backward()
+            if kind == "moe":
+                mine.sync_replicated_grads()
+            before = [p.detach().clone() for p in mine.parameters()]
+            out += refusal_messages([opt.step])
+            if out[-1] == "no error":
+                sopt.step()
+                out.append(f"off {_worst_param(mine, ser):.1e}")
+            else:
+                same = all(torch.equal(a, p) for a, p in zip(before, mine.parameters(), strict=True))
+                out.append(f"unchanged {same}")
+    return out
+
+
+@pytest.mark.diffcomm_in_process(False)
+def test_zero_over_the_tensor_parallel_ranks_refused(world4) -> None:
+    """Before, ``ZeroRedundancyOptimizer`` over the world or the ``tp`` axis around a
+    ParallelMLP over ``tp`` stepped each parameter on one rank and broadcast it over the
+    others' different shards: one SGD step left the weights 0.49-0.66 off the serial
+    ones (ranks 0/2 and 1/3), with no error. Over ``dp``: 1e-17."""
+    msg = (
+        r"ValueError: diffcomm\.parallel: torch's ZeroRedundancyOptimizer runs over the ranks "
+        r"\[{}\], but its parameter .* `{}` differs between the ranks \[\d, \d\]"
+    )
+    mlp, moe = "ColumnParallelLinear.weight", r"ExpertParallelMoE\.experts\.0\.fc1\.weight"
+    for msgs in world4.run(_zero_over_the_shards):
+        assert_refused_before_communicating(
+            [[msgs[0], msgs[2], msgs[6], msgs[8]]],
+            [msg.format("0, 1, 2, 3", mlp), msg.format(r"\d, \d", mlp)]
+            + [msg.format("0, 1, 2, 3", moe), msg.format(r"\d, \d", moe)],
+        )
+        assert [msgs[i] for i in (1, 3, 7, 9)] == ["unchanged True"] * 4, msgs
+        assert msgs[4] == msgs[10] == "no error", msgs
+        assert float(msgs[5][4:]) < 1e-10 and float(msgs[11][4:]) < 1e-10, msgs
+
+
 def _fsdp_over_the_shards() -> list[str]:
     """FSDP2 over the whole world (a 1-D mesh of 4) around a ParallelMLP over the ``tp``
     axis of a 2 x 2 mesh: its output is off the serial one (FSDP assembled each weight

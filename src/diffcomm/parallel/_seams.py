@@ -5,14 +5,20 @@ that turn a silent wrong model into an error (docs/parallel.md, "In a training s
   hooks or pruning (:func:`check_shards_plain`);
 - torch's ``DistributedDataParallel`` over ranks holding different shards or experts
   (:func:`check_not_synced_by_ddp`);
-- a step of torch's non-elementwise optimizers over a shard (a global optimizer step
-  pre-hook, registered on import; shards noted by :func:`note_shards`).
+- a step of torch's non-elementwise optimizers over a shard, and of torch's
+  ``ZeroRedundancyOptimizer`` over ranks holding different shards or experts (a global
+  optimizer step pre-hook, registered on import; shards noted by the layers' forward,
+  :func:`check_shards_plain` and :func:`note_varying`).
+- a replicated gradient summed over its group again after a backward added onto the last
+  sum (``ExpertParallelMoE.sync_replicated_grads`` per micro-batch: :func:`grads_to_sum`,
+  :func:`note_summed`).
 
 None of them communicates. Private to :mod:`diffcomm.parallel`.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._torch import active_ddp
 from .._torch import compiling as _compiling
+from ..backend import args as A
 
 
 def _shard_dims(m: nn.Module) -> dict[str, int | None]:
@@ -53,6 +60,7 @@ def check_shards_plain(root: nn.Module, op: str, *, note: bool = False) -> None:
                 p = m._parameters[name]
                 if note and p is not None and _SHARD_NOTE not in p.__dict__:  # (note_shards's work)
                     p.__dict__[_SHARD_NOTE] = f"{type(m).__name__}.{name}"
+                    note_varying(p, p.__dict__[_SHARD_NOTE], getattr(m, "_pg", None))
                 continue
             if name in m._buffers:
                 continue
@@ -123,6 +131,23 @@ _REDUCING_OPTIMIZERS = {
 }
 #: the attribute naming the layer and parameter a shard belongs to (set by its forward)
 _SHARD_NOTE = "_diffcomm_shard_of"
+#: the attribute holding ``(name, global ranks)`` of a parameter that differs between those
+#: ranks (a shard's group, an expert's), ranks ``None`` where they cannot be told (no
+#: process group); set by the layers' forward, read by the ZeRO check. Plain data, so a
+#: pickled parameter (``torch.save(model)``) still pickles.
+VARIES_NOTE = "_diffcomm_varies_over"
+
+
+def note_varying(p: Tensor, where: str, pg: Any) -> None:
+    """Mark ``p`` as differing between the ranks of ``pg`` (a shard, an expert), once, for
+    :func:`_refuse_zero_over_varying`. No communication."""
+    if VARIES_NOTE in p.__dict__:
+        return
+    try:
+        ranks: frozenset[int] | None = frozenset(ranks_of(pg))
+    except (RuntimeError, ValueError):  # no process group: nothing a ZeRO could be over
+        ranks = None
+    p.__dict__[VARIES_NOTE] = (where, ranks)
 
 
 def note_shards(root: nn.Module) -> None:
@@ -133,6 +158,7 @@ def note_shards(root: nn.Module) -> None:
             p = m._parameters.get(name)
             if dim is not None and p is not None and _SHARD_NOTE not in p.__dict__:
                 p.__dict__[_SHARD_NOTE] = f"{type(m).__name__}.{name}"
+                note_varying(p, p.__dict__[_SHARD_NOTE], getattr(m, "_pg", None))
 
 
 def _refuse_reducing_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -156,6 +182,117 @@ def _refuse_reducing_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
                 )
 
 
+def _refuse_zero_over_varying(optimizer: Any) -> None:
+    """Refuse a step of torch's ``ZeroRedundancyOptimizer`` whose group holds two ranks
+    between which one of its parameters differs (a shard, an expert), before the step
+    changes or sends anything. ZeRO assigns each parameter to one rank of its group by
+    index, and after that rank's step broadcasts it over the group: the owner's shard
+    overwrote the other ranks' different shards (a ``ParallelMLP`` over the ``tp`` axis of
+    a 2 x 2 mesh, ZeRO over the world: 0.49-0.66 off the serial weights after one SGD
+    step, with no error). Over the data-parallel group (ranks holding the same shard) it
+    runs. Decided from each rank's own groups: alike on every rank of a ZeRO group that is
+    a mesh axis (or the world) — a group cutting across mesh axes irregularly may be seen
+    by some of its ranks only. No communication."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is None or not isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return
+    zero_ranks: set[int] | None = None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            note = p.__dict__.get(VARIES_NOTE)
+            if note is None or note[1] is None:
+                continue
+            if zero_ranks is None:
+                zero_ranks = ranks_of(optimizer.process_group)
+            both = sorted(note[1] & zero_ranks)
+            if len(both) > 1:
+                raise ValueError(
+                    f"diffcomm.parallel: torch's ZeroRedundancyOptimizer runs over the ranks "
+                    f"{sorted(zero_ranks)}, but its parameter {tuple(p.shape)} `{note[0]}` differs "
+                    f"between the ranks {sorted(note[1])} (each holds its own shard or experts), "
+                    f"{both} of them in the optimizer's group: ZeRO steps each parameter on one "
+                    "rank and broadcasts it over its group, overwriting the other ranks' shards "
+                    "(no error otherwise). Give ZeRO the data-parallel group only, one rank of each "
+                    "tensor/expert-parallel group: ZeroRedundancyOptimizer(params, ..., "
+                    "process_group=mesh.get_group('dp'))"
+                )
+
+
+def _check_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The global optimizer step pre-hook: :func:`_refuse_reducing_optimizer` and
+    :func:`_refuse_zero_over_varying`."""
+    _refuse_reducing_optimizer(optimizer, args, kwargs)
+    _refuse_zero_over_varying(optimizer)
+
+
+#: a replicated parameter's gradient as the last sum over its group left it:
+#: ``(weakref to that .grad, its version)``; and, the same way, as a backward that added
+#: onto such a gradient left it (valid while the gradient is not zeroed or replaced)
+_SUMMED = "_diffcomm_grad_summed"
+_ADDED_ONTO_SUM = "_diffcomm_added_onto_sum"
+
+
+def _unchanged(p: Tensor, mark: tuple[Any, int] | None) -> bool:
+    """``p.grad`` is the tensor ``mark`` names, not changed in place since."""
+    return mark is not None and p.grad is not None and p.grad is mark[0]() and p.grad._version == mark[1]
+
+
+def _watch_accumulation(p: Tensor) -> None:
+    """Hooks of a replicated parameter around each backward's accumulation into ``.grad``:
+    before it, whether ``.grad`` is still the sum (or a sum added onto) untouched — not
+    zeroed, not set to ``None``; after it, that gradient is marked ``_ADDED_ONTO_SUM``."""
+    ref = weakref.ref(p)
+
+    def before(grad: Tensor) -> None:
+        q = ref()
+        if q is not None:
+            d = q.__dict__
+            d["_diffcomm_onto_sum"] = _unchanged(q, d.get(_SUMMED)) or _unchanged(q, d.get(_ADDED_ONTO_SUM))
+
+    def after(q: Tensor) -> None:
+        if q.__dict__.pop("_diffcomm_onto_sum", False) and q.grad is not None:
+            q.__dict__[_ADDED_ONTO_SUM] = (weakref.ref(q.grad), q.grad._version)
+
+    p.__dict__["_diffcomm_sum_hooks"] = (p.register_hook(before), p.register_post_accumulate_grad_hook(after))
+
+
+def grads_to_sum(op: str, named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
+    """Of replicated parameters whose (plain tensor) gradients ``op`` sums over a group:
+    those still to sum — not one whose ``.grad`` the last sum left untouched (summing it
+    again would multiply it by the group size; skipped: the call is idempotent). Raises
+    ``ValueError``, before any communication, when a backward added onto a summed gradient
+    since the last sum (a sum per micro-batch: the earlier micro-batches' parts, already
+    summed, would count again: group size times)."""
+    out = []
+    for name, p in named:
+        if p.grad is None:
+            continue
+        if _unchanged(p, p.__dict__.get(_ADDED_ONTO_SUM)):
+            raise ValueError(
+                f"diffcomm.{op}(): `{name}`'s gradient was summed over the group by the last call, "
+                "and a backward has added this rank's share onto it since (no zero_grad between): "
+                "summing it again would count the earlier backward's part once per rank. Call it "
+                "once per optimizer step, after the last accumulated backward (or zero the "
+                "gradients after the call)"
+            )
+        if _unchanged(p, p.__dict__.get(_SUMMED)):
+            continue  # already the sum: nothing new to add
+        out.append(p)
+    return out
+
+
+def note_summed(params: Sequence[Tensor]) -> None:
+    """After ``params``' gradients were summed over their group: remember each ``.grad``
+    as the sum left it, and watch the next backwards (:func:`_watch_accumulation`)."""
+    for p in params:
+        if p.grad is None or A.is_dtensor(p.grad):  # (FSDP2's: it accumulates on its own)
+            continue
+        p.__dict__.pop(_ADDED_ONTO_SUM, None)
+        p.__dict__[_SUMMED] = (weakref.ref(p.grad), p.grad._version)
+        if "_diffcomm_sum_hooks" not in p.__dict__:
+            _watch_accumulation(p)
+
+
 def sharded_params(root: nn.Module) -> list[tuple[str, Tensor, Any]]:
     """``(name, parameter, group)`` of every sharded parameter of the layers under ``root``."""
     out: list[tuple[str, Tensor, Any]] = []
@@ -167,4 +304,4 @@ def sharded_params(root: nn.Module) -> list[tuple[str, Tensor, Any]]:
     return out
 
 
-register_optimizer_step_pre_hook(_refuse_reducing_optimizer)
+register_optimizer_step_pre_hook(_check_optimizer_step)

@@ -76,7 +76,7 @@ from ._module import (
     resolve_parallel_group,
     serial_shape,
 )
-from ._seams import check_not_synced_by_ddp
+from ._seams import VARIES_NOTE, check_not_synced_by_ddp, grads_to_sum, note_summed, note_varying
 from .blocks import MLP
 from .layers import LayerOptions
 from .routing import DispatchPlan, check_positions, combine, dispatch, load_balancing_loss, route
@@ -651,10 +651,14 @@ class ExpertParallelMoE(nn.Module):
 
         Call it once per optimizer step, after the last backward: it sums the gradients
         as they are, so with gradient accumulation a call after every micro-batch's
-        backward would count the earlier micro-batches ``world`` times again. Under FSDP2's
+        backward would count the earlier micro-batches ``world`` times again: such a call
+        (a backward added onto the gradients the last call summed, not zeroed between) is
+        a ``ValueError`` before any communication; a second call with no backward between
+        sums nothing again. Under FSDP2's
         ``fully_shard`` over another mesh axis each gradient is a ``DTensor``: its local
         shards are summed, in place."""
-        params = [p for p in self.replicated_parameters() if p.grad is not None]
+        named = [(n, p) for n, p in self.named_parameters() if n.startswith(("router.", "shared_expert."))]
+        params = grads_to_sum("parallel.ExpertParallelMoE.sync_replicated_grads", named)
         # a DTensor gradient (FSDP2's fully_shard over another mesh axis): its local shard,
         # the same part of the parameter on every rank of this group, summed in place
         grads: list[Any] = [p.grad for p in params]
@@ -664,10 +668,12 @@ class ExpertParallelMoE(nn.Module):
         with torch.no_grad():
             summed = coalesced.all_reduce_coalesced(grads, "sum", self._pg)
             for p, g, total in zip(params, grads, summed):
-                if g is p.grad:
-                    p.grad = total
+                if g is p.grad:  # (a tensor of its own, not a part of the coalesced buffer,
+                    # whose version counter counts every part's changes: see note_summed)
+                    p.grad = total.clone()
                 else:
                     g.copy_(total)
+        note_summed(params)  # (a second call before the next backward sums nothing again)
 
     def forward(self, x: Tensor, *, positions: Tensor | None = None) -> Tensor:
         """``x``: ``(..., H)`` this rank's tokens; returns ``(..., H)``.
@@ -685,6 +691,9 @@ class ExpertParallelMoE(nn.Module):
             if isinstance(positions, Tensor) and positions.ndim > 1 and positions.shape == x.shape[:-1]:
                 positions = positions.reshape(-1)
             check_positions("parallel.ExpertParallelMoE", positions, x2)
+        if any(VARIES_NOTE not in p.__dict__ for p in self.experts.parameters()):
+            for n, p in self.experts.named_parameters(prefix="experts"):  # for the ZeRO check
+                note_varying(p, f"ExpertParallelMoE.{n}", self._pg)
         if active_ddp() is not None:  # torch's DDP over ranks holding other experts: refused
             experts = [(n, p, self._pg) for n, p in self.experts.named_parameters(prefix="experts")]
             check_not_synced_by_ddp(self, "parallel.ExpertParallelMoE", experts)

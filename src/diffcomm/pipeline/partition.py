@@ -74,6 +74,7 @@ def partition(
         out.append(stage)
         start += size
     _record_ties(out)
+    _record_shared_statistics(out)
     _warn_shared_across_stages(out)
     return out
 
@@ -102,6 +103,29 @@ def _record_ties(stages: list[nn.Sequential]) -> None:
             if id(q) in tie_of
         )
         stage.__dict__["partition_ties"] = ties
+
+
+def has_running_stats(m: nn.Module) -> bool:
+    """A norm module that keeps running statistics: torch's ``BatchNorm*``,
+    ``SyncBatchNorm``, ``InstanceNorm*`` (``track_running_stats``, a ``running_mean``)."""
+    return hasattr(m, "track_running_stats") and m._buffers.get("running_mean") is not None
+
+
+def _record_shared_statistics(stages: list[nn.Sequential]) -> None:
+    """Record on **every** stage the norm modules with running statistics that several
+    stages use: ``stage.partition_shared_stats``, ``((stages, module), ...)`` (the module
+    object itself, not registered as a submodule). Every rank's runner then sees the same
+    facts, also a rank holding none of those stages, and refuses alike
+    (``PipelineRunner.step``: each rank's copy of the module would get only its own
+    stages' updates of the statistics)."""
+    users: dict[int, tuple[nn.Module, list[int]]] = {}
+    for s, stage in enumerate(stages):
+        for m in stage.modules():  # (each module once per stage)
+            if has_running_stats(m):
+                users.setdefault(id(m), (m, []))[1].append(s)
+    shared = tuple((tuple(s), m) for m, s in users.values() if len(s) > 1)
+    for stage in stages:
+        stage.__dict__["partition_shared_stats"] = shared
 
 
 def _warn_shared_across_stages(stages: list[nn.Sequential]) -> None:

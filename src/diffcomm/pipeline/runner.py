@@ -75,6 +75,7 @@ from ..backend import args as A
 from ..ops import p2p
 from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
 from ._split import capture, cooldown, group_plan, input_edge, reaches, weight_plan
+from .partition import has_running_stats
 from .schedules import (
     SCHEDULES,
     Overlap,
@@ -414,6 +415,7 @@ class PipelineRunner:
                 tag,
             )
         self._ties = self._tied_across_ranks()
+        self._shared_stats = self._shared_statistics()
         # per chunk: its virtual stage's neighbours, (rank, tag) or None (this rank: the V
         # turn), and the last virtual stage — looked up on every step, computed once here
         self._srcs = [self._src(c) for c in range(self.n_chunks)]
@@ -494,6 +496,52 @@ class PipelineRunner:
                         objects[tie].add(id(m.get_parameter(name)))
                         entry[1].append((c, f"{prefix}.{name}" if prefix else name))
         return [ties[t] for t in sorted(ties) if len(ties[t][2]) > 1 or len(ties[t][1]) > 1]
+
+    def _shared_statistics(self) -> list[tuple[nn.Module, str, tuple[int, ...], bool]]:
+        """Norm modules with running statistics (:func:`has_running_stats`) used by two
+        virtual stages: ``(module, name, stages, recorded)`` — recorded by
+        :func:`partition` (on every stage, so every rank knows them, also one holding
+        none of those stages), or the same module in two chunks here (stages cut by hand:
+        known to this rank only)."""
+        found: dict[int, tuple[nn.Module, str, set[int], bool]] = {}
+        for chunk in self.chunks:
+            for m in chunk.modules():
+                for stages, owner in m.__dict__.get("partition_shared_stats", ()):
+                    where = "a module partition found in several stages"
+                    found[id(owner)] = (owner, where, set(stages), True)
+        for c, chunk in enumerate(self.chunks):
+            for prefix, m in chunk.named_modules():
+                if has_running_stats(m) and not found.get(id(m), (None, "", set(), False))[3]:
+                    found.setdefault(id(m), (m, f"chunk {c}'s `{prefix}`", set(), False))[2].add(self._gs[c])
+        return [(m, w, tuple(sorted(s)), r) for m, w, s, r in found.values() if len(s) > 1]
+
+    def _check_shared_statistics(self, n_micro: int) -> None:
+        """Refuse, before any communication, a norm module updating its running statistics
+        (training, ``track_running_stats``) in two virtual stages on several ranks (each
+        rank's copy would get only its own stages' updates: after one step 0.028 and 0.032
+        off the serial running mean, with no error), or on one rank with ``n_micro > 1``
+        (updated in the schedule's order, not micro-batch after micro-batch: 0.005 off at
+        ``n_micro=2``, 0.009 at 4). In eval mode, or without running statistics, it runs;
+        on one rank with one micro-batch the updates come in the serial order."""
+        for m, where, stages, _ in self._shared_stats:
+            ranks = sorted({stage_owner(s, self.n_stages, self.placement)[0] for s in stages})
+            across = len(ranks) > 1
+            if not (m.training and getattr(m, "track_running_stats", False)) or not (across or n_micro > 1):
+                continue
+            why = (
+                f"on the ranks {ranks}: each rank's copy would get only its own stages' updates"
+                if across
+                else f"on rank {ranks[0]} with n_micro={n_micro}: they come in the schedule's "
+                "order, not micro-batch after micro-batch as serially"
+            )
+            raise ValueError(
+                f"diffcomm.PipelineRunner.step(): {where} ({type(m).__name__}) updates its running "
+                f"statistics in training mode in the virtual stages {list(stages)}, {why} (a wrong "
+                "model in eval mode, no error otherwise). Put it in eval mode (`.eval()`), build it "
+                "with track_running_stats=False, or give each stage its own module"
+                + ("" if across else ", or step with n_micro=1")
+                + f" (rank {self.rank})"
+            )
 
     def _sync_tied(self, held: list[list[Tensor | None]]) -> Exception | None:
         """Sum this step's part of every tied weight's gradient over its copies on this rank
@@ -764,6 +812,8 @@ class PipelineRunner:
         varying_parameters(self.stage, self.pg)  # each stage's own (dc.spmd_check; else a no-op)
         if n_micro < 1:
             raise A.arg_error("PipelineRunner.step", "n_micro", "an int >= 1", n_micro)
+        if self._shared_stats:
+            self._check_shared_statistics(n_micro)
         if (
             input_grad
             and isinstance(inputs, Tensor)
