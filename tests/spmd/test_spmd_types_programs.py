@@ -251,3 +251,188 @@ def test_user_function_typed_from_its_spmd_types_rule(world2: dc.LocalWorld) -> 
         assert no_copy is not None and "insert parallel.copy_to_region before the linear" in no_copy, no_copy
         assert twice is not None and "ReduceFromTP at test_spmd_types_programs.py:" in twice, twice
         assert "spmd_types rule (spmd_typecheck) refuses its inputs (replicated)" in twice, twice
+
+
+# ======================================================================================
+# spmd_types' API beside diffcomm's ops: each case once silently wrong or refused when right
+# ======================================================================================
+
+
+def _verdict(program: object, *args: object) -> tuple[str | None, object]:
+    """``program`` under ``dc.spmd_check``: (the error message or ``None``, its result)."""
+    import spmd_types  # noqa: F401  (imported before the check: its assert_type is read)
+
+    try:
+        with dc.spmd_check():
+            return None, program(*args)  # type: ignore[operator]
+    except TypeError as e:
+        return f"{type(e).__name__}: {e}", None
+
+
+def _copy_by_invariant_to_replicate(bug: bool) -> torch.Tensor:
+    """Megatron's copy written as ``spmd_types.invariant_to_replicate`` (``convert(I, R)``:
+    its backward sums the gradient); with ``bug`` its output is the replicated loss."""
+    import spmd_types as spmd
+    import torch.distributed as dist
+
+    pg, rank = dist.group.WORLD, dc.get_rank()
+    x = spmd.assert_type(_randn(3, 4, seed=0).requires_grad_(), {pg: spmd.I})
+    h = spmd.invariant_to_replicate(x, pg)
+    if bug:  # an R loss: the gradient of a loss counted once summed over the ranks
+        h.pow(2).sum().backward()
+        return x.grad.detach().clone()  # type: ignore[union-attr]
+    w1 = spmd.assert_type(nn.Parameter(_randn(6, 4, seed=1 + rank)), {pg: spmd.V})
+    w2 = spmd.assert_type(nn.Parameter(_randn(4, 6, seed=5 + rank)), {pg: spmd.V})
+    y = spmd.all_reduce(F.linear(F.gelu(F.linear(h, w1)), w2), pg, src=spmd.P, dst=spmd.I)
+    y.pow(2).mean().backward()
+    return x.grad.detach().clone()  # type: ignore[union-attr]
+
+
+def _serial_copy_by_invariant_to_replicate(bug: bool, world: int) -> torch.Tensor:
+    x = _randn(3, 4, seed=0).requires_grad_()
+    if bug:
+        x.pow(2).sum().backward()
+    else:
+        w1 = torch.cat([_randn(6, 4, seed=1 + r) for r in range(world)])
+        w2 = torch.cat([_randn(4, 6, seed=5 + r) for r in range(world)], 1)
+        F.linear(F.gelu(F.linear(x, w1)), w2).pow(2).mean().backward()
+    return x.grad  # type: ignore[return-value]
+
+
+def test_invariant_to_replicate_is_typed_as_convert_from_i_to_r(inproc_world2: dc.LocalWorld) -> None:
+    """``spmd_types.invariant_to_replicate`` reaches the check by its own name (not through
+    ``convert``); it was typed as a plain op (its output tied to its I input): the correct
+    Megatron copy was refused at the column-parallel matmul, and its R output used as a
+    replicated loss passed with every gradient world-size times too large."""
+
+    def body(bug: bool) -> tuple[tuple[str | None, object], torch.Tensor]:
+        return _verdict(_copy_by_invariant_to_replicate, bug), _copy_by_invariant_to_replicate(bug)
+
+    for bug in (False, True):
+        serial = _serial_copy_by_invariant_to_replicate(bug, 2)
+        results = inproc_world2.run(body, bug)
+        assert len({str(v[0][0]) for v in results}) == 1, results  # one verdict on every rank
+        for (error, _), plain in results:
+            if bug:  # the serial truth: the unchecked gradients are wrong...
+                assert torch.allclose(plain, 2 * serial), (plain, serial)
+                assert error is not None and "spmd_types.invariant_to_replicate(src=I, dst=R)" in error, error
+            else:  # ... or right, and then the check passes
+                assert torch.allclose(plain, serial), (plain, serial)
+                assert error is None, error
+
+
+def _reduced_again(how: str) -> torch.Tensor:
+    """A value spmd_types reduced (or gathered) summed again, without a gradient (eval)."""
+    import spmd_types as spmd
+    import torch.distributed as dist
+    from spmd_types import I, P, R, S
+
+    pg, rank = dist.group.WORLD, dc.get_rank()
+    with torch.no_grad():
+        if how == "all_reduce":
+            y = spmd.all_reduce(spmd.assert_type(_randn(3, seed=rank), {pg: P}), pg, src=P, dst=R)
+        elif how == "all_gather":
+            y = spmd.all_gather(spmd.assert_type(_randn(2, seed=rank), {pg: S(0)}), pg, src=S(0), dst=I)
+        else:  # a conversion of a replicated constant: nothing combined, a sum of it is W * y
+            y = spmd.convert(spmd.assert_type(_randn(3, seed=0), {pg: I}), pg, src=I, dst=R)
+        return dc.all_reduce(y)
+
+
+def test_a_value_spmd_types_combined_over_the_ranks_is_not_summed_again(inproc_world2: dc.LocalWorld) -> None:
+    """The replicated output of an spmd_types reduction or gather holds the ranks' values
+    combined, as diffcomm's own ops' outputs do: ``dc.all_reduce`` of it (in evaluation, no
+    gradient) sums the sum, world-size times the serial value. It passed as arithmetic."""
+
+    def body() -> list[tuple[str | None, object]]:
+        return [_verdict(_reduced_again, how) for how in ("all_reduce", "all_gather", "convert")]
+
+    serial = _randn(3, seed=0) + _randn(3, seed=1)
+    for (reduced, _), (gathered, _), (converted, value) in inproc_world2.run(body):
+        assert reduced is not None and "spmd_types.all_reduce(src=P, dst=R)" in reduced, reduced
+        assert "twice" in reduced, reduced
+        assert gathered is not None and "spmd_types.all_gather(src=S(0), dst=I)" in gathered, gathered
+        assert converted is None and torch.allclose(value, 2 * _randn(3, seed=0)), converted  # type: ignore[arg-type]
+    plain = inproc_world2.run(lambda: _reduced_again("all_reduce"))
+    assert all(torch.allclose(v, 2 * serial) for v in plain)  # the serial truth: twice the sum
+
+
+def _clip_norm(via: str) -> torch.Tensor:
+    """A clipping norm: a replicated parameter's squared norm stacked beside a shard's,
+    summed over the ranks with spmd_types: the replicated term counted world-size times."""
+    import spmd_types as spmd
+    import torch.distributed as dist
+    from spmd_types import I, P, V
+
+    pg, rank = dist.group.WORLD, dc.get_rank()
+    rep = _randn(4, seed=0)  # alike on every rank
+    shard = spmd.assert_type(_randn(4, seed=1 + rank), {pg: V})
+    sq = torch.stack([rep.pow(2).sum(), shard.pow(2).sum()]).sum()
+    if via == "redistribute":
+        return spmd.redistribute(sq, pg, src=P, dst=I)
+    return spmd.all_reduce(sq, pg, src=P, dst=I)
+
+
+def test_redistribute_from_partial_is_a_sum_over_the_ranks(inproc_world2: dc.LocalWorld) -> None:
+    """``redistribute(src=P)`` is an all_reduce (or a reduce_scatter): the check's rules for
+    sums hold there too. A replicated term summed with it passed (counted world-size times)."""
+
+    def body() -> list[str | None]:
+        return [_verdict(_clip_norm, via)[0] for via in ("all_reduce", "redistribute")]
+
+    serial = _randn(4, seed=0).pow(2).sum() + sum(_randn(4, seed=1 + r).pow(2).sum() for r in range(2))
+    plain = inproc_world2.run(lambda: _clip_norm("redistribute"))
+    assert all(not torch.allclose(v, serial) for v in plain)  # the serial truth: wrong
+    for by_all_reduce, by_redistribute in inproc_world2.run(body):
+        assert by_all_reduce is not None and "holds a replicated term" in by_all_reduce, by_all_reduce
+        assert by_redistribute is not None and "holds a replicated term" in by_redistribute, by_redistribute
+        assert "spmd_types.redistribute(src=P, dst=I)" in by_redistribute, by_redistribute
+
+
+def _fused_linear(after: str) -> torch.Tensor:
+    """A user's fused matmul carrying an spmd_types rule (``rules.einsum``: local, R -> R
+    and I -> I) on replicated values whose gradient kind nothing has fixed yet."""
+    from spmd_types import rules
+
+    class FusedLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):  # type: ignore[no-untyped-def]
+            ctx.save_for_backward(x, w)
+            return x @ w.T
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            x, w = ctx.saved_tensors
+            return g @ w, g.T @ x
+
+        @staticmethod
+        def spmd_typecheck(*, x, w):  # type: ignore[no-untyped-def]
+            return rules.einsum("mk,nk->mn", x, w)
+
+    x = _randn(3, 4, seed=0).requires_grad_()
+    w = nn.Parameter(_randn(5, 4, seed=2))
+    y = FusedLinear.apply(x, w)
+    if after == "broadcast":  # sum convention under a replicated loss: the root's gradient x W
+        y = dc.broadcast(y, src=0)
+    y.pow(2).sum().backward()
+    return x.grad.detach().clone()  # type: ignore[union-attr]
+
+
+def test_user_function_with_a_local_spmd_types_rule_keeps_its_inputs_gradient_kind(
+    inproc_world2: dc.LocalWorld,
+) -> None:
+    """A local rule (``R -> R``, ``I -> I``) fixes no gradient kind: its outputs share
+    their inputs', as a plain op's do. Taking the unfixed inputs as ``R`` refused the correct
+    replicated loss after it ("world-size times too large"); a sum-convention op after it
+    under a replicated loss is still caught."""
+
+    def body() -> list[str | None]:
+        return [_verdict(_fused_linear, after)[0] for after in ("loss", "broadcast")]
+
+    x, w = _randn(3, 4, seed=0).requires_grad_(), _randn(5, 4, seed=2)
+    (x @ w.T).pow(2).sum().backward()
+    plain = inproc_world2.run(lambda: _fused_linear("loss"))
+    assert all(torch.allclose(v, x.grad) for v in plain)  # type: ignore[arg-type]  # right
+    for local, broadcast in inproc_world2.run(body):
+        assert local is None, local
+        assert broadcast is not None and "broadcast" in broadcast, broadcast
+        assert "world-size times" in broadcast, broadcast

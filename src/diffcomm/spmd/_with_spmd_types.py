@@ -82,8 +82,23 @@ class _WithSpmdTypes(_CheckState):
                 f"diffcomm.spmd_check: {cls.__qualname__} at {site}: its spmd_types rule "
                 f"(spmd_typecheck) refuses its inputs ({found}): {e}"
             ) from None
-        for t, r, c in zip(tensors, recs, chosen):
+        # replicated inputs whose gradient kind is not fixed were tried as R first; a rule
+        # that reads them as I the same way (R -> R, I -> I: a local op) fixes no kind: its
+        # outputs share their gradient kind, as a plain op's do (taking R would make a
+        # replicated loss after it an error, and a sum-convention loss after it pass)
+        free = [i for i, (r, k) in enumerate(zip(recs, kinds)) if r.t is R and k is None]
+        follow = SI.kind_preserving(cls, tuple(args), self._world_pg(), chosen, out_types, free)
+        tied: _Cell | None = None
+        if follow is not None:
+            for i in free:
+                if recs[i].cell is not None and tensors[i].requires_grad:
+                    cell = recs[i].cell
+                    assert cell is not None
+                    tied = cell.root() if tied is None else self._union(tied, cell, cls.__name__)
+        for i, (t, r, c) in enumerate(zip(tensors, recs, chosen)):
             ours, kind, _ = SI.to_dc(c)
+            if follow is not None and i in free:
+                continue
             if r.t is R and r.cell is not None and t.requires_grad and kind is not None:
                 self._demand(r.cell, kind, cls.__name__, f"its spmd_types rule takes it as {SI.name_of(c)}")
         self.inside += 1
@@ -94,12 +109,14 @@ class _WithSpmdTypes(_CheckState):
         grad = any(t.requires_grad for t in tensors)
         outs = [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)]
         outs = [o.view_as(o) if any(o is t for t in tensors) else o for o in outs]
-        for o, st in zip(outs, out_types):
+        for j, (o, st) in enumerate(zip(outs, out_types)):
             if st is None:
                 continue
             typ, kind, shard = SI.to_dc(st)
             why = f"the output of {cls.__name__} at {site} (its spmd_types rule: {SI.name_of(st)})"
             cell = _Cell(kind, why) if typ is R and grad else None
+            if follow is not None and j in follow and grad:  # R or I, as its inputs
+                cell = tied if tied is not None else _Cell(None, why)
             o.__dict__[self.key] = _Rec(typ, cell, shard=shard, why=why)
         if isinstance(out, Tensor):
             return outs[0]
@@ -124,8 +141,7 @@ class _WithSpmdTypes(_CheckState):
                     f"diffcomm.spmd_check: {name} at {site}: argument `x` is {r.t.value}{origin}, "
                     f"expected {want.value} (src={SI.name_of(src)}){hint}."
                 )
-            summing = func.__name__ in ("all_reduce", "reduce_scatter")
-            self._check_summed(name, "x", r, summing, False, site)
+            self._check_summed(name, "x", r, SI.sums(func, src, dst), False, site)
             if r.t is R and r.cell is not None and x.requires_grad and kind is not None:
                 self._demand(r.cell, kind, name, f"src={SI.name_of(src)} gives `x` a {kind} gradient")
         out = func(*args, **kwargs)
@@ -133,6 +149,7 @@ class _WithSpmdTypes(_CheckState):
         if not ours:  # another group: the type passes through
             for o in outs:
                 o.__dict__[self.key] = _Rec(r.t, r.cell if x.requires_grad else None, r.shard, r.why)
+                o.__dict__[self.key].reduced = r.reduced
             return out
         t, kind, shard = SI.to_dc(dst)
         for o in outs:
@@ -143,6 +160,10 @@ class _WithSpmdTypes(_CheckState):
                     else "passes its gradient on unchanged (spmd_types I)"
                 )
                 o.__dict__[self.key] = _Rec(R, _Cell(kind, why) if x.requires_grad else None, why=why)
+                # the ranks' values combined (as diffcomm's own ops' replicated outputs): a
+                # later sum of it, with or without a gradient, would run the reduction twice
+                combined = f"the result of {name} at {site}" if SI.combines(src) else r.reduced
+                o.__dict__[self.key].reduced = combined
             else:
                 o.__dict__[self.key] = _Rec(t, shard=shard, why=f"the {t.value} output of {name} at {site}")
         return out

@@ -27,8 +27,21 @@ from .._replication import PARTIAL, REPLICATED, P, R, T, V
 #: the spmd_types functions typed by their ``src`` / ``dst`` (each reaches the check's
 #: TorchFunctionMode through ``handle_torch_function``)
 TYPED = frozenset(
-    {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute", "convert", "reinterpret"}
+    {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "redistribute",
+        "convert",
+        "reinterpret",
+        "invariant_to_replicate",
+    }
 )
+
+#: the typed functions whose ``src`` / ``dst`` are their name, not arguments:
+#: ``invariant_to_replicate`` is ``convert(src=I, dst=R)`` (its backward sums the gradient)
+IMPLIED = {"invariant_to_replicate": ("I", "R")}
 
 
 def is_spmd_types_op(func: Any) -> bool:
@@ -73,7 +86,32 @@ def bind(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any,
     b.apply_defaults()
     a = b.arguments
     names = list(sig.parameters)
+    implied = IMPLIED.get(func.__name__)
+    if implied is not None:
+        from spmd_types import types as ST
+
+        return a[names[0]], a[names[1]], getattr(ST, implied[0]), getattr(ST, implied[1])
     return a[names[0]], a[names[1]], a.get("src"), a.get("dst")
+
+
+def sums(func: Any, src: Any, dst: Any) -> bool:
+    """The call sums its input over the ranks: ``all_reduce``, ``reduce_scatter``, and
+    ``redistribute`` from ``P`` (which routes to them)."""
+    from spmd_types import types as ST
+
+    name = func.__name__
+    if name == "redistribute":
+        return src is ST.P and dst is not ST.P
+    return name in ("all_reduce", "reduce_scatter")
+
+
+def combines(src: Any) -> bool:
+    """An ``R`` / ``I`` output made from per-rank values (``P``, ``V``, ``S(i)``): the
+    ranks' values combined (a reduction or a gather), as diffcomm's communication ops'
+    replicated outputs are; from ``R`` / ``I`` it is a conversion of a replicated value."""
+    from spmd_types import types as ST
+
+    return src is not ST.R and src is not ST.I
 
 
 def annotated(x: Any, pg: Any) -> Any | None:
@@ -152,6 +190,33 @@ def hook_types(
         return list(choice), [annotated_of(o, axis) for o in outs]
     assert last is not None
     raise last
+
+
+def kind_preserving(
+    cls: type, args: tuple[Any, ...], pg: Any, chosen: list[Any], outs: list[Any], free: list[int]
+) -> list[int] | None:
+    """Whether ``cls``'s rule, which accepted the replicated inputs at ``free`` (their
+    gradient kind not fixed yet) as ``R``, accepts them as ``I`` too, with ``I`` outputs
+    exactly where it gave ``R`` ones and the rest unchanged: a local op, whose outputs'
+    gradient kind is its inputs'. Returns those outputs' positions, else ``None``."""
+    from spmd_types import types as ST
+
+    if not free or any(chosen[i] is not ST.R for i in free):
+        return None
+    options = [[ST.I] if i in free else [c] for i, c in enumerate(chosen)]
+    try:
+        _, mirrored = hook_types(cls, args, pg, options)
+    except ST.SpmdTypeError:
+        return None
+    if len(mirrored) != len(outs):
+        return None
+    follow = []
+    for j, (a, b) in enumerate(zip(outs, mirrored)):
+        if a is ST.R and b is ST.I:
+            follow.append(j)
+        elif a != b:
+            return None
+    return follow
 
 
 def annotated_of(value: Any, axis: Any) -> Any:
