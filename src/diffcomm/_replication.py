@@ -27,6 +27,9 @@ The types, per process group (see ``docs/spmd_types.md`` for the reasoning):
 from __future__ import annotations
 
 import enum
+import importlib
+import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -442,6 +445,63 @@ def spmd_types_checking(attrs: Mapping[str, Any]) -> bool:
     if type(apply) is classmethod:
         return False
     return type(getattr(apply, "_diffcomm_wraps", apply)) is not classmethod
+
+
+#: spmd_types' process-wide patches, each an (install, remove) pair of functions of a module
+_ST_PATCHES = (
+    ("spmd_types._checker", "_install_autograd_apply_patch", "_remove_autograd_apply_patch"),
+    ("spmd_types._vmap", "install", "uninstall"),
+    ("spmd_types._backward_hooks", "install", "uninstall"),
+)
+_COUNTED = "_diffcomm_counted"
+
+
+def count_spmd_types_patches() -> None:
+    """Make spmd_types' checker safe for the ranks of an in-process world (threads of one
+    process, which hand over inside a collective). ``typecheck()`` installs process-wide
+    patches (``Function.apply``, vmap, module backward hooks) when a thread enters it and
+    removes them when that thread leaves; its own FIXME says two threads inside at once
+    need a lock and a count. Without them the second rank to enter saved the first's
+    ``Function.apply`` patch as "the original" and wrapped it again (each Function typed
+    twice on that rank: a correct program passed on rank 0 and was refused on rank 1), and
+    the first to leave removed the vmap and hook patches under the other. Here each pair
+    is counted: installed by the first thread to enter, removed by the last to leave (each
+    patch already reads its own thread's checking state). Applied once, when spmd_types'
+    checker is imported in a process that runs an in-process world (the pairs of the other
+    modules when a check first starts: spmd_types is fully imported by then). Patches
+    nothing of an spmd_types without these functions."""
+    checker = sys.modules.get(_ST_PATCHES[0][0])
+    if checker is None or getattr(checker, _COUNTED, False):
+        return
+    setattr(checker, _COUNTED, True)
+    lock = threading.RLock()
+    later = list(_ST_PATCHES[1:])
+
+    def count(module: Any, install: str, remove: str) -> None:
+        on, off = getattr(module, install, None), getattr(module, remove, None)
+        if not (callable(on) and callable(off)):
+            return
+        inside = [0]
+
+        def counted_install() -> None:
+            with lock:
+                while later:  # (the other modules: imported once a check starts)
+                    name, i, r = later.pop(0)
+                    count(importlib.import_module(name), i, r)
+                inside[0] += 1
+                if inside[0] == 1:
+                    on()
+
+        def counted_remove() -> None:
+            with lock:
+                inside[0] = max(inside[0] - 1, 0)
+                if inside[0] == 0:
+                    off()
+
+        setattr(module, install, counted_install)
+        setattr(module, remove, counted_remove)
+
+    count(checker, _ST_PATCHES[0][1], _ST_PATCHES[0][2])
 
 
 def spmd_types_paused() -> Any:

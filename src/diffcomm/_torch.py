@@ -209,39 +209,50 @@ def run_eagerly_under_compile(code: Any) -> None:
 # eager-only program never loads it, and its ops skip ``disable``'s wrapper (~1 us).
 
 _DYNAMO = "torch._dynamo"
-_MARKS: list[Callable[[], None]] = []
+#: the marks still to apply, by the module whose import applies them
+_MARKS: dict[str, list[Callable[[], None]]] = {}
 
 
-def _dynamo_loaded() -> bool:
-    module = sys.modules.get(_DYNAMO)
+def _loaded(name: str) -> bool:
+    module = sys.modules.get(name)
     spec = getattr(module, "__spec__", None)
     return module is not None and not getattr(spec, "_initializing", False)
+
+
+def when_loaded(name: str, mark: Callable[[], None]) -> None:
+    """Call ``mark()`` once the module ``name`` is imported: now if it is, else right after
+    its module has run (a one-shot import hook, before anything can use it)."""
+    if _loaded(name):
+        mark()
+        return
+    _MARKS.setdefault(name, []).append(mark)
+    if not any(isinstance(f, _ImportHook) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _ImportHook(name))
 
 
 def when_dynamo_loads(mark: Callable[[], None]) -> None:
     """Call ``mark()`` once ``torch._dynamo`` is imported: now if it is, else right after
     its import (before anything can be compiled)."""
-    if _dynamo_loaded():
-        mark()
-        return
-    _MARKS.append(mark)
-    if not any(isinstance(f, _DynamoImportHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _DynamoImportHook())
+    when_loaded(_DYNAMO, mark)
 
 
-def _mark_all() -> None:
-    while _MARKS:
-        _MARKS.pop(0)()
+def _mark_all(name: str) -> None:
+    marks = _MARKS.get(name, [])
+    while marks:
+        marks.pop(0)()
 
 
-class _DynamoImportHook(importlib.abc.MetaPathFinder):
-    """A one-shot finder: when ``torch._dynamo`` is imported, it leaves ``sys.meta_path``,
-    finds the module's spec as the import system would, and has its loader run the
-    pending marks once the module has run (the module, its loader and its spec otherwise
-    untouched)."""
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """A one-shot finder for the module ``name``: when it is imported, the finder leaves
+    ``sys.meta_path``, finds the module's spec as the import system would, and has its
+    loader run the pending marks once the module has run (the module, its loader and its
+    spec otherwise untouched)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != _DYNAMO:
+        if name != self.name:
             return None
         if self in sys.meta_path:
             sys.meta_path.remove(self)
@@ -253,9 +264,9 @@ class _DynamoImportHook(importlib.abc.MetaPathFinder):
 
         def exec_then_mark(module: types.ModuleType) -> None:
             exec_module(module)
-            if module.__name__ == _DYNAMO:  # (a loader shared with its submodules)
+            if module.__name__ == name:  # (a loader shared with its submodules)
                 vars(loader).pop("exec_module", None)  # the loader's own method again
-                _mark_all()
+                _mark_all(name)
 
         loader.exec_module = exec_then_mark
         return spec

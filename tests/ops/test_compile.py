@@ -232,7 +232,7 @@ def marked():
         "FastFunction.apply": hasattr(base.FastFunction.apply.__func__, "_torchdynamo_disable"),
         "ListOp.apply": hasattr(base.ListOp.apply.__func__, "_torchdynamo_disable"),
         "compiling": getattr(_torch.compiling, "_dynamo_marked_constant", False),
-        "none pending": not _torch._MARKS,
+        "none pending": not any(_torch._MARKS.values()),
     }}
 
 loaded = "torch._dynamo" in sys.modules

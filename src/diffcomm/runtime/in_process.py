@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _lifecycle, _torch
+from .. import _lifecycle, _replication, _torch
 from .._errors import DesyncError, RankDesyncError, RankError
 from ..backend import in_process as _ip
 from ..backend.in_process import RankStates
@@ -58,6 +58,9 @@ def run_ranks(
         payload = _ship.dumps((fn, args, kwargs))
     except Exception as exc:
         raise TypeError(f"LocalWorld.run(): cannot pickle the function or its arguments: {exc}") from exc
+    # spmd_types' checker patches process-wide functions per entering thread: counted, so
+    # that ranks inside it at once each type as alone (now, or when spmd_types is imported)
+    _torch.when_loaded("spmd_types._checker", _replication.count_spmd_types_patches)
     if not _RUN_LOCK.acquire(blocking=False):
         raise RuntimeError(
             "LocalWorld(in_process=True).run(): an in-process run is already going on in this "
