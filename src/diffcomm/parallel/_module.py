@@ -17,13 +17,13 @@ from torch import Tensor, nn
 
 from .. import backend as B
 from .._replication import LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
-from .._torch import active_ddp, every_rank
+from .._torch import active_ddp, compiler_disable, every_rank
 from .._torch import compiling as _compiling
 from ..backend import args as A
 from ..ops import collectives
 from ..ops.validation import rank_index
 from ._check import check_replicas_agree
-from ._seams import check_not_synced_by_ddp, check_shards_plain, sharded_params
+from ._seams import check_not_synced_by_ddp, check_shards_plain, mark_shard, note_shards, sharded_params
 from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
@@ -106,7 +106,7 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
         annotate_params_for_spmd_types(module)
     members = [m for m in module.modules() if isinstance(m, ParallelModule)]
     if any(m.__dict__.get("_replicas_unchecked") for m in members):
-        _check_unseeded(module)
+        (_check_unseeded_eagerly if _compiling() else _check_unseeded)(module)
     groups: list[tuple[Any, list[Tensor]]] = []
     seen: set[int] = set()
     for m in members:
@@ -143,8 +143,6 @@ def _check_unseeded(root: nn.Module) -> None:
     drawn from the global generator: its replicated parameters (bias of a row-parallel
     linear, ...) agree on every rank of its group (one fingerprint all_gather per group),
     else :class:`~diffcomm.CrossRankMismatchError` before the forward runs. Once."""
-    if _compiling():  # (the flags stay for the first eager forward)
-        return
     groups: dict[int, tuple[Any, list[tuple[str, Tensor]]]] = {}
     for prefix, m in root.named_modules():
         if not (isinstance(m, ParallelModule) and m.__dict__.pop("_replicas_unchecked", False)):
@@ -156,6 +154,21 @@ def _check_unseeded(root: nn.Module) -> None:
                 groups.setdefault(id(m._pg), (m._pg, []))[1].append((full, p))
     for pg, named in groups.values():
         check_replicas_agree(named, f"{type(root).__name__} (first forward)", pg)
+
+
+#: :func:`_check_unseeded` run eagerly from a compiled forward (a graph break, taken while
+#: the flags stand: the first call). Skipped while compiling, as it was, a compiled-only
+#: model never checked its replicas: ranks that drew different full weights (unseeded)
+#: trained a model that is no serial model's shards, with no error.
+_check_unseeded_eagerly = compiler_disable(
+    _check_unseeded,
+    reason=(
+        "diffcomm.parallel: the first forward of a layer drawn from the global generator (no "
+        "seed=) checks that its replicated parameters agree across ranks, which communicates "
+        "outside the graph: give the layer seed= (or generator=), load it from_serial, or "
+        "run one forward eagerly before compiling with fullgraph=True"
+    ),
+)
 
 
 def deepcopy_sharing_groups(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
@@ -170,6 +183,7 @@ def deepcopy_sharing_groups(module: nn.Module, memo: dict[int, Any]) -> nn.Modul
     new = type(module).__new__(type(module))
     memo[id(module)] = new
     new.__setstate__(copy.deepcopy(module.__dict__, memo))
+    note_shards(new)  # (a copied parameter is new, without the optimizer check's mark)
     return new
 
 
@@ -280,6 +294,14 @@ class ParallelModule(nn.Module):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ParallelModule:
         return deepcopy_sharing_groups(self, memo)  # type: ignore[return-value]
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        """``nn.Module.register_parameter``, marking a sharded parameter for the check of
+        torch's non-elementwise optimizers (``_seams``) at once: a model only ever run
+        under ``torch.compile`` is never marked by its forward (dynamo cannot trace it)."""
+        super().register_parameter(name, param)
+        if param is not None and self._shard_dims.get(name) is not None:
+            mark_shard(self, name, param)
 
     def _partial_grad_params(self) -> tuple[str, ...]:
         """Names of this module's own parameters that are replicated but receive a

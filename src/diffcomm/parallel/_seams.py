@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .._torch import active_ddp
+from .._torch import active_ddp, run_eagerly_under_compile
 from .._torch import compiling as _compiling
 from ..backend import args as A
 
@@ -52,15 +52,18 @@ def check_shards_plain(root: nn.Module, op: str, *, note: bool = False) -> None:
     ones this layer's bookkeeping knows (``serial_slices``, state dicts, ``grad_norm``
     would take a shard for a replica). With ``note``, also marks each sharded parameter
     for the optimizer check (:func:`note_shards`, in the same walk). No communication."""
+    # Dynamo cannot trace a tensor's ``__dict__`` (torch.compile of any layer failed with an
+    # InternalTorchDynamoError here): while compiling, the marks made when the layer
+    # registered its parameters (ParallelModule.register_parameter) stand.
+    note = note and not _compiling()
     for m in root.modules():  # (one walk per forward: the names only on the error path)
         for name, dim in _shard_dims(m).items():
             if dim is None:
                 continue
             if name in m._parameters:
                 p = m._parameters[name]
-                if note and p is not None and _SHARD_NOTE not in p.__dict__:  # (note_shards's work)
-                    p.__dict__[_SHARD_NOTE] = f"{type(m).__name__}.{name}"
-                    note_varying(p, p.__dict__[_SHARD_NOTE], getattr(m, "_pg", None))
+                if note and p is not None:  # (note_shards's work)
+                    mark_shard(m, name, p)
                 continue
             if name in m._buffers:
                 continue
@@ -150,15 +153,30 @@ def note_varying(p: Tensor, where: str, pg: Any) -> None:
     p.__dict__[VARIES_NOTE] = (where, ranks)
 
 
+def mark_shard(m: nn.Module, name: str, p: Tensor) -> None:
+    """Mark ``p``, layer ``m``'s sharded parameter ``name``, for
+    :func:`_refuse_reducing_optimizer` (``_SHARD_NOTE``) and, once the layer's group is
+    set, for the ZeRO check (:func:`note_varying`); each once."""
+    if _SHARD_NOTE not in p.__dict__:
+        p.__dict__[_SHARD_NOTE] = f"{type(m).__name__}.{name}"
+    if VARIES_NOTE not in p.__dict__ and "_pg" in m.__dict__:  # (the ZeRO check's; once its group is set)
+        note_varying(p, p.__dict__[_SHARD_NOTE], m.__dict__["_pg"])
+
+
+# (eager code inside a compiled function, after a graph break, ran this frame through
+# dynamo, which cannot read a tensor's ``__dict__``: an InternalTorchDynamoError)
+run_eagerly_under_compile(mark_shard.__code__)
+
+
 def note_shards(root: nn.Module) -> None:
     """Mark every sharded parameter under ``root`` (``_SHARD_NOTE``) for
-    :func:`_refuse_reducing_optimizer`; each forward (a copy's parameters are new)."""
+    :func:`_refuse_reducing_optimizer`: when a layer registers one, when a model is copied
+    (a copy's parameters are new, unmarked) and in each eager forward."""
     for m in root.modules():
         for name, dim in _shard_dims(m).items():
             p = m._parameters.get(name)
-            if dim is not None and p is not None and _SHARD_NOTE not in p.__dict__:
-                p.__dict__[_SHARD_NOTE] = f"{type(m).__name__}.{name}"
-                note_varying(p, p.__dict__[_SHARD_NOTE], getattr(m, "_pg", None))
+            if dim is not None and p is not None:
+                mark_shard(m, name, p)
 
 
 def _refuse_reducing_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
