@@ -260,13 +260,22 @@ def _scaled_steps(sync: bool) -> dict[str, Any]:
     return out
 
 
+def _scaled_steps_debug(sync: bool, debug: bool) -> dict[str, Any]:
+    with dc.debug(debug):
+        return _scaled_steps(sync)
+
+
 def test_torch_grad_scaler_on_shards_skips_on_one_rank_only(world2) -> None:
     """What sync_found_inf is for: torch's GradScaler finds the overflow on rank 0 only,
     which skips its step and halves its scale while rank 1 steps: the replicated fc2.bias
-    and the scales differ between the ranks."""
-    r0, r1 = world2.run(_scaled_steps, False)
+    and the scales differ between the ranks — silently outside debug mode (pinned off:
+    the suite also runs under DIFFCOMM_DEBUG=1); debug mode finds the replicas apart in
+    the next step's backward (the identity backward's incoming gradient differs)."""
+    r0, r1 = world2.run(_scaled_steps_debug, False, False)
     assert (r0["scale0"], r1["scale0"]) == (2.0**15, 2.0**16)
     assert not torch.equal(r0["bias1"], r1["bias1"])
+    with pytest.raises(dc.RankError, match="CrossRankMismatchError"):
+        world2.run(_scaled_steps_debug, False, True)
 
 
 def test_sync_found_inf_skips_on_every_rank(world2) -> None:
