@@ -338,3 +338,62 @@ def test_checkpoint_with_reentrant_variant(tracker: RNGStatesTracker) -> None:
     x.grad = None
     rng.checkpoint(fn, x, tracker=tracker, use_reentrant=True).sum().backward()
     assert torch.equal(x.grad, expected)
+
+
+def _save_clones(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+    """A selective-checkpointing policy that keeps every aten.clone's output."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op is torch.ops.aten.clone.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_checkpoint_under_selective_checkpointing_gives_fns_gradient(tracker: RNGStatesTracker) -> None:
+    """Selective checkpointing (``context_fn``) matches each recomputed op to the forward's
+    by op and count. The replay copied the streams' states with ``aten.clone`` inside the
+    recomputation, an op the forward had not run: every clone of ``fn`` after it got the
+    saved output of the clone before, so ``a = x.clone()`` came back as
+    ``sin(x).clone()`` and the gradient was that of another function, with no error
+    (x = 1.0: 1.333 instead of 2 cos(1) = 1.081)."""
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    tracker.add("s", 3)
+    sac = functools.partial(create_selective_checkpoint_contexts, _save_clones)
+
+    def fn(v: torch.Tensor) -> torch.Tensor:
+        a = v.clone()
+        return a.sin().clone() * 2
+
+    x = torch.linspace(0.1, 1.0, 5, dtype=torch.float64, requires_grad=True)
+    (expected,) = torch.autograd.grad(fn(x).sum(), x)
+    (got,) = torch.autograd.grad(rng.checkpoint(fn, x, tracker=tracker, context_fn=sac).sum(), x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-15)
+    torch.testing.assert_close(expected, 2 * x.detach().cos())
+
+
+def test_checkpoint_under_selective_checkpointing_replays_the_streams(tracker: RNGStatesTracker) -> None:
+    """The same with dropout from a named stream and from the default generator inside
+    ``fn``: the masks of the recomputation are the forward's."""
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    tracker.add("s", 3)
+    sac = functools.partial(create_selective_checkpoint_contexts, _save_clones)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+
+    def fn(v: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.tanh(v @ w), 0.5)
+        with tracker.fork("s"):
+            return F.dropout(h.clone().sin(), 0.5)
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with torch.random.fork_rng(devices=[]):
+        saved = tracker.get_states()
+        (expected,) = torch.autograd.grad(fn(x).sum(), w)
+        tracker.set_states(saved)
+    (got,) = torch.autograd.grad(rng.checkpoint(fn, x, tracker=tracker, context_fn=sac).sum(), w)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-15)

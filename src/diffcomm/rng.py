@@ -336,9 +336,13 @@ def checkpoint(
         if calls == 1:  # the forward call itself
             return fn(*fn_args, **fn_kwargs)
         # A recomputation (there may be several, e.g. backward with retain_graph): run on
-        # fresh copies of the forward-time states, then put back the current ones.
-        replay = {name: state.clone() for name, state in states_at_forward.items()}
-        saved = tracker._swap(replay, set())
+        # the forward-time states, then put back the current ones. A new dict, the same
+        # state tensors: the tracker never changes a state in place (fork stores a new
+        # one), and a copy here would be a tensor op the forward did not run, which
+        # shifts selective checkpointing's cache (context_fn): it matches the recomputed
+        # ops to the saved ones by op and count, so every later aten.clone of fn would
+        # get the one before's saved value: a wrong gradient, silently.
+        saved = tracker._swap(dict(states_at_forward), set())
         tracker._replaying.append(1)
         try:
             return fn(*fn_args, **fn_kwargs)
