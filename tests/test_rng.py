@@ -397,3 +397,24 @@ def test_checkpoint_under_selective_checkpointing_replays_the_streams(tracker: R
         tracker.set_states(saved)
     (got,) = torch.autograd.grad(rng.checkpoint(fn, x, tracker=tracker, context_fn=sac).sum(), w)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("preserve", [False, 0, None])
+def test_checkpoint_refuses_preserve_rng_state_off(tracker: RNGStatesTracker, preserve: object) -> None:
+    """``rng.checkpoint(fn, x, preserve_rng_state=False)`` went to torch, which then did not
+    restore the default generator before recomputing ``fn``: its dropout drew another
+    mask there than in the forward call, and the weight gradient was off by 3.9 (its
+    largest entry 3.3), with no error. Refused before ``fn`` runs."""
+    tracker.add("s", 3)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    calls = []
+
+    def fn(v: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return F.dropout(torch.tanh(v @ w), 0.5)
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"rng\.checkpoint\(\): `preserve_rng_state` must be True"):
+        rng.checkpoint(fn, x, tracker=tracker, preserve_rng_state=preserve)
+    assert not calls
+    rng.checkpoint(fn, x, tracker=tracker, preserve_rng_state=True).sum().backward()  # as before

@@ -37,6 +37,7 @@ import torch.utils.checkpoint
 
 from . import _torch
 from .accelerator import Accelerator, get_accelerator
+from .backend import args as A
 from .backend.in_process import per_rank
 
 __all__ = [
@@ -315,17 +316,35 @@ def checkpoint(
         *args: its positional arguments.
         tracker: the tracker whose streams to replay (default: :func:`get_tracker`).
         use_reentrant: passed to torch (default ``False``, the recommended variant).
-        **kwargs: passed to ``torch.utils.checkpoint.checkpoint`` (e.g.
-            ``preserve_rng_state``, ``context_fn``) and, for the non-reentrant variant,
-            unknown ones on to ``fn``.
+        **kwargs: passed to ``torch.utils.checkpoint.checkpoint`` (e.g. ``context_fn``)
+            and, for the non-reentrant variant, unknown ones on to ``fn``.
+            ``preserve_rng_state`` may only be ``True``.
 
     Returns:
         What ``fn(*args, **kwargs)`` returns.
+
+    Raises:
+        ValueError: ``preserve_rng_state`` other than ``True`` (the recomputation's
+            default-generator draws would differ from the forward call's), before ``fn``
+            runs.
 
     Gradient:
         The gradient of ``fn`` itself: the recomputation draws the same random numbers
         as the forward call, from the default generator and from every named stream.
     """
+    if kwargs.get("preserve_rng_state", True) is not True:
+        # torch would not restore the default generator before recomputing fn: its dropout
+        # would draw another mask there than in the forward call (a wrong gradient, no error)
+        raise A.arg_error(
+            "rng.checkpoint",
+            "preserve_rng_state",
+            "True (the default): rng.checkpoint replays every random draw of fn, and without "
+            "it the default generator would draw other numbers in the recomputation than in "
+            "the forward call (another dropout mask: the gradient of another function); for a "
+            "fn that draws no random numbers call torch.utils.checkpoint.checkpoint(fn, ..., "
+            "preserve_rng_state=False)",
+            repr(kwargs["preserve_rng_state"]),
+        )
     tracker = _TRACKER if tracker is None else tracker
     states_at_forward = tracker.get_states()
     calls = 0
