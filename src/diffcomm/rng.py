@@ -39,6 +39,7 @@ from . import _torch
 from .accelerator import Accelerator, get_accelerator
 from .backend import args as A
 from .backend.in_process import per_rank
+from .backend.local_tensor import refuse
 
 __all__ = [
     "MODEL_PARALLEL_RNG",
@@ -58,6 +59,16 @@ TP_SEED_OFFSET = 2718
 
 PP_SEED_STRIDE = 100
 """Each pipeline stage's seeds are shifted by ``PP_SEED_STRIDE * pp_rank`` (as Megatron)."""
+
+
+#: why the named streams and their seeding cannot run under torch's LocalTensorMode
+_LOCAL_TENSOR_WHY = (
+    "LocalTensorMode draws each simulated rank's random numbers from a generator state of "
+    "its own, which this process's default generator (what a named stream is swapped into, "
+    "and what model_parallel_seed seeds) does not reach: every simulated rank would draw "
+    "the same numbers, neither the stream's nor its seed's (a real run's TP ranks draw "
+    "different masks from the model-parallel stream)"
+)
 
 
 def _check_int(name: str, value: Any, minimum: int | None = None) -> int:
@@ -160,7 +171,11 @@ class RNGStatesTracker:
                 stream would lose the outer block's draws); or it runs during backward
                 outside :func:`checkpoint`'s replay (``torch.utils.checkpoint``'s
                 recomputation would draw other numbers than the forward did).
+            LocalTensorModeError: under torch's ``LocalTensorMode`` (its simulated ranks
+                draw from generator states of their own, which the swap does not reach).
         """
+        if _torch.local_tensor_mode_on():
+            raise refuse(f"rng.RNGStatesTracker.fork({name!r})", _LOCAL_TENSOR_WHY)
         if name not in self._states:
             raise KeyError(f"no RNG stream named {name!r}; known streams: {self.names}")
         if name in self._active:
@@ -278,11 +293,15 @@ def model_parallel_seed(
 
     Raises:
         TypeError / ValueError: an argument is not a non-negative int.
+        LocalTensorModeError: under torch's ``LocalTensorMode`` (the seeds would not
+            reach its simulated ranks' generators).
     """
     _check_int("seed", seed, 0)
     _check_int("tp_rank", tp_rank, 0)
     _check_int("dp_rank", dp_rank, 0)
     _check_int("pp_rank", pp_rank, 0)
+    if _torch.local_tensor_mode_on():
+        raise refuse("rng.model_parallel_seed", _LOCAL_TENSOR_WHY)
     tracker = _TRACKER if tracker is None else tracker
     base = seed + PP_SEED_STRIDE * pp_rank
     acc = tracker.accelerator
