@@ -418,3 +418,41 @@ def test_checkpoint_refuses_preserve_rng_state_off(tracker: RNGStatesTracker, pr
         rng.checkpoint(fn, x, tracker=tracker, preserve_rng_state=preserve)
     assert not calls
     rng.checkpoint(fn, x, tracker=tracker, preserve_rng_state=True).sum().backward()  # as before
+
+
+# ------------------------------------------------------------- in-process world's ranks
+
+_MODULE_TRACKER = RNGStatesTracker()  # one per process: shared by an in-process world's ranks
+
+
+def _seed_then_draw(tracker: RNGStatesTracker | None) -> torch.Tensor:
+    """Seed ``tracker`` (default: the module's) as this TP rank, hand over, draw."""
+    import diffcomm as dc
+
+    tracker = _MODULE_TRACKER if tracker is None else tracker
+    rng.model_parallel_seed(7, tp_rank=dc.get_rank(), tracker=tracker)
+    dc.all_reduce(torch.ones(1))  # the other rank runs here (and seeds it too)
+    with tracker.fork():
+        return torch.rand(4)
+
+
+def _made_inside() -> torch.Tensor:
+    return _seed_then_draw(RNGStatesTracker())
+
+
+def test_a_tracker_shared_by_in_process_ranks_is_refused(inproc_world2) -> None:
+    """A tracker made at module level is one object for every rank of an in-process world
+    (each process has its own copy): rank 1's model_parallel_seed reset it under rank 0,
+    so rank 0 drew 0.4121 from the stream where a process draws 0.0930, silently. Now an
+    error naming the fix; a tracker passed to run() or made inside the function is the
+    rank's own and draws what a process draws."""
+    from diffcomm._errors import RankError
+
+    with pytest.raises(RankError, match=r"made outside the ranks \(module level\?\)"):
+        inproc_world2.run(_seed_then_draw, None)
+    expected = [_seeded(get_accelerator(), 7 + 2718 + r) for r in range(2)]
+    for got in (inproc_world2.run(_seed_then_draw, RNGStatesTracker()), inproc_world2.run(_made_inside)):
+        for r in range(2):
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(expected[r])
+                assert torch.equal(got[r], torch.rand(4))

@@ -38,7 +38,7 @@ import torch.utils.checkpoint
 from . import _torch
 from .accelerator import Accelerator, get_accelerator
 from .backend import args as A
-from .backend.in_process import per_rank
+from .backend.in_process import current_rank, per_rank
 from .backend.local_tensor import refuse
 
 __all__ = [
@@ -104,6 +104,28 @@ class RNGStatesTracker:
         self._seeds: dict[int, str] = {}
         self._active: set[str] = set()
         self._replaying: list[int] = []  # one entry per rng.checkpoint recomputation running
+        self._owner = current_rank()  # the in-process rank that made it (None: no rank)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copy (pickled to an in-process rank, deep-copied) is its maker's own
+        self.__dict__.update(state)
+        self._owner = current_rank()
+
+    def _check_owner(self) -> None:
+        """In an in-process world, a tracker made outside this rank (at module level, or
+        by another rank) would be every rank's, where each process has its own copy: the
+        ranks' seeds and draws would mix (rank 0 drawing from rank 1's stream), silently."""
+        rank = current_rank()
+        if rank is None or rank == self._owner or self is _TRACKER:
+            return
+        made = "outside the ranks (module level?)" if self._owner is None else f"by rank {self._owner}"
+        raise RuntimeError(
+            f"this RNGStatesTracker was made {made} and is used by rank {rank} of an "
+            "in-process world (dc.LocalWorld(..., in_process=True)), whose ranks would all "
+            "share it where each process has its own copy: their seeds and draws would mix. "
+            "Make it inside the function the world runs, pass it to run() as an argument "
+            "(each rank gets its own copy), or use diffcomm.rng.get_tracker() (per rank)."
+        )
 
     @property
     def accelerator(self) -> Accelerator:
@@ -135,6 +157,7 @@ class RNGStatesTracker:
             ValueError: ``name`` or ``seed`` is already used by a stream of this tracker.
             TypeError: ``name`` is not a str or ``seed`` not an int.
         """
+        self._check_owner()
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
         _check_int("seed", seed)
@@ -176,6 +199,7 @@ class RNGStatesTracker:
         """
         if _torch.local_tensor_mode_on():
             raise refuse(f"rng.RNGStatesTracker.fork({name!r})", _LOCAL_TENSOR_WHY)
+        self._check_owner()
         if name not in self._states:
             raise KeyError(f"no RNG stream named {name!r}; known streams: {self.names}")
         if name in self._active:
@@ -216,6 +240,7 @@ class RNGStatesTracker:
         Raises:
             TypeError: a name is not a str or a state not a tensor.
         """
+        self._check_owner()
         new: dict[str, torch.Tensor] = {}
         for name, state in states.items():
             if not isinstance(name, str) or not isinstance(state, torch.Tensor):
@@ -240,6 +265,7 @@ class RNGStatesTracker:
 
     def reset(self) -> None:
         """Remove every stream (names and seeds can be added again)."""
+        self._check_owner()
         self._states.clear()
         self._seeds.clear()
 
