@@ -338,3 +338,121 @@ def test_checkpoint_with_reentrant_variant(tracker: RNGStatesTracker) -> None:
     x.grad = None
     rng.checkpoint(fn, x, tracker=tracker, use_reentrant=True).sum().backward()
     assert torch.equal(x.grad, expected)
+
+
+def _save_clones(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+    """A selective-checkpointing policy that keeps every aten.clone's output."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op is torch.ops.aten.clone.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_checkpoint_under_selective_checkpointing_gives_fns_gradient(tracker: RNGStatesTracker) -> None:
+    """Selective checkpointing (``context_fn``) matches each recomputed op to the forward's
+    by op and count. The replay copied the streams' states with ``aten.clone`` inside the
+    recomputation, an op the forward had not run: every clone of ``fn`` after it got the
+    saved output of the clone before, so ``a = x.clone()`` came back as
+    ``sin(x).clone()`` and the gradient was that of another function, with no error
+    (x = 1.0: 1.333 instead of 2 cos(1) = 1.081)."""
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    tracker.add("s", 3)
+    sac = functools.partial(create_selective_checkpoint_contexts, _save_clones)
+
+    def fn(v: torch.Tensor) -> torch.Tensor:
+        a = v.clone()
+        return a.sin().clone() * 2
+
+    x = torch.linspace(0.1, 1.0, 5, dtype=torch.float64, requires_grad=True)
+    (expected,) = torch.autograd.grad(fn(x).sum(), x)
+    (got,) = torch.autograd.grad(rng.checkpoint(fn, x, tracker=tracker, context_fn=sac).sum(), x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-15)
+    torch.testing.assert_close(expected, 2 * x.detach().cos())
+
+
+def test_checkpoint_under_selective_checkpointing_replays_the_streams(tracker: RNGStatesTracker) -> None:
+    """The same with dropout from a named stream and from the default generator inside
+    ``fn``: the masks of the recomputation are the forward's."""
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    tracker.add("s", 3)
+    sac = functools.partial(create_selective_checkpoint_contexts, _save_clones)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+
+    def fn(v: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.tanh(v @ w), 0.5)
+        with tracker.fork("s"):
+            return F.dropout(h.clone().sin(), 0.5)
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with torch.random.fork_rng(devices=[]):
+        saved = tracker.get_states()
+        (expected,) = torch.autograd.grad(fn(x).sum(), w)
+        tracker.set_states(saved)
+    (got,) = torch.autograd.grad(rng.checkpoint(fn, x, tracker=tracker, context_fn=sac).sum(), w)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("preserve", [False, 0, None])
+def test_checkpoint_refuses_preserve_rng_state_off(tracker: RNGStatesTracker, preserve: object) -> None:
+    """``rng.checkpoint(fn, x, preserve_rng_state=False)`` went to torch, which then did not
+    restore the default generator before recomputing ``fn``: its dropout drew another
+    mask there than in the forward call, and the weight gradient was off by 3.9 (its
+    largest entry 3.3), with no error. Refused before ``fn`` runs."""
+    tracker.add("s", 3)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    calls = []
+
+    def fn(v: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return F.dropout(torch.tanh(v @ w), 0.5)
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"rng\.checkpoint\(\): `preserve_rng_state` must be True"):
+        rng.checkpoint(fn, x, tracker=tracker, preserve_rng_state=preserve)
+    assert not calls
+    rng.checkpoint(fn, x, tracker=tracker, preserve_rng_state=True).sum().backward()  # as before
+
+
+# ------------------------------------------------------------- in-process world's ranks
+
+_MODULE_TRACKER = RNGStatesTracker()  # one per process: shared by an in-process world's ranks
+
+
+def _seed_then_draw(tracker: RNGStatesTracker | None) -> torch.Tensor:
+    """Seed ``tracker`` (default: the module's) as this TP rank, hand over, draw."""
+    import diffcomm as dc
+
+    tracker = _MODULE_TRACKER if tracker is None else tracker
+    rng.model_parallel_seed(7, tp_rank=dc.get_rank(), tracker=tracker)
+    dc.all_reduce(torch.ones(1))  # the other rank runs here (and seeds it too)
+    with tracker.fork():
+        return torch.rand(4)
+
+
+def _made_inside() -> torch.Tensor:
+    return _seed_then_draw(RNGStatesTracker())
+
+
+def test_a_tracker_shared_by_in_process_ranks_is_refused(inproc_world2) -> None:
+    """A tracker made at module level is one object for every rank of an in-process world
+    (each process has its own copy): rank 1's model_parallel_seed reset it under rank 0,
+    so rank 0 drew 0.4121 from the stream where a process draws 0.0930, silently. Now an
+    error naming the fix; a tracker passed to run() or made inside the function is the
+    rank's own and draws what a process draws."""
+    from diffcomm._errors import RankError
+
+    with pytest.raises(RankError, match=r"made outside the ranks \(module level\?\)"):
+        inproc_world2.run(_seed_then_draw, None)
+    expected = [_seeded(get_accelerator(), 7 + 2718 + r) for r in range(2)]
+    for got in (inproc_world2.run(_seed_then_draw, RNGStatesTracker()), inproc_world2.run(_made_inside)):
+        for r in range(2):
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(expected[r])
+                assert torch.equal(got[r], torch.rand(4))

@@ -37,7 +37,9 @@ import torch.utils.checkpoint
 
 from . import _torch
 from .accelerator import Accelerator, get_accelerator
-from .backend.in_process import per_rank
+from .backend import args as A
+from .backend.in_process import current_rank, per_rank
+from .backend.local_tensor import refuse
 
 __all__ = [
     "MODEL_PARALLEL_RNG",
@@ -57,6 +59,16 @@ TP_SEED_OFFSET = 2718
 
 PP_SEED_STRIDE = 100
 """Each pipeline stage's seeds are shifted by ``PP_SEED_STRIDE * pp_rank`` (as Megatron)."""
+
+
+#: why the named streams and their seeding cannot run under torch's LocalTensorMode
+_LOCAL_TENSOR_WHY = (
+    "LocalTensorMode draws each simulated rank's random numbers from a generator state of "
+    "its own, which this process's default generator (what a named stream is swapped into, "
+    "and what model_parallel_seed seeds) does not reach: every simulated rank would draw "
+    "the same numbers, neither the stream's nor its seed's (a real run's TP ranks draw "
+    "different masks from the model-parallel stream)"
+)
 
 
 def _check_int(name: str, value: Any, minimum: int | None = None) -> int:
@@ -92,6 +104,28 @@ class RNGStatesTracker:
         self._seeds: dict[int, str] = {}
         self._active: set[str] = set()
         self._replaying: list[int] = []  # one entry per rng.checkpoint recomputation running
+        self._owner = current_rank()  # the in-process rank that made it (None: no rank)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copy (pickled to an in-process rank, deep-copied) is its maker's own
+        self.__dict__.update(state)
+        self._owner = current_rank()
+
+    def _check_owner(self) -> None:
+        """In an in-process world, a tracker made outside this rank (at module level, or
+        by another rank) would be every rank's, where each process has its own copy: the
+        ranks' seeds and draws would mix (rank 0 drawing from rank 1's stream), silently."""
+        rank = current_rank()
+        if rank is None or rank == self._owner or self is _TRACKER:
+            return
+        made = "outside the ranks (module level?)" if self._owner is None else f"by rank {self._owner}"
+        raise RuntimeError(
+            f"this RNGStatesTracker was made {made} and is used by rank {rank} of an "
+            "in-process world (dc.LocalWorld(..., in_process=True)), whose ranks would all "
+            "share it where each process has its own copy: their seeds and draws would mix. "
+            "Make it inside the function the world runs, pass it to run() as an argument "
+            "(each rank gets its own copy), or use diffcomm.rng.get_tracker() (per rank)."
+        )
 
     @property
     def accelerator(self) -> Accelerator:
@@ -123,6 +157,7 @@ class RNGStatesTracker:
             ValueError: ``name`` or ``seed`` is already used by a stream of this tracker.
             TypeError: ``name`` is not a str or ``seed`` not an int.
         """
+        self._check_owner()
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
         _check_int("seed", seed)
@@ -159,7 +194,12 @@ class RNGStatesTracker:
                 stream would lose the outer block's draws); or it runs during backward
                 outside :func:`checkpoint`'s replay (``torch.utils.checkpoint``'s
                 recomputation would draw other numbers than the forward did).
+            LocalTensorModeError: under torch's ``LocalTensorMode`` (its simulated ranks
+                draw from generator states of their own, which the swap does not reach).
         """
+        if _torch.local_tensor_mode_on():
+            raise refuse(f"rng.RNGStatesTracker.fork({name!r})", _LOCAL_TENSOR_WHY)
+        self._check_owner()
         if name not in self._states:
             raise KeyError(f"no RNG stream named {name!r}; known streams: {self.names}")
         if name in self._active:
@@ -200,6 +240,7 @@ class RNGStatesTracker:
         Raises:
             TypeError: a name is not a str or a state not a tensor.
         """
+        self._check_owner()
         new: dict[str, torch.Tensor] = {}
         for name, state in states.items():
             if not isinstance(name, str) or not isinstance(state, torch.Tensor):
@@ -224,6 +265,7 @@ class RNGStatesTracker:
 
     def reset(self) -> None:
         """Remove every stream (names and seeds can be added again)."""
+        self._check_owner()
         self._states.clear()
         self._seeds.clear()
 
@@ -277,11 +319,15 @@ def model_parallel_seed(
 
     Raises:
         TypeError / ValueError: an argument is not a non-negative int.
+        LocalTensorModeError: under torch's ``LocalTensorMode`` (the seeds would not
+            reach its simulated ranks' generators).
     """
     _check_int("seed", seed, 0)
     _check_int("tp_rank", tp_rank, 0)
     _check_int("dp_rank", dp_rank, 0)
     _check_int("pp_rank", pp_rank, 0)
+    if _torch.local_tensor_mode_on():
+        raise refuse("rng.model_parallel_seed", _LOCAL_TENSOR_WHY)
     tracker = _TRACKER if tracker is None else tracker
     base = seed + PP_SEED_STRIDE * pp_rank
     acc = tracker.accelerator
@@ -315,17 +361,35 @@ def checkpoint(
         *args: its positional arguments.
         tracker: the tracker whose streams to replay (default: :func:`get_tracker`).
         use_reentrant: passed to torch (default ``False``, the recommended variant).
-        **kwargs: passed to ``torch.utils.checkpoint.checkpoint`` (e.g.
-            ``preserve_rng_state``, ``context_fn``) and, for the non-reentrant variant,
-            unknown ones on to ``fn``.
+        **kwargs: passed to ``torch.utils.checkpoint.checkpoint`` (e.g. ``context_fn``)
+            and, for the non-reentrant variant, unknown ones on to ``fn``.
+            ``preserve_rng_state`` may only be ``True``.
 
     Returns:
         What ``fn(*args, **kwargs)`` returns.
+
+    Raises:
+        ValueError: ``preserve_rng_state`` other than ``True`` (the recomputation's
+            default-generator draws would differ from the forward call's), before ``fn``
+            runs.
 
     Gradient:
         The gradient of ``fn`` itself: the recomputation draws the same random numbers
         as the forward call, from the default generator and from every named stream.
     """
+    if kwargs.get("preserve_rng_state", True) is not True:
+        # torch would not restore the default generator before recomputing fn: its dropout
+        # would draw another mask there than in the forward call (a wrong gradient, no error)
+        raise A.arg_error(
+            "rng.checkpoint",
+            "preserve_rng_state",
+            "True (the default): rng.checkpoint replays every random draw of fn, and without "
+            "it the default generator would draw other numbers in the recomputation than in "
+            "the forward call (another dropout mask: the gradient of another function); for a "
+            "fn that draws no random numbers call torch.utils.checkpoint.checkpoint(fn, ..., "
+            "preserve_rng_state=False)",
+            repr(kwargs["preserve_rng_state"]),
+        )
     tracker = _TRACKER if tracker is None else tracker
     states_at_forward = tracker.get_states()
     calls = 0
@@ -336,9 +400,13 @@ def checkpoint(
         if calls == 1:  # the forward call itself
             return fn(*fn_args, **fn_kwargs)
         # A recomputation (there may be several, e.g. backward with retain_graph): run on
-        # fresh copies of the forward-time states, then put back the current ones.
-        replay = {name: state.clone() for name, state in states_at_forward.items()}
-        saved = tracker._swap(replay, set())
+        # the forward-time states, then put back the current ones. A new dict, the same
+        # state tensors: the tracker never changes a state in place (fork stores a new
+        # one), and a copy here would be a tensor op the forward did not run, which
+        # shifts selective checkpointing's cache (context_fn): it matches the recomputed
+        # ops to the saved ones by op and count, so every later aten.clone of fn would
+        # get the one before's saved value: a wrong gradient, silently.
+        saved = tracker._swap(dict(states_at_forward), set())
         tracker._replaying.append(1)
         try:
             return fn(*fn_args, **fn_kwargs)

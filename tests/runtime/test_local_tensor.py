@@ -1266,3 +1266,43 @@ def test_property_tp_layers_under_local_tensor_mode_equal_in_process_world(
         assert_equal_both_ways(inproc_worlds(n), n, _layer_program, kind, n, h, o, rows, seed)
 
     check()
+
+
+# ---- named RNG streams ------------------------------------------------------------------
+
+
+def test_named_rng_streams_under_local_tensor_mode_are_refused() -> None:
+    """Under ``LocalTensorMode`` each simulated rank draws from a generator state of its
+    own, which the process's default generator does not reach: ``model_parallel_seed``
+    seeded nothing the ranks draw from and ``tracker.fork()`` swapped the stream into a
+    generator nobody read, so ``model_parallel_seed(7, tp_rank=1)``, then ``torch.rand(4)``
+    in ``fork()`` and one after it, drew neither the stream's nor seed 7's numbers
+    (0.1041 where a process draws 0.7210; 0.4974 where it draws 0.5349), the same on
+    every simulated rank, with no error; ``ParallelMLP(dropout=...)`` then gave every TP
+    rank the same mask where real processes draw different ones. Both are refused, naming
+    the call; a layer without dropout (or in eval) still runs."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from diffcomm import rng
+
+    saved = rng.get_tracker().get_states()
+    x = torch.ones(3, 2, 8, dtype=torch.float64)
+    with torch.random.fork_rng(devices=[]):
+        rng.model_parallel_seed(7, tp_rank=1)  # outside the mode: as before
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        try:
+            with LocalTensorMode(2):
+                with pytest.raises(LocalTensorModeError, match=r"`rng.model_parallel_seed` under torch's"):
+                    rng.model_parallel_seed(7, tp_rank=1)
+                with pytest.raises(LocalTensorModeError, match=r"RNGStatesTracker.fork\('model-parallel'\)"):
+                    with rng.get_tracker().fork():
+                        pass
+                mlp = P.ParallelMLP(8, 32, dropout=0.5, seed=4, dtype=torch.float64)
+                with pytest.raises(LocalTensorModeError, match=r"generator state of\s+its own"):
+                    mlp(x)
+                mlp.eval()
+                assert mlp(x).shape == x.shape
+        finally:
+            dist.destroy_process_group()
+            rng.get_tracker().set_states(saved)

@@ -394,6 +394,12 @@ def leave_rank() -> None:
     _LOCAL.world = None
 
 
+def current_rank() -> int | None:
+    """The calling thread's global rank in its in-process world, or ``None`` (no world)."""
+    w = _rank_world()
+    return w.rank if w is not None else None
+
+
 def current_hub() -> Hub | None:
     """The in-process world the calling thread is a rank of, or ``None``."""
     w = _rank_world()
