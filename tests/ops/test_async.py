@@ -323,6 +323,47 @@ def test_pickle_and_repr_wait(world2) -> None:
         assert res["pickle"] == "Tensor" and res["repr"] and res["wait_plain"] == "Tensor"
 
 
+def test_dlpack_and_deepcopy_export_the_finished_tensor(world2) -> None:
+    """DLPack consumers and ``copy.deepcopy`` read the finished tensor (before: numpy's
+    ``from_dlpack`` read the storage-less wrapper's pointer, garbage such as 4.7e-310
+    instead of 3.0; ``torch.from_dlpack`` and ``deepcopy`` raised)."""
+    import copy
+
+    import numpy as np
+
+    def exported_rank() -> dict[str, object]:
+        r = dc.get_rank()
+
+        def pending() -> torch.Tensor:
+            _delay_engine(0.1)
+            return dc.all_reduce(torch.full((3,), 1.0 + r, dtype=torch.float64), async_op=True)
+
+        leaf = pending().requires_grad_()
+        copied = copy.deepcopy(leaf)
+        x = torch.ones(2, requires_grad=True)
+        try:
+            copy.deepcopy(dc.all_reduce(x, async_op=True))
+            non_leaf = "copied"
+        except RuntimeError as err:
+            non_leaf = str(err)
+        return {
+            "numpy": np.from_dlpack(pending()).tolist(),
+            "torch": torch.from_dlpack(pending()).tolist(),
+            "device": pending().__dlpack_device__() == torch.ones(1).__dlpack_device__(),
+            "deepcopy": (type(copied).__name__, copied.tolist(), copied.requires_grad),
+            "non_leaf": "graph leaves" in non_leaf,
+        }
+
+    for res in world2.run(exported_rank):
+        assert res == {
+            "numpy": [3.0] * 3,
+            "torch": [3.0] * 3,
+            "device": True,
+            "deepcopy": ("Tensor", [3.0] * 3, True),
+            "non_leaf": True,
+        }
+
+
 def test_non_tensor_results_wait(world2) -> None:
     def python_values_rank() -> dict[str, object]:
         """``.tolist()``, ``.item()``, ``.numpy()`` / ``np.asarray`` and format specs read an

@@ -424,6 +424,29 @@ class AsyncTensor(Tensor):
     def untyped_storage(self) -> torch.UntypedStorage:
         return self._finished().untyped_storage()
 
+    # The DLPack protocol (``np.from_dlpack``, ``torch.from_dlpack``, jax, cupy) exported
+    # the wrapper, which has no storage: numpy read whatever lay at its pointer (values like
+    # 4.7e-310 instead of 3.0), torch refused it as unallocated. Export the finished tensor.
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._finished().__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._finished().__dlpack_device__()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tensor:
+        """A plain copy of the finished tensor (as pickling gives); torch's own raised for a
+        wrapper subclass. As for a plain tensor, only a leaf can be deep-copied."""
+        if not self.is_leaf:
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                "protocol at the moment.  If you were attempting to deepcopy a module, this may be "
+                "because of a torch.nn.utils.weight_norm usage, see "
+                "https://github.com/pytorch/pytorch/pull/103001"
+            )
+        out = self._finished().detach().clone().requires_grad_(self.requires_grad)
+        memo[id(self)] = out
+        return out
+
     def __format__(self, format_spec: str) -> str:
         if self.dim() == 0:  # a plain 0-dim tensor formats its value
             return self._finished().__format__(format_spec)
