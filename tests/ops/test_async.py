@@ -218,82 +218,97 @@ def test_a_gradient_is_never_read_before_its_communication_completed(world2) -> 
         assert res == {"in_flight_on_rank0": True, "grad": True, "leaf_grad": True}
 
 
-def test_input_modified_in_place_before_the_launch_ran_is_an_error(world2) -> None:
-    def modified_input_rank() -> str:
-        if dc.get_rank() == 0:
-            _delay_engine(0.2)
-        x = torch.ones(3)
-        y = _ar(x)
-        if dc.get_rank() == 0:  # (rank 1 changing its own would race with its send)
-            x.add_(1.0)  # before rank 0's engine read it
-        try:
-            y.wait()
-        except RuntimeError as err:
-            # keep the ranks in step: the peer's all_reduce still needs a partner
-            dc.all_reduce(torch.ones(3))
-            return str(err)
-        return "no error"
+def test_input_modified_in_place_before_the_job_ran_sends_the_launch_value(world2) -> None:
+    """Rank 0 changes ``x`` after the launch, before its (delayed) job ran. The op sends the
+    value ``x`` had at the launch, as the blocking op would (before: rank 0's job refused
+    and skipped the all_reduce, so rank 1's ``a`` paired with rank 0's ``b``: 2 + 10 = 12
+    instead of 1 + 2 = 3, silently, on rank 1)."""
+
+    def modified_input_rank() -> list[list[float]]:
+        r = dc.get_rank()
+        if r == 0:
+            _delay_engine(0.3)
+        x = torch.full((3,), 1.0 + r, dtype=torch.float64)
+        a = _ar(x)
+        b = _ar(torch.full((3,), 10.0 * (r + 1), dtype=torch.float64))
+        if r == 0:
+            x.add_(100.0)  # before rank 0's engine read it
+        return [a.tolist(), b.tolist(), x.tolist()]
 
     out = world2.run(modified_input_rank)
-    assert "modified in place after the op was launched" in out[0]
-    assert out[1] == "no error"
+    assert [o[:2] for o in out] == [[[3.0] * 3, [30.0] * 3]] * 2, out
+    assert out[0][2] == [101.0] * 3  # (the change itself stands)
 
 
-def test_input_modified_in_place_while_its_communication_ran_is_an_error(world2) -> None:
-    """The check before the job runs cannot see a change made while the job waits for its
-    peers: rank 1's job is inside the all_reduce (rank 0's engine is busy) when rank 1
-    changes the input. What it sent may mix old and new values: its result is refused,
-    checked once the op is done (before: the changed data was sent, silently). The op
-    completed on both ranks, so no partner call is needed."""
+@pytest.mark.parametrize(
+    "op", ["all_reduce", "reduce_scatter", "all_to_all", "all_gather", "reduce_scatter_coalesced"]
+)
+def test_input_modified_in_place_while_its_communication_ran_does_not_reach_the_peer(world2, op) -> None:
+    """Rank 1's job is inside its collective (rank 0's engine is busy) when rank 1 changes
+    the input. Every rank gets the result of the values at the launch (before: rank 0
+    silently got rank 1's new value, -6 instead of 2 from reduce_scatter, -7 instead of 1
+    in rank 1's block of all_to_all, and rank 1's own result was refused)."""
 
-    def modified_while_sent() -> str:
+    def modified_while_sent() -> list[float]:
         r = dc.get_rank()
         if r == 0:
             _delay_engine(0.6)
-        x = torch.ones(3)
-        y = _ar(x)
+        x = torch.ones(1000, dtype=torch.float64)
+        kw = {"split_sizes": [1000, 1000]} if op == "all_gather" else {}
+        if op.endswith("_coalesced"):
+            y = getattr(dc, op)([x, torch.ones(4)], async_op=True)[0]  # (the list's job)
+        else:
+            y = getattr(dc, op)(x, async_op=True, **kw)
         if r == 1:
-            time.sleep(0.2)  # its job runs by now, waiting in the all_reduce for rank 0
+            time.sleep(0.2)  # its job runs by now, waiting in the collective for rank 0
             x.fill_(-7.0)
-        try:
-            return str(y.wait().tolist())
-        except RuntimeError as err:
-            return str(err)
+        v = y.wait()
+        return [v.min().item(), v.max().item()]
 
-    out = world2.run(modified_while_sent)
-    assert out[0].startswith("[") and "modified in place while its communication ran" in out[1], out
-    assert "no call is missing" in out[1]
+    want = {"all_reduce": 2.0, "all_to_all": 1.0, "all_gather": 1.0}.get(op, 2.0)
+    assert world2.run(modified_while_sent) == [[want, want]] * 2
     assert world2.run(lambda: dc.all_reduce(torch.ones(2)).tolist()) == [[2.0, 2.0]] * 2  # in step
 
 
 @pytest.mark.parametrize("second", ["launch", "all_reduce"])
-def test_waited_input_modified_in_place_before_the_launch_ran_is_an_error(world2, second) -> None:
-    def modified_waited_input_rank() -> str:
+def test_waited_input_modified_in_place_before_the_job_ran_sends_the_launch_value(world2, second) -> None:
+    def modified_waited_input_rank() -> list[float]:
         """``a`` is an earlier asynchronous result passed into a second op ``b``; rank 0
         modifies the tensor ``a.wait()`` returned while ``b`` is queued (behind a delay).
-        That changes the finished tensor, not the AsyncTensor wrapper: ``b``'s job must
-        still refuse to send it (before: it sent the modified data)."""
+        ``b`` sends ``a`` as it was at b's launch (before: b was refused on rank 0 and
+        skipped its all_reduce, leaving rank 1's b without a partner)."""
         r = dc.get_rank()
-        a = _ar(torch.full((4,), 1.0 + r))
+        a = _ar(torch.full((4,), 1.0 + r, dtype=torch.float64))
         if r == 0:
             _delay_engine(0.3)
         b = _ar(a) if second == "launch" else dc.all_reduce(a, async_op=True)
         if r == 0:
             a.wait().add_(100.0)  # a is done; b waits behind the delay
-        try:
-            return str(b.wait().tolist())
-        except RuntimeError as err:
-            if "before its communication ran" in str(err):  # b never ran: the peer's b needs a partner
-                dc.all_reduce(torch.ones(4))
-            return str(err)
+        return b.tolist()
 
-    out = world2.run(modified_waited_input_rank)
-    # refused, never sent silently: before b's job ran (the delay is for that), or, where the
-    # machine is slow enough that rank 0 reached the change only once b's job was inside its
-    # all_reduce, once b was done
-    assert "modified in place after the op was launched" in out[0] or (
-        "modified in place while its communication ran" in out[0]
-    ), out
+    assert world2.run(modified_waited_input_rank) == [[6.0] * 4] * 2
+
+
+def test_pending_input_of_a_second_op_is_copied_before_it_is_handed_out(world2) -> None:
+    """``b`` is launched on ``a`` while ``a`` is still pending (rank 0's engine is busy);
+    rank 0 then waits for ``a`` and changes it before ``b`` ran. ``b`` reads ``a`` as its
+    job left it (a copy made by ``a``'s job, before ``.wait()`` could hand it out)."""
+
+    def pending_then_changed() -> list[float]:
+        r = dc.get_rank()
+        if r == 0:
+            _delay_engine(0.3)
+        a = _ar(torch.full((4,), 1.0 + r, dtype=torch.float64))
+        if r == 0:
+            _delay_engine(0.3)  # b's job runs well after a's
+        b = dc.all_reduce(a, async_op=True)
+        if r == 0:
+            a.wait().mul_(-1.0)
+        return b.tolist() + a.tolist()[:1]
+
+    out = world2.run(pending_then_changed)
+    assert [o[:4] for o in out] == [[6.0] * 4] * 2, out
+    assert out[0][4] == -3.0 and out[1][4] == 3.0
 
 
 def test_pickle_and_repr_wait(world2) -> None:
@@ -311,6 +326,47 @@ def test_pickle_and_repr_wait(world2) -> None:
 
     for res in world2.run(misc_rank):
         assert res["pickle"] == "Tensor" and res["repr"] and res["wait_plain"] == "Tensor"
+
+
+def test_dlpack_and_deepcopy_export_the_finished_tensor(world2) -> None:
+    """DLPack consumers and ``copy.deepcopy`` read the finished tensor (before: numpy's
+    ``from_dlpack`` read the storage-less wrapper's pointer, garbage such as 4.7e-310
+    instead of 3.0; ``torch.from_dlpack`` and ``deepcopy`` raised)."""
+    import copy
+
+    import numpy as np
+
+    def exported_rank() -> dict[str, object]:
+        r = dc.get_rank()
+
+        def pending() -> torch.Tensor:
+            _delay_engine(0.1)
+            return dc.all_reduce(torch.full((3,), 1.0 + r, dtype=torch.float64), async_op=True)
+
+        leaf = pending().requires_grad_()
+        copied = copy.deepcopy(leaf)
+        x = torch.ones(2, requires_grad=True)
+        try:
+            copy.deepcopy(dc.all_reduce(x, async_op=True))
+            non_leaf = "copied"
+        except RuntimeError as err:
+            non_leaf = str(err)
+        return {
+            "numpy": np.from_dlpack(pending()).tolist(),
+            "torch": torch.from_dlpack(pending()).tolist(),
+            "device": pending().__dlpack_device__() == torch.ones(1).__dlpack_device__(),
+            "deepcopy": (type(copied).__name__, copied.tolist(), copied.requires_grad),
+            "non_leaf": "graph leaves" in non_leaf,
+        }
+
+    for res in world2.run(exported_rank):
+        assert res == {
+            "numpy": [3.0] * 3,
+            "torch": [3.0] * 3,
+            "device": True,
+            "deepcopy": ("Tensor", [3.0] * 3, True),
+            "non_leaf": True,
+        }
 
 
 def test_non_tensor_results_wait(world2) -> None:

@@ -35,9 +35,9 @@ collectives.
 
 from __future__ import annotations
 
-# Size: ~700 lines, over the ~600 guideline: the engine, the tensor that waits and the
+# Size: ~830 lines, over the ~600 guideline: the engine, the tensor that waits and the
 # differentiable bridge share one protocol (a job's handle, its result's versions, the
-# in-place checks of the inputs and outputs a job or a backward reads); split, each part
+# copies of the inputs a job reads, the in-place checks of what a backward reads); split, each part
 # would reach into the others' privates.
 import contextlib
 import contextvars
@@ -81,7 +81,7 @@ class Handle:
     ``versions``: the ``_version`` of the result (a tuple of them for a tuple result) as
     the job left it — what an in-place modification of the result is measured against."""
 
-    __slots__ = ("_event", "_result", "_error", "name", "versions")
+    __slots__ = ("_event", "_result", "_error", "name", "versions", "_lock", "_copies", "_copied")
 
     def __init__(self, name: str) -> None:
         self._event = threading.Event()
@@ -89,6 +89,31 @@ class Handle:
         self._error: BaseException | None = None
         self.name = name
         self.versions: Any = None
+        self._lock = threading.Lock()
+        # copies of the result asked for by later jobs launched while this one was pending
+        # (see :func:`_snapshot`): ``(index or None, box)``, filled by :meth:`_copy_result`
+        self._copies: list[tuple[int | None, list[Any]]] = []
+        self._copied = False
+
+    def _copy_result(self) -> None:
+        """Fill the copies later jobs asked for, before anyone can be handed the result
+        (called by the job's thread once the result exists, before the event is set)."""
+        with self._lock:
+            for i, box in self._copies:
+                r = self._result if i is None else self._result[i]
+                box.append(r.detach().clone())
+            self._copies.clear()
+            self._copied = True
+
+    def _ask_copy(self, i: int | None) -> list[Any] | None:
+        """A box that will hold a copy of the result (of element ``i``) as the job leaves
+        it; ``None`` when the result exists already (or the job failed): copy it now."""
+        with self._lock:
+            if self._copied or self._event.is_set():
+                return None
+            box: list[Any] = []
+            self._copies.append((i, box))
+            return box
 
     def done(self) -> bool:
         """Whether the job has finished (successfully or not)."""
@@ -137,6 +162,7 @@ class _Engine:
                 with torch.no_grad():
                     handle._result = fn()
                 handle.versions = _versions_of(handle._result)
+                handle._copy_result()
             except BaseException as err:  # re-raised by Handle.wait, as on the engine
                 handle._error = err
             finally:
@@ -177,7 +203,8 @@ class _Engine:
                     acc.stream_context(stream) if acc is not None else _NO_STREAM,
                 ):
                     handle._result = ctx.run(fn)
-                handle.versions = _versions_of(handle._result)
+                    handle.versions = _versions_of(handle._result)
+                    handle._copy_result()  # (on the job's stream)
             except BaseException as err:  # re-raised by Handle.wait on the caller
                 handle._error = err
             finally:
@@ -397,6 +424,29 @@ class AsyncTensor(Tensor):
     def untyped_storage(self) -> torch.UntypedStorage:
         return self._finished().untyped_storage()
 
+    # The DLPack protocol (``np.from_dlpack``, ``torch.from_dlpack``, jax, cupy) exported
+    # the wrapper, which has no storage: numpy read whatever lay at its pointer (values like
+    # 4.7e-310 instead of 3.0), torch refused it as unallocated. Export the finished tensor.
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._finished().__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._finished().__dlpack_device__()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tensor:
+        """A plain copy of the finished tensor (as pickling gives); torch's own raised for a
+        wrapper subclass. As for a plain tensor, only a leaf can be deep-copied."""
+        if not self.is_leaf:
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                "protocol at the moment.  If you were attempting to deepcopy a module, this may be "
+                "because of a torch.nn.utils.weight_norm usage, see "
+                "https://github.com/pytorch/pytorch/pull/103001"
+            )
+        out = self._finished().detach().clone().requires_grad_(self.requires_grad)
+        memo[id(self)] = out
+        return out
+
     def __format__(self, format_spec: str) -> str:
         if self.dim() == 0:  # a plain 0-dim tensor formats its value
             return self._finished().__format__(format_spec)
@@ -466,17 +516,27 @@ def _changed(t: Tensor, stamp: tuple[int, int | None]) -> tuple[int, int] | None
     return None
 
 
-def _changed_while_sent(name: str) -> RuntimeError:
-    """An input modified in place while its job's communication ran (checked once the op
-    is done; the check before it runs cannot see a change made during it): what was sent
-    may mix old and new values, so the result is refused. The op itself completed on
-    every rank, so the ranks are still in step."""
-    return RuntimeError(
-        f"diffcomm: an input of asynchronous {name} was modified in place while its communication "
-        "ran: what this rank sent may mix the old and the new values, so its result is refused (the "
-        "op completed on every rank: no call is missing). Wait for the result (or use it) before "
-        "modifying the input, or pass a copy"
-    )
+def _snapshot(t: Tensor) -> Callable[[], Tensor]:
+    """The value ``t`` has now, for a job that reads it later: the job sends what the
+    blocking op would have sent at the launch, whatever the caller does to ``t`` meanwhile.
+
+    A plain tensor is copied now. An earlier op's :class:`AsyncTensor` still pending is
+    copied by its own job as it finishes, before anyone can be handed (and change) the
+    finished tensor; one already finished is copied now. (Reading the input when the job
+    ran, as before, sent a value that depended on timing: a rank that changed its input
+    before its job ran skipped the op, and its peers paired their op with its next one —
+    an all_reduce returned 2 + 10 instead of 2 + 1 —, and a change while the job ran
+    reached the peers' results, e.g. -6 instead of 2 from a reduce_scatter.)"""
+    if isinstance(t, AsyncTensor) and t._elem is None:
+        h = t._handle
+        handle, i = (h.handle, h.i) if isinstance(h, _Part) else (h, None)
+        box = handle._ask_copy(i)
+        if box is not None:
+            return lambda: box[0] if box else t._finished()  # (empty: the job failed; re-raised)
+        if handle._error is not None:
+            return t._finished  # (re-raised where the later job runs, as before)
+    copy = _plain(t).detach().clone()
+    return lambda: copy
 
 
 class _Launch(torch.autograd.Function):
@@ -488,16 +548,17 @@ class _Launch(torch.autograd.Function):
         raw: Callable[[Tensor], Tensor],
         meta: tuple[tuple[int, ...], torch.dtype, torch.device],
         backward: Callable[[Tensor], Tensor] | None,
+        private: bool,
     ) -> Tensor:
         ctx.backward_fn = backward
         ctx.x_meta = (tuple(x.shape), x.dtype)
-        return AsyncTensor(_submit_checked(x, name, raw), *meta)
+        return AsyncTensor(_submit_read(x, name, raw, private), *meta)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
         if ctx.backward_fn is None:
             raise RuntimeError("diffcomm: this asynchronous op has no backward")
-        return ctx.backward_fn(g), None, None, None, None
+        return ctx.backward_fn(g), None, None, None, None, None
 
 
 def _contiguous(t: Any) -> Any:
@@ -508,23 +569,19 @@ def _contiguous(t: Any) -> Any:
     return t.contiguous() if isinstance(t, Tensor) and not t.is_contiguous() else t
 
 
-def _submit_checked(x: Tensor, name: str, raw: Callable[[Tensor], Tensor]) -> Handle:
-    """Submit ``raw(x)``; the job refuses to read ``x`` if it was modified in place since
-    the launch (the input is read by the engine later, not copied at the launch), also
-    through the tensor an AsyncTensor ``x``'s ``.wait()`` returned."""
-    stamp = _stamp(x)
+def _reader(x: Tensor, private: bool) -> Callable[[], Tensor]:
+    """What a job calls to read its input ``x``: ``x`` as it is now (:func:`_snapshot`), or,
+    ``private`` (``x`` is diffcomm's own and nothing changes it before the job ran), ``x``
+    itself, read in place."""
+    return (lambda: _plain(x)) if private else _snapshot(x)
+
+
+def _submit_read(x: Tensor, name: str, raw: Callable[[Tensor], Tensor], private: bool) -> Handle:
+    """Submit ``raw`` of ``x`` as it is now (see :func:`_reader`)."""
+    read = _reader(x, private)
 
     def job() -> Tensor:
-        if _changed(x, stamp) is not None:
-            raise RuntimeError(
-                f"diffcomm: the input of asynchronous {name} was modified in place after the op was "
-                "launched and before its communication ran; wait for the result (or use it) "
-                "before modifying the input, or pass a copy"
-            )
-        out = _contiguous(raw(_plain(x).detach()))
-        if _changed(x, stamp) is not None:
-            raise _changed_while_sent(name)
-        return out
+        return _contiguous(raw(read().detach()))
 
     return _ENGINE.submit(job, name)
 
@@ -536,6 +593,7 @@ def launch(
     shape: Any,
     backward: Callable[[Tensor], Tensor] | None = None,
     dtype: torch.dtype | None = None,
+    private: bool = False,
 ) -> AsyncTensor:
     """Launch ``raw(x)`` on the engine and return its :class:`AsyncTensor` at once.
 
@@ -549,6 +607,9 @@ def launch(
             gradient — the asynchronous dual, e.g. ``lambda g: all_reduce(g, async_op=True)``.
             ``None``: no gradient flows (``x`` must not require grad).
         dtype: the result's dtype (default ``x.dtype``).
+        private: ``x`` is diffcomm's own and is not changed before the job ran (a ring
+            hop the caller waits for, a gradient computed for the launch): the job reads
+            it in place. Otherwise it reads a copy made at the launch (:func:`_snapshot`).
 
     Returns:
         An :class:`AsyncTensor`; with ``backward`` and ``x.requires_grad`` it is part of
@@ -556,8 +617,8 @@ def launch(
     """
     meta = (tuple(int(s) for s in shape), dtype or x.dtype, x.device)
     if backward is None or not (x.requires_grad and torch.is_grad_enabled()):
-        return AsyncTensor(_submit_checked(x, name, raw), *meta)
-    return _Launch.apply(x, name, raw, meta, backward)
+        return AsyncTensor(_submit_read(x, name, raw, private), *meta)
+    return _Launch.apply(x, name, raw, meta, backward, private)
 
 
 # ======================================================================================
@@ -681,20 +742,14 @@ class _LaunchFn(torch.autograd.Function):
         shapes = cls.shapes_for(args)  # type: ignore[attr-defined]  # the op's out_shape
         multi = isinstance(shapes, list)
         name = getattr(cls, "name", "") or cls.__name__.lstrip("_")
-        stamps = [(t, _stamp(t)) for t in tensors]
+        # the inputs as they are now (the job runs later; an asynchronous op's dual reads
+        # the gradient autograd handed it, which nothing changes: in place)
+        private = getattr(_MODE, "private", False)
+        reads = [_reader(a, private) if isinstance(a, Tensor) else None for a in args]
 
         def job() -> Any:
-            for t, stamp in stamps:
-                if _changed(t, stamp) is not None:
-                    raise RuntimeError(
-                        f"diffcomm: an input of asynchronous {name} was modified in place after the op was "
-                        "launched and before its communication ran; wait for the result (or use it) "
-                        "before modifying the input, or pass a copy"
-                    )
-            plain = tuple(_plain(a).detach() if isinstance(a, Tensor) else a for a in args)
+            plain = tuple(a if r is None else r().detach() for a, r in zip(args, reads, strict=True))
             out = cls.forward(*plain)
-            if any(_changed(t, stamp) is not None for t, stamp in stamps):
-                raise _changed_while_sent(name)
             return tuple(_contiguous(o) for o in out) if multi else _contiguous(out)
 
         handle = _ENGINE.submit(job, name)
@@ -723,8 +778,12 @@ class _LaunchFn(torch.autograd.Function):
         needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         c = _Ctx(needs)
         cls.setup_context(c, args, outs)
-        with async_mode():
-            grads = cls.backward(c, *gs)
+        was, _MODE.private = getattr(_MODE, "private", False), True  # (the rule's own tensors)
+        try:
+            with async_mode():
+                grads = cls.backward(c, *gs)
+        finally:
+            _MODE.private = was
         if not isinstance(grads, tuple):
             grads = (grads,)
         return (None, None, None, *(grads[i] for i in pos))

@@ -107,7 +107,8 @@ def _hop(x: Tensor, pg: PG, name: str) -> Tensor:
             )
         return out
 
-    return _async.launch(x, name, raw, x.shape)
+    # private: the caller waits for every hop before it returns (nothing changes x meanwhile)
+    return _async.launch(x, name, raw, x.shape, private=True)
 
 
 def ring_all_gather_matmul(
@@ -206,6 +207,7 @@ class _ColumnComm(torch.autograd.Function):
                     name,
                     lambda t: _labelled(name, collectives.all_reduce, t, "sum", pg),
                     gx_part.shape,
+                    private=True,  # (computed here for the launch)
                 )
             else:
                 name = "parallel.all_gather_from_sequence backward"
@@ -216,6 +218,7 @@ class _ColumnComm(torch.autograd.Function):
                     name,
                     lambda t: _labelled(name, collectives.reduce_scatter, t, dim, "sum", pg),
                     shape,
+                    private=True,  # (computed here for the launch)
                 )
         # the weight and bias gradients while the input gradient's communication runs
         return (gx, *_weight_and_bias_grads(ctx, g, x_in), None, None, None)

@@ -610,6 +610,7 @@ def _permute_async(got: _async.AsyncTensor, plan: DispatchPlan) -> _async.AsyncT
         lambda t: t.index_select(0, perm),
         got.shape,
         backward=lambda g: _Permute.apply(g, inverse, perm),
+        private=True,  # (dispatch's own rows: nothing else holds them)
     )
 
 
@@ -715,6 +716,7 @@ class _WeighAsync(torch.autograd.Function):
             "parallel.combine (token order)",
             lambda t: t.new_zeros(num_tokens, t.shape[1]).index_add_(0, token_index, t * w_col),
             (num_tokens, back.shape[1]),
+            private=True,  # (combine's own rows: nothing else holds them)
         )
 
     @staticmethod

@@ -183,7 +183,8 @@ def _hop(x: Tensor, pg: PG, rank: int, world: int, name: str) -> Tensor:
 
     if not _async.available():
         return raw(x)
-    return _async.launch(x, name, raw, x.shape)
+    # private: the ring's own packed blocks and sums, waited for before the ring returns
+    return _async.launch(x, name, raw, x.shape, private=True)
 
 
 def _pack(*ts: Tensor) -> Tensor:
