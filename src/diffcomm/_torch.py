@@ -63,6 +63,7 @@ __all__ = [
     "active_ddp",
     "dispatch_modes",
     "outside_checkpoint_caching",
+    "is_fake",
 ]
 
 #: ``assert_async(condition, message)``: raise ``RuntimeError(message)`` unless the 0-dim
@@ -405,6 +406,15 @@ def mps_initial_seed() -> int:
 
 #: torch's local-tensor package (``LocalTensorMode``): a mode can be on only once imported.
 LOCAL_TENSOR_MODULE = "torch.distributed._local_tensor"
+FAKE_TENSOR_MODULE = "torch._subclasses.fake_tensor"
+
+
+def is_fake(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a ``FakeTensor`` (``torch._subclasses.FakeTensorMode``: shape and
+    dtype, no values). Asked only of a tensor subclass; with the module not yet imported
+    no fake tensor exists."""
+    fake = sys.modules.get(FAKE_TENSOR_MODULE)
+    return fake is not None and isinstance(x, fake.FakeTensor)
 
 
 def local_tensor_mode_on() -> bool:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from _shared import load_serial_refusal
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import diffcomm as dc
 from diffcomm import parallel as P
@@ -29,6 +29,11 @@ def _dtensor(local: torch.Tensor, shard: int | None = None) -> DTensor:
     return DTensor.from_local(local, mesh, [Replicate() if shard is None else Shard(shard)])
 
 
+def _partial(local: torch.Tensor) -> DTensor:
+    mesh = init_device_mesh("cpu", (dc.get_world_size(),))
+    return DTensor.from_local(local, mesh, [Partial()])
+
+
 def _x(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=F64)
 
@@ -38,6 +43,28 @@ _CALLS: dict[str, tuple[Callable[[], Any], str, str]] = {
     "all_reduce": (lambda: dc.all_reduce(_dtensor(_x(2, 3), 0)), "all_reduce", "x"),
     "all_gather": (lambda: dc.all_gather(_dtensor(_x(2, 3))), "all_gather", "x"),
     "compat.all_reduce": (lambda: dc.compat.all_reduce(_dtensor(_x(2, 3))), "all_reduce", "x"),
+    # the coalesced ops took DTensors through their list check (torch's dispatch then
+    # ran them as global tensors): see test_coalesced_ops_refuse_a_dtensor
+    "all_reduce_coalesced": (
+        lambda: dc.all_reduce_coalesced([_x(2), _partial(_x(2))]),
+        "all_reduce_coalesced",
+        "tensors[1]",
+    ),
+    "all_gather_coalesced": (
+        lambda: dc.all_gather_coalesced([_dtensor(_x(2, 3))]),
+        "all_gather_coalesced",
+        "tensors[0]",
+    ),
+    "broadcast_coalesced": (
+        lambda: dc.broadcast_coalesced([_dtensor(_x(2, 3), 0)]),
+        "broadcast_coalesced",
+        "tensors[0]",
+    ),
+    "reduce_scatter_coalesced": (
+        lambda: dc.reduce_scatter_coalesced([_dtensor(_x(2, 3), 0)]),
+        "reduce_scatter_coalesced",
+        "tensors[0]",
+    ),
     "send": (lambda: dc.send(_dtensor(_x(2)), 1 - dc.get_rank()), "send", "x"),
     "copy_to_region": (lambda: P.copy_to_region(_dtensor(_x(2, 4))), "parallel.copy_to_region", "x"),
     "gather_from_region": (
@@ -119,3 +146,29 @@ def test_load_serial_state_dict_of_dtensors_names_the_key(kind: str, inproc_worl
     for message in inproc_world2.run(_load_dtensor_state_dict, kind):
         assert "load_serial_state_dict(): `state_dict[" in message, message
         assert "full_tensor()" in message and message.endswith("untouched=True"), message
+
+
+def _coalesced_of_dtensors() -> dict[str, Any]:
+    r = dc.get_rank()
+    local = torch.full((2,), float(r + 1), dtype=F64)
+    got: dict[str, Any] = {}
+    for name, make in (("Shard(0)", lambda: _dtensor(local, 0)), ("Partial", lambda: _partial(local))):
+        try:
+            y = dc.all_reduce_coalesced([make()])[0]
+            got[name] = y.full_tensor().tolist() if isinstance(y, DTensor) else y.tolist()
+        except TypeError as e:
+            got[name] = str(e)
+    return got
+
+
+def test_coalesced_ops_refuse_a_dtensor(inproc_world2: dc.LocalWorld) -> None:
+    """``all_reduce_coalesced`` of a DTensor returned a DTensor, neither the per-rank sum
+    (ranks' locals [1, 1] and [2, 2]: [3, 3]) nor the rule's refusal: of a ``Partial``
+    (global value [3, 3]) it returned [6, 6], of a ``Shard(0)`` (global [1, 1, 2, 2]) the
+    global [3, 3, 3, 3]. The single-tensor ops refused both; the list check let any
+    ``torch.Tensor`` subclass through. Now the same TypeError, naming ``tensors[i]``."""
+    for got in inproc_world2.run(_coalesced_of_dtensors):
+        for name, message in got.items():
+            assert isinstance(message, str), (name, message)
+            want = "diffcomm.all_reduce_coalesced(): `tensors[0]` must be a plain torch.Tensor"
+            assert message.startswith(want), message

@@ -128,9 +128,52 @@ def check_tensor(x: Any, op: str, arg: str = "x") -> torch.Tensor:
             f"a DTensor with placements {tuple(getattr(x, 'placements', ()))}",
             TypeError,
         )
-    if x.is_sparse:
-        raise arg_error(op, arg, "a dense (strided) tensor", "a sparse tensor", TypeError)
+    kind = data_kind(x)
+    if kind is not None:
+        want = "a dense tensor with data (strided layout, this rank's values)"
+        raise arg_error(op, arg, want, kind, TypeError)
     return x
+
+
+_STRIDED = torch.strided
+_compiling = _torch.compiling
+
+
+def plain_data(x: torch.Tensor) -> bool:
+    """``x`` is a plain tensor whose memory holds its values: the common case, decided with
+    a few attribute reads (the hot path asks it on every call)."""
+    if type(x) is not torch.Tensor:
+        return False
+    if _compiling():  # traced: see data_kind
+        return not x.is_sparse
+    return x.layout is _STRIDED and not x.is_quantized and not x.is_nested and not x.is_meta
+
+
+def data_kind(x: torch.Tensor) -> str | None:
+    """What kind of tensor ``x`` is when its memory is not its values as diffcomm's
+    transport reads them (``None``: it is; a DTensor is refused before this). Each was
+    torch's error from deep inside the op, after some ranks had communicated (a quantized
+    ``broadcast`` or a meta ``all_reduce`` returned without error, values never moved),
+    or a crash of gloo reading a storage that is not there. While torch.compile traces, a
+    FakeTensor stands for every tensor and dynamo refuses to read ``layout`` inside an
+    autograd.Function (its strict mode): only a sparse tensor is refused there."""
+    if _compiling():
+        return "a sparse tensor" if x.is_sparse else None
+    if x.layout is not _STRIDED:
+        name = str(x.layout).replace("torch.", "")
+        return "a nested (jagged) tensor" if name == "jagged" else f"a tensor of layout {name}"
+    if x.is_nested:
+        return "a nested tensor"
+    if x.is_quantized:
+        return f"a quantized tensor ({x.dtype}; pass `x.dequantize()` or `x.int_repr()`)"
+    if x.is_meta:
+        return "a tensor on the meta device (it holds no values)"
+    if type(x) is not torch.Tensor and _torch.is_fake(x):
+        return (
+            "a FakeTensor (no values to communicate; diffcomm's ops trace under "
+            "torch.compile, which runs them as functional collectives)"
+        )
+    return None
 
 
 def check_int(v: Any, op: str, arg: str) -> int:
@@ -181,6 +224,10 @@ def normalize_op(op_arg: Any, opname: str, x: torch.Tensor | None = None) -> str
             raise arg_error(opname, "op", "sum/avg/product for a complex tensor (no order on C)", repr(name))
         if name == "avg" and not (x.is_floating_point() or x.is_complex()):
             raise arg_error(opname, "op", "sum/max/min/product for an integer or bool tensor", "'avg'")
+        if name in ("avg", "product") and x.dtype is torch.complex32:
+            # torch has no complex32 division or product: it raised its NotImplementedError
+            # after the communication, on the ranks that divide (reduce: dst alone)
+            raise arg_error(opname, "op", "'sum' for a complex32 tensor (reduce it in complex64)", repr(name))
     return name
 
 

@@ -66,6 +66,20 @@ def _opening(x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, GroupI
     return x.contiguous(), info, info.size, info.rank
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous plain tensor c10d can read. ``scatter`` hands c10d a list of
+    chunks, which c10d reads without dispatching to a tensor subclass: a wrapper subclass
+    (a user's ``__torch_dispatch__`` wrapper, torch's ``AsyncCollectiveTensor``) has no
+    storage of its own, and gloo crashed reading it ("writev: Bad address"), taking the
+    world down. Its values are copied into a plain tensor (the chunk of a plain tensor is
+    already one: no copy)."""
+    if type(t) is torch.Tensor:
+        return t.contiguous()
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
 def _broadcast_into(out: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
     """broadcast into ``out`` (contiguous, owned by the caller) in place; returns it (a
     module function: the hot path calls it without a method lookup)."""
@@ -513,7 +527,7 @@ class TorchDistributedBackend(CoalescedOps):
         m = max(sizes)
         out = torch.empty((m, *rest), dtype=x.dtype, device=x.device)
         if rank == src:
-            parts = [wire(p.contiguous()) for p in pad_chunks(x, sizes, m)]
+            parts = [wire(_owned(p)) for p in pad_chunks(x, sizes, m)]
         else:
             parts = None
         _dispatch(

@@ -474,8 +474,13 @@ def only_on(x: Tensor, keep: bool | Tensor) -> Tensor:
 
     ``masked_fill``, not ``torch.where``: under ``LocalTensorMode`` forward-mode AD of
     ``where`` crashes inside torch (a segfault, or "Cannot access data pointer of Tensor
-    that doesn't have storage"), so ``jvp`` of ``reduce(op="min")`` could not run there."""
+    that doesn't have storage"), so ``jvp`` of ``reduce(op="min")`` could not run there.
+    A tensor that cannot carry a gradient takes ``torch.where``: torch has no
+    ``masked_fill`` for uint16/32/64, and ``reduce(op="max")`` of one raised torch's
+    NotImplementedError after the communication."""
     mask = keep if isinstance(keep, Tensor) else torch.tensor(keep, device=x.device)
+    if not (x.is_floating_point() or x.is_complex()):
+        return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
     return x.masked_fill(~mask, 0)
 
 

@@ -104,7 +104,7 @@ def check_list(tensors: Any, op: str) -> list[Tensor]:
         raise A.arg_error(op, "tensors", "a non-empty list of tensors", "an empty list")
     first = tensors[0].device if isinstance(tensors[0], Tensor) else None
     for i, t in enumerate(tensors):
-        if type(t) is not Tensor and not isinstance(t, Tensor) or t.is_sparse:
+        if not isinstance(t, Tensor):
             A.check_tensor(t, op, f"tensors[{i}]")  # raises the standard message
         if t.requires_grad and not (t.is_floating_point() or t.is_complex()):
             A.check_grad_dtype(t, op, f"tensors[{i}]")
@@ -115,13 +115,15 @@ def check_list(tensors: Any, op: str) -> list[Tensor]:
                 "tensors on one device (one buffer per dtype is communicated)",
                 f"tensors[0] on {first} and tensors[{i}] on {t.device}",
             )
+        if not A.plain_data(t):  # a DTensor, a sparse, quantized or meta tensor: refused
+            A.check_tensor(t, op, f"tensors[{i}]")  # (other subclasses pass: values read)
     return list(tensors)
 
 
 def check_op(op_arg: Any, ts: Sequence[Tensor], opname: str) -> str:
     """The reduce op, checked against every dtype present (once per dtype)."""
     name = A.normalize_op(op_arg, opname)
-    if name in ("sum", "product"):
+    if name == "sum":
         return name  # legal for every dtype
     seen: set[torch.dtype] = set()
     for i, t in enumerate(ts):

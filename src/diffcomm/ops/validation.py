@@ -109,7 +109,7 @@ def records_grad(x: Tensor) -> bool:
 
 def check_input(x: Any, op: str) -> Tensor:
     """``x`` as a collective's input: a dense tensor of a dtype gradients can flow in."""
-    if type(x) is Tensor and not x.is_sparse and (not x.requires_grad or x.is_floating_point()):
+    if A.plain_data(x) and (not x.requires_grad or x.is_floating_point()):
         return x  # the common case, decided without a further call
     x = A.check_tensor(x, op, "x")
     A.check_grad_dtype(x, op, "x")
