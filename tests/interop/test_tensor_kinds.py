@@ -1,5 +1,5 @@
 """Unusual kinds of tensors given to diffcomm's ops. A tensor whose memory is not its values
-(sparse, mkldnn, nested, quantized, meta, fake) is a ``TypeError`` naming the op, the
+(sparse, mkldnn, nested, quantized, fake) is a ``TypeError`` naming the op, the
 argument and the kind, before any communication and on every rank alike; a tensor subclass
 whose values are its values (a user's ``__torch_dispatch__`` wrapper, torch's
 ``AsyncCollectiveTensor``) is read as those values on every transport; dtypes torch
@@ -48,7 +48,6 @@ _KINDS: dict[str, tuple[Callable[[int], torch.Tensor], str]] = {
         lambda r: torch.quantize_per_tensor(_x(r, 4, 4).float(), 0.25, 0, torch.qint8),
         "a quantized tensor",
     ),
-    "meta": (lambda r: torch.empty(4, 4, dtype=F64, device="meta"), "the meta device"),
     "fake": (_fake, "a FakeTensor"),
 }
 
@@ -87,8 +86,8 @@ def test_tensor_without_plain_values_is_a_type_error_naming_op_and_kind(
     """Before: CSR/CSC/BSR, mkldnn, nested and quantized tensors raised torch's errors
     from inside the op (``unsupported memory format option Contiguous``, ``NestedTensorImpl
     doesn't support sizes``, an INTERNAL ASSERT of the quantizer), some after communicating;
-    a quantized ``broadcast``/``copy_to_region`` and every op on a meta tensor returned
-    without error (nothing's values moved); a FakeTensor met torch's "Mixing fake modes"
+    a quantized ``broadcast``/``copy_to_region`` returned without error (its values never
+    moved); a FakeTensor met torch's "Mixing fake modes"
     AssertionError in the reduction. Only COO was refused."""
     _, op_name, arg = _OPS[op]
     words = _KINDS[kind][1]
@@ -203,3 +202,41 @@ def test_complex32_avg_and_product_refused_on_every_rank(
     for cls, message in inproc_world2.run(_complex32, op, call):
         assert cls == "ValueError", (cls, message)
         assert message.startswith(f"diffcomm.{call}(): `op` must be 'sum' for a complex32 tensor"), message
+
+
+def _meta_shapes() -> dict[str, tuple[int, ...]]:
+    r = dc.get_rank()
+    x = torch.empty(4, 3, device="meta")
+    calls: dict[str, Callable[[], torch.Tensor]] = {
+        "all_reduce": lambda: dc.all_reduce(x),
+        "all_gather": lambda: dc.all_gather(x),
+        "all_gather uneven": lambda: dc.all_gather(torch.empty(r + 1, 3, device="meta")),
+        "reduce_scatter": lambda: dc.reduce_scatter(x),
+        "all_to_all": lambda: dc.all_to_all(x),
+        "broadcast": lambda: dc.broadcast(x, src=0),
+        "ParallelMLP": lambda: P.ParallelMLP(3, 4, seed=0, device="meta")(torch.empty(2, 3, device="meta")),
+    }
+    out = {}
+    for name, call in calls.items():
+        y = call()
+        assert y.is_meta, name
+        out[name] = tuple(y.shape)
+    return out
+
+
+@pytest.mark.diffcomm_in_process(False)  # gloo's own ranks: the transport is the point
+def test_meta_tensors_give_meta_results_of_the_serial_shapes(world2: dc.LocalWorld) -> None:
+    """A meta tensor has no values to be wrong: every op gives the meta result of the
+    right shape (an uneven all_gather's sizes are exchanged as on real tensors), so shape
+    inference through a parallel model works (torch.distributed.pipelining runs a stage's
+    forward on meta tensors to learn its shapes)."""
+    want = {
+        "all_reduce": (4, 3),
+        "all_gather": (8, 3),
+        "all_gather uneven": (3, 3),
+        "reduce_scatter": (2, 3),
+        "all_to_all": (4, 3),
+        "broadcast": (4, 3),
+        "ParallelMLP": (2, 3),
+    }
+    assert world2.run(_meta_shapes) == [want, want]

@@ -146,17 +146,19 @@ def plain_data(x: torch.Tensor) -> bool:
         return False
     if _compiling():  # traced: see data_kind
         return not x.is_sparse
-    return x.layout is _STRIDED and not x.is_quantized and not x.is_nested and not x.is_meta
+    return x.layout is _STRIDED and not x.is_quantized and not x.is_nested
 
 
 def data_kind(x: torch.Tensor) -> str | None:
     """What kind of tensor ``x`` is when its memory is not its values as diffcomm's
     transport reads them (``None``: it is; a DTensor is refused before this). Each was
     torch's error from deep inside the op, after some ranks had communicated (a quantized
-    ``broadcast`` or a meta ``all_reduce`` returned without error, values never moved),
+    ``broadcast`` returned without error, its values never moved),
     or a crash of gloo reading a storage that is not there. While torch.compile traces, a
     FakeTensor stands for every tensor and dynamo refuses to read ``layout`` inside an
-    autograd.Function (its strict mode): only a sparse tensor is refused there."""
+    autograd.Function (its strict mode): only a sparse tensor is refused there. A tensor on
+    the meta device passes: it has no values and every op gives the meta result of the
+    right shape (shape inference, e.g. torch.distributed.pipelining's stage shapes)."""
     if _compiling():
         return "a sparse tensor" if x.is_sparse else None
     if x.layout is not _STRIDED:
@@ -166,8 +168,6 @@ def data_kind(x: torch.Tensor) -> str | None:
         return "a nested tensor"
     if x.is_quantized:
         return f"a quantized tensor ({x.dtype}; pass `x.dequantize()` or `x.int_repr()`)"
-    if x.is_meta:
-        return "a tensor on the meta device (it holds no values)"
     if type(x) is not torch.Tensor and _torch.is_fake(x):
         return (
             "a FakeTensor (no values to communicate; diffcomm's ops trace under "
