@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from torch import nn
@@ -29,7 +30,11 @@ def partition(
 
     Returns:
         ``n_stages`` ``nn.Sequential`` s sharing the model's modules (no copies), so the
-        parameters of stage ``s`` are the model's own. Each records
+        parameters of stage ``s`` are the model's own. Each layer keeps its name in the
+        model (``stage.state_dict()`` is the serial state dict's slice of the stage's
+        layers, as ``torch.distributed.pipelining`` keeps names: a
+        ``torch.distributed.checkpoint`` of the stages holds the whole model, and loads at
+        any number of stages or into the serial model); ``stage[i]`` is its ``i``-th layer. Each records
         ``partition_position = (s, n_stages)``, which :class:`PipelineRunner` checks
         against the virtual stage it runs the chunk as. A module used at several positions
         keeps every use. A parameter used in several stages (a module with parameters
@@ -49,7 +54,11 @@ def partition(
     """
     # every position, as nn.Sequential runs them: children() lists a module used twice
     # (a shared activation, a weight-shared block) once, and the stages lost its second use
-    layers = list(model._modules.values()) if isinstance(model, nn.Sequential) else list(model)
+    if isinstance(model, nn.Sequential):
+        names, layers = list(model._modules), list(model._modules.values())
+    else:
+        layers = list(model)
+        names = [str(i) for i in range(len(layers))]
     if not all(isinstance(m, nn.Module) for m in layers):
         raise A.arg_error("partition", "model", "an nn.Sequential or a list of nn.Modules", model, TypeError)
     n_stages = A.check_int(n_stages, "partition", "n_stages")
@@ -66,7 +75,11 @@ def partition(
         sizes = _balanced_sizes([_n_params(m) for m in layers], n_stages)
     out, start = [], 0
     for i, size in enumerate(sizes):
-        stage = nn.Sequential(*layers[start : start + size])
+        # each layer under its name in the model: the stages' state dicts are disjoint slices
+        # of the serial one (named from 0, every stage's first layer was `0.weight`, and a
+        # torch.distributed.checkpoint of the stages kept one stage's tensor per key: a
+        # resumed run loaded another stage's weights, silently where the shapes allowed)
+        stage = nn.Sequential(OrderedDict(zip(names[start : start + size], layers[start : start + size])))
         # where the stage sits in the model: the runner checks it against the virtual stage
         # its placement gives the chunk (a chunk given to the wrong rank or slot ran another
         # model, silently, when the widths allowed it)
