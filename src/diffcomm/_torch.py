@@ -54,6 +54,7 @@ __all__ = [
     "c_apply",
     "unwrap_if_dead",
     "functorch_unwrapped",
+    "vmap_batched",
     "disabled_torch_function_impl",
     "FLASH_ATTENTION_CPU",
     "FLASH_ATTENTION_CPU_BACKWARD",
@@ -383,6 +384,17 @@ def functorch_unwrapped(t: torch.Tensor) -> torch.Tensor:
     while is_functorch_wrapped_tensor(t):
         t = get_unwrapped(t)
     return t
+
+
+def vmap_batched(t: torch.Tensor) -> bool:
+    """Whether ``t`` is batched by a ``torch.func.vmap`` at any of its functorch levels."""
+    from torch._C._functorch import get_unwrapped, is_batchedtensor, is_functorch_wrapped_tensor
+
+    while is_functorch_wrapped_tensor(t):
+        if is_batchedtensor(t):
+            return True
+        t = get_unwrapped(t)
+    return False
 
 
 # ---------------------------------------------------------------- kernels

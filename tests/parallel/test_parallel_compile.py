@@ -5,6 +5,8 @@ first-forward check of unseeded replicas)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -27,15 +29,19 @@ def _serial_and_parallel(kind: str) -> tuple[torch.nn.Module, torch.nn.Module, b
     if kind in ("mlp", "mlp_sp"):
         ser: torch.nn.Module = P.MLP(H, 2 * H, dtype=F64)
         return ser, P.ParallelMLP.from_serial(ser, sequence_parallel=kind == "mlp_sp"), kind == "mlp_sp"
+    if kind == "mlp_sp_ring":
+        ser = P.MLP(H, 2 * H, dtype=F64)
+        return ser, P.ParallelMLP.from_serial(ser, sequence_parallel=True, overlap=True), True
     if kind == "attention_sp":
         ser = P.SelfAttention(H, 4, dtype=F64)
         return ser, P.ParallelSelfAttention.from_serial(ser, sequence_parallel=True), True
     ser = torch.nn.Sequential(torch.nn.Linear(H, 2 * H, dtype=F64), torch.nn.Linear(2 * H, H, dtype=F64))
+    ring = {"sequence_parallel": True, "overlap": "ring"} if kind == "column_row_ring" else {}
     par = torch.nn.Sequential(
-        P.ColumnParallelLinear.from_serial(ser[0]),
-        P.RowParallelLinear.from_serial(ser[1], input_is_parallel=True),
+        P.ColumnParallelLinear.from_serial(ser[0], **ring),
+        P.RowParallelLinear.from_serial(ser[1], input_is_parallel=True, **ring),
     )
-    return ser, par, False
+    return ser, par, bool(ring)
 
 
 def _compiled_vs_serial(kind: str, backend: str) -> dict[str, float]:
@@ -135,3 +141,70 @@ def test_a_compiled_unseeded_layer_checks_its_replicas(inproc_world2: dc.LocalWo
             assert msg.startswith("Unsupported:") and "give the layer seed=" in msg, msg
         else:
             assert msg.startswith("CrossRankMismatchError:") and "fc2.bias" in msg, msg
+
+
+@pytest.mark.diffcomm_in_process(False)  # (in-process the ring runs the blocking mappings anyway)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("kind", ["mlp_sp_ring", "column_row_ring"])
+def test_compiled_ring_overlap_layers_equal_the_serial_model(
+    world2: dc.LocalWorld, kind: str, backend: str
+) -> None:
+    """``overlap="ring"`` (sequence parallel; ``ParallelMLP(overlap=True)``) under
+    torch.compile. Before, the first compiled call failed with ``AttributeError:
+    'TraceableBackend' object has no attribute 'batch_p2p'`` (the ring's hops do not
+    trace); now the traced graph gets the blocking all_gather / reduce_scatter, with the
+    serial model's values and gradients."""
+    torch._dynamo.reset()
+    for worst in world2.run(_compiled_vs_serial, kind, backend):
+        assert len(worst) > 3 and max(worst.values()) < 1e-12, worst
+
+
+def _compiled_vs_eager(kind: str, backend: str, fullgraph: bool) -> str | float:
+    """Worst difference of a compiled ring attention / expert-parallel MoE from eager
+    (output and every gradient, two compiled calls), or the error."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(dc.get_rank() + 1)
+    if kind == "moe":
+        moe = P.ExpertParallelMoE(H, 2 * H, 4, seed=0, dtype=F64)
+        fn, params = moe, list(moe.parameters())
+        args = [torch.randn(5, H, dtype=F64, generator=g).requires_grad_()]
+    else:
+        fn, params = (lambda q, k, v: P.ring_attention(q, k, v, causal=True)), []
+        args = [torch.randn(1, 4, S, H, dtype=F64, generator=g).requires_grad_() for _ in range(3)]
+
+    def step(f: Any) -> list[torch.Tensor]:
+        for t in args + params:
+            t.grad = None
+        y = f(*args)
+        (y * torch.randn(y.shape, dtype=F64, generator=torch.Generator().manual_seed(7))).sum().backward()
+        return [y.detach()] + [t.grad for t in args + params]
+
+    want = step(fn)
+    compiled = torch.compile(fn, backend=backend, fullgraph=fullgraph)
+    try:
+        got = step(compiled) and step(compiled)
+    except torch._dynamo.exc.Unsupported as e:
+        return f"Unsupported: {e}"
+    return max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "processes"])
+@pytest.mark.parametrize("kind", ["ring_attention", "moe"])
+def test_compiled_ring_attention_and_moe_equal_eager(
+    inproc_world2: dc.LocalWorld, world2: dc.LocalWorld, kind: str, in_process: bool
+) -> None:
+    """Before, a compiled ring_attention failed with ``AttributeError: 'TraceableBackend'
+    object has no attribute 'batch_p2p'`` (processes) or ``RuntimeError: No backend type
+    associated with device type cpu`` (in-process); a compiled ExpertParallelMoE with
+    ``InternalTorchDynamoError`` (its forward read a parameter's ``__dict__``) or the same
+    RuntimeError (the routing counts' exchange in a resumed frame). Now ring attention and
+    the routing plan run eagerly between the graphs: the values and gradients of eager."""
+    world = inproc_world2 if in_process else world2
+    for worst in world.run(_compiled_vs_eager, kind, "aot_eager", False):
+        assert worst == 0.0, worst
+
+
+def test_fullgraph_ring_attention_says_what_to_do(inproc_world2: dc.LocalWorld) -> None:
+    """With fullgraph=True the graph break is refused with the reason and the way out."""
+    for msg in inproc_world2.run(_compiled_vs_eager, "ring_attention", "eager", True):
+        assert isinstance(msg, str) and "ring_attention" in msg and "ulysses_attention" in msg, msg

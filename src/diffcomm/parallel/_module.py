@@ -23,7 +23,14 @@ from ..backend import args as A
 from ..ops import collectives
 from ..ops.validation import rank_index
 from ._check import check_replicas_agree
-from ._seams import check_not_synced_by_ddp, check_shards_plain, mark_shard, note_shards, sharded_params
+from ._seams import (
+    SHAPES_KEY,
+    check_not_synced_by_ddp,
+    check_shards_plain,
+    mark_shard,
+    note_shards,
+    sharded_params,
+)
 from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
@@ -300,8 +307,13 @@ class ParallelModule(nn.Module):
         torch's non-elementwise optimizers (``_seams``) at once: a model only ever run
         under ``torch.compile`` is never marked by its forward (dynamo cannot trace it)."""
         super().register_parameter(name, param)
-        if param is not None and self._shard_dims.get(name) is not None:
-            mark_shard(self, name, param)
+        if param is not None:
+            # the shape this layer holds (a shard's: checked in every forward, see
+            # check_shards_plain; a parameter swapped in by torch.func.functional_call is
+            # not registered, so the layer's own shape stands)
+            self.__dict__.setdefault(SHAPES_KEY, {})[name] = param.shape
+            if self._shard_dims.get(name) is not None:
+                mark_shard(self, name, param)
 
     def _partial_grad_params(self) -> tuple[str, ...]:
         """Names of this module's own parameters that are replicated but receive a

@@ -62,7 +62,12 @@ def check_shards_plain(root: nn.Module, op: str, *, note: bool = False) -> None:
                 continue
             if name in m._parameters:
                 p = m._parameters[name]
-                if note and p is not None:  # (note_shards's work)
+                if p is None:
+                    continue
+                want = m.__dict__.get(SHAPES_KEY, {}).get(name)
+                if want is not None and p.shape != want:
+                    raise _not_the_shard(root, m, op, name, dim, p, want)
+                if note:  # (note_shards's work)
                     mark_shard(m, name, p)
                 continue
             if name in m._buffers:
@@ -82,6 +87,42 @@ def check_shards_plain(root: nn.Module, op: str, *, note: bool = False) -> None:
                 "compute the reparametrized weight over the whole weight yourself with "
                 "diffcomm's collectives (docs/parallel.md: 'Parametrizations of a sharded weight')"
             )
+
+
+#: a ``ParallelModule``'s ``{parameter name: the shape it registered}`` (in its ``__dict__``)
+SHAPES_KEY = "_diffcomm_param_shapes"
+
+
+def _not_the_shard(
+    root: nn.Module, m: nn.Module, op: str, name: str, dim: int, p: Tensor, want: Any
+) -> ValueError:
+    """The error for layer ``m``'s sharded parameter ``name`` found with a shape other than
+    the shard's ``want``: a tensor swapped in by ``torch.func.functional_call`` (or
+    ``stack_module_state`` + ``vmap``), most often the serial model's whole tensor. Run as
+    it was, a column-parallel linear returned the whole output as "its shard" on every
+    rank, a vocabulary-parallel embedding looked its own range's ids up in the first rows
+    of the whole table (2.4 off the serial output), a row-parallel one failed inside
+    torch's matmul."""
+    from ..backend import get_backend
+
+    prefix = next(n for n, sub in root.named_modules() if sub is m)
+    full = f"{prefix}.{name}" if prefix else name
+    world = get_backend().world_size(getattr(m, "_pg", None))
+    serial = list(want)
+    serial[dim] *= world
+    whole = (
+        f"; {tuple(p.shape)} is the whole serial tensor, not this rank's part"
+        if tuple(p.shape) == tuple(serial)
+        else ""
+    )
+    return ValueError(
+        f"diffcomm.{op}(): `{full}` ({type(m).__name__}.{name}) has shape {tuple(p.shape)}, but "
+        f"the layer holds this rank's shard {tuple(want)} of the serial {tuple(serial)} (split "
+        f"along dim {dim} over {world} ranks){whole}. A tensor passed for it (torch.func."
+        "functional_call, stack_module_state) must be this rank's shard: cut the serial one "
+        "with the layer's serial_slices(), `{k: serial[k][i] for k, i in layer.serial_slices()"
+        ".items()}`"
+    )
 
 
 def ranks_of(pg: Any) -> set[int]:

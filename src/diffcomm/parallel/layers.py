@@ -597,7 +597,12 @@ class VocabParallelEmbedding(ParallelModule):
         # take it for another rank's and the sum would be a row of zeros (no host sync on
         # an accelerator: a device-side assert there); a local check, so before debug mode's
         # cross-rank one
-        _torch.assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(), self._range_message)
+        # (under torch.func.vmap: every batch element's ids at once, on the plain tensor;
+        # torch has no batching rule for the assert: a RuntimeError naming aten internals)
+        every = (
+            _torch.functorch_unwrapped(ids) if _torch.transforms_active() and not _torch.compiling() else ids
+        )
+        _torch.assert_async(((every >= 0) & (every < self.num_embeddings)).all(), self._range_message)
         if _config.DEBUG.get():
             check_replicated(
                 ids,

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import _torch
 from .. import backend as B
 from .._replication import PARTIAL, LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
 from .._torch import active_ddp, local_tensor_mode_off, local_tensor_mode_on
@@ -79,7 +80,15 @@ from ._module import (
 from ._seams import VARIES_NOTE, check_not_synced_by_ddp, grads_to_sum, note_summed, note_varying
 from .blocks import MLP
 from .layers import LayerOptions
-from .routing import DispatchPlan, check_positions, combine, dispatch, load_balancing_loss, route
+from .routing import (
+    DispatchPlan,
+    check_positions,
+    combine,
+    dispatch,
+    load_balancing_loss,
+    refuse_batched_routing,
+    route,
+)
 
 __all__ = ["MoE", "ExpertParallelMoE"]
 
@@ -459,6 +468,7 @@ class ExpertParallelMoE(nn.Module):
                     len(local),
                 )
         self.experts = nn.ModuleList(local)
+        self._note_experts()  # (a model only ever run compiled is marked too)
         self.aux_loss: Tensor | None = None
         self.tokens_per_expert: Tensor | None = None
         self.dropped = 0
@@ -675,6 +685,12 @@ class ExpertParallelMoE(nn.Module):
                     g.copy_(total)
         note_summed(params)  # (a second call before the next backward sums nothing again)
 
+    def _note_experts(self) -> None:
+        """Mark the experts as differing between the group's ranks, for the ZeRO check."""
+        if any(VARIES_NOTE not in p.__dict__ for p in self.experts.parameters()):
+            for n, p in self.experts.named_parameters(prefix="experts"):
+                note_varying(p, f"ExpertParallelMoE.{n}", self._pg)
+
     def forward(self, x: Tensor, *, positions: Tensor | None = None) -> Tensor:
         """``x``: ``(..., H)`` this rank's tokens; returns ``(..., H)``.
 
@@ -686,14 +702,16 @@ class ExpertParallelMoE(nn.Module):
         order (right when the ranks hold consecutive runs of the serial tokens)."""
         if spmd_types_checking(_FUNCTION_ATTRS):  # spmd_types' checker: type the parameters
             annotate_params_for_spmd_types(self)
+        if _torch.transforms_active():  # before any communication (the replicas' check)
+            batched = _torch.vmap_batched(x) or _torch.vmap_batched(self.router.weight)
+            refuse_batched_routing("parallel.ExpertParallelMoE", "the input or the router", batched)
         x2 = _tokens("parallel.ExpertParallelMoE", x, self.hidden_size, self.router.weight.dtype)
         if positions is not None:  # before any communication (the replicas' check, the dispatch)
             if isinstance(positions, Tensor) and positions.ndim > 1 and positions.shape == x.shape[:-1]:
                 positions = positions.reshape(-1)
             check_positions("parallel.ExpertParallelMoE", positions, x2)
-        if any(VARIES_NOTE not in p.__dict__ for p in self.experts.parameters()):
-            for n, p in self.experts.named_parameters(prefix="experts"):  # for the ZeRO check
-                note_varying(p, f"ExpertParallelMoE.{n}", self._pg)
+        if not _torch.compiling():  # (dynamo cannot read a tensor's __dict__; noted in _adopt too)
+            self._note_experts()
         if active_ddp() is not None:  # torch's DDP over ranks holding other experts: refused
             experts = [(n, p, self._pg) for n, p in self.experts.named_parameters(prefix="experts")]
             check_not_synced_by_ddp(self, "parallel.ExpertParallelMoE", experts)

@@ -314,8 +314,14 @@ def column_linear(x: Tensor, w: Tensor, b: Tensor | None, mode: str, sp_dim: int
     """The overlapped ``ColumnParallelLinear`` forward (before any ``gather_output``);
     under a ``torch.func`` transform or forward-mode AD, the blocking mappings (the same
     values and gradients: the transforms see every op, and nothing runs behind them to
-    overlap; the fused Functions here have no forward-mode rule)."""
-    if _blocking():
+    overlap; the fused Functions here have no forward-mode rule). The ring, while
+    ``torch.compile`` traces, also runs the blocking mappings: its steps are point-to-point
+    exchanges on the communication engine, which dynamo cannot trace (the traceable
+    backend has no ``batch_p2p``: every compiled ``overlap="ring"`` layer failed with
+    ``AttributeError: 'TraceableBackend' object has no attribute 'batch_p2p'``); the graph
+    gets the all_gather / reduce_scatter the ring decomposes, which a compiler's own
+    scheduling may overlap."""
+    if _blocking() or (mode == "ring" and sp_dim is not None and _torch.compiling()):
         if sp_dim is None:
             return F.linear(mappings.copy_to_region(x, pg), w, b)
         return F.linear(mappings.all_gather_from_sequence(x, sp_dim, pg), w, b)
@@ -377,6 +383,6 @@ def row_linear_sequence_ring(x: Tensor, w: Tensor, dim: int, pg: PG) -> Tensor:
     """The overlapped sequence-parallel ``RowParallelLinear`` matmul + reduce_scatter
     (under a ``torch.func`` transform or forward-mode AD the blocking mapping, as
     :func:`column_linear`)."""
-    if _blocking():
+    if _blocking() or _torch.compiling():  # (the ring does not trace: see column_linear)
         return mappings.reduce_scatter_to_sequence(F.linear(x, w), dim, pg)
     return run_lowered(_RowRing.apply, (x, w), dim, pg)  # (under autocast: as F.linear)

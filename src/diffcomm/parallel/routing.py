@@ -13,12 +13,13 @@ the dispatch is a combine and the backward of the combine a dispatch, with the c
 of the forward: nothing is exchanged again.
 """
 
-# Size: ~755 lines, over the ~600 guideline: route, the dispatch plan (with the drops by
+# Size: ~790 lines, over the ~600 guideline: route, the dispatch plan (with the drops by
 # position), dispatch and combine with their asynchronous variants are one data flow (the
 # plan travels between them).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from dataclasses import dataclass
@@ -159,6 +160,15 @@ class DispatchPlan:
         return sum(map(sum, self.counts)) - sum(map(sum, self.accepted))
 
 
+@functools.partial(
+    _torch.compiler_disable,
+    reason=(
+        "diffcomm.parallel.dispatch: the routing plan exchanges every rank's per-expert "
+        "token counts as host integers (the all_to_all's split sizes), which dynamo cannot "
+        "trace; under torch.compile it runs eagerly between the graphs (a graph break). "
+        "For fullgraph=True, compute the plan outside the compiled function and pass plan="
+    ),
+)
 def _plan(
     expert_index: Tensor,
     num_experts: int,
@@ -330,6 +340,22 @@ def _rank_part(
     recv_inverse[recv_order] = torch.arange(recv_order.numel())
     expert_splits = tuple(sum(accepted[s][mine_lo + j] for s in range(world)) for j in range(per_rank))
     return rank, send, recv, expert_splits, token_index, order, recv_order, recv_inverse
+
+
+def refuse_batched_routing(op: str, what: str, batched: bool) -> None:
+    """``ValueError`` when the routing is batched by ``torch.func.vmap`` (``batched``, about
+    ``what``): each batch element routes its tokens to other experts, so each needs its own
+    split sizes, which one all_to_all for the whole batch cannot have (the counts' host read
+    saw the batch as one: a misleading "expert ids out of range" before)."""
+    if batched:
+        raise ValueError(
+            f"diffcomm.{op}(): {what} is batched by torch.func.vmap (an ensemble from "
+            "stack_module_state, per-example gradients, jacrev): the token routing is "
+            "data-dependent, each batch element would send its tokens to other experts with "
+            "other split sizes, which one all_to_all for the whole batch cannot do. Loop over "
+            "the batch (ensemble members, examples) in Python instead; torch.func.grad / vjp "
+            "without vmap work"
+        )
 
 
 def _local_counts(flat: Tensor, e: int) -> list[int]:
@@ -517,6 +543,8 @@ def dispatch(
         _no_async_precision(op, async_op)
     if positions is not None:
         check_positions(op, positions, x)
+    if _torch.transforms_active():
+        refuse_batched_routing(op, "`expert_index`", _torch.vmap_batched(expert_index))
     ids, mine = expert_index, None
     if plan is None:  # ids out of range are named here, before any communication
         ids = expert_index.long()

@@ -7,7 +7,7 @@ shared with Ulysses :mod:`~diffcomm.parallel.context.args`. Under torch's
 (:class:`_LocalPlan`: the hop a per-rank ``ppermute``, positions and masks per rank, every
 block whole with its mask; chosen once per call). See :mod:`diffcomm.parallel.context`."""
 
-# Size: ~670 lines, over the ~600 guideline: the ring's autograd Function (forward and
+# Size: ~700 lines, over the ~600 guideline: the ring's autograd Function (forward and
 # backward rings, fused and masked block paths) and its per-simulated-rank plan under
 # LocalTensorMode read the same block loop; the block plan itself is in plan.py.
 
@@ -522,6 +522,25 @@ def _check_mask(mask: Any, q: Tensor, total: int, op: str) -> Tensor | None:
     return mask.reshape(shape)
 
 
+#: why ring attention runs eagerly under ``torch.compile`` (a graph break; what
+#: ``fullgraph=True`` reports). Traced, it failed inside diffcomm: with real processes
+#: ``AttributeError: 'TraceableBackend' object has no attribute 'batch_p2p'`` (its hops),
+#: in the in-process world ``RuntimeError: No backend type associated with device type
+#: cpu`` (the length check's size exchange).
+_EAGER_UNDER_COMPILE = (
+    "diffcomm.parallel.ring_attention: its ring steps are point-to-point exchanges on "
+    "diffcomm's communication engine, which dynamo cannot trace, so under torch.compile it "
+    "runs eagerly between the compiled graphs (a graph break, same values and gradients). "
+    "For one graph (fullgraph=True) use parallel.ulysses_attention (all_to_all, traceable) "
+    "or call ring_attention outside the compiled function"
+)
+
+
+def _eager_under_compile(fn: Any) -> Any:
+    return _torch.compiler_disable(fn, reason=_EAGER_UNDER_COMPILE)
+
+
+@_eager_under_compile
 def ring_attention(
     q: Tensor,
     k: Tensor,
