@@ -23,7 +23,14 @@ from ..backend import args as A
 from ..ops import collectives
 from ..ops.validation import rank_index
 from ._check import check_replicas_agree
-from ._seams import check_not_synced_by_ddp, check_shards_plain, mark_shard, note_shards, sharded_params
+from ._seams import (
+    check_not_synced_by_ddp,
+    check_shards_plain,
+    keeping_marks,
+    mark_shard,
+    note_shards,
+    sharded_params,
+)
 from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
@@ -294,6 +301,11 @@ class ParallelModule(nn.Module):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ParallelModule:
         return deepcopy_sharing_groups(self, memo)  # type: ignore[return-value]
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> ParallelModule:
+        """``nn.Module._apply`` (``.to``, ``.double()``, ``to_empty``, ...), the shards
+        keeping their marks for torch's optimizers (``_seams.keeping_marks``)."""
+        return keeping_marks(self, lambda: super(ParallelModule, self)._apply(fn, recurse))  # type: ignore[return-value]
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
         """``nn.Module.register_parameter``, marking a sharded parameter for the check of
