@@ -109,3 +109,31 @@ def test_meta_init_then_reset_parameters_is_the_serial_init(inproc_world2: dc.Lo
     the serial ``nn.LayerNorm`` was reset to ones and zeros. The linears were right."""
     for diffs in inproc_world2.run(_meta_init_then_reset):
         assert diffs == dict.fromkeys(diffs, 0.0), diffs
+
+
+def _pickle_whole() -> list[str]:
+    """``torch.save`` of whole parallel modules (and of a plain container of one)."""
+    import io
+
+    from torch import nn
+
+    out = []
+    for model in (
+        P.ParallelMLP(4, 8, seed=0),
+        nn.Sequential(P.VocabParallelEmbedding(8, 4, seed=0)),
+        P.ExpertParallelMoE(4, 8, 4, 2, seed=0),
+    ):
+        try:
+            torch.save(model, io.BytesIO())
+        except TypeError as e:
+            out.append("refused" if "state_dict" in str(e) else str(e))
+        else:
+            out.append("saved")
+    return out
+
+
+def test_whole_module_pickling_is_refused_clearly(inproc_world2: dc.LocalWorld) -> None:
+    """``torch.save(model)`` of a parallel model failed inside pickle with
+    ``AttributeError: Can't pickle local object 'guard_shard_loading.<locals>.note'``; it
+    is a ``TypeError`` naming the layer and the state-dict ways to save it."""
+    assert inproc_world2.run(_pickle_whole) == [["refused"] * 3] * 2

@@ -137,6 +137,22 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     module.__dict__["_region_root"] = True
 
 
+def refuse_pickling(module: nn.Module) -> TypeError:
+    """The error of ``torch.save(model)`` / ``pickle`` of a whole parallel module: it holds
+    this rank's shards with its group rank, size and process group, and a load on another
+    rank or world size (or after the group is gone) would compute with another rank's
+    shards as its own. It failed inside pickle (``Can't pickle local object``), naming
+    neither the module nor the way out."""
+    return TypeError(
+        f"diffcomm.parallel: {type(module).__name__} cannot be pickled whole (torch.save(model), "
+        "pickle, a model returned from a rank): it holds this rank's shards together with its "
+        "group rank, size and process group, which another process, rank or world size cannot "
+        "reuse. Save model.state_dict() per rank (checked on load), model.to_serial_state_dict() "
+        "or parallel.dcp_state_dict(model), and rebuild the model before loading "
+        "(docs/parallel.md: 'Saving, resharding and restoring')"
+    )
+
+
 def note_drawn(module: nn.Module, generator: torch.Generator | None) -> None:
     """After ``module`` drew its initial weights from ``generator``: with ``None`` (the
     global generator) its replicated parameters are checked to agree across its group at
@@ -301,6 +317,9 @@ class ParallelModule(nn.Module):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ParallelModule:
         return deepcopy_sharing_groups(self, memo)  # type: ignore[return-value]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise refuse_pickling(self)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> ParallelModule:
         """``nn.Module._apply`` (``.to``, ``.double()``, ``to_empty``, ...), the shards

@@ -73,6 +73,7 @@ from ._module import (
     guard_shard_loading,
     init_generator,
     note_drawn,
+    refuse_pickling,
     resolve_parallel_group,
     serial_shape,
 )
@@ -499,6 +500,9 @@ class ExpertParallelMoE(nn.Module):
             bool(overlap_shared) and self.rank is not None
         )  # (no async under LocalTensorMode)
         return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise refuse_pickling(self)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> ExpertParallelMoE:
         """``nn.Module._apply``, the experts keeping their marks (``_seams.keeping_marks``)."""
