@@ -27,6 +27,7 @@ from ._seams import (
     SHAPES_KEY,
     check_not_synced_by_ddp,
     check_shards_plain,
+    keeping_marks,
     mark_shard,
     note_shards,
     sharded_params,
@@ -135,6 +136,22 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     for m in members:
         m.__dict__["_region_copies"] = copies
     module.__dict__["_region_root"] = True
+
+
+def refuse_pickling(module: nn.Module) -> TypeError:
+    """The error of ``torch.save(model)`` / ``pickle`` of a whole parallel module: it holds
+    this rank's shards with its group rank, size and process group, and a load on another
+    rank or world size (or after the group is gone) would compute with another rank's
+    shards as its own. It failed inside pickle (``Can't pickle local object``), naming
+    neither the module nor the way out."""
+    return TypeError(
+        f"diffcomm.parallel: {type(module).__name__} cannot be pickled whole (torch.save(model), "
+        "pickle, a model returned from a rank): it holds this rank's shards together with its "
+        "group rank, size and process group, which another process, rank or world size cannot "
+        "reuse. Save model.state_dict() per rank (checked on load), model.to_serial_state_dict() "
+        "or parallel.dcp_state_dict(model), and rebuild the model before loading "
+        "(docs/parallel.md: 'Saving, resharding and restoring')"
+    )
 
 
 def note_drawn(module: nn.Module, generator: torch.Generator | None) -> None:
@@ -301,6 +318,14 @@ class ParallelModule(nn.Module):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ParallelModule:
         return deepcopy_sharing_groups(self, memo)  # type: ignore[return-value]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise refuse_pickling(self)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> ParallelModule:
+        """``nn.Module._apply`` (``.to``, ``.double()``, ``to_empty``, ...), the shards
+        keeping their marks for torch's optimizers (``_seams.keeping_marks``)."""
+        return keeping_marks(self, lambda: super(ParallelModule, self)._apply(fn, recurse))  # type: ignore[return-value]
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
         """``nn.Module.register_parameter``, marking a sharded parameter for the check of

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -218,6 +218,34 @@ def note_shards(root: nn.Module) -> None:
             p = m._parameters.get(name)
             if dim is not None and p is not None:
                 mark_shard(m, name, p)
+
+
+#: the marks above, which a parameter carries in its ``__dict__``
+_MARKS = (_SHARD_NOTE, VARIES_NOTE)
+
+
+def keeping_marks(root: nn.Module, apply: Callable[[], nn.Module]) -> nn.Module:
+    """``apply()`` (a layer's ``nn.Module._apply``: ``.to``, ``.double()``, ``.half()``,
+    ``.cuda()``, ``to_empty``, ...) with every parameter under ``root`` keeping the marks
+    above. Under ``torch.__future__.set_overwrite_module_params_on_conversion(True)`` a
+    conversion makes new ``Parameter`` objects, and under
+    ``set_swap_module_params_on_conversion(True)`` it swaps each one's ``__dict__`` with the
+    converted tensor's: either way the marks were gone, and the first
+    ``LBFGS.step(closure)`` (checked before its closure runs the forward that marks
+    again) stepped a shard unrefused. No communication."""
+    saved = [
+        (m, name, {k: p.__dict__[k] for k in _MARKS if k in p.__dict__})
+        for m in root.modules()
+        for name, p in m._parameters.items()
+        if p is not None
+    ]
+    out = apply()
+    for m, name, marks in saved:
+        p = m._parameters.get(name)
+        if p is not None:
+            for k, v in marks.items():
+                p.__dict__.setdefault(k, v)
+    return out
 
 
 def _refuse_reducing_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:

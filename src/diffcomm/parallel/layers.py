@@ -225,15 +225,21 @@ class _ParallelLinear(ParallelModule):
         gen = init_generator(op, options.seed, options.generator)
         if _init:
             self.reset_parameters(gen)
-            note_drawn(self, gen)
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Draw the full ``nn.Linear`` init on the CPU from ``generator``; keep this shard."""
+        """Draw the full ``nn.Linear`` init on the CPU from ``generator``; keep this shard.
+
+        ``None`` draws from the global CPU generator, as ``nn.Linear.reset_parameters``
+        does (not from the layer's ``seed``): seeded alike on every rank, the shards of the
+        serial layer reset after the same seed. The replicated bias is then checked to
+        agree across the group at the next forward (``CrossRankMismatchError``): reset
+        after each rank had drawn its own numbers, it differed with no error."""
         w, b = _full_linear_init(
             self.out_features, self.in_features, self.bias is not None, self.weight.dtype, generator
         )
         self.load_serial_state_dict({"weight": w} if b is None else {"weight": w, "bias": b})
+        note_drawn(self, generator)
 
     def extra_repr(self) -> str:
         """Sizes (the split one with its per-rank count), bias, the layer's own keyword,
@@ -557,7 +563,6 @@ class VocabParallelEmbedding(ParallelModule):
         gen = init_generator(op, opts.seed, opts.generator)
         if _init:
             self.reset_parameters(gen)
-            note_drawn(self, gen)
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -566,6 +571,7 @@ class VocabParallelEmbedding(ParallelModule):
             w = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype)
             nn.init.normal_(w, generator=generator)
         self.load_serial_state_dict({"weight": w})
+        note_drawn(self, generator)
 
     @classmethod
     def from_serial(  # type: ignore[override]  # a layer takes its serial twin, not any module
@@ -718,6 +724,17 @@ class SequenceParallelLayerNorm(ParallelModule):
         )
         layer.load_serial_state_dict(layer_norm.state_dict())
         return layer
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Ones and zeros, as ``nn.LayerNorm.reset_parameters`` (the meta-device flow,
+        ``to_empty`` then ``reset_parameters`` of every module that has one, left this
+        layer's memory uninitialised, different on every rank, while the serial
+        ``nn.LayerNorm`` was reset)."""
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def _partial_grad_params(self) -> tuple[str, ...]:
         return tuple(n for n in ("weight", "bias") if getattr(self, n) is not None)

@@ -74,10 +74,18 @@ from ._module import (
     guard_shard_loading,
     init_generator,
     note_drawn,
+    refuse_pickling,
     resolve_parallel_group,
     serial_shape,
 )
-from ._seams import VARIES_NOTE, check_not_synced_by_ddp, grads_to_sum, note_summed, note_varying
+from ._seams import (
+    VARIES_NOTE,
+    check_not_synced_by_ddp,
+    grads_to_sum,
+    keeping_marks,
+    note_summed,
+    note_varying,
+)
 from .blocks import MLP
 from .layers import LayerOptions
 from .routing import (
@@ -502,6 +510,13 @@ class ExpertParallelMoE(nn.Module):
             bool(overlap_shared) and self.rank is not None
         )  # (no async under LocalTensorMode)
         return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise refuse_pickling(self)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> ExpertParallelMoE:
+        """``nn.Module._apply``, the experts keeping their marks (``_seams.keeping_marks``)."""
+        return keeping_marks(self, lambda: super(ExpertParallelMoE, self)._apply(fn, recurse))  # type: ignore[return-value]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ExpertParallelMoE:
         """A copy over the same group (see :class:`~diffcomm.parallel.ParallelModule`)."""
