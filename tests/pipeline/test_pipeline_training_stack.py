@@ -79,3 +79,23 @@ def test_ddp_over_the_pipelines_ranks_is_refused(world4: dc.LocalWorld) -> None:
     weights over stage 1 and averaged the two stages' gradients: 0.24 / 0.31 off serial
     after one step, no error. Refused by the runner, on every rank, before communicating."""
     world4.run(_ddp_over_the_pipeline)
+
+
+def test_grad_norm_of_a_pipeline_stage_needs_the_pipeline_group() -> None:
+    """``clip_grad_norm_(stage, max_norm)`` without ``pipeline_group`` took one stage's norm
+    (stage 0: 1.72 of the serial 7.27 here) and each stage clipped by its own factor, no
+    error. A stage of :func:`partition` now needs ``pipeline_group`` (no communication)."""
+    from diffcomm import parallel
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    net(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    stages = partition(net, 2)
+    for fn in (parallel.grad_norm, lambda m: parallel.clip_grad_norm_(m, 0.1)):
+        with pytest.raises(ValueError, match=r"`pipeline_group` must be the group over the pipeline's "
+                           r"stages .*got None for partition's stage\(s\) \[0\] of 2"):  # fmt: skip
+            fn(stages[0])
+    # every stage in one module (one process): the model's norm, as torch's
+    whole = nn.ModuleList(stages)
+    want = torch.nn.utils.get_total_norm([p.grad for p in net.parameters()])
+    torch.testing.assert_close(parallel.grad_norm(whole), want, rtol=1e-12, atol=0)
