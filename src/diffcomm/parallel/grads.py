@@ -148,6 +148,27 @@ def _tied_counted_elsewhere(module: nn.Module) -> set[int]:
     return tied - counted
 
 
+def _check_whole_pipeline(op: str, module: nn.Module) -> None:
+    """Raise ``ValueError`` when ``module`` holds some, not all, stages cut by
+    :func:`diffcomm.pipeline.partition` (``partition_position``: ``(s, n_stages)``) and no
+    ``pipeline_group`` was given: its norm is one stage's, not the model's, and clipping by
+    it scales each stage by its own factor (no communication; alike on every stage)."""
+    held: dict[int, set[int]] = {}
+    for m in module.modules():
+        pos = m.__dict__.get("partition_position")
+        if pos is not None:
+            held.setdefault(pos[1], set()).add(pos[0])
+    for n, stages in held.items():
+        if stages != set(range(n)):
+            raise A.arg_error(
+                op,
+                "pipeline_group",
+                "the group over the pipeline's stages (e.g. (mesh, 'pp')) for a pipeline stage "
+                "(the whole model's norm; for this stage's own, torch.nn.utils.get_total_norm)",
+                f"None for partition's stage(s) {sorted(stages)} of {n}",
+            )
+
+
 def _wide(device: torch.device) -> torch.dtype:
     """The dtype the stages' parts of a norm are summed in: float64 (exact for every
     floating dtype's part), float32 on MPS (which has no float64)."""
@@ -211,6 +232,8 @@ def _check_dtensor_meshes(op: str, module: nn.Module, sharded: list[nn.Parameter
 def _total_norm(op: str, module: Any, norm_type: Any, group: Any, pipeline_group: Any) -> Tensor:
     p_norm = _norm_type(op, norm_type)
     pg, sharded, replicated = _layout(op, module, group)
+    if pipeline_group is None:
+        _check_whole_pipeline(op, module)
     stages = None
     if pipeline_group is not None:
         stages = A.resolve_group(pipeline_group, op)

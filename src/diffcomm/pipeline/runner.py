@@ -74,6 +74,7 @@ from .._replication import varying_parameters
 from ..backend import args as A
 from ..ops import p2p
 from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
+from ._ddp import average_grads, check_ddp_groups, ddp_modules, no_sync
 from ._split import capture, cooldown, group_plan, input_edge, reaches, weight_plan
 from .partition import has_running_stats
 from .schedules import (
@@ -89,7 +90,7 @@ from .schedules import (
 from .timeline import TimelineEntry
 from .validate import check_schedule
 
-# Size: ~1240 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# Size: ~1290 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
 # split backward, pre-posted receives, the V placement's local turn and the phased forward of
 # an Overlap share one step's state (and the tied weights' gradients, summed at its end).
 
@@ -416,6 +417,9 @@ class PipelineRunner:
             )
         self._ties = self._tied_across_ranks()
         self._shared_stats = self._shared_statistics()
+        # stages in DDP over the data-parallel group: run without its hooks, averaged per step
+        self._ddps = ddp_modules(chunks)
+        check_ddp_groups(self._ddps, self.pg)
         # per chunk: its virtual stage's neighbours, (rank, tag) or None (this rank: the V
         # turn), and the last virtual stage — looked up on every step, computed once here
         self._srcs = [self._src(c) for c in range(self.n_chunks)]
@@ -897,6 +901,8 @@ class PipelineRunner:
             if outer and any(s.grad is not None for s in inputs_kept):
                 assert isinstance(inputs, Tensor)  # (outer: a tensor that requires grad)
                 torch.autograd.backward(inputs, g_full)
+        if self._ddps:  # DDP's average over its group, once for the step's gradients
+            average_grads(self._ddps)
         refused = None
         if self._ties:  # (the same on every rank holding one: all of them exchange)
             olds = iter(held_grads)
@@ -1081,7 +1087,8 @@ class PipelineRunner:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             if between is None:
-                y = self.chunks[c](x)
+                with no_sync(self._ddps):  # (DDP's own reduction: see _ddp.py)
+                    y = self.chunks[c](x)
             else:  # the overlap hook: phase 1, the other step, the rest
                 phases = self.chunks[c].forward_phases(x)  # type: ignore[operator]
                 try:
