@@ -30,6 +30,7 @@ from ._seams import (
     keeping_marks,
     mark_shard,
     note_shards,
+    shard_dims,
     sharded_params,
 )
 from .mappings import copy_to_region, copy_to_region_coalesced
@@ -136,6 +137,25 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     for m in members:
         m.__dict__["_region_copies"] = copies
     module.__dict__["_region_root"] = True
+
+
+def holds_rank_state(root: nn.Module) -> bool:
+    """Whether a module under ``root`` holds what belongs to this rank of a group: a
+    process group, or a parameter it shards (a wrapper ``ParallelModule`` around serial
+    modules holds neither, and pickles as any module: the testing kit ships such a serial
+    reference to the ranks)."""
+    return any(
+        m.__dict__.get("_pg") is not None or any(d is not None for d in shard_dims(m).values())
+        for m in root.modules()
+    )
+
+
+def pickle_or_refuse(module: nn.Module, protocol: Any) -> Any:
+    """``module.__reduce_ex__``: refused (:func:`refuse_pickling`) when it holds this
+    rank's state (:func:`holds_rank_state`), else ``nn.Module``'s own."""
+    if holds_rank_state(module):
+        raise refuse_pickling(module)
+    return super(nn.Module, module).__reduce_ex__(protocol)
 
 
 def refuse_pickling(module: nn.Module) -> TypeError:
@@ -320,7 +340,7 @@ class ParallelModule(nn.Module):
         return deepcopy_sharing_groups(self, memo)  # type: ignore[return-value]
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise refuse_pickling(self)
+        return pickle_or_refuse(self, protocol)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> ParallelModule:
         """``nn.Module._apply`` (``.to``, ``.double()``, ``to_empty``, ...), the shards

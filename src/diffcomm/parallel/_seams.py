@@ -34,7 +34,7 @@ from .._torch import compiling as _compiling
 from ..backend import args as A
 
 
-def _shard_dims(m: nn.Module) -> dict[str, int | None]:
+def shard_dims(m: nn.Module) -> dict[str, int | None]:
     """A parallel layer's ``{parameter name: shard dim or None}`` (``ParallelModule``), or {}."""
     dims = getattr(m, "_shard_dims", None)
     return dims if isinstance(dims, dict) else {}
@@ -57,7 +57,7 @@ def check_shards_plain(root: nn.Module, op: str, *, note: bool = False) -> None:
     # registered its parameters (ParallelModule.register_parameter) stand.
     note = note and not _compiling()
     for m in root.modules():  # (one walk per forward: the names only on the error path)
-        for name, dim in _shard_dims(m).items():
+        for name, dim in shard_dims(m).items():
             if dim is None:
                 continue
             if name in m._parameters:
@@ -214,7 +214,7 @@ def note_shards(root: nn.Module) -> None:
     :func:`_refuse_reducing_optimizer`: when a layer registers one, when a model is copied
     (a copy's parameters are new, unmarked) and in each eager forward."""
     for m in root.modules():
-        for name, dim in _shard_dims(m).items():
+        for name, dim in shard_dims(m).items():
             p = m._parameters.get(name)
             if dim is not None and p is not None:
                 mark_shard(m, name, p)
@@ -384,7 +384,7 @@ def sharded_params(root: nn.Module) -> list[tuple[str, Tensor, Any]]:
     """``(name, parameter, group)`` of every sharded parameter of the layers under ``root``."""
     out: list[tuple[str, Tensor, Any]] = []
     for prefix, m in root.named_modules():
-        for name, dim in _shard_dims(m).items():
+        for name, dim in shard_dims(m).items():
             p = m._parameters.get(name)
             if dim is not None and p is not None:
                 out.append((f"{prefix}.{name}" if prefix else name, p, getattr(m, "_pg", None)))

@@ -512,7 +512,7 @@ class ExpertParallelMoE(nn.Module):
         return self
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise refuse_pickling(self)
+        raise refuse_pickling(self)  # (its experts are this rank's, always)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> ExpertParallelMoE:
         """``nn.Module._apply``, the experts keeping their marks (``_seams.keeping_marks``)."""
