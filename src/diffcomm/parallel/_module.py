@@ -30,7 +30,7 @@ from ._seams import (
     keeping_marks,
     mark_shard,
     note_shards,
-    shard_dims,
+    pickle_or_refuse,
     sharded_params,
 )
 from .mappings import copy_to_region, copy_to_region_coalesced
@@ -137,41 +137,6 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     for m in members:
         m.__dict__["_region_copies"] = copies
     module.__dict__["_region_root"] = True
-
-
-def holds_rank_state(root: nn.Module) -> bool:
-    """Whether a module under ``root`` holds what belongs to this rank of a group: a
-    process group, or a parameter it shards (a wrapper ``ParallelModule`` around serial
-    modules holds neither, and pickles as any module: the testing kit ships such a serial
-    reference to the ranks)."""
-    return any(
-        m.__dict__.get("_pg") is not None or any(d is not None for d in shard_dims(m).values())
-        for m in root.modules()
-    )
-
-
-def pickle_or_refuse(module: nn.Module, protocol: Any) -> Any:
-    """``module.__reduce_ex__``: refused (:func:`refuse_pickling`) when it holds this
-    rank's state (:func:`holds_rank_state`), else ``nn.Module``'s own."""
-    if holds_rank_state(module):
-        raise refuse_pickling(module)
-    return super(nn.Module, module).__reduce_ex__(protocol)
-
-
-def refuse_pickling(module: nn.Module) -> TypeError:
-    """The error of ``torch.save(model)`` / ``pickle`` of a whole parallel module: it holds
-    this rank's shards with its group rank, size and process group, and a load on another
-    rank or world size (or after the group is gone) would compute with another rank's
-    shards as its own. It failed inside pickle (``Can't pickle local object``), naming
-    neither the module nor the way out."""
-    return TypeError(
-        f"diffcomm.parallel: {type(module).__name__} cannot be pickled whole (torch.save(model), "
-        "pickle, a model returned from a rank): it holds this rank's shards together with its "
-        "group rank, size and process group, which another process, rank or world size cannot "
-        "reuse. Save model.state_dict() per rank (checked on load), model.to_serial_state_dict() "
-        "or parallel.dcp_state_dict(model), and rebuild the model before loading "
-        "(docs/parallel.md: 'Saving, resharding and restoring')"
-    )
 
 
 def note_drawn(module: nn.Module, generator: torch.Generator | None) -> None:

@@ -74,7 +74,6 @@ from ._module import (
     guard_shard_loading,
     init_generator,
     note_drawn,
-    refuse_pickling,
     resolve_parallel_group,
     serial_shape,
 )
@@ -85,6 +84,7 @@ from ._seams import (
     keeping_marks,
     note_summed,
     note_varying,
+    refuse_pickling,
 )
 from .blocks import MLP
 from .layers import LayerOptions
