@@ -15,7 +15,9 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from .. import _config
 from .. import backend as B
+from .._errors import CrossRankMismatchError
 from .._replication import LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
 from .._torch import active_ddp, compiler_disable, every_rank
 from .._torch import compiling as _compiling
@@ -36,6 +38,11 @@ from ._seams import (
 from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
+
+# Size: ~620 lines, just over the ~600 guideline: the base class, its region copy and the
+# first-forward checks it runs (unseeded replicas, debug-mode requires_grad agreement) are
+# one data flow, the outermost forward's; the shard bookkeeping already lives in ``_seams``
+# and the value check in ``_check``.
 
 Index = tuple[slice, ...]
 _FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_types_checking)
@@ -105,10 +112,13 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     every partial-gradient replica of the module tree into the region at once (one
     coalesced reduction in backward per group; a lone tensor uses ``copy_to_region``).
     First, before any communication, it refuses a sharded parameter replaced by a
-    parametrization (:func:`check_shards_plain`)."""
+    parametrization (:func:`check_shards_plain`). In debug mode it then checks that the
+    parameters' ``requires_grad`` agree across the ranks (:func:`_check_requires_grad`)."""
     if module.__dict__.get("_region_copies") is not None:
         return  # inside an outer ParallelModule's forward: it made the copies
     check_shards_plain(module, f"parallel.{type(module).__name__}", note=True)
+    if _config.DEBUG.get():
+        _check_requires_grad(module)
     if active_ddp() is not None:
         check_not_synced_by_ddp(module, f"parallel.{type(module).__name__}", sharded_params(module))
     if spmd_types_checking(_FUNCTION_ATTRS):
@@ -137,6 +147,45 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     for m in members:
         m.__dict__["_region_copies"] = copies
     module.__dict__["_region_root"] = True
+
+
+#: why every rank must agree on ``requires_grad`` (the hint of :func:`_check_requires_grad`)
+REQUIRES_GRAD_HINT = (
+    "A parameter frozen (requires_grad_(False)) on some ranks only trains inconsistently: a "
+    "replica keeps its value on one rank while the others update theirs, and a shard's "
+    "gradient reductions are skipped on one rank only (a desync in backward). Freeze or "
+    "unfreeze it on every rank of the group."
+)
+
+
+def _check_requires_grad(root: ParallelModule) -> None:
+    """Debug mode: every parameter under ``root`` has the same ``requires_grad`` on every
+    rank of its layer's group (one :meth:`check_consistent` per group, the way the blocks'
+    dropout check compares ``train()`` / ``eval()``). A parameter frozen on one rank only
+    trained silently inconsistently: a replicated bias kept its initial value on that rank
+    while the other ranks trained theirs, and under sequence parallelism the skipped
+    gradient reduction ended in a desync blaming the loss. A parameter belongs to the
+    nearest ParallelModule holding it (a plain submodule's to its ParallelModule parent)."""
+    groups: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+    def walk(m: nn.Module, prefix: str, owner: ParallelModule) -> None:
+        if isinstance(m, ParallelModule):
+            owner = m
+        fields = groups.setdefault(id(owner._pg), (owner._pg, {}))[1]
+        for name, p in m.named_parameters(recurse=False):
+            fields[f"requires_grad of `{prefix}{name}`"] = repr(bool(p.requires_grad))
+        for child_name, child in m.named_children():
+            walk(child, f"{prefix}{child_name}.", owner)
+
+    walk(root, "", root)
+    op = f"parallel.{type(root).__name__}"
+    for pg, fields in groups.values():
+        if not fields:
+            continue
+        try:
+            B.get_backend().check_consistent(op, fields, pg)
+        except CrossRankMismatchError as exc:
+            raise CrossRankMismatchError(f"{exc}. {REQUIRES_GRAD_HINT}") from None
 
 
 def note_drawn(module: nn.Module, generator: torch.Generator | None) -> None:
