@@ -39,7 +39,7 @@ from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
 
-# Size: ~620 lines, just over the ~600 guideline: the base class, its region copy and the
+# Size: ~630 lines, just over the ~600 guideline: the base class, its region copy and the
 # first-forward checks it runs (unseeded replicas, debug-mode requires_grad agreement) are
 # one data flow, the outermost forward's; the shard bookkeeping already lives in ``_seams``
 # and the value check in ``_check``.
@@ -112,13 +112,10 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     every partial-gradient replica of the module tree into the region at once (one
     coalesced reduction in backward per group; a lone tensor uses ``copy_to_region``).
     First, before any communication, it refuses a sharded parameter replaced by a
-    parametrization (:func:`check_shards_plain`). In debug mode it then checks that the
-    parameters' ``requires_grad`` agree across the ranks (:func:`_check_requires_grad`)."""
+    parametrization (:func:`check_shards_plain`)."""
     if module.__dict__.get("_region_copies") is not None:
         return  # inside an outer ParallelModule's forward: it made the copies
     check_shards_plain(module, f"parallel.{type(module).__name__}", note=True)
-    if _config.DEBUG.get():
-        _check_requires_grad(module)
     if active_ddp() is not None:
         check_not_synced_by_ddp(module, f"parallel.{type(module).__name__}", sharded_params(module))
     if spmd_types_checking(_FUNCTION_ATTRS):
@@ -323,6 +320,16 @@ def check_serial_value(op: str, name: str, value: Any) -> None:
         )
 
 
+def _after_forward(module: ParallelModule, args: Any, output: Any) -> None:
+    """Forward hook (only after a forward that returned): in debug mode the outermost
+    module checks that the parameters' ``requires_grad`` agree across the ranks
+    (:func:`_check_requires_grad`). After the forward, so the layers' local argument
+    checks still raise before any communication; before any backward, which a mismatch
+    would desync."""
+    if module.__dict__.get("_region_root") and _config.DEBUG.get():
+        _check_requires_grad(module)
+
+
 def _leave_region(module: ParallelModule, args: Any, output: Any) -> None:
     """Forward hook (always called): the outermost module drops the copies again."""
     if module.__dict__.pop("_region_root", False):
@@ -346,6 +353,7 @@ class ParallelModule(nn.Module):
         super().__init__()
         # one coalesced reduction per step for the partial-gradient replicas (see below)
         self.register_forward_pre_hook(_enter_region)
+        self.register_forward_hook(_after_forward)  # (before _leave_region: the root is known)
         self.register_forward_hook(_leave_region, always_call=True)
         # a state dict of shards remembers whose they are; another rank's is refused
         guard_shard_loading(self, _sharded_position)
