@@ -481,6 +481,58 @@ def test_a_rank_in_eval_mode_is_named_in_debug_mode(world2) -> None:
             assert "dropout in effect (p in train(), 0 in eval()) differs (rank 0: 0.5, rank 1: 0.0)" in m, m
 
 
+def _freeze_then_step(names: tuple[str, ...], frozen_on: tuple[int, ...], sequence_parallel: bool) -> dict:
+    """A ParallelMLP from a seeded serial MLP, ``names`` frozen on the ranks ``frozen_on``
+    (and in the serial MLP), one debug-mode SGD step: the error, or the step's distance to
+    the serial model's step."""
+    serial = P.MLP(4, 8, bias=True, dtype=F64)
+    with torch.no_grad():
+        for i, p in enumerate(serial.parameters()):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=F64))
+    mlp = P.ParallelMLP.from_serial(serial, sequence_parallel=sequence_parallel)
+    for name in names:
+        serial.get_parameter(name).requires_grad_(False)
+        if dc.get_rank() in frozen_on:
+            mlp.get_parameter(name).requires_grad_(False)
+    x = torch.randn(4, 2, 4, generator=torch.Generator().manual_seed(9), dtype=F64)
+    x_mine = x.chunk(2)[dc.get_rank()] if sequence_parallel else x  # (a sequence chunk each)
+    with dc.debug(True):
+        try:
+            mlp(x_mine).square().sum().backward()
+        except dc.CrossRankMismatchError as exc:
+            return {"error": str(exc)}
+    serial(x).square().sum().backward()
+    for model in (serial, mlp):
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+    got = mlp.to_serial_state_dict()
+    want = serial.state_dict()
+    return {"error": "no error", "diff": max((got[k] - want[k]).abs().max().item() for k in want)}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("name", ["fc2.bias", "fc1.weight"], ids=["replica", "shard"])
+def test_a_parameter_frozen_on_one_rank_is_named_in_debug_mode(
+    world2, name: str, sequence_parallel: bool
+) -> None:
+    """``requires_grad_(False)`` on one rank only (a replicated bias, or a shard) trained
+    silently inconsistently (the replicas drifted apart), or, with sequence parallelism,
+    desynced with a hint blaming the loss. Debug mode compares the flags at the forward."""
+    for out in world2.run(_freeze_then_step, (name,), (0,), sequence_parallel):
+        m = out["error"]
+        assert f"requires_grad of `{name}` differs (rank 0: False, rank 1: True)" in m, m
+        assert "parallel.ParallelMLP()" in m and "on every rank of the group" in m, m
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_parameters_frozen_on_every_rank_train_like_the_serial_model(world2, sequence_parallel: bool) -> None:
+    for out in world2.run(_freeze_then_step, ("fc2.bias", "fc1.weight"), (0, 1), sequence_parallel):
+        assert out["error"] == "no error"
+        assert out["diff"] < 1e-12, out
+
+
 # ======================================================================================
 # communication per step
 # ======================================================================================

@@ -173,7 +173,8 @@ def diagnose(
             "The blocked op is a backward: under autograd the usual cause is that one rank's loss "
             "does not use an output of a collective, so PyTorch skips that collective's backward on "
             "that rank while the others wait for it. Fix: make every rank's loss touch every "
-            "collective output (e.g. add `0 * out.sum()`)."
+            "collective output (e.g. add `0 * out.sum()`). Another cause: a parameter frozen "
+            "(requires_grad_(False)) on some ranks only (DIFFCOMM_DEBUG=1 checks the flags)."
         )
     else:
         lines.append(

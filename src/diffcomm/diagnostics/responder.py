@@ -306,7 +306,9 @@ def failed(
             f"the usual cause is that one rank's loss does not use an output of a collective, so "
             f"PyTorch skips that collective's backward on that rank while the others wait for it. "
             f"Fix: make every rank's loss touch every collective output (e.g. add `0 * out.sum()`), "
-            f"and make every rank run the same sequence of collectives. Backend error: {err}"
+            f"and make every rank run the same sequence of collectives. Another cause: a parameter "
+            f"frozen (requires_grad_(False)) on some ranks only (DIFFCOMM_DEBUG=1 checks the "
+            f"flags). Backend error: {err}"
         )
     else:
         msg = (

@@ -15,7 +15,9 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from .. import _config
 from .. import backend as B
+from .._errors import CrossRankMismatchError
 from .._replication import LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
 from .._torch import active_ddp, compiler_disable, every_rank
 from .._torch import compiling as _compiling
@@ -36,6 +38,11 @@ from ._seams import (
 from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
+
+# Size: ~630 lines, just over the ~600 guideline: the base class, its region copy and the
+# first-forward checks it runs (unseeded replicas, debug-mode requires_grad agreement) are
+# one data flow, the outermost forward's; the shard bookkeeping already lives in ``_seams``
+# and the value check in ``_check``.
 
 Index = tuple[slice, ...]
 _FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_types_checking)
@@ -137,6 +144,45 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     for m in members:
         m.__dict__["_region_copies"] = copies
     module.__dict__["_region_root"] = True
+
+
+#: why every rank must agree on ``requires_grad`` (the hint of :func:`_check_requires_grad`)
+REQUIRES_GRAD_HINT = (
+    "A parameter frozen (requires_grad_(False)) on some ranks only trains inconsistently: a "
+    "replica keeps its value on one rank while the others update theirs, and a shard's "
+    "gradient reductions are skipped on one rank only (a desync in backward). Freeze or "
+    "unfreeze it on every rank of the group."
+)
+
+
+def _check_requires_grad(root: ParallelModule) -> None:
+    """Debug mode: every parameter under ``root`` has the same ``requires_grad`` on every
+    rank of its layer's group (one :meth:`check_consistent` per group, the way the blocks'
+    dropout check compares ``train()`` / ``eval()``). A parameter frozen on one rank only
+    trained silently inconsistently: a replicated bias kept its initial value on that rank
+    while the other ranks trained theirs, and under sequence parallelism the skipped
+    gradient reduction ended in a desync blaming the loss. A parameter belongs to the
+    nearest ParallelModule holding it (a plain submodule's to its ParallelModule parent)."""
+    groups: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+    def walk(m: nn.Module, prefix: str, owner: ParallelModule) -> None:
+        if isinstance(m, ParallelModule):
+            owner = m
+        fields = groups.setdefault(id(owner._pg), (owner._pg, {}))[1]
+        for name, p in m.named_parameters(recurse=False):
+            fields[f"requires_grad of `{prefix}{name}`"] = repr(bool(p.requires_grad))
+        for child_name, child in m.named_children():
+            walk(child, f"{prefix}{child_name}.", owner)
+
+    walk(root, "", root)
+    op = f"parallel.{type(root).__name__}"
+    for pg, fields in groups.values():
+        if not fields:
+            continue
+        try:
+            B.get_backend().check_consistent(op, fields, pg)
+        except CrossRankMismatchError as exc:
+            raise CrossRankMismatchError(f"{exc}. {REQUIRES_GRAD_HINT}") from None
 
 
 def note_drawn(module: nn.Module, generator: torch.Generator | None) -> None:
@@ -274,6 +320,16 @@ def check_serial_value(op: str, name: str, value: Any) -> None:
         )
 
 
+def _after_forward(module: ParallelModule, args: Any, output: Any) -> None:
+    """Forward hook (only after a forward that returned): in debug mode the outermost
+    module checks that the parameters' ``requires_grad`` agree across the ranks
+    (:func:`_check_requires_grad`). After the forward, so the layers' local argument
+    checks still raise before any communication; before any backward, which a mismatch
+    would desync."""
+    if module.__dict__.get("_region_root") and _config.DEBUG.get():
+        _check_requires_grad(module)
+
+
 def _leave_region(module: ParallelModule, args: Any, output: Any) -> None:
     """Forward hook (always called): the outermost module drops the copies again."""
     if module.__dict__.pop("_region_root", False):
@@ -297,6 +353,7 @@ class ParallelModule(nn.Module):
         super().__init__()
         # one coalesced reduction per step for the partial-gradient replicas (see below)
         self.register_forward_pre_hook(_enter_region)
+        self.register_forward_hook(_after_forward)  # (before _leave_region: the root is known)
         self.register_forward_hook(_leave_region, always_call=True)
         # a state dict of shards remembers whose they are; another rank's is refused
         guard_shard_loading(self, _sharded_position)
