@@ -32,6 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Size: ~605 lines, just over the ~600 guideline: every read of torch's internals lives in
+# this one module (tests/test_layout.py), so it grows with each internal diffcomm needs.
+
 __all__ = [
     "C10D",
     "default_pg",
@@ -180,6 +183,19 @@ def compiling() -> bool:
     read of the flag would guard on it and recompile on every call).
     """
     return _COMPILER._is_compiling_flag
+
+
+def swap_compiling_flag(value: bool) -> bool:
+    """Set torch's process-wide compile-session flag (:func:`compiling`'s answer); the old
+    value. An in-process world swaps it with its run lock: each rank's own."""
+    old, _COMPILER._is_compiling_flag = bool(_COMPILER._is_compiling_flag), value
+    return old
+
+
+def dynamo_compiling_here() -> bool:
+    """Whether the calling thread holds dynamo's (one per process) compile lock."""
+    lock: Any = getattr(sys.modules.get(_DYNAMO + ".convert_frame"), "compile_lock", None)
+    return bool(lock._is_owned()) if hasattr(lock, "_is_owned") else False
 
 
 def run_eagerly_under_compile(code: Any) -> None:

@@ -38,7 +38,7 @@ from .. import accelerator as _accelerator
 from .._errors import DiffcommError
 from ..diagnostics import recorder as _flight
 
-# Size: ~710 lines, over the ~600 guideline: the in-process transport is one piece (the
+# Size: ~745 lines, over the ~600 guideline: the in-process transport is one piece (the
 # hub the ranks meet in, the per-rank state it swaps, the thread-local group record, and the
 # process group whose ops are the hub's exchanges); split, each part would only make sense
 # next to the others.
@@ -109,15 +109,22 @@ class Hub:
         states = states if states is not None else RankStates(world_size)
         self.rng = states.rng
         self.saved = states.saved
+        # torch's compile-session flag (``torch.compiler.is_compiling()``, diffcomm's
+        # compile check that picks the traceable backend) is one per process: each rank's
+        # own, swapped with the run lock, so a rank that runs while another is mid-compile
+        # (e.g. eager code after a graph break) picks the eager backend, not funcol
+        self.compiling: dict[int, bool] = dict.fromkeys(range(world_size), False)
 
     def _swap_in(self, rank: int) -> None:
         torch.set_rng_state(self.rng[rank])
         for box, value in zip(_STATE, self.saved[rank]):
             _restore(box, value)
+        _torch.swap_compiling_flag(self.compiling[rank])
 
     def _swap_out(self, rank: int) -> None:
         self.rng[rank] = torch.get_rng_state()
         self.saved[rank] = [_copy_of(box) for box in _STATE]
+        self.compiling[rank] = _torch.swap_compiling_flag(False)
 
     # ---- the run lock ----------------------------------------------------------------
     def acquire(self, rank: int) -> None:
@@ -228,6 +235,18 @@ class Hub:
 
 
 _EMPTY = object()
+
+
+# A collective that runs for real while dynamo compiles a frame (e.g. fake-tensor constant
+# propagation runs an op whose inputs are all trace-time constants): the rank would wait
+# for its peers holding dynamo's compile lock, which the peers need to compile their own
+# frames, so the world would hang (there is no timeout in-process). Refused instead.
+_TRACED = (
+    "diffcomm in-process world: rank {rank} {what} while torch.compile traces (a collective "
+    "run for real during compilation, e.g. on trace-time constants); dynamo's compile lock "
+    "is one per process and the other ranks need it to compile, so this would hang. Make "
+    "the collective's input depend on a traced input, or run on real processes (dc.LocalWorld(n))."
+)
 
 
 _profiling: Callable[[], bool] = _torch.profiler_enabled
@@ -562,7 +581,14 @@ class InProcessGroup(_PG):
             self._name = str(names.get(self, "?"))
         return self._name
 
+    def _refuse_in_compilation(self, what: str) -> None:
+        """Refuse an op run for real while this rank's thread compiles (see ``_TRACED``),
+        before it counts or deposits anything (dynamo may catch the error and go on)."""
+        if _torch.dynamo_compiling_here():
+            raise InProcessUnsupportedError(_TRACED.format(rank=_me(self._rank), what=what))
+
     def _all(self, what: str, payload: Any) -> list[Any]:
+        self._refuse_in_compilation(f"runs {what} (group {self._gname()})")
         seq = self._seq
         self._seq += 1
         return self._hub.exchange(self._gname(), seq, self._rank, self._size, what, payload)
@@ -694,10 +720,12 @@ class InProcessGroup(_PG):
 
     # ---- point to point ---------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        self._refuse_in_compilation(f"sends to group rank {dst} (group {self._gname()})")
         self._hub.post(self._gname(), self._rank, dst, tag, tensors[0])
         return _done(tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        self._refuse_in_compilation(f"receives from group rank {src} (group {self._gname()})")
         out, name, me, hub = tensors[0], self._gname(), self._rank, self._hub
         return _RecvWork(lambda: _copy_bytes(out, hub.take(name, src, me, tag, "recv")))
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ... import _torch
 from ..._replication import P, R, Rule, V, spmd_types_checking, spmd_types_invariant, spmd_types_varying
 from ...backend import args as A
 from ...backend.local_tensor import RANK_WHY, refuse
@@ -87,6 +88,17 @@ def _pieces(q: Tensor, k: Tensor, v: Tensor, pg: PG) -> tuple[Tensor, Tensor, Te
 def _gathered_sizes(n: int, pg: PG, world: int) -> list[int]:
     t = torch.tensor([n], dtype=torch.int64)
     return [int(x) for x in C.all_gather(t, 0, pg, split_sizes=[1] * world).tolist()]
+
+
+# Run eagerly under torch.compile (a graph break): the lengths are host ints (`.tolist()`
+# breaks the graph anyway), and traced, the all_gather of a trace-time constant ran for real
+# while dynamo compiled (fake-tensor constant propagation): a collective outside the graph
+# that only the compiling rank makes (in-process, a hang: the peers need dynamo's lock).
+_gathered_sizes = _torch.compiler_disable(
+    _gathered_sizes,
+    reason="parallel.ulysses_attention exchanges the ranks' sequence lengths on the host; "
+    "pass seq_lens= (every rank's length) to compile it with fullgraph=True",
+)
 
 
 def ulysses_attention(
