@@ -15,7 +15,12 @@ multiply-add cost model (``--balance model`` stops there) and are calibrated fro
 profiled split steps (ZB-H1, or ZB-V for the V layout) until the ranks (stages) are
 within ``--balance-tol``; the widths and each rank's ``F / I / W`` per micro-batch are
 printed, and ``--widths`` replays given widths. ``--balance none``
-is the plain model with equal layers per stage. For every ``p``, ``m`` and schedule it
+is the plain model with equal layers per stage. ``--emulate F,I,W`` replaces the compute by
+sleeps: every block is a Linear(16) whose forward, input-gradient and weight-gradient steps
+sleep ``F``, ``I`` and ``W`` milliseconds (:class:`EmulatedBlock`; equal blocks per stage),
+so that a sleeping rank uses no core and ``p`` ranks larger than the machine's cores
+measure the schedule and the runtime (messages, Python, step-time jitter) rather than
+cores shared by ranks that compute at once. For every ``p``, ``m`` and schedule it
 reports, for diffcomm's :class:`~diffcomm.pipeline.PipelineRunner`:
 
 * the **bubble fraction** measured from the per-step timelines (time blocked in receives
@@ -124,14 +129,55 @@ SCHEDULES = {
 V_SCHEDULES = ("zbv", "dualpipev")
 
 
-def make_model(width: int, depth: int, widths: list[int] | None = None) -> nn.Sequential:
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward sleeps ``fwd`` seconds and whose backward sleeps ``bwd``:
+    emulated compute (the GIL is released, no core is used, so ``p`` ranks on fewer cores
+    do not slow each other)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fwd: float, bwd: float) -> torch.Tensor:
+        ctx.bwd = bwd
+        if fwd:
+            time.sleep(fwd)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.bwd:
+            time.sleep(ctx.bwd)
+        return grad, None, None
+
+
+class EmulatedBlock(nn.Module):
+    """A Linear(width, width) whose ``F``, ``I`` and ``W`` steps take ``f``, ``i``, ``w``
+    seconds more (sleeps): the forward's sleep after the product; the input-gradient sleep
+    on the output's path (shared by the input and weight gradients, so a split backward
+    runs it in ``I``); the weight-gradient sleep on the weight's own path (run in ``W``)."""
+
+    def __init__(self, width: int, f: float, i: float, w: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.f, self.i, self.w = f, i, w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = _Sleep.apply(self.lin.weight, 0.0, self.w)
+        return _Sleep.apply(nn.functional.linear(x, weight, self.lin.bias), self.f, self.i)
+
+
+def make_model(
+    width: int, depth: int, widths: list[int] | None = None, emulate: list[float] | None = None
+) -> nn.Sequential:
     """``depth`` x (Linear(width, width) + GELU); with ``widths`` (one per virtual stage,
     ``depth`` divisible by their number) a **sized** model of ``len(widths)`` stages, one
     child each (so ``partition(model, len(widths))`` cuts between them): stage ``s`` is
     ``depth / len(widths) - 1`` blocks Linear(width, width) + GELU, then one sizing block
     Linear(width, h) + GELU + Linear(h, width) + GELU with ``h = widths[s]`` — at ``h =
     width / 2`` the sizing block has one plain block's multiply-adds, and a stage's
-    F + I + W grows linearly in ``h``."""
+    F + I + W grows linearly in ``h``. With ``emulate`` (``[f, i, w]`` milliseconds):
+    ``depth`` :class:`EmulatedBlock` (every stage of equal blocks does equal work)."""
+    if emulate is not None:
+        f, i, w = (t / 1e3 for t in emulate)
+        return nn.Sequential(*[EmulatedBlock(width, f, i, w) for _ in range(depth)])
     if widths is None:
         return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
     per = depth // len(widths)
@@ -339,6 +385,7 @@ def _rank_bench(
     rounds: int,
     pin: bool = False,
     widths: list[int] | None = None,
+    emulate: list[float] | None = None,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     if pin:
@@ -346,7 +393,7 @@ def _rank_bench(
     rank, p = dc.get_rank(), dc.get_world_size()
     v, torch_name = SCHEDULES[schedule]
     torch.manual_seed(0)
-    model = make_model(width, depth, widths)
+    model = make_model(width, depth, widths, emulate)
     twin = copy.deepcopy(model)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     vshape = schedule in V_SCHEDULES
@@ -522,9 +569,18 @@ def _zb_theory(p: int, m: int, timelines: list[list[TimelineEntry]]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=None, help="default 1024 (16 with --emulate)")
     ap.add_argument("--depth", type=int, default=8, help="Linear+GELU blocks (divisible by 2 * stages)")
-    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=None, help="default 512 (64 with --emulate)")
+    ap.add_argument(
+        "--emulate",
+        default=None,
+        metavar="F,I,W",
+        help="emulated compute: every block is a small Linear whose forward, input-gradient and "
+        "weight-gradient steps sleep F, I, W milliseconds (e.g. 5,5,5; implies --balance none, "
+        "equal blocks per stage): the schedules' bubbles at any p on few cores, since a sleeping "
+        "rank uses no core",
+    )
     ap.add_argument("--stages", type=int, nargs="+", default=[2])
     ap.add_argument("--micro", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
@@ -567,6 +623,21 @@ def main(argv: list[str] | None = None) -> int:
         "--plot", default=None, help="write a timeline PNG (one panel per schedule, largest m, median round)"
     )
     args = ap.parse_args(argv)
+    emulate: list[float] | None = None
+    if args.emulate is not None:
+        try:
+            emulate = [float(t) for t in args.emulate.split(",")]
+        except ValueError:
+            emulate = []
+        if len(emulate) != 3 or min(emulate) < 0:
+            ap.error(f"--emulate: expected three milliseconds F,I,W (>= 0), got {args.emulate!r}")
+        args.balance = "none"
+        for p in args.stages:
+            n = max(p * SCHEDULES[s][0] for s in args.schedules)
+            if args.depth % n:
+                ap.error(f"--depth {args.depth}: emulated stages need a multiple of {n} (stages x chunks)")
+    args.width = args.width or (16 if emulate else 1024)
+    args.batch = args.batch or (64 if emulate else 512)
     if args.plot:
         import matplotlib  # noqa: F401 - fail before measuring, not after
     for p in args.stages:
@@ -588,12 +659,19 @@ def main(argv: list[str] | None = None) -> int:
         if layout not in ("plain", "loop", "v") or len(ws) != n or min(ws) < 1:
             ap.error(f"--widths: {spec!r} needs a layout plain/loop/v and {n} positive widths")
         fixed[(layout, int(p_s), int(m_s))] = ws
-    print(
-        f"model: {args.depth} x (Linear({args.width}) + GELU), batch {args.batch}, float32, MSE; "
-        f"gloo, CPU, one thread per rank"
-        + ("; stages balanced (each stage's last block sized: Linear(w, h) + GELU + Linear(h, w) + GELU)"
-           if balanced else "; equal layers per stage (unbalanced)")
-    )  # fmt: skip
+    if emulate:
+        print(
+            f"model: {args.depth} x emulated block (Linear({args.width}); F / I / W sleep "
+            f"{emulate[0]:g} / {emulate[1]:g} / {emulate[2]:g} ms per block), batch {args.batch}, "
+            "float32, MSE; gloo, CPU, one thread per rank; equal blocks per stage"
+        )
+    else:
+        print(
+            f"model: {args.depth} x (Linear({args.width}) + GELU), batch {args.batch}, float32, MSE; "
+            f"gloo, CPU, one thread per rank"
+            + ("; stages balanced (each stage's last block sized: Linear(w, h) + GELU + Linear(h, w) + GELU)"
+               if balanced else "; equal layers per stage (unbalanced)")
+        )  # fmt: skip
     pinned = "; ranks pinned to cores" if args.pin else ""
     print(f"cores: {os.cpu_count()}; torch {torch.__version__}; {args.rounds} rounds per row{pinned}\n")
     head = (
@@ -643,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
                     widths = sizes[_placement(schedule)][0] if balanced else None
                     res = world.run(
                         _rank_bench, args.width, args.depth, args.batch, m, schedule, args.rounds, args.pin,
-                        widths,
+                        widths, emulate,
                     )  # fmt: skip
                     t_dc = [max(r["dc"][i] for r in res) for i in range(args.rounds)]
                     bubbles = [

@@ -197,3 +197,32 @@ def test_bench_pipeline_unbalanced_runs_the_plain_model(
         capsys=capsys,
     )
     assert rows[0]["widths"] is None and rows[0]["grad_diff"] < 1e-5
+
+
+def test_bench_pipeline_emulated_compute_sleeps_each_step_as_asked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--emulate F,I,W``: every block's steps sleep the given milliseconds (no core used),
+    so each rank's busy time per micro-batch is at least its blocks' ``F + I + W``; the
+    stages are equal blocks (no balancing) and torch runs the same model."""
+    args = ("--emulate", "1,2,3", "--depth", "4", "--micro", "2", "--rounds", "1")
+    rows = benchmark_json_here(
+        "bench_pipeline.py", *args, "--schedules", "1f1b", "zbv", monkeypatch=monkeypatch, capsys=capsys
+    )
+    assert [r["schedule"] for r in rows] == ["1f1b", "zbv"]
+    assert rows[0]["theory"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1): equal stages
+    for r in rows:
+        assert r["widths"] is None  # emulated stages are equal blocks, never sized
+        assert r["torch_error"] is None and r["grad_diff"] < 1e-5
+        # 2 blocks per rank, each (1 + 2 + 3) ms per micro-batch, slept
+        assert min(r["rank_ms_per_micro"]) >= 2 * 6.0, r["rank_ms_per_micro"]
+        assert r["ms_per_step"] >= 2 * 2 * 6.0
+
+
+@pytest.mark.parametrize("spec", ["1,2", "a,b,c", "1,-1,1"])
+def test_bench_pipeline_emulate_needs_three_milliseconds(
+    spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        _bench().main(["--emulate", spec])
+    assert "--emulate: expected three milliseconds F,I,W" in capsys.readouterr().err
