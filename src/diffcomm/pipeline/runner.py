@@ -74,6 +74,7 @@ from .._replication import varying_parameters
 from ..backend import args as A
 from ..ops import p2p
 from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
+from . import aux as _aux
 from ._context import note_records, records
 from ._ddp import average_grads, check_ddp_groups, ddp_modules, no_sync
 from ._split import capture, cooldown, group_plan, input_edge, reaches, weight_plan
@@ -878,6 +879,8 @@ class PipelineRunner:
         held_grads = [q.grad for q in held]
         for q in held:
             q.grad = None
+        # each micro-batch's loss weighs 1 / n_micro: so does an auxiliary loss (add_aux_loss)
+        outer_scale, _aux._SCALE[0] = _aux._SCALE[0], 1.0 / n_micro
         try:
             self._run_steps(_Batch(steps, fused, in_chunks, tgt_chunks, n_micro, input_grad or outer, total))
             inputs_kept = self._inputs_kept
@@ -894,6 +897,7 @@ class PipelineRunner:
                 self._carried.setdefault(c, []).append(handle)
             raise
         finally:
+            _aux._SCALE[0] = outer_scale
             self._inputs_kept, self._posted, self._local = [], {}, {}
             self._param_nodes = [None] * self.n_chunks
         if (input_grad or outer) and self.is_first:
