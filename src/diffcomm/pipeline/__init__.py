@@ -15,15 +15,17 @@ Modules: ``schedules`` (the generators, :class:`Step`), ``validate``
 (:func:`check_schedule`, :class:`ScheduleError`), ``partition``, ``runner``
 (:class:`PipelineRunner`), ``timeline`` (timelines and bubbles), ``tables``
 (torch.distributed.pipelining's schedule tables, CSV), ``overlap`` (the expert-parallel
-overlap hook: :class:`MoEStage`, :func:`one_f_one_b_overlap_schedule`). Every public
+overlap hook: :class:`MoEStage`, :func:`one_f_one_b_overlap_schedule`), ``aux``
+(:func:`add_aux_loss`: an auxiliary loss of an earlier stage). Every public
 name is importable from here.
 """
 
 from __future__ import annotations
 
-from . import overlap, runner, schedules, tables, timeline, validate
+from . import aux, overlap, runner, schedules, tables, timeline, validate
 from . import partition as _partition
-from .overlap import *  # noqa: F403 - the public names are each submodule's __all__
+from .aux import *  # noqa: F403 - the public names are each submodule's __all__
+from .overlap import *  # noqa: F403
 from .partition import *  # noqa: F403
 from .runner import *  # noqa: F403
 from .schedules import *  # noqa: F403
@@ -39,4 +41,5 @@ __all__ = [
     *timeline.__all__,
     *tables.__all__,
     *overlap.__all__,
+    *aux.__all__,
 ]

@@ -74,6 +74,8 @@ from .._replication import varying_parameters
 from ..backend import args as A
 from ..ops import p2p
 from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
+from . import aux as _aux
+from ._context import note_records, records
 from ._ddp import average_grads, check_ddp_groups, ddp_modules, no_sync
 from ._split import capture, cooldown, group_plan, input_edge, reaches, weight_plan
 from .partition import has_running_stats
@@ -442,6 +444,10 @@ class PipelineRunner:
         self._like: dict[int, Tensor] = {}
         self._sent: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self.input_grad: Tensor | None = None
+        # the pipeline ranks this one sent its context-parallel records to / got theirs from
+        # (once each, with the first activation: see _forward)
+        self._records_to: set[int] = set()
+        self._records_from: set[int] = set()
 
     # ---- the schedule --------------------------------------------------------------
     def _check_positions(self) -> None:
@@ -873,6 +879,8 @@ class PipelineRunner:
         held_grads = [q.grad for q in held]
         for q in held:
             q.grad = None
+        # each micro-batch's loss weighs 1 / n_micro: so does an auxiliary loss (add_aux_loss)
+        outer_scale, _aux._SCALE[0] = _aux._SCALE[0], 1.0 / n_micro
         try:
             self._run_steps(_Batch(steps, fused, in_chunks, tgt_chunks, n_micro, input_grad or outer, total))
             inputs_kept = self._inputs_kept
@@ -889,6 +897,7 @@ class PipelineRunner:
                 self._carried.setdefault(c, []).append(handle)
             raise
         finally:
+            _aux._SCALE[0] = outer_scale
             self._inputs_kept, self._posted, self._local = [], {}, {}
             self._param_nodes = [None] * self.n_chunks
         if (input_grad or outer) and self.is_first:
@@ -1049,6 +1058,10 @@ class PipelineRunner:
                     x = p2p.recv(src, group=self.pg, tag=tag)
                 else:
                     x = p2p.irecv_fused(src, like, group=self.pg, tag=tag).wait()
+            src = self._srcs[c][0]  # type: ignore[index]
+            if src not in self._records_from:  # its context-parallel records (see _send_records)
+                note_records(p2p.recv(src, group=self.pg, tag=self.tag + self.n_chunks), src)
+                self._records_from.add(src)
             if x.requires_grad:  # the previous stage waits for this input's gradient
                 kept.reached = reached = [False]
                 kept.recv_node = x.grad_fn
@@ -1131,6 +1144,7 @@ class PipelineRunner:
                 kept.output, kept.local = y, True
             else:
                 dst, dtag = self._dsts[c]  # type: ignore[misc]
+                self._send_records(dst)
                 # y is ours and nothing writes to it before wait_sends() at the end of
                 # the step: send it without the private copy dc.send makes; fused with
                 # its header when it has the channel's agreed shape (see the module
@@ -1149,6 +1163,18 @@ class PipelineRunner:
         self._live_bytes += kept.nbytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, self._live_bytes)
         return kept.handle if g == self._last else None
+
+    def _send_records(self, dst: int) -> None:
+        """Before the first activation to ``dst``: this program's context-parallel records
+        (the layouts it used, the sequences it padded; those received from upstream too),
+        once per runner and peer, on the tied weights' tag (FIFO before their exchange).
+        The stage that sharded the batch (zigzag, on stage 0's ranks) is another process
+        than the stage whose attention reads the received activation, which carries no
+        placement: without them that attention took the default layout, silently wrong
+        (``tests/pipeline/test_pipeline_context.py``); with them it refuses to guess."""
+        if dst not in self._records_to:
+            p2p.send(records(), dst, group=self.pg, tag=self.tag + self.n_chunks)
+            self._records_to.add(dst)
 
     # ---- backward ----------------------------------------------------------------------
     def _backward(self, st: Step, stash: dict[tuple[int, int], _Stash]) -> None:

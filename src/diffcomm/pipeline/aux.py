@@ -1,0 +1,84 @@
+"""Auxiliary losses of a pipeline stage (an MoE's load-balancing loss).
+
+Only the last stage computes the loss (``loss_fn``), and a stage sends one tensor on, so
+an auxiliary loss made inside an earlier stage — ``ExpertParallelMoE.aux_loss`` — had no
+way into the objective: the router trained without it, with no error.
+:func:`add_aux_loss` attaches it to the stage's output (Megatron-LM's
+``MoEAuxLossAutoScaler``): the output is unchanged, and its backward also runs the
+auxiliary loss's backward, with the weight :class:`~diffcomm.pipeline.PipelineRunner`
+gives each micro-batch's loss (``1 / n_micro``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..backend import args as A
+from ..backend.in_process import per_rank
+
+__all__ = ["add_aux_loss"]
+
+#: the weight of the running micro-batch's loss: ``1 / n_micro`` inside a
+#: :meth:`PipelineRunner.step`, else 1 (a rank's own in an in-process world)
+_SCALE: list[float] = [1.0]
+per_rank(_SCALE)
+
+
+class _WithAux(torch.autograd.Function):
+    """``y`` unchanged; backward: ``y``'s gradient, and ``scale`` for ``aux``."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, y: Tensor, aux: Tensor, scale: float) -> Tensor:
+        ctx.aux = (aux.shape, aux.dtype, aux.device)  # type: ignore[attr-defined]
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: Tensor) -> tuple[Tensor, Tensor, None]:
+        shape, dtype, device = ctx.aux  # type: ignore[attr-defined]
+        return g, torch.full(shape, ctx.scale, dtype=dtype, device=device), None  # type: ignore[attr-defined]
+
+
+def add_aux_loss(y: Tensor, aux: Tensor) -> Tensor:
+    """Attach the auxiliary loss ``aux`` to the activation ``y``: return ``y`` (same values)
+    whose backward also differentiates ``aux``.
+
+    Inside a pipeline stage (``return add_aux_loss(y, 0.01 * moe.aux_loss)``) the objective
+    becomes the step loss plus the **mean over micro-batches** of ``aux`` — each
+    micro-batch's ``aux`` weighted as its loss is (``1 / n_micro``), as serially
+    ``mean_m(loss_fn(out_m, t_m) + aux_m)``. The returned step loss does not include it
+    (add it up yourself to report it). Outside a runner's step the weight is 1: the
+    serial model written with the same call differentiates ``loss + aux``.
+
+    Args:
+        y: the stage's output (any shape; it must reach the loss for ``aux`` to count, as
+            the backward through ``y`` runs ``aux``'s).
+        aux: a one-element floating-point tensor (an ``ExpertParallelMoE``'s ``aux_loss``
+            is this rank's share of the group's; summed over the expert-parallel ranks it
+            is the serial one, diffcomm's sum convention).
+
+    Returns:
+        ``y``'s values, shape ``y.shape``.
+
+    Gradient:
+        ``y``: the incoming gradient, unchanged; ``aux``: the micro-batch's loss weight
+        (``1 / n_micro`` in :meth:`PipelineRunner.step`, else 1).
+
+    Example::
+
+        class Stage(nn.Module):          # an earlier stage holding an MoE
+            def forward(self, x):
+                y = self.moe(self.pre(x))
+                return add_aux_loss(y, 0.01 * self.moe.aux_loss)
+    """
+    op = "pipeline.add_aux_loss"
+    y = A.check_tensor(y, op, "y")
+    aux = A.check_tensor(aux, op, "aux")
+    if not aux.is_floating_point():
+        raise A.arg_error(op, "aux", "a floating-point tensor", aux.dtype, TypeError)
+    if aux.numel() != 1:
+        raise A.arg_error(op, "aux", "one element (a scalar loss)", f"shape {tuple(aux.shape)}")
+    if not aux.requires_grad:  # nothing to differentiate (e.g. under torch.no_grad)
+        return y
+    return _WithAux.apply(y, aux, _SCALE[0])
