@@ -106,6 +106,66 @@ class _DoubledIfStrided(torch.autograd.Function):
         return g if g.is_contiguous() else 2 * g
 
 
+class _AllGatherDoubledIfStridedInput(torch.autograd.Function):
+    """all_gather along dim 0 whose backward is 2x too large only when the forward's input
+    was not contiguous (right for every contiguous x, the only kind a test passes)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return dc.all_gather(x, 0)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.contiguous = inputs[0].is_contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        out = dc.reduce_scatter(g.contiguous(), 0)
+        return out if ctx.contiguous else 2 * out
+
+
+class _AllGatherZeroingItsGradient(torch.autograd.Function):
+    """all_gather along dim 0 with the right backward, which then zeroes the gradient it
+    was given (another backward handed the same tensor gets zeros)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return dc.all_gather(x, 0)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        out = dc.reduce_scatter(g.clone(), 0)
+        g.zero_()
+        return out
+
+
+class _AllGatherChangingItsInput(torch.autograd.Function):
+    """all_gather along dim 0 with the right value and backward, which adds 1 to its input
+    in place (in forward: ``"forward"``; to the saved input in backward: ``"backward"``)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, when: str) -> torch.Tensor:
+        out = dc.all_gather(x.clone(), 0)
+        if when == "forward":
+            x.add_(1.0)
+        return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.when = inputs[1]
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.when == "backward":
+            ctx.saved_tensors[0].add_(1.0)
+        return dc.reduce_scatter(g.contiguous(), 0), None
+
+
 class _CopyIdentityBackward(torch.autograd.Function):
     """copy_to_region whose backward is the identity (should be an all_reduce)."""
 
@@ -205,7 +265,7 @@ def test_check_adjoint_catches_a_backward_wrong_only_for_a_strided_gradient(worl
     out = world2.run(strided_bug)
     assert out[0] == out[1]
     for key in ("autograd", "dual_op"):
-        assert "with y non-contiguous" in out[0][key]
+        assert "with x and y non-contiguous" in out[0][key]
 
 
 def test_run_case_catches_a_backward_wrong_only_for_a_strided_gradient(world2, monkeypatch) -> None:
@@ -297,6 +357,57 @@ def test_mapping_and_coalesced_runners_catch_a_backward_wrong_only_for_a_strided
         monkeypatch.setattr(sys.modules[registry.REGISTRY[name].__module__], name, bug)
     for per_rank in world2.run(run):
         assert all(not ok and err > 0.5 for err, ok in per_rank), per_rank
+
+
+def test_check_adjoint_catches_an_op_wrong_only_for_a_strided_input(world2) -> None:
+    # a test's x is contiguous: check_adjoint also runs op on the same values strided
+    def strided_input_bug() -> dict[str, str]:
+        x, y = _rand(1, 2, 3), _rand(2, 2 * dc.get_world_size(), 3)
+        calls = {
+            "autograd": lambda: check_adjoint(_AllGatherDoubledIfStridedInput.apply, x=x, y=y),
+            "dual_op": lambda: check_adjoint(
+                lambda t: dc.all_gather(t, 0) * (1 if t.is_contiguous() else 2),
+                dual_op=lambda g: dc.reduce_scatter(g.contiguous(), 0),
+                x=x,
+                y=y,
+            ),
+        }
+        return outcomes(calls, AssertionError)
+
+    out = world2.run(strided_input_bug)
+    assert out[0] == out[1]
+    assert "with x and y non-contiguous" in out[0]["autograd"], out[0]
+    assert "op(x) itself differs for a strided x" in out[0]["dual_op"], out[0]
+
+
+def test_check_adjoint_catches_an_op_or_backward_that_changes_its_input_in_place(world2) -> None:
+    """An op whose value and backward are right but which changes its x in place passed
+    (the kit ran it on a copy); a backward that zeroes its incoming gradient failed with
+    "the dot-product test is vacuous: `y` is zero", which blamed the test's y."""
+
+    def in_place() -> dict[str, str]:
+        x, y = _rand(1, 2, 3), _rand(2, 2 * dc.get_world_size(), 3)
+        gather = lambda t: dc.all_gather(t, 0)
+
+        def dual_zeroing(g: torch.Tensor) -> torch.Tensor:
+            out = dc.reduce_scatter(g.clone(), 0)
+            g.zero_()
+            return out
+
+        calls = {
+            "x in forward": lambda: check_adjoint(
+                lambda t: _AllGatherChangingItsInput.apply(t, "forward"), x, y
+            ),
+            "y in backward": lambda: check_adjoint(_AllGatherZeroingItsGradient.apply, x, y),
+            "y in dual_op": lambda: check_adjoint(gather, x, y, dual_op=dual_zeroing),
+        }
+        return outcomes(calls, AssertionError)
+
+    out = world2.run(in_place)
+    assert out[0] == out[1]
+    assert "op modified its input x in place" in out[0]["x in forward"], out[0]
+    assert "the backward of op modified y, its incoming gradient, in place" in out[0]["y in backward"]
+    assert "dual_op modified its input y, its incoming gradient, in place" in out[0]["y in dual_op"]
 
 
 def test_check_adjoint_refuses_an_op_that_returns_no_single_tensor(world2) -> None:
@@ -437,6 +548,27 @@ def test_gradcheck_catches_planted_bugs(world2) -> None:
     assert "differ on rank(s)" in out[0]["bad_adjoint"] and "inputs[0]" in out[0]["bad_adjoint"]
     assert "output 0 of fn should be the same on every rank" in out[0]["not_replicated"]
     assert "float64" in out[0]["float32"]
+
+
+def test_gradcheck_catches_a_strided_input_bug_and_in_place_changes(world2) -> None:
+    """Missed before: a backward wrong only for a non-contiguous input (gradcheck's inputs
+    were contiguous copies), a backward that zeroes the gradient it was given (autograd may
+    hand that tensor to another backward) and one that changes its saved input."""
+
+    def planted() -> dict[str, str]:
+        x = _rand(1, 2, 3).requires_grad_()
+        calls = {
+            "strided": lambda: gradcheck(lambda t: _AllGatherDoubledIfStridedInput.apply(t).sin(), (x,)),
+            "gradient": lambda: gradcheck(lambda t: _AllGatherZeroingItsGradient.apply(t).sin(), (x,)),
+            "input": lambda: gradcheck(lambda t: _AllGatherChangingItsInput.apply(t, "backward").sin(), (x,)),
+        }
+        return outcomes(calls, AssertionError)
+
+    out = world2.run(planted)
+    assert out[0] == out[1]
+    assert "analytic (inputs and gradients non-contiguous" in out[0]["strided"], out[0]
+    assert "a backward modified its incoming gradient in place on rank(s) [0, 1]" in out[0]["gradient"]
+    assert "fn modified an input in place on rank(s) [0, 1]" in out[0]["input"]
 
 
 # ======================================================================================
