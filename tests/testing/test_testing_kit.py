@@ -196,6 +196,87 @@ class _HandTPMLP(P.ParallelModule):
         return P.reduce_from_region(torch.nn.functional.linear(h, self.fc2.weight)) + self.fc2.bias
 
 
+class _IdentityChangingItsInput(torch.autograd.Function):
+    """The identity, which adds 1 to its input in place after copying it."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        x.add_(1.0)
+        return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g.clone()
+
+
+class _IdentityZeroingItsGradient(torch.autograd.Function):
+    """The identity, whose backward returns a copy of its gradient and zeroes the original."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        out = g.clone()
+        g.zero_()
+        return out
+
+
+class _HandTPMLPThen(_HandTPMLP):
+    """``_HandTPMLP`` with ``then`` applied to its output."""
+
+    def __init__(self, serial: P.MLP, then: Any) -> None:
+        super().__init__(serial)
+        self.then = then
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.then(super().forward(x))
+
+
+class _ScaleWithRunningMean(torch.nn.Module):
+    """``x * w`` over the last dim, keeping a running mean of ``x`` (a buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(_rand(3, 4, rank=-1))
+        self.register_buffer("running_mean", torch.zeros(4, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.running_mean.mul_(0.9).add_(0.1 * x.reshape(-1, 4).mean(0))
+        return x * self.w
+
+
+class _SequenceParallelScale(P.ParallelModule):
+    """``_ScaleWithRunningMean`` on a sequence shard; ``averaged=False`` plants the bug of
+    a running mean of this rank's shard only (outputs and gradients still right)."""
+
+    def __init__(self, serial: _ScaleWithRunningMean, averaged: bool = True) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(serial.w.detach().clone())
+        self.register_buffer("running_mean", serial.running_mean.clone())
+        self.averaged = averaged
+
+    def partial_gradients(self) -> list[str]:
+        return ["w"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            mean = x.reshape(-1, 4).mean(0)
+            self.running_mean.mul_(0.9).add_(0.1 * (dc.all_reduce(mean, "avg") if self.averaged else mean))
+        return x * self.w
+
+
 def _serial_mlp() -> P.MLP:
     torch.manual_seed(0)
     return P.MLP(4, 8, activation="tanh", dtype=F64)
@@ -683,6 +764,35 @@ def test_assert_matches_serial_catches_a_missing_sharded_output_spec(world2) -> 
             world=world2,
             input_specs=[Shard(0)],
         )
+
+
+def test_assert_matches_serial_catches_planted_bugs_it_missed(world2) -> None:
+    """Each passed before: a backward wrong only for a non-contiguous gradient (the kit's
+    cotangents were contiguous), a forward that changes its input in place, a backward that
+    zeroes the gradient it was given (values right), and a running statistic (a buffer)
+    that drifts from the serial one (the kit compared parameters only)."""
+    x = torch.randn(6, 2, 4, dtype=F64)
+    planted = {
+        r"gradient of inputs\[0\] \(with the cotangents non-contiguous": _DoubledIfStrided.apply,
+        r"parallel_fn modified inputs\[0\] in place": None,
+        r"a backward of parallel_fn modified a gradient it received": _IdentityZeroingItsGradient.apply,
+    }
+    for message, then in planted.items():
+        if then is None:
+            parallel = build(
+                lambda s: _HandTPMLP(s, enter=lambda t: P.copy_to_region(_IdentityChangingItsInput.apply(t)))
+            )
+        else:
+            parallel = build(lambda s, then=then: _HandTPMLPThen(s, then))
+        with pytest.raises(AssertionError, match=message):
+            assert_matches_serial(parallel, _serial_mlp(), x, world=world2)
+    sp = {"input_specs": [Shard(0)], "output_specs": [Shard(0)]}
+    assert_matches_serial(build(_SequenceParallelScale), _ScaleWithRunningMean(), x, world=world2, **sp)
+    drift = build(lambda s: _SequenceParallelScale(s, averaged=False))
+    with pytest.raises(
+        AssertionError, match=r"rank 0: value of buffer 'running_mean' \(serial 'running_mean'\) after"
+    ):
+        assert_matches_serial(drift, _ScaleWithRunningMean(), x, world=world2, **sp)
 
 
 def test_assert_matches_serial_rejects_inputs_that_differ_between_ranks(world2) -> None:
