@@ -365,6 +365,20 @@ def test_run_case_catches_a_backward_wrong_only_for_a_strided_gradient(world2, m
         assert grad_err > 0.5 and not ok
 
 
+def test_run_case_catches_a_backward_that_zeroes_its_incoming_gradient(world2, monkeypatch) -> None:
+    # the value of the planted backward is right (grad_err 0): the case passed
+    from diffcomm.testing import cases as C
+
+    monkeypatch.setattr(C, "call", lambda case, x: _AllGatherZeroingItsGradient.apply(x))
+
+    def run() -> tuple[float, bool, bool]:
+        res = C.run_case(C.Case("all_gather", 2, (2, 3)), double=False)
+        return res.grad_err, res.grad_unchanged, res.ok
+
+    for grad_err, unchanged, ok in world2.run(run):
+        assert grad_err < 1e-12 and not unchanged and not ok
+
+
 def test_check_adjoint_refuses_an_x_or_y_zero_on_every_rank(world2) -> None:
     # x (or y) zero on every rank makes both sides 0 whatever the backward: the planted
     # 2x backward passed. Refused on every rank alike (decided from the sums over ranks);
