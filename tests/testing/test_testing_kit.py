@@ -106,6 +106,66 @@ class _DoubledIfStrided(torch.autograd.Function):
         return g if g.is_contiguous() else 2 * g
 
 
+class _AllGatherDoubledIfStridedInput(torch.autograd.Function):
+    """all_gather along dim 0 whose backward is 2x too large only when the forward's input
+    was not contiguous (right for every contiguous x, the only kind a test passes)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return dc.all_gather(x, 0)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.contiguous = inputs[0].is_contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        out = dc.reduce_scatter(g.contiguous(), 0)
+        return out if ctx.contiguous else 2 * out
+
+
+class _AllGatherZeroingItsGradient(torch.autograd.Function):
+    """all_gather along dim 0 with the right backward, which then zeroes the gradient it
+    was given (another backward handed the same tensor gets zeros)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return dc.all_gather(x, 0)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        out = dc.reduce_scatter(g.clone(), 0)
+        g.zero_()
+        return out
+
+
+class _AllGatherChangingItsInput(torch.autograd.Function):
+    """all_gather along dim 0 with the right value and backward, which adds 1 to its input
+    in place (in forward: ``"forward"``; to the saved input in backward: ``"backward"``)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, when: str) -> torch.Tensor:
+        out = dc.all_gather(x.clone(), 0)
+        if when == "forward":
+            x.add_(1.0)
+        return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.when = inputs[1]
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.when == "backward":
+            ctx.saved_tensors[0].add_(1.0)
+        return dc.reduce_scatter(g.contiguous(), 0), None
+
+
 class _CopyIdentityBackward(torch.autograd.Function):
     """copy_to_region whose backward is the identity (should be an all_reduce)."""
 
@@ -134,6 +194,87 @@ class _HandTPMLP(P.ParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(torch.nn.functional.linear(self.enter(x), self.fc1.weight, self.fc1.bias))
         return P.reduce_from_region(torch.nn.functional.linear(h, self.fc2.weight)) + self.fc2.bias
+
+
+class _IdentityChangingItsInput(torch.autograd.Function):
+    """The identity, which adds 1 to its input in place after copying it."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        x.add_(1.0)
+        return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g.clone()
+
+
+class _IdentityZeroingItsGradient(torch.autograd.Function):
+    """The identity, whose backward returns a copy of its gradient and zeroes the original."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        out = g.clone()
+        g.zero_()
+        return out
+
+
+class _HandTPMLPThen(_HandTPMLP):
+    """``_HandTPMLP`` with ``then`` applied to its output."""
+
+    def __init__(self, serial: P.MLP, then: Any) -> None:
+        super().__init__(serial)
+        self.then = then
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.then(super().forward(x))
+
+
+class _ScaleWithRunningMean(torch.nn.Module):
+    """``x * w`` over the last dim, keeping a running mean of ``x`` (a buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(_rand(3, 4, rank=-1))
+        self.register_buffer("running_mean", torch.zeros(4, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.running_mean.mul_(0.9).add_(0.1 * x.reshape(-1, 4).mean(0))
+        return x * self.w
+
+
+class _SequenceParallelScale(P.ParallelModule):
+    """``_ScaleWithRunningMean`` on a sequence shard; ``averaged=False`` plants the bug of
+    a running mean of this rank's shard only (outputs and gradients still right)."""
+
+    def __init__(self, serial: _ScaleWithRunningMean, averaged: bool = True) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(serial.w.detach().clone())
+        self.register_buffer("running_mean", serial.running_mean.clone())
+        self.averaged = averaged
+
+    def partial_gradients(self) -> list[str]:
+        return ["w"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            mean = x.reshape(-1, 4).mean(0)
+            self.running_mean.mul_(0.9).add_(0.1 * (dc.all_reduce(mean, "avg") if self.averaged else mean))
+        return x * self.w
 
 
 def _serial_mlp() -> P.MLP:
@@ -205,7 +346,7 @@ def test_check_adjoint_catches_a_backward_wrong_only_for_a_strided_gradient(worl
     out = world2.run(strided_bug)
     assert out[0] == out[1]
     for key in ("autograd", "dual_op"):
-        assert "with y non-contiguous" in out[0][key]
+        assert "with x and y non-contiguous" in out[0][key]
 
 
 def test_run_case_catches_a_backward_wrong_only_for_a_strided_gradient(world2, monkeypatch) -> None:
@@ -222,6 +363,20 @@ def test_run_case_catches_a_backward_wrong_only_for_a_strided_gradient(world2, m
 
     for grad_err, ok in world2.run(run):
         assert grad_err > 0.5 and not ok
+
+
+def test_run_case_catches_a_backward_that_zeroes_its_incoming_gradient(world2, monkeypatch) -> None:
+    # the value of the planted backward is right (grad_err 0): the case passed
+    from diffcomm.testing import cases as C
+
+    monkeypatch.setattr(C, "call", lambda case, x: _AllGatherZeroingItsGradient.apply(x))
+
+    def run() -> tuple[float, bool, bool]:
+        res = C.run_case(C.Case("all_gather", 2, (2, 3)), double=False)
+        return res.grad_err, res.grad_unchanged, res.ok
+
+    for grad_err, unchanged, ok in world2.run(run):
+        assert grad_err < 1e-12 and not unchanged and not ok
 
 
 def test_check_adjoint_refuses_an_x_or_y_zero_on_every_rank(world2) -> None:
@@ -297,6 +452,57 @@ def test_mapping_and_coalesced_runners_catch_a_backward_wrong_only_for_a_strided
         monkeypatch.setattr(sys.modules[registry.REGISTRY[name].__module__], name, bug)
     for per_rank in world2.run(run):
         assert all(not ok and err > 0.5 for err, ok in per_rank), per_rank
+
+
+def test_check_adjoint_catches_an_op_wrong_only_for_a_strided_input(world2) -> None:
+    # a test's x is contiguous: check_adjoint also runs op on the same values strided
+    def strided_input_bug() -> dict[str, str]:
+        x, y = _rand(1, 2, 3), _rand(2, 2 * dc.get_world_size(), 3)
+        calls = {
+            "autograd": lambda: check_adjoint(_AllGatherDoubledIfStridedInput.apply, x=x, y=y),
+            "dual_op": lambda: check_adjoint(
+                lambda t: dc.all_gather(t, 0) * (1 if t.is_contiguous() else 2),
+                dual_op=lambda g: dc.reduce_scatter(g.contiguous(), 0),
+                x=x,
+                y=y,
+            ),
+        }
+        return outcomes(calls, AssertionError)
+
+    out = world2.run(strided_input_bug)
+    assert out[0] == out[1]
+    assert "with x and y non-contiguous" in out[0]["autograd"], out[0]
+    assert "op(x) itself differs for a strided x" in out[0]["dual_op"], out[0]
+
+
+def test_check_adjoint_catches_an_op_or_backward_that_changes_its_input_in_place(world2) -> None:
+    """An op whose value and backward are right but which changes its x in place passed
+    (the kit ran it on a copy); a backward that zeroes its incoming gradient failed with
+    "the dot-product test is vacuous: `y` is zero", which blamed the test's y."""
+
+    def in_place() -> dict[str, str]:
+        x, y = _rand(1, 2, 3), _rand(2, 2 * dc.get_world_size(), 3)
+        gather = lambda t: dc.all_gather(t, 0)
+
+        def dual_zeroing(g: torch.Tensor) -> torch.Tensor:
+            out = dc.reduce_scatter(g.clone(), 0)
+            g.zero_()
+            return out
+
+        calls = {
+            "x in forward": lambda: check_adjoint(
+                lambda t: _AllGatherChangingItsInput.apply(t, "forward"), x, y
+            ),
+            "y in backward": lambda: check_adjoint(_AllGatherZeroingItsGradient.apply, x, y),
+            "y in dual_op": lambda: check_adjoint(gather, x, y, dual_op=dual_zeroing),
+        }
+        return outcomes(calls, AssertionError)
+
+    out = world2.run(in_place)
+    assert out[0] == out[1]
+    assert "op modified its input x in place" in out[0]["x in forward"], out[0]
+    assert "the backward of op modified y, its incoming gradient, in place" in out[0]["y in backward"]
+    assert "dual_op modified its input y, its incoming gradient, in place" in out[0]["y in dual_op"]
 
 
 def test_check_adjoint_refuses_an_op_that_returns_no_single_tensor(world2) -> None:
@@ -439,6 +645,27 @@ def test_gradcheck_catches_planted_bugs(world2) -> None:
     assert "float64" in out[0]["float32"]
 
 
+def test_gradcheck_catches_a_strided_input_bug_and_in_place_changes(world2) -> None:
+    """Missed before: a backward wrong only for a non-contiguous input (gradcheck's inputs
+    were contiguous copies), a backward that zeroes the gradient it was given (autograd may
+    hand that tensor to another backward) and one that changes its saved input."""
+
+    def planted() -> dict[str, str]:
+        x = _rand(1, 2, 3).requires_grad_()
+        calls = {
+            "strided": lambda: gradcheck(lambda t: _AllGatherDoubledIfStridedInput.apply(t).sin(), (x,)),
+            "gradient": lambda: gradcheck(lambda t: _AllGatherZeroingItsGradient.apply(t).sin(), (x,)),
+            "input": lambda: gradcheck(lambda t: _AllGatherChangingItsInput.apply(t, "backward").sin(), (x,)),
+        }
+        return outcomes(calls, AssertionError)
+
+    out = world2.run(planted)
+    assert out[0] == out[1]
+    assert "analytic (inputs and gradients non-contiguous" in out[0]["strided"], out[0]
+    assert "a backward modified its incoming gradient in place on rank(s) [0, 1]" in out[0]["gradient"]
+    assert "fn modified an input in place on rank(s) [0, 1]" in out[0]["input"]
+
+
 # ======================================================================================
 # assert_matches_serial
 # ======================================================================================
@@ -551,6 +778,35 @@ def test_assert_matches_serial_catches_a_missing_sharded_output_spec(world2) -> 
             world=world2,
             input_specs=[Shard(0)],
         )
+
+
+def test_assert_matches_serial_catches_planted_bugs_it_missed(world2) -> None:
+    """Each passed before: a backward wrong only for a non-contiguous gradient (the kit's
+    cotangents were contiguous), a forward that changes its input in place, a backward that
+    zeroes the gradient it was given (values right), and a running statistic (a buffer)
+    that drifts from the serial one (the kit compared parameters only)."""
+    x = torch.randn(6, 2, 4, dtype=F64)
+    planted = {
+        r"gradient of inputs\[0\] \(with the cotangents non-contiguous": _DoubledIfStrided.apply,
+        r"parallel_fn modified inputs\[0\] in place": None,
+        r"a backward of parallel_fn modified a gradient it received": _IdentityZeroingItsGradient.apply,
+    }
+    for message, then in planted.items():
+        if then is None:
+            parallel = build(
+                lambda s: _HandTPMLP(s, enter=lambda t: P.copy_to_region(_IdentityChangingItsInput.apply(t)))
+            )
+        else:
+            parallel = build(lambda s, then=then: _HandTPMLPThen(s, then))
+        with pytest.raises(AssertionError, match=message):
+            assert_matches_serial(parallel, _serial_mlp(), x, world=world2)
+    sp = {"input_specs": [Shard(0)], "output_specs": [Shard(0)]}
+    assert_matches_serial(build(_SequenceParallelScale), _ScaleWithRunningMean(), x, world=world2, **sp)
+    drift = build(lambda s: _SequenceParallelScale(s, averaged=False))
+    with pytest.raises(
+        AssertionError, match=r"rank 0: value of buffer 'running_mean' \(serial 'running_mean'\) after"
+    ):
+        assert_matches_serial(drift, _ScaleWithRunningMean(), x, world=world2, **sp)
 
 
 def test_assert_matches_serial_rejects_inputs_that_differ_between_ranks(world2) -> None:

@@ -35,6 +35,7 @@ import diffcomm.parallel
 from diffcomm import backend as B
 from diffcomm.ops import registry
 
+from .checks import GradientWatch
 from .checks import strided as _strided
 
 LINEAR = ("sum", "avg")
@@ -89,13 +90,19 @@ class CaseResult:
     double_err: float | None = None
     input_unchanged: bool = True
     no_alias: bool = True
+    grad_unchanged: bool = True
     seconds: float = 0.0
     tol: float = 0.0
 
     @property
     def ok(self) -> bool:
         errs = [self.forward_err, self.grad_err, self.adjoint_err or 0.0, self.double_err or 0.0]
-        return self.input_unchanged and self.no_alias and all(e <= self.tol for e in errs)
+        return (
+            self.input_unchanged
+            and self.no_alias
+            and self.grad_unchanged
+            and all(e <= self.tol for e in errs)
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok}
@@ -329,13 +336,19 @@ def run_case(case: Case, double: bool = True) -> CaseResult:
     ref_g = torch.autograd.grad(ref_loss, xs_ref, create_graph=double, allow_unused=True)
     ref_gx = ref_g[rank] if ref_g[rank] is not None else torch.zeros_like(xs_ref[rank])
     res.grad_err = _rel(gx, ref_gx)
+    res.input_unchanged = res.input_unchanged and bool(torch.equal(x.detach(), x_before))  # after backward
     if case.op != "send/recv":
         # again with a non-contiguous input and cotangent (the same values): a backward that
         # is wrong only for a strided gradient is a classic silent bug, and every tensor
         # above is contiguous
+        # (and a backward must leave the gradient it receives unchanged: autograd may hand
+        # the same tensor to another backward)
         x_nc = _strided(xs[rank].to(dev)).requires_grad_(True)
-        (gx_nc,) = torch.autograd.grad(call(case, x_nc), x_nc, grad_outputs=_strided(cots[rank].to(dev)))
+        out_nc = call(case, x_nc)
+        watch = GradientWatch([out_nc])
+        (gx_nc,) = torch.autograd.grad(out_nc, x_nc, grad_outputs=_strided(cots[rank].to(dev)))
         res.grad_err = max(res.grad_err, _rel(gx_nc, ref_gx))
+        res.grad_unchanged = not bool(watch.changed())
     # dot-product test with the dual op from the table (linear ops)
     with torch.no_grad():
         y = cots[rank].to(dev)

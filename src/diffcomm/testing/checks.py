@@ -59,6 +59,62 @@ def _gather_rows(row: Tensor, pg: Any) -> Tensor:
         return B.get_backend().all_gather(t, pg).cpu()
 
 
+def _check_y_shape(ax: Tensor, y: Tensor) -> None:
+    if tuple(ax.shape) != tuple(y.shape):
+        raise A.arg_error("testing.check_adjoint", "y", f"of op(x)'s shape {tuple(ax.shape)}", tuple(y.shape))
+
+
+def _changed(now: Tensor, before: Tensor) -> Tensor:
+    """Whether ``now`` differs from ``before`` (a 0-dim bool tensor, not read here: under
+    LocalTensorMode it holds one value per rank; NaN equals NaN)."""
+    if now.shape != before.shape or now.dtype != before.dtype:
+        return torch.ones((), dtype=torch.bool)
+    same = (
+        (now == before) | (now.isnan() & before.isnan())
+        if now.is_floating_point() or now.is_complex()
+        else now == before
+    )
+    return ~same.all()
+
+
+class GradientWatch:
+    """Keeps a copy of every gradient the backward nodes of a graph receive, to tell
+    afterwards whether one of them changed it in place (autograd may hand the same
+    gradient tensor to several backwards, so such a backward corrupts another's gradient
+    even when its own result is right). Built on the outputs before the backward runs;
+    holding the gradients also keeps autograd from accumulating into them in place.
+    (Also the serial comparison's, :mod:`.serial`.)"""
+
+    def __init__(self, roots: Sequence[Tensor]) -> None:
+        self.received: list[tuple[Tensor, Tensor]] = []
+        self._handles: list[Any] = []
+        seen: set[int] = set()
+        stack = [r.grad_fn for r in roots if isinstance(r, Tensor) and r.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if hasattr(node, "variable"):  # AccumulateGrad: a leaf's, it computes nothing
+                continue
+            self._handles.append(node.register_prehook(self._record))
+            stack.extend(f for f, _ in node.next_functions if f is not None)
+
+    def _record(self, grads: tuple[Tensor | None, ...]) -> None:
+        for g in grads:
+            if isinstance(g, Tensor):
+                self.received.append((g, g.detach().clone()))
+
+    def changed(self) -> Tensor:
+        """Whether a backward changed a gradient it received (a 0-dim bool tensor, not
+        read here); removes the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        flags = [_changed(g.detach(), before) for g, before in self.received]
+        return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
+
+
 def _one_tensor(out: Any, arg: str) -> Tensor:
     """What ``op`` / ``dual_op`` returned, which must be one tensor (a linear map of one)."""
     if not isinstance(out, Tensor):
@@ -104,7 +160,9 @@ def check_adjoint(
         The relative error ``|lhs - rhs| / max(|lhs|, |rhs|)`` (0 when both are 0).
 
     Raises:
-        AssertionError: with both numbers, when ``|lhs - rhs| > atol + rtol * max(|lhs|, |rhs|)``.
+        AssertionError: with both numbers, when ``|lhs - rhs| > atol + rtol * max(|lhs|, |rhs|)``
+            (with x and y as given, or both laid out non-contiguously); or when ``op``
+            changed its ``x``, or the backward (``dual_op``) its ``y``, in place.
         ValueError: ``y``'s shape differs from ``op(x)``'s; or ``x`` (or ``y``) is zero on
             every rank, where the test is vacuous (both sides are 0 for any backward), on
             every rank alike (decided from the sums over ranks; zero on some ranks only is
@@ -121,52 +179,56 @@ def check_adjoint(
     x = A.check_tensor(x, "testing.check_adjoint", "x")
     y = A.check_tensor(y, "testing.check_adjoint", "y")
     pg = A.resolve_group(group, "testing.check_adjoint")
-    if dual_op is None:
-        xg = x.detach().clone().requires_grad_(True)
-        with torch.enable_grad():
-            ax = _one_tensor(op(xg), "op")
-            if tuple(ax.shape) != tuple(y.shape):
-                raise A.arg_error(
-                    "testing.check_adjoint", "y", f"of op(x)'s shape {tuple(ax.shape)}", tuple(y.shape)
-                )
-            vjps: list[Tensor | None] = [None, None]
-            if ax.requires_grad:
-                yd = y.to(ax.dtype)
-                for k, cot in enumerate((yd, strided(yd))):
-                    (vjps[k],) = torch.autograd.grad(
-                        ax, xg, grad_outputs=cot, retain_graph=k == 0, allow_unused=True
-                    )
-        ax = ax.detach()
-        aty, aty_nc = (torch.zeros_like(x) if v is None else v for v in vjps)
-    else:
-        with torch.no_grad():
-            ax = _one_tensor(op(x), "op")
-            if tuple(ax.shape) != tuple(y.shape):
-                raise A.arg_error(
-                    "testing.check_adjoint", "y", f"of op(x)'s shape {tuple(ax.shape)}", tuple(y.shape)
-                )
-            aty = _one_tensor(dual_op(y), "dual_op")
-            aty_nc = _one_tensor(dual_op(strided(y)), "dual_op")
-        for got in (aty, aty_nc):
-            if tuple(got.shape) != tuple(x.shape):
+    # The kit's own copies: what op / dual_op do to the tensors they are given cannot
+    # change the sums below. Two passes: as given, and with the same values of x and y
+    # laid out non-contiguously (a forward or backward wrong only for a strided tensor is
+    # a classic silent bug; a test's x and y are almost always contiguous).
+    xd, yd = x.detach().clone(), y.detach().clone()
+    axs: list[Tensor] = []
+    atys: list[Tensor] = []
+    # per pass: whether op changed its x, and whether the backward (or dual_op) changed
+    # its y, in place; tensors, never read on this rank (summed over ranks below)
+    touched: list[Tensor] = []
+    for x_in, y_in in ((xd.clone(), yd.clone()), (strided(xd), strided(yd))):
+        if dual_op is None:
+            xg = x_in.requires_grad_(True)
+            with torch.enable_grad():
+                ax = _one_tensor(op(xg), "op")
+                _check_y_shape(ax, y)
+                cot = yd.to(ax.dtype, copy=True) if not axs else strided(yd.to(ax.dtype))
+                watch = GradientWatch([ax])
+                aty: Tensor | None = None
+                if ax.requires_grad:
+                    (aty,) = torch.autograd.grad(ax, xg, grad_outputs=cot, allow_unused=True)
+            touched += [_changed(xg.detach(), xd), watch.changed()]
+            atys.append(torch.zeros_like(x) if aty is None else aty.detach())
+        else:
+            with torch.no_grad():
+                ax = _one_tensor(op(x_in), "op")
+                _check_y_shape(ax, y)
+                aty = _one_tensor(dual_op(y_in), "dual_op")
+            if tuple(aty.shape) != tuple(x.shape):
                 raise A.arg_error(
                     "testing.check_adjoint",
                     "dual_op",
                     f"to return x's shape {tuple(x.shape)}",
-                    tuple(got.shape),
+                    tuple(aty.shape),
                 )
-    # A^T y twice: with y as given and with the same values in a non-contiguous layout (a
-    # backward wrong only for a strided gradient is a classic silent bug; a test's y is
-    # almost always contiguous). Summed as a tensor, read after the sum: equal on every
-    # rank, so one program for all under torch's LocalTensorMode too, where a per-rank
-    # .item() cannot be read. The sizes of x and y (sums of |entries|) ride along in the
-    # same sum: one zero on every rank makes both sides 0 whatever the backward (a vacuous
-    # pass), which only the sums over ranks tell (zero on some ranks is still a real test),
-    # and so every rank refuses alike.
-    xd, yd = x.detach(), y.detach()
-    sides = [_inner(ax, yd), _inner(xd, aty.detach()), _inner(xd, aty_nc.detach())]
+            touched += [_changed(x_in, xd), _changed(y_in, yd)]
+            atys.append(aty.detach())
+        axs.append(ax.detach())
+    # Summed as a tensor, read after the sum: equal on every rank, so one program for all
+    # under torch's LocalTensorMode too, where a per-rank .item() cannot be read. The sizes
+    # of x and y (sums of |entries|) ride along in the same sum: one zero on every rank
+    # makes both sides 0 whatever the backward (a vacuous pass), which only the sums over
+    # ranks tell (zero on some ranks is still a real test), and so every rank refuses
+    # alike. So do the in-place flags: every rank fails alike, with no rank left waiting.
+    sides = [_inner(a, yd) for a in axs] + [_inner(xd, a) for a in atys]
     sizes = [t.abs().to(torch.float64).sum() for t in (xd, yd)]
-    lhs, rhs, rhs_nc, x_size, y_size = _sum_over_ranks(torch.stack([*sides, *sizes]), pg).tolist()
+    flags = [f.to(torch.float64) for f in touched]
+    total = _sum_over_ranks(torch.stack([*sides, *sizes, *flags]), pg).tolist()
+    lhs, lhs_nc, rhs, rhs_nc, x_size, y_size = total[:6]
+    x_changed, y_changed = total[6] + total[8], total[7] + total[9]
     zero = [name for name, size in (("x", x_size), ("y", y_size)) if size == 0.0]
     if zero:
         which = " and ".join(f"`{name}`" for name in zero)
@@ -175,17 +237,34 @@ def check_adjoint(
             f"{'is' if len(zero) == 1 else 'are'} zero on every rank, so sum_r <A x_r, y_r> and "
             "sum_r <x_r, A^T y_r> are both 0 whatever A^T is; pass random values (e.g. torch.randn)"
         )
+    backward = "dual_op modified its input y" if dual_op is not None else "the backward of op modified y"
+    for count, what in (
+        (x_changed, "op modified its input x"),
+        (y_changed, f"{backward}, its incoming gradient,"),
+    ):
+        if count > 0:
+            raise AssertionError(
+                f"diffcomm.testing.check_adjoint: {what} in place (on {int(count)} of the ranks' "
+                "calls); an op must leave its input, and a backward its incoming gradient, unchanged "
+                "(autograd may pass the same gradient tensor to another backward)"
+            )
     rtol = _default_rtol(x.dtype) if rtol is None else rtol
     err = 0.0
-    for side, how in ((rhs, ""), (rhs_nc, " (with y non-contiguous: the same values, strided)")):
-        scale = max(abs(lhs), abs(side))
-        err = max(err, abs(lhs - side) / scale if scale > 0 else 0.0)
-        if not abs(lhs - side) <= atol + rtol * scale:
-            rel = abs(lhs - side) / scale
+    how_nc = " (with x and y non-contiguous: the same values, strided)"
+    lhs_name, rhs_name = "sum_r <A x_r, y_r>", "sum_r <x_r, A^T y_r>"
+    for one, other, right, how in (
+        (lhs, rhs, rhs_name, ""),
+        (lhs, lhs_nc, lhs_name, f"{how_nc}: op(x) itself differs for a strided x"),
+        (lhs_nc, rhs_nc, rhs_name, how_nc),
+    ):
+        scale = max(abs(one), abs(other))
+        err = max(err, abs(one - other) / scale if scale > 0 else 0.0)
+        if not abs(one - other) <= atol + rtol * scale:
+            rel = abs(one - other) / scale
             raise AssertionError(
-                f"diffcomm.testing.check_adjoint: sum_r <A x_r, y_r> = {lhs!r} but "
-                f"sum_r <x_r, A^T y_r> = {side!r}{how} (relative error {rel:.3g}, rtol {rtol:g}, "
-                f"atol {atol:g}); A^T from {'dual_op' if dual_op is not None else 'autograd (vjp of op)'}"
+                f"diffcomm.testing.check_adjoint: {lhs_name} = {one!r} but {right} = {other!r}{how} "
+                f"(relative error {rel:.3g}, rtol {rtol:g}, atol {atol:g}); A^T from "
+                f"{'dual_op' if dual_op is not None else 'autograd (vjp of op)'}"
             )
     return err
 
@@ -382,29 +461,63 @@ def gradcheck(
         return total if objective == "sum" else total / world
 
     # ---- analytic gradients at the base point -----------------------------------------
-    xs = [t.clone().requires_grad_(True) if i in diff else t for i, t in enumerate(base)]
-    with torch.enable_grad():
-        outs = _flatten_outputs(fn(*xs))
-        weights = _weights(outs, seed + (1_000_003 * rank if objective == "sum" else 0))
-        if objective == "replicated":
-            for k, o in enumerate(outs):
-                hint = "With objective='replicated', fn must return the replicated loss."
-                try:
-                    check_replicated(o, f"{op}(objective='replicated')", f"output {k} of fn", hint, pg)
-                except CrossRankMismatchError as exc:
-                    raise AssertionError(str(exc)) from None
-        j_local = sum((_inner(o, w) for o, w in zip(outs, weights)), torch.zeros((), dtype=torch.float64))
-        leaves = [xs[i] for i in diff]
-        grads = (
-            torch.autograd.grad(j_local, leaves, allow_unused=True)
-            if j_local.requires_grad
-            else [None] * len(leaves)
-        )
-    analytic = [torch.zeros_like(leaf) if g is None else g.detach() for leaf, g in zip(leaves, grads)]
-    for i_pos, i in enumerate(diff):
-        if i in rep and objective == "sum":
-            summed = _sum_over_ranks(analytic[i_pos].reshape(-1), pg)
-            analytic[i_pos] = summed.reshape(analytic[i_pos].shape).to(analytic[i_pos].dtype)
+    # twice: with the inputs as given (contiguous copies) and with the same values laid
+    # out non-contiguously, the gradients reaching fn's outputs strided too (a backward
+    # wrong only for a strided tensor is a classic silent bug); one more forward and
+    # backward, next to the 2 evaluations per element of the probes. Each pass also tells
+    # whether fn changed an input, or a backward its incoming gradient, in place.
+    weights: list[Tensor] = []
+    analytic: list[Tensor] = []
+    analytic_nc: list[Tensor] = []
+    touched = 0  # bit 1: fn changed an input in place; bit 2: a backward its incoming gradient
+    for layout in (0, 1):
+        lay = (lambda t: t) if layout == 0 else strided
+        xs = [
+            lay(t.detach().clone(memory_format=torch.contiguous_format)) if isinstance(t, Tensor) else t
+            for t in inputs
+        ]
+        for i in diff:
+            xs[i].requires_grad_(True)
+
+        def give(g: Tensor, lay: Callable[[Tensor], Tensor] = lay) -> Tensor:
+            return lay(g.clone())
+
+        with torch.enable_grad():
+            outs = _flatten_outputs(fn(*xs))
+            if layout == 0:
+                weights = _weights(outs, seed + (1_000_003 * rank if objective == "sum" else 0))
+                if objective == "replicated":
+                    for k, o in enumerate(outs):
+                        hint = "With objective='replicated', fn must return the replicated loss."
+                        try:
+                            check_replicated(
+                                o, f"{op}(objective='replicated')", f"output {k} of fn", hint, pg
+                            )
+                        except CrossRankMismatchError as exc:
+                            raise AssertionError(str(exc)) from None
+            for o in outs:
+                if o.requires_grad:
+                    o.register_hook(give)
+            watch = GradientWatch(outs)
+            j_local = sum((_inner(o, w) for o, w in zip(outs, weights)), torch.zeros((), dtype=torch.float64))
+            leaves = [xs[i] for i in diff]
+            grads = (
+                torch.autograd.grad(j_local, leaves, allow_unused=True)
+                if j_local.requires_grad
+                else [None] * len(leaves)
+            )
+        if any(
+            isinstance(t, Tensor) and bool(_changed(t.detach(), inputs[i].detach())) for i, t in enumerate(xs)
+        ):
+            touched |= 1
+        if bool(watch.changed()):
+            touched |= 2
+        got = [torch.zeros_like(leaf) if g is None else g.detach() for leaf, g in zip(leaves, grads)]
+        for i_pos, i in enumerate(diff):
+            if i in rep and objective == "sum":
+                summed = _sum_over_ranks(got[i_pos].reshape(-1), pg)
+                got[i_pos] = summed.reshape(got[i_pos].shape).to(got[i_pos].dtype)
+        (analytic if layout == 0 else analytic_nc).extend(got)
 
     # ---- numerical gradients, one probe at a time, in lockstep --------------------------
     numeric = [torch.zeros(a.shape, dtype=a.dtype) for a in analytic]
@@ -433,31 +546,49 @@ def gradcheck(
     # ---- compare on each rank, then agree on one verdict ------------------------------
     count, worst, first = 0, 0.0, None
     for i_pos, i in enumerate(diff):
-        a, n = analytic[i_pos].reshape(-1), numeric[i_pos].reshape(-1)
-        bad = ~((a - n).abs() <= atol + rtol * n.abs())  # NaN fails
+        n = numeric[i_pos].reshape(-1)
+        bads = []
+        for layout, a in enumerate((analytic[i_pos].reshape(-1), analytic_nc[i_pos].reshape(-1))):
+            bads.append((layout, a, ~((a - n).abs() <= atol + rtol * n.abs())))  # NaN fails
+        bad = bads[0][2] | bads[1][2]
         if bool(bad.any()):
             count += int(bad.sum())
-            worst = max(worst, float((a - n).abs().max()))
+            worst = max(worst, *(float((a - n)[b].abs().max()) for _, a, b in bads if bool(b.any())))
             if first is None:
                 k = int(bad.nonzero()[0, 0])
+                layout, a, _ = next(x for x in bads if bool(x[2][k]))
                 idx = torch.unravel_index(torch.tensor(k), inputs[i].shape) if inputs[i].dim() else ()
-                first = (i, k, float(a[k]), float(n[k]), [int(v) for v in idx])
-    local = torch.full((13,), -1.0, dtype=torch.float64)
-    local[0], local[1] = count, worst
+                first = (i, k, float(a[k]), float(n[k]), [int(v) for v in idx], layout)
+    local = torch.full((15,), -1.0, dtype=torch.float64)
+    local[0], local[1], local[14] = count, worst, touched
     if first is not None:
         local[2], local[3], local[4], local[5] = first[0], first[1], first[2], first[3]
         local[6] = len(first[4])
         local[7 : 7 + min(6, len(first[4]))] = torch.tensor(first[4][:6], dtype=torch.float64)
+        local[13] = first[5]
     table = _gather_rows(local, pg)
+    for bit, what in (
+        (1, "fn modified an input in place"),
+        (2, "a backward modified its incoming gradient in place"),
+    ):
+        ranks = [q for q in range(world) if int(table[q, 14]) & bit]
+        if ranks:
+            raise AssertionError(
+                f"diffcomm.testing.gradcheck(objective={objective!r}): {what} on rank(s) {ranks}; "
+                "a function must leave its inputs, and a backward its incoming gradient, unchanged "
+                "(autograd may pass the same gradient tensor to another backward)"
+            )
     failed = [q for q in range(world) if table[q, 0] > 0]
     if failed:
         lines = []
         for q in failed:
             r = table[q].tolist()
             index = tuple(int(v) for v in r[7 : 7 + int(r[6])])
+            how = " (inputs and gradients non-contiguous: the same values, strided)" if r[13] == 1 else ""
             lines.append(
                 f"rank {q}: {int(r[0])} element(s) differ (max abs error {r[1]:.3g}); first: "
-                f"inputs[{int(r[2])}]{list(index)} (flat {int(r[3])}): analytic {r[4]!r}, numerical {r[5]!r}"
+                f"inputs[{int(r[2])}]{list(index)} (flat {int(r[3])}): analytic{how} {r[4]!r}, "
+                f"numerical {r[5]!r}"
             )
         where = "replicated inputs are compared on every rank; " if rep else ""
         raise AssertionError(

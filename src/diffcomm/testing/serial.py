@@ -24,6 +24,7 @@ from ..backend import args as A
 from ..ops import collectives
 from ..parallel._check import check_replicated
 from ..runtime.world import LocalWorld
+from .checks import GradientWatch, _changed, strided
 
 __all__ = ["Shard", "build", "assert_matches_serial"]
 
@@ -132,7 +133,10 @@ def _close(what: str, actual: Tensor | None, expected: Tensor | None, rtol: Any,
 
 
 def _gradients(
-    roots: list[tuple[Tensor, Tensor]], inputs: Sequence[Any], params: Mapping[str, Tensor]
+    roots: list[tuple[Tensor, Tensor]],
+    inputs: Sequence[Any],
+    params: Mapping[str, Tensor],
+    retain_graph: bool = False,
 ) -> tuple[list[Tensor | None], dict[str, Tensor | None]]:
     """The gradients of ``roots`` (outputs with their cotangents): of each differentiable
     input, in order, and of each trainable parameter by name (a frozen parameter,
@@ -143,7 +147,13 @@ def _gradients(
     grads: list[Tensor | None] = [None] * len(leaves)
     if roots:
         grads = list(
-            torch.autograd.grad([o for o, _ in roots], leaves, [c for _, c in roots], allow_unused=True)
+            torch.autograd.grad(
+                [o for o, _ in roots],
+                leaves,
+                [c for _, c in roots],
+                allow_unused=True,
+                retain_graph=retain_graph,
+            )
         )
     return grads[: len(ins)], dict(zip(train, grads[len(ins) :]))
 
@@ -185,7 +195,12 @@ def _compare_on_rank(
                 raise ValueError(f"diffcomm.{op}(): {exc}") from None
 
     # ---- serial reference -------------------------------------------------------------
-    s_in = [t.detach().clone().requires_grad_(True) if _differentiable(t) else t for t in inputs]
+    s_in = [
+        t.detach().clone().requires_grad_(True)
+        if _differentiable(t)
+        else (t.clone() if isinstance(t, Tensor) else t)
+        for t in inputs
+    ]
     s_params = dict(serial_fn.named_parameters()) if isinstance(serial_fn, nn.Module) else {}
     with torch.enable_grad():
         s_out = _as_tuple(serial_fn(*s_in))
@@ -206,7 +221,7 @@ def _compare_on_rank(
     p_in = [
         _part(t, spec, rank, world).detach().clone().requires_grad_(True)
         if _differentiable(t)
-        else (_part(t, spec, rank, world) if isinstance(t, Tensor) else t)
+        else (_part(t, spec, rank, world).clone() if isinstance(t, Tensor) else t)
         for t, spec in zip(inputs, in_specs)
     ]
     p_params = dict(parallel_fn.named_parameters()) if isinstance(parallel_fn, nn.Module) else {}
@@ -228,17 +243,33 @@ def _compare_on_rank(
             if msg:
                 failures.append(msg)
             if c is not None and o.requires_grad:
-                c = _part(c, spec, rank, world)
+                c = _part(c, spec, rank, world).clone()  # its own: the serial's is not touched
                 # a wrong shape is reported above; backward still runs (with zeros) so every
                 # rank runs the collectives of the backward pass (the SPMD rule)
                 p_roots.append((o, c if c.shape == o.shape else torch.zeros_like(o)))
-        p_grads, p_param_grads = _gradients(p_roots, p_in, p_params)
+        # twice: with the cotangents as given and with the same values laid out
+        # non-contiguously (a backward wrong only for a strided gradient is a classic
+        # silent bug); the watch tells whether a backward changed a gradient it received
+        watch = GradientWatch([o for o, _ in p_roots])
+        p_grads, p_param_grads = _gradients(p_roots, p_in, p_params, retain_graph=True)
+        strided_roots = [(o, strided(c)) for o, c in p_roots]
+        p_grads_nc, p_param_grads_nc = _gradients(strided_roots, p_in, p_params)
+    if bool(watch.changed()):
+        failures.append(
+            f"rank {rank}: a backward of parallel_fn modified a gradient it received in place (autograd "
+            "may hand the same gradient tensor to another backward: it must stay unchanged)"
+        )
+    for i, t in enumerate(inputs):
+        if isinstance(t, Tensor) and bool(_changed(p_in[i].detach(), _part(t, in_specs[i], rank, world))):
+            failures.append(f"rank {rank}: parallel_fn modified inputs[{i}] in place")
     p_in_idx = [i for i, t in enumerate(p_in) if _differentiable(t)]
-    for i, g in zip(p_in_idx, p_grads):
+    for i, g, g_nc in zip(p_in_idx, p_grads, p_grads_nc):
         s_grad_in = s_in_grads.get(i)
         want = None if s_grad_in is None else _part(s_grad_in, in_specs[i], rank, world)
         where = "" if in_specs[i] is None else f" (this rank's {in_specs[i]} chunk)"
-        msg = _close(f"rank {rank}: gradient of inputs[{i}]{where}", g, want, rtol, atol)
+        msg = _close(f"rank {rank}: gradient of inputs[{i}]{where}", g, want, rtol, atol) or _close(
+            f"rank {rank}: gradient of inputs[{i}]{where}{_NC}", g_nc, want, rtol, atol
+        )
         if msg:
             failures.append(msg)
 
@@ -248,9 +279,12 @@ def _compare_on_rank(
     partial = set(parallel_fn.partial_gradients()) if hasattr(parallel_fn, "partial_gradients") else set()
     covered: set[str] = set()
     for name, p in p_params.items():
-        g = p_param_grads.get(name)
+        g, g_nc = p_param_grads.get(name), p_param_grads_nc.get(name)
         if name in partial:  # a per-rank share of the gradient (sum convention): sum it
-            g = collectives.all_reduce(torch.zeros_like(p) if g is None else g.detach(), "sum", pg)
+            g, g_nc = (
+                collectives.all_reduce(torch.zeros_like(p) if h is None else h.detach(), "sum", pg)
+                for h in (g, g_nc)
+            )
         if param_map is not None and name in param_map:
             s_name, index = param_map[name]
         else:
@@ -278,14 +312,15 @@ def _compare_on_rank(
                 f"rank {rank}: {label} has shape {tuple(p.shape)}, serial slice {tuple(s_value.shape)}{hint}"
             )
             continue
+        want_grad = None if s_grad is None else s_grad[index]
         for msg in (
             _close(f"rank {rank}: value of {label}", p, s_value, rtol, atol),
-            _close(
-                f"rank {rank}: gradient of {label}", g, None if s_grad is None else s_grad[index], rtol, atol
-            ),
+            _close(f"rank {rank}: gradient of {label}", g, want_grad, rtol, atol)
+            or _close(f"rank {rank}: gradient of {label}{_NC}", g_nc, want_grad, rtol, atol),
         ):
             if msg:
                 failures.append(msg)
+    failures += _compare_buffers(parallel_fn, serial_fn, param_map, slices, names, rank, rtol, atol)
     # a serial parameter that takes part in the serial computation but that no parallel
     # parameter stands for: its gradient was never compared (a parallel model missing a
     # trainable parameter, e.g. a bias left out, which starts at zero, passed)
@@ -303,6 +338,55 @@ def _compare_on_rank(
                 "gradient, which nothing was compared with: the parallel model would not train it); "
                 "add it to the parallel model, or map a parallel parameter to it with param_map"
             )
+    return failures
+
+
+#: the label of a gradient from the second backward (the cotangents strided)
+_NC = " (with the cotangents non-contiguous: the same values, strided)"
+
+
+def _compare_buffers(
+    parallel_fn: Any,
+    serial_fn: Any,
+    param_map: Mapping[str, tuple[str, Any]] | None,
+    slices: Mapping[str, Any],
+    names: Mapping[str, str],
+    rank: int,
+    rtol: float | None,
+    atol: float | None,
+) -> list[str]:
+    """The buffers (running statistics, counters ...) after the forward: each parallel
+    buffer against the serial one it stands for (named as a parameter is: ``param_map``,
+    ``serial_names()`` / ``serial_slices()``, else the same name), where that one exists
+    and has its shape. A buffer with no serial twin of its shape (a cache of the parallel
+    layout) is not compared."""
+    if not (isinstance(parallel_fn, nn.Module) and isinstance(serial_fn, nn.Module)):
+        return []
+    s_buffers = dict(serial_fn.named_buffers())
+    failures = []
+    for name, b in parallel_fn.named_buffers():
+        if param_map is not None and name in param_map:
+            s_name, index = param_map[name]
+        else:
+            s_name, index = names.get(name, name), slices.get(name, (...,))
+        if s_name not in s_buffers:
+            continue
+        index = index if isinstance(index, tuple) else (index,)
+        try:
+            want = s_buffers[s_name].detach()[index]
+        except (IndexError, TypeError, RuntimeError):
+            continue
+        if want.shape != b.shape:
+            continue
+        msg = _close(
+            f"rank {rank}: value of buffer {name!r} (serial {s_name!r}{_fmt_index(index)}) after the forward",
+            b,
+            want,
+            rtol,
+            atol,
+        )
+        if msg:
+            failures.append(msg)
     return failures
 
 
@@ -351,7 +435,15 @@ def assert_matches_serial(
       convention) are summed over ``group`` before the comparison. Every serial
       parameter that has a gradient must be stood for by a parallel parameter on some
       rank (else the parallel model would not train it: a failure naming it); a frozen
-      parameter (``requires_grad=False``) is compared by value.
+      parameter (``requires_grad=False``) is compared by value;
+    * when both are modules, every parallel **buffer** after the forward against the
+      serial buffer it stands for (named as a parameter is), where that exists with its
+      shape.
+
+    The parallel backward runs twice: with the cotangents as given and with the same
+    values strided (a backward wrong only for a non-contiguous gradient fails). A
+    parallel program that changes an input, or a backward a gradient it receives, in
+    place fails too.
 
     Args:
         parallel_fn: callable or module (``build(factory)`` to create it inside the ranks).
