@@ -81,7 +81,7 @@ class TraceableBackend(CoalescedOps):
         if x.is_complex() and op == "product":
             return torch.prod(self.all_gather(x.unsqueeze(0), group), dim=0)
         wire_op = "sum" if op == "avg" else op
-        out = self._done(_funcol().all_reduce(wire(x), wire_op, self._pg(group)))
+        out = self._done(_funcol().all_reduce(_live(x), wire_op, self._pg(group)))
         out = torch.view_as_complex(out) if x.is_complex() else out
         return out / self.world_size(group) if op == "avg" else out
 
@@ -97,7 +97,7 @@ class TraceableBackend(CoalescedOps):
 
     def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
         x = x.contiguous()
-        out = self._done(_funcol().broadcast(wire(x), src, self._pg(group)))
+        out = self._done(_funcol().broadcast(_live(x), src, self._pg(group)))
         return torch.view_as_complex(out) if x.is_complex() else out
 
     # ---- gather family (dim 0) -----------------------------------------------------
@@ -136,7 +136,7 @@ class TraceableBackend(CoalescedOps):
         _, _, x, sizes = self._rows(x, group, sizes, gathered=True)
         m = max(sizes)
         padded = pad_rows(x, m)
-        buf = self._done(_funcol_all_gather(wire(padded), 0, self._pg(group)))
+        buf = self._done(_funcol_all_gather(_live(padded), 0, self._pg(group)))
         buf = torch.view_as_complex(buf) if x.is_complex() else buf
         if all(s == m for s in sizes):
             return buf
@@ -154,7 +154,7 @@ class TraceableBackend(CoalescedOps):
         else:  # pad each chunk to the largest, so one reduce_scatter does it
             pad = pad_chunks(x, sizes, m)
             inp = torch.cat(pad)
-        out = self._done(_funcol_reduce_scatter(wire(inp), "sum", 0, self._pg(group)))
+        out = self._done(_funcol_reduce_scatter(_live(inp), "sum", 0, self._pg(group)))
         out = torch.view_as_complex(out) if x.is_complex() else out
         out = out if sizes[rank] == m else out[: sizes[rank]]
         return out / world if op == "avg" else out
@@ -192,7 +192,9 @@ class TraceableBackend(CoalescedOps):
                     "exchanged (a host read dynamo cannot trace); pass `output_split_sizes=`"
                 )
             output_split_sizes = ins
-        out = self._done(_funcol().all_to_all_single(wire(x), list(output_split_sizes), ins, self._pg(group)))
+        out = self._done(
+            _funcol().all_to_all_single(_live(x), list(output_split_sizes), ins, self._pg(group))
+        )
         return torch.view_as_complex(out) if x.is_complex() else out
 
     def barrier(self, group: ProcessGroup) -> None:
@@ -203,6 +205,29 @@ class TraceableBackend(CoalescedOps):
 
 
 _funcol = _torch.functional_collectives
+
+
+def _live(t: torch.Tensor) -> torch.Tensor:
+    """``wire(t)``, made a tensor that tracing never runs for real.
+
+    FakeTensorMode (dynamo's tracing, and AOTAutograd's traces after it) propagates
+    *constants*: a tensor of at most one element built from Python values
+    (``torch.tensor([n])``) is a constant, and an op whose inputs are all constants is
+    **run for real** at trace time to get its value. For a functional collective that is a
+    real collective during compilation — once per trace (dynamo, and twice more under
+    AOTAutograd), on the compiling rank only. When every rank compiles the frame at once
+    those pair up among themselves (wasted but right); a compile on one rank alone (a
+    guard that fails there only: another shape, a rank-dependent Python value) runs them
+    against the other ranks' next collectives: silently wrong values, then a timeout. The
+    collective in the compiled graph still runs at run time: nothing is folded away.
+    Multiplying by ``torch.ones(())`` (a factory: never a constant) keeps the value and
+    makes the input no constant, so tracing never communicates. Only tensors of at most
+    one element can be constants (``CONSTANT_NUMEL_LIMIT``), so only they pay the one
+    scalar multiply (``tests/ops/test_compile_trace_time.py``)."""
+    t = wire(t)
+    if t.numel() > 1:
+        return t
+    return t * torch.ones((), dtype=t.dtype, device=t.device)
 
 
 def _funcol_all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from torch import Tensor
 from torch.autograd.graph import Node, get_gradient_edge
@@ -57,14 +58,39 @@ def reaches(root: Tensor, target: Tensor) -> bool:
     return False
 
 
+def is_compiled_region(node: Node) -> bool:
+    """Whether ``node`` is the backward of a region ``torch.compile`` compiled with
+    AOTAutograd (the ``aot_eager`` and ``inductor`` backends; the ``eager`` backend keeps
+    eager nodes): ``CompiledFunctionBackward``, one node whose compiled backward computes
+    the gradient of every input of the region at once. Run in ``I`` and again in ``W`` it
+    would compute everything twice, and ``I`` must keep the graph (``retain_graph=True``),
+    which AOTAutograd refuses for a backward compiled with donated buffers ("This backward
+    function was compiled with non-empty donated buffers which requires
+    create_graph=False and retain_graph=False") — it was, when the region's first backward
+    ran without keeping the graph (a plain ``B``, or stage 0's ``W``)."""
+    cls = getattr(node, "_forward_cls", None)
+    return cls is not None and hasattr(cls, "compiled_bw") and hasattr(cls, "_aot_id")
+
+
+@dataclass(frozen=True)
+class Whole:
+    """:func:`weight_plan`'s answer when the input gradient's path runs through a compiled
+    region (:func:`is_compiled_region`): no sound split exists, so ``I`` runs the
+    micro-batch's whole backward once (the graph freed) and ``W`` has nothing left."""
+
+    node: Node  # the first compiled region found on the path
+
+
 def weight_plan(
     root: Tensor, target: Tensor, param_nodes: Sequence[Node]
-) -> list[tuple[Node, list[Node]]] | None:
+) -> list[tuple[Node, list[Node]]] | Whole | None:
     """``[(node, param nodes), ...]``: the nodes on the path from ``root`` to ``target``
     at which a parameter's branch leaves that path (as in torch.distributed.pipelining's
     ``stage_backward_input``), or ``None`` when there is no such split. ``param_nodes``:
     the parameters' gradient nodes (``get_gradient_edge(p).node``, their
-    ``AccumulateGrad``; the caller finds them once per step, not per micro-batch)."""
+    ``AccumulateGrad``; the caller finds them once per step, not per micro-batch).
+    :class:`Whole` when a compiled region lies on the path: ``I`` would run it, keeping
+    the graph, and ``W`` again (see :func:`is_compiled_region`)."""
     root_node = root.grad_fn
     if root_node is None:
         return None
@@ -87,6 +113,9 @@ def weight_plan(
             if par not in on_path:
                 on_path.add(par)
                 todo.append(par)
+    compiled = next((n for n in on_path if is_compiled_region(n)), None)
+    if compiled is not None:
+        return Whole(compiled)
     plan: dict[Node, list[Node]] = {}
     for pn in param_nodes:
         if pn not in seen:

@@ -17,7 +17,9 @@ so the send and receive of gradients happen exactly as in ``B``; hooks on the no
 the parameters' branches leave the input path keep the gradients arriving there. ``W``
 starts from those nodes with those gradients and runs only the parameters' branches
 (``torch.autograd.backward(edges, grads, inputs=params)``), so no input-gradient work is
-repeated.
+repeated. Where the input's path runs through a ``torch.compile``'d region (AOTAutograd:
+one node computing the input's and the weights' gradients at once), ``I`` runs the
+micro-batch's whole backward once and ``W`` nothing (``TimelineEntry.whole``).
 
 Input gradient first: a ``B`` step runs ``I`` then ``W`` back to back, so the input
 gradient leaves for the previous stage before the weight gradients are computed (the
@@ -77,7 +79,7 @@ from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
 from . import aux as _aux
 from ._context import note_records, records
 from ._ddp import average_grads, check_ddp_groups, ddp_modules, no_sync
-from ._split import capture, cooldown, group_plan, input_edge, reaches, weight_plan
+from ._split import Whole, capture, cooldown, group_plan, input_edge, reaches, weight_plan
 from .partition import has_running_stats
 from .schedules import (
     SCHEDULES,
@@ -92,7 +94,7 @@ from .schedules import (
 from .timeline import TimelineEntry
 from .validate import check_schedule
 
-# Size: ~1290 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# Size: ~1315 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
 # split backward, pre-posted receives, the V placement's local turn and the phased forward of
 # an Overlap share one step's state (and the tied weights' gradients, summed at its end).
 
@@ -205,6 +207,7 @@ class _Inner:
         self.start: float | None = None
         self.span = self.wait = 0.0
         self.sent: float | None = None
+        self.whole = False  # its I ran the whole backward (a compiled region)
         self.pieces = [self._first, self._weight]
 
     def __call__(self) -> None:
@@ -229,10 +232,12 @@ class _Inner:
         nxt = self.steps[self.k + 1] if self.k + 1 < len(self.steps) else None
         run._prepost(nxt, self.stash)
         kept = self.stash[(st.micro, st.chunk)]
+        run._whole = False
         if st.kind == "B" and kept.handle.requires_grad:
             # (a chunk whose input needs no gradient: I takes the output gradient, W the
             # whole backward, so the second communication still has compute to hide under)
             run._backward_input(st, self.stash, hold=False)  # the W piece comes next
+            self.whole = run._whole
             return
         self.pieces.clear()  # one piece: the whole step
         if st.kind == "B":
@@ -240,6 +245,7 @@ class _Inner:
         else:
             own_w = nxt is not None and (nxt.kind, nxt.micro, nxt.chunk) == ("W", st.micro, st.chunk)
             run._backward_input(st, self.stash, hold=not own_w)
+        self.whole = run._whole
 
     def _weight(self) -> None:
         self.runner._backward_weight(self.steps[self.k], self.stash)
@@ -247,8 +253,9 @@ class _Inner:
     def entry(self) -> TimelineEntry:
         st, start = self.steps[self.k], self.start if self.start is not None else time.perf_counter()
         return TimelineEntry(
-            st.kind, st.micro, start, start + self.span, self.wait, st.chunk, self.sent, self.fused[self.k]
-        )
+            st.kind, st.micro, start, start + self.span, self.wait, st.chunk, self.sent, self.fused[self.k],
+            self.whole,
+        )  # fmt: skip
 
 
 class PipelineRunner:
@@ -439,6 +446,7 @@ class PipelineRunner:
         self.timeline: list[TimelineEntry] = []
         self.peak_activation_bytes = 0
         self._grad_sent_at: float | None = None  # when the running split B sent its input gradient
+        self._whole = False  # the running I (or split B) ran the whole backward (a compiled region)
         # per channel (chunk), the shape and dtype agreed for fused activations: that of the
         # channel's first activation in the last step, as received (_like) and as sent (_sent)
         self._like: dict[int, Tensor] = {}
@@ -960,6 +968,7 @@ class PipelineRunner:
         # the device around every raw op on a GPU)
         waited = _recv_wait_seconds()
         self._grad_sent_at = None
+        self._whole = False
         start = time.perf_counter()
         if st.kind == "F":
             loss_m = self._forward(st, batch, nxt, between)
@@ -982,6 +991,7 @@ class PipelineRunner:
         # a split B's receives all come before its input gradient leaves (W receives nothing)
         sent = None if self._grad_sent_at is None else max(0.0, self._grad_sent_at - start - wait)
         entry = TimelineEntry(st.kind, st.micro, start, end, wait, st.chunk, sent, batch.fused[k])
+        entry.whole = self._whole
         self.timeline.append(entry)
 
     def _split(self, t: Tensor | None, n_micro: int, arg: str) -> list[Tensor]:
@@ -1220,6 +1230,21 @@ class PipelineRunner:
                 param_nodes = [get_gradient_edge(q).node for q in self._grad_params[st.chunk]]
                 self._param_nodes[st.chunk] = param_nodes
             plan = weight_plan(root, target, param_nodes)
+        if isinstance(plan, Whole):
+            # a compiled region's backward is one node computing the input's and the
+            # weights' gradients at once: run the whole backward now, once (its graph
+            # freed, as AOTAutograd requires of a backward compiled with donated
+            # buffers); W has nothing left (docs/pipeline.md, "Compiled stages")
+            self._whole = True
+            try:
+                root.backward()
+            except p2p.NoGradient:  # nothing ran
+                kept.given = False
+            _send_unreached(kept)
+            kept.groups = []
+            self._live_bytes -= kept.nbytes  # the activations are freed now, not at W
+            kept.nbytes = 0
+            return
         if plan is None:
             # no input path to split off (stage 0, or an unusual graph): take the output
             # gradient now, as every I does, and run the whole backward in W

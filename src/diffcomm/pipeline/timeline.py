@@ -39,7 +39,12 @@ class TimelineEntry:
     part of the wait.
 
     ``overlap``: this step is half of an :class:`~diffcomm.pipeline.Overlap` (the
-    forward, or the backward that follows it in the same fused step)."""
+    forward, or the backward that follows it in the same fused step).
+
+    ``whole``: an ``I`` (or a ``B`` asked to split) that ran the micro-batch's whole
+    backward, the weight gradients included, because its input gradient's path runs
+    through a compiled region's backward (one node: ``torch.compile`` with AOTAutograd,
+    see ``docs/pipeline.md``); that micro-batch's ``W`` then does nothing."""
 
     kind: str
     micro: int
@@ -49,6 +54,7 @@ class TimelineEntry:
     chunk: int = 0
     sent: float | None = None
     overlap: bool = False
+    whole: bool = False
 
     @property
     def busy(self) -> float:
