@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
+from typing import Final, Literal
 
 from torch import Tensor
 from torch.autograd.graph import Node, get_gradient_edge
 
 from ..ops import p2p
 from .schedules import Step
+
+#: :func:`weight_plan`'s answer for a graph that holds a reentrant activation checkpoint:
+#: run the micro-batch's backward whole, as one plain backward (see :func:`weight_plan`)
+WHOLE: Final = "whole"
 
 
 def cooldown(steps: Sequence[Step]) -> set[tuple[int, int]]:
@@ -59,12 +64,20 @@ def reaches(root: Tensor, target: Tensor) -> bool:
 
 def weight_plan(
     root: Tensor, target: Tensor, param_nodes: Sequence[Node]
-) -> list[tuple[Node, list[Node]]] | None:
+) -> list[tuple[Node, list[Node]]] | Literal["whole"] | None:
     """``[(node, param nodes), ...]``: the nodes on the path from ``root`` to ``target``
     at which a parameter's branch leaves that path (as in torch.distributed.pipelining's
     ``stage_backward_input``), or ``None`` when there is no such split. ``param_nodes``:
     the parameters' gradient nodes (``get_gradient_edge(p).node``, their
-    ``AccumulateGrad``; the caller finds them once per step, not per micro-batch)."""
+    ``AccumulateGrad``; the caller finds them once per step, not per micro-batch).
+
+    :data:`WHOLE` for a graph holding a reentrant activation checkpoint
+    (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, or Megatron-LM's or
+    DeepSpeed's ``CheckpointFunction``): its backward recomputes the forward and runs a
+    nested backward, which it refuses inside a backward restricted to ``inputs=`` (torch's
+    RuntimeError pointing to ``use_reentrant=False``) — what both ``I`` and ``W`` are. The
+    caller runs that micro-batch's backward whole instead (input and weight gradients at
+    once, as ``grad_first=False`` does), which sends the same messages at the same step."""
     root_node = root.grad_fn
     if root_node is None:
         return None
@@ -72,6 +85,10 @@ def weight_plan(
     seen, todo = {root_node}, collections.deque([root_node])
     while todo:
         n = todo.popleft()
+        # (torch's, Megatron's, DeepSpeed's; by the node's class: a Function's ctx may set
+        # an attribute `name`, which hides the node's name() method)
+        if type(n).__name__ == "CheckpointFunctionBackward":
+            return WHOLE
         for nxt, _ in n.next_functions:
             if nxt is not None:
                 parents[nxt].append(n)

@@ -77,7 +77,7 @@ from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
 from . import aux as _aux
 from ._context import note_records, records
 from ._ddp import average_grads, check_ddp_groups, ddp_modules, no_sync
-from ._split import capture, cooldown, group_plan, input_edge, reaches, weight_plan
+from ._split import WHOLE, capture, cooldown, group_plan, input_edge, reaches, weight_plan
 from .partition import has_running_stats
 from .schedules import (
     SCHEDULES,
@@ -123,7 +123,7 @@ class _Stash:
     # before the chunk could modify the input in place), to answer "no gradient"
     reached: list[bool] | None = None
     recv_node: Node | None = None
-    given: bool = True  # False: the output got no gradient downstream (p2p.NoGradient)
+    given: bool = True  # False: W has nothing to run (no gradient downstream, or I ran it all)
 
 
 @dataclass
@@ -1220,6 +1220,16 @@ class PipelineRunner:
                 param_nodes = [get_gradient_edge(q).node for q in self._grad_params[st.chunk]]
                 self._param_nodes[st.chunk] = param_nodes
             plan = weight_plan(root, target, param_nodes)
+        if plan == WHOLE:
+            # a reentrant checkpoint refuses a backward restricted to inputs: the whole
+            # backward now (the input gradient leaves as in an I), W has nothing left
+            kept.full_in_w, kept.given = True, False
+            try:
+                root.backward()
+            except p2p.NoGradient:  # nothing ran: see _send_unreached
+                pass
+            _send_unreached(kept)
+            return
         if plan is None:
             # no input path to split off (stage 0, or an unusual graph): take the output
             # gradient now, as every I does, and run the whole backward in W

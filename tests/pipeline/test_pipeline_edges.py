@@ -1,0 +1,87 @@
+"""Programs that ended in a torch error on one rank while the others waited for it (a
+collective timeout under ``torchrun``), now run as serially or are refused on every rank:
+a reentrant activation checkpoint inside a stage whose backward the schedule splits into
+``I`` and ``W``, against the float64 serial model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+import diffcomm as dc
+from diffcomm.pipeline import PipelineRunner, partition
+
+F64 = torch.float64
+
+
+class _Checkpointed(nn.Module):
+    """``tanh(lin(x))`` under ``torch.utils.checkpoint`` (reentrant or not)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=F64)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda t: torch.tanh(self.lin(t)), x, use_reentrant=self.reentrant)
+
+
+def _checkpointed_pipeline(
+    schedule: str, grad_first: bool | str | None, reentrant: bool
+) -> tuple[float, float]:
+    """Every stage a plain Linear then a checkpointed one; the loss's difference to the
+    serial model's, and this rank's largest gradient difference."""
+    torch.manual_seed(0)
+    r, p = dist.get_rank(), dist.get_world_size()
+    v = 2 if schedule in ("interleaved", "zbv", "dualpipev") else 1
+    model = nn.Sequential(
+        *[m for _ in range(p * v) for m in (nn.Linear(4, 4, dtype=F64), _Checkpointed(reentrant))]
+    )
+    serial = copy.deepcopy(model)
+    parts = partition(model, p * v, balance=[2] * (p * v))
+    mine = [parts[r], parts[2 * p - 1 - r]] if schedule in ("zbv", "dualpipev") else parts[r::p]
+    runner = PipelineRunner(mine if v > 1 else mine[0], schedule, loss_fn=F.mse_loss, grad_first=grad_first)
+    x, y = torch.randn(8, 4, dtype=F64), torch.randn(8, 4, dtype=F64)
+    loss = runner.step(x, y, n_micro=4)
+    ref = F.mse_loss(serial(x), y)
+    ref.backward()
+    assert loss is not None
+    assert all(q.grad is not None for c in mine for q in c.parameters())
+    pairs = [(a, b) for a, b in zip(model.parameters(), serial.parameters()) if a.grad is not None]
+    return float(loss) - float(ref), max(float((a.grad - b.grad).abs().max()) for a, b in pairs)
+
+
+@pytest.mark.parametrize(
+    "schedule, grad_first",
+    [
+        ("1f1b", None),  # the default "cooldown": the B steps after the last F split
+        ("1f1b", True),
+        ("interleaved", None),
+        ("zb-h1", None),
+        ("zbv", None),
+        ("dualpipev", None),
+    ],
+)
+def test_a_reentrant_checkpoint_in_a_split_backward_matches_serial(
+    world2: dc.LocalWorld, schedule: str, grad_first: bool | None
+) -> None:
+    """``checkpoint(..., use_reentrant=True)`` refuses a backward restricted to
+    ``inputs=`` (torch's RuntimeError pointing to ``use_reentrant=False``), which both
+    ``I`` and ``W`` are: the rank that split a ``B`` raised and its peer waited for the
+    gradient. A micro-batch whose graph holds one now runs its backward whole in ``I``
+    (the same messages at the same step), equal to the serial model."""
+    for loss_diff, grad_diff in world2.run(_checkpointed_pipeline, schedule, grad_first, True):
+        assert abs(loss_diff) < 1e-13 and grad_diff < 1e-13
+
+
+def test_a_non_reentrant_checkpoint_still_splits(world2: dc.LocalWorld) -> None:
+    """``use_reentrant=False`` splits as any graph does (no fallback needed), to 1e-13."""
+    for loss_diff, grad_diff in world2.run(_checkpointed_pipeline, "zb-h1", None, False):
+        assert abs(loss_diff) < 1e-13 and grad_diff < 1e-13
