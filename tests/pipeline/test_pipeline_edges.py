@@ -1,7 +1,8 @@
 """Programs that ended in a torch error on one rank while the others waited for it (a
 collective timeout under ``torchrun``), now run as serially or are refused on every rank:
 a reentrant activation checkpoint inside a stage whose backward the schedule splits into
-``I`` and ``W``, against the float64 serial model.
+``I`` and ``W`` (against the float64 serial model); a parallel layer (an
+``ExpertParallelMoE``) over the pipeline's own ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import diffcomm as dc
+from diffcomm.parallel import ColumnParallelLinear, ExpertParallelMoE
 from diffcomm.pipeline import PipelineRunner, partition
 
 F64 = torch.float64
@@ -85,3 +87,42 @@ def test_a_non_reentrant_checkpoint_still_splits(world2: dc.LocalWorld) -> None:
     """``use_reentrant=False`` splits as any graph does (no fallback needed), to 1e-13."""
     for loss_diff, grad_diff in world2.run(_checkpointed_pipeline, "zb-h1", None, False):
         assert abs(loss_diff) < 1e-13 and grad_diff < 1e-13
+
+
+def _layer_over_the_pipeline(layer: str, where: str) -> str | None:
+    """Build this rank's runner with ``layer`` over the world (the pipeline's own group) in
+    the stages named by ``where``; the error it raised, or ``None``."""
+    r = dist.get_rank()
+    if layer == "moe":
+        inner: nn.Module = ExpertParallelMoE(4, 6, num_experts=2, k=1, seed=0, dtype=F64)
+    else:
+        inner = ColumnParallelLinear(4, 4, gather_output=True, seed=0, dtype=F64)
+    mine = where == "every" or r == 1
+    stage = nn.Sequential(nn.Linear(4, 4, dtype=F64), *([inner] if mine else []))
+    try:
+        PipelineRunner(stage, "1f1b", loss_fn=F.mse_loss)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("layer", ["moe", "tp"])
+@pytest.mark.parametrize("where", ["every", "last"])
+def test_a_parallel_layer_over_the_pipelines_ranks_is_refused_at_construction(
+    world2: dc.LocalWorld, layer: str, where: str
+) -> None:
+    """An ``ExpertParallelMoE`` (or a tensor-parallel layer) over the pipeline's own group:
+    stage 0's first forward waited in the MoE's counts exchange (the layer's all_gather)
+    for rank 1, which waited for stage 0's activation, until the collective timeout. Now
+    every rank whose stage holds such a layer refuses it when building the runner, before
+    any communication, naming ``stage``, the layer and the way out."""
+    errors = world2.run(_layer_over_the_pipeline, layer, where)
+    holders = [0, 1] if where == "every" else [1]
+    for r, err in enumerate(errors):
+        if r not in holders:
+            assert err is None
+            continue
+        assert err is not None
+        name = "ExpertParallelMoE" if layer == "moe" else "ColumnParallelLinear"
+        assert "`stage`" in err and f"({name}) over the global ranks [0, 1]" in err
+        assert "the pipeline's stages [0, 1]" in err and "mesh.get_group('ep')" in err

@@ -77,6 +77,7 @@ from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
 from . import aux as _aux
 from ._context import note_records, records
 from ._ddp import average_grads, check_ddp_groups, ddp_modules, no_sync
+from ._layer_groups import check_layer_groups
 from ._split import WHOLE, capture, cooldown, group_plan, input_edge, reaches, weight_plan
 from .partition import has_running_stats
 from .schedules import (
@@ -92,7 +93,7 @@ from .schedules import (
 from .timeline import TimelineEntry
 from .validate import check_schedule
 
-# Size: ~1290 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# Size: ~1330 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
 # split backward, pre-posted receives, the V placement's local turn and the phased forward of
 # an Overlap share one step's state (and the tied weights' gradients, summed at its end).
 
@@ -422,6 +423,7 @@ class PipelineRunner:
         # stages in DDP over the data-parallel group: run without its hooks, averaged per step
         self._ddps = ddp_modules(chunks)
         check_ddp_groups(self._ddps, self.pg)
+        check_layer_groups(chunks, self.pg)  # an ExpertParallelMoE over the pipeline's ranks
         # per chunk: its virtual stage's neighbours, (rank, tag) or None (this rank: the V
         # turn), and the last virtual stage — looked up on every step, computed once here
         self._srcs = [self._src(c) for c in range(self.n_chunks)]
