@@ -2,7 +2,8 @@
 collective timeout under ``torchrun``), now run as serially or are refused on every rank:
 a reentrant activation checkpoint inside a stage whose backward the schedule splits into
 ``I`` and ``W`` (against the float64 serial model); a parallel layer (an
-``ExpertParallelMoE``) over the pipeline's own ranks.
+``ExpertParallelMoE``) over the pipeline's own ranks. And one left to the user, pinned as
+documented: a ``GradScaler`` across stages needs ``parallel.sync_found_inf``.
 """
 
 from __future__ import annotations
@@ -126,3 +127,44 @@ def test_a_parallel_layer_over_the_pipelines_ranks_is_refused_at_construction(
         name = "ExpertParallelMoE" if layer == "moe" else "ColumnParallelLinear"
         assert "`stage`" in err and f"({name}) over the global ranks [0, 1]" in err
         assert "the pipeline's stages [0, 1]" in err and "mesh.get_group('ep')" in err
+
+
+def _scaled_pipeline_step(sync: bool) -> tuple[bool, float, bool]:
+    """One GradScaler step of a 2-stage pipeline, as docs/pipeline.md says (the loss scaled
+    in ``loss_fn``, ``scaler.scale(torch.zeros(()))`` on the rank without a loss), with an
+    overflow in rank 1's gradients: whether this rank skipped (``sync_found_inf``'s
+    answer, or the parameters unchanged), its scale after ``update()``, and whether its
+    parameters moved."""
+    torch.manual_seed(0)
+    r = dist.get_rank()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    stage = partition(model, 2, balance=[2, 1])[r]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    runner = PipelineRunner(stage, "1f1b", loss_fn=lambda out, t: scaler.scale(F.mse_loss(out, t)))
+    if r != runner.last_rank:
+        scaler.scale(torch.zeros(()))  # this rank's scaler gets its scale
+    before = [q.detach().clone() for q in stage.parameters()]
+    runner.step(torch.randn(4, 4), torch.randn(4, 2), n_micro=2)
+    if r == 1:
+        stage[0].weight.grad[0, 0] = float("inf")  # type: ignore[index]
+    scaler.unscale_(opt)
+    skipped = dc.parallel.sync_found_inf(scaler, opt) if sync else None
+    scaler.step(opt)
+    scaler.update()
+    moved = any(not torch.equal(a, b) for a, b in zip(before, stage.parameters()))
+    return (not moved) if skipped is None else skipped, scaler.get_scale(), moved
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_grad_scaler_across_stages_needs_sync_found_inf(world2: dc.LocalWorld, sync: bool) -> None:
+    """What docs/pipeline.md's recipe is for: ``unscale_`` finds an overflow in stage 1's
+    gradients only, so stage 1 skipped its step and halved its scale while stage 0 stepped
+    (silently: the runner sees neither the scaler nor the optimizer step, so it has no
+    cheap way to tell; see the docs). With ``parallel.sync_found_inf`` both skip."""
+    (skip0, scale0, moved0), (skip1, scale1, moved1) = world2.run(_scaled_pipeline_step, sync)
+    assert skip1 and not moved1 and scale1 == 2.0**15
+    if sync:
+        assert skip0 and not moved0 and scale0 == 2.0**15
+    else:
+        assert moved0 and scale0 == 2.0**16
