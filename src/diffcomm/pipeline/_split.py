@@ -74,11 +74,12 @@ def is_compiled_region(node: Node) -> bool:
 
 @dataclass(frozen=True)
 class Whole:
-    """:func:`weight_plan`'s answer when the input gradient's path runs through a compiled
-    region (:func:`is_compiled_region`): no sound split exists, so ``I`` runs the
-    micro-batch's whole backward once (the graph freed) and ``W`` has nothing left."""
+    """:func:`weight_plan`'s answer when no sound split exists — the input gradient's path
+    runs through a compiled region (:func:`is_compiled_region`), or the graph holds a
+    reentrant activation checkpoint: ``I`` runs the micro-batch's whole backward once
+    (the graph freed) and ``W`` has nothing left."""
 
-    node: Node  # the first compiled region found on the path
+    node: Node  # the compiled region or the checkpoint's node found
 
 
 def weight_plan(
@@ -89,8 +90,15 @@ def weight_plan(
     ``stage_backward_input``), or ``None`` when there is no such split. ``param_nodes``:
     the parameters' gradient nodes (``get_gradient_edge(p).node``, their
     ``AccumulateGrad``; the caller finds them once per step, not per micro-batch).
-    :class:`Whole` when a compiled region lies on the path: ``I`` would run it, keeping
-    the graph, and ``W`` again (see :func:`is_compiled_region`)."""
+    :class:`Whole` when no sound split exists: a compiled region lies on the path (``I``
+    would run it, keeping the graph, and ``W`` again; see :func:`is_compiled_region`), or
+    the graph holds a reentrant activation checkpoint
+    (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, or Megatron-LM's or
+    DeepSpeed's ``CheckpointFunction``): its backward recomputes the forward and runs a
+    nested backward, which it refuses inside a backward restricted to ``inputs=`` (torch's
+    RuntimeError pointing to ``use_reentrant=False``) — what both ``I`` and ``W`` are. The
+    caller runs that micro-batch's backward whole in ``I`` (input and weight gradients at
+    once, as ``grad_first=False`` does), which sends the same messages at the same step."""
     root_node = root.grad_fn
     if root_node is None:
         return None
@@ -98,6 +106,10 @@ def weight_plan(
     seen, todo = {root_node}, collections.deque([root_node])
     while todo:
         n = todo.popleft()
+        # (torch's, Megatron's, DeepSpeed's; by the node's class: a Function's ctx may set
+        # an attribute `name`, which hides the node's name() method)
+        if type(n).__name__ == "CheckpointFunctionBackward":
+            return Whole(n)
         for nxt, _ in n.next_functions:
             if nxt is not None:
                 parents[nxt].append(n)

@@ -79,6 +79,7 @@ from ..ops.wire import recv_wait_seconds as _recv_wait_seconds
 from . import aux as _aux
 from ._context import note_records, records
 from ._ddp import average_grads, check_ddp_groups, ddp_modules, no_sync
+from ._layer_groups import check_layer_groups
 from ._split import Whole, capture, cooldown, group_plan, input_edge, reaches, weight_plan
 from .partition import has_running_stats
 from .schedules import (
@@ -94,7 +95,7 @@ from .schedules import (
 from .timeline import TimelineEntry
 from .validate import check_schedule
 
-# Size: ~1315 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# Size: ~1350 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
 # split backward, pre-posted receives, the V placement's local turn and the phased forward of
 # an Overlap share one step's state (and the tied weights' gradients, summed at its end).
 
@@ -125,7 +126,7 @@ class _Stash:
     # before the chunk could modify the input in place), to answer "no gradient"
     reached: list[bool] | None = None
     recv_node: Node | None = None
-    given: bool = True  # False: the output got no gradient downstream (p2p.NoGradient)
+    given: bool = True  # False: W has nothing to run (no gradient downstream, or I ran it all)
 
 
 @dataclass
@@ -429,6 +430,7 @@ class PipelineRunner:
         # stages in DDP over the data-parallel group: run without its hooks, averaged per step
         self._ddps = ddp_modules(chunks)
         check_ddp_groups(self._ddps, self.pg)
+        check_layer_groups(chunks, self.pg)  # an ExpertParallelMoE over the pipeline's ranks
         # per chunk: its virtual stage's neighbours, (rank, tag) or None (this rank: the V
         # turn), and the last virtual stage — looked up on every step, computed once here
         self._srcs = [self._src(c) for c in range(self.n_chunks)]
@@ -1232,9 +1234,10 @@ class PipelineRunner:
             plan = weight_plan(root, target, param_nodes)
         if isinstance(plan, Whole):
             # a compiled region's backward is one node computing the input's and the
-            # weights' gradients at once: run the whole backward now, once (its graph
-            # freed, as AOTAutograd requires of a backward compiled with donated
-            # buffers); W has nothing left (docs/pipeline.md, "Compiled stages")
+            # weights' gradients at once, and a reentrant checkpoint refuses a backward
+            # restricted to inputs: run the whole backward now, once (its graph freed, as
+            # AOTAutograd requires of a backward compiled with donated buffers); W has
+            # nothing left (docs/pipeline.md, "Compiled stages")
             self._whole = True
             try:
                 root.backward()
