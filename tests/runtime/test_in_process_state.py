@@ -10,6 +10,7 @@ per rank.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -187,3 +188,28 @@ def test_a_resized_flight_recorder_is_a_ranks_own(monkeypatch: pytest.MonkeyPatc
     with dc.LocalWorld(2, in_process=in_process) as world:
         assert world.run(_entries_in_the_flight_recorder) == [(1, 1), (1, 1)]
     assert recorder._RING is ring
+
+
+def _rank_0_records_spans() -> int | None:
+    """Rank 0 records the spans of its two all_reduces (``record_spans``, the timeline's);
+    rank 1 runs two too. Returns the spans rank 0 recorded."""
+    D = sys.modules["diffcomm.backend.dispatch"]  # (``B.dispatch`` is the function)
+    n = None
+    if dist.get_rank() == 0:
+        with D.record_spans() as spans:
+            dc.all_reduce(_ONE)
+            dc.all_reduce(_ONE)
+        n = len(spans)
+    else:
+        dc.all_reduce(_ONE)
+        dc.all_reduce(_ONE)
+    dc.all_reduce(_ONE)
+    assert D.current_spans() is None
+    return n
+
+
+@BOTH
+def test_record_spans_on_one_rank_records_its_own_ops(local_worlds, in_process: bool) -> None:
+    """The timeline's span recorder is a rank's own. Before, in-process: rank 0's block
+    recorded rank 1's all_reduce too (3 spans; processes 2)."""
+    assert local_worlds(2, in_process=in_process).run(_rank_0_records_spans) == [2, None]
