@@ -58,6 +58,7 @@ from .dispatch import set_order_hook as set_order_hook
 from .dispatch import tensor_nbytes as tensor_nbytes
 from .groups import Capabilities, GroupInfo, ProcessGroup, cpu_group, group_info
 from .groups import static_capabilities as static_capabilities
+from .in_process import per_rank_attr
 from .local_tensor import LocalTensorBackend
 from .torch_distributed import CoalescedOps as CoalescedOps
 from .torch_distributed import TorchDistributedBackend
@@ -159,6 +160,10 @@ class Backend(Protocol):
 #: :mod:`diffcomm.ops.validation`, which compares the two).
 DEFAULT: Backend = TorchDistributedBackend()
 INSTALLED: Backend = DEFAULT
+# a rank's own in an in-process world, as a rank process's (one rank's ``set_backend`` block
+# reached the other ranks' ops, and the ranks' restores interleaved)
+per_rank_attr(sys.modules[__name__], "INSTALLED", lambda: DEFAULT)
+per_rank_attr(DEFAULT, "overrides", dict)  # (rebound by tests of the fallbacks)
 _TRACEABLE = TraceableBackend()
 _MODULES = sys.modules
 

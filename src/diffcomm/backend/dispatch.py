@@ -19,6 +19,7 @@ Everything public here is re-exported by :mod:`diffcomm.backend`, its public hom
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +41,7 @@ from ..diagnostics.recorder import Messages
 from ..diagnostics.switches import off as _off
 from .groups import ProcessGroup
 from .groups import world as _world
+from .in_process import per_rank_attr
 
 _get_label = _LABEL.get
 _begin = _flight.begin
@@ -156,6 +158,9 @@ _ORDER_HOOK: tuple[Callable[[], bool], Callable[[Callable[[], Any], str], Any], 
 #: Spans of raw communication ``(op, label, thread name, t0, t1)`` (``time.perf_counter``)
 #: while a :func:`record_spans` block is active (the timeline reads them).
 _SPANS: list[tuple[str, str | None, str, float, float]] | None = None
+# a rank's own in an in-process world, as a rank process's (rank 0's block recorded the
+# other ranks' ops, and the ranks' restores interleaved)
+per_rank_attr(sys.modules[__name__], "_SPANS", lambda: None)
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ from .. import accelerator as _accelerator
 from .._errors import DiffcommError
 from ..diagnostics import recorder as _flight
 
-# Size: ~745 lines, over the ~600 guideline: the in-process transport is one piece (the
+# Size: ~830 lines, over the ~600 guideline: the in-process transport is one piece (the
 # hub the ranks meet in, the per-rank state it swaps, the thread-local group record, and the
 # process group whose ops are the hub's exchanges); split, each part would only make sense
 # next to the others.
@@ -61,8 +61,10 @@ class InProcessUnsupportedError(DiffcommError, NotImplementedError):
 class RankStates:
     """Every rank's process state between the runs of one in-process world: its CPU RNG
     state, the contents of the per-rank boxes (:func:`per_rank`: settings such as
-    ``dc.debug`` set inside a rank, named RNG streams), its comm-off switches and its flight
-    recorder's history. A process
+    ``dc.debug`` set inside a rank, named RNG streams) and attributes (:func:`per_rank_attr`:
+    ``set_backend``'s adapter, the flight recorder's ring), torch's process-wide settings
+    (:func:`torch_settings`: default dtype, deterministic algorithms, anomaly detection), its
+    grad mode, its comm-off switches and its flight recorder's history. A process
     keeps these from one ``LocalWorld.run`` to the next, so the world keeps them here
     (:meth:`reset`: a fresh process's, as a world restarted after a failure)."""
 
@@ -70,6 +72,12 @@ class RankStates:
         self.world_size = world_size
         self.rng: dict[int, torch.Tensor] = {}
         self.saved: dict[int, list[Any]] = {}
+        #: each rank's module attributes registered with :func:`per_rank_attr`
+        self.attrs: dict[int, list[Any]] = {}
+        #: each rank's torch settings that are one per process (:func:`torch_settings`)
+        self.torch: dict[int, tuple[Any, ...]] = {}
+        #: each rank's grad mode between runs (per thread in torch: a run's threads end)
+        self.grad: dict[int, bool] = {}
         #: each rank's comm-off switches (per thread: kept here between its runs' threads)
         self.switched: dict[int, set[str]] = {}
         #: each rank's flight-recorder history (its run's group is destroyed at the run's end)
@@ -80,6 +88,9 @@ class RankStates:
         for r in range(self.world_size):
             self.rng[r] = _fresh_rng()
             self.saved[r] = [_copy_of(c) for c in _INITIAL]
+            self.attrs[r] = [fresh() for _owner, _name, fresh in _ATTRS]
+            self.torch[r] = FRESH_TORCH
+            self.grad[r] = True
             self.switched[r] = set()
             self.history[r] = None
 
@@ -107,8 +118,11 @@ class Hub:
         # every rank's CPU RNG state and process state (:func:`per_rank`), swapped with
         # the run lock: the world's, kept from its last run (a fresh process's at first)
         states = states if states is not None else RankStates(world_size)
+        self.states = states
         self.rng = states.rng
         self.saved = states.saved
+        self.attrs = states.attrs
+        self.torch = states.torch
         # torch's compile-session flag (``torch.compiler.is_compiling()``, diffcomm's
         # compile check that picks the traceable backend) is one per process: each rank's
         # own, swapped with the run lock, so a rank that runs while another is mid-compile
@@ -119,11 +133,16 @@ class Hub:
         torch.set_rng_state(self.rng[rank])
         for box, value in zip(_STATE, self.saved[rank]):
             _restore(box, value)
+        for (owner, name, _fresh), value in zip(_ATTRS, self.attrs[rank]):
+            setattr(owner, name, value)
+        set_torch_settings(self.torch[rank])
         _torch.swap_compiling_flag(self.compiling[rank])
 
     def _swap_out(self, rank: int) -> None:
         self.rng[rank] = torch.get_rng_state()
         self.saved[rank] = [_copy_of(box) for box in _STATE]
+        self.attrs[rank] = [getattr(owner, name) for owner, name, _fresh in _ATTRS]
+        self.torch[rank] = torch_settings()
         self.compiling[rank] = _torch.swap_compiling_flag(False)
 
     # ---- the run lock ----------------------------------------------------------------
@@ -277,6 +296,71 @@ def per_rank(*boxes: Any) -> None:
         _INITIAL.append(_copy_of(box))
 
 
+#: Module attributes that belong to a rank and that their module rebinds (a ``global``
+#: assignment: ``set_backend``'s adapter, the flight recorder's ring, resized): ``(owner,
+#: name, fresh)``, each rank's own object swapped in with ``setattr`` (nothing copied),
+#: starting as ``fresh()`` (a fresh process's).
+_ATTRS: list[tuple[Any, str, Callable[[], Any]]] = []
+
+
+def per_rank_attr(owner: Any, name: str, fresh: Callable[[], Any]) -> None:
+    """Register ``owner.name`` (a module attribute its module rebinds, so not a box
+    :func:`per_rank` could fill in place) as a rank's own; ``fresh()``: a fresh process's
+    value (called once per rank: return a new object where the value is mutable)."""
+    if not hasattr(owner, name):
+        raise AttributeError(f"per_rank_attr(): {owner!r} has no attribute {name!r}")
+    _ATTRS.append((owner, name, fresh))
+
+
+def attrs_now() -> list[Any]:
+    """The registered attributes' values now (the caller's, put back after a run)."""
+    return [getattr(owner, name) for owner, name, _fresh in _ATTRS]
+
+
+def put_attrs(values: list[Any]) -> None:
+    for (owner, name, _fresh), value in zip(_ATTRS, values):
+        setattr(owner, name, value)
+
+
+# torch's own settings that are one per process (a rank process has its own, starting at
+# torch's defaults; in one process the ranks would share them: rank 1's
+# ``torch.set_default_dtype(torch.float64)`` made rank 0's ``torch.ones`` float64, and a
+# run left it in the caller). Each rank's own, swapped with the run lock; grad mode and
+# autocast are per thread in torch already.
+#: a fresh process's: default dtype, deterministic algorithms (and warn-only), anomaly
+#: detection (and its NaN check), float32 matmul precision
+FRESH_TORCH: tuple[Any, ...] = (torch.float32, False, False, False, True, "highest")
+
+
+def torch_settings() -> tuple[Any, ...]:
+    """torch's process-wide settings now, in the order of :data:`FRESH_TORCH`."""
+    return (
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.is_anomaly_enabled(),
+        torch.is_anomaly_check_nan_enabled(),
+        torch.get_float32_matmul_precision(),
+    )
+
+
+def set_torch_settings(values: tuple[Any, ...]) -> None:
+    """Put torch's process-wide settings to ``values`` (from :func:`torch_settings`),
+    calling only the setters whose value differs (a hand-over usually changes none)."""
+    now = torch_settings()
+    if values == now:
+        return
+    dtype, deterministic, warn_only, anomaly, check_nan, matmul = values
+    if dtype != now[0]:
+        torch.set_default_dtype(dtype)
+    if (deterministic, warn_only) != now[1:3]:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    if (anomaly, check_nan) != now[3:5]:
+        torch.autograd.set_detect_anomaly(anomaly, check_nan=check_nan)
+    if matmul != now[5]:
+        torch.set_float32_matmul_precision(matmul)
+
+
 def _copy_of(box: Any) -> Any:
     return copy.copy(box)
 
@@ -296,7 +380,11 @@ def _restore(box: Any, value: Any) -> None:
 # value (a `with dc.debug(True)` block on one rank is that rank's), the flight recorder's
 # records and sequence numbers, the accelerator set_accelerator selected.
 per_rank(*(vars(s) for s in vars(_config).values() if isinstance(s, _config.Setting)))
-per_rank(_flight._RING, _flight._GROUPS, _flight._LAST, _flight._WORLD_PG, _flight._STATUS)
+per_rank(_flight._GROUPS, _flight._LAST, _flight._WORLD_PG, _flight._STATUS)
+# (the ring is rebound when DIFFCOMM_FLIGHT_SIZE resizes it: as a box, the resized ring was
+# every rank's, a rank's flight recorder listing the other ranks' ops)
+_RING_SIZE = _flight._RING.maxlen
+per_rank_attr(_flight, "_RING", lambda: deque(maxlen=_RING_SIZE))
 per_rank(_accelerator._OVERRIDE)
 
 

@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 from .. import _lifecycle, _torch
 from .._errors import DesyncError
+from . import recorder as _recorder
 from .diagnosis import diagnose
 from .recorder import (
     _GROUPS,
-    _RING,
     _STATUS,
     GROUP,
     ON_NEW_GROUP,
@@ -54,7 +54,7 @@ ANSWER_WAIT = 1.5
 
 def _state(recent: int = 64) -> dict[str, Any]:
     now = time.perf_counter()
-    entries = list(_RING)
+    entries = list(_recorder._RING)  # (read now: resizing to DIFFCOMM_FLIGHT_SIZE rebinds it)
     busy = [e for e in entries if e[STATE] == "started"]
     if not busy and entries and entries[-1][STATE] == "failed":
         busy = [entries[-1]]  # it just gave up on this one (its own timeout)

@@ -86,11 +86,14 @@ def _run(
     exceptions: dict[int, BaseException] = {}
     outer_rng = torch.get_rng_state()
     outer = [_ip._copy_of(box) for box in _ip._STATE]  # the caller's own, put back after
+    outer_attrs, outer_torch = _ip.attrs_now(), _ip.torch_settings()
 
     def rank_main(rank: int) -> None:
         _ip.enter_rank(hub, rank)
         hub.acquire(rank)
         outcome = "done"
+        # grad mode is per thread in torch: the rank's own, carried from its last run's thread
+        torch.set_grad_enabled(hub.states.grad[rank])
         # the comm-off switches are per thread: a rank's own (`comm_off("all_reduce")` as a
         # plain call) stays on from run to run, as in a rank process (it ended with the run)
         if state is not None and state.switched[rank]:
@@ -116,6 +119,7 @@ def _run(
             # one complete it; those waiting for it are found stuck, the story naming it)
             outcome = f"raised {type(exc).__name__}: {exc}"
         finally:
+            hub.states.grad[rank] = torch.is_grad_enabled()
             if state is not None:
                 state.switched[rank] = set(getattr(_logger.STATE, "off", ()))
             hub.release(rank, final=True, outcome=outcome)
@@ -140,6 +144,8 @@ def _run(
         torch.set_rng_state(outer_rng)
         for box, value in zip(_ip._STATE, outer):
             _ip._restore(box, value)
+        _ip.put_attrs(outer_attrs)
+        _ip.set_torch_settings(outer_torch)
     if failures:
         first = {r: tb for r, tb in failures.items() if not isinstance(exceptions[r], _DESYNC)}
         if not first:  # only desyncs: every waiting rank names where it waited

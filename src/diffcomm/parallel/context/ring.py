@@ -14,6 +14,7 @@ block whole with its mask; chosen once per call). See :mod:`diffcomm.parallel.co
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from ... import _config, _torch
 from ... import backend as B
 from ..._replication import P, R, Rule, V
 from ...backend import args as A
+from ...backend.in_process import per_rank_attr
 from ...backend.local_tensor import LocalTensorBackend
 from ...ops import engine as _async
 from .._autocast import run_lowered
@@ -142,6 +144,7 @@ class _LocalPlan(_Plan):
 #: compute (``"compute"``), wait for a hop (``"wait"``) and hop on the engine (``"comm"``),
 #: ``time.perf_counter`` seconds. For the benchmark's timeline; ``None`` costs nothing.
 _TRACE: list[tuple[str, float, float]] | None = None
+per_rank_attr(sys.modules[__name__], "_TRACE", lambda: None)  # a rank's own in-process
 
 
 def _record(kind: str, t0: float) -> None:

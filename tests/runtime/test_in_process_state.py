@@ -1,0 +1,215 @@
+"""Process state an in-process rank keeps as its own, as a rank process does (docs/in_process.md).
+
+Each test runs one program on ``LocalWorld(n, in_process=True)`` and on real gloo
+processes and wants the same answer: a rank that changes a process-wide setting (torch's
+default dtype, deterministic algorithms, anomaly detection, grad mode, diffcomm's backend
+adapter, the flight recorder's size) changes it for itself only, and a run leaves the
+caller's as they were. Each names what the in-process world gave before it kept the state
+per rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import diffcomm as dc
+from diffcomm import backend as B
+from diffcomm.diagnostics import recorder, responder
+
+BOTH = pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+
+_ONE = torch.ones(1, dtype=torch.float32)
+
+
+def _rank_1_sets_float64() -> tuple[str, str]:
+    """Rank 1 switches torch's default dtype to float64 before the ranks meet; rank 0 then
+    makes a tensor. Returns (the default the rank started with, the dtype it made)."""
+    start = str(torch.get_default_dtype())
+    if dist.get_rank() == 1:
+        torch.set_default_dtype(torch.float64)
+    dc.all_reduce(_ONE)  # the ranks hand over here
+    made = str(torch.ones(1).dtype)
+    dc.all_reduce(_ONE)
+    torch.set_default_dtype(torch.float32)  # (the shared world's rank as it was)
+    return start, made
+
+
+@BOTH
+def test_a_ranks_default_dtype_is_its_own(local_worlds, in_process: bool) -> None:
+    """``torch.set_default_dtype`` on one rank is that rank's, and a rank starts at torch's
+    float32, not the caller's, as a fresh process does. Before, in-process: rank 0 made
+    float64 tensors after rank 1 set float64 (processes: float32), a rank started at the
+    caller's float64, and a run left rank 1's float64 in the caller."""
+    world = local_worlds(2, in_process=in_process)
+    assert world.run(_rank_1_sets_float64) == [
+        ("torch.float32", "torch.float32"),
+        ("torch.float32", "torch.float64"),
+    ]
+    assert torch.get_default_dtype() == torch.float32
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert world.run(_rank_1_sets_float64)[0] == ("torch.float32", "torch.float32")
+        assert torch.get_default_dtype() == torch.float64  # the caller's, kept
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _rank_1_switches_modes_on() -> tuple[bool, bool, bool, str]:
+    """Rank 1 switches deterministic algorithms (warn-only) and anomaly detection on and
+    lowers the float32 matmul precision; what each rank sees after the hand-over."""
+    if dist.get_rank() == 1:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.autograd.set_detect_anomaly(True)
+        torch.set_float32_matmul_precision("medium")
+    dc.all_reduce(_ONE)
+    seen = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.is_anomaly_enabled(),
+        torch.get_float32_matmul_precision(),
+    )
+    dc.all_reduce(_ONE)
+    torch.use_deterministic_algorithms(False)
+    torch.autograd.set_detect_anomaly(False)
+    torch.set_float32_matmul_precision("highest")
+    return seen
+
+
+@BOTH
+def test_deterministic_and_anomaly_modes_are_a_ranks_own(local_worlds, in_process: bool) -> None:
+    """Before, in-process: rank 0 ran with rank 1's deterministic algorithms, anomaly
+    detection and matmul precision ((True, True, True, 'medium') on both ranks; processes:
+    rank 0 (False, False, False, 'highest')), so an op that warns or raises under them did
+    so on rank 0 too, and its float32 matmuls could run in lower precision."""
+    got = local_worlds(2, in_process=in_process).run(_rank_1_switches_modes_on)
+    assert got == [(False, False, False, "highest"), (True, True, True, "medium")]
+    assert not torch.are_deterministic_algorithms_enabled() and not torch.is_anomaly_enabled()
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def _grad_off() -> None:
+    torch.set_grad_enabled(False)  # plainly: for the rest of the rank's program
+
+
+def _grad_mode_then_on() -> bool:
+    on = torch.is_grad_enabled()
+    torch.set_grad_enabled(True)
+    return on
+
+
+@BOTH
+def test_a_ranks_grad_mode_carries_to_its_next_run(local_worlds, in_process: bool) -> None:
+    """``torch.set_grad_enabled(False)`` called plainly in one run holds in the rank's next
+    run, as in a rank process. Before, in-process: grad mode (per thread in torch) was on
+    again, as each run's rank is a new thread ([True, True]; processes [False, False])."""
+    world = local_worlds(2, in_process=in_process)
+    world.run(_grad_off)
+    assert world.run(_grad_mode_then_on) == [False, False]
+    assert world.run(_grad_mode_then_on) == [True, True]
+
+
+class _Recording(B.TorchDistributedBackend):
+    """The default adapter, noting the global rank of every ``all_reduce`` it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ranks: list[int] = []
+
+    def all_reduce(self, x: torch.Tensor, op: Any, group: Any, *args: Any, **kwargs: Any) -> Any:
+        self.ranks.append(dist.get_rank())
+        return super().all_reduce(x, op, group, *args, **kwargs)
+
+
+def _rank_0_records_its_ops() -> tuple[list[int] | None, str]:
+    """Rank 0 runs two all_reduces inside ``set_backend(recording)``; rank 1 runs two plainly.
+    Returns (the ranks rank 0's adapter saw, the adapter each rank has afterwards)."""
+    if dist.get_rank() == 0:
+        rec = _Recording()
+        with B.set_backend(rec):
+            dc.all_reduce(_ONE)
+            dc.all_reduce(_ONE)
+        seen: list[int] | None = rec.ranks
+    else:
+        dc.all_reduce(_ONE)
+        dc.all_reduce(_ONE)
+        seen = None
+    return seen, type(B.get_backend()).__name__
+
+
+@BOTH
+def test_set_backend_on_one_rank_is_that_ranks_own(local_worlds, in_process: bool) -> None:
+    """``diffcomm.backend.set_backend`` swaps the calling rank's adapter only. Before,
+    in-process: rank 0's recording adapter ran rank 1's all_reduces too (it saw ranks
+    [0, 1, 1, 0]; processes [0, 0]), and the ranks' restores interleaved (a rank could end
+    with another rank's adapter installed, and the caller with it after the run)."""
+    got = local_worlds(2, in_process=in_process).run(_rank_0_records_its_ops)
+    assert got == [([0, 0], "TorchDistributedBackend"), (None, "TorchDistributedBackend")]
+    assert B.get_backend() is B.DEFAULT
+
+
+def _overrides_seen() -> dict[str, bool]:
+    if dist.get_rank() == 0:
+        B.DEFAULT.overrides = {"all_gather_into_tensor": False}
+    dc.all_reduce(_ONE)
+    seen = dict(B.get_backend().overrides)
+    dc.all_reduce(_ONE)
+    B.DEFAULT.overrides = {}
+    return seen
+
+
+@BOTH
+def test_a_ranks_capability_overrides_are_its_own(local_worlds, in_process: bool) -> None:
+    """The adapter's capability overrides (tests of the fallbacks set them) are a rank's own.
+    Before, in-process: rank 1 ran with rank 0's (processes: none)."""
+    got = local_worlds(2, in_process=in_process).run(_overrides_seen)
+    assert got == [{"all_gather_into_tensor": False}, {}]
+
+
+def _entries_in_the_flight_recorder() -> tuple[int, int]:
+    """One all_reduce: this rank's flight-recorder entries, and those the diagnosis
+    responder would report (both read the ring DIFFCOMM_FLIGHT_SIZE resized)."""
+    dc.all_reduce(_ONE)
+    return len(dc.flight_recorder()), len(responder._state()["recent"])
+
+
+@BOTH
+def test_a_resized_flight_recorder_is_a_ranks_own(monkeypatch: pytest.MonkeyPatch, in_process: bool) -> None:
+    """With ``DIFFCOMM_FLIGHT_SIZE`` set (not 1024) the recorder makes a new ring of that
+    size. Before: in-process, the new ring was every rank's (rank 0 listed 0 entries, rank 1
+    both ranks' 2; processes 1 and 1) and stayed the caller's after the run; on processes
+    too, the diagnosis responder read the old ring (0 entries: a desync report named no op)."""
+    monkeypatch.setenv("DIFFCOMM_FLIGHT_SIZE", "16")
+    ring = recorder._RING
+    with dc.LocalWorld(2, in_process=in_process) as world:
+        assert world.run(_entries_in_the_flight_recorder) == [(1, 1), (1, 1)]
+    assert recorder._RING is ring
+
+
+def _rank_0_records_spans() -> int | None:
+    """Rank 0 records the spans of its two all_reduces (``record_spans``, the timeline's);
+    rank 1 runs two too. Returns the spans rank 0 recorded."""
+    D = sys.modules["diffcomm.backend.dispatch"]  # (``B.dispatch`` is the function)
+    n = None
+    if dist.get_rank() == 0:
+        with D.record_spans() as spans:
+            dc.all_reduce(_ONE)
+            dc.all_reduce(_ONE)
+        n = len(spans)
+    else:
+        dc.all_reduce(_ONE)
+        dc.all_reduce(_ONE)
+    dc.all_reduce(_ONE)
+    assert D.current_spans() is None
+    return n
+
+
+@BOTH
+def test_record_spans_on_one_rank_records_its_own_ops(local_worlds, in_process: bool) -> None:
+    """The timeline's span recorder is a rank's own. Before, in-process: rank 0's block
+    recorded rank 1's all_reduce too (3 spans; processes 2)."""
+    assert local_worlds(2, in_process=in_process).run(_rank_0_records_spans) == [2, None]
