@@ -56,6 +56,7 @@ from .layers import LayerOptions as LayerOptions
 from .layers import ParallelModule as ParallelModule
 from .layers import RowParallelLinear as RowParallelLinear
 from .layers import SequenceParallelLayerNorm as SequenceParallelLayerNorm
+from .layers import SequenceParallelRMSNorm as SequenceParallelRMSNorm
 from .layers import VocabParallelEmbedding as VocabParallelEmbedding
 from .loss import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .mappings import MAPPINGS as MAPPINGS

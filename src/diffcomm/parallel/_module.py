@@ -39,8 +39,9 @@ from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
 
-# Size: ~630 lines, just over the ~600 guideline: the base class, its region copy and the
-# first-forward checks it runs (unseeded replicas, debug-mode requires_grad agreement) are
+# Size: ~660 lines, just over the ~600 guideline: the base class, its region copy and the
+# forward checks it runs (unseeded replicas, debug-mode requires_grad agreement, plain
+# norms in a sequence-parallel model) are
 # one data flow, the outermost forward's; the shard bookkeeping already lives in ``_seams``
 # and the value check in ``_check``.
 
@@ -121,6 +122,8 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     if spmd_types_checking(_FUNCTION_ATTRS):
         annotate_params_for_spmd_types(module)
     members = [m for m in module.modules() if isinstance(m, ParallelModule)]
+    if any(getattr(m, "sequence_parallel", False) is True for m in members):
+        _refuse_plain_norms(module)
     if any(m.__dict__.get("_replicas_unchecked") for m in members):
         (_check_unseeded_eagerly if _compiling() else _check_unseeded)(module)
     groups: list[tuple[Any, list[Tensor]]] = []
@@ -144,6 +147,38 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
     for m in members:
         m.__dict__["_region_copies"] = copies
     module.__dict__["_region_root"] = True
+
+
+#: plain norms refused inside a sequence-parallel model, with the layer to use instead
+_PLAIN_NORMS: tuple[tuple[type[nn.Module], str], ...] = (
+    (nn.LayerNorm, "SequenceParallelLayerNorm"),
+    (nn.RMSNorm, "SequenceParallelRMSNorm"),
+)
+
+
+def _refuse_plain_norms(root: nn.Module) -> None:
+    """Refuse, before any communication, a plain ``nn.LayerNorm`` / ``nn.RMSNorm`` with a
+    trainable parameter inside a model that has sequence-parallel layers.
+
+    Such a norm sees this rank's sequence chunk, so each rank's gradient of its replicated
+    weight is a partial sum that nothing reduces: an SP ``ParallelMLP`` after an
+    ``nn.RMSNorm`` at world 3 gave norm-weight gradients 1.3-1.7 off the serial ones, a
+    different one on every rank (replicas drifting apart from the first step), with no
+    error, also in debug mode."""
+    for name, sub in root.named_modules():
+        if isinstance(sub, ParallelModule):
+            continue
+        for kind, instead in _PLAIN_NORMS:
+            if isinstance(sub, kind) and any(p.requires_grad for p in sub.parameters(recurse=False)):
+                raise ValueError(
+                    f"diffcomm.parallel.{type(root).__name__}(): `{name}` is a plain "
+                    f"nn.{kind.__name__} in a model with sequence-parallel layers. On a sequence "
+                    "chunk each rank's gradient of its replicated weight is a partial sum, "
+                    "and nothing sums it over the group (a silently wrong step). Use "
+                    f"diffcomm.parallel.{instead}.from_serial(norm, group=...), which sums it. "
+                    "A norm of the whole (gathered, replicated) sequence is right as a plain "
+                    "module: apply it outside the sequence-parallel model's forward."
+                )
 
 
 #: why every rank must agree on ``requires_grad`` (the hint of :func:`_check_requires_grad`)

@@ -1,0 +1,137 @@
+"""Norms inside sequence-parallel regions: the replicated weight meets a sequence chunk,
+so its gradient must be summed over the group (``SequenceParallelRMSNorm``), and a plain
+``nn.LayerNorm`` / ``nn.RMSNorm`` there, whose partial gradient nothing sums, is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import diffcomm as dc
+from diffcomm import parallel as P
+
+F64 = torch.float64
+H = 6
+
+
+def _serial() -> tuple[nn.RMSNorm, P.MLP]:
+    torch.manual_seed(0)
+    norm = nn.RMSNorm(H, dtype=F64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    return norm, P.MLP(H, 2 * H, dtype=F64)
+
+
+class _Block(P.ParallelModule):
+    """A pre-norm residual block, sequence parallel: ``x + mlp(norm(x))`` on a chunk."""
+
+    def __init__(self, norm: nn.Module, mlp: P.MLP, batch_first: bool) -> None:
+        super().__init__()
+        self.norm = norm
+        self.mlp = P.ParallelMLP.from_serial(mlp, sequence_parallel=True, sequence_dim=int(batch_first))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def _sp_rms_step(plain: bool, batch_first: bool) -> dict[str, Any]:
+    """One SGD step of the block on this rank's chunk (of a transposed, non-contiguous
+    input when batch-first) against the serial block on the whole sequence."""
+    norm, mlp = _serial()
+    sp_norm = nn.RMSNorm(H, dtype=F64) if plain else P.SequenceParallelRMSNorm.from_serial(norm)
+    if plain:
+        sp_norm.load_state_dict(norm.state_dict())
+    block = _Block(sp_norm, mlp, batch_first)
+    dim = int(batch_first)
+    x = torch.randn(2, 6, H, dtype=F64).transpose(0, 1)  # [s, b, h], non-contiguous
+    if batch_first:
+        x = x.transpose(0, 1)
+    n, r = dc.get_world_size(), dc.get_rank()
+    try:
+        y = block(x.chunk(n, dim)[r])
+    except ValueError as exc:
+        return {"refused": str(exc)}
+    P.gather_from_sequence(y, dim).square().sum().backward()
+    (x + mlp(norm(x))).square().sum().backward()
+    opt, sopt = torch.optim.SGD(block.parameters(), lr=0.1), torch.optim.SGD([norm.weight], lr=0.1)
+    opt.step(), sopt.step()
+    return {
+        "grad": float((sp_norm.weight.grad - norm.weight.grad).abs().max()),
+        "weight": float((sp_norm.weight - norm.weight).abs().max()),
+    }
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_sequence_parallel_rms_norm_sums_its_weight_gradient(world3, batch_first: bool) -> None:
+    """At world 3 (also batch-first, from a non-contiguous input) the RMS norm's weight
+    gradient and its SGD step equal the serial ones on every rank."""
+    for res in world3.run(_sp_rms_step, False, batch_first):
+        assert res["grad"] < 1e-12 and res["weight"] < 1e-12, res
+
+
+def test_a_plain_norm_in_a_sequence_parallel_model_is_refused(world3) -> None:
+    """A plain nn.RMSNorm on sequence chunks kept each rank's partial gradient: 1.3 to 1.7
+    off the serial one at world 3, different on every rank, no error (debug mode too).
+    Now the model's forward refuses it, naming the module and the layer to use."""
+    for res in world3.run(_sp_rms_step, True, False):
+        msg = res.get("refused", "")
+        assert "`norm` is a plain nn.RMSNorm" in msg and "SequenceParallelRMSNorm" in msg, res
+
+
+def _plain_layer_norm_refused() -> str:
+    torch.manual_seed(0)
+    block = _Block(nn.LayerNorm(H, dtype=F64), P.MLP(H, 2 * H, dtype=F64), False)
+    try:
+        block(torch.randn(2, 2, H, dtype=F64))
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_plain_layer_norm_names_the_sequence_parallel_layer_norm(world2) -> None:
+    for msg in world2.run(_plain_layer_norm_refused):
+        assert "plain nn.LayerNorm" in msg and "SequenceParallelLayerNorm.from_serial" in msg, msg
+
+
+def _frozen_or_tensor_parallel_norm() -> float:
+    """Not refused: a plain norm in a model without sequence parallelism (it sees the
+    whole replicated sequence), or a frozen one."""
+    norm, mlp = _serial()
+
+    class TP(P.ParallelModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.mlp = norm, P.ParallelMLP.from_serial(mlp)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.mlp(self.norm(x))
+
+    x = torch.randn(4, 2, H, dtype=F64)
+    out = TP()(x)
+    frozen = nn.RMSNorm(H, dtype=F64).requires_grad_(False)
+    _Block(frozen, mlp, False)(x.chunk(dc.get_world_size())[dc.get_rank()])
+    return float(F.mse_loss(out, x + mlp(norm(x))))
+
+
+def test_plain_norms_without_sequence_parallelism_or_frozen_still_run(world2) -> None:
+    for err in world2.run(_frozen_or_tensor_parallel_norm):
+        assert err < 1e-20, err
+
+
+def _layer_norm_without_bias() -> float:
+    torch.manual_seed(0)
+    serial = nn.LayerNorm(H, bias=False, dtype=F64)
+    norm = P.SequenceParallelLayerNorm.from_serial(serial)
+    x = torch.randn(3, H, dtype=F64)
+    return float((norm(x) - serial(x)).abs().max())
+
+
+def test_sequence_parallel_layer_norm_without_bias(world2) -> None:
+    """``bias=False`` (from an ``nn.LayerNorm(h, bias=False)``) raised KeyError "attribute
+    'bias' already exists" in the constructor."""
+    for err in world2.run(_layer_norm_without_bias):
+        assert err == 0.0, err
