@@ -781,6 +781,8 @@ class SequenceParallelRMSNorm(SequenceParallelLayerNorm):
             world.run(f)   # [torch.Size([3, 2, 4]), torch.Size([3, 2, 4])]
     """
 
+    spmd = SequenceParallelLayerNorm.spmd
+
     def __init__(
         self,
         normalized_shape: int,
