@@ -894,3 +894,93 @@ def test_sync_replicated_grads_per_micro_batch_refused(world2) -> None:
         assert "sync_replicated_grads(): `router.weight`'s gradient was summed" in msg, res
         assert msg.endswith("[0 comms]"), res
         assert res["once per step, called twice"] < 1e-12, res
+
+
+# --------------------------------------------------------------------------------------
+# probes: autocast's dtypes, experts tied across ranks
+# --------------------------------------------------------------------------------------
+
+
+def _autocast_vs_serial() -> dict[str, Any]:
+    """Under CPU autocast (bf16) the experts give bf16 rows and the tokens are float32:
+    the serial MoE weighs the rows by float32 gates and sums them in float32. The layer
+    cast the gates to bf16 and summed in bf16: a bf16 output, 0.0022 off the serial one."""
+    from diffcomm import parallel as P
+
+    r = dc.get_rank()
+    serial = P.MoE(4, 6, 4, 2, shared_expert_size=3, activation="tanh", seed=3)
+    ep = P.ExpertParallelMoE.from_serial(serial, overlap_shared=False)
+    gen = torch.Generator().manual_seed(5)
+    xs, cot = torch.randn(10, 4, generator=gen), torch.randn(10, 4, generator=gen)
+    mine = slice(5 * r, 5 * r + 5)
+    x_all, x_mine = xs.clone().requires_grad_(True), xs[mine].clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_all, y_mine = serial(x_all), ep(x_mine)
+    (y_all * cot).sum().backward()
+    (y_mine * cot[mine]).sum().backward()
+    # combine on its own: bf16 rows, float32 gates -> torch's promotion, float32
+    gate, idx, _ = P.route(torch.randn(5, 4, generator=gen), k=2)
+    h, plan = P.dispatch(torch.randn(5, 4, generator=gen), idx, num_experts=4)
+    rows = (h * 1.37).to(torch.bfloat16)
+    y = P.combine(rows, gate, plan)
+    y_ref = P.combine(rows.float(), gate, plan)
+    return {
+        "dtypes": (str(y_mine.dtype), str(y_all.dtype), str(y.dtype)),
+        "out": float((y_mine.detach() - y_all.detach()[mine]).abs().max()),
+        "x_grad": float((x_mine.grad - x_all.grad[mine]).abs().max()),
+        "combine": float((y - y_ref).abs().max()),
+    }
+
+
+def test_autocast_sums_the_expert_rows_in_the_tokens_dtype(world2) -> None:
+    for res in world2.run(_autocast_vs_serial):
+        assert res["dtypes"] == ("torch.float32",) * 3, res
+        assert res["out"] == 0.0 and res["x_grad"] == 0.0 and res["combine"] == 0.0, res
+
+
+# on processes: the asynchronous combine (the communication thread) needs a process per rank
+@pytest.mark.diffcomm_in_process(False)
+def test_async_combine_promotes_as_the_blocking_one(world2) -> None:
+    def body() -> dict[str, Any]:
+        from diffcomm import parallel as P
+
+        gen = torch.Generator().manual_seed(dc.get_rank())
+        gate, idx, _ = P.route(torch.randn(5, 4, generator=gen), k=2)
+        h, plan = P.dispatch(torch.randn(5, 4, generator=gen), idx, num_experts=4)
+        rows = h.to(torch.bfloat16).requires_grad_(True)
+        g = gate.detach().requires_grad_(True)
+        y = P.combine(rows, g, plan, async_op=True).wait()
+        y_ref = P.combine(rows, g, plan)
+        cot = torch.randn(y.shape, generator=gen)
+        got = torch.autograd.grad((y * cot).sum(), (rows, g))
+        want = torch.autograd.grad((y_ref * cot).sum(), (rows, g))
+        return {
+            "dtypes": (str(y.dtype), str(got[0].dtype)),
+            "err": max(float((a.float() - b.float()).abs().max()) for a, b in zip((y, *got), (y_ref, *want))),
+        }
+
+    for res in world2.run(body):
+        assert res["dtypes"] == ("torch.float32", "torch.bfloat16") and res["err"] == 0.0, res
+
+
+def _tied_experts() -> list[str]:
+    from diffcomm import parallel as P
+
+    serial = P.MoE(4, 6, 4, 2, seed=1)
+    serial.experts[2].fc1.weight = serial.experts[0].fc1.weight  # rank 0's and rank 1's
+    across = refusal_messages([lambda: P.ExpertParallelMoE.from_serial(serial)])
+    serial = P.MoE(4, 6, 4, 2, seed=1)
+    serial.experts[1].fc1.weight = serial.experts[0].fc1.weight  # both on rank 0: right
+    P.ExpertParallelMoE.from_serial(serial)
+    return across
+
+
+def test_from_serial_refuses_experts_tied_across_ranks(world2) -> None:
+    """Serial experts sharing a parameter but placed on different ranks: each rank kept
+    its own copy and stepped it with its part of the gradient (0.13 off the serial
+    parameter after one SGD step), silently."""
+    tied = r"experts.0.fc1.weight \(rank 0\) and experts.2.fc1.weight \(rank 1\)"
+    assert_refused_before_communicating(
+        world2.run(_tied_experts),
+        [rf"ValueError: .*from_serial\(\).*{tied} are one parameter"],
+    )
