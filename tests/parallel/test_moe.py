@@ -57,6 +57,9 @@ def _moe_vs_serial(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         gen = torch.Generator().manual_seed(cfg["seed"] + 1)
         xs = torch.randn(n, h, dtype=F64, generator=gen)
         cot = torch.randn(n, h, dtype=F64, generator=gen)
+        if cfg.get("tied_logits"):  # every token's probabilities equal: top-k breaks the ties
+            with torch.no_grad():
+                serial.router.weight.zero_()
         dead = cfg.get("dead", [])
         if dead:  # experts no token picks: a large constant feature, very negative weights
             xs[:, 0] = 3.0
@@ -138,7 +141,8 @@ def _assert_equal(world: dc.LocalWorld, cfgs: list[dict[str, Any]]) -> list[list
 
 def _fixed_cases(w: int) -> list[dict[str, Any]]:
     """k = 1, 2, 8; an expert no token picks; a rank without tokens; dropping; shared
-    expert; renormalised gates; parameters built from a seed or copied from the serial."""
+    expert; renormalised gates; parameters built from a seed or copied from the serial;
+    equal router logits (top-k ties) with dropping."""
     zero = [3 + i for i in range(w)]
     zero[w // 2] = 0  # this rank sends nothing (and gets nothing back)
     return [
@@ -148,6 +152,17 @@ def _fixed_cases(w: int) -> list[dict[str, Any]]:
         {"experts": 2 * w, "k": 2, "hidden": 4, "tokens": [7] * w, "seed": 4, "capacity": 0.5, "built": True},
         {"experts": w, "k": 1, "hidden": 5, "tokens": zero, "seed": 5, "capacity": 1.0, "renormalize": True},
         {"experts": 8, "k": 8, "hidden": 3, "tokens": [3] * w, "seed": 6, "capacity": 0.75, "shared": 3},
+        # equal logits (ties in the top-k, broken alike on every rank and in the serial MoE):
+        # every token picks experts 0 and 1, on rank 0, which sends nothing away
+        {
+            "experts": 2 * w,
+            "k": 2,
+            "hidden": 4,
+            "tokens": [4] * w,
+            "seed": 7,
+            "capacity": 0.5,
+            "tied_logits": True,
+        },
     ]
 
 
@@ -894,3 +909,180 @@ def test_sync_replicated_grads_per_micro_batch_refused(world2) -> None:
         assert "sync_replicated_grads(): `router.weight`'s gradient was summed" in msg, res
         assert msg.endswith("[0 comms]"), res
         assert res["once per step, called twice"] < 1e-12, res
+
+
+# --------------------------------------------------------------------------------------
+# probes: autocast's dtypes, experts tied across ranks
+# --------------------------------------------------------------------------------------
+
+
+def _autocast_vs_serial() -> dict[str, Any]:
+    """Under CPU autocast (bf16) the experts give bf16 rows and the tokens are float32:
+    the serial MoE weighs the rows by float32 gates and sums them in float32. The layer
+    cast the gates to bf16 and summed in bf16: a bf16 output, 0.0022 off the serial one."""
+    from diffcomm import parallel as P
+
+    r = dc.get_rank()
+    serial = P.MoE(4, 6, 4, 2, shared_expert_size=3, activation="tanh", seed=3)
+    ep = P.ExpertParallelMoE.from_serial(serial, overlap_shared=False)
+    gen = torch.Generator().manual_seed(5)
+    xs, cot = torch.randn(10, 4, generator=gen), torch.randn(10, 4, generator=gen)
+    mine = slice(5 * r, 5 * r + 5)
+    x_all, x_mine = xs.clone().requires_grad_(True), xs[mine].clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_all, y_mine = serial(x_all), ep(x_mine)
+    (y_all * cot).sum().backward()
+    (y_mine * cot[mine]).sum().backward()
+    # combine on its own: bf16 rows, float32 gates -> torch's promotion, float32
+    gate, idx, _ = P.route(torch.randn(5, 4, generator=gen), k=2)
+    h, plan = P.dispatch(torch.randn(5, 4, generator=gen), idx, num_experts=4)
+    rows = (h * 1.37).to(torch.bfloat16)
+    y = P.combine(rows, gate, plan)
+    y_ref = P.combine(rows.float(), gate, plan)
+    return {
+        "dtypes": (str(y_mine.dtype), str(y_all.dtype), str(y.dtype)),
+        "out": float((y_mine.detach() - y_all.detach()[mine]).abs().max()),
+        "x_grad": float((x_mine.grad - x_all.grad[mine]).abs().max()),
+        "combine": float((y - y_ref).abs().max()),
+    }
+
+
+def test_autocast_sums_the_expert_rows_in_the_tokens_dtype(world2) -> None:
+    for res in world2.run(_autocast_vs_serial):
+        assert res["dtypes"] == ("torch.float32",) * 3, res
+        assert res["out"] == 0.0 and res["x_grad"] == 0.0 and res["combine"] == 0.0, res
+
+
+# on processes: the asynchronous combine (the communication thread) needs a process per rank
+@pytest.mark.diffcomm_in_process(False)
+def test_async_combine_promotes_as_the_blocking_one(world2) -> None:
+    def body() -> dict[str, Any]:
+        from diffcomm import parallel as P
+
+        gen = torch.Generator().manual_seed(dc.get_rank())
+        gate, idx, _ = P.route(torch.randn(5, 4, generator=gen), k=2)
+        h, plan = P.dispatch(torch.randn(5, 4, generator=gen), idx, num_experts=4)
+        rows = h.to(torch.bfloat16).requires_grad_(True)
+        g = gate.detach().requires_grad_(True)
+        y = P.combine(rows, g, plan, async_op=True).wait()
+        y_ref = P.combine(rows, g, plan)
+        cot = torch.randn(y.shape, generator=gen)
+        got = torch.autograd.grad((y * cot).sum(), (rows, g))
+        want = torch.autograd.grad((y_ref * cot).sum(), (rows, g))
+        return {
+            "dtypes": (str(y.dtype), str(got[0].dtype)),
+            "err": max(float((a.float() - b.float()).abs().max()) for a, b in zip((y, *got), (y_ref, *want))),
+        }
+
+    for res in world2.run(body):
+        assert res["dtypes"] == ("torch.float32", "torch.bfloat16") and res["err"] == 0.0, res
+
+
+def _tied_experts() -> list[str]:
+    from diffcomm import parallel as P
+
+    serial = P.MoE(4, 6, 4, 2, seed=1)
+    serial.experts[2].fc1.weight = serial.experts[0].fc1.weight  # rank 0's and rank 1's
+    across = refusal_messages([lambda: P.ExpertParallelMoE.from_serial(serial)])
+    serial = P.MoE(4, 6, 4, 2, seed=1)
+    serial.experts[1].fc1.weight = serial.experts[0].fc1.weight  # both on rank 0: right
+    P.ExpertParallelMoE.from_serial(serial)
+    return across
+
+
+def test_from_serial_refuses_experts_tied_across_ranks(world2) -> None:
+    """Serial experts sharing a parameter but placed on different ranks: each rank kept
+    its own copy and stepped it with its part of the gradient (0.13 off the serial
+    parameter after one SGD step), silently."""
+    tied = r"experts.0.fc1.weight \(rank 0\) and experts.2.fc1.weight \(rank 1\)"
+    assert_refused_before_communicating(
+        world2.run(_tied_experts),
+        [rf"ValueError: .*from_serial\(\).*{tied} are one parameter"],
+    )
+
+
+def _layer_under_torch_func() -> dict[str, float]:
+    """The whole layer under torch.func: ``grad`` over ``functional_call`` (loss with the
+    aux loss, capacity dropping) equals autograd, ``jvp`` a central difference; two
+    accumulated micro-batches (aux loss each) equal the serial MoE's summed gradients."""
+    from torch.func import functional_call, grad, jvp
+
+    from diffcomm import parallel as P
+
+    r = dc.get_rank()
+    serial = P.MoE(
+        4, 6, 4, 2, capacity_factor=1.0, shared_expert_size=3, activation="tanh", dtype=F64, seed=2
+    )
+    ep = P.ExpertParallelMoE.from_serial(serial, overlap_shared=False)
+    x = torch.randn(5, 4, dtype=F64, generator=torch.Generator().manual_seed(r))
+    params = {n: p.detach() for n, p in ep.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return (functional_call(ep, p, (x,)) ** 2).sum() + 0.3 * ep.aux_loss
+
+    g = grad(loss)(params, x)
+    loss(dict(ep.named_parameters()), x).backward()
+    out = {"grad": max(float((g[n] - p.grad).abs().max()) for n, p in ep.named_parameters())}
+    t = torch.randn(x.shape, dtype=F64, generator=torch.Generator().manual_seed(9))
+    _, jt = jvp(lambda x: functional_call(ep, params, (x,)), (x,), (t,))
+    fd = (ep(x + 1e-6 * t) - ep(x - 1e-6 * t)) / 2e-6
+    out["jvp"] = float((jt - fd).abs().max())
+    ep.zero_grad()
+    gen = torch.Generator().manual_seed(3)
+    for mb in range(2):  # micro-batches of 3 + 4 and 3 + 5 tokens
+        tokens = [3, 4 + mb]
+        xs = torch.randn(sum(tokens), 4, dtype=F64, generator=gen)
+        lo = sum(tokens[:r])
+        ((serial(xs) ** 3).sum() + 0.5 * serial.aux_loss).backward()
+        ((ep(xs[lo : lo + tokens[r]]) ** 3).sum() + 0.5 * ep.aux_loss).backward()
+    ep.sync_replicated_grads()
+    names, ref = ep.serial_names(), dict(serial.named_parameters())
+    out["accumulated"] = max(
+        float((p.grad - ref[names[n]].grad).abs().max()) for n, p in ep.named_parameters()
+    )
+    return out
+
+
+# on processes: forward-mode AD (jvp) keeps one level stack per process
+@pytest.mark.diffcomm_in_process(False)
+def test_the_layer_under_torch_func_and_gradient_accumulation(world2) -> None:
+    for res in world2.run(_layer_under_torch_func):
+        assert res["grad"] < 1e-12 and res["jvp"] < 1e-6 and res["accumulated"] < 1e-12, res
+
+
+def _strided_ep_axis() -> dict[str, Any]:
+    """EP over the first axis of a 2 x 2 mesh (groups {0, 2} and {1, 3}: the group rank is
+    not the world rank's low bit), data parallel over the second, with dropping and the
+    aux loss: each EP group is the serial MoE over its own tokens."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from diffcomm import parallel as P
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp"))
+    ep_rank, dp_rank = mesh.get_local_rank("ep"), mesh.get_local_rank("dp")
+    serial = P.MoE(
+        4, 6, 4, 2, capacity_factor=0.75, shared_expert_size=3, activation="tanh", dtype=F64, seed=1
+    )
+    ep = P.ExpertParallelMoE.from_serial(serial, group=(mesh, "ep"))
+    xs = torch.randn(9, 4, dtype=F64, generator=torch.Generator().manual_seed(dp_rank))
+    tokens = [4, 5]
+    mine = slice(sum(tokens[:ep_rank]), sum(tokens[: ep_rank + 1]))
+    ys = serial(xs)
+    ((ys**2).sum() + 0.7 * serial.aux_loss).backward()
+    y = ep(xs[mine])
+    ((y**2).sum() + 0.7 * ep.aux_loss).backward()
+    ep.sync_replicated_grads()
+    names, ref = ep.serial_names(), dict(serial.named_parameters())
+    aux = dc.all_reduce(ep.aux_loss.detach(), group=(mesh, "ep"))
+    return {
+        "first": (ep_rank, ep.first_expert, ep.dropped > 0),
+        "out": float((y - ys[mine]).abs().max()),
+        "aux": abs(float(aux) - float(serial.aux_loss)),
+        "grads": max(float((p.grad - ref[names[n]].grad).abs().max()) for n, p in ep.named_parameters()),
+    }
+
+
+def test_expert_parallel_over_a_strided_mesh_axis(world4) -> None:
+    for res in world4.run(_strided_ep_axis):
+        assert res["first"] in ((0, 0, True), (1, 2, True)), res
+        assert max(res["out"], res["aux"], res["grads"]) < 1e-12, res

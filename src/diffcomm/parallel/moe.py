@@ -42,7 +42,7 @@ parallel layer drops exactly the tokens the serial one drops. ``None`` (the defa
 dropless.
 """
 
-# Size: ~700 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
+# Size: ~790 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
 # name maps between them (serial_names, from_serial, state dicts) are read together.
 
 from __future__ import annotations
@@ -222,6 +222,28 @@ def _experts_per_rank(full: MoE, per_rank: int, pg: Any) -> list[nn.Module]:
             setattr(local.get_submodule(mod), attr, nn.Parameter(v))
         out.append(local)
     return out
+
+
+def _refuse_experts_tied_across_ranks(op: str, moe: MoE, world: int) -> None:
+    """A parameter shared by serial experts that land on different ranks (``experts.0``
+    and ``experts.2`` at world 2): every rank would keep its own copy and update it with
+    its own part of the gradient, so the copies drift apart silently (0.13 after one SGD
+    step). Refused, before any communication; experts tied on one rank are right."""
+    per_rank = moe.num_experts // world
+    owner: dict[int, tuple[str, int]] = {}
+    for j, expert in enumerate(moe.experts):
+        for name, p in expert.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(p), (f"experts.{j}.{name}", j // per_rank))
+            if first[1] != j // per_rank:
+                raise A.arg_error(
+                    op,
+                    "moe",
+                    "a MoE whose experts on different ranks share no parameter (each rank would "
+                    "update its own copy with its part of the gradient): untie them, or use a "
+                    "group size that keeps the tied experts on one rank",
+                    f"{first[0]} (rank {first[1]}) and experts.{j}.{name} (rank {j // per_rank}) "
+                    "are one parameter",
+                )
 
 
 class MoE(nn.Module):
@@ -499,6 +521,7 @@ class ExpertParallelMoE(nn.Module):
             raise A.arg_error(
                 op, "moe", f"num_experts divisible by the group size {self.world}", moe.num_experts
             )
+        _refuse_experts_tied_across_ranks(op, moe, self.world)
         # the last step's aux loss and histogram are not copied (a graph, not state); nor
         # are gradients
         memo: dict[int, Any] = {id(moe.aux_loss): None, id(moe.tokens_per_expert): None}
@@ -755,7 +778,9 @@ class ExpertParallelMoE(nn.Module):
             h = _async.wait(h)
         outs = [expert(part) for expert, part in zip(self.experts, h.split(list(plan.expert_splits)))]
         y_experts = torch.cat(outs) if outs else h
-        y = combine(y_experts, gate, plan)
+        # the gates in the tokens' dtype, as the serial MoE weighs them (under autocast
+        # the expert rows are bf16: combine sums them in the promoted, the tokens', dtype)
+        y = combine(y_experts, gate.to(x2.dtype), plan)
         if shared is not None:
             y = y + shared
         self.aux_loss = load_balancing_loss(probs, plan)

@@ -714,10 +714,15 @@ def combine(
             precision=precision,
             async_op=run_async,
         )
-    w = gate_weights.reshape(-1).index_select(0, plan.slot_index).to(back.dtype)
+    # weighted and summed in torch's promotion of the two (``rows * gate``): bf16 expert
+    # rows with float32 gates (autocast) sum in float32, as the serial MoE does; the rows
+    # travel in their own dtype (they were cast to bf16 and summed in bf16 before, the
+    # output bf16 where the serial MoE's is float32)
+    dtype = torch.promote_types(back.dtype, gate_weights.dtype)
+    w = gate_weights.reshape(-1).index_select(0, plan.slot_index).to(dtype)
     if isinstance(back, _async.AsyncTensor):
         return _WeighAsync.apply(back, w, plan.token_index, plan.num_tokens)
-    out = back.new_zeros(plan.num_tokens, back.shape[1])
+    out = back.new_zeros(plan.num_tokens, back.shape[1], dtype=dtype)
     if spmd_types_checking(_FUNCTION_ATTRS):
         spmd_types_like(out, back)
     if _torch.transforms_active():  # (vmap: no in-place into unbatched zeros)
@@ -739,19 +744,25 @@ class _WeighAsync(torch.autograd.Function):
         # kept on ctx, not saved tensors: a saved-tensor hook would read the AsyncTensor
         ctx.back, ctx.w, ctx.token_index = back, w, token_index
         w_col = w.detach().unsqueeze(1)
+
+        def weigh(t: Tensor) -> Tensor:
+            return t.new_zeros(num_tokens, t.shape[1], dtype=w.dtype).index_add_(0, token_index, t * w_col)
+
         return _async.launch(
             back,
             "parallel.combine (token order)",
-            lambda t: t.new_zeros(num_tokens, t.shape[1]).index_add_(0, token_index, t * w_col),
+            weigh,
             (num_tokens, back.shape[1]),
+            dtype=w.dtype,  # (the promotion of rows and gates: see combine)
             private=True,  # (combine's own rows: nothing else holds them)
         )
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         g_rows = g.index_select(0, ctx.token_index)
-        g_back = g_rows * ctx.w.unsqueeze(1) if ctx.needs_input_grad[0] else None
-        g_w = (g_rows * _async.wait(ctx.back)).sum(1) if ctx.needs_input_grad[1] else None
+        back = _async.wait(ctx.back) if ctx.needs_input_grad[1] else None
+        g_back = (g_rows * ctx.w.unsqueeze(1)).to(ctx.back.dtype) if ctx.needs_input_grad[0] else None
+        g_w = (g_rows * back).sum(1) if back is not None else None
         return g_back, g_w, None, None
 
 
