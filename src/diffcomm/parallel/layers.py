@@ -774,11 +774,12 @@ class SequenceParallelRMSNorm(SequenceParallelLayerNorm):
 
     Example::
 
-        def f():
-            norm = SequenceParallelRMSNorm(4)
-            return norm(torch.randn(3, 2, 4)).shape
+        serial = nn.RMSNorm(4)
+        def f():   # each rank normalises its chunk of the sequence (dim 0 here)
+            chunk = torch.randn(6, 4).chunk(2)[dc.get_rank()]
+            return SequenceParallelRMSNorm.from_serial(serial)(chunk).shape
         with dc.LocalWorld(2) as world:
-            world.run(f)   # [torch.Size([3, 2, 4]), torch.Size([3, 2, 4])]
+            world.run(f)   # [torch.Size([3, 4]), torch.Size([3, 4])]
     """
 
     spmd = SequenceParallelLayerNorm.spmd
