@@ -576,3 +576,34 @@ def test_in_process_tracker_is_per_rank_across_runs(inproc_world2) -> None:
             torch.set_rng_state(_seeded(get_accelerator(), 5 + 2718 + r))
             assert got[r][0] == [MODEL_PARALLEL_RNG]
             assert torch.equal(got[r][1], torch.rand(4))
+
+
+def _dcp_round_trip_tp2_dp2(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """TP=2 x DP=2: draw, save with DCP, resume, draw (stream, default generator)."""
+    import torch.distributed.checkpoint as dcp
+
+    import diffcomm as dc
+
+    tp, dp = dc.get_rank() % 2, dc.get_rank() // 2
+    tracker = rng.model_parallel_seed(1, tp_rank=tp, dp_rank=dp)
+    with tracker.fork():
+        torch.rand(5)
+    torch.rand(7)
+    dcp.save({"rng": tracker.state_dict()}, checkpoint_id=path)
+    rng.model_parallel_seed(1, tp_rank=tp, dp_rank=dp)
+    state = {"rng": tracker.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    tracker.load_state_dict(state["rng"])
+    with tracker.fork():
+        stream = torch.rand(3)
+    return stream, torch.rand(3)
+
+
+def test_resumed_streams_agree_across_dp_and_differ_across_tp(world4, tmp_path) -> None:
+    """gloo processes, TP=2 x DP=2, through torch.distributed.checkpoint: after the resume
+    the model-parallel stream agrees across DP replicas and differs across TP ranks, and
+    the default generator agrees everywhere."""
+    out = world4.run(_dcp_round_trip_tp2_dp2, str(tmp_path / "ck"))
+    assert torch.equal(out[0][0], out[2][0]) and torch.equal(out[1][0], out[3][0])
+    assert not torch.equal(out[0][0], out[1][0])
+    assert all(torch.equal(out[0][1], o[1]) for o in out)
