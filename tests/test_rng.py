@@ -456,3 +456,154 @@ def test_a_tracker_shared_by_in_process_ranks_is_refused(inproc_world2) -> None:
             with torch.random.fork_rng(devices=[]):
                 torch.set_rng_state(expected[r])
                 assert torch.equal(got[r], torch.rand(4))
+
+
+# ------------------------------------------------------------------ save / resume (state_dict)
+
+
+def _draws(tracker: RNGStatesTracker, acc: Accelerator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(stream draw, accelerator default draw, CPU default draw)."""
+    with tracker.fork():
+        stream = _rand(acc)
+    return stream, _rand(acc), torch.rand(4)
+
+
+def test_state_dict_resumes_the_draws_of_the_uninterrupted_run(
+    acc: Accelerator, tracker: RNGStatesTracker
+) -> None:
+    """A resumed job re-runs model_parallel_seed, which draws the masks of step 0 again;
+    loading state_dict() continues where the saving job stood (stream and default
+    generators), and a copy: later draws do not change the saved state."""
+    rng.model_parallel_seed(3, tp_rank=1, pp_rank=2, tracker=tracker)
+    first = _draws(tracker, acc)
+    saved = tracker.state_dict()
+    want = _draws(tracker, acc)
+    _draws(tracker, acc)
+    assert list(saved) == ["tp1_pp2"]
+    assert {k: v for k, v in saved["tp1_pp2"].items() if isinstance(v, int)} == {
+        "seed": 3,
+        "tp_rank": 1,
+        "pp_rank": 2,
+    }
+    rng.model_parallel_seed(3, tp_rank=1, pp_rank=2, tracker=tracker)  # the resumed job
+    assert all(torch.equal(a, b) for a, b in zip(_draws(tracker, acc), first))  # step 0's again
+    rng.model_parallel_seed(3, tp_rank=1, pp_rank=2, tracker=tracker)
+    tracker.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(_draws(tracker, acc), want))
+
+
+def test_load_state_dict_refuses_another_ranks_state(tracker: RNGStatesTracker) -> None:
+    """One rank's file loaded on every rank (or DCP of get_states(), which keeps one rank's
+    copy) gave every TP rank rank 0's stream: the same dropout masks on every shard."""
+    saved = rng.model_parallel_seed(3, tp_rank=0, tracker=tracker).state_dict()
+    rng.model_parallel_seed(3, tp_rank=1, tracker=tracker)
+    before = tracker.get_states()
+    with pytest.raises(ValueError, match=r"this rank is tp1_pp0 .* holds \['tp0_pp0'\].*same dropout masks"):
+        tracker.load_state_dict(saved)
+    assert torch.equal(tracker.get_states()[MODEL_PARALLEL_RNG], before[MODEL_PARALLEL_RNG])
+    rng.model_parallel_seed(3, tp_rank=0, pp_rank=1, tracker=tracker)
+    with pytest.raises(ValueError, match="this rank is tp0_pp1"):
+        tracker.load_state_dict(saved)
+
+
+def test_load_state_dict_refuses_other_streams(tracker: RNGStatesTracker) -> None:
+    saved = rng.model_parallel_seed(3, tp_rank=0, tracker=tracker).state_dict()
+    rng.model_parallel_seed(3, tp_rank=0, tracker=tracker)
+    tracker.add("experts", 99)
+    with pytest.raises(ValueError, match=r"saved streams \['model-parallel'\] are not the tracker's"):
+        tracker.load_state_dict(saved)
+
+
+def test_state_dict_needs_model_parallel_seed(tracker: RNGStatesTracker) -> None:
+    tracker.add("a", 1)
+    for call in (tracker.state_dict, lambda: tracker.load_state_dict({})):
+        with pytest.raises(RuntimeError, match="not seeded by diffcomm.rng.model_parallel_seed"):
+            call()
+    rng.model_parallel_seed(3, tp_rank=0, tracker=tracker)
+    tracker.reset()
+    with pytest.raises(RuntimeError, match="not seeded"):
+        tracker.state_dict()
+
+
+def _dcp_round_trip(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Save the rank's RNG state with torch.distributed.checkpoint, resume, draw."""
+    import torch.distributed.checkpoint as dcp
+
+    import diffcomm as dc
+
+    tracker = rng.model_parallel_seed(1, tp_rank=dc.get_rank())
+    dcp.save({"rng": tracker.state_dict()}, checkpoint_id=path)
+    with tracker.fork():
+        want = torch.rand(8)
+    rng.model_parallel_seed(1, tp_rank=dc.get_rank())
+    with tracker.fork():
+        torch.rand(8)  # the resumed job moved on before loading
+    state = {"rng": tracker.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    tracker.load_state_dict(state["rng"])
+    with tracker.fork():
+        return want, torch.rand(8)
+
+
+def test_dcp_of_the_rng_state_keeps_each_tp_ranks_stream(inproc_world2, tmp_path) -> None:
+    """DCP keeps one copy of a key every rank saves: get_states() under one key came back
+    as rank 0's on every rank (the same masks on both TP ranks, silently). state_dict()
+    is keyed by the rank, so each gets its own stream back."""
+    got = inproc_world2.run(_dcp_round_trip, str(tmp_path / "ck"))
+    for want, drawn in got:
+        assert torch.equal(want, drawn)
+    assert not torch.equal(got[0][1], got[1][1])
+
+
+def _seed_in_one_run() -> None:
+    import diffcomm as dc
+
+    rng.model_parallel_seed(5, tp_rank=dc.get_rank())
+
+
+def _draw_in_the_next_run() -> tuple[list[str], torch.Tensor]:
+    with rng.get_tracker().fork():
+        return rng.get_tracker().names, torch.rand(4)
+
+
+def test_in_process_tracker_is_per_rank_across_runs(inproc_world2) -> None:
+    """The default tracker of an in-process rank keeps its own streams between run()
+    calls, as a process's does."""
+    inproc_world2.run(_seed_in_one_run)
+    got = inproc_world2.run(_draw_in_the_next_run)
+    for r in range(2):
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(_seeded(get_accelerator(), 5 + 2718 + r))
+            assert got[r][0] == [MODEL_PARALLEL_RNG]
+            assert torch.equal(got[r][1], torch.rand(4))
+
+
+def _dcp_round_trip_tp2_dp2(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """TP=2 x DP=2: draw, save with DCP, resume, draw (stream, default generator)."""
+    import torch.distributed.checkpoint as dcp
+
+    import diffcomm as dc
+
+    tp, dp = dc.get_rank() % 2, dc.get_rank() // 2
+    tracker = rng.model_parallel_seed(1, tp_rank=tp, dp_rank=dp)
+    with tracker.fork():
+        torch.rand(5)
+    torch.rand(7)
+    dcp.save({"rng": tracker.state_dict()}, checkpoint_id=path)
+    rng.model_parallel_seed(1, tp_rank=tp, dp_rank=dp)
+    state = {"rng": tracker.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    tracker.load_state_dict(state["rng"])
+    with tracker.fork():
+        stream = torch.rand(3)
+    return stream, torch.rand(3)
+
+
+def test_resumed_streams_agree_across_dp_and_differ_across_tp(world4, tmp_path) -> None:
+    """gloo processes, TP=2 x DP=2, through torch.distributed.checkpoint: after the resume
+    the model-parallel stream agrees across DP replicas and differs across TP ranks, and
+    the default generator agrees everywhere."""
+    out = world4.run(_dcp_round_trip_tp2_dp2, str(tmp_path / "ck"))
+    assert torch.equal(out[0][0], out[2][0]) and torch.equal(out[1][0], out[3][0])
+    assert not torch.equal(out[0][0], out[1][0])
+    assert all(torch.equal(out[0][1], o[1]) for o in out)

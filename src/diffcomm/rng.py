@@ -104,6 +104,7 @@ class RNGStatesTracker:
         self._seeds: dict[int, str] = {}
         self._active: set[str] = set()
         self._replaying: list[int] = []  # one entry per rng.checkpoint recomputation running
+        self._seeded_as: dict[str, int] = {}  # model_parallel_seed's seed, tp_rank, pp_rank
         self._owner = current_rank()  # the in-process rank that made it (None: no rank)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -250,6 +251,93 @@ class RNGStatesTracker:
         self._states.clear()
         self._states.update(new)
 
+    def _key(self, op: str) -> str:
+        """The key of this rank's entry in :meth:`state_dict`: ``"tp{tp_rank}_pp{pp_rank}"``."""
+        if not self._seeded_as:
+            raise RuntimeError(
+                f"RNGStatesTracker.{op}: the tracker was not seeded by "
+                "diffcomm.rng.model_parallel_seed, so it does not know which TP / pipeline rank "
+                "its streams belong to (a state loaded on another rank would give two ranks one "
+                "stream: the same dropout masks). Call model_parallel_seed(seed, tp_rank=...) "
+                "first; for streams added by hand, save get_states() per rank yourself."
+            )
+        return f"tp{self._seeded_as['tp_rank']}_pp{self._seeded_as['pp_rank']}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's RNG state, for a checkpoint: every stream, the default generators, and
+        the ranks :func:`model_parallel_seed` seeded it as.
+
+        Loading it with :meth:`load_state_dict` in a resumed job makes the job draw the
+        random numbers the uninterrupted one would have drawn (dropout masks of step
+        ``k + 1``, not those of step 0 again, which a fresh :func:`model_parallel_seed` gives).
+
+        The one entry is keyed by the rank, ``{"tp{tp_rank}_pp{pp_rank}": entry}``, so a
+        ``torch.distributed.checkpoint`` of it (which keeps one copy of a key that several
+        ranks save) keeps each TP rank's and stage's own state; data-parallel replicas
+        share the key, as their states agree. ``entry`` is ``{"streams": {name: uint8
+        tensor}, "default_generator": uint8 tensor (the accelerator's, current device),
+        "cpu_generator": uint8 tensor, "seed": int, "tp_rank": int, "pp_rank": int}``;
+        all tensors are copies.
+
+        Returns:
+            ``{"tp{tp_rank}_pp{pp_rank}": entry}``.
+
+        Raises:
+            RuntimeError: the tracker was not seeded by :func:`model_parallel_seed`.
+        """
+        key = self._key("state_dict")
+        return {
+            key: {
+                "streams": self.get_states(),
+                "default_generator": self.accelerator.get_rng_state().clone(),
+                "cpu_generator": torch.get_rng_state(),
+                **self._seeded_as,
+            }
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (saved by this TP rank and stage) into the tracker and
+        the default generators.
+
+        Call it after :func:`model_parallel_seed` with the same ranks as the saving job. It
+        checks that the state is this rank's (the key ``"tp{tp_rank}_pp{pp_rank}"``) and
+        that it holds the tracker's streams, before changing anything.
+
+        Args:
+            state_dict: from :meth:`state_dict`, possibly holding other ranks' entries too
+                (only this rank's is read).
+
+        Raises:
+            RuntimeError: the tracker was not seeded by :func:`model_parallel_seed`.
+            ValueError: no entry of this rank (the state of another TP rank or stage, e.g.
+                one rank's file loaded on every rank, or a job at another TP size: another
+                rank's stream would give two TP ranks the same dropout masks), or its
+                streams are not the tracker's.
+        """
+        key = self._key("load_state_dict")
+        if not isinstance(state_dict, dict) or key not in state_dict:
+            held = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(
+                f"RNGStatesTracker.load_state_dict: this rank is {key} (tp_rank, pp_rank as "
+                f"seeded by model_parallel_seed) but the state dict holds {held}. Loading "
+                "another rank's RNG state would give two TP ranks (or stages) one stream: the "
+                "same dropout masks on every shard, silently. Load the state this rank saved "
+                "(one file per rank, or torch.distributed.checkpoint of state_dict(), keyed by "
+                "rank); a rank with no saved state (resumed at another TP size) keeps the "
+                "fresh streams of model_parallel_seed (call it with a new seed to not repeat "
+                "the first steps' masks)."
+            )
+        entry = state_dict[key]
+        streams = entry["streams"]
+        if sorted(streams) != sorted(self.names):
+            raise ValueError(
+                f"RNGStatesTracker.load_state_dict: the saved streams {sorted(streams)} are not "
+                f"the tracker's {sorted(self.names)}"
+            )
+        self.set_states(streams)
+        self.accelerator.set_rng_state(entry["default_generator"])
+        torch.set_rng_state(entry["cpu_generator"])
+
     def _swap(
         self, states: dict[str, torch.Tensor], active: set[str]
     ) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -268,11 +356,12 @@ class RNGStatesTracker:
         self._check_owner()
         self._states.clear()
         self._seeds.clear()
+        self._seeded_as.clear()
 
 
 _TRACKER = RNGStatesTracker()
 # a rank's own, in-process
-per_rank(_TRACKER._states, _TRACKER._seeds, _TRACKER._active, _TRACKER._replaying)
+per_rank(_TRACKER._states, _TRACKER._seeds, _TRACKER._active, _TRACKER._replaying, _TRACKER._seeded_as)
 
 
 def get_tracker() -> RNGStatesTracker:
@@ -336,6 +425,7 @@ def model_parallel_seed(
         torch.default_generator.manual_seed(base)
     tracker.reset()
     tracker.add(MODEL_PARALLEL_RNG, base + TP_SEED_OFFSET + tp_rank)
+    tracker._seeded_as.update(seed=seed, tp_rank=tp_rank, pp_rank=pp_rank)
     return tracker
 
 
