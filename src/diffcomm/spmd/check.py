@@ -195,6 +195,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         #: inside), and its initial seed then
         self._rng_entry: tuple[bool, int | None] = (False, None)
         self._replicated_losses: list[tuple[str, float]] = []
+        self._aux_terms: list[tuple[_Rec, str]] = []  # add_aux_loss's, until a backward
 
     # ---------------------------------------------------------------- enter / exit
 
