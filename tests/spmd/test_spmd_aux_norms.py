@@ -141,7 +141,7 @@ PROGRAMS: dict[str, tuple[Callable[[bool], float], str | None]] = {
     "tp_aux_varying_share": (lambda c: _tp_aux(c, "varying"), None),
     "dp_regulariser_as_aux": (_dp_regulariser, None),
     "sp_rmsnorm": (lambda c: _sp_rmsnorm(c, "sp"), None),
-    "plain_rmsnorm_on_chunks": (lambda c: _sp_rmsnorm(c, "plain"), r"RMSNorm.weight|weight.*partial"),
+    "plain_rmsnorm_on_chunks": (lambda c: _sp_rmsnorm(c, "plain"), r"weight.*SequenceParallelRMSNorm"),
     "plain_rmsnorm_summed_by_hand": (lambda c: _sp_rmsnorm(c, "plain_summed"), None),
     "sp_rmsnorm_summed_again": (lambda c: _sp_rmsnorm(c, "sp_summed_again"), r"all_reduce"),
     "plain_rmsnorm_after_gather": (lambda c: _sp_rmsnorm(c, "after_gather"), None),

@@ -316,9 +316,9 @@ class _Gradients(_CheckState):
                     )
                 else:
                     fix = (
-                        "sum its gradient over the group: a sequence-parallel LayerNorm is "
-                        "parallel.SequenceParallelLayerNorm; otherwise p.grad = dc.all_reduce(p.grad) "
-                        "after backward"
+                        "sum its gradient over the group: a sequence-parallel LayerNorm (RMSNorm) "
+                        "is parallel.SequenceParallelLayerNorm (SequenceParallelRMSNorm); otherwise "
+                        "p.grad = dc.all_reduce(p.grad) after backward"
                     )
                 raise SPMDTypeError(
                     f"diffcomm.spmd_check: parameter {name} is replicated, but its gradient is "
