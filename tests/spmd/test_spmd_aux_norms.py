@@ -172,3 +172,34 @@ def test_verdict_matches_the_serial_truth(name: str, world: int, local_worlds: C
             assert truth > WRONG, f"{name} rank {rank}: the planted bug is not wrong ({truth})"
             assert err is not None, f"{name} rank {rank}: the planted bug passed the check"
             assert re.search(pattern, err, re.S), err
+
+
+# ============================================================ a compiled region in a check
+
+
+def _compiled_block_in_check() -> float:
+    """A compiled block (a linear and a nonlinearity, ``aot_eager``) on replicated values
+    inside a check: traced by torch.compile, its ops are not typed (docs/spmd_types.md,
+    Limits), and it runs: gradients equal eager's. (Its outputs come out untyped, so
+    replicated: a compiled region fed per-rank values is not typed right, see Limits.)"""
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x @ w.T
+        return torch.tanh(h) * h
+
+    compiled = torch.compile(block, backend="aot_eager")
+    x, w = _randn(3, H, seed=0), _randn(H, H, seed=1)
+    grads = []
+    for fn, checked in ((block, False), (compiled, True)):
+        p = w.clone().requires_grad_()
+        with _check(checked):
+            fn(x, p).pow(2).sum().backward()
+        grads.append(p.grad)
+    return _d(grads[1], grads[0])
+
+
+def test_compiled_region_passes_through_the_check(world2: dc.LocalWorld) -> None:
+    # Before, dynamo traced the check's __torch_function__ into the compiled region and
+    # failed inside it (InternalTorchDynamoError: 'dict' object has no attribute 'node'),
+    # so a compiled pipeline stage under dc.spmd_check crashed instead of passing through.
+    assert max(world2.run(_compiled_block_in_check)) < 1e-12
