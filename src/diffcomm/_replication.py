@@ -48,7 +48,7 @@ PUBLIC = (
     "varying_by_construction",
     "varying_parameters",
 )
-__all__ = [*PUBLIC, "TWICE", "SHARES", "HOOK"]
+__all__ = [*PUBLIC, "TWICE", "SHARES", "HOOK", "objective_term"]
 
 
 class T(enum.Enum):
@@ -96,6 +96,15 @@ def varying_parameters(module: Any, group: Any) -> None:
     hook = HOOK[0]
     if hook is not None:
         hook.varying_params(module, group)
+
+
+def objective_term(aux: Any) -> None:
+    """In an active check: ``aux`` is one more term of the objective of the backward that
+    runs through it (``pipeline.add_aux_loss``), checked against that objective as the loss
+    is when backward starts. A no-op (one list lookup) when no check is active."""
+    hook = HOOK[0]
+    if hook is not None:
+        hook.objective_term(aux)
 
 
 class SPMDTypeError(TypeError):

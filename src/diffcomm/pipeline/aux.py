@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._replication import objective_term
 from ..backend import args as A
 from ..backend.in_process import per_rank
 
@@ -81,4 +82,5 @@ def add_aux_loss(y: Tensor, aux: Tensor) -> Tensor:
         raise A.arg_error(op, "aux", "one element (a scalar loss)", f"shape {tuple(aux.shape)}")
     if not aux.requires_grad:  # nothing to differentiate (e.g. under torch.no_grad)
         return y
+    objective_term(aux)  # dc.spmd_check: a term of the objective (else a no-op)
     return _WithAux.apply(y, aux, _SCALE[0])

@@ -42,6 +42,9 @@ class _Gradients(_CheckState):
                     objective = f"a varying loss (a varying gradient argument at {_site()})"
                 else:
                     objective = self._check_objective(root)
+        if objective is not None:
+            self._check_aux_terms(objective)
+        self._aux_terms.clear()
         if objective is not None and objective.startswith("a replicated"):
             self._check_inputs()
         key = self.key
@@ -147,6 +150,39 @@ class _Gradients(_CheckState):
                 root.kind = PARTIAL
                 root.why = f"the loss at {_site()} under objective='sum' (the sum of the per-rank losses)"
         return f"a varying loss (objective='sum': the sum of the per-rank losses, the loss at {_site()})"
+
+    def _check_aux_terms(self, objective: str) -> None:
+        """Each auxiliary loss attached with ``pipeline.add_aux_loss`` is a term of this
+        backward's objective, typed as a loss added to it: a replicated (or partial)
+        objective needs a replicated term's gradient passed on unchanged, a varying one (the
+        sum of the per-rank objectives) needs it partial. A varying or partial term is a sum of the
+        ranks' terms, whatever the objective (an ``ExpertParallelMoE``'s aux loss is this
+        rank's share). Before, the term was typed as no objective at all: an aux made
+        through ``dc.all_reduce`` in a replicated objective passed, with gradients
+        world-size times too large."""
+        varying = objective.startswith("a varying")
+        for r, site in self._aux_terms:
+            what = f"the auxiliary loss attached at {site} (pipeline.add_aux_loss) is a term of {objective}"
+            if r.t is not R or r.cell is None:
+                continue
+            root = r.cell.root()
+            if root.epoch != _EPOCH.n:
+                root.kind, root.epoch = None, _EPOCH.n
+            want = PARTIAL if varying else REPLICATED
+            if root.kind is not None and root.kind != want and not root.mean:
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: backward at {_site()}: {what}, so its gradient must be "
+                    + (
+                        "summed over the ranks"
+                        if varying
+                        else "passed on unchanged, not summed over the ranks"
+                    )
+                    + f", but {root.why}. The gradients would be world-size times too "
+                    + ("small." if varying else "large.")
+                )
+            if root.kind is None:
+                root.kind = want
+                root.why = f"{what} (its gradient {'partial' if varying else 'replicated'})"
 
     def _check_inputs(self) -> None:
         """Before the backward of a replicated objective: no replicated input that requires
@@ -280,9 +316,9 @@ class _Gradients(_CheckState):
                     )
                 else:
                     fix = (
-                        "sum its gradient over the group: a sequence-parallel LayerNorm is "
-                        "parallel.SequenceParallelLayerNorm; otherwise p.grad = dc.all_reduce(p.grad) "
-                        "after backward"
+                        "sum its gradient over the group: a sequence-parallel LayerNorm (RMSNorm) "
+                        "is parallel.SequenceParallelLayerNorm (SequenceParallelRMSNorm); otherwise "
+                        "p.grad = dc.all_reduce(p.grad) after backward"
                     )
                 raise SPMDTypeError(
                     f"diffcomm.spmd_check: parameter {name} is replicated, but its gradient is "

@@ -524,6 +524,12 @@ class _Hooks:
                     p.__dict__[c.key] = r
                     c._params[id(p)] = _Param(p, name, r)
 
+    @staticmethod
+    def objective_term(aux: Tensor) -> None:
+        for c in _ACTIVE:
+            if not c.off:
+                c._aux_terms.append((c.rec(aux), _site()))
+
 
 def _patch_raw_all_reduce() -> None:
     """``torch.distributed.all_reduce`` (in place, not differentiable: a user's gradient

@@ -42,6 +42,9 @@ class _CheckState(TorchFunctionMode):
     #: (the user's line, the value's sum) of each loss typed replicated, in order: equal on
     #: every rank, or the data was per-rank where the check saw none (checked on leaving)
     _replicated_losses: list[tuple[str, float]]
+    #: (record, the user's line) of each auxiliary loss attached with
+    #: ``pipeline.add_aux_loss`` since the last backward: terms of its objective
+    _aux_terms: list[tuple[_Rec, str]]
 
     @abstractmethod
     def rec(self, x: Tensor) -> _Rec:

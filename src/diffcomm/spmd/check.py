@@ -195,6 +195,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         #: inside), and its initial seed then
         self._rng_entry: tuple[bool, int | None] = (False, None)
         self._replicated_losses: list[tuple[str, float]] = []
+        self._aux_terms: list[tuple[_Rec, str]] = []  # add_aux_loss's, until a backward
 
     # ---------------------------------------------------------------- enter / exit
 
@@ -375,8 +376,8 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.inside or self.in_backward:
-            return func(*args, **kwargs)
+        if self.inside or self.in_backward or torch.compiler.is_compiling():
+            return func(*args, **kwargs)  # (traced by torch.compile: not typed, docs: Limits)
         if _torch.transforms_active():
             # under a torch.func transform the values are functorch wrappers (a parameter's
             # type is not theirs) and no Tensor.backward runs: not typed, and said so once
