@@ -411,13 +411,13 @@ def gradcheck(
 
     # ---- sizes: every rank's number of elements per differentiable input ------------
     for row in ([len(inputs), len(diff), len(rep)], [*diff, *sorted(rep)]):
-        layout = _gather_rows(torch.tensor(row, dtype=torch.float64), pg)
-        if not bool((layout == layout[0]).all()):
+        agreed = _gather_rows(torch.tensor(row, dtype=torch.float64), pg)
+        if not bool((agreed == agreed[0]).all()):
             raise A.arg_error(
                 op,
                 "inputs",
                 "the same arguments on every rank (count, which require grad, which are replicated)",
-                f"{layout.tolist()} (one row per rank)",
+                f"{agreed.tolist()} (one row per rank)",
             )
     if not diff:  # the ranks agree on it (compared just above): every rank refuses alike
         raise A.arg_error(
