@@ -40,6 +40,33 @@ class _WithAux(torch.autograd.Function):
         shape, dtype, device = ctx.aux  # type: ignore[attr-defined]
         return g, torch.full(shape, ctx.scale, dtype=dtype, device=device), None  # type: ignore[attr-defined]
 
+    @staticmethod
+    def spmd_typecheck(outputs: Tensor, *, y: Tensor, aux: Tensor, scale: float) -> None:
+        """spmd_types' rule (read only by its checker, ``spmd_types.checker.typecheck()``):
+        the output is ``y`` (its type passes through); ``aux`` is a term of the objective,
+        so, as spmd_types types a loss at ``backward()``, it must be ``I`` (replicated
+        objective) or ``P`` / ``V`` (this rank's share of a sum over the ranks, diffcomm's
+        sum convention: an ``ExpertParallelMoE.aux_loss``); an ``R`` aux (summed by a
+        sum-convention all_reduce, whose backward sums its gradient over the ranks again)
+        is refused."""
+        import importlib
+
+        st = importlib.import_module("spmd_types")
+        rules = importlib.import_module("spmd_types.rules")
+        if st.has_local_type(aux):
+            for axis, t in st.get_local_type(aux).items():
+                if t is st.R:
+                    raise st.SpmdTypeError(
+                        f"diffcomm.pipeline.add_aux_loss: argument 'aux' is R on axis {axis}: a "
+                        "term of the objective must be I or P (as a loss at backward()); its "
+                        "backward would sum its gradient over the ranks once more (an all_reduce "
+                        "with dst=R, or diffcomm's sum-convention all_reduce). Reduce it with "
+                        "dst=I (parallel.reduce_from_region), or attach this rank's share "
+                        "unreduced."
+                    )
+        rules.ignore(aux)  # (its value does not reach the output)
+        rules.einsum("...->...", y, linear_in=(0,), out=outputs)
+
 
 def add_aux_loss(y: Tensor, aux: Tensor) -> Tensor:
     """Attach the auxiliary loss ``aux`` to the activation ``y``: return ``y`` (same values)
