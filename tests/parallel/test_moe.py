@@ -7,10 +7,10 @@ same weights, in float64: every rank's output rows, the summed loss, the input
 gradients, each expert's gradient (on the rank that holds it), and the router's and
 shared expert's gradients once summed over ranks (``sync_replicated_grads``). Covered:
 worlds 2, 3, 4; k = 1, 2, 8; experts that receive no tokens; ranks with no tokens (that
-send zero rows); dropped tokens under a capacity factor; hypothesis over token counts,
-experts and k. Plus: one counts exchange per step and none in backward, one all_to_all
-each way; the dispatch/combine pair is adjoint (dot-product test); bad input raises
-before any communication.
+send zero rows); dropped tokens under a capacity factor; an expert tied to the shared
+expert; hypothesis over token counts, experts and k. Plus: one counts exchange per step and
+none in backward, one all_to_all each way; the dispatch/combine pair is adjoint
+(dot-product test); bad input raises before any communication.
 """
 
 from __future__ import annotations
@@ -1086,3 +1086,50 @@ def test_expert_parallel_over_a_strided_mesh_axis(world4) -> None:
     for res in world4.run(_strided_ep_axis):
         assert res["first"] in ((0, 0, True), (1, 2, True)), res
         assert max(res["out"], res["aux"], res["grads"]) < 1e-12, res
+
+
+def _expert_tied_to_shared(tied: int) -> dict[str, Any]:
+    """Serial expert ``tied`` shares its ``fc1.weight`` and ``fc2.bias`` with the shared
+    expert; one step of the expert-parallel layer (world 2, 4 experts) against the serial
+    one in float64: gradients after ``sync_replicated_grads`` and one SGD step."""
+    from diffcomm.parallel import ExpertParallelMoE, MoE
+
+    r, w = dc.get_rank(), dc.get_world_size()
+    serial = MoE(4, 6, 4, 2, shared_expert_size=6, activation="tanh", dtype=F64, seed=3)
+    for name in ("fc1", "fc2"):
+        attr = "weight" if name == "fc1" else "bias"
+        setattr(
+            getattr(serial.experts[tied], name), attr, getattr(serial.shared_expert.get_submodule(name), attr)
+        )
+    ep = ExpertParallelMoE.from_serial(serial)
+    gen = torch.Generator().manual_seed(4)
+    xs, cot = torch.randn(10, 4, dtype=F64, generator=gen), torch.randn(10, 4, dtype=F64, generator=gen)
+    (serial(xs) * cot).sum().backward()
+    mine = slice(5 * r, 5 * r + 5)
+    (ep(xs[mine]) * cot[mine]).sum().backward()
+    ep.sync_replicated_grads()
+    first = r * (4 // w)
+    pairs = [(p, q) for p, q in zip(ep.router.parameters(), serial.router.parameters())]
+    pairs += list(zip(ep.shared_expert.parameters(), serial.shared_expert.parameters()))
+    for j, expert in enumerate(ep.experts):
+        pairs += list(zip(expert.parameters(), serial.experts[first + j].parameters()))
+    grad = max(float((p.grad - q.grad).abs().max()) for p, q in pairs)
+    torch.optim.SGD(ep.parameters(), lr=0.1).step()
+    torch.optim.SGD(serial.parameters(), lr=0.1).step()
+    step = max(float((p - q).abs().max()) for p, q in pairs)
+    holds_it = first <= tied < first + len(ep.experts)
+    still_tied = ep.experts[tied - first].fc1.weight is ep.shared_expert.fc1.weight if holds_it else True
+    return {"grad": grad, "step": step, "still_tied": still_tied, "holds_it": holds_it}
+
+
+@pytest.mark.parametrize("tied", [0, 3])
+def test_an_expert_tied_to_the_shared_expert_equals_serial(world2, tied: int) -> None:
+    """An expert sharing parameters with the (replicated) shared expert, on rank 0 or on
+    rank 1 only: its rank's gradient is the expert's whole part plus its share of the
+    shared expert's, the other rank's its share only; ``sync_replicated_grads`` sums the
+    parameter under its shared-expert name, so every rank ends with the serial gradient
+    and the same step. (Right only because the sum picks the parameter up by that name.)"""
+    per_rank = world2.run(_expert_tied_to_shared, tied)
+    assert [res["holds_it"] for res in per_rank] == [tied < 2, tied >= 2]
+    for res in per_rank:
+        assert res["grad"] < 1e-12 and res["step"] < 1e-12 and res["still_tied"], res

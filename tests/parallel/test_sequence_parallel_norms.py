@@ -135,3 +135,54 @@ def test_sequence_parallel_layer_norm_without_bias(world2) -> None:
     'bias' already exists" in the constructor."""
     for err in world2.run(_layer_norm_without_bias):
         assert err == 0.0, err
+
+
+class _NormsOnly(P.ParallelModule):
+    """Two norms on this rank's sequence chunk, no layer with ``sequence_parallel=True``:
+    ``norm2(norm1(x))``."""
+
+    def __init__(self, norm1: nn.Module, norm2: nn.Module) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = norm1, norm2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm2(self.norm1(x))
+
+
+def _norms_only_step(plain: bool) -> dict[str, Any]:
+    """A SequenceParallelLayerNorm then an RMS norm (plain, or sequence parallel) on this
+    rank's chunk, against the serial pair on the whole sequence."""
+    torch.manual_seed(0)
+    ln, rms = nn.LayerNorm(H, dtype=F64), nn.RMSNorm(H, dtype=F64)
+    with torch.no_grad():
+        rms.weight.uniform_(0.5, 1.5)
+        ln.weight.uniform_(0.5, 1.5)
+    second = nn.RMSNorm(H, dtype=F64) if plain else P.SequenceParallelRMSNorm.from_serial(rms)
+    second.load_state_dict(rms.state_dict())
+    model = _NormsOnly(P.SequenceParallelLayerNorm.from_serial(ln), second)
+    x = torch.randn(6, 2, H, dtype=F64)
+    cot = torch.randn(6, 2, H, dtype=F64)
+    n, r = dc.get_world_size(), dc.get_rank()
+    try:
+        y = model(x.chunk(n)[r])
+    except ValueError as exc:
+        return {"refused": str(exc)}
+    (y * cot.chunk(n)[r]).sum().backward()
+    (rms(ln(x)) * cot).sum().backward()
+    return {"refused": "", "grad": float((second.weight.grad - rms.weight.grad).abs().max())}
+
+
+def test_a_plain_norm_next_to_a_sequence_parallel_norm_is_refused(world2) -> None:
+    """The only layer on sequence chunks a SequenceParallelLayerNorm (no
+    ``sequence_parallel=True`` anywhere): the plain nn.RMSNorm after it on the same chunks
+    kept each rank's partial weight gradient, silently. Now refused, naming the layer."""
+    for res in world2.run(_norms_only_step, True):
+        msg = res["refused"]
+        assert "`norm2` is a plain nn.RMSNorm" in msg and "SequenceParallelRMSNorm" in msg, res
+
+
+def test_sequence_parallel_norms_only_run_and_equal_serial(world2) -> None:
+    """The same model with both norms sequence parallel is not refused, and the RMS
+    norm's weight gradient is the serial one."""
+    for res in world2.run(_norms_only_step, False):
+        assert res["refused"] == "" and res["grad"] < 1e-12, res

@@ -39,7 +39,7 @@ from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
 
-# Size: ~670 lines, just over the ~600 guideline: the base class, its region copy and the
+# Size: ~680 lines, just over the ~600 guideline: the base class, its region copy and the
 # forward checks it runs (unseeded replicas, debug-mode requires_grad agreement, plain
 # norms in a sequence-parallel model) are
 # one data flow, the outermost forward's; the shard bookkeeping already lives in ``_seams``
@@ -128,7 +128,7 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
             members.append(m)
         elif isinstance(m, _PLAIN_NORM_TYPES):
             norms.append(m)
-    if norms and any(getattr(m, "sequence_parallel", False) is True for m in members):
+    if norms and any(m._on_sequence_chunks() for m in members):
         _refuse_plain_norms(module)
     if any(m.__dict__.get("_replicas_unchecked") for m in members):
         (_check_unseeded_eagerly if _compiling() else _check_unseeded)(module)
@@ -430,6 +430,13 @@ class ParallelModule(nn.Module):
         sequence-parallel ``RowParallelLinear``'s bias, a sequence-parallel layer norm's
         weight and bias. Their gradients must be summed over the group."""
         return ()
+
+    def _on_sequence_chunks(self) -> bool:
+        """Whether this layer works on this rank's sequence chunk: ``sequence_parallel``
+        set (a linear layer, an embedding, a block), or always (the sequence-parallel
+        norms override it). A plain trainable norm in a tree holding one is refused
+        (:func:`_refuse_plain_norms`): it would see the same chunks."""
+        return getattr(self, "sequence_parallel", False) is True
 
     def _region_param(self, name: str) -> Tensor:
         """Parameter ``name`` as the forward must use it (one of :meth:`_partial_grad_params`).

@@ -78,7 +78,7 @@ __all__ = [
     "SequenceParallelRMSNorm",
 ]
 
-# Size: ~815 lines, over the ~600 guideline on purpose: a third is the public docstrings
+# Size: ~820 lines, over the ~600 guideline on purpose: a third is the public docstrings
 # (six layers, each with Args / Shapes / Gradient / Example); the column and row linears
 # already share one constructor (``_ParallelLinear``), the blocks built from them live in
 # ``blocks``, and ``ParallelModule`` with the argument checks in ``_module``; the options
@@ -739,6 +739,9 @@ class SequenceParallelLayerNorm(ParallelModule):
 
     def _partial_grad_params(self) -> tuple[str, ...]:
         return tuple(n for n in ("weight", "bias") if getattr(self, n) is not None)
+
+    def _on_sequence_chunks(self) -> bool:
+        return True  # (by definition, with or without a weight)
 
     def forward(self, x: Tensor) -> Tensor:
         w = self._region_param("weight") if self.weight is not None else None
