@@ -153,3 +153,25 @@ def test_a_real_notebook_cell_in_a_kernel_names_its_cell_and_line(tmp_path: Path
     assert site.strip("'").endswith(":2") and "<dynamic-code>" not in out, out
     assert f'File "{cell_file}", line 4, in cell_fn' in tb, out
     assert 'raise ValueError("the user\'s own error")' in tb, out  # the cell's own line
+
+
+def _defined_in(filename: str) -> Callable[[], Any]:
+    """A function that all-reduces and returns the flight recorder's last call site,
+    compiled as if it were in ``filename`` (shipped by value: defined in ``__main__``)."""
+    src = "def f():\n    dc.all_reduce(torch.ones(2))\n    return dc.flight_recorder()[-1]['site']\n"
+    ns: dict[str, Any] = {"__name__": "__main__", "dc": dc, "torch": torch}
+    exec(compile(src, filename, "exec"), ns)
+    return ns["f"]
+
+
+def test_an_op_called_from_diffcomm_itself_does_not_hide_the_next_users_site(
+    world2: LocalWorld, tmp_path: Path
+) -> None:
+    # an all_reduce whose every frame is diffcomm's (none of the user's) is sited at the
+    # rank's boot frame (`python -c`, <string>:1); the recorder remembered that depth, and a
+    # user's all_reduce from a function at the same depth was named <string>:1 too (the
+    # user's frame below the boot frame skipped)
+    internal = _defined_in(os.path.join(os.path.dirname(dc.__file__), "_probe_internal.py"))
+    user = _defined_in(str(tmp_path / "user_code.py"))
+    world2.run(internal)
+    assert world2.run(user) == [f"{tmp_path / 'user_code.py'}:2"] * 2

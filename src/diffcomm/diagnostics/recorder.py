@@ -187,6 +187,16 @@ def is_internal(path: str) -> bool:
 _getframe = sys._getframe
 
 
+def _is_boot(f: Any) -> bool:
+    """Whether ``f`` is the top level of a ``python -c`` program: a rank's own boot
+    (diffcomm's fork server and spawned ranks start so, and every rank function runs above
+    it). Such a frame is the site of an op called with no user frame above it (from
+    diffcomm's own code), but it is never remembered as the user's depth: a later call from
+    a user's function at the same stack depth would find the boot frame there and skip the
+    user's frame below it (a notebook cell's all_reduce was named ``<string>:1``)."""
+    return f.f_back is None and f.f_code.co_filename == "<string>"
+
+
 def _site(key: Any) -> tuple[Any, int] | None:
     """The user's call site, the first frame outside diffcomm and torch, as ``(code object,
     instruction offset)``: the line number is computed only when the entry is read (asking
@@ -206,7 +216,11 @@ def _site(key: Any) -> tuple[Any, int] | None:
             code = f.f_code
             if code is last:  # the same user function as last time: no need to check again
                 return (code, f.f_lasti)
-            if not is_internal(code.co_filename) and is_internal(sys._getframe(k - 1).f_code.co_filename):
+            if (
+                not is_internal(code.co_filename)
+                and not _is_boot(f)
+                and is_internal(sys._getframe(k - 1).f_code.co_filename)
+            ):
                 _DEPTH[key] = (k, code)
                 return (code, f.f_lasti)
         except ValueError:  # a shallower stack this time
@@ -222,7 +236,8 @@ def _site(key: Any) -> tuple[Any, int] | None:
     while f is not None:
         code = f.f_code
         if not is_internal(code.co_filename):
-            _DEPTH[key] = (depth, code)
+            if not _is_boot(f):  # (a boot frame is never remembered: see _is_boot)
+                _DEPTH[key] = (depth, code)
             return (code, f.f_lasti)
         f = f.f_back
         depth += 1
