@@ -161,3 +161,33 @@ def forget_gathered_sizes() -> None:
 
     for info in _groups._INFOS.values():
         info.gathered_rows.clear()
+
+
+def tp_aux_serial(kind: str, hidden: int, inner: int) -> tuple[Any, Any, Any, Any, Any]:
+    """The serial reference of the TP-MLP-with-auxiliary-loss programs (float64, seeded):
+    ``(x, w1, w2, dw1, dw2)``, the objective ``sum(tanh(x w1^T) w2^T) + 0.5 aux`` with aux the
+    output's mean square, or (``kind == "varying"``) the inner activation's."""
+    import torch
+
+    def randn(*shape: int, seed: int) -> Any:
+        return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+    x, w1, w2 = randn(5, hidden, seed=0), randn(inner, hidden, seed=1), randn(hidden, inner, seed=2)
+    s1, s2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    hs = torch.tanh(x @ s1.T)
+    aux_s = hs.pow(2).sum() / hs.numel() if kind == "varying" else (hs @ s2.T).pow(2).mean()
+    ((hs @ s2.T).sum() + 0.5 * aux_s).backward()
+    return x, w1, w2, s1.grad, s2.grad
+
+
+def tp_aux_term(kind: str, o: Any, h: Any, b: Any, inner: int) -> Any:
+    """The parallel program's auxiliary loss: of the reduced output ``o`` (``ok``), of the
+    output summed by ``dc.all_reduce`` (``all_reduce``: a bug), or this rank's share of the
+    inner activation ``h``'s square sum (``varying``)."""
+    import diffcomm as dc
+
+    if kind == "ok":
+        return o.pow(2).mean()
+    if kind == "all_reduce":
+        return dc.all_reduce(h @ b.T).pow(2).mean()
+    return h.pow(2).sum() / (5 * inner)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _shared import tp_aux_serial, tp_aux_term
 from torch import nn
 
 import diffcomm as dc
@@ -42,24 +43,15 @@ def _tp_aux(kind: str) -> float:
 
     pg, r, w = dist.group.WORLD, dc.get_rank(), dc.get_world_size()
     n = FF // w
-    x, w1, w2 = _randn(5, H, seed=0), _randn(FF, H, seed=1), _randn(H, FF, seed=2)
-    s1, s2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
-    hs = torch.tanh(x @ s1.T)
-    aux_s = hs.pow(2).sum() / hs.numel() if kind == "varying" else (hs @ s2.T).pow(2).mean()
-    ((hs @ s2.T).sum() + 0.5 * aux_s).backward()
+    x, w1, w2, g1, g2 = tp_aux_serial(kind, H, FF)
     a = st.assert_type(w1[r * n : (r + 1) * n].clone().requires_grad_(), {pg: st.V})
     b = st.assert_type(w2[:, r * n : (r + 1) * n].clone().requires_grad_(), {pg: st.V})
     xi = st.assert_type(x.clone(), {pg: st.I})
     h = torch.tanh(par.copy_to_region(xi) @ a.T)
     o = par.reduce_from_region(h @ b.T)
-    if kind == "ok":
-        aux = o.pow(2).mean()
-    elif kind == "all_reduce":
-        aux = dc.all_reduce(h @ b.T).pow(2).mean()
-    else:
-        aux = h.pow(2).sum() / (5 * FF)
+    aux = tp_aux_term(kind, o, h, b, FF)
     add_aux_loss(o, 0.5 * aux).sum().backward()
-    return max(_d(a.grad, s1.grad[r * n : (r + 1) * n]), _d(b.grad, s2.grad[:, r * n : (r + 1) * n]))
+    return max(_d(a.grad, g1[r * n : (r + 1) * n]), _d(b.grad, g2[:, r * n : (r + 1) * n]))
 
 
 def _sp_rmsnorm(kind: str) -> float:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _shared import tp_aux_serial, tp_aux_term
 from torch import nn
 
 import diffcomm as dc
@@ -57,25 +58,16 @@ def _tp_aux(checked: bool, kind: str) -> float:
     activation's square sum (``varying``: a sum over the ranks, the serial aux)."""
     r, w = dc.get_rank(), dc.get_world_size()
     n = FF // w
-    x, w1, w2 = _randn(5, H, seed=0), _randn(FF, H, seed=1), _randn(H, FF, seed=2)
-    s1, s2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
-    hs = torch.tanh(x @ s1.T)
-    aux_s = hs.pow(2).sum() / hs.numel() if kind == "varying" else (hs @ s2.T).pow(2).mean()
-    ((hs @ s2.T).sum() + 0.5 * aux_s).backward()
+    x, w1, w2, g1, g2 = tp_aux_serial(kind, H, FF)
     a = w1[r * n : (r + 1) * n].clone().requires_grad_()
     b = w2[:, r * n : (r + 1) * n].clone().requires_grad_()
     with _check(checked):
         dc.spmd.varying(a), dc.spmd.varying(b)
         h = torch.tanh(par.copy_to_region(x) @ a.T)
         o = par.reduce_from_region(h @ b.T)
-        if kind == "ok":
-            aux = o.pow(2).mean()
-        elif kind == "all_reduce":
-            aux = dc.all_reduce(h @ b.T).pow(2).mean()
-        else:
-            aux = h.pow(2).sum() / (5 * FF)
+        aux = tp_aux_term(kind, o, h, b, FF)
         add_aux_loss(o, 0.5 * aux).sum().backward()
-    return max(_d(a.grad, s1.grad[r * n : (r + 1) * n]), _d(b.grad, s2.grad[:, r * n : (r + 1) * n]))
+    return max(_d(a.grad, g1[r * n : (r + 1) * n]), _d(b.grad, g2[:, r * n : (r + 1) * n]))
 
 
 def _dp_regulariser(checked: bool) -> float:

@@ -38,7 +38,15 @@ def _rand(tag: int, *shape: int, rank: int | None = None) -> torch.Tensor:
 # ---- planted bugs ----------------------------------------------------------------------
 
 
-class _AllGatherOwnChunkBackward(torch.autograd.Function):
+class _Planted(torch.autograd.Function):
+    """A planted-bug Function: forward and backward of its own, nothing saved for backward."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+
+class _AllGatherOwnChunkBackward(_Planted):
     """all_gather along dim 0 whose backward forgets to sum over ranks (wrong adjoint)."""
 
     @staticmethod
@@ -55,7 +63,7 @@ class _AllGatherOwnChunkBackward(torch.autograd.Function):
         return g[r * ctx.n : (r + 1) * ctx.n]
 
 
-class _AllGatherStridedBackward(torch.autograd.Function):
+class _AllGatherStridedBackward(_Planted):
     """all_gather along dim 0 whose backward is 2x too large only when the incoming
     gradient is not contiguous (right for every contiguous cotangent)."""
 
@@ -64,16 +72,12 @@ class _AllGatherStridedBackward(torch.autograd.Function):
         return dc.all_gather(x, 0)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        pass
-
-    @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         out = dc.reduce_scatter(g.contiguous(), 0)
         return out if g.is_contiguous() else 2 * out
 
 
-class _AllReduceDoubledBackward(torch.autograd.Function):
+class _AllReduceDoubledBackward(_Planted):
     """all_reduce whose backward is 2x too large (wrong for every cotangent)."""
 
     @staticmethod
@@ -81,15 +85,11 @@ class _AllReduceDoubledBackward(torch.autograd.Function):
         return dc.all_reduce(x)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        pass
-
-    @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         return 2 * dc.all_reduce(g)
 
 
-class _DoubledIfStrided(torch.autograd.Function):
+class _DoubledIfStrided(_Planted):
     """The identity, whose backward doubles a non-contiguous gradient: after an op's output,
     that op's backward is wrong only for a strided gradient."""
 
@@ -98,15 +98,11 @@ class _DoubledIfStrided(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        pass
-
-    @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         return g if g.is_contiguous() else 2 * g
 
 
-class _AllGatherDoubledIfStridedInput(torch.autograd.Function):
+class _AllGatherDoubledIfStridedInput(_Planted):
     """all_gather along dim 0 whose backward is 2x too large only when the forward's input
     was not contiguous (right for every contiguous x, the only kind a test passes)."""
 
@@ -124,7 +120,7 @@ class _AllGatherDoubledIfStridedInput(torch.autograd.Function):
         return out if ctx.contiguous else 2 * out
 
 
-class _AllGatherZeroingItsGradient(torch.autograd.Function):
+class _AllGatherZeroingItsGradient(_Planted):
     """all_gather along dim 0 with the right backward, which then zeroes the gradient it
     was given (another backward handed the same tensor gets zeros)."""
 
@@ -133,17 +129,13 @@ class _AllGatherZeroingItsGradient(torch.autograd.Function):
         return dc.all_gather(x, 0)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        pass
-
-    @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         out = dc.reduce_scatter(g.clone(), 0)
         g.zero_()
         return out
 
 
-class _AllGatherChangingItsInput(torch.autograd.Function):
+class _AllGatherChangingItsInput(_Planted):
     """all_gather along dim 0 with the right value and backward, which adds 1 to its input
     in place (in forward: ``"forward"``; to the saved input in backward: ``"backward"``)."""
 
@@ -166,16 +158,12 @@ class _AllGatherChangingItsInput(torch.autograd.Function):
         return dc.reduce_scatter(g.contiguous(), 0), None
 
 
-class _CopyIdentityBackward(torch.autograd.Function):
+class _CopyIdentityBackward(_Planted):
     """copy_to_region whose backward is the identity (should be an all_reduce)."""
 
     @staticmethod
     def forward(x: torch.Tensor) -> torch.Tensor:
         return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        pass
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
@@ -196,7 +184,7 @@ class _HandTPMLP(P.ParallelModule):
         return P.reduce_from_region(torch.nn.functional.linear(h, self.fc2.weight)) + self.fc2.bias
 
 
-class _IdentityChangingItsInput(torch.autograd.Function):
+class _IdentityChangingItsInput(_Planted):
     """The identity, which adds 1 to its input in place after copying it."""
 
     @staticmethod
@@ -206,24 +194,16 @@ class _IdentityChangingItsInput(torch.autograd.Function):
         return out
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        pass
-
-    @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         return g.clone()
 
 
-class _IdentityZeroingItsGradient(torch.autograd.Function):
+class _IdentityZeroingItsGradient(_Planted):
     """The identity, whose backward returns a copy of its gradient and zeroes the original."""
 
     @staticmethod
     def forward(x: torch.Tensor) -> torch.Tensor:
         return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        pass
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
