@@ -1837,6 +1837,13 @@ def seam_cp_dropout_seed_per_rank() -> dict[str, float]:
     }
 
 
+def seam_cp_dropout_seed_per_rank_debug() -> dict[str, float]:
+    """The same in debug mode: a seed given per rank is that rank's own (only a drawn seed
+    must agree). Before, the debug check refused it ("dropout_seed differs")."""
+    with dc.debug(True):
+        return seam_cp_dropout_seed_per_rank()
+
+
 def seam_cp_dropout_seed_from_forked_stream() -> dict[str, float]:
     """dropout_seed=None inside rng's model-parallel stream (a different seed on every
     rank), debug mode on."""
@@ -2092,6 +2099,7 @@ SEAM_PROGRAMS: dict[str, Program] = {
     "async_counts_then_spmd_check": Program(seam_async_counts_then_spmd_check),
     "cp_rope_positions_sharded": Program(seam_cp_rope_positions_sharded),
     "cp_dropout_seed_per_rank_w3": Program(seam_cp_dropout_seed_per_rank, world=3),
+    "cp_dropout_seed_per_rank_debug_w3": Program(seam_cp_dropout_seed_per_rank_debug, world=3),
     "cp_dropout_seed_from_forked_stream": Program(
         seam_cp_dropout_seed_from_forked_stream, error=(ValueError, r"dropout_seed differs")
     ),
