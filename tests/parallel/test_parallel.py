@@ -127,8 +127,31 @@ def test_mapping_jvp_and_vmap(world2, name: str) -> None:
         assert_close(gs[1], 3 * g1, rtol=1e-12, atol=1e-12)
         return {"one": one.count(), "batched": batched.count()}
 
-    counts = world2.run(check_transforms, name)
+    def check_transforms_debug(name: str) -> str:
+        """Debug mode checks the primal, the value the mapping rests on: a replicated x
+        with a tangent of each rank's own passes under jvp, a replicated batch under vmap;
+        the tangent called directly (not replicated) is refused by a copy forward."""
+        fn, x, _, _, _ = _case(name)
+        t = _data(3, dc.get_rank(), *x.shape)
+        with dc.debug(True):
+            _, ty = torch.func.jvp(fn, (x,), (t,))
+            out = torch.func.vmap(fn)(torch.stack([x, 2 * x]))
+            with dc.debug(False):
+                assert_close(ty, fn(t), rtol=1e-12, atol=1e-12)
+                assert_close(out, torch.stack([fn(x), fn(2 * x)]), rtol=1e-12, atol=1e-12)
+            return _expect_mismatch(lambda: fn(t))
+
+    # the tangent and the batch differ between the ranks (a stronger check of the rules):
+    # debug mode, whose copy forwards refuse such an input, pinned off (the suite also runs
+    # under DIFFCOMM_DEBUG=1); what it does under the transforms is checked apart
+    with dc.debug(False):
+        counts = world2.run(check_transforms, name)
     assert counts[0]["batched"] == counts[0]["one"], counts  # one collective for the whole batch
+    refused = world2.run(check_transforms_debug, name)
+    if _REPLICATED_SIDE.get(name) == "in":  # a copy forward: its input must be replicated
+        assert all("should be the same on every rank" in m for m in refused), refused
+    else:
+        assert all(m == "no error" for m in refused), refused
 
 
 # ======================================================================================
@@ -387,8 +410,9 @@ def test_planted_wrong_mapping_in_tp_mlp_raises_in_debug_mode(world2, which: str
             model = _HandTPMLP(serial, P.reduce_from_region, P.reduce_from_region)
         else:  # "copy_at_exit": partial sums treated as replicated
             model = _HandTPMLP(serial, P.copy_to_region, P.copy_to_region)
-        silent = model(x).sum()  # without debug: no error, wrong value
-        silent.backward()
+        with dc.debug(False):  # (pinned: the suite also runs under DIFFCOMM_DEBUG=1)
+            silent = model(x).sum()  # without debug: no error, wrong value
+            silent.backward()
         ref = serial(x).sum()
         result = {"silently_wrong": not torch.allclose(silent, ref)}
         x.grad = None
