@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import settings
 
+import diffcomm as dc
 from diffcomm import _lifecycle
 
 # The suite starts a few hundred fresh interpreters (ranks, the command line, benchmarks,
@@ -77,3 +78,13 @@ def _each_test_is_a_program() -> None:
     is on its ranks): what one test's program recorded (the context-parallel layouts it
     used) does not make another test's unplaced sequence ambiguous."""
     _lifecycle.program_start()
+
+
+@pytest.fixture
+def debug_off() -> Iterator[None]:
+    """Debug mode pinned off for the test (``@pytest.mark.usefixtures("debug_off")``), on
+    its ranks too (``LocalWorld.run`` passes the caller's setting): for a test that counts
+    communications or pins an error that debug mode's own cross-rank checks add to or
+    catch first. The suite also runs under ``DIFFCOMM_DEBUG=1``."""
+    with dc.debug(False):
+        yield

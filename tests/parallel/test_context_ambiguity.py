@@ -130,13 +130,15 @@ def _expect_grid(results: list[dict[str, tuple[str, Any, int]]]) -> None:
 def test_a_guessed_layout_is_refused_and_only_a_guess(local_worlds: Any, w: int) -> None:
     """Worlds 2-4, both layouts, shards placed / by hand / projected, the layout named or
     not: right, or (unplaced, unnamed, zigzag in use) a ValueError naming ``layout``
-    before any communication."""
-    _expect_grid(local_worlds(w).run(_grid, w))
+    before any communication (debug mode pinned off: its argument check communicates
+    first; the suite also runs under DIFFCOMM_DEBUG=1)."""
+    with dc.debug(False):
+        _expect_grid(local_worlds(w).run(_grid, w))
 
 
 def test_a_guessed_layout_is_refused_in_process() -> None:
     """The same grid on an in-process world (each rank's record is its own)."""
-    with dc.LocalWorld(2, in_process=True) as world:
+    with dc.debug(False), dc.LocalWorld(2, in_process=True) as world:
         _expect_grid(world.run(_grid, 2))
 
 
@@ -217,22 +219,34 @@ def _uneven(lens: list[int]) -> tuple[str, Any, int]:
 def test_unequal_lengths_are_a_value_error_on_every_rank(local_worlds: Any, w: int) -> None:
     """Shards cut by hand with unequal lengths and no ``seq_len``: every rank raises
     ``ValueError`` naming ``q`` and every rank's length, after one small exchange (no
-    rank dies, nothing is computed); equal lengths pass with that exchange and the ring."""
+    rank dies, nothing is computed); equal lengths pass with that exchange and the ring.
+    Debug mode pinned off (the suite also runs under DIFFCOMM_DEBUG=1); in debug mode its
+    argument check finds the lengths apart first, as a ValueError naming ``q``, on every
+    rank."""
     world = local_worlds(w)
     patterns = [[3] * (w - 1) + [1], [1] + [2] * (w - 1), list(range(1, w + 1))]
     for lens in patterns:
-        for rank, (kind, msg, comms) in enumerate(world.run(_uneven, lens)):
+        with dc.debug(False):
+            results = world.run(_uneven, lens)
+        for rank, (kind, msg, comms) in enumerate(results):
             assert kind == "err", (lens, rank, msg)
             listed = ", ".join(f"rank {i}: {n}" for i, n in enumerate(lens))
             assert "ring_attention(): `q` must be of the same length" in msg and listed in msg, (lens, msg)
             assert comms == 1, (lens, rank, comms)  # the length exchange, no hop
-    for rank, (kind, err, comms) in enumerate(world.run(_uneven, [3] * w)):
+        with dc.debug(True):
+            results = world.run(_uneven, lens)
+        for rank, (kind, msg, _) in enumerate(results):
+            assert kind == "err" and "inconsistent arguments" in msg and "q differs" in msg, (lens, rank, msg)
+    with dc.debug(False):
+        results = world.run(_uneven, [3] * w)
+    for rank, (kind, err, comms) in enumerate(results):
         assert kind == "ok" and err <= TOL, (rank, err)
         assert comms == 1 + (w - 1), (rank, comms)  # the exchange, then the W-1 hops
 
 
 def test_placed_or_given_lengths_skip_the_exchange(local_worlds: Any) -> None:
-    """The lengths are known from a placement or ``seq_len=``: no exchange, only hops."""
+    """The lengths are known from a placement or ``seq_len=``: no exchange, only hops
+    (debug mode, whose argument check communicates, pinned off)."""
 
     def body() -> list[int]:
         r, w = dc.get_rank(), dc.get_world_size()
@@ -247,7 +261,9 @@ def test_placed_or_given_lengths_skip_the_exchange(local_worlds: Any) -> None:
             counts.append(len(log.records))
         return counts
 
-    for counts in local_worlds(3).run(body):
+    with dc.debug(False):
+        results = local_worlds(3).run(body)
+    for counts in results:
         assert counts == [2, 2], counts
 
 

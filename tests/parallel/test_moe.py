@@ -214,6 +214,7 @@ def test_hypothesis_tokens_experts_k(local_worlds, world_size) -> None:
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("debug_off")  # counts communications (debug mode adds its checks)
 def test_one_counts_exchange_and_one_all_to_all_each_way(world2) -> None:
     def count_moe() -> dict[str, Any]:
         from diffcomm import backend as B
@@ -479,6 +480,7 @@ def test_double_backward_and_blocking_shared_expert(local_worlds, world_size) ->
         assert max(res.values()) < 1e-10, res
 
 
+@pytest.mark.usefixtures("debug_off")  # counts communications (debug mode adds its checks)
 def test_dispatch_reuses_a_given_plan(world2) -> None:
     def plan_reuse() -> dict[str, Any]:
         """dispatch(..., plan=) reuses an earlier plan of the same routing (a recomputed

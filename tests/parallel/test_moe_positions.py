@@ -222,6 +222,7 @@ def test_a_position_given_twice_is_named_on_every_rank(world2) -> None:
         assert "1 position(s) given more than once" in msgs[0], msgs
 
 
+@pytest.mark.usefixtures("debug_off")  # counts communications (debug mode adds its checks)
 def test_a_reused_plan_keeps_its_positions(world2) -> None:
     def reuse() -> dict[str, Any]:
         from diffcomm import backend as B
@@ -256,6 +257,7 @@ def test_a_reused_plan_keeps_its_positions(world2) -> None:
         assert "a plan made with other positions" in res["refused"][1], res
 
 
+@pytest.mark.usefixtures("debug_off")  # counts communications (debug mode adds its checks)
 def test_positions_cost_one_more_exchange_only_with_a_capacity(world2) -> None:
     def count(capacity: float | None) -> dict[str, Any]:
         from diffcomm import backend as B

@@ -11,6 +11,7 @@ gradient) and communicates the analytic count per step.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -77,6 +78,7 @@ def test_sequence_parallel_block_matches_serial(world2, world4) -> None:
         )
 
 
+@pytest.mark.usefixtures("debug_off")  # counts communications (debug mode adds its checks)
 def test_one_coalesced_reduction_per_step(world2) -> None:
     def step_comms(kind: str) -> dict:
         w = dc.get_world_size()

@@ -281,6 +281,7 @@ def _serial_row() -> nn.Linear:
         return nn.Linear(6, 4, dtype=F64)
 
 
+@pytest.mark.usefixtures("debug_off")  # counts communications (debug mode adds its checks)
 @pytest.mark.diffcomm_in_process(False)  # per-rank global generators: one per process
 def test_replicas_drawn_unseeded_must_agree_at_the_first_forward(world2) -> None:
     """seed=None draws from the global generator, which each process seeds on its own:
@@ -538,6 +539,7 @@ def test_parameters_frozen_on_every_rank_train_like_the_serial_model(world2, seq
 # ======================================================================================
 
 
+@pytest.mark.usefixtures("debug_off")  # counts communications (debug mode adds its checks)
 def test_parallel_mlp_communicates_the_analytic_count(world2) -> None:
     def comm_counts(sequence_parallel: bool) -> dict[str, int]:
         mlp = P.ParallelMLP(4, 8, seed=0, sequence_parallel=sequence_parallel)

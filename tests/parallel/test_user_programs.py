@@ -219,7 +219,13 @@ def cp_ring_uneven_length_seq_len() -> dict[str, float]:
 def cp_ring_uneven_chunks_misuse() -> dict[str, float]:
     """S = 10 over 4 ranks cut with ``chunk`` (3, 3, 3, 1 rows): must raise on every rank,
     naming ``q`` and the lengths, not hang, kill a rank or give a wrong value (on main
-    gloo aborted a rank: RankDiedError)."""
+    gloo aborted a rank: RankDiedError). Debug mode pinned off (the suite also runs under
+    DIFFCOMM_DEBUG=1): its check catches it first (the ``_debug`` program below)."""
+    with dc.debug(False):
+        return _ring_uneven_chunks()
+
+
+def _ring_uneven_chunks() -> dict[str, float]:
     from diffcomm import parallel
 
     r, w = dc.get_rank(), dc.get_world_size()
@@ -233,7 +239,7 @@ def cp_ring_uneven_chunks_misuse_debug() -> dict[str, float]:
     """The same misuse in debug mode (``dc.debug(True)``): the cross-rank check of the
     ring's arguments names the ranks whose ``q`` differs, before the ring's first hop."""
     with dc.debug(True):
-        return cp_ring_uneven_chunks_misuse()
+        return _ring_uneven_chunks()
 
 
 def cp_ring_seq_len_contradicts_shard() -> dict[str, float]:
@@ -1837,6 +1843,13 @@ def seam_cp_dropout_seed_per_rank() -> dict[str, float]:
     }
 
 
+def seam_cp_dropout_seed_per_rank_debug() -> dict[str, float]:
+    """The same in debug mode: a seed given per rank is that rank's own (only a drawn seed
+    must agree). Before, the debug check refused it ("dropout_seed differs")."""
+    with dc.debug(True):
+        return seam_cp_dropout_seed_per_rank()
+
+
 def seam_cp_dropout_seed_from_forked_stream() -> dict[str, float]:
     """dropout_seed=None inside rng's model-parallel stream (a different seed on every
     rank), debug mode on."""
@@ -2092,6 +2105,7 @@ SEAM_PROGRAMS: dict[str, Program] = {
     "async_counts_then_spmd_check": Program(seam_async_counts_then_spmd_check),
     "cp_rope_positions_sharded": Program(seam_cp_rope_positions_sharded),
     "cp_dropout_seed_per_rank_w3": Program(seam_cp_dropout_seed_per_rank, world=3),
+    "cp_dropout_seed_per_rank_debug_w3": Program(seam_cp_dropout_seed_per_rank_debug, world=3),
     "cp_dropout_seed_from_forked_stream": Program(
         seam_cp_dropout_seed_from_forked_stream, error=(ValueError, r"dropout_seed differs")
     ),

@@ -315,6 +315,7 @@ def _comms(sizes: list[int], vocab_size: int | None) -> list[tuple[str, str]]:
     return [(rec.op, rec.label) for rec in log.records]
 
 
+@pytest.mark.usefixtures("debug_off")  # counts communications (debug mode adds its checks)
 def test_shard_sizes_travel_in_the_max_all_reduce(world3) -> None:
     """Uneven shards cost no extra collective: the same two all_reduces as even ones (the
     sizes ride in the max), none in backward; padding with even shards the same; only

@@ -106,10 +106,15 @@ def check_replicated(t: Tensor, where: str, subject: str, hint: str, group: Any)
         hint: why it must be replicated and what to do instead.
         group: the resolved process group (``None``: the default group).
     """
-    if spmd_types_checking(_FUNCTION_ATTRS):  # the check's arithmetic is not typed data
-        with spmd_types_paused():
-            return _check_replicated(t, where, subject, hint, group)
-    return _check_replicated(t, where, subject, hint, group)
+    # the check's arithmetic runs on the unwrapped values with torch.func's transforms
+    # off: made at a transform's level (an op lifts even a plain tensor to it), the
+    # fingerprint escaped that level through the gather (in a backward under grad(grad):
+    # torch's INTERNAL ASSERT "escaped?" in place of the op's own error)
+    with _torch.functorch_off():
+        if spmd_types_checking(_FUNCTION_ATTRS):  # the check's arithmetic is not typed data
+            with spmd_types_paused():
+                return _check_replicated(t, where, subject, hint, group)
+        return _check_replicated(t, where, subject, hint, group)
 
 
 def _check_replicated(t: Tensor, where: str, subject: str, hint: str, group: Any) -> None:

@@ -584,9 +584,11 @@ def ring_attention(
             layout raises ``ValueError``.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         dropout_p: attention dropout probability (on the softmax weights, as SDPA).
-        dropout_seed: the dropout seed, the same on every rank of the group; ``None``:
-            drawn from the current default generator (use a stream of
-            :mod:`diffcomm.rng` that is the same across the group). The mask is
+        dropout_seed: the dropout seed (the same on every rank of the group gives the
+            serial program's mask; a rank given its own seed drops its own rows with
+            it); ``None``: drawn from the current default generator (use a stream of
+            :mod:`diffcomm.rng` that is the same across the group: debug mode checks
+            that the drawn seeds agree). The mask is
             :func:`dropout_keep_mask` of global coordinates, so it does not depend on
             the layout or world size.
         layout: ``"contiguous"`` or ``"zigzag"`` (balanced causal work); ``None``: the
@@ -682,7 +684,9 @@ def ring_attention(
                 "cu_seqlens": cu or (),
                 "attn_mask": () if mask is None else tuple(mask.shape),
                 "dropout_p": repr(p),
-                "dropout_seed": seed,
+                # a drawn seed must agree (the docs: make the stream agree across the
+                # group); a given one is each rank's own: its rows take its seed's mask
+                "dropout_seed": seed if dropout_seed is None else "given",
             },
             pg,
         )
