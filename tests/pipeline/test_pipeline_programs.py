@@ -1,8 +1,8 @@
 """Unusual but legitimate programs under :class:`~diffcomm.pipeline.PipelineRunner`, each
 against the float64 serial model on the full batch: inputs made by a graph outside the
-pipeline, a one-element loss that is not 0-dim, and the loss convention over
-micro-batches (the mean of ``loss_fn`` per micro-batch) with a loss whose mean is not
-over equal micro-batches (``ignore_index``).
+pipeline, a ``loss_fn`` with a parameter of its own, a one-element loss that is not
+0-dim, and the loss convention over micro-batches (the mean of ``loss_fn`` per
+micro-batch) with a loss whose mean is not over equal micro-batches (``ignore_index``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from diffcomm.pipeline import PipelineRunner, partition
 
 pytestmark = pytest.mark.diffcomm_in_process
 
-SCHEDULES_PARTS = {"1f1b": 1, "zb-h1": 1, "interleaved": 2, "zbv": 2}
+SCHEDULES_PARTS = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved": 2, "zbv": 2}
 
 
 def _model(out: int = 2) -> nn.Sequential:
@@ -82,6 +82,48 @@ def test_inputs_made_by_a_graph_outside_the_pipeline_get_their_gradient(
     for loss, ref, diff, outer_diff in world2.run(_outer_graph_inputs, schedule):
         assert loss == pytest.approx(ref, rel=1e-13)
         assert diff < 1e-13 and outer_diff < 1e-13
+
+
+SPLIT_SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved", "zbv"]
+
+
+def _learned_temperature(schedule: str) -> tuple[float, float, float, float]:
+    """``loss_fn`` scales the output by a learned temperature (CLIP's ``logit_scale``), a
+    parameter of no stage: the loss, the serial loss, this rank's largest stage gradient
+    difference and, on the loss's rank, the temperature's."""
+    torch.manual_seed(0)
+    model = _model()
+    serial = copy.deepcopy(model)
+    stages, serial_stages = _stages(model, schedule), _stages(serial, schedule)
+    temp = nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
+    serial_temp = nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
+    runner = PipelineRunner(
+        stages if len(stages) > 1 else stages[0], schedule, loss_fn=lambda o, t: F.mse_loss(o * temp.exp(), t)
+    )
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    loss = runner.step(x, y, n_micro=4)
+    ref = F.mse_loss(serial(x) * serial_temp.exp(), y)
+    ref.backward()
+    temp_diff = 0.0
+    if runner.is_last:
+        assert temp.grad is not None
+        temp_diff = abs(float(temp.grad) - float(serial_temp.grad))  # type: ignore[arg-type]
+    assert loss is not None
+    return float(loss), float(ref), _grad_diff(stages, serial_stages), temp_diff
+
+
+@pytest.mark.parametrize("schedule", SPLIT_SCHEDULES)
+def test_a_loss_fn_with_a_parameter_of_its_own_gets_its_gradient(
+    world2: dc.LocalWorld, schedule: str
+) -> None:
+    """A split backward's ``W`` computed the gradients of the chunk's parameters only: a
+    parameter the loss reaches outside every stage (a learned temperature in ``loss_fn``)
+    kept ``.grad`` None under GPipe and ZB-H1 (serially 0.362 at one micro-batch), and
+    1F1B gave it the unsplit micro-batches' part only (0.228 for 0.215, 0.043 for 0.150 at
+    4). ``W`` now computes every leaf's gradient the micro-batch's graph reaches."""
+    for loss, ref, diff, temp_diff in world2.run(_learned_temperature, schedule):
+        assert loss == pytest.approx(ref, rel=1e-13)
+        assert diff < 1e-13 and temp_diff < 1e-13
 
 
 def _loss_of_shape_1(schedule: str) -> tuple[float, float, float]:
