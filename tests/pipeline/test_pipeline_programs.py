@@ -1,8 +1,9 @@
 """Unusual but legitimate programs under :class:`~diffcomm.pipeline.PipelineRunner`, each
 against the float64 serial model on the full batch: inputs made by a graph outside the
-pipeline, a ``loss_fn`` with a parameter of its own, a one-element loss that is not
-0-dim, and the loss convention over micro-batches (the mean of ``loss_fn`` per
-micro-batch) with a loss whose mean is not over equal micro-batches (``ignore_index``).
+pipeline, a ``loss_fn`` with a parameter of its own, targets made by a graph outside the
+pipeline, a one-element loss that is not 0-dim, and the loss convention over
+micro-batches (the mean of ``loss_fn`` per micro-batch) with a loss whose mean is not
+over equal micro-batches (``ignore_index``).
 """
 
 from __future__ import annotations
@@ -124,6 +125,41 @@ def test_a_loss_fn_with_a_parameter_of_its_own_gets_its_gradient(
     for loss, ref, diff, temp_diff in world2.run(_learned_temperature, schedule):
         assert loss == pytest.approx(ref, rel=1e-13)
         assert diff < 1e-13 and temp_diff < 1e-13
+
+
+def _outer_graph_targets(schedule: str) -> tuple[float, float, float, float]:
+    """The targets come out of a Linear applied before ``step`` (a teacher trained with
+    the model): the loss, the serial loss, this rank's largest stage gradient difference
+    and, on the loss's rank, the teacher's."""
+    torch.manual_seed(0)
+    model, teacher = _model(), nn.Linear(3, 2, dtype=torch.float64)
+    serial, serial_teacher = copy.deepcopy(model), copy.deepcopy(teacher)
+    stages, serial_stages = _stages(model, schedule), _stages(serial, schedule)
+    runner = PipelineRunner(stages if len(stages) > 1 else stages[0], schedule, loss_fn=F.mse_loss)
+    x, z = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    loss = runner.step(x, teacher(z), n_micro=4)
+    ref = F.mse_loss(serial(x), serial_teacher(z))
+    ref.backward()
+    teacher_diff = 0.0
+    if runner.is_last:
+        assert teacher.weight.grad is not None
+        teacher_diff = _grad_diff([teacher], [serial_teacher])
+    assert loss is not None
+    return float(loss), float(ref), _grad_diff(stages, serial_stages), teacher_diff
+
+
+@pytest.mark.parametrize("schedule", SPLIT_SCHEDULES)
+def test_targets_made_by_a_graph_outside_the_pipeline_get_their_gradient(
+    world2: dc.LocalWorld, schedule: str
+) -> None:
+    """``step(x, teacher(z))``: the teacher got no gradient from a split backward (its
+    ``W`` stopped at the chunk's parameters: None under GPipe and ZB-H1), or the unsplit
+    micro-batches' part under 1F1B — whose backward through the graph the micro-batches
+    share freed it for the next. Now the targets' micro-batches are leaves, and their
+    gradient goes into the outer graph once, after the step, as for the inputs."""
+    for loss, ref, diff, teacher_diff in world2.run(_outer_graph_targets, schedule):
+        assert loss == pytest.approx(ref, rel=1e-13)
+        assert diff < 1e-13 and teacher_diff < 1e-13
 
 
 def _loss_of_shape_1(schedule: str) -> tuple[float, float, float]:
