@@ -162,6 +162,35 @@ def test_targets_made_by_a_graph_outside_the_pipeline_get_their_gradient(
         assert diff < 1e-13 and teacher_diff < 1e-13
 
 
+def _one_outer_graph_for_inputs_and_targets() -> tuple[float, float, float, float]:
+    """``step(h, h)`` with ``h = outer(z)`` (an autoencoder behind an outer layer) under
+    ZB-V, whose rank 0 holds the first and the last stage: the loss, the serial loss, this
+    rank's largest stage gradient difference and rank 0's outer-layer difference."""
+    torch.manual_seed(0)
+    model, outer = _model(out=3), nn.Linear(3, 3, dtype=torch.float64)
+    serial, serial_outer = copy.deepcopy(model), copy.deepcopy(outer)
+    stages, serial_stages = _stages(model, "zbv"), _stages(serial, "zbv")
+    runner = PipelineRunner(stages, "zbv", loss_fn=F.mse_loss)
+    z = torch.randn(8, 3, dtype=torch.float64)
+    h = outer(z)
+    loss = runner.step(h, h, n_micro=4)
+    hs = serial_outer(z)
+    ref = F.mse_loss(serial(hs), hs)
+    ref.backward()
+    outer_diff = _grad_diff([outer], [serial_outer]) if dist.get_rank() == 0 else 0.0
+    assert loss is not None
+    return float(loss), float(ref), _grad_diff(stages, serial_stages), outer_diff
+
+
+def test_inputs_and_targets_of_one_outer_graph_on_one_rank(world2: dc.LocalWorld) -> None:
+    """The inputs' and the targets' gradients go into a graph outside the step in one
+    backward: each alone freed the graph the other needed (torch's "backward through the
+    graph a second time" on rank 0, holding both ends of the V)."""
+    for loss, ref, diff, outer_diff in world2.run(_one_outer_graph_for_inputs_and_targets):
+        assert loss == pytest.approx(ref, rel=1e-13)
+        assert diff < 1e-13 and outer_diff < 1e-13
+
+
 def _loss_of_shape_1(schedule: str) -> tuple[float, float, float]:
     torch.manual_seed(0)
     model = _model()

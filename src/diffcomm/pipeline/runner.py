@@ -920,6 +920,11 @@ class PipelineRunner:
             _aux._SCALE[0] = outer_scale
             self._inputs_kept, self._posted, self._local = [], {}, {}
             self._param_nodes = [None] * self.n_chunks
+        # the graphs outside the step (of the inputs, of the targets) take their gradients
+        # in one backward: one graph may make both (step(h, h) on the rank holding the
+        # first and the last stage: the V placement, one stage)
+        roots: list[Tensor] = []
+        root_grads: list[Tensor] = []
         if (input_grad or outer) and self.is_first:
             grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in inputs_kept]
             g_full = torch.cat(grads)
@@ -929,11 +934,16 @@ class PipelineRunner:
             # parameters' .grad, None included, as serially)
             if outer and any(s.grad is not None for s in inputs_kept):
                 assert isinstance(inputs, Tensor)  # (outer: a tensor that requires grad)
-                torch.autograd.backward(inputs, g_full)
+                roots.append(inputs)
+                root_grads.append(g_full)
         if tgt_outer and any(c.grad is not None for c in tgt_chunks or []):
             assert isinstance(targets, Tensor) and tgt_chunks is not None  # (tgt_outer)
-            g_tgt = torch.cat([c.grad if c.grad is not None else torch.zeros_like(c) for c in tgt_chunks])
-            torch.autograd.backward(targets, g_tgt)
+            roots.append(targets)
+            root_grads.append(
+                torch.cat([c.grad if c.grad is not None else torch.zeros_like(c) for c in tgt_chunks])
+            )
+        if roots:
+            torch.autograd.backward(roots, root_grads)
         if self._ddps:  # DDP's average over its group, once for the step's gradients
             average_grads(self._ddps)
         refused = None
