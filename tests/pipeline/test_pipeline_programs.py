@@ -1,5 +1,6 @@
 """Unusual but legitimate programs under :class:`~diffcomm.pipeline.PipelineRunner`, each
 against the float64 serial model on the full batch: inputs made by a graph outside the
+pipeline, a ``loss_fn`` with a parameter of its own, targets made by a graph outside the
 pipeline, a one-element loss that is not 0-dim, and the loss convention over
 micro-batches (the mean of ``loss_fn`` per micro-batch) with a loss whose mean is not
 over equal micro-batches (``ignore_index``).
@@ -21,7 +22,7 @@ from diffcomm.pipeline import PipelineRunner, partition
 
 pytestmark = pytest.mark.diffcomm_in_process
 
-SCHEDULES_PARTS = {"1f1b": 1, "zb-h1": 1, "interleaved": 2, "zbv": 2}
+SCHEDULES_PARTS = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "interleaved": 2, "zbv": 2}
 
 
 def _model(out: int = 2) -> nn.Sequential:
@@ -80,6 +81,112 @@ def test_inputs_made_by_a_graph_outside_the_pipeline_get_their_gradient(
     model runs. Now the micro-batches are leaves and their gradient goes into the outer
     graph once, after the step: the outer Linear's gradient is the serial one's."""
     for loss, ref, diff, outer_diff in world2.run(_outer_graph_inputs, schedule):
+        assert loss == pytest.approx(ref, rel=1e-13)
+        assert diff < 1e-13 and outer_diff < 1e-13
+
+
+SPLIT_SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved", "zbv"]
+
+
+def _learned_temperature(schedule: str) -> tuple[float, float, float, float]:
+    """``loss_fn`` scales the output by a learned temperature (CLIP's ``logit_scale``), a
+    parameter of no stage: the loss, the serial loss, this rank's largest stage gradient
+    difference and, on the loss's rank, the temperature's."""
+    torch.manual_seed(0)
+    model = _model()
+    serial = copy.deepcopy(model)
+    stages, serial_stages = _stages(model, schedule), _stages(serial, schedule)
+    temp = nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
+    serial_temp = nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
+    runner = PipelineRunner(
+        stages if len(stages) > 1 else stages[0], schedule, loss_fn=lambda o, t: F.mse_loss(o * temp.exp(), t)
+    )
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    loss = runner.step(x, y, n_micro=4)
+    ref = F.mse_loss(serial(x) * serial_temp.exp(), y)
+    ref.backward()
+    temp_diff = 0.0
+    if runner.is_last:
+        assert temp.grad is not None
+        temp_diff = abs(float(temp.grad) - float(serial_temp.grad))  # type: ignore[arg-type]
+    assert loss is not None
+    return float(loss), float(ref), _grad_diff(stages, serial_stages), temp_diff
+
+
+@pytest.mark.parametrize("schedule", SPLIT_SCHEDULES)
+def test_a_loss_fn_with_a_parameter_of_its_own_gets_its_gradient(
+    world2: dc.LocalWorld, schedule: str
+) -> None:
+    """A split backward's ``W`` computed the gradients of the chunk's parameters only: a
+    parameter the loss reaches outside every stage (a learned temperature in ``loss_fn``)
+    kept ``.grad`` None under GPipe and ZB-H1 (serially 0.362 at one micro-batch), and
+    1F1B gave it the unsplit micro-batches' part only (0.228 for 0.215, 0.043 for 0.150 at
+    4). ``W`` now computes every leaf's gradient the micro-batch's graph reaches."""
+    for loss, ref, diff, temp_diff in world2.run(_learned_temperature, schedule):
+        assert loss == pytest.approx(ref, rel=1e-13)
+        assert diff < 1e-13 and temp_diff < 1e-13
+
+
+def _outer_graph_targets(schedule: str) -> tuple[float, float, float, float]:
+    """The targets come out of a Linear applied before ``step`` (a teacher trained with
+    the model): the loss, the serial loss, this rank's largest stage gradient difference
+    and, on the loss's rank, the teacher's."""
+    torch.manual_seed(0)
+    model, teacher = _model(), nn.Linear(3, 2, dtype=torch.float64)
+    serial, serial_teacher = copy.deepcopy(model), copy.deepcopy(teacher)
+    stages, serial_stages = _stages(model, schedule), _stages(serial, schedule)
+    runner = PipelineRunner(stages if len(stages) > 1 else stages[0], schedule, loss_fn=F.mse_loss)
+    x, z = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    loss = runner.step(x, teacher(z), n_micro=4)
+    ref = F.mse_loss(serial(x), serial_teacher(z))
+    ref.backward()
+    teacher_diff = 0.0
+    if runner.is_last:
+        assert teacher.weight.grad is not None
+        teacher_diff = _grad_diff([teacher], [serial_teacher])
+    assert loss is not None
+    return float(loss), float(ref), _grad_diff(stages, serial_stages), teacher_diff
+
+
+@pytest.mark.parametrize("schedule", SPLIT_SCHEDULES)
+def test_targets_made_by_a_graph_outside_the_pipeline_get_their_gradient(
+    world2: dc.LocalWorld, schedule: str
+) -> None:
+    """``step(x, teacher(z))``: the teacher got no gradient from a split backward (its
+    ``W`` stopped at the chunk's parameters: None under GPipe and ZB-H1), or the unsplit
+    micro-batches' part under 1F1B — whose backward through the graph the micro-batches
+    share freed it for the next. Now the targets' micro-batches are leaves, and their
+    gradient goes into the outer graph once, after the step, as for the inputs."""
+    for loss, ref, diff, teacher_diff in world2.run(_outer_graph_targets, schedule):
+        assert loss == pytest.approx(ref, rel=1e-13)
+        assert diff < 1e-13 and teacher_diff < 1e-13
+
+
+def _one_outer_graph_for_inputs_and_targets() -> tuple[float, float, float, float]:
+    """``step(h, h)`` with ``h = outer(z)`` (an autoencoder behind an outer layer) under
+    ZB-V, whose rank 0 holds the first and the last stage: the loss, the serial loss, this
+    rank's largest stage gradient difference and rank 0's outer-layer difference."""
+    torch.manual_seed(0)
+    model, outer = _model(out=3), nn.Linear(3, 3, dtype=torch.float64)
+    serial, serial_outer = copy.deepcopy(model), copy.deepcopy(outer)
+    stages, serial_stages = _stages(model, "zbv"), _stages(serial, "zbv")
+    runner = PipelineRunner(stages, "zbv", loss_fn=F.mse_loss)
+    z = torch.randn(8, 3, dtype=torch.float64)
+    h = outer(z)
+    loss = runner.step(h, h, n_micro=4)
+    hs = serial_outer(z)
+    ref = F.mse_loss(serial(hs), hs)
+    ref.backward()
+    outer_diff = _grad_diff([outer], [serial_outer]) if dist.get_rank() == 0 else 0.0
+    assert loss is not None
+    return float(loss), float(ref), _grad_diff(stages, serial_stages), outer_diff
+
+
+def test_inputs_and_targets_of_one_outer_graph_on_one_rank(world2: dc.LocalWorld) -> None:
+    """The inputs' and the targets' gradients go into a graph outside the step in one
+    backward: each alone freed the graph the other needed (torch's "backward through the
+    graph a second time" on rank 0, holding both ends of the V)."""
+    for loss, ref, diff, outer_diff in world2.run(_one_outer_graph_for_inputs_and_targets):
         assert loss == pytest.approx(ref, rel=1e-13)
         assert diff < 1e-13 and outer_diff < 1e-13
 

@@ -89,7 +89,8 @@ def weight_plan(
     at which a parameter's branch leaves that path (as in torch.distributed.pipelining's
     ``stage_backward_input``), or ``None`` when there is no such split. ``param_nodes``:
     the parameters' gradient nodes (``get_gradient_edge(p).node``, their
-    ``AccumulateGrad``; the caller finds them once per step, not per micro-batch).
+    ``AccumulateGrad``; the caller finds them once per step, not per micro-batch); every
+    other leaf the graph reaches, ``target`` excepted, is planned after them.
     :class:`Whole` when no sound split exists: a compiled region lies on the path (``I``
     would run it, keeping the graph, and ``W`` again; see :func:`is_compiled_region`), or
     the graph holds a reentrant activation checkpoint
@@ -104,8 +105,11 @@ def weight_plan(
         return None
     parents: dict[Node, list[Node]] = collections.defaultdict(list)
     seen, todo = {root_node}, collections.deque([root_node])
+    leaves: list[Node] = []  # every leaf's AccumulateGrad, in the order the walk meets them
     while todo:
         n = todo.popleft()
+        if hasattr(n, "variable"):
+            leaves.append(n)
         # (torch's, Megatron's, DeepSpeed's; by the node's class: a Function's ctx may set
         # an attribute `name`, which hides the node's name() method)
         if type(n).__name__ == "CheckpointFunctionBackward":
@@ -128,8 +132,16 @@ def weight_plan(
     compiled = next((n for n in on_path if is_compiled_region(n)), None)
     if compiled is not None:
         return Whole(compiled)
+    # W computes the gradient of every leaf the micro-batch's graph reaches but the input,
+    # as the serial loss.backward() does: the chunk's parameters, and any other tensor
+    # that requires grad — a loss_fn's own parameter (a learned temperature), a tensor the
+    # stage reads from outside, the targets' micro-batches (their graph outside the step
+    # gets its gradient once, after it). Restricted to the chunk's parameters, those got
+    # no gradient from a split B (None under GPipe and ZB-H1, a partial one under 1F1B)
+    known = set(param_nodes)
+    nodes = [*param_nodes, *(n for n in leaves if n not in known and n is not target_node)]
     plan: dict[Node, list[Node]] = {}
-    for pn in param_nodes:
+    for pn in nodes:
         if pn not in seen:
             continue  # not used by this micro-batch's graph
         meet: set[Node] = set()

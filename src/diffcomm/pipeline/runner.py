@@ -95,7 +95,7 @@ from .schedules import (
 from .timeline import TimelineEntry
 from .validate import check_schedule
 
-# Size: ~1350 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
+# Size: ~1360 lines, over the ~600 guideline: one class (PipelineRunner) whose step loop, forward,
 # split backward, pre-posted receives, the V placement's local turn and the phased forward of
 # an Overlap share one step's state (and the tied weights' gradients, summed at its end).
 
@@ -810,7 +810,8 @@ class PipelineRunner:
                 (a leaf, or the output of layers run before the step) gets the loss's
                 gradient after the step, once, as ``loss.backward()`` gives it.
             targets: the targets (last rank), split along dim 0 like ``inputs``; or
-                ``None`` when ``loss_fn`` takes only the output.
+                ``None`` when ``loss_fn`` takes only the output. Targets that require grad
+                (a teacher's output) get the loss's gradient after the step, once.
             n_micro: number of micro-batches; must divide the batch size.
             input_grad: rank 0 keeps the gradient of the loss w.r.t. ``inputs`` in
                 :attr:`input_grad` (floating-point ``inputs`` only: integer ones are a
@@ -859,6 +860,15 @@ class PipelineRunner:
         tgt_chunks = (
             self._split(targets, n_micro, "targets") if self.is_last and targets is not None else None
         )
+        # targets made by a graph outside the pipeline (a teacher's output, a learned
+        # target) as inputs are: micro-batch leaves, whose gradients go into that graph
+        # once, after the step (each micro-batch's backward freed the shared graph, and a
+        # split backward's W did not reach it: the graph got no gradient, or a part)
+        tgt_outer = tgt_chunks is not None and isinstance(targets, Tensor) and targets.requires_grad
+        tgt_outer = tgt_outer and torch.is_grad_enabled()
+        if tgt_outer:
+            assert tgt_chunks is not None  # (tgt_outer)
+            tgt_chunks = [c.detach().requires_grad_() for c in tgt_chunks]
         steps, fused, split_b, self._next_f = self._plan(n_micro)
         if _config.DEBUG.get():
             B.get_backend().check_consistent(
@@ -910,6 +920,11 @@ class PipelineRunner:
             _aux._SCALE[0] = outer_scale
             self._inputs_kept, self._posted, self._local = [], {}, {}
             self._param_nodes = [None] * self.n_chunks
+        # the graphs outside the step (of the inputs, of the targets) take their gradients
+        # in one backward: one graph may make both (step(h, h) on the rank holding the
+        # first and the last stage: the V placement, one stage)
+        roots: list[Tensor] = []
+        root_grads: list[Tensor] = []
         if (input_grad or outer) and self.is_first:
             grads = [s.grad if s.grad is not None else torch.zeros_like(s) for s in inputs_kept]
             g_full = torch.cat(grads)
@@ -919,7 +934,16 @@ class PipelineRunner:
             # parameters' .grad, None included, as serially)
             if outer and any(s.grad is not None for s in inputs_kept):
                 assert isinstance(inputs, Tensor)  # (outer: a tensor that requires grad)
-                torch.autograd.backward(inputs, g_full)
+                roots.append(inputs)
+                root_grads.append(g_full)
+        if tgt_outer and any(c.grad is not None for c in tgt_chunks or []):
+            assert isinstance(targets, Tensor) and tgt_chunks is not None  # (tgt_outer)
+            roots.append(targets)
+            root_grads.append(
+                torch.cat([c.grad if c.grad is not None else torch.zeros_like(c) for c in tgt_chunks])
+            )
+        if roots:
+            torch.autograd.backward(roots, root_grads)
         if self._ddps:  # DDP's average over its group, once for the step's gradients
             average_grads(self._ddps)
         refused = None
