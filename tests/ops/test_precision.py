@@ -634,6 +634,18 @@ def _bad(kind: str) -> str:
         "complex_back_mapping": lambda: dc.parallel.copy_to_region(
             z, precision=Precision(None, backward=Precision("fp8_e4m3"))
         ),
+        # an fp8 payload summed: torch's "Promotion for Float8 Types is not supported"
+        # (a RuntimeError) before, where the plain op names it with a TypeError
+        "fp8_sum": lambda: dc.all_reduce(x.to(torch.float8_e4m3fn), precision=Precision("bf16")),
+        "fp8_sum_scatter": lambda: dc.reduce_scatter(
+            x.to(torch.float8_e5m2), precision=Precision("fp8_e4m3")
+        ),
+        "fp8_sum_mapping": lambda: dc.parallel.reduce_from_region(
+            x.to(torch.float8_e4m3fn), precision=Precision("bf16")
+        ),
+        "fp8_sum_coalesced": lambda: dc.all_reduce_coalesced(
+            [x, x.to(torch.float8_e4m3fn)], precision=Precision("bf16")
+        ),
     }
     with B.log_comms() as log:
         try:
@@ -668,6 +680,10 @@ def _bad(kind: str) -> str:
         ("coalesced_dim", "ValueError", "all_gather_coalesced(): `dim` must be a dimension in [-1, 1)"),
         ("coalesced_sizes", "ValueError", "`split_sizes[1]` must be to list tensors[1].shape[0]=3"),
         ("coalesced_op", "ValueError", "(for tensors[1], dtype torch.int64)"),
+        ("fp8_sum", "TypeError", "all_reduce(): a float8_e4m3fn x cannot be reduced"),
+        ("fp8_sum_scatter", "TypeError", "reduce_scatter(): a float8_e5m2 x cannot be reduced"),
+        ("fp8_sum_mapping", "TypeError", "parallel.reduce_from_region(): a float8_e4m3fn x cannot"),
+        ("fp8_sum_coalesced", "TypeError", "a float8_e4m3fn tensors[1] cannot be reduced"),
     ],
 )
 def test_bad_input_before_any_communication(world2, kind: str, error: str, names: str) -> None:

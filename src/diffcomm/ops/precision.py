@@ -342,7 +342,7 @@ def all_reduce(x: Any, op: Any, group: A.GroupLike, precision: Any, async_op: bo
     """``dc.all_reduce(x, op, group, precision=...)`` (see the module docstring)."""
     name = "all_reduce"
     x = _check_input(x, name)
-    p = check(x, precision, name)
+    p = check(x, precision, name, reduces=True)
     op_name = A.normalize_op(op, name, x)
     _check_linear(op_name, name)
     _no_async(async_op, name)
@@ -362,7 +362,7 @@ def reduce_scatter(
     _no_async(async_op, name)
     pg = A.resolve_group(group, name)
     sizes = tuple(A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), name))
-    check(x, precision, name, *_scatter_layouts(x, dim, sizes, pg))
+    check(x, precision, name, *_scatter_layouts(x, dim, sizes, pg), reduces=True)
     return apply(_QReduceScatter, x, dim, op_name, pg, sizes, precision)
 
 
@@ -507,7 +507,7 @@ def coalesced(name: str, tensors: Any, precision: Any, async_op: bool = False, *
     xs = _check_list(tensors, op)
     _no_async(async_op, op)
     for i, x in enumerate(xs):
-        check(x, precision, op, arg=f"tensors[{i}]")
+        check(x, precision, op, arg=f"tensors[{i}]", reduces=name != "all_gather")
     pg = A.resolve_group(kw.get("group"), op)
     if name == "all_reduce":
         op_name = _check_op(kw.get("op", "sum"), xs, op)

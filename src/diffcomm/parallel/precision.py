@@ -191,7 +191,7 @@ def mapping(name: str, x: Any, group: args.GroupLike, precision: Any, **kw: Any)
         _check_input(name, x, pg, debug)
         return apply(_QAllToAllRegion, x, split_dim, concat_dim, pg, world, p)
     if name in ("copy_to_region", "reduce_from_region"):
-        p = check_precision(x, precision, f"parallel.{name}")
+        p = check_precision(x, precision, f"parallel.{name}", reduces=name == "reduce_from_region")
         _check_input(name, x, pg, debug)
         fn = _QCopyToRegion if name == "copy_to_region" else _QReduceFromRegion
         return apply(fn, x, pg, debug, p)
@@ -210,7 +210,7 @@ def mapping(name: str, x: Any, group: args.GroupLike, precision: Any, **kw: Any)
         split_side = (n * world, chunks) if last else None
         gather_side = (n, chunks) if last else None
     if name == "reduce_scatter_to_sequence":
-        p = check_precision(x, precision, f"parallel.{name}", split_side, gather_side)
+        p = check_precision(x, precision, f"parallel.{name}", split_side, gather_side, reduces=True)
         _check_input(name, x, pg, debug)
         return apply(_QReduceScatterToSequence, x, dim, pg, world, p)
     if name == "all_gather_from_sequence":
