@@ -919,6 +919,53 @@ def test_debug_mode_checks_a_quantized_mapping_as_the_plain_one(
         assert msg.startswith("CrossRankMismatchError") and where in msg, msg
 
 
+def _mismatched_in_debug_mode(kind: str, what: str) -> str:
+    """Rank 1 calls the op with another shape (same elements) or another Precision."""
+    r = dc.get_rank()
+    x = torch.ones(4, 6) if r == 0 or what != "shape" else torch.ones(2, 2, 6)
+    p = Precision("fp16") if r == 1 and what == "precision" else Precision("bf16")
+    calls = {
+        "all_reduce": lambda: dc.all_reduce(x, precision=p),
+        "reduce_scatter": lambda: dc.reduce_scatter(x, precision=p),
+        "all_gather": lambda: dc.all_gather(x, precision=p),
+        "all_to_all": lambda: dc.all_to_all(x, precision=p),
+        "all_reduce_coalesced": lambda: dc.all_reduce_coalesced([x], precision=p),
+        "reduce_scatter_coalesced": lambda: dc.reduce_scatter_coalesced([x], precision=p),
+        "all_gather_coalesced": lambda: dc.all_gather_coalesced([x], precision=p),
+    }
+    with dc.debug(True):
+        try:
+            calls[kind]()
+        except dc.CrossRankMismatchError as err:
+            return f"CrossRankMismatchError: {err}"
+        except Exception as err:  # what the op raised instead
+            return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "all_reduce",
+        "reduce_scatter",
+        "all_gather",
+        "all_to_all",
+        "all_reduce_coalesced",
+        "reduce_scatter_coalesced",
+        "all_gather_coalesced",
+    ],
+)
+@pytest.mark.parametrize("what", ["shape", "precision"])
+def test_debug_mode_checks_a_quantized_op_across_ranks_as_the_plain_one(world2, kind: str, what: str) -> None:
+    """CONTRACT: debug mode turns a cross-rank mismatch into an error naming the ranks. The
+    quantized ops skipped the plain ops' check: all_reduce of shapes (4, 6) and (2, 2, 6)
+    with precision=bf16 passed silently (the others raised torch's errors naming no rank),
+    and a Precision differing between ranks (bf16 / fp16: one rank's bf16 bytes read as
+    fp16) was compared nowhere. Now both are CrossRankMismatchError naming the op."""
+    for msg in world2.run(_mismatched_in_debug_mode, kind, what):
+        assert msg.startswith(f"CrossRankMismatchError: diffcomm.{kind}()"), msg
+
+
 def _coalesced(wire: str) -> list[str]:
     r = dc.get_rank()
     w = dc.get_world_size()
