@@ -921,6 +921,8 @@ def test_debug_mode_checks_a_quantized_mapping_as_the_plain_one(
 
 def _mismatched_in_debug_mode(kind: str, what: str) -> str:
     """Rank 1 calls the op with another shape (same elements) or another Precision."""
+    from diffcomm import parallel as P
+
     r = dc.get_rank()
     x = torch.ones(4, 6) if r == 0 or what != "shape" else torch.ones(2, 2, 6)
     p = Precision("fp16") if r == 1 and what == "precision" else Precision("bf16")
@@ -932,6 +934,9 @@ def _mismatched_in_debug_mode(kind: str, what: str) -> str:
         "all_reduce_coalesced": lambda: dc.all_reduce_coalesced([x], precision=p),
         "reduce_scatter_coalesced": lambda: dc.reduce_scatter_coalesced([x], precision=p),
         "all_gather_coalesced": lambda: dc.all_gather_coalesced([x], precision=p),
+        "parallel.copy_to_region": lambda: P.copy_to_region(x, precision=p),
+        "parallel.reduce_from_region": lambda: P.reduce_from_region(x, precision=p),
+        "parallel.all_gather_from_sequence": lambda: P.all_gather_from_sequence(x, precision=p),
     }
     with dc.debug(True):
         try:
@@ -953,6 +958,9 @@ def _mismatched_in_debug_mode(kind: str, what: str) -> str:
         "all_reduce_coalesced",
         "reduce_scatter_coalesced",
         "all_gather_coalesced",
+        "parallel.copy_to_region",
+        "parallel.reduce_from_region",
+        "parallel.all_gather_from_sequence",
     ],
 )
 @pytest.mark.parametrize("what", ["shape", "precision"])
@@ -961,9 +969,10 @@ def test_debug_mode_checks_a_quantized_op_across_ranks_as_the_plain_one(world2, 
     quantized ops skipped the plain ops' check: all_reduce of shapes (4, 6) and (2, 2, 6)
     with precision=bf16 passed silently (the others raised torch's errors naming no rank),
     and a Precision differing between ranks (bf16 / fp16: one rank's bf16 bytes read as
-    fp16) was compared nowhere. Now both are CrossRankMismatchError naming the op."""
+    fp16) was compared nowhere, by the quantized mappings neither. Now both are
+    CrossRankMismatchError naming the op."""
     for msg in world2.run(_mismatched_in_debug_mode, kind, what):
-        assert msg.startswith(f"CrossRankMismatchError: diffcomm.{kind}()"), msg
+        assert msg.startswith(f"CrossRankMismatchError: diffcomm.{kind}"), msg
 
 
 def _coalesced(wire: str) -> list[str]:
