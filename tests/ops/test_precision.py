@@ -920,12 +920,15 @@ def test_debug_mode_checks_a_quantized_mapping_as_the_plain_one(
 
 
 def _mismatched_in_debug_mode(kind: str, what: str) -> str:
-    """Rank 1 calls the op with another shape (same elements) or another Precision."""
+    """Rank 1 calls the op with another shape (same elements), another Precision, or the
+    same forward settings with another backward."""
     from diffcomm import parallel as P
 
     r = dc.get_rank()
     x = torch.ones(4, 6) if r == 0 or what != "shape" else torch.ones(2, 2, 6)
-    p = Precision("fp16") if r == 1 and what == "precision" else Precision("bf16")
+    p = Precision("bf16")
+    if r == 1 and what != "shape":
+        p = Precision("fp16") if what == "precision" else Precision("bf16", backward=Precision("fp16"))
     calls = {
         "all_reduce": lambda: dc.all_reduce(x, precision=p),
         "reduce_scatter": lambda: dc.reduce_scatter(x, precision=p),
@@ -963,7 +966,7 @@ def _mismatched_in_debug_mode(kind: str, what: str) -> str:
         "parallel.all_gather_from_sequence",
     ],
 )
-@pytest.mark.parametrize("what", ["shape", "precision"])
+@pytest.mark.parametrize("what", ["shape", "precision", "backward"])
 def test_debug_mode_checks_a_quantized_op_across_ranks_as_the_plain_one(world2, kind: str, what: str) -> None:
     """CONTRACT: debug mode turns a cross-rank mismatch into an error naming the ranks. The
     quantized ops skipped the plain ops' check: all_reduce of shapes (4, 6) and (2, 2, 6)

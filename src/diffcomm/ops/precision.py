@@ -355,7 +355,7 @@ def all_reduce(x: Any, op: Any, group: A.GroupLike, precision: Any, async_op: bo
     pg = A.resolve_group(group, name)
     # debug mode: the plain op's cross-rank check, and the settings (before, skipped here:
     # shapes (4, 6) and (2, 2, 6) all_reduced silently)
-    _debug_check_input(name, pg, x, op=op_name, precision=repr(p))
+    _debug_check_input(name, pg, x, op=op_name, precision=p.key)
     return apply(_QAllReduce, x, op_name, pg, p)
 
 
@@ -372,7 +372,7 @@ def reduce_scatter(
     pg = A.resolve_group(group, name)
     sizes = tuple(A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), name))
     check(x, precision, name, *_scatter_layouts(x, dim, sizes, pg), reduces=True)
-    _debug_check_input(name, pg, x, op=op_name, dim=dim, split_sizes=sizes, precision=repr(precision))
+    _debug_check_input(name, pg, x, op=op_name, dim=dim, split_sizes=sizes, precision=precision.key)
     return apply(_QReduceScatter, x, dim, op_name, pg, sizes, precision)
 
 
@@ -395,7 +395,7 @@ def all_gather(
     if _config.DEBUG.get():  # the plain op's cross-rank check, and the settings
         fields = dict(other_dims=_other_dims(x, dim), dtype=x.dtype, grad=_records_grad(x))
         given = None if split_sizes is None else sizes
-        _debug_check(name, pg, dim=dim, split_sizes=given, precision=repr(precision), **fields)
+        _debug_check(name, pg, dim=dim, split_sizes=given, precision=precision.key, **fields)
     if split_sizes is None:
         sizes = tuple(_exchanged_split_sizes(x, dim, pg, name))
     fwd, bwd = _gather_layouts(x, dim, sizes, precision)
@@ -454,7 +454,7 @@ def all_to_all(
     ins, outs = _all_to_all_split_sizes(x, split_dim, concat_dim, pg, input_split_sizes, output_split_sizes)
     if _config.DEBUG.get():  # the plain op's cross-rank checks, and the settings
         rest = _other_dims(x, split_dim, concat_dim)
-        fields = dict(other_dims=rest, dtype=x.dtype, grad=_records_grad(x), precision=repr(precision))
+        fields = dict(other_dims=rest, dtype=x.dtype, grad=_records_grad(x), precision=precision.key)
         _debug_check(name, pg, split_dim=split_dim, concat_dim=concat_dim, **fields)
         if outs is not None:
             _debug_check_sizes(name, pg, ins, outs, split_dim, concat_dim, x)
@@ -532,7 +532,7 @@ def coalesced(name: str, tensors: Any, precision: Any, async_op: bool = False, *
     if name == "all_reduce":
         op_name = _check_op(kw.get("op", "sum"), xs, op)
         _check_linear(op_name, op)
-        _debug_check_list(op, pg, xs, op=op_name, precision=repr(precision))
+        _debug_check_list(op, pg, xs, op=op_name, precision=precision.key)
         return [apply(_QAllReduce, x, op_name, pg, precision) for x in xs]
     dims = _check_dims(xs, kw.get("dim", 0), op)
     world, split_sizes = _world(pg), kw.get("split_sizes")
@@ -546,11 +546,11 @@ def coalesced(name: str, tensors: Any, precision: Any, async_op: bool = False, *
         for i, (x, d, s) in enumerate(zip(xs, dims, sizes)):
             fwd, bwd = _scatter_layouts(x, d, s, pg)
             check(x, precision, op, fwd, bwd, arg=f"tensors[{i}]")
-        _debug_check_list(op, pg, xs, op=op_name, dim=tuple(dims), precision=repr(precision))
+        _debug_check_list(op, pg, xs, op=op_name, dim=tuple(dims), precision=precision.key)
         return [apply(_QReduceScatter, x, d, op_name, pg, s, precision) for x, d, s in zip(xs, dims, sizes)]
     if split_sizes is not None:
         sizes = _check_sizes(split_sizes, xs, dims, world, op, True, _rank(pg))
-    _debug_check_list(op, pg, xs, vary=dims, dim=tuple(dims), precision=repr(precision))
+    _debug_check_list(op, pg, xs, vary=dims, dim=tuple(dims), precision=precision.key)
     if split_sizes is None:  # every tensor's sizes, exchanged before any data moves
         sizes = tuple(tuple(_exchanged_split_sizes(x, d, pg, op)) for x, d in zip(xs, dims))
     for i, (x, d, s) in enumerate(zip(xs, dims, sizes)):

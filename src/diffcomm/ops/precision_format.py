@@ -190,6 +190,14 @@ class Precision:
         name = names[self.wire]  # type: ignore[index]
         return f"{name}/{self.block_size}" if self.block_size else name
 
+    @property
+    def key(self) -> str:
+        """Every setting, both directions, compactly (``e4m3/128>bf16+float32``): what debug
+        mode compares across ranks (its fields keep 64 bytes; a ``repr`` was cut there)."""
+        sides = (self, self.transposed())
+        acc = ["" if p.accumulate is None else "+" + str(p.accumulate).replace("torch.", "") for p in sides]
+        return f"{sides[0].tag}{acc[0]}>{sides[1].tag}{acc[1]}"
+
 
 # ------------------------------------------------------------------------------ codec
 

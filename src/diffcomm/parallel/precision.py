@@ -161,7 +161,7 @@ def _check_input(name: str, x: Tensor, pg: PG, debug: bool, p: Precision) -> Non
     ranks' settings agree (one rank's bf16 bytes read as fp16 by another are garbage)."""
     if not debug:
         return
-    mappings._b().check_consistent(f"parallel.{name}", {"precision": repr(p)}, pg)
+    mappings._b().check_consistent(f"parallel.{name}", {"precision": p.key}, pg)
     if name in _COPIES:
         check_replicated(x, f"parallel.{name}", "the input", COPY_HINT, pg)
     else:
