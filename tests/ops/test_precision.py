@@ -634,6 +634,18 @@ def _bad(kind: str) -> str:
         "complex_back_mapping": lambda: dc.parallel.copy_to_region(
             z, precision=Precision(None, backward=Precision("fp8_e4m3"))
         ),
+        # an fp8 payload summed: torch's "Promotion for Float8 Types is not supported"
+        # (a RuntimeError) before, where the plain op names it with a TypeError
+        "fp8_sum": lambda: dc.all_reduce(x.to(torch.float8_e4m3fn), precision=Precision("bf16")),
+        "fp8_sum_scatter": lambda: dc.reduce_scatter(
+            x.to(torch.float8_e5m2), precision=Precision("fp8_e4m3")
+        ),
+        "fp8_sum_mapping": lambda: dc.parallel.reduce_from_region(
+            x.to(torch.float8_e4m3fn), precision=Precision("bf16")
+        ),
+        "fp8_sum_coalesced": lambda: dc.all_reduce_coalesced(
+            [x, x.to(torch.float8_e4m3fn)], precision=Precision("bf16")
+        ),
     }
     with B.log_comms() as log:
         try:
@@ -668,6 +680,10 @@ def _bad(kind: str) -> str:
         ("coalesced_dim", "ValueError", "all_gather_coalesced(): `dim` must be a dimension in [-1, 1)"),
         ("coalesced_sizes", "ValueError", "`split_sizes[1]` must be to list tensors[1].shape[0]=3"),
         ("coalesced_op", "ValueError", "(for tensors[1], dtype torch.int64)"),
+        ("fp8_sum", "TypeError", "all_reduce(): a float8_e4m3fn x cannot be reduced"),
+        ("fp8_sum_scatter", "TypeError", "reduce_scatter(): a float8_e5m2 x cannot be reduced"),
+        ("fp8_sum_mapping", "TypeError", "parallel.reduce_from_region(): a float8_e4m3fn x cannot"),
+        ("fp8_sum_coalesced", "TypeError", "a float8_e4m3fn tensors[1] cannot be reduced"),
     ],
 )
 def test_bad_input_before_any_communication(world2, kind: str, error: str, names: str) -> None:
@@ -901,6 +917,65 @@ def test_debug_mode_checks_a_quantized_mapping_as_the_plain_one(
     silently. Now the quantized mapping checks what the plain one does."""
     for msg in world2.run(_wrong_mapping_in_debug_mode, kind, precision):
         assert msg.startswith("CrossRankMismatchError") and where in msg, msg
+
+
+def _mismatched_in_debug_mode(kind: str, what: str) -> str:
+    """Rank 1 calls the op with another shape (same elements), another Precision, or the
+    same forward settings with another backward."""
+    from diffcomm import parallel as P
+
+    r = dc.get_rank()
+    x = torch.ones(4, 6) if r == 0 or what != "shape" else torch.ones(2, 2, 6)
+    p = Precision("bf16")
+    if r == 1 and what != "shape":
+        p = Precision("fp16") if what == "precision" else Precision("bf16", backward=Precision("fp16"))
+    calls = {
+        "all_reduce": lambda: dc.all_reduce(x, precision=p),
+        "reduce_scatter": lambda: dc.reduce_scatter(x, precision=p),
+        "all_gather": lambda: dc.all_gather(x, precision=p),
+        "all_to_all": lambda: dc.all_to_all(x, precision=p),
+        "all_reduce_coalesced": lambda: dc.all_reduce_coalesced([x], precision=p),
+        "reduce_scatter_coalesced": lambda: dc.reduce_scatter_coalesced([x], precision=p),
+        "all_gather_coalesced": lambda: dc.all_gather_coalesced([x], precision=p),
+        "parallel.copy_to_region": lambda: P.copy_to_region(x, precision=p),
+        "parallel.reduce_from_region": lambda: P.reduce_from_region(x, precision=p),
+        "parallel.all_gather_from_sequence": lambda: P.all_gather_from_sequence(x, precision=p),
+    }
+    with dc.debug(True):
+        try:
+            calls[kind]()
+        except dc.CrossRankMismatchError as err:
+            return f"CrossRankMismatchError: {err}"
+        except Exception as err:  # what the op raised instead
+            return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "all_reduce",
+        "reduce_scatter",
+        "all_gather",
+        "all_to_all",
+        "all_reduce_coalesced",
+        "reduce_scatter_coalesced",
+        "all_gather_coalesced",
+        "parallel.copy_to_region",
+        "parallel.reduce_from_region",
+        "parallel.all_gather_from_sequence",
+    ],
+)
+@pytest.mark.parametrize("what", ["shape", "precision", "backward"])
+def test_debug_mode_checks_a_quantized_op_across_ranks_as_the_plain_one(world2, kind: str, what: str) -> None:
+    """CONTRACT: debug mode turns a cross-rank mismatch into an error naming the ranks. The
+    quantized ops skipped the plain ops' check: all_reduce of shapes (4, 6) and (2, 2, 6)
+    with precision=bf16 passed silently (the others raised torch's errors naming no rank),
+    and a Precision differing between ranks (bf16 / fp16: one rank's bf16 bytes read as
+    fp16) was compared nowhere, by the quantized mappings neither. Now both are
+    CrossRankMismatchError naming the op."""
+    for msg in world2.run(_mismatched_in_debug_mode, kind, what):
+        assert msg.startswith(f"CrossRankMismatchError: diffcomm.{kind}"), msg
 
 
 def _coalesced(wire: str) -> list[str]:

@@ -666,3 +666,21 @@ def test_debug_equality_is_per_element_in_bfloat16(world2) -> None:
     msg = world2.run(debug_per_element, "2x")[0]
     assert "ranks [1] differ from ranks [0]" in msg, msg
     assert world2.run(debug_per_element, "noise") == ["passed", "passed"]
+
+
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
+@pytest.mark.parametrize("held", ["-inf", "nan", "1e20"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+def test_debug_sees_a_2x_beside_an_inf_a_nan_or_a_huge_value(world2, held: str, dtype) -> None:
+    """A causal mask's -inf (or a NaN, or a value 1e20 times the others) made every float
+    sum of the fingerprint the same whatever the other elements held: rank 1's doubled
+    element passed unseen (before: no error; now the ranks are named)."""
+
+    def debug_beside(held: str, dtype: torch.dtype) -> str:
+        x = torch.zeros(4, 4, dtype=dtype).masked_fill(torch.ones(4, 4).triu(1).bool(), float(held))
+        x[2, 0] = 2.0 if dc.get_rank() == 1 else 1.0
+        return _expect_mismatch(lambda: P.copy_to_region(x))
+
+    msg = world2.run(debug_beside, held, dtype)[0]
+    assert "ranks [1] differ from ranks [0]" in msg, msg

@@ -11,6 +11,7 @@ op-by-op table is tests/runtime/test_local_tensor.py).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -286,6 +287,26 @@ def test_each_rank_has_its_own_copy_of_the_arguments(local_worlds, in_process: b
         assert grad.tolist() == [r + 1.0, 2.0 * (r + 1)], (r, grad)
         assert x_seen.tolist() == [101.0, 102.0], (r, x_seen)  # its own x, changed once
     assert w.grad is None and x.tolist() == [1.0, 2.0]
+
+
+def _all_reduced_ones() -> torch.Tensor:
+    return dc.all_reduce(torch.ones(2, requires_grad=True))
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_each_ranks_result_comes_back_as_from_a_process(local_worlds, in_process: bool) -> None:
+    """A result travels back pickled, in-process as on processes: a tensor without the
+    graph of the rank's world, and what cannot be pickled is the rank's error. (In-process
+    results once came back as the rank's objects: the caller's ``y.sum().backward()`` ran
+    the all_reduce's backward outside any world, "ValueError: Default process group has not
+    been initialized", where processes give a leaf and y.grad = [1, 1]; a lock came back.)"""
+    world = local_worlds(2, in_process=in_process)
+    for y in world.run(_all_reduced_ones):
+        assert y.is_leaf and y.requires_grad and y.tolist() == [2.0, 2.0]
+        y.sum().backward()
+        assert y.grad is not None and y.grad.tolist() == [1.0, 1.0]
+    with pytest.raises(RankError, match=r"rank\(s\) \[0, 1\] raised: TypeError: cannot pickle"):
+        world.run(threading.Lock)
 
 
 def _seed_and_set(seed: int) -> bool:

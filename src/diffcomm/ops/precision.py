@@ -35,18 +35,20 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .. import _torch
+from .. import _config, _torch
 from .. import backend as B
 from ..backend import args as A
 from ..backend.local_tensor import RANK_WHY, refuse
 from .all_gather import _AllGather, _ReduceScatter, raw_all_gather, raw_reduce_scatter
 from .all_reduce import _AllReduce, raw_all_reduce
 from .all_to_all import _AllToAll, raw_all_to_all
+from .all_to_all import _debug_check_transposed as _debug_check_sizes
 from .base import CommOp, apply, call
 from .packing import check_dims as _check_dims
 from .packing import check_list as _check_list
 from .packing import check_op as _check_op
 from .packing import check_split_sizes_list as _check_sizes
+from .packing import debug_check as _debug_check_list
 from .packing import even_split_sizes as _even_sizes
 from .precision_format import (  # the option and its wire formats (no import cycle)
     FP8_MAX as FP8_MAX,
@@ -86,9 +88,13 @@ from .validation import PG
 from .validation import all_to_all_received as _all_to_all_received
 from .validation import all_to_all_split_sizes as _all_to_all_split_sizes
 from .validation import check_input as _check_input
+from .validation import debug_check as _debug_check
+from .validation import debug_check_input as _debug_check_input
 from .validation import exchanged_split_sizes as _exchanged_split_sizes
 from .validation import given_split_sizes as _given_split_sizes
+from .validation import other_dims as _other_dims
 from .validation import rank as _rank
+from .validation import records_grad as _records_grad
 from .validation import world as _world
 
 #: this module's own names; the option and its wire formats (``Precision``, ``encode`` ...)
@@ -342,11 +348,14 @@ def all_reduce(x: Any, op: Any, group: A.GroupLike, precision: Any, async_op: bo
     """``dc.all_reduce(x, op, group, precision=...)`` (see the module docstring)."""
     name = "all_reduce"
     x = _check_input(x, name)
-    p = check(x, precision, name)
+    p = check(x, precision, name, reduces=True)
     op_name = A.normalize_op(op, name, x)
     _check_linear(op_name, name)
     _no_async(async_op, name)
     pg = A.resolve_group(group, name)
+    # debug mode: the plain op's cross-rank check, and the settings (before, skipped here:
+    # shapes (4, 6) and (2, 2, 6) all_reduced silently)
+    _debug_check_input(name, pg, x, op=op_name, precision=p.key)
     return apply(_QAllReduce, x, op_name, pg, p)
 
 
@@ -362,7 +371,8 @@ def reduce_scatter(
     _no_async(async_op, name)
     pg = A.resolve_group(group, name)
     sizes = tuple(A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), name))
-    check(x, precision, name, *_scatter_layouts(x, dim, sizes, pg))
+    check(x, precision, name, *_scatter_layouts(x, dim, sizes, pg), reduces=True)
+    _debug_check_input(name, pg, x, op=op_name, dim=dim, split_sizes=sizes, precision=precision.key)
     return apply(_QReduceScatter, x, dim, op_name, pg, sizes, precision)
 
 
@@ -382,7 +392,11 @@ def all_gather(
     pg = A.resolve_group(group, name)
     if split_sizes is not None:
         sizes = tuple(_given_split_sizes(split_sizes, x, dim, pg, name, "split_sizes"))
-    else:
+    if _config.DEBUG.get():  # the plain op's cross-rank check, and the settings
+        fields = dict(other_dims=_other_dims(x, dim), dtype=x.dtype, grad=_records_grad(x))
+        given = None if split_sizes is None else sizes
+        _debug_check(name, pg, dim=dim, split_sizes=given, precision=precision.key, **fields)
+    if split_sizes is None:
         sizes = tuple(_exchanged_split_sizes(x, dim, pg, name))
     fwd, bwd = _gather_layouts(x, dim, sizes, precision)
     if fwd is not None and refused is None:  # (else checked above)
@@ -438,6 +452,12 @@ def all_to_all(
     refused = _refusal(lambda: check(x, precision, name), per_rank)
     pg = A.resolve_group(group, name)
     ins, outs = _all_to_all_split_sizes(x, split_dim, concat_dim, pg, input_split_sizes, output_split_sizes)
+    if _config.DEBUG.get():  # the plain op's cross-rank checks, and the settings
+        rest = _other_dims(x, split_dim, concat_dim)
+        fields = dict(other_dims=rest, dtype=x.dtype, grad=_records_grad(x), precision=precision.key)
+        _debug_check(name, pg, split_dim=split_dim, concat_dim=concat_dim, **fields)
+        if outs is not None:
+            _debug_check_sizes(name, pg, ins, outs, split_dim, concat_dim, x)
     if outs is None:
         outs = _all_to_all_received(ins, pg)
     n = x.shape[last]
@@ -507,11 +527,12 @@ def coalesced(name: str, tensors: Any, precision: Any, async_op: bool = False, *
     xs = _check_list(tensors, op)
     _no_async(async_op, op)
     for i, x in enumerate(xs):
-        check(x, precision, op, arg=f"tensors[{i}]")
+        check(x, precision, op, arg=f"tensors[{i}]", reduces=name != "all_gather")
     pg = A.resolve_group(kw.get("group"), op)
     if name == "all_reduce":
         op_name = _check_op(kw.get("op", "sum"), xs, op)
         _check_linear(op_name, op)
+        _debug_check_list(op, pg, xs, op=op_name, precision=precision.key)
         return [apply(_QAllReduce, x, op_name, pg, precision) for x in xs]
     dims = _check_dims(xs, kw.get("dim", 0), op)
     world, split_sizes = _world(pg), kw.get("split_sizes")
@@ -525,10 +546,12 @@ def coalesced(name: str, tensors: Any, precision: Any, async_op: bool = False, *
         for i, (x, d, s) in enumerate(zip(xs, dims, sizes)):
             fwd, bwd = _scatter_layouts(x, d, s, pg)
             check(x, precision, op, fwd, bwd, arg=f"tensors[{i}]")
+        _debug_check_list(op, pg, xs, op=op_name, dim=tuple(dims), precision=precision.key)
         return [apply(_QReduceScatter, x, d, op_name, pg, s, precision) for x, d, s in zip(xs, dims, sizes)]
     if split_sizes is not None:
         sizes = _check_sizes(split_sizes, xs, dims, world, op, True, _rank(pg))
-    else:  # every tensor's sizes, exchanged before any data moves
+    _debug_check_list(op, pg, xs, vary=dims, dim=tuple(dims), precision=precision.key)
+    if split_sizes is None:  # every tensor's sizes, exchanged before any data moves
         sizes = tuple(tuple(_exchanged_split_sizes(x, d, pg, op)) for x, d in zip(xs, dims))
     for i, (x, d, s) in enumerate(zip(xs, dims, sizes)):
         fwd, bwd = _gather_layouts(x, d, s, precision)

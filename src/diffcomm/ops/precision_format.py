@@ -190,6 +190,14 @@ class Precision:
         name = names[self.wire]  # type: ignore[index]
         return f"{name}/{self.block_size}" if self.block_size else name
 
+    @property
+    def key(self) -> str:
+        """Every setting, both directions, compactly (``e4m3/128>bf16+float32``): what debug
+        mode compares across ranks (its fields keep 64 bytes; a ``repr`` was cut there)."""
+        sides = (self, self.transposed())
+        acc = ["" if p.accumulate is None else "+" + str(p.accumulate).replace("torch.", "") for p in sides]
+        return f"{sides[0].tag}{acc[0]}>{sides[1].tag}{acc[1]}"
+
 
 # ------------------------------------------------------------------------------ codec
 
@@ -301,6 +309,7 @@ def check(
     fwd: Layout | None = None,
     bwd: Layout | None = None,
     arg: str = "x",
+    reduces: bool = False,
 ) -> Precision:
     """Validate ``precision`` for ``x`` before any communication — for the forward **and**
     the backward (a backward that cannot run must fail here, not after the forward): a
@@ -309,13 +318,20 @@ def check(
 
     ``fwd`` / ``bwd``: ``(last dim, chunks along it or None)`` of the tensor the forward /
     backward encodes (default: ``x``'s last dim, no split). ``arg``: the argument ``x``
-    is, for the messages (a coalesced op's ``tensors[i]``)."""
+    is, for the messages (a coalesced op's ``tensors[i]``). ``reduces``: the forward sums
+    ``x`` over ranks, which an fp8 ``x`` cannot be (as without ``precision=``)."""
     if not isinstance(precision, Precision):
         raise TypeError(f"diffcomm.{op}(): precision must be a diffcomm.Precision or None, got {precision!r}")
     if precision.wire is not None and not x.is_floating_point():
         raise TypeError(
             f"diffcomm.{op}(): precision=Precision(wire={precision.tag}) needs a floating-point {arg} "
             f"(a float wire dtype cannot carry {x.dtype} exactly); got {arg} of dtype {x.dtype}"
+        )
+    if reduces and x.dtype in FP8_MAX:  # (torch cannot promote it to the accumulator)
+        raise TypeError(
+            f"diffcomm.{op}(): a {str(x.dtype).replace('torch.', '')} {arg} cannot be reduced, with "
+            "precision= as without (torch has no sum in fp8); reduce a float tensor, with "
+            "precision=diffcomm.Precision('fp8_e4m3') for an fp8 wire"
         )
     back = precision.transposed()
     if back.wire is not None and x.is_complex():  # its gradient is complex: a real wire

@@ -10,8 +10,13 @@ The check is SPMD (every rank runs the same collectives and takes the same branc
 because every branch depends only on data all ranks received):
 
 1. a fixed-length float64 **fingerprint** per rank — shape, number of elements, sum,
-   sum of squares and a sum weighted by a fixed pseudo-random sequence — goes through
-   one raw all_gather; if every rank's fingerprint is bitwise equal, the check passes;
+   sum of squares, a sum weighted by a fixed pseudo-random sequence, and a hash of the
+   elements' bits — goes through one raw all_gather; if every rank's fingerprint is
+   bitwise equal, the check passes. The float sums alone cannot be that test: one
+   ``inf`` / ``NaN`` (a causal mask's ``-inf``) or one value 1e16 times the others makes
+   every sum the same whatever the other elements hold, and a 2x passed unseen; the
+   hash (the float64 bits times odd weights, summed in wrapping int64) changes with any
+   one element;
 2. otherwise (or when shapes differ) the **exact fallback** gathers the full tensors and
    groups the ranks into classes whose values agree **element by element**: elements
    ``a`` and ``b`` agree when ``|a - b| <= sqrt(eps) * (max(|a|, |b|) + m)``, with ``eps``
@@ -61,6 +66,9 @@ IDENTITY_HINT = (
 
 _MAX_DIMS = 8
 _GOLDEN = 0.6180339887498949
+#: odd int64 weights of the bit hash: element i's weight is (i * _MIX + _SALT) | 1
+_MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (the golden ratio in 64 bits)
+_SALT = 0x632BE59BD9B4E019
 
 
 def plain(t: Tensor) -> Tensor:
@@ -75,16 +83,22 @@ def _as_real64(t: Tensor) -> Tensor:
 
 
 def fingerprint(t: Tensor) -> Tensor:
-    """A float64 vector summarising ``t``: shape, numel, sum, sum of squares, weighted sum."""
+    """A float64 vector summarising ``t``: shape, numel, sum, sum of squares, weighted sum,
+    and a hash of the elements' bits (its int64 bits in a float64 slot: compared bitwise)."""
     x = _as_real64(t).reshape(-1)
     shape = list(t.shape)
     if len(shape) > _MAX_DIMS:
         shape = shape[: _MAX_DIMS - 1] + [math.prod(shape[_MAX_DIMS - 1 :])]
     dims = [float(s) for s in shape] + [-1.0] * (_MAX_DIMS - len(shape))
-    weights = torch.cos(torch.arange(x.numel(), dtype=torch.float64, device=x.device) * _GOLDEN)
+    index = torch.arange(x.numel(), dtype=torch.int64, device=x.device)
+    weights = torch.cos(index.to(torch.float64) * _GOLDEN)
     sums = torch.stack([x.sum(), (x * x).sum(), (x * weights).sum()]) if x.numel() else torch.zeros(3)
+    # float64 holds every element exactly, so its bits are the element's; an odd weight
+    # keeps any change of one element's bits a change of the (wrapping) sum
+    odd = (index * _MIX + _SALT) | 1
+    bits = (x.view(torch.int64) * odd).sum().reshape(1).cpu().view(torch.float64)
     head = torch.tensor([float(t.dim()), float(t.numel()), *dims], dtype=torch.float64)
-    return torch.cat([head, sums.to(device="cpu", dtype=torch.float64)])
+    return torch.cat([head, sums.to(device="cpu", dtype=torch.float64), bits])
 
 
 def _tolerance(dtype: torch.dtype) -> float:

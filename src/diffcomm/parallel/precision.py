@@ -155,11 +155,13 @@ class _QAllToAllRegion(QuantizedOp):
 _COPIES = ("copy_to_region", "scatter_to_region", "scatter_to_sequence")
 
 
-def _check_input(name: str, x: Tensor, pg: PG, debug: bool) -> None:
+def _check_input(name: str, x: Tensor, pg: PG, debug: bool, p: Precision) -> None:
     """Debug mode: what the plain mapping checks of its input (communicates; after every
-    local check): a copy forward's input is replicated, else the shapes agree."""
+    local check): a copy forward's input is replicated, else the shapes agree; and the
+    ranks' settings agree (one rank's bf16 bytes read as fp16 by another are garbage)."""
     if not debug:
         return
+    mappings._b().check_consistent(f"parallel.{name}", {"precision": p.key}, pg)
     if name in _COPIES:
         check_replicated(x, f"parallel.{name}", "the input", COPY_HINT, pg)
     else:
@@ -188,11 +190,11 @@ def mapping(name: str, x: Any, group: args.GroupLike, precision: Any, **kw: Any)
         out_last = sum(outs) if concat_dim == end else (ins[rank] if split_dim == end else n)
         bwd = (out_last, list(outs) if concat_dim == end else None)
         p = check_precision(x, precision, f"parallel.{name}", fwd, bwd)
-        _check_input(name, x, pg, debug)
+        _check_input(name, x, pg, debug, p)
         return apply(_QAllToAllRegion, x, split_dim, concat_dim, pg, world, p)
     if name in ("copy_to_region", "reduce_from_region"):
-        p = check_precision(x, precision, f"parallel.{name}")
-        _check_input(name, x, pg, debug)
+        p = check_precision(x, precision, f"parallel.{name}", reduces=name == "reduce_from_region")
+        _check_input(name, x, pg, debug, p)
         fn = _QCopyToRegion if name == "copy_to_region" else _QReduceFromRegion
         return apply(fn, x, pg, debug, p)
     splits = name in ("scatter_to_region", "scatter_to_sequence", "reduce_scatter_to_sequence")
@@ -210,21 +212,21 @@ def mapping(name: str, x: Any, group: args.GroupLike, precision: Any, **kw: Any)
         split_side = (n * world, chunks) if last else None
         gather_side = (n, chunks) if last else None
     if name == "reduce_scatter_to_sequence":
-        p = check_precision(x, precision, f"parallel.{name}", split_side, gather_side)
-        _check_input(name, x, pg, debug)
+        p = check_precision(x, precision, f"parallel.{name}", split_side, gather_side, reduces=True)
+        _check_input(name, x, pg, debug, p)
         return apply(_QReduceScatterToSequence, x, dim, pg, world, p)
     if name == "all_gather_from_sequence":
         p = check_precision(x, precision, f"parallel.{name}", gather_side, split_side)
-        _check_input(name, x, pg, debug)
+        _check_input(name, x, pg, debug, p)
         return apply(_QAllGatherFromSequence, x, dim, pg, world, p)
     if splits:  # scatter: only the backward (all_gather of the gradient chunks) travels
         p = check_precision(x, precision, f"parallel.{name}", None, (n // world, None) if last else None)
-        _check_input(name, x, pg, debug)
+        _check_input(name, x, pg, debug, p)
         fn = _QScatterToRegion if name == "scatter_to_region" else _QScatterToSequence
         return apply(fn, x, dim, pg, rank, world, debug, p)
     # gather_from_*: forward all_gather; backward keeps own chunk (local)
     p = check_precision(x, precision, f"parallel.{name}", gather_side, None)
-    _check_input(name, x, pg, debug)
+    _check_input(name, x, pg, debug, p)
     fn = _QGatherFromRegion if name == "gather_from_region" else _QGatherFromSequence
     return apply(fn, x, dim, pg, rank, world, debug, p)
 

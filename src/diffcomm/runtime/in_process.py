@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 
@@ -53,7 +54,8 @@ def run_ranks(
 
     The function and its arguments travel to each rank as they travel to a process: pickled
     once here, unpickled by every rank, so each rank has its own copies (a rank's
-    ``.grad`` accumulation or in-place change never reaches another rank or the caller)."""
+    ``.grad`` accumulation or in-place change never reaches another rank or the caller).
+    Each rank's result travels back pickled too, as a process's does."""
     try:
         payload = _ship.dumps((fn, args, kwargs))
     except Exception as exc:
@@ -106,7 +108,10 @@ def _run(
                 _lifecycle.program_start()  # a new program, as a process rank's run (its own state)
                 fn, args, kwargs = _ship.loads(payload)
                 with _ship.applied(carried):
-                    results[rank] = fn(*args, **kwargs)
+                    result = fn(*args, **kwargs)
+                # back as from a process: pickled (a tensor without the graph of this rank's
+                # world, which a caller's backward cannot run; what cannot be is the rank's error)
+                results[rank] = cloudpickle.loads(cloudpickle.dumps(result))
             finally:
                 if dist.is_initialized():
                     if state is not None:  # (destroying the group ends its history)
