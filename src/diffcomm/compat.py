@@ -14,6 +14,9 @@ Differences from torch that a drop-in user should know (all deliberate):
 * ``src``/``dst`` are **global** ranks here, exactly as in torch (the core ``diffcomm``
   ops take group-local ranks); they are translated with ``get_group_rank``.
 * ``reduce`` returns zeros on non-destination ranks (torch returns unspecified data).
+* A rank outside ``group`` (given ``GroupMember.NON_GROUP_MEMBER`` by ``dist.new_group``)
+  gets a ``TypeError`` saying so; torch's skip the communication there (its ``all_reduce``
+  returns a copy of the input).
 * Out-parameters (``output``, ``output_tensor``, ``output_tensor_list``) give the result's
   shape and dtype (one that cannot hold the result is a ``ValueError``) and are **not
   written to**: the result is the returned tensor(s), which

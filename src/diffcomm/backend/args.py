@@ -89,6 +89,17 @@ def resolve_group(group: GroupLike, op: str = "op") -> dist.ProcessGroup | None:
         else:
             raise arg_error(op, "group", "a mesh axis name or index", type(axis).__name__, TypeError)
         return mesh.get_group(axis)
+    if type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
+        # what dist.new_group returns on the ranks outside the group: the message said only
+        # "got int", not that this rank is no member
+        raise arg_error(
+            op,
+            "group",
+            "a group this rank belongs to (call the op on the group's members only)",
+            "torch's GroupMember.NON_GROUP_MEMBER, which dist.new_group returns on the ranks "
+            "outside the group",
+            TypeError,
+        )
     raise arg_error(
         op, "group", "None, a ProcessGroup or a (DeviceMesh, axis) pair", type(group).__name__, TypeError
     )
