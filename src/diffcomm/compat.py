@@ -14,6 +14,10 @@ Differences from torch that a drop-in user should know (all deliberate):
 * ``src``/``dst`` are **global** ranks here, exactly as in torch (the core ``diffcomm``
   ops take group-local ranks); they are translated with ``get_group_rank``.
 * ``reduce`` returns zeros on non-destination ranks (torch returns unspecified data).
+* On a group whose ranks are not its global ranks (``new_group([1, 2])``) torch's functions
+  mix the two: ``broadcast``'s backward zeroes ``src``'s gradient, ``gather`` / ``scatter``
+  refuse the root's list and ``all_to_all`` names a rank outside the group (torch 2.13);
+  here every rank is translated once and the gradients are the adjoint's.
 * A rank outside ``group`` (given ``GroupMember.NON_GROUP_MEMBER`` by ``dist.new_group``)
   gets a ``TypeError`` saying so; torch's skip the communication there (its ``all_reduce``
   returns a copy of the input).
