@@ -23,8 +23,11 @@ Differences from torch that a drop-in user should know (all deliberate):
   returns a copy of the input).
 * Out-parameters (``output``, ``output_tensor``, ``output_tensor_list``) give the result's
   shape and dtype (one that cannot hold the result is a ``ValueError``) and are **not
-  written to**: the result is the returned tensor(s), which
-  is what torch's autograd path returns too. Nothing is modified in place.
+  written to**: the result is the returned tensor(s). Nothing is modified in place. torch
+  differs: it also writes the result's values into them (``all_to_all`` returns the
+  tensors of ``output_tensor_list`` themselves, carrying the gradient), so code that reads
+  an out-parameter after the call instead of the returned tensor must be changed to read
+  the returned one (``test_out_parameters_are_not_written_where_torch_writes_them``).
 
 Example::
 
