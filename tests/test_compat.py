@@ -183,3 +183,54 @@ def test_default_group_is_the_current_one_after_a_new_init() -> None:
     )
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split("\n")[-2] == "[1.0, 1.0] [1.0, 1.0]"
+
+
+def _broadcast_grad_on_a_subgroup() -> list[float]:
+    r = dc.get_rank()
+    g = dist.new_group([1, 2])  # global rank 2 is group rank 1: the ranks differ
+    if r == 0:
+        return []
+    got = []
+    for fn in (tdnn.broadcast, compat.broadcast):
+        x = torch.full((2,), float(r), dtype=torch.float64, requires_grad=True)
+        (fn(x, 2, group=g) * (r + 1)).sum().backward()  # a per-rank loss
+        got.append(float(x.grad[0]))
+    return got
+
+
+def test_broadcast_gradient_on_a_subgroup_where_torch_mixes_global_and_group_ranks(local_worlds) -> None:
+    """broadcast(x, src=2) over the group [1, 2]: src's gradient is the sum of the ranks'
+    (2 + 3 = 5), the other rank's 0. torch.distributed.nn compares the global src with the
+    group rank in its backward and zeroes src's gradient too (torch 2.13); compat, built on
+    group-local ranks, does not (documented in its docstring)."""
+    got = local_worlds(3, in_process=True).run(_broadcast_grad_on_a_subgroup)
+    assert got[1] == [0.0, 0.0] and got[2][1] == 5.0
+    assert got[2][0] != 5.0  # torch's; when this fails, torch was fixed: drop the docstring's note
+
+
+def _out_parameters_after_the_call() -> dict[str, list]:
+    w, r = dc.get_world_size(), dc.get_rank()
+    got: dict[str, list] = {}
+    for name, m in (("torch", tdnn), ("compat", compat)):
+        x = torch.arange(4.0, dtype=torch.float64).add(10 * r).requires_grad_()
+        outs = [torch.zeros(n, dtype=x.dtype) for n in (w * 4, 4, 4 // w)]
+        listed = [torch.zeros(4 // w, dtype=x.dtype) for _ in range(w)]
+        results = [
+            m._all_gather_base(outs[0], x),
+            m.all_to_all_single(outs[1], x),
+            m.reduce_scatter(outs[2], list(x.chunk(w))),
+            *m.all_to_all(listed, list(x.chunk(w))),
+        ]
+        got[name] = [[o.tolist() for o in outs + listed], [t.tolist() for t in results]]
+    return got
+
+
+def test_out_parameters_are_not_written_where_torch_writes_them(world2) -> None:
+    """The documented difference (compat's docstring): torch's ``_all_gather_base``,
+    ``all_to_all_single``, ``reduce_scatter`` and ``all_to_all`` write the result's values
+    into their out-parameters; compat returns the same values and leaves the
+    out-parameters as they were (the docstring said only that torch's autograd path
+    returns the result, as if torch wrote nothing either)."""
+    for got in world2.run(_out_parameters_after_the_call):
+        assert got["compat"][1] == got["torch"][1] == got["torch"][0]  # the values agree
+        assert all(not any(o) for o in got["compat"][0])  # compat's out-parameters: zeros

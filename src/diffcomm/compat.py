@@ -14,10 +14,20 @@ Differences from torch that a drop-in user should know (all deliberate):
 * ``src``/``dst`` are **global** ranks here, exactly as in torch (the core ``diffcomm``
   ops take group-local ranks); they are translated with ``get_group_rank``.
 * ``reduce`` returns zeros on non-destination ranks (torch returns unspecified data).
+* On a group whose ranks are not its global ranks (``new_group([1, 2])``) torch's functions
+  mix the two: ``broadcast``'s backward zeroes ``src``'s gradient, ``gather`` / ``scatter``
+  refuse the root's list and ``all_to_all`` names a rank outside the group (torch 2.13);
+  here every rank is translated once and the gradients are the adjoint's.
+* A rank outside ``group`` (given ``GroupMember.NON_GROUP_MEMBER`` by ``dist.new_group``)
+  gets a ``TypeError`` saying so; torch's skip the communication there (its ``all_reduce``
+  returns a copy of the input).
 * Out-parameters (``output``, ``output_tensor``, ``output_tensor_list``) give the result's
   shape and dtype (one that cannot hold the result is a ``ValueError``) and are **not
-  written to**: the result is the returned tensor(s), which
-  is what torch's autograd path returns too. Nothing is modified in place.
+  written to**: the result is the returned tensor(s). Nothing is modified in place. torch
+  differs: it also writes the result's values into them (``all_to_all`` returns the
+  tensors of ``output_tensor_list`` themselves, carrying the gradient), so code that reads
+  an out-parameter after the call instead of the returned tensor must be changed to read
+  the returned one (``test_out_parameters_are_not_written_where_torch_writes_them``).
 
 Example::
 

@@ -769,3 +769,31 @@ def test_group_record_asks_the_group_which_backend_moves_its_data(spec: str | No
         assert torch.equal(xg.grad, torch.ones_like(x))
     finally:
         dist.destroy_process_group()
+
+
+def _outside_the_group() -> list[str]:
+    group = dist.new_group([0, 2])  # every rank calls new_group; rank 1 gets NON_GROUP_MEMBER
+    x = torch.ones(2, dtype=torch.float64)
+    if dc.get_rank() != 1:
+        return [str(dc.all_reduce(x, group=group).tolist())]
+    got = []
+    for call in (lambda: dc.all_reduce(x, group=group), lambda: dc.compat.all_reduce(x, group=group)):
+        try:
+            call()
+            got.append("no error")
+        except TypeError as e:
+            got.append(str(e))
+    return got
+
+
+def test_a_rank_outside_a_new_group_is_told_so(local_worlds: Callable[..., LocalWorld]) -> None:
+    """``dist.new_group`` returns ``GroupMember.NON_GROUP_MEMBER`` (the int -100) on the ranks
+    outside the group; an op given it said only "`group` must be None, a ProcessGroup or a
+    (DeviceMesh, axis) pair, got int". Now it says this rank is no member, before any
+    communication; the members' sum is unchanged."""
+    got = local_worlds(3, in_process=True).run(_outside_the_group)
+    assert got[0] == got[2] == ["[2.0, 2.0]"]
+    for message in got[1]:
+        want = "diffcomm.all_reduce(): `group` must be a group this rank belongs to"
+        assert message.startswith(want), message
+        assert "NON_GROUP_MEMBER" in message and "(rank 1)" in message, message

@@ -172,3 +172,56 @@ def test_coalesced_ops_refuse_a_dtensor(inproc_world2: dc.LocalWorld) -> None:
             assert isinstance(message, str), (name, message)
             want = "diffcomm.all_reduce_coalesced(): `tensors[0]` must be a plain torch.Tensor"
             assert message.startswith(want), message
+
+
+def _replicated_hand_over() -> dict[str, Any]:
+    """x.grad / serial (mean ratio) after a diffcomm result is made a Replicate() DTensor,
+    and |w.grad - serial| for a Replicate() weight handed to diffcomm, each the plain way
+    and the documented way (docs/convention.md, "Handing tensors to and from DTensor")."""
+    n, r = dc.get_world_size(), dc.get_rank()
+    mesh = init_device_mesh("cpu", (n,))
+    xs = [torch.randn(2, 3, generator=torch.Generator().manual_seed(10 + i), dtype=F64) for i in range(n)]
+    w = torch.randn(3, 2 * n, generator=torch.Generator().manual_seed(99), dtype=F64)
+    serial_x = [x.clone().requires_grad_() for x in xs]
+    serial_w = w.clone().requires_grad_()
+    (torch.cat(serial_x) @ serial_w).pow(2).sum().backward()
+    got: dict[str, Any] = {}
+    makers = {
+        "all_gather": lambda x: dc.all_gather(x),
+        "gather_from_region": lambda x: P.gather_from_region(x, 0),
+    }
+    for name, make in makers.items():
+        x = xs[r].clone().requires_grad_()
+        y = DTensor.from_local(make(x), mesh, [Replicate()])
+        wd = DTensor.from_local(w.chunk(n, 1)[r].clone(), mesh, [Shard(1)]).requires_grad_()
+        (y @ wd).to_local().pow(2).sum().backward()  # the ranks' objectives: one serial loss
+        got[name] = (x.grad / serial_x[r].grad).mean().item()
+    # a replicated weight: each rank's objective through an all_reduce of its own rows
+    c = [torch.randn(2, 1, generator=torch.Generator().manual_seed(40 + i), dtype=F64) for i in range(n)]
+    serial_w.grad = None
+    ys = sum(x @ serial_w for x in xs)
+    sum((ys * ci).sum() for ci in c).backward()
+    for name, grad_placements in (("to_local", None), ("to_local_partial", [Partial()])):
+        wd = DTensor.from_local(w.clone(), mesh, [Replicate()]).requires_grad_()
+        local = wd.to_local() if grad_placements is None else wd.to_local(grad_placements=grad_placements)
+        (dc.all_reduce(xs[r] @ local) * c[r]).sum().backward()
+        got[name] = (wd.grad.full_tensor() - serial_w.grad).abs().max().item()
+    got["refusal"] = _raises("all_gather")
+    return got
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_replicated_dtensor_hand_over_gets_the_serial_gradient(n: int, local_worlds: Any) -> None:
+    """torch's DTensor reads a Replicate() gradient as the one global value's, diffcomm sums
+    the ranks' objectives. The refusal said "pass x.to_local() ... rebuild with
+    DTensor.from_local": done plainly, a replicated weight's gradient was each rank's own
+    share and an all_gather result made Replicate() got ``world`` x the serial gradient
+    (3.0 at world 3). The refusal now names ``grad_placements=[Partial()]`` and the
+    mapping to use; both documented ways give the serial gradient."""
+    for got in local_worlds(n, in_process=True).run(_replicated_hand_over):
+        assert got["gather_from_region"] == pytest.approx(1.0, abs=1e-12)
+        assert got["to_local_partial"] < 1e-12
+        assert got["all_gather"] == pytest.approx(float(n), abs=1e-12)  # the pitfall, documented
+        assert got["to_local"] > 1e-3
+        assert "x.to_local(grad_placements=[Partial()])" in got["refusal"], got["refusal"]
+        assert "gather_from_region" in got["refusal"], got["refusal"]

@@ -460,6 +460,39 @@ def test_without_fullgraph_untraceable_parts_run_eagerly(world2) -> None:
     assert world2.run(graph_break_falls_back_to_eager) == [0.0, 0.0]
 
 
+def _sizes_exchanged_under_compile(kind: str) -> list[float]:
+    """|compiled - eager| of the value and the gradient of an op whose sizes are exchanged
+    (no ``split_sizes=`` / ``output_split_sizes=``), compiled without fullgraph, run before
+    its eager twin (a process's first exchange on the group inside the compiled call)."""
+    r = dc.get_rank()
+    fns = {
+        "gather": lambda v: dc.gather(v, dst=1, dim=1),
+        "all_to_all": lambda v: dc.all_to_all(v, 0, 0, input_split_sizes=[r, 2 - r]),
+    }
+    x = torch.arange(6.0, dtype=F64).reshape(2, 3) + r
+    got = []
+    for fn in (torch.compile(fns[kind], backend="aot_eager"), fns[kind]):  # compiled first
+        v = x.clone().requires_grad_()
+        y = fn(v)
+        (y * (1 + torch.arange(y.numel(), dtype=F64).reshape(y.shape))).sum().backward()
+        got.append((y.detach(), v.grad))
+    torch._dynamo.reset()
+    return [float((a - b).abs().max()) for a, b in zip(*got)]
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+@pytest.mark.parametrize("kind", ["gather", "all_to_all"])
+def test_without_fullgraph_a_size_exchange_runs_eagerly(kind: str, in_process: bool, local_worlds) -> None:
+    """A gather without ``split_sizes=`` and an all_to_all without ``output_split_sizes=``,
+    compiled without fullgraph, raised InternalTorchDynamoError ("Member '_device_types' /
+    '_size' is not registered for this opaque object type", or "No backend type associated
+    with device type cpu" in one process): dynamo traced on from the eager part of the
+    broken frame into the eager backend's size exchange and its c10d call. The exchange
+    now runs eagerly (a graph break), and the values and gradients are eager's."""
+    for errs in local_worlds(2, in_process=in_process).run(_sizes_exchanged_under_compile, kind):
+        assert errs == [0.0, 0.0]
+
+
 def test_an_asynchronous_gradient_flows_into_a_compiled_backward(world2) -> None:
     """An asynchronous op run eagerly between compiled graphs (here inside a
     ``torch.compiler.disable``'d function) returns its gradient as an ``AsyncTensor``; that

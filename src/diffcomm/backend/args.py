@@ -89,6 +89,17 @@ def resolve_group(group: GroupLike, op: str = "op") -> dist.ProcessGroup | None:
         else:
             raise arg_error(op, "group", "a mesh axis name or index", type(axis).__name__, TypeError)
         return mesh.get_group(axis)
+    if type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
+        # what dist.new_group returns on the ranks outside the group: the message said only
+        # "got int", not that this rank is no member
+        raise arg_error(
+            op,
+            "group",
+            "a group this rank belongs to (call the op on the group's members only)",
+            "torch's GroupMember.NON_GROUP_MEMBER, which dist.new_group returns on the ranks "
+            "outside the group",
+            TypeError,
+        )
     raise arg_error(
         op, "group", "None, a ProcessGroup or a (DeviceMesh, axis) pair", type(group).__name__, TypeError
     )
@@ -119,20 +130,40 @@ def check_tensor(x: Any, op: str, arg: str = "x") -> torch.Tensor:
         # A DTensor is one global tensor; diffcomm's ops act on each rank's own tensor.
         # Given one, torch's dispatch raised deep in the call (no sharding strategy for
         # the raw c10d op), naming neither the argument nor the way out.
+        placements = tuple(getattr(x, "placements", ()))
         raise arg_error(
-            op,
-            arg,
-            "a plain torch.Tensor (this rank's own data: diffcomm's ops act on per-rank "
-            "tensors; pass `x.to_local()`, this rank's shard, and rebuild with "
-            "`DTensor.from_local` if needed)",
-            f"a DTensor with placements {tuple(getattr(x, 'placements', ()))}",
-            TypeError,
+            op, arg, _dtensor_hint(placements), f"a DTensor with placements {placements}", TypeError
         )
     kind = data_kind(x)
     if kind is not None:
         want = "a dense tensor with data (strided layout, this rank's values)"
         raise arg_error(op, arg, want, kind, TypeError)
     return x
+
+
+def _dtensor_hint(placements: tuple[Any, ...]) -> str:
+    """What a refused DTensor's error says to pass instead (docs/convention.md, "Handing
+    tensors to and from DTensor"). torch's DTensor reads the gradient of a ``Replicate()``
+    tensor as the gradient of its one global value, where diffcomm sums the ranks'
+    objectives: a plain ``x.to_local()`` of a replicated weight gave each rank its own
+    share for the whole gradient, and ``DTensor.from_local(y, mesh, [Replicate()])`` of a
+    core op's result (torch all-reduces its gradient) a gradient ``world`` times too large.
+    """
+    hint = (
+        "a plain torch.Tensor (this rank's own data: diffcomm's ops act on per-rank tensors; "
+        "pass `x.to_local()`, this rank's shard"
+    )
+    if any(p.is_replicate() for p in placements):
+        want = ", ".join("Partial()" if p.is_replicate() else repr(p) for p in placements)
+        hint += (
+            f"; a replicated one as `x.to_local(grad_placements=[{want}])`, so that its "
+            "gradient is the sum over ranks"
+        )
+    return hint + (
+        "; rebuild a result with `DTensor.from_local` as Shard(dim), or as Replicate() only "
+        "after a diffcomm.parallel mapping such as gather_from_region: torch all-reduces a "
+        "Replicate() gradient, and after a core op it would be counted once per rank)"
+    )
 
 
 _STRIDED = torch.strided

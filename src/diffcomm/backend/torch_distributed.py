@@ -301,6 +301,13 @@ class TorchDistributedBackend(CoalescedOps):
     _broadcast_into = staticmethod(_broadcast_into)
 
     # ---- gather family (dim 0) -----------------------------------------------------
+    # The size exchanges run eagerly under torch.compile without fullgraph (a graph break,
+    # as check_consistent below): a gather or all_to_all without its sizes reached them
+    # from the eager part of a broken frame and dynamo traced on into the c10d call, where
+    # it failed on the group object (InternalTorchDynamoError "Member '_device_types' is
+    # not registered for this opaque object type"). Compiled code never calls them: the
+    # compiled adapter's exchange is the message to pass the sizes.
+    @_torch.compiler_disable
     def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
         """Every rank's ``n`` (a small all_gather); used for uneven sizes."""
         info = group_info(group)
@@ -379,6 +386,7 @@ class TorchDistributedBackend(CoalescedOps):
 
         return self.coalesced("all_gather", group, bufs, one), table
 
+    @_torch.compiler_disable  # (eagerly under compile: see exchange_sizes)
     def exchange_records(self, record: Sequence[int], group: ProcessGroup) -> list[list[int]]:
         """Every rank's ``record`` (a fixed number of ints, the same on every rank: one
         small all_gather); the shape records of :mod:`diffcomm.backend.sized_gather`."""

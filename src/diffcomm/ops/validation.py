@@ -248,6 +248,15 @@ def all_to_all_received(ins: Sequence[int], pg: PG) -> tuple[int, ...]:
             "(the received sizes would be exchanged with a host read, which dynamo cannot trace)",
             None,
         )
+    return _exchange_received(ins, pg)
+
+
+@_torch.compiler_disable
+def _exchange_received(ins: Sequence[int], pg: PG) -> tuple[int, ...]:
+    """:func:`all_to_all_received`'s exchange, eagerly under torch.compile without
+    fullgraph (a graph break): reached from the eager part of a broken frame, dynamo traced
+    on into the raw all_to_all and failed on the group object (InternalTorchDynamoError
+    "Member '_size' is not registered for this opaque object type" in an in-process world)."""
     size = world(pg)
     with B.label("all_to_all (size exchange)"):
         b, dev = current_backend(), current_backend().comm_device(pg)
