@@ -1002,6 +1002,35 @@ def _tp_llama_vs_serial(heads: int, kv_heads: int, dim: int, hidden: int) -> dic
     return out
 
 
+def _tp_llama_keeps_the_serial_block() -> tuple[bool, int]:
+    """Whether a TPBlock keeps its serial Block alive, and the TPBlock's parameter count."""
+    import gc
+    import sys
+    import weakref
+    from pathlib import Path
+
+    examples = str(Path(__file__).resolve().parents[2] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    from context_parallel_llama import Block
+    from tensor_parallel_llama import TPBlock
+
+    serial = Block().double()
+    alive = weakref.ref(serial)
+    tp = TPBlock(serial)
+    del serial
+    gc.collect()
+    return alive() is not None, sum(p.numel() for p in tp.parameters())
+
+
+def test_tensor_parallel_llama_example_holds_only_its_shards(world2) -> None:
+    """The TP block keeps no reference to the serial block: ``self.rope = s.rope`` (a bound
+    method) kept the whole serial block alive, so each rank held its 9280 full parameters
+    next to its 4672 own."""
+    for alive, n in world2.run(_tp_llama_keeps_the_serial_block):
+        assert not alive and n == 4672
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_tensor_parallel_llama_example_equals_its_serial_block(local_worlds, world_size: int) -> None:
     """``examples/tensor_parallel_llama.py`` (RMSNorm, RoPE, GQA, SwiGLU; q/k/v, gate and
