@@ -64,10 +64,10 @@ CASES: dict[str, tuple[str, Builder]] = {
     "broadcast": ("1", _fixed(lambda x, w: dc.broadcast(x, src=0))),
     "reduce": ("1", _fixed(lambda x, w: dc.reduce(x, dst=0))),
     "all_gather": ("W", _fixed(lambda x, w: dc.all_gather(x))),
-    "all_gather(sizes=)": ("W", _fixed(lambda x, w: dc.all_gather(x, sizes=[8] * w))),
+    "all_gather(sizes=)": ("W", _fixed(lambda x, w: dc.all_gather(x, split_sizes=[8] * w))),
     "reduce_scatter": ("W", _chunked(lambda x, w: dc.reduce_scatter(x))),
     "reduce_scatter(split_sizes=)": ("W", _chunked(lambda x, w: dc.reduce_scatter(x, split_sizes=[1] * w))),
-    "gather": ("W", _fixed(lambda x, w: dc.gather(x, dst=0, sizes=[8] * w))),
+    "gather": ("W", _fixed(lambda x, w: dc.gather(x, dst=0, split_sizes=[8] * w))),
     "scatter": ("W", _chunked(lambda x, w: dc.scatter(x, src=0))),
     "all_to_all": ("W", _chunked(lambda x, w: dc.all_to_all(x))),
     "all_to_all(split_sizes=)": (

@@ -58,9 +58,9 @@ def _vmap_rank(batch: int, mib: float, iters: int, warmup: int) -> dict[str, lis
     sizes = [n] * w  # known sizes: no size exchange in any variant
     ops: dict[str, tuple[Callable, Callable, Callable]] = {
         "all_gather": (
-            lambda: torch.func.vmap(lambda x: dc.all_gather(x, 0, sizes=sizes))(xb),
-            lambda: dc.all_gather(xb, 1, sizes=sizes),
-            lambda: [dc.all_gather(xb[i], 0, sizes=sizes) for i in range(batch)],
+            lambda: torch.func.vmap(lambda x: dc.all_gather(x, 0, split_sizes=sizes))(xb),
+            lambda: dc.all_gather(xb, 1, split_sizes=sizes),
+            lambda: [dc.all_gather(xb[i], 0, split_sizes=sizes) for i in range(batch)],
         ),
         "all_reduce": (
             lambda: torch.func.vmap(dc.all_reduce)(xb),
@@ -86,7 +86,7 @@ class _Step(torch.nn.Module):
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
         w = dc.get_world_size()
-        x = dc.all_gather(x_shard, 0, sizes=[x_shard.shape[0]] * w)
+        x = dc.all_gather(x_shard, 0, split_sizes=[x_shard.shape[0]] * w)
         h = self.down(torch.nn.functional.gelu(self.up(x)))
         out = dc.reduce_scatter(h, 0)
         return out / dc.all_reduce(out.pow(2).sum().reshape(1)).sqrt()

@@ -91,7 +91,7 @@ def compare(seq: int = 24, layout: str = "zigzag") -> dict[str, float]:
     y = parallel.unshard(y_l.detach(), 1, layout=layout, seq_len=seq)
     return {
         "output": float((y - y_ref.detach()).abs().max()),
-        "loss": float((dc.all_reduce(loss_l.detach()) - loss_ref).abs()),
+        "loss": float((dc.all_reduce(loss_l.detach()) - loss_ref.detach()).abs()),
         "weights": max(float((g - r).abs().max()) for g, r in zip(grads, grads_ref, strict=True)),
     }
 

@@ -27,6 +27,8 @@ def train(
 ) -> list[float]:
     """One rank's training loop; returns the loss per step (equal on every rank)."""
     r, w = dc.get_rank(), dc.get_world_size()
+    if hidden % w:  # a shard of hidden // w columns each would drop the last hidden % w units
+        raise ValueError(f"train(): `hidden` must be divisible by the number of ranks {w}, got {hidden}")
     gen = torch.Generator().manual_seed(0)  # the same full weights and data on every rank
     w1 = torch.randn(d, hidden, generator=gen) / d**0.5
     w2 = torch.randn(hidden, d, generator=gen) / hidden**0.5
@@ -60,7 +62,7 @@ def run(world: int, steps: int) -> dict[str, list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--world", type=int, default=2, help="ranks; must divide the hidden size 64")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--plot", default=None, help="write the overlaid loss curves to this PNG")
     a = parser.parse_args()

@@ -49,7 +49,11 @@ class TPBlock(nn.Module):
         self.w1 = par.ColumnParallelLinear.from_serial(s.w1)
         self.w3 = par.ColumnParallelLinear.from_serial(s.w3)
         self.w2 = par.RowParallelLinear.from_serial(s.w2, input_is_parallel=True)
-        self.rope = s.rope
+
+    def rope(self, x: Tensor, pos: Tensor) -> Tensor:
+        """The serial block's rotary embedding (it reads only ``hd``). Not ``s.rope``: a
+        bound method would keep the whole serial block, every full weight, alive on each rank."""
+        return Block.rope(self, x, pos)  # type: ignore[arg-type]
 
     def forward(self, x: Tensor, pos: Tensor) -> Tensor:
         B, S, _ = x.shape

@@ -210,3 +210,20 @@ def test_no_module_over_600_lines_without_a_note() -> None:
         if len(text.splitlines()) > MAX_LINES and not SIZE_NOTE.search(text):
             over.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
     assert over == [], f"modules over {MAX_LINES} lines without a `# Size:` note: {over}"
+
+
+def test_examples_and_benchmarks_call_no_deprecated_keyword() -> None:
+    """What users copy and what the performance pages measure calls the current API: no
+    ``sizes=`` (renamed ``split_sizes``; the old name warns). The benchmarks called
+    ``all_gather`` / ``gather`` with ``sizes=``, so their counts and times took in the
+    deprecation path."""
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for folder in ("examples", "benchmarks"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and any(k.arg == "sizes" for k in node.keywords):
+                    name = ast.unparse(node.func)
+                    if name.split(".")[-1] in ("all_gather", "gather", "scatter"):
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {name}(sizes=...)")
+    assert not found, found

@@ -45,6 +45,24 @@ def test_the_readme_notebooks_table_lists_every_notebook() -> None:
     assert sorted(stem for _, stem in rows) == on_disk
 
 
+def test_the_readme_names_every_pipeline_schedule() -> None:
+    """The "What's inside" row of ``diffcomm.pipeline`` names every schedule the runner
+    takes by name (it listed four of the six: ZB-V and DualPipeV were missing)."""
+    from diffcomm.pipeline import SCHEDULES
+
+    shown = {
+        "gpipe": "GPipe",
+        "1f1b": "1F1B",
+        "interleaved": "interleaved 1F1B",
+        "zb-h1": "ZB-H1",
+        "zbv": "ZB-V",
+        "dualpipev": "DualPipeV",
+    }
+    assert set(SCHEDULES) == set(shown), sorted(SCHEDULES)
+    row = next(line for line in README.splitlines() if line.startswith("| `diffcomm.pipeline` |"))
+    assert all(name in row for name in shown.values()), row
+
+
 def test_the_readme_names_what_the_test_extra_installs_and_the_lint_extra() -> None:
     """Each package of the ``test`` extra is named in the README's table of what the test
     command installs (numpy is a run-time dependency already); the linters CI runs after

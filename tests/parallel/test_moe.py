@@ -913,6 +913,45 @@ def test_sync_replicated_grads_per_micro_batch_refused(world2) -> None:
         assert res["once per step, called twice"] < 1e-12, res
 
 
+def _sync_clip_sync(between: str) -> float:
+    """``sync_replicated_grads``, an in-place change of the summed gradients (``clip``:
+    ``parallel.clip_grad_norm_``; ``unscale``: a ``GradScaler``'s ``unscale_``), then
+    ``sync_replicated_grads`` again with no backward between: the router's and shared
+    expert's gradients against the serial MoE's."""
+    from diffcomm import parallel as P
+
+    serial = P.MoE(4, 6, 4, 2, shared_expert_size=5, activation="tanh", dtype=F64, seed=3)
+    ep = P.ExpertParallelMoE.from_serial(serial)
+    xs = torch.randn(dc.get_world_size(), 3, 4, dtype=F64, generator=torch.Generator().manual_seed(1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    serial(xs.reshape(-1, 4)).pow(2).sum().backward()
+    opt = torch.optim.SGD(ep.parameters(), lr=0.1)
+    y = ep(xs[dc.get_rank()]).pow(2).sum()
+    (scaler.scale(y) if between == "unscale" else y).backward()
+    ep.sync_replicated_grads()
+    if between == "clip":
+        P.clip_grad_norm_(ep, 1e9)  # (scales every gradient in place, here by 1)
+    else:
+        scaler.unscale_(opt)
+    ep.sync_replicated_grads()  # no backward since the last call: sums nothing again
+    mine = dict(ep.named_parameters())
+    return max(
+        float((mine[n].grad - q.grad).abs().max())
+        for n, q in serial.named_parameters()
+        if n.startswith(("router", "shared"))
+    )
+
+
+@pytest.mark.parametrize("between", ["clip", "unscale"])
+def test_sync_replicated_grads_again_after_an_in_place_scaling_sums_nothing(world2, between: str) -> None:
+    """A second call with no backward between sums nothing, also when the summed
+    gradients were scaled in place in between. After ``parallel.clip_grad_norm_`` (an
+    in-place ``mul_``) it took the changed version counter for a new backward's parts and
+    summed again: the gradients 2x the serial ones at world 2 (4.5 off here), no error.
+    (``GradScaler.unscale_``'s fused kernel leaves the version as it is: right before too.)"""
+    assert max(world2.run(_sync_clip_sync, between)) < 1e-12
+
+
 # --------------------------------------------------------------------------------------
 # probes: autocast's dtypes, experts tied across ranks
 # --------------------------------------------------------------------------------------

@@ -956,3 +956,86 @@ def test_another_ranks_state_dict_of_shards_is_refused(world2, tmp_path) -> None
             assert f"holds the shards of group rank {1 - r} of 2" in out[name], (name, out[name])
             assert f"this is group rank {r} of 2" in out[name], out[name]
             assert out[name + " plain"] == "loaded", out
+
+
+# --------------------------------------------------------------------------------------
+# examples/tensor_parallel_llama.py against its serial block
+# --------------------------------------------------------------------------------------
+
+
+def _tp_llama_vs_serial(heads: int, kv_heads: int, dim: int, hidden: int) -> dict[str, float]:
+    """The example's TPBlock of a serial Block (a copy: the TP block shares the norms)
+    against that Block: output, loss, and every parameter's gradient against this rank's
+    part of the serial one (wk / wv: the two halves of the fused wkv)."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    examples = str(Path(__file__).resolve().parents[2] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    from context_parallel_llama import Block, serial_attention
+    from tensor_parallel_llama import TPBlock
+
+    r, n = dc.get_rank(), dc.get_world_size()
+    torch.manual_seed(0)
+    serial = Block(dim, heads, kv_heads, hidden).double()
+    tp = TPBlock(copy.deepcopy(serial))
+    x = torch.randn(2, 6, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(6)
+    y_ref = serial(x, pos, serial_attention)
+    loss_ref = y_ref.pow(2).mean()
+    loss_ref.backward()
+    y = tp(x, pos)
+    loss = y.pow(2).mean()
+    loss.backward()
+    out = {"output": float((y - y_ref).abs().max()), "loss": float((loss - loss_ref).abs())}
+    full = {name: p.grad for name, p in serial.named_parameters()}
+    half = serial.wkv.weight.shape[0] // 2
+    full["wk.weight"], full["wv.weight"] = full["wkv.weight"][:half], full["wkv.weight"][half:]
+    for name, p in tp.named_parameters():
+        g = full[name]
+        if p.shape != g.shape:  # column parallel: rows r of n; row parallel: columns r of n
+            dim_ = 0 if p.shape[0] != g.shape[0] else 1
+            g = g.chunk(n, dim_)[r]
+        out[name] = float((p.grad - g).abs().max())
+    return out
+
+
+def _tp_llama_keeps_the_serial_block() -> tuple[bool, int]:
+    """Whether a TPBlock keeps its serial Block alive, and the TPBlock's parameter count."""
+    import gc
+    import sys
+    import weakref
+    from pathlib import Path
+
+    examples = str(Path(__file__).resolve().parents[2] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    from context_parallel_llama import Block
+    from tensor_parallel_llama import TPBlock
+
+    serial = Block().double()
+    alive = weakref.ref(serial)
+    tp = TPBlock(serial)
+    del serial
+    gc.collect()
+    return alive() is not None, sum(p.numel() for p in tp.parameters())
+
+
+def test_tensor_parallel_llama_example_holds_only_its_shards(world2) -> None:
+    """The TP block keeps no reference to the serial block: ``self.rope = s.rope`` (a bound
+    method) kept the whole serial block alive, so each rank held its 9280 full parameters
+    next to its 4672 own."""
+    for alive, n in world2.run(_tp_llama_keeps_the_serial_block):
+        assert not alive and n == 4672
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tensor_parallel_llama_example_equals_its_serial_block(local_worlds, world_size: int) -> None:
+    """``examples/tensor_parallel_llama.py`` (RMSNorm, RoPE, GQA, SwiGLU; q/k/v, gate and
+    up column parallel, o and down row parallel, norms replicated) equals the serial
+    block: output, loss and every parameter gradient (float64)."""
+    sizes = (4, 2, 32, 64) if world_size == 2 else (6, 3, 36, 66)
+    for errs in local_worlds(world_size).run(_tp_llama_vs_serial, *sizes):
+        assert len(errs) == 11 and max(errs.values()) < 1e-12, errs

@@ -186,3 +186,59 @@ def test_sequence_parallel_norms_only_run_and_equal_serial(world2) -> None:
     norm's weight gradient is the serial one."""
     for res in world2.run(_norms_only_step, False):
         assert res["refused"] == "" and res["grad"] < 1e-12, res
+
+
+# --------------------------------------------------------------------------------------
+# any other replicated parameter on sequence chunks (docs/parallel.md)
+# --------------------------------------------------------------------------------------
+
+
+class _PreThenSP(P.ParallelModule):
+    """A plain ``nn.Linear`` on this rank's sequence chunk, then an SP ``ParallelMLP``;
+    ``summed``: the linear's parameters taken through ``copy_to_region`` (the docs' recipe)."""
+
+    def __init__(self, pre: nn.Linear, mlp: P.MLP, summed: bool) -> None:
+        super().__init__()
+        self.pre, self.summed = pre, summed
+        self.mlp = P.ParallelMLP.from_serial(mlp, sequence_parallel=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.summed:
+            w, b = P.copy_to_region(self.pre.weight), P.copy_to_region(self.pre.bias)
+            return self.mlp(F.linear(x, w, b))
+        return self.mlp(self.pre(x))
+
+
+def _plain_linear_on_chunks(summed: bool, debug: bool) -> float | str:
+    import copy
+
+    torch.manual_seed(0)
+    pre, mlp = nn.Linear(8, 8, dtype=torch.float64), P.MLP(8, 12, dtype=torch.float64)
+    model = _PreThenSP(copy.deepcopy(pre), mlp, summed)
+    x = torch.randn(6, 2, 8, dtype=torch.float64)
+    mlp(pre(x)).pow(2).sum().backward()  # the serial model (the sum over ranks' chunks)
+    try:
+        with dc.debug(debug):
+            model(x.chunk(dc.get_world_size())[dc.get_rank()]).pow(2).sum().backward()
+            P.grad_norm(model)
+    except dc.CrossRankMismatchError as exc:
+        return str(exc)
+    assert model.pre.weight.grad is not None and pre.weight.grad is not None
+    return float((model.pre.weight.grad - pre.weight.grad).abs().max())
+
+
+def test_a_plain_linear_on_sequence_chunks_needs_copy_to_region(world3) -> None:
+    """A plain ``nn.Linear`` inside a sequence-parallel model is not refused (unlike a plain
+    norm: a module cannot tell a chunk from the gathered sequence), and its weight gradient
+    is each rank's partial sum (0.38-0.86 off the serial one at world 3, no error; debug
+    mode's check in ``grad_norm`` names it). Through ``copy_to_region``, as docs/parallel.md
+    says, it equals the serial gradient."""
+    plain = world3.run(_plain_linear_on_chunks, False, False)
+    assert all(isinstance(d, float) and d > 0.1 for d in plain), plain
+    for msg in world3.run(_plain_linear_on_chunks, False, True):
+        assert "replicated parameters' gradients should be the same on every rank" in str(msg), msg
+    assert max(world3.run(_plain_linear_on_chunks, True, False)) < 1e-12
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "parallel.md").read_text().split())
+    assert "F.linear(x, parallel.copy_to_region(self.pre.weight, group)" in text

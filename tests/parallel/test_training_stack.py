@@ -706,3 +706,52 @@ def test_reducing_optimizers_over_shards_refused(world2) -> None:
         assert_refused_before_communicating(
             [msgs[:3]], [msg.format("Adafactor"), msg.format("Muon"), msg.format("LBFGS")]
         )
+
+
+def _dense_then_moe(summed: bool) -> tuple[float, float]:
+    """A linear layer then an ``ExpertParallelMoE`` over ``ep`` of a (dp, ep) = 2 x 2 mesh,
+    in DDP over ``dp``, each rank half of its replica's tokens (loss divided by the EP
+    size); ``summed``: the linear layer's gradients summed over ``ep`` as docs/moe.md
+    says. The linear weight's and the router's gradient against the serial model's."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from diffcomm import parallel as par
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    dp, ep = mesh.get_local_rank("dp"), mesh.get_local_rank("ep")
+    torch.manual_seed(0)
+    dense = nn.Linear(4, 4, dtype=F64)
+    moe = par.MoE(4, 6, 4, 2, shared_expert_size=5, activation="tanh", dtype=F64, seed=3)
+    ser = nn.Sequential(copy.deepcopy(dense), moe)
+    mine = nn.Sequential(dense, par.ExpertParallelMoE.from_serial(moe, (mesh, "ep")))
+    model = DDP(mine, process_group=mesh.get_group("dp"))
+    g = torch.Generator().manual_seed(1)
+    xs, ts = (torch.randn(2, 8, 4, dtype=F64, generator=g) for _ in range(2))  # [dp, tokens, H]
+    F.mse_loss(ser(xs.reshape(-1, 4)), ts.reshape(-1, 4)).backward()
+    (F.mse_loss(model(xs[dp].chunk(2)[ep]), ts[dp].chunk(2)[ep]) / 2).backward()
+    mine[1].sync_replicated_grads()
+    if summed:
+        for p in mine[0].parameters():
+            p.grad = dc.all_reduce(p.grad, group=(mesh, "ep"))
+    return (
+        float((mine[0].weight.grad - ser[0].weight.grad).abs().max()),
+        float((mine[1].router.weight.grad - moe.router.weight.grad).abs().max()),
+    )
+
+
+def test_layers_outside_an_expert_parallel_moe_sum_over_the_ep_axis(world4) -> None:
+    """docs/moe.md, data parallelism over another mesh axis: the layers outside the MoE see
+    this rank's tokens, so averaged over ``dp`` only their gradients are each EP rank's
+    share (0.06 and 0.12 off the serial ones, no error); summed over ``ep`` too, serial.
+    The router (``sync_replicated_grads``) is right either way."""
+    for dense, router in world4.run(_dense_then_moe, False):
+        assert dense > 0.01 and router < 1e-12
+    for dense, router in world4.run(_dense_then_moe, True):
+        assert dense < 1e-12 and router < 1e-12
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "moe.md").read_text().split())
+    assert "sum them over the expert-parallel group too" in text

@@ -11,6 +11,7 @@ shards' micro-batch ``m`` are dispatched together), averaged over micro-batches.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +104,63 @@ def test_add_aux_loss_checks_its_arguments() -> None:
     out = add_aux_loss(y * 3, aux * 5)
     out.sum().backward()  # outside a step: weight 1
     assert torch.equal(y.grad, torch.full((2,), 3.0)) and torch.equal(aux.grad, torch.tensor(5.0))
+
+
+# --------------------------------------------------------------------------------------
+# add_aux_loss under a GradScaler (docs/pipeline.md, "Mixed precision")
+# --------------------------------------------------------------------------------------
+
+_SCALE = 2.0**10
+
+
+class _AuxStage(nn.Module):
+    """Stage 0: ``tanh(lin(x))`` with an auxiliary loss of its own weight, scaled by
+    ``scaler`` as the docs say, or attached unscaled (the old recipe)."""
+
+    def __init__(self, lin: nn.Module, scaler: torch.amp.GradScaler | None) -> None:
+        super().__init__()
+        self.lin, self.scaler = lin, scaler
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        aux = 0.5 * self.lin.weight.square().sum()
+        return add_aux_loss(torch.tanh(self.lin(x)), aux if self.scaler is None else self.scaler.scale(aux))
+
+
+def _scaled_aux_step(scale_aux: bool) -> float:
+    """One GradScaler step of a 2-stage pipeline (the loss scaled in ``loss_fn``), stage 0
+    with an auxiliary loss; the unscaled gradients against the serial float64 model's
+    ``mean_m(mse_m + aux_m)``."""
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    lin, head = nn.Linear(4, 4, dtype=F64), nn.Linear(4, 2, dtype=F64)
+    ref_lin, ref_head = copy.deepcopy(lin), copy.deepcopy(head)
+    scaler = torch.amp.GradScaler("cpu", init_scale=_SCALE)
+    stage = _AuxStage(lin, scaler if scale_aux else None) if r == 0 else head
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    mse = nn.functional.mse_loss
+    runner = PipelineRunner(stage, "1f1b", loss_fn=lambda out, t: scaler.scale(mse(out, t)))
+    if r != runner.last_rank:
+        scaler.scale(torch.zeros((), dtype=F64))  # (the docs' recipe: every rank has a scale)
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(4, 4, dtype=F64, generator=g), torch.randn(4, 2, dtype=F64, generator=g)
+    runner.step(x, t, n_micro=2)
+    scaler.unscale_(opt)
+    assert not dc.parallel.sync_found_inf(scaler, opt)
+    total = torch.zeros((), dtype=F64)
+    for xm, tm in zip(x.chunk(2), t.chunk(2), strict=True):
+        total = total + mse(ref_head(torch.tanh(ref_lin(xm))), tm) + 0.5 * ref_lin.weight.square().sum()
+    (total / 2).backward()
+    ref = ref_lin if r == 0 else ref_head
+    return max(float((a.grad - b.grad).abs().max()) for a, b in zip(stage.parameters(), ref.parameters()))
+
+
+def test_an_aux_loss_under_a_grad_scaler_is_scaled_as_the_loss(world2: dc.LocalWorld) -> None:
+    """docs/pipeline.md's GradScaler recipe with an earlier stage's ``add_aux_loss``: the
+    aux loss attached as ``scaler.scale(aux)`` gives the serial gradients. Attached
+    unscaled (what the two recipes gave together before the docs said to scale it), its
+    gradient is divided by the scale at ``unscale_``: stage 0's weight 0.47 off, silently."""
+    assert max(world2.run(_scaled_aux_step, True)) < 1e-12
+    off, last = world2.run(_scaled_aux_step, False)
+    assert last < 1e-12 and off > 0.1  # the aux loss's gradient / 1024 on stage 0 only
+    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "pipeline.md").read_text().split())
+    assert "add_aux_loss(y, scaler.scale(0.01 * moe.aux_loss))" in text  # the recipe says so

@@ -315,15 +315,32 @@ def _check_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 #: a replicated parameter's gradient as the last sum over its group left it:
-#: ``(weakref to that .grad, its version)``; and, the same way, as a backward that added
-#: onto such a gradient left it (valid while the gradient is not zeroed or replaced)
+#: ``(weakref to that .grad, its version, the backwards accumulated into the parameter so
+#: far)``; and, as ``(weakref, version)``, as a backward that added onto such a gradient
+#: left it (valid while the gradient is not zeroed or replaced)
 _SUMMED = "_diffcomm_grad_summed"
 _ADDED_ONTO_SUM = "_diffcomm_added_onto_sum"
+#: how many backwards have accumulated into the parameter's ``.grad`` since it was watched
+_ACCUMULATED = "_diffcomm_accumulated"
 
 
-def _unchanged(p: Tensor, mark: tuple[Any, int] | None) -> bool:
+def _unchanged(p: Tensor, mark: tuple[Any, ...] | None) -> bool:
     """``p.grad`` is the tensor ``mark`` names, not changed in place since."""
     return mark is not None and p.grad is not None and p.grad is mark[0]() and p.grad._version == mark[1]
+
+
+def _no_backward_since(p: Tensor, mark: tuple[Any, ...] | None) -> bool:
+    """``p.grad`` is the tensor the last sum left (``mark``), and no backward has added
+    to it since. Changed in place otherwise — scaled by ``GradScaler.unscale_`` or a
+    clipping — it is still the sum: summing it again would multiply it by the group
+    size (a version test took the scaling for new parts: sync, clip, sync doubled the
+    router's gradient at world 2)."""
+    return (
+        mark is not None
+        and p.grad is not None
+        and p.grad is mark[0]()
+        and p.__dict__.get(_ACCUMULATED, 0) == mark[2]
+    )
 
 
 def _watch_accumulation(p: Tensor) -> None:
@@ -339,6 +356,7 @@ def _watch_accumulation(p: Tensor) -> None:
             d["_diffcomm_onto_sum"] = _unchanged(q, d.get(_SUMMED)) or _unchanged(q, d.get(_ADDED_ONTO_SUM))
 
     def after(q: Tensor) -> None:
+        q.__dict__[_ACCUMULATED] = q.__dict__.get(_ACCUMULATED, 0) + 1
         if q.__dict__.pop("_diffcomm_onto_sum", False) and q.grad is not None:
             q.__dict__[_ADDED_ONTO_SUM] = (weakref.ref(q.grad), q.grad._version)
 
@@ -364,8 +382,8 @@ def grads_to_sum(op: str, named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
                 "once per optimizer step, after the last accumulated backward (or zero the "
                 "gradients after the call)"
             )
-        if _unchanged(p, p.__dict__.get(_SUMMED)):
-            continue  # already the sum: nothing new to add
+        if _no_backward_since(p, p.__dict__.get(_SUMMED)):
+            continue  # already the sum (scaled in place, perhaps): nothing new to add
         out.append(p)
     return out
 
@@ -377,7 +395,7 @@ def note_summed(params: Sequence[Tensor]) -> None:
         if p.grad is None or A.is_dtensor(p.grad):  # (FSDP2's: it accumulates on its own)
             continue
         p.__dict__.pop(_ADDED_ONTO_SUM, None)
-        p.__dict__[_SUMMED] = (weakref.ref(p.grad), p.grad._version)
+        p.__dict__[_SUMMED] = (weakref.ref(p.grad), p.grad._version, p.__dict__.get(_ACCUMULATED, 0))
         if "_diffcomm_sum_hooks" not in p.__dict__:
             _watch_accumulation(p)
 

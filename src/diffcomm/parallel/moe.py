@@ -702,7 +702,7 @@ class ExpertParallelMoE(nn.Module):
         backward would count the earlier micro-batches ``world`` times again: such a call
         (a backward added onto the gradients the last call summed, not zeroed between) is
         a ``ValueError`` before any communication; a second call with no backward between
-        sums nothing again. Under FSDP2's
+        sums nothing again (also after an in-place scaling: a clipping). Under FSDP2's
         ``fully_shard`` over another mesh axis each gradient is a ``DTensor``: its local
         shards are summed, in place."""
         named = [(n, p) for n, p in self.named_parameters() if n.startswith(("router.", "shared_expert."))]

@@ -77,7 +77,12 @@ def add_aux_loss(y: Tensor, aux: Tensor) -> Tensor:
     micro-batch's ``aux`` weighted as its loss is (``1 / n_micro``), as serially
     ``mean_m(loss_fn(out_m, t_m) + aux_m)``. The returned step loss does not include it
     (add it up yourself to report it). Outside a runner's step the weight is 1: the
-    serial model written with the same call differentiates ``loss + aux``.
+    serial model written with the same call differentiates ``loss + aux``. The weight
+    holds no factor the loss is multiplied by after the forward: attach ``aux`` times it
+    too. Under a ``GradScaler`` that scales the loss (in ``loss_fn``, or
+    ``scaler.scale(loss).backward()``) attach ``scaler.scale(aux)``: an unscaled ``aux``
+    has its gradient divided by the scale at ``unscale_``. Accumulating ``k`` backwards
+    of ``loss / k`` by hand, attach ``aux / k``.
 
     Args:
         y: the stage's output (any shape; it must reach the loss for ``aux`` to count, as
