@@ -178,6 +178,7 @@ def _entries_in_the_flight_recorder() -> tuple[int, int]:
 
 
 @BOTH
+@pytest.mark.usefixtures("debug_off")
 def test_a_resized_flight_recorder_is_a_ranks_own(monkeypatch: pytest.MonkeyPatch, in_process: bool) -> None:
     """With ``DIFFCOMM_FLIGHT_SIZE`` set (not 1024) the recorder makes a new ring of that
     size. Before: in-process, the new ring was every rank's (rank 0 listed 0 entries, rank 1
@@ -209,6 +210,7 @@ def _rank_0_records_spans() -> int | None:
 
 
 @BOTH
+@pytest.mark.usefixtures("debug_off")
 def test_record_spans_on_one_rank_records_its_own_ops(local_worlds, in_process: bool) -> None:
     """The timeline's span recorder is a rank's own. Before, in-process: rank 0's block
     recorded rank 1's all_reduce too (3 spans; processes 2)."""
