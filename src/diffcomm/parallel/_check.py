@@ -82,7 +82,10 @@ def fingerprint(t: Tensor) -> Tensor:
         shape = shape[: _MAX_DIMS - 1] + [math.prod(shape[_MAX_DIMS - 1 :])]
     dims = [float(s) for s in shape] + [-1.0] * (_MAX_DIMS - len(shape))
     weights = torch.cos(torch.arange(x.numel(), dtype=torch.float64, device=x.device) * _GOLDEN)
-    sums = torch.stack([x.sum(), (x * x).sum(), (x * weights).sum()]) if x.numel() else torch.zeros(3)
+    # a meta tensor has no values to differ: its shape is compared (the non-debug program
+    # gives meta results of the right shapes; its sums raised "Cannot copy out of meta")
+    has_values = x.numel() and not x.is_meta
+    sums = torch.stack([x.sum(), (x * x).sum(), (x * weights).sum()]) if has_values else torch.zeros(3)
     head = torch.tensor([float(t.dim()), float(t.numel()), *dims], dtype=torch.float64)
     return torch.cat([head, sums.to(device="cpu", dtype=torch.float64)])
 
