@@ -729,7 +729,9 @@ def test_sizes_that_differ_per_rank_are_a_diffcomm_error_naming_the_op(
     under the mode the error is diffcomm's, naming the op and each rank's size, before
     any exchange where the op reads its sizes from ``x`` (all_to_all_region and scatter
     failed inside torch: "unhashable type: non-nested SymInt", "SymIntArrayRef expected
-    to contain only concrete integers")."""
+    to contain only concrete integers"). The same in debug mode: its replicated check of
+    scatter_to_region's input failed on the per-rank size (torch's AttributeError
+    "'LocalIntNode' object has no attribute 'int_'")."""
     fn, rows, words = _SIZES_DIFFER[case]
 
     def program() -> Any:
@@ -738,8 +740,9 @@ def test_sizes_that_differ_per_rank_are_a_diffcomm_error_naming_the_op(
 
     with pytest.raises(RankError):
         inproc_worlds(len(rows)).run(program)
-    with pytest.raises((ValueError, RuntimeError), match=words):
-        run_under_local_tensor_mode(len(rows), program)
+    for debug in (False, True):
+        with dc.debug(debug), pytest.raises((ValueError, RuntimeError), match=words):
+            run_under_local_tensor_mode(len(rows), program)
 
 
 def _compat_broadcast_from_global_rank_2() -> Any:
