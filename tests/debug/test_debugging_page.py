@@ -46,7 +46,8 @@ def normalise(block: str) -> str:
 
 def start_blocks(tmp: Path, n: int, names: list[str]) -> subprocess.Popen[str]:
     """Start ``python train.py N NAMES...`` in ``tmp`` (read its blocks with :func:`blocks_of`)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), *sys.path]))
+    # the page shows the messages without debug mode (its blocks that use it say so)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), *sys.path]), DIFFCOMM_DEBUG="0")
     return subprocess.Popen(
         [sys.executable, "train.py", str(n), *names],
         cwd=tmp,

@@ -45,6 +45,12 @@ from diffcomm.runtime.world import check_world_fits
 
 T = 2.0  # the ranks' collective timeout (DIFFCOMM_TIMEOUT) in the desync worlds
 
+# The recorder's entries and the desync diagnoses (sequence numbers, the op named, a
+# timeout or a return) are those without debug mode, also in the processes the tests start
+# themselves: its checks add their own gathers and catch a different op or shape first
+# (test_debug_mode_refuses_the_desyncs_at_once)
+pytestmark = pytest.mark.usefixtures("debug_off")
+
 
 def _still_alive(pids: list[int], within: float = 3.0) -> list[int]:
     return still_alive(pids, within)
@@ -320,7 +326,8 @@ os._exit(0)
 
 
 @pytest.mark.waits
-def test_diffcomm_timeout_bounds_the_users_own_default_group(tmp_path) -> None:
+def test_diffcomm_timeout_bounds_the_users_own_default_group(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DIFFCOMM_DEBUG", "0")  # its ranks' processes: the diagnosis without it
     import socket
     import subprocess
     import sys
@@ -532,7 +539,8 @@ def test_desync_under_torchrun(tmp_path, scenario: str) -> None:
 
     script = tmp_path / "job.py"
     script.write_text(TORCHRUN_JOB)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFCOMM_TIMEOUT": str(T)}
+    # (the diagnosis without debug mode)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIFFCOMM_TIMEOUT": str(T), "DIFFCOMM_DEBUG": "0"}
     env.pop("DIFFCOMM_ACCELERATOR", None)
     proc = subprocess.run(
         ["torchrun", "--standalone", "--nproc-per-node=2", str(script), scenario],
@@ -835,3 +843,18 @@ def test_a_deadlock_is_never_invented() -> None:
     # a receive just begun (a raw torch send, uncounted, may be arriving)
     assert deadlock({0: _recv_state(0, 1, 1, 0), 1: _recv_state(1, 0, 1, 0, duration=0.1)}, [0, 1]) is None
     assert deadlock({0: _recv_state(0, 1, 1, 0), 1: None}, [0, 1]) is None
+
+
+def test_debug_mode_refuses_the_desyncs_at_once(world2: LocalWorld) -> None:
+    """In debug mode a rank that calls another op or another shape is a
+    CrossRankMismatchError on every rank, before any data moves: no collective timeout,
+    and the world lives on."""
+    for fn in (calls_another_op, calls_another_shape):
+        start = time.monotonic()
+        with dc.debug(True), pytest.raises(dc.RankError) as info:
+            world2.run(fn, 1)
+        assert time.monotonic() - start < T, fn.__name__
+        errors = info.value.exceptions
+        assert sorted(errors) == [0, 1], info.value
+        assert all(isinstance(e, dc.CrossRankMismatchError) for e in errors.values()), info.value
+        assert world2.run(time.sleep, 0) == [None, None]  # the world lives on

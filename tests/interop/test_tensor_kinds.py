@@ -224,12 +224,15 @@ def _meta_shapes() -> dict[str, tuple[int, ...]]:
     return out
 
 
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
 @pytest.mark.diffcomm_in_process(False)  # gloo's own ranks: the transport is the point
-def test_meta_tensors_give_meta_results_of_the_serial_shapes(world2: dc.LocalWorld) -> None:
+def test_meta_tensors_give_meta_results_of_the_serial_shapes(world2: dc.LocalWorld, debug: bool) -> None:
     """A meta tensor has no values to be wrong: every op gives the meta result of the
     right shape (an uneven all_gather's sizes are exchanged as on real tensors), so shape
     inference through a parallel model works (torch.distributed.pipelining runs a stage's
-    forward on meta tensors to learn its shapes)."""
+    forward on meta tensors to learn its shapes). In debug mode too: the replicated check
+    of ParallelMLP's copy forward summed the meta input ("Cannot copy out of meta tensor;
+    no data!"); it compares the shape."""
     want = {
         "all_reduce": (4, 3),
         "all_gather": (8, 3),
@@ -239,4 +242,5 @@ def test_meta_tensors_give_meta_results_of_the_serial_shapes(world2: dc.LocalWor
         "broadcast": (4, 3),
         "ParallelMLP": (2, 3),
     }
-    assert world2.run(_meta_shapes) == [want, want]
+    with dc.debug(debug):
+        assert world2.run(_meta_shapes) == [want, want]

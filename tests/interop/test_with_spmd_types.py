@@ -580,7 +580,9 @@ BUGS: dict[str, tuple[Callable[[bool], None], str]] = {
 
 def _bug_body(name: str) -> tuple[Any, Any]:
     prog = BUGS[name][0]
-    return _checked(lambda: prog(False)), _checked(lambda: prog(True))
+    with dc.debug(False):  # its cross-rank checks may catch the bug first; the fix runs in it
+        bad = _checked(lambda: prog(False))
+    return bad, _checked(lambda: prog(True))
 
 
 @needs_spmd_types
@@ -808,3 +810,30 @@ def test_in_process_ranks_inside_spmd_types_checker_at_once_equal_real_processes
     finally:
         _put_back(saved)
     assert left == saved, "spmd_types' patches left installed after the in-process run"
+
+
+@needs_spmd_types
+def test_debug_mode_inside_spmd_types_checker_on_in_process_ranks(
+    local_worlds: Callable[..., dc.LocalWorld],
+) -> None:
+    """Debug mode's cross-rank field check (a layer's forward hook compares whether its
+    parameters need grad) inside spmd_types' checker on in-process ranks: the checker
+    typed the check's raw all_gather of field codes and refused it ("tensor has no type
+    for axis"), so the correct TP MLP raised in debug mode only."""
+    with dc.debug(True):
+        for types in local_worlds(2, in_process=True).run(_mlp_body):
+            assert types["y"] == "{default_pg: I}", types
+
+
+@needs_spmd_types
+def test_debug_mode_size_check_inside_spmd_types_checker_on_in_process_ranks(
+    local_worlds: Callable[..., dc.LocalWorld],
+) -> None:
+    """Ulysses attention's uneven all_to_all in debug mode inside spmd_types' checker, on
+    in-process ranks: debug mode's exchange of the split sizes (host integers) was typed by
+    the checker and refused ("tensor has no type for axis")."""
+    inproc = local_worlds(2, in_process=True)
+    with dc.debug(False):
+        want = inproc.run(_ulysses_body)
+    with dc.debug(True):
+        assert inproc.run(_ulysses_body) == want

@@ -482,6 +482,7 @@ def test_an_in_place_shape_change_of_a_pending_result_is_refused(world2) -> None
         assert res["after_wait"] == str([[2.0] * 3] * 2) and res["add_"] == "[3.0, 3.0, 3.0]", res
 
 
+@pytest.mark.usefixtures("debug_off")
 def test_engine_jobs_are_logged_and_recorded_with_their_thread(world2) -> None:
     def logged_rank() -> tuple[int, int, list[str]]:
         with B.log_comms() as log, B.record_spans() as spans:

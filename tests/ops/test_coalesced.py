@@ -205,6 +205,7 @@ BWD_NAME = {
 )
 # on processes: counts communications with torch.profiler: one profiler per process
 @pytest.mark.diffcomm_in_process(False)
+@pytest.mark.usefixtures("debug_off")
 def test_one_communication_per_dtype_forward_and_backward(local_worlds, op, kw, world_size) -> None:
     def count_comms(op: str, kw: dict[str, Any]) -> dict[str, Any]:
         from torch.profiler import ProfilerActivity, profile
@@ -256,6 +257,7 @@ def test_one_communication_per_dtype_forward_and_backward(local_worlds, op, kw, 
 @pytest.mark.parametrize("op,given", [("all_gather", False), ("all_gather", True), ("reduce_scatter", True)])
 # on processes: counts communications with torch.profiler: one profiler per process
 @pytest.mark.diffcomm_in_process(False)
+@pytest.mark.usefixtures("debug_off")
 def test_variable_sizes_one_communication_per_dtype(local_worlds, op, given, world_size) -> None:
     """Sizes that differ between ranks: one data communication per dtype forward (3) and
     backward (2: the float32 and float64 gradients), counted by the comms logger and by
@@ -327,6 +329,7 @@ def test_variable_sizes_one_communication_per_dtype(local_worlds, op, given, wor
 @pytest.mark.parametrize("world_size", [2, 3])
 # on processes: forward-mode AD (one stack of dual levels per process) and async_op=True
 @pytest.mark.diffcomm_in_process(False)
+@pytest.mark.usefixtures("debug_off")
 def test_variable_sizes_torch_func_and_async(local_worlds, world_size) -> None:
     def varied_transforms() -> dict[str, Any]:
         """torch.func and async_op on sizes that differ between ranks, against the single ops."""
@@ -449,6 +452,7 @@ def _prog_single(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # on processes: forward-mode AD: one stack of dual levels per process (docs/in_process.md, Limits)
 @pytest.mark.diffcomm_in_process(False)
+@pytest.mark.usefixtures("debug_off")
 def test_torch_func_grad_vjp_jvp_vmap(world2) -> None:
     def func_transforms() -> dict[str, Any]:
         from torch.func import grad, jvp, vjp, vmap
@@ -771,6 +775,7 @@ def test_gradcheck_every_coalesced_op(world3) -> None:
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("debug_off")
 def test_subgroups_noncontiguous_comm_off_inplace(world4) -> None:
     def subgroups_and_layouts() -> dict[str, Any]:
         import torch.distributed as dist
@@ -806,6 +811,7 @@ def test_subgroups_noncontiguous_comm_off_inplace(world4) -> None:
         assert res["inplace"] == ([1.0, 1.0, 1.0], [0.0, 0.0])
 
 
+@pytest.mark.usefixtures("debug_off")
 def test_vmapped_all_gather_coalesced_costs_the_same_whatever_the_batch(world2) -> None:
     """Issue 45: under ``vmap`` a larger (or new) batch used to add a size exchange or a
     second gather (the learned sizes were remembered by the batched shapes and padded to

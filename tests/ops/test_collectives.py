@@ -807,6 +807,7 @@ _GATHER_MISMATCHES = [
 ]
 
 
+@pytest.mark.usefixtures("debug_off")
 def test_a_gathers_shape_or_dtype_mismatch_is_an_error_on_every_rank_without_debug_mode(world3) -> None:
     from _shared import forget_gathered_sizes
 
@@ -879,6 +880,7 @@ EXPECTED_CALLS = {
 
 
 @pytest.mark.parametrize("op", list(EXPECTED_CALLS))
+@pytest.mark.usefixtures("debug_off")
 def test_backward_is_one_call_of_the_dual(world3, op: str) -> None:
     def counts(op: str) -> tuple[dict, dict]:
         w = dc.get_world_size()
@@ -898,6 +900,7 @@ def test_backward_is_one_call_of_the_dual(world3, op: str) -> None:
         assert fwd == want_fwd and bwd == want_bwd
 
 
+@pytest.mark.usefixtures("debug_off")
 def test_uneven_all_gather_learns_the_sizes_with_the_rows(world3) -> None:
     def size_exchange_counts() -> list[dict]:
         group = dist.new_group(list(range(dc.get_world_size())))  # a new group: nothing learned yet
@@ -925,6 +928,7 @@ def test_uneven_all_gather_learns_the_sizes_with_the_rows(world3) -> None:
             assert grad == [[3.0, 3.0]] * len(grad)  # the sum of every rank's ones
 
 
+@pytest.mark.usefixtures("debug_off")
 def test_all_gather_of_unknown_sizes_is_exact_for_every_dtype_and_layout(world3) -> None:
     def block(r: int, rows: list[int], dtype: torch.dtype, dim: int) -> torch.Tensor:
         t = torch.arange(rows[r] * 3, dtype=torch.float64).reshape(rows[r], 3) + 1000 * r

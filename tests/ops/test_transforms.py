@@ -500,6 +500,7 @@ def test_ties_and_zeros_follow_the_reference_linearisation(world3) -> None:
     assert not problems, "\n".join(problems[:12])
 
 
+@pytest.mark.usefixtures("debug_off")
 def test_vmap_uneven_all_gather_exchanges_sizes_once(world3) -> None:
     """Without ``split_sizes=`` the size exchange (a tiny all_gather) is part of the call count:
     2 raw all_gathers for one call and for the whole batch. (A later unbatched call on the

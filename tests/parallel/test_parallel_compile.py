@@ -208,3 +208,37 @@ def test_fullgraph_ring_attention_says_what_to_do(inproc_world2: dc.LocalWorld) 
     """With fullgraph=True the graph break is refused with the reason and the way out."""
     for msg in inproc_world2.run(_compiled_vs_eager, "ring_attention", "eager", True):
         assert isinstance(msg, str) and "ring_attention" in msg and "ulysses_attention" in msg, msg
+
+
+def _fullgraph_mappings_in_debug_mode() -> list[float]:
+    """A copy forward, an identity backward and a ColumnParallelLinear, compiled with
+    ``fullgraph=True`` in debug mode: the largest difference from eager, per case."""
+    torch.manual_seed(0)  # the same input on every rank: replicated
+    x = torch.randn(4, 8, dtype=F64)
+    lin = P.ColumnParallelLinear(8, 8, dtype=F64, seed=0)
+    cases = (
+        lambda a: P.copy_to_region(a) * 2,
+        lambda a: P.reduce_from_region(a * 1).square().sum(),
+        lin,
+    )
+    diffs = []
+    with dc.debug(True):
+        for fn in cases:
+            torch._dynamo.reset()
+            xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+            yc = torch.compile(fn, backend="aot_eager", fullgraph=True)(xc)
+            ye = fn(xe)
+            yc.sum().backward()
+            ye.sum().backward()
+            diffs.append(max(float((yc - ye).abs().max()), float((xc.grad - xe.grad).abs().max())))
+    return diffs
+
+
+def test_debug_mode_compiles_the_mappings_fullgraph(inproc_world2: dc.LocalWorld) -> None:
+    """Debug mode's replicated check is skipped in compiled code (as its field check is,
+    docs/transforms.md). It ran there, and its torch.func switch failed dynamo
+    ("Attempted to call function marked as skipped"): a copy_to_region, a
+    reduce_from_region's backward or a ColumnParallelLinear compiled with
+    ``fullgraph=True`` only outside debug mode."""
+    for diffs in inproc_world2.run(_fullgraph_mappings_in_debug_mode):
+        assert max(diffs) <= 1e-12, diffs

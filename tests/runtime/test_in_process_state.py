@@ -165,9 +165,13 @@ def _overrides_seen() -> dict[str, bool]:
 @BOTH
 def test_a_ranks_capability_overrides_are_its_own(local_worlds, in_process: bool) -> None:
     """The adapter's capability overrides (tests of the fallbacks set them) are a rank's own.
-    Before, in-process: rank 1 ran with rank 0's (processes: none)."""
-    got = local_worlds(2, in_process=in_process).run(_overrides_seen)
-    assert got == [{"all_gather_into_tensor": False}, {}]
+    Before, in-process: rank 1 ran with rank 0's (processes: none). In debug mode too, whose
+    check gathers with the list call on rank 0 and into one tensor on rank 1: the
+    in-process hub met them with "'list' object has no attribute 'reshape'"."""
+    for debug in (False, True):
+        with dc.debug(debug):
+            got = local_worlds(2, in_process=in_process).run(_overrides_seen)
+        assert got == [{"all_gather_into_tensor": False}, {}], debug
 
 
 def _entries_in_the_flight_recorder() -> tuple[int, int]:
@@ -178,6 +182,7 @@ def _entries_in_the_flight_recorder() -> tuple[int, int]:
 
 
 @BOTH
+@pytest.mark.usefixtures("debug_off")
 def test_a_resized_flight_recorder_is_a_ranks_own(monkeypatch: pytest.MonkeyPatch, in_process: bool) -> None:
     """With ``DIFFCOMM_FLIGHT_SIZE`` set (not 1024) the recorder makes a new ring of that
     size. Before: in-process, the new ring was every rank's (rank 0 listed 0 entries, rank 1
@@ -209,6 +214,7 @@ def _rank_0_records_spans() -> int | None:
 
 
 @BOTH
+@pytest.mark.usefixtures("debug_off")
 def test_record_spans_on_one_rank_records_its_own_ops(local_worlds, in_process: bool) -> None:
     """The timeline's span recorder is a rank's own. Before, in-process: rank 0's block
     recorded rank 1's all_reduce too (3 spans; processes 2)."""

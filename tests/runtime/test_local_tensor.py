@@ -21,12 +21,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _shared import COPY_FORWARDS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import diffcomm as dc
 from diffcomm import parallel as P
-from diffcomm._errors import RankError
+from diffcomm._errors import CrossRankMismatchError, RankError
 from diffcomm.backend.local_tensor import LocalTensorModeError
 from diffcomm.parallel import routing as _routing_module
 from diffcomm.parallel.context import ring as _ring_module
@@ -627,10 +628,13 @@ REFUSED: dict[str, tuple[Callable[[], Any], int, str]] = {
 @pytest.mark.parametrize("row", list(EQUAL))
 def test_equal_under_local_tensor_mode(row: str, inproc_worlds: Callable[[int], Any]) -> None:
     program, n = EQUAL[row]
-    assert_equal_both_ways(inproc_worlds(n), n, program)
+    # a copy forward's per-rank input is refused in debug mode (its premise: replicated)
+    with dc.debug(False) if row in COPY_FORWARDS else nullcontext():
+        assert_equal_both_ways(inproc_worlds(n), n, program)
 
 
 @pytest.mark.parametrize("row", list(REFUSED))
+@pytest.mark.usefixtures("debug_off")
 def test_refused_under_local_tensor_mode_naming_the_op(row: str) -> None:
     program, n, words = REFUSED[row]
     with pytest.raises(LocalTensorModeError, match=words + r".*in_process=True"):
@@ -660,6 +664,7 @@ _SHAPES_DIFFER: dict[str, tuple[Callable[[torch.Tensor], Any], list[int], str]] 
 
 
 @pytest.mark.parametrize("case", list(_SHAPES_DIFFER))
+@pytest.mark.usefixtures("debug_off")
 def test_shapes_that_differ_per_rank_where_the_op_needs_one_are_an_error(
     case: str, inproc_worlds: Callable[[int], Any]
 ) -> None:
@@ -724,7 +729,9 @@ def test_sizes_that_differ_per_rank_are_a_diffcomm_error_naming_the_op(
     under the mode the error is diffcomm's, naming the op and each rank's size, before
     any exchange where the op reads its sizes from ``x`` (all_to_all_region and scatter
     failed inside torch: "unhashable type: non-nested SymInt", "SymIntArrayRef expected
-    to contain only concrete integers")."""
+    to contain only concrete integers"). The same in debug mode: its replicated check of
+    scatter_to_region's input failed on the per-rank size (torch's AttributeError
+    "'LocalIntNode' object has no attribute 'int_'")."""
     fn, rows, words = _SIZES_DIFFER[case]
 
     def program() -> Any:
@@ -733,8 +740,9 @@ def test_sizes_that_differ_per_rank_are_a_diffcomm_error_naming_the_op(
 
     with pytest.raises(RankError):
         inproc_worlds(len(rows)).run(program)
-    with pytest.raises((ValueError, RuntimeError), match=words):
-        run_under_local_tensor_mode(len(rows), program)
+    for debug in (False, True):
+        with dc.debug(debug), pytest.raises((ValueError, RuntimeError), match=words):
+            run_under_local_tensor_mode(len(rows), program)
 
 
 def _compat_broadcast_from_global_rank_2() -> Any:
@@ -907,7 +915,9 @@ def test_property_local_tensor_mode_equals_in_process_world(inproc_worlds: Calla
     @given(_cases())
     def check(case: tuple) -> None:
         op, n, *rest = case
-        assert_equal_both_ways(inproc_worlds(n), n, _program, op, n, *rest)
+        # a copy forward's per-rank input is refused in debug mode (its premise: replicated)
+        with dc.debug(False) if op in COPY_FORWARDS else nullcontext():
+            assert_equal_both_ways(inproc_worlds(n), n, _program, op, n, *rest)
 
     check()
 
@@ -1211,14 +1221,17 @@ def test_the_moe_row_fails_when_every_rank_plans_as_rank_0(
 ) -> None:
     """Every simulated rank's routing plan made as rank 0's (from its own routing): its
     split sizes then contradict its rows or what arrives, and the all_to_all's per-rank
-    checks say so (an error naming the op and argument, not a wrong value)."""
+    checks say so (an error naming the op and argument, not a wrong value); in debug mode
+    its cross-rank size check says so where the sizes fit the rows."""
     for row in ("moe dispatch / combine", "moe dispatch / combine[one expert per rank, world=4]"):
         program, n = EQUAL[row]
         inproc_worlds(n).run(program)
         monkeypatch.setattr(_routing_module, "_rank_part", _rank_part_of_rank_zero)
-        with pytest.raises(
-            (LocalTensorModeError, ValueError), match=r"all_to_all.*(output|input)_split_sizes"
-        ):
+        refused = r"all_to_all.*(output|input)_split_sizes"
+        with dc.debug(False), pytest.raises((LocalTensorModeError, ValueError), match=refused):
+            run_under_local_tensor_mode(n, program)
+        either = (CrossRankMismatchError, LocalTensorModeError, ValueError)
+        with dc.debug(True), pytest.raises(either, match=rf"{refused}|all_to_all.*inconsistent split sizes"):
             run_under_local_tensor_mode(n, program)
         monkeypatch.undo()
 

@@ -586,6 +586,15 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, what: str = "collective") -> Non
         dst.copy_(src.reshape(dst.shape))
 
 
+def _gathered_parts(got: Any) -> list[torch.Tensor]:
+    """What one rank put into an all_gather, as a list: a rank may gather with the list
+    call (``allgather``) where another gathers into one tensor (``all_gather_single``), as
+    gloo's ranks may (a rank's capability overrides are its own). They met in debug mode's
+    check (a rank holding ``all_gather_into_tensor: False``): "'list' object has no
+    attribute 'reshape'"."""
+    return got if isinstance(got, list) else [got]
+
+
 def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts)`` as a transport joins bytes: outside the caller's
     ``torch.autocast``, which is for the user's math, not a collective's buffers (CPU
@@ -712,7 +721,7 @@ class InProcessGroup(_PG):
         got = self._all("all_gather", [t.detach().clone() for t in inputs])
         for i, outs in enumerate(outputs):
             for r, o in enumerate(outs):
-                _copy(o, got[r][i], "all_gather")
+                _copy(o, _gathered_parts(got[r])[i], "all_gather")
         return _done(outputs)
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
@@ -720,7 +729,7 @@ class InProcessGroup(_PG):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         got = self._all("all_gather", input.detach().clone())
-        _copy(output, _joined([g.reshape(-1) for g in got]), "all_gather")
+        _copy(output, _joined([p.reshape(-1) for g in got for p in _gathered_parts(g)]), "all_gather")
         return _done(output)
 
     _allgather_base = all_gather_single

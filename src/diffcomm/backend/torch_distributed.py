@@ -16,6 +16,7 @@ and the padding / complex-as-real helpers. Re-exported by :mod:`diffcomm.backend
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from .. import _torch
 from .._errors import CrossRankMismatchError
+from .._replication import spmd_types_checking, spmd_types_paused
 from ..diagnostics.logger import label
 from .consistency import PAD, encode, mismatch
 from .direct_calls import (
@@ -50,6 +52,18 @@ from .sized_gather import remember_rows as _remember_rows
 # op's behaviour in two files.
 
 _SUM = dist.ReduceOp.SUM
+#: (see _replication.spmd_types_checking)
+_FUNCTION_ATTRS = torch.autograd.Function.__dict__
+
+
+def _untyped() -> Any:
+    """spmd_types' ``no_typecheck()`` block while its checker is active, else a null one:
+    for the host integers diffcomm exchanges (sizes, debug mode's field codes), no program
+    data. Typed, the checker refused their raw gather ("tensor has no type for axis"):
+    debug mode's checks under ``typecheck()`` on in-process ranks."""
+    return spmd_types_paused() if spmd_types_checking(_FUNCTION_ATTRS) else contextlib.nullcontext()
+
+
 _TORCH_OPS = {
     "sum": _SUM,
     "avg": dist.ReduceOp.AVG,
@@ -396,14 +410,15 @@ class TorchDistributedBackend(CoalescedOps):
         side = cpu_group(info)  # host integers: never a device round trip
         mine = torch.tensor(record, dtype=torch.int64)
         out = torch.empty(info.size * len(record), dtype=torch.int64)
-        _dispatch(
-            "all_gather",
-            side,
-            out.nbytes,
-            lambda: c10d_all_gather(out, mine, side),
-            lambda: out.copy_(mine.repeat(info.size)),
-            None,
-        )
+        with _untyped():
+            _dispatch(
+                "all_gather",
+                side,
+                out.nbytes,
+                lambda: c10d_all_gather(out, mine, side),
+                lambda: out.copy_(mine.repeat(info.size)),
+                None,
+            )
         return out.view(info.size, len(record)).tolist()
 
     def all_gather_unsized(
@@ -684,7 +699,7 @@ class TorchDistributedBackend(CoalescedOps):
         flat = encode(fields)
         # named as the user's op (a desync here reads "all_reduce (debug check)", not a
         # raw all_gather the user never called)
-        with label(f"{op} (debug check)"):
+        with label(f"{op} (debug check)"), _untyped():
             width_t = torch.tensor([len(flat)], dtype=torch.int64, device=group_info(group).device)
             m = max(self.all_gather(width_t, group).tolist())
             vec = torch.full((m,), PAD, dtype=torch.int64, device=width_t.device)
