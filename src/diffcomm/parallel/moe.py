@@ -318,6 +318,11 @@ class MoE(nn.Module):
         self.tokens_per_expert: Tensor | None = None
         self.dropped = 0
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> MoE:
+        """A copy whose ``aux_loss`` holds the last value without its graph (torch's
+        deepcopy refuses a non-leaf tensor)."""
+        return deepcopy_sharing_groups(self, memo)  # type: ignore[return-value]
+
     def forward(self, x: Tensor) -> Tensor:
         """``x``: ``(..., H)``; returns ``(..., H)``."""
         x2 = _tokens("parallel.MoE", x, self.hidden_size, self.router.weight.dtype)
