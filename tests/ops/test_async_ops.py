@@ -37,8 +37,8 @@ CASES = {
     "all_to_all(dims)": lambda x, a: dc.all_to_all(x, 0, 1, async_op=a),
 }
 # max/min/product reduce and reduce_scatter are a local function (keep on dst / own
-# chunk) of an asynchronous all_reduce: their result is returned finished
-FINISHED_RESULT = {"reduce(min)", "reduce_scatter(max)"}
+# chunk) of an asynchronous all_reduce, run on the engine after it: an AsyncTensor too
+FINISHED_RESULT: set[str] = set()
 # ops whose backward hands on an AsyncTensor (linear ops whose rule is the dual alone)
 ASYNC_BACKWARD = {
     "all_reduce(sum)",
@@ -238,17 +238,59 @@ def test_async_op_refuses_a_backward_that_reads_a_tensor_modified_in_place(world
             for where in ("output", "waited output", "input", "async input"):
                 blocking = _grad_after_inplace(fn, False, where)
                 asynchronous = _grad_after_inplace(fn, True, where)
-                out[f"{name} {where}"] = (blocking, asynchronous)
+                like = blocking
+                if name == "reduce_scatter(max)" and where in ("output", "waited output"):
+                    # the blocking op returns a view of its all_reduce's output (refused when
+                    # changed); the asynchronous one a chunk of its own, which nothing in
+                    # backward reads: the gradient of the blocking op's copy
+                    like = _grad_after_inplace(lambda x, a, fn=fn: fn(x, a).clone(), False, where)
+                out[f"{name} {where}"] = (blocking, asynchronous, like)
         return out
 
     results = _every_rank(world2, inplace_rank)
-    for name, (blocking, asynchronous) in results:
-        assert blocking[:2] == asynchronous[:2], (name, blocking, asynchronous)
+    for name, (_, asynchronous, like) in results:
+        assert like[:2] == asynchronous[:2], (name, like, asynchronous)
         if asynchronous[0] == "error":  # the message names the op (reduce_scatter(max) runs one)
             assert "asynchronous all_reduce" in asynchronous[2], (name, asynchronous[2])
-    refused = {name for name, (b, _) in results if b[0] == "error"}
+    refused = {name for name, (b, _, _) in results if b[0] == "error"}
     assert {"all_reduce(max) output", "all_reduce(product) input", "reduce_scatter(max) output"} <= refused
     # (reduce(max) keeps the all_reduce's result on dst: its output is a new tensor)
     assert not {
         name for name in refused if name.startswith(("all_reduce(sum)", "all_gather", "reduce(max) output"))
     }
+
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+
+def _reduce_waits() -> dict[str, object]:
+    """``reduce`` and ``reduce_scatter`` with every reduce op, ``async_op=True``: the
+    result's type, and ``.wait()``'s value and gradient against the blocking op's."""
+    r = dc.get_rank()
+    x0 = torch.tensor([1.5 + r, 4.0 - r, 2.0, 3.0 + r], dtype=torch.float64)
+    out: dict[str, object] = {}
+    for op in REDUCE_OPS:
+        for name, fn in (
+            (f"reduce({op})", lambda x, a, op=op: dc.reduce(x, 1, op, async_op=a)),
+            (f"reduce_scatter({op})", lambda x, a, op=op: dc.reduce_scatter(x, 0, op, async_op=a)),
+        ):
+            got = []
+            for a in (False, True):
+                x = x0.clone().requires_grad_()
+                y = fn(x, a)
+                kind = type(y).__name__
+                z = y.wait() if a else y  # (before: max/min/product returned a plain tensor)
+                (gx,) = torch.autograd.grad((z * torch.arange(1.0, z.numel() + 1)).sum(), x)
+                got.append((kind, type(z).__name__, z.detach(), gx))
+            (_, _, zb, gb), (kind, wkind, za, ga) = got
+            out[name] = (kind, wkind, torch.equal(zb, za), torch.equal(gb, ga))
+    return out
+
+
+def test_async_reduce_and_reduce_scatter_wait_with_every_op(world2) -> None:
+    """``dc.reduce(x, dst, "max", async_op=True)`` (and min / product, and reduce_scatter
+    with them) returned a plain tensor, which has no ``.wait()`` (AttributeError), where
+    the contract says an asynchronous op returns an AsyncTensor. Now every reduce op does;
+    ``.wait()`` gives the blocking op's value and gradient."""
+    for res in world2.run(_reduce_waits):
+        assert res == {n: ("AsyncTensor", "Tensor", True, True) for n in res}, res

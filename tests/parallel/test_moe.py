@@ -1174,3 +1174,56 @@ def test_an_expert_tied_to_the_shared_expert_equals_serial(world2, tied: int) ->
     assert [res["holds_it"] for res in per_rank] == [tied < 2, tied >= 2]
     for res in per_rank:
         assert res["grad"] < 1e-12 and res["step"] < 1e-12 and res["still_tied"], res
+
+
+def _sync_clip_backward_sync(between: str) -> str:
+    """``sync_replicated_grads``, then ``between`` — ``clip`` (``parallel.clip_grad_norm_``,
+    an in-place ``mul_``), ``zero`` (``zero_grad(set_to_none=False)``), ``none``,
+    ``zero clip`` (zeroed, a backward, clipped) — then a backward with no ``zero_grad``
+    and ``sync_replicated_grads`` again: the error's start and its communication count,
+    or how far the gradients are from the serial MoE's."""
+    from diffcomm import backend as B
+    from diffcomm import parallel as P
+
+    serial = P.MoE(4, 6, 4, 2, shared_expert_size=5, activation="tanh", dtype=F64, seed=3)
+    ep = P.ExpertParallelMoE.from_serial(serial)
+    w, r = dc.get_world_size(), dc.get_rank()
+    xs = torch.randn(2, w, 3, 4, dtype=F64, generator=torch.Generator().manual_seed(1))
+    ep(xs[0, r]).pow(2).sum().backward()
+    ep.sync_replicated_grads()
+    if "zero" in between:
+        ep.zero_grad(set_to_none=False)
+        ep(xs[0, r]).pow(2).sum().backward()
+        serial(xs[0].reshape(-1, 4)).pow(2).sum().backward()
+    if "clip" in between:
+        P.clip_grad_norm_(ep, 1e9)  # (scales every gradient in place, here by 1)
+    ep(xs[1, r]).pow(2).sum().backward()
+    serial(xs[1].reshape(-1, 4)).pow(2).sum().backward()
+    with B.log_comms() as log:
+        try:
+            ep.sync_replicated_grads()
+        except ValueError as e:
+            return f"{str(e)[:60]} [{log.count()} comms]"
+    mine = dict(ep.named_parameters())
+    off = max(
+        float((mine[n].grad - q.grad).abs().max())
+        for n, q in serial.named_parameters()
+        if n.startswith(("router", "shared"))
+    )
+    return f"no error, {off:.2g} off"
+
+
+@pytest.mark.parametrize("between", ["none", "clip", "zero", "zero clip"])
+def test_sync_replicated_grads_after_an_in_place_scaling_and_a_backward_refused(world2, between: str) -> None:
+    """sync, clip (an in-place ``mul_``), backward without zero_grad, sync: the clip moved
+    the version counter the mark of a backward added onto a sum read, so the second sum
+    counted the first backward's part twice at world 2, with no error. Now refused as
+    without the clip; after ``zero_grad(set_to_none=False)`` (clipped or not) it sums."""
+    want = (
+        "diffcomm.parallel.ExpertParallelMoE.sync_replicated_grads(): `router.weight`'s"[:60] + " [0 comms]"
+    )
+    for res in world2.run(_sync_clip_backward_sync, between):
+        if "zero" in between:
+            assert res.startswith("no error") and float(res.split(", ")[1].split()[0]) < 1e-12, res
+        else:
+            assert res == want, res

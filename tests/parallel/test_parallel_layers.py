@@ -1039,3 +1039,40 @@ def test_tensor_parallel_llama_example_equals_its_serial_block(local_worlds, wor
     sizes = (4, 2, 32, 64) if world_size == 2 else (6, 3, 36, 66)
     for errs in local_worlds(world_size).run(_tp_llama_vs_serial, *sizes):
         assert len(errs) == 11 and max(errs.values()) < 1e-12, errs
+
+
+def _copies_after_a_training_step() -> dict[str, object]:
+    """copy.deepcopy of an ExpertParallelMoE (and of the serial MoE) after a forward and a
+    backward: its aux_loss held the step's graph, and torch's deepcopy refused it."""
+    import copy
+
+    moe = P.ExpertParallelMoE(4, 6, 4, 2, dtype=F64, seed=0)
+    serial = P.MoE(4, 6, 4, 2, dtype=F64, seed=0)
+    x = torch.randn(5, 4, dtype=F64)
+    out: dict[str, object] = {}
+    for name, model in (("moe", moe), ("serial", serial)):
+        y = model(x)
+        (y.square().sum() + model.aux_loss).backward()
+        steps = {"forward": model(x), "backward": None}
+        for when in steps:
+            twin = copy.deepcopy(model)
+            assert twin.aux_loss is not None and twin.aux_loss.grad_fn is None
+            same_aux = bool(torch.equal(twin.aux_loss, model.aux_loss.detach()))
+            same_out = float((twin(x) - model(x)).abs().max())
+            with torch.no_grad():  # independent: changing the copy leaves the model alone
+                before = [p.clone() for p in model.parameters()]
+                for p in twin.parameters():
+                    p.add_(1.0)
+            untouched = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            # (torch's Parameter.__deepcopy__ copies no gradient; none is shared)
+            pairs = zip(twin.parameters(), model.parameters())
+            grads = all(q.grad is None or q.grad is not p.grad for q, p in pairs)
+            out[f"{name} after {when}"] = (same_aux, same_out, untouched, grads)
+    return out
+
+
+def test_deepcopy_after_a_training_step(world2) -> None:
+    """The copy of a trained MoE: equal outputs, aux loss and gradients, no shared state
+    (it raised "Only Tensors created explicitly by the user ... support the deepcopy protocol")."""
+    for res in world2.run(_copies_after_a_training_step):
+        assert all(v == (True, 0.0, True, True) for v in res.values()), res

@@ -8,12 +8,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .._config import DEBUG as _DEBUG
 from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
 from ..backend.args import PG
+from . import engine as _async
 from . import references
 from .all_reduce import _AllReduce
 from .base import CommOp, apply, call, op_labels
@@ -251,4 +253,18 @@ def reduce_scatter(
         return apply(_ReduceScatter, x, dim, op_name, pg, tuple(split_sizes), async_op=async_op)
     full = apply(_AllReduce, x, op_name, pg, async_op=async_op)
     start, length = _own_slice(split_sizes, pg)
+    if isinstance(full, _async.AsyncTensor):  # the own chunk taken after the all_reduce, on the
+        # engine: an AsyncTensor as every asynchronous op's (it returned a plain tensor, no .wait())
+        shape = list(full.shape)
+        shape[dim] = length
+        return _async.launch(
+            full,
+            f"reduce_scatter({op_name})",
+            # (a tensor of its own: a view would share the all_reduce's output, which
+            # max / min / product's backward reads, with whoever changes the result in place)
+            lambda t: t.narrow(dim, start, length).clone(),
+            shape,
+            lambda g: torch.slice_scatter(g.new_zeros(full.shape), g, dim, start, start + length),
+            private=True,
+        )
     return full.narrow(dim, start, length)

@@ -13,6 +13,7 @@ from .._config import DEBUG as _DEBUG
 from .._replication import PARTIAL, SHARES, TWICE, Rule, T
 from ..backend import args as A
 from ..backend.args import PG
+from . import engine as _async
 from . import references
 from .all_reduce import _AllReduce
 from .base import CommOp, apply, call, only_on, op_labels
@@ -173,4 +174,9 @@ def reduce(
         return apply(_Reduce, x, dst, op_name, pg, async_op=async_op)
     # max/min/product: every rank needs the extreme/product for its gradient anyway
     y = apply(_AllReduce, x, op_name, pg, async_op=async_op)
-    return only_on(y, _rank_is(pg, dst, y.device))
+    keep = _rank_is(pg, dst, y.device)
+    if isinstance(y, _async.AsyncTensor):  # the mask runs after the all_reduce, on the engine:
+        # an AsyncTensor as every asynchronous op's (it returned a plain tensor, no .wait())
+        mask = lambda t: only_on(t, keep)  # (the value and its gradient alike)
+        return _async.launch(y, f"reduce({op_name})", mask, y.shape, mask, private=True)
+    return only_on(y, keep)

@@ -272,11 +272,19 @@ def deepcopy_sharing_groups(module: nn.Module, memo: dict[int, Any]) -> nn.Modul
     """``copy.deepcopy(module)`` whose layers keep their process groups (``_pg``): a
     ``ProcessGroup`` cannot be copied (torch's pickling refuses it), and a copy of a
     parallel model (an EMA, ``torch.optim.swa_utils.AveragedModel``, a frozen reference)
-    communicates over the same ranks. Parameters and buffers are copied as usual."""
+    communicates over the same ranks. Parameters and buffers are copied as usual.
+
+    A tensor a forward left on a layer with its graph (``ExpertParallelMoE.aux_loss``
+    after a training step) is copied without it (``detach().clone()``): torch's deepcopy
+    refuses a non-leaf tensor ("Only Tensors created explicitly by the user ... support
+    the deepcopy protocol"), so an EMA copy made after the first step failed."""
     for m in module.modules():
         pg = m.__dict__.get("_pg")
         if pg is not None:
             memo.setdefault(id(pg), pg)
+        for value in m.__dict__.values():
+            if isinstance(value, Tensor) and value.grad_fn is not None and id(value) not in memo:
+                memo[id(value)] = value.detach().clone()
     new = type(module).__new__(type(module))
     memo[id(module)] = new
     new.__setstate__(copy.deepcopy(module.__dict__, memo))

@@ -316,17 +316,14 @@ def _check_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 #: a replicated parameter's gradient as the last sum over its group left it:
 #: ``(weakref to that .grad, its version, the backwards accumulated into the parameter so
-#: far)``; and, as ``(weakref, version)``, as a backward that added onto such a gradient
-#: left it (valid while the gradient is not zeroed or replaced)
+#: far)``; and, as ``(weakref, version, backwards so far, holds)``, as a backward that added
+#: onto such a gradient left it (``holds``: ``True``, or a 0-dim device tensor telling
+#: whether the gradient still held anything when the backward added onto it, read only
+#: when the next sum is asked for: no host synchronisation in backward)
 _SUMMED = "_diffcomm_grad_summed"
 _ADDED_ONTO_SUM = "_diffcomm_added_onto_sum"
 #: how many backwards have accumulated into the parameter's ``.grad`` since it was watched
 _ACCUMULATED = "_diffcomm_accumulated"
-
-
-def _unchanged(p: Tensor, mark: tuple[Any, ...] | None) -> bool:
-    """``p.grad`` is the tensor ``mark`` names, not changed in place since."""
-    return mark is not None and p.grad is not None and p.grad is mark[0]() and p.grad._version == mark[1]
 
 
 def _no_backward_since(p: Tensor, mark: tuple[Any, ...] | None) -> bool:
@@ -343,38 +340,70 @@ def _no_backward_since(p: Tensor, mark: tuple[Any, ...] | None) -> bool:
     )
 
 
+def _holds_a_sum(p: Tensor) -> bool | Tensor:
+    """Whether ``p.grad`` still holds (a part of) the last sum: the gradient the last sum
+    left, or a backward added onto, with no backward since that did not add onto a sum.
+    Changed in place since (the version counter moved), it is either scaled — a clipping's
+    ``mul_``, still the sum — or zeroed (``zero_grad(set_to_none=False)``): the version
+    cannot tell them apart, so the content does (``grad.any()``: a 0-dim tensor, read
+    later; an all-zero gradient holds nothing that a second sum could count twice)."""
+    d, g = p.__dict__, p.grad
+    if g is None:
+        return False
+    count = d.get(_ACCUMULATED, 0)
+    added, summed = d.get(_ADDED_ONTO_SUM), d.get(_SUMMED)
+    if added is not None and g is added[0]() and count == added[2]:
+        version, holds = added[1], added[3]
+    elif summed is not None and g is summed[0]() and count == summed[2]:
+        version, holds = summed[1], True
+    else:
+        return False
+    if g._version == version:
+        return holds
+    nonzero = g.detach().any()  # (zeroed in place: nothing of a sum left, for good)
+    return nonzero if holds is True else holds & nonzero
+
+
 def _watch_accumulation(p: Tensor) -> None:
     """Hooks of a replicated parameter around each backward's accumulation into ``.grad``:
-    before it, whether ``.grad`` is still the sum (or a sum added onto) untouched — not
-    zeroed, not set to ``None``; after it, that gradient is marked ``_ADDED_ONTO_SUM``."""
+    before it, whether ``.grad`` still holds a sum (:func:`_holds_a_sum`); after it, that
+    gradient is marked ``_ADDED_ONTO_SUM`` (the mark counts backwards, as the sum's does:
+    the version counter moved under a clipping's in-place scaling as well, and sync, clip,
+    backward, sync counted the first backward's part once per rank, with no error)."""
     ref = weakref.ref(p)
 
     def before(grad: Tensor) -> None:
         q = ref()
         if q is not None:
-            d = q.__dict__
-            d["_diffcomm_onto_sum"] = _unchanged(q, d.get(_SUMMED)) or _unchanged(q, d.get(_ADDED_ONTO_SUM))
+            q.__dict__["_diffcomm_onto_sum"] = _holds_a_sum(q)
 
     def after(q: Tensor) -> None:
-        q.__dict__[_ACCUMULATED] = q.__dict__.get(_ACCUMULATED, 0) + 1
-        if q.__dict__.pop("_diffcomm_onto_sum", False) and q.grad is not None:
-            q.__dict__[_ADDED_ONTO_SUM] = (weakref.ref(q.grad), q.grad._version)
+        d = q.__dict__
+        d[_ACCUMULATED] = d.get(_ACCUMULATED, 0) + 1
+        holds = d.pop("_diffcomm_onto_sum", False)
+        if holds is not False and q.grad is not None:
+            d[_ADDED_ONTO_SUM] = (weakref.ref(q.grad), q.grad._version, d[_ACCUMULATED], holds)
+        else:
+            d.pop(_ADDED_ONTO_SUM, None)
 
     p.__dict__["_diffcomm_sum_hooks"] = (p.register_hook(before), p.register_post_accumulate_grad_hook(after))
 
 
 def grads_to_sum(op: str, named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
     """Of replicated parameters whose (plain tensor) gradients ``op`` sums over a group:
-    those still to sum — not one whose ``.grad`` the last sum left untouched (summing it
-    again would multiply it by the group size; skipped: the call is idempotent). Raises
-    ``ValueError``, before any communication, when a backward added onto a summed gradient
-    since the last sum (a sum per micro-batch: the earlier micro-batches' parts, already
-    summed, would count again: group size times)."""
-    out = []
-    for name, p in named:
-        if p.grad is None:
-            continue
-        if _unchanged(p, p.__dict__.get(_ADDED_ONTO_SUM)):
+    those still to sum — not one whose ``.grad`` the last sum left with no backward since
+    (summing it again would multiply it by the group size; skipped: the call is
+    idempotent, also after an in-place scaling). Raises ``ValueError``, before any
+    communication, when a backward added onto a summed gradient since the last sum (a sum
+    per micro-batch: the earlier micro-batches' parts, already summed, would count again:
+    group size times), also when the sum was scaled in place (clipped) before that
+    backward; not when it was zeroed in place."""
+    added = [(name, p) for name, p in named if p.__dict__.get(_ADDED_ONTO_SUM) is not None]
+    holds = [_holds_a_sum(p) for _, p in added]
+    tensors = [h for h in holds if isinstance(h, Tensor)]
+    read = iter(torch.stack([t.to(torch.bool) for t in tensors]).tolist() if tensors else [])
+    for (name, _), h in zip(added, holds):
+        if next(read) if isinstance(h, Tensor) else h:  # (one host read for all)
             raise ValueError(
                 f"diffcomm.{op}(): `{name}`'s gradient was summed over the group by the last call, "
                 "and a backward has added this rank's share onto it since (no zero_grad between): "
@@ -382,7 +411,9 @@ def grads_to_sum(op: str, named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
                 "once per optimizer step, after the last accumulated backward (or zero the "
                 "gradients after the call)"
             )
-        if _no_backward_since(p, p.__dict__.get(_SUMMED)):
+    out = []
+    for _, p in named:
+        if p.grad is None or _no_backward_since(p, p.__dict__.get(_SUMMED)):
             continue  # already the sum (scaled in place, perhaps): nothing new to add
         out.append(p)
     return out

@@ -318,6 +318,11 @@ class MoE(nn.Module):
         self.tokens_per_expert: Tensor | None = None
         self.dropped = 0
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> MoE:
+        """A copy whose ``aux_loss`` holds the last value without its graph (torch's
+        deepcopy refuses a non-leaf tensor)."""
+        return deepcopy_sharing_groups(self, memo)  # type: ignore[return-value]
+
     def forward(self, x: Tensor) -> Tensor:
         """``x``: ``(..., H)``; returns ``(..., H)``."""
         x2 = _tokens("parallel.MoE", x, self.hidden_size, self.router.weight.dtype)
@@ -700,8 +705,9 @@ class ExpertParallelMoE(nn.Module):
         Call it once per optimizer step, after the last backward: it sums the gradients
         as they are, so with gradient accumulation a call after every micro-batch's
         backward would count the earlier micro-batches ``world`` times again: such a call
-        (a backward added onto the gradients the last call summed, not zeroed between) is
-        a ``ValueError`` before any communication; a second call with no backward between
+        (a backward added onto the gradients the last call summed, not zeroed between,
+        also when they were scaled in place before it) is a ``ValueError`` before any
+        communication; a second call with no backward between
         sums nothing again (also after an in-place scaling: a clipping). Under FSDP2's
         ``fully_shard`` over another mesh axis each gradient is a ``DTensor``: its local
         shards are summed, in place."""
