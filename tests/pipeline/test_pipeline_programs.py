@@ -113,6 +113,13 @@ def _learned_temperature(schedule: str) -> tuple[float, float, float, float]:
     return float(loss), float(ref), _grad_diff(stages, serial_stages), temp_diff
 
 
+def _equal_to_serial(results: list[tuple[float, float, float, float]]) -> None:
+    """Every rank's (loss, serial loss, stage gradient difference, outer gradient difference)."""
+    for loss, ref, diff, outer_diff in results:
+        assert loss == pytest.approx(ref, rel=1e-13)
+        assert diff < 1e-13 and outer_diff < 1e-13
+
+
 @pytest.mark.parametrize("schedule", SPLIT_SCHEDULES)
 def test_a_loss_fn_with_a_parameter_of_its_own_gets_its_gradient(
     world2: dc.LocalWorld, schedule: str
@@ -122,9 +129,7 @@ def test_a_loss_fn_with_a_parameter_of_its_own_gets_its_gradient(
     kept ``.grad`` None under GPipe and ZB-H1 (serially 0.362 at one micro-batch), and
     1F1B gave it the unsplit micro-batches' part only (0.228 for 0.215, 0.043 for 0.150 at
     4). ``W`` now computes every leaf's gradient the micro-batch's graph reaches."""
-    for loss, ref, diff, temp_diff in world2.run(_learned_temperature, schedule):
-        assert loss == pytest.approx(ref, rel=1e-13)
-        assert diff < 1e-13 and temp_diff < 1e-13
+    _equal_to_serial(world2.run(_learned_temperature, schedule))
 
 
 def _outer_graph_targets(schedule: str) -> tuple[float, float, float, float]:
@@ -157,9 +162,7 @@ def test_targets_made_by_a_graph_outside_the_pipeline_get_their_gradient(
     micro-batches' part under 1F1B — whose backward through the graph the micro-batches
     share freed it for the next. Now the targets' micro-batches are leaves, and their
     gradient goes into the outer graph once, after the step, as for the inputs."""
-    for loss, ref, diff, teacher_diff in world2.run(_outer_graph_targets, schedule):
-        assert loss == pytest.approx(ref, rel=1e-13)
-        assert diff < 1e-13 and teacher_diff < 1e-13
+    _equal_to_serial(world2.run(_outer_graph_targets, schedule))
 
 
 def _one_outer_graph_for_inputs_and_targets() -> tuple[float, float, float, float]:
