@@ -253,6 +253,30 @@ def test_dcp_state_dict_refuses_an_expert_buffer(inproc_world2: dc.LocalWorld) -
         inproc_world2.run(_moe_with_an_expert_buffer)
 
 
+def _moe_load_serial_directly(strict: bool) -> tuple[str, bool]:
+    torch.manual_seed(1)
+    moe = P.ExpertParallelMoE.from_serial(P.MoE(H, 8, 4, k=2, dtype=F64))
+    torch.manual_seed(0)
+    serial = P.MoE(H, 8, 4, k=2, dtype=F64).state_dict()
+    try:
+        moe.load_state_dict(serial, strict=strict)
+    except RuntimeError as e:
+        return str(e), True
+    mine = moe.to_serial_state_dict()
+    return "no error", all(torch.equal(mine[k], serial[k]) for k in serial)
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "not_strict"])
+def test_load_state_dict_of_a_serial_moe_is_refused(strict: bool, inproc_world2: dc.LocalWorld) -> None:
+    """A serial MoE's state dict passed to an ExpertParallelMoE's ``load_state_dict``: its
+    ``experts.0``, ``experts.1`` have this rank's shapes, so with ``strict=False`` rank 1 took
+    the serial experts 0, 1 for its 2, 3 (its output that of another MoE), no error. Now every
+    rank refuses, naming load_serial_state_dict, with or without strict."""
+    for message, _ in inproc_world2.run(_moe_load_serial_directly, strict):
+        assert "holds 2 experts on this rank (experts.0..1), but the state dict has experts.2..3" in message
+        assert "load_serial_state_dict" in message, message
+
+
 # ======================================================================================
 # optimizer state
 # ======================================================================================
