@@ -277,6 +277,52 @@ def test_load_state_dict_of_a_serial_moe_is_refused(strict: bool, inproc_world2:
         assert "load_serial_state_dict" in message, message
 
 
+class _SerialMoEBlock(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.mlp = P.MLP(H, FFN, dtype=F64)
+        self.moe = P.MoE(H, 8, 6, k=2, shared_expert_size=8, dtype=F64)
+
+
+class _MoEBlock(P.ParallelModule):
+    """A model of one's own holding a tensor-parallel MLP and an ExpertParallelMoE."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        serial = _SerialMoEBlock(seed)
+        self.mlp = P.ParallelMLP.from_serial(serial.mlp)
+        self.moe = P.ExpertParallelMoE.from_serial(serial.moe)
+
+
+def _moe_block_round_trip(
+    full: dict[str, torch.Tensor] | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    saved = _MoEBlock(0).to_serial_state_dict()
+    model = _MoEBlock(1)
+    model.load_serial_state_dict(full if full is not None else saved)
+    return saved, model.moe.to_serial_state_dict()
+
+
+def test_serial_state_dict_of_a_model_holding_an_expert_parallel_moe(
+    inproc_worlds: Callable[[int], dc.LocalWorld],
+) -> None:
+    """A ``ParallelModule`` holding an ``ExpertParallelMoE`` took the MoE's tensors for
+    replicas: at EP=2 ``to_serial_state_dict`` returned rank 1's experts 3..5 as
+    ``moe.experts.0..2`` (and no experts 3..5), and ``load_serial_state_dict`` refused the
+    serial experts 3..5 as unexpected keys (with ``strict=False``, rank 1 loaded experts
+    0..2 for its 3..5, silently). Now the MoE maps its own: the serial model's state dict
+    both ways, at EP 2 and 3."""
+    serial = _SerialMoEBlock(0).state_dict()
+    for n in (2, 3):
+        for saved, moe in inproc_worlds(n).run(_moe_block_round_trip, serial):
+            assert saved.keys() == serial.keys()
+            for k in serial:
+                assert torch.equal(saved[k], serial[k]), (n, k)
+            for k, v in moe.items():
+                assert torch.equal(v, serial[f"moe.{k}"]), (n, k)
+
+
 # ======================================================================================
 # optimizer state
 # ======================================================================================
