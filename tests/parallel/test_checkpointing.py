@@ -323,6 +323,28 @@ def test_serial_state_dict_of_a_model_holding_an_expert_parallel_moe(
                 assert torch.equal(v, serial[f"moe.{k}"]), (n, k)
 
 
+def _serial_state_dict_with_an_expert_buffer(load: bool) -> None:
+    torch.manual_seed(0)
+    serial = P.MoE(H, 8, 4, k=2, dtype=F64)
+    moe = P.ExpertParallelMoE.from_serial(serial)
+    for expert in moe.experts:  # a running statistic of each expert
+        expert.register_buffer("scale", torch.full((1,), 2.0 + dc.get_rank(), dtype=F64))
+    if load:
+        moe.load_serial_state_dict(serial.state_dict())
+    else:
+        moe.to_serial_state_dict()
+
+
+@pytest.mark.parametrize("load", [False, True], ids=["to_serial", "load_serial"])
+def test_serial_state_dict_refuses_an_expert_buffer(load: bool, inproc_world2: dc.LocalWorld) -> None:
+    """A persistent buffer of a local expert: ``to_serial_state_dict`` held the experts'
+    parameters only and dropped it (no ``experts.*.scale`` key; a round trip reset every
+    expert's 2.0 / 3.0 to the fresh model's), with no error, where ``dcp_state_dict``
+    refuses it. Now both serial-state-dict methods refuse it too, naming the buffer."""
+    with pytest.raises(dc.RankError, match=r"`experts.0.scale` is a persistent buffer of an expert"):
+        inproc_world2.run(_serial_state_dict_with_an_expert_buffer, load)
+
+
 # ======================================================================================
 # optimizer state
 # ======================================================================================

@@ -42,7 +42,7 @@ parallel layer drops exactly the tokens the serial one drops. ``None`` (the defa
 dropless.
 """
 
-# Size: ~815 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
+# Size: ~830 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
 # name maps between them (serial_names, from_serial, state dicts) are read together.
 
 from __future__ import annotations
@@ -628,6 +628,7 @@ class ExpertParallelMoE(nn.Module):
             ValueError: a serial tensor's shape does not fit.
         """
         op = "parallel.ExpertParallelMoE.load_serial_state_dict"
+        self._refuse_expert_buffers(op)
         names, slices = self.serial_names(), self.serial_slices()
         if strict:
             local = [n.split(".", 2)[2] for n in names if n.startswith("experts.0.")]
@@ -683,6 +684,7 @@ class ExpertParallelMoE(nn.Module):
             ``{serial name: tensor}``, the serial shapes, loadable with
             ``MoE.load_state_dict(...)``.
         """
+        self._refuse_expert_buffers("parallel.ExpertParallelMoE.to_serial_state_dict")
         out: dict[str, Tensor] = {}
         names = self.serial_names()
         per_rank = self.experts_per_rank
@@ -704,6 +706,19 @@ class ExpertParallelMoE(nn.Module):
             for j in range(full.shape[0]):
                 out[f"experts.{j}.{pname}"] = full[j].clone()
         return out
+
+    def _refuse_expert_buffers(self, op: str) -> None:
+        """A persistent buffer of an expert (a running statistic) is in no serial state dict
+        here (parameters only): ``to_serial_state_dict`` dropped it and a round trip reset
+        it, silently. Refused, as ``dcp_state_dict`` does, before any communication."""
+        params = {n for n, _ in self.experts.named_parameters(prefix="experts", remove_duplicate=False)}
+        kept = [n for n in self.experts.state_dict(prefix="experts.", keep_vars=True) if n not in params]
+        if kept:
+            raise ValueError(
+                f"diffcomm.{op}(): `{kept[0]}` is a persistent buffer of an expert: the serial "
+                "state dict holds the experts' parameters only, so it would be dropped (make it a "
+                "parameter or a non-persistent buffer)"
+            )
 
     def replicated_parameters(self) -> list[nn.Parameter]:
         """The parameters every rank of the group holds (router, shared expert)."""
