@@ -253,6 +253,98 @@ def test_dcp_state_dict_refuses_an_expert_buffer(inproc_world2: dc.LocalWorld) -
         inproc_world2.run(_moe_with_an_expert_buffer)
 
 
+def _moe_load_serial_directly(strict: bool) -> tuple[str, bool]:
+    torch.manual_seed(1)
+    moe = P.ExpertParallelMoE.from_serial(P.MoE(H, 8, 4, k=2, dtype=F64))
+    torch.manual_seed(0)
+    serial = P.MoE(H, 8, 4, k=2, dtype=F64).state_dict()
+    try:
+        moe.load_state_dict(serial, strict=strict)
+    except RuntimeError as e:
+        return str(e), True
+    mine = moe.to_serial_state_dict()
+    return "no error", all(torch.equal(mine[k], serial[k]) for k in serial)
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "not_strict"])
+def test_load_state_dict_of_a_serial_moe_is_refused(strict: bool, inproc_world2: dc.LocalWorld) -> None:
+    """A serial MoE's state dict passed to an ExpertParallelMoE's ``load_state_dict``: its
+    ``experts.0``, ``experts.1`` have this rank's shapes, so with ``strict=False`` rank 1 took
+    the serial experts 0, 1 for its 2, 3 (its output that of another MoE), no error. Now every
+    rank refuses, naming load_serial_state_dict, with or without strict."""
+    for message, _ in inproc_world2.run(_moe_load_serial_directly, strict):
+        assert "holds 2 experts on this rank (experts.0..1), but the state dict has experts.2..3" in message
+        assert "load_serial_state_dict" in message, message
+
+
+class _SerialMoEBlock(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.mlp = P.MLP(H, FFN, dtype=F64)
+        self.moe = P.MoE(H, 8, 6, k=2, shared_expert_size=8, dtype=F64)
+
+
+class _MoEBlock(P.ParallelModule):
+    """A model of one's own holding a tensor-parallel MLP and an ExpertParallelMoE."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        serial = _SerialMoEBlock(seed)
+        self.mlp = P.ParallelMLP.from_serial(serial.mlp)
+        self.moe = P.ExpertParallelMoE.from_serial(serial.moe)
+
+
+def _moe_block_round_trip(
+    full: dict[str, torch.Tensor] | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    saved = _MoEBlock(0).to_serial_state_dict()
+    model = _MoEBlock(1)
+    model.load_serial_state_dict(full if full is not None else saved)
+    return saved, model.moe.to_serial_state_dict()
+
+
+def test_serial_state_dict_of_a_model_holding_an_expert_parallel_moe(
+    inproc_worlds: Callable[[int], dc.LocalWorld],
+) -> None:
+    """A ``ParallelModule`` holding an ``ExpertParallelMoE`` took the MoE's tensors for
+    replicas: at EP=2 ``to_serial_state_dict`` returned rank 1's experts 3..5 as
+    ``moe.experts.0..2`` (and no experts 3..5), and ``load_serial_state_dict`` refused the
+    serial experts 3..5 as unexpected keys (with ``strict=False``, rank 1 loaded experts
+    0..2 for its 3..5, silently). Now the MoE maps its own: the serial model's state dict
+    both ways, at EP 2 and 3."""
+    serial = _SerialMoEBlock(0).state_dict()
+    for n in (2, 3):
+        for saved, moe in inproc_worlds(n).run(_moe_block_round_trip, serial):
+            assert saved.keys() == serial.keys()
+            for k in serial:
+                assert torch.equal(saved[k], serial[k]), (n, k)
+            for k, v in moe.items():
+                assert torch.equal(v, serial[f"moe.{k}"]), (n, k)
+
+
+def _serial_state_dict_with_an_expert_buffer(load: bool) -> None:
+    torch.manual_seed(0)
+    serial = P.MoE(H, 8, 4, k=2, dtype=F64)
+    moe = P.ExpertParallelMoE.from_serial(serial)
+    for expert in moe.experts:  # a running statistic of each expert
+        expert.register_buffer("scale", torch.full((1,), 2.0 + dc.get_rank(), dtype=F64))
+    if load:
+        moe.load_serial_state_dict(serial.state_dict())
+    else:
+        moe.to_serial_state_dict()
+
+
+@pytest.mark.parametrize("load", [False, True], ids=["to_serial", "load_serial"])
+def test_serial_state_dict_refuses_an_expert_buffer(load: bool, inproc_world2: dc.LocalWorld) -> None:
+    """A persistent buffer of a local expert: ``to_serial_state_dict`` held the experts'
+    parameters only and dropped it (no ``experts.*.scale`` key; a round trip reset every
+    expert's 2.0 / 3.0 to the fresh model's), with no error, where ``dcp_state_dict``
+    refuses it. Now both serial-state-dict methods refuse it too, naming the buffer."""
+    with pytest.raises(dc.RankError, match=r"`experts.0.scale` is a persistent buffer of an expert"):
+        inproc_world2.run(_serial_state_dict_with_an_expert_buffer, load)
+
+
 # ======================================================================================
 # optimizer state
 # ======================================================================================

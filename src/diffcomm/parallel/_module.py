@@ -39,7 +39,7 @@ from .mappings import copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
 
-# Size: ~680 lines, just over the ~600 guideline: the base class, its region copy and the
+# Size: ~710 lines, just over the ~600 guideline: the base class, its region copy and the
 # forward checks it runs (unseeded replicas, debug-mode requires_grad agreement, plain
 # norms in a sequence-parallel model) are
 # one data flow, the outermost forward's; the shard bookkeeping already lives in ``_seams``
@@ -478,7 +478,10 @@ class ParallelModule(nn.Module):
         check_shards_plain(self, f"parallel.{type(self).__name__}.{op}")
         specs: dict[str, tuple[Tensor, int | None, Any]] = {}
         first: dict[int, str] = {}  # id(tensor) -> the first name it was met under
+        mapped = tuple(_mapped_subtrees(self))  # (their own mapping: not replicas)
         for prefix, module in self.named_modules(remove_duplicate=False):
+            if f"{prefix}.".startswith(mapped):
+                continue
             dims = getattr(module, "_shard_dims", {}) if isinstance(module, ParallelModule) else {}
             pg = getattr(module, "_pg", None)
             own = [(n, t) for n, t in module._parameters.items() if t is not None]
@@ -512,7 +515,10 @@ class ParallelModule(nn.Module):
             ValueError: a tied parameter's names have different shard specs.
         """
         specs = self._serial_specs("serial_slices", buffers=False)
-        return {name: _index(t, dim, pg) for name, (t, dim, pg) in specs.items()}
+        out = {name: _index(t, dim, pg) for name, (t, dim, pg) in specs.items()}
+        for prefix, sub in _mapped_subtrees(self).items():  # (under its local names)
+            out.update({prefix + k: v for k, v in sub.serial_slices().items()})
+        return out
 
     @torch.no_grad()
     def to_serial_state_dict(self) -> dict[str, Tensor]:
@@ -543,6 +549,8 @@ class ParallelModule(nn.Module):
                         local, dim, pg, split_sizes=[local.shape[dim]] * world
                     )
             out[name] = done[id(t)]
+        for prefix, sub in _mapped_subtrees(self).items():  # an ExpertParallelMoE: all its experts
+            out.update({prefix + k: v for k, v in sub.to_serial_state_dict().items()})
         return out
 
     @torch.no_grad()
@@ -565,8 +573,9 @@ class ParallelModule(nn.Module):
             TypeError: a value is a ``DTensor`` (pass its ``full_tensor()``).
         """
         specs = self._serial_specs("load_serial_state_dict", buffers=True)
+        subs = _mapped_subtrees(self)
         missing = [k for k in specs if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in specs]
+        unexpected = [k for k in state_dict if k not in specs and not k.startswith(tuple(subs))]
         if strict and (missing or unexpected):
             raise KeyError(
                 f"{type(self).__name__}.load_serial_state_dict(): missing keys {missing}, "
@@ -590,6 +599,13 @@ class ParallelModule(nn.Module):
                     + ")"
                     + _uneven_note(state_dict[name], t, dim, pg)
                 )
+        # an ExpertParallelMoE inside loads its own (serial experts.{rank * E / W + i} as its
+        # experts.i; as replicas, every rank took the serial experts 0.. for its own), checking
+        # its keys before it copies; then this module's
+        for prefix, sub in subs.items():
+            sub.load_serial_state_dict(
+                {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}, strict=strict
+            )
         for name, (t, dim, pg) in specs.items():
             if name in state_dict:
                 t.copy_(_cut(state_dict[name], _index(t, dim, pg)))
@@ -625,6 +641,22 @@ class ParallelModule(nn.Module):
 
 
 _M = TypeVar("_M", bound=ParallelModule)
+
+
+def _mapped_subtrees(root: nn.Module) -> dict[str, Any]:
+    """``{prefix + ".": module}`` of the modules inside ``root`` that map themselves to
+    their serial twin with names of their own (``serial_names()``: an ExpertParallelMoE,
+    whose local ``experts.i`` is the serial ``experts.{rank * E / W + i}``), outermost only;
+    their tensors are theirs to gather and load."""
+    out: dict[str, Any] = {}
+    for prefix, m in root.named_modules(remove_duplicate=False):
+        if m is root or isinstance(m, ParallelModule) or f"{prefix}.".startswith(tuple(out)):
+            continue
+        if callable(getattr(m, "serial_names", None)) and callable(
+            getattr(m, "load_serial_state_dict", None)
+        ):
+            out[f"{prefix}."] = m
+    return out
 
 
 def serial_shape(t: Tensor, dim: int | None, pg: Any) -> tuple[int, ...]:

@@ -42,7 +42,7 @@ parallel layer drops exactly the tokens the serial one drops. ``None`` (the defa
 dropless.
 """
 
-# Size: ~790 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
+# Size: ~830 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
 # name maps between them (serial_names, from_serial, state dicts) are read together.
 
 from __future__ import annotations
@@ -244,6 +244,31 @@ def _refuse_experts_tied_across_ranks(op: str, moe: MoE, world: int) -> None:
                     f"{first[0]} (rank {first[1]}) and experts.{j}.{name} (rank {j // per_rank}) "
                     "are one parameter",
                 )
+
+
+def _guard_loading(moe: ExpertParallelMoE) -> None:
+    """``load_state_dict`` refuses another rank's experts (the rank note) and a state dict
+    with more experts than this rank holds: a serial MoE's (or another layout's without the
+    note). Its ``experts.0``.. have this rank's shapes, so with ``strict=False`` every rank
+    took the serial experts ``0..E/W-1`` for its own, silently (rank 1 of EP=2 computed
+    with expert 0 where the serial MoE has expert 6)."""
+    guard_shard_loading(moe, ExpertParallelMoE._experts_position)  # another rank's experts: refused
+
+    def check(m: nn.Module, sd: Any, prefix: str, meta: Any, strict: bool, *lists: list[str]) -> None:
+        head, held = f"{prefix}experts.", getattr(m, "experts_per_rank", None)
+        numbers = {k[len(head) :].split(".", 1)[0] for k in sd if k.startswith(head)}
+        extra = sorted(int(j) for j in numbers if j.isdigit() and isinstance(held, int) and int(j) >= held)
+        if extra and isinstance(held, int):
+            name = prefix.rstrip(".") or type(m).__name__
+            lists[-1].append(
+                f"diffcomm: `{name}` (ExpertParallelMoE) holds {held} experts on this rank "
+                f"(experts.0..{held - 1}), but the state dict has experts.{extra[0]}"
+                f"{'..' + str(extra[-1]) if len(extra) > 1 else ''}: a serial MoE's state dict "
+                "(or another layout's), whose experts.0.. are not this rank's. Load it with "
+                "load_serial_state_dict (or torch.distributed.checkpoint through dcp_state_dict)."
+            )
+
+    moe.register_load_state_dict_pre_hook(check)
 
 
 class MoE(nn.Module):
@@ -452,7 +477,7 @@ class ExpertParallelMoE(nn.Module):
         _check_sizes(op, hidden_size, ffn_hidden_size, num_experts, k, capacity_factor, shared_expert_size)
         note_drawn(self, init_generator(op, opts.seed, opts.generator))  # (checked: names this class)
         self._pg, self.world, self.rank = _expert_group(op, opts.group)
-        guard_shard_loading(self, ExpertParallelMoE._experts_position)  # another rank's experts: refused
+        _guard_loading(self)
         if num_experts % self.world:
             raise A.arg_error(
                 op,
@@ -521,7 +546,7 @@ class ExpertParallelMoE(nn.Module):
         nn.Module.__init__(self)
         op = "parallel.ExpertParallelMoE.from_serial"
         self._pg, self.world, self.rank = _expert_group(op, group)
-        guard_shard_loading(self, ExpertParallelMoE._experts_position)  # another rank's experts: refused
+        _guard_loading(self)
         if moe.num_experts % self.world:
             raise A.arg_error(
                 op, "moe", f"num_experts divisible by the group size {self.world}", moe.num_experts
@@ -608,6 +633,7 @@ class ExpertParallelMoE(nn.Module):
             ValueError: a serial tensor's shape does not fit.
         """
         op = "parallel.ExpertParallelMoE.load_serial_state_dict"
+        self._refuse_expert_buffers(op)
         names, slices = self.serial_names(), self.serial_slices()
         if strict:
             local = [n.split(".", 2)[2] for n in names if n.startswith("experts.0.")]
@@ -663,6 +689,7 @@ class ExpertParallelMoE(nn.Module):
             ``{serial name: tensor}``, the serial shapes, loadable with
             ``MoE.load_state_dict(...)``.
         """
+        self._refuse_expert_buffers("parallel.ExpertParallelMoE.to_serial_state_dict")
         out: dict[str, Tensor] = {}
         names = self.serial_names()
         per_rank = self.experts_per_rank
@@ -684,6 +711,19 @@ class ExpertParallelMoE(nn.Module):
             for j in range(full.shape[0]):
                 out[f"experts.{j}.{pname}"] = full[j].clone()
         return out
+
+    def _refuse_expert_buffers(self, op: str) -> None:
+        """A persistent buffer of an expert (a running statistic) is in no serial state dict
+        here (parameters only): ``to_serial_state_dict`` dropped it and a round trip reset
+        it, silently. Refused, as ``dcp_state_dict`` does, before any communication."""
+        params = {n for n, _ in self.experts.named_parameters(prefix="experts", remove_duplicate=False)}
+        kept = [n for n in self.experts.state_dict(prefix="experts.", keep_vars=True) if n not in params]
+        if kept:
+            raise ValueError(
+                f"diffcomm.{op}(): `{kept[0]}` is a persistent buffer of an expert: the serial "
+                "state dict holds the experts' parameters only, so it would be dropped (make it a "
+                "parameter or a non-persistent buffer)"
+            )
 
     def replicated_parameters(self) -> list[nn.Parameter]:
         """The parameters every rank of the group holds (router, shared expert)."""
