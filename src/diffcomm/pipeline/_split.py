@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.autograd.graph import Node, get_gradient_edge
 
+from .. import _torch
 from ..ops import p2p
 from .schedules import Step
 
@@ -75,9 +76,9 @@ def is_compiled_region(node: Node) -> bool:
 @dataclass(frozen=True)
 class Whole:
     """:func:`weight_plan`'s answer when no sound split exists — the input gradient's path
-    runs through a compiled region (:func:`is_compiled_region`), or the graph holds a
-    reentrant activation checkpoint: ``I`` runs the micro-batch's whole backward once
-    (the graph freed) and ``W`` has nothing left."""
+    runs through a compiled region (:func:`is_compiled_region`), or the graph holds an
+    activation checkpoint (reentrant, or not: see :func:`weight_plan`): ``I`` runs the
+    micro-batch's whole backward once (the graph freed) and ``W`` has nothing left."""
 
     node: Node  # the compiled region or the checkpoint's node found
 
@@ -97,7 +98,11 @@ def weight_plan(
     (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, or Megatron-LM's or
     DeepSpeed's ``CheckpointFunction``): its backward recomputes the forward and runs a
     nested backward, which it refuses inside a backward restricted to ``inputs=`` (torch's
-    RuntimeError pointing to ``use_reentrant=False``) — what both ``I`` and ``W`` are. The
+    RuntimeError pointing to ``use_reentrant=False``) — what both ``I`` and ``W`` are —, or
+    a non-reentrant one (``use_reentrant=False``, :func:`diffcomm.rng.checkpoint`): it
+    recomputes its region once per backward call, so in ``I`` and again in ``W``, and a
+    forward with side effects (a ``BatchNorm``'s running statistics) ran one time more
+    than serially. The
     caller runs that micro-batch's backward whole in ``I`` (input and weight gradients at
     once, as ``grad_first=False`` does), which sends the same messages at the same step."""
     root_node = root.grad_fn
@@ -113,6 +118,11 @@ def weight_plan(
         # (torch's, Megatron's, DeepSpeed's; by the node's class: a Function's ctx may set
         # an attribute `name`, which hides the node's name() method)
         if type(n).__name__ == "CheckpointFunctionBackward":
+            return Whole(n)
+        # a non-reentrant checkpoint recomputes its region once per backward call: I and W
+        # are two, so its forward ran twice in backward, not once as serially (a BatchNorm
+        # inside counted each micro-batch three times in its running statistics)
+        if _torch.saved_in_checkpoint(n):
             return Whole(n)
         for nxt, _ in n.next_functions:
             if nxt is not None:
