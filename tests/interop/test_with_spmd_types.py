@@ -868,3 +868,29 @@ def test_all_to_all_received_sizes_inside_spmd_types_checker_on_in_process_ranks
         ("{default_pg: V}", [0.0, 10.0, 11.0], [0.0, 2.0, 4.0, 6.0]),
         ("{default_pg: V}", [1.0, 2.0, 3.0, 12.0, 13.0], [20.0, 22.0, 24.0, 26.0]),
     ]
+
+
+def _ring_attention_lengths_body() -> tuple[str, float]:
+    """Ring attention with no ``seq_len`` (its lengths checked equal: an exchange of host
+    integers) inside spmd_types' checker: the output's type and its sum."""
+    st, pg = _env()
+    from spmd_types.checker import typecheck
+
+    with typecheck():
+        q, k, v = (st.assert_type(_shard(1, 2, 4, 8), {pg: st.V}) for _ in range(3))  # sequence chunks
+        out = par.ring_attention(q, k, v, causal=True)
+        _backward_varying(st, pg, out.pow(2).sum())
+    return repr(st.get_local_type(out)), float(out.detach().sum())
+
+
+@needs_spmd_types
+def test_ring_attention_lengths_check_inside_spmd_types_checker_on_in_process_ranks(
+    world2: dc.LocalWorld, local_worlds: Callable[..., dc.LocalWorld]
+) -> None:
+    """The lengths' exchange (``exchange_sizes``: host integers) runs with the checker
+    paused: on in-process ranks the checker typed its raw all_gather and refused it
+    ("all_gather_single: tensor has no type for axis") where real processes ran."""
+    with dc.debug(False):
+        want = world2.run(_ring_attention_lengths_body)
+        assert local_worlds(2, in_process=True).run(_ring_attention_lengths_body) == want
+    assert [t for t, _ in want] == ["{default_pg: V}"] * 2
