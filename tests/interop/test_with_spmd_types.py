@@ -894,3 +894,27 @@ def test_ring_attention_lengths_check_inside_spmd_types_checker_on_in_process_ra
         want = world2.run(_ring_attention_lengths_body)
         assert local_worlds(2, in_process=True).run(_ring_attention_lengths_body) == want
     assert [t for t, _ in want] == ["{default_pg: V}"] * 2
+
+
+def _coalesced_body() -> list[str]:
+    """A coalesced all_reduce and all_gather inside spmd_types' checker: the results' types."""
+    st, pg = _env()
+    from spmd_types.checker import typecheck
+
+    with typecheck():
+        xs = [st.assert_type(_shard(4, 3), {pg: st.V}) for _ in range(2)]
+        ys = [*dc.all_reduce_coalesced(xs), *dc.all_gather_coalesced(xs, 0)]
+    return [repr(st.get_local_type(y)) for y in ys]
+
+
+@needs_spmd_types
+def test_debug_mode_coalesced_check_inside_spmd_types_checker_on_in_process_ranks(
+    world2: dc.LocalWorld, local_worlds: Callable[..., dc.LocalWorld]
+) -> None:
+    """Debug mode's check of a coalesced list (the shapes' codes: host integers) runs with
+    the checker paused: on in-process ranks it refused their raw all_gather ("all_gather_single:
+    tensor has no type for axis") where real processes ran the correct program."""
+    with dc.debug(True):
+        want = world2.run(_coalesced_body)
+        assert local_worlds(2, in_process=True).run(_coalesced_body) == want
+    assert want == [["{default_pg: R}"] * 4] * 2

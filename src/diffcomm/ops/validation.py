@@ -258,6 +258,14 @@ _FUNCTION_ATTRS = torch.autograd.Function.__dict__
 _NULL = contextlib.nullcontext()
 
 
+def untyped() -> Any:
+    """spmd_types' ``no_typecheck()`` block while its checker is active, else a null one:
+    around an exchange of host integers (sizes, debug mode's codes), no program data. Typed,
+    the checker refused their raw collective on in-process ranks ("tensor has no type for
+    axis") where real processes ran."""
+    return spmd_types_paused() if spmd_types_checking(_FUNCTION_ATTRS) else _NULL
+
+
 @_torch.compiler_disable
 def _exchange_received(ins: Sequence[int], pg: PG) -> tuple[int, ...]:
     """:func:`all_to_all_received`'s exchange, eagerly under torch.compile without
@@ -265,11 +273,7 @@ def _exchange_received(ins: Sequence[int], pg: PG) -> tuple[int, ...]:
     on into the raw all_to_all and failed on the group object (InternalTorchDynamoError
     "Member '_size' is not registered for this opaque object type" in an in-process world)."""
     size = world(pg)
-    # host integers, no program data: spmd_types' checker paused (typed, it refused the raw
-    # all_to_all on in-process ranks, "tensor has no type for axis", as the backend's
-    # other size exchanges before they were paused)
-    paused = spmd_types_checking(_FUNCTION_ATTRS)
-    with B.label("all_to_all (size exchange)"), spmd_types_paused() if paused else _NULL:
+    with B.label("all_to_all (size exchange)"), untyped():  # (host integers)
         b, dev = current_backend(), current_backend().comm_device(pg)
         per_rank = None if A.plain_ints(ins) else getattr(b, "ints_tensor", None)
         sent = (
