@@ -837,3 +837,84 @@ def test_debug_mode_size_check_inside_spmd_types_checker_on_in_process_ranks(
         want = inproc.run(_ulysses_body)
     with dc.debug(True):
         assert inproc.run(_ulysses_body) == want
+
+
+def _all_to_all_received_sizes_body() -> tuple[str, list[float], list[float]]:
+    """An all_to_all given only its input split sizes (the received sizes exchanged as
+    host integers) inside spmd_types' checker: the output's type, values and gradient."""
+    st, pg = _env()
+    from spmd_types.checker import typecheck
+
+    r = dc.get_rank()
+    with typecheck():
+        x = st.assert_type(torch.arange(4.0, dtype=F64).add(10 * r).requires_grad_(), {pg: st.V})
+        y = dc.all_to_all(x, 0, 0, input_split_sizes=[1 + r, 3 - r])
+        _backward_varying(st, pg, (y * y).sum())
+    assert x.grad is not None
+    return repr(st.get_local_type(y)), y.tolist(), x.grad.tolist()
+
+
+@needs_spmd_types
+def test_all_to_all_received_sizes_inside_spmd_types_checker_on_in_process_ranks(
+    world2: dc.LocalWorld, local_worlds: Callable[..., dc.LocalWorld]
+) -> None:
+    """The received sizes' exchange (host integers, no program data) runs with the checker
+    paused: on in-process ranks the checker typed its raw all_to_all and refused it ("tensor
+    has no type for axis") where real processes ran the correct program."""
+    with dc.debug(False):
+        want = world2.run(_all_to_all_received_sizes_body)
+        assert local_worlds(2, in_process=True).run(_all_to_all_received_sizes_body) == want
+    assert want == [
+        ("{default_pg: V}", [0.0, 10.0, 11.0], [0.0, 2.0, 4.0, 6.0]),
+        ("{default_pg: V}", [1.0, 2.0, 3.0, 12.0, 13.0], [20.0, 22.0, 24.0, 26.0]),
+    ]
+
+
+def _ring_attention_lengths_body() -> tuple[str, float]:
+    """Ring attention with no ``seq_len`` (its lengths checked equal: an exchange of host
+    integers) inside spmd_types' checker: the output's type and its sum."""
+    st, pg = _env()
+    from spmd_types.checker import typecheck
+
+    with typecheck():
+        q, k, v = (st.assert_type(_shard(1, 2, 4, 8), {pg: st.V}) for _ in range(3))  # sequence chunks
+        out = par.ring_attention(q, k, v, causal=True)
+        _backward_varying(st, pg, out.pow(2).sum())
+    return repr(st.get_local_type(out)), float(out.detach().sum())
+
+
+@needs_spmd_types
+def test_ring_attention_lengths_check_inside_spmd_types_checker_on_in_process_ranks(
+    world2: dc.LocalWorld, local_worlds: Callable[..., dc.LocalWorld]
+) -> None:
+    """The lengths' exchange (``exchange_sizes``: host integers) runs with the checker
+    paused: on in-process ranks the checker typed its raw all_gather and refused it
+    ("all_gather_single: tensor has no type for axis") where real processes ran."""
+    with dc.debug(False):
+        want = world2.run(_ring_attention_lengths_body)
+        assert local_worlds(2, in_process=True).run(_ring_attention_lengths_body) == want
+    assert [t for t, _ in want] == ["{default_pg: V}"] * 2
+
+
+def _coalesced_body() -> list[str]:
+    """A coalesced all_reduce and all_gather inside spmd_types' checker: the results' types."""
+    st, pg = _env()
+    from spmd_types.checker import typecheck
+
+    with typecheck():
+        xs = [st.assert_type(_shard(4, 3), {pg: st.V}) for _ in range(2)]
+        ys = [*dc.all_reduce_coalesced(xs), *dc.all_gather_coalesced(xs, 0)]
+    return [repr(st.get_local_type(y)) for y in ys]
+
+
+@needs_spmd_types
+def test_debug_mode_coalesced_check_inside_spmd_types_checker_on_in_process_ranks(
+    world2: dc.LocalWorld, local_worlds: Callable[..., dc.LocalWorld]
+) -> None:
+    """Debug mode's check of a coalesced list (the shapes' codes: host integers) runs with
+    the checker paused: on in-process ranks it refused their raw all_gather ("all_gather_single:
+    tensor has no type for axis") where real processes ran the correct program."""
+    with dc.debug(True):
+        want = world2.run(_coalesced_body)
+        assert local_worlds(2, in_process=True).run(_coalesced_body) == want
+    assert want == [["{default_pg: R}"] * 4] * 2

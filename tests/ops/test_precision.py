@@ -493,9 +493,10 @@ def _transforms() -> list[bool]:
     ok.append(torch.equal(tan, dc.all_gather(t, dim=1, precision=p)))
     # vmap: one collective for the batch, equal to the ops one by one
     xb = torch.stack([x, t])
-    with B.log_comms() as log:
+    with dc.debug(False), B.log_comms() as log:  # (counted without debug mode's own gathers)
         yb = torch.func.vmap(lambda v: dc.all_reduce(v, precision=p))(xb)
     ok.append(log.count() == 4)  # a2a + a2a(scales) + ag + ag(scales): once for the batch
+    ok.append(torch.equal(yb, torch.func.vmap(lambda v: dc.all_reduce(v, precision=p))(xb)))
     ok.append(torch.equal(yb, torch.stack([dc.all_reduce(v, precision=p) for v in (x, t)])))
     # double backward: grad of the backward (bf16 reduce_scatter) is the fp8 all_gather again
     xg = x.clone().requires_grad_(True)
@@ -513,7 +514,7 @@ def _transforms() -> list[bool]:
 @pytest.mark.diffcomm_in_process(False)
 def test_jvp_vmap_and_double_backward(world2) -> None:
     for row in world2.run(_transforms):
-        assert all(row), row
+        assert len(row) == 6 and all(row), row
 
 
 def _plain_unchanged() -> bool:
@@ -1359,3 +1360,26 @@ def test_fp8_row_scales_of_an_empty_or_uneven_last_dim(world2) -> None:
     a mismatched scale exchange for rows of different lengths)."""
     for bad in world2.run(_fp8_row_scales_empty_and_uneven):
         assert not bad, bad
+
+
+def _precision_ops_outside_debug_mode() -> float:
+    p = Precision("bf16")
+    x = torch.ones(4, 8)
+    ys = [dc.all_reduce(x, precision=p), dc.reduce_scatter(x, 0, precision=p)]
+    ys += dc.all_reduce_coalesced([x, x], precision=p)
+    ys += dc.reduce_scatter_coalesced([x, x], 0, precision=p)
+    ys += dc.all_gather_coalesced([x, x], 0, precision=p)
+    return float(sum(y.sum() for y in ys))
+
+
+@pytest.mark.usefixtures("debug_off")
+def test_precision_key_is_built_in_debug_mode_only(local_worlds, monkeypatch) -> None:
+    """``Precision.key`` (what debug mode compares across ranks, ~1 us to build) is not
+    built outside debug mode: the quantized ops' debug checks built it as an argument on
+    every call, debug mode off as well."""
+
+    def read(self: Precision) -> str:
+        raise AssertionError("Precision.key built outside debug mode")
+
+    monkeypatch.setattr(Precision, "key", property(read))
+    assert local_worlds(2, in_process=True).run(_precision_ops_outside_debug_mode) == [416.0, 416.0]

@@ -331,14 +331,15 @@ class TorchDistributedBackend(CoalescedOps):
         side = cpu_group(info)  # host integers: never a device round trip
         mine = torch.tensor([n], dtype=torch.int64)
         out = torch.empty(world, dtype=torch.int64)
-        _dispatch(
-            "all_gather",
-            side,
-            8,
-            lambda: c10d_all_gather(out, mine, side),
-            lambda: out.fill_(n),
-            None,
-        )
+        with _untyped():
+            _dispatch(
+                "all_gather",
+                side,
+                8,
+                lambda: c10d_all_gather(out, mine, side),
+                lambda: out.fill_(n),
+                None,
+            )
         return [int(v) for v in out.tolist()]
 
     def exchange_size_lists(self, ns: Sequence[int], group: ProcessGroup) -> list[list[int]]:

@@ -20,7 +20,7 @@ from .._torch import compiling, local_tensor_mode_on
 from ..backend import args as A
 from ..backend.args import PG
 from .validation import current_backend as _b
-from .validation import records_grad
+from .validation import records_grad, untyped
 from .validation import world as _world
 
 # --------------------------------------------------------------------------------------
@@ -174,10 +174,11 @@ def debug_check(
         row += [_dtype_code(t.dtype), int(records_grad(t)), t.ndim, -1 if vary is None else vary[i], *t.shape]
     device = _b().comm_device(pg)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
-    width = int(b.all_gather(torch.tensor([mine.numel()], dtype=torch.int64, device=device), pg).max())
-    padded = torch.full((1, width), -1, dtype=torch.int64, device=device)
-    padded[0, : mine.numel()] = mine
-    table = b.all_gather(padded, pg).cpu().tolist()
+    with untyped():  # (host integers: spmd_types' checker refused them on in-process ranks)
+        width = int(b.all_gather(torch.tensor([mine.numel()], dtype=torch.int64, device=device), pg).max())
+        padded = torch.full((1, width), -1, dtype=torch.int64, device=device)
+        padded[0, : mine.numel()] = mine
+        table = b.all_gather(padded, pg).cpu().tolist()
     if all(r == table[0] for r in table):
         return
     descs = [_decode(r, len(ts)) for r in table]

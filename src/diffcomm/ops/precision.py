@@ -355,7 +355,8 @@ def all_reduce(x: Any, op: Any, group: A.GroupLike, precision: Any, async_op: bo
     pg = A.resolve_group(group, name)
     # debug mode: the plain op's cross-rank check, and the settings (before, skipped here:
     # shapes (4, 6) and (2, 2, 6) all_reduced silently)
-    _debug_check_input(name, pg, x, op=op_name, precision=p.key)
+    if _config.DEBUG.get():  # (Precision.key costs ~1 us: built in debug mode only)
+        _debug_check_input(name, pg, x, op=op_name, precision=p.key)
     return apply(_QAllReduce, x, op_name, pg, p)
 
 
@@ -372,7 +373,8 @@ def reduce_scatter(
     pg = A.resolve_group(group, name)
     sizes = tuple(A.check_split_sizes(split_sizes, x.shape[dim], _world(pg), name))
     check(x, precision, name, *_scatter_layouts(x, dim, sizes, pg), reduces=True)
-    _debug_check_input(name, pg, x, op=op_name, dim=dim, split_sizes=sizes, precision=precision.key)
+    if _config.DEBUG.get():
+        _debug_check_input(name, pg, x, op=op_name, dim=dim, split_sizes=sizes, precision=precision.key)
     return apply(_QReduceScatter, x, dim, op_name, pg, sizes, precision)
 
 
@@ -532,7 +534,8 @@ def coalesced(name: str, tensors: Any, precision: Any, async_op: bool = False, *
     if name == "all_reduce":
         op_name = _check_op(kw.get("op", "sum"), xs, op)
         _check_linear(op_name, op)
-        _debug_check_list(op, pg, xs, op=op_name, precision=precision.key)
+        if _config.DEBUG.get():
+            _debug_check_list(op, pg, xs, op=op_name, precision=precision.key)
         return [apply(_QAllReduce, x, op_name, pg, precision) for x in xs]
     dims = _check_dims(xs, kw.get("dim", 0), op)
     world, split_sizes = _world(pg), kw.get("split_sizes")
@@ -546,11 +549,13 @@ def coalesced(name: str, tensors: Any, precision: Any, async_op: bool = False, *
         for i, (x, d, s) in enumerate(zip(xs, dims, sizes)):
             fwd, bwd = _scatter_layouts(x, d, s, pg)
             check(x, precision, op, fwd, bwd, arg=f"tensors[{i}]")
-        _debug_check_list(op, pg, xs, op=op_name, dim=tuple(dims), precision=precision.key)
+        if _config.DEBUG.get():
+            _debug_check_list(op, pg, xs, op=op_name, dim=tuple(dims), precision=precision.key)
         return [apply(_QReduceScatter, x, d, op_name, pg, s, precision) for x, d, s in zip(xs, dims, sizes)]
     if split_sizes is not None:
         sizes = _check_sizes(split_sizes, xs, dims, world, op, True, _rank(pg))
-    _debug_check_list(op, pg, xs, vary=dims, dim=tuple(dims), precision=precision.key)
+    if _config.DEBUG.get():
+        _debug_check_list(op, pg, xs, vary=dims, dim=tuple(dims), precision=precision.key)
     if split_sizes is None:  # every tensor's sizes, exchanged before any data moves
         sizes = tuple(tuple(_exchanged_split_sizes(x, d, pg, op)) for x, d in zip(xs, dims))
     for i, (x, d, s) in enumerate(zip(xs, dims, sizes)):

@@ -10,6 +10,7 @@ settled here too, so the ops that share them share one code path.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from .. import _config, _torch
 from .. import backend as B
+from .._replication import spmd_types_checking, spmd_types_paused
 from .._torch import compiling
 from ..backend import args as A
 from ..backend.args import PG
@@ -251,6 +253,19 @@ def all_to_all_received(ins: Sequence[int], pg: PG) -> tuple[int, ...]:
     return _exchange_received(ins, pg)
 
 
+#: (see _replication.spmd_types_checking)
+_FUNCTION_ATTRS = torch.autograd.Function.__dict__
+_NULL = contextlib.nullcontext()
+
+
+def untyped() -> Any:
+    """spmd_types' ``no_typecheck()`` block while its checker is active, else a null one:
+    around an exchange of host integers (sizes, debug mode's codes), no program data. Typed,
+    the checker refused their raw collective on in-process ranks ("tensor has no type for
+    axis") where real processes ran."""
+    return spmd_types_paused() if spmd_types_checking(_FUNCTION_ATTRS) else _NULL
+
+
 @_torch.compiler_disable
 def _exchange_received(ins: Sequence[int], pg: PG) -> tuple[int, ...]:
     """:func:`all_to_all_received`'s exchange, eagerly under torch.compile without
@@ -258,7 +273,7 @@ def _exchange_received(ins: Sequence[int], pg: PG) -> tuple[int, ...]:
     on into the raw all_to_all and failed on the group object (InternalTorchDynamoError
     "Member '_size' is not registered for this opaque object type" in an in-process world)."""
     size = world(pg)
-    with B.label("all_to_all (size exchange)"):
+    with B.label("all_to_all (size exchange)"), untyped():  # (host integers)
         b, dev = current_backend(), current_backend().comm_device(pg)
         per_rank = None if A.plain_ints(ins) else getattr(b, "ints_tensor", None)
         sent = (
