@@ -1076,3 +1076,26 @@ def test_deepcopy_after_a_training_step(world2) -> None:
     (it raised "Only Tensors created explicitly by the user ... support the deepcopy protocol")."""
     for res in world2.run(_copies_after_a_training_step):
         assert all(v == (True, 0.0, True, True) for v in res.values()), res
+
+
+def _copy_of_a_layer_caching_a_parameter_view() -> str:
+    """A parallel layer given a view of its own weight (a tensor with a graph that no
+    forward left): torch's deepcopy refusal, not a detached copy that would stop following
+    the copy's weight."""
+    import copy
+
+    layer = P.ColumnParallelLinear(4, 6, dtype=F64, seed=0)
+    layer.weight_t = layer.weight.t()
+    try:
+        copy.deepcopy(layer)
+    except RuntimeError as e:
+        return str(e)
+    return "copied"
+
+
+def test_deepcopy_refuses_a_cached_parameter_view(world2) -> None:
+    """Only what a forward leaves (a class's ``FORWARD_RESULTS``: the MoE's aux_loss) is
+    copied detached; any other tensor with a graph keeps torch's refusal (it was copied
+    detached, silently frozen at the original weight's value)."""
+    for msg in world2.run(_copy_of_a_layer_caching_a_parameter_view):
+        assert "Only Tensors created explicitly by the user" in msg, msg

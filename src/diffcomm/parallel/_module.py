@@ -274,15 +274,19 @@ def deepcopy_sharing_groups(module: nn.Module, memo: dict[int, Any]) -> nn.Modul
     parallel model (an EMA, ``torch.optim.swa_utils.AveragedModel``, a frozen reference)
     communicates over the same ranks. Parameters and buffers are copied as usual.
 
-    A tensor a forward left on a layer with its graph (``ExpertParallelMoE.aux_loss``
-    after a training step) is copied without it (``detach().clone()``): torch's deepcopy
-    refuses a non-leaf tensor ("Only Tensors created explicitly by the user ... support
-    the deepcopy protocol"), so an EMA copy made after the first step failed."""
+    A tensor a forward leaves on a layer with its graph (the attributes its class names in
+    ``FORWARD_RESULTS``: ``ExpertParallelMoE.aux_loss`` after a training step) is copied
+    without it (``detach().clone()``): torch's deepcopy refuses a non-leaf tensor ("Only
+    Tensors created explicitly by the user ... support the deepcopy protocol"), so an EMA
+    copy made after the first step failed. Any other tensor with a graph (a view of a
+    parameter cached in ``__init__``) is left to torch's refusal: a detached copy of it
+    would silently stop following the copy's parameter."""
     for m in module.modules():
         pg = m.__dict__.get("_pg")
         if pg is not None:
             memo.setdefault(id(pg), pg)
-        for value in m.__dict__.values():
+        for name in getattr(type(m), "FORWARD_RESULTS", ()):
+            value = m.__dict__.get(name)
             if isinstance(value, Tensor) and value.grad_fn is not None and id(value) not in memo:
                 memo[id(value)] = value.detach().clone()
     new = type(module).__new__(type(module))

@@ -299,6 +299,9 @@ class MoE(nn.Module):
     ``self.dropped`` (assignments dropped by the capacity, 0 when dropless).
     """
 
+    #: what a forward leaves on the layer with its graph: a deepcopy copies it detached
+    FORWARD_RESULTS = ("aux_loss",)
+
     def __init__(
         self,
         hidden_size: int,
@@ -442,6 +445,9 @@ class ExpertParallelMoE(nn.Module):
         with dc.LocalWorld(2) as world:
             world.run(f)
     """
+
+    #: what a forward leaves on the layer with its graph: a deepcopy copies it detached
+    FORWARD_RESULTS = ("aux_loss",)
 
     spmd = LayerRule(
         lambda m: (V, R),
