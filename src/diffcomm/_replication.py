@@ -26,6 +26,7 @@ The types, per process group (see ``docs/spmd_types.md`` for the reasoning):
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import sys
@@ -518,6 +519,18 @@ def spmd_types_paused() -> Any:
     any Function (a receive's shape header): not typed data. Call it under
     :func:`spmd_types_checking` only."""
     return _st().no_typecheck()
+
+
+_NULL = contextlib.nullcontext()
+
+
+def spmd_types_untyped(attrs: Mapping[str, Any]) -> Any:
+    """:func:`spmd_types_paused` while spmd_types' checker is active (``attrs``: see
+    :func:`spmd_types_checking`), else a null block: around diffcomm's exchanges of host
+    integers (sizes, debug mode's codes and fingerprints), no program data. Typed, the
+    checker refused their raw collectives on in-process ranks ("tensor has no type for
+    axis") where real processes ran."""
+    return spmd_types_paused() if spmd_types_checking(attrs) else _NULL
 
 
 def spmd_types_like(out: Any, src: Any) -> Any:

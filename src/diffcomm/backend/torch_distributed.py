@@ -16,7 +16,6 @@ and the padding / complex-as-real helpers. Re-exported by :mod:`diffcomm.backend
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +24,7 @@ import torch.distributed as dist
 
 from .. import _torch
 from .._errors import CrossRankMismatchError
-from .._replication import spmd_types_checking, spmd_types_paused
+from .._replication import spmd_types_untyped
 from ..diagnostics.logger import label
 from .consistency import PAD, encode, mismatch
 from .direct_calls import (
@@ -57,11 +56,9 @@ _FUNCTION_ATTRS = torch.autograd.Function.__dict__
 
 
 def _untyped() -> Any:
-    """spmd_types' ``no_typecheck()`` block while its checker is active, else a null one:
-    for the host integers diffcomm exchanges (sizes, debug mode's field codes), no program
-    data. Typed, the checker refused their raw gather ("tensor has no type for axis"):
-    debug mode's checks under ``typecheck()`` on in-process ranks."""
-    return spmd_types_paused() if spmd_types_checking(_FUNCTION_ATTRS) else contextlib.nullcontext()
+    """spmd_types' checker paused around the host integers diffcomm exchanges (sizes, debug
+    mode's field codes): :func:`~diffcomm._replication.spmd_types_untyped`."""
+    return spmd_types_untyped(_FUNCTION_ATTRS)
 
 
 _TORCH_OPS = {

@@ -10,7 +10,6 @@ settled here too, so the ops that share them share one code path.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +18,7 @@ from torch import Tensor
 
 from .. import _config, _torch
 from .. import backend as B
-from .._replication import spmd_types_checking, spmd_types_paused
+from .._replication import spmd_types_untyped
 from .._torch import compiling
 from ..backend import args as A
 from ..backend.args import PG
@@ -255,15 +254,12 @@ def all_to_all_received(ins: Sequence[int], pg: PG) -> tuple[int, ...]:
 
 #: (see _replication.spmd_types_checking)
 _FUNCTION_ATTRS = torch.autograd.Function.__dict__
-_NULL = contextlib.nullcontext()
 
 
 def untyped() -> Any:
-    """spmd_types' ``no_typecheck()`` block while its checker is active, else a null one:
-    around an exchange of host integers (sizes, debug mode's codes), no program data. Typed,
-    the checker refused their raw collective on in-process ranks ("tensor has no type for
-    axis") where real processes ran."""
-    return spmd_types_paused() if spmd_types_checking(_FUNCTION_ATTRS) else _NULL
+    """:func:`~diffcomm._replication.spmd_types_untyped`: spmd_types' checker paused around
+    an exchange of host integers (sizes, debug mode's codes), no program data."""
+    return spmd_types_untyped(_FUNCTION_ATTRS)
 
 
 @_torch.compiler_disable

@@ -40,7 +40,7 @@ from torch import Tensor
 from .. import _torch
 from .. import backend as B
 from .._errors import CrossRankMismatchError
-from .._replication import spmd_types_checking, spmd_types_paused
+from .._replication import spmd_types_untyped
 
 #: (see _replication.spmd_types_checking)
 _FUNCTION_ATTRS = torch.autograd.Function.__dict__
@@ -135,10 +135,8 @@ def check_replicated(t: Tensor, where: str, subject: str, hint: str, group: Any)
     # off: made at a transform's level (an op lifts even a plain tensor to it), the
     # fingerprint escaped that level through the gather (in a backward under grad(grad):
     # torch's INTERNAL ASSERT "escaped?" in place of the op's own error)
-    with _torch.functorch_off():
-        if spmd_types_checking(_FUNCTION_ATTRS):  # the check's arithmetic is not typed data
-            with spmd_types_paused():
-                return _check_replicated(t, where, subject, hint, group)
+    # (and with spmd_types' checker paused: the check's arithmetic is not typed data)
+    with _torch.functorch_off(), spmd_types_untyped(_FUNCTION_ATTRS):
         return _check_replicated(t, where, subject, hint, group)
 
 
