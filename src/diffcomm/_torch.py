@@ -69,12 +69,17 @@ __all__ = [
     "outside_checkpoint_caching",
     "saved_in_checkpoint",
     "is_fake",
+    "IncompatibleKeys",
 ]
 
 #: ``assert_async(condition, message)``: raise ``RuntimeError(message)`` unless the 0-dim
 #: bool tensor ``condition`` is true, without a host sync on an accelerator (a device-side
 #: assert there, as ``nn.Embedding``'s index check); traced by torch.compile.
 assert_async: Callable[[torch.Tensor, str], None] = torch._assert_async
+
+#: ``IncompatibleKeys(missing_keys, unexpected_keys)``: the named tuple (and its repr)
+#: ``nn.Module.load_state_dict`` returns; the serial state-dict loaders return it too.
+IncompatibleKeys = torch.nn.modules.module._IncompatibleKeys
 
 
 def not_a_view(out: Any, x: Any) -> Any:

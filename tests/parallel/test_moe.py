@@ -722,17 +722,25 @@ def _load_with_unexpected_keys() -> list[str]:
             out.append("no error")
         except KeyError as exc:
             out.append(str(exc))
-    moe.load_serial_state_dict(with_shared, strict=False)  # ignores them, as torch's
+    skipped = moe.load_serial_state_dict(with_shared, strict=False)  # ignores them, as torch's
+    out.append(skipped)
+    partial = {k: v for k, v in extra.items() if k != "router.weight"}
+    out.append(moe.load_serial_state_dict(partial, strict=False))
     return out
 
 
 def test_load_serial_state_dict_refuses_unexpected_keys(world2) -> None:
     """With ``strict`` (the default) a serial key the layer does not shard is a KeyError,
     as ``ParallelModule.load_serial_state_dict`` and torch's ``load_state_dict``: a serial
-    MoE with a shared expert loaded into one without was silently loaded without it."""
-    for shared, expert in world2.run(_load_with_unexpected_keys):
+    MoE with a shared expert loaded into one without was silently loaded without it. With
+    ``strict=False`` the skipped keys come back, as ``load_state_dict`` returns them (it
+    returned ``None``: a misspelt state dict loaded nothing, with no word)."""
+    for shared, expert, skipped, partial in world2.run(_load_with_unexpected_keys):
         assert "unexpected keys ['shared_expert.fc1.bias'" in shared, shared
         assert "unexpected keys ['experts.7.fc1.weight']" in expert, expert
+        assert skipped.missing_keys == [] and skipped.unexpected_keys[0] == "shared_expert.fc1.bias", skipped
+        assert partial.missing_keys == ["router.weight"], partial
+        assert partial.unexpected_keys == ["experts.7.fc1.weight"], partial
 
 
 # on processes: the asynchronous path (the communication thread) needs a process per rank

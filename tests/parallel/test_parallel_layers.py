@@ -712,7 +712,10 @@ def test_buffers_travel_with_the_serial_state_dicts(world2) -> None:
         want = serial.fc2(torch.tanh(serial.fc1(x)) * serial.sharded.mask) * serial.scale
         model = _WithBuffers.from_serial(serial, 6)
         fresh = _WithBuffers(6)
-        fresh.load_serial_state_dict(serial.state_dict(), strict=False)
+        skipped = fresh.load_serial_state_dict(serial.state_dict(), strict=False)
+        typo = dict(serial.state_dict())
+        typo["fc1.wieght"] = typo.pop("fc1.weight")
+        misspelt = _WithBuffers(6).load_serial_state_dict(typo, strict=False)
         full = model.to_serial_state_dict()
         back = _SerialWithBuffers(6)
         result = back.load_state_dict(full)
@@ -724,6 +727,9 @@ def test_buffers_travel_with_the_serial_state_dicts(world2) -> None:
             "keys": list(full) == list(ref) and "scratch" not in full,
             "values": all(torch.equal(full[k], ref[k]) for k in ref),
             "loads": not result.missing_keys and not result.unexpected_keys,
+            # strict=False says what it skipped, as load_state_dict (it returned None)
+            "none_skipped": not skipped.missing_keys and not skipped.unexpected_keys,
+            "skipped": misspelt.missing_keys == ["fc1.weight"] and misspelt.unexpected_keys == ["fc1.wieght"],
         }
 
     for result in world2.run(rank_body):

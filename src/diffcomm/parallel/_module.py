@@ -19,7 +19,7 @@ from .. import _config
 from .. import backend as B
 from .._errors import CrossRankMismatchError
 from .._replication import LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
-from .._torch import active_ddp, compiler_disable, every_rank
+from .._torch import IncompatibleKeys, active_ddp, compiler_disable, every_rank
 from .._torch import compiling as _compiling
 from ..backend import args as A
 from ..ops import collectives
@@ -558,7 +558,9 @@ class ParallelModule(nn.Module):
         return out
 
     @torch.no_grad()
-    def load_serial_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> None:
+    def load_serial_state_dict(
+        self, state_dict: Mapping[str, Tensor], strict: bool = True
+    ) -> IncompatibleKeys:
         """Copy this rank's shards out of a serial module's state dict (no communication).
 
         Parameters and persistent buffers are loaded alike (a buffer a layer does not
@@ -568,6 +570,10 @@ class ParallelModule(nn.Module):
         Args:
             state_dict: the serial module's ``state_dict()`` (full parameters and buffers).
             strict: raise ``KeyError`` for missing or unexpected keys.
+
+        Returns:
+            ``(missing_keys, unexpected_keys)`` (serial names), as
+            ``nn.Module.load_state_dict`` returns them: what ``strict=False`` skipped.
 
         Raises:
             KeyError: with ``strict``, keys missing from or unknown to this module.
@@ -607,12 +613,15 @@ class ParallelModule(nn.Module):
         # experts.i; as replicas, every rank took the serial experts 0.. for its own), checking
         # its keys before it copies; then this module's
         for prefix, sub in subs.items():
-            sub.load_serial_state_dict(
+            skipped = sub.load_serial_state_dict(
                 {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}, strict=strict
             )
+            missing += [prefix + k for k in skipped.missing_keys]
+            unexpected += [prefix + k for k in skipped.unexpected_keys]
         for name, (t, dim, pg) in specs.items():
             if name in state_dict:
                 t.copy_(_cut(state_dict[name], _index(t, dim, pg)))
+        return IncompatibleKeys(missing, unexpected)
 
     @classmethod
     def from_serial(cls: type[_M], serial: Any, *args: Any, **kwargs: Any) -> _M:

@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from .. import _torch
 from .. import backend as B
 from .._replication import PARTIAL, LayerRule, R, V, annotate_params_for_spmd_types, spmd_types_checking
-from .._torch import active_ddp, local_tensor_mode_off, local_tensor_mode_on
+from .._torch import IncompatibleKeys, active_ddp, local_tensor_mode_off, local_tensor_mode_on
 from ..backend import args as A
 from ..backend.local_tensor import RANK_WHY, LocalTensorBackend, refuse
 from ..ops import coalesced, collectives
@@ -628,9 +628,13 @@ class ExpertParallelMoE(nn.Module):
         return [name for name, p in self.named_parameters() if id(p) in ids]
 
     @torch.no_grad()
-    def load_serial_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
+    def load_serial_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> IncompatibleKeys:
         """Copy this rank's parameters out of a serial :class:`MoE`'s state dict (its
         router, shared expert and this rank's experts; no communication).
+
+        Returns:
+            ``(missing_keys, unexpected_keys)`` (serial names; this rank's missing ones),
+            as ``nn.Module.load_state_dict`` returns them: what ``strict=False`` skipped.
 
         Raises:
             KeyError: with ``strict``, a serial name this rank needs is missing, or a key
@@ -641,11 +645,11 @@ class ExpertParallelMoE(nn.Module):
         op = "parallel.ExpertParallelMoE.load_serial_state_dict"
         self._refuse_expert_buffers(op)
         names, slices = self.serial_names(), self.serial_slices()
+        local = [n.split(".", 2)[2] for n in names if n.startswith("experts.0.")]
+        known = {s for n, s in names.items() if not n.startswith("experts.")}
+        known |= {f"experts.{j}.{n}" for j in range(self.num_experts) for n in local}
+        unexpected = sorted(k for k in state_dict if k not in known)
         if strict:
-            local = [n.split(".", 2)[2] for n in names if n.startswith("experts.0.")]
-            known = {s for n, s in names.items() if not n.startswith("experts.")}
-            known |= {f"experts.{j}.{n}" for j in range(self.num_experts) for n in local}
-            unexpected = sorted(k for k in state_dict if k not in known)
             if unexpected:
                 raise KeyError(
                     f"diffcomm.{op}(): unexpected keys {unexpected}: not parameters of the serial "
@@ -666,12 +670,13 @@ class ExpertParallelMoE(nn.Module):
                         raise A.arg_error(
                             op, "state_dict", f"'experts.{j}.{rest}' of shape {shape}", tuple(other.shape)
                         )
-        copies = []
+        copies, missing = [], []
         for name, p in self.named_parameters():
             s_name = names[name]
             if s_name not in state_dict:
                 if strict:
                     raise KeyError(f"diffcomm.{op}(): serial key {s_name!r} (for {name!r}) is missing")
+                missing.append(s_name)
                 continue
             check_serial_value(op, s_name, state_dict[s_name])
             if tuple(state_dict[s_name].shape) != shapes[name]:
@@ -681,6 +686,7 @@ class ExpertParallelMoE(nn.Module):
             copies.append((p, state_dict[s_name][slices[name]]))
         for p, src in copies:
             p.copy_(src)
+        return IncompatibleKeys(missing, unexpected)
 
     @torch.no_grad()
     def to_serial_state_dict(self) -> dict[str, Tensor]:
