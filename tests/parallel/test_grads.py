@@ -465,3 +465,62 @@ def test_debug_mode_accepts_a_plain_pipeline(local_worlds) -> None:
     stage's own parameters are checked over no group, and the norm is the serial one."""
     for res in local_worlds(3).run(_stage_without_gradients, False, True):
         assert res["dtypes"] == {torch.float64} and res["err"] < 1e-12, res
+
+
+def _half_precision_norm() -> dict[str, float]:
+    """A float16 ParallelMLP whose gradient norm is above 256 (its square above float16's
+    65504), clipped at 1e4 (no clipping), against the serial float64 MLP."""
+    from diffcomm import parallel as par
+
+    torch.manual_seed(0)
+    ser = par.MLP(8, 16, dtype=F64)
+    mod = par.ParallelMLP.from_serial(ser).half()
+    x = torch.randn(5, 8, dtype=F64)
+    mod(x.half()).float().pow(2).sum().mul(40).backward()
+    ser(x).pow(2).sum().mul(40).backward()
+    before = [p.grad.clone() for p in mod.parameters()]  # type: ignore[union-attr]
+    ref = torch.nn.utils.get_total_norm([p.grad for p in ser.parameters()])  # type: ignore[misc]
+    total = par.clip_grad_norm_(mod, 1e4)
+    return {
+        "ref": float(ref),
+        "norm": float((total.double() - ref).abs() / ref),
+        "changed": max(float((p.grad - b).abs().max()) for p, b in zip(mod.parameters(), before)),  # type: ignore[operator]
+        "float16": float(total.dtype == torch.float16),
+    }
+
+
+def test_a_float16_models_norm_above_256_is_not_inf(world2) -> None:
+    """The squares of a float16 model's norms were summed (and all-reduced) in float16:
+    a norm above 256 overflowed, inf (the serial 312.84, torch's clipping of the float16
+    serial gradients 312.75), and clipping at 1e4 zeroed every gradient. Now the parts
+    are summed in float64, and the norm returned in float16, as torch's."""
+    for res in world2.run(_half_precision_norm):
+        assert res["ref"] > 256 and res["norm"] < 1e-3 and res["changed"] == 0.0, res
+        assert res["float16"] == 1.0, res
+
+
+def _nan_on_one_rank(norm_type: float) -> list[str]:
+    """A ParallelMLP whose fc1 shard holds a nan on the last rank only: the total norm
+    and ``error_if_nonfinite``."""
+    from diffcomm import parallel as par
+
+    mod, _, _, _ = _trained("mlp")
+    if dc.get_rank() == dc.get_world_size() - 1:
+        mod.fc1.weight.grad[0, 0] = float("nan")  # type: ignore[index, union-attr]
+    out = [str(float(par.grad_norm(mod, norm_type)))]
+    try:
+        par.clip_grad_norm_(mod, 1.0, norm_type, error_if_nonfinite=True)
+        out.append("no error")
+    except RuntimeError as exc:
+        out.append(str(exc))
+    return out
+
+
+@pytest.mark.diffcomm_in_process(False)  # gloo's all_reduce max
+@pytest.mark.parametrize("norm_type", [INF, 2.0])
+def test_a_nan_on_the_last_rank_only_makes_the_inf_norm_nan(local_worlds, norm_type: float) -> None:
+    """torch's max of the serial model's norms is nan when one is; gloo's all_reduce max
+    drops a nan held by a rank other than the first: the inf-norm was 2.75 on every rank
+    (for the serial nan) and error_if_nonfinite=True raised nowhere. Now nan on every rank."""
+    for norm, raised in local_worlds(3).run(_nan_on_one_rank, norm_type):
+        assert norm == "nan" and "error_if_nonfinite=False" in raised, (norm, raised)

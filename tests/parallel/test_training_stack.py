@@ -11,6 +11,7 @@ layer, attention and MoE, both variants, overlapped and asynchronous communicati
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -381,6 +382,38 @@ def test_clipping_and_loss_scaling_under_data_parallel_wrappers(world4, wrap: st
         assert res["norm"] < 1e-12 and res["params 0"] < 1e-10, res
         assert res["skipped 0"] == 0 and res["skipped 1"] == 1, res
         assert res["params 1"] == res["unchanged"] and res["scale"] == 4.0, res
+
+
+def _moe_synced_twice_under_fsdp2(calls: int) -> float:
+    """An ExpertParallelMoE over ``tp`` in FSDP2 over ``dp`` (its gradients DTensors), two
+    accumulated backwards, ``sync_replicated_grads()`` called ``calls`` times: the router's
+    gradient against the serial MoE's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    ser, mine = _models("moe", (mesh, "tp"))
+    model: Any = fully_shard(mine, mesh=mesh["dp"])
+    g = torch.Generator().manual_seed(1)
+    for m in range(2):
+        x, t = (torch.randn(2, 8, H, dtype=F64, generator=g) for _ in range(2))
+        model.set_requires_gradient_sync(m == 1)
+        F.mse_loss(model(x[dp].chunk(2)[tp]), t[dp].chunk(2)[tp]).div(4).backward()
+        F.mse_loss(ser(x.reshape(-1, H)), t.reshape(-1, H)).div(2).backward()
+    for _ in range(calls):
+        mine.sync_replicated_grads()
+    return float((mine.router.weight.grad.full_tensor() - ser.router.weight.grad).abs().max())
+
+
+@pytest.mark.diffcomm_in_process(False)
+def test_sync_replicated_grads_twice_under_fsdp2_sums_once(world4) -> None:
+    """A DTensor gradient was summed by every call: a second call with nothing between
+    counted the router's gradient once per rank again (0.045 off serial here), where
+    plain gradients are summed once. Now an unchanged DTensor gradient is left alone."""
+    for calls in (1, 2):
+        for err in world4.run(_moe_synced_twice_under_fsdp2, calls):
+            assert err < 1e-12, (calls, err)
 
 
 # ======================================================================================

@@ -413,17 +413,40 @@ def grads_to_sum(op: str, named: Sequence[tuple[str, Tensor]]) -> list[Tensor]:
             )
     out = []
     for _, p in named:
-        if p.grad is None or _no_backward_since(p, p.__dict__.get(_SUMMED)):
+        if p.grad is None or _no_backward_since(p, p.__dict__.get(_SUMMED)) or _dtensor_as_summed(p):
             continue  # already the sum (scaled in place, perhaps): nothing new to add
         out.append(p)
     return out
+
+
+#: a ``DTensor`` gradient (FSDP2's) as the last sum left it: ``(weakref, its local
+#: shard's version)``. FSDP2 accumulates into the local shard in place, unseen by the
+#: hooks of :func:`_watch_accumulation`: only an unchanged gradient is known to be the sum
+_DTENSOR_SUMMED = "_diffcomm_dtensor_grad_summed"
+
+
+def _local_version(g: Tensor) -> int:
+    return int(g.to_local()._version)  # type: ignore[attr-defined]
+
+
+def _dtensor_as_summed(p: Tensor) -> bool:
+    """``p.grad`` is the ``DTensor`` the last sum left, its local shard unchanged since (a
+    second sum with nothing between counted the router's gradient once per rank again:
+    0.049 off serial under FSDP2 at 2 x 2). Changed in place since — FSDP2 accumulated a
+    backward into it, or it was scaled or zeroed — it is summed again, the version cannot
+    tell which."""
+    mark = p.__dict__.get(_DTENSOR_SUMMED)
+    g = p.grad
+    return mark is not None and g is not None and g is mark[0]() and _local_version(g) == mark[1]
 
 
 def note_summed(params: Sequence[Tensor]) -> None:
     """After ``params``' gradients were summed over their group: remember each ``.grad``
     as the sum left it, and watch the next backwards (:func:`_watch_accumulation`)."""
     for p in params:
-        if p.grad is None or A.is_dtensor(p.grad):  # (FSDP2's: it accumulates on its own)
+        if p.grad is not None and A.is_dtensor(p.grad):  # (FSDP2's: it accumulates on its own)
+            p.__dict__[_DTENSOR_SUMMED] = (weakref.ref(p.grad), _local_version(p.grad))
+        if p.grad is None or A.is_dtensor(p.grad):
             continue
         p.__dict__.pop(_ADDED_ONTO_SUM, None)
         p.__dict__[_SUMMED] = (weakref.ref(p.grad), p.grad._version, p.__dict__.get(_ACCUMULATED, 0))

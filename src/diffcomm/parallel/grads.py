@@ -274,25 +274,38 @@ def _total_norm(op: str, module: Any, norm_type: Any, group: Any, pipeline_group
         flat = torch.cat([_local(g).detach().reshape(-1).to(torch.float64) for g in grads[1]])
         check_replicated(flat, op, "the replicated parameters' gradients", _REPLICATED_HINT, pg)
     inf = math.isinf(p_norm)
+    # the parts are raised to p, summed and communicated in float64 (float32 on MPS), as
+    # torch's vector_norm accumulates a half-precision norm in float32: in float16 the
+    # squares of a norm above 256 overflowed (inf for the serial 312.75, clipping every
+    # gradient to 0); the result in the gradients' dtype, as torch's
+    wide = _wide(device)
 
     def part(gs: list[Tensor]) -> Tensor:
-        norms = [_whole(torch.linalg.vector_norm(g, p_norm)).to(dtype=dtype, device=device) for g in gs]
+        norms = [_whole(torch.linalg.vector_norm(g, p_norm)).to(dtype=wide, device=device) for g in gs]
         if not norms:
-            return torch.zeros((), dtype=dtype, device=device)
+            return torch.zeros((), dtype=wide, device=device)
         stacked = torch.stack(norms)
         return stacked.max() if inf else stacked.pow(p_norm).sum()
 
     total_sharded, total_replicated = part(grads[0]), part(grads[1])
     if sharded:  # (the layout is the same on every rank: all of them communicate, or none)
-        with B.label(op):
-            total_sharded = collectives.all_reduce(total_sharded, "max" if inf else "sum", pg)
+        total_sharded = _reduce_parts(op, total_sharded, inf, pg)
     total = torch.maximum(total_sharded, total_replicated) if inf else total_sharded + total_replicated
     if stages is not None:  # every stage's part: the whole model's (each stage holds its own)
-        # in one dtype on every stage (each may hold another: see above), exact for each
-        with B.label(op):
-            total = collectives.all_reduce(total.to(_wide(device)), "max" if inf else "sum", stages)
-        total = total.to(dtype)
-    return total if inf else total.pow(1.0 / p_norm)
+        total = _reduce_parts(op, total, inf, stages)
+    return (total if inf else total.pow(1.0 / p_norm)).to(dtype)
+
+
+def _reduce_parts(op: str, part: Tensor, inf: bool, group: Any) -> Tensor:
+    """The sum (``inf``: the maximum) of every rank's 0-dim ``part`` over ``group``, nan
+    when any rank's is nan, as torch's ``max`` of the serial model's norms (gloo's
+    all_reduce max drops a nan on a rank other than the first: an inf-norm of 2.75 on
+    every rank for the serial nan, and no ``error_if_nonfinite``). One all_reduce."""
+    with B.label(op):
+        if not inf:
+            return collectives.all_reduce(part, "sum", group)
+        both = collectives.all_reduce(torch.stack([part, part.isnan().to(part.dtype)]), "max", group)
+    return torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
 
 
 def grad_norm(

@@ -762,7 +762,9 @@ class ExpertParallelMoE(nn.Module):
         communication; a second call with no backward between
         sums nothing again (also after an in-place scaling: a clipping). Under FSDP2's
         ``fully_shard`` over another mesh axis each gradient is a ``DTensor``: its local
-        shards are summed, in place."""
+        shards are summed, in place; FSDP2 accumulates into them in place, unseen by the
+        check above: a second call sums nothing again only while the gradients are as the
+        last call left them (not after an in-place scaling, a clipping, in between)."""
         named = [(n, p) for n, p in self.named_parameters() if n.startswith(("router.", "shared_expert."))]
         params = grads_to_sum("parallel.ExpertParallelMoE.sync_replicated_grads", named)
         # a DTensor gradient (FSDP2's fully_shard over another mesh axis): its local shard,

@@ -944,12 +944,15 @@ class PipelineRunner:
             )
         if roots:
             torch.autograd.backward(roots, root_grads)
-        if self._ddps:  # DDP's average over its group, once for the step's gradients
-            average_grads(self._ddps)
         refused = None
         if self._ties:  # (the same on every rank holding one: all of them exchange)
             olds = iter(held_grads)
             refused = self._sync_tied([[next(olds) for _ in copies] for _, copies, _ in self._ties])
+        if self._ddps:  # DDP's average over its group, once for the step's gradients
+            # after the ties' sum, which adds back what a tied weight held before the step:
+            # DDP averages the whole accumulated .grad (before, a tied weight's part from
+            # steps under the user's no_sync() was never averaged: 0.09 off serial)
+            average_grads(self._ddps)
         out: Tensor | None = total if self.is_last else None
         if self.broadcast_loss and self.n_stages > 1:
             be = B.get_backend()
