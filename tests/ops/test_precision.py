@@ -1278,6 +1278,49 @@ def test_empty_0dim_and_vmap(world2) -> None:
         assert not bad, bad
 
 
+def _vmap_keeps_each_example_its_own_fp8_scale() -> list[str]:
+    """vmap of a quantized op equals the op on each example alone, also where the batch dim
+    would otherwise be the last dim (the one fp8 blocks run along): each example keeps its
+    own scales, and an example 1e-6 times another's size is not flushed to zero."""
+    r = dc.get_rank()
+    mag = torch.tensor([1.0, 1e-3, 1e3, -7.0, 1e-6])  # one magnitude per example
+    bad = []
+    for p in (Precision("fp8_e4m3"), Precision("fp8_e4m3", block_size=2), Precision("fp8_e5m2")):
+        # 0-dim examples: the batch was one row, one fp8 scale for all (0.006 came back as 0)
+        x = mag * (r + 1)
+        for name, fn in (
+            ("all_reduce", lambda v, p=p: dc.all_reduce(v, precision=p)),
+            ("reduce_from_region", lambda v, p=p: dc.parallel.reduce_from_region(v, precision=p)),
+        ):
+            if not torch.equal(torch.func.vmap(fn)(x), torch.stack([fn(v) for v in x])):
+                bad.append(f"{p.tag} vmap {name} of 0-dim examples")
+        xg = mag.clone().requires_grad_(True)  # (replicated) copy_to_region: its backward all_reduces
+        y = torch.func.vmap(lambda v, p=p: dc.parallel.copy_to_region(v, precision=p))(xg)
+        (g,) = torch.autograd.grad(y, xg, mag)
+        want = torch.stack([dc.all_reduce(m, precision=p) for m in mag])
+        if not torch.equal(g, want):
+            bad.append(f"{p.tag} vmap copy_to_region backward of 0-dim examples: {g.tolist()}")
+        # the batch dim last: copy_to_region (elementwise as a plain mapping) kept it there,
+        # and its backward all_reduced one fp8 row across the examples (gradient 0, not 3 * g)
+        xs = torch.ones(4, 5, requires_grad=True)
+        gs = torch.arange(1.0, 21.0).reshape(4, 5) * mag
+        y = torch.func.vmap(lambda v, p=p: dc.parallel.copy_to_region(v, precision=p), 1, 1)(xs)
+        (g,) = torch.autograd.grad(y, xs, gs)
+        want = torch.stack([dc.all_reduce(gs[:, i], precision=p) for i in range(5)], 1)
+        if not torch.equal(g, want):
+            bad.append(f"{p.tag} vmap copy_to_region backward, batch dim last")
+    return bad
+
+
+def test_vmap_keeps_each_example_its_own_fp8_scale(world3) -> None:
+    """Before: vmap of a quantized ``all_reduce`` / ``reduce_from_region`` over 0-dim
+    examples (and ``copy_to_region``'s gradient) shared one fp8 scale across the batch,
+    and ``copy_to_region`` batched along its last dim did too: ranks' 1e-3 (sum 0.006)
+    came back as 0.0, -42 as -43.53; the examples one by one were exact."""
+    for bad in world3.run(_vmap_keeps_each_example_its_own_fp8_scale):
+        assert not bad, bad
+
+
 def _fp8_row_scales_empty_and_uneven() -> list[str]:
     bad = []
     r = dc.get_rank()

@@ -225,15 +225,21 @@ class QuantizedOp(CommOp):
     A subclass states ``plain`` (the plain op's class: the quantized op takes its
     ``name`` and ``dims``, and ``dc.spmd_check`` types it as the plain op, one row in the
     typing table), ``run`` (the quantized forward, ``(x, *args, p)`` with ``p`` the
-    :class:`Precision` last), ``elementwise`` as any :class:`CommOp`, ``op_at`` (the
-    position in ``args`` of the reduce op the label shows, if any) and its adjoint:
+    :class:`Precision` last), ``op_at`` (the position in ``args`` of the reduce op the
+    label shows, if any) and its adjoint:
     ``adjoint`` is the quantized op the transpose applies (``SELF`` for a self-adjoint op;
     the class defined second of a pair names the first, which gets it too),
     ``adjoint_args(*args)`` maps the arguments (default: the same). The base writes
     ``spmd``, ``label`` (``"name(op, tag)"``) and ``transpose``: the adjoint applied to
     the gradient with the backward settings (``p.transposed()``), whose own transpose
-    uses the forward settings again (double backward). An op whose adjoint is more than
-    that states its ``transpose`` itself. :meth:`of` makes one from a line of a table.
+    uses the forward settings again (double backward), and ``vmap`` (:func:`_vmap`). An
+    op whose adjoint is more than that states its ``transpose`` itself. :meth:`of` makes
+    one from a line of a table.
+
+    A quantized op is never ``elementwise`` (the plain mapping it stands for may be): fp8
+    blocks run along the last dim, so the vmap batch dim must not stay there. (Kept in
+    place, a ``copy_to_region`` batched along its last dim all_reduced its gradient with
+    one fp8 scale across the examples: a small example's gradient came back as zeros.)
     """
 
     plain: ClassVar[type[CommOp]]
@@ -263,17 +269,31 @@ class QuantizedOp(CommOp):
             op.label = staticmethod(_label(cls.name, cls.op_at))
         if "transpose" not in cls.__dict__:
             op.transpose = staticmethod(_transpose(op._adjoint, cls.adjoint_args))
-        super().__init_subclass__(**kwargs)
+        super().__init_subclass__(**kwargs)  # (the base derives the rules, vmap too)
+        op.vmap = staticmethod(_vmap(cls, cls.__dict__["vmap"].__func__))
 
     @classmethod
-    def of(
-        cls, plain: type[CommOp], run: Any, *, adjoint: Any = None, elementwise: bool = False
-    ) -> type[QuantizedOp]:
+    def of(cls, plain: type[CommOp], run: Any, *, adjoint: Any = None) -> type[QuantizedOp]:
         """The quantized form of ``plain`` with forward ``run`` (a module-level function,
         whose module the class reports), named ``_Q<plain's name>``."""
-        members = {"plain": plain, "run": staticmethod(run), "adjoint": adjoint, "elementwise": elementwise}
+        members = {"plain": plain, "run": staticmethod(run), "adjoint": adjoint}
         members |= {"__module__": run.__module__, "__doc__": f"{plain.name} with a Precision."}
         return type(f"_Q{plain.__name__.lstrip('_')}", (cls,), members)
+
+
+def _vmap(cls: Any, batched: Any) -> Any:
+    """The batching rule of quantized op ``cls``: the base's (``batched``: the batch dim
+    first, one collective), and where each example is 0-dim (``all_reduce`` of a scalar,
+    a mapping of one), the batch as rows of one element each, as every example is alone:
+    as ``(batch,)`` the batch was one row, one fp8 scale (or block) across the examples,
+    and a small example came back as zeros. (An op with a dim never takes a 0-dim ``x``.)"""
+
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, *args: Any) -> tuple[Tensor, int]:
+        if in_dims[0] is None or x.ndim != 1:
+            return batched(info, in_dims, x, *args)
+        return call(cls, x.unsqueeze(-1), *args).squeeze(-1), 0
+
+    return vmap
 
 
 def _label(name: str, op_at: int | None) -> Any:
