@@ -1278,6 +1278,91 @@ def test_empty_0dim_and_vmap(world2) -> None:
         assert not bad, bad
 
 
+def _vmap_keeps_each_example_its_own_fp8_scale() -> list[str]:
+    """vmap of a quantized op equals the op on each example alone, also where the batch dim
+    would otherwise be the last dim (the one fp8 blocks run along): each example keeps its
+    own scales, and an example 1e-6 times another's size is not flushed to zero."""
+    r = dc.get_rank()
+    mag = torch.tensor([1.0, 1e-3, 1e3, -7.0, 1e-6])  # one magnitude per example
+    bad = []
+    for p in (Precision("fp8_e4m3"), Precision("fp8_e4m3", block_size=2), Precision("fp8_e5m2")):
+        # 0-dim examples: the batch was one row, one fp8 scale for all (0.006 came back as 0)
+        x = mag * (r + 1)
+        for name, fn in (
+            ("all_reduce", lambda v, p=p: dc.all_reduce(v, precision=p)),
+            ("reduce_from_region", lambda v, p=p: dc.parallel.reduce_from_region(v, precision=p)),
+        ):
+            if not torch.equal(torch.func.vmap(fn)(x), torch.stack([fn(v) for v in x])):
+                bad.append(f"{p.tag} vmap {name} of 0-dim examples")
+        xg = mag.clone().requires_grad_(True)  # (replicated) copy_to_region: its backward all_reduces
+        y = torch.func.vmap(lambda v, p=p: dc.parallel.copy_to_region(v, precision=p))(xg)
+        (g,) = torch.autograd.grad(y, xg, mag)
+        want = torch.stack([dc.all_reduce(m, precision=p) for m in mag])
+        if not torch.equal(g, want):
+            bad.append(f"{p.tag} vmap copy_to_region backward of 0-dim examples: {g.tolist()}")
+        # the batch dim last: copy_to_region (elementwise as a plain mapping) kept it there,
+        # and its backward all_reduced one fp8 row across the examples (gradient 0, not 3 * g)
+        xs = torch.ones(4, 5, requires_grad=True)
+        gs = torch.arange(1.0, 21.0).reshape(4, 5) * mag
+        y = torch.func.vmap(lambda v, p=p: dc.parallel.copy_to_region(v, precision=p), 1, 1)(xs)
+        (g,) = torch.autograd.grad(y, xs, gs)
+        want = torch.stack([dc.all_reduce(gs[:, i], precision=p) for i in range(5)], 1)
+        if not torch.equal(g, want):
+            bad.append(f"{p.tag} vmap copy_to_region backward, batch dim last")
+    return bad
+
+
+def _under_autocast() -> list[str]:
+    """Each quantized op under CPU ``torch.autocast`` equals the op outside it (values and
+    gradients): autocast is for the user's math, not the wire payload."""
+    r = dc.get_rank()
+    x0 = data(r, (6, 6), 3)
+    ops = {
+        "all_gather uneven": lambda v, p: dc.all_gather(v[: r + 1], 0, precision=p),
+        "all_to_all 0 -> 1": lambda v, p: dc.all_to_all(v, 0, 1, precision=p),
+        "all_to_all_region": lambda v, p: dc.parallel.all_to_all_region(v, 0, 1, precision=p),
+        "all_reduce": lambda v, p: dc.all_reduce(v[:1, :1].reshape(()), precision=p),
+        "reduce_scatter": lambda v, p: dc.reduce_scatter(v, 1, split_sizes=[2, 4, 0], precision=p),
+    }
+    bad = []
+    for p in (Precision("fp8_e4m3", block_size=2, backward=Precision("fp16")), Precision("fp16")):
+        for dtype in (torch.float32, torch.float16):
+            for name, fn in ops.items():
+                got = []
+                for on in (False, True):
+                    x = x0.to(dtype).requires_grad_(True)
+                    try:
+                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+                            y = fn(x, p)
+                            (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
+                    except RuntimeError as err:
+                        bad.append(f"{p.key} {dtype} {name}: {err}")
+                        return bad  # (a rank that raised before its exchange: the others would wait)
+                    got.append((y, g))
+                (y0, g0), (y1, g1) = got
+                if not (torch.equal(y0, y1) and torch.equal(g0, g1) and y0.dtype == y1.dtype):
+                    bad.append(f"{p.key} {dtype} {name}: not equal")
+    return bad
+
+
+def test_a_quantized_op_under_autocast_equals_outside(world3) -> None:
+    """Before: under CPU ``torch.autocast`` an fp8 (or float16) wire payload reached torch's
+    ``cat`` (an uneven all_gather's padding, an all_to_all across dims, a float16 all_reduce's
+    padding), which autocast refuses: RuntimeError "Unexpected floating ScalarType in
+    at::autocast::prioritize"."""
+    for bad in world3.run(_under_autocast):
+        assert not bad, bad
+
+
+def test_vmap_keeps_each_example_its_own_fp8_scale(world3) -> None:
+    """Before: vmap of a quantized ``all_reduce`` / ``reduce_from_region`` over 0-dim
+    examples (and ``copy_to_region``'s gradient) shared one fp8 scale across the batch,
+    and ``copy_to_region`` batched along its last dim did too: ranks' 1e-3 (sum 0.006)
+    came back as 0.0, -42 as -43.53; the examples one by one were exact."""
+    for bad in world3.run(_vmap_keeps_each_example_its_own_fp8_scale):
+        assert not bad, bad
+
+
 def _fp8_row_scales_empty_and_uneven() -> list[str]:
     bad = []
     r = dc.get_rank()

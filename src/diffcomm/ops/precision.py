@@ -29,6 +29,9 @@ Where a backend has no fp8 type (gloo) the payload travels as bytes
 
 from __future__ import annotations
 
+# Size: ~615 lines, over the ~600 guideline: the quantized runs, the op classes and their
+# entry points' validation (forward and backward layouts, refusals agreed across ranks)
+# read one another; the option and its wire formats already live in precision_format.
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -130,12 +133,36 @@ def _no_async(async_op: bool, opname: str) -> None:
 # ----------------------------------------------------------------------------- runs
 
 
+def _outside_autocast(raw: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """``raw`` (a raw op moving a wire payload) run outside the caller's ``torch.autocast``,
+    which is for the user's math, not a collective's buffers: CPU autocast's ``cat`` refuses
+    fp8 and float16 ("Unexpected floating ScalarType in at::autocast::prioritize"), which
+    the ops join (an uneven all_gather's padding, an all_to_all across dims)."""
+
+    def moved(t: Tensor, *args: Any) -> Tensor:
+        kind = t.device.type
+        try:
+            on = torch.is_autocast_enabled(kind)
+        except RuntimeError:  # no autocast for this device type
+            on = False
+        if not on:
+            return raw(t, *args)
+        with torch.autocast(kind, enabled=False):
+            return raw(t, *args)
+
+    return moved
+
+
+_move_gather = _outside_autocast(raw_all_gather)
+_move_a2a = _outside_autocast(raw_all_to_all)
+
+
 def _gather_run(x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
     if p.wire is None:
         return raw_all_gather(x, dim, pg, sizes)
     q, s = encode(x, p)
-    out_q = raw_all_gather(q, dim, pg, sizes)
-    out_s = None if s is None else raw_all_gather(s, dim, pg, _scale_sizes(sizes, dim, x, p))
+    out_q = _move_gather(q, dim, pg, sizes)
+    out_s = None if s is None else _move_gather(s, dim, pg, _scale_sizes(sizes, dim, x, p))
     return decode(out_q, out_s, x.dtype, block_widths(sizes, dim, x, p))
 
 
@@ -151,12 +178,12 @@ def _a2a_run(
     if p.wire is None:
         return raw_all_to_all(x, split_dim, concat_dim, pg, ins, outs)
     q, s = encode(x, p)
-    out_q = raw_all_to_all(q, split_dim, concat_dim, pg, ins, outs)
+    out_q = _move_a2a(q, split_dim, concat_dim, pg, ins, outs)
     if s is None:
         return decode(out_q, None, x.dtype)
     s_ins = _scale_sizes(ins, split_dim, x, p)
     s_outs = _scale_sizes(outs, concat_dim, x, p)
-    out_s = raw_all_to_all(s, split_dim, concat_dim, pg, s_ins, s_outs)
+    out_s = _move_a2a(s, split_dim, concat_dim, pg, s_ins, s_outs)
     return decode(out_q, out_s, x.dtype, block_widths(outs, concat_dim, x, p))
 
 
@@ -167,12 +194,10 @@ def _reduce_scatter_acc(x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, 
     mine = sizes[rank]
     outs = (mine,) * world
     q, s = encode(x, p)
-    parts_q = raw_all_to_all(q, dim, dim, pg, tuple(sizes), outs)
+    parts_q = _move_a2a(q, dim, dim, pg, tuple(sizes), outs)
     parts_s = None
     if s is not None:
-        parts_s = raw_all_to_all(
-            s, dim, dim, pg, _scale_sizes(sizes, dim, x, p), _scale_sizes(outs, dim, x, p)
-        )
+        parts_s = _move_a2a(s, dim, dim, pg, _scale_sizes(sizes, dim, x, p), _scale_sizes(outs, dim, x, p))
     parts = decode(parts_q, parts_s, acc).unflatten(dim, (world, mine))  # every rank's chunk
     if acc.itemsize >= 4:
         total = parts.sum(dim)
@@ -204,14 +229,14 @@ def _all_reduce_run(x: Tensor, op: str, pg: PG, p: Precision) -> Tensor:
     rows = -(-flat.numel() // width) if width else 0
     padded_rows = -(-rows // world) * world
     pad = padded_rows * width - flat.numel()
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
+    if pad:  # (not cat: CPU autocast's refuses a float16 x)
+        flat = torch.nn.functional.pad(flat, (0, pad))
     x2 = flat.reshape(padded_rows, width)
     chunk = padded_rows // world
     mine = _reduce_scatter_acc(x2, 0, op, pg, (chunk,) * world, p)
     q, s = encode(mine, p)  # the one rounding of the sum (to the wire dtype)
-    full_q = raw_all_gather(q, 0, pg, (chunk,) * world)
-    full_s = None if s is None else raw_all_gather(s, 0, pg, (chunk,) * world)
+    full_q = _move_gather(q, 0, pg, (chunk,) * world)
+    full_s = None if s is None else _move_gather(s, 0, pg, (chunk,) * world)
     full = decode(full_q, full_s, x.dtype).reshape(-1)
     return full[: x.numel()].reshape(shape)
 
@@ -225,15 +250,21 @@ class QuantizedOp(CommOp):
     A subclass states ``plain`` (the plain op's class: the quantized op takes its
     ``name`` and ``dims``, and ``dc.spmd_check`` types it as the plain op, one row in the
     typing table), ``run`` (the quantized forward, ``(x, *args, p)`` with ``p`` the
-    :class:`Precision` last), ``elementwise`` as any :class:`CommOp`, ``op_at`` (the
-    position in ``args`` of the reduce op the label shows, if any) and its adjoint:
+    :class:`Precision` last), ``op_at`` (the position in ``args`` of the reduce op the
+    label shows, if any) and its adjoint:
     ``adjoint`` is the quantized op the transpose applies (``SELF`` for a self-adjoint op;
     the class defined second of a pair names the first, which gets it too),
     ``adjoint_args(*args)`` maps the arguments (default: the same). The base writes
     ``spmd``, ``label`` (``"name(op, tag)"``) and ``transpose``: the adjoint applied to
     the gradient with the backward settings (``p.transposed()``), whose own transpose
-    uses the forward settings again (double backward). An op whose adjoint is more than
-    that states its ``transpose`` itself. :meth:`of` makes one from a line of a table.
+    uses the forward settings again (double backward), and ``vmap`` (:func:`_vmap`). An
+    op whose adjoint is more than that states its ``transpose`` itself. :meth:`of` makes
+    one from a line of a table.
+
+    A quantized op is never ``elementwise`` (the plain mapping it stands for may be): fp8
+    blocks run along the last dim, so the vmap batch dim must not stay there. (Kept in
+    place, a ``copy_to_region`` batched along its last dim all_reduced its gradient with
+    one fp8 scale across the examples: a small example's gradient came back as zeros.)
     """
 
     plain: ClassVar[type[CommOp]]
@@ -263,17 +294,31 @@ class QuantizedOp(CommOp):
             op.label = staticmethod(_label(cls.name, cls.op_at))
         if "transpose" not in cls.__dict__:
             op.transpose = staticmethod(_transpose(op._adjoint, cls.adjoint_args))
-        super().__init_subclass__(**kwargs)
+        super().__init_subclass__(**kwargs)  # (the base derives the rules, vmap too)
+        op.vmap = staticmethod(_vmap(cls, cls.__dict__["vmap"].__func__))
 
     @classmethod
-    def of(
-        cls, plain: type[CommOp], run: Any, *, adjoint: Any = None, elementwise: bool = False
-    ) -> type[QuantizedOp]:
+    def of(cls, plain: type[CommOp], run: Any, *, adjoint: Any = None) -> type[QuantizedOp]:
         """The quantized form of ``plain`` with forward ``run`` (a module-level function,
         whose module the class reports), named ``_Q<plain's name>``."""
-        members = {"plain": plain, "run": staticmethod(run), "adjoint": adjoint, "elementwise": elementwise}
+        members = {"plain": plain, "run": staticmethod(run), "adjoint": adjoint}
         members |= {"__module__": run.__module__, "__doc__": f"{plain.name} with a Precision."}
         return type(f"_Q{plain.__name__.lstrip('_')}", (cls,), members)
+
+
+def _vmap(cls: Any, batched: Any) -> Any:
+    """The batching rule of quantized op ``cls``: the base's (``batched``: the batch dim
+    first, one collective), and where each example is 0-dim (``all_reduce`` of a scalar,
+    a mapping of one), the batch as rows of one element each, as every example is alone:
+    as ``(batch,)`` the batch was one row, one fp8 scale (or block) across the examples,
+    and a small example came back as zeros. (An op with a dim never takes a 0-dim ``x``.)"""
+
+    def vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, *args: Any) -> tuple[Tensor, int]:
+        if in_dims[0] is None or x.ndim != 1:
+            return batched(info, in_dims, x, *args)
+        return call(cls, x.unsqueeze(-1), *args).squeeze(-1), 0
+
+    return vmap
 
 
 def _label(name: str, op_at: int | None) -> Any:

@@ -212,7 +212,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _block(p: Precision, n: int) -> int:
-    return p.block_size or n
+    """Elements per scale in a last dim of ``n``: never more than ``n`` (a 0-dim ``x``, a
+    row of one, is the only one a ``block_size`` may exceed: :func:`check` refuses any
+    other; an all_reduce of rows of one, as vmap batches 0-dim examples, must not join
+    rows into one block)."""
+    return min(p.block_size or n, n)
 
 
 def encode(x: Tensor, p: Precision) -> tuple[Tensor, Tensor | None]:

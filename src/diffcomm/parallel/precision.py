@@ -96,7 +96,7 @@ def _pair(
     """A quantized replicated-objective pair: ``copy`` (a local forward, its backward the
     communicating conjugate) and ``identity`` (communicating forward, local backward,
     checked in debug mode)."""
-    q_copy = QuantizedOp.of(copy, copy_run, elementwise=copy.elementwise)
+    q_copy = QuantizedOp.of(copy, copy_run)  # (never elementwise: see QuantizedOp)
     members = {
         "plain": identity,
         "run": staticmethod(identity_run),
