@@ -6,6 +6,8 @@ the messages leave out, and the annotations with the check off."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -481,3 +483,46 @@ def test_a_replicated_weight_updated_with_per_rank_data_is_an_error(world2: dc.L
     op = {".data =": "copy_", ".data.copy_": "copy_"}.get(form, form)
     for msg in world2.run(body):
         assert "linear at" in msg and "updated in place with per-rank data" in msg and f"({op} at" in msg, msg
+
+
+def _averaged_partial_sums(reduce: str, checked: bool) -> tuple[str | None, object, torch.Tensor]:
+    """A row-parallel product's partial sums reduced by ``all_reduce(op="avg")`` scaled
+    back by the world size (``"avg"``), or by ``reduce_from_region`` (``"fix"``), into a
+    replicated loss: (the check's error or ``None``, this rank's weight gradient, the
+    serial float64 reference of that weight's gradient)."""
+    world, rank = dc.get_world_size(), dc.get_rank()
+    g = torch.Generator().manual_seed(7)
+    a_full = torch.randn(3, 4 * world, dtype=F64, generator=g)
+    w_full = torch.randn(2, 4 * world, dtype=F64, generator=g)
+    w_ref = w_full.clone().requires_grad_()
+    F.linear(a_full, w_ref).pow(2).mean().backward()
+    cols = slice(4 * rank, 4 * (rank + 1))
+    row = par.RowParallelLinear(4 * world, 2, input_is_parallel=True, bias=False, dtype=F64, seed=0)
+    with torch.no_grad():
+        row.weight.copy_(w_full[:, cols])
+    error = None
+    try:
+        with dc.spmd_check(modules=row) if checked else contextlib.nullcontext():
+            p = F.linear(dc.spmd.varying(a_full[:, cols].clone()), row.weight)  # partial sums
+            y = dc.all_reduce(p, op="avg") * world if reduce == "avg" else par.reduce_from_region(p)
+            y.pow(2).mean().backward()
+    except dc.SPMDTypeError as e:
+        error = str(e)
+    return error, row.weight.grad, w_ref.grad[:, cols]
+
+
+def test_averaged_partial_sums_into_a_replicated_loss_is_an_error(world2: dc.LocalWorld) -> None:
+    """all_reduce(op="avg") of partial sums is their sum over W, and its backward sums the
+    gradient as the sum's does: under a replicated loss every gradient is world-size times
+    too large. It was read as data parallel's mean loss (which averages per-rank losses,
+    varying values) and passed; the mean of partial sums is no mean objective."""
+
+    def body() -> list[tuple[str | None, object, torch.Tensor]]:
+        return [_averaged_partial_sums(how, checked) for how in ("avg", "fix") for checked in (False, True)]
+
+    for (_, g_bad, ref), (bad, _, _), (_, g_fix, _), (good, g_good, _) in world2.run(body):
+        torch.testing.assert_close(g_bad, 2 * ref)  # the wrong number the check must stop
+        assert bad is not None and "world-size times too large" in bad, bad
+        torch.testing.assert_close(g_fix, ref)
+        assert good is None, good
+        torch.testing.assert_close(g_good, ref)
