@@ -5,6 +5,9 @@ optimizer step pre-hook, ``dc.get_rank`` returning a :class:`RankInt`, the user-
 reading of spmd_types' ``assert_type``. The active checks (``_ACTIVE``) live here; the
 check itself is :class:`diffcomm.spmd.check.SPMDCheck`."""
 
+# Size: ~625 lines, over the ~600 guideline: every patch a check installs, and the rules
+# of the Functions it types through them (a user's, torch.distributed.nn's), in one place.
+
 from __future__ import annotations
 
 import importlib
@@ -380,11 +383,43 @@ def _user_rule(cls: type) -> tuple[Rule, tuple[str, ...]] | None:
     hit = _USER_RULES.get(cls)
     if hit is None and isinstance(cls.__dict__.get("spmd"), Rule):  # stated on the class
         hit = _USER_RULES[cls] = _validated(cls, cls.__dict__["spmd"], None)
+    if hit is None and cls.__module__ == _TORCH_NN:
+        hit = _torch_nn_rule(cls)
+        if hit is not None:
+            _USER_RULES[cls] = hit
     return hit
+
+
+#: torch's own differentiable collectives: their forward's raw collective is typed, but
+#: not their backward (the sum convention, as diffcomm.compat's), so a replicated loss
+#: through them passed with gradients world-size times too large. Each is typed by the rule
+#: of the diffcomm op it is (class -> that op's module and class, the typed argument); the
+#: others (a tensor list as varargs: _Scatter, _Reduce_Scatter, _AlltoAll) get no rule
+#: and are refused by name, as a user Function without one is.
+_TORCH_NN = "torch.distributed.nn.functional"
+_TORCH_NN_RULES = {
+    "_AllReduce": ("all_reduce", "_AllReduce", "tensor"),
+    "_AllGather": ("all_gather", "_AllGather", "tensor"),
+    "_AllGatherBase": ("all_gather", "_AllGather", "input_tensor"),
+    "_Broadcast": ("broadcast_reduce", "_Broadcast", "tensor"),
+    "_Reduce": ("broadcast_reduce", "_Reduce", "tensor"),
+    "_Gather": ("gather_scatter", "_Gather", "tensor"),
+    "_AlltoAllSingle": ("all_to_all", "_AllToAll", "input"),
+}
+
+
+def _torch_nn_rule(cls: type) -> tuple[Rule, tuple[str, ...]] | None:
+    row = _TORCH_NN_RULES.get(cls.__name__)
+    if row is None:
+        return None
+    op = getattr(importlib.import_module(f"diffcomm.ops.{row[0]}"), row[1])
+    return _validated(cls, _dc_replace(op.spmd, group="group"), (row[2],))
 
 
 def _is_user_function(cls: type) -> bool:
     mod = getattr(cls, "__module__", "") or ""
+    if mod == _TORCH_NN:
+        return True
     return not (mod.startswith(("torch.", "diffcomm.", "spmd_types")) or cls in _PATCHED)
 
 
