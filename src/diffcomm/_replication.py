@@ -353,12 +353,13 @@ def _type_for_spmd_types(cls: type, rule: Rule, outputs: Any, args: Mapping[str,
             first = next(iter(rule.maps))
             have = (st.I if rule.in_grad == REPLICATED else st.R) if first is R else to_st[first]
         ours = {st.I: R, st.R: R, st.V: V, st.P: P}[have]
-        if ours is R and name == "all_reduce" and bound.get("op") == "avg":
-            # the mean of equal values: an identity whose backward averages the gradient,
-            # right for a whole (I) gradient; as dc.spmd_check types it (docs/spmd_types.md)
+        if ours is R and name == "all_reduce" and bound.get("op") in ("avg", "max", "min"):
+            # the mean, max or min of equal values: an identity whose backward averages the
+            # gradient (every rank ties), right for a whole (I) gradient; as dc.spmd_check
+            # types it (docs/spmd_types.md)
             if have is st.R and torch.is_grad_enabled() and x.requires_grad:
                 raise st.SpmdTypeError(
-                    f"{who}(op='avg'): argument {n!r} is R on axis {axis}, expected I: its "
+                    f"{who}(op={bound.get('op')!r}): argument {n!r} is R on axis {axis}, expected I: its "
                     "backward averages the gradient, which must be whole on every rank."
                 )
             local[axis] = have

@@ -526,3 +526,22 @@ def test_averaged_partial_sums_into_a_replicated_loss_is_an_error(world2: dc.Loc
         torch.testing.assert_close(g_fix, ref)
         assert good is None, good
         torch.testing.assert_close(g_good, ref)
+
+
+def test_reduce_scatter_avg_of_a_replicated_value_is_refused_at_the_op(world2: dc.LocalWorld) -> None:
+    """reduce_scatter(op="avg") of a replicated value is this rank's chunk (per rank), not
+    the identity all_reduce(op="avg") is: it was typed replicated, so its per-rank loss
+    passed as a replicated objective until the block's end compared the losses' values.
+    Refused at the op, as reduce_scatter of a replicated value is."""
+
+    def body() -> str | None:
+        try:
+            with dc.spmd_check():
+                x = torch.ones(3, 4, dtype=F64, requires_grad=True)
+                dc.reduce_scatter(x * 2, dim=1, op="avg").pow(2).sum().backward()
+        except dc.SPMDTypeError as e:
+            return str(e)
+        return None
+
+    for msg in world2.run(body):
+        assert msg is not None and "reduce_scatter at" in msg and "argument `x` is replicated" in msg, msg

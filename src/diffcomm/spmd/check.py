@@ -438,12 +438,16 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         rop = bound.get("op", "sum")
         summing = name in _SUMMING and rop == "sum"
         avg = name in _SUMMING and rop == "avg"
+        # the mean, max or min of equal values over the ranks: an identity whose backward
+        # averages the gradient (every rank ties for max / min); not a reduce_scatter's,
+        # whose output is this rank's chunk
+        same = name == "all_reduce" and rop in ("avg", "max", "min")
         shares: list[_Cell | None] = []
         for arg, t, r in recs:
             shares.append(None)
-            if avg and r.t is R:  # the mean of equal values: an identity (gradient averaged)
+            if same and r.t is R:
                 if r.cell is not None and t.requires_grad:
-                    self._demand(r.cell, REPLICATED, name, f"the backward of {name}(op='avg') averages it")
+                    self._demand(r.cell, REPLICATED, name, f"the backward of {name}(op={rop!r}) averages it")
                     shares[-1] = r.cell
                 outs.append(R)
                 continue
