@@ -244,3 +244,53 @@ def test_torch_distributed_nn_collective_without_a_rule_is_refused_by_name(world
 
     for msg in world2.run(body):
         assert msg is not None and "_Scatter" in msg and "no typing rule" in msg, msg
+
+
+class _CopyForgettingItsReduction(torch.autograd.Function):
+    """Megatron's copy into the tensor-parallel region whose backward forgot its all_reduce."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g
+
+
+def _copy_with_a_wrong_backward(debug: bool) -> tuple[str | None, list[float], list[float]]:
+    """A column-parallel product entered through that copy, registered with the copy's rule:
+    (the error or ``None``, this rank's input gradient, the float64 serial one)."""
+    world, rank = dc.get_world_size(), dc.get_rank()
+    dc.spmd.register_function(
+        _CopyForgettingItsReduction, Rule({R: R}, out_grad=PARTIAL, in_grad=REPLICATED), args=("x",)
+    )
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, dtype=F64, generator=g, requires_grad=True)
+    w_full = torch.randn(2 * world, 4, dtype=F64, generator=g)
+    x_ref = x.detach().clone().requires_grad_()
+    F.linear(x_ref, w_full).pow(2).sum().backward()
+    w = w_full[2 * rank : 2 * (rank + 1)].clone().requires_grad_()
+    error = None
+    try:
+        with dc.debug(debug), dc.spmd_check():
+            h = F.linear(_CopyForgettingItsReduction.apply(x), dc.spmd.varying(w))
+            dc.parallel.gather_from_region(h).pow(2).sum().backward()
+    except (dc.SPMDTypeError, dc.CrossRankMismatchError) as e:
+        error = str(e)
+    grad = x.grad.flatten().tolist() if x.grad is not None else []
+    return error, grad, x_ref.grad.flatten().tolist()
+
+
+def test_a_user_rule_the_backward_breaks_is_caught_in_debug_mode(world2: dc.LocalWorld) -> None:
+    """The check trusts a user Function's rule: a copy whose backward forgot its all_reduce,
+    registered with the copy's rule, passes with each rank's share as the input's gradient
+    (not the serial one). Debug mode checks the rule's promise in backward: the gradient of
+    a replicated input given ``in_grad=REPLICATED`` is equal on every rank."""
+    for (trusted, grad, ref), (caught, _, _) in world2.run(
+        lambda: (_copy_with_a_wrong_backward(False), _copy_with_a_wrong_backward(True))
+    ):
+        assert trusted is None, trusted  # the limitation: the rule is trusted
+        assert grad != pytest.approx(ref), (grad, ref)  # ... and the gradient is wrong
+        assert caught is not None and "_CopyForgettingItsReduction backward" in caught, caught
+        assert "in_grad=REPLICATED" in caught, caught

@@ -5,8 +5,9 @@ optimizer step pre-hook, ``dc.get_rank`` returning a :class:`RankInt`, the user-
 reading of spmd_types' ``assert_type``. The active checks (``_ACTIVE``) live here; the
 check itself is :class:`diffcomm.spmd.check.SPMDCheck`."""
 
-# Size: ~625 lines, over the ~600 guideline: every patch a check installs, and the rules
-# of the Functions it types through them (a user's, torch.distributed.nn's), in one place.
+# Size: ~680 lines, over the ~600 guideline: every patch a check installs, and the rules
+# of the Functions it types through them (a user's, torch.distributed.nn's, debug mode's
+# check of a user rule), in one place.
 
 from __future__ import annotations
 
@@ -471,6 +472,54 @@ def untyped_under_transform(op: str) -> None:
     )
 
 
+class _WholeGrad(torch.autograd.Function):
+    """Debug mode: an identity before a user Function whose rule gives a replicated input
+    a replicated gradient (``in_grad=REPLICATED``), whose backward checks that promise: the
+    gradient the Function's backward gave is equal on every rank."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, who: str, pg: Any) -> Tensor:
+        ctx.who, ctx.pg = who, pg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        from ..parallel._check import check_replicated
+
+        hint = (
+            "its rule (dc.spmd.register_function) says in_grad=REPLICATED: every rank gets "
+            "the whole gradient. A backward that does not sum the ranks' shares (a copy "
+            "into the tensor-parallel region whose backward forgot its all_reduce) breaks "
+            "that promise, and dc.spmd_check trusts the rule: fix the backward, or the rule."
+        )
+        check_replicated(g, f"{ctx.who} backward", "the gradient of its replicated input", hint, ctx.pg)
+        return g, None, None
+
+
+def _whole_grads_checked(
+    check: Any, cls: type, rule: Rule, names: tuple[str, ...], args: tuple[Any, ...]
+) -> Any:
+    """``args`` with, in debug mode, each replicated tensor that a user Function's rule
+    gives a replicated gradient routed through :class:`_WholeGrad` (else as they are)."""
+    from .._config import DEBUG
+
+    if rule.in_grad != REPLICATED or not DEBUG.get() or not torch.is_grad_enabled():
+        return args
+    bound = dict(zip(names, args))
+    group = rule.group(bound) if callable(rule.group) else bound.get(rule.group)
+    if group is _CHECKED_GROUP:
+        group = check.pg
+    elif not check._is_group(group):
+        return args
+    pos = set(rule.tensors if rule.tensors is not None else (0,))
+    return tuple(
+        _WholeGrad.apply(a, cls.__qualname__, group)
+        if i in pos and isinstance(a, Tensor) and a.requires_grad and check.rec(a).t is R
+        else a
+        for i, a in enumerate(args)
+    )
+
+
 class _UserApply:
     """``torch.autograd.Function.apply`` while a check is active: a user Function is typed
     by its rule (its forward's own ops untyped), or refused with its name."""
@@ -510,7 +559,7 @@ class _UserApply:
                     )
                 return bound(*args, **kwargs)
             rule, names = hit
-            call = lambda: bound(*args, **kwargs)
+            call = lambda: bound(*_whole_grads_checked(checks[-1], cls, rule, names, args), **kwargs)
             return _run_typed(checks, cls, rule, names, False, 0, False, args, call)
 
         return apply
