@@ -545,3 +545,51 @@ def test_reduce_scatter_avg_of_a_replicated_value_is_refused_at_the_op(world2: d
 
     for msg in world2.run(body):
         assert msg is not None and "reduce_scatter at" in msg and "argument `x` is replicated" in msg, msg
+
+
+_ACCUMULATE_FORMS = {  # (form, a partial share p, a replicated b and s) -> value; the error expected?
+    "addcmul(b, p, s)": (lambda p, b, s: torch.addcmul(b, p, s), True),
+    "addcmul(p, b, s)": (lambda p, b, s: torch.addcmul(p, b, s), True),
+    "baddbmm(b, p, s)": (lambda p, b, s: torch.baddbmm(b[None], p[None], s.T[None])[0], True),
+    "addcmul(zeros, p, s)": (lambda p, b, s: torch.addcmul(torch.zeros_like(b), p, s), False),
+    "addcmul(p, p, s)": (lambda p, b, s: torch.addcmul(p, p, s), False),
+    "baddbmm(zeros, p, s)": (
+        lambda p, b, s: torch.baddbmm(torch.zeros(1, 3, 3, dtype=F64), p[None], s.T[None])[0],
+        False,
+    ),
+}
+
+
+def _accumulate(form: str) -> tuple[str | None, torch.Tensor, torch.Tensor]:
+    """``form`` on a partial value (this rank's share of ``p_full``) and replicated ``b``,
+    ``s``, reduced with reduce_from_region: (the check's error, the value, the serial one)."""
+    fn = _ACCUMULATE_FORMS[form][0]
+    world, rank = dc.get_world_size(), dc.get_rank()
+    g = torch.Generator().manual_seed(11)
+    shares = torch.randn(world, 3, 3, dtype=F64, generator=g)
+    b, s = torch.randn(3, 3, dtype=F64, generator=g), torch.randn(3, 3, dtype=F64, generator=g)
+    serial = fn(shares.sum(0), b, s)
+    error, value = None, par.reduce_from_region(fn(shares[rank], b, s))
+    try:
+        with dc.spmd_check():
+            par.reduce_from_region(fn(dc.spmd.partial(shares[rank].clone()), b, s))
+    except dc.SPMDTypeError as e:
+        error = str(e)
+    return error, value, serial
+
+
+@pytest.mark.parametrize("form", sorted(_ACCUMULATE_FORMS))
+def test_a_replicated_term_accumulated_onto_partial_sums_is_an_error(
+    world2: dc.LocalWorld, form: str
+) -> None:
+    """addcmul / baddbmm add their first argument to a product: with a partial operand the
+    replicated term was counted once per rank (the value off by (W-1) * b) and passed, as a
+    product with one partial factor; now the term must be partial or zero too."""
+    wrong = _ACCUMULATE_FORMS[form][1]
+    for error, value, serial in world2.run(_accumulate, form):
+        if wrong:
+            assert not torch.allclose(value, serial)  # the wrong number the check must stop
+            assert error is not None and "added once per rank" in error, error
+        else:
+            torch.testing.assert_close(value, serial)
+            assert error is None, error

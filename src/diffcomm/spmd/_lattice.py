@@ -13,6 +13,7 @@ from torch import Tensor
 from .. import rng
 from .._replication import PARTIAL, REPLICATED, P, R, SPMDTypeError, T, V
 from ._ops import (
+    _ACCUMULATING,
     _ADDITIVE,
     _DROPOUT,
     _ELEMENTWISE,
@@ -327,6 +328,22 @@ class _Lattice(_CheckState):
                     f"replicated, expected partial + partial). Fix: {fix}, or add it after the reduction."
                 )
             ok = True
+        elif name in _ACCUMULATING:
+            # input + t1 * t2 (addcmul, baddbmm): the product is partial (one partial
+            # factor) and so is the term it is added to, or that term is zero
+            ok = len(recs) >= 3 and sum(r.t is P for r in recs[1:3]) == 1
+            ok = ok and (recs[0].t is P or _is_zero(ins[0], recs[0]))
+            if not ok:
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: {name} at {_site()}: it adds its first argument to a "
+                    f"product; with a partial operand ({origin}) the product must be partial (one "
+                    f"partial factor, the other replicated) and so must the term it is added to, or "
+                    f"that term zero (found {', '.join(r.t.value for r in recs[:3])}): a replicated "
+                    f"term would be added once per rank. Fix: {fix}, or add it after the reduction."
+                )
+            for r, t in floats:
+                if r.t is R and r.cell is not None and t.requires_grad:
+                    self._demand(r.cell, PARTIAL, name, "it scales a partial value")
         elif name in _SCALING:
             ok = n_p == 1 and not (name in ("div", "div_", "truediv", "true_divide") and recs[0].t is not P)
             if ok:
