@@ -593,3 +593,29 @@ def test_a_replicated_term_accumulated_onto_partial_sums_is_an_error(
         else:
             torch.testing.assert_close(value, serial)
             assert error is None, error
+
+
+@pytest.mark.parametrize("value", [1.0, 0.0])
+def test_partial_sums_padded_with_a_constant(world2: dc.LocalWorld, value: float) -> None:
+    """F.pad of a partial value fills the padding on every rank: a non-zero fill is summed
+    W times by the reduction (the reduced padding is W * value, not value). It passed as a
+    shape op; a zero fill stays linear."""
+
+    def body() -> tuple[str | None, torch.Tensor]:
+        p = torch.full((2, 3), 0.5, dtype=F64)
+        error = None
+        try:
+            with dc.spmd_check():
+                par.reduce_from_region(F.pad(dc.spmd.partial(p.clone()), (1, 1), value=value))
+        except dc.SPMDTypeError as e:
+            error = str(e)
+        return error, par.reduce_from_region(F.pad(p, (1, 1), value=value))
+
+    for error, reduced in world2.run(body):
+        serial = F.pad(torch.full((2, 3), 1.0, dtype=F64), (1, 1), value=value)  # the shares' sum, padded
+        if value:
+            assert not torch.equal(reduced, serial)  # the padding counted twice
+            assert error is not None and "padded with value=1.0" in error, error
+        else:
+            torch.testing.assert_close(reduced, serial)
+            assert error is None, error

@@ -142,6 +142,8 @@ class _Lattice(_CheckState):
         if special_p:
             res = _Rec(P, why=f"{name} with a weight sharded along its contracted dim at {_site()}")
         else:
+            if name == "pad":  # its constant fill goes last, for the partial rule (zero or not)
+                args = (*args, (kwargs or {}).get("value", args[3] if len(args) > 3 else None))
             res = self._join(name, recs, ins, extra, differentiable, extra_why, args)
             if res.weight and len(outs) == 1:  # a weight's sharded dim, through a cast or a transpose
                 res.shard = _weight_shard(name, args, recs, ins, outs[0])
@@ -311,6 +313,12 @@ class _Lattice(_CheckState):
             )
         n_p = sum(r.t is P for r in recs)
         floats = [(r, t) for r, t in zip(recs, ins) if _differentiable(t)]
+        if name == "pad" and args and args[-1] is not None and not _is_zero(args[-1]):
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: pad at {_site()}: a partial value ({origin}) padded with "
+                f"value={args[-1]!r}: the padding would be added once per rank (zero pads nothing). "
+                f"Fix: {fix}, or pad after the reduction."
+            )
         if name in _STRUCTURAL:
             ok = True
         elif name in _ADDITIVE:
