@@ -619,3 +619,37 @@ def test_partial_sums_padded_with_a_constant(world2: dc.LocalWorld, value: float
         else:
             torch.testing.assert_close(reduced, serial)
             assert error is None, error
+
+
+def _dp_rows_by_torch_rank(reduce: bool) -> tuple[str | None, torch.Tensor, torch.Tensor]:
+    """Data parallel, each rank's rows sliced with ``torch.distributed.get_rank()``: (the
+    check's error, this rank's weight gradient, the serial gradient of the mean loss)."""
+    import torch.distributed as dist
+
+    data = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(0))
+    w0 = torch.randn(1, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
+    w_ref = w0.clone().requires_grad_()
+    torch.stack([F.linear(data[2 * r : 2 * r + 2], w_ref).pow(2).mean() for r in range(2)]).mean().backward()
+    w, error = nn.Parameter(w0.clone()), None
+    try:
+        with dc.spmd_check():
+            r = dist.get_rank()
+            dc.all_reduce(F.linear(data[2 * r : 2 * r + 2], w).pow(2).mean(), op="avg").backward()
+            if reduce:
+                w.grad = dc.all_reduce(w.grad, op="avg")
+    except dc.SPMDTypeError as e:
+        error = str(e)
+    return error, w.grad, w_ref.grad
+
+
+def test_rows_sliced_with_torch_distributed_get_rank_are_per_rank(world2: dc.LocalWorld) -> None:
+    """``torch.distributed.get_rank()`` inside the check is the rank as ``dc.get_rank()`` is:
+    rows sliced with it were replicated to the check, so a data-parallel step that never
+    averaged its gradients passed, each rank holding its own (the replicas drift)."""
+    for (missing, g_bad, ref), (fixed, g_good, _) in world2.run(
+        lambda: (_dp_rows_by_torch_rank(False), _dp_rows_by_torch_rank(True))
+    ):
+        assert not torch.allclose(g_bad, ref)  # the wrong number the check must stop
+        assert missing is not None and "missing reduction" in missing, missing
+        assert fixed is None, fixed
+        torch.testing.assert_close(g_good, ref)

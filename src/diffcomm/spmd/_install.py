@@ -5,7 +5,7 @@ optimizer step pre-hook, ``dc.get_rank`` returning a :class:`RankInt`, the user-
 reading of spmd_types' ``assert_type``. The active checks (``_ACTIVE``) live here; the
 check itself is :class:`diffcomm.spmd.check.SPMDCheck`."""
 
-# Size: ~680 lines, over the ~600 guideline: every patch a check installs, and the rules
+# Size: ~690 lines, over the ~600 guideline: every patch a check installs, and the rules
 # of the Functions it types through them (a user's, torch.distributed.nn's, debug mode's
 # check of a user rule), in one place.
 
@@ -207,6 +207,18 @@ def _install() -> None:
     get_rank.__doc__ = orig_rank.__doc__
     setattr(W, "get_rank", get_rank)  # noqa: B010
     setattr(diffcomm, "get_rank", get_rank)  # noqa: B010
+    # torch.distributed.get_rank too: rows sliced with it were replicated to the check, so a
+    # data-parallel step that never reduced its gradients passed (the replicas drift)
+    import torch.distributed as dist
+
+    orig_dist_rank = dist.get_rank
+    _PATCHED_ATTRS.append((dist, "get_rank", orig_dist_rank))
+
+    def dist_get_rank(*a: Any, **k: Any) -> int:
+        return RankInt(orig_dist_rank(*a, **k))
+
+    dist_get_rank.__doc__ = orig_dist_rank.__doc__
+    setattr(dist, "get_rank", dist_get_rank)  # noqa: B010
     _patch_raw_all_reduce()
 
     def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
