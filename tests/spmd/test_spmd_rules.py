@@ -653,3 +653,28 @@ def test_rows_sliced_with_torch_distributed_get_rank_are_per_rank(world2: dc.Loc
         assert missing is not None and "missing reduction" in missing, missing
         assert fixed is None, fixed
         torch.testing.assert_close(g_good, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32])
+def test_partial_sums_cast_to_an_integer_dtype(world2: dc.LocalWorld, dtype: torch.dtype) -> None:
+    """``p.to(torch.int64)`` rounds each rank's share on its own: shares 0.6 and 0.6 reduce
+    to 0, the serial int(1.2) is 1. It passed as a value-preserving cast; a float cast is."""
+
+    def body() -> tuple[str | None, torch.Tensor]:
+        p = torch.full((3,), 0.6, dtype=F64)
+        error = None
+        try:
+            with dc.spmd_check():
+                dc.all_reduce(dc.spmd.partial(p.clone()).to(dtype))
+        except dc.SPMDTypeError as e:
+            error = str(e)
+        return error, dc.all_reduce(p.to(dtype))
+
+    for error, reduced in world2.run(body):
+        serial = torch.full((3,), 1.2, dtype=F64).to(dtype)
+        if dtype.is_floating_point:
+            torch.testing.assert_close(reduced, serial)
+            assert error is None, error
+        else:
+            assert not torch.equal(reduced, serial)  # the wrong number the check must stop
+            assert error is not None and "cast to torch.int64" in error, error

@@ -15,6 +15,7 @@ from .._replication import PARTIAL, REPLICATED, P, R, SPMDTypeError, T, V
 from ._ops import (
     _ACCUMULATING,
     _ADDITIVE,
+    _CASTS,
     _DROPOUT,
     _ELEMENTWISE,
     _LINEAR_CHAIN,
@@ -45,6 +46,19 @@ from ._state import _CheckState
 #: in-place ops whose result does not read the old value: they make a drifted parameter
 #: replicated again when what they write is replicated
 _OVERWRITES = _RANDOM | {"copy_", "fill_", "zero_"}
+
+
+def _truncates(ins: list[Tensor], outs: list[Tensor]) -> bool:
+    """A cast of floating values to an integer or boolean dtype (not linear)."""
+    src = ins[0].dtype if ins else None
+    dst = outs[0].dtype if outs else None
+    return bool(
+        src is not None
+        and dst is not None
+        and src.is_floating_point
+        and not dst.is_floating_point
+        and not dst.is_complex
+    )
 
 
 class _Lattice(_CheckState):
@@ -119,6 +133,13 @@ class _Lattice(_CheckState):
                 "the program computes with a different model on every rank. Update it with "
                 "replicated data (reduce or broadcast the update first), or make it equal again "
                 "before using it (p.data.copy_(dc.broadcast(p.detach(), src=0)))."
+            )
+        if name in _CASTS and _truncates(ins, outs) and any(r.t is P for r in recs):
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {name} at {_site()}: a partial value cast to "
+                f"{outs[0].dtype}: each rank's share is rounded on its own, and the sum of the "
+                "rounded shares is not the rounded sum. Reduce it first "
+                "(parallel.reduce_from_region), or cast after the reduction."
             )
         # the special products: a varying weight sharded along the contracted dim
         special_p = False
