@@ -918,3 +918,33 @@ def test_debug_mode_coalesced_check_inside_spmd_types_checker_on_in_process_rank
         want = world2.run(_coalesced_body)
         assert local_worlds(2, in_process=True).run(_coalesced_body) == want
     assert want == [["{default_pg: R}"] * 4] * 2
+
+
+def _avg_of_invariant_body(op: str) -> tuple[Any, list[float], list[float], Any]:
+    st, pg = _env()
+    x = _replicated(3, H)
+    serial = (8 * x.detach()).flatten().tolist()  # d/dx sum((2x)^2), the loss counted once
+
+    def program() -> None:
+        y = dc.all_reduce(st.assert_type(x, {pg: st.I}) * 2, op=op)  # the mean of equal values
+        y.pow(2).sum().backward()
+
+    ok = _checked(program)
+    got = x.grad.flatten().tolist() if x.grad is not None else []
+    r = _replicated(3, H)
+    bad = _checked(lambda: dc.all_reduce(st.assert_type(r, {pg: st.R}), op=op).sum().backward())
+    return ok, got, serial, bad
+
+
+@needs_spmd_types
+@pytest.mark.parametrize("op", ["avg", "max", "min"])
+def test_all_reduce_avg_of_an_invariant_value_typechecks(world2: dc.LocalWorld, op: str) -> None:
+    """``all_reduce(op="avg")`` of a replicated value is an identity whose backward
+    averages the gradient (``max`` / ``min`` too: every rank ties): with an ``I`` input (a
+    whole gradient) its gradient is the serial one and ``dc.spmd_check`` passes it;
+    spmd_types' checker refused it (diffcomm's translated rule only took ``V`` / ``P``). An
+    ``R`` input requiring grad stays refused, as ``dc.spmd_check`` refuses it."""
+    for ok, got, serial, bad in world2.run(_avg_of_invariant_body, op):
+        assert ok is None, ok
+        assert got == pytest.approx(serial, rel=1e-12)
+        assert bad is not None and bad[0] == "SpmdTypeError" and "expected I" in bad[1], bad

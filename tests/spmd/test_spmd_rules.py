@@ -6,6 +6,8 @@ the messages leave out, and the annotations with the check off."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -481,3 +483,198 @@ def test_a_replicated_weight_updated_with_per_rank_data_is_an_error(world2: dc.L
     op = {".data =": "copy_", ".data.copy_": "copy_"}.get(form, form)
     for msg in world2.run(body):
         assert "linear at" in msg and "updated in place with per-rank data" in msg and f"({op} at" in msg, msg
+
+
+def _averaged_partial_sums(reduce: str, checked: bool) -> tuple[str | None, object, torch.Tensor]:
+    """A row-parallel product's partial sums reduced by ``all_reduce(op="avg")`` scaled
+    back by the world size (``"avg"``), or by ``reduce_from_region`` (``"fix"``), into a
+    replicated loss: (the check's error or ``None``, this rank's weight gradient, the
+    serial float64 reference of that weight's gradient)."""
+    world, rank = dc.get_world_size(), dc.get_rank()
+    g = torch.Generator().manual_seed(7)
+    a_full = torch.randn(3, 4 * world, dtype=F64, generator=g)
+    w_full = torch.randn(2, 4 * world, dtype=F64, generator=g)
+    w_ref = w_full.clone().requires_grad_()
+    F.linear(a_full, w_ref).pow(2).mean().backward()
+    cols = slice(4 * rank, 4 * (rank + 1))
+    row = par.RowParallelLinear(4 * world, 2, input_is_parallel=True, bias=False, dtype=F64, seed=0)
+    with torch.no_grad():
+        row.weight.copy_(w_full[:, cols])
+    error = None
+    try:
+        with dc.spmd_check(modules=row) if checked else contextlib.nullcontext():
+            p = F.linear(dc.spmd.varying(a_full[:, cols].clone()), row.weight)  # partial sums
+            y = dc.all_reduce(p, op="avg") * world if reduce == "avg" else par.reduce_from_region(p)
+            y.pow(2).mean().backward()
+    except dc.SPMDTypeError as e:
+        error = str(e)
+    return error, row.weight.grad, w_ref.grad[:, cols]
+
+
+def test_averaged_partial_sums_into_a_replicated_loss_is_an_error(world2: dc.LocalWorld) -> None:
+    """all_reduce(op="avg") of partial sums is their sum over W, and its backward sums the
+    gradient as the sum's does: under a replicated loss every gradient is world-size times
+    too large. It was read as data parallel's mean loss (which averages per-rank losses,
+    varying values) and passed; the mean of partial sums is no mean objective."""
+
+    def body() -> list[tuple[str | None, object, torch.Tensor]]:
+        return [_averaged_partial_sums(how, checked) for how in ("avg", "fix") for checked in (False, True)]
+
+    for (_, g_bad, ref), (bad, _, _), (_, g_fix, _), (good, g_good, _) in world2.run(body):
+        torch.testing.assert_close(g_bad, 2 * ref)  # the wrong number the check must stop
+        assert bad is not None and "world-size times too large" in bad, bad
+        torch.testing.assert_close(g_fix, ref)
+        assert good is None, good
+        torch.testing.assert_close(g_good, ref)
+
+
+def test_reduce_scatter_avg_of_a_replicated_value_is_refused_at_the_op(world2: dc.LocalWorld) -> None:
+    """reduce_scatter(op="avg") of a replicated value is this rank's chunk (per rank), not
+    the identity all_reduce(op="avg") is: it was typed replicated, so its per-rank loss
+    passed as a replicated objective until the block's end compared the losses' values.
+    Refused at the op, as reduce_scatter of a replicated value is."""
+
+    def body() -> str | None:
+        try:
+            with dc.spmd_check():
+                x = torch.ones(3, 4, dtype=F64, requires_grad=True)
+                dc.reduce_scatter(x * 2, dim=1, op="avg").pow(2).sum().backward()
+        except dc.SPMDTypeError as e:
+            return str(e)
+        return None
+
+    for msg in world2.run(body):
+        assert msg is not None and "reduce_scatter at" in msg and "argument `x` is replicated" in msg, msg
+
+
+_ACCUMULATE_FORMS = {  # (form, a partial share p, a replicated b and s) -> value; the error expected?
+    "addcmul(b, p, s)": (lambda p, b, s: torch.addcmul(b, p, s), True),
+    "addcmul(p, b, s)": (lambda p, b, s: torch.addcmul(p, b, s), True),
+    "baddbmm(b, p, s)": (lambda p, b, s: torch.baddbmm(b[None], p[None], s.T[None])[0], True),
+    "addcmul(zeros, p, s)": (lambda p, b, s: torch.addcmul(torch.zeros_like(b), p, s), False),
+    "addcmul(p, p, s)": (lambda p, b, s: torch.addcmul(p, p, s), False),
+    "baddbmm(zeros, p, s)": (
+        lambda p, b, s: torch.baddbmm(torch.zeros(1, 3, 3, dtype=F64), p[None], s.T[None])[0],
+        False,
+    ),
+}
+
+
+def _accumulate(form: str) -> tuple[str | None, torch.Tensor, torch.Tensor]:
+    """``form`` on a partial value (this rank's share of ``p_full``) and replicated ``b``,
+    ``s``, reduced with reduce_from_region: (the check's error, the value, the serial one)."""
+    fn = _ACCUMULATE_FORMS[form][0]
+    world, rank = dc.get_world_size(), dc.get_rank()
+    g = torch.Generator().manual_seed(11)
+    shares = torch.randn(world, 3, 3, dtype=F64, generator=g)
+    b, s = torch.randn(3, 3, dtype=F64, generator=g), torch.randn(3, 3, dtype=F64, generator=g)
+    serial = fn(shares.sum(0), b, s)
+    error, value = None, par.reduce_from_region(fn(shares[rank], b, s))
+    try:
+        with dc.spmd_check():
+            par.reduce_from_region(fn(dc.spmd.partial(shares[rank].clone()), b, s))
+    except dc.SPMDTypeError as e:
+        error = str(e)
+    return error, value, serial
+
+
+@pytest.mark.parametrize("form", sorted(_ACCUMULATE_FORMS))
+def test_a_replicated_term_accumulated_onto_partial_sums_is_an_error(
+    world2: dc.LocalWorld, form: str
+) -> None:
+    """addcmul / baddbmm add their first argument to a product: with a partial operand the
+    replicated term was counted once per rank (the value off by (W-1) * b) and passed, as a
+    product with one partial factor; now the term must be partial or zero too."""
+    wrong = _ACCUMULATE_FORMS[form][1]
+    for error, value, serial in world2.run(_accumulate, form):
+        if wrong:
+            assert not torch.allclose(value, serial)  # the wrong number the check must stop
+            assert error is not None and "added once per rank" in error, error
+        else:
+            torch.testing.assert_close(value, serial)
+            assert error is None, error
+
+
+@pytest.mark.parametrize("value", [1.0, 0.0])
+def test_partial_sums_padded_with_a_constant(world2: dc.LocalWorld, value: float) -> None:
+    """F.pad of a partial value fills the padding on every rank: a non-zero fill is summed
+    W times by the reduction (the reduced padding is W * value, not value). It passed as a
+    shape op; a zero fill stays linear."""
+
+    def body() -> tuple[str | None, torch.Tensor]:
+        p = torch.full((2, 3), 0.5, dtype=F64)
+        error = None
+        try:
+            with dc.spmd_check():
+                par.reduce_from_region(F.pad(dc.spmd.partial(p.clone()), (1, 1), value=value))
+        except dc.SPMDTypeError as e:
+            error = str(e)
+        return error, par.reduce_from_region(F.pad(p, (1, 1), value=value))
+
+    for error, reduced in world2.run(body):
+        serial = F.pad(torch.full((2, 3), 1.0, dtype=F64), (1, 1), value=value)  # the shares' sum, padded
+        if value:
+            assert not torch.equal(reduced, serial)  # the padding counted twice
+            assert error is not None and "padded with value=1.0" in error, error
+        else:
+            torch.testing.assert_close(reduced, serial)
+            assert error is None, error
+
+
+def _dp_rows_by_torch_rank(reduce: bool) -> tuple[str | None, torch.Tensor, torch.Tensor]:
+    """Data parallel, each rank's rows sliced with ``torch.distributed.get_rank()``: (the
+    check's error, this rank's weight gradient, the serial gradient of the mean loss)."""
+    import torch.distributed as dist
+
+    data = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(0))
+    w0 = torch.randn(1, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
+    w_ref = w0.clone().requires_grad_()
+    torch.stack([F.linear(data[2 * r : 2 * r + 2], w_ref).pow(2).mean() for r in range(2)]).mean().backward()
+    w, error = nn.Parameter(w0.clone()), None
+    try:
+        with dc.spmd_check():
+            r = dist.get_rank()
+            dc.all_reduce(F.linear(data[2 * r : 2 * r + 2], w).pow(2).mean(), op="avg").backward()
+            if reduce:
+                w.grad = dc.all_reduce(w.grad, op="avg")
+    except dc.SPMDTypeError as e:
+        error = str(e)
+    return error, w.grad, w_ref.grad
+
+
+def test_rows_sliced_with_torch_distributed_get_rank_are_per_rank(world2: dc.LocalWorld) -> None:
+    """``torch.distributed.get_rank()`` inside the check is the rank as ``dc.get_rank()`` is:
+    rows sliced with it were replicated to the check, so a data-parallel step that never
+    averaged its gradients passed, each rank holding its own (the replicas drift)."""
+    for (missing, g_bad, ref), (fixed, g_good, _) in world2.run(
+        lambda: (_dp_rows_by_torch_rank(False), _dp_rows_by_torch_rank(True))
+    ):
+        assert not torch.allclose(g_bad, ref)  # the wrong number the check must stop
+        assert missing is not None and "missing reduction" in missing, missing
+        assert fixed is None, fixed
+        torch.testing.assert_close(g_good, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32])
+def test_partial_sums_cast_to_an_integer_dtype(world2: dc.LocalWorld, dtype: torch.dtype) -> None:
+    """``p.to(torch.int64)`` rounds each rank's share on its own: shares 0.6 and 0.6 reduce
+    to 0, the serial int(1.2) is 1. It passed as a value-preserving cast; a float cast is."""
+
+    def body() -> tuple[str | None, torch.Tensor]:
+        p = torch.full((3,), 0.6, dtype=F64)
+        error = None
+        try:
+            with dc.spmd_check():
+                dc.all_reduce(dc.spmd.partial(p.clone()).to(dtype))
+        except dc.SPMDTypeError as e:
+            error = str(e)
+        return error, dc.all_reduce(p.to(dtype))
+
+    for error, reduced in world2.run(body):
+        serial = torch.full((3,), 1.2, dtype=F64).to(dtype)
+        if dtype.is_floating_point:
+            torch.testing.assert_close(reduced, serial)
+            assert error is None, error
+        else:
+            assert not torch.equal(reduced, serial)  # the wrong number the check must stop
+            assert error is not None and "cast to torch.int64" in error, error

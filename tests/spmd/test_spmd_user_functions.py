@@ -179,3 +179,118 @@ def test_register_function_takes_only_function_classes_and_rules() -> None:
     with pytest.raises(TypeError, match="`rule` must be a diffcomm.spmd.Rule"):
         dc.spmd.register_function(_Fn, {R: R})  # type: ignore[arg-type]
     assert dc.spmd.register_function(_Fn, Rule({R: R}), args=("x",)) is _Fn
+
+
+def _torch_nn_share(how: str, objective: str) -> tuple[str | None, list[float], list[float]]:
+    """Each rank's share of a column-parallel sum over features, summed over the ranks by
+    ``torch.distributed.nn.functional`` (``how``) into a loss: (the check's error or
+    ``None``, this rank's weight gradient, the float64 serial reference under the check's
+    ``objective``: a replicated loss counted once, or the sum of the ranks' copies)."""
+    import torch.distributed.nn.functional as tnn
+
+    world, rank = dc.get_world_size(), dc.get_rank()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 4, dtype=F64, generator=g)
+    w_full = torch.randn(2 * world, 4, dtype=F64, generator=g)
+    w_ref = w_full.clone().requires_grad_()
+    serial = F.linear(x, w_ref).sum(-1).pow(2).mean()
+    (serial * (world if objective == "sum" else 1)).backward()
+    rows = slice(2 * rank, 2 * (rank + 1))
+    w = torch.nn.Parameter(w_full[rows].clone())
+    error = None
+    try:
+        with dc.spmd_check(objective=objective):
+            s = F.linear(x, dc.spmd.varying(w)).sum(-1)  # this rank's share
+            y = tnn.all_reduce(s) if how == "all_reduce" else torch.stack(tnn.all_gather(s)).sum(0)
+            y.pow(2).mean().backward()
+    except dc.SPMDTypeError as e:
+        error = str(e)
+    grad = w.grad.flatten().tolist() if w.grad is not None else []
+    return error, grad, w_ref.grad[rows].flatten().tolist()
+
+
+@pytest.mark.parametrize("how", ["all_reduce", "all_gather"])
+def test_torch_distributed_nn_collectives_are_typed_by_their_rule(world2: dc.LocalWorld, how: str) -> None:
+    """torch.distributed.nn.functional's collectives sum the gradient in their backward
+    (the sum convention): into a replicated loss the weight gradients are world-size times
+    the serial ones. As Functions of torch they were typed op by op (their forward's raw
+    collective, not their backward) and passed; they are typed by the rule of the diffcomm
+    op they are, so the replicated loss is refused and the sum convention passes."""
+
+    def body() -> list[tuple[str | None, list[float], list[float]]]:
+        return [_torch_nn_share(how, "loss"), _torch_nn_share(how, "sum")]
+
+    for (bad, _, ref), (good, got, ref_sum) in world2.run(body):
+        assert bad is not None and "world-size times too large" in bad, bad
+        assert good is None, good
+        assert got == pytest.approx(ref_sum, rel=1e-12)  # the sum convention's gradient
+        assert got == pytest.approx([2 * r for r in ref], rel=1e-12)  # 2x the counted-once one
+
+
+def test_torch_distributed_nn_collective_without_a_rule_is_refused_by_name(world2: dc.LocalWorld) -> None:
+    """A torch.distributed.nn.functional collective taking its tensors as varargs (scatter,
+    reduce_scatter, all_to_all) has no rule: refused by name, not typed by its forward."""
+
+    def body() -> str | None:
+        import torch.distributed.nn.functional as tnn
+
+        x = torch.ones(2, 3, dtype=F64, requires_grad=True)
+        try:
+            with dc.spmd_check():
+                tnn.scatter([x * 1, x * 2], src=0)
+        except dc.SPMDTypeError as e:
+            return str(e)
+        return None
+
+    for msg in world2.run(body):
+        assert msg is not None and "_Scatter" in msg and "no typing rule" in msg, msg
+
+
+class _CopyForgettingItsReduction(torch.autograd.Function):
+    """Megatron's copy into the tensor-parallel region whose backward forgot its all_reduce."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g
+
+
+def _copy_with_a_wrong_backward(debug: bool) -> tuple[str | None, list[float], list[float]]:
+    """A column-parallel product entered through that copy, registered with the copy's rule:
+    (the error or ``None``, this rank's input gradient, the float64 serial one)."""
+    world, rank = dc.get_world_size(), dc.get_rank()
+    dc.spmd.register_function(
+        _CopyForgettingItsReduction, Rule({R: R}, out_grad=PARTIAL, in_grad=REPLICATED), args=("x",)
+    )
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, dtype=F64, generator=g, requires_grad=True)
+    w_full = torch.randn(2 * world, 4, dtype=F64, generator=g)
+    x_ref = x.detach().clone().requires_grad_()
+    F.linear(x_ref, w_full).pow(2).sum().backward()
+    w = w_full[2 * rank : 2 * (rank + 1)].clone().requires_grad_()
+    error = None
+    try:
+        with dc.debug(debug), dc.spmd_check():
+            h = F.linear(_CopyForgettingItsReduction.apply(x), dc.spmd.varying(w))
+            dc.parallel.gather_from_region(h).pow(2).sum().backward()
+    except (dc.SPMDTypeError, dc.CrossRankMismatchError) as e:
+        error = str(e)
+    grad = x.grad.flatten().tolist() if x.grad is not None else []
+    return error, grad, x_ref.grad.flatten().tolist()
+
+
+def test_a_user_rule_the_backward_breaks_is_caught_in_debug_mode(world2: dc.LocalWorld) -> None:
+    """The check trusts a user Function's rule: a copy whose backward forgot its all_reduce,
+    registered with the copy's rule, passes with each rank's share as the input's gradient
+    (not the serial one). Debug mode checks the rule's promise in backward: the gradient of
+    a replicated input given ``in_grad=REPLICATED`` is equal on every rank."""
+    for (trusted, grad, ref), (caught, _, _) in world2.run(
+        lambda: (_copy_with_a_wrong_backward(False), _copy_with_a_wrong_backward(True))
+    ):
+        assert trusted is None, trusted  # the limitation: the rule is trusted
+        assert grad != pytest.approx(ref), (grad, ref)  # ... and the gradient is wrong
+        assert caught is not None and "_CopyForgettingItsReduction backward" in caught, caught
+        assert "in_grad=REPLICATED" in caught, caught

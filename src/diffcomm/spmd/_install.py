@@ -5,6 +5,10 @@ optimizer step pre-hook, ``dc.get_rank`` returning a :class:`RankInt`, the user-
 reading of spmd_types' ``assert_type``. The active checks (``_ACTIVE``) live here; the
 check itself is :class:`diffcomm.spmd.check.SPMDCheck`."""
 
+# Size: ~690 lines, over the ~600 guideline: every patch a check installs, and the rules
+# of the Functions it types through them (a user's, torch.distributed.nn's, debug mode's
+# check of a user rule), in one place.
+
 from __future__ import annotations
 
 import importlib
@@ -203,6 +207,18 @@ def _install() -> None:
     get_rank.__doc__ = orig_rank.__doc__
     setattr(W, "get_rank", get_rank)  # noqa: B010
     setattr(diffcomm, "get_rank", get_rank)  # noqa: B010
+    # torch.distributed.get_rank too: rows sliced with it were replicated to the check, so a
+    # data-parallel step that never reduced its gradients passed (the replicas drift)
+    import torch.distributed as dist
+
+    orig_dist_rank = dist.get_rank
+    _PATCHED_ATTRS.append((dist, "get_rank", orig_dist_rank))
+
+    def dist_get_rank(*a: Any, **k: Any) -> int:
+        return RankInt(orig_dist_rank(*a, **k))
+
+    dist_get_rank.__doc__ = orig_dist_rank.__doc__
+    setattr(dist, "get_rank", dist_get_rank)  # noqa: B010
     _patch_raw_all_reduce()
 
     def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
@@ -380,11 +396,43 @@ def _user_rule(cls: type) -> tuple[Rule, tuple[str, ...]] | None:
     hit = _USER_RULES.get(cls)
     if hit is None and isinstance(cls.__dict__.get("spmd"), Rule):  # stated on the class
         hit = _USER_RULES[cls] = _validated(cls, cls.__dict__["spmd"], None)
+    if hit is None and cls.__module__ == _TORCH_NN:
+        hit = _torch_nn_rule(cls)
+        if hit is not None:
+            _USER_RULES[cls] = hit
     return hit
+
+
+#: torch's own differentiable collectives: their forward's raw collective is typed, but
+#: not their backward (the sum convention, as diffcomm.compat's), so a replicated loss
+#: through them passed with gradients world-size times too large. Each is typed by the rule
+#: of the diffcomm op it is (class -> that op's module and class, the typed argument); the
+#: others (a tensor list as varargs: _Scatter, _Reduce_Scatter, _AlltoAll) get no rule
+#: and are refused by name, as a user Function without one is.
+_TORCH_NN = "torch.distributed.nn.functional"
+_TORCH_NN_RULES = {
+    "_AllReduce": ("all_reduce", "_AllReduce", "tensor"),
+    "_AllGather": ("all_gather", "_AllGather", "tensor"),
+    "_AllGatherBase": ("all_gather", "_AllGather", "input_tensor"),
+    "_Broadcast": ("broadcast_reduce", "_Broadcast", "tensor"),
+    "_Reduce": ("broadcast_reduce", "_Reduce", "tensor"),
+    "_Gather": ("gather_scatter", "_Gather", "tensor"),
+    "_AlltoAllSingle": ("all_to_all", "_AllToAll", "input"),
+}
+
+
+def _torch_nn_rule(cls: type) -> tuple[Rule, tuple[str, ...]] | None:
+    row = _TORCH_NN_RULES.get(cls.__name__)
+    if row is None:
+        return None
+    op = getattr(importlib.import_module(f"diffcomm.ops.{row[0]}"), row[1])
+    return _validated(cls, _dc_replace(op.spmd, group="group"), (row[2],))
 
 
 def _is_user_function(cls: type) -> bool:
     mod = getattr(cls, "__module__", "") or ""
+    if mod == _TORCH_NN:
+        return True
     return not (mod.startswith(("torch.", "diffcomm.", "spmd_types")) or cls in _PATCHED)
 
 
@@ -436,6 +484,54 @@ def untyped_under_transform(op: str) -> None:
     )
 
 
+class _WholeGrad(torch.autograd.Function):
+    """Debug mode: an identity before a user Function whose rule gives a replicated input
+    a replicated gradient (``in_grad=REPLICATED``), whose backward checks that promise: the
+    gradient the Function's backward gave is equal on every rank."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, who: str, pg: Any) -> Tensor:
+        ctx.who, ctx.pg = who, pg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        from ..parallel._check import check_replicated
+
+        hint = (
+            "its rule (dc.spmd.register_function) says in_grad=REPLICATED: every rank gets "
+            "the whole gradient. A backward that does not sum the ranks' shares (a copy "
+            "into the tensor-parallel region whose backward forgot its all_reduce) breaks "
+            "that promise, and dc.spmd_check trusts the rule: fix the backward, or the rule."
+        )
+        check_replicated(g, f"{ctx.who} backward", "the gradient of its replicated input", hint, ctx.pg)
+        return g, None, None
+
+
+def _whole_grads_checked(
+    check: Any, cls: type, rule: Rule, names: tuple[str, ...], args: tuple[Any, ...]
+) -> Any:
+    """``args`` with, in debug mode, each replicated tensor that a user Function's rule
+    gives a replicated gradient routed through :class:`_WholeGrad` (else as they are)."""
+    from .._config import DEBUG
+
+    if rule.in_grad != REPLICATED or not DEBUG.get() or not torch.is_grad_enabled():
+        return args
+    bound = dict(zip(names, args))
+    group = rule.group(bound) if callable(rule.group) else bound.get(rule.group)
+    if group is _CHECKED_GROUP:
+        group = check.pg
+    elif not check._is_group(group):
+        return args
+    pos = set(rule.tensors if rule.tensors is not None else (0,))
+    return tuple(
+        _WholeGrad.apply(a, cls.__qualname__, group)
+        if i in pos and isinstance(a, Tensor) and a.requires_grad and check.rec(a).t is R
+        else a
+        for i, a in enumerate(args)
+    )
+
+
 class _UserApply:
     """``torch.autograd.Function.apply`` while a check is active: a user Function is typed
     by its rule (its forward's own ops untyped), or refused with its name."""
@@ -475,7 +571,7 @@ class _UserApply:
                     )
                 return bound(*args, **kwargs)
             rule, names = hit
-            call = lambda: bound(*args, **kwargs)
+            call = lambda: bound(*_whole_grads_checked(checks[-1], cls, rule, names, args), **kwargs)
             return _run_typed(checks, cls, rule, names, False, 0, False, args, call)
 
         return apply

@@ -13,7 +13,9 @@ from torch import Tensor
 from .. import rng
 from .._replication import PARTIAL, REPLICATED, P, R, SPMDTypeError, T, V
 from ._ops import (
+    _ACCUMULATING,
     _ADDITIVE,
+    _CASTS,
     _DROPOUT,
     _ELEMENTWISE,
     _LINEAR_CHAIN,
@@ -44,6 +46,19 @@ from ._state import _CheckState
 #: in-place ops whose result does not read the old value: they make a drifted parameter
 #: replicated again when what they write is replicated
 _OVERWRITES = _RANDOM | {"copy_", "fill_", "zero_"}
+
+
+def _truncates(ins: list[Tensor], outs: list[Tensor]) -> bool:
+    """A cast of floating values to an integer or boolean dtype (not linear)."""
+    src = ins[0].dtype if ins else None
+    dst = outs[0].dtype if outs else None
+    return bool(
+        src is not None
+        and dst is not None
+        and src.is_floating_point
+        and not dst.is_floating_point
+        and not dst.is_complex
+    )
 
 
 class _Lattice(_CheckState):
@@ -119,6 +134,13 @@ class _Lattice(_CheckState):
                 "replicated data (reduce or broadcast the update first), or make it equal again "
                 "before using it (p.data.copy_(dc.broadcast(p.detach(), src=0)))."
             )
+        if name in _CASTS and _truncates(ins, outs) and any(r.t is P for r in recs):
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: {name} at {_site()}: a partial value cast to "
+                f"{outs[0].dtype}: each rank's share is rounded on its own, and the sum of the "
+                "rounded shares is not the rounded sum. Reduce it first "
+                "(parallel.reduce_from_region), or cast after the reduction."
+            )
         # the special products: a varying weight sharded along the contracted dim
         special_p = False
         if name in ("linear", "matmul", "mm", "bmm", "rmatmul") and len(recs) >= 2:
@@ -141,6 +163,8 @@ class _Lattice(_CheckState):
         if special_p:
             res = _Rec(P, why=f"{name} with a weight sharded along its contracted dim at {_site()}")
         else:
+            if name == "pad":  # its constant fill goes last, for the partial rule (zero or not)
+                args = (*args, (kwargs or {}).get("value", args[3] if len(args) > 3 else None))
             res = self._join(name, recs, ins, extra, differentiable, extra_why, args)
             if res.weight and len(outs) == 1:  # a weight's sharded dim, through a cast or a transpose
                 res.shard = _weight_shard(name, args, recs, ins, outs[0])
@@ -310,6 +334,12 @@ class _Lattice(_CheckState):
             )
         n_p = sum(r.t is P for r in recs)
         floats = [(r, t) for r, t in zip(recs, ins) if _differentiable(t)]
+        if name == "pad" and args and args[-1] is not None and not _is_zero(args[-1]):
+            raise SPMDTypeError(
+                f"diffcomm.spmd_check: pad at {_site()}: a partial value ({origin}) padded with "
+                f"value={args[-1]!r}: the padding would be added once per rank (zero pads nothing). "
+                f"Fix: {fix}, or pad after the reduction."
+            )
         if name in _STRUCTURAL:
             ok = True
         elif name in _ADDITIVE:
@@ -327,6 +357,22 @@ class _Lattice(_CheckState):
                     f"replicated, expected partial + partial). Fix: {fix}, or add it after the reduction."
                 )
             ok = True
+        elif name in _ACCUMULATING:
+            # input + t1 * t2 (addcmul, baddbmm): the product is partial (one partial
+            # factor) and so is the term it is added to, or that term is zero
+            ok = len(recs) >= 3 and sum(r.t is P for r in recs[1:3]) == 1
+            ok = ok and (recs[0].t is P or _is_zero(ins[0], recs[0]))
+            if not ok:
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: {name} at {_site()}: it adds its first argument to a "
+                    f"product; with a partial operand ({origin}) the product must be partial (one "
+                    f"partial factor, the other replicated) and so must the term it is added to, or "
+                    f"that term zero (found {', '.join(r.t.value for r in recs[:3])}): a replicated "
+                    f"term would be added once per rank. Fix: {fix}, or add it after the reduction."
+                )
+            for r, t in floats:
+                if r.t is R and r.cell is not None and t.requires_grad:
+                    self._demand(r.cell, PARTIAL, name, "it scales a partial value")
         elif name in _SCALING:
             ok = n_p == 1 and not (name in ("div", "div_", "truediv", "true_divide") and recs[0].t is not P)
             if ok:

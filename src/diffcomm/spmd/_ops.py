@@ -114,8 +114,6 @@ _SCALING = _names(
     "dropout",
     "dropout_",
     "outer",
-    "addcmul",
-    "baddbmm",
     "tensordot",
     "kron",
     "mv",
@@ -123,6 +121,9 @@ _SCALING = _names(
     "inner",
     "scaled_dot_product_attention_value",
 )
+#: a term plus a product (``input + t1 * t2``): linear in partial operands when the product
+#: has one partial factor and the term is partial or zero
+_ACCUMULATING = _names("addcmul", "addcmul_", "baddbmm", "baddbmm_")
 #: masked assignment and selection: linear in a partial operand when the other one is zero
 _MASKING = _names("setitem", "where", "masked_fill", "masked_fill_")
 #: products with a weight: a replicated activation meeting a varying weight here is the

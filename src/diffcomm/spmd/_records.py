@@ -285,7 +285,7 @@ class _OpPlan:
     site: str
     grad: bool  # an input requires grad
     shares: list[_Cell | None]  # per input: the cell an avg reduction of a replicated input shares
-    avg: bool  # an op="avg" reduction
+    mean: bool  # an op="avg" reduction of per-rank (not partial) values: a mean objective
 
 
 @dataclass

@@ -438,12 +438,16 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         rop = bound.get("op", "sum")
         summing = name in _SUMMING and rop == "sum"
         avg = name in _SUMMING and rop == "avg"
+        # the mean, max or min of equal values over the ranks: an identity whose backward
+        # averages the gradient (every rank ties for max / min); not a reduce_scatter's,
+        # whose output is this rank's chunk
+        same = name == "all_reduce" and rop in ("avg", "max", "min")
         shares: list[_Cell | None] = []
         for arg, t, r in recs:
             shares.append(None)
-            if avg and r.t is R:  # the mean of equal values: an identity (gradient averaged)
+            if same and r.t is R:
                 if r.cell is not None and t.requires_grad:
-                    self._demand(r.cell, REPLICATED, name, f"the backward of {name}(op='avg') averages it")
+                    self._demand(r.cell, REPLICATED, name, f"the backward of {name}(op={rop!r}) averages it")
                     shares[-1] = r.cell
                 outs.append(R)
                 continue
@@ -478,7 +482,10 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
                 )
             outs.append(out)
         grad = any(t.requires_grad for _, t in tensors)
-        return _OpPlan(name, rule, outs, site, grad, shares, avg)
+        # the mean of per-rank values (data parallel's mean loss); the mean of partial sums
+        # is the sum over W, whose gradient is summed like the sum's, not a mean objective
+        mean = avg and all(r.t is not P for _, _, r in recs)
+        return _OpPlan(name, rule, outs, site, grad, shares, mean)
 
     def op_after(self, plan: _OpPlan | _PassThrough, outputs: list[Tensor]) -> None:
         key = self.key
@@ -490,7 +497,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
                 o.__dict__[key].reduced = src.reduced
             return
         name, rule, outs, site = plan.name, plan.rule, plan.outs, plan.site
-        grad, shares, avg = plan.grad, plan.shares, plan.avg
+        grad, shares, mean = plan.grad, plan.shares, plan.mean
         types = list(rule.outputs) if rule.outputs is not None else outs
         for i, o in enumerate(outputs):
             t = types[min(i, len(types) - 1)] if types else R
@@ -509,7 +516,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
                 )
                 if kind == PARTIAL and rule.instead:
                     why += f"; under a replicated objective use {rule.instead}"
-                cell = _Cell(kind, why, mean=avg and kind == PARTIAL) if grad else None
+                cell = _Cell(kind, why, mean=mean and kind == PARTIAL) if grad else None
                 o.__dict__[key] = _Rec(R, cell, why=f"the output of {name} at {site}")
                 o.__dict__[key].reduced = f"the result of {name} at {site}"  # combined over the ranks
             else:

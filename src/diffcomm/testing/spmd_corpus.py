@@ -834,6 +834,13 @@ def all_reduce_avg_of_replicated() -> None:
     dc.all_reduce(x * 2, op="avg").pow(2).mean().backward()
 
 
+def all_reduce_max_of_replicated() -> None:
+    """all_reduce(op="max") of a replicated value: every rank ties, so it is an identity
+    whose backward splits the gradient evenly among the ranks (averages it), as op="avg"."""
+    x = _x(3, H, grad=True)
+    dc.all_reduce(x * 2, op="max").pow(2).mean().backward()
+
+
 def loss_linear_in_a_partial_value() -> None:
     """A loss linear in a row-parallel matmul's partial output: the sum of the ranks'
     shares is the loss, and each rank's gradient is exact."""
@@ -1011,6 +1018,7 @@ CORRECT: dict[str, Callable[[], None]] = {
     "vocab embedding: masked assignment of a partial value": vocab_embedding_masked_assignment,
     "vocab embedding: where with a zero branch": vocab_embedding_where_zero,
     "all_reduce(avg) of a replicated value": all_reduce_avg_of_replicated,
+    "all_reduce(max) of a replicated value": all_reduce_max_of_replicated,
     "a loss linear in a partial value": loss_linear_in_a_partial_value,
     "backward through all_reduce(loss, avg), gradients averaged": mean_loss_then_averaged_gradients,
     "gradient accumulation reduced once": grad_accumulation_reduced_once,
