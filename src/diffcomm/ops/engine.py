@@ -35,7 +35,7 @@ collectives.
 
 from __future__ import annotations
 
-# Size: ~830 lines, over the ~600 guideline: the engine, the tensor that waits and the
+# Size: ~850 lines, over the ~600 guideline: the engine, the tensor that waits and the
 # differentiable bridge share one protocol (a job's handle, its result's versions, the
 # copies of the inputs a job reads, the in-place checks of what a backward reads); split, each part
 # would reach into the others' privates.
@@ -382,12 +382,17 @@ class AsyncTensor(Tensor):
         """Block until the communication finished; return the finished (plain) tensor.
 
         The returned tensor carries this tensor's autograd history: gradients flow through
-        it exactly as through the asynchronous tensor.
+        it exactly as through the asynchronous tensor. It shares this tensor's version
+        counter (``detach()`` of it: an alias, as the blocking op's result is one tensor),
+        so a change in place through either is refused by a backward that saved the other
+        (the finished tensor's own counter stayed unmoved by a change through the tensor
+        returned here: ``z = y * y; y.wait().add_(1)`` backpropagated the changed values
+        where the blocking op raises autograd's in-place error).
         """
-        elem = self._finished()
+        self._finished()
         if self.requires_grad and torch.is_grad_enabled():
             return _Wait.apply(self)
-        return elem
+        return self.detach()
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]  # torch's stub declares it an instance method
@@ -464,7 +469,7 @@ class _Wait(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, a: AsyncTensor) -> Tensor:
-        return a._finished().detach()
+        return a.detach()  # (the finished tensor; see AsyncTensor.wait)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> Tensor:
