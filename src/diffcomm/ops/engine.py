@@ -747,10 +747,11 @@ class _LaunchFn(torch.autograd.Function):
         shapes = cls.shapes_for(args)  # type: ignore[attr-defined]  # the op's out_shape
         multi = isinstance(shapes, list)
         name = getattr(cls, "name", "") or cls.__name__.lstrip("_")
-        # the inputs as they are now (the job runs later; an asynchronous op's dual reads
-        # the gradient autograd handed it, which nothing changes: in place)
-        private = getattr(_MODE, "private", False)
-        reads = [_reader(a, private) if isinstance(a, Tensor) else None for a in args]
+        # the inputs as they are now (the job runs later), also in an asynchronous op's
+        # backward: the gradient autograd hands its dual may be the caller's own tensor
+        # (``grad_outputs=v``, one a tensor hook kept), changed before the job ran (read in
+        # place, ``grad(y, x, v); v.fill_(100)`` sent 100s: x's gradient 102 or 200 for 3)
+        reads = [_snapshot(a) if isinstance(a, Tensor) else None for a in args]
 
         def job() -> Any:
             plain = tuple(a if r is None else r().detach() for a, r in zip(args, reads, strict=True))
@@ -783,12 +784,8 @@ class _LaunchFn(torch.autograd.Function):
         needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         c = _Ctx(needs)
         cls.setup_context(c, args, outs)
-        was, _MODE.private = getattr(_MODE, "private", False), True  # (the rule's own tensors)
-        try:
-            with async_mode():
-                grads = cls.backward(c, *gs)
-        finally:
-            _MODE.private = was
+        with async_mode():
+            grads = cls.backward(c, *gs)
         if not isinstance(grads, tuple):
             grads = (grads,)
         return (None, None, None, *(grads[i] for i in pos))
