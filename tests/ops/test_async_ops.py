@@ -260,15 +260,18 @@ def test_async_op_refuses_a_backward_that_reads_a_tensor_modified_in_place(world
     }
 
 
-def _max_under_hooks_after_inplace(async_op: bool, through: str) -> object:
-    """all_reduce(max) under saved-tensor hooks that copy what is saved, its output then
-    changed in place through ``.wait()``'s result or a view of it: the gradient, or the error."""
+def _under_hooks_after_inplace(op: str, through: str) -> object:
+    """all_reduce(``op``, async_op=True) under saved-tensor hooks that copy what is saved,
+    its output then changed in place through ``.wait()``'s result or a view of it, or its
+    input changed: the gradient, or the error."""
     r = dc.get_rank()
     x = torch.tensor([1.0 + r, 5.0 - r, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
-        y = dc.all_reduce(x * 1, "max", async_op=async_op)
+        h = x * 1
+        y = dc.all_reduce(h, op, async_op=True)
         used = y + 0
-    (dc.ops.engine.wait(y) if through == "wait" else y[1:3]).mul_(2)
+    with torch.no_grad():
+        {"wait": lambda: dc.ops.engine.wait(y), "view": lambda: y[1:3], "input": lambda: h}[through]().mul_(2)
     try:
         (gx,) = torch.autograd.grad(((y + used) * torch.arange(1.0, 5.0, dtype=torch.float64)).sum(), x)
     except RuntimeError as err:
@@ -276,18 +279,21 @@ def _max_under_hooks_after_inplace(async_op: bool, through: str) -> object:
     return ("grad", gx.tolist())
 
 
-def test_under_saved_tensor_hooks_a_changed_output_is_refused_not_read(world2) -> None:
+def test_under_saved_tensor_hooks_a_changed_tensor_is_refused_not_read(world2) -> None:
     """Under saved-tensor hooks autograd checks no versions, and the asynchronous backward
-    replays the rule on the finished tensor, not on what the hook kept: a change in place
-    of the output (through ``.wait()``'s result or a view) must be refused, never read
-    (the blocking op's backward reads the hook's copy: [0, 12, 9, 12] on rank 0; the
-    asynchronous one read the changed output: NaN)."""
+    replays the rule on the finished output and the inputs themselves, not on what the
+    hook kept: a change in place of the output (through ``.wait()``'s result or a view) or
+    of the input must be refused, never read. (The blocking op's backward reads the hook's
+    copies, rank 0: max [0, 8, 6, 8], product [8, 32, 24, 48]; the asynchronous one read
+    the changed tensors: max [0, nan, nan, 8] after ``y[1:3].mul_(2)``, [4, nan, nan, nan]
+    after the input was doubled, product [16, 64, 48, 96].)"""
 
     def hooks_rank() -> dict[str, object]:
-        return {through: _max_under_hooks_after_inplace(True, through) for through in ("wait", "view")}
+        cases = [("max", "wait"), ("max", "view"), ("max", "input"), ("product", "input")]
+        return {f"{op} {through}": _under_hooks_after_inplace(op, through) for op, through in cases}
 
     for res in world2.run(hooks_rank):
-        assert res == {"wait": ("error", True), "view": ("error", True)}, res
+        assert all(v == ("error", True) for v in res.values()), res
 
 
 ALIASES = {  # (what the user's op saved, what is then changed in place)

@@ -807,8 +807,10 @@ def _save_what_backward_reads(ctx: Any, cls: Any, args: tuple[Any, ...], outs: A
     # each output's version counter (shared by what ``.wait()`` returns and its views),
     # read again in backward: under saved-tensor hooks autograd checks no versions
     ctx.outs_watched = tuple((i, weakref.ref(outs[i]), _ver(outs[i])) for i in ctx.outs_read)
+    # (every input read, plain ones too: under saved-tensor hooks autograd checks no
+    # versions, and the rule is replayed on the inputs themselves, not the hook's copies)
     ctx.args_read = tuple(
-        (i, _stamp(a)) for i, a in enumerate(args) if isinstance(a, AsyncTensor) and any(t is a for t in read)
+        (i, _stamp(a)) for i, a in enumerate(args) if isinstance(a, Tensor) and any(t is a for t in read)
     )
     kept = tuple(t for t in read if any(t is o for o in (*outs, *args)))
     ctx.saved_some = bool(kept)  # (else nothing to check: a linear op may backward twice)
