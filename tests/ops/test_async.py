@@ -311,6 +311,39 @@ def test_pending_input_of_a_second_op_is_copied_before_it_is_handed_out(world2) 
     assert out[0][4] == -3.0 and out[1][4] == 3.0
 
 
+def _gradient_kept_by_the_caller_rank(case: str) -> list[float]:
+    """``torch.autograd.grad`` through ``async_op=True`` ops returns while the dual is queued
+    (behind a delay); the caller then changes a gradient it holds — its ``grad_outputs``,
+    or one a tensor hook kept (plain, or the asynchronous gradient of a later op)."""
+    r = dc.get_rank()
+    x = torch.arange(1.0, 5.0, dtype=torch.float64, requires_grad=True)
+    y = dc.all_reduce(x, async_op=True)
+    kept: list[torch.Tensor] = []
+    if case == "grad_outputs":
+        v = torch.full((4,), 1.0 + r, dtype=torch.float64)
+        _delay_engine(0.5)
+        (gx,) = torch.autograd.grad(y, x, grad_outputs=v)
+        v.fill_(100.0)
+    else:
+        y.register_hook(kept.append)
+        z = dc.all_reduce(y, async_op=True) if case == "hook, asynchronous" else y
+        _delay_engine(0.5)
+        (gx,) = torch.autograd.grad((z * (r + 1)).sum(), x)
+        kept[0].mul_(100.0)
+    return engine.wait(gx).tolist()
+
+
+@pytest.mark.parametrize("case", ["grad_outputs", "hook", "hook, asynchronous"])
+def test_a_gradient_the_caller_holds_is_sent_as_it_was_when_backward_launched(world2, case) -> None:
+    """An asynchronous op's dual sends the gradient autograd handed it as it was then, as
+    the blocking op's backward does, whatever the caller does to that tensor afterwards
+    (before: the dual read it in place when its job ran — 102 or 200 instead of 3 after
+    ``grad(y, x, grad_outputs=v); v.fill_(100)``, 300 instead of 3 (303 instead of 6) after
+    a hook's kept gradient was scaled by 100)."""
+    want = 6.0 if case == "hook, asynchronous" else 3.0
+    assert world2.run(_gradient_kept_by_the_caller_rank, case) == [[want] * 4] * 2
+
+
 def test_pickle_and_repr_wait(world2) -> None:
     def misc_rank() -> dict[str, object]:
         y = _ar(torch.ones(2, 3))

@@ -260,6 +260,100 @@ def test_async_op_refuses_a_backward_that_reads_a_tensor_modified_in_place(world
     }
 
 
+def _under_hooks_after_inplace(op: str, through: str) -> object:
+    """all_reduce(``op``, async_op=True) under saved-tensor hooks that copy what is saved,
+    its output then changed in place through ``.wait()``'s result or a view of it, or its
+    input changed: the gradient, or the error."""
+    r = dc.get_rank()
+    x = torch.tensor([1.0 + r, 5.0 - r, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        h = x * 1
+        y = dc.all_reduce(h, op, async_op=True)
+        used = y + 0
+    with torch.no_grad():
+        {"wait": lambda: dc.ops.engine.wait(y), "view": lambda: y[1:3], "input": lambda: h}[through]().mul_(2)
+    try:
+        (gx,) = torch.autograd.grad(((y + used) * torch.arange(1.0, 5.0, dtype=torch.float64)).sum(), x)
+    except RuntimeError as err:
+        return ("error", INPLACE in str(err))
+    return ("grad", gx.tolist())
+
+
+def test_under_saved_tensor_hooks_a_changed_tensor_is_refused_not_read(world2) -> None:
+    """Under saved-tensor hooks autograd checks no versions, and the asynchronous backward
+    replays the rule on the finished output and the inputs themselves, not on what the
+    hook kept: a change in place of the output (through ``.wait()``'s result or a view) or
+    of the input must be refused, never read. (The blocking op's backward reads the hook's
+    copies, rank 0: max [0, 8, 6, 8], product [8, 32, 24, 48]; the asynchronous one read
+    the changed tensors: max [0, nan, nan, 8] after ``y[1:3].mul_(2)``, [4, nan, nan, nan]
+    after the input was doubled, product [16, 64, 48, 96].)"""
+
+    def hooks_rank() -> dict[str, object]:
+        cases = [("max", "wait"), ("max", "view"), ("max", "input"), ("product", "input")]
+        return {f"{op} {through}": _under_hooks_after_inplace(op, through) for op, through in cases}
+
+    for res in world2.run(hooks_rank):
+        assert all(v == ("error", True) for v in res.values()), res
+
+
+ALIASES = {  # (what the user's op saved, what is then changed in place)
+    "wait, then the result saved": ("result", "waited"),
+    "the waited tensor saved, then the result": ("waited", "result"),
+    "a second wait, then the first saved": ("waited", "waited again"),
+}
+
+
+def _user_op_after_inplace(fn, async_op: bool, saved: str, changed: str, grad: bool) -> object:
+    """A user's own op (``z = p * s * s``) saves ``s`` — the result, or the tensor ``.wait()``
+    returned — and then ``changed`` is modified in place before ``z``'s backward: the
+    gradient of ``x`` (``grad``: through the result) or of ``p`` (the result needs none),
+    or the error text."""
+    r = dc.get_rank()
+    x = torch.tensor([1.0 + r, 5.0 - r, 2.0, 3.0], dtype=torch.float64, requires_grad=grad)
+    p = torch.full((), 2.0 + r, dtype=torch.float64, requires_grad=True)
+    y = fn(x * 1, async_op)
+    alias = {"result": y}
+    alias["waited"] = dc.ops.engine.wait(y)
+    alias["waited again"] = dc.ops.engine.wait(y)
+    z = p * alias[saved] * alias[saved]
+    alias[changed].add_(1.0)
+    try:
+        gs = torch.autograd.grad(z.sum(), x if grad else p)
+    except RuntimeError as err:
+        return ("error", INPLACE in str(err))
+    return ("grad", gs[0].tolist())
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_an_alias_of_the_result_modified_in_place_is_refused_by_a_saving_backward(
+    local_worlds, in_process
+) -> None:
+    """The result and the tensor ``.wait()`` returned are one tensor (as the blocking op's
+    result is): a user's op that saved one refuses, in backward, a change in place through
+    the other, as the blocking op's autograd does. (Before: ``.wait()`` returned the
+    finished tensor, whose version counter the AsyncTensor does not share, so
+    ``z = p * y * y; y.wait().add_(1)`` backpropagated the changed values silently —
+    x.grad [52, 60, 68, 76] at world 2 instead of autograd's in-place error.)"""
+
+    def aliases_rank() -> dict[str, object]:
+        out = {}
+        for name, fn in {
+            "all_reduce(sum)": lambda x, a: dc.all_reduce(x, async_op=a),
+            "all_gather": lambda x, a: dc.all_gather(x, async_op=a),
+            "all_reduce_coalesced": lambda x, a: dc.all_reduce_coalesced([x, x.float()], async_op=a)[0],
+        }.items():
+            for case, (saved, changed) in ALIASES.items():
+                for grad in (True, False):
+                    blocking = _user_op_after_inplace(fn, False, saved, changed, grad)
+                    asynchronous = _user_op_after_inplace(fn, True, saved, changed, grad)
+                    out[f"{name}: {case}, grad={grad}"] = (blocking, asynchronous)
+        return out
+
+    for name, (blocking, asynchronous) in _every_rank(local_worlds(2, in_process=in_process), aliases_rank):
+        assert blocking == ("error", True), (name, blocking)
+        assert asynchronous == blocking, (name, asynchronous)
+
+
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
 

@@ -461,6 +461,43 @@ def test_async_op_returns_a_finished_async_tensor_in_process(local_worlds) -> No
         assert torch.allclose(v1, v2, rtol=1e-12, atol=0) and torch.allclose(g1, g2, rtol=1e-12, atol=0)
 
 
+def _receives_in_posting_order() -> tuple:
+    """Rank 0 sends two messages on one channel; rank 1 posts a receive for the first,
+    receives the second with a blocking receive, then waits for the first: with
+    diffcomm's ``irecv`` / ``recv`` and with raw ``torch.distributed``."""
+    r = dist.get_rank()
+    a, b = torch.arange(3, dtype=torch.float64), torch.arange(3, dtype=torch.float64) + 10
+    if r == 0:
+        x = torch.arange(4, dtype=torch.float64, requires_grad=True)
+        t1, t2 = dc.send(x[:3] * 1, 1), dc.send(x * 2, 1)
+        (t1 + t2).backward()
+        dist.send(a, 1, tag=7)
+        dist.send(b, 1, tag=7)
+        return x.grad
+    first = dc.p2p.irecv(0, shape=(3,), dtype=torch.float64)
+    second = dc.recv(0)
+    got = first.wait()
+    ((got * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)).sum() + (second**2).sum()).backward()
+    raw_a, raw_b = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    work = dist.irecv(raw_a, 0, tag=7)
+    dist.recv(raw_b, 0, tag=7)
+    work.wait()
+    return got.detach(), second.detach(), raw_a, raw_b
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_receives_on_a_channel_take_messages_in_posting_order(local_worlds, in_process: bool) -> None:
+    """A receive posted ahead takes the channel's next message at posting, as gloo's does,
+    also when a later blocking receive on the channel completes first. (In-process the
+    receive took the first message left when it was *waited*: diffcomm's ``irecv`` then
+    ``recv`` raised "out of step" where processes run, and raw ``dist.irecv`` then
+    ``dist.recv`` swapped the two messages silently: [10, 11, 12] for [0, 1, 2].)"""
+    grad, (got, second, raw_a, raw_b) = local_worlds(2, in_process=in_process).run(_receives_in_posting_order)
+    assert got.tolist() == [0.0, 1.0, 2.0] and second.tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert raw_a.tolist() == [0.0, 1.0, 2.0] and raw_b.tolist() == [10.0, 11.0, 12.0]
+    assert grad.tolist() == [1.0 + 0.0, 2.0 + 8.0, 3.0 + 16.0, 24.0]
+
+
 def test_the_keyword_is_validated_and_shown() -> None:
     with pytest.raises(TypeError, match="`in_process` must be a bool"):
         dc.LocalWorld(2, in_process=1)  # type: ignore[arg-type]

@@ -113,7 +113,12 @@ class Hub:
         self.ready: dict[int, Callable[[], bool]] = {}
         self.slots: dict[tuple[str, int], list[Any]] = {}
         self.reads: dict[tuple[str, int], int] = {}
-        self.mail: dict[tuple[str, int, int, int], deque[torch.Tensor]] = {}
+        # each channel's messages by number, and how many were sent and how many receives
+        # posted on it: a receive takes the message of its turn at posting, as gloo's
+        # matches in posting order (see :meth:`take`)
+        self.mail: dict[tuple[str, int, int, int], dict[int, torch.Tensor]] = {}
+        self.sent: dict[tuple[str, int, int, int], int] = {}
+        self.posted: dict[tuple[str, int, int, int], int] = {}
         self.failure: str | None = None
         # every rank's CPU RNG state and process state (:func:`per_rank`), swapped with
         # the run lock: the world's, kept from its last run (a fresh process's at first)
@@ -242,15 +247,30 @@ class Hub:
 
     # ---- point to point --------------------------------------------------------------
     def post(self, group: str, src: int, dst: int, tag: int, t: torch.Tensor) -> None:
-        self.mail.setdefault((group, src, dst, tag), deque()).append(t.detach().clone())
+        key = (group, src, dst, tag)
+        n = self.sent.get(key, 0)
+        self.sent[key] = n + 1
+        self.mail.setdefault(key, {})[n] = t.detach().clone()
         self.cond.notify_all()
 
-    def take(self, group: str, src: int, dst: int, tag: int, what: str) -> torch.Tensor:
-        box = self.mail.setdefault((group, src, dst, tag), deque())
+    def turn(self, group: str, src: int, dst: int, tag: int) -> int:
+        """The number of the message a receive posted now on the channel takes."""
+        key = (group, src, dst, tag)
+        n = self.posted.get(key, 0)
+        self.posted[key] = n + 1
+        return n
+
+    def take(self, group: str, src: int, dst: int, tag: int, turn: int, what: str) -> torch.Tensor:
+        """Message number ``turn`` of the channel (a receive's, from :meth:`turn` when it
+        was posted), once sent. (The first message waiting when the receive was *waited*,
+        before: a receive posted ahead (``p2p.irecv``) and waited after a later blocking
+        ``recv`` on its channel lost its message to that ``recv``, where gloo matches
+        receives in posting order.)"""
+        box = self.mail.setdefault((group, src, dst, tag), {})
         self.wait_for(
-            _me(dst), f"waits in {what} from group rank {src} (group {group}, tag {tag})", lambda: bool(box)
+            _me(dst), f"waits in {what} from group rank {src} (group {group}, tag {tag})", lambda: turn in box
         )
-        return box.popleft()
+        return box.pop(turn)
 
 
 _EMPTY = object()
@@ -824,7 +844,8 @@ class InProcessGroup(_PG):
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         self._refuse_in_compilation(f"receives from group rank {src} (group {self._gname()})")
         out, name, me, hub = tensors[0], self._gname(), self._rank, self._hub
-        return _RecvWork(lambda: _copy_bytes(out, hub.take(name, src, me, tag, "recv")))
+        turn = hub.turn(name, src, me, tag)  # (posted now: its message is fixed now)
+        return _RecvWork(lambda: _copy_bytes(out, hub.take(name, src, me, tag, turn, "recv")))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
         raise NotImplementedError(

@@ -35,7 +35,7 @@ collectives.
 
 from __future__ import annotations
 
-# Size: ~830 lines, over the ~600 guideline: the engine, the tensor that waits and the
+# Size: ~860 lines, over the ~600 guideline: the engine, the tensor that waits and the
 # differentiable bridge share one protocol (a job's handle, its result's versions, the
 # copies of the inputs a job reads, the in-place checks of what a backward reads); split, each part
 # would reach into the others' privates.
@@ -44,6 +44,7 @@ import contextvars
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -382,12 +383,17 @@ class AsyncTensor(Tensor):
         """Block until the communication finished; return the finished (plain) tensor.
 
         The returned tensor carries this tensor's autograd history: gradients flow through
-        it exactly as through the asynchronous tensor.
+        it exactly as through the asynchronous tensor. It shares this tensor's version
+        counter (``detach()`` of it: an alias, as the blocking op's result is one tensor),
+        so a change in place through either is refused by a backward that saved the other
+        (the finished tensor's own counter stayed unmoved by a change through the tensor
+        returned here: ``z = y * y; y.wait().add_(1)`` backpropagated the changed values
+        where the blocking op raises autograd's in-place error).
         """
-        elem = self._finished()
+        self._finished()
         if self.requires_grad and torch.is_grad_enabled():
             return _Wait.apply(self)
-        return elem
+        return self.detach()
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]  # torch's stub declares it an instance method
@@ -464,7 +470,7 @@ class _Wait(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, a: AsyncTensor) -> Tensor:
-        return a._finished().detach()
+        return a.detach()  # (the finished tensor; see AsyncTensor.wait)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> Tensor:
@@ -742,10 +748,11 @@ class _LaunchFn(torch.autograd.Function):
         shapes = cls.shapes_for(args)  # type: ignore[attr-defined]  # the op's out_shape
         multi = isinstance(shapes, list)
         name = getattr(cls, "name", "") or cls.__name__.lstrip("_")
-        # the inputs as they are now (the job runs later; an asynchronous op's dual reads
-        # the gradient autograd handed it, which nothing changes: in place)
-        private = getattr(_MODE, "private", False)
-        reads = [_reader(a, private) if isinstance(a, Tensor) else None for a in args]
+        # the inputs as they are now (the job runs later), also in an asynchronous op's
+        # backward: the gradient autograd hands its dual may be the caller's own tensor
+        # (``grad_outputs=v``, one a tensor hook kept), changed before the job ran (read in
+        # place, ``grad(y, x, v); v.fill_(100)`` sent 100s: x's gradient 102 or 200 for 3)
+        reads = [_snapshot(a) if isinstance(a, Tensor) else None for a in args]
 
         def job() -> Any:
             plain = tuple(a if r is None else r().detach() for a, r in zip(args, reads, strict=True))
@@ -778,12 +785,8 @@ class _LaunchFn(torch.autograd.Function):
         needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         c = _Ctx(needs)
         cls.setup_context(c, args, outs)
-        was, _MODE.private = getattr(_MODE, "private", False), True  # (the rule's own tensors)
-        try:
-            with async_mode():
-                grads = cls.backward(c, *gs)
-        finally:
-            _MODE.private = was
+        with async_mode():
+            grads = cls.backward(c, *gs)
         if not isinstance(grads, tuple):
             grads = (grads,)
         return (None, None, None, *(grads[i] for i in pos))
@@ -801,8 +804,13 @@ def _save_what_backward_reads(ctx: Any, cls: Any, args: tuple[Any, ...], outs: A
     read = probe.saved_tensors
     outs = outs if isinstance(outs, tuple) else (outs,)
     ctx.outs_read = tuple(i for i, o in enumerate(outs) if any(t is o for t in read))
+    # each output's version counter (shared by what ``.wait()`` returns and its views),
+    # read again in backward: under saved-tensor hooks autograd checks no versions
+    ctx.outs_watched = tuple((i, weakref.ref(outs[i]), _ver(outs[i])) for i in ctx.outs_read)
+    # (every input read, plain ones too: under saved-tensor hooks autograd checks no
+    # versions, and the rule is replayed on the inputs themselves, not the hook's copies)
     ctx.args_read = tuple(
-        (i, _stamp(a)) for i, a in enumerate(args) if isinstance(a, AsyncTensor) and any(t is a for t in read)
+        (i, _stamp(a)) for i, a in enumerate(args) if isinstance(a, Tensor) and any(t is a for t in read)
     )
     kept = tuple(t for t in read if any(t is o for o in (*outs, *args)))
     ctx.saved_some = bool(kept)  # (else nothing to check: a linear op may backward twice)
@@ -825,6 +833,10 @@ def _check_what_backward_reads(ctx: Any, outs: Any) -> None:
     for i in ctx.outs_read:
         if _ver(finished[i]) != born[i]:
             raise _inplace_error(f"output {i} (through .wait())", ctx.name, (born[i], _ver(finished[i])))
+    for i, ref, version in ctx.outs_watched:
+        out = ref()
+        if out is not None and _ver(out) != version:
+            raise _inplace_error(f"output {i} (or .wait()'s alias of it)", ctx.name, (version, _ver(out)))
     for i, stamp in ctx.args_read:
         moved = _changed(ctx.args[i], stamp)
         if moved is not None:
