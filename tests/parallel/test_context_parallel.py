@@ -751,6 +751,31 @@ def test_ulysses_refuses_the_whole_sequence_under_the_check_as_the_ring_does(wor
         assert "UlyssesAttention" in res["ulysses"] and "not the whole sequence" in res["ulysses"], res
 
 
+def _usp_contiguous_documents_unshard() -> float:
+    """USP under ``"contiguous"`` with packed documents on a 2x2 mesh, S = 10: the ring
+    ranks hold 5 positions each, the Ulysses pieces 3 and 2. The output's placement
+    recorded the documents but no length, and ``unshard`` takes documents from a zigzag
+    placement only, so each rank inferred its own ``U * seq_local`` (6 or 4): the
+    all_gathers disagreed (gloo aborted a rank; in-process a shape error)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    ug, rg = (mesh, "ulysses"), (mesh, "ring")
+    s, cu = 10, [0, 3, 10]
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, s, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    kw = {"layout": "contiguous", "cu_seqlens": cu, "ulysses_group": ug}
+    ql, kl, vl = (cp.shard(t, 2, rg, **kw) for t in (q, k, v))
+    out = cp.usp_attention(ql, kl, vl, ug, rg, causal=True, cu_seqlens=cu)
+    ref = cp.attention_reference(q, k, v, causal=True, cu_seqlens=cu)
+    return float((cp.unshard(out, 2, rg, ulysses_group=ug) - ref).abs().max())
+
+
+def test_usp_output_with_contiguous_documents_unshards(local_worlds: Callable[..., dc.LocalWorld]) -> None:
+    errs = local_worlds(4, in_process=True).run(_usp_contiguous_documents_unshard)
+    assert max(errs) < 1e-12, errs
+
+
 def _placed_grads_and_lengths() -> dict[str, Any]:
     """The gradient of a placed leaf carries its placement after every accumulation (one
     hook however many calls); a padded shard's recorded length reaches unshard of the

@@ -389,4 +389,8 @@ def usp_attention(
 
     out = _ulysses(*_pieces(q, k, v, upg), upg, urank, uworld, lens, local)
     cu = check_cu_seqlens(cu_seqlens, op)
-    return placed(out, Placement(layout, rworld, uworld, seq_len=seq_len, ranks=ranks, uranks=uranks, cu=cu))
+    # the true length is recorded with the documents too (as the ring records it): under
+    # "contiguous" unshard takes no documents from a placement, and without a length it
+    # inferred each rank's own U * seq_local (Ulysses pieces of unequal sizes: unequal)
+    total = seq_len if cu is None else cu[-1]
+    return placed(out, Placement(layout, rworld, uworld, seq_len=total, ranks=ranks, uranks=uranks, cu=cu))
