@@ -776,6 +776,56 @@ def test_usp_output_with_contiguous_documents_unshards(local_worlds: Callable[..
     assert max(errs) < 1e-12, errs
 
 
+def _masks_against_serial(kind: str) -> float:
+    """World 3, zigzag, S = 10 (padded), causal, GQA 4:2; float64 against dense attention.
+    ``"kpm"``: a key-padding mask ``(batch, 1, 1, S)``, bool and additive (its gradient
+    summed over the ranks), the same tensor on every rank: refused before ("seq_local=4"
+    wanted for the row dim) though documented as broadcastable. ``"placed"``: an additive
+    ``(batch, heads, S, S)`` mask leaf sharded by rows: ``unshard(mask.grad)`` raised
+    (``seq_len`` / ``layout`` must be given) where ``unshard(q.grad)`` used q's placement."""
+    s, b, h, kv = 10, 2, 4, 2
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(b, h, s, 4, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(b, kv, s, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    w = torch.randn(b, h, s, 4, dtype=torch.float64, generator=g)
+    keep = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    keep[0, ..., -3:] = False
+    keep[1, ..., :2] = False
+    if kind == "kpm":
+        masks = [keep, torch.randn(b, 1, 1, s, dtype=torch.float64, generator=g)]
+    else:
+        masks = [torch.randn(b, h, s, s, dtype=torch.float64, generator=g)]
+    worst = 0.0
+    for m in masks:
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        mf = m.clone().requires_grad_(m.is_floating_point())
+        allowed = torch.ones(s, s, dtype=torch.bool).tril() & (mf if m.dtype == torch.bool else True)
+        sc = qf @ kf.repeat_interleave(2, 1).transpose(-1, -2) / 2.0
+        sc = sc + mf if m.is_floating_point() else sc
+        ref = torch.softmax(sc.masked_fill(~allowed, float("-inf")), -1) @ vf.repeat_interleave(2, 1)
+        (ref * w).sum().backward()
+        ql, kl, vl = (parallel.shard(t, layout="zigzag").requires_grad_() for t in (q, k, v))
+        ml = m.clone() if kind == "kpm" else parallel.shard(m, layout="zigzag")
+        ml.requires_grad_(m.is_floating_point())
+        out = parallel.ring_attention(ql, kl, vl, causal=True, attn_mask=ml)
+        (out * parallel.shard(w, layout="zigzag")).sum().backward()
+        got = [parallel.unshard(t) for t in (out, ql.grad, kl.grad, vl.grad)]
+        errs = [(a - r).abs().max() for a, r in zip(got, (ref, qf.grad, kf.grad, vf.grad), strict=True)]
+        if m.is_floating_point():
+            dm = dc.all_reduce(ml.grad) if kind == "kpm" else parallel.unshard(ml.grad)
+            errs.append((dm - mf.grad).abs().max())
+        worst = max(worst, float(max(errs)))
+    return worst
+
+
+@pytest.mark.parametrize("kind", ["kpm", "placed"])
+def test_key_padding_masks_and_placed_mask_gradients(
+    local_worlds: Callable[..., dc.LocalWorld], kind: str
+) -> None:
+    errs = local_worlds(3, in_process=True).run(_masks_against_serial, kind)
+    assert max(errs) < 1e-12, errs
+
+
 def _placed_grads_and_lengths() -> dict[str, Any]:
     """The gradient of a placed leaf carries its placement after every accumulation (one
     hook however many calls); a padded shard's recorded length reaches unshard of the

@@ -117,7 +117,7 @@ def placed(x: Tensor, placement: Placement) -> Tensor:
 _GRAD_TAGGED = "_diffcomm_placement_grad_hook"
 
 
-def _tag_grad_of(x: Tensor) -> None:
+def tag_grad_of(x: Tensor) -> None:
     """Once per leaf ``x`` that requires grad: after each accumulation into ``x.grad``,
     attach ``placement`` to the gradient (it is placed like ``x``), so ``unshard(x.grad)``
     uses ``x``'s layout instead of the default."""
@@ -344,7 +344,7 @@ def resolve_layout(
         p = placement_of(t)
         if p is None:
             continue
-        _tag_grad_of(t)
+        tag_grad_of(t)
         if first is not None and (p != first[1] or first[1].other_ranks(p.ranks, p.uranks)):
             show = p == first[1]  # (only the ranks differ: name them)
             raise A.arg_error(
