@@ -349,6 +349,53 @@ def test_ulysses_refuses_a_guessed_or_zigzag_order(local_worlds: Any, w: int) ->
                 assert value <= TOL, f"rank {rank} {case}: silently wrong by {value}"
 
 
+def _ulysses_unplaced_zigzag_noncausal(w: int) -> dict[str, tuple[str, Any, int]]:
+    """Non-causal Ulysses on zigzag pieces that lost their placement (projected). Its rows
+    are right in any order, but (1) it placed its output as ``"contiguous"``, so
+    ``unshard(out)`` reassembled zigzag rows in contiguous order (0.78 off SDPA at world
+    3, S = 12; 1.37 at world 2, S = 8), and (2) with a padded length and the ``seq_len=``
+    the refusal asks for, it took the last slots in rank order for the padding where
+    zigzag's padding is elsewhere (rows 0.21 off at world 3, S = 10; 0.48 at world 2)."""
+    res: dict[str, tuple[str, Any, int]] = {}
+    for s in (4 * w, 4 * w - 2):
+        _lifecycle.program_start()
+        res.update(_ulysses_on_dropped_zigzag(s))
+    return res
+
+
+def _ulysses_on_dropped_zigzag(s: int) -> dict[str, tuple[str, Any, int]]:
+    q, k, v, _ = _inputs(s)
+    ref = F.scaled_dot_product_attention(q, k, v)
+    ql, kl, vl = (parallel.shard(t, layout="zigzag") * 1.0 for t in (q, k, v))
+    out: list[torch.Tensor] = []
+
+    def attend() -> float:
+        out.append(parallel.ulysses_attention(ql, kl, vl, seq_len=s))
+        return float((out[0] - parallel.shard(ref, layout="zigzag")).abs().max())
+
+    res = {f"attend {s}": _attempt(attend)}
+    if out:
+        res[f"unshard {s}"] = _attempt(lambda: float((parallel.unshard(out[0]) - ref).abs().max()))
+        res[f"unshard zigzag {s}"] = _attempt(
+            lambda: float((parallel.unshard(out[0], layout="zigzag") - ref).abs().max())
+        )
+    return res
+
+
+@pytest.mark.parametrize("w", [2, 3])
+def test_ulysses_on_unplaced_zigzag_pieces_places_nothing_and_refuses_padding(
+    local_worlds: Any, w: int
+) -> None:
+    for rank, res in enumerate(local_worlds(w, in_process=True).run(_ulysses_unplaced_zigzag_noncausal, w)):
+        s, p = 4 * w, 4 * w - 2
+        assert res[f"attend {s}"][0] == "ok" and res[f"attend {s}"][1] <= TOL, (rank, res)
+        kind, msg, comms = res[f"unshard {s}"]
+        assert kind == "err" and NAMED in msg and comms == 0, (rank, res)
+        assert res[f"unshard zigzag {s}"][0] == "ok" and res[f"unshard zigzag {s}"][1] <= TOL, (rank, res)
+        kind, msg, _ = res[f"attend {p}"]
+        assert kind == "err" and NAMED in msg, (rank, res)
+
+
 # ======================================================================================
 # a padded sequence: the length is the placement's, or given, never the shards' guess
 # ======================================================================================

@@ -404,9 +404,16 @@ def require_layout_known(op: str, layout: Any, tensors: dict[str, Any], world: i
     that only ever raises (a false alarm asks to name the layout; it never changes a
     value). Called by every op that reads a layout after its other argument checks,
     before its first communication."""
+    if layout_guessed(layout, tensors, world):
+        _ambiguous(op, [n for n, t in tensors.items() if isinstance(t, Tensor)], world)
+
+
+def layout_guessed(layout: Any, tensors: dict[str, Any], world: int) -> bool:
+    """Whether the default layout would be a guess (:func:`require_layout_known`'s test,
+    for an op that must not attach a guessed placement to its output)."""
     if layout is not None or world <= 1 or any(placement_of(t) is not None for t in tensors.values()):
-        return
-    _ambiguous(op, [n for n, t in tensors.items() if isinstance(t, Tensor)], world)
+        return False
+    return any(w == world for w, _ in _IN_USE)
 
 
 # ======================================================================================

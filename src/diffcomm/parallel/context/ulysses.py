@@ -26,6 +26,7 @@ from .layout import (
     even_sizes,
     group_rank_world_or_local,
     group_ranks,
+    layout_guessed,
     placed,
     placed_cu_seqlens,
     placed_seq_len,
@@ -205,6 +206,8 @@ def ulysses_attention(
         raise A.arg_error(op, "seq_len", f"a length in [0, {total}] (the pieces' total)", true)
     fn = attn_fn if attn_fn is not None else _sdpa
     pad = 0 if true is None else total - true
+    if pad and not causal:  # the padding is the last slots in rank order: the order matters
+        require_layout_known(op, layout, {"q": q, "k": k, "v": v}, world)
 
     def local(qh: Tensor, kh: Tensor, vh: Tensor) -> Tensor:
         if not pad:
@@ -215,9 +218,11 @@ def ulysses_attention(
         return torch.nn.functional.pad(out, (0, 0, 0, pad))
 
     out = _ulysses(*_pieces(q, k, v, pg), pg, rank, world, lens, local)
-    # equal pieces are the contiguous layout (unshard takes them without `layout`)
+    # equal pieces are the contiguous layout (unshard takes them without `layout`), unless
+    # that is a guess: a non-causal call ran on unplaced pieces of a program that used
+    # another layout (their rows are right in any order, their order is unknown)
     seq = total if true is None else true
-    if len(set(lens)) > 1:
+    if len(set(lens)) > 1 or layout_guessed(layout, {"q": q, "k": k, "v": v}, world):
         return out
     return placed(out, Placement("contiguous", world, seq_len=seq, ranks=ranks))
 
