@@ -396,6 +396,36 @@ def test_ulysses_on_unplaced_zigzag_pieces_places_nothing_and_refuses_padding(
         assert kind == "err" and NAMED in msg, (rank, res)
 
 
+def _compiled_zigzag_then_unnamed(first: str) -> dict[str, tuple[str, Any, int]]:
+    """A model that shards zigzag and attends without ``layout=``, compiled. Under
+    ``torch.compile`` nothing is placed and ``shard`` recorded no layout either, so the
+    ring ran the zigzag shards as contiguous (4.10 and 6.43 off SDPA's rows at world 2,
+    S = 12) where the same model run eagerly first was refused."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 12, 8, dtype=F64, generator=g)
+    wq = torch.randn(8, 8, dtype=F64, generator=g)
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        q = (parallel.shard(x, 1, layout="zigzag") @ wq).view(1, -1, 2, 4).transpose(1, 2)
+        return parallel.ring_attention(q, q, q, causal=True)
+
+    q = (x @ wq).view(1, 12, 2, 4).transpose(1, 2)
+    want = parallel.shard(F.scaled_dot_product_attention(q, q, q, is_causal=True), layout="zigzag")
+    _lifecycle.program_start()
+    runs = {"compiled": torch.compile(model, backend="eager"), "eager": model}
+    return {
+        name: _attempt(lambda fn=runs[name]: float((fn(x) - want).abs().max()))
+        for name in (first, "eager" if first == "compiled" else "compiled")
+    }
+
+
+@pytest.mark.parametrize("first", ["compiled", "eager"])
+def test_a_compiled_zigzag_shard_is_recorded(local_worlds: Any, first: str) -> None:
+    for res in local_worlds(2, in_process=True).run(_compiled_zigzag_then_unnamed, first):
+        for name, (kind, msg, comms) in res.items():
+            assert kind == "err" and NAMED in msg and comms == 0, (name, res)
+
+
 # ======================================================================================
 # a padded sequence: the length is the placement's, or given, never the shards' guess
 # ======================================================================================

@@ -153,8 +153,9 @@ _lifecycle.on_program_start("parallel.context layouts", _IN_USE.clear)
 def note_layout(layout: str, world: int, how: str) -> None:
     """Remember that this program used ``layout`` over ``world`` ranks (by ``how``: the
     call). Only ever makes :func:`require_layout_known` raise for unplaced tensors given
-    no ``layout``, never changes a value."""
-    if layout != DEFAULT_LAYOUT and world > 1 and not compiling():
+    no ``layout``, never changes a value. Also under ``torch.compile``, where nothing is
+    placed and the record is the only guard (dynamo replays the write on every call)."""
+    if layout != DEFAULT_LAYOUT and world > 1:
         _IN_USE.setdefault((world, layout), how)
 
 
@@ -191,8 +192,9 @@ _lifecycle.on_program_start("parallel.context padding", _PADDED.clear)
 
 def note_padding(world: int, uworld: int | None, local: int, seq_len: int, how: str) -> None:
     """Remember that this program's ``shard`` padded a sequence of ``seq_len`` to ``local``
-    positions per rank (only ever makes :func:`require_seq_len_known` raise)."""
-    if world > 1 and not compiling():
+    positions per rank (only ever makes :func:`require_seq_len_known` raise); under
+    ``torch.compile`` too, as :func:`note_layout`."""
+    if world > 1:
         _PADDED.setdefault((world, uworld, local), (seq_len, how))
 
 
