@@ -421,7 +421,9 @@ def _compiled_zigzag_then_unnamed(first: str) -> dict[str, tuple[str, Any, int]]
 
 @pytest.mark.parametrize("first", ["compiled", "eager"])
 def test_a_compiled_zigzag_shard_is_recorded(local_worlds: Any, first: str) -> None:
-    for res in local_worlds(2, in_process=True).run(_compiled_zigzag_then_unnamed, first):
+    with dc.debug(False):  # (its argument check communicates first)
+        out = local_worlds(2, in_process=True).run(_compiled_zigzag_then_unnamed, first)
+    for res in out:
         for name, (kind, msg, comms) in res.items():
             assert kind == "err" and NAMED in msg and comms == 0, (name, res)
 

@@ -655,7 +655,7 @@ def ring_attention(
             f"parallel.shard(mask, dim=-2, layout={layout!r})",
             f"rows placed with {mp.describe()}",
         )
-    if mp is not None:  # a placed mask leaf's gradient is placed as its rows (unshard(m.grad))
+    if mp is not None and attn_mask is not None:  # a placed mask leaf's gradient: placed as its rows
         tag_grad_of(attn_mask)
     seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
     cu_seqlens = placed_cu_seqlens(op, {"q": q, "k": k, "v": v}, cu_seqlens, default=False)
