@@ -495,6 +495,28 @@ def _padded_grid(w: int) -> dict[str, tuple[str, Any, int]]:
     return res
 
 
+def _two_lengths_one_local() -> list[str]:
+    """S = 10 then S = 11, both zigzag-padded to 4 positions per rank at world 3, each
+    projected (unplaced) and attended with no ``seq_len``. The refusal remembered the
+    first length only and said "pass seq_len=10" for the length-11 batch: followed, the
+    ring reads the S = 11 shards with the S = 10 table (token 10 taken for padding)."""
+    msgs = []
+    for s in (10, 11):
+        q = torch.randn(1, 2, s, 4, dtype=F64, generator=torch.Generator().manual_seed(s))
+        ql = parallel.shard(q, layout="zigzag") * 1.0
+        try:
+            parallel.ring_attention(ql, ql, ql, causal=True, layout="zigzag")
+        except ValueError as exc:
+            msgs.append(str(exc))
+    return msgs
+
+
+def test_a_refusal_names_every_padded_length(local_worlds: Any) -> None:
+    for first, second in local_worlds(3, in_process=True).run(_two_lengths_one_local):
+        assert SEQ_LEN in first and "pass seq_len=10 " in first, first
+        assert SEQ_LEN in second and "lengths 10, 11" in second and "seq_len=10 " not in second, second
+
+
 @pytest.mark.parametrize("w", [2, 3, 4])
 def test_a_padded_length_is_never_inferred_from_the_shards(local_worlds: Any, w: int) -> None:
     """``shard`` pads a length its layout does not divide and records it. Once an op drops

@@ -182,10 +182,11 @@ def _ambiguous(op: str, names: list[str], world: int) -> None:
     )
 
 
-#: ``{(W, Ulysses W, padded local length): (S, how)}``: every sequence of length ``S`` this
-#: program's :func:`shard` padded to that local length over ``W`` ranks, and the call.
-#: Forgotten as :data:`_IN_USE` is.
-_PADDED: dict[tuple[int, int | None, int], tuple[int, str]] = {}
+#: ``{(W, Ulysses W, padded local length, S): how}``: every sequence of length ``S`` this
+#: program's :func:`shard` padded to that local length over ``W`` ranks, and the first call
+#: that did (several lengths can pad to one local length: each is kept, so a refusal names
+#: them all, not only the first). Forgotten as :data:`_IN_USE` is.
+_PADDED: dict[tuple[int, int | None, int, int], str] = {}
 per_rank(_PADDED)
 _lifecycle.on_program_start("parallel.context padding", _PADDED.clear)
 
@@ -195,7 +196,7 @@ def note_padding(world: int, uworld: int | None, local: int, seq_len: int, how: 
     positions per rank (only ever makes :func:`require_seq_len_known` raise); under
     ``torch.compile`` too, as :func:`note_layout`."""
     if world > 1:
-        _PADDED.setdefault((world, uworld, local), (seq_len, how))
+        _PADDED.setdefault((world, uworld, local, seq_len), how)
 
 
 def require_seq_len_known(
@@ -217,20 +218,29 @@ def require_seq_len_known(
         return
     if any(placement_of(t) is not None for t in tensors.values()):
         return
-    hit = _PADDED.get((world, uworld, local))
-    if hit is None:
+    hits = {n: how for (w, u, lo, n), how in _PADDED.items() if (w, u, lo) == (world, uworld, local)}
+    if not hits:
         return
-    true, how = hit
     args = ", ".join(f"`{n}`" for n in tensors)
+    how = next(iter(hits.values()))
+    if len(hits) == 1:
+        ((true, _),) = hits.items()
+        padded, advice = f"a sequence of length {true}", f"seq_len={true}"
+    else:  # (naming the first would be a wrong length for the others)
+        lens = ", ".join(str(n) for n in sorted(hits))
+        padded, advice = (
+            f"sequences of lengths {lens}",
+            f"seq_len= this sequence's true length (one of {lens})",
+        )
+        how += ", ..."
     raise A.arg_error(
         op,
         "seq_len",
         f"given: {args} carry no placement (made by an op that drops it: a projection, a "
         f"reshape, detach(), the recomputation of torch.utils.checkpoint(use_reentrant=True)), "
-        f"and this program padded a sequence of length {true} to {local} "
-        f"positions per rank over {world} ranks ({how}), so the length {world * local} "
-        f"inferred from the shards would count its padding as tokens (wrong attention); pass "
-        f"seq_len={true} (or the cu_seqlens given to shard)",
+        f"and this program padded {padded} to {local} positions per rank over {world} ranks "
+        f"({how}), so the length {world * local} inferred from the shards would count its padding as "
+        f"tokens (wrong attention); pass {advice} (or the cu_seqlens given to shard)",
         "None",
     )
 
