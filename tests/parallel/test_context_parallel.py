@@ -826,6 +826,21 @@ def test_key_padding_masks_and_placed_mask_gradients(
     assert max(errs) < 1e-12, errs
 
 
+def _unshard_along_another_dim() -> str:
+    """``(B, S, D)`` sharded along dim 1 (zigzag, S = 10, world 3: 4 local positions) and
+    unsharded with the default ``dim=2``: with ``D = 4`` it gathered the hidden dim as the
+    sequence and returned a ``(2, 4, 10)`` tensor of shuffled values, no error."""
+    x = torch.arange(2 * 10 * 4, dtype=torch.float64).view(2, 10, 4)
+    xl = parallel.shard(x, 1, layout="zigzag")
+    assert torch.equal(parallel.unshard(xl, -2), x)  # the placed dim, named either way
+    return refusals({"dim2": lambda: parallel.unshard(xl)}, "")["dim2"]
+
+
+def test_unshard_along_another_dim_than_shard_is_refused(local_worlds: Callable[..., dc.LocalWorld]) -> None:
+    for msg in local_worlds(3, in_process=True).run(_unshard_along_another_dim):
+        assert "`dim` must be 1, the sequence dim `x` was placed along, got 2" in msg, msg
+
+
 def _placed_grads_and_lengths() -> dict[str, Any]:
     """The gradient of a placed leaf carries its placement after every accumulation (one
     hook however many calls); a padded shard's recorded length reaches unshard of the

@@ -59,6 +59,11 @@ class Placement:
             (``None``: not known, e.g. under torch's ``LocalTensorMode``): a sequence
             placed over one group and used over another group of as many ranks (another
             mesh axis, usp's two groups swapped) is refused, not attended in wrong order.
+        dim: the sequence dim (``shard``'s ``dim``, 2 for the attention ops' outputs;
+            ``None``: not recorded): :func:`unshard` along another dim raises, where it
+            gathered that dim as the sequence (``unshard(shard(x, 1))`` of a ``(B, S, D)``
+            ``x``, its default ``dim=2``, when ``D`` is the local length). Not part of the
+            comparison of two placements.
     """
 
     layout: str
@@ -68,6 +73,7 @@ class Placement:
     ranks: tuple[int, ...] | None = field(default=None, compare=False)
     uranks: tuple[int, ...] | None = field(default=None, compare=False)
     cu: tuple[int, ...] | None = field(default=None, compare=False)
+    dim: int | None = field(default=None, compare=False)
 
     def describe(self, ranks: bool = False) -> str:
         on = f" {list(self.ranks)}" if ranks and self.ranks is not None else ""
@@ -686,7 +692,7 @@ def shard(
     if isinstance(local, int) and bool((table < 0).any()):  # padded: the length is not the shards'
         note_padding(world, uworld, local, x.shape[dim], f"{op} of a length-{x.shape[dim]} dim")
     placement = Placement(
-        layout, world, uworld, seq_len=x.shape[dim], ranks=group_ranks(pg), uranks=uranks, cu=cu
+        layout, world, uworld, seq_len=x.shape[dim], ranks=group_ranks(pg), uranks=uranks, cu=cu, dim=dim
     )
     return placed(out, placement)
 
@@ -751,6 +757,9 @@ def unshard(
     if ulysses_group is not None:
         upg = group_rank_world_or_local(ulysses_group, op)
         uworld, uranks = upg[2], group_ranks(upg[0])
+    p = placement_of(x)
+    if p is not None and p.dim is not None and p.dim != dim:
+        raise A.arg_error(op, "dim", f"{p.dim}, the sequence dim `x` was placed along", dim)
     given = layout
     layout = resolve_layout(op, layout, {"x": x}, world, uworld, ranks=group_ranks(pg), uranks=uranks)
     cu_seqlens = placed_cu_seqlens(op, {"x": x}, cu_seqlens, default=True)

@@ -709,4 +709,4 @@ def ring_attention(
     # under torch.autocast: q, k, v (and a float mask) cast as autocast casts SDPA (its
     # lower-precision list), the fused ring run with autocast off
     out = run_lowered(_RingAttention.apply, (q, k, v, mask), plan)
-    return placed(out, Placement(layout, world, seq_len=total, ranks=ranks, cu=cu))
+    return placed(out, Placement(layout, world, seq_len=total, ranks=ranks, cu=cu, dim=2))

@@ -224,7 +224,7 @@ def ulysses_attention(
     seq = total if true is None else true
     if len(set(lens)) > 1 or layout_guessed(layout, {"q": q, "k": k, "v": v}, world):
         return out
-    return placed(out, Placement("contiguous", world, seq_len=seq, ranks=ranks))
+    return placed(out, Placement("contiguous", world, seq_len=seq, ranks=ranks, dim=2))
 
 
 def _head_plan(Hq: int, Hk: int, world: int) -> tuple[list[int], list[int], list[list[int]]]:
@@ -398,4 +398,6 @@ def usp_attention(
     # "contiguous" unshard takes no documents from a placement, and without a length it
     # inferred each rank's own U * seq_local (Ulysses pieces of unequal sizes: unequal)
     total = seq_len if cu is None else cu[-1]
-    return placed(out, Placement(layout, rworld, uworld, seq_len=total, ranks=ranks, uranks=uranks, cu=cu))
+    return placed(
+        out, Placement(layout, rworld, uworld, seq_len=total, ranks=ranks, uranks=uranks, cu=cu, dim=2)
+    )
