@@ -826,19 +826,32 @@ def test_key_padding_masks_and_placed_mask_gradients(
     assert max(errs) < 1e-12, errs
 
 
-def _unshard_along_another_dim() -> str:
-    """``(B, S, D)`` sharded along dim 1 (zigzag, S = 10, world 3: 4 local positions) and
-    unsharded with the default ``dim=2``: with ``D = 4`` it gathered the hidden dim as the
-    sequence and returned a ``(2, 4, 10)`` tensor of shuffled values, no error."""
+def _placed_along_another_dim() -> dict[str, str]:
+    """The placement's sequence dim. ``(B, S, D)`` sharded along dim 1 (zigzag, S = 10,
+    world 3: 4 local positions) and unsharded with the default ``dim=2``: with ``D = 4``
+    it gathered the hidden dim as the sequence, a ``(2, 4, 10)`` tensor of shuffled values.
+    ``(B, S, H, D)`` (flash-attention's layout) sharded along dim 1 and given to the ring
+    as it is: with ``H = 4`` it ran, the heads taken for the sequence. No error before."""
     x = torch.arange(2 * 10 * 4, dtype=torch.float64).view(2, 10, 4)
     xl = parallel.shard(x, 1, layout="zigzag")
     assert torch.equal(parallel.unshard(xl, -2), x)  # the placed dim, named either way
-    return refusals({"dim2": lambda: parallel.unshard(xl)}, "")["dim2"]
+    q = parallel.shard(torch.randn(1, 10, 4, 8, dtype=torch.float64), 1, layout="zigzag")
+    return refusals(
+        {
+            "unshard": lambda: parallel.unshard(xl),
+            "ring": lambda: parallel.ring_attention(q, q, q, causal=True),
+            "ulysses": lambda: parallel.ulysses_attention(q, q, q),
+        },
+        "| comms={}",
+    )
 
 
-def test_unshard_along_another_dim_than_shard_is_refused(local_worlds: Callable[..., dc.LocalWorld]) -> None:
-    for msg in local_worlds(3, in_process=True).run(_unshard_along_another_dim):
-        assert "`dim` must be 1, the sequence dim `x` was placed along, got 2" in msg, msg
+def test_a_placement_is_used_along_its_own_dim(local_worlds: Callable[..., dc.LocalWorld]) -> None:
+    for res in local_worlds(3, in_process=True).run(_placed_along_another_dim):
+        assert "`dim` must be 1, the sequence dim `x` was placed along, got 2" in res["unshard"], res
+        for op in ("ring", "ulysses"):
+            assert "`q` must be placed along the sequence dim 2" in res[op], res
+        assert all(m.endswith("comms=0") for m in res.values()), res
 
 
 def _placed_grads_and_lengths() -> dict[str, Any]:

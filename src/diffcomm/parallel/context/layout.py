@@ -333,6 +333,24 @@ def placement_of(x: Any) -> Placement | None:
     return p if isinstance(p, Placement) else None
 
 
+def require_seq_dim(op: str, tensors: dict[str, Any]) -> None:
+    """Raise when a tensor was placed along another dim than the attention ops' sequence
+    dim 2 (``(batch, heads, seq_local, head_dim)``): ``(B, S, H, D)`` shards taken along
+    dim 1 and passed as they are were attended with the heads as the sequence (and run,
+    when ``H`` is the local length). ``ValueError`` naming the tensor, before any
+    communication."""
+    for name, t in tensors.items():
+        p = placement_of(t)
+        if p is not None and p.dim is not None and p.dim != 2:
+            raise A.arg_error(
+                op,
+                name,
+                "placed along the sequence dim 2 ((batch, heads, seq_local, head_dim), as "
+                "scaled_dot_product_attention; transpose (B, S, H, D) tensors first)",
+                f"a tensor placed along dim {p.dim} (parallel.shard(..., dim={p.dim}))",
+            )
+
+
 def resolve_layout(
     op: str,
     layout: Any,

@@ -44,6 +44,7 @@ from .layout import (
     placement_of,
     rank_positions,
     require_layout_known,
+    require_seq_dim,
     require_seq_len_known,
     resolve_layout,
     resolve_seq,
@@ -645,6 +646,7 @@ def ring_attention(
     pg, rank, world = group_rank_world_or_local(group, op)  # (rank None: see _LocalPlan)
     ranks = group_ranks(pg)
     given = layout
+    require_seq_dim(op, {"q": q, "k": k, "v": v})
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, world, ranks=ranks)
     mp = placement_of(attn_mask)  # the mask's rows, when parallel.shard took them
     if mp is not None and ((mp.layout, mp.world) != (layout, world) or mp.other_ranks(ranks, None)):

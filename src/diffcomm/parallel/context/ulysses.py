@@ -31,6 +31,7 @@ from .layout import (
     placed_cu_seqlens,
     placed_seq_len,
     require_layout_known,
+    require_seq_dim,
     require_seq_len_known,
     resolve_layout,
     ring_local_len,
@@ -184,6 +185,7 @@ def ulysses_attention(
         )
     # pieces in rank order: the contiguous layout; a tensor placed otherwise is refused
     ranks = group_ranks(pg)
+    require_seq_dim(op, {"q": q, "k": k, "v": v})
     resolve_layout(op, DEFAULT_LAYOUT, {"q": q, "k": k, "v": v}, world, takes_layout=False, ranks=ranks)
     if causal:  # (without a mask the order of the pieces does not change the result)
         require_layout_known(op, layout, {"q": q, "k": k, "v": v}, world)
@@ -368,6 +370,7 @@ def usp_attention(
     rpg, _, rworld = group_rank_world_or_local(ring_group, op)
     given = layout
     ranks, uranks = group_ranks(rpg), group_ranks(upg)
+    require_seq_dim(op, {"q": q, "k": k, "v": v})
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, rworld, uworld, ranks=ranks, uranks=uranks)
     seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
     cu_seqlens = placed_cu_seqlens(op, {"q": q, "k": k, "v": v}, cu_seqlens, default=False)
