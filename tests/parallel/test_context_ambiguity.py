@@ -349,6 +349,85 @@ def test_ulysses_refuses_a_guessed_or_zigzag_order(local_worlds: Any, w: int) ->
                 assert value <= TOL, f"rank {rank} {case}: silently wrong by {value}"
 
 
+def _ulysses_unplaced_zigzag_noncausal(w: int) -> dict[str, tuple[str, Any, int]]:
+    """Non-causal Ulysses on zigzag pieces that lost their placement (projected). Its rows
+    are right in any order, but (1) it placed its output as ``"contiguous"``, so
+    ``unshard(out)`` reassembled zigzag rows in contiguous order (0.78 off SDPA at world
+    3, S = 12; 1.37 at world 2, S = 8), and (2) with a padded length and the ``seq_len=``
+    the refusal asks for, it took the last slots in rank order for the padding where
+    zigzag's padding is elsewhere (rows 0.21 off at world 3, S = 10; 0.48 at world 2)."""
+    res: dict[str, tuple[str, Any, int]] = {}
+    for s in (4 * w, 4 * w - 2):
+        _lifecycle.program_start()
+        res.update(_ulysses_on_dropped_zigzag(s))
+    return res
+
+
+def _ulysses_on_dropped_zigzag(s: int) -> dict[str, tuple[str, Any, int]]:
+    q, k, v, _ = _inputs(s)
+    ref = F.scaled_dot_product_attention(q, k, v)
+    ql, kl, vl = (parallel.shard(t, layout="zigzag") * 1.0 for t in (q, k, v))
+    out: list[torch.Tensor] = []
+
+    def attend() -> float:
+        out.append(parallel.ulysses_attention(ql, kl, vl, seq_len=s))
+        return float((out[0] - parallel.shard(ref, layout="zigzag")).abs().max())
+
+    res = {f"attend {s}": _attempt(attend)}
+    if out:
+        res[f"unshard {s}"] = _attempt(lambda: float((parallel.unshard(out[0]) - ref).abs().max()))
+        res[f"unshard zigzag {s}"] = _attempt(
+            lambda: float((parallel.unshard(out[0], layout="zigzag") - ref).abs().max())
+        )
+    return res
+
+
+@pytest.mark.parametrize("w", [2, 3])
+def test_ulysses_on_unplaced_zigzag_pieces_places_nothing_and_refuses_padding(
+    local_worlds: Any, w: int
+) -> None:
+    for rank, res in enumerate(local_worlds(w, in_process=True).run(_ulysses_unplaced_zigzag_noncausal, w)):
+        s, p = 4 * w, 4 * w - 2
+        assert res[f"attend {s}"][0] == "ok" and res[f"attend {s}"][1] <= TOL, (rank, res)
+        kind, msg, comms = res[f"unshard {s}"]
+        assert kind == "err" and NAMED in msg and comms == 0, (rank, res)
+        assert res[f"unshard zigzag {s}"][0] == "ok" and res[f"unshard zigzag {s}"][1] <= TOL, (rank, res)
+        kind, msg, _ = res[f"attend {p}"]
+        assert kind == "err" and NAMED in msg, (rank, res)
+
+
+def _compiled_zigzag_then_unnamed(first: str) -> dict[str, tuple[str, Any, int]]:
+    """A model that shards zigzag and attends without ``layout=``, compiled. Under
+    ``torch.compile`` nothing is placed and ``shard`` recorded no layout either, so the
+    ring ran the zigzag shards as contiguous (4.10 and 6.43 off SDPA's rows at world 2,
+    S = 12) where the same model run eagerly first was refused."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 12, 8, dtype=F64, generator=g)
+    wq = torch.randn(8, 8, dtype=F64, generator=g)
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        q = (parallel.shard(x, 1, layout="zigzag") @ wq).view(1, -1, 2, 4).transpose(1, 2)
+        return parallel.ring_attention(q, q, q, causal=True)
+
+    q = (x @ wq).view(1, 12, 2, 4).transpose(1, 2)
+    want = parallel.shard(F.scaled_dot_product_attention(q, q, q, is_causal=True), layout="zigzag")
+    _lifecycle.program_start()
+    runs = {"compiled": torch.compile(model, backend="eager"), "eager": model}
+    return {
+        name: _attempt(lambda fn=runs[name]: float((fn(x) - want).abs().max()))
+        for name in (first, "eager" if first == "compiled" else "compiled")
+    }
+
+
+@pytest.mark.parametrize("first", ["compiled", "eager"])
+def test_a_compiled_zigzag_shard_is_recorded(local_worlds: Any, first: str) -> None:
+    with dc.debug(False):  # (its argument check communicates first)
+        out = local_worlds(2, in_process=True).run(_compiled_zigzag_then_unnamed, first)
+    for res in out:
+        for name, (kind, msg, comms) in res.items():
+            assert kind == "err" and NAMED in msg and comms == 0, (name, res)
+
+
 # ======================================================================================
 # a padded sequence: the length is the placement's, or given, never the shards' guess
 # ======================================================================================
@@ -414,6 +493,28 @@ def _padded_grid(w: int) -> dict[str, tuple[str, Any, int]]:
         case = functools.partial(_padded_case, op, causal, kw, lay, ts, cot, ref.detach(), gref, idx)
         res[f"{op} {layout} causal={causal} {how}"] = _attempt(case)
     return res
+
+
+def _two_lengths_one_local() -> list[str]:
+    """S = 10 then S = 11, both zigzag-padded to 4 positions per rank at world 3, each
+    projected (unplaced) and attended with no ``seq_len``. The refusal remembered the
+    first length only and said "pass seq_len=10" for the length-11 batch: followed, the
+    ring reads the S = 11 shards with the S = 10 table (token 10 taken for padding)."""
+    msgs = []
+    for s in (10, 11):
+        q = torch.randn(1, 2, s, 4, dtype=F64, generator=torch.Generator().manual_seed(s))
+        ql = parallel.shard(q, layout="zigzag") * 1.0
+        try:
+            parallel.ring_attention(ql, ql, ql, causal=True, layout="zigzag")
+        except ValueError as exc:
+            msgs.append(str(exc))
+    return msgs
+
+
+def test_a_refusal_names_every_padded_length(local_worlds: Any) -> None:
+    for first, second in local_worlds(3, in_process=True).run(_two_lengths_one_local):
+        assert SEQ_LEN in first and "pass seq_len=10 " in first, first
+        assert SEQ_LEN in second and "lengths 10, 11" in second and "seq_len=10 " not in second, second
 
 
 @pytest.mark.parametrize("w", [2, 3, 4])

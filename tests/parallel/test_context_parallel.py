@@ -751,6 +751,109 @@ def test_ulysses_refuses_the_whole_sequence_under_the_check_as_the_ring_does(wor
         assert "UlyssesAttention" in res["ulysses"] and "not the whole sequence" in res["ulysses"], res
 
 
+def _usp_contiguous_documents_unshard() -> float:
+    """USP under ``"contiguous"`` with packed documents on a 2x2 mesh, S = 10: the ring
+    ranks hold 5 positions each, the Ulysses pieces 3 and 2. The output's placement
+    recorded the documents but no length, and ``unshard`` takes documents from a zigzag
+    placement only, so each rank inferred its own ``U * seq_local`` (6 or 4): the
+    all_gathers disagreed (gloo aborted a rank; in-process a shape error)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    ug, rg = (mesh, "ulysses"), (mesh, "ring")
+    s, cu = 10, [0, 3, 10]
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, s, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    kw = {"layout": "contiguous", "cu_seqlens": cu, "ulysses_group": ug}
+    ql, kl, vl = (cp.shard(t, 2, rg, **kw) for t in (q, k, v))
+    out = cp.usp_attention(ql, kl, vl, ug, rg, causal=True, cu_seqlens=cu)
+    ref = cp.attention_reference(q, k, v, causal=True, cu_seqlens=cu)
+    return float((cp.unshard(out, 2, rg, ulysses_group=ug) - ref).abs().max())
+
+
+def test_usp_output_with_contiguous_documents_unshards(local_worlds: Callable[..., dc.LocalWorld]) -> None:
+    errs = local_worlds(4, in_process=True).run(_usp_contiguous_documents_unshard)
+    assert max(errs) < 1e-12, errs
+
+
+def _masks_against_serial(kind: str) -> float:
+    """World 3, zigzag, S = 10 (padded), causal, GQA 4:2; float64 against dense attention.
+    ``"kpm"``: a key-padding mask ``(batch, 1, 1, S)``, bool and additive (its gradient
+    summed over the ranks), the same tensor on every rank: refused before ("seq_local=4"
+    wanted for the row dim) though documented as broadcastable. ``"placed"``: an additive
+    ``(batch, heads, S, S)`` mask leaf sharded by rows: ``unshard(mask.grad)`` raised
+    (``seq_len`` / ``layout`` must be given) where ``unshard(q.grad)`` used q's placement."""
+    s, b, h, kv = 10, 2, 4, 2
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(b, h, s, 4, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(b, kv, s, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    w = torch.randn(b, h, s, 4, dtype=torch.float64, generator=g)
+    keep = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    keep[0, ..., -3:] = False
+    keep[1, ..., :2] = False
+    if kind == "kpm":
+        masks = [keep, torch.randn(b, 1, 1, s, dtype=torch.float64, generator=g)]
+    else:
+        masks = [torch.randn(b, h, s, s, dtype=torch.float64, generator=g)]
+    worst = 0.0
+    for m in masks:
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        mf = m.clone().requires_grad_(m.is_floating_point())
+        allowed = torch.ones(s, s, dtype=torch.bool).tril() & (mf if m.dtype == torch.bool else True)
+        sc = qf @ kf.repeat_interleave(2, 1).transpose(-1, -2) / 2.0
+        sc = sc + mf if m.is_floating_point() else sc
+        ref = torch.softmax(sc.masked_fill(~allowed, float("-inf")), -1) @ vf.repeat_interleave(2, 1)
+        (ref * w).sum().backward()
+        ql, kl, vl = (parallel.shard(t, layout="zigzag").requires_grad_() for t in (q, k, v))
+        ml = m.clone() if kind == "kpm" else parallel.shard(m, layout="zigzag")
+        ml.requires_grad_(m.is_floating_point())
+        out = parallel.ring_attention(ql, kl, vl, causal=True, attn_mask=ml)
+        (out * parallel.shard(w, layout="zigzag")).sum().backward()
+        got = [parallel.unshard(t) for t in (out, ql.grad, kl.grad, vl.grad)]
+        errs = [(a - r).abs().max() for a, r in zip(got, (ref, qf.grad, kf.grad, vf.grad), strict=True)]
+        if m.is_floating_point():
+            dm = dc.all_reduce(ml.grad) if kind == "kpm" else parallel.unshard(ml.grad)
+            errs.append((dm - mf.grad).abs().max())
+        worst = max(worst, float(max(errs)))
+    return worst
+
+
+@pytest.mark.parametrize("kind", ["kpm", "placed"])
+def test_key_padding_masks_and_placed_mask_gradients(
+    local_worlds: Callable[..., dc.LocalWorld], kind: str
+) -> None:
+    errs = local_worlds(3, in_process=True).run(_masks_against_serial, kind)
+    assert max(errs) < 1e-12, errs
+
+
+def _placed_along_another_dim() -> dict[str, str]:
+    """The placement's sequence dim. ``(B, S, D)`` sharded along dim 1 (zigzag, S = 10,
+    world 3: 4 local positions) and unsharded with the default ``dim=2``: with ``D = 4``
+    it gathered the hidden dim as the sequence, a ``(2, 4, 10)`` tensor of shuffled values.
+    ``(B, S, H, D)`` (flash-attention's layout) sharded along dim 1 and given to the ring
+    as it is: with ``H = 4`` it ran, the heads taken for the sequence. No error before."""
+    x = torch.arange(2 * 10 * 4, dtype=torch.float64).view(2, 10, 4)
+    xl = parallel.shard(x, 1, layout="zigzag")
+    assert torch.equal(parallel.unshard(xl, -2), x)  # the placed dim, named either way
+    q = parallel.shard(torch.randn(1, 10, 4, 8, dtype=torch.float64), 1, layout="zigzag")
+    return refusals(
+        {
+            "unshard": lambda: parallel.unshard(xl),
+            "ring": lambda: parallel.ring_attention(q, q, q, causal=True),
+            "ulysses": lambda: parallel.ulysses_attention(q, q, q),
+        },
+        "| comms={}",
+    )
+
+
+def test_a_placement_is_used_along_its_own_dim(local_worlds: Callable[..., dc.LocalWorld]) -> None:
+    for res in local_worlds(3, in_process=True).run(_placed_along_another_dim):
+        assert "`dim` must be 1, the sequence dim `x` was placed along, got 2" in res["unshard"], res
+        for op in ("ring", "ulysses"):
+            assert "`q` must be placed along the sequence dim 2" in res[op], res
+        assert all(m.endswith("comms=0") for m in res.values()), res
+
+
 def _placed_grads_and_lengths() -> dict[str, Any]:
     """The gradient of a placed leaf carries its placement after every accumulation (one
     hook however many calls); a padded shard's recorded length reaches unshard of the

@@ -255,10 +255,16 @@ def _ulysses_gqa(heads: int, kv_heads: int) -> Callable[[], tuple]:
 
 
 def _ring(
-    rows: int, heads: int = 4, kv_heads: int = 4, mask: str | None = None, **kw: Any
+    rows: int,
+    heads: int = 4,
+    kv_heads: int = 4,
+    mask: str | None = None,
+    key_padding: bool = False,
+    **kw: Any,
 ) -> Callable[[], tuple]:
     """``ring_attention`` on this rank's ``rows`` of q, k, v (``mask``: an additive float
-    or a bool ``attn_mask`` of this rank's rows, all global columns) with ``kw``."""
+    or a bool ``attn_mask`` of this rank's rows, all global columns; ``key_padding``: one
+    row ``(batch, 1, 1, S)`` for all) with ``kw``."""
 
     def program() -> tuple:
         q = per_rank(6, 2, heads, rows, 4)
@@ -268,7 +274,7 @@ def _ring(
             total = kw.get("seq_len") or (
                 kw["cu_seqlens"][-1] if "cu_seqlens" in kw else rows * dc.get_world_size()
             )
-            m = per_rank(5, 1, heads, rows, total)
+            m = per_rank(5, 2, 1, 1, total) if key_padding else per_rank(5, 1, heads, rows, total)
             if mask == "bool":
                 call["attn_mask"] = m.detach() > -1.0  # about 1 in 6 pairs masked
             else:
@@ -492,6 +498,10 @@ EQUAL: dict[str, tuple[Callable[[], Any], int]] = {
     ),
     "ring_attention[attn_mask]": (_ring(3, causal=True, mask="float"), 3),
     "ring_attention[attn_mask bool, zigzag]": (_ring(4, mask="bool", layout="zigzag"), 2),
+    "ring_attention[key-padding mask, zigzag]": (
+        _ring(4, 4, 2, mask="float", key_padding=True, causal=True, layout="zigzag"),
+        3,
+    ),
     "ring_attention[dropout, zigzag]": (
         _ring(4, causal=True, layout="zigzag", dropout_p=0.3, dropout_seed=5),
         3,

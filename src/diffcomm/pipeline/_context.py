@@ -33,7 +33,7 @@ def records() -> Tensor:
     rows = [[_LAYOUT, world, L.LAYOUTS.index(lay), 0, 0] for world, lay in L._IN_USE]
     rows += [
         [_PADDING, world, -1 if uworld is None else uworld, local, seq_len]
-        for (world, uworld, local), (seq_len, _) in L._PADDED.items()
+        for world, uworld, local, seq_len in L._PADDED
     ]
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, 5)
 

@@ -2,7 +2,7 @@
 move tensors in and out of them (:func:`shard`, :func:`unshard`). See
 :mod:`diffcomm.parallel.context`."""
 
-# Size: ~615 lines, over the ~600 guideline: the layouts' index tables, the placement
+# Size: ~815 lines, over the ~600 guideline: the layouts' index tables, the placement
 # record that travels with a sharded tensor, and shard/unshard, which read both.
 
 from __future__ import annotations
@@ -59,6 +59,11 @@ class Placement:
             (``None``: not known, e.g. under torch's ``LocalTensorMode``): a sequence
             placed over one group and used over another group of as many ranks (another
             mesh axis, usp's two groups swapped) is refused, not attended in wrong order.
+        dim: the sequence dim (``shard``'s ``dim``, 2 for the attention ops' outputs;
+            ``None``: not recorded): :func:`unshard` along another dim raises, where it
+            gathered that dim as the sequence (``unshard(shard(x, 1))`` of a ``(B, S, D)``
+            ``x``, its default ``dim=2``, when ``D`` is the local length). Not part of the
+            comparison of two placements.
     """
 
     layout: str
@@ -68,6 +73,7 @@ class Placement:
     ranks: tuple[int, ...] | None = field(default=None, compare=False)
     uranks: tuple[int, ...] | None = field(default=None, compare=False)
     cu: tuple[int, ...] | None = field(default=None, compare=False)
+    dim: int | None = field(default=None, compare=False)
 
     def describe(self, ranks: bool = False) -> str:
         on = f" {list(self.ranks)}" if ranks and self.ranks is not None else ""
@@ -117,7 +123,7 @@ def placed(x: Tensor, placement: Placement) -> Tensor:
 _GRAD_TAGGED = "_diffcomm_placement_grad_hook"
 
 
-def _tag_grad_of(x: Tensor) -> None:
+def tag_grad_of(x: Tensor) -> None:
     """Once per leaf ``x`` that requires grad: after each accumulation into ``x.grad``,
     attach ``placement`` to the gradient (it is placed like ``x``), so ``unshard(x.grad)``
     uses ``x``'s layout instead of the default."""
@@ -153,8 +159,9 @@ _lifecycle.on_program_start("parallel.context layouts", _IN_USE.clear)
 def note_layout(layout: str, world: int, how: str) -> None:
     """Remember that this program used ``layout`` over ``world`` ranks (by ``how``: the
     call). Only ever makes :func:`require_layout_known` raise for unplaced tensors given
-    no ``layout``, never changes a value."""
-    if layout != DEFAULT_LAYOUT and world > 1 and not compiling():
+    no ``layout``, never changes a value. Also under ``torch.compile``, where nothing is
+    placed and the record is the only guard (dynamo replays the write on every call)."""
+    if layout != DEFAULT_LAYOUT and world > 1:
         _IN_USE.setdefault((world, layout), how)
 
 
@@ -181,19 +188,21 @@ def _ambiguous(op: str, names: list[str], world: int) -> None:
     )
 
 
-#: ``{(W, Ulysses W, padded local length): (S, how)}``: every sequence of length ``S`` this
-#: program's :func:`shard` padded to that local length over ``W`` ranks, and the call.
-#: Forgotten as :data:`_IN_USE` is.
-_PADDED: dict[tuple[int, int | None, int], tuple[int, str]] = {}
+#: ``{(W, Ulysses W, padded local length, S): how}``: every sequence of length ``S`` this
+#: program's :func:`shard` padded to that local length over ``W`` ranks, and the first call
+#: that did (several lengths can pad to one local length: each is kept, so a refusal names
+#: them all, not only the first). Forgotten as :data:`_IN_USE` is.
+_PADDED: dict[tuple[int, int | None, int, int], str] = {}
 per_rank(_PADDED)
 _lifecycle.on_program_start("parallel.context padding", _PADDED.clear)
 
 
 def note_padding(world: int, uworld: int | None, local: int, seq_len: int, how: str) -> None:
     """Remember that this program's ``shard`` padded a sequence of ``seq_len`` to ``local``
-    positions per rank (only ever makes :func:`require_seq_len_known` raise)."""
-    if world > 1 and not compiling():
-        _PADDED.setdefault((world, uworld, local), (seq_len, how))
+    positions per rank (only ever makes :func:`require_seq_len_known` raise); under
+    ``torch.compile`` too, as :func:`note_layout`."""
+    if world > 1:
+        _PADDED.setdefault((world, uworld, local, seq_len), how)
 
 
 def require_seq_len_known(
@@ -215,20 +224,29 @@ def require_seq_len_known(
         return
     if any(placement_of(t) is not None for t in tensors.values()):
         return
-    hit = _PADDED.get((world, uworld, local))
-    if hit is None:
+    hits = {n: how for (w, u, lo, n), how in _PADDED.items() if (w, u, lo) == (world, uworld, local)}
+    if not hits:
         return
-    true, how = hit
     args = ", ".join(f"`{n}`" for n in tensors)
+    how = next(iter(hits.values()))
+    if len(hits) == 1:
+        ((true, _),) = hits.items()
+        padded, advice = f"a sequence of length {true}", f"seq_len={true}"
+    else:  # (naming the first would be a wrong length for the others)
+        lens = ", ".join(str(n) for n in sorted(hits))
+        padded, advice = (
+            f"sequences of lengths {lens}",
+            f"seq_len= this sequence's true length (one of {lens})",
+        )
+        how += ", ..."
     raise A.arg_error(
         op,
         "seq_len",
         f"given: {args} carry no placement (made by an op that drops it: a projection, a "
         f"reshape, detach(), the recomputation of torch.utils.checkpoint(use_reentrant=True)), "
-        f"and this program padded a sequence of length {true} to {local} "
-        f"positions per rank over {world} ranks ({how}), so the length {world * local} "
-        f"inferred from the shards would count its padding as tokens (wrong attention); pass "
-        f"seq_len={true} (or the cu_seqlens given to shard)",
+        f"and this program padded {padded} to {local} positions per rank over {world} ranks "
+        f"({how}), so the length {world * local} inferred from the shards would count its padding as "
+        f"tokens (wrong attention); pass {advice} (or the cu_seqlens given to shard)",
         "None",
     )
 
@@ -315,6 +333,24 @@ def placement_of(x: Any) -> Placement | None:
     return p if isinstance(p, Placement) else None
 
 
+def require_seq_dim(op: str, tensors: dict[str, Any]) -> None:
+    """Raise when a tensor was placed along another dim than the attention ops' sequence
+    dim 2 (``(batch, heads, seq_local, head_dim)``): ``(B, S, H, D)`` shards taken along
+    dim 1 and passed as they are were attended with the heads as the sequence (and run,
+    when ``H`` is the local length). ``ValueError`` naming the tensor, before any
+    communication."""
+    for name, t in tensors.items():
+        p = placement_of(t)
+        if p is not None and p.dim is not None and p.dim != 2:
+            raise A.arg_error(
+                op,
+                name,
+                "placed along the sequence dim 2 ((batch, heads, seq_local, head_dim), as "
+                "scaled_dot_product_attention; transpose (B, S, H, D) tensors first)",
+                f"a tensor placed along dim {p.dim} (parallel.shard(..., dim={p.dim}))",
+            )
+
+
 def resolve_layout(
     op: str,
     layout: Any,
@@ -344,7 +380,7 @@ def resolve_layout(
         p = placement_of(t)
         if p is None:
             continue
-        _tag_grad_of(t)
+        tag_grad_of(t)
         if first is not None and (p != first[1] or first[1].other_ranks(p.ranks, p.uranks)):
             show = p == first[1]  # (only the ranks differ: name them)
             raise A.arg_error(
@@ -404,9 +440,16 @@ def require_layout_known(op: str, layout: Any, tensors: dict[str, Any], world: i
     that only ever raises (a false alarm asks to name the layout; it never changes a
     value). Called by every op that reads a layout after its other argument checks,
     before its first communication."""
+    if layout_guessed(layout, tensors, world):
+        _ambiguous(op, [n for n, t in tensors.items() if isinstance(t, Tensor)], world)
+
+
+def layout_guessed(layout: Any, tensors: dict[str, Any], world: int) -> bool:
+    """Whether the default layout would be a guess (:func:`require_layout_known`'s test,
+    for an op that must not attach a guessed placement to its output)."""
     if layout is not None or world <= 1 or any(placement_of(t) is not None for t in tensors.values()):
-        return
-    _ambiguous(op, [n for n, t in tensors.items() if isinstance(t, Tensor)], world)
+        return False
+    return any(w == world for w, _ in _IN_USE)
 
 
 # ======================================================================================
@@ -667,7 +710,7 @@ def shard(
     if isinstance(local, int) and bool((table < 0).any()):  # padded: the length is not the shards'
         note_padding(world, uworld, local, x.shape[dim], f"{op} of a length-{x.shape[dim]} dim")
     placement = Placement(
-        layout, world, uworld, seq_len=x.shape[dim], ranks=group_ranks(pg), uranks=uranks, cu=cu
+        layout, world, uworld, seq_len=x.shape[dim], ranks=group_ranks(pg), uranks=uranks, cu=cu, dim=dim
     )
     return placed(out, placement)
 
@@ -732,6 +775,9 @@ def unshard(
     if ulysses_group is not None:
         upg = group_rank_world_or_local(ulysses_group, op)
         uworld, uranks = upg[2], group_ranks(upg[0])
+    p = placement_of(x)
+    if p is not None and p.dim is not None and p.dim != dim:
+        raise A.arg_error(op, "dim", f"{p.dim}, the sequence dim `x` was placed along", dim)
     given = layout
     layout = resolve_layout(op, layout, {"x": x}, world, uworld, ranks=group_ranks(pg), uranks=uranks)
     cu_seqlens = placed_cu_seqlens(op, {"x": x}, cu_seqlens, default=True)

@@ -44,9 +44,11 @@ from .layout import (
     placement_of,
     rank_positions,
     require_layout_known,
+    require_seq_dim,
     require_seq_len_known,
     resolve_layout,
     resolve_seq,
+    tag_grad_of,
 )
 from .plan import BlockPlan, put_add, take
 from .reference import dropout_keep_mask
@@ -511,18 +513,21 @@ def _check_mask(mask: Any, q: Tensor, total: int, op: str) -> Tensor | None:
         len(shape) == 4
         and shape[0] in (1, Bq)
         and shape[1] in (1, Hq)
-        and shape[2] == Sl
+        and shape[2] in (1, Sl)
         and shape[3] == total
     )
     if not ok:
         raise A.arg_error(
             op,
             "attn_mask",
-            f"broadcastable as (batch|1, heads|1, seq_local={Sl}, seq_len={total}): this rank's query "
-            "rows, columns in global sequence order",
+            f"broadcastable as (batch|1, heads|1, seq_local={Sl}|1, seq_len={total}): this rank's "
+            "query rows (or one row for all, a key-padding mask), columns in global sequence order",
             f"shape {tuple(mask.shape)}",
         )
-    return mask.reshape(shape)
+    # one row for all (a key-padding mask, the same on every rank in any layout): each
+    # query row reads it (an expanded view, no copy; an additive mask's rows' gradients
+    # are summed back by the expand's backward)
+    return mask.reshape(shape).expand(shape[0], shape[1], Sl, total)
 
 
 #: why ring attention runs eagerly under ``torch.compile`` (a graph break; what
@@ -578,8 +583,10 @@ def ring_attention(
         causal: a key attends a query only when its global position is not after the
             query's (within the same document with ``cu_seqlens``).
         attn_mask: optional, this rank's rows of the mask: broadcastable to
-            ``(batch, heads, seq_local, S)`` with columns in global order; bool (``True``
-            = attend) or additive float (receives its gradient). Combined with ``causal``.
+            ``(batch, heads, seq_local, S)`` with columns in global order (a row dim of 1,
+            a key-padding mask ``(batch, 1, 1, S)``, is every row's, the same tensor on
+            every rank); bool (``True`` = attend) or additive float (receives its
+            gradient). Combined with ``causal``.
             Rows taken with :func:`shard` carry their placement: one other than q's
             layout raises ``ValueError``.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
@@ -639,6 +646,7 @@ def ring_attention(
     pg, rank, world = group_rank_world_or_local(group, op)  # (rank None: see _LocalPlan)
     ranks = group_ranks(pg)
     given = layout
+    require_seq_dim(op, {"q": q, "k": k, "v": v})
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, world, ranks=ranks)
     mp = placement_of(attn_mask)  # the mask's rows, when parallel.shard took them
     if mp is not None and ((mp.layout, mp.world) != (layout, world) or mp.other_ranks(ranks, None)):
@@ -649,6 +657,8 @@ def ring_attention(
             f"parallel.shard(mask, dim=-2, layout={layout!r})",
             f"rows placed with {mp.describe()}",
         )
+    if mp is not None and attn_mask is not None:  # a placed mask leaf's gradient: placed as its rows
+        tag_grad_of(attn_mask)
     seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
     cu_seqlens = placed_cu_seqlens(op, {"q": q, "k": k, "v": v}, cu_seqlens, default=False)
     require_seq_len_known(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens, world, None, q.shape[2])
@@ -701,4 +711,4 @@ def ring_attention(
     # under torch.autocast: q, k, v (and a float mask) cast as autocast casts SDPA (its
     # lower-precision list), the fused ring run with autocast off
     out = run_lowered(_RingAttention.apply, (q, k, v, mask), plan)
-    return placed(out, Placement(layout, world, seq_len=total, ranks=ranks, cu=cu))
+    return placed(out, Placement(layout, world, seq_len=total, ranks=ranks, cu=cu, dim=2))

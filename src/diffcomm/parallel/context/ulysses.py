@@ -26,10 +26,12 @@ from .layout import (
     even_sizes,
     group_rank_world_or_local,
     group_ranks,
+    layout_guessed,
     placed,
     placed_cu_seqlens,
     placed_seq_len,
     require_layout_known,
+    require_seq_dim,
     require_seq_len_known,
     resolve_layout,
     ring_local_len,
@@ -183,6 +185,7 @@ def ulysses_attention(
         )
     # pieces in rank order: the contiguous layout; a tensor placed otherwise is refused
     ranks = group_ranks(pg)
+    require_seq_dim(op, {"q": q, "k": k, "v": v})
     resolve_layout(op, DEFAULT_LAYOUT, {"q": q, "k": k, "v": v}, world, takes_layout=False, ranks=ranks)
     if causal:  # (without a mask the order of the pieces does not change the result)
         require_layout_known(op, layout, {"q": q, "k": k, "v": v}, world)
@@ -205,6 +208,8 @@ def ulysses_attention(
         raise A.arg_error(op, "seq_len", f"a length in [0, {total}] (the pieces' total)", true)
     fn = attn_fn if attn_fn is not None else _sdpa
     pad = 0 if true is None else total - true
+    if pad and not causal:  # the padding is the last slots in rank order: the order matters
+        require_layout_known(op, layout, {"q": q, "k": k, "v": v}, world)
 
     def local(qh: Tensor, kh: Tensor, vh: Tensor) -> Tensor:
         if not pad:
@@ -215,11 +220,13 @@ def ulysses_attention(
         return torch.nn.functional.pad(out, (0, 0, 0, pad))
 
     out = _ulysses(*_pieces(q, k, v, pg), pg, rank, world, lens, local)
-    # equal pieces are the contiguous layout (unshard takes them without `layout`)
+    # equal pieces are the contiguous layout (unshard takes them without `layout`), unless
+    # that is a guess: a non-causal call ran on unplaced pieces of a program that used
+    # another layout (their rows are right in any order, their order is unknown)
     seq = total if true is None else true
-    if len(set(lens)) > 1:
+    if len(set(lens)) > 1 or layout_guessed(layout, {"q": q, "k": k, "v": v}, world):
         return out
-    return placed(out, Placement("contiguous", world, seq_len=seq, ranks=ranks))
+    return placed(out, Placement("contiguous", world, seq_len=seq, ranks=ranks, dim=2))
 
 
 def _head_plan(Hq: int, Hk: int, world: int) -> tuple[list[int], list[int], list[list[int]]]:
@@ -363,6 +370,7 @@ def usp_attention(
     rpg, _, rworld = group_rank_world_or_local(ring_group, op)
     given = layout
     ranks, uranks = group_ranks(rpg), group_ranks(upg)
+    require_seq_dim(op, {"q": q, "k": k, "v": v})
     layout = resolve_layout(op, layout, {"q": q, "k": k, "v": v}, rworld, uworld, ranks=ranks, uranks=uranks)
     seq_len = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, cu_seqlens)
     cu_seqlens = placed_cu_seqlens(op, {"q": q, "k": k, "v": v}, cu_seqlens, default=False)
@@ -389,4 +397,10 @@ def usp_attention(
 
     out = _ulysses(*_pieces(q, k, v, upg), upg, urank, uworld, lens, local)
     cu = check_cu_seqlens(cu_seqlens, op)
-    return placed(out, Placement(layout, rworld, uworld, seq_len=seq_len, ranks=ranks, uranks=uranks, cu=cu))
+    # the true length is recorded with the documents too (as the ring records it): under
+    # "contiguous" unshard takes no documents from a placement, and without a length it
+    # inferred each rank's own U * seq_local (Ulysses pieces of unequal sizes: unequal)
+    total = seq_len if cu is None else cu[-1]
+    return placed(
+        out, Placement(layout, rworld, uworld, seq_len=total, ranks=ranks, uranks=uranks, cu=cu, dim=2)
+    )
