@@ -213,6 +213,35 @@ def test_arguments_that_differ_between_ranks_are_an_error_not_a_slice(inproc_wor
         )
 
 
+def _dtypes_differ(case: str) -> str:
+    r = dist.get_rank()
+    dtype = torch.float64 if r == 1 else torch.float32  # one element size each, one count
+    x = torch.ones(4, dtype=dtype) * (r + 1)
+    try:
+        if case == "all_reduce":
+            got = dc.all_reduce(x)
+        elif case == "broadcast":
+            got = dc.broadcast(x, src=1)
+        else:
+            got = dc.reduce_scatter(x)
+    except RuntimeError as exc:
+        return str(exc)
+    return f"no error: {got.tolist()}"
+
+
+@pytest.mark.parametrize("case", ["all_reduce", "broadcast", "reduce_scatter"])
+@pytest.mark.usefixtures("debug_off")
+def test_dtypes_that_differ_between_ranks_are_an_error_not_a_conversion(inproc_world2, case: str) -> None:
+    """float32 ones on rank 0, float64 twos on rank 1: gloo processes abort a rank (it
+    receives 8-byte elements where it expects 4), where the in-process backend converted:
+    all_reduce gave [3.0] * 4 on both ranks, broadcast rank 0 float32 twos, with no error.
+    Now it names the op and each rank's dtype."""
+    msgs = inproc_world2.run(_dtypes_differ, case)
+    ranks = [0] if case == "broadcast" else [0, 1]  # (broadcast: the receiver)
+    for r in ranks:
+        assert f"in-process backend: {case}:" in msgs[r] and "different dtypes" in msgs[r], msgs
+
+
 def test_each_rank_has_its_own_rng_stream_and_settings(inproc_world2) -> None:
     def body() -> tuple:
         torch.manual_seed(dist.get_rank())

@@ -537,8 +537,9 @@ class _RecvWork(dist.Work):
         return self._finish is None
 
 
-def _reduce(op: Any, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+def _reduce(op: Any, parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     """Reduce the ranks' tensors in rank order (sum: ((t0 + t1) + t2) + ...)."""
+    _one_dtype(parts, what)
     kind = op.op if hasattr(op, "op") else op
     if kind == _RED.PREMUL_SUM:
         raise NotImplementedError("diffcomm in-process backend: ReduceOp.PREMUL_SUM is not supported")
@@ -576,7 +577,34 @@ _MISMATCH = (
 )
 
 
+def _one_dtype(parts: Sequence[torch.Tensor], what: str) -> None:
+    """Refuse the ranks' tensors of one collective in different dtypes. A transport moves
+    bytes: gloo aborts a rank that receives more bytes than it expects and reinterprets
+    bytes of one size (float32 read as int32); here ``add_`` and ``cat`` would convert,
+    a value no real run gives (all_reduce of float32 ones on rank 0 and float64 twos on
+    rank 1 gave 3 on both, where gloo processes abort)."""
+    dtypes = [p.dtype for p in parts]
+    if any(d != dtypes[0] for d in dtypes):
+        held = ", ".join(f"rank {r}: {d}" for r, d in enumerate(dtypes))
+        raise RuntimeError(
+            f"diffcomm in-process backend: {what}: the ranks' tensors are of {held}: {_DTYPES}"
+        )
+
+
+#: what a dtype mismatch between ranks does on real processes (the in-process message)
+_DTYPES = (
+    "the ranks called it with different dtypes; on real processes gloo aborts a rank that "
+    "receives more bytes than it expects or reads another dtype's bytes as its own "
+    "(DIFFCOMM_DEBUG=1 compares the arguments before any data moves)"
+)
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str = "collective") -> None:
+    if dst.dtype != src.dtype:
+        raise RuntimeError(
+            f"diffcomm in-process backend: {what}: this rank's buffer is of {dst.dtype}, the data "
+            f"for it of {src.dtype}: {_DTYPES}"
+        )
     if dst.numel() != src.numel():
         raise RuntimeError(
             f"diffcomm in-process backend: {what}: this rank's buffer holds {dst.numel()} "
@@ -595,11 +623,13 @@ def _gathered_parts(got: Any) -> list[torch.Tensor]:
     return got if isinstance(got, list) else [got]
 
 
-def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+def _joined(parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     """``torch.cat(parts)`` as a transport joins bytes: outside the caller's
     ``torch.autocast``, which is for the user's math, not a collective's buffers (CPU
     autocast refuses float16 in ``cat``, "Unexpected floating ScalarType in
-    at::autocast::prioritize", where gloo moves float16 as it is)."""
+    at::autocast::prioritize", where gloo moves float16 as it is); of one dtype, as bytes
+    are (``cat`` would promote)."""
+    _one_dtype(parts, what)
     kind = parts[0].device.type
     try:
         on = torch.is_autocast_enabled(kind)
@@ -695,7 +725,7 @@ class InProcessGroup(_PG):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         got = self._all("all_reduce", [t.detach().clone() for t in tensors])
         for i, t in enumerate(tensors):
-            _copy(t, _reduce(op, [g[i] for g in got]), "all_reduce")
+            _copy(t, _reduce(op, [g[i] for g in got], "all_reduce"), "all_reduce")
         return _done(tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -705,7 +735,7 @@ class InProcessGroup(_PG):
         got = self._all("reduce", [t.detach().clone() for t in tensors])
         if self._rank == opts.rootRank:
             for i, t in enumerate(tensors):
-                _copy(t, _reduce(opts.reduceOp, [g[i] for g in got]), "reduce")
+                _copy(t, _reduce(opts.reduceOp, [g[i] for g in got], "reduce"), "reduce")
         return _done(tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
@@ -729,7 +759,8 @@ class InProcessGroup(_PG):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         got = self._all("all_gather", input.detach().clone())
-        _copy(output, _joined([p.reshape(-1) for g in got for p in _gathered_parts(g)]), "all_gather")
+        parts = [p.reshape(-1) for g in got for p in _gathered_parts(g)]
+        _copy(output, _joined(parts, "all_gather"), "all_gather")
         return _done(output)
 
     _allgather_base = all_gather_single
@@ -742,7 +773,9 @@ class InProcessGroup(_PG):
     def reduce_scatter(self, output: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Any:
         got = self._all("reduce_scatter", [[t.detach().clone() for t in ts] for ts in inputs])
         for i, o in enumerate(output):
-            _copy(o, _reduce(opts.reduceOp, [g[i][self._rank] for g in got]), "reduce_scatter")
+            _copy(
+                o, _reduce(opts.reduceOp, [g[i][self._rank] for g in got], "reduce_scatter"), "reduce_scatter"
+            )
         return _done(output)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
@@ -756,7 +789,7 @@ class InProcessGroup(_PG):
                 f"{sizes}: {_MISMATCH}"
             )
         mine = [g.reshape(-1)[self._rank * n : (self._rank + 1) * n] for g in got]
-        _copy(output, _reduce(opts.reduceOp, mine), "reduce_scatter")
+        _copy(output, _reduce(opts.reduceOp, mine, "reduce_scatter"), "reduce_scatter")
         return _done(output)
 
     _reduce_scatter_base = reduce_scatter_single
@@ -787,7 +820,7 @@ class InProcessGroup(_PG):
                 f"the ranks, they send {sent}: {_MISMATCH}"
             )
         if mine and mine[0].dim():
-            _copy(output, _joined(mine), "all_to_all")
+            _copy(output, _joined(mine, "all_to_all"), "all_to_all")
         return _done(output)
 
     alltoall_base = all_to_all_single
