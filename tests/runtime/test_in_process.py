@@ -449,6 +449,38 @@ def test_a_rank_keeps_its_own_state_while_it_waits_on_a_subgroup(local_worlds, i
         assert all(torch.equal(d, torch.rand(2)) for d in draws), (r, draws)
 
 
+def _float64_then_rank_1_raises_while_0_waits() -> None:
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    if dc.get_rank() == 1:
+        raise ValueError("planted on rank 1")
+    dc.all_reduce(torch.ones(1))
+
+
+def _default_dtype_grad_mode_and_a_sum() -> tuple:
+    got = (str(torch.get_default_dtype()), torch.is_grad_enabled(), dc.all_reduce(torch.tensor([0.1])))
+    torch.set_default_dtype(torch.float32)  # (as found in a fresh process: for the next tests)
+    torch.set_grad_enabled(True)
+    return got
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_a_run_where_a_rank_waited_for_a_raising_one_leaves_fresh_ranks(
+    local_worlds, in_process: bool
+) -> None:
+    """Rank 1 raises while rank 0 waits for it in an all_reduce: processes tear the world
+    down and the next run's ranks are fresh (float32, grad mode on). In-process only a run
+    of desyncs alone reset the ranks: the next run's ranks kept float64 and grad mode off,
+    and ``all_reduce(torch.tensor([0.1]))`` gave float64 0.2 where processes give float32
+    0.2 (0.20000000298023224)."""
+    world = local_worlds(2, in_process=in_process)
+    with pytest.raises(RankError, match="planted on rank 1"):
+        world.run(_float64_then_rank_1_raises_while_0_waits)
+    for dtype, grad, total in world.run(_default_dtype_grad_mode_and_a_sum):
+        assert (dtype, grad, total.dtype) == ("torch.float32", True, torch.float32), (dtype, grad, total)
+        assert total.item() == torch.tensor([0.2], dtype=torch.float32).item()
+
+
 def _ranks_1_and_3_raise_while_0_and_2_reduce() -> float:
     pair = dist.new_group([0, 2])
     if dc.get_rank() % 2:

@@ -153,9 +153,12 @@ def _run(
         _ip.set_torch_settings(outer_torch)
     if failures:
         first = {r: tb for r, tb in failures.items() if not isinstance(exceptions[r], _DESYNC)}
+        # a rank left waiting (a desync, or a peer that raised while it waited): a world of
+        # processes tears down and restarts with fresh ranks, so the ranks start afresh here
+        # too (a rank's set_default_dtype, grad mode or seed outlived such a run in-process)
+        if state is not None and len(first) < len(failures):
+            state.reset()
         if not first:  # only desyncs: every waiting rank names where it waited
-            if state is not None:  # processes restart after a desync: fresh ranks
-                state.reset()
             story = next(str(e) for e in exceptions.values())
             raise RankDesyncError(
                 f"LocalWorld(in_process=True): the ranks went out of step during `{name}`.\n{story}"
