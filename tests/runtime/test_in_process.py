@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -479,6 +480,31 @@ def test_a_run_where_a_rank_waited_for_a_raising_one_leaves_fresh_ranks(
     for dtype, grad, total in world.run(_default_dtype_grad_mode_and_a_sum):
         assert (dtype, grad, total.dtype) == ("torch.float32", True, torch.float32), (dtype, grad, total)
         assert total.item() == torch.tensor([0.2], dtype=torch.float32).item()
+
+
+def _each_half_makes_only_its_own_group(p2p: bool) -> Any:
+    r = dist.get_rank()
+    half = dist.new_group([0, 1] if r < 2 else [2, 3])  # (torch: every rank makes every group)
+    if p2p:
+        if r % 2 == 0:
+            return dc.send(torch.tensor([float(r)]), 1, group=half)
+        return dc.recv(0, group=half)
+    return dc.all_reduce(torch.tensor([10.0**r]), group=half)
+
+
+@pytest.mark.parametrize("p2p", [False, True], ids=["all_reduce", "send / recv"])
+def test_groups_each_made_by_their_members_only_are_a_desync_naming_both(inproc_world4, p2p: bool) -> None:
+    """Ranks 0 and 1 make ``new_group([0, 1])``, ranks 2 and 3 ``new_group([2, 3])``: both
+    groups get the name "1" (a group's name is its place in the order of ``new_group``
+    calls). In-process their collectives met by that name and completed as two groups
+    ([11, 11, 1100, 1100]), and their messages shared one mailbox; on gloo processes the
+    two groups' connections mix: a desync or a hang until the world's timeout. Now the
+    in-process world names the two rank lists of the one name."""
+    with pytest.raises(
+        RankDesyncError, match=r"of ranks \[2, 3\], but rank 0's group 1 is of ranks \[0, 1\]"
+    ):
+        inproc_world4.run(_each_half_makes_only_its_own_group, p2p)
+    assert inproc_world4.run(_default_dtype_grad_mode_and_a_sum)[3][2].item() == pytest.approx(0.4)
 
 
 def _ranks_1_and_3_raise_while_0_and_2_reduce() -> float:

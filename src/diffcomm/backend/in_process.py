@@ -114,6 +114,8 @@ class Hub:
         self.slots: dict[tuple[str, int], list[Any]] = {}
         self.reads: dict[tuple[str, int], int] = {}
         self.mail: dict[tuple[str, int, int, int], deque[torch.Tensor]] = {}
+        #: each group name's members (global ranks) and the rank that first used it
+        self.members: dict[str, tuple[tuple[int, ...], int]] = {}
         self.failure: str | None = None
         # every rank's CPU RNG state and process state (:func:`per_rank`), swapped with
         # the run lock: the world's, kept from its last run (a fresh process's at first)
@@ -215,6 +217,25 @@ class Hub:
             f"collectives (a desync: a rank returned, or ranks wait in different ops). {where}. "
             "In one process this is found at once; there is no timeout to wait for."
         )
+
+    def same_members(self, group: str, members: tuple[int, ...], rank: int, what: str) -> None:
+        """Refuse a group whose name another rank's group of other members holds (lock
+        held). A group's name is its place in the order of ``dist.new_group`` calls, so
+        ranks that each made only their own group (``new_group([0, 1])`` on ranks 0 and 1,
+        ``new_group([2, 3])`` on 2 and 3) hold two groups of one name: their collectives met
+        in one slot and completed as two groups, where on processes the two groups' gloo
+        connections mix (a desync, a hang or another group's data)."""
+        first, by = self.members.setdefault(group, (members, rank))
+        if first != members:
+            self.fail(
+                f"diffcomm in-process world: rank {rank} {what} on group {group} of ranks "
+                f"{list(members)}, but rank {by}'s group {group} is of ranks {list(first)}: the "
+                "ranks did not call dist.new_group for every group in the same order (every rank "
+                "of the world calls it for every group, members or not, unless "
+                "use_local_synchronization=True); on real processes such groups mix up their "
+                "connections (a desync, a hang or another group's data)"
+            )
+            raise InProcessDesyncError(self.failure or "")
 
     # ---- collectives: every rank deposits, every rank reads all ----------------------
     def exchange(self, group: str, seq: int, rank: int, size: int, what: str, payload: Any) -> list[Any]:
@@ -683,6 +704,7 @@ class InProcessGroup(_PG):
         self._hub = hub
         self._seq = 0
         self._name: str | None = None
+        self._members_checked = False
 
     def getBackendName(self) -> str:
         return NAME
@@ -708,6 +730,17 @@ class InProcessGroup(_PG):
             self._name = str(names.get(self, "?"))
         return self._name
 
+    def _checked_name(self, what: str) -> str:
+        """The group's name, its members checked once against the other ranks' group of
+        that name (:meth:`Hub.same_members`)."""
+        name = self._gname()
+        if not self._members_checked:
+            w = _rank_world()
+            members = tuple(sorted(w.pg_group_ranks.get(self, {}))) if w is not None else ()
+            self._hub.same_members(name, members, _me(self._rank), what)
+            self._members_checked = True
+        return name
+
     def _refuse_in_compilation(self, what: str) -> None:
         """Refuse an op run for real while this rank's thread compiles (see ``_TRACED``),
         before it counts or deposits anything (dynamo may catch the error and go on)."""
@@ -716,9 +749,10 @@ class InProcessGroup(_PG):
 
     def _all(self, what: str, payload: Any) -> list[Any]:
         self._refuse_in_compilation(f"runs {what} (group {self._gname()})")
+        name = self._checked_name(f"runs {what}")
         seq = self._seq
         self._seq += 1
-        return self._hub.exchange(self._gname(), seq, self._rank, self._size, what, payload)
+        return self._hub.exchange(name, seq, self._rank, self._size, what, payload)
 
     # ---- collectives ------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -851,12 +885,17 @@ class InProcessGroup(_PG):
     # ---- point to point ---------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         self._refuse_in_compilation(f"sends to group rank {dst} (group {self._gname()})")
-        self._hub.post(self._gname(), self._rank, dst, tag, tensors[0])
+        self._hub.post(self._checked_name(f"sends to group rank {dst}"), self._rank, dst, tag, tensors[0])
         return _done(tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         self._refuse_in_compilation(f"receives from group rank {src} (group {self._gname()})")
-        out, name, me, hub = tensors[0], self._gname(), self._rank, self._hub
+        out, name, me, hub = (
+            tensors[0],
+            self._checked_name(f"receives from group rank {src}"),
+            self._rank,
+            self._hub,
+        )
         return _RecvWork(lambda: _copy_bytes(out, hub.take(name, src, me, tag, "recv")))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
