@@ -383,6 +383,48 @@ def test_a_ranks_state_carries_from_one_run_to_the_next(local_worlds, in_process
     assert world.run(_debug_on_the_rank) == before
 
 
+def _python_and_numpy_draws_around_hand_overs() -> list[float]:
+    """Rank r seeds Python's ``random`` (100 + r) and NumPy's global generator (200 + r),
+    then draws with the other ranks running in between (NumPy's Gaussians come in pairs:
+    the second from its cache)."""
+    import random
+
+    import numpy as np
+
+    r = dist.get_rank()
+    random.seed(100 + r)
+    np.random.seed(200 + r)
+    draws = []
+    for _ in range(3):
+        dc.all_reduce(torch.ones(1))
+        draws += [random.random(), random.gauss(0.0, 1.0), float(np.random.rand()), float(np.random.randn())]
+    return draws
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_python_and_numpy_random_are_a_ranks_own(local_worlds, in_process: bool) -> None:
+    """Python's ``random`` and NumPy's global generator are one per process: in-process the
+    ranks shared them, so after a hand-over rank 0 drew from rank 1's seed (``random.seed(100
+    + rank)``: rank 0's first draw 0.1948 where processes give 0.1457), silently. Now each
+    rank's are swapped with the run lock, as torch's generator is, and the caller's are
+    left as they were."""
+    import random
+
+    import numpy as np
+
+    random.seed(5)
+    np.random.seed(5)
+    got = local_worlds(2, in_process=in_process).run(_python_and_numpy_draws_around_hand_overs)
+    assert (random.random(), float(np.random.rand())) == (
+        random.Random(5).random(),
+        np.random.RandomState(5).rand(),
+    )
+    for r, draws in enumerate(got):
+        py, npr = random.Random(100 + r), np.random.RandomState(200 + r)
+        want = [f for _ in range(3) for f in (py.random(), py.gauss(0.0, 1.0), npr.rand(), npr.randn())]
+        assert draws == want, (r, draws, want)
+
+
 def _streams_after_set_states_and_a_checkpoint() -> tuple:
     """Rank r's named stream (seed 10 + r) after ``set_states`` and a checkpointed dropout's
     recomputation (the tracker's states swapped in and back), with hand-overs in between."""

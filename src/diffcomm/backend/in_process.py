@@ -24,6 +24,10 @@ named ``"inproc"`` with every capability (:func:`~diffcomm.backend.groups.static
 from __future__ import annotations
 
 import copy
+import ctypes
+import random
+import struct
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -71,6 +75,10 @@ class RankStates:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.rng: dict[int, torch.Tensor] = {}
+        #: each rank's Python ``random`` state and NumPy global state (:class:`_HostRNG`:
+        #: the legacy state and its struct's bytes; ``None``: a fresh one, made when needed)
+        self.py_rng: dict[int, Any] = {}
+        self.np_rng: dict[int, tuple[Any, bytes] | None] = {}
         self.saved: dict[int, list[Any]] = {}
         #: each rank's module attributes registered with :func:`per_rank_attr`
         self.attrs: dict[int, list[Any]] = {}
@@ -87,6 +95,8 @@ class RankStates:
     def reset(self) -> None:
         for r in range(self.world_size):
             self.rng[r] = _fresh_rng()
+            self.py_rng[r] = random.Random().getstate()  # (seeded by the system's entropy)
+            self.np_rng[r] = None
             self.saved[r] = [_copy_of(c) for c in _INITIAL]
             self.attrs[r] = [fresh() for _owner, _name, fresh in _ATTRS]
             self.torch[r] = FRESH_TORCH
@@ -122,6 +132,7 @@ class Hub:
         states = states if states is not None else RankStates(world_size)
         self.states = states
         self.rng = states.rng
+        self.host_rng = _HostRNG(states)
         self.saved = states.saved
         self.attrs = states.attrs
         self.torch = states.torch
@@ -133,6 +144,7 @@ class Hub:
 
     def _swap_in(self, rank: int) -> None:
         torch.set_rng_state(self.rng[rank])
+        self.host_rng.swap_in(rank)
         for box, value in zip(_STATE, self.saved[rank]):
             _restore(box, value)
         for (owner, name, _fresh), value in zip(_ATTRS, self.attrs[rank]):
@@ -142,6 +154,7 @@ class Hub:
 
     def _swap_out(self, rank: int) -> None:
         self.rng[rank] = torch.get_rng_state()
+        self.host_rng.swap_out(rank)
         self.saved[rank] = [_copy_of(box) for box in _STATE]
         self.attrs[rank] = [getattr(owner, name) for owner, name, _fresh in _ATTRS]
         self.torch[rank] = torch_settings()
@@ -298,6 +311,95 @@ def _fresh_rng() -> torch.Tensor:
     g = torch.Generator()
     g.seed()
     return g.get_state()
+
+
+# Python's and NumPy's global random generators are one per process too: each rank's own,
+# swapped with the run lock (a rank's `random.seed(100 + rank)` was the other ranks' stream:
+# after a hand-over rank 0 drew rank 1's numbers), starting as a fresh process's.
+#: NumPy's MT19937 state struct behind ``ctypes.state_address``: uint32 key[624], int pos
+_MT_BYTES = 624 * 4 + 4
+
+
+def _np_raw(np: Any) -> bytes:
+    """The bytes of NumPy's global MT19937 state struct (its words and position)."""
+    return ctypes.string_at(np.random.mtrand._rand._bit_generator.ctypes.state_address, _MT_BYTES)
+
+
+def _raw_of(np: Any, state: tuple[Any, ...]) -> bytes:
+    """The struct's bytes that the legacy ``state`` (``np.random.get_state()``) holds."""
+    return np.asarray(state[1], dtype=np.uint32).tobytes() + struct.pack("=i", state[2])
+
+
+def _np_fast(np: Any) -> bool:
+    """Whether the struct is laid out as :data:`_MT_BYTES` says (checked once per NumPy;
+    else every hand-over reads and writes the whole state, ~60 µs instead of ~2)."""
+    if _NP_FAST[0] is None:
+        try:
+            _NP_FAST[0] = _np_raw(np) == _raw_of(np, np.random.get_state())
+        except Exception:  # (no ctypes interface: the slow, exact path)
+            _NP_FAST[0] = False
+    return bool(_NP_FAST[0])
+
+
+_NP_FAST: list[bool | None] = [None]
+
+
+def host_rng() -> tuple[Any, Any]:
+    """The Python ``random`` and NumPy global RNG states now (NumPy's ``None`` where it is
+    not imported): the caller's, put back after a run."""
+    np = sys.modules.get("numpy")
+    return random.getstate(), None if np is None else np.random.get_state()
+
+
+def set_host_rng(states: tuple[Any, Any]) -> None:
+    """Put the states :func:`host_rng` returned."""
+    py, np_state = states
+    random.setstate(py)
+    np = sys.modules.get("numpy")
+    if np is not None:  # (imported during the run: a fresh process's state, not a rank's)
+        np.random.set_state(np_state) if np_state is not None else np.random.seed()
+
+
+class _HostRNG:
+    """Each rank's Python ``random`` and NumPy global generator states, swapped with the run
+    lock. NumPy's full state (~30 µs to read, as much to write) is read only where a rank
+    changed it — its struct's bytes (~1 µs) differ from what was put in — and written as
+    those bytes, except where a cached Gaussian (``has_gauss``, outside the struct) is in
+    play: then the full state, exactly."""
+
+    def __init__(self, states: RankStates) -> None:
+        self.py, self.np = states.py_rng, states.np_rng
+        self.now: tuple[bytes, int] | None = None  # the struct's bytes and has_gauss put in
+
+    def swap_in(self, rank: int) -> None:
+        random.setstate(self.py[rank])
+        np = sys.modules.get("numpy")
+        if np is None:
+            return
+        saved = self.np[rank]
+        if saved is None:  # a fresh process's, made once NumPy is imported
+            fresh = np.random.RandomState().get_state()
+            saved = self.np[rank] = (fresh, _raw_of(np, fresh))
+        state, raw = saved
+        if self.now is not None and self.now[1] == 0 and state[3] == 0 and _np_fast(np):
+            ctypes.memmove(np.random.mtrand._rand._bit_generator.ctypes.state_address, raw, _MT_BYTES)
+        else:
+            np.random.set_state(state)
+        self.now = (raw, state[3])
+
+    def swap_out(self, rank: int) -> None:
+        self.py[rank] = random.getstate()
+        np = sys.modules.get("numpy")
+        if np is None:
+            return
+        fast = _np_fast(np)
+        raw = _np_raw(np) if fast else b""
+        if fast and self.now is not None and self.now[1] == 0 and raw == self.now[0]:
+            return  # not drawn from (a draw moves the position; a Gaussian needs has_gauss 0 -> words)
+        state = np.random.get_state()
+        raw = raw if fast else _raw_of(np, state)
+        self.np[rank] = (state, raw)
+        self.now = (raw, state[3]) if fast else None
 
 
 # Process state that belongs to a rank (a dict, list or set at module level, e.g. the group

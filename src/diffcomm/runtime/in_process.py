@@ -86,7 +86,7 @@ def _run(
     results: list[Any] = [None] * world_size
     failures: dict[int, str] = {}
     exceptions: dict[int, BaseException] = {}
-    outer_rng = torch.get_rng_state()
+    outer_rng, outer_host_rng = torch.get_rng_state(), _ip.host_rng()
     outer = [_ip._copy_of(box) for box in _ip._STATE]  # the caller's own, put back after
     outer_attrs, outer_torch = _ip.attrs_now(), _ip.torch_settings()
 
@@ -147,6 +147,7 @@ def _run(
         isolation(False)
         sys.excepthook = hook
         torch.set_rng_state(outer_rng)
+        _ip.set_host_rng(outer_host_rng)
         for box, value in zip(_ip._STATE, outer):
             _ip._restore(box, value)
         _ip.put_attrs(outer_attrs)
