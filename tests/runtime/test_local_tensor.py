@@ -1006,6 +1006,39 @@ def test_a_plain_tensor_is_every_ranks_and_groups_of_a_mesh_run_per_copy(
     assert_equal_both_ways(inproc_worlds(4), 4, program)
 
 
+_OF_ONE = {
+    "all_reduce": lambda x, g: dc.all_reduce(x, group=g),
+    "all_reduce[max]": lambda x, g: dc.all_reduce(x, op="max", group=g),
+    "all_reduce[product]": lambda x, g: dc.all_reduce(x, op="product", group=g),
+    "reduce": lambda x, g: dc.reduce(x, dst=0, group=g),
+    "reduce_scatter[max]": lambda x, g: dc.reduce_scatter(x, op="max", group=g),
+    "reduce_from_region": lambda x, g: P.reduce_from_region(x, g),
+}
+
+
+def _halved_in_place(op: str, axis: bool) -> list[torch.Tensor]:
+    """``op`` over a group of one rank (the world of 1, or the size-1 axis of a 2 x 1
+    mesh), its result then halved in place; the input read after."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    group = (init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b")), "b") if axis else None
+    x = per_rank(16, 2, 3).detach()
+    y = _OF_ONE[op](x, group)
+    y.mul_(0.5)
+    return [x + y, x]
+
+
+@pytest.mark.parametrize("axis", [False, True], ids=["world of 1", "size-1 mesh axis"])
+@pytest.mark.parametrize("op", list(_OF_ONE))
+def test_a_group_of_one_gives_a_new_tensor_as_on_real_ranks(
+    inproc_worlds: Callable[[int], Any], op: str, axis: bool
+) -> None:
+    """Over a group of one rank the per-rank reduction returned the rank's own input tensor:
+    ``y.mul_(0.5)`` halved ``x`` too, and ``x + y`` gave x where real ranks give 1.5 x."""
+    n = 2 if axis else 1
+    assert_equal_both_ways(inproc_worlds(n), n, _halved_in_place, op, axis)
+
+
 def test_split_sizes_are_checked_on_every_simulated_rank() -> None:
     """A ``split_sizes`` that one simulated rank's length contradicts is the ValueError
     real processes give (naming the argument), not rank 0's check alone."""

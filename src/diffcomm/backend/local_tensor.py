@@ -85,7 +85,11 @@ Ranked = dict[int, torch.Tensor]  # one tensor per simulated (global) rank
 
 
 def _reduce(op: str, ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``ts`` reduced in rank order (what an in-process world and gloo give, to rounding)."""
+    """``ts`` reduced in rank order (what an in-process world and gloo give, to rounding):
+    a new tensor, also for a group of one (its rank's own tensor was returned: an in-place
+    change of ``all_reduce``'s result changed the input, which a real rank's never does)."""
+    if len(ts) == 1:
+        return ts[0].clone()
     if op in ("sum", "avg"):
         out = functools.reduce(operator.add, ts)
         return out / len(ts) if op == "avg" else out
