@@ -425,6 +425,32 @@ def test_python_and_numpy_random_are_a_ranks_own(local_worlds, in_process: bool)
         assert draws == want, (r, draws, want)
 
 
+def _autocast_and_default_device_called_plainly() -> None:
+    torch.set_autocast_enabled("cpu", True)
+    torch.set_autocast_dtype("cpu", torch.bfloat16)
+    torch.set_default_device("meta")
+
+
+def _a_matmul_and_a_new_tensor() -> tuple:
+    got = (torch.ones(2, 2, device="cpu") @ torch.ones(2, 2, device="cpu")).dtype, torch.ones(1).device
+    torch.set_autocast_enabled("cpu", False)  # (as found in a fresh process: for the next tests)
+    torch.set_default_device(None)
+    return got
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_a_ranks_autocast_and_default_device_carry_to_its_next_run(local_worlds, in_process: bool) -> None:
+    """torch's autocast state and default device are per thread: a rank process keeps them
+    from one run to the next in its one thread. An in-process rank runs each run in a new
+    thread, which started at torch's defaults: after ``torch.set_autocast_enabled("cpu",
+    True)`` and ``set_default_device("meta")`` in one run, the next run's matmul was float32
+    and its new tensors on the CPU, where processes give bfloat16 and meta."""
+    world = local_worlds(2, in_process=in_process)
+    world.run(_autocast_and_default_device_called_plainly)
+    for dtype, device in world.run(_a_matmul_and_a_new_tensor):
+        assert (dtype, device.type) == (torch.bfloat16, "meta"), (dtype, device)
+
+
 def _streams_after_set_states_and_a_checkpoint() -> tuple:
     """Rank r's named stream (seed 10 + r) after ``set_states`` and a checkpointed dropout's
     recomputation (the tracker's states swapped in and back), with hand-overs in between."""

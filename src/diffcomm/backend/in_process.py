@@ -84,8 +84,9 @@ class RankStates:
         self.attrs: dict[int, list[Any]] = {}
         #: each rank's torch settings that are one per process (:func:`torch_settings`)
         self.torch: dict[int, tuple[Any, ...]] = {}
-        #: each rank's grad mode between runs (per thread in torch: a run's threads end)
-        self.grad: dict[int, bool] = {}
+        #: each rank's torch settings that are per thread (:func:`thread_settings`: grad
+        #: mode, autocast, default device) between runs (a run's threads end)
+        self.thread: dict[int, tuple[Any, ...]] = {}
         #: each rank's comm-off switches (per thread: kept here between its runs' threads)
         self.switched: dict[int, set[str]] = {}
         #: each rank's flight-recorder history (its run's group is destroyed at the run's end)
@@ -100,7 +101,7 @@ class RankStates:
             self.saved[r] = [_copy_of(c) for c in _INITIAL]
             self.attrs[r] = [fresh() for _owner, _name, fresh in _ATTRS]
             self.torch[r] = FRESH_TORCH
-            self.grad[r] = True
+            self.thread[r] = FRESH_THREAD
             self.switched[r] = set()
             self.history[r] = None
 
@@ -482,6 +483,37 @@ def set_torch_settings(values: tuple[Any, ...]) -> None:
         torch.autograd.set_detect_anomaly(anomaly, check_nan=check_nan)
     if matmul != now[5]:
         torch.set_float32_matmul_precision(matmul)
+
+
+# torch's settings that are per thread (a rank process keeps them from one run to the next
+# in its one thread; an in-process rank runs each run in a new thread, which starts at
+# torch's defaults: `torch.set_autocast_enabled("cpu", True)` or `set_default_device` called
+# plainly in one run held in the next on processes, bfloat16 matmuls, and not in-process).
+#: a fresh thread's: grad mode, CPU autocast on and its dtype, the default device
+FRESH_THREAD: tuple[Any, ...] = (True, False, torch.bfloat16, torch.device("cpu"))
+
+
+def thread_settings() -> tuple[Any, ...]:
+    """torch's per-thread settings now, in the order of :data:`FRESH_THREAD`."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.get_default_device(),
+    )
+
+
+def set_thread_settings(values: tuple[Any, ...]) -> None:
+    """Put this thread's settings to ``values`` (from :func:`thread_settings`), calling only
+    the setters whose value differs from a fresh thread's (a default device set even to the
+    CPU puts a mode in front of every torch call)."""
+    grad, autocast, dtype, device = values
+    torch.set_grad_enabled(grad)
+    if (autocast, dtype) != FRESH_THREAD[1:3]:
+        torch.set_autocast_enabled("cpu", autocast)
+        torch.set_autocast_dtype("cpu", dtype)
+    if device != FRESH_THREAD[3]:
+        torch.set_default_device(device)
 
 
 def _copy_of(box: Any) -> Any:

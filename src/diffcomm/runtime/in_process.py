@@ -94,8 +94,6 @@ def _run(
         _ip.enter_rank(hub, rank)
         hub.acquire(rank)
         outcome = "done"
-        # grad mode is per thread in torch: the rank's own, carried from its last run's thread
-        torch.set_grad_enabled(hub.states.grad[rank])
         # the comm-off switches are per thread: a rank's own (`comm_off("all_reduce")` as a
         # plain call) stays on from run to run, as in a rank process (it ended with the run)
         if state is not None and state.switched[rank]:
@@ -106,6 +104,9 @@ def _run(
                 _flight.resume(state.history[rank])  # the world's group, as a process keeps it
             try:
                 _lifecycle.program_start()  # a new program, as a process rank's run (its own state)
+                # grad mode, autocast and the default device are per thread in torch: the
+                # rank's own, carried from its last run's thread (set after the world is joined)
+                _ip.set_thread_settings(hub.states.thread[rank])
                 fn, args, kwargs = _ship.loads(payload)
                 with _ship.applied(carried):
                     result = fn(*args, **kwargs)
@@ -124,7 +125,7 @@ def _run(
             # one complete it; those waiting for it are found stuck, the story naming it)
             outcome = f"raised {type(exc).__name__}: {exc}"
         finally:
-            hub.states.grad[rank] = torch.is_grad_enabled()
+            hub.states.thread[rank] = _ip.thread_settings()
             if state is not None:
                 state.switched[rank] = set(getattr(_logger.STATE, "off", ()))
             hub.release(rank, final=True, outcome=outcome)
