@@ -46,6 +46,7 @@ from torch import Tensor
 
 from . import _torch
 from .backend import args as A
+from .backend.local_tensor import group_copies
 from .ops import collectives
 from .ops.validation import rank as _group_rank
 
@@ -70,7 +71,7 @@ def _local(group: Any, rank: int, op: str, arg: str) -> int:
     if pg is None:
         return rank
     if _torch.local_tensor_mode_on():  # the fake group is rank 0's: ask every copy of it
-        copies = _torch.local_group_instances(pg)
+        copies = group_copies(pg, op)
         outside = [c for c in copies if rank not in c]
         if outside:  # as real ranks: the ranks of a copy without it raise
             want = f"a global rank that belongs to the group {outside[0]} (of every copy: {copies})"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -213,6 +214,35 @@ def test_arguments_that_differ_between_ranks_are_an_error_not_a_slice(inproc_wor
         )
 
 
+def _dtypes_differ(case: str) -> str:
+    r = dist.get_rank()
+    dtype = torch.float64 if r == 1 else torch.float32  # one element size each, one count
+    x = torch.ones(4, dtype=dtype) * (r + 1)
+    try:
+        if case == "all_reduce":
+            got = dc.all_reduce(x)
+        elif case == "broadcast":
+            got = dc.broadcast(x, src=1)
+        else:
+            got = dc.reduce_scatter(x)
+    except RuntimeError as exc:
+        return str(exc)
+    return f"no error: {got.tolist()}"
+
+
+@pytest.mark.parametrize("case", ["all_reduce", "broadcast", "reduce_scatter"])
+@pytest.mark.usefixtures("debug_off")
+def test_dtypes_that_differ_between_ranks_are_an_error_not_a_conversion(inproc_world2, case: str) -> None:
+    """float32 ones on rank 0, float64 twos on rank 1: gloo processes abort a rank (it
+    receives 8-byte elements where it expects 4), where the in-process backend converted:
+    all_reduce gave [3.0] * 4 on both ranks, broadcast rank 0 float32 twos, with no error.
+    Now it names the op and each rank's dtype."""
+    msgs = inproc_world2.run(_dtypes_differ, case)
+    ranks = [0] if case == "broadcast" else [0, 1]  # (broadcast: the receiver)
+    for r in ranks:
+        assert f"in-process backend: {case}:" in msgs[r] and "different dtypes" in msgs[r], msgs
+
+
 def test_each_rank_has_its_own_rng_stream_and_settings(inproc_world2) -> None:
     def body() -> tuple:
         torch.manual_seed(dist.get_rank())
@@ -353,6 +383,74 @@ def test_a_ranks_state_carries_from_one_run_to_the_next(local_worlds, in_process
     assert world.run(_debug_on_the_rank) == before
 
 
+def _python_and_numpy_draws_around_hand_overs() -> list[float]:
+    """Rank r seeds Python's ``random`` (100 + r) and NumPy's global generator (200 + r),
+    then draws with the other ranks running in between (NumPy's Gaussians come in pairs:
+    the second from its cache)."""
+    import random
+
+    import numpy as np
+
+    r = dist.get_rank()
+    random.seed(100 + r)
+    np.random.seed(200 + r)
+    draws = []
+    for _ in range(3):
+        dc.all_reduce(torch.ones(1))
+        draws += [random.random(), random.gauss(0.0, 1.0), float(np.random.rand()), float(np.random.randn())]
+    return draws
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_python_and_numpy_random_are_a_ranks_own(local_worlds, in_process: bool) -> None:
+    """Python's ``random`` and NumPy's global generator are one per process: in-process the
+    ranks shared them, so after a hand-over rank 0 drew from rank 1's seed (``random.seed(100
+    + rank)``: rank 0's first draw 0.1948 where processes give 0.1457), silently. Now each
+    rank's are swapped with the run lock, as torch's generator is, and the caller's are
+    left as they were."""
+    import random
+
+    import numpy as np
+
+    random.seed(5)
+    np.random.seed(5)
+    got = local_worlds(2, in_process=in_process).run(_python_and_numpy_draws_around_hand_overs)
+    assert (random.random(), float(np.random.rand())) == (
+        random.Random(5).random(),
+        np.random.RandomState(5).rand(),
+    )
+    for r, draws in enumerate(got):
+        py, npr = random.Random(100 + r), np.random.RandomState(200 + r)
+        want = [f for _ in range(3) for f in (py.random(), py.gauss(0.0, 1.0), npr.rand(), npr.randn())]
+        assert draws == want, (r, draws, want)
+
+
+def _autocast_and_default_device_called_plainly() -> None:
+    torch.set_autocast_enabled("cpu", True)
+    torch.set_autocast_dtype("cpu", torch.bfloat16)
+    torch.set_default_device("meta")
+
+
+def _a_matmul_and_a_new_tensor() -> tuple:
+    got = (torch.ones(2, 2, device="cpu") @ torch.ones(2, 2, device="cpu")).dtype, torch.ones(1).device
+    torch.set_autocast_enabled("cpu", False)  # (as found in a fresh process: for the next tests)
+    torch.set_default_device(None)
+    return got
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_a_ranks_autocast_and_default_device_carry_to_its_next_run(local_worlds, in_process: bool) -> None:
+    """torch's autocast state and default device are per thread: a rank process keeps them
+    from one run to the next in its one thread. An in-process rank runs each run in a new
+    thread, which started at torch's defaults: after ``torch.set_autocast_enabled("cpu",
+    True)`` and ``set_default_device("meta")`` in one run, the next run's matmul was float32
+    and its new tensors on the CPU, where processes give bfloat16 and meta."""
+    world = local_worlds(2, in_process=in_process)
+    world.run(_autocast_and_default_device_called_plainly)
+    for dtype, device in world.run(_a_matmul_and_a_new_tensor):
+        assert (dtype, device.type) == (torch.bfloat16, "meta"), (dtype, device)
+
+
 def _streams_after_set_states_and_a_checkpoint() -> tuple:
     """Rank r's named stream (seed 10 + r) after ``set_states`` and a checkpointed dropout's
     recomputation (the tracker's states swapped in and back), with hand-overs in between."""
@@ -418,6 +516,63 @@ def test_a_rank_keeps_its_own_state_while_it_waits_on_a_subgroup(local_worlds, i
     for r, draws in enumerate(got):
         torch.manual_seed(100 + r)
         assert all(torch.equal(d, torch.rand(2)) for d in draws), (r, draws)
+
+
+def _float64_then_rank_1_raises_while_0_waits() -> None:
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    if dc.get_rank() == 1:
+        raise ValueError("planted on rank 1")
+    dc.all_reduce(torch.ones(1))
+
+
+def _default_dtype_grad_mode_and_a_sum() -> tuple:
+    got = (str(torch.get_default_dtype()), torch.is_grad_enabled(), dc.all_reduce(torch.tensor([0.1])))
+    torch.set_default_dtype(torch.float32)  # (as found in a fresh process: for the next tests)
+    torch.set_grad_enabled(True)
+    return got
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_a_run_where_a_rank_waited_for_a_raising_one_leaves_fresh_ranks(
+    local_worlds, in_process: bool
+) -> None:
+    """Rank 1 raises while rank 0 waits for it in an all_reduce: processes tear the world
+    down and the next run's ranks are fresh (float32, grad mode on). In-process only a run
+    of desyncs alone reset the ranks: the next run's ranks kept float64 and grad mode off,
+    and ``all_reduce(torch.tensor([0.1]))`` gave float64 0.2 where processes give float32
+    0.2 (0.20000000298023224)."""
+    world = local_worlds(2, in_process=in_process)
+    with pytest.raises(RankError, match="planted on rank 1"):
+        world.run(_float64_then_rank_1_raises_while_0_waits)
+    for dtype, grad, total in world.run(_default_dtype_grad_mode_and_a_sum):
+        assert (dtype, grad, total.dtype) == ("torch.float32", True, torch.float32), (dtype, grad, total)
+        assert total.item() == torch.tensor([0.2], dtype=torch.float32).item()
+
+
+def _each_half_makes_only_its_own_group(p2p: bool) -> Any:
+    r = dist.get_rank()
+    half = dist.new_group([0, 1] if r < 2 else [2, 3])  # (torch: every rank makes every group)
+    if p2p:
+        if r % 2 == 0:
+            return dc.send(torch.tensor([float(r)]), 1, group=half)
+        return dc.recv(0, group=half)
+    return dc.all_reduce(torch.tensor([10.0**r]), group=half)
+
+
+@pytest.mark.parametrize("p2p", [False, True], ids=["all_reduce", "send / recv"])
+def test_groups_each_made_by_their_members_only_are_a_desync_naming_both(inproc_world4, p2p: bool) -> None:
+    """Ranks 0 and 1 make ``new_group([0, 1])``, ranks 2 and 3 ``new_group([2, 3])``: both
+    groups get the name "1" (a group's name is its place in the order of ``new_group``
+    calls). In-process their collectives met by that name and completed as two groups
+    ([11, 11, 1100, 1100]), and their messages shared one mailbox; on gloo processes the
+    two groups' connections mix: a desync or a hang until the world's timeout. Now the
+    in-process world names the two rank lists of the one name."""
+    with pytest.raises(
+        RankDesyncError, match=r"of ranks \[2, 3\], but rank 0's group 1 is of ranks \[0, 1\]"
+    ):
+        inproc_world4.run(_each_half_makes_only_its_own_group, p2p)
+    assert inproc_world4.run(_default_dtype_grad_mode_and_a_sum)[3][2].item() == pytest.approx(0.4)
 
 
 def _ranks_1_and_3_raise_while_0_and_2_reduce() -> float:

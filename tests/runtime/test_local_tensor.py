@@ -14,6 +14,7 @@ in float64.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -776,6 +777,70 @@ def test_a_compat_global_rank_outside_a_copy_of_the_group_raises_as_on_real_rank
         run_under_local_tensor_mode(4, _compat_broadcast_from_global_rank_2)
 
 
+def _on_my_part_of_a_partition() -> tuple:
+    """Every rank makes both parts of the partition {0, 2} {1, 3} and works on its own
+    (under the mode ``dist.get_rank()`` is the fake group's 0: rank 0's part stands for
+    each rank's copy)."""
+    parts = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    g = parts[dist.get_rank() % 2]
+    x = per_rank(14, 4, 3)
+    outs = [dc.all_reduce(x, group=g), dc.all_gather(x, group=g), dc.reduce_scatter(x, group=g)]
+    return outs_and_grads([*outs, dc.broadcast(x, src=1, group=g)], [x])
+
+
+def test_a_partition_made_with_new_group_runs_per_copy_as_on_real_ranks(inproc_world4) -> None:
+    """A group made with ``dist.new_group`` whose copies tile the ranks (each rank makes
+    every part and uses its own): values and gradients equal the in-process world's."""
+    assert_equal_both_ways(inproc_world4, 4, _on_my_part_of_a_partition)
+
+
+def _all_reduce_on(ranks: list[int]) -> torch.Tensor:
+    x = per_rank(15, 2)
+    return dc.all_reduce(x, group=dist.new_group(ranks)).detach() * 1
+
+
+@pytest.mark.parametrize(
+    ("n", "ranks", "laid_out"),
+    [
+        # copies that overlap (was: a member's value wrong)
+        (8, [0, 1, 2, 4], r"\[\[0, 1, 2, 4\], \[2, 3, 4, 6\]\]"),
+        # ranks 2 and 5 in no copy (was: no value for them)
+        (6, [0, 1, 3, 4], r"\[\[0, 1, 3, 4\]\]"),
+        # a copy beyond the world
+        (4, [0, 1, 2], r"\[\[0, 1, 2\], \[3, 4, 5\]\]"),
+        # no regular grid (was torch's AssertionError)
+        (4, [0, 1, 3], "of itself;"),
+    ],
+)
+def test_a_group_whose_copies_do_not_tile_the_ranks_is_refused_naming_the_op(
+    n: int, ranks: list[int], laid_out: str
+) -> None:
+    """Under the mode the fake group (rank 0's) stands for one group per copy of its
+    layout. ``new_group([0, 1, 2, 4])`` at world 8 is laid out by torch as the copies
+    [0, 1, 2, 4] and [2, 3, 4, 6]: ``all_reduce`` gave ranks 2 and 4, members of the
+    group, the second copy's sum (1011100 for inputs 10**r, where real ranks get 10111),
+    silently; ranks in no copy got no value, a layout that is no regular grid failed inside
+    torch. Each is now refused naming the op, the group and its copies."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    want = (
+        rf"`all_reduce` under torch's LocalTensorMode .*group of ranks {re.escape(str(ranks))} does not tile"
+    )
+    with pytest.raises(LocalTensorModeError, match=want) as got:
+        run_under_local_tensor_mode(n, _all_reduce_on, ranks)
+    assert re.search(laid_out, str(got.value)), str(got.value)
+    # compat's global-rank translation asks the same copies
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    try:
+        with LocalTensorMode(n), pytest.raises(LocalTensorModeError, match="`compat.broadcast` under"):
+            from diffcomm import compat
+
+            compat.broadcast(torch.ones(2), src=0, group=dist.new_group(ranks))
+    finally:
+        dist.destroy_process_group()
+
+
 class _GatherWithAWrongBackward(torch.autograd.Function):
     """all_gather whose backward keeps the first rows of its own gradient (not the adjoint)."""
 
@@ -949,6 +1014,39 @@ def test_a_plain_tensor_is_every_ranks_and_groups_of_a_mesh_run_per_copy(
         )
 
     assert_equal_both_ways(inproc_worlds(4), 4, program)
+
+
+_OF_ONE = {
+    "all_reduce": lambda x, g: dc.all_reduce(x, group=g),
+    "all_reduce[max]": lambda x, g: dc.all_reduce(x, op="max", group=g),
+    "all_reduce[product]": lambda x, g: dc.all_reduce(x, op="product", group=g),
+    "reduce": lambda x, g: dc.reduce(x, dst=0, group=g),
+    "reduce_scatter[max]": lambda x, g: dc.reduce_scatter(x, op="max", group=g),
+    "reduce_from_region": lambda x, g: P.reduce_from_region(x, g),
+}
+
+
+def _halved_in_place(op: str, axis: bool) -> list[torch.Tensor]:
+    """``op`` over a group of one rank (the world of 1, or the size-1 axis of a 2 x 1
+    mesh), its result then halved in place; the input read after."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    group = (init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b")), "b") if axis else None
+    x = per_rank(16, 2, 3).detach()
+    y = _OF_ONE[op](x, group)
+    y.mul_(0.5)
+    return [x + y, x]
+
+
+@pytest.mark.parametrize("axis", [False, True], ids=["world of 1", "size-1 mesh axis"])
+@pytest.mark.parametrize("op", list(_OF_ONE))
+def test_a_group_of_one_gives_a_new_tensor_as_on_real_ranks(
+    inproc_worlds: Callable[[int], Any], op: str, axis: bool
+) -> None:
+    """Over a group of one rank the per-rank reduction returned the rank's own input tensor:
+    ``y.mul_(0.5)`` halved ``x`` too, and ``x + y`` gave x where real ranks give 1.5 x."""
+    n = 2 if axis else 1
+    assert_equal_both_ways(inproc_worlds(n), n, _halved_in_place, op, axis)
 
 
 def test_split_sizes_are_checked_on_every_simulated_rank() -> None:

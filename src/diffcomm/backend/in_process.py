@@ -24,6 +24,10 @@ named ``"inproc"`` with every capability (:func:`~diffcomm.backend.groups.static
 from __future__ import annotations
 
 import copy
+import ctypes
+import random
+import struct
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -71,13 +75,18 @@ class RankStates:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.rng: dict[int, torch.Tensor] = {}
+        #: each rank's Python ``random`` state and NumPy global state (:class:`_HostRNG`:
+        #: the legacy state and its struct's bytes; ``None``: a fresh one, made when needed)
+        self.py_rng: dict[int, Any] = {}
+        self.np_rng: dict[int, tuple[Any, bytes] | None] = {}
         self.saved: dict[int, list[Any]] = {}
         #: each rank's module attributes registered with :func:`per_rank_attr`
         self.attrs: dict[int, list[Any]] = {}
         #: each rank's torch settings that are one per process (:func:`torch_settings`)
         self.torch: dict[int, tuple[Any, ...]] = {}
-        #: each rank's grad mode between runs (per thread in torch: a run's threads end)
-        self.grad: dict[int, bool] = {}
+        #: each rank's torch settings that are per thread (:func:`thread_settings`: grad
+        #: mode, autocast, default device) between runs (a run's threads end)
+        self.thread: dict[int, tuple[Any, ...]] = {}
         #: each rank's comm-off switches (per thread: kept here between its runs' threads)
         self.switched: dict[int, set[str]] = {}
         #: each rank's flight-recorder history (its run's group is destroyed at the run's end)
@@ -87,10 +96,12 @@ class RankStates:
     def reset(self) -> None:
         for r in range(self.world_size):
             self.rng[r] = _fresh_rng()
+            self.py_rng[r] = random.Random().getstate()  # (seeded by the system's entropy)
+            self.np_rng[r] = None
             self.saved[r] = [_copy_of(c) for c in _INITIAL]
             self.attrs[r] = [fresh() for _owner, _name, fresh in _ATTRS]
             self.torch[r] = FRESH_TORCH
-            self.grad[r] = True
+            self.thread[r] = FRESH_THREAD
             self.switched[r] = set()
             self.history[r] = None
 
@@ -119,12 +130,15 @@ class Hub:
         self.mail: dict[tuple[str, int, int, int], dict[int, torch.Tensor]] = {}
         self.sent: dict[tuple[str, int, int, int], int] = {}
         self.posted: dict[tuple[str, int, int, int], int] = {}
+        #: each group name's members (global ranks) and the rank that first used it
+        self.members: dict[str, tuple[tuple[int, ...], int]] = {}
         self.failure: str | None = None
         # every rank's CPU RNG state and process state (:func:`per_rank`), swapped with
         # the run lock: the world's, kept from its last run (a fresh process's at first)
         states = states if states is not None else RankStates(world_size)
         self.states = states
         self.rng = states.rng
+        self.host_rng = _HostRNG(states)
         self.saved = states.saved
         self.attrs = states.attrs
         self.torch = states.torch
@@ -136,6 +150,7 @@ class Hub:
 
     def _swap_in(self, rank: int) -> None:
         torch.set_rng_state(self.rng[rank])
+        self.host_rng.swap_in(rank)
         for box, value in zip(_STATE, self.saved[rank]):
             _restore(box, value)
         for (owner, name, _fresh), value in zip(_ATTRS, self.attrs[rank]):
@@ -145,6 +160,7 @@ class Hub:
 
     def _swap_out(self, rank: int) -> None:
         self.rng[rank] = torch.get_rng_state()
+        self.host_rng.swap_out(rank)
         self.saved[rank] = [_copy_of(box) for box in _STATE]
         self.attrs[rank] = [getattr(owner, name) for owner, name, _fresh in _ATTRS]
         self.torch[rank] = torch_settings()
@@ -220,6 +236,25 @@ class Hub:
             f"collectives (a desync: a rank returned, or ranks wait in different ops). {where}. "
             "In one process this is found at once; there is no timeout to wait for."
         )
+
+    def same_members(self, group: str, members: tuple[int, ...], rank: int, what: str) -> None:
+        """Refuse a group whose name another rank's group of other members holds (lock
+        held). A group's name is its place in the order of ``dist.new_group`` calls, so
+        ranks that each made only their own group (``new_group([0, 1])`` on ranks 0 and 1,
+        ``new_group([2, 3])`` on 2 and 3) hold two groups of one name: their collectives met
+        in one slot and completed as two groups, where on processes the two groups' gloo
+        connections mix (a desync, a hang or another group's data)."""
+        first, by = self.members.setdefault(group, (members, rank))
+        if first != members:
+            self.fail(
+                f"diffcomm in-process world: rank {rank} {what} on group {group} of ranks "
+                f"{list(members)}, but rank {by}'s group {group} is of ranks {list(first)}: the "
+                "ranks did not call dist.new_group for every group in the same order (every rank "
+                "of the world calls it for every group, members or not, unless "
+                "use_local_synchronization=True); on real processes such groups mix up their "
+                "connections (a desync, a hang or another group's data)"
+            )
+            raise InProcessDesyncError(self.failure or "")
 
     # ---- collectives: every rank deposits, every rank reads all ----------------------
     def exchange(self, group: str, seq: int, rank: int, size: int, what: str, payload: Any) -> list[Any]:
@@ -297,6 +332,95 @@ def _fresh_rng() -> torch.Tensor:
     g = torch.Generator()
     g.seed()
     return g.get_state()
+
+
+# Python's and NumPy's global random generators are one per process too: each rank's own,
+# swapped with the run lock (a rank's `random.seed(100 + rank)` was the other ranks' stream:
+# after a hand-over rank 0 drew rank 1's numbers), starting as a fresh process's.
+#: NumPy's MT19937 state struct behind ``ctypes.state_address``: uint32 key[624], int pos
+_MT_BYTES = 624 * 4 + 4
+
+
+def _np_raw(np: Any) -> bytes:
+    """The bytes of NumPy's global MT19937 state struct (its words and position)."""
+    return ctypes.string_at(np.random.mtrand._rand._bit_generator.ctypes.state_address, _MT_BYTES)
+
+
+def _raw_of(np: Any, state: tuple[Any, ...]) -> bytes:
+    """The struct's bytes that the legacy ``state`` (``np.random.get_state()``) holds."""
+    return np.asarray(state[1], dtype=np.uint32).tobytes() + struct.pack("=i", state[2])
+
+
+def _np_fast(np: Any) -> bool:
+    """Whether the struct is laid out as :data:`_MT_BYTES` says (checked once per NumPy;
+    else every hand-over reads and writes the whole state, ~60 µs instead of ~2)."""
+    if _NP_FAST[0] is None:
+        try:
+            _NP_FAST[0] = _np_raw(np) == _raw_of(np, np.random.get_state())
+        except Exception:  # (no ctypes interface: the slow, exact path)
+            _NP_FAST[0] = False
+    return bool(_NP_FAST[0])
+
+
+_NP_FAST: list[bool | None] = [None]
+
+
+def host_rng() -> tuple[Any, Any]:
+    """The Python ``random`` and NumPy global RNG states now (NumPy's ``None`` where it is
+    not imported): the caller's, put back after a run."""
+    np = sys.modules.get("numpy")
+    return random.getstate(), None if np is None else np.random.get_state()
+
+
+def set_host_rng(states: tuple[Any, Any]) -> None:
+    """Put the states :func:`host_rng` returned."""
+    py, np_state = states
+    random.setstate(py)
+    np = sys.modules.get("numpy")
+    if np is not None:  # (imported during the run: a fresh process's state, not a rank's)
+        np.random.set_state(np_state) if np_state is not None else np.random.seed()
+
+
+class _HostRNG:
+    """Each rank's Python ``random`` and NumPy global generator states, swapped with the run
+    lock. NumPy's full state (~30 µs to read, as much to write) is read only where a rank
+    changed it — its struct's bytes (~1 µs) differ from what was put in — and written as
+    those bytes, except where a cached Gaussian (``has_gauss``, outside the struct) is in
+    play: then the full state, exactly."""
+
+    def __init__(self, states: RankStates) -> None:
+        self.py, self.np = states.py_rng, states.np_rng
+        self.now: tuple[bytes, int] | None = None  # the struct's bytes and has_gauss put in
+
+    def swap_in(self, rank: int) -> None:
+        random.setstate(self.py[rank])
+        np = sys.modules.get("numpy")
+        if np is None:
+            return
+        saved = self.np[rank]
+        if saved is None:  # a fresh process's, made once NumPy is imported
+            fresh = np.random.RandomState().get_state()
+            saved = self.np[rank] = (fresh, _raw_of(np, fresh))
+        state, raw = saved
+        if self.now is not None and self.now[1] == 0 and state[3] == 0 and _np_fast(np):
+            ctypes.memmove(np.random.mtrand._rand._bit_generator.ctypes.state_address, raw, _MT_BYTES)
+        else:
+            np.random.set_state(state)
+        self.now = (raw, state[3])
+
+    def swap_out(self, rank: int) -> None:
+        self.py[rank] = random.getstate()
+        np = sys.modules.get("numpy")
+        if np is None:
+            return
+        fast = _np_fast(np)
+        raw = _np_raw(np) if fast else b""
+        if fast and self.now is not None and self.now[1] == 0 and raw == self.now[0]:
+            return  # not drawn from (a draw moves the position; a Gaussian needs has_gauss 0 -> words)
+        state = np.random.get_state()
+        raw = raw if fast else _raw_of(np, state)
+        self.np[rank] = (state, raw)
+        self.now = (raw, state[3]) if fast else None
 
 
 # Process state that belongs to a rank (a dict, list or set at module level, e.g. the group
@@ -379,6 +503,37 @@ def set_torch_settings(values: tuple[Any, ...]) -> None:
         torch.autograd.set_detect_anomaly(anomaly, check_nan=check_nan)
     if matmul != now[5]:
         torch.set_float32_matmul_precision(matmul)
+
+
+# torch's settings that are per thread (a rank process keeps them from one run to the next
+# in its one thread; an in-process rank runs each run in a new thread, which starts at
+# torch's defaults: `torch.set_autocast_enabled("cpu", True)` or `set_default_device` called
+# plainly in one run held in the next on processes, bfloat16 matmuls, and not in-process).
+#: a fresh thread's: grad mode, CPU autocast on and its dtype, the default device
+FRESH_THREAD: tuple[Any, ...] = (True, False, torch.bfloat16, torch.device("cpu"))
+
+
+def thread_settings() -> tuple[Any, ...]:
+    """torch's per-thread settings now, in the order of :data:`FRESH_THREAD`."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.get_default_device(),
+    )
+
+
+def set_thread_settings(values: tuple[Any, ...]) -> None:
+    """Put this thread's settings to ``values`` (from :func:`thread_settings`), calling only
+    the setters whose value differs from a fresh thread's (a default device set even to the
+    CPU puts a mode in front of every torch call)."""
+    grad, autocast, dtype, device = values
+    torch.set_grad_enabled(grad)
+    if (autocast, dtype) != FRESH_THREAD[1:3]:
+        torch.set_autocast_enabled("cpu", autocast)
+        torch.set_autocast_dtype("cpu", dtype)
+    if device != FRESH_THREAD[3]:
+        torch.set_default_device(device)
 
 
 def _copy_of(box: Any) -> Any:
@@ -557,8 +712,9 @@ class _RecvWork(dist.Work):
         return self._finish is None
 
 
-def _reduce(op: Any, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+def _reduce(op: Any, parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     """Reduce the ranks' tensors in rank order (sum: ((t0 + t1) + t2) + ...)."""
+    _one_dtype(parts, what)
     kind = op.op if hasattr(op, "op") else op
     if kind == _RED.PREMUL_SUM:
         raise NotImplementedError("diffcomm in-process backend: ReduceOp.PREMUL_SUM is not supported")
@@ -596,7 +752,34 @@ _MISMATCH = (
 )
 
 
+def _one_dtype(parts: Sequence[torch.Tensor], what: str) -> None:
+    """Refuse the ranks' tensors of one collective in different dtypes. A transport moves
+    bytes: gloo aborts a rank that receives more bytes than it expects and reinterprets
+    bytes of one size (float32 read as int32); here ``add_`` and ``cat`` would convert,
+    a value no real run gives (all_reduce of float32 ones on rank 0 and float64 twos on
+    rank 1 gave 3 on both, where gloo processes abort)."""
+    dtypes = [p.dtype for p in parts]
+    if any(d != dtypes[0] for d in dtypes):
+        held = ", ".join(f"rank {r}: {d}" for r, d in enumerate(dtypes))
+        raise RuntimeError(
+            f"diffcomm in-process backend: {what}: the ranks' tensors are of {held}: {_DTYPES}"
+        )
+
+
+#: what a dtype mismatch between ranks does on real processes (the in-process message)
+_DTYPES = (
+    "the ranks called it with different dtypes; on real processes gloo aborts a rank that "
+    "receives more bytes than it expects or reads another dtype's bytes as its own "
+    "(DIFFCOMM_DEBUG=1 compares the arguments before any data moves)"
+)
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str = "collective") -> None:
+    if dst.dtype != src.dtype:
+        raise RuntimeError(
+            f"diffcomm in-process backend: {what}: this rank's buffer is of {dst.dtype}, the data "
+            f"for it of {src.dtype}: {_DTYPES}"
+        )
     if dst.numel() != src.numel():
         raise RuntimeError(
             f"diffcomm in-process backend: {what}: this rank's buffer holds {dst.numel()} "
@@ -615,11 +798,13 @@ def _gathered_parts(got: Any) -> list[torch.Tensor]:
     return got if isinstance(got, list) else [got]
 
 
-def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+def _joined(parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     """``torch.cat(parts)`` as a transport joins bytes: outside the caller's
     ``torch.autocast``, which is for the user's math, not a collective's buffers (CPU
     autocast refuses float16 in ``cat``, "Unexpected floating ScalarType in
-    at::autocast::prioritize", where gloo moves float16 as it is)."""
+    at::autocast::prioritize", where gloo moves float16 as it is); of one dtype, as bytes
+    are (``cat`` would promote)."""
+    _one_dtype(parts, what)
     kind = parts[0].device.type
     try:
         on = torch.is_autocast_enabled(kind)
@@ -673,6 +858,7 @@ class InProcessGroup(_PG):
         self._hub = hub
         self._seq = 0
         self._name: str | None = None
+        self._members_checked = False
 
     def getBackendName(self) -> str:
         return NAME
@@ -698,6 +884,17 @@ class InProcessGroup(_PG):
             self._name = str(names.get(self, "?"))
         return self._name
 
+    def _checked_name(self, what: str) -> str:
+        """The group's name, its members checked once against the other ranks' group of
+        that name (:meth:`Hub.same_members`)."""
+        name = self._gname()
+        if not self._members_checked:
+            w = _rank_world()
+            members = tuple(sorted(w.pg_group_ranks.get(self, {}))) if w is not None else ()
+            self._hub.same_members(name, members, _me(self._rank), what)
+            self._members_checked = True
+        return name
+
     def _refuse_in_compilation(self, what: str) -> None:
         """Refuse an op run for real while this rank's thread compiles (see ``_TRACED``),
         before it counts or deposits anything (dynamo may catch the error and go on)."""
@@ -706,16 +903,17 @@ class InProcessGroup(_PG):
 
     def _all(self, what: str, payload: Any) -> list[Any]:
         self._refuse_in_compilation(f"runs {what} (group {self._gname()})")
+        name = self._checked_name(f"runs {what}")
         seq = self._seq
         self._seq += 1
-        return self._hub.exchange(self._gname(), seq, self._rank, self._size, what, payload)
+        return self._hub.exchange(name, seq, self._rank, self._size, what, payload)
 
     # ---- collectives ------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         got = self._all("all_reduce", [t.detach().clone() for t in tensors])
         for i, t in enumerate(tensors):
-            _copy(t, _reduce(op, [g[i] for g in got]), "all_reduce")
+            _copy(t, _reduce(op, [g[i] for g in got], "all_reduce"), "all_reduce")
         return _done(tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -725,7 +923,7 @@ class InProcessGroup(_PG):
         got = self._all("reduce", [t.detach().clone() for t in tensors])
         if self._rank == opts.rootRank:
             for i, t in enumerate(tensors):
-                _copy(t, _reduce(opts.reduceOp, [g[i] for g in got]), "reduce")
+                _copy(t, _reduce(opts.reduceOp, [g[i] for g in got], "reduce"), "reduce")
         return _done(tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
@@ -749,7 +947,8 @@ class InProcessGroup(_PG):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         got = self._all("all_gather", input.detach().clone())
-        _copy(output, _joined([p.reshape(-1) for g in got for p in _gathered_parts(g)]), "all_gather")
+        parts = [p.reshape(-1) for g in got for p in _gathered_parts(g)]
+        _copy(output, _joined(parts, "all_gather"), "all_gather")
         return _done(output)
 
     _allgather_base = all_gather_single
@@ -762,7 +961,9 @@ class InProcessGroup(_PG):
     def reduce_scatter(self, output: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Any:
         got = self._all("reduce_scatter", [[t.detach().clone() for t in ts] for ts in inputs])
         for i, o in enumerate(output):
-            _copy(o, _reduce(opts.reduceOp, [g[i][self._rank] for g in got]), "reduce_scatter")
+            _copy(
+                o, _reduce(opts.reduceOp, [g[i][self._rank] for g in got], "reduce_scatter"), "reduce_scatter"
+            )
         return _done(output)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
@@ -776,7 +977,7 @@ class InProcessGroup(_PG):
                 f"{sizes}: {_MISMATCH}"
             )
         mine = [g.reshape(-1)[self._rank * n : (self._rank + 1) * n] for g in got]
-        _copy(output, _reduce(opts.reduceOp, mine), "reduce_scatter")
+        _copy(output, _reduce(opts.reduceOp, mine, "reduce_scatter"), "reduce_scatter")
         return _done(output)
 
     _reduce_scatter_base = reduce_scatter_single
@@ -807,7 +1008,7 @@ class InProcessGroup(_PG):
                 f"the ranks, they send {sent}: {_MISMATCH}"
             )
         if mine and mine[0].dim():
-            _copy(output, _joined(mine), "all_to_all")
+            _copy(output, _joined(mine, "all_to_all"), "all_to_all")
         return _done(output)
 
     alltoall_base = all_to_all_single
@@ -838,12 +1039,13 @@ class InProcessGroup(_PG):
     # ---- point to point ---------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         self._refuse_in_compilation(f"sends to group rank {dst} (group {self._gname()})")
-        self._hub.post(self._gname(), self._rank, dst, tag, tensors[0])
+        self._hub.post(self._checked_name(f"sends to group rank {dst}"), self._rank, dst, tag, tensors[0])
         return _done(tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         self._refuse_in_compilation(f"receives from group rank {src} (group {self._gname()})")
-        out, name, me, hub = tensors[0], self._gname(), self._rank, self._hub
+        out, me, hub = tensors[0], self._rank, self._hub
+        name = self._checked_name(f"receives from group rank {src}")
         turn = hub.turn(name, src, me, tag)  # (posted now: its message is fixed now)
         return _RecvWork(lambda: _copy_bytes(out, hub.take(name, src, me, tag, turn, "recv")))
 

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._errors import DiffcommError
 from .._torch import functorch_off, local_group_instances, local_int, local_tensor_api
@@ -84,7 +85,11 @@ Ranked = dict[int, torch.Tensor]  # one tensor per simulated (global) rank
 
 
 def _reduce(op: str, ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``ts`` reduced in rank order (what an in-process world and gloo give, to rounding)."""
+    """``ts`` reduced in rank order (what an in-process world and gloo give, to rounding):
+    a new tensor, also for a group of one (its rank's own tensor was returned: an in-place
+    change of ``all_reduce``'s result changed the input, which a real rank's never does)."""
+    if len(ts) == 1:
+        return ts[0].clone()
     if op in ("sum", "avg"):
         out = functools.reduce(operator.add, ts)
         return out / len(ts) if op == "avg" else out
@@ -130,18 +135,21 @@ class LocalTensorBackend(CoalescedOps):
         fn: Callable[..., list[torch.Tensor]],
         alike: str | None = None,
         rows: Sequence[int] | None = None,
+        op: str | None = None,
     ) -> Any:
         """Run ``fn(*[every group rank's tensor of each x])`` -> one output per group rank
         (in group-rank order), for every copy of ``group``; the outputs as one
         ``LocalTensor``. ``alike``: the op's name, whose ranks must hold the first x in one
         shape (``rows``: dim 0 may differ, group rank ``i``'s must be ``rows[i]``), as real
-        processes' buffers must (:func:`_check_alike`)."""
+        processes' buffers must (:func:`_check_alike`); ``op``: the raw op's name where it
+        is not ``alike``'s (errors name it)."""
         lt = local_tensor_api()
         mode = self._mode()
         values = [self._values(x) for x in xs]
+        copies = group_copies(group, op or alike or "a collective")
         out: Ranked = {}
         with mode.disable():
-            for members in local_group_instances(group):
+            for members in copies:
                 if not all(r in v for v in values for r in members):
                     raise refuse("a collective", f"the tensor holds no values for some of ranks {members}")
                 if alike is not None:
@@ -154,7 +162,7 @@ class LocalTensorBackend(CoalescedOps):
     def _ints(self, n: Any, group: Any) -> list[int]:
         """Every group rank's value of the int ``n`` (one per simulated rank; the same
         list in every copy of the group, else refused)."""
-        rows = {tuple(local_int(n, r) for r in members) for members in local_group_instances(group)}
+        rows = {tuple(local_int(n, r) for r in members) for members in group_copies(group, "size exchange")}
         if len(rows) != 1:
             raise refuse("size exchange", "the copies of the group hold different sizes")
         return list(rows.pop())
@@ -168,7 +176,10 @@ class LocalTensorBackend(CoalescedOps):
         with functorch_off():  # (a constant, also inside torch.func.jvp: see functorch_off)
             proto = torch.empty(0, device=device)
             return self._each(
-                [proto], group, lambda ps: [torch.tensor(i == r, device=device) for i in range(len(ps))]
+                [proto],
+                group,
+                lambda ps: [torch.tensor(i == r, device=device) for i in range(len(ps))],
+                op="the group rank",
             )
 
     def rank_tensor(self, group: Any, device: torch.device) -> torch.Tensor:
@@ -177,7 +188,10 @@ class LocalTensorBackend(CoalescedOps):
         with functorch_off():  # (a constant, also inside torch.func.jvp: see functorch_off)
             proto = torch.empty(0, device=device)
             return self._each(
-                [proto], group, lambda ps: [torch.tensor(i, device=device) for i in range(len(ps))]
+                [proto],
+                group,
+                lambda ps: [torch.tensor(i, device=device) for i in range(len(ps))],
+                op="the group rank",
             )
 
     def each_rank(self, group: Any, fn: Callable[..., Any], *xs: torch.Tensor) -> Any:
@@ -191,8 +205,9 @@ class LocalTensorBackend(CoalescedOps):
         mode = self._mode()
         values = [self._values(x) for x in xs]
         got: dict[int, Any] = {}
+        copies = group_copies(group, "a per-rank plan")
         with mode.disable():
-            for members in local_group_instances(group):
+            for members in copies:
                 for i, r in enumerate(members):
                     got[r] = fn(i, *[v[r].detach() for v in values])
         ranks = sorted(got)
@@ -231,7 +246,7 @@ class LocalTensorBackend(CoalescedOps):
         rank's value (:meth:`rank_is` gives that per rank)."""
         starts: dict[int, int] = {}
         lengths: dict[int, int] = {}
-        for members in local_group_instances(group):
+        for members in group_copies(group, "the group rank"):
             for i, r in enumerate(members):
                 starts[r], lengths[r] = sum(sizes[:i]), sizes[i]
         lt = local_tensor_api()
@@ -299,7 +314,7 @@ class LocalTensorBackend(CoalescedOps):
             sizes = list(split_sizes) if split_sizes is not None else [n // len(ts)] * len(ts)
             return [c.clone() for c in ts[src].split(sizes)]
 
-        return self._each([x], group, fn)
+        return self._each([x], group, fn, op="scatter")
 
     def _even_all_to_all(self, x: torch.Tensor, group: Any) -> torch.Tensor:
         """Chunk ``j`` of rank ``i``'s ``x`` to rank ``j`` (equal chunks)."""
@@ -311,7 +326,7 @@ class LocalTensorBackend(CoalescedOps):
         """Chunk ``j`` of rank ``i``'s ``x`` to rank ``j``. Split sizes may be ``SymInt``s
         holding one int per simulated rank; ``output_split_sizes`` must agree with what
         arrives (checked per rank)."""
-        groups = local_group_instances(group)
+        groups = group_copies(group, "all_to_all")
         values = self._values(x)
         ins: dict[int, list[int]] = {}
         for members in groups:
@@ -347,7 +362,7 @@ class LocalTensorBackend(CoalescedOps):
                 _check_alike("ppermute", {s: ts[s].shape, d: ts[d].shape}, None, group_ranks=True)
             return [ts[src[i]].clone() if i in src else torch.zeros_like(ts[i]) for i in range(len(ts))]
 
-        return self._each([x], group, fn)
+        return self._each([x], group, fn, op="ppermute")
 
     # ---- host integers -----------------------------------------------------------------
     def exchange_sizes(self, n: int, group: Any) -> list[int]:
@@ -355,7 +370,7 @@ class LocalTensorBackend(CoalescedOps):
 
     def exchange_size_lists(self, ns: Sequence[int], group: Any) -> list[list[int]]:
         cols = [self._ints(n, group) for n in ns]
-        size = len(local_group_instances(group)[0])
+        size = len(group_copies(group, "size exchange")[0])
         return [[c[i] for c in cols] for i in range(size)]
 
     exchange_records = exchange_size_lists
@@ -370,6 +385,33 @@ class LocalTensorBackend(CoalescedOps):
 
     def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int, int]], group: Any) -> None:
         raise refuse("send/recv (batch_p2p)", PEER_WHY)
+
+
+def group_copies(group: Any, op: str) -> list[list[int]]:
+    """The global ranks of every copy of ``group`` (each in group-rank order) that ``op``
+    runs on: torch's fake group is rank 0's, and under the mode it stands for one group per
+    copy of its layout (the other rows of a mesh axis; the other parts of a partition that
+    every rank made with ``new_group``). Refused unless the copies tile the simulated
+    ranks, each rank in exactly one: torch lays out a group that is no regular grid as
+    copies that overlap (``new_group([0, 1, 2, 4])`` at world 8 copies to ``[2, 3, 4, 6]``,
+    and ranks 2 and 4, members, got that copy's sum), leave ranks out or name ranks beyond
+    the world, or fails inside its layout code (an ``AssertionError``, a ``RecursionError``)."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    try:
+        copies = local_group_instances(group)
+    except (AssertionError, RecursionError):
+        copies = None
+    world = sorted(local_tensor_api().local_tensor_mode().ranks)
+    if copies is None or sorted(r for c in copies for r in c) != world:
+        laid = "" if copies is None else f" (torch lays it out as the copies {copies})"
+        raise refuse(
+            op,
+            f"its group of ranks {ranks} does not tile the {len(world)} simulated ranks into "
+            f"copies of itself{laid}; under the mode the group, rank 0's, stands for one group "
+            "per copy of its layout, so each rank must be in exactly one (a DeviceMesh axis, "
+            "or a partition such as new_group([0, 1]) and new_group([2, 3]) at world 4)",
+        )
+    return copies
 
 
 def _check_alike(

@@ -86,7 +86,7 @@ def _run(
     results: list[Any] = [None] * world_size
     failures: dict[int, str] = {}
     exceptions: dict[int, BaseException] = {}
-    outer_rng = torch.get_rng_state()
+    outer_rng, outer_host_rng = torch.get_rng_state(), _ip.host_rng()
     outer = [_ip._copy_of(box) for box in _ip._STATE]  # the caller's own, put back after
     outer_attrs, outer_torch = _ip.attrs_now(), _ip.torch_settings()
 
@@ -94,8 +94,6 @@ def _run(
         _ip.enter_rank(hub, rank)
         hub.acquire(rank)
         outcome = "done"
-        # grad mode is per thread in torch: the rank's own, carried from its last run's thread
-        torch.set_grad_enabled(hub.states.grad[rank])
         # the comm-off switches are per thread: a rank's own (`comm_off("all_reduce")` as a
         # plain call) stays on from run to run, as in a rank process (it ended with the run)
         if state is not None and state.switched[rank]:
@@ -106,6 +104,9 @@ def _run(
                 _flight.resume(state.history[rank])  # the world's group, as a process keeps it
             try:
                 _lifecycle.program_start()  # a new program, as a process rank's run (its own state)
+                # grad mode, autocast and the default device are per thread in torch: the
+                # rank's own, carried from its last run's thread (set after the world is joined)
+                _ip.set_thread_settings(hub.states.thread[rank])
                 fn, args, kwargs = _ship.loads(payload)
                 with _ship.applied(carried):
                     result = fn(*args, **kwargs)
@@ -124,7 +125,7 @@ def _run(
             # one complete it; those waiting for it are found stuck, the story naming it)
             outcome = f"raised {type(exc).__name__}: {exc}"
         finally:
-            hub.states.grad[rank] = torch.is_grad_enabled()
+            hub.states.thread[rank] = _ip.thread_settings()
             if state is not None:
                 state.switched[rank] = set(getattr(_logger.STATE, "off", ()))
             hub.release(rank, final=True, outcome=outcome)
@@ -147,15 +148,19 @@ def _run(
         isolation(False)
         sys.excepthook = hook
         torch.set_rng_state(outer_rng)
+        _ip.set_host_rng(outer_host_rng)
         for box, value in zip(_ip._STATE, outer):
             _ip._restore(box, value)
         _ip.put_attrs(outer_attrs)
         _ip.set_torch_settings(outer_torch)
     if failures:
         first = {r: tb for r, tb in failures.items() if not isinstance(exceptions[r], _DESYNC)}
+        # a rank left waiting (a desync, or a peer that raised while it waited): a world of
+        # processes tears down and restarts with fresh ranks, so the ranks start afresh here
+        # too (a rank's set_default_dtype, grad mode or seed outlived such a run in-process)
+        if state is not None and len(first) < len(failures):
+            state.reset()
         if not first:  # only desyncs: every waiting rank names where it waited
-            if state is not None:  # processes restart after a desync: fresh ranks
-                state.reset()
             story = next(str(e) for e in exceptions.values())
             raise RankDesyncError(
                 f"LocalWorld(in_process=True): the ranks went out of step during `{name}`.\n{story}"
