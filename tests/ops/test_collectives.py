@@ -328,6 +328,54 @@ def test_max_min_ties_product_zeros_avg(local_worlds, world_size: int) -> None:
         assert o["bcast_zero"]
 
 
+_NAN = float("nan")
+#: per rank: a NaN on rank 1 only, on rank 0 only, on both, a tie, a NaN beside -inf
+_NAN_VALUES = ([1.0, _NAN, 2.0, 5.0, _NAN, -1.0], [_NAN, 3.0, 0.5, 5.0, _NAN, -float("inf")])
+
+
+def _nan_extrema() -> dict:
+    r, out = dc.get_rank(), {}
+    w = torch.arange(1.0, 7.0, dtype=torch.float64)
+    for op in ("max", "min"):
+        x = torch.tensor(_NAN_VALUES[r], dtype=torch.float64, requires_grad=True)
+        y = dc.all_reduce(x, op)
+        (y * w).nansum().backward()
+        out[op] = (y.detach(), x.grad)
+        for dtype in (torch.float32, torch.bfloat16):
+            v = torch.tensor(_NAN_VALUES[r], dtype=dtype)
+            out[op, dtype, "reduce"] = dc.reduce(v, 0, op)
+            out[op, dtype, "reduce_scatter"] = dc.reduce_scatter(torch.cat([v, v]), op=op)
+            out[op, dtype, "coalesced"] = torch.cat(dc.all_reduce_coalesced([v, v[:2].double()], op))
+            out[op, dtype, "reduce_coalesced"] = torch.cat(dc.reduce_coalesced([v, v[:2]], 0, op))
+            out[op, dtype, "traced"] = B.TraceableBackend().reduce(v, 1, op, None)  # torch.compile's
+    return out
+
+
+@pytest.mark.diffcomm_in_process(False)
+def test_max_min_propagate_nan_from_any_rank(local_worlds) -> None:
+    """A NaN on any rank makes a floating max/min NaN there, as torch's ``amax`` of the
+    stacked values and as in-process: gloo's max/min keep the non-NaN operand, so a NaN on
+    rank 1 beside 1.0 on rank 0 gave 1.0 (and its gradient 1 to rank 0, 0 to rank 1)."""
+    stacked = torch.tensor(_NAN_VALUES, dtype=torch.float64, requires_grad=True)
+    w = torch.arange(1.0, 7.0, dtype=torch.float64)
+    procs, inproc = local_worlds(2).run(_nan_extrema), local_worlds(2, in_process=True).run(_nan_extrema)
+    for op, amax in (("max", torch.amax), ("min", torch.amin)):
+        stacked.grad = None
+        y = amax(stacked, 0)
+        (y * w).nansum().backward()  # one rank's objective; every rank's: twice the gradient
+        for r in range(2):
+            got, grad = procs[r][op]
+            torch.testing.assert_close(got, y.detach(), equal_nan=True)
+            torch.testing.assert_close(grad, 2 * stacked.grad[r], equal_nan=True)
+            for key, value in procs[r].items():
+                torch.testing.assert_close(value, inproc[r][key], equal_nan=True, msg=str(key))
+        for dtype in (torch.float32, torch.bfloat16):
+            ref = y.detach().to(dtype)
+            torch.testing.assert_close(procs[0][op, dtype, "reduce"], ref, equal_nan=True)
+            torch.testing.assert_close(procs[1][op, dtype, "reduce_scatter"], ref, equal_nan=True)
+            torch.testing.assert_close(procs[1][op, dtype, "traced"], ref, equal_nan=True)
+
+
 def test_noncontiguous_inputs_and_gradients(world3) -> None:
     def noncontiguous() -> list[float]:
         r = dc.get_rank()
