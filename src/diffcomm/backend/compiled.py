@@ -15,6 +15,7 @@ import torch.distributed as dist
 from .. import _torch
 from .._torch import compiling
 from ..accelerator import comm_device
+from .buffers import joined
 from .groups import Capabilities, ProcessGroup, group_info, static_capabilities
 from .torch_distributed import (
     CoalescedOps,
@@ -158,7 +159,7 @@ class TraceableBackend(CoalescedOps):
             inp = x
         else:  # pad each chunk to the largest, so one reduce_scatter does it
             pad = pad_chunks(x, sizes, m)
-            inp = torch.cat(pad)
+            inp = joined(pad)
         out = self._done(_funcol_reduce_scatter(_live(inp), "sum", 0, self._pg(group)))
         out = torch.view_as_complex(out) if x.is_complex() else out
         out = out if sizes[rank] == m else out[: sizes[rank]]

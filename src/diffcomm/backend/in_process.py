@@ -37,6 +37,7 @@ from .. import _config, _torch
 from .. import accelerator as _accelerator
 from .._errors import DiffcommError
 from ..diagnostics import recorder as _flight
+from .buffers import joined
 
 # Size: ~840 lines, over the ~600 guideline: the in-process transport is one piece (the
 # hub the ranks meet in, the per-rank state it swaps, the thread-local group record, and the
@@ -615,22 +616,6 @@ def _gathered_parts(got: Any) -> list[torch.Tensor]:
     return got if isinstance(got, list) else [got]
 
 
-def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(parts)`` as a transport joins bytes: outside the caller's
-    ``torch.autocast``, which is for the user's math, not a collective's buffers (CPU
-    autocast refuses float16 in ``cat``, "Unexpected floating ScalarType in
-    at::autocast::prioritize", where gloo moves float16 as it is)."""
-    kind = parts[0].device.type
-    try:
-        on = torch.is_autocast_enabled(kind)
-    except RuntimeError:  # no autocast for this device type
-        on = False
-    if not on:
-        return torch.cat(list(parts))
-    with torch.autocast(kind, enabled=False):
-        return torch.cat(list(parts))
-
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of the contiguous ``t`` (a view: writing into it writes ``t``)."""
     t = torch.view_as_real(t) if t.is_complex() else t
@@ -749,7 +734,7 @@ class InProcessGroup(_PG):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         got = self._all("all_gather", input.detach().clone())
-        _copy(output, _joined([p.reshape(-1) for g in got for p in _gathered_parts(g)]), "all_gather")
+        _copy(output, joined([p.reshape(-1) for g in got for p in _gathered_parts(g)]), "all_gather")
         return _done(output)
 
     _allgather_base = all_gather_single
@@ -807,7 +792,7 @@ class InProcessGroup(_PG):
                 f"the ranks, they send {sent}: {_MISMATCH}"
             )
         if mine and mine[0].dim():
-            _copy(output, _joined(mine), "all_to_all")
+            _copy(output, joined(mine), "all_to_all")
         return _done(output)
 
     alltoall_base = all_to_all_single

@@ -27,6 +27,7 @@ from .. import _torch
 from .._errors import CrossRankMismatchError
 from .._replication import spmd_types_untyped
 from ..diagnostics.logger import label
+from .buffers import joined
 from .consistency import PAD, encode, mismatch
 from .direct_calls import (
     c10d_all_gather,
@@ -518,7 +519,7 @@ class TorchDistributedBackend(CoalescedOps):
             inp = x
         else:  # pad each chunk to the largest, so one reduce_scatter_tensor does it
             assert split_sizes is not None
-            inp = torch.cat(pad_chunks(x, split_sizes, max(split_sizes)))
+            inp = joined(pad_chunks(x, split_sizes, max(split_sizes)))
         shape = inp.shape  # each .shape builds a torch.Size: read it once
         out = x.new_empty(shape[0] // world if world else 0, *shape[1:])
         if inp.is_complex():
@@ -652,7 +653,7 @@ class TorchDistributedBackend(CoalescedOps):
         m = int(self.all_reduce(biggest, "max", group).item())
         if m == 0:  # nothing travels anywhere
             return x.new_empty((0, *x.shape[1:]))
-        got = self._even_all_to_all(torch.cat(pad_chunks(x, ins, m)), group, False).split(m)
+        got = self._even_all_to_all(joined(pad_chunks(x, ins, m)), group, False).split(m)
         return unpad_rows(got, outs)
 
     # ---- point to point ------------------------------------------------------------
@@ -792,7 +793,7 @@ def pad_rows(x: torch.Tensor, m: int) -> torch.Tensor:
     """``x`` with zero rows appended along dim 0 up to ``m`` rows (uneven sizes travel padded)."""
     if x.shape[0] == m:
         return x
-    return torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
+    return joined([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
 
 
 def split_rows(split_sizes: Sequence[int] | None, n: int, world: int) -> list[int]:
@@ -814,7 +815,7 @@ def pad_chunks(x: torch.Tensor, sizes: Sequence[int], m: int) -> list[torch.Tens
 
 def unpad_rows(chunks: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
     """Concatenate the first ``sizes[r]`` rows of each padded per-rank chunk."""
-    return torch.cat([c[:s] for c, s in zip(chunks, sizes)])
+    return joined([c[:s] for c, s in zip(chunks, sizes)])
 
 
 #: fp8 dtypes: moved (all_gather, all_to_all, gather, scatter, broadcast, p2p) as bytes,
