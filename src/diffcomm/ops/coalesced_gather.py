@@ -326,7 +326,7 @@ def all_gather_coalesced(
     if split_sizes is not None:
         sizes = _check_sizes(split_sizes, ts, dims, world, name, True, _rank(pg))
     flat = () if sizes is None else tuple(v for s in sizes for v in s)
-    _debug_check(name, pg, ts, vary=dims, dim=dim, split_sizes=flat)
+    _debug_check(name, pg, ts, vary=dims, dim=tuple(dims), split_sizes=flat)
     meta: Any = _even_or_none(sizes)
     if sizes is None and world > 1 and not compiling():
         b = _b()
@@ -399,7 +399,7 @@ def reduce_scatter_coalesced(
     else:
         sizes = _check_sizes(split_sizes, ts, dims, world, name, False, _rank(pg))
     flat = () if split_sizes is None else tuple(v for s in sizes for v in s)
-    _debug_check(name, pg, ts, op=op_name, dim=dim, split_sizes=flat)
+    _debug_check(name, pg, ts, op=op_name, dim=tuple(dims), split_sizes=flat)
     if op_name in A.LINEAR_OPS:
         args = list_args(ts, tuple(dims), op_name, pg, _even_or_none(sizes))
         return list(apply(_ReduceScatterList, *args, async_op=async_op))
