@@ -611,6 +611,33 @@ def test_check_consistent_names_ranks_and_field(world3: LocalWorld, case: str, d
         assert re.search(detail, err[1]), err[1]
 
 
+def test_check_consistent_compares_fields_by_name() -> None:
+    """A field one rank passes and another does not (``precision=`` on rank 0 only) is named
+    as itself. Before, the fields were compared by position: "precision differs (rank 0:
+    bf16>bf16, rank 1: (4, 8)); x.shape differs (rank 0: (4, 8), rank 1: torch.float32);
+    x.dtype differs ...", every field after it lined up with the next one."""
+    from diffcomm.backend.consistency import encode, mismatch
+
+    plain = {"op": "sum", "shape": (4, 8), "dtype": torch.float32, "grad": False}
+    quantized = {
+        "op": "sum",
+        "precision": "bf16>bf16",
+        "shape": (4, 8),
+        "dtype": torch.float32,
+        "grad": False,
+    }
+    for names, mine in ((list(quantized), quantized), (list(plain), plain)):
+        table = [encode(quantized), encode(plain)]
+        width = max(map(len, table))
+        message = mismatch("all_reduce", names, [row + [-7] * (width - len(row)) for row in table])
+        assert message == (
+            "diffcomm.all_reduce(): ranks called it with inconsistent arguments (group ranks [0, 1]): "
+            "precision differs (rank 0: bf16>bf16, rank 1: not given)"
+        ), (mine, message)
+    # the same fields in another order agree
+    assert mismatch("all_reduce", list(plain), [encode(plain), encode(dict(reversed(plain.items())))]) is None
+
+
 # ------------------------------------------------------------------- groups
 
 

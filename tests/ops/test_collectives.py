@@ -328,6 +328,104 @@ def test_max_min_ties_product_zeros_avg(local_worlds, world_size: int) -> None:
         assert o["bcast_zero"]
 
 
+_NAN = float("nan")
+#: per rank: a NaN on rank 1 only, on rank 0 only, on both, a tie, a NaN beside -inf
+_NAN_VALUES = ([1.0, _NAN, 2.0, 5.0, _NAN, -1.0], [_NAN, 3.0, 0.5, 5.0, _NAN, -float("inf")])
+
+
+def _nan_extrema() -> dict:
+    r, out = dc.get_rank(), {}
+    w = torch.arange(1.0, 7.0, dtype=torch.float64)
+    for op in ("max", "min"):
+        x = torch.tensor(_NAN_VALUES[r], dtype=torch.float64, requires_grad=True)
+        y = dc.all_reduce(x, op)
+        (y * w).nansum().backward()
+        out[op] = (y.detach(), x.grad)
+        for dtype in (torch.float32, torch.bfloat16):
+            v = torch.tensor(_NAN_VALUES[r], dtype=dtype)
+            out[op, dtype, "reduce"] = dc.reduce(v, 0, op)
+            out[op, dtype, "reduce_scatter"] = dc.reduce_scatter(torch.cat([v, v]), op=op)
+            out[op, dtype, "coalesced"] = torch.cat(dc.all_reduce_coalesced([v, v[:2].double()], op))
+            out[op, dtype, "reduce_coalesced"] = torch.cat(dc.reduce_coalesced([v, v[:2]], 0, op))
+            out[op, dtype, "traced"] = B.TraceableBackend().reduce(v, 1, op, None)  # torch.compile's
+    return out
+
+
+def _plain_ops_under_autocast() -> list[str]:
+    r, bad = dc.get_rank(), []
+    ops = {
+        "all_to_all across dims": lambda x: [dc.all_to_all(x, split_dim=1, concat_dim=0)],
+        "uneven all_to_all": lambda x: [
+            dc.all_to_all(x, 0, 0, None, [1 + 2 * r, 3 - 2 * r], [1, 3][:: 1 - 2 * r])
+        ],
+        "uneven scatter": lambda x: [dc.scatter(x, 0, split_sizes=[1, 3])],
+        "uneven gather": lambda x: [dc.gather(x[: 1 + r], 0)],
+        "uneven all_gather": lambda x: [dc.all_gather(x[: 1 + r])],
+        "all_gather_coalesced": lambda x: dc.all_gather_coalesced([x, x[0]]),
+        "broadcast_coalesced": lambda x: dc.broadcast_coalesced([x, x[0]], src=1),
+        "uneven reduce_scatter": lambda x: [dc.reduce_scatter(x, split_sizes=[1, 3])],
+        "all_reduce_coalesced": lambda x: dc.all_reduce_coalesced([x, x[0]]),
+        "reduce_coalesced": lambda x: dc.reduce_coalesced([x, x[0]]),
+        "reduce_scatter_coalesced": lambda x: dc.reduce_scatter_coalesced([x, x[:2]]),
+    }
+    for dtype in (torch.float16, torch.float8_e4m3fn):
+        for name, op in ops.items():
+            if dtype != torch.float16 and "reduce" in name:
+                continue  # (fp8 is not reduced without precision=)
+            runs = []
+            for on in (False, True):
+                x = (
+                    (torch.arange(24.0).reshape(4, 6) / 4 + r)
+                    .to(dtype)
+                    .requires_grad_(dtype == torch.float16)
+                )
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+                    ys = op(x)
+                    if x.requires_grad:
+                        sum(
+                            (y.float() * (1 + torch.arange(y.numel()).view(y.shape))).sum() for y in ys
+                        ).backward()
+                runs.append([y.detach() for y in ys] + ([x.grad] if x.requires_grad else []))
+            if not all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*runs)):
+                bad.append(f"{dtype} {name}")
+    return bad
+
+
+def test_plain_ops_under_autocast_equal_outside(world2) -> None:
+    """A collective's buffers are not autocast's math: under CPU ``torch.autocast`` (bf16),
+    float16 and fp8 tensors through an all_to_all across dims, an uneven scatter / gather /
+    reduce_scatter, the coalesced ops failed in the backend's ``torch.cat`` ("Unexpected
+    floating ScalarType in at::autocast::prioritize"); now the values and gradients equal
+    the op outside autocast."""
+    for bad in world2.run(_plain_ops_under_autocast):
+        assert not bad, bad
+
+
+@pytest.mark.diffcomm_in_process(False)
+def test_max_min_propagate_nan_from_any_rank(local_worlds) -> None:
+    """A NaN on any rank makes a floating max/min NaN there, as torch's ``amax`` of the
+    stacked values and as in-process: gloo's max/min keep the non-NaN operand, so a NaN on
+    rank 1 beside 1.0 on rank 0 gave 1.0 (and its gradient 1 to rank 0, 0 to rank 1)."""
+    stacked = torch.tensor(_NAN_VALUES, dtype=torch.float64, requires_grad=True)
+    w = torch.arange(1.0, 7.0, dtype=torch.float64)
+    procs, inproc = local_worlds(2).run(_nan_extrema), local_worlds(2, in_process=True).run(_nan_extrema)
+    for op, amax in (("max", torch.amax), ("min", torch.amin)):
+        stacked.grad = None
+        y = amax(stacked, 0)
+        (y * w).nansum().backward()  # one rank's objective; every rank's: twice the gradient
+        for r in range(2):
+            got, grad = procs[r][op]
+            torch.testing.assert_close(got, y.detach(), equal_nan=True)
+            torch.testing.assert_close(grad, 2 * stacked.grad[r], equal_nan=True)
+            for key, value in procs[r].items():
+                torch.testing.assert_close(value, inproc[r][key], equal_nan=True, msg=str(key))
+        for dtype in (torch.float32, torch.bfloat16):
+            ref = y.detach().to(dtype)
+            torch.testing.assert_close(procs[0][op, dtype, "reduce"], ref, equal_nan=True)
+            torch.testing.assert_close(procs[1][op, dtype, "reduce_scatter"], ref, equal_nan=True)
+            torch.testing.assert_close(procs[1][op, dtype, "traced"], ref, equal_nan=True)
+
+
 def test_noncontiguous_inputs_and_gradients(world3) -> None:
     def noncontiguous() -> list[float]:
         r = dc.get_rank()

@@ -928,8 +928,10 @@ def _mismatched_in_debug_mode(kind: str, what: str) -> str:
 
     r = dc.get_rank()
     x = torch.ones(4, 6) if r == 0 or what != "shape" else torch.ones(2, 2, 6)
-    p = Precision("bf16")
-    if r == 1 and what != "shape":
+    p: Precision | None = Precision("bf16")
+    if r == 1 and what == "plain":  # rank 1 calls the plain op
+        p = None
+    elif r == 1 and what != "shape":
         p = Precision("fp16") if what == "precision" else Precision("bf16", backward=Precision("fp16"))
     calls = {
         "all_reduce": lambda: dc.all_reduce(x, precision=p),
@@ -942,6 +944,9 @@ def _mismatched_in_debug_mode(kind: str, what: str) -> str:
         "parallel.copy_to_region": lambda: P.copy_to_region(x, precision=p),
         "parallel.reduce_from_region": lambda: P.reduce_from_region(x, precision=p),
         "parallel.all_gather_from_sequence": lambda: P.all_gather_from_sequence(x, precision=p),
+        "parallel.scatter_to_region": lambda: P.scatter_to_region(x, precision=p),
+        "parallel.scatter_to_sequence": lambda: P.scatter_to_sequence(x, precision=p),
+        "parallel.all_to_all_region": lambda: P.all_to_all_region(x, 0, 1, precision=p),
     }
     with dc.debug(True):
         try:
@@ -978,6 +983,37 @@ def test_debug_mode_checks_a_quantized_op_across_ranks_as_the_plain_one(world2, 
     CrossRankMismatchError naming the op."""
     for msg in world2.run(_mismatched_in_debug_mode, kind, what):
         assert msg.startswith(f"CrossRankMismatchError: diffcomm.{kind}"), msg
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "all_reduce",
+        "reduce_scatter",
+        "all_gather",
+        "all_to_all",
+        "all_reduce_coalesced",
+        "reduce_scatter_coalesced",
+        "all_gather_coalesced",
+        "parallel.copy_to_region",
+        "parallel.reduce_from_region",
+        "parallel.all_gather_from_sequence",
+        "parallel.scatter_to_region",
+        "parallel.scatter_to_sequence",
+        "parallel.all_to_all_region",
+    ],
+)
+# on processes: where no check met the quantized one, gloo's transport aborted the rank
+@pytest.mark.diffcomm_in_process(False)
+def test_debug_mode_names_precision_given_on_one_rank_only(world2, kind: str) -> None:
+    """Rank 0 passes ``precision=``, rank 1 calls the plain op: debug mode names the
+    precision, and only it. Before, the fields were compared by position ("precision
+    differs (rank 0: bf16>bf16, rank 1: (4, 6)); x.shape differs (rank 0: (4, 6), rank 1:
+    torch.float32)..."), and copy_to_region / scatter_to_region / scatter_to_sequence met
+    no check at all: the transport aborted the rank ("aborted by the backend")."""
+    for msg in world2.run(_mismatched_in_debug_mode, kind, "plain"):
+        assert msg.startswith(f"CrossRankMismatchError: diffcomm.{kind}(): ranks called it"), msg
+        assert msg.endswith(": precision differs (rank 0: bf16>bf16, rank 1: not given)"), msg
 
 
 def _coalesced(wire: str) -> list[str]:

@@ -21,6 +21,8 @@ This package is the public home of the layer; the code lives in one module per c
   (switches, logger, flight recorder, the translation of a backend timeout into
   :class:`~diffcomm.CollectiveTimeoutError` naming the op and how to fix it);
 * :mod:`.sized_gather` — the all_gather whose row counts travel with the rows;
+* :mod:`.buffers` — :func:`joined`, the ``torch.cat`` of a collective's buffers (outside
+  the caller's autocast);
 * :mod:`.args` — argument normalisation shared by every op (groups, reduce ops, ranks);
 * from :mod:`diffcomm.diagnostics`: the **comms logger** (:func:`log_comms`: op, count, bytes,
   time, algorithmic/bus bandwidth; the op :func:`label`) and the **comm-off switches**
@@ -45,6 +47,7 @@ from ..diagnostics.logger import CommRecord, CommsLog, label, log_comms
 from ..diagnostics.raw_ops import OP_NAMES, RAW_OPS, RawOp
 from ..diagnostics.raw_ops import bus_factor as bus_factor
 from ..diagnostics.switches import comm_off, is_off
+from .buffers import joined as joined
 from .compiled import TraceableBackend
 from .direct_calls import all_gather_single as all_gather_single
 from .direct_calls import reduce_scatter_single as reduce_scatter_single

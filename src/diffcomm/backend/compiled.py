@@ -15,14 +15,18 @@ import torch.distributed as dist
 from .. import _torch
 from .._torch import compiling
 from ..accelerator import comm_device
+from .buffers import joined
 from .groups import Capabilities, ProcessGroup, group_info, static_capabilities
 from .torch_distributed import (
     CoalescedOps,
     Sizes,
+    nan_flagged,
+    nan_flags,
     own_rows,
     pad_chunks,
     pad_rows,
     split_rows,
+    unflag,
     unpad_rows,
     wire,
 )
@@ -81,6 +85,8 @@ class TraceableBackend(CoalescedOps):
         if x.is_complex() and op == "product":
             return torch.prod(self.all_gather(x.unsqueeze(0), group), dim=0)
         wire_op = "sum" if op == "avg" else op
+        if nan_flagged(op, x, self.capabilities(group)):  # (as TorchDistributedBackend's)
+            return unflag(self._done(_funcol().all_reduce(nan_flags(x, op), op, self._pg(group))))
         out = self._done(_funcol().all_reduce(_live(x), wire_op, self._pg(group)))
         out = torch.view_as_complex(out) if x.is_complex() else out
         return out / self.world_size(group) if op == "avg" else out
@@ -153,7 +159,7 @@ class TraceableBackend(CoalescedOps):
             inp = x
         else:  # pad each chunk to the largest, so one reduce_scatter does it
             pad = pad_chunks(x, sizes, m)
-            inp = torch.cat(pad)
+            inp = joined(pad)
         out = self._done(_funcol_reduce_scatter(_live(inp), "sum", 0, self._pg(group)))
         out = torch.view_as_complex(out) if x.is_complex() else out
         out = out if sizes[rank] == m else out[: sizes[rank]]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PAD", "encode", "mismatch"]
+__all__ = ["NOT_GIVEN", "PAD", "encode", "mismatch"]
 
 #: the value a shorter vector is padded with (no field encodes a leading -7)
 PAD = -7
@@ -47,40 +47,58 @@ def _encode_field(value: Any) -> list[int]:
     return [2, len(text), *text]
 
 
-def _decode_fields(names: list[str], row: list[int]) -> dict[str, Any]:
+def _decode_value(row: Sequence[int], i: int) -> tuple[Any, int]:
+    """The field value encoded at ``row[i]`` and the index after it."""
+    kind, n = row[i], row[i + 1]
+    payload = row[i + 2 : i + 2 + n]
+    if kind == 0:
+        value: Any = payload[0] if payload else None
+    elif kind == 1:
+        value = tuple(payload)
+    else:
+        value = bytes(v % 256 for v in payload).decode(errors="replace")
+    return value, i + 2 + n
+
+
+def _decode_fields(row: Sequence[int]) -> dict[str, Any]:
+    """A rank's fields by name, read from its own vector (a rank may pass fields another
+    does not: ``precision=`` on one rank only)."""
     out: dict[str, Any] = {}
     i = 1
-    for k in names:
+    for _ in range(row[0] if row else 0):
         if i + 1 >= len(row):
             break
-        kind, n = row[i], row[i + 1]
-        payload = row[i + 2 : i + 2 + n]
-        i += 2 + n
-        if kind == 0:
-            out[k] = payload[0] if payload else None
-        elif kind == 1:
-            out[k] = tuple(payload)
-        else:
-            out[k] = bytes(v % 256 for v in payload).decode(errors="replace")
+        name, i = _decode_value(row, i)
+        if i + 1 >= len(row):
+            break
+        out[str(name)], i = _decode_value(row, i)
     return out
 
 
 def encode(fields: Mapping[str, Any]) -> list[int]:
-    """``fields`` (in their order) as ints: their count, then each field's encoding."""
-    encoded = [_encode_field(v) for v in fields.values()]
+    """``fields`` as ints: their count, then each field's name and value, sorted by name.
+    The names travel: the ranks' fields are compared by name, so a field one rank passes and
+    another does not (``precision=`` on one rank) is named as that field; before, the fields
+    were lined up by position, and the message read precision against the next rank's shape."""
+    encoded = [_encode_field(k) + _encode_field(fields[k]) for k in sorted(fields)]  # any order
     return [len(encoded)] + [v for e in encoded for v in e]
+
+
+#: a field's value on a rank that did not pass it, in :func:`mismatch`'s message
+NOT_GIVEN = "not given"
 
 
 def mismatch(op: str, names: Sequence[str], table: Sequence[Sequence[int]]) -> str | None:
     """The error message when the ranks' vectors (``table``, one row per group rank) differ,
-    naming each field that differs with every rank's value in the user's words; ``None``
-    when all agree."""
+    naming each field that differs with every rank's value in the user's words (``names``,
+    this rank's fields, first; then any only other ranks passed); ``None`` when all agree."""
     if all(row == table[0] for row in table):
         return None
-    decoded = [_decode_fields(list(names), list(row)) for row in table]
+    decoded = [_decode_fields(list(row)) for row in table]
+    order = list(dict.fromkeys([*names, *(k for d in decoded for k in d)]))
     diffs = []
-    for k in names:
-        values = [d.get(k) for d in decoded]
+    for k in order:
+        values = [d.get(k, NOT_GIVEN) for d in decoded]
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             diffs.append(f"{_in_user_words(op, k)} differs ({per_rank})")

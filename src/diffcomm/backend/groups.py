@@ -44,7 +44,12 @@ class Capabilities:
       all_to_all then pads, since a rank cannot see whether its peers' splits are even);
     * ``complex_reduce``: complex sum/avg (else the real view travels);
     * ``gather_scatter``: native gather and scatter (else an all_gather that every rank
-      receives, and a broadcast of which each rank keeps its chunk).
+      receives, and a broadcast of which each rank keeps its chunk);
+    * ``nan_extrema``: a floating max/min that is NaN where any rank's element is, as
+      ``torch.max`` (else each NaN travels as a flag beside the values: one collective
+      of twice the bytes. gloo's max/min keep the non-NaN operand: a NaN on rank 1
+      beside 1.0 on rank 0 gave 1.0. Only diffcomm's in-process transport is known to
+      propagate it; nccl and unknown backends are not relied on).
 
     Uneven all_gather and gather are never native with a single output tensor: diffcomm
     always pads them to the largest size, so that is no field.
@@ -57,6 +62,7 @@ class Capabilities:
     uneven_all_to_all: bool
     complex_reduce: bool
     gather_scatter: bool
+    nan_extrema: bool
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -72,12 +78,12 @@ def static_capabilities(name: str) -> Capabilities:
     version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     if name == "gloo":
         new = version >= (2, 6)
-        return Capabilities(name, new, new, True, True, True, True)
+        return Capabilities(name, new, new, True, True, True, True, False)
     if name == "inproc":  # diffcomm's in-process transport (backend/in_process.py): everything
-        return Capabilities(name, True, True, True, True, True, True)
+        return Capabilities(name, True, True, True, True, True, True, True)
     if name == "nccl":
-        return Capabilities(name, True, True, True, True, True, True)
-    return Capabilities(name, False, False, False, True, False, True)
+        return Capabilities(name, True, True, True, True, True, True, False)
+    return Capabilities(name, False, False, False, True, False, True, False)
 
 
 @dataclass(eq=False)

@@ -41,6 +41,7 @@ from .. import _config, _torch
 from .. import accelerator as _accelerator
 from .._errors import DiffcommError
 from ..diagnostics import recorder as _flight
+from .buffers import joined
 
 # Size: ~840 lines, over the ~600 guideline: the in-process transport is one piece (the
 # hub the ranks meet in, the per-rank state it swaps, the thread-local group record, and the
@@ -799,21 +800,11 @@ def _gathered_parts(got: Any) -> list[torch.Tensor]:
 
 
 def _joined(parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
-    """``torch.cat(parts)`` as a transport joins bytes: outside the caller's
-    ``torch.autocast``, which is for the user's math, not a collective's buffers (CPU
-    autocast refuses float16 in ``cat``, "Unexpected floating ScalarType in
-    at::autocast::prioritize", where gloo moves float16 as it is); of one dtype, as bytes
-    are (``cat`` would promote)."""
+    """``torch.cat(parts)`` as a transport joins bytes: outside the caller's autocast
+    (:func:`~diffcomm.backend.buffers.joined`) and of one dtype, as bytes are (``cat``
+    would promote)."""
     _one_dtype(parts, what)
-    kind = parts[0].device.type
-    try:
-        on = torch.is_autocast_enabled(kind)
-    except RuntimeError:  # no autocast for this device type
-        on = False
-    if not on:
-        return torch.cat(list(parts))
-    with torch.autocast(kind, enabled=False):
-        return torch.cat(list(parts))
+    return joined(parts)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

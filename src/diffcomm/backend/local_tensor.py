@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from .._errors import DiffcommError
 from .._torch import functorch_off, local_group_instances, local_int, local_tensor_api
+from .buffers import joined
 from .torch_distributed import CoalescedOps, Sizes
 
 _HELPERS = frozenset(
@@ -281,7 +282,7 @@ class LocalTensorBackend(CoalescedOps):
         return self._each([x], group, fn, "reduce")
 
     def all_gather(self, x: torch.Tensor, group: Any, sizes: Sequence[int] | None = None) -> torch.Tensor:
-        return self._each([x], group, lambda ts: [torch.cat(ts) for _ in ts], "all_gather", sizes)
+        return self._each([x], group, lambda ts: [joined(ts) for _ in ts], "all_gather", sizes)
 
     def all_gather_unsized(self, x: torch.Tensor, group: Any, dim: int = 0) -> tuple[torch.Tensor, list[int]]:
         sizes = self._ints(x.shape[0], group)
@@ -301,7 +302,7 @@ class LocalTensorBackend(CoalescedOps):
         self, x: torch.Tensor, dst: int, group: Any, sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
         def fn(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-            full = torch.cat(ts)
+            full = joined(ts)
             return [full if i == dst else torch.zeros_like(full) for i in range(len(ts))]
 
         return self._each([x], group, fn, "gather", sizes)
@@ -350,7 +351,7 @@ class LocalTensorBackend(CoalescedOps):
                                 f"rank {r}'s output_split_sizes {want} disagree with the sizes the "
                                 f"ranks send it {[p.shape[0] for p in parts]}",
                             )
-                    out[r] = torch.cat(parts)
+                    out[r] = joined(parts)
             return lt.LocalTensor(out)
 
     def ppermute(self, x: torch.Tensor, perm: Sequence[tuple[int, int]], group: Any) -> torch.Tensor:
@@ -441,4 +442,4 @@ def _check_alike(
 def _all_to_all_parts(ts: list[torch.Tensor], n: int) -> list[torch.Tensor]:
     """The even all_to_all of the group's tensors ``ts``: chunk ``j`` of each to rank ``j``."""
     chunks = [t.tensor_split(n) for t in ts]  # n equal chunks (also of an empty t)
-    return [torch.cat([chunks[i][j] for i in range(n)]) for j in range(n)]
+    return [joined([chunks[i][j] for i in range(n)]) for j in range(n)]

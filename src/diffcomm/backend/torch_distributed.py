@@ -16,6 +16,7 @@ and the padding / complex-as-real helpers. Re-exported by :mod:`diffcomm.backend
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from .. import _torch
 from .._errors import CrossRankMismatchError
 from .._replication import spmd_types_untyped
 from ..diagnostics.logger import label
+from .buffers import joined
 from .consistency import PAD, encode, mismatch
 from .direct_calls import (
     c10d_all_gather,
@@ -42,12 +44,12 @@ from .groups import Capabilities, GroupInfo, ProcessGroup, cpu_group, group_info
 from .sized_gather import all_gather_counted, all_gather_unsized, can_speculate
 from .sized_gather import remember_rows as _remember_rows
 
-# Size: ~870 lines, over the ~600 guideline: it is the one class that answers every
+# Size: ~910 lines, over the ~600 guideline: it is the one class that answers every
 # raw op of the Backend protocol on torch.distributed (eight collectives, p2p, barrier,
 # the gathering of the cross-rank consistency check, whose encoding is .consistency),
-# with each op's gap-filling beside it (uneven sizes
-# on gloo, reduce ops a backend lacks, complex numbers as real pairs), plus the coalesced
-# ops the traceable adapter shares. Splitting the gap-filling from its op would put one
+# with each op's gap-filling beside it (uneven sizes on gloo, reduce ops a backend lacks,
+# max/min that drop a NaN, complex numbers as real pairs), plus the coalesced ops the
+# traceable adapter shares. Splitting the gap-filling from its op would put one
 # op's behaviour in two files.
 
 _SUM = dist.ReduceOp.SUM
@@ -68,6 +70,11 @@ _TORCH_OPS = {
     "min": dist.ReduceOp.MIN,
     "product": dist.ReduceOp.PRODUCT,
 }
+#: the ops that reach c10d as they are, whatever the backend and floating dtype (the common
+#: case, without further calls; avg may be a sum then a division, max/min may carry NaN flags)
+_PLAIN_OPS = {"sum": _SUM, "product": dist.ReduceOp.PRODUCT}
+#: the reductions whose floating result is NaN where any rank's element is (as torch's)
+_EXTREMA = frozenset({"max", "min"})
 
 
 def _opening(x: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, GroupInfo, int, int]:
@@ -257,6 +264,10 @@ class TorchDistributedBackend(CoalescedOps):
             return dist.ReduceOp.SUM, True
         return _TORCH_OPS[op], False
 
+    def _nan_flagged(self, op: str, x: torch.Tensor, group: ProcessGroup) -> bool:
+        """Whether ``op`` on ``x`` travels with NaN flags (:func:`nan_flags`)."""
+        return nan_flagged(op, x, self.capabilities(group))
+
     def _as_wire(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
         # complex sum/avg travel as real pairs where the backend has no complex reduction
         if x.is_complex() and op in ("sum", "avg") and not self.capabilities(group).complex_reduce:
@@ -271,13 +282,19 @@ class TorchDistributedBackend(CoalescedOps):
         x = out
         if x.dtype in _NARROW:
             return _narrow_reduce(out, op, lambda w: self._all_reduce_into(w, op, group), "all_reduce")
-        torch_op = _TORCH_OPS.get(op) if op != "avg" and not x.is_complex() else None
+        torch_op = _PLAIN_OPS.get(op) if not x.is_complex() else None
         if torch_op is not None:  # the common case, without further calls
             divide, wire = False, out
         else:
             if x.is_complex() and op == "product":
                 return self._complex_product(out, group)
             torch_op, divide = self._reduce_op(op, x, group)
+            if self._nan_flagged(op, x, group):
+                both = nan_flags(out, op)
+                _dispatch(
+                    "all_reduce", group, both.nbytes, c10d_all_reduce, _keep, both, (both, torch_op, group)
+                )
+                return out.copy_(unflag(both))
             wire = self._as_wire(out, op, group)
         _dispatch("all_reduce", group, x.nbytes, c10d_all_reduce, _keep, out, (wire, torch_op, group))
         if divide:
@@ -292,11 +309,17 @@ class TorchDistributedBackend(CoalescedOps):
         out = x.clone(memory_format=torch.contiguous_format)
         if out.dtype in _NARROW:
             return _narrow_reduce(out, op, lambda w: self.reduce(w, dst, op, group), "reduce")
-        torch_op = _TORCH_OPS.get(op) if op != "avg" and not out.is_complex() else None
+        torch_op = _PLAIN_OPS.get(op) if not out.is_complex() else None
         if torch_op is not None:  # the common case, without further calls (as all_reduce)
             divide, wire = False, out
         else:
             torch_op, divide = self._reduce_op(op, x, group)
+            if self._nan_flagged(op, out, group):
+                both = nan_flags(out, op)
+                _dispatch(
+                    "reduce", group, both.nbytes, c10d_reduce, _keep, both, (both, dst, torch_op, group)
+                )
+                return out.copy_(unflag(both)) if group_info(group).rank == dst else out.zero_()
             wire = self._as_wire(out, op, group)
         _dispatch("reduce", group, x.nbytes, c10d_reduce, _keep, out, (wire, dst, torch_op, group))
         info = group_info(group)
@@ -496,7 +519,7 @@ class TorchDistributedBackend(CoalescedOps):
             inp = x
         else:  # pad each chunk to the largest, so one reduce_scatter_tensor does it
             assert split_sizes is not None
-            inp = torch.cat(pad_chunks(x, split_sizes, max(split_sizes)))
+            inp = joined(pad_chunks(x, split_sizes, max(split_sizes)))
         shape = inp.shape  # each .shape builds a torch.Size: read it once
         out = x.new_empty(shape[0] // world if world else 0, *shape[1:])
         if inp.is_complex():
@@ -630,7 +653,7 @@ class TorchDistributedBackend(CoalescedOps):
         m = int(self.all_reduce(biggest, "max", group).item())
         if m == 0:  # nothing travels anywhere
             return x.new_empty((0, *x.shape[1:]))
-        got = self._even_all_to_all(torch.cat(pad_chunks(x, ins, m)), group, False).split(m)
+        got = self._even_all_to_all(joined(pad_chunks(x, ins, m)), group, False).split(m)
         return unpad_rows(got, outs)
 
     # ---- point to point ------------------------------------------------------------
@@ -770,7 +793,7 @@ def pad_rows(x: torch.Tensor, m: int) -> torch.Tensor:
     """``x`` with zero rows appended along dim 0 up to ``m`` rows (uneven sizes travel padded)."""
     if x.shape[0] == m:
         return x
-    return torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
+    return joined([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
 
 
 def split_rows(split_sizes: Sequence[int] | None, n: int, world: int) -> list[int]:
@@ -792,7 +815,7 @@ def pad_chunks(x: torch.Tensor, sizes: Sequence[int], m: int) -> list[torch.Tens
 
 def unpad_rows(chunks: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
     """Concatenate the first ``sizes[r]`` rows of each padded per-rank chunk."""
-    return torch.cat([c[:s] for c, s in zip(chunks, sizes)])
+    return joined([c[:s] for c, s in zip(chunks, sizes)])
 
 
 #: fp8 dtypes: moved (all_gather, all_to_all, gather, scatter, broadcast, p2p) as bytes,
@@ -854,6 +877,27 @@ def _unreducible(dtype: torch.dtype, name: str) -> TypeError:
         "no reduction of it, and summing in it would round at every step); reduce it in a float "
         "dtype, or reduce a float tensor with precision=diffcomm.Precision(...) for an fp8 wire"
     )
+
+
+def nan_flagged(op: str, x: torch.Tensor, caps: Capabilities) -> bool:
+    """Whether ``op`` on ``x`` travels with NaN flags (:func:`nan_flags`): a floating
+    max/min on a backend whose max/min drop a NaN (``caps.nan_extrema``)."""
+    return op in _EXTREMA and x.is_floating_point() and not caps.nan_extrema
+
+
+def nan_flags(x: torch.Tensor, op: str) -> torch.Tensor:
+    """``x`` (floating) stacked over its NaN flags, for a max/min (``op``) on a backend whose
+    max/min drop a NaN (gloo keeps the non-NaN operand: 1.0 for ranks holding 1.0 and NaN,
+    where torch's max is NaN). The flag is 1 (max) or -1 (min) where ``x`` is NaN, else 0:
+    reduced with ``op`` in the same collective, it is nonzero where any rank's element is
+    NaN (:func:`unflag`). One collective of twice the bytes."""
+    flag = x.isnan().to(x.dtype)
+    return torch.stack([x, flag.neg_() if op == "min" else flag])
+
+
+def unflag(both: torch.Tensor) -> torch.Tensor:
+    """The values of a reduced :func:`nan_flags` stack, NaN where a rank's element was."""
+    return torch.where(both[1] != 0, math.nan, both[0])
 
 
 def wire(t: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-import torch
 from torch import Tensor
 
 from .. import _config
@@ -16,6 +15,7 @@ from .._replication import PARTIAL, SHARES, Rule, T
 from .._torch import compiling
 from ..backend import args as A
 from ..backend.args import PG
+from ..backend.buffers import joined
 from . import references
 from .base import CommOp, apply, call
 from .precision_format import Precision, quantized
@@ -115,12 +115,12 @@ def _across_dims(
     # as under torch's LocalTensorMode, where it must be: there the rank is no int)
     c_in = ins[0] if len(set(ins)) == 1 else ins[_rank(pg)]
     send = x.permute(order).split(list(ins), dim=1)
-    flat_in = torch.cat([ch.reshape(-1) for ch in send]) if world > 1 else send[0].reshape(-1)
+    flat_in = joined([ch.reshape(-1) for ch in send]) if world > 1 else send[0].reshape(-1)
     in_counts = [ins[j] * x.shape[concat_dim] * rest_n for j in range(world)]
     out_counts = [outs[j] * c_in * rest_n for j in range(world)]
     flat = _b().all_to_all(flat_in, pg, in_counts, out_counts)
     blocks = [p.reshape(outs[j], c_in, *rest) for j, p in enumerate(flat.split(out_counts))]
-    full = torch.cat(blocks, dim=0) if world > 1 else blocks[0]  # (sum outs, c_in, *rest)
+    full = joined(blocks) if world > 1 else blocks[0]  # (sum outs, c_in, *rest)
     inverse = [order.index(i) for i in range(x.ndim)]
     return full.permute(inverse)
 

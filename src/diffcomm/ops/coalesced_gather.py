@@ -17,6 +17,7 @@ from .._torch import compiling
 from ..backend import args as A
 from ..backend import label
 from ..backend.args import PG
+from ..backend.buffers import joined
 from .all_gather import _AllGather, _ReduceScatter
 from .base import ListOp, apply, call, list_args
 from .coalesced_reduce import _AllReduceList
@@ -143,7 +144,7 @@ class _AllGatherList(ListOp):
                 for i, piece in zip(g, seg.split([split_sizes[i][r] * inner[i] for i in g])):
                     pieces[i].append(piece.view(split_sizes[i][r], *moved[i].shape[1:]))
             for i in g:
-                out[i] = torch.cat(pieces[i])
+                out[i] = joined(pieces[i])
         return _back(out, dims)
 
     @staticmethod
@@ -201,7 +202,7 @@ class _ReduceScatterList(ListOp):
         if split_sizes is None:
             # rank-major layout: row r of each buffer holds chunk r of every tensor of the dtype
             bufs = [
-                torch.cat([moved[i].reshape(world, moved[i].numel() // world) for i in g], 1) for g in groups
+                joined([moved[i].reshape(world, moved[i].numel() // world) for i in g], 1) for g in groups
             ]
             parts = _b().reduce_scatter_coalesced([b.view(-1) for b in bufs], op, pg)
             shapes = [(m.shape[0] // world, *m.shape[1:]) for m in moved]
@@ -212,7 +213,7 @@ class _ReduceScatterList(ListOp):
         inner = [math.prod(m.shape[1:]) for m in moved]
         starts = [[sum(s[:r]) for r in range(world)] for s in split_sizes]
         bufs = [
-            torch.cat(
+            joined(
                 [
                     moved[i].narrow(0, starts[i][r], split_sizes[i][r]).reshape(-1)
                     for r in range(world)
@@ -325,7 +326,7 @@ def all_gather_coalesced(
     if split_sizes is not None:
         sizes = _check_sizes(split_sizes, ts, dims, world, name, True, _rank(pg))
     flat = () if sizes is None else tuple(v for s in sizes for v in s)
-    _debug_check(name, pg, ts, vary=dims, dim=dim, split_sizes=flat)
+    _debug_check(name, pg, ts, vary=dims, dim=tuple(dims), split_sizes=flat)
     meta: Any = _even_or_none(sizes)
     if sizes is None and world > 1 and not compiling():
         b = _b()
@@ -398,7 +399,7 @@ def reduce_scatter_coalesced(
     else:
         sizes = _check_sizes(split_sizes, ts, dims, world, name, False, _rank(pg))
     flat = () if split_sizes is None else tuple(v for s in sizes for v in s)
-    _debug_check(name, pg, ts, op=op_name, dim=dim, split_sizes=flat)
+    _debug_check(name, pg, ts, op=op_name, dim=tuple(dims), split_sizes=flat)
     if op_name in A.LINEAR_OPS:
         args = list_args(ts, tuple(dims), op_name, pg, _even_or_none(sizes))
         return list(apply(_ReduceScatterList, *args, async_op=async_op))

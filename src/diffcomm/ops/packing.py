@@ -19,6 +19,7 @@ from .._errors import CrossRankMismatchError
 from .._torch import compiling, local_tensor_mode_on
 from ..backend import args as A
 from ..backend.args import PG
+from ..backend.buffers import joined
 from .validation import current_backend as _b
 from .validation import records_grad, untyped
 from .validation import world as _world
@@ -46,7 +47,7 @@ def flatten(ts: Sequence[Tensor]) -> Tensor:
     norm weights; a flattening view per tensor costs more than the copy itself)."""
     if len(ts) == 1:
         return ts[0].reshape(-1).clone()
-    return torch.cat([t if t.ndim == 1 else t.reshape(-1) for t in ts])
+    return joined([t if t.ndim == 1 else t.reshape(-1) for t in ts])
 
 
 def pack(ts: Sequence[Tensor], groups: list[list[int]]) -> list[Tensor]:

@@ -29,7 +29,7 @@ Where a backend has no fp8 type (gloo) the payload travels as bytes
 
 from __future__ import annotations
 
-# Size: ~615 lines, over the ~600 guideline: the quantized runs, the op classes and their
+# Size: ~625 lines, over the ~600 guideline: the quantized runs, the op classes and their
 # entry points' validation (forward and backward layouts, refusals agreed across ranks)
 # read one another; the option and its wire formats already live in precision_format.
 from collections.abc import Callable
@@ -594,13 +594,17 @@ def coalesced(name: str, tensors: Any, precision: Any, async_op: bool = False, *
         for i, (x, d, s) in enumerate(zip(xs, dims, sizes)):
             fwd, bwd = _scatter_layouts(x, d, s, pg)
             check(x, precision, op, fwd, bwd, arg=f"tensors[{i}]")
-        if _config.DEBUG.get():
-            _debug_check_list(op, pg, xs, op=op_name, dim=tuple(dims), precision=precision.key)
+        if _config.DEBUG.get():  # (the plain op's fields, and the precision)
+            flat = () if split_sizes is None else tuple(v for s in sizes for v in s)
+            _debug_check_list(
+                op, pg, xs, op=op_name, dim=tuple(dims), split_sizes=flat, precision=precision.key
+            )
         return [apply(_QReduceScatter, x, d, op_name, pg, s, precision) for x, d, s in zip(xs, dims, sizes)]
     if split_sizes is not None:
         sizes = _check_sizes(split_sizes, xs, dims, world, op, True, _rank(pg))
-    if _config.DEBUG.get():
-        _debug_check_list(op, pg, xs, vary=dims, dim=tuple(dims), precision=precision.key)
+    if _config.DEBUG.get():  # (the plain op's fields, and the precision)
+        flat = () if split_sizes is None else tuple(v for s in sizes for v in s)
+        _debug_check_list(op, pg, xs, vary=dims, dim=tuple(dims), split_sizes=flat, precision=precision.key)
     if split_sizes is None:  # every tensor's sizes, exchanged before any data moves
         sizes = tuple(tuple(_exchanged_split_sizes(x, d, pg, op)) for x, d in zip(xs, dims))
     for i, (x, d, s) in enumerate(zip(xs, dims, sizes)):

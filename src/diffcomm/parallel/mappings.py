@@ -88,7 +88,7 @@ __all__: list[str] = [
 #: the coalesced forms (ops of no registry family) and the table
 __all__ += ["copy_to_region_coalesced", "reduce_from_region_coalesced", "MAPPINGS"]
 
-# Size: ~780 lines, over the ~600 guideline on purpose: nine mappings, each one block (its
+# Size: ~830 lines, over the ~600 guideline on purpose: nine mappings, each one block (its
 # CommOp class with the facts the registry reads that are its own: conjugate, reference,
 # rule, dims; the shared ones in ``_Mapping``) and one public function whose docstring
 # (Args / Returns / Gradient / Example, half the file) documents the convention it rests
@@ -104,9 +104,20 @@ def _debug() -> bool:
     return bool(_config.DEBUG.get())
 
 
-def _check_shape(name: str, x: Tensor, pg: PG) -> None:
-    """Debug mode: the shapes and dtypes agree across ranks (raises naming the ranks)."""
-    _b().check_consistent(f"parallel.{name}", {"shape": tuple(x.shape), "dtype": x.dtype}, pg)
+def _check_shape(name: str, x: Tensor, pg: PG, **fields: Any) -> None:
+    """Debug mode: the shapes and dtypes agree across ranks, and ``fields`` (the quantized
+    mapping's ``precision``: a rank without it passes none, and the check names it)."""
+    _b().check_consistent(f"parallel.{name}", {"shape": tuple(x.shape), "dtype": x.dtype, **fields}, pg)
+
+
+def _check_copied(name: str, x: Tensor, pg: PG, **fields: Any) -> None:
+    """Debug mode, a copy forward's input (copy_to_region, scatter_to_region /
+    _sequence): ``fields`` agree across ranks (the quantized mapping's ``precision``; none
+    on the plain path, so a rank passing ``precision=`` where another does not meets this
+    check and it names ``precision``, not the transport's "aborted" on a fingerprint of
+    another size), then ``x`` is replicated."""
+    _b().check_consistent(f"parallel.{name}", fields, pg)
+    check_replicated(x, f"parallel.{name}", "the input", COPY_HINT, pg)
 
 
 def _check_identity_backward(name: str, instead: str, g: Tensor, pg: PG, debug: bool) -> None:
@@ -459,7 +470,7 @@ def _keep_own_chunk(
     dim = _even_dim(name, x, dim, world)
     debug = _debug()
     if debug:
-        check_replicated(x, op.name, "the input", COPY_HINT, pg)
+        _check_copied(name, x, pg)
     return apply(op, x, dim, pg, rank_index(pg), world, debug)
 
 
@@ -514,7 +525,7 @@ def copy_to_region(x: Tensor, group: A.GroupLike = None, *, precision: Precision
     x, pg = _prepare("copy_to_region", x, group)
     debug = _debug()
     if debug:
-        check_replicated(x, "parallel.copy_to_region", "the input", COPY_HINT, pg)
+        _check_copied("copy_to_region", x, pg)
     return apply(_CopyToRegion, x, pg, debug)
 
 

@@ -36,7 +36,6 @@ from ..ops.precision import check as check_precision
 from ..ops.registry import SELF
 from ..ops.validation import PG
 from . import mappings
-from ._check import COPY_HINT, check_replicated
 
 # the mappings' quantized forwards: ``(x, *args, p)``, the communicating side through
 # :mod:`diffcomm.ops.precision`'s runs; local sides exact. The replicated-objective pairs
@@ -157,15 +156,16 @@ _COPIES = ("copy_to_region", "scatter_to_region", "scatter_to_sequence")
 
 def _check_input(name: str, x: Tensor, pg: PG, debug: bool, p: Precision) -> None:
     """Debug mode: what the plain mapping checks of its input (communicates; after every
-    local check): a copy forward's input is replicated, else the shapes agree; and the
-    ranks' settings agree (one rank's bf16 bytes read as fp16 by another are garbage)."""
+    local check), in the same collectives, with the ranks' settings (one rank's bf16 bytes
+    read as fp16 by another are garbage): a copy forward's input is replicated, else the
+    shapes agree. A rank calling the plain mapping passes no ``precision``: the message
+    names it."""
     if not debug:
         return
-    mappings._b().check_consistent(f"parallel.{name}", {"precision": p.key}, pg)
     if name in _COPIES:
-        check_replicated(x, f"parallel.{name}", "the input", COPY_HINT, pg)
+        mappings._check_copied(name, x, pg, precision=p.key)
     else:
-        mappings._check_shape(name, x, pg)
+        mappings._check_shape(name, x, pg, precision=p.key)
 
 
 def _last(x: Tensor) -> int:
