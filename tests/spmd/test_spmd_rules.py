@@ -621,10 +621,17 @@ def test_partial_sums_padded_with_a_constant(world2: dc.LocalWorld, value: float
             assert error is None, error
 
 
-def _dp_rows_by_torch_rank(reduce: bool) -> tuple[str | None, torch.Tensor, torch.Tensor]:
-    """Data parallel, each rank's rows sliced with ``torch.distributed.get_rank()``: (the
-    check's error, this rank's weight gradient, the serial gradient of the mean loss)."""
+def _dp_rows_by_torch_rank(
+    reduce: bool, read: str = "dist.get_rank()"
+) -> tuple[str | None, torch.Tensor, torch.Tensor]:
+    """Data parallel, each rank's rows sliced with the rank ``read`` gives (default
+    ``torch.distributed.get_rank()``): (the check's error, this rank's weight gradient,
+    the serial gradient of the mean loss)."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
 
     data = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(0))
     w0 = torch.randn(1, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
@@ -633,7 +640,7 @@ def _dp_rows_by_torch_rank(reduce: bool) -> tuple[str | None, torch.Tensor, torc
     w, error = nn.Parameter(w0.clone()), None
     try:
         with dc.spmd_check():
-            r = dist.get_rank()
+            r = eval(read, {"dist": dist, "c10d": c10d, "mesh": mesh})
             dc.all_reduce(F.linear(data[2 * r : 2 * r + 2], w).pow(2).mean(), op="avg").backward()
             if reduce:
                 w.grad = dc.all_reduce(w.grad, op="avg")
@@ -678,3 +685,35 @@ def test_partial_sums_cast_to_an_integer_dtype(world2: dc.LocalWorld, dtype: tor
         else:
             assert not torch.equal(reduced, serial)  # the wrong number the check must stop
             assert error is not None and "cast to torch.int64" in error, error
+
+
+_RANK_READS = [
+    "dist.group.WORLD.rank()",
+    "dist.get_rank(dist.group.WORLD)",
+    "c10d.get_rank()",
+    "mesh.get_rank()",
+    "mesh.get_local_rank()",
+    "mesh.get_coordinate()[0]",
+]
+
+
+@pytest.mark.parametrize("read", _RANK_READS)
+def test_rows_sliced_with_any_public_rank_read_are_per_rank(world2: dc.LocalWorld, read: str) -> None:
+    """``ProcessGroup.rank()``, ``distributed_c10d.get_rank`` (imported by name) and
+    ``DeviceMesh.get_rank`` / ``get_local_rank`` / ``get_coordinate`` inside the check read
+    the rank as ``dc.get_rank()`` does (plain ints again after it): rows sliced with them
+    were replicated to the check, so a data-parallel step that never averaged its gradients
+    passed (weight gradient: this rank's own, not the serial mean's)."""
+
+    def body() -> tuple[object, ...]:
+        import torch.distributed as dist
+
+        bad, good = _dp_rows_by_torch_rank(False, read), _dp_rows_by_torch_rank(True, read)
+        return bad, good, type(dist.group.WORLD.rank()), type(dist.get_rank())
+
+    for (missing, g_bad, ref), (fixed, g_good, _), *after in world2.run(body):
+        assert not torch.allclose(g_bad, ref)  # the wrong number the check must stop
+        assert missing is not None and "missing reduction" in missing, missing
+        assert fixed is None, fixed
+        torch.testing.assert_close(g_good, ref)
+        assert after == [int, int]
