@@ -7,6 +7,7 @@ the messages leave out, and the annotations with the check off."""
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import torch
@@ -717,3 +718,73 @@ def test_rows_sliced_with_any_public_rank_read_are_per_rank(world2: dc.LocalWorl
         assert fixed is None, fixed
         torch.testing.assert_close(g_good, ref)
         assert after == [int, int]
+
+
+def _coalesced_programs() -> dict[str, tuple[str | None, bool]]:
+    """Each program with its reduction done by ``dc.all_reduce_coalesced``: (the check's
+    error, whether its value / weight gradient equals the float64 serial one)."""
+    data = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(0))
+    w0 = torch.randn(1, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
+    c = torch.randn(3, dtype=F64, generator=torch.Generator().manual_seed(2))
+    w_ref = w0.clone().requires_grad_()
+    torch.stack([F.linear(data[2 * r : 2 * r + 2], w_ref).pow(2).mean() for r in range(2)]).mean().backward()
+    w_acc = w0.clone().requires_grad_()
+    sum(F.linear(data[i : i + 1], w_acc).pow(2).sum() for i in range(4)).backward()
+    out: dict[str, tuple[str | None, bool]] = {}
+
+    def run(name: str, body: Any) -> None:
+        error, right = None, False
+        try:
+            with dc.spmd_check():
+                right = bool(body(dc.get_rank()))
+        except dc.SPMDTypeError as e:
+            error = str(e)
+        out[name] = (error, right)
+
+    def mean_loss(r: int) -> bool:  # the data-parallel mean loss, gradients averaged
+        w = nn.Parameter(w0.clone())
+        loss = F.linear(data[2 * r : 2 * r + 2], w).pow(2).mean()
+        dc.all_reduce_coalesced([loss, loss.detach()], op="avg")[0].backward()
+        w.grad = dc.all_reduce_coalesced([w.grad], op="avg")[0]
+        return torch.allclose(w.grad, w_ref.grad)
+
+    def accumulated(r: int) -> bool:  # the first micro-batch's gradient reduced twice
+        w = nn.Parameter(w0.clone())
+        F.linear(data[r : r + 1], w).pow(2).sum().backward()
+        w.grad = dc.all_reduce(w.grad)
+        F.linear(data[2 + r : 3 + r], w).pow(2).sum().backward()
+        w.grad = dc.all_reduce_coalesced([w.grad])[0]
+        return torch.allclose(w.grad, w_acc.grad)
+
+    def replicated_term(r: int) -> bool:  # c's squares counted W times
+        total = dc.all_reduce_coalesced([data[r].pow(2).sum() + c.pow(2).sum()])[0]
+        return torch.allclose(total, data[:2].pow(2).sum() + c.pow(2).sum())
+
+    def mean_of_equal(r: int) -> bool:  # avg of a replicated value: an identity
+        w = nn.Parameter(c.clone())
+        dc.all_reduce_coalesced([w * 2], op="avg")[0].pow(2).sum().backward()
+        return torch.allclose(w.grad, 8 * c)
+
+    for name, body in [
+        ("mean_loss", mean_loss),
+        ("accumulated", accumulated),
+        ("replicated_term", replicated_term),
+        ("mean_of_equal", mean_of_equal),
+    ]:
+        run(name, body)
+    return out
+
+
+def test_all_reduce_coalesced_reduces_as_all_reduce(world2: dc.LocalWorld) -> None:
+    """``all_reduce_coalesced`` is ``all_reduce`` per element to the check: its ``op='avg'``
+    of per-rank losses is the data-parallel mean loss and of a replicated value an identity
+    (both refused before, correct programs), and a gradient already holding a reduced part
+    (W*G1 + G2) or a per-rank value holding a replicated term (its squares counted W times)
+    summed by it is refused (both passed before, with the wrong numbers)."""
+    for out in world2.run(_coalesced_programs):
+        assert out["mean_loss"] == (None, True), out["mean_loss"]
+        assert out["mean_of_equal"] == (None, True), out["mean_of_equal"]
+        error, _ = out["accumulated"]
+        assert error is not None and "already holds a reduced gradient" in error, error
+        error, _ = out["replicated_term"]
+        assert error is not None and "holds a replicated term" in error, error

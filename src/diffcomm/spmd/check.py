@@ -74,6 +74,7 @@ from ._install import (  # what a check installs; the active checks
 )
 from ._lattice import _Lattice
 from ._ops import (  # the torch-op name tables and argument classifiers
+    _ALL_REDUCES,
     _NO_TYPING,
     _SUMMING,
     _default_rng_differs,
@@ -441,7 +442,7 @@ class SPMDCheck(_WithSpmdTypes, _Lattice, _Gradients):
         # the mean, max or min of equal values over the ranks: an identity whose backward
         # averages the gradient (every rank ties for max / min); not a reduce_scatter's,
         # whose output is this rank's chunk
-        same = name == "all_reduce" and rop in ("avg", "max", "min")
+        same = name in _ALL_REDUCES and rop in ("avg", "max", "min")
         shares: list[_Cell | None] = []
         for arg, t, r in recs:
             shares.append(None)
