@@ -353,7 +353,8 @@ def _type_for_spmd_types(cls: type, rule: Rule, outputs: Any, args: Mapping[str,
             first = next(iter(rule.maps))
             have = (st.I if rule.in_grad == REPLICATED else st.R) if first is R else to_st[first]
         ours = {st.I: R, st.R: R, st.V: V, st.P: P}[have]
-        if ours is R and name == "all_reduce" and bound.get("op") in ("avg", "max", "min"):
+        same = name in ("all_reduce", "all_reduce_coalesced") and bound.get("op") in ("avg", "max", "min")
+        if ours is R and same:
             # the mean, max or min of equal values: an identity whose backward averages the
             # gradient (every rank ties), right for a whole (I) gradient; as dc.spmd_check
             # types it (docs/spmd_types.md)

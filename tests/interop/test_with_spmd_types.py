@@ -920,19 +920,23 @@ def test_debug_mode_coalesced_check_inside_spmd_types_checker_on_in_process_rank
     assert want == [["{default_pg: R}"] * 4] * 2
 
 
-def _avg_of_invariant_body(op: str) -> tuple[Any, list[float], list[float], Any]:
+def _avg_of_invariant_body(op: str, coalesced: bool = False) -> tuple[Any, list[float], list[float], Any]:
     st, pg = _env()
+
+    def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+        return dc.all_reduce_coalesced([t], op=op)[0] if coalesced else dc.all_reduce(t, op=op)
+
     x = _replicated(3, H)
     serial = (8 * x.detach()).flatten().tolist()  # d/dx sum((2x)^2), the loss counted once
 
     def program() -> None:
-        y = dc.all_reduce(st.assert_type(x, {pg: st.I}) * 2, op=op)  # the mean of equal values
+        y = reduce(st.assert_type(x, {pg: st.I}) * 2, op)  # the mean of equal values
         y.pow(2).sum().backward()
 
     ok = _checked(program)
     got = x.grad.flatten().tolist() if x.grad is not None else []
     r = _replicated(3, H)
-    bad = _checked(lambda: dc.all_reduce(st.assert_type(r, {pg: st.R}), op=op).sum().backward())
+    bad = _checked(lambda: reduce(st.assert_type(r, {pg: st.R}), op).sum().backward())
     return ok, got, serial, bad
 
 
@@ -945,6 +949,17 @@ def test_all_reduce_avg_of_an_invariant_value_typechecks(world2: dc.LocalWorld, 
     spmd_types' checker refused it (diffcomm's translated rule only took ``V`` / ``P``). An
     ``R`` input requiring grad stays refused, as ``dc.spmd_check`` refuses it."""
     for ok, got, serial, bad in world2.run(_avg_of_invariant_body, op):
+        assert ok is None, ok
+        assert got == pytest.approx(serial, rel=1e-12)
+        assert bad is not None and bad[0] == "SpmdTypeError" and "expected I" in bad[1], bad
+
+
+@needs_spmd_types
+@pytest.mark.parametrize("op", ["avg", "max", "min"])
+def test_all_reduce_coalesced_avg_of_an_invariant_value_typechecks(world2: dc.LocalWorld, op: str) -> None:
+    """``all_reduce_coalesced`` is ``all_reduce`` per element under spmd_types' checker too:
+    its ``op="avg"`` (max, min) of an ``I`` value was refused ("expected V or P")."""
+    for ok, got, serial, bad in world2.run(_avg_of_invariant_body, op, True):
         assert ok is None, ok
         assert got == pytest.approx(serial, rel=1e-12)
         assert bad is not None and bad[0] == "SpmdTypeError" and "expected I" in bad[1], bad

@@ -458,6 +458,126 @@ def test_pipeline_runner_passes(world2: dc.LocalWorld, schedule: str) -> None:
     assert len(world2.run(body)) == 2
 
 
+def _w(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=F64, generator=torch.Generator().manual_seed(seed))
+
+
+class _HandTPMLP(nn.Module):
+    """tanh(reduce(tanh(copy(x) W1_t^T) W2_t^T)) with W1's rows and W2's columns of tensor
+    rank ``t`` (``t=None``: the whole serial layer); ``bug="partial"``: the input scaled
+    by a share each rank holds of ones (declared partial), unreduced."""
+
+    def __init__(self, seed: int, tp: object, t: int | None, bug: str | None = None) -> None:
+        super().__init__()
+        w1, w2, n = _w(seed, 8, H), _w(seed + 1, H, 8), 4
+        self.tp, self.bug = tp, bug
+        self.w1 = nn.Parameter(w1 if t is None else w1[t * n : (t + 1) * n].clone())
+        self.w2 = nn.Parameter(w2 if t is None else w2[:, t * n : (t + 1) * n].clone())
+        self.share = torch.full((H,), 0.5, dtype=F64)  # its sum over the 2 ranks: ones
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return torch.tanh(F.linear(torch.tanh(F.linear(x, self.w1)), self.w2))
+        if self.bug == "partial":  # the data scaled by this rank's share of one
+            return x * self.share
+        h = F.linear(torch.tanh(F.linear(par.copy_to_region(x, self.tp), self.w1)), self.w2)
+        return torch.tanh(par.reduce_from_region(h, self.tp))
+
+
+class _SeqChunkLinear(nn.Module):
+    """A plain replicated linear on this rank's sequence chunk (scatter_to_sequence /
+    gather_from_sequence); ``bug="no_copy"``: its weight not taken through copy_to_region."""
+
+    def __init__(self, seed: int, tp: object, bug: str | None = None) -> None:
+        super().__init__()
+        self.tp, self.bug = tp, bug
+        self.lin = nn.Linear(H, H, dtype=F64)
+        with torch.no_grad():
+            self.lin.weight.copy_(_w(seed, H, H))
+            self.lin.bias.copy_(_w(seed + 1, H))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return torch.tanh(self.lin(x))
+        xs = par.scatter_to_sequence(x, 0, self.tp)
+        if self.bug == "no_copy":
+            y = self.lin(xs)
+        else:
+            w, b = par.copy_to_region(self.lin.weight, self.tp), par.copy_to_region(self.lin.bias, self.tp)
+            y = F.linear(xs, w, b)
+        return torch.tanh(par.gather_from_sequence(y, 0, self.tp))
+
+
+def _tp_pipeline_step(bug: str | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A 2x2 mesh (pp, tp): two PipelineRunner stages, each with tensor-parallel layers over
+    tp, one 1F1B step under ``dc.spmd_check((mesh, "tp"))``; ``bug`` planted in stage 0.
+    Returns (this rank's gradient, the float64 serial one) for each of its parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from diffcomm.pipeline import PipelineRunner
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    p, t = mesh.get_local_rank("pp"), mesh.get_local_rank("tp")
+    tp = (mesh, "tp")
+
+    def stages(tp: object, t: int | None, bug: str | None) -> list[nn.Module]:
+        head = nn.Linear(H, 2, dtype=F64)
+        with torch.no_grad():
+            head.weight.copy_(_w(30, 2, H))
+            head.bias.copy_(_w(31, 2))
+        first = _SeqChunkLinear(10, tp, bug) if bug == "no_copy" else _HandTPMLP(10, tp, t, bug)
+        rest = [] if bug == "partial" else [_SeqChunkLinear(15, tp)]
+        return [nn.Sequential(first, *rest), nn.Sequential(_HandTPMLP(20, tp, t), head)]
+
+    x, y = _w(1, 8, H), _w(2, 8, 2)
+    serial = stages(None, None, None)
+    F.mse_loss(serial[1](serial[0](x)), y).backward()
+    stage = stages(tp, t, bug)[p]
+    runner = PipelineRunner(stage, "1f1b", group=(mesh, "pp"), loss_fn=F.mse_loss)
+    with dc.spmd_check(tp, partial=[m.share for m in stage.modules() if isinstance(m, _HandTPMLP)]):
+        for m in stage.modules():
+            if isinstance(m, _HandTPMLP):
+                dc.spmd.varying_parameters(m, tp)  # the shards, as the user passes the group
+        runner.step(x, y, n_micro=2)
+    out = []
+    for (name, q), ref in zip(stage.named_parameters(), serial[p].parameters()):
+        g = ref.grad
+        if name.endswith("w1"):
+            g = g[t * 4 : (t + 1) * 4]
+        elif name.endswith("w2"):
+            g = g[:, t * 4 : (t + 1) * 4]
+        out.append((q.grad, g))
+    return out
+
+
+def test_pipeline_with_tensor_parallel_stages_on_a_2x2_mesh(world4: dc.LocalWorld) -> None:
+    """PipelineRunner over pp with tensor- and sequence-parallel layers over tp in each
+    stage, checked over tp: passes, every gradient the serial one. (Before,
+    ``varying_parameters(m, (mesh, "tp"))`` was ignored, the group given as a (mesh, axis)
+    pair: the shards stayed replicated and reduce_from_region was refused.)"""
+    for per_rank in world4.run(_tp_pipeline_step, None):
+        for got, want in per_rank:
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    ("bug", "message"),
+    [
+        ("no_copy", "is replicated, but its gradient is partial"),
+        ("partial", "is partial over the checked group .*, sent over another group"),
+    ],
+)
+def test_pipeline_stage_with_a_replication_bug_is_refused(
+    world4: dc.LocalWorld, bug: str, message: str
+) -> None:
+    """A plain nn.Linear on sequence chunks without copy_to_region, and a partial value sent
+    to the next stage (received there as replicated: nothing sums the shares, so stage 1
+    computed with half the data on each rank, and passed), in stage 0 of a TP pipeline on
+    a 2x2 mesh: refused."""
+    with pytest.raises(dc.RankError, match=message):
+        world4.run(_tp_pipeline_step, bug)
+
+
 # ======================================================================================
 # no false positive: a Llama-style TP model (the notebooks, examples and docs pages:
 # test_spmd_library_code.py)

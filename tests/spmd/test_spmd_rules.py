@@ -7,6 +7,7 @@ the messages leave out, and the annotations with the check off."""
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import torch
@@ -621,10 +622,17 @@ def test_partial_sums_padded_with_a_constant(world2: dc.LocalWorld, value: float
             assert error is None, error
 
 
-def _dp_rows_by_torch_rank(reduce: bool) -> tuple[str | None, torch.Tensor, torch.Tensor]:
-    """Data parallel, each rank's rows sliced with ``torch.distributed.get_rank()``: (the
-    check's error, this rank's weight gradient, the serial gradient of the mean loss)."""
+def _dp_rows_by_torch_rank(
+    reduce: bool, read: str = "dist.get_rank()"
+) -> tuple[str | None, torch.Tensor, torch.Tensor]:
+    """Data parallel, each rank's rows sliced with the rank ``read`` gives (default
+    ``torch.distributed.get_rank()``): (the check's error, this rank's weight gradient,
+    the serial gradient of the mean loss)."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
 
     data = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(0))
     w0 = torch.randn(1, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
@@ -633,7 +641,7 @@ def _dp_rows_by_torch_rank(reduce: bool) -> tuple[str | None, torch.Tensor, torc
     w, error = nn.Parameter(w0.clone()), None
     try:
         with dc.spmd_check():
-            r = dist.get_rank()
+            r = eval(read, {"dist": dist, "c10d": c10d, "mesh": mesh})
             dc.all_reduce(F.linear(data[2 * r : 2 * r + 2], w).pow(2).mean(), op="avg").backward()
             if reduce:
                 w.grad = dc.all_reduce(w.grad, op="avg")
@@ -678,3 +686,105 @@ def test_partial_sums_cast_to_an_integer_dtype(world2: dc.LocalWorld, dtype: tor
         else:
             assert not torch.equal(reduced, serial)  # the wrong number the check must stop
             assert error is not None and "cast to torch.int64" in error, error
+
+
+_RANK_READS = [
+    "dist.group.WORLD.rank()",
+    "dist.get_rank(dist.group.WORLD)",
+    "c10d.get_rank()",
+    "mesh.get_rank()",
+    "mesh.get_local_rank()",
+    "mesh.get_coordinate()[0]",
+]
+
+
+@pytest.mark.parametrize("read", _RANK_READS)
+def test_rows_sliced_with_any_public_rank_read_are_per_rank(world2: dc.LocalWorld, read: str) -> None:
+    """``ProcessGroup.rank()``, ``distributed_c10d.get_rank`` (imported by name) and
+    ``DeviceMesh.get_rank`` / ``get_local_rank`` / ``get_coordinate`` inside the check read
+    the rank as ``dc.get_rank()`` does (plain ints again after it): rows sliced with them
+    were replicated to the check, so a data-parallel step that never averaged its gradients
+    passed (weight gradient: this rank's own, not the serial mean's)."""
+
+    def body() -> tuple[object, ...]:
+        import torch.distributed as dist
+
+        bad, good = _dp_rows_by_torch_rank(False, read), _dp_rows_by_torch_rank(True, read)
+        return bad, good, type(dist.group.WORLD.rank()), type(dist.get_rank())
+
+    for (missing, g_bad, ref), (fixed, g_good, _), *after in world2.run(body):
+        assert not torch.allclose(g_bad, ref)  # the wrong number the check must stop
+        assert missing is not None and "missing reduction" in missing, missing
+        assert fixed is None, fixed
+        torch.testing.assert_close(g_good, ref)
+        assert after == [int, int]
+
+
+def _coalesced_programs() -> dict[str, tuple[str | None, bool]]:
+    """Each program with its reduction done by ``dc.all_reduce_coalesced``: (the check's
+    error, whether its value / weight gradient equals the float64 serial one)."""
+    data = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(0))
+    w0 = torch.randn(1, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
+    c = torch.randn(3, dtype=F64, generator=torch.Generator().manual_seed(2))
+    w_ref = w0.clone().requires_grad_()
+    torch.stack([F.linear(data[2 * r : 2 * r + 2], w_ref).pow(2).mean() for r in range(2)]).mean().backward()
+    w_acc = w0.clone().requires_grad_()
+    sum(F.linear(data[i : i + 1], w_acc).pow(2).sum() for i in range(4)).backward()
+    out: dict[str, tuple[str | None, bool]] = {}
+
+    def run(name: str, body: Any) -> None:
+        error, right = None, False
+        try:
+            with dc.spmd_check():
+                right = bool(body(dc.get_rank()))
+        except dc.SPMDTypeError as e:
+            error = str(e)
+        out[name] = (error, right)
+
+    def mean_loss(r: int) -> bool:  # the data-parallel mean loss, gradients averaged
+        w = nn.Parameter(w0.clone())
+        loss = F.linear(data[2 * r : 2 * r + 2], w).pow(2).mean()
+        dc.all_reduce_coalesced([loss, loss.detach()], op="avg")[0].backward()
+        w.grad = dc.all_reduce_coalesced([w.grad], op="avg")[0]
+        return torch.allclose(w.grad, w_ref.grad)
+
+    def accumulated(r: int) -> bool:  # the first micro-batch's gradient reduced twice
+        w = nn.Parameter(w0.clone())
+        F.linear(data[r : r + 1], w).pow(2).sum().backward()
+        w.grad = dc.all_reduce(w.grad)
+        F.linear(data[2 + r : 3 + r], w).pow(2).sum().backward()
+        w.grad = dc.all_reduce_coalesced([w.grad])[0]
+        return torch.allclose(w.grad, w_acc.grad)
+
+    def replicated_term(r: int) -> bool:  # c's squares counted W times
+        total = dc.all_reduce_coalesced([data[r].pow(2).sum() + c.pow(2).sum()])[0]
+        return torch.allclose(total, data[:2].pow(2).sum() + c.pow(2).sum())
+
+    def mean_of_equal(r: int) -> bool:  # avg of a replicated value: an identity
+        w = nn.Parameter(c.clone())
+        dc.all_reduce_coalesced([w * 2], op="avg")[0].pow(2).sum().backward()
+        return torch.allclose(w.grad, 8 * c)
+
+    for name, body in [
+        ("mean_loss", mean_loss),
+        ("accumulated", accumulated),
+        ("replicated_term", replicated_term),
+        ("mean_of_equal", mean_of_equal),
+    ]:
+        run(name, body)
+    return out
+
+
+def test_all_reduce_coalesced_reduces_as_all_reduce(world2: dc.LocalWorld) -> None:
+    """``all_reduce_coalesced`` is ``all_reduce`` per element to the check: its ``op='avg'``
+    of per-rank losses is the data-parallel mean loss and of a replicated value an identity
+    (both refused before, correct programs), and a gradient already holding a reduced part
+    (W*G1 + G2) or a per-rank value holding a replicated term (its squares counted W times)
+    summed by it is refused (both passed before, with the wrong numbers)."""
+    for out in world2.run(_coalesced_programs):
+        assert out["mean_loss"] == (None, True), out["mean_loss"]
+        assert out["mean_of_equal"] == (None, True), out["mean_of_equal"]
+        error, _ = out["accumulated"]
+        assert error is not None and "already holds a reduced gradient" in error, error
+        error, _ = out["replicated_term"]
+        assert error is not None and "holds a replicated term" in error, error

@@ -5,7 +5,7 @@ optimizer step pre-hook, ``dc.get_rank`` returning a :class:`RankInt`, the user-
 reading of spmd_types' ``assert_type``. The active checks (``_ACTIVE``) live here; the
 check itself is :class:`diffcomm.spmd.check.SPMDCheck`."""
 
-# Size: ~690 lines, over the ~600 guideline: every patch a check installs, and the rules
+# Size: ~710 lines, over the ~600 guideline: every patch a check installs, and the rules
 # of the Functions it types through them (a user's, torch.distributed.nn's, debug mode's
 # check of a user rule), in one place.
 
@@ -207,18 +207,20 @@ def _install() -> None:
     get_rank.__doc__ = orig_rank.__doc__
     setattr(W, "get_rank", get_rank)  # noqa: B010
     setattr(diffcomm, "get_rank", get_rank)  # noqa: B010
-    # torch.distributed.get_rank too: rows sliced with it were replicated to the check, so a
-    # data-parallel step that never reduced its gradients passed (the replicas drift)
+    # torch.distributed's ways of reading the rank too: rows sliced with them were
+    # replicated to the check, so a data-parallel step that never reduced its gradients
+    # passed (the replicas drift)
     import torch.distributed as dist
 
-    orig_dist_rank = dist.get_rank
-    _PATCHED_ATTRS.append((dist, "get_rank", orig_dist_rank))
+    _patch_rank_reader(dist, "get_rank")
+    if dist.is_available():
+        from torch.distributed import distributed_c10d as c10d
+        from torch.distributed.device_mesh import DeviceMesh
 
-    def dist_get_rank(*a: Any, **k: Any) -> int:
-        return RankInt(orig_dist_rank(*a, **k))
-
-    dist_get_rank.__doc__ = orig_dist_rank.__doc__
-    setattr(dist, "get_rank", dist_get_rank)  # noqa: B010
+        _patch_rank_reader(c10d, "get_rank")  # the same function, imported by name elsewhere
+        _patch_rank_reader(dist.ProcessGroup, "rank")  # group.rank()
+        for name in ("get_rank", "get_local_rank", "get_coordinate"):  # DeviceMesh's
+            _patch_rank_reader(DeviceMesh, name)
     _patch_raw_all_reduce()
 
     def pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
@@ -625,6 +627,22 @@ class _Hooks:
         for c in _ACTIVE:
             if not c.off:
                 c._aux_terms.append((c.rec(aux), _site()))
+
+
+def _patch_rank_reader(owner: Any, name: str) -> None:
+    """``owner.name`` (a function or method that reads the rank) returning a
+    :class:`RankInt` (a tuple of them: a mesh coordinate) while a check is active."""
+    orig = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    _PATCHED_ATTRS.append((owner, name, orig))
+
+    def reader(*a: Any, **k: Any) -> Any:
+        out = orig(*a, **k)
+        if isinstance(out, tuple):
+            return tuple(RankInt(i) if type(i) is int else i for i in out)
+        return RankInt(out) if type(out) is int else out
+
+    reader.__doc__ = getattr(orig, "__doc__", None)
+    setattr(owner, name, reader)
 
 
 def _patch_raw_all_reduce() -> None:

@@ -447,3 +447,17 @@ class _Lattice(_CheckState):
                 "replicated ones after (e.g. a clipping norm: all-reduce the squares of the "
                 "sharded gradients only, as diffcomm.parallel.grad_norm does)."
             )
+
+    def _check_sent(self, name: str, recs: list[tuple[str, Any, _Rec]]) -> None:
+        """A ``send`` over another group than the checked one: the peer's ``recv`` types
+        what it gets by its own (replicated) anchor, so a partial value would arrive
+        replicated, its shares never summed (docs/spmd_types.md, Limits)."""
+        for arg, _, r in recs if name == "send" else ():
+            if r.t is P:
+                raise SPMDTypeError(
+                    f"diffcomm.spmd_check: send at {_site()}: argument `{arg}` is partial over the "
+                    f"checked group ({r.why}), sent over another group (a pipeline stage's "
+                    "output): the receiving rank cannot know it holds a share, so nothing sums "
+                    "the shares. Reduce it over the checked group first "
+                    "(parallel.reduce_from_region or reduce_scatter_to_sequence)."
+                )

@@ -160,10 +160,13 @@ _ELEMENTWISE = _names(
     "vector_norm",
     "linalg_vector_norm",
 )
-#: the reductions over the group (``op`` sum or avg)
+#: the reductions over the group (``op`` sum or avg), each list op's per element
 _SUMMING = _names(
-    "all_reduce", "parallel.reduce_from_region", "reduce_scatter", "parallel.reduce_scatter_to_sequence"
-)
+    "all_reduce", "parallel.reduce_from_region", "reduce_scatter", "parallel.reduce_scatter_to_sequence",
+    "all_reduce_coalesced", "parallel.reduce_from_region_coalesced", "reduce_scatter_coalesced",
+)  # fmt: skip
+#: all_reduce and its list op: avg / max / min of equal values is an identity
+_ALL_REDUCES = _names("all_reduce", "all_reduce_coalesced")
 #: outputs depend only on the values' metadata (never a type error)
 _NO_TYPING = _names("__get__", "__set__", "__delete__", "size", "dim", "numel", "is_floating_point")
 

@@ -70,3 +70,6 @@ class _CheckState(TorchFunctionMode):
 
     @abstractmethod
     def _check_summed(self, name: str, arg: str, r: _Rec, summing: bool, avg: bool, site: str) -> None: ...
+
+    @abstractmethod
+    def _check_sent(self, name: str, recs: list[tuple[str, Any, _Rec]]) -> None: ...
