@@ -426,6 +426,34 @@ def test_max_min_propagate_nan_from_any_rank(local_worlds) -> None:
             torch.testing.assert_close(procs[1][op, dtype, "traced"], ref, equal_nan=True)
 
 
+def _nan_extrema_under_autocast() -> list[str]:
+    r, bad = dc.get_rank(), []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for op in ("max", "min"):
+            v = torch.tensor(_NAN_VALUES[r], dtype=dtype)
+            got = []
+            for on in (False, True):
+                try:
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+                        got.append((dc.all_reduce(v, op), B.TraceableBackend().all_reduce(v, op, None)))
+                except RuntimeError as err:
+                    return [f"{dtype} {op} autocast={on}: {err}"]  # (the other rank raises too)
+            for plain, under in zip(*got):
+                if not torch.equal(plain.isnan(), under.isnan()) or under.dtype != dtype:
+                    bad.append(f"{dtype} {op}: {under} for {plain}")
+    return bad
+
+
+@pytest.mark.diffcomm_in_process(False)
+def test_max_min_nan_flags_under_autocast(local_worlds) -> None:
+    """A floating max/min whose NaNs travel as flags (gloo) under CPU ``torch.autocast``
+    equals the op outside it. Before: the values and flags were joined by ``torch.stack``,
+    which CPU autocast refuses for float16 (RuntimeError "Unexpected floating ScalarType in
+    at::autocast::prioritize", where the op before the flags ran)."""
+    for bad in local_worlds(2).run(_nan_extrema_under_autocast):
+        assert not bad, bad
+
+
 def test_noncontiguous_inputs_and_gradients(world3) -> None:
     def noncontiguous() -> list[float]:
         r = dc.get_rank()

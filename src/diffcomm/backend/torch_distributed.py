@@ -890,9 +890,14 @@ def nan_flags(x: torch.Tensor, op: str) -> torch.Tensor:
     max/min drop a NaN (gloo keeps the non-NaN operand: 1.0 for ranks holding 1.0 and NaN,
     where torch's max is NaN). The flag is 1 (max) or -1 (min) where ``x`` is NaN, else 0:
     reduced with ``op`` in the same collective, it is nonzero where any rank's element is
-    NaN (:func:`unflag`). One collective of twice the bytes."""
-    flag = x.isnan().to(x.dtype)
-    return torch.stack([x, flag.neg_() if op == "min" else flag])
+    NaN (:func:`unflag`). One collective of twice the bytes. (Written into one buffer, not
+    ``torch.stack``: CPU autocast's stack refuses float16, as its cat: see :func:`joined`.)"""
+    both = x.new_empty((2, *x.shape))
+    both[0].copy_(x)
+    flag = both[1].copy_(x.isnan())
+    if op == "min":
+        flag.neg_()
+    return both
 
 
 def unflag(both: torch.Tensor) -> torch.Tensor:

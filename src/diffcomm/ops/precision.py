@@ -29,9 +29,6 @@ Where a backend has no fp8 type (gloo) the payload travels as bytes
 
 from __future__ import annotations
 
-# Size: ~625 lines, over the ~600 guideline: the quantized runs, the op classes and their
-# entry points' validation (forward and backward layouts, refusals agreed across ranks)
-# read one another; the option and its wire formats already live in precision_format.
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -133,36 +130,12 @@ def _no_async(async_op: bool, opname: str) -> None:
 # ----------------------------------------------------------------------------- runs
 
 
-def _outside_autocast(raw: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """``raw`` (a raw op moving a wire payload) run outside the caller's ``torch.autocast``,
-    which is for the user's math, not a collective's buffers: CPU autocast's ``cat`` refuses
-    fp8 and float16 ("Unexpected floating ScalarType in at::autocast::prioritize"), which
-    the ops join (an uneven all_gather's padding, an all_to_all across dims)."""
-
-    def moved(t: Tensor, *args: Any) -> Tensor:
-        kind = t.device.type
-        try:
-            on = torch.is_autocast_enabled(kind)
-        except RuntimeError:  # no autocast for this device type
-            on = False
-        if not on:
-            return raw(t, *args)
-        with torch.autocast(kind, enabled=False):
-            return raw(t, *args)
-
-    return moved
-
-
-_move_gather = _outside_autocast(raw_all_gather)
-_move_a2a = _outside_autocast(raw_all_to_all)
-
-
 def _gather_run(x: Tensor, dim: int, pg: PG, sizes: tuple[int, ...], p: Precision) -> Tensor:
     if p.wire is None:
         return raw_all_gather(x, dim, pg, sizes)
     q, s = encode(x, p)
-    out_q = _move_gather(q, dim, pg, sizes)
-    out_s = None if s is None else _move_gather(s, dim, pg, _scale_sizes(sizes, dim, x, p))
+    out_q = raw_all_gather(q, dim, pg, sizes)
+    out_s = None if s is None else raw_all_gather(s, dim, pg, _scale_sizes(sizes, dim, x, p))
     return decode(out_q, out_s, x.dtype, block_widths(sizes, dim, x, p))
 
 
@@ -178,12 +151,12 @@ def _a2a_run(
     if p.wire is None:
         return raw_all_to_all(x, split_dim, concat_dim, pg, ins, outs)
     q, s = encode(x, p)
-    out_q = _move_a2a(q, split_dim, concat_dim, pg, ins, outs)
+    out_q = raw_all_to_all(q, split_dim, concat_dim, pg, ins, outs)
     if s is None:
         return decode(out_q, None, x.dtype)
     s_ins = _scale_sizes(ins, split_dim, x, p)
     s_outs = _scale_sizes(outs, concat_dim, x, p)
-    out_s = _move_a2a(s, split_dim, concat_dim, pg, s_ins, s_outs)
+    out_s = raw_all_to_all(s, split_dim, concat_dim, pg, s_ins, s_outs)
     return decode(out_q, out_s, x.dtype, block_widths(outs, concat_dim, x, p))
 
 
@@ -194,10 +167,12 @@ def _reduce_scatter_acc(x: Tensor, dim: int, op: str, pg: PG, sizes: tuple[int, 
     mine = sizes[rank]
     outs = (mine,) * world
     q, s = encode(x, p)
-    parts_q = _move_a2a(q, dim, dim, pg, tuple(sizes), outs)
+    parts_q = raw_all_to_all(q, dim, dim, pg, tuple(sizes), outs)
     parts_s = None
     if s is not None:
-        parts_s = _move_a2a(s, dim, dim, pg, _scale_sizes(sizes, dim, x, p), _scale_sizes(outs, dim, x, p))
+        parts_s = raw_all_to_all(
+            s, dim, dim, pg, _scale_sizes(sizes, dim, x, p), _scale_sizes(outs, dim, x, p)
+        )
     parts = decode(parts_q, parts_s, acc).unflatten(dim, (world, mine))  # every rank's chunk
     if acc.itemsize >= 4:
         total = parts.sum(dim)
@@ -235,8 +210,8 @@ def _all_reduce_run(x: Tensor, op: str, pg: PG, p: Precision) -> Tensor:
     chunk = padded_rows // world
     mine = _reduce_scatter_acc(x2, 0, op, pg, (chunk,) * world, p)
     q, s = encode(mine, p)  # the one rounding of the sum (to the wire dtype)
-    full_q = _move_gather(q, 0, pg, (chunk,) * world)
-    full_s = None if s is None else _move_gather(s, 0, pg, (chunk,) * world)
+    full_q = raw_all_gather(q, 0, pg, (chunk,) * world)
+    full_s = None if s is None else raw_all_gather(s, 0, pg, (chunk,) * world)
     full = decode(full_q, full_s, x.dtype).reshape(-1)
     return full[: x.numel()].reshape(shape)
 

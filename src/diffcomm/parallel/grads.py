@@ -298,14 +298,10 @@ def _total_norm(op: str, module: Any, norm_type: Any, group: Any, pipeline_group
 
 def _reduce_parts(op: str, part: Tensor, inf: bool, group: Any) -> Tensor:
     """The sum (``inf``: the maximum) of every rank's 0-dim ``part`` over ``group``, nan
-    when any rank's is nan, as torch's ``max`` of the serial model's norms (gloo's
-    all_reduce max drops a nan on a rank other than the first: an inf-norm of 2.75 on
-    every rank for the serial nan, and no ``error_if_nonfinite``). One all_reduce."""
+    when any rank's is nan, as torch's ``max`` of the serial model's norms (the backend's
+    max keeps a NaN from any rank: ``Capabilities.nan_extrema``). One all_reduce."""
     with B.label(op):
-        if not inf:
-            return collectives.all_reduce(part, "sum", group)
-        both = collectives.all_reduce(torch.stack([part, part.isnan().to(part.dtype)]), "max", group)
-    return torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
+        return collectives.all_reduce(part, "max" if inf else "sum", group)
 
 
 def grad_norm(
