@@ -558,6 +558,15 @@ _ACCUMULATE_FORMS = {  # (form, a partial share p, a replicated b and s) -> valu
         lambda p, b, s: torch.baddbmm(torch.zeros(1, 3, 3, dtype=F64), p[None], s.T[None])[0],
         False,
     ),
+    # beta=0 drops the term (a correct program, refused before)
+    "baddbmm(b, p, s, beta=0)": (
+        lambda p, b, s: torch.baddbmm(b[None], p[None], s.T[None], beta=0)[0],
+        False,
+    ),
+    "baddbmm(b, p, s, beta=0.5)": (
+        lambda p, b, s: torch.baddbmm(b[None], p[None], s.T[None], beta=0.5)[0],
+        True,
+    ),
 }
 
 

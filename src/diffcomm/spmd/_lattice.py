@@ -165,6 +165,8 @@ class _Lattice(_CheckState):
         else:
             if name == "pad":  # its constant fill goes last, for the partial rule (zero or not)
                 args = (*args, (kwargs or {}).get("value", args[3] if len(args) > 3 else None))
+            elif name in ("baddbmm", "baddbmm_"):  # its term's weight (keyword-only) goes last
+                args = (*args, (kwargs or {}).get("beta", 1))
             res = self._join(name, recs, ins, extra, differentiable, extra_why, args)
             if res.weight and len(outs) == 1:  # a weight's sharded dim, through a cast or a transpose
                 res.shard = _weight_shard(name, args, recs, ins, outs[0])
@@ -361,7 +363,9 @@ class _Lattice(_CheckState):
             # input + t1 * t2 (addcmul, baddbmm): the product is partial (one partial
             # factor) and so is the term it is added to, or that term is zero
             ok = len(recs) >= 3 and sum(r.t is P for r in recs[1:3]) == 1
-            ok = ok and (recs[0].t is P or _is_zero(ins[0], recs[0]))
+            # (baddbmm's beta=0 drops the term: its values are never read)
+            dropped = name in ("baddbmm", "baddbmm_") and _is_zero(args[-1])
+            ok = ok and (recs[0].t is P or _is_zero(ins[0], recs[0]) or dropped)
             if not ok:
                 raise SPMDTypeError(
                     f"diffcomm.spmd_check: {name} at {_site()}: it adds its first argument to a "
