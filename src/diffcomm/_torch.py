@@ -70,6 +70,7 @@ __all__ = [
     "saved_in_checkpoint",
     "is_fake",
     "IncompatibleKeys",
+    "PRINT_OPTS",
 ]
 
 #: ``assert_async(condition, message)``: raise ``RuntimeError(message)`` unless the 0-dim
@@ -80,6 +81,9 @@ assert_async: Callable[[torch.Tensor, str], None] = torch._assert_async
 #: ``IncompatibleKeys(missing_keys, unexpected_keys)``: the named tuple (and its repr)
 #: ``nn.Module.load_state_dict`` returns; the serial state-dict loaders return it too.
 IncompatibleKeys = torch.nn.modules.module._IncompatibleKeys
+
+#: torch's print options (``torch.set_printoptions`` sets this one object's fields in place)
+PRINT_OPTS: Any = torch._tensor_str.PRINT_OPTS
 
 
 def not_a_view(out: Any, x: Any) -> Any:

@@ -451,6 +451,41 @@ def test_a_ranks_autocast_and_default_device_carry_to_its_next_run(local_worlds,
         assert (dtype, device.type) == (torch.bfloat16, "meta"), (dtype, device)
 
 
+def _rank_0_flushes_denormals_and_prints_short() -> None:
+    if dist.get_rank() == 0:
+        torch.set_flush_denormal(True)
+        torch.set_printoptions(precision=1)
+    dc.all_reduce(torch.ones(1))  # the other rank runs in between
+
+
+def _a_denormal_and_a_printed_tensor() -> tuple:
+    tiny = float(torch.tensor([1e-310], dtype=torch.float64) * 1.0)
+    printed = str(torch.tensor([1.23456]))
+    dc.all_reduce(torch.ones(1))
+    torch.set_flush_denormal(False)  # (as found in a fresh process: for the next tests)
+    torch.set_printoptions(profile="default")
+    return tiny, printed
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "processes"])
+def test_a_ranks_denormal_mode_and_print_options_are_its_own(local_worlds, in_process: bool) -> None:
+    """``torch.set_flush_denormal`` is the thread's floating-point mode, which a new thread
+    inherits from its maker, and torch's print options are one object per process. In-process,
+    the caller's flush leaked into every rank (1e-310 * 1.0 gave 0.0) and a rank's own was
+    dropped at its next run (rank 0 got 1e-310 where its process flushes to 0.0); rank 0's
+    ``set_printoptions(precision=1)`` printed rank 1's tensor as ``tensor([1.2])`` and stayed
+    on in the caller."""
+    world = local_worlds(2, in_process=in_process)
+    torch.set_flush_denormal(True)  # the caller's: no rank's
+    try:
+        world.run(_rank_0_flushes_denormals_and_prints_short)
+        assert str(torch.tensor([1.23456])) == "tensor([1.2346])"  # the caller's own, untouched
+        got = world.run(_a_denormal_and_a_printed_tensor)
+    finally:
+        torch.set_flush_denormal(False)
+    assert got == [(0.0, "tensor([1.2])"), (1e-310, "tensor([1.2346])")], got
+
+
 def _streams_after_set_states_and_a_checkpoint() -> tuple:
     """Rank r's named stream (seed 10 + r) after ``set_states`` and a checkpointed dropout's
     recomputation (the tracker's states swapped in and back), with hand-overs in between."""

@@ -43,7 +43,7 @@ from .._errors import DiffcommError
 from ..diagnostics import recorder as _flight
 from .buffers import joined
 
-# Size: ~840 lines, over the ~600 guideline: the in-process transport is one piece (the
+# Size: ~1075 lines, over the ~600 guideline: the in-process transport is one piece (the
 # hub the ranks meet in, the per-rank state it swaps, the thread-local group record, and the
 # process group whose ops are the hub's exchanges); split, each part would only make sense
 # next to the others.
@@ -510,8 +510,20 @@ def set_torch_settings(values: tuple[Any, ...]) -> None:
 # in its one thread; an in-process rank runs each run in a new thread, which starts at
 # torch's defaults: `torch.set_autocast_enabled("cpu", True)` or `set_default_device` called
 # plainly in one run held in the next on processes, bfloat16 matmuls, and not in-process).
-#: a fresh thread's: grad mode, CPU autocast on and its dtype, the default device
-FRESH_THREAD: tuple[Any, ...] = (True, False, torch.bfloat16, torch.device("cpu"))
+# `torch.set_flush_denormal` is the thread's floating-point control word, which a new thread
+# inherits from the one that made it: the caller's leaked into every in-process rank and a
+# rank's own was dropped at its next run (a denormal 1e-310 * 1.0 gave 0.0 in-process where
+# processes give 1e-310, and the reverse), so it is set on every run's thread.
+#: a fresh thread's: grad mode, CPU autocast on and its dtype, the default device, denormals
+#: flushed to zero
+FRESH_THREAD: tuple[Any, ...] = (True, False, torch.bfloat16, torch.device("cpu"), False)
+
+
+def _denormals_flushed(tiny: float = sys.float_info.min, half: float = 0.5) -> bool:
+    """Whether this thread flushes denormals to zero (``torch.set_flush_denormal``, which
+    has no getter): the smallest normal float halved is then 0 (Python's floats use the
+    thread's control word too; arguments, not constants, so nothing is folded)."""
+    return tiny * half == 0.0
 
 
 def thread_settings() -> tuple[Any, ...]:
@@ -521,15 +533,19 @@ def thread_settings() -> tuple[Any, ...]:
         torch.is_autocast_enabled("cpu"),
         torch.get_autocast_dtype("cpu"),
         torch.get_default_device(),
+        _denormals_flushed(),
     )
 
 
 def set_thread_settings(values: tuple[Any, ...]) -> None:
     """Put this thread's settings to ``values`` (from :func:`thread_settings`), calling only
     the setters whose value differs from a fresh thread's (a default device set even to the
-    CPU puts a mode in front of every torch call)."""
-    grad, autocast, dtype, device = values
+    CPU puts a mode in front of every torch call), and the denormal mode always (a thread
+    starts with its maker's)."""
+    grad, autocast, dtype, device, flush = values
     torch.set_grad_enabled(grad)
+    if flush != _denormals_flushed():
+        torch.set_flush_denormal(flush)
     if (autocast, dtype) != FRESH_THREAD[1:3]:
         torch.set_autocast_enabled("cpu", autocast)
         torch.set_autocast_dtype("cpu", dtype)
@@ -561,6 +577,11 @@ per_rank(_flight._GROUPS, _flight._LAST, _flight._WORLD_PG, _flight._STATUS)
 # every rank's, a rank's flight recorder listing the other ranks' ops)
 _RING_SIZE = _flight._RING.maxlen
 per_rank_attr(_flight, "_RING", lambda: deque(maxlen=_RING_SIZE))
+# torch's print options (one object per process, set in place by torch.set_printoptions):
+# rank 0's set_printoptions(precision=1) printed rank 1's tensor([1.23456]) as tensor([1.2])
+# and outlived the run in the caller, where a rank process has its own
+per_rank(vars(_torch.PRINT_OPTS))
+_INITIAL[-1] = vars(type(_torch.PRINT_OPTS)())  # a fresh process's: torch's defaults
 per_rank(_accelerator._OVERRIDE)
 
 
