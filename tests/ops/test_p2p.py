@@ -76,7 +76,9 @@ def test_recv_with_metadata_every_dtype_and_0_to_4_dims(world2: dc.LocalWorld) -
             x = _sample(dtype, shape, i)
             if _rank() == 0:
                 token = p2p.send(x, dst=1, tag=i % 7)
-                assert token.shape == () and token.dtype == dtype and not token.requires_grad
+                # (real for a complex x: token.backward() needs a real scalar)
+                real = x.real.dtype if dtype.is_complex else dtype
+                assert token.shape == () and token.dtype == real and not token.requires_grad
             else:
                 got = p2p.recv(src=0, tag=i % 7)  # no metadata given: it travels in the header
                 assert got.dtype == dtype and got.shape == x.shape, (dtype, shape, got.dtype, got.shape)
@@ -517,6 +519,28 @@ def test_dot_product_adjoint_send_recv(world2: dc.LocalWorld) -> None:
         return _sum_over_ranks(lhs), _sum_over_ranks(rhs)
 
     for lhs, rhs in world2.run(adjoint_send_recv):
+        assert lhs == pytest.approx(rhs, rel=1e-12)
+
+
+def test_a_complex_send_token_backward_pulls_the_gradient(world2: dc.LocalWorld) -> None:
+    # the token was complex for a complex x, and ``token.backward()`` (the contract's
+    # recipe) raised torch's "grad can be implicitly created only for real scalar outputs"
+    def complex_send() -> tuple[float, float]:
+        g = torch.Generator().manual_seed(7 + _rank())
+        x = torch.randn(4, generator=g, dtype=torch.complex128, requires_grad=True)
+        y = torch.randn(4, generator=g, dtype=torch.complex128)
+        if _rank() == 0:
+            token = p2p.send(x, 1)
+            assert token.dtype == torch.float64 and token.requires_grad
+            token.backward()
+            lhs, rhs = 0.0, float(torch.vdot(x.grad, x.detach()).real)
+        else:
+            out = p2p.recv(0)
+            (out * y.conj()).real.sum().backward()
+            lhs, rhs = float(torch.vdot(y, out.detach()).real), 0.0
+        return _sum_over_ranks(lhs), _sum_over_ranks(rhs)
+
+    for lhs, rhs in world2.run(complex_send):
         assert lhs == pytest.approx(rhs, rel=1e-12)
 
 

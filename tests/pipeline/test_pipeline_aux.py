@@ -100,6 +100,12 @@ def test_add_aux_loss_checks_its_arguments() -> None:
         add_aux_loss(y, torch.ones(2, requires_grad=True))
     with pytest.raises(TypeError, match=r"`aux` must be a floating-point tensor"):
         add_aux_loss(y, torch.ones((), dtype=torch.int64))
+    # integer ids (for the next stage's embedding) have no backward to carry aux's
+    # gradient: it was None, with no error
+    w = torch.ones(3, dtype=F64, requires_grad=True)
+    with pytest.raises(TypeError, match=r"add_aux_loss\(\): `y` must be a floating-point tensor"):
+        add_aux_loss(torch.tensor([1, 0]), w.square().sum())
+    assert add_aux_loss(torch.tensor([1, 0]), torch.ones((), dtype=F64)).dtype == torch.int64
     aux = torch.tensor(2.0, requires_grad=True)
     out = add_aux_loss(y * 3, aux * 5)
     out.sum().backward()  # outside a step: weight 1

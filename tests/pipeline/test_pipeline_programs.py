@@ -3,7 +3,7 @@ against the float64 serial model on the full batch: inputs made by a graph outsi
 pipeline, a ``loss_fn`` with a parameter of its own, targets made by a graph outside the
 pipeline, a one-element loss that is not 0-dim, and the loss convention over
 micro-batches (the mean of ``loss_fn`` per micro-batch) with a loss whose mean is not
-over equal micro-batches (``ignore_index``).
+over equal micro-batches (``ignore_index``), and complex activations between stages.
 """
 
 from __future__ import annotations
@@ -258,3 +258,42 @@ def test_a_mean_over_unequal_micro_batches_is_the_mean_of_their_means(world2: dc
     for per_micro, ref, diff, grad_diff in world2.run(_ignore_index_losses):
         assert abs(per_micro - ref) > 0.01
         assert abs(diff) < 1e-13 and grad_diff < 1e-13
+
+
+class _ToComplex(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.complex(x, x.flip(-1))
+
+
+class _ToReal(nn.Module):
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.view_as_real(z).flatten(-2)
+
+
+def _complex_activations(schedule: str) -> tuple[float, float, float]:
+    """Complex activations across every stage boundary (the V turn's too)."""
+    torch.manual_seed(0)
+    c128 = torch.complex128
+    model = nn.Sequential(
+        _ToComplex(), nn.Linear(3, 3, dtype=c128), nn.Linear(3, 3, dtype=c128),
+        nn.Linear(3, 3, dtype=c128), nn.Linear(3, 3, dtype=c128), _ToReal(),
+    )  # fmt: skip
+    serial = copy.deepcopy(model)
+    stages, serial_stages = _stages(model, schedule), _stages(serial, schedule)
+    runner = PipelineRunner(stages if len(stages) > 1 else stages[0], schedule, loss_fn=F.mse_loss)
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 6, dtype=torch.float64)
+    loss = runner.step(x, y, n_micro=3)
+    ref = F.mse_loss(serial(x), y)
+    ref.backward()
+    assert loss is not None
+    return float(loss), float(ref), _grad_diff(stages, serial_stages)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved", "zbv"])
+def test_complex_activations_between_stages(world2: dc.LocalWorld, schedule: str) -> None:
+    """A complex activation's send token was complex, and its backward raised torch's
+    "grad can be implicitly created only for real scalar outputs" on the sending rank
+    (the others waited for its gradient); the token is real now."""
+    for loss, ref, diff in world2.run(_complex_activations, schedule):
+        assert loss == pytest.approx(ref, rel=1e-13)
+        assert diff < 1e-13

@@ -89,7 +89,10 @@ class _Send(CommOp):
         mode: str,
     ) -> Tensor:
         wire.post_send(x, dst, pg, tag, requires_grad, seq, mode)
-        return torch.zeros((), dtype=x.dtype, device=x.device)
+        # real for a complex x: token.backward() (and a real loss plus the token) needs a
+        # real scalar; a complex token raised torch's "grad can be implicitly created only
+        # for real scalar outputs" (a complex activation between pipeline stages too)
+        return torch.zeros((), dtype=x.real.dtype if x.is_complex() else x.dtype, device=x.device)
 
     @staticmethod
     def label(dst: int, pg: PG, tag: int, *_: Any) -> str:
@@ -160,7 +163,8 @@ def send(x: Tensor, dst: int, group: A.GroupLike = None, tag: int = 0) -> Tensor
         tag: int in ``[0, MAX_TAG)`` matching the receiver's ``tag``.
 
     Returns:
-        A 0-dim token of ``x.dtype`` with value 0; it requires grad iff ``x`` does.
+        A 0-dim token of ``x.dtype`` (its real dtype for a complex ``x``) with value 0;
+        it requires grad iff ``x`` does.
 
     Gradient:
         The adjoint of sending is receiving: the token's backward receives ``dst``'s

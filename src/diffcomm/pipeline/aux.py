@@ -86,7 +86,9 @@ def add_aux_loss(y: Tensor, aux: Tensor) -> Tensor:
 
     Args:
         y: the stage's output (any shape; it must reach the loss for ``aux`` to count, as
-            the backward through ``y`` runs ``aux``'s).
+            the backward through ``y`` runs ``aux``'s): floating-point (or complex) when
+            ``aux`` requires grad, a ``TypeError`` otherwise (an integer ``y`` has no
+            backward: ``aux``'s gradient was ``None``, silently).
         aux: a one-element floating-point tensor (an ``ExpertParallelMoE``'s ``aux_loss``
             is this rank's share of the group's; summed over the expert-parallel ranks it
             is the serial one, diffcomm's sum convention).
@@ -114,5 +116,16 @@ def add_aux_loss(y: Tensor, aux: Tensor) -> Tensor:
         raise A.arg_error(op, "aux", "one element (a scalar loss)", f"shape {tuple(aux.shape)}")
     if not aux.requires_grad:  # nothing to differentiate (e.g. under torch.no_grad)
         return y
+    if not (y.is_floating_point() or y.is_complex()):
+        # an integer output (token ids for the next stage's embedding) carries no gradient:
+        # its backward never runs, and aux's gradient was None, with no error
+        raise A.arg_error(
+            op,
+            "y",
+            "a floating-point tensor when `aux` requires grad (an integer activation has no "
+            "backward to carry aux's: attach it to a floating-point one)",
+            y.dtype,
+            TypeError,
+        )
     objective_term(aux)  # dc.spmd_check: a term of the objective (else a no-op)
     return _WithAux.apply(y, aux, _SCALE[0])

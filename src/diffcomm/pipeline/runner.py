@@ -159,7 +159,7 @@ class _LocalSend(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, y: Tensor, box: list[Tensor]) -> Tensor:
         ctx.box = box  # type: ignore[attr-defined]
-        return y.new_zeros(())
+        return y.new_zeros((), dtype=y.real.dtype if y.is_complex() else y.dtype)  # (as a send token)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, _: Tensor) -> tuple[Tensor, None]:
