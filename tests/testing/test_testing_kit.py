@@ -120,6 +120,35 @@ class _AllGatherDoubledIfStridedInput(_Planted):
         return out if ctx.contiguous else 2 * out
 
 
+class _AllGatherWrongJvp(_Planted):
+    """all_gather along dim 0, right forward and backward, whose forward-mode rule doubles."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return dc.all_gather(x, 0)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return dc.reduce_scatter(g.contiguous(), 0)
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return 2 * dc.all_gather(t, 0)
+
+
+class _AllGatherWrongDoubleBackward(_Planted):
+    """all_gather along dim 0 whose backward has the right value but twice the right
+    derivative in its incoming gradient (a double backward, e.g. a gradient penalty, is 2x)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return dc.all_gather(x, 0)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return 2 * dc.reduce_scatter(g.contiguous(), 0) - dc.reduce_scatter(g.detach().contiguous(), 0)
+
+
 class _AllGatherZeroingItsGradient(_Planted):
     """all_gather along dim 0 with the right backward, which then zeroes the gradient it
     was given (another backward handed the same tensor gets zeros)."""
@@ -483,6 +512,38 @@ def test_check_adjoint_catches_an_op_or_backward_that_changes_its_input_in_place
     assert "op modified its input x in place" in out[0]["x in forward"], out[0]
     assert "the backward of op modified y, its incoming gradient, in place" in out[0]["y in backward"]
     assert "dual_op modified its input y, its incoming gradient, in place" in out[0]["y in dual_op"]
+
+
+def _wrong_jvp_or_double_backward() -> dict[str, str]:
+    x, y = _rand(1, 2, 3), _rand(2, 2 * dc.get_world_size(), 3)
+    calls = {
+        "jvp": lambda: check_adjoint(_AllGatherWrongJvp.apply, x, y),
+        "double backward": lambda: check_adjoint(_AllGatherWrongDoubleBackward.apply, x, y),
+        "right": lambda: check_adjoint(lambda t: dc.all_gather(t, 0), x, y),
+    }
+    return outcomes(calls, AssertionError)
+
+
+@pytest.mark.diffcomm_in_process(False)  # forward-mode AD needs a process per rank
+def test_check_adjoint_catches_a_wrong_jvp_or_double_backward(world2) -> None:
+    """A Function with the right forward and backward but a forward-mode rule (jvp, vmap of
+    jvp, jacfwd) or a double backward off by 2x passed check_adjoint (relative error 1.7e-16),
+    and gradcheck: in use jvp was off by 0.89 and the double backward by 2.18."""
+    out = world2.run(_wrong_jvp_or_double_backward)
+    assert out[0] == out[1]
+    assert "the forward-mode (jvp) rule of op is wrong" in out[0]["jvp"], out[0]
+    assert "the double backward of op is wrong" in out[0]["double backward"], out[0]
+    assert out[0]["right"] == "no error", out[0]
+
+
+def test_check_adjoint_catches_a_wrong_double_backward_in_process(world2) -> None:
+    # an in-process world refuses forward mode (its levels are one stack per process): the
+    # jvp rule is not tried there, the double backward is
+    out = world2.run(_wrong_jvp_or_double_backward)
+    assert out[0] == out[1]
+    assert "the double backward of op is wrong" in out[0]["double backward"], out[0]
+    assert out[0]["jvp"] == "no error", out[0]
+    assert out[0]["right"] == "no error", out[0]
 
 
 def test_check_adjoint_refuses_an_op_that_returns_no_single_tensor(world2) -> None:
