@@ -740,6 +740,32 @@ def test_assert_matches_serial_catches_a_wrong_backward(world2) -> None:
     )
 
 
+class _CopyOnFirstCallOnly:
+    """A column-parallel linear (its weight a constant) whose input enters through
+    copy_to_region on its first call only (a "done once" flag): from the second call on,
+    each rank's input gradient is its own share, not their sum."""
+
+    def __init__(self, serial: torch.nn.Linear) -> None:
+        self.w = serial.weight.detach().clone().chunk(dc.get_world_size(), 0)[dc.get_rank()]
+        self.first = True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x, self.first = P.copy_to_region(x), False
+        return P.gather_from_region(x @ self.w.T)
+
+
+def test_assert_matches_serial_catches_a_program_wrong_from_its_second_call(world2) -> None:
+    """assert_matches_serial called the parallel program once: this one passed, while its
+    second call's input gradient was off by 0.53 (rank 0) and 0.70 (rank 1)."""
+    torch.manual_seed(0)
+    serial = torch.nn.Linear(4, 6, bias=False, dtype=F64)
+    x = torch.randn(3, 4, dtype=F64)
+    with pytest.raises(AssertionError, match=r"rank 0 \(second call\): gradient of inputs\[0\]") as info:
+        assert_matches_serial(build(_CopyOnFirstCallOnly), serial, x, world=world2)
+    assert "on rank(s) [0, 1] of 2" in str(info.value)
+
+
 def test_assert_matches_serial_catches_a_wrong_shard_mapping(world2) -> None:
     x = torch.randn(6, 2, 4, dtype=F64)
     wrong = {"fc1.weight": ("fc1.weight", (slice(0, 4), slice(None)))}  # rank 1 holds rows 4:8
