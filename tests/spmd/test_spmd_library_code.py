@@ -470,8 +470,9 @@ DOC_RUNS: dict[tuple[str, int], DocRun | Skip | Elsewhere] = {
     ("testing.md", 1): _SIGNATURE,
     ("testing.md", 2): _SIGNATURE,
     ("testing.md", 3): Skip("a recipe whose `layer`, `layer_loss` and `x` the page's prose leaves open"),
-    ("testing.md", 4): _SIGNATURE,
+    ("testing.md", 4): DocRun(calls=(Call("_my_double_backward_gradcheck"),)),
     ("testing.md", 5): _SIGNATURE,
+    ("testing.md", 6): _SIGNATURE,
     ("transforms.md", 0): DocRun(  # (jvp: under torch.func nothing is typed; it passes)
         top=True,
         prelude="x = dc.spmd.varying(torch.randn(4, 3))\nt = dc.spmd.varying(torch.randn(4, 3))\n",

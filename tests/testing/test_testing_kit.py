@@ -120,6 +120,35 @@ class _AllGatherDoubledIfStridedInput(_Planted):
         return out if ctx.contiguous else 2 * out
 
 
+class _AllGatherWrongJvp(_Planted):
+    """all_gather along dim 0, right forward and backward, whose forward-mode rule doubles."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return dc.all_gather(x, 0)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return dc.reduce_scatter(g.contiguous(), 0)
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return 2 * dc.all_gather(t, 0)
+
+
+class _AllGatherWrongDoubleBackward(_Planted):
+    """all_gather along dim 0 whose backward has the right value but twice the right
+    derivative in its incoming gradient (a double backward, e.g. a gradient penalty, is 2x)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return dc.all_gather(x, 0)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return 2 * dc.reduce_scatter(g.contiguous(), 0) - dc.reduce_scatter(g.detach().contiguous(), 0)
+
+
 class _AllGatherZeroingItsGradient(_Planted):
     """all_gather along dim 0 with the right backward, which then zeroes the gradient it
     was given (another backward handed the same tensor gets zeros)."""
@@ -485,6 +514,38 @@ def test_check_adjoint_catches_an_op_or_backward_that_changes_its_input_in_place
     assert "dual_op modified its input y, its incoming gradient, in place" in out[0]["y in dual_op"]
 
 
+def _wrong_jvp_or_double_backward() -> dict[str, str]:
+    x, y = _rand(1, 2, 3), _rand(2, 2 * dc.get_world_size(), 3)
+    calls = {
+        "jvp": lambda: check_adjoint(_AllGatherWrongJvp.apply, x, y),
+        "double backward": lambda: check_adjoint(_AllGatherWrongDoubleBackward.apply, x, y),
+        "right": lambda: check_adjoint(lambda t: dc.all_gather(t, 0), x, y),
+    }
+    return outcomes(calls, AssertionError)
+
+
+@pytest.mark.diffcomm_in_process(False)  # forward-mode AD needs a process per rank
+def test_check_adjoint_catches_a_wrong_jvp_or_double_backward(world2) -> None:
+    """A Function with the right forward and backward but a forward-mode rule (jvp, vmap of
+    jvp, jacfwd) or a double backward off by 2x passed check_adjoint (relative error 1.7e-16),
+    and gradcheck: in use jvp was off by 0.89 and the double backward by 2.18."""
+    out = world2.run(_wrong_jvp_or_double_backward)
+    assert out[0] == out[1]
+    assert "the forward-mode (jvp) rule of op is wrong" in out[0]["jvp"], out[0]
+    assert "the double backward of op is wrong" in out[0]["double backward"], out[0]
+    assert out[0]["right"] == "no error", out[0]
+
+
+def test_check_adjoint_catches_a_wrong_double_backward_in_process(world2) -> None:
+    # an in-process world refuses forward mode (its levels are one stack per process): the
+    # jvp rule is not tried there, the double backward is
+    out = world2.run(_wrong_jvp_or_double_backward)
+    assert out[0] == out[1]
+    assert "the double backward of op is wrong" in out[0]["double backward"], out[0]
+    assert out[0]["jvp"] == "no error", out[0]
+    assert out[0]["right"] == "no error", out[0]
+
+
 def test_check_adjoint_refuses_an_op_that_returns_no_single_tensor(world2) -> None:
     def tuple_op() -> dict[str, str]:
         """An op returning a tuple failed with "'tuple' object has no attribute 'shape'"."""
@@ -677,6 +738,32 @@ def test_assert_matches_serial_catches_a_wrong_backward(world2) -> None:
     assert "rank 0: gradient of inputs[0]" in str(info.value) and "rank 1: gradient of inputs[0]" in str(
         info.value
     )
+
+
+class _CopyOnFirstCallOnly:
+    """A column-parallel linear (its weight a constant) whose input enters through
+    copy_to_region on its first call only (a "done once" flag): from the second call on,
+    each rank's input gradient is its own share, not their sum."""
+
+    def __init__(self, serial: torch.nn.Linear) -> None:
+        self.w = serial.weight.detach().clone().chunk(dc.get_world_size(), 0)[dc.get_rank()]
+        self.first = True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x, self.first = P.copy_to_region(x), False
+        return P.gather_from_region(x @ self.w.T)
+
+
+def test_assert_matches_serial_catches_a_program_wrong_from_its_second_call(world2) -> None:
+    """assert_matches_serial called the parallel program once: this one passed, while its
+    second call's input gradient was off by 0.53 (rank 0) and 0.70 (rank 1)."""
+    torch.manual_seed(0)
+    serial = torch.nn.Linear(4, 6, bias=False, dtype=F64)
+    x = torch.randn(3, 4, dtype=F64)
+    with pytest.raises(AssertionError, match=r"rank 0 \(second call\): gradient of inputs\[0\]") as info:
+        assert_matches_serial(build(_CopyOnFirstCallOnly), serial, x, world=world2)
+    assert "on rank(s) [0, 1] of 2" in str(info.value)
 
 
 def test_assert_matches_serial_catches_a_wrong_shard_mapping(world2) -> None:

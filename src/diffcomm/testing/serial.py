@@ -173,8 +173,7 @@ def _compare_on_rank(
     """Run both sides on this rank; return the failures (empty: all matched)."""
     op = "testing.assert_matches_serial"
     pg = A.resolve_group(group, op)
-    backend = B.get_backend()
-    world, rank = backend.world_size(pg), backend.rank(pg)
+    rank = B.get_backend().rank(pg)
     if isinstance(serial_fn, build):
         serial_fn = serial_fn.make()
     if isinstance(parallel_fn, build):
@@ -185,7 +184,6 @@ def _compare_on_rank(
             inputs = inputs()
     inputs = _as_tuple(inputs)
     in_specs = _specs(input_specs, len(inputs), "input_specs")
-    failures: list[str] = []
 
     for i, t in enumerate(inputs):
         if isinstance(t, Tensor):
@@ -193,6 +191,33 @@ def _compare_on_rank(
                 check_replicated(t, op, f"inputs[{i}]", "Pass the same full inputs on every rank.", pg)
             except CrossRankMismatchError as exc:
                 raise ValueError(f"diffcomm.{op}(): {exc}") from None
+    # two calls of both sides, each compared: a program wrong only from its second call on
+    # (state kept across calls: a flag set, a cache filled on the first) passed. Every rank
+    # runs both (the collectives of the second call are SPMD); the second call's failures
+    # are reported where the first had none.
+    args = (parallel_fn, serial_fn, inputs, in_specs, output_specs, param_map, rtol, atol, pg, seed)
+    failures = _compare_call(*args)
+    again = _compare_call(*args)
+    prefix = f"rank {rank}: "
+    return failures or [f"rank {rank} (second call): {m.removeprefix(prefix)}" for m in again]
+
+
+def _compare_call(
+    parallel_fn: Any,
+    serial_fn: Any,
+    inputs: tuple[Any, ...],
+    in_specs: list[Shard | None],
+    output_specs: Sequence[Shard | None] | None,
+    param_map: Mapping[str, tuple[str, Any]] | None,
+    rtol: float | None,
+    atol: float | None,
+    pg: Any,
+    seed: int,
+) -> list[str]:
+    """One call of both sides on this rank, compared; the failures (empty: all matched)."""
+    backend = B.get_backend()
+    world, rank = backend.world_size(pg), backend.rank(pg)
+    failures: list[str] = []
 
     # ---- serial reference -------------------------------------------------------------
     s_in = [
@@ -440,7 +465,9 @@ def assert_matches_serial(
       serial buffer it stands for (named as a parameter is), where that exists with its
       shape.
 
-    The parallel backward runs twice: with the cotangents as given and with the same
+    Both sides are called twice, each call compared (a program wrong only from its second
+    call on fails, "rank r (second call): ..."). In each call the parallel backward runs
+    twice: with the cotangents as given and with the same
     values strided (a backward wrong only for a non-contiguous gradient fails). A
     parallel program that changes an input, or a backward a gradient it receives, in
     place fails too.
