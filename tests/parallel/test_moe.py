@@ -1278,3 +1278,40 @@ def test_aux_loss_under_reentrant_checkpointing(world2) -> None:
     for res in world2.run(_aux_loss_under_checkpointing):
         assert res["reentrant, attached"] < 1e-12 and res["non-reentrant"] < 1e-12, res
         assert res["reentrant, read after"] > 1e-3, res  # (docs/moe.md: the limitation, pinned)
+
+
+def _sequence_parallel_experts() -> list[str]:
+    """Tensor-parallel experts built ``sequence_parallel=True`` (2 x 2 mesh: EP over
+    ``ep``, TP over ``tp``), bare and inside a wrapper: each refused, naming it."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from diffcomm import parallel as P
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    tp = (mesh, "tp")
+    bare = [P.ParallelMLP(4, 6, group=tp, sequence_parallel=True, seed=j, dtype=F64) for j in range(2)]
+    wrapped = [nn.Sequential(P.MLP(4, 4, dtype=F64), e) for e in bare]
+    return refusal_messages(
+        [
+            lambda experts=experts: P.ExpertParallelMoE(
+                4, 6, 4, 2, (mesh, "ep"), experts=experts, seed=0, dtype=F64
+            )
+            for experts in (bare, wrapped)
+        ]
+    )
+
+
+def test_sequence_parallel_experts_refused(world4) -> None:
+    """A sequence-parallel ``ParallelMLP`` as an expert all_gathered the dispatched rows over
+    its TP group as a sequence shard, but the TP ranks hold the same rows: outputs and
+    input gradients were right, the experts' weight gradients twice the serial ones at
+    TP 2 (1.50 off), with no error."""
+    sp = r"\(ParallelMLP\) with sequence_parallel=True"
+    assert_refused_before_communicating(
+        world4.run(_sequence_parallel_experts),
+        [
+            rf"ValueError: .*ExpertParallelMoE\(\).*`experts`.*experts\[0\] {sp}",
+            rf"ValueError: .*ExpertParallelMoE\(\).*`experts`.*experts\[0\]\.1 {sp}",
+        ],
+    )

@@ -42,7 +42,7 @@ parallel layer drops exactly the tokens the serial one drops. ``None`` (the defa
 dropless.
 """
 
-# Size: ~830 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
+# Size: ~870 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
 # name maps between them (serial_names, from_serial, state dicts) are read together.
 
 from __future__ import annotations
@@ -243,6 +243,29 @@ def _refuse_experts_tied_across_ranks(op: str, moe: MoE, world: int) -> None:
                     "group size that keeps the tied experts on one rank",
                     f"{first[0]} (rank {first[1]}) and experts.{j}.{name} (rank {j // per_rank}) "
                     "are one parameter",
+                )
+
+
+def _refuse_sequence_parallel_experts(experts: Sequence[nn.Module]) -> None:
+    """An expert (or a layer inside it) built ``sequence_parallel=True`` takes the rows the
+    dispatch gives it for a sequence shard of its tensor-parallel group and all_gathers
+    them: the TP ranks hold the same tokens (the routing is replicated over TP), so every
+    row was counted once per TP rank and the expert's weight gradients were the TP size
+    times the serial ones (1.50 off at EP 2 x TP 2; outputs and input gradients right),
+    with no error. Refused, naming the layer, before any communication."""
+    for i, expert in enumerate(experts):
+        for name, m in expert.named_modules():
+            if getattr(m, "sequence_parallel", False) is True:
+                where = f"experts[{i}]" + (f".{name}" if name else "")
+                raise A.arg_error(
+                    "parallel.ExpertParallelMoE",
+                    "experts",
+                    "experts mapping the dispatched rows, the same on every rank of a tensor-parallel "
+                    "expert's group, to their rows: build a tensor-parallel expert with "
+                    "sequence_parallel=False (a sequence-parallel one all_gathers the rows as a "
+                    "sequence shard, counting each once per TP rank: weight gradients TP-size times "
+                    "the serial ones)",
+                    f"{where} ({type(m).__name__}) with sequence_parallel=True",
                 )
 
 
@@ -533,6 +556,7 @@ class ExpertParallelMoE(nn.Module):
                     f"{per_rank} modules (num_experts / world)",
                     len(local),
                 )
+            _refuse_sequence_parallel_experts(local)
         self.experts = nn.ModuleList(local)
         self._note_experts()  # (a model only ever run compiled is marked too)
         self.aux_loss: Tensor | None = None
