@@ -1280,9 +1280,10 @@ def test_aux_loss_under_reentrant_checkpointing(world2) -> None:
         assert res["reentrant, read after"] > 1e-3, res  # (docs/moe.md: the limitation, pinned)
 
 
-def _sequence_parallel_experts() -> list[str]:
-    """Tensor-parallel experts built ``sequence_parallel=True`` (2 x 2 mesh: EP over
-    ``ep``, TP over ``tp``), bare and inside a wrapper: each refused, naming it."""
+def _tensor_parallel_experts_refused() -> list[str]:
+    """Tensor-parallel experts (2 x 2 mesh, EP over ``ep``) built ``sequence_parallel=True``
+    (bare, and inside a wrapper), or over a group holding other EP ranks (the ``ep`` axis
+    itself, the world: ``group=None``): each refused, naming it."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -1292,26 +1293,33 @@ def _sequence_parallel_experts() -> list[str]:
     tp = (mesh, "tp")
     bare = [P.ParallelMLP(4, 6, group=tp, sequence_parallel=True, seed=j, dtype=F64) for j in range(2)]
     wrapped = [nn.Sequential(P.MLP(4, 4, dtype=F64), e) for e in bare]
+    over_ep = [P.ParallelMLP(4, 6, group=(mesh, "ep"), seed=j, dtype=F64) for j in range(2)]
+    over_world = [P.ParallelMLP(4, 8, seed=j, dtype=F64) for j in range(2)]
     return refusal_messages(
         [
             lambda experts=experts: P.ExpertParallelMoE(
                 4, 6, 4, 2, (mesh, "ep"), experts=experts, seed=0, dtype=F64
             )
-            for experts in (bare, wrapped)
+            for experts in (bare, wrapped, over_ep, over_world)
         ]
     )
 
 
-def test_sequence_parallel_experts_refused(world4) -> None:
+def test_tensor_parallel_experts_refused(world4) -> None:
     """A sequence-parallel ``ParallelMLP`` as an expert all_gathered the dispatched rows over
     its TP group as a sequence shard, but the TP ranks hold the same rows: outputs and
     input gradients were right, the experts' weight gradients twice the serial ones at
-    TP 2 (1.50 off), with no error."""
+    TP 2 (1.50 off), with no error. A ``ParallelMLP`` over ranks of the EP group summed its
+    shards of different experts as one MLP (0.35 off the serial rows at world 2, k = E; a
+    gloo abort where the row counts differ)."""
     sp = r"\(ParallelMLP\) with sequence_parallel=True"
+    other = r"`experts` must be tensor-parallel experts over a group orthogonal.*experts\[0\] \(ParallelMLP\)"
     assert_refused_before_communicating(
-        world4.run(_sequence_parallel_experts),
+        world4.run(_tensor_parallel_experts_refused),
         [
             rf"ValueError: .*ExpertParallelMoE\(\).*`experts`.*experts\[0\] {sp}",
             rf"ValueError: .*ExpertParallelMoE\(\).*`experts`.*experts\[0\]\.1 {sp}",
+            rf"ValueError: .*ExpertParallelMoE\(\).*{other} over the global ranks \[\d, \d\], which hold",
+            rf"ValueError: .*ExpertParallelMoE\(\).*{other} over the global ranks \[0, 1, 2, 3\], which hold",
         ],
     )

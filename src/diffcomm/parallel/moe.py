@@ -54,6 +54,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -246,17 +247,25 @@ def _refuse_experts_tied_across_ranks(op: str, moe: MoE, world: int) -> None:
                 )
 
 
-def _refuse_sequence_parallel_experts(experts: Sequence[nn.Module]) -> None:
-    """An expert (or a layer inside it) built ``sequence_parallel=True`` takes the rows the
-    dispatch gives it for a sequence shard of its tensor-parallel group and all_gathers
-    them: the TP ranks hold the same tokens (the routing is replicated over TP), so every
-    row was counted once per TP rank and the expert's weight gradients were the TP size
-    times the serial ones (1.50 off at EP 2 x TP 2; outputs and input gradients right),
-    with no error. Refused, naming the layer, before any communication."""
+def _check_experts(experts: Sequence[nn.Module], pg: Any) -> None:
+    """The ``experts=`` of an :class:`ExpertParallelMoE`, refused (naming the layer, before
+    any communication) where a tensor-parallel layer inside one would silently compute
+    another function than the serial expert:
+
+    * a layer over a group holding another rank of the expert-parallel group (a
+      ``ParallelMLP`` left on ``group=None``, the world, as the MoE): its shards on those
+      ranks are shards of *other* experts, summed as one MLP (0.35 off the serial rows at
+      world 2 with ``k = E``, where the row counts agree; a gloo abort where they do not);
+    * a layer built ``sequence_parallel=True``: it all_gathers the dispatched rows over its
+      TP group as a sequence shard, though the TP ranks hold the same rows (the routing is
+      replicated over TP), so each row counted once per TP rank: the expert's weight
+      gradients were the TP size times the serial ones (1.50 off at EP 2 x TP 2; outputs
+      and input gradients right), with no error."""
+    ep_ranks = set(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
     for i, expert in enumerate(experts):
         for name, m in expert.named_modules():
+            where = f"experts[{i}]" + (f".{name}" if name else "") + f" ({type(m).__name__})"
             if getattr(m, "sequence_parallel", False) is True:
-                where = f"experts[{i}]" + (f".{name}" if name else "")
                 raise A.arg_error(
                     "parallel.ExpertParallelMoE",
                     "experts",
@@ -265,8 +274,22 @@ def _refuse_sequence_parallel_experts(experts: Sequence[nn.Module]) -> None:
                     "sequence_parallel=False (a sequence-parallel one all_gathers the rows as a "
                     "sequence shard, counting each once per TP rank: weight gradients TP-size times "
                     "the serial ones)",
-                    f"{where} ({type(m).__name__}) with sequence_parallel=True",
+                    f"{where} with sequence_parallel=True",
                 )
+            if isinstance(m, ParallelModule):
+                ranks = dist.get_process_group_ranks(m._pg)
+                shared = sorted(set(ranks) & ep_ranks)
+                if len(shared) > 1:
+                    raise A.arg_error(
+                        "parallel.ExpertParallelMoE",
+                        "experts",
+                        "tensor-parallel experts over a group orthogonal to the expert-parallel one "
+                        "(another mesh axis: ParallelMLP.from_serial(mlp, group=(mesh, 'tp')) with "
+                        "ExpertParallelMoE(..., group=(mesh, 'ep'))), holding no other rank of it",
+                        f"{where} over the global ranks {list(ranks)}, which hold the expert-parallel "
+                        f"ranks {shared}: its shards there belong to other experts, and would be "
+                        "summed as one",
+                    )
 
 
 def _guard_loading(moe: ExpertParallelMoE) -> None:
@@ -556,7 +579,7 @@ class ExpertParallelMoE(nn.Module):
                     f"{per_rank} modules (num_experts / world)",
                     len(local),
                 )
-            _refuse_sequence_parallel_experts(local)
+            _check_experts(local, self._pg)
         self.experts = nn.ModuleList(local)
         self._note_experts()  # (a model only ever run compiled is marked too)
         self.aux_loss: Tensor | None = None
