@@ -276,7 +276,7 @@ def _check_experts(experts: Sequence[nn.Module], pg: Any) -> None:
                     "the serial ones)",
                     f"{where} with sequence_parallel=True",
                 )
-            if isinstance(m, ParallelModule):
+            if isinstance(m, ParallelModule) and m._pg is not None:  # (None: a container)
                 ranks = dist.get_process_group_ranks(m._pg)
                 shared = sorted(set(ranks) & ep_ranks)
                 if len(shared) > 1:
