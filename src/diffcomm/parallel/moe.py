@@ -276,8 +276,8 @@ def _check_experts(experts: Sequence[nn.Module], pg: Any) -> None:
                     "the serial ones)",
                     f"{where} with sequence_parallel=True",
                 )
-            if isinstance(m, ParallelModule) and m._pg is not None:  # (None: a container)
-                ranks = dist.get_process_group_ranks(m._pg)
+            if isinstance(m, ParallelModule) and "_pg" in m.__dict__:  # (not: a container)
+                ranks = dist.get_process_group_ranks(m._pg if m._pg is not None else dist.group.WORLD)
                 shared = sorted(set(ranks) & ep_ranks)
                 if len(shared) > 1:
                     raise A.arg_error(
