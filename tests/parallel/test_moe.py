@@ -1295,12 +1295,19 @@ def _tensor_parallel_experts_refused() -> list[str]:
     wrapped = [nn.Sequential(P.MLP(4, 4, dtype=F64), e) for e in bare]
     over_ep = [P.ParallelMLP(4, 6, group=(mesh, "ep"), seed=j, dtype=F64) for j in range(2)]
     over_world = [P.ParallelMLP(4, 8, seed=j, dtype=F64) for j in range(2)]
+
+    class Wrapper(P.ParallelModule):  # a container with no group of its own: accepted
+        def __init__(self, j: int) -> None:
+            super().__init__()
+            self.inner = P.ParallelMLP(4, 6, group=tp, seed=j, dtype=F64)
+
+    contained = [Wrapper(j) for j in range(2)]
     return refusal_messages(
         [
             lambda experts=experts: P.ExpertParallelMoE(
                 4, 6, 4, 2, (mesh, "ep"), experts=experts, seed=0, dtype=F64
             )
-            for experts in (bare, wrapped, over_ep, over_world)
+            for experts in (bare, wrapped, over_ep, over_world, contained)
         ]
     )
 
@@ -1314,8 +1321,10 @@ def test_tensor_parallel_experts_refused(world4) -> None:
     gloo abort where the row counts differ)."""
     sp = r"\(ParallelMLP\) with sequence_parallel=True"
     other = r"`experts` must be tensor-parallel experts over a group orthogonal.*experts\[0\] \(ParallelMLP\)"
+    per_rank = world4.run(_tensor_parallel_experts_refused)
+    assert all(msgs[4] == "no error" for msgs in per_rank), per_rank
     assert_refused_before_communicating(
-        world4.run(_tensor_parallel_experts_refused),
+        [msgs[:4] for msgs in per_rank],
         [
             rf"ValueError: .*ExpertParallelMoE\(\).*`experts`.*experts\[0\] {sp}",
             rf"ValueError: .*ExpertParallelMoE\(\).*`experts`.*experts\[0\]\.1 {sp}",
