@@ -163,7 +163,12 @@ def _bad_calls() -> list[str]:
     other = dist.new_group(list(range(dc.get_world_size())))
     mlp = par.ParallelMLP(4, 6, seed=0)
     col = par.ColumnParallelLinear(4, 6, group=other, seed=1)
-    nested = par.ExpertParallelMoE(4, 6, 2, 2, experts=[par.ParallelMLP(4, 6, group=other, seed=2)], seed=0)
+    # an expert tensor-parallel over the world inside an MoE expert-parallel over a group of
+    # one (orthogonal: a TP expert over the MoE's own ranks is refused when built)
+    alone = [dist.new_group([r]) for r in range(dc.get_world_size())][dc.get_rank()]
+    nested = par.ExpertParallelMoE(
+        4, 6, 1, 1, alone, experts=[par.ParallelMLP(4, 6, group=other, seed=2)], seed=0
+    )
     return refusal_messages(
         [
             lambda: par.clip_grad_norm_(list(mlp.parameters()), 1.0),

@@ -1237,3 +1237,98 @@ def test_sync_replicated_grads_after_an_in_place_scaling_and_a_backward_refused(
             assert res.startswith("no error") and float(res.split(", ")[1].split()[0]) < 1e-12, res
         else:
             assert res == want, res
+
+
+def _aux_loss_under_checkpointing() -> dict[str, float]:
+    """``ExpertParallelMoE`` (capacity, shared expert) with its aux loss under
+    ``torch.utils.checkpoint``, against the serial ``MoE`` without: reentrant with
+    ``moe.aux_loss`` read after the region (no graph: the documented limitation, the
+    router's gradient misses the load-balancing term), reentrant with the aux loss
+    attached inside by ``add_aux_loss``, and non-reentrant."""
+    from torch.utils.checkpoint import checkpoint
+
+    from diffcomm import parallel as P
+    from diffcomm.pipeline import add_aux_loss
+
+    r = dc.get_rank()
+    serial = P.MoE(
+        4, 6, 4, 2, capacity_factor=0.5, shared_expert_size=3, activation="tanh", dtype=F64, seed=5
+    )
+    xs = torch.randn(8, 4, dtype=F64, generator=torch.Generator().manual_seed(3))
+    ((serial(xs) ** 2).sum() + 0.3 * serial.aux_loss).backward()
+    ref = dict(serial.named_parameters())
+    out = {}
+    for how in ("reentrant, read after", "reentrant, attached", "non-reentrant"):
+        ep = P.ExpertParallelMoE.from_serial(serial)
+        x = xs[4 * r : 4 * r + 4].clone().requires_grad_(True)
+        if how == "reentrant, attached":
+            y = checkpoint(lambda t, ep=ep: add_aux_loss(ep(t), 0.3 * ep.aux_loss), x, use_reentrant=True)
+            loss = (y**2).sum()
+        else:
+            y = checkpoint(ep, x, use_reentrant=how != "non-reentrant")
+            loss = (y**2).sum() + 0.3 * ep.aux_loss
+        loss.backward()
+        ep.sync_replicated_grads()
+        names = ep.serial_names()
+        out[how] = max(float((p.grad - ref[names[n]].grad).abs().max()) for n, p in ep.named_parameters())
+    return out
+
+
+def test_aux_loss_under_reentrant_checkpointing(world2) -> None:
+    for res in world2.run(_aux_loss_under_checkpointing):
+        assert res["reentrant, attached"] < 1e-12 and res["non-reentrant"] < 1e-12, res
+        assert res["reentrant, read after"] > 1e-3, res  # (docs/moe.md: the limitation, pinned)
+
+
+def _tensor_parallel_experts_refused() -> list[str]:
+    """Tensor-parallel experts (2 x 2 mesh, EP over ``ep``) built ``sequence_parallel=True``
+    (bare, and inside a wrapper), or over a group holding other EP ranks (the ``ep`` axis
+    itself, the world: ``group=None``): each refused, naming it."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from diffcomm import parallel as P
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    tp = (mesh, "tp")
+    bare = [P.ParallelMLP(4, 6, group=tp, sequence_parallel=True, seed=j, dtype=F64) for j in range(2)]
+    wrapped = [nn.Sequential(P.MLP(4, 4, dtype=F64), e) for e in bare]
+    over_ep = [P.ParallelMLP(4, 6, group=(mesh, "ep"), seed=j, dtype=F64) for j in range(2)]
+    over_world = [P.ParallelMLP(4, 8, seed=j, dtype=F64) for j in range(2)]
+
+    class Wrapper(P.ParallelModule):  # a container with no group of its own: accepted
+        def __init__(self, j: int) -> None:
+            super().__init__()
+            self.inner = P.ParallelMLP(4, 6, group=tp, seed=j, dtype=F64)
+
+    contained = [Wrapper(j) for j in range(2)]
+    return refusal_messages(
+        [
+            lambda experts=experts: P.ExpertParallelMoE(
+                4, 6, 4, 2, (mesh, "ep"), experts=experts, seed=0, dtype=F64
+            )
+            for experts in (bare, wrapped, over_ep, over_world, contained)
+        ]
+    )
+
+
+def test_tensor_parallel_experts_refused(world4) -> None:
+    """A sequence-parallel ``ParallelMLP`` as an expert all_gathered the dispatched rows over
+    its TP group as a sequence shard, but the TP ranks hold the same rows: outputs and
+    input gradients were right, the experts' weight gradients twice the serial ones at
+    TP 2 (1.50 off), with no error. A ``ParallelMLP`` over ranks of the EP group summed its
+    shards of different experts as one MLP (0.35 off the serial rows at world 2, k = E; a
+    gloo abort where the row counts differ)."""
+    sp = r"\(ParallelMLP\) with sequence_parallel=True"
+    other = r"`experts` must be tensor-parallel experts over a group orthogonal.*experts\[0\] \(ParallelMLP\)"
+    per_rank = world4.run(_tensor_parallel_experts_refused)
+    assert all(msgs[4] == "no error" for msgs in per_rank), per_rank
+    assert_refused_before_communicating(
+        [msgs[:4] for msgs in per_rank],
+        [
+            rf"ValueError: .*ExpertParallelMoE\(\).*`experts`.*experts\[0\] {sp}",
+            rf"ValueError: .*ExpertParallelMoE\(\).*`experts`.*experts\[0\]\.1 {sp}",
+            rf"ValueError: .*ExpertParallelMoE\(\).*{other} over the global ranks \[\d, \d\], which hold",
+            rf"ValueError: .*ExpertParallelMoE\(\).*{other} over the global ranks \[0, 1, 2, 3\], which hold",
+        ],
+    )

@@ -42,7 +42,7 @@ parallel layer drops exactly the tokens the serial one drops. ``None`` (the defa
 dropless.
 """
 
-# Size: ~830 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
+# Size: ~870 lines, over the ~600 guideline: the serial MoE, its expert-parallel twin and the
 # name maps between them (serial_names, from_serial, state dicts) are read together.
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -244,6 +245,51 @@ def _refuse_experts_tied_across_ranks(op: str, moe: MoE, world: int) -> None:
                     f"{first[0]} (rank {first[1]}) and experts.{j}.{name} (rank {j // per_rank}) "
                     "are one parameter",
                 )
+
+
+def _check_experts(experts: Sequence[nn.Module], pg: Any) -> None:
+    """The ``experts=`` of an :class:`ExpertParallelMoE`, refused (naming the layer, before
+    any communication) where a tensor-parallel layer inside one would silently compute
+    another function than the serial expert:
+
+    * a layer over a group holding another rank of the expert-parallel group (a
+      ``ParallelMLP`` left on ``group=None``, the world, as the MoE): its shards on those
+      ranks are shards of *other* experts, summed as one MLP (0.35 off the serial rows at
+      world 2 with ``k = E``, where the row counts agree; a gloo abort where they do not);
+    * a layer built ``sequence_parallel=True``: it all_gathers the dispatched rows over its
+      TP group as a sequence shard, though the TP ranks hold the same rows (the routing is
+      replicated over TP), so each row counted once per TP rank: the expert's weight
+      gradients were the TP size times the serial ones (1.50 off at EP 2 x TP 2; outputs
+      and input gradients right), with no error."""
+    ep_ranks = set(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
+    for i, expert in enumerate(experts):
+        for name, m in expert.named_modules():
+            where = f"experts[{i}]" + (f".{name}" if name else "") + f" ({type(m).__name__})"
+            if getattr(m, "sequence_parallel", False) is True:
+                raise A.arg_error(
+                    "parallel.ExpertParallelMoE",
+                    "experts",
+                    "experts mapping the dispatched rows, the same on every rank of a tensor-parallel "
+                    "expert's group, to their rows: build a tensor-parallel expert with "
+                    "sequence_parallel=False (a sequence-parallel one all_gathers the rows as a "
+                    "sequence shard, counting each once per TP rank: weight gradients TP-size times "
+                    "the serial ones)",
+                    f"{where} with sequence_parallel=True",
+                )
+            if isinstance(m, ParallelModule) and "_pg" in m.__dict__:  # (not: a container)
+                ranks = dist.get_process_group_ranks(m._pg if m._pg is not None else dist.group.WORLD)
+                shared = sorted(set(ranks) & ep_ranks)
+                if len(shared) > 1:
+                    raise A.arg_error(
+                        "parallel.ExpertParallelMoE",
+                        "experts",
+                        "tensor-parallel experts over a group orthogonal to the expert-parallel one "
+                        "(another mesh axis: ParallelMLP.from_serial(mlp, group=(mesh, 'tp')) with "
+                        "ExpertParallelMoE(..., group=(mesh, 'ep'))), holding no other rank of it",
+                        f"{where} over the global ranks {list(ranks)}, which hold the expert-parallel "
+                        f"ranks {shared}: its shards there belong to other experts, and would be "
+                        "summed as one",
+                    )
 
 
 def _guard_loading(moe: ExpertParallelMoE) -> None:
@@ -533,6 +579,7 @@ class ExpertParallelMoE(nn.Module):
                     f"{per_rank} modules (num_experts / world)",
                     len(local),
                 )
+            _check_experts(local, self._pg)
         self.experts = nn.ModuleList(local)
         self._note_experts()  # (a model only ever run compiled is marked too)
         self.aux_loss: Tensor | None = None
