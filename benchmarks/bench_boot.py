@@ -60,6 +60,7 @@ def _checked_step() -> None:
 
     import diffcomm as dc
 
+    torch.manual_seed(0)  # the same replicas and input on every rank (each process has its own generator)
     mlp = dc.parallel.ParallelMLP(8, 16)
     with dc.spmd_check():
         mlp(torch.randn(4, 8)).pow(2).mean().backward()
