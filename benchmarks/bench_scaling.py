@@ -163,6 +163,18 @@ def growth_exponent(rows: list[dict[str, Any]], op: str, key: str) -> float:
     return math.log(max(v1, 1e-12) / max(v0, 1e-12)) / math.log(w1 / w0)
 
 
+def growth_report(rows: list[dict[str, Any]]) -> list[str]:
+    """The table's growth-exponent lines; none for a single world size (a slope needs two)."""
+    if len({r["world"] for r in rows}) < 2:
+        return []
+    lines = ["\ngrowth exponent (smallest -> largest world): lines, py_bytes, cpu"]
+    for op in dict.fromkeys(r["op"] for r in rows):
+        exp = next(r["expected"] for r in rows if r["op"] == op)
+        e = [growth_exponent(rows, op, k) for k in ("lines", "py_bytes", "cpu_us")]
+        lines.append(f"{op:<30} expected O({exp}): {e[0]:.2f} {e[1]:.2f} {e[2]:.2f}")
+    return lines
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -211,11 +223,8 @@ def main() -> None:
                 f"{r['op']:<30}{r['world']:>6}{r['lines']:>9}{r['calls']:>8}"
                 f"{r['py_bytes'] / 1024:>9.1f}{r['cpu_us']:>10.0f}"
             )
-        print("\ngrowth exponent (smallest -> largest world): lines, py_bytes, cpu")
-        for op in dict.fromkeys(r["op"] for r in rows):
-            exp = next(r["expected"] for r in rows if r["op"] == op)
-            e = [growth_exponent(rows, op, k) for k in ("lines", "py_bytes", "cpu_us")]
-            print(f"{op:<30} expected O({exp}): {e[0]:.2f} {e[1]:.2f} {e[2]:.2f}")
+        for line in growth_report(rows):
+            print(line)
     if a.plot:
         plot(rows, a.plot)
 
