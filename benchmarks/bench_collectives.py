@@ -18,7 +18,7 @@ def main() -> None:
     p.add_argument("--world", type=int, nargs="+", default=[2, 4])
     p.add_argument("--ops", nargs="+", default=list(BENCH_OPS))
     p.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES))
-    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=30, help="timed rounds per (op, size), >= 3 (default 30)")
     p.add_argument("--plot", default=None)
     a = p.parse_args()
     rows = []
