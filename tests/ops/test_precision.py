@@ -958,21 +958,24 @@ def _mismatched_in_debug_mode(kind: str, what: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "all_reduce",
-        "reduce_scatter",
-        "all_gather",
-        "all_to_all",
-        "all_reduce_coalesced",
-        "reduce_scatter_coalesced",
-        "all_gather_coalesced",
-        "parallel.copy_to_region",
-        "parallel.reduce_from_region",
-        "parallel.all_gather_from_sequence",
-    ],
-)
+#: quantized ops and mappings whose arguments debug mode compares across ranks (and three
+#: more mappings, for a precision= given on one rank only)
+_CHECKED_KINDS = [
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "all_to_all",
+    "all_reduce_coalesced",
+    "reduce_scatter_coalesced",
+    "all_gather_coalesced",
+    "parallel.copy_to_region",
+    "parallel.reduce_from_region",
+    "parallel.all_gather_from_sequence",
+]
+_MORE_MAPPINGS = ["parallel.scatter_to_region", "parallel.scatter_to_sequence", "parallel.all_to_all_region"]
+
+
+@pytest.mark.parametrize("kind", _CHECKED_KINDS)
 @pytest.mark.parametrize("what", ["shape", "precision", "backward"])
 def test_debug_mode_checks_a_quantized_op_across_ranks_as_the_plain_one(world2, kind: str, what: str) -> None:
     """CONTRACT: debug mode turns a cross-rank mismatch into an error naming the ranks. The
@@ -985,24 +988,7 @@ def test_debug_mode_checks_a_quantized_op_across_ranks_as_the_plain_one(world2, 
         assert msg.startswith(f"CrossRankMismatchError: diffcomm.{kind}"), msg
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "all_reduce",
-        "reduce_scatter",
-        "all_gather",
-        "all_to_all",
-        "all_reduce_coalesced",
-        "reduce_scatter_coalesced",
-        "all_gather_coalesced",
-        "parallel.copy_to_region",
-        "parallel.reduce_from_region",
-        "parallel.all_gather_from_sequence",
-        "parallel.scatter_to_region",
-        "parallel.scatter_to_sequence",
-        "parallel.all_to_all_region",
-    ],
-)
+@pytest.mark.parametrize("kind", _CHECKED_KINDS + _MORE_MAPPINGS)
 # on processes: where no check met the quantized one, gloo's transport aborted the rank
 @pytest.mark.diffcomm_in_process(False)
 def test_debug_mode_names_precision_given_on_one_rank_only(world2, kind: str) -> None:
