@@ -264,10 +264,6 @@ class TorchDistributedBackend(CoalescedOps):
             return dist.ReduceOp.SUM, True
         return _TORCH_OPS[op], False
 
-    def _nan_flagged(self, op: str, x: torch.Tensor, group: ProcessGroup) -> bool:
-        """Whether ``op`` on ``x`` travels with NaN flags (:func:`nan_flags`)."""
-        return nan_flagged(op, x, self.capabilities(group))
-
     def _as_wire(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
         # complex sum/avg travel as real pairs where the backend has no complex reduction
         if x.is_complex() and op in ("sum", "avg") and not self.capabilities(group).complex_reduce:
@@ -289,7 +285,7 @@ class TorchDistributedBackend(CoalescedOps):
             if x.is_complex() and op == "product":
                 return self._complex_product(out, group)
             torch_op, divide = self._reduce_op(op, x, group)
-            if self._nan_flagged(op, x, group):
+            if nan_flagged(op, x, self.capabilities(group)):
                 both = nan_flags(out, op)
                 _dispatch(
                     "all_reduce", group, both.nbytes, c10d_all_reduce, _keep, both, (both, torch_op, group)
@@ -314,7 +310,7 @@ class TorchDistributedBackend(CoalescedOps):
             divide, wire = False, out
         else:
             torch_op, divide = self._reduce_op(op, x, group)
-            if self._nan_flagged(op, out, group):
+            if nan_flagged(op, out, self.capabilities(group)):
                 both = nan_flags(out, op)
                 _dispatch(
                     "reduce", group, both.nbytes, c10d_reduce, _keep, both, (both, dst, torch_op, group)

@@ -197,16 +197,9 @@ def _install() -> None:
 
     diffcomm = sys.modules[__name__.split(".")[0]]  # the package (dc.get_rank), imported already
 
-    _PATCHED_ATTRS.append((W, "get_rank", W.get_rank))
     _PATCHED_ATTRS.append((diffcomm, "get_rank", vars(diffcomm).get("get_rank", W.get_rank)))
-    orig_rank = W.get_rank
-
-    def get_rank(*a: Any, **k: Any) -> int:
-        return RankInt(orig_rank(*a, **k))
-
-    get_rank.__doc__ = orig_rank.__doc__
-    setattr(W, "get_rank", get_rank)  # noqa: B010
-    setattr(diffcomm, "get_rank", get_rank)  # noqa: B010
+    _patch_rank_reader(W, "get_rank")
+    setattr(diffcomm, "get_rank", W.get_rank)  # noqa: B010  # (the same reader)
     # torch.distributed's ways of reading the rank too: rows sliced with them were
     # replicated to the check, so a data-parallel step that never reduced its gradients
     # passed (the replicas drift)
