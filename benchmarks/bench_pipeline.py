@@ -64,7 +64,9 @@ default with one chunk per rank before 2026-11-27), ``interleaved-plainB`` none
 
 The frontier rows: ``zb-h1-placed`` is ZB-H1 with its ``W`` steps placed from the step
 times measured in the previous step (``PipelineRunner(costs="measure")``; the warm-up
-step runs with unit times), against the same torch class as ``zb-h1``; ``zbv`` and
+step runs with unit times), against the same torch class as ``zb-h1``; ``zbv-placed``
+is ZB-V with its ``W`` steps placed the same way (torch's order kept where placing
+gains less than the runner's threshold), against ``ScheduleZBVZeroBubble``; ``zbv`` and
 ``dualpipev`` run in the V placement (rank ``r`` holds stages ``r`` and ``2p-1-r``)
 against ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``. For these three the theory
 column is the schedule's own bubble with uniform stages — the same steps replayed with
@@ -124,9 +126,10 @@ SCHEDULES = {
     "zb-h1": (1, "ScheduleInterleavedZeroBubble"),
     "zb-h1-placed": (1, "ScheduleInterleavedZeroBubble"),
     "zbv": (2, "ScheduleZBVZeroBubble"),
+    "zbv-placed": (2, "ScheduleZBVZeroBubble"),
     "dualpipev": (2, "ScheduleDualPipeV"),
 }
-V_SCHEDULES = ("zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "zbv-placed", "dualpipev")
 
 
 class _Sleep(torch.autograd.Function):
@@ -738,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
                     ]
                     mid = sorted(range(args.rounds), key=lambda i: bubbles[i])[args.rounds // 2]
                     timelines = [_entries(r["bubble"][mid]) for r in res]  # the median round
-                    if schedule in V_SCHEDULES or schedule == "zb-h1-placed":
+                    if schedule in V_SCHEDULES or schedule.endswith("-placed"):
                         theory = statistics.median(
                             _uniform_theory([_entries(r["bubble"][i]) for r in res], placement)
                             for i in range(args.rounds)

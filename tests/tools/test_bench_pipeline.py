@@ -171,13 +171,14 @@ def test_bench_pipeline_runs_the_v_schedules_and_placed_w_against_torch(
         "--schedules",
         "zb-h1-placed",
         "zbv",
+        "zbv-placed",
         "dualpipev",
         "--balance",
         "model",
         monkeypatch=monkeypatch,
         capsys=capsys,
     )
-    assert [r["schedule"] for r in rows] == ["zb-h1-placed", "zbv", "dualpipev"]
+    assert [r["schedule"] for r in rows] == ["zb-h1-placed", "zbv", "zbv-placed", "dualpipev"]
     for r in rows:
         # same gradients as torch's ScheduleZBVZeroBubble / ScheduleDualPipeV / ZB class
         assert r["torch_error"] is None and r["grad_diff"] is not None and r["grad_diff"] < 1e-5
