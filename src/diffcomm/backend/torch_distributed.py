@@ -44,7 +44,7 @@ from .groups import Capabilities, GroupInfo, ProcessGroup, cpu_group, group_info
 from .sized_gather import all_gather_counted, all_gather_unsized, can_speculate
 from .sized_gather import remember_rows as _remember_rows
 
-# Size: ~910 lines, over the ~600 guideline: it is the one class that answers every
+# Size: ~920 lines, over the ~600 guideline: it is the one class that answers every
 # raw op of the Backend protocol on torch.distributed (eight collectives, p2p, barrier,
 # the gathering of the cross-rank consistency check, whose encoding is .consistency),
 # with each op's gap-filling beside it (uneven sizes on gloo, reduce ops a backend lacks,
@@ -903,7 +903,18 @@ def unflag(both: torch.Tensor) -> torch.Tensor:
 
 def wire(t: torch.Tensor) -> torch.Tensor:
     """The view c10d moves: complex tensors as real pairs (for ops c10d cannot take complex
-    in), fp8 tensors as ``uint8`` bytes (gloo has no fp8 type)."""
+    in), fp8 and narrow integer tensors as ``uint8`` bytes (gloo has no such type).
+
+    Every view keeps dim 0's size, which c10d counts split sizes in: the bytes of a 0-dim
+    or 1-D tensor of wider elements get a trailing dim of their own. (Viewed directly, a
+    1-D int16 tensor had twice as many rows as its split sizes named, and an uneven
+    ``all_to_all`` of it, or any ``all_to_all`` across dims, tore the world down with gloo's
+    "Split sizes doesn't match total dim 0 size"; a 0-dim one raised torch's "self.dim()
+    cannot be 0 to view" in ``broadcast`` and the ring exchanges.)"""
     if t.is_complex():
         return torch.view_as_real(t)
-    return t.view(torch.uint8) if t.dtype in _AS_BYTES else t
+    if t.dtype not in _AS_BYTES:
+        return t
+    if t.ndim < 2 and t.element_size() > 1:
+        t = t.view(-1, 1)
+    return t.view(torch.uint8)
