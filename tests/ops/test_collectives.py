@@ -567,6 +567,44 @@ def test_integer_dtypes_gloo_cannot_take_move_and_reduce_exactly(world3) -> None
                 assert got[f"fp8 {op}"].startswith(lead), got[f"fp8 {op}"]
 
 
+def test_narrow_integer_bytes_keep_dim_0_in_all_to_all_and_0_dim_tensors_move(world3) -> None:
+    """A narrow integer tensor travels as bytes; viewed directly, a 1-D one had twice (int16)
+    or eight times (uint64) as many rows as its split sizes: an uneven all_to_all of it, and
+    any all_to_all across dims (its buffer is 1-D), tore the world down with gloo's "Split
+    sizes doesn't match total dim 0 size"; a 0-dim one raised torch's "self.dim() cannot be
+    0 to view" in broadcast and the ring exchanges. Now they move like any dtype."""
+
+    def narrow_moves(name: str) -> dict[str, list[int] | int]:
+        dtype = getattr(torch, name)
+        r, w = dc.get_rank(), dc.get_world_size()
+        ins = [(r + j) % 3 for j in range(w)]
+        flat = (torch.arange(sum(ins)) + 10 * r).to(dtype)
+        grid = (torch.arange(2 * w * 2) + 100 * r).reshape(2 * w, 2).to(dtype)
+        one = torch.tensor(r + 1, dtype=dtype)
+        return {
+            "uneven": dc.all_to_all(flat, input_split_sizes=ins).tolist(),
+            "across": dc.all_to_all(grid, 0, 1).tolist(),
+            "broadcast": dc.broadcast(one, src=w - 1).item(),
+            "shift": dc.shift(one).item(),
+            "sendrecv": dc.sendrecv(one, (r + 1) % w, (r - 1) % w).item(),
+            "ppermute": dc.ppermute(one, [(0, w - 1)]).item(),
+        }
+
+    w = 3
+    for name in _NARROW_BITS:
+        if not hasattr(torch, name):
+            continue
+        sent = [[(q + j) % 3 for j in range(w)] for q in range(w)]
+        flats = [[10 * q + i for i in range(sum(sent[q]))] for q in range(w)]
+        grids = [torch.arange(2 * w * 2).reshape(2 * w, 2) + 100 * q for q in range(w)]
+        for r, got in enumerate(world3.run(narrow_moves, name)):
+            want = [v for q in range(w) for v in flats[q][sum(sent[q][:r]) : sum(sent[q][: r + 1])]]
+            assert got["uneven"] == want, (name, r, got["uneven"], want)
+            assert got["across"] == torch.cat([g[2 * r : 2 * r + 2] for g in grids], 1).tolist(), name
+            assert got["broadcast"] == w and got["sendrecv"] == got["shift"] == (r - 1) % w + 1, name
+            assert got["ppermute"] == (1 if r == w - 1 else 0), name
+
+
 def test_conjugate_and_negative_views_are_read_as_their_values(world3) -> None:
     # A lazy conjugate (``z.conj()``) or negative view keeps its bit through contiguous()
     # while the transport reads the raw memory: scatter sent a negative view's values

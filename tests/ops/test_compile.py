@@ -404,6 +404,50 @@ def test_traceable_backend_on_a_subgroup(world4) -> None:
         assert all(res.values()), res
 
 
+def test_traceable_backend_moves_and_reduces_byte_dtypes_as_eager(world2) -> None:
+    """int16 / uint16 / uint32 / uint64 / fp8 travel as bytes (``wire``). Compiled, every op
+    returned those bytes: a uint8 tensor (int16 (3, 2) came back (3, 4)), and the reductions
+    summed them byte by byte (an fp8 sum, which eager refuses, gave uint8 bytes) — no error.
+    Now the traceable adapter gives the eager one's results, dtypes and errors."""
+
+    def byte_dtypes() -> dict[str, str]:
+        r = dc.get_rank()
+        eager, traced = B.TorchDistributedBackend(), B.TraceableBackend()
+        got: dict[str, str] = {}
+        for name in ("int16", "uint16", "uint32", "uint64", "float8_e4m3fn"):
+            dtype = getattr(torch, name)
+            for shape in ((), (4,), (4, 3)):
+                x = (torch.arange(12)[: torch.Size(shape).numel()].reshape(shape) * 50 + 100 * r).to(dtype)
+                calls = {
+                    "broadcast": lambda b, x=x: b.broadcast(x, 1, None),
+                    "all_reduce": lambda b, x=x: b.all_reduce(x, "sum", None),
+                    "reduce_scatter": lambda b, x=x: b.reduce_scatter(x, "max", None),
+                    "all_gather": lambda b, x=x: b.all_gather(x, None, [4, 4]),
+                    "all_to_all": lambda b, x=x: b.all_to_all(x, None, *[[1, 3] if r else [3, 1]] * 2),
+                }
+                for op, call in calls.items():
+                    if op != "broadcast" and not shape:
+                        continue  # (the dim-0 ops need a dim)
+                    outs = []
+                    for b in (eager, traced):
+                        try:
+                            y = call(b)
+                            outs.append(f"{y.dtype} {tuple(y.shape)} {y.to(torch.float64).tolist()}")
+                        except TypeError as err:  # fp8 reductions: refused alike
+                            outs.append(str(err))
+                    if outs[0] != outs[1]:
+                        got[f"{name} {shape} {op}"] = f"eager {outs[0]} / traced {outs[1]}"
+        x = torch.tensor([200, 300], dtype=torch.int16) * (1 + r)
+        y = torch.compile(lambda x: dc.all_reduce(x), fullgraph=True, backend="eager")(x)
+        if y.dtype != torch.int16 or y.tolist() != [600, 900]:
+            got["compiled all_reduce"] = f"{y.dtype} {y.tolist()}"
+        return got
+
+    torch._dynamo.reset()
+    for res in world2.run(byte_dtypes):
+        assert not res, res
+
+
 # --------------------------------------------------------------------------------------
 # what cannot be traced fails loudly, with the fix in the message
 # --------------------------------------------------------------------------------------

@@ -707,6 +707,46 @@ def test_debug_mode_turns_cross_rank_mismatches_into_errors(world2: dc.LocalWorl
 
 # on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
 @pytest.mark.diffcomm_in_process(False)
+def test_debug_mode_refuses_a_ring_exchange_that_records_backward_on_some_ranks(
+    world2: dc.LocalWorld,
+) -> None:
+    """Rank 0's x requires grad, rank 1's not: rank 1 runs no backward, so rank 0's backward
+    exchange met rank 1's next exchange, a metric: rank 0's gradient was that metric (42),
+    in debug mode too (sendrecv; shift and ppermute timed out after 30 s, blaming a skipped
+    backward). Debug mode compares the flag at the call, as for the collectives."""
+
+    def frozen_on_one_rank() -> list[str]:
+        me = _rank()
+        x = torch.full((3,), 1.0 + me, requires_grad=me == 0)
+        calls = {
+            "sendrecv": lambda t: p2p.sendrecv(t, 1 - me, 1 - me),
+            "shift": lambda t: p2p.shift(t),
+            "ppermute": lambda t: p2p.ppermute(t, [(0, 1), (1, 0)]),
+        }
+        got = []
+        with dc.debug(True):
+            for name, call in calls.items():
+                try:
+                    y = call(x)
+                    if me == 0:
+                        y.sum().backward()
+                    else:
+                        call(torch.full((3,), 42.0))
+                    got.append(f"{name}: no error, x.grad {x.grad}")
+                except CrossRankMismatchError as err:
+                    got.append(str(err))
+            with torch.no_grad():  # no rank records a backward: nothing to refuse
+                got.append(str(p2p.shift(x).tolist()))
+        return got
+
+    for me, got in enumerate(world2.run(frozen_on_one_rank)):
+        for name, text in zip(("sendrecv", "shift", "ppermute"), got):
+            assert text.startswith(f"diffcomm.{name}") and "records the op for backward" in text, (me, text)
+        assert got[3] == str([2.0 - me] * 3)
+
+
+# on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
 def test_debug_mode_with_a_self_pair(world3: dc.LocalWorld) -> None:
     def debug_self_pair() -> list[float]:
         me = _rank()

@@ -1049,6 +1049,44 @@ def test_a_group_of_one_gives_a_new_tensor_as_on_real_ranks(
     assert_equal_both_ways(inproc_worlds(n), n, _halved_in_place, op, axis)
 
 
+def _narrow_reductions(name: str) -> list[torch.Tensor | str]:
+    """Reductions of a dtype torch has no arithmetic in (or none exact: fp8), each rank's
+    values near the dtype's top; each result's bytes (a uint32 tensor cannot come back from
+    a rank: torch's pickling of its storage raises), or the error's first words."""
+    from torch.distributed._local_tensor import rank_map
+
+    dtype = getattr(torch, name)
+    top = {"uint16": 2**16 - 1, "uint32": 2**32 - 1, "uint64": -1, "int16": 2**15 - 1}.get(name, 1)
+
+    def values(r: int) -> torch.Tensor:
+        v = torch.tensor([top - 5 * r, 3 + r, top // 2 + r, 1])  # (uint64: -1 is its top)
+        return v.view(dtype) if name == "uint64" else v.to(dtype)
+
+    x = rank_map(values)
+    out: list[torch.Tensor | str] = []
+    for fn in (
+        lambda: dc.all_reduce(x, "sum"),
+        lambda: dc.all_reduce(x, "max"),
+        lambda: dc.reduce(x, dst=1, op="min"),
+        lambda: dc.reduce_scatter(x, op="product"),
+    ):
+        try:
+            out.append(fn().view(torch.uint8))
+        except TypeError as err:
+            out.append(str(err)[:60])
+    return out
+
+
+@pytest.mark.parametrize("name", ["uint16", "uint32", "uint64", "int16", "float8_e4m3fn"])
+def test_reductions_of_dtypes_torch_cannot_add_equal_real_ranks(name: str, inproc_worlds: Any) -> None:
+    """uint16 / uint32 / uint64 reduce in a wider dtype on real ranks; under LocalTensorMode
+    the per-rank reduction added them with torch ("maximum_cpu" / "add_stub" not
+    implemented for 'UInt32'), and an fp8 one raised torch's error, not the op's."""
+    if not hasattr(torch, name):
+        pytest.skip(f"torch has no {name}")
+    assert_equal_both_ways(inproc_worlds(2), 2, _narrow_reductions, name)
+
+
 def test_split_sizes_are_checked_on_every_simulated_rank() -> None:
     """A ``split_sizes`` that one simulated rank's length contradicts is the ValueError
     real processes give (naming the argument), not rank 0's check alone."""

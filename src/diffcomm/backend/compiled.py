@@ -18,16 +18,20 @@ from ..accelerator import comm_device
 from .buffers import joined
 from .groups import Capabilities, ProcessGroup, group_info, static_capabilities
 from .torch_distributed import (
+    NARROW,
     CoalescedOps,
     Sizes,
+    check_reducible,
     nan_flagged,
     nan_flags,
+    narrow_reduce,
     own_rows,
     pad_chunks,
     pad_rows,
     split_rows,
     unflag,
     unpad_rows,
+    unwire,
     wire,
 )
 
@@ -82,13 +86,15 @@ class TraceableBackend(CoalescedOps):
     # ---- reductions ----------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
         x = x.contiguous()
+        if x.dtype in NARROW:  # as TorchDistributedBackend's: in a wider dtype, fp8 refused
+            # (the bytes of the wire view were summed: int16 200 + 100 gave 44, in uint8)
+            return narrow_reduce(x.clone(), op, lambda w: self.all_reduce(w, op, group), "all_reduce")
         if x.is_complex() and op == "product":
             return torch.prod(self.all_gather(x.unsqueeze(0), group), dim=0)
         wire_op = "sum" if op == "avg" else op
         if nan_flagged(op, x, self.capabilities(group)):  # (as TorchDistributedBackend's)
             return unflag(self._done(_funcol().all_reduce(nan_flags(x, op), op, self._pg(group))))
-        out = self._done(_funcol().all_reduce(_live(x), wire_op, self._pg(group)))
-        out = torch.view_as_complex(out) if x.is_complex() else out
+        out = unwire(self._done(_funcol().all_reduce(_live(x), wire_op, self._pg(group))), x)
         return out / self.world_size(group) if op == "avg" else out
 
     def _all_reduce_into(self, x: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
@@ -103,8 +109,7 @@ class TraceableBackend(CoalescedOps):
 
     def broadcast(self, x: torch.Tensor, src: int, group: ProcessGroup) -> torch.Tensor:
         x = x.contiguous()
-        out = self._done(_funcol().broadcast(_live(x), src, self._pg(group)))
-        return torch.view_as_complex(out) if x.is_complex() else out
+        return unwire(self._done(_funcol().broadcast(_live(x), src, self._pg(group))), x)
 
     # ---- gather family (dim 0) -----------------------------------------------------
     def exchange_sizes(self, n: int, group: ProcessGroup) -> list[int]:
@@ -142,8 +147,7 @@ class TraceableBackend(CoalescedOps):
         _, _, x, sizes = self._rows(x, group, sizes, gathered=True)
         m = max(sizes)
         padded = pad_rows(x, m)
-        buf = self._done(_funcol_all_gather(_live(padded), 0, self._pg(group)))
-        buf = torch.view_as_complex(buf) if x.is_complex() else buf
+        buf = unwire(self._done(_funcol_all_gather(_live(padded), 0, self._pg(group))), x)
         if all(s == m for s in sizes):
             return buf
         return unpad_rows(list(buf.split(m)), sizes)
@@ -152,7 +156,8 @@ class TraceableBackend(CoalescedOps):
         self, x: torch.Tensor, op: str, group: ProcessGroup, split_sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
         world, rank, x, sizes = self._rows(x, group, split_sizes, gathered=False)
-        if op not in ("sum", "avg"):
+        if op not in ("sum", "avg") or x.dtype in NARROW:  # (narrow: reduced in a wider dtype)
+            check_reducible(x.dtype, "reduce_scatter")
             return own_rows(self.all_reduce(x, op, group), sizes, rank)
         m = max(sizes)
         if all(s == m for s in sizes):
@@ -160,8 +165,7 @@ class TraceableBackend(CoalescedOps):
         else:  # pad each chunk to the largest, so one reduce_scatter does it
             pad = pad_chunks(x, sizes, m)
             inp = joined(pad)
-        out = self._done(_funcol_reduce_scatter(_live(inp), "sum", 0, self._pg(group)))
-        out = torch.view_as_complex(out) if x.is_complex() else out
+        out = unwire(self._done(_funcol_reduce_scatter(_live(inp), "sum", 0, self._pg(group))), x)
         out = out if sizes[rank] == m else out[: sizes[rank]]
         return out / world if op == "avg" else out
 
@@ -201,7 +205,7 @@ class TraceableBackend(CoalescedOps):
         out = self._done(
             _funcol().all_to_all_single(_live(x), list(output_split_sizes), ins, self._pg(group))
         )
-        return torch.view_as_complex(out) if x.is_complex() else out
+        return unwire(out, x)
 
     def barrier(self, group: ProcessGroup) -> None:
         raise RuntimeError("diffcomm: barrier() cannot run inside torch.compile'd code")

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .._errors import DiffcommError
 from .._torch import functorch_off, local_group_instances, local_int, local_tensor_api
 from .buffers import joined
-from .torch_distributed import CoalescedOps, Sizes
+from .torch_distributed import NARROW, CoalescedOps, Sizes, narrow_reduce
 
 _HELPERS = frozenset(
     {
@@ -85,10 +85,15 @@ PEER_WHY = (
 Ranked = dict[int, torch.Tensor]  # one tensor per simulated (global) rank
 
 
-def _reduce(op: str, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+def _reduce(op: str, ts: Sequence[torch.Tensor], name: str) -> torch.Tensor:
     """``ts`` reduced in rank order (what an in-process world and gloo give, to rounding):
     a new tensor, also for a group of one (its rank's own tensor was returned: an in-place
-    change of ``all_reduce``'s result changed the input, which a real rank's never does)."""
+    change of ``all_reduce``'s result changed the input, which a real rank's never does).
+    The dtypes the gloo adapter reduces in a wider one (uint16/32/64, which torch has no
+    arithmetic in: "maximum_cpu" not implemented for 'UInt32') are reduced the same way,
+    and fp8 is refused alike, naming the op ``name``."""
+    if ts[0].dtype in NARROW:  # (elementwise: the stacked ranks widened at once)
+        return narrow_reduce(torch.stack(list(ts)), op, lambda w: _reduce(op, w.unbind(0), name), name)
     if len(ts) == 1:
         return ts[0].clone()
     if op in ("sum", "avg"):
@@ -265,7 +270,7 @@ class LocalTensorBackend(CoalescedOps):
 
     # ---- collectives -----------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: str, group: Any) -> torch.Tensor:
-        return self._each([x], group, lambda ts: [_reduce(op, ts) for _ in ts], "all_reduce")
+        return self._each([x], group, lambda ts: [_reduce(op, ts, "all_reduce") for _ in ts], "all_reduce")
 
     _all_reduce_into = all_reduce
 
@@ -276,7 +281,7 @@ class LocalTensorBackend(CoalescedOps):
 
     def reduce(self, x: torch.Tensor, dst: int, op: str, group: Any) -> torch.Tensor:
         def fn(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-            red = _reduce(op, ts)
+            red = _reduce(op, ts, "reduce")
             return [red if i == dst else torch.zeros_like(red) for i in range(len(ts))]
 
         return self._each([x], group, fn, "reduce")
@@ -292,7 +297,7 @@ class LocalTensorBackend(CoalescedOps):
         self, x: torch.Tensor, op: str, group: Any, split_sizes: Sequence[int] | None = None
     ) -> torch.Tensor:
         def fn(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-            red = _reduce(op, ts)
+            red = _reduce(op, ts, "reduce_scatter")
             sizes = list(split_sizes) if split_sizes is not None else [red.shape[0] // len(ts)] * len(ts)
             return [c.clone() for c in red.split(sizes)]
 

@@ -44,7 +44,7 @@ from .groups import Capabilities, GroupInfo, ProcessGroup, cpu_group, group_info
 from .sized_gather import all_gather_counted, all_gather_unsized, can_speculate
 from .sized_gather import remember_rows as _remember_rows
 
-# Size: ~910 lines, over the ~600 guideline: it is the one class that answers every
+# Size: ~940 lines, over the ~600 guideline: it is the one class that answers every
 # raw op of the Backend protocol on torch.distributed (eight collectives, p2p, barrier,
 # the gathering of the cross-rank consistency check, whose encoding is .consistency),
 # with each op's gap-filling beside it (uneven sizes on gloo, reduce ops a backend lacks,
@@ -276,8 +276,8 @@ class TorchDistributedBackend(CoalescedOps):
     def _all_reduce_into(self, out: torch.Tensor, op: str, group: ProcessGroup) -> torch.Tensor:
         """all_reduce of ``out`` (contiguous, owned by the caller) in place; returns it."""
         x = out
-        if x.dtype in _NARROW:
-            return _narrow_reduce(out, op, lambda w: self._all_reduce_into(w, op, group), "all_reduce")
+        if x.dtype in NARROW:
+            return narrow_reduce(out, op, lambda w: self._all_reduce_into(w, op, group), "all_reduce")
         torch_op = _PLAIN_OPS.get(op) if not x.is_complex() else None
         if torch_op is not None:  # the common case, without further calls
             divide, wire = False, out
@@ -303,8 +303,8 @@ class TorchDistributedBackend(CoalescedOps):
 
     def reduce(self, x: torch.Tensor, dst: int, op: str, group: ProcessGroup) -> torch.Tensor:
         out = x.clone(memory_format=torch.contiguous_format)
-        if out.dtype in _NARROW:
-            return _narrow_reduce(out, op, lambda w: self.reduce(w, dst, op, group), "reduce")
+        if out.dtype in NARROW:
+            return narrow_reduce(out, op, lambda w: self.reduce(w, dst, op, group), "reduce")
         torch_op = _PLAIN_OPS.get(op) if not out.is_complex() else None
         if torch_op is not None:  # the common case, without further calls (as all_reduce)
             divide, wire = False, out
@@ -504,11 +504,10 @@ class TorchDistributedBackend(CoalescedOps):
         world, rank = info.size, info.rank
         even = split_sizes is None or split_sizes.count(split_sizes[0]) == world
         caps = self._caps(info) if self.overrides else info.caps  # (no call without overrides)
-        if not caps.reduce_scatter or op not in ("sum", "avg") or x.dtype in _NARROW:
+        if not caps.reduce_scatter or op not in ("sum", "avg") or x.dtype in NARROW:
             # gap filled: reduce everything, keep own chunk (2x traffic, documented; a
             # dtype c10d cannot reduce is reduced by all_reduce in a wider one)
-            if x.dtype in _NARROW and x.dtype not in _WIDER and x.dtype != _UINT64:
-                raise _unreducible(x.dtype, "reduce_scatter")
+            check_reducible(x.dtype, "reduce_scatter")
             sizes = split_rows(split_sizes, x.shape[0], world)
             return own_rows(self.all_reduce(x, op, group), sizes, rank).clone()
         if even:
@@ -824,15 +823,15 @@ _AS_BYTES = frozenset(
     if hasattr(torch, name)
 )
 #: integer dtypes c10d's gloo cannot move or reduce ("Invalid scalar type"; nccl lacks
-#: int16): moved as bytes too, and reduced in a wider dtype (:func:`_narrow_reduce`)
+#: int16): moved as bytes too, and reduced in a wider dtype (:func:`narrow_reduce`)
 _NARROW_INTS = frozenset(
     getattr(torch, name) for name in ("int16", "uint16", "uint32", "uint64") if hasattr(torch, name)
 )
 _AS_BYTES = _AS_BYTES | _NARROW_INTS
 #: dtypes :func:`wire` views as another dtype: complex (as real pairs) and fp8 (as bytes)
 _VIEWED = frozenset({torch.complex32, torch.complex64, torch.complex128}) | _AS_BYTES
-#: dtypes the reductions treat apart (:func:`_narrow_reduce`)
-_NARROW = _AS_BYTES
+#: dtypes the reductions treat apart (:func:`narrow_reduce`)
+NARROW = _AS_BYTES
 
 #: the wider dtype each narrow integer dtype is reduced in: exact for max/min (every value
 #: fits), and for sum/product the wider result cast back keeps its low bits, which is the
@@ -845,7 +844,7 @@ _UINT64 = getattr(torch, "uint64", None)
 _SIGN_BIT = -(2**63)
 
 
-def _narrow_reduce(
+def narrow_reduce(
     out: torch.Tensor, op: str, reduce: Callable[[torch.Tensor], torch.Tensor], name: str
 ) -> torch.Tensor:
     """Reduce ``out`` (a fresh buffer) in a dtype c10d can reduce, by ``reduce`` (the
@@ -865,6 +864,13 @@ def _narrow_reduce(
             return reduce(bits ^ _SIGN_BIT).bitwise_xor_(_SIGN_BIT).view(dtype)
         return reduce(bits).view(dtype)
     raise _unreducible(dtype, name)
+
+
+def check_reducible(dtype: torch.dtype, name: str) -> None:
+    """Refuse (before any communication) a reduction of a dtype :func:`narrow_reduce`
+    cannot reduce in a wider one: fp8."""
+    if dtype in NARROW and dtype not in _WIDER and dtype != _UINT64:
+        raise _unreducible(dtype, name)
 
 
 def _unreducible(dtype: torch.dtype, name: str) -> TypeError:
@@ -903,7 +909,32 @@ def unflag(both: torch.Tensor) -> torch.Tensor:
 
 def wire(t: torch.Tensor) -> torch.Tensor:
     """The view c10d moves: complex tensors as real pairs (for ops c10d cannot take complex
-    in), fp8 tensors as ``uint8`` bytes (gloo has no fp8 type)."""
+    in), fp8 and narrow integer tensors as ``uint8`` bytes (gloo has no such type).
+
+    Every view keeps dim 0's size, which c10d counts split sizes in: the bytes of a 0-dim
+    or 1-D tensor of wider elements get a trailing dim of their own. (Viewed directly, a
+    1-D int16 tensor had twice as many rows as its split sizes named, and an uneven
+    ``all_to_all`` of it, or any ``all_to_all`` across dims, tore the world down with gloo's
+    "Split sizes doesn't match total dim 0 size"; a 0-dim one raised torch's "self.dim()
+    cannot be 0 to view" in ``broadcast`` and the ring exchanges.)"""
     if t.is_complex():
         return torch.view_as_real(t)
-    return t.view(torch.uint8) if t.dtype in _AS_BYTES else t
+    if t.dtype not in _AS_BYTES:
+        return t
+    if t.ndim < 2 and t.element_size() > 1:
+        t = t.view(-1, 1)
+    return t.view(torch.uint8)
+
+
+def unwire(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A collective's result ``t`` received in the view :func:`wire` gave ``like`` (the
+    tensor sent), as a tensor of ``like``'s dtype: the inverse view (for an adapter whose
+    collectives return new tensors, :class:`~diffcomm.backend.compiled.TraceableBackend`)."""
+    if like.is_complex():
+        return torch.view_as_complex(t)
+    if like.dtype not in _AS_BYTES:
+        return t
+    out = t.view(like.dtype)
+    if like.ndim < 2 and like.element_size() > 1:  # the trailing dim wire() added
+        out = out.squeeze(-1) if like.ndim else out.reshape(())
+    return out

@@ -119,6 +119,8 @@ def sendrecv(
     assert out_shape is not None
     if dst == me and tuple(out_shape) != tuple(x.shape):
         raise A.arg_error("sendrecv", "shape", f"x.shape {tuple(x.shape)} for a local copy", tuple(out_shape))
+    if _config.DEBUG.get():
+        wire.check_grads(x, dst, src, torch.Size(out_shape), pg, _SendRecv.label(dst, src))
     return _apply(_SendRecv, x, dst, src, torch.Size(out_shape), x.shape, pg)
 
 
@@ -195,6 +197,9 @@ def shift(x: Tensor, offset: int = 1, group: A.GroupLike = None) -> Tensor:
         return x.clone()
     if _config.DEBUG.get():
         B.get_backend().check_consistent("shift", {"offset": offset % n}, pg)
+        if simulated() is None:  # (every rank in one program: no peers to ask)
+            me = B.group_info(pg).rank
+            wire.check_grads(x, (me + offset) % n, (me - offset) % n, x.shape, pg, _Shift.label(offset, pg))
     return _apply(_Shift, x, offset, pg)
 
 
@@ -272,6 +277,11 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], group: A.GroupLike = No
         B.get_backend().check_consistent(
             "ppermute", {"perm": [v for p in sorted(pairs) for v in p], "n": len(pairs)}, pg
         )
+        if simulated() is None:  # (every rank in one program: no peers to ask)
+            me = B.group_info(pg).rank
+            dst = next((d for s, d in pairs if s == me), None)
+            src = next((s for s, d in pairs if d == me), None)
+            wire.check_grads(x, dst, src, x.shape, pg, "ppermute")
     return _apply(_PPermute, x, pairs, pg)
 
 

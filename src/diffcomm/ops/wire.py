@@ -67,7 +67,7 @@ from ..diagnostics import recorder as _flight
 from .send_queue import SENDS as SENDS
 from .send_queue import wait_sends as wait_sends  # re-exported: p2p.wait_sends
 
-# Size: ~630 lines, over the ~600 guideline: the wire protocol of a message (tags, numbers,
+# Size: ~660 lines, over the ~600 guideline: the wire protocol of a message (tags, numbers,
 # header, fused form, posted receives, the gradient and its "none" byte) in one place.
 
 #: User tags are in ``[0, MAX_TAG)`` (see the module docstring for the others).
@@ -599,15 +599,35 @@ def exchange(x: Tensor, dst: int | None, src: int | None, out_shape: torch.Size,
     return out
 
 
-def _check_headers(
+def check_grads(
     x: Tensor, dst: int | None, src: int | None, out_shape: torch.Size, pg: PG, opname: str
+) -> None:
+    """Debug mode, at a ring exchange's call (before its op is applied, where grad mode is
+    the caller's): the headers :func:`exchange` checks, with whether each rank's ``x``
+    records the op for backward, which sender and receiver must agree on. A rank whose ``x``
+    needs no gradient runs no backward, and its peer's backward exchange met that rank's next
+    exchange: ``sendrecv`` gave a rank its peer's next *value* as its gradient, in debug mode
+    too (the collectives' checks compare this flag already)."""
+    local = dst == B.group_info(pg).rank  # (a local copy has no peer, but joins the all_reduce)
+    grad = x.requires_grad and torch.is_grad_enabled()
+    _check_headers(x, None if local else dst, None if local else src, out_shape, pg, opname, grad)
+
+
+def _check_headers(
+    x: Tensor,
+    dst: int | None,
+    src: int | None,
+    out_shape: torch.Size,
+    pg: PG,
+    opname: str,
+    grad: bool | None = None,
 ) -> None:
     info = B.group_info(pg)
     be, dev, me = B.get_backend(), info.device, info.rank
     ops: list[tuple[str, Tensor, int, int]] = []
     got = torch.zeros(HEADER_LEN, dtype=torch.int64, device=dev)
     if dst is not None:
-        ops.append(("send", encode_header(x, False, 0, dev), dst, BATCH_TAG))
+        ops.append(("send", encode_header(x, bool(grad), 0, dev), dst, BATCH_TAG))
     if src is not None:
         ops.append(("recv", got, src, BATCH_TAG))
     with B.label("debug header"):
@@ -622,6 +642,13 @@ def _check_headers(
                 f"mismatched {opname} between ranks {src} -> {me}: rank {me} expected "
                 f"{describe(out_shape, x.dtype)}, but rank {src} sent {describe(meta[0], meta[1])}"
             )
+        elif grad is not None and meta[2] != grad:
+            problem = (
+                f"mismatched {opname} between ranks {src} -> {me}: rank {src}'s x records the op "
+                f"for backward (torch.is_grad_enabled() and x.requires_grad) {meta[2]}, rank "
+                f"{me}'s {grad}: a rank without it runs no backward, and its peer's backward "
+                "would pair with its next exchange (freeze or require grad on every rank alike)"
+            )
     flag = torch.tensor([1 if problem else 0], dtype=torch.int64, device=dev)
     with B.label("debug check"):
         any_bad = int(be.all_reduce(flag, "max", pg).item())
@@ -629,6 +656,6 @@ def _check_headers(
         raise CrossRankMismatchError(f"diffcomm.{opname}(): {problem}")
     if any_bad:
         raise CrossRankMismatchError(
-            f"diffcomm.{opname}(): another rank of the group found a shape/dtype mismatch "
+            f"diffcomm.{opname}(): another rank of the group found a shape/dtype/grad mismatch "
             f"(its error names the ranks); rank {me} stops too"
         )
