@@ -31,8 +31,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.utils.parametrize
+import torch.utils.checkpoint
 
-# Size: ~635 lines, just over the ~600 guideline: every read of torch's internals lives in
+# Size: ~650 lines, just over the ~600 guideline: every read of torch's internals lives in
 # this one module (tests/test_layout.py), so it grows with each internal diffcomm needs.
 
 __all__ = [
@@ -71,6 +73,7 @@ __all__ = [
     "is_fake",
     "IncompatibleKeys",
     "PRINT_OPTS",
+    "AUTOGRAD_GLOBALS",
 ]
 
 #: ``assert_async(condition, message)``: raise ``RuntimeError(message)`` unless the 0-dim
@@ -84,6 +87,18 @@ IncompatibleKeys = torch.nn.modules.module._IncompatibleKeys
 
 #: torch's print options (``torch.set_printoptions`` sets this one object's fields in place)
 PRINT_OPTS: Any = torch._tensor_str.PRINT_OPTS
+
+#: torch's autograd switches that are module globals, one per process, each rebound by its
+#: module (``global``): ``(module, name, fresh process's value)``. The context managers
+#: ``torch.utils.checkpoint.set_checkpoint_early_stop`` / ``set_checkpoint_debug_enabled``
+#: keep their flag in one; ``torch.nn.utils.parametrize.cached()`` its depth and its cache
+#: of computed tensors.
+AUTOGRAD_GLOBALS: tuple[tuple[Any, str, Callable[[], Any]], ...] = (
+    (torch.utils.checkpoint, "_enable_checkpoint_early_stop", lambda: None),
+    (torch.utils.checkpoint, "_checkpoint_debug_enabled", lambda: None),
+    (torch.nn.utils.parametrize, "_cache_enabled", lambda: 0),
+    (torch.nn.utils.parametrize, "_cache", dict),
+)
 
 
 def not_a_view(out: Any, x: Any) -> Any:

@@ -43,7 +43,7 @@ from .._errors import DiffcommError
 from ..diagnostics import recorder as _flight
 from .buffers import joined
 
-# Size: ~1075 lines, over the ~600 guideline: the in-process transport is one piece (the
+# Size: ~1085 lines, over the ~600 guideline: the in-process transport is one piece (the
 # hub the ranks meet in, the per-rank state it swaps, the thread-local group record, and the
 # process group whose ops are the hub's exchanges); split, each part would only make sense
 # next to the others.
@@ -583,6 +583,14 @@ per_rank_attr(_flight, "_RING", lambda: deque(maxlen=_RING_SIZE))
 per_rank(vars(_torch.PRINT_OPTS))
 _INITIAL[-1] = vars(type(_torch.PRINT_OPTS)())  # a fresh process's: torch's defaults
 per_rank(_accelerator._OVERRIDE)
+# torch's autograd switches kept in module globals (one per process): a rank's
+# `with set_checkpoint_early_stop(False):` around a collective held for the other ranks
+# until it ended (a rank then checkpointed without early stop where its own program asked
+# for none: its recomputation ran a collective the others' did not, a false desync), and a
+# rank's `with parametrize.cached():` cached the other ranks' parametrized weights while it
+# waited in a collective (a rank computed with a weight from before its optimizer step).
+for _owner, _name, _fresh in _torch.AUTOGRAD_GLOBALS:
+    per_rank_attr(_owner, _name, _fresh)
 
 
 # ---- the thread-local torch.distributed world ------------------------------------------
