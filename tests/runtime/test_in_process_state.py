@@ -300,3 +300,49 @@ def _single_process(fn: Any) -> Any:
 
     with mock.patch.object(dc, "all_reduce", lambda t, *a, **k: t):
         return fn()
+
+
+def _global_hooks_around_a_linear() -> tuple[float, float]:
+    """A global forward hook (``o * 2``) and full backward hook (``3 * grad_input``), every
+    rank registering them, around a ``Linear`` and a collective. Returns the output's sum
+    and the input gradient's."""
+    from torch.nn.modules import module as M
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+    x = torch.ones(2, 4, dtype=torch.float64, requires_grad=True)
+    hooks = [
+        M.register_module_forward_hook(lambda m, i, o: o * 2),
+        M.register_module_full_backward_hook(lambda m, gi, go: (gi[0] * 3,)),
+    ]
+    try:
+        y = dc.all_reduce(lin(x))  # the ranks hand over with the hooks registered
+        y.sum().backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert x.grad is not None
+    return float(y.detach().sum()), float(x.grad.sum())
+
+
+@BOTH
+@pytest.mark.usefixtures("debug_off")
+def test_torchs_global_hooks_are_refused_in_process(local_worlds, in_process: bool) -> None:
+    """torch's global module (and optimizer) hooks are one registry per process. Before,
+    in-process: a hook every rank registered ran on every rank's modules while registered
+    (output 5.827 on both ranks, input gradient 60.906 on rank 1, where processes give 3.885
+    and 10.151, no error); now ``InProcessUnsupportedError`` naming the hooks, and a run
+    leaves none of the ranks' hooks in the caller."""
+    from torch.nn.modules import module as M
+
+    world = local_worlds(2, in_process=in_process)
+    if not in_process:
+        got = world.run(_global_hooks_around_a_linear)
+        assert got == [pytest.approx((3.884701146, 10.150929581), rel=1e-9)] * 2
+        return
+    before = (dict(M._global_forward_hooks), dict(M._global_backward_hooks))
+    with pytest.raises(
+        dc.RankError, match=r"InProcessUnsupportedError.*torch's global hooks .*_global_forward_hooks"
+    ):
+        world.run(_global_hooks_around_a_linear)
+    assert (dict(M._global_forward_hooks), dict(M._global_backward_hooks)) == before
