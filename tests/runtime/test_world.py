@@ -672,6 +672,7 @@ def _takes_steps(steps: int = 0) -> int:
         (_args_and_kwargs, {"in_proces": True}, r"did you mean `in_process`"),
         (_args_and_kwargs, {"timout": 5}, r"did you mean `timeout`"),
         (_args_and_kwargs, {"fn_kwarg": {"a": 1}}, r"did you mean `fn_kwargs`"),
+        (_args_and_kwargs, {"Timeout": 5}, r"unknown setting `Timeout`; did you mean `timeout`"),
         (_takes_steps, {"stepz": 2}, r"fn _takes_steps\(steps.*cannot be called .*stepz"),
         (_takes_steps, {"fn_kwargs": {"timeout": 5}}, r"cannot be called .*timeout"),
     ],
@@ -681,6 +682,7 @@ def _takes_steps(steps: int = 0) -> int:
         "in_proces",
         "timout",
         "fn_kwarg",
+        "Timeout",
         "fn-lacks-it",
         "fn_kwargs",
     ],
@@ -706,9 +708,10 @@ def test_launch_refuses_a_misspelt_setting_before_any_process_starts(
 
 
 def test_launch_passes_a_keyword_spelt_like_a_setting_through_fn_kwargs() -> None:
-    """The way out the refusal names: ``fn_kwargs`` takes any name of ``fn``'s own."""
-    out = dc.launch(_args_and_kwargs, 2, in_process=True, fn_kwargs={"timout": 5})
-    assert out == [((), {"timout": 5})] * 2
+    """The way out the refusal names: ``fn_kwargs`` takes any name of ``fn``'s own; a name
+    far enough from every setting goes to ``fn`` directly."""
+    out = dc.launch(_args_and_kwargs, 2, in_process=True, timeout_s=3, fn_kwargs={"timout": 5})
+    assert out == [((), {"timeout_s": 3, "timout": 5})] * 2
 
 
 def _rank_kind() -> tuple[int, str]:

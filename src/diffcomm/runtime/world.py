@@ -686,13 +686,13 @@ _LAUNCH_SETTINGS = (
 
 
 def _refuse_misspelt_settings(kwargs: dict[str, Any]) -> None:
-    """A keyword of ``launch`` spelt almost like one of its settings (``colective_timeout``)
-    is a ``TypeError`` naming the setting, before any process starts: it would go to ``fn``,
-    which raised on every rank after the world had started, or (an ``fn(**kwargs)``) took it
-    while the setting silently kept its default. A keyword of ``fn``'s own spelt so goes
-    through ``fn_kwargs``."""
+    """A keyword of ``launch`` spelt almost like one of its settings (``colective_timeout``,
+    ``Timeout``; ``timeout_s`` is far enough) is a ``TypeError`` naming the setting, before
+    any process starts: it would go to ``fn``, which raised on every rank after the world
+    had started, or (an ``fn(**kwargs)``) took it while the setting silently kept its
+    default. A keyword of ``fn``'s own spelt so goes through ``fn_kwargs``."""
     for name in kwargs:
-        close = difflib.get_close_matches(name, _LAUNCH_SETTINGS, n=1, cutoff=0.85)
+        close = difflib.get_close_matches(name.lower(), _LAUNCH_SETTINGS, n=1, cutoff=0.9)
         if close:
             raise TypeError(
                 f"launch(): unknown setting `{name}`; did you mean `{close[0]}`? (Keywords other "
