@@ -31,8 +31,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.utils.parametrize
+import torch.utils.checkpoint
 
-# Size: ~635 lines, just over the ~600 guideline: every read of torch's internals lives in
+# Size: ~680 lines, over the ~600 guideline: every read of torch's internals lives in
 # this one module (tests/test_layout.py), so it grows with each internal diffcomm needs.
 
 __all__ = [
@@ -71,6 +73,8 @@ __all__ = [
     "is_fake",
     "IncompatibleKeys",
     "PRINT_OPTS",
+    "AUTOGRAD_GLOBALS",
+    "global_hooks",
 ]
 
 #: ``assert_async(condition, message)``: raise ``RuntimeError(message)`` unless the 0-dim
@@ -84,6 +88,18 @@ IncompatibleKeys = torch.nn.modules.module._IncompatibleKeys
 
 #: torch's print options (``torch.set_printoptions`` sets this one object's fields in place)
 PRINT_OPTS: Any = torch._tensor_str.PRINT_OPTS
+
+#: torch's autograd switches that are module globals, one per process, each rebound by its
+#: module (``global``): ``(module, name, fresh process's value)``. The context managers
+#: ``torch.utils.checkpoint.set_checkpoint_early_stop`` / ``set_checkpoint_debug_enabled``
+#: keep their flag in one; ``torch.nn.utils.parametrize.cached()`` its depth and its cache
+#: of computed tensors.
+AUTOGRAD_GLOBALS: tuple[tuple[Any, str, Callable[[], Any]], ...] = (
+    (torch.utils.checkpoint, "_enable_checkpoint_early_stop", lambda: None),
+    (torch.utils.checkpoint, "_checkpoint_debug_enabled", lambda: None),
+    (torch.nn.utils.parametrize, "_cache_enabled", lambda: 0),
+    (torch.nn.utils.parametrize, "_cache", dict),
+)
 
 
 def not_a_view(out: Any, x: Any) -> Any:
@@ -531,6 +547,35 @@ def completed_work(result: Any) -> Any:
     fut.set_result(result)
     c10d: Any = torch._C._distributed_c10d
     return c10d._create_work_from_future(fut)
+
+
+#: torch's global hook registries (one per process, ``{handle id: hook}``): the module hooks
+#: of ``torch.nn.modules.module.register_module_*_hook`` and the optimizer step hooks of
+#: ``torch.optim.optimizer.register_optimizer_step_*_hook``
+_GLOBAL_HOOKS = (
+    (
+        "torch.nn.modules.module",
+        (
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks",
+            "_global_backward_pre_hooks",
+            "_global_backward_hooks",
+            "_global_buffer_registration_hooks",
+            "_global_module_registration_hooks",
+            "_global_parameter_registration_hooks",
+        ),
+    ),
+    ("torch.optim.optimizer", ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")),
+)
+
+
+def global_hooks() -> Iterator[tuple[str, dict[int, Any]]]:
+    """torch's process-wide hook registries: ``(name, {handle id: hook})`` (a module not
+    imported yet holds none)."""
+    for module, names in _GLOBAL_HOOKS:
+        owner = sys.modules.get(module)
+        for name in names if owner is not None else ():
+            yield name, getattr(owner, name)
 
 
 def profiler_enabled() -> bool:

@@ -219,3 +219,130 @@ def test_record_spans_on_one_rank_records_its_own_ops(local_worlds, in_process: 
     """The timeline's span recorder is a rank's own. Before, in-process: rank 0's block
     recorded rank 1's all_reduce too (3 spans; processes 2)."""
     assert local_worlds(2, in_process=in_process).run(_rank_0_records_spans) == [2, None]
+
+
+class _Exp(torch.nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.exp()
+
+
+def _step_then_cached_forward() -> float:
+    """A parametrized weight: a forward, an SGD step on its original, a forward that must
+    see the stepped weight, then a ``parametrize.cached()`` block around a collective (the
+    ranks hand over inside it). Returns the second forward's sum."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+    parametrize.register_parametrization(lin, "weight", _Exp())
+    x = torch.ones(2, 4, dtype=torch.float64)
+    lin(x).sum().backward()
+    with torch.no_grad():
+        lin.parametrizations.weight.original.sub_(0.5)
+    y = lin(x)
+    with parametrize.cached():
+        dc.all_reduce(y.detach())
+    return float(y.detach().sum())
+
+
+def _checkpoint_after_an_early_stop_block() -> float:
+    """A ``set_checkpoint_early_stop(False)`` block around a collective, then a checkpoint
+    (outside it: early stop, the default) of a region that ends in a collective. Returns
+    the weight gradient's sum."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with set_checkpoint_early_stop(False):
+        dc.all_reduce(_ONE)  # the ranks hand over inside the block
+    y = checkpoint(lambda t: dc.all_reduce(t @ w.T), x, use_reentrant=False)
+    y.sum().backward()
+    assert w.grad is not None
+    return float(w.grad.sum())
+
+
+@BOTH
+@pytest.mark.usefixtures("debug_off")
+def test_a_ranks_parametrize_cache_is_its_own(local_worlds, in_process: bool) -> None:
+    """``torch.nn.utils.parametrize.cached()`` keeps its depth and cache in module globals,
+    one per process. Before, in-process: while rank 0 waited in a collective inside its
+    ``cached()`` block, rank 1's forwards outside any block cached its parametrized weight,
+    and its forward after the SGD step reused the weight from before it (33.898; processes
+    20.609 on both ranks), with no error. A run leaves the caller's state as it was."""
+    from torch.nn.utils import parametrize
+
+    want = _single_process(_step_then_cached_forward)
+    assert local_worlds(2, in_process=in_process).run(_step_then_cached_forward) == [want, want]
+    assert parametrize._cache_enabled == 0
+
+
+@BOTH
+@pytest.mark.usefixtures("debug_off")
+def test_a_ranks_checkpoint_early_stop_is_its_own(local_worlds, in_process: bool) -> None:
+    """``torch.utils.checkpoint.set_checkpoint_early_stop`` keeps its flag in a module
+    global, one per process. Before, in-process: a rank that ended its block after the
+    other had entered its own kept the other's ``False`` and ran its next checkpoint without
+    early stop, recomputing the region's all_reduce in backward where the other rank did not
+    (a ``RankDesyncError``; processes: the same gradient on both ranks). A run leaves the
+    caller's flag as it was."""
+    import torch.utils.checkpoint as C
+
+    want = _single_process(_checkpoint_after_an_early_stop_block)
+    got = local_worlds(2, in_process=in_process).run(_checkpoint_after_an_early_stop_block)
+    assert got == pytest.approx([2 * want] * 2, rel=1e-12)  # (the all_reduce's backward: 2x)
+    assert C._enable_checkpoint_early_stop is None
+
+
+def _single_process(fn: Any) -> Any:
+    """``fn`` with every collective an identity (one rank's program, no world)."""
+    from unittest import mock
+
+    with mock.patch.object(dc, "all_reduce", lambda t, *a, **k: t):
+        return fn()
+
+
+def _global_hooks_around_a_linear() -> tuple[float, float]:
+    """A global forward hook (``o * 2``) and full backward hook (``3 * grad_input``), every
+    rank registering them, around a ``Linear`` and a collective. Returns the output's sum
+    and the input gradient's."""
+    from torch.nn.modules import module as M
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+    x = torch.ones(2, 4, dtype=torch.float64, requires_grad=True)
+    hooks = [
+        M.register_module_forward_hook(lambda m, i, o: o * 2),
+        M.register_module_full_backward_hook(lambda m, gi, go: (gi[0] * 3,)),
+    ]
+    try:
+        y = dc.all_reduce(lin(x))  # the ranks hand over with the hooks registered
+        y.sum().backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert x.grad is not None
+    return float(y.detach().sum()), float(x.grad.sum())
+
+
+@BOTH
+@pytest.mark.usefixtures("debug_off")
+def test_torchs_global_hooks_are_refused_in_process(local_worlds, in_process: bool) -> None:
+    """torch's global module (and optimizer) hooks are one registry per process. Before,
+    in-process: a hook every rank registered ran on every rank's modules while registered
+    (output 5.827 on both ranks, input gradient 60.906 on rank 1, where processes give 3.885
+    and 10.151, no error); now ``InProcessUnsupportedError`` naming the hooks, and a run
+    leaves none of the ranks' hooks in the caller."""
+    from torch.nn.modules import module as M
+
+    world = local_worlds(2, in_process=in_process)
+    if not in_process:
+        got = world.run(_global_hooks_around_a_linear)
+        assert got == [pytest.approx((3.884701146, 10.150929581), rel=1e-9)] * 2
+        return
+    before = (dict(M._global_forward_hooks), dict(M._global_backward_hooks))
+    with pytest.raises(
+        dc.RankError, match=r"InProcessUnsupportedError.*torch's global hooks .*_global_forward_hooks"
+    ):
+        world.run(_global_hooks_around_a_linear)
+    assert (dict(M._global_forward_hooks), dict(M._global_backward_hooks)) == before

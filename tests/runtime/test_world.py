@@ -656,6 +656,64 @@ def test_launch_settings_never_reach_fn_and_fn_kwargs_of_their_names_do(in_proce
     assert ranks == [(r, "inproc" if in_process else "gloo") for r in range(2)]
 
 
+def _takes_steps(steps: int = 0) -> int:
+    return steps
+
+
+@pytest.mark.parametrize(
+    ("fn", "kwargs", "match"),
+    [
+        (
+            _takes_steps,
+            {"colective_timeout": 3},
+            r"unknown setting `colective_timeout`; did you mean `collective_timeout`",
+        ),
+        (_args_and_kwargs, {"colective_timeout": 3}, r"did you mean `collective_timeout`"),
+        (_args_and_kwargs, {"in_proces": True}, r"did you mean `in_process`"),
+        (_args_and_kwargs, {"timout": 5}, r"did you mean `timeout`"),
+        (_args_and_kwargs, {"fn_kwarg": {"a": 1}}, r"did you mean `fn_kwargs`"),
+        (_args_and_kwargs, {"Timeout": 5}, r"unknown setting `Timeout`; did you mean `timeout`"),
+        (_takes_steps, {"stepz": 2}, r"fn _takes_steps\(steps.*cannot be called .*stepz"),
+        (_takes_steps, {"fn_kwargs": {"timeout": 5}}, r"cannot be called .*timeout"),
+    ],
+    ids=[
+        "misspelt-fn-without-it",
+        "misspelt-fn-kwargs",
+        "in_proces",
+        "timout",
+        "fn_kwarg",
+        "Timeout",
+        "fn-lacks-it",
+        "fn_kwargs",
+    ],
+)
+def test_launch_refuses_a_misspelt_setting_before_any_process_starts(
+    monkeypatch: pytest.MonkeyPatch, fn: Callable[..., object], kwargs: dict[str, object], match: str
+) -> None:
+    """A keyword spelt almost like one of launch's settings, or one ``fn`` cannot take, is a
+    ``TypeError`` before any process starts. Before: ``launch(fn, 2, colective_timeout=3)``
+    started the world and every rank raised ``fn() got an unexpected keyword argument``;
+    with an ``fn(**kwargs)`` the ranks ran with ``kwargs={'colective_timeout': 3}`` while the
+    collective timeout silently stayed 30 s."""
+    import diffcomm.runtime.world as W
+
+    def no_world(*a: object, **k: object) -> None:
+        raise AssertionError("a world was started")
+
+    monkeypatch.setattr(W, "LocalWorld", no_world)
+    with pytest.raises(TypeError, match=match):
+        dc.launch(fn, 2, **kwargs)
+    with pytest.raises(TypeError, match="`fn` must be callable"):
+        dc.launch(3, 2)  # type: ignore[arg-type]
+
+
+def test_launch_passes_a_keyword_spelt_like_a_setting_through_fn_kwargs() -> None:
+    """The way out the refusal names: ``fn_kwargs`` takes any name of ``fn``'s own; a name
+    far enough from every setting goes to ``fn`` directly."""
+    out = dc.launch(_args_and_kwargs, 2, in_process=True, timeout_s=3, fn_kwargs={"timout": 5})
+    assert out == [((), {"timeout_s": 3, "timout": 5})] * 2
+
+
 def _rank_kind() -> tuple[int, str]:
     import torch.distributed as dist
 

@@ -43,7 +43,7 @@ from .._errors import DiffcommError
 from ..diagnostics import recorder as _flight
 from .buffers import joined
 
-# Size: ~1075 lines, over the ~600 guideline: the in-process transport is one piece (the
+# Size: ~1110 lines, over the ~600 guideline: the in-process transport is one piece (the
 # hub the ranks meet in, the per-rank state it swaps, the thread-local group record, and the
 # process group whose ops are the hub's exchanges); split, each part would only make sense
 # next to the others.
@@ -198,6 +198,9 @@ class Hub:
                 "crashes). Profile with real processes (dc.LocalWorld(n)), or outside the collectives."
             )
             raise InProcessUnsupportedError(message)
+        hooks = _users_global_hooks()
+        if hooks:
+            raise InProcessUnsupportedError(_GLOBAL_HOOK.format(rank=rank, what=what, hooks=hooks))
         if _forward_ad.__dict__.get("_current_level", -1) >= 0:  # levels are one stack per process
             raise InProcessUnsupportedError(
                 f"diffcomm in-process world: rank {rank} {what} inside forward-mode AD "
@@ -325,6 +328,51 @@ _TRACED = (
 
 
 _profiling: Callable[[], bool] = _torch.profiler_enabled
+
+# torch's global hooks (``register_module_forward_hook``, ``register_optimizer_step_pre_hook``,
+# ...) are one registry per process: a hook every rank registered ran on every rank's modules
+# while registered (a forward hook ``o * 2`` and a full backward hook ``3 * grad_input``
+# around a Linear and an all_reduce at world 2: output 5.827, input gradient 60.91 on rank 1,
+# where processes give 3.885 and 10.15, no error), and a caller's on the ranks' modules,
+# where no rank process has it.
+# Refused at a hand-over while one is registered; torch's and diffcomm's own (registered
+# once per process, as each rank process registers its own) are not the user's.
+_GLOBAL_HOOK = (
+    "diffcomm in-process world: rank {rank} {what} while torch's global hooks {hooks} are "
+    "registered; torch keeps one registry per process, so a hook that every rank registers "
+    "would run once per rank on every rank's modules (and one of the caller's on them all). "
+    "Register it on the module (module.register_forward_hook, register_full_backward_hook) "
+    "or the optimizer (optimizer.register_step_pre_hook), or run on real processes "
+    "(dc.LocalWorld(n))."
+)
+
+
+def _users_global_hooks() -> list[str]:
+    """The hooks in torch's global registries that neither torch nor diffcomm registered, as
+    ``"registry: hook"`` (usually none: a look into a few empty dicts)."""
+    return [
+        f"{name}: {getattr(hook, '__qualname__', repr(hook))}"
+        for name, registry in _torch.global_hooks()
+        for hook in registry.values()
+        if _users(hook)
+    ]
+
+
+def _users(hook: Any) -> bool:
+    return (getattr(hook, "__module__", None) or "").partition(".")[0] not in ("torch", "diffcomm")
+
+
+def global_hook_ids() -> set[tuple[str, int]]:
+    """The handle ids in torch's global hook registries now (the caller's, before a run)."""
+    return {(name, key) for name, registry in _torch.global_hooks() for key in registry}
+
+
+def drop_global_hooks(before: set[tuple[str, int]]) -> None:
+    """After a run: remove the user's global hooks its ranks registered and left behind (a
+    rank that raised, or one refused above), which no rank process would hand its caller."""
+    for name, registry in _torch.global_hooks():
+        for key in [k for k, hook in registry.items() if (name, k) not in before and _users(hook)]:
+            del registry[key]
 
 
 def _fresh_rng() -> torch.Tensor:
@@ -583,6 +631,14 @@ per_rank_attr(_flight, "_RING", lambda: deque(maxlen=_RING_SIZE))
 per_rank(vars(_torch.PRINT_OPTS))
 _INITIAL[-1] = vars(type(_torch.PRINT_OPTS)())  # a fresh process's: torch's defaults
 per_rank(_accelerator._OVERRIDE)
+# torch's autograd switches kept in module globals (one per process): a rank's
+# `with set_checkpoint_early_stop(False):` around a collective held for the other ranks
+# until it ended (a rank then checkpointed without early stop where its own program asked
+# for none: its recomputation ran a collective the others' did not, a false desync), and a
+# rank's `with parametrize.cached():` cached the other ranks' parametrized weights while it
+# waited in a collective (a rank computed with a weight from before its optimizer step).
+for _owner, _name, _fresh in _torch.AUTOGRAD_GLOBALS:
+    per_rank_attr(_owner, _name, _fresh)
 
 
 # ---- the thread-local torch.distributed world ------------------------------------------

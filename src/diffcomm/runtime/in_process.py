@@ -89,6 +89,7 @@ def _run(
     outer_rng, outer_host_rng = torch.get_rng_state(), _ip.host_rng()
     outer = [_ip._copy_of(box) for box in _ip._STATE]  # the caller's own, put back after
     outer_attrs, outer_torch = _ip.attrs_now(), _ip.torch_settings()
+    outer_hooks = _ip.global_hook_ids()
 
     def rank_main(rank: int) -> None:
         _ip.enter_rank(hub, rank)
@@ -153,6 +154,7 @@ def _run(
             _ip._restore(box, value)
         _ip.put_attrs(outer_attrs)
         _ip.set_torch_settings(outer_torch)
+        _ip.drop_global_hooks(outer_hooks)
     if failures:
         first = {r: tb for r, tb in failures.items() if not isinstance(exceptions[r], _DESYNC)}
         # a rank left waiting (a desync, or a peer that raised while it waited): a world of

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import difflib
+import inspect
 import multiprocessing.connection as mpc
 import os
 import pickle
@@ -76,8 +78,9 @@ __all__ = ["LocalWorld", "launch", "init", "get_rank", "get_world_size", "is_ini
 # ``diffcomm.runtime.joining``, the processes' state ``diffcomm.runtime.processes``, the
 # rank process ``diffcomm.runtime.rank_process``, the failure messages and early
 # diagnoses ``diffcomm.runtime.reports``.
-# Size: ~660 lines, over the ~600 guideline: LocalWorld's two kinds share one front door
-# (the settings checked and warned of once for both) and the watch loop is one piece.
+# Size: ~710 lines, over the ~600 guideline: LocalWorld's two kinds share one front door
+# (the settings checked and warned of once for both) and the watch loop is one piece;
+# launch checks its settings and fn's arguments before any process starts.
 
 DEFAULT_COLLECTIVE_TIMEOUT = 30.0  # seconds; LocalWorld's default for DIFFCOMM_TIMEOUT
 DEFAULT_RUN_TIMEOUT = 300.0
@@ -636,12 +639,20 @@ def launch(
     Returns:
         Each rank's return value, by rank.
 
+    Raises:
+        TypeError: before any process starts, for a keyword spelt almost like a setting
+            (``colective_timeout=5``: it would reach ``fn`` while the setting kept its
+            default), and for arguments ``fn``'s signature cannot take.
+
     Example::
 
         dc.launch(lambda: dc.get_rank(), 3)                 # [0, 1, 2]
         dc.launch(train, 2, steps=10, collective_timeout=5)  # train(steps=10), 5 s per collective
         dc.launch(train, 2, fn_kwargs={"timeout": 5})       # train(timeout=5)
     """
+    if not callable(fn):
+        raise TypeError(f"launch(): `fn` must be callable, got {type(fn).__name__}")
+    _refuse_misspelt_settings(kwargs)
     if fn_kwargs is not None:
         if not isinstance(fn_kwargs, dict):
             raise TypeError(f"launch(): `fn_kwargs` must be a dict, got {type(fn_kwargs).__name__}")
@@ -649,6 +660,7 @@ def launch(
         if both:
             raise TypeError(f"launch(): keyword(s) {both} given both directly and in `fn_kwargs`")
         kwargs = {**kwargs, **fn_kwargs}
+    _check_fn_takes(fn, args, kwargs)
     with LocalWorld(
         world_size,
         backend=backend,
@@ -659,3 +671,50 @@ def launch(
         in_process=in_process,
     ) as world:
         return world.run(fn, *args, **kwargs)
+
+
+#: ``launch``'s settings by name (every other keyword goes to ``fn``)
+_LAUNCH_SETTINGS = (
+    "backend",
+    "timeout",
+    "collective_timeout",
+    "allow_oversubscribe",
+    "progress",
+    "in_process",
+    "fn_kwargs",
+)
+
+
+def _refuse_misspelt_settings(kwargs: dict[str, Any]) -> None:
+    """A keyword of ``launch`` spelt almost like one of its settings (``colective_timeout``,
+    ``Timeout``; ``timeout_s`` is far enough) is a ``TypeError`` naming the setting, before
+    any process starts: it would go to ``fn``, which raised on every rank after the world
+    had started, or (an ``fn(**kwargs)``) took it while the setting silently kept its
+    default. A keyword of ``fn``'s own spelt so goes through ``fn_kwargs``."""
+    for name in kwargs:
+        close = difflib.get_close_matches(name.lower(), _LAUNCH_SETTINGS, n=1, cutoff=0.9)
+        if close:
+            raise TypeError(
+                f"launch(): unknown setting `{name}`; did you mean `{close[0]}`? (Keywords other "
+                f"than launch's settings {list(_LAUNCH_SETTINGS)} go to fn: pass a keyword of "
+                f"fn's own spelt like a setting through fn_kwargs={{{name!r}: ...}}.)"
+            )
+
+
+def _check_fn_takes(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """``fn``'s signature takes ``(*args, **kwargs)``, else a ``TypeError`` naming both,
+    before any process starts (each rank raised torch's ``unexpected keyword argument``
+    after the world had started). A callable without a signature is not checked; a wrapper
+    is checked by its own signature (``follow_wrapped=False``: the one the ranks call)."""
+    try:
+        sig = inspect.signature(fn, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        raise TypeError(
+            f"launch(): fn {name}{sig} cannot be called with the arguments given ({exc}); "
+            f"launch's own settings are {list(_LAUNCH_SETTINGS)}, every other argument goes to fn"
+        ) from None
