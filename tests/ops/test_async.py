@@ -183,6 +183,34 @@ def test_launch_order_differing_between_ranks_ends_in_an_error_not_a_hang() -> N
     assert "all_reduce" in text and "all_gather" in text, text
 
 
+def _async_on_rank_1_only(op: str) -> str:
+    """The group gathers uneven rows once (so later blocking gathers send the sizes with
+    the rows), then rank 1 alone gathers asynchronously (its sizes exchanged first)."""
+    r = dc.get_rank()
+    x = torch.ones(1 + r, 2)
+    dc.all_gather(x)
+    dc.all_gather_coalesced([x])
+    gather = dc.all_gather if op == "all_gather" else lambda t, **kw: dc.all_gather_coalesced([t], **kw)
+    with dc.debug(True):
+        try:
+            engine.wait(gather(x, async_op=r == 1))
+        except dc.CrossRankMismatchError as exc:
+            return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_gather_coalesced"])
+def test_an_unsized_gather_asynchronous_on_some_ranks_only_is_named_in_debug_mode(world3, op: str) -> None:
+    """Without ``split_sizes``, a blocking gather on a group that has gathered sends the
+    sizes with the rows and an asynchronous one exchanges them first: mixed, the ranks'
+    byte counts differed and gloo aborted a rank (SIGABRT), whose story advised debug mode
+    — which compared the shapes, equal, and let it through. Debug mode compares
+    ``async_op`` there."""
+    for msg in world3.run(_async_on_rank_1_only, op):
+        assert f"diffcomm.{op}(): ranks called it with inconsistent arguments" in msg, msg
+        assert "async_op differs (rank 0: 0, rank 1: 1, rank 2: 0)" in msg, msg
+
+
 # ------------------------------------------------------------------ no early reads
 
 
