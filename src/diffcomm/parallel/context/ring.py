@@ -689,6 +689,9 @@ def ring_attention(
                 "v": tuple(v.shape),
                 "dtype": q.dtype,
                 "causal": causal,
+                # each rank's rows took its own scale: another scale on one rank is a wrong
+                # attention there (and wrong dK / dV it adds for the others' rows)
+                "scale": repr(sc),
                 "layout": layout,
                 "seq_len": total,
                 "cu_seqlens": cu or (),

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ... import _torch
+from ... import _config, _torch
+from ... import backend as B
 from ..._replication import P, R, Rule, V, spmd_types_checking, spmd_types_invariant, spmd_types_varying
 from ...backend import args as A
 from ...backend.local_tensor import RANK_WHY, refuse
@@ -193,6 +194,17 @@ def ulysses_attention(
     true = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, None)
     true = None if true is None else A.check_int(true, op, "seq_len")
     require_seq_len_known(op, {"q": q, "k": k, "v": v}, true, None, world, None, q.shape[2])
+    if _config.DEBUG.get():  # (the all_to_alls compare the shapes; these only each rank reads)
+        B.get_backend().check_consistent(
+            op,
+            {
+                "causal": causal,
+                "scale": repr(sc),  # each rank attends over its heads with its own
+                "seq_len": -1 if true is None else true,
+                "seq_lens": () if seq_lens is None else tuple(int(n) for n in seq_lens),
+            },
+            pg,
+        )
     if seq_lens is None:
         lens = _gathered_sizes(q.shape[2], pg, world)
     else:
