@@ -542,6 +542,40 @@ def test_debug_mode_names_a_scale_or_causal_only_each_rank_reads(world2: dc.Loca
         assert which.split("_")[0] in msg and field in msg, msg
 
 
+@pytest.mark.usefixtures("debug_off")
+@pytest.mark.parametrize("which", ["causal", "scale", "layout"])
+def test_ring_settings_that_differ_ride_in_the_length_exchange_without_debug_mode(
+    world3: dc.LocalWorld, which: str
+) -> None:
+    """With no ``seq_len`` the ring already exchanges the shards' lengths (one small
+    all_gather of host ints); ``causal`` on one rank only (or another ``scale``, or
+    ``layout``) went nowhere and gave a silently wrong output there. They travel with the
+    length now, and every rank raises naming the setting."""
+
+    def body(which: str) -> str:
+        odd = dc.get_rank() == 1
+        q = torch.randn(1, 2, 2, 8, generator=torch.Generator().manual_seed(dc.get_rank()))
+        kw = {
+            "causal": {"causal": odd},
+            "scale": {"scale": 0.5 if odd else None},
+            "layout": {"layout": "zigzag" if odd else "contiguous"},
+        }[which]
+        try:
+            parallel.ring_attention(q, q, q, **kw)
+        except dc.CrossRankMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    want = {
+        "causal": "causal differs (rank 0: False, rank 1: True, rank 2: False)",
+        "scale": "scale differs (rank 0: 0.35355",
+        "layout": "layout differs (rank 0: contiguous, rank 1: zigzag, rank 2: contiguous)",
+    }[which]
+    for msg in world3.run(body, which):
+        assert msg.startswith("diffcomm.parallel.ring_attention(): ranks called it with inconsistent"), msg
+        assert want in msg, msg
+
+
 def test_llama_block_with_context_parallelism_equals_serial(world3: dc.LocalWorld) -> None:
     """``examples/context_parallel_llama.py``: a Llama-style block (RMSNorm, RoPE, GQA,
     SwiGLU) with ring attention equals the serial block — output, loss and every weight's

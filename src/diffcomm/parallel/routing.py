@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -193,7 +192,7 @@ def _plan(
         mine = _local_counts(flat, e)  # the host read the exchange needs anyway
     # the settings that shape the plan travel with the counts (free: the same exchange), so
     # ranks that disagree on them raise here instead of sending by plans that do not match
-    settings = [k, _float_bits(capacity_factor), int(positions is not None)]
+    settings = [k, A.float_bits(capacity_factor), int(positions is not None)]
     with B.label("parallel.dispatch (counts exchange)"):  # the step's one exchange
         table = b.exchange_size_lists([*mine, t, *settings], pg)
     _check_settings([row[e + 1 :] for row in table])
@@ -256,11 +255,6 @@ def _plan(
     )
 
 
-def _float_bits(value: float | None) -> int:
-    """``value`` as the int64 of its float64 bits (-1 for ``None``: no float's bits)."""
-    return -1 if value is None else struct.unpack("<q", struct.pack("<d", value))[0]
-
-
 def _check_settings(rows: list[list[int]]) -> None:
     """Raise :class:`~diffcomm.CrossRankMismatchError` naming the ranks and their values when
     the group's ranks called :func:`dispatch` with another ``k`` (expert_index.shape[1]),
@@ -272,7 +266,7 @@ def _check_settings(rows: list[list[int]]) -> None:
         return
     shown = (
         ("k (expert_index.shape[1])", lambda v: v),
-        ("capacity_factor", lambda v: None if v == -1 else struct.unpack("<d", struct.pack("<q", v))[0]),
+        ("capacity_factor", A.float_of_bits),
         ("positions", lambda v: "given" if v else "None"),
     )
     diffs = [
