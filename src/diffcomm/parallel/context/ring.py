@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -707,7 +707,7 @@ def ring_attention(
     require_layout_known(op, given, {"q": q, "k": k, "v": v}, world)  # after the debug check
     if seq_len is None and cu is None and world > 1 and not _config.DEBUG.get():  # S inferred
         # causal, scale and layout, which each rank reads alone, ride in the same exchange
-        settings = {
+        settings: dict[str, tuple[int, Callable[[int], Any]]] = {
             "causal": (int(causal), bool),
             "scale": (A.float_bits(sc), A.float_of_bits),
             "layout": (LAYOUTS.index(layout), LAYOUTS.__getitem__),
