@@ -543,25 +543,34 @@ def test_debug_mode_names_a_scale_or_causal_only_each_rank_reads(world2: dc.Loca
 
 
 @pytest.mark.usefixtures("debug_off")
-@pytest.mark.parametrize("which", ["causal", "scale", "layout"])
-def test_ring_settings_that_differ_ride_in_the_length_exchange_without_debug_mode(
-    world3: dc.LocalWorld, which: str
+@pytest.mark.parametrize(
+    "fn, which",
+    [
+        ("ring", "causal"),
+        ("ring", "scale"),
+        ("ring", "layout"),
+        ("ulysses", "causal"),
+        ("ulysses", "scale"),
+    ],
+)
+def test_attention_settings_that_differ_ride_in_the_length_exchange_without_debug_mode(
+    world3: dc.LocalWorld, fn: str, which: str
 ) -> None:
-    """With no ``seq_len`` the ring already exchanges the shards' lengths (one small
-    all_gather of host ints); ``causal`` on one rank only (or another ``scale``, or
-    ``layout``) went nowhere and gave a silently wrong output there. They travel with the
-    length now, and every rank raises naming the setting."""
+    """With no ``seq_len`` (ring) or ``seq_lens`` (Ulysses) the call already exchanges the
+    shards' lengths (one small all_gather of host ints); ``causal`` on one rank only (or
+    another ``scale``, or ``layout``) went nowhere and gave a silently wrong output there.
+    They travel with the length now, and every rank raises naming the setting."""
 
-    def body(which: str) -> str:
+    def body(fn: str, which: str) -> str:
         odd = dc.get_rank() == 1
-        q = torch.randn(1, 2, 2, 8, generator=torch.Generator().manual_seed(dc.get_rank()))
+        q = torch.randn(1, 3, 2, 8, generator=torch.Generator().manual_seed(dc.get_rank()))
         kw = {
             "causal": {"causal": odd},
             "scale": {"scale": 0.5 if odd else None},
             "layout": {"layout": "zigzag" if odd else "contiguous"},
         }[which]
         try:
-            parallel.ring_attention(q, q, q, **kw)
+            (parallel.ring_attention if fn == "ring" else parallel.ulysses_attention)(q, q, q, **kw)
         except dc.CrossRankMismatchError as exc:
             return str(exc)
         return "no error"
@@ -571,8 +580,8 @@ def test_ring_settings_that_differ_ride_in_the_length_exchange_without_debug_mod
         "scale": "scale differs (rank 0: 0.35355",
         "layout": "layout differs (rank 0: contiguous, rank 1: zigzag, rank 2: contiguous)",
     }[which]
-    for msg in world3.run(body, which):
-        assert msg.startswith("diffcomm.parallel.ring_attention(): ranks called it with inconsistent"), msg
+    for msg in world3.run(body, fn, which):
+        assert msg.startswith(f"diffcomm.parallel.{fn}_attention(): ranks called it with inconsistent"), msg
         assert want in msg, msg
 
 

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ... import _config, _torch
 from ... import backend as B
+from ..._errors import CrossRankMismatchError
 from ..._replication import P, R, Rule, V, spmd_types_checking, spmd_types_invariant, spmd_types_varying
 from ...backend import args as A
 from ...backend.local_tensor import RANK_WHY, refuse
@@ -88,9 +89,24 @@ def _pieces(q: Tensor, k: Tensor, v: Tensor, pg: PG) -> tuple[Tensor, Tensor, Te
     return tuple(_UlyssesAttention.apply(t, pg) for t in (q, k, v))
 
 
-def _gathered_sizes(n: int, pg: PG, world: int) -> list[int]:
-    t = torch.tensor([n], dtype=torch.int64)
-    return [int(x) for x in C.all_gather(t, 0, pg, split_sizes=[1] * world).tolist()]
+def _gathered_sizes(n: int, pg: PG, world: int, causal: bool, scale: float) -> list[int]:
+    """Every rank's sequence length ``n``; ``causal`` and ``scale``, which each rank reads
+    alone (it attends over its heads with its own), travel with it (free: the same
+    all_gather) and ranks that disagree raise :class:`~diffcomm.CrossRankMismatchError`."""
+    t = torch.tensor([n, int(causal), A.float_bits(scale)], dtype=torch.int64)
+    rows = C.all_gather(t, 0, pg, split_sizes=[3] * world).view(world, 3).tolist()
+    shown: tuple[tuple[str, Callable[[int], Any]], ...] = (("causal", bool), ("scale", A.float_of_bits))
+    diffs = [
+        f"{name} differs ({', '.join(f'rank {r}: {show(row[i])}' for r, row in enumerate(rows))})"
+        for i, (name, show) in enumerate(shown, 1)
+        if any(row[i] != rows[0][i] for row in rows)
+    ]
+    if diffs:
+        raise CrossRankMismatchError(
+            "diffcomm.parallel.ulysses_attention(): ranks called it with inconsistent arguments "
+            f"(group ranks {list(range(world))}): " + "; ".join(diffs)
+        )
+    return [int(row[0]) for row in rows]
 
 
 # Run eagerly under torch.compile (a graph break): the lengths are host ints (`.tolist()`
@@ -206,7 +222,7 @@ def ulysses_attention(
             pg,
         )
     if seq_lens is None:
-        lens = _gathered_sizes(q.shape[2], pg, world)
+        lens = _gathered_sizes(q.shape[2], pg, world, causal, sc)
     else:
         lens = [int(s) for s in seq_lens]
         if len(lens) != world or min(lens) < 0:
