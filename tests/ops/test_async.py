@@ -183,6 +183,30 @@ def test_launch_order_differing_between_ranks_ends_in_an_error_not_a_hang() -> N
     assert "all_reduce" in text and "all_gather" in text, text
 
 
+def _extra_async_op_on_rank_0() -> str:
+    if dc.get_rank() == 0:
+        dc.all_reduce(torch.full((3,), 100.0), async_op=True)  # launched, never waited
+    return "returned"
+
+
+def _all_reduce_of_rank_plus_one() -> list[float]:
+    return dc.all_reduce(torch.full((3,), dc.get_rank() + 1.0)).tolist()
+
+
+def test_an_async_op_only_one_rank_launched_is_a_desync_of_its_own_run(world2) -> None:
+    """Rank 0 launches an all_reduce the other rank never calls and returns without
+    waiting: the run returned ``["returned", "returned"]``, and the pending op paired with
+    rank 1's first all_reduce of the *next* run — rank 1 got 101 instead of 3, and the
+    desync was reported there, blaming that run. A rank now lets its pending
+    asynchronous ops complete before it reports, so the run that launched it fails."""
+    with pytest.raises(dc.RankDesyncError) as info:
+        world2.run(_extra_async_op_on_rank_0)
+    text = str(info.value)
+    assert "rank(s) [1] returned from `_extra_async_op_on_rank_0`" in text, text
+    assert "rank(s) [0] wait for them in `all_reduce(sum)`" in text, text
+    assert world2.run(_all_reduce_of_rank_plus_one) == [[3.0] * 3] * 2
+
+
 def _async_on_rank_1_only(op: str) -> str:
     """The group gathers uneven rows once (so later blocking gathers send the sizes with
     the rows), then rank 1 alone gathers asynchronously (its sizes exchanged first)."""

@@ -122,6 +122,7 @@ def _worker_main(
             try:
                 with _ship.applied(carried):  # the caller's settings (dc.debug(True), dc.timeout(2))
                     result = fn(*args, **kwargs)
+                    _lifecycle.program_end()  # (its asynchronous ops still pending complete)
             finally:
                 _flight.set_status("returned")
             reply = pickle.dumps(("ok", cloudpickle.dumps(result)))
