@@ -137,7 +137,8 @@ def all_gather(
         # split_sizes lists every rank's length: the same list on every rank (or on none).
         # Without it, a blocking gather sends the sizes with the rows once the group has
         # gathered and an asynchronous one exchanges them first: mixed, the ranks' bytes
-        # differ and gloo aborts one (async_op compared only then)
+        # differ and gloo aborts one (so an unsized asynchronous call says so; a field
+        # only then, as the quantized gather, which always exchanges first, passes none)
         sizes_given = None if split_sizes is None else tuple(split_sizes)
         _debug_check(
             "all_gather",
@@ -147,7 +148,7 @@ def all_gather(
             dtype=x.dtype,
             grad=_records_grad(x),
             split_sizes=sizes_given,
-            async_op=bool(async_op) if split_sizes is None else None,
+            **({"async_op": True} if async_op and split_sizes is None else {}),
         )
     if split_sizes is None:  # learned with the rows where the backend can, else exchanged first
         split_sizes = _gathered_split_sizes(x, dim, pg, async_op)

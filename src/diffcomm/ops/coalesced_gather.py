@@ -353,9 +353,10 @@ def all_gather_coalesced(
         sizes = _check_sizes(split_sizes, ts, dims, world, name, True, _rank(pg))
     flat = () if sizes is None else tuple(v for s in sizes for v in s)
     # async_op without split_sizes: its sizes are exchanged first, a blocking call's sent
-    # with the rows once the group knows the list (mixed, gloo aborts a rank)
-    unsized_async = bool(async_op) if sizes is None else None
-    _debug_check(name, pg, ts, vary=dims, dim=tuple(dims), split_sizes=flat, async_op=unsized_async)
+    # with the rows once the group knows the list (mixed, gloo aborts a rank): a field
+    # only then (as in all_gather)
+    unsized_async = {"async_op": True} if async_op and sizes is None else {}
+    _debug_check(name, pg, ts, vary=dims, dim=tuple(dims), split_sizes=flat, **unsized_async)
     meta: Any = _even_or_none(sizes)
     if sizes is None and world > 1 and not compiling():
         b = _b()
