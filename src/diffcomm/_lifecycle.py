@@ -60,6 +60,7 @@ __all__ = [
 _STOPS: list[tuple[str, Callable[[Any, bool], None]]] = []
 _INITS: list[tuple[str, Callable[[], None]]] = []
 _PROGRAM_STARTS: list[tuple[str, Callable[[], None]]] = []
+_PROGRAM_ENDS: list[tuple[str, Callable[[], None]]] = []
 _EXITING = [False]
 #: a default process group was made in this process (a subgroup the user still holds keeps
 #: its gloo threads after ``destroy_process_group()``)
@@ -97,6 +98,20 @@ def program_start() -> None:
             reset()
         except Exception:  # a reset never keeps the program from running
             pass
+
+
+def on_program_end(name: str, finish: Callable[[], None]) -> None:
+    """Register ``finish()``: let the owner's pending work of the program that just
+    returned complete (called by a ``LocalWorld`` rank on a process after each ``run``'s
+    function returned, before the rank reports its result). What it raises (a send never
+    received) is the run's error on that rank."""
+    _PROGRAM_ENDS.append((name, finish))
+
+
+def program_end() -> None:
+    """Run every registered program-end finish (see :func:`on_program_end`)."""
+    for _name, finish in _PROGRAM_ENDS:
+        finish()
 
 
 def exiting() -> bool:

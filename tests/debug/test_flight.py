@@ -137,6 +137,43 @@ def test_two_groups_over_the_same_ranks_keep_apart_in_the_early_desync_check(wor
     assert err is not None and "rank(s) [1] returned" in str(err)
 
 
+def test_a_rank_on_another_group_over_the_same_ranks_is_told_so() -> None:
+    """Rank 1 passes ``new_group([0, 1, 2])`` where ranks 0 and 2 pass the default group:
+    every rank waits in ``all_reduce(sum) #0 on group [0, 1, 2]``, and the diagnosis read
+    "rank(s) [1] never reached `all_reduce(sum)` #0", then showed rank 1 inside that very
+    op on that very group - nothing named the cause. It now names the other group."""
+    from diffcomm.diagnostics.diagnosis import diagnose
+
+    def state(gid: str) -> dict:
+        e = {
+            "op": "all_reduce(sum)",
+            "raw_op": "all_reduce",
+            "seq": 0,
+            "group": [0, 1, 2],
+            "gid": gid,
+            "shape": [3],
+            "dtype": "float32",
+            "direction": "forward",
+            "state": "started",
+            "duration_s": 3.0,
+            "site": "train.py:7",
+        }
+        return {"recent": [e], "inflight": [e], "counts": {gid: 1}}
+
+    states = {0: state("0"), 1: state("1"), 2: state("0")}
+    text, facts = diagnose(states, states[0]["inflight"][0])
+    assert facts["culprits"] == [1], facts
+    assert (
+        "rank(s) [1] wait instead in a communication on another group over the same ranks "
+        "(group name '1', not '0'): every rank must pass the same group"
+    ) in text, text
+    assert (
+        "  rank 1: inside `all_reduce(sum)` #0, shape (3,) float32 from train.py:7 on group [0, 1, 2] "
+        "(group name '1'), for 3.0 s"
+    ) in text, text
+    assert "group name" not in text.split("rank 0: inside")[1].split("\n")[0], text
+
+
 def test_recorder_can_be_switched_off_and_keeps_only_the_last_n(world2) -> None:
     def recorder_off_then_ring_size() -> tuple[int, int, int]:
         before = len(dc.flight_recorder())

@@ -183,6 +183,58 @@ def test_launch_order_differing_between_ranks_ends_in_an_error_not_a_hang() -> N
     assert "all_reduce" in text and "all_gather" in text, text
 
 
+def _extra_async_op_on_rank_0() -> str:
+    if dc.get_rank() == 0:
+        dc.all_reduce(torch.full((3,), 100.0), async_op=True)  # launched, never waited
+    return "returned"
+
+
+def _all_reduce_of_rank_plus_one() -> list[float]:
+    return dc.all_reduce(torch.full((3,), dc.get_rank() + 1.0)).tolist()
+
+
+def test_an_async_op_only_one_rank_launched_is_a_desync_of_its_own_run(world2) -> None:
+    """Rank 0 launches an all_reduce the other rank never calls and returns without
+    waiting: the run returned ``["returned", "returned"]``, and the pending op paired with
+    rank 1's first all_reduce of the *next* run — rank 1 got 101 instead of 3, and the
+    desync was reported there, blaming that run. A rank now lets its pending
+    asynchronous ops complete before it reports, so the run that launched it fails."""
+    with pytest.raises(dc.RankDesyncError) as info:
+        world2.run(_extra_async_op_on_rank_0)
+    text = str(info.value)
+    assert "rank(s) [1] returned from `_extra_async_op_on_rank_0`" in text, text
+    assert "rank(s) [0] wait for them in `all_reduce(sum)`" in text, text
+    assert world2.run(_all_reduce_of_rank_plus_one) == [[3.0] * 3] * 2
+
+
+def _async_on_rank_1_only(op: str) -> str:
+    """The group gathers uneven rows once (so later blocking gathers send the sizes with
+    the rows), then rank 1 alone gathers asynchronously (its sizes exchanged first)."""
+    r = dc.get_rank()
+    x = torch.ones(1 + r, 2)
+    dc.all_gather(x)
+    dc.all_gather_coalesced([x])
+    gather = dc.all_gather if op == "all_gather" else lambda t, **kw: dc.all_gather_coalesced([t], **kw)
+    with dc.debug(True):
+        try:
+            engine.wait(gather(x, async_op=r == 1))
+        except dc.CrossRankMismatchError as exc:
+            return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_gather_coalesced"])
+def test_an_unsized_gather_asynchronous_on_some_ranks_only_is_named_in_debug_mode(world3, op: str) -> None:
+    """Without ``split_sizes``, a blocking gather on a group that has gathered sends the
+    sizes with the rows and an asynchronous one exchanges them first: mixed, the ranks'
+    byte counts differed and gloo aborted a rank (SIGABRT), whose story advised debug mode
+    — which compared the shapes, equal, and let it through. Debug mode compares
+    ``async_op`` there."""
+    for msg in world3.run(_async_on_rank_1_only, op):
+        assert f"diffcomm.{op}(): ranks called it with inconsistent arguments" in msg, msg
+        assert "async_op differs (rank 0: not given, rank 1: 1, rank 2: not given)" in msg, msg
+
+
 # ------------------------------------------------------------------ no early reads
 
 

@@ -683,6 +683,39 @@ def test_debug_mode_names_ranks_and_first_differing_position(world3, kind, patte
         assert re.search(pattern, msg), msg
 
 
+@pytest.mark.parametrize("learned", [False, True], ids=["size_exchange", "sizes_with_rows"])
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+@pytest.mark.usefixtures("debug_off")
+# on processes: the sizes travel by the real backend's exchange (in-process: no exchange)
+@pytest.mark.diffcomm_in_process(False)
+def test_a_gathered_dim_that_differs_between_ranks_is_an_error_without_debug_mode(
+    world3, learned: bool, async_op: bool
+) -> None:
+    """Rank 1 gathers a list of square tensors along dim 1, the others along dim 0: every
+    size agreed and the same bytes moved, so every rank got a silently wrong value. The
+    dims travel after the sizes, in the same exchange, and every rank raises."""
+
+    def gathers_along_other_dims(learned: bool, async_op: bool) -> str:
+        from _shared import forget_gathered_sizes
+
+        from diffcomm.ops import engine
+
+        forget_gathered_sizes()
+        ts = [torch.arange(4.0).reshape(2, 2), torch.ones(3, 3)]
+        if learned:  # the group has gathered such a list: the sizes go with the rows
+            dc.all_gather_coalesced(ts)
+        try:
+            for t in dc.all_gather_coalesced(ts, dim=1 if dc.get_rank() == 1 else 0, async_op=async_op):
+                engine.wait(t)
+        except dc.CrossRankMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    for msg in world3.run(gathers_along_other_dims, learned, async_op):
+        assert msg.startswith("diffcomm.all_gather_coalesced(): the ranks must concatenate"), msg
+        assert "ranks that agree: [0, 2] | [1]" in msg, msg
+
+
 def test_dtype_codes_differ_and_every_rank_names_every_dtype() -> None:
     """Debug mode's per-tensor rows carry a dtype code: the same on every rank, one per torch
     dtype, and named by a rank that never used that dtype itself. (The codes were once a sum

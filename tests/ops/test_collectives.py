@@ -1002,6 +1002,35 @@ def test_a_gathers_shape_or_dtype_mismatch_is_an_error_on_every_rank_without_deb
                 assert all(w in msg for w in words) and "other_dims" not in msg, (first, op, msg)
 
 
+@pytest.mark.usefixtures("debug_off")
+def test_a_gathers_dim_mismatch_is_an_error_on_every_rank_without_debug_mode(world3) -> None:
+    """Rank 1 gathers a square ``x`` along dim 1, the others along dim 0: the records
+    agreed in every other dim and the dtype and the same bytes moved, so every rank got a
+    silently wrong value (rank 1's columns read as rows). The dim travels in the record."""
+    from _shared import forget_gathered_sizes
+
+    def gathers_along_other_dims(first: bool, op: str) -> list[str]:
+        if first:  # the size exchange path; else the sizes travel with the rows (one gather)
+            forget_gathered_sizes()
+        else:
+            dc.all_gather(torch.ones(2, 2))
+        x = torch.arange(4.0).reshape(2, 2)
+        dim = 1 if dc.get_rank() == 1 else -2  # (-2 is dim 0: the same on ranks 0 and 2)
+        try:
+            dc.all_gather(x, dim=dim) if op == "all_gather" else dc.gather(x, dim=dim, dst=2)
+            return ["no error"]
+        except dc.CrossRankMismatchError as exc:
+            out = [str(exc)]
+        ok = dc.all_gather(torch.full((1 + dc.get_rank(), 2), float(dc.get_rank())))  # still in step
+        assert ok.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
+        return out
+
+    for first, op in ((True, "all_gather"), (False, "all_gather"), (True, "gather")):
+        for (msg,) in world3.run(gathers_along_other_dims, first, op):
+            assert msg.startswith(f"diffcomm.{op}(): the ranks must concatenate along the same `dim`"), msg
+            assert "`dim` differs: 0 on rank(s) [0, 2]; 1 on rank(s) [1]" in msg, (first, op, msg)
+
+
 # --------------------------------------------------------------------------------------
 # a rank whose loss ignores a collective's output: an error naming the op, not a hang
 # --------------------------------------------------------------------------------------

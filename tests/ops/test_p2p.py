@@ -974,3 +974,31 @@ def test_the_mapping_checker_catches_a_wrong_backward(world2: dc.LocalWorld) -> 
 
     for res in world2.run(check_broken):
         assert not res["ok"] and res["grad_err"] > 1e-3  # its gradient is not the dual's
+
+
+def _extra_send_on_rank_0() -> str:
+    if dc.get_rank() == 0:
+        dc.send(torch.full((3,), 100.0), dst=1)  # rank 1 never receives it
+    return "returned"
+
+
+def _one_message_from_rank_0() -> object:
+    if dc.get_rank() == 0:
+        dc.send(torch.full((3,), 1.0), dst=1)
+        return "sent"
+    return dc.recv(src=0).tolist()
+
+
+@pytest.mark.waits
+def test_a_send_never_received_fails_its_own_run_not_the_next() -> None:
+    """Rank 0 sends a message rank 1 never receives and returns: the run returned
+    ``["returned", "returned"]`` and rank 1's first receive of the *next* run took the
+    stale message (100 where rank 0 sent 1), with no error. A rank now waits for its
+    posted sends before it reports: the send fails at the collective timeout, naming it,
+    in the run that made it; the next run gets its own message."""
+    with dc.LocalWorld(2, collective_timeout=2.0, timeout=60) as world:
+        with pytest.raises(dc.RankError) as info:
+            world.run(_extra_send_on_rank_0)
+        text = str(info.value)
+        assert "rank(s) [0] raised" in text and "`send(dst=1, tag=0) header` was never received" in text, text
+        assert world.run(_one_message_from_rank_0) == ["sent", [1.0, 1.0, 1.0]]

@@ -516,6 +516,75 @@ def test_debug_mode_names_the_argument_ranks_disagree_on(world2: dc.LocalWorld) 
         assert "ring_attention" in msg and "causal differs (rank 0: 1, rank 1: 0)" in msg, msg
 
 
+@pytest.mark.parametrize("which", ["ring_scale", "ulysses_scale", "ulysses_causal"])
+def test_debug_mode_names_a_scale_or_causal_only_each_rank_reads(world2: dc.LocalWorld, which: str) -> None:
+    """A ``scale`` (ring, Ulysses) or ``causal`` (Ulysses) that differs between ranks
+    travels in no communication: each rank attended with its own, a silently wrong output
+    and gradient even in debug mode. Debug mode compares them."""
+
+    def body(which: str) -> str:
+        r = dc.get_rank()
+        q = torch.randn(1, 2, 3, 8, generator=torch.Generator().manual_seed(r))
+        with dc.debug(True):
+            try:
+                if which == "ring_scale":
+                    parallel.ring_attention(q, q, q, scale=0.5 if r else None)
+                elif which == "ulysses_scale":
+                    parallel.ulysses_attention(q, q, q, scale=0.5 if r else None)
+                else:
+                    parallel.ulysses_attention(q, q, q, causal=r == 1)
+            except dc.CrossRankMismatchError as exc:
+                return str(exc)
+        return "no error"
+
+    field = "causal differs (rank 0: 0, rank 1: 1)" if which == "ulysses_causal" else "scale differs"
+    for msg in world2.run(body, which):
+        assert which.split("_")[0] in msg and field in msg, msg
+
+
+@pytest.mark.usefixtures("debug_off")
+@pytest.mark.parametrize(
+    "fn, which",
+    [
+        ("ring", "causal"),
+        ("ring", "scale"),
+        ("ring", "layout"),
+        ("ulysses", "causal"),
+        ("ulysses", "scale"),
+    ],
+)
+def test_attention_settings_that_differ_ride_in_the_length_exchange_without_debug_mode(
+    world3: dc.LocalWorld, fn: str, which: str
+) -> None:
+    """With no ``seq_len`` (ring) or ``seq_lens`` (Ulysses) the call already exchanges the
+    shards' lengths (one small all_gather of host ints); ``causal`` on one rank only (or
+    another ``scale``, or ``layout``) went nowhere and gave a silently wrong output there.
+    They travel with the length now, and every rank raises naming the setting."""
+
+    def body(fn: str, which: str) -> str:
+        odd = dc.get_rank() == 1
+        q = torch.randn(1, 3, 2, 8, generator=torch.Generator().manual_seed(dc.get_rank()))
+        kw = {
+            "causal": {"causal": odd},
+            "scale": {"scale": 0.5 if odd else None},
+            "layout": {"layout": "zigzag" if odd else "contiguous"},
+        }[which]
+        try:
+            (parallel.ring_attention if fn == "ring" else parallel.ulysses_attention)(q, q, q, **kw)
+        except dc.CrossRankMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    want = {
+        "causal": "causal differs (rank 0: False, rank 1: True, rank 2: False)",
+        "scale": "scale differs (rank 0: 0.35355",
+        "layout": "layout differs (rank 0: contiguous, rank 1: zigzag, rank 2: contiguous)",
+    }[which]
+    for msg in world3.run(body, fn, which):
+        assert msg.startswith(f"diffcomm.parallel.{fn}_attention(): ranks called it with inconsistent"), msg
+        assert want in msg, msg
+
+
 def test_llama_block_with_context_parallelism_equals_serial(world3: dc.LocalWorld) -> None:
     """``examples/context_parallel_llama.py``: a Llama-style block (RMSNorm, RoPE, GQA,
     SwiGLU) with ring attention equals the serial block — output, loss and every weight's

@@ -532,6 +532,42 @@ def test_debug_mode_names_a_routing_mismatch(world2) -> None:
         assert "parallel.dispatch()" in msg and "k differs (rank 0: 1, rank 1: 2)" in msg, msg
 
 
+def _dispatch_settings_differ(what: str) -> str:
+    from diffcomm.parallel import dispatch
+
+    odd, w = dc.get_rank() == 1, dc.get_world_size()
+    x = torch.arange(8.0).reshape(4, 2) + 10 * dc.get_rank()
+    idx = torch.zeros(4, 1 + (odd and what == "k"), dtype=torch.int64)  # every token to expert 0
+    cf = 0.5 if odd and what == "capacity_factor" else None
+    pos = torch.arange(4) + 4 * dc.get_rank() if odd and what == "positions" else None
+    try:
+        h, _ = dispatch(x, idx, w, capacity_factor=1.0 if what == "positions" else cf, positions=pos)
+    except dc.CrossRankMismatchError as exc:
+        return str(exc)
+    return f"no error: {h.tolist()}"
+
+
+# on processes too: gloo carried the mismatched plans silently (in-process: the same check)
+@pytest.mark.parametrize("world", ["processes", "in_process"])
+@pytest.mark.usefixtures("debug_off")
+def test_dispatch_settings_that_differ_between_ranks_are_named_without_debug_mode(
+    local_worlds, world: str
+) -> None:
+    """The ranks' ``k``, ``capacity_factor`` and ``positions`` (given or not) shape the
+    plan: ranks that disagree planned split sizes their peers did not (a capacity on rank
+    1 only: rank 0 received rows rank 1 never sent, silently wrong values and no error).
+    They travel with the counts, in the same exchange, so every rank raises naming them."""
+    words = {
+        "k": "k (expert_index.shape[1]) differs (rank 0: 1, rank 1: 2, rank 2: 1)",
+        "capacity_factor": "capacity_factor differs (rank 0: None, rank 1: 0.5, rank 2: None)",
+        "positions": "positions differs (rank 0: None, rank 1: given, rank 2: None)",
+    }
+    for what, expected in words.items():
+        for msg in local_worlds(3, in_process=world == "in_process").run(_dispatch_settings_differ, what):
+            assert msg.startswith("diffcomm.parallel.dispatch(): ranks called it with inconsistent"), msg
+            assert expected in msg, msg
+
+
 # on processes: forward-mode AD: one stack of dual levels per process (docs/in_process.md, Limits)
 @pytest.mark.diffcomm_in_process(False)
 def test_torch_func_grad_jvp_vmap(world2) -> None:

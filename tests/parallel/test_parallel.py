@@ -358,6 +358,44 @@ def test_debug_identity_backwards_check_the_gradient_is_replicated(world3) -> No
     assert "gather_from_sequence backward" in out["gather_seq"] and "ranks [1] differ" in out["gather_seq"]
 
 
+def _mapping_dims_differ(name: str) -> str:
+    """Rank 1 calls mapping ``name`` on a square ``x`` with other dims than the others: the
+    same bytes travel, so without the check the values (and gradients) were silently
+    wrong in debug mode too."""
+    odd, w = dc.get_rank() == 1, dc.get_world_size()
+    x = torch.ones(2 * w, 2 * w)
+    calls = {
+        "gather_from_region": lambda: P.gather_from_region(x, dim=0 if odd else -1),
+        "gather_from_sequence": lambda: P.gather_from_sequence(x, dim=1 if odd else 0),
+        "all_gather_from_sequence": lambda: P.all_gather_from_sequence(x, dim=1 if odd else 0),
+        "reduce_scatter_to_sequence": lambda: P.reduce_scatter_to_sequence(x, dim=1 if odd else 0),
+        "scatter_to_region": lambda: P.scatter_to_region(x, dim=0 if odd else 1),
+        "scatter_to_sequence": lambda: P.scatter_to_sequence(x, dim=1 if odd else 0),
+        "all_to_all_region": lambda: P.all_to_all_region(x, *((1, 0) if odd else (0, 1))),
+        "gather_bf16": lambda: P.gather_from_region(
+            x, dim=0 if odd else 1, precision=dc.Precision(wire=torch.bfloat16)
+        ),
+    }
+    return _expect_mismatch(calls[name])
+
+
+# on processes: a cross-rank diagnosis (debug mode) needs per-rank state
+@pytest.mark.diffcomm_in_process(False)
+def test_debug_names_ranks_whose_mapping_dims_differ(world3) -> None:
+    for name in (
+        "gather_from_region",
+        "gather_from_sequence",
+        "all_gather_from_sequence",
+        "reduce_scatter_to_sequence",
+        "scatter_to_region",
+        "scatter_to_sequence",
+        "all_to_all_region",
+        "gather_bf16",
+    ):
+        for msg in world3.run(_mapping_dims_differ, name):
+            assert "dim differs (rank 0: " in msg and "rank 1: " in msg, (name, msg)
+
+
 def test_debug_names_ranks_with_different_shapes(world2) -> None:
     def debug_shape_mismatch() -> str:
         x = torch.ones(2, 1 + dc.get_rank())

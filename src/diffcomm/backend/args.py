@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import math
 import numbers
+import struct
 import warnings
 from collections.abc import Sequence
 from typing import Any, Literal, Union, overload
@@ -408,3 +409,13 @@ def check_flag(op: str, name: str, value: Any) -> bool | None:
         got = f"{type(value).__name__} {value!r}"
         raise TypeError(f"{op}: `{name}` must be a bool or None, got {got}")
     return value
+
+
+def float_bits(value: float | None) -> int:
+    """``value`` as the int64 of its float64 bits, to travel in an exchange of host ints
+    (-1, no float's bits but a NaN's, for ``None``); :func:`float_of_bits` reads it back."""
+    return -1 if value is None else struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def float_of_bits(bits: int) -> float | None:
+    return None if bits == -1 else struct.unpack("<d", struct.pack("<q", bits))[0]

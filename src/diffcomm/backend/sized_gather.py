@@ -8,9 +8,10 @@ rank sends ``[its shape record | its rows, padded to B bytes]``, where ``B`` is 
 largest row bytes that group has seen recently. That is one collective. Every rank reads
 every record from the result, so every rank takes the same decision:
 
-* the records disagree outside the gathered dim (another dim's size, the number of dims,
-  the dtype): a :class:`~diffcomm.CrossRankMismatchError` (a ``ValueError``) on every
-  rank, naming the ranks and the dim - instead of wrong values or, had the ranks sent
+* the records disagree outside the gathered dim's size (another dim's size, the number of
+  dims, the dtype, the gathered dim itself): a :class:`~diffcomm.CrossRankMismatchError`
+  (a ``ValueError``) on every rank, naming the ranks and the dim - instead of wrong
+  values or, had the ranks sent
   different byte counts, gloo aborting the process;
 * every rank's rows fit in ``B``: the rows are unpadded and the gather is done;
 * a rank's rows did not fit: the gather runs again with the counts now known (two
@@ -50,8 +51,8 @@ from .direct_calls import c10d_all_gather
 from .dispatch import dispatch
 from .groups import GroupInfo
 
-#: int64 slots of a rank's shape record: ``[rows, dtype, number of other dims, hash of
-#: the other dims, the first SHOWN other dims (-1 past the last)]``.
+#: int64 slots of a rank's shape record: ``[rows, dtype and the gathered dim, number of
+#: other dims, hash of the other dims, the first SHOWN other dims (-1 past the last)]``.
 RECORD = 16
 SHOWN = RECORD - 4
 #: Bytes in front of each rank's rows: its shape record (aligned for any dtype).
@@ -66,15 +67,19 @@ _UNPACK = struct.Struct(f"={RECORD}q").unpack_from
 _DTYPES = {zlib.crc32(str(d).encode()): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
-def shape_record(n: int, rest: tuple[int, ...], dtype: torch.dtype) -> list[int]:
-    """A rank's shape record (:data:`RECORD` ints): ``n`` rows of ``rest`` in ``dtype``."""
-    return [n, *_record_tail(rest, dtype)]
+def shape_record(n: int, rest: tuple[int, ...], dtype: torch.dtype, dim: int) -> list[int]:
+    """A rank's shape record (:data:`RECORD` ints): ``n`` rows of ``rest`` in ``dtype``,
+    gathered along ``dim`` (non-negative). The dim travels too: ranks gathering a square
+    ``x`` along different dims agree in everything else and moved the same bytes, a
+    silently wrong value on every rank."""
+    return [n, *_record_tail(rest, dtype, dim)]
 
 
 @functools.lru_cache(maxsize=256)
-def _record_tail(rest: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]:
+def _record_tail(rest: tuple[int, ...], dtype: torch.dtype, dim: int) -> tuple[int, ...]:
     dims = list(rest[:SHOWN]) + [-1] * (SHOWN - min(len(rest), SHOWN))
-    return (zlib.crc32(str(dtype).encode()), len(rest), zlib.crc32(repr(rest).encode()), *dims)
+    kind = zlib.crc32(str(dtype).encode()) | dim << 32  # (a crc32 fits in the low 32 bits)
+    return (kind, len(rest), zlib.crc32(repr(rest).encode()), *dims)
 
 
 def check_records(table: list[list[int]], op: str, dim: int) -> list[int]:
@@ -96,8 +101,16 @@ def check_records(table: list[list[int]], op: str, dim: int) -> list[int]:
             groups.setdefault(key(row), []).append(r)
         return "; ".join(f"{v} on rank(s) {rs}" for v, rs in groups.items())
 
+    if any(row[1] >> 32 != table[0][1] >> 32 for row in table):
+        raise CrossRankMismatchError(
+            f"diffcomm.{op}(): the ranks must concatenate along the same `dim`, but `dim` differs: "
+            + by_value(lambda row: row[1] >> 32)
+            + " (as a non-negative index). Every rank must pass the same dim."
+        )
     if any(row[1] != table[0][1] for row in table):
-        what = "its dtype differs: " + by_value(lambda row: str(_DTYPES.get(row[1], "an unknown dtype")))
+        what = "its dtype differs: " + by_value(
+            lambda row: str(_DTYPES.get(row[1] & 0xFFFFFFFF, "an unknown dtype"))
+        )
     elif any(row[2] != table[0][2] for row in table):
         what = "its number of dims differs: " + by_value(lambda row: f"{row[2] + 1}-d")
     else:
@@ -124,7 +137,7 @@ def exchange_first(
     checked across ranks (:func:`check_records`)."""
     shape = tuple(x.shape)
     rest = shape[:dim] + shape[dim + 1 :]
-    return check_records(exchange(shape_record(shape[dim], rest, x.dtype)), op, dim)
+    return check_records(exchange(shape_record(shape[dim], rest, x.dtype, dim)), op, dim)
 
 
 def all_gather_unsized(
@@ -155,7 +168,7 @@ def all_gather_unsized(
         and budget <= MAX_BYTES
         and info.device.type == "cpu"
     )
-    record = shape_record(n, rest, x.dtype)
+    record = shape_record(n, rest, x.dtype, dim)
     if not speculate or x.device.type != "cpu":
         with label("all_gather (size exchange)"):
             sizes = check_records(exchange(record), "all_gather", dim)

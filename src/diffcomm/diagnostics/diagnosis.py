@@ -38,6 +38,27 @@ def _group_entries(state: dict[str, Any], gid: str, p2p: bool) -> dict[int, dict
     }
 
 
+def _is_twin(e: dict[str, Any], focus: dict[str, Any]) -> bool:
+    """Whether entry ``e`` is on another group than ``focus``'s over the same ranks (a
+    ``new_group`` of every rank beside the default group: their records read alike)."""
+    return e.get("gid") != focus["gid"] and list(e["group"]) == list(focus["group"])
+
+
+def _on_a_twin_group(
+    states: dict[int, dict[str, Any] | None], ranks: list[int], focus: dict[str, Any]
+) -> list[int]:
+    """The ``ranks`` waiting in a communication on another group over ``focus``'s ranks."""
+    return [
+        r for r in ranks if (s := states.get(r)) and s.get("inflight") and _is_twin(s["inflight"][-1], focus)
+    ]
+
+
+def _gid_of(states: dict[int, dict[str, Any] | None], r: int) -> Any:
+    s = states[r]
+    assert s is not None
+    return s["inflight"][-1].get("gid")
+
+
 def diagnose(
     states: dict[int, dict[str, Any] | None], focus: dict[str, Any] | None = None
 ) -> tuple[str, dict[str, Any]]:
@@ -126,6 +147,13 @@ def diagnose(
         culprits.update(missing)
         what = e["op"]
         backward = e["direction"] == "backward"
+        elsewhere = _on_a_twin_group(states, missing, focus)
+        if elsewhere:  # (their record reads "on group [0, 1]" too: say which group they are on)
+            lead += (
+                f"; rank(s) {elsewhere} wait instead in a communication on another group over the same "
+                f"ranks (group name {_gid_of(states, elsewhere[0])!r}, not {focus['gid']!r}): "
+                "every rank must pass the same group (two groups over the same ranks count apart)"
+            )
     elif p2p:
         lead = (
             f"the point-to-point `{focus['op']}` on group {group} did not complete (its peer never "
@@ -158,7 +186,10 @@ def diagnose(
             idle.append(r)
         if s.get("inflight"):
             e = s["inflight"][-1]
-            lines.append(f"  rank {r}: inside {_desc(e)} on group {e['group']}, for {e['duration_s']:.1f} s")
+            twin = f" (group name {e['gid']!r})" if _is_twin(e, focus) else ""
+            lines.append(
+                f"  rank {r}: inside {_desc(e)} on group {e['group']}{twin}, for {e['duration_s']:.1f} s"
+            )
             continue
         done = [e for e in s.get("recent", []) if e["state"] == "completed"]
         last_done = f"; last completed {_desc(done[-1], False)}" if done else "; no communication yet"

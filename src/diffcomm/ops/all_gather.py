@@ -134,7 +134,11 @@ def all_gather(
         split_sizes = _given_split_sizes(split_sizes, x, dim, pg, "all_gather", arg)
     if _DEBUG.value if _DEBUG.loaded else _DEBUG.get():
         rest = _other_dims(x, dim)
-        # split_sizes lists every rank's length: the same list on every rank (or on none)
+        # split_sizes lists every rank's length: the same list on every rank (or on none).
+        # Without it, a blocking gather sends the sizes with the rows once the group has
+        # gathered and an asynchronous one exchanges them first: mixed, the ranks' bytes
+        # differ and gloo aborts one (so an unsized asynchronous call says so; a field
+        # only then, as the quantized gather, which always exchanges first, passes none)
         sizes_given = None if split_sizes is None else tuple(split_sizes)
         _debug_check(
             "all_gather",
@@ -144,6 +148,7 @@ def all_gather(
             dtype=x.dtype,
             grad=_records_grad(x),
             split_sizes=sizes_given,
+            **({"async_op": True} if async_op and split_sizes is None else {}),
         )
     if split_sizes is None:  # learned with the rows where the backend can, else exchanged first
         split_sizes = _gathered_split_sizes(x, dim, pg, async_op)

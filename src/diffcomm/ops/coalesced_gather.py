@@ -6,6 +6,7 @@ sizes that may differ between ranks (one communication per dtype; re-exported by
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._errors import CrossRankMismatchError
 from .._torch import compiling
 from ..backend import args as A
 from ..backend import label
@@ -92,6 +94,29 @@ def _learning_key(moved: list[Tensor], sizes: Learned) -> tuple[Any, int]:
     return ("coalesced", logical), ratios.pop()
 
 
+def _dims_code(dims: Sequence[int]) -> int:
+    """The gathered dims as one int, sent after the sizes (in the same exchange: free), so
+    ranks gathering square tensors along different dims, which agree in every size and
+    move the same bytes (a silently wrong value on every rank), are an error instead."""
+    return zlib.crc32(repr(tuple(dims)).encode())
+
+
+def _check_same_dims(table: list[list[int]], dims: Sequence[int]) -> None:
+    """Raise :class:`~diffcomm.CrossRankMismatchError` on every rank (all hold ``table``,
+    whose rows end with :func:`_dims_code`) when the ranks' gathered dims differ."""
+    if all(row[-1] == table[0][-1] for row in table):
+        return
+    classes: dict[int, list[int]] = {}
+    for r, row in enumerate(table):
+        classes.setdefault(row[-1], []).append(r)
+    agree = " | ".join(str(rs) for rs in classes.values())
+    raise CrossRankMismatchError(
+        "diffcomm.all_gather_coalesced(): the ranks must concatenate along the same `dim`, but "
+        f"it differs between ranks (ranks that agree: {agree}; this rank's dim per tensor: "
+        f"{tuple(dims)}). Every rank must pass the same dim."
+    )
+
+
 class _AllGatherList(ListOp):
     """all_gather of every tensor ``i`` along ``dims[i]``; ``split_sizes[i]``: every rank's size
     along it (``None``: the same on every rank, the even path)."""
@@ -128,8 +153,9 @@ class _AllGatherList(ListOp):
             if unit > 1:  # batched: counted in units of the batch (the same bytes)
                 packed = [b.reshape(-1, unit) for b in packed]
             bufs, table = _b().all_gather_coalesced_unsized(
-                packed, [m.shape[0] for m in moved], length, key, pg
+                packed, [*(m.shape[0] for m in moved), _dims_code(dims)], length, key, pg
             )
+            _check_same_dims(table, dims)
             bufs = [b.reshape(-1) for b in bufs]
             split_sizes.extend(tuple(row[i] for row in table) for i in range(len(xs)))
             if _even_or_none(tuple(split_sizes)) is None:  # as it turned out, the even layout
@@ -326,14 +352,19 @@ def all_gather_coalesced(
     if split_sizes is not None:
         sizes = _check_sizes(split_sizes, ts, dims, world, name, True, _rank(pg))
     flat = () if sizes is None else tuple(v for s in sizes for v in s)
-    _debug_check(name, pg, ts, vary=dims, dim=tuple(dims), split_sizes=flat)
+    # async_op without split_sizes: its sizes are exchanged first, a blocking call's sent
+    # with the rows once the group knows the list (mixed, gloo aborts a rank): a field
+    # only then (as in all_gather)
+    unsized_async = {"async_op": True} if async_op and sizes is None else {}
+    _debug_check(name, pg, ts, vary=dims, dim=tuple(dims), split_sizes=flat, **unsized_async)
     meta: Any = _even_or_none(sizes)
     if sizes is None and world > 1 and not compiling():
         b = _b()
         if async_op or getattr(b, "all_gather_coalesced_unsized", None) is None:
             # the output shapes are needed before the op runs: exchanged first, once
             with label(f"{name} (size exchange)"):
-                table = b.exchange_size_lists([t.shape[d] for t, d in zip(ts, dims)], pg)
+                table = b.exchange_size_lists([*(t.shape[d] for t, d in zip(ts, dims)), _dims_code(dims)], pg)
+            _check_same_dims(table, dims)
             meta = _even_or_none(tuple(tuple(row[i] for row in table) for i in range(len(ts))))
         else:  # learned by the op itself: with the first buffer once the group knows the list
             meta = _LearnedList()

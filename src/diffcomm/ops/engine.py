@@ -280,6 +280,11 @@ def _stop(group: Any, exiting: bool) -> None:
 
 
 _lifecycle.on_destroy("async engine", _stop)
+# A LocalWorld rank's function that returned with an asynchronous op still pending: the
+# rank waits for it before reporting, so an op the other ranks never launched is a desync
+# of this run, named as such (it returned "ok", and the op paired with a peer's first op
+# of the next run: a wrong value there and a diagnosis that blamed the next run).
+_lifecycle.on_program_end("async engine", wait_all)
 _FUNCTION_ATTRS = torch.autograd.Function.__dict__  # (see _replication.spmd_types_checking)
 
 

@@ -164,6 +164,11 @@ def _stop(group: Any, exiting: bool) -> None:
 
 
 _lifecycle.on_destroy("send queue", _stop)
+# A LocalWorld rank's function that returned with a send its peer never received: the
+# rank waits for it before reporting (the send fails at the group's timeout, naming
+# it). Before, the run returned normally and the peer's first receive of the next run
+# took the stale message: a wrong value with no error.
+_lifecycle.on_program_end("send queue", SENDS.wait_all)
 
 
 def wait_sends() -> None:

@@ -105,17 +105,19 @@ def _debug() -> bool:
 
 
 def _check_shape(name: str, x: Tensor, pg: PG, **fields: Any) -> None:
-    """Debug mode: the shapes and dtypes agree across ranks, and ``fields`` (the quantized
-    mapping's ``precision``: a rank without it passes none, and the check names it)."""
+    """Debug mode: the shapes and dtypes agree across ranks, and ``fields``: the mapping's
+    dims (ranks splitting or gathering a square tensor along different dims move the same
+    bytes: a silently wrong value) and the quantized mapping's ``precision`` (a rank
+    without it passes none, and the check names it)."""
     _b().check_consistent(f"parallel.{name}", {"shape": tuple(x.shape), "dtype": x.dtype, **fields}, pg)
 
 
 def _check_copied(name: str, x: Tensor, pg: PG, **fields: Any) -> None:
     """Debug mode, a copy forward's input (copy_to_region, scatter_to_region /
-    _sequence): ``fields`` agree across ranks (the quantized mapping's ``precision``; none
-    on the plain path, so a rank passing ``precision=`` where another does not meets this
-    check and it names ``precision``, not the transport's "aborted" on a fingerprint of
-    another size), then ``x`` is replicated."""
+    _sequence): ``fields`` agree across ranks (the mapping's ``dim``; the quantized
+    mapping's ``precision``, none on the plain path, so a rank passing ``precision=`` where
+    another does not meets this check and it names ``precision``, not the transport's
+    "aborted" on a fingerprint of another size), then ``x`` is replicated."""
     _b().check_consistent(f"parallel.{name}", fields, pg)
     check_replicated(x, f"parallel.{name}", "the input", COPY_HINT, pg)
 
@@ -470,7 +472,7 @@ def _keep_own_chunk(
     dim = _even_dim(name, x, dim, world)
     debug = _debug()
     if debug:
-        _check_copied(name, x, pg)
+        _check_copied(name, x, pg, dim=dim)
     return apply(op, x, dim, pg, rank_index(pg), world, debug)
 
 
@@ -486,7 +488,7 @@ def _gather_replicated(
     dim = A.check_dim(x, dim, op.name)
     debug = _debug()
     if debug:
-        _check_shape(name, x, pg)
+        _check_shape(name, x, pg, dim=dim)
     b = _b()
     return apply(op, x, dim, pg, rank_index(pg), b.world_size(pg), debug)
 
@@ -726,7 +728,7 @@ def reduce_scatter_to_sequence(
     world = _b().world_size(pg)
     dim = _even_dim("reduce_scatter_to_sequence", x, dim, world)
     if _debug():
-        _check_shape("reduce_scatter_to_sequence", x, pg)
+        _check_shape("reduce_scatter_to_sequence", x, pg, dim=dim)
     return apply(_ReduceScatterToSequence, x, dim, pg, world)
 
 
@@ -765,7 +767,7 @@ def all_gather_from_sequence(
     x, pg = _prepare("all_gather_from_sequence", x, group)
     dim = A.check_dim(x, dim, "parallel.all_gather_from_sequence")
     if _debug():
-        _check_shape("all_gather_from_sequence", x, pg)
+        _check_shape("all_gather_from_sequence", x, pg, dim=dim)
     return apply(_AllGatherFromSequence, x, dim, pg, _b().world_size(pg))
 
 
@@ -815,7 +817,7 @@ def all_to_all_region(
     split_dim = _even_dim("all_to_all_region", x, split_dim, world, "split_dim")
     concat_dim = A.check_dim(x, concat_dim, "parallel.all_to_all_region", "concat_dim")
     if _debug():
-        _check_shape("all_to_all_region", x, pg)
+        _check_shape("all_to_all_region", x, pg, split_dim=split_dim, concat_dim=concat_dim)
     return apply(_AllToAllRegion, x, split_dim, concat_dim, pg, world)
 
 

@@ -154,18 +154,18 @@ class _QAllToAllRegion(QuantizedOp):
 _COPIES = ("copy_to_region", "scatter_to_region", "scatter_to_sequence")
 
 
-def _check_input(name: str, x: Tensor, pg: PG, debug: bool, p: Precision) -> None:
+def _check_input(name: str, x: Tensor, pg: PG, debug: bool, p: Precision, **dims: int) -> None:
     """Debug mode: what the plain mapping checks of its input (communicates; after every
     local check), in the same collectives, with the ranks' settings (one rank's bf16 bytes
     read as fp16 by another are garbage): a copy forward's input is replicated, else the
-    shapes agree. A rank calling the plain mapping passes no ``precision``: the message
-    names it."""
+    shapes agree; with the mapping's ``dims``, as the plain mapping passes them. A rank
+    calling the plain mapping passes no ``precision``: the message names it."""
     if not debug:
         return
     if name in _COPIES:
-        mappings._check_copied(name, x, pg, precision=p.key)
+        mappings._check_copied(name, x, pg, precision=p.key, **dims)
     else:
-        mappings._check_shape(name, x, pg, precision=p.key)
+        mappings._check_shape(name, x, pg, precision=p.key, **dims)
 
 
 def _last(x: Tensor) -> int:
@@ -190,7 +190,7 @@ def mapping(name: str, x: Any, group: args.GroupLike, precision: Any, **kw: Any)
         out_last = sum(outs) if concat_dim == end else (ins[rank] if split_dim == end else n)
         bwd = (out_last, list(outs) if concat_dim == end else None)
         p = check_precision(x, precision, f"parallel.{name}", fwd, bwd)
-        _check_input(name, x, pg, debug, p)
+        _check_input(name, x, pg, debug, p, split_dim=split_dim, concat_dim=concat_dim)
         return apply(_QAllToAllRegion, x, split_dim, concat_dim, pg, world, p)
     if name in ("copy_to_region", "reduce_from_region"):
         p = check_precision(x, precision, f"parallel.{name}", reduces=name == "reduce_from_region")
@@ -213,20 +213,20 @@ def mapping(name: str, x: Any, group: args.GroupLike, precision: Any, **kw: Any)
         gather_side = (n, chunks) if last else None
     if name == "reduce_scatter_to_sequence":
         p = check_precision(x, precision, f"parallel.{name}", split_side, gather_side, reduces=True)
-        _check_input(name, x, pg, debug, p)
+        _check_input(name, x, pg, debug, p, dim=dim)
         return apply(_QReduceScatterToSequence, x, dim, pg, world, p)
     if name == "all_gather_from_sequence":
         p = check_precision(x, precision, f"parallel.{name}", gather_side, split_side)
-        _check_input(name, x, pg, debug, p)
+        _check_input(name, x, pg, debug, p, dim=dim)
         return apply(_QAllGatherFromSequence, x, dim, pg, world, p)
     if splits:  # scatter: only the backward (all_gather of the gradient chunks) travels
         p = check_precision(x, precision, f"parallel.{name}", None, (n // world, None) if last else None)
-        _check_input(name, x, pg, debug, p)
+        _check_input(name, x, pg, debug, p, dim=dim)
         fn = _QScatterToRegion if name == "scatter_to_region" else _QScatterToSequence
         return apply(fn, x, dim, pg, rank, world, debug, p)
     # gather_from_*: forward all_gather; backward keeps own chunk (local)
     p = check_precision(x, precision, f"parallel.{name}", gather_side, None)
-    _check_input(name, x, pg, debug, p)
+    _check_input(name, x, pg, debug, p, dim=dim)
     fn = _QGatherFromRegion if name == "gather_from_region" else _QGatherFromSequence
     return apply(fn, x, dim, pg, rank, world, debug, p)
 

@@ -13,7 +13,7 @@ the dispatch is a combine and the backward of the combine a dispatch, with the c
 of the forward: nothing is exchanged again.
 """
 
-# Size: ~790 lines, over the ~600 guideline: route, the dispatch plan (with the drops by
+# Size: ~840 lines, over the ~600 guideline: route, the dispatch plan (with the drops by
 # position), dispatch and combine with their asynchronous variants are one data flow (the
 # plan travels between them).
 
@@ -30,6 +30,7 @@ from torch import Tensor
 
 from .. import _config, _torch
 from .. import backend as B
+from .._errors import CrossRankMismatchError
 from .._replication import HOOK, spmd_types_checking, spmd_types_invariant, spmd_types_like
 from ..backend import args as A
 from ..backend.args import PG
@@ -189,8 +190,12 @@ def _plan(
     dev = flat.device
     if mine is None:
         mine = _local_counts(flat, e)  # the host read the exchange needs anyway
+    # the settings that shape the plan travel with the counts (free: the same exchange), so
+    # ranks that disagree on them raise here instead of sending by plans that do not match
+    settings = [k, A.float_bits(capacity_factor), int(positions is not None)]
     with B.label("parallel.dispatch (counts exchange)"):  # the step's one exchange
-        table = b.exchange_size_lists([*mine, t], pg)
+        table = b.exchange_size_lists([*mine, t, *settings], pg)
+    _check_settings([row[e + 1 :] for row in table])
     counts = tuple(tuple(row[:e]) for row in table)
     total = sum(row[e] for row in table)
     capacity = None
@@ -247,6 +252,31 @@ def _plan(
         routing=expert_index.detach().clone(),
         capacity_factor=capacity_factor,
         positions=None if positions is None else positions.detach().to(torch.int64, copy=True),
+    )
+
+
+def _check_settings(rows: list[list[int]]) -> None:
+    """Raise :class:`~diffcomm.CrossRankMismatchError` naming the ranks and their values when
+    the group's ranks called :func:`dispatch` with another ``k`` (expert_index.shape[1]),
+    ``capacity_factor`` or ``positions`` given on some only (``rows``: each rank's
+    settings, from the counts exchange). Each would plan other split sizes than its peers:
+    rows sent where none are expected (silently wrong values, before), or an exchange of
+    positions some ranks never join."""
+    if all(row == rows[0] for row in rows):
+        return
+    shown = (
+        ("k (expert_index.shape[1])", lambda v: v),
+        ("capacity_factor", A.float_of_bits),
+        ("positions", lambda v: "given" if v else "None"),
+    )
+    diffs = [
+        f"{name} differs ({', '.join(f'rank {r}: {show(row[i])}' for r, row in enumerate(rows))})"
+        for i, (name, show) in enumerate(shown)
+        if any(row[i] != rows[0][i] for row in rows)
+    ]
+    raise CrossRankMismatchError(
+        "diffcomm.parallel.dispatch(): ranks called it with inconsistent arguments (group ranks "
+        f"{list(range(len(rows)))}): " + "; ".join(diffs)
     )
 
 

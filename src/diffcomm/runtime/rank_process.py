@@ -52,6 +52,10 @@ def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
             os._exit(17)
 
 
+#: told to the caller when the run's function returned, before its pending work completes
+_RETURNED = pickle.dumps(("returned", None))
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -124,6 +128,12 @@ def _worker_main(
                     result = fn(*args, **kwargs)
             finally:
                 _flight.set_status("returned")
+            # returned (the caller's desync checks count it so), its pending asynchronous ops
+            # and posted sends complete before it reports: one that no peer matches fails
+            # this run, not the next
+            conn.send_bytes(_RETURNED)
+            with _ship.applied(carried):
+                _lifecycle.program_end()
             reply = pickle.dumps(("ok", cloudpickle.dumps(result)))
         except BaseException as exc:  # reported to the caller
             fatal = isinstance(exc, CollectiveTimeoutError | dist.DistBackendError)

@@ -417,6 +417,7 @@ class LocalWorld:
         printed = False
         by_conn = {st.conns[r]: r for r in pending}
         died: dict[int, int | None] = {}
+        fn_done: set[int] = set()  # ranks whose function returned, not reported yet
         while pending:
             now = time.monotonic()
             limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
@@ -427,7 +428,11 @@ class LocalWorld:
             for obj in ready:
                 r = by_conn[obj]  # type: ignore[index]
                 try:
-                    replies[r] = pickle.loads(obj.recv_bytes())  # type: ignore[union-attr]
+                    reply = pickle.loads(obj.recv_bytes())  # type: ignore[union-attr]
+                    if reply[0] == "returned":  # its function returned; its pending sends and
+                        fn_done.add(r)  # async ops complete before it reports: returned, as a
+                        continue  # peer's desync check counts it (still in `pending`)
+                    replies[r] = reply
                 except (EOFError, OSError):
                     try:
                         died[r] = st.procs[r].wait(2)
@@ -456,7 +461,7 @@ class LocalWorld:
                 progress_at = now + _PROGRESS_AFTER
             if what == "start-up" or grace_deadline is not None or not pending:
                 continue
-            returned = sorted(r for r, v in replies.items() if v[0] == "ok")
+            returned = sorted({r for r, v in replies.items() if v[0] == "ok"} | fn_done)
             if not returned:
                 if stall_at is not None and now >= stall_at:
                     stuck = _report.deadlock_check(self._state.store, self.world_size, what)

@@ -6,12 +6,14 @@ to the sibling modules, so none reaches into another's privates. All local, exce
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ... import backend as B
+from ..._errors import CrossRankMismatchError
 from ...backend import args as A
 from ...backend.args import PG
 
@@ -82,7 +84,13 @@ def draw_seed(seed: Any, p: float, op: str) -> int:
     return seed
 
 
-def check_equal_lengths(op: str, seq_local: int, pg: PG, across: PG | None = None) -> None:
+def check_equal_lengths(
+    op: str,
+    seq_local: int,
+    pg: PG,
+    across: PG | None = None,
+    settings: dict[str, tuple[int, Callable[[int], Any]]] | None = None,
+) -> None:
     """Every rank's ``seq_local`` is the same, or ``ValueError`` naming ``q`` and the
     lengths, on every rank (``across``: a second group crossing ``pg``, for
     :func:`usp_attention`: then over all ranks of both).
@@ -93,11 +101,31 @@ def check_equal_lengths(op: str, seq_local: int, pg: PG, across: PG | None = Non
     ring's hops would then carry blocks of different sizes (gloo aborts a rank). No hop
     can carry the check: a rank must know the size of the block it receives before
     receiving it, and a hop tells a rank only its neighbour's length. So it costs one
-    small exchange of host integers (an all_gather of one int64 per rank on the CPU side
-    channel; measured in docs/context_parallel.md), two across two groups; a given
-    ``seq_len`` (or a :func:`shard` placement) makes the lengths known and skips it."""
+    small exchange of host integers (an all_gather of one int64 per rank, and the
+    ``settings``, on the CPU side channel; measured in docs/context_parallel.md), two
+    across two groups; a given
+    ``seq_len`` (or a :func:`shard` placement) makes the lengths known and skips it.
+
+    ``settings`` (without ``across``): ``{name: (code, decode)}``, settings each rank reads
+    alone (``causal``, ``scale``, ``layout``) as ints that travel with the length in the
+    same exchange (free); ranks that disagree raise
+    :class:`~diffcomm.CrossRankMismatchError` naming each rank's value (``decode(code)``)."""
     b = B.get_backend()
-    lens = b.exchange_sizes(seq_local, pg)
+    if settings and across is None:
+        rows = b.exchange_size_lists([seq_local, *(code for code, _ in settings.values())], pg)
+        lens = [row[0] for row in rows]
+        diffs = [
+            f"{name} differs ({', '.join(f'rank {r}: {decode(row[i])}' for r, row in enumerate(rows))})"
+            for i, (name, (_, decode)) in enumerate(settings.items(), 1)
+            if any(row[i] != rows[0][i] for row in rows)
+        ]
+        if diffs:
+            raise CrossRankMismatchError(
+                f"diffcomm.{op}(): ranks called it with inconsistent arguments (group ranks "
+                f"{list(range(len(rows)))}): " + "; ".join(diffs)
+            )
+    else:
+        lens = b.exchange_sizes(seq_local, pg)
     lo, hi = min(lens), max(lens)
     if across is not None:  # every row's extremes over the crossing group: all ranks'
         rows = b.exchange_size_lists([lo, hi], across)

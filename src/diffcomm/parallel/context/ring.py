@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from .._autocast import run_lowered
 from .._once import first_order
 from .args import check_causal, check_dropout, check_equal_lengths, check_qkv, check_scale, draw_seed
 from .layout import (
+    LAYOUTS,
     PG,
     Placement,
     doc_ids,
@@ -689,6 +690,9 @@ def ring_attention(
                 "v": tuple(v.shape),
                 "dtype": q.dtype,
                 "causal": causal,
+                # each rank's rows took its own scale: another scale on one rank is a wrong
+                # attention there (and wrong dK / dV it adds for the others' rows)
+                "scale": repr(sc),
                 "layout": layout,
                 "seq_len": total,
                 "cu_seqlens": cu or (),
@@ -702,7 +706,13 @@ def ring_attention(
         )
     require_layout_known(op, given, {"q": q, "k": k, "v": v}, world)  # after the debug check
     if seq_len is None and cu is None and world > 1 and not _config.DEBUG.get():  # S inferred
-        check_equal_lengths(op, q.shape[2], pg)
+        # causal, scale and layout, which each rank reads alone, ride in the same exchange
+        settings: dict[str, tuple[int, Callable[[int], Any]]] = {
+            "causal": (int(causal), bool),
+            "scale": (A.float_bits(sc), A.float_of_bits),
+            "layout": (LAYOUTS.index(layout), LAYOUTS.__getitem__),
+        }
+        check_equal_lengths(op, q.shape[2], pg, settings=settings)
     docs = doc_ids(table, total, cu)
     if rank is None:  # torch's LocalTensorMode
         plan: _Plan = _LocalPlan(pg, world, table, docs, causal, sc, p, seed, q.shape[1], k.shape[1])

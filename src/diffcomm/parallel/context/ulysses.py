@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ... import _torch
+from ... import _config, _torch
+from ... import backend as B
+from ..._errors import CrossRankMismatchError
 from ..._replication import P, R, Rule, V, spmd_types_checking, spmd_types_invariant, spmd_types_varying
 from ...backend import args as A
 from ...backend.local_tensor import RANK_WHY, refuse
@@ -87,9 +89,24 @@ def _pieces(q: Tensor, k: Tensor, v: Tensor, pg: PG) -> tuple[Tensor, Tensor, Te
     return tuple(_UlyssesAttention.apply(t, pg) for t in (q, k, v))
 
 
-def _gathered_sizes(n: int, pg: PG, world: int) -> list[int]:
-    t = torch.tensor([n], dtype=torch.int64)
-    return [int(x) for x in C.all_gather(t, 0, pg, split_sizes=[1] * world).tolist()]
+def _gathered_sizes(n: int, pg: PG, world: int, causal: bool, scale: float) -> list[int]:
+    """Every rank's sequence length ``n``; ``causal`` and ``scale``, which each rank reads
+    alone (it attends over its heads with its own), travel with it (free: the same
+    all_gather) and ranks that disagree raise :class:`~diffcomm.CrossRankMismatchError`."""
+    t = torch.tensor([n, int(causal), A.float_bits(scale)], dtype=torch.int64)
+    rows = C.all_gather(t, 0, pg, split_sizes=[3] * world).view(world, 3).tolist()
+    shown: tuple[tuple[str, Callable[[int], Any]], ...] = (("causal", bool), ("scale", A.float_of_bits))
+    diffs = [
+        f"{name} differs ({', '.join(f'rank {r}: {show(row[i])}' for r, row in enumerate(rows))})"
+        for i, (name, show) in enumerate(shown, 1)
+        if any(row[i] != rows[0][i] for row in rows)
+    ]
+    if diffs:
+        raise CrossRankMismatchError(
+            "diffcomm.parallel.ulysses_attention(): ranks called it with inconsistent arguments "
+            f"(group ranks {list(range(world))}): " + "; ".join(diffs)
+        )
+    return [int(row[0]) for row in rows]
 
 
 # Run eagerly under torch.compile (a graph break): the lengths are host ints (`.tolist()`
@@ -193,8 +210,19 @@ def ulysses_attention(
     true = placed_seq_len(op, {"q": q, "k": k, "v": v}, seq_len, None)
     true = None if true is None else A.check_int(true, op, "seq_len")
     require_seq_len_known(op, {"q": q, "k": k, "v": v}, true, None, world, None, q.shape[2])
+    if _config.DEBUG.get():  # (the all_to_alls compare the shapes; these only each rank reads)
+        B.get_backend().check_consistent(
+            op,
+            {
+                "causal": causal,
+                "scale": repr(sc),  # each rank attends over its heads with its own
+                "seq_len": -1 if true is None else true,
+                "seq_lens": () if seq_lens is None else tuple(int(n) for n in seq_lens),
+            },
+            pg,
+        )
     if seq_lens is None:
-        lens = _gathered_sizes(q.shape[2], pg, world)
+        lens = _gathered_sizes(q.shape[2], pg, world, causal, sc)
     else:
         lens = [int(s) for s in seq_lens]
         if len(lens) != world or min(lens) < 0:
