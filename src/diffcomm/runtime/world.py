@@ -678,15 +678,9 @@ def launch(
         return world.run(fn, *args, **kwargs)
 
 
-#: ``launch``'s settings by name (every other keyword goes to ``fn``)
-_LAUNCH_SETTINGS = (
-    "backend",
-    "timeout",
-    "collective_timeout",
-    "allow_oversubscribe",
-    "progress",
-    "in_process",
-    "fn_kwargs",
+#: ``launch``'s settings by name (every other keyword goes to ``fn``): its signature's own
+_LAUNCH_SETTINGS = tuple(
+    n for n, prm in inspect.signature(launch).parameters.items() if prm.kind is prm.KEYWORD_ONLY
 )
 
 
