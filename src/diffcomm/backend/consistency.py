@@ -9,12 +9,14 @@ message.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["NOT_GIVEN", "PAD", "encode", "mismatch"]
+from .._errors import CrossRankMismatchError
+
+__all__ = ["NOT_GIVEN", "PAD", "check_settings", "encode", "mismatch"]
 
 #: the value a shorter vector is padded with (no field encodes a leading -7)
 PAD = -7
@@ -104,7 +106,29 @@ def mismatch(op: str, names: Sequence[str], table: Sequence[Sequence[int]]) -> s
             diffs.append(f"{_in_user_words(op, k)} differs ({per_rank})")
     if not diffs:
         diffs.append("argument layout differs between ranks")
+    return _message(op, diffs, len(table))
+
+
+def check_settings(
+    op: str, shown: Sequence[tuple[str, Callable[[int], Any]]], rows: Sequence[Sequence[int]]
+) -> None:
+    """Raise :class:`~diffcomm.CrossRankMismatchError` with :func:`mismatch`'s message when
+    the ranks' settings differ: ``rows`` holds each group rank's settings as ints (ridden
+    in an exchange the op runs anyway: ``ring_attention``'s lengths, ``dispatch``'s
+    counts), in the order of ``shown``, ``(name, decode)`` (``decode(int)``: the value in
+    the user's words)."""
+    if all(row == rows[0] for row in rows):
+        return
+    diffs = [
+        f"{name} differs ({', '.join(f'rank {r}: {decode(row[i])}' for r, row in enumerate(rows))})"
+        for i, (name, decode) in enumerate(shown)
+        if any(row[i] != rows[0][i] for row in rows)
+    ]
+    raise CrossRankMismatchError(_message(op, diffs, len(rows)))
+
+
+def _message(op: str, diffs: Sequence[str], world: int) -> str:
     return (
         f"diffcomm.{op}(): ranks called it with inconsistent arguments (group ranks "
-        f"{list(range(len(table)))}): " + "; ".join(diffs)
+        f"{list(range(world))}): " + "; ".join(diffs)
     )

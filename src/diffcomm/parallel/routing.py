@@ -30,10 +30,10 @@ from torch import Tensor
 
 from .. import _config, _torch
 from .. import backend as B
-from .._errors import CrossRankMismatchError
 from .._replication import HOOK, spmd_types_checking, spmd_types_invariant, spmd_types_like
 from ..backend import args as A
 from ..backend.args import PG
+from ..backend.consistency import check_settings
 from ..backend.local_tensor import LocalTensorBackend
 from ..ops import collectives
 from ..ops import engine as _async
@@ -262,22 +262,15 @@ def _check_settings(rows: list[list[int]]) -> None:
     settings, from the counts exchange). Each would plan other split sizes than its peers:
     rows sent where none are expected (silently wrong values, before), or an exchange of
     positions some ranks never join."""
-    if all(row == rows[0] for row in rows):
-        return
-    shown = (
-        ("k (expert_index.shape[1])", lambda v: v),
-        ("capacity_factor", A.float_of_bits),
-        ("positions", lambda v: "given" if v else "None"),
-    )
-    diffs = [
-        f"{name} differs ({', '.join(f'rank {r}: {show(row[i])}' for r, row in enumerate(rows))})"
-        for i, (name, show) in enumerate(shown)
-        if any(row[i] != rows[0][i] for row in rows)
-    ]
-    raise CrossRankMismatchError(
-        "diffcomm.parallel.dispatch(): ranks called it with inconsistent arguments (group ranks "
-        f"{list(range(len(rows)))}): " + "; ".join(diffs)
-    )
+    check_settings("parallel.dispatch", _SHOWN_SETTINGS, rows)
+
+
+#: :func:`_check_settings`'s settings in the order they ride, with their values' words
+_SHOWN_SETTINGS = (
+    ("k (expert_index.shape[1])", lambda v: v),
+    ("capacity_factor", A.float_of_bits),
+    ("positions", lambda v: "given" if v else "None"),
+)
 
 
 def _drops_by_position(

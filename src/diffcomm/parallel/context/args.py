@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from ... import backend as B
-from ..._errors import CrossRankMismatchError
 from ...backend import args as A
 from ...backend.args import PG
+from ...backend.consistency import check_settings
 
 __all__ = ["check_qkv", "check_scale", "check_causal", "check_dropout", "draw_seed", "check_equal_lengths"]
 
@@ -114,16 +114,8 @@ def check_equal_lengths(
     if settings and across is None:
         rows = b.exchange_size_lists([seq_local, *(code for code, _ in settings.values())], pg)
         lens = [row[0] for row in rows]
-        diffs = [
-            f"{name} differs ({', '.join(f'rank {r}: {decode(row[i])}' for r, row in enumerate(rows))})"
-            for i, (name, (_, decode)) in enumerate(settings.items(), 1)
-            if any(row[i] != rows[0][i] for row in rows)
-        ]
-        if diffs:
-            raise CrossRankMismatchError(
-                f"diffcomm.{op}(): ranks called it with inconsistent arguments (group ranks "
-                f"{list(range(len(rows)))}): " + "; ".join(diffs)
-            )
+        shown = [(name, decode) for name, (_, decode) in settings.items()]
+        check_settings(op, shown, [row[1:] for row in rows])
     else:
         lens = b.exchange_sizes(seq_local, pg)
     lo, hi = min(lens), max(lens)

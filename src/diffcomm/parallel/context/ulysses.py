@@ -12,9 +12,9 @@ from torch import Tensor
 
 from ... import _config, _torch
 from ... import backend as B
-from ..._errors import CrossRankMismatchError
 from ..._replication import P, R, Rule, V, spmd_types_checking, spmd_types_invariant, spmd_types_varying
 from ...backend import args as A
+from ...backend.consistency import check_settings
 from ...backend.local_tensor import RANK_WHY, refuse
 from ...ops import collectives as C
 from ...ops.base import IdentityFunction
@@ -96,16 +96,7 @@ def _gathered_sizes(n: int, pg: PG, world: int, causal: bool, scale: float) -> l
     t = torch.tensor([n, int(causal), A.float_bits(scale)], dtype=torch.int64)
     rows = C.all_gather(t, 0, pg, split_sizes=[3] * world).view(world, 3).tolist()
     shown: tuple[tuple[str, Callable[[int], Any]], ...] = (("causal", bool), ("scale", A.float_of_bits))
-    diffs = [
-        f"{name} differs ({', '.join(f'rank {r}: {show(row[i])}' for r, row in enumerate(rows))})"
-        for i, (name, show) in enumerate(shown, 1)
-        if any(row[i] != rows[0][i] for row in rows)
-    ]
-    if diffs:
-        raise CrossRankMismatchError(
-            "diffcomm.parallel.ulysses_attention(): ranks called it with inconsistent arguments "
-            f"(group ranks {list(range(world))}): " + "; ".join(diffs)
-        )
+    check_settings("parallel.ulysses_attention", shown, [row[1:] for row in rows])
     return [int(row[0]) for row in rows]
 
 
