@@ -149,6 +149,29 @@ def test_a_desync_is_reported_at_once(inproc_world2) -> None:
     assert time.perf_counter() - t < 5.0
 
 
+def _extra_send_on_rank_0() -> str:
+    if dist.get_rank() == 0:
+        dc.send(torch.full((3,), 100.0), dst=1)  # rank 1 never receives it
+    return "returned"
+
+
+def _one_message_from_rank_0() -> object:
+    if dist.get_rank() == 0:
+        dc.send(torch.full((3,), 1.0), dst=1)
+        return "sent"
+    return dc.recv(src=0).tolist()
+
+
+def test_a_send_never_received_fails_its_run_as_on_processes(inproc_world2) -> None:
+    """A rank process waits for its posted sends before it reports, so a send its peer
+    never receives fails the run (tests/ops/test_p2p.py). In-process the message died with
+    the run's hub and the run returned ``["returned", "returned"]``: no error where real
+    processes give one. Now every rank returning with mail left is the run's error."""
+    with pytest.raises(RankDesyncError, match=r"sends were never received: group rank 0 -> 1"):
+        inproc_world2.run(_extra_send_on_rank_0)
+    assert inproc_world2.run(_one_message_from_rank_0) == ["sent", [1.0, 1.0, 1.0]]
+
+
 def test_a_desync_in_debug_mode_names_the_users_op_not_the_checks_gather(inproc_world2) -> None:
     def body() -> None:
         if dist.get_rank() == 0:

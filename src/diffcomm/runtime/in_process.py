@@ -172,4 +172,16 @@ def _run(
                 exceptions,
             )
         raise RankError(_report.failure_message(first, False), failures, exceptions)
+    left = hub.unreceived()
+    if left:  # (a rank process waits for its sends before it reports: the run's error there,
+        if state is not None:  # which tears the world down: its ranks restart afresh)
+            state.reset()
+        raise RankDesyncError(
+            f"LocalWorld(in_process=True): every rank returned from `{name}`, but sends were "
+            f"never received: {'; '.join(left)} (a send missing its recv on the peer, or a "
+            "receive too few there; on real processes the send fails at the collective timeout)",
+            {"op": None},
+            {},
+            {},
+        )
     return results
