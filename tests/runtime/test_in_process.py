@@ -167,9 +167,30 @@ def test_a_send_never_received_fails_its_run_as_on_processes(inproc_world2) -> N
     never receives fails the run (tests/ops/test_p2p.py). In-process the message died with
     the run's hub and the run returned ``["returned", "returned"]``: no error where real
     processes give one. Now every rank returning with mail left is the run's error."""
-    with pytest.raises(RankDesyncError, match=r"sends were never received: group rank 0 -> 1"):
+    with pytest.raises(
+        RankDesyncError,
+        match=r"(?s)out of step during `_extra_send_on_rank_0`.*sends were never received: group rank 0 -> 1",
+    ):
         inproc_world2.run(_extra_send_on_rank_0)
     assert inproc_world2.run(_one_message_from_rank_0) == ["sent", [1.0, 1.0, 1.0]]
+
+
+def _async_on_rank_0_never_waited() -> str:
+    if dist.get_rank() == 0:
+        dc.all_reduce(torch.ones(2), async_op=True)  # rank 1 never joins; nobody waits
+    return "returned"
+
+
+def test_an_asynchronous_op_on_one_rank_fails_its_run_as_on_processes(inproc_world2) -> None:
+    """A rank process lets its pending asynchronous ops complete before it reports: an
+    all_reduce launched on rank 0 alone is a RankDesyncError. In-process the op runs at
+    launch, its desync was kept by the handle nobody waited, and the run returned
+    ``["returned", "returned"]``."""
+    with pytest.raises(
+        RankDesyncError, match=r"(?s)out of step during `_async_on_rank_0_never_waited`.*all_reduce"
+    ):
+        inproc_world2.run(_async_on_rank_0_never_waited)
+    assert inproc_world2.run(lambda: dc.all_reduce(torch.ones(1)).item()) == [2.0, 2.0]
 
 
 def test_a_desync_in_debug_mode_names_the_users_op_not_the_checks_gather(inproc_world2) -> None:

@@ -172,14 +172,22 @@ def _run(
                 exceptions,
             )
         raise RankError(_report.failure_message(first, False), failures, exceptions)
+    # every rank returned, yet the world went out of step: a rank process waits for its
+    # pending asynchronous ops and posted sends before it reports, and such a run is its
+    # error there (the world torn down: its ranks restart afresh here too). In-process an
+    # asynchronous op runs at launch, so the desync it met stayed in a handle never waited;
+    # a message no receive took died with the hub.
     left = hub.unreceived()
-    if left:  # (a rank process waits for its sends before it reports: the run's error there,
-        if state is not None:  # which tears the world down: its ranks restart afresh)
+    if hub.failure is not None or left:
+        if state is not None:
             state.reset()
+        story = hub.failure or (
+            f"every rank returned, but sends were never received: {'; '.join(left)} (a send "
+            "missing its recv on the peer, or a receive too few there; on real processes the "
+            "send fails at the collective timeout)"
+        )
         raise RankDesyncError(
-            f"LocalWorld(in_process=True): every rank returned from `{name}`, but sends were "
-            f"never received: {'; '.join(left)} (a send missing its recv on the peer, or a "
-            "receive too few there; on real processes the send fails at the collective timeout)",
+            f"LocalWorld(in_process=True): the ranks went out of step during `{name}`.\n{story}",
             {"op": None},
             {},
             {},
