@@ -405,6 +405,25 @@ def test_debug_names_ranks_with_different_shapes(world2) -> None:
     assert "rank 0: (2, 1)" in msg and "rank 1: (2, 2)" in msg
 
 
+def _grad_on_rank_0(name: str) -> str:
+    """``name``'s debug-mode error for an ``x`` that requires grad on rank 0 only."""
+    x = torch.ones(4, 4, dtype=torch.float64, requires_grad=dc.get_rank() == 0)
+    call = MAPPINGS[name].fn
+    return _expect_mismatch(lambda: call(x, 0, 1) if name == "all_to_all_region" else call(x))
+
+
+@pytest.mark.parametrize("name", list(MAPPINGS))
+def test_debug_names_ranks_whose_input_requires_grad_differs(world2, name: str) -> None:
+    """Rank 0's ``x`` requires grad, rank 1's not: rank 0 runs the mapping's backward (a
+    communication, or in debug mode an identity backward's check) alone. It ended in a
+    desync at the timeout, in debug mode too; now the forward names the flag and the ranks.
+    (A ParallelModule's own copies of its parameters leave the flag to its check by name,
+    after the forward: test_a_parameter_frozen_on_one_rank_is_named_in_debug_mode.)"""
+    for msg in world2.run(_grad_on_rank_0, name):
+        assert f"{name}()" in msg, msg
+        assert "torch.is_grad_enabled() and x.requires_grad differs (rank 0: 1, rank 1: 0)" in msg, msg
+
+
 # on processes: a cross-rank diagnosis (debug mode, the p2p protocol) needs per-rank state
 @pytest.mark.diffcomm_in_process(False)
 def test_debug_tolerates_rounding_noise(world2) -> None:

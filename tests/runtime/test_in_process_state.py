@@ -346,3 +346,49 @@ def test_torchs_global_hooks_are_refused_in_process(local_worlds, in_process: bo
     ):
         world.run(_global_hooks_around_a_linear)
     assert (dict(M._global_forward_hooks), dict(M._global_backward_hooks)) == before
+
+
+def _tracked(tool: str) -> Any:
+    """A ``Rank{r}Block`` module holding a collective, then a ``Rank{r}Net`` holding one, under one of
+    torch's trackers (each registers global module hooks while in use): what the tracker saw
+    inside the block (its parents, or CommDebugMode's count of collectives)."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.utils.module_tracker import ModuleTracker
+
+    r = dist.get_rank()
+    tracker: Any = {"ModuleTracker": ModuleTracker, "ModTracker": ModTracker, "CommDebugMode": CommDebugMode}[
+        tool
+    ]()
+    seen: list[Any] = []
+
+    def block_forward(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = dc.all_reduce(x * 2)  # the ranks hand over inside the block
+        seen.append(sorted(tracker.parents) if tool != "CommDebugMode" else None)
+        return y
+
+    block = type(f"Rank{r}Block", (torch.nn.Module,), {"forward": block_forward})()
+    net = type(f"Rank{r}Net", (torch.nn.Module,), {"forward": lambda m, x: dc.all_reduce(x + 1)})()
+    with tracker:
+        net(block(torch.ones(2)))
+    return tracker.get_total_counts() if tool == "CommDebugMode" else seen
+
+
+@BOTH
+@pytest.mark.usefixtures("debug_off")
+@pytest.mark.parametrize("tool", ["ModuleTracker", "ModTracker", "CommDebugMode"])
+def test_torchs_module_trackers_are_refused_in_process(local_worlds, in_process: bool, tool: str) -> None:
+    """torch's trackers register global module hooks for their ``with`` block, which every
+    in-process rank shares: a ModuleTracker on rank 0 listed rank 1's ``Rank1Net`` among its
+    parents inside its own block; a ModTracker or CommDebugMode (2 collectives on processes)
+    raised torch's "The Module hierarchy tracking is wrong. Report a bug to PyTorch".
+    Now refused as a user's global hook is (test_torchs_global_hooks_are_refused_in_process)."""
+    world = local_worlds(2, in_process=in_process)
+    if not in_process:
+        want = [2, 2] if tool == "CommDebugMode" else [[["Global", f"Rank{r}Block"]] for r in range(2)]
+        assert world.run(_tracked, tool) == want
+        return
+    with pytest.raises(
+        dc.RankError, match=r"InProcessUnsupportedError.*torch's global hooks .*_global_forward"
+    ):
+        world.run(_tracked, tool)

@@ -1051,8 +1051,7 @@ def test_a_group_of_one_gives_a_new_tensor_as_on_real_ranks(
 
 def _narrow_reductions(name: str) -> list[torch.Tensor | str]:
     """Reductions of a dtype torch has no arithmetic in (or none exact: fp8), each rank's
-    values near the dtype's top; each result's bytes (a uint32 tensor cannot come back from
-    a rank: torch's pickling of its storage raises), or the error's first words."""
+    values near the dtype's top; each result's bytes, or the error's first words."""
     from torch.distributed._local_tensor import rank_map
 
     dtype = getattr(torch, name)

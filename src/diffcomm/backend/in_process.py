@@ -43,7 +43,7 @@ from .._errors import DiffcommError
 from ..diagnostics import recorder as _flight
 from .buffers import joined
 
-# Size: ~1120 lines, over the ~600 guideline: the in-process transport is one piece (the
+# Size: ~1150 lines, over the ~600 guideline: the in-process transport is one piece (the
 # hub the ranks meet in, the per-rank state it swaps, the thread-local group record, and the
 # process group whose ops are the hub's exchanges); split, each part would only make sense
 # next to the others.
@@ -370,7 +370,12 @@ def _users_global_hooks() -> list[str]:
 
 
 def _users(hook: Any) -> bool:
-    return (getattr(hook, "__module__", None) or "").partition(".")[0] not in ("torch", "diffcomm")
+    """Not torch's or diffcomm's own, or one of torch's per-use trackers'
+    (``_torch.PER_USE_HOOKS``): a ``ModuleTracker`` on rank 0 listed rank 1's module among
+    its parents; a ``ModTracker`` or ``CommDebugMode`` raised torch's "Module hierarchy
+    tracking is wrong", or the latter counted no collective (2 on processes)."""
+    module = getattr(hook, "__module__", None) or ""
+    return module.startswith(_torch.PER_USE_HOOKS) or module.partition(".")[0] not in ("torch", "diffcomm")
 
 
 def global_hook_ids() -> set[tuple[str, int]]:

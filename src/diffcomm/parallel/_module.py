@@ -35,7 +35,7 @@ from ._seams import (
     pickle_or_refuse,
     sharded_params,
 )
-from .mappings import copy_to_region, copy_to_region_coalesced
+from .mappings import copy_replica_to_region, copy_to_region, copy_to_region_coalesced
 
 __all__ = ["ParallelModule"]
 
@@ -111,7 +111,8 @@ def resolve_parallel_group(op: str, group: A.GroupLike) -> tuple[Any, int, int]:
 def _enter_region(module: ParallelModule, args: Any) -> None:
     """Forward pre-hook of every ParallelModule; acts in the outermost one only: copies
     every partial-gradient replica of the module tree into the region at once (one
-    coalesced reduction in backward per group; a lone tensor uses ``copy_to_region``).
+    coalesced reduction in backward per group; a lone tensor uses ``copy_to_region``, its
+    ``requires_grad`` compared by name after the forward: :func:`_after_forward`).
     First, before any communication, it refuses a sharded parameter replaced by a
     parametrization (:func:`check_shards_plain`)."""
     if module.__dict__.get("_region_copies") is not None:
@@ -148,7 +149,7 @@ def _enter_region(module: ParallelModule, args: Any) -> None:
                 groups.append((m._pg, [p]))
     copies: dict[int, Tensor] = {}
     for pg, ps in groups:
-        outs = [copy_to_region(ps[0], pg)] if len(ps) == 1 else copy_to_region_coalesced(ps, pg)
+        outs = [copy_replica_to_region(ps[0], pg)] if len(ps) == 1 else copy_to_region_coalesced(ps, pg)
         copies.update(zip((id(p) for p in ps), outs))
     for m in members:
         m.__dict__["_region_copies"] = copies

@@ -27,7 +27,8 @@ checks the assumption each mapping rests on, with one small all_gather of a fing
   checks that its input is equal on every rank;
 * an **identity backward** (``reduce_from_region``, ``gather_from_region``,
   ``gather_from_sequence``) checks that the incoming gradient is equal on every rank;
-* every mapping checks that the shapes agree across ranks.
+* every mapping checks that the shapes, and whether its input records the op for backward
+  (``torch.is_grad_enabled() and x.requires_grad``), agree across ranks.
 
 A mismatch raises :class:`~diffcomm.CrossRankMismatchError` naming the ranks that differ,
 so a wrong choice of mapping is an error, not a silent 2x. (The opposite assumptions —
@@ -68,7 +69,7 @@ from ..ops.all_to_all import raw_all_to_all
 from ..ops.base import CommOp, apply, call
 from ..ops.precision_format import Precision, quantized
 from ..ops.registry import SELF, FamilyView, Kwargs
-from ..ops.validation import rank_index
+from ..ops.validation import rank_index, records_grad
 from ._check import COPY_HINT, IDENTITY_HINT, check_replicated
 from ._coalesced import copy_to_region_coalesced, reduce_from_region_coalesced
 
@@ -88,7 +89,7 @@ __all__: list[str] = [
 #: the coalesced forms (ops of no registry family) and the table
 __all__ += ["copy_to_region_coalesced", "reduce_from_region_coalesced", "MAPPINGS"]
 
-# Size: ~830 lines, over the ~600 guideline on purpose: nine mappings, each one block (its
+# Size: ~850 lines, over the ~600 guideline on purpose: nine mappings, each one block (its
 # CommOp class with the facts the registry reads that are its own: conjugate, reference,
 # rule, dims; the shared ones in ``_Mapping``) and one public function whose docstring
 # (Args / Returns / Gradient / Example, half the file) documents the convention it rests
@@ -105,11 +106,16 @@ def _debug() -> bool:
 
 
 def _check_shape(name: str, x: Tensor, pg: PG, **fields: Any) -> None:
-    """Debug mode: the shapes and dtypes agree across ranks, and ``fields``: the mapping's
-    dims (ranks splitting or gathering a square tensor along different dims move the same
-    bytes: a silently wrong value) and the quantized mapping's ``precision`` (a rank
-    without it passes none, and the check names it)."""
-    _b().check_consistent(f"parallel.{name}", {"shape": tuple(x.shape), "dtype": x.dtype, **fields}, pg)
+    """Debug mode: the shapes and dtypes agree across ranks, whether ``x`` records the op
+    for backward (``records_grad``: a rank whose ``x`` requires grad on some ranks only
+    runs a backward, a communication in debug mode, the others skip: a desync at the
+    timeout before), and ``fields``: the mapping's dims (ranks splitting or gathering a
+    square tensor along different dims move the same bytes: a silently wrong value) and
+    the quantized mapping's ``precision`` (a rank without it passes none, and the check
+    names it)."""
+    _b().check_consistent(
+        f"parallel.{name}", {"shape": tuple(x.shape), "dtype": x.dtype, "grad": records_grad(x), **fields}, pg
+    )
 
 
 def _check_copied(name: str, x: Tensor, pg: PG, **fields: Any) -> None:
@@ -117,7 +123,13 @@ def _check_copied(name: str, x: Tensor, pg: PG, **fields: Any) -> None:
     _sequence): ``fields`` agree across ranks (the mapping's ``dim``; the quantized
     mapping's ``precision``, none on the plain path, so a rank passing ``precision=`` where
     another does not meets this check and it names ``precision``, not the transport's
-    "aborted" on a fingerprint of another size), then ``x`` is replicated."""
+    "aborted" on a fingerprint of another size), and whether ``x`` records the op for
+    backward (see :func:`_check_shape`), then ``x`` is replicated."""
+    _check_replica(name, x, pg, {"grad": records_grad(x), **fields})
+
+
+def _check_replica(name: str, x: Tensor, pg: PG, fields: dict[str, Any]) -> None:
+    """:func:`_check_copied` with the ``fields`` to compare as given."""
     _b().check_consistent(f"parallel.{name}", fields, pg)
     check_replicated(x, f"parallel.{name}", "the input", COPY_HINT, pg)
 
@@ -524,10 +536,22 @@ def copy_to_region(x: Tensor, group: A.GroupLike = None, *, precision: Precision
     """
     if precision is not None:  # quantized: diffcomm.parallel.precision (docs/precision.md)
         return quantized("mapping")("copy_to_region", x, group, precision)
+    return _copy(x, group, True)
+
+
+def copy_replica_to_region(p: Tensor, group: A.GroupLike) -> Tensor:
+    """:func:`copy_to_region` of a :class:`~diffcomm.parallel.ParallelModule`'s replicated
+    parameter (its forward's copies): debug mode compares its ``requires_grad`` not here
+    but after the module's forward, with every parameter's, by name
+    (``_module._check_requires_grad``: "requires_grad of `fc2.bias` differs")."""
+    return _copy(p, group, False)
+
+
+def _copy(x: Any, group: A.GroupLike, grad: bool) -> Tensor:
     x, pg = _prepare("copy_to_region", x, group)
     debug = _debug()
     if debug:
-        _check_copied("copy_to_region", x, pg)
+        _check_replica("copy_to_region", x, pg, {"grad": records_grad(x)} if grad else {})
     return apply(_CopyToRegion, x, pg, debug)
 
 

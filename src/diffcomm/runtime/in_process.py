@@ -20,7 +20,6 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 
@@ -113,7 +112,7 @@ def _run(
                     result = fn(*args, **kwargs)
                 # back as from a process: pickled (a tensor without the graph of this rank's
                 # world, which a caller's backward cannot run; what cannot be is the rank's error)
-                results[rank] = cloudpickle.loads(cloudpickle.dumps(result))
+                results[rank] = _ship.loads(_ship.dumps(result))
             finally:
                 if dist.is_initialized():
                     if state is not None:  # (destroying the group ends its history)

@@ -134,7 +134,7 @@ def _worker_main(
             conn.send_bytes(_RETURNED)
             with _ship.applied(carried):
                 _lifecycle.program_end()
-            reply = pickle.dumps(("ok", cloudpickle.dumps(result)))
+            reply = pickle.dumps(("ok", _ship.dumps(result)))
         except BaseException as exc:  # reported to the caller
             fatal = isinstance(exc, CollectiveTimeoutError | dist.DistBackendError)
             try:

@@ -15,7 +15,14 @@ code constants and go through the same reducer). For a file that is not on disk 
 notebook cell, ``<stdin>``), the caller's ``linecache`` lines travel too, and
 :func:`loads` registers them in the rank's ``linecache``, so tracebacks show the line.
 Functions pickled by reference (importable modules) are untouched: the rank imports them
-and reads their files itself.
+and reads their files itself. Each rank's result comes back through the same pickler.
+
+Tensors travel as torch pickles them, except their storages: torch pickles an untyped one
+(the storage of a ``uint16`` / ``uint32`` / ``uint64``, ``float8_*``, ``complex32`` ...
+tensor) in a form its own unpickler cannot read (``'UntypedStorage' has no attribute
+'dtype'``) and a typed one of some dtypes not at all (``uint4``: "not recognized"), so a
+storage travels as its bytes (a ``uint8`` storage, as ``torch.save`` writes an untyped one)
+and, if typed, its dtype.
 
 The caller's settings travel with the function (:func:`carried`, applied on the rank for
 the run by :func:`applied`): what its code set with ``dc.debug`` and ``dc.timeout``
@@ -39,6 +46,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import cloudpickle
+import torch
 
 from .. import _config
 from .. import accelerator as _acc
@@ -61,14 +69,39 @@ def _rebuild_code(make: Any, args: tuple[Any, ...], filename: str) -> types.Code
     return code
 
 
+def _reduce_storage(storage: torch.UntypedStorage) -> Any:
+    """An untyped storage as its bytes: a ``uint8`` typed storage over it, which torch
+    pickles readably (its own form for an untyped one fails to load); it unpickles as a
+    typed storage, what a tensor's rebuild takes and what ``torch.load`` gives back."""
+    return torch.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True).__reduce__()
+
+
+def _typed(data: torch.TypedStorage, dtype: torch.dtype) -> torch.TypedStorage:
+    """The rank side of :func:`_reduce_typed`: the bytes ``data`` typed ``dtype`` again."""
+    return torch.TypedStorage(wrap_storage=data._untyped_storage, dtype=dtype, _internal=True)
+
+
+def _reduce_typed(storage: torch.TypedStorage) -> Any:
+    """A typed storage (what a tensor of most dtypes pickles) as its untyped bytes and its
+    dtype: torch's own form has no name for some dtypes (``uint4``: "not recognized")."""
+    return _typed, (storage._untyped_storage, storage.dtype)
+
+
 class _Pickler(_Base):
-    """cloudpickle's pickler, with code objects keeping ``co_filename``; it records the
-    files of the code it shipped in ``files``."""
+    """cloudpickle's pickler, with code objects keeping ``co_filename`` and untyped storages
+    travelling as bytes; it records the files of the code it shipped in ``files``."""
 
     def __init__(self, file: Any, protocol: int | None = None) -> None:
         self.files: set[str] = set()
         # before __init__: the C pickler reads ``dispatch_table`` once, when initialised
-        self.dispatch_table = ChainMap({types.CodeType: self._reduce_code}, _Base.dispatch_table)
+        self.dispatch_table = ChainMap(
+            {
+                types.CodeType: self._reduce_code,
+                torch.UntypedStorage: _reduce_storage,
+                torch.TypedStorage: _reduce_typed,
+            },
+            _Base.dispatch_table,
+        )
         super().__init__(file, protocol=protocol)
 
     def _reduce_code(self, code: types.CodeType) -> Any:

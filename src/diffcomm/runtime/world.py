@@ -49,7 +49,6 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
 import psutil
 import torch.distributed as dist
 
@@ -374,7 +373,7 @@ class LocalWorld:
         for r in range(self.world_size):
             kind, value = replies[r]
             if kind == "ok":
-                results[r] = cloudpickle.loads(value)
+                results[r] = _ship.loads(value)
             else:
                 failures[r] = value[0]
                 fatal = fatal or value[2]
