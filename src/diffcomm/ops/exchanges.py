@@ -121,6 +121,8 @@ def sendrecv(
         raise A.arg_error("sendrecv", "shape", f"x.shape {tuple(x.shape)} for a local copy", tuple(out_shape))
     if _config.DEBUG.get():
         wire.check_grads(x, dst, src, torch.Size(out_shape), pg, _SendRecv.label(dst, src))
+        with wire.checked_at_call():
+            return _apply(_SendRecv, x, dst, src, torch.Size(out_shape), x.shape, pg)
     return _apply(_SendRecv, x, dst, src, torch.Size(out_shape), x.shape, pg)
 
 
@@ -200,6 +202,8 @@ def shift(x: Tensor, offset: int = 1, group: A.GroupLike = None) -> Tensor:
         if simulated() is None:  # (every rank in one program: no peers to ask)
             me = B.group_info(pg).rank
             wire.check_grads(x, (me + offset) % n, (me - offset) % n, x.shape, pg, _Shift.label(offset, pg))
+            with wire.checked_at_call():
+                return _apply(_Shift, x, offset, pg)
     return _apply(_Shift, x, offset, pg)
 
 
@@ -282,6 +286,8 @@ def ppermute(x: Tensor, perm: Sequence[tuple[int, int]], group: A.GroupLike = No
             dst = next((d for s, d in pairs if s == me), None)
             src = next((s for s, d in pairs if d == me), None)
             wire.check_grads(x, dst, src, x.shape, pg, "ppermute")
+            with wire.checked_at_call():
+                return _apply(_PPermute, x, pairs, pg)
     return _apply(_PPermute, x, pairs, pg)
 
 

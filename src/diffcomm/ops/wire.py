@@ -47,10 +47,12 @@ data: the receive side is :func:`receive_header` (or a :class:`PostedMessage`), 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -582,7 +584,8 @@ def exchange(x: Tensor, dst: int | None, src: int | None, out_shape: torch.Size,
     the error names the op by its label (``sendrecv(dst=1, src=1)``).
     """
     local = dst == me  # then src is this rank too
-    if _config.DEBUG.get():  # every rank joins: the check ends in a small all_reduce
+    if _config.DEBUG.get() and not _CHECKED_AT_CALL.get():  # every rank joins: the check ends
+        # in a small all_reduce (not again in the forward of a call check_grads checked)
         opname = (B.LABEL.get() or "exchange").rsplit(" -> ", 1)[-1]
         _check_headers(x, None if local else dst, None if local else src, out_shape, pg, opname)
     if local:
@@ -597,6 +600,23 @@ def exchange(x: Tensor, dst: int | None, src: int | None, out_shape: torch.Size,
     SENDS.check()
     B.get_backend().batch_p2p(ops, pg)
     return out
+
+
+#: inside the forward of a ring exchange whose call :func:`check_grads` checked: the
+#: forward's :func:`exchange` does not check the same headers again
+_CHECKED_AT_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "diffcomm_checked_at_call", default=False
+)
+
+
+@contextlib.contextmanager
+def checked_at_call() -> Iterator[None]:
+    """The forward of a call :func:`check_grads` has just checked (debug mode)."""
+    token = _CHECKED_AT_CALL.set(True)
+    try:
+        yield
+    finally:
+        _CHECKED_AT_CALL.reset(token)
 
 
 def check_grads(
